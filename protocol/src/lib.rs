@@ -1,0 +1,23 @@
+//! shardwire's shared vocabulary, without any I/O.
+//!
+//! - [`wire`]: the control-connection messages between a node service and a shard source
+//!   (length-prefixed, versioned, with hard limits on every length field);
+//! - [`auth`]: the shared-secret challenge-response (HMAC-SHA256, no secret on the wire);
+//! - [`manifest`]: the dataset manifest written by `shardwire index`;
+//! - [`plan`]: the deterministic per-rank shard order;
+//! - [`trainer`]: the messages of the trainer Unix socket;
+//! - [`crc`]: CRC-32C, the integrity check used everywhere.
+//!
+//! Everything here is pure: it is unit-tested, property-tested and shared by the source,
+//! the node service, the clients and the tests.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod crc;
+pub mod manifest;
+pub mod plan;
+pub mod trainer;
+pub mod wire;
+
+pub use manifest::{DType, Manifest, ManifestError, ShardEntry, TensorEntry};
+pub use wire::{DecodeError, ErrorCode, Message};

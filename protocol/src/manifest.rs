@@ -1,0 +1,325 @@
+//! The dataset manifest (`DIR/shardwire.manifest.json`), written by `shardwire index`.
+//!
+//! A *shard* is one contiguous byte range of one file (an Arrow record batch body, a `.npy`
+//! data section, a whole `.bin` file); it is the unit of fetching, checksumming and
+//! delivery. A shard holds one or more named *tensors*, each a byte range inside the shard.
+//! The dataset digest is SHA-256 over the canonical JSON of the shard list, so two nodes
+//! that hold the same manifest plan the same order.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// File name of the manifest inside a dataset directory.
+pub const MANIFEST_FILE: &str = "shardwire.manifest.json";
+/// Manifest format version written by this build.
+pub const FORMAT: u32 = 1;
+/// Hard limits a manifest must respect (it comes from the network).
+pub const MAX_SHARDS: usize = 10_000_000;
+/// At most this many tensors per shard.
+pub const MAX_TENSORS_PER_SHARD: usize = 4096;
+/// At most this many dimensions per tensor.
+pub const MAX_DIMS: usize = 32;
+
+/// Element types shardwire can describe (numpy names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// signed 8-bit
+    Int8,
+    /// signed 16-bit
+    Int16,
+    /// signed 32-bit
+    Int32,
+    /// signed 64-bit
+    Int64,
+    /// unsigned 8-bit
+    Uint8,
+    /// unsigned 16-bit
+    Uint16,
+    /// unsigned 32-bit
+    Uint32,
+    /// unsigned 64-bit
+    Uint64,
+    /// IEEE half
+    Float16,
+    /// IEEE single
+    Float32,
+    /// IEEE double
+    Float64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            Self::Int8 | Self::Uint8 => 1,
+            Self::Int16 | Self::Uint16 | Self::Float16 => 2,
+            Self::Int32 | Self::Uint32 | Self::Float32 => 4,
+            Self::Int64 | Self::Uint64 | Self::Float64 => 8,
+        }
+    }
+    /// The numpy name, e.g. `"float32"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Int8 => "int8",
+            Self::Int16 => "int16",
+            Self::Int32 => "int32",
+            Self::Int64 => "int64",
+            Self::Uint8 => "uint8",
+            Self::Uint16 => "uint16",
+            Self::Uint32 => "uint32",
+            Self::Uint64 => "uint64",
+            Self::Float16 => "float16",
+            Self::Float32 => "float32",
+            Self::Float64 => "float64",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One tensor inside a shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorEntry {
+    /// Name (Arrow column name, or the file stem for `.npy`/`.bin`).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, C order.
+    pub shape: Vec<u64>,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Byte length (= product(shape) * dtype size).
+    pub length: u64,
+}
+
+/// One shard: a byte range of a file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// Path relative to the dataset directory.
+    pub file: String,
+    /// Byte offset of the payload in the file.
+    pub offset: u64,
+    /// Payload size in bytes.
+    pub length: u64,
+    /// CRC-32C of the payload.
+    pub crc32c: u32,
+    /// Tensors inside the payload.
+    pub tensors: Vec<TensorEntry>,
+}
+
+impl ShardEntry {
+    /// Offset of `t` relative to the start of this shard's payload.
+    pub fn relative_offset(&self, t: &TensorEntry) -> u64 {
+        t.offset - self.offset
+    }
+}
+
+/// The whole manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Format version ([`FORMAT`]).
+    pub format: u32,
+    /// Hex SHA-256 over the canonical shard list ([`Manifest::compute_digest`]).
+    pub digest: String,
+    /// Total payload bytes over all shards.
+    pub total_bytes: u64,
+    /// The shards, in index order.
+    pub shards: Vec<ShardEntry>,
+}
+
+/// Why a manifest is not acceptable.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// Not valid JSON for the manifest schema.
+    #[error("manifest is not valid: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Unknown format version.
+    #[error("manifest format {0} is not supported (this build reads format {FORMAT})")]
+    Format(u32),
+    /// The digest does not match the content.
+    #[error("manifest digest {stated} does not match its content ({computed})")]
+    Digest {
+        /// What the manifest says.
+        stated: String,
+        /// What the content hashes to.
+        computed: String,
+    },
+    /// A shard or tensor is inconsistent.
+    #[error("shard {shard} ({file}): {reason}")]
+    Shard {
+        /// Shard index.
+        shard: usize,
+        /// Its file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The manifest is too large.
+    #[error("manifest has {0} shards, more than the limit {MAX_SHARDS}")]
+    TooManyShards(usize),
+    /// No shards at all.
+    #[error("manifest has no shards")]
+    Empty,
+}
+
+impl Manifest {
+    /// Builds a manifest from shards, computing totals and the digest.
+    pub fn new(shards: Vec<ShardEntry>) -> Self {
+        let total_bytes = shards.iter().map(|s| s.length).sum();
+        let digest = Self::compute_digest(&shards);
+        Self { format: FORMAT, digest, total_bytes, shards }
+    }
+
+    /// Hex SHA-256 over the canonical JSON of `shards`.
+    pub fn compute_digest(shards: &[ShardEntry]) -> String {
+        let canonical = serde_json::to_vec(shards).expect("shard list serialises");
+        Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The digest as 32 bytes (for planning and fingerprints).
+    pub fn digest_bytes(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(self.digest.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
+        }
+        out
+    }
+
+    /// Parses and fully validates manifest JSON (it may come from the network).
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ManifestError> {
+        let m: Manifest = serde_json::from_slice(bytes)?;
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// Pretty JSON for the manifest file.
+    pub fn to_json(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).expect("manifest serialises");
+        v.push(b'\n');
+        v
+    }
+
+    /// Checks format, digest, limits and that every tensor lies inside its shard.
+    pub fn validate(&self) -> Result<(), ManifestError> {
+        if self.format != FORMAT {
+            return Err(ManifestError::Format(self.format));
+        }
+        if self.shards.is_empty() {
+            return Err(ManifestError::Empty);
+        }
+        if self.shards.len() > MAX_SHARDS {
+            return Err(ManifestError::TooManyShards(self.shards.len()));
+        }
+        for (i, s) in self.shards.iter().enumerate() {
+            let bad = |reason: String| ManifestError::Shard { shard: i, file: s.file.clone(), reason };
+            if s.file.is_empty() || s.file.starts_with('/') || s.file.split('/').any(|c| c == "..") {
+                return Err(bad("file must be a relative path inside the dataset".into()));
+            }
+            if s.length == 0 {
+                return Err(bad("payload length is 0".into()));
+            }
+            let end = s.offset.checked_add(s.length).ok_or_else(|| bad("offset + length overflows".into()))?;
+            if s.tensors.is_empty() || s.tensors.len() > MAX_TENSORS_PER_SHARD {
+                return Err(bad(format!("has {} tensors (allowed 1..={MAX_TENSORS_PER_SHARD})", s.tensors.len())));
+            }
+            for t in &s.tensors {
+                if t.shape.len() > MAX_DIMS {
+                    return Err(bad(format!("tensor `{}` has {} dims (max {MAX_DIMS})", t.name, t.shape.len())));
+                }
+                let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
+                if expect != Some(t.length) {
+                    return Err(bad(format!(
+                        "tensor `{}`: length {} != shape {:?} x {} bytes",
+                        t.name, t.length, t.shape, t.dtype.size()
+                    )));
+                }
+                let t_end = t.offset.checked_add(t.length);
+                if t.offset < s.offset || t_end.is_none_or(|e| e > end) {
+                    return Err(bad(format!(
+                        "tensor `{}` range {}+{} lies outside the shard {}+{}",
+                        t.name, t.offset, t.length, s.offset, s.length
+                    )));
+                }
+            }
+        }
+        let computed = Self::compute_digest(&self.shards);
+        if computed != self.digest {
+            return Err(ManifestError::Digest { stated: self.digest.clone(), computed });
+        }
+        let total: u64 = self.shards.iter().map(|s| s.length).sum();
+        if total != self.total_bytes {
+            return Err(ManifestError::Shard {
+                shard: 0,
+                file: String::new(),
+                reason: format!("total_bytes {} != sum of shard lengths {total}", self.total_bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        Manifest::new(vec![ShardEntry {
+            file: "a.npy".into(),
+            offset: 128,
+            length: 24,
+            crc32c: 1,
+            tensors: vec![TensorEntry { name: "a".into(), dtype: DType::Float32, shape: vec![2, 3], offset: 128, length: 24 }],
+        }])
+    }
+
+    #[test]
+    fn round_trip_and_validate() {
+        let m = sample();
+        let back = Manifest::from_json(&m.to_json()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(m.digest.len(), 64);
+    }
+
+    #[test]
+    fn digest_mismatch_is_detected() {
+        let mut m = sample();
+        m.shards[0].crc32c = 2;
+        assert!(matches!(m.validate(), Err(ManifestError::Digest { .. })));
+    }
+
+    #[test]
+    fn tensor_outside_shard_is_rejected() {
+        let mut m = sample();
+        m.shards[0].tensors[0].offset = 200;
+        m.digest = Manifest::compute_digest(&m.shards);
+        let err = m.validate().unwrap_err().to_string();
+        assert!(err.contains("outside the shard"), "{err}");
+    }
+
+    #[test]
+    fn escaping_paths_and_unknown_keys_are_rejected() {
+        let mut m = sample();
+        m.shards[0].file = "../etc/passwd".into();
+        m.digest = Manifest::compute_digest(&m.shards);
+        assert!(m.validate().unwrap_err().to_string().contains("relative path"));
+        let json = String::from_utf8(sample().to_json()).unwrap().replacen("\"format\"", "\"bogus\": 1, \"format\"", 1);
+        assert!(Manifest::from_json(json.as_bytes()).unwrap_err().to_string().contains("bogus"));
+    }
+
+    #[test]
+    fn wrong_length_is_rejected() {
+        let mut m = sample();
+        m.shards[0].tensors[0].shape = vec![7];
+        m.digest = Manifest::compute_digest(&m.shards);
+        assert!(m.validate().unwrap_err().to_string().contains("length 24"));
+    }
+}

@@ -1,0 +1,643 @@
+//! Control-connection messages between a node service and a shard source.
+//!
+//! Frame: `len: u32 BE | version: u8 | kind: u8 | body`, where `len` counts the version, kind
+//! and body bytes. Integers are big-endian; strings are `u16` length + UTF-8; byte blobs are
+//! `u32` length + bytes; socket addresses are `family: u8 (4|6) | ip | port: u16`.
+//! Every length is checked against a hard limit before anything is allocated, and a decoder
+//! given any byte string returns a message, "need more bytes", or a typed [`DecodeError`].
+//! The full description is docs/PROTOCOL.md.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use crate::auth::NONCE_LEN;
+
+/// The protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Largest frame body (the manifest is the only large message).
+pub const MAX_FRAME: usize = 64 << 20;
+/// Largest string field (dataset names, node ids, error messages).
+pub const MAX_STR: usize = 4096;
+/// Largest dataset name.
+pub const MAX_DATASET_NAME: usize = 255;
+/// Largest number of data connections a node may ask for.
+pub const MAX_FLOWS: u16 = 64;
+
+/// Error codes carried by [`Message::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// The peer speaks a protocol version we do not.
+    UnsupportedVersion = 1,
+    /// Authentication failed or was required and missing.
+    AuthFailed = 2,
+    /// The dataset is not served here.
+    UnknownDataset = 3,
+    /// The shard index is out of range.
+    UnknownShard = 4,
+    /// A message arrived that is not valid in the current state.
+    BadRequest = 5,
+    /// The source could not read the shard from its storage.
+    ReadFailed = 6,
+    /// Anything else; the message says what.
+    Internal = 7,
+}
+
+impl ErrorCode {
+    fn from_u16(v: u16) -> Result<Self, DecodeError> {
+        Ok(match v {
+            1 => Self::UnsupportedVersion,
+            2 => Self::AuthFailed,
+            3 => Self::UnknownDataset,
+            4 => Self::UnknownShard,
+            5 => Self::BadRequest,
+            6 => Self::ReadFailed,
+            7 => Self::Internal,
+            other => return Err(DecodeError::UnknownErrorCode(other)),
+        })
+    }
+}
+
+/// One control message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// node -> source, first message: who we are, where to dial data connections, how many.
+    Hello {
+        /// Free-form node identity for logs.
+        node_id: String,
+        /// The node's challenge.
+        nonce: [u8; NONCE_LEN],
+        /// The node's data port, as the source should dial it.
+        data_addr: SocketAddr,
+        /// How many data connections the source should open.
+        flows: u16,
+    },
+    /// source -> node: the source's challenge, and whether it checks the secret.
+    Challenge {
+        /// The source's challenge.
+        nonce: [u8; NONCE_LEN],
+        /// False when the source runs without a secret (loopback-only).
+        auth_required: bool,
+    },
+    /// node -> source: proof of the secret (all zeros when the node has none).
+    Auth {
+        /// `auth::proof(secret, Node, ..)`.
+        mac: [u8; 32],
+    },
+    /// source -> node: handshake accepted, with the source's proof.
+    Welcome {
+        /// `auth::proof(secret, Source, ..)`, zeros without a secret.
+        mac: [u8; 32],
+    },
+    /// node -> source: send me this dataset's manifest.
+    ManifestRequest {
+        /// Dataset name.
+        dataset: String,
+    },
+    /// source -> node: the manifest JSON as written by `shardwire index`.
+    Manifest {
+        /// Dataset name.
+        dataset: String,
+        /// The manifest file's bytes.
+        json: Vec<u8>,
+    },
+    /// source -> node: "I dialled your data port from `addr`; call it connection `conn`".
+    DataConn {
+        /// Connection number, 0..flows.
+        conn: u16,
+        /// The source's local address of that connection.
+        addr: SocketAddr,
+    },
+    /// node -> source: send shard `shard` of `dataset`.
+    Fetch {
+        /// Request id chosen by the node, echoed in the announcement.
+        req: u64,
+        /// Dataset name.
+        dataset: String,
+        /// Shard index in the manifest.
+        shard: u32,
+    },
+    /// source -> node: the payload of `req` follows on data connection `conn`, as its
+    /// `seq`-th payload on that connection, `length` bytes with CRC-32C `crc32c`.
+    Shard {
+        /// Request id of the FETCH.
+        req: u64,
+        /// Shard index.
+        shard: u32,
+        /// Payload length in bytes.
+        length: u64,
+        /// CRC-32C of the payload, from the manifest.
+        crc32c: u32,
+        /// Data connection carrying the bytes.
+        conn: u16,
+        /// Position of this payload on that connection, from 0.
+        seq: u64,
+    },
+    /// Either direction: something went wrong; `req` is 0 when not about a request.
+    Error {
+        /// The request this is about, or 0.
+        req: u64,
+        /// What kind of failure.
+        code: ErrorCode,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+const K_HELLO: u8 = 1;
+const K_CHALLENGE: u8 = 2;
+const K_AUTH: u8 = 3;
+const K_WELCOME: u8 = 4;
+const K_MANIFEST_REQUEST: u8 = 5;
+const K_MANIFEST: u8 = 6;
+const K_DATA_CONN: u8 = 7;
+const K_FETCH: u8 = 8;
+const K_SHARD: u8 = 9;
+const K_ERROR: u8 = 10;
+
+/// Why bytes did not decode to a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The frame length is below the 2-byte minimum or above [`MAX_FRAME`].
+    #[error("frame length {0} is outside 2..={MAX_FRAME}")]
+    FrameLength(usize),
+    /// The version byte is not one we speak.
+    #[error("unsupported protocol version {0} (this build speaks {VERSION})")]
+    Version(u8),
+    /// The kind byte names no message.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The body ended before a field did.
+    #[error("message kind {kind} is truncated: field `{field}` needs more bytes")]
+    Truncated {
+        /// Message kind.
+        kind: u8,
+        /// The field being read.
+        field: &'static str,
+    },
+    /// Bytes were left over after the last field.
+    #[error("message kind {kind} has {extra} trailing bytes")]
+    Trailing {
+        /// Message kind.
+        kind: u8,
+        /// How many bytes.
+        extra: usize,
+    },
+    /// A length field is above its limit.
+    #[error("field `{field}` length {len} exceeds the limit {max}")]
+    FieldTooLong {
+        /// The field.
+        field: &'static str,
+        /// Its declared length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A string is not UTF-8.
+    #[error("field `{0}` is not valid UTF-8")]
+    Utf8(&'static str),
+    /// An address family byte is not 4 or 6.
+    #[error("address family {0} is not 4 or 6")]
+    AddressFamily(u8),
+    /// A boolean byte is not 0 or 1.
+    #[error("field `{field}` has boolean byte {value}")]
+    Bool {
+        /// The field.
+        field: &'static str,
+        /// The byte.
+        value: u8,
+    },
+    /// An error code we do not know.
+    #[error("unknown error code {0}")]
+    UnknownErrorCode(u16),
+    /// A numeric field is out of range.
+    #[error("field `{field}` value {value} is out of range")]
+    Range {
+        /// The field.
+        field: &'static str,
+        /// The value.
+        value: u64,
+    },
+}
+
+/// Outcome of [`decode`] on a buffer that may hold a partial frame.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    /// A whole message, and how many bytes of the buffer it used.
+    Message(Message, usize),
+    /// The buffer holds part of a frame; at least this many more bytes are needed.
+    NeedMore(usize),
+}
+
+/// Decodes the first frame in `buf`.
+pub fn decode(buf: &[u8]) -> Result<Decoded, DecodeError> {
+    let Some(hdr) = buf.get(..4) else {
+        return Ok(Decoded::NeedMore(4 - buf.len()));
+    };
+    let len = u32::from_be_bytes(hdr.try_into().expect("4 bytes")) as usize;
+    if !(2..=MAX_FRAME).contains(&len) {
+        return Err(DecodeError::FrameLength(len));
+    }
+    let Some(frame) = buf.get(4..4 + len) else {
+        return Ok(Decoded::NeedMore(4 + len - buf.len()));
+    };
+    let msg = decode_frame(frame)?;
+    Ok(Decoded::Message(msg, 4 + len))
+}
+
+/// Checks a frame header (`len` bytes that follow) without needing the body yet.
+pub fn check_frame_len(len: u32) -> Result<usize, DecodeError> {
+    let len = len as usize;
+    if (2..=MAX_FRAME).contains(&len) {
+        Ok(len)
+    } else {
+        Err(DecodeError::FrameLength(len))
+    }
+}
+
+/// Decodes one frame body (the bytes after the 4-byte length).
+pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
+    let (&version, rest) = frame.split_first().ok_or(DecodeError::FrameLength(0))?;
+    if version != VERSION {
+        return Err(DecodeError::Version(version));
+    }
+    let (&kind, body) = rest.split_first().ok_or(DecodeError::FrameLength(1))?;
+    let mut r = Reader { buf: body, kind };
+    let msg = match kind {
+        K_HELLO => Message::Hello {
+            node_id: r.string("node_id", MAX_STR)?,
+            nonce: r.array("nonce")?,
+            data_addr: r.addr("data_addr")?,
+            flows: {
+                let f = r.u16("flows")?;
+                if f == 0 || f > MAX_FLOWS {
+                    return Err(DecodeError::Range { field: "flows", value: f.into() });
+                }
+                f
+            },
+        },
+        K_CHALLENGE => Message::Challenge {
+            nonce: r.array("nonce")?,
+            auth_required: r.bool("auth_required")?,
+        },
+        K_AUTH => Message::Auth { mac: r.array("mac")? },
+        K_WELCOME => Message::Welcome { mac: r.array("mac")? },
+        K_MANIFEST_REQUEST => Message::ManifestRequest {
+            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+        },
+        K_MANIFEST => Message::Manifest {
+            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            json: r.blob("json", MAX_FRAME)?,
+        },
+        K_DATA_CONN => Message::DataConn {
+            conn: r.u16("conn")?,
+            addr: r.addr("addr")?,
+        },
+        K_FETCH => Message::Fetch {
+            req: r.u64("req")?,
+            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            shard: r.u32("shard")?,
+        },
+        K_SHARD => Message::Shard {
+            req: r.u64("req")?,
+            shard: r.u32("shard")?,
+            length: r.u64("length")?,
+            crc32c: r.u32("crc32c")?,
+            conn: r.u16("conn")?,
+            seq: r.u64("seq")?,
+        },
+        K_ERROR => Message::Error {
+            req: r.u64("req")?,
+            code: ErrorCode::from_u16(r.u16("code")?)?,
+            message: r.string("message", MAX_STR)?,
+        },
+        other => return Err(DecodeError::UnknownKind(other)),
+    };
+    if !r.buf.is_empty() {
+        return Err(DecodeError::Trailing { kind, extra: r.buf.len() });
+    }
+    Ok(msg)
+}
+
+/// Why a message could not be encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// A field is longer than the protocol allows.
+    #[error("field `{field}` length {len} exceeds the limit {max}")]
+    FieldTooLong {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// Appends the frame for `msg` to `out`.
+pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+    let start = out.len();
+    out.extend_from_slice(&[0, 0, 0, 0, VERSION]);
+    let mut w = Writer { out };
+    match msg {
+        Message::Hello { node_id, nonce, data_addr, flows } => {
+            w.kind(K_HELLO);
+            w.string("node_id", node_id, MAX_STR)?;
+            w.bytes(nonce);
+            w.addr(data_addr);
+            w.u16(*flows);
+        }
+        Message::Challenge { nonce, auth_required } => {
+            w.kind(K_CHALLENGE);
+            w.bytes(nonce);
+            w.out.push(u8::from(*auth_required));
+        }
+        Message::Auth { mac } => {
+            w.kind(K_AUTH);
+            w.bytes(mac);
+        }
+        Message::Welcome { mac } => {
+            w.kind(K_WELCOME);
+            w.bytes(mac);
+        }
+        Message::ManifestRequest { dataset } => {
+            w.kind(K_MANIFEST_REQUEST);
+            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+        }
+        Message::Manifest { dataset, json } => {
+            w.kind(K_MANIFEST);
+            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            if json.len() > MAX_FRAME - 512 {
+                return Err(EncodeError::FieldTooLong {
+                    field: "json",
+                    len: json.len(),
+                    max: MAX_FRAME - 512,
+                });
+            }
+            w.u32(json.len() as u32);
+            w.bytes(json);
+        }
+        Message::DataConn { conn, addr } => {
+            w.kind(K_DATA_CONN);
+            w.u16(*conn);
+            w.addr(addr);
+        }
+        Message::Fetch { req, dataset, shard } => {
+            w.kind(K_FETCH);
+            w.u64(*req);
+            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            w.u32(*shard);
+        }
+        Message::Shard { req, shard, length, crc32c, conn, seq } => {
+            w.kind(K_SHARD);
+            w.u64(*req);
+            w.u32(*shard);
+            w.u64(*length);
+            w.u32(*crc32c);
+            w.u16(*conn);
+            w.u64(*seq);
+        }
+        Message::Error { req, code, message } => {
+            w.kind(K_ERROR);
+            w.u64(*req);
+            w.u16(*code as u16);
+            // Truncate rather than fail: an error report must always go out.
+            let mut end = message.len().min(MAX_STR);
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            w.string("message", &message[..end], MAX_STR)?;
+        }
+    }
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+    Ok(())
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    kind: u8,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], DecodeError> {
+        if self.buf.len() < n {
+            return Err(DecodeError::Truncated { kind: self.kind, field });
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N], DecodeError> {
+        Ok(self.take(N, field)?.try_into().expect("length checked"))
+    }
+    fn u8(&mut self, field: &'static str) -> Result<u8, DecodeError> {
+        Ok(self.take(1, field)?[0])
+    }
+    fn u16(&mut self, field: &'static str) -> Result<u16, DecodeError> {
+        Ok(u16::from_be_bytes(self.array(field)?))
+    }
+    fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
+        Ok(u32::from_be_bytes(self.array(field)?))
+    }
+    fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+        Ok(u64::from_be_bytes(self.array(field)?))
+    }
+    fn bool(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8(field)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            value => Err(DecodeError::Bool { field, value }),
+        }
+    }
+    fn string(&mut self, field: &'static str, max: usize) -> Result<String, DecodeError> {
+        let len = self.u16(field)? as usize;
+        if len > max {
+            return Err(DecodeError::FieldTooLong { field, len, max });
+        }
+        let bytes = self.take(len, field)?;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| DecodeError::Utf8(field))
+    }
+    fn blob(&mut self, field: &'static str, max: usize) -> Result<Vec<u8>, DecodeError> {
+        let len = self.u32(field)? as usize;
+        if len > max {
+            return Err(DecodeError::FieldTooLong { field, len, max });
+        }
+        Ok(self.take(len, field)?.to_vec())
+    }
+    fn addr(&mut self, field: &'static str) -> Result<SocketAddr, DecodeError> {
+        let ip = match self.u8(field)? {
+            4 => IpAddr::V4(Ipv4Addr::from(self.array::<4>(field)?)),
+            6 => IpAddr::V6(Ipv6Addr::from(self.array::<16>(field)?)),
+            other => return Err(DecodeError::AddressFamily(other)),
+        };
+        Ok(SocketAddr::new(ip, self.u16(field)?))
+    }
+}
+
+struct Writer<'a> {
+    out: &'a mut Vec<u8>,
+}
+
+impl Writer<'_> {
+    fn kind(&mut self, k: u8) {
+        self.out.push(k);
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.out.extend_from_slice(b);
+    }
+    fn u16(&mut self, v: u16) {
+        self.bytes(&v.to_be_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_be_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_be_bytes());
+    }
+    fn string(&mut self, field: &'static str, s: &str, max: usize) -> Result<(), EncodeError> {
+        if s.len() > max {
+            return Err(EncodeError::FieldTooLong { field, len: s.len(), max });
+        }
+        self.u16(s.len() as u16);
+        self.bytes(s.as_bytes());
+        Ok(())
+    }
+    fn addr(&mut self, a: &SocketAddr) {
+        match a.ip() {
+            IpAddr::V4(ip) => {
+                self.out.push(4);
+                self.bytes(&ip.octets());
+            }
+            IpAddr::V6(ip) => {
+                self.out.push(6);
+                self.bytes(&ip.octets());
+            }
+        }
+        self.u16(a.port());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn samples() -> Vec<Message> {
+        vec![
+            Message::Hello {
+                node_id: "gpu-7".into(),
+                nonce: [9; 32],
+                data_addr: "127.0.0.1:7401".parse().unwrap(),
+                flows: 4,
+            },
+            Message::Challenge { nonce: [3; 32], auth_required: true },
+            Message::Auth { mac: [1; 32] },
+            Message::Welcome { mac: [2; 32] },
+            Message::ManifestRequest { dataset: "imagenet".into() },
+            Message::Manifest { dataset: "d".into(), json: b"{}".to_vec() },
+            Message::DataConn { conn: 3, addr: "[::1]:40000".parse().unwrap() },
+            Message::Fetch { req: 77, dataset: "d".into(), shard: 12 },
+            Message::Shard { req: 77, shard: 12, length: 1 << 33, crc32c: 0xdead_beef, conn: 1, seq: 5 },
+            Message::Error { req: 0, code: ErrorCode::AuthFailed, message: "nope".into() },
+        ]
+    }
+
+    #[test]
+    fn round_trip_every_kind() {
+        for m in samples() {
+            let mut buf = Vec::new();
+            encode(&m, &mut buf).unwrap();
+            assert_eq!(decode(&buf).unwrap(), Decoded::Message(m.clone(), buf.len()));
+            // Every strict prefix asks for more bytes instead of failing.
+            for cut in 0..buf.len() {
+                assert!(matches!(decode(&buf[..cut]).unwrap(), Decoded::NeedMore(n) if n > 0));
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        assert_eq!(decode(&[0, 0, 0, 1, 1]), Err(DecodeError::FrameLength(1)));
+        assert_eq!(decode(&[0xff, 0xff, 0xff, 0xff]), Err(DecodeError::FrameLength(u32::MAX as usize)));
+        assert_eq!(decode(&[0, 0, 0, 2, 9, 1]), Err(DecodeError::Version(9)));
+        assert_eq!(decode(&[0, 0, 0, 2, 1, 99]), Err(DecodeError::UnknownKind(99)));
+    }
+
+    #[test]
+    fn rejects_trailing_and_truncated_fields() {
+        let mut buf = Vec::new();
+        encode(&Message::Auth { mac: [0; 32] }, &mut buf).unwrap();
+        buf.push(0);
+        let len = (buf.len() - 4) as u32;
+        buf[..4].copy_from_slice(&len.to_be_bytes());
+        assert_eq!(decode(&buf), Err(DecodeError::Trailing { kind: K_AUTH, extra: 1 }));
+        assert_eq!(
+            decode(&[0, 0, 0, 4, 1, K_AUTH, 0, 0]),
+            Err(DecodeError::Truncated { kind: K_AUTH, field: "mac" })
+        );
+    }
+
+    #[test]
+    fn rejects_oversized_strings_and_zero_flows() {
+        let mut body = vec![VERSION, K_MANIFEST_REQUEST];
+        body.extend_from_slice(&300u16.to_be_bytes());
+        body.extend_from_slice(&[b'a'; 300]);
+        assert_eq!(
+            decode_frame(&body),
+            Err(DecodeError::FieldTooLong { field: "dataset", len: 300, max: MAX_DATASET_NAME })
+        );
+        let mut buf = Vec::new();
+        let hello = Message::Hello {
+            node_id: String::new(),
+            nonce: [0; 32],
+            data_addr: "127.0.0.1:1".parse().unwrap(),
+            flows: 0,
+        };
+        encode(&hello, &mut buf).unwrap();
+        assert_eq!(decode(&buf), Err(DecodeError::Range { field: "flows", value: 0 }));
+    }
+
+    #[test]
+    fn encode_refuses_long_dataset_names() {
+        let m = Message::ManifestRequest { dataset: "x".repeat(256) };
+        assert!(matches!(encode(&m, &mut Vec::new()), Err(EncodeError::FieldTooLong { field: "dataset", .. })));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+
+        /// Any byte string decodes to a message, a request for more bytes or a typed error.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode(&bytes);
+        }
+
+        /// Same, with a plausible header so the body parsers are exercised.
+        #[test]
+        fn arbitrary_bodies_never_panic(kind in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let mut frame = vec![VERSION, kind];
+            frame.extend_from_slice(&body);
+            if let Ok(m) = decode_frame(&frame) {
+                // Whatever decodes re-encodes to the same bytes.
+                let mut buf = Vec::new();
+                encode(&m, &mut buf).unwrap();
+                prop_assert_eq!(&buf[4..], &frame[..]);
+            }
+        }
+
+        #[test]
+        fn fetch_and_shard_round_trip(req in any::<u64>(), shard in any::<u32>(), length in any::<u64>(),
+                                      crc in any::<u32>(), conn in any::<u16>(), seq in any::<u64>(),
+                                      ds in "[a-z0-9_-]{0,40}") {
+            for m in [Message::Fetch { req, dataset: ds.clone(), shard },
+                      Message::Shard { req, shard, length, crc32c: crc, conn, seq }] {
+                let mut buf = Vec::new();
+                encode(&m, &mut buf).unwrap();
+                prop_assert_eq!(decode(&buf).unwrap(), Decoded::Message(m, buf.len()));
+            }
+        }
+    }
+}
