@@ -1,1 +1,260 @@
-//! placeholder
+//! Typed configuration for `shardwire serve` and `shardwire source`.
+//!
+//! Layers, lowest first: built-in defaults < TOML file < `SHARDWIRE_*` environment < flags.
+//! Unknown keys in the file are errors that name the key; environment variables that are
+//! not keys of the command being run are ignored (so `SHARDWIRE_SOCKET` can serve both the
+//! node and its trainers). Values are validated after merging and errors name the key, the
+//! value and what is allowed.
+#![forbid(unsafe_code)]
+
+mod bytesize;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+pub use bytesize::ByteSize;
+
+/// Why the configuration is not usable.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Parsing/merging failed (unknown key, wrong type...).
+    #[error("configuration: {0}")]
+    Load(#[from] Box<figment::Error>),
+    /// A value is out of range.
+    #[error("configuration key `{key}` = {value}: {allowed}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+}
+
+fn invalid(key: &'static str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, value: value.to_string(), allowed: allowed.into() }
+}
+
+/// How shards are received.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiveMode {
+    /// Plain TCP into host memory.
+    #[default]
+    Host,
+}
+
+/// Where shards are assembled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryMode {
+    /// memfd regions in host memory.
+    #[default]
+    Host,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `shardwire serve` configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Shard source control addresses (host:port).
+    pub sources: Vec<String>,
+    /// Trainer Unix socket path.
+    pub socket: PathBuf,
+    /// Data port listen address (sources dial it).
+    pub data_listen: SocketAddr,
+    /// Admin HTTP listen address.
+    pub admin: SocketAddr,
+    /// Total memory for all stream regions.
+    pub pool_size: ByteSize,
+    /// Region size per stream (fetch-ahead window + leased batches).
+    pub stream_memory: ByteSize,
+    /// Data connections per source.
+    pub flows: u16,
+    /// File holding the shared secret for sources.
+    pub secret_file: Option<PathBuf>,
+    /// Receive path.
+    pub receive: ReceiveMode,
+    /// Memory kind.
+    pub memory: MemoryMode,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Seconds before an unanswered FETCH is re-issued elsewhere.
+    pub fetch_timeout_secs: u64,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            sources: Vec::new(),
+            socket: PathBuf::from("/run/shardwire/trainer.sock"),
+            data_listen: "0.0.0.0:7401".parse().expect("valid"),
+            admin: "127.0.0.1:7400".parse().expect("valid"),
+            pool_size: ByteSize(1 << 30),
+            stream_memory: ByteSize(256 << 20),
+            flows: 2,
+            secret_file: None,
+            receive: ReceiveMode::Host,
+            memory: MemoryMode::Host,
+            log_format: LogFormat::Text,
+            fetch_timeout_secs: 30,
+        }
+    }
+}
+
+/// `shardwire source` configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourceConfig {
+    /// Control listen address.
+    pub listen: SocketAddr,
+    /// Datasets as NAME=DIR.
+    pub datasets: Vec<String>,
+    /// File holding the shared secret; without it only loopback peers are accepted.
+    pub secret_file: Option<PathBuf>,
+    /// Send rate limit in bytes/s, 0 = unlimited.
+    pub rate_limit: ByteSize,
+    /// Fault injection for tests: corrupt the first N payloads sent.
+    pub fault_corrupt: u32,
+    /// Log format.
+    pub log_format: LogFormat,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:7500".parse().expect("valid"),
+            datasets: Vec::new(),
+            secret_file: None,
+            rate_limit: ByteSize(0),
+            fault_corrupt: 0,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+/// Keys of a config struct, for filtering the environment.
+fn keys<T: Serialize + Default>() -> Vec<String> {
+    match figment::value::Value::serialize(T::default()) {
+        Ok(figment::value::Value::Dict(_, d)) => d.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn load<T>(file: Option<&Path>, flags: &impl Serialize) -> Result<T, ConfigError>
+where
+    T: Serialize + Default + for<'de> Deserialize<'de>,
+{
+    let known = keys::<T>();
+    let mut fig = Figment::from(Serialized::defaults(T::default()));
+    if let Some(f) = file {
+        if !f.exists() {
+            return Err(invalid("config", f.display(), "the config file does not exist"));
+        }
+        fig = fig.merge(Toml::file(f));
+    }
+    let env = Env::prefixed("SHARDWIRE_").filter(move |k| known.iter().any(|x| x.as_str() == k.as_str())).split("__");
+    fig = fig.merge(env).merge(Serialized::defaults(flags));
+    fig.extract().map_err(|e| ConfigError::Load(Box::new(e)))
+}
+
+impl ServeConfig {
+    /// Merges defaults < file < env < `flags` (a struct whose `None` fields are skipped).
+    pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
+        let c: Self = load(file, flags)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks ranges and relations between keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.flows == 0 || self.flows > 64 {
+            return Err(invalid("flows", self.flows, "must be between 1 and 64"));
+        }
+        if self.stream_memory.0 < 64 << 10 {
+            return Err(invalid("stream_memory", self.stream_memory, "must be at least 64KiB"));
+        }
+        if self.pool_size.0 < self.stream_memory.0 {
+            return Err(invalid(
+                "pool_size",
+                self.pool_size,
+                format!("must be at least stream_memory ({})", self.stream_memory),
+            ));
+        }
+        if self.fetch_timeout_secs == 0 {
+            return Err(invalid("fetch_timeout_secs", 0, "must be at least 1"));
+        }
+        for s in &self.sources {
+            if !s.contains(':') {
+                return Err(invalid("sources", s, "each source must be HOST:PORT"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SourceConfig {
+    /// Merges defaults < file < env < `flags`.
+    pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
+        let c: Self = load(file, flags)?;
+        if c.datasets.is_empty() {
+            return Err(invalid("datasets", "[]", "give at least one --dataset NAME=DIR"));
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize, Default)]
+    struct Flags {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        flows: Option<u16>,
+    }
+
+    fn write(content: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("sw-config-{}-{}.toml", std::process::id(), content.len()));
+        std::fs::write(&p, content).unwrap();
+        p
+    }
+
+    #[test]
+    fn layering_file_then_flags() {
+        let p = write("flows = 3\npool_size = \"2GiB\"\nstream_memory = 1048576\n");
+        let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
+        assert_eq!((c.flows, c.pool_size.0, c.stream_memory.0), (3, 2 << 30, 1 << 20));
+        let c = ServeConfig::load(Some(&p), &Flags { flows: Some(5) }).unwrap();
+        assert_eq!(c.flows, 5);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let p = write("flowz = 3\n");
+        let e = ServeConfig::load(Some(&p), &Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("flowz"), "{e}");
+    }
+
+    #[test]
+    fn invalid_value_names_key_and_allowed() {
+        let e = ServeConfig::load(None, &Flags { flows: Some(0) }).unwrap_err().to_string();
+        assert!(e.contains("`flows`") && e.contains("between 1 and 64"), "{e}");
+    }
+}

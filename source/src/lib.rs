@@ -1,1 +1,98 @@
-//! placeholder
+//! The shard source: serves datasets (a directory plus the manifest written by
+//! `shardwire index`) to any number of node services.
+//!
+//! A node dials the control port, authenticates (shared secret, or loopback-only without
+//! one), asks for manifests and sends FETCHes. The source dials the node's data port
+//! `flows` times, reports each connection's local address on the control connection, and
+//! answers every FETCH with a SHARD announcement followed by exactly the announced bytes on
+//! the announced data connection, sent with `sendfile` straight from the page cache.
+//! It never decides order: it sends what it is asked.
+
+pub mod datasets;
+pub mod framing;
+mod sender;
+mod session;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use datasets::{Dataset, DatasetError, Datasets};
+
+/// How a source runs.
+#[derive(Clone, Debug)]
+pub struct SourceConfig {
+    /// Control listen address.
+    pub listen: SocketAddr,
+    /// Shared secret; `None` = accept loopback peers only.
+    pub secret: Option<Vec<u8>>,
+    /// Per-source send rate limit in bytes/s (0 = unlimited), shared over its data connections.
+    pub rate_limit: u64,
+    /// Fault injection for tests: flip one byte in each of the first N payloads sent.
+    pub fault_corrupt: u32,
+}
+
+/// Shared state of a running source.
+pub(crate) struct Shared {
+    pub datasets: Datasets,
+    pub cfg: SourceConfig,
+    pub corrupt_left: AtomicU32,
+}
+
+/// A bound, not yet serving, source.
+pub struct Source {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+}
+
+impl Source {
+    /// Binds the control port.
+    pub async fn bind(cfg: SourceConfig, datasets: Datasets) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(cfg.listen).await?;
+        let corrupt_left = AtomicU32::new(cfg.fault_corrupt);
+        Ok(Self { listener, shared: Arc::new(Shared { datasets, cfg, corrupt_left }) })
+    }
+
+    /// The bound control address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("bound listener has an address")
+    }
+
+    /// Accepts control connections until `shutdown` turns true.
+    pub async fn serve(self, mut shutdown: watch::Receiver<bool>) {
+        if self.shared.cfg.secret.is_none() {
+            tracing::warn!(
+                listen = %self.local_addr(),
+                "no secret configured: accepting loopback peers only (use --secret-file to serve other hosts)"
+            );
+        }
+        for d in self.shared.datasets.iter() {
+            tracing::info!(dataset = %d.name, shards = d.manifest.shards.len(), bytes = d.manifest.total_bytes,
+                digest = %d.manifest.digest, "serving dataset");
+        }
+        tracing::info!(listen = %self.local_addr(), "source ready");
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        let shared = Arc::clone(&self.shared);
+                        tokio::spawn(async move {
+                            match session::run(stream, peer, shared).await {
+                                Ok(()) => tracing::info!(%peer, "node disconnected"),
+                                Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                },
+            }
+        }
+    }
+}

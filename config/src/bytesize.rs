@@ -1,0 +1,74 @@
+//! Byte sizes written as integers or strings with a unit: `1048576`, `"64MiB"`, `"1G"`.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// A number of bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit() && c != '_').unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num.replace('_', "").parse().map_err(|_| format!("`{s}` is not a byte size (e.g. 1048576, 64MiB, 2G)"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kib" | "kb" => 1 << 10,
+            "m" | "mib" | "mb" => 1 << 20,
+            "g" | "gib" | "gb" => 1 << 30,
+            "t" | "tib" | "tb" => 1 << 40,
+            other => return Err(format!("unknown size unit `{other}` in `{s}` (use B, KiB, MiB, GiB, TiB)")),
+        };
+        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("`{s}` overflows 64 bits"))
+    }
+}
+
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = self.0;
+        for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+            if b >= 1 << shift && b % (1 << shift) == 0 {
+                return write!(f, "{}{unit}", b >> shift);
+            }
+        }
+        write!(f, "{b}")
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_display() {
+        assert_eq!("64MiB".parse::<ByteSize>().unwrap(), ByteSize(64 << 20));
+        assert_eq!("1_024".parse::<ByteSize>().unwrap(), ByteSize(1024));
+        assert_eq!("2 g".parse::<ByteSize>().unwrap(), ByteSize(2 << 30));
+        assert!("12 parsecs".parse::<ByteSize>().unwrap_err().contains("parsecs"));
+        assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
+        assert_eq!(ByteSize(1000).to_string(), "1000");
+    }
+}

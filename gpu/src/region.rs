@@ -1,0 +1,144 @@
+//! Host-memory regions: an anonymous memfd, sized once (grow/shrink sealed), mapped shared.
+//! The fd is what trainers receive over the Unix socket (SCM_RIGHTS) and map read-only.
+
+use std::ffi::CString;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+/// Why a region could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    /// A syscall failed.
+    #[error("{call} failed for a {len}-byte region: {source}")]
+    Syscall {
+        /// Which call.
+        call: &'static str,
+        /// Region size asked for.
+        len: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Zero-sized regions are meaningless.
+    #[error("a region must not be empty")]
+    Empty,
+}
+
+/// A memfd-backed region mapped read-write into this process.
+pub struct HostRegion {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; it is valid from any
+// thread, and access to its bytes goes through slabs that are disjoint by construction.
+unsafe impl Send for HostRegion {}
+// SAFETY: as above; &HostRegion only hands out the raw base pointer and the fd.
+unsafe impl Sync for HostRegion {}
+
+impl std::fmt::Debug for HostRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegion").field("len", &self.len).finish()
+    }
+}
+
+impl HostRegion {
+    /// Creates a `len`-byte region named `name` (visible in /proc/PID/fd as `memfd:NAME`).
+    pub fn new(name: &str, len: usize) -> Result<Self, RegionError> {
+        if len == 0 {
+            return Err(RegionError::Empty);
+        }
+        let sys = |call| move |e: rustix::io::Errno| RegionError::Syscall { call, len, source: e.into() };
+        let cname = CString::new(name.replace('\0', "_")).expect("no NUL after replace");
+        let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(sys("memfd_create"))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(sys("ftruncate"))?;
+        // Trainers map this fd: its size must never change under them.
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(sys("fcntl(F_ADD_SEALS)"))?;
+        // SAFETY: a fresh shared mapping of `len` bytes of our own memfd; no existing memory
+        // is aliased, and the mapping lives until Drop unmaps it.
+        let raw = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(sys("mmap"))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap never returns NULL on success");
+        Ok(Self { fd, ptr, len })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: regions are not empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The memfd, for passing to trainers.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Base of the mapping. Writing through it is only sound inside a slab one owns.
+    pub fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Resident bytes of the mapping (pages touched so far), via mincore.
+    pub fn resident_bytes(&self) -> usize {
+        let page = rustix::param::page_size();
+        let mut vec = vec![0u8; self.len.div_ceil(page)];
+        // SAFETY: ptr/len describe our own live mapping and `vec` has one byte per page.
+        let ok = unsafe { libc_mincore(self.ptr.as_ptr().cast(), self.len, vec.as_mut_ptr()) };
+        if ok != 0 {
+            return 0;
+        }
+        vec.iter().filter(|b| *b & 1 == 1).count() * page
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "mincore"]
+    fn libc_mincore(addr: *mut std::ffi::c_void, len: usize, vec: *mut u8) -> i32;
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `new`; no slab outlives the
+        // region because slabs hold an Arc to their pool, which owns the region.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_write_and_seals() {
+        let r = HostRegion::new("t", 1 << 20).unwrap();
+        // SAFETY: inside our own mapping, no other user in this test.
+        unsafe { r.base().add(4096).write(7) };
+        // The fd sees the same bytes.
+        let mut b = [0u8; 1];
+        rustix::io::pread(r.fd(), &mut b, 4096).unwrap();
+        assert_eq!(b[0], 7);
+        // Size is sealed.
+        assert!(rustix::fs::ftruncate(r.fd(), 10).is_err());
+        assert!(r.resident_bytes() >= 4096);
+        assert!(matches!(HostRegion::new("t", 0), Err(RegionError::Empty)));
+    }
+}

@@ -1,0 +1,299 @@
+//! The slab allocator: power-of-two size classes over one region, a free list per class,
+//! buddy coalescing on free.
+//!
+//! Alloc and free are O(number of classes) (at most ~30), with no walk over allocations:
+//! each class keeps a stack of free blocks plus a bitmap that says which of them are really
+//! free (stale stack entries left behind by coalescing are skipped lazily). Coalescing
+//! guarantees that a region with nothing leased can always serve its largest class again,
+//! so mixed shard sizes cannot wedge a stream. Internal fragmentation is at most 2x per
+//! shard; size stream regions with that in mind (docs/OPERATIONS.md).
+
+use std::sync::{Arc, Mutex};
+
+use crate::region::HostRegion;
+
+/// Smallest slab: one 4 KiB page (also the devmem net_iov size).
+pub const MIN_BLOCK: usize = 4096;
+
+struct Class {
+    stack: Vec<usize>,
+    free: Vec<u64>, // bitmap over block indices of this class
+}
+
+impl Class {
+    fn new(blocks: usize) -> Self {
+        Self { stack: Vec::new(), free: vec![0; blocks.div_ceil(64).max(1)] }
+    }
+    fn is_free(&self, i: usize) -> bool {
+        self.free.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1)
+    }
+    fn set(&mut self, i: usize, v: bool) {
+        let w = &mut self.free[i / 64];
+        if v {
+            *w |= 1 << (i % 64);
+        } else {
+            *w &= !(1 << (i % 64));
+        }
+    }
+    fn push(&mut self, i: usize) {
+        self.set(i, true);
+        self.stack.push(i);
+    }
+    fn pop(&mut self) -> Option<usize> {
+        while let Some(i) = self.stack.pop() {
+            if self.is_free(i) {
+                self.set(i, false);
+                return Some(i);
+            }
+        }
+        None
+    }
+}
+
+struct Inner {
+    classes: Vec<Class>, // classes[k] holds blocks of MIN_BLOCK << k
+    used: usize,
+}
+
+/// Hook run after every free (wakes whoever waits for memory).
+pub type OnFree = Arc<dyn Fn() + Send + Sync>;
+
+/// A region plus its allocator.
+pub struct SlabPool {
+    region: HostRegion,
+    inner: Mutex<Inner>,
+    on_free: Mutex<Option<OnFree>>,
+}
+
+impl std::fmt::Debug for SlabPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlabPool").field("len", &self.region.len()).field("used", &self.used()).finish()
+    }
+}
+
+impl SlabPool {
+    /// Wraps `region`; its usable size is rounded down to a multiple of [`MIN_BLOCK`].
+    pub fn new(region: HostRegion) -> Arc<Self> {
+        let usable = region.len() / MIN_BLOCK * MIN_BLOCK;
+        let mut classes = Vec::new();
+        let mut size = MIN_BLOCK;
+        while size <= usable {
+            classes.push(Class::new(usable / size));
+            size <<= 1;
+        }
+        // Seed with the largest aligned blocks that tile [0, usable).
+        let mut off = 0;
+        while off < usable {
+            let mut k = classes.len() - 1;
+            while off % (MIN_BLOCK << k) != 0 || off + (MIN_BLOCK << k) > usable {
+                k -= 1;
+            }
+            classes[k].push(off / (MIN_BLOCK << k));
+            off += MIN_BLOCK << k;
+        }
+        Arc::new(Self { region, inner: Mutex::new(Inner { classes, used: 0 }), on_free: Mutex::new(None) })
+    }
+
+    /// Sets the hook run after each free.
+    pub fn set_on_free(&self, f: OnFree) {
+        *self.on_free.lock().expect("poisoned") = Some(f);
+    }
+
+    /// The slab size (class) a request of `len` bytes takes.
+    pub fn class_size(len: usize) -> usize {
+        len.max(1).next_power_of_two().max(MIN_BLOCK)
+    }
+
+    /// The largest request this pool can ever serve.
+    pub fn max_alloc(&self) -> usize {
+        let n = self.inner.lock().expect("poisoned").classes.len();
+        if n == 0 { 0 } else { MIN_BLOCK << (n - 1) }
+    }
+
+    /// Bytes held by live slabs (class sizes).
+    pub fn used(&self) -> usize {
+        self.inner.lock().expect("poisoned").used
+    }
+
+    /// Usable bytes.
+    pub fn capacity(&self) -> usize {
+        self.region.len() / MIN_BLOCK * MIN_BLOCK
+    }
+
+    /// The region (for its fd).
+    pub fn region(&self) -> &HostRegion {
+        &self.region
+    }
+
+    /// A slab of at least `len` bytes, or None when no block is free right now.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slab> {
+        let want = Self::class_size(len).trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
+        let mut inner = self.inner.lock().expect("poisoned");
+        if want >= inner.classes.len() {
+            return None;
+        }
+        let (mut k, mut idx) = (want..inner.classes.len())
+            .find_map(|k| inner.classes[k].pop().map(|i| (k, i)))?;
+        while k > want {
+            // Split: keep the lower half, free the upper half one class down.
+            k -= 1;
+            idx *= 2;
+            inner.classes[k].push(idx + 1);
+        }
+        inner.used += MIN_BLOCK << want;
+        Some(Slab { pool: Arc::clone(self), offset: idx * (MIN_BLOCK << want), class: want, len })
+    }
+
+    fn free(&self, offset: usize, class: usize) {
+        {
+            let mut inner = self.inner.lock().expect("poisoned");
+            inner.used -= MIN_BLOCK << class;
+            let (mut k, mut idx) = (class, offset / (MIN_BLOCK << class));
+            while k + 1 < inner.classes.len() && inner.classes[k].is_free(idx ^ 1) {
+                inner.classes[k].set(idx ^ 1, false);
+                idx /= 2;
+                k += 1;
+            }
+            inner.classes[k].push(idx);
+        }
+        if let Some(f) = self.on_free.lock().expect("poisoned").as_ref() {
+            f();
+        }
+    }
+}
+
+/// Exclusive ownership of `len` bytes at `offset` of a pool's region; freed on drop.
+pub struct Slab {
+    pool: Arc<SlabPool>,
+    offset: usize,
+    class: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Slab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slab").field("offset", &self.offset).field("len", &self.len).finish()
+    }
+}
+
+impl Slab {
+    /// Offset in the region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// Requested length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for a zero-length request.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The bytes, read-only.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: [offset, offset+len) lies inside the live mapping (the pool's region,
+        // kept alive by our Arc) and no other slab covers it (allocator invariant).
+        unsafe { std::slice::from_raw_parts(self.pool.region.base().add(self.offset), self.len) }
+    }
+    /// The bytes, writable: only the owner of the slab can write them.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
+        unsafe { std::slice::from_raw_parts_mut(self.pool.region.base().add(self.offset), self.len) }
+    }
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        self.pool.free(self.offset, self.class);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn pool(len: usize) -> Arc<SlabPool> {
+        SlabPool::new(HostRegion::new("slab-test", len).unwrap())
+    }
+
+    #[test]
+    fn alloc_split_and_coalesce() {
+        let p = pool(1 << 20);
+        assert_eq!(p.max_alloc(), 1 << 20);
+        let a = p.alloc(5000).unwrap(); // 8 KiB class
+        assert_eq!(p.used(), 8192);
+        let b = p.alloc(512 << 10).unwrap();
+        assert!(p.alloc(512 << 10).is_none(), "the other half is split");
+        drop(a);
+        assert!(p.alloc(512 << 10).is_some_and(|s| s.offset() != b.offset()));
+        drop(b);
+        assert_eq!(p.used(), 0);
+        assert!(p.alloc(1 << 20).is_some(), "everything coalesced back");
+        assert!(p.alloc((1 << 20) + 1).is_none());
+    }
+
+    #[test]
+    fn slabs_are_disjoint_and_writable() {
+        let p = pool(256 << 10);
+        let mut slabs: Vec<Slab> = (0..16).map(|_| p.alloc(10_000).unwrap()).collect();
+        assert!(p.alloc(1).is_none());
+        for (i, s) in slabs.iter_mut().enumerate() {
+            s.as_mut_slice().fill(i as u8);
+        }
+        for (i, s) in slabs.iter().enumerate() {
+            assert!(s.as_slice().iter().all(|&b| b == i as u8));
+        }
+    }
+
+    #[test]
+    fn odd_region_size_is_tiled() {
+        let p = pool(3 * 4096 + 100);
+        assert_eq!(p.capacity(), 3 * 4096);
+        let a = p.alloc(8192).unwrap();
+        let b = p.alloc(4096).unwrap();
+        assert!(p.alloc(4096).is_none());
+        assert_ne!(a.offset(), b.offset());
+    }
+
+    #[test]
+    fn on_free_hook_runs() {
+        let p = pool(64 << 10);
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let h = Arc::clone(&hits);
+        p.set_on_free(Arc::new(move || {
+            h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }));
+        drop(p.alloc(1).unwrap());
+        assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    proptest! {
+        /// Random alloc/free sequences never overlap, never exceed capacity, and end empty.
+        #[test]
+        fn random_workload(ops in proptest::collection::vec((any::<bool>(), 1usize..70_000), 1..200)) {
+            let p = pool(512 << 10);
+            let mut live: Vec<Slab> = Vec::new();
+            for (alloc, size) in ops {
+                if alloc || live.is_empty() {
+                    if let Some(s) = p.alloc(size) {
+                        let (a0, a1) = (s.offset(), s.offset() + SlabPool::class_size(size));
+                        for o in &live {
+                            let (b0, b1) = (o.offset(), o.offset() + SlabPool::class_size(o.len()));
+                            prop_assert!(a1 <= b0 || b1 <= a0, "overlap");
+                        }
+                        prop_assert!(a1 <= p.capacity());
+                        live.push(s);
+                    }
+                } else {
+                    live.swap_remove(size % live.len());
+                }
+                prop_assert!(p.used() <= p.capacity());
+            }
+            live.clear();
+            prop_assert_eq!(p.used(), 0);
+            prop_assert!(p.alloc(512 << 10).is_some());
+        }
+    }
+}

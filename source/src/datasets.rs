@@ -1,0 +1,151 @@
+//! The datasets a source serves: name -> directory, manifest, open files.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ManifestError};
+use shardwire_protocol::wire::MAX_DATASET_NAME;
+
+/// Why a dataset cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetError {
+    /// `--dataset` value is not NAME=DIR.
+    #[error("dataset spec `{0}` is not NAME=DIR")]
+    Spec(String),
+    /// Bad dataset name.
+    #[error("dataset name `{0}` must be 1..={MAX_DATASET_NAME} characters of [A-Za-z0-9._-]")]
+    Name(String),
+    /// Same name twice.
+    #[error("dataset `{0}` is given twice")]
+    Duplicate(String),
+    /// Manifest missing or unreadable.
+    #[error("cannot read {path}: {source} (run `shardwire index {dir}` first)")]
+    Read {
+        /// Manifest path.
+        path: PathBuf,
+        /// Dataset directory.
+        dir: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Manifest invalid.
+    #[error("{path}: {source}")]
+    Manifest {
+        /// Manifest path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: ManifestError,
+    },
+    /// A shard's file is missing or shorter than the manifest says.
+    #[error("dataset `{dataset}`: shard file {path}: {reason}")]
+    ShardFile {
+        /// Dataset.
+        dataset: String,
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// One served dataset.
+pub struct Dataset {
+    /// Name nodes ask for.
+    pub name: String,
+    /// Directory.
+    pub dir: PathBuf,
+    /// Parsed manifest.
+    pub manifest: Manifest,
+    /// The manifest file's bytes (sent verbatim).
+    pub manifest_json: Vec<u8>,
+    /// Open file per shard (shards of one file share it).
+    pub files: Vec<Arc<File>>,
+}
+
+/// All datasets of a source.
+#[derive(Default)]
+pub struct Datasets(BTreeMap<String, Dataset>);
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= MAX_DATASET_NAME
+        && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+impl Datasets {
+    /// Loads datasets from `NAME=DIR` specs.
+    pub fn from_specs<S: AsRef<str>>(specs: &[S]) -> Result<Self, DatasetError> {
+        let mut out = Datasets::default();
+        for spec in specs {
+            let spec = spec.as_ref();
+            let (name, dir) = spec.split_once('=').ok_or_else(|| DatasetError::Spec(spec.into()))?;
+            out.add(name, Path::new(dir))?;
+        }
+        Ok(out)
+    }
+
+    /// Loads one dataset directory under `name`.
+    pub fn add(&mut self, name: &str, dir: &Path) -> Result<(), DatasetError> {
+        if !valid_name(name) {
+            return Err(DatasetError::Name(name.into()));
+        }
+        if self.0.contains_key(name) {
+            return Err(DatasetError::Duplicate(name.into()));
+        }
+        let path = dir.join(MANIFEST_FILE);
+        let manifest_json = std::fs::read(&path).map_err(|source| DatasetError::Read {
+            path: path.clone(),
+            dir: dir.display().to_string(),
+            source,
+        })?;
+        let manifest = Manifest::from_json(&manifest_json).map_err(|source| DatasetError::Manifest { path: path.clone(), source })?;
+        let mut open: BTreeMap<&str, Arc<File>> = BTreeMap::new();
+        let mut files = Vec::with_capacity(manifest.shards.len());
+        for s in &manifest.shards {
+            let f = match open.get(s.file.as_str()) {
+                Some(f) => Arc::clone(f),
+                None => {
+                    let p = dir.join(&s.file);
+                    let bad = |reason: String| DatasetError::ShardFile { dataset: name.into(), path: p.clone(), reason };
+                    let f = File::open(&p).map_err(|e| bad(e.to_string()))?;
+                    let len = f.metadata().map_err(|e| bad(e.to_string()))?.len();
+                    let need = manifest.shards.iter().filter(|x| x.file == s.file).map(|x| x.offset + x.length).max().unwrap_or(0);
+                    if len < need {
+                        return Err(bad(format!("is {len} bytes, the manifest needs {need} (re-run `shardwire index`)")));
+                    }
+                    let f = Arc::new(f);
+                    open.insert(&s.file, Arc::clone(&f));
+                    f
+                }
+            };
+            files.push(f);
+        }
+        drop(open);
+        self.0.insert(name.into(), Dataset { name: name.into(), dir: dir.into(), manifest, manifest_json, files });
+        Ok(())
+    }
+
+    /// Looks a dataset up.
+    pub fn get(&self, name: &str) -> Option<&Dataset> {
+        self.0.get(name)
+    }
+
+    /// All datasets.
+    pub fn iter(&self) -> impl Iterator<Item = &Dataset> {
+        self.0.values()
+    }
+
+    /// Number of datasets.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True with no datasets.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
