@@ -76,6 +76,38 @@ impl PlanSpec {
         Ok(())
     }
 
+    /// A readable fingerprint of every plan input: a resumed stream must match it.
+    pub fn fingerprint(&self) -> String {
+        let digest: String = self.digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let uneven = match self.uneven {
+            Uneven::Pad => "pad",
+            Uneven::Drop => "drop",
+        };
+        format!(
+            "v1;digest={digest};shards={};seed={};world_size={};rank={};uneven={uneven}",
+            self.shards, self.seed, self.world_size, self.rank
+        )
+    }
+
+    /// Compares a saved fingerprint with this plan's; names the first field that differs.
+    pub fn check_fingerprint(&self, saved: &str) -> Result<(), String> {
+        let mine = self.fingerprint();
+        if mine == saved {
+            return Ok(());
+        }
+        let parse = |s: &str| -> Vec<(String, String)> {
+            s.split(';').map(|kv| kv.split_once('=').map_or((kv.to_string(), String::new()), |(k, v)| (k.into(), v.into()))).collect()
+        };
+        let (a, b) = (parse(&mine), parse(saved));
+        for (k, v) in &a {
+            let other = b.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
+            if other != Some(v.as_str()) {
+                return Err(format!("state fingerprint differs in `{k}`: saved {}, stream has {v}", other.unwrap_or("(missing)")));
+            }
+        }
+        Err(format!("state fingerprint `{saved}` does not match `{mine}`"))
+    }
+
     /// Shards per rank per epoch.
     pub fn per_rank(&self) -> u64 {
         let (n, w) = (u64::from(self.shards), u64::from(self.world_size.max(1)));
@@ -156,6 +188,16 @@ mod tests {
         let mut other = s.clone();
         other.seed = 43;
         assert_ne!(s.rank_order(0), other.rank_order(0));
+    }
+
+    #[test]
+    fn fingerprint_names_the_differing_field() {
+        let a = spec(10, 1, 4, Uneven::Pad);
+        assert!(a.check_fingerprint(&a.fingerprint()).is_ok());
+        let mut b = a.clone();
+        b.world_size = 8;
+        let e = a.check_fingerprint(&b.fingerprint()).unwrap_err();
+        assert!(e.contains("`world_size`") && e.contains("saved 8"), "{e}");
     }
 
     #[test]

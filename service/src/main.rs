@@ -1,1 +1,24 @@
-fn main() {}
+//! `shardwire`: the node service, the shard source and the tools around them.
+
+mod admin;
+mod bench;
+mod cli;
+mod consume;
+mod demo;
+mod node;
+mod synth;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli::run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("shardwire: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

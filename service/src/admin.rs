@@ -1,0 +1,129 @@
+//! Admin/ops HTTP API (loopback by default): `/healthz`, `/readyz`, `/metrics`, `/v1/status`,
+//! `/v1/streams`. Hot-path counters are atomics; they are copied into the Prometheus
+//! recorder when `/metrics` is scraped, so the data path never touches the registry.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+
+use axum::Json;
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::node::Node;
+
+/// The process-wide Prometheus recorder (installed on first use).
+pub fn prometheus() -> &'static PrometheusHandle {
+    static H: OnceLock<PrometheusHandle> = OnceLock::new();
+    H.get_or_init(|| PrometheusBuilder::new().install_recorder().expect("no other metrics recorder is installed"))
+}
+
+/// Serves the admin API until shutdown.
+pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
+    prometheus();
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+        .route("/v1/streams", get(streams))
+        .with_state(node);
+    let r = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.changed().await;
+        })
+        .await;
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "admin API stopped");
+    }
+}
+
+async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
+    let up = node.links.iter().filter(|l| l.is_up()).count();
+    if up > 0 {
+        (StatusCode::OK, format!("ready: {up}/{} sources connected\n", node.links.len()))
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: 0/{} sources connected\n", node.links.len()))
+    }
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
+    let c = &node.counters;
+    let mode = [("mode", "host")];
+    metrics::counter!("shardwire_bytes_received_total", &mode).absolute(c.bytes_received.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_shards_received_total", &mode).absolute(c.shards_received.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_crc_failures_total").absolute(c.crc_failures.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_refetches_total").absolute(c.refetches.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_batches_delivered_total").absolute(c.batches_delivered.load(Ordering::Relaxed));
+    for l in &node.links {
+        let labels = [("source", l.addr.clone())];
+        metrics::counter!("shardwire_source_bytes_received_total", &labels).absolute(l.bytes.load(Ordering::Relaxed));
+        metrics::gauge!("shardwire_source_up", &labels).set(if l.is_up() { 1.0 } else { 0.0 });
+    }
+    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().cloned().collect();
+    let (mut used, mut cap, mut leases) = (0usize, 0usize, 0usize);
+    for s in &streams {
+        used += s.pool.used();
+        cap += s.pool.capacity();
+        leases += s.counts().1;
+    }
+    metrics::gauge!("shardwire_pool_bytes_used").set(used as f64);
+    metrics::gauge!("shardwire_pool_bytes_free").set((cap - used) as f64);
+    metrics::gauge!("shardwire_pool_bytes_reserved").set(*node.reserved.lock().expect("poisoned") as f64);
+    metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
+    metrics::gauge!("shardwire_streams_open").set(streams.len() as f64);
+    ([("content-type", "text/plain; version=0.0.4")], prometheus().render())
+}
+
+fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
+    let (ready, leased, next) = s.counts();
+    json!({
+        "id": s.id, "dataset": s.dataset, "rank": s.spec.rank, "world_size": s.spec.world_size,
+        "seed": s.spec.seed, "epochs": s.epochs, "batches_per_epoch": s.spec.per_rank(),
+        "delivered": next, "total": s.total, "ready": ready, "leased": leased,
+        "region_bytes": s.pool.capacity(), "region_used": s.pool.used(),
+        "state": s.state(),
+    })
+}
+
+async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().map(|s| stream_json(s)).collect();
+    Json(json!({ "streams": streams }))
+}
+
+async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let c = &node.counters;
+    let sources: Vec<_> = node
+        .links
+        .iter()
+        .map(|l| {
+            json!({
+                "addr": l.addr, "up": l.is_up(), "in_flight": l.in_flight(),
+                "bytes_received": l.bytes.load(Ordering::Relaxed),
+                "last_error": *l.last_error.lock().expect("poisoned"),
+            })
+        })
+        .collect();
+    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().map(|s| stream_json(s)).collect();
+    Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
+        "data_addr": node.data_addr.to_string(),
+        "socket": node.cfg.socket,
+        "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory.0 },
+        "sources": sources,
+        "streams": streams,
+        "counters": {
+            "bytes_received": c.bytes_received.load(Ordering::Relaxed),
+            "shards_received": c.shards_received.load(Ordering::Relaxed),
+            "crc_failures": c.crc_failures.load(Ordering::Relaxed),
+            "refetches": c.refetches.load(Ordering::Relaxed),
+            "batches_delivered": c.batches_delivered.load(Ordering::Relaxed),
+        },
+    }))
+}

@@ -1,0 +1,208 @@
+//! Command-line interface: subcommands and their flags. Flags are the top configuration
+//! layer (defaults < TOML file < SHARDWIRE_* environment < flags).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
+use shardwire_config::{ByteSize, LogFormat, ServeConfig, SourceConfig};
+
+/// GPU-direct data ingestion for ML training.
+#[derive(Parser, Debug)]
+#[command(name = "shardwire", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Build DIR/shardwire.manifest.json from the Arrow IPC, .npy and .bin files in DIR.
+    Index {
+        /// Dataset directory.
+        dir: PathBuf,
+        /// Never show the progress line.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Serve datasets to node services.
+    Source(SourceFlags),
+    /// Run the node service.
+    Serve(ServeFlags),
+    /// Trainer stand-in: print one line per batch.
+    Consume(consume::ConsumeArgs),
+    /// Run everything on loopback on a small synthetic dataset and verify every batch.
+    Demo(demo::DemoArgs),
+    /// kperf-style ingest throughput test on loopback.
+    Bench(bench::BenchArgs),
+}
+
+use crate::{bench, consume, demo};
+
+fn parse_size(s: &str) -> Result<ByteSize, String> {
+    s.parse()
+}
+
+/// Flags of `shardwire source`.
+#[derive(Args, Debug, Serialize)]
+pub struct SourceFlags {
+    /// TOML configuration file.
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Control listen address [default: 0.0.0.0:7500].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<std::net::SocketAddr>,
+    /// A dataset to serve, as NAME=DIR (repeatable).
+    #[arg(long = "dataset")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    datasets: Vec<String>,
+    /// File with the shared secret; without it only loopback peers are accepted.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    secret_file: Option<PathBuf>,
+    /// Send rate limit in bytes/s (e.g. 100MiB), 0 = unlimited.
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit: Option<ByteSize>,
+    /// Fault injection for tests: flip one byte in each of the first N payloads sent.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_corrupt: Option<u32>,
+    /// Log format: text or json.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_format: Option<LogFormat>,
+}
+
+/// Flags of `shardwire serve`.
+#[derive(Args, Debug, Serialize)]
+pub struct ServeFlags {
+    /// TOML configuration file.
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// A shard source's control address HOST:PORT (repeatable).
+    #[arg(long = "source")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    sources: Vec<String>,
+    /// Trainer Unix socket path [default: /run/shardwire/trainer.sock].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    socket: Option<PathBuf>,
+    /// Data port listen address [default: 0.0.0.0:7401].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_listen: Option<std::net::SocketAddr>,
+    /// Admin HTTP listen address [default: 127.0.0.1:7400].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admin: Option<std::net::SocketAddr>,
+    /// Memory for all streams together (e.g. 4GiB) [default: 1GiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pool_size: Option<ByteSize>,
+    /// Region per stream: fetch-ahead plus leased batches [default: 256MiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_memory: Option<ByteSize>,
+    /// Data connections per source [default: 2].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flows: Option<u16>,
+    /// File with the shared secret for sources.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    secret_file: Option<PathBuf>,
+    /// Log format: text or json.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_format: Option<LogFormat>,
+}
+
+/// Sets up logging on stderr; `RUST_LOG` syntax, default `info`.
+pub fn init_logging(format: LogFormat) {
+    init_logging_with(format, "info");
+}
+
+/// Text logging with a default filter (RUST_LOG still wins).
+pub fn init_logging_filter(default: &str) {
+    init_logging_with(LogFormat::Text, default);
+}
+
+fn init_logging_with(format: LogFormat, default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn signalled() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Index { dir, quiet } => {
+            let opts = shardwire_index::IndexOptions { progress: !quiet };
+            let m = shardwire_index::index_dir(&dir, &opts)?;
+            let path = shardwire_index::write_manifest(&dir, &m)?;
+            println!("indexed {} shards, {} bytes, digest {} -> {}", m.shards.len(), m.total_bytes, m.digest, path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Source(f) => {
+            let cfg = SourceConfig::load(f.config.as_deref(), &f)?;
+            init_logging(cfg.log_format);
+            let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
+            let secret = cfg.secret_file.as_deref().map(crate::node::read_secret).transpose()?;
+            let scfg = shardwire_source::SourceConfig {
+                listen: cfg.listen,
+                secret,
+                rate_limit: cfg.rate_limit.0,
+                fault_corrupt: cfg.fault_corrupt,
+            };
+            runtime()?.block_on(async {
+                let src = shardwire_source::Source::bind(scfg, datasets).await.with_context(|| format!("binding {}", cfg.listen))?;
+                println!("source listening on {}", src.local_addr());
+                let (tx, rx) = tokio::sync::watch::channel(false);
+                tokio::spawn(async move {
+                    signalled().await;
+                    let _ = tx.send(true);
+                });
+                src.serve(rx).await;
+                Ok(ExitCode::SUCCESS)
+            })
+        }
+        Cmd::Serve(f) => {
+            let cfg = ServeConfig::load(f.config.as_deref(), &f)?;
+            init_logging(cfg.log_format);
+            runtime()?.block_on(async {
+                let h = crate::node::start(cfg).await?;
+                println!("node service ready: socket {} admin http://{}", h.socket.display(), h.admin_addr);
+                signalled().await;
+                tracing::info!("signal received; shutting down");
+                h.shutdown();
+                Ok(ExitCode::SUCCESS)
+            })
+        }
+        Cmd::Consume(a) => consume::run(a),
+        Cmd::Demo(a) => demo::run(a),
+        Cmd::Bench(a) => bench::run(a),
+    }
+}

@@ -1,0 +1,179 @@
+//! The node service: links to shard sources, receiver threads, streams, the trainer socket.
+//!
+//! Control plane (tokio): one [`link::SourceLink`] task per source (handshake, manifests,
+//! FETCH/SHARD), one fetcher task per stream, the data-port acceptor, the admin API.
+//! Data path (threads): one receiver per data connection (`recv` straight into the shard's
+//! slab, CRC-32C while the bytes are cache-hot) and one thread per trainer connection.
+//! The data path never waits on the control plane except for the announcement that tells
+//! a receiver where its next payload goes.
+
+pub mod link;
+pub mod matcher;
+pub mod receiver;
+pub mod stream;
+pub mod trainer_socket;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use shardwire_config::ServeConfig;
+use tokio::sync::watch;
+
+use self::link::SourceLink;
+use self::stream::StreamShared;
+
+/// Counters of the data path (also exported as Prometheus metrics).
+#[derive(Default, Debug)]
+pub struct Counters {
+    /// Payload bytes received and verified.
+    pub bytes_received: AtomicU64,
+    /// Shards received and verified.
+    pub shards_received: AtomicU64,
+    /// Payloads whose CRC-32C did not match.
+    pub crc_failures: AtomicU64,
+    /// FETCHes issued again after a failure.
+    pub refetches: AtomicU64,
+    /// Batches handed to trainers.
+    pub batches_delivered: AtomicU64,
+}
+
+/// State shared by every part of a running node.
+pub struct Node {
+    /// Effective configuration.
+    pub cfg: ServeConfig,
+    /// Shared secret for sources.
+    pub secret: Option<Vec<u8>>,
+    /// One link per configured source.
+    pub links: Vec<Arc<SourceLink>>,
+    /// Open streams by id.
+    pub streams: Mutex<HashMap<u64, Arc<StreamShared>>>,
+    /// Bytes of `pool_size` reserved by open streams.
+    pub reserved: Mutex<u64>,
+    /// Data-connection matcher.
+    pub matcher: matcher::Matcher,
+    /// Counters.
+    pub counters: Counters,
+    /// Bound data port.
+    pub data_addr: SocketAddr,
+    /// Runtime handle for trainer threads.
+    pub rt: tokio::runtime::Handle,
+    next_id: AtomicU64,
+    /// Why the service runs in the mode it does.
+    pub mode_reason: String,
+    /// Per data connection: (source, conn, counters).
+    pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
+}
+
+impl Node {
+    /// A fresh id for streams, leases and requests.
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+/// A started node; dropping it does not stop it, call [`NodeHandle::shutdown`].
+pub struct NodeHandle {
+    /// The node.
+    pub node: Arc<Node>,
+    /// Admin address actually bound.
+    pub admin_addr: SocketAddr,
+    /// Trainer socket path.
+    pub socket: PathBuf,
+    shutdown: watch::Sender<bool>,
+}
+
+impl NodeHandle {
+    /// Asks every task to stop.
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+        for s in self.node.streams.lock().expect("poisoned").values() {
+            s.close("node shutting down");
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+    /// A receiver that turns true on shutdown.
+    pub fn watch(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+}
+
+/// Why the node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A port could not be bound.
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The secret file is unusable.
+    #[error("secret file {path}: {reason}")]
+    Secret {
+        /// Path.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No sources.
+    #[error("no sources configured: give --source HOST:PORT (or `sources` in the config file)")]
+    NoSources,
+}
+
+/// Reads a secret file.
+pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, StartError> {
+    let bad = |reason: String| StartError::Secret { path: path.into(), reason };
+    let raw = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    shardwire_protocol::auth::parse_secret(&raw).ok_or_else(|| bad("the file is empty".into()))
+}
+
+/// Starts the node on the current tokio runtime.
+pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
+    if cfg.sources.is_empty() {
+        return Err(StartError::NoSources);
+    }
+    let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
+    let data = tokio::net::TcpListener::bind(cfg.data_listen)
+        .await
+        .map_err(|source| StartError::Bind { what: "the data port", addr: cfg.data_listen.to_string(), source })?;
+    let data_addr = data.local_addr().expect("bound");
+    let (shutdown, watch) = watch::channel(false);
+    let links = cfg.sources.iter().enumerate().map(|(i, a)| SourceLink::new(i, a.clone())).collect();
+    let mode_reason = "receive=host, memory=host: host mode was requested by configuration (devmem and CUDA backends are not built into this version)".to_string();
+    let node = Arc::new(Node {
+        secret,
+        links,
+        streams: Mutex::new(HashMap::new()),
+        reserved: Mutex::new(0),
+        matcher: matcher::Matcher::default(),
+        counters: Counters::default(),
+        data_addr,
+        rt: tokio::runtime::Handle::current(),
+        next_id: AtomicU64::new(0),
+        mode_reason,
+        flows: Mutex::new(Vec::new()),
+        cfg,
+    });
+    tracing::info!(mode = "host", reason = %node.mode_reason, "memory and receive mode chosen");
+    tokio::spawn(matcher::accept_loop(Arc::clone(&node), data, watch.clone()));
+    for l in &node.links {
+        tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));
+    }
+    let socket = node.cfg.socket.clone();
+    trainer_socket::start(Arc::clone(&node), &socket, watch.clone())
+        .map_err(|source| StartError::Bind { what: "the trainer socket", addr: socket.display().to_string(), source })?;
+    let admin = tokio::net::TcpListener::bind(node.cfg.admin)
+        .await
+        .map_err(|source| StartError::Bind { what: "the admin API", addr: node.cfg.admin.to_string(), source })?;
+    let admin_addr = admin.local_addr().expect("bound");
+    tokio::spawn(crate::admin::serve(Arc::clone(&node), admin, watch.clone()));
+    tracing::info!(data = %data_addr, admin = %admin_addr, socket = %socket.display(), sources = node.links.len(), "node service ready");
+    Ok(NodeHandle { node, admin_addr, socket, shutdown })
+}

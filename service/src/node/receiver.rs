@@ -1,0 +1,77 @@
+//! Receiver threads (host mode): one per data connection. Each takes the next announced
+//! payload, `recv`s it straight into the shard's slab (no intermediate buffer), computes
+//! CRC-32C chunk by chunk while the bytes are still in cache, and reports the outcome.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+
+use shardwire_protocol::crc::Crc32c;
+
+use super::Node;
+use super::link::{FetchFailure, FetchOutcome, PendingFetch, SourceLink};
+
+/// CRC granularity: large enough to amortise, small enough to stay in L2.
+const CHUNK: usize = 256 << 10;
+
+/// Per-flow counters (for `shardwire bench`).
+#[derive(Debug, Default)]
+pub struct FlowStats {
+    /// Bytes received on this flow.
+    pub bytes: std::sync::atomic::AtomicU64,
+}
+
+/// Starts the receiver thread for one identified data connection.
+pub fn spawn(node: Arc<Node>, link: Arc<SourceLink>, conn: u16, sock: TcpStream, rx: Receiver<PendingFetch>) {
+    let flow = Arc::new(FlowStats::default());
+    node.flows.lock().expect("poisoned").push((link.addr.clone(), conn, Arc::clone(&flow)));
+    std::thread::Builder::new()
+        .name(format!("sw-recv-{}-{conn}", link.index))
+        .spawn(move || run(&node, &link, sock, &rx, &flow))
+        .expect("spawn receiver thread");
+}
+
+fn run(node: &Node, link: &SourceLink, mut sock: TcpStream, rx: &Receiver<PendingFetch>, flow: &FlowStats) {
+    let mut broken: Option<String> = None;
+    while let Ok(mut p) = rx.recv() {
+        if let Some(reason) = &broken {
+            p.fail(FetchFailure::Source(reason.clone()));
+            continue;
+        }
+        match recv_payload(&mut sock, p.slab.as_mut_slice(), flow) {
+            Ok(got) => {
+                let result = if got == p.crc32c {
+                    node.counters.bytes_received.fetch_add(p.length, Ordering::Relaxed);
+                    node.counters.shards_received.fetch_add(1, Ordering::Relaxed);
+                    link.bytes.fetch_add(p.length, Ordering::Relaxed);
+                    Ok(())
+                } else {
+                    node.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(source = %link.addr, shard = p.shard, got = format!("{got:08x}"), want = format!("{:08x}", p.crc32c),
+                        "CRC-32C mismatch: the shard will be fetched again");
+                    Err(FetchFailure::Crc { got, want: p.crc32c })
+                };
+                let _ = p.done.send(FetchOutcome { pos: p.pos, shard: p.shard, slab: p.slab, source: p.source, result });
+            }
+            Err(e) => {
+                let reason = format!("data connection from {} failed mid-shard: {e}", link.addr);
+                p.fail(FetchFailure::Source(reason.clone()));
+                broken = Some(reason);
+                link.kick();
+            }
+        }
+    }
+}
+
+/// Fills `dst` from the socket, returning the CRC-32C of what arrived.
+fn recv_payload(sock: &mut TcpStream, dst: &mut [u8], flow: &FlowStats) -> std::io::Result<u32> {
+    let mut crc = Crc32c::new();
+    for chunk in dst.chunks_mut(CHUNK) {
+        sock.read_exact(chunk)?;
+        crc.update(chunk);
+        flow.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    }
+    Ok(crc.finish())
+}

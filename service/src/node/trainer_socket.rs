@@ -1,0 +1,251 @@
+//! The trainer Unix socket (docs/TRAINER_API.md): one thread per trainer connection, one
+//! stream per connection. `attach` opens the stream and passes its region fd with
+//! SCM_RIGHTS; `next` leases the next batch in plan order; `release` ends a lease. A
+//! disconnect closes the stream and releases every lease. A malformed frame gets an error
+//! reply and drops that connection only.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardwire_client::fdpass::{self, FrameIoError};
+use shardwire_protocol::Manifest;
+use shardwire_protocol::plan::PlanSpec;
+use shardwire_protocol::trainer::{self, Request, Response, TRAINER_VERSION};
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use super::Node;
+use super::stream::{Next, StreamParams, StreamShared};
+
+/// Binds the socket (replacing a stale file) and starts the accept thread.
+pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!(path = %path.display(), "removed a stale trainer socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    std::thread::Builder::new().name("sw-trainer-accept".into()).spawn(move || {
+        for conn in listener.incoming() {
+            if *shutdown.borrow() {
+                return;
+            }
+            match conn {
+                Ok(s) => {
+                    let node = Arc::clone(&node);
+                    let _ = std::thread::Builder::new().name("sw-trainer".into()).spawn(move || serve(&node, s));
+                }
+                Err(e) => tracing::warn!(error = %e, "trainer accept failed"),
+            }
+        }
+    })?;
+    Ok(())
+}
+
+fn reply(sock: &UnixStream, r: &Response, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), FrameIoError> {
+    let mut frame = Vec::with_capacity(256);
+    trainer::encode(r, &mut frame);
+    fdpass::send_frame(sock, &frame, fds)
+}
+
+fn error(code: &str, message: impl Into<String>) -> Response {
+    Response::Error { code: code.into(), message: message.into() }
+}
+
+fn serve(node: &Arc<Node>, sock: UnixStream) {
+    let mut buf = Vec::new();
+    let mut fds = Vec::new();
+    let mut stream: Option<Arc<StreamShared>> = None;
+    loop {
+        let req = match fdpass::recv_frame(&sock, &mut buf, &mut fds) {
+            Ok(()) => match trainer::decode::<Request>(&buf) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
+                    let _ = reply(&sock, &error("bad_request", e.to_string()), &[]);
+                    break;
+                }
+            },
+            Err(FrameIoError::Closed) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "trainer connection failed");
+                let _ = reply(&sock, &error("bad_request", e.to_string()), &[]);
+                break;
+            }
+        };
+        fds.clear(); // trainers never send fds; drop any that came
+        let sent = match (req, &stream) {
+            (Request::Attach { .. }, Some(_)) => reply(&sock, &error("already_attached", "this connection already has a stream"), &[]),
+            (Request::Attach { version, dataset, seed, rank, world_size, epochs, uneven, state }, None) => {
+                if version != TRAINER_VERSION {
+                    reply(&sock, &error("unsupported_version", format!("trainer protocol {version}; this service speaks {TRAINER_VERSION}")), &[])
+                } else {
+                    match open(node, dataset, seed, rank, world_size, epochs, uneven, state) {
+                        Ok(s) => {
+                            let r = Response::Attached {
+                                stream: s.id,
+                                region_size: s.pool.region().len() as u64,
+                                batches_per_epoch: s.spec.per_rank(),
+                                epochs: s.epochs,
+                                memory: "host".into(),
+                                state: s.state(),
+                            };
+                            let sent = reply(&sock, &r, &[s.pool.region().fd()]);
+                            stream = Some(s);
+                            sent
+                        }
+                        Err((code, msg)) => reply(&sock, &error(code, msg), &[]),
+                    }
+                }
+            }
+            (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
+            (Request::Next { timeout_ms }, Some(s)) => {
+                let r = match s.next(node, timeout_ms.map(Duration::from_millis)) {
+                    Next::Batch { lease, epoch, index, shard, tensors } => Response::Batch { lease, epoch, index, shard, tensors },
+                    Next::End => Response::End,
+                    Next::Timeout => Response::Timeout,
+                    Next::Closed(why) => error("closed", why),
+                };
+                reply(&sock, &r, &[])
+            }
+            (Request::Release { lease }, Some(s)) => {
+                let r = if s.release(lease) { Response::Released } else { error("unknown_lease", format!("lease {lease} is not held by this stream")) };
+                reply(&sock, &r, &[])
+            }
+            (Request::State, Some(s)) => reply(&sock, &Response::State { state: s.state() }, &[]),
+        };
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "trainer went away while we replied");
+            break;
+        }
+    }
+    if let Some(s) = stream {
+        close_stream(node, &s, "trainer disconnected");
+    }
+}
+
+/// Closes a stream and returns its memory budget.
+pub fn close_stream(node: &Node, s: &StreamShared, reason: &str) {
+    s.close(reason);
+    node.streams.lock().expect("poisoned").remove(&s.id);
+    *node.reserved.lock().expect("poisoned") -= s.reserved;
+    tracing::info!(stream = s.id, reason, "stream closed");
+}
+
+type OpenError = (&'static str, String);
+
+#[allow(clippy::too_many_arguments)] // mirrors the attach message field by field
+fn open(
+    node: &Arc<Node>,
+    dataset: String,
+    seed: u64,
+    rank: u32,
+    world_size: u32,
+    epochs: u32,
+    uneven: shardwire_protocol::plan::Uneven,
+    state: Option<trainer::StreamState>,
+) -> Result<Arc<StreamShared>, OpenError> {
+    if epochs == 0 {
+        return Err(("bad_request", "epochs must be at least 1".into()));
+    }
+    let (manifest, candidates) = node.rt.block_on(manifest_for(node, &dataset))?;
+    let shards = u32::try_from(manifest.shards.len()).map_err(|_| ("bad_request", "too many shards".to_string()))?;
+    let spec = PlanSpec { digest: manifest.digest_bytes(), shards, seed, rank, world_size, uneven };
+    spec.validate().map_err(|e| ("bad_plan", e.to_string()))?;
+    let fingerprint = spec.fingerprint();
+    let start = match &state {
+        None => 0,
+        Some(st) => {
+            spec.check_fingerprint(&st.fingerprint).map_err(|e| ("state_mismatch", e))?;
+            if st.seed != seed {
+                return Err(("state_mismatch", format!("state fingerprint differs in `seed`: saved {}, stream has {seed}", st.seed)));
+            }
+            if st.index >= spec.per_rank() || st.epoch > epochs {
+                return Err(("state_mismatch", format!("state position epoch {} index {} is outside this stream", st.epoch, st.index)));
+            }
+            u64::from(st.epoch) * spec.per_rank() + st.index
+        }
+    };
+    let region_bytes = node.cfg.stream_memory.0;
+    let largest = manifest.shards.iter().map(|s| s.length).max().unwrap_or(0) as usize;
+    let class = shardwire_gpu::SlabPool::class_size(largest) as u64;
+    if class * 2 > region_bytes {
+        return Err((
+            "no_memory",
+            format!(
+                "the largest shard ({largest} bytes, slab class {class}) needs stream_memory of at least {} bytes to keep one batch leased while the next arrives; stream_memory is {region_bytes}",
+                class * 2
+            ),
+        ));
+    }
+    {
+        let mut reserved = node.reserved.lock().expect("poisoned");
+        if *reserved + region_bytes > node.cfg.pool_size.0 {
+            return Err((
+                "no_memory",
+                format!(
+                    "pool exhausted: {} of pool_size {} bytes reserved by open streams; a stream needs stream_memory {region_bytes}",
+                    *reserved, node.cfg.pool_size.0
+                ),
+            ));
+        }
+        *reserved += region_bytes;
+    }
+    let id = node.next_id();
+    let params = StreamParams { dataset: dataset.clone(), spec, epochs, start, manifest, region_bytes, candidates, fingerprint };
+    let s = match StreamShared::new(id, params) {
+        Ok(s) => s,
+        Err(e) => {
+            *node.reserved.lock().expect("poisoned") -= region_bytes;
+            return Err(("no_memory", e));
+        }
+    };
+    node.streams.lock().expect("poisoned").insert(id, Arc::clone(&s));
+    let span = tracing::info_span!("stream", id, dataset = %dataset, rank, world_size);
+    node.rt.spawn(super::stream::fetcher(Arc::clone(node), Arc::clone(&s), start).instrument(span));
+    tracing::info!(stream = id, %dataset, seed, rank, world_size, epochs, start, "stream opened");
+    Ok(s)
+}
+
+/// The manifest for `dataset` and the links that serve exactly it.
+async fn manifest_for(node: &Arc<Node>, dataset: &str) -> Result<(Arc<Manifest>, Vec<Arc<super::link::SourceLink>>), OpenError> {
+    // Give links that are still connecting a moment (a trainer may start with the node).
+    for _ in 0..50 {
+        if node.links.iter().any(|l| l.is_up()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut answers = Vec::new();
+    for l in node.links.iter().filter(|l| l.is_up()) {
+        answers.push((Arc::clone(l), l.request_manifest(dataset).await));
+    }
+    let mut errors = Vec::new();
+    let mut chosen: Option<Arc<Manifest>> = None;
+    let mut candidates = Vec::new();
+    for (l, r) in answers {
+        match r.map_err(|e| e.to_string()).and_then(|json| Manifest::from_json(&json).map_err(|e| e.to_string())) {
+            Ok(m) => match &chosen {
+                None => {
+                    chosen = Some(Arc::new(m));
+                    candidates.push(l);
+                }
+                Some(c) if c.digest == m.digest => candidates.push(l),
+                Some(c) => tracing::warn!(source = %l.addr, %dataset, theirs = %m.digest, ours = %c.digest, "source serves a different version of the dataset; not using it for this stream"),
+            },
+            Err(e) => errors.push(format!("{}: {e}", l.addr)),
+        }
+    }
+    match chosen {
+        Some(m) => Ok((m, candidates)),
+        None if errors.is_empty() => Err(("unavailable", format!("no source is connected (configured: {})", node.links.iter().map(|l| l.addr.as_str()).collect::<Vec<_>>().join(", ")))),
+        None => Err(("unknown_dataset", format!("dataset `{dataset}` is not available: {}", errors.join("; ")))),
+    }
+}
