@@ -145,15 +145,16 @@ fn run_tcp(a: &BenchArgs, files: &[std::path::PathBuf], shard: usize) -> anyhow:
     let mut threads = Vec::new();
     for f in 0..a.flows {
         let files: Vec<std::fs::File> = files.iter().map(std::fs::File::open).collect::<Result<_, _>>()?;
-        let stop = Arc::clone(&stop);
+        let stop_tx = Arc::clone(&stop);
         threads.push(std::thread::spawn(move || -> std::io::Result<()> {
             let sock = TcpStream::connect(addr)?;
             let mut i = f as usize;
-            while !stop.load(Ordering::Relaxed) {
+            while !stop_tx.load(Ordering::Relaxed) {
                 let file = &files[i % files.len()];
                 let mut off = 0u64;
                 while (off as usize) < shard {
-                    let n = rustix::fs::sendfile(&sock, file, Some(&mut off), shard - off as usize)?;
+                    let want = shard - off as usize;
+                    let n = rustix::fs::sendfile(&sock, file, Some(&mut off), want)?;
                     if n == 0 {
                         break;
                     }

@@ -41,6 +41,14 @@ enum Cmd {
 
 use crate::{bench, consume, demo};
 
+fn parse_log_format(s: &str) -> Result<LogFormat, String> {
+    match s {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        other => Err(format!("`{other}` is not text or json")),
+    }
+}
+
 fn parse_size(s: &str) -> Result<ByteSize, String> {
     s.parse()
 }
@@ -73,7 +81,7 @@ pub struct SourceFlags {
     #[serde(skip_serializing_if = "Option::is_none")]
     fault_corrupt: Option<u32>,
     /// Log format: text or json.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<LogFormat>,
 }
@@ -118,7 +126,7 @@ pub struct ServeFlags {
     #[serde(skip_serializing_if = "Option::is_none")]
     secret_file: Option<PathBuf>,
     /// Log format: text or json.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<LogFormat>,
 }

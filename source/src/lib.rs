@@ -64,10 +64,12 @@ impl Source {
     /// Accepts control connections until `shutdown` turns true.
     pub async fn serve(self, mut shutdown: watch::Receiver<bool>) {
         if self.shared.cfg.secret.is_none() {
-            tracing::warn!(
-                listen = %self.local_addr(),
-                "no secret configured: accepting loopback peers only (use --secret-file to serve other hosts)"
-            );
+            let msg = "no secret configured: accepting loopback peers only (use --secret-file to serve other hosts)";
+            if self.local_addr().ip().is_loopback() {
+                tracing::info!(listen = %self.local_addr(), "{msg}");
+            } else {
+                tracing::warn!(listen = %self.local_addr(), "{msg}");
+            }
         }
         for d in self.shared.datasets.iter() {
             tracing::info!(dataset = %d.name, shards = d.manifest.shards.len(), bytes = d.manifest.total_bytes,

@@ -125,11 +125,6 @@ impl SourceLink {
         self.up.load(Ordering::Acquire)
     }
 
-    /// Current connection generation (changes on every reconnect).
-    pub fn generation(&self) -> u64 {
-        self.state.lock().expect("poisoned").generation
-    }
-
     /// Fetches in flight on this link.
     pub fn in_flight(&self) -> usize {
         self.pending.lock().expect("poisoned").len()

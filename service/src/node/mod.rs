@@ -94,10 +94,6 @@ impl NodeHandle {
         }
         let _ = std::fs::remove_file(&self.socket);
     }
-    /// A receiver that turns true on shutdown.
-    pub fn watch(&self) -> watch::Receiver<bool> {
-        self.shutdown.subscribe()
-    }
 }
 
 /// Why the node could not start.

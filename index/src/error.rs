@@ -1,0 +1,107 @@
+//! [`IndexError`]: why a directory could not be indexed.
+//!
+//! Every variant names the file (or the directory) it is about, and carries the offending
+//! value, so that the message alone tells the user what to fix.
+
+use std::path::PathBuf;
+
+use shardwire_protocol::manifest::ManifestError;
+
+/// Why `shardwire index` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    /// The dataset directory does not exist or is not a directory.
+    #[error("{}: not a directory", .dir.display())]
+    NotADirectory {
+        /// The path given.
+        dir: PathBuf,
+    },
+    /// Reading or writing a file (or listing a directory) failed.
+    #[error("{}: {source}", .file.display())]
+    Io {
+        /// The file or directory.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file name that cannot be written into the manifest (not UTF-8).
+    #[error("{}: file name is not valid UTF-8; rename it", .file.display())]
+    NonUtf8Name {
+        /// The path, as the OS gave it.
+        file: PathBuf,
+    },
+    /// The directory holds no file with data that could be indexed.
+    #[error("{}: {}", .dir.display(), no_files_reason(*.found))]
+    NoUsableFiles {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// How many files had a known extension (each then held no data).
+        found: usize,
+    },
+    /// The file is well formed but uses something shardwire does not support.
+    #[error("{}: {reason} (found: {value})", .file.display())]
+    Unsupported {
+        /// The file.
+        file: PathBuf,
+        /// What is not supported, and how to fix it.
+        reason: String,
+        /// The offending value.
+        value: String,
+    },
+    /// The file is truncated or corrupt.
+    #[error("{}: malformed file: {reason} (found: {value})", .file.display())]
+    Malformed {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        reason: String,
+        /// The offending value.
+        value: String,
+    },
+    /// One Arrow column cannot be a shardwire tensor.
+    #[error("{}: {}column `{column}`: {reason} (found: {value})", .file.display(), batch_prefix(.batch))]
+    Column {
+        /// The file.
+        file: PathBuf,
+        /// Record batch index, when the problem is in the data rather than the schema.
+        batch: Option<usize>,
+        /// The column (field) name.
+        column: String,
+        /// What is wrong, and how to fix it.
+        reason: String,
+        /// The offending value (a type, a count, a range).
+        value: String,
+    },
+    /// The manifest built from the files failed its own validation (a bug guard).
+    #[error("{}: internal error, the built manifest is invalid: {source}", .dir.display())]
+    Manifest {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The validation failure.
+        source: ManifestError,
+    },
+}
+
+fn no_files_reason(found: usize) -> String {
+    if found == 0 {
+        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin)".into()
+    } else {
+        format!("found {found} data files but none holds any rows")
+    }
+}
+
+fn batch_prefix(batch: &Option<usize>) -> String {
+    batch
+        .map(|b| format!("record batch {b}: "))
+        .unwrap_or_default()
+}
+
+impl IndexError {
+    /// Shorthand for [`IndexError::Io`].
+    pub(crate) fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            file: file.into(),
+            source,
+        }
+    }
+}
