@@ -8,7 +8,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
 };
 use shardwire_protocol::trainer::{self, TrainerDecodeError};
 
@@ -27,7 +28,11 @@ pub enum FrameIoError {
 }
 
 /// Sends one frame, with `fds` attached to its first byte.
-pub fn send_frame(sock: &UnixStream, frame: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), FrameIoError> {
+pub fn send_frame(
+    sock: &UnixStream,
+    frame: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), FrameIoError> {
     if fds.is_empty() {
         (&*sock).write_all(frame)?;
         return Ok(());
@@ -44,14 +49,23 @@ pub fn send_frame(sock: &UnixStream, frame: &[u8], fds: &[BorrowedFd<'_>]) -> Re
 }
 
 /// Receives one frame body into `buf`, collecting any fds that arrive with it.
-pub fn recv_frame(sock: &UnixStream, buf: &mut Vec<u8>, fds: &mut Vec<OwnedFd>) -> Result<(), FrameIoError> {
+pub fn recv_frame(
+    sock: &UnixStream,
+    buf: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<(), FrameIoError> {
     let mut prefix = [0u8; 4];
     let mut got = 0;
     while got < 4 {
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
         let mut anc = RecvAncillaryBuffer::new(&mut space);
-        let r = rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut prefix[got..])], &mut anc, RecvFlags::CMSG_CLOEXEC)
-            .map_err(std::io::Error::from)?;
+        let r = rustix::net::recvmsg(
+            sock,
+            &mut [IoSliceMut::new(&mut prefix[got..])],
+            &mut anc,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(std::io::Error::from)?;
         for m in anc.drain() {
             if let RecvAncillaryMessage::ScmRights(rights) = m {
                 fds.extend(rights);
@@ -66,7 +80,11 @@ pub fn recv_frame(sock: &UnixStream, buf: &mut Vec<u8>, fds: &mut Vec<OwnedFd>) 
     buf.clear();
     buf.resize(len, 0);
     (&*sock).read_exact(buf).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof { FrameIoError::Closed } else { e.into() }
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            FrameIoError::Closed
+        } else {
+            e.into()
+        }
     })?;
     Ok(())
 }
@@ -90,13 +108,19 @@ mod tests {
         send_frame(&a, &frame, &[]).unwrap();
         let (mut buf, mut fds) = (Vec::new(), Vec::new());
         recv_frame(&b, &mut buf, &mut fds).unwrap();
-        assert_eq!(trainer::decode::<trainer::Request>(&buf).unwrap(), trainer::Request::State);
+        assert_eq!(
+            trainer::decode::<trainer::Request>(&buf).unwrap(),
+            trainer::Request::State
+        );
         assert_eq!(fds.len(), 1);
         let meta = rustix::fs::fstat(&fds[0]).unwrap();
         assert_eq!(meta.st_ino, rustix::fs::fstat(&file).unwrap().st_ino);
         recv_frame(&b, &mut buf, &mut fds).unwrap();
         assert_eq!(fds.len(), 1, "no fd on the second frame");
         drop(a);
-        assert!(matches!(recv_frame(&b, &mut buf, &mut fds), Err(FrameIoError::Closed)));
+        assert!(matches!(
+            recv_frame(&b, &mut buf, &mut fds),
+            Err(FrameIoError::Closed)
+        ));
     }
 }

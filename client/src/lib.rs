@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use rustix::mm::{MapFlags, ProtFlags};
 use shardwire_protocol::plan::Uneven;
-pub use shardwire_protocol::trainer::{StreamState, TensorView};
 use shardwire_protocol::trainer::{self, Request, Response, TRAINER_VERSION};
+pub use shardwire_protocol::trainer::{StreamState, TensorView};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +90,15 @@ pub struct StreamOptions {
 impl StreamOptions {
     /// Defaults: seed 0, rank 0 of 1, one epoch, pad.
     pub fn new(dataset: impl Into<String>) -> Self {
-        Self { dataset: dataset.into(), seed: 0, rank: 0, world_size: 1, epochs: 1, uneven: Uneven::Pad, state: None }
+        Self {
+            dataset: dataset.into(),
+            seed: 0,
+            rank: 0,
+            world_size: 1,
+            epochs: 1,
+            uneven: Uneven::Pad,
+            state: None,
+        }
     }
 }
 
@@ -110,13 +118,28 @@ impl Mapping {
         let err = |source: std::io::Error| ClientError::Map { len, source };
         // SAFETY: a fresh read-only shared mapping of the region fd the service sent; it
         // aliases nothing in this process and lives until Drop.
-        let raw = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len as usize, ProtFlags::READ, MapFlags::SHARED, fd, 0) }
-            .map_err(|e| err(e.into()))?;
-        Ok(Self { ptr: NonNull::new(raw.cast()).expect("mmap success is non-null"), len: len as usize })
+        let raw = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }
+        .map_err(|e| err(e.into()))?;
+        Ok(Self {
+            ptr: NonNull::new(raw.cast()).expect("mmap success is non-null"),
+            len: len as usize,
+        })
     }
     fn slice(&self, off: u64, len: u64) -> &[u8] {
         let (off, len) = (off as usize, len as usize);
-        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "tensor range outside the region");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "tensor range outside the region"
+        );
         // SAFETY: the range was checked to lie inside the live mapping.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
@@ -186,7 +209,10 @@ impl Stream {
     /// Connects to the node's trainer socket and opens a stream.
     pub fn open(path: impl AsRef<Path>, o: StreamOptions) -> Result<Self, ClientError> {
         let path = path.as_ref();
-        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
+        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
         let req = Request::Attach {
             version: TRAINER_VERSION,
             dataset: o.dataset,
@@ -203,13 +229,35 @@ impl Stream {
         let (mut buf, mut fds) = (Vec::new(), Vec::new());
         fdpass::recv_frame(&sock, &mut buf, &mut fds)?;
         match trainer::decode::<Response>(&buf).map_err(fdpass::FrameIoError::from)? {
-            Response::Attached { stream, region_size, batches_per_epoch, epochs, memory, state } => {
-                let fd = fds.pop().ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;
+            Response::Attached {
+                stream,
+                region_size,
+                batches_per_epoch,
+                epochs,
+                memory,
+                state,
+            } => {
+                let fd = fds
+                    .pop()
+                    .ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;
                 let region = Arc::new(Mapping::new(&fd, region_size)?);
-                Ok(Self { sock, region, buf, info: StreamInfo { stream, batches_per_epoch, epochs, memory, state } })
+                Ok(Self {
+                    sock,
+                    region,
+                    buf,
+                    info: StreamInfo {
+                        stream,
+                        batches_per_epoch,
+                        epochs,
+                        memory,
+                        state,
+                    },
+                })
             }
             Response::Error { code, message } => Err(ClientError::Service { code, message }),
-            other => Err(ClientError::Protocol(format!("unexpected answer to attach: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to attach: {other:?}"
+            ))),
         }
     }
 
@@ -226,6 +274,7 @@ impl Stream {
     }
 
     /// The next batch in plan order, or `None` when every epoch was delivered.
+    #[allow(clippy::should_implement_trait)] // fallible: an Iterator would have to hide errors
     pub fn next(&mut self) -> Result<Option<Batch>, ClientError> {
         self.next_inner(None)
     }
@@ -236,14 +285,29 @@ impl Stream {
     }
 
     fn next_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Batch>, ClientError> {
-        let req = Request::Next { timeout_ms: timeout.map(|t| t.as_millis() as u64) };
+        let req = Request::Next {
+            timeout_ms: timeout.map(|t| t.as_millis() as u64),
+        };
         match self.call(&req)? {
-            Response::Batch { lease, epoch, index, shard, tensors } => {
-                Ok(Some(Batch { lease, epoch, index, shard, tensors, region: Arc::clone(&self.region) }))
-            }
+            Response::Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+            } => Ok(Some(Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+                region: Arc::clone(&self.region),
+            })),
             Response::End => Ok(None),
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
-            other => Err(ClientError::Protocol(format!("unexpected answer to next: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to next: {other:?}"
+            ))),
         }
     }
 
@@ -251,7 +315,9 @@ impl Stream {
     pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
         match self.call(&Request::Release { lease: batch.lease })? {
             Response::Released => Ok(()),
-            other => Err(ClientError::Protocol(format!("unexpected answer to release: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to release: {other:?}"
+            ))),
         }
     }
 
@@ -259,7 +325,9 @@ impl Stream {
     pub fn state(&mut self) -> Result<StreamState, ClientError> {
         match self.call(&Request::State)? {
             Response::State { state } => Ok(state),
-            other => Err(ClientError::Protocol(format!("unexpected answer to state: {other:?}"))),
+            other => Err(ClientError::Protocol(format!(
+                "unexpected answer to state: {other:?}"
+            ))),
         }
     }
 }

@@ -10,18 +10,29 @@ impl std::str::FromStr for ByteSize {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let t = s.trim();
-        let split = t.find(|c: char| !c.is_ascii_digit() && c != '_').unwrap_or(t.len());
+        let split = t
+            .find(|c: char| !c.is_ascii_digit() && c != '_')
+            .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
-        let n: u64 = num.replace('_', "").parse().map_err(|_| format!("`{s}` is not a byte size (e.g. 1048576, 64MiB, 2G)"))?;
+        let n: u64 = num
+            .replace('_', "")
+            .parse()
+            .map_err(|_| format!("`{s}` is not a byte size (e.g. 1048576, 64MiB, 2G)"))?;
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "k" | "kib" | "kb" => 1 << 10,
             "m" | "mib" | "mb" => 1 << 20,
             "g" | "gib" | "gb" => 1 << 30,
             "t" | "tib" | "tb" => 1 << 40,
-            other => return Err(format!("unknown size unit `{other}` in `{s}` (use B, KiB, MiB, GiB, TiB)")),
+            other => {
+                return Err(format!(
+                    "unknown size unit `{other}` in `{s}` (use B, KiB, MiB, GiB, TiB)"
+                ));
+            }
         };
-        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("`{s}` overflows 64 bits"))
+        n.checked_mul(mult)
+            .map(ByteSize)
+            .ok_or_else(|| format!("`{s}` overflows 64 bits"))
     }
 }
 
@@ -29,7 +40,7 @@ impl std::fmt::Display for ByteSize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let b = self.0;
         for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-            if b >= 1 << shift && b % (1 << shift) == 0 {
+            if b >= 1 << shift && b.is_multiple_of(1 << shift) {
                 return write!(f, "{}{unit}", b >> shift);
             }
         }
@@ -67,7 +78,12 @@ mod tests {
         assert_eq!("64MiB".parse::<ByteSize>().unwrap(), ByteSize(64 << 20));
         assert_eq!("1_024".parse::<ByteSize>().unwrap(), ByteSize(1024));
         assert_eq!("2 g".parse::<ByteSize>().unwrap(), ByteSize(2 << 30));
-        assert!("12 parsecs".parse::<ByteSize>().unwrap_err().contains("parsecs"));
+        assert!(
+            "12 parsecs"
+                .parse::<ByteSize>()
+                .unwrap_err()
+                .contains("parsecs")
+        );
         assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
         assert_eq!(ByteSize(1000).to_string(), "1000");
     }

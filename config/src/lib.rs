@@ -36,8 +36,16 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(key: &'static str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { key, value: value.to_string(), allowed: allowed.into() }
+fn invalid(
+    key: &'static str,
+    value: impl std::fmt::Display,
+    allowed: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
 }
 
 /// How shards are received.
@@ -165,11 +173,17 @@ where
     let mut fig = Figment::from(Serialized::defaults(T::default()));
     if let Some(f) = file {
         if !f.exists() {
-            return Err(invalid("config", f.display(), "the config file does not exist"));
+            return Err(invalid(
+                "config",
+                f.display(),
+                "the config file does not exist",
+            ));
         }
         fig = fig.merge(Toml::file(f));
     }
-    let env = Env::prefixed("SHARDWIRE_").filter(move |k| known.iter().any(|x| x.as_str() == k.as_str())).split("__");
+    let env = Env::prefixed("SHARDWIRE_")
+        .filter(move |k| known.iter().any(|x| x.as_str() == k.as_str()))
+        .split("__");
     fig = fig.merge(env).merge(Serialized::defaults(flags));
     fig.extract().map_err(|e| ConfigError::Load(Box::new(e)))
 }
@@ -188,7 +202,11 @@ impl ServeConfig {
             return Err(invalid("flows", self.flows, "must be between 1 and 64"));
         }
         if self.stream_memory.0 < 64 << 10 {
-            return Err(invalid("stream_memory", self.stream_memory, "must be at least 64KiB"));
+            return Err(invalid(
+                "stream_memory",
+                self.stream_memory,
+                "must be at least 64KiB",
+            ));
         }
         if self.pool_size.0 < self.stream_memory.0 {
             return Err(invalid(
@@ -214,7 +232,11 @@ impl SourceConfig {
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
         let c: Self = load(file, flags)?;
         if c.datasets.is_empty() {
-            return Err(invalid("datasets", "[]", "give at least one --dataset NAME=DIR"));
+            return Err(invalid(
+                "datasets",
+                "[]",
+                "give at least one --dataset NAME=DIR",
+            ));
         }
         Ok(c)
     }
@@ -231,7 +253,11 @@ mod tests {
     }
 
     fn write(content: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("sw-config-{}-{}.toml", std::process::id(), content.len()));
+        let p = std::env::temp_dir().join(format!(
+            "sw-config-{}-{}.toml",
+            std::process::id(),
+            content.len()
+        ));
         std::fs::write(&p, content).unwrap();
         p
     }
@@ -240,7 +266,10 @@ mod tests {
     fn layering_file_then_flags() {
         let p = write("flows = 3\npool_size = \"2GiB\"\nstream_memory = 1048576\n");
         let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
-        assert_eq!((c.flows, c.pool_size.0, c.stream_memory.0), (3, 2 << 30, 1 << 20));
+        assert_eq!(
+            (c.flows, c.pool_size.0, c.stream_memory.0),
+            (3, 2 << 30, 1 << 20)
+        );
         let c = ServeConfig::load(Some(&p), &Flags { flows: Some(5) }).unwrap();
         assert_eq!(c.flows, 5);
     }
@@ -248,13 +277,20 @@ mod tests {
     #[test]
     fn unknown_key_is_named() {
         let p = write("flowz = 3\n");
-        let e = ServeConfig::load(Some(&p), &Flags::default()).unwrap_err().to_string();
+        let e = ServeConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("flowz"), "{e}");
     }
 
     #[test]
     fn invalid_value_names_key_and_allowed() {
-        let e = ServeConfig::load(None, &Flags { flows: Some(0) }).unwrap_err().to_string();
-        assert!(e.contains("`flows`") && e.contains("between 1 and 64"), "{e}");
+        let e = ServeConfig::load(None, &Flags { flows: Some(0) })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`flows`") && e.contains("between 1 and 64"),
+            "{e}"
+        );
     }
 }

@@ -42,7 +42,9 @@ unsafe impl Sync for HostRegion {}
 
 impl std::fmt::Debug for HostRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostRegion").field("len", &self.len).finish()
+        f.debug_struct("HostRegion")
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -52,7 +54,13 @@ impl HostRegion {
         if len == 0 {
             return Err(RegionError::Empty);
         }
-        let sys = |call| move |e: rustix::io::Errno| RegionError::Syscall { call, len, source: e.into() };
+        let sys = |call| {
+            move |e: rustix::io::Errno| RegionError::Syscall {
+                call,
+                len,
+                source: e.into(),
+            }
+        };
         let cname = CString::new(name.replace('\0', "_")).expect("no NUL after replace");
         let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
             .map_err(sys("memfd_create"))?;

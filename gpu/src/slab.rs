@@ -22,10 +22,15 @@ struct Class {
 
 impl Class {
     fn new(blocks: usize) -> Self {
-        Self { stack: Vec::new(), free: vec![0; blocks.div_ceil(64).max(1)] }
+        Self {
+            stack: Vec::new(),
+            free: vec![0; blocks.div_ceil(64).max(1)],
+        }
     }
     fn is_free(&self, i: usize) -> bool {
-        self.free.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1)
+        self.free
+            .get(i / 64)
+            .is_some_and(|w| w >> (i % 64) & 1 == 1)
     }
     fn set(&mut self, i: usize, v: bool) {
         let w = &mut self.free[i / 64];
@@ -67,7 +72,10 @@ pub struct SlabPool {
 
 impl std::fmt::Debug for SlabPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlabPool").field("len", &self.region.len()).field("used", &self.used()).finish()
+        f.debug_struct("SlabPool")
+            .field("len", &self.region.len())
+            .field("used", &self.used())
+            .finish()
     }
 }
 
@@ -91,7 +99,11 @@ impl SlabPool {
             classes[k].push(off / (MIN_BLOCK << k));
             off += MIN_BLOCK << k;
         }
-        Arc::new(Self { region, inner: Mutex::new(Inner { classes, used: 0 }), on_free: Mutex::new(None) })
+        Arc::new(Self {
+            region,
+            inner: Mutex::new(Inner { classes, used: 0 }),
+            on_free: Mutex::new(None),
+        })
     }
 
     /// Sets the hook run after each free.
@@ -127,13 +139,14 @@ impl SlabPool {
 
     /// A slab of at least `len` bytes, or None when no block is free right now.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slab> {
-        let want = Self::class_size(len).trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
+        let want =
+            Self::class_size(len).trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
         let mut inner = self.inner.lock().expect("poisoned");
         if want >= inner.classes.len() {
             return None;
         }
-        let (mut k, mut idx) = (want..inner.classes.len())
-            .find_map(|k| inner.classes[k].pop().map(|i| (k, i)))?;
+        let (mut k, mut idx) =
+            (want..inner.classes.len()).find_map(|k| inner.classes[k].pop().map(|i| (k, i)))?;
         while k > want {
             // Split: keep the lower half, free the upper half one class down.
             k -= 1;
@@ -141,7 +154,12 @@ impl SlabPool {
             inner.classes[k].push(idx + 1);
         }
         inner.used += MIN_BLOCK << want;
-        Some(Slab { pool: Arc::clone(self), offset: idx * (MIN_BLOCK << want), class: want, len })
+        Some(Slab {
+            pool: Arc::clone(self),
+            offset: idx * (MIN_BLOCK << want),
+            class: want,
+            len,
+        })
     }
 
     fn free(&self, offset: usize, class: usize) {
@@ -172,7 +190,10 @@ pub struct Slab {
 
 impl std::fmt::Debug for Slab {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slab").field("offset", &self.offset).field("len", &self.len).finish()
+        f.debug_struct("Slab")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -198,7 +219,9 @@ impl Slab {
     /// The bytes, writable: only the owner of the slab can write them.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
-        unsafe { std::slice::from_raw_parts_mut(self.pool.region.base().add(self.offset), self.len) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.pool.region.base().add(self.offset), self.len)
+        }
     }
 }
 

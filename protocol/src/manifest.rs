@@ -175,20 +175,29 @@ impl Manifest {
     pub fn new(shards: Vec<ShardEntry>) -> Self {
         let total_bytes = shards.iter().map(|s| s.length).sum();
         let digest = Self::compute_digest(&shards);
-        Self { format: FORMAT, digest, total_bytes, shards }
+        Self {
+            format: FORMAT,
+            digest,
+            total_bytes,
+            shards,
+        }
     }
 
     /// Hex SHA-256 over the canonical JSON of `shards`.
     pub fn compute_digest(shards: &[ShardEntry]) -> String {
         let canonical = serde_json::to_vec(shards).expect("shard list serialises");
-        Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect()
+        Sha256::digest(&canonical)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// The digest as 32 bytes (for planning and fingerprints).
     pub fn digest_bytes(&self) -> [u8; 32] {
         let mut out = [0u8; 32];
         for (i, o) in out.iter_mut().enumerate() {
-            *o = u8::from_str_radix(self.digest.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
+            *o = u8::from_str_radix(self.digest.get(2 * i..2 * i + 2).unwrap_or("00"), 16)
+                .unwrap_or(0);
         }
         out
     }
@@ -219,27 +228,45 @@ impl Manifest {
             return Err(ManifestError::TooManyShards(self.shards.len()));
         }
         for (i, s) in self.shards.iter().enumerate() {
-            let bad = |reason: String| ManifestError::Shard { shard: i, file: s.file.clone(), reason };
-            if s.file.is_empty() || s.file.starts_with('/') || s.file.split('/').any(|c| c == "..") {
+            let bad = |reason: String| ManifestError::Shard {
+                shard: i,
+                file: s.file.clone(),
+                reason,
+            };
+            if s.file.is_empty() || s.file.starts_with('/') || s.file.split('/').any(|c| c == "..")
+            {
                 return Err(bad("file must be a relative path inside the dataset".into()));
             }
             if s.length == 0 {
                 return Err(bad("payload length is 0".into()));
             }
-            let end = s.offset.checked_add(s.length).ok_or_else(|| bad("offset + length overflows".into()))?;
+            let end = s
+                .offset
+                .checked_add(s.length)
+                .ok_or_else(|| bad("offset + length overflows".into()))?;
             if s.tensors.is_empty() || s.tensors.len() > MAX_TENSORS_PER_SHARD {
-                return Err(bad(format!("has {} tensors (allowed 1..={MAX_TENSORS_PER_SHARD})", s.tensors.len())));
+                return Err(bad(format!(
+                    "has {} tensors (allowed 1..={MAX_TENSORS_PER_SHARD})",
+                    s.tensors.len()
+                )));
             }
             for t in &s.tensors {
                 if t.shape.len() > MAX_DIMS {
-                    return Err(bad(format!("tensor `{}` has {} dims (max {MAX_DIMS})", t.name, t.shape.len())));
+                    return Err(bad(format!(
+                        "tensor `{}` has {} dims (max {MAX_DIMS})",
+                        t.name,
+                        t.shape.len()
+                    )));
                 }
                 let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
                 let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
                 if expect != Some(t.length) {
                     return Err(bad(format!(
                         "tensor `{}`: length {} != shape {:?} x {} bytes",
-                        t.name, t.length, t.shape, t.dtype.size()
+                        t.name,
+                        t.length,
+                        t.shape,
+                        t.dtype.size()
                     )));
                 }
                 let t_end = t.offset.checked_add(t.length);
@@ -253,14 +280,20 @@ impl Manifest {
         }
         let computed = Self::compute_digest(&self.shards);
         if computed != self.digest {
-            return Err(ManifestError::Digest { stated: self.digest.clone(), computed });
+            return Err(ManifestError::Digest {
+                stated: self.digest.clone(),
+                computed,
+            });
         }
         let total: u64 = self.shards.iter().map(|s| s.length).sum();
         if total != self.total_bytes {
             return Err(ManifestError::Shard {
                 shard: 0,
                 file: String::new(),
-                reason: format!("total_bytes {} != sum of shard lengths {total}", self.total_bytes),
+                reason: format!(
+                    "total_bytes {} != sum of shard lengths {total}",
+                    self.total_bytes
+                ),
             });
         }
         Ok(())
@@ -277,7 +310,13 @@ mod tests {
             offset: 128,
             length: 24,
             crc32c: 1,
-            tensors: vec![TensorEntry { name: "a".into(), dtype: DType::Float32, shape: vec![2, 3], offset: 128, length: 24 }],
+            tensors: vec![TensorEntry {
+                name: "a".into(),
+                dtype: DType::Float32,
+                shape: vec![2, 3],
+                offset: 128,
+                length: 24,
+            }],
         }])
     }
 
@@ -310,9 +349,23 @@ mod tests {
         let mut m = sample();
         m.shards[0].file = "../etc/passwd".into();
         m.digest = Manifest::compute_digest(&m.shards);
-        assert!(m.validate().unwrap_err().to_string().contains("relative path"));
-        let json = String::from_utf8(sample().to_json()).unwrap().replacen("\"format\"", "\"bogus\": 1, \"format\"", 1);
-        assert!(Manifest::from_json(json.as_bytes()).unwrap_err().to_string().contains("bogus"));
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("relative path")
+        );
+        let json = String::from_utf8(sample().to_json()).unwrap().replacen(
+            "\"format\"",
+            "\"bogus\": 1, \"format\"",
+            1,
+        );
+        assert!(
+            Manifest::from_json(json.as_bytes())
+                .unwrap_err()
+                .to_string()
+                .contains("bogus")
+        );
     }
 
     #[test]

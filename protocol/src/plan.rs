@@ -52,7 +52,9 @@ pub enum PlanError {
         world_size: u32,
     },
     /// With `drop`, fewer shards than ranks leaves nothing.
-    #[error("uneven=drop with {shards} shards and world_size {world_size} gives every rank 0 shards")]
+    #[error(
+        "uneven=drop with {shards} shards and world_size {world_size} gives every rank 0 shards"
+    )]
     NothingLeft {
         /// Shard count.
         shards: u32,
@@ -68,17 +70,26 @@ impl PlanSpec {
             return Err(PlanError::ZeroWorld);
         }
         if self.rank >= self.world_size {
-            return Err(PlanError::Rank { rank: self.rank, world_size: self.world_size });
+            return Err(PlanError::Rank {
+                rank: self.rank,
+                world_size: self.world_size,
+            });
         }
         if self.per_rank() == 0 {
-            return Err(PlanError::NothingLeft { shards: self.shards, world_size: self.world_size });
+            return Err(PlanError::NothingLeft {
+                shards: self.shards,
+                world_size: self.world_size,
+            });
         }
         Ok(())
     }
 
     /// A readable fingerprint of every plan input: a resumed stream must match it.
     pub fn fingerprint(&self) -> String {
-        let digest: String = self.digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let digest: String = self.digest[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         let uneven = match self.uneven {
             Uneven::Pad => "pad",
             Uneven::Drop => "drop",
@@ -96,16 +107,28 @@ impl PlanSpec {
             return Ok(());
         }
         let parse = |s: &str| -> Vec<(String, String)> {
-            s.split(';').map(|kv| kv.split_once('=').map_or((kv.to_string(), String::new()), |(k, v)| (k.into(), v.into()))).collect()
+            s.split(';')
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map_or((kv.to_string(), String::new()), |(k, v)| {
+                            (k.into(), v.into())
+                        })
+                })
+                .collect()
         };
         let (a, b) = (parse(&mine), parse(saved));
         for (k, v) in &a {
             let other = b.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
             if other != Some(v.as_str()) {
-                return Err(format!("state fingerprint differs in `{k}`: saved {}, stream has {v}", other.unwrap_or("(missing)")));
+                return Err(format!(
+                    "state fingerprint differs in `{k}`: saved {}, stream has {v}",
+                    other.unwrap_or("(missing)")
+                ));
             }
         }
-        Err(format!("state fingerprint `{saved}` does not match `{mine}`"))
+        Err(format!(
+            "state fingerprint `{saved}` does not match `{mine}`"
+        ))
     }
 
     /// Shards per rank per epoch.
@@ -177,7 +200,14 @@ mod tests {
     use super::*;
 
     fn spec(shards: u32, rank: u32, world_size: u32, uneven: Uneven) -> PlanSpec {
-        PlanSpec { digest: [7; 32], shards, seed: 42, rank, world_size, uneven }
+        PlanSpec {
+            digest: [7; 32],
+            shards,
+            seed: 42,
+            rank,
+            world_size,
+            uneven,
+        }
     }
 
     #[test]
@@ -202,8 +232,17 @@ mod tests {
 
     #[test]
     fn validation_errors_name_the_problem() {
-        assert_eq!(spec(10, 3, 3, Uneven::Pad).validate(), Err(PlanError::Rank { rank: 3, world_size: 3 }));
-        assert_eq!(spec(10, 0, 0, Uneven::Pad).validate(), Err(PlanError::ZeroWorld));
+        assert_eq!(
+            spec(10, 3, 3, Uneven::Pad).validate(),
+            Err(PlanError::Rank {
+                rank: 3,
+                world_size: 3
+            })
+        );
+        assert_eq!(
+            spec(10, 0, 0, Uneven::Pad).validate(),
+            Err(PlanError::ZeroWorld)
+        );
         assert!(spec(2, 0, 3, Uneven::Drop).validate().is_err());
         assert!(spec(2, 0, 3, Uneven::Pad).validate().is_ok());
     }

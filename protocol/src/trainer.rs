@@ -186,17 +186,31 @@ mod tests {
         let r: Request = decode(br#"{"op":"attach","version":1,"dataset":"d"}"#).unwrap();
         assert_eq!(
             r,
-            Request::Attach { version: 1, dataset: "d".into(), seed: 0, rank: 0, world_size: 1, epochs: 1, uneven: Uneven::Pad, state: None }
+            Request::Attach {
+                version: 1,
+                dataset: "d".into(),
+                seed: 0,
+                rank: 0,
+                world_size: 1,
+                epochs: 1,
+                uneven: Uneven::Pad,
+                state: None
+            }
         );
         let mut buf = Vec::new();
         encode(&Request::Release { lease: 9 }, &mut buf);
         let len = check_len(buf[..4].try_into().unwrap()).unwrap();
-        assert_eq!(decode::<Request>(&buf[4..4 + len]).unwrap(), Request::Release { lease: 9 });
+        assert_eq!(
+            decode::<Request>(&buf[4..4 + len]).unwrap(),
+            Request::Release { lease: 9 }
+        );
     }
 
     #[test]
     fn unknown_fields_and_long_frames_are_rejected() {
-        let e = decode::<Request>(br#"{"op":"next","bogus":1}"#).unwrap_err().to_string();
+        let e = decode::<Request>(br#"{"op":"next","bogus":1}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bogus"), "{e}");
         assert!(check_len((MAX_TRAINER_FRAME as u32 + 1).to_le_bytes()).is_err());
     }

@@ -270,7 +270,10 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             flows: {
                 let f = r.u16("flows")?;
                 if f == 0 || f > MAX_FLOWS {
-                    return Err(DecodeError::Range { field: "flows", value: f.into() });
+                    return Err(DecodeError::Range {
+                        field: "flows",
+                        value: f.into(),
+                    });
                 }
                 f
             },
@@ -279,8 +282,12 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             nonce: r.array("nonce")?,
             auth_required: r.bool("auth_required")?,
         },
-        K_AUTH => Message::Auth { mac: r.array("mac")? },
-        K_WELCOME => Message::Welcome { mac: r.array("mac")? },
+        K_AUTH => Message::Auth {
+            mac: r.array("mac")?,
+        },
+        K_WELCOME => Message::Welcome {
+            mac: r.array("mac")?,
+        },
         K_MANIFEST_REQUEST => Message::ManifestRequest {
             dataset: r.string("dataset", MAX_DATASET_NAME)?,
         },
@@ -313,7 +320,10 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         other => return Err(DecodeError::UnknownKind(other)),
     };
     if !r.buf.is_empty() {
-        return Err(DecodeError::Trailing { kind, extra: r.buf.len() });
+        return Err(DecodeError::Trailing {
+            kind,
+            extra: r.buf.len(),
+        });
     }
     Ok(msg)
 }
@@ -339,14 +349,22 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     out.extend_from_slice(&[0, 0, 0, 0, VERSION]);
     let mut w = Writer { out };
     match msg {
-        Message::Hello { node_id, nonce, data_addr, flows } => {
+        Message::Hello {
+            node_id,
+            nonce,
+            data_addr,
+            flows,
+        } => {
             w.kind(K_HELLO);
             w.string("node_id", node_id, MAX_STR)?;
             w.bytes(nonce);
             w.addr(data_addr);
             w.u16(*flows);
         }
-        Message::Challenge { nonce, auth_required } => {
+        Message::Challenge {
+            nonce,
+            auth_required,
+        } => {
             w.kind(K_CHALLENGE);
             w.bytes(nonce);
             w.out.push(u8::from(*auth_required));
@@ -381,13 +399,24 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u16(*conn);
             w.addr(addr);
         }
-        Message::Fetch { req, dataset, shard } => {
+        Message::Fetch {
+            req,
+            dataset,
+            shard,
+        } => {
             w.kind(K_FETCH);
             w.u64(*req);
             w.string("dataset", dataset, MAX_DATASET_NAME)?;
             w.u32(*shard);
         }
-        Message::Shard { req, shard, length, crc32c, conn, seq } => {
+        Message::Shard {
+            req,
+            shard,
+            length,
+            crc32c,
+            conn,
+            seq,
+        } => {
             w.kind(K_SHARD);
             w.u64(*req);
             w.u32(*shard);
@@ -421,7 +450,10 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], DecodeError> {
         if self.buf.len() < n {
-            return Err(DecodeError::Truncated { kind: self.kind, field });
+            return Err(DecodeError::Truncated {
+                kind: self.kind,
+                field,
+            });
         }
         let (head, tail) = self.buf.split_at(n);
         self.buf = tail;
@@ -498,7 +530,11 @@ impl Writer<'_> {
     }
     fn string(&mut self, field: &'static str, s: &str, max: usize) -> Result<(), EncodeError> {
         if s.len() > max {
-            return Err(EncodeError::FieldTooLong { field, len: s.len(), max });
+            return Err(EncodeError::FieldTooLong {
+                field,
+                len: s.len(),
+                max,
+            });
         }
         self.u16(s.len() as u16);
         self.bytes(s.as_bytes());
@@ -533,15 +569,41 @@ mod tests {
                 data_addr: "127.0.0.1:7401".parse().unwrap(),
                 flows: 4,
             },
-            Message::Challenge { nonce: [3; 32], auth_required: true },
+            Message::Challenge {
+                nonce: [3; 32],
+                auth_required: true,
+            },
             Message::Auth { mac: [1; 32] },
             Message::Welcome { mac: [2; 32] },
-            Message::ManifestRequest { dataset: "imagenet".into() },
-            Message::Manifest { dataset: "d".into(), json: b"{}".to_vec() },
-            Message::DataConn { conn: 3, addr: "[::1]:40000".parse().unwrap() },
-            Message::Fetch { req: 77, dataset: "d".into(), shard: 12 },
-            Message::Shard { req: 77, shard: 12, length: 1 << 33, crc32c: 0xdead_beef, conn: 1, seq: 5 },
-            Message::Error { req: 0, code: ErrorCode::AuthFailed, message: "nope".into() },
+            Message::ManifestRequest {
+                dataset: "imagenet".into(),
+            },
+            Message::Manifest {
+                dataset: "d".into(),
+                json: b"{}".to_vec(),
+            },
+            Message::DataConn {
+                conn: 3,
+                addr: "[::1]:40000".parse().unwrap(),
+            },
+            Message::Fetch {
+                req: 77,
+                dataset: "d".into(),
+                shard: 12,
+            },
+            Message::Shard {
+                req: 77,
+                shard: 12,
+                length: 1 << 33,
+                crc32c: 0xdead_beef,
+                conn: 1,
+                seq: 5,
+            },
+            Message::Error {
+                req: 0,
+                code: ErrorCode::AuthFailed,
+                message: "nope".into(),
+            },
         ]
     }
 
@@ -550,7 +612,10 @@ mod tests {
         for m in samples() {
             let mut buf = Vec::new();
             encode(&m, &mut buf).unwrap();
-            assert_eq!(decode(&buf).unwrap(), Decoded::Message(m.clone(), buf.len()));
+            assert_eq!(
+                decode(&buf).unwrap(),
+                Decoded::Message(m.clone(), buf.len())
+            );
             // Every strict prefix asks for more bytes instead of failing.
             for cut in 0..buf.len() {
                 assert!(matches!(decode(&buf[..cut]).unwrap(), Decoded::NeedMore(n) if n > 0));
@@ -561,9 +626,15 @@ mod tests {
     #[test]
     fn rejects_bad_headers() {
         assert_eq!(decode(&[0, 0, 0, 1, 1]), Err(DecodeError::FrameLength(1)));
-        assert_eq!(decode(&[0xff, 0xff, 0xff, 0xff]), Err(DecodeError::FrameLength(u32::MAX as usize)));
+        assert_eq!(
+            decode(&[0xff, 0xff, 0xff, 0xff]),
+            Err(DecodeError::FrameLength(u32::MAX as usize))
+        );
         assert_eq!(decode(&[0, 0, 0, 2, 9, 1]), Err(DecodeError::Version(9)));
-        assert_eq!(decode(&[0, 0, 0, 2, 1, 99]), Err(DecodeError::UnknownKind(99)));
+        assert_eq!(
+            decode(&[0, 0, 0, 2, 1, 99]),
+            Err(DecodeError::UnknownKind(99))
+        );
     }
 
     #[test]
@@ -573,10 +644,19 @@ mod tests {
         buf.push(0);
         let len = (buf.len() - 4) as u32;
         buf[..4].copy_from_slice(&len.to_be_bytes());
-        assert_eq!(decode(&buf), Err(DecodeError::Trailing { kind: K_AUTH, extra: 1 }));
+        assert_eq!(
+            decode(&buf),
+            Err(DecodeError::Trailing {
+                kind: K_AUTH,
+                extra: 1
+            })
+        );
         assert_eq!(
             decode(&[0, 0, 0, 4, 1, K_AUTH, 0, 0]),
-            Err(DecodeError::Truncated { kind: K_AUTH, field: "mac" })
+            Err(DecodeError::Truncated {
+                kind: K_AUTH,
+                field: "mac"
+            })
         );
     }
 
@@ -587,7 +667,11 @@ mod tests {
         body.extend_from_slice(&[b'a'; 300]);
         assert_eq!(
             decode_frame(&body),
-            Err(DecodeError::FieldTooLong { field: "dataset", len: 300, max: MAX_DATASET_NAME })
+            Err(DecodeError::FieldTooLong {
+                field: "dataset",
+                len: 300,
+                max: MAX_DATASET_NAME
+            })
         );
         let mut buf = Vec::new();
         let hello = Message::Hello {
@@ -597,13 +681,27 @@ mod tests {
             flows: 0,
         };
         encode(&hello, &mut buf).unwrap();
-        assert_eq!(decode(&buf), Err(DecodeError::Range { field: "flows", value: 0 }));
+        assert_eq!(
+            decode(&buf),
+            Err(DecodeError::Range {
+                field: "flows",
+                value: 0
+            })
+        );
     }
 
     #[test]
     fn encode_refuses_long_dataset_names() {
-        let m = Message::ManifestRequest { dataset: "x".repeat(256) };
-        assert!(matches!(encode(&m, &mut Vec::new()), Err(EncodeError::FieldTooLong { field: "dataset", .. })));
+        let m = Message::ManifestRequest {
+            dataset: "x".repeat(256),
+        };
+        assert!(matches!(
+            encode(&m, &mut Vec::new()),
+            Err(EncodeError::FieldTooLong {
+                field: "dataset",
+                ..
+            })
+        ));
     }
 
     proptest! {

@@ -20,11 +20,19 @@ use crate::node::Node;
 /// The process-wide Prometheus recorder (installed on first use).
 pub fn prometheus() -> &'static PrometheusHandle {
     static H: OnceLock<PrometheusHandle> = OnceLock::new();
-    H.get_or_init(|| PrometheusBuilder::new().install_recorder().expect("no other metrics recorder is installed"))
+    H.get_or_init(|| {
+        PrometheusBuilder::new()
+            .install_recorder()
+            .expect("no other metrics recorder is installed")
+    })
 }
 
 /// Serves the admin API until shutdown.
-pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+) {
     prometheus();
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -46,26 +54,43 @@ pub async fn serve(node: Arc<Node>, listener: tokio::net::TcpListener, mut shutd
 async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
     let up = node.links.iter().filter(|l| l.is_up()).count();
     if up > 0 {
-        (StatusCode::OK, format!("ready: {up}/{} sources connected\n", node.links.len()))
+        (
+            StatusCode::OK,
+            format!("ready: {up}/{} sources connected\n", node.links.len()),
+        )
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: 0/{} sources connected\n", node.links.len()))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: 0/{} sources connected\n", node.links.len()),
+        )
     }
 }
 
 async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     let c = &node.counters;
     let mode = [("mode", "host")];
-    metrics::counter!("shardwire_bytes_received_total", &mode).absolute(c.bytes_received.load(Ordering::Relaxed));
-    metrics::counter!("shardwire_shards_received_total", &mode).absolute(c.shards_received.load(Ordering::Relaxed));
-    metrics::counter!("shardwire_crc_failures_total").absolute(c.crc_failures.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_bytes_received_total", &mode)
+        .absolute(c.bytes_received.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_shards_received_total", &mode)
+        .absolute(c.shards_received.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_crc_failures_total")
+        .absolute(c.crc_failures.load(Ordering::Relaxed));
     metrics::counter!("shardwire_refetches_total").absolute(c.refetches.load(Ordering::Relaxed));
-    metrics::counter!("shardwire_batches_delivered_total").absolute(c.batches_delivered.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_batches_delivered_total")
+        .absolute(c.batches_delivered.load(Ordering::Relaxed));
     for l in &node.links {
         let labels = [("source", l.addr.clone())];
-        metrics::counter!("shardwire_source_bytes_received_total", &labels).absolute(l.bytes.load(Ordering::Relaxed));
+        metrics::counter!("shardwire_source_bytes_received_total", &labels)
+            .absolute(l.bytes.load(Ordering::Relaxed));
         metrics::gauge!("shardwire_source_up", &labels).set(if l.is_up() { 1.0 } else { 0.0 });
     }
-    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().cloned().collect();
+    let streams: Vec<_> = node
+        .streams
+        .lock()
+        .expect("poisoned")
+        .values()
+        .cloned()
+        .collect();
     let (mut used, mut cap, mut leases) = (0usize, 0usize, 0usize);
     for s in &streams {
         used += s.pool.used();
@@ -74,10 +99,14 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     }
     metrics::gauge!("shardwire_pool_bytes_used").set(used as f64);
     metrics::gauge!("shardwire_pool_bytes_free").set((cap - used) as f64);
-    metrics::gauge!("shardwire_pool_bytes_reserved").set(*node.reserved.lock().expect("poisoned") as f64);
+    metrics::gauge!("shardwire_pool_bytes_reserved")
+        .set(*node.reserved.lock().expect("poisoned") as f64);
     metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
     metrics::gauge!("shardwire_streams_open").set(streams.len() as f64);
-    ([("content-type", "text/plain; version=0.0.4")], prometheus().render())
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        prometheus().render(),
+    )
 }
 
 fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
@@ -92,7 +121,13 @@ fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
 }
 
 async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
-    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().map(|s| stream_json(s)).collect();
+    let streams: Vec<_> = node
+        .streams
+        .lock()
+        .expect("poisoned")
+        .values()
+        .map(|s| stream_json(s))
+        .collect();
     Json(json!({ "streams": streams }))
 }
 
@@ -109,7 +144,13 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
             })
         })
         .collect();
-    let streams: Vec<_> = node.streams.lock().expect("poisoned").values().map(|s| stream_json(s)).collect();
+    let streams: Vec<_> = node
+        .streams
+        .lock()
+        .expect("poisoned")
+        .values()
+        .map(|s| stream_json(s))
+        .collect();
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },

@@ -43,7 +43,11 @@ fn cpu_times() -> Vec<[u64; 5]> {
     stat.lines()
         .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
         .map(|l| {
-            let v: Vec<u64> = l.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+            let v: Vec<u64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
             let g = |i: usize| v.get(i).copied().unwrap_or(0);
             [g(0) + g(1), g(2), g(3) + g(4), g(5) + g(6), v.iter().sum()]
         })
@@ -54,7 +58,13 @@ fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) {
     for (i, (b, a)) in before.iter().zip(after).enumerate() {
         let total = (a[4] - b[4]).max(1) as f64;
         let pct = |k: usize| (a[k] - b[k]) as f64 * 100.0 / total;
-        println!("  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}%", pct(0), pct(1), pct(2), pct(3));
+        println!(
+            "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}%",
+            pct(0),
+            pct(1),
+            pct(2),
+            pct(3)
+        );
     }
 }
 
@@ -65,7 +75,11 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     crate::cli::init_logging_filter("warn");
-    anyhow::ensure!(a.flows >= 1 && a.flows <= 64, "--flows must be 1..=64, got {}", a.flows);
+    anyhow::ensure!(
+        a.flows >= 1 && a.flows <= 64,
+        "--flows must be 1..=64, got {}",
+        a.flows
+    );
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
     let count = ((256usize << 20) / shard).clamp(8, 64);
@@ -79,14 +93,22 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     shardwire_index::write_manifest(&data, &m)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
     let stream_memory = (class * 16).max(64 << 20);
-    println!("bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer", a.flows, a.seconds, shard);
+    println!(
+        "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer",
+        a.flows, a.seconds, shard
+    );
 
     let result = (|| {
         let sw = run_shardwire(&a, &data, &dir, stream_memory)?;
         if a.compare_tcp {
             let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
             let tcp = run_tcp(&a, &files, shard)?;
-            println!("ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps)", sw / tcp, sw, tcp);
+            println!(
+                "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps)",
+                sw / tcp,
+                sw,
+                tcp
+            );
         }
         Ok::<_, anyhow::Error>(())
     })();
@@ -95,16 +117,42 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_shardwire(a: &BenchArgs, data: &std::path::Path, dir: &std::path::Path, stream_memory: u64) -> anyhow::Result<f64> {
-    let lb = Loopback::start("bench", data, dir.join("trainer.sock"), a.flows, stream_memory)?;
+fn run_shardwire(
+    a: &BenchArgs,
+    data: &std::path::Path,
+    dir: &std::path::Path,
+    stream_memory: u64,
+) -> anyhow::Result<f64> {
+    let lb = Loopback::start(
+        "bench",
+        data,
+        dir.join("trainer.sock"),
+        a.flows,
+        stream_memory,
+    )?;
     println!("== Source {}", lb.source_addr);
     println!("== Target {}", lb.node.node.data_addr);
-    let mut s = Stream::open(&lb.node.socket, StreamOptions { epochs: 1_000_000, ..StreamOptions::new("bench") }).context("opening the bench stream")?;
+    let mut s = Stream::open(
+        &lb.node.socket,
+        StreamOptions {
+            epochs: 1_000_000,
+            ..StreamOptions::new("bench")
+        },
+    )
+    .context("opening the bench stream")?;
     // Warm up: one batch, so connections and the page cache are hot.
     if let Some(b) = s.next()? {
         s.release(b)?;
     }
-    let flows0: Vec<u64> = lb.node.node.flows.lock().expect("poisoned").iter().map(|f| f.2.bytes.load(Ordering::Relaxed)).collect();
+    let flows0: Vec<u64> = lb
+        .node
+        .node
+        .flows
+        .lock()
+        .expect("poisoned")
+        .iter()
+        .map(|f| f.2.bytes.load(Ordering::Relaxed))
+        .collect();
     let cpu0 = cpu_times();
     let t0 = Instant::now();
     let mut delivered = 0u64;
@@ -123,17 +171,29 @@ fn run_shardwire(a: &BenchArgs, data: &std::path::Path, dir: &std::path::Path, s
         .expect("poisoned")
         .iter()
         .enumerate()
-        .map(|(i, f)| (f.0.clone(), f.1, f.2.bytes.load(Ordering::Relaxed) - flows0.get(i).copied().unwrap_or(0)))
+        .map(|(i, f)| {
+            (
+                f.0.clone(),
+                f.1,
+                f.2.bytes.load(Ordering::Relaxed) - flows0.get(i).copied().unwrap_or(0),
+            )
+        })
         .collect();
     let crc = lb.node.node.counters.crc_failures.load(Ordering::Relaxed);
     drop(s);
     lb.stop();
     for (_, conn, bytes) in &flows {
-        println!("  Rx{:8.3} Gbps ({bytes} bytes in {} usec) flow {conn}", gbps(*bytes, secs), (secs * 1e6) as u64);
+        println!(
+            "  Rx{:8.3} Gbps ({bytes} bytes in {} usec) flow {conn}",
+            gbps(*bytes, secs),
+            (secs * 1e6) as u64
+        );
     }
     print_cpu(&cpu0, &cpu1);
     let g = gbps(delivered, secs);
-    println!("shardwire: {g:.3} Gbps delivered to the trainer ({delivered} bytes in {secs:.2} s), CRC failures: {crc}");
+    println!(
+        "shardwire: {g:.3} Gbps delivered to the trainer ({delivered} bytes in {secs:.2} s), CRC failures: {crc}"
+    );
     Ok(g)
 }
 
@@ -144,7 +204,10 @@ fn run_tcp(a: &BenchArgs, files: &[std::path::PathBuf], shard: usize) -> anyhow:
     let received = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
     for f in 0..a.flows {
-        let files: Vec<std::fs::File> = files.iter().map(std::fs::File::open).collect::<Result<_, _>>()?;
+        let files: Vec<std::fs::File> = files
+            .iter()
+            .map(std::fs::File::open)
+            .collect::<Result<_, _>>()?;
         let stop_tx = Arc::clone(&stop);
         threads.push(std::thread::spawn(move || -> std::io::Result<()> {
             let sock = TcpStream::connect(addr)?;

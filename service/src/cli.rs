@@ -142,8 +142,11 @@ pub fn init_logging_filter(default: &str) {
 }
 
 fn init_logging_with(format: LogFormat, default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().try_init(),
@@ -151,7 +154,11 @@ fn init_logging_with(format: LogFormat, default: &str) {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -171,14 +178,24 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let opts = shardwire_index::IndexOptions { progress: !quiet };
             let m = shardwire_index::index_dir(&dir, &opts)?;
             let path = shardwire_index::write_manifest(&dir, &m)?;
-            println!("indexed {} shards, {} bytes, digest {} -> {}", m.shards.len(), m.total_bytes, m.digest, path.display());
+            println!(
+                "indexed {} shards, {} bytes, digest {} -> {}",
+                m.shards.len(),
+                m.total_bytes,
+                m.digest,
+                path.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Source(f) => {
             let cfg = SourceConfig::load(f.config.as_deref(), &f)?;
             init_logging(cfg.log_format);
             let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
-            let secret = cfg.secret_file.as_deref().map(crate::node::read_secret).transpose()?;
+            let secret = cfg
+                .secret_file
+                .as_deref()
+                .map(crate::node::read_secret)
+                .transpose()?;
             let scfg = shardwire_source::SourceConfig {
                 listen: cfg.listen,
                 secret,
@@ -186,7 +203,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 fault_corrupt: cfg.fault_corrupt,
             };
             runtime()?.block_on(async {
-                let src = shardwire_source::Source::bind(scfg, datasets).await.with_context(|| format!("binding {}", cfg.listen))?;
+                let src = shardwire_source::Source::bind(scfg, datasets)
+                    .await
+                    .with_context(|| format!("binding {}", cfg.listen))?;
                 println!("source listening on {}", src.local_addr());
                 let (tx, rx) = tokio::sync::watch::channel(false);
                 tokio::spawn(async move {
@@ -202,7 +221,11 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             init_logging(cfg.log_format);
             runtime()?.block_on(async {
                 let h = crate::node::start(cfg).await?;
-                println!("node service ready: socket {} admin http://{}", h.socket.display(), h.admin_addr);
+                println!(
+                    "node service ready: socket {} admin http://{}",
+                    h.socket.display(),
+                    h.admin_addr
+                );
                 signalled().await;
                 tracing::info!("signal received; shutting down");
                 h.shutdown();

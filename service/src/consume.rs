@@ -17,7 +17,11 @@ use shardwire_protocol::plan::Uneven;
 #[derive(Args, Debug)]
 pub struct ConsumeArgs {
     /// Trainer socket of the node service.
-    #[arg(long, env = "SHARDWIRE_SOCKET", default_value = "/run/shardwire/trainer.sock")]
+    #[arg(
+        long,
+        env = "SHARDWIRE_SOCKET",
+        default_value = "/run/shardwire/trainer.sock"
+    )]
     socket: PathBuf,
     /// Dataset name.
     #[arg(long)]
@@ -58,8 +62,16 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
-    let opts = StreamOptions { seed: a.seed, rank: a.rank, world_size: a.world_size, epochs: a.epochs, uneven: a.uneven, ..StreamOptions::new(&a.dataset) };
-    let mut s = Stream::open(&a.socket, opts).with_context(|| format!("opening a stream on {}", a.socket.display()))?;
+    let opts = StreamOptions {
+        seed: a.seed,
+        rank: a.rank,
+        world_size: a.world_size,
+        epochs: a.epochs,
+        uneven: a.uneven,
+        ..StreamOptions::new(&a.dataset)
+    };
+    let mut s = Stream::open(&a.socket, opts)
+        .with_context(|| format!("opening a stream on {}", a.socket.display()))?;
     let out = std::io::stdout();
     let mut out = out.lock();
     let (mut n, mut bytes) = (0u64, 0u64);
@@ -75,9 +87,20 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
             })
             .collect();
         if a.jsonl {
-            writeln!(out, "{}", json!({"epoch": b.epoch, "index": b.index, "shard": b.shard, "tensors": tensors}))?;
+            writeln!(
+                out,
+                "{}",
+                json!({"epoch": b.epoch, "index": b.index, "shard": b.shard, "tensors": tensors})
+            )?;
         } else {
-            writeln!(out, "epoch {} batch {} shard {}: {} tensors", b.epoch, b.index, b.shard, tensors.len())?;
+            writeln!(
+                out,
+                "epoch {} batch {} shard {}: {} tensors",
+                b.epoch,
+                b.index,
+                b.shard,
+                tensors.len()
+            )?;
         }
         n += 1;
         if a.limit.is_some_and(|l| n >= l) {
@@ -91,7 +114,11 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
     drop(kept);
     if !a.jsonl {
         let secs = started.elapsed().as_secs_f64();
-        writeln!(out, "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)", bytes as f64 * 8.0 / secs / 1e9)?;
+        writeln!(
+            out,
+            "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)",
+            bytes as f64 * 8.0 / secs / 1e9
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -40,11 +40,25 @@ pub struct Loopback {
 
 impl Loopback {
     /// Starts a source serving `name=dir` and a node using it.
-    pub fn start(name: &str, dir: &std::path::Path, socket: PathBuf, flows: u16, stream_memory: u64) -> anyhow::Result<Self> {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    pub fn start(
+        name: &str,
+        dir: &std::path::Path,
+        socket: PathBuf,
+        flows: u16,
+        stream_memory: u64,
+    ) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
         let mut datasets = shardwire_source::Datasets::default();
         datasets.add(name, dir)?;
-        let scfg = shardwire_source::SourceConfig { listen: "127.0.0.1:0".parse()?, secret: None, rate_limit: 0, fault_corrupt: 0 };
+        let scfg = shardwire_source::SourceConfig {
+            listen: "127.0.0.1:0".parse()?,
+            secret: None,
+            rate_limit: 0,
+            fault_corrupt: 0,
+        };
         let src = rt.block_on(shardwire_source::Source::bind(scfg, datasets))?;
         let source_addr = src.local_addr();
         let (stop_source, rx) = tokio::sync::watch::channel(false);
@@ -61,7 +75,12 @@ impl Loopback {
         };
         cfg.validate()?;
         let node = rt.block_on(crate::node::start(cfg))?;
-        Ok(Self { node, source_addr, stop_source, rt })
+        Ok(Self {
+            node,
+            source_addr,
+            stop_source,
+            rt,
+        })
     }
 
     /// Stops both.
@@ -94,16 +113,30 @@ fn demo(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
     for i in 0..4u64 {
         synth::write_npy_f32(&data.join(format!("emb-{i}.npy")), &[128, 96], i + 10)?;
     }
-    let manifest = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
+    let manifest =
+        shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
     shardwire_index::write_manifest(&data, &manifest)?;
-    println!("dataset: {} shards, {} bytes in {}", manifest.shards.len(), manifest.total_bytes, data.display());
+    println!(
+        "dataset: {} shards, {} bytes in {}",
+        manifest.shards.len(),
+        manifest.total_bytes,
+        data.display()
+    );
 
     let lb = Loopback::start("demo", &data, dir.join("trainer.sock"), 2, 64 << 20)?;
-    println!("source on {}, node data port {}, admin http://{}", lb.source_addr, lb.node.node.data_addr, lb.node.admin_addr);
+    println!(
+        "source on {}, node data port {}, admin http://{}",
+        lb.source_addr, lb.node.node.data_addr, lb.node.admin_addr
+    );
     let started = Instant::now();
     let checked = consume_and_check(&lb.node.socket, &data, &manifest);
     let secs = started.elapsed().as_secs_f64();
-    let crc_failures = lb.node.node.counters.crc_failures.load(std::sync::atomic::Ordering::Relaxed);
+    let crc_failures = lb
+        .node
+        .node
+        .counters
+        .crc_failures
+        .load(std::sync::atomic::Ordering::Relaxed);
     lb.stop();
     let (shards, bytes) = checked?;
     println!(
@@ -114,8 +147,19 @@ fn demo(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn consume_and_check(socket: &std::path::Path, data: &std::path::Path, m: &Manifest) -> anyhow::Result<(usize, u64)> {
-    let mut s = Stream::open(socket, StreamOptions { seed: 7, ..StreamOptions::new("demo") }).context("opening the demo stream")?;
+fn consume_and_check(
+    socket: &std::path::Path,
+    data: &std::path::Path,
+    m: &Manifest,
+) -> anyhow::Result<(usize, u64)> {
+    let mut s = Stream::open(
+        socket,
+        StreamOptions {
+            seed: 7,
+            ..StreamOptions::new("demo")
+        },
+    )
+    .context("opening the demo stream")?;
     let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
     let mut bytes = 0u64;
     let mut files = BTreeMap::new();
@@ -123,13 +167,20 @@ fn consume_and_check(socket: &std::path::Path, data: &std::path::Path, m: &Manif
         let entry = &m.shards[b.shard as usize];
         let f = match files.get(&entry.file) {
             Some(f) => f,
-            None => files.entry(entry.file.clone()).or_insert(std::fs::File::open(data.join(&entry.file))?),
+            None => files
+                .entry(entry.file.clone())
+                .or_insert(std::fs::File::open(data.join(&entry.file))?),
         };
         for (t, v) in entry.tensors.iter().zip(b.tensors()) {
             let mut want = vec![0u8; t.length as usize];
             f.read_exact_at(&mut want, t.offset)?;
             if b.bytes(v) != want.as_slice() || v.name != t.name || v.shape != t.shape {
-                bail!("batch {} (shard {}, tensor {}) differs from the file", b.index, b.shard, t.name);
+                bail!(
+                    "batch {} (shard {}, tensor {}) differs from the file",
+                    b.index,
+                    b.shard,
+                    t.name
+                );
             }
             bytes += t.length;
         }

@@ -23,7 +23,11 @@ pub fn fill(buf: &mut [u8], seed: u64) {
 pub fn write_npy_f32(path: &Path, shape: &[usize], seed: u64) -> std::io::Result<()> {
     let n: usize = shape.iter().product();
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape_txt = if shape.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let shape_txt = if shape.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_txt}, }}");
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
@@ -44,23 +48,49 @@ pub fn write_npy_f32(path: &Path, shape: &[usize], seed: u64) -> std::io::Result
 
 /// Writes an Arrow IPC file with `batches` record batches of `rows` rows: an int64 `label`
 /// column and a FixedSizeList<float32, `width`> column `x`.
-pub fn write_arrow(path: &Path, batches: usize, rows: usize, width: i32, seed: u64) -> anyhow::Result<()> {
+pub fn write_arrow(
+    path: &Path,
+    batches: usize,
+    rows: usize,
+    width: i32,
+    seed: u64,
+) -> anyhow::Result<()> {
     let item = Arc::new(Field::new("item", DataType::Float32, false));
     let schema = Arc::new(Schema::new(vec![
         Field::new("label", DataType::Int64, false),
-        Field::new("x", DataType::FixedSizeList(Arc::clone(&item), width), false),
+        Field::new(
+            "x",
+            DataType::FixedSizeList(Arc::clone(&item), width),
+            false,
+        ),
     ]));
     let file = std::fs::File::create(path)?;
     let mut w = arrow_ipc::writer::FileWriter::try_new(file, &schema)?;
     for b in 0..batches {
         let base = seed * 1_000_000 + (b * rows) as u64;
-        let labels: ArrayRef = Arc::new(Int64Array::from_iter_values((0..rows).map(|i| (base + i as u64) as i64 % 1000)));
-        let values = (0..rows).map(|r| Some((0..width).map(move |c| Some(((base as usize + r) * 31 + c as usize) as f32 * 0.5))));
-        let x: ArrayRef = Arc::new(FixedSizeListArray::from_iter_primitive::<Float32Type, _, _>(values, width));
+        let labels: ArrayRef = Arc::new(Int64Array::from_iter_values(
+            (0..rows).map(|i| (base + i as u64) as i64 % 1000),
+        ));
+        let values = (0..rows).map(|r| {
+            Some(
+                (0..width).map(move |c| Some(((base as usize + r) * 31 + c as usize) as f32 * 0.5)),
+            )
+        });
+        let x: ArrayRef =
+            Arc::new(FixedSizeListArray::from_iter_primitive::<Float32Type, _, _>(values, width));
         // from_iter_primitive makes a nullable child; rebuild the list with our schema's field.
-        let x = x.as_any().downcast_ref::<FixedSizeListArray>().expect("fixed size list").clone();
+        let x = x
+            .as_any()
+            .downcast_ref::<FixedSizeListArray>()
+            .expect("fixed size list")
+            .clone();
         let (_, size, child, nulls) = x.into_parts();
-        let x: ArrayRef = Arc::new(FixedSizeListArray::try_new(Arc::clone(&item), size, child, nulls)?);
+        let x: ArrayRef = Arc::new(FixedSizeListArray::try_new(
+            Arc::clone(&item),
+            size,
+            child,
+            nulls,
+        )?);
         w.write(&RecordBatch::try_new(Arc::clone(&schema), vec![labels, x])?)?;
     }
     w.finish()?;
@@ -76,7 +106,10 @@ pub fn write_bin(path: &Path, len: usize, seed: u64) -> std::io::Result<()> {
 
 /// A fresh scratch directory under the system temp dir.
 pub fn scratch_dir(tag: &str) -> std::io::Result<std::path::PathBuf> {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     let d = std::env::temp_dir().join(format!("shardwire-{tag}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&d)?;
     Ok(d)

@@ -73,7 +73,8 @@ pub struct Datasets(BTreeMap<String, Dataset>);
 fn valid_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= MAX_DATASET_NAME
-        && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 impl Datasets {
@@ -82,7 +83,9 @@ impl Datasets {
         let mut out = Datasets::default();
         for spec in specs {
             let spec = spec.as_ref();
-            let (name, dir) = spec.split_once('=').ok_or_else(|| DatasetError::Spec(spec.into()))?;
+            let (name, dir) = spec
+                .split_once('=')
+                .ok_or_else(|| DatasetError::Spec(spec.into()))?;
             out.add(name, Path::new(dir))?;
         }
         Ok(out)
@@ -102,7 +105,11 @@ impl Datasets {
             dir: dir.display().to_string(),
             source,
         })?;
-        let manifest = Manifest::from_json(&manifest_json).map_err(|source| DatasetError::Manifest { path: path.clone(), source })?;
+        let manifest =
+            Manifest::from_json(&manifest_json).map_err(|source| DatasetError::Manifest {
+                path: path.clone(),
+                source,
+            })?;
         let mut open: BTreeMap<&str, Arc<File>> = BTreeMap::new();
         let mut files = Vec::with_capacity(manifest.shards.len());
         for s in &manifest.shards {
@@ -110,12 +117,24 @@ impl Datasets {
                 Some(f) => Arc::clone(f),
                 None => {
                     let p = dir.join(&s.file);
-                    let bad = |reason: String| DatasetError::ShardFile { dataset: name.into(), path: p.clone(), reason };
+                    let bad = |reason: String| DatasetError::ShardFile {
+                        dataset: name.into(),
+                        path: p.clone(),
+                        reason,
+                    };
                     let f = File::open(&p).map_err(|e| bad(e.to_string()))?;
                     let len = f.metadata().map_err(|e| bad(e.to_string()))?.len();
-                    let need = manifest.shards.iter().filter(|x| x.file == s.file).map(|x| x.offset + x.length).max().unwrap_or(0);
+                    let need = manifest
+                        .shards
+                        .iter()
+                        .filter(|x| x.file == s.file)
+                        .map(|x| x.offset + x.length)
+                        .max()
+                        .unwrap_or(0);
                     if len < need {
-                        return Err(bad(format!("is {len} bytes, the manifest needs {need} (re-run `shardwire index`)")));
+                        return Err(bad(format!(
+                            "is {len} bytes, the manifest needs {need} (re-run `shardwire index`)"
+                        )));
                     }
                     let f = Arc::new(f);
                     open.insert(&s.file, Arc::clone(&f));
@@ -125,7 +144,16 @@ impl Datasets {
             files.push(f);
         }
         drop(open);
-        self.0.insert(name.into(), Dataset { name: name.into(), dir: dir.into(), manifest, manifest_json, files });
+        self.0.insert(
+            name.into(),
+            Dataset {
+                name: name.into(),
+                dir: dir.into(),
+                manifest,
+                manifest_json,
+                files,
+            },
+        );
         Ok(())
     }
 

@@ -22,7 +22,10 @@ pub enum FrameError {
 }
 
 /// Reads one message; `buf` is reused between calls.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Result<Message, FrameError> {
+pub async fn read_message<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Message, FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -37,7 +40,10 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) ->
 }
 
 /// Writes one message.
-pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, msg: &Message) -> Result<(), FrameError> {
+pub async fn write_message<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &Message,
+) -> Result<(), FrameError> {
     let mut out = Vec::with_capacity(64);
     wire::encode(msg, &mut out)?;
     w.write_all(&out).await?;

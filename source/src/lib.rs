@@ -53,12 +53,21 @@ impl Source {
     pub async fn bind(cfg: SourceConfig, datasets: Datasets) -> std::io::Result<Self> {
         let listener = TcpListener::bind(cfg.listen).await?;
         let corrupt_left = AtomicU32::new(cfg.fault_corrupt);
-        Ok(Self { listener, shared: Arc::new(Shared { datasets, cfg, corrupt_left }) })
+        Ok(Self {
+            listener,
+            shared: Arc::new(Shared {
+                datasets,
+                cfg,
+                corrupt_left,
+            }),
+        })
     }
 
     /// The bound control address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("bound listener has an address")
+        self.listener
+            .local_addr()
+            .expect("bound listener has an address")
     }
 
     /// Accepts control connections until `shutdown` turns true.

@@ -55,11 +55,20 @@ impl Sender {
     }
 }
 
-fn send_loop(stream: &TcpStream, rx: &mpsc::Receiver<Job>, queued: &AtomicU64, rate: u64) -> std::io::Result<()> {
+fn send_loop(
+    stream: &TcpStream,
+    rx: &mpsc::Receiver<Job>,
+    queued: &AtomicU64,
+    rate: u64,
+) -> std::io::Result<()> {
     let started = Instant::now();
     let mut sent_total: u64 = 0;
     // Without a rate limit, send each payload in one go; with one, in slices we can pace.
-    let slice = if rate == 0 { u64::MAX } else { (rate / 20).clamp(4096, 1 << 20) };
+    let slice = if rate == 0 {
+        u64::MAX
+    } else {
+        (rate / 20).clamp(4096, 1 << 20)
+    };
     while let Ok(job) = rx.recv() {
         if job.corrupt {
             let mut buf = vec![0u8; job.len as usize];
@@ -68,7 +77,10 @@ fn send_loop(stream: &TcpStream, rx: &mpsc::Receiver<Job>, queued: &AtomicU64, r
             buf[mid] ^= 0x5a;
             let mut s = stream;
             s.write_all(&buf)?;
-            tracing::warn!(bytes = job.len, "fault injection: sent a payload with one byte flipped");
+            tracing::warn!(
+                bytes = job.len,
+                "fault injection: sent a payload with one byte flipped"
+            );
         } else {
             let mut off = job.offset;
             let end = job.offset + job.len;

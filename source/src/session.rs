@@ -55,10 +55,18 @@ pub enum SessionError {
 }
 
 fn kind(m: &Message) -> String {
-    format!("{m:?}").split([' ', '{', '(']).next().unwrap_or("?").to_string()
+    format!("{m:?}")
+        .split([' ', '{', '('])
+        .next()
+        .unwrap_or("?")
+        .to_string()
 }
 
-pub(crate) async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Result<(), SessionError> {
+pub(crate) async fn run(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+) -> Result<(), SessionError> {
     let secret = shared.cfg.secret.clone();
     if secret.is_none() && !peer.ip().is_loopback() {
         return Err(SessionError::NotLoopback(peer));
@@ -70,20 +78,51 @@ pub(crate) async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>
 
     let hs = async {
         let (node_nonce, data_addr, flows, node_id) = match read_message(&mut rd, &mut buf).await? {
-            Message::Hello { node_id, nonce, data_addr, flows } => (nonce, data_addr, flows, node_id),
-            other => return Err(SessionError::Unexpected { expected: "Hello", got: kind(&other) }),
+            Message::Hello {
+                node_id,
+                nonce,
+                data_addr,
+                flows,
+            } => (nonce, data_addr, flows, node_id),
+            other => {
+                return Err(SessionError::Unexpected {
+                    expected: "Hello",
+                    got: kind(&other),
+                });
+            }
         };
         let mut src_nonce = [0u8; NONCE_LEN];
-        rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty()).map_err(|e| FrameError::Io(e.into()))?;
-        write_message(&mut wr, &Message::Challenge { nonce: src_nonce, auth_required: secret.is_some() }).await?;
+        rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| FrameError::Io(e.into()))?;
+        write_message(
+            &mut wr,
+            &Message::Challenge {
+                nonce: src_nonce,
+                auth_required: secret.is_some(),
+            },
+        )
+        .await?;
         let mac = match read_message(&mut rd, &mut buf).await? {
             Message::Auth { mac } => mac,
-            other => return Err(SessionError::Unexpected { expected: "Auth", got: kind(&other) }),
+            other => {
+                return Err(SessionError::Unexpected {
+                    expected: "Auth",
+                    got: kind(&other),
+                });
+            }
         };
         let welcome = match &secret {
             Some(s) => {
                 if !auth::ct_eq(&mac, &auth::proof(s, Role::Node, &node_nonce, &src_nonce)) {
-                    let _ = write_message(&mut wr, &Message::Error { req: 0, code: ErrorCode::AuthFailed, message: "wrong secret".into() }).await;
+                    let _ = write_message(
+                        &mut wr,
+                        &Message::Error {
+                            req: 0,
+                            code: ErrorCode::AuthFailed,
+                            message: "wrong secret".into(),
+                        },
+                    )
+                    .await;
                     return Err(SessionError::AuthFailed);
                 }
                 auth::proof(s, Role::Source, &node_nonce, &src_nonce)
@@ -103,10 +142,26 @@ pub(crate) async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>
     let per_flow_rate = shared.cfg.rate_limit / u64::from(flows);
     let mut senders = Vec::with_capacity(flows as usize);
     for conn in 0..flows {
-        let s = TcpStream::connect(data_addr).await.map_err(|source| SessionError::DataConnect { addr: data_addr, source })?;
-        let local = s.local_addr().map_err(|source| SessionError::DataConnect { addr: data_addr, source })?;
-        let std = s.into_std().map_err(|source| SessionError::DataConnect { addr: data_addr, source })?;
-        std.set_nonblocking(false).map_err(|source| SessionError::DataConnect { addr: data_addr, source })?;
+        let s =
+            TcpStream::connect(data_addr)
+                .await
+                .map_err(|source| SessionError::DataConnect {
+                    addr: data_addr,
+                    source,
+                })?;
+        let local = s.local_addr().map_err(|source| SessionError::DataConnect {
+            addr: data_addr,
+            source,
+        })?;
+        let std = s.into_std().map_err(|source| SessionError::DataConnect {
+            addr: data_addr,
+            source,
+        })?;
+        std.set_nonblocking(false)
+            .map_err(|source| SessionError::DataConnect {
+                addr: data_addr,
+                source,
+            })?;
         write_message(&mut wr, &Message::DataConn { conn, addr: local }).await?;
         senders.push(Sender::spawn(std, conn, per_flow_rate, Arc::clone(&failed)));
     }
@@ -122,21 +177,61 @@ pub(crate) async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>
         };
         match msg {
             Message::ManifestRequest { dataset } => match shared.datasets.get(&dataset) {
-                Some(d) => write_message(&mut wr, &Message::Manifest { dataset, json: d.manifest_json.clone() }).await?,
+                Some(d) => {
+                    write_message(
+                        &mut wr,
+                        &Message::Manifest {
+                            dataset,
+                            json: d.manifest_json.clone(),
+                        },
+                    )
+                    .await?
+                }
                 None => {
                     let message = format!("dataset `{dataset}` is not served here");
-                    write_message(&mut wr, &Message::Error { req: 0, code: ErrorCode::UnknownDataset, message }).await?;
+                    write_message(
+                        &mut wr,
+                        &Message::Error {
+                            req: 0,
+                            code: ErrorCode::UnknownDataset,
+                            message,
+                        },
+                    )
+                    .await?;
                 }
             },
-            Message::Fetch { req, dataset, shard } => {
+            Message::Fetch {
+                req,
+                dataset,
+                shard,
+            } => {
                 let Some(d) = shared.datasets.get(&dataset) else {
                     let message = format!("dataset `{dataset}` is not served here");
-                    write_message(&mut wr, &Message::Error { req, code: ErrorCode::UnknownDataset, message }).await?;
+                    write_message(
+                        &mut wr,
+                        &Message::Error {
+                            req,
+                            code: ErrorCode::UnknownDataset,
+                            message,
+                        },
+                    )
+                    .await?;
                     continue;
                 };
                 let Some(entry) = d.manifest.shards.get(shard as usize) else {
-                    let message = format!("shard {shard} is out of range: dataset `{dataset}` has {} shards", d.manifest.shards.len());
-                    write_message(&mut wr, &Message::Error { req, code: ErrorCode::UnknownShard, message }).await?;
+                    let message = format!(
+                        "shard {shard} is out of range: dataset `{dataset}` has {} shards",
+                        d.manifest.shards.len()
+                    );
+                    write_message(
+                        &mut wr,
+                        &Message::Error {
+                            req,
+                            code: ErrorCode::UnknownShard,
+                            message,
+                        },
+                    )
+                    .await?;
                     continue;
                 };
                 let (conn, sender) = senders
@@ -148,22 +243,45 @@ pub(crate) async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>
                 sender.seq += 1;
                 write_message(
                     &mut wr,
-                    &Message::Shard { req, shard, length: entry.length, crc32c: entry.crc32c, conn: conn as u16, seq },
+                    &Message::Shard {
+                        req,
+                        shard,
+                        length: entry.length,
+                        crc32c: entry.crc32c,
+                        conn: conn as u16,
+                        seq,
+                    },
                 )
                 .await?;
                 let corrupt = shared
                     .corrupt_left
                     .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                     .is_ok();
-                let job = Job { file: Arc::clone(&d.files[shard as usize]), offset: entry.offset, len: entry.length, corrupt };
+                let job = Job {
+                    file: Arc::clone(&d.files[shard as usize]),
+                    offset: entry.offset,
+                    len: entry.length,
+                    corrupt,
+                };
                 if !sender.push(job) {
                     return Err(SessionError::DataFailed);
                 }
             }
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
-                let _ = write_message(&mut wr, &Message::Error { req: 0, code: ErrorCode::BadRequest, message: message.clone() }).await;
-                return Err(SessionError::Unexpected { expected: "ManifestRequest or Fetch", got: kind(&other) });
+                let _ = write_message(
+                    &mut wr,
+                    &Message::Error {
+                        req: 0,
+                        code: ErrorCode::BadRequest,
+                        message: message.clone(),
+                    },
+                )
+                .await;
+                return Err(SessionError::Unexpected {
+                    expected: "ManifestRequest or Fetch",
+                    got: kind(&other),
+                });
             }
         }
     }

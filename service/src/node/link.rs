@@ -73,7 +73,13 @@ pub struct FetchOutcome {
 impl PendingFetch {
     /// Reports failure, handing the slab back.
     pub fn fail(self, f: FetchFailure) {
-        let _ = self.done.send(FetchOutcome { pos: self.pos, shard: self.shard, slab: self.slab, source: self.source, result: Err(f) });
+        let _ = self.done.send(FetchOutcome {
+            pos: self.pos,
+            shard: self.shard,
+            slab: self.slab,
+            source: self.source,
+            result: Err(f),
+        });
     }
 }
 
@@ -138,11 +144,25 @@ impl SourceLink {
     /// Sends a FETCH; gives the fetch back if the link is down.
     pub fn fetch(&self, req: u64, dataset: &str, p: PendingFetch) -> Result<(), PendingFetch> {
         let st = self.state.lock().expect("poisoned");
-        let Some(ctl) = st.ctl.as_ref() else { return Err(p) };
+        let Some(ctl) = st.ctl.as_ref() else {
+            return Err(p);
+        };
         let shard = p.shard;
         self.pending.lock().expect("poisoned").insert(req, p);
-        if ctl.send(Message::Fetch { req, dataset: dataset.into(), shard }).is_err() {
-            return Err(self.pending.lock().expect("poisoned").remove(&req).expect("just inserted"));
+        if ctl
+            .send(Message::Fetch {
+                req,
+                dataset: dataset.into(),
+                shard,
+            })
+            .is_err()
+        {
+            return Err(self
+                .pending
+                .lock()
+                .expect("poisoned")
+                .remove(&req)
+                .expect("just inserted"));
         }
         Ok(())
     }
@@ -155,13 +175,23 @@ impl SourceLink {
             let Some(ctl) = st.ctl.as_ref() else {
                 return Err(format!("source {} is not connected", self.addr));
             };
-            self.manifest_waiters.lock().expect("poisoned").entry(dataset.into()).or_default().push(tx);
-            let _ = ctl.send(Message::ManifestRequest { dataset: dataset.into() });
+            self.manifest_waiters
+                .lock()
+                .expect("poisoned")
+                .entry(dataset.into())
+                .or_default()
+                .push(tx);
+            let _ = ctl.send(Message::ManifestRequest {
+                dataset: dataset.into(),
+            });
         }
         match tokio::time::timeout(MANIFEST_TIMEOUT, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(format!("source {} disconnected", self.addr)),
-            Err(_) => Err(format!("source {} did not answer within {MANIFEST_TIMEOUT:?}", self.addr)),
+            Err(_) => Err(format!(
+                "source {} did not answer within {MANIFEST_TIMEOUT:?}",
+                self.addr
+            )),
         }
     }
 
@@ -264,7 +294,9 @@ pub enum LinkError {
 }
 
 async fn session(node: &Arc<Node>, link: &Arc<SourceLink>) -> Result<(), LinkError> {
-    let stream = tokio::net::TcpStream::connect(&link.addr).await.map_err(LinkError::Connect)?;
+    let stream = tokio::net::TcpStream::connect(&link.addr)
+        .await
+        .map_err(LinkError::Connect)?;
     let _ = stream.set_nodelay(true);
     let local_ip = stream.local_addr().map_err(LinkError::Connect)?.ip();
     let data_addr = if node.data_addr.ip().is_unspecified() {
@@ -280,33 +312,69 @@ async fn session(node: &Arc<Node>, link: &Arc<SourceLink>) -> Result<(), LinkErr
 
     let hs = async {
         let mut nonce = [0u8; NONCE_LEN];
-        rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty()).map_err(|e| FrameError::Io(e.into()))?;
-        let node_id = rustix::system::uname().nodename().to_string_lossy().into_owned();
-        write_message(&mut wr, &Message::Hello { node_id, nonce, data_addr, flows }).await?;
+        rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| FrameError::Io(e.into()))?;
+        let node_id = rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned();
+        write_message(
+            &mut wr,
+            &Message::Hello {
+                node_id,
+                nonce,
+                data_addr,
+                flows,
+            },
+        )
+        .await?;
         let (src_nonce, auth_required) = match read_message(&mut rd, &mut buf).await? {
-            Message::Challenge { nonce, auth_required } => (nonce, auth_required),
-            Message::Error { code, message, .. } => return Err(LinkError::Refused { code, message }),
-            other => return Err(LinkError::Protocol(format!("expected Challenge, got {other:?}"))),
+            Message::Challenge {
+                nonce,
+                auth_required,
+            } => (nonce, auth_required),
+            Message::Error { code, message, .. } => {
+                return Err(LinkError::Refused { code, message });
+            }
+            other => {
+                return Err(LinkError::Protocol(format!(
+                    "expected Challenge, got {other:?}"
+                )));
+            }
         };
         if secret.is_some() && !auth_required {
-            return Err(LinkError::Auth("the source does not check a secret but this node has one; configure the same secret file on the source"));
+            return Err(LinkError::Auth(
+                "the source does not check a secret but this node has one; configure the same secret file on the source",
+            ));
         }
-        let mac = secret.as_deref().map_or([0; 32], |s| auth::proof(s, Role::Node, &nonce, &src_nonce));
+        let mac = secret
+            .as_deref()
+            .map_or([0; 32], |s| auth::proof(s, Role::Node, &nonce, &src_nonce));
         write_message(&mut wr, &Message::Auth { mac }).await?;
         match read_message(&mut rd, &mut buf).await? {
             Message::Welcome { mac } => {
                 if let Some(s) = &secret
                     && !auth::ct_eq(&mac, &auth::proof(s, Role::Source, &nonce, &src_nonce))
                 {
-                    return Err(LinkError::Auth("the source's proof is wrong (different secret?)"));
+                    return Err(LinkError::Auth(
+                        "the source's proof is wrong (different secret?)",
+                    ));
                 }
             }
-            Message::Error { code, message, .. } => return Err(LinkError::Refused { code, message }),
-            other => return Err(LinkError::Protocol(format!("expected Welcome, got {other:?}"))),
+            Message::Error { code, message, .. } => {
+                return Err(LinkError::Refused { code, message });
+            }
+            other => {
+                return Err(LinkError::Protocol(format!(
+                    "expected Welcome, got {other:?}"
+                )));
+            }
         }
         Ok::<_, LinkError>(())
     };
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, hs).await.map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))??;
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
+        .await
+        .map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))??;
 
     let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Message>();
     let generation = {
@@ -337,25 +405,39 @@ async fn session(node: &Arc<Node>, link: &Arc<SourceLink>) -> Result<(), LinkErr
     }
 }
 
-fn handle(node: &Arc<Node>, link: &Arc<SourceLink>, generation: u64, msg: Message) -> Result<(), LinkError> {
+fn handle(
+    node: &Arc<Node>,
+    link: &Arc<SourceLink>,
+    generation: u64,
+    msg: Message,
+) -> Result<(), LinkError> {
     match msg {
         Message::DataConn { conn, addr } => {
             let rx = {
                 let mut st = link.state.lock().expect("poisoned");
-                let slot = st
-                    .conns
-                    .get_mut(conn as usize)
-                    .ok_or_else(|| LinkError::Protocol(format!("data connection {conn} >= flows")))?;
+                let slot = st.conns.get_mut(conn as usize).ok_or_else(|| {
+                    LinkError::Protocol(format!("data connection {conn} >= flows"))
+                })?;
                 if slot.is_some() {
-                    return Err(LinkError::Protocol(format!("data connection {conn} announced twice")));
+                    return Err(LinkError::Protocol(format!(
+                        "data connection {conn} announced twice"
+                    )));
                 }
                 let (tx, rx) = std::sync::mpsc::channel();
                 *slot = Some(tx);
                 rx
             };
-            node.matcher.expect(node, addr, Arc::clone(link), conn, generation, rx);
+            node.matcher
+                .expect(node, addr, Arc::clone(link), conn, generation, rx);
         }
-        Message::Shard { req, shard, length, crc32c, conn, seq } => {
+        Message::Shard {
+            req,
+            shard,
+            length,
+            crc32c,
+            conn,
+            seq,
+        } => {
             let p = link
                 .pending
                 .lock()
@@ -380,13 +462,23 @@ fn handle(node: &Arc<Node>, link: &Arc<SourceLink>, generation: u64, msg: Messag
                     }
                 }
                 None => {
-                    p.fail(FetchFailure::Source(format!("data connection {conn} was never announced")));
-                    return Err(LinkError::Protocol(format!("SHARD on unannounced data connection {conn}")));
+                    p.fail(FetchFailure::Source(format!(
+                        "data connection {conn} was never announced"
+                    )));
+                    return Err(LinkError::Protocol(format!(
+                        "SHARD on unannounced data connection {conn}"
+                    )));
                 }
             }
         }
         Message::Manifest { dataset, json } => {
-            for w in link.manifest_waiters.lock().expect("poisoned").remove(&dataset).unwrap_or_default() {
+            for w in link
+                .manifest_waiters
+                .lock()
+                .expect("poisoned")
+                .remove(&dataset)
+                .unwrap_or_default()
+            {
                 let _ = w.send(Ok(json.clone()));
             }
         }
@@ -404,7 +496,11 @@ fn handle(node: &Arc<Node>, link: &Arc<SourceLink>, generation: u64, msg: Messag
                 }
             }
         }
-        other => return Err(LinkError::Protocol(format!("unexpected message from source: {other:?}"))),
+        other => {
+            return Err(LinkError::Protocol(format!(
+                "unexpected message from source: {other:?}"
+            )));
+        }
     }
     Ok(())
 }

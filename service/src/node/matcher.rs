@@ -36,9 +36,22 @@ pub struct Matcher(Mutex<Inner>);
 
 impl Matcher {
     /// A source announced a data connection from `addr`.
-    pub fn expect(&self, node: &Arc<Node>, addr: SocketAddr, link: Arc<SourceLink>, conn: u16, generation: u64, rx: Receiver<PendingFetch>) {
+    pub fn expect(
+        &self,
+        node: &Arc<Node>,
+        addr: SocketAddr,
+        link: Arc<SourceLink>,
+        conn: u16,
+        generation: u64,
+        rx: Receiver<PendingFetch>,
+    ) {
         let mut inner = self.0.lock().expect("poisoned");
-        let e = Expected { link, conn, generation, rx };
+        let e = Expected {
+            link,
+            conn,
+            generation,
+            rx,
+        };
         match inner.accepted.remove(&addr) {
             Some((sock, _)) => {
                 drop(inner);
@@ -60,7 +73,9 @@ impl Matcher {
                 .filter(|(_, e)| e.link.index == link_index && e.generation == generation)
                 .map(|(k, _)| *k)
                 .collect();
-            keys.iter().filter_map(|k| inner.expected.remove(k)).collect()
+            keys.iter()
+                .filter_map(|k| inner.expected.remove(k))
+                .collect()
         };
         for e in dropped {
             while let Ok(p) = e.rx.try_recv() {
@@ -101,7 +116,11 @@ fn start(node: &Arc<Node>, sock: TcpStream, peer: SocketAddr, e: Expected) {
 }
 
 /// Accepts data connections until shutdown.
-pub async fn accept_loop(node: Arc<Node>, listener: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
+pub async fn accept_loop(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,

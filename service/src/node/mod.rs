@@ -125,7 +125,10 @@ pub enum StartError {
 
 /// Reads a secret file.
 pub fn read_secret(path: &std::path::Path) -> Result<Vec<u8>, StartError> {
-    let bad = |reason: String| StartError::Secret { path: path.into(), reason };
+    let bad = |reason: String| StartError::Secret {
+        path: path.into(),
+        reason,
+    };
     let raw = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
     shardwire_protocol::auth::parse_secret(&raw).ok_or_else(|| bad("the file is empty".into()))
 }
@@ -138,10 +141,19 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
     let data = tokio::net::TcpListener::bind(cfg.data_listen)
         .await
-        .map_err(|source| StartError::Bind { what: "the data port", addr: cfg.data_listen.to_string(), source })?;
+        .map_err(|source| StartError::Bind {
+            what: "the data port",
+            addr: cfg.data_listen.to_string(),
+            source,
+        })?;
     let data_addr = data.local_addr().expect("bound");
     let (shutdown, watch) = watch::channel(false);
-    let links = cfg.sources.iter().enumerate().map(|(i, a)| SourceLink::new(i, a.clone())).collect();
+    let links = cfg
+        .sources
+        .iter()
+        .enumerate()
+        .map(|(i, a)| SourceLink::new(i, a.clone()))
+        .collect();
     let mode_reason = "receive=host, memory=host: host mode was requested by configuration (devmem and CUDA backends are not built into this version)".to_string();
     let node = Arc::new(Node {
         secret,
@@ -163,13 +175,27 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));
     }
     let socket = node.cfg.socket.clone();
-    trainer_socket::start(Arc::clone(&node), &socket, watch.clone())
-        .map_err(|source| StartError::Bind { what: "the trainer socket", addr: socket.display().to_string(), source })?;
+    trainer_socket::start(Arc::clone(&node), &socket, watch.clone()).map_err(|source| {
+        StartError::Bind {
+            what: "the trainer socket",
+            addr: socket.display().to_string(),
+            source,
+        }
+    })?;
     let admin = tokio::net::TcpListener::bind(node.cfg.admin)
         .await
-        .map_err(|source| StartError::Bind { what: "the admin API", addr: node.cfg.admin.to_string(), source })?;
+        .map_err(|source| StartError::Bind {
+            what: "the admin API",
+            addr: node.cfg.admin.to_string(),
+            source,
+        })?;
     let admin_addr = admin.local_addr().expect("bound");
     tokio::spawn(crate::admin::serve(Arc::clone(&node), admin, watch.clone()));
     tracing::info!(data = %data_addr, admin = %admin_addr, socket = %socket.display(), sources = node.links.len(), "node service ready");
-    Ok(NodeHandle { node, admin_addr, socket, shutdown })
+    Ok(NodeHandle {
+        node,
+        admin_addr,
+        socket,
+        shutdown,
+    })
 }

@@ -24,16 +24,31 @@ pub struct FlowStats {
 }
 
 /// Starts the receiver thread for one identified data connection.
-pub fn spawn(node: Arc<Node>, link: Arc<SourceLink>, conn: u16, sock: TcpStream, rx: Receiver<PendingFetch>) {
+pub fn spawn(
+    node: Arc<Node>,
+    link: Arc<SourceLink>,
+    conn: u16,
+    sock: TcpStream,
+    rx: Receiver<PendingFetch>,
+) {
     let flow = Arc::new(FlowStats::default());
-    node.flows.lock().expect("poisoned").push((link.addr.clone(), conn, Arc::clone(&flow)));
+    node.flows
+        .lock()
+        .expect("poisoned")
+        .push((link.addr.clone(), conn, Arc::clone(&flow)));
     std::thread::Builder::new()
         .name(format!("sw-recv-{}-{conn}", link.index))
         .spawn(move || run(&node, &link, sock, &rx, &flow))
         .expect("spawn receiver thread");
 }
 
-fn run(node: &Node, link: &SourceLink, mut sock: TcpStream, rx: &Receiver<PendingFetch>, flow: &FlowStats) {
+fn run(
+    node: &Node,
+    link: &SourceLink,
+    mut sock: TcpStream,
+    rx: &Receiver<PendingFetch>,
+    flow: &FlowStats,
+) {
     let mut broken: Option<String> = None;
     while let Ok(mut p) = rx.recv() {
         if let Some(reason) = &broken {
@@ -43,17 +58,30 @@ fn run(node: &Node, link: &SourceLink, mut sock: TcpStream, rx: &Receiver<Pendin
         match recv_payload(&mut sock, p.slab.as_mut_slice(), flow) {
             Ok(got) => {
                 let result = if got == p.crc32c {
-                    node.counters.bytes_received.fetch_add(p.length, Ordering::Relaxed);
-                    node.counters.shards_received.fetch_add(1, Ordering::Relaxed);
+                    node.counters
+                        .bytes_received
+                        .fetch_add(p.length, Ordering::Relaxed);
+                    node.counters
+                        .shards_received
+                        .fetch_add(1, Ordering::Relaxed);
                     link.bytes.fetch_add(p.length, Ordering::Relaxed);
                     Ok(())
                 } else {
                     node.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(source = %link.addr, shard = p.shard, got = format!("{got:08x}"), want = format!("{:08x}", p.crc32c),
                         "CRC-32C mismatch: the shard will be fetched again");
-                    Err(FetchFailure::Crc { got, want: p.crc32c })
+                    Err(FetchFailure::Crc {
+                        got,
+                        want: p.crc32c,
+                    })
                 };
-                let _ = p.done.send(FetchOutcome { pos: p.pos, shard: p.shard, slab: p.slab, source: p.source, result });
+                let _ = p.done.send(FetchOutcome {
+                    pos: p.pos,
+                    shard: p.shard,
+                    slab: p.slab,
+                    source: p.source,
+                    result,
+                });
             }
             Err(e) => {
                 let reason = format!("data connection from {} failed mid-shard: {e}", link.addr);

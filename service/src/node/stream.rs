@@ -99,7 +99,8 @@ pub struct StreamParams {
 impl StreamShared {
     /// Allocates the region and builds the stream (the fetcher is started separately).
     pub fn new(id: u64, p: StreamParams) -> Result<Arc<Self>, String> {
-        let region = HostRegion::new(&format!("shardwire-stream-{id}"), p.region_bytes as usize).map_err(|e| e.to_string())?;
+        let region = HostRegion::new(&format!("shardwire-stream-{id}"), p.region_bytes as usize)
+            .map_err(|e| e.to_string())?;
         let pool = SlabPool::new(region);
         let total = p.spec.per_rank() * u64::from(p.epochs);
         let s = Arc::new(Self {
@@ -113,7 +114,12 @@ impl StreamShared {
             fingerprint: p.fingerprint,
             reserved: p.region_bytes,
             candidates: p.candidates,
-            inner: Mutex::new(Inner { ready: BTreeMap::new(), next: p.start, leases: HashMap::new(), closed: None }),
+            inner: Mutex::new(Inner {
+                ready: BTreeMap::new(),
+                next: p.start,
+                leases: HashMap::new(),
+                closed: None,
+            }),
             cv: Condvar::new(),
             freed: Notify::new(),
             closed_notify: Notify::new(),
@@ -154,7 +160,12 @@ impl StreamShared {
     /// The state for position `pos`.
     pub fn state_at(&self, pos: u64) -> StreamState {
         let per = self.spec.per_rank();
-        StreamState { epoch: (pos / per) as u32, index: pos % per, seed: self.spec.seed, fingerprint: self.fingerprint.clone() }
+        StreamState {
+            epoch: (pos / per) as u32,
+            index: pos % per,
+            seed: self.spec.seed,
+            fingerprint: self.fingerprint.clone(),
+        }
     }
 
     /// Bytes leased to the trainer and ready for it.
@@ -222,9 +233,17 @@ impl StreamShared {
                     })
                     .collect();
                 i.leases.insert(lease, slab);
-                node.counters.batches_delivered.fetch_add(1, Ordering::Relaxed);
+                node.counters
+                    .batches_delivered
+                    .fetch_add(1, Ordering::Relaxed);
                 let per = self.spec.per_rank();
-                return Next::Batch { lease, epoch: (pos / per) as u32, index: pos % per, shard, tensors };
+                return Next::Batch {
+                    lease,
+                    epoch: (pos / per) as u32,
+                    index: pos % per,
+                    shard,
+                    tensors,
+                };
             }
             i = match deadline {
                 None => self.cv.wait(i).expect("poisoned"),
@@ -276,13 +295,22 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
             let shard = s.shard_at(next_issue);
             let len = s.manifest.shards[shard as usize].length as usize;
             let Some(slab) = s.pool.alloc(len) else { break };
-            let r = Retry { pos: next_issue, shard, slab, avoid: None };
+            let r = Retry {
+                pos: next_issue,
+                shard,
+                slab,
+                avoid: None,
+            };
             next_issue += 1;
             if let Err(r) = issue(&node, &s, &tx, r, &mut rr) {
                 retry.push_back(r);
             }
         }
-        let idle = if retry.is_empty() { Duration::from_secs(1) } else { Duration::from_millis(100) };
+        let idle = if retry.is_empty() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(100)
+        };
         tokio::select! {
             Some(o) = rx.recv() => match o.result {
                 Ok(()) => s.complete(o.pos, o.slab),
@@ -302,7 +330,13 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
     }
 }
 
-fn issue(node: &Node, s: &StreamShared, tx: &mpsc::UnboundedSender<FetchOutcome>, r: Retry, rr: &mut usize) -> Result<(), Retry> {
+fn issue(
+    node: &Node,
+    s: &StreamShared,
+    tx: &mpsc::UnboundedSender<FetchOutcome>,
+    r: Retry,
+    rr: &mut usize,
+) -> Result<(), Retry> {
     let n = s.candidates.len();
     // Round-robin over live candidates, avoiding the one that just failed when possible.
     let order: Vec<usize> = (0..n).map(|k| (*rr + k) % n).collect();
@@ -325,5 +359,10 @@ fn issue(node: &Node, s: &StreamShared, tx: &mpsc::UnboundedSender<FetchOutcome>
         source: link.index,
     };
     link.fetch(node.next_id(), &s.dataset, p)
-        .map_err(|p| Retry { pos: p.pos, shard: p.shard, slab: p.slab, avoid: r.avoid })
+        .map_err(|p| Retry {
+            pos: p.pos,
+            shard: p.shard,
+            slab: p.slab,
+            avoid: r.avoid,
+        })
 }

@@ -32,31 +32,42 @@ pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> s
     }
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
-    std::thread::Builder::new().name("sw-trainer-accept".into()).spawn(move || {
-        for conn in listener.incoming() {
-            if *shutdown.borrow() {
-                return;
-            }
-            match conn {
-                Ok(s) => {
-                    let node = Arc::clone(&node);
-                    let _ = std::thread::Builder::new().name("sw-trainer".into()).spawn(move || serve(&node, s));
+    std::thread::Builder::new()
+        .name("sw-trainer-accept".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                if *shutdown.borrow() {
+                    return;
                 }
-                Err(e) => tracing::warn!(error = %e, "trainer accept failed"),
+                match conn {
+                    Ok(s) => {
+                        let node = Arc::clone(&node);
+                        let _ = std::thread::Builder::new()
+                            .name("sw-trainer".into())
+                            .spawn(move || serve(&node, s));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "trainer accept failed"),
+                }
             }
-        }
-    })?;
+        })?;
     Ok(())
 }
 
-fn reply(sock: &UnixStream, r: &Response, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), FrameIoError> {
+fn reply(
+    sock: &UnixStream,
+    r: &Response,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> Result<(), FrameIoError> {
     let mut frame = Vec::with_capacity(256);
     trainer::encode(r, &mut frame);
     fdpass::send_frame(sock, &frame, fds)
 }
 
 fn error(code: &str, message: impl Into<String>) -> Response {
-    Response::Error { code: code.into(), message: message.into() }
+    Response::Error {
+        code: code.into(),
+        message: message.into(),
+    }
 }
 
 fn serve(node: &Arc<Node>, sock: UnixStream) {
@@ -82,10 +93,35 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
         };
         fds.clear(); // trainers never send fds; drop any that came
         let sent = match (req, &stream) {
-            (Request::Attach { .. }, Some(_)) => reply(&sock, &error("already_attached", "this connection already has a stream"), &[]),
-            (Request::Attach { version, dataset, seed, rank, world_size, epochs, uneven, state }, None) => {
+            (Request::Attach { .. }, Some(_)) => reply(
+                &sock,
+                &error("already_attached", "this connection already has a stream"),
+                &[],
+            ),
+            (
+                Request::Attach {
+                    version,
+                    dataset,
+                    seed,
+                    rank,
+                    world_size,
+                    epochs,
+                    uneven,
+                    state,
+                },
+                None,
+            ) => {
                 if version != TRAINER_VERSION {
-                    reply(&sock, &error("unsupported_version", format!("trainer protocol {version}; this service speaks {TRAINER_VERSION}")), &[])
+                    reply(
+                        &sock,
+                        &error(
+                            "unsupported_version",
+                            format!(
+                                "trainer protocol {version}; this service speaks {TRAINER_VERSION}"
+                            ),
+                        ),
+                        &[],
+                    )
                 } else {
                     match open(node, dataset, seed, rank, world_size, epochs, uneven, state) {
                         Ok(s) => {
@@ -108,7 +144,19 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
             (Request::Next { timeout_ms }, Some(s)) => {
                 let r = match s.next(node, timeout_ms.map(Duration::from_millis)) {
-                    Next::Batch { lease, epoch, index, shard, tensors } => Response::Batch { lease, epoch, index, shard, tensors },
+                    Next::Batch {
+                        lease,
+                        epoch,
+                        index,
+                        shard,
+                        tensors,
+                    } => Response::Batch {
+                        lease,
+                        epoch,
+                        index,
+                        shard,
+                        tensors,
+                    },
                     Next::End => Response::End,
                     Next::Timeout => Response::Timeout,
                     Next::Closed(why) => error("closed", why),
@@ -116,7 +164,14 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 reply(&sock, &r, &[])
             }
             (Request::Release { lease }, Some(s)) => {
-                let r = if s.release(lease) { Response::Released } else { error("unknown_lease", format!("lease {lease} is not held by this stream")) };
+                let r = if s.release(lease) {
+                    Response::Released
+                } else {
+                    error(
+                        "unknown_lease",
+                        format!("lease {lease} is not held by this stream"),
+                    )
+                };
                 reply(&sock, &r, &[])
             }
             (Request::State, Some(s)) => reply(&sock, &Response::State { state: s.state() }, &[]),
@@ -156,19 +211,40 @@ fn open(
         return Err(("bad_request", "epochs must be at least 1".into()));
     }
     let (manifest, candidates) = node.rt.block_on(manifest_for(node, &dataset))?;
-    let shards = u32::try_from(manifest.shards.len()).map_err(|_| ("bad_request", "too many shards".to_string()))?;
-    let spec = PlanSpec { digest: manifest.digest_bytes(), shards, seed, rank, world_size, uneven };
+    let shards = u32::try_from(manifest.shards.len())
+        .map_err(|_| ("bad_request", "too many shards".to_string()))?;
+    let spec = PlanSpec {
+        digest: manifest.digest_bytes(),
+        shards,
+        seed,
+        rank,
+        world_size,
+        uneven,
+    };
     spec.validate().map_err(|e| ("bad_plan", e.to_string()))?;
     let fingerprint = spec.fingerprint();
     let start = match &state {
         None => 0,
         Some(st) => {
-            spec.check_fingerprint(&st.fingerprint).map_err(|e| ("state_mismatch", e))?;
+            spec.check_fingerprint(&st.fingerprint)
+                .map_err(|e| ("state_mismatch", e))?;
             if st.seed != seed {
-                return Err(("state_mismatch", format!("state fingerprint differs in `seed`: saved {}, stream has {seed}", st.seed)));
+                return Err((
+                    "state_mismatch",
+                    format!(
+                        "state fingerprint differs in `seed`: saved {}, stream has {seed}",
+                        st.seed
+                    ),
+                ));
             }
             if st.index >= spec.per_rank() || st.epoch > epochs {
-                return Err(("state_mismatch", format!("state position epoch {} index {} is outside this stream", st.epoch, st.index)));
+                return Err((
+                    "state_mismatch",
+                    format!(
+                        "state position epoch {} index {} is outside this stream",
+                        st.epoch, st.index
+                    ),
+                ));
             }
             u64::from(st.epoch) * spec.per_rank() + st.index
         }
@@ -199,7 +275,16 @@ fn open(
         *reserved += region_bytes;
     }
     let id = node.next_id();
-    let params = StreamParams { dataset: dataset.clone(), spec, epochs, start, manifest, region_bytes, candidates, fingerprint };
+    let params = StreamParams {
+        dataset: dataset.clone(),
+        spec,
+        epochs,
+        start,
+        manifest,
+        region_bytes,
+        candidates,
+        fingerprint,
+    };
     let s = match StreamShared::new(id, params) {
         Ok(s) => s,
         Err(e) => {
@@ -207,15 +292,22 @@ fn open(
             return Err(("no_memory", e));
         }
     };
-    node.streams.lock().expect("poisoned").insert(id, Arc::clone(&s));
+    node.streams
+        .lock()
+        .expect("poisoned")
+        .insert(id, Arc::clone(&s));
     let span = tracing::info_span!("stream", id, dataset = %dataset, rank, world_size);
-    node.rt.spawn(super::stream::fetcher(Arc::clone(node), Arc::clone(&s), start).instrument(span));
+    node.rt
+        .spawn(super::stream::fetcher(Arc::clone(node), Arc::clone(&s), start).instrument(span));
     tracing::info!(stream = id, %dataset, seed, rank, world_size, epochs, start, "stream opened");
     Ok(s)
 }
 
 /// The manifest for `dataset` and the links that serve exactly it.
-async fn manifest_for(node: &Arc<Node>, dataset: &str) -> Result<(Arc<Manifest>, Vec<Arc<super::link::SourceLink>>), OpenError> {
+async fn manifest_for(
+    node: &Arc<Node>,
+    dataset: &str,
+) -> Result<(Arc<Manifest>, Vec<Arc<super::link::SourceLink>>), OpenError> {
     // Give links that are still connecting a moment (a trainer may start with the node).
     for _ in 0..50 {
         if node.links.iter().any(|l| l.is_up()) {
@@ -231,21 +323,42 @@ async fn manifest_for(node: &Arc<Node>, dataset: &str) -> Result<(Arc<Manifest>,
     let mut chosen: Option<Arc<Manifest>> = None;
     let mut candidates = Vec::new();
     for (l, r) in answers {
-        match r.map_err(|e| e.to_string()).and_then(|json| Manifest::from_json(&json).map_err(|e| e.to_string())) {
+        match r
+            .map_err(|e| e.to_string())
+            .and_then(|json| Manifest::from_json(&json).map_err(|e| e.to_string()))
+        {
             Ok(m) => match &chosen {
                 None => {
                     chosen = Some(Arc::new(m));
                     candidates.push(l);
                 }
                 Some(c) if c.digest == m.digest => candidates.push(l),
-                Some(c) => tracing::warn!(source = %l.addr, %dataset, theirs = %m.digest, ours = %c.digest, "source serves a different version of the dataset; not using it for this stream"),
+                Some(c) => {
+                    tracing::warn!(source = %l.addr, %dataset, theirs = %m.digest, ours = %c.digest, "source serves a different version of the dataset; not using it for this stream")
+                }
             },
             Err(e) => errors.push(format!("{}: {e}", l.addr)),
         }
     }
     match chosen {
         Some(m) => Ok((m, candidates)),
-        None if errors.is_empty() => Err(("unavailable", format!("no source is connected (configured: {})", node.links.iter().map(|l| l.addr.as_str()).collect::<Vec<_>>().join(", ")))),
-        None => Err(("unknown_dataset", format!("dataset `{dataset}` is not available: {}", errors.join("; ")))),
+        None if errors.is_empty() => Err((
+            "unavailable",
+            format!(
+                "no source is connected (configured: {})",
+                node.links
+                    .iter()
+                    .map(|l| l.addr.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+        None => Err((
+            "unknown_dataset",
+            format!(
+                "dataset `{dataset}` is not available: {}",
+                errors.join("; ")
+            ),
+        )),
     }
 }
