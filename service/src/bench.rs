@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Also run plain TCP with the same layout and print the ratio.
     #[arg(long)]
     compare_tcp: bool,
+    /// With --compare-tcp: alternate the two runs this many times and report every ratio
+    /// and the median (a shared machine is noisy).
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
 }
 
 /// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
