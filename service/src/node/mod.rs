@@ -154,7 +154,10 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .enumerate()
         .map(|(i, a)| SourceLink::new(i, a.clone()))
         .collect();
-    let mode_reason = "receive=host, memory=host: host mode was requested by configuration (devmem and CUDA backends are not built into this version)".to_string();
+    let mode_reason = format!(
+        "receive=host, memory=host (configured): {}; CUDA memory is not built into this version",
+        shardwire_devmem::host_mode_reason()
+    );
     let node = Arc::new(Node {
         secret,
         links,
