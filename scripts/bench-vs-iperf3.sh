@@ -9,12 +9,12 @@ command -v iperf3 >/dev/null || { echo "iperf3 is not installed (apt-get install
 cargo build --release -q -p shardwire
 bin=${CARGO_TARGET_DIR:-target}/release/shardwire
 port=$((20000 + RANDOM % 20000))
-iperf3 -s -p "$port" -1 >/dev/null 2>&1 &
 ratios=()
 for r in $(seq 1 "$rounds"); do
-  iperf3 -s -p "$port" -D --one-off >/dev/null 2>&1 || true
-  sleep 0.3
+  iperf3 -s -p "$port" -1 >/dev/null 2>&1 &
+  sleep 0.5
   ip=$(iperf3 -c 127.0.0.1 -p "$port" -P "$flows" -t "$secs" -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)')
+  wait
   sw=$("$bin" bench --flows "$flows" --seconds "$secs" --shard-size "$shard" | sed -n 's/^shardwire: \([0-9.]*\) Gbps.*/\1/p')
   ratio=$(python3 -c "print(f'{$sw/$ip:.3f}')")
   echo "round $r: iperf3 -P $flows: $ip Gbps; shardwire bench --flows $flows (CRC on, to a trainer): $sw Gbps; ratio $ratio"
