@@ -1,0 +1,56 @@
+//! The README's first command, as a test: `shardwire demo` must verify every batch and exit 0.
+
+use std::process::Command;
+
+#[test]
+fn demo_verifies_every_batch() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .arg("demo")
+        .output()
+        .expect("run shardwire demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("demo ok: 12 shards"), "{stdout}");
+    assert!(stdout.contains("CRC failures: 0"), "{stdout}");
+}
+
+#[test]
+fn index_rejects_a_missing_directory_with_its_name() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["index", "/nonexistent/shardwire-dataset"])
+        .output()
+        .expect("run shardwire index");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/shardwire-dataset"), "{err}");
+}
+
+#[test]
+fn serve_config_errors_name_the_key() {
+    let dir = std::env::temp_dir().join(format!("sw-cfg-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("serve.toml");
+    std::fs::write(&f, "sources = [\"127.0.0.1:1\"]\npool_sise = \"1GiB\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["serve", "--config"])
+        .arg(&f)
+        .output()
+        .expect("run shardwire serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("pool_sise"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["serve", "--source", "127.0.0.1:1", "--flows", "0"])
+        .output()
+        .expect("run shardwire serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`flows`") && err.contains("between 1 and 64"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
