@@ -21,8 +21,8 @@ pub use bytesize::ByteSize;
 /// Why the configuration is not usable.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// Parsing/merging failed (unknown key, wrong type...).
-    #[error("configuration: {0}")]
+    /// Parsing/merging failed (unknown key, wrong type...); figment names the key and file.
+    #[error(transparent)]
     Load(#[from] Box<figment::Error>),
     /// A value is out of range.
     #[error("configuration key `{key}` = {value}: {allowed}")]
@@ -103,8 +103,6 @@ pub struct ServeConfig {
     pub memory: MemoryMode,
     /// Log format.
     pub log_format: LogFormat,
-    /// Seconds before an unanswered FETCH is re-issued elsewhere.
-    pub fetch_timeout_secs: u64,
 }
 
 impl Default for ServeConfig {
@@ -121,7 +119,6 @@ impl Default for ServeConfig {
             receive: ReceiveMode::Host,
             memory: MemoryMode::Host,
             log_format: LogFormat::Text,
-            fetch_timeout_secs: 30,
         }
     }
 }
@@ -214,9 +211,6 @@ impl ServeConfig {
                 self.pool_size,
                 format!("must be at least stream_memory ({})", self.stream_memory),
             ));
-        }
-        if self.fetch_timeout_secs == 0 {
-            return Err(invalid("fetch_timeout_secs", 0, "must be at least 1"));
         }
         for s in &self.sources {
             if !s.contains(':') {

@@ -6,6 +6,7 @@ mod cli;
 mod consume;
 mod demo;
 mod node;
+mod status;
 mod synth;
 
 use std::process::ExitCode;
