@@ -16,6 +16,8 @@ use super::link::{FetchFailure, PendingFetch, SourceLink};
 
 /// How long an accepted, unannounced data connection is kept.
 pub const UNMATCHED_TIMEOUT: Duration = Duration::from_secs(10);
+/// At most this many unidentified connections are held at once.
+pub const MAX_UNMATCHED: usize = 1024;
 
 struct Expected {
     link: Arc<SourceLink>,
@@ -84,16 +86,25 @@ impl Matcher {
         }
     }
 
-    fn accepted(&self, node: &Arc<Node>, sock: TcpStream, peer: SocketAddr) {
-        let mut inner = self.0.lock().expect("poisoned");
+    /// Closes accepted connections that nobody announced within [`UNMATCHED_TIMEOUT`].
+    fn sweep(&self) {
         let now = Instant::now();
-        inner.accepted.retain(|a, (_, t)| {
+        self.0.lock().expect("poisoned").accepted.retain(|a, (_, t)| {
             let keep = now.duration_since(*t) < UNMATCHED_TIMEOUT;
             if !keep {
                 tracing::warn!(peer = %a, "dropping a data connection that no authenticated source announced");
             }
             keep
         });
+    }
+
+    fn accepted(&self, node: &Arc<Node>, sock: TcpStream, peer: SocketAddr) {
+        let mut inner = self.0.lock().expect("poisoned");
+        if inner.accepted.len() >= MAX_UNMATCHED && !inner.expected.contains_key(&peer) {
+            tracing::warn!(%peer, limit = MAX_UNMATCHED, "too many unidentified data connections; refusing this one");
+            return;
+        }
+        let now = Instant::now();
         match inner.expected.remove(&peer) {
             Some(e) => {
                 drop(inner);
@@ -121,9 +132,11 @@ pub async fn accept_loop(
     listener: tokio::net::TcpListener,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
+            _ = sweep.tick() => node.matcher.sweep(),
             r = listener.accept() => match r {
                 Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
