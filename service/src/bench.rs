@@ -103,15 +103,30 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     let result = (|| {
-        let sw = run_shardwire(&a, &data, &dir, stream_memory)?;
-        if a.compare_tcp {
-            let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
-            let tcp = run_tcp(&a, &files, shard)?;
+        let mut ratios = Vec::new();
+        for round in 0..a.rounds.max(1) {
+            if a.rounds > 1 {
+                println!("-- round {}", round + 1);
+            }
+            let sw = run_shardwire(&a, &data, &dir, stream_memory)?;
+            if a.compare_tcp {
+                let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
+                let tcp = run_tcp(&a, &files, shard)?;
+                println!(
+                    "ratio shardwire/tcp: {:.3} ({sw:.3} / {tcp:.3} Gbps)",
+                    sw / tcp
+                );
+                ratios.push(sw / tcp);
+            }
+        }
+        if ratios.len() > 1 {
+            ratios.sort_by(f64::total_cmp);
+            let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
             println!(
-                "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps)",
-                sw / tcp,
-                sw,
-                tcp
+                "median ratio shardwire/tcp over {} rounds: {:.3} (sorted: {})",
+                ratios.len(),
+                ratios[ratios.len() / 2],
+                list.join(" ")
             );
         }
         Ok::<_, anyhow::Error>(())
