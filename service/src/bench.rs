@@ -96,7 +96,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
     shardwire_index::write_manifest(&data, &m)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
-    let stream_memory = (class * 16).max(64 << 20);
+    let stream_memory = (class * 8).max(32 << 20);
     println!(
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer",
         a.flows, a.seconds, shard

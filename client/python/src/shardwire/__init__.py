@@ -1,0 +1,42 @@
+"""shardwire: the Python trainer SDK of the shardwire node service.
+
+The node service (``shardwire serve``) hands dataset shards to trainers over a Unix socket;
+each stream's memory region is passed as a file descriptor and mapped read-only here, and
+every tensor is a zero-copy, read-only numpy view of that mapping::
+
+    import shardwire
+
+    client = shardwire.connect()            # $SHARDWIRE_SOCKET or /run/shardwire/trainer.sock
+    with client.open_stream("imagenet", seed=1, rank=0, world_size=8, epochs=2) as stream:
+        for batch in stream:                # the previous batch is released automatically
+            x = batch["image"]              # numpy, read-only, no copy
+            ...
+            ckpt = stream.state_dict()      # resume later with open_stream(..., state=ckpt)
+
+See :class:`Batch` for the lifetime rules (auto-release, ``keep()``), ``shardwire.torch`` for a
+PyTorch ``IterableDataset`` (torch is imported only when that is used), and the README.
+"""
+
+from __future__ import annotations
+
+from ._client import DEFAULT_SOCKET, SOCKET_ENV, Batch, Client, Stream, StreamInfo, TensorView, connect
+from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "SOCKET_ENV",
+    "Batch",
+    "Client",
+    "ConnectError",
+    "ConnectionClosed",
+    "ProtocolError",
+    "ServiceError",
+    "ShardwireError",
+    "Stream",
+    "StreamInfo",
+    "TensorView",
+    "Timeout",
+    "connect",
+]

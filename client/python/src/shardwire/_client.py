@@ -1,0 +1,532 @@
+"""Client, streams and batches of the trainer socket (docs/TRAINER_API.md).
+
+Mirrors the Rust SDK (client/src/lib.rs): one Unix connection per stream, the stream's region
+mapped read-only, batches of named tensors that are zero-copy views of that region.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import socket
+import stat
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _wire
+from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "SOCKET_ENV",
+    "Batch",
+    "Client",
+    "Stream",
+    "StreamInfo",
+    "TensorView",
+    "connect",
+]
+
+#: Socket path used when neither an argument nor ``$SHARDWIRE_SOCKET`` names one.
+DEFAULT_SOCKET = "/run/shardwire/trainer.sock"
+#: Environment variable naming the trainer socket.
+SOCKET_ENV = "SHARDWIRE_SOCKET"
+
+Uneven = Literal["pad", "drop"]
+
+# Element types the service describes (numpy names; all little-endian on the wire).
+_DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(code)
+    for name, code in {
+        "int8": "i1",
+        "int16": "<i2",
+        "int32": "<i4",
+        "int64": "<i8",
+        "uint8": "u1",
+        "uint16": "<u2",
+        "uint32": "<u4",
+        "uint64": "<u8",
+        "float16": "<f2",
+        "float32": "<f4",
+        "float64": "<f8",
+    }.items()
+}
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """Where one tensor of a batch lies in the stream's region (the service's description)."""
+
+    #: Tensor name (Arrow column name, or the ``.npy``/``.bin`` file stem).
+    name: str
+    #: numpy dtype name, e.g. ``"float32"`` (little-endian).
+    dtype: str
+    #: Shape.
+    shape: tuple[int, ...]
+    #: Byte offset in the region.
+    offset: int
+    #: Byte length.
+    length: int
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """What the service said when the stream opened (the ``attached`` reply)."""
+
+    #: Stream id (as in the admin API's ``/v1/streams``).
+    stream: int
+    #: Size of the mapped region in bytes.
+    region_size: int
+    #: Batches per epoch for this rank.
+    batches_per_epoch: int
+    #: Epochs the stream delivers (counting from epoch 0, including any skipped by a resume).
+    epochs: int
+    #: Memory kind of the region (``"host"``).
+    memory: str
+    #: The state the stream starts from: ``{epoch, index, seed, fingerprint}``.
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_batches(self) -> int:
+        """Batches over all epochs (``batches_per_epoch * epochs``), from epoch 0."""
+        return self.batches_per_epoch * self.epochs
+
+
+def connect(path: str | os.PathLike[str] | None = None) -> Client:
+    """A :class:`Client` for the node service's trainer socket.
+
+    Args:
+        path: Socket path; default ``$SHARDWIRE_SOCKET``, else ``/run/shardwire/trainer.sock``.
+
+    Raises:
+        ConnectError: nothing at `path`, or it is not a Unix socket (the message names the path).
+
+    No connection is made here: each :meth:`Client.open_stream` opens its own.
+    """
+    if path is None:
+        path = os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}? set ${SOCKET_ENV} or pass the path)") from None
+    except OSError as e:
+        raise ConnectError(path, e.strerror or str(e)) from e
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConnectError(path, "not a Unix socket")
+    return Client(path)
+
+
+class Client:
+    """A node service's trainer socket. Cheap: it only remembers the path; every
+    :meth:`open_stream` makes its own connection (the protocol is one stream per connection),
+    so streams are independent and may be used from different threads."""
+
+    def __init__(self, path: str) -> None:
+        #: The trainer socket path.
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"shardwire.Client({self.path!r})"
+
+    def open_stream(
+        self,
+        dataset: str,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        epochs: int = 1,
+        uneven: Uneven = "pad",
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """Opens a stream of `dataset` for this rank.
+
+        Args:
+            dataset: Dataset name, as the source serves it (``--dataset NAME=DIR``).
+            seed: Shuffle seed; every rank of a job must use the same one.
+            rank: This trainer's rank, ``0 <= rank < world_size``.
+            world_size: Number of ranks sharing the dataset.
+            epochs: Epochs to deliver.
+            uneven: When the shard count is not a multiple of `world_size`: ``"pad"`` repeats
+                shards from the start of the epoch's order, ``"drop"`` drops the tail; either
+                way every rank gets the same number of batches per epoch.
+            state: A :meth:`Stream.state_dict` saved earlier, to resume exactly at the batch
+                after the last one taken. Dataset, seed, world size, rank and uneven policy
+                must match (else :class:`ServiceError` code ``"state_mismatch"``, naming the
+                field).
+
+        Raises:
+            ConnectError: the socket cannot be reached.
+            ServiceError: the service refused (``unknown_dataset``, ``unavailable``,
+                ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
+        """
+        if uneven not in ("pad", "drop"):
+            raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
+        for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
+        req: dict[str, Any] = {
+            "op": "attach",
+            "version": _wire.VERSION,
+            "dataset": str(dataset),
+            "seed": seed,
+            "rank": rank,
+            "world_size": world_size,
+            "epochs": epochs,
+            "uneven": uneven,
+            "state": dict(state) if state is not None else None,
+        }
+        return Stream._open(self.path, req)
+
+
+def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
+    """A read-only numpy view of tensor `v` in `region` (no copy)."""
+    dt = _DTYPES.get(v.dtype)
+    if dt is None:
+        raise ProtocolError(f"tensor {v.name!r} has dtype {v.dtype!r}, unknown to this SDK")
+    count = math.prod(v.shape)
+    if count * dt.itemsize != v.length:
+        raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {count * dt.itemsize} bytes, the service says {v.length}")
+    if v.offset < 0 or v.offset + v.length > len(region):
+        raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
+    return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape)
+
+
+class Batch(Mapping[str, np.ndarray]):
+    """One leased batch (one shard): a read-only mapping from tensor name to numpy array.
+
+    Each array is a zero-copy, read-only view of the stream's mapped region
+    (``arr.flags.writeable`` is False; assigning raises ``ValueError``). Arrays support DLPack
+    through numpy (``np.from_dlpack(arr)``; see the README for other frameworks).
+
+    **Lifetime (auto-release policy).** A batch holds a lease on its bytes in the region. When
+    the trainer takes the next batch from the stream (``next`` or the next loop iteration), the
+    previous batch is released automatically, unless :meth:`keep` was called on it; a kept batch
+    stays leased until :meth:`release` (or leaving a ``with batch:`` block, or closing the
+    stream). Releasing twice is a no-op.
+
+    **Using a released batch is a user error**: numpy views cannot be revoked, so its arrays
+    stay readable, but the service reuses the bytes for later shards and they may change at
+    any time. Copy what you need to keep (``np.array(arr)``), or :meth:`keep` the batch.
+
+    Attributes:
+        lease: Lease id (as the service knows it).
+        epoch: Epoch of this batch.
+        index: Index of this batch within its epoch (for this rank).
+        shard: Shard index in the dataset's manifest.
+        views: Where each tensor lies in the region.
+    """
+
+    __slots__ = ("_stream", "_tensors", "_kept", "_released", "lease", "epoch", "index", "shard", "views", "__weakref__")
+
+    # A batch is a lease: identity semantics (Mapping's value comparison would compare arrays).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], region: memoryview) -> None:
+        self._stream = stream
+        self.lease = lease
+        self.epoch = epoch
+        self.index = index
+        self.shard = shard
+        self.views = tuple(views)
+        self._kept = False
+        self._released = False
+        self._tensors: dict[str, np.ndarray] = {v.name: _tensor(region, v) for v in views}
+
+    # --- Mapping -----------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
+        state = "released" if self.released else ("kept" if self._kept else "leased")
+        return f"<shardwire.Batch epoch={self.epoch} index={self.index} shard={self.shard} lease={self.lease} {state} {{{ts}}}>"
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        """True once released (explicitly, automatically, or because the stream closed)."""
+        return self._released or self._stream.closed
+
+    @property
+    def kept(self) -> bool:
+        """True if :meth:`keep` was called (the batch is then exempt from auto-release)."""
+        return self._kept
+
+    def keep(self) -> Batch:
+        """Exempts this batch from auto-release: it stays leased (its bytes valid) until
+        :meth:`release`. Returns the batch. Kept batches occupy stream memory: a trainer that
+        keeps too many stalls its stream (the service fetches ahead only into free memory)."""
+        if self.released:
+            raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
+        self._kept = True
+        return self
+
+    def release(self) -> None:
+        """Gives the batch's memory back to the service. A no-op if already released."""
+        if self._released:
+            return
+        self._released = True
+        self._stream._release(self)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class Stream:
+    """An open stream: iterate it for :class:`Batch` objects in plan order.
+
+    Create with :meth:`Client.open_stream`. One stream is one Unix connection; closing it (or
+    the process exiting) closes the stream on the service and releases all its leases.
+
+    Iterating (``for batch in stream``) calls :meth:`next` until the stream ends. Taking a
+    batch releases the previous one unless it was kept (see :class:`Batch`). Methods are
+    thread-safe (one request at a time on the connection), but batches come in one order:
+    iterate from one thread.
+
+    Attributes:
+        info: What the service said at open (stream id, batches per epoch, epochs, memory).
+    """
+
+    def __init__(self, conn: _wire.Conn, region: mmap.mmap, info: StreamInfo) -> None:
+        self._conn = conn
+        self._mmap = region
+        self._region = memoryview(region)
+        self._lock = threading.Lock()
+        self._auto: Batch | None = None
+        self._closed = False
+        self._closed_why = "the stream was closed"
+        self._ended = False
+        self.info = info
+
+    @classmethod
+    def _open(cls, path: str, req: dict[str, Any]) -> Stream:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except FileNotFoundError:
+            sock.close()
+            raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}?)") from None
+        except ConnectionRefusedError:
+            sock.close()
+            raise ConnectError(path, "connection refused (a stale socket file: no node service is listening)") from None
+        except PermissionError:
+            sock.close()
+            raise ConnectError(path, "permission denied (the socket is mode 0660: run as the service's user or group)") from None
+        except OSError as e:
+            sock.close()
+            raise ConnectError(path, e.strerror or str(e)) from e
+        conn = _wire.Conn(sock)
+        fds: list[int] = []
+        try:
+            conn.send(req)
+            msg, fds = conn.recv(want_fds=True)
+            op = msg["op"]
+            if op == "error":
+                raise ServiceError(str(msg.get("code")), str(msg.get("message")))
+            if op != "attached":
+                raise ProtocolError(f"unexpected answer to attach: {msg!r}")
+            if len(fds) != 1:
+                raise ProtocolError(f"attached came with {len(fds)} file descriptors, expected the region's one")
+            size = int(msg["region_size"])
+            if size <= 0:
+                raise ProtocolError(f"attached with region_size {size}")
+            try:
+                region = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except OSError as e:
+                raise ShardwireError("map", f"cannot map the stream region ({size} bytes): {e}") from e
+            info = StreamInfo(
+                stream=int(msg["stream"]),
+                region_size=size,
+                batches_per_epoch=int(msg["batches_per_epoch"]),
+                epochs=int(msg["epochs"]),
+                memory=str(msg["memory"]),
+                state=dict(msg["state"]),
+            )
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            _wire._close_fds(fds)  # the mapping keeps the memfd alive
+        return cls(conn, region, info)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
+
+    def _broken(self) -> None:
+        """The connection failed (the service went away): the stream is over and its leases
+        are gone with it; later calls raise ``closed``. Call with the lock held."""
+        self._closed_why = "the connection to the node service was lost"
+        self._close_locked()
+
+    def _reply(self, expect: str, what: str) -> dict[str, Any]:
+        msg, _ = self._conn.recv()
+        if msg["op"] == "error":
+            raise ServiceError(str(msg.get("code")), str(msg.get("message")))
+        if msg["op"] != expect:
+            raise ProtocolError(f"unexpected answer to {what}: {msg!r}")
+        return msg
+
+    def next(self, timeout: float | None = None) -> Batch | None:
+        """The next batch in plan order, or None when every epoch was delivered.
+
+        Releases the previous batch first unless it was kept (see :class:`Batch`); both
+        requests travel in one write.
+
+        Args:
+            timeout: Seconds to wait for the batch (None: wait as long as it takes).
+
+        Raises:
+            Timeout: no batch within `timeout` (the stream stays usable).
+            ServiceError: e.g. code ``"closed"`` if the service closed the stream.
+            ConnectionClosed: the service went away.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, not {timeout!r}")
+        with self._lock:
+            self._check_open()
+            if self._ended:
+                return None
+            reqs: list[dict[str, Any]] = []
+            prev, self._auto = self._auto, None
+            if prev is not None and not prev._kept and not prev._released:
+                prev._released = True
+                reqs.append({"op": "release", "lease": prev.lease})
+            nxt: dict[str, Any] = {"op": "next"}
+            if timeout is not None:
+                nxt["timeout_ms"] = math.ceil(timeout * 1000)
+            reqs.append(nxt)
+            release_error: ShardwireError | None = None
+            try:
+                self._conn.send(*reqs)
+                if len(reqs) == 2:
+                    try:
+                        self._reply("released", "release")
+                    except (ServiceError, ProtocolError) as e:
+                        release_error = e  # the `next` reply is still coming: read it first
+                msg, _ = self._conn.recv()
+            except ConnectionClosed:
+                self._broken()
+                raise
+            op = msg["op"]
+            if release_error is not None and op == "batch":
+                warnings.warn(f"shardwire: automatic release of lease {prev.lease if prev else '?'} failed: {release_error}", RuntimeWarning, stacklevel=2)
+            if op == "batch":
+                views = [
+                    TensorView(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"]), int(t["length"]))
+                    for t in msg["tensors"]
+                ]
+                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
+                self._auto = b
+                return b
+            if op == "end":
+                self._ended = True
+                return None
+            if op == "timeout":
+                raise Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
+            if op == "error":
+                raise ServiceError(str(msg.get("code")), str(msg.get("message")))
+            raise ProtocolError(f"unexpected answer to next: {msg!r}")
+
+    def _release(self, batch: Batch) -> None:
+        with self._lock:
+            if self._closed:
+                return  # closing the connection released it
+            if self._auto is batch:
+                self._auto = None
+            try:
+                self._conn.send({"op": "release", "lease": batch.lease})
+                self._reply("released", "release")
+            except ConnectionClosed:
+                self._broken()
+                raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
+        fingerprint}``, naming the next batch not yet taken. Pass it to
+        ``open_stream(..., state=...)`` (same dataset, seed, rank, world size, uneven) to
+        continue exactly there. JSON-serialisable.
+
+        Batches already taken count as consumed: save the state after you have finished
+        with them (e.g. after the optimizer step), not while they are still to be trained on.
+        """
+        with self._lock:
+            self._check_open()
+            try:
+                self._conn.send({"op": "state"})
+                return dict(self._reply("state", "state")["state"])
+            except ConnectionClosed:
+                self._broken()
+                raise
+
+    @property
+    def region(self) -> memoryview:
+        """The stream's whole region, mapped read-only (every tensor is a view of it)."""
+        return self._region
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def close(self) -> None:
+        """Closes the stream: the service releases every lease it holds. Arrays of its batches
+        stay mapped (memory-safe) until they are garbage-collected, but their contents are no
+        longer guaranteed. Idempotent."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._auto = None
+        self._conn.close()
+        try:
+            self._region.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # numpy views are alive: the mapping goes when the last one does
+
+    # --- protocols ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Batch:
+        b = self.next()
+        if b is None:
+            raise StopIteration
+        return b
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<shardwire.Stream {self.info.stream} {'closed' if self._closed else 'open'} batches_per_epoch={self.info.batches_per_epoch} epochs={self.info.epochs}>"

@@ -1,0 +1,79 @@
+"""Exceptions raised by the shardwire SDK.
+
+Every error is a :class:`ShardwireError` with a stable machine-readable ``code`` and a
+human-readable ``message``. Errors the node service reports keep the service's code
+(see docs/TRAINER_API.md: ``unknown_dataset``, ``state_mismatch``, ``no_memory``, ...);
+errors raised by the SDK itself use the codes below.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardwireError",
+    "ServiceError",
+    "Timeout",
+    "ConnectionClosed",
+    "ConnectError",
+    "ProtocolError",
+]
+
+
+class ShardwireError(Exception):
+    """Base class of every shardwire SDK error.
+
+    Attributes:
+        code: Stable machine-readable code (``"unknown_dataset"``, ``"timeout"``, ...).
+        message: Human-readable detail.
+    """
+
+    code: str
+    message: str
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class ServiceError(ShardwireError):
+    """The node service answered with an ``error`` reply; ``code`` and ``message`` are its own."""
+
+
+class Timeout(ShardwireError):
+    """``Stream.next(timeout=...)`` got no batch in time (code ``"timeout"``). The stream stays
+    usable: call ``next`` again to keep waiting."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("timeout", message)
+
+
+class ConnectionClosed(ShardwireError):
+    """The connection to the node service ended (code ``"connection_closed"``): the service
+    exited or dropped the connection. The stream is closed (later calls raise code
+    ``"closed"``); the service released its leases."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("connection_closed", message)
+
+
+class ConnectError(ShardwireError):
+    """The trainer socket could not be reached (code ``"connect"``); the message names the
+    socket path and the reason."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__("connect", f"cannot connect to the shardwire trainer socket {path!r}: {reason}")
+        self.path = path
+
+
+class ProtocolError(ShardwireError):
+    """The service said something this SDK does not understand (code ``"protocol"``): a
+    version mismatch between SDK and service, or a bug."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("protocol", message)

@@ -1,0 +1,705 @@
+"""End-to-end tests of the Python SDK (client/python) against real processes on 127.0.0.1:
+
+    shardwire index DIR -> shardwire source -> shardwire serve -> shardwire (Python SDK)
+
+Datasets are written with real numpy (np.save) and pyarrow (pa.ipc.new_file); every tensor the
+SDK yields is compared with np.load / the pyarrow column values.
+
+The SDK is imported from the source tree: client/python/src is put first on sys.path here (and
+on PYTHONPATH for the SDK subprocesses). That is more robust than `pip install -e` at session
+start: it needs no network (an isolated build would fetch setuptools), never writes into the
+shared venv, and cannot pick up a stale installed copy. `test_package_builds_a_wheel` checks
+that the package itself builds and installs.
+
+Self-contained (no conftest.py fixtures): the processes are started by the small `Procs`
+registry below, and every child is killed at teardown, pass or fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SDK_SRC = REPO / "client" / "python" / "src"
+sys.path.insert(0, str(SDK_SRC))
+
+import shardwire  # noqa: E402
+from shardwire.torch import effective_rank, open_at_epoch  # noqa: E402
+
+#: Generous timeout of every wait, in seconds.
+WAIT = 60.0
+SOURCE_READY = re.compile(r"source listening on (\S+)")
+SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
+#: Per-stream region for the tests' serves: small datasets need little.
+SERVE_OPTS = ("--pool-size", "1GiB", "--stream-memory", "16MiB")
+SHARDS = 10  # shards of the "mix" dataset
+
+
+def test_sdk_is_imported_from_the_source_tree():
+    assert pathlib.Path(shardwire.__file__).resolve().is_relative_to(SDK_SRC), shardwire.__file__
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def shardwire_bin() -> pathlib.Path:
+    b = pathlib.Path(os.environ.get("SHARDWIRE_BIN", REPO / "target" / "debug" / "shardwire"))
+    if not (b.is_file() and os.access(b, os.X_OK)):
+        pytest.fail(f"shardwire binary not found at {b}; run `cargo build -p shardwire` or set SHARDWIRE_BIN")
+    return b
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """No inherited SHARDWIRE_* settings; the SDK importable from the source tree."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
+    env.update(RUST_LOG="info", NO_COLOR="1", RUST_BACKTRACE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(SDK_SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.update(extra or {})
+    return env
+
+
+class Proc:
+    """A child whose stdout lines are collected by a thread; stderr goes to a log file."""
+
+    def __init__(self, name: str, args: list[Any], log_dir: pathlib.Path) -> None:
+        self.name = name
+        self.args = [str(a) for a in args]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.stderr_path = log_dir / f"{name}.stderr.log"
+        self._err = open(self.stderr_path, "wb")
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        self.popen = subprocess.Popen(
+            self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err,
+            env=child_env(), text=True, bufsize=1,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def describe(self) -> str:
+        self._err.flush()
+        err = self.stderr_path.read_text(errors="replace")[-4000:] if self.stderr_path.exists() else ""
+        rc = self.popen.poll()
+        return f"[{self.name}] {'exited ' + str(rc) if rc is not None else 'running'}: {' '.join(self.args)}\n  stdout: {self.lines[-20:]}\n  stderr:\n{err}"
+
+    def wait_line(self, pattern: re.Pattern[str], timeout: float = WAIT) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no stdout line matching {pattern.pattern!r} within {timeout}s\n{self.describe()}")
+            try:
+                line = self._q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                self.popen.wait(timeout=5)
+                raise AssertionError(f"process ended before printing {pattern.pattern!r}\n{self.describe()}")
+            m = pattern.search(line)
+            if m:
+                return m
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=WAIT)
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 5 s; always reaps."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reader.join(timeout=5)
+        self._err.close()
+
+
+@dataclass
+class Serve:
+    proc: Proc
+    socket: str
+    admin: str
+
+
+class Procs:
+    """Starts children and kills every one of them at `close`."""
+
+    def __init__(self, tmp: pathlib.Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def start(self, kind: str, args: list[Any]) -> Proc:
+        p = Proc(f"{len(self.procs):02d}-{kind}", args, self.tmp / "logs")
+        self.procs.append(p)
+        return p
+
+    def source(self, datasets: dict[str, pathlib.Path], *extra: str) -> str:
+        """`shardwire source --listen 127.0.0.1:0 --dataset N=DIR ...`; returns its address."""
+        args: list[Any] = [shardwire_bin(), "source", "--listen", "127.0.0.1:0"]
+        for name, d in datasets.items():
+            args += ["--dataset", f"{name}={d}"]
+        p = self.start("source", args + list(extra))
+        return p.wait_line(SOURCE_READY).group(1)
+
+    def serve(self, source: str, socket: pathlib.Path, *extra: str) -> Serve:
+        """`shardwire serve` on ephemeral loopback ports; waits for the ready line and /readyz."""
+        p = self.start("serve", [
+            shardwire_bin(), "serve", "--source", source, "--socket", socket,
+            "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *SERVE_OPTS, *extra,
+        ])
+        m = p.wait_line(SERVE_READY)
+        s = Serve(p, m.group(1), m.group(2))
+        wait_for(lambda: http_get(s.admin, "/readyz")[0] == 200, f"{p.name} /readyz 200", diag=p.describe)
+        return s
+
+    def python(self, code: str, *args: Any) -> Proc:
+        """`python -c CODE ARGS...` with the SDK importable."""
+        return self.start("python", [sys.executable, "-c", code, *args])
+
+    def describe(self) -> str:
+        return "\n".join(p.describe() for p in self.procs)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - teardown must reach every child
+                p.popen.kill()
+
+
+def http_get(admin: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{admin}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except OSError as e:
+        return 0, str(e)
+
+
+def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT, diag: Callable[[], str] | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{diag()}" if diag else ""))
+        time.sleep(0.05)
+
+
+def stream_status(admin: str, stream_id: int) -> dict[str, Any] | None:
+    code, body = http_get(admin, "/v1/streams")
+    assert code == 200, body
+    return next((s for s in json.loads(body)["streams"] if s["id"] == stream_id), None)
+
+
+def leased(admin: str, stream_id: int) -> int:
+    s = stream_status(admin, stream_id)
+    assert s is not None, f"stream {stream_id} not in /v1/streams"
+    return int(s["leased"])
+
+
+# --- datasets --------------------------------------------------------------------------------
+
+
+def index(d: pathlib.Path) -> dict[str, Any]:
+    r = subprocess.run([shardwire_bin(), "index", str(d)], capture_output=True, text=True, timeout=300, env=child_env())
+    assert r.returncode == 0, f"shardwire index {d}: {r.stdout}\n{r.stderr}"
+    return json.loads((d / "shardwire.manifest.json").read_text())
+
+
+def write_mix(d: pathlib.Path) -> None:
+    """10 shards: six .npy files of assorted dtypes/shapes and one Arrow IPC file (4 batches)."""
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(42)
+    np.save(d / "a_f32.npy", rng.standard_normal((17, 8)).astype(np.float32))
+    np.save(d / "b_i64.npy", rng.integers(-(2**40), 2**40, 301, dtype=np.int64))
+    np.save(d / "c_u8.npy", rng.integers(0, 256, (3, 5, 7), dtype=np.uint8))
+    np.save(d / "d_f16.npy", rng.standard_normal(129).astype(np.float16))
+    np.save(d / "e_i16.npy", rng.integers(-(2**15), 2**15, (40, 3), dtype=np.int16))
+    np.save(d / "f_f64.npy", rng.standard_normal((9, 2)))
+    batches = []
+    for n in (3, 11, 1, 20):
+        ids = rng.integers(-(2**62), 2**62, n, dtype=np.int64)
+        emb = rng.standard_normal((n, 4)).astype(np.float32)
+        batches.append(pa.RecordBatch.from_arrays(
+            [pa.array(ids, pa.int64()), pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1), pa.float32()), 4)],
+            names=["id", "emb"],
+        ))
+    with pa.ipc.new_file(str(d / "g_table.arrow"), batches[0].schema) as w:
+        for b in batches:
+            w.write_batch(b)
+
+
+def expected_tensors(d: pathlib.Path, manifest: dict[str, Any]) -> list[dict[str, np.ndarray]]:
+    """Per shard (manifest order): tensor name -> the array as numpy / pyarrow read it."""
+    out: list[dict[str, np.ndarray]] = []
+    batch_no: Counter[str] = Counter()
+    for s in manifest["shards"]:
+        f = d / s["file"]
+        if f.suffix == ".npy":
+            out.append({f.stem: np.load(f)})
+        else:
+            rb = pa.ipc.open_file(str(f)).get_batch(batch_no[s["file"]])
+            batch_no[s["file"]] += 1
+            cols = {}
+            for name in rb.schema.names:
+                col = rb.column(name)
+                if pa.types.is_fixed_size_list(col.type):
+                    cols[name] = col.flatten().to_numpy().reshape(len(col), col.type.list_size)
+                else:
+                    cols[name] = col.to_numpy()
+            out.append(cols)
+    return out
+
+
+def assert_batch_matches(b: shardwire.Batch, expected: list[dict[str, np.ndarray]]) -> None:
+    exp = expected[b.shard]
+    assert sorted(b) == sorted(exp), f"shard {b.shard}: tensors {sorted(b)} != {sorted(exp)}"
+    for name, want in exp.items():
+        got = b[name]
+        assert got.dtype == want.dtype, f"shard {b.shard} {name}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"shard {b.shard} {name}: shape {got.shape} != {want.shape}"
+        assert np.array_equal(got, want), f"shard {b.shard} {name}: values differ"
+
+
+@dataclass
+class World:
+    """The shared cluster of this module: one source serving `mix`, one serve."""
+
+    procs: Procs
+    tmp: pathlib.Path
+    source: str
+    serve: Serve
+    mix: pathlib.Path
+    expected: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def client(self) -> shardwire.Client:
+        return shardwire.connect(self.serve.socket)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("sdk")
+    procs = Procs(tmp)
+    try:
+        mix = tmp / "mix"
+        write_mix(mix)
+        manifest = index(mix)
+        assert len(manifest["shards"]) == SHARDS
+        src = procs.source({"mix": mix})
+        serve = procs.serve(src, tmp / "sw.sock")
+        yield World(procs, tmp, src, serve, mix, expected_tensors(mix, manifest))
+    finally:
+        procs.close()
+
+
+@pytest.fixture
+def procs(tmp_path: pathlib.Path):
+    """Children started by one test; all killed when it ends."""
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def sequence(stream: shardwire.Stream) -> list[tuple[int, int, int]]:
+    return [(b.epoch, b.index, b.shard) for b in stream]
+
+
+# --- 1. one epoch: values, dtypes, shapes, read-only, zero-copy, exactly once ----------------
+
+
+def test_one_epoch_values_readonly_zero_copy(world: World):
+    with world.client().open_stream("mix", seed=7) as s:
+        assert s.info.batches_per_epoch == SHARDS and s.info.epochs == 1 and s.info.memory == "host"
+        assert s.info.state["epoch"] == 0 and s.info.state["index"] == 0
+        region_u8 = np.frombuffer(s.region, np.uint8)
+        assert len(region_u8) == s.info.region_size
+        seen = []
+        for i, b in enumerate(s):
+            assert (b.epoch, b.index) == (0, i)
+            assert_batch_matches(b, world.expected)
+            for name, arr in b.items():
+                assert arr.flags.writeable is False
+                with pytest.raises(ValueError):
+                    arr[(0,) * arr.ndim] = 1
+                with pytest.raises(ValueError):
+                    arr.flags.writeable = True
+                # zero-copy: the array's memory is the mapped region, reached by its base chain
+                assert np.shares_memory(arr, region_u8), f"{name} is not a view of the region"
+                base: Any = arr
+                while isinstance(base, np.ndarray):
+                    base = base.base
+                assert isinstance(base, memoryview) and isinstance(base.obj, __import__("mmap").mmap), type(base)
+            seen.append(b.shard)
+        assert sorted(seen) == list(range(SHARDS)), f"shards {seen}: each of 0..{SHARDS - 1} exactly once"
+        assert s.next() is None  # still ended
+
+
+# --- 2. auto-release and keep() ------------------------------------------------------------
+
+
+def test_auto_release_keep_and_release(world: World):
+    admin = world.serve.admin
+    with world.client().open_stream("mix", seed=1) as s:
+        for _ in range(5):
+            b = s.next(timeout=WAIT)
+            assert b is not None
+            assert leased(admin, s.info.stream) <= 1, "the previous batch was not auto-released"
+        assert not b.released
+        b.release()
+        assert b.released and leased(admin, s.info.stream) == 0
+        b.release()  # twice: no-op
+
+    with world.client().open_stream("mix", seed=1) as s:
+        kept, copies = [], []
+        for i in range(5):
+            b = s.next(timeout=WAIT)
+            assert b is not None
+            kept.append(b.keep())
+            copies.append({k: np.array(v) for k, v in b.items()})
+            assert leased(admin, s.info.stream) == i + 1, "kept batches must stay leased"
+        # kept batches' bytes are unchanged while leased
+        for b, c in zip(kept, copies):
+            assert all(np.array_equal(b[k], c[k]) for k in c)
+            assert_batch_matches(b, world.expected)
+        kept[0].release()
+        kept[1].release()
+        assert leased(admin, s.info.stream) == 3
+        kept[1].release()  # releasing twice is a no-op
+        assert leased(admin, s.info.stream) == 3
+        with kept[2] as b:
+            assert b.lease == kept[2].lease
+        assert kept[2].released and leased(admin, s.info.stream) == 2
+        nb = s.next(timeout=WAIT)  # takes one more; kept ones are not auto-released
+        assert nb is not None and leased(admin, s.info.stream) == 3
+        with pytest.raises(shardwire.ShardwireError):
+            kept[0].keep()  # too late: already released
+        sid = s.info.stream
+    assert kept[3].released and nb.released  # the stream closed: everything is released
+    wait_for(lambda: stream_status(admin, sid) is None, f"stream {sid} gone from /v1/streams after close")
+
+
+# --- 3. resume ------------------------------------------------------------------------------
+
+TAKE_AND_HANG = r"""
+import json, sys, time
+import shardwire
+sock, dataset, seed, epochs, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+s = shardwire.connect(sock).open_stream(dataset, seed=seed, epochs=epochs)
+taken = []
+for _ in range(k):
+    b = s.next(timeout=60)
+    taken.append([b.epoch, b.index, b.shard])
+print("STATE " + json.dumps({"taken": taken, "state": s.state_dict()}), flush=True)
+time.sleep(600)
+"""
+STATE_LINE = re.compile(r"^STATE (.*)$")
+
+
+def take_in_subprocess_then_sigkill(procs: Procs, sock: str, dataset: str, seed: int, epochs: int, k: int) -> tuple[list[tuple[int, int, int]], dict[str, Any]]:
+    """A separate Python process takes `k` batches, prints its state_dict() and is SIGKILLed."""
+    p = procs.python(TAKE_AND_HANG, sock, dataset, seed, epochs, k)
+    out = json.loads(p.wait_line(STATE_LINE).group(1))
+    p.kill()
+    assert p.popen.returncode == -signal.SIGKILL
+    return [tuple(t) for t in out["taken"]], out["state"]
+
+
+@pytest.mark.parametrize("k", [3, 8, 10, 13])
+def test_resume_after_sigkill(world: World, procs: Procs, k: int):
+    """epochs=2, 10 batches each: k=8 stops near the end of epoch 0, k=10 exactly at the
+    boundary, k=13 inside epoch 1."""
+    c = world.client()
+    with c.open_stream("mix", seed=5, epochs=2) as s:
+        full = sequence(s)
+    assert len(full) == 2 * SHARDS and [e for e, _, _ in full] == [0] * SHARDS + [1] * SHARDS
+    taken, state = take_in_subprocess_then_sigkill(procs, world.serve.socket, "mix", 5, 2, k)
+    assert taken == full[:k]
+    assert (state["epoch"], state["index"]) == divmod(k, SHARDS)
+    with c.open_stream("mix", seed=5, epochs=2, state=state) as s:
+        assert s.info.state == state
+        rest = []
+        for b in s:
+            assert_batch_matches(b, world.expected)
+            rest.append((b.epoch, b.index, b.shard))
+    assert rest == full[k:]
+
+
+def test_resume_across_a_service_restart(world: World, procs: Procs, tmp_path: pathlib.Path):
+    sock = tmp_path / "restart.sock"
+    a = procs.serve(world.source, sock)
+    c = shardwire.connect(a.socket)
+    with c.open_stream("mix", seed=9, epochs=2) as s:
+        full = sequence(s)
+    taken, state = take_in_subprocess_then_sigkill(procs, a.socket, "mix", 9, 2, 8)
+    assert taken == full[:8]
+    live = c.open_stream("mix", seed=9, epochs=2)
+    first = live.next(timeout=WAIT)
+    assert first is not None
+    a.proc.kill()  # the node service dies too
+    with pytest.raises(shardwire.ConnectionClosed):
+        live.next(timeout=WAIT)
+    assert live.closed and first.released
+    with pytest.raises(shardwire.ShardwireError, match="lost"):
+        live.next()
+    b = procs.serve(world.source, sock)  # a new one on the same socket path
+    assert b.socket == a.socket
+    with shardwire.connect(sock).open_stream("mix", seed=9, epochs=2, state=state) as s:
+        rest = sequence(s)
+    assert rest == full[8:]
+
+
+def test_resume_with_another_world_size_is_refused(world: World):
+    c = world.client()
+    with c.open_stream("mix", seed=2) as s:
+        s.next(timeout=WAIT)
+        state = s.state_dict()
+    json.dumps(state)  # a state dict is JSON-serialisable
+    with pytest.raises(shardwire.ServiceError) as ei:
+        c.open_stream("mix", seed=2, rank=0, world_size=2, state=state)
+    assert ei.value.code == "state_mismatch" and "world_size" in ei.value.message, repr(ei.value)
+
+
+# --- 4. uneven ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uneven,per_rank", [("pad", 4), ("drop", 3)])
+def test_uneven_world_of_three(world: World, uneven: str, per_rank: int):
+    c = world.client()
+    streams = [c.open_stream("mix", seed=11, rank=r, world_size=3, uneven=uneven) for r in range(3)]
+    try:
+        shards = []
+        for s in streams:
+            assert s.info.batches_per_epoch == per_rank
+            got = [b.shard for b in s]
+            assert len(got) == per_rank, f"rank got {got}"
+            shards += got
+    finally:
+        for s in streams:
+            s.close()
+    if uneven == "pad":
+        assert set(shards) == set(range(SHARDS)), f"pad must cover every shard: {sorted(shards)}"
+        assert len(shards) == 12
+    else:
+        assert len(set(shards)) == len(shards) == 9, f"drop must not duplicate: {sorted(shards)}"
+
+
+# --- 5. errors ------------------------------------------------------------------------------
+
+
+def test_unknown_dataset_and_bad_plan(world: World):
+    c = world.client()
+    with pytest.raises(shardwire.ServiceError) as ei:
+        c.open_stream("no-such-dataset")
+    assert ei.value.code == "unknown_dataset" and isinstance(ei.value, shardwire.ShardwireError)
+    assert "no-such-dataset" in ei.value.message
+    with pytest.raises(shardwire.ServiceError) as ei:
+        c.open_stream("mix", rank=3, world_size=3)
+    assert ei.value.code == "bad_plan", repr(ei.value)
+    with pytest.raises(ValueError):
+        c.open_stream("mix", uneven="spread")  # type: ignore[arg-type]
+
+
+def test_missing_socket_path(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    missing = str(tmp_path / "nowhere" / "trainer.sock")
+    with pytest.raises(shardwire.ShardwireError) as ei:
+        shardwire.connect(missing)
+    assert isinstance(ei.value, shardwire.ConnectError) and missing in str(ei.value)
+    with pytest.raises(shardwire.ConnectError) as ei:
+        shardwire.Client(missing).open_stream("mix")  # the connect inside open_stream
+    assert missing in str(ei.value)
+    monkeypatch.setenv("SHARDWIRE_SOCKET", missing)
+    with pytest.raises(shardwire.ConnectError, match=re.escape(missing)):
+        shardwire.connect()  # default from $SHARDWIRE_SOCKET
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    with pytest.raises(shardwire.ConnectError, match="not a Unix socket"):
+        shardwire.connect(regular)
+
+
+def test_next_times_out_when_the_source_stalls(procs: Procs, tmp_path: pathlib.Path):
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(2):
+        np.save(big / f"s{i}.npy", np.full(3 << 20, i, dtype=np.uint8))  # 3 MiB shards
+    index(big)
+    src = procs.source({"big": big}, "--rate-limit", "64KiB")  # ~48 s per shard
+    serve = procs.serve(src, tmp_path / "stall.sock")
+    with shardwire.connect(serve.socket).open_stream("big") as s:
+        t0 = time.monotonic()
+        with pytest.raises(shardwire.Timeout) as ei:
+            s.next(timeout=0.5)
+        took = time.monotonic() - t0
+        assert ei.value.code == "timeout" and isinstance(ei.value, shardwire.ShardwireError)
+        assert 0.4 <= took < 30, took
+        with pytest.raises(shardwire.Timeout):
+            s.next(timeout=0.2)  # the stream stays usable
+        assert s.state_dict()["index"] == 0
+
+
+# --- 6. DLPack ------------------------------------------------------------------------------
+
+
+def test_dlpack_export_is_zero_copy(world: World):
+    """numpy >= 2.1 exports read-only arrays with DLPack 1.0 (read-only flag): zero-copy.
+    Older numpy cannot (documented in client/python/README.md with the workaround: copy)."""
+    versioned = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 1)
+    with world.client().open_stream("mix", seed=3) as s:
+        b = s.next(timeout=WAIT)
+        assert b is not None and len(b) >= 1
+        for name, t in b.items():
+            assert t.__dlpack_device__() == (1, 0)  # kDLCPU, device 0
+            if not versioned:
+                with pytest.raises(BufferError):
+                    np.from_dlpack(t)
+                y = np.from_dlpack(np.array(t))  # the documented workaround: a copy
+                assert np.array_equal(y, t)
+                continue
+            y = np.from_dlpack(t)
+            assert np.array_equal(y, t) and y.dtype == t.dtype and y.shape == t.shape
+            assert y.__array_interface__["data"][0] == t.__array_interface__["data"][0], f"{name}: copied"
+            assert y.flags.writeable is False  # the read-only flag travels with DLPack >= 1.0
+
+
+# --- 7. torch helpers (torch itself is not needed) -------------------------------------------
+
+
+def test_effective_rank_is_a_bijection():
+    for world_size in range(1, 5):
+        for workers in range(1, 5):
+            got = [effective_rank(r, world_size, w, workers) for r in range(world_size) for w in range(workers)]
+            assert all(ew == world_size * workers for _, ew in got)
+            assert sorted(er for er, _ in got) == list(range(world_size * workers))
+    assert effective_rank(1, 2, 3, 4) == (7, 8)
+    assert effective_rank(0, 1) == (0, 1)
+    for bad in [(2, 2, 0, 1), (0, 0, 0, 1), (0, 1, 1, 1), (0, 1, 0, 0), (-1, 2, 0, 1)]:
+        with pytest.raises(ValueError):
+            effective_rank(*bad)
+
+
+def test_ranks_times_workers_cover_every_shard(world: World):
+    """2 DDP ranks x 5 workers = 10 streams over 10 shards: each shard exactly once."""
+    c = world.client()
+    shards = []
+    for r in range(2):
+        for w in range(5):
+            er, ew = effective_rank(r, 2, w, 5)
+            with c.open_stream("mix", seed=4, rank=er, world_size=ew) as s:
+                shards += [b.shard for b in s]
+    assert sorted(shards) == list(range(SHARDS))
+
+
+def test_open_at_epoch_delivers_that_epoch(world: World):
+    c = world.client()
+    with c.open_stream("mix", seed=6, epochs=3) as s:
+        full = sequence(s)
+    with open_at_epoch(c, "mix", start_epoch=1, epochs=1, seed=6) as s:
+        assert sequence(s) == full[SHARDS : 2 * SHARDS]
+    with open_at_epoch(c, "mix", start_epoch=0, epochs=2, seed=6) as s:
+        assert sequence(s) == full[: 2 * SHARDS]
+
+
+def test_dataset_iteration_without_torch(world: World, monkeypatch: pytest.MonkeyPatch):
+    """The body of shardwire.torch.IterableDataset (its torch-free mixin), with torch's
+    rank/worker lookup replaced by 2 DDP ranks x 2 workers: together they cover every shard;
+    copy=True yields writable copies, copy=False the read-only views; set_epoch works."""
+    import shardwire.torch as swt
+
+    c = world.client()
+    for copy in (True, False):
+        for epoch in (0, 1):
+            got: list[int] = []
+            for r in range(2):
+                for w in range(2):
+                    er, ew = effective_rank(r, 2, w, 2)
+                    with c.open_stream("mix", seed=8, rank=er, world_size=ew, epochs=epoch + 1) as s:
+                        want = [sh for e, _, sh in sequence(s) if e == epoch]
+                    monkeypatch.setattr(swt, "_torch_ranks", lambda rank, world_size, r=r, w=w: effective_rank(r, 2, w, 2))
+                    ds = swt._DatasetMixin("mix", socket=world.serve.socket, seed=8, copy=copy, timeout=WAIT)
+                    ds.set_epoch(epoch)
+                    mine = []
+                    for item in ds:
+                        assert all(a.flags.writeable is copy for a in item.values())
+                        (shard,) = [i for i, e in enumerate(world.expected) if sorted(e) == sorted(item) and all(np.array_equal(e[k], item[k]) for k in e)]
+                        mine.append(shard)
+                    assert mine == want, f"rank {r} worker {w} epoch {epoch}"
+                    got += mine
+            # 10 shards over 4 streams, pad: 3 items each, every shard at least once
+            assert len(got) == 12 and set(got) == set(range(SHARDS)), got
+
+
+def test_importing_shardwire_does_not_import_torch():
+    code = "import sys, shardwire, shardwire.torch; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=WAIT)
+    assert r.returncode == 0, r.stderr
+    if importlib.util.find_spec("torch") is None:
+        import shardwire.torch as swt
+
+        with pytest.raises(ImportError):
+            swt.IterableDataset  # noqa: B018 - touching it imports torch
+
+
+# --- packaging ------------------------------------------------------------------------------
+
+
+def test_pyproject_declares_numpy_only():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pkg = REPO / "client" / "python"
+    project = tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "shardwire" and project["requires-python"] == ">=3.10"
+    assert [d.split(">")[0].split("=")[0] for d in project["dependencies"]] == ["numpy"]
+    assert (pkg / "src" / "shardwire" / "py.typed").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None or importlib.util.find_spec("wheel") is None,
+                    reason="an offline wheel build needs setuptools and wheel in this interpreter")
+def test_package_builds_a_wheel(tmp_path: pathlib.Path):
+    """`pip wheel` of a copy of client/python, offline (--no-build-isolation uses this
+    interpreter's setuptools; the copy keeps build/ and *.egg-info out of the source tree)."""
+    src = tmp_path / "pkg"
+    shutil.copytree(REPO / "client" / "python", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl,) = (tmp_path / "dist").glob("shardwire-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    for f in ["__init__.py", "_client.py", "_errors.py", "_wire.py", "torch.py", "py.typed"]:
+        assert f"shardwire/{f}" in names, sorted(names)
