@@ -40,7 +40,8 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .route("/v1/streams", get(streams))
-        .with_state(node);
+        .with_state(Arc::clone(&node))
+        .merge(crate::trainer_http::router(node));
     let r = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = shutdown.changed().await;

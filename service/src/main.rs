@@ -8,6 +8,7 @@ mod demo;
 mod node;
 mod status;
 mod synth;
+mod trainer_http;
 
 use std::process::ExitCode;
 
