@@ -103,6 +103,11 @@ pub struct ServeConfig {
     pub memory: MemoryMode,
     /// Log format.
     pub log_format: LogFormat,
+    /// File holding the bearer token for mutating admin endpoints (drain, stream close);
+    /// without it those endpoints answer 403.
+    pub admin_token_file: Option<PathBuf>,
+    /// Seconds a drain (SIGTERM or POST /v1/drain) waits for open streams before exiting.
+    pub drain_timeout_secs: u64,
 }
 
 impl Default for ServeConfig {
@@ -119,6 +124,8 @@ impl Default for ServeConfig {
             receive: ReceiveMode::Host,
             memory: MemoryMode::Host,
             log_format: LogFormat::Text,
+            admin_token_file: None,
+            drain_timeout_secs: 30,
         }
     }
 }
@@ -154,10 +161,10 @@ impl Default for SourceConfig {
     }
 }
 
-/// Keys of a config struct, for filtering the environment.
+/// Keys of a config struct (including optional ones), for filtering the environment.
 fn keys<T: Serialize + Default>() -> Vec<String> {
-    match figment::value::Value::serialize(T::default()) {
-        Ok(figment::value::Value::Dict(_, d)) => d.keys().cloned().collect(),
+    match serde_json::to_value(T::default()) {
+        Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
         _ => Vec::new(),
     }
 }
@@ -179,7 +186,7 @@ where
         fig = fig.merge(Toml::file(f));
     }
     let env = Env::prefixed("SHARDWIRE_")
-        .filter(move |k| known.iter().any(|x| x.as_str() == k.as_str()))
+        .filter(move |k| known.iter().any(|x| k.as_str().eq_ignore_ascii_case(x)))
         .split("__");
     fig = fig.merge(env).merge(Serialized::defaults(flags));
     fig.extract().map_err(|e| ConfigError::Load(Box::new(e)))
@@ -278,6 +285,15 @@ mod tests {
     }
 
     #[test]
+    fn optional_keys_are_known_to_the_environment_filter() {
+        let k = keys::<ServeConfig>();
+        assert!(
+            k.iter().any(|x| x == "secret_file") && k.iter().any(|x| x == "admin_token_file"),
+            "{k:?}"
+        );
+    }
+
+    #[test]
     fn invalid_value_names_key_and_allowed() {
         let e = ServeConfig::load(None, &Flags { flows: Some(0) })
             .unwrap_err()
@@ -286,5 +302,32 @@ mod tests {
             e.contains("`flows`") && e.contains("between 1 and 64"),
             "{e}"
         );
+    }
+}
+
+#[cfg(test)]
+mod doc_tests {
+    use super::*;
+
+    /// Every key of both configurations is documented in docs/CONFIGURATION.md.
+    #[test]
+    fn every_key_is_documented() {
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/CONFIGURATION.md"
+        ))
+        .expect("docs/CONFIGURATION.md exists");
+        let mut keys_seen = 0;
+        for key in keys::<ServeConfig>()
+            .into_iter()
+            .chain(keys::<SourceConfig>())
+        {
+            keys_seen += 1;
+            assert!(
+                doc.contains(&format!("| `{key}` |")),
+                "docs/CONFIGURATION.md does not document `{key}`"
+            );
+        }
+        assert!(keys_seen >= 15, "found only {keys_seen} keys");
     }
 }

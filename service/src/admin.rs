@@ -7,10 +7,10 @@ use std::sync::{Arc, OnceLock};
 
 use axum::Json;
 use axum::Router;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 use tokio::sync::watch;
@@ -40,6 +40,10 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .route("/v1/streams", get(streams))
+        .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
+        .route("/v1/drain", post(drain))
+        .layer(DefaultBodyLimit::max(64 << 10))
+        .layer(axum::middleware::from_fn(admin_timeout))
         .with_state(Arc::clone(&node))
         .merge(crate::trainer_http::router(node));
     let r = axum::serve(listener, app)
@@ -52,7 +56,132 @@ pub async fn serve(
     }
 }
 
+/// Admin requests must finish within this time (the trainer long-poll routes are separate).
+const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+async fn admin_timeout(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match tokio::time::timeout(ADMIN_TIMEOUT, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "timeout",
+            "the admin request took too long",
+        ),
+    }
+}
+
+/// A JSON error with a stable code, as every API of the node answers.
+pub fn api_error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({ "code": code, "message": message.into() })),
+    )
+        .into_response()
+}
+
+/// Checks `Authorization: Bearer <token>` for mutating endpoints (constant-time compare).
+fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &node.admin_token else {
+        return Err(api_error(
+            StatusCode::FORBIDDEN,
+            "admin_disabled",
+            "mutating admin endpoints are disabled: no admin_token_file is configured",
+        ));
+    };
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        None => {
+            metrics::counter!("shardwire_admin_auth_fails_total", "reason" => "missing")
+                .increment(1);
+            Err(api_error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing `Authorization: Bearer <token>`",
+            ))
+        }
+        Some(g) if shardwire_protocol::auth::ct_eq(g.trim().as_bytes(), token) => Ok(()),
+        Some(_) => {
+            metrics::counter!("shardwire_admin_auth_fails_total", "reason" => "wrong").increment(1);
+            Err(api_error(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "wrong admin token",
+            ))
+        }
+    }
+}
+
+async fn drain(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&node, &headers) {
+        return r;
+    }
+    node.draining.store(true, Ordering::Release);
+    node.drain_requested.notify_one();
+    let open = node.streams.lock().expect("poisoned").len();
+    (StatusCode::ACCEPTED, Json(json!({ "draining": true, "streams_open": open, "timeout_secs": node.cfg.drain_timeout_secs })))
+        .into_response()
+}
+
+fn find_stream(node: &Node, id: &str) -> Result<Arc<crate::node::stream::StreamShared>, Response> {
+    let n: u64 = id.parse().map_err(|_| {
+        api_error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("stream id `{id}` is not a number"),
+        )
+    })?;
+    node.streams
+        .lock()
+        .expect("poisoned")
+        .get(&n)
+        .cloned()
+        .ok_or_else(|| {
+            api_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no open stream {n}"),
+            )
+        })
+}
+
+async fn stream_one(State(node): State<Arc<Node>>, Path(id): Path<String>) -> Response {
+    match find_stream(&node, &id) {
+        Ok(s) => Json(stream_json(&s)).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn close_stream(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = authorize(&node, &headers) {
+        return r;
+    }
+    match find_stream(&node, &id) {
+        Ok(s) => {
+            crate::node::trainer_socket::close_stream(
+                &node,
+                &s,
+                "closed by an operator over the admin API",
+            );
+            Json(json!({ "closed": s.id })).into_response()
+        }
+        Err(r) => r,
+    }
+}
+
 async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
+    if node.draining.load(Ordering::Acquire) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: draining\n".to_string(),
+        );
+    }
     let up = node.links.iter().filter(|l| l.is_up()).count();
     if up > 0 {
         (
@@ -79,6 +208,15 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     metrics::counter!("shardwire_refetches_total").absolute(c.refetches.load(Ordering::Relaxed));
     metrics::counter!("shardwire_batches_delivered_total")
         .absolute(c.batches_delivered.load(Ordering::Relaxed));
+    for (cause, v) in [
+        ("network", &c.stall_network_ns),
+        ("trainer", &c.stall_trainer_ns),
+        ("assembly", &c.assembly_ns),
+    ] {
+        // Cumulative seconds; a gauge because the recorder's counters are integers.
+        metrics::gauge!("shardwire_stall_seconds", "cause" => cause)
+            .set(v.load(Ordering::Relaxed) as f64 / 1e9);
+    }
     for l in &node.links {
         let labels = [("source", l.addr.clone())];
         metrics::counter!("shardwire_source_bytes_received_total", &labels)
@@ -155,6 +293,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
+        "draining": node.draining.load(Ordering::Acquire),
         "data_addr": node.data_addr.to_string(),
         "socket": node.cfg.socket,
         "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory.0 },

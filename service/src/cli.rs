@@ -269,9 +269,14 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     h.socket.display(),
                     h.admin_addr
                 );
-                signalled().await;
-                tracing::info!("signal received; shutting down");
-                h.shutdown();
+                let timeout = std::time::Duration::from_secs(h.node.cfg.drain_timeout_secs);
+                tokio::select! {
+                    _ = signalled() => tracing::info!(?timeout, "signal received; draining"),
+                    _ = h.node.drain_requested.notified() => {
+                        tracing::info!(?timeout, "drain requested over the admin API");
+                    }
+                }
+                h.drain(timeout).await;
                 Ok(ExitCode::SUCCESS)
             })
         }

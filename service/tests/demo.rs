@@ -54,3 +54,33 @@ fn serve_config_errors_name_the_key() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn environment_overrides_the_file_and_foreign_variables_are_ignored() {
+    let dir = std::env::temp_dir().join(format!("sw-env-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("serve.toml");
+    std::fs::write(&f, "flows = 3\nlog_format = \"text\"\n").unwrap();
+    let print = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+            .args(["config", "print", "--config"])
+            .arg(&f)
+            .args(args)
+            .env("SHARDWIRE_FLOWS", "5")
+            .env("SHARDWIRE_SECRET_FILE", "/etc/sw/secret")
+            .env("SHARDWIRE_BIN", "ignored: not a key of serve")
+            .output()
+            .expect("run shardwire config print");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let v = print(&[]);
+    assert_eq!(v["flows"], 5, "{v}");
+    assert_eq!(v["secret_file"], "/etc/sw/secret", "{v}");
+    assert_eq!(v["log_format"], "text", "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

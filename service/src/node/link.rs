@@ -40,6 +40,8 @@ pub struct PendingFetch {
     pub done: mpsc::UnboundedSender<FetchOutcome>,
     /// Index of the link that serves it.
     pub source: usize,
+    /// When the FETCH was issued (for the fetch latency histogram).
+    pub issued: std::time::Instant,
 }
 
 /// Why a fetch did not produce a verified shard.
@@ -68,6 +70,8 @@ pub struct FetchOutcome {
     pub source: usize,
     /// Success or why not.
     pub result: Result<(), FetchFailure>,
+    /// When the FETCH was issued.
+    pub issued: std::time::Instant,
 }
 
 impl PendingFetch {
@@ -79,6 +83,7 @@ impl PendingFetch {
             slab: self.slab,
             source: self.source,
             result: Err(f),
+            issued: self.issued,
         });
     }
 }

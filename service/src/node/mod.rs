@@ -38,6 +38,12 @@ pub struct Counters {
     pub refetches: AtomicU64,
     /// Batches handed to trainers.
     pub batches_delivered: AtomicU64,
+    /// Nanoseconds trainers waited in `next` for a batch that was not ready (network-bound).
+    pub stall_network_ns: AtomicU64,
+    /// Nanoseconds fetchers had shards to fetch but no free memory (trainer-bound).
+    pub stall_trainer_ns: AtomicU64,
+    /// Nanoseconds receivers spent verifying payloads (assembly).
+    pub assembly_ns: AtomicU64,
 }
 
 /// State shared by every part of a running node.
@@ -63,6 +69,12 @@ pub struct Node {
     next_id: AtomicU64,
     /// Why the service runs in the mode it does.
     pub mode_reason: String,
+    /// Set once a drain started: no new streams, readiness fails.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Woken when a drain is requested over the admin API.
+    pub drain_requested: tokio::sync::Notify,
+    /// Bearer token for mutating admin endpoints.
+    pub admin_token: Option<Vec<u8>>,
     /// Per data connection: (source, conn, counters).
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
 }
@@ -86,6 +98,30 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
+    /// Drains: refuses new streams, waits up to `timeout` for open streams to finish (their
+    /// trainers disconnect), then shuts down. Returns the number of streams still open.
+    pub async fn drain(&self, timeout: std::time::Duration) -> usize {
+        self.node.draining.store(true, Ordering::Release);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let open = self.node.streams.lock().expect("poisoned").len();
+            if open == 0 || tokio::time::Instant::now() >= deadline {
+                if open > 0 {
+                    tracing::warn!(
+                        open,
+                        ?timeout,
+                        "drain timeout: closing the remaining streams"
+                    );
+                } else {
+                    tracing::info!("drained: no streams open");
+                }
+                self.shutdown();
+                return open;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
     /// Asks every task to stop.
     pub fn shutdown(&self) {
         let _ = self.shutdown.send(true);
@@ -139,6 +175,11 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         return Err(StartError::NoSources);
     }
     let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
+    let admin_token = cfg
+        .admin_token_file
+        .as_deref()
+        .map(read_secret)
+        .transpose()?;
     let data = tokio::net::TcpListener::bind(cfg.data_listen)
         .await
         .map_err(|source| StartError::Bind {
@@ -170,6 +211,9 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         next_id: AtomicU64::new(0),
         mode_reason,
         flows: Mutex::new(Vec::new()),
+        draining: std::sync::atomic::AtomicBool::new(false),
+        drain_requested: tokio::sync::Notify::new(),
+        admin_token,
         cfg,
     });
     tracing::info!(mode = "host", reason = %node.mode_reason, "memory and receive mode chosen");

@@ -56,7 +56,12 @@ fn run(
             p.fail(FetchFailure::Source(reason.clone()));
             continue;
         }
-        match recv_payload(&mut sock, p.slab.as_mut_slice(), flow) {
+        match recv_payload(
+            &mut sock,
+            p.slab.as_mut_slice(),
+            flow,
+            &node.counters.assembly_ns,
+        ) {
             Ok(got) => {
                 let result = if got == p.crc32c {
                     node.counters
@@ -82,6 +87,7 @@ fn run(
                     slab: p.slab,
                     source: p.source,
                     result,
+                    issued: p.issued,
                 });
             }
             Err(e) => {
@@ -97,7 +103,13 @@ fn run(
 /// Fills `dst` from the socket, returning the CRC-32C of what arrived. Each `recv` takes
 /// whatever the socket holds (up to `CHUNK`), and that piece is checksummed right away,
 /// while it is still in cache.
-fn recv_payload(sock: &mut TcpStream, dst: &mut [u8], flow: &FlowStats) -> std::io::Result<u32> {
+fn recv_payload(
+    sock: &mut TcpStream,
+    dst: &mut [u8],
+    flow: &FlowStats,
+    assembly_ns: &std::sync::atomic::AtomicU64,
+) -> std::io::Result<u32> {
+    let mut verify = std::time::Duration::ZERO;
     let mut crc = Crc32c::new();
     let mut off = 0;
     while off < dst.len() {
@@ -116,9 +128,12 @@ fn recv_payload(sock: &mut TcpStream, dst: &mut [u8], flow: &FlowStats) -> std::
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
+        let t = std::time::Instant::now();
         crc.update(&dst[off..off + n]);
+        verify += t.elapsed();
         off += n;
         flow.bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
+    assembly_ns.fetch_add(verify.as_nanos() as u64, Ordering::Relaxed);
     Ok(crc.finish())
 }

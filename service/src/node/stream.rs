@@ -208,15 +208,27 @@ impl StreamShared {
     pub fn next(&self, node: &Node, timeout: Option<Duration>) -> Next {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut i = self.inner.lock().expect("poisoned");
+        let mut waited_since: Option<Instant> = None;
+        // The time a trainer waits for a batch that is not ready is a network stall.
+        let account = |since: Option<Instant>| {
+            if let Some(t) = since {
+                node.counters
+                    .stall_network_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        };
         loop {
             if let Some(r) = &i.closed {
+                account(waited_since);
                 return Next::Closed(r.clone());
             }
             if i.next >= self.total {
+                account(waited_since);
                 return Next::End;
             }
             let pos = i.next;
             if let Some(slab) = i.ready.remove(&pos) {
+                account(waited_since);
                 i.next += 1;
                 let lease = node.next_id();
                 let shard = self.shard_at(pos);
@@ -245,17 +257,31 @@ impl StreamShared {
                     tensors,
                 };
             }
+            waited_since.get_or_insert_with(Instant::now);
             i = match deadline {
                 None => self.cv.wait(i).expect("poisoned"),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
+                        account(waited_since);
                         return Next::Timeout;
                     }
                     self.cv.wait_timeout(i, d - now).expect("poisoned").0
                 }
             };
         }
+    }
+
+    /// A copy of `length` bytes at region offset `offset`, read from leased batch `lease`;
+    /// None if this stream does not hold that lease or the range is not inside its slab.
+    /// (The HTTP trainer API serves tensor bytes with this; the lock keeps the lease, and so
+    /// the bytes, from being released while they are copied.)
+    pub fn read_leased(&self, lease: u64, offset: u64, length: u64) -> Option<Vec<u8>> {
+        let i = self.inner.lock().expect("poisoned");
+        let slab = i.leases.get(&lease)?;
+        let start = usize::try_from(offset).ok()?.checked_sub(slab.offset())?;
+        let end = start.checked_add(usize::try_from(length).ok()?)?;
+        slab.as_slice().get(start..end).map(<[u8]>::to_vec)
     }
 
     /// Ends a lease; false if unknown.
@@ -278,6 +304,7 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
     let mut next_issue = start;
     let mut retry: VecDeque<Retry> = VecDeque::new();
     let mut rr = 0usize;
+    let mut starved_since: Option<Instant> = None;
     loop {
         if s.is_closed() {
             return;
@@ -294,7 +321,15 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
         while retry.is_empty() && next_issue < s.total {
             let shard = s.shard_at(next_issue);
             let len = s.manifest.shards[shard as usize].length as usize;
-            let Some(slab) = s.pool.alloc(len) else { break };
+            let Some(slab) = s.pool.alloc(len) else {
+                starved_since.get_or_insert_with(Instant::now);
+                break;
+            };
+            if let Some(t) = starved_since.take() {
+                node.counters
+                    .stall_trainer_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
             let r = Retry {
                 pos: next_issue,
                 shard,
@@ -313,7 +348,10 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
         };
         tokio::select! {
             Some(o) = rx.recv() => match o.result {
-                Ok(()) => s.complete(o.pos, o.slab),
+                Ok(()) => {
+                    metrics::histogram!("shardwire_fetch_duration_seconds").record(o.issued.elapsed().as_secs_f64());
+                    s.complete(o.pos, o.slab);
+                }
                 Err(f) => {
                     node.counters.refetches.fetch_add(1, Ordering::Relaxed);
                     match &f {
@@ -350,6 +388,7 @@ fn issue(
     let link = &s.candidates[i];
     let entry = &s.manifest.shards[r.shard as usize];
     let p = PendingFetch {
+        issued: std::time::Instant::now(),
         slab: r.slab,
         pos: r.pos,
         shard: r.shard,

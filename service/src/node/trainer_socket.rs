@@ -143,6 +143,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             }
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
             (Request::Next { timeout_ms }, Some(s)) => {
+                let t = std::time::Instant::now();
                 let r = match s.next(node, timeout_ms.map(Duration::from_millis)) {
                     Next::Batch {
                         lease,
@@ -161,6 +162,8 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     Next::Timeout => Response::Timeout,
                     Next::Closed(why) => error("closed", why),
                 };
+                metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket")
+                    .record(t.elapsed().as_secs_f64());
                 reply(&sock, &r, &[])
             }
             (Request::Release { lease }, Some(s)) => {
@@ -186,12 +189,20 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     }
 }
 
-/// Closes a stream and returns its memory budget.
+/// Closes a stream and returns its memory budget; safe to call more than once (an operator
+/// may close a stream whose trainer disconnects later).
 pub fn close_stream(node: &Node, s: &StreamShared, reason: &str) {
     s.close(reason);
-    node.streams.lock().expect("poisoned").remove(&s.id);
-    *node.reserved.lock().expect("poisoned") -= s.reserved;
-    tracing::info!(stream = s.id, reason, "stream closed");
+    if node
+        .streams
+        .lock()
+        .expect("poisoned")
+        .remove(&s.id)
+        .is_some()
+    {
+        *node.reserved.lock().expect("poisoned") -= s.reserved;
+        tracing::info!(stream = s.id, reason, "stream closed");
+    }
 }
 
 type OpenError = (&'static str, String);
@@ -207,6 +218,12 @@ fn open(
     uneven: shardwire_protocol::plan::Uneven,
     state: Option<trainer::StreamState>,
 ) -> Result<Arc<StreamShared>, OpenError> {
+    if node.draining.load(std::sync::atomic::Ordering::Acquire) {
+        return Err((
+            "draining",
+            "the node service is draining and accepts no new streams".into(),
+        ));
+    }
     if epochs == 0 {
         return Err(("bad_request", "epochs must be at least 1".into()));
     }

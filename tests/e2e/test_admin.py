@@ -1,0 +1,111 @@
+"""Admin API of the node service: bearer-token auth on mutating endpoints, stream inspect and
+close, drain (no new streams, readiness off, exit 0 once streams are done), metrics names."""
+
+import json
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from conftest import (
+    consume_args,
+    http_get,
+    index_dataset,
+    require_bin,
+    wait_for,
+    wait_ready,
+    write_uint8_shards,
+)
+
+
+def request(admin: str, method: str, path: str, token: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{admin}{path}", method=method)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_auth_inspect_close_and_drain(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 12, 256 * 1024, seed=3)
+    index_dataset(d)
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret-token\n")
+    src = sw.source({"a": d}, "--rate-limit", "512KiB")
+    node = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "16MiB")
+    wait_ready(node)
+    # Without a token file, mutating endpoints are disabled.
+    code, body = request(node.admin, "POST", "/v1/drain", token="x")
+    assert code == 403 and body["code"] == "admin_disabled", body
+
+    node2 = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "16MiB", "--config", write_cfg(tmp_path, token))
+    wait_ready(node2)
+    consumer = sw.start_consume(node2, "a", limit=1, hold_secs=30)
+    st = wait_for(lambda: node2.status() if node2.status()["streams"] else None, "a stream to open")
+    sid = st["streams"][0]["id"]
+
+    code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}")
+    assert code == 401 and body["code"] == "unauthorized", body
+    code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}", token="wrong")
+    assert code == 403 and body["code"] == "forbidden", body
+    code, body = request(node2.admin, "GET", f"/v1/streams/{sid}")
+    assert code == 200 and body["id"] == sid and body["dataset"] == "a", body
+    code, body = request(node2.admin, "GET", "/v1/streams/999999")
+    assert code == 404 and body["code"] == "not_found", body
+    code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}", token="s3cret-token")
+    assert code == 200 and body["closed"] == sid, body
+    assert node2.status()["streams"] == []
+    consumer.kill(signal.SIGKILL)
+
+    metrics = http_get(node2.admin, "/metrics")[1]
+    for name in [
+        "shardwire_bytes_received_total",
+        "shardwire_admin_auth_fails_total",
+        "shardwire_stall_seconds",
+        "shardwire_pool_bytes_used",
+        "shardwire_source_up",
+    ]:
+        assert name in metrics, name
+
+    # Drain: accepted with the token, readiness turns off, new streams are refused, exit 0.
+    code, body = request(node2.admin, "POST", "/v1/drain", token="s3cret-token")
+    assert code == 202 and body["draining"] is True, body
+    rc = node2.wait(timeout=30)
+    assert rc == 0, node2.describe()
+    assert "drained" in node2.stderr_text(), node2.stderr_text()[-2000:]
+
+
+def write_cfg(tmp_path, token) -> str:
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'admin_token_file = "{token}"\ndrain_timeout_secs = 20\n')
+    return str(cfg)
+
+
+def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 6, 64 * 1024, seed=4)
+    index_dataset(d)
+    src = sw.source({"a": d})
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("drain_timeout_secs = 3\n")
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    holder = sw.start_consume(node, "a", limit=1, hold_secs=20)
+    wait_for(lambda: node.status()["streams"] or None, "a stream to open")
+    node.popen.send_signal(signal.SIGTERM)
+    wait_for(lambda: http_get(node.admin, "/readyz")[0] == 503 or None, "readiness to turn off")
+    out = subprocess.run(
+        [str(require_bin()), *consume_args(node.socket, "a")], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode != 0 and "draining" in out.stderr, out.stderr
+    # The held stream keeps the node up until the drain timeout, then it exits 0.
+    t = time.monotonic()
+    assert node.wait(timeout=30) == 0
+    assert "drain timeout" in node.stderr_text(), node.stderr_text()[-2000:]
+    assert time.monotonic() - t < 25
+    holder.kill(signal.SIGKILL)
