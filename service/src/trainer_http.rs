@@ -1,14 +1,589 @@
-//! Trainer operations over HTTP, for trainers that cannot share memory with the node.
-//! (Routes are added by the HTTP trainer API work; this module currently serves none.)
+//! Trainer operations over HTTP (docs/TRAINER_API.md, "HTTP API"), for trainers that cannot
+//! share memory with the node: the same streams, plans, leases and resume states as the Unix
+//! socket, with tensor bytes copied into HTTP responses instead of mapped.
+//!
+//! An HTTP stream is opened through this node's own trainer socket (a loopback connection
+//! that sends `attach`), so every check and the memory budget are exactly the socket's; the
+//! connection is the stream's owner, and dropping it closes the stream the way a trainer
+//! disconnect does. `next`, `release`, `state` and tensor reads then go straight to the
+//! stream ([`StreamShared`]). HTTP requests have no connection to tie a stream to, so an HTTP
+//! stream closes on `POST /v1/streams/{id}/close` or after an idle timeout (no request naming the
+//! stream or one of its leases, and no `next` waiting). Only streams opened here are
+//! reachable here: socket streams and their leases are unknown to these routes.
+//!
+//! (`DELETE /v1/streams/{id}` is the admin API's operator close, behind the admin token; a
+//! trainer closes its own HTTP stream with `POST /v1/streams/{id}/close`.)
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
+use axum::Json;
 use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use shardwire_client::fdpass;
+use shardwire_protocol::plan::Uneven;
+use shardwire_protocol::trainer::{
+    self, Request, Response as SocketResponse, StreamState, TRAINER_VERSION, TensorView,
+};
+use tokio::sync::oneshot;
 
 use crate::node::Node;
+use crate::node::stream::{Next, StreamShared};
+
+/// Largest request body of these routes.
+pub const BODY_LIMIT: usize = 64 << 10;
+/// An HTTP stream with no request for this long is closed (overridable per stream).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Largest `idle_timeout_s` a stream may ask for.
+pub const MAX_IDLE_TIMEOUT_S: u64 = 86_400;
+/// `next` waits this long when the request names no `timeout_ms`.
+pub const DEFAULT_POLL_MS: u64 = 30_000;
+/// Largest `timeout_ms` of `next`.
+pub const MAX_POLL_MS: u64 = 300_000;
+/// Tensors up to this size are copied on the async worker; larger ones on a blocking thread.
+const INLINE_COPY: u64 = 256 << 10;
+/// How long opening a stream may take (the node waits for sources and asks them for the
+/// manifest).
+const OPEN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The trainer HTTP routes, merged into the admin server.
 pub fn router(node: Arc<Node>) -> Router {
-    let _ = node;
+    let api = Arc::new(Api {
+        node,
+        streams: Mutex::new(HashMap::new()),
+        leases: Mutex::new(HashMap::new()),
+    });
+    spawn_reaper(&api);
     Router::new()
+        .route("/v1/streams", post(open))
+        .route("/v1/streams/{id}/close", post(close))
+        .route("/v1/streams/{id}/next", post(next))
+        .route("/v1/streams/{id}/state", get(state))
+        .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
+        .route("/v1/leases/{lease}/release", post(release))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(api)
+}
+
+// --- errors ----------------------------------------------------------------------------------
+
+/// `{"code", "message"}` with the HTTP status its code maps to.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    code: String,
+    message: String,
+}
+
+impl ApiError {
+    /// An error whose status follows from its (socket API) code.
+    fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        let code = code.into();
+        Self {
+            status: status_of(&code),
+            code,
+            message: message.into(),
+        }
+    }
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new("bad_request", message)
+    }
+    fn internal(message: impl Into<String>) -> Self {
+        Self::new("internal", message)
+    }
+    fn unknown_lease(lease: u64) -> Self {
+        Self::new(
+            "unknown_lease",
+            format!("lease {lease} is not held by an HTTP stream of this node"),
+        )
+    }
+}
+
+/// The HTTP status of a stable error code.
+fn status_of(code: &str) -> StatusCode {
+    match code {
+        "bad_request" | "bad_plan" | "unsupported_version" => StatusCode::BAD_REQUEST,
+        "not_found" | "unknown_dataset" | "unknown_lease" => StatusCode::NOT_FOUND,
+        "state_mismatch" | "closed" => StatusCode::CONFLICT,
+        "unavailable" | "no_memory" | "draining" => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Json(json!({ "code": self.code, "message": self.message }));
+        (self.status, body).into_response()
+    }
+}
+
+fn path_error(e: PathRejection) -> ApiError {
+    ApiError::bad_request(format!("bad path: {}", e.body_text()))
+}
+
+// --- state -----------------------------------------------------------------------------------
+
+struct Api {
+    node: Arc<Node>,
+    /// HTTP streams by stream id.
+    streams: Mutex<HashMap<u64, Arc<HttpStream>>>,
+    /// Leases handed out over HTTP: lease -> (stream, tensors).
+    leases: Mutex<HashMap<u64, Lease>>,
+}
+
+struct Lease {
+    stream: u64,
+    tensors: Arc<[TensorView]>,
+}
+
+/// A batch taken from the stream for an HTTP caller.
+struct Delivered {
+    lease: u64,
+    epoch: u32,
+    index: u64,
+    shard: u32,
+    tensors: Arc<[TensorView]>,
+}
+
+enum Outcome {
+    Batch(Delivered),
+    End,
+    Timeout,
+    Closed(String),
+}
+
+struct HttpStream {
+    id: u64,
+    shared: Arc<StreamShared>,
+    /// The loopback trainer-socket connection that owns the stream (None once closed).
+    conn: Mutex<Option<UnixStream>>,
+    idle: Duration,
+    last_used: Mutex<Instant>,
+    /// Requests in progress (a waiting `next` keeps the stream from idling out).
+    busy: AtomicUsize,
+    /// Serialises `next`, and holds a batch whose answer never reached its caller (the
+    /// client went away while waiting): the next `next` delivers it, so no batch is lost.
+    slot: Arc<tokio::sync::Mutex<Option<Delivered>>>,
+}
+
+/// Marks a stream in use while alive.
+struct Busy(Arc<HttpStream>);
+
+impl Busy {
+    fn new(s: &Arc<HttpStream>) -> Self {
+        s.busy.fetch_add(1, Ordering::SeqCst);
+        *s.last_used.lock().expect("poisoned") = Instant::now();
+        Self(Arc::clone(s))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        *self.0.last_used.lock().expect("poisoned") = Instant::now();
+        self.0.busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Api {
+    fn stream(&self, id: u64) -> Result<Arc<HttpStream>, ApiError> {
+        self.streams
+            .lock()
+            .expect("poisoned")
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::new(
+                    "not_found",
+                    format!("no HTTP stream {id} on this node (closed, idle for too long, or opened on the Unix socket)"),
+                )
+            })
+    }
+
+    /// Takes the next batch of `s` (waiting up to `timeout`) and registers its lease.
+    fn take(&self, s: &HttpStream, timeout: Duration) -> Outcome {
+        match s.shared.next(&self.node, Some(timeout)) {
+            Next::Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+            } => {
+                let tensors: Arc<[TensorView]> = tensors.into();
+                self.leases.lock().expect("poisoned").insert(
+                    lease,
+                    Lease {
+                        stream: s.id,
+                        tensors: Arc::clone(&tensors),
+                    },
+                );
+                Outcome::Batch(Delivered {
+                    lease,
+                    epoch,
+                    index,
+                    shard,
+                    tensors,
+                })
+            }
+            Next::End => Outcome::End,
+            Next::Timeout => Outcome::Timeout,
+            Next::Closed(why) => Outcome::Closed(why),
+        }
+    }
+
+    /// Closes an HTTP stream: its leases end now; the node's bookkeeping (the stream list,
+    /// the memory budget) follows when the trainer-socket thread sees its connection close.
+    fn close(&self, s: &HttpStream, reason: &str) {
+        self.streams.lock().expect("poisoned").remove(&s.id);
+        self.leases
+            .lock()
+            .expect("poisoned")
+            .retain(|_, l| l.stream != s.id);
+        s.shared.close(reason);
+        if let Some(c) = s.conn.lock().expect("poisoned").take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        tracing::info!(stream = s.id, reason, "HTTP stream closed");
+    }
+}
+
+/// Closes HTTP streams idle for longer than their timeout; ends with the router.
+fn spawn_reaper(api: &Arc<Api>) {
+    let weak: Weak<Api> = Arc::downgrade(api);
+    api.node.rt.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            let Some(api) = weak.upgrade() else { return };
+            let idle: Vec<_> = api
+                .streams
+                .lock()
+                .expect("poisoned")
+                .values()
+                .filter(|s| {
+                    s.busy.load(Ordering::SeqCst) == 0
+                        && s.last_used.lock().expect("poisoned").elapsed() >= s.idle
+                })
+                .cloned()
+                .collect();
+            for s in idle {
+                let reason = format!("no HTTP request for {} s", s.idle.as_secs());
+                api.close(&s, &reason);
+            }
+        }
+    });
+}
+
+// --- open ------------------------------------------------------------------------------------
+
+fn one() -> u32 {
+    1
+}
+
+fn version() -> u32 {
+    TRAINER_VERSION
+}
+
+/// The body of `POST /v1/streams`: the socket's `attach` fields, plus `idle_timeout_s`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpenBody {
+    #[serde(default = "version")]
+    version: u32,
+    dataset: String,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default)]
+    rank: u32,
+    #[serde(default = "one")]
+    world_size: u32,
+    #[serde(default = "one")]
+    epochs: u32,
+    #[serde(default)]
+    uneven: Uneven,
+    #[serde(default)]
+    state: Option<StreamState>,
+    #[serde(default)]
+    idle_timeout_s: Option<u64>,
+}
+
+/// Sends `attach` on a fresh connection to this node's trainer socket.
+fn attach(socket: &std::path::Path, req: &Request) -> Result<(UnixStream, u64), ApiError> {
+    let io = |e: fdpass::FrameIoError| {
+        ApiError::internal(format!(
+            "opening the stream over the trainer socket {} failed: {e}",
+            socket.display()
+        ))
+    };
+    let conn = UnixStream::connect(socket).map_err(|e| {
+        ApiError::new(
+            "unavailable",
+            format!(
+                "cannot reach this node's trainer socket {}: {e}",
+                socket.display()
+            ),
+        )
+    })?;
+    conn.set_read_timeout(Some(OPEN_TIMEOUT))
+        .map_err(|e| io(e.into()))?;
+    let mut frame = Vec::new();
+    trainer::encode(req, &mut frame);
+    fdpass::send_frame(&conn, &frame, &[]).map_err(io)?;
+    let (mut buf, mut fds) = (Vec::new(), Vec::new());
+    fdpass::recv_frame(&conn, &mut buf, &mut fds).map_err(io)?;
+    drop(fds); // the region's fd: the node has the region mapped already
+    conn.set_read_timeout(None).map_err(|e| io(e.into()))?;
+    match trainer::decode::<SocketResponse>(&buf).map_err(|e| io(e.into()))? {
+        SocketResponse::Attached { stream, .. } => Ok((conn, stream)),
+        SocketResponse::Error { code, message } => Err(ApiError::new(code, message)),
+        other => Err(ApiError::internal(format!(
+            "unexpected answer to attach: {other:?}"
+        ))),
+    }
+}
+
+async fn open(
+    State(api): State<Arc<Api>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let body = body.map_err(|e| ApiError {
+        status: e.status(),
+        code: "bad_request".into(),
+        message: e.body_text(),
+    })?;
+    let o: OpenBody = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid stream request: {e}")))?;
+    let idle = match o.idle_timeout_s {
+        None => DEFAULT_IDLE_TIMEOUT,
+        Some(s) if (1..=MAX_IDLE_TIMEOUT_S).contains(&s) => Duration::from_secs(s),
+        Some(s) => {
+            return Err(ApiError::bad_request(format!(
+                "idle_timeout_s is {s}; it must be between 1 and {MAX_IDLE_TIMEOUT_S}"
+            )));
+        }
+    };
+    let req = Request::Attach {
+        version: o.version,
+        dataset: o.dataset,
+        seed: o.seed,
+        rank: o.rank,
+        world_size: o.world_size,
+        epochs: o.epochs,
+        uneven: o.uneven,
+        state: o.state,
+    };
+    let socket = api.node.cfg.socket.clone();
+    let (conn, id) = tokio::task::spawn_blocking(move || attach(&socket, &req))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let Some(shared) = api.node.streams.lock().expect("poisoned").get(&id).cloned() else {
+        return Err(ApiError::new(
+            "closed",
+            format!("stream {id} closed while opening"),
+        ));
+    };
+    let body = json!({
+        "stream": id,
+        "batches_per_epoch": shared.spec.per_rank(),
+        "epochs": shared.epochs,
+        "state": shared.state(),
+        "idle_timeout_s": idle.as_secs(),
+    });
+    let s = Arc::new(HttpStream {
+        id,
+        shared,
+        conn: Mutex::new(Some(conn)),
+        idle,
+        last_used: Mutex::new(Instant::now()),
+        busy: AtomicUsize::new(0),
+        slot: Arc::new(tokio::sync::Mutex::new(None)),
+    });
+    api.streams.lock().expect("poisoned").insert(id, s);
+    tracing::info!(
+        stream = id,
+        idle_s = idle.as_secs(),
+        "stream opened over HTTP"
+    );
+    Ok((StatusCode::CREATED, Json(body)))
+}
+
+// --- streams ---------------------------------------------------------------------------------
+
+async fn close(
+    State(api): State<Arc<Api>>,
+    id: Result<Path<u64>, PathRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let s = api.stream(id)?;
+    api.close(&s, "closed over HTTP");
+    Ok(Json(json!({ "stream": id, "closed": true })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NextQuery {
+    timeout_ms: Option<u64>,
+}
+
+fn batch_json(b: &Delivered) -> Value {
+    let tensors: Vec<Value> = b
+        .tensors
+        .iter()
+        .map(|t| json!({ "name": t.name, "dtype": t.dtype, "shape": t.shape, "length": t.length }))
+        .collect();
+    json!({
+        "lease": b.lease, "epoch": b.epoch, "index": b.index, "shard": b.shard,
+        "tensors": tensors,
+    })
+}
+
+async fn next(
+    State(api): State<Arc<Api>>,
+    id: Result<Path<u64>, PathRejection>,
+    q: Result<Query<NextQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let timeout = q.timeout_ms.unwrap_or(DEFAULT_POLL_MS);
+    if timeout > MAX_POLL_MS {
+        return Err(ApiError::bad_request(format!(
+            "timeout_ms is {timeout}; at most {MAX_POLL_MS} (poll again to wait longer)"
+        )));
+    }
+    let s = api.stream(id)?;
+    let busy = Busy::new(&s);
+    let t = Instant::now();
+    let mut slot = Arc::clone(&s.slot).lock_owned().await;
+    let outcome = match slot.take() {
+        Some(b) => Outcome::Batch(b),
+        // A ready batch is taken right here; only a wait goes to a blocking thread.
+        None => match api.take(&s, Duration::ZERO) {
+            Outcome::Timeout if timeout > 0 => {
+                let (tx, rx) = oneshot::channel();
+                let (api2, s2) = (Arc::clone(&api), Arc::clone(&s));
+                tokio::task::spawn_blocking(move || {
+                    let _busy = busy; // in use until `next` returns, even if the caller left
+                    let out = api2.take(&s2, Duration::from_millis(timeout));
+                    if let Err(Outcome::Batch(b)) = tx.send(out) {
+                        *slot = Some(b); // the caller went away: keep it for the next `next`
+                    }
+                });
+                rx.await
+                    .map_err(|_| ApiError::internal("the waiting thread failed"))?
+            }
+            o => o,
+        },
+    };
+    metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "http")
+        .record(t.elapsed().as_secs_f64());
+    Ok(match outcome {
+        Outcome::Batch(b) => Json(batch_json(&b)).into_response(),
+        Outcome::End => Json(json!({ "end": true })).into_response(),
+        Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
+        Outcome::Closed(why) => ApiError::new("closed", why).into_response(),
+    })
+}
+
+async fn state(
+    State(api): State<Arc<Api>>,
+    id: Result<Path<u64>, PathRejection>,
+) -> Result<Json<StreamState>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let s = api.stream(id)?;
+    let _busy = Busy::new(&s);
+    // A batch kept back for its caller has not been delivered: resume at it.
+    if let Ok(slot) = s.slot.try_lock()
+        && let Some(b) = slot.as_ref()
+    {
+        let pos = u64::from(b.epoch) * s.shared.spec.per_rank() + b.index;
+        return Ok(Json(s.shared.state_at(pos)));
+    }
+    Ok(Json(s.shared.state()))
+}
+
+// --- leases ----------------------------------------------------------------------------------
+
+async fn tensor(
+    State(api): State<Arc<Api>>,
+    p: Result<Path<(u64, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((lease, name)) = p.map_err(path_error)?;
+    let (sid, tensors) = {
+        let leases = api.leases.lock().expect("poisoned");
+        let l = leases
+            .get(&lease)
+            .ok_or_else(|| ApiError::unknown_lease(lease))?;
+        (l.stream, Arc::clone(&l.tensors))
+    };
+    let Some(t) = tensors.iter().find(|t| t.name == name).cloned() else {
+        let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+        return Err(ApiError::new(
+            "not_found",
+            format!(
+                "the batch of lease {lease} has no tensor `{name}`; it has: {}",
+                names.join(", ")
+            ),
+        ));
+    };
+    let s = api
+        .stream(sid)
+        .map_err(|_| ApiError::unknown_lease(lease))?;
+    let _busy = Busy::new(&s);
+    let bytes = if t.length <= INLINE_COPY {
+        s.shared.read_leased(lease, t.offset, t.length)
+    } else {
+        let s2 = Arc::clone(&s);
+        tokio::task::spawn_blocking(move || s2.shared.read_leased(lease, t.offset, t.length))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+    };
+    let bytes = bytes.ok_or_else(|| ApiError::unknown_lease(lease))?;
+    let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (
+                header::HeaderName::from_static("x-shardwire-dtype"),
+                t.dtype.name().to_string(),
+            ),
+            (
+                header::HeaderName::from_static("x-shardwire-shape"),
+                shape.join(","),
+            ),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
+async fn release(
+    State(api): State<Arc<Api>>,
+    p: Result<Path<u64>, PathRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Path(lease) = p.map_err(path_error)?;
+    let l = api
+        .leases
+        .lock()
+        .expect("poisoned")
+        .remove(&lease)
+        .ok_or_else(|| ApiError::unknown_lease(lease))?;
+    let s = api
+        .stream(l.stream)
+        .map_err(|_| ApiError::unknown_lease(lease))?;
+    let _busy = Busy::new(&s);
+    if s.shared.release(lease) {
+        Ok(Json(json!({ "released": true })))
+    } else {
+        Err(ApiError::unknown_lease(lease))
+    }
 }
