@@ -259,14 +259,19 @@ fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
     })
 }
 
-async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+fn streams_json(node: &Node) -> Vec<serde_json::Value> {
     let streams: Vec<_> = node
         .streams
         .lock()
         .expect("poisoned")
         .values()
-        .map(|s| stream_json(s))
+        .cloned()
         .collect();
+    streams.iter().map(|s| stream_json(s)).collect()
+}
+
+async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let streams = streams_json(&node);
     Json(json!({ "streams": streams }))
 }
 
@@ -283,13 +288,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
             })
         })
         .collect();
-    let streams: Vec<_> = node
-        .streams
-        .lock()
-        .expect("poisoned")
-        .values()
-        .map(|s| stream_json(s))
-        .collect();
+    let streams = streams_json(&node);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
