@@ -1,0 +1,990 @@
+#!/usr/bin/env python3
+"""Checks the rendered shardwire Kubernetes manifests, the Grafana dashboard and the Dockerfile.
+
+Run by scripts/check-deploy after `kustomize build` of every overlay; not meant to be run by
+hand (but it can be: see --help). Each check prints PASS/FAIL with the overlay and the reason;
+the last line is "N passed, M failed". Exit status 1 when anything failed.
+
+Checks, per rendered overlay:
+  schema   every object against the Kubernetes JSON schemas of kubernetes-validate (offline,
+           strict: unknown fields are errors) for each --kube-version; ServiceMonitor against
+           deploy/ci/schemas/servicemonitor-monitoring-v1.json (a hand-written subset of the
+           CRD; the Kubernetes schemas do not cover CRDs). An unknown kind is a failure.
+  refs     selectors match pod labels; Services select pods and their named target ports
+           exist; ServiceMonitor selects a Service port; configMap/secret volumes and items
+           name objects/keys that are rendered; StatefulSet serviceName is a headless Service.
+  node     DaemonSet runs `serve --config F`, F resolves through a volume mount to a
+           ConfigMap key; that serve.toml passes `shardwire config check`; with the
+           container's SHARDWIRE_* env applied (`shardwire config print`), readiness is
+           httpGet /readyz and liveness /healthz on the port of `admin`, `admin` is not
+           loopback under hostNetwork, the `data` port is data_listen's, the trainer socket's
+           directory is a hostPath mount, secret_file resolves to a rendered Secret key, the
+           memory limit exceeds pool_size, `sources` are exactly the StatefulSet's pods.
+  source   StatefulSet runs `source --config F`; source.toml passes
+           `shardwire config check --source-config`; listen port = container port = Service
+           port; secret_file resolves; every dataset dir is on a mounted volume.
+  trainer  the example Job's --socket and SHARDWIRE_SOCKET are serve.toml `socket`, it mounts
+           the same hostPath at the socket's directory, its dataset is served, and its groups
+           include the node service's group (the socket is 0660).
+Once: the Grafana dashboard (JSON, Prometheus datasource variable used by every panel, every
+expression parses as PromQL, references only metrics that service/src registers, in the form
+the exporter renders them, and shows the README's core metrics; others are warnings) and the Dockerfile (parsed with BuildKit's parser: multi-stage, the
+release build, a non-root USER, ENTRYPOINT ["shardwire"], EXPOSEd default ports, Rust
+version >= the workspace's rust-version, context exclusions keep every workspace member).
+--self-test breaks the first overlay in known ways and requires each breakage to be caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import posixpath
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+Doc = dict[str, Any]
+
+# The image's USER (deploy/Dockerfile; checked there): the uid/gid of a pod that sets none.
+IMAGE_UID, IMAGE_GID = 10001, 10001
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+class Results:
+    def __init__(self, quiet: bool = False) -> None:
+        self.passed = 0
+        self.failed = 0
+        self.quiet = quiet
+        self.failures: list[str] = []
+
+    def warn(self, scope: str, msg: str) -> None:
+        if not self.quiet:
+            print(f"WARN [{scope}] {msg}")
+
+    def check(self, scope: str, name: str, errors: list[str], detail: str = "") -> bool:
+        if errors:
+            self.failed += 1
+            for e in errors:
+                line = f"FAIL [{scope}] {name}: {e}"
+                self.failures.append(line)
+                if not self.quiet:
+                    print(line)
+            return False
+        self.passed += 1
+        if not self.quiet:
+            print(f"PASS [{scope}] {name}" + (f" ({detail})" if detail else ""))
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def load_docs(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
+    return [d for d in docs if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[Doc], kind: str, name: str | None = None) -> Doc:
+    f = find(docs, kind, name)
+    if len(f) != 1:
+        raise CheckError(f"expected exactly one {kind}{' ' + name if name else ''}, found {len(f)}")
+    return f[0]
+
+
+class CheckError(Exception):
+    pass
+
+
+def pod_spec(workload: Doc) -> Doc:
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(spec: Doc) -> list[Doc]:
+    return list(spec.get("containers", [])) + list(spec.get("initContainers", []))
+
+
+def container_by_subcommand(workload: Doc, sub: str) -> Doc:
+    """The container that runs `shardwire SUB` (the image's ENTRYPOINT is `shardwire`)."""
+    for c in pod_spec(workload).get("containers", []):
+        try:
+            argv = argv_of(c)
+        except CheckError:
+            continue
+        if argv and argv[0] == sub:
+            return c
+    raise CheckError(f"{workload['kind']}/{workload['metadata']['name']}: no container runs `shardwire {sub}`")
+
+
+def argv_of(c: Doc) -> list[str]:
+    """shardwire's arguments: `args` under the image's ENTRYPOINT, or a `command` of shardwire."""
+    cmd = list(c.get("command", []))
+    if cmd and posixpath.basename(cmd[0]) != "shardwire":
+        raise CheckError(f"container {c['name']}: command {cmd} does not run shardwire")
+    return cmd[1:] + list(c.get("args", []))
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def resolve_file(workload: Doc, c: Doc, path: str) -> tuple[Doc, str | None]:
+    """Maps a file path inside container c to (volume, key): subPath mounts and whole-volume
+    directory mounts. key None: the path is the mount point itself (a directory)."""
+    vols = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    for t in workload["spec"].get("volumeClaimTemplates", []):
+        vols.setdefault(t["metadata"]["name"], {"name": t["metadata"]["name"], "persistentVolumeClaim": {"claimName": t["metadata"]["name"]}})
+    best: tuple[int, Doc, str | None] | None = None
+    for m in c.get("volumeMounts", []):
+        mp = m["mountPath"].rstrip("/") or "/"
+        v = vols.get(m["name"])
+        if v is None:
+            continue
+        if m.get("subPath"):
+            if path == mp:
+                cand = (len(mp), v, m["subPath"])
+            else:
+                continue
+        elif path == mp:
+            cand = (len(mp), v, None)
+        elif path.startswith(mp + "/"):
+            cand = (len(mp), v, path[len(mp) + 1 :])
+        else:
+            continue
+        if best is None or cand[0] > best[0]:
+            best = cand
+    if best is None:
+        raise CheckError(f"container {c['name']}: {path} is on no volume mount")
+    _, vol, rel = best
+    # configMap/secret `items` remap keys to paths
+    src = vol.get("configMap") or vol.get("secret")
+    if src is not None and rel is not None and src.get("items"):
+        for it in src["items"]:
+            if it["path"] == rel:
+                return vol, it["key"]
+        raise CheckError(f"container {c['name']}: {path}: volume {vol['name']} projects no item at {rel}")
+    return vol, rel
+
+
+def object_keys(doc: Doc) -> set[str]:
+    return set(doc.get("data") or {}) | set(doc.get("stringData") or {}) | set(doc.get("binaryData") or {})
+
+
+def mount_for_dir(c: Doc, directory: str) -> Doc | None:
+    for m in c.get("volumeMounts", []):
+        if m["mountPath"].rstrip("/") == directory.rstrip("/") and not m.get("subPath"):
+            return m
+    return None
+
+
+def container_port(c: Doc, port: Any) -> int | None:
+    if isinstance(port, int):
+        return port
+    for p in c.get("ports", []):
+        if p.get("name") == port:
+            return p["containerPort"]
+    return None
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+_QUANT = {
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "": 1,
+}
+
+
+def quantity_bytes(q: Any) -> int:
+    s = str(q)
+    m = re.fullmatch(r"([0-9.]+)(?:e([0-9]+))?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?", s)
+    if not m:
+        raise CheckError(f"cannot parse quantity {s!r}")
+    n = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
+    return int(n * _QUANT[m.group(3) or ""])
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# --------------------------------------------------------------------------------------------
+# the shardwire binary
+
+
+class Shardwire:
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        # Nothing from the caller's environment may leak into the configuration layers.
+        self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
+
+    @functools.cached_property
+    def env_layer_works(self) -> bool:
+        """Whether this build applies SHARDWIRE_* variables to the configuration (probe)."""
+        env = dict(self.base_env, SHARDWIRE_FLOWS="3")
+        p = self.run(["config", "print"], env)
+        return p.returncode == 0 and json.loads(p.stdout).get("flows") == 3
+
+    def env_for(self, c: Doc) -> dict[str, str]:
+        env = dict(self.base_env)
+        for e in c.get("env", []):
+            if e["name"].startswith("SHARDWIRE_"):
+                if "value" not in e:
+                    raise CheckError(f"container {c['name']}: env {e['name']} is not a literal value; cannot evaluate the effective config")
+                env[e["name"]] = str(e["value"])
+        return env
+
+    def run(self, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.binary, *args], env=env, capture_output=True, text=True, timeout=30)
+
+    def check_and_print(self, toml_text: str, source: bool, env: dict[str, str]) -> tuple[list[str], Doc | None]:
+        """`config check FILE` then `config print --config FILE`; returns (errors, effective)."""
+        with tempfile.TemporaryDirectory() as d:
+            f = Path(d) / ("source.toml" if source else "serve.toml")
+            f.write_text(toml_text)
+            extra = ["--source-config"] if source else []
+            r = self.run(["config", "check", str(f), *extra], env)
+            if r.returncode != 0:
+                return [f"`shardwire config check{' --source-config' if source else ''}` failed: {(r.stderr or r.stdout).strip()}"], None
+            p = self.run(["config", "print", "--config", str(f), *extra], env)
+            if p.returncode != 0:
+                return [f"`shardwire config print` failed: {(p.stderr or p.stdout).strip()}"], None
+            return [], json.loads(p.stdout)
+
+
+# --------------------------------------------------------------------------------------------
+# (b) schemas
+
+
+class Schemas:
+    def __init__(self, versions: list[str], crd_dir: Path) -> None:
+        import jsonschema
+        import kubernetes_validate
+        import kubernetes_validate.utils as kvu
+
+        # The same files, parsed once instead of per object.
+        kvu.schema_contents = functools.lru_cache(maxsize=None)(kvu.schema_contents)
+        self.kv = kubernetes_validate
+        self.jsonschema = jsonschema
+        self.versions = versions
+        self.crds: dict[tuple[str, str], Any] = {}
+        sm = json.loads((crd_dir / "servicemonitor-monitoring-v1.json").read_text())
+        self.crds[("monitoring.coreos.com/v1", "ServiceMonitor")] = jsonschema.Draft202012Validator(sm)
+
+    def validate(self, doc: Doc) -> list[str]:
+        key = (doc.get("apiVersion", ""), doc.get("kind", ""))
+        name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        if key in self.crds:
+            return [
+                f"{name}: {'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message} (CRD subset schema)"
+                for e in self.crds[key].iter_errors(doc)
+            ]
+        errs = []
+        for v in self.versions:
+            try:
+                self.kv.validate(doc, v, strict=True)
+            except self.kv.utils.ValidationError as e:
+                errs.append(f"{name}: k8s {v}: {'.'.join(map(str, e.path)) or '<root>'}: {e.message}")
+            except self.kv.utils.SchemaNotFoundError as e:
+                errs.append(f"{name}: no schema: {e.message}")
+        return errs
+
+
+# --------------------------------------------------------------------------------------------
+# (refs) object references
+
+
+def check_refs(docs: list[Doc]) -> list[str]:
+    errs: list[str] = []
+    workloads = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment", "Job")]
+    by_kind_name = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    if len(namespaces) != 1 or None in namespaces:
+        errs.append(f"namespaced objects are in {sorted(map(str, namespaces))}: expected one namespace")
+    for w in workloads:
+        wn = f"{w['kind']}/{w['metadata']['name']}"
+        tl = w["spec"]["template"]["metadata"].get("labels", {})
+        sel = w["spec"].get("selector", {}).get("matchLabels")
+        if w["kind"] != "Job" and (not sel or not labels_match(sel, tl)):
+            errs.append(f"{wn}: selector {sel} does not match template labels {tl}")
+        spec = pod_spec(w)
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        claim_names = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
+        for c in containers(spec):
+            for m in c.get("volumeMounts", []):
+                if m["name"] not in vols and m["name"] not in claim_names:
+                    errs.append(f"{wn}: container {c['name']} mounts unknown volume {m['name']}")
+        for v in spec.get("volumes", []):
+            for kind, field, namefield in (("ConfigMap", "configMap", "name"), ("Secret", "secret", "secretName")):
+                src = v.get(field)
+                if src is None:
+                    continue
+                target = find(docs, kind, src[namefield])
+                if not target:
+                    errs.append(f"{wn}: volume {v['name']} references {kind} {src[namefield]} which is not rendered")
+                    continue
+                keys = object_keys(target[0])
+                for it in src.get("items", []):
+                    if it["key"] not in keys:
+                        errs.append(f"{wn}: volume {v['name']}: {kind} {src[namefield]} has no key {it['key']}")
+        if w["kind"] == "StatefulSet":
+            svc = find(docs, "Service", w["spec"]["serviceName"])
+            if not svc or svc[0]["spec"].get("clusterIP") != "None":
+                errs.append(f"{wn}: serviceName {w['spec']['serviceName']} is not a rendered headless Service")
+    for s in find(docs, "Service"):
+        sel = s["spec"].get("selector") or {}
+        pods = [w for w in workloads if labels_match(sel, w["spec"]["template"]["metadata"].get("labels", {}))]
+        if not pods:
+            errs.append(f"Service/{s['metadata']['name']}: selector {sel} matches no workload's pods")
+            continue
+        for p in s["spec"].get("ports", []):
+            tp = p.get("targetPort", p["port"])
+            for w in pods:
+                if not any(container_port(c, tp) for c in pod_spec(w)["containers"]):
+                    errs.append(f"Service/{s['metadata']['name']}: targetPort {tp} is no container port of {w['kind']}/{w['metadata']['name']}")
+    for sm in find(docs, "ServiceMonitor"):
+        sel = sm["spec"]["selector"].get("matchLabels", {})
+        svcs = [s for s in find(docs, "Service") if labels_match(sel, s["metadata"].get("labels", {}))]
+        if not svcs:
+            errs.append(f"ServiceMonitor/{sm['metadata']['name']}: selector {sel} matches no Service")
+        for ep in sm["spec"].get("endpoints", []):
+            for s in svcs:
+                if ep.get("port") not in {p.get("name") for p in s["spec"]["ports"]}:
+                    errs.append(f"ServiceMonitor/{sm['metadata']['name']}: port {ep.get('port')} is not a named port of Service/{s['metadata']['name']}")
+    for k, n in [("DaemonSet", "shardwire-node"), ("StatefulSet", "shardwire-source"), ("Service", "shardwire-source"),
+                 ("Secret", "shardwire-secret"), ("Job", "shardwire-trainer-example"), ("Service", "shardwire-node-metrics")]:
+        if (k, n) not in by_kind_name:
+            errs.append(f"{k}/{n} is not rendered")
+    return errs
+
+
+# --------------------------------------------------------------------------------------------
+# (c)+(d) node, source, trainer
+
+
+def toml_of(docs: list[Doc], w: Doc, c: Doc, path: str) -> str:
+    vol, key = resolve_file(w, c, path)
+    if "configMap" not in vol or key is None:
+        raise CheckError(f"{path} is not a ConfigMap key (volume {vol['name']})")
+    cm = one(docs, "ConfigMap", vol["configMap"]["name"])
+    if key not in (cm.get("data") or {}):
+        raise CheckError(f"ConfigMap {cm['metadata']['name']} has no key {key}")
+    return cm["data"][key]
+
+
+def secret_ok(docs: list[Doc], w: Doc, c: Doc, path: str | None) -> list[str]:
+    if not path:
+        return ["secret_file is not set (sources accept only loopback peers without it)"]
+    try:
+        vol, key = resolve_file(w, c, path)
+    except CheckError as e:
+        return [f"secret_file {path}: {e}"]
+    if "secret" not in vol or key is None:
+        return [f"secret_file {path} is not a Secret key (volume {vol['name']})"]
+    sec = find(docs, "Secret", vol["secret"]["secretName"])
+    if not sec or key not in object_keys(sec[0]):
+        return [f"secret_file {path}: Secret {vol['secret']['secretName']} has no key {key}"]
+    return []
+
+
+def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scope: str) -> None:
+    def guarded(name: str, fn: Callable[[], tuple[list[str], str]]) -> None:
+        try:
+            errs, detail = fn()
+        except CheckError as e:
+            errs, detail = [str(e)], ""
+        res.check(scope, name, errs, detail)
+
+    state: dict[str, Any] = {}
+
+    # ---- source (first: the node's `sources` are checked against it)
+    def source_config() -> tuple[list[str], str]:
+        sts = one(docs, "StatefulSet", "shardwire-source")
+        c = container_by_subcommand(sts, "source")
+        argv = argv_of(c)
+        cfg = flag_value(argv, "--config")
+        if argv[0] != "source" or not cfg:
+            return [f"source container runs {argv}: expected `source --config FILE`"], ""
+        text = toml_of(docs, sts, c, cfg)
+        errs, eff = sw.check_and_print(text, True, sw.env_for(c))
+        if eff is not None:
+            state["source"] = (sts, c, eff)
+        return errs, f"{cfg}: shardwire config check --source-config ok"
+
+    guarded("source.toml passes `shardwire config check --source-config`", source_config)
+
+    def source_wiring() -> tuple[list[str], str]:
+        if "source" not in state:
+            return ["skipped: source.toml did not load"], ""
+        sts, c, eff = state["source"]
+        errs = []
+        _, port = host_port(eff["listen"])
+        if container_port(c, "control") != port:
+            errs.append(f"container port `control` {container_port(c, 'control')} != source.toml listen port {port}")
+        svc = one(docs, "Service", sts["spec"]["serviceName"])
+        sp = [p for p in svc["spec"]["ports"] if container_port(c, p.get("targetPort", p["port"])) == port]
+        if not sp:
+            errs.append(f"Service {svc['metadata']['name']} has no port targeting {port}")
+        else:
+            state["source_port"] = sp[0]["port"]
+        errs += secret_ok(docs, sts, c, eff.get("secret_file"))
+        names = []
+        for spec in eff["datasets"]:
+            name, _, d = spec.partition("=")
+            names.append(name)
+            try:
+                resolve_file(sts, c, d)
+            except CheckError:
+                errs.append(f"dataset {name}: {d} is on no volume mount of the source container")
+        state["datasets"] = names
+        return errs, f"listen :{port}, Service port {state.get('source_port')}, datasets {names}"
+
+    guarded("source: ports, Secret and dataset volume agree with source.toml", source_wiring)
+
+    # ---- node
+    def node_config() -> tuple[list[str], str]:
+        ds = one(docs, "DaemonSet", "shardwire-node")
+        c = container_by_subcommand(ds, "serve")
+        argv = argv_of(c)
+        cfg = flag_value(argv, "--config")
+        if argv[0] != "serve" or not cfg:
+            return [f"node container runs {argv}: expected `serve --config FILE`"], ""
+        if len(argv) != 3:
+            return [f"node container runs {argv}: flags beyond --config would override serve.toml; keep them in the file"], ""
+        text = toml_of(docs, ds, c, cfg)
+        errs, eff = sw.check_and_print(text, False, sw.env_for(c))
+        if eff is not None:
+            state["node"] = (ds, c, eff)
+        return errs, f"{cfg}: shardwire config check ok"
+
+    guarded("serve.toml passes `shardwire config check`", node_config)
+
+    def node_probes() -> tuple[list[str], str]:
+        if "node" not in state:
+            return ["skipped: serve.toml did not load"], ""
+        ds, c, eff = state["node"]
+        errs = []
+        host, admin_port = host_port(eff["admin"])
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            p = c.get(probe)
+            if not p or "httpGet" not in p:
+                errs.append(f"{probe} is not an httpGet probe")
+                continue
+            g = p["httpGet"]
+            if g.get("path") != path:
+                errs.append(f"{probe} path {g.get('path')!r} != {path!r}")
+            port = container_port(c, g.get("port"))
+            if port != admin_port:
+                errs.append(f"{probe} port {g.get('port')!r} (= {port}) != admin port {admin_port} (serve.toml admin = {eff['admin']})")
+            if g.get("scheme", "HTTP") != "HTTP":
+                errs.append(f"{probe} scheme {g.get('scheme')}: the admin API is plain HTTP")
+        spec = pod_spec(ds)
+        if spec.get("hostNetwork"):
+            if host.startswith("127.") or host == "::1" or host == "localhost":
+                errs.append(f"admin = {eff['admin']} is loopback: with hostNetwork the kubelet probes the node IP; use 0.0.0.0:{admin_port}")
+            if spec.get("dnsPolicy") != "ClusterFirstWithHostNet":
+                errs.append("hostNetwork without dnsPolicy ClusterFirstWithHostNet: the sources' cluster DNS names will not resolve")
+        return errs, f"readiness /readyz, liveness /healthz on :{admin_port} = admin {eff['admin']}"
+
+    guarded("node: probes match the admin API (/readyz, /healthz, admin port)", node_probes)
+
+    def node_wiring() -> tuple[list[str], str]:
+        if "node" not in state:
+            return ["skipped: serve.toml did not load"], ""
+        ds, c, eff = state["node"]
+        errs = []
+        _, data_port = host_port(eff["data_listen"])
+        if container_port(c, "data") != data_port:
+            errs.append(f"container port `data` {container_port(c, 'data')} != data_listen port {data_port}")
+        sock_dir = posixpath.dirname(eff["socket"])
+        m = mount_for_dir(c, sock_dir)
+        vols = {v["name"]: v for v in pod_spec(ds).get("volumes", [])}
+        if m is None or "hostPath" not in vols.get(m["name"], {}):
+            errs.append(f"socket directory {sock_dir} (serve.toml socket = {eff['socket']}) is not a hostPath mount")
+        else:
+            state["socket_hostpath"] = vols[m["name"]]["hostPath"]["path"]
+            if m.get("readOnly"):
+                errs.append(f"socket directory mount {sock_dir} is read-only: the node service creates the socket there")
+        errs += secret_ok(docs, ds, c, eff.get("secret_file"))
+        if eff.get("admin_token_file"):
+            errs += [e.replace("secret_file", "admin_token_file") for e in secret_ok(docs, ds, c, eff["admin_token_file"])]
+        # SIGTERM arrives after the preStop hook; the service then needs up to
+        # drain_timeout_secs (where this build has the key) before the kubelet's SIGKILL.
+        grace = pod_spec(ds).get("terminationGracePeriodSeconds", 30)
+        pre = ((c.get("lifecycle") or {}).get("preStop") or {})
+        pre_s = 0
+        cmd = (pre.get("exec") or {}).get("command") or []
+        if len(cmd) == 2 and cmd[0] == "sleep":
+            pre_s = int(cmd[1])
+        elif "sleep" in pre:
+            pre_s = int(pre["sleep"]["seconds"])
+        drain_s = int(eff.get("drain_timeout_secs", 0))
+        if grace < pre_s + drain_s + 5:
+            errs.append(f"terminationGracePeriodSeconds {grace} < preStop {pre_s}s + drain_timeout_secs {drain_s}s + 5s")
+        lim = c.get("resources", {}).get("limits", {}).get("memory")
+        margin = 256 << 20
+        if lim is None:
+            errs.append("no memory limit on the node container")
+        elif quantity_bytes(lim) < eff["pool_size"] + margin:
+            errs.append(f"memory limit {lim} < pool_size {eff['pool_size']} B + 256MiB: memfd pool pages are charged to this pod")
+        tok = f", admin token {eff['admin_token_file']}" if eff.get("admin_token_file") else ""
+        return errs, (f"data :{data_port}{tok}, socket dir {sock_dir} = hostPath {state.get('socket_hostpath')}, "
+                      f"memory limit {lim} >= pool_size {eff['pool_size'] >> 20}MiB + 256MiB, grace {grace}s >= {pre_s}s + {drain_s}s + 5s")
+
+    guarded("node: data port, socket hostPath, Secret keys, memory limit and grace period agree with serve.toml", node_wiring)
+
+    def node_sources() -> tuple[list[str], str]:
+        if "node" not in state or "source" not in state:
+            return ["skipped: serve.toml or source.toml did not load"], ""
+        _, _, eff = state["node"]
+        sts, _, _ = state["source"]
+        ns = sts["metadata"].get("namespace", "")
+        svc = sts["spec"]["serviceName"]
+        port = state.get("source_port")
+        n = sts["spec"].get("replicas", 1)
+        want = {f"{sts['metadata']['name']}-{i}" for i in range(n)}
+        got = set()
+        errs = []
+        for s in eff["sources"]:
+            host, p = host_port(s)
+            parts = host.split(".")
+            pod = parts[0]
+            rest = ".".join(parts[1:])
+            ok_rest = rest in (svc, f"{svc}.{ns}", f"{svc}.{ns}.svc") or rest.startswith(f"{svc}.{ns}.svc.")
+            if not ok_rest or pod not in want or p != port:
+                errs.append(f"source {s} is not a pod of StatefulSet {sts['metadata']['name']} ({n} replicas) via Service {svc} on port {port}")
+            got.add(pod)
+        if got != want:
+            errs.append(f"serve.toml sources name pods {sorted(got)}; the StatefulSet has {sorted(want)}")
+        return errs, f"{len(eff['sources'])} sources = {n} StatefulSet pods via {svc}:{port}"
+
+    guarded("node: `sources` are exactly the source StatefulSet's pods", node_sources)
+
+    def trainer() -> tuple[list[str], str]:
+        if "node" not in state:
+            return ["skipped: serve.toml did not load"], ""
+        ds, nc, eff = state["node"]
+        job = one(docs, "Job", "shardwire-trainer-example")
+        c = container_by_subcommand(job, "consume")
+        argv = argv_of(c)
+        errs = []
+        sock = eff["socket"]
+        if flag_value(argv, "--socket") != sock:
+            errs.append(f"--socket {flag_value(argv, '--socket')} != serve.toml socket {sock}")
+        envs = {e["name"]: e.get("value") for e in c.get("env", [])}
+        if envs.get("SHARDWIRE_SOCKET") != sock:
+            errs.append(f"SHARDWIRE_SOCKET {envs.get('SHARDWIRE_SOCKET')} != serve.toml socket {sock}")
+        ds_name = flag_value(argv, "--dataset")
+        if "--jsonl" not in argv:
+            errs.append("consume without --jsonl")
+        if state.get("datasets") is not None and ds_name not in state["datasets"]:
+            errs.append(f"--dataset {ds_name} is not served (source.toml datasets {state['datasets']})")
+        m = mount_for_dir(c, posixpath.dirname(sock))
+        vols = {v["name"]: v for v in pod_spec(job).get("volumes", [])}
+        if m is None or "hostPath" not in vols.get(m["name"], {}):
+            errs.append(f"the trainer does not mount a hostPath at {posixpath.dirname(sock)}")
+        elif vols[m["name"]]["hostPath"]["path"] != state.get("socket_hostpath"):
+            errs.append(f"trainer hostPath {vols[m['name']]['hostPath']['path']} != node hostPath {state.get('socket_hostpath')}")
+        # socket mode 0660, owned by the node process's uid and primary gid: the trainer needs
+        # the same uid, or that gid among its groups
+        def ids(spec: Doc, ctr: Doc) -> tuple[int, int, set[int]]:
+            psc, csc = spec.get("securityContext", {}), ctr.get("securityContext", {})
+            uid = csc.get("runAsUser", psc.get("runAsUser", IMAGE_UID))
+            gid = csc.get("runAsGroup", psc.get("runAsGroup", IMAGE_GID))
+            return uid, gid, {gid, *psc.get("supplementalGroups", [])}
+
+        nuid, node_gid, _ = ids(pod_spec(ds), nc)
+        tuid, _, tgids = ids(pod_spec(job), c)
+        if tuid != nuid and node_gid not in tgids:
+            errs.append(f"socket is 0660 uid {nuid} gid {node_gid}; the trainer runs as uid {tuid} groups {sorted(tgids)}")
+        return errs, f"socket {sock}, hostPath {state.get('socket_hostpath')}, dataset {ds_name}, trainer gid {sorted(tgids)} has node gid {node_gid}"
+
+    guarded("trainer Job: socket, hostPath, dataset and group match the node", trainer)
+
+
+# --------------------------------------------------------------------------------------------
+# dashboard
+
+
+# The metrics the dashboard must show (README.md, Admin API); others the service exports and
+# the dashboard lacks are warnings, so adding a metric does not break this check.
+REQUIRED_METRICS = {
+    "shardwire_bytes_received_total", "shardwire_shards_received_total", "shardwire_crc_failures_total",
+    "shardwire_refetches_total", "shardwire_batches_delivered_total", "shardwire_source_bytes_received_total",
+    "shardwire_source_up", "shardwire_pool_bytes_used", "shardwire_pool_bytes_free",
+    "shardwire_pool_bytes_reserved", "shardwire_leases_outstanding", "shardwire_streams_open",
+}
+
+
+def exported_metrics(src: Path) -> tuple[dict[str, str], bool]:
+    """{name: counter|gauge|histogram} registered by the node service (service/src), and
+    whether histogram buckets are configured (without them metrics-exporter-prometheus
+    renders histograms as summaries: NAME{quantile=...}, NAME_sum, NAME_count)."""
+    out: dict[str, str] = {}
+    buckets = False
+    for f in sorted(src.rglob("*.rs")):
+        text = f.read_text()
+        for kind, name in re.findall(r'metrics::(counter|gauge|histogram)!\(\s*"(shardwire_[a-z0-9_]+)"', text):
+            out[name] = kind
+        buckets = buckets or "set_buckets" in text
+    return out, buckets
+
+
+def check_dashboard(path: Path, src: Path) -> tuple[list[str], str, list[str]]:
+    import promql_parser
+
+    errs: list[str] = []
+    try:
+        dash = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{path}: not JSON: {e}"], "", []
+    tl = dash.get("templating", {}).get("list", [])
+    dsvars = [v for v in tl if v.get("type") == "datasource" and v.get("query") == "prometheus"]
+    if not dsvars:
+        errs.append("no Prometheus datasource variable (type datasource, query prometheus)")
+    dsname = dsvars[0]["name"] if dsvars else "datasource"
+    want_ds = {"${%s}" % dsname, "$" + dsname}
+    kinds, buckets = exported_metrics(src)
+    exported = set(kinds)
+    if not exported:
+        errs.append(f"found no exported metrics in {src}")
+    used: set[str] = set()
+    exprs = 0
+
+    def parse(expr: str, where: str) -> None:
+        nonlocal exprs
+        exprs += 1
+        e = expr
+        for var, val in (("$__rate_interval", "1m"), ("$__interval", "1m"), ("$__range", "1h")):
+            e = e.replace(var, val)
+        e = re.sub(r"\$\{?[a-zA-Z_][a-zA-Z0-9_]*\}?", ".*", e)
+        try:
+            ast = promql_parser.parse(e)
+        except ValueError as ex:
+            errs.append(f"{where}: PromQL does not parse: {ex}: {expr}")
+            return
+        names: list[str] = []
+
+        def visit(n: Any) -> bool:
+            if isinstance(n, promql_parser.VectorSelector) and n.name:
+                names.append(n.name)
+            return True
+
+        promql_parser.walk(ast, visit)
+        for n in names:
+            base = re.sub(r"_(bucket|sum|count)$", "", n)
+            if n not in exported and kinds.get(base) == "histogram":
+                if n.endswith("_bucket") and not buckets:
+                    errs.append(f"{where}: {n}: the service exports {base} as a summary (no buckets configured); use {base}{{quantile=...}}")
+                n = base
+            used.add(n)
+            if n not in exported:
+                errs.append(f"{where}: metric {n} is not exported by the service ({src})")
+
+    def panels(ps: Iterable[Doc]) -> Iterable[Doc]:
+        for p in ps:
+            yield p
+            yield from panels(p.get("panels", []))
+
+    n_panels = 0
+    for p in panels(dash.get("panels", [])):
+        if p.get("type") == "row":
+            continue
+        n_panels += 1
+        where = f"panel {p.get('title')!r}"
+        if (p.get("datasource") or {}).get("uid") not in want_ds:
+            errs.append(f"{where}: datasource is not the ${dsname} variable")
+        if not p.get("targets"):
+            errs.append(f"{where}: no queries")
+        for t in p.get("targets", []):
+            if (t.get("datasource") or {}).get("uid") not in want_ds:
+                errs.append(f"{where}: target {t.get('refId')}: datasource is not the ${dsname} variable")
+            parse(t.get("expr", ""), where)
+    for v in tl:
+        if v.get("type") == "query":
+            q = v.get("query")
+            q = q.get("query") if isinstance(q, dict) else q
+            m = re.fullmatch(r"label_values\((.*),\s*[a-zA-Z_]+\)", q or "")
+            if m:
+                parse(m.group(1), f"variable {v['name']}")
+    missing = (REQUIRED_METRICS & exported) - used
+    if missing:
+        errs.append(f"required metrics not on the dashboard: {sorted(missing)}")
+    gone = REQUIRED_METRICS - exported
+    if gone:
+        errs.append(f"required metrics no longer exported by the service: {sorted(gone)}")
+    warnings = [f"exported by the service but not on the dashboard: {m}" for m in sorted(exported - used)]
+    return errs, (f"{n_panels} panels, {exprs} PromQL expressions parsed, "
+                  f"{len(used & exported)}/{len(exported)} exported metrics used"), warnings
+
+
+def check_dockerfile(path: Path, repo: Path, sw: Shardwire) -> tuple[list[str], str]:
+    import dockerfile
+
+    errs: list[str] = []
+    cmds = dockerfile.parse_file(str(path))
+    args = {}
+    for c in cmds:
+        if c.cmd == "ARG" and "=" in c.value[0]:
+            k, v = c.value[0].split("=", 1)
+            args.setdefault(k, v)
+
+    def expand(s: str) -> str:
+        return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), s)
+
+    stages: list[dict[str, Any]] = []
+    for c in cmds:
+        if c.cmd == "FROM":
+            v = c.value
+            stages.append({"image": expand(v[0]), "name": v[2] if len(v) >= 3 and v[1].upper() == "AS" else None, "cmds": []})
+        elif stages:
+            stages[-1]["cmds"].append(c)
+    if len(stages) < 2:
+        return [f"{len(stages)} stage(s): expected a multi-stage build"], ""
+    build, final = stages[0], stages[-1]
+    runs = " ".join(" ".join(c.value) for c in build["cmds"] if c.cmd == "RUN")
+    if "cargo build --release -p shardwire --locked" not in re.sub(r"\s+", " ", runs):
+        errs.append("the build stage does not run `cargo build --release -p shardwire --locked`")
+    m = re.match(r"rust:(\d+)\.(\d+)", build["image"])
+    ws = tomllib.loads((repo / "Cargo.toml").read_text())
+    need = ws["workspace"]["package"]["rust-version"]
+    if not m:
+        errs.append(f"build image {build['image']} is not rust:MAJOR.MINOR-...")
+    elif tuple(map(int, m.groups())) < tuple(map(int, need.split(".")[:2])):
+        errs.append(f"build image {build['image']} is older than rust-version {need}")
+    rel_b = re.search(r"(bookworm|bullseye|trixie)", build["image"])
+    rel_f = re.search(r"(bookworm|bullseye|trixie|debian\d+)", final["image"])
+    if not re.match(r"(debian:.*-slim|gcr\.io/distroless/cc)", final["image"]):
+        errs.append(f"runtime image {final['image']} is not debian:*-slim or distroless/cc")
+    if rel_b and rel_f and rel_b.group(1) != rel_f.group(1) and not rel_f.group(1).startswith("debian"):
+        errs.append(f"builder ({rel_b.group(1)}) and runtime ({rel_f.group(1)}) Debian releases differ: glibc mismatch")
+    fc = final["cmds"]
+    if not any(c.cmd == "COPY" and any(f == f"--from={build['name']}" for f in c.flags) for c in fc):
+        errs.append(f"the runtime stage copies nothing --from={build['name']}")
+    ep = [c for c in fc if c.cmd == "ENTRYPOINT"]
+    if not ep or not ep[-1].json or list(ep[-1].value) != ["shardwire"]:
+        errs.append('ENTRYPOINT is not ["shardwire"] (exec form)')
+    users = [expand(c.value[0]) for c in fc if c.cmd == "USER"]
+    if not users or users[-1].split(":")[0] in ("0", "root"):
+        errs.append("the runtime stage does not switch to a non-root USER")
+    elif users[-1] != f"{IMAGE_UID}:{IMAGE_GID}":
+        errs.append(f"USER {users[-1]} != {IMAGE_UID}:{IMAGE_GID}, which the manifests assume (check_rendered.IMAGE_UID/GID)")
+    exposed = {int(p.split("/")[0]) for c in fc if c.cmd == "EXPOSE" for p in c.value}
+    env = dict(sw.base_env)
+    want = set()
+    for src in (False, True):
+        p = sw.run(["config", "print", *(["--source-config"] if src else [])], env)
+        if src and p.returncode != 0:
+            want.add(7500)  # the source config needs a dataset to print; its default listen port
+            continue
+        if p.returncode == 0:
+            eff = json.loads(p.stdout)
+            for k in ("admin", "data_listen", "listen"):
+                if k in eff:
+                    want.add(host_port(eff[k])[1])
+    if not want <= exposed:
+        errs.append(f"EXPOSE {sorted(exposed)} lacks default ports {sorted(want - exposed)}")
+    # context exclusions must keep the workspace
+    ign = path.with_name(path.name + ".dockerignore")
+    members = ws["workspace"].get("members", [])
+    if ign.exists():
+        import fnmatch
+
+        pats = [ln.strip() for ln in ign.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        for keep in ["Cargo.toml", "Cargo.lock", *members]:
+            for pat in pats:
+                if not pat.startswith("!") and (fnmatch.fnmatch(keep, pat.rstrip("/")) or keep.startswith(pat.rstrip("/") + "/")):
+                    errs.append(f"{ign.name}: pattern {pat!r} excludes {keep}, which the build needs")
+    else:
+        errs.append(f"{ign} is missing: the build context would include target/ and .git/")
+    return errs, f"{len(stages)} stages ({build['image']} -> {final['image']}), USER {users[-1] if users else '-'}, EXPOSE {sorted(exposed)}"
+
+
+# --------------------------------------------------------------------------------------------
+# self-test: every check must catch its breakage
+
+
+def set_toml_key(docs: list[Doc], file: str, key: str, value: str) -> None:
+    for cm in find(docs, "ConfigMap"):
+        if file in (cm.get("data") or {}):
+            text = cm["data"][file]
+            new, n = re.subn(rf"(?m)^{key}\s*=.*$", f"{key} = {value}", text)
+            cm["data"][file] = new if n else text + f"\n{key} = {value}\n"
+
+
+def node_container(docs: list[Doc]) -> Doc:
+    return container_by_subcommand(one(docs, "DaemonSet", "shardwire-node"), "serve")
+
+
+def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
+    def ready_path(d):
+        node_container(d)["readinessProbe"]["httpGet"]["path"] = "/ready"
+
+    def live_port(d):
+        node_container(d)["livenessProbe"]["httpGet"]["port"] = 7499
+
+    def admin_loopback(d):
+        set_toml_key(d, "serve.toml", "admin", '"127.0.0.1:7400"')
+
+    def admin_port(d):
+        set_toml_key(d, "serve.toml", "admin", '"0.0.0.0:7402"')
+
+    def env_override(d):
+        node_container(d).setdefault("env", []).append({"name": "SHARDWIRE_ADMIN", "value": "0.0.0.0:9999"})
+
+    def unknown_key(d):
+        set_toml_key(d, "serve.toml", "flowz", "3")
+
+    def unknown_source_key(d):
+        set_toml_key(d, "source.toml", "listen_addr", '"0.0.0.0:7500"')
+
+    def bad_port_type(d):
+        node_container(d)["ports"][0]["containerPort"] = "7400"
+
+    def unknown_field(d):
+        pod_spec(one(d, "DaemonSet", "shardwire-node"))["hostNetwrk"] = True
+
+    def socket_dir(d):
+        set_toml_key(d, "serve.toml", "socket", '"/var/run/other/trainer.sock"')
+
+    def trainer_env(d):
+        c = container_by_subcommand(one(d, "Job", "shardwire-trainer-example"), "consume")
+        for e in c["env"]:
+            if e["name"] == "SHARDWIRE_SOCKET":
+                e["value"] = "/tmp/trainer.sock"
+
+    def replicas(d):
+        one(d, "StatefulSet", "shardwire-source")["spec"]["replicas"] = 3
+
+    def memory(d):
+        node_container(d)["resources"]["limits"]["memory"] = "64Mi"
+
+    def secret_key(d):
+        s = one(d, "Secret", "shardwire-secret")
+        for f in ("data", "stringData"):
+            (s.get(f) or {}).pop("shared-secret", None)
+
+    def token_key(d):
+        s = one(d, "Secret", "shardwire-secret")
+        for f in ("data", "stringData"):
+            (s.get(f) or {}).pop("admin-token", None)
+        for v in pod_spec(one(d, "DaemonSet", "shardwire-node"))["volumes"]:
+            if "secret" in v:
+                v["secret"]["items"] = [i for i in v["secret"].get("items", []) if i["key"] != "admin-token"]
+
+    def trainer_group(d):
+        j = one(d, "Job", "shardwire-trainer-example")
+        pod_spec(j)["securityContext"]["runAsGroup"] = 20000
+
+    def svc_selector(d):
+        one(d, "Service", "shardwire-node-metrics")["spec"]["selector"] = {"app.kubernetes.io/component": "nothing"}
+
+    def grace(d):
+        pod_spec(one(d, "DaemonSet", "shardwire-node"))["terminationGracePeriodSeconds"] = 10
+
+    return [
+        ("grace period shorter than preStop + drain", grace),
+        ("readiness path /ready", ready_path),
+        ("liveness port 7499", live_port),
+        ("admin on loopback", admin_loopback),
+        ("admin port 7402", admin_port),
+        ("SHARDWIRE_ADMIN env override", env_override),
+        ("unknown serve.toml key", unknown_key),
+        ("unknown source.toml key", unknown_source_key),
+        ("containerPort as a string", bad_port_type),
+        ("unknown pod spec field", unknown_field),
+        ("socket outside the hostPath", socket_dir),
+        ("trainer SHARDWIRE_SOCKET mismatch", trainer_env),
+        ("3 source replicas vs 2 sources", replicas),
+        ("memory limit below pool_size", memory),
+        ("Secret without shared-secret", secret_key),
+        ("admin token file not in the Secret", token_key),
+        ("trainer group cannot open the socket", trainer_group),
+        ("metrics Service selects nothing", svc_selector),
+    ]
+
+
+def run_overlay(docs: list[Doc], scope: str, schemas: Schemas, sw: Shardwire, res: Results) -> None:
+    errs: list[str] = []
+    for d in docs:
+        errs += schemas.validate(d)
+    kinds = sorted({d["kind"] for d in docs})
+    res.check(scope, f"schemas (k8s {', '.join(schemas.versions)}, strict)", errs, f"{len(docs)} objects: {', '.join(kinds)}")
+    res.check(scope, "object references (selectors, ports, volumes, Secret/ConfigMap keys)", check_refs(docs))
+    check_node_source_trainer(docs, sw, res, scope)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", required=True, help="the shardwire binary")
+    ap.add_argument("--repo", required=True, type=Path)
+    ap.add_argument("--kube-versions", default="1.28,1.37")
+    ap.add_argument("--self-test", action="store_true", help="also check that known breakages are caught")
+    ap.add_argument("rendered", nargs="+", help="NAME=FILE of kustomize output")
+    a = ap.parse_args()
+
+    repo = a.repo.resolve()
+    sw = Shardwire(a.bin)
+    schemas = Schemas(a.kube_versions.split(","), repo / "deploy/ci/schemas")
+    res = Results()
+    rendered = []
+    for spec in a.rendered:
+        name, _, f = spec.partition("=")
+        docs = load_docs(Path(f))
+        rendered.append((name, docs))
+        print(f"---- {name}: {len(docs)} objects")
+        run_overlay(docs, name, schemas, sw, res)
+
+    print("---- dashboard, Dockerfile")
+    errs, detail, warnings = check_dashboard(repo / "deploy/grafana/shardwire-dashboard.json", repo / "service/src")
+    for w in warnings:
+        res.warn("grafana", w)
+    res.check("grafana", "dashboard: datasource variable, PromQL parses, metrics exported and covered", errs, detail)
+    errs, detail = check_dockerfile(repo / "deploy/Dockerfile", repo, sw)
+    res.check("docker", "Dockerfile (BuildKit parser): stages, build command, non-root, entrypoint, ports, context", errs, detail)
+
+    if a.self_test:
+        name, docs = rendered[0]
+        print(f"---- self-test on {name}: each breakage must make a check fail that passed before")
+        baseline = Results(quiet=True)
+        run_overlay(docs, name, schemas, sw, baseline)
+        for label, mutate in mutations():
+            if "env override" in label and not sw.env_layer_works:
+                res.warn("self-test", f"skipped `{label}`: this shardwire build ignores SHARDWIRE_* variables "
+                         "(`SHARDWIRE_FLOWS=3 shardwire config print` prints flows = 2), so a pod's env cannot change its config either")
+                continue
+            broken = copy.deepcopy(docs)
+            mutate(broken)
+            inner = Results(quiet=True)
+            run_overlay(broken, name, schemas, sw, inner)
+            new = [f for f in inner.failures if f not in baseline.failures]
+            caught = new[0].split("] ", 1)[1] if new else ""
+            res.check("self-test", f"catches: {label}", [] if new else ["no new failure"], caught[:150])
+
+    print(f"\n{res.passed} passed, {res.failed} failed")
+    return 1 if res.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
