@@ -15,6 +15,7 @@
 //! ```
 
 pub mod fdpass;
+pub mod http;
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -23,6 +24,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use http::{HttpBatch, HttpStream};
 use rustix::mm::{MapFlags, ProtFlags};
 use shardwire_protocol::plan::Uneven;
 use shardwire_protocol::trainer::{self, Request, Response, TRAINER_VERSION};

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _wire
+from ._arrow import ArrowExport
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
 
 __all__ = [
@@ -168,23 +169,33 @@ class Client:
             ServiceError: the service refused (``unknown_dataset``, ``unavailable``,
                 ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
         """
-        if uneven not in ("pad", "drop"):
-            raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
-        for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
-        req: dict[str, Any] = {
-            "op": "attach",
-            "version": _wire.VERSION,
-            "dataset": str(dataset),
-            "seed": seed,
-            "rank": rank,
-            "world_size": world_size,
-            "epochs": epochs,
-            "uneven": uneven,
-            "state": dict(state) if state is not None else None,
-        }
+        req = {"op": "attach", **_attach_fields(dataset, seed, rank, world_size, epochs, uneven, state)}
         return Stream._open(self.path, req)
+
+
+def _attach_fields(
+    dataset: str, seed: int, rank: int, world_size: int, epochs: int, uneven: str, state: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The validated fields of ``attach`` (shared by the socket and HTTP clients).
+
+    Raises:
+        ValueError: an argument out of range (nothing is sent).
+    """
+    if uneven not in ("pad", "drop"):
+        raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
+    for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
+    return {
+        "version": _wire.VERSION,
+        "dataset": str(dataset),
+        "seed": seed,
+        "rank": rank,
+        "world_size": world_size,
+        "epochs": epochs,
+        "uneven": uneven,
+        "state": dict(state) if state is not None else None,
+    }
 
 
 def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
@@ -200,7 +211,7 @@ def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
     return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape)
 
 
-class Batch(Mapping[str, np.ndarray]):
+class Batch(ArrowExport, Mapping[str, np.ndarray]):
     """One leased batch (one shard): a read-only mapping from tensor name to numpy array.
 
     Each array is a zero-copy, read-only view of the stream's mapped region
@@ -217,6 +228,12 @@ class Batch(Mapping[str, np.ndarray]):
     stay readable, but the service reuses the bytes for later shards and they may change at
     any time. Copy what you need to keep (``np.array(arr)``), or :meth:`keep` the batch.
 
+    **Arrow.** ``pyarrow.record_batch(batch)`` (Arrow PyCapsule protocol) or
+    :meth:`to_arrow` gives the batch as a record batch that shares the region's memory (no
+    copy): one column per tensor, one row per element of the leading dimension, N-D tensors as
+    ``arrow.fixed_shape_tensor`` columns. Needs pyarrow (optional). The lifetime rules above
+    apply to the Arrow arrays too. See ``shardwire._arrow``.
+
     Attributes:
         lease: Lease id (as the service knows it).
         epoch: Epoch of this batch.
@@ -225,7 +242,7 @@ class Batch(Mapping[str, np.ndarray]):
         views: Where each tensor lies in the region.
     """
 
-    __slots__ = ("_stream", "_tensors", "_kept", "_released", "lease", "epoch", "index", "shard", "views", "__weakref__")
+    __slots__ = ("_stream", "_tensors", "_kept", "_released", "_arrow_rb", "lease", "epoch", "index", "shard", "views", "__weakref__")
 
     # A batch is a lease: identity semantics (Mapping's value comparison would compare arrays).
     __eq__ = object.__eq__
@@ -240,6 +257,7 @@ class Batch(Mapping[str, np.ndarray]):
         self.views = tuple(views)
         self._kept = False
         self._released = False
+        self._arrow_rb: Any = None
         self._tensors: dict[str, np.ndarray] = {v.name: _tensor(region, v) for v in views}
 
     # --- Mapping -----------------------------------------------------------------------------
