@@ -21,7 +21,14 @@ use crate::node::Node;
 pub fn prometheus() -> &'static PrometheusHandle {
     static H: OnceLock<PrometheusHandle> = OnceLock::new();
     H.get_or_init(|| {
+        // Latency buckets from 10 us (trainer hand-off) to 10 s (a slow fetch).
+        let latency = [
+            0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01,
+            0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+        ];
         PrometheusBuilder::new()
+            .set_buckets(&latency)
+            .expect("non-empty buckets")
             .install_recorder()
             .expect("no other metrics recorder is installed")
     })
