@@ -35,6 +35,9 @@ pub struct BenchArgs {
     /// Also run plain TCP with the same layout and print the ratio.
     #[arg(long)]
     compare_tcp: bool,
+    /// Stream region size (fetch-ahead window) [default: 8 slabs, at least 32MiB].
+    #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
+    stream_memory: Option<ByteSize>,
     /// With --compare-tcp: alternate the two runs this many times and report every ratio
     /// and the median (a shared machine is noisy).
     #[arg(long, default_value_t = 1)]
@@ -96,7 +99,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
     shardwire_index::write_manifest(&data, &m)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
-    let stream_memory = (class * 8).max(32 << 20);
+    let stream_memory = a.stream_memory.map_or((class * 8).max(32 << 20), |m| m.0);
+    anyhow::ensure!(
+        stream_memory >= 2 * class,
+        "--stream-memory must be at least 2 slabs ({} bytes)",
+        2 * class
+    );
     println!(
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer",
         a.flows, a.seconds, shard
