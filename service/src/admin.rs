@@ -87,6 +87,7 @@ pub fn api_error(status: StatusCode, code: &str, message: impl Into<String>) -> 
 }
 
 /// Checks `Authorization: Bearer <token>` for mutating endpoints (constant-time compare).
+#[allow(clippy::result_large_err)] // the error is the HTTP response itself, returned as is
 fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), Response> {
     let Some(token) = &node.admin_token else {
         return Err(api_error(
@@ -132,6 +133,7 @@ async fn drain(State(node): State<Arc<Node>>, headers: HeaderMap) -> Response {
         .into_response()
 }
 
+#[allow(clippy::result_large_err)] // the error is the HTTP response itself, returned as is
 fn find_stream(node: &Node, id: &str) -> Result<Arc<crate::node::stream::StreamShared>, Response> {
     let n: u64 = id.parse().map_err(|_| {
         api_error(

@@ -13,6 +13,13 @@ every tensor is a zero-copy, read-only numpy view of that mapping::
             ...
             ckpt = stream.state_dict()      # resume later with open_stream(..., state=ckpt)
 
+Trainers that cannot share memory with the node use its HTTP API instead, with the same
+Stream/Batch API (tensors are then downloaded copies)::
+
+    client = shardwire.connect_http("127.0.0.1:7400")   # the node's --admin address
+
+Batches export Arrow zero-copy (``pyarrow.record_batch(batch)``; pyarrow is optional).
+
 See :class:`Batch` for the lifetime rules (auto-release, ``keep()``), ``shardwire.torch`` for a
 PyTorch ``IterableDataset`` (torch is imported only when that is used), and the README.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 from ._client import DEFAULT_SOCKET, SOCKET_ENV, Batch, Client, Stream, StreamInfo, TensorView, connect
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+from ._http import HttpBatch, HttpClient, HttpStream, connect_http
 
 __version__ = "0.1.0"
 
@@ -31,6 +39,9 @@ __all__ = [
     "Client",
     "ConnectError",
     "ConnectionClosed",
+    "HttpBatch",
+    "HttpClient",
+    "HttpStream",
     "ProtocolError",
     "ServiceError",
     "ShardwireError",
@@ -39,4 +50,5 @@ __all__ = [
     "TensorView",
     "Timeout",
     "connect",
+    "connect_http",
 ]

@@ -16,13 +16,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from . import _wire
 from ._arrow import ArrowExport
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._http import HttpClient
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -100,17 +103,36 @@ class StreamInfo:
         return self.batches_per_epoch * self.epochs
 
 
-def connect(path: str | os.PathLike[str] | None = None) -> Client:
-    """A :class:`Client` for the node service's trainer socket.
+@overload
+def connect(path: str | os.PathLike[str] | None = None) -> Client: ...
+@overload
+def connect(path: None = None, *, url: str) -> HttpClient: ...
+
+
+def connect(path: str | os.PathLike[str] | None = None, *, url: str | None = None) -> Client | HttpClient:
+    """A :class:`Client` for the node service's trainer socket, or with `url` an
+    :class:`shardwire.HttpClient` for its HTTP API (see :func:`shardwire.connect_http`).
 
     Args:
         path: Socket path; default ``$SHARDWIRE_SOCKET``, else ``/run/shardwire/trainer.sock``.
+        url: The node's HTTP (admin) address, ``http://HOST:PORT``: tensors are then
+            downloaded copies instead of shared memory. A `path` starting with ``http://`` is
+            taken as `url`.
 
     Raises:
-        ConnectError: nothing at `path`, or it is not a Unix socket (the message names the path).
+        ConnectError: nothing at `path`, or it is not a Unix socket (the message names the path);
+            or nothing answers at `url`.
 
-    No connection is made here: each :meth:`Client.open_stream` opens its own.
+    No connection is made here for a socket: each :meth:`Client.open_stream` opens its own.
     """
+    if url is None and isinstance(path, str) and path.startswith("http://"):
+        url, path = path, None
+    if url is not None:
+        if path is not None:
+            raise ValueError("give either a socket path or url=, not both")
+        from ._http import connect_http
+
+        return connect_http(url)
     if path is None:
         path = os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
     path = os.fspath(path)

@@ -1,0 +1,452 @@
+"""The trainer API over HTTP (docs/TRAINER_API.md, "HTTP API"): for trainers that cannot share
+memory with the node service (another host, a container without the socket).
+
+Same streams, plan order and resume states as the Unix socket, and the same Stream/Batch API,
+but each tensor is **downloaded**: a batch's arrays are private, writable numpy copies, so the
+SDK releases the batch's lease on the service as soon as they have arrived (``keep()`` and
+``release()`` are accepted and do nothing more). One kept-alive HTTP/1.1 connection per
+stream (``http.client``, standard library).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import threading
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from ._arrow import ArrowExport
+from ._client import _DTYPES, StreamInfo, TensorView, Uneven, _attach_fields
+from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+
+__all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
+
+#: A ``next`` without a timeout waits in long polls of this many milliseconds.
+POLL_MS = 30_000
+#: Socket timeout of requests that do not wait on the stream, in seconds.
+IO_TIMEOUT = 120.0
+
+# A kept-alive connection the server closed while idle fails the next request with one of
+# these before any answer; the request is then sent again on a fresh connection.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    """(host, port, "http://host:port") of ``HOST:PORT`` or ``http://HOST:PORT[/]``."""
+    u = url if "://" in url else f"http://{url}"
+    p = urllib.parse.urlsplit(u)
+    if p.scheme != "http":
+        raise ValueError(f"only http:// URLs are supported, not {url!r}")
+    if not p.hostname or p.port is None:
+        raise ValueError(f"the node's HTTP address must be HOST:PORT or http://HOST:PORT, not {url!r}")
+    if p.path not in ("", "/") or p.query:
+        raise ValueError(f"give the node's base URL (http://HOST:PORT), not {url!r}")
+    host = p.hostname
+    netloc = f"[{host}]:{p.port}" if ":" in host else f"{host}:{p.port}"
+    return host, p.port, f"http://{netloc}"
+
+
+def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
+    """An :class:`HttpClient` for the node service's HTTP API (its admin address,
+    ``--admin``), e.g. ``connect_http("127.0.0.1:7400")`` or ``"http://node7:7400"``.
+
+    Checks that the service answers (``GET /healthz`` within `timeout` seconds).
+
+    Raises:
+        ConnectError: nothing answers at `url` (the message names it).
+        ValueError: `url` is not ``HOST:PORT`` / ``http://HOST:PORT``.
+    """
+    host, port, base = _split(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/healthz")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise ConnectError(base, f"GET /healthz answered HTTP {r.status}: is this a shardwire node's admin address?")
+    except OSError as e:
+        raise ConnectError(base, f"{e.strerror or e} (is `shardwire serve` running with --admin {host}:{port}?)") from e
+    except http.client.HTTPException as e:
+        raise ConnectError(base, f"not an HTTP server: {e!r}") from e
+    finally:
+        conn.close()
+    return HttpClient(base)
+
+
+class HttpClient:
+    """A node service's HTTP API. Cheap: it remembers the URL; every :meth:`open_stream` makes
+    its own connection, so streams are independent (and may be used from different threads)."""
+
+    def __init__(self, url: str) -> None:
+        host, port, base = _split(url)
+        #: Base URL, ``http://HOST:PORT``.
+        self.url = base
+        self._host, self._port = host, port
+
+    def __repr__(self) -> str:
+        return f"shardwire.HttpClient({self.url!r})"
+
+    def open_stream(
+        self,
+        dataset: str,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        epochs: int = 1,
+        uneven: Uneven = "pad",
+        state: Mapping[str, Any] | None = None,
+        idle_timeout: float | None = None,
+    ) -> HttpStream:
+        """Opens a stream of `dataset` for this rank; arguments as in
+        :meth:`shardwire.Client.open_stream`.
+
+        Args:
+            idle_timeout: Seconds without a request after which the service closes the
+                stream (default: the service's, 300 s). A stream that is not closed
+                explicitly (``close()``, ``with``) lingers on the service until then.
+
+        Raises:
+            ConnectError: the service cannot be reached.
+            ServiceError: the service refused (``unknown_dataset``, ``state_mismatch``, ...).
+        """
+        body = _attach_fields(dataset, seed, rank, world_size, epochs, uneven, state)
+        if idle_timeout is not None:
+            if not idle_timeout > 0:
+                raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")
+            body["idle_timeout_s"] = max(1, math.ceil(idle_timeout))
+        return HttpStream._open(self, body)
+
+
+class HttpBatch(ArrowExport, Mapping[str, np.ndarray]):
+    """One batch taken over HTTP: a read-only mapping from tensor name to numpy array.
+
+    Unlike a socket :class:`shardwire.Batch`, the arrays are **copies** downloaded from the
+    service: writable, owned by this process and valid for as long as you keep them. The
+    batch's lease was already released when :meth:`HttpStream.next` returned, so
+    :attr:`released` is True, and :meth:`keep` / :meth:`release` / ``with batch:`` do nothing
+    (they exist so code written for socket batches runs unchanged). Code that must run on
+    both transports should not write to the arrays (socket arrays are read-only).
+
+    ``pyarrow.record_batch(batch)`` works as for socket batches, zero-copy over these arrays.
+
+    Attributes:
+        lease: Lease id the service used (already released).
+        epoch: Epoch of this batch.
+        index: Index of this batch within its epoch (for this rank).
+        shard: Shard index in the dataset's manifest.
+        views: Name, dtype, shape and length of each tensor (``offset`` is -1: no region).
+    """
+
+    __slots__ = ("_tensors", "_kept", "_arrow_rb", "lease", "epoch", "index", "shard", "views", "__weakref__")
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], tensors: dict[str, np.ndarray]) -> None:
+        self.lease = lease
+        self.epoch = epoch
+        self.index = index
+        self.shard = shard
+        self.views = tuple(views)
+        self._tensors = tensors
+        self._kept = False
+        self._arrow_rb: Any = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
+        return f"<shardwire.HttpBatch epoch={self.epoch} index={self.index} shard={self.shard} {{{ts}}}>"
+
+    @property
+    def released(self) -> bool:
+        """Always True: the lease ends as soon as the tensors are downloaded."""
+        return True
+
+    @property
+    def kept(self) -> bool:
+        """True if :meth:`keep` was called (it changes nothing: the copies stay valid)."""
+        return self._kept
+
+    def keep(self) -> HttpBatch:
+        """Accepted for API compatibility; the arrays are copies and stay valid anyway."""
+        self._kept = True
+        return self
+
+    def release(self) -> None:
+        """A no-op: the lease was released when the batch arrived."""
+
+    def __enter__(self) -> HttpBatch:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        pass
+
+
+class _Reply:
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: http.client.HTTPMessage, body: bytes | bytearray) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise ProtocolError(f"HTTP {self.status}: expected JSON, got {bytes(self.body[:200])!r}") from None
+
+    def error(self) -> ShardwireError:
+        try:
+            v = json.loads(self.body)
+            return ServiceError(str(v["code"]), str(v["message"]))
+        except (ValueError, KeyError, TypeError):
+            return ProtocolError(f"HTTP {self.status}: {bytes(self.body[:200])!r}")
+
+
+class HttpStream:
+    """A stream over HTTP: iterate it for :class:`HttpBatch` objects in plan order.
+
+    Create with :meth:`HttpClient.open_stream`. :meth:`close` (or leaving ``with stream:``)
+    closes it on the service; a stream that is never closed is closed by the service after
+    its idle timeout (``info``: see :meth:`HttpClient.open_stream`). Methods are thread-safe
+    (one request at a time on the stream's connection).
+
+    Attributes:
+        info: What the service said at open (``region_size`` is 0 and ``memory`` is
+            ``"http"``: there is no shared region).
+        idle_timeout: Seconds without a request after which the service closes the stream.
+    """
+
+    def __init__(self, client: HttpClient, info: StreamInfo, idle_timeout: int, conn: http.client.HTTPConnection) -> None:
+        self._client = client
+        self._conn: http.client.HTTPConnection | None = conn
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closed_why = "the stream was closed"
+        self._ended = False
+        self.info = info
+        self.idle_timeout = idle_timeout
+
+    @classmethod
+    def _open(cls, client: HttpClient, body: dict[str, Any]) -> HttpStream:
+        conn = http.client.HTTPConnection(client._host, client._port, timeout=IO_TIMEOUT)
+        try:
+            r = _call(conn, "POST", "/v1/streams", json.dumps(body).encode(), IO_TIMEOUT, retry=False)
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise ConnectError(client.url, str(e)) from e
+        if r.status != 201:
+            conn.close()
+            raise r.error()
+        v = r.json()
+        info = StreamInfo(
+            stream=int(v["stream"]),
+            region_size=0,
+            batches_per_epoch=int(v["batches_per_epoch"]),
+            epochs=int(v["epochs"]),
+            memory="http",
+            state=dict(v["state"]),
+        )
+        return cls(client, info, int(v.get("idle_timeout_s", 300)), conn)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
+
+    def _request(self, method: str, path: str, timeout: float, body: bytes | None = None, into: bool = False) -> _Reply:
+        """One request on the stream's connection (lock held). A failure to reach the service
+        closes the stream locally (ConnectionClosed); the service closes it after its idle
+        timeout."""
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
+        try:
+            return _call(self._conn, method, path, body, timeout, into=into)
+        except (OSError, http.client.HTTPException) as e:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            self._closed_why = f"the connection to the node service failed: {e}"
+            self._close_locked(notify=False)
+            raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
+
+    def next(self, timeout: float | None = None) -> HttpBatch | None:
+        """The next batch in plan order (its tensors downloaded), or None when every epoch was
+        delivered.
+
+        Args:
+            timeout: Seconds to wait for the batch (None: as long as it takes, in long polls).
+
+        Raises:
+            Timeout: no batch within `timeout` (the stream stays usable).
+            ServiceError: e.g. code ``"closed"`` if the service closed the stream,
+                ``"not_found"`` if it was closed for being idle.
+            ConnectionClosed: the service could not be reached.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, not {timeout!r}")
+        with self._lock:
+            self._check_open()
+            if self._ended:
+                return None
+            left = None if timeout is None else math.ceil(timeout * 1000)
+            while True:
+                wait = POLL_MS if left is None else min(left, POLL_MS)
+                r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
+                if r.status == 204:
+                    if left is not None:
+                        left -= wait
+                        if left <= 0:
+                            raise Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
+                    continue
+                if r.status != 200:
+                    raise r.error()
+                v = r.json()
+                if v.get("end"):
+                    self._ended = True
+                    return None
+                return self._download(v)
+
+    def _download(self, v: dict[str, Any]) -> HttpBatch:
+        lease = int(v["lease"])
+        views = [TensorView(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), -1, int(t["length"])) for t in v["tensors"]]
+        tensors: dict[str, np.ndarray] = {}
+        release = f"/v1/leases/{lease}/release"
+        try:
+            for tv in views:
+                dt = _DTYPES.get(tv.dtype)
+                if dt is None:
+                    raise ProtocolError(f"tensor {tv.name!r} has dtype {tv.dtype!r}, unknown to this SDK")
+                if math.prod(tv.shape) * dt.itemsize != tv.length:
+                    raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
+                path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
+                r = self._request("GET", path, IO_TIMEOUT, into=True)
+                if r.status != 200:
+                    raise r.error()
+                if len(r.body) != tv.length:
+                    raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
+                tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
+        except BaseException:
+            if not self._closed:
+                try:
+                    self._request("POST", release, IO_TIMEOUT)  # best effort; the first error wins
+                except ShardwireError:
+                    pass
+            raise
+        r = self._request("POST", release, IO_TIMEOUT)
+        if r.status != 200:
+            raise r.error()
+        return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resumable position ``{epoch, index, seed, fingerprint}`` (the next batch not yet
+        taken), as for socket streams; pass it to ``open_stream(..., state=...)`` on either
+        transport."""
+        with self._lock:
+            self._check_open()
+            r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT)
+            if r.status != 200:
+                raise r.error()
+            return dict(r.json())
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def close(self) -> None:
+        """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
+        batches already taken stay valid (they are copies). A failure to reach the service is
+        ignored: it closes the stream after its idle timeout."""
+        with self._lock:
+            self._close_locked(notify=True)
+
+    def _close_locked(self, notify: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if notify:
+            try:
+                self._request("POST", f"/v1/streams/{self.info.stream}/close", 10.0)
+            except ShardwireError:
+                pass
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # --- protocols ---------------------------------------------------------------------------
+
+    def __iter__(self) -> HttpStream:
+        return self
+
+    def __next__(self) -> HttpBatch:
+        b = self.next()
+        if b is None:
+            raise StopIteration
+        return b
+
+    def __enter__(self) -> HttpStream:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<shardwire.HttpStream {self.info.stream} {self._client.url} {'closed' if self._closed else 'open'} batches_per_epoch={self.info.batches_per_epoch} epochs={self.info.epochs}>"
+
+
+def _call(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, timeout: float, retry: bool = True, into: bool = False
+) -> _Reply:
+    """Sends a request on `conn` and reads the whole answer (into a writable bytearray when
+    `into`). A kept-alive connection found closed is reopened and the request sent once more."""
+    for attempt in (0, 1):
+        reused = conn.sock is not None
+        try:
+            if conn.sock is None:
+                conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(timeout)
+            headers = {"Content-Type": "application/json"} if body is not None or method == "POST" else {}
+            conn.request(method, path, body=body if body is not None else (b"" if method == "POST" else None), headers=headers)
+            r = conn.getresponse()
+        except _STALE:
+            conn.close()
+            if retry and reused and attempt == 0:
+                continue
+            raise
+        n = r.getheader("Content-Length")
+        data: bytes | bytearray
+        if into and n is not None:
+            data = bytearray(int(n))
+            view = memoryview(data)
+            got = 0
+            while got < len(data):
+                k = r.readinto(view[got:])
+                if not k:
+                    raise http.client.IncompleteRead(bytes(view[:got]), len(data) - got)
+                got += k
+            r.read()  # completes the response so the connection can be reused
+        else:
+            data = r.read()
+        if r.will_close:
+            conn.close()
+        return _Reply(r.status, r.headers, data)
+    raise AssertionError("unreachable")

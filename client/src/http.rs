@@ -1,0 +1,585 @@
+//! The trainer API over HTTP (docs/TRAINER_API.md, "HTTP API"): a fallback for trainers that
+//! cannot share memory with the node service (another host, a container without the socket).
+//! Same streams, plan order, leases and resume states as [`crate::Stream`]; tensor bytes are
+//! downloaded (copied) instead of mapped. Plain HTTP/1.1 over one kept-alive
+//! [`std::net::TcpStream`]; no extra dependencies.
+//!
+//! ```no_run
+//! use shardwire_client::{StreamOptions, http::HttpStream};
+//! let mut s = HttpStream::open("127.0.0.1:7400", StreamOptions::new("imagenet"))?;
+//! while let Some(batch) = s.next()? {
+//!     for t in batch.tensors() {
+//!         let bytes: Vec<u8> = s.tensor_bytes(&batch, &t.name)?;
+//!         println!("{} {} {:?} {}", t.name, t.dtype, t.shape, bytes.len());
+//!     }
+//!     s.release(batch)?;
+//! }
+//! s.close()?;
+//! # Ok::<(), shardwire_client::ClientError>(())
+//! ```
+//!
+//! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
+//! the stream is dropped) or after its idle timeout without requests.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use shardwire_protocol::DType;
+use shardwire_protocol::trainer::TRAINER_VERSION;
+
+use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
+
+/// `next` without a timeout polls in waits of this length.
+const POLL_MS: u64 = 30_000;
+/// Read timeout of requests that do not wait on the stream.
+const IO_TIMEOUT: Duration = Duration::from_secs(120);
+/// Largest response head.
+const MAX_HEAD: usize = 64 << 10;
+
+/// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Byte length.
+    pub length: u64,
+}
+
+/// One batch leased over HTTP.
+#[derive(Clone, Debug)]
+pub struct HttpBatch {
+    /// Lease id.
+    pub lease: u64,
+    /// Epoch.
+    pub epoch: u32,
+    /// Index within the epoch.
+    pub index: u64,
+    /// Shard index.
+    pub shard: u32,
+    tensors: Vec<HttpTensor>,
+}
+
+impl HttpBatch {
+    /// Tensor descriptions.
+    pub fn tensors(&self) -> &[HttpTensor] {
+        &self.tensors
+    }
+    /// A tensor by name.
+    pub fn tensor(&self, name: &str) -> Option<&HttpTensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+/// What the service said when the stream opened.
+#[derive(Clone, Debug)]
+pub struct HttpStreamInfo {
+    /// Stream id.
+    pub stream: u64,
+    /// Batches per epoch for this rank.
+    pub batches_per_epoch: u64,
+    /// Epochs.
+    pub epochs: u32,
+    /// State it started from.
+    pub state: StreamState,
+    /// Seconds without a request after which the service closes the stream.
+    pub idle_timeout_s: u64,
+}
+
+/// A response: status, lower-case headers, body.
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Result<Value, ClientError> {
+        serde_json::from_slice(&self.body).map_err(|e| {
+            ClientError::Protocol(format!(
+                "HTTP {}: the body is not JSON ({e}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body[..self.body.len().min(200)])
+            ))
+        })
+    }
+    /// The service's `{code, message}` as an error.
+    fn error(&self) -> ClientError {
+        match self.json() {
+            Ok(v) => match (v["code"].as_str(), v["message"].as_str()) {
+                (Some(code), Some(message)) => ClientError::Service {
+                    code: code.into(),
+                    message: message.into(),
+                },
+                _ => ClientError::Protocol(format!("HTTP {}: {v}", self.status)),
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+fn io_error(e: std::io::Error) -> ClientError {
+    ClientError::Frame(FrameIoError::Io(e))
+}
+
+fn bad(what: impl Into<String>) -> ClientError {
+    ClientError::Protocol(what.into())
+}
+
+/// Percent-encodes a path segment (RFC 3986 unreserved characters stay as they are).
+fn encode_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A minimal HTTP/1.1 client on one kept-alive connection.
+struct Conn {
+    addr: String,
+    sock: Option<BufReader<TcpStream>>,
+}
+
+impl Conn {
+    fn connect(&self) -> Result<BufReader<TcpStream>, ClientError> {
+        let s = TcpStream::connect(&self.addr).map_err(|source| ClientError::Connect {
+            path: format!("http://{}", self.addr),
+            source,
+        })?;
+        s.set_nodelay(true).map_err(io_error)?;
+        Ok(BufReader::with_capacity(64 << 10, s))
+    }
+
+    /// Sends a request and reads the whole response. A kept-alive connection that the server
+    /// closed before answering is replaced and the request sent again once.
+    fn call(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Reply, ClientError> {
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAccept: */*\r\n",
+            self.addr
+        );
+        if !body.is_empty() || method == "POST" {
+            req.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            ));
+        }
+        req.push_str("\r\n");
+        req.push_str(&body);
+        for attempt in 0..2 {
+            let reused = self.sock.is_some();
+            let mut sock = match self.sock.take() {
+                Some(s) => s,
+                None => self.connect()?,
+            };
+            sock.get_ref()
+                .set_read_timeout(Some(timeout))
+                .map_err(io_error)?;
+            let sent = sock.get_mut().write_all(req.as_bytes());
+            let r = match sent {
+                Ok(()) => read_reply(&mut sock, method == "HEAD"),
+                Err(e) => Err(Fail::Unanswered(e)),
+            };
+            match r {
+                Ok((reply, keep)) => {
+                    if keep {
+                        self.sock = Some(sock);
+                    }
+                    return Ok(reply);
+                }
+                Err(Fail::Unanswered(_)) if reused && attempt == 0 => continue,
+                Err(Fail::Unanswered(e) | Fail::Io(e)) => return Err(io_error(e)),
+                Err(Fail::Protocol(m)) => return Err(bad(m)),
+            }
+        }
+        unreachable!("the second attempt returns")
+    }
+}
+
+enum Fail {
+    /// Nothing of a response arrived (a stale kept-alive connection, if it was reused).
+    Unanswered(std::io::Error),
+    Io(std::io::Error),
+    Protocol(String),
+}
+
+/// Reads one response; the flag says whether the connection may be used again.
+fn read_reply(r: &mut BufReader<TcpStream>, head_only: bool) -> Result<(Reply, bool), Fail> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(0) => {
+            return Err(Fail::Unanswered(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the server closed the connection",
+            )));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+            return Err(Fail::Unanswered(e));
+        }
+        Err(e) => return Err(Fail::Io(e)),
+    }
+    let status_line = line.trim_end().to_string();
+    let mut parts = status_line.splitn(3, ' ');
+    let (Some(version), Some(code)) = (parts.next(), parts.next()) else {
+        return Err(Fail::Protocol(format!(
+            "bad HTTP status line {status_line:?}"
+        )));
+    };
+    let status: u16 = code
+        .parse()
+        .map_err(|_| Fail::Protocol(format!("bad HTTP status line {status_line:?}")))?;
+    let mut headers = Vec::new();
+    let mut head = line.len();
+    loop {
+        line.clear();
+        let n = r.read_line(&mut line).map_err(Fail::Io)?;
+        head += n;
+        if n == 0 || head > MAX_HEAD {
+            return Err(Fail::Protocol("truncated or oversized HTTP head".into()));
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let Some((k, v)) = l.split_once(':') else {
+            return Err(Fail::Protocol(format!("bad HTTP header {l:?}")));
+        };
+        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+    }
+    let get = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let mut keep = version == "HTTP/1.1"
+        && !get("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
+    let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
+    let length = get("content-length")
+        .map(|v| {
+            v.parse::<usize>()
+                .map_err(|_| Fail::Protocol(format!("bad Content-Length {v:?}")))
+        })
+        .transpose()?;
+    let mut body = Vec::new();
+    if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
+    } else if chunked {
+        loop {
+            line.clear();
+            r.read_line(&mut line).map_err(Fail::Io)?;
+            let size = line.trim_end().split(';').next().unwrap_or("");
+            let size = usize::from_str_radix(size.trim(), 16)
+                .map_err(|_| Fail::Protocol(format!("bad chunk size {line:?}")))?;
+            if size == 0 {
+                loop {
+                    line.clear();
+                    if r.read_line(&mut line).map_err(Fail::Io)? == 0 || line.trim_end().is_empty()
+                    {
+                        break;
+                    }
+                }
+                break;
+            }
+            let start = body.len();
+            body.resize(start + size, 0);
+            r.read_exact(&mut body[start..]).map_err(Fail::Io)?;
+            line.clear();
+            r.read_line(&mut line).map_err(Fail::Io)?;
+        }
+    } else if let Some(n) = length {
+        body.resize(n, 0);
+        r.read_exact(&mut body).map_err(Fail::Io)?;
+    } else {
+        r.read_to_end(&mut body).map_err(Fail::Io)?;
+        keep = false;
+    }
+    Ok((
+        Reply {
+            status,
+            headers,
+            body,
+        },
+        keep,
+    ))
+}
+
+fn u64_of(v: &Value, key: &str) -> Result<u64, ClientError> {
+    v[key]
+        .as_u64()
+        .ok_or_else(|| bad(format!("`{key}` missing or not a number in {v}")))
+}
+
+fn u32_of(v: &Value, key: &str) -> Result<u32, ClientError> {
+    u32::try_from(u64_of(v, key)?).map_err(|_| bad(format!("`{key}` out of range in {v}")))
+}
+
+fn state_of(v: &Value) -> Result<StreamState, ClientError> {
+    serde_json::from_value(v.clone()).map_err(|e| bad(format!("bad stream state {v}: {e}")))
+}
+
+/// A stream opened over the node service's HTTP API.
+pub struct HttpStream {
+    conn: Conn,
+    closed: bool,
+    /// Open-time information.
+    pub info: HttpStreamInfo,
+}
+
+impl std::fmt::Debug for HttpStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpStream")
+            .field("addr", &self.conn.addr)
+            .field("info", &self.info)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+impl HttpStream {
+    /// Opens a stream on the node service at `admin_addr` (its admin/HTTP address,
+    /// `HOST:PORT` or `http://HOST:PORT`).
+    pub fn open(admin_addr: &str, o: StreamOptions) -> Result<Self, ClientError> {
+        Self::open_with_idle_timeout(admin_addr, o, None)
+    }
+
+    /// Like [`HttpStream::open`], asking the service to close the stream after
+    /// `idle_timeout` without requests (default 300 s).
+    pub fn open_with_idle_timeout(
+        admin_addr: &str,
+        o: StreamOptions,
+        idle_timeout: Option<Duration>,
+    ) -> Result<Self, ClientError> {
+        let addr = admin_addr
+            .strip_prefix("http://")
+            .unwrap_or(admin_addr)
+            .trim_end_matches('/')
+            .to_string();
+        let mut conn = Conn { addr, sock: None };
+        let mut req = json!({
+            "version": TRAINER_VERSION,
+            "dataset": o.dataset,
+            "seed": o.seed,
+            "rank": o.rank,
+            "world_size": o.world_size,
+            "epochs": o.epochs,
+            "uneven": o.uneven,
+            "state": o.state,
+        });
+        if let Some(t) = idle_timeout {
+            req["idle_timeout_s"] = json!(t.as_secs().max(1));
+        }
+        let r = conn.call("POST", "/v1/streams", Some(&req), IO_TIMEOUT)?;
+        if r.status != 201 {
+            return Err(r.error());
+        }
+        let v = r.json()?;
+        let info = HttpStreamInfo {
+            stream: u64_of(&v, "stream")?,
+            batches_per_epoch: u64_of(&v, "batches_per_epoch")?,
+            epochs: u32_of(&v, "epochs")?,
+            state: state_of(&v["state"])?,
+            idle_timeout_s: v["idle_timeout_s"].as_u64().unwrap_or(300),
+        };
+        Ok(Self {
+            conn,
+            closed: false,
+            info,
+        })
+    }
+
+    fn check_open(&self) -> Result<(), ClientError> {
+        if self.closed {
+            return Err(ClientError::Service {
+                code: "closed".into(),
+                message: format!("HTTP stream {} was closed", self.info.stream),
+            });
+        }
+        Ok(())
+    }
+
+    /// The next batch in plan order, or `None` when every epoch was delivered.
+    #[allow(clippy::should_implement_trait)] // fallible, like `Stream::next`
+    pub fn next(&mut self) -> Result<Option<HttpBatch>, ClientError> {
+        loop {
+            if let Some(r) = self.poll(POLL_MS)? {
+                return Ok(r);
+            }
+        }
+    }
+
+    /// Like [`HttpStream::next`], failing with [`ClientError::Timeout`] after `timeout`.
+    pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<HttpBatch>, ClientError> {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let mut left = ms;
+        loop {
+            let wait = left.min(POLL_MS);
+            if let Some(r) = self.poll(wait)? {
+                return Ok(r);
+            }
+            left -= wait;
+            if left == 0 {
+                return Err(ClientError::Timeout(timeout));
+            }
+        }
+    }
+
+    /// One long poll: Some(answer), or None on timeout.
+    fn poll(&mut self, ms: u64) -> Result<Option<Option<HttpBatch>>, ClientError> {
+        self.check_open()?;
+        let path = format!("/v1/streams/{}/next?timeout_ms={ms}", self.info.stream);
+        let r = self
+            .conn
+            .call("POST", &path, None, Duration::from_millis(ms) + IO_TIMEOUT)?;
+        match r.status {
+            204 => Ok(None),
+            200 => {
+                let v = r.json()?;
+                if v["end"].as_bool() == Some(true) {
+                    return Ok(Some(None));
+                }
+                let tensors = v["tensors"]
+                    .as_array()
+                    .ok_or_else(|| bad(format!("batch without tensors: {v}")))?
+                    .iter()
+                    .map(|t| {
+                        Ok(HttpTensor {
+                            name: t["name"]
+                                .as_str()
+                                .ok_or_else(|| bad(format!("tensor without a name: {t}")))?
+                                .to_string(),
+                            dtype: serde_json::from_value(t["dtype"].clone())
+                                .map_err(|e| bad(format!("tensor dtype in {t}: {e}")))?,
+                            shape: serde_json::from_value(t["shape"].clone())
+                                .map_err(|e| bad(format!("tensor shape in {t}: {e}")))?,
+                            length: u64_of(t, "length")?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, ClientError>>()?;
+                Ok(Some(Some(HttpBatch {
+                    lease: u64_of(&v, "lease")?,
+                    epoch: u32_of(&v, "epoch")?,
+                    index: u64_of(&v, "index")?,
+                    shard: u32_of(&v, "shard")?,
+                    tensors,
+                })))
+            }
+            _ => Err(r.error()),
+        }
+    }
+
+    /// Downloads the bytes of tensor `name` of `batch` (a copy; the batch must still be
+    /// leased).
+    pub fn tensor_bytes(&mut self, batch: &HttpBatch, name: &str) -> Result<Vec<u8>, ClientError> {
+        self.check_open()?;
+        let t = batch.tensor(name).ok_or_else(|| ClientError::Service {
+            code: "not_found".into(),
+            message: format!("batch of lease {} has no tensor `{name}`", batch.lease),
+        })?;
+        let path = format!(
+            "/v1/leases/{}/tensors/{}",
+            batch.lease,
+            encode_segment(name)
+        );
+        let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
+        if r.status != 200 {
+            return Err(r.error());
+        }
+        if r.body.len() as u64 != t.length {
+            return Err(bad(format!(
+                "tensor `{name}`: {} bytes arrived, the batch says {}",
+                r.body.len(),
+                t.length
+            )));
+        }
+        if let Some(d) = r.header("x-shardwire-dtype")
+            && d != t.dtype.name()
+        {
+            return Err(bad(format!(
+                "tensor `{name}`: dtype {d} in the response, {} in the batch",
+                t.dtype
+            )));
+        }
+        Ok(r.body)
+    }
+
+    /// Gives a batch's memory back to the service.
+    pub fn release(&mut self, batch: HttpBatch) -> Result<(), ClientError> {
+        self.check_open()?;
+        let path = format!("/v1/leases/{}/release", batch.lease);
+        let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
+        match r.status {
+            200 => Ok(()),
+            _ => Err(r.error()),
+        }
+    }
+
+    /// The state to resume from (the next batch not yet taken).
+    pub fn state(&mut self) -> Result<StreamState, ClientError> {
+        self.check_open()?;
+        let path = format!("/v1/streams/{}/state", self.info.stream);
+        let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
+        match r.status {
+            200 => state_of(&r.json()?),
+            _ => Err(r.error()),
+        }
+    }
+
+    /// Closes the stream on the service (every lease it holds ends).
+    pub fn close(mut self) -> Result<(), ClientError> {
+        self.close_inner()
+    }
+
+    fn close_inner(&mut self) -> Result<(), ClientError> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let path = format!("/v1/streams/{}/close", self.info.stream);
+        let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
+        self.conn.sock = None;
+        match r.status {
+            200 => Ok(()),
+            _ => Err(r.error()),
+        }
+    }
+}
+
+impl Drop for HttpStream {
+    fn drop(&mut self) {
+        let _ = self.close_inner(); // best effort; the idle timeout covers a failure
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_percent_encoded() {
+        assert_eq!(encode_segment("img_0.x-y~"), "img_0.x-y~");
+        assert_eq!(encode_segment("a b/c%é"), "a%20b%2Fc%25%C3%A9");
+    }
+}
