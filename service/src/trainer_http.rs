@@ -2,11 +2,9 @@
 //! share memory with the node: the same streams, plans, leases and resume states as the Unix
 //! socket, with tensor bytes copied into HTTP responses instead of mapped.
 //!
-//! An HTTP stream is opened through this node's own trainer socket (a loopback connection
-//! that sends `attach`), so every check and the memory budget are exactly the socket's; the
-//! connection is the stream's owner, and dropping it closes the stream the way a trainer
-//! disconnect does. `next`, `release`, `state` and tensor reads then go straight to the
-//! stream ([`StreamShared`]). HTTP requests have no connection to tie a stream to, so an HTTP
+//! An HTTP stream is opened with the same function as a socket `attach`
+//! (`trainer_socket::open`), so every check and the memory budget are exactly the socket's.
+//! `next`, `release`, `state` and tensor reads go straight to the stream ([`StreamShared`]). HTTP requests have no connection to tie a stream to, so an HTTP
 //! stream closes on `POST /v1/streams/{id}/close` or after an idle timeout (no request naming the
 //! stream or one of its leases, and no `next` waiting). Only streams opened here are
 //! reachable here: socket streams and their leases are unknown to these routes.
@@ -15,7 +13,6 @@
 //! trainer closes its own HTTP stream with `POST /v1/streams/{id}/close`.)
 
 use std::collections::HashMap;
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -30,15 +27,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shardwire_client::fdpass;
 use shardwire_protocol::plan::Uneven;
-use shardwire_protocol::trainer::{
-    self, Request, Response as SocketResponse, StreamState, TRAINER_VERSION, TensorView,
-};
+use shardwire_protocol::trainer::{StreamState, TRAINER_VERSION, TensorView};
 use tokio::sync::oneshot;
 
 use crate::node::Node;
 use crate::node::stream::{Next, StreamShared};
+use crate::node::trainer_socket::{self, Attach};
 
 /// Largest request body of these routes.
 pub const BODY_LIMIT: usize = 64 << 10;
@@ -52,9 +47,6 @@ pub const DEFAULT_POLL_MS: u64 = 30_000;
 pub const MAX_POLL_MS: u64 = 300_000;
 /// Tensors up to this size are copied on the async worker; larger ones on a blocking thread.
 const INLINE_COPY: u64 = 256 << 10;
-/// How long opening a stream may take (the node waits for sources and asks them for the
-/// manifest).
-const OPEN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The trainer HTTP routes, merged into the admin server.
 pub fn router(node: Arc<Node>) -> Router {
@@ -165,8 +157,6 @@ enum Outcome {
 struct HttpStream {
     id: u64,
     shared: Arc<StreamShared>,
-    /// The loopback trainer-socket connection that owns the stream (None once closed).
-    conn: Mutex<Option<UnixStream>>,
     idle: Duration,
     last_used: Mutex<Instant>,
     /// Requests in progress (a waiting `next` keeps the stream from idling out).
@@ -241,18 +231,14 @@ impl Api {
         }
     }
 
-    /// Closes an HTTP stream: its leases end now; the node's bookkeeping (the stream list,
-    /// the memory budget) follows when the trainer-socket thread sees its connection close.
+    /// Closes an HTTP stream: its leases end, its memory budget returns to the pool.
     fn close(&self, s: &HttpStream, reason: &str) {
         self.streams.lock().expect("poisoned").remove(&s.id);
         self.leases
             .lock()
             .expect("poisoned")
             .retain(|_, l| l.stream != s.id);
-        s.shared.close(reason);
-        if let Some(c) = s.conn.lock().expect("poisoned").take() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
+        trainer_socket::close_stream(&self.node, &s.shared, reason);
         tracing::info!(stream = s.id, reason, "HTTP stream closed");
     }
 }
@@ -317,41 +303,6 @@ struct OpenBody {
     idle_timeout_s: Option<u64>,
 }
 
-/// Sends `attach` on a fresh connection to this node's trainer socket.
-fn attach(socket: &std::path::Path, req: &Request) -> Result<(UnixStream, u64), ApiError> {
-    let io = |e: fdpass::FrameIoError| {
-        ApiError::internal(format!(
-            "opening the stream over the trainer socket {} failed: {e}",
-            socket.display()
-        ))
-    };
-    let conn = UnixStream::connect(socket).map_err(|e| {
-        ApiError::new(
-            "unavailable",
-            format!(
-                "cannot reach this node's trainer socket {}: {e}",
-                socket.display()
-            ),
-        )
-    })?;
-    conn.set_read_timeout(Some(OPEN_TIMEOUT))
-        .map_err(|e| io(e.into()))?;
-    let mut frame = Vec::new();
-    trainer::encode(req, &mut frame);
-    fdpass::send_frame(&conn, &frame, &[]).map_err(io)?;
-    let (mut buf, mut fds) = (Vec::new(), Vec::new());
-    fdpass::recv_frame(&conn, &mut buf, &mut fds).map_err(io)?;
-    drop(fds); // the region's fd: the node has the region mapped already
-    conn.set_read_timeout(None).map_err(|e| io(e.into()))?;
-    match trainer::decode::<SocketResponse>(&buf).map_err(|e| io(e.into()))? {
-        SocketResponse::Attached { stream, .. } => Ok((conn, stream)),
-        SocketResponse::Error { code, message } => Err(ApiError::new(code, message)),
-        other => Err(ApiError::internal(format!(
-            "unexpected answer to attach: {other:?}"
-        ))),
-    }
-}
-
 async fn open(
     State(api): State<Arc<Api>>,
     body: Result<Bytes, BytesRejection>,
@@ -372,8 +323,16 @@ async fn open(
             )));
         }
     };
-    let req = Request::Attach {
-        version: o.version,
+    if o.version != TRAINER_VERSION {
+        return Err(ApiError::new(
+            "unsupported_version",
+            format!(
+                "trainer protocol {}; this service speaks {TRAINER_VERSION}",
+                o.version
+            ),
+        ));
+    }
+    let attach = Attach {
         dataset: o.dataset,
         seed: o.seed,
         rank: o.rank,
@@ -382,16 +341,12 @@ async fn open(
         uneven: o.uneven,
         state: o.state,
     };
-    let socket = api.node.cfg.socket.clone();
-    let (conn, id) = tokio::task::spawn_blocking(move || attach(&socket, &req))
+    let node = Arc::clone(&api.node);
+    let shared = tokio::task::spawn_blocking(move || trainer_socket::open(&node, attach))
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
-    let Some(shared) = api.node.streams.lock().expect("poisoned").get(&id).cloned() else {
-        return Err(ApiError::new(
-            "closed",
-            format!("stream {id} closed while opening"),
-        ));
-    };
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|(code, message)| ApiError::new(code, message))?;
+    let id = shared.id;
     let body = json!({
         "stream": id,
         "batches_per_epoch": shared.spec.per_rank(),
@@ -402,7 +357,6 @@ async fn open(
     let s = Arc::new(HttpStream {
         id,
         shared,
-        conn: Mutex::new(Some(conn)),
         idle,
         last_used: Mutex::new(Instant::now()),
         busy: AtomicUsize::new(0),

@@ -123,7 +123,18 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                         &[],
                     )
                 } else {
-                    match open(node, dataset, seed, rank, world_size, epochs, uneven, state) {
+                    match open(
+                        node,
+                        Attach {
+                            dataset,
+                            seed,
+                            rank,
+                            world_size,
+                            epochs,
+                            uneven,
+                            state,
+                        },
+                    ) {
                         Ok(s) => {
                             let r = Response::Attached {
                                 stream: s.id,
@@ -205,19 +216,32 @@ pub fn close_stream(node: &Node, s: &StreamShared, reason: &str) {
     }
 }
 
-type OpenError = (&'static str, String);
+/// A refusal to open a stream: (stable code, message).
+pub(crate) type OpenError = (&'static str, String);
 
-#[allow(clippy::too_many_arguments)] // mirrors the attach message field by field
-fn open(
-    node: &Arc<Node>,
-    dataset: String,
-    seed: u64,
-    rank: u32,
-    world_size: u32,
-    epochs: u32,
-    uneven: shardwire_protocol::plan::Uneven,
-    state: Option<trainer::StreamState>,
-) -> Result<Arc<StreamShared>, OpenError> {
+/// What a trainer asks for when it opens a stream (socket `attach`, HTTP `POST /v1/streams`).
+pub(crate) struct Attach {
+    pub dataset: String,
+    pub seed: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    pub epochs: u32,
+    pub uneven: shardwire_protocol::plan::Uneven,
+    pub state: Option<trainer::StreamState>,
+}
+
+/// Opens a stream: manifest, plan, resume check, memory reservation, region, fetcher.
+/// Blocking (it waits for the manifest); call it from a thread, not from async code.
+pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, OpenError> {
+    let Attach {
+        dataset,
+        seed,
+        rank,
+        world_size,
+        epochs,
+        uneven,
+        state,
+    } = a;
     if node.draining.load(std::sync::atomic::Ordering::Acquire) {
         return Err((
             "draining",
