@@ -108,6 +108,12 @@ pub struct ServeConfig {
     pub admin_token_file: Option<PathBuf>,
     /// Seconds a drain (SIGTERM or POST /v1/drain) waits for open streams before exiting.
     pub drain_timeout_secs: u64,
+    /// Permission bits of the trainer socket file, octal as a string (e.g. "0660").
+    pub socket_mode: String,
+    /// Trainer peers (SO_PEERCRED) allowed by uid; empty = any uid the file mode lets in.
+    pub allowed_uids: Vec<u32>,
+    /// Trainer peers allowed by gid; a peer passes if its uid or its gid is listed.
+    pub allowed_gids: Vec<u32>,
 }
 
 impl Default for ServeConfig {
@@ -126,6 +132,9 @@ impl Default for ServeConfig {
             log_format: LogFormat::Text,
             admin_token_file: None,
             drain_timeout_secs: 30,
+            socket_mode: "0660".into(),
+            allowed_uids: Vec::new(),
+            allowed_gids: Vec::new(),
         }
     }
 }
@@ -219,12 +228,36 @@ impl ServeConfig {
                 format!("must be at least stream_memory ({})", self.stream_memory),
             ));
         }
+        self.socket_mode_bits()?;
         for s in &self.sources {
             if !s.contains(':') {
                 return Err(invalid("sources", s, "each source must be HOST:PORT"));
             }
         }
         Ok(())
+    }
+}
+
+impl ServeConfig {
+    /// `socket_mode` as permission bits.
+    pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
+        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| {
+                invalid(
+                    "socket_mode",
+                    &self.socket_mode,
+                    "must be octal permission bits like \"0660\"",
+                )
+            })
+    }
+
+    /// Whether a trainer with these credentials may use the socket.
+    pub fn peer_allowed(&self, uid: u32, gid: u32) -> bool {
+        (self.allowed_uids.is_empty() && self.allowed_gids.is_empty())
+            || self.allowed_uids.contains(&uid)
+            || self.allowed_gids.contains(&gid)
     }
 }
 

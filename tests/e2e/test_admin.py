@@ -2,6 +2,7 @@
 close, drain (no new streams, readiness off, exit 0 once streams are done), metrics names."""
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -109,3 +110,26 @@ def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
     assert "drain timeout" in node.stderr_text(), node.stderr_text()[-2000:]
     assert time.monotonic() - t < 25
     holder.kill(signal.SIGKILL)
+
+
+def test_trainer_peer_allowlist_and_socket_mode(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 3, 4096, seed=6)
+    index_dataset(d)
+    src = sw.source({"a": d})
+    cfg = tmp_path / "serve.toml"
+    # Root (uid 0) is not in the list: refused with `forbidden`, naming the uid.
+    cfg.write_text('socket_mode = "0600"\nallowed_uids = [12345]\nallowed_gids = [54321]\n')
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    assert oct(os.stat(node.socket).st_mode & 0o777) == "0o600"
+    out = subprocess.run(
+        [str(require_bin()), *consume_args(node.socket, "a")], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode != 0 and "forbidden" in out.stderr and "uid 0" in out.stderr, out.stderr
+    # Allowing gid 0 lets the same trainer in.
+    cfg2 = tmp_path / "serve2.toml"
+    cfg2.write_text("allowed_gids = [0]\n")
+    node2 = sw.serve([src], "--config", str(cfg2))
+    wait_ready(node2)
+    assert len(sw.consume(node2, "a")) == 3

@@ -31,7 +31,8 @@ pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> s
         Err(e) => return Err(e),
     }
     let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    let mode = node.cfg.socket_mode_bits().map_err(std::io::Error::other)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     std::thread::Builder::new()
         .name("sw-trainer-accept".into())
         .spawn(move || {
@@ -71,6 +72,28 @@ fn error(code: &str, message: impl Into<String>) -> Response {
 }
 
 fn serve(node: &Arc<Node>, sock: UnixStream) {
+    match rustix::net::sockopt::socket_peercred(&sock) {
+        Ok(cred) => {
+            let (uid, gid) = (cred.uid.as_raw(), cred.gid.as_raw());
+            if !node.cfg.peer_allowed(uid, gid) {
+                tracing::warn!(
+                    uid,
+                    gid,
+                    pid = cred.pid.as_raw_nonzero().get(),
+                    "trainer refused: uid/gid not in allowed_uids/allowed_gids"
+                );
+                let msg = format!(
+                    "uid {uid} / gid {gid} is not allowed to use this node (allowed_uids, allowed_gids)"
+                );
+                let _ = reply(&sock, &error("forbidden", msg), &[]);
+                return;
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "SO_PEERCRED failed; refusing the trainer");
+            return;
+        }
+    }
     let mut buf = Vec::new();
     let mut fds = Vec::new();
     let mut stream: Option<Arc<StreamShared>> = None;
