@@ -155,6 +155,21 @@ fn main() -> Result<(), Error> {
     report("socket next+release", times);
     drop(s);
 
+    // The training-loop form: release the previous batch on the `next` request itself.
+    let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
+    settle(&a, s.info.stream, total)?;
+    let mut times = Vec::with_capacity(a.n);
+    let mut prev = s.next()?.ok_or("the stream ended early")?;
+    for i in 1..a.warmup + a.n {
+        let t = Instant::now();
+        prev = s.next_after(prev)?.ok_or("the stream ended early")?;
+        if i >= a.warmup {
+            times.push(t.elapsed());
+        }
+    }
+    report("socket next_after (release rides on next)", times);
+    drop((prev, s));
+
     if let Some(admin) = &a.http {
         for download in [false, true] {
             let mut s = HttpStream::open(admin, options(&a, per_epoch))?;

@@ -2,7 +2,7 @@
 //! as SCM_RIGHTS on the same `sendmsg`. Used by the node (sending) and the client
 //! (receiving); tested over a socketpair.
 
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -48,45 +48,87 @@ pub fn send_frame(
     Ok(())
 }
 
-/// Receives one frame body into `buf`, collecting any fds that arrive with it.
-pub fn recv_frame(
-    sock: &UnixStream,
-    buf: &mut Vec<u8>,
-    fds: &mut Vec<OwnedFd>,
-) -> Result<(), FrameIoError> {
-    let mut prefix = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
-        let mut anc = RecvAncillaryBuffer::new(&mut space);
-        let r = rustix::net::recvmsg(
-            sock,
-            &mut [IoSliceMut::new(&mut prefix[got..])],
-            &mut anc,
-            RecvFlags::CMSG_CLOEXEC,
-        )
-        .map_err(std::io::Error::from)?;
-        for m in anc.drain() {
-            if let RecvAncillaryMessage::ScmRights(rights) = m {
-                fds.extend(rights);
-            }
+/// Reads frames with as few syscalls as possible: one `recvmsg` fills a buffer that may hold
+/// a whole frame (or several), and any fds that arrive are collected. One reader per socket.
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        Self {
+            buf: vec![0; 64 << 10],
+            start: 0,
+            end: 0,
         }
-        if r.bytes == 0 {
-            return Err(FrameIoError::Closed);
-        }
-        got += r.bytes;
     }
-    let len = trainer::check_len(prefix)?;
-    buf.clear();
-    buf.resize(len, 0);
-    (&*sock).read_exact(buf).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            FrameIoError::Closed
-        } else {
-            e.into()
+}
+
+impl FrameReader {
+    /// An empty reader with a 64 KiB buffer (grown for larger frames).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next frame's body (valid until the next call); fds that came with it are pushed.
+    pub fn read<'a>(
+        &'a mut self,
+        sock: &UnixStream,
+        fds: &mut Vec<OwnedFd>,
+    ) -> Result<&'a [u8], FrameIoError> {
+        loop {
+            let avail = self.end - self.start;
+            let need = if avail >= 4 {
+                let len = trainer::check_len(
+                    self.buf[self.start..self.start + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                )?;
+                if avail >= 4 + len {
+                    let body = self.start + 4..self.start + 4 + len;
+                    self.start += 4 + len;
+                    return Ok(&self.buf[body]);
+                }
+                4 + len
+            } else {
+                4
+            };
+            if self.start == self.end {
+                (self.start, self.end) = (0, 0);
+            } else if self.buf.len() - self.start < need {
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.start, self.end) = (0, avail);
+            }
+            if self.buf.len() < need {
+                self.buf.resize(need, 0);
+            }
+            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut anc = RecvAncillaryBuffer::new(&mut space);
+            let r = rustix::net::recvmsg(
+                sock,
+                &mut [IoSliceMut::new(&mut self.buf[self.end..])],
+                &mut anc,
+                RecvFlags::CMSG_CLOEXEC,
+            );
+            let r = match r {
+                Ok(r) => r,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(std::io::Error::from(e).into()),
+            };
+            for m in anc.drain() {
+                if let RecvAncillaryMessage::ScmRights(rights) = m {
+                    fds.extend(rights);
+                }
+            }
+            if r.bytes == 0 {
+                return Err(FrameIoError::Closed);
+            }
+            self.end += r.bytes;
         }
-    })?;
-    Ok(())
+    }
 }
 
 /// Convenience: borrowed fd of anything that has one.
@@ -106,21 +148,40 @@ mod tests {
         trainer::encode(&trainer::Request::State, &mut frame);
         send_frame(&a, &frame, &[file.as_fd()]).unwrap();
         send_frame(&a, &frame, &[]).unwrap();
-        let (mut buf, mut fds) = (Vec::new(), Vec::new());
-        recv_frame(&b, &mut buf, &mut fds).unwrap();
+        // A frame larger than the reader's buffer, split over many reads.
+        let big = trainer::Request::Attach {
+            version: 1,
+            dataset: "x".repeat(200_000),
+            seed: 0,
+            rank: 0,
+            world_size: 1,
+            epochs: 1,
+            uneven: Default::default(),
+            state: None,
+        };
+        let mut big_frame = Vec::new();
+        trainer::encode(&big, &mut big_frame);
+        let writer = std::thread::spawn(move || send_frame(&a, &big_frame, &[]).map(|_| a));
+        let (mut r, mut fds) = (FrameReader::new(), Vec::new());
+        let body = r.read(&b, &mut fds).unwrap();
         assert_eq!(
-            trainer::decode::<trainer::Request>(&buf).unwrap(),
+            trainer::decode::<trainer::Request>(body).unwrap(),
             trainer::Request::State
         );
         assert_eq!(fds.len(), 1);
         let meta = rustix::fs::fstat(&fds[0]).unwrap();
         assert_eq!(meta.st_ino, rustix::fs::fstat(&file).unwrap().st_ino);
-        recv_frame(&b, &mut buf, &mut fds).unwrap();
+        let body = r.read(&b, &mut fds).unwrap();
+        assert_eq!(
+            trainer::decode::<trainer::Request>(body).unwrap(),
+            trainer::Request::State
+        );
         assert_eq!(fds.len(), 1, "no fd on the second frame");
-        drop(a);
-        assert!(matches!(
-            recv_frame(&b, &mut buf, &mut fds),
-            Err(FrameIoError::Closed)
-        ));
+        assert_eq!(
+            trainer::decode::<trainer::Request>(r.read(&b, &mut fds).unwrap()).unwrap(),
+            big
+        );
+        drop(writer.join().unwrap().unwrap());
+        assert!(matches!(r.read(&b, &mut fds), Err(FrameIoError::Closed)));
     }
 }

@@ -202,7 +202,8 @@ pub struct StreamInfo {
 pub struct Stream {
     sock: UnixStream,
     region: Arc<Mapping>,
-    buf: Vec<u8>,
+    reader: fdpass::FrameReader,
+    frame: Vec<u8>,
     /// Open-time information.
     pub info: StreamInfo,
 }
@@ -228,9 +229,10 @@ impl Stream {
         let mut frame = Vec::new();
         trainer::encode(&req, &mut frame);
         fdpass::send_frame(&sock, &frame, &[])?;
-        let (mut buf, mut fds) = (Vec::new(), Vec::new());
-        fdpass::recv_frame(&sock, &mut buf, &mut fds)?;
-        match trainer::decode::<Response>(&buf).map_err(fdpass::FrameIoError::from)? {
+        let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
+        let answer = trainer::decode::<Response>(reader.read(&sock, &mut fds)?)
+            .map_err(fdpass::FrameIoError::from)?;
+        match answer {
             Response::Attached {
                 stream,
                 region_size,
@@ -246,7 +248,8 @@ impl Stream {
                 Ok(Self {
                     sock,
                     region,
-                    buf,
+                    reader,
+                    frame: Vec::with_capacity(256),
                     info: StreamInfo {
                         stream,
                         batches_per_epoch,
@@ -264,12 +267,12 @@ impl Stream {
     }
 
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
-        let mut frame = Vec::with_capacity(64);
-        trainer::encode(req, &mut frame);
-        fdpass::send_frame(&self.sock, &frame, &[])?;
+        self.frame.clear();
+        trainer::encode(req, &mut self.frame);
+        fdpass::send_frame(&self.sock, &self.frame, &[])?;
         let mut fds = Vec::new();
-        fdpass::recv_frame(&self.sock, &mut self.buf, &mut fds)?;
-        match trainer::decode::<Response>(&self.buf).map_err(fdpass::FrameIoError::from)? {
+        let body = self.reader.read(&self.sock, &mut fds)?;
+        match trainer::decode::<Response>(body).map_err(fdpass::FrameIoError::from)? {
             Response::Error { code, message } => Err(ClientError::Service { code, message }),
             r => Ok(r),
         }
@@ -278,17 +281,27 @@ impl Stream {
     /// The next batch in plan order, or `None` when every epoch was delivered.
     #[allow(clippy::should_implement_trait)] // fallible: an Iterator would have to hide errors
     pub fn next(&mut self) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(None)
+        self.next_inner(None, Vec::new())
     }
 
     /// Like [`Stream::next`], failing with [`ClientError::Timeout`] after `timeout`.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(Some(timeout))
+        self.next_inner(Some(timeout), Vec::new())
     }
 
-    fn next_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Batch>, ClientError> {
+    /// Releases `done` and takes the next batch in one round trip (the usual training loop).
+    pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
+        self.next_inner(None, vec![done.lease])
+    }
+
+    fn next_inner(
+        &mut self,
+        timeout: Option<Duration>,
+        release: Vec<u64>,
+    ) -> Result<Option<Batch>, ClientError> {
         let req = Request::Next {
             timeout_ms: timeout.map(|t| t.as_millis() as u64),
+            release,
         };
         match self.call(&req)? {
             Response::Batch {

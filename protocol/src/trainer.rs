@@ -57,11 +57,15 @@ pub enum Request {
         #[serde(default)]
         state: Option<StreamState>,
     },
-    /// Take the next batch (waits up to `timeout_ms`, default forever).
+    /// Take the next batch (waits up to `timeout_ms`, default forever), after releasing the
+    /// leases in `release` (so a training loop needs one round trip per batch).
     Next {
         /// Wait limit in milliseconds.
         #[serde(default)]
         timeout_ms: Option<u64>,
+        /// Leases to release first.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        release: Vec<u64>,
     },
     /// Give a batch's memory back.
     Release {

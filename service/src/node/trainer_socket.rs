@@ -94,12 +94,12 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             return;
         }
     }
-    let mut buf = Vec::new();
+    let mut reader = fdpass::FrameReader::new();
     let mut fds = Vec::new();
     let mut stream: Option<Arc<StreamShared>> = None;
     loop {
-        let req = match fdpass::recv_frame(&sock, &mut buf, &mut fds) {
-            Ok(()) => match trainer::decode::<Request>(&buf) {
+        let req = match reader.read(&sock, &mut fds) {
+            Ok(body) => match trainer::decode::<Request>(body) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
@@ -176,7 +176,11 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 }
             }
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
-            (Request::Next { timeout_ms }, Some(s)) => {
+            (Request::Next { release, .. }, Some(s)) if release.iter().any(|l| !s.release(*l)) => {
+                let msg = format!("a lease in {release:?} is not held by this stream");
+                reply(&sock, &error("unknown_lease", msg), &[])
+            }
+            (Request::Next { timeout_ms, .. }, Some(s)) => {
                 let t = std::time::Instant::now();
                 let r = match s.next(node, timeout_ms.map(Duration::from_millis)) {
                     Next::Batch {

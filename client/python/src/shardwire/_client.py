@@ -12,7 +12,6 @@ import os
 import socket
 import stat
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -450,30 +449,21 @@ class Stream:
             self._check_open()
             if self._ended:
                 return None
-            reqs: list[dict[str, Any]] = []
             prev, self._auto = self._auto, None
-            if prev is not None and not prev._kept and not prev._released:
-                prev._released = True
-                reqs.append({"op": "release", "lease": prev.lease})
             nxt: dict[str, Any] = {"op": "next"}
+            if prev is not None and not prev._kept and not prev._released:
+                # The release rides on the `next` request: one round trip per batch.
+                prev._released = True
+                nxt["release"] = [prev.lease]
             if timeout is not None:
                 nxt["timeout_ms"] = math.ceil(timeout * 1000)
-            reqs.append(nxt)
-            release_error: ShardwireError | None = None
             try:
-                self._conn.send(*reqs)
-                if len(reqs) == 2:
-                    try:
-                        self._reply("released", "release")
-                    except (ServiceError, ProtocolError) as e:
-                        release_error = e  # the `next` reply is still coming: read it first
+                self._conn.send(nxt)
                 msg, _ = self._conn.recv()
             except ConnectionClosed:
                 self._broken()
                 raise
             op = msg["op"]
-            if release_error is not None and op == "batch":
-                warnings.warn(f"shardwire: automatic release of lease {prev.lease if prev else '?'} failed: {release_error}", RuntimeWarning, stacklevel=2)
             if op == "batch":
                 views = [
                     TensorView(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"]), int(t["length"]))
