@@ -42,6 +42,8 @@ pub struct PendingFetch {
     pub source: usize,
     /// When the FETCH was issued (for the fetch latency histogram).
     pub issued: std::time::Instant,
+    /// Request id (set when the FETCH is sent), for the fetch's log span.
+    pub req: u64,
 }
 
 /// Why a fetch did not produce a verified shard.
@@ -153,6 +155,8 @@ impl SourceLink {
             return Err(p);
         };
         let shard = p.shard;
+        let mut p = p;
+        p.req = req;
         self.pending.lock().expect("poisoned").insert(req, p);
         if ctl
             .send(Message::Fetch {
@@ -460,7 +464,7 @@ fn handle(
             let st = link.state.lock().expect("poisoned");
             match st.conns.get(conn as usize).and_then(Option::as_ref) {
                 Some(tx) => {
-                    tracing::trace!(req, shard, conn, seq, "announced");
+                    tracing::debug!(req, shard, conn, seq, "SHARD announced");
                     if let Err(e) = tx.send(p) {
                         e.0.fail(FetchFailure::Source("receiver gone".into()));
                         return Err(LinkError::DataFailed);

@@ -56,6 +56,9 @@ fn run(
             p.fail(FetchFailure::Source(reason.clone()));
             continue;
         }
+        // One span per fetch: the receive and the verification happen inside it.
+        let span = tracing::debug_span!("fetch", req = p.req, shard = p.shard, source = %link.addr);
+        let _entered = span.enter();
         match recv_payload(
             &mut sock,
             p.slab.as_mut_slice(),

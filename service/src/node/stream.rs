@@ -389,6 +389,7 @@ fn issue(
     let entry = &s.manifest.shards[r.shard as usize];
     let p = PendingFetch {
         issued: std::time::Instant::now(),
+        req: 0,
         slab: r.slab,
         pos: r.pos,
         shard: r.shard,
@@ -397,11 +398,12 @@ fn issue(
         done: tx.clone(),
         source: link.index,
     };
-    link.fetch(node.next_id(), &s.dataset, p)
-        .map_err(|p| Retry {
-            pos: p.pos,
-            shard: p.shard,
-            slab: p.slab,
-            avoid: r.avoid,
-        })
+    let req = node.next_id();
+    tracing::debug!(req, shard = r.shard, pos = r.pos, source = %link.addr, "FETCH");
+    link.fetch(req, &s.dataset, p).map_err(|p| Retry {
+        pos: p.pos,
+        shard: p.shard,
+        slab: p.slab,
+        avoid: r.avoid,
+    })
 }
