@@ -72,6 +72,8 @@ pub struct StreamShared {
     inner: Mutex<Inner>,
     cv: Condvar,
     freed: Notify,
+    /// Set while the fetcher waits for free memory.
+    wants_memory: std::sync::atomic::AtomicBool,
     closed_notify: Notify,
     plans: Mutex<HashMap<u32, Arc<Vec<u32>>>>,
 }
@@ -122,12 +124,17 @@ impl StreamShared {
             }),
             cv: Condvar::new(),
             freed: Notify::new(),
+            wants_memory: std::sync::atomic::AtomicBool::new(false),
             closed_notify: Notify::new(),
             plans: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&s);
         s.pool.set_on_free(Arc::new(move || {
-            if let Some(s) = weak.upgrade() {
+            // Only a fetcher waiting for memory needs waking: a release on a fully
+            // prefetched stream then costs no cross-thread wake-up.
+            if let Some(s) = weak.upgrade()
+                && s.wants_memory.load(Ordering::SeqCst)
+            {
                 s.freed.notify_one();
             }
         }));
@@ -321,10 +328,14 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
         while retry.is_empty() && next_issue < s.total {
             let shard = s.shard_at(next_issue);
             let len = s.manifest.shards[shard as usize].length as usize;
+            // Announce the need before trying, so a free between the failed try and the
+            // wait below leaves a permit instead of being missed.
+            s.wants_memory.store(true, Ordering::SeqCst);
             let Some(slab) = s.pool.alloc(len) else {
                 starved_since.get_or_insert_with(Instant::now);
                 break;
             };
+            s.wants_memory.store(false, Ordering::SeqCst);
             if let Some(t) = starved_since.take() {
                 node.counters
                     .stall_trainer_ns

@@ -94,6 +94,9 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             return;
         }
     }
+    // Registered once per connection: recording on a handle is a few atomic adds.
+    let next_latency =
+        metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket");
     let mut reader = fdpass::FrameReader::new();
     let mut fds = Vec::new();
     let mut stream: Option<Arc<StreamShared>> = None;
@@ -200,8 +203,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     Next::Timeout => Response::Timeout,
                     Next::Closed(why) => error("closed", why),
                 };
-                metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket")
-                    .record(t.elapsed().as_secs_f64());
+                next_latency.record(t.elapsed().as_secs_f64());
                 reply(&sock, &r, &[])
             }
             (Request::Release { lease }, Some(s)) => {
