@@ -1,11 +1,33 @@
 //! Linux devmem TCP: the kernel ABI shardwire builds on.
 //!
-//! This crate will hold the netdev netlink client, NIC setup, devmem sockets and the
-//! kernel-faithful emulator (DESIGN §3, §8.4). In this version it pins the socket-level UAPI
-//! (constants and struct layouts, checked at compile time against the `libc` crate and the
-//! kernel headers) so the service can report precisely why it runs in host mode.
-//! Source: include/uapi/asm-generic/socket.h and include/uapi/linux/uio.h (Linux 6.12+).
-#![forbid(unsafe_code)]
+//! Modules (DESIGN §3, §8.4; kernel facts in shared/reference/devmem.md):
+//!
+//! * [`netdev`]: the "netdev" generic-netlink client: dumps (dev, queue, napi, page pool),
+//!   `bind-rx` / `bind-tx` with typed, explained errors; a binding owns its netlink socket.
+//! * [`socket`]: `recvmsg(MSG_SOCK_DEVMEM)` on a TCP socket with a reusable control buffer,
+//!   and [`socket::TokenBatcher`] for `SO_DEVMEM_DONTNEED`.
+//! * [`cmsg`]: the pure, fuzzed parser of devmem control messages.
+//! * [`probe`]: the per-NIC capability probe behind `shardwire nics` and `/v1/nics`.
+//!
+//! The socket-level UAPI constants below are checked at compile time against the `libc`
+//! crate. Source: include/uapi/asm-generic/socket.h and include/uapi/linux/uio.h (Linux
+//! 6.12+).
+//!
+//! `unsafe` is denied crate-wide and allowed only in the private `sys` module, where each
+//! syscall sits behind a small safe function with a `// SAFETY:` comment.
+#![deny(unsafe_code)]
+
+pub mod cmsg;
+pub mod netdev;
+mod nl;
+pub mod probe;
+pub mod socket;
+#[allow(unsafe_code)] // the one module with raw syscalls; every block has a SAFETY note
+mod sys;
+
+pub use netdev::{NetdevClient, NetdevError, RxBinding, TxBinding, bind_rx, bind_tx};
+pub use probe::{NicReport, probe_nics};
+pub use socket::{DevmemError, DevmemSocket, RecvBatch, TokenBatcher};
 
 /// `SO_DEVMEM_LINEAR` / `SCM_DEVMEM_LINEAR` (asm-generic).
 pub const SO_DEVMEM_LINEAR: i32 = 78;
@@ -35,6 +57,33 @@ const _: () = {
     assert!(std::mem::size_of::<libc::dmabuf_cmsg>() == 24);
     assert!(std::mem::size_of::<libc::dmabuf_token>() == 8);
 };
+
+/// Symbolic name of an errno as used in devmem diagnostics, e.g. `"EOPNOTSUPP"`;
+/// `"errno N"` for others.
+pub fn errno_label(errno: i32) -> String {
+    let name = match errno {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EFAULT => "EFAULT",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
+        libc::EINVAL => "EINVAL",
+        libc::ERANGE => "ERANGE",
+        libc::ENODATA => "ENODATA",
+        libc::ENOPROTOOPT => "ENOPROTOOPT",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ENOBUFS => "ENOBUFS",
+        libc::EMSGSIZE => "EMSGSIZE",
+        socket::ETOOSMALL => "ETOOSMALL",
+        _ => return format!("errno {errno}"),
+    };
+    name.to_string()
+}
 
 /// Why devmem receive is not in use, as reported at startup and on `/v1/status`.
 pub fn host_mode_reason() -> &'static str {

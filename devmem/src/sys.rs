@@ -1,0 +1,256 @@
+//! The raw syscalls of this crate, each behind a small safe function.
+//!
+//! This is the only module that contains `unsafe` (lib.rs denies it everywhere else). Each
+//! function wraps exactly one syscall, borrows its fds (`BorrowedFd`, so they cannot be closed
+//! underneath) and returns `io::Result` with the errno of that call. Higher layers name the
+//! call in their error types (STYLE rule 7).
+//!
+//! Not done (STYLE rule 2): an enum-dispatched `syscall()` with a test override. The devmem
+//! calls are tested against the real kernel instead (root, loopback TCP, netns), and the
+//! pure parts (cmsg parsing, token batching) take closures or byte slices.
+
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::{MSG_SOCK_DEVMEM, SO_DEVMEM_DONTNEED};
+
+/// What one `recvmsg` returned.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvOut {
+    /// The return value: bytes received (linear + devmem).
+    pub bytes: usize,
+    /// `msg_controllen` after the call: valid control bytes.
+    pub control_len: usize,
+    /// `msg_flags` after the call (MSG_CTRUNC, ...).
+    pub msg_flags: i32,
+}
+
+/// `recvmsg(fd, {iov: [iov_buf], control}, MSG_SOCK_DEVMEM | extra_flags)`.
+pub(crate) fn recvmsg_devmem(
+    fd: BorrowedFd<'_>,
+    iov_buf: &mut [u8],
+    control: &mut [u8],
+    extra_flags: i32,
+) -> io::Result<RecvOut> {
+    let mut iov = libc::iovec {
+        iov_base: iov_buf.as_mut_ptr().cast(),
+        iov_len: iov_buf.len(),
+    };
+    // SAFETY: msghdr is a plain C struct for which all-zero is a valid value (null name,
+    // no iov, no control).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    loop {
+        // SAFETY: `fd` is a live borrowed fd; `msg` points at one iovec that describes
+        // `iov_buf` (valid for writes of iov_len bytes) and at `control` (valid for writes of
+        // msg_controllen bytes); all three outlive the call, and the kernel writes only
+        // within those lengths.
+        let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, MSG_SOCK_DEVMEM | extra_flags) };
+        if n >= 0 {
+            return Ok(RecvOut {
+                bytes: n as usize,
+                control_len: (msg.msg_controllen as usize).min(control.len()),
+                msg_flags: msg.msg_flags,
+            });
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// `setsockopt(fd, SOL_SOCKET, SO_DEVMEM_DONTNEED, tokens, n * 8)`; returns the kernel's
+/// positive return value, the number of frags freed.
+pub(crate) fn dontneed(fd: BorrowedFd<'_>, tokens: &[libc::dmabuf_token]) -> io::Result<usize> {
+    let len = std::mem::size_of_val(tokens);
+    // SAFETY: `tokens` is a live slice of `#[repr(C)]` dmabuf_token, readable for `len`
+    // bytes; the kernel only reads optlen bytes; `fd` is a live borrowed fd.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_DEVMEM_DONTNEED,
+            tokens.as_ptr().cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// `setsockopt(fd, level, name, bytes, bytes.len())` with arbitrary option bytes; returns
+/// the raw (possibly positive) return value. Used to probe the kernel's validation.
+#[cfg(test)]
+pub(crate) fn setsockopt_bytes(
+    fd: BorrowedFd<'_>,
+    level: i32,
+    name: i32,
+    bytes: &[u8],
+) -> io::Result<i32> {
+    // SAFETY: `bytes` is readable for its length, the kernel reads at most optlen bytes;
+    // `fd` is a live borrowed fd.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            bytes.as_ptr().cast(),
+            bytes.len() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// `if_indextoname(ifindex)`, in the calling thread's network namespace.
+pub(crate) fn if_indextoname(ifindex: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` has IF_NAMESIZE bytes, the size if_indextoname requires; on success it
+    // holds a NUL-terminated name.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: on success `buf` holds a NUL-terminated string within its IF_NAMESIZE bytes.
+    let name = unsafe { CStr::from_ptr(buf.as_ptr()) };
+    Some(name.to_string_lossy().into_owned())
+}
+
+/// `setns(fd, CLONE_NEWNET)`: move the calling *thread* into the network namespace `fd`.
+pub(crate) fn setns_net(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: plain syscall on a live borrowed fd; it changes only the calling thread's
+    // network namespace and touches no memory of ours.
+    let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Drop capability `cap` from the effective and permitted sets of the calling *thread* only
+/// (raw `capset`, which acts on one task; glibc's set*id would broadcast to every thread).
+/// The thread cannot regain it. Used by tests to check admin-gated netlink ops.
+#[cfg(test)]
+pub(crate) fn drop_thread_capability(cap: u32) -> io::Result<()> {
+    #[repr(C)]
+    struct CapHeader {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct CapData {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    let mut hdr = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget with a v3 header writes two CapData entries, which `data` provides;
+    // pid 0 means the calling thread.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let (word, bit) = ((cap / 32) as usize, 1u32 << (cap % 32));
+    data[word].effective &= !bit;
+    data[word].permitted &= !bit;
+    // SAFETY: capset with a v3 header reads two CapData entries from `data`; pid 0 is the
+    // calling thread, so only this thread's credentials change.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A generic-netlink socket (`AF_NETLINK`, `NETLINK_GENERIC`) in the calling thread's
+/// network namespace, with extended acks on and capped acks (the kernel does not echo the
+/// request back; we keep our own copy for the extack offsets).
+pub(crate) fn genl_socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call with constant arguments; no pointers.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_GENERIC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    for opt in [libc::NETLINK_EXT_ACK, libc::NETLINK_CAP_ACK] {
+        let one: libc::c_int = 1;
+        // SAFETY: `one` is a live c_int and optlen is its size; `fd` is owned above.
+        let r = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_NETLINK,
+                opt,
+                (&raw const one).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(fd)
+}
+
+/// `send(fd, buf, 0)` of one whole datagram.
+pub(crate) fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is readable for its length; `fd` is a live borrowed fd.
+        let r = unsafe { libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// `recv(fd, buf, MSG_TRUNC)`: returns the datagram's full length, which exceeds
+/// `buf.len()` if it was truncated.
+pub(crate) fn recv_trunc(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is writable for its length and the kernel writes at most that much
+        // (MSG_TRUNC only changes the return value); `fd` is a live borrowed fd.
+        let r = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_TRUNC,
+            )
+        };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
