@@ -49,6 +49,7 @@ pub async fn serve(
         .route("/v1/streams", get(streams))
         .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
         .route("/v1/drain", post(drain))
+        .route("/v1/nics", get(nics))
         .layer(DefaultBodyLimit::max(64 << 10))
         .layer(axum::middleware::from_fn(admin_timeout))
         .with_state(Arc::clone(&node))
@@ -184,6 +185,15 @@ async fn close_stream(
     }
 }
 
+/// A fresh capability probe of every NIC (netlink queries and a trial bind with an invalid
+/// fd, which the kernel rejects before anything can be bound).
+async fn nics() -> Response {
+    match tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics).await {
+        Ok(n) => Json(json!({ "nics": n })).into_response(),
+        Err(e) => api_error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()),
+    }
+}
+
 async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
     if node.draining.load(Ordering::Acquire) {
         return (
@@ -302,6 +312,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
         "version": env!("CARGO_PKG_VERSION"),
         "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
         "draining": node.draining.load(Ordering::Acquire),
+        "nics": node.nics,
         "data_addr": node.data_addr.to_string(),
         "socket": node.cfg.socket,
         "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory.0 },

@@ -46,6 +46,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Probe the network interfaces for devmem TCP (driver, queues, header split, trial bind).
+    Nics {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check or print configuration.
     #[command(subcommand)]
     Config(ConfigCmd),
@@ -284,6 +290,32 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Demo(a) => demo::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Status { admin, json } => crate::status::run(&admin, json),
+        Cmd::Nics { json } => {
+            let nics = shardwire_devmem::probe::probe_nics();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&nics)?);
+            } else {
+                println!(
+                    "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} REASON",
+                    "IDX", "NAME", "DRIVER", "UP", "RXQ", "TXQ", "HEADER-SPLIT", "DEVMEM"
+                );
+                for n in &nics {
+                    println!(
+                        "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} {}",
+                        n.ifindex,
+                        n.name,
+                        n.driver,
+                        if n.up { "yes" } else { "no" },
+                        n.rx_queues,
+                        n.tx_queues,
+                        n.header_split,
+                        if n.devmem_capable { "yes" } else { "no" },
+                        n.reason
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Config(ConfigCmd::Check {
             file,
             source_config,

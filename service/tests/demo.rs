@@ -84,3 +84,30 @@ fn environment_overrides_the_file_and_foreign_variables_are_ignored() {
     assert_eq!(v["log_format"], "text", "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn nics_reports_loopback_as_not_devmem_capable_with_the_kernel_reason() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["nics", "--json"])
+        .output()
+        .expect("run shardwire nics");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lo = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == "lo")
+        .expect("lo is listed");
+    assert_eq!(lo["devmem_capable"], false, "{lo}");
+    let reason = lo["reason"].as_str().unwrap();
+    // As root the kernel's device check answers (EOPNOTSUPP); without CAP_NET_ADMIN, EPERM.
+    assert!(
+        reason.contains("EOPNOTSUPP") || reason.contains("EPERM"),
+        "{reason}"
+    );
+}

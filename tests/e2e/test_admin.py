@@ -63,6 +63,11 @@ def test_auth_inspect_close_and_drain(sw, tmp_path):
     assert node2.status()["streams"] == []
     consumer.kill(signal.SIGKILL)
 
+    code, body = request(node2.admin, "GET", "/v1/nics")
+    lo = next(n for n in body["nics"] if n["name"] == "lo")
+    assert code == 200 and lo["devmem_capable"] is False and lo["trial_bind"]["error"], lo
+    assert "no devmem-capable NIC" in node2.status()["mode"]["reason"], node2.status()["mode"]
+
     metrics = http_get(node2.admin, "/metrics")[1]
     for name in [
         "shardwire_bytes_received_total",

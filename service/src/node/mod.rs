@@ -75,6 +75,8 @@ pub struct Node {
     pub drain_requested: tokio::sync::Notify,
     /// Bearer token for mutating admin endpoints.
     pub admin_token: Option<Vec<u8>>,
+    /// The NIC capability probe taken at start.
+    pub nics: Vec<shardwire_devmem::probe::NicReport>,
     /// Per data connection: (source, conn, counters).
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
 }
@@ -195,8 +197,26 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .enumerate()
         .map(|(i, a)| SourceLink::new(i, a.clone()))
         .collect();
+    let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
+        .await
+        .unwrap_or_default();
+    let capable: Vec<&str> = nics
+        .iter()
+        .filter(|n| n.devmem_capable)
+        .map(|n| n.name.as_str())
+        .collect();
+    let probe = if capable.is_empty() {
+        let why: Vec<String> = nics
+            .iter()
+            .filter(|n| n.up)
+            .map(|n| format!("{}: {}", n.name, n.reason))
+            .collect();
+        format!("no devmem-capable NIC ({})", why.join("; "))
+    } else {
+        format!("devmem-capable NICs: {}", capable.join(", "))
+    };
     let mode_reason = format!(
-        "receive=host, memory=host (configured): {}; CUDA memory is not built into this version",
+        "receive=host, memory=host (configured): {}; {probe}; CUDA memory is not built into this version",
         shardwire_devmem::host_mode_reason()
     );
     let node = Arc::new(Node {
@@ -211,6 +231,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         next_id: AtomicU64::new(0),
         mode_reason,
         flows: Mutex::new(Vec::new()),
+        nics,
         draining: std::sync::atomic::AtomicBool::new(false),
         drain_requested: tokio::sync::Notify::new(),
         admin_token,
