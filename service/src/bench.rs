@@ -35,7 +35,7 @@ pub struct BenchArgs {
     /// Also run plain TCP with the same layout and print the ratio.
     #[arg(long)]
     compare_tcp: bool,
-    /// Stream region size (fetch-ahead window) [default: 8 slabs, at least 32MiB].
+    /// Stream region size (fetch-ahead window) [default: 32 slabs, 64MiB..1GiB].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
     /// With --compare-tcp: alternate the two runs this many times and report every ratio
@@ -99,7 +99,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
     shardwire_index::write_manifest(&data, &m)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
-    let stream_memory = a.stream_memory.map_or((class * 8).max(32 << 20), |m| m.0);
+    // Deep enough that in-order delivery (a slow head-of-line shard holds finished ones in
+    // the reorder buffer) does not starve the flows: 32 slabs, like the service default.
+    let stream_memory = a.stream_memory.map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
     anyhow::ensure!(
         stream_memory >= 2 * class,
         "--stream-memory must be at least 2 slabs ({} bytes)",
