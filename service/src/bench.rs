@@ -101,7 +101,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
     // Deep enough that in-order delivery (a slow head-of-line shard holds finished ones in
     // the reorder buffer) does not starve the flows: 32 slabs, like the service default.
-    let stream_memory = a.stream_memory.map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
+    let stream_memory = a
+        .stream_memory
+        .map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
     anyhow::ensure!(
         stream_memory >= 2 * class,
         "--stream-memory must be at least 2 slabs ({} bytes)",

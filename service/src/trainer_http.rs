@@ -323,16 +323,8 @@ async fn open(
             )));
         }
     };
-    if o.version != TRAINER_VERSION {
-        return Err(ApiError::new(
-            "unsupported_version",
-            format!(
-                "trainer protocol {}; this service speaks {TRAINER_VERSION}",
-                o.version
-            ),
-        ));
-    }
     let attach = Attach {
+        version: o.version,
         dataset: o.dataset,
         seed: o.seed,
         rank: o.rank,

@@ -136,48 +136,34 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     state,
                 },
                 None,
-            ) => {
-                if version != TRAINER_VERSION {
-                    reply(
-                        &sock,
-                        &error(
-                            "unsupported_version",
-                            format!(
-                                "trainer protocol {version}; this service speaks {TRAINER_VERSION}"
-                            ),
-                        ),
-                        &[],
-                    )
-                } else {
-                    match open(
-                        node,
-                        Attach {
-                            dataset,
-                            seed,
-                            rank,
-                            world_size,
-                            epochs,
-                            uneven,
-                            state,
-                        },
-                    ) {
-                        Ok(s) => {
-                            let r = Response::Attached {
-                                stream: s.id,
-                                region_size: s.pool.region().len() as u64,
-                                batches_per_epoch: s.spec.per_rank(),
-                                epochs: s.epochs,
-                                memory: "host".into(),
-                                state: s.state(),
-                            };
-                            let sent = reply(&sock, &r, &[s.pool.region().fd()]);
-                            stream = Some(s);
-                            sent
-                        }
-                        Err((code, msg)) => reply(&sock, &error(code, msg), &[]),
-                    }
+            ) => match open(
+                node,
+                Attach {
+                    version,
+                    dataset,
+                    seed,
+                    rank,
+                    world_size,
+                    epochs,
+                    uneven,
+                    state,
+                },
+            ) {
+                Ok(s) => {
+                    let r = Response::Attached {
+                        stream: s.id,
+                        region_size: s.pool.region().len() as u64,
+                        batches_per_epoch: s.spec.per_rank(),
+                        epochs: s.epochs,
+                        memory: "host".into(),
+                        state: s.state(),
+                    };
+                    let sent = reply(&sock, &r, &[s.pool.region().fd()]);
+                    stream = Some(s);
+                    sent
                 }
-            }
+                Err((code, msg)) => reply(&sock, &error(code, msg), &[]),
+            },
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
             (Request::Next { release, .. }, Some(s)) if release.iter().any(|l| !s.release(*l)) => {
                 let msg = format!("a lease in {release:?} is not held by this stream");
@@ -250,6 +236,7 @@ pub(crate) type OpenError = (&'static str, String);
 
 /// What a trainer asks for when it opens a stream (socket `attach`, HTTP `POST /v1/streams`).
 pub(crate) struct Attach {
+    pub version: u32,
     pub dataset: String,
     pub seed: u64,
     pub rank: u32,
@@ -263,6 +250,7 @@ pub(crate) struct Attach {
 /// Blocking (it waits for the manifest); call it from a thread, not from async code.
 pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, OpenError> {
     let Attach {
+        version,
         dataset,
         seed,
         rank,
@@ -271,6 +259,12 @@ pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, Ope
         uneven,
         state,
     } = a;
+    if version != TRAINER_VERSION {
+        return Err((
+            "unsupported_version",
+            format!("trainer protocol {version}; this service speaks {TRAINER_VERSION}"),
+        ));
+    }
     if node.draining.load(std::sync::atomic::Ordering::Acquire) {
         return Err((
             "draining",
