@@ -3,11 +3,24 @@
 //! - [`region`]: a host-memory region (a sealed-size memfd mapped read-write here and
 //!   read-only by trainers); CUDA regions join it behind the same interface later.
 //! - [`slab`]: the allocator that carves a region into shard-sized slabs.
+//! - [`probe`]: the CUDA capability probe and the host/CUDA memory decision. The `cuda`
+//!   feature (on by default) loads `libcuda` at run time, so one binary builds and runs
+//!   without CUDA and says why it chose host memory; without the feature a stub reports
+//!   "built without CUDA".
 //!
 //! Memory use is bounded by the regions the service creates, never by load.
 
+pub mod probe;
 pub mod region;
 pub mod slab;
 
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(not(feature = "cuda"))]
+mod dummy_cuda;
+
+pub use probe::{
+    GpuDevice, GpuError, GpuProbe, MemoryChoice, MemoryDecision, choose_memory, probe_gpus,
+};
 pub use region::{HostRegion, RegionError};
 pub use slab::{Slab, SlabPool};

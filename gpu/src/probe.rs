@@ -1,0 +1,400 @@
+//! GPU capability probe and the host/CUDA memory decision (DESIGN §4-5).
+//!
+//! [`probe_gpus`] reports the driver version and, per device, dma-buf and VMM support;
+//! [`choose_memory`] turns the configured [`MemoryChoice`] and that report into a
+//! [`MemoryDecision`] that says what was chosen and why. A silent fallback is a bug: every
+//! path carries a reason, and `memory = "cuda"` without a usable GPU is an error.
+//!
+//! Nothing here panics on a host without an NVIDIA driver.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "cuda")]
+use crate::cuda as backend;
+#[cfg(not(feature = "cuda"))]
+use crate::dummy_cuda as backend;
+
+/// The oldest driver whose API has `cuMemGetHandleForAddressRange` with
+/// `CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE` (CUDA 12.8), encoded as the driver does.
+pub const MIN_DRIVER_VERSION: i32 = 12080;
+
+/// What the probe found on this host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuProbe {
+    /// `libcuda` could be loaded.
+    pub driver_present: bool,
+    /// `cuDriverGetVersion`, e.g. 12080 for 12.8; `None` without a driver.
+    pub driver_version: Option<i32>,
+    /// Every device the driver lists.
+    pub devices: Vec<GpuDevice>,
+    /// The driver is new enough and at least one device has dma-buf and VMM support.
+    pub usable: bool,
+    /// Why the probe judged the host usable or not, for logs and the status endpoint.
+    pub reason: String,
+}
+
+/// One CUDA device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuDevice {
+    /// The CUDA ordinal.
+    pub ordinal: i32,
+    /// `cuDeviceGetName`, e.g. "NVIDIA H200".
+    pub name: String,
+    /// `cuDeviceGetPCIBusId`, e.g. "0000:19:00.0".
+    pub pci_bus_id: String,
+    /// Bytes of device memory.
+    pub total_memory: u64,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+    pub dma_buf_supported: bool,
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+    pub vmm_supported: bool,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`.
+    pub gpu_direct_rdma_with_cuda_vmm_supported: bool,
+}
+
+impl GpuDevice {
+    /// The device can hold shareable regions that a NIC can reach (dma-buf export of a
+    /// VMM allocation).
+    pub fn usable(&self) -> bool {
+        self.dma_buf_supported && self.vmm_supported
+    }
+}
+
+/// The configured `memory` mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryChoice {
+    /// CUDA if usable, else host; the decision says which and why.
+    #[default]
+    Auto,
+    /// Host memory (memfd regions).
+    Host,
+    /// CUDA device memory; refuse to start without it.
+    Cuda,
+}
+
+/// What memory the service uses, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MemoryDecision {
+    /// `"host"` or `"cuda"`.
+    pub memory: &'static str,
+    /// Why, in words for the startup log and the status endpoint.
+    pub reason: String,
+}
+
+/// Why GPU work (the probe, or the memory decision) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// A CUDA driver call returned an error status.
+    #[cfg(feature = "cuda")]
+    #[error("{call} failed: {result:?}")]
+    Driver {
+        /// Which driver call.
+        call: &'static str,
+        /// Its status code.
+        result: cudarc::driver::sys::CUresult,
+    },
+    /// `memory = "cuda"` was configured but this host has no usable CUDA GPU.
+    #[error("memory = \"cuda\" was configured, but there is no usable CUDA GPU: {reason}")]
+    CudaUnavailable {
+        /// What is missing (the probe's reason).
+        reason: String,
+    },
+    /// `memory = "cuda"` was configured on a usable GPU, but this version cannot make
+    /// CUDA regions yet.
+    #[error(
+        "memory = \"cuda\" was configured and {device} is usable, but CUDA regions are not \
+         built into this version: use memory = \"host\" or \"auto\""
+    )]
+    CudaRegionsNotBuilt {
+        /// The usable device, e.g. "GPU 0 (NVIDIA H200, 0000:19:00.0)".
+        device: String,
+    },
+}
+
+/// Probes the CUDA driver and devices. Without a driver (or without the `cuda` feature)
+/// this returns a report with `driver_present: false`; it never panics.
+pub fn probe_gpus() -> GpuProbe {
+    backend::probe_driver()
+}
+
+/// Judges a driver that loaded: usable when it is new enough and a device has dma-buf and
+/// VMM support.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn judge(
+    driver_present: bool,
+    driver_version: Option<i32>,
+    devices: Vec<GpuDevice>,
+) -> GpuProbe {
+    let (usable, reason) = match (driver_version, devices.iter().find(|d| d.usable())) {
+        (None, _) => (
+            false,
+            "the CUDA driver did not report its version: using host memory".to_owned(),
+        ),
+        (Some(v), _) if v < MIN_DRIVER_VERSION => (
+            false,
+            format!(
+                "CUDA driver {} is older than {} (needs cuMemGetHandleForAddressRange with the \
+                 PCIe flag): using host memory",
+                version_text(v),
+                version_text(MIN_DRIVER_VERSION)
+            ),
+        ),
+        (Some(_), None) if devices.is_empty() => (
+            false,
+            "the CUDA driver lists no devices: using host memory".to_owned(),
+        ),
+        (Some(_), None) => (
+            false,
+            format!(
+                "none of the {} CUDA device(s) supports both dma-buf export and VMM: using host memory",
+                devices.len()
+            ),
+        ),
+        (Some(v), Some(d)) => (
+            true,
+            format!(
+                "CUDA driver {} with {} usable",
+                version_text(v),
+                device_text(d)
+            ),
+        ),
+    };
+    GpuProbe {
+        driver_present,
+        driver_version,
+        devices,
+        usable,
+        reason,
+    }
+}
+
+/// Decides host or CUDA memory from the configured choice and the probe.
+///
+/// `Cuda` without a usable GPU is an error naming what is missing; the service refuses to
+/// start with it. CUDA regions are not implemented yet, so `Auto` chooses host (saying
+/// so) and `Cuda` on a usable GPU is also an error.
+pub fn choose_memory(
+    requested: MemoryChoice,
+    probe: &GpuProbe,
+) -> Result<MemoryDecision, GpuError> {
+    let usable_device = probe
+        .devices
+        .iter()
+        .find(|d| d.usable())
+        .filter(|_| probe.usable);
+    match (requested, usable_device) {
+        (MemoryChoice::Host, _) => Ok(MemoryDecision {
+            memory: "host",
+            reason: "configured (memory = \"host\")".to_owned(),
+        }),
+        (MemoryChoice::Cuda, None) => Err(GpuError::CudaUnavailable {
+            reason: probe.reason.clone(),
+        }),
+        (MemoryChoice::Cuda, Some(d)) => Err(GpuError::CudaRegionsNotBuilt {
+            device: device_text(d),
+        }),
+        (MemoryChoice::Auto, Some(d)) => Ok(MemoryDecision {
+            memory: "host",
+            reason: format!(
+                "auto: CUDA device found ({}) but CUDA regions are not built into this version",
+                device_text(d)
+            ),
+        }),
+        (MemoryChoice::Auto, None) => Ok(MemoryDecision {
+            memory: "host",
+            reason: format!("auto: no CUDA driver or usable GPU ({})", probe.reason),
+        }),
+    }
+}
+
+/// 12080 -> "12.8".
+fn version_text(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+fn device_text(d: &GpuDevice) -> String {
+    format!("GPU {} ({}, {})", d.ordinal, d.name, d.pci_bus_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h200(ordinal: i32, dma_buf: bool, vmm: bool) -> GpuDevice {
+        GpuDevice {
+            ordinal,
+            name: "NVIDIA H200".to_owned(),
+            pci_bus_id: "0000:19:00.0".to_owned(),
+            total_memory: 150_754_820_096,
+            dma_buf_supported: dma_buf,
+            vmm_supported: vmm,
+            gpu_direct_rdma_with_cuda_vmm_supported: vmm,
+        }
+    }
+
+    fn no_driver() -> GpuProbe {
+        GpuProbe {
+            driver_present: false,
+            driver_version: None,
+            devices: Vec::new(),
+            usable: false,
+            reason: "libcuda.so was not found (no NVIDIA driver on this host): using host memory"
+                .to_owned(),
+        }
+    }
+
+    /// Runs on every host; on a GPU-less one (CI, this machine) it must report no driver.
+    #[test]
+    fn probe_never_panics_and_reports_a_reason() {
+        let probe = probe_gpus();
+        println!("{}", serde_json::to_string_pretty(&probe).unwrap());
+        assert!(!probe.reason.is_empty());
+        if !probe.driver_present {
+            assert!(!probe.usable);
+            assert!(probe.devices.is_empty());
+            assert_eq!(probe.driver_version, None);
+            #[cfg(feature = "cuda")]
+            assert!(probe.reason.contains("libcuda"), "{}", probe.reason);
+            #[cfg(not(feature = "cuda"))]
+            assert!(probe.reason.contains("`cuda` feature"), "{}", probe.reason);
+        }
+        // Probing twice is fine (no global state is poisoned).
+        assert_eq!(probe_gpus().driver_present, probe.driver_present);
+    }
+
+    #[test]
+    #[ignore = "needs CUDA GPU"]
+    fn probe_finds_a_vmm_capable_gpu() {
+        let probe = probe_gpus();
+        println!("{}", serde_json::to_string_pretty(&probe).unwrap());
+        assert!(probe.driver_present, "{}", probe.reason);
+        assert!(!probe.devices.is_empty(), "{}", probe.reason);
+        assert!(probe.devices.iter().any(|d| d.vmm_supported), "{probe:#?}");
+        assert!(
+            probe
+                .devices
+                .iter()
+                .all(|d| d.total_memory > 0 && !d.name.is_empty())
+        );
+        let decision = choose_memory(MemoryChoice::Auto, &probe).unwrap();
+        println!("auto -> {decision:?}");
+    }
+
+    #[test]
+    fn judge_classifies_drivers_and_devices() {
+        let ok = judge(
+            true,
+            Some(12080),
+            vec![h200(0, false, true), h200(1, true, true)],
+        );
+        assert!(ok.usable, "{}", ok.reason);
+        assert!(
+            ok.reason.contains("12.8") && ok.reason.contains("GPU 1"),
+            "{}",
+            ok.reason
+        );
+
+        let old = judge(true, Some(12040), vec![h200(0, true, true)]);
+        assert!(!old.usable);
+        assert!(
+            old.reason.contains("CUDA driver 12.4 is older than 12.8"),
+            "{}",
+            old.reason
+        );
+
+        let none = judge(true, Some(12090), Vec::new());
+        assert!(
+            !none.usable && none.reason.contains("no devices"),
+            "{}",
+            none.reason
+        );
+
+        let no_dmabuf = judge(true, Some(13000), vec![h200(0, false, true)]);
+        assert!(
+            !no_dmabuf.usable && no_dmabuf.reason.contains("dma-buf"),
+            "{}",
+            no_dmabuf.reason
+        );
+
+        assert!(!judge(true, None, vec![h200(0, true, true)]).usable);
+    }
+
+    #[test]
+    fn host_is_always_honoured() {
+        for probe in [
+            no_driver(),
+            judge(true, Some(12080), vec![h200(0, true, true)]),
+        ] {
+            let d = choose_memory(MemoryChoice::Host, &probe).unwrap();
+            assert_eq!(d.memory, "host");
+            assert!(d.reason.contains("configured"));
+        }
+    }
+
+    #[test]
+    fn auto_says_why_it_chose_host() {
+        let d = choose_memory(MemoryChoice::Auto, &no_driver()).unwrap();
+        assert_eq!(d.memory, "host");
+        assert!(
+            d.reason.contains("no CUDA driver") && d.reason.contains("libcuda"),
+            "{}",
+            d.reason
+        );
+
+        let gpu = judge(true, Some(12080), vec![h200(0, true, true)]);
+        let d = choose_memory(MemoryChoice::Auto, &gpu).unwrap();
+        assert_eq!(d.memory, "host");
+        assert!(
+            d.reason.contains("CUDA device found")
+                && d.reason.contains("not built into this version"),
+            "{}",
+            d.reason
+        );
+    }
+
+    #[test]
+    fn cuda_without_a_usable_gpu_is_an_error_naming_what_is_missing() {
+        let e = choose_memory(MemoryChoice::Cuda, &no_driver()).unwrap_err();
+        assert!(matches!(e, GpuError::CudaUnavailable { .. }));
+        let msg = e.to_string();
+        assert!(
+            msg.contains("memory = \"cuda\"") && msg.contains("libcuda.so was not found"),
+            "{msg}"
+        );
+
+        let old = judge(true, Some(12040), vec![h200(0, true, true)]);
+        let msg = choose_memory(MemoryChoice::Cuda, &old)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("older than 12.8"), "{msg}");
+
+        // A hand-built report that says usable but lists no usable device is not trusted.
+        let inconsistent = GpuProbe {
+            usable: true,
+            ..no_driver()
+        };
+        assert!(choose_memory(MemoryChoice::Cuda, &inconsistent).is_err());
+    }
+
+    #[test]
+    fn cuda_on_a_usable_gpu_is_refused_until_cuda_regions_exist() {
+        let gpu = judge(true, Some(12080), vec![h200(0, true, true)]);
+        let e = choose_memory(MemoryChoice::Cuda, &gpu).unwrap_err();
+        assert!(matches!(e, GpuError::CudaRegionsNotBuilt { .. }));
+        assert!(
+            e.to_string().contains("GPU 0 (NVIDIA H200, 0000:19:00.0)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn memory_choice_parses_lowercase_and_reports_serialize() {
+        let c: MemoryChoice = serde_json::from_str("\"cuda\"").unwrap();
+        assert_eq!(c, MemoryChoice::Cuda);
+        let json =
+            serde_json::to_value(judge(true, Some(12080), vec![h200(0, true, true)])).unwrap();
+        assert_eq!(json["devices"][0]["vmm_supported"], true);
+        assert_eq!(json["driver_version"], 12080);
+    }
+}
