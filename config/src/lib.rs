@@ -61,9 +61,13 @@ pub enum ReceiveMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum MemoryMode {
-    /// memfd regions in host memory.
+    /// The best available, reported with the reason (CUDA when usable, else host).
     #[default]
+    Auto,
+    /// memfd regions in host memory.
     Host,
+    /// GPU memory; refused at start when no usable CUDA GPU is present.
+    Cuda,
 }
 
 /// Log output format.
@@ -128,7 +132,7 @@ impl Default for ServeConfig {
             flows: 2,
             secret_file: None,
             receive: ReceiveMode::Host,
-            memory: MemoryMode::Host,
+            memory: MemoryMode::Auto,
             log_format: LogFormat::Text,
             admin_token_file: None,
             drain_timeout_secs: 30,

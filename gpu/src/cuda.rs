@@ -29,8 +29,7 @@ pub(crate) fn probe_driver() -> GpuProbe {
             driver_version: None,
             devices: Vec::new(),
             usable: false,
-            reason: "libcuda.so was not found (no NVIDIA driver on this host): using host memory"
-                .to_owned(),
+            reason: "libcuda.so was not found (no NVIDIA driver on this host)".to_owned(),
         };
     }
     // The library loads, so cudarc's lazy loader will not hit `panic_no_lib_found`. A
@@ -42,9 +41,7 @@ pub(crate) fn probe_driver() -> GpuProbe {
             driver_version,
             devices: Vec::new(),
             usable: false,
-            reason: format!(
-                "the CUDA driver is present but the probe failed: {e}: using host memory"
-            ),
+            reason: format!("the CUDA driver is present but the probe failed: {e}"),
         },
         Err(_) => GpuProbe {
             driver_present: true,
@@ -52,7 +49,7 @@ pub(crate) fn probe_driver() -> GpuProbe {
             devices: Vec::new(),
             usable: false,
             reason: "libcuda loads but lacks a driver entry point the probe needs (a broken or \
-                     very old driver install): using host memory"
+                     very old driver install)"
                 .to_owned(),
         },
     }

@@ -10,8 +10,6 @@ pub(crate) fn probe_driver() -> GpuProbe {
         driver_version: None,
         devices: Vec::new(),
         usable: false,
-        reason:
-            "this build has no CUDA support (built without the `cuda` feature): using host memory"
-                .to_owned(),
+        reason: "this build has no CUDA support (built without the `cuda` feature)".to_owned(),
     }
 }

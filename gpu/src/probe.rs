@@ -129,25 +129,24 @@ pub(crate) fn judge(
     let (usable, reason) = match (driver_version, devices.iter().find(|d| d.usable())) {
         (None, _) => (
             false,
-            "the CUDA driver did not report its version: using host memory".to_owned(),
+            "the CUDA driver did not report its version".to_owned(),
         ),
         (Some(v), _) if v < MIN_DRIVER_VERSION => (
             false,
             format!(
                 "CUDA driver {} is older than {} (needs cuMemGetHandleForAddressRange with the \
-                 PCIe flag): using host memory",
+                 PCIe flag)",
                 version_text(v),
                 version_text(MIN_DRIVER_VERSION)
             ),
         ),
-        (Some(_), None) if devices.is_empty() => (
-            false,
-            "the CUDA driver lists no devices: using host memory".to_owned(),
-        ),
+        (Some(_), None) if devices.is_empty() => {
+            (false, "the CUDA driver lists no devices".to_owned())
+        }
         (Some(_), None) => (
             false,
             format!(
-                "none of the {} CUDA device(s) supports both dma-buf export and VMM: using host memory",
+                "none of the {} CUDA device(s) supports both dma-buf export and VMM",
                 devices.len()
             ),
         ),
@@ -239,8 +238,7 @@ mod tests {
             driver_version: None,
             devices: Vec::new(),
             usable: false,
-            reason: "libcuda.so was not found (no NVIDIA driver on this host): using host memory"
-                .to_owned(),
+            reason: "libcuda.so was not found (no NVIDIA driver on this host)".to_owned(),
         }
     }
 

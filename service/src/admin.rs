@@ -313,6 +313,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
         "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
         "draining": node.draining.load(Ordering::Acquire),
         "nics": node.nics,
+        "gpus": node.gpus,
         "data_addr": node.data_addr.to_string(),
         "socket": node.cfg.socket,
         "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory.0 },

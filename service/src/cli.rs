@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use serde::Serialize;
-use shardwire_config::{ByteSize, LogFormat, ServeConfig, SourceConfig};
+use shardwire_config::{ByteSize, LogFormat, MemoryMode, ServeConfig, SourceConfig};
 
 /// GPU-direct data ingestion for ML training.
 #[derive(Parser, Debug)]
@@ -48,6 +48,12 @@ enum Cmd {
     },
     /// Probe the network interfaces for devmem TCP (driver, queues, header split, trial bind).
     Nics {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Probe for CUDA GPUs (driver, devices, dma-buf and VMM support) and say what `auto` picks.
+    Gpus {
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -164,10 +170,23 @@ pub struct ServeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     secret_file: Option<PathBuf>,
+    /// Memory for shards: auto (the best available, with the reason), host or cuda.
+    #[arg(long, value_parser = parse_memory)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory: Option<MemoryMode>,
     /// Log format: text or json.
     #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<LogFormat>,
+}
+
+fn parse_memory(s: &str) -> Result<MemoryMode, String> {
+    match s {
+        "auto" => Ok(MemoryMode::Auto),
+        "host" => Ok(MemoryMode::Host),
+        "cuda" => Ok(MemoryMode::Cuda),
+        other => Err(format!("`{other}` is not auto, host or cuda")),
+    }
 }
 
 /// Sets up logging on stderr; `RUST_LOG` syntax, default `info`.
@@ -290,6 +309,43 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Demo(a) => demo::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Status { admin, json } => crate::status::run(&admin, json),
+        Cmd::Gpus { json } => {
+            let p = shardwire_gpu::probe_gpus();
+            let auto = shardwire_gpu::choose_memory(shardwire_gpu::MemoryChoice::Auto, &p)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "probe": p, "auto": auto }))?
+                );
+            } else {
+                let version = p.driver_version.map_or("none".to_string(), |v| {
+                    format!("{}.{}", v / 1000, v % 1000 / 10)
+                });
+                println!(
+                    "CUDA driver: {} (version {version})",
+                    if p.driver_present {
+                        "present"
+                    } else {
+                        "absent"
+                    }
+                );
+                for d in &p.devices {
+                    println!(
+                        "GPU {} {} {} {} MiB dma-buf={} vmm={} rdma+vmm={}",
+                        d.ordinal,
+                        d.name,
+                        d.pci_bus_id,
+                        d.total_memory >> 20,
+                        d.dma_buf_supported,
+                        d.vmm_supported,
+                        d.gpu_direct_rdma_with_cuda_vmm_supported
+                    );
+                }
+                println!("{}", p.reason);
+                println!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Nics { json } => {
             let nics = shardwire_devmem::probe::probe_nics();
             if json {

@@ -111,3 +111,51 @@ fn nics_reports_loopback_as_not_devmem_capable_with_the_kernel_reason() {
         "{reason}"
     );
 }
+
+#[test]
+fn memory_cuda_without_a_gpu_refuses_to_start_and_auto_says_why_it_chose_host() {
+    let dir = std::env::temp_dir().join(format!("sw-cuda-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args([
+            "serve",
+            "--source",
+            "127.0.0.1:9",
+            "--memory",
+            "cuda",
+            "--data-listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+        ])
+        .arg("--socket")
+        .arg(dir.join("t.sock"))
+        .output()
+        .expect("run shardwire serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "serve --memory cuda started on a host without CUDA: {err}"
+    );
+    assert!(
+        err.contains("memory = \"cuda\"") && err.contains("libcuda"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["gpus", "--json"])
+        .output()
+        .expect("run shardwire gpus");
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    if v["probe"]["driver_present"] == false {
+        assert_eq!(v["auto"]["memory"], "host", "{v}");
+        assert!(
+            v["auto"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("no CUDA driver"),
+            "{v}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -75,6 +75,8 @@ pub struct Node {
     pub drain_requested: tokio::sync::Notify,
     /// Bearer token for mutating admin endpoints.
     pub admin_token: Option<Vec<u8>>,
+    /// The GPU probe taken at start.
+    pub gpus: shardwire_gpu::GpuProbe,
     /// The NIC capability probe taken at start.
     pub nics: Vec<shardwire_devmem::probe::NicReport>,
     /// Per data connection: (source, conn, counters).
@@ -156,6 +158,9 @@ pub enum StartError {
         /// What is wrong.
         reason: String,
     },
+    /// The configured memory kind is not available.
+    #[error("{0}")]
+    Memory(String),
     /// No sources.
     #[error("no sources configured: give --source HOST:PORT (or `sources` in the config file)")]
     NoSources,
@@ -215,9 +220,21 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     } else {
         format!("devmem-capable NICs: {}", capable.join(", "))
     };
+    let gpus = tokio::task::spawn_blocking(shardwire_gpu::probe_gpus)
+        .await
+        .map_err(|e| StartError::Memory(e.to_string()))?;
+    let choice = match cfg.memory {
+        shardwire_config::MemoryMode::Auto => shardwire_gpu::MemoryChoice::Auto,
+        shardwire_config::MemoryMode::Host => shardwire_gpu::MemoryChoice::Host,
+        shardwire_config::MemoryMode::Cuda => shardwire_gpu::MemoryChoice::Cuda,
+    };
+    let memory = shardwire_gpu::choose_memory(choice, &gpus)
+        .map_err(|e| StartError::Memory(e.to_string()))?;
     let mode_reason = format!(
-        "receive=host, memory=host (configured): {}; {probe}; CUDA memory is not built into this version",
-        shardwire_devmem::host_mode_reason()
+        "receive=host: {}; {probe}. memory={}: {}",
+        shardwire_devmem::host_mode_reason(),
+        memory.memory,
+        memory.reason
     );
     let node = Arc::new(Node {
         secret,
@@ -232,6 +249,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         mode_reason,
         flows: Mutex::new(Vec::new()),
         nics,
+        gpus,
         draining: std::sync::atomic::AtomicBool::new(false),
         drain_requested: tokio::sync::Notify::new(),
         admin_token,
