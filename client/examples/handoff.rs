@@ -4,8 +4,12 @@
 //!
 //! ```sh
 //! cargo run --release -p shardwire-client --example handoff -- SOCKET DATASET N \
-//!     [--warmup W] [--http HOST:PORT] [--settle-ms MS]
+//!     [--warmup W] [--http HOST:PORT] [--settle-ms MS] [--cases LIST]
 //! ```
+//!
+//! `--cases` picks measurements (comma-separated, default all): `pingpong` (the floor: a bare
+//! Unix-socket ping-pong of 32 bytes between two threads, no shardwire code), `next` (`next` +
+//! `release`), `next_after`, `http`.
 //!
 //! The stream is opened with enough epochs for `W + N` batches; the example then waits until
 //! the node has them all ready (polling the admin API's `/v1/streams` when `--http` names it,
@@ -29,16 +33,27 @@ struct Args {
     warmup: usize,
     http: Option<String>,
     settle: Duration,
+    cases: Vec<String>,
+}
+
+impl Args {
+    fn case(&self, name: &str) -> bool {
+        self.cases.iter().any(|c| c == name || c == "all")
+    }
 }
 
 fn usage() -> ! {
-    eprintln!("usage: handoff SOCKET DATASET N [--warmup W] [--http HOST:PORT] [--settle-ms MS]");
+    eprintln!(
+        "usage: handoff SOCKET DATASET N [--warmup W] [--http HOST:PORT] [--settle-ms MS] \
+         [--cases pingpong,next,next_after,http]"
+    );
     std::process::exit(2)
 }
 
 fn args() -> Args {
     let mut pos = Vec::new();
     let (mut warmup, mut http, mut settle) = (200, None, 2000);
+    let mut cases = vec!["all".to_string()];
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -49,6 +64,14 @@ fn args() -> Args {
                     .unwrap_or_else(|| usage())
             }
             "--http" => http = Some(it.next().unwrap_or_else(|| usage())),
+            "--cases" => {
+                cases = it
+                    .next()
+                    .unwrap_or_else(|| usage())
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            }
             "--settle-ms" => {
                 settle = it
                     .next()
@@ -67,6 +90,7 @@ fn args() -> Args {
         warmup,
         http,
         settle: Duration::from_millis(settle),
+        cases,
     }
 }
 
@@ -132,45 +156,77 @@ fn report(name: &str, mut v: Vec<Duration>) {
     );
 }
 
+/// The floor: a bare ping-pong of 32 bytes over a Unix socket pair between two threads.
+fn pingpong(a: &Args) -> Result<(), Error> {
+    let (mut c, mut s) = std::os::unix::net::UnixStream::pair()?;
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 32];
+        while s.read_exact(&mut buf).is_ok() {
+            if s.write_all(&buf).is_err() {
+                break;
+            }
+        }
+    });
+    let mut buf = [7u8; 32];
+    let mut times = Vec::with_capacity(a.n);
+    for i in 0..a.warmup + a.n {
+        let t = Instant::now();
+        c.write_all(&buf)?;
+        c.read_exact(&mut buf)?;
+        if i >= a.warmup {
+            times.push(t.elapsed());
+        }
+    }
+    drop(c);
+    echo.join().map_err(|_| "echo thread panicked")?;
+    report("socket ping-pong floor (32 B, no shardwire)", times);
+    Ok(())
+}
+
 fn main() -> Result<(), Error> {
     let a = args();
     let total = (a.warmup + a.n) as u64;
+    if a.case("pingpong") {
+        pingpong(&a)?;
+    }
 
     // A probe learns the batches per epoch (the plan), so the stream can hold W + N batches.
     let per_epoch = Stream::open(&a.socket, StreamOptions::new(a.dataset.clone()))?
         .info
         .batches_per_epoch;
 
-    let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
-    settle(&a, s.info.stream, total)?;
-    let mut times = Vec::with_capacity(a.n);
-    for i in 0..a.warmup + a.n {
-        let t = Instant::now();
-        let b = s.next()?.ok_or("the stream ended early")?;
-        s.release(b)?;
-        if i >= a.warmup {
-            times.push(t.elapsed());
+    if a.case("next") {
+        let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
+        settle(&a, s.info.stream, total)?;
+        let mut times = Vec::with_capacity(a.n);
+        for i in 0..a.warmup + a.n {
+            let t = Instant::now();
+            let b = s.next()?.ok_or("the stream ended early")?;
+            s.release(b)?;
+            if i >= a.warmup {
+                times.push(t.elapsed());
+            }
         }
+        report("socket next+release", times);
     }
-    report("socket next+release", times);
-    drop(s);
 
     // The training-loop form: release the previous batch on the `next` request itself.
-    let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
-    settle(&a, s.info.stream, total)?;
-    let mut times = Vec::with_capacity(a.n);
-    let mut prev = s.next()?.ok_or("the stream ended early")?;
-    for i in 1..a.warmup + a.n {
-        let t = Instant::now();
-        prev = s.next_after(prev)?.ok_or("the stream ended early")?;
-        if i >= a.warmup {
-            times.push(t.elapsed());
+    if a.case("next_after") {
+        let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
+        settle(&a, s.info.stream, total)?;
+        let mut times = Vec::with_capacity(a.n);
+        let mut prev = s.next()?.ok_or("the stream ended early")?;
+        for i in 1..a.warmup + a.n {
+            let t = Instant::now();
+            prev = s.next_after(prev)?.ok_or("the stream ended early")?;
+            if i >= a.warmup {
+                times.push(t.elapsed());
+            }
         }
+        report("socket next_after (release rides on next)", times);
     }
-    report("socket next_after (release rides on next)", times);
-    drop((prev, s));
 
-    if let Some(admin) = &a.http {
+    if let Some(admin) = a.http.as_ref().filter(|_| a.case("http")) {
         for download in [false, true] {
             let mut s = HttpStream::open(admin, options(&a, per_epoch))?;
             settle(&a, s.info.stream, total)?;
