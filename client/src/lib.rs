@@ -268,11 +268,11 @@ impl Stream {
 
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
         self.frame.clear();
-        trainer::encode(req, &mut self.frame);
+        req.encode(&mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])?;
         let mut fds = Vec::new();
         let body = self.reader.read(&self.sock, &mut fds)?;
-        match trainer::decode::<Response>(body).map_err(fdpass::FrameIoError::from)? {
+        match Response::decode(body).map_err(fdpass::FrameIoError::from)? {
             Response::Error { code, message } => Err(ClientError::Service { code, message }),
             r => Ok(r),
         }

@@ -181,8 +181,337 @@ pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, TrainerDecode
     Ok(serde_json::from_slice(body)?)
 }
 
+impl Request {
+    /// Appends this request as a frame: the same bytes as [`encode`], faster for `next`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Self::Next {
+                timeout_ms,
+                release,
+            } => frame(out, |out| fast::encode_next(*timeout_ms, release, out)),
+            other => encode(other, out),
+        }
+    }
+
+    /// Decodes a request body: the same result as [`decode`], faster for `next`.
+    pub fn decode(body: &[u8]) -> Result<Self, TrainerDecodeError> {
+        match fast::decode_next(body) {
+            Some(r) => Ok(r),
+            None => decode(body),
+        }
+    }
+}
+
+impl Response {
+    /// Appends this response as a frame: the same bytes as [`encode`], faster for `batch`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Self::Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+            } => frame(out, |out| {
+                fast::encode_batch(*lease, *epoch, *index, *shard, tensors, out)
+            }),
+            other => encode(other, out),
+        }
+    }
+
+    /// Decodes a response body: the same result as [`decode`], faster for `batch`.
+    pub fn decode(body: &[u8]) -> Result<Self, TrainerDecodeError> {
+        match fast::decode_batch(body) {
+            Some(r) => Ok(r),
+            None => decode(body),
+        }
+    }
+}
+
+/// Appends a length prefix and the body `body` writes.
+fn frame(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    body(out);
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+/// The hot messages of a training loop (`next` and its `batch` answer), written and read by
+/// hand. serde's derived code for an internally tagged enum first buffers the whole object
+/// into a generic tree to find the tag; for these small messages that costs several times the
+/// parse itself, on the critical path of every hand-off.
+///
+/// The writers produce exactly the bytes `serde_json` produces. The readers accept only the
+/// compact form (no whitespace, known fields in the order the writers use, for `next` in any
+/// order; strings without escapes; plain decimal numbers) and return `None` for anything else,
+/// which the callers then hand to the derived decoder: what is accepted, and every error
+/// message, stay those of the derived code.
+mod fast {
+    use super::{Request, Response, TensorView};
+    use crate::DType;
+
+    fn push_u64(out: &mut Vec<u8>, mut v: u64) {
+        let mut buf = [0u8; 20];
+        let mut i = buf.len();
+        loop {
+            i -= 1;
+            buf[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        out.extend_from_slice(&buf[i..]);
+    }
+
+    /// A JSON string, escaped as `serde_json` escapes it.
+    fn push_str(out: &mut Vec<u8>, s: &str) {
+        if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+            out.push(b'"');
+            out.extend_from_slice(s.as_bytes());
+            out.push(b'"');
+        } else {
+            serde_json::to_writer(&mut *out, s).expect("a string serialises");
+        }
+    }
+
+    pub(super) fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) {
+        out.extend_from_slice(br#"{"op":"next","timeout_ms":"#);
+        match timeout_ms {
+            Some(t) => push_u64(out, t),
+            None => out.extend_from_slice(b"null"),
+        }
+        if !release.is_empty() {
+            out.extend_from_slice(br#","release":["#);
+            for (k, l) in release.iter().enumerate() {
+                if k > 0 {
+                    out.push(b',');
+                }
+                push_u64(out, *l);
+            }
+            out.push(b']');
+        }
+        out.push(b'}');
+    }
+
+    pub(super) fn encode_batch(
+        lease: u64,
+        epoch: u32,
+        index: u64,
+        shard: u32,
+        tensors: &[TensorView],
+        out: &mut Vec<u8>,
+    ) {
+        out.extend_from_slice(br#"{"op":"batch","lease":"#);
+        push_u64(out, lease);
+        out.extend_from_slice(br#","epoch":"#);
+        push_u64(out, epoch.into());
+        out.extend_from_slice(br#","index":"#);
+        push_u64(out, index);
+        out.extend_from_slice(br#","shard":"#);
+        push_u64(out, shard.into());
+        out.extend_from_slice(br#","tensors":["#);
+        for (k, t) in tensors.iter().enumerate() {
+            if k > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(br#"{"name":"#);
+            push_str(out, &t.name);
+            out.extend_from_slice(br#","dtype":""#);
+            out.extend_from_slice(t.dtype.name().as_bytes());
+            out.extend_from_slice(br#"","shape":["#);
+            for (j, d) in t.shape.iter().enumerate() {
+                if j > 0 {
+                    out.push(b',');
+                }
+                push_u64(out, *d);
+            }
+            out.extend_from_slice(br#"],"offset":"#);
+            push_u64(out, t.offset);
+            out.extend_from_slice(br#","length":"#);
+            push_u64(out, t.length);
+            out.push(b'}');
+        }
+        out.extend_from_slice(b"]}");
+    }
+
+    /// A reader of the compact form; every method returns `None` on anything unexpected.
+    struct Cursor<'a> {
+        b: &'a [u8],
+        i: usize,
+    }
+
+    impl<'a> Cursor<'a> {
+        fn lit(&mut self, s: &[u8]) -> Option<()> {
+            if self.b[self.i..].starts_with(s) {
+                self.i += s.len();
+                Some(())
+            } else {
+                None
+            }
+        }
+
+        fn eat(&mut self, s: &[u8]) -> bool {
+            self.lit(s).is_some()
+        }
+
+        /// A plain decimal: no sign, fraction, exponent or leading zero.
+        fn u64(&mut self) -> Option<u64> {
+            let digits = self.b[self.i..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            if digits == 0 || (digits > 1 && self.b[self.i] == b'0') {
+                return None;
+            }
+            let mut v: u64 = 0;
+            for &d in &self.b[self.i..self.i + digits] {
+                v = v.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+            }
+            self.i += digits;
+            Some(v)
+        }
+
+        fn u32(&mut self) -> Option<u32> {
+            u32::try_from(self.u64()?).ok()
+        }
+
+        /// `[n,n,...]`.
+        fn u64s(&mut self) -> Option<Vec<u64>> {
+            self.lit(b"[")?;
+            let mut v = Vec::new();
+            if self.eat(b"]") {
+                return Some(v);
+            }
+            loop {
+                v.push(self.u64()?);
+                if !self.eat(b",") {
+                    self.lit(b"]")?;
+                    return Some(v);
+                }
+            }
+        }
+
+        /// A string without escapes or control characters.
+        fn str(&mut self) -> Option<&'a str> {
+            self.lit(b"\"")?;
+            let rest = &self.b[self.i..];
+            let n = rest
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+            if rest[n] != b'"' {
+                return None;
+            }
+            let s = std::str::from_utf8(&rest[..n]).ok()?;
+            self.i += n + 1;
+            Some(s)
+        }
+
+        fn end(&self) -> Option<()> {
+            (self.i == self.b.len()).then_some(())
+        }
+    }
+
+    fn dtype(name: &str) -> Option<DType> {
+        Some(match name {
+            "int8" => DType::Int8,
+            "int16" => DType::Int16,
+            "int32" => DType::Int32,
+            "int64" => DType::Int64,
+            "uint8" => DType::Uint8,
+            "uint16" => DType::Uint16,
+            "uint32" => DType::Uint32,
+            "uint64" => DType::Uint64,
+            "float16" => DType::Float16,
+            "float32" => DType::Float32,
+            "float64" => DType::Float64,
+            _ => return None,
+        })
+    }
+
+    /// `{"op":"next"` then `timeout_ms` (a number or null) and `release`, each at most once.
+    pub(super) fn decode_next(body: &[u8]) -> Option<Request> {
+        let mut c = Cursor { b: body, i: 0 };
+        c.lit(br#"{"op":"next""#)?;
+        let (mut timeout_ms, mut release) = (None, None);
+        while !c.eat(b"}") {
+            if c.eat(br#","timeout_ms":"#) {
+                if timeout_ms.is_some() {
+                    return None; // duplicate: the derived decoder words the error
+                }
+                timeout_ms = Some(if c.eat(b"null") { None } else { Some(c.u64()?) });
+            } else if c.eat(br#","release":"#) {
+                if release.is_some() {
+                    return None;
+                }
+                release = Some(c.u64s()?);
+            } else {
+                return None;
+            }
+        }
+        c.end()?;
+        Some(Request::Next {
+            timeout_ms: timeout_ms.flatten(),
+            release: release.unwrap_or_default(),
+        })
+    }
+
+    /// Exactly what [`encode_batch`] writes (strings without escapes).
+    pub(super) fn decode_batch(body: &[u8]) -> Option<Response> {
+        let mut c = Cursor { b: body, i: 0 };
+        c.lit(br#"{"op":"batch","lease":"#)?;
+        let lease = c.u64()?;
+        c.lit(br#","epoch":"#)?;
+        let epoch = c.u32()?;
+        c.lit(br#","index":"#)?;
+        let index = c.u64()?;
+        c.lit(br#","shard":"#)?;
+        let shard = c.u32()?;
+        c.lit(br#","tensors":["#)?;
+        let mut tensors = Vec::new();
+        if !c.eat(b"]") {
+            loop {
+                c.lit(br#"{"name":"#)?;
+                let name = c.str()?.to_owned();
+                c.lit(br#","dtype":"#)?;
+                let dtype = dtype(c.str()?)?;
+                c.lit(br#","shape":"#)?;
+                let shape = c.u64s()?;
+                c.lit(br#","offset":"#)?;
+                let offset = c.u64()?;
+                c.lit(br#","length":"#)?;
+                let length = c.u64()?;
+                c.lit(b"}")?;
+                tensors.push(TensorView {
+                    name,
+                    dtype,
+                    shape,
+                    offset,
+                    length,
+                });
+                if !c.eat(b",") {
+                    c.lit(b"]")?;
+                    break;
+                }
+            }
+        }
+        c.lit(b"}")?;
+        c.end()?;
+        Some(Response::Batch {
+            lease,
+            epoch,
+            index,
+            shard,
+            tensors,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -208,6 +537,175 @@ mod tests {
             decode::<Request>(&buf[4..4 + len]).unwrap(),
             Request::Release { lease: 9 }
         );
+    }
+
+    /// `Request::decode` and `Response::decode` agree with the derived decoder: same value or
+    /// the same error message.
+    fn same_as_derived(body: &[u8]) {
+        let (fast, slow) = (Request::decode(body), decode::<Request>(body));
+        match (&fast, &slow) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            _ => panic!(
+                "{}: fast {fast:?} derived {slow:?}",
+                String::from_utf8_lossy(body)
+            ),
+        }
+        let (fast, slow) = (Response::decode(body), decode::<Response>(body));
+        match (&fast, &slow) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            _ => panic!(
+                "{}: fast {fast:?} derived {slow:?}",
+                String::from_utf8_lossy(body)
+            ),
+        }
+    }
+
+    #[test]
+    fn hot_messages_decode_like_the_derived_code() {
+        for body in [
+            r#"{"op":"next"}"#,
+            r#"{"op":"next","timeout_ms":null}"#,
+            r#"{"op":"next","timeout_ms":250,"release":[1,2]}"#,
+            r#"{"op":"next","release":[7],"timeout_ms":5}"#,
+            r#"{"op":"next","release":[]}"#,
+            r#"{"op":"next","release":[7],"release":[8]}"#,
+            r#"{"op":"next","timeout_ms":1,"timeout_ms":2}"#,
+            r#"{"op":"next","timeout_ms":01}"#,
+            r#"{"op":"next","timeout_ms":-1}"#,
+            r#"{"op":"next","timeout_ms":1.5}"#,
+            r#"{"op":"next","timeout_ms":18446744073709551616}"#,
+            r#"{"op":"next","bogus":1}"#,
+            r#"{"op":"next"} "#,
+            r#"{"op": "next", "release": [3]}"#,
+            r#"{"release":[3],"op":"next"}"#,
+            r#"{"op":"nexts"}"#,
+            r#"{"op":"next","release":[1,]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"float32","shape":[2,3],"offset":64,"length":24},{"name":"y","dtype":"int64","shape":[],"offset":0,"length":8}]}"#,
+            r#"{"op":"batch","lease":1,"epoch":4294967296,"index":2,"shard":3,"tensors":[]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x\"y","dtype":"uint8","shape":[1],"offset":0,"length":1}]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"complex64","shape":[1],"offset":0,"length":1}]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"dtype":"uint8","name":"x","shape":[1],"offset":0,"length":1}]}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[],"extra":1}"#,
+            r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3}"#,
+            r#"{"op":"released"}"#,
+            r#"{"op":"error","code":"closed","message":"bye"}"#,
+        ] {
+            same_as_derived(body.as_bytes());
+        }
+        same_as_derived(b"{\"op\":\"batch\",\"lease\":1,\"epoch\":0,\"index\":2,\"shard\":3,\"tensors\":[{\"name\":\"\xff\",\"dtype\":\"uint8\",\"shape\":[1],\"offset\":0,\"length\":1}]}");
+    }
+
+    #[test]
+    fn the_hot_path_reads_what_the_writers_write() {
+        for body in [
+            &br#"{"op":"next","timeout_ms":null,"release":[9]}"#[..],
+            br#"{"op":"next","release":[9]}"#, // the Python SDK's form
+            br#"{"op":"next","timeout_ms":250}"#,
+        ] {
+            assert!(fast::decode_next(body).is_some(), "{body:?}");
+        }
+        let b = br#"{"op":"batch","lease":7,"epoch":1,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"float32","shape":[2,3],"offset":64,"length":24}]}"#;
+        assert!(fast::decode_batch(b).is_some());
+    }
+
+    fn dtypes() -> impl Strategy<Value = DType> {
+        prop_oneof![
+            Just(DType::Int8),
+            Just(DType::Int16),
+            Just(DType::Int32),
+            Just(DType::Int64),
+            Just(DType::Uint8),
+            Just(DType::Uint16),
+            Just(DType::Uint32),
+            Just(DType::Uint64),
+            Just(DType::Float16),
+            Just(DType::Float32),
+            Just(DType::Float64),
+        ]
+    }
+
+    fn batches() -> impl Strategy<Value = Response> {
+        let tensor = (
+            prop_oneof![any::<String>(), "[a-z0-9_./]{0,12}"],
+            dtypes(),
+            proptest::collection::vec(any::<u64>(), 0..4),
+            any::<u64>(),
+            any::<u64>(),
+        )
+            .prop_map(|(name, dtype, shape, offset, length)| TensorView {
+                name,
+                dtype,
+                shape,
+                offset,
+                length,
+            });
+        (
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u32>(),
+            proptest::collection::vec(tensor, 0..4),
+        )
+            .prop_map(|(lease, epoch, index, shard, tensors)| Response::Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+            })
+    }
+
+    fn nexts() -> impl Strategy<Value = Request> {
+        (
+            proptest::option::of(any::<u64>()),
+            proptest::collection::vec(any::<u64>(), 0..4),
+        )
+            .prop_map(|(timeout_ms, release)| Request::Next {
+                timeout_ms,
+                release,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn hot_messages_encode_like_serde_and_round_trip(b in batches(), n in nexts()) {
+            let (mut fast, mut slow) = (Vec::new(), Vec::new());
+            b.encode(&mut fast);
+            encode(&b, &mut slow);
+            prop_assert_eq!(&fast, &slow);
+            prop_assert_eq!(Response::decode(&fast[4..]).unwrap(), b);
+            let (mut fast, mut slow) = (Vec::new(), Vec::new());
+            n.encode(&mut fast);
+            encode(&n, &mut slow);
+            prop_assert_eq!(&fast, &slow);
+            prop_assert_eq!(Request::decode(&fast[4..]).unwrap(), n);
+        }
+
+        #[test]
+        fn mangled_hot_messages_decode_like_the_derived_code(
+            b in batches(),
+            n in nexts(),
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..4),
+        ) {
+            for msg in [serde_json::to_vec(&b).unwrap(), serde_json::to_vec(&n).unwrap()] {
+                let mut body = msg.clone();
+                for (at, byte, how) in &edits {
+                    if body.is_empty() {
+                        break;
+                    }
+                    let i = at.index(body.len());
+                    match how {
+                        0 => body[i] = *byte,
+                        1 => { body.remove(i); }
+                        _ => body.insert(i, *byte),
+                    }
+                }
+                same_as_derived(&body);
+            }
+        }
     }
 
     #[test]

@@ -60,7 +60,7 @@ fn reply(
     fds: &[std::os::fd::BorrowedFd<'_>],
 ) -> Result<(), FrameIoError> {
     let mut frame = Vec::with_capacity(256);
-    trainer::encode(r, &mut frame);
+    r.encode(&mut frame);
     fdpass::send_frame(sock, &frame, fds)
 }
 
@@ -102,7 +102,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     let mut stream: Option<Arc<StreamShared>> = None;
     loop {
         let req = match reader.read(&sock, &mut fds) {
-            Ok(body) => match trainer::decode::<Request>(body) {
+            Ok(body) => match Request::decode(body) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
