@@ -8,16 +8,23 @@
 //!   and [`socket::TokenBatcher`] for `SO_DEVMEM_DONTNEED`.
 //! * [`cmsg`]: the pure, fuzzed parser of devmem control messages.
 //! * [`probe`]: the per-NIC capability probe behind `shardwire nics` and `/v1/nics`.
+//! * [`mem`]: the CPU mapping of an RX dma-buf that frags are copied out of.
+//! * [`gather`]: turns one receive's frags into contiguous shard bytes.
+//! * [`emu`]: the kernel-faithful emulator of devmem RX used where no devmem NIC exists.
 //!
 //! The socket-level UAPI constants below are checked at compile time against the `libc`
 //! crate. Source: include/uapi/asm-generic/socket.h and include/uapi/linux/uio.h (Linux
 //! 6.12+).
 //!
 //! `unsafe` is denied crate-wide and allowed only in the private `sys` module, where each
-//! syscall sits behind a small safe function with a `// SAFETY:` comment.
+//! syscall sits behind a small safe function with a `// SAFETY:` comment, in [`mem`] (the
+//! mapping and its copies) and at the one place the emulator writes a net_iov page.
 #![deny(unsafe_code)]
 
 pub mod cmsg;
+pub mod emu;
+pub mod gather;
+pub mod mem;
 pub mod netdev;
 mod nl;
 pub mod probe;
@@ -27,7 +34,7 @@ mod sys;
 
 pub use netdev::{NetdevClient, NetdevError, RxBinding, TxBinding, bind_rx, bind_tx};
 pub use probe::{NicReport, probe_nics};
-pub use socket::{DevmemError, DevmemSocket, RecvBatch, TokenBatcher};
+pub use socket::{DevmemError, DevmemRecv, DevmemSocket, RecvBatch, TokenBatcher};
 
 /// `SO_DEVMEM_LINEAR` / `SCM_DEVMEM_LINEAR` (asm-generic).
 pub const SO_DEVMEM_LINEAR: i32 = 78;

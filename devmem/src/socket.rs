@@ -151,19 +151,37 @@ impl<S: AsFd> DevmemSocket<S> {
         let capacity = self.control.len();
         let out = sys::recvmsg_devmem(self.sock.as_fd(), iov_buf, &mut self.control, 0)
             .map_err(|e| recv_error(e, capacity))?;
-        let control = &self.control[..out.control_len];
-        let summary = crate::cmsg::summarize(control)?;
-        Ok(RecvBatch {
-            bytes: out.bytes,
-            control,
-            summary,
-            ctrunc: out.msg_flags & libc::MSG_CTRUNC != 0,
-        })
+        RecvBatch::parse(
+            out.bytes,
+            &self.control[..out.control_len],
+            out.msg_flags & libc::MSG_CTRUNC != 0,
+        )
     }
 
     /// Return the tokens collected in `batcher` on this socket (see [`TokenBatcher::flush`]).
     pub fn return_tokens(&self, batcher: &mut TokenBatcher) -> Result<usize, DevmemError> {
         batcher.flush(self.sock.as_fd())
+    }
+}
+
+/// A devmem receive endpoint: the real kernel socket ([`DevmemSocket`]) or the emulator
+/// ([`crate::emu::EmuSocket`]). The receive path (gather, token return) is written against
+/// this, so the same code runs on hardware and in tests.
+pub trait DevmemRecv {
+    /// One `recvmsg(MSG_SOCK_DEVMEM)` of at most `iov_buf.len()` bytes (see
+    /// [`DevmemSocket::recv_frags`]).
+    fn recv_frags(&mut self, iov_buf: &mut [u8]) -> Result<RecvBatch<'_>, DevmemError>;
+    /// Return the tokens pending in `batcher` with `SO_DEVMEM_DONTNEED`.
+    fn return_tokens(&mut self, batcher: &mut TokenBatcher) -> Result<usize, DevmemError>;
+}
+
+impl<S: AsFd> DevmemRecv for DevmemSocket<S> {
+    fn recv_frags(&mut self, iov_buf: &mut [u8]) -> Result<RecvBatch<'_>, DevmemError> {
+        DevmemSocket::recv_frags(self, iov_buf)
+    }
+
+    fn return_tokens(&mut self, batcher: &mut TokenBatcher) -> Result<usize, DevmemError> {
+        DevmemSocket::return_tokens(self, batcher)
     }
 }
 
@@ -177,6 +195,21 @@ pub struct RecvBatch<'a> {
 }
 
 impl<'a> RecvBatch<'a> {
+    /// Validate `control` (the bytes the kernel wrote) and describe the call.
+    pub(crate) fn parse(
+        bytes: usize,
+        control: &'a [u8],
+        ctrunc: bool,
+    ) -> Result<Self, DevmemError> {
+        let summary = crate::cmsg::summarize(control)?;
+        Ok(Self {
+            bytes,
+            control,
+            summary,
+            ctrunc,
+        })
+    }
+
     /// The return value of `recvmsg`: linear + ordinary + devmem bytes.
     pub fn bytes(&self) -> usize {
         self.bytes

@@ -254,3 +254,29 @@ pub(crate) fn recv_trunc(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize
         }
     }
 }
+
+/// `recvmsg(fd, {iov: bufs}, flags)` without control data: a vectored receive with flags
+/// (the emulator's "NIC DMA" of TCP bytes into net_iov pages).
+pub(crate) fn recv_vectored(
+    fd: BorrowedFd<'_>,
+    bufs: &mut [io::IoSliceMut<'_>],
+    flags: i32,
+) -> io::Result<usize> {
+    // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSliceMut` is guaranteed ABI-compatible with `iovec` on Unix.
+    msg.msg_iov = bufs.as_mut_ptr().cast();
+    msg.msg_iovlen = bufs.len() as _;
+    loop {
+        // SAFETY: `fd` is live; `msg` points at `bufs.len()` iovecs, each describing a live
+        // slice valid for writes of its length, all outliving the call; no control buffer.
+        let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}

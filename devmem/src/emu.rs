@@ -1,0 +1,547 @@
+//! A kernel-faithful devmem RX emulator (DESIGN §8.4) for machines without a devmem NIC.
+//!
+//! Real TCP bytes from a real socket are "DMA'd" (a vectored `recvmsg`) into 4 KiB net_iov
+//! pages of a memfd standing in for the dma-buf, at offsets taken from a freelist shared by
+//! every socket of the binding. [`EmuSocket::recv_frags`] then describes them exactly as the
+//! kernel's `tcp_recvmsg_dmabuf` does (reference devmem.md §4.4–4.5):
+//!
+//! * one `SCM_DEVMEM_DMABUF` cmsg per frag (offset, size, token, dmabuf id), written in the
+//!   kernel's layout into the caller's control buffer, never truncated: when the buffer is
+//!   full the call returns short, and `ETOOSMALL` (525) when not even one cmsg fits;
+//! * the request length caps devmem bytes too; a frag cut by it continues in the next call
+//!   with a new token (each token holds its own reference on the net_iov);
+//! * tokens are per socket, allocated lowest-free from 1 (an `XA_FLAGS_ALLOC1` xarray), so
+//!   after out-of-order returns they are not consecutive;
+//! * `SO_DEVMEM_DONTNEED` semantics: EINVAL for 0 or more than 128 ranges, frags past 1024
+//!   per call silently not freed, unknown or repeated tokens skipped and not counted, the
+//!   return value is the number freed;
+//! * optionally some packets arrive whole in the linear part (`SCM_DEVMEM_LINEAR`, bytes
+//!   copied into the iov), as when header split fails for them;
+//! * pool exhaustion: with no free net_iov, no bytes can land; `recv_frags` waits (the NIC
+//!   would drop and TCP retransmit), so a receiver that does not return tokens stalls its
+//!   peers: backpressure, never loss;
+//! * closing the socket releases its outstanding tokens and queued packets.
+//!
+//! Our real parser ([`crate::cmsg`]), token batching ([`crate::TokenBatcher`]) and gather
+//! ([`crate::gather`]) run unchanged on its output: it implements [`crate::DevmemRecv`].
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::io::{self, IoSliceMut};
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::cmsg::{CMSG_HDR_LEN, DMABUF_CMSG_LEN, DMABUF_CMSG_SPACE as CMSG_SPACE, synth};
+use crate::mem::DmabufMem;
+use crate::socket::{DEFAULT_CONTROL_LEN, DevmemError, RecvBatch, TokenBatcher};
+use crate::{
+    DevmemRecv, MAX_DONTNEED_FRAGS, MAX_DONTNEED_TOKENS, SO_DEVMEM_DMABUF, SO_DEVMEM_LINEAR, sys,
+};
+
+/// Size of one net_iov (PAGE_SIZE; 7.3+ can configure larger ones).
+pub const NIOV_SIZE: usize = 4096;
+/// Fewest net_iovs a binding may have (a few packets per socket must fit).
+pub const MIN_NIOVS: usize = 16;
+/// Most net_iovs one fill takes (the NIC refills its ring in bursts).
+const FILL_BURST: usize = 64;
+
+/// Knobs of the emulated NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmuConfig {
+    /// Payload bytes per packet, at most [`NIOV_SIZE`] (a NIC with a 4 KiB buffer and a
+    /// 4 KiB MTU fills whole pages; 1448 models a 1500-byte MTU).
+    pub frag_max: usize,
+    /// Every Nth packet lands in the linear part (`SCM_DEVMEM_LINEAR`); 0 = never.
+    pub linear_every: u64,
+}
+
+impl Default for EmuConfig {
+    fn default() -> Self {
+        Self {
+            frag_max: NIOV_SIZE,
+            linear_every: 0,
+        }
+    }
+}
+
+/// Errors creating an emulated binding.
+#[derive(Debug, thiserror::Error)]
+pub enum EmuError {
+    /// The memfd standing in for the dma-buf could not be created or mapped.
+    #[error("emulated dma-buf of {bytes} bytes: {source}")]
+    Memory {
+        /// Requested size.
+        bytes: usize,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Too small to hold [`MIN_NIOVS`] net_iovs.
+    #[error("emulated dma-buf of {bytes} bytes is below the minimum of {min} bytes")]
+    TooSmall {
+        /// Requested size.
+        bytes: usize,
+        /// The minimum.
+        min: usize,
+    },
+    /// `frag_max` out of 1..=4096.
+    #[error("emulated frag size {0} is outside 1..={NIOV_SIZE}")]
+    FragSize(usize),
+}
+
+#[derive(Debug)]
+struct Pool {
+    /// Free net_iov indices; a stack, like the kernel's freelist, so reuse reorders offsets.
+    free: Vec<u32>,
+    /// References per net_iov: the queued packet's own plus one per outstanding token.
+    refs: Vec<u32>,
+    /// Set by [`EmuBinding::unbind`]: fills fail from then on.
+    unbound: bool,
+}
+
+/// Counters of an emulated binding.
+#[derive(Debug, Default)]
+pub struct EmuStats {
+    /// Times a fill found no free net_iov and had to wait (pool exhaustion).
+    pub exhausted_waits: AtomicU64,
+    /// Frags handed out (DMABUF and LINEAR).
+    pub frags: AtomicU64,
+}
+
+/// An emulated RX binding: the "dma-buf" (a memfd), its net_iov freelist, and the id that
+/// frags carry as `dmabuf_id`.
+#[derive(Debug)]
+pub struct EmuBinding {
+    id: u32,
+    mem: DmabufMem,
+    pool: Mutex<Pool>,
+    freed: Condvar,
+    stats: EmuStats,
+}
+
+impl EmuBinding {
+    /// A binding with id `id` over a fresh memfd of `bytes` (rounded down to net_iovs).
+    pub fn new(id: u32, bytes: usize) -> Result<Arc<Self>, EmuError> {
+        let n = bytes / NIOV_SIZE;
+        if n < MIN_NIOVS {
+            return Err(EmuError::TooSmall {
+                bytes,
+                min: MIN_NIOVS * NIOV_SIZE,
+            });
+        }
+        let mem = DmabufMem::memfd("shardwire-devmem-emu", n * NIOV_SIZE)
+            .map_err(|source| EmuError::Memory { bytes, source })?;
+        Ok(Arc::new(Self {
+            id,
+            mem,
+            pool: Mutex::new(Pool {
+                free: (0..n as u32).rev().collect(),
+                refs: vec![0; n],
+                unbound: false,
+            }),
+            freed: Condvar::new(),
+            stats: EmuStats::default(),
+        }))
+    }
+
+    /// The binding id frags carry.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The memory frags point into (for the gather).
+    pub fn mem(&self) -> &DmabufMem {
+        &self.mem
+    }
+
+    /// Net_iovs in the binding.
+    pub fn num_niovs(&self) -> usize {
+        self.mem.len() / NIOV_SIZE
+    }
+
+    /// Net_iovs free now.
+    pub fn free_niovs(&self) -> usize {
+        self.lock().free.len()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &EmuStats {
+        &self.stats
+    }
+
+    /// Unbind: fills fail from now on (the queues went back to ordinary pages). Frags
+    /// already handed out stay valid until their tokens come back, as in the kernel.
+    pub fn unbind(&self) {
+        self.lock().unbound = true;
+        self.freed.notify_all();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Pop up to `want` free net_iovs, each with one reference (its packet's). With `wait`,
+    /// waits while none is free.
+    fn take(&self, want: usize, wait: bool, out: &mut Vec<u32>) -> io::Result<()> {
+        let mut p = self.lock();
+        loop {
+            if p.unbound {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    "the emulated binding was unbound",
+                ));
+            }
+            if !p.free.is_empty() || !wait {
+                break;
+            }
+            self.stats.exhausted_waits.fetch_add(1, Ordering::Relaxed);
+            p = self
+                .freed
+                .wait_timeout(p, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        for _ in 0..want {
+            let Some(i) = p.free.pop() else { break };
+            p.refs[i as usize] = 1;
+            out.push(i);
+        }
+        Ok(())
+    }
+
+    fn get(&self, p: &mut Pool, niov: u32) {
+        p.refs[niov as usize] += 1;
+    }
+
+    fn put(&self, p: &mut Pool, niov: u32) -> bool {
+        let r = &mut p.refs[niov as usize];
+        debug_assert!(*r > 0, "net_iov {niov} released more often than taken");
+        *r -= 1;
+        if *r == 0 {
+            p.free.push(niov);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn put_all(&self, niovs: impl IntoIterator<Item = u32>) {
+        let mut p = self.lock();
+        let mut any = false;
+        for n in niovs {
+            any |= self.put(&mut p, n);
+        }
+        drop(p);
+        if any {
+            self.freed.notify_all();
+        }
+    }
+}
+
+/// A received packet not yet fully handed out.
+#[derive(Debug)]
+struct Packet {
+    /// The net_iov it landed in; `None` when it landed in the linear part (`linear`).
+    niov: Option<u32>,
+    /// Linear bytes (packets that missed header split).
+    linear: Vec<u8>,
+    len: usize,
+    consumed: usize,
+}
+
+/// The per-socket token table: an `XA_FLAGS_ALLOC1` xarray (lowest free id from 1).
+#[derive(Debug, Default)]
+struct Tokens {
+    /// `slots[token - 1]` = net_iov + 1, or 0 when free.
+    slots: Vec<u32>,
+    free: BinaryHeap<Reverse<u32>>,
+    outstanding: usize,
+}
+
+impl Tokens {
+    fn alloc(&mut self, niov: u32) -> u32 {
+        let t = match self.free.pop() {
+            Some(Reverse(t)) => t,
+            None => {
+                self.slots.push(0);
+                self.slots.len() as u32
+            }
+        };
+        self.slots[t as usize - 1] = niov + 1;
+        self.outstanding += 1;
+        t
+    }
+
+    fn erase(&mut self, token: u32) -> Option<u32> {
+        let slot = self.slots.get_mut((token as usize).checked_sub(1)?)?;
+        if *slot == 0 {
+            return None;
+        }
+        let niov = *slot - 1;
+        *slot = 0;
+        self.free.push(Reverse(token));
+        self.outstanding -= 1;
+        Some(niov)
+    }
+}
+
+/// A TCP socket read through the emulated devmem path.
+#[derive(Debug)]
+pub struct EmuSocket {
+    sock: TcpStream,
+    binding: Arc<EmuBinding>,
+    cfg: EmuConfig,
+    control: Box<[u8]>,
+    queue: VecDeque<Packet>,
+    tokens: Tokens,
+    packets: u64,
+    scratch: Vec<u32>,
+}
+
+impl EmuSocket {
+    /// Wrap `sock` (blocking) with a [`DEFAULT_CONTROL_LEN`] control buffer.
+    pub fn new(
+        sock: TcpStream,
+        binding: Arc<EmuBinding>,
+        cfg: EmuConfig,
+    ) -> Result<Self, EmuError> {
+        Self::with_control_len(sock, binding, cfg, DEFAULT_CONTROL_LEN)
+    }
+
+    /// Wrap `sock` with a control buffer of `control_len` bytes.
+    pub fn with_control_len(
+        sock: TcpStream,
+        binding: Arc<EmuBinding>,
+        cfg: EmuConfig,
+        control_len: usize,
+    ) -> Result<Self, EmuError> {
+        if cfg.frag_max == 0 || cfg.frag_max > NIOV_SIZE {
+            return Err(EmuError::FragSize(cfg.frag_max));
+        }
+        Ok(Self {
+            sock,
+            binding,
+            cfg,
+            control: vec![0; control_len].into_boxed_slice(),
+            queue: VecDeque::new(),
+            tokens: Tokens::default(),
+            packets: 0,
+            scratch: Vec::with_capacity(FILL_BURST),
+        })
+    }
+
+    /// The binding.
+    pub fn binding(&self) -> &Arc<EmuBinding> {
+        &self.binding
+    }
+
+    /// Tokens handed out and not yet returned.
+    pub fn outstanding_tokens(&self) -> usize {
+        self.tokens.outstanding
+    }
+
+    /// The underlying socket.
+    pub fn get_ref(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. Returns false at
+    /// EOF or, when `!wait`, when nothing is available right now.
+    fn fill(&mut self, want_bytes: usize, wait: bool) -> io::Result<bool> {
+        let fm = self.cfg.frag_max;
+        let pages = want_bytes.div_ceil(fm).clamp(1, FILL_BURST);
+        self.scratch.clear();
+        let mut niovs = std::mem::take(&mut self.scratch);
+        self.binding.take(pages, wait, &mut niovs)?;
+        if niovs.is_empty() {
+            self.scratch = niovs;
+            return Ok(false);
+        }
+        #[allow(unsafe_code)] // page_mut: exclusivity comes from the freelist (SAFETY below)
+        let got = {
+            let mut bufs: Vec<IoSliceMut<'_>> = niovs
+                .iter()
+                .map(|&i| {
+                    // SAFETY: net_iov `i` just left the freelist and is referenced only by
+                    // this fill (refs == 1, not yet in any packet or token), so this is the
+                    // only access to its page until it is queued below.
+                    IoSliceMut::new(unsafe {
+                        self.binding.mem.page_mut(i as usize * NIOV_SIZE, fm)
+                    })
+                })
+                .collect();
+            let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
+            sys::recv_vectored(self.sock.as_fd(), &mut bufs, flags)
+        };
+        let n = match got {
+            Ok(n) => n,
+            Err(e) if !wait && e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(e) => {
+                self.binding.put_all(niovs.drain(..));
+                self.scratch = niovs;
+                return Err(e);
+            }
+        };
+        let used = n.div_ceil(fm);
+        for (k, &niov) in niovs[..used].iter().enumerate() {
+            let len = (n - k * fm).min(fm);
+            self.packets += 1;
+            let linear =
+                self.cfg.linear_every > 0 && self.packets.is_multiple_of(self.cfg.linear_every);
+            if linear {
+                let mut bytes = vec![0; len];
+                self.binding
+                    .mem
+                    .copy_out((niov as usize * NIOV_SIZE) as u64, &mut bytes)
+                    .expect("net_iov inside the binding");
+                self.binding.put_all([niov]);
+                self.queue.push_back(Packet {
+                    niov: None,
+                    linear: bytes,
+                    len,
+                    consumed: 0,
+                });
+            } else {
+                self.queue.push_back(Packet {
+                    niov: Some(niov),
+                    linear: Vec::new(),
+                    len,
+                    consumed: 0,
+                });
+            }
+        }
+        self.binding.put_all(niovs.drain(used..));
+        self.scratch = niovs;
+        Ok(n > 0)
+    }
+
+    /// The emulated `recvmsg(MSG_SOCK_DEVMEM)`: at most `iov.len()` bytes; linear bytes are
+    /// copied to the front of `iov`, devmem frags are described in the control buffer.
+    /// Returns (bytes, control length).
+    fn recvmsg(&mut self, iov: &mut [u8]) -> Result<(usize, usize), DevmemError> {
+        let len = iov.len();
+        if len > 0 && self.control.len() < CMSG_SPACE {
+            // Checked before any byte is taken, so the data stays queued (as in the kernel).
+            return Err(DevmemError::ControlBufferTooSmall {
+                capacity: self.control.len(),
+            });
+        }
+        let (mut done, mut iov_used, mut ctl) = (0usize, 0usize, 0usize);
+        while done < len {
+            if self.queue.is_empty() {
+                let wait = done == 0;
+                match self.fill(len - done, wait) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(_) if done > 0 => break,
+                    Err(source) => {
+                        return Err(DevmemError::Syscall {
+                            call: "recvmsg(MSG_SOCK_DEVMEM) [emulated]",
+                            source,
+                        });
+                    }
+                }
+                continue;
+            }
+            if ctl + CMSG_SPACE > self.control.len() {
+                break;
+            }
+            let pkt = self.queue.front_mut().expect("not empty");
+            let piece = (pkt.len - pkt.consumed).min(len - done);
+            let cmsg = match pkt.niov {
+                None => {
+                    iov[iov_used..iov_used + piece]
+                        .copy_from_slice(&pkt.linear[pkt.consumed..pkt.consumed + piece]);
+                    iov_used += piece;
+                    (SO_DEVMEM_LINEAR, synth::dmabuf_cmsg(0, piece as u32, 0, 0))
+                }
+                Some(niov) => {
+                    let token = self.tokens.alloc(niov);
+                    self.binding.get(&mut self.binding.lock(), niov);
+                    let offset = (niov as usize * NIOV_SIZE + pkt.consumed) as u64;
+                    let d = synth::dmabuf_cmsg(offset, piece as u32, token, self.binding.id);
+                    (SO_DEVMEM_DMABUF, d)
+                }
+            };
+            write_cmsg(&mut self.control[ctl..ctl + CMSG_SPACE], cmsg.0, &cmsg.1);
+            ctl += CMSG_SPACE;
+            self.binding.stats.frags.fetch_add(1, Ordering::Relaxed);
+            pkt.consumed += piece;
+            done += piece;
+            if pkt.consumed == pkt.len {
+                let pkt = self.queue.pop_front().expect("not empty");
+                if let Some(niov) = pkt.niov {
+                    self.binding.put_all([niov]);
+                }
+            }
+        }
+        Ok((done, ctl))
+    }
+
+    /// The emulated `setsockopt(SO_DEVMEM_DONTNEED)`, with the kernel's checks and return
+    /// value (reference devmem.md §4.5).
+    pub fn dontneed(&mut self, tokens: &[libc::dmabuf_token]) -> io::Result<usize> {
+        if tokens.is_empty() || tokens.len() > MAX_DONTNEED_TOKENS {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let (mut frags, mut freed) = (0usize, 0usize);
+        let mut released = Vec::new();
+        'calls: for t in tokens {
+            for j in 0..t.token_count {
+                frags += 1;
+                if frags > MAX_DONTNEED_FRAGS {
+                    break 'calls;
+                }
+                if let Some(niov) = self.tokens.erase(t.token_start.wrapping_add(j)) {
+                    released.push(niov);
+                    freed += 1;
+                }
+            }
+        }
+        self.binding.put_all(released);
+        Ok(freed)
+    }
+}
+
+impl DevmemRecv for EmuSocket {
+    fn recv_frags(&mut self, iov_buf: &mut [u8]) -> Result<RecvBatch<'_>, DevmemError> {
+        let (bytes, ctl) = self.recvmsg(iov_buf)?;
+        RecvBatch::parse(bytes, &self.control[..ctl], false)
+    }
+
+    fn return_tokens(&mut self, batcher: &mut TokenBatcher) -> Result<usize, DevmemError> {
+        batcher.flush_with(|t| self.dontneed(t))
+    }
+}
+
+impl Drop for EmuSocket {
+    fn drop(&mut self) {
+        // Socket destruction releases outstanding tokens and queued packets.
+        let mut held: Vec<u32> = self.queue.drain(..).filter_map(|p| p.niov).collect();
+        held.extend(
+            self.tokens
+                .slots
+                .iter()
+                .filter(|&&s| s != 0)
+                .map(|&s| s - 1),
+        );
+        self.binding.put_all(held);
+    }
+}
+
+/// Write one cmsg as `put_cmsg` does: `struct cmsghdr`, the 24-byte payload, zero padding
+/// (no allocation: this runs once per frag).
+fn write_cmsg(out: &mut [u8], cmsg_type: i32, data: &[u8; DMABUF_CMSG_LEN]) {
+    const W: usize = std::mem::size_of::<usize>();
+    out[..W].copy_from_slice(&(CMSG_HDR_LEN + DMABUF_CMSG_LEN).to_ne_bytes());
+    out[W..W + 4].copy_from_slice(&libc::SOL_SOCKET.to_ne_bytes());
+    out[W + 4..CMSG_HDR_LEN].copy_from_slice(&cmsg_type.to_ne_bytes());
+    out[CMSG_HDR_LEN..CMSG_HDR_LEN + DMABUF_CMSG_LEN].copy_from_slice(data);
+    out[CMSG_HDR_LEN + DMABUF_CMSG_LEN..].fill(0);
+}
+
+#[cfg(test)]
+mod tests;

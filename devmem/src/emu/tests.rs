@@ -1,0 +1,364 @@
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::*;
+use crate::cmsg::Frag;
+use crate::gather::gather;
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
+}
+
+/// A connected loopback pair; `payload` is written from a thread, then the writer closes.
+fn pair(payload: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let w = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&payload).unwrap();
+    });
+    let (s, _) = l.accept().unwrap();
+    (s, w)
+}
+
+/// Receive everything through recv_frags + gather + token return, as the service does.
+fn drain(sock: &mut EmuSocket, total: usize, chunk: usize) -> (Vec<u8>, crate::gather::Gathered) {
+    let mut out = vec![0u8; total];
+    let mut sum = crate::gather::Gathered::default();
+    let mut off = 0;
+    let mut tokens = TokenBatcher::new();
+    let id = sock.binding().id();
+    let binding = Arc::clone(sock.binding());
+    while off < total {
+        let end = (off + chunk).min(total);
+        let batch = sock.recv_frags(&mut out[off..end]).unwrap();
+        assert!(!batch.is_eof(), "EOF after {off} of {total}");
+        let g = gather(&batch, &mut out[off..end], binding.mem(), id, &mut tokens).unwrap();
+        off += g.bytes;
+        sum.bytes += g.bytes;
+        sum.dmabuf_frags += g.dmabuf_frags;
+        sum.dmabuf_bytes += g.dmabuf_bytes;
+        sum.linear_bytes += g.linear_bytes;
+        let n = tokens.pending_frags();
+        assert_eq!(sock.return_tokens(&mut tokens).unwrap(), n);
+    }
+    (out, sum)
+}
+
+#[test]
+fn tcp_bytes_round_trip_through_frags_tokens_and_gather() {
+    let data = pattern(3 * 1024 * 1024 + 123, 7);
+    let (s, w) = pair(data.clone());
+    let b = EmuBinding::new(9, 64 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let (got, sum) = drain(&mut sock, data.len(), 256 * 1024);
+    w.join().unwrap();
+    assert!(got == data, "bytes differ");
+    assert_eq!(sum.dmabuf_bytes, data.len() as u64);
+    assert_eq!(sum.linear_bytes, 0);
+    assert!(sum.dmabuf_frags >= data.len() / NIOV_SIZE);
+    assert_eq!(sock.outstanding_tokens(), 0);
+    drop(sock);
+    assert_eq!(
+        b.free_niovs(),
+        b.num_niovs(),
+        "every net_iov back on the freelist"
+    );
+    // Far more pages went through than the pool holds: the freelist recycled them.
+    assert!(data.len() / NIOV_SIZE > b.num_niovs());
+}
+
+#[test]
+fn frags_are_kernel_format_with_tokens_from_one_and_reused_lowest_first() {
+    let (s, w) = pair(pattern(6 * NIOV_SIZE, 1));
+    w.join().unwrap();
+    let b = EmuBinding::new(3, 32 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 3 * NIOV_SIZE];
+    let frags: Vec<Frag> = sock.recv_frags(&mut buf).unwrap().frags().collect();
+    let tokens: Vec<u32> = frags
+        .iter()
+        .map(|f| match *f {
+            Frag::Dmabuf {
+                token,
+                dmabuf_id,
+                size,
+                offset,
+            } => {
+                assert_eq!(dmabuf_id, 3);
+                assert_eq!(size as usize, NIOV_SIZE);
+                assert_eq!(offset % NIOV_SIZE as u64, 0);
+                token
+            }
+            Frag::Linear { .. } => panic!("no linear frags configured"),
+        })
+        .collect();
+    assert_eq!(tokens, [1, 2, 3]);
+    // Return token 2 only: the next frag reuses 2, then continues at 4.
+    let two = libc::dmabuf_token {
+        token_start: 2,
+        token_count: 1,
+    };
+    assert_eq!(sock.dontneed(&[two]).unwrap(), 1);
+    let mut buf = vec![0u8; 2 * NIOV_SIZE];
+    let next: Vec<u32> = sock
+        .recv_frags(&mut buf)
+        .unwrap()
+        .frags()
+        .filter_map(|f| match f {
+            Frag::Dmabuf { token, .. } => Some(token),
+            Frag::Linear { .. } => None,
+        })
+        .collect();
+    assert_eq!(next, [2, 4]);
+    // Non-consecutive tokens stay separate ranges in the batcher.
+    let mut tb = TokenBatcher::new();
+    for t in [1, 3, 2, 4] {
+        tb.push(t);
+    }
+    assert_eq!(
+        tb.pending_ranges().collect::<Vec<_>>(),
+        [(1, 1), (3, 1), (2, 1), (4, 1)]
+    );
+    assert_eq!(sock.return_tokens(&mut tb).unwrap(), 4);
+    assert_eq!(sock.outstanding_tokens(), 0);
+}
+
+#[test]
+fn dontneed_has_the_kernels_checks_and_return_values() {
+    let (s, w) = pair(pattern(40 * 1024, 2));
+    w.join().unwrap();
+    // Room for 2048 held tokens: each 16-byte frag holds a whole net_iov.
+    let b = EmuBinding::new(1, 4096 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(
+        s,
+        b,
+        EmuConfig {
+            frag_max: 16,
+            linear_every: 0,
+        },
+    )
+    .unwrap();
+    let einval = |r: io::Result<usize>| r.unwrap_err().raw_os_error() == Some(libc::EINVAL);
+    assert!(einval(sock.dontneed(&[])), "optlen 0");
+    let t = libc::dmabuf_token {
+        token_start: 1,
+        token_count: 1,
+    };
+    assert!(
+        einval(sock.dontneed(&[t; MAX_DONTNEED_TOKENS + 1])),
+        "129 ranges"
+    );
+    assert_eq!(
+        sock.dontneed(&[t]).unwrap(),
+        0,
+        "unknown token frees nothing"
+    );
+    // 2048 frags of 16 bytes arrive (the emulated MSS is 16), 2048 tokens outstanding.
+    let mut buf = vec![0u8; 32 * 1024];
+    let mut got = 0;
+    while got < buf.len() {
+        got += sock.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    assert_eq!(sock.outstanding_tokens(), 2048);
+    let all = libc::dmabuf_token {
+        token_start: 1,
+        token_count: 2048,
+    };
+    assert_eq!(
+        sock.dontneed(&[all]).unwrap(),
+        1024,
+        "at most 1024 frags per call"
+    );
+    // Unknown tokens count toward the 1024 too: the same range again frees nothing.
+    assert_eq!(
+        sock.dontneed(&[all]).unwrap(),
+        0,
+        "1..=1024 are gone and use up the limit"
+    );
+    let rest = libc::dmabuf_token {
+        token_start: 1025,
+        token_count: 1024,
+    };
+    assert_eq!(sock.dontneed(&[rest]).unwrap(), 1024);
+    assert_eq!(sock.outstanding_tokens(), 0);
+}
+
+#[test]
+fn control_buffer_limits_frags_per_call_and_etoosmall_when_none_fits() {
+    let (s, w) = pair(pattern(8 * NIOV_SIZE, 3));
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 32 * NIOV_SIZE).unwrap();
+    let mut tiny = EmuSocket::with_control_len(
+        s.try_clone().unwrap(),
+        Arc::clone(&b),
+        EmuConfig::default(),
+        39,
+    )
+    .unwrap();
+    let mut buf = vec![0u8; 8 * NIOV_SIZE];
+    let e = tiny.recv_frags(&mut buf).unwrap_err();
+    assert_eq!(e.errno(), Some(crate::socket::ETOOSMALL), "{e}");
+    drop(tiny);
+    let mut three = EmuSocket::with_control_len(s, b, EmuConfig::default(), 3 * 40).unwrap();
+    let batch = three.recv_frags(&mut buf).unwrap();
+    assert_eq!(
+        batch.summary().dmabuf_frags,
+        3,
+        "short count when the buffer is full"
+    );
+    assert_eq!(batch.bytes(), 3 * NIOV_SIZE);
+}
+
+#[test]
+fn a_frag_cut_by_the_request_length_continues_with_a_new_token() {
+    let data = pattern(NIOV_SIZE, 4);
+    let (s, w) = pair(data.clone());
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 1000];
+    let f1: Vec<Frag> = sock.recv_frags(&mut buf).unwrap().frags().collect();
+    let mut buf2 = vec![0u8; 5000];
+    let f2: Vec<Frag> = sock.recv_frags(&mut buf2).unwrap().frags().collect();
+    let (
+        Frag::Dmabuf {
+            offset: o1,
+            size: 1000,
+            token: 1,
+            ..
+        },
+        Frag::Dmabuf {
+            offset: o2,
+            size: 3096,
+            token: 2,
+            ..
+        },
+    ) = (f1[0], f2[0])
+    else {
+        panic!("unexpected frags {f1:?} {f2:?}");
+    };
+    assert_eq!(o2, o1 + 1000);
+    // The page is held by both tokens; it is free again only after both come back.
+    let free = b.free_niovs();
+    sock.dontneed(&[libc::dmabuf_token {
+        token_start: 1,
+        token_count: 1,
+    }])
+    .unwrap();
+    assert_eq!(b.free_niovs(), free);
+    sock.dontneed(&[libc::dmabuf_token {
+        token_start: 2,
+        token_count: 1,
+    }])
+    .unwrap();
+    assert_eq!(b.free_niovs(), free + 1);
+}
+
+#[test]
+fn linear_packets_are_reported_and_gathered_in_stream_order() {
+    let data = pattern(200_000, 5);
+    let (s, w) = pair(data.clone());
+    let b = EmuBinding::new(2, 64 * NIOV_SIZE).unwrap();
+    let cfg = EmuConfig {
+        frag_max: 1448,
+        linear_every: 3,
+    };
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), cfg).unwrap();
+    let mut saw_not_devmem = false;
+    {
+        let mut probe = vec![0u8; 4 * 1448];
+        let batch = sock.recv_frags(&mut probe).unwrap();
+        if let Err(e) = batch.check_devmem_only() {
+            saw_not_devmem = true;
+            assert!(e.to_string().contains("header split"), "{e}");
+        }
+        let mut tb = TokenBatcher::new();
+        let g = gather(&batch, &mut probe, b.mem(), 2, &mut tb).unwrap();
+        assert_eq!(&probe[..g.bytes], &data[..g.bytes]);
+        let n = g.bytes;
+        sock.return_tokens(&mut tb).unwrap();
+        let (rest, sum) = drain(&mut sock, data.len() - n, 64 * 1024);
+        assert!(rest == data[n..], "bytes differ after linear fix-up");
+        assert!(sum.linear_bytes > 0 && sum.dmabuf_bytes > 0);
+    }
+    w.join().unwrap();
+    assert!(saw_not_devmem, "the third packet is linear");
+}
+
+#[test]
+fn pool_exhaustion_stalls_other_sockets_until_tokens_come_back() {
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let (sa, wa) = pair(pattern(MIN_NIOVS * NIOV_SIZE, 6));
+    let data_b = pattern(4 * NIOV_SIZE, 7);
+    let (sb, wb) = pair(data_b.clone());
+    wa.join().unwrap();
+    wb.join().unwrap();
+    let mut a = EmuSocket::new(sa, Arc::clone(&b), EmuConfig::default()).unwrap();
+    // A takes every net_iov and keeps the tokens (a receiver that does not return them).
+    let mut buf = vec![0u8; MIN_NIOVS * NIOV_SIZE];
+    let mut got = 0;
+    while got < buf.len() {
+        got += a.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    assert_eq!(b.free_niovs(), 0);
+    let returned = Arc::new(AtomicBool::new(false));
+    let r2 = Arc::clone(&returned);
+    let bb = Arc::clone(&b);
+    let reader = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(sb, bb, EmuConfig::default()).unwrap();
+        let (got, _) = drain(&mut sock, data_b.len(), data_b.len());
+        assert!(
+            r2.load(Ordering::SeqCst),
+            "B received before A returned its tokens"
+        );
+        assert!(got == data_b);
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        b.stats().exhausted_waits.load(Ordering::Relaxed) > 0,
+        "B waited for the pool"
+    );
+    returned.store(true, Ordering::SeqCst);
+    let all = libc::dmabuf_token {
+        token_start: 1,
+        token_count: MIN_NIOVS as u32,
+    };
+    assert_eq!(a.dontneed(&[all]).unwrap(), MIN_NIOVS);
+    reader.join().unwrap();
+}
+
+#[test]
+fn closing_a_socket_releases_its_outstanding_tokens() {
+    let (s, w) = pair(pattern(8 * NIOV_SIZE, 8));
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 5 * NIOV_SIZE + 10];
+    let n = sock.recv_frags(&mut buf).unwrap().bytes();
+    assert!(n > 0);
+    assert!(b.free_niovs() < b.num_niovs());
+    drop(sock);
+    assert_eq!(b.free_niovs(), b.num_niovs());
+}
+
+#[test]
+fn eof_and_unbind() {
+    let (s, w) = pair(Vec::new());
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 100];
+    assert!(sock.recv_frags(&mut buf).unwrap().is_eof());
+    b.unbind();
+    let e = sock.recv_frags(&mut buf).unwrap_err();
+    assert!(e.to_string().contains("unbound"), "{e}");
+    assert!(matches!(
+        EmuBinding::new(1, 1000),
+        Err(EmuError::TooSmall { .. })
+    ));
+}

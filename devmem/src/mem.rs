@@ -1,0 +1,248 @@
+//! A CPU mapping of an RX dma-buf: where devmem frags are read from when the binding's
+//! memory is host memory (a udmabuf, a dma-heap buffer, or the emulator's memfd).
+//!
+//! Frag bytes are copied out with [`DmabufMem::copy_out`] while their token is held (the
+//! kernel does not reuse a net_iov before its token comes back), so no Rust reference into
+//! device-written memory ever outlives a copy. For a real dma-buf the copy is bracketed with
+//! `DMA_BUF_IOCTL_SYNC` (include/uapi/linux/dma-buf.h) so the exporter can make CPU reads
+//! coherent; a memfd has no such ioctl and needs none.
+//!
+//! The emulator ([`crate::emu`]) writes net_iov pages through [`DmabufMem::page_mut`], an
+//! `unsafe` accessor whose contract is the kernel's: a page is written only while it is off
+//! the freelist and not yet handed out as a frag.
+#![allow(unsafe_code)] // one mmap, one munmap, one ioctl and the copies: each has a SAFETY note
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+/// `DMA_BUF_IOCTL_SYNC` = `_IOW('b', 0, struct dma_buf_sync)` (a single u64 flags field).
+const DMA_BUF_IOCTL_SYNC: libc::c_ulong = 0x4008_6200;
+const DMA_BUF_SYNC_READ: u64 = 1;
+const DMA_BUF_SYNC_START: u64 = 0;
+const DMA_BUF_SYNC_END: u64 = 4;
+
+/// A frag that does not lie inside the mapped dma-buf (a kernel/ABI mismatch or a frag of
+/// another binding): never read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("frag at offset {offset} with {len} bytes lies outside the {size}-byte dma-buf")]
+pub struct OutOfRange {
+    /// The frag's offset.
+    pub offset: u64,
+    /// Its length.
+    pub len: usize,
+    /// The dma-buf size.
+    pub size: usize,
+}
+
+/// What the fd behind a [`DmabufMem`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A memfd (the emulator's stand-in): plain shared memory.
+    Memfd,
+    /// A real dma-buf: CPU access is bracketed with `DMA_BUF_IOCTL_SYNC`.
+    Dmabuf,
+}
+
+/// A shared mapping of a dma-buf (or a memfd standing in for one).
+#[derive(Debug)]
+pub struct DmabufMem {
+    fd: OwnedFd,
+    base: NonNull<u8>,
+    len: usize,
+    kind: Kind,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; all access goes through
+// `copy_out` (copies under the caller's token discipline) or the `unsafe` `page_mut`, whose
+// contract makes writers exclusive per page.
+unsafe impl Send for DmabufMem {}
+// SAFETY: see `Send`; `&self` methods never hand out references that outlive a copy.
+unsafe impl Sync for DmabufMem {}
+
+impl DmabufMem {
+    /// A fresh zero-filled memfd of `len` bytes (rounded up to 4 KiB), mapped read-write:
+    /// the emulator's "dma-buf".
+    pub fn memfd(name: &str, len: usize) -> io::Result<Self> {
+        let len = len.div_ceil(4096).max(1) * 4096;
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in memfd name"))?;
+        // SAFETY: `cname` is a valid NUL-terminated string that outlives the call.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create returned a fresh fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `fd` is a live memfd; ftruncate only sets its size.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::map_fd(fd, len, libc::PROT_READ | libc::PROT_WRITE, Kind::Memfd)
+    }
+
+    /// Map `len` bytes of the dma-buf `fd` read-only (the RX binding's memory when it is a
+    /// host dma-buf such as a udmabuf).
+    pub fn map_dmabuf(fd: OwnedFd, len: usize) -> io::Result<Self> {
+        Self::map_fd(fd, len, libc::PROT_READ, Kind::Dmabuf)
+    }
+
+    fn map_fd(fd: OwnedFd, len: usize, prot: i32, kind: Kind) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty dma-buf",
+            ));
+        }
+        // SAFETY: a fresh shared mapping chosen by the kernel (addr NULL) of a live fd; no
+        // existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(p.cast::<u8>()).expect("mmap never returns NULL on success");
+        Ok(Self {
+            fd,
+            base,
+            len,
+            kind,
+        })
+    }
+
+    /// Mapped bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true (a mapping is at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The fd (the dma-buf handed to `bind-rx`).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, OutOfRange> {
+        let err = OutOfRange {
+            offset,
+            len,
+            size: self.len,
+        };
+        let start = usize::try_from(offset).map_err(|_| err)?;
+        match start.checked_add(len) {
+            Some(end) if end <= self.len => Ok(start),
+            _ => Err(err),
+        }
+    }
+
+    /// Copy `dst.len()` bytes at `offset` into `dst`. The caller holds the token of the frag
+    /// those bytes belong to (so neither the NIC nor the emulator writes them meanwhile).
+    pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), OutOfRange> {
+        let start = self.check(offset, dst.len())?;
+        // SAFETY: `start..start + dst.len()` lies inside the live mapping (checked above);
+        // `dst` is a distinct Rust slice, so the ranges do not overlap; the bytes are not
+        // written concurrently because their frag's token is held (module docs).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.as_ptr().add(start),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Start a CPU read of a real dma-buf (no-op for a memfd). Pair with
+    /// [`DmabufMem::end_cpu_read`].
+    pub fn begin_cpu_read(&self) -> io::Result<()> {
+        self.sync(DMA_BUF_SYNC_START | DMA_BUF_SYNC_READ)
+    }
+
+    /// End a CPU read started with [`DmabufMem::begin_cpu_read`].
+    pub fn end_cpu_read(&self) -> io::Result<()> {
+        self.sync(DMA_BUF_SYNC_END | DMA_BUF_SYNC_READ)
+    }
+
+    fn sync(&self, flags: u64) -> io::Result<()> {
+        if self.kind == Kind::Memfd {
+            return Ok(());
+        }
+        let arg = flags;
+        // SAFETY: DMA_BUF_IOCTL_SYNC reads one u64 (struct dma_buf_sync) from `&arg`, which
+        // lives across the call; the fd is live.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), DMA_BUF_IOCTL_SYNC, &arg) };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The bytes `offset..offset + len` for writing.
+    ///
+    /// # Safety
+    /// The caller must own that range exclusively for the lifetime of the returned slice:
+    /// no other `page_mut` slice and no `copy_out` may touch it meanwhile. The emulator
+    /// guarantees this with its freelist (a net_iov is written only between leaving the
+    /// freelist and being described in a frag).
+    #[allow(clippy::mut_from_ref)] // exclusivity is the caller's contract, documented above
+    pub(crate) unsafe fn page_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "page_mut {offset}+{len} outside {} bytes",
+            self.len
+        );
+        assert_eq!(self.kind, Kind::Memfd, "page_mut on a read-only dma-buf");
+        // SAFETY: in bounds (asserted), the mapping is writable (memfd), and the caller
+        // guarantees exclusive access to the range while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for DmabufMem {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are exactly the mapping made in `map_fd`, unmapped once;
+        // no slice into it can outlive `self` (copy_out copies; page_mut borrows `self`).
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_out_reads_what_was_written_and_checks_bounds() {
+        let m = DmabufMem::memfd("t", 5000).unwrap();
+        assert_eq!(m.len(), 8192);
+        // SAFETY: single-threaded test; nothing else touches the page.
+        unsafe { m.page_mut(4096, 4).copy_from_slice(b"abcd") };
+        let mut out = [0u8; 4];
+        m.copy_out(4096, &mut out).unwrap();
+        assert_eq!(&out, b"abcd");
+        assert_eq!(
+            m.copy_out(8190, &mut out),
+            Err(OutOfRange {
+                offset: 8190,
+                len: 4,
+                size: 8192
+            })
+        );
+        assert!(m.copy_out(u64::MAX, &mut out).is_err());
+        m.begin_cpu_read().unwrap();
+        m.end_cpu_read().unwrap();
+    }
+}
