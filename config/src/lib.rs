@@ -50,11 +50,39 @@ fn invalid(
 
 /// How shards are received.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum ReceiveMode {
     /// Plain TCP into host memory.
     #[default]
     Host,
+    /// Devmem TCP: payloads land in a dma-buf bound to NIC receive queues. Refused at start
+    /// when no NIC can do it (the reason is printed).
+    Devmem,
+    /// The devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on
+    /// ordinary TCP: for tests and `shardwire bench`; not GPU-direct.
+    DevmemSim,
+}
+
+impl std::fmt::Display for ReceiveMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Host => "host",
+            Self::Devmem => "devmem",
+            Self::DevmemSim => "devmem-sim",
+        })
+    }
+}
+
+impl std::str::FromStr for ReceiveMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "host" => Ok(Self::Host),
+            "devmem" => Ok(Self::Devmem),
+            "devmem-sim" => Ok(Self::DevmemSim),
+            other => Err(format!("`{other}` is not host, devmem or devmem-sim")),
+        }
+    }
 }
 
 /// Where shards are assembled.
@@ -103,6 +131,9 @@ pub struct ServeConfig {
     pub secret_file: Option<PathBuf>,
     /// Receive path.
     pub receive: ReceiveMode,
+    /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
+    /// pool frags land in before they are gathered into shard slabs.
+    pub devmem_memory: ByteSize,
     /// Memory kind.
     pub memory: MemoryMode,
     /// Log format.
@@ -132,6 +163,7 @@ impl Default for ServeConfig {
             flows: 2,
             secret_file: None,
             receive: ReceiveMode::Host,
+            devmem_memory: ByteSize(64 << 20),
             memory: MemoryMode::Auto,
             log_format: LogFormat::Text,
             admin_token_file: None,
@@ -230,6 +262,13 @@ impl ServeConfig {
                 "pool_size",
                 self.pool_size,
                 format!("must be at least stream_memory ({})", self.stream_memory),
+            ));
+        }
+        if self.devmem_memory.0 < 1 << 20 {
+            return Err(invalid(
+                "devmem_memory",
+                self.devmem_memory,
+                "must be at least 1MiB",
             ));
         }
         self.socket_mode_bits()?;

@@ -92,11 +92,6 @@ pub fn errno_label(errno: i32) -> String {
     name.to_string()
 }
 
-/// Why devmem receive is not in use, as reported at startup and on `/v1/status`.
-pub fn host_mode_reason() -> &'static str {
-    "devmem receive is not built into this version; shards are received with plain TCP into host memory"
-}
-
 #[cfg(test)]
 mod tests {
     #[test]

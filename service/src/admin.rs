@@ -217,7 +217,7 @@ async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
 
 async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     let c = &node.counters;
-    let mode = [("mode", "host")];
+    let mode = [("mode", node.cfg.receive.to_string())];
     metrics::counter!("shardwire_bytes_received_total", &mode)
         .absolute(c.bytes_received.load(Ordering::Relaxed));
     metrics::counter!("shardwire_shards_received_total", &mode)
@@ -261,10 +261,48 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
         .set(*node.reserved.lock().expect("poisoned") as f64);
     metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
     metrics::gauge!("shardwire_streams_open").set(streams.len() as f64);
+    if let Some(region) = &node.devmem {
+        devmem_metrics(region);
+    }
     (
         [("content-type", "text/plain; version=0.0.4")],
         prometheus().render(),
     )
+}
+
+/// `shardwire_devmem_*`: the devmem receive path (also under `receive = devmem-sim`).
+fn devmem_metrics(region: &crate::node::devmem_rx::RxRegion) {
+    let c = &region.counters;
+    let (free, total) = region.niovs();
+    metrics::counter!("shardwire_devmem_frags_total").absolute(c.frags.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_devmem_bytes_total")
+        .absolute(c.dmabuf_bytes.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_devmem_tokens_returned_total")
+        .absolute(c.tokens_returned.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "linear")
+        .absolute(c.linear_bytes.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "plain")
+        .absolute(c.plain_bytes.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_devmem_pool_exhausted_total").absolute(region.exhausted_waits());
+    metrics::gauge!("shardwire_devmem_niovs", "state" => "free").set(free as f64);
+    metrics::gauge!("shardwire_devmem_niovs", "state" => "in_use").set((total - free) as f64);
+}
+
+fn devmem_json(node: &Node) -> serde_json::Value {
+    let Some(region) = &node.devmem else {
+        return serde_json::Value::Null;
+    };
+    let c = &region.counters;
+    let (free, total) = region.niovs();
+    json!({
+        "binding": region.id(), "kind": region.kind(), "bytes": region.bytes(),
+        "niovs": total, "niovs_free": free, "pool_exhausted": region.exhausted_waits(),
+        "frags": c.frags.load(Ordering::Relaxed),
+        "dmabuf_bytes": c.dmabuf_bytes.load(Ordering::Relaxed),
+        "tokens_returned": c.tokens_returned.load(Ordering::Relaxed),
+        "linear_bytes": c.linear_bytes.load(Ordering::Relaxed),
+        "plain_bytes": c.plain_bytes.load(Ordering::Relaxed),
+    })
 }
 
 fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
@@ -310,7 +348,8 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
     let streams = streams_json(&node);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "mode": { "receive": "host", "memory": "host", "reason": node.mode_reason },
+        "mode": { "receive": node.cfg.receive.to_string(), "memory": "host", "reason": node.mode_reason },
+        "devmem": devmem_json(&node),
         "draining": node.draining.load(Ordering::Acquire),
         "nics": node.nics,
         "gpus": node.gpus,

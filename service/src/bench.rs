@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use shardwire_client::{Stream, StreamOptions};
-use shardwire_config::ByteSize;
+use shardwire_config::{ByteSize, ReceiveMode};
 
 use crate::demo::Loopback;
 use crate::synth;
@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// and the median (a shared machine is noisy).
     #[arg(long, default_value_t = 1)]
     rounds: u32,
+    /// Receive path: host (plain TCP into the slab) or devmem-sim (the devmem path over
+    /// the kernel-faithful emulator: frags into a memfd "dma-buf", gather, token return).
+    #[arg(long, default_value = "host")]
+    mode: ReceiveMode,
 }
 
 /// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
@@ -87,6 +91,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         "--flows must be 1..=64, got {}",
         a.flows
     );
+    anyhow::ensure!(
+        a.mode != ReceiveMode::Devmem,
+        "bench runs on loopback, which cannot carry devmem; use --mode host or devmem-sim"
+    );
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
     let count = ((256usize << 20) / shard).clamp(8, 64);
@@ -110,8 +118,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         2 * class
     );
     println!(
-        "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer",
-        a.flows, a.seconds, shard
+        "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}",
+        a.flows, a.seconds, shard, a.mode
     );
 
     let result = (|| {
@@ -160,6 +168,7 @@ fn run_shardwire(
         dir.join("trainer.sock"),
         a.flows,
         stream_memory,
+        a.mode,
     )?;
     println!("== Source {}", lb.source_addr);
     println!("== Target {}", lb.node.node.data_addr);
@@ -211,6 +220,17 @@ fn run_shardwire(
         })
         .collect();
     let crc = lb.node.node.counters.crc_failures.load(Ordering::Relaxed);
+    if let Some(r) = &lb.node.node.devmem {
+        let c = &r.counters;
+        println!(
+            "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {} of {} net_iovs free at the end",
+            c.frags.load(Ordering::Relaxed),
+            c.tokens_returned.load(Ordering::Relaxed),
+            r.exhausted_waits(),
+            r.niovs().0,
+            r.niovs().1
+        );
+    }
     drop(s);
     lb.stop();
     for (_, conn, bytes) in &flows {

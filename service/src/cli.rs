@@ -170,6 +170,15 @@ pub struct ServeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     secret_file: Option<PathBuf>,
+    /// Receive path: host (plain TCP), devmem (NIC queues bound to a dma-buf) or
+    /// devmem-sim (the devmem path over the kernel-faithful emulator).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    receive: Option<shardwire_config::ReceiveMode>,
+    /// RX dma-buf size for devmem and devmem-sim (e.g. 64MiB) [default: 64MiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    devmem_memory: Option<ByteSize>,
     /// Memory for shards: auto (the best available, with the reason), host or cuda.
     #[arg(long, value_parser = parse_memory)]
     #[serde(skip_serializing_if = "Option::is_none")]

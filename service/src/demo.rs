@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use shardwire_client::{Stream, StreamOptions};
-use shardwire_config::{ByteSize, ServeConfig};
+use shardwire_config::{ByteSize, ReceiveMode, ServeConfig};
 use shardwire_protocol::Manifest;
 
 use crate::synth;
@@ -25,6 +25,9 @@ pub struct DemoArgs {
     /// Show service logs (otherwise only warnings).
     #[arg(long)]
     verbose: bool,
+    /// Receive path: host, or devmem-sim (the devmem path over the emulator).
+    #[arg(long, default_value = "host")]
+    receive: ReceiveMode,
 }
 
 /// A source and a node on loopback, running in this process.
@@ -46,6 +49,7 @@ impl Loopback {
         socket: PathBuf,
         flows: u16,
         stream_memory: u64,
+        receive: ReceiveMode,
     ) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -71,6 +75,7 @@ impl Loopback {
             pool_size: ByteSize(stream_memory),
             stream_memory: ByteSize(stream_memory),
             flows,
+            receive,
             ..ServeConfig::default()
         };
         cfg.validate()?;
@@ -95,7 +100,11 @@ impl Loopback {
 pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
     crate::cli::init_logging_filter(if a.verbose { "info" } else { "warn" });
     let dir = synth::scratch_dir("demo")?;
-    let result = demo(&dir);
+    anyhow::ensure!(
+        a.receive != ReceiveMode::Devmem,
+        "the demo runs on loopback, which cannot carry devmem; use --receive host or devmem-sim"
+    );
+    let result = demo(&dir, a.receive);
     if a.keep {
         println!("kept {}", dir.display());
     } else {
@@ -104,7 +113,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
     result
 }
 
-fn demo(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
+fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode> {
     let data = dir.join("data");
     std::fs::create_dir_all(&data)?;
     for i in 0..4u64 {
@@ -123,11 +132,19 @@ fn demo(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
         data.display()
     );
 
-    let lb = Loopback::start("demo", &data, dir.join("trainer.sock"), 2, 64 << 20)?;
+    let lb = Loopback::start(
+        "demo",
+        &data,
+        dir.join("trainer.sock"),
+        2,
+        64 << 20,
+        receive,
+    )?;
     println!(
         "source on {}, node data port {}, admin http://{}",
         lb.source_addr, lb.node.node.data_addr, lb.node.admin_addr
     );
+    println!("mode: {}", lb.node.node.mode_reason);
     let started = Instant::now();
     let checked = consume_and_check(&lb.node.socket, &data, &manifest);
     let secs = started.elapsed().as_secs_f64();

@@ -159,3 +159,17 @@ fn memory_cuda_without_a_gpu_refuses_to_start_and_auto_says_why_it_chose_host() 
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn demo_runs_on_the_devmem_emulator_and_says_so() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .args(["demo", "--receive", "devmem-sim"])
+        .output()
+        .expect("run shardwire demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("demo ok: 12 shards"), "{stdout}");
+    assert!(stdout.contains("receive=devmem-sim"), "{stdout}");
+    assert!(stdout.contains("NOT GPU-direct"), "{stdout}");
+}

@@ -7,6 +7,7 @@
 //! The data path never waits on the control plane except for the announcement that tells
 //! a receiver where its next payload goes.
 
+pub mod devmem_rx;
 pub mod link;
 pub mod matcher;
 pub mod receiver;
@@ -19,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use shardwire_config::ServeConfig;
+use shardwire_config::{ReceiveMode, ServeConfig};
 use tokio::sync::watch;
 
 use self::link::SourceLink;
@@ -81,6 +82,8 @@ pub struct Node {
     pub nics: Vec<shardwire_devmem::probe::NicReport>,
     /// Per data connection: (source, conn, counters).
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
+    /// The RX binding when receiving with devmem (or its emulator); `None` in host mode.
+    pub devmem: Option<Arc<devmem_rx::RxRegion>>,
 }
 
 impl Node {
@@ -128,6 +131,9 @@ impl NodeHandle {
 
     /// Asks every task to stop.
     pub fn shutdown(&self) {
+        if let Some(region) = &self.node.devmem {
+            region.unbind();
+        }
         let _ = self.shutdown.send(true);
         for s in self.node.streams.lock().expect("poisoned").values() {
             s.close("node shutting down");
@@ -161,6 +167,9 @@ pub enum StartError {
     /// The configured memory kind is not available.
     #[error("{0}")]
     Memory(String),
+    /// The configured receive path is not available.
+    #[error("{0}")]
+    Receive(String),
     /// No sources.
     #[error("no sources configured: give --source HOST:PORT (or `sources` in the config file)")]
     NoSources,
@@ -230,11 +239,36 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     };
     let memory = shardwire_gpu::choose_memory(choice, &gpus)
         .map_err(|e| StartError::Memory(e.to_string()))?;
+    let (devmem, receive_reason) = match cfg.receive {
+        ReceiveMode::Host => (
+            None,
+            format!("receive=host: plain TCP into host memory, as configured; {probe}"),
+        ),
+        ReceiveMode::DevmemSim => {
+            let region = devmem_rx::RxRegion::emulated(cfg.devmem_memory.0 as usize)
+                .map_err(|e| StartError::Receive(format!("receive=devmem-sim: {e}")))?;
+            let reason = format!(
+                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs; NOT GPU-direct; {probe}",
+                cfg.devmem_memory,
+                region.niovs().1
+            );
+            (Some(region), reason)
+        }
+        ReceiveMode::Devmem => {
+            return Err(StartError::Receive(if capable.is_empty() {
+                format!(
+                    "receive=devmem is not possible here: {probe}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
+                )
+            } else {
+                format!(
+                    "receive=devmem: {probe}, but NIC setup (header split, RSS, ntuple steering) and binding them from serve are not built into this version yet. Use receive=host"
+                )
+            }));
+        }
+    };
     let mode_reason = format!(
-        "receive=host: {}; {probe}. memory={}: {}",
-        shardwire_devmem::host_mode_reason(),
-        memory.memory,
-        memory.reason
+        "{receive_reason}. memory={}: {}",
+        memory.memory, memory.reason
     );
     let node = Arc::new(Node {
         secret,
@@ -248,6 +282,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         next_id: AtomicU64::new(0),
         mode_reason,
         flows: Mutex::new(Vec::new()),
+        devmem,
         nics,
         gpus,
         draining: std::sync::atomic::AtomicBool::new(false),
@@ -255,7 +290,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         admin_token,
         cfg,
     });
-    tracing::info!(mode = "host", reason = %node.mode_reason, "memory and receive mode chosen");
+    tracing::info!(receive = %node.cfg.receive, reason = %node.mode_reason, "memory and receive mode chosen");
     tokio::spawn(matcher::accept_loop(Arc::clone(&node), data, watch.clone()));
     for l in &node.links {
         tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));

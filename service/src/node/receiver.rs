@@ -1,6 +1,8 @@
-//! Receiver threads (host mode): one per data connection. Each takes the next announced
-//! payload, `recv`s it straight into the shard's slab (no intermediate buffer), computes
-//! CRC-32C chunk by chunk while the bytes are still in cache, and reports the outcome.
+//! Receiver threads: one per data connection. Each takes the next announced payload,
+//! receives it straight into the shard's slab (host mode: `recv` into the slab, no
+//! intermediate buffer; devmem: frags gathered out of the RX binding, see
+//! [`super::devmem_rx`]), computes CRC-32C chunk by chunk while the bytes are still in cache,
+//! and reports the outcome.
 
 use std::io::Read;
 use std::net::TcpStream;
@@ -24,6 +26,23 @@ pub struct FlowStats {
     pub bytes: std::sync::atomic::AtomicU64,
 }
 
+/// Where a receiver reads payload bytes from: the socket itself (host mode) or the devmem
+/// path (frags gathered out of the RX binding).
+#[derive(Debug)]
+enum PayloadReader {
+    Plain(TcpStream),
+    Devmem(super::devmem_rx::DevmemReader),
+}
+
+impl PayloadReader {
+    fn read_some(&mut self, dst: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.read(dst),
+            Self::Devmem(r) => r.read_some(dst),
+        }
+    }
+}
+
 /// Starts the receiver thread for one identified data connection.
 pub fn spawn(
     node: Arc<Node>,
@@ -32,6 +51,17 @@ pub fn spawn(
     sock: TcpStream,
     rx: Receiver<PendingFetch>,
 ) {
+    let sock = match &node.devmem {
+        None => PayloadReader::Plain(sock),
+        Some(region) => match region.reader(sock) {
+            Ok(r) => PayloadReader::Devmem(r),
+            Err(e) => {
+                tracing::error!(source = %link.addr, conn, error = %e, "cannot read this data connection through the devmem path; dropping it");
+                link.kick();
+                return;
+            }
+        },
+    };
     let flow = Arc::new(FlowStats::default());
     node.flows
         .lock()
@@ -46,7 +76,7 @@ pub fn spawn(
 fn run(
     node: &Node,
     link: &SourceLink,
-    mut sock: TcpStream,
+    mut sock: PayloadReader,
     rx: &Receiver<PendingFetch>,
     flow: &FlowStats,
 ) {
@@ -107,7 +137,7 @@ fn run(
 /// whatever the socket holds (up to `CHUNK`), and that piece is checksummed right away,
 /// while it is still in cache.
 fn recv_payload(
-    sock: &mut TcpStream,
+    sock: &mut PayloadReader,
     dst: &mut [u8],
     flow: &FlowStats,
     assembly_ns: &std::sync::atomic::AtomicU64,
@@ -117,7 +147,7 @@ fn recv_payload(
     let mut off = 0;
     while off < dst.len() {
         let end = (off + CHUNK).min(dst.len());
-        let n = match sock.read(&mut dst[off..end]) {
+        let n = match sock.read_some(&mut dst[off..end]) {
             Ok(0) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
