@@ -11,6 +11,7 @@
 //! * [`mem`]: the CPU mapping of an RX dma-buf that frags are copied out of.
 //! * [`gather`]: turns one receive's frags into contiguous shard bytes.
 //! * [`emu`]: the kernel-faithful emulator of devmem RX used where no devmem NIC exists.
+//! * [`tx`]: devmem TX (`sendmsg` from a TX-bound dma-buf, zerocopy completions).
 //!
 //! The socket-level UAPI constants below are checked at compile time against the `libc`
 //! crate. Source: include/uapi/asm-generic/socket.h and include/uapi/linux/uio.h (Linux
@@ -31,6 +32,7 @@ pub mod probe;
 pub mod socket;
 #[allow(unsafe_code)] // the one module with raw syscalls; every block has a SAFETY note
 mod sys;
+pub mod tx;
 
 pub use netdev::{NetdevClient, NetdevError, RxBinding, TxBinding, bind_rx, bind_tx};
 pub use probe::{NicReport, probe_nics};

@@ -86,6 +86,103 @@ pub(crate) fn dontneed(fd: BorrowedFd<'_>, tokens: &[libc::dmabuf_token]) -> io:
     }
 }
 
+/// `setsockopt(fd, SOL_SOCKET, SO_ZEROCOPY, 1)`.
+pub(crate) fn set_zerocopy(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: `one` is a live c_int read by the kernel for optlen bytes; `fd` is live.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ZEROCOPY,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `sendmsg(fd, {iov: ranges, control: SOL_SOCKET/SCM_DEVMEM_DMABUF = dmabuf_id}, flags)`.
+/// For a non-zero `dmabuf_id` each `(base, len)` is an offset into the TX-bound dma-buf,
+/// which the kernel resolves itself; with id 0 the kernel treats the bases as ordinary user
+/// addresses (reads them), so callers pass 0 only with addresses of live buffers.
+pub(crate) fn sendmsg_dmabuf(
+    fd: BorrowedFd<'_>,
+    ranges: &[(u64, usize)],
+    dmabuf_id: u32,
+    flags: i32,
+) -> io::Result<usize> {
+    let mut iov: Vec<libc::iovec> = ranges
+        .iter()
+        .map(|&(base, len)| libc::iovec {
+            iov_base: base as usize as *mut libc::c_void,
+            iov_len: len,
+        })
+        .collect();
+    // CMSG_SPACE(4) = 16 + 8 on 64-bit; a u64 array keeps the buffer cmsghdr-aligned.
+    let mut control = [0u64; 3];
+    let space = std::mem::size_of_val(&control);
+    // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` describes `control` (space bytes, aligned), so CMSG_FIRSTHDR returns a
+    // pointer inside it with room for a header and 4 data bytes (CMSG_SPACE(4) <= space).
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = crate::SO_DEVMEM_DMABUF;
+        (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u32>(), dmabuf_id);
+    }
+    loop {
+        // SAFETY: `fd` is live; `msg` points at `iov` and `control`, both alive across the
+        // call. The kernel reads iovec entries and the control buffer; with a non-zero id the
+        // bases are dma-buf offsets that the kernel never dereferences in our address space.
+        let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// `recvmsg(fd, {control}, MSG_ERRQUEUE | MSG_DONTWAIT)`: one error-queue message (zerocopy
+/// completions); returns the control bytes written.
+pub(crate) fn recv_errqueue(fd: BorrowedFd<'_>, control: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    loop {
+        // SAFETY: `fd` is live; `msg` has no iov and points at `control`, valid for writes of
+        // msg_controllen bytes across the call.
+        let n = unsafe {
+            libc::recvmsg(
+                fd.as_raw_fd(),
+                &mut msg,
+                libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok((msg.msg_controllen as usize).min(control.len()));
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// `setsockopt(fd, level, name, bytes, bytes.len())` with arbitrary option bytes; returns
 /// the raw (possibly positive) return value. Used to probe the kernel's validation.
 #[cfg(test)]
