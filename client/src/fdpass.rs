@@ -79,6 +79,35 @@ impl FrameReader {
         sock: &UnixStream,
         fds: &mut Vec<OwnedFd>,
     ) -> Result<&'a [u8], FrameIoError> {
+        self.read_with(|buf| {
+            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut anc = RecvAncillaryBuffer::new(&mut space);
+            let r = rustix::net::recvmsg(
+                sock,
+                &mut [IoSliceMut::new(buf)],
+                &mut anc,
+                RecvFlags::CMSG_CLOEXEC,
+            )?;
+            for m in anc.drain() {
+                if let RecvAncillaryMessage::ScmRights(rights) = m {
+                    fds.extend(rights);
+                }
+            }
+            Ok(r.bytes)
+        })
+    }
+
+    /// Like [`FrameReader::read`] for a peer that sends no fds: a plain `recv` without a
+    /// control buffer (any fd that came anyway is closed by the kernel, unseen).
+    pub fn read_data<'a>(&'a mut self, sock: &UnixStream) -> Result<&'a [u8], FrameIoError> {
+        self.read_with(|buf| rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n))
+    }
+
+    /// The next frame, filling the buffer with `recv` (bytes received; 0 at end of stream).
+    fn read_with(
+        &mut self,
+        mut recv: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
+    ) -> Result<&[u8], FrameIoError> {
         loop {
             let avail = self.end - self.start;
             let need = if avail >= 4 {
@@ -105,28 +134,15 @@ impl FrameReader {
             if self.buf.len() < need {
                 self.buf.resize(need, 0);
             }
-            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
-            let mut anc = RecvAncillaryBuffer::new(&mut space);
-            let r = rustix::net::recvmsg(
-                sock,
-                &mut [IoSliceMut::new(&mut self.buf[self.end..])],
-                &mut anc,
-                RecvFlags::CMSG_CLOEXEC,
-            );
-            let r = match r {
-                Ok(r) => r,
+            let n = match recv(&mut self.buf[self.end..]) {
+                Ok(n) => n,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(std::io::Error::from(e).into()),
             };
-            for m in anc.drain() {
-                if let RecvAncillaryMessage::ScmRights(rights) = m {
-                    fds.extend(rights);
-                }
-            }
-            if r.bytes == 0 {
+            if n == 0 {
                 return Err(FrameIoError::Closed);
             }
-            self.end += r.bytes;
+            self.end += n;
         }
     }
 }
@@ -183,5 +199,46 @@ mod tests {
         );
         drop(writer.join().unwrap().unwrap());
         assert!(matches!(r.read(&b, &mut fds), Err(FrameIoError::Closed)));
+    }
+
+    #[test]
+    fn read_data_takes_frames_and_drops_fds() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        let mut frames = Vec::new();
+        trainer::encode(&trainer::Request::State, &mut frames);
+        trainer::encode(&trainer::Request::Release { lease: 3 }, &mut frames);
+        send_frame(&a, &frames, &[file.as_fd()]).unwrap();
+        // Split mid-prefix and mid-body: the reader waits for the rest.
+        let mut next = Vec::new();
+        trainer::encode_next(Some(5), &[1, 2], &mut next);
+        send_frame(&a, &next[..2], &[]).unwrap();
+        let mut r = FrameReader::new();
+        let body = r.read_data(&b).unwrap();
+        assert_eq!(
+            trainer::Request::decode(body).unwrap(),
+            trainer::Request::State
+        );
+        let body = r.read_data(&b).unwrap();
+        assert_eq!(
+            trainer::Request::decode(body).unwrap(),
+            trainer::Request::Release { lease: 3 }
+        );
+        let rest = next.split_off(2);
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            send_frame(&a, &rest[..10], &[]).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            send_frame(&a, &rest[10..], &[]).unwrap();
+        });
+        assert_eq!(
+            trainer::Request::decode(r.read_data(&b).unwrap()).unwrap(),
+            trainer::Request::Next {
+                timeout_ms: Some(5),
+                release: vec![1, 2]
+            }
+        );
+        writer.join().unwrap();
+        assert!(matches!(r.read_data(&b), Err(FrameIoError::Closed)));
     }
 }

@@ -188,7 +188,7 @@ impl Request {
             Self::Next {
                 timeout_ms,
                 release,
-            } => frame(out, |out| fast::encode_next(*timeout_ms, release, out)),
+            } => encode_next(*timeout_ms, release, out),
             other => encode(other, out),
         }
     }
@@ -226,6 +226,12 @@ impl Response {
             None => decode(body),
         }
     }
+}
+
+/// Appends a `next` request frame: the bytes of [`Request::Next`] with these fields, without
+/// building the request.
+pub fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) {
+    frame(out, |out| fast::encode_next(timeout_ms, release, out))
 }
 
 /// Appends a length prefix and the body `body` writes.

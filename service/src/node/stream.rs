@@ -75,7 +75,8 @@ pub struct StreamShared {
     /// Set while the fetcher waits for free memory.
     wants_memory: std::sync::atomic::AtomicBool,
     closed_notify: Notify,
-    plans: Mutex<HashMap<u32, Arc<Vec<u32>>>>,
+    /// Per-rank shard order of the few epochs in use: (epoch, order).
+    plans: Mutex<Vec<(u32, Vec<u32>)>>,
 }
 
 /// Inputs to [`StreamShared::new`].
@@ -126,7 +127,7 @@ impl StreamShared {
             freed: Notify::new(),
             wants_memory: std::sync::atomic::AtomicBool::new(false),
             closed_notify: Notify::new(),
-            plans: Mutex::new(HashMap::new()),
+            plans: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&s);
         s.pool.set_on_free(Arc::new(move || {
@@ -145,17 +146,18 @@ impl StreamShared {
     pub fn shard_at(&self, pos: u64) -> u32 {
         let per = self.spec.per_rank();
         let epoch = (pos / per) as u32;
-        let plan = {
-            let mut plans = self.plans.lock().expect("poisoned");
-            if !plans.contains_key(&epoch) {
-                if plans.len() > 4 {
-                    plans.retain(|e, _| *e + 1 >= epoch);
-                }
-                plans.insert(epoch, Arc::new(self.spec.rank_order(epoch)));
-            }
-            Arc::clone(&plans[&epoch])
-        };
-        plan[(pos % per) as usize]
+        let at = (pos % per) as usize;
+        let mut plans = self.plans.lock().expect("poisoned");
+        if let Some((_, plan)) = plans.iter().find(|(e, _)| *e == epoch) {
+            return plan[at];
+        }
+        if plans.len() > 4 {
+            plans.retain(|(e, _)| *e + 1 >= epoch);
+        }
+        let plan = self.spec.rank_order(epoch);
+        let shard = plan[at];
+        plans.push((epoch, plan));
+        shard
     }
 
     /// The state that resumes at the next undelivered batch.
@@ -293,8 +295,13 @@ impl StreamShared {
 
     /// Ends a lease; false if unknown.
     pub fn release(&self, lease: u64) -> bool {
-        let slab = self.inner.lock().expect("poisoned").leases.remove(&lease);
-        slab.is_some() // the slab drops here, after the lock, and wakes the fetcher
+        self.take_lease(lease).is_some() // the slab drops here, after the lock
+    }
+
+    /// Ends a lease and hands back its slab, whose memory returns to the region when the
+    /// caller drops it (the trainer socket does that after it has answered); None if unknown.
+    pub fn take_lease(&self, lease: u64) -> Option<Slab> {
+        self.inner.lock().expect("poisoned").leases.remove(&lease)
     }
 }
 

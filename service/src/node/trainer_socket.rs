@@ -59,9 +59,19 @@ fn reply(
     r: &Response,
     fds: &[std::os::fd::BorrowedFd<'_>],
 ) -> Result<(), FrameIoError> {
-    let mut frame = Vec::with_capacity(256);
-    r.encode(&mut frame);
-    fdpass::send_frame(sock, &frame, fds)
+    send(sock, &mut Vec::with_capacity(256), r, fds)
+}
+
+/// Encodes `r` into `frame` (cleared first) and sends it in one write.
+fn send(
+    sock: &UnixStream,
+    frame: &mut Vec<u8>,
+    r: &Response,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> Result<(), FrameIoError> {
+    frame.clear();
+    r.encode(frame);
+    fdpass::send_frame(sock, frame, fds)
 }
 
 fn error(code: &str, message: impl Into<String>) -> Response {
@@ -98,10 +108,15 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     let next_latency =
         metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket");
     let mut reader = fdpass::FrameReader::new();
-    let mut fds = Vec::new();
+    let mut frame = Vec::with_capacity(256);
+    // Work that can wait until the answer is out (the trainer is then busy with it): the
+    // slabs of released leases (freeing one takes the region's locks) and the `next` latency.
+    let mut released = Vec::new();
+    let mut next_took = None;
     let mut stream: Option<Arc<StreamShared>> = None;
     loop {
-        let req = match reader.read(&sock, &mut fds) {
+        // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
+        let req = match reader.read_data(&sock) {
             Ok(body) => match Request::decode(body) {
                 Ok(r) => r,
                 Err(e) => {
@@ -117,7 +132,6 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 break;
             }
         };
-        fds.clear(); // trainers never send fds; drop any that came
         let sent = match (req, &stream) {
             (Request::Attach { .. }, Some(_)) => reply(
                 &sock,
@@ -165,9 +179,13 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 Err((code, msg)) => reply(&sock, &error(code, msg), &[]),
             },
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
-            (Request::Next { release, .. }, Some(s)) if release.iter().any(|l| !s.release(*l)) => {
+            (Request::Next { release, .. }, Some(s))
+                if !release
+                    .iter()
+                    .all(|l| s.take_lease(*l).map(|slab| released.push(slab)).is_some()) =>
+            {
                 let msg = format!("a lease in {release:?} is not held by this stream");
-                reply(&sock, &error("unknown_lease", msg), &[])
+                send(&sock, &mut frame, &error("unknown_lease", msg), &[])
             }
             (Request::Next { timeout_ms, .. }, Some(s)) => {
                 let t = std::time::Instant::now();
@@ -189,22 +207,33 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     Next::Timeout => Response::Timeout,
                     Next::Closed(why) => error("closed", why),
                 };
-                next_latency.record(t.elapsed().as_secs_f64());
-                reply(&sock, &r, &[])
+                next_took = Some(t.elapsed());
+                send(&sock, &mut frame, &r, &[])
             }
             (Request::Release { lease }, Some(s)) => {
-                let r = if s.release(lease) {
-                    Response::Released
-                } else {
-                    error(
+                let r = match s.take_lease(lease) {
+                    Some(slab) => {
+                        released.push(slab);
+                        Response::Released
+                    }
+                    None => error(
                         "unknown_lease",
                         format!("lease {lease} is not held by this stream"),
-                    )
+                    ),
                 };
-                reply(&sock, &r, &[])
+                send(&sock, &mut frame, &r, &[])
             }
-            (Request::State, Some(s)) => reply(&sock, &Response::State { state: s.state() }, &[]),
+            (Request::State, Some(s)) => send(
+                &sock,
+                &mut frame,
+                &Response::State { state: s.state() },
+                &[],
+            ),
         };
+        released.clear();
+        if let Some(t) = next_took.take() {
+            next_latency.record(t.as_secs_f64());
+        }
         if let Err(e) = sent {
             tracing::debug!(error = %e, "trainer went away while we replied");
             break;
