@@ -266,44 +266,55 @@ impl Stream {
         }
     }
 
-    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
+    /// Sends one request frame, written by `encode` into the reused frame buffer.
+    fn send(&mut self, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), ClientError> {
         self.frame.clear();
-        req.encode(&mut self.frame);
+        encode(&mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])?;
-        let mut fds = Vec::new();
-        let body = self.reader.read(&self.sock, &mut fds)?;
+        Ok(())
+    }
+
+    /// Reads the answer to the request just sent (no fd rides on any answer but `attached`).
+    fn answer(&mut self) -> Result<Response, ClientError> {
+        let body = self.reader.read_data(&self.sock)?;
         match Response::decode(body).map_err(fdpass::FrameIoError::from)? {
             Response::Error { code, message } => Err(ClientError::Service { code, message }),
             r => Ok(r),
         }
     }
 
+    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
+        self.send(|frame| req.encode(frame))?;
+        self.answer()
+    }
+
     /// The next batch in plan order, or `None` when every epoch was delivered.
     #[allow(clippy::should_implement_trait)] // fallible: an Iterator would have to hide errors
     pub fn next(&mut self) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(None, Vec::new())
+        self.next_inner(None, None)
     }
 
     /// Like [`Stream::next`], failing with [`ClientError::Timeout`] after `timeout`.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(Some(timeout), Vec::new())
+        self.next_inner(Some(timeout), None)
     }
 
     /// Releases `done` and takes the next batch in one round trip (the usual training loop).
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(None, vec![done.lease])
+        self.next_inner(None, Some(done))
     }
 
     fn next_inner(
         &mut self,
         timeout: Option<Duration>,
-        release: Vec<u64>,
+        done: Option<Batch>,
     ) -> Result<Option<Batch>, ClientError> {
-        let req = Request::Next {
-            timeout_ms: timeout.map(|t| t.as_millis() as u64),
-            release,
-        };
-        match self.call(&req)? {
+        let timeout_ms = timeout.map(|t| t.as_millis() as u64);
+        let release = done.as_ref().map(|b| b.lease);
+        self.send(|frame| trainer::encode_next(timeout_ms, release.as_slice(), frame))?;
+        // Freed while the node works on the answer instead of after it.
+        drop(done);
+        match self.answer()? {
             Response::Batch {
                 lease,
                 epoch,
@@ -328,7 +339,10 @@ impl Stream {
 
     /// Gives a batch's memory back to the service.
     pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
-        match self.call(&Request::Release { lease: batch.lease })? {
+        let req = Request::Release { lease: batch.lease };
+        self.send(|frame| req.encode(frame))?;
+        drop(batch); // freed while the node works on the answer
+        match self.answer()? {
             Response::Released => Ok(()),
             other => Err(ClientError::Protocol(format!(
                 "unexpected answer to release: {other:?}"
