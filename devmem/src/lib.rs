@@ -11,6 +11,8 @@
 //! * [`mem`]: the CPU mapping of an RX dma-buf that frags are copied out of.
 //! * [`gather`]: turns one receive's frags into contiguous shard bytes.
 //! * [`emu`]: the kernel-faithful emulator of devmem RX used where no devmem NIC exists.
+//! * [`nic`]: NIC setup for devmem (channels, header split) journaled in a state file and
+//!   restored on shutdown or at the next start after a crash.
 //! * [`tx`]: devmem TX (`sendmsg` from a TX-bound dma-buf, zerocopy completions).
 //!
 //! The socket-level UAPI constants below are checked at compile time against the `libc`
@@ -27,11 +29,14 @@ pub mod emu;
 pub mod gather;
 pub mod mem;
 pub mod netdev;
+pub mod nic;
 mod nl;
 pub mod probe;
 pub mod socket;
 #[allow(unsafe_code)] // the one module with raw syscalls; every block has a SAFETY note
 mod sys;
+#[cfg(test)]
+mod testutil;
 pub mod tx;
 
 pub use netdev::{NetdevClient, NetdevError, RxBinding, TxBinding, bind_rx, bind_tx};

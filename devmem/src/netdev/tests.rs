@@ -5,11 +5,8 @@
 //! NIC or dma-buf exporter is needed, because the kernel checks attributes and the device
 //! before it looks at the fd (-1 here).
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use super::*;
+use crate::testutil::Netns;
 
 /// CAP_NET_ADMIN (include/uapi/linux/capability.h).
 const CAP_NET_ADMIN: u32 = 12;
@@ -31,62 +28,6 @@ fn bind_rx_err(req: &BindRequest) -> Rejection {
     let r = rejection(client().bind_rx_request(req));
     eprintln!("bind-rx({req}) -> {r}");
     r
-}
-
-/// A fresh network namespace (`ip netns add`), deleted on drop, even when a test panics.
-struct Netns {
-    name: String,
-}
-
-impl Netns {
-    fn new() -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let name = format!(
-            "swdevmem-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        run("ip", &["netns", "add", &name]);
-        Self { name }
-    }
-
-    fn path(&self) -> PathBuf {
-        PathBuf::from("/var/run/netns").join(&self.name)
-    }
-
-    fn ip(&self, args: &[&str]) -> String {
-        let mut all = vec!["-n", &self.name];
-        all.extend_from_slice(args);
-        run("ip", &all)
-    }
-
-    fn ifindex(&self, dev: &str) -> u32 {
-        // "3: va@vb: <BROADCAST,..."
-        let out = self.ip(&["-o", "link", "show", "dev", dev]);
-        out.split(':').next().unwrap().trim().parse().unwrap()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd} {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]

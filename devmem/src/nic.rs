@@ -1,0 +1,607 @@
+//! NIC setup for devmem RX, and its undo (reference devmem.md §4 step 2).
+//!
+//! Devmem needs the NIC configured by the application: enough RX queues for the ones to
+//! bind, header split on with `hds-thresh` 0 (ethtool netlink `rings-set`), other flows kept
+//! off the bound queues (RSS) and the data port steered to them (ntuple). Every change is
+//! written to a state file *before* it is made ([`Journal`]), so it can be undone in reverse
+//! order on shutdown ([`NicSetup::restore`], also on drop) and, after a crash, at the next
+//! start ([`restore_from`]): a NIC is never left altered.
+//!
+//! Built here: channels and header split over ethtool netlink, the journal, restore.
+//! Not built yet: RSS and ntuple steering (SIOCETHTOOL); [`apply`] says so in its result
+//! rather than pretending.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use netlink_bindings::ethtool;
+use netlink_bindings::traits::NetlinkRequest;
+use serde::{Deserialize, Serialize};
+
+use crate::nl::{self, GenlSocket, NlError};
+
+/// ethtool message ids, user to kernel (include/uapi/linux/ethtool_netlink_generated.h).
+/// netlink-bindings 0.3.5 numbers them as one id space, so each request's cmd is set here.
+const MSG_RINGS_GET: u8 = 15;
+const MSG_RINGS_SET: u8 = 16;
+const MSG_CHANNELS_GET: u8 = 17;
+const MSG_CHANNELS_SET: u8 = 18;
+/// `ETHTOOL_TCP_DATA_SPLIT_ENABLED` / `_DISABLED` (include/uapi/linux/ethtool.h).
+pub const TCP_DATA_SPLIT_DISABLED: u8 = 1;
+/// See [`TCP_DATA_SPLIT_DISABLED`].
+pub const TCP_DATA_SPLIT_ENABLED: u8 = 2;
+
+/// Errors of NIC setup and restore. Each names the interface and the step.
+#[derive(Debug, thiserror::Error)]
+pub enum NicError {
+    /// An ethtool request failed in the kernel.
+    #[error("{ifname}: ethtool {op}: {errno_name}{}{}", .msg.as_deref().map(|m| format!(" ({m})")).unwrap_or_default(), hint(.errno, op))]
+    Kernel {
+        /// Interface.
+        ifname: String,
+        /// The request, e.g. `rings-set`.
+        op: &'static str,
+        /// The errno.
+        errno: i32,
+        /// Its symbolic name.
+        errno_name: String,
+        /// The kernel's extack message.
+        msg: Option<String>,
+    },
+    /// Transport or decoding failure.
+    #[error("{ifname}: ethtool {op}: {reason}")]
+    Netlink {
+        /// Interface.
+        ifname: String,
+        /// The request.
+        op: &'static str,
+        /// What failed.
+        reason: String,
+    },
+    /// The NIC cannot have the RX queues asked for.
+    #[error("{ifname}: queue {queue} is needed but the NIC supports at most {max} RX channels")]
+    NotEnoughQueues {
+        /// Interface.
+        ifname: String,
+        /// The highest queue asked for.
+        queue: u32,
+        /// The driver's maximum.
+        max: u32,
+    },
+    /// The state file could not be read or written.
+    #[error("NIC state file {path}: {reason}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// A state file from an earlier run exists: restore it first.
+    #[error(
+        "NIC state file {0} exists (a previous run did not restore its NIC changes): restore it first"
+    )]
+    StateExists(PathBuf),
+}
+
+fn hint(errno: &i32, op: &str) -> &'static str {
+    match (*errno, op) {
+        (libc::EOPNOTSUPP, "rings-get" | "rings-set") => {
+            ": the driver has no ring parameters, so header split cannot be turned on (devmem needs gve, bnxt, mlx5, fbnic or idpf)"
+        }
+        (libc::EOPNOTSUPP, _) => ": the driver does not support this",
+        (libc::EINVAL, "channels-set") => {
+            ": the driver refused the channel counts (a memory provider may be bound to a queue above them)"
+        }
+        _ => "",
+    }
+}
+
+/// Ring parameters that matter for devmem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rings {
+    /// `tcp-data-split`: 0 unknown, 1 disabled, 2 enabled.
+    pub tcp_data_split: u8,
+    /// `hds-thresh`, when reported.
+    pub hds_thresh: Option<u32>,
+}
+
+/// Channel counts and limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Channels {
+    /// RX-only channels.
+    pub rx: u32,
+    /// TX-only channels.
+    pub tx: u32,
+    /// Combined channels.
+    pub combined: u32,
+    /// Max RX-only.
+    pub rx_max: u32,
+    /// Max TX-only.
+    pub tx_max: u32,
+    /// Max combined.
+    pub combined_max: u32,
+}
+
+impl Channels {
+    /// RX queues in use: combined plus RX-only channels.
+    pub fn rx_queues(&self) -> u32 {
+        self.combined + self.rx
+    }
+}
+
+/// An ethtool generic-netlink client.
+#[derive(Debug)]
+pub struct EthtoolClient {
+    sock: GenlSocket,
+    family: u16,
+}
+
+impl EthtoolClient {
+    /// Open in the calling thread's network namespace.
+    pub fn open() -> Result<Self, NicError> {
+        let fail = |reason: String| NicError::Netlink {
+            ifname: String::new(),
+            op: "open",
+            reason,
+        };
+        let mut sock = GenlSocket::open().map_err(|e| fail(e.to_string()))?;
+        let family = nl::resolve_family(&mut sock, b"ethtool")
+            .map_err(|e| fail(format!("resolving the ethtool family: {e:?}")))?
+            .id;
+        Ok(Self { sock, family })
+    }
+
+    /// Open inside the network namespace at `netns` (the socket stays there).
+    pub fn open_in_netns(netns: &Path) -> Result<Self, NicError> {
+        let ns = File::open(netns).map_err(|e| NicError::Netlink {
+            ifname: String::new(),
+            op: "open",
+            reason: format!("{}: {e}", netns.display()),
+        })?;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::sys::setns_net(ns.as_fd()).map_err(|e| NicError::Netlink {
+                    ifname: String::new(),
+                    op: "open",
+                    reason: format!("setns: {e}"),
+                })?;
+                Self::open()
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
+    fn run(
+        &mut self,
+        ifname: &str,
+        op: &'static str,
+        flags: u16,
+        payload: &[u8],
+        on_reply: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(), NicError> {
+        self.sock
+            .request(self.family, flags, payload, on_reply)
+            .map_err(|e| match e {
+                NlError::Kernel { errno, extack } => NicError::Kernel {
+                    ifname: ifname.to_string(),
+                    op,
+                    errno,
+                    errno_name: crate::errno_label(errno),
+                    msg: extack.msg,
+                },
+                other => NicError::Netlink {
+                    ifname: ifname.to_string(),
+                    op,
+                    reason: format!("{other:?}"),
+                },
+            })
+    }
+
+    /// `rings-get`.
+    pub fn rings(&mut self, ifindex: u32, ifname: &str) -> Result<Rings, NicError> {
+        let mut req = ethtool::Request::new().op_rings_get_do();
+        req.header_mut().cmd = MSG_RINGS_GET;
+        req.encode()
+            .nested_header()
+            .push_dev_index(ifindex)
+            .end_nested();
+        let mut out = None;
+        self.run(ifname, "rings-get", req.flags(), req.payload(), &mut |p| {
+            let a = ethtool::OpRingsGetDo::decode_reply(p);
+            out = Some(Rings {
+                tcp_data_split: a.get_tcp_data_split().unwrap_or(0),
+                hds_thresh: a.get_hds_thresh().ok(),
+            });
+            Ok(())
+        })?;
+        out.ok_or_else(|| NicError::Netlink {
+            ifname: ifname.into(),
+            op: "rings-get",
+            reason: "no reply".into(),
+        })
+    }
+
+    /// `rings-set` of `tcp-data-split` and, when given, `hds-thresh`.
+    pub fn set_rings(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        tcp_data_split: u8,
+        hds_thresh: Option<u32>,
+    ) -> Result<(), NicError> {
+        let mut req = ethtool::Request::new().op_rings_set_do();
+        req.header_mut().cmd = MSG_RINGS_SET;
+        {
+            let enc = req
+                .encode()
+                .nested_header()
+                .push_dev_index(ifindex)
+                .end_nested()
+                .push_tcp_data_split(tcp_data_split);
+            if let Some(t) = hds_thresh {
+                let _ = enc.push_hds_thresh(t);
+            }
+        }
+        self.run(ifname, "rings-set", req.flags(), req.payload(), &mut |_| {
+            Ok(())
+        })
+    }
+
+    /// `channels-get`.
+    pub fn channels(&mut self, ifindex: u32, ifname: &str) -> Result<Channels, NicError> {
+        let mut req = ethtool::Request::new().op_channels_get_do();
+        req.header_mut().cmd = MSG_CHANNELS_GET;
+        req.encode()
+            .nested_header()
+            .push_dev_index(ifindex)
+            .end_nested();
+        let mut out = None;
+        self.run(
+            ifname,
+            "channels-get",
+            req.flags(),
+            req.payload(),
+            &mut |p| {
+                let a = ethtool::OpChannelsGetDo::decode_reply(p);
+                out = Some(Channels {
+                    rx: a.get_rx_count().unwrap_or(0),
+                    tx: a.get_tx_count().unwrap_or(0),
+                    combined: a.get_combined_count().unwrap_or(0),
+                    rx_max: a.get_rx_max().unwrap_or(0),
+                    tx_max: a.get_tx_max().unwrap_or(0),
+                    combined_max: a.get_combined_max().unwrap_or(0),
+                });
+                Ok(())
+            },
+        )?;
+        out.ok_or_else(|| NicError::Netlink {
+            ifname: ifname.into(),
+            op: "channels-get",
+            reason: "no reply".into(),
+        })
+    }
+
+    /// `channels-set` of the RX, TX and combined counts.
+    pub fn set_channels(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        rx: u32,
+        tx: u32,
+        combined: u32,
+    ) -> Result<(), NicError> {
+        let mut req = ethtool::Request::new().op_channels_set_do();
+        req.header_mut().cmd = MSG_CHANNELS_SET;
+        {
+            let mut enc = req
+                .encode()
+                .nested_header()
+                .push_dev_index(ifindex)
+                .end_nested();
+            // Only the kinds the driver has (a max of 0 means the kind does not exist).
+            let now = (rx, tx, combined);
+            enc = enc.push_rx_count(now.0).push_tx_count(now.1);
+            let _ = enc.push_combined_count(now.2);
+        }
+        self.run(
+            ifname,
+            "channels-set",
+            req.flags(),
+            req.payload(),
+            &mut |_| Ok(()),
+        )
+    }
+}
+
+/// One change, with the value it replaced (what restore puts back).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "kebab-case")]
+pub enum Change {
+    /// Channel counts were changed from these.
+    Channels {
+        /// Old RX-only count.
+        rx: u32,
+        /// Old TX-only count.
+        tx: u32,
+        /// Old combined count.
+        combined: u32,
+    },
+    /// Header split was changed from these.
+    Rings {
+        /// Old `tcp-data-split`.
+        tcp_data_split: u8,
+        /// Old `hds-thresh`.
+        hds_thresh: Option<u32>,
+    },
+}
+
+/// What the state file holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateFile {
+    /// Interface name (for messages).
+    pub ifname: String,
+    /// Interface index.
+    pub ifindex: u32,
+    /// Network namespace file the interface lives in (`None`: the service's own).
+    pub netns: Option<PathBuf>,
+    /// Changes in the order they were made.
+    pub changes: Vec<Change>,
+}
+
+/// The write-ahead record of NIC changes: each change is saved before it is made.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    state: StateFile,
+}
+
+impl Journal {
+    /// Start a journal at `path` for one interface; refuses if a state file exists.
+    pub fn create(
+        path: &Path,
+        ifname: &str,
+        ifindex: u32,
+        netns: Option<PathBuf>,
+    ) -> Result<Self, NicError> {
+        if path.exists() {
+            return Err(NicError::StateExists(path.into()));
+        }
+        let j = Self {
+            path: path.into(),
+            state: StateFile {
+                ifname: ifname.into(),
+                ifindex,
+                netns,
+                changes: Vec::new(),
+            },
+        };
+        j.save()?;
+        Ok(j)
+    }
+
+    /// The recorded state.
+    pub fn state(&self) -> &StateFile {
+        &self.state
+    }
+
+    fn save(&self) -> Result<(), NicError> {
+        let bad = |e: io::Error| NicError::State {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        };
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(bad)?;
+        }
+        let tmp = self.path.with_extension("tmp");
+        let mut f = File::create(&tmp).map_err(bad)?;
+        let body = serde_json::to_vec_pretty(&self.state).expect("serializable");
+        f.write_all(&body).map_err(bad)?;
+        f.sync_all().map_err(bad)?;
+        std::fs::rename(&tmp, &self.path).map_err(bad)
+    }
+
+    /// Record `change` durably; call before making it.
+    pub fn record(&mut self, change: Change) -> Result<(), NicError> {
+        self.state.changes.push(change);
+        self.save()
+    }
+
+    /// Set channel counts, journaled.
+    pub fn set_channels(
+        &mut self,
+        client: &mut EthtoolClient,
+        rx: u32,
+        tx: u32,
+        combined: u32,
+    ) -> Result<(), NicError> {
+        let (ifindex, ifname) = (self.state.ifindex, self.state.ifname.clone());
+        let old = client.channels(ifindex, &ifname)?;
+        self.record(Change::Channels {
+            rx: old.rx,
+            tx: old.tx,
+            combined: old.combined,
+        })?;
+        client.set_channels(ifindex, &ifname, rx, tx, combined)
+    }
+
+    /// Turn header split on with `hds-thresh` 0, journaled.
+    pub fn enable_header_split(&mut self, client: &mut EthtoolClient) -> Result<(), NicError> {
+        let (ifindex, ifname) = (self.state.ifindex, self.state.ifname.clone());
+        let old = client.rings(ifindex, &ifname)?;
+        if old.tcp_data_split == TCP_DATA_SPLIT_ENABLED && old.hds_thresh.unwrap_or(0) == 0 {
+            return Ok(());
+        }
+        self.record(Change::Rings {
+            tcp_data_split: old.tcp_data_split,
+            hds_thresh: old.hds_thresh,
+        })?;
+        client.set_rings(ifindex, &ifname, TCP_DATA_SPLIT_ENABLED, Some(0))
+    }
+
+    /// Undo every change in reverse order and delete the state file.
+    pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
+        undo(&self.state, client)?;
+        remove(&self.path)?;
+        Ok(self.state.changes)
+    }
+}
+
+fn remove(path: &Path) -> Result<(), NicError> {
+    std::fs::remove_file(path).map_err(|e| NicError::State {
+        path: path.into(),
+        reason: e.to_string(),
+    })
+}
+
+fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
+    let (ifindex, ifname) = (state.ifindex, state.ifname.as_str());
+    let mut first_err = None;
+    for c in state.changes.iter().rev() {
+        let r = match *c {
+            Change::Channels { rx, tx, combined } => {
+                client.set_channels(ifindex, ifname, rx, tx, combined)
+            }
+            Change::Rings {
+                tcp_data_split,
+                hds_thresh,
+            } => {
+                // `unknown` (0) cannot be set: leave it as the driver has it.
+                if tcp_data_split == 0 {
+                    Ok(())
+                } else {
+                    client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh)
+                }
+            }
+        };
+        if let Err(e) = r {
+            tracing_like_warn(&e);
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+fn tracing_like_warn(e: &NicError) {
+    eprintln!("warning: restoring NIC settings: {e}");
+}
+
+/// After a crash: undo what the state file at `path` records (entering its network
+/// namespace if it names one) and delete it. `Ok(None)` when there is no state file.
+pub fn restore_from(path: &Path) -> Result<Option<StateFile>, NicError> {
+    let raw = match std::fs::read(path) {
+        Ok(r) => r,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(NicError::State {
+                path: path.into(),
+                reason: e.to_string(),
+            });
+        }
+    };
+    let state: StateFile = serde_json::from_slice(&raw).map_err(|e| NicError::State {
+        path: path.into(),
+        reason: format!("not a shardwire NIC state file: {e}"),
+    })?;
+    let mut client = match &state.netns {
+        Some(ns) => EthtoolClient::open_in_netns(ns)?,
+        None => EthtoolClient::open()?,
+    };
+    undo(&state, &mut client)?;
+    remove(path)?;
+    Ok(Some(state))
+}
+
+/// What to set up on one interface.
+#[derive(Debug, Clone)]
+pub struct SetupPlan {
+    /// Interface name.
+    pub ifname: String,
+    /// Interface index.
+    pub ifindex: u32,
+    /// RX queues that will be bound.
+    pub queues: Vec<u32>,
+    /// Network namespace file of the interface, if not the caller's.
+    pub netns: Option<PathBuf>,
+}
+
+/// A NIC set up for devmem; restores on [`NicSetup::restore`] or drop.
+#[derive(Debug)]
+pub struct NicSetup {
+    journal: Option<Journal>,
+    client: EthtoolClient,
+    /// What was not configured, in words (RSS and ntuple steering, for now).
+    pub not_configured: String,
+}
+
+impl NicSetup {
+    /// The journal's state.
+    pub fn state(&self) -> Option<&StateFile> {
+        self.journal.as_ref().map(Journal::state)
+    }
+
+    /// Undo the changes now.
+    pub fn restore(mut self) -> Result<Vec<Change>, NicError> {
+        let j = self.journal.take().expect("restored once");
+        j.restore(&mut self.client)
+    }
+}
+
+impl Drop for NicSetup {
+    fn drop(&mut self) {
+        if let Some(j) = self.journal.take()
+            && let Err(e) = j.restore(&mut self.client)
+        {
+            tracing_like_warn(&e);
+        }
+    }
+}
+
+/// Set the NIC up for devmem on `plan.queues`: enough RX channels, header split on with
+/// `hds-thresh` 0. Each change is journaled at `state` first; on failure whatever was
+/// changed is undone before the error is returned.
+pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
+    let mut client = match &plan.netns {
+        Some(ns) => EthtoolClient::open_in_netns(ns)?,
+        None => EthtoolClient::open()?,
+    };
+    let mut journal = Journal::create(state, &plan.ifname, plan.ifindex, plan.netns.clone())?;
+    let result = (|| {
+        let need = plan.queues.iter().max().map_or(0, |q| q + 1);
+        let ch = client.channels(plan.ifindex, &plan.ifname)?;
+        if ch.rx_queues() < need {
+            let max = ch.combined_max.max(ch.rx_max);
+            if max < need {
+                return Err(NicError::NotEnoughQueues {
+                    ifname: plan.ifname.clone(),
+                    queue: need - 1,
+                    max,
+                });
+            }
+            if ch.combined_max > 0 {
+                journal.set_channels(&mut client, ch.rx, ch.tx, need)?;
+            } else {
+                journal.set_channels(&mut client, need, ch.tx, ch.combined)?;
+            }
+        }
+        journal.enable_header_split(&mut client)
+    })();
+    match result {
+        Ok(()) => Ok(NicSetup {
+            journal: Some(journal),
+            client,
+            not_configured: "RSS and ntuple steering of the data port are not configured by this version: set them with ethtool -X / -N".into(),
+        }),
+        Err(e) => {
+            if let Err(undo_err) = journal.restore(&mut client) {
+                tracing_like_warn(&undo_err);
+            }
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,168 @@
+//! NIC setup against the real kernel: a veth pair in a fresh network namespace (veth has
+//! real channel counts to change, and no ring parameters, like any driver without header
+//! split).
+
+use super::*;
+use crate::testutil::Netns;
+
+fn veth() -> (Netns, u32) {
+    let ns = Netns::new();
+    ns.ip(&[
+        "link",
+        "add",
+        "va",
+        "numrxqueues",
+        "4",
+        "numtxqueues",
+        "4",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "vb",
+        "numrxqueues",
+        "4",
+        "numtxqueues",
+        "4",
+    ]);
+    let va = ns.ifindex("va");
+    (ns, va)
+}
+
+fn state_path(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("sw-nic-{tag}-{}.json", std::process::id()))
+}
+
+#[test]
+fn channels_are_read_and_changed_on_veth() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let ch = c.channels(va, "va").unwrap();
+    eprintln!("veth channels: {ch:?}");
+    assert_eq!(ch.rx_max, 4);
+    c.set_channels(va, "va", 1, ch.tx, ch.combined).unwrap();
+    assert_eq!(c.channels(va, "va").unwrap().rx, 1);
+    let e = c.set_channels(va, "va", 9, ch.tx, ch.combined).unwrap_err();
+    eprintln!("{e}");
+    assert!(
+        matches!(
+            e,
+            NicError::Kernel {
+                errno: libc::EINVAL,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("va: ethtool channels-set: EINVAL"),
+        "{e}"
+    );
+}
+
+#[test]
+fn header_split_on_a_driver_without_ring_parameters_names_the_cause() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let e = c.rings(va, "va").unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::Kernel {
+                errno: libc::EOPNOTSUPP,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("header split cannot be turned on"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_failed_setup_undoes_what_it_changed_and_leaves_no_state_file() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    c.set_channels(va, "va", 1, before.tx, before.combined)
+        .unwrap();
+    let state = state_path("fail");
+    let plan = SetupPlan {
+        ifname: "va".into(),
+        ifindex: va,
+        queues: vec![2, 3],
+        netns: Some(ns.path()),
+    };
+    // Channels are raised to 4 (queue 3 needs them), then header split fails on veth.
+    let e = apply(&plan, &state).unwrap_err();
+    assert!(e.to_string().contains("rings-get"), "{e}");
+    assert_eq!(c.channels(va, "va").unwrap().rx, 1, "channels put back");
+    assert!(!state.exists(), "state file removed after the undo");
+
+    let too_many = SetupPlan {
+        queues: vec![7],
+        ..plan
+    };
+    let e = apply(&too_many, &state).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::NotEnoughQueues {
+                queue: 7,
+                max: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(!state.exists());
+}
+
+#[test]
+fn changes_left_by_a_crash_are_restored_from_the_state_file() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    let state = state_path("crash");
+    let _ = std::fs::remove_file(&state);
+    let mut j = Journal::create(&state, "va", va, Some(ns.path())).unwrap();
+    j.set_channels(&mut c, 2, before.tx, before.combined)
+        .unwrap();
+    assert_eq!(c.channels(va, "va").unwrap().rx, 2);
+    // The process "dies" here: nothing restores, only the file remains.
+    drop(j);
+    assert!(state.exists());
+    let again = Journal::create(&state, "va", va, None).unwrap_err();
+    assert!(matches!(again, NicError::StateExists(_)), "{again}");
+
+    let restored = restore_from(&state).unwrap().expect("a state file");
+    assert_eq!(
+        restored.changes,
+        [Change::Channels {
+            rx: before.rx,
+            tx: before.tx,
+            combined: before.combined
+        }]
+    );
+    assert_eq!(
+        c.channels(va, "va").unwrap(),
+        before,
+        "the NIC is as it was"
+    );
+    assert!(!state.exists());
+    assert_eq!(
+        restore_from(&state).unwrap(),
+        None,
+        "nothing to do the second time"
+    );
+
+    std::fs::write(&state, b"{ not json").unwrap();
+    let e = restore_from(&state).unwrap_err();
+    assert!(
+        e.to_string().contains("not a shardwire NIC state file"),
+        "{e}"
+    );
+    std::fs::remove_file(&state).unwrap();
+}
