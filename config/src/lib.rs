@@ -134,6 +134,9 @@ pub struct ServeConfig {
     /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
     /// pool frags land in before they are gathered into shard slabs.
     pub devmem_memory: ByteSize,
+    /// Where NIC changes made for devmem are journaled; a file left by a crashed run is
+    /// restored (changes undone) at start.
+    pub nic_state_file: PathBuf,
     /// Memory kind.
     pub memory: MemoryMode,
     /// Log format.
@@ -164,6 +167,7 @@ impl Default for ServeConfig {
             secret_file: None,
             receive: ReceiveMode::Host,
             devmem_memory: ByteSize(64 << 20),
+            nic_state_file: PathBuf::from("/run/shardwire/nic-state.json"),
             memory: MemoryMode::Auto,
             log_format: LogFormat::Text,
             admin_token_file: None,

@@ -179,6 +179,11 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     devmem_memory: Option<ByteSize>,
+    /// NIC state journal; one left by a crashed run is restored at start
+    /// [default: /run/shardwire/nic-state.json].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nic_state_file: Option<PathBuf>,
     /// Memory for shards: auto (the best available, with the reason), host or cuda.
     #[arg(long, value_parser = parse_memory)]
     #[serde(skip_serializing_if = "Option::is_none")]

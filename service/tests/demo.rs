@@ -173,3 +173,92 @@ fn demo_runs_on_the_devmem_emulator_and_says_so() {
     assert!(stdout.contains("receive=devmem-sim"), "{stdout}");
     assert!(stdout.contains("NOT GPU-direct"), "{stdout}");
 }
+
+/// Crash recovery of NIC changes: a state file left behind (here: a real channel change on
+/// a veth in a fresh network namespace, journaled and then abandoned) is undone when
+/// `serve` starts.
+#[test]
+fn serve_restores_nic_changes_left_by_a_crashed_run() {
+    use shardwire_devmem::nic::{EthtoolClient, Journal};
+    let ns = format!("swserve-{}", std::process::id());
+    let ip = |args: &[&str]| {
+        let st = Command::new("ip").args(args).status().expect("run ip");
+        assert!(st.success(), "ip {args:?}");
+    };
+    ip(&["netns", "add", &ns]);
+    struct Del(String);
+    impl Drop for Del {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let _del = Del(ns.clone());
+    ip(&[
+        "-n",
+        &ns,
+        "link",
+        "add",
+        "va",
+        "numrxqueues",
+        "4",
+        "numtxqueues",
+        "4",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "vb",
+    ]);
+    let nspath = std::path::PathBuf::from("/var/run/netns").join(&ns);
+    let ifindex: u32 = String::from_utf8(
+        Command::new("ip")
+            .args(["-n", &ns, "-o", "link", "show", "dev", "va"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .split(':')
+    .next()
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("sw-nicstate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("nic-state.json");
+    let mut c = EthtoolClient::open_in_netns(&nspath).unwrap();
+    let before = c.channels(ifindex, "va").unwrap();
+    let mut j = Journal::create(&state, "va", ifindex, Some(nspath.clone())).unwrap();
+    j.set_channels(&mut c, 1, before.tx, before.combined)
+        .unwrap();
+    drop(j); // the "crash": nothing undone, the journal stays
+    assert_eq!(c.channels(ifindex, "va").unwrap().rx, 1);
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardwire"))
+        .arg("serve")
+        .args(["--source", "127.0.0.1:1", "--data-listen", "127.0.0.1:0"])
+        .args(["--admin", "127.0.0.1:0", "--socket"])
+        .arg(dir.join("t.sock"))
+        .arg("--nic-state-file")
+        .arg(&state)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut log = String::new();
+    let mut line = String::new();
+    while std::io::BufRead::read_line(&mut err, &mut line).unwrap_or(0) > 0 {
+        log.push_str(&line);
+        if line.contains("node service ready") {
+            break;
+        }
+        line.clear();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(log.contains("restored NIC settings"), "{log}");
+    assert!(!state.exists(), "state file removed");
+    assert_eq!(c.channels(ifindex, "va").unwrap(), before, "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -211,6 +211,19 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .enumerate()
         .map(|(i, a)| SourceLink::new(i, a.clone()))
         .collect();
+    // NIC changes a crashed run left behind are undone before anything else looks at NICs.
+    let state = cfg.nic_state_file.clone();
+    match tokio::task::spawn_blocking(move || shardwire_devmem::nic::restore_from(&state)).await {
+        Ok(Ok(Some(st))) => tracing::warn!(
+            file = %cfg.nic_state_file.display(), ifname = %st.ifname, changes = ?st.changes,
+            "restored NIC settings left by a previous run that did not shut down cleanly"
+        ),
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "could not restore NIC settings left by a previous run; the NIC may still be altered")
+        }
+        Err(e) => tracing::error!(error = %e, "NIC restore task failed"),
+    }
     let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
         .await
         .unwrap_or_default();
