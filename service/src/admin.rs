@@ -50,6 +50,7 @@ pub async fn serve(
         .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
         .route("/v1/drain", post(drain))
         .route("/v1/nics", get(nics))
+        .route("/v1/bindings", get(bindings))
         .layer(DefaultBodyLimit::max(64 << 10))
         .layer(axum::middleware::from_fn(admin_timeout))
         .with_state(Arc::clone(&node))
@@ -303,6 +304,15 @@ fn devmem_json(node: &Node) -> serde_json::Value {
         "linear_bytes": c.linear_bytes.load(Ordering::Relaxed),
         "plain_bytes": c.plain_bytes.load(Ordering::Relaxed),
     })
+}
+
+/// `GET /v1/bindings`: the node's devmem RX bindings (empty in host mode).
+async fn bindings(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let list: Vec<serde_json::Value> = match devmem_json(&node) {
+        serde_json::Value::Null => Vec::new(),
+        b => vec![b],
+    };
+    Json(json!({ "receive": node.cfg.receive.to_string(), "bindings": list }))
 }
 
 fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {

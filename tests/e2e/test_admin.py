@@ -67,6 +67,8 @@ def test_auth_inspect_close_and_drain(sw, tmp_path):
     lo = next(n for n in body["nics"] if n["name"] == "lo")
     assert code == 200 and lo["devmem_capable"] is False and lo["trial_bind"]["error"], lo
     assert "no devmem-capable NIC" in node2.status()["mode"]["reason"], node2.status()["mode"]
+    code, body = request(node2.admin, "GET", "/v1/bindings")
+    assert code == 200 and body == {"receive": "host", "bindings": []}, body
 
     metrics = http_get(node2.admin, "/metrics")[1]
     for name in [

@@ -14,6 +14,7 @@ with the reason, never fall back silently.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -75,6 +76,13 @@ def test_devmem_sim_two_sources_two_ranks_byte_exact(sw, tmp_path):
     assert dm["tokens_returned"] == dm["frags"], f"every token comes back: {dm}"
     assert dm["linear_bytes"] == 0 and dm["plain_bytes"] == 0, dm
     assert dm["niovs_free"] == dm["niovs"], f"nothing held once the epoch is consumed: {dm}"
+
+    code, body = http_get(node.admin, "/v1/bindings")
+    assert code == 200, body
+    listed = json.loads(body)
+    assert listed["receive"] == "devmem-sim"
+    assert [b["binding"] for b in listed["bindings"]] == [1], listed
+    assert listed["bindings"][0]["kind"] == "emulated"
 
     code, text = http_get(node.admin, "/metrics")
     assert code == 200
