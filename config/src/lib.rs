@@ -134,6 +134,10 @@ pub struct ServeConfig {
     /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
     /// pool frags land in before they are gathered into shard slabs.
     pub devmem_memory: ByteSize,
+    /// Interface for `receive = devmem` (default: the first devmem-capable NIC).
+    pub devmem_interface: Option<String>,
+    /// RX queues to bind (default: the upper half of the interface's RX queues).
+    pub devmem_queues: Vec<u32>,
     /// Where NIC changes made for devmem are journaled; a file left by a crashed run is
     /// restored (changes undone) at start.
     pub nic_state_file: PathBuf,
@@ -167,6 +171,8 @@ impl Default for ServeConfig {
             secret_file: None,
             receive: ReceiveMode::Host,
             devmem_memory: ByteSize(64 << 20),
+            devmem_interface: None,
+            devmem_queues: Vec::new(),
             nic_state_file: PathBuf::from("/run/shardwire/nic-state.json"),
             memory: MemoryMode::Auto,
             log_format: LogFormat::Text,

@@ -1,5 +1,6 @@
 //! A CPU mapping of an RX dma-buf: where devmem frags are read from when the binding's
-//! memory is host memory (a udmabuf, a dma-heap buffer, or the emulator's memfd).
+//! memory is host memory (a udmabuf, a dma-heap buffer, or the emulator's memfd), and the
+//! creation of a udmabuf.
 //!
 //! Frag bytes are copied out with [`DmabufMem::copy_out`] while their token is held (the
 //! kernel does not reuse a net_iov before its token comes back), so no Rust reference into
@@ -79,6 +80,67 @@ impl DmabufMem {
             return Err(io::Error::last_os_error());
         }
         Self::map_fd(fd, len, libc::PROT_READ | libc::PROT_WRITE, Kind::Memfd)
+    }
+
+    /// A host-memory dma-buf of `len` bytes (rounded up to 4 KiB) from the udmabuf driver
+    /// (`/dev/udmabuf`, `UDMABUF_CREATE` over a sealed memfd), mapped read-only: the RX
+    /// binding's memory for `receive = devmem` with `memory = host`.
+    pub fn udmabuf(len: usize) -> io::Result<Self> {
+        let len = len.div_ceil(4096).max(1) * 4096;
+        let dev = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/udmabuf")
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("/dev/udmabuf: {e} (load the udmabuf module, or use memory=cuda)"),
+                )
+            })?;
+        let name = c"shardwire-rx";
+        // SAFETY: `name` is a valid NUL-terminated string.
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create returned a fresh fd that nothing else owns.
+        let memfd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `memfd` is live; ftruncate only sets its size.
+        if unsafe { libc::ftruncate(memfd.as_raw_fd(), len as libc::off_t) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // udmabuf requires F_SEAL_SHRINK (the pages must not go away under the device).
+        // SAFETY: fcntl(F_ADD_SEALS) on a live memfd with an int argument.
+        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        #[repr(C)]
+        struct UdmabufCreate {
+            memfd: u32,
+            flags: u32,
+            offset: u64,
+            size: u64,
+        }
+        const UDMABUF_FLAGS_CLOEXEC: u32 = 0x01;
+        // _IOW('u', 0x42, struct udmabuf_create) (include/uapi/linux/udmabuf.h).
+        const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542;
+        let arg = UdmabufCreate {
+            memfd: memfd.as_raw_fd() as u32,
+            flags: UDMABUF_FLAGS_CLOEXEC,
+            offset: 0,
+            size: len as u64,
+        };
+        // SAFETY: UDMABUF_CREATE reads one `struct udmabuf_create` (repr(C), 24 bytes) from
+        // `&arg`, alive across the call; the returned value is a new dma-buf fd.
+        let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the ioctl returned a fresh fd that nothing else owns.
+        let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };
+        Self::map_dmabuf(dmabuf, len)
     }
 
     /// Map `len` bytes of the dma-buf `fd` read-only (the RX binding's memory when it is a
@@ -244,5 +306,18 @@ mod tests {
         assert!(m.copy_out(u64::MAX, &mut out).is_err());
         m.begin_cpu_read().unwrap();
         m.end_cpu_read().unwrap();
+    }
+
+    #[test]
+    fn udmabuf_is_created_or_its_absence_is_explained() {
+        match DmabufMem::udmabuf(1 << 20) {
+            Ok(m) => {
+                assert_eq!(m.len(), 1 << 20);
+                m.begin_cpu_read().unwrap();
+                m.end_cpu_read().unwrap();
+            }
+            // This machine's kernel has no udmabuf (reference devmem.md §10).
+            Err(e) => assert!(e.to_string().contains("/dev/udmabuf"), "{e}"),
+        }
     }
 }

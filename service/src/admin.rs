@@ -285,8 +285,10 @@ fn devmem_metrics(region: &crate::node::devmem_rx::RxRegion) {
     metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "plain")
         .absolute(c.plain_bytes.load(Ordering::Relaxed));
     metrics::counter!("shardwire_devmem_pool_exhausted_total").absolute(region.exhausted_waits());
-    metrics::gauge!("shardwire_devmem_niovs", "state" => "free").set(free as f64);
-    metrics::gauge!("shardwire_devmem_niovs", "state" => "in_use").set((total - free) as f64);
+    if let Some(free) = free {
+        metrics::gauge!("shardwire_devmem_niovs", "state" => "free").set(free as f64);
+        metrics::gauge!("shardwire_devmem_niovs", "state" => "in_use").set((total - free) as f64);
+    }
 }
 
 fn devmem_json(node: &Node) -> serde_json::Value {
@@ -295,8 +297,10 @@ fn devmem_json(node: &Node) -> serde_json::Value {
     };
     let c = &region.counters;
     let (free, total) = region.niovs();
+    let (ifname, queues) = region.queues().unzip();
     json!({
         "binding": region.id(), "kind": region.kind(), "bytes": region.bytes(),
+        "interface": ifname, "queues": queues,
         "niovs": total, "niovs_free": free, "pool_exhausted": region.exhausted_waits(),
         "frags": c.frags.load(Ordering::Relaxed),
         "dmabuf_bytes": c.dmabuf_bytes.load(Ordering::Relaxed),

@@ -223,7 +223,7 @@ fn run_shardwire(
     if let Some(r) = &lb.node.node.devmem {
         let c = &r.counters;
         println!(
-            "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {} of {} net_iovs free at the end",
+            "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {:?} of {} net_iovs free at the end",
             c.frags.load(Ordering::Relaxed),
             c.tokens_returned.load(Ordering::Relaxed),
             r.exhausted_waits(),

@@ -179,6 +179,14 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     devmem_memory: Option<ByteSize>,
+    /// Interface for --receive devmem [default: the first devmem-capable NIC].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    devmem_interface: Option<String>,
+    /// RX queue to bind for --receive devmem (repeatable) [default: the upper half].
+    #[arg(long = "devmem-queue")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    devmem_queues: Vec<u32>,
     /// NIC state journal; one left by a crashed run is restored at start
     /// [default: /run/shardwire/nic-state.json].
     #[arg(long)]

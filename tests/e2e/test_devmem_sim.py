@@ -119,3 +119,18 @@ def test_devmem_receive_without_a_devmem_nic_refuses_to_start(sw, tmp_path):
     assert rc != 0, err
     assert "receive=devmem is not possible here" in err, err
     assert "EOPNOTSUPP" in err and "devmem-sim" in err, err
+
+
+def test_devmem_receive_on_a_named_interface_names_why_it_cannot(sw, tmp_path):
+    def serve_fails(*extra) -> str:
+        p = sw._start(Proc, "serve", ["serve", "--source", "127.0.0.1:1", "--socket", tmp_path / "y.sock",
+                                      "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+                                      "--receive", "devmem", *extra])
+        rc = p.wait(30)
+        assert rc != 0, p.stderr_text()
+        return p.stderr_text()
+
+    err = serve_fails("--devmem-interface", "lo")
+    assert "lo cannot do devmem" in err and "no queue management ops" in err, err
+    err = serve_fails("--devmem-interface", "nosuch0")
+    assert "devmem_interface nosuch0 does not exist" in err, err

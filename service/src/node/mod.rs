@@ -268,15 +268,53 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
             (Some(region), reason)
         }
         ReceiveMode::Devmem => {
-            return Err(StartError::Receive(if capable.is_empty() {
-                format!(
-                    "receive=devmem is not possible here: {probe}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
-                )
+            let nic = match &cfg.devmem_interface {
+                Some(name) => nics.iter().find(|n| &n.name == name).ok_or_else(|| {
+                    StartError::Receive(format!(
+                        "receive=devmem: devmem_interface {name} does not exist here; {probe}"
+                    ))
+                })?,
+                None => nics.iter().find(|n| n.devmem_capable).ok_or_else(|| {
+                    StartError::Receive(format!(
+                        "receive=devmem is not possible here: {probe}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
+                    ))
+                })?,
+            };
+            if !nic.devmem_capable {
+                return Err(StartError::Receive(format!(
+                    "receive=devmem: {} cannot do devmem: {}",
+                    nic.name, nic.reason
+                )));
+            }
+            let queues = if cfg.devmem_queues.is_empty() {
+                // The upper half of the RX queues, leaving the lower half to other traffic.
+                (nic.rx_queues / 2..nic.rx_queues).collect()
             } else {
-                format!(
-                    "receive=devmem: {probe}, but NIC setup (header split, RSS, ntuple steering) and binding them from serve are not built into this version yet. Use receive=host"
-                )
-            }));
+                cfg.devmem_queues.clone()
+            };
+            let (name, ifindex) = (nic.name.clone(), nic.ifindex);
+            let (q, bytes, state) = (
+                queues.clone(),
+                cfg.devmem_memory.0 as usize,
+                cfg.nic_state_file.clone(),
+            );
+            let region = tokio::task::spawn_blocking(move || {
+                devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state)
+            })
+            .await
+            .map_err(|e| StartError::Receive(e.to_string()))?
+            .map_err(|e| StartError::Receive(format!("receive=devmem on {}: {e}", nic.name)))?;
+            let first = queues.iter().min().copied().unwrap_or(0);
+            let reason = format!(
+                "receive=devmem: {} RX queues {queues:?} bound to a {} udmabuf (binding {}); steer the data port to them (ethtool -N {} flow-type tcp4 dst-port {} action {first}) and keep other flows off them (ethtool -X {} equal {first})",
+                nic.name,
+                cfg.devmem_memory,
+                region.id(),
+                nic.name,
+                data_addr.port(),
+                nic.name
+            );
+            (Some(region), reason)
         }
     };
     let mode_reason = format!(
