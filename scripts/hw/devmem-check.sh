@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Devmem TCP hardware check: run on a host with a devmem-capable NIC (gve, bnxt, mlx5,
+# fbnic, idpf), as root, with /dev/udmabuf (modprobe udmabuf) and a peer reachable over that
+# NIC by ssh. Not run in CI (no such NIC there); see docs/OPERATIONS.md "Hardware checks".
+#
+#   scripts/hw/devmem-check.sh IFNAME PEER_SSH PEER_ADDR_AS_SEEN_FROM_PEER [PORT]
+#
+#   IFNAME     the devmem NIC here, e.g. eth1
+#   PEER_SSH   ssh destination of the peer, e.g. root@10.0.0.2 (needs python3 and shardwire
+#              in PATH there)
+#   HERE       this host's address on IFNAME, as the peer dials it
+#   PORT       data port steered to the devmem queue (default 5201)
+#
+# Steps (each prints PASS/FAIL; the script stops at the first failure and always undoes the
+# ethtool changes it made):
+#   1. shardwire nics: IFNAME reports devmem_capable (trial bind outcome).
+#   2. steering: RSS over queues 0..Q-1 (ethtool -X equal Q), ntuple rule PORT -> queue Q.
+#   3. the kernel selftest sequence (cargo test --test hw, ignored tests):
+#      empty queue list fails; header split off fails; bind succeeds and shows on the queue;
+#      shrinking channels under the bound queue fails; closing the socket unbinds; then a
+#      validated pattern from the peer lands in the dma-buf with no byte in host memory.
+#   4. ingest: shardwire source on the peer, shardwire serve --receive devmem here, one epoch
+#      consumed: CRC failures 0, devmem frags > 0, host bytes 0.
+set -euo pipefail
+IF=${1:?IFNAME}; PEER=${2:?PEER_SSH}; HERE=${3:?address of this host on IFNAME}; PORT=${4:-5201}
+cd "$(dirname "$0")/../.."
+[ "$(id -u)" = 0 ] || { echo "run as root"; exit 2; }
+command -v ethtool >/dev/null || { echo "needs ethtool"; exit 2; }
+[ -e /dev/udmabuf ] || { echo "needs /dev/udmabuf (modprobe udmabuf)"; exit 2; }
+
+RXQ=$(ls -d /sys/class/net/"$IF"/queues/rx-* | wc -l)
+Q=$((RXQ - 1))
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; exit 1; }
+RULE=""
+cleanup() {
+  [ -n "$RULE" ] && ethtool -N "$IF" delete "$RULE" 2>/dev/null || true
+  ethtool -X "$IF" default 2>/dev/null || true
+  ssh "$PEER" "pkill -f 'shardwire source --listen 0.0.0.0:7500'" 2>/dev/null || true
+  [ -n "${SERVE_PID:-}" ] && kill "$SERVE_PID" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+cargo build --release -p shardwire
+SW=target/release/shardwire
+
+# 1. capability probe
+$SW nics --json | python3 -c "
+import json,sys
+n=[x for x in json.load(sys.stdin) if x['name']=='$IF']
+assert n, 'no $IF'; n=n[0]
+print(n['reason'])
+sys.exit(0 if n['devmem_capable'] else 1)" && pass "probe: $IF is devmem-capable" || fail "probe: $IF"
+
+# 2. steering
+ethtool -K "$IF" ntuple on
+ethtool -X "$IF" equal "$Q" || fail "RSS: ethtool -X $IF equal $Q"
+RULE=$(ethtool -N "$IF" flow-type tcp4 dst-port "$PORT" action "$Q" | sed -n 's/.*ID \([0-9]*\).*/\1/p')
+pass "steering: RSS over 0..$((Q - 1)), tcp dst-port $PORT -> queue $Q (rule ${RULE:-?})"
+
+# 3. kernel selftest sequence, then the pattern
+export SHARDWIRE_HW_IFNAME="$IF" SHARDWIRE_HW_QUEUE="$Q" SHARDWIRE_HW_PORT="$PORT"
+cargo test --release -p shardwire-devmem --test hw -- --ignored --test-threads 1 \
+  hw_bind_sequence_follows_the_kernel_selftest && pass "bind sequence" || fail "bind sequence"
+( sleep 3; ssh "$PEER" "python3 -c \"
+import socket
+s=socket.create_connection(('$HERE',$PORT)); pat=bytes(i%251 for i in range(251*4096)); n=64<<20; sent=0
+while sent<n:
+    k=min(len(pat)-(sent%251), n-sent); off=sent%251; s.sendall(pat[off:off+k]); sent+=k
+s.close()\"" ) &
+cargo test --release -p shardwire-devmem --test hw -- --ignored --test-threads 1 --nocapture \
+  hw_validated_pattern_lands_in_the_dmabuf && pass "pattern" || fail "pattern"
+wait
+
+# 4. ingest through serve --receive devmem
+TMP=$(mktemp -d)
+ssh "$PEER" "mkdir -p /tmp/swds && python3 -c \"
+import os
+for i in range(32): open(f'/tmp/swds/s{i:03d}.bin','wb').write(os.urandom(4<<20))
+\" && shardwire index /tmp/swds && (nohup shardwire source --listen 0.0.0.0:7500 --dataset hw=/tmp/swds --secret-file /tmp/swds/secret >/tmp/swds/source.log 2>&1 &)"
+head -c 32 /dev/urandom | base64 > "$TMP/secret"
+scp -q "$TMP/secret" "$PEER:/tmp/swds/secret"
+PEER_HOST=${PEER#*@}
+$SW serve --source "$PEER_HOST:7500" --secret-file "$TMP/secret" --socket "$TMP/t.sock" \
+  --data-listen "0.0.0.0:$PORT" --admin 127.0.0.1:7410 --receive devmem \
+  --devmem-interface "$IF" --devmem-queue "$Q" --nic-state-file "$TMP/nic.json" 2>"$TMP/serve.log" &
+SERVE_PID=$!
+for _ in $(seq 60); do curl -fs 127.0.0.1:7410/readyz >/dev/null && break; sleep 1; done
+$SW consume --socket "$TMP/t.sock" --dataset hw --jsonl > "$TMP/batches.jsonl" || fail "consume"
+curl -fs 127.0.0.1:7410/v1/status | python3 -c "
+import json,sys
+s=json.load(sys.stdin); d=s['devmem']; c=s['counters']
+print(d, c)
+assert c['crc_failures']==0 and d['frags']>0 and d['linear_bytes']==0 and d['plain_bytes']==0
+" && pass "ingest: $(wc -l < "$TMP/batches.jsonl") batches via devmem" || fail "ingest (see $TMP/serve.log)"
+kill "$SERVE_PID"; wait "$SERVE_PID" || true; SERVE_PID=""
+[ ! -e "$TMP/nic.json" ] && pass "NIC restored on shutdown" || fail "NIC state file left behind"
