@@ -52,8 +52,11 @@ fn invalid(
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum ReceiveMode {
-    /// Plain TCP into host memory.
+    /// Devmem when a NIC can do it (the probe's trial bind), else host; the choice and its
+    /// reason are logged and shown on `/v1/status`.
     #[default]
+    Auto,
+    /// Plain TCP into host memory.
     Host,
     /// Devmem TCP: payloads land in a dma-buf bound to NIC receive queues. Refused at start
     /// when no NIC can do it (the reason is printed).
@@ -66,6 +69,7 @@ pub enum ReceiveMode {
 impl std::fmt::Display for ReceiveMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Self::Auto => "auto",
             Self::Host => "host",
             Self::Devmem => "devmem",
             Self::DevmemSim => "devmem-sim",
@@ -77,10 +81,11 @@ impl std::str::FromStr for ReceiveMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
+            "auto" => Ok(Self::Auto),
             "host" => Ok(Self::Host),
             "devmem" => Ok(Self::Devmem),
             "devmem-sim" => Ok(Self::DevmemSim),
-            other => Err(format!("`{other}` is not host, devmem or devmem-sim")),
+            other => Err(format!("`{other}` is not auto, host, devmem or devmem-sim")),
         }
     }
 }
@@ -169,7 +174,7 @@ impl Default for ServeConfig {
             stream_memory: ByteSize(256 << 20),
             flows: 2,
             secret_file: None,
-            receive: ReceiveMode::Host,
+            receive: ReceiveMode::Auto,
             devmem_memory: ByteSize(64 << 20),
             devmem_interface: None,
             devmem_queues: Vec::new(),

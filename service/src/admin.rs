@@ -218,7 +218,7 @@ async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
 
 async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     let c = &node.counters;
-    let mode = [("mode", node.cfg.receive.to_string())];
+    let mode = [("mode", node.receive.to_string())];
     metrics::counter!("shardwire_bytes_received_total", &mode)
         .absolute(c.bytes_received.load(Ordering::Relaxed));
     metrics::counter!("shardwire_shards_received_total", &mode)
@@ -316,7 +316,7 @@ async fn bindings(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
         serde_json::Value::Null => Vec::new(),
         b => vec![b],
     };
-    Json(json!({ "receive": node.cfg.receive.to_string(), "bindings": list }))
+    Json(json!({ "receive": node.receive.to_string(), "bindings": list }))
 }
 
 fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
@@ -362,7 +362,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
     let streams = streams_json(&node);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "mode": { "receive": node.cfg.receive.to_string(), "memory": "host", "reason": node.mode_reason },
+        "mode": { "receive": node.receive.to_string(), "memory": "host", "reason": node.mode_reason },
         "devmem": devmem_json(&node),
         "draining": node.draining.load(Ordering::Acquire),
         "nics": node.nics,

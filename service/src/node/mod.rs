@@ -84,6 +84,8 @@ pub struct Node {
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
     /// The RX binding when receiving with devmem (or its emulator); `None` in host mode.
     pub devmem: Option<Arc<devmem_rx::RxRegion>>,
+    /// The receive path in effect (`auto` resolved).
+    pub receive: ReceiveMode,
 }
 
 impl Node {
@@ -267,55 +269,23 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
             );
             (Some(region), reason)
         }
-        ReceiveMode::Devmem => {
-            let nic = match &cfg.devmem_interface {
-                Some(name) => nics.iter().find(|n| &n.name == name).ok_or_else(|| {
-                    StartError::Receive(format!(
-                        "receive=devmem: devmem_interface {name} does not exist here; {probe}"
-                    ))
-                })?,
-                None => nics.iter().find(|n| n.devmem_capable).ok_or_else(|| {
-                    StartError::Receive(format!(
-                        "receive=devmem is not possible here: {probe}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
-                    ))
-                })?,
-            };
-            if !nic.devmem_capable {
+        ReceiveMode::Devmem => match bind_devmem(&cfg, &nics, data_addr, &probe).await {
+            Ok((region, why)) => (Some(region), format!("receive=devmem: {why}")),
+            Err(e) => {
                 return Err(StartError::Receive(format!(
-                    "receive=devmem: {} cannot do devmem: {}",
-                    nic.name, nic.reason
+                    "receive=devmem is not possible here: {e}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
                 )));
             }
-            let queues = if cfg.devmem_queues.is_empty() {
-                // The upper half of the RX queues, leaving the lower half to other traffic.
-                (nic.rx_queues / 2..nic.rx_queues).collect()
-            } else {
-                cfg.devmem_queues.clone()
-            };
-            let (name, ifindex) = (nic.name.clone(), nic.ifindex);
-            let (q, bytes, state) = (
-                queues.clone(),
-                cfg.devmem_memory.0 as usize,
-                cfg.nic_state_file.clone(),
-            );
-            let region = tokio::task::spawn_blocking(move || {
-                devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state)
-            })
-            .await
-            .map_err(|e| StartError::Receive(e.to_string()))?
-            .map_err(|e| StartError::Receive(format!("receive=devmem on {}: {e}", nic.name)))?;
-            let first = queues.iter().min().copied().unwrap_or(0);
-            let reason = format!(
-                "receive=devmem: {} RX queues {queues:?} bound to a {} udmabuf (binding {}); steer the data port to them (ethtool -N {} flow-type tcp4 dst-port {} action {first}) and keep other flows off them (ethtool -X {} equal {first})",
-                nic.name,
-                cfg.devmem_memory,
-                region.id(),
-                nic.name,
-                data_addr.port(),
-                nic.name
-            );
-            (Some(region), reason)
-        }
+        },
+        ReceiveMode::Auto => match bind_devmem(&cfg, &nics, data_addr, &probe).await {
+            Ok((region, why)) => (Some(region), format!("receive=auto chose devmem: {why}")),
+            Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
+        },
+    };
+    let receive = match (&devmem, cfg.receive) {
+        (None, _) => ReceiveMode::Host,
+        (Some(_), ReceiveMode::DevmemSim) => ReceiveMode::DevmemSim,
+        (Some(_), _) => ReceiveMode::Devmem,
     };
     let mode_reason = format!(
         "{receive_reason}. memory={}: {}",
@@ -334,6 +304,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         mode_reason,
         flows: Mutex::new(Vec::new()),
         devmem,
+        receive,
         nics,
         gpus,
         draining: std::sync::atomic::AtomicBool::new(false),
@@ -341,7 +312,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         admin_token,
         cfg,
     });
-    tracing::info!(receive = %node.cfg.receive, reason = %node.mode_reason, "memory and receive mode chosen");
+    tracing::info!(receive = %node.receive, reason = %node.mode_reason, "memory and receive mode chosen");
     tokio::spawn(matcher::accept_loop(Arc::clone(&node), data, watch.clone()));
     for l in &node.links {
         tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));
@@ -370,4 +341,56 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         socket,
         shutdown,
     })
+}
+
+/// Choose the interface and queues for devmem, set the NIC up and bind (`receive = devmem`
+/// or `auto`). The error is the reason in words.
+async fn bind_devmem(
+    cfg: &ServeConfig,
+    nics: &[shardwire_devmem::probe::NicReport],
+    data_addr: SocketAddr,
+    probe: &str,
+) -> Result<(Arc<devmem_rx::RxRegion>, String), String> {
+    let nic = match &cfg.devmem_interface {
+        Some(name) => nics
+            .iter()
+            .find(|n| &n.name == name)
+            .ok_or_else(|| format!("devmem_interface {name} does not exist here; {probe}"))?,
+        None => nics
+            .iter()
+            .find(|n| n.devmem_capable)
+            .ok_or_else(|| probe.to_string())?,
+    };
+    if !nic.devmem_capable {
+        return Err(format!("{} cannot do devmem: {}", nic.name, nic.reason));
+    }
+    let queues: Vec<u32> = if cfg.devmem_queues.is_empty() {
+        // The upper half of the RX queues, leaving the lower half to other traffic.
+        (nic.rx_queues / 2..nic.rx_queues).collect()
+    } else {
+        cfg.devmem_queues.clone()
+    };
+    let (name, ifindex) = (nic.name.clone(), nic.ifindex);
+    let (q, bytes, state) = (
+        queues.clone(),
+        cfg.devmem_memory.0 as usize,
+        cfg.nic_state_file.clone(),
+    );
+    let region = tokio::task::spawn_blocking(move || {
+        devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| format!("on {}: {e}", nic.name))?;
+    let first = queues.iter().min().copied().unwrap_or(0);
+    let why = format!(
+        "{} RX queues {queues:?} bound to a {} udmabuf (binding {}); steer the data port to them (ethtool -N {} flow-type tcp4 dst-port {} action {first}) and keep other flows off them (ethtool -X {} equal {first})",
+        nic.name,
+        cfg.devmem_memory,
+        region.id(),
+        nic.name,
+        data_addr.port(),
+        nic.name
+    );
+    Ok((region, why))
 }
