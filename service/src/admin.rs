@@ -10,7 +10,7 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 use tokio::sync::watch;
@@ -50,7 +50,11 @@ pub async fn serve(
         .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
         .route("/v1/drain", post(drain))
         .route("/v1/nics", get(nics))
-        .route("/v1/bindings", get(bindings))
+        .route(
+            "/v1/bindings",
+            get(crate::bindings::list).post(crate::bindings::create),
+        )
+        .route("/v1/bindings/{id}", delete(crate::bindings::delete))
         .layer(DefaultBodyLimit::max(64 << 10))
         .layer(axum::middleware::from_fn(admin_timeout))
         .with_state(Arc::clone(&node))
@@ -90,7 +94,7 @@ pub fn api_error(status: StatusCode, code: &str, message: impl Into<String>) -> 
 
 /// Checks `Authorization: Bearer <token>` for mutating endpoints (constant-time compare).
 #[allow(clippy::result_large_err)] // the error is the HTTP response itself, returned as is
-fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), Response> {
+pub(crate) fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), Response> {
     let Some(token) = &node.admin_token else {
         return Err(api_error(
             StatusCode::FORBIDDEN,
@@ -218,7 +222,7 @@ async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
 
 async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     let c = &node.counters;
-    let mode = [("mode", node.receive.to_string())];
+    let mode = [("mode", node.receive().to_string())];
     metrics::counter!("shardwire_bytes_received_total", &mode)
         .absolute(c.bytes_received.load(Ordering::Relaxed));
     metrics::counter!("shardwire_shards_received_total", &mode)
@@ -262,8 +266,8 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
         .set(*node.reserved.lock().expect("poisoned") as f64);
     metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
     metrics::gauge!("shardwire_streams_open").set(streams.len() as f64);
-    if let Some(region) = &node.devmem {
-        devmem_metrics(region);
+    if let Some(region) = node.devmem() {
+        devmem_metrics(&region);
     }
     (
         [("content-type", "text/plain; version=0.0.4")],
@@ -291,8 +295,9 @@ fn devmem_metrics(region: &crate::node::devmem_rx::RxRegion) {
     }
 }
 
-fn devmem_json(node: &Node) -> serde_json::Value {
-    let Some(region) = &node.devmem else {
+/// The node's binding as JSON (`null` in host mode).
+pub(crate) fn devmem_json(node: &Node) -> serde_json::Value {
+    let Some(region) = node.devmem() else {
         return serde_json::Value::Null;
     };
     let c = &region.counters;
@@ -308,15 +313,6 @@ fn devmem_json(node: &Node) -> serde_json::Value {
         "linear_bytes": c.linear_bytes.load(Ordering::Relaxed),
         "plain_bytes": c.plain_bytes.load(Ordering::Relaxed),
     })
-}
-
-/// `GET /v1/bindings`: the node's devmem RX bindings (empty in host mode).
-async fn bindings(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
-    let list: Vec<serde_json::Value> = match devmem_json(&node) {
-        serde_json::Value::Null => Vec::new(),
-        b => vec![b],
-    };
-    Json(json!({ "receive": node.receive.to_string(), "bindings": list }))
 }
 
 fn stream_json(s: &crate::node::stream::StreamShared) -> serde_json::Value {
@@ -362,7 +358,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
     let streams = streams_json(&node);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "mode": { "receive": node.receive.to_string(), "memory": "host", "reason": node.mode_reason },
+        "mode": { "receive": node.receive().to_string(), "memory": "host", "reason": node.mode_reason() },
         "devmem": devmem_json(&node),
         "draining": node.draining.load(Ordering::Acquire),
         "nics": node.nics,

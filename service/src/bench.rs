@@ -220,7 +220,7 @@ fn run_shardwire(
         })
         .collect();
     let crc = lb.node.node.counters.crc_failures.load(Ordering::Relaxed);
-    if let Some(r) = &lb.node.node.devmem {
+    if let Some(r) = lb.node.node.devmem() {
         let c = &r.counters;
         println!(
             "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {:?} of {} net_iovs free at the end",

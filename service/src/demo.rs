@@ -144,7 +144,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
         "source on {}, node data port {}, admin http://{}",
         lb.source_addr, lb.node.node.data_addr, lb.node.admin_addr
     );
-    println!("mode: {}", lb.node.node.mode_reason);
+    println!("mode: {}", lb.node.node.mode_reason());
     let started = Instant::now();
     let checked = consume_and_check(&lb.node.socket, &data, &manifest);
     let secs = started.elapsed().as_secs_f64();

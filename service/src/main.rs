@@ -2,6 +2,7 @@
 
 mod admin;
 mod bench;
+mod bindings;
 mod cli;
 mod consume;
 mod demo;

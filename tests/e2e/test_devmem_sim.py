@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
+import urllib.request
 
 import numpy as np
 
@@ -134,3 +136,77 @@ def test_devmem_receive_on_a_named_interface_names_why_it_cannot(sw, tmp_path):
     assert "lo cannot do devmem" in err and "no queue management ops" in err, err
     err = serve_fails("--devmem-interface", "nosuch0")
     assert "devmem_interface nosuch0 does not exist" in err, err
+
+
+def _call(admin: str, method: str, path: str, body: dict | None = None, token: str | None = "tok") -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=data)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_bindings_are_created_and_deleted_over_the_admin_api(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 12, 300_000, seed=8)
+    m = index_dataset(d)
+    n = len(m["shards"])
+    expected = expected_crcs(d)
+    token = tmp_path / "admin.token"
+    token.write_text("tok\n")
+    src = sw.source({"b": d})
+    node = sw.serve([src], "--receive", "host", "--stream-memory", "16MiB", "--pool-size", "64MiB",
+                    "--config", _cfg(tmp_path, token))
+    wait_ready(node)
+
+    def epoch(seed):
+        batches = sw.consume(node, "b", seed=seed)
+        assert_exactly_once(batches, n)
+        assert_byte_exact(batches, expected)
+
+    epoch(1)
+    assert node.status()["mode"]["receive"] == "host"
+
+    # Bad requests name what is wrong; nothing changes.
+    assert _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator"}, token=None)[0] == 401
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "bogus": 1})
+    assert code == 400 and "bogus" in body["message"], body
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "nosuch0"})
+    assert code == 404 and body["code"] == "unknown_interface", body
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "lo"})
+    assert code == 409 and body["code"] == "not_capable" and "EOPNOTSUPP" in body["message"], body
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "memory": "1KiB"})
+    assert code == 400 and "1MiB" in body["message"], body
+
+    # Create: the links reconnect and the next epoch arrives through the devmem path.
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "memory": "2MiB"})
+    assert code == 201 and body["kind"] == "emulated" and body["niovs"] == 512, body
+    bid = body["binding"]
+    code, again = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator"})
+    assert code == 409 and again["code"] == "binding_exists", again
+    st = wait_ready(node)
+    assert st["mode"]["receive"] == "devmem-sim" and "admin API" in st["mode"]["reason"], st["mode"]
+    epoch(2)
+    frags = node.status()["devmem"]["frags"]
+    assert frags >= m["total_bytes"] // 4096, node.status()["devmem"]
+
+    # Delete: waits for the readers, unbinds; the next epoch is plain TCP again.
+    code, body = _call(node.admin, "DELETE", f"/v1/bindings/{bid}")
+    assert code == 200 and body["deleted"] == bid and body["readers_left"] == 0, body
+    assert _call(node.admin, "DELETE", f"/v1/bindings/{bid}")[0] == 404
+    st = wait_ready(node)
+    assert st["mode"]["receive"] == "host" and st["devmem"] is None, st["mode"]
+    epoch(3)
+    assert node.status()["counters"]["crc_failures"] == 0
+
+
+def _cfg(tmp_path, token) -> str:
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'admin_token_file = "{token}"\ndrain_timeout_secs = 20\n')
+    return str(cfg)

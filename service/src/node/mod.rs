@@ -68,8 +68,9 @@ pub struct Node {
     /// Runtime handle for trainer threads.
     pub rt: tokio::runtime::Handle,
     next_id: AtomicU64,
-    /// Why the service runs in the mode it does.
-    pub mode_reason: String,
+    /// Why the service runs in the mode it does (updated when a binding is created or
+    /// deleted over the admin API).
+    mode_reason: Mutex<String>,
     /// Set once a drain started: no new streams, readiness fails.
     pub draining: std::sync::atomic::AtomicBool,
     /// Woken when a drain is requested over the admin API.
@@ -83,15 +84,46 @@ pub struct Node {
     /// Per data connection: (source, conn, counters).
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
     /// The RX binding when receiving with devmem (or its emulator); `None` in host mode.
-    pub devmem: Option<Arc<devmem_rx::RxRegion>>,
-    /// The receive path in effect (`auto` resolved).
-    pub receive: ReceiveMode,
+    devmem: std::sync::RwLock<Option<Arc<devmem_rx::RxRegion>>>,
 }
 
 impl Node {
     /// A fresh id for streams, leases and requests.
     pub fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The RX binding new data connections read through (`None`: plain TCP).
+    pub fn devmem(&self) -> Option<Arc<devmem_rx::RxRegion>> {
+        self.devmem
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replace the binding (admin API) and say why; data connections opened from now on
+    /// use the new path.
+    pub fn set_devmem(&self, region: Option<Arc<devmem_rx::RxRegion>>, reason: String) {
+        *self.devmem.write().unwrap_or_else(|p| p.into_inner()) = region;
+        tracing::info!(receive = %self.receive(), %reason, "receive path changed");
+        *self.mode_reason.lock().unwrap_or_else(|p| p.into_inner()) = reason;
+    }
+
+    /// The receive path in effect (`auto` resolved).
+    pub fn receive(&self) -> ReceiveMode {
+        match self.devmem() {
+            None => ReceiveMode::Host,
+            Some(r) if r.kind() == "emulated" => ReceiveMode::DevmemSim,
+            Some(_) => ReceiveMode::Devmem,
+        }
+    }
+
+    /// Why the service receives and assembles the way it does.
+    pub fn mode_reason(&self) -> String {
+        self.mode_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -133,7 +165,7 @@ impl NodeHandle {
 
     /// Asks every task to stop.
     pub fn shutdown(&self) {
-        if let Some(region) = &self.node.devmem {
+        if let Some(region) = self.node.devmem() {
             region.unbind();
         }
         let _ = self.shutdown.send(true);
@@ -282,11 +314,6 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
             Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
         },
     };
-    let receive = match (&devmem, cfg.receive) {
-        (None, _) => ReceiveMode::Host,
-        (Some(_), ReceiveMode::DevmemSim) => ReceiveMode::DevmemSim,
-        (Some(_), _) => ReceiveMode::Devmem,
-    };
     let mode_reason = format!(
         "{receive_reason}. memory={}: {}",
         memory.memory, memory.reason
@@ -301,10 +328,9 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         data_addr,
         rt: tokio::runtime::Handle::current(),
         next_id: AtomicU64::new(0),
-        mode_reason,
+        mode_reason: Mutex::new(mode_reason),
         flows: Mutex::new(Vec::new()),
-        devmem,
-        receive,
+        devmem: std::sync::RwLock::new(devmem),
         nics,
         gpus,
         draining: std::sync::atomic::AtomicBool::new(false),
@@ -312,7 +338,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         admin_token,
         cfg,
     });
-    tracing::info!(receive = %node.receive, reason = %node.mode_reason, "memory and receive mode chosen");
+    tracing::info!(receive = %node.receive(), reason = %node.mode_reason(), "memory and receive mode chosen");
     tokio::spawn(matcher::accept_loop(Arc::clone(&node), data, watch.clone()));
     for l in &node.links {
         tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));

@@ -51,7 +51,7 @@ pub fn spawn(
     sock: TcpStream,
     rx: Receiver<PendingFetch>,
 ) {
-    let sock = match &node.devmem {
+    let sock = match node.devmem() {
         None => PayloadReader::Plain(sock),
         Some(region) => match region.reader(sock) {
             Ok(r) => PayloadReader::Devmem(r),
