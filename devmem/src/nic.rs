@@ -7,9 +7,9 @@
 //! order on shutdown ([`NicSetup::restore`], also on drop) and, after a crash, at the next
 //! start ([`restore_from`]): a NIC is never left altered.
 //!
-//! Built here: channels and header split over ethtool netlink, the journal, restore.
-//! Not built yet: RSS and ntuple steering (SIOCETHTOOL); [`apply`] says so in its result
-//! rather than pretending.
+//! Channels and header split go over ethtool netlink; RSS and ntuple steering over the
+//! `SIOCETHTOOL` ioctl ([`steer`]), since the netlink RSS/ntuple commands are newer than the
+//! drivers' support for them.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -87,6 +87,15 @@ pub enum NicError {
 
 fn hint(errno: &i32, op: &str) -> &'static str {
     match (*errno, op) {
+        (
+            libc::EOPNOTSUPP,
+            "ntuple-get" | "ntuple-set" | "ntuple-rule-insert" | "ntuple-rule-delete",
+        ) => {
+            ": the driver has no ntuple filters, so the data port cannot be steered to the devmem queues"
+        }
+        (libc::EOPNOTSUPP, "rss-get" | "rss-set") => {
+            ": the driver has no RSS indirection table, so other flows cannot be kept off the devmem queues"
+        }
         (libc::EOPNOTSUPP, "rings-get" | "rings-set") => {
             ": the driver has no ring parameters, so header split cannot be turned on (devmem needs gve, bnxt, mlx5, fbnic or idpf)"
         }
@@ -131,11 +140,13 @@ impl Channels {
     }
 }
 
-/// An ethtool generic-netlink client.
+/// An ethtool client: generic netlink for rings and channels, and a datagram socket for
+/// the `SIOCETHTOOL` ioctls of flow steering ([`steer`]); both in one network namespace.
 #[derive(Debug)]
 pub struct EthtoolClient {
     sock: GenlSocket,
     family: u16,
+    ioctl_sock: std::os::fd::OwnedFd,
 }
 
 impl EthtoolClient {
@@ -150,7 +161,12 @@ impl EthtoolClient {
         let family = nl::resolve_family(&mut sock, b"ethtool")
             .map_err(|e| fail(format!("resolving the ethtool family: {e:?}")))?
             .id;
-        Ok(Self { sock, family })
+        let ioctl_sock = crate::sys::ioctl_socket().map_err(|e| fail(e.to_string()))?;
+        Ok(Self {
+            sock,
+            family,
+            ioctl_sock,
+        })
     }
 
     /// Open inside the network namespace at `netns` (the socket stays there).
@@ -336,6 +352,18 @@ pub enum Change {
         /// Old `hds-thresh`.
         hds_thresh: Option<u32>,
     },
+    /// The ntuple feature was turned on (it was off).
+    NtupleOn,
+    /// An ntuple rule was inserted at this location.
+    Rule {
+        /// The rule's location.
+        location: u32,
+    },
+    /// The RSS indirection table was replaced; this was the old one.
+    Rss {
+        /// Old table.
+        table: Vec<u32>,
+    },
 }
 
 /// What the state file holds.
@@ -441,6 +469,32 @@ impl Journal {
         client.set_rings(ifindex, &ifname, TCP_DATA_SPLIT_ENABLED, Some(0))
     }
 
+    /// Steer TCP/IPv4 to `dst_port` onto `queue`: RSS over queues `0..rss_queues` only
+    /// (when `rss_queues` > 0), the ntuple feature on, one ntuple rule; all journaled.
+    pub fn steer(
+        &mut self,
+        client: &mut EthtoolClient,
+        dst_port: u16,
+        queue: u32,
+        rss_queues: u32,
+    ) -> Result<(), NicError> {
+        let ifname = self.state.ifname.clone();
+        if rss_queues > 0 {
+            let old = client.rss_indir(&ifname)?;
+            let new = steer::equal_table(old.len(), rss_queues);
+            if new != old {
+                self.record(Change::Rss { table: old })?;
+                client.set_rss_indir(&ifname, &new)?;
+            }
+        }
+        if !client.ntuple_enabled(&ifname)? {
+            self.record(Change::NtupleOn)?;
+            client.set_ntuple(&ifname, true)?;
+        }
+        let location = client.insert_tcp4_rule(&ifname, dst_port, queue)?;
+        self.record(Change::Rule { location })
+    }
+
     /// Undo every change in reverse order and delete the state file.
     pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
         undo(&self.state, client)?;
@@ -461,6 +515,9 @@ fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
     let mut first_err = None;
     for c in state.changes.iter().rev() {
         let r = match *c {
+            Change::NtupleOn => client.set_ntuple(ifname, false),
+            Change::Rule { location } => client.delete_rule(ifname, location),
+            Change::Rss { ref table } => client.set_rss_indir(ifname, table),
             Change::Channels { rx, tx, combined } => {
                 client.set_channels(ifindex, ifname, rx, tx, combined)
             }
@@ -525,6 +582,9 @@ pub struct SetupPlan {
     pub queues: Vec<u32>,
     /// Network namespace file of the interface, if not the caller's.
     pub netns: Option<PathBuf>,
+    /// Steer this TCP port (the data port) to the first queue, and RSS to the queues below
+    /// it; `None` leaves steering to the operator.
+    pub steer_port: Option<u16>,
 }
 
 /// A NIC set up for devmem; restores on [`NicSetup::restore`] or drop.
@@ -586,13 +646,23 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
                 journal.set_channels(&mut client, need, ch.tx, ch.combined)?;
             }
         }
-        journal.enable_header_split(&mut client)
+        journal.enable_header_split(&mut client)?;
+        if let Some(port) = plan.steer_port {
+            let first = plan.queues.iter().min().copied().unwrap_or(0);
+            journal.steer(&mut client, port, first, first)?;
+        }
+        Ok(())
     })();
     match result {
         Ok(()) => Ok(NicSetup {
             journal: Some(journal),
             client,
-            not_configured: "RSS and ntuple steering of the data port are not configured by this version: set them with ethtool -X / -N".into(),
+            not_configured: if plan.steer_port.is_some() {
+                String::new()
+            } else {
+                "flow steering was not asked for: set RSS and an ntuple rule with ethtool -X / -N"
+                    .into()
+            },
         }),
         Err(e) => {
             if let Err(undo_err) = journal.restore(&mut client) {
@@ -602,6 +672,8 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
         }
     }
 }
+
+pub mod steer;
 
 #[cfg(test)]
 mod tests;

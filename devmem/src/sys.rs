@@ -377,3 +377,41 @@ pub(crate) fn recv_vectored(
         }
     }
 }
+
+/// A datagram socket for `SIOCETHTOOL` ioctls, in the calling thread's network namespace.
+pub(crate) fn ioctl_socket() -> io::Result<OwnedFd> {
+    // SAFETY: socket() has no memory arguments; a non-negative return is a fresh fd.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
+/// with the command struct `cmd` (read and written by the kernel in place).
+pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
+    let name = ifname.as_bytes();
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad interface name {ifname:?}"),
+        ));
+    }
+    // SAFETY: ifreq is a plain C struct (name array + union) for which all-zero is valid.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in ifr.ifr_name.iter_mut().zip(name) {
+        *d = *s as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_data = cmd.as_mut_ptr().cast();
+    // SAFETY: `ifr` is a valid ifreq whose ifr_data points at `cmd`, which lives across the
+    // call and is as large as the ethtool command struct the caller encoded in it (the
+    // kernel reads/writes only that struct, sized by its cmd field and counts inside it).
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCETHTOOL, &mut ifr) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}

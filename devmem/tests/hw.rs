@@ -100,6 +100,7 @@ fn hw_bind_sequence_follows_the_kernel_selftest() {
         ifindex: n.ifindex,
         queues: vec![n.queue],
         netns: None,
+        steer_port: None,
     };
     let setup = nic::apply(&plan, &state).unwrap();
     let binding = NetdevClient::open()
@@ -152,6 +153,7 @@ fn hw_validated_pattern_lands_in_the_dmabuf() {
         ifindex: n.ifindex,
         queues: vec![n.queue],
         netns: None,
+        steer_port: Some(port),
     };
     let setup = nic::apply(&plan, &state_path()).unwrap();
     let binding = NetdevClient::open()

@@ -149,13 +149,14 @@ async fn bind_nic(
     } else {
         queues
     };
-    let (name, ifindex, state) = (
+    let (name, ifindex, state, port) = (
         nic.name.clone(),
         nic.ifindex,
         node.cfg.nic_state_file.clone(),
+        node.data_addr.port(),
     );
     tokio::task::spawn_blocking(move || {
-        RxRegion::bind_kernel(&name, ifindex, &queues, bytes, &state)
+        RxRegion::bind_kernel(&name, ifindex, &queues, bytes, &state, port)
     })
     .await
     .map_err(|e| conflict("bind_failed", e.to_string()))?

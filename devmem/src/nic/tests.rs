@@ -94,6 +94,7 @@ fn a_failed_setup_undoes_what_it_changed_and_leaves_no_state_file() {
         ifindex: va,
         queues: vec![2, 3],
         netns: Some(ns.path()),
+        steer_port: None,
     };
     // Channels are raised to 4 (queue 3 needs them), then header split fails on veth.
     let e = apply(&plan, &state).unwrap_err();
@@ -165,4 +166,46 @@ fn changes_left_by_a_crash_are_restored_from_the_state_file() {
         "{e}"
     );
     std::fs::remove_file(&state).unwrap();
+}
+
+#[test]
+fn steering_on_a_driver_without_ntuple_or_rss_names_the_cause() {
+    let (ns, _va) = veth();
+    let c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    assert!(
+        !c.ntuple_enabled("va").unwrap(),
+        "veth starts with ntuple off"
+    );
+    let e = c.set_ntuple("va", true).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::Kernel {
+                errno: libc::EOPNOTSUPP,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no ntuple filters"), "{e}");
+    let e = c.insert_tcp4_rule("va", 7401, 1).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("va: ethtool ntuple-rule-insert: EOPNOTSUPP"),
+        "{e}"
+    );
+    let e = c.rss_indir("va").unwrap_err();
+    assert!(e.to_string().contains("no RSS indirection table"), "{e}");
+    let e = c.ntuple_enabled("nosuch0").unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::Kernel {
+                errno: libc::ENODEV,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(c.ntuple_enabled("a-name-that-is-far-too-long").is_err());
 }

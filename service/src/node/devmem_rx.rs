@@ -105,21 +105,24 @@ impl RxRegion {
         }))
     }
 
-    /// A real binding (`receive = devmem`): set the NIC up for `queues` (journaled in
-    /// `state_file`), allocate a udmabuf of `bytes`, bind it to the queues. Any failure
-    /// undoes what was done.
+    /// A real binding (`receive = devmem`): set the NIC up for `queues` (channels, header
+    /// split, RSS over the queues below them, an ntuple rule steering `data_port` to the first;
+    /// journaled in `state_file`), allocate a udmabuf of `bytes`, bind it to the queues. Any
+    /// failure undoes what was done.
     pub fn bind_kernel(
         ifname: &str,
         ifindex: u32,
         queues: &[u32],
         bytes: usize,
         state_file: &std::path::Path,
+        data_port: u16,
     ) -> Result<Arc<Self>, BindError> {
         let plan = SetupPlan {
             ifname: ifname.into(),
             ifindex,
             queues: queues.to_vec(),
             netns: None,
+            steer_port: Some(data_port),
         };
         let setup = shardwire_devmem::nic::apply(&plan, state_file)?;
         let mem = DmabufMem::udmabuf(bytes).map_err(BindError::Dmabuf)?;

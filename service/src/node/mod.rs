@@ -396,27 +396,25 @@ async fn bind_devmem(
     } else {
         cfg.devmem_queues.clone()
     };
-    let (name, ifindex) = (nic.name.clone(), nic.ifindex);
+    let (name, ifindex, port) = (nic.name.clone(), nic.ifindex, data_addr.port());
     let (q, bytes, state) = (
         queues.clone(),
         cfg.devmem_memory.0 as usize,
         cfg.nic_state_file.clone(),
     );
     let region = tokio::task::spawn_blocking(move || {
-        devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state)
+        devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state, port)
     })
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e| format!("on {}: {e}", nic.name))?;
     let first = queues.iter().min().copied().unwrap_or(0);
     let why = format!(
-        "{} RX queues {queues:?} bound to a {} udmabuf (binding {}); steer the data port to them (ethtool -N {} flow-type tcp4 dst-port {} action {first}) and keep other flows off them (ethtool -X {} equal {first})",
+        "{} RX queues {queues:?} bound to a {} udmabuf (binding {}); header split on, RSS over queues 0..{first}, data port {} steered to queue {first} (all undone at shutdown)",
         nic.name,
         cfg.devmem_memory,
         region.id(),
-        nic.name,
         data_addr.port(),
-        nic.name
     );
     Ok((region, why))
 }

@@ -1,0 +1,154 @@
+//! Flow steering with the legacy ethtool ioctl (`SIOCETHTOOL`): the ntuple feature flag,
+//! ntuple rules and the RSS indirection table (what `ethtool -K ntuple on`, `ethtool -N ...
+//! action Q` and `ethtool -X equal N` do).
+//!
+//! Layouts from include/uapi/linux/ethtool.h, checked with `offsetof` on this machine:
+//! `struct ethtool_rxnfc` is 192 bytes with `fs` at 16; inside `fs` (168 bytes) `h_u` is at
+//! 4, `m_u` at 76, `ring_cookie` at 152 and `location` at 160; in `ethtool_tcpip4_spec`
+//! `pdst` is at 10. `struct ethtool_rxfh_indir` is `{cmd, size, ring_index[size]}`.
+
+use super::{EthtoolClient, NicError};
+
+const ETHTOOL_GFLAGS: u32 = 0x25;
+const ETHTOOL_SFLAGS: u32 = 0x26;
+const ETH_FLAG_NTUPLE: u32 = 1 << 27;
+const ETHTOOL_SRXCLSRLDEL: u32 = 0x31;
+const ETHTOOL_SRXCLSRLINS: u32 = 0x32;
+const ETHTOOL_GRXFHINDIR: u32 = 0x38;
+const ETHTOOL_SRXFHINDIR: u32 = 0x39;
+const TCP_V4_FLOW: u32 = 1;
+const RX_CLS_LOC_ANY: u32 = 0xffff_ffff;
+const RXNFC_LEN: usize = 192;
+const FS: usize = 16;
+/// Most RSS table entries we accept from a driver (real ones have 64..512).
+const MAX_INDIR: u32 = 1 << 16;
+
+fn put(buf: &mut [u8], at: usize, v: u32) {
+    buf[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn get(buf: &[u8], at: usize) -> u32 {
+    u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"))
+}
+
+impl EthtoolClient {
+    fn ioctl(&self, ifname: &str, op: &'static str, buf: &mut [u8]) -> Result<(), NicError> {
+        crate::sys::ethtool_ioctl(std::os::fd::AsFd::as_fd(&self.ioctl_sock), ifname, buf).map_err(
+            |e| match e.raw_os_error() {
+                Some(errno) => NicError::Kernel {
+                    ifname: ifname.into(),
+                    op,
+                    errno,
+                    errno_name: crate::errno_label(errno),
+                    msg: None,
+                },
+                None => NicError::Netlink {
+                    ifname: ifname.into(),
+                    op,
+                    reason: e.to_string(),
+                },
+            },
+        )
+    }
+
+    /// Whether the ntuple feature is on (`ETHTOOL_GFLAGS`).
+    pub fn ntuple_enabled(&self, ifname: &str) -> Result<bool, NicError> {
+        let mut v = [0u8; 8];
+        put(&mut v, 0, ETHTOOL_GFLAGS);
+        self.ioctl(ifname, "ntuple-get", &mut v)?;
+        Ok(get(&v, 4) & ETH_FLAG_NTUPLE != 0)
+    }
+
+    /// Turn the ntuple feature on or off (`ETHTOOL_SFLAGS`, other flags kept).
+    pub fn set_ntuple(&self, ifname: &str, on: bool) -> Result<(), NicError> {
+        let mut v = [0u8; 8];
+        put(&mut v, 0, ETHTOOL_GFLAGS);
+        self.ioctl(ifname, "ntuple-set", &mut v)?;
+        let flags = get(&v, 4);
+        let flags = if on {
+            flags | ETH_FLAG_NTUPLE
+        } else {
+            flags & !ETH_FLAG_NTUPLE
+        };
+        put(&mut v, 0, ETHTOOL_SFLAGS);
+        put(&mut v, 4, flags);
+        self.ioctl(ifname, "ntuple-set", &mut v)
+    }
+
+    /// Insert a rule steering TCP/IPv4 to `dst_port` onto RX queue `queue`; returns the
+    /// rule's location (for [`EthtoolClient::delete_rule`]).
+    pub fn insert_tcp4_rule(
+        &self,
+        ifname: &str,
+        dst_port: u16,
+        queue: u32,
+    ) -> Result<u32, NicError> {
+        let mut r = [0u8; RXNFC_LEN];
+        put(&mut r, 0, ETHTOOL_SRXCLSRLINS);
+        put(&mut r, 4, TCP_V4_FLOW);
+        put(&mut r, FS, TCP_V4_FLOW);
+        // h_u.tcp_ip4_spec.pdst (big-endian) and its mask m_u.tcp_ip4_spec.pdst.
+        r[FS + 4 + 10..FS + 4 + 12].copy_from_slice(&dst_port.to_be_bytes());
+        r[FS + 76 + 10..FS + 76 + 12].copy_from_slice(&[0xff, 0xff]);
+        r[FS + 152..FS + 160].copy_from_slice(&u64::from(queue).to_ne_bytes());
+        put(&mut r, FS + 160, RX_CLS_LOC_ANY);
+        self.ioctl(ifname, "ntuple-rule-insert", &mut r)?;
+        Ok(get(&r, FS + 160))
+    }
+
+    /// Delete the ntuple rule at `location`.
+    pub fn delete_rule(&self, ifname: &str, location: u32) -> Result<(), NicError> {
+        let mut r = [0u8; RXNFC_LEN];
+        put(&mut r, 0, ETHTOOL_SRXCLSRLDEL);
+        put(&mut r, FS + 160, location);
+        self.ioctl(ifname, "ntuple-rule-delete", &mut r)
+    }
+
+    /// The RSS indirection table (`ETHTOOL_GRXFHINDIR`): queue per hash bucket.
+    pub fn rss_indir(&self, ifname: &str) -> Result<Vec<u32>, NicError> {
+        let mut h = [0u8; 8];
+        put(&mut h, 0, ETHTOOL_GRXFHINDIR);
+        self.ioctl(ifname, "rss-get", &mut h)?;
+        let size = get(&h, 4);
+        if size == 0 || size > MAX_INDIR {
+            return Err(NicError::Netlink {
+                ifname: ifname.into(),
+                op: "rss-get",
+                reason: format!("indirection table of {size} entries"),
+            });
+        }
+        let mut t = vec![0u8; 8 + 4 * size as usize];
+        put(&mut t, 0, ETHTOOL_GRXFHINDIR);
+        put(&mut t, 4, size);
+        self.ioctl(ifname, "rss-get", &mut t)?;
+        Ok((0..size as usize).map(|i| get(&t, 8 + 4 * i)).collect())
+    }
+
+    /// Set the RSS indirection table (`ETHTOOL_SRXFHINDIR`); an empty table restores the
+    /// driver's default spread.
+    pub fn set_rss_indir(&self, ifname: &str, table: &[u32]) -> Result<(), NicError> {
+        let mut t = vec![0u8; 8 + 4 * table.len()];
+        put(&mut t, 0, ETHTOOL_SRXFHINDIR);
+        put(&mut t, 4, table.len() as u32);
+        for (i, q) in table.iter().enumerate() {
+            put(&mut t, 8 + 4 * i, *q);
+        }
+        self.ioctl(ifname, "rss-set", &mut t)
+    }
+}
+
+/// `ethtool -X equal n`: `entries` buckets spread over queues `0..n`.
+pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
+    (0..entries).map(|i| i as u32 % n.max(1)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_spreads_round_robin() {
+        assert_eq!(equal_table(6, 4), [0, 1, 2, 3, 0, 1]);
+        assert_eq!(equal_table(3, 0), [0, 0, 0]);
+    }
+}
