@@ -29,10 +29,12 @@ from __future__ import annotations
 from ._client import DEFAULT_SOCKET, SOCKET_ENV, Batch, Client, Stream, StreamInfo, TensorView, connect
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
 from ._http import HttpBatch, HttpClient, HttpStream, connect_http
+from ._tensor import Tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Tensor",
     "DEFAULT_SOCKET",
     "SOCKET_ENV",
     "Batch",

@@ -22,6 +22,7 @@ import numpy as np
 from . import _wire
 from ._arrow import ArrowExport
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+from ._tensor import Tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
@@ -229,15 +230,16 @@ def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
         raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {count * dt.itemsize} bytes, the service says {v.length}")
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
-    return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape)
+    return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape).view(Tensor)
 
 
 class Batch(ArrowExport, Mapping[str, np.ndarray]):
     """One leased batch (one shard): a read-only mapping from tensor name to numpy array.
 
     Each array is a zero-copy, read-only view of the stream's mapped region
-    (``arr.flags.writeable`` is False; assigning raises ``ValueError``). Arrays support DLPack
-    through numpy (``np.from_dlpack(arr)``; see the README for other frameworks).
+    (``arr.flags.writeable`` is False; assigning raises ``ValueError``), of type
+    :class:`shardwire.Tensor` (an ``ndarray`` subclass) so that DLPack works for every consumer
+    without a copy: ``np.from_dlpack``, ``torch.from_dlpack``, ``jax.dlpack.from_dlpack``.
 
     **Lifetime (auto-release policy).** A batch holds a lease on its bytes in the region. When
     the trainer takes the next batch from the stream (``next`` or the next loop iteration), the

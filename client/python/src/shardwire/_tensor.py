@@ -1,0 +1,55 @@
+"""``Tensor``: the numpy array type of batch tensors, with DLPack for every consumer.
+
+A batch tensor is a read-only view of the stream's region, which the SDK maps ``PROT_READ``.
+numpy exports read-only arrays only through DLPack >= 1.0, whose capsule carries a read-only
+flag (consumers that ask with ``max_version=(1, 0)``: numpy >= 2.1, PyTorch >= 2.4). Consumers
+that still speak the pre-1.0 protocol (JAX as of 0.10) call ``__dlpack__()`` without
+``max_version``; for them numpy raises ``BufferError: Cannot export readonly array``.
+
+:class:`Tensor` is a plain ``numpy.ndarray`` subclass that answers such a legacy request with
+a capsule of the *same memory* (no copy), built from a writable alias of the view. The
+pre-1.0 protocol cannot say "read-only", so the consumer is trusted not to write: JAX never
+writes to arrays it imports. A consumer that did write would fault (``SIGSEGV``) on the
+read-only mapping, never silently change the data. Everything else is numpy's behaviour.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+
+class _Alias(np.ndarray):
+    """A writable alias of a read-only tensor's memory; ``_owner`` keeps the mapping alive for
+    as long as a DLPack capsule holds the alias."""
+
+    _owner: Any = None
+
+
+class Tensor(np.ndarray):
+    """A read-only, zero-copy view of a tensor in the stream's region (a ``numpy.ndarray``)."""
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: Any = None, copy: bool | None = None) -> Any:
+        legacy = max_version is None or tuple(max_version) < (1, 0)
+        if legacy and not self.flags.writeable and copy is not True and self.flags.c_contiguous:
+            return _legacy_alias(self).__dlpack__(stream=stream)
+        kwargs: dict[str, Any] = {"stream": stream}
+        if max_version is not None:
+            kwargs["max_version"] = max_version
+        if dl_device is not None:
+            kwargs["dl_device"] = dl_device
+        if copy is not None:
+            kwargs["copy"] = copy
+        return np.asarray(self).__dlpack__(**kwargs)
+
+
+def _legacy_alias(t: np.ndarray) -> _Alias:
+    """A writable ndarray over `t`'s bytes (no copy) that keeps `t` alive."""
+    addr = t.__array_interface__["data"][0]
+    raw = (ctypes.c_char * max(t.nbytes, 1)).from_address(addr)
+    alias = np.frombuffer(raw, dtype=t.dtype, count=t.size).reshape(t.shape).view(_Alias)
+    alias._owner = t
+    return alias
