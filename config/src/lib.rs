@@ -204,6 +204,10 @@ pub struct SourceConfig {
     pub rate_limit: ByteSize,
     /// Fault injection for tests: corrupt the first N payloads sent.
     pub fault_corrupt: u32,
+    /// Interface for devmem TX (`None`: `sendfile`).
+    pub devmem_tx: Option<String>,
+    /// TX dma-buf size for devmem TX.
+    pub devmem_tx_memory: ByteSize,
     /// Log format.
     pub log_format: LogFormat,
 }
@@ -216,6 +220,8 @@ impl Default for SourceConfig {
             secret_file: None,
             rate_limit: ByteSize(0),
             fault_corrupt: 0,
+            devmem_tx: None,
+            devmem_tx_memory: ByteSize(64 << 20),
             log_format: LogFormat::Text,
         }
     }

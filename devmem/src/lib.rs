@@ -13,6 +13,7 @@
 //! * [`emu`]: the kernel-faithful emulator of devmem RX used where no devmem NIC exists.
 //! * [`nic`]: NIC setup for devmem (channels, header split) journaled in a state file and
 //!   restored on shutdown or at the next start after a crash.
+//! * [`txbuf`]: the sender's TX dma-buf, per-connection rings gated by completions.
 //! * [`tx`]: devmem TX (`sendmsg` from a TX-bound dma-buf, zerocopy completions).
 //!
 //! The socket-level UAPI constants below are checked at compile time against the `libc`
@@ -21,7 +22,8 @@
 //!
 //! `unsafe` is denied crate-wide and allowed only in the private `sys` module, where each
 //! syscall sits behind a small safe function with a `// SAFETY:` comment, in [`mem`] (the
-//! mapping and its copies) and at the one place the emulator writes a net_iov page.
+//! mapping and its copies), at the one place the emulator writes a net_iov page, and where a
+//! TX slot hands out the free bytes it owns ([`txbuf`]).
 #![deny(unsafe_code)]
 
 pub mod cmsg;
@@ -38,6 +40,7 @@ mod sys;
 #[cfg(test)]
 mod testutil;
 pub mod tx;
+pub mod txbuf;
 
 pub use netdev::{NetdevClient, NetdevError, RxBinding, TxBinding, bind_rx, bind_tx};
 pub use probe::{NicReport, probe_nics};

@@ -52,6 +52,7 @@ pub struct DmabufMem {
     base: NonNull<u8>,
     len: usize,
     kind: Kind,
+    writable: bool,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; all access goes through
@@ -86,6 +87,15 @@ impl DmabufMem {
     /// (`/dev/udmabuf`, `UDMABUF_CREATE` over a sealed memfd), mapped read-only: the RX
     /// binding's memory for `receive = devmem` with `memory = host`.
     pub fn udmabuf(len: usize) -> io::Result<Self> {
+        Self::udmabuf_with(len, libc::PROT_READ)
+    }
+
+    /// [`DmabufMem::udmabuf`] mapped read-write: a TX buffer the sender fills.
+    pub fn udmabuf_rw(len: usize) -> io::Result<Self> {
+        Self::udmabuf_with(len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    fn udmabuf_with(len: usize, prot: i32) -> io::Result<Self> {
         let len = len.div_ceil(4096).max(1) * 4096;
         let dev = std::fs::OpenOptions::new()
             .read(true)
@@ -140,7 +150,13 @@ impl DmabufMem {
         }
         // SAFETY: the ioctl returned a fresh fd that nothing else owns.
         let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };
-        Self::map_dmabuf(dmabuf, len)
+        Self::map_fd(dmabuf, len, prot, Kind::Dmabuf)
+    }
+
+    /// Address of the mapping (for zerocopy sends with binding id 0, where the kernel takes
+    /// iovec bases as ordinary addresses).
+    pub fn addr(&self) -> u64 {
+        self.base.as_ptr() as u64
     }
 
     /// Map `len` bytes of the dma-buf `fd` read-only (the RX binding's memory when it is a
@@ -177,6 +193,7 @@ impl DmabufMem {
             base,
             len,
             kind,
+            writable: prot & libc::PROT_WRITE != 0,
         })
     }
 
@@ -265,7 +282,10 @@ impl DmabufMem {
             "page_mut {offset}+{len} outside {} bytes",
             self.len
         );
-        assert_eq!(self.kind, Kind::Memfd, "page_mut on a read-only dma-buf");
+        assert!(
+            self.kind == Kind::Memfd || self.writable,
+            "page_mut on a read-only dma-buf"
+        );
         // SAFETY: in bounds (asserted), the mapping is writable (memfd), and the caller
         // guarantees exclusive access to the range while the slice lives.
         unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }

@@ -125,6 +125,15 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     fault_corrupt: Option<u32>,
+    /// Send with devmem TX from a dma-buf bound to this interface (refused at start, with
+    /// the kernel's reason, where the NIC cannot).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    devmem_tx: Option<String>,
+    /// TX dma-buf size for --devmem-tx [default: 64MiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    devmem_tx_memory: Option<ByteSize>,
     /// Log format: text or json.
     #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -286,11 +295,24 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .as_deref()
                 .map(crate::node::read_secret)
                 .transpose()?;
+            let devmem_tx = match &cfg.devmem_tx {
+                None => None,
+                Some(ifname) => {
+                    let p = shardwire_source::devmem_tx::TxPath::bind(
+                        ifname,
+                        cfg.devmem_tx_memory.0 as usize,
+                        16,
+                    )?;
+                    tracing::info!(%ifname, bytes = cfg.devmem_tx_memory.0, "sending with devmem TX");
+                    Some(std::sync::Arc::new(p))
+                }
+            };
             let scfg = shardwire_source::SourceConfig {
                 listen: cfg.listen,
                 secret,
                 rate_limit: cfg.rate_limit.0,
                 fault_corrupt: cfg.fault_corrupt,
+                devmem_tx,
             };
             runtime()?.block_on(async {
                 let src = shardwire_source::Source::bind(scfg, datasets)

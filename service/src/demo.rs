@@ -62,6 +62,7 @@ impl Loopback {
             secret: None,
             rate_limit: 0,
             fault_corrupt: 0,
+            devmem_tx: None,
         };
         let src = rt.block_on(shardwire_source::Source::bind(scfg, datasets))?;
         let source_addr = src.local_addr();

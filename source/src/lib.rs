@@ -9,6 +9,7 @@
 //! It never decides order: it sends what it is asked.
 
 pub mod datasets;
+pub mod devmem_tx;
 pub mod framing;
 mod sender;
 mod session;
@@ -33,6 +34,8 @@ pub struct SourceConfig {
     pub rate_limit: u64,
     /// Fault injection for tests: flip one byte in each of the first N payloads sent.
     pub fault_corrupt: u32,
+    /// Send payloads with devmem TX from this bound buffer (`None`: `sendfile`).
+    pub devmem_tx: Option<Arc<devmem_tx::TxPath>>,
 }
 
 /// Shared state of a running source.

@@ -1,5 +1,6 @@
 //! One thread per data connection: sends queued shard payloads back to back with
-//! `sendfile` (page cache -> socket, no copy through user space), in announcement order.
+//! `sendfile` (page cache -> socket, no copy through user space), in announcement order, or
+//! with devmem TX from a dma-buf ([`crate::devmem_tx`]).
 
 use std::fs::File;
 use std::io::Write;
@@ -9,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use shardwire_devmem::txbuf::TxBuffer;
 use tokio::sync::Notify;
 
 /// One payload to send.
@@ -30,15 +32,37 @@ pub(crate) struct Sender {
 }
 
 impl Sender {
-    /// Starts the thread for data connection `conn`. `failed` is notified if it dies.
-    pub fn spawn(stream: TcpStream, conn: u16, rate: u64, failed: Arc<Notify>) -> Self {
+    /// Starts the thread for data connection `conn`. `failed` is notified if it dies. With
+    /// `devmem` it sends from a slot of that TX buffer (devmem TX); without a free slot it
+    /// says so and uses `sendfile`.
+    pub fn spawn(
+        stream: TcpStream,
+        conn: u16,
+        rate: u64,
+        failed: Arc<Notify>,
+        devmem: Option<&Arc<TxBuffer>>,
+    ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicU64::new(0));
         let q = Arc::clone(&queued);
+        let slot = devmem.and_then(|b| {
+            let s = b.slot();
+            if s.is_none() {
+                tracing::warn!(
+                    conn,
+                    "every devmem TX slot is in use: this data connection sends with sendfile"
+                );
+            }
+            s
+        });
         std::thread::Builder::new()
             .name(format!("sw-send-{conn}"))
             .spawn(move || {
-                if let Err(e) = send_loop(&stream, &rx, &q, rate) {
+                let r = match slot {
+                    Some(slot) => crate::devmem_tx::send_loop(&stream, slot, &rx, &q, rate),
+                    None => send_loop(&stream, &rx, &q, rate),
+                };
+                if let Err(e) = r {
                     tracing::warn!(conn, error = %e, "data connection failed");
                     failed.notify_one();
                 }
@@ -52,6 +76,16 @@ impl Sender {
     pub fn push(&self, job: Job) -> bool {
         self.queued.fetch_add(job.len, Ordering::Relaxed);
         self.tx.send(job).is_ok()
+    }
+}
+
+/// Sleeps as needed so that `sent_total` bytes since `started` stay within `rate` bytes/s.
+pub(crate) fn pace(started: Instant, sent_total: u64, rate: u64) {
+    if rate > 0 {
+        let due = Duration::from_secs_f64(sent_total as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            std::thread::sleep(wait);
+        }
     }
 }
 
@@ -93,13 +127,8 @@ fn send_loop(
                         format!("shard file ended at offset {off}, expected data up to {end}"),
                     ));
                 }
-                if rate > 0 {
-                    sent_total += n as u64;
-                    let due = Duration::from_secs_f64(sent_total as f64 / rate as f64);
-                    if let Some(wait) = due.checked_sub(started.elapsed()) {
-                        std::thread::sleep(wait);
-                    }
-                }
+                sent_total += n as u64;
+                pace(started, sent_total, rate);
             }
         }
         metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);

@@ -163,7 +163,13 @@ pub(crate) async fn run(
                 source,
             })?;
         write_message(&mut wr, &Message::DataConn { conn, addr: local }).await?;
-        senders.push(Sender::spawn(std, conn, per_flow_rate, Arc::clone(&failed)));
+        senders.push(Sender::spawn(
+            std,
+            conn,
+            per_flow_rate,
+            Arc::clone(&failed),
+            shared.cfg.devmem_tx.as_ref().map(|p| &p.buffer),
+        ));
     }
 
     loop {

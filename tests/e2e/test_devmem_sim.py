@@ -210,3 +210,17 @@ def _cfg(tmp_path, token) -> str:
     cfg = tmp_path / "serve.toml"
     cfg.write_text(f'admin_token_file = "{token}"\ndrain_timeout_secs = 20\n')
     return str(cfg)
+
+
+def test_source_devmem_tx_without_a_capable_nic_refuses_to_start(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 2, 4096, seed=1)
+    index_dataset(d)
+    for iface, want in (("nosuch0", "no interface named nosuch0"), ("lo", "devmem TX")):
+        p = sw._start(Proc, "source", ["source", "--listen", "127.0.0.1:0", "--dataset", f"t={d}", "--devmem-tx", iface])
+        rc = p.wait(30)
+        err = p.stderr_text()
+        assert rc != 0, err
+        assert want in err, err
+        if iface == "lo":  # no udmabuf here, or a driver without netmem TX: either is named
+            assert "/dev/udmabuf" in err or "EOPNOTSUPP" in err, err

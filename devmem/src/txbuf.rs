@@ -1,0 +1,249 @@
+//! The TX memory of a devmem sender: one dma-buf (a udmabuf, mapped read-write) split into
+//! equal slots, one per data connection, each used as a ring whose space comes back only
+//! when the kernel reports the zerocopy send that used it as complete (reference devmem.md
+//! §5.4: "do not rewrite the dma-buf region until its send has completed").
+//!
+//! [`TxSlot::reserve`] hands out the next free contiguous bytes at the ring's head for
+//! filling; [`TxSlot::sent`] records that the next zerocopy send (numbered by the kernel from
+//! 0 per socket) used `n` of them; [`TxSlot::complete`] frees everything up to the end of
+//! the completed range. The slot owns its range of the buffer exclusively (a slot is handed
+//! out once until dropped), which is what makes the mutable access sound.
+#![allow(unsafe_code)] // one mutable slice into the mapping per reserve: SAFETY below
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex};
+
+use crate::mem::DmabufMem;
+use crate::tx::Completion;
+
+/// A TX dma-buf split into per-connection slots.
+#[derive(Debug)]
+pub struct TxBuffer {
+    mem: DmabufMem,
+    slot_len: usize,
+    free: Mutex<Vec<usize>>,
+    /// The TX binding id; 0 means "no binding": iovec bases are then addresses (the kernel's
+    /// ordinary MSG_ZEROCOPY path, which tests use on loopback).
+    id: std::sync::atomic::AtomicU32,
+}
+
+impl TxBuffer {
+    /// A udmabuf of `len` bytes in `slots` slots, for a TX binding.
+    pub fn udmabuf(len: usize, slots: usize) -> io::Result<Arc<Self>> {
+        Self::new(DmabufMem::udmabuf_rw(len)?, slots)
+    }
+
+    /// A memfd of `len` bytes in `slots` slots (no dma-buf: binding id 0, for tests).
+    pub fn memfd(len: usize, slots: usize) -> io::Result<Arc<Self>> {
+        Self::new(DmabufMem::memfd("shardwire-tx", len)?, slots)
+    }
+
+    fn new(mem: DmabufMem, slots: usize) -> io::Result<Arc<Self>> {
+        let slots = slots.max(1);
+        let slot_len = (mem.len() / slots) & !4095;
+        if slot_len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a TX buffer of {} bytes cannot hold {slots} slots of 4 KiB",
+                    mem.len()
+                ),
+            ));
+        }
+        Ok(Arc::new(Self {
+            mem,
+            slot_len,
+            free: Mutex::new((0..slots).rev().collect()),
+            id: std::sync::atomic::AtomicU32::new(0),
+        }))
+    }
+
+    /// The dma-buf fd (for `bind-tx`).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.mem.fd()
+    }
+
+    /// Record the TX binding id that sends name.
+    pub fn set_binding_id(&self, id: u32) {
+        self.id.store(id, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The TX binding id (0: none, bases are addresses).
+    pub fn binding_id(&self) -> u32 {
+        self.id.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes per slot.
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    /// Take a free slot; `None` when every slot is in use.
+    pub fn slot(self: &Arc<Self>) -> Option<TxSlot> {
+        let i = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        Some(TxSlot {
+            buf: Arc::clone(self),
+            index: i,
+            base: i * self.slot_len,
+            written: 0,
+            freed: 0,
+            pending: VecDeque::new(),
+            next_send: 0,
+        })
+    }
+}
+
+/// One connection's ring in a [`TxBuffer`].
+#[derive(Debug)]
+pub struct TxSlot {
+    buf: Arc<TxBuffer>,
+    index: usize,
+    base: usize,
+    /// Bytes committed to sends, ever.
+    written: u64,
+    /// Bytes whose sends completed, ever.
+    freed: u64,
+    /// (send number, `written` after it), oldest first.
+    pending: VecDeque<(u32, u64)>,
+    next_send: u32,
+}
+
+impl TxSlot {
+    fn len(&self) -> u64 {
+        self.buf.slot_len as u64
+    }
+
+    /// Bytes sent and not yet completed.
+    pub fn in_flight(&self) -> u64 {
+        self.written - self.freed
+    }
+
+    /// The slot's size in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.len()
+    }
+
+    /// The TX binding id sends must name (0: none, iovec bases are addresses).
+    pub fn binding_id(&self) -> u32 {
+        self.buf.binding_id()
+    }
+
+    /// The next free contiguous bytes at the head, at most `want`: the value to put in the
+    /// iovec for them (a dma-buf offset, or an address with binding id 0) and the bytes to
+    /// fill. `None` while the ring is full (wait for completions).
+    pub fn reserve(&mut self, want: usize) -> Option<(u64, &mut [u8])> {
+        let len = self.len();
+        let pos = self.written % len;
+        let room = (len - self.in_flight()).min(len - pos);
+        let n = room.min(want as u64) as usize;
+        if n == 0 {
+            return None;
+        }
+        let off = self.base + pos as usize;
+        let iov = if self.buf.binding_id() == 0 {
+            self.buf.mem.addr() + off as u64
+        } else {
+            off as u64
+        };
+        // SAFETY: `off..off + n` lies in this slot (pos + n <= slot_len), which no other
+        // TxSlot owns; within the slot these bytes are free: they are past every byte whose
+        // send has not completed (in_flight + n <= slot_len), so neither the kernel nor an
+        // earlier reservation uses them; the slice borrows `self` mutably, so it cannot
+        // outlive the reservation.
+        let bytes = unsafe { self.buf.mem.page_mut(off, n) };
+        Some((iov, bytes))
+    }
+
+    /// The next zerocopy send used `n` bytes at the head (from the last reservation).
+    pub fn sent(&mut self, n: usize) {
+        self.written += n as u64;
+        self.pending.push_back((self.next_send, self.written));
+        self.next_send = self.next_send.wrapping_add(1);
+    }
+
+    /// Sends `c.lo..=c.hi` completed: their bytes are free again. TCP reports zerocopy
+    /// completions in send order, so every pending send numbered up to `c.hi` (in wrapping
+    /// order) is done.
+    pub fn complete(&mut self, c: Completion) {
+        while let Some(&(seq, end)) = self.pending.front() {
+            if c.hi.wrapping_sub(seq) > u32::MAX / 2 {
+                break; // seq is after hi
+            }
+            self.freed = self.freed.max(end);
+            self.pending.pop_front();
+        }
+    }
+}
+
+impl Drop for TxSlot {
+    fn drop(&mut self) {
+        // The owner drains completions before dropping a slot of a healthy connection; a
+        // failed connection's socket is shut down, and the kernel drops its unsent data.
+        self.buf
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(lo: u32, hi: u32) -> Completion {
+        Completion {
+            lo,
+            hi,
+            copied: false,
+        }
+    }
+
+    #[test]
+    fn the_ring_hands_out_space_only_after_completions() {
+        let b = TxBuffer::memfd(2 * 8192, 2).unwrap();
+        b.set_binding_id(7);
+        let mut s = b.slot().unwrap();
+        let mut t = b.slot().unwrap();
+        assert!(b.slot().is_none(), "two slots only");
+        // Slot 0 at offset 0, slot 1 at 8192: offsets, since the binding id is set.
+        let (o, bytes) = s.reserve(5000).unwrap();
+        assert_eq!((o, bytes.len()), (0, 5000));
+        bytes.fill(1);
+        s.sent(5000);
+        assert_eq!(t.reserve(10).unwrap().0, 8192);
+        // 3192 left before the end of the slot, then full.
+        let (o, bytes) = s.reserve(5000).unwrap();
+        assert_eq!((o, bytes.len()), (5000, 3192));
+        s.sent(3000);
+        s.sent(192);
+        assert!(s.reserve(1).is_none(), "full until a completion");
+        s.complete(c(0, 0));
+        let (o, bytes) = s.reserve(9000).unwrap();
+        assert_eq!(
+            (o, bytes.len()),
+            (0, 5000),
+            "wrapped; only the completed 5000 are free"
+        );
+        s.sent(5000);
+        s.complete(c(1, 3));
+        assert_eq!(s.in_flight(), 0);
+        drop(s);
+        assert!(b.slot().is_some(), "a dropped slot is free again");
+    }
+
+    #[test]
+    fn binding_id_zero_gives_addresses() {
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        let (a, _) = s.reserve(10).unwrap();
+        assert_eq!(a, b.mem.addr());
+    }
+
+    #[test]
+    fn too_many_slots_is_an_error() {
+        assert!(TxBuffer::memfd(8192, 4).is_err());
+    }
+}

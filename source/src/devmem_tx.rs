@@ -1,0 +1,270 @@
+//! Devmem TX in the source (`source --devmem-tx IFNAME`): payloads are sent from a TX-bound
+//! dma-buf with `sendmsg(SCM_DEVMEM_DMABUF, MSG_ZEROCOPY)` (reference devmem.md §5).
+//!
+//! The source binds one udmabuf to the interface at start ([`TxPath::bind`]; the binding's
+//! netlink socket lives as long as the source) and gives each data connection a slot of it
+//! ([`shardwire_devmem::txbuf`]). Per payload the sender reads the file range into the slot's
+//! free space, sends it from there, and reuses space only after the kernel's zerocopy
+//! completion for it. Where the data would come from GPU memory (a GPU-resident source) the
+//! read is replaced by a device copy into the same buffer; from files it costs one copy that
+//! `sendfile` does not, so this path is for NICs and GPUs that do devmem TX, not a default.
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use shardwire_devmem::TxBinding;
+use shardwire_devmem::tx::DevmemTx;
+use shardwire_devmem::txbuf::{TxBuffer, TxSlot};
+
+use crate::sender::{Job, pace};
+
+/// Largest piece read and sent at once.
+const PIECE: usize = 1 << 20;
+/// How long a sender waits for a zerocopy completion before giving up on the connection.
+const COMPLETION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The source's devmem TX: the bound buffer and its binding.
+#[derive(Debug)]
+pub struct TxPath {
+    /// The TX dma-buf, in per-connection slots.
+    pub buffer: Arc<TxBuffer>,
+    /// Keeps the binding (its netlink socket) for the life of the source.
+    _binding: Option<TxBinding>,
+    /// The interface.
+    pub ifname: String,
+}
+
+/// Why devmem TX could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TxSetupError {
+    /// The interface does not exist.
+    #[error("devmem TX: no interface named {0}")]
+    NoInterface(String),
+    /// No TX dma-buf.
+    #[error("devmem TX: allocating the TX dma-buf: {0}")]
+    Buffer(io::Error),
+    /// The kernel refused `bind-tx`.
+    #[error("devmem TX on {ifname}: {source}")]
+    Bind {
+        /// The interface.
+        ifname: String,
+        /// The kernel's answer.
+        #[source]
+        source: shardwire_devmem::NetdevError,
+    },
+}
+
+impl TxPath {
+    /// Allocate a udmabuf of `bytes` in `slots` slots and `bind-tx` it to `ifname`.
+    pub fn bind(ifname: &str, bytes: usize, slots: usize) -> Result<Self, TxSetupError> {
+        let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{ifname}/ifindex"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| TxSetupError::NoInterface(ifname.into()))?;
+        let buffer = TxBuffer::udmabuf(bytes, slots).map_err(TxSetupError::Buffer)?;
+        let binding =
+            shardwire_devmem::bind_tx(ifindex, buffer.fd().as_raw_fd()).map_err(|source| {
+                TxSetupError::Bind {
+                    ifname: ifname.into(),
+                    source,
+                }
+            })?;
+        buffer.set_binding_id(binding.id());
+        Ok(Self {
+            buffer,
+            _binding: Some(binding),
+            ifname: ifname.into(),
+        })
+    }
+
+    /// A path over a plain memory buffer with binding id 0: the kernel's ordinary
+    /// MSG_ZEROCOPY send from that memory. Used by tests to run the whole path (slots,
+    /// sendmsg with the devmem cmsg, completions) on loopback.
+    pub fn unbound_for_tests(bytes: usize, slots: usize) -> io::Result<Self> {
+        Ok(Self {
+            buffer: TxBuffer::memfd(bytes, slots)?,
+            _binding: None,
+            ifname: "lo".into(),
+        })
+    }
+}
+
+fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result<()> {
+    let started = Instant::now();
+    loop {
+        for c in tx.poll_completions().map_err(io::Error::other)? {
+            slot.complete(c);
+        }
+        if slot.in_flight() < slot.capacity() {
+            return Ok(());
+        }
+        if started.elapsed() > COMPLETION_TIMEOUT {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no zerocopy completion for {COMPLETION_TIMEOUT:?} with {} bytes in flight",
+                    slot.in_flight()
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The devmem TX sender loop of one data connection.
+pub(crate) fn send_loop(
+    stream: &TcpStream,
+    mut slot: TxSlot,
+    rx: &mpsc::Receiver<Job>,
+    queued: &AtomicU64,
+    rate: u64,
+) -> io::Result<()> {
+    let id = slot.binding_id();
+    let mut tx = DevmemTx::new(stream, id).map_err(io::Error::other)?;
+    let started = Instant::now();
+    let mut sent_total = 0u64;
+    while let Ok(job) = rx.recv() {
+        let (mut off, end) = (job.offset, job.offset + job.len);
+        let mut flip = job.corrupt.then_some(job.offset + job.len / 2);
+        while off < end {
+            let want = ((end - off) as usize).min(PIECE);
+            if slot.reserve(want).is_none() {
+                wait_for_room(&mut tx, &mut slot)?;
+            }
+            let (iov, bytes) = slot.reserve(want).expect("room after the wait");
+            let n = rustix::io::pread(&*job.file, &mut *bytes, off)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("shard file ended at offset {off}, expected data up to {end}"),
+                ));
+            }
+            if let Some(at) = flip.filter(|at| (off..off + n as u64).contains(at)) {
+                bytes[(at - off) as usize] ^= 0x5a;
+                flip = None;
+                tracing::warn!(
+                    bytes = job.len,
+                    "fault injection: sent a payload with one byte flipped"
+                );
+            }
+            let mut done = 0;
+            while done < n {
+                let k = tx
+                    .send(&[(iov + done as u64, n - done)])
+                    .map_err(io::Error::other)?;
+                slot.sent(k);
+                done += k;
+            }
+            for c in tx.poll_completions().map_err(io::Error::other)? {
+                slot.complete(c);
+            }
+            off += n as u64;
+            sent_total += n as u64;
+            pace(started, sent_total, rate);
+        }
+        metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
+        metrics::counter!("shardwire_source_shards_sent_total").increment(1);
+        metrics::counter!("shardwire_source_devmem_tx_bytes_total").increment(job.len);
+        queued.fetch_sub(job.len, Ordering::Relaxed);
+    }
+    // The connection is done: let the last sends complete before the slot is reused.
+    let deadline = Instant::now() + COMPLETION_TIMEOUT;
+    while slot.in_flight() > 0 && Instant::now() < deadline {
+        for c in tx.poll_completions().map_err(io::Error::other)? {
+            slot.complete(c);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::Arc;
+
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::sender::{Job, Sender};
+
+    /// The whole TX path on loopback with binding id 0 (the kernel's ordinary MSG_ZEROCOPY,
+    /// same sendmsg with the devmem cmsg, same completions): 64 KiB slots force the sender to
+    /// wait for completions again and again; the bytes arrive exact, the corrupt flag flips
+    /// exactly one byte, and the slot is free again when the connection ends.
+    #[test]
+    fn payloads_cross_loopback_from_the_tx_ring() {
+        let path = TxPath::unbound_for_tests(2 * 64 * 1024, 2).unwrap();
+        let dir = std::env::temp_dir().join(format!("sw-tx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let f = dir.join("shard.bin");
+        std::fs::File::create(&f).unwrap().write_all(&data).unwrap();
+        let file = Arc::new(std::fs::File::open(&f).unwrap());
+
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let failed = Arc::new(Notify::new());
+        let s = Sender::spawn(out, 0, 0, failed, Some(&path.buffer));
+        assert!(
+            path.buffer.slot().is_some(),
+            "one of two slots is still free"
+        );
+        let jobs = [
+            (0u64, 1_000_000u64, false),
+            (1_000_000, 1_500_000, true),
+            (2_500_000, 500_000, false),
+        ];
+        for (offset, len, corrupt) in jobs {
+            assert!(s.push(Job {
+                file: Arc::clone(&file),
+                offset,
+                len,
+                corrupt,
+            }));
+        }
+        let mut got = vec![0u8; data.len()];
+        peer.read_exact(&mut got).unwrap();
+        let diff: Vec<usize> = (0..data.len()).filter(|&i| got[i] != data[i]).collect();
+        assert_eq!(
+            diff,
+            [1_000_000 + 750_000],
+            "exactly the corrupted byte differs"
+        );
+        drop(s); // the sender thread ends, its slot comes back
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut free = 0;
+        while Instant::now() < deadline {
+            let a = path.buffer.slot();
+            let b = path.buffer.slot();
+            free = usize::from(a.is_some()) + usize::from(b.is_some());
+            if free == 2 {
+                break;
+            }
+            drop((a, b));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(free, 2, "both slots free after the connection ended");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn binding_a_missing_interface_names_it() {
+        let e = TxPath::bind("nosuch0", 1 << 20, 2).unwrap_err();
+        assert!(e.to_string().contains("no interface named nosuch0"), "{e}");
+        // lo exists; this machine has no udmabuf or no netmem TX driver: either is named.
+        let e = TxPath::bind("lo", 1 << 20, 2).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("/dev/udmabuf") || s.contains("EOPNOTSUPP"),
+            "{s}"
+        );
+    }
+}
