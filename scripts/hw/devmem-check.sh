@@ -22,6 +22,7 @@
 #      validated pattern from the peer lands in the dma-buf with no byte in host memory.
 #   4. ingest: shardwire source on the peer, shardwire serve --receive devmem here, one epoch
 #      consumed: CRC failures 0, devmem frags > 0, host bytes 0.
+#   5. devmem TX: shardwire source --devmem-tx IFNAME here, a node on the peer consumes.
 set -euo pipefail
 IF=${1:?IFNAME}; PEER=${2:?PEER_SSH}; HERE=${3:?address of this host on IFNAME}; PORT=${4:-5201}
 cd "$(dirname "$0")/../.."
@@ -93,3 +94,15 @@ assert c['crc_failures']==0 and d['frags']>0 and d['linear_bytes']==0 and d['pla
 kill "$SERVE_PID"; wait "$SERVE_PID" || true; SERVE_PID=""
 [ ! -e "$TMP/nic.json" ] && pass "NIC restored on shutdown" || fail "NIC state file left behind"
 ethtool -n "$IF" | grep -q "dst-port $PORT" && fail "ntuple rule left behind" || pass "no ntuple rule left"
+
+# 5. devmem TX: a source here sends from a TX-bound dma-buf to a node on the peer (host mode).
+mkdir -p "$TMP/txds" && head -c $((64 << 20)) /dev/urandom > "$TMP/txds/a.bin" && $SW index "$TMP/txds"
+$SW source --listen 0.0.0.0:7501 --dataset tx="$TMP/txds" --secret-file "$TMP/secret" \
+  --devmem-tx "$IF" 2>"$TMP/txsource.log" &
+TXSRC=$!
+sleep 2
+ssh "$PEER" "shardwire serve --source $HERE:7501 --secret-file /tmp/swds/secret --socket /tmp/swds/t.sock \
+  --admin 127.0.0.1:7410 --receive host & sleep 3; shardwire consume --socket /tmp/swds/t.sock --dataset tx --jsonl \
+  | python3 -c 'import sys,json; b=[json.loads(l) for l in sys.stdin if l.startswith(\"{\")]; assert b; print(len(b))'; \
+  kill %1" && grep -q "sending with devmem TX" "$TMP/txsource.log" && pass "devmem TX source" || fail "devmem TX (see $TMP/txsource.log)"
+kill "$TXSRC" || true
