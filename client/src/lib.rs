@@ -228,10 +228,17 @@ impl Stream {
         };
         let mut frame = Vec::new();
         trainer::encode(&req, &mut frame);
-        fdpass::send_frame(&sock, &frame, &[])?;
+        // A node that refuses this trainer (peer allowlist) answers and closes; if the close
+        // wins the race with our write, the write fails (EPIPE) but the refusal is still
+        // there to read, and it is the better error.
+        let sent = fdpass::send_frame(&sock, &frame, &[]);
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        let answer = trainer::decode::<Response>(reader.read(&sock, &mut fds)?)
-            .map_err(fdpass::FrameIoError::from)?;
+        let body = match (reader.read(&sock, &mut fds), sent) {
+            (Ok(body), _) => body,
+            (Err(_), Err(send_error)) => return Err(send_error.into()),
+            (Err(read_error), Ok(())) => return Err(read_error.into()),
+        };
+        let answer = trainer::decode::<Response>(body).map_err(fdpass::FrameIoError::from)?;
         match answer {
             Response::Attached {
                 stream,

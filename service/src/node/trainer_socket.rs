@@ -81,6 +81,17 @@ fn error(code: &str, message: impl Into<String>) -> Response {
     }
 }
 
+/// After refusing a trainer: stop writing and read (and drop) what it sends until it closes,
+/// for up to 2 s. Closing at once would make the trainer's first write fail with EPIPE
+/// before it reads the refusal; this way it reads the error frame.
+fn linger_for_the_request(sock: &UnixStream) {
+    use std::io::Read;
+    let _ = sock.shutdown(std::net::Shutdown::Write);
+    let _ = sock.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    let mut sink = [0u8; 4096];
+    while matches!((&*sock).read(&mut sink), Ok(n) if n > 0) {}
+}
+
 fn serve(node: &Arc<Node>, sock: UnixStream) {
     match rustix::net::sockopt::socket_peercred(&sock) {
         Ok(cred) => {
@@ -96,6 +107,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     "uid {uid} / gid {gid} is not allowed to use this node (allowed_uids, allowed_gids)"
                 );
                 let _ = reply(&sock, &error("forbidden", msg), &[]);
+                linger_for_the_request(&sock);
                 return;
             }
         }
