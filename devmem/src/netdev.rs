@@ -18,9 +18,8 @@
 #![forbid(unsafe_code)]
 
 use std::fmt;
-use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, RawFd};
+use std::os::fd::RawFd;
 use std::path::Path;
 
 use netlink_bindings::netdev;
@@ -656,15 +655,7 @@ impl NetdevClient {
     /// enters the namespace and creates the socket; the caller's thread is not moved. The
     /// socket, and every ifindex it resolves, stays in that namespace.
     pub fn open_in_netns(netns: &Path) -> Result<Self, NetdevError> {
-        let ns = File::open(netns).map_err(socket_err(NetdevOp::Open))?;
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                crate::sys::setns_net(ns.as_fd()).map_err(socket_err(NetdevOp::Open))?;
-                Self::open()
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+        crate::sys::in_netns(netns, Self::open).map_err(socket_err(NetdevOp::Open))?
     }
 
     /// The dynamic family id.

@@ -13,7 +13,6 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use netlink_bindings::ethtool;
@@ -171,23 +170,11 @@ impl EthtoolClient {
 
     /// Open inside the network namespace at `netns` (the socket stays there).
     pub fn open_in_netns(netns: &Path) -> Result<Self, NicError> {
-        let ns = File::open(netns).map_err(|e| NicError::Netlink {
+        crate::sys::in_netns(netns, Self::open).map_err(|e| NicError::Netlink {
             ifname: String::new(),
             op: "open",
-            reason: format!("{}: {e}", netns.display()),
-        })?;
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                crate::sys::setns_net(ns.as_fd()).map_err(|e| NicError::Netlink {
-                    ifname: String::new(),
-                    op: "open",
-                    reason: format!("setns: {e}"),
-                })?;
-                Self::open()
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+            reason: e.to_string(),
+        })?
     }
 
     fn run(

@@ -236,6 +236,26 @@ pub(crate) fn setns_net(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
+/// Run `f` on a short-lived thread inside the network namespace at `netns` (e.g.
+/// `/var/run/netns/NAME`); the caller's thread never changes namespace. Sockets `f` creates
+/// stay in that namespace. Errors opening or entering the namespace come back as `Err`.
+pub(crate) fn in_netns<T: Send>(
+    netns: &std::path::Path,
+    f: impl FnOnce() -> T + Send,
+) -> io::Result<T> {
+    let ns = std::fs::File::open(netns)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", netns.display())))?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::os::fd::AsFd;
+            setns_net(ns.as_fd()).map_err(|e| io::Error::new(e.kind(), format!("setns: {e}")))?;
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
 /// Drop capability `cap` from the effective and permitted sets of the calling *thread* only
 /// (raw `capset`, which acts on one task; glibc's set*id would broadcast to every thread).
 /// The thread cannot regain it. Used by tests to check admin-gated netlink ops.

@@ -418,6 +418,22 @@ def http_get(admin: str, path: str, timeout: float = 10) -> tuple[int, str]:
         return e.code, e.read().decode(errors="replace")
 
 
+def admin_request(admin: str, method: str, path: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of an admin API call, with an optional JSON body and bearer token;
+    HTTP errors are returned, not raised."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=data)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
 def get_status(admin: str) -> dict:
     code, body = http_get(admin, "/v1/status")
     assert code == 200, f"/v1/status answered {code}: {body}"

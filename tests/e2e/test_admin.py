@@ -6,10 +6,9 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 from conftest import (
+    admin_request,
     consume_args,
     http_get,
     index_dataset,
@@ -21,14 +20,7 @@ from conftest import (
 
 
 def request(admin: str, method: str, path: str, token: str | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{admin}{path}", method=method)
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return admin_request(admin, method, path, token=token)
 
 
 def test_auth_inspect_close_and_drain(sw, tmp_path):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
-import urllib.request
 
 import numpy as np
 
 from conftest import (
     MiB,
+    admin_request,
     Proc,
     assert_byte_exact,
     assert_exactly_once,
@@ -139,17 +138,7 @@ def test_devmem_receive_on_a_named_interface_names_why_it_cannot(sw, tmp_path):
 
 
 def _call(admin: str, method: str, path: str, body: dict | None = None, token: str | None = "tok") -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=data)
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return admin_request(admin, method, path, body, token)
 
 
 def test_bindings_are_created_and_deleted_over_the_admin_api(sw, tmp_path):
