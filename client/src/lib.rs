@@ -65,6 +65,17 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// The stream's region is in memory this client cannot map.
+    #[error(
+        "the stream's region is {memory} memory{device}; this client maps host regions only \
+         (use the Python SDK for CUDA regions, or run the node with memory = \"host\")"
+    )]
+    UnsupportedMemory {
+        /// The memory kind the service announced.
+        memory: String,
+        /// Where it lies, e.g. " on GPU 0000:19:00.0".
+        device: String,
+    },
     /// `next` with a timeout got nothing.
     #[error("no batch within {0:?}")]
     Timeout(Duration),
@@ -246,8 +257,16 @@ impl Stream {
                 batches_per_epoch,
                 epochs,
                 memory,
+                gpu,
                 state,
             } => {
+                if memory != "host" {
+                    return Err(ClientError::UnsupportedMemory {
+                        memory,
+                        device: gpu
+                            .map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
+                    });
+                }
                 let fd = fds
                     .pop()
                     .ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;

@@ -95,6 +95,20 @@ pub struct TensorView {
     pub length: u64,
 }
 
+/// The CUDA device holding a `cuda` region. A trainer finds it by PCI bus id
+/// (`cuDeviceGetByPCIBusId`), which survives a different `CUDA_VISIBLE_DEVICES`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuRef {
+    /// The service's CUDA ordinal (informational).
+    pub ordinal: i32,
+    /// PCI bus id, e.g. "0000:19:00.0".
+    pub pci_bus_id: String,
+    /// The allocation granularity the region was created with; a trainer reserves its
+    /// virtual range at this alignment.
+    pub granularity: u64,
+}
+
 /// service -> trainer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -109,8 +123,12 @@ pub enum Response {
         batches_per_epoch: u64,
         /// Epochs to deliver.
         epochs: u32,
-        /// Memory kind of the region ("host").
+        /// Memory kind of the region: "host" (a memfd: map it) or "cuda" (a CUDA VMM
+        /// allocation exported as a POSIX fd: import it with the CUDA driver, see `gpu`).
         memory: String,
+        /// For `memory = "cuda"`: the device that holds the region.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<GpuRef>,
         /// The state the stream starts from.
         state: StreamState,
     },

@@ -182,6 +182,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                         batches_per_epoch: s.spec.per_rank(),
                         epochs: s.epochs,
                         memory: "host".into(),
+                        gpu: None,
                         state: s.state(),
                     };
                     let sent = reply(&sock, &r, &[s.pool.region().fd()]);
