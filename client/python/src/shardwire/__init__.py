@@ -20,6 +20,10 @@ Stream/Batch API (tensors are then downloaded copies)::
 
 Batches export Arrow zero-copy (``pyarrow.record_batch(batch)``; pyarrow is optional).
 
+A node run with ``memory = "cuda"`` keeps shards in GPU memory: its regions are imported with
+cuda-python's driver bindings (:class:`CudaRegion`) and batch tensors are :class:`CudaTensor`
+views on the GPU (``torch.from_dlpack(t)``, ``cupy.from_dlpack(t)``; no copy), see the README.
+
 See :class:`Batch` for the lifetime rules (auto-release, ``keep()``), ``shardwire.torch`` for a
 PyTorch ``IterableDataset`` (torch is imported only when that is used), and the README.
 """
@@ -27,7 +31,8 @@ PyTorch ``IterableDataset`` (torch is imported only when that is used), and the 
 from __future__ import annotations
 
 from ._client import DEFAULT_SOCKET, SOCKET_ENV, Batch, Client, Stream, StreamInfo, TensorView, connect
-from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+from ._cuda import CudaRegion, CudaTensor
+from ._errors import ConnectError, ConnectionClosed, CudaImportError, ProtocolError, ServiceError, ShardwireError, Timeout
 from ._http import HttpBatch, HttpClient, HttpStream, connect_http
 from ._tensor import Tensor
 
@@ -41,6 +46,9 @@ __all__ = [
     "Client",
     "ConnectError",
     "ConnectionClosed",
+    "CudaImportError",
+    "CudaRegion",
+    "CudaTensor",
     "HttpBatch",
     "HttpClient",
     "HttpStream",

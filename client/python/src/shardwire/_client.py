@@ -1,7 +1,9 @@
 """Client, streams and batches of the trainer socket (docs/TRAINER_API.md).
 
 Mirrors the Rust SDK (client/src/lib.rs): one Unix connection per stream, the stream's region
-mapped read-only, batches of named tensors that are zero-copy views of that region.
+mapped read-only, batches of named tensors that are zero-copy views of that region. A
+``memory = "cuda"`` region is imported with the CUDA driver instead (``_cuda.py``) and its
+tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from . import _wire
 from ._arrow import ArrowExport
+from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
 from ._tensor import Tensor
 
@@ -92,10 +95,13 @@ class StreamInfo:
     batches_per_epoch: int
     #: Epochs the stream delivers (counting from epoch 0, including any skipped by a resume).
     epochs: int
-    #: Memory kind of the region (``"host"``).
+    #: Memory kind of the region: ``"host"`` (numpy tensors) or ``"cuda"`` (CudaTensor).
     memory: str
     #: The state the stream starts from: ``{epoch, index, seed, fingerprint}``.
     state: dict[str, Any] = field(default_factory=dict)
+    #: For ``memory = "cuda"``: the region's device ``{ordinal, pci_bus_id, granularity}`` as
+    #: the service names it (its ordinal, not necessarily this process's).
+    gpu: dict[str, Any] | None = None
 
     @property
     def total_batches(self) -> int:
@@ -220,8 +226,9 @@ def _attach_fields(
     }
 
 
-def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
-    """A read-only numpy view of tensor `v` in `region` (no copy)."""
+def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
+    """A read-only numpy view of tensor `v` in `region` (no copy); a CudaTensor for a CUDA
+    region."""
     dt = _DTYPES.get(v.dtype)
     if dt is None:
         raise ProtocolError(f"tensor {v.name!r} has dtype {v.dtype!r}, unknown to this SDK")
@@ -230,6 +237,8 @@ def _tensor(region: memoryview, v: TensorView) -> np.ndarray:
         raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {count * dt.itemsize} bytes, the service says {v.length}")
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
+    if isinstance(region, CudaRegion):
+        return region.tensor(v.offset, v.length, dt, v.shape)
     return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape).view(Tensor)
 
 
@@ -251,6 +260,12 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
     stay readable, but the service reuses the bytes for later shards and they may change at
     any time. Copy what you need to keep (``np.array(arr)``), or :meth:`keep` the batch.
 
+    **CUDA regions** (``stream.info.memory == "cuda"``): the tensors are
+    :class:`shardwire.CudaTensor` views in GPU memory instead (``torch.from_dlpack(t)``,
+    ``cupy.from_dlpack(t)``, ...; numpy and Arrow export raise TypeError). Releasing such a
+    batch first waits for the GPU work queued so far (``cuCtxSynchronize``), so that no kernel
+    still reads its bytes when the service reuses them.
+
     **Arrow.** ``pyarrow.record_batch(batch)`` (Arrow PyCapsule protocol) or
     :meth:`to_arrow` gives the batch as a record batch that shares the region's memory (no
     copy): one column per tensor, one row per element of the leading dimension, N-D tensors as
@@ -271,7 +286,7 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], region: memoryview) -> None:
+    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], region: memoryview | CudaRegion) -> None:
         self._stream = stream
         self.lease = lease
         self.epoch = epoch
@@ -298,6 +313,24 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
         ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
         state = "released" if self.released else ("kept" if self._kept else "leased")
         return f"<shardwire.Batch epoch={self.epoch} index={self.index} shard={self.shard} lease={self.lease} {state} {{{ts}}}>"
+
+    # --- Arrow (host memory only) -------------------------------------------------------------
+
+    def to_arrow(self) -> Any:
+        self._require_host("Arrow export")
+        return super().to_arrow()
+
+    to_arrow.__doc__ = ArrowExport.to_arrow.__doc__
+
+    def arrow_columns(self) -> Any:
+        self._require_host("Arrow export")
+        return super().arrow_columns()
+
+    arrow_columns.__doc__ = ArrowExport.arrow_columns.__doc__
+
+    def _require_host(self, what: str) -> None:
+        if self._stream.info.memory == "cuda":
+            raise TypeError(f"{what} of batch {self.epoch}/{self.index}: its tensors {_ON_GPU}")
 
     # --- lifetime ----------------------------------------------------------------------------
 
@@ -334,6 +367,16 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
         self.release()
 
 
+def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
+    """The ``memory = "cuda"`` region of an ``attached`` reply, imported (see ``_cuda.py``)."""
+    if not isinstance(gpu, Mapping):
+        raise ProtocolError(f"attached with memory \"cuda\" but gpu = {gpu!r}")
+    try:
+        return CudaRegion(fd, size, pci_bus_id=str(gpu["pci_bus_id"]), granularity=int(gpu["granularity"]))
+    except (KeyError, ValueError) as e:
+        raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {e}") from e
+
+
 class Stream:
     """An open stream: iterate it for :class:`Batch` objects in plan order.
 
@@ -349,10 +392,11 @@ class Stream:
         info: What the service said at open (stream id, batches per epoch, epochs, memory).
     """
 
-    def __init__(self, conn: _wire.Conn, region: mmap.mmap, info: StreamInfo) -> None:
+    def __init__(self, conn: _wire.Conn, region: mmap.mmap | CudaRegion, info: StreamInfo) -> None:
         self._conn = conn
-        self._mmap = region
-        self._region = memoryview(region)
+        self._mmap = region if isinstance(region, mmap.mmap) else None
+        self._cuda = region if isinstance(region, CudaRegion) else None
+        self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
         self._lock = threading.Lock()
         self._auto: Batch | None = None
         self._closed = False
@@ -392,10 +436,14 @@ class Stream:
             size = int(msg["region_size"])
             if size <= 0:
                 raise ProtocolError(f"attached with region_size {size}")
-            try:
-                region = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            except OSError as e:
-                raise ShardwireError("map", f"cannot map the stream region ({size} bytes): {e}") from e
+            region: mmap.mmap | CudaRegion
+            if msg["memory"] == "cuda":
+                region = _import_cuda(msg.get("gpu"), fds[0], size)
+            else:
+                try:
+                    region = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                except OSError as e:
+                    raise ShardwireError("map", f"cannot map the stream region ({size} bytes): {e}") from e
             info = StreamInfo(
                 stream=int(msg["stream"]),
                 region_size=size,
@@ -403,12 +451,13 @@ class Stream:
                 epochs=int(msg["epochs"]),
                 memory=str(msg["memory"]),
                 state=dict(msg["state"]),
+                gpu=dict(msg["gpu"]) if msg.get("gpu") is not None else None,
             )
         except BaseException:
             conn.close()
             raise
         finally:
-            _wire._close_fds(fds)  # the mapping keeps the memfd alive
+            _wire._close_fds(fds)  # the mapping keeps the memfd (or CUDA allocation) alive
         return cls(conn, region, info)
 
     # --- requests ----------------------------------------------------------------------------
@@ -455,6 +504,7 @@ class Stream:
             nxt: dict[str, Any] = {"op": "next"}
             if prev is not None and not prev._kept and not prev._released:
                 # The release rides on the `next` request: one round trip per batch.
+                self._gpu_done()
                 prev._released = True
                 nxt["release"] = [prev.lease]
             if timeout is not None:
@@ -489,12 +539,19 @@ class Stream:
                 return  # closing the connection released it
             if self._auto is batch:
                 self._auto = None
+            self._gpu_done()
             try:
                 self._conn.send({"op": "release", "lease": batch.lease})
                 self._reply("released", "release")
             except ConnectionClosed:
                 self._broken()
                 raise
+
+    def _gpu_done(self) -> None:
+        """Before a CUDA batch is released: wait for the GPU work queued so far, which may
+        still read its bytes (the service reuses them once released)."""
+        if self._cuda is not None:
+            self._cuda.synchronize()
 
     def state_dict(self) -> dict[str, Any]:
         """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
@@ -515,8 +572,10 @@ class Stream:
                 raise
 
     @property
-    def region(self) -> memoryview:
-        """The stream's whole region, mapped read-only (every tensor is a view of it)."""
+    def region(self) -> Any:
+        """The stream's whole region, mapped read-only (every tensor is a view of it): a
+        ``memoryview``, or for ``memory = "cuda"`` the :class:`shardwire.CudaRegion` (None once
+        the stream is closed)."""
         return self._region
 
     @property
@@ -537,6 +596,11 @@ class Stream:
         self._closed = True
         self._auto = None
         self._conn.close()
+        if self._cuda is not None:
+            # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.
+            self._cuda = self._region = None
+            return
+        assert isinstance(self._region, memoryview) and self._mmap is not None
         try:
             self._region.release()
             self._mmap.close()

@@ -15,6 +15,7 @@ __all__ = [
     "ConnectionClosed",
     "ConnectError",
     "ProtocolError",
+    "CudaImportError",
 ]
 
 
@@ -77,3 +78,21 @@ class ProtocolError(ShardwireError):
 
     def __init__(self, message: str) -> None:
         super().__init__("protocol", message)
+
+
+class CudaImportError(ShardwireError):
+    """A ``memory = "cuda"`` region could not be imported (code ``"cuda"``): cuda-python or the
+    NVIDIA driver is missing, the region's GPU is not visible to this process, or a CUDA driver
+    call failed. The message says which and what to do (e.g. run the node with
+    ``memory = "host"``).
+
+    Attributes:
+        call: The CUDA driver call that failed (``"cuInit"``, ``"cuMemMap"``, ...), or None.
+        result: The ``CUresult`` name it returned (``"CUDA_ERROR_INVALID_VALUE"``, ...), or
+            None when the call raised instead (e.g. libcuda could not be loaded).
+    """
+
+    def __init__(self, message: str, *, call: str | None = None, result: str | None = None) -> None:
+        super().__init__("cuda", message)
+        self.call = call
+        self.result = result
