@@ -1,11 +1,48 @@
 #!/usr/bin/env bash
-# GPU checks: run on a host with an NVIDIA GPU and driver (not in CI). Builds the workspace,
-# prints what the probe sees, and runs the tests marked #[ignore = "needs CUDA GPU"].
-# In this version that is the probe test (a VMM-capable device must be found); the CUDA region,
-# gather/CRC kernel and H2D benchmarks join this script when they are built.
+# GPU check: every test that needs a CUDA GPU, plus the GPU benchmark, in one command.
+# Run on a host with an NVIDIA GPU (driver 12.8+, dma-buf and VMM support), Rust, and the
+# test venv (`scripts/test` makes it; torch there is a CUDA build). Not run in CI (no GPU).
+#
+#   scripts/gpu-check.sh [BENCH_MIB]        # ~3-4 minutes on an H200 from a warm cargo cache
+#
+# Steps (each prints PASS/FAIL; stops at the first failure):
+#   1. shardwire gpus: the probe lists a usable device and `auto` chooses CUDA memory.
+#   2. cargo test -p shardwire-gpu -- --ignored: VMM region + fd/dma-buf export, the CRC
+#      kernel against crc-fast, the gather kernel against the CPU reference, H2D staging,
+#      the service's GPU self-test.
+#   3. gpu_bench (release): gather GB/s against cuMemcpyDtoD, CRC GB/s, H2D staging GB/s;
+#      the JSON lands in target/gpu-check/bench.json (copy the figures to docs/BENCHMARKS.md).
+#   4. pytest tests/e2e/test_cuda_sdk.py: the Python SDK imports a VMM region (cuda-python)
+#      and torch.from_dlpack gives a GPU tensor without a copy; plus the node end to end with
+#      memory = "cuda" when that test is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,pci.bus_id,memory.total --format=csv || echo "nvidia-smi not found"
-cargo build --release -p shardwire
-target/release/shardwire gpus
-cargo test --release -p shardwire-gpu -- --ignored --nocapture
+MIB=${1:-256}
+OUT=${CARGO_TARGET_DIR:-target}/gpu-check
+mkdir -p "$OUT"
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; exit 1; }
+START=$SECONDS
+
+cargo build -q --release -p shardwire -p shardwire-gpu --examples --bin shardwire
+BIN=${CARGO_TARGET_DIR:-target}/release/shardwire
+"$BIN" gpus --json | tee "$OUT/gpus.json"
+grep -q '"memory": "cuda"' "$OUT/gpus.json" && pass "1 probe: auto chooses CUDA memory" \
+    || fail "1 probe: auto did not choose CUDA memory (see $OUT/gpus.json)"
+
+cargo test -q --release -p shardwire-gpu -- --ignored --test-threads=1 2>&1 | tee "$OUT/tests.log"
+grep -q 'test result: ok' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests"
+
+cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB" | tee "$OUT/bench.json"
+pass "3 GPU benchmark: $OUT/bench.json"
+
+if [ -x .venv/bin/python ]; then
+    SHARDWIRE_BIN="$PWD/target/release/shardwire" .venv/bin/python -m pytest -q -rs \
+        tests/e2e/test_cuda_sdk.py $(ls tests/e2e/test_cuda_e2e.py 2>/dev/null) \
+        | tee "$OUT/pytest.log"
+    grep -q ' skipped' "$OUT/pytest.log" && fail "4 SDK GPU tests skipped (see $OUT/pytest.log)"
+    pass "4 SDK GPU tests"
+else
+    fail "4 no .venv: run scripts/test once (it makes the venv)"
+fi
+echo "gpu-check: all passed in $((SECONDS - START)) s"

@@ -1,9 +1,23 @@
-//! The CUDA driver probe, through cudarc's raw driver bindings (`cudarc::driver::sys`).
+//! CUDA through cudarc's raw driver bindings (`cudarc::driver::sys`): the probe (here),
+//! owning types over driver objects ([`device`]), shareable VMM regions ([`vmm`]), the
+//! gather and CRC engines ([`engine`]) and the H2D staging path ([`staging`]).
 //!
 //! cudarc loads `libcuda.so` lazily and **panics** when it (or one symbol) is missing, so
 //! [`probe_driver`] first asks [`sys::is_culib_present`] and touches no other cudarc
 //! function when that says no. Every driver call goes through [`check`], the one seam
 //! where a `CUresult` becomes a [`GpuError`].
+
+pub mod device;
+pub mod engine;
+pub mod selftest;
+pub mod staging;
+pub mod vmm;
+
+pub use device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
+pub use engine::Engines;
+pub use selftest::{CudaMemory, open_for_service, self_test};
+pub use staging::{H2dStager, StageError};
+pub use vmm::VmmRegion;
 
 use std::ffi::{CStr, c_char, c_int};
 
@@ -12,7 +26,7 @@ use cudarc::driver::sys;
 use crate::probe::{GpuDevice, GpuError, GpuProbe, judge};
 
 /// The one seam: a driver status code becomes `Ok` or a [`GpuError::Driver`] naming the call.
-fn check(call: &'static str, result: sys::CUresult) -> Result<(), GpuError> {
+pub(crate) fn check(call: &'static str, result: sys::CUresult) -> Result<(), GpuError> {
     match result {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
         result => Err(GpuError::Driver { call, result }),

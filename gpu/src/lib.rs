@@ -10,17 +10,18 @@
 //!
 //! Memory use is bounded by the regions the service creates, never by load.
 
+pub mod kernels;
 pub mod probe;
 pub mod region;
 pub mod slab;
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 mod dummy_cuda;
 
 pub use probe::{
     GpuDevice, GpuError, GpuProbe, MemoryChoice, MemoryDecision, choose_memory, probe_gpus,
 };
-pub use region::{HostRegion, RegionError};
+pub use region::{HostRegion, Region, RegionError};
 pub use slab::{Slab, SlabPool};

@@ -80,6 +80,9 @@ pub struct MemoryDecision {
     pub memory: &'static str,
     /// Why, in words for the startup log and the status endpoint.
     pub reason: String,
+    /// For `"cuda"`: the device chosen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<GpuDevice>,
 }
 
 /// Why GPU work (the probe, or the memory decision) failed.
@@ -94,21 +97,33 @@ pub enum GpuError {
         /// Its status code.
         result: cudarc::driver::sys::CUresult,
     },
+    /// libcuda cannot be loaded.
+    #[error("libcuda.so was not found (no NVIDIA driver on this host)")]
+    NoDriver,
+    /// A device range outside the region it names.
+    #[error("bytes {offset}..{offset}+{len} lie outside a {size}-byte buffer")]
+    OutOfRange {
+        /// Start of the range.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The buffer's size.
+        size: u64,
+    },
+    /// The GPU self-test at start found a wrong result.
+    #[error("GPU self-test failed: {what}")]
+    SelfTest {
+        /// What differed.
+        what: String,
+    },
+    /// Bad kernel arguments (frags or spans).
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelArgError),
     /// `memory = "cuda"` was configured but this host has no usable CUDA GPU.
     #[error("memory = \"cuda\" was configured, but there is no usable CUDA GPU: {reason}")]
     CudaUnavailable {
         /// What is missing (the probe's reason).
         reason: String,
-    },
-    /// `memory = "cuda"` was configured on a usable GPU, but this version cannot make
-    /// CUDA regions yet.
-    #[error(
-        "memory = \"cuda\" was configured and {device} is usable, but CUDA regions are not \
-         built into this version: use memory = \"host\" or \"auto\""
-    )]
-    CudaRegionsNotBuilt {
-        /// The usable device, e.g. "GPU 0 (NVIDIA H200, 0000:19:00.0)".
-        device: String,
     },
 }
 
@@ -171,8 +186,8 @@ pub(crate) fn judge(
 /// Decides host or CUDA memory from the configured choice and the probe.
 ///
 /// `Cuda` without a usable GPU is an error naming what is missing; the service refuses to
-/// start with it. CUDA regions are not implemented yet, so `Auto` chooses host (saying
-/// so) and `Cuda` on a usable GPU is also an error.
+/// start with it. `Auto` takes the first usable GPU, else host, and says why. (The service
+/// then opens the device and runs a short self-test; see `cuda::self_test`.)
 pub fn choose_memory(
     requested: MemoryChoice,
     probe: &GpuProbe,
@@ -186,23 +201,25 @@ pub fn choose_memory(
         (MemoryChoice::Host, _) => Ok(MemoryDecision {
             memory: "host",
             reason: "configured (memory = \"host\")".to_owned(),
+            device: None,
         }),
         (MemoryChoice::Cuda, None) => Err(GpuError::CudaUnavailable {
             reason: probe.reason.clone(),
         }),
-        (MemoryChoice::Cuda, Some(d)) => Err(GpuError::CudaRegionsNotBuilt {
-            device: device_text(d),
+        (MemoryChoice::Cuda, Some(d)) => Ok(MemoryDecision {
+            memory: "cuda",
+            reason: format!("configured (memory = \"cuda\"): {}", device_text(d)),
+            device: Some(d.clone()),
         }),
         (MemoryChoice::Auto, Some(d)) => Ok(MemoryDecision {
-            memory: "host",
-            reason: format!(
-                "auto: CUDA device found ({}) but CUDA regions are not built into this version",
-                device_text(d)
-            ),
+            memory: "cuda",
+            reason: format!("auto: {} has dma-buf and VMM support", device_text(d)),
+            device: Some(d.clone()),
         }),
         (MemoryChoice::Auto, None) => Ok(MemoryDecision {
             memory: "host",
             reason: format!("auto: no CUDA driver or usable GPU ({})", probe.reason),
+            device: None,
         }),
     }
 }
@@ -212,7 +229,8 @@ fn version_text(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
-fn device_text(d: &GpuDevice) -> String {
+/// "GPU 0 (NVIDIA H200, 0000:19:00.0)".
+pub fn device_text(d: &GpuDevice) -> String {
     format!("GPU {} ({}, {})", d.ordinal, d.name, d.pci_bus_id)
 }
 
@@ -339,16 +357,21 @@ mod tests {
             "{}",
             d.reason
         );
+    }
 
-        let gpu = judge(true, Some(12080), vec![h200(0, true, true)]);
-        let d = choose_memory(MemoryChoice::Auto, &gpu).unwrap();
-        assert_eq!(d.memory, "host");
-        assert!(
-            d.reason.contains("CUDA device found")
-                && d.reason.contains("not built into this version"),
-            "{}",
-            d.reason
+    #[test]
+    fn auto_and_cuda_take_the_first_usable_gpu() {
+        let gpu = judge(
+            true,
+            Some(12080),
+            vec![h200(0, false, true), h200(1, true, true)],
         );
+        for choice in [MemoryChoice::Auto, MemoryChoice::Cuda] {
+            let d = choose_memory(choice, &gpu).unwrap();
+            assert_eq!(d.memory, "cuda");
+            assert_eq!(d.device.as_ref().map(|d| d.ordinal), Some(1));
+            assert!(d.reason.contains("GPU 1 (NVIDIA H200"), "{}", d.reason);
+        }
     }
 
     #[test]
@@ -373,17 +396,6 @@ mod tests {
             ..no_driver()
         };
         assert!(choose_memory(MemoryChoice::Cuda, &inconsistent).is_err());
-    }
-
-    #[test]
-    fn cuda_on_a_usable_gpu_is_refused_until_cuda_regions_exist() {
-        let gpu = judge(true, Some(12080), vec![h200(0, true, true)]);
-        let e = choose_memory(MemoryChoice::Cuda, &gpu).unwrap_err();
-        assert!(matches!(e, GpuError::CudaRegionsNotBuilt { .. }));
-        assert!(
-            e.to_string().contains("GPU 0 (NVIDIA H200, 0000:19:00.0)"),
-            "{e}"
-        );
     }
 
     #[test]

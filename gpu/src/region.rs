@@ -1,8 +1,11 @@
-//! Host-memory regions: an anonymous memfd, sized once (grow/shrink sealed), mapped shared.
-//! The fd is what trainers receive over the Unix socket (SCM_RIGHTS) and map read-only.
+//! Memory regions that slabs live in and trainers share: [`Region`] is host memory (an
+//! anonymous memfd, sized once (grow/shrink sealed), mapped shared; trainers map the fd
+//! read-only) or, with the `cuda` feature, a CUDA VMM region (trainers import its POSIX fd).
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use crate::probe::GpuError;
 use std::ptr::NonNull;
 
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -25,6 +28,102 @@ pub enum RegionError {
     /// Zero-sized regions are meaningless.
     #[error("a region must not be empty")]
     Empty,
+    /// A read outside a slab.
+    #[error("bytes {start}..{start}+{len} lie outside a {slab}-byte slab")]
+    OutOfSlab {
+        /// Start, relative to the slab.
+        start: usize,
+        /// Length asked for.
+        len: usize,
+        /// The slab's length.
+        slab: usize,
+    },
+    /// A CUDA call on a device region failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// The memory a stream's slabs live in.
+#[derive(Debug)]
+pub enum Region {
+    /// A memfd mapped here.
+    Host(HostRegion),
+    /// A CUDA VMM allocation.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::VmmRegion),
+}
+
+impl From<HostRegion> for Region {
+    fn from(r: HostRegion) -> Self {
+        Self::Host(r)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<crate::cuda::VmmRegion> for Region {
+    fn from(r: crate::cuda::VmmRegion) -> Self {
+        Self::Cuda(r)
+    }
+}
+
+impl Region {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Host(r) => r.len(),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(r) => r.len(),
+        }
+    }
+
+    /// Never true: regions are not empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The memory kind trainers are told: "host" or "cuda".
+    pub fn memory(&self) -> &'static str {
+        match self {
+            Self::Host(_) => "host",
+            #[cfg(feature = "cuda")]
+            Self::Cuda(_) => "cuda",
+        }
+    }
+
+    /// A new fd that shares the region with a trainer: a duplicate of the memfd, or a
+    /// POSIX fd exported from the CUDA allocation.
+    pub fn share_fd(&self) -> Result<OwnedFd, RegionError> {
+        match self {
+            Self::Host(r) => r
+                .fd()
+                .try_clone_to_owned()
+                .map_err(|source| RegionError::Syscall {
+                    call: "dup",
+                    len: r.len(),
+                    source,
+                }),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(r) => Ok(r.export_fd()?),
+        }
+    }
+
+    /// The host region, if this is one.
+    pub fn host(&self) -> Option<&HostRegion> {
+        match self {
+            Self::Host(r) => Some(r),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(_) => None,
+        }
+    }
+
+    /// The CUDA region, if this is one.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(&self) -> Option<&crate::cuda::VmmRegion> {
+        match self {
+            Self::Cuda(r) => Some(r),
+            Self::Host(_) => None,
+        }
+    }
 }
 
 /// A memfd-backed region mapped read-write into this process.

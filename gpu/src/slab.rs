@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::region::HostRegion;
+use crate::region::{Region, RegionError};
 
 /// Smallest slab: one 4 KiB page (also the devmem net_iov size).
 pub const MIN_BLOCK: usize = 4096;
@@ -65,7 +65,7 @@ pub type OnFree = Arc<dyn Fn() + Send + Sync>;
 
 /// A region plus its allocator.
 pub struct SlabPool {
-    region: HostRegion,
+    region: Region,
     inner: Mutex<Inner>,
     on_free: Mutex<Option<OnFree>>,
 }
@@ -81,7 +81,8 @@ impl std::fmt::Debug for SlabPool {
 
 impl SlabPool {
     /// Wraps `region`; its usable size is rounded down to a multiple of [`MIN_BLOCK`].
-    pub fn new(region: HostRegion) -> Arc<Self> {
+    pub fn new(region: impl Into<Region>) -> Arc<Self> {
+        let region = region.into();
         let usable = region.len() / MIN_BLOCK * MIN_BLOCK;
         let mut classes = Vec::new();
         let mut size = MIN_BLOCK;
@@ -132,8 +133,8 @@ impl SlabPool {
         self.region.len() / MIN_BLOCK * MIN_BLOCK
     }
 
-    /// The region (for its fd).
-    pub fn region(&self) -> &HostRegion {
+    /// The region (its kind, size and shareable fd).
+    pub fn region(&self) -> &Region {
         &self.region
     }
 
@@ -210,17 +211,43 @@ impl Slab {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// The bytes, read-only.
-    pub fn as_slice(&self) -> &[u8] {
+    /// The region the slab lies in.
+    pub fn region(&self) -> &Region {
+        &self.pool.region
+    }
+    /// The bytes, read-only, when the slab is in host memory (`None` for device memory).
+    pub fn host_slice(&self) -> Option<&[u8]> {
+        let host = self.pool.region.host()?;
         // SAFETY: [offset, offset+len) lies inside the live mapping (the pool's region,
         // kept alive by our Arc) and no other slab covers it (allocator invariant).
-        unsafe { std::slice::from_raw_parts(self.pool.region.base().add(self.offset), self.len) }
+        Some(unsafe { std::slice::from_raw_parts(host.base().add(self.offset), self.len) })
     }
-    /// The bytes, writable: only the owner of the slab can write them.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.pool.region.base().add(self.offset), self.len)
+    /// The bytes, writable, when the slab is in host memory: only the owner of the slab
+    /// can write them.
+    pub fn host_slice_mut(&mut self) -> Option<&mut [u8]> {
+        let host = self.pool.region.host()?;
+        // SAFETY: as in `host_slice`, and `&mut self` makes this the only live reference.
+        Some(unsafe { std::slice::from_raw_parts_mut(host.base().add(self.offset), self.len) })
+    }
+    /// A copy of `len` bytes from `start` (relative to the slab), from either memory.
+    pub fn read(&self, start: usize, len: usize) -> Result<Vec<u8>, RegionError> {
+        let end =
+            start
+                .checked_add(len)
+                .filter(|&e| e <= self.len)
+                .ok_or(RegionError::OutOfSlab {
+                    start,
+                    len,
+                    slab: self.len,
+                })?;
+        match &self.pool.region {
+            Region::Host(_) => Ok(self.host_slice().expect("host slab")[start..end].to_vec()),
+            #[cfg(feature = "cuda")]
+            Region::Cuda(cuda) => {
+                let mut out = vec![0; len];
+                cuda.read(self.offset + start, &mut out)?;
+                Ok(out)
+            }
         }
     }
 }
@@ -238,7 +265,7 @@ mod tests {
     use super::*;
 
     fn pool(len: usize) -> Arc<SlabPool> {
-        SlabPool::new(HostRegion::new("slab-test", len).unwrap())
+        SlabPool::new(crate::HostRegion::new("slab-test", len).unwrap())
     }
 
     #[test]
@@ -263,10 +290,10 @@ mod tests {
         let mut slabs: Vec<Slab> = (0..16).map(|_| p.alloc(10_000).unwrap()).collect();
         assert!(p.alloc(1).is_none());
         for (i, s) in slabs.iter_mut().enumerate() {
-            s.as_mut_slice().fill(i as u8);
+            s.host_slice_mut().unwrap().fill(i as u8);
         }
         for (i, s) in slabs.iter().enumerate() {
-            assert!(s.as_slice().iter().all(|&b| b == i as u8));
+            assert!(s.host_slice().unwrap().iter().all(|&b| b == i as u8));
         }
     }
 

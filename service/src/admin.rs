@@ -232,6 +232,8 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     metrics::counter!("shardwire_refetches_total").absolute(c.refetches.load(Ordering::Relaxed));
     metrics::counter!("shardwire_batches_delivered_total")
         .absolute(c.batches_delivered.load(Ordering::Relaxed));
+    metrics::counter!("shardwire_h2d_staging_stalls_total")
+        .absolute(c.staging_stalls.load(Ordering::Relaxed));
     for (cause, v) in [
         ("network", &c.stall_network_ns),
         ("trainer", &c.stall_trainer_ns),
@@ -358,7 +360,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
     let streams = streams_json(&node);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "mode": { "receive": node.receive().to_string(), "memory": "host", "reason": node.mode_reason() },
+        "mode": { "receive": node.receive().to_string(), "memory": node.memory(), "reason": node.mode_reason() },
         "devmem": devmem_json(&node),
         "draining": node.draining.load(Ordering::Acquire),
         "nics": node.nics,

@@ -45,6 +45,9 @@ pub struct Counters {
     pub stall_trainer_ns: AtomicU64,
     /// Nanoseconds receivers spent verifying payloads (assembly).
     pub assembly_ns: AtomicU64,
+    /// Times a receiver in CUDA memory mode waited for a pinned buffer whose H2D copy had
+    /// not finished (the network waited on the GPU copy).
+    pub staging_stalls: AtomicU64,
 }
 
 /// State shared by every part of a running node.
@@ -85,6 +88,8 @@ pub struct Node {
     pub flows: Mutex<Vec<(String, u16, Arc<receiver::FlowStats>)>>,
     /// The RX binding when receiving with devmem (or its emulator); `None` in host mode.
     devmem: std::sync::RwLock<Option<Arc<devmem_rx::RxRegion>>>,
+    /// The GPU stream regions live on (`memory = cuda`); `None`: host memory.
+    pub cuda: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
 }
 
 impl Node {
@@ -116,6 +121,11 @@ impl Node {
             Some(r) if r.kind() == "emulated" => ReceiveMode::DevmemSim,
             Some(_) => ReceiveMode::Devmem,
         }
+    }
+
+    /// The memory stream regions live in: "host" or "cuda".
+    pub fn memory(&self) -> &'static str {
+        if self.cuda.is_some() { "cuda" } else { "host" }
     }
 
     /// Why the service receives and assembles the way it does.
@@ -286,6 +296,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     };
     let memory = shardwire_gpu::choose_memory(choice, &gpus)
         .map_err(|e| StartError::Memory(e.to_string()))?;
+    let (memory, cuda) = open_gpu(choice, memory).await?;
     let (devmem, receive_reason) = match cfg.receive {
         ReceiveMode::Host => (
             None,
@@ -331,6 +342,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         mode_reason: Mutex::new(mode_reason),
         flows: Mutex::new(Vec::new()),
         devmem: std::sync::RwLock::new(devmem),
+        cuda,
         nics,
         gpus,
         draining: std::sync::atomic::AtomicBool::new(false),
@@ -367,6 +379,44 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         socket,
         shutdown,
     })
+}
+
+/// Opens the chosen GPU (device, kernels, self-test). With `memory = "auto"` a GPU that
+/// fails to open gives host memory and the reason; with `memory = "cuda"` it is an error.
+async fn open_gpu(
+    choice: shardwire_gpu::MemoryChoice,
+    decision: shardwire_gpu::MemoryDecision,
+) -> Result<
+    (
+        shardwire_gpu::MemoryDecision,
+        Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
+    ),
+    StartError,
+> {
+    let Some(device) = decision.device.clone() else {
+        return Ok((decision, None));
+    };
+    let info = device.clone();
+    let opened = tokio::task::spawn_blocking(move || shardwire_gpu::cuda::open_for_service(&info))
+        .await
+        .map_err(|e| StartError::Memory(format!("opening the GPU panicked: {e}")))?;
+    let what = shardwire_gpu::probe::device_text(&device);
+    match (opened, choice) {
+        (Ok(cuda), _) => Ok((decision, Some(Arc::new(cuda)))),
+        (Err(e), shardwire_gpu::MemoryChoice::Cuda) => Err(StartError::Memory(format!(
+            "memory = \"cuda\": {what} could not be opened: {e}"
+        ))),
+        (Err(e), _) => Ok((
+            shardwire_gpu::MemoryDecision {
+                memory: "host",
+                reason: format!(
+                    "auto: {what} is usable but opening it failed ({e}); using host memory"
+                ),
+                device: None,
+            },
+            None,
+        )),
+    }
 }
 
 /// Choose the interface and queues for devmem, set the NIC up and bind (`receive = devmem`

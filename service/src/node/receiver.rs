@@ -1,8 +1,9 @@
 //! Receiver threads: one per data connection. Each takes the next announced payload,
 //! receives it straight into the shard's slab (host mode: `recv` into the slab, no
 //! intermediate buffer; devmem: frags gathered out of the RX binding, see
-//! [`super::devmem_rx`]), computes CRC-32C chunk by chunk while the bytes are still in cache,
-//! and reports the outcome.
+//! [`super::devmem_rx`]; CUDA memory: `recv` into pinned buffers whose asynchronous H2D
+//! copies overlap the next `recv`s, see `shardwire_gpu::cuda::H2dStager`), computes CRC-32C
+//! chunk by chunk while the bytes are still in cache, and reports the outcome.
 
 use std::io::Read;
 use std::net::TcpStream;
@@ -10,6 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 
+use shardwire_gpu::Slab;
+use shardwire_gpu::cuda::H2dStager;
 use shardwire_protocol::crc::Crc32c;
 
 use super::Node;
@@ -18,6 +21,10 @@ use super::link::{FetchFailure, FetchOutcome, PendingFetch, SourceLink};
 /// Largest single `recv`: large enough to amortise the syscall, small enough that the bytes
 /// are still in L2 when they are checksummed.
 const CHUNK: usize = 1 << 20;
+
+/// Pinned buffers per receiver in CUDA memory mode: while one is copied to the GPU the
+/// socket fills the next; four absorb a copy that runs late without stalling `recv`.
+const STAGING_BUFFERS: usize = 4;
 
 /// Per-flow counters (for `shardwire bench`).
 #[derive(Debug, Default)]
@@ -81,6 +88,7 @@ fn run(
     flow: &FlowStats,
 ) {
     let mut broken: Option<String> = None;
+    let mut stager: Option<H2dStager> = None;
     while let Ok(mut p) = rx.recv() {
         if let Some(reason) = &broken {
             p.fail(FetchFailure::Source(reason.clone()));
@@ -89,12 +97,12 @@ fn run(
         // One span per fetch: the receive and the verification happen inside it.
         let span = tracing::debug_span!("fetch", req = p.req, shard = p.shard, source = %link.addr);
         let _entered = span.enter();
-        match recv_payload(
-            &mut sock,
-            p.slab.as_mut_slice(),
-            flow,
-            &node.counters.assembly_ns,
-        ) {
+        let received = match p.slab.host_slice_mut() {
+            Some(dst) => recv_payload(&mut sock, dst, flow, &node.counters.assembly_ns)
+                .map_err(|e| e.to_string()),
+            None => recv_payload_gpu(node, &mut stager, &mut sock, &p.slab, flow),
+        };
+        match received {
             Ok(got) => {
                 let result = if got == p.crc32c {
                     node.counters
@@ -131,6 +139,51 @@ fn run(
             }
         }
     }
+}
+
+/// Receives a payload into a slab in CUDA memory through this thread's pinned staging
+/// buffers (made on first use), returning the CRC-32C computed while each piece was in host
+/// memory. The copies have landed when this returns.
+fn recv_payload_gpu(
+    node: &Node,
+    stager: &mut Option<H2dStager>,
+    sock: &mut PayloadReader,
+    slab: &Slab,
+    flow: &FlowStats,
+) -> Result<u32, String> {
+    let (Some(gpu), Some(region)) = (&node.cuda, slab.region().cuda()) else {
+        return Err("a CUDA slab on a node without a GPU".to_owned());
+    };
+    let stager = match stager {
+        Some(s) => s,
+        None => stager.insert(
+            H2dStager::new(&gpu.device, CHUNK, STAGING_BUFFERS)
+                .map_err(|e| format!("pinned staging buffers: {e}"))?,
+        ),
+    };
+    let stalls = stager.stalls();
+    let mut verify = std::time::Duration::ZERO;
+    let mut crc = Crc32c::new();
+    stager
+        .copy_from(
+            &mut |buf| sock.read_some(buf),
+            &mut |piece| {
+                let t = std::time::Instant::now();
+                crc.update(piece);
+                verify += t.elapsed();
+                flow.bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
+            },
+            region,
+            slab.offset(),
+            slab.len(),
+        )
+        .map_err(|e| e.to_string())?;
+    let c = &node.counters;
+    c.assembly_ns
+        .fetch_add(verify.as_nanos() as u64, Ordering::Relaxed);
+    c.staging_stalls
+        .fetch_add(stager.stalls() - stalls, Ordering::Relaxed);
+    Ok(crc.finish())
 }
 
 /// Fills `dst` from the socket, returning the CRC-32C of what arrived. Each `recv` takes

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use shardwire_gpu::{HostRegion, Slab, SlabPool};
+use shardwire_gpu::{HostRegion, Region, Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::PlanSpec;
 use shardwire_protocol::trainer::{StreamState, TensorView};
@@ -97,13 +97,26 @@ pub struct StreamParams {
     pub candidates: Vec<Arc<SourceLink>>,
     /// Fingerprint.
     pub fingerprint: String,
+    /// The GPU to put the region on (`None`: host memory).
+    pub cuda: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
 }
 
 impl StreamShared {
     /// Allocates the region and builds the stream (the fetcher is started separately).
     pub fn new(id: u64, p: StreamParams) -> Result<Arc<Self>, String> {
-        let region = HostRegion::new(&format!("shardwire-stream-{id}"), p.region_bytes as usize)
-            .map_err(|e| e.to_string())?;
+        let region: Region = match &p.cuda {
+            None => HostRegion::new(&format!("shardwire-stream-{id}"), p.region_bytes as usize)
+                .map_err(|e| e.to_string())?
+                .into(),
+            Some(gpu) => shardwire_gpu::cuda::VmmRegion::new(&gpu.device, p.region_bytes as usize)
+                .map_err(|e| {
+                    format!(
+                        "a {}-byte CUDA region on GPU {}: {e}",
+                        p.region_bytes, gpu.info.ordinal
+                    )
+                })?
+                .into(),
+        };
         let pool = SlabPool::new(region);
         let total = p.spec.per_rank() * u64::from(p.epochs);
         let s = Arc::new(Self {
@@ -289,8 +302,7 @@ impl StreamShared {
         let i = self.inner.lock().expect("poisoned");
         let slab = i.leases.get(&lease)?;
         let start = usize::try_from(offset).ok()?.checked_sub(slab.offset())?;
-        let end = start.checked_add(usize::try_from(length).ok()?)?;
-        slab.as_slice().get(start..end).map(<[u8]>::to_vec)
+        slab.read(start, usize::try_from(length).ok()?).ok()
     }
 
     /// Ends a lease; false if unknown.

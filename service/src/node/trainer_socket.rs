@@ -4,6 +4,7 @@
 //! disconnect closes the stream and releases every lease. A malformed frame gets an error
 //! reply and drops that connection only.
 
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -175,20 +176,28 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     state,
                 },
             ) {
-                Ok(s) => {
-                    let r = Response::Attached {
-                        stream: s.id,
-                        region_size: s.pool.region().len() as u64,
-                        batches_per_epoch: s.spec.per_rank(),
-                        epochs: s.epochs,
-                        memory: "host".into(),
-                        gpu: None,
-                        state: s.state(),
-                    };
-                    let sent = reply(&sock, &r, &[s.pool.region().fd()]);
-                    stream = Some(s);
-                    sent
-                }
+                Ok(s) => match s.pool.region().share_fd() {
+                    Ok(fd) => {
+                        let region = s.pool.region();
+                        let r = Response::Attached {
+                            stream: s.id,
+                            region_size: region.len() as u64,
+                            batches_per_epoch: s.spec.per_rank(),
+                            epochs: s.epochs,
+                            memory: region.memory().into(),
+                            gpu: gpu_ref(node, region),
+                            state: s.state(),
+                        };
+                        let sent = reply(&sock, &r, &[fd.as_fd()]);
+                        stream = Some(s);
+                        sent
+                    }
+                    Err(e) => {
+                        let msg = format!("cannot share the stream's region: {e}");
+                        close_stream(node, &s, &msg);
+                        reply(&sock, &error("no_memory", msg), &[])
+                    }
+                },
                 Err((code, msg)) => reply(&sock, &error(code, msg), &[]),
             },
             (_, None) => reply(&sock, &error("not_attached", "send attach first"), &[]),
@@ -255,6 +264,17 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     if let Some(s) = stream {
         close_stream(node, &s, "trainer disconnected");
     }
+}
+
+/// The device a CUDA region lies on, for the attached message.
+fn gpu_ref(node: &Node, region: &shardwire_gpu::Region) -> Option<trainer::GpuRef> {
+    let gpu = node.cuda.as_ref()?;
+    let cuda = region.cuda()?;
+    Some(trainer::GpuRef {
+        ordinal: gpu.info.ordinal,
+        pci_bus_id: gpu.info.pci_bus_id.clone(),
+        granularity: cuda.granularity() as u64,
+    })
 }
 
 /// Closes a stream and returns its memory budget; safe to call more than once (an operator
@@ -390,6 +410,7 @@ pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, Ope
         region_bytes,
         candidates,
         fingerprint,
+        cuda: node.cuda.clone(),
     };
     let s = match StreamShared::new(id, params) {
         Ok(s) => s,

@@ -1,0 +1,108 @@
+//! GPU benchmark for `scripts/gpu-check.sh` (needs a CUDA GPU): the gather kernel against
+//! `cuMemcpyDtoD` of the same bytes, the CRC-32C kernel, and the H2D staging path, each as
+//! GB/s measured in the same run. Prints one JSON object.
+//!
+//! `cargo run --release -p shardwire-gpu --example gpu_bench [-- MIB]` (default 256 MiB).
+
+use std::time::Instant;
+
+use shardwire_gpu::cuda::{Device, Engines, Event, H2dStager, VmmRegion};
+use shardwire_gpu::kernels::{Frag, Span};
+use shardwire_gpu::{MemoryChoice, choose_memory, probe_gpus};
+
+const ROUNDS: usize = 20;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mib: usize = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
+    let len = mib << 20;
+    let probe = probe_gpus();
+    let decision = choose_memory(MemoryChoice::Cuda, &probe)?;
+    let info = decision.device.expect("cuda decision names its device");
+    let dev = Device::open(info.ordinal)?;
+    let engines = Engines::new(&dev)?;
+    let src = VmmRegion::new(&dev, len)?;
+    let dst = VmmRegion::new(&dev, len)?;
+    let data: Vec<u8> = (0..len)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    src.write(0, &data)?;
+
+    // Devmem-like frags: 4 KiB pages of the source in a scattered order.
+    let pages = len / 4096;
+    let frags: Vec<Frag> = (0..pages as u64)
+        .map(|i| Frag {
+            src_off: (i * 7919 % pages as u64) * 4096,
+            dst_off: i * 4096,
+            len: 4096,
+        })
+        .collect();
+    let timed = |f: &mut dyn FnMut() -> Result<(), Box<dyn std::error::Error>>| -> Result<f64, Box<dyn std::error::Error>> {
+        f()?; // warm-up
+        engines.stream().synchronize()?;
+        let start = Event::new(&dev, true)?;
+        let end = Event::new(&dev, true)?;
+        start.record(engines.stream())?;
+        for _ in 0..ROUNDS {
+            f()?;
+        }
+        end.record(engines.stream())?;
+        end.wait()?;
+        Ok(f64::from(end.elapsed_ms(&start)?) / 1e3)
+    };
+    let bytes = (len * ROUNDS) as f64;
+    let gather_s = timed(&mut || {
+        engines.gather(&src, &dst, &frags)?;
+        Ok(())
+    })?;
+    let copy_s = timed(&mut || {
+        engines.copy(&src, 0, &dst, 0, len)?;
+        Ok(())
+    })?;
+    let shards: Vec<Span> = (0..8)
+        .map(|i| Span {
+            off: (i * len / 8) as u64,
+            len: (len / 8) as u64,
+        })
+        .collect();
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        engines.crc32c(&src, &shards)?;
+    }
+    let crc_s = t.elapsed().as_secs_f64();
+
+    let mut stager = H2dStager::new(&dev, 1 << 20, 4)?;
+    let t = Instant::now();
+    for _ in 0..ROUNDS / 4 {
+        let mut at = 0;
+        stager.copy_from(
+            &mut |buf: &mut [u8]| {
+                let n = buf.len().min(len - at);
+                buf[..n].copy_from_slice(&data[at..at + n]);
+                at += n;
+                Ok(n)
+            },
+            &mut |_| {},
+            &dst,
+            0,
+            len,
+        )?;
+    }
+    let h2d_s = t.elapsed().as_secs_f64();
+    let h2d_bytes = (len * (ROUNDS / 4)) as f64;
+    let gbps = |b: f64, s: f64| b / s / 1e9;
+    println!(
+        "{}",
+        serde_json::json!({
+            "device": format!("{} ({})", info.name, info.pci_bus_id),
+            "buffer_mib": mib,
+            "rounds": ROUNDS,
+            "gather_gbps": gbps(bytes, gather_s),
+            "memcpy_dtod_gbps": gbps(bytes, copy_s),
+            "gather_vs_dtod": copy_s / gather_s,
+            "crc32c_gbps": gbps(bytes, crc_s),
+            "h2d_staged_gbps": gbps(h2d_bytes, h2d_s),
+            "h2d_stalls": stager.stalls(),
+        })
+    );
+    Ok(())
+}

@@ -1,0 +1,344 @@
+//! The device engines: the gather and CRC-32C kernels (embedded PTX, see
+//! [`crate::kernels`]) loaded into a module and launched on one stream.
+//!
+//! - [`Engines::gather`] copies a batch of frags into a region with one launch and returns
+//!   the [`Event`] that says when the source bytes have been read (the devmem receiver
+//!   returns its tokens to the kernel only after it).
+//! - [`Engines::crc32c`] computes the CRC-32C of spans of a region on the device, equal bit
+//!   for bit to the CPU's (the kernels' math is checked on the CPU in CI:
+//!   `gpu/tests/kernels_on_cpu.rs`).
+//!
+//! Kernel arguments (frag and span lists) travel through two pinned+device slots used in
+//! turn, so staging batch N+1 never waits for batch N's kernel.
+
+use std::ffi::{CString, c_uint, c_void};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+
+use super::check;
+use super::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
+use super::vmm::VmmRegion;
+use crate::kernels::{self, Frag, Span};
+use crate::probe::GpuError;
+
+struct Module(sys::CUmodule);
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: unloads the module loaded in `Engines::new`; the owner synchronised its
+        // stream first, so no launch of its functions is in flight.
+        let _ = unsafe { sys::cuModuleUnload(self.0) };
+    }
+}
+
+/// One argument slot: pinned host staging, its device copy, and the event after the last
+/// launch that read it.
+struct ArgSlot {
+    host: PinnedBuffer,
+    dev: DeviceBuffer,
+    done: Option<Arc<Event>>,
+}
+
+struct Scratch {
+    slots: [ArgSlot; 2],
+    next: usize,
+    partials: DeviceBuffer,
+    out_dev: DeviceBuffer,
+    out_host: PinnedBuffer,
+}
+
+/// The loaded kernels and their stream.
+pub struct Engines {
+    // Field order: the stream is synchronised in Drop, then the module unloads.
+    scratch: Mutex<Scratch>,
+    stream: Stream,
+    gather_fn: sys::CUfunction,
+    crc_chunks_fn: sys::CUfunction,
+    crc_combine_fn: sys::CUfunction,
+    _module: Module,
+    dev: Arc<Device>,
+}
+
+// SAFETY: CUfunction handles are immutable process-wide handles valid in the device's
+// context, which every method makes current; mutable scratch state sits behind a Mutex.
+unsafe impl Send for Engines {}
+// SAFETY: as above.
+unsafe impl Sync for Engines {}
+
+impl std::fmt::Debug for Engines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engines")
+            .field("device", &self.dev.ordinal())
+            .finish()
+    }
+}
+
+const SLOT_BYTES: usize = 64 << 10;
+
+fn function(module: &Module, name: &str) -> Result<sys::CUfunction, GpuError> {
+    let cname = CString::new(name).expect("kernel names have no NUL");
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    // SAFETY: a loaded module, a NUL-terminated name, and a live out-pointer.
+    check("cuModuleGetFunction", unsafe {
+        sys::cuModuleGetFunction(&mut f, module.0, cname.as_ptr())
+    })?;
+    Ok(f)
+}
+
+impl Engines {
+    /// JIT-loads the embedded PTX on `dev` and prepares the stream and scratch space.
+    pub fn new(dev: &Arc<Device>) -> Result<Self, GpuError> {
+        dev.bind()?;
+        let ptx = CString::new(kernels::PTX).expect("PTX text has no NUL");
+        let mut raw: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image that lives across the call; out-pointer live.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut raw, ptx.as_ptr().cast())
+        })?;
+        let module = Module(raw);
+        let slot = || -> Result<ArgSlot, GpuError> {
+            Ok(ArgSlot {
+                host: PinnedBuffer::new(dev, SLOT_BYTES)?,
+                dev: DeviceBuffer::new(dev, SLOT_BYTES)?,
+                done: None,
+            })
+        };
+        Ok(Self {
+            scratch: Mutex::new(Scratch {
+                slots: [slot()?, slot()?],
+                next: 0,
+                partials: DeviceBuffer::new(dev, 4 << 10)?,
+                out_dev: DeviceBuffer::new(dev, 4 << 10)?,
+                out_host: PinnedBuffer::new(dev, 4 << 10)?,
+            }),
+            stream: Stream::new(dev)?,
+            gather_fn: function(&module, kernels::GATHER)?,
+            crc_chunks_fn: function(&module, kernels::CRC_CHUNKS)?,
+            crc_combine_fn: function(&module, kernels::CRC_COMBINE)?,
+            _module: module,
+            dev: dev.clone(),
+        })
+    }
+
+    /// The stream the engines launch on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Copies every frag from `src` into `dst` with one kernel launch. Returns the event
+    /// recorded after the launch: once it is done, `src` may be reused.
+    pub fn gather(
+        &self,
+        src: &VmmRegion,
+        dst: &VmmRegion,
+        frags: &[Frag],
+    ) -> Result<Arc<Event>, GpuError> {
+        kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
+        let mut scratch = self.scratch.lock().expect("engine scratch poisoned");
+        let args = self.stage(&mut scratch, as_bytes(frags))?;
+        if !frags.is_empty() {
+            let (mut s, mut d, mut a) = (src.device_ptr(), dst.device_ptr(), args);
+            let mut n = frags.len() as c_uint;
+            let mut params = [
+                (&mut s as *mut u64).cast::<c_void>(),
+                (&mut d as *mut u64).cast(),
+                (&mut a as *mut u64).cast(),
+                (&mut n as *mut c_uint).cast(),
+            ];
+            let grid = kernels::gather_grid(n);
+            self.launch(
+                self.gather_fn,
+                (grid, 1),
+                kernels::GATHER_BLOCK,
+                &mut params,
+            )?;
+        }
+        self.finish_slot(&mut scratch)
+    }
+
+    /// Device-to-device copy on the engines' stream (the baseline the gather is measured
+    /// against).
+    pub fn copy(
+        &self,
+        src: &VmmRegion,
+        src_off: usize,
+        dst: &VmmRegion,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<Event, GpuError> {
+        src.range(src_off, len)?;
+        dst.range(dst_off, len)?;
+        self.dev.bind()?;
+        // SAFETY: both ranges were checked to lie inside live regions of this device.
+        check("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(
+                dst.device_ptr() + dst_off as u64,
+                src.device_ptr() + src_off as u64,
+                len,
+                self.stream.raw(),
+            )
+        })?;
+        self.stream.record()
+    }
+
+    /// CRC-32C of each span of `region`, computed on the device (blocks until done).
+    pub fn crc32c(&self, region: &VmmRegion, spans: &[Span]) -> Result<Vec<u32>, GpuError> {
+        kernels::check_spans(spans, region.len() as u64)?;
+        if spans.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunk = kernels::CRC_CHUNK;
+        let max_chunks = kernels::crc_max_chunks(spans, chunk).max(1);
+        let mut scratch = self.scratch.lock().expect("engine scratch poisoned");
+        let partial_bytes = spans.len() * max_chunks as usize * 4;
+        if scratch.partials.len() < partial_bytes {
+            self.stream.synchronize()?;
+            scratch.partials = DeviceBuffer::new(&self.dev, partial_bytes)?;
+        }
+        let out_bytes = spans.len() * 4;
+        if scratch.out_dev.len() < out_bytes {
+            self.stream.synchronize()?;
+            scratch.out_dev = DeviceBuffer::new(&self.dev, out_bytes)?;
+            scratch.out_host = PinnedBuffer::new(&self.dev, out_bytes)?;
+        }
+        let args = self.stage(&mut scratch, as_bytes(spans))?;
+        let (mut base, mut a, mut partials, mut out) = (
+            region.device_ptr(),
+            args,
+            scratch.partials.ptr(),
+            scratch.out_dev.ptr(),
+        );
+        let (mut n, mut c, mut m) = (spans.len() as c_uint, chunk as c_uint, max_chunks as c_uint);
+        let mut chunk_params = [
+            (&mut base as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u64).cast(),
+            (&mut n as *mut c_uint).cast(),
+            (&mut c as *mut c_uint).cast(),
+            (&mut partials as *mut u64).cast(),
+            (&mut m as *mut c_uint).cast(),
+        ];
+        let grid_x = max_chunks.div_ceil(kernels::CRC_BLOCK);
+        self.launch(
+            self.crc_chunks_fn,
+            (grid_x, n),
+            kernels::CRC_BLOCK,
+            &mut chunk_params,
+        )?;
+        let mut combine_params = [
+            (&mut a as *mut u64).cast::<c_void>(),
+            (&mut n as *mut c_uint).cast(),
+            (&mut c as *mut c_uint).cast(),
+            (&mut partials as *mut u64).cast(),
+            (&mut m as *mut c_uint).cast(),
+            (&mut out as *mut u64).cast(),
+        ];
+        let grid = n.div_ceil(kernels::CRC_BLOCK);
+        self.launch(
+            self.crc_combine_fn,
+            (grid, 1),
+            kernels::CRC_BLOCK,
+            &mut combine_params,
+        )?;
+        // SAFETY: the pinned buffer holds at least `out_bytes`; the device buffer too; the
+        // stream is synchronised below before the host reads it.
+        check("cuMemcpyDtoHAsync_v2", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                scratch.out_host.as_mut_slice().as_mut_ptr().cast(),
+                out,
+                out_bytes,
+                self.stream.raw(),
+            )
+        })?;
+        self.finish_slot(&mut scratch)?;
+        self.stream.synchronize()?;
+        Ok(scratch.out_host.as_slice()[..out_bytes]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect())
+    }
+
+    /// Copies `bytes` into the next argument slot (growing it if needed) and queues its
+    /// upload; returns the device address of the arguments.
+    fn stage(&self, scratch: &mut Scratch, bytes: &[u8]) -> Result<u64, GpuError> {
+        let i = scratch.next;
+        let slot = &mut scratch.slots[i];
+        if let Some(done) = slot.done.take() {
+            done.wait()?; // the launch that last read this slot has finished
+        }
+        if slot.host.as_slice().len() < bytes.len() {
+            let len = bytes.len().next_power_of_two();
+            slot.host = PinnedBuffer::new(&self.dev, len)?;
+            slot.dev = DeviceBuffer::new(&self.dev, len)?;
+        }
+        slot.host.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        self.dev.bind()?;
+        // SAFETY: the pinned source holds `bytes.len()` bytes and is not rewritten until
+        // this slot's event completes; the device buffer is at least as large.
+        check("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                slot.dev.ptr(),
+                slot.host.as_ptr().cast(),
+                bytes.len(),
+                self.stream.raw(),
+            )
+        })?;
+        Ok(slot.dev.ptr())
+    }
+
+    /// Records the event after the launches that used the current slot and moves on.
+    fn finish_slot(&self, scratch: &mut Scratch) -> Result<Arc<Event>, GpuError> {
+        let i = scratch.next;
+        let event = Arc::new(self.stream.record()?);
+        scratch.slots[i].done = Some(event.clone());
+        scratch.next = (i + 1) % scratch.slots.len();
+        Ok(event)
+    }
+
+    fn launch(
+        &self,
+        f: sys::CUfunction,
+        (grid_x, grid_y): (u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), GpuError> {
+        self.dev.bind()?;
+        // SAFETY: `f` belongs to the loaded module; `params` has one pointer per kernel
+        // parameter, in order and of the types the kernel declares (see the contract in
+        // `kernels.rs`), each pointing at a live local of the caller; the device addresses
+        // in them were bounds-checked (check_frags / check_spans).
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid_x,
+                grid_y,
+                1,
+                block,
+                1,
+                1,
+                0,
+                self.stream.raw(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for Engines {
+    fn drop(&mut self) {
+        // Nothing may still read the scratch buffers or run module code when they go.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Kernel argument structs that may be viewed as bytes.
+trait KernelArg: Copy {}
+impl KernelArg for Frag {}
+impl KernelArg for Span {}
+
+/// The bytes of a slice of plain `repr(C)` argument structs.
+fn as_bytes<T: KernelArg>(items: &[T]) -> &[u8] {
+    // SAFETY: the KernelArg types are repr(C) structs of u64 fields only (no padding, no
+    // pointers); reading them as bytes for the lifetime of the borrow is sound.
+    unsafe { std::slice::from_raw_parts(items.as_ptr().cast::<u8>(), std::mem::size_of_val(items)) }
+}

@@ -1,0 +1,134 @@
+//! Opening a GPU for the service, with a short self-test of every path it will use
+//! (region, fd export, dma-buf export, H2D staging, the CRC and gather kernels), so a
+//! broken driver or a PTX the driver cannot JIT shows at start with its reason, not at the
+//! first shard.
+
+use std::sync::Arc;
+
+use super::{Device, Engines, H2dStager, VmmRegion};
+use crate::kernels::{Frag, Span, reference};
+use crate::probe::{GpuDevice, GpuError};
+
+/// A device ready for stream regions: the device, its engines, and what the probe said.
+#[derive(Debug)]
+pub struct CudaMemory {
+    /// The device (its primary context).
+    pub device: Arc<Device>,
+    /// The loaded kernels.
+    pub engines: Engines,
+    /// The probe's report for it.
+    pub info: GpuDevice,
+}
+
+/// Opens `info`'s device, loads the kernels and runs [`self_test`].
+pub fn open_for_service(info: &GpuDevice) -> Result<CudaMemory, GpuError> {
+    let device = Device::open(info.ordinal)?;
+    let engines = Engines::new(&device)?;
+    self_test(&device, &engines, info.dma_buf_supported)?;
+    Ok(CudaMemory {
+        device,
+        engines,
+        info: info.clone(),
+    })
+}
+
+/// Runs each path once on a 2 MiB region and compares with the CPU reference.
+pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<(), GpuError> {
+    let src = VmmRegion::new(dev, 1)?;
+    let dst = VmmRegion::new(dev, 1)?;
+    drop(src.export_fd()?);
+    if dma_buf {
+        drop(src.export_dmabuf()?);
+    }
+    let len = 1 << 20;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let pattern: Vec<u8> = (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+
+    // H2D staging, in pieces smaller than a slot, as a socket delivers them.
+    let mut stager = H2dStager::new(dev, 256 << 10, 2)?;
+    let mut at = 0;
+    stager
+        .copy_from(
+            &mut |buf: &mut [u8]| {
+                let n = buf.len().min(100_000).min(len - at);
+                buf[..n].copy_from_slice(&pattern[at..at + n]);
+                at += n;
+                Ok(n)
+            },
+            &mut |_| {},
+            &src,
+            4096,
+            len,
+        )
+        .map_err(|e| mismatch(format!("H2D staging: {e}")))?;
+    let mut back = vec![0; len];
+    src.read(4096, &mut back)?;
+    if back != pattern {
+        return Err(mismatch("H2D staging: bytes read back differ".into()));
+    }
+
+    // CRC-32C on the device against the CPU reference.
+    let spans = [
+        Span {
+            off: 4096,
+            len: len as u64,
+        },
+        Span {
+            off: 4097,
+            len: 12345,
+        },
+        Span { off: 0, len: 0 },
+    ];
+    let mut host = vec![0; 4096 + len];
+    host[4096..].copy_from_slice(&pattern);
+    let want = reference::crc32c_spans(&host, &spans, crate::kernels::CRC_CHUNK);
+    let got = engines.crc32c(&src, &spans)?;
+    if got != want {
+        return Err(mismatch(format!(
+            "CRC kernel gave {got:08x?}, the CPU {want:08x?}"
+        )));
+    }
+
+    // Gather: unaligned frags, one launch.
+    let frags = [
+        Frag {
+            src_off: 4096,
+            dst_off: 0,
+            len: 4096,
+        },
+        Frag {
+            src_off: 4096 + 8191,
+            dst_off: 4096,
+            len: 1,
+        },
+        Frag {
+            src_off: 4096 + 3,
+            dst_off: 4097,
+            len: 70_001,
+        },
+    ];
+    engines.gather(&src, &dst, &frags)?.wait()?;
+    let mut want = vec![0u8; 4097 + 70_001];
+    let mut host_src = vec![0u8; src.len()];
+    src.read(0, &mut host_src)?;
+    reference::gather(&host_src, &mut want, &frags);
+    let mut got = vec![0u8; want.len()];
+    dst.read(0, &mut got)?;
+    if got != want {
+        return Err(mismatch(
+            "gather kernel: bytes differ from the CPU reference".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn mismatch(what: String) -> GpuError {
+    GpuError::SelfTest { what }
+}

@@ -1,0 +1,188 @@
+//! The host-receive plus GPU-memory path, for GPUs without a devmem NIC: bytes are received
+//! into pinned host buffers and copied to the region asynchronously, several buffers in
+//! turn, so the network fills one buffer while earlier ones are still being copied.
+//!
+//! [`H2dStager::buffer`] hands out the next pinned buffer (waiting only if the copy that
+//! last used it is still running, which [`H2dStager::stalls`] counts), [`H2dStager::submit`]
+//! queues its copy, and [`H2dStager::flush`] waits for all of them (before a shard is
+//! handed to trainers).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::check;
+use super::device::{Device, Event, PinnedBuffer, Stream};
+use super::vmm::VmmRegion;
+use crate::probe::GpuError;
+
+struct Slot {
+    buf: PinnedBuffer,
+    done: Option<Event>,
+}
+
+/// Pinned staging buffers and the stream their copies run on.
+pub struct H2dStager {
+    // The stream is synchronised in Drop before the buffers go.
+    slots: Vec<Slot>,
+    next: usize,
+    stalls: u64,
+    stream: Stream,
+}
+
+impl std::fmt::Debug for H2dStager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H2dStager")
+            .field("slots", &self.slots.len())
+            .field("slot_len", &self.slot_len())
+            .field("stalls", &self.stalls)
+            .finish()
+    }
+}
+
+impl H2dStager {
+    /// `slots` pinned buffers (at least 2: double buffering) of `slot_len` bytes each.
+    pub fn new(dev: &Arc<Device>, slot_len: usize, slots: usize) -> Result<Self, GpuError> {
+        let slots = (0..slots.max(2))
+            .map(|_| {
+                Ok(Slot {
+                    buf: PinnedBuffer::new(dev, slot_len.max(1))?,
+                    done: None,
+                })
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        Ok(Self {
+            slots,
+            next: 0,
+            stalls: 0,
+            stream: Stream::new(dev)?,
+        })
+    }
+
+    /// Bytes per buffer.
+    pub fn slot_len(&self) -> usize {
+        self.slots[0].buf.as_slice().len()
+    }
+
+    /// How many times [`Self::buffer`] had to wait for a copy (the network waited on the
+    /// GPU). Zero when the copies keep up.
+    pub fn stalls(&self) -> u64 {
+        self.stalls
+    }
+
+    /// The next buffer to fill. Calling it again before [`Self::submit`] returns the same
+    /// buffer.
+    pub fn buffer(&mut self) -> Result<&mut [u8], GpuError> {
+        let slot = &mut self.slots[self.next];
+        if let Some(done) = &slot.done {
+            if !done.is_done()? {
+                self.stalls += 1;
+                done.wait()?;
+            }
+            slot.done = None;
+        }
+        Ok(slot.buf.as_mut_slice())
+    }
+
+    /// Queues the copy of the first `len` bytes of the current buffer to `dst` at
+    /// `offset`, and moves to the next buffer.
+    pub fn submit(&mut self, len: usize, dst: &VmmRegion, offset: usize) -> Result<(), GpuError> {
+        dst.range(offset, len)?;
+        let slot_len = self.slot_len();
+        if len > slot_len {
+            return Err(GpuError::OutOfRange {
+                offset: 0,
+                len: len as u64,
+                size: slot_len as u64,
+            });
+        }
+        let slot = &mut self.slots[self.next];
+        if let Some(done) = slot.done.take() {
+            done.wait()?; // submit without buffer(): still never overwrite a busy buffer
+        }
+        self.stream.device().bind()?;
+        // SAFETY: the destination range was checked to lie in a live region of this
+        // device; the pinned source holds `len` bytes and is not handed out again until
+        // the event recorded below completes.
+        check("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.device_ptr() + offset as u64,
+                slot.buf.as_ptr().cast(),
+                len,
+                self.stream.raw(),
+            )
+        })?;
+        slot.done = Some(self.stream.record()?);
+        self.next = (self.next + 1) % self.slots.len();
+        Ok(())
+    }
+
+    /// Waits until every submitted copy has landed.
+    pub fn flush(&mut self) -> Result<(), GpuError> {
+        self.stream.synchronize()?;
+        for slot in &mut self.slots {
+            slot.done = None;
+        }
+        Ok(())
+    }
+
+    /// Reads exactly `len` bytes from `src` into `dst` at `offset` through the buffers,
+    /// calling `seen` on each piece while it is in host memory (for the CRC), and waits
+    /// for the copies. Returns the bytes read.
+    pub fn copy_from(
+        &mut self,
+        src: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>,
+        seen: &mut dyn FnMut(&[u8]),
+        dst: &VmmRegion,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), StageError> {
+        dst.range(offset, len)?;
+        let mut done = 0;
+        while done < len {
+            let want = (len - done).min(self.slot_len());
+            let buf = self.buffer()?;
+            let mut filled = 0;
+            while filled < want {
+                match src(&mut buf[filled..want]) {
+                    Ok(0) => {
+                        return Err(StageError::Io(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "connection closed after {} of {len} payload bytes",
+                                done + filled
+                            ),
+                        )));
+                    }
+                    Ok(n) => {
+                        seen(&buf[filled..filled + n]);
+                        filled += n;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(StageError::Io(e)),
+                }
+            }
+            self.submit(want, dst, offset + done)?;
+            done += want;
+        }
+        self.flush()?;
+        Ok(())
+    }
+}
+
+impl Drop for H2dStager {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Why a staged receive failed: the source, or the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// Reading the source failed.
+    #[error(transparent)]
+    Io(std::io::Error),
+    /// A CUDA call failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}

@@ -1,0 +1,269 @@
+//! CUDA regions: VMM allocations (`cuMemCreate`) that a NIC can write (exported as a
+//! dma-buf) and trainers can import (exported as a POSIX fd), mapped read-write here.
+//!
+//! The allocation asks for a POSIX-fd shareable handle and `gpuDirectRDMACapable`, and its
+//! size is rounded up to the device's allocation granularity (and to 2 MiB, the alignment
+//! NIC drivers expect of GPU memory). Three owning pieces unwind in reverse order on Drop or
+//! on a failed step: the mapping, the address reservation, the physical allocation.
+
+use std::ffi::{c_int, c_void};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::check;
+use super::device::{Device, copy_to_device, copy_to_host};
+use crate::probe::GpuError;
+
+/// Regions are multiples of this (and of the driver's granularity): GPU memory that NICs
+/// map is handled in 2 MiB pages.
+pub const REGION_ALIGN: usize = 2 << 20;
+
+struct Allocation(sys::CUmemGenericAllocationHandle);
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cuMemCreate; mappings keep their own reference.
+        let _ = unsafe { sys::cuMemRelease(self.0) };
+    }
+}
+
+struct Reservation(sys::CUdeviceptr, usize);
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: frees exactly the range reserved; it is unmapped first (field order).
+        let _ = unsafe { sys::cuMemAddressFree(self.0, self.1) };
+    }
+}
+
+struct Mapping(sys::CUdeviceptr, usize);
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the range mapped in `VmmRegion::new`.
+        let _ = unsafe { sys::cuMemUnmap(self.0, self.1) };
+    }
+}
+
+/// A shareable device-memory region.
+pub struct VmmRegion {
+    // Drop order = field order: unmap, free the range, release the memory, then the device.
+    mapping: Mapping,
+    _reservation: Reservation,
+    allocation: Allocation,
+    granularity: usize,
+    dev: Arc<Device>,
+}
+
+// SAFETY: the region is device memory named by integers (address, handle); access goes
+// through driver calls and kernels, and slabs over it are disjoint by construction.
+unsafe impl Send for VmmRegion {}
+// SAFETY: as above; `&self` methods only read the handles or copy into caller-named ranges.
+unsafe impl Sync for VmmRegion {}
+
+impl std::fmt::Debug for VmmRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmRegion")
+            .field("device", &self.dev.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.mapping.0))
+            .field("len", &self.mapping.1)
+            .finish()
+    }
+}
+
+fn allocation_prop(dev: &Device) -> sys::CUmemAllocationProp {
+    // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero is the documented
+    // "no options" value; the fields that matter are set below.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev.raw();
+    prop.allocFlags.gpuDirectRDMACapable = 1;
+    prop
+}
+
+/// Rounds `len` up to a multiple of `granularity` and [`REGION_ALIGN`].
+pub fn region_size(len: usize, granularity: usize) -> usize {
+    let g = granularity.max(1);
+    let unit = if REGION_ALIGN.is_multiple_of(g) {
+        REGION_ALIGN
+    } else {
+        // Granularity is a power of two in practice; stay correct if it is not.
+        g * REGION_ALIGN / gcd(g, REGION_ALIGN)
+    };
+    len.max(1).div_ceil(unit) * unit
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl VmmRegion {
+    /// Allocates at least `len` bytes on `dev`, mapped read-write for this device.
+    pub fn new(dev: &Arc<Device>, len: usize) -> Result<Self, GpuError> {
+        dev.bind()?;
+        let prop = allocation_prop(dev);
+        let mut granularity = 0usize;
+        // SAFETY: `prop` is a valid, fully initialised property struct; out-pointer live.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        let size = region_size(len, granularity);
+
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid prop, size a multiple of the granularity, out-pointer live.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut handle, size, &prop, 0)
+        })?;
+        let allocation = Allocation(handle);
+
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: reserves a fresh VA range (no fixed address, no flags); out-pointer live.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size, REGION_ALIGN.max(granularity), 0, 0)
+        })?;
+        let reservation = Reservation(ptr, size);
+
+        // SAFETY: maps the whole allocation at offset 0 into the whole reserved range.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, size, 0, handle, 0)
+        })?;
+        let mapping = Mapping(ptr, size);
+
+        let access = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped; one valid descriptor is passed with count 1.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, size, &access, 1)
+        })?;
+        Ok(Self {
+            mapping,
+            _reservation: reservation,
+            allocation,
+            granularity,
+            dev: dev.clone(),
+        })
+    }
+
+    /// Device address of byte 0.
+    pub fn device_ptr(&self) -> u64 {
+        self.mapping.0
+    }
+
+    /// Size in bytes (a multiple of the granularity).
+    pub fn len(&self) -> usize {
+        self.mapping.1
+    }
+
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The allocation granularity the region was created with.
+    pub fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    /// The device holding the region.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// A new POSIX fd for the allocation, for a trainer to import
+    /// (`cuMemImportFromShareableHandle` + map + set access).
+    pub fn export_fd(&self) -> Result<OwnedFd, GpuError> {
+        self.dev.bind()?;
+        let mut fd: c_int = -1;
+        // SAFETY: for the POSIX-fd handle type the driver writes an int through the
+        // pointer; `fd` is a live local of that type.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                self.allocation.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: on success the driver returned a new fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// A dma-buf fd over the whole region, for binding to NIC receive queues. Asks for the
+    /// PCIe mapping type (what devmem NICs need) and falls back to the default mapping on a
+    /// driver that refuses the flag.
+    pub fn export_dmabuf(&self) -> Result<OwnedFd, GpuError> {
+        self.dev.bind()?;
+        let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
+        match self.dmabuf_with(pcie) {
+            Err(GpuError::Driver {
+                result: sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                ..
+            }) => self.dmabuf_with(0),
+            other => other,
+        }
+    }
+
+    fn dmabuf_with(&self, flags: u64) -> Result<OwnedFd, GpuError> {
+        let mut fd: c_int = -1;
+        // SAFETY: the range is the whole mapped allocation (exact bounds, 2 MiB aligned);
+        // for the dma-buf handle type the driver writes an int through the pointer.
+        check("cuMemGetHandleForAddressRange", unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                self.mapping.0,
+                self.mapping.1,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                flags,
+            )
+        })?;
+        // SAFETY: on success the driver returned a new fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Copies `bytes` to `offset` (synchronous; setup and tests).
+    pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
+        self.range(offset, bytes.len())?;
+        copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes)
+    }
+
+    /// Copies `out.len()` bytes from `offset` (synchronous; tests and the CPU check).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        self.range(offset, out.len())?;
+        copy_to_host(&self.dev, out, self.device_ptr() + offset as u64)
+    }
+
+    /// Checks that `[offset, offset + len)` lies inside the region.
+    pub fn range(&self, offset: usize, len: usize) -> Result<(), GpuError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(GpuError::OutOfRange {
+                offset: offset as u64,
+                len: len as u64,
+                size: self.len() as u64,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_round_to_granularity_and_2mib() {
+        assert_eq!(region_size(1, 2 << 20), 2 << 20);
+        assert_eq!(region_size(0, 2 << 20), 2 << 20);
+        assert_eq!(region_size((2 << 20) + 1, 2 << 20), 4 << 20);
+        assert_eq!(region_size(5 << 20, 64 << 10), 6 << 20);
+        assert_eq!(region_size(1, 4 << 20), 4 << 20);
+        assert_eq!(region_size(1, 3 << 20), 6 << 20);
+    }
+}
