@@ -66,6 +66,89 @@ pub enum GatherError {
     Sync(String),
 }
 
+/// Where each byte of one batch belongs, for a gather that does not run on the CPU (the
+/// CUDA gather kernel): it cannot move bytes inside the host iov, so it copies linear pieces
+/// from their iov positions and dma-buf frags from the dma-buf, each to its stream position.
+/// Filled by [`plan`]; reusable (its vectors keep their capacity).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GatherPlan {
+    /// Stream bytes the batch holds.
+    pub bytes: usize,
+    /// The batch is ordinary TCP: `bytes` bytes already in stream order at the iov's front.
+    pub plain: bool,
+    /// Linear pieces: (position in the iov, stream position, length).
+    pub linear: Vec<(usize, usize, usize)>,
+    /// Dma-buf frags: (offset in the dma-buf, stream position, length).
+    pub dmabuf: Vec<(u64, usize, usize)>,
+}
+
+impl GatherPlan {
+    /// Bytes that come from dma-buf frags.
+    pub fn dmabuf_bytes(&self) -> u64 {
+        self.dmabuf.iter().map(|&(_, _, len)| len as u64).sum()
+    }
+
+    /// Bytes that arrived linear.
+    pub fn linear_bytes(&self) -> u64 {
+        self.linear.iter().map(|&(_, _, len)| len as u64).sum()
+    }
+}
+
+/// Fills `out` with the placement of `batch`'s bytes (see [`GatherPlan`]), with the same
+/// checks as [`gather`]: the cmsgs must describe exactly the bytes returned, fit in `dst_len`,
+/// and name binding `dmabuf_id`. Queues no tokens: the caller returns them once its copies
+/// have read the dma-buf.
+pub fn plan(
+    batch: &RecvBatch<'_>,
+    dmabuf_id: u32,
+    dst_len: usize,
+    out: &mut GatherPlan,
+) -> Result<(), GatherError> {
+    out.linear.clear();
+    out.dmabuf.clear();
+    let s = *batch.summary();
+    let bytes = batch.bytes();
+    out.bytes = bytes;
+    out.plain = s.dmabuf_frags == 0 && s.linear_frags == 0;
+    if out.plain {
+        return Ok(());
+    }
+    let described = s.dmabuf_bytes + s.linear_bytes;
+    if described != bytes as u64 || bytes > dst_len {
+        return Err(GatherError::Inconsistent {
+            bytes,
+            described,
+            dst_len,
+        });
+    }
+    let (mut iov_pos, mut pos) = (0usize, 0usize);
+    for f in batch.frags() {
+        match f {
+            Frag::Linear { size } => {
+                out.linear.push((iov_pos, pos, size as usize));
+                iov_pos += size as usize;
+                pos += size as usize;
+            }
+            Frag::Dmabuf {
+                dmabuf_id: got,
+                offset,
+                size,
+                ..
+            } => {
+                if got != dmabuf_id {
+                    return Err(GatherError::ForeignBinding {
+                        got,
+                        want: dmabuf_id,
+                    });
+                }
+                out.dmabuf.push((offset, pos, size as usize));
+                pos += size as usize;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Place the bytes of `batch` in stream order at the front of `dst` (the buffer that was
 /// passed as the iov), copying dma-buf frags out of `mem`; queue every token in `tokens`.
 pub fn gather(

@@ -9,12 +9,14 @@
 
 pub mod device;
 pub mod engine;
+pub mod hostmap;
 pub mod selftest;
 pub mod staging;
 pub mod vmm;
 
 pub use device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 pub use engine::Engines;
+pub use hostmap::{DeviceRange, HostMapped};
 pub use selftest::{CudaMemory, open_for_service, self_test};
 pub use staging::{H2dStager, StageError};
 pub use vmm::VmmRegion;

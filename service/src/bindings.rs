@@ -95,7 +95,7 @@ pub async fn create(
         }
     };
     let made = if req.interface == EMULATOR {
-        RxRegion::emulated(bytes).map_err(|e| conflict("bind_failed", e.to_string()))
+        RxRegion::emulated(bytes, node.cuda.clone()).map_err(|e| conflict("bind_failed", e))
     } else {
         bind_nic(&node, &req.interface, req.queues, bytes).await
     };
@@ -149,6 +149,7 @@ async fn bind_nic(
     } else {
         queues
     };
+    let cuda = node.cuda.clone();
     let (name, ifindex, state, port) = (
         nic.name.clone(),
         nic.ifindex,
@@ -156,7 +157,7 @@ async fn bind_nic(
         node.data_addr.port(),
     );
     tokio::task::spawn_blocking(move || {
-        RxRegion::bind_kernel(&name, ifindex, &queues, bytes, &state, port)
+        RxRegion::bind_kernel(&name, ifindex, &queues, bytes, &state, port, cuda)
     })
     .await
     .map_err(|e| conflict("bind_failed", e.to_string()))?

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::*;
 use crate::cmsg::Frag;
-use crate::gather::gather;
+use crate::gather::{GatherPlan, gather, plan};
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
@@ -25,7 +25,27 @@ fn pair(payload: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
     (s, w)
 }
 
-/// Receive everything through recv_frags + gather + token return, as the service does.
+/// Applies a [`GatherPlan`] the way the GPU gather does (copies from the untouched iov and
+/// the dma-buf into a separate destination), on the CPU.
+fn apply_plan(p: &GatherPlan, iov: &[u8], mem: &crate::mem::DmabufMem) -> Vec<u8> {
+    let mut dst = vec![0u8; p.bytes];
+    if p.plain {
+        dst.copy_from_slice(&iov[..p.bytes]);
+    }
+    for &(from, to, len) in &p.linear {
+        dst[to..to + len].copy_from_slice(&iov[from..from + len]);
+    }
+    mem.begin_cpu_read().unwrap();
+    for &(offset, to, len) in &p.dmabuf {
+        mem.copy_out(offset, &mut dst[to..to + len]).unwrap();
+    }
+    mem.end_cpu_read().unwrap();
+    dst
+}
+
+/// Receive everything through recv_frags + gather + token return, as the service does; each
+/// batch is also planned ([`plan`]) and the plan applied as the GPU gather would, and both
+/// must agree.
 fn drain(sock: &mut EmuSocket, total: usize, chunk: usize) -> (Vec<u8>, crate::gather::Gathered) {
     let mut out = vec![0u8; total];
     let mut sum = crate::gather::Gathered::default();
@@ -37,7 +57,15 @@ fn drain(sock: &mut EmuSocket, total: usize, chunk: usize) -> (Vec<u8>, crate::g
         let end = (off + chunk).min(total);
         let batch = sock.recv_frags(&mut out[off..end]).unwrap();
         assert!(!batch.is_eof(), "EOF after {off} of {total}");
+        let iov = out[off..end].to_vec();
+        let mut p = GatherPlan::default();
+        plan(&batch, id, end - off, &mut p).unwrap();
         let g = gather(&batch, &mut out[off..end], binding.mem(), id, &mut tokens).unwrap();
+        assert_eq!(apply_plan(&p, &iov, binding.mem()), out[off..off + g.bytes]);
+        assert_eq!(
+            (p.bytes, p.dmabuf.len(), p.dmabuf_bytes(), p.linear_bytes()),
+            (g.bytes, g.dmabuf_frags, g.dmabuf_bytes, g.linear_bytes)
+        );
         off += g.bytes;
         sum.bytes += g.bytes;
         sum.dmabuf_frags += g.dmabuf_frags;

@@ -18,6 +18,7 @@ use cudarc::driver::sys;
 
 use super::check;
 use super::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
+use super::hostmap::DeviceRange;
 use super::vmm::VmmRegion;
 use crate::kernels::{self, Frag, Span};
 use crate::probe::GpuError;
@@ -129,7 +130,7 @@ impl Engines {
     /// recorded after the launch: once it is done, `src` may be reused.
     pub fn gather(
         &self,
-        src: &VmmRegion,
+        src: &dyn DeviceRange,
         dst: &VmmRegion,
         frags: &[Frag],
     ) -> Result<Arc<Event>, GpuError> {

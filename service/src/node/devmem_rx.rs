@@ -9,9 +9,13 @@
 //! tokens come back.
 //!
 //! [`DevmemReader`] is what a receiver thread reads payload bytes through: one
-//! `recvmsg(MSG_SOCK_DEVMEM)` per call, the frags gathered into the shard's slab (memcpy out
-//! of a host dma-buf; the CUDA engine's job for device memory), and the tokens returned right
-//! after the gather, so the binding's pool refills as fast as the receiver runs. A full pool
+//! `recvmsg(MSG_SOCK_DEVMEM)` per call, the frags gathered into the shard's slab, and the
+//! tokens returned right after the gather, so the binding's pool refills as fast as the
+//! receiver runs. Host memory: a memcpy out of the host dma-buf ([`DevmemReader::read_some`]).
+//! CUDA memory ([`DevmemReader::read_into_gpu`]): the gather kernel copies the frags, one
+//! launch per `recvmsg`, from the dma-buf (a GPU `VmmRegion` bound to the NIC, or the
+//! emulator's memfd registered with CUDA) into the slab on the GPU; the tokens go back once
+//! the launch's event says the frags were read. A full pool
 //! makes the emulated NIC wait: backpressure, not loss. Bytes that arrive outside the
 //! dma-buf (LINEAR frags, ordinary TCP) are still placed correctly but counted and reported
 //! as a header-split or steering problem.
@@ -25,10 +29,12 @@ use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 
 use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError, EmuSocket};
-use shardwire_devmem::gather::gather;
+use shardwire_devmem::gather::{GatherPlan, gather, plan};
 use shardwire_devmem::mem::DmabufMem;
 use shardwire_devmem::nic::{NicSetup, SetupPlan};
 use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding, TokenBatcher};
+use shardwire_gpu::cuda::{CudaMemory, DeviceRange, HostMapped, VmmRegion};
+use shardwire_gpu::kernels::Frag;
 
 /// Counters of the devmem receive path (exported as `shardwire_devmem_*` metrics).
 #[derive(Debug, Default)]
@@ -52,10 +58,11 @@ enum Backing {
         binding: Arc<EmuBinding>,
         emu: EmuConfig,
     },
-    /// `receive = devmem`: a udmabuf bound to NIC RX queues. The netlink binding and the
-    /// NIC setup are dropped (unbind, then restore) by [`RxRegion::unbind`].
+    /// `receive = devmem`: a udmabuf (host memory) or GPU memory bound to NIC RX queues.
+    /// The netlink binding and the NIC setup are dropped (unbind, then restore) by
+    /// [`RxRegion::unbind`].
     Kernel {
-        mem: DmabufMem,
+        mem: KernelMem,
         id: u32,
         ifname: String,
         queues: Vec<u32>,
@@ -63,8 +70,26 @@ enum Backing {
     },
 }
 
+/// The memory a kernel binding hands to the NIC.
+enum KernelMem {
+    /// A udmabuf, mapped here for the CPU gather.
+    Host(DmabufMem),
+    /// A GPU region exported as a dma-buf (the fd stays open with the binding).
+    Gpu(VmmRegion, std::os::fd::OwnedFd),
+}
+
+/// The GPU side of a binding on a node with CUDA memory.
+struct GpuGather {
+    cuda: Arc<CudaMemory>,
+    /// The emulator's memfd registered with CUDA (`None` for a GPU kernel binding, whose
+    /// memory the kernel reads directly).
+    mapped: Option<HostMapped>,
+}
+
 /// The node's RX binding.
 pub struct RxRegion {
+    // Field order: the CUDA registration of the emulator's memory goes before the memory.
+    gpu: Option<GpuGather>,
     backing: Backing,
     /// Counters.
     pub counters: DevmemCounters,
@@ -88,17 +113,41 @@ pub enum BindError {
     /// No dma-buf could be allocated.
     #[error("dma-buf for the RX binding: {0}")]
     Dmabuf(io::Error),
+    /// The GPU memory for the RX binding could not be made or exported.
+    #[error("GPU memory for the RX binding: {0}")]
+    Gpu(shardwire_gpu::GpuError),
     /// The kernel refused the bind.
     #[error("bind-rx: {0}")]
     Bind(#[from] shardwire_devmem::NetdevError),
 }
 
 impl RxRegion {
-    /// An emulated binding of `bytes` (`receive = devmem-sim`).
-    pub fn emulated(bytes: usize) -> Result<Arc<Self>, EmuError> {
+    /// An emulated binding of `bytes` (`receive = devmem-sim`). With `cuda`, its memory is
+    /// registered with the GPU and frags are gathered by the CUDA kernel.
+    pub fn emulated(bytes: usize, cuda: Option<Arc<CudaMemory>>) -> Result<Arc<Self>, String> {
+        let binding = EmuBinding::new(1, bytes).map_err(|e: EmuError| e.to_string())?;
+        let gpu = match cuda {
+            None => None,
+            Some(cuda) => {
+                let mem = binding.mem();
+                // SAFETY: the memfd mapping of `mem.len()` bytes at `mem.addr()` (page
+                // aligned, from mmap) lives in `binding`, which this region owns in
+                // `backing`; the `gpu` field (declared first) is dropped before it.
+                let mapped =
+                    unsafe { HostMapped::new(&cuda.device, mem.addr() as *mut u8, mem.len()) }
+                        .map_err(|e| {
+                            format!("registering the emulator's dma-buf with CUDA: {e}")
+                        })?;
+                Some(GpuGather {
+                    cuda,
+                    mapped: Some(mapped),
+                })
+            }
+        };
         Ok(Arc::new(Self {
+            gpu,
             backing: Backing::Emulated {
-                binding: EmuBinding::new(1, bytes)?,
+                binding,
                 emu: EmuConfig::default(),
             },
             counters: DevmemCounters::default(),
@@ -107,8 +156,9 @@ impl RxRegion {
 
     /// A real binding (`receive = devmem`): set the NIC up for `queues` (channels, header
     /// split, RSS over the queues below them, an ntuple rule steering `data_port` to the first;
-    /// journaled in `state_file`), allocate a udmabuf of `bytes`, bind it to the queues. Any
-    /// failure undoes what was done.
+    /// journaled in `state_file`), allocate `bytes` of memory (a udmabuf, or with `cuda` a GPU
+    /// region exported as a dma-buf: GPU-direct), bind it to the queues. Any failure undoes
+    /// what was done.
     pub fn bind_kernel(
         ifname: &str,
         ifindex: u32,
@@ -116,6 +166,7 @@ impl RxRegion {
         bytes: usize,
         state_file: &std::path::Path,
         data_port: u16,
+        cuda: Option<Arc<CudaMemory>>,
     ) -> Result<Arc<Self>, BindError> {
         let plan = SetupPlan {
             ifname: ifname.into(),
@@ -125,9 +176,25 @@ impl RxRegion {
             steer_port: Some(data_port),
         };
         let setup = shardwire_devmem::nic::apply(&plan, state_file)?;
-        let mem = DmabufMem::udmabuf(bytes).map_err(BindError::Dmabuf)?;
-        let binding = shardwire_devmem::bind_rx(ifindex, mem.fd().as_raw_fd(), queues)?;
+        let (mem, gpu) = match cuda {
+            None => (
+                KernelMem::Host(DmabufMem::udmabuf(bytes).map_err(BindError::Dmabuf)?),
+                None,
+            ),
+            Some(cuda) => {
+                let region = VmmRegion::new(&cuda.device, bytes).map_err(BindError::Gpu)?;
+                let fd = region.export_dmabuf().map_err(BindError::Gpu)?;
+                let gpu = GpuGather { cuda, mapped: None };
+                (KernelMem::Gpu(region, fd), Some(gpu))
+            }
+        };
+        let fd = match &mem {
+            KernelMem::Host(m) => m.fd().as_raw_fd(),
+            KernelMem::Gpu(_, fd) => fd.as_raw_fd(),
+        };
+        let binding = shardwire_devmem::bind_rx(ifindex, fd, queues)?;
         Ok(Arc::new(Self {
+            gpu,
             backing: Backing::Kernel {
                 id: binding.id(),
                 mem,
@@ -163,16 +230,49 @@ impl RxRegion {
         }
     }
 
-    fn mem(&self) -> &DmabufMem {
+    /// The host mapping of the dma-buf; `None` for GPU memory.
+    fn mem(&self) -> Option<&DmabufMem> {
         match &self.backing {
-            Backing::Emulated { binding, .. } => binding.mem(),
-            Backing::Kernel { mem, .. } => mem,
+            Backing::Emulated { binding, .. } => Some(binding.mem()),
+            Backing::Kernel {
+                mem: KernelMem::Host(mem),
+                ..
+            } => Some(mem),
+            Backing::Kernel { .. } => None,
         }
     }
 
     /// Size of the dma-buf.
     pub fn bytes(&self) -> usize {
-        self.mem().len()
+        match &self.backing {
+            Backing::Kernel {
+                mem: KernelMem::Gpu(region, _),
+                ..
+            } => region.len(),
+            _ => self.mem().map_or(0, DmabufMem::len),
+        }
+    }
+
+    /// True when frags are gathered by the CUDA kernel into GPU memory.
+    pub fn gpu_gather(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// What the gather kernel reads frags from.
+    fn gpu_source(&self) -> Option<(&CudaMemory, &dyn DeviceRange)> {
+        let gpu = self.gpu.as_ref()?;
+        let range: &dyn DeviceRange = match (&gpu.mapped, &self.backing) {
+            (Some(mapped), _) => mapped,
+            (
+                None,
+                Backing::Kernel {
+                    mem: KernelMem::Gpu(region, _),
+                    ..
+                },
+            ) => region,
+            (None, _) => return None,
+        };
+        Some((&gpu.cuda, range))
     }
 
     /// `(free, total)` net_iovs; the kernel does not report its freelist, so `free` is
@@ -180,7 +280,7 @@ impl RxRegion {
     pub fn niovs(&self) -> (Option<usize>, usize) {
         match &self.backing {
             Backing::Emulated { binding, .. } => (Some(binding.free_niovs()), binding.num_niovs()),
-            Backing::Kernel { mem, .. } => (None, mem.len() / 4096),
+            Backing::Kernel { .. } => (None, self.bytes() / 4096),
         }
     }
 
@@ -230,6 +330,8 @@ impl RxRegion {
             sock,
             region: Arc::clone(self),
             tokens: TokenBatcher::new(),
+            plan: GatherPlan::default(),
+            frags: Vec::new(),
             warned: false,
         })
     }
@@ -240,6 +342,9 @@ pub struct DevmemReader {
     sock: Box<dyn DevmemRecv + Send>,
     region: Arc<RxRegion>,
     tokens: TokenBatcher,
+    /// Scratch of the GPU gather (reused per call).
+    plan: GatherPlan,
+    frags: Vec<Frag>,
     warned: bool,
 }
 
@@ -256,20 +361,26 @@ fn to_io(e: impl std::fmt::Display) -> io::Error {
 }
 
 impl DevmemReader {
+    /// True when this reader gathers into GPU memory ([`Self::read_into_gpu`]).
+    pub fn gpu_gather(&self) -> bool {
+        self.region.gpu_gather()
+    }
+
     /// Receive up to `dst.len()` payload bytes into `dst` (in stream order); 0 at EOF.
+    /// For a binding whose frags lie in GPU memory this is an error (use
+    /// [`Self::read_into_gpu`]).
     pub fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        let Some(mem) = self.region.mem() else {
+            return Err(io::Error::other(
+                "this binding's dma-buf is GPU memory: its frags can only be gathered on the GPU",
+            ));
+        };
         let c = &self.region.counters;
         let batch = self.sock.recv_frags(dst).map_err(to_io)?;
         if batch.is_eof() {
             return Ok(0);
         }
-        let gathered = gather(
-            &batch,
-            dst,
-            self.region.mem(),
-            self.region.id(),
-            &mut self.tokens,
-        );
+        let gathered = gather(&batch, dst, mem, self.region.id(), &mut self.tokens);
         // Tokens go back right after the gather, even when it failed.
         let returned = self.sock.return_tokens(&mut self.tokens);
         let freed = returned.map_err(to_io)?;
@@ -289,5 +400,91 @@ impl DevmemReader {
             }
         }
         Ok(g.bytes)
+    }
+
+    /// Receive up to `host.len()` payload bytes into GPU region `dst` at `dst_off` (in
+    /// stream order); 0 at EOF. Dma-buf frags are copied by the gather kernel (one launch);
+    /// bytes that arrived in host memory (linear or ordinary TCP, landed in `host`) are
+    /// copied up. Tokens go back once the gather's event completes, also after an error.
+    pub fn read_into_gpu(
+        &mut self,
+        dst: &VmmRegion,
+        dst_off: usize,
+        host: &mut [u8],
+    ) -> io::Result<usize> {
+        let region = Arc::clone(&self.region);
+        let Some((cuda, src)) = region.gpu_source() else {
+            return Err(io::Error::other(
+                "this binding has no GPU gather (the node runs on host memory)",
+            ));
+        };
+        let batch = self.sock.recv_frags(host).map_err(to_io)?;
+        if batch.is_eof() {
+            return Ok(0);
+        }
+        self.tokens.push_batch(&batch);
+        let planned = plan(&batch, region.id(), host.len(), &mut self.plan);
+        let copied = planned
+            .map_err(to_io)
+            .and_then(|()| self.copy_planned(cuda, src, dst, dst_off, host));
+        let freed = self.sock.return_tokens(&mut self.tokens).map_err(to_io)?;
+        let c = &region.counters;
+        c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
+        copied?;
+        let p = &self.plan;
+        c.frags.fetch_add(p.dmabuf.len() as u64, Ordering::Relaxed);
+        c.dmabuf_bytes
+            .fetch_add(p.dmabuf_bytes(), Ordering::Relaxed);
+        let (linear, plain) = if p.plain {
+            (0, p.bytes as u64)
+        } else {
+            (p.linear_bytes(), 0)
+        };
+        if linear > 0 || plain > 0 {
+            c.linear_bytes.fetch_add(linear, Ordering::Relaxed);
+            c.plain_bytes.fetch_add(plain, Ordering::Relaxed);
+            if !std::mem::replace(&mut self.warned, true) {
+                tracing::warn!(
+                    linear_bytes = linear,
+                    plain_bytes = plain,
+                    "payload arrived in host memory on a devmem connection: check header split and steering; the bytes are still delivered"
+                );
+            }
+        }
+        Ok(p.bytes)
+    }
+
+    /// Carries out `self.plan`: host pieces copied up, dma-buf frags gathered by the kernel;
+    /// returns when the kernel has read every frag.
+    fn copy_planned(
+        &mut self,
+        cuda: &CudaMemory,
+        src: &dyn DeviceRange,
+        dst: &VmmRegion,
+        dst_off: usize,
+        host: &[u8],
+    ) -> io::Result<()> {
+        let p = &self.plan;
+        if p.plain {
+            return dst.write(dst_off, &host[..p.bytes]).map_err(to_io);
+        }
+        for &(from, to, len) in &p.linear {
+            dst.write(dst_off + to, &host[from..from + len])
+                .map_err(to_io)?;
+        }
+        self.frags.clear();
+        self.frags
+            .extend(p.dmabuf.iter().map(|&(offset, to, len)| Frag {
+                src_off: offset,
+                dst_off: (dst_off + to) as u64,
+                len: len as u64,
+            }));
+        if !self.frags.is_empty() {
+            cuda.engines
+                .gather(src, dst, &self.frags)
+                .and_then(|done| done.wait())
+                .map_err(to_io)?;
+        }
+        Ok(())
     }
 }

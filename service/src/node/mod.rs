@@ -303,27 +303,36 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
             format!("receive=host: plain TCP into host memory, as configured; {probe}"),
         ),
         ReceiveMode::DevmemSim => {
-            let region = devmem_rx::RxRegion::emulated(cfg.devmem_memory.0 as usize)
+            let region = devmem_rx::RxRegion::emulated(cfg.devmem_memory.0 as usize, cuda.clone())
                 .map_err(|e| StartError::Receive(format!("receive=devmem-sim: {e}")))?;
+            let gather = if region.gpu_gather() {
+                "frags gathered into GPU memory by the CUDA kernel from the emulator's memory registered with CUDA"
+            } else {
+                "frags gathered by memcpy"
+            };
             let reason = format!(
-                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs; NOT GPU-direct; {probe}",
+                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs, {gather}; NOT GPU-direct; {probe}",
                 cfg.devmem_memory,
                 region.niovs().1
             );
             (Some(region), reason)
         }
-        ReceiveMode::Devmem => match bind_devmem(&cfg, &nics, data_addr, &probe).await {
-            Ok((region, why)) => (Some(region), format!("receive=devmem: {why}")),
-            Err(e) => {
-                return Err(StartError::Receive(format!(
-                    "receive=devmem is not possible here: {e}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
-                )));
+        ReceiveMode::Devmem => {
+            match bind_devmem(&cfg, &nics, data_addr, &probe, cuda.clone()).await {
+                Ok((region, why)) => (Some(region), format!("receive=devmem: {why}")),
+                Err(e) => {
+                    return Err(StartError::Receive(format!(
+                        "receive=devmem is not possible here: {e}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
+                    )));
+                }
             }
-        },
-        ReceiveMode::Auto => match bind_devmem(&cfg, &nics, data_addr, &probe).await {
-            Ok((region, why)) => (Some(region), format!("receive=auto chose devmem: {why}")),
-            Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
-        },
+        }
+        ReceiveMode::Auto => {
+            match bind_devmem(&cfg, &nics, data_addr, &probe, cuda.clone()).await {
+                Ok((region, why)) => (Some(region), format!("receive=auto chose devmem: {why}")),
+                Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
+            }
+        }
     };
     let mode_reason = format!(
         "{receive_reason}. memory={}: {}",
@@ -426,7 +435,13 @@ async fn bind_devmem(
     nics: &[shardwire_devmem::probe::NicReport],
     data_addr: SocketAddr,
     probe: &str,
+    cuda: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
 ) -> Result<(Arc<devmem_rx::RxRegion>, String), String> {
+    let memory = if cuda.is_some() {
+        "GPU region (GPU-direct)"
+    } else {
+        "udmabuf"
+    };
     let nic = match &cfg.devmem_interface {
         Some(name) => nics
             .iter()
@@ -453,14 +468,14 @@ async fn bind_devmem(
         cfg.nic_state_file.clone(),
     );
     let region = tokio::task::spawn_blocking(move || {
-        devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state, port)
+        devmem_rx::RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state, port, cuda)
     })
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e| format!("on {}: {e}", nic.name))?;
     let first = queues.iter().min().copied().unwrap_or(0);
     let why = format!(
-        "{} RX queues {queues:?} bound to a {} udmabuf (binding {}); header split on, RSS over queues 0..{first}, data port {} steered to queue {first} (all undone at shutdown)",
+        "{} RX queues {queues:?} bound to a {} {memory} (binding {}); header split on, RSS over queues 0..{first}, data port {} steered to queue {first} (all undone at shutdown)",
         nic.name,
         cfg.devmem_memory,
         region.id(),

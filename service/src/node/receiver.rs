@@ -154,6 +154,11 @@ fn recv_payload_gpu(
     let (Some(gpu), Some(region)) = (&node.cuda, slab.region().cuda()) else {
         return Err("a CUDA slab on a node without a GPU".to_owned());
     };
+    if let PayloadReader::Devmem(r) = sock
+        && r.gpu_gather()
+    {
+        return recv_payload_gpu_direct(gpu, r, region, slab, flow, &node.counters);
+    }
     let stager = match stager {
         Some(s) => s,
         None => stager.insert(
@@ -184,6 +189,50 @@ fn recv_payload_gpu(
     c.staging_stalls
         .fetch_add(stager.stalls() - stalls, Ordering::Relaxed);
     Ok(crc.finish())
+}
+
+/// Receives a payload on the devmem path into a slab in CUDA memory: each `recvmsg`'s frags
+/// are gathered on the GPU (see `DevmemReader::read_into_gpu`), so the bytes never enter
+/// host memory, and the CRC-32C is computed on the GPU by the CRC kernel at the end.
+fn recv_payload_gpu_direct(
+    gpu: &shardwire_gpu::cuda::CudaMemory,
+    reader: &mut super::devmem_rx::DevmemReader,
+    region: &shardwire_gpu::cuda::VmmRegion,
+    slab: &Slab,
+    flow: &FlowStats,
+    counters: &super::Counters,
+) -> Result<u32, String> {
+    let mut host = vec![0u8; CHUNK.min(slab.len().max(1))]; // linear bytes land here
+    let mut off = 0;
+    while off < slab.len() {
+        let want = (slab.len() - off).min(host.len());
+        let n = match reader.read_into_gpu(region, slab.offset() + off, &mut host[..want]) {
+            Ok(0) => {
+                return Err(format!(
+                    "connection closed after {off} of {} payload bytes",
+                    slab.len()
+                ));
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        };
+        off += n;
+        flow.bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    let t = std::time::Instant::now();
+    let span = shardwire_gpu::kernels::Span {
+        off: slab.offset() as u64,
+        len: slab.len() as u64,
+    };
+    let crc = gpu
+        .engines
+        .crc32c(region, &[span])
+        .map_err(|e| format!("CRC-32C on the GPU: {e}"))?;
+    counters
+        .assembly_ns
+        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    Ok(crc[0])
 }
 
 /// Fills `dst` from the socket, returning the CRC-32C of what arrived. Each `recv` takes

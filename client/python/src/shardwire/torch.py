@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._client import Client, Stream, Uneven, connect
+from ._cuda import CudaTensor
 
 __all__ = ["IterableDataset", "effective_rank", "open_at_epoch"]
 
@@ -97,6 +98,14 @@ def _torch_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return effective_rank(rank, world_size, worker_id, num_workers)
 
 
+def _copy(view: Any) -> Any:
+    """A writable copy of one batch tensor: a numpy array for host regions, a torch tensor
+    on the same GPU for CUDA regions (``memory = "cuda"``)."""
+    if isinstance(view, CudaTensor):
+        return view.to_torch().clone()
+    return np.array(view)
+
+
 class _DatasetMixin:
     """The torch-independent body of :class:`IterableDataset` (see its docstring)."""
 
@@ -142,7 +151,7 @@ class _DatasetMixin:
                 if batch is None:
                     return
                 if self.copy:
-                    item = {k: np.array(v) for k, v in batch.items()}  # writable copies
+                    item = {k: _copy(v) for k, v in batch.items()}  # writable copies
                     batch.release()  # free the region at once
                 else:
                     item = dict(batch)  # views: valid until the next item is taken
@@ -167,7 +176,8 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
         seed, epochs, uneven: as in ``Client.open_stream`` (all ranks must agree).
         rank, world_size: default from ``torch.distributed`` if initialised, else 0 of 1.
-        copy: True (default): yield writable copies (``np.array(view)``) and release the batch
+        copy: True (default): yield writable copies (``np.array(view)``; on a node with
+            ``memory = "cuda"``, a torch tensor cloned on the GPU) and release the batch
             at once; needed whenever several items are alive together (``batch_size`` not None,
             prefetching, ``num_workers > 0``, where the DataLoader pickles items across
             processes anyway). False: yield the read-only zero-copy views themselves; each is

@@ -1,0 +1,100 @@
+//! Host memory the GPU reads directly: a page-locked registration
+//! (`cuMemHostRegister(DEVICEMAP)`) of memory someone else owns, with its device address.
+//! Used for the devmem emulator's dma-buf when the node has CUDA memory, so the gather
+//! kernel reads the emulated frags over PCIe exactly as it reads a NIC-bound GPU dma-buf.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::check;
+use super::device::Device;
+use crate::probe::GpuError;
+
+/// A span of device-visible memory a kernel may read: its device address and length.
+pub trait DeviceRange {
+    /// Device address of byte 0.
+    fn device_ptr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DeviceRange for super::VmmRegion {
+    fn device_ptr(&self) -> u64 {
+        super::VmmRegion::device_ptr(self)
+    }
+    fn len(&self) -> usize {
+        super::VmmRegion::len(self)
+    }
+}
+
+/// A registration of host memory with the GPU; unregistered on Drop.
+#[derive(Debug)]
+pub struct HostMapped {
+    host: *mut u8,
+    len: usize,
+    device_ptr: u64,
+    dev: Arc<Device>,
+}
+
+// SAFETY: holds addresses only; the registration is process-wide and the driver calls on it
+// are thread-safe.
+unsafe impl Send for HostMapped {}
+// SAFETY: as above; `&self` only reads the addresses.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    /// Registers `len` bytes at `host` and maps them for `dev`.
+    ///
+    /// # Safety
+    ///
+    /// `host..host + len` must be a live, page-aligned mapping of this process that stays
+    /// mapped until the returned value is dropped (keep its owner alive alongside).
+    pub unsafe fn new(dev: &Arc<Device>, host: *mut u8, len: usize) -> Result<Self, GpuError> {
+        dev.bind()?;
+        // SAFETY: the caller guarantees a live mapping of `len` bytes at `host`.
+        check("cuMemHostRegister_v2", unsafe {
+            sys::cuMemHostRegister_v2(
+                host.cast::<c_void>(),
+                len,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        })?;
+        // From here on Drop unregisters, also when the next call fails.
+        let mut registered = Self {
+            host,
+            len,
+            device_ptr: 0,
+            dev: dev.clone(),
+        };
+        // SAFETY: `host` was just registered with DEVICEMAP; out-pointer live; flags 0.
+        check("cuMemHostGetDevicePointer_v2", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut registered.device_ptr, host.cast(), 0)
+        })?;
+        Ok(registered)
+    }
+}
+
+impl DeviceRange for HostMapped {
+    fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: unregisters the registration made in `new`; users synchronise their
+            // kernels (gather events) before the owner drops it.
+            let _ = unsafe { sys::cuMemHostUnregister(self.host.cast()) };
+        }
+    }
+}
