@@ -387,6 +387,11 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 println!("{}", p.reason);
                 println!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
+                if auto.memory == "cuda" {
+                    println!(
+                        "(`serve` opens the GPU and runs a self-test first; if that fails, auto uses host memory and says why)"
+                    );
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -204,6 +204,7 @@ impl Event {
 
     /// Milliseconds between `start` and this event (both made with `timing`).
     pub fn elapsed_ms(&self, start: &Event) -> Result<f32, GpuError> {
+        self.dev.bind()?;
         let mut ms = 0f32;
         // SAFETY: live events; the out-pointer is a live local.
         check("cuEventElapsedTime", unsafe {
@@ -354,4 +355,34 @@ pub fn copy_to_host(dev: &Device, dst: &mut [u8], src: u64) -> Result<(), GpuErr
     check("cuMemcpyDtoH_v2", unsafe {
         sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs everywhere: on a host without a driver (CI) opening a device is an error, not
+    /// cudarc's panic; on a GPU host it opens device 0.
+    #[test]
+    fn open_without_a_driver_is_an_error_not_a_panic() {
+        let probe = crate::probe_gpus();
+        match Device::open(0) {
+            Err(GpuError::NoDriver) => assert!(!probe.driver_present, "{probe:?}"),
+            Err(e) => assert!(probe.driver_present, "{e}"),
+            Ok(dev) => assert_eq!(dev.ordinal(), 0),
+        }
+        if !probe.driver_present {
+            let e = crate::cuda::open_for_service(&crate::GpuDevice {
+                ordinal: 0,
+                name: "absent".into(),
+                pci_bus_id: "0000:00:00.0".into(),
+                total_memory: 0,
+                dma_buf_supported: true,
+                vmm_supported: true,
+                gpu_direct_rdma_with_cuda_vmm_supported: true,
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("libcuda.so was not found"), "{e}");
+        }
+    }
 }
