@@ -77,6 +77,9 @@ impl Loopback {
             stream_memory: ByteSize(stream_memory),
             flows,
             receive,
+            // The demo and bench consume with the Rust client, which maps host regions only;
+            // on a GPU host `auto` would pick CUDA memory (scripts/gpu-check.sh covers that).
+            memory: shardwire_config::MemoryMode::Host,
             ..ServeConfig::default()
         };
         cfg.validate()?;
