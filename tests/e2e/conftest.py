@@ -62,6 +62,10 @@ def child_env(extra: dict | None = None) -> dict:
     env["RUST_LOG"] = os.environ.get("SHARDWIRE_E2E_RUST_LOG", "info")
     env.setdefault("RUST_BACKTRACE", "1")
     env["NO_COLOR"] = "1"  # plain logs in the stderr files
+    # Host memory unless a test asks otherwise (`--memory` beats the environment): the
+    # suite checks bytes in host memory, and on a GPU host `auto` would choose CUDA
+    # (tests/e2e/test_cuda_e2e.py covers that).
+    env["SHARDWIRE_MEMORY"] = "host"
     env.update(extra or {})
     return env
 

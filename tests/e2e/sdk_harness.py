@@ -52,6 +52,7 @@ def shardwire_bin() -> pathlib.Path:
 def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
     env.update(RUST_LOG="info", NO_COLOR="1", RUST_BACKTRACE="1")
+    env["SHARDWIRE_MEMORY"] = "host"  # numpy tensors even on a GPU host (see conftest.child_env)
     return env
 
 

@@ -75,6 +75,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """No inherited SHARDWIRE_* settings; the SDK importable from the source tree."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
     env.update(RUST_LOG="info", NO_COLOR="1", RUST_BACKTRACE="1")
+    # Host memory unless a test asks otherwise (`--memory` beats the environment): the
+    # suite checks bytes in host memory, and on a GPU host `auto` would choose CUDA
+    # (tests/e2e/test_cuda_e2e.py covers that).
+    env["SHARDWIRE_MEMORY"] = "host"
     env["PYTHONPATH"] = os.pathsep.join([str(SDK_SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra or {})
     return env
