@@ -359,14 +359,15 @@ class Harness:
         p.addr = p.wait_line(SOURCE_READY).group(1)
         return p
 
-    def serve(self, sources: list, *extra, socket: pathlib.Path | None = None) -> Serve:
-        """Starts `shardwire serve` on ephemeral loopback ports and waits for its ready line."""
+    def serve(self, sources: list, *extra, socket: pathlib.Path | None = None, env: dict | None = None) -> Serve:
+        """Starts `shardwire serve` on ephemeral loopback ports and waits for its ready line
+        (`env`: extra environment variables for it)."""
         name = self._name("serve")
         sock = socket or (self.tmp / f"{name}.sock")
         args = ["serve", "--socket", sock, "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
         for s in sources:
             args += ["--source", s.addr if isinstance(s, Source) else s]
-        p = Serve(name, [self.bin, *args, *extra], self.logs)
+        p = Serve(name, [self.bin, *args, *extra], self.logs, env)
         self.procs.append(p)
         m = p.wait_line(SERVE_READY)
         p.socket, p.admin = m.group(1), m.group(2)

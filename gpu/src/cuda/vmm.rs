@@ -60,6 +60,15 @@ unsafe impl Send for VmmRegion {}
 // SAFETY: as above; `&self` methods only read the handles or copy into caller-named ranges.
 unsafe impl Sync for VmmRegion {}
 
+impl Drop for VmmRegion {
+    fn drop(&mut self) {
+        // The fields' Drops (unmap, free the range) need the device's context current on
+        // this thread, which need not be the thread that made the region: a stream's region
+        // goes with its last user (a tokio worker, a receiver thread).
+        let _ = self.dev.bind();
+    }
+}
+
 impl std::fmt::Debug for VmmRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VmmRegion")

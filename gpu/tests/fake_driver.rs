@@ -1,0 +1,515 @@
+//! The CUDA code paths of shardwire-gpu on any machine, against the fake libcuda
+//! (`gpu/fakecuda/fake_cuda.c`: a test double of the CUDA driver on host memory, built by
+//! `scripts/build-fakecuda`).
+//!
+//! The dynamic loader reads `LD_LIBRARY_PATH` only when a process starts, so every test here
+//! runs a child of this same binary with the fake on that path, which runs ignored tests of
+//! this binary, and then checks what the child printed:
+//! - the whole GPU suite of `cuda_gpu.rs` (compiled in below, unchanged: on a real GPU
+//!   `scripts/gpu-check.sh` runs it), with no driver call failing, nothing leaked;
+//! - the `child` tests below: the probe, the dma-buf fallback, the crate refusing bad ranges
+//!   before any driver call, regions dropped on threads without a context, and the fake's
+//!   own checks (missing contexts, out-of-bounds copies and kernels, deferred streams).
+//!
+//! The `child` tests do nothing unless `SHARDWIRE_FAKE_CUDA_CHILD` is set (so `--ignored`
+//! on a GPU host, as in `scripts/gpu-check.sh`, passes over them).
+#![cfg(feature = "cuda")]
+
+#[path = "cuda_gpu.rs"]
+mod cuda_gpu;
+#[path = "common/fakecuda.rs"]
+mod fakecuda;
+
+use std::process::Command;
+
+const CHILD: &str = "SHARDWIRE_FAKE_CUDA_CHILD";
+const FAKE_NAME: &str = "shardwire fake CUDA device (host memory)";
+
+/// What a child printed.
+struct Child {
+    stdout: String,
+    stderr: String,
+}
+
+impl Child {
+    /// The fake's log lines (`fake libcuda[pid]: ...`).
+    fn fake_lines(&self) -> Vec<&str> {
+        self.stderr
+            .lines()
+            .filter(|l| l.starts_with("fake libcuda"))
+            .collect()
+    }
+}
+
+/// Runs the ignored tests of this binary matching `filter` in a child with the fake libcuda
+/// (`FAKE_CUDA_LOG=1`: failed driver calls and leaks are printed) and asserts that they ran
+/// `tests` tests and passed.
+fn run_child(filter: &str, tests: usize, env: &[(&str, &str)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+    cmd.args([filter, "--ignored", "--test-threads=1", "--nocapture"])
+        .env("LD_LIBRARY_PATH", fakecuda::ld_library_path())
+        .env(CHILD, "1")
+        .env("FAKE_CUDA_LOG", "1")
+        .env_remove("FAKE_CUDA_NO_PCIE_FLAG")
+        .env_remove("FAKE_CUDA_DEVICES")
+        .env_remove("FAKE_CUDA_DRIVER_VERSION");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the child test process");
+    let child = Child {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    let want = format!("test result: ok. {tests} passed; 0 failed");
+    assert!(
+        out.status.success() && child.stdout.contains(&want),
+        "child `{filter}` did not pass {tests} test(s) ({}):\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        child.stdout,
+        child.stderr
+    );
+    child
+}
+
+#[test]
+fn gpu_suite_passes_on_the_fake_driver() {
+    let child = run_child("cuda_gpu::", 5, &[]);
+    // Not one driver call failed, nothing leaked, no kernel touched a byte it should not.
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
+fn probe_sees_the_fake_device() {
+    run_child("child::probe_reports_the_fake_device", 1, &[]);
+}
+
+#[test]
+fn probe_explains_an_old_driver_and_no_devices() {
+    run_child(
+        "child::probe_with_an_old_driver",
+        1,
+        &[("FAKE_CUDA_DRIVER_VERSION", "12040")],
+    );
+    let child = run_child(
+        "child::probe_without_devices",
+        1,
+        &[("FAKE_CUDA_DEVICES", "0")],
+    );
+    assert!(
+        child.stderr.contains("cuInit -> CUDA_ERROR_NO_DEVICE"),
+        "{}",
+        child.stderr
+    );
+}
+
+#[test]
+fn dmabuf_export_falls_back_without_the_pcie_flag() {
+    let child = run_child(
+        "child::dmabuf_export_without_the_pcie_flag",
+        1,
+        &[("FAKE_CUDA_NO_PCIE_FLAG", "1")],
+    );
+    // The crate asked with the PCIe flag once per export (two exports), was refused, and
+    // asked again without it; nothing else failed.
+    let lines = child.fake_lines();
+    assert_eq!(lines.len(), 3, "{}", lines.join("\n"));
+    assert!(
+        lines.iter().all(|l| l.contains(
+            "cuMemGetHandleForAddressRange -> CUDA_ERROR_INVALID_VALUE: CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused"
+        )),
+        "{}",
+        lines.join("\n")
+    );
+}
+
+#[test]
+fn bad_ranges_are_refused_before_any_driver_call() {
+    let child = run_child(
+        "child::bad_ranges_never_reach_the_driver",
+        1,
+        &[("FAKE_CUDA_LOG", "2")],
+    );
+    let between: Vec<&str> = child
+        .stderr
+        .lines()
+        .skip_while(|l| !l.contains("BEGIN bad ranges"))
+        .take_while(|l| !l.contains("END bad ranges"))
+        .filter(|l| l.starts_with("fake libcuda"))
+        .collect();
+    assert!(
+        child.stderr.contains("END bad ranges"),
+        "markers missing:\n{}",
+        child.stderr
+    );
+    assert!(
+        between.is_empty(),
+        "driver calls for refused ranges:\n{}",
+        between.join("\n")
+    );
+}
+
+#[test]
+fn regions_dropped_on_other_threads_are_unmapped() {
+    let child = run_child(
+        "child::regions_dropped_on_a_thread_without_a_context",
+        1,
+        &[],
+    );
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
+fn the_fake_enforces_contexts_bounds_and_stream_order() {
+    let child = run_child("child::fake_checks", 1, &[]);
+    let lines = child.fake_lines();
+    for want in [
+        "cuMemAlloc_v2 -> CUDA_ERROR_INVALID_CONTEXT: no CUDA context is current on this thread",
+        "cuMemcpyHtoD_v2 -> CUDA_ERROR_INVALID_VALUE: destination",
+        "cuModuleLoadData -> CUDA_ERROR_INVALID_IMAGE: PTX .entry sw_gather parameter 3 is .u64",
+        "FAULT on device 0: sw_gather: writes bytes",
+        "cuStreamSynchronize -> CUDA_ERROR_ILLEGAL_ADDRESS",
+        "cuMemAlloc_v2 -> CUDA_ERROR_ILLEGAL_ADDRESS: the context is unusable",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.contains(want)),
+            "no `{want}` in:\n{}",
+            lines.join("\n")
+        );
+    }
+}
+
+/// The tests the parents above run in a child process with the fake libcuda loaded.
+mod child {
+    use std::ffi::{CString, c_uint, c_void};
+    use std::os::fd::AsRawFd;
+
+    use cudarc::driver::sys;
+    use shardwire_gpu::cuda::device::{copy_to_device, copy_to_host};
+    use shardwire_gpu::cuda::{
+        Device, DeviceBuffer, Engines, H2dStager, PinnedBuffer, VmmRegion, open_for_service,
+    };
+    use shardwire_gpu::kernels::{self, Frag, Span};
+    use shardwire_gpu::{GpuError, MemoryChoice, choose_memory, probe_gpus};
+
+    use super::{CHILD, FAKE_NAME};
+
+    /// False (and the test passes) outside a child of the tests above.
+    fn in_child() -> bool {
+        let yes = std::env::var_os(CHILD).is_some();
+        if !yes {
+            println!("runs only in a child with the fake libcuda (see fake_driver.rs)");
+        }
+        yes
+    }
+
+    fn ok(call: &str, r: sys::CUresult) {
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn probe_reports_the_fake_device() {
+        if !in_child() {
+            return;
+        }
+        let probe = probe_gpus();
+        assert!(probe.driver_present && probe.usable, "{probe:?}");
+        assert_eq!(probe.driver_version, Some(12080));
+        assert_eq!(probe.devices.len(), 1);
+        let d = &probe.devices[0];
+        assert_eq!(d.name, FAKE_NAME);
+        assert_eq!(d.pci_bus_id, "0000:fa:00.0");
+        assert!(
+            d.dma_buf_supported && d.vmm_supported && d.gpu_direct_rdma_with_cuda_vmm_supported
+        );
+        assert!(d.total_memory > 0);
+        let decision = choose_memory(MemoryChoice::Auto, &probe).unwrap();
+        assert_eq!(decision.memory, "cuda");
+        assert!(
+            decision
+                .reason
+                .contains("GPU 0 (shardwire fake CUDA device (host memory), 0000:fa:00.0)"),
+            "{}",
+            decision.reason
+        );
+        let mem = open_for_service(decision.device.as_ref().unwrap()).expect("self-test");
+        assert_eq!(mem.info.name, FAKE_NAME);
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn probe_with_an_old_driver() {
+        if !in_child() {
+            return;
+        }
+        let probe = probe_gpus();
+        assert!(!probe.usable, "{probe:?}");
+        assert!(
+            probe.reason.contains("CUDA driver 12.4 is older than 12.8"),
+            "{}",
+            probe.reason
+        );
+        let e = choose_memory(MemoryChoice::Cuda, &probe).unwrap_err();
+        assert!(e.to_string().contains("older than 12.8"), "{e}");
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn probe_without_devices() {
+        if !in_child() {
+            return;
+        }
+        let probe = probe_gpus();
+        assert!(probe.driver_present && !probe.usable, "{probe:?}");
+        assert!(
+            probe.reason.contains("CUDA_ERROR_NO_DEVICE"),
+            "{}",
+            probe.reason
+        );
+        let d = choose_memory(MemoryChoice::Auto, &probe).unwrap();
+        assert_eq!(d.memory, "host", "{}", d.reason);
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn dmabuf_export_without_the_pcie_flag() {
+        if !in_child() {
+            return;
+        }
+        let dev = Device::open(0).unwrap();
+        let r = VmmRegion::new(&dev, 1).unwrap();
+        let fd = r
+            .export_dmabuf()
+            .expect("falls back to the default mapping type");
+        assert!(fd.as_raw_fd() >= 0);
+        // The flag itself is refused, as by a driver without it.
+        let mut raw: i32 = -1;
+        // SAFETY: the region is mapped; the driver writes an int through the pointer.
+        let result = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut raw as *mut i32).cast(),
+                r.device_ptr(),
+                r.len(),
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64,
+            )
+        };
+        assert_eq!(result, sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+        // And the service's self-test (which exports a dma-buf) still passes.
+        let engines = Engines::new(&dev).unwrap();
+        shardwire_gpu::cuda::self_test(&dev, &engines, true).unwrap();
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn bad_ranges_never_reach_the_driver() {
+        if !in_child() {
+            return;
+        }
+        let dev = Device::open(0).unwrap();
+        let engines = Engines::new(&dev).unwrap();
+        let r = VmmRegion::new(&dev, 1).unwrap();
+        let other = VmmRegion::new(&dev, 1).unwrap();
+        let mut stager = H2dStager::new(&dev, 4096, 2).unwrap();
+        let len = r.len();
+        eprintln!("BEGIN bad ranges");
+        assert!(matches!(
+            r.read(len - 10, &mut [0; 11]),
+            Err(GpuError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            r.write(len, &[1]),
+            Err(GpuError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            r.read(usize::MAX, &mut [0; 2]),
+            Err(GpuError::OutOfRange { .. })
+        ));
+        let past = Frag {
+            src_off: len as u64 - 4,
+            dst_off: 0,
+            len: 8,
+        };
+        assert!(matches!(
+            engines.gather(&r, &other, &[past]),
+            Err(GpuError::Kernel(_))
+        ));
+        let span = Span {
+            off: 1,
+            len: len as u64,
+        };
+        assert!(matches!(
+            engines.crc32c(&r, &[span]),
+            Err(GpuError::Kernel(_))
+        ));
+        assert!(matches!(
+            engines.copy(&r, len - 1, &other, 0, 2),
+            Err(GpuError::OutOfRange { .. })
+        ));
+        assert!(stager.submit(4096, &r, len - 4095).is_err());
+        assert!(stager.submit(4097, &r, 0).is_err());
+        eprintln!("END bad ranges");
+        // In range, the same calls go through.
+        r.write(len - 11, &[7; 11]).unwrap();
+        let mut back = [0; 11];
+        r.read(len - 11, &mut back).unwrap();
+        assert_eq!(back, [7; 11]);
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn regions_dropped_on_a_thread_without_a_context() {
+        if !in_child() {
+            return;
+        }
+        let vmm_mappings = || {
+            std::fs::read_to_string("/proc/self/maps")
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("fakecuda-vmm"))
+                .count()
+        };
+        let dev = Device::open(0).unwrap();
+        let region = VmmRegion::new(&dev, 4 << 20).unwrap();
+        region.write(0, b"shard bytes").unwrap();
+        assert!(vmm_mappings() > 0);
+        // Stream regions are dropped wherever their last user is (a tokio worker, a receiver
+        // thread) which may never have made the context current.
+        std::thread::spawn(move || drop(region)).join().unwrap();
+        assert_eq!(vmm_mappings(), 0, "the region's mapping outlived it");
+        // The fake logs any failed call or leak to stderr; the parent checks there are none.
+    }
+
+    /// The fake's own checks, with raw driver calls (what the crate must never do).
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_checks() {
+        if !in_child() {
+            return;
+        }
+        let dev = Device::open(0).unwrap();
+        // No context on a fresh thread: CUDA_ERROR_INVALID_CONTEXT.
+        let on_fresh_thread = std::thread::spawn(|| {
+            let mut p = 0;
+            // SAFETY: a live out-pointer.
+            unsafe { sys::cuMemAlloc_v2(&mut p, 16) }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(on_fresh_thread, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT);
+
+        // A copy past the end of an allocation: CUDA_ERROR_INVALID_VALUE.
+        let buf = DeviceBuffer::new(&dev, 4096).unwrap();
+        assert!(matches!(
+            copy_to_device(&dev, buf.ptr() + 4000, &[0; 97]),
+            Err(GpuError::Driver {
+                result: sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                ..
+            })
+        ));
+        copy_to_device(&dev, buf.ptr() + 4000, &[0; 96]).unwrap();
+
+        // Streams are deferred: a pinned source rewritten before the stream ran is what lands.
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: the context is current; live out-pointer.
+        ok("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut stream, 1)
+        });
+        copy_to_device(&dev, buf.ptr(), &[0; 4096]).unwrap();
+        let mut pinned = PinnedBuffer::new(&dev, 4096).unwrap();
+        pinned.as_mut_slice().fill(1);
+        // SAFETY: 4096 pinned bytes to a 4096-byte device buffer.
+        ok("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(buf.ptr(), pinned.as_slice().as_ptr().cast(), 4096, stream)
+        });
+        pinned.as_mut_slice().fill(2); // a bug: the copy's event was not waited for
+        let mut back = vec![0u8; 4096];
+        copy_to_host(&dev, &mut back, buf.ptr()).unwrap();
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "the copy ran before the host waited"
+        );
+        // SAFETY: a live stream.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream)
+        });
+        copy_to_host(&dev, &mut back, buf.ptr()).unwrap();
+        assert!(back.iter().all(|&b| b == 2));
+
+        // A PTX whose entry does not match the compiled-in kernel is refused.
+        let stale = kernels::PTX.replace(
+            ".param .u32 sw_gather_param_3",
+            ".param .u64 sw_gather_param_3",
+        );
+        let stale = CString::new(stale).unwrap();
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: NUL-terminated text; live out-pointer.
+        let r = unsafe { sys::cuModuleLoadData(&mut module, stale.as_ptr().cast()) };
+        assert_eq!(r, sys::CUresult::CUDA_ERROR_INVALID_IMAGE);
+
+        // A gather that writes past its destination: the launch is accepted, the stream
+        // faults (CUDA_ERROR_ILLEGAL_ADDRESS) and the context stays unusable.
+        let ptx = CString::new(kernels::PTX).unwrap();
+        // SAFETY: as above.
+        ok("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast())
+        });
+        let mut gather: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        ok("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut gather, module, c"sw_gather".as_ptr())
+        });
+        let src = DeviceBuffer::new(&dev, 4096).unwrap();
+        let frags = DeviceBuffer::new(&dev, 24).unwrap();
+        let frag = Frag {
+            src_off: 0,
+            dst_off: 4000,
+            len: 200,
+        };
+        // SAFETY: Frag is repr(C) of three u64.
+        let bytes = unsafe { std::slice::from_raw_parts((&frag as *const Frag).cast::<u8>(), 24) };
+        copy_to_device(&dev, frags.ptr(), bytes).unwrap();
+        let (mut s, mut d, mut f, mut n) = (src.ptr(), buf.ptr(), frags.ptr(), 1 as c_uint);
+        let mut params = [
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut d as *mut u64).cast(),
+            (&mut f as *mut u64).cast(),
+            (&mut n as *mut c_uint).cast(),
+        ];
+        // SAFETY: four parameters of the types sw_gather declares.
+        ok("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                gather,
+                1,
+                1,
+                1,
+                256,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        });
+        // SAFETY: a live stream.
+        let synced = unsafe { sys::cuStreamSynchronize(stream) };
+        assert_eq!(synced, sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        let mut p = 0;
+        // SAFETY: live out-pointer.
+        let after = unsafe { sys::cuMemAlloc_v2(&mut p, 16) };
+        assert_eq!(after, sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        // The last release of the primary context resets it (the fake reports what was
+        // still alive then as a leak; the parent does not check that here).
+        drop((buf, src, frags, pinned, dev));
+    }
+}
