@@ -115,7 +115,9 @@
  *
  * DEBUGGING: FAKE_CUDA_LOG=1 prints every failed call with its reason to stderr, and leaks
  * (objects alive when a primary context is destroyed, VMM objects alive at exit);
- * FAKE_CUDA_LOG=2 every call. FAKE_CUDA_DRIVER_VERSION=<n> overrides 12080.
+ * FAKE_CUDA_LOG=2 every call (and every cuGetProcAddress lookup; FAKE_CUDA_LOG_PROCS=1 with
+ * FAKE_CUDA_LOG=1 prints the failed lookups only: cuda-bindings asks for hundreds of symbols
+ * the fake lacks when it loads). FAKE_CUDA_DRIVER_VERSION=<n> overrides 12080.
  */
 #define _GNU_SOURCE
 #include <ctype.h>

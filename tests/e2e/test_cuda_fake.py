@@ -133,6 +133,29 @@ def test_cuda_memory_end_to_end_on_the_fake_driver(sw, tmp_path, receive):
     assert fake_lines(serve.stderr_text()) == [], serve.stderr_text()
 
 
+def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(sw, tmp_path):
+    """`shardwire gpus` and `serve --memory auto` see the fake as a usable GPU; with a driver that
+    refuses the dma-buf PCIe mapping flag (FAKE_CUDA_NO_PCIE_FLAG=1) the node's self-test
+    exports the dma-buf without it and starts on CUDA memory."""
+    env = {**fake_env(), "FAKE_CUDA_NO_PCIE_FLAG": "1"}
+    r = subprocess.run([str(shardwire_bin()), "gpus", "--json"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    gpus = json.loads(r.stdout)
+    assert gpus["auto"]["memory"] == "cuda" and gpus["probe"]["driver_version"] == 12080, gpus
+    assert gpus["probe"]["devices"][0]["name"] == FAKE_NAME, gpus
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 1, 4096)
+    index_dataset(d)
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "auto", env=env)
+    mode = get_status(serve.admin)["mode"]
+    assert mode["memory"] == "cuda", mode
+    assert f"memory=cuda: auto: GPU 0 ({FAKE_NAME}, {FAKE_BUS}) has dma-buf and VMM support" in mode["reason"], mode
+    refused = "cuMemGetHandleForAddressRange -> CUDA_ERROR_INVALID_VALUE: CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused"
+    lines = fake_lines(serve.stderr_text())
+    assert lines and all(refused in line for line in lines), lines
+
+
 # --- the trainer child ---------------------------------------------------------------------------
 
 
