@@ -86,6 +86,39 @@ def _vmm_mappings(pid: int) -> int:
         return sum("fakecuda-vmm" in line for line in f)
 
 
+def _trainer(serve, *args: str) -> subprocess.CompletedProcess:
+    """The trainer: a child with the fake on its loader path (see _consume)."""
+    return subprocess.run(
+        [sys.executable, __file__, "consume", serve.socket, "ds", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **fake_env()},
+    )
+
+
+def _run_trainer(serve, expected: list) -> None:
+    """One epoch through the SDK, every tensor byte-exact, no driver call failed or leaked."""
+    r = _trainer(serve)
+    assert r.returncode == 0, f"trainer failed ({r.returncode}):\n{r.stdout}\n{r.stderr}\n{serve.describe()}"
+    out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    info, batches = out[0], out[1:]
+    assert info["memory"] == "cuda", info
+    assert info["import"] == ("cuda-bindings" if has_cuda_bindings() else "mmap"), info
+    if info["import"] == "cuda-bindings":
+        assert info["access"] == "read", info  # the fake grants read-only mappings, as asked
+    for b in batches:
+        want = [{"name": e["name"], "crc32c": e["crc32c"]} for e in expected[b["shard"]]]
+        assert b["tensors"] == want, f"shard {b['shard']} differs from the dataset file"
+    assert sorted(b["shard"] for b in batches) == list(range(len(expected)))
+    assert fake_lines(r.stderr) == [], r.stderr  # no driver call failed, nothing leaked
+
+
+def _closed_and_unmapped(serve) -> None:
+    """Every stream closed, its region unmapped from the node (whatever thread dropped it), and
+    no driver call of the node failed, faulted or leaked."""
+    wait_for(lambda: not get_status(serve.admin)["streams"], "the streams to close", diag=serve.describe)
+    wait_for(lambda: _vmm_mappings(serve.pid) == 0, "the regions to be unmapped", timeout=15, diag=serve.describe)
+    assert fake_lines(serve.stderr_text()) == [], serve.stderr_text()
+
+
 @pytest.mark.parametrize("receive", ["host", "devmem-sim"])
 def test_cuda_memory_end_to_end_on_the_fake_driver(sw, tmp_path, receive):
     d = tmp_path / "ds"
@@ -102,23 +135,7 @@ def test_cuda_memory_end_to_end_on_the_fake_driver(sw, tmp_path, receive):
         assert "gathered into GPU memory by the CUDA kernel" in mode["reason"], mode
     assert [g["name"] for g in status["gpus"]["devices"]] == [FAKE_NAME], status["gpus"]
 
-    # The trainer: a child with the fake on its loader path.
-    r = subprocess.run(
-        [sys.executable, __file__, "consume", serve.socket, "ds"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **fake_env()},
-    )
-    assert r.returncode == 0, f"trainer failed ({r.returncode}):\n{r.stdout}\n{r.stderr}\n{serve.describe()}"
-    out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    info, batches = out[0], out[1:]
-    assert info["memory"] == "cuda", info
-    assert info["import"] == ("cuda-bindings" if has_cuda_bindings() else "mmap"), info
-    if info["import"] == "cuda-bindings":
-        assert info["access"] == "read", info  # the fake grants read-only mappings, as asked
-    for b in batches:
-        want = [{"name": e["name"], "crc32c": e["crc32c"]} for e in expected[b["shard"]]]
-        assert b["tensors"] == want, f"shard {b['shard']} differs from the dataset file"
-    assert sorted(b["shard"] for b in batches) == list(range(len(expected)))
-    assert fake_lines(r.stderr) == [], r.stderr  # no driver call failed, nothing leaked
+    _run_trainer(serve, expected)
 
     code, metrics = http_get(serve.admin, "/metrics")
     assert code == 200
@@ -126,11 +143,22 @@ def test_cuda_memory_end_to_end_on_the_fake_driver(sw, tmp_path, receive):
     if receive == "devmem-sim":
         assert _metric(metrics, "shardwire_devmem_frags_total") > 0
 
-    # The stream is closed: its region is unmapped from the node (whatever thread drops it),
-    # and no driver call of the node failed, faulted or leaked.
-    wait_for(lambda: not get_status(serve.admin)["streams"], "the stream to close", diag=serve.describe)
-    wait_for(lambda: _vmm_mappings(serve.pid) == 0, "the stream's region to be unmapped", timeout=15, diag=serve.describe)
-    assert fake_lines(serve.stderr_text()) == [], serve.stderr_text()
+    _closed_and_unmapped(serve)
+
+
+def test_a_trainer_dying_mid_epoch_leaves_the_gpu_node_clean(sw, tmp_path):
+    """A trainer that dies after one batch (fetches into its CUDA region in flight), then a full
+    epoch on the same node: byte-exact, and the node's regions all go without a failed call."""
+    d = tmp_path / "ds"
+    _dataset(d)
+    expected = expected_crcs(d)
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB",
+                     env=fake_env())
+    r = _trainer(serve, "1")
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert len([line for line in r.stdout.splitlines() if line.startswith('{"shard"')]) == 1, r.stdout
+    _run_trainer(serve, expected)
+    _closed_and_unmapped(serve)
 
 
 def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(sw, tmp_path):
@@ -159,9 +187,10 @@ def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(s
 # --- the trainer child ---------------------------------------------------------------------------
 
 
-def _consume(socket: str, dataset: str) -> None:
+def _consume(socket: str, dataset: str, limit: int | None = None) -> None:
     """Consumes one epoch; prints {memory, import, access}, then per batch {shard, tensors:
-    [{name, crc32c}]} with the CRC-32C of each tensor's bytes read at its device pointer."""
+    [{name, crc32c}]} with the CRC-32C of each tensor's bytes read at its device pointer. With
+    `limit`, dies (os._exit, nothing released or closed) after that many batches."""
     sys.path.insert(0, str(REPO / "client" / "python" / "src"))
     import shardwire
     from shardwire import _client, _cuda
@@ -203,10 +232,12 @@ def _consume(socket: str, dataset: str) -> None:
                 assert region.ptr <= ptr and ptr + t.nbytes <= region.ptr + region.size
                 tensors.append({"name": name, "crc32c": crc32c(ctypes.string_at(ptr, t.nbytes))})
             print(json.dumps({"shard": batch.shard, "tensors": tensors}), flush=True)
+            if limit is not None and (limit := limit - 1) == 0:
+                os._exit(0)
             del t
             batch.release()
     region.close()
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "consume":
-    _consume(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "consume":
+    _consume(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else None)
