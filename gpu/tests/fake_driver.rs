@@ -187,6 +187,27 @@ fn the_fake_enforces_contexts_bounds_and_stream_order() {
     }
 }
 
+#[test]
+fn the_fake_enforces_vmm_event_and_registration_rules() {
+    let child = run_child("child::fake_vmm_event_and_registration_rules", 1, &[]);
+    let lines = child.fake_lines();
+    for want in [
+        "cuMemCreate -> CUDA_ERROR_INVALID_VALUE: size 1048576 is not a positive multiple",
+        "cuMemExportToShareableHandle -> CUDA_ERROR_INVALID_VALUE: the allocation was not created with",
+        "cuMemcpyHtoD_v2 -> CUDA_ERROR_INVALID_VALUE: destination",
+        "cuMemAddressFree -> CUDA_ERROR_INVALID_VALUE: the range is still mapped",
+        "cuMemImportFromShareableHandle -> CUDA_ERROR_INVALID_VALUE: fd",
+        "cuEventElapsedTime -> CUDA_ERROR_INVALID_HANDLE: an event was created with CU_EVENT_DISABLE_TIMING",
+        "cuMemHostRegister_v2 -> CUDA_ERROR_INVALID_VALUE",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.contains(want)),
+            "no `{want}` in:\n{}",
+            lines.join("\n")
+        );
+    }
+}
+
 /// The tests the parents above run in a child process with the fake libcuda loaded.
 mod child {
     use std::ffi::{CString, c_uint, c_void};
@@ -511,5 +532,148 @@ mod child {
         // The last release of the primary context resets it (the fake reports what was
         // still alive then as a leak; the parent does not check that here).
         drop((buf, src, frags, pinned, dev));
+    }
+
+    /// The fake's VMM, event and host-registration rules, with raw driver calls.
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_vmm_event_and_registration_rules() {
+        if !in_child() {
+            return;
+        }
+        use sys::CUresult::{
+            CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_READY,
+        };
+        let _dev = Device::open(0).unwrap(); // its context is current here until the end
+        const G: usize = 2 << 20;
+        // SAFETY: all-zero is a valid CUmemAllocationProp; the fields that matter are set.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: every call below gets valid arguments and live out-pointers, and the
+        // context is current on this thread.
+        unsafe {
+            // Sizes are multiples of the granularity; only requested handle types export.
+            assert_eq!(
+                sys::cuMemCreate(&mut h, G / 2, &prop, 0),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            ok("cuMemCreate", sys::cuMemCreate(&mut h, G, &prop, 0));
+            let mut fd: i32 = -1;
+            assert_eq!(
+                sys::cuMemExportToShareableHandle(
+                    (&mut fd as *mut i32).cast(),
+                    h,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0
+                ),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            // Mapped memory is not accessible until cuMemSetAccess.
+            let mut ptr = 0;
+            ok(
+                "cuMemAddressReserve",
+                sys::cuMemAddressReserve(&mut ptr, G, G, 0, 0),
+            );
+            assert_eq!(ptr % G as u64, 0);
+            ok("cuMemMap", sys::cuMemMap(ptr, G, 0, h, 0));
+            let bytes = [5u8; 64];
+            assert_eq!(
+                sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), 64),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            let access = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ok("cuMemSetAccess", sys::cuMemSetAccess(ptr, G, &access, 1));
+            ok(
+                "cuMemcpyHtoD_v2",
+                sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), 64),
+            );
+            // The handle may go while mapped (the mapping keeps the memory); the range may
+            // not be freed while mapped.
+            ok("cuMemRelease", sys::cuMemRelease(h));
+            let mut back = [0u8; 64];
+            ok(
+                "cuMemcpyDtoH_v2",
+                sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), ptr, 64),
+            );
+            assert_eq!(back, bytes);
+            assert_eq!(sys::cuMemAddressFree(ptr, G), CUDA_ERROR_INVALID_VALUE);
+            ok("cuMemUnmap", sys::cuMemUnmap(ptr, G));
+            ok("cuMemAddressFree", sys::cuMemAddressFree(ptr, G));
+
+            // Only CUDA shareable handles import.
+            let file = std::fs::File::open("/proc/self/maps").unwrap();
+            let raw = file.as_raw_fd() as isize as *mut c_void;
+            assert_eq!(
+                sys::cuMemImportFromShareableHandle(
+                    &mut h,
+                    raw,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                ),
+                CUDA_ERROR_INVALID_VALUE
+            );
+
+            // Elapsed time needs timing events that completed.
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1));
+            let (mut a, mut b, mut untimed) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            ok("cuEventCreate", sys::cuEventCreate(&mut a, 0));
+            ok("cuEventCreate", sys::cuEventCreate(&mut b, 0));
+            ok("cuEventCreate", sys::cuEventCreate(&mut untimed, 2));
+            ok("cuEventRecord", sys::cuEventRecord(a, stream));
+            ok("cuEventRecord", sys::cuEventRecord(b, stream));
+            ok("cuEventRecord", sys::cuEventRecord(untimed, stream));
+            let mut ms = -1f32;
+            assert_eq!(sys::cuEventElapsedTime(&mut ms, a, b), CUDA_ERROR_NOT_READY);
+            assert_eq!(sys::cuEventQuery(untimed), CUDA_ERROR_NOT_READY); // and it runs
+            ok("cuEventQuery", sys::cuEventQuery(untimed));
+            ok("cuEventElapsedTime", sys::cuEventElapsedTime(&mut ms, a, b));
+            assert!(ms >= 0.0, "{ms}");
+            assert_eq!(
+                sys::cuEventElapsedTime(&mut ms, a, untimed),
+                CUDA_ERROR_INVALID_HANDLE
+            );
+            for e in [a, b, untimed] {
+                ok("cuEventDestroy_v2", sys::cuEventDestroy_v2(e));
+            }
+            ok("cuStreamDestroy_v2", sys::cuStreamDestroy_v2(stream));
+
+            // A read-only mapping registers only with CU_MEMHOSTREGISTER_READ_ONLY.
+            let len = 1 << 16;
+            let ro = rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+            .unwrap();
+            let devicemap = sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+            assert_eq!(
+                sys::cuMemHostRegister_v2(ro, len, devicemap),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            let read_only = devicemap | sys::CU_MEMHOSTREGISTER_READ_ONLY;
+            ok(
+                "cuMemHostRegister_v2",
+                sys::cuMemHostRegister_v2(ro, len, read_only),
+            );
+            let mut dptr = 0;
+            ok(
+                "cuMemHostGetDevicePointer_v2",
+                sys::cuMemHostGetDevicePointer_v2(&mut dptr, ro, 0),
+            );
+            assert_eq!(dptr, ro as u64);
+            ok("cuMemHostUnregister", sys::cuMemHostUnregister(ro));
+            rustix::mm::munmap(ro, len).unwrap();
+        }
     }
 }
