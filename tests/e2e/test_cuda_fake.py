@@ -51,9 +51,17 @@ def fake_dir() -> pathlib.Path:
 
 
 def fake_env() -> dict:
-    """Environment for a child that must see the fake (and log its failed calls and leaks)."""
+    """Environment for a child that must see the fake (one device, driver 12.8, the PCIe
+    dma-buf flag supported, whatever the caller's environment says) and log its failed calls
+    and leaks."""
     old = os.environ.get("LD_LIBRARY_PATH")
-    return {"LD_LIBRARY_PATH": f"{fake_dir()}:{old}" if old else str(fake_dir()), "FAKE_CUDA_LOG": "1"}
+    return {
+        "LD_LIBRARY_PATH": f"{fake_dir()}:{old}" if old else str(fake_dir()),
+        "FAKE_CUDA_LOG": "1",
+        "FAKE_CUDA_DEVICES": "1",
+        "FAKE_CUDA_NO_PCIE_FLAG": "0",
+        "FAKE_CUDA_DRIVER_VERSION": "12080",
+    }
 
 
 def fake_lines(text: str) -> list[str]:
