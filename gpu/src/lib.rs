@@ -1,8 +1,11 @@
 //! Memory for shards: regions shared with trainers, and the slab allocator over them.
 //!
-//! - [`region`]: a host-memory region (a sealed-size memfd mapped read-write here and
-//!   read-only by trainers); CUDA regions join it behind the same interface later.
+//! - [`region`]: [`Region`], host memory (a sealed-size memfd mapped read-write here and
+//!   read-only by trainers) or a CUDA VMM region (trainers import its POSIX fd).
 //! - [`slab`]: the allocator that carves a region into shard-sized slabs.
+//! - [`kernels`]: the gather and CRC-32C kernels' embedded PTX, argument layouts and CPU
+//!   reference; `cuda` (with the `cuda` feature): the driver types, VMM regions, the engines
+//!   that launch the kernels, and the H2D staging path.
 //! - [`probe`]: the CUDA capability probe and the host/CUDA memory decision. The `cuda`
 //!   feature (on by default) loads `libcuda` at run time, so one binary builds and runs
 //!   without CUDA and says why it chose host memory; without the feature a stub reports
