@@ -3,8 +3,8 @@
 //! gather and CRC engines ([`engine`]) and the H2D staging path ([`staging`]).
 //!
 //! cudarc loads `libcuda.so` lazily and **panics** when it (or one symbol) is missing, so
-//! [`probe_driver`] first asks [`sys::is_culib_present`] and touches no other cudarc
-//! function when that says no. Every driver call goes through [`check`], the one seam
+//! `probe_driver` first asks [`sys::is_culib_present`] and touches no other cudarc
+//! function when that says no. Every driver call goes through `check`, the one seam
 //! where a `CUresult` becomes a [`GpuError`].
 
 pub mod device;
