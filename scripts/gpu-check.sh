@@ -12,9 +12,9 @@
 #      the service's GPU self-test.
 #   3. gpu_bench (release): gather GB/s against cuMemcpyDtoD, CRC GB/s, H2D staging GB/s;
 #      the JSON lands in target/gpu-check/bench.json (copy the figures to docs/BENCHMARKS.md).
-#   4. pytest tests/e2e/test_cuda_sdk.py: the Python SDK imports a VMM region (cuda-python)
-#      and torch.from_dlpack gives a GPU tensor without a copy; plus the node end to end with
-#      memory = "cuda" when that test is present.
+#   4. pytest tests/e2e/test_cuda_sdk.py and test_cuda_e2e.py: the Python SDK imports a VMM
+#      region (cuda-python) and torch.from_dlpack gives a GPU tensor without a copy; the node
+#      with memory = "cuda" end to end into torch (receive host and devmem-sim).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${1:-256}
@@ -30,18 +30,25 @@ BIN=${CARGO_TARGET_DIR:-target}/release/shardwire
 grep -q '"memory": "cuda"' "$OUT/gpus.json" && pass "1 probe: auto chooses CUDA memory" \
     || fail "1 probe: auto did not choose CUDA memory (see $OUT/gpus.json)"
 
-cargo test -q --release -p shardwire-gpu -- --ignored --test-threads=1 2>&1 | tee "$OUT/tests.log"
-grep -q 'test result: ok' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests"
+# --lib and cuda_gpu only: fake_driver.rs compiles the same suite in for its fake-libcuda child.
+cargo test -q --release -p shardwire-gpu --lib --test cuda_gpu -- --ignored --test-threads=1 \
+    >"$OUT/tests.log" 2>&1 || { cat "$OUT/tests.log"; fail "2 GPU tests (see $OUT/tests.log)"; }
+grep 'test result' "$OUT/tests.log"
+grep -q 'test result: ok. 5 passed' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests (expected 5 passed)"
 
-cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB" | tee "$OUT/bench.json"
+cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB" >"$OUT/bench.json" \
+    || fail "3 GPU benchmark"
+cat "$OUT/bench.json"
 pass "3 GPU benchmark: $OUT/bench.json"
 
 if [ -x .venv/bin/python ]; then
     SHARDWIRE_BIN="$PWD/target/release/shardwire" .venv/bin/python -m pytest -q -rs \
-        tests/e2e/test_cuda_sdk.py $(ls tests/e2e/test_cuda_e2e.py 2>/dev/null) \
-        | tee "$OUT/pytest.log"
-    grep -q ' skipped' "$OUT/pytest.log" && fail "4 SDK GPU tests skipped (see $OUT/pytest.log)"
-    pass "4 SDK GPU tests"
+        tests/e2e/test_cuda_sdk.py tests/e2e/test_cuda_e2e.py >"$OUT/pytest.log" 2>&1 \
+        || { cat "$OUT/pytest.log"; fail "4 SDK and node GPU tests (see $OUT/pytest.log)"; }
+    tail -3 "$OUT/pytest.log"
+    # Tests for hosts without a driver skip here by design; the GPU ones must not.
+    grep -q 'needs CUDA GPU' "$OUT/pytest.log" && fail "4 SDK and node GPU tests skipped (see $OUT/pytest.log)"
+    pass "4 SDK and node GPU tests"
 else
     fail "4 no .venv: run scripts/test once (it makes the venv)"
 fi

@@ -11,13 +11,15 @@ say why; the GPU half skips with its reason (`scripts/gpu-check.sh` runs it on a
 
 from __future__ import annotations
 
+import json
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import MiB, admin_request, crc32c, expected_crcs, http_get, index_dataset, write_npy_dataset, write_uint8_shards
+from conftest import child_env, shardwire_bin, MiB, admin_request, crc32c, expected_crcs, http_get, index_dataset, write_npy_dataset, write_uint8_shards
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "client" / "python" / "src"))
 
@@ -44,10 +46,14 @@ def test_auto_memory_says_what_it_chose(sw, tmp_path):
     src = sw.source({"ds": d})
     serve = sw.serve([src], "--memory", "auto")
     mode = _status(serve)["mode"]
-    if _has_cuda_gpu():
+    # What the node's own probe sees (a real GPU, the fake libcuda on LD_LIBRARY_PATH, or none).
+    probe = json.loads(subprocess.run([shardwire_bin(), "gpus", "--json"], capture_output=True, text=True,
+                                      env=child_env(), timeout=60, check=True).stdout)
+    if probe["probe"]["usable"]:
         assert mode["memory"] == "cuda", mode
         assert "memory=cuda: auto: GPU" in mode["reason"], mode
     else:
+        assert not _has_cuda_gpu()
         assert mode["memory"] == "host", mode
         assert "memory=host: auto: no CUDA driver or usable GPU" in mode["reason"], mode
 
