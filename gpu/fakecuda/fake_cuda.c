@@ -237,20 +237,9 @@ enum { /* CUdevice_attribute (the values used by name below) */
 #define CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND 1
 #define CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT 2
 
-/* ---- the kernels, compiled from their source (the same shim as host_harness.c) -------- */
+/* ---- the kernels, compiled from their source (host_shim.h, as in host_harness.c) ---------- */
 
-#define __global__
-#define __device__
-typedef struct {
-    unsigned int x, y, z;
-} sw_dim3;
-static sw_dim3 threadIdx, blockIdx, blockDim, gridDim;
-typedef struct {
-    unsigned int x, y;
-} __attribute__((aligned(8))) uint2;
-typedef struct {
-    unsigned int x, y, z, w;
-} __attribute__((aligned(16))) uint4;
+#include "host_shim.h"
 
 #include "shardwire.cu"
 

@@ -1,7 +1,7 @@
 /*
  * host_harness.c: runs the kernels of shardwire.cu on the CPU, compiled as plain C.
  *
- * The shim below stands in for CUDA: __global__ and __device__ vanish, threadIdx, blockIdx,
+ * host_shim.h stands in for CUDA: __global__ and __device__ vanish, threadIdx, blockIdx,
  * blockDim and gridDim are globals, and uint2 / uint4 are aligned structs. Then this file
  * includes shardwire.cu itself, so the kernel source under test is the one shipped as PTX.
  * launch() runs every (block, thread) of a grid one after the other; that is a valid
@@ -24,18 +24,7 @@
 #include <string.h>
 
 /* ---- CUDA shim ---------------------------------------------------------------------- */
-#define __global__
-#define __device__
-typedef struct {
-    unsigned int x, y, z;
-} sw_dim3;
-static sw_dim3 threadIdx, blockIdx, blockDim, gridDim;
-typedef struct {
-    unsigned int x, y;
-} __attribute__((aligned(8))) uint2;
-typedef struct {
-    unsigned int x, y, z, w;
-} __attribute__((aligned(16))) uint4;
+#include "host_shim.h"
 
 #include "shardwire.cu"
 

@@ -18,7 +18,10 @@ use crate::probe::GpuError;
 
 struct Slot {
     buf: PinnedBuffer,
-    done: Option<Event>,
+    /// Recorded after the slot's copy; re-recorded on each use (no event per copy).
+    copied: Event,
+    /// A copy from `buf` was queued and not yet seen complete.
+    pending: bool,
 }
 
 /// Pinned staging buffers and the stream their copies run on.
@@ -47,7 +50,8 @@ impl H2dStager {
             .map(|_| {
                 Ok(Slot {
                     buf: PinnedBuffer::new(dev, slot_len.max(1))?,
-                    done: None,
+                    copied: Event::new(dev, false)?,
+                    pending: false,
                 })
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -74,12 +78,12 @@ impl H2dStager {
     /// buffer.
     pub fn buffer(&mut self) -> Result<&mut [u8], GpuError> {
         let slot = &mut self.slots[self.next];
-        if let Some(done) = &slot.done {
-            if !done.is_done()? {
+        if slot.pending {
+            if !slot.copied.is_done()? {
                 self.stalls += 1;
-                done.wait()?;
+                slot.copied.wait()?;
             }
-            slot.done = None;
+            slot.pending = false;
         }
         Ok(slot.buf.as_mut_slice())
     }
@@ -97,8 +101,8 @@ impl H2dStager {
             });
         }
         let slot = &mut self.slots[self.next];
-        if let Some(done) = slot.done.take() {
-            done.wait()?; // submit without buffer(): still never overwrite a busy buffer
+        if std::mem::take(&mut slot.pending) {
+            slot.copied.wait()?; // submit without buffer(): still never overwrite a busy buffer
         }
         self.stream.device().bind()?;
         // SAFETY: the destination range was checked to lie in a live region of this
@@ -112,7 +116,8 @@ impl H2dStager {
                 self.stream.raw(),
             )
         })?;
-        slot.done = Some(self.stream.record()?);
+        slot.copied.record(&self.stream)?;
+        slot.pending = true;
         self.next = (self.next + 1) % self.slots.len();
         Ok(())
     }
@@ -121,7 +126,7 @@ impl H2dStager {
     pub fn flush(&mut self) -> Result<(), GpuError> {
         self.stream.synchronize()?;
         for slot in &mut self.slots {
-            slot.done = None;
+            slot.pending = false;
         }
         Ok(())
     }

@@ -88,7 +88,7 @@ fn run(
     flow: &FlowStats,
 ) {
     let mut broken: Option<String> = None;
-    let mut stager: Option<H2dStager> = None;
+    let mut gpu = GpuScratch::default();
     while let Ok(mut p) = rx.recv() {
         if let Some(reason) = &broken {
             p.fail(FetchFailure::Source(reason.clone()));
@@ -100,7 +100,7 @@ fn run(
         let received = match p.slab.host_slice_mut() {
             Some(dst) => recv_payload(&mut sock, dst, flow, &node.counters.assembly_ns)
                 .map_err(|e| e.to_string()),
-            None => recv_payload_gpu(node, &mut stager, &mut sock, &p.slab, flow),
+            None => recv_payload_gpu(node, &mut gpu, &mut sock, &p.slab, flow),
         };
         match received {
             Ok(got) => {
@@ -141,12 +141,22 @@ fn run(
     }
 }
 
+/// A receiver thread's buffers for CUDA memory, made on first use and kept for the next
+/// payloads.
+#[derive(Default)]
+struct GpuScratch {
+    /// Pinned staging buffers (host receive).
+    stager: Option<H2dStager>,
+    /// Where linear bytes land on the GPU-direct devmem path.
+    host: Vec<u8>,
+}
+
 /// Receives a payload into a slab in CUDA memory through this thread's pinned staging
-/// buffers (made on first use), returning the CRC-32C computed while each piece was in host
-/// memory. The copies have landed when this returns.
+/// buffers, returning the CRC-32C computed while each piece was in host memory. The copies
+/// have landed when this returns.
 fn recv_payload_gpu(
     node: &Node,
-    stager: &mut Option<H2dStager>,
+    scratch: &mut GpuScratch,
     sock: &mut PayloadReader,
     slab: &Slab,
     flow: &FlowStats,
@@ -157,11 +167,22 @@ fn recv_payload_gpu(
     if let PayloadReader::Devmem(r) = sock
         && r.gpu_gather()
     {
-        return recv_payload_gpu_direct(gpu, r, region, slab, flow, &node.counters);
+        if scratch.host.is_empty() {
+            scratch.host = vec![0u8; CHUNK];
+        }
+        return recv_payload_gpu_direct(
+            gpu,
+            r,
+            region,
+            slab,
+            flow,
+            &node.counters,
+            &mut scratch.host,
+        );
     }
-    let stager = match stager {
+    let stager = match &mut scratch.stager {
         Some(s) => s,
-        None => stager.insert(
+        None => scratch.stager.insert(
             H2dStager::new(&gpu.device, CHUNK, STAGING_BUFFERS)
                 .map_err(|e| format!("pinned staging buffers: {e}"))?,
         ),
@@ -201,8 +222,8 @@ fn recv_payload_gpu_direct(
     slab: &Slab,
     flow: &FlowStats,
     counters: &super::Counters,
+    host: &mut [u8], // linear bytes land here
 ) -> Result<u32, String> {
-    let mut host = vec![0u8; CHUNK.min(slab.len().max(1))]; // linear bytes land here
     let mut off = 0;
     while off < slab.len() {
         let want = (slab.len() - off).min(host.len());
