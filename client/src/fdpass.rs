@@ -6,6 +6,7 @@ use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -25,6 +26,41 @@ pub enum FrameIoError {
     /// Bad frame.
     #[error(transparent)]
     Decode(#[from] TrainerDecodeError),
+    /// Nothing arrived within the time allowed.
+    #[error("{phase}: nothing arrived within {limit:?}")]
+    Timeout {
+        /// What was being waited for.
+        phase: ReadPhase,
+        /// The limit.
+        limit: Duration,
+    },
+}
+
+/// What a timed read waited for when it timed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadPhase {
+    /// The first byte of the next frame.
+    Idle,
+    /// The rest of a frame that had started.
+    Frame,
+}
+
+impl std::fmt::Display for ReadPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Idle => "waiting for the next request",
+            Self::Frame => "waiting for the rest of a request",
+        })
+    }
+}
+
+/// Time limits of [`FrameReader::read_data_timed`].
+#[derive(Clone, Copy, Debug)]
+pub struct ReadLimits {
+    /// Longest wait for a frame to start (`None`: forever).
+    pub idle: Option<Duration>,
+    /// Longest time from a frame's first byte to its last.
+    pub frame: Duration,
 }
 
 /// Sends one frame, with `fds` attached to its first byte.
@@ -55,14 +91,20 @@ pub struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// The receive timeout last set on the socket by a timed read (to skip unchanged ones).
+    rcvtimeo: Option<Option<Duration>>,
 }
+
+/// The reader's buffer; frames up to this size need no growth.
+const INITIAL_BUFFER: usize = 64 << 10;
 
 impl Default for FrameReader {
     fn default() -> Self {
         Self {
-            buf: vec![0; 64 << 10],
+            buf: vec![0; INITIAL_BUFFER],
             start: 0,
             end: 0,
+            rcvtimeo: None,
         }
     }
 }
@@ -79,7 +121,7 @@ impl FrameReader {
         sock: &UnixStream,
         fds: &mut Vec<OwnedFd>,
     ) -> Result<&'a [u8], FrameIoError> {
-        self.read_with(|buf| {
+        let body = self.read_range(|buf, _| {
             let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
             let mut anc = RecvAncillaryBuffer::new(&mut space);
             let r = rustix::net::recvmsg(
@@ -94,20 +136,77 @@ impl FrameReader {
                 }
             }
             Ok(r.bytes)
-        })
+        })?;
+        Ok(&self.buf[body])
     }
 
     /// Like [`FrameReader::read`] for a peer that sends no fds: a plain `recv` without a
     /// control buffer (any fd that came anyway is closed by the kernel, unseen).
     pub fn read_data<'a>(&'a mut self, sock: &UnixStream) -> Result<&'a [u8], FrameIoError> {
-        self.read_with(|buf| rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n))
+        let body = self.read_range(|buf, _| {
+            rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n)
+        })?;
+        Ok(&self.buf[body])
     }
 
-    /// The next frame, filling the buffer with `recv` (bytes received; 0 at end of stream).
-    fn read_with(
+    /// Like [`FrameReader::read_data`] with time limits: a frame must start within
+    /// `limits.idle` and, once started, end within `limits.frame`. Sets the socket's receive
+    /// timeout (only when it changes: a frame that arrives whole costs no extra syscall).
+    pub fn read_data_timed<'a>(
+        &'a mut self,
+        sock: &UnixStream,
+        limits: ReadLimits,
+    ) -> Result<&'a [u8], FrameIoError> {
+        let mut started: Option<Instant> = None;
+        let mut current = self.rcvtimeo;
+        let mut phase = ReadPhase::Idle;
+        let r = self.read_range(|buf, buffered| {
+            let want = if buffered {
+                phase = ReadPhase::Frame;
+                let t0 = *started.get_or_insert_with(Instant::now);
+                let left = limits.frame.saturating_sub(t0.elapsed());
+                if left.is_zero() {
+                    return Err(rustix::io::Errno::AGAIN);
+                }
+                // Rounded up to whole milliseconds so repeated reads of one frame do not set
+                // a new value every time.
+                Some(Duration::from_millis(left.as_millis() as u64 + 1))
+            } else {
+                phase = ReadPhase::Idle;
+                limits.idle
+            };
+            if current != Some(want) {
+                rustix::net::sockopt::set_socket_timeout(
+                    sock,
+                    rustix::net::sockopt::Timeout::Recv,
+                    want,
+                )?;
+                current = Some(want);
+            }
+            rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n)
+        });
+        self.rcvtimeo = current;
+        match r {
+            Ok(body) => Ok(&self.buf[body]),
+            Err(FrameIoError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let limit = match phase {
+                    ReadPhase::Idle => limits.idle.unwrap_or_default(),
+                    ReadPhase::Frame => limits.frame,
+                };
+                Err(FrameIoError::Timeout { phase, limit })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The next frame's place in the buffer, filling it with `recv` (given the free space and
+    /// whether bytes of the frame are already buffered; returns bytes received, 0 at end of
+    /// stream). The buffer grows only when it is full of a frame's real bytes (doubling), never
+    /// to the length a prefix claims.
+    fn read_range(
         &mut self,
-        mut recv: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
-    ) -> Result<&[u8], FrameIoError> {
+        mut recv: impl FnMut(&mut [u8], bool) -> rustix::io::Result<usize>,
+    ) -> Result<std::ops::Range<usize>, FrameIoError> {
         loop {
             let avail = self.end - self.start;
             let need = if avail >= 4 {
@@ -119,7 +218,7 @@ impl FrameReader {
                 if avail >= 4 + len {
                     let body = self.start + 4..self.start + 4 + len;
                     self.start += 4 + len;
-                    return Ok(&self.buf[body]);
+                    return Ok(body);
                 }
                 4 + len
             } else {
@@ -131,10 +230,12 @@ impl FrameReader {
                 self.buf.copy_within(self.start..self.end, 0);
                 (self.start, self.end) = (0, avail);
             }
-            if self.buf.len() < need {
-                self.buf.resize(need, 0);
+            if self.end == self.buf.len() && self.buf.len() < need {
+                let grown = (self.buf.len() * 2).min(need);
+                self.buf.resize(grown, 0);
             }
-            let n = match recv(&mut self.buf[self.end..]) {
+            let buffered = self.end > self.start;
+            let n = match recv(&mut self.buf[self.end..], buffered) {
                 Ok(n) => n,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(std::io::Error::from(e).into()),
@@ -199,6 +300,65 @@ mod tests {
         );
         drop(writer.join().unwrap().unwrap());
         assert!(matches!(r.read(&b, &mut fds), Err(FrameIoError::Closed)));
+    }
+
+    #[test]
+    fn a_claimed_length_does_not_size_the_buffer() {
+        let (a, b) = UnixStream::pair().unwrap();
+        // A prefix claiming 1 MiB (the limit) and 10 bytes: the buffer stays at its start size.
+        let mut bytes = ((1u32 << 20) - 4).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[b'x'; 10]);
+        send_frame(&a, &bytes, &[]).unwrap();
+        drop(a);
+        let mut r = FrameReader::new();
+        assert!(matches!(r.read_data(&b), Err(FrameIoError::Closed)));
+        assert_eq!(r.buf.len(), INITIAL_BUFFER);
+    }
+
+    #[test]
+    fn timed_reads_bound_the_wait_for_a_frame_and_for_its_rest() {
+        let limits = ReadLimits {
+            idle: Some(Duration::from_millis(100)),
+            frame: Duration::from_millis(150),
+        };
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut r = FrameReader::new();
+        let t = Instant::now();
+        let e = r.read_data_timed(&b, limits).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FrameIoError::Timeout {
+                    phase: ReadPhase::Idle,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(t.elapsed() >= Duration::from_millis(90));
+        // A frame that starts but never ends times out in the frame phase even while bytes
+        // keep trickling in.
+        let mut frame = Vec::new();
+        trainer::encode(&trainer::Request::State, &mut frame);
+        let trickle = std::thread::spawn(move || {
+            for byte in &frame[..frame.len() - 1] {
+                send_frame(&a, &[*byte], &[]).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            a
+        });
+        let e = r.read_data_timed(&b, limits).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FrameIoError::Timeout {
+                    phase: ReadPhase::Frame,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        drop(trickle.join().unwrap());
     }
 
     #[test]

@@ -128,8 +128,9 @@ pub struct ServeConfig {
     pub admin: SocketAddr,
     /// Total memory for all stream regions.
     pub pool_size: ByteSize,
-    /// Region size per stream (fetch-ahead window + leased batches).
-    pub stream_memory: ByteSize,
+    /// Region size per stream (fetch-ahead window + leased batches); unset: derived from
+    /// `pool_size` ([`ServeConfig::stream_memory`]).
+    pub stream_memory: Option<ByteSize>,
     /// Data connections per source.
     pub flows: u16,
     /// File holding the shared secret for sources.
@@ -161,6 +162,21 @@ pub struct ServeConfig {
     pub allowed_uids: Vec<u32>,
     /// Trainer peers allowed by gid; a peer passes if its uid or its gid is listed.
     pub allowed_gids: Vec<u32>,
+    /// Admin and trainer HTTP connections served at once; more wait in the kernel's backlog.
+    pub http_max_connections: usize,
+    /// Seconds an HTTP client has to send a request's headers (slowloris bound), also the
+    /// limit for an idle keep-alive connection's next request.
+    pub http_header_timeout_secs: u64,
+    /// Seconds an HTTP client has to send a request's body.
+    pub http_body_timeout_secs: u64,
+    /// Trainer socket connections served at once; more are refused with an error frame.
+    pub trainer_max_connections: usize,
+    /// Seconds a trainer connection may wait before its `attach`, and may take to finish a
+    /// request frame it started.
+    pub trainer_request_timeout_secs: u64,
+    /// Seconds an attached trainer may send nothing before its stream is closed (0: never;
+    /// a trainer that dies closes its socket, so this only bounds live but stuck trainers).
+    pub trainer_idle_timeout_secs: u64,
 }
 
 impl Default for ServeConfig {
@@ -171,7 +187,7 @@ impl Default for ServeConfig {
             data_listen: "0.0.0.0:7401".parse().expect("valid"),
             admin: "127.0.0.1:7400".parse().expect("valid"),
             pool_size: ByteSize(1 << 30),
-            stream_memory: ByteSize(256 << 20),
+            stream_memory: None,
             flows: 2,
             secret_file: None,
             receive: ReceiveMode::Auto,
@@ -186,9 +202,18 @@ impl Default for ServeConfig {
             socket_mode: "0660".into(),
             allowed_uids: Vec::new(),
             allowed_gids: Vec::new(),
+            http_max_connections: 256,
+            http_header_timeout_secs: 10,
+            http_body_timeout_secs: 10,
+            trainer_max_connections: 256,
+            trainer_request_timeout_secs: 10,
+            trainer_idle_timeout_secs: 3600,
         }
     }
 }
+
+/// `stream_memory` when it is not set: this, or `pool_size` when the pool is smaller.
+pub const DEFAULT_STREAM_MEMORY: u64 = 256 << 20;
 
 /// `shardwire source` configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -210,6 +235,11 @@ pub struct SourceConfig {
     pub devmem_tx_memory: ByteSize,
     /// Log format.
     pub log_format: LogFormat,
+    /// Seconds an established node session may be silent before it is dropped (nodes send
+    /// keepalives after a third of it; they learn it in the handshake).
+    pub idle_timeout_secs: u64,
+    /// Control connections served at once; more are closed at accept.
+    pub max_connections: usize,
 }
 
 impl Default for SourceConfig {
@@ -223,6 +253,8 @@ impl Default for SourceConfig {
             devmem_tx: None,
             devmem_tx_memory: ByteSize(64 << 20),
             log_format: LogFormat::Text,
+            idle_timeout_secs: 60,
+            max_connections: 256,
         }
     }
 }
@@ -271,19 +303,45 @@ impl ServeConfig {
         if self.flows == 0 || self.flows > 64 {
             return Err(invalid("flows", self.flows, "must be between 1 and 64"));
         }
-        if self.stream_memory.0 < 64 << 10 {
-            return Err(invalid(
-                "stream_memory",
-                self.stream_memory,
-                "must be at least 64KiB",
-            ));
+        let stream_memory = self.stream_memory();
+        if stream_memory < 64 << 10 {
+            let what = if self.stream_memory.is_some() {
+                "must be at least 64KiB"
+            } else {
+                "(derived from pool_size) must be at least 64KiB: raise pool_size"
+            };
+            return Err(invalid("stream_memory", ByteSize(stream_memory), what));
         }
-        if self.pool_size.0 < self.stream_memory.0 {
+        if let Some(sm) = self.stream_memory
+            && self.pool_size.0 < sm.0
+        {
             return Err(invalid(
                 "pool_size",
                 self.pool_size,
-                format!("must be at least stream_memory ({})", self.stream_memory),
+                format!(
+                    "must be at least stream_memory ({sm}); or leave stream_memory unset to derive it from pool_size"
+                ),
             ));
+        }
+        for (key, v) in [
+            ("http_max_connections", self.http_max_connections),
+            ("trainer_max_connections", self.trainer_max_connections),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, v, "must be at least 1"));
+            }
+        }
+        for (key, v) in [
+            ("http_header_timeout_secs", self.http_header_timeout_secs),
+            ("http_body_timeout_secs", self.http_body_timeout_secs),
+            (
+                "trainer_request_timeout_secs",
+                self.trainer_request_timeout_secs,
+            ),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, v, "must be at least 1 second"));
+            }
         }
         if self.devmem_memory.0 < 1 << 20 {
             return Err(invalid(
@@ -303,6 +361,26 @@ impl ServeConfig {
 }
 
 impl ServeConfig {
+    /// The region size of each stream: `stream_memory`, or when it is unset
+    /// min([`DEFAULT_STREAM_MEMORY`], `pool_size`).
+    pub fn stream_memory(&self) -> u64 {
+        self.stream_memory
+            .map_or(DEFAULT_STREAM_MEMORY.min(self.pool_size.0), |b| b.0)
+    }
+
+    /// How `stream_memory` was chosen, for the startup log.
+    pub fn stream_memory_origin(&self) -> String {
+        match self.stream_memory {
+            Some(b) => format!("stream_memory = {b} (configured)"),
+            None => format!(
+                "stream_memory not set: using {} = min({}, pool_size {})",
+                ByteSize(self.stream_memory()),
+                ByteSize(DEFAULT_STREAM_MEMORY),
+                self.pool_size
+            ),
+        }
+    }
+
     /// `socket_mode` as permission bits.
     pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
         u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
@@ -336,6 +414,20 @@ impl SourceConfig {
                 "give at least one --dataset NAME=DIR",
             ));
         }
+        if !(1..=u64::from(u16::MAX)).contains(&c.idle_timeout_secs) {
+            return Err(invalid(
+                "idle_timeout_secs",
+                c.idle_timeout_secs,
+                "must be between 1 and 65535",
+            ));
+        }
+        if c.max_connections == 0 {
+            return Err(invalid(
+                "max_connections",
+                c.max_connections,
+                "must be at least 1",
+            ));
+        }
         Ok(c)
     }
 }
@@ -365,7 +457,7 @@ mod tests {
         let p = write("flows = 3\npool_size = \"2GiB\"\nstream_memory = 1048576\n");
         let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
         assert_eq!(
-            (c.flows, c.pool_size.0, c.stream_memory.0),
+            (c.flows, c.pool_size.0, c.stream_memory()),
             (3, 2 << 30, 1 << 20)
         );
         let c = ServeConfig::load(Some(&p), &Flags { flows: Some(5) }).unwrap();
@@ -387,6 +479,45 @@ mod tests {
         assert!(
             k.iter().any(|x| x == "secret_file") && k.iter().any(|x| x == "admin_token_file"),
             "{k:?}"
+        );
+    }
+
+    #[derive(Serialize, Default)]
+    struct PoolFlags {
+        pool_size: Option<ByteSize>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        stream_memory: Option<ByteSize>,
+    }
+
+    #[test]
+    fn stream_memory_is_derived_from_a_small_pool_and_checked_when_set() {
+        let small = PoolFlags {
+            pool_size: Some(ByteSize(64 << 20)),
+            stream_memory: None,
+        };
+        let c = ServeConfig::load(None, &small).unwrap();
+        assert_eq!(c.stream_memory(), 64 << 20);
+        assert!(
+            c.stream_memory_origin().contains("not set"),
+            "{}",
+            c.stream_memory_origin()
+        );
+        let big = PoolFlags {
+            pool_size: Some(ByteSize(8 << 30)),
+            stream_memory: None,
+        };
+        assert_eq!(
+            ServeConfig::load(None, &big).unwrap().stream_memory(),
+            DEFAULT_STREAM_MEMORY
+        );
+        let both = PoolFlags {
+            pool_size: Some(ByteSize(64 << 20)),
+            stream_memory: Some(ByteSize(256 << 20)),
+        };
+        let e = ServeConfig::load(None, &both).unwrap_err().to_string();
+        assert!(
+            e.contains("`pool_size`") && e.contains("stream_memory (256MiB)"),
+            "{e}"
         );
     }
 

@@ -647,6 +647,12 @@ def exported_metrics(src: Path) -> tuple[dict[str, str], bool]:
         text = f.read_text()
         for kind, name in re.findall(r'metrics::(counter|gauge|histogram)!\(\s*"(shardwire_[a-z0-9_]+)"', text):
             out[name] = kind
+        # service/src/prom.rs: the described families, ("kind", "name", "help"), and the
+        # float counters it renders itself (`pub const STALL: &str = "..._total"`).
+        for kind, name in re.findall(r'\("(counter|gauge|histogram)",\s*"(shardwire_[a-z0-9_]+)"', text):
+            out[name] = kind
+        for name in re.findall(r'pub const STALL: &str = "(shardwire_[a-z0-9_]+)"', text):
+            out[name] = "counter"
         buckets = buckets or "set_buckets" in text
     return out, buckets
 

@@ -11,16 +11,64 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::auth::NONCE_LEN;
 
-/// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+/// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
+/// and Ping).
+pub const VERSION: u8 = 2;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
+/// Largest frame a node ever sends, and the largest a source accepts: a `Hello` with the
+/// longest node id is about 4.2 KiB. The node also holds a source to it until the handshake
+/// is done, so an unauthenticated peer can make neither side buffer more than this.
+pub const MAX_SMALL_FRAME: usize = 8 << 10;
 /// Largest string field (dataset names, node ids, error messages).
 pub const MAX_STR: usize = 4096;
 /// Largest dataset name.
 pub const MAX_DATASET_NAME: usize = 255;
 /// Largest number of data connections a node may ask for.
 pub const MAX_FLOWS: u16 = 64;
+
+/// Why a dataset name cannot be used (the same rule on the source, the node's APIs and the
+/// wire, so a name that passes here can always be encoded).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DatasetNameError {
+    /// The name is empty.
+    #[error("field `dataset` is empty; give a dataset name")]
+    Empty,
+    /// Over [`MAX_DATASET_NAME`] bytes (the name itself is not repeated: it may be huge).
+    #[error("field `dataset` is {len} bytes long; the limit is {MAX_DATASET_NAME}")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A character outside `[A-Za-z0-9._-]`.
+    #[error("field `dataset` (`{name}`) has the character {ch:?}; allowed are [A-Za-z0-9._-]")]
+    BadChar {
+        /// The name.
+        name: String,
+        /// The first character not allowed.
+        ch: char,
+    },
+}
+
+/// Checks a dataset name: 1..=[`MAX_DATASET_NAME`] bytes of `[A-Za-z0-9._-]`.
+pub fn check_dataset_name(name: &str) -> Result<(), DatasetNameError> {
+    if name.is_empty() {
+        return Err(DatasetNameError::Empty);
+    }
+    if name.len() > MAX_DATASET_NAME {
+        return Err(DatasetNameError::TooLong { len: name.len() });
+    }
+    match name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        Some(ch) => Err(DatasetNameError::BadChar {
+            name: name.into(),
+            ch,
+        }),
+        None => Ok(()),
+    }
+}
 
 /// Error codes carried by [`Message::Error`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +88,8 @@ pub enum ErrorCode {
     ReadFailed = 6,
     /// Anything else; the message says what.
     Internal = 7,
+    /// The request was cancelled by the node before the source sent anything for it.
+    Cancelled = 8,
 }
 
 impl ErrorCode {
@@ -52,6 +102,7 @@ impl ErrorCode {
             5 => Self::BadRequest,
             6 => Self::ReadFailed,
             7 => Self::Internal,
+            8 => Self::Cancelled,
             other => return Err(DecodeError::UnknownErrorCode(other)),
         })
     }
@@ -87,14 +138,21 @@ pub enum Message {
     Welcome {
         /// `auth::proof(secret, Source, ..)`, zeros without a secret.
         mac: [u8; 32],
+        /// Each side drops the connection when it has heard nothing for this many seconds
+        /// (at least 1); each sends `Ping` when it has been quiet for a third of it.
+        idle_timeout_s: u16,
     },
     /// node -> source: send me this dataset's manifest.
     ManifestRequest {
+        /// Request id chosen by the node, echoed in the `Manifest` or `Error` answer.
+        req: u64,
         /// Dataset name.
         dataset: String,
     },
     /// source -> node: the manifest JSON as written by `shardwire index`.
     Manifest {
+        /// Request id of the `ManifestRequest`.
+        req: u64,
         /// Dataset name.
         dataset: String,
         /// The manifest file's bytes.
@@ -141,6 +199,16 @@ pub enum Message {
         /// Human-readable detail.
         message: String,
     },
+    /// node -> source: drop FETCH `req` if its payload has not been announced yet (the
+    /// stream it was for is gone). The source answers `Error{req, Cancelled}` when it
+    /// dropped it; a FETCH already announced is sent in full as announced.
+    Cancel {
+        /// Request id of the FETCH.
+        req: u64,
+    },
+    /// Either direction: keepalive, sent when a side has sent nothing else for a while, so
+    /// that each side can time out a peer that went silent.
+    Ping,
 }
 
 const K_HELLO: u8 = 1;
@@ -153,6 +221,8 @@ const K_DATA_CONN: u8 = 7;
 const K_FETCH: u8 = 8;
 const K_SHARD: u8 = 9;
 const K_ERROR: u8 = 10;
+const K_CANCEL: u8 = 11;
+const K_PING: u8 = 12;
 
 /// Why bytes did not decode to a message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -287,11 +357,22 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         },
         K_WELCOME => Message::Welcome {
             mac: r.array("mac")?,
+            idle_timeout_s: match r.u16("idle_timeout_s")? {
+                0 => {
+                    return Err(DecodeError::Range {
+                        field: "idle_timeout_s",
+                        value: 0,
+                    });
+                }
+                t => t,
+            },
         },
         K_MANIFEST_REQUEST => Message::ManifestRequest {
+            req: r.u64("req")?,
             dataset: r.string("dataset", MAX_DATASET_NAME)?,
         },
         K_MANIFEST => Message::Manifest {
+            req: r.u64("req")?,
             dataset: r.string("dataset", MAX_DATASET_NAME)?,
             json: r.blob("json", MAX_FRAME)?,
         },
@@ -317,6 +398,8 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             code: ErrorCode::from_u16(r.u16("code")?)?,
             message: r.string("message", MAX_STR)?,
         },
+        K_CANCEL => Message::Cancel { req: r.u64("req")? },
+        K_PING => Message::Ping,
         other => return Err(DecodeError::UnknownKind(other)),
     };
     if !r.buf.is_empty() {
@@ -373,16 +456,22 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.kind(K_AUTH);
             w.bytes(mac);
         }
-        Message::Welcome { mac } => {
+        Message::Welcome {
+            mac,
+            idle_timeout_s,
+        } => {
             w.kind(K_WELCOME);
             w.bytes(mac);
+            w.u16(*idle_timeout_s);
         }
-        Message::ManifestRequest { dataset } => {
+        Message::ManifestRequest { req, dataset } => {
             w.kind(K_MANIFEST_REQUEST);
+            w.u64(*req);
             w.string("dataset", dataset, MAX_DATASET_NAME)?;
         }
-        Message::Manifest { dataset, json } => {
+        Message::Manifest { req, dataset, json } => {
             w.kind(K_MANIFEST);
+            w.u64(*req);
             w.string("dataset", dataset, MAX_DATASET_NAME)?;
             if json.len() > MAX_FRAME - 512 {
                 return Err(EncodeError::FieldTooLong {
@@ -436,6 +525,11 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             }
             w.string("message", &message[..end], MAX_STR)?;
         }
+        Message::Cancel { req } => {
+            w.kind(K_CANCEL);
+            w.u64(*req);
+        }
+        Message::Ping => w.kind(K_PING),
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_be_bytes());
@@ -574,11 +668,16 @@ mod tests {
                 auth_required: true,
             },
             Message::Auth { mac: [1; 32] },
-            Message::Welcome { mac: [2; 32] },
+            Message::Welcome {
+                mac: [2; 32],
+                idle_timeout_s: 60,
+            },
             Message::ManifestRequest {
+                req: 5,
                 dataset: "imagenet".into(),
             },
             Message::Manifest {
+                req: 5,
                 dataset: "d".into(),
                 json: b"{}".to_vec(),
             },
@@ -604,6 +703,13 @@ mod tests {
                 code: ErrorCode::AuthFailed,
                 message: "nope".into(),
             },
+            Message::Error {
+                req: 9,
+                code: ErrorCode::Cancelled,
+                message: "cancelled".into(),
+            },
+            Message::Cancel { req: 9 },
+            Message::Ping,
         ]
     }
 
@@ -663,6 +769,7 @@ mod tests {
     #[test]
     fn rejects_oversized_strings_and_zero_flows() {
         let mut body = vec![VERSION, K_MANIFEST_REQUEST];
+        body.extend_from_slice(&1u64.to_be_bytes());
         body.extend_from_slice(&300u16.to_be_bytes());
         body.extend_from_slice(&[b'a'; 300]);
         assert_eq!(
@@ -691,8 +798,30 @@ mod tests {
     }
 
     #[test]
+    fn dataset_names_are_checked_with_the_reason() {
+        assert_eq!(check_dataset_name("web-2024.v1_a"), Ok(()));
+        assert_eq!(check_dataset_name(""), Err(DatasetNameError::Empty));
+        let long = "x".repeat(256);
+        let e = check_dataset_name(&long).unwrap_err();
+        assert_eq!(e, DatasetNameError::TooLong { len: 256 });
+        assert_eq!(
+            e.to_string(),
+            "field `dataset` is 256 bytes long; the limit is 255"
+        );
+        assert!(check_dataset_name(&"y".repeat(255)).is_ok());
+        assert_eq!(
+            check_dataset_name("a/b"),
+            Err(DatasetNameError::BadChar {
+                name: "a/b".into(),
+                ch: '/'
+            })
+        );
+    }
+
+    #[test]
     fn encode_refuses_long_dataset_names() {
         let m = Message::ManifestRequest {
+            req: 1,
             dataset: "x".repeat(256),
         };
         assert!(matches!(
@@ -715,7 +844,7 @@ mod tests {
 
         /// Same, with a plausible header so the body parsers are exercised.
         #[test]
-        fn arbitrary_bodies_never_panic(kind in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn arbitrary_bodies_never_panic(kind in 0u8..14, body in proptest::collection::vec(any::<u8>(), 0..128)) {
             let mut frame = vec![VERSION, kind];
             frame.extend_from_slice(&body);
             if let Ok(m) = decode_frame(&frame) {

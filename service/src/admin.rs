@@ -2,8 +2,8 @@
 //! `/v1/streams`. Hot-path counters are atomics; they are copied into the Prometheus
 //! recorder when `/metrics` is scraped, so the data path never touches the registry.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
 
 use axum::Json;
 use axum::Router;
@@ -11,36 +11,27 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 use tokio::sync::watch;
 
 use crate::node::Node;
 
-/// The process-wide Prometheus recorder (installed on first use).
-pub fn prometheus() -> &'static PrometheusHandle {
-    static H: OnceLock<PrometheusHandle> = OnceLock::new();
-    H.get_or_init(|| {
-        // Latency buckets from 10 us (trainer hand-off) to 10 s (a slow fetch).
-        let latency = [
-            0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01,
-            0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-        ];
-        PrometheusBuilder::new()
-            .set_buckets(&latency)
-            .expect("non-empty buckets")
-            .install_recorder()
-            .expect("no other metrics recorder is installed")
-    })
-}
-
-/// Serves the admin API until shutdown.
+/// Serves the admin API (and the trainer HTTP API) until shutdown.
 pub async fn serve(
     node: Arc<Node>,
     listener: tokio::net::TcpListener,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    prometheus();
+    let limits = crate::httpd::Limits::from_config(&node.cfg);
+    crate::prom::handle();
+    crate::prom::register_zero(&node.receive().to_string(), &node.cfg.sources);
+    let mut stop = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = crate::prom::upkeep() => {}
+            _ = stop.changed() => {}
+        }
+    });
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -59,14 +50,7 @@ pub async fn serve(
         .layer(axum::middleware::from_fn(admin_timeout))
         .with_state(Arc::clone(&node))
         .merge(crate::trainer_http::router(node));
-    let r = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = shutdown.changed().await;
-        })
-        .await;
-    if let Err(e) = r {
-        tracing::warn!(error = %e, "admin API stopped");
-    }
+    crate::httpd::serve(listener, app, limits, shutdown).await;
 }
 
 /// Admin requests must finish within this time (the trainer long-poll routes are separate).
@@ -234,15 +218,20 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
         .absolute(c.batches_delivered.load(Ordering::Relaxed));
     metrics::counter!("shardwire_h2d_staging_stalls_total")
         .absolute(c.staging_stalls.load(Ordering::Relaxed));
-    for (cause, v) in [
+    let cancelled: u64 = node
+        .links
+        .iter()
+        .map(|l| l.cancels.confirmed.load(Ordering::Relaxed))
+        .sum();
+    metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
+    let stall: Vec<(&str, f64)> = [
         ("network", &c.stall_network_ns),
         ("trainer", &c.stall_trainer_ns),
         ("assembly", &c.assembly_ns),
-    ] {
-        // Cumulative seconds; a gauge because the recorder's counters are integers.
-        metrics::gauge!("shardwire_stall_seconds", "cause" => cause)
-            .set(v.load(Ordering::Relaxed) as f64 / 1e9);
-    }
+    ]
+    .into_iter()
+    .map(|(cause, v)| (cause, v.load(Ordering::Relaxed) as f64 / 1e9))
+    .collect();
     for l in &node.links {
         let labels = [("source", l.addr.clone())];
         metrics::counter!("shardwire_source_bytes_received_total", &labels)
@@ -273,7 +262,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
     }
     (
         [("content-type", "text/plain; version=0.0.4")],
-        prometheus().render(),
+        crate::prom::render(&stall),
     )
 }
 
@@ -352,6 +341,8 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
         .map(|l| {
             json!({
                 "addr": l.addr, "up": l.is_up(), "in_flight": l.in_flight(),
+                "cancels_sent": l.cancels.sent.load(Ordering::Relaxed),
+                "cancelled": l.cancels.confirmed.load(Ordering::Relaxed),
                 "bytes_received": l.bytes.load(Ordering::Relaxed),
                 "last_error": *l.last_error.lock().expect("poisoned"),
             })
@@ -367,7 +358,7 @@ async fn status(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
         "gpus": node.gpus,
         "data_addr": node.data_addr.to_string(),
         "socket": node.cfg.socket,
-        "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory.0 },
+        "pool": { "size": node.cfg.pool_size.0, "reserved": *node.reserved.lock().expect("poisoned"), "stream_memory": node.cfg.stream_memory() },
         "sources": sources,
         "streams": streams,
         "counters": {

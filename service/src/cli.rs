@@ -138,6 +138,10 @@ pub struct SourceFlags {
     #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<LogFormat>,
+    /// Seconds a node session may be silent before it is dropped [default: 60].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idle_timeout_secs: Option<u64>,
 }
 
 /// Flags of `shardwire serve`.
@@ -167,7 +171,7 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pool_size: Option<ByteSize>,
-    /// Region per stream: fetch-ahead plus leased batches [default: 256MiB].
+    /// Region per stream: fetch-ahead plus leased batches [default: min(256MiB, pool size)].
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_memory: Option<ByteSize>,
@@ -233,8 +237,12 @@ pub fn init_logging_filter(default: &str) {
 fn init_logging_with(format: LogFormat, default: &str) {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    // Colour only on a terminal, and never with NO_COLOR set (https://no-color.org).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
@@ -313,6 +321,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 rate_limit: cfg.rate_limit.0,
                 fault_corrupt: cfg.fault_corrupt,
                 devmem_tx,
+                idle_timeout: std::time::Duration::from_secs(cfg.idle_timeout_secs),
+                max_connections: cfg.max_connections,
             };
             runtime()?.block_on(async {
                 let src = shardwire_source::Source::bind(scfg, datasets)

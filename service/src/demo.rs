@@ -63,6 +63,8 @@ impl Loopback {
             rate_limit: 0,
             fault_corrupt: 0,
             devmem_tx: None,
+            idle_timeout: shardwire_source::DEFAULT_IDLE_TIMEOUT,
+            max_connections: shardwire_source::DEFAULT_MAX_CONNECTIONS,
         };
         let src = rt.block_on(shardwire_source::Source::bind(scfg, datasets))?;
         let source_addr = src.local_addr();
@@ -74,7 +76,7 @@ impl Loopback {
             data_listen: "127.0.0.1:0".parse()?,
             admin: "127.0.0.1:0".parse()?,
             pool_size: ByteSize(stream_memory),
-            stream_memory: ByteSize(stream_memory),
+            stream_memory: Some(ByteSize(stream_memory)),
             flows,
             receive,
             // The demo and bench consume with the Rust client, which maps host regions only;

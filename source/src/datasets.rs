@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ManifestError};
-use shardwire_protocol::wire::MAX_DATASET_NAME;
+use shardwire_protocol::wire::{DatasetNameError, check_dataset_name};
 
 /// Why a dataset cannot be served.
 #[derive(Debug, thiserror::Error)]
@@ -15,8 +15,8 @@ pub enum DatasetError {
     #[error("dataset spec `{0}` is not NAME=DIR")]
     Spec(String),
     /// Bad dataset name.
-    #[error("dataset name `{0}` must be 1..={MAX_DATASET_NAME} characters of [A-Za-z0-9._-]")]
-    Name(String),
+    #[error("--dataset NAME=DIR: {0}")]
+    Name(#[from] DatasetNameError),
     /// Same name twice.
     #[error("dataset `{0}` is given twice")]
     Duplicate(String),
@@ -70,13 +70,6 @@ pub struct Dataset {
 #[derive(Default)]
 pub struct Datasets(BTreeMap<String, Dataset>);
 
-fn valid_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.len() <= MAX_DATASET_NAME
-        && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-}
-
 impl Datasets {
     /// Loads datasets from `NAME=DIR` specs.
     pub fn from_specs<S: AsRef<str>>(specs: &[S]) -> Result<Self, DatasetError> {
@@ -93,9 +86,7 @@ impl Datasets {
 
     /// Loads one dataset directory under `name`.
     pub fn add(&mut self, name: &str, dir: &Path) -> Result<(), DatasetError> {
-        if !valid_name(name) {
-            return Err(DatasetError::Name(name.into()));
-        }
+        check_dataset_name(name)?;
         if self.0.contains_key(name) {
             return Err(DatasetError::Duplicate(name.into()));
         }

@@ -13,7 +13,6 @@ use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -121,7 +120,7 @@ pub(crate) fn send_loop(
     stream: &TcpStream,
     mut slot: TxSlot,
     rx: &mpsc::Receiver<Job>,
-    queued: &AtomicU64,
+    progress: &crate::sender::Progress,
     rate: u64,
 ) -> io::Result<()> {
     let id = slot.binding_id();
@@ -170,7 +169,7 @@ pub(crate) fn send_loop(
         metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
         metrics::counter!("shardwire_source_shards_sent_total").increment(1);
         metrics::counter!("shardwire_source_devmem_tx_bytes_total").increment(job.len);
-        queued.fetch_sub(job.len, Ordering::Relaxed);
+        progress.sent(job.len);
     }
     // The connection is done: let the last sends complete before the slot is reused.
     let deadline = Instant::now() + COMPLETION_TIMEOUT;
@@ -212,7 +211,7 @@ mod tests {
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut peer, _) = l.accept().unwrap();
         let failed = Arc::new(Notify::new());
-        let s = Sender::spawn(out, 0, 0, failed, Some(&path.buffer));
+        let s = Sender::spawn(out, 0, 0, failed, Some(&path.buffer), Default::default());
         assert!(
             path.buffer.slot().is_some(),
             "one of two slots is still free"

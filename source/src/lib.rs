@@ -12,7 +12,7 @@ pub mod datasets;
 pub mod devmem_tx;
 pub mod framing;
 mod sender;
-mod session;
+pub mod session;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,7 +36,17 @@ pub struct SourceConfig {
     pub fault_corrupt: u32,
     /// Send payloads with devmem TX from this bound buffer (`None`: `sendfile`).
     pub devmem_tx: Option<Arc<devmem_tx::TxPath>>,
+    /// An established session that hears nothing for this long is dropped; both sides send
+    /// keepalives after a third of it (the node learns it in `Welcome`).
+    pub idle_timeout: std::time::Duration,
+    /// Control connections served at once; more are closed at accept.
+    pub max_connections: usize,
 }
+
+/// Default of [`SourceConfig::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Default of [`SourceConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 
 /// Shared state of a running source.
 pub(crate) struct Shared {
@@ -88,17 +98,24 @@ impl Source {
                 digest = %d.manifest.digest, "serving dataset");
         }
         tracing::info!(listen = %self.local_addr(), "source ready");
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.shared.cfg.max_connections));
         loop {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, peer)) => {
+                        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                            tracing::warn!(%peer, limit = self.shared.cfg.max_connections,
+                                "too many control connections (max_connections); closing this one");
+                            continue;
+                        };
                         let shared = Arc::clone(&self.shared);
                         tokio::spawn(async move {
                             match session::run(stream, peer, shared).await {
                                 Ok(()) => tracing::info!(%peer, "node disconnected"),
                                 Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
                             }
+                            drop(slot);
                         });
                     }
                     Err(e) => {

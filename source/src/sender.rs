@@ -22,11 +22,45 @@ pub(crate) struct Job {
     pub corrupt: bool,
 }
 
+/// What a sender thread has left to do, shared with the control task, which hands it a new
+/// payload only when fewer than [`DEPTH`] are queued (so FETCHes not yet handed out can still
+/// be cancelled).
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    /// Bytes queued and not yet sent.
+    pub bytes: AtomicU64,
+    /// Payloads queued or being sent.
+    pub jobs: AtomicU64,
+    /// Notified each time a payload has been sent (one per session, shared by its senders).
+    pub done: Arc<Notify>,
+}
+
+impl Progress {
+    /// An empty queue whose completions notify `done`.
+    pub fn with_notify(done: Arc<Notify>) -> Self {
+        Self {
+            done,
+            ..Self::default()
+        }
+    }
+
+    /// A payload of `len` bytes has been sent.
+    pub fn sent(&self, len: u64) {
+        self.bytes.fetch_sub(len, Ordering::Relaxed);
+        self.jobs.fetch_sub(1, Ordering::Release);
+        self.done.notify_one();
+    }
+}
+
+/// Payloads a data connection holds at most (one being sent, one waiting behind it, so the
+/// connection never idles between payloads).
+pub(crate) const DEPTH: u64 = 2;
+
 /// The control task's handle on a sender thread.
 pub(crate) struct Sender {
     tx: mpsc::Sender<Job>,
-    /// Bytes queued and not yet sent (for picking the least loaded connection).
-    pub queued: Arc<AtomicU64>,
+    /// Its queue, shared with the thread.
+    pub progress: Arc<Progress>,
     /// Next announcement sequence number on this connection.
     pub seq: u64,
 }
@@ -41,10 +75,10 @@ impl Sender {
         rate: u64,
         failed: Arc<Notify>,
         devmem: Option<&Arc<TxBuffer>>,
+        progress: Arc<Progress>,
     ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
-        let queued = Arc::new(AtomicU64::new(0));
-        let q = Arc::clone(&queued);
+        let q = Arc::clone(&progress);
         let slot = devmem.and_then(|b| {
             let s = b.slot();
             if s.is_none() {
@@ -69,12 +103,22 @@ impl Sender {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             })
             .expect("spawn sender thread");
-        Self { tx, queued, seq: 0 }
+        Self {
+            tx,
+            progress,
+            seq: 0,
+        }
+    }
+
+    /// Whether the connection can take another payload now.
+    pub fn has_room(&self) -> bool {
+        self.progress.jobs.load(Ordering::Acquire) < DEPTH
     }
 
     /// Queues a payload; false if the thread is gone.
     pub fn push(&self, job: Job) -> bool {
-        self.queued.fetch_add(job.len, Ordering::Relaxed);
+        self.progress.bytes.fetch_add(job.len, Ordering::Relaxed);
+        self.progress.jobs.fetch_add(1, Ordering::Release);
         self.tx.send(job).is_ok()
     }
 }
@@ -92,7 +136,7 @@ pub(crate) fn pace(started: Instant, sent_total: u64, rate: u64) {
 fn send_loop(
     stream: &TcpStream,
     rx: &mpsc::Receiver<Job>,
-    queued: &AtomicU64,
+    progress: &Progress,
     rate: u64,
 ) -> std::io::Result<()> {
     let started = Instant::now();
@@ -133,7 +177,7 @@ fn send_loop(
         }
         metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
         metrics::counter!("shardwire_source_shards_sent_total").increment(1);
-        queued.fetch_sub(job.len, Ordering::Relaxed);
+        progress.sent(job.len);
     }
     Ok(())
 }

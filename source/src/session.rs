@@ -1,21 +1,42 @@
-//! One node's control connection: handshake, data-connection setup, FETCH handling.
+//! One node's control connection: handshake, data-connection setup, the FETCH queue and
+//! cancellation.
+//!
+//! FETCHes wait in the session's queue until a data connection has room (at most
+//! [`crate::sender::DEPTH`] payloads each); only then is the payload announced (`Shard`) and handed
+//! to that connection's sender. So a `Cancel` can still drop every FETCH that is not on the
+//! wire yet, and a stream the node gave up on stops costing the source bandwidth.
+//!
+//! Every state has a time limit: the handshake [`HANDSHAKE_TIMEOUT`], an established session
+//! the idle timeout (both sides send `Ping` after a third of it without other traffic), and
+//! every write [`WRITE_TIMEOUT`]. A node can never make the source buffer a frame over
+//! [`wire::MAX_SMALL_FRAME`].
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
-use shardwire_protocol::wire::{ErrorCode, Message};
+use shardwire_protocol::wire::{self, ErrorCode, Message};
 use tokio::io::BufReader;
 use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::Shared;
 use crate::framing::{FrameError, read_message, write_message};
-use crate::sender::{Job, Sender};
+use crate::sender::{Job, Progress, Sender};
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The handshake must be done within this time.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A control write that cannot finish within this time (the node stopped reading) ends the
+/// session.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// FETCHes a session holds before the node must wait for payloads to go out; a node that
+/// sends more is broken and is dropped.
+pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
 
 /// Why a node session ended abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +50,12 @@ pub enum SessionError {
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),
+    /// The node sent nothing for the idle timeout.
+    #[error("the node sent nothing for {0:?} (idle timeout)")]
+    Idle(Duration),
+    /// A control write did not finish in time.
+    #[error("a control write did not finish within {0:?} (the node stopped reading)")]
+    WriteTimeout(Duration),
     /// Wrong proof of the secret.
     #[error("authentication failed: wrong secret")]
     AuthFailed,
@@ -52,6 +79,9 @@ pub enum SessionError {
     /// A data connection died.
     #[error("a data connection failed; closing the session")]
     DataFailed,
+    /// The node queued more FETCHes than any node legitimately does.
+    #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
+    TooManyFetches(usize),
 }
 
 fn kind(m: &Message) -> String {
@@ -62,233 +92,339 @@ fn kind(m: &Message) -> String {
         .to_string()
 }
 
+/// The control connection with its time limits.
+struct Control {
+    rd: BufReader<OwnedReadHalf>,
+    wr: OwnedWriteHalf,
+    buf: Vec<u8>,
+    idle: Duration,
+    last_sent: Instant,
+}
+
+impl Control {
+    async fn send(&mut self, msg: &Message) -> Result<(), SessionError> {
+        tokio::time::timeout(WRITE_TIMEOUT, write_message(&mut self.wr, msg))
+            .await
+            .map_err(|_| SessionError::WriteTimeout(WRITE_TIMEOUT))??;
+        self.last_sent = Instant::now();
+        Ok(())
+    }
+
+    async fn error(
+        &mut self,
+        req: u64,
+        code: ErrorCode,
+        message: String,
+    ) -> Result<(), SessionError> {
+        self.send(&Message::Error { req, code, message }).await
+    }
+
+    /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more).
+    async fn recv(&mut self) -> Result<Message, FrameError> {
+        read_message(&mut self.rd, &mut self.buf, wire::MAX_SMALL_FRAME).await
+    }
+}
+
 pub(crate) async fn run(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
 ) -> Result<(), SessionError> {
-    let secret = shared.cfg.secret.clone();
-    if secret.is_none() && !peer.ip().is_loopback() {
+    if shared.cfg.secret.is_none() && !peer.ip().is_loopback() {
         return Err(SessionError::NotLoopback(peer));
     }
     let _ = stream.set_nodelay(true);
-    let (rd, mut wr) = stream.into_split();
-    let mut rd = BufReader::new(rd);
-    let mut buf = Vec::new();
-
-    let hs = async {
-        let (node_nonce, data_addr, flows, node_id) = match read_message(&mut rd, &mut buf).await? {
-            Message::Hello {
-                node_id,
-                nonce,
-                data_addr,
-                flows,
-            } => (nonce, data_addr, flows, node_id),
-            other => {
-                return Err(SessionError::Unexpected {
-                    expected: "Hello",
-                    got: kind(&other),
-                });
-            }
-        };
-        let mut src_nonce = [0u8; NONCE_LEN];
-        rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
-            .map_err(|e| FrameError::Io(e.into()))?;
-        write_message(
-            &mut wr,
-            &Message::Challenge {
-                nonce: src_nonce,
-                auth_required: secret.is_some(),
-            },
-        )
-        .await?;
-        let mac = match read_message(&mut rd, &mut buf).await? {
-            Message::Auth { mac } => mac,
-            other => {
-                return Err(SessionError::Unexpected {
-                    expected: "Auth",
-                    got: kind(&other),
-                });
-            }
-        };
-        let welcome = match &secret {
-            Some(s) => {
-                if !auth::ct_eq(&mac, &auth::proof(s, Role::Node, &node_nonce, &src_nonce)) {
-                    let _ = write_message(
-                        &mut wr,
-                        &Message::Error {
-                            req: 0,
-                            code: ErrorCode::AuthFailed,
-                            message: "wrong secret".into(),
-                        },
-                    )
-                    .await;
-                    return Err(SessionError::AuthFailed);
-                }
-                auth::proof(s, Role::Source, &node_nonce, &src_nonce)
-            }
-            None => [0; 32],
-        };
-        write_message(&mut wr, &Message::Welcome { mac: welcome }).await?;
-        Ok((data_addr, flows, node_id))
+    let (rd, wr) = stream.into_split();
+    let mut ctl = Control {
+        rd: BufReader::new(rd),
+        wr,
+        buf: Vec::new(),
+        idle: shared.cfg.idle_timeout,
+        last_sent: Instant::now(),
     };
-    let (data_addr, flows, node_id) = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
-        .await
-        .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
+    let (data_addr, flows, node_id) =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut ctl, &shared))
+            .await
+            .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
     tracing::info!(%peer, node = %node_id, %data_addr, flows, "node authenticated");
-
-    // Dial the data connections and report each one's local address.
     let failed = Arc::new(Notify::new());
+    let progress = Arc::new(Notify::new());
+    let senders = dial_data(&mut ctl, &shared, data_addr, flows, &failed, &progress).await?;
+    Session {
+        ctl,
+        shared,
+        senders,
+        waiting: VecDeque::new(),
+        failed,
+        progress,
+    }
+    .serve()
+    .await
+}
+
+/// Hello, Challenge, Auth, Welcome; returns the node's data address, flows and id.
+async fn handshake(
+    ctl: &mut Control,
+    shared: &Shared,
+) -> Result<(SocketAddr, u16, String), SessionError> {
+    let secret = shared.cfg.secret.as_deref();
+    let (node_nonce, data_addr, flows, node_id) = match ctl.recv().await? {
+        Message::Hello {
+            node_id,
+            nonce,
+            data_addr,
+            flows,
+        } => (nonce, data_addr, flows, node_id),
+        other => {
+            return Err(SessionError::Unexpected {
+                expected: "Hello",
+                got: kind(&other),
+            });
+        }
+    };
+    let mut src_nonce = [0u8; NONCE_LEN];
+    rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| FrameError::Io(e.into()))?;
+    ctl.send(&Message::Challenge {
+        nonce: src_nonce,
+        auth_required: secret.is_some(),
+    })
+    .await?;
+    let mac = match ctl.recv().await? {
+        Message::Auth { mac } => mac,
+        other => {
+            return Err(SessionError::Unexpected {
+                expected: "Auth",
+                got: kind(&other),
+            });
+        }
+    };
+    let welcome = match secret {
+        Some(s) => {
+            if !auth::ct_eq(&mac, &auth::proof(s, Role::Node, &node_nonce, &src_nonce)) {
+                let _ = ctl
+                    .error(0, ErrorCode::AuthFailed, "wrong secret".into())
+                    .await;
+                return Err(SessionError::AuthFailed);
+            }
+            auth::proof(s, Role::Source, &node_nonce, &src_nonce)
+        }
+        None => [0; 32],
+    };
+    let idle_timeout_s = ctl.idle.as_secs().clamp(1, u64::from(u16::MAX)) as u16;
+    ctl.send(&Message::Welcome {
+        mac: welcome,
+        idle_timeout_s,
+    })
+    .await?;
+    Ok((data_addr, flows, node_id))
+}
+
+/// Dials the node's data port `flows` times, reporting each connection's local address.
+async fn dial_data(
+    ctl: &mut Control,
+    shared: &Shared,
+    data_addr: SocketAddr,
+    flows: u16,
+    failed: &Arc<Notify>,
+    progress: &Arc<Notify>,
+) -> Result<Vec<Sender>, SessionError> {
     let per_flow_rate = shared.cfg.rate_limit / u64::from(flows);
     let mut senders = Vec::with_capacity(flows as usize);
+    let data_err = |source| SessionError::DataConnect {
+        addr: data_addr,
+        source,
+    };
     for conn in 0..flows {
-        let s =
-            TcpStream::connect(data_addr)
-                .await
-                .map_err(|source| SessionError::DataConnect {
-                    addr: data_addr,
-                    source,
-                })?;
-        let local = s.local_addr().map_err(|source| SessionError::DataConnect {
-            addr: data_addr,
-            source,
-        })?;
-        let std = s.into_std().map_err(|source| SessionError::DataConnect {
-            addr: data_addr,
-            source,
-        })?;
-        std.set_nonblocking(false)
-            .map_err(|source| SessionError::DataConnect {
-                addr: data_addr,
-                source,
-            })?;
-        write_message(&mut wr, &Message::DataConn { conn, addr: local }).await?;
+        let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(data_addr))
+            .await
+            .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
+            .map_err(data_err)?;
+        let local = s.local_addr().map_err(data_err)?;
+        let std = s.into_std().map_err(data_err)?;
+        std.set_nonblocking(false).map_err(data_err)?;
+        ctl.send(&Message::DataConn { conn, addr: local }).await?;
+        let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
         senders.push(Sender::spawn(
             std,
             conn,
             per_flow_rate,
-            Arc::clone(&failed),
+            Arc::clone(failed),
             shared.cfg.devmem_tx.as_ref().map(|p| &p.buffer),
+            p,
         ));
     }
+    Ok(senders)
+}
 
-    loop {
-        let msg = tokio::select! {
-            m = read_message(&mut rd, &mut buf) => match m {
-                Ok(m) => m,
-                Err(FrameError::Closed) => return Ok(()),
-                Err(e) => return Err(e.into()),
-            },
-            _ = failed.notified() => return Err(SessionError::DataFailed),
-        };
+/// A FETCH waiting for a data connection with room.
+struct Queued {
+    req: u64,
+    job: Job,
+    shard: u32,
+    crc32c: u32,
+}
+
+struct Session {
+    ctl: Control,
+    shared: Arc<Shared>,
+    senders: Vec<Sender>,
+    waiting: VecDeque<Queued>,
+    failed: Arc<Notify>,
+    progress: Arc<Notify>,
+}
+
+impl Session {
+    async fn serve(mut self) -> Result<(), SessionError> {
+        let idle = self.ctl.idle;
+        let keepalive = (idle / 3).max(Duration::from_millis(300));
+        let mut last_heard = Instant::now();
+        loop {
+            self.dispatch().await?;
+            let ping_at = self.ctl.last_sent + keepalive;
+            let msg = tokio::select! {
+                m = self.ctl.recv() => match m {
+                    Ok(m) => m,
+                    Err(FrameError::Closed) => return Ok(()),
+                    Err(e) => return Err(e.into()),
+                },
+                _ = self.failed.notified() => return Err(SessionError::DataFailed),
+                _ = self.progress.notified() => continue,
+                _ = tokio::time::sleep_until(ping_at) => {
+                    self.ctl.send(&Message::Ping).await?;
+                    continue;
+                }
+                _ = tokio::time::sleep_until(last_heard + idle) => return Err(SessionError::Idle(idle)),
+            };
+            last_heard = Instant::now();
+            self.handle(msg).await?;
+        }
+    }
+
+    async fn handle(&mut self, msg: Message) -> Result<(), SessionError> {
         match msg {
-            Message::ManifestRequest { dataset } => match shared.datasets.get(&dataset) {
-                Some(d) => {
-                    write_message(
-                        &mut wr,
-                        &Message::Manifest {
-                            dataset,
-                            json: d.manifest_json.clone(),
-                        },
-                    )
-                    .await?
-                }
-                None => {
-                    let message = format!("dataset `{dataset}` is not served here");
-                    write_message(
-                        &mut wr,
-                        &Message::Error {
-                            req: 0,
-                            code: ErrorCode::UnknownDataset,
-                            message,
-                        },
-                    )
-                    .await?;
-                }
-            },
+            Message::ManifestRequest { req, dataset } => {
+                let answer = match self.shared.datasets.get(&dataset) {
+                    Some(d) => Message::Manifest {
+                        req,
+                        dataset,
+                        json: d.manifest_json.clone(),
+                    },
+                    None => Message::Error {
+                        req,
+                        code: ErrorCode::UnknownDataset,
+                        message: format!("dataset `{dataset}` is not served here"),
+                    },
+                };
+                self.ctl.send(&answer).await
+            }
             Message::Fetch {
                 req,
                 dataset,
                 shard,
-            } => {
-                let Some(d) = shared.datasets.get(&dataset) else {
-                    let message = format!("dataset `{dataset}` is not served here");
-                    write_message(
-                        &mut wr,
-                        &Message::Error {
-                            req,
-                            code: ErrorCode::UnknownDataset,
-                            message,
-                        },
-                    )
-                    .await?;
-                    continue;
-                };
-                let Some(entry) = d.manifest.shards.get(shard as usize) else {
-                    let message = format!(
-                        "shard {shard} is out of range: dataset `{dataset}` has {} shards",
-                        d.manifest.shards.len()
-                    );
-                    write_message(
-                        &mut wr,
-                        &Message::Error {
-                            req,
-                            code: ErrorCode::UnknownShard,
-                            message,
-                        },
-                    )
-                    .await?;
-                    continue;
-                };
-                let (conn, sender) = senders
-                    .iter_mut()
-                    .enumerate()
-                    .min_by_key(|(_, s)| s.queued.load(Ordering::Relaxed))
-                    .expect("at least one flow");
-                let seq = sender.seq;
-                sender.seq += 1;
-                write_message(
-                    &mut wr,
-                    &Message::Shard {
-                        req,
-                        shard,
-                        length: entry.length,
-                        crc32c: entry.crc32c,
-                        conn: conn as u16,
-                        seq,
-                    },
-                )
-                .await?;
-                let corrupt = shared
-                    .corrupt_left
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                    .is_ok();
-                let job = Job {
-                    file: Arc::clone(&d.files[shard as usize]),
-                    offset: entry.offset,
-                    len: entry.length,
-                    corrupt,
-                };
-                if !sender.push(job) {
-                    return Err(SessionError::DataFailed);
+            } => self.queue(req, &dataset, shard).await,
+            Message::Cancel { req } => {
+                if let Some(at) = self.waiting.iter().position(|q| q.req == req) {
+                    self.waiting.remove(at);
+                    tracing::debug!(req, "FETCH cancelled before it was sent");
+                    metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
+                    let why = "cancelled by the node before it was sent".to_string();
+                    self.ctl.error(req, ErrorCode::Cancelled, why).await?;
                 }
+                Ok(())
             }
+            Message::Ping => Ok(()),
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
-                let _ = write_message(
-                    &mut wr,
-                    &Message::Error {
-                        req: 0,
-                        code: ErrorCode::BadRequest,
-                        message: message.clone(),
-                    },
-                )
-                .await;
-                return Err(SessionError::Unexpected {
-                    expected: "ManifestRequest or Fetch",
+                let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
+                Err(SessionError::Unexpected {
+                    expected: "ManifestRequest, Fetch, Cancel or Ping",
                     got: kind(&other),
-                });
+                })
             }
         }
+    }
+
+    /// Checks a FETCH and queues it (or answers it with an error).
+    async fn queue(&mut self, req: u64, dataset: &str, shard: u32) -> Result<(), SessionError> {
+        let Some(d) = self.shared.datasets.get(dataset) else {
+            let message = format!("dataset `{dataset}` is not served here");
+            return self
+                .ctl
+                .error(req, ErrorCode::UnknownDataset, message)
+                .await;
+        };
+        let Some(entry) = d.manifest.shards.get(shard as usize) else {
+            let message = format!(
+                "shard {shard} is out of range: dataset `{dataset}` has {} shards",
+                d.manifest.shards.len()
+            );
+            return self.ctl.error(req, ErrorCode::UnknownShard, message).await;
+        };
+        if self.waiting.len() >= MAX_QUEUED_FETCHES {
+            return Err(SessionError::TooManyFetches(self.waiting.len()));
+        }
+        let corrupt = self
+            .shared
+            .corrupt_left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        let job = Job {
+            file: Arc::clone(&d.files[shard as usize]),
+            offset: entry.offset,
+            len: entry.length,
+            corrupt,
+        };
+        self.waiting.push_back(Queued {
+            req,
+            job,
+            shard,
+            crc32c: entry.crc32c,
+        });
+        Ok(())
+    }
+
+    /// Announces and hands out queued FETCHes while a data connection has room (the least
+    /// loaded first).
+    async fn dispatch(&mut self) -> Result<(), SessionError> {
+        while !self.waiting.is_empty() {
+            let Some((conn, _)) = self
+                .senders
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.has_room())
+                .min_by_key(|(_, s)| s.progress.bytes.load(Ordering::Relaxed))
+            else {
+                return Ok(());
+            };
+            let q = self.waiting.pop_front().expect("not empty");
+            let seq = self.senders[conn].seq;
+            self.senders[conn].seq += 1;
+            self.ctl
+                .send(&Message::Shard {
+                    req: q.req,
+                    shard: q.shard,
+                    length: q.job.len,
+                    crc32c: q.crc32c,
+                    conn: conn as u16,
+                    seq,
+                })
+                .await?;
+            if !self.senders[conn].push(q.job) {
+                return Err(SessionError::DataFailed);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_named_by_kind() {
+        assert_eq!(kind(&Message::Ping), "Ping");
+        assert_eq!(kind(&Message::Cancel { req: 3 }), "Cancel");
     }
 }

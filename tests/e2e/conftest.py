@@ -10,7 +10,7 @@ test_index.py) are unaffected. Tests opt in by naming the fixtures:
 - Module-level helpers: dataset writers (numpy ``np.save``, pyarrow IPC file/stream),
   ``index_dataset``, ``expected_crcs`` (CRC-32C of each tensor's bytes in the dataset files,
   from the manifest), ``get_status``/``wait_for``/``wait_ready`` for the admin API, and
-  ``vm_rss`` for /proc/PID/status.
+  ``vm_rss`` / ``open_fds`` for /proc/PID.
 
 The binary is ``$SHARDWIRE_BIN`` or ``<repo>/target/debug/shardwire``.
 """
@@ -487,6 +487,11 @@ def vm_rss(pid: int) -> int:
                 assert parts[2] == "kB", line
                 return int(parts[1]) * 1024
     raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def open_fds(pid: int) -> int:
+    """Number of open file descriptors of `pid` (entries of /proc/PID/fd)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 MiB = 1 << 20

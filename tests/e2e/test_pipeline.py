@@ -361,8 +361,8 @@ MALFORMED = {
     "garbage": b"GET / HTTP/1.1\r\nHost: shardwire\r\n\r\n" + bytes(range(256)),
     "bad version": _frame(9, 1, b"\x00" * 40),
     "length 0xFFFFFFFF": b"\xff\xff\xff\xff" + b"\x01\x01" + b"\x00" * 64,
-    "unknown kind": _frame(1, 99, b"\x00\x01\x02\x03"),
-    "truncated hello": _frame(1, 1, b"\x00\x05gpu"),
+    "unknown kind": _frame(2, 99, b"\x00\x01\x02\x03"),
+    "truncated hello": _frame(2, 1, b"\x00\x05gpu"),
     "zero length": b"\x00\x00\x00\x00",
 }
 

@@ -360,6 +360,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         cfg,
     });
     tracing::info!(receive = %node.receive(), reason = %node.mode_reason(), "memory and receive mode chosen");
+    tracing::info!(pool_size = %node.cfg.pool_size, "{}", node.cfg.stream_memory_origin());
     tokio::spawn(matcher::accept_loop(Arc::clone(&node), data, watch.clone()));
     for l in &node.links {
         tokio::spawn(link::run(Arc::clone(&node), Arc::clone(l), watch.clone()));

@@ -26,6 +26,10 @@ const CHUNK: usize = 1 << 20;
 /// socket fills the next; four absorb a copy that runs late without stalling `recv`.
 const STAGING_BUFFERS: usize = 4;
 
+/// A payload that stops arriving for this long (a source that is alive on its control
+/// connection but stalls a data connection) fails the fetch and resets the link.
+pub const DATA_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Per-flow counters (for `shardwire bench`).
 #[derive(Debug, Default)]
 pub struct FlowStats {
@@ -58,6 +62,11 @@ pub fn spawn(
     sock: TcpStream,
     rx: Receiver<PendingFetch>,
 ) {
+    if let Err(e) = sock.set_read_timeout(Some(DATA_STALL_TIMEOUT)) {
+        tracing::error!(source = %link.addr, conn, error = %e, "cannot set a read timeout on a data connection; dropping it");
+        link.kick();
+        return;
+    }
     let sock = match node.devmem() {
         None => PayloadReader::Plain(sock),
         Some(region) => match region.reader(sock) {

@@ -387,6 +387,7 @@ pub async fn fetcher(node: Arc<Node>, s: Arc<StreamShared>, start: u64) {
                     match &f {
                         FetchFailure::Crc { got, want } => tracing::warn!(shard = o.shard, got, want, "refetching after CRC mismatch"),
                         FetchFailure::Source(why) => tracing::warn!(shard = o.shard, %why, "refetching after source failure"),
+                        FetchFailure::Cancelled => tracing::warn!(shard = o.shard, "refetching a fetch the source cancelled"),
                     }
                     retry.push_back(Retry { pos: o.pos, shard: o.shard, slab: o.slab, avoid: Some(o.source) });
                 }
@@ -427,13 +428,22 @@ fn issue(
         crc32c: entry.crc32c,
         done: tx.clone(),
         source: link.index,
+        stream: s.id,
     };
     let req = node.next_id();
     tracing::debug!(req, shard = r.shard, pos = r.pos, source = %link.addr, "FETCH");
-    link.fetch(req, &s.dataset, p).map_err(|p| Retry {
-        pos: p.pos,
-        shard: p.shard,
-        slab: p.slab,
-        avoid: r.avoid,
+    link.fetch(req, &s.dataset, p).map_err(|failed| {
+        let (p, e) = *failed;
+        if let super::link::SendError::Encode { .. } = e {
+            // Names are checked when the stream opens, so this is a bug, not a retry.
+            tracing::error!(error = %e, "cannot send a FETCH; closing the stream");
+            s.close(&e.to_string());
+        }
+        Retry {
+            pos: p.pos,
+            shard: p.shard,
+            slab: p.slab,
+            avoid: r.avoid,
+        }
     })
 }

@@ -9,9 +9,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use shardwire_client::fdpass::{self, FrameIoError};
+use shardwire_client::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::PlanSpec;
 use shardwire_protocol::trainer::{self, Request, Response, TRAINER_VERSION};
@@ -36,23 +37,51 @@ pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> s
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     std::thread::Builder::new()
         .name("sw-trainer-accept".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                if *shutdown.borrow() {
-                    return;
-                }
-                match conn {
-                    Ok(s) => {
-                        let node = Arc::clone(&node);
-                        let _ = std::thread::Builder::new()
-                            .name("sw-trainer".into())
-                            .spawn(move || serve(&node, s));
-                    }
-                    Err(e) => tracing::warn!(error = %e, "trainer accept failed"),
-                }
-            }
-        })?;
+        .spawn(move || accept_loop(&node, &listener, &shutdown))?;
     Ok(())
+}
+
+/// One thread per trainer connection, at most `trainer_max_connections` at once; a
+/// connection over the limit is refused with an error frame naming the limit.
+fn accept_loop(node: &Arc<Node>, listener: &UnixListener, shutdown: &watch::Receiver<bool>) {
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let max = node.cfg.trainer_max_connections;
+    for conn in listener.incoming() {
+        if *shutdown.borrow() {
+            return;
+        }
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "trainer accept failed");
+                continue;
+            }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= max {
+            active.fetch_sub(1, Ordering::AcqRel);
+            metrics::counter!("shardwire_trainer_refused_total", "reason" => "connections")
+                .increment(1);
+            tracing::warn!(
+                limit = max,
+                "trainer refused: trainer_max_connections reached"
+            );
+            let msg = format!(
+                "this node serves at most {max} trainer connections at once (trainer_max_connections)"
+            );
+            let _ = reply(&s, &error("too_many_connections", msg), &[]);
+            continue; // dropping `s` closes it; the trainer reads the refusal first
+        }
+        let (node, active) = (Arc::clone(node), Arc::clone(&active));
+        let spawned = std::thread::Builder::new()
+            .name("sw-trainer".into())
+            .spawn(move || {
+                serve(&node, s);
+                active.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a trainer thread");
+        }
+    }
 }
 
 fn reply(
@@ -108,6 +137,8 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                     "uid {uid} / gid {gid} is not allowed to use this node (allowed_uids, allowed_gids)"
                 );
                 let _ = reply(&sock, &error("forbidden", msg), &[]);
+                metrics::counter!("shardwire_trainer_refused_total", "reason" => "peer")
+                    .increment(1);
                 linger_for_the_request(&sock);
                 return;
             }
@@ -127,9 +158,23 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     let mut released = Vec::new();
     let mut next_took = None;
     let mut stream: Option<Arc<StreamShared>> = None;
+    let request = Duration::from_secs(node.cfg.trainer_request_timeout_secs);
+    let idle = match node.cfg.trainer_idle_timeout_secs {
+        0 => None,
+        t => Some(Duration::from_secs(t)),
+    };
     loop {
+        // Before `attach` a trainer has the request timeout; attached, the idle timeout.
+        let limits = ReadLimits {
+            idle: if stream.is_some() {
+                idle
+            } else {
+                Some(request)
+            },
+            frame: request,
+        };
         // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
-        let req = match reader.read_data(&sock) {
+        let req = match reader.read_data_timed(&sock, limits) {
             Ok(body) => match Request::decode(body) {
                 Ok(r) => r,
                 Err(e) => {
@@ -139,6 +184,18 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 }
             },
             Err(FrameIoError::Closed) => break,
+            Err(e @ FrameIoError::Timeout { phase, .. }) => {
+                let attached = stream.is_some();
+                let (label, key) = match phase {
+                    ReadPhase::Idle if attached => ("idle", "trainer_idle_timeout_secs"),
+                    _ => ("request", "trainer_request_timeout_secs"),
+                };
+                metrics::counter!("shardwire_trainer_timeouts_total", "phase" => label)
+                    .increment(1);
+                tracing::warn!(error = %e, attached, "closing a trainer connection ({key})");
+                let _ = reply(&sock, &error("timeout", format!("{e} ({key})")), &[]);
+                break;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "trainer connection failed");
                 let _ = reply(&sock, &error("bad_request", e.to_string()), &[]);
@@ -281,6 +338,16 @@ fn gpu_ref(node: &Node, region: &shardwire_gpu::Region) -> Option<trainer::GpuRe
 /// may close a stream whose trainer disconnects later).
 pub fn close_stream(node: &Node, s: &StreamShared, reason: &str) {
     s.close(reason);
+    // Fetches not yet on the wire are dropped at the source (DESIGN §3: a closed stream
+    // costs no more bandwidth); the ones already announced arrive and are discarded.
+    let cancelled: usize = s.candidates.iter().map(|l| l.cancel_stream(s.id)).sum();
+    if cancelled > 0 {
+        tracing::debug!(
+            stream = s.id,
+            cancelled,
+            "asked the sources to cancel queued fetches"
+        );
+    }
     if node
         .streams
         .lock()
@@ -336,6 +403,10 @@ pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, Ope
     if epochs == 0 {
         return Err(("bad_request", "epochs must be at least 1".into()));
     }
+    // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
+    // must fail this request, never the source links shared by every stream.
+    shardwire_protocol::wire::check_dataset_name(&dataset)
+        .map_err(|e| ("bad_request", e.to_string()))?;
     let (manifest, candidates) = node.rt.block_on(manifest_for(node, &dataset))?;
     let shards = u32::try_from(manifest.shards.len())
         .map_err(|_| ("bad_request", "too many shards".to_string()))?;
@@ -375,7 +446,7 @@ pub(crate) fn open(node: &Arc<Node>, a: Attach) -> Result<Arc<StreamShared>, Ope
             u64::from(st.epoch) * spec.per_rank() + st.index
         }
     };
-    let region_bytes = node.cfg.stream_memory.0;
+    let region_bytes = node.cfg.stream_memory();
     let largest = manifest.shards.iter().map(|s| s.length).max().unwrap_or(0) as usize;
     let class = shardwire_gpu::SlabPool::class_size(largest) as u64;
     if class * 2 > region_bytes {
@@ -444,7 +515,10 @@ async fn manifest_for(
     }
     let mut answers = Vec::new();
     for l in node.links.iter().filter(|l| l.is_up()) {
-        answers.push((Arc::clone(l), l.request_manifest(dataset).await));
+        answers.push((
+            Arc::clone(l),
+            l.request_manifest(node.next_id(), dataset).await,
+        ));
     }
     let mut errors = Vec::new();
     let mut chosen: Option<Arc<Manifest>> = None;

@@ -1,0 +1,131 @@
+//! The HTTP server under the admin and trainer APIs, with a bound on every connection state:
+//! at most `http_max_connections` connections are served at once (more wait in the kernel's
+//! backlog), a request head must arrive within `http_header_timeout_secs` (this also ends an
+//! idle keep-alive connection; hyper's header-read timer), and a request body within
+//! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use shardwire_config::ServeConfig;
+use tokio::sync::{Semaphore, watch};
+
+use crate::admin::api_error;
+
+/// Largest request body on any route.
+pub const BODY_LIMIT: usize = 64 << 10;
+
+/// The bounds the server enforces.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// Time for a request head (and for an idle keep-alive connection's next one).
+    pub header_timeout: Duration,
+    /// Time for a request body.
+    pub body_timeout: Duration,
+}
+
+impl Limits {
+    /// The limits a node is configured with.
+    pub fn from_config(cfg: &ServeConfig) -> Self {
+        Self {
+            max_connections: cfg.http_max_connections,
+            header_timeout: Duration::from_secs(cfg.http_header_timeout_secs),
+            body_timeout: Duration::from_secs(cfg.http_body_timeout_secs),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` turns true (connections in progress are
+/// asked to finish their current request).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let app = app.layer(axum::middleware::from_fn_with_state(limits, bounded_body));
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&slots).acquire_owned() => p.expect("never closed"),
+            _ = shutdown.changed() => return,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => return,
+        };
+        let svc = TowerToHyperService::new(app.clone());
+        let mut stop = shutdown.clone();
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .serve_connection(TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            let done = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = done {
+                if e.is_timeout() {
+                    metrics::counter!("shardwire_http_timeouts_total", "phase" => "header")
+                        .increment(1);
+                    tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
+                } else {
+                    tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Reads the whole request body within the body timeout (and [`BODY_LIMIT`]) before the
+/// handler runs: a client that promises more than it sends gets `408` instead of holding
+/// the handler.
+async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let read = axum::body::to_bytes(body, BODY_LIMIT);
+    match tokio::time::timeout(limits.body_timeout, read).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Ok(Err(e)) => api_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "bad_request",
+            format!("cannot read the request body (at most {BODY_LIMIT} bytes): {e}"),
+        ),
+        Err(_) => {
+            metrics::counter!("shardwire_http_timeouts_total", "phase" => "body").increment(1);
+            api_error(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the request body did not arrive within {:?} (http_body_timeout_secs)",
+                    limits.body_timeout
+                ),
+            )
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The node's Prometheus exposition: the recorder, every family's `# HELP`, every documented
+//! series registered at 0 when the node starts, periodic upkeep, and a render whose family and
+//! series order is the same on every scrape (the exporter keeps them in hash maps).
+//!
+//! Hot-path counters live in atomics ([`crate::node::Counters`]) and are copied into the
+//! recorder on each scrape; only the latency histograms are recorded as they happen, and
+//! [`upkeep`] folds their samples into buckets every few seconds so that memory stays flat
+//! whether or not anyone scrapes.
+
+use std::fmt::Write as _;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// How often histogram samples are folded into their buckets.
+pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The process-wide Prometheus recorder (installed, and every family described, on first use).
+pub fn handle() -> &'static PrometheusHandle {
+    static H: OnceLock<PrometheusHandle> = OnceLock::new();
+    H.get_or_init(|| {
+        // Latency buckets from 10 us (trainer hand-off) to 10 s (a slow fetch).
+        let latency = [
+            0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01,
+            0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+        ];
+        let h = PrometheusBuilder::new()
+            .set_buckets(&latency)
+            .expect("non-empty buckets")
+            .install_recorder()
+            .expect("no other metrics recorder is installed");
+        describe();
+        h
+    })
+}
+
+/// Folds histogram samples into buckets every [`UPKEEP_INTERVAL`] until the runtime stops.
+pub async fn upkeep() {
+    let mut tick = tokio::time::interval(UPKEEP_INTERVAL);
+    loop {
+        tick.tick().await;
+        handle().run_upkeep();
+    }
+}
+
+/// Counters exported as floating-point seconds, rendered by us (the recorder's counters are
+/// integers): `shardwire_stall_seconds_total{cause}`.
+pub const STALL: &str = "shardwire_stall_seconds_total";
+const STALL_HELP: &str = "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+
+/// One line of help per family: (kind, name, help).
+const FAMILIES: &[(&str, &str, &str)] = &[
+    (
+        "counter",
+        "shardwire_bytes_received_total",
+        "Payload bytes received and verified, by receive mode",
+    ),
+    (
+        "counter",
+        "shardwire_shards_received_total",
+        "Shards received and verified, by receive mode",
+    ),
+    (
+        "counter",
+        "shardwire_crc_failures_total",
+        "Payloads whose CRC-32C did not match the manifest (each is fetched again, never delivered)",
+    ),
+    (
+        "counter",
+        "shardwire_refetches_total",
+        "FETCHes issued again after a failure",
+    ),
+    (
+        "counter",
+        "shardwire_fetches_cancelled_total",
+        "Fetches of closed streams that sources dropped before sending them",
+    ),
+    (
+        "counter",
+        "shardwire_batches_delivered_total",
+        "Batches handed to trainers",
+    ),
+    (
+        "counter",
+        "shardwire_source_bytes_received_total",
+        "Payload bytes received from each source",
+    ),
+    (
+        "counter",
+        "shardwire_h2d_staging_stalls_total",
+        "Times a receiver waited for a pinned staging buffer whose host-to-GPU copy had not finished",
+    ),
+    (
+        "counter",
+        "shardwire_admin_auth_fails_total",
+        "Mutating admin requests refused, by reason (missing or wrong token)",
+    ),
+    (
+        "counter",
+        "shardwire_http_timeouts_total",
+        "HTTP connections or requests ended by a timeout, by phase (header: the request head did not arrive in time; body: the body did not)",
+    ),
+    (
+        "counter",
+        "shardwire_trainer_timeouts_total",
+        "Trainer socket connections closed by a timeout, by phase (request: no attach or an unfinished frame; idle: an attached trainer sent nothing)",
+    ),
+    (
+        "counter",
+        "shardwire_trainer_refused_total",
+        "Trainer socket connections refused, by reason (connections: over trainer_max_connections; peer: uid/gid not allowed)",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_frags_total",
+        "Devmem frags received (devmem and devmem-sim)",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_bytes_total",
+        "Payload bytes received into the RX dma-buf",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_tokens_returned_total",
+        "Frag tokens given back to the kernel with SO_DEVMEM_DONTNEED",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_host_bytes_total",
+        "Bytes a devmem socket delivered in host memory, by kind (linear: headers and small payloads; plain: before the binding)",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_pool_exhausted_total",
+        "Times a devmem receiver waited for free net_iovs",
+    ),
+    (
+        "gauge",
+        "shardwire_source_up",
+        "1 while the control connection to the source is up and authenticated",
+    ),
+    (
+        "gauge",
+        "shardwire_pool_bytes_used",
+        "Bytes of stream regions holding shards (fetched ahead or leased)",
+    ),
+    (
+        "gauge",
+        "shardwire_pool_bytes_free",
+        "Bytes of stream regions free",
+    ),
+    (
+        "gauge",
+        "shardwire_pool_bytes_reserved",
+        "Bytes of pool_size reserved by open streams",
+    ),
+    (
+        "gauge",
+        "shardwire_leases_outstanding",
+        "Batches leased to trainers and not yet released",
+    ),
+    ("gauge", "shardwire_streams_open", "Open streams"),
+    (
+        "gauge",
+        "shardwire_devmem_niovs",
+        "net_iovs of the RX binding, by state (free, in_use)",
+    ),
+    (
+        "histogram",
+        "shardwire_fetch_duration_seconds",
+        "Time from FETCH to a verified shard",
+    ),
+    (
+        "histogram",
+        "shardwire_trainer_next_duration_seconds",
+        "Time a trainer's next took in the node, by API (socket, http)",
+    ),
+];
+
+fn describe() {
+    for &(kind, name, help) in FAMILIES {
+        match kind {
+            "counter" => describe_counter!(name, help),
+            "gauge" => describe_gauge!(name, help),
+            _ => describe_histogram!(name, help),
+        }
+    }
+}
+
+/// Registers every documented series at 0, so a scrape shows each family from the start
+/// (labels: the receive mode, the configured sources).
+pub fn register_zero(mode: &str, sources: &[String]) {
+    for &(kind, name, _) in FAMILIES {
+        match (kind, name) {
+            ("counter", "shardwire_bytes_received_total" | "shardwire_shards_received_total") => {
+                metrics::counter!(name, "mode" => mode.to_owned()).absolute(0)
+            }
+            ("counter", "shardwire_source_bytes_received_total") => {
+                for s in sources {
+                    metrics::counter!(name, "source" => s.clone()).absolute(0);
+                }
+            }
+            ("gauge", "shardwire_source_up") => {
+                for s in sources {
+                    metrics::gauge!(name, "source" => s.clone()).set(0.0);
+                }
+            }
+            ("counter", _) => {
+                for labels in labels_of(name) {
+                    metrics::counter!(name, &labels).absolute(0);
+                }
+            }
+            ("gauge", _) => {
+                for labels in labels_of(name) {
+                    metrics::gauge!(name, &labels).set(0.0);
+                }
+            }
+            (_, "shardwire_trainer_next_duration_seconds") => {
+                for api in ["socket", "http"] {
+                    let _ = metrics::histogram!(name, "api" => api);
+                }
+            }
+            _ => {
+                let _ = metrics::histogram!(name);
+            }
+        }
+    }
+}
+
+/// The fixed label sets of a family (one empty set for families without labels).
+fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
+    let one = |key: &'static str, values: &[&'static str]| -> Vec<Vec<(&str, &str)>> {
+        values.iter().map(|v| vec![(key, *v)]).collect()
+    };
+    match name {
+        "shardwire_admin_auth_fails_total" => one("reason", &["missing", "wrong"]),
+        "shardwire_http_timeouts_total" => one("phase", &["header", "body"]),
+        "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle"]),
+        "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
+        "shardwire_devmem_host_bytes_total" => one("kind", &["linear", "plain"]),
+        "shardwire_devmem_niovs" => one("state", &["free", "in_use"]),
+        _ => vec![vec![]],
+    }
+}
+
+/// The exposition text: the recorder's families in name order (counter and gauge series in
+/// label order; histogram series as the recorder keeps them, in registration order, each
+/// with its buckets in `le` order), then the float counters given as (labels, value).
+pub fn render(stall: &[(&str, f64)]) -> String {
+    let mut blocks: Vec<(String, String)> = handle()
+        .render()
+        .split("\n\n")
+        .filter(|b| !b.trim().is_empty())
+        .map(|b| (family_name(b), sorted_block(b)))
+        .collect();
+    let mut own = String::new();
+    let _ = writeln!(own, "# HELP {STALL} {STALL_HELP}");
+    let _ = writeln!(own, "# TYPE {STALL} counter");
+    for (cause, v) in stall {
+        let _ = writeln!(own, "{STALL}{{cause=\"{cause}\"}} {v}");
+    }
+    blocks.push((STALL.to_owned(), own));
+    blocks.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = String::with_capacity(blocks.iter().map(|b| b.1.len() + 1).sum());
+    for (_, b) in blocks {
+        out.push_str(b.trim_end());
+        out.push_str("\n\n");
+    }
+    out
+}
+
+/// The family a block describes: the name on its `# TYPE` line (or its first sample's).
+fn family_name(block: &str) -> String {
+    block
+        .lines()
+        .find_map(|l| l.strip_prefix("# TYPE "))
+        .or_else(|| block.lines().find(|l| !l.starts_with('#')))
+        .and_then(|l| l.split([' ', '{']).next())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A block with its sample lines sorted, unless it is a histogram or summary (whose lines
+/// must stay grouped per series and in `le` order).
+fn sorted_block(block: &str) -> String {
+    let (comments, mut samples): (Vec<&str>, Vec<&str>) =
+        block.lines().partition(|l| l.starts_with('#'));
+    let grouped = comments
+        .iter()
+        .any(|l| l.starts_with("# TYPE") && (l.ends_with("histogram") || l.ends_with("summary")));
+    if !grouped {
+        samples.sort_unstable();
+    }
+    let mut out = String::with_capacity(block.len() + 1);
+    for l in comments.into_iter().chain(samples) {
+        out.push_str(l);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_sort_their_samples_except_histograms() {
+        let c = "# HELP a_total x\n# TYPE a_total counter\na_total{k=\"b\"} 1\na_total{k=\"a\"} 2";
+        assert_eq!(
+            sorted_block(c),
+            "# HELP a_total x\n# TYPE a_total counter\na_total{k=\"a\"} 2\na_total{k=\"b\"} 1\n"
+        );
+        let h = "# TYPE h histogram\nh_bucket{le=\"0.5\"} 1\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.1\nh_count 1";
+        assert_eq!(sorted_block(h), format!("{h}\n"));
+        assert_eq!(family_name(h), "h");
+    }
+
+    #[test]
+    fn every_family_is_documented_in_operations() {
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/OPERATIONS.md"
+        ))
+        .expect("docs/OPERATIONS.md exists");
+        for (_, name, _) in FAMILIES.iter().chain([&("counter", STALL, "")]) {
+            assert!(
+                doc.contains(name),
+                "docs/OPERATIONS.md does not mention {name}"
+            );
+        }
+    }
+}

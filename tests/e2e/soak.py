@@ -1,0 +1,166 @@
+"""Stream-churn soak: several clients open a stream, take every batch of an epoch over the raw
+trainer socket (one `next` per batch, releasing the previous lease), close it and start
+again, while nobody scrapes /metrics. The node's RSS is sampled once a second and its slope
+fitted by least squares after a warm-up: memory must stay flat whether or not anyone scrapes
+(the Prometheus recorder once kept every histogram sample until a scrape).
+
+Used by tests/e2e/test_soak.py (a short run in CI) and by `scripts/soak SECONDS` (the long
+run, printing the figures). Run directly: `python tests/e2e/soak.py --seconds 600`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from conftest import MiB, Harness, index_dataset, vm_rss, wait_ready, write_uint8_shards  # noqa: E402
+
+
+def _frame(obj: dict) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return struct.pack("<I", len(body)) + body
+
+
+class _Reader:
+    def __init__(self, s: socket.socket):
+        self.s, self.buf = s, b""
+
+    def frame(self) -> dict:
+        while True:
+            if len(self.buf) >= 4:
+                (n,) = struct.unpack_from("<I", self.buf)
+                if len(self.buf) >= 4 + n:
+                    body, self.buf = self.buf[4 : 4 + n], self.buf[4 + n :]
+                    return json.loads(body)
+            chunk = self.s.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("the node closed the trainer socket")
+            self.buf += chunk
+
+
+def one_epoch(sock_path: str, dataset: str, seed: int) -> int:
+    """Opens a stream, takes every batch of one epoch, closes it; returns the batch count."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(sock_path)
+        r = _Reader(s)
+        s.sendall(_frame({"op": "attach", "version": 1, "dataset": dataset, "seed": seed}))
+        a = r.frame()
+        if a.get("op") != "attached":
+            raise RuntimeError(f"attach refused: {a}")
+        n, release = 0, []
+        while True:
+            s.sendall(_frame({"op": "next", "release": release}))
+            b = r.frame()
+            if b["op"] == "end":
+                return n
+            if b["op"] != "batch":
+                raise RuntimeError(f"next answered {b}")
+            release, n = [b["lease"]], n + 1
+
+
+@dataclass
+class SoakResult:
+    seconds: float
+    streams: int
+    batches: int
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def slope_mib_per_min(self, warmup: float) -> float:
+        pts = [(t, r / MiB) for t, r in self.samples if t >= warmup]
+        if len(pts) < 3:
+            raise ValueError(f"only {len(pts)} RSS samples after the {warmup} s warm-up")
+        n = len(pts)
+        mt = sum(t for t, _ in pts) / n
+        mr = sum(r for _, r in pts) / n
+        cov = sum((t - mt) * (r - mr) for t, r in pts)
+        var = sum((t - mt) ** 2 for t, _ in pts)
+        return cov / var * 60.0
+
+    def summary(self, warmup: float) -> str:
+        rss = [r for _, r in self.samples]
+        return (f"{self.seconds:.0f} s, {self.streams} streams, {self.batches} batches "
+                f"({self.batches / self.seconds:.0f}/s), RSS {rss[0] / MiB:.1f} -> {rss[-1] / MiB:.1f} MiB "
+                f"(max {max(rss) / MiB:.1f}), slope after {warmup:.0f} s warm-up: "
+                f"{self.slope_mib_per_min(warmup):+.3f} MiB/min, errors: {len(self.errors)}")
+
+
+def churn(node_pid: int, sock_path: str, dataset: str, seconds: float, clients: int = 4) -> SoakResult:
+    """Runs `clients` churning threads for `seconds`, sampling the node's RSS every second."""
+    res = SoakResult(seconds=seconds, streams=0, batches=0)
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+
+    def client(k: int) -> None:
+        seed = k * 1_000_003
+        while time.monotonic() < deadline:
+            seed += 1
+            try:
+                n = one_epoch(sock_path, dataset, seed)
+            except (OSError, RuntimeError) as e:
+                with lock:
+                    res.errors.append(f"client {k}: {e}")
+                time.sleep(0.2)
+                continue
+            with lock:
+                res.streams += 1
+                res.batches += n
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    while time.monotonic() < deadline:
+        res.samples.append((time.monotonic() - t0, vm_rss(node_pid)))
+        time.sleep(1.0)
+    for t in threads:
+        t.join(90)
+    return res
+
+
+def soak_dataset(d: pathlib.Path) -> pathlib.Path:
+    """256 tiny shards: an epoch is 256 `next`s, so the churn is dominated by hand-offs."""
+    write_uint8_shards(d, 256, 1024, seed=11)
+    index_dataset(d)
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--warmup", type=float, default=30)
+    ap.add_argument("--max-slope", type=float, default=0.5, help="MiB/min; exit 1 above it")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="shardwire-soak-") as tmp:
+        h = Harness(pathlib.Path(tmp))
+        try:
+            d = soak_dataset(pathlib.Path(tmp) / "soak")
+            src = h.source({"soak": d})
+            node = h.serve([src], "--stream-memory", "4MiB", "--pool-size", "64MiB")
+            wait_ready(node)
+            res = churn(node.pid, node.socket, "soak", a.seconds, a.clients)
+        finally:
+            h.close()
+    slope = res.slope_mib_per_min(a.warmup)
+    print(f"soak: {res.summary(a.warmup)}")
+    for e in res.errors[:5]:
+        print(f"  error: {e}")
+    ok = slope < a.max_slope and not res.errors
+    print(f"soak: {'PASS' if ok else 'FAIL'} (slope limit {a.max_slope} MiB/min, no client errors)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Regression tests of the faults found by attacking the node and the source (issue "Faults
+under attack and over time"): each test reproduces one bug as it was found and asserts the
+fixed behaviour, so it failed before the fix.
+
+1. an over-long dataset name must fail its own request, never the source links;
+2. an unknown dataset fails only the attach that asked for it;
+3. the source buffers what arrives, not what a length prefix claims, and times out idle
+   sessions;
+5. admin HTTP bounds header and body read times;
+6. a closed stream's queued fetches are cancelled at the source;
+7. /metrics passes promtool, with HELP, every documented series and a stable order;
+8. no ANSI colour in logs that do not go to a terminal;
+9. `serve --pool-size` alone derives stream_memory.
+
+(4, the memory growth without a scraper, is test_soak.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import (
+    MiB,
+    SERVE_READY,
+    Serve,
+    assert_byte_exact,
+    assert_exactly_once,
+    expected_crcs,
+    http_get,
+    index_dataset,
+    vm_rss,
+    wait_for,
+    wait_ready,
+    write_uint8_shards,
+)
+
+WIRE_VERSION = 2
+
+
+# --- raw peers ------------------------------------------------------------------------------
+
+
+def trainer_call(sock_path: str, request: dict, timeout: float = 30.0) -> dict:
+    """Sends one trainer-socket request on a fresh connection and returns the first answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(sock_path)
+        body = json.dumps(request).encode()
+        s.sendall(struct.pack("<I", len(body)) + body)
+        return read_trainer_frame(s)
+
+
+def read_trainer_frame(s: socket.socket) -> dict:
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = s.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+            out += chunk
+        return out
+
+    (n,) = struct.unpack("<I", exact(4))
+    return json.loads(exact(n))
+
+
+def attach(dataset: str, **extra) -> dict:
+    return {"op": "attach", "version": 1, "dataset": dataset, **extra}
+
+
+def http_json(admin: str, method: str, path: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=body)
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, port = addr.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def closed_within(s: socket.socket, timeout: float) -> float | None:
+    """Seconds until the peer closed `s` (reading and discarding), or None if it did not."""
+    t0 = time.monotonic()
+    s.settimeout(0.2)
+    while time.monotonic() - t0 < timeout:
+        try:
+            if s.recv(65536) == b"":
+                return time.monotonic() - t0
+        except socket.timeout:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+    return None
+
+
+def control_frame(kind: int, body: bytes = b"") -> bytes:
+    return struct.pack(">IBB", 2 + len(body), WIRE_VERSION, kind) + body
+
+
+def read_control_frame(s: socket.socket) -> tuple[int, bytes]:
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = s.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    (n,) = struct.unpack(">I", exact(4))
+    frame = exact(n)
+    assert frame[0] == WIRE_VERSION, frame[:2]
+    return frame[1], frame[2:]
+
+
+def hello(data_addr: tuple[str, int], flows: int = 1) -> bytes:
+    node_id = b"test-node"
+    ip = socket.inet_aton(data_addr[0])
+    body = struct.pack(">H", len(node_id)) + node_id + b"\x00" * 32 + b"\x04" + ip + struct.pack(">HH", data_addr[1], flows)
+    return control_frame(1, body)
+
+
+def tiny_dataset(tmp_path, name="tiny", shards=4, size=64 * 1024, seed=1):
+    d = tmp_path / name
+    write_uint8_shards(d, shards, size, seed=seed)
+    index_dataset(d)
+    return d
+
+
+# --- 1. over-long dataset names ------------------------------------------------------------
+
+
+def test_oversize_dataset_names_fail_only_their_request(sw, tmp_path):
+    d = tiny_dataset(tmp_path, "ds", shards=16, size=256 * 1024)
+    expected = expected_crcs(d)
+    src = sw.source({"ds": d}, "--rate-limit", "1MiB")  # ~4 s: the attacks land mid-epoch
+    node = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "64MiB")
+    wait_ready(node)
+    consumer = sw.start_consume(node, "ds", seed=3)
+    wait_for(lambda: node.status()["streams"], "the healthy stream to open", diag=sw.logs_of_all)
+
+    for n in (256, 5000):
+        want = f"field `dataset` is {n} bytes long; the limit is 255"
+        r = trainer_call(node.socket, attach("x" * n))
+        assert r["op"] == "error" and r["code"] == "bad_request", r
+        assert want in r["message"], r
+        code, body = http_json(node.admin, "POST", "/v1/streams", json.dumps({"dataset": "y" * n}).encode())
+        assert code == 400 and body["code"] == "bad_request", (code, body)
+        assert want in body["message"], body
+    r = trainer_call(node.socket, attach("a/b"))
+    assert r["code"] == "bad_request" and "'/'" in r["message"], r
+
+    batches = consumer.result(timeout=120)
+    assert_exactly_once(batches, 16)
+    assert_byte_exact(batches, expected)
+    st = node.status()
+    assert st["counters"]["refetches"] == 0, st["counters"]
+    assert st["sources"][0]["up"], st["sources"]
+    log = node.stderr_text()
+    assert "source link down" not in log, log[-3000:]
+
+
+# --- 2. an unknown dataset fails only its own attach ----------------------------------------
+
+
+def test_unknown_dataset_fails_only_its_own_attach(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    node = sw.serve([src], "--stream-memory", "1MiB", "--pool-size", "64MiB")
+    wait_ready(node)
+    names = [("tiny" if i % 2 == 0 else f"nope-{i}") for i in range(50)]
+    answers: list[dict | str] = [""] * len(names)
+    start = threading.Barrier(len(names))
+
+    def one(i: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(60)
+            s.connect(node.socket)
+            body = json.dumps(attach(names[i])).encode()
+            start.wait()
+            s.sendall(struct.pack("<I", len(body)) + body)
+            try:
+                answers[i] = read_trainer_frame(s)
+            except OSError as e:
+                answers[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    wrong = [(n, a) for n, a in zip(names, answers) if n == "tiny" and (not isinstance(a, dict) or a.get("op") != "attached")]
+    assert not wrong, f"{len(wrong)} of 25 attaches of a served dataset failed: {wrong[:3]}"
+    for n, a in zip(names, answers):
+        if n != "tiny":
+            assert isinstance(a, dict) and a.get("code") == "unknown_dataset", (n, a)
+            assert f"dataset `{n}` is not served here" in a["message"], a
+    assert node.status()["sources"][0]["up"]
+
+
+# --- 3. the source's memory follows the bytes, and idle sessions time out -------------------
+
+
+def test_source_buffers_only_what_arrives(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    addr = host_port(src.addr)
+    time.sleep(0.5)
+    base = vm_rss(src.pid)
+    # Eight unauthenticated connections each claim a 64 MiB frame and send 4 bytes.
+    claims = []
+    for _ in range(8):
+        s = socket.create_connection(addr, timeout=10)
+        s.sendall(struct.pack(">I", 64 << 20))
+        claims.append(s)
+    time.sleep(1.0)
+    grown = vm_rss(src.pid) - base
+    closed = [closed_within(s, 5.0) for s in claims]
+    for s in claims:
+        s.close()
+    assert grown < 16 * MiB, f"source RSS grew by {grown / MiB:.0f} MiB for 8 connections that sent 4 bytes each"
+    assert all(c is not None for c in closed), f"connections claiming 64 MiB frames were kept open: {closed}"
+
+
+def test_source_drops_idle_sessions(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d}, "--idle-timeout-secs", "2")
+    addr = host_port(src.addr)
+    # A loopback node that completes the handshake, then goes silent: dropped after the idle
+    # timeout the source announced in Welcome.
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl = socket.create_connection(addr, timeout=10)
+    ctl.sendall(hello(data.getsockname()))
+    kind, _ = read_control_frame(ctl)
+    assert kind == 2, kind  # Challenge
+    ctl.sendall(control_frame(3, b"\x00" * 32))  # Auth (no secret: zeros)
+    kind, body = read_control_frame(ctl)
+    assert kind == 4, kind  # Welcome
+    (idle,) = struct.unpack(">H", body[32:34])
+    assert idle == 2, idle
+    conn, _ = data.accept()  # the source dials the data port
+    kind, _ = read_control_frame(ctl)
+    assert kind == 7, kind  # DataConn
+    t0 = time.monotonic()
+    pings = 0
+    ctl.settimeout(10)
+    try:
+        while True:
+            kind, _ = read_control_frame(ctl)
+            assert kind == 12, kind  # only Pings while idle
+            pings += 1
+    except (ConnectionError, ConnectionResetError):
+        pass
+    took = time.monotonic() - t0
+    assert 1.5 < took < 6, f"idle session closed after {took:.1f} s (idle timeout 2 s)"
+    assert pings >= 1, "the source sent no keepalive"
+    assert "idle timeout" in src.stderr_text(), src.stderr_text()[-2000:]
+    for s in (ctl, conn, data):
+        s.close()
+
+
+# --- 5. admin HTTP read timeouts -----------------------------------------------------------
+
+
+def test_admin_http_bounds_header_and_body_time(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    env = {"SHARDWIRE_HTTP_HEADER_TIMEOUT_SECS": "2", "SHARDWIRE_HTTP_BODY_TIMEOUT_SECS": "2"}
+    node = sw.serve([src], env=env)
+    wait_ready(node)
+    addr = host_port(node.admin)
+    lorises = [socket.create_connection(addr, timeout=10) for _ in range(10)]
+    stop = time.monotonic() + 8
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+
+    def drip(s: socket.socket) -> None:
+        for b in head:
+            if time.monotonic() > stop:
+                return
+            try:
+                s.send(bytes([b]))
+            except OSError:
+                return
+            time.sleep(1.0)
+
+    drips = [threading.Thread(target=drip, args=(s,), daemon=True) for s in lorises]
+    for t in drips:
+        t.start()
+    # The node answers others meanwhile.
+    assert http_get(node.admin, "/healthz")[0] == 200
+    closed = [closed_within(s, 6.0) for s in lorises]
+    assert all(c is not None for c in closed), f"slowloris connections still open: {closed}"
+    for s in lorises:
+        s.close()
+
+    # A body shorter than its Content-Length: 408 within about the body timeout.
+    with socket.create_connection(addr, timeout=10) as s:
+        s.sendall(b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"dataset\":")
+        t0 = time.monotonic()
+        s.settimeout(8)
+        reply = s.recv(4096)
+        took = time.monotonic() - t0
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert took < 5, f"408 took {took:.1f} s"
+    metrics = http_get(node.admin, "/metrics")[1]
+    assert re.search(r'shardwire_http_timeouts_total\{phase="header"\} ([1-9]\d*)', metrics), metrics
+    assert re.search(r'shardwire_http_timeouts_total\{phase="body"\} 1', metrics), metrics
+
+
+# --- 6. closed streams' fetches are cancelled at the source ---------------------------------
+
+
+def test_closed_streams_queued_fetches_are_cancelled(sw, tmp_path):
+    d = tmp_path / "big"
+    write_uint8_shards(d, 48, MiB - 4096, seed=5)  # each shard in a 1 MiB slab class
+    index_dataset(d)
+    src = sw.source({"big": d}, "--rate-limit", "4MiB")
+    node = sw.serve([src], "--stream-memory", "64MiB", "--pool-size", "128MiB", "--flows", "2")
+    wait_ready(node)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as t:
+        t.settimeout(60)
+        t.connect(node.socket)
+        body = json.dumps(attach("big")).encode()
+        t.sendall(struct.pack("<I", len(body)) + body)
+        assert read_trainer_frame(t)["op"] == "attached"
+        nxt = json.dumps({"op": "next"}).encode()
+        t.sendall(struct.pack("<I", len(nxt)) + nxt)
+        assert read_trainer_frame(t)["op"] == "batch"
+        wait_for(lambda: node.status()["streams"][0]["region_used"] >= 32 * MiB, "the fetch-ahead window to fill", diag=sw.logs_of_all)
+    # The trainer is gone: its stream closes and its queued fetches are cancelled.
+    wait_for(lambda: not node.status()["streams"], "the stream to close", diag=sw.logs_of_all)
+    at_close = node.status()["sources"][0]["bytes_received"]
+    time.sleep(3.0)
+    mid = node.status()["sources"][0]["bytes_received"]
+    time.sleep(2.0)
+    st = node.status()
+    end = st["sources"][0]["bytes_received"]
+    after = end - at_close
+    assert after <= 8 * MiB, f"{after / MiB:.1f} MiB arrived for a closed stream (rate limit 4 MiB/s)"
+    assert end == mid, f"the source still sends for a closed stream: {mid} -> {end} bytes"
+    assert st["sources"][0]["cancelled"] >= 30, st["sources"][0]
+    assert st["sources"][0]["in_flight"] == 0, st["sources"][0]
+    m = re.search(r"^shardwire_fetches_cancelled_total (\d+)", http_get(node.admin, "/metrics")[1], re.M)
+    assert m and int(m.group(1)) == st["sources"][0]["cancelled"], m
+
+
+# --- 7. metrics pass promtool ---------------------------------------------------------------
+
+
+def test_metrics_pass_promtool_with_help_and_a_stable_order(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    node = sw.serve([src])
+    wait_ready(node)
+    first = http_get(node.admin, "/metrics")[1]
+    # Documented series exist before anything happened, at 0.
+    for series in ('shardwire_admin_auth_fails_total{reason="missing"} 0',
+                   'shardwire_admin_auth_fails_total{reason="wrong"} 0',
+                   "shardwire_crc_failures_total 0",
+                   "shardwire_fetches_cancelled_total 0",
+                   'shardwire_stall_seconds_total{cause="network"} 0'):
+        assert series in first, f"{series!r} missing from the first scrape:\n{first}"
+    assert "# TYPE shardwire_stall_seconds_total counter" in first, first
+    assert "shardwire_stall_seconds{" not in first, "the old gauge is still exported"
+    families = re.findall(r"^# TYPE (\S+) ", first, re.M)
+    helped = set(re.findall(r"^# HELP (\S+) ", first, re.M))
+    assert len(families) >= 20 and set(families) <= helped, sorted(set(families) - helped)
+    assert families == sorted(families), families
+    sw.consume(node, "tiny", seed=1)
+    second = http_get(node.admin, "/metrics")[1]
+    assert re.findall(r"^# TYPE (\S+) ", second, re.M) == families
+    assert 'shardwire_trainer_next_duration_seconds_bucket{api="socket",le="+Inf"}' in second
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (Debian package `prometheus`; scripts/test installs it)")
+    for text in (first, second):
+        r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"promtool check metrics:\n{r.stdout}{r.stderr}"
+
+
+# --- 8. no colour in logs that go to a file -------------------------------------------------
+
+
+def test_logs_have_no_colour_off_a_terminal(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    node = sw.serve([src], env={"NO_COLOR": ""})  # NO_COLOR empty = unset (no-color.org)
+    wait_ready(node)
+    sw.consume(node, "tiny", seed=1)
+    log = node.stderr_text()
+    assert "node service ready" in log or "source link up" in log, log[-2000:]
+    assert "\x1b[" not in log, repr(log[:400])
+
+
+# --- 9. stream_memory derived from a small pool ----------------------------------------------
+
+
+def test_pool_size_alone_derives_stream_memory(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    node = sw.serve([src], "--pool-size", "64MiB")
+    wait_ready(node)
+    assert "stream_memory not set: using 64MiB" in node.stderr_text(), node.stderr_text()[-2000:]
+    assert node.status()["pool"]["stream_memory"] == 64 * MiB
+    assert len(sw.consume(node, "tiny", seed=2)) == 4
+    r = subprocess.run(
+        [str(sw.bin), "serve", "--source", src.addr, "--pool-size", "64MiB", "--stream-memory", "256MiB",
+         "--socket", str(tmp_path / "x.sock"), "--admin", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert r.returncode != 0
+    assert "`pool_size`" in r.stderr and "stream_memory (256MiB)" in r.stderr, r.stderr
