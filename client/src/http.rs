@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use shardwire_protocol::DType;
-use shardwire_protocol::trainer::TRAINER_VERSION;
+use shardwire_protocol::trainer::ErrorCode;
 
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
 
@@ -119,7 +119,7 @@ impl Reply {
         match self.json() {
             Ok(v) => match (v["code"].as_str(), v["message"].as_str()) {
                 (Some(code), Some(message)) => ClientError::Service {
-                    code: code.into(),
+                    code: serde_json::from_value(json!(code)).unwrap_or(ErrorCode::Unknown),
                     message: message.into(),
                 },
                 _ => ClientError::Protocol(format!("HTTP {}: {v}", self.status)),
@@ -378,16 +378,7 @@ impl HttpStream {
             .trim_end_matches('/')
             .to_string();
         let mut conn = Conn { addr, sock: None };
-        let mut req = json!({
-            "version": TRAINER_VERSION,
-            "dataset": o.dataset,
-            "seed": o.seed,
-            "rank": o.rank,
-            "world_size": o.world_size,
-            "epochs": o.epochs,
-            "uneven": o.uneven,
-            "state": o.state,
-        });
+        let mut req = serde_json::to_value(&o).map_err(|e| ClientError::Protocol(e.to_string()))?;
         if let Some(t) = idle_timeout {
             req["idle_timeout_s"] = json!(t.as_secs().max(1));
         }
@@ -413,7 +404,7 @@ impl HttpStream {
     fn check_open(&self) -> Result<(), ClientError> {
         if self.closed {
             return Err(ClientError::Service {
-                code: "closed".into(),
+                code: ErrorCode::Closed,
                 message: format!("HTTP stream {} was closed", self.info.stream),
             });
         }
@@ -495,7 +486,7 @@ impl HttpStream {
     pub fn tensor_bytes(&mut self, batch: &HttpBatch, name: &str) -> Result<Vec<u8>, ClientError> {
         self.check_open()?;
         let t = batch.tensor(name).ok_or_else(|| ClientError::Service {
-            code: "not_found".into(),
+            code: ErrorCode::NotFound,
             message: format!("batch of lease {} has no tensor `{name}`", batch.lease),
         })?;
         let path = format!(

@@ -14,7 +14,7 @@
 //! # Ok::<(), shardwire_client::ClientError>(())
 //! ```
 
-pub mod fdpass;
+pub use shardwire_protocol::fdpass;
 pub mod http;
 
 use std::os::fd::OwnedFd;
@@ -26,8 +26,7 @@ use std::time::Duration;
 
 pub use http::{HttpBatch, HttpStream};
 use rustix::mm::{MapFlags, ProtFlags};
-use shardwire_protocol::plan::Uneven;
-use shardwire_protocol::trainer::{self, Request, Response, TRAINER_VERSION};
+use shardwire_protocol::trainer::{self, ErrorCode, MemoryKind, Request, Response, StreamRequest};
 pub use shardwire_protocol::trainer::{StreamState, TensorView};
 
 /// Why a client call failed.
@@ -49,7 +48,7 @@ pub enum ClientError {
     #[error("service error {code}: {message}")]
     Service {
         /// Stable code.
-        code: String,
+        code: ErrorCode,
         /// Detail.
         message: String,
     },
@@ -81,39 +80,9 @@ pub enum ClientError {
     Timeout(Duration),
 }
 
-/// What to open.
-#[derive(Clone, Debug)]
-pub struct StreamOptions {
-    /// Dataset name.
-    pub dataset: String,
-    /// Shuffle seed.
-    pub seed: u64,
-    /// Rank.
-    pub rank: u32,
-    /// World size.
-    pub world_size: u32,
-    /// Epochs.
-    pub epochs: u32,
-    /// Uneven policy.
-    pub uneven: Uneven,
-    /// Resume state.
-    pub state: Option<StreamState>,
-}
-
-impl StreamOptions {
-    /// Defaults: seed 0, rank 0 of 1, one epoch, pad.
-    pub fn new(dataset: impl Into<String>) -> Self {
-        Self {
-            dataset: dataset.into(),
-            seed: 0,
-            rank: 0,
-            world_size: 1,
-            epochs: 1,
-            uneven: Uneven::Pad,
-            state: None,
-        }
-    }
-}
+/// What to open: the attach fields, defined once in the protocol crate
+/// ([`StreamRequest::new`] gives the defaults: seed 0, rank 0 of 1, one epoch, pad).
+pub type StreamOptions = StreamRequest;
 
 /// The stream region, mapped read-only.
 struct Mapping {
@@ -227,16 +196,7 @@ impl Stream {
             path: path.display().to_string(),
             source,
         })?;
-        let req = Request::Attach {
-            version: TRAINER_VERSION,
-            dataset: o.dataset,
-            seed: o.seed,
-            rank: o.rank,
-            world_size: o.world_size,
-            epochs: o.epochs,
-            uneven: o.uneven,
-            state: o.state,
-        };
+        let req = Request::Attach(o);
         let mut frame = Vec::new();
         trainer::encode(&req, &mut frame);
         // A node that refuses this trainer (peer allowlist) answers and closes; if the close
@@ -260,9 +220,9 @@ impl Stream {
                 gpu,
                 state,
             } => {
-                if memory != "host" {
+                if memory != MemoryKind::Host {
                     return Err(ClientError::UnsupportedMemory {
-                        memory,
+                        memory: memory.to_string(),
                         device: gpu
                             .map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
                     });
@@ -280,7 +240,7 @@ impl Stream {
                         stream,
                         batches_per_epoch,
                         epochs,
-                        memory,
+                        memory: memory.to_string(),
                         state,
                     },
                 })

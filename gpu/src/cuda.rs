@@ -25,7 +25,8 @@ use std::ffi::{CStr, c_char, c_int};
 
 use cudarc::driver::sys;
 
-use crate::probe::{GpuDevice, GpuError, GpuProbe, judge};
+use crate::error::GpuError;
+use crate::report::{GpuDevice, GpuProbe, judge};
 
 /// The one seam: a driver status code becomes `Ok` or a [`GpuError::Driver`] naming the call.
 pub(crate) fn check(call: &'static str, result: sys::CUresult) -> Result<(), GpuError> {

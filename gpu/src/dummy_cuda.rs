@@ -1,7 +1,7 @@
 //! The stand-in for `cuda.rs` when the crate is built without the `cuda` feature: the
 //! probe reports "no CUDA support in this build" and touches no library.
 
-use crate::probe::GpuProbe;
+use crate::report::GpuProbe;
 
 /// Reports that this build cannot use CUDA.
 pub(crate) fn probe_driver() -> GpuProbe {

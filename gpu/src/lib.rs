@@ -13,9 +13,11 @@
 //!
 //! Memory use is bounded by the regions the service creates, never by load.
 
+mod error;
 pub mod kernels;
 pub mod probe;
 pub mod region;
+mod report;
 pub mod slab;
 
 #[cfg(feature = "cuda")]

@@ -8,57 +8,14 @@
 //! Nothing here panics on a host without an NVIDIA driver.
 
 use serde::{Deserialize, Serialize};
+use shardwire_protocol::trainer::MemoryKind;
 
 #[cfg(feature = "cuda")]
 use crate::cuda as backend;
 #[cfg(not(feature = "cuda"))]
 use crate::dummy_cuda as backend;
-
-/// The oldest driver whose API has `cuMemGetHandleForAddressRange` with
-/// `CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE` (CUDA 12.8), encoded as the driver does.
-pub const MIN_DRIVER_VERSION: i32 = 12080;
-
-/// What the probe found on this host.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct GpuProbe {
-    /// `libcuda` could be loaded.
-    pub driver_present: bool,
-    /// `cuDriverGetVersion`, e.g. 12080 for 12.8; `None` without a driver.
-    pub driver_version: Option<i32>,
-    /// Every device the driver lists.
-    pub devices: Vec<GpuDevice>,
-    /// The driver is new enough and at least one device has dma-buf and VMM support.
-    pub usable: bool,
-    /// Why the probe judged the host usable or not, for logs and the status endpoint.
-    pub reason: String,
-}
-
-/// One CUDA device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct GpuDevice {
-    /// The CUDA ordinal.
-    pub ordinal: i32,
-    /// `cuDeviceGetName`, e.g. "NVIDIA H200".
-    pub name: String,
-    /// `cuDeviceGetPCIBusId`, e.g. "0000:19:00.0".
-    pub pci_bus_id: String,
-    /// Bytes of device memory.
-    pub total_memory: u64,
-    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
-    pub dma_buf_supported: bool,
-    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
-    pub vmm_supported: bool,
-    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`.
-    pub gpu_direct_rdma_with_cuda_vmm_supported: bool,
-}
-
-impl GpuDevice {
-    /// The device can hold shareable regions that a NIC can reach (dma-buf export of a
-    /// VMM allocation).
-    pub fn usable(&self) -> bool {
-        self.dma_buf_supported && self.vmm_supported
-    }
-}
+pub use crate::error::GpuError;
+pub use crate::report::{GpuDevice, GpuProbe, MIN_DRIVER_VERSION, device_text};
 
 /// The configured `memory` mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -76,8 +33,8 @@ pub enum MemoryChoice {
 /// What memory the service uses, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MemoryDecision {
-    /// `"host"` or `"cuda"`.
-    pub memory: &'static str,
+    /// Host or CUDA.
+    pub memory: MemoryKind,
     /// Why, in words for the startup log and the status endpoint.
     pub reason: String,
     /// For `"cuda"`: the device chosen.
@@ -85,102 +42,10 @@ pub struct MemoryDecision {
     pub device: Option<GpuDevice>,
 }
 
-/// Why GPU work (the probe, or the memory decision) failed.
-#[derive(Debug, thiserror::Error)]
-pub enum GpuError {
-    /// A CUDA driver call returned an error status.
-    #[cfg(feature = "cuda")]
-    #[error("{call} failed: {result:?}")]
-    Driver {
-        /// Which driver call.
-        call: &'static str,
-        /// Its status code.
-        result: cudarc::driver::sys::CUresult,
-    },
-    /// libcuda cannot be loaded.
-    #[error("libcuda.so was not found (no NVIDIA driver on this host)")]
-    NoDriver,
-    /// A device range outside the region it names.
-    #[error("bytes {offset}..{offset}+{len} lie outside a {size}-byte buffer")]
-    OutOfRange {
-        /// Start of the range.
-        offset: u64,
-        /// Its length.
-        len: u64,
-        /// The buffer's size.
-        size: u64,
-    },
-    /// The GPU self-test at start found a wrong result.
-    #[error("GPU self-test failed: {what}")]
-    SelfTest {
-        /// What differed.
-        what: String,
-    },
-    /// Bad kernel arguments (frags or spans).
-    #[error(transparent)]
-    Kernel(#[from] crate::kernels::KernelArgError),
-    /// `memory = "cuda"` was configured but this host has no usable CUDA GPU.
-    #[error("memory = \"cuda\" was configured, but there is no usable CUDA GPU: {reason}")]
-    CudaUnavailable {
-        /// What is missing (the probe's reason).
-        reason: String,
-    },
-}
-
 /// Probes the CUDA driver and devices. Without a driver (or without the `cuda` feature)
 /// this returns a report with `driver_present: false`; it never panics.
 pub fn probe_gpus() -> GpuProbe {
     backend::probe_driver()
-}
-
-/// Judges a driver that loaded: usable when it is new enough and a device has dma-buf and
-/// VMM support.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn judge(
-    driver_present: bool,
-    driver_version: Option<i32>,
-    devices: Vec<GpuDevice>,
-) -> GpuProbe {
-    let (usable, reason) = match (driver_version, devices.iter().find(|d| d.usable())) {
-        (None, _) => (
-            false,
-            "the CUDA driver did not report its version".to_owned(),
-        ),
-        (Some(v), _) if v < MIN_DRIVER_VERSION => (
-            false,
-            format!(
-                "CUDA driver {} is older than {} (needs cuMemGetHandleForAddressRange with the \
-                 PCIe flag)",
-                version_text(v),
-                version_text(MIN_DRIVER_VERSION)
-            ),
-        ),
-        (Some(_), None) if devices.is_empty() => {
-            (false, "the CUDA driver lists no devices".to_owned())
-        }
-        (Some(_), None) => (
-            false,
-            format!(
-                "none of the {} CUDA device(s) supports both dma-buf export and VMM",
-                devices.len()
-            ),
-        ),
-        (Some(v), Some(d)) => (
-            true,
-            format!(
-                "CUDA driver {} with {} usable",
-                version_text(v),
-                device_text(d)
-            ),
-        ),
-    };
-    GpuProbe {
-        driver_present,
-        driver_version,
-        devices,
-        usable,
-        reason,
-    }
 }
 
 /// Decides host or CUDA memory from the configured choice and the probe.
@@ -199,7 +64,7 @@ pub fn choose_memory(
         .filter(|_| probe.usable);
     match (requested, usable_device) {
         (MemoryChoice::Host, _) => Ok(MemoryDecision {
-            memory: "host",
+            memory: MemoryKind::Host,
             reason: "configured (memory = \"host\")".to_owned(),
             device: None,
         }),
@@ -207,36 +72,27 @@ pub fn choose_memory(
             reason: probe.reason.clone(),
         }),
         (MemoryChoice::Cuda, Some(d)) => Ok(MemoryDecision {
-            memory: "cuda",
+            memory: MemoryKind::Cuda,
             reason: format!("configured (memory = \"cuda\"): {}", device_text(d)),
             device: Some(d.clone()),
         }),
         (MemoryChoice::Auto, Some(d)) => Ok(MemoryDecision {
-            memory: "cuda",
+            memory: MemoryKind::Cuda,
             reason: format!("auto: {} has dma-buf and VMM support", device_text(d)),
             device: Some(d.clone()),
         }),
         (MemoryChoice::Auto, None) => Ok(MemoryDecision {
-            memory: "host",
+            memory: MemoryKind::Host,
             reason: format!("auto: no CUDA driver or usable GPU ({})", probe.reason),
             device: None,
         }),
     }
 }
 
-/// 12080 -> "12.8".
-fn version_text(v: i32) -> String {
-    format!("{}.{}", v / 1000, (v % 1000) / 10)
-}
-
-/// "GPU 0 (NVIDIA H200, 0000:19:00.0)".
-pub fn device_text(d: &GpuDevice) -> String {
-    format!("GPU {} ({}, {})", d.ordinal, d.name, d.pci_bus_id)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::judge;
 
     fn h200(ordinal: i32, dma_buf: bool, vmm: bool) -> GpuDevice {
         GpuDevice {
@@ -343,7 +199,7 @@ mod tests {
             judge(true, Some(12080), vec![h200(0, true, true)]),
         ] {
             let d = choose_memory(MemoryChoice::Host, &probe).unwrap();
-            assert_eq!(d.memory, "host");
+            assert_eq!(d.memory, MemoryKind::Host);
             assert!(d.reason.contains("configured"));
         }
     }
@@ -351,7 +207,7 @@ mod tests {
     #[test]
     fn auto_says_why_it_chose_host() {
         let d = choose_memory(MemoryChoice::Auto, &no_driver()).unwrap();
-        assert_eq!(d.memory, "host");
+        assert_eq!(d.memory, MemoryKind::Host);
         assert!(
             d.reason.contains("no CUDA driver") && d.reason.contains("libcuda"),
             "{}",
@@ -368,7 +224,7 @@ mod tests {
         );
         for choice in [MemoryChoice::Auto, MemoryChoice::Cuda] {
             let d = choose_memory(choice, &gpu).unwrap();
-            assert_eq!(d.memory, "cuda");
+            assert_eq!(d.memory, MemoryKind::Cuda);
             assert_eq!(d.device.as_ref().map(|d| d.ordinal), Some(1));
             assert!(d.reason.contains("GPU 1 (NVIDIA H200"), "{}", d.reason);
         }

@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use crate::probe::GpuError;
+use crate::error::GpuError;
 use std::ptr::NonNull;
 
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -81,12 +81,13 @@ impl Region {
         false
     }
 
-    /// The memory kind trainers are told: "host" or "cuda".
-    pub fn memory(&self) -> &'static str {
+    /// The memory kind trainers are told.
+    pub fn memory(&self) -> shardwire_protocol::trainer::MemoryKind {
+        use shardwire_protocol::trainer::MemoryKind;
         match self {
-            Self::Host(_) => "host",
+            Self::Host(_) => MemoryKind::Host,
             #[cfg(feature = "cuda")]
-            Self::Cuda(_) => "cuda",
+            Self::Cuda(_) => MemoryKind::Cuda,
         }
     }
 

@@ -33,7 +33,12 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
 fn service_open_runs_the_self_test() {
     let probe = probe_gpus();
     let d = choose_memory(MemoryChoice::Auto, &probe).unwrap();
-    assert_eq!(d.memory, "cuda", "{}", d.reason);
+    assert_eq!(
+        d.memory,
+        shardwire_protocol::trainer::MemoryKind::Cuda,
+        "{}",
+        d.reason
+    );
     let mem = open_for_service(d.device.as_ref().unwrap()).expect("self-test");
     assert_eq!(mem.info.ordinal, mem.device.ordinal());
 }

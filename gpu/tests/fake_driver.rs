@@ -254,7 +254,10 @@ mod child {
         );
         assert!(d.total_memory > 0);
         let decision = choose_memory(MemoryChoice::Auto, &probe).unwrap();
-        assert_eq!(decision.memory, "cuda");
+        assert_eq!(
+            decision.memory,
+            shardwire_protocol::trainer::MemoryKind::Cuda
+        );
         assert!(
             decision
                 .reason
@@ -297,7 +300,12 @@ mod child {
             probe.reason
         );
         let d = choose_memory(MemoryChoice::Auto, &probe).unwrap();
-        assert_eq!(d.memory, "host", "{}", d.reason);
+        assert_eq!(
+            d.memory,
+            shardwire_protocol::trainer::MemoryKind::Host,
+            "{}",
+            d.reason
+        );
     }
 
     #[test]

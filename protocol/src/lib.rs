@@ -6,14 +6,20 @@
 //! - [`manifest`]: the dataset manifest written by `shardwire index`;
 //! - [`plan`]: the deterministic per-rank shard order;
 //! - [`trainer`]: the messages of the trainer Unix socket;
-//! - [`crc`]: CRC-32C, the integrity check used everywhere.
+//! - [`crc`]: CRC-32C, the integrity check used everywhere;
+//! - `framing` (feature `io`): control frames on async streams (tokio);
+//! - `fdpass` (feature `unix`): trainer frames with fds over a Unix socket.
 //!
-//! Everything here is pure: it is unit-tested, property-tested and shared by the source,
-//! the node service, the clients and the tests.
+//! Everything but the two I/O features is pure: it is unit-tested, property-tested and shared
+//! by the source, the node service, the clients and the tests.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod crc;
+#[cfg(feature = "unix")]
+pub mod fdpass;
+#[cfg(feature = "io")]
+pub mod framing;
 pub mod manifest;
 pub mod plan;
 pub mod trainer;

@@ -28,35 +28,216 @@ pub struct StreamState {
     pub fingerprint: String,
 }
 
+/// What a trainer asks for when it opens a stream: the fields of the socket's `attach` and of
+/// `POST /v1/streams`, defined here once for every front and client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamRequest {
+    /// Protocol version the client speaks.
+    #[serde(default = "version")]
+    pub version: u32,
+    /// Dataset name.
+    pub dataset: String,
+    /// Shuffle seed.
+    #[serde(default)]
+    pub seed: u64,
+    /// This trainer's rank.
+    #[serde(default)]
+    pub rank: u32,
+    /// Number of ranks.
+    #[serde(default = "one")]
+    pub world_size: u32,
+    /// Epochs to deliver.
+    #[serde(default = "one")]
+    pub epochs: u32,
+    /// Uneven-dataset policy.
+    #[serde(default)]
+    pub uneven: Uneven,
+    /// Resume from this state.
+    #[serde(default)]
+    pub state: Option<StreamState>,
+}
+
+impl StreamRequest {
+    /// The defaults: this protocol version, seed 0, rank 0 of 1, one epoch, pad, from the
+    /// start.
+    pub fn new(dataset: impl Into<String>) -> Self {
+        Self {
+            version: TRAINER_VERSION,
+            dataset: dataset.into(),
+            seed: 0,
+            rank: 0,
+            world_size: 1,
+            epochs: 1,
+            uneven: Uneven::Pad,
+            state: None,
+        }
+    }
+}
+
+/// The stable error codes of the trainer and admin APIs (`{"code": ..., "message": ...}`),
+/// each with the HTTP status the HTTP fronts answer with and whether trying again later (or
+/// elsewhere) can succeed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed or a field is out of range (the message names it).
+    BadRequest,
+    /// rank/world size/uneven give no valid plan.
+    BadPlan,
+    /// The client speaks another trainer protocol version.
+    UnsupportedVersion,
+    /// No such stream, binding or tensor.
+    NotFound,
+    /// No connected source serves the dataset.
+    UnknownDataset,
+    /// The lease is not held by this stream.
+    UnknownLease,
+    /// No such network interface.
+    UnknownInterface,
+    /// A resume state does not fit this stream (the message names the field).
+    StateMismatch,
+    /// The stream was closed.
+    Closed,
+    /// The connection already has a stream.
+    AlreadyAttached,
+    /// The connection has no stream yet.
+    NotAttached,
+    /// A devmem binding exists already.
+    BindingExists,
+    /// The interface cannot do devmem.
+    NotCapable,
+    /// The kernel or the GPU refused a binding.
+    BindFailed,
+    /// No source is connected.
+    Unavailable,
+    /// Not enough memory for the stream.
+    NoMemory,
+    /// The node is draining.
+    Draining,
+    /// Too many connections at once.
+    TooManyConnections,
+    /// A request, its body or a trainer took too long.
+    Timeout,
+    /// The peer (uid/gid) or the token is not allowed.
+    Forbidden,
+    /// A mutating admin request came without a token.
+    Unauthorized,
+    /// Mutating admin endpoints are off (no token configured).
+    AdminDisabled,
+    /// A bug or an unexpected failure in the node.
+    Internal,
+    /// A code this build does not know (from a newer peer).
+    #[serde(other)]
+    Unknown,
+}
+
+impl ErrorCode {
+    /// The HTTP status the HTTP fronts answer with.
+    pub fn http_status(self) -> u16 {
+        match self {
+            Self::BadRequest | Self::BadPlan | Self::UnsupportedVersion => 400,
+            Self::Unauthorized => 401,
+            Self::Forbidden | Self::AdminDisabled => 403,
+            Self::NotFound | Self::UnknownDataset | Self::UnknownLease | Self::UnknownInterface => {
+                404
+            }
+            Self::Timeout => 408,
+            Self::StateMismatch
+            | Self::Closed
+            | Self::AlreadyAttached
+            | Self::NotAttached
+            | Self::BindingExists
+            | Self::NotCapable
+            | Self::BindFailed => 409,
+            Self::Unavailable | Self::NoMemory | Self::Draining | Self::TooManyConnections => 503,
+            Self::Internal | Self::Unknown => 500,
+        }
+    }
+
+    /// Whether the same request may succeed later or on another node (capacity, readiness,
+    /// time), as opposed to a request that must change first.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            Self::Unavailable
+                | Self::NoMemory
+                | Self::Draining
+                | Self::TooManyConnections
+                | Self::Timeout
+                | Self::Internal
+        )
+    }
+
+    /// The code as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BadRequest => "bad_request",
+            Self::BadPlan => "bad_plan",
+            Self::UnsupportedVersion => "unsupported_version",
+            Self::NotFound => "not_found",
+            Self::UnknownDataset => "unknown_dataset",
+            Self::UnknownLease => "unknown_lease",
+            Self::UnknownInterface => "unknown_interface",
+            Self::StateMismatch => "state_mismatch",
+            Self::Closed => "closed",
+            Self::AlreadyAttached => "already_attached",
+            Self::NotAttached => "not_attached",
+            Self::BindingExists => "binding_exists",
+            Self::NotCapable => "not_capable",
+            Self::BindFailed => "bind_failed",
+            Self::Unavailable => "unavailable",
+            Self::NoMemory => "no_memory",
+            Self::Draining => "draining",
+            Self::TooManyConnections => "too_many_connections",
+            Self::Timeout => "timeout",
+            Self::Forbidden => "forbidden",
+            Self::Unauthorized => "unauthorized",
+            Self::AdminDisabled => "admin_disabled",
+            Self::Internal => "internal",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a stream's region lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryKind {
+    /// A memfd in host memory: map it.
+    Host,
+    /// A CUDA VMM allocation exported as a POSIX fd: import it with the CUDA driver.
+    Cuda,
+}
+
+impl MemoryKind {
+    /// "host" or "cuda".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::Cuda => "cuda",
+        }
+    }
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// trainer -> service.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Open a stream on this connection and receive its region.
-    Attach {
-        /// Protocol version the client speaks.
-        version: u32,
-        /// Dataset name.
-        dataset: String,
-        /// Shuffle seed.
-        #[serde(default)]
-        seed: u64,
-        /// This trainer's rank.
-        #[serde(default)]
-        rank: u32,
-        /// Number of ranks.
-        #[serde(default = "one")]
-        world_size: u32,
-        /// Epochs to deliver.
-        #[serde(default = "one")]
-        epochs: u32,
-        /// Uneven-dataset policy.
-        #[serde(default)]
-        uneven: Uneven,
-        /// Resume from this state.
-        #[serde(default)]
-        state: Option<StreamState>,
-    },
+    Attach(StreamRequest),
     /// Take the next batch (waits up to `timeout_ms`, default forever), after releasing the
     /// leases in `release` (so a training loop needs one round trip per batch).
     Next {
@@ -78,6 +259,10 @@ pub enum Request {
 
 fn one() -> u32 {
     1
+}
+
+fn version() -> u32 {
+    TRAINER_VERSION
 }
 
 /// Where a tensor lies in the stream's region.
@@ -125,7 +310,7 @@ pub enum Response {
         epochs: u32,
         /// Memory kind of the region: "host" (a memfd: map it) or "cuda" (a CUDA VMM
         /// allocation exported as a POSIX fd: import it with the CUDA driver, see `gpu`).
-        memory: String,
+        memory: MemoryKind,
         /// For `memory = "cuda"`: the device that holds the region.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         gpu: Option<GpuRef>,
@@ -159,7 +344,7 @@ pub enum Response {
     /// The request failed; `code` is stable, `message` says what was wrong.
     Error {
         /// Stable machine-readable code.
-        code: String,
+        code: ErrorCode,
         /// Human-readable detail.
         message: String,
     },
@@ -541,19 +726,11 @@ mod tests {
     #[test]
     fn request_defaults_and_round_trip() {
         let r: Request = decode(br#"{"op":"attach","version":1,"dataset":"d"}"#).unwrap();
-        assert_eq!(
-            r,
-            Request::Attach {
-                version: 1,
-                dataset: "d".into(),
-                seed: 0,
-                rank: 0,
-                world_size: 1,
-                epochs: 1,
-                uneven: Uneven::Pad,
-                state: None
-            }
-        );
+        assert_eq!(r, Request::Attach(StreamRequest::new("d")));
+        let e = decode::<Request>(br#"{"op":"attach","dataset":"d","bogus":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
         let mut buf = Vec::new();
         encode(&Request::Release { lease: 9 }, &mut buf);
         let len = check_len(buf[..4].try_into().unwrap()).unwrap();
@@ -616,6 +793,7 @@ mod tests {
             r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3}"#,
             r#"{"op":"released"}"#,
             r#"{"op":"error","code":"closed","message":"bye"}"#,
+            r#"{"op":"attach","version":1,"dataset":"d","seed":3,"world_size":2,"rank":1}"#,
         ] {
             same_as_derived(body.as_bytes());
         }
@@ -730,6 +908,31 @@ mod tests {
                 same_as_derived(&body);
             }
         }
+    }
+
+    #[test]
+    fn error_codes_keep_their_wire_names_and_map_to_http() {
+        for (code, name, status) in [
+            (ErrorCode::BadRequest, "bad_request", 400),
+            (ErrorCode::UnknownDataset, "unknown_dataset", 404),
+            (ErrorCode::StateMismatch, "state_mismatch", 409),
+            (ErrorCode::NoMemory, "no_memory", 503),
+            (ErrorCode::Timeout, "timeout", 408),
+        ] {
+            assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{name}\""));
+            assert_eq!(code.as_str(), name);
+            assert_eq!(code.http_status(), status);
+        }
+        assert!(ErrorCode::NoMemory.retryable() && !ErrorCode::BadPlan.retryable());
+        let r: Response =
+            decode(br#"{"op":"error","code":"from_the_future","message":"x"}"#).unwrap();
+        assert_eq!(
+            r,
+            Response::Error {
+                code: ErrorCode::Unknown,
+                message: "x".into()
+            }
+        );
     }
 
     #[test]

@@ -738,7 +738,7 @@ mod tests {
         );
         assert_eq!(decode(&[0, 0, 0, 2, 9, 1]), Err(DecodeError::Version(9)));
         assert_eq!(
-            decode(&[0, 0, 0, 2, 1, 99]),
+            decode(&[0, 0, 0, 2, VERSION, 99]),
             Err(DecodeError::UnknownKind(99))
         );
     }
@@ -758,7 +758,7 @@ mod tests {
             })
         );
         assert_eq!(
-            decode(&[0, 0, 0, 4, 1, K_AUTH, 0, 0]),
+            decode(&[0, 0, 0, 4, VERSION, K_AUTH, 0, 0]),
             Err(DecodeError::Truncated {
                 kind: K_AUTH,
                 field: "mac"

@@ -85,7 +85,7 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
-    crate::cli::init_logging_filter("warn");
+    crate::logging::init_filter("warn");
     anyhow::ensure!(
         a.flows >= 1 && a.flows <= 64,
         "--flows must be 1..=64, got {}",
@@ -171,9 +171,10 @@ fn run_shardwire(
         a.mode,
     )?;
     println!("== Source {}", lb.source_addr);
-    println!("== Target {}", lb.node.node.data_addr);
+    let node = &lb.node.handle.node;
+    println!("== Target {}", node.info().data_addr);
     let mut s = Stream::open(
-        &lb.node.socket,
+        &lb.node.handle.socket,
         StreamOptions {
             epochs: 1_000_000,
             ..StreamOptions::new("bench")
@@ -184,14 +185,10 @@ fn run_shardwire(
     if let Some(b) = s.next()? {
         s.release(b)?;
     }
-    let flows0: Vec<u64> = lb
-        .node
-        .node
-        .flows
-        .lock()
-        .expect("poisoned")
+    let flows0: Vec<u64> = node
+        .flows()
         .iter()
-        .map(|f| f.2.bytes.load(Ordering::Relaxed))
+        .map(|f| f.stats.bytes.load(Ordering::Relaxed))
         .collect();
     let cpu0 = cpu_times();
     let t0 = Instant::now();
@@ -203,32 +200,24 @@ fn run_shardwire(
     }
     let secs = t0.elapsed().as_secs_f64();
     let cpu1 = cpu_times();
-    let flows: Vec<(String, u16, u64)> = lb
-        .node
-        .node
-        .flows
-        .lock()
-        .expect("poisoned")
+    let flows: Vec<(String, u16, u64)> = node
+        .flows()
         .iter()
         .enumerate()
         .map(|(i, f)| {
+            let bytes = f.stats.bytes.load(Ordering::Relaxed);
             (
-                f.0.clone(),
-                f.1,
-                f.2.bytes.load(Ordering::Relaxed) - flows0.get(i).copied().unwrap_or(0),
+                f.source.clone(),
+                f.conn,
+                bytes - flows0.get(i).copied().unwrap_or(0),
             )
         })
         .collect();
-    let crc = lb.node.node.counters.crc_failures.load(Ordering::Relaxed);
-    if let Some(r) = lb.node.node.devmem() {
-        let c = &r.counters;
+    let crc = node.counters().crc_failures.load(Ordering::Relaxed);
+    if let Some(b) = node.binding_status() {
         println!(
             "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {:?} of {} net_iovs free at the end",
-            c.frags.load(Ordering::Relaxed),
-            c.tokens_returned.load(Ordering::Relaxed),
-            r.exhausted_waits(),
-            r.niovs().0,
-            r.niovs().1
+            b.frags, b.tokens_returned, b.pool_exhausted, b.niovs_free, b.niovs
         );
     }
     drop(s);

@@ -84,7 +84,7 @@ enum ConfigCmd {
     },
 }
 
-use crate::{bench, consume, demo};
+use crate::{bench, consume, demo, logging};
 
 fn parse_log_format(s: &str) -> Result<LogFormat, String> {
     match s {
@@ -224,32 +224,6 @@ fn parse_memory(s: &str) -> Result<MemoryMode, String> {
     }
 }
 
-/// Sets up logging on stderr; `RUST_LOG` syntax, default `info`.
-pub fn init_logging(format: LogFormat) {
-    init_logging_with(format, "info");
-}
-
-/// Text logging with a default filter (RUST_LOG still wins).
-pub fn init_logging_filter(default: &str) {
-    init_logging_with(LogFormat::Text, default);
-}
-
-fn init_logging_with(format: LogFormat, default: &str) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    // Colour only on a terminal, and never with NO_COLOR set (https://no-color.org).
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => b.try_init(),
-        LogFormat::Json => b.json().try_init(),
-    };
-}
-
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -281,179 +255,191 @@ fn redact(c: SourceConfig) -> SourceConfig {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
-        Cmd::Index { dir, quiet } => {
-            let opts = shardwire_index::IndexOptions { progress: !quiet };
-            let m = shardwire_index::index_dir(&dir, &opts)?;
-            let path = shardwire_index::write_manifest(&dir, &m)?;
-            println!(
-                "indexed {} shards, {} bytes, digest {} -> {}",
-                m.shards.len(),
-                m.total_bytes,
-                m.digest,
-                path.display()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Source(f) => {
-            let cfg = SourceConfig::load(f.config.as_deref(), &f)?;
-            init_logging(cfg.log_format);
-            let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
-            let secret = cfg
-                .secret_file
-                .as_deref()
-                .map(crate::node::read_secret)
-                .transpose()?;
-            let devmem_tx = match &cfg.devmem_tx {
-                None => None,
-                Some(ifname) => {
-                    let p = shardwire_source::devmem_tx::TxPath::bind(
-                        ifname,
-                        cfg.devmem_tx_memory.0 as usize,
-                        16,
-                    )?;
-                    tracing::info!(%ifname, bytes = cfg.devmem_tx_memory.0, "sending with devmem TX");
-                    Some(std::sync::Arc::new(p))
-                }
-            };
-            let scfg = shardwire_source::SourceConfig {
-                listen: cfg.listen,
-                secret,
-                rate_limit: cfg.rate_limit.0,
-                fault_corrupt: cfg.fault_corrupt,
-                devmem_tx,
-                idle_timeout: std::time::Duration::from_secs(cfg.idle_timeout_secs),
-                max_connections: cfg.max_connections,
-            };
-            runtime()?.block_on(async {
-                let src = shardwire_source::Source::bind(scfg, datasets)
-                    .await
-                    .with_context(|| format!("binding {}", cfg.listen))?;
-                println!("source listening on {}", src.local_addr());
-                let (tx, rx) = tokio::sync::watch::channel(false);
-                tokio::spawn(async move {
-                    signalled().await;
-                    let _ = tx.send(true);
-                });
-                src.serve(rx).await;
-                Ok(ExitCode::SUCCESS)
-            })
-        }
-        Cmd::Serve(f) => {
-            let cfg = ServeConfig::load(f.config.as_deref(), &f)?;
-            init_logging(cfg.log_format);
-            runtime()?.block_on(async {
-                let h = crate::node::start(cfg).await?;
-                println!(
-                    "node service ready: socket {} admin http://{}",
-                    h.socket.display(),
-                    h.admin_addr
-                );
-                let timeout = std::time::Duration::from_secs(h.node.cfg.drain_timeout_secs);
-                tokio::select! {
-                    _ = signalled() => tracing::info!(?timeout, "signal received; draining"),
-                    _ = h.node.drain_requested.notified() => {
-                        tracing::info!(?timeout, "drain requested over the admin API");
-                    }
-                }
-                h.drain(timeout).await;
-                Ok(ExitCode::SUCCESS)
-            })
-        }
+        Cmd::Index { dir, quiet } => index(&dir, quiet),
+        Cmd::Source(f) => source(&f),
+        Cmd::Serve(f) => serve(&f),
         Cmd::Consume(a) => consume::run(a),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Status { admin, json } => crate::status::run(&admin, json),
-        Cmd::Gpus { json } => {
-            let p = shardwire_gpu::probe_gpus();
-            let auto = shardwire_gpu::choose_memory(shardwire_gpu::MemoryChoice::Auto, &p)?;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({ "probe": p, "auto": auto }))?
-                );
-            } else {
-                let version = p.driver_version.map_or("none".to_string(), |v| {
-                    format!("{}.{}", v / 1000, v % 1000 / 10)
-                });
-                println!(
-                    "CUDA driver: {} (version {version})",
-                    if p.driver_present {
-                        "present"
-                    } else {
-                        "absent"
-                    }
-                );
-                for d in &p.devices {
-                    println!(
-                        "GPU {} {} {} {} MiB dma-buf={} vmm={} rdma+vmm={}",
-                        d.ordinal,
-                        d.name,
-                        d.pci_bus_id,
-                        d.total_memory >> 20,
-                        d.dma_buf_supported,
-                        d.vmm_supported,
-                        d.gpu_direct_rdma_with_cuda_vmm_supported
-                    );
-                }
-                println!("{}", p.reason);
-                println!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
-                if auto.memory == "cuda" {
-                    println!(
-                        "(`serve` opens the GPU and runs a self-test first; if that fails, auto uses host memory and says why)"
-                    );
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+        Cmd::Gpus { json } => gpus(json),
+        Cmd::Nics { json } => nics(json),
+        Cmd::Config(c) => config(c),
+    }
+}
+
+fn index(dir: &std::path::Path, quiet: bool) -> anyhow::Result<ExitCode> {
+    let opts = shardwire_index::IndexOptions { progress: !quiet };
+    let m = shardwire_index::index_dir(dir, &opts)?;
+    let path = shardwire_index::write_manifest(dir, &m)?;
+    println!(
+        "indexed {} shards, {} bytes, digest {} -> {}",
+        m.shards.len(),
+        m.total_bytes,
+        m.digest,
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
+    let cfg = SourceConfig::load(f.config.as_deref(), f)?;
+    logging::init(cfg.log_format);
+    let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
+    let secret = cfg
+        .secret_file
+        .as_deref()
+        .map(shardwire_node::read_secret)
+        .transpose()?;
+    let devmem_tx = match &cfg.devmem_tx {
+        None => None,
+        Some(ifname) => {
+            let p = shardwire_source::devmem_tx::TxPath::bind(
+                ifname,
+                cfg.devmem_tx_memory.0 as usize,
+                16,
+            )?;
+            tracing::info!(%ifname, bytes = cfg.devmem_tx_memory.0, "sending with devmem TX");
+            Some(std::sync::Arc::new(p))
         }
-        Cmd::Nics { json } => {
-            let nics = shardwire_devmem::probe::probe_nics();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&nics)?);
-            } else {
-                println!(
-                    "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} REASON",
-                    "IDX", "NAME", "DRIVER", "UP", "RXQ", "TXQ", "HEADER-SPLIT", "DEVMEM"
-                );
-                for n in &nics {
-                    println!(
-                        "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} {}",
-                        n.ifindex,
-                        n.name,
-                        n.driver,
-                        if n.up { "yes" } else { "no" },
-                        n.rx_queues,
-                        n.tx_queues,
-                        n.header_split,
-                        if n.devmem_capable { "yes" } else { "no" },
-                        n.reason
-                    );
-                }
+    };
+    let scfg = shardwire_source::SourceConfig {
+        listen: cfg.listen,
+        secret,
+        rate_limit: cfg.rate_limit.0,
+        fault_corrupt: cfg.fault_corrupt,
+        devmem_tx,
+        idle_timeout: std::time::Duration::from_secs(cfg.idle_timeout_secs),
+        max_connections: cfg.max_connections,
+    };
+    runtime()?.block_on(async {
+        let src = shardwire_source::Source::bind(scfg, datasets)
+            .await
+            .with_context(|| format!("binding {}", cfg.listen))?;
+        println!("source listening on {}", src.local_addr());
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            signalled().await;
+            let _ = tx.send(true);
+        });
+        src.serve(rx).await;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
+    let cfg = ServeConfig::load(f.config.as_deref(), f)?;
+    logging::init(cfg.log_format);
+    runtime()?.block_on(async {
+        let s = crate::serve::start(cfg).await?;
+        let h = &s.handle;
+        println!(
+            "node service ready: socket {} admin http://{}",
+            h.socket.display(),
+            s.admin_addr
+        );
+        let timeout = std::time::Duration::from_secs(h.node.info().cfg.drain_timeout_secs);
+        tokio::select! {
+            _ = signalled() => tracing::info!(?timeout, "signal received; draining"),
+            _ = h.node.drain_requested().notified() => {
+                tracing::info!(?timeout, "drain requested over the admin API");
             }
-            Ok(ExitCode::SUCCESS)
         }
-        Cmd::Config(ConfigCmd::Check {
+        h.drain(timeout).await;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn gpus(json: bool) -> anyhow::Result<ExitCode> {
+    let p = shardwire_gpu::probe_gpus();
+    let auto = shardwire_gpu::choose_memory(shardwire_gpu::MemoryChoice::Auto, &p)?;
+    if json {
+        let doc = serde_json::json!({ "probe": p, "auto": auto });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let version = p.driver_version.map_or("none".to_string(), |v| {
+        format!("{}.{}", v / 1000, v % 1000 / 10)
+    });
+    let present = if p.driver_present {
+        "present"
+    } else {
+        "absent"
+    };
+    println!("CUDA driver: {present} (version {version})");
+    for d in &p.devices {
+        println!(
+            "GPU {} {} {} {} MiB dma-buf={} vmm={} rdma+vmm={}",
+            d.ordinal,
+            d.name,
+            d.pci_bus_id,
+            d.total_memory >> 20,
+            d.dma_buf_supported,
+            d.vmm_supported,
+            d.gpu_direct_rdma_with_cuda_vmm_supported
+        );
+    }
+    println!("{}", p.reason);
+    println!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
+    if auto.memory == shardwire_protocol::trainer::MemoryKind::Cuda {
+        println!(
+            "(`serve` opens the GPU and runs a self-test first; if that fails, auto uses host memory and says why)"
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn nics(json: bool) -> anyhow::Result<ExitCode> {
+    let nics = shardwire_devmem::probe::probe_nics();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&nics)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} REASON",
+        "IDX", "NAME", "DRIVER", "UP", "RXQ", "TXQ", "HEADER-SPLIT", "DEVMEM"
+    );
+    for n in &nics {
+        println!(
+            "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} {}",
+            n.ifindex,
+            n.name,
+            n.driver,
+            if n.up { "yes" } else { "no" },
+            n.rx_queues,
+            n.tx_queues,
+            n.header_split,
+            if n.devmem_capable { "yes" } else { "no" },
+            n.reason
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
+    match c {
+        ConfigCmd::Check {
             file,
             source_config,
-        }) => {
+        } => {
             if source_config {
                 SourceConfig::load(Some(&file), &NoFlags {})?;
             } else {
                 ServeConfig::load(Some(&file), &NoFlags {})?;
             }
             println!("{}: ok", file.display());
-            Ok(ExitCode::SUCCESS)
         }
-        Cmd::Config(ConfigCmd::Print {
+        ConfigCmd::Print {
             config,
             source_config,
-        }) => {
+        } => {
             let v = if source_config {
                 serde_json::to_value(redact(SourceConfig::load(config.as_deref(), &NoFlags {})?))?
             } else {
                 serde_json::to_value(ServeConfig::load(config.as_deref(), &NoFlags {})?)?
             };
             println!("{}", serde_json::to_string_pretty(&v)?);
-            Ok(ExitCode::SUCCESS)
         }
     }
+    Ok(ExitCode::SUCCESS)
 }

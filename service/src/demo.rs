@@ -32,8 +32,8 @@ pub struct DemoArgs {
 
 /// A source and a node on loopback, running in this process.
 pub struct Loopback {
-    /// The node.
-    pub node: crate::node::NodeHandle,
+    /// The node with its HTTP fronts.
+    pub node: crate::serve::Service,
     /// Source control address.
     pub source_addr: std::net::SocketAddr,
     stop_source: tokio::sync::watch::Sender<bool>,
@@ -85,7 +85,7 @@ impl Loopback {
             ..ServeConfig::default()
         };
         cfg.validate()?;
-        let node = rt.block_on(crate::node::start(cfg))?;
+        let node = rt.block_on(crate::serve::start(cfg))?;
         Ok(Self {
             node,
             source_addr,
@@ -96,7 +96,7 @@ impl Loopback {
 
     /// Stops both.
     pub fn stop(self) {
-        self.node.shutdown();
+        self.node.handle.shutdown();
         let _ = self.stop_source.send(true);
         self.rt.shutdown_timeout(std::time::Duration::from_secs(2));
     }
@@ -104,7 +104,7 @@ impl Loopback {
 
 /// Runs the demo.
 pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
-    crate::cli::init_logging_filter(if a.verbose { "info" } else { "warn" });
+    crate::logging::init_filter(if a.verbose { "info" } else { "warn" });
     let dir = synth::scratch_dir("demo")?;
     anyhow::ensure!(
         a.receive != ReceiveMode::Devmem,
@@ -148,16 +148,19 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
     )?;
     println!(
         "source on {}, node data port {}, admin http://{}",
-        lb.source_addr, lb.node.node.data_addr, lb.node.admin_addr
+        lb.source_addr,
+        lb.node.handle.node.info().data_addr,
+        lb.node.admin_addr
     );
-    println!("mode: {}", lb.node.node.mode_reason());
+    println!("mode: {}", lb.node.handle.node.info().mode_reason());
     let started = Instant::now();
-    let checked = consume_and_check(&lb.node.socket, &data, &manifest);
+    let checked = consume_and_check(&lb.node.handle.socket, &data, &manifest);
     let secs = started.elapsed().as_secs_f64();
     let crc_failures = lb
         .node
+        .handle
         .node
-        .counters
+        .counters()
         .crc_failures
         .load(std::sync::atomic::Ordering::Relaxed);
     lb.stop();

@@ -1,17 +1,14 @@
 //! `shardwire`: the node service, the shard source and the tools around them.
 
-mod admin;
 mod bench;
-mod bindings;
 mod cli;
 mod consume;
 mod demo;
-mod httpd;
-mod node;
-mod prom;
+mod http;
+mod logging;
+mod serve;
 mod status;
 mod synth;
-mod trainer_http;
 
 use std::process::ExitCode;
 

@@ -232,7 +232,7 @@ fn json(body: &str) -> serde_json::Value {
 
 fn code_of(e: ClientError) -> String {
     match e {
-        ClientError::Service { code, .. } => code,
+        ClientError::Service { code, .. } => code.to_string(),
         other => panic!("expected a service error, got {other:?}"),
     }
 }

@@ -13,17 +13,14 @@ use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use shardwire_devmem::TxBinding;
 use shardwire_devmem::tx::DevmemTx;
 use shardwire_devmem::txbuf::{TxBuffer, TxSlot};
 
-use crate::sender::{Job, pace};
-
 /// Largest piece read and sent at once.
-const PIECE: usize = 1 << 20;
+pub(crate) const PIECE: usize = 1 << 20;
 /// How long a sender waits for a zerocopy completion before giving up on the connection.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -115,71 +112,66 @@ fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result
     }
 }
 
-/// The devmem TX sender loop of one data connection.
-pub(crate) fn send_loop(
-    stream: &TcpStream,
-    mut slot: TxSlot,
-    rx: &mpsc::Receiver<Job>,
-    progress: &crate::sender::Progress,
-    rate: u64,
-) -> io::Result<()> {
-    let id = slot.binding_id();
-    let mut tx = DevmemTx::new(stream, id).map_err(io::Error::other)?;
-    let started = Instant::now();
-    let mut sent_total = 0u64;
-    while let Ok(job) = rx.recv() {
-        let (mut off, end) = (job.offset, job.offset + job.len);
-        let mut flip = job.corrupt.then_some(job.offset + job.len / 2);
-        while off < end {
-            let want = ((end - off) as usize).min(PIECE);
-            if slot.reserve(want).is_none() {
-                wait_for_room(&mut tx, &mut slot)?;
-            }
-            let (iov, bytes) = slot.reserve(want).expect("room after the wait");
-            let n = rustix::io::pread(&*job.file, &mut *bytes, off)?;
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("shard file ended at offset {off}, expected data up to {end}"),
-                ));
-            }
-            if let Some(at) = flip.filter(|at| (off..off + n as u64).contains(at)) {
-                bytes[(at - off) as usize] ^= 0x5a;
-                flip = None;
-                tracing::warn!(
-                    bytes = job.len,
-                    "fault injection: sent a payload with one byte flipped"
-                );
-            }
-            let mut done = 0;
-            while done < n {
-                let k = tx
-                    .send(&[(iov + done as u64, n - done)])
-                    .map_err(io::Error::other)?;
-                slot.sent(k);
-                done += k;
-            }
-            for c in tx.poll_completions().map_err(io::Error::other)? {
-                slot.complete(c);
-            }
-            off += n as u64;
-            sent_total += n as u64;
-            pace(started, sent_total, rate);
-        }
-        metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
-        metrics::counter!("shardwire_source_shards_sent_total").increment(1);
-        metrics::counter!("shardwire_source_devmem_tx_bytes_total").increment(job.len);
-        progress.sent(job.len);
+/// The devmem TX half of a data connection's send path: the connection's TX socket wrapper
+/// and its slot of the bound buffer.
+pub(crate) struct DevmemSend<'a> {
+    tx: DevmemTx<&'a TcpStream>,
+    slot: TxSlot,
+}
+
+impl<'a> DevmemSend<'a> {
+    /// Sends from `slot` on `stream`.
+    pub(crate) fn new(stream: &'a TcpStream, slot: TxSlot) -> io::Result<Self> {
+        let tx = DevmemTx::new(stream, slot.binding_id()).map_err(io::Error::other)?;
+        Ok(Self { tx, slot })
     }
-    // The connection is done: let the last sends complete before the slot is reused.
-    let deadline = Instant::now() + COMPLETION_TIMEOUT;
-    while slot.in_flight() > 0 && Instant::now() < deadline {
-        for c in tx.poll_completions().map_err(io::Error::other)? {
-            slot.complete(c);
+
+    /// Reads up to `want` bytes of `file` at `off` into free room of the slot (flipping the
+    /// byte at `flip` if it falls inside), sends them, and collects completions; returns the
+    /// bytes sent.
+    pub(crate) fn send_piece(
+        &mut self,
+        file: &std::fs::File,
+        off: u64,
+        want: usize,
+        flip: &mut Option<u64>,
+    ) -> io::Result<usize> {
+        let want = want.min(PIECE);
+        if self.slot.reserve(want).is_none() {
+            wait_for_room(&mut self.tx, &mut self.slot)?;
         }
-        std::thread::sleep(Duration::from_micros(200));
+        let (iov, bytes) = self.slot.reserve(want).expect("room after the wait");
+        let n = rustix::io::pread(file, &mut *bytes, off)?;
+        if let Some(at) = flip.filter(|at| (off..off + n as u64).contains(at)) {
+            bytes[(at - off) as usize] ^= 0x5a;
+            *flip = None;
+        }
+        let mut done = 0;
+        while done < n {
+            let k = self
+                .tx
+                .send(&[(iov + done as u64, n - done)])
+                .map_err(io::Error::other)?;
+            self.slot.sent(k);
+            done += k;
+        }
+        for c in self.tx.poll_completions().map_err(io::Error::other)? {
+            self.slot.complete(c);
+        }
+        Ok(n)
     }
-    Ok(())
+
+    /// The connection is done: lets the last sends complete before the slot is reused.
+    pub(crate) fn finish(&mut self) -> io::Result<()> {
+        let deadline = Instant::now() + COMPLETION_TIMEOUT;
+        while self.slot.in_flight() > 0 && Instant::now() < deadline {
+            for c in self.tx.poll_completions().map_err(io::Error::other)? {
+                self.slot.complete(c);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

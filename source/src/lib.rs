@@ -10,7 +10,6 @@
 
 pub mod datasets;
 pub mod devmem_tx;
-pub mod framing;
 mod sender;
 pub mod session;
 

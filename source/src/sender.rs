@@ -92,11 +92,12 @@ impl Sender {
         std::thread::Builder::new()
             .name(format!("sw-send-{conn}"))
             .spawn(move || {
-                let r = match slot {
-                    Some(slot) => crate::devmem_tx::send_loop(&stream, slot, &rx, &q, rate),
-                    None => send_loop(&stream, &rx, &q, rate),
+                let path = match slot {
+                    Some(slot) => crate::devmem_tx::DevmemSend::new(&stream, slot)
+                        .map(|d| SendPath::DevmemTx(Box::new(d))),
+                    None => Ok(SendPath::Sendfile(&stream)),
                 };
-                if let Err(e) = r {
+                if let Err(e) = path.and_then(|p| send_loop(p, &rx, &q, rate)) {
                     tracing::warn!(conn, error = %e, "data connection failed");
                     failed.notify_one();
                 }
@@ -133,51 +134,110 @@ pub(crate) fn pace(started: Instant, sent_total: u64, rate: u64) {
     }
 }
 
+/// How a data connection's payloads go out.
+enum SendPath<'a> {
+    /// `sendfile` from the page cache.
+    Sendfile(&'a TcpStream),
+    /// devmem TX from a slot of the bound buffer (boxed: it is much larger than a reference).
+    DevmemTx(Box<crate::devmem_tx::DevmemSend<'a>>),
+}
+
+impl SendPath<'_> {
+    /// The largest piece to send at once: without a rate limit, all of a `sendfile` at once;
+    /// with one, pieces small enough to pace.
+    fn piece(&self, rate: u64) -> u64 {
+        let limit = match self {
+            Self::Sendfile(_) => 1 << 30,
+            Self::DevmemTx(_) => crate::devmem_tx::PIECE as u64,
+        };
+        if rate == 0 {
+            limit
+        } else {
+            (rate / 20).clamp(4096, 1 << 20).min(limit)
+        }
+    }
+
+    /// Sends up to `want` bytes of `file` at `off` (flipping the byte at `flip` if it falls
+    /// inside: fault injection); returns the bytes sent, 0 if the file ended.
+    fn send(
+        &mut self,
+        file: &File,
+        off: u64,
+        want: u64,
+        flip: &mut Option<u64>,
+    ) -> std::io::Result<usize> {
+        match self {
+            Self::DevmemTx(d) => d.send_piece(file, off, want as usize, flip),
+            Self::Sendfile(stream) => match flip.filter(|at| (off..off + want).contains(at)) {
+                Some(at) => {
+                    let mut buf = vec![0u8; want as usize];
+                    let n = rustix::io::pread(file, &mut buf, off)?;
+                    if at < off + n as u64 {
+                        buf[(at - off) as usize] ^= 0x5a;
+                        *flip = None;
+                    }
+                    (&**stream).write_all(&buf[..n])?;
+                    Ok(n)
+                }
+                None => {
+                    let mut o = off;
+                    Ok(rustix::fs::sendfile(
+                        *stream,
+                        file,
+                        Some(&mut o),
+                        want as usize,
+                    )?)
+                }
+            },
+        }
+    }
+
+    /// The connection is done.
+    fn finish(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::DevmemTx(d) => d.finish(),
+            Self::Sendfile(_) => Ok(()),
+        }
+    }
+}
+
+/// Sends queued payloads back to back, paced to `rate` bytes/s (0: unlimited).
 fn send_loop(
-    stream: &TcpStream,
+    mut path: SendPath<'_>,
     rx: &mpsc::Receiver<Job>,
     progress: &Progress,
     rate: u64,
 ) -> std::io::Result<()> {
     let started = Instant::now();
     let mut sent_total: u64 = 0;
-    // Without a rate limit, send each payload in one go; with one, in slices we can pace.
-    let slice = if rate == 0 {
-        u64::MAX
-    } else {
-        (rate / 20).clamp(4096, 1 << 20)
-    };
+    let piece = path.piece(rate);
     while let Ok(job) = rx.recv() {
+        let (mut off, end) = (job.offset, job.offset + job.len);
+        let mut flip = job.corrupt.then_some(job.offset + job.len / 2);
+        while off < end {
+            let n = path.send(&job.file, off, (end - off).min(piece), &mut flip)?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("shard file ended at offset {off}, expected data up to {end}"),
+                ));
+            }
+            off += n as u64;
+            sent_total += n as u64;
+            pace(started, sent_total, rate);
+        }
         if job.corrupt {
-            let mut buf = vec![0u8; job.len as usize];
-            rustix::io::pread(&*job.file, &mut buf, job.offset)?;
-            let mid = buf.len() / 2;
-            buf[mid] ^= 0x5a;
-            let mut s = stream;
-            s.write_all(&buf)?;
             tracing::warn!(
                 bytes = job.len,
                 "fault injection: sent a payload with one byte flipped"
             );
-        } else {
-            let mut off = job.offset;
-            let end = job.offset + job.len;
-            while off < end {
-                let want = (end - off).min(slice).min(1 << 30) as usize;
-                let n = rustix::fs::sendfile(stream, &*job.file, Some(&mut off), want)?;
-                if n == 0 {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("shard file ended at offset {off}, expected data up to {end}"),
-                    ));
-                }
-                sent_total += n as u64;
-                pace(started, sent_total, rate);
-            }
         }
         metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
         metrics::counter!("shardwire_source_shards_sent_total").increment(1);
+        if let SendPath::DevmemTx(_) = path {
+            metrics::counter!("shardwire_source_devmem_tx_bytes_total").increment(job.len);
+        }
         progress.sent(job.len);
     }
-    Ok(())
+    path.finish()
 }

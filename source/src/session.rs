@@ -26,8 +26,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::framing::{FrameError, read_message, write_message};
 use crate::sender::{Job, Progress, Sender};
+use shardwire_protocol::framing::{FrameError, read_message, write_message};
 
 /// The handshake must be done within this time.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

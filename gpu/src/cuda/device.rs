@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::check;
-use crate::probe::GpuError;
+use crate::error::GpuError;
 
 /// One CUDA device and its retained primary context (shared with every other user of the
 /// device in this process, e.g. PyTorch in the same process).

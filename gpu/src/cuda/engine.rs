@@ -20,8 +20,8 @@ use super::check;
 use super::device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 use super::hostmap::DeviceRange;
 use super::vmm::VmmRegion;
+use crate::error::GpuError;
 use crate::kernels::{self, Frag, Span};
-use crate::probe::GpuError;
 
 struct Module(sys::CUmodule);
 impl Drop for Module {

@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 
 use super::check;
 use super::device::Device;
-use crate::probe::GpuError;
+use crate::error::GpuError;
 
 /// A span of device-visible memory a kernel may read: its device address and length.
 pub trait DeviceRange {

@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use super::{Device, Engines, H2dStager, VmmRegion};
+use crate::error::GpuError;
 use crate::kernels::{Frag, Span, reference};
-use crate::probe::{GpuDevice, GpuError};
+use crate::report::GpuDevice;
 
 /// A device ready for stream regions: the device, its engines, and what the probe said.
 #[derive(Debug)]

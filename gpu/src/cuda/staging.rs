@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 use super::check;
 use super::device::{Device, Event, PinnedBuffer, Stream};
 use super::vmm::VmmRegion;
-use crate::probe::GpuError;
+use crate::error::GpuError;
 
 struct Slot {
     buf: PinnedBuffer,

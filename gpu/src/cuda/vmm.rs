@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 
 use super::check;
 use super::device::{Device, copy_to_device, copy_to_host};
-use crate::probe::GpuError;
+use crate::error::GpuError;
 
 /// Regions are multiples of this (and of the driver's granularity): GPU memory that NICs
 /// map is handled in 2 MiB pages.

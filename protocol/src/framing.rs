@@ -5,7 +5,7 @@
 //! claims up front, and every read takes the largest frame the caller accepts in its state
 //! (an unauthenticated peer gets [`wire::MAX_SMALL_FRAME`]).
 
-use shardwire_protocol::wire::{self, DecodeError, EncodeError, Message};
+use crate::wire::{self, DecodeError, EncodeError, Message};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// A reused frame buffer above this capacity is given back after its frame.

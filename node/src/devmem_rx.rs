@@ -119,13 +119,29 @@ pub enum BindError {
     /// The kernel refused the bind.
     #[error("bind-rx: {0}")]
     Bind(#[from] shardwire_devmem::NetdevError),
+    /// The emulator could not make its binding.
+    #[error("the emulator: {0}")]
+    Emulator(#[from] EmuError),
+    /// The emulator's memory could not be registered with CUDA.
+    #[error("registering the emulator's dma-buf with CUDA: {0}")]
+    GpuRegister(shardwire_gpu::GpuError),
+}
+
+/// What backs a binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BindingKind {
+    /// The kernel-faithful emulator (`receive = devmem-sim`).
+    Emulated,
+    /// NIC RX queues bound with the kernel's netdev family (`receive = devmem`).
+    Kernel,
 }
 
 impl RxRegion {
     /// An emulated binding of `bytes` (`receive = devmem-sim`). With `cuda`, its memory is
     /// registered with the GPU and frags are gathered by the CUDA kernel.
-    pub fn emulated(bytes: usize, cuda: Option<Arc<CudaMemory>>) -> Result<Arc<Self>, String> {
-        let binding = EmuBinding::new(1, bytes).map_err(|e: EmuError| e.to_string())?;
+    pub fn emulated(bytes: usize, cuda: Option<Arc<CudaMemory>>) -> Result<Arc<Self>, BindError> {
+        let binding = EmuBinding::new(1, bytes)?;
         let gpu = match cuda {
             None => None,
             Some(cuda) => {
@@ -135,9 +151,7 @@ impl RxRegion {
                 // `backing`; the `gpu` field (declared first) is dropped before it.
                 let mapped =
                     unsafe { HostMapped::new(&cuda.device, mem.addr() as *mut u8, mem.len()) }
-                        .map_err(|e| {
-                            format!("registering the emulator's dma-buf with CUDA: {e}")
-                        })?;
+                        .map_err(BindError::GpuRegister)?;
                 Some(GpuGather {
                     cuda,
                     mapped: Some(mapped),
@@ -207,10 +221,10 @@ impl RxRegion {
     }
 
     /// What backs the binding, for status and logs.
-    pub fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> BindingKind {
         match self.backing {
-            Backing::Emulated { .. } => "emulated",
-            Backing::Kernel { .. } => "kernel",
+            Backing::Emulated { .. } => BindingKind::Emulated,
+            Backing::Kernel { .. } => BindingKind::Kernel,
         }
     }
 

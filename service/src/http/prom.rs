@@ -2,7 +2,7 @@
 //! series registered at 0 when the node starts, periodic upkeep, and a render whose family and
 //! series order is the same on every scrape (the exporter keeps them in hash maps).
 //!
-//! Hot-path counters live in atomics ([`crate::node::Counters`]) and are copied into the
+//! Hot-path counters live in atomics in the node and are copied from its [`Status`] into the
 //! recorder on each scrape; only the latency histograms are recorded as they happen, and
 //! [`upkeep`] folds their samples into buckets every few seconds so that memory stays flat
 //! whether or not anyone scrapes.
@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use shardwire_node::Status;
 
 /// How often histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -246,10 +247,65 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
     }
 }
 
+/// Copies the node's figures into the recorder and renders the exposition text.
+pub fn render(st: &Status) -> String {
+    record(st);
+    let c = &st.counters;
+    let stall = [
+        ("network", c.stall_network_seconds),
+        ("trainer", c.stall_trainer_seconds),
+        ("assembly", c.stall_assembly_seconds),
+    ];
+    render_text(&stall)
+}
+
+/// Sets every counter and gauge from the status.
+fn record(st: &Status) {
+    let c = &st.counters;
+    let mode = [("mode", st.mode.receive.clone())];
+    metrics::counter!("shardwire_bytes_received_total", &mode).absolute(c.bytes_received);
+    metrics::counter!("shardwire_shards_received_total", &mode).absolute(c.shards_received);
+    metrics::counter!("shardwire_crc_failures_total").absolute(c.crc_failures);
+    metrics::counter!("shardwire_refetches_total").absolute(c.refetches);
+    metrics::counter!("shardwire_batches_delivered_total").absolute(c.batches_delivered);
+    metrics::counter!("shardwire_h2d_staging_stalls_total").absolute(c.h2d_staging_stalls);
+    let cancelled = st.sources.iter().map(|s| s.cancelled).sum();
+    metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
+    for s in &st.sources {
+        let labels = [("source", s.addr.clone())];
+        metrics::counter!("shardwire_source_bytes_received_total", &labels)
+            .absolute(s.bytes_received);
+        metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
+    }
+    let used: usize = st.streams.iter().map(|s| s.region_used).sum();
+    let cap: usize = st.streams.iter().map(|s| s.region_bytes).sum();
+    let leases: usize = st.streams.iter().map(|s| s.leased).sum();
+    metrics::gauge!("shardwire_pool_bytes_used").set(used as f64);
+    metrics::gauge!("shardwire_pool_bytes_free").set((cap - used) as f64);
+    metrics::gauge!("shardwire_pool_bytes_reserved").set(st.pool.reserved as f64);
+    metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
+    metrics::gauge!("shardwire_streams_open").set(st.streams.len() as f64);
+    if let Some(d) = &st.devmem {
+        metrics::counter!("shardwire_devmem_frags_total").absolute(d.frags);
+        metrics::counter!("shardwire_devmem_bytes_total").absolute(d.dmabuf_bytes);
+        metrics::counter!("shardwire_devmem_tokens_returned_total").absolute(d.tokens_returned);
+        metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "linear")
+            .absolute(d.linear_bytes);
+        metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "plain")
+            .absolute(d.plain_bytes);
+        metrics::counter!("shardwire_devmem_pool_exhausted_total").absolute(d.pool_exhausted);
+        if let Some(free) = d.niovs_free {
+            metrics::gauge!("shardwire_devmem_niovs", "state" => "free").set(free as f64);
+            metrics::gauge!("shardwire_devmem_niovs", "state" => "in_use")
+                .set((d.niovs - free) as f64);
+        }
+    }
+}
+
 /// The exposition text: the recorder's families in name order (counter and gauge series in
 /// label order; histogram series as the recorder keeps them, in registration order, each
 /// with its buckets in `le` order), then the float counters given as (labels, value).
-pub fn render(stall: &[(&str, f64)]) -> String {
+fn render_text(stall: &[(&str, f64)]) -> String {
     let mut blocks: Vec<(String, String)> = handle()
         .render()
         .split("\n\n")

@@ -2,9 +2,10 @@
 //! share memory with the node: the same streams, plans, leases and resume states as the Unix
 //! socket, with tensor bytes copied into HTTP responses instead of mapped.
 //!
-//! An HTTP stream is opened with the same function as a socket `attach`
-//! (`trainer_socket::open`), so every check and the memory budget are exactly the socket's.
-//! `next`, `release`, `state` and tensor reads go straight to the stream ([`StreamShared`]). HTTP requests have no connection to tie a stream to, so an HTTP
+//! An HTTP stream is opened with the same call as a socket `attach` ([`Node::open_stream`]),
+//! so every check and the memory budget are exactly the socket's. `next`, `release`, `state`
+//! and tensor reads go straight to the [`Stream`]. HTTP requests have no connection to tie a
+//! stream to, so an HTTP
 //! stream closes on `POST /v1/streams/{id}/close` or after an idle timeout (no request naming the
 //! stream or one of its leases, and no `next` waiting). Only streams opened here are
 //! reachable here: socket streams and their leases are unknown to these routes.
@@ -21,22 +22,17 @@ use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shardwire_protocol::plan::Uneven;
-use shardwire_protocol::trainer::{StreamState, TRAINER_VERSION, TensorView};
+use shardwire_node::{Next, Node, Stream};
+use shardwire_protocol::trainer::{ErrorCode, StreamRequest, StreamState, TensorView};
 use tokio::sync::oneshot;
 
-use crate::node::Node;
-use crate::node::stream::{Next, StreamShared};
-use crate::node::trainer_socket::{self, Attach};
-
-/// Largest request body of these routes.
-pub const BODY_LIMIT: usize = 64 << 10;
+use super::error::ApiError;
 /// An HTTP stream with no request for this long is closed (overridable per stream).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// Largest `idle_timeout_s` a stream may ask for.
@@ -63,60 +59,16 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/streams/{id}/state", get(state))
         .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
         .route("/v1/leases/{lease}/release", post(release))
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(api)
 }
 
 // --- errors ----------------------------------------------------------------------------------
 
-/// `{"code", "message"}` with the HTTP status its code maps to.
-#[derive(Debug)]
-struct ApiError {
-    status: StatusCode,
-    code: String,
-    message: String,
-}
-
-impl ApiError {
-    /// An error whose status follows from its (socket API) code.
-    fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
-        let code = code.into();
-        Self {
-            status: status_of(&code),
-            code,
-            message: message.into(),
-        }
-    }
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new("bad_request", message)
-    }
-    fn internal(message: impl Into<String>) -> Self {
-        Self::new("internal", message)
-    }
-    fn unknown_lease(lease: u64) -> Self {
-        Self::new(
-            "unknown_lease",
-            format!("lease {lease} is not held by an HTTP stream of this node"),
-        )
-    }
-}
-
-/// The HTTP status of a stable error code.
-fn status_of(code: &str) -> StatusCode {
-    match code {
-        "bad_request" | "bad_plan" | "unsupported_version" => StatusCode::BAD_REQUEST,
-        "not_found" | "unknown_dataset" | "unknown_lease" => StatusCode::NOT_FOUND,
-        "state_mismatch" | "closed" => StatusCode::CONFLICT,
-        "unavailable" | "no_memory" | "draining" => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = Json(json!({ "code": self.code, "message": self.message }));
-        (self.status, body).into_response()
-    }
+fn unknown_lease(lease: u64) -> ApiError {
+    ApiError::new(
+        ErrorCode::UnknownLease,
+        format!("lease {lease} is not held by an HTTP stream of this node"),
+    )
 }
 
 fn path_error(e: PathRejection) -> ApiError {
@@ -156,7 +108,7 @@ enum Outcome {
 
 struct HttpStream {
     id: u64,
-    shared: Arc<StreamShared>,
+    shared: Arc<Stream>,
     idle: Duration,
     last_used: Mutex<Instant>,
     /// Requests in progress (a waiting `next` keeps the stream from idling out).
@@ -193,7 +145,7 @@ impl Api {
             .cloned()
             .ok_or_else(|| {
                 ApiError::new(
-                    "not_found",
+                    ErrorCode::NotFound,
                     format!("no HTTP stream {id} on this node (closed, idle for too long, or opened on the Unix socket)"),
                 )
             })
@@ -201,15 +153,10 @@ impl Api {
 
     /// Takes the next batch of `s` (waiting up to `timeout`) and registers its lease.
     fn take(&self, s: &HttpStream, timeout: Duration) -> Outcome {
-        match s.shared.next(&self.node, Some(timeout)) {
-            Next::Batch {
-                lease,
-                epoch,
-                index,
-                shard,
-                tensors,
-            } => {
-                let tensors: Arc<[TensorView]> = tensors.into();
+        match s.shared.next(Some(timeout)) {
+            Next::Batch(b) => {
+                let (lease, epoch, index, shard) = (b.lease, b.epoch, b.index, b.shard);
+                let tensors: Arc<[TensorView]> = b.tensors.into();
                 self.leases.lock().expect("poisoned").insert(
                     lease,
                     Lease {
@@ -238,7 +185,7 @@ impl Api {
             .lock()
             .expect("poisoned")
             .retain(|_, l| l.stream != s.id);
-        trainer_socket::close_stream(&self.node, &s.shared, reason);
+        self.node.close_stream(s.id, reason);
         tracing::info!(stream = s.id, reason, "HTTP stream closed");
     }
 }
@@ -246,7 +193,7 @@ impl Api {
 /// Closes HTTP streams idle for longer than their timeout; ends with the router.
 fn spawn_reaper(api: &Arc<Api>) {
     let weak: Weak<Api> = Arc::downgrade(api);
-    api.node.rt.spawn(async move {
+    tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         loop {
             tick.tick().await;
@@ -272,49 +219,32 @@ fn spawn_reaper(api: &Arc<Api>) {
 
 // --- open ------------------------------------------------------------------------------------
 
-fn one() -> u32 {
-    1
-}
-
-fn version() -> u32 {
-    TRAINER_VERSION
-}
-
-/// The body of `POST /v1/streams`: the socket's `attach` fields, plus `idle_timeout_s`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct OpenBody {
-    #[serde(default = "version")]
-    version: u32,
-    dataset: String,
-    #[serde(default)]
-    seed: u64,
-    #[serde(default)]
-    rank: u32,
-    #[serde(default = "one")]
-    world_size: u32,
-    #[serde(default = "one")]
-    epochs: u32,
-    #[serde(default)]
-    uneven: Uneven,
-    #[serde(default)]
-    state: Option<StreamState>,
-    #[serde(default)]
-    idle_timeout_s: Option<u64>,
+/// The body of `POST /v1/streams`: the socket's `attach` fields ([`StreamRequest`], which
+/// refuses unknown fields), plus `idle_timeout_s`.
+fn open_body(body: &[u8]) -> Result<(StreamRequest, Option<u64>), ApiError> {
+    let invalid =
+        |e: serde_json::Error| ApiError::bad_request(format!("invalid stream request: {e}"));
+    let mut fields: serde_json::Map<String, Value> =
+        serde_json::from_slice(body).map_err(invalid)?;
+    let idle = match fields.remove("idle_timeout_s") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "idle_timeout_s is {v}; it must be a whole number of seconds"
+            ))
+        })?),
+    };
+    let stream = serde_json::from_value(Value::Object(fields)).map_err(invalid)?;
+    Ok((stream, idle))
 }
 
 async fn open(
     State(api): State<Arc<Api>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let body = body.map_err(|e| ApiError {
-        status: e.status(),
-        code: "bad_request".into(),
-        message: e.body_text(),
-    })?;
-    let o: OpenBody = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid stream request: {e}")))?;
-    let idle = match o.idle_timeout_s {
+    let body = body.map_err(|e| ApiError::bad_request(e.body_text()).with_status(e.status()))?;
+    let (stream, idle_timeout_s) = open_body(&body)?;
+    let idle = match idle_timeout_s {
         None => DEFAULT_IDLE_TIMEOUT,
         Some(s) if (1..=MAX_IDLE_TIMEOUT_S).contains(&s) => Duration::from_secs(s),
         Some(s) => {
@@ -323,26 +253,12 @@ async fn open(
             )));
         }
     };
-    let attach = Attach {
-        version: o.version,
-        dataset: o.dataset,
-        seed: o.seed,
-        rank: o.rank,
-        world_size: o.world_size,
-        epochs: o.epochs,
-        uneven: o.uneven,
-        state: o.state,
-    };
-    let node = Arc::clone(&api.node);
-    let shared = tokio::task::spawn_blocking(move || trainer_socket::open(&node, attach))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|(code, message)| ApiError::new(code, message))?;
-    let id = shared.id;
+    let shared = api.node.open_stream(stream).await?;
+    let id = shared.id();
     let body = json!({
         "stream": id,
-        "batches_per_epoch": shared.spec.per_rank(),
-        "epochs": shared.epochs,
+        "batches_per_epoch": shared.batches_per_epoch(),
+        "epochs": shared.epochs(),
         "state": shared.state(),
         "idle_timeout_s": idle.as_secs(),
     });
@@ -425,7 +341,7 @@ async fn next(
                     }
                 });
                 rx.await
-                    .map_err(|_| ApiError::internal("the waiting thread failed"))?
+                    .map_err(|_| ApiError::new(ErrorCode::Internal, "the waiting thread failed"))?
             }
             o => o,
         },
@@ -436,7 +352,7 @@ async fn next(
         Outcome::Batch(b) => Json(batch_json(&b)).into_response(),
         Outcome::End => Json(json!({ "end": true })).into_response(),
         Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
-        Outcome::Closed(why) => ApiError::new("closed", why).into_response(),
+        Outcome::Closed(why) => ApiError::new(ErrorCode::Closed, why).into_response(),
     })
 }
 
@@ -451,7 +367,7 @@ async fn state(
     if let Ok(slot) = s.slot.try_lock()
         && let Some(b) = slot.as_ref()
     {
-        let pos = u64::from(b.epoch) * s.shared.spec.per_rank() + b.index;
+        let pos = s.shared.position(b.epoch, b.index);
         return Ok(Json(s.shared.state_at(pos)));
     }
     Ok(Json(s.shared.state()))
@@ -466,24 +382,20 @@ async fn tensor(
     let Path((lease, name)) = p.map_err(path_error)?;
     let (sid, tensors) = {
         let leases = api.leases.lock().expect("poisoned");
-        let l = leases
-            .get(&lease)
-            .ok_or_else(|| ApiError::unknown_lease(lease))?;
+        let l = leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
         (l.stream, Arc::clone(&l.tensors))
     };
     let Some(t) = tensors.iter().find(|t| t.name == name).cloned() else {
         let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
         return Err(ApiError::new(
-            "not_found",
+            ErrorCode::NotFound,
             format!(
                 "the batch of lease {lease} has no tensor `{name}`; it has: {}",
                 names.join(", ")
             ),
         ));
     };
-    let s = api
-        .stream(sid)
-        .map_err(|_| ApiError::unknown_lease(lease))?;
+    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
     let _busy = Busy::new(&s);
     let bytes = if t.length <= INLINE_COPY {
         s.shared.read_leased(lease, t.offset, t.length)
@@ -491,9 +403,9 @@ async fn tensor(
         let s2 = Arc::clone(&s);
         tokio::task::spawn_blocking(move || s2.shared.read_leased(lease, t.offset, t.length))
             .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
     };
-    let bytes = bytes.ok_or_else(|| ApiError::unknown_lease(lease))?;
+    let bytes = bytes.ok_or_else(|| unknown_lease(lease))?;
     let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
     Ok((
         [
@@ -522,14 +434,12 @@ async fn release(
         .lock()
         .expect("poisoned")
         .remove(&lease)
-        .ok_or_else(|| ApiError::unknown_lease(lease))?;
-    let s = api
-        .stream(l.stream)
-        .map_err(|_| ApiError::unknown_lease(lease))?;
+        .ok_or_else(|| unknown_lease(lease))?;
+    let s = api.stream(l.stream).map_err(|_| unknown_lease(lease))?;
     let _busy = Busy::new(&s);
     if s.shared.release(lease) {
         Ok(Json(json!({ "released": true })))
     } else {
-        Err(ApiError::unknown_lease(lease))
+        Err(unknown_lease(lease))
     }
 }

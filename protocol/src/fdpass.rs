@@ -8,11 +8,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use crate::trainer::{self, TrainerDecodeError};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
-use shardwire_protocol::trainer::{self, TrainerDecodeError};
 
 /// Why a trainer frame could not be moved.
 #[derive(Debug, thiserror::Error)]
@@ -266,16 +266,7 @@ mod tests {
         send_frame(&a, &frame, &[file.as_fd()]).unwrap();
         send_frame(&a, &frame, &[]).unwrap();
         // A frame larger than the reader's buffer, split over many reads.
-        let big = trainer::Request::Attach {
-            version: 1,
-            dataset: "x".repeat(200_000),
-            seed: 0,
-            rank: 0,
-            world_size: 1,
-            epochs: 1,
-            uneven: Default::default(),
-            state: None,
-        };
+        let big = trainer::Request::Attach(trainer::StreamRequest::new("x".repeat(200_000)));
         let mut big_frame = Vec::new();
         trainer::encode(&big, &mut big_frame);
         let writer = std::thread::spawn(move || send_frame(&a, &big_frame, &[]).map(|_| a));

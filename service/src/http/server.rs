@@ -12,13 +12,15 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use shardwire_config::ServeConfig;
 use tokio::sync::{Semaphore, watch};
 
-use crate::admin::api_error;
+use shardwire_protocol::trainer::ErrorCode;
+
+use super::error::ApiError;
 
 /// Largest request body on any route.
 pub const BODY_LIMIT: usize = 64 << 10;
@@ -104,6 +106,16 @@ pub async fn serve(
 /// handler runs: a client that promises more than it sends gets `408` instead of holding
 /// the handler.
 async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > BODY_LIMIT as u64) {
+        let msg = format!("the request body is {n} bytes; at most {BODY_LIMIT} are accepted");
+        return ApiError::bad_request(msg)
+            .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+            .into_response();
+    }
     let (parts, body) = req.into_parts();
     let read = axum::body::to_bytes(body, BODY_LIMIT);
     match tokio::time::timeout(limits.body_timeout, read).await {
@@ -111,21 +123,18 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
             next.run(Request::from_parts(parts, Body::from(bytes)))
                 .await
         }
-        Ok(Err(e)) => api_error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "bad_request",
-            format!("cannot read the request body (at most {BODY_LIMIT} bytes): {e}"),
-        ),
+        Ok(Err(e)) => ApiError::bad_request(format!(
+            "cannot read the request body (at most {BODY_LIMIT} bytes): {e}"
+        ))
+        .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+        .into_response(),
         Err(_) => {
             metrics::counter!("shardwire_http_timeouts_total", "phase" => "body").increment(1);
-            api_error(
-                StatusCode::REQUEST_TIMEOUT,
-                "timeout",
-                format!(
-                    "the request body did not arrive within {:?} (http_body_timeout_secs)",
-                    limits.body_timeout
-                ),
-            )
+            let msg = format!(
+                "the request body did not arrive within {:?} (http_body_timeout_secs)",
+                limits.body_timeout
+            );
+            ApiError::new(ErrorCode::Timeout, msg).into_response()
         }
     }
 }

@@ -1,0 +1,191 @@
+//! Making the node's RX binding: the emulator, or a NIC's queues chosen from the capability
+//! probe (set up, bound, journaled; see [`RxRegion::bind_kernel`]). Used at start (`receive =
+//! devmem | devmem-sim | auto`) and by the control task (`POST /v1/bindings`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use shardwire_devmem::probe::NicReport;
+use shardwire_gpu::cuda::CudaMemory;
+use shardwire_protocol::trainer::ErrorCode;
+
+use crate::devmem_rx::{BindError, RxRegion};
+
+/// Why no binding was made.
+#[derive(Debug, thiserror::Error)]
+pub enum BindingError {
+    /// No interface of that name (asked for over the API).
+    #[error("no interface named {name} (or `emulator` for the emulator)")]
+    UnknownInterface {
+        /// The name asked for.
+        name: String,
+    },
+    /// The configured `devmem_interface` does not exist.
+    #[error("devmem_interface {name} does not exist here; {probe}")]
+    ConfiguredInterfaceMissing {
+        /// The name asked for.
+        name: String,
+        /// What the probe found.
+        probe: String,
+    },
+    /// No interface was named and none can do devmem.
+    #[error("{probe}")]
+    NoneCapable {
+        /// What the probe found, per NIC.
+        probe: String,
+    },
+    /// The interface cannot do devmem.
+    #[error("{name} cannot do devmem: {reason}")]
+    NotCapable {
+        /// The interface.
+        name: String,
+        /// Why (the probe's reason).
+        reason: String,
+    },
+    /// A binding exists already.
+    #[error("binding {id} exists; delete it first (one binding per node)")]
+    Exists {
+        /// Its id.
+        id: u32,
+    },
+    /// No binding with that id.
+    #[error("no binding {id}")]
+    NotFound {
+        /// The id asked for.
+        id: String,
+    },
+    /// Setting the NIC up, allocating or binding failed (already undone).
+    #[error("{what}: {source}")]
+    Failed {
+        /// Where (the interface, or "the emulator").
+        what: String,
+        /// The step that failed.
+        #[source]
+        source: BindError,
+    },
+}
+
+impl BindingError {
+    /// The API code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::UnknownInterface { .. } | Self::ConfiguredInterfaceMissing { .. } => {
+                ErrorCode::UnknownInterface
+            }
+            Self::NotFound { .. } => ErrorCode::NotFound,
+            Self::NoneCapable { .. } | Self::NotCapable { .. } => ErrorCode::NotCapable,
+            Self::Exists { .. } => ErrorCode::BindingExists,
+            Self::Failed { .. } => ErrorCode::BindFailed,
+        }
+    }
+}
+
+/// One line about the probe: the capable NICs, or why each NIC that is up cannot.
+pub fn probe_summary(nics: &[NicReport]) -> String {
+    let capable: Vec<&str> = nics
+        .iter()
+        .filter(|n| n.devmem_capable)
+        .map(|n| n.name.as_str())
+        .collect();
+    if capable.is_empty() {
+        let why: Vec<String> = nics
+            .iter()
+            .filter(|n| n.up)
+            .map(|n| format!("{}: {}", n.name, n.reason))
+            .collect();
+        format!("no devmem-capable NIC ({})", why.join("; "))
+    } else {
+        format!("devmem-capable NICs: {}", capable.join(", "))
+    }
+}
+
+/// The emulator's binding of `bytes`.
+pub fn emulator(
+    bytes: usize,
+    cuda: Option<Arc<CudaMemory>>,
+) -> Result<Arc<RxRegion>, BindingError> {
+    RxRegion::emulated(bytes, cuda).map_err(|source| BindingError::Failed {
+        what: "the emulator".into(),
+        source,
+    })
+}
+
+/// What to bind on a NIC.
+#[derive(Debug, Clone)]
+pub struct NicRequest {
+    /// The interface (`None`: the first devmem-capable one).
+    pub name: Option<String>,
+    /// RX queues (empty: the upper half of the interface's).
+    pub queues: Vec<u32>,
+    /// Dma-buf bytes.
+    pub bytes: usize,
+    /// NIC change journal.
+    pub state_file: PathBuf,
+    /// The data port steered to the first bound queue.
+    pub data_port: u16,
+    /// The interface comes from the configuration (`devmem_interface`), not an API call.
+    pub configured: bool,
+}
+
+/// Binds a NIC's queues (blocking work on a blocking thread); returns the binding and a
+/// sentence on what was done.
+pub async fn nic(
+    nics: &[NicReport],
+    r: NicRequest,
+    cuda: Option<Arc<CudaMemory>>,
+) -> Result<(Arc<RxRegion>, String), BindingError> {
+    let probe = probe_summary(nics);
+    let nic = match &r.name {
+        Some(name) => nics
+            .iter()
+            .find(|n| &n.name == name)
+            .ok_or_else(|| match r.configured {
+                true => BindingError::ConfiguredInterfaceMissing {
+                    name: name.clone(),
+                    probe: probe.clone(),
+                },
+                false => BindingError::UnknownInterface { name: name.clone() },
+            })?,
+        None => nics
+            .iter()
+            .find(|n| n.devmem_capable)
+            .ok_or(BindingError::NoneCapable { probe })?,
+    };
+    if !nic.devmem_capable {
+        return Err(BindingError::NotCapable {
+            name: nic.name.clone(),
+            reason: nic.reason.clone(),
+        });
+    }
+    let queues: Vec<u32> = if r.queues.is_empty() {
+        // The upper half of the RX queues, leaving the lower half to other traffic.
+        (nic.rx_queues / 2..nic.rx_queues).collect()
+    } else {
+        r.queues.clone()
+    };
+    let memory = if cuda.is_some() {
+        "GPU region (GPU-direct)"
+    } else {
+        "udmabuf"
+    };
+    let (name, ifindex, q) = (nic.name.clone(), nic.ifindex, queues.clone());
+    let (bytes, state, port) = (r.bytes, r.state_file.clone(), r.data_port);
+    let region = tokio::task::spawn_blocking(move || {
+        RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state, port, cuda)
+    })
+    .await
+    .expect("the bind task does not panic")
+    .map_err(|source| BindingError::Failed {
+        what: nic.name.clone(),
+        source,
+    })?;
+    let first = queues.iter().min().copied().unwrap_or(0);
+    let why = format!(
+        "{} RX queues {queues:?} bound to a {} {memory} (binding {}); header split on, RSS over queues 0..{first}, data port {} steered to queue {first} (all undone at shutdown)",
+        nic.name,
+        shardwire_config::ByteSize(r.bytes as u64),
+        region.id(),
+        r.data_port,
+    );
+    Ok((region, why))
+}

@@ -1,0 +1,213 @@
+//! A fetch in flight and the one way it ends.
+//!
+//! An [`InFlight`] fetch has exactly one owner at a time: the link's pending table from the
+//! FETCH until the source announces it (`Shard`), then the receiver of the announced data
+//! connection until the payload is in. Whoever holds it ends it with [`InFlight::finish`],
+//! which hands the slab back to the stream's fetcher with a typed outcome. So a slab is never
+//! re-issued while a receiver may still write into it, and every failure has one shape.
+
+use std::time::Instant;
+
+use shardwire_gpu::Slab;
+use shardwire_protocol::wire;
+use tokio::sync::mpsc;
+
+/// Why a fetch did not produce a verified shard.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchFailure {
+    /// The link to the source went down (or broke the protocol) before the payload came.
+    #[error("the link to source {source_addr} went down: {reason}")]
+    LinkDown {
+        /// The source.
+        source_addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The payload arrived but its CRC-32C is wrong.
+    #[error("CRC-32C {got:08x} of the received bytes differs from the manifest's {want:08x}")]
+    Crc {
+        /// CRC of the bytes received.
+        got: u32,
+        /// CRC from the manifest.
+        want: u32,
+    },
+    /// The source refused the FETCH.
+    #[error("the source refused it: {code:?}: {message}")]
+    Refused {
+        /// The source's error code.
+        code: wire::ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// The data connection carrying the payload failed.
+    #[error("data connection {conn} from {source_addr} failed: {cause}")]
+    ConnectionLost {
+        /// The source.
+        source_addr: String,
+        /// The data connection.
+        conn: u16,
+        /// What happened (the I/O error, or the earlier failure of this connection).
+        cause: String,
+    },
+    /// The source dropped it on the node's request (its stream closed).
+    #[error("cancelled: its stream closed")]
+    Cancelled,
+}
+
+/// What a fetch came to; the slab always comes back.
+#[derive(Debug)]
+pub struct Completion {
+    /// The stream position it was for.
+    pub pos: u64,
+    /// The shard.
+    pub shard: u32,
+    /// The slab (holding the verified payload on success).
+    pub slab: Slab,
+    /// Index of the link that served it.
+    pub source: usize,
+    /// When the FETCH was issued.
+    pub issued: Instant,
+    /// Success, or why not.
+    pub result: Result<(), FetchFailure>,
+}
+
+/// Where a stream's fetch outcomes go.
+pub type Completions = mpsc::UnboundedSender<Completion>;
+
+/// A shard fetch in flight.
+#[derive(Debug)]
+pub struct InFlight {
+    /// Destination slab (exactly `length` bytes).
+    pub slab: Slab,
+    /// Stream position it is for.
+    pub pos: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Payload length from the manifest.
+    pub length: u64,
+    /// CRC-32C from the manifest.
+    pub crc32c: u32,
+    /// Index of the link that serves it.
+    pub source: usize,
+    /// The stream it is for (to cancel it when the stream closes).
+    pub stream: u64,
+    /// Request id (set when the FETCH is sent).
+    pub req: u64,
+    /// When the FETCH was issued (for the fetch latency histogram).
+    pub issued: Instant,
+    done: Completions,
+}
+
+/// What a stream asks for.
+#[derive(Debug)]
+pub struct FetchRequest {
+    /// Destination slab.
+    pub slab: Slab,
+    /// Stream position.
+    pub pos: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Payload length (the manifest's).
+    pub length: u64,
+    /// CRC-32C (the manifest's).
+    pub crc32c: u32,
+    /// The stream.
+    pub stream: u64,
+}
+
+impl InFlight {
+    /// A fetch of `r` from link `source`, reporting to `done`.
+    pub fn new(r: FetchRequest, source: usize, done: Completions) -> Self {
+        Self {
+            slab: r.slab,
+            pos: r.pos,
+            shard: r.shard,
+            length: r.length,
+            crc32c: r.crc32c,
+            source,
+            stream: r.stream,
+            req: 0,
+            issued: Instant::now(),
+            done,
+        }
+    }
+
+    /// Ends the fetch: the slab and the outcome go back to the stream's fetcher (which may be
+    /// gone, when its stream closed: then the slab is simply freed).
+    pub fn finish(self, result: Result<(), FetchFailure>) {
+        let _ = self.done.send(Completion {
+            pos: self.pos,
+            shard: self.shard,
+            slab: self.slab,
+            source: self.source,
+            issued: self.issued,
+            result,
+        });
+    }
+
+    /// Checks the payload's CRC-32C against the manifest's and ends the fetch with the result.
+    pub fn verified(self, got: u32) {
+        let want = self.crc32c;
+        let r = if got == want {
+            Ok(())
+        } else {
+            Err(FetchFailure::Crc { got, want })
+        };
+        self.finish(r);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::Arc;
+
+    use shardwire_gpu::{HostRegion, SlabPool};
+
+    use super::*;
+
+    /// A pool of host memory for tests.
+    pub(crate) fn pool(bytes: usize) -> Arc<SlabPool> {
+        SlabPool::new(HostRegion::new("shardwire-test", bytes).unwrap())
+    }
+
+    /// A fetch of `len` bytes with CRC `crc` whose completion goes to the returned receiver.
+    pub(crate) fn in_flight(
+        pool: &Arc<SlabPool>,
+        pos: u64,
+        len: usize,
+        crc: u32,
+    ) -> (InFlight, mpsc::UnboundedReceiver<Completion>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let r = FetchRequest {
+            slab: pool.alloc(len).expect("room in the test pool"),
+            pos,
+            shard: pos as u32,
+            length: len as u64,
+            crc32c: crc,
+            stream: 1,
+        };
+        (InFlight::new(r, 0, tx), rx)
+    }
+
+    #[test]
+    fn finish_hands_the_slab_back_with_the_outcome() {
+        let p = pool(1 << 20);
+        let (f, mut rx) = in_flight(&p, 3, 4096, 7);
+        assert!(p.used() >= 4096);
+        f.verified(8);
+        let c = rx.try_recv().unwrap();
+        assert_eq!((c.pos, c.shard), (3, 3));
+        assert_eq!(c.result, Err(FetchFailure::Crc { got: 8, want: 7 }));
+        drop(c);
+        assert_eq!(p.used(), 0, "the slab returned to the pool");
+    }
+
+    #[test]
+    fn a_fetch_whose_stream_is_gone_frees_its_slab() {
+        let p = pool(1 << 20);
+        let (f, rx) = in_flight(&p, 0, 4096, 1);
+        drop(rx);
+        f.verified(1);
+        assert_eq!(p.used(), 0);
+    }
+}

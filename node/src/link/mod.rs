@@ -1,0 +1,381 @@
+//! One node <-> source link: the control connection's state (pending fetches, manifest
+//! requests, data-connection queues), the API streams use (fetch, cancel, manifest), and the
+//! reconnect loop. The session itself ([`session`]) is generic over its I/O.
+//!
+//! A link knows nothing of the data plane: it announces each data connection the source
+//! reports to a [`DataConns`] sink (the data plane's matcher) and forgets them there when it
+//! goes down. Ownership of a fetch: the pending table holds it from FETCH until the SHARD
+//! announcement, then the announced connection's queue and receiver (see [`crate::fetch`]).
+
+pub mod session;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shardwire_protocol::framing::encode_frame;
+use shardwire_protocol::wire::{self, EncodeError, Message};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+
+use crate::fetch::{FetchFailure, InFlight};
+
+/// How long a manifest request may wait for its answer.
+pub const MANIFEST_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What a link needs to know about its node.
+#[derive(Clone, Debug)]
+pub struct LinkConfig {
+    /// Shared secret for the handshake.
+    pub secret: Option<Vec<u8>>,
+    /// Data connections to ask for.
+    pub flows: u16,
+    /// The node's data port (a wildcard IP is replaced by the control connection's local IP).
+    pub data_addr: SocketAddr,
+}
+
+/// Where a link's data-connection announcements go.
+pub trait DataConns: Send + Sync {
+    /// The source dialled the node's data port from `addr` for connection `conn` of session
+    /// `generation`; payloads for it arrive on `queue`.
+    fn announced(
+        &self,
+        link: &Arc<SourceLink>,
+        generation: u64,
+        conn: u16,
+        addr: SocketAddr,
+        queue: std::sync::mpsc::Receiver<InFlight>,
+    );
+    /// Session `generation` of link `link` ended: its unmatched announcements go, and the
+    /// fetches queued on them fail with `reason`.
+    fn forget(&self, link: usize, generation: u64, reason: &str);
+}
+
+/// Why a message could not be sent on a link.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// The link is not connected.
+    #[error("source {0} is not connected")]
+    Down(String),
+    /// The message cannot be encoded (a field over its wire limit); the link is unaffected.
+    #[error("cannot send to source {addr}: {source}")]
+    Encode {
+        /// The source.
+        addr: String,
+        /// Which field and limit.
+        #[source]
+        source: EncodeError,
+    },
+}
+
+/// Why a manifest request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ManifestError {
+    /// The link is down, or went down while waiting.
+    #[error("source {addr} is not connected ({reason})")]
+    Down {
+        /// The source.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The request cannot be encoded.
+    #[error("{0}")]
+    Encode(String),
+    /// The source answered with an error (e.g. it does not serve the dataset).
+    #[error("{code:?}: {message}")]
+    Refused {
+        /// The source's code.
+        code: wire::ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// No answer in time.
+    #[error("source {addr} did not answer within {after:?}")]
+    Timeout {
+        /// The source.
+        addr: String,
+        /// The limit.
+        after: Duration,
+    },
+}
+
+#[derive(Default)]
+struct LinkState {
+    generation: u64,
+    /// Encoded frames for the session's writer.
+    ctl: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    conns: Vec<Option<std::sync::mpsc::Sender<InFlight>>>,
+    data_socks: Vec<TcpStream>,
+}
+
+type ManifestWaiter = oneshot::Sender<Result<Vec<u8>, ManifestError>>;
+
+/// Cancels sent, and fetches the source confirmed it dropped.
+#[derive(Debug, Default)]
+pub struct CancelCounts {
+    /// Cancels sent.
+    pub sent: AtomicU64,
+    /// Fetches the source confirmed it dropped.
+    pub confirmed: AtomicU64,
+}
+
+/// One configured source.
+pub struct SourceLink {
+    /// Position in the configuration.
+    pub index: usize,
+    /// HOST:PORT.
+    pub addr: String,
+    cfg: LinkConfig,
+    state: Mutex<LinkState>,
+    pending: Mutex<HashMap<u64, InFlight>>,
+    manifest_waiters: Mutex<HashMap<u64, ManifestWaiter>>,
+    up: AtomicBool,
+    abort: Notify,
+    abort_reason: Mutex<Option<String>>,
+    /// Payload bytes received from this source.
+    pub bytes: AtomicU64,
+    /// Last connection error, for status.
+    pub last_error: Mutex<Option<String>>,
+    /// Cancelled fetches.
+    pub cancels: CancelCounts,
+}
+
+impl std::fmt::Debug for SourceLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceLink")
+            .field("index", &self.index)
+            .field("addr", &self.addr)
+            .field("up", &self.is_up())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceLink {
+    /// A link that is not connected yet.
+    pub fn new(index: usize, addr: String, cfg: LinkConfig) -> Arc<Self> {
+        Arc::new(Self {
+            index,
+            addr,
+            cfg,
+            state: Mutex::default(),
+            pending: Mutex::default(),
+            manifest_waiters: Mutex::default(),
+            up: AtomicBool::new(false),
+            abort: Notify::new(),
+            abort_reason: Mutex::default(),
+            bytes: AtomicU64::new(0),
+            last_error: Mutex::default(),
+            cancels: CancelCounts::default(),
+        })
+    }
+
+    /// True while the control connection is established and authenticated.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Fetches waiting for the source's announcement.
+    pub fn in_flight(&self) -> usize {
+        self.pending.lock().expect("poisoned").len()
+    }
+
+    /// Asks the link to drop its current connection (a data connection failed: `reason`).
+    pub fn kick(&self, reason: &str) {
+        *self.abort_reason.lock().expect("poisoned") = Some(reason.to_owned());
+        self.abort.notify_waiters();
+    }
+
+    /// Encodes `msg` and queues it for the session's writer. A message that cannot be
+    /// encoded fails here, for this caller only: the session never sees it.
+    fn send(&self, st: &LinkState, msg: &Message) -> Result<(), SendError> {
+        let frame = encode_frame(msg).map_err(|source| SendError::Encode {
+            addr: self.addr.clone(),
+            source,
+        })?;
+        st.ctl
+            .as_ref()
+            .and_then(|ctl| ctl.send(frame).ok())
+            .ok_or_else(|| SendError::Down(self.addr.clone()))
+    }
+
+    /// Sends a FETCH; gives the fetch back if it cannot be sent.
+    pub fn fetch(
+        &self,
+        req: u64,
+        dataset: &str,
+        mut f: InFlight,
+    ) -> Result<(), Box<(InFlight, SendError)>> {
+        let st = self.state.lock().expect("poisoned");
+        let msg = Message::Fetch {
+            req,
+            dataset: dataset.into(),
+            shard: f.shard,
+        };
+        f.req = req;
+        // Pending before the send, so an answer can never come for an unknown request.
+        self.pending.lock().expect("poisoned").insert(req, f);
+        match self.send(&st, &msg) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let f = self.pending.lock().expect("poisoned").remove(&req);
+                Err(Box::new((f.expect("just inserted"), e)))
+            }
+        }
+    }
+
+    /// Asks the source to drop the FETCHes of `stream` it has not announced yet; they stay
+    /// pending until it answers. Returns how many cancels were sent.
+    pub fn cancel_stream(&self, stream: u64) -> usize {
+        let st = self.state.lock().expect("poisoned");
+        let reqs: Vec<u64> = self
+            .pending
+            .lock()
+            .expect("poisoned")
+            .values()
+            .filter(|f| f.stream == stream)
+            .map(|f| f.req)
+            .collect();
+        let sent = reqs
+            .iter()
+            .filter(|&&req| self.send(&st, &Message::Cancel { req }).is_ok())
+            .count();
+        self.cancels.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        sent
+    }
+
+    /// Asks the source for `dataset`'s manifest JSON; `req` identifies the request (the
+    /// source's answer or error names it, so only this request can fail by it).
+    pub async fn request_manifest(
+        &self,
+        req: u64,
+        dataset: &str,
+    ) -> Result<Vec<u8>, ManifestError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let st = self.state.lock().expect("poisoned");
+            self.manifest_waiters
+                .lock()
+                .expect("poisoned")
+                .insert(req, tx);
+            let msg = Message::ManifestRequest {
+                req,
+                dataset: dataset.into(),
+            };
+            if let Err(e) = self.send(&st, &msg) {
+                self.manifest_waiters.lock().expect("poisoned").remove(&req);
+                return Err(match e {
+                    SendError::Down(addr) => ManifestError::Down {
+                        addr,
+                        reason: "no control connection".into(),
+                    },
+                    e @ SendError::Encode { .. } => ManifestError::Encode(e.to_string()),
+                });
+            }
+        }
+        let answer = tokio::time::timeout(MANIFEST_TIMEOUT, rx).await;
+        self.manifest_waiters.lock().expect("poisoned").remove(&req);
+        match answer {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ManifestError::Down {
+                addr: self.addr.clone(),
+                reason: "the link went down".into(),
+            }),
+            Err(_) => Err(ManifestError::Timeout {
+                addr: self.addr.clone(),
+                after: MANIFEST_TIMEOUT,
+            }),
+        }
+    }
+
+    /// A data socket for session `generation` was identified: kept (to unblock its receiver
+    /// when the session ends), unless that session is gone (false: drop the socket).
+    pub fn attach_data(&self, generation: u64, sock: &TcpStream) -> bool {
+        let mut st = self.state.lock().expect("poisoned");
+        if st.generation != generation || st.ctl.is_none() {
+            return false;
+        }
+        if let Ok(c) = sock.try_clone() {
+            st.data_socks.push(c);
+        }
+        true
+    }
+
+    /// Marks a new session up: its writer's queue and `flows` empty connection slots.
+    fn establish(&self, ctl: mpsc::UnboundedSender<Vec<u8>>) -> u64 {
+        let mut st = self.state.lock().expect("poisoned");
+        st.generation += 1;
+        st.ctl = Some(ctl);
+        st.conns = (0..self.cfg.flows).map(|_| None).collect();
+        *self.abort_reason.lock().expect("poisoned") = None;
+        self.up.store(true, Ordering::Release);
+        *self.last_error.lock().expect("poisoned") = None;
+        st.generation
+    }
+
+    /// Ends the current session: receivers are unblocked, and every fetch and manifest
+    /// request waiting on it fails with `reason`.
+    fn go_down(&self, conns: &dyn DataConns, reason: &str) {
+        self.up.store(false, Ordering::Release);
+        let generation = {
+            let mut st = self.state.lock().expect("poisoned");
+            st.ctl = None;
+            st.conns.clear(); // receivers see their queue close once drained
+            for s in st.data_socks.drain(..) {
+                let _ = s.shutdown(std::net::Shutdown::Both); // unblocks receivers mid-payload
+            }
+            st.generation
+        };
+        conns.forget(self.index, generation, reason);
+        let down = || FetchFailure::LinkDown {
+            source_addr: self.addr.clone(),
+            reason: reason.to_owned(),
+        };
+        for (_, f) in self.pending.lock().expect("poisoned").drain() {
+            f.finish(Err(down()));
+        }
+        for (_, w) in self.manifest_waiters.lock().expect("poisoned").drain() {
+            let _ = w.send(Err(ManifestError::Down {
+                addr: self.addr.clone(),
+                reason: reason.to_owned(),
+            }));
+        }
+    }
+}
+
+/// Keeps the link connected until shutdown, reconnecting with backoff.
+pub async fn run(
+    link: Arc<SourceLink>,
+    conns: Arc<dyn DataConns>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let result = tokio::select! {
+            r = session::connect_and_serve(&link, conns.as_ref()) => r,
+            _ = shutdown.changed() => Ok(()),
+        };
+        let reason = match &result {
+            Ok(()) => "node shutting down".to_string(),
+            Err(e) => format!("source {}: {e}", link.addr),
+        };
+        let was_up = link.is_up();
+        link.go_down(conns.as_ref(), &reason);
+        if *shutdown.borrow() {
+            return;
+        }
+        if was_up {
+            tracing::warn!(source = %link.addr, error = %reason, "source link down; reconnecting");
+            backoff = Duration::from_millis(100);
+        } else {
+            tracing::debug!(source = %link.addr, error = %reason, "source not reachable; retrying");
+        }
+        *link.last_error.lock().expect("poisoned") = Some(reason);
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,357 @@
+//! One control session with a source, generic over its I/O so that unit tests play the
+//! source over an in-memory pipe: the handshake (with the frame cap of an unauthenticated
+//! peer), the writer (frames queued by [`SourceLink`]'s API, each within [`WRITE_TIMEOUT`],
+//! and a `Ping` after a third of the idle timeout), and the reader, which hands each message to
+//! [`handle`] and ends the session when the source is silent for its idle timeout.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use shardwire_protocol::auth::{self, NONCE_LEN, Role};
+use shardwire_protocol::framing::{FrameError, encode_frame, read_message, write_message};
+use shardwire_protocol::wire::{self, ErrorCode, Message};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::{DataConns, ManifestError, SourceLink};
+use crate::fetch::FetchFailure;
+
+/// The handshake must be done within this time.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A control write the source does not take within this time ends the session.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a link session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// Could not connect.
+    #[error("connecting to {addr} failed: {source}")]
+    Connect {
+        /// The source's address.
+        addr: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Framing/socket.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// Handshake timeout.
+    #[error("handshake timed out after {0:?}")]
+    Timeout(Duration),
+    /// The source refused us.
+    #[error("source refused: {code:?}: {message}")]
+    Refused {
+        /// Code.
+        code: ErrorCode,
+        /// Message.
+        message: String,
+    },
+    /// Authentication problem.
+    #[error("authentication: {0}")]
+    Auth(&'static str),
+    /// The source broke the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// A data connection failed.
+    #[error("a data connection from this source failed: {reason}")]
+    DataFailed {
+        /// What the receiver saw.
+        reason: String,
+    },
+    /// The source sent nothing for its idle timeout.
+    #[error("the source sent nothing for {0:?} (idle timeout)")]
+    Idle(Duration),
+    /// A control write did not finish in time.
+    #[error("a control write did not finish within {0:?} (the source stopped reading)")]
+    WriteTimeout(Duration),
+}
+
+/// Connects to the link's source and serves the session until it ends.
+pub async fn connect_and_serve(
+    link: &Arc<SourceLink>,
+    conns: &dyn DataConns,
+) -> Result<(), LinkError> {
+    let connect_err = |source| LinkError::Connect {
+        addr: link.addr.clone(),
+        source,
+    };
+    let stream = tokio::net::TcpStream::connect(&link.addr)
+        .await
+        .map_err(connect_err)?;
+    let _ = stream.set_nodelay(true);
+    let local_ip = stream.local_addr().map_err(connect_err)?.ip();
+    let data_addr = match link.cfg.data_addr {
+        a if a.ip().is_unspecified() => SocketAddr::new(local_ip, a.port()),
+        a => a,
+    };
+    let (rd, wr) = stream.into_split();
+    serve(
+        link,
+        conns,
+        BufReader::with_capacity(256 << 10, rd),
+        wr,
+        data_addr,
+    )
+    .await
+}
+
+/// Runs a whole session over `rd`/`wr`: handshake, then messages until it ends.
+pub async fn serve<R, W>(
+    link: &Arc<SourceLink>,
+    conns: &dyn DataConns,
+    mut rd: R,
+    mut wr: W,
+    data_addr: SocketAddr,
+) -> Result<(), LinkError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = Vec::new();
+    let hs = handshake(link, &mut rd, &mut wr, &mut buf, data_addr);
+    let idle = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
+        .await
+        .map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))??;
+    let (ctl_tx, ctl_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let generation = link.establish(ctl_tx);
+    tracing::info!(source = %link.addr, %data_addr, flows = link.cfg.flows,
+        authenticated = link.cfg.secret.is_some(), ?idle, "source link up");
+    let writer = write_frames(wr, ctl_rx, idle);
+    tokio::pin!(writer);
+    loop {
+        let heard_by = Instant::now() + idle;
+        let msg = tokio::select! {
+            m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m?,
+            w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
+            _ = link.abort.notified() => {
+                let reason = link.abort_reason.lock().expect("poisoned").take();
+                return Err(LinkError::DataFailed { reason: reason.unwrap_or_default() });
+            }
+            _ = tokio::time::sleep_until(heard_by) => return Err(LinkError::Idle(idle)),
+        };
+        handle(link, conns, generation, msg)?;
+    }
+}
+
+/// Hello, Challenge, Auth, Welcome; returns the source's idle timeout.
+async fn handshake<R, W>(
+    link: &SourceLink,
+    rd: &mut R,
+    wr: &mut W,
+    buf: &mut Vec<u8>,
+    data_addr: SocketAddr,
+) -> Result<Duration, LinkError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let secret = link.cfg.secret.as_deref();
+    let mut nonce = [0u8; NONCE_LEN];
+    rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| FrameError::Io(e.into()))?;
+    let node_id = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let hello = Message::Hello {
+        node_id,
+        nonce,
+        data_addr,
+        flows: link.cfg.flows,
+    };
+    write_message(wr, &hello).await?;
+    // Until the source has proved the secret, it gets no more than a small frame.
+    let small = wire::MAX_SMALL_FRAME;
+    let (src_nonce, auth_required) = match read_message(rd, buf, small).await? {
+        Message::Challenge {
+            nonce,
+            auth_required,
+        } => (nonce, auth_required),
+        other => return Err(unexpected("Challenge", other)),
+    };
+    if secret.is_some() && !auth_required {
+        return Err(LinkError::Auth(
+            "the source does not check a secret but this node has one; configure the same secret file on the source",
+        ));
+    }
+    let mac = secret.map_or([0; 32], |s| auth::proof(s, Role::Node, &nonce, &src_nonce));
+    write_message(wr, &Message::Auth { mac }).await?;
+    match read_message(rd, buf, small).await? {
+        Message::Welcome {
+            mac,
+            idle_timeout_s,
+        } => {
+            if let Some(s) = secret
+                && !auth::ct_eq(&mac, &auth::proof(s, Role::Source, &nonce, &src_nonce))
+            {
+                return Err(LinkError::Auth(
+                    "the source's proof is wrong (different secret?)",
+                ));
+            }
+            Ok(Duration::from_secs(idle_timeout_s.into()))
+        }
+        other => Err(unexpected("Welcome", other)),
+    }
+}
+
+/// The error for a handshake message other than the one expected.
+fn unexpected(expected: &str, got: Message) -> LinkError {
+    match got {
+        Message::Error { code, message, .. } => LinkError::Refused { code, message },
+        other => LinkError::Protocol(format!("expected {expected}, got {other:?}")),
+    }
+}
+
+/// Writes queued frames (each within [`WRITE_TIMEOUT`]) and a `Ping` whenever nothing was
+/// written for a third of the idle timeout.
+async fn write_frames<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut frames: mpsc::UnboundedReceiver<Vec<u8>>,
+    idle: Duration,
+) -> Result<(), LinkError> {
+    let keepalive = (idle / 3).max(Duration::from_millis(300));
+    let ping = encode_frame(&Message::Ping).map_err(FrameError::from)?;
+    loop {
+        let frame = match tokio::time::timeout(keepalive, frames.recv()).await {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(()),
+            Err(_) => ping.clone(),
+        };
+        tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&frame))
+            .await
+            .map_err(|_| LinkError::WriteTimeout(WRITE_TIMEOUT))?
+            .map_err(FrameError::from)?;
+    }
+}
+
+/// Handles one message of an established session.
+fn handle(
+    link: &Arc<SourceLink>,
+    conns: &dyn DataConns,
+    generation: u64,
+    msg: Message,
+) -> Result<(), LinkError> {
+    match msg {
+        Message::DataConn { conn, addr } => {
+            let queue = {
+                let mut st = link.state.lock().expect("poisoned");
+                let slot = st.conns.get_mut(conn as usize).ok_or_else(|| {
+                    LinkError::Protocol(format!("data connection {conn} >= flows"))
+                })?;
+                if slot.is_some() {
+                    return Err(LinkError::Protocol(format!(
+                        "data connection {conn} announced twice"
+                    )));
+                }
+                let (tx, rx) = std::sync::mpsc::channel();
+                *slot = Some(tx);
+                rx
+            };
+            conns.announced(link, generation, conn, addr, queue);
+            Ok(())
+        }
+        Message::Shard {
+            req,
+            shard,
+            length,
+            crc32c,
+            conn,
+            seq,
+        } => announced(link, req, shard, length, crc32c, conn, seq),
+        Message::Manifest { req, dataset, json } => {
+            match link.manifest_waiters.lock().expect("poisoned").remove(&req) {
+                Some(w) => {
+                    let _ = w.send(Ok(json));
+                }
+                None => {
+                    tracing::debug!(source = %link.addr, req, %dataset, "manifest for a request that gave up")
+                }
+            }
+            Ok(())
+        }
+        Message::Error { req, code, message } => {
+            error_for(link, req, code, message);
+            Ok(())
+        }
+        Message::Ping => Ok(()),
+        other => Err(LinkError::Protocol(format!(
+            "unexpected message from source: {other:?}"
+        ))),
+    }
+}
+
+/// A `Shard` announcement: the pending fetch moves to the queue of its data connection.
+fn announced(
+    link: &SourceLink,
+    req: u64,
+    shard: u32,
+    length: u64,
+    crc32c: u32,
+    conn: u16,
+    seq: u64,
+) -> Result<(), LinkError> {
+    let f = link
+        .pending
+        .lock()
+        .expect("poisoned")
+        .remove(&req)
+        .ok_or_else(|| LinkError::Protocol(format!("SHARD for unknown request {req}")))?;
+    let down = |reason: String| FetchFailure::LinkDown {
+        source_addr: link.addr.clone(),
+        reason,
+    };
+    if f.shard != shard || f.length != length || f.crc32c != crc32c {
+        let msg = format!(
+            "SHARD req {req} says shard {shard}, {length} bytes, crc {crc32c:08x}; expected shard {}, {} bytes, crc {:08x}",
+            f.shard, f.length, f.crc32c
+        );
+        f.finish(Err(down(msg.clone())));
+        return Err(LinkError::Protocol(msg));
+    }
+    let st = link.state.lock().expect("poisoned");
+    let Some(tx) = st.conns.get(conn as usize).and_then(Option::as_ref) else {
+        let msg = format!("SHARD on unannounced data connection {conn}");
+        f.finish(Err(down(msg.clone())));
+        return Err(LinkError::Protocol(msg));
+    };
+    tracing::debug!(req, shard, conn, seq, "SHARD announced");
+    if let Err(e) = tx.send(f) {
+        let reason = format!("the receiver of data connection {conn} is gone");
+        e.0.finish(Err(down(reason.clone())));
+        return Err(LinkError::DataFailed { reason });
+    }
+    Ok(())
+}
+
+/// An `Error` from the source fails the one request it names (a fetch or a manifest
+/// request) and nothing else; one about no request is logged.
+fn error_for(link: &SourceLink, req: u64, code: ErrorCode, message: String) {
+    if req == 0 {
+        tracing::warn!(source = %link.addr, ?code, %message, "source reported an error");
+        return;
+    }
+    if let Some(f) = link.pending.lock().expect("poisoned").remove(&req) {
+        if code == ErrorCode::Cancelled {
+            link.cancels.confirmed.fetch_add(1, Ordering::Relaxed);
+            f.finish(Err(FetchFailure::Cancelled));
+        } else {
+            f.finish(Err(FetchFailure::Refused { code, message }));
+        }
+        return;
+    }
+    match link.manifest_waiters.lock().expect("poisoned").remove(&req) {
+        Some(w) => {
+            let _ = w.send(Err(ManifestError::Refused { code, message }));
+        }
+        None => {
+            tracing::debug!(source = %link.addr, req, ?code, %message, "error for a request no longer waiting")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,360 @@
+//! The session against a source played over an in-memory pipe.
+
+use std::sync::Mutex;
+
+use shardwire_protocol::framing::{read_message, write_message};
+use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+
+use super::*;
+use crate::fetch::tests::{in_flight, pool};
+use crate::link::LinkConfig;
+
+/// A source at the other end of the pipe.
+struct FakeSource {
+    rd: ReadHalf<DuplexStream>,
+    wr: WriteHalf<DuplexStream>,
+    buf: Vec<u8>,
+}
+
+impl FakeSource {
+    async fn recv(&mut self) -> Message {
+        read_message(&mut self.rd, &mut self.buf, wire::MAX_FRAME)
+            .await
+            .expect("a message from the node")
+    }
+
+    /// The next message that is not a keepalive.
+    async fn recv_work(&mut self) -> Message {
+        loop {
+            match self.recv().await {
+                Message::Ping => continue,
+                m => return m,
+            }
+        }
+    }
+
+    async fn send(&mut self, m: Message) {
+        write_message(&mut self.wr, &m)
+            .await
+            .expect("send to the node");
+    }
+
+    /// Answers the node's handshake (no secret).
+    async fn handshake(&mut self, idle_timeout_s: u16) {
+        assert!(matches!(self.recv().await, Message::Hello { flows: 2, .. }));
+        self.send(Message::Challenge {
+            nonce: [1; 32],
+            auth_required: false,
+        })
+        .await;
+        assert!(matches!(self.recv().await, Message::Auth { .. }));
+        self.send(Message::Welcome {
+            mac: [0; 32],
+            idle_timeout_s,
+        })
+        .await;
+    }
+}
+
+/// Records what the link announces and forgets.
+#[derive(Default)]
+struct Sink {
+    announced: Mutex<Vec<(u64, u16, SocketAddr)>>,
+    queues: Mutex<Vec<std::sync::mpsc::Receiver<crate::fetch::InFlight>>>,
+    forgotten: Mutex<Vec<(usize, u64, String)>>,
+}
+
+impl DataConns for Sink {
+    fn announced(
+        &self,
+        _link: &Arc<SourceLink>,
+        generation: u64,
+        conn: u16,
+        addr: SocketAddr,
+        queue: std::sync::mpsc::Receiver<crate::fetch::InFlight>,
+    ) {
+        self.announced
+            .lock()
+            .unwrap()
+            .push((generation, conn, addr));
+        self.queues.lock().unwrap().push(queue);
+    }
+    fn forget(&self, link: usize, generation: u64, reason: &str) {
+        self.forgotten
+            .lock()
+            .unwrap()
+            .push((link, generation, reason.to_owned()));
+    }
+}
+
+fn link() -> Arc<SourceLink> {
+    SourceLink::new(
+        0,
+        "source-a:7500".into(),
+        LinkConfig {
+            secret: None,
+            flows: 2,
+            data_addr: "127.0.0.1:7401".parse().unwrap(),
+        },
+    )
+}
+
+/// The session task of a test.
+type Session = tokio::task::JoinHandle<Result<(), LinkError>>;
+
+/// A link serving a session over a pipe; returns the link, the source end, the sink and the
+/// session task.
+fn start() -> (Arc<SourceLink>, FakeSource, Arc<Sink>, Session) {
+    let (node_end, source_end) = tokio::io::duplex(1 << 16);
+    let (nrd, nwr) = tokio::io::split(node_end);
+    let (srd, swr) = tokio::io::split(source_end);
+    let (l, sink) = (link(), Arc::new(Sink::default()));
+    let (l2, s2) = (Arc::clone(&l), Arc::clone(&sink));
+    let task = tokio::spawn(async move {
+        let data = "127.0.0.1:7401".parse().unwrap();
+        serve(&l2, s2.as_ref(), nrd, nwr, data).await
+    });
+    let src = FakeSource {
+        rd: srd,
+        wr: swr,
+        buf: Vec::new(),
+    };
+    (l, src, sink, task)
+}
+
+async fn until_up(l: &SourceLink) {
+    while !l.is_up() {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn an_error_fails_only_the_manifest_request_it_names() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let (a, b) = (Arc::clone(&l), Arc::clone(&l));
+    let good = tokio::spawn(async move { a.request_manifest(1, "tiny").await });
+    let bad = tokio::spawn(async move { b.request_manifest(2, "nope").await });
+    let mut reqs = [src.recv_work().await, src.recv_work().await];
+    reqs.sort_by_key(|m| match m {
+        Message::ManifestRequest { req, .. } => *req,
+        _ => u64::MAX,
+    });
+    assert!(matches!(&reqs[0], Message::ManifestRequest { req: 1, dataset } if dataset == "tiny"));
+    // The unknown dataset is answered first; it must not fail the other request.
+    src.send(Message::Error {
+        req: 2,
+        code: ErrorCode::UnknownDataset,
+        message: "dataset `nope` is not served here".into(),
+    })
+    .await;
+    src.send(Message::Manifest {
+        req: 1,
+        dataset: "tiny".into(),
+        json: b"{}".to_vec(),
+    })
+    .await;
+    assert_eq!(good.await.unwrap().unwrap(), b"{}");
+    let e = bad.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            ManifestError::Refused {
+                code: ErrorCode::UnknownDataset,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn an_unencodable_request_fails_alone_and_the_session_goes_on() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let e = l.request_manifest(1, &"x".repeat(256)).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("field `dataset` length 256 exceeds the limit 255"),
+        "{e}"
+    );
+    let l2 = Arc::clone(&l);
+    let ok = tokio::spawn(async move { l2.request_manifest(2, "tiny").await });
+    assert!(matches!(
+        src.recv_work().await,
+        Message::ManifestRequest { req: 2, .. }
+    ));
+    src.send(Message::Manifest {
+        req: 2,
+        dataset: "tiny".into(),
+        json: b"[]".to_vec(),
+    })
+    .await;
+    assert_eq!(ok.await.unwrap().unwrap(), b"[]");
+    assert!(!task.is_finished() && l.is_up());
+}
+
+#[tokio::test]
+async fn cancels_go_out_for_one_stream_and_a_confirmation_ends_the_fetch() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let p = pool(1 << 20);
+    let (f, mut done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(11, "tiny", f).unwrap();
+    let (mut other, _keep) = in_flight(&p, 1, 4096, 6);
+    other.stream = 2;
+    l.fetch(12, "tiny", other).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 11, .. }
+    ));
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 12, .. }
+    ));
+    assert_eq!(l.cancel_stream(1), 1);
+    assert_eq!(src.recv_work().await, Message::Cancel { req: 11 });
+    src.send(Message::Error {
+        req: 11,
+        code: ErrorCode::Cancelled,
+        message: "cancelled".into(),
+    })
+    .await;
+    let c = done.recv().await.unwrap();
+    assert_eq!(c.result, Err(FetchFailure::Cancelled));
+    assert_eq!(l.cancels.confirmed.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        l.in_flight(),
+        1,
+        "the other stream's fetch is still pending"
+    );
+}
+
+#[tokio::test]
+async fn announcements_reach_the_data_plane_and_shards_their_queue() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let from: SocketAddr = "127.0.0.1:40001".parse().unwrap();
+    src.send(Message::DataConn {
+        conn: 1,
+        addr: from,
+    })
+    .await;
+    let p = pool(1 << 20);
+    let (f, _done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(7, "tiny", f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 7, .. }
+    ));
+    src.send(Message::Shard {
+        req: 7,
+        shard: 0,
+        length: 4096,
+        crc32c: 5,
+        conn: 1,
+        seq: 0,
+    })
+    .await;
+    let f = loop {
+        if let Some(q) = sink.queues.lock().unwrap().first()
+            && let Ok(f) = q.try_recv()
+        {
+            break f;
+        }
+        tokio::task::yield_now().await;
+    };
+    assert_eq!((f.req, f.shard), (7, 0));
+    assert_eq!(sink.announced.lock().unwrap()[0], (1, 1, from));
+    // Announcing connection 1 again breaks the protocol and ends the session.
+    src.send(Message::DataConn {
+        conn: 1,
+        addr: from,
+    })
+    .await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(e.to_string().contains("announced twice"), "{e}");
+}
+
+#[tokio::test]
+async fn a_shard_for_an_unknown_request_ends_the_session() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    src.send(Message::Shard {
+        req: 99,
+        shard: 0,
+        length: 1,
+        crc32c: 0,
+        conn: 0,
+        seq: 0,
+    })
+    .await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Protocol(m) if m.contains("unknown request 99")),
+        "{e}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_source_gets_keepalives_and_then_times_out() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(3).await;
+    until_up(&l).await;
+    // The node pings after a third of the idle timeout...
+    assert_eq!(src.recv().await, Message::Ping);
+    // ... and, hearing nothing, ends the session after the whole of it.
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, LinkError::Idle(d) if d == Duration::from_secs(3)),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn going_down_fails_what_waits_with_the_reason() {
+    let (l, mut src, sink, _task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let p = pool(1 << 20);
+    let (f, mut done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(3, "tiny", f).unwrap();
+    let l2 = Arc::clone(&l);
+    let waiting = tokio::spawn(async move { l2.request_manifest(4, "tiny").await });
+    while l.manifest_waiters.lock().unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    l.go_down(sink.as_ref(), "test: source killed");
+    let c = done.recv().await.unwrap();
+    assert!(
+        matches!(&c.result, Err(FetchFailure::LinkDown { reason, .. }) if reason == "test: source killed")
+    );
+    assert!(matches!(
+        waiting.await.unwrap(),
+        Err(ManifestError::Down { .. })
+    ));
+    assert_eq!(sink.forgotten.lock().unwrap()[0].0, 0);
+    assert!(!l.is_up());
+}
+
+#[tokio::test]
+async fn a_source_that_refuses_the_handshake_says_why() {
+    let (_l, mut src, _sink, task) = start();
+    assert!(matches!(src.recv().await, Message::Hello { .. }));
+    src.send(Message::Error {
+        req: 0,
+        code: ErrorCode::AuthFailed,
+        message: "wrong secret".into(),
+    })
+    .await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Refused { code: ErrorCode::AuthFailed, message } if message == "wrong secret"),
+        "{e}"
+    );
+}

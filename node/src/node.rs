@@ -1,0 +1,448 @@
+//! The node as its fronts see it. Trainer fronts (the Unix socket here, the HTTP API in the
+//! binary) open, find, list and close streams and then talk to the [`Stream`] alone; the admin
+//! front reads [`Status`] and sends [`Control`] messages, which one task applies in order.
+//!
+//! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
+//! [`Admission`] (open streams and the memory budget, under one lock) and the
+//! [`DataPlane`] (links, matcher, RX binding, GPU).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use shardwire_config::ReceiveMode;
+use shardwire_gpu::Region;
+use shardwire_protocol::Manifest;
+use shardwire_protocol::trainer::{ErrorCode, GpuRef, StreamRequest};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::admission::{Admission, AdmitError};
+use crate::binding::{self, BindingError, NicRequest};
+use crate::control::{BindingSpec, Control, ControlError, Reply};
+use crate::counters::Counters;
+use crate::info::Info;
+use crate::link::SourceLink;
+use crate::plane::{DataPlane, Flow};
+use crate::status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
+use crate::stream::open::{self, OpenError};
+use crate::stream::{Parts, Stream, fetcher, order::Order};
+
+/// A control message and where its answer goes.
+pub(crate) type ControlRequest = (Control, oneshot::Sender<Result<Reply, ControlError>>);
+
+/// A running node.
+pub struct Node {
+    info: Info,
+    admission: Admission<Stream>,
+    plane: Arc<DataPlane>,
+    counters: Arc<Counters>,
+    ids: Arc<AtomicU64>,
+    control: mpsc::UnboundedSender<ControlRequest>,
+    rt: tokio::runtime::Handle,
+    drain_requested: Notify,
+}
+
+impl Node {
+    /// A node over these parts; the returned receiver takes its control messages.
+    pub(crate) fn new(
+        info: Info,
+        plane: Arc<DataPlane>,
+        counters: Arc<Counters>,
+    ) -> (Arc<Self>, mpsc::UnboundedReceiver<ControlRequest>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let node = Arc::new(Self {
+            admission: Admission::new(info.cfg.pool_size.0),
+            info,
+            plane,
+            counters,
+            ids: Arc::new(AtomicU64::new(0)),
+            control: tx,
+            rt: tokio::runtime::Handle::current(),
+            drain_requested: Notify::new(),
+        });
+        (node, rx)
+    }
+
+    /// Configuration, probes and mode.
+    pub fn info(&self) -> &Info {
+        &self.info
+    }
+
+    /// The data path's counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// A fresh id for streams, leases and requests.
+    pub fn next_id(&self) -> u64 {
+        self.ids.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The receive path in effect (`auto` resolved).
+    pub fn receive(&self) -> ReceiveMode {
+        self.plane.receive()
+    }
+
+    /// Every data connection identified so far, with its counters.
+    pub fn flows(&self) -> Vec<Flow> {
+        self.plane.flows()
+    }
+
+    /// (sources up, sources configured, draining).
+    pub fn readiness(&self) -> (usize, usize, bool) {
+        let up = self.plane.links.iter().filter(|l| l.is_up()).count();
+        (up, self.plane.links.len(), self.admission.draining())
+    }
+
+    /// Woken when a drain is requested over the admin API.
+    pub fn drain_requested(&self) -> &Notify {
+        &self.drain_requested
+    }
+
+    pub(crate) fn plane(&self) -> &Arc<DataPlane> {
+        &self.plane
+    }
+
+    // --- streams -----------------------------------------------------------------------
+
+    /// Opens a stream: request checks, manifest, plan, resume check, memory reservation,
+    /// region, fetcher.
+    pub async fn open_stream(self: &Arc<Self>, r: StreamRequest) -> Result<Arc<Stream>, OpenError> {
+        open::check_request(&r)?;
+        if self.admission.draining() {
+            return Err(OpenError::new(
+                ErrorCode::Draining,
+                AdmitError::Draining.to_string(),
+            ));
+        }
+        let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
+        let spec = open::plan(&manifest, &r)?;
+        let start = open::resume_position(&spec, r.state.as_ref(), r.epochs)?;
+        let region_bytes = self.info.cfg.stream_memory();
+        open::check_region(&manifest, region_bytes)?;
+        let reservation = self.admission.reserve(region_bytes).map_err(|e| {
+            let code = match e {
+                AdmitError::Draining => ErrorCode::Draining,
+                AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
+            };
+            OpenError::new(code, e.to_string())
+        })?;
+        let id = self.next_id();
+        let region = open::region(id, region_bytes, self.plane.cuda.as_deref())?;
+        let fingerprint = spec.fingerprint();
+        let (rank, world_size, seed) = (spec.rank, spec.world_size, spec.seed);
+        let s = Stream::new(Parts {
+            id,
+            dataset: r.dataset.clone(),
+            order: Order::new(spec),
+            epochs: r.epochs,
+            start,
+            manifest,
+            pool: shardwire_gpu::SlabPool::new(region),
+            candidates,
+            fingerprint,
+            counters: Arc::clone(&self.counters),
+            ids: Arc::clone(&self.ids),
+        });
+        reservation.commit(id, Arc::clone(&s));
+        let span = tracing::info_span!("stream", id, dataset = %r.dataset, rank, world_size);
+        self.rt
+            .spawn(fetcher::run(Arc::clone(&s), start).instrument(span));
+        tracing::info!(stream = id, dataset = %r.dataset, seed, rank, world_size, epochs = r.epochs, start, "stream opened");
+        Ok(s)
+    }
+
+    /// [`Node::open_stream`] from a thread outside the runtime (the trainer socket): the open
+    /// runs as a task and this thread waits for its answer.
+    pub fn open_stream_from_thread(
+        self: &Arc<Self>,
+        r: StreamRequest,
+    ) -> Result<Arc<Stream>, OpenError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let node = Arc::clone(self);
+        self.rt.spawn(async move {
+            let _ = tx.send(node.open_stream(r).await);
+        });
+        rx.recv()
+            .unwrap_or_else(|_| Err(OpenError::new(ErrorCode::Internal, "the node stopped")))
+    }
+
+    /// Stream `id`, if open.
+    pub fn stream(&self, id: u64) -> Option<Arc<Stream>> {
+        self.admission.get(id)
+    }
+
+    /// The open streams, by id.
+    pub fn streams(&self) -> Vec<Arc<Stream>> {
+        self.admission.list().into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Closes stream `id`: its leases end, its memory budget returns, and the fetches it has
+    /// queued at sources are cancelled. False if it was not open (closing twice is harmless).
+    pub fn close_stream(&self, id: u64, reason: &str) -> bool {
+        let Some(s) = self.admission.remove(id) else {
+            return false;
+        };
+        s.close(reason);
+        // Fetches not yet on the wire are dropped at the source; the ones already announced
+        // arrive and are discarded.
+        let cancelled: usize = s.candidates().iter().map(|l| l.cancel_stream(id)).sum();
+        tracing::info!(stream = id, reason, cancelled, "stream closed");
+        true
+    }
+
+    /// Closes every stream (shutdown).
+    pub(crate) fn close_all(&self, reason: &str) {
+        for s in self.streams() {
+            self.close_stream(s.id(), reason);
+        }
+    }
+
+    /// The device of a CUDA region, for the `attached` message.
+    pub fn gpu_ref(&self, region: &Region) -> Option<GpuRef> {
+        let gpu = self.plane.cuda.as_ref()?;
+        let cuda = region.cuda()?;
+        Some(GpuRef {
+            ordinal: gpu.info.ordinal,
+            pci_bus_id: gpu.info.pci_bus_id.clone(),
+            granularity: cuda.granularity() as u64,
+        })
+    }
+
+    /// The manifest for `dataset` and the links that serve exactly it.
+    async fn manifest_for(
+        &self,
+        dataset: &str,
+    ) -> Result<(Arc<Manifest>, Vec<Arc<SourceLink>>), OpenError> {
+        let links = &self.plane.links;
+        // Give links that are still connecting a moment (a trainer may start with the node).
+        for _ in 0..50 {
+            if links.iter().any(|l| l.is_up()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (mut errors, mut chosen, mut candidates) =
+            (Vec::new(), None::<Arc<Manifest>>, Vec::new());
+        for l in links.iter().filter(|l| l.is_up()) {
+            let got = l
+                .request_manifest(self.next_id(), dataset)
+                .await
+                .map_err(|e| e.to_string());
+            match got.and_then(|json| Manifest::from_json(&json).map_err(|e| e.to_string())) {
+                Ok(m) => match &chosen {
+                    None => {
+                        chosen = Some(Arc::new(m));
+                        candidates.push(Arc::clone(l));
+                    }
+                    Some(c) if c.digest == m.digest => candidates.push(Arc::clone(l)),
+                    Some(c) => {
+                        tracing::warn!(source = %l.addr, %dataset, theirs = %m.digest, ours = %c.digest, "source serves a different version of the dataset; not using it for this stream")
+                    }
+                },
+                Err(e) => errors.push(format!("{}: {e}", l.addr)),
+            }
+        }
+        match chosen {
+            Some(m) => Ok((m, candidates)),
+            None if errors.is_empty() => {
+                let all: Vec<&str> = links.iter().map(|l| l.addr.as_str()).collect();
+                Err(OpenError::new(
+                    ErrorCode::Unavailable,
+                    format!("no source is connected (configured: {})", all.join(", ")),
+                ))
+            }
+            None => Err(OpenError::new(
+                ErrorCode::UnknownDataset,
+                format!(
+                    "dataset `{dataset}` is not available: {}",
+                    errors.join("; ")
+                ),
+            )),
+        }
+    }
+
+    // --- admin -------------------------------------------------------------------------
+
+    /// Sends an admin change to the control task and waits for its answer.
+    pub async fn control(&self, c: Control) -> Result<Reply, ControlError> {
+        let (tx, rx) = oneshot::channel();
+        self.control
+            .send((c, tx))
+            .map_err(|_| ControlError::ShuttingDown)?;
+        rx.await.unwrap_or(Err(ControlError::ShuttingDown))
+    }
+
+    /// Applies one admin change (the control task calls this, one at a time).
+    pub(crate) async fn apply(self: &Arc<Self>, c: Control) -> Result<Reply, ControlError> {
+        match c {
+            Control::CreateBinding(spec) => Ok(Reply::Binding(self.create_binding(spec).await?)),
+            Control::DeleteBinding { id } => self.delete_binding(&id).await,
+            Control::Drain => {
+                let streams_open = self.admission.start_draining();
+                self.drain_requested.notify_one();
+                let timeout_secs = self.info.cfg.drain_timeout_secs;
+                Ok(Reply::Draining {
+                    streams_open,
+                    timeout_secs,
+                })
+            }
+            Control::CloseStream { id, reason } => match self.close_stream(id, &reason) {
+                true => Ok(Reply::Closed { id }),
+                false => Err(ControlError::NoStream(id)),
+            },
+        }
+    }
+
+    async fn create_binding(&self, spec: BindingSpec) -> Result<BindingStatus, BindingError> {
+        if let Some(b) = self.plane.binding() {
+            return Err(BindingError::Exists { id: b.id() });
+        }
+        let cuda = self.plane.cuda.clone();
+        let (region, bytes) = match spec {
+            BindingSpec::Emulator { bytes } => (binding::emulator(bytes, cuda)?, bytes),
+            BindingSpec::Nic {
+                name,
+                queues,
+                bytes,
+            } => {
+                let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
+                    .await
+                    .unwrap_or_default();
+                let req = NicRequest {
+                    name: Some(name),
+                    queues,
+                    bytes,
+                    state_file: self.info.cfg.nic_state_file.clone(),
+                    data_port: self.info.data_addr.port(),
+                    configured: false,
+                };
+                (binding::nic(&nics, req, cuda).await?.0, bytes)
+            }
+        };
+        let what = match region.queues() {
+            Some((ifname, q)) => format!("{ifname} RX queues {q:?}"),
+            None => "the emulator (NOT GPU-direct)".to_string(),
+        };
+        let reason = format!(
+            "receive changed over the admin API: binding {} on {what}, {} dma-buf",
+            region.id(),
+            shardwire_config::ByteSize(bytes as u64)
+        );
+        self.plane.set_binding(Some(Arc::clone(&region)));
+        tracing::info!(receive = %self.receive(), %reason, "receive path changed");
+        self.info.set_mode_reason(reason);
+        self.plane.reconnect_all("the RX binding changed"); // data connections come back on it
+        tracing::info!(binding = region.id(), %what, "devmem binding created over the admin API");
+        Ok(self.binding_status().expect("just bound"))
+    }
+
+    async fn delete_binding(&self, id: &str) -> Result<Reply, ControlError> {
+        let Some(region) = self.plane.binding().filter(|r| r.id().to_string() == id) else {
+            return Err(BindingError::NotFound { id: id.to_owned() }.into());
+        };
+        let reason = format!(
+            "receive changed over the admin API: binding {id} deleted; plain TCP into host memory"
+        );
+        self.plane.set_binding(None);
+        tracing::info!(receive = %self.receive(), %reason, "receive path changed");
+        self.info.set_mode_reason(reason);
+        self.plane.reconnect_all("the RX binding was deleted");
+        // Wait until no data connection reads from the binding (ours is the last reference).
+        let started = Instant::now();
+        let limit = Duration::from_secs(self.info.cfg.drain_timeout_secs);
+        while Arc::strong_count(&region) > 1 && started.elapsed() < limit {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let readers_left = Arc::strong_count(&region) - 1;
+        let r = Arc::clone(&region);
+        let _ = tokio::task::spawn_blocking(move || r.unbind()).await;
+        let waited_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(binding = %id, readers_left, waited_ms, "devmem binding deleted over the admin API");
+        Ok(Reply::Deleted {
+            id: region.id(),
+            waited_ms,
+            readers_left,
+        })
+    }
+
+    /// The RX binding, `None` in host mode.
+    pub fn binding_status(&self) -> Option<BindingStatus> {
+        let region = self.plane.binding()?;
+        let c = &region.counters;
+        let (free, total) = region.niovs();
+        let (ifname, queues) = region.queues().unzip();
+        Some(BindingStatus {
+            binding: region.id(),
+            kind: region.kind(),
+            bytes: region.bytes(),
+            interface: ifname.map(str::to_owned),
+            queues: queues.map(<[u32]>::to_vec),
+            niovs: total,
+            niovs_free: free,
+            pool_exhausted: region.exhausted_waits(),
+            frags: c.frags.load(Ordering::Relaxed),
+            dmabuf_bytes: c.dmabuf_bytes.load(Ordering::Relaxed),
+            tokens_returned: c.tokens_returned.load(Ordering::Relaxed),
+            linear_bytes: c.linear_bytes.load(Ordering::Relaxed),
+            plain_bytes: c.plain_bytes.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The `/v1/status` document.
+    pub fn status(&self) -> Status {
+        let cfg = &self.info.cfg;
+        let sources = self.plane.links.iter().map(|l| source_status(l)).collect();
+        let c = &self.counters;
+        let secs = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64 / 1e9;
+        Status {
+            version: env!("CARGO_PKG_VERSION"),
+            mode: Mode {
+                receive: self.receive().to_string(),
+                memory: self.info.memory,
+                reason: self.info.mode_reason(),
+            },
+            devmem: self.binding_status(),
+            draining: self.admission.draining(),
+            nics: self.info.nics.clone(),
+            gpus: self.info.gpus.clone(),
+            data_addr: self.info.data_addr.to_string(),
+            socket: cfg.socket.clone(),
+            pool: PoolStatus {
+                size: cfg.pool_size.0,
+                reserved: self.admission.usage().1,
+                stream_memory: cfg.stream_memory(),
+            },
+            sources,
+            streams: self.streams().iter().map(|s| s.info()).collect(),
+            counters: CounterStatus {
+                bytes_received: c.bytes_received.load(Ordering::Relaxed),
+                shards_received: c.shards_received.load(Ordering::Relaxed),
+                crc_failures: c.crc_failures.load(Ordering::Relaxed),
+                refetches: c.refetches.load(Ordering::Relaxed),
+                batches_delivered: c.batches_delivered.load(Ordering::Relaxed),
+                stall_network_seconds: secs(&c.stall_network_ns),
+                stall_trainer_seconds: secs(&c.stall_trainer_ns),
+                stall_assembly_seconds: secs(&c.assembly_ns),
+                h2d_staging_stalls: c.staging_stalls.load(Ordering::Relaxed),
+            },
+        }
+    }
+}
+
+fn source_status(l: &SourceLink) -> SourceStatus {
+    SourceStatus {
+        addr: l.addr.clone(),
+        up: l.is_up(),
+        in_flight: l.in_flight(),
+        cancels_sent: l.cancels.sent.load(Ordering::Relaxed),
+        cancelled: l.cancels.confirmed.load(Ordering::Relaxed),
+        bytes_received: l.bytes.load(Ordering::Relaxed),
+        last_error: l
+            .last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    }
+}

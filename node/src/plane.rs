@@ -1,0 +1,231 @@
+//! The data plane: the source links, the data-connection matcher, the RX binding (devmem or
+//! its emulator, swapped at run time by the control task) and the GPU, and the receiver
+//! threads it starts for each identified data connection.
+//!
+//! Links announce data connections to the plane through [`DataConns`]; the accept loop on
+//! the data port hands it accepted sockets; a match starts a receiver on the path chosen for
+//! the binding and memory in effect at that moment.
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use shardwire_config::ReceiveMode;
+use shardwire_gpu::cuda::CudaMemory;
+use tokio::sync::watch;
+
+use crate::counters::{Counters, FlowStats};
+use crate::devmem_rx::{BindingKind, RxRegion};
+use crate::fetch::{FetchFailure, InFlight};
+use crate::link::{DataConns, SourceLink};
+use crate::matcher::{Accepted, Matcher};
+use crate::receiver::{self, DATA_STALL_TIMEOUT, Path};
+
+/// A data connection a source announced and the node has not accepted yet.
+#[derive(Debug)]
+pub struct Expected {
+    link: Arc<SourceLink>,
+    conn: u16,
+    generation: u64,
+    queue: std::sync::mpsc::Receiver<InFlight>,
+}
+
+/// One identified data connection's counters, for `shardwire bench` and status.
+#[derive(Debug, Clone)]
+pub struct Flow {
+    /// The source.
+    pub source: String,
+    /// Its connection number.
+    pub conn: u16,
+    /// Its counters.
+    pub stats: Arc<FlowStats>,
+}
+
+/// The data plane.
+pub struct DataPlane {
+    /// One link per configured source.
+    pub links: Vec<Arc<SourceLink>>,
+    matcher: Mutex<Matcher<TcpStream, Expected>>,
+    rx: RwLock<Option<Arc<RxRegion>>>,
+    /// The GPU stream regions live on (`memory = cuda`); `None`: host memory.
+    pub cuda: Option<Arc<CudaMemory>>,
+    flows: Mutex<Vec<Flow>>,
+    counters: Arc<Counters>,
+}
+
+impl DataPlane {
+    /// A plane over these links, with this binding and GPU.
+    pub fn new(
+        links: Vec<Arc<SourceLink>>,
+        rx: Option<Arc<RxRegion>>,
+        cuda: Option<Arc<CudaMemory>>,
+        counters: Arc<Counters>,
+    ) -> Self {
+        Self {
+            links,
+            matcher: Mutex::default(),
+            rx: RwLock::new(rx),
+            cuda,
+            flows: Mutex::default(),
+            counters,
+        }
+    }
+
+    /// The RX binding new data connections read through (`None`: plain TCP).
+    pub fn binding(&self) -> Option<Arc<RxRegion>> {
+        self.rx.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the binding; data connections identified from now on use the new one.
+    pub(crate) fn set_binding(&self, rx: Option<Arc<RxRegion>>) {
+        *self.rx.write().unwrap_or_else(|p| p.into_inner()) = rx;
+    }
+
+    /// The receive path in effect.
+    pub fn receive(&self) -> ReceiveMode {
+        match self.binding() {
+            None => ReceiveMode::Host,
+            Some(r) if r.kind() == BindingKind::Emulated => ReceiveMode::DevmemSim,
+            Some(_) => ReceiveMode::Devmem,
+        }
+    }
+
+    /// Every data connection identified so far.
+    pub fn flows(&self) -> Vec<Flow> {
+        self.flows.lock().expect("poisoned").clone()
+    }
+
+    /// Makes every link reconnect (its data connections come back on the current path).
+    pub fn reconnect_all(&self, reason: &str) {
+        for l in &self.links {
+            l.kick(reason);
+        }
+    }
+
+    /// A connection accepted on the data port.
+    fn accepted(&self, sock: TcpStream, peer: SocketAddr) {
+        let got = self
+            .matcher
+            .lock()
+            .expect("poisoned")
+            .accepted(peer, sock, Instant::now());
+        match got {
+            Accepted::Matched(sock, e) => self.start(sock, peer, e),
+            Accepted::Held => {}
+            Accepted::Refused(_) => {
+                tracing::warn!(%peer, limit = crate::matcher::MAX_UNMATCHED, "too many unidentified data connections; refusing this one")
+            }
+        }
+    }
+
+    /// Starts the receiver of an identified connection.
+    fn start(&self, sock: TcpStream, peer: SocketAddr, e: Expected) {
+        let link = e.link;
+        if !link.attach_data(e.generation, &sock) {
+            tracing::debug!(%peer, "data connection for a link generation that is gone");
+            return;
+        }
+        tracing::debug!(%peer, source = %link.addr, conn = e.conn, "data connection identified");
+        let path = sock
+            .set_read_timeout(Some(DATA_STALL_TIMEOUT))
+            .and_then(|()| Path::choose(sock, self.binding().as_ref(), self.cuda.as_ref()));
+        let path = match path {
+            Ok(p) => p,
+            Err(err) => {
+                let reason = format!(
+                    "cannot read data connection {} through the receive path: {err}",
+                    e.conn
+                );
+                tracing::error!(source = %link.addr, "{reason}; dropping it");
+                link.kick(&reason);
+                return;
+            }
+        };
+        let stats = Arc::new(FlowStats::default());
+        self.flows.lock().expect("poisoned").push(Flow {
+            source: link.addr.clone(),
+            conn: e.conn,
+            stats: Arc::clone(&stats),
+        });
+        receiver::spawn(
+            link,
+            e.conn,
+            path,
+            e.queue,
+            stats,
+            Arc::clone(&self.counters),
+        );
+    }
+
+    fn sweep(&self) {
+        for (peer, _) in self.matcher.lock().expect("poisoned").sweep(Instant::now()) {
+            tracing::warn!(%peer, "dropping a data connection that no authenticated source announced");
+        }
+    }
+}
+
+impl DataConns for DataPlane {
+    fn announced(
+        &self,
+        link: &Arc<SourceLink>,
+        generation: u64,
+        conn: u16,
+        addr: SocketAddr,
+        queue: std::sync::mpsc::Receiver<InFlight>,
+    ) {
+        let e = Expected {
+            link: Arc::clone(link),
+            conn,
+            generation,
+            queue,
+        };
+        let matched = self.matcher.lock().expect("poisoned").expect(addr, e);
+        if let Some((sock, e)) = matched {
+            self.start(sock, addr, e);
+        }
+    }
+
+    fn forget(&self, link: usize, generation: u64, reason: &str) {
+        let gone = self
+            .matcher
+            .lock()
+            .expect("poisoned")
+            .forget(|e| e.link.index == link && e.generation == generation);
+        for e in gone {
+            while let Ok(f) = e.queue.try_recv() {
+                f.finish(Err(FetchFailure::LinkDown {
+                    source_addr: e.link.addr.clone(),
+                    reason: reason.to_owned(),
+                }));
+            }
+        }
+    }
+}
+
+/// Accepts data connections until shutdown.
+pub async fn accept_loop(
+    plane: Arc<DataPlane>,
+    listener: tokio::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = sweep.tick() => plane.sweep(),
+            r = listener.accept() => match r {
+                Ok((s, peer)) => {
+                    let _ = s.set_nodelay(true);
+                    match s.into_std().and_then(|s| { s.set_nonblocking(false)?; Ok(s) }) {
+                        Ok(s) => plane.accepted(s, peer),
+                        Err(e) => tracing::warn!(%peer, error = %e, "cannot take over data connection"),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "data accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}

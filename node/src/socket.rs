@@ -1,0 +1,332 @@
+//! The trainer Unix socket (docs/TRAINER_API.md): one thread per trainer connection, one
+//! stream per connection. `attach` opens the stream and passes its region fd with
+//! SCM_RIGHTS; `next` leases the next batch in plan order; `release` ends a lease. A
+//! disconnect closes the stream and releases every lease. A malformed frame gets an error
+//! reply and drops that connection only. This front uses the node's stream interface alone.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use shardwire_gpu::Slab;
+use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
+use shardwire_protocol::trainer::{ErrorCode, Request, Response, StreamRequest};
+use tokio::sync::watch;
+
+use crate::node::Node;
+use crate::stream::{Next, Stream};
+
+/// Binds the socket (replacing a stale file) and starts the accept thread.
+pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!(path = %path.display(), "removed a stale trainer socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    let mode = node
+        .info()
+        .cfg
+        .socket_mode_bits()
+        .map_err(std::io::Error::other)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    std::thread::Builder::new()
+        .name("sw-trainer-accept".into())
+        .spawn(move || accept_loop(&node, &listener, &shutdown))?;
+    Ok(())
+}
+
+/// One thread per trainer connection, at most `trainer_max_connections` at once; a
+/// connection over the limit is refused with an error frame naming the limit.
+fn accept_loop(node: &Arc<Node>, listener: &UnixListener, shutdown: &watch::Receiver<bool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    let max = node.info().cfg.trainer_max_connections;
+    for conn in listener.incoming() {
+        if *shutdown.borrow() {
+            return;
+        }
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "trainer accept failed");
+                continue;
+            }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= max {
+            active.fetch_sub(1, Ordering::AcqRel);
+            metrics::counter!("shardwire_trainer_refused_total", "reason" => "connections")
+                .increment(1);
+            tracing::warn!(
+                limit = max,
+                "trainer refused: trainer_max_connections reached"
+            );
+            let msg = format!(
+                "this node serves at most {max} trainer connections at once (trainer_max_connections)"
+            );
+            let _ = reply(&s, &error(ErrorCode::TooManyConnections, msg), &[]);
+            continue; // dropping `s` closes it; the trainer reads the refusal first
+        }
+        let (node, active) = (Arc::clone(node), Arc::clone(&active));
+        let spawned = std::thread::Builder::new()
+            .name("sw-trainer".into())
+            .spawn(move || {
+                serve(&node, s);
+                active.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a trainer thread");
+        }
+    }
+}
+
+fn reply(sock: &UnixStream, r: &Response, fds: &[BorrowedFd<'_>]) -> Result<(), FrameIoError> {
+    let mut frame = Vec::with_capacity(256);
+    r.encode(&mut frame);
+    fdpass::send_frame(sock, &frame, fds)
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Response {
+    Response::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+/// After refusing a trainer: stop writing and read (and drop) what it sends until it closes,
+/// for up to 2 s. Closing at once would make the trainer's first write fail with EPIPE
+/// before it reads the refusal; this way it reads the error frame.
+fn linger_for_the_request(sock: &UnixStream) {
+    use std::io::Read;
+    let _ = sock.shutdown(std::net::Shutdown::Write);
+    let _ = sock.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut sink = [0u8; 4096];
+    while matches!((&*sock).read(&mut sink), Ok(n) if n > 0) {}
+}
+
+/// Whether the peer's uid/gid may use the node (`allowed_uids`, `allowed_gids`); a refused
+/// peer gets the reason before the connection closes.
+fn peer_allowed(node: &Node, sock: &UnixStream) -> bool {
+    let cred = match rustix::net::sockopt::socket_peercred(sock) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "SO_PEERCRED failed; refusing the trainer");
+            return false;
+        }
+    };
+    let (uid, gid) = (cred.uid.as_raw(), cred.gid.as_raw());
+    if node.info().cfg.peer_allowed(uid, gid) {
+        return true;
+    }
+    tracing::warn!(
+        uid,
+        gid,
+        pid = cred.pid.as_raw_nonzero().get(),
+        "trainer refused: uid/gid not in allowed_uids/allowed_gids"
+    );
+    let msg = format!(
+        "uid {uid} / gid {gid} is not allowed to use this node (allowed_uids, allowed_gids)"
+    );
+    let _ = reply(sock, &error(ErrorCode::Forbidden, msg), &[]);
+    metrics::counter!("shardwire_trainer_refused_total", "reason" => "peer").increment(1);
+    linger_for_the_request(sock);
+    false
+}
+
+/// One trainer connection.
+struct Conn<'a> {
+    node: &'a Arc<Node>,
+    sock: UnixStream,
+    frame: Vec<u8>,
+    stream: Option<Arc<Stream>>,
+    /// Slabs of released leases: freed after the answer is out (freeing takes the region's
+    /// locks, and the trainer is busy with the answer by then).
+    released: Vec<Slab>,
+}
+
+fn serve(node: &Arc<Node>, sock: UnixStream) {
+    if !peer_allowed(node, &sock) {
+        return;
+    }
+    // Registered once per connection: recording on a handle is a few atomic adds.
+    let next_latency =
+        metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket");
+    let cfg = &node.info().cfg;
+    let request = Duration::from_secs(cfg.trainer_request_timeout_secs);
+    let idle = (cfg.trainer_idle_timeout_secs > 0)
+        .then(|| Duration::from_secs(cfg.trainer_idle_timeout_secs));
+    let mut reader = fdpass::FrameReader::new();
+    let mut c = Conn {
+        node,
+        sock,
+        frame: Vec::with_capacity(256),
+        stream: None,
+        released: Vec::new(),
+    };
+    loop {
+        // Before `attach` a trainer has the request timeout; attached, the idle timeout.
+        let limits = ReadLimits {
+            idle: if c.stream.is_some() {
+                idle
+            } else {
+                Some(request)
+            },
+            frame: request,
+        };
+        // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
+        let req = match reader.read_data_timed(&c.sock, limits).map(Request::decode) {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
+                let _ = reply(&c.sock, &error(ErrorCode::BadRequest, e.to_string()), &[]);
+                break;
+            }
+            Err(FrameIoError::Closed) => break,
+            Err(e) => {
+                c.read_failed(&e);
+                break;
+            }
+        };
+        let t = std::time::Instant::now();
+        let is_next = matches!(req, Request::Next { .. });
+        let sent = c.handle(req);
+        c.released.clear();
+        if is_next {
+            next_latency.record(t.elapsed().as_secs_f64());
+        }
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "trainer went away while we replied");
+            break;
+        }
+    }
+    if let Some(s) = c.stream.take() {
+        node.close_stream(s.id(), "trainer disconnected");
+    }
+}
+
+impl Conn<'_> {
+    /// Answers one request.
+    fn handle(&mut self, req: Request) -> Result<(), FrameIoError> {
+        let Some(s) = self.stream.clone() else {
+            return match req {
+                Request::Attach(r) => self.attach(r),
+                _ => self.send(&error(ErrorCode::NotAttached, "send attach first")),
+            };
+        };
+        let r = match req {
+            Request::Attach(_) => error(
+                ErrorCode::AlreadyAttached,
+                "this connection already has a stream",
+            ),
+            Request::Next {
+                release,
+                timeout_ms,
+            } => {
+                match release.iter().try_for_each(|l| {
+                    s.take_lease(*l)
+                        .map(|slab| self.released.push(slab))
+                        .ok_or(*l)
+                }) {
+                    Err(l) => error(
+                        ErrorCode::UnknownLease,
+                        format!("lease {l} (in {release:?}) is not held by this stream"),
+                    ),
+                    Ok(()) => next_response(s.next(timeout_ms.map(Duration::from_millis))),
+                }
+            }
+            Request::Release { lease } => match s.take_lease(lease) {
+                Some(slab) => {
+                    self.released.push(slab);
+                    Response::Released
+                }
+                None => error(
+                    ErrorCode::UnknownLease,
+                    format!("lease {lease} is not held by this stream"),
+                ),
+            },
+            Request::State => Response::State { state: s.state() },
+        };
+        self.send(&r)
+    }
+
+    /// Opens the connection's stream and sends its region.
+    fn attach(&mut self, r: StreamRequest) -> Result<(), FrameIoError> {
+        let s = match self.node.open_stream_from_thread(r) {
+            Ok(s) => s,
+            Err(e) => return self.send(&error(e.code, e.message)),
+        };
+        let region = s.region();
+        let fd = match region.share_fd() {
+            Ok(fd) => fd,
+            Err(e) => {
+                let msg = format!("cannot share the stream's region: {e}");
+                self.node.close_stream(s.id(), &msg);
+                return self.send(&error(ErrorCode::NoMemory, msg));
+            }
+        };
+        let attached = Response::Attached {
+            stream: s.id(),
+            region_size: region.len() as u64,
+            batches_per_epoch: s.batches_per_epoch(),
+            epochs: s.epochs(),
+            memory: region.memory(),
+            gpu: self.node.gpu_ref(region),
+            state: s.state(),
+        };
+        self.stream = Some(Arc::clone(&s));
+        reply(&self.sock, &attached, &[fd.as_fd()])
+    }
+
+    /// Encodes `r` into the connection's frame buffer and sends it in one write.
+    fn send(&mut self, r: &Response) -> Result<(), FrameIoError> {
+        self.frame.clear();
+        r.encode(&mut self.frame);
+        fdpass::send_frame(&self.sock, &self.frame, &[])
+    }
+
+    /// A read that failed: a timeout is counted and answered, anything else answered.
+    fn read_failed(&mut self, e: &FrameIoError) {
+        if let FrameIoError::Timeout { phase, .. } = e {
+            let attached = self.stream.is_some();
+            let (label, key) = match phase {
+                ReadPhase::Idle if attached => ("idle", "trainer_idle_timeout_secs"),
+                _ => ("request", "trainer_request_timeout_secs"),
+            };
+            metrics::counter!("shardwire_trainer_timeouts_total", "phase" => label).increment(1);
+            tracing::warn!(error = %e, attached, "closing a trainer connection ({key})");
+            let _ = reply(
+                &self.sock,
+                &error(ErrorCode::Timeout, format!("{e} ({key})")),
+                &[],
+            );
+        } else {
+            tracing::warn!(error = %e, "trainer connection failed");
+            let _ = reply(
+                &self.sock,
+                &error(ErrorCode::BadRequest, e.to_string()),
+                &[],
+            );
+        }
+    }
+}
+
+fn next_response(n: Next) -> Response {
+    match n {
+        Next::Batch(b) => Response::Batch {
+            lease: b.lease,
+            epoch: b.epoch,
+            index: b.index,
+            shard: b.shard,
+            tensors: b.tensors,
+        },
+        Next::End => Response::End,
+        Next::Timeout => Response::Timeout,
+        Next::Closed(why) => error(ErrorCode::Closed, why),
+    }
+}

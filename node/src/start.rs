@@ -1,0 +1,339 @@
+//! Starting a node: secrets, the data port, NIC state a crashed run left behind, the probes,
+//! the memory and receive decisions (each with its reason), then the tasks: the data-port
+//! acceptor, one link per source, the control task and the trainer socket. The node serves no
+//! HTTP: the binary puts its admin and trainer HTTP fronts on top.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardwire_config::{MemoryMode, ReceiveMode, ServeConfig};
+use shardwire_devmem::probe::NicReport;
+use shardwire_gpu::cuda::CudaMemory;
+use shardwire_gpu::{GpuError, MemoryChoice, MemoryDecision};
+use shardwire_protocol::trainer::MemoryKind;
+use tokio::sync::{mpsc, watch};
+
+use crate::binding::{self, BindingError, NicRequest};
+use crate::counters::Counters;
+use crate::devmem_rx::RxRegion;
+use crate::info::Info;
+use crate::link::{DataConns, LinkConfig, SourceLink};
+use crate::node::{ControlRequest, Node};
+use crate::plane::{self, DataPlane};
+
+/// Why the node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A port could not be bound.
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The secret file cannot be read.
+    #[error("secret file {path}: {source}")]
+    SecretUnreadable {
+        /// Path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The secret file is empty.
+    #[error("secret file {path}: the file is empty")]
+    SecretEmpty {
+        /// Path.
+        path: PathBuf,
+    },
+    /// The configured memory kind is not available.
+    #[error(transparent)]
+    Memory(#[from] GpuError),
+    /// `memory = "cuda"` and the chosen GPU failed to open.
+    #[error("memory = \"cuda\": {device} could not be opened: {source}")]
+    GpuOpen {
+        /// The device.
+        device: String,
+        /// What failed.
+        #[source]
+        source: GpuError,
+    },
+    /// `receive = devmem-sim` and the emulator could not bind.
+    #[error("receive=devmem-sim: {0}")]
+    Emulator(BindingError),
+    /// `receive = devmem` and no binding could be made.
+    #[error(
+        "receive=devmem is not possible here: {0}. Use receive=host (plain TCP) or devmem-sim (the emulator)"
+    )]
+    Devmem(BindingError),
+    /// No sources.
+    #[error("no sources configured: give --source HOST:PORT (or `sources` in the config file)")]
+    NoSources,
+}
+
+/// Reads a secret file.
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, StartError> {
+    let raw = std::fs::read(path).map_err(|source| StartError::SecretUnreadable {
+        path: path.into(),
+        source,
+    })?;
+    shardwire_protocol::auth::parse_secret(&raw)
+        .ok_or_else(|| StartError::SecretEmpty { path: path.into() })
+}
+
+/// A started node; dropping it does not stop it, call [`NodeHandle::shutdown`].
+pub struct NodeHandle {
+    /// The node.
+    pub node: Arc<Node>,
+    /// Trainer socket path.
+    pub socket: PathBuf,
+    shutdown: watch::Sender<bool>,
+}
+
+impl NodeHandle {
+    /// A receiver that turns true when the node shuts down (for the fronts on top of it).
+    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
+    /// Drains: refuses new streams, waits up to `timeout` for open streams to finish (their
+    /// trainers disconnect), then shuts down. Returns the number of streams still open.
+    pub async fn drain(&self, timeout: Duration) -> usize {
+        let _ = self.node.control(crate::control::Control::Drain).await;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let open = self.node.streams().len();
+            if open == 0 || tokio::time::Instant::now() >= deadline {
+                if open > 0 {
+                    tracing::warn!(
+                        open,
+                        ?timeout,
+                        "drain timeout: closing the remaining streams"
+                    );
+                } else {
+                    tracing::info!("drained: no streams open");
+                }
+                self.shutdown();
+                return open;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Asks every task to stop.
+    pub fn shutdown(&self) {
+        if let Some(region) = self.node.plane().binding() {
+            region.unbind();
+        }
+        let _ = self.shutdown.send(true);
+        self.node.close_all("node shutting down");
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Starts the node on the current tokio runtime.
+pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
+    if cfg.sources.is_empty() {
+        return Err(StartError::NoSources);
+    }
+    let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
+    let admin_token = cfg
+        .admin_token_file
+        .as_deref()
+        .map(read_secret)
+        .transpose()?;
+    let data = tokio::net::TcpListener::bind(cfg.data_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            what: "the data port",
+            addr: cfg.data_listen.to_string(),
+            source,
+        })?;
+    let data_addr = data.local_addr().expect("bound");
+    restore_nic_state(&cfg.nic_state_file).await;
+    let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
+        .await
+        .unwrap_or_default();
+    let gpus = tokio::task::spawn_blocking(shardwire_gpu::probe_gpus)
+        .await
+        .expect("the GPU probe does not panic");
+    let (memory, cuda) = choose_memory(cfg.memory, &gpus).await?;
+    let (rx, receive_reason) = choose_receive(&cfg, &nics, data_addr, cuda.clone()).await?;
+    let mode_reason = format!(
+        "{receive_reason}. memory={}: {}",
+        memory.memory, memory.reason
+    );
+    let counters = Arc::new(Counters::default());
+    let link_cfg = LinkConfig {
+        secret: secret.clone(),
+        flows: cfg.flows,
+        data_addr,
+    };
+    let links: Vec<_> = cfg
+        .sources
+        .iter()
+        .enumerate()
+        .map(|(i, a)| SourceLink::new(i, a.clone(), link_cfg.clone()))
+        .collect();
+    let plane = Arc::new(DataPlane::new(links, rx, cuda, Arc::clone(&counters)));
+    let info = Info::new(
+        cfg,
+        (secret, admin_token),
+        (gpus, nics),
+        data_addr,
+        memory.memory,
+        mode_reason,
+    );
+    let (node, control) = Node::new(info, Arc::clone(&plane), counters);
+    tracing::info!(receive = %node.receive(), reason = %node.info().mode_reason(), "memory and receive mode chosen");
+    let cfg = &node.info().cfg;
+    tracing::info!(pool_size = %cfg.pool_size, "{}", cfg.stream_memory_origin());
+    let (shutdown, watch) = watch::channel(false);
+    spawn_tasks(&node, data, control, &watch);
+    let socket = cfg.socket.clone();
+    crate::socket::start(Arc::clone(&node), &socket, watch).map_err(|source| StartError::Bind {
+        what: "the trainer socket",
+        addr: socket.display().to_string(),
+        source,
+    })?;
+    tracing::info!(data = %data_addr, socket = %socket.display(), sources = cfg.sources.len(), "node started");
+    Ok(NodeHandle {
+        node,
+        socket,
+        shutdown,
+    })
+}
+
+/// The data-port acceptor, the links and the control task.
+fn spawn_tasks(
+    node: &Arc<Node>,
+    data: tokio::net::TcpListener,
+    mut control: mpsc::UnboundedReceiver<ControlRequest>,
+    watch: &watch::Receiver<bool>,
+) {
+    let plane = Arc::clone(node.plane());
+    tokio::spawn(plane::accept_loop(Arc::clone(&plane), data, watch.clone()));
+    let conns: Arc<dyn DataConns> = plane.clone();
+    for l in &plane.links {
+        tokio::spawn(crate::link::run(
+            Arc::clone(l),
+            Arc::clone(&conns),
+            watch.clone(),
+        ));
+    }
+    let node = Arc::clone(node);
+    tokio::spawn(async move {
+        while let Some((c, answer)) = control.recv().await {
+            let _ = answer.send(node.apply(c).await);
+        }
+    });
+}
+
+/// Undoes NIC changes a crashed run left behind, before anything else looks at NICs.
+async fn restore_nic_state(state: &Path) {
+    let path = state.to_path_buf();
+    match tokio::task::spawn_blocking(move || shardwire_devmem::nic::restore_from(&path)).await {
+        Ok(Ok(Some(st))) => tracing::warn!(
+            file = %state.display(), ifname = %st.ifname, changes = ?st.changes,
+            "restored NIC settings left by a previous run that did not shut down cleanly"
+        ),
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "could not restore NIC settings left by a previous run; the NIC may still be altered")
+        }
+        Err(e) => tracing::error!(error = %e, "NIC restore task failed"),
+    }
+}
+
+/// The memory decision, with the chosen GPU opened (kernels loaded, self-test passed). With
+/// `memory = "auto"` a GPU that fails to open gives host memory and the reason; with
+/// `memory = "cuda"` it is an error.
+async fn choose_memory(
+    mode: MemoryMode,
+    gpus: &shardwire_gpu::GpuProbe,
+) -> Result<(MemoryDecision, Option<Arc<CudaMemory>>), StartError> {
+    let choice = match mode {
+        MemoryMode::Auto => MemoryChoice::Auto,
+        MemoryMode::Host => MemoryChoice::Host,
+        MemoryMode::Cuda => MemoryChoice::Cuda,
+    };
+    let decision = shardwire_gpu::choose_memory(choice, gpus)?;
+    let Some(device) = decision.device.clone() else {
+        return Ok((decision, None));
+    };
+    let info = device.clone();
+    let opened = tokio::task::spawn_blocking(move || shardwire_gpu::cuda::open_for_service(&info))
+        .await
+        .expect("opening the GPU does not panic");
+    let what = shardwire_gpu::probe::device_text(&device);
+    match (opened, choice) {
+        (Ok(cuda), _) => Ok((decision, Some(Arc::new(cuda)))),
+        (Err(source), MemoryChoice::Cuda) => Err(StartError::GpuOpen {
+            device: what,
+            source,
+        }),
+        (Err(e), _) => Ok((
+            MemoryDecision {
+                memory: MemoryKind::Host,
+                reason: format!(
+                    "auto: {what} is usable but opening it failed ({e}); using host memory"
+                ),
+                device: None,
+            },
+            None,
+        )),
+    }
+}
+
+/// The RX binding for the configured receive mode, and why.
+async fn choose_receive(
+    cfg: &ServeConfig,
+    nics: &[NicReport],
+    data_addr: std::net::SocketAddr,
+    cuda: Option<Arc<CudaMemory>>,
+) -> Result<(Option<Arc<RxRegion>>, String), StartError> {
+    let probe = binding::probe_summary(nics);
+    let req = NicRequest {
+        name: cfg.devmem_interface.clone(),
+        queues: cfg.devmem_queues.clone(),
+        bytes: cfg.devmem_memory.0 as usize,
+        state_file: cfg.nic_state_file.clone(),
+        data_port: data_addr.port(),
+        configured: true,
+    };
+    Ok(match cfg.receive {
+        ReceiveMode::Host => (
+            None,
+            format!("receive=host: plain TCP into host memory, as configured; {probe}"),
+        ),
+        ReceiveMode::DevmemSim => {
+            let region = binding::emulator(req.bytes, cuda).map_err(StartError::Emulator)?;
+            let gather = if region.gpu_gather() {
+                "frags gathered into GPU memory by the CUDA kernel from the emulator's memory registered with CUDA"
+            } else {
+                "frags gathered by memcpy"
+            };
+            let reason = format!(
+                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs, {gather}; NOT GPU-direct; {probe}",
+                cfg.devmem_memory,
+                region.niovs().1
+            );
+            (Some(region), reason)
+        }
+        ReceiveMode::Devmem => {
+            let (region, why) = binding::nic(nics, req, cuda)
+                .await
+                .map_err(StartError::Devmem)?;
+            (Some(region), format!("receive=devmem: {why}"))
+        }
+        ReceiveMode::Auto => match binding::nic(nics, req, cuda).await {
+            Ok((region, why)) => (Some(region), format!("receive=auto chose devmem: {why}")),
+            Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
+        },
+    })
+}

@@ -1,0 +1,134 @@
+//! What the node shows the admin API: [`Status`] (the `/v1/status` document, also the source
+//! of the Prometheus figures) and its parts. Plain data, serialised as the API documents it.
+
+use serde::Serialize;
+use shardwire_devmem::probe::NicReport;
+use shardwire_gpu::GpuProbe;
+use shardwire_protocol::trainer::MemoryKind;
+
+use crate::devmem_rx::BindingKind;
+use crate::stream::StreamInfo;
+
+/// The receive and memory modes in effect, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Mode {
+    /// `host`, `devmem` or `devmem-sim`.
+    pub receive: String,
+    /// Host or CUDA.
+    pub memory: MemoryKind,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// The RX binding.
+#[derive(Debug, Clone, Serialize)]
+pub struct BindingStatus {
+    /// Binding id.
+    pub binding: u32,
+    /// Emulated or kernel.
+    pub kind: BindingKind,
+    /// Dma-buf bytes.
+    pub bytes: usize,
+    /// The interface (kernel bindings).
+    pub interface: Option<String>,
+    /// The queues (kernel bindings).
+    pub queues: Option<Vec<u32>>,
+    /// net_iovs.
+    pub niovs: usize,
+    /// Free net_iovs (emulator only).
+    pub niovs_free: Option<usize>,
+    /// Waits for a free net_iov.
+    pub pool_exhausted: u64,
+    /// Frags gathered.
+    pub frags: u64,
+    /// Bytes gathered out of the dma-buf.
+    pub dmabuf_bytes: u64,
+    /// Tokens returned.
+    pub tokens_returned: u64,
+    /// Bytes in linear frags.
+    pub linear_bytes: u64,
+    /// Bytes of ordinary TCP.
+    pub plain_bytes: u64,
+}
+
+/// One source link.
+#[derive(Debug, Clone, Serialize)]
+pub struct SourceStatus {
+    /// HOST:PORT.
+    pub addr: String,
+    /// Connected and authenticated.
+    pub up: bool,
+    /// Fetches waiting for the source's announcement.
+    pub in_flight: usize,
+    /// Cancels sent.
+    pub cancels_sent: u64,
+    /// Fetches the source dropped on request.
+    pub cancelled: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
+    /// Why the last connection ended.
+    pub last_error: Option<String>,
+}
+
+/// The memory budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolStatus {
+    /// `pool_size`.
+    pub size: u64,
+    /// Reserved by open streams.
+    pub reserved: u64,
+    /// Each stream's region.
+    pub stream_memory: u64,
+}
+
+/// Counters (the first five are the documented `/v1/status` ones; the rest feed metrics).
+#[derive(Debug, Clone, Serialize)]
+pub struct CounterStatus {
+    /// Payload bytes received and verified.
+    pub bytes_received: u64,
+    /// Shards received and verified.
+    pub shards_received: u64,
+    /// CRC mismatches.
+    pub crc_failures: u64,
+    /// Fetches issued again.
+    pub refetches: u64,
+    /// Batches handed to trainers.
+    pub batches_delivered: u64,
+    /// Seconds trainers waited for batches.
+    pub stall_network_seconds: f64,
+    /// Seconds fetchers waited for memory.
+    pub stall_trainer_seconds: f64,
+    /// Seconds receivers spent verifying.
+    pub stall_assembly_seconds: f64,
+    /// Waits for a pinned staging buffer.
+    pub h2d_staging_stalls: u64,
+}
+
+/// The `/v1/status` document.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    /// The node's version.
+    pub version: &'static str,
+    /// Modes and why.
+    pub mode: Mode,
+    /// The RX binding (`null` in host mode).
+    pub devmem: Option<BindingStatus>,
+    /// Draining.
+    pub draining: bool,
+    /// The NIC probe taken at start.
+    pub nics: Vec<NicReport>,
+    /// The GPU probe taken at start.
+    pub gpus: GpuProbe,
+    /// The data port.
+    pub data_addr: String,
+    /// The trainer socket.
+    pub socket: std::path::PathBuf,
+    /// The memory budget.
+    pub pool: PoolStatus,
+    /// Source links.
+    pub sources: Vec<SourceStatus>,
+    /// Open streams.
+    pub streams: Vec<StreamInfo>,
+    /// Counters.
+    pub counters: CounterStatus,
+}

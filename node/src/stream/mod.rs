@@ -1,0 +1,395 @@
+//! Streams: one per trainer. Each has its own region (a trainer never gets a handle to
+//! another stream's memory), a deterministic plan ([`order`]), a fetcher task that keeps the
+//! region full of fetch-ahead shards ([`fetcher`]), a reorder buffer that delivers in plan
+//! order ([`reorder`]), and the leases its trainer holds.
+//!
+//! [`Stream`] is the whole interface the fronts (the trainer socket, the HTTP API) use:
+//! `next`, `release`, `state`, reading a leased tensor, and what to tell the trainer.
+
+pub mod fetcher;
+pub mod open;
+pub mod order;
+pub mod reorder;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use shardwire_gpu::{Region, Slab, SlabPool};
+use shardwire_protocol::Manifest;
+use shardwire_protocol::trainer::{StreamState, TensorView};
+use tokio::sync::Notify;
+
+use self::order::Order;
+use self::reorder::Reorder;
+use crate::counters::Counters;
+use crate::link::SourceLink;
+
+/// The result of `next`.
+#[derive(Debug)]
+pub enum Next {
+    /// A batch, now leased.
+    Batch(Batch),
+    /// All epochs delivered.
+    End,
+    /// Nothing within the timeout.
+    Timeout,
+    /// The stream was closed.
+    Closed(String),
+}
+
+/// A leased batch.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// Lease id.
+    pub lease: u64,
+    /// Epoch.
+    pub epoch: u32,
+    /// Index within the epoch.
+    pub index: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Tensors in the region.
+    pub tensors: Vec<TensorView>,
+}
+
+/// A stream as the admin API lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamInfo {
+    /// Stream id.
+    pub id: u64,
+    /// Dataset.
+    pub dataset: String,
+    /// Rank.
+    pub rank: u32,
+    /// World size.
+    pub world_size: u32,
+    /// Seed.
+    pub seed: u64,
+    /// Epochs to deliver.
+    pub epochs: u32,
+    /// Batches per epoch for this rank.
+    pub batches_per_epoch: u64,
+    /// Positions delivered so far (the next one to deliver).
+    pub delivered: u64,
+    /// Positions in all epochs.
+    pub total: u64,
+    /// Batches received and waiting for the trainer.
+    pub ready: usize,
+    /// Batches leased to the trainer.
+    pub leased: usize,
+    /// Region size.
+    pub region_bytes: usize,
+    /// Region bytes holding shards.
+    pub region_used: usize,
+    /// Where it would resume.
+    pub state: StreamState,
+}
+
+struct Inner {
+    reorder: Reorder<Slab>,
+    leases: HashMap<u64, Slab>,
+    closed: Option<String>,
+}
+
+/// What a stream is made of (see [`open`]).
+pub struct Parts {
+    /// Stream id.
+    pub id: u64,
+    /// Dataset.
+    pub dataset: String,
+    /// The plan.
+    pub order: Order,
+    /// Epochs.
+    pub epochs: u32,
+    /// First position to deliver (resume).
+    pub start: u64,
+    /// The manifest.
+    pub manifest: Arc<Manifest>,
+    /// The region's allocator.
+    pub pool: Arc<SlabPool>,
+    /// Links whose manifest matches.
+    pub candidates: Vec<Arc<SourceLink>>,
+    /// Fingerprint of the plan inputs.
+    pub fingerprint: String,
+    /// The node's counters.
+    pub counters: Arc<Counters>,
+    /// The node's id source (leases).
+    pub ids: Arc<AtomicU64>,
+}
+
+/// A stream's state, shared by its trainer's front and its fetcher task.
+pub struct Stream {
+    id: u64,
+    dataset: String,
+    order: Order,
+    epochs: u32,
+    manifest: Arc<Manifest>,
+    pool: Arc<SlabPool>,
+    total: u64,
+    fingerprint: String,
+    candidates: Vec<Arc<SourceLink>>,
+    counters: Arc<Counters>,
+    ids: Arc<AtomicU64>,
+    inner: Mutex<Inner>,
+    cv: Condvar,
+    /// Woken when a slab is freed while the fetcher waits for memory.
+    freed: Notify,
+    wants_memory: AtomicBool,
+    closed_notify: Notify,
+}
+
+impl Stream {
+    /// Builds the stream (its fetcher is started separately).
+    pub fn new(p: Parts) -> Arc<Self> {
+        let total = p.order.per_epoch() * u64::from(p.epochs);
+        let s = Arc::new(Self {
+            id: p.id,
+            dataset: p.dataset,
+            order: p.order,
+            epochs: p.epochs,
+            manifest: p.manifest,
+            pool: p.pool,
+            total,
+            fingerprint: p.fingerprint,
+            candidates: p.candidates,
+            counters: p.counters,
+            ids: p.ids,
+            inner: Mutex::new(Inner {
+                reorder: Reorder::new(p.start, total),
+                leases: HashMap::new(),
+                closed: None,
+            }),
+            cv: Condvar::new(),
+            freed: Notify::new(),
+            wants_memory: AtomicBool::new(false),
+            closed_notify: Notify::new(),
+        });
+        let weak = Arc::downgrade(&s);
+        s.pool.set_on_free(Arc::new(move || {
+            // Only a fetcher waiting for memory needs waking: a release on a fully
+            // prefetched stream then costs no cross-thread wake-up.
+            if let Some(s) = weak.upgrade()
+                && s.wants_memory.load(Ordering::SeqCst)
+            {
+                s.freed.notify_one();
+            }
+        }));
+        s
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stream id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &str {
+        &self.dataset
+    }
+
+    /// Batches per epoch for this rank.
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.order.per_epoch()
+    }
+
+    /// Epochs to deliver.
+    pub fn epochs(&self) -> u32 {
+        self.epochs
+    }
+
+    /// The stream's region (shared with its trainer).
+    pub fn region(&self) -> &Region {
+        self.pool.region()
+    }
+
+    /// Links that serve its dataset.
+    pub(crate) fn candidates(&self) -> &[Arc<SourceLink>] {
+        &self.candidates
+    }
+
+    /// The state that resumes at the next undelivered batch.
+    pub fn state(&self) -> StreamState {
+        let next = self.lock().reorder.next();
+        self.state_at(next)
+    }
+
+    /// The state that resumes at stream position `pos`.
+    pub fn state_at(&self, pos: u64) -> StreamState {
+        let (epoch, index) = self.order.split(pos);
+        StreamState {
+            epoch,
+            index,
+            seed: self.order.spec.seed,
+            fingerprint: self.fingerprint.clone(),
+        }
+    }
+
+    /// The stream position of (epoch, index).
+    pub fn position(&self, epoch: u32, index: u64) -> u64 {
+        self.order.join(epoch, index)
+    }
+
+    /// What the admin API shows.
+    pub fn info(&self) -> StreamInfo {
+        let (ready, leased, next) = {
+            let i = self.lock();
+            (i.reorder.held(), i.leases.len(), i.reorder.next())
+        };
+        let spec = &self.order.spec;
+        StreamInfo {
+            id: self.id,
+            dataset: self.dataset.clone(),
+            rank: spec.rank,
+            world_size: spec.world_size,
+            seed: spec.seed,
+            epochs: self.epochs,
+            batches_per_epoch: self.order.per_epoch(),
+            delivered: next,
+            total: self.total,
+            ready,
+            leased,
+            region_bytes: self.pool.capacity(),
+            region_used: self.pool.used(),
+            state: self.state_at(next),
+        }
+    }
+
+    /// Closes the stream: drops ready batches and leases (freeing the region when the last
+    /// in-flight slab returns), wakes everyone.
+    pub(crate) fn close(&self, reason: &str) {
+        let (ready, leases) = {
+            let mut i = self.lock();
+            if i.closed.is_none() {
+                i.closed = Some(reason.to_string());
+            }
+            (i.reorder.clear(), std::mem::take(&mut i.leases))
+        };
+        drop((ready, leases));
+        self.cv.notify_all();
+        self.closed_notify.notify_one();
+    }
+
+    /// True once closed.
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed.is_some()
+    }
+
+    /// A verified shard for position `pos` (dropped if the stream no longer waits for it).
+    pub(crate) fn complete(&self, pos: u64, slab: Slab) {
+        let mut i = self.lock();
+        if i.closed.is_some() {
+            return;
+        }
+        let accepted = i.reorder.insert(pos, slab).is_ok();
+        drop(i);
+        if accepted {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Takes the next batch in plan order, waiting up to `timeout` (`None`: forever).
+    pub fn next(&self, timeout: Option<Duration>) -> Next {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut i = self.lock();
+        let mut waited_since: Option<Instant> = None;
+        // The time a trainer waits for a batch that is not ready is a network stall.
+        let account = |since: Option<Instant>| {
+            if let Some(t) = since {
+                self.counters
+                    .stall_network_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        };
+        loop {
+            if let Some(r) = &i.closed {
+                account(waited_since);
+                return Next::Closed(r.clone());
+            }
+            if i.reorder.done() {
+                account(waited_since);
+                return Next::End;
+            }
+            if let Some((pos, slab)) = i.reorder.take() {
+                account(waited_since);
+                let batch = self.lease(pos, &slab);
+                i.leases.insert(batch.lease, slab);
+                self.counters
+                    .batches_delivered
+                    .fetch_add(1, Ordering::Relaxed);
+                return Next::Batch(batch);
+            }
+            waited_since.get_or_insert_with(Instant::now);
+            i = match deadline {
+                None => self.cv.wait(i).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        account(waited_since);
+                        return Next::Timeout;
+                    }
+                    self.cv
+                        .wait_timeout(i, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// The batch description of the shard at `pos`, held in `slab`.
+    fn lease(&self, pos: u64, slab: &Slab) -> Batch {
+        let shard = self.order.shard_at(pos);
+        let entry = &self.manifest.shards[shard as usize];
+        let tensors = entry
+            .tensors
+            .iter()
+            .map(|t| TensorView {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: slab.offset() as u64 + entry.relative_offset(t),
+                length: t.length,
+            })
+            .collect();
+        let (epoch, index) = self.order.split(pos);
+        Batch {
+            lease: self.ids.fetch_add(1, Ordering::Relaxed) + 1,
+            epoch,
+            index,
+            shard,
+            tensors,
+        }
+    }
+
+    /// A copy of `length` bytes at region offset `offset`, read from leased batch `lease`;
+    /// None if this stream does not hold that lease or the range is not inside its slab.
+    /// (The HTTP trainer API serves tensor bytes with this; the lock keeps the lease, and so
+    /// the bytes, from being released while they are copied.)
+    pub fn read_leased(&self, lease: u64, offset: u64, length: u64) -> Option<Vec<u8>> {
+        let i = self.lock();
+        let slab = i.leases.get(&lease)?;
+        let start = usize::try_from(offset).ok()?.checked_sub(slab.offset())?;
+        slab.read(start, usize::try_from(length).ok()?).ok()
+    }
+
+    /// Ends a lease; false if unknown.
+    pub fn release(&self, lease: u64) -> bool {
+        self.take_lease(lease).is_some() // the slab drops here, after the lock
+    }
+
+    /// Ends a lease and hands back its slab, whose memory returns to the region when the
+    /// caller drops it (the trainer socket does that after it has answered); None if unknown.
+    pub fn take_lease(&self, lease: u64) -> Option<Slab> {
+        self.lock().leases.remove(&lease)
+    }
+}
+
+#[cfg(test)]
+mod tests;

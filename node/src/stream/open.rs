@@ -1,0 +1,221 @@
+//! The checks of opening a stream, before anything is allocated: the request itself (version,
+//! epochs, a dataset name the wire can carry), the plan, the resume position, and whether the
+//! region can hold the dataset's largest shard twice. Each refusal is an [`OpenError`] with a
+//! stable code and a message that names the field and the value.
+
+use shardwire_gpu::{HostRegion, Region, SlabPool};
+use shardwire_protocol::Manifest;
+use shardwire_protocol::plan::PlanSpec;
+use shardwire_protocol::trainer::{ErrorCode, StreamRequest, StreamState, TRAINER_VERSION};
+
+/// Why a stream was not opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct OpenError {
+    /// Stable code.
+    pub code: ErrorCode,
+    /// What was wrong, naming the field and the value.
+    pub message: String,
+}
+
+impl OpenError {
+    /// An error with this code.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Checks the request's own fields.
+pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
+    if r.version != TRAINER_VERSION {
+        return Err(OpenError::new(
+            ErrorCode::UnsupportedVersion,
+            format!(
+                "trainer protocol {}; this service speaks {TRAINER_VERSION}",
+                r.version
+            ),
+        ));
+    }
+    if r.epochs == 0 {
+        return Err(OpenError::new(
+            ErrorCode::BadRequest,
+            "epochs must be at least 1",
+        ));
+    }
+    // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
+    // must fail this request, never the source links shared by every stream.
+    shardwire_protocol::wire::check_dataset_name(&r.dataset)
+        .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))
+}
+
+/// The plan of `r` over `manifest`.
+pub fn plan(manifest: &Manifest, r: &StreamRequest) -> Result<PlanSpec, OpenError> {
+    let shards = u32::try_from(manifest.shards.len()).map_err(|_| {
+        OpenError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "the dataset has {} shards; at most {}",
+                manifest.shards.len(),
+                u32::MAX
+            ),
+        )
+    })?;
+    let spec = PlanSpec {
+        digest: manifest.digest_bytes(),
+        shards,
+        seed: r.seed,
+        rank: r.rank,
+        world_size: r.world_size,
+        uneven: r.uneven,
+    };
+    spec.validate()
+        .map_err(|e| OpenError::new(ErrorCode::BadPlan, e.to_string()))?;
+    Ok(spec)
+}
+
+/// The stream position to start from: 0, or where `state` says, if it belongs to this plan.
+pub fn resume_position(
+    spec: &PlanSpec,
+    state: Option<&StreamState>,
+    epochs: u32,
+) -> Result<u64, OpenError> {
+    let Some(st) = state else { return Ok(0) };
+    let mismatch = |m: String| OpenError::new(ErrorCode::StateMismatch, m);
+    spec.check_fingerprint(&st.fingerprint).map_err(mismatch)?;
+    if st.seed != spec.seed {
+        return Err(mismatch(format!(
+            "state fingerprint differs in `seed`: saved {}, stream has {}",
+            st.seed, spec.seed
+        )));
+    }
+    if st.index >= spec.per_rank() || st.epoch > epochs {
+        return Err(mismatch(format!(
+            "state position epoch {} index {} is outside this stream ({epochs} epochs of {} batches)",
+            st.epoch,
+            st.index,
+            spec.per_rank()
+        )));
+    }
+    Ok(u64::from(st.epoch) * spec.per_rank() + st.index)
+}
+
+/// Checks that a region of `region_bytes` can keep one batch leased while the next arrives.
+pub fn check_region(manifest: &Manifest, region_bytes: u64) -> Result<(), OpenError> {
+    let largest = manifest.shards.iter().map(|s| s.length).max().unwrap_or(0) as usize;
+    let class = SlabPool::class_size(largest) as u64;
+    if class * 2 > region_bytes {
+        return Err(OpenError::new(
+            ErrorCode::NoMemory,
+            format!(
+                "the largest shard ({largest} bytes, slab class {class}) needs stream_memory of at least {} bytes to keep one batch leased while the next arrives; stream_memory is {region_bytes}",
+                class * 2
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The region of stream `id`: a memfd, or a VMM allocation on the GPU.
+pub fn region(
+    id: u64,
+    bytes: u64,
+    cuda: Option<&shardwire_gpu::cuda::CudaMemory>,
+) -> Result<Region, OpenError> {
+    let no_memory = |m: String| OpenError::new(ErrorCode::NoMemory, m);
+    Ok(match cuda {
+        None => HostRegion::new(&format!("shardwire-stream-{id}"), bytes as usize)
+            .map_err(|e| no_memory(format!("a {bytes}-byte host region: {e}")))?
+            .into(),
+        Some(gpu) => shardwire_gpu::cuda::VmmRegion::new(&gpu.device, bytes as usize)
+            .map_err(|e| {
+                no_memory(format!(
+                    "a {bytes}-byte CUDA region on GPU {}: {e}",
+                    gpu.info.ordinal
+                ))
+            })?
+            .into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::plan::Uneven;
+
+    use super::*;
+
+    fn spec() -> PlanSpec {
+        PlanSpec {
+            digest: [1; 32],
+            shards: 10,
+            seed: 4,
+            rank: 0,
+            world_size: 2,
+            uneven: Uneven::Pad,
+        }
+    }
+
+    fn state(epoch: u32, index: u64, s: &PlanSpec) -> StreamState {
+        StreamState {
+            epoch,
+            index,
+            seed: s.seed,
+            fingerprint: s.fingerprint(),
+        }
+    }
+
+    #[test]
+    fn requests_are_checked_field_by_field() {
+        let mut r = StreamRequest::new("web");
+        assert!(check_request(&r).is_ok());
+        r.version = 7;
+        assert_eq!(
+            check_request(&r).unwrap_err().code,
+            ErrorCode::UnsupportedVersion
+        );
+        r = StreamRequest::new("web");
+        r.epochs = 0;
+        assert!(check_request(&r).unwrap_err().message.contains("epochs"));
+        let e = check_request(&StreamRequest::new("x".repeat(300))).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(
+            e.message.contains("300 bytes long; the limit is 255"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn resume_positions_inside_the_stream_are_accepted() {
+        let s = spec();
+        assert_eq!(resume_position(&s, None, 3).unwrap(), 0);
+        assert_eq!(resume_position(&s, Some(&state(2, 4, &s)), 3).unwrap(), 14);
+        // The end of the last epoch: nothing left, but a valid place to resume.
+        assert_eq!(resume_position(&s, Some(&state(3, 0, &s)), 3).unwrap(), 15);
+    }
+
+    #[test]
+    fn resume_positions_outside_the_stream_or_another_plan_are_refused() {
+        let s = spec();
+        let e = resume_position(&s, Some(&state(0, 5, &s)), 3).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch);
+        assert!(e.message.contains("index 5 is outside"), "{e}");
+        assert!(resume_position(&s, Some(&state(4, 0, &s)), 3).is_err());
+        let mut other = s.clone();
+        other.world_size = 4;
+        let e = resume_position(&s, Some(&state(0, 0, &other)), 3).unwrap_err();
+        assert!(
+            e.message.contains("`world_size`") && e.message.contains("saved 4"),
+            "{e}"
+        );
+        let mut st = state(0, 0, &s);
+        st.seed = 5;
+        assert!(
+            resume_position(&s, Some(&st), 3)
+                .unwrap_err()
+                .message
+                .contains("`seed`")
+        );
+    }
+}

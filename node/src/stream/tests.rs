@@ -1,0 +1,136 @@
+//! A stream fed by hand: delivery in plan order, leases, release and close.
+
+use std::sync::atomic::AtomicU64;
+
+use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+use shardwire_protocol::plan::Uneven;
+
+use super::*;
+use crate::fetch::tests::pool;
+
+fn manifest(shards: u32, len: u64) -> Arc<Manifest> {
+    Arc::new(Manifest::new(
+        (0..shards)
+            .map(|i| ShardEntry {
+                file: format!("s{i}.bin"),
+                offset: 0,
+                length: len,
+                crc32c: 0,
+                tensors: vec![TensorEntry {
+                    name: "x".into(),
+                    dtype: DType::Uint8,
+                    shape: vec![len],
+                    offset: 0,
+                    length: len,
+                }],
+            })
+            .collect(),
+    ))
+}
+
+fn stream(shards: u32, start: u64) -> Arc<Stream> {
+    let m = manifest(shards, 4096);
+    let spec = PlanSpec {
+        digest: m.digest_bytes(),
+        shards,
+        seed: 1,
+        rank: 0,
+        world_size: 1,
+        uneven: Uneven::Pad,
+    };
+    let fingerprint = spec.fingerprint();
+    Stream::new(Parts {
+        id: 9,
+        dataset: "d".into(),
+        order: Order::new(spec),
+        epochs: 2,
+        start,
+        manifest: m,
+        pool: pool(1 << 20),
+        candidates: Vec::new(),
+        fingerprint,
+        counters: Arc::new(Counters::default()),
+        ids: Arc::new(AtomicU64::new(0)),
+    })
+}
+
+use shardwire_protocol::plan::PlanSpec;
+
+/// Completes position `pos` with a slab filled with `pos`.
+fn arrive(s: &Stream, pos: u64) {
+    let mut slab = s.pool.alloc(4096).unwrap();
+    slab.host_slice_mut().unwrap().fill(pos as u8);
+    s.complete(pos, slab);
+}
+
+fn batch(n: Next) -> Batch {
+    match n {
+        Next::Batch(b) => b,
+        other => panic!("expected a batch, got {other:?}"),
+    }
+}
+
+#[test]
+fn batches_come_in_plan_order_whatever_order_shards_arrive_in() {
+    let s = stream(3, 0);
+    arrive(&s, 1);
+    assert!(matches!(
+        s.next(Some(Duration::from_millis(20))),
+        Next::Timeout
+    ));
+    arrive(&s, 0);
+    let b0 = batch(s.next(Some(Duration::ZERO)));
+    let b1 = batch(s.next(Some(Duration::ZERO)));
+    assert_eq!((b0.epoch, b0.index, b1.index), (0, 0, 1));
+    assert_eq!(b0.shard, s.order.shard_at(0));
+    assert_eq!(
+        s.read_leased(b1.lease, b1.tensors[0].offset, 4).unwrap(),
+        vec![1; 4]
+    );
+    assert_eq!(s.state().index, 2);
+    assert_eq!(s.info().leased, 2);
+}
+
+#[test]
+fn releasing_frees_the_memory_and_unknown_leases_are_refused() {
+    let s = stream(3, 0);
+    arrive(&s, 0);
+    let b = batch(s.next(None));
+    assert!(s.pool.used() > 0);
+    assert!(!s.release(b.lease + 100));
+    assert!(s.release(b.lease));
+    assert!(!s.release(b.lease), "a lease ends once");
+    assert_eq!(s.pool.used(), 0);
+    assert!(s.read_leased(b.lease, 0, 1).is_none());
+}
+
+#[test]
+fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
+    let s = stream(3, 0);
+    arrive(&s, 0);
+    arrive(&s, 1);
+    let _leased = batch(s.next(None));
+    let waiting = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || {
+            s.next(None); // takes 1
+            s.next(None) // waits for 2 until the close
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    s.close("trainer disconnected");
+    assert!(matches!(waiting.join().unwrap(), Next::Closed(r) if r == "trainer disconnected"));
+    assert_eq!(s.pool.used(), 0, "every lease and ready slab went back");
+    arrive(&s, 2); // a fetch that lands after the close is dropped
+    assert_eq!(s.pool.used(), 0);
+}
+
+#[test]
+fn a_resumed_stream_starts_at_its_position_and_ends() {
+    let s = stream(3, 5);
+    arrive(&s, 4); // before the resume point: not delivered
+    arrive(&s, 5);
+    let b = batch(s.next(None));
+    assert_eq!((b.epoch, b.index), (1, 2));
+    assert!(matches!(s.next(None), Next::End));
+}

@@ -1,0 +1,140 @@
+//! Admin/ops routes (loopback by default): `/healthz`, `/readyz`, `/metrics`, `/v1/status`,
+//! `/v1/nics`, `/v1/streams`, and with the admin token: closing a stream and draining. They
+//! read the node's status and send it control messages; they never touch the data path.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use serde_json::json;
+use shardwire_node::{Control, Node, Reply};
+use shardwire_protocol::trainer::ErrorCode;
+
+use super::error::{ApiError, authorize};
+
+/// Admin requests must finish within this time (the trainer long-poll routes are separate).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The admin routes.
+pub fn router(node: Arc<Node>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+        .route("/v1/streams", get(streams))
+        .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
+        .route("/v1/drain", post(drain))
+        .route("/v1/nics", get(nics))
+        .route(
+            "/v1/bindings",
+            get(super::bindings::list).post(super::bindings::create),
+        )
+        .route("/v1/bindings/{id}", delete(super::bindings::delete))
+        .layer(axum::middleware::from_fn(admin_timeout))
+        .with_state(node)
+}
+
+async fn admin_timeout(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match tokio::time::timeout(ADMIN_TIMEOUT, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => ApiError::new(ErrorCode::Timeout, "the admin request took too long")
+            .with_status(StatusCode::SERVICE_UNAVAILABLE)
+            .into_response(),
+    }
+}
+
+async fn drain(State(node): State<Arc<Node>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    authorize(&node, &headers)?;
+    match node.control(Control::Drain).await? {
+        Reply::Draining {
+            streams_open,
+            timeout_secs,
+        } => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({ "draining": true, "streams_open": streams_open, "timeout_secs": timeout_secs })),
+        )
+            .into_response()),
+        other => Err(ApiError::new(ErrorCode::Internal, format!("drain answered {other:?}"))),
+    }
+}
+
+fn stream_id(id: &str) -> Result<u64, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::bad_request(format!("stream id `{id}` is not a number")))
+}
+
+async fn stream_one(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let n = stream_id(&id)?;
+    let s = node
+        .stream(n)
+        .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no open stream {n}")))?;
+    Ok(Json(s.info()).into_response())
+}
+
+async fn close_stream(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&node, &headers)?;
+    let id = stream_id(&id)?;
+    let reason = "closed by an operator over the admin API".to_owned();
+    node.control(Control::CloseStream { id, reason }).await?;
+    Ok(Json(json!({ "closed": id })).into_response())
+}
+
+/// A fresh capability probe of every NIC (netlink queries and a trial bind with an invalid
+/// fd, which the kernel rejects before anything can be bound).
+async fn nics() -> Result<Response, ApiError> {
+    let n = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
+        .await
+        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    Ok(Json(json!({ "nics": n })).into_response())
+}
+
+async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
+    let (up, total, draining) = node.readiness();
+    if draining {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: draining\n".to_string(),
+        );
+    }
+    if up > 0 {
+        (
+            StatusCode::OK,
+            format!("ready: {up}/{total} sources connected\n"),
+        )
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: 0/{total} sources connected\n"),
+        )
+    }
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
+    let st = node.status();
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        super::prom::render(&st),
+    )
+}
+
+async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
+    let streams: Vec<_> = node.streams().iter().map(|s| s.info()).collect();
+    Json(json!({ "streams": streams }))
+}
+
+async fn status(State(node): State<Arc<Node>>) -> Json<shardwire_node::Status> {
+    Json(node.status())
+}

@@ -1,0 +1,30 @@
+//! The node service as the binary runs it: the node library with the HTTP fronts on its admin
+//! address.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use shardwire_config::ServeConfig;
+use shardwire_node::NodeHandle;
+
+/// A running node with its HTTP fronts.
+pub struct Service {
+    /// The node.
+    pub handle: NodeHandle,
+    /// The admin address actually bound.
+    pub admin_addr: SocketAddr,
+}
+
+/// Starts the node, binds the admin address and serves the HTTP fronts on it.
+pub async fn start(cfg: ServeConfig) -> anyhow::Result<Service> {
+    let admin = cfg.admin;
+    let handle = shardwire_node::start(cfg).await?;
+    let listener = tokio::net::TcpListener::bind(admin)
+        .await
+        .with_context(|| format!("cannot bind the admin API on {admin}"))?;
+    let admin_addr = listener.local_addr()?;
+    let node = std::sync::Arc::clone(&handle.node);
+    tokio::spawn(crate::http::serve(node, listener, handle.shutdown_signal()));
+    tracing::info!(admin = %admin_addr, "node service ready");
+    Ok(Service { handle, admin_addr })
+}
