@@ -25,8 +25,9 @@ use crate::info::Info;
 use crate::link::SourceLink;
 use crate::plane::{DataPlane, Flow};
 use crate::status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
+use crate::stream::kind::Kind;
 use crate::stream::open::{self, OpenError};
-use crate::stream::{Parts, Stream, fetcher, order::Order};
+use crate::stream::{Parts, Stream, batcher, fetcher};
 
 /// A control message and where its answer goes.
 pub(crate) type ControlRequest = (Control, oneshot::Sender<Result<Reply, ControlError>>);
@@ -117,10 +118,11 @@ impl Node {
             ));
         }
         let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
-        let spec = open::plan(&manifest, &r)?;
-        let start = open::resume_position(&spec, r.state.as_ref(), r.epochs)?;
         let region_bytes = self.info.cfg.stream_memory();
-        open::check_region(&manifest, region_bytes)?;
+        let (kind, start, fingerprint) = match r.batch_size {
+            None => open::shard_mode(&manifest, &r, region_bytes)?,
+            Some(b) => open::batch_mode(&manifest, &r, b, region_bytes, self.plane.cuda.clone())?,
+        };
         let reservation = self.admission.reserve(region_bytes).map_err(|e| {
             let code = match e {
                 AdmitError::Draining => ErrorCode::Draining,
@@ -130,12 +132,12 @@ impl Node {
         })?;
         let id = self.next_id();
         let region = open::region(id, region_bytes, self.plane.cuda.as_deref())?;
-        let fingerprint = spec.fingerprint();
-        let (rank, world_size, seed) = (spec.rank, spec.world_size, spec.seed);
+        let (rank, world_size, seed) = kind.who();
+        let batches = matches!(kind, Kind::Batches(_));
         let s = Stream::new(Parts {
             id,
             dataset: r.dataset.clone(),
-            order: Order::new(spec),
+            kind,
             epochs: r.epochs,
             start,
             manifest,
@@ -147,9 +149,16 @@ impl Node {
         });
         reservation.commit(id, Arc::clone(&s));
         let span = tracing::info_span!("stream", id, dataset = %r.dataset, rank, world_size);
-        self.rt
-            .spawn(fetcher::run(Arc::clone(&s), start).instrument(span));
-        tracing::info!(stream = id, dataset = %r.dataset, seed, rank, world_size, epochs = r.epochs, start, "stream opened");
+        match batches {
+            false => self
+                .rt
+                .spawn(fetcher::run(Arc::clone(&s), start).instrument(span)),
+            true => self
+                .rt
+                .spawn(batcher::run(Arc::clone(&s), start).instrument(span)),
+        };
+        tracing::info!(stream = id, dataset = %r.dataset, seed, rank, world_size, epochs = r.epochs,
+            batch_size = r.batch_size, start, "stream opened");
         Ok(s)
     }
 

@@ -4,7 +4,9 @@
 //!   (length-prefixed, versioned, with hard limits on every length field);
 //! - [`auth`]: the shared-secret challenge-response (HMAC-SHA256, no secret on the wire);
 //! - [`manifest`]: the dataset manifest written by `shardwire index`;
-//! - [`plan`]: the deterministic per-rank shard order;
+//! - [`plan`]: the deterministic per-rank shard order (shard mode);
+//! - [`samples`]: the sample-level order and every rank's batches (batch mode), with
+//!   [`bijection`], the keyed permutation it shuffles blocks with;
 //! - [`trainer`]: the messages of the trainer Unix socket;
 //! - [`crc`]: CRC-32C, the integrity check used everywhere;
 //! - `framing` (feature `io`): control frames on async streams (tokio);
@@ -15,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod bijection;
 pub mod crc;
 #[cfg(feature = "unix")]
 pub mod fdpass;
@@ -22,6 +25,7 @@ pub mod fdpass;
 pub mod framing;
 pub mod manifest;
 pub mod plan;
+pub mod samples;
 pub mod trainer;
 pub mod wire;
 

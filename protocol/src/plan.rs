@@ -102,33 +102,7 @@ impl PlanSpec {
 
     /// Compares a saved fingerprint with this plan's; names the first field that differs.
     pub fn check_fingerprint(&self, saved: &str) -> Result<(), String> {
-        let mine = self.fingerprint();
-        if mine == saved {
-            return Ok(());
-        }
-        let parse = |s: &str| -> Vec<(String, String)> {
-            s.split(';')
-                .map(|kv| {
-                    kv.split_once('=')
-                        .map_or((kv.to_string(), String::new()), |(k, v)| {
-                            (k.into(), v.into())
-                        })
-                })
-                .collect()
-        };
-        let (a, b) = (parse(&mine), parse(saved));
-        for (k, v) in &a {
-            let other = b.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
-            if other != Some(v.as_str()) {
-                return Err(format!(
-                    "state fingerprint differs in `{k}`: saved {}, stream has {v}",
-                    other.unwrap_or("(missing)")
-                ));
-            }
-        }
-        Err(format!(
-            "state fingerprint `{saved}` does not match `{mine}`"
-        ))
+        compare_fingerprints(&self.fingerprint(), saved)
     }
 
     /// Shards per rank per epoch.
@@ -166,6 +140,37 @@ impl PlanSpec {
             .map(|k| global[(k * w + self.rank as usize) % global.len()])
             .collect()
     }
+}
+
+/// Compares a saved fingerprint (`field=value;...`) with the current one; the error names the
+/// first field that differs, with both values.
+pub fn compare_fingerprints(mine: &str, saved: &str) -> Result<(), String> {
+    if mine == saved {
+        return Ok(());
+    }
+    let parse = |s: &str| -> Vec<(String, String)> {
+        s.split(';')
+            .map(|kv| {
+                kv.split_once('=')
+                    .map_or((kv.to_string(), String::new()), |(k, v)| {
+                        (k.into(), v.into())
+                    })
+            })
+            .collect()
+    };
+    let (a, b) = (parse(&mine), parse(saved));
+    for (k, v) in &a {
+        let other = b.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
+        if other != Some(v.as_str()) {
+            return Err(format!(
+                "state fingerprint differs in `{k}`: saved {}, stream has {v}",
+                other.unwrap_or("(missing)")
+            ));
+        }
+    }
+    Err(format!(
+        "state fingerprint `{saved}` does not match `{mine}`"
+    ))
 }
 
 /// SplitMix64 (Steele et al.): tiny, fast, and fully specified, so orders never change

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::DType;
 use crate::plan::Uneven;
+pub use crate::samples::Shuffle;
 
 /// Protocol version of the trainer socket.
 pub const TRAINER_VERSION: u32 = 1;
@@ -15,17 +16,31 @@ pub const TRAINER_VERSION: u32 = 1;
 pub const MAX_TRAINER_FRAME: usize = 1 << 20;
 
 /// Resumable position of a stream.
+///
+/// Shard mode: the next batch of this rank (its fingerprint names the rank and world size).
+/// Batch mode: a global position that resumes every rank, on any world size that fits the
+/// partitions with the same global batch: `index` is the next global step, `cursor` the
+/// samples of the epoch consumed before it (`index * batch_size * world_size`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamState {
     /// Epoch of the next batch.
     pub epoch: u32,
-    /// Index within the epoch of the next batch.
+    /// Index within the epoch of the next batch (batch mode: the next global step).
     pub index: u64,
     /// The seed the stream was opened with.
     pub seed: u64,
-    /// Hex fingerprint of (digest, seed, world size, rank, planning options).
+    /// Readable fingerprint of every input of the order (`field=value;...`).
     pub fingerprint: String,
+    /// Batch mode: samples of the epoch before the next step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<u64>,
+    /// Batch mode: the canonical partitions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u32>,
+    /// Batch mode: the shuffle block in samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle_block: Option<u64>,
 }
 
 /// What a trainer asks for when it opens a stream: the fields of the socket's `attach` and of
@@ -56,6 +71,41 @@ pub struct StreamRequest {
     /// Resume from this state.
     #[serde(default)]
     pub state: Option<StreamState>,
+    /// Samples per rank per step: batch mode. Absent: shard mode (one shard per batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u32>,
+    /// Batch mode: `"block"` (default), `"shards"` or `"none"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle: Option<Shuffle>,
+    /// Batch mode, `shuffle = "block"`: samples per shuffle block (default: the samples of
+    /// [`DEFAULT_BLOCK_SHARDS`] average shards, or the resume state's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle_block: Option<u64>,
+    /// Batch mode: canonical partitions (default: the world size, or the resume state's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u32>,
+    /// Batch mode: drop the last partial global batch instead of completing it with samples
+    /// from the epoch's start.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drop_last: bool,
+    /// Batch mode: this stream delivers the rank's batches `worker, worker + num_workers, ...`
+    /// (a DataLoader worker's share).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub worker: u32,
+    /// Batch mode: how many workers split the rank's batches.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub num_workers: u32,
+}
+
+/// Default shuffle block: the samples of this many average shards.
+pub const DEFAULT_BLOCK_SHARDS: u64 = 8;
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
 }
 
 impl StreamRequest {
@@ -71,6 +121,13 @@ impl StreamRequest {
             epochs: 1,
             uneven: Uneven::Pad,
             state: None,
+            batch_size: None,
+            shuffle: None,
+            shuffle_block: None,
+            partitions: None,
+            drop_last: false,
+            worker: 0,
+            num_workers: 1,
         }
     }
 }

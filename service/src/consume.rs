@@ -1,6 +1,8 @@
 //! `shardwire consume`: a trainer stand-in for users and scripts. Prints one line per batch
-//! (JSON with `--jsonl`): epoch, index, shard, and per tensor its name, dtype, shape and the
-//! CRC-32C of the bytes as received.
+//! (JSON with `--jsonl`): epoch, index, shard (null in batch mode), and per tensor its name,
+//! dtype, shape and the CRC-32C of the bytes as received (`--print-values NAME` adds the
+//! values of an integer tensor); `--print-state` ends with a line `{"state": ...}` that
+//! resumes where it stopped (`--state`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,6 +14,8 @@ use serde_json::json;
 use shardwire_client::{Stream, StreamOptions};
 use shardwire_protocol::crc::crc32c;
 use shardwire_protocol::plan::Uneven;
+use shardwire_protocol::samples::Shuffle;
+use shardwire_protocol::trainer::StreamState;
 
 /// Flags of `shardwire consume`.
 #[derive(Args, Debug)]
@@ -41,15 +45,74 @@ pub struct ConsumeArgs {
     /// Uneven-dataset policy: pad or drop.
     #[arg(long, default_value = "pad", value_parser = parse_uneven)]
     uneven: Uneven,
+    /// Samples per batch: batch mode (default: one shard per batch).
+    #[arg(long)]
+    batch_size: Option<u32>,
+    /// Batch mode order: block (default), shards or none.
+    #[arg(long, value_parser = parse_shuffle)]
+    shuffle: Option<Shuffle>,
+    /// Batch mode: samples per shuffle block.
+    #[arg(long)]
+    shuffle_block: Option<u64>,
+    /// Batch mode: canonical partitions (default: the world size).
+    #[arg(long)]
+    partitions: Option<u32>,
+    /// Batch mode: drop the last partial global batch.
+    #[arg(long)]
+    drop_last: bool,
+    /// Resume from this state (the JSON of a `{"state": ...}` line or of `state_dict()`).
+    #[arg(long)]
+    state: Option<String>,
+    /// Also print the values of this integer tensor per batch (repeatable).
+    #[arg(long = "print-values")]
+    print_values: Vec<String>,
     /// Print one JSON object per line.
     #[arg(long)]
     jsonl: bool,
+    /// At the end print `{"state": ...}`, the state that resumes after the last batch taken.
+    #[arg(long)]
+    print_state: bool,
     /// Stop after this many batches (without releasing the last ones: a stalled trainer).
     #[arg(long)]
     limit: Option<u64>,
     /// Hold the stream open after `--limit` batches for this many seconds, without reading.
     #[arg(long, default_value_t = 0)]
     hold_secs: u64,
+}
+
+fn parse_shuffle(s: &str) -> Result<Shuffle, String> {
+    match s {
+        "none" => Ok(Shuffle::None),
+        "shards" => Ok(Shuffle::Shards),
+        "block" => Ok(Shuffle::Block),
+        other => Err(format!("`{other}` is not none, shards or block")),
+    }
+}
+
+/// The integer values of a tensor as JSON numbers (None for non-integer dtypes).
+fn values(t: &shardwire_protocol::trainer::TensorView, bytes: &[u8]) -> Option<Vec<i128>> {
+    use shardwire_protocol::DType as D;
+    let width = match t.dtype {
+        D::Int8 | D::Uint8 => 1,
+        D::Int16 | D::Uint16 => 2,
+        D::Int32 | D::Uint32 => 4,
+        D::Int64 | D::Uint64 => 8,
+        _ => return None,
+    };
+    let signed = matches!(t.dtype, D::Int8 | D::Int16 | D::Int32 | D::Int64);
+    Some(
+        bytes
+            .chunks_exact(width)
+            .map(|c| {
+                let mut b = [0u8; 16];
+                b[..width].copy_from_slice(c);
+                if signed && c[width - 1] & 0x80 != 0 {
+                    b[width..].fill(0xff);
+                }
+                i128::from_le_bytes(b)
+            })
+            .collect(),
+    )
 }
 
 fn parse_uneven(s: &str) -> Result<Uneven, String> {
@@ -62,12 +125,26 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
+    let state: Option<StreamState> = match &a.state {
+        None => None,
+        Some(s) => {
+            let v: serde_json::Value = serde_json::from_str(s).context("--state is not JSON")?;
+            let inner = v.get("state").cloned().unwrap_or(v);
+            Some(serde_json::from_value(inner).context("--state is not a stream state")?)
+        }
+    };
     let opts = StreamOptions {
         seed: a.seed,
         rank: a.rank,
         world_size: a.world_size,
         epochs: a.epochs,
         uneven: a.uneven,
+        batch_size: a.batch_size,
+        shuffle: a.shuffle,
+        shuffle_block: a.shuffle_block,
+        partitions: a.partitions,
+        drop_last: a.drop_last,
+        state,
         ..StreamOptions::new(&a.dataset)
     };
     let mut s = Stream::open(&a.socket, opts)
@@ -83,22 +160,27 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|t| {
                 bytes += t.length;
-                json!({"name": t.name, "dtype": t.dtype, "shape": t.shape, "crc32c": crc32c(b.bytes(t))})
+                let mut v = json!({"name": t.name, "dtype": t.dtype, "shape": t.shape, "crc32c": crc32c(b.bytes(t))});
+                if a.print_values.contains(&t.name) {
+                    v["values"] = json!(values(t, b.bytes(t)));
+                }
+                v
             })
             .collect();
+        let shard = (b.shard != u32::MAX).then_some(b.shard);
         if a.jsonl {
             writeln!(
                 out,
                 "{}",
-                json!({"epoch": b.epoch, "index": b.index, "shard": b.shard, "tensors": tensors})
+                json!({"epoch": b.epoch, "index": b.index, "shard": shard, "tensors": tensors})
             )?;
         } else {
+            let shard = shard.map_or("-".to_string(), |s| s.to_string());
             writeln!(
                 out,
-                "epoch {} batch {} shard {}: {} tensors",
+                "epoch {} batch {} shard {shard}: {} tensors",
                 b.epoch,
                 b.index,
-                b.shard,
                 tensors.len()
             )?;
         }
@@ -110,6 +192,9 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
             break;
         }
         s.release(b)?;
+    }
+    if a.print_state {
+        writeln!(out, "{}", json!({ "state": s.state()? }))?;
     }
     drop(kept);
     if !a.jsonl {

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use shardwire_gpu::Slab;
 use tokio::sync::mpsc;
 
-use super::Stream;
+use super::kind::Kind;
+use super::{Ready, Stream};
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight};
 use crate::link::SendError;
 
@@ -20,11 +21,15 @@ use crate::link::SendError;
 const RETRY: Duration = Duration::from_millis(100);
 
 /// A fetch waiting to be issued (again).
-struct Retry {
-    pos: u64,
-    shard: u32,
-    slab: Slab,
-    avoid: Option<usize>,
+pub(super) struct Retry {
+    /// The stream position (shard mode) or the shard (batch mode) it is for.
+    pub pos: u64,
+    /// The shard.
+    pub shard: u32,
+    /// Its destination.
+    pub slab: Slab,
+    /// The link that just failed it.
+    pub avoid: Option<usize>,
 }
 
 /// The link to send a fetch on: the first live one from `rr` on, skipping `avoid` when
@@ -38,8 +43,11 @@ pub fn pick_source(up: &[bool], avoid: Option<usize>, rr: usize) -> Option<usize
         .or_else(|| order.clone().find(|&i| up[i]))
 }
 
-/// Runs until the stream closes.
+/// Runs a shard-mode stream until it closes.
 pub async fn run(s: Arc<Stream>, start: u64) {
+    let Kind::Shards(order) = s.kind() else {
+        unreachable!("the shard fetcher runs shard-mode streams");
+    };
     let (tx, mut rx) = mpsc::unbounded_channel::<Completion>();
     let mut next_issue = start;
     let mut retry: VecDeque<Retry> = VecDeque::new();
@@ -56,7 +64,7 @@ pub async fn run(s: Arc<Stream>, start: u64) {
             }
         }
         while retry.is_empty() && next_issue < s.total {
-            let shard = s.order.shard_at(next_issue);
+            let shard = order.shard_at(next_issue);
             let len = s.manifest.shards[shard as usize].length as usize;
             // Announce the need before trying, so a free between the failed try and the
             // wait below leaves a permit instead of being missed.
@@ -102,7 +110,13 @@ fn completed(s: &Stream, c: Completion, retry: &mut VecDeque<Retry>) {
         Ok(()) => {
             metrics::histogram!("shardwire_fetch_duration_seconds")
                 .record(c.issued.elapsed().as_secs_f64());
-            s.complete(c.pos, c.slab);
+            s.complete(
+                c.pos,
+                Ready {
+                    slab: c.slab,
+                    tensors: None,
+                },
+            );
         }
         Err(f) => {
             s.counters.refetches.fetch_add(1, Ordering::Relaxed);
@@ -125,7 +139,7 @@ fn completed(s: &Stream, c: Completion, retry: &mut VecDeque<Retry>) {
 }
 
 /// Sends a fetch on a live source; gives it back when none is up.
-fn issue(s: &Stream, tx: &Completions, r: Retry, rr: &mut usize) -> Result<(), Retry> {
+pub(super) fn issue(s: &Stream, tx: &Completions, r: Retry, rr: &mut usize) -> Result<(), Retry> {
     let links = s.candidates();
     let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
     let avoid = r

@@ -6,7 +6,10 @@
 //! [`Stream`] is the whole interface the fronts (the trainer socket, the HTTP API) use:
 //! `next`, `release`, `state`, reading a leased tensor, and what to tell the trainer.
 
+pub mod batcher;
 pub mod fetcher;
+pub mod kind;
+pub mod layout;
 pub mod open;
 pub mod order;
 pub mod reorder;
@@ -22,7 +25,7 @@ use shardwire_protocol::Manifest;
 use shardwire_protocol::trainer::{StreamState, TensorView};
 use tokio::sync::Notify;
 
-use self::order::Order;
+use self::kind::Kind;
 use self::reorder::Reorder;
 use crate::counters::Counters;
 use crate::link::SourceLink;
@@ -88,8 +91,22 @@ pub struct StreamInfo {
     pub state: StreamState,
 }
 
+/// A batch ready for its trainer: its slab, and (batch mode) its tensors with offsets
+/// relative to the slab (shard mode derives them from the manifest).
+#[derive(Debug)]
+pub struct Ready {
+    /// The memory.
+    pub slab: Slab,
+    /// Batch mode: the tensors.
+    pub tensors: Option<Vec<TensorView>>,
+}
+
+/// `shard` of a batch that holds samples of many shards (batch mode).
+pub const NO_SHARD: u32 = u32::MAX;
+
 struct Inner {
-    reorder: Reorder<Slab>,
+    /// Ready batches by slot.
+    reorder: Reorder<Ready>,
     leases: HashMap<u64, Slab>,
     closed: Option<String>,
 }
@@ -100,8 +117,8 @@ pub struct Parts {
     pub id: u64,
     /// Dataset.
     pub dataset: String,
-    /// The plan.
-    pub order: Order,
+    /// Shard or batch mode, with its plan.
+    pub kind: Kind,
     /// Epochs.
     pub epochs: u32,
     /// First position to deliver (resume).
@@ -124,7 +141,7 @@ pub struct Parts {
 pub struct Stream {
     id: u64,
     dataset: String,
-    order: Order,
+    kind: Kind,
     epochs: u32,
     manifest: Arc<Manifest>,
     pool: Arc<SlabPool>,
@@ -139,16 +156,19 @@ pub struct Stream {
     freed: Notify,
     wants_memory: AtomicBool,
     closed_notify: Notify,
+    /// Woken when the trainer takes a batch (a batch-mode task may assemble the next).
+    taken: Notify,
 }
 
 impl Stream {
     /// Builds the stream (its fetcher is started separately).
     pub fn new(p: Parts) -> Arc<Self> {
-        let total = p.order.per_epoch() * u64::from(p.epochs);
+        let total = p.kind.per_epoch() * u64::from(p.epochs);
+        let (first, slots) = (p.kind.slot_at(p.start), p.kind.slot_at(total));
         let s = Arc::new(Self {
             id: p.id,
             dataset: p.dataset,
-            order: p.order,
+            kind: p.kind,
             epochs: p.epochs,
             manifest: p.manifest,
             pool: p.pool,
@@ -158,7 +178,7 @@ impl Stream {
             counters: p.counters,
             ids: p.ids,
             inner: Mutex::new(Inner {
-                reorder: Reorder::new(p.start, total),
+                reorder: Reorder::new(first, slots),
                 leases: HashMap::new(),
                 closed: None,
             }),
@@ -166,6 +186,7 @@ impl Stream {
             freed: Notify::new(),
             wants_memory: AtomicBool::new(false),
             closed_notify: Notify::new(),
+            taken: Notify::new(),
         });
         let weak = Arc::downgrade(&s);
         s.pool.set_on_free(Arc::new(move || {
@@ -196,7 +217,12 @@ impl Stream {
 
     /// Batches per epoch for this rank.
     pub fn batches_per_epoch(&self) -> u64 {
-        self.order.per_epoch()
+        self.kind.per_epoch()
+    }
+
+    /// Shard or batch mode, with the plan.
+    pub(crate) fn kind(&self) -> &Kind {
+        &self.kind
     }
 
     /// Epochs to deliver.
@@ -209,6 +235,11 @@ impl Stream {
         self.pool.region()
     }
 
+    /// Ready batches not yet taken.
+    pub(crate) fn ready_count(&self) -> usize {
+        self.lock().reorder.held()
+    }
+
     /// Links that serve its dataset.
     pub(crate) fn candidates(&self) -> &[Arc<SourceLink>] {
         &self.candidates
@@ -217,23 +248,17 @@ impl Stream {
     /// The state that resumes at the next undelivered batch.
     pub fn state(&self) -> StreamState {
         let next = self.lock().reorder.next();
-        self.state_at(next)
+        self.state_at(self.kind.position(next))
     }
 
     /// The state that resumes at stream position `pos`.
     pub fn state_at(&self, pos: u64) -> StreamState {
-        let (epoch, index) = self.order.split(pos);
-        StreamState {
-            epoch,
-            index,
-            seed: self.order.spec.seed,
-            fingerprint: self.fingerprint.clone(),
-        }
+        self.kind.state_at(pos, &self.fingerprint)
     }
 
     /// The stream position of (epoch, index).
     pub fn position(&self, epoch: u32, index: u64) -> u64 {
-        self.order.join(epoch, index)
+        self.kind.join(epoch, index)
     }
 
     /// What the admin API shows.
@@ -242,15 +267,16 @@ impl Stream {
             let i = self.lock();
             (i.reorder.held(), i.leases.len(), i.reorder.next())
         };
-        let spec = &self.order.spec;
+        let (rank, world_size, seed) = self.kind.who();
+        let next = self.kind.position(next);
         StreamInfo {
             id: self.id,
             dataset: self.dataset.clone(),
-            rank: spec.rank,
-            world_size: spec.world_size,
-            seed: spec.seed,
+            rank,
+            world_size,
+            seed,
             epochs: self.epochs,
-            batches_per_epoch: self.order.per_epoch(),
+            batches_per_epoch: self.kind.per_epoch(),
             delivered: next,
             total: self.total,
             ready,
@@ -281,13 +307,13 @@ impl Stream {
         self.lock().closed.is_some()
     }
 
-    /// A verified shard for position `pos` (dropped if the stream no longer waits for it).
-    pub(crate) fn complete(&self, pos: u64, slab: Slab) {
+    /// A batch for position `pos` (dropped if the stream no longer waits for it).
+    pub(crate) fn complete(&self, pos: u64, ready: Ready) {
         let mut i = self.lock();
         if i.closed.is_some() {
             return;
         }
-        let accepted = i.reorder.insert(pos, slab).is_ok();
+        let accepted = i.reorder.insert(self.kind.slot_at(pos), ready).is_ok();
         drop(i);
         if accepted {
             self.cv.notify_all();
@@ -316,10 +342,13 @@ impl Stream {
                 account(waited_since);
                 return Next::End;
             }
-            if let Some((pos, slab)) = i.reorder.take() {
+            if let Some((slot, ready)) = i.reorder.take() {
                 account(waited_since);
-                let batch = self.lease(pos, &slab);
-                i.leases.insert(batch.lease, slab);
+                let batch = self.lease(self.kind.position(slot), &ready);
+                i.leases.insert(batch.lease, ready.slab);
+                if matches!(self.kind, Kind::Batches(_)) {
+                    self.taken.notify_one();
+                }
                 self.counters
                     .batches_delivered
                     .fetch_add(1, Ordering::Relaxed);
@@ -343,22 +372,35 @@ impl Stream {
         }
     }
 
-    /// The batch description of the shard at `pos`, held in `slab`.
-    fn lease(&self, pos: u64, slab: &Slab) -> Batch {
-        let shard = self.order.shard_at(pos);
-        let entry = &self.manifest.shards[shard as usize];
-        let tensors = entry
-            .tensors
-            .iter()
-            .map(|t| TensorView {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                offset: slab.offset() as u64 + entry.relative_offset(t),
-                length: t.length,
-            })
-            .collect();
-        let (epoch, index) = self.order.split(pos);
+    /// The description of the batch at `pos`, held in `ready`.
+    fn lease(&self, pos: u64, ready: &Ready) -> Batch {
+        let base = ready.slab.offset() as u64;
+        let (shard, tensors) = match (&self.kind, &ready.tensors) {
+            (Kind::Shards(order), _) => {
+                let shard = order.shard_at(pos);
+                let entry = &self.manifest.shards[shard as usize];
+                let views = entry
+                    .tensors
+                    .iter()
+                    .map(|t| TensorView {
+                        name: t.name.clone(),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                        offset: base + entry.relative_offset(t),
+                        length: t.length,
+                    })
+                    .collect();
+                (shard, views)
+            }
+            (Kind::Batches(_), views) => {
+                let views = views.iter().flatten().map(|t| TensorView {
+                    offset: base + t.offset,
+                    ..t.clone()
+                });
+                (NO_SHARD, views.collect())
+            }
+        };
+        let (epoch, index) = self.kind.split(pos);
         Batch {
             lease: self.ids.fetch_add(1, Ordering::Relaxed) + 1,
             epoch,

@@ -3,10 +3,21 @@
 //! region can hold the dataset's largest shard twice. Each refusal is an [`OpenError`] with a
 //! stable code and a message that names the field and the value.
 
+use std::sync::Arc;
+
+use shardwire_gpu::cuda::CudaMemory;
 use shardwire_gpu::{HostRegion, Region, SlabPool};
 use shardwire_protocol::Manifest;
-use shardwire_protocol::plan::PlanSpec;
-use shardwire_protocol::trainer::{ErrorCode, StreamRequest, StreamState, TRAINER_VERSION};
+use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
+use shardwire_protocol::samples::{BatchPlan, SampleOrder, Shuffle};
+use shardwire_protocol::trainer::{
+    DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION,
+};
+
+use super::batcher::READY_AHEAD;
+use super::kind::{BatchMode, Kind};
+use super::layout::Layout;
+use super::order::Order;
 
 /// Why a stream was not opened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -118,6 +129,171 @@ pub fn check_region(manifest: &Manifest, region_bytes: u64) -> Result<(), OpenEr
     Ok(())
 }
 
+/// Shard mode: the plan, the resume position and the region check; returns the stream's
+/// kind, its start position and fingerprint.
+pub fn shard_mode(
+    m: &Manifest,
+    r: &StreamRequest,
+    region_bytes: u64,
+) -> Result<(Kind, u64, String), OpenError> {
+    let spec = plan(m, r)?;
+    let start = resume_position(&spec, r.state.as_ref(), r.epochs)?;
+    check_region(m, region_bytes)?;
+    let fingerprint = spec.fingerprint();
+    Ok((Kind::Shards(Order::new(spec)), start, fingerprint))
+}
+
+/// Batch mode: the sample layout, the rank's plan (partitions and shuffle block from the
+/// request, else from the resume state, else the defaults), the resume position and the
+/// window check; returns the stream's kind, its start position and fingerprint.
+pub fn batch_mode(
+    m: &Manifest,
+    r: &StreamRequest,
+    batch_size: u32,
+    region_bytes: u64,
+    gpu: Option<Arc<CudaMemory>>,
+) -> Result<(Kind, u64, String), OpenError> {
+    let layout = Layout::of(m)?;
+    let st = r.state.as_ref();
+    let bad = |e: String| OpenError::new(ErrorCode::BadPlan, e);
+    let shards = layout.shard_rows.len() as u64;
+    let avg = layout.shard_rows.iter().sum::<u64>().div_ceil(shards);
+    let shuffle = r.shuffle.unwrap_or_default();
+    let partitions = r
+        .partitions
+        .or(st.and_then(|s| s.partitions))
+        .unwrap_or(r.world_size);
+    let shuffle_block = r
+        .shuffle_block
+        .or(st.and_then(|s| s.shuffle_block))
+        .unwrap_or(DEFAULT_BLOCK_SHARDS * avg);
+    if r.num_workers == 0 || r.worker >= r.num_workers {
+        return Err(bad(format!(
+            "worker {} is not below num_workers {}",
+            r.worker, r.num_workers
+        )));
+    }
+    let digest = m.digest_bytes();
+    let order = SampleOrder::new(
+        digest,
+        layout.shard_rows.clone(),
+        r.seed,
+        shuffle,
+        shuffle_block,
+        partitions,
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let plan = BatchPlan::new(
+        Arc::new(order),
+        batch_size,
+        r.world_size,
+        r.rank,
+        r.drop_last,
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let fingerprint = plan.fingerprint(&digest);
+    let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
+    let (offsets, batch_bytes) = layout.batch_offsets(batch_size);
+    check_window(m, &plan, batch_bytes, region_bytes)?;
+    let mode = BatchMode {
+        plan,
+        layout: Arc::new(layout),
+        offsets,
+        batch_bytes,
+        worker: r.worker,
+        num_workers: r.num_workers,
+        gpu,
+    };
+    Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
+}
+
+/// The batch-mode position to start from: 0, or the global step `state` names.
+fn resume_batches(
+    plan: &BatchPlan,
+    fingerprint: &str,
+    state: Option<&StreamState>,
+    epochs: u32,
+) -> Result<u64, OpenError> {
+    let Some(st) = state else { return Ok(0) };
+    let mismatch = |m: String| OpenError::new(ErrorCode::StateMismatch, m);
+    if !st.fingerprint.starts_with("v2;") {
+        return Err(mismatch(
+            "the state was saved by a shard-mode stream (no batch_size); it cannot resume a batch-mode stream".into(),
+        ));
+    }
+    compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
+    let steps = plan.steps();
+    if st.index >= steps || st.epoch > epochs {
+        return Err(mismatch(format!(
+            "state position epoch {} step {} is outside this stream ({epochs} epochs of {steps} steps)",
+            st.epoch, st.index
+        )));
+    }
+    let want = st.index * plan.global_batch();
+    if st.cursor.is_some_and(|c| c != want) {
+        return Err(mismatch(format!(
+            "state cursor {} is not step {} x the global batch {}",
+            st.cursor.unwrap_or_default(),
+            st.index,
+            plan.global_batch()
+        )));
+    }
+    Ok(u64::from(st.epoch) * steps + st.index)
+}
+
+/// Checks that the region holds what the rank reads at once: the current block of each
+/// partition it reads, plus the batch its trainer holds and [`READY_AHEAD`] assembled ones.
+fn check_window(
+    m: &Manifest,
+    plan: &BatchPlan,
+    batch_bytes: u64,
+    region_bytes: u64,
+) -> Result<(), OpenError> {
+    let o = &plan.order;
+    let (c, w) = (o.partitions, plan.world_size);
+    let concurrent = u64::from(if c % w == 0 { c / w } else { 1 });
+    let max_class = m
+        .shards
+        .iter()
+        .map(|s| SlabPool::class_size(s.length as usize) as u64)
+        .max()
+        .unwrap_or(0);
+    let min_rows = o
+        .shard_samples()
+        .iter()
+        .copied()
+        .filter(|&r| r > 0)
+        .min()
+        .unwrap_or(1);
+    let per_block = match o.shuffle {
+        Shuffle::Block => (o.shuffle_block.div_ceil(min_rows) + 1).min(m.shards.len() as u64),
+        _ => 1,
+    };
+    let blocks = concurrent * per_block * max_class;
+    let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
+    if blocks + batches <= region_bytes {
+        return Ok(());
+    }
+    let room = region_bytes.saturating_sub(batches) / (concurrent * max_class).max(1);
+    let hint = match o.shuffle {
+        Shuffle::Block if room >= 2 => format!(
+            "; lower shuffle_block to at most {} samples, or raise stream_memory",
+            (room - 1) * min_rows
+        ),
+        _ => "; raise stream_memory".into(),
+    };
+    Err(OpenError::new(
+        ErrorCode::NoMemory,
+        format!(
+            "batch mode needs stream_memory of at least {} bytes: {concurrent} partition(s) read at once, each with a block of up to {per_block} shards of slab class {max_class} (shuffle_block {} samples), plus {} batch slabs of {} bytes; stream_memory is {region_bytes}{hint}",
+            blocks + batches,
+            o.shuffle_block,
+            READY_AHEAD + 1,
+            SlabPool::class_size(batch_bytes as usize)
+        ),
+    ))
+}
+
 /// The region of stream `id`: a memfd, or a VMM allocation on the GPU.
 pub fn region(
     id: u64,
@@ -163,6 +339,9 @@ mod tests {
             index,
             seed: s.seed,
             fingerprint: s.fingerprint(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
         }
     }
 

@@ -42,7 +42,7 @@ fn stream(shards: u32, start: u64) -> Arc<Stream> {
     Stream::new(Parts {
         id: 9,
         dataset: "d".into(),
-        order: Order::new(spec),
+        kind: super::kind::Kind::Shards(super::order::Order::new(spec)),
         epochs: 2,
         start,
         manifest: m,
@@ -60,7 +60,13 @@ use shardwire_protocol::plan::PlanSpec;
 fn arrive(s: &Stream, pos: u64) {
     let mut slab = s.pool.alloc(4096).unwrap();
     slab.host_slice_mut().unwrap().fill(pos as u8);
-    s.complete(pos, slab);
+    s.complete(
+        pos,
+        Ready {
+            slab,
+            tensors: None,
+        },
+    );
 }
 
 fn batch(n: Next) -> Batch {
@@ -82,7 +88,10 @@ fn batches_come_in_plan_order_whatever_order_shards_arrive_in() {
     let b0 = batch(s.next(Some(Duration::ZERO)));
     let b1 = batch(s.next(Some(Duration::ZERO)));
     assert_eq!((b0.epoch, b0.index, b1.index), (0, 0, 1));
-    assert_eq!(b0.shard, s.order.shard_at(0));
+    let super::kind::Kind::Shards(order) = &s.kind else {
+        unreachable!()
+    };
+    assert_eq!(b0.shard, order.shard_at(0));
     assert_eq!(
         s.read_leased(b1.lease, b1.tensors[0].offset, 4).unwrap(),
         vec![1; 4]

@@ -1,0 +1,498 @@
+//! The task of a batch-mode stream: it keeps the shards of the blocks its rank is reading
+//! resident in the stream's region, and assembles each batch into one slab.
+//!
+//! The rank's plan names, per epoch, the *units* it reads (a block of a partition, or the
+//! epoch's tail), each with the first and last rank-local sample that needs it, in the order
+//! of first use. The task fetches units in that order: those the next batch needs always,
+//! later ones (prefetch) only while the region keeps room for [`READY_AHEAD`] batch slabs. A
+//! shard is fetched once while any live unit holds it (its slab is reference-counted by
+//! units) and freed when the last unit holding it is past. A batch is assembled when every
+//! shard its samples come from has arrived: each tensor becomes one contiguous
+//! `[batch_size, ...]` array in a fresh slab, by memcpy of runs of consecutive rows (host
+//! memory) or by one gather-kernel launch for the whole batch (CUDA memory). At most
+//! [`READY_AHEAD`] assembled batches wait for the trainer, so memory stays within the region
+//! whatever the trainer does.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use shardwire_gpu::{Slab, SlabPool};
+use shardwire_protocol::samples::{EpochOrder, SampleRef, Unit};
+use shardwire_protocol::trainer::TensorView;
+use tokio::sync::mpsc;
+
+use super::fetcher::{self, Retry};
+use super::kind::{BatchMode, Kind};
+use super::{Ready, Stream};
+use crate::fetch::{Completion, FetchFailure};
+
+/// Assembled batches that may wait for the trainer.
+pub const READY_AHEAD: usize = 2;
+
+/// How often fetches that found no live source try again.
+const RETRY: Duration = Duration::from_millis(100);
+
+/// A shard held for live units: its slab once it has arrived.
+struct Resident {
+    slab: Option<Slab>,
+    refs: u32,
+}
+
+/// One epoch's units and how far they have been issued.
+struct EpochUnits {
+    epoch: u32,
+    order: Arc<EpochOrder>,
+    units: Vec<Unit>,
+    next: usize,
+    /// Shards of `units[next]` already held (a unit issued halfway, for lack of memory).
+    held: usize,
+}
+
+/// A unit whose shards are held, until the rank passes its last sample.
+struct Live {
+    last: u64,
+    shards: Vec<u32>,
+}
+
+struct Driver {
+    s: Arc<Stream>,
+    m: Arc<BatchMode>,
+    /// Rank-local samples per epoch.
+    per_epoch: u64,
+    /// Positions of all epochs.
+    end: u64,
+    /// The next position to assemble (this worker's).
+    pos: u64,
+    epochs: VecDeque<EpochUnits>,
+    live: Vec<Live>,
+    resident: HashMap<u32, Resident>,
+    retry: VecDeque<Retry>,
+    rr: usize,
+    tx: mpsc::UnboundedSender<Completion>,
+    starved_since: Option<Instant>,
+}
+
+/// Runs a batch-mode stream from position `start` until it closes.
+pub async fn run(s: Arc<Stream>, start: u64) {
+    let Kind::Batches(m) = s.kind() else {
+        unreachable!("the batcher runs batch-mode streams");
+    };
+    let m = Arc::clone(m);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let per_epoch = m.plan.steps() * u64::from(m.plan.batch_size);
+    let end = s.kind().per_epoch() * u64::from(s.epochs);
+    let pos = s.kind().position(s.kind().slot_at(start));
+    let mut d = Driver {
+        s,
+        m,
+        per_epoch,
+        end,
+        pos,
+        epochs: VecDeque::new(),
+        live: Vec::new(),
+        resident: HashMap::new(),
+        retry: VecDeque::new(),
+        rr: 0,
+        tx,
+        starved_since: None,
+    };
+    loop {
+        if d.s.is_closed() {
+            return;
+        }
+        d.reissue();
+        d.issue_units();
+        while d.try_assemble() {}
+        let s = Arc::clone(&d.s);
+        tokio::select! {
+            biased;
+            _ = s.closed_notify.notified() => return,
+            Some(c) = rx.recv() => d.completed(c),
+            _ = s.freed.notified() => {}
+            _ = s.taken.notified() => {}
+            _ = tokio::time::sleep(RETRY), if !d.retry.is_empty() => {}
+        }
+    }
+}
+
+impl Driver {
+    /// The rank-local index (over all epochs) of the last sample of the batch at `pos`.
+    fn last_index(&self, pos: u64) -> u64 {
+        (pos + 1) * u64::from(self.m.plan.batch_size) - 1
+    }
+
+    /// The units of `epoch` (the plan's tables are computed on this worker thread: O(shards)).
+    fn load_epoch(&mut self, epoch: u32) {
+        let order = Arc::clone(&self.m.plan.order);
+        let plan = &self.m.plan;
+        let (ep, units) = tokio::task::block_in_place(|| {
+            let ep = order.epoch(epoch);
+            let units = plan.units(&ep);
+            (ep, units)
+        });
+        self.epochs.push_back(EpochUnits {
+            epoch,
+            order: Arc::new(ep),
+            units,
+            next: 0,
+            held: 0,
+        });
+    }
+
+    /// The order of `epoch`, loading it when needed.
+    fn order_of(&mut self, epoch: u32) -> Arc<EpochOrder> {
+        if let Some(e) = self.epochs.iter().find(|e| e.epoch == epoch) {
+            return Arc::clone(&e.order);
+        }
+        self.load_epoch(epoch);
+        Arc::clone(&self.epochs.back().expect("just loaded").order)
+    }
+
+    /// Whether this worker assembles a batch that needs unit `u` of `epoch`.
+    fn needed(&self, epoch: u32, u: &Unit) -> bool {
+        let b = u64::from(self.m.plan.batch_size);
+        let base = u64::from(epoch) * self.m.plan.steps();
+        let (first, last) = (base + u.first / b, base + u.last / b);
+        let nw = u64::from(self.m.num_workers);
+        let w = u64::from(self.m.worker);
+        last >= self.pos && (last - first + 1 >= nw || (first..=last).any(|p| p % nw == w))
+    }
+
+    /// Issues units in first-use order while memory allows (at most two epochs ahead).
+    fn issue_units(&mut self) {
+        let epochs = (self.end / self.m.plan.steps()) as u32;
+        loop {
+            if self.epochs.is_empty() {
+                if self.pos >= self.end {
+                    return;
+                }
+                let (epoch, _) = self.s.kind().split(self.pos);
+                self.load_epoch(epoch);
+            }
+            let Some(ei) = self.epochs.iter().position(|e| e.next < e.units.len()) else {
+                let last = self.epochs.back().expect("not empty").epoch;
+                if last + 1 < epochs && self.epochs.len() < 2 {
+                    self.load_epoch(last + 1);
+                    continue;
+                }
+                return;
+            };
+            let (epoch, unit) = {
+                let e = &self.epochs[ei];
+                (e.epoch, e.units[e.next].clone())
+            };
+            if !self.needed(epoch, &unit) {
+                self.epochs[ei].next += 1;
+                continue;
+            }
+            let g = u64::from(epoch) * self.per_epoch;
+            let needed_now = g + unit.first <= self.last_index(self.pos);
+            if !self.hold(ei, &unit, needed_now) {
+                return;
+            }
+            self.live.push(Live {
+                last: g + unit.last,
+                shards: unit.shards,
+            });
+            let e = &mut self.epochs[ei];
+            (e.next, e.held) = (e.next + 1, 0);
+        }
+    }
+
+    /// Holds the shards of `unit` (fetching the ones not resident); false when memory ran out
+    /// first (the unit stays half held, and is finished on a later call).
+    fn hold(&mut self, ei: usize, unit: &Unit, needed_now: bool) -> bool {
+        let pool = Arc::clone(&self.s.pool);
+        while self.epochs[ei].held < unit.shards.len() {
+            let shard = unit.shards[self.epochs[ei].held];
+            if let Some(r) = self.resident.get_mut(&shard) {
+                r.refs += 1;
+                self.epochs[ei].held += 1;
+                continue;
+            }
+            let len = self.s.manifest.shards[shard as usize].length as usize;
+            if !needed_now && !room_for_prefetch(&pool, len, self.m.batch_bytes) {
+                return false;
+            }
+            self.s.wants_memory.store(true, Ordering::SeqCst);
+            let Some(slab) = pool.alloc(len) else {
+                self.starved_since.get_or_insert_with(Instant::now);
+                return false;
+            };
+            self.s.wants_memory.store(false, Ordering::SeqCst);
+            if let Some(t) = self.starved_since.take() {
+                self.s
+                    .counters
+                    .stall_trainer_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            self.resident.insert(
+                shard,
+                Resident {
+                    slab: None,
+                    refs: 1,
+                },
+            );
+            self.epochs[ei].held += 1;
+            self.fetch(Retry {
+                pos: u64::from(shard),
+                shard,
+                slab,
+                avoid: None,
+            });
+        }
+        true
+    }
+
+    fn fetch(&mut self, r: Retry) {
+        if let Err(r) = fetcher::issue(&self.s, &self.tx, r, &mut self.rr) {
+            self.retry.push_back(r);
+        }
+    }
+
+    fn reissue(&mut self) {
+        while let Some(r) = self.retry.pop_front() {
+            if let Err(r) = fetcher::issue(&self.s, &self.tx, r, &mut self.rr) {
+                self.retry.push_front(r);
+                return;
+            }
+        }
+    }
+
+    /// A fetch ended: the shard is resident, or fetched again.
+    fn completed(&mut self, c: Completion) {
+        match c.result {
+            Ok(()) => {
+                metrics::histogram!("shardwire_fetch_duration_seconds")
+                    .record(c.issued.elapsed().as_secs_f64());
+                match self.resident.get_mut(&c.shard) {
+                    Some(r) => r.slab = Some(c.slab),
+                    None => drop(c.slab), // no unit holds it any more
+                }
+            }
+            Err(f) => {
+                self.s.counters.refetches.fetch_add(1, Ordering::Relaxed);
+                match &f {
+                    FetchFailure::Crc { got, want } => {
+                        tracing::warn!(shard = c.shard, got, want, "refetching after CRC mismatch")
+                    }
+                    other => {
+                        tracing::warn!(shard = c.shard, failure = %other, "refetching after a failed fetch")
+                    }
+                }
+                self.retry.push_back(Retry {
+                    pos: c.pos,
+                    shard: c.shard,
+                    slab: c.slab,
+                    avoid: Some(c.source),
+                });
+            }
+        }
+    }
+
+    /// Assembles the next batch if its shards are resident and there is room; true if it did.
+    fn try_assemble(&mut self) -> bool {
+        if self.pos >= self.end || self.s.ready_count() >= READY_AHEAD {
+            return false;
+        }
+        let (epoch, step) = self.s.kind().split(self.pos);
+        let ep = self.order_of(epoch);
+        let b = self.m.plan.batch_size;
+        let samples: Vec<SampleRef> = (0..b).map(|j| self.m.plan.sample(&ep, step, j)).collect();
+        if !samples.iter().all(|x| {
+            self.resident
+                .get(&x.shard)
+                .is_some_and(|r| r.slab.is_some())
+        }) {
+            return false;
+        }
+        self.s.wants_memory.store(true, Ordering::SeqCst);
+        let Some(mut out) = self.s.pool.alloc(self.m.batch_bytes as usize) else {
+            return false;
+        };
+        self.s.wants_memory.store(false, Ordering::SeqCst);
+        let t = Instant::now();
+        let runs = runs(&samples);
+        let copied = tokio::task::block_in_place(|| self.copy(&runs, &mut out));
+        if let Err(e) = copied {
+            tracing::error!(error = %e, "assembling a batch failed; closing the stream");
+            self.s.close(&format!("assembling a batch failed: {e}"));
+            return false;
+        }
+        self.s
+            .counters
+            .assembly_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let tensors = self.views();
+        self.s.complete(
+            self.pos,
+            Ready {
+                slab: out,
+                tensors: Some(tensors),
+            },
+        );
+        self.release_through(self.last_index(self.pos));
+        self.pos += u64::from(self.m.num_workers);
+        true
+    }
+
+    /// The batch's tensors, with offsets relative to its slab.
+    fn views(&self) -> Vec<TensorView> {
+        let b = u64::from(self.m.plan.batch_size);
+        self.m
+            .layout
+            .tensors
+            .iter()
+            .zip(&self.m.offsets)
+            .map(|(t, &offset)| {
+                let mut shape = vec![b];
+                shape.extend_from_slice(&t.row_shape);
+                TensorView {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape,
+                    offset,
+                    length: b * t.row_bytes,
+                }
+            })
+            .collect()
+    }
+
+    /// Copies the batch's rows into `out`: memcpy per run of consecutive rows (host memory),
+    /// or one gather launch for the whole batch (CUDA memory).
+    fn copy(&self, runs: &[Run], out: &mut Slab) -> Result<(), String> {
+        let layout = &self.m.layout;
+        let mut frags = Vec::new();
+        for (ti, t) in layout.tensors.iter().enumerate() {
+            let rb = t.row_bytes as usize;
+            for r in runs {
+                let shard = self.resident[&r.shard]
+                    .slab
+                    .as_ref()
+                    .expect("checked resident");
+                let src =
+                    layout.tensor_offsets[r.shard as usize][ti] as usize + r.row as usize * rb;
+                let dst = self.m.offsets[ti] as usize + r.at * rb;
+                let len = r.rows * rb;
+                match (shard.host_slice(), out.host_slice_mut()) {
+                    (Some(from), Some(to)) => {
+                        to[dst..dst + len].copy_from_slice(&from[src..src + len])
+                    }
+                    _ => frags.push(shardwire_gpu::kernels::Frag {
+                        src_off: (shard.offset() + src) as u64,
+                        dst_off: (out.offset() + dst) as u64,
+                        len: len as u64,
+                    }),
+                }
+            }
+        }
+        if frags.is_empty() {
+            return Ok(());
+        }
+        let gpu = self
+            .m
+            .gpu
+            .as_ref()
+            .ok_or("a CUDA region on a node without a GPU")?;
+        let region = self
+            .s
+            .region()
+            .cuda()
+            .ok_or("a CUDA slab outside a CUDA region")?;
+        gpu.engines
+            .gather(region, region, &frags)
+            .and_then(|ev| ev.wait())
+            .map_err(|e| format!("the gather kernel: {e}"))
+    }
+
+    /// Releases the units the rank has passed (their last sample is at or before `index`).
+    fn release_through(&mut self, index: u64) {
+        let (done, live): (Vec<Live>, Vec<Live>) = std::mem::take(&mut self.live)
+            .into_iter()
+            .partition(|l| l.last <= index);
+        self.live = live;
+        for l in done {
+            for s in l.shards {
+                if let Some(r) = self.resident.get_mut(&s) {
+                    r.refs -= 1;
+                    if r.refs == 0 {
+                        self.resident.remove(&s); // the slab returns to the region
+                    }
+                }
+            }
+        }
+        // An epoch whose positions are all assembled is no longer needed.
+        let (epoch, _) = self
+            .s
+            .kind()
+            .split(self.pos.min(self.end.saturating_sub(1)));
+        while self.epochs.len() > 1
+            && self
+                .epochs
+                .front()
+                .is_some_and(|e| e.epoch < epoch && e.next >= e.units.len())
+        {
+            self.epochs.pop_front();
+        }
+    }
+}
+
+/// Whether the region keeps room for the ready-ahead batches after a prefetch of `len`.
+fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool {
+    let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
+    let free = pool.capacity() - pool.used();
+    free >= reserve + SlabPool::class_size(len)
+}
+
+/// A run of consecutive rows of one shard, at batch position `at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    shard: u32,
+    row: u64,
+    at: usize,
+    rows: usize,
+}
+
+/// The batch's samples as runs of consecutive rows of one shard.
+fn runs(samples: &[SampleRef]) -> Vec<Run> {
+    let mut v: Vec<Run> = Vec::new();
+    for (j, x) in samples.iter().enumerate() {
+        match v.last_mut() {
+            Some(r) if r.shard == x.shard && r.row + r.rows as u64 == x.row => r.rows += 1,
+            _ => v.push(Run {
+                shard: x.shard,
+                row: x.row,
+                at: j,
+                rows: 1,
+            }),
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consecutive_rows_of_a_shard_are_copied_together() {
+        let s = |shard, row| SampleRef { shard, row };
+        let r = runs(&[
+            s(3, 4),
+            s(3, 5),
+            s(3, 6),
+            s(1, 0),
+            s(3, 7),
+            s(1, 1),
+            s(1, 2),
+        ]);
+        assert_eq!(
+            r.iter()
+                .map(|r| (r.shard, r.row, r.at, r.rows))
+                .collect::<Vec<_>>(),
+            vec![(3, 4, 0, 3), (1, 0, 3, 1), (3, 7, 4, 1), (1, 1, 5, 2)]
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! What a stream delivers: one shard per batch (shard mode, the plan of
+//! `shardwire_protocol::plan`), or batches of samples assembled in its region (batch mode,
+//! `shardwire_protocol::samples`). Both number their batches by stream *position*
+//! (`epoch * batches_per_epoch + index`); a DataLoader worker's batch-mode stream delivers
+//! only the positions `≡ worker (mod num_workers)`, so its reorder buffer counts *slots*:
+//! slot `k` is position `worker + k * num_workers`.
+
+use std::sync::Arc;
+
+use shardwire_protocol::samples::{BatchPlan, Shuffle};
+use shardwire_protocol::trainer::StreamState;
+
+use super::layout::Layout;
+use super::order::Order;
+
+/// Batch mode: the rank's plan, the sample layout and the batch slab's shape.
+#[derive(Debug)]
+pub struct BatchMode {
+    /// The rank's plan.
+    pub plan: BatchPlan,
+    /// Per-sample layout.
+    pub layout: Arc<Layout>,
+    /// Each tensor's offset in a batch slab.
+    pub offsets: Vec<u64>,
+    /// Bytes of a batch slab.
+    pub batch_bytes: u64,
+    /// Which of the rank's batches this stream delivers: `worker` of `num_workers`.
+    pub worker: u32,
+    /// See `worker`.
+    pub num_workers: u32,
+    /// The GPU the region is on (`memory = cuda`: batches are gathered by the kernel).
+    pub gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
+}
+
+/// The kind of a stream.
+#[derive(Debug)]
+pub enum Kind {
+    /// One shard per batch.
+    Shards(Order),
+    /// Batches of samples.
+    Batches(Arc<BatchMode>),
+}
+
+impl Kind {
+    /// Batches per epoch for this rank.
+    pub fn per_epoch(&self) -> u64 {
+        match self {
+            Self::Shards(o) => o.per_epoch(),
+            Self::Batches(b) => b.plan.steps(),
+        }
+    }
+
+    /// (epoch, index) of position `pos`.
+    pub fn split(&self, pos: u64) -> (u32, u64) {
+        let per = self.per_epoch();
+        ((pos / per) as u32, pos % per)
+    }
+
+    /// The position of (epoch, index).
+    pub fn join(&self, epoch: u32, index: u64) -> u64 {
+        u64::from(epoch) * self.per_epoch() + index
+    }
+
+    /// (stride, offset) between slots and positions: position = offset + slot * stride.
+    fn slots(&self) -> (u64, u64) {
+        match self {
+            Self::Shards(_) => (1, 0),
+            Self::Batches(b) => (u64::from(b.num_workers), u64::from(b.worker)),
+        }
+    }
+
+    /// The position of slot `k`.
+    pub fn position(&self, slot: u64) -> u64 {
+        let (stride, off) = self.slots();
+        off + slot * stride
+    }
+
+    /// The first slot at or after position `pos`.
+    pub fn slot_at(&self, pos: u64) -> u64 {
+        let (stride, off) = self.slots();
+        pos.saturating_sub(off).div_ceil(stride)
+    }
+
+    /// (rank, world size, seed).
+    pub fn who(&self) -> (u32, u32, u64) {
+        match self {
+            Self::Shards(o) => (o.spec.rank, o.spec.world_size, o.spec.seed),
+            Self::Batches(b) => (b.plan.rank, b.plan.world_size, b.plan.order.seed),
+        }
+    }
+
+    /// The state that resumes at position `pos`.
+    pub fn state_at(&self, pos: u64, fingerprint: &str) -> StreamState {
+        let (epoch, index) = self.split(pos);
+        let (_, _, seed) = self.who();
+        let mut st = StreamState {
+            epoch,
+            index,
+            seed,
+            fingerprint: fingerprint.to_owned(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
+        };
+        if let Self::Batches(b) = self {
+            let o = &b.plan.order;
+            st.cursor = Some(index * b.plan.global_batch());
+            st.partitions = Some(o.partitions);
+            st.shuffle_block = (o.shuffle == Shuffle::Block).then_some(o.shuffle_block);
+        }
+        st
+    }
+}

@@ -1,0 +1,189 @@
+//! The per-sample layout of a dataset, for batch mode: every shard holds the same tensors
+//! (name, dtype, shape after the first axis), each with as many rows as the shard has
+//! samples, so sample `row` of tensor `t` is the byte range `row * row_bytes .. + row_bytes`
+//! of that tensor in the shard. A batch is one slab holding each tensor as a contiguous
+//! `[batch_size, ...]` array, each starting at a 64-byte boundary (DLPack consumers such as
+//! JAX import such buffers without a copy).
+
+use shardwire_protocol::DType;
+use shardwire_protocol::Manifest;
+use shardwire_protocol::trainer::ErrorCode;
+
+use super::open::OpenError;
+
+/// Alignment of each tensor in a batch slab.
+pub const TENSOR_ALIGN: u64 = 64;
+
+/// One tensor of every sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorLayout {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape of one sample's row.
+    pub row_shape: Vec<u64>,
+    /// Bytes of one row.
+    pub row_bytes: u64,
+}
+
+/// The layout of a dataset's samples and of its batches.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The tensors, in the manifest's order.
+    pub tensors: Vec<TensorLayout>,
+    /// Samples per shard.
+    pub shard_rows: Vec<u64>,
+    /// Per shard, per tensor: the tensor's offset inside the shard's payload.
+    pub tensor_offsets: Vec<Vec<u64>>,
+}
+
+impl Layout {
+    /// The layout of `m`, or why its shards cannot be batched together.
+    pub fn of(m: &Manifest) -> Result<Self, OpenError> {
+        let bad = |msg: String| OpenError::new(ErrorCode::BadRequest, format!("batch mode: {msg}"));
+        let first = m
+            .shards
+            .first()
+            .ok_or_else(|| bad("the dataset has no shards".into()))?;
+        let tensors: Vec<TensorLayout> = first
+            .tensors
+            .iter()
+            .map(|t| {
+                let rows = t.shape.first().copied().unwrap_or(1).max(1);
+                TensorLayout {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    row_shape: t.shape.get(1..).unwrap_or_default().to_vec(),
+                    row_bytes: t.length / rows,
+                }
+            })
+            .collect();
+        let mut shard_rows = Vec::with_capacity(m.shards.len());
+        let mut tensor_offsets = Vec::with_capacity(m.shards.len());
+        for (i, s) in m.shards.iter().enumerate() {
+            let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+            let want: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+            if names != want {
+                return Err(bad(format!(
+                    "shard {i} ({}) has tensors {names:?}, shard 0 has {want:?}; every shard must hold the same tensors",
+                    s.file
+                )));
+            }
+            let rows = s
+                .tensors
+                .first()
+                .and_then(|t| t.shape.first().copied())
+                .unwrap_or(0);
+            for (t, l) in s.tensors.iter().zip(&tensors) {
+                let (r, rest) = (
+                    t.shape.first().copied().unwrap_or(0),
+                    t.shape.get(1..).unwrap_or_default(),
+                );
+                if t.dtype != l.dtype || rest != l.row_shape.as_slice() {
+                    return Err(bad(format!(
+                        "shard {i} ({}): tensor `{}` is {} {:?} per row; shard 0 has {} {:?}",
+                        s.file, t.name, t.dtype, rest, l.dtype, l.row_shape
+                    )));
+                }
+                if r != rows || t.length != r * l.row_bytes {
+                    return Err(bad(format!(
+                        "shard {i} ({}): tensor `{}` has {r} rows ({} bytes) but `{}` has {rows}; a sample is one row of every tensor",
+                        s.file, t.name, t.length, want[0]
+                    )));
+                }
+            }
+            shard_rows.push(rows);
+            tensor_offsets.push(s.tensors.iter().map(|t| s.relative_offset(t)).collect());
+        }
+        if shard_rows.iter().all(|&r| r == 0) {
+            return Err(bad(
+                "the dataset has no samples (every shard has 0 rows)".into()
+            ));
+        }
+        Ok(Self {
+            tensors,
+            shard_rows,
+            tensor_offsets,
+        })
+    }
+
+    /// Each tensor's offset in a batch of `batch` samples, and the batch's size in bytes.
+    pub fn batch_offsets(&self, batch: u32) -> (Vec<u64>, u64) {
+        let mut off = 0u64;
+        let offsets = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let at = off;
+                off = (off + t.row_bytes * u64::from(batch)).next_multiple_of(TENSOR_ALIGN);
+                at
+            })
+            .collect();
+        (offsets, off.max(1))
+    }
+
+    /// Bytes of one sample (all tensors).
+    pub fn sample_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.row_bytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
+
+    use super::*;
+
+    fn shard(rows: u64, file: &str) -> ShardEntry {
+        let t = |name: &str, off: u64, dtype: DType, k: u64, esize: u64| TensorEntry {
+            name: name.into(),
+            dtype,
+            shape: vec![rows, k],
+            offset: off,
+            length: rows * k * esize,
+        };
+        ShardEntry {
+            file: file.into(),
+            offset: 100,
+            length: rows * 8 + rows * 12,
+            crc32c: 0,
+            tensors: vec![
+                t("id", 100, DType::Int64, 1, 8),
+                t("x", 100 + rows * 8, DType::Float32, 3, 4),
+            ],
+        }
+    }
+
+    #[test]
+    fn rows_offsets_and_batch_slabs() {
+        let m = Manifest::new(vec![shard(10, "a"), shard(4, "b")]);
+        let l = Layout::of(&m).unwrap();
+        assert_eq!(l.shard_rows, vec![10, 4]);
+        assert_eq!(l.tensor_offsets[1], vec![0, 32]);
+        assert_eq!((l.tensors[1].row_bytes, l.sample_bytes()), (12, 20));
+        let (offs, bytes) = l.batch_offsets(5);
+        assert_eq!(offs, vec![0, 64]);
+        assert_eq!(bytes, 128);
+    }
+
+    #[test]
+    fn mismatched_shards_are_refused_by_name() {
+        let mut b = shard(4, "b.arrow");
+        b.tensors[1].shape = vec![4, 2];
+        b.tensors[1].length = 4 * 2 * 4;
+        let e = Layout::of(&Manifest::new(vec![shard(10, "a"), b])).unwrap_err();
+        assert!(
+            e.message
+                .contains("shard 1 (b.arrow): tensor `x` is float32 [2]"),
+            "{e}"
+        );
+        let mut c = shard(4, "c");
+        c.tensors.pop();
+        let e = Layout::of(&Manifest::new(vec![shard(10, "a"), c])).unwrap_err();
+        assert!(
+            e.message.contains("every shard must hold the same tensors"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! Properties of the sample order and the batch plans.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn order(sizes: &[u64], shuffle: Shuffle, block: u64, c: u32) -> Arc<SampleOrder> {
+    Arc::new(SampleOrder::new([5; 32], sizes.to_vec(), 77, shuffle, block, c).unwrap())
+}
+
+fn all_samples(sizes: &[u64]) -> Vec<SampleRef> {
+    let mut v = Vec::new();
+    for (s, &n) in sizes.iter().enumerate() {
+        for row in 0..n {
+            v.push(SampleRef {
+                shard: s as u32,
+                row,
+            });
+        }
+    }
+    v
+}
+
+/// The epoch's global sequence.
+fn global(o: &Arc<SampleOrder>, epoch: u32) -> Vec<SampleRef> {
+    let ep = o.epoch(epoch);
+    (0..o.total()).map(|t| ep.sample(t)).collect()
+}
+
+#[test]
+fn none_is_storage_order_and_shards_keeps_rows_in_order() {
+    let sizes = [3, 1, 4, 2];
+    assert_eq!(
+        global(&order(&sizes, Shuffle::None, 1, 1), 0),
+        all_samples(&sizes)
+    );
+    let g = global(&order(&sizes, Shuffle::Shards, 1, 1), 0);
+    for w in g.windows(2) {
+        if w[0].shard == w[1].shard {
+            assert_eq!(w[1].row, w[0].row + 1, "{g:?}");
+        }
+    }
+    let runs = g.windows(2).filter(|w| w[0].shard != w[1].shard).count();
+    assert_eq!(runs, sizes.len() - 1, "each shard is one run: {g:?}");
+}
+
+#[test]
+fn block_mode_shuffles_within_blocks_of_whole_shards() {
+    let sizes = vec![10u64; 20];
+    let o = order(&sizes, Shuffle::Block, 30, 1);
+    let ep = o.epoch(0);
+    let g: Vec<_> = (0..o.total()).map(|t| ep.sample(t)).collect();
+    // Every run of 30 samples (a block of three 10-sample shards) uses exactly 3 shards;
+    // the last block has the 20 left.
+    for b in g.chunks(30) {
+        let shards: HashSet<u32> = b.iter().map(|s| s.shard).collect();
+        assert_eq!(shards.len(), b.len() / 10, "{b:?}");
+    }
+    let in_order = g
+        .windows(2)
+        .filter(|w| w[0].shard == w[1].shard && w[1].row == w[0].row + 1)
+        .count();
+    assert!(
+        in_order < 40,
+        "barely shuffled: {in_order} consecutive pairs"
+    );
+    assert_ne!(
+        g,
+        global(&order(&sizes, Shuffle::Block, 30, 1), 1),
+        "epochs differ"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Every epoch's G is a permutation of all samples, for every mode and partition count.
+    #[test]
+    fn each_epoch_is_a_permutation(sizes in proptest::collection::vec(1u64..40, 1..30),
+                                   c in 1u32..9, block in 1u64..60, mode in 0u8..3, epoch in 0u32..3) {
+        let total: u64 = sizes.iter().sum();
+        prop_assume!(u64::from(c) <= total);
+        let shuffle = [Shuffle::None, Shuffle::Shards, Shuffle::Block][mode as usize];
+        let mut g = global(&order(&sizes, shuffle, block, c), epoch);
+        g.sort();
+        prop_assert_eq!(g, all_samples(&sizes));
+    }
+
+    /// A global step's set of samples is the same for every world size that fits, and every
+    /// rank gets the same number of batches; the units a rank is given cover its samples.
+    #[test]
+    fn steps_do_not_depend_on_the_world_size(sizes in proptest::collection::vec(1u64..30, 4..40),
+                                              block in 1u64..50, drop_last in any::<bool>()) {
+        let o = order(&sizes, Shuffle::Block, block, 4);
+        prop_assume!(o.total() >= 8);
+        let ep = o.epoch(1);
+        let gb = 8u64;
+        let mut by_world: Vec<Vec<Vec<SampleRef>>> = Vec::new();
+        for w in [1u32, 2, 4, 8] {
+            let b = (gb / u64::from(w)) as u32;
+            let plans: Vec<BatchPlan> = (0..w).map(|r| BatchPlan::new(Arc::clone(&o), b, w, r, drop_last).unwrap()).collect();
+            let steps = plans[0].steps();
+            prop_assert!(plans.iter().all(|p| p.steps() == steps));
+            let mut per_step = Vec::new();
+            for s in 0..steps {
+                let mut set: Vec<SampleRef> = plans.iter().flat_map(|p| (0..b).map(move |j| (p, j))).map(|(p, j)| p.sample(&ep, s, j)).collect();
+                set.sort();
+                per_step.push(set);
+            }
+            for p in &plans {
+                let units = p.units(&ep);
+                for i in 0..steps * u64::from(b) {
+                    let s = p.sample(&ep, i / u64::from(b), (i % u64::from(b)) as u32);
+                    prop_assert!(units.iter().any(|u| u.first <= i && i <= u.last && u.shards.contains(&s.shard)),
+                        "rank {} sample {i} ({s:?}) is in no unit", p.rank);
+                }
+                prop_assert!(units.windows(2).all(|u| u[0].first <= u[1].first));
+            }
+            by_world.push(per_step);
+        }
+        for w in &by_world[1..] {
+            prop_assert_eq!(w, &by_world[0]);
+        }
+    }
+}
+
+#[test]
+fn drop_last_drops_less_than_a_global_batch_and_otherwise_repeats_less() {
+    let sizes = vec![7u64; 9]; // 63 samples
+    let o = order(&sizes, Shuffle::Block, 10, 2);
+    let ep = o.epoch(0);
+    for (drop_last, steps) in [(true, 3u64), (false, 4)] {
+        let plans: Vec<_> = (0..2)
+            .map(|r| BatchPlan::new(Arc::clone(&o), 8, 2, r, drop_last).unwrap())
+            .collect();
+        assert_eq!(plans[0].steps(), steps);
+        let mut count: HashMap<SampleRef, u32> = HashMap::new();
+        for p in &plans {
+            for s in 0..p.steps() {
+                for j in 0..8 {
+                    *count.entry(p.sample(&ep, s, j)).or_default() += 1;
+                }
+            }
+        }
+        let seen = count.len() as u64;
+        if drop_last {
+            assert!(count.values().all(|&c| c == 1));
+            assert!(63 - seen < 16 && seen == 48);
+        } else {
+            assert_eq!(seen, 63, "every sample at least once");
+            let repeats: u32 = count.values().map(|c| c - 1).sum();
+            assert_eq!(repeats, 64 - 63);
+        }
+    }
+    let e = BatchPlan::new(Arc::clone(&o), 40, 2, 0, true).unwrap_err();
+    assert!(e.to_string().contains("leaves no batch"), "{e}");
+}
+
+#[test]
+fn world_sizes_that_do_not_fit_are_refused_and_others_read_whole_partitions() {
+    let sizes = vec![20u64; 32];
+    let o = order(&sizes, Shuffle::Block, 40, 4);
+    let e = BatchPlan::new(Arc::clone(&o), 4, 3, 0, false).unwrap_err();
+    assert_eq!(
+        e,
+        SampleError::DoesNotFit {
+            world_size: 3,
+            partitions: 4
+        }
+    );
+    let ep = o.epoch(0);
+    // W = C: each rank's shards are (apart from shards split at a partition cut) its own.
+    let mut owner: BTreeMap<u32, HashSet<u32>> = BTreeMap::new();
+    for r in 0..4 {
+        let p = BatchPlan::new(Arc::clone(&o), 4, 4, r, true).unwrap();
+        for u in p.units(&ep) {
+            for s in u.shards {
+                owner.entry(s).or_default().insert(r);
+            }
+        }
+    }
+    let shared = owner.values().filter(|r| r.len() > 1).count();
+    assert_eq!(
+        shared, 0,
+        "640 samples cut at 160s: partitions end at shard ends"
+    );
+}
+
+#[test]
+fn a_billion_samples_over_a_million_shards_plan_in_little_memory() {
+    let sizes = vec![1000u64; 1_000_000];
+    let o = Arc::new(SampleOrder::new([9; 32], sizes, 3, Shuffle::Block, 16_000, 8).unwrap());
+    assert_eq!(o.total(), 1_000_000_000);
+    let ep = o.epoch(5);
+    let bytes = ep.table_bytes() + o.shard_samples().len() * 8;
+    assert!(bytes < 100 << 20, "{bytes} bytes of plan");
+    // Resuming anywhere is arithmetic: a few positions deep into the epoch.
+    let p = BatchPlan::new(Arc::clone(&o), 512, 8, 3, true).unwrap();
+    let step = p.steps() * 2 / 3;
+    let a = p.sample(&ep, step, 0);
+    assert_eq!(a, ep.sample(p.position(step * 512)));
+    assert!(u64::from(a.shard) < 1_000_000 && a.row < 1000);
+}
