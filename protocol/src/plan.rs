@@ -158,7 +158,7 @@ pub fn compare_fingerprints(mine: &str, saved: &str) -> Result<(), String> {
             })
             .collect()
     };
-    let (a, b) = (parse(&mine), parse(saved));
+    let (a, b) = (parse(mine), parse(saved));
     for (k, v) in &a {
         let other = b.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
         if other != Some(v.as_str()) {

@@ -232,7 +232,7 @@ impl SampleOrder {
             let mut rng = self.key(epoch, b"shards");
             for i in (1..n).rev() {
                 rng = mix(rng);
-                let j = (u128::from(rng) * (i as u128 + 1) >> 64) as usize;
+                let j = ((u128::from(rng) * (i as u128 + 1)) >> 64) as usize;
                 perm.swap(i, j);
             }
         }
@@ -421,7 +421,7 @@ impl BatchPlan {
             return Err(SampleError::Rank { rank, world_size });
         }
         let c = order.partitions;
-        if c % world_size != 0 && world_size % c != 0 {
+        if !c.is_multiple_of(world_size) && !world_size.is_multiple_of(c) {
             return Err(SampleError::DoesNotFit {
                 world_size,
                 partitions: c,

@@ -346,6 +346,8 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
             }
         }
         h.drain(timeout).await;
+        // Let the HTTP fronts finish what they are answering (the drain request itself).
+        let _ = s.http.await;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -13,6 +13,8 @@ pub struct Service {
     pub handle: NodeHandle,
     /// The admin address actually bound.
     pub admin_addr: SocketAddr,
+    /// The HTTP server; it ends after the node's shutdown, once open requests are answered.
+    pub http: tokio::task::JoinHandle<()>,
 }
 
 /// Starts the node, binds the admin address and serves the HTTP fronts on it.
@@ -24,7 +26,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Service> {
         .with_context(|| format!("cannot bind the admin API on {admin}"))?;
     let admin_addr = listener.local_addr()?;
     let node = std::sync::Arc::clone(&handle.node);
-    tokio::spawn(crate::http::serve(node, listener, handle.shutdown_signal()));
+    let http = tokio::spawn(crate::http::serve(node, listener, handle.shutdown_signal()));
     tracing::info!(admin = %admin_addr, "node service ready");
-    Ok(Service { handle, admin_addr })
+    Ok(Service {
+        handle,
+        admin_addr,
+        http,
+    })
 }

@@ -6,7 +6,8 @@ test_index.py) are unaffected. Tests opt in by naming the fixtures:
 - ``sw``: a :class:`Harness` bound to the test's ``tmp_path``. It starts ``shardwire source``
   and ``shardwire serve`` as subprocesses (:class:`Proc`), waits for their ready lines, runs
   ``shardwire consume --jsonl`` (foreground or background), and kills every child it started
-  when the test ends, pass or fail.
+  when the test ends, pass or fail. :class:`Proc` and :class:`Children` are the suite's one
+  process helper: sdk_harness.py (the SDK tests' ``Procs``) builds on them too.
 - Module-level helpers: dataset writers (numpy ``np.save``, pyarrow IPC file/stream),
   ``index_dataset``, ``expected_crcs`` (CRC-32C of each tensor's bytes in the dataset files,
   from the manifest), ``get_status``/``wait_for``/``wait_ready`` for the admin API, and
@@ -331,13 +332,31 @@ def consume_args(socket: str, dataset: str, **opts) -> list[str]:
     return args
 
 
-class Harness:
+class Children:
+    """The children (:class:`Proc`) started for one test or module; :meth:`close` stops every
+    one of them, the last started first (SIGKILL where stopping fails)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def logs_of_all(self) -> str:
+        return "\n".join(p.describe() for p in self.procs)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - teardown must reach every child
+                p.kill(signal.SIGKILL)
+
+
+class Harness(Children):
     """Starts children for one test and kills all of them at teardown."""
 
     def __init__(self, tmp_path: pathlib.Path):
+        super().__init__()
         self.tmp = tmp_path
         self.logs = tmp_path / "logs"
-        self.procs: list[Proc] = []
         self._n = 0
         self.bin = require_bin()
 
@@ -380,16 +399,6 @@ class Harness:
     def consume(self, serve: Serve | str, dataset: str, timeout: float = WAIT * 2, **opts) -> list[dict]:
         """Runs `consume` to completion; returns its JSON lines."""
         return self.start_consume(serve, dataset, **opts).result(timeout)
-
-    def logs_of_all(self) -> str:
-        return "\n".join(p.describe() for p in self.procs)
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - teardown must reach every child
-                p.kill(signal.SIGKILL)
 
 
 @pytest.fixture

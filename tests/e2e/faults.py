@@ -18,7 +18,8 @@ Wire formats (docs/PROTOCOL.md, docs/TRAINER_API.md):
 from __future__ import annotations
 
 import json
-import os
+import random
+import selectors
 import socket
 import struct
 import threading
@@ -117,8 +118,6 @@ def send_and_read(target: Target, payload: bytes, wait: float = 5.0, shut_wr: bo
 
 
 def random_bytes(n: int, seed: int) -> bytes:
-    import random
-
     return random.Random(seed).randbytes(n)
 
 
@@ -196,8 +195,6 @@ def flood(target: Target, count: int = 300, payload: bytes = b"", hold: float = 
     """Opens `count` connections as fast as it can (each optionally sends `payload`), holds
     them for `hold` seconds while watching which the peer closes, then closes all of them.
     Bounded: `count` sockets, one connect timeout each, `hold` seconds of watching."""
-    import selectors
-
     t0 = time.monotonic()
     res = Flood(count)
     socks: list[socket.socket] = []
@@ -401,9 +398,8 @@ def control_session_attack(source: Target, wait: float = 5.0) -> dict:
                 out["data_conns"] += 1
             except socket.timeout:
                 pass
-            dc = read_control(s, wait)
-            if isinstance(dc, tuple) and dc[0] == DATA_CONN:
-                pass
+            dc = read_control(s, wait)  # the DataConn announcing that connection
+            out["data_conn_announced"] = isinstance(dc, tuple) and dc[0] == DATA_CONN
             asks = [
                 ("fetch shard 2**32-1", fetch(1, "f", 2**32 - 1)),
                 ("fetch unknown dataset", fetch(2, "no-such-dataset", 0)),
@@ -501,11 +497,12 @@ def trainer_refused_attaches() -> dict[str, tuple[dict, str]]:
     }
 
 
-def trainer_exchange(path: str, requests: list, wait: float = 5.0) -> Outcome:
+def trainer_exchange(path: str, requests: list, wait: float = 5.0, shut_wr: bool = False) -> Outcome:
     """Sends each request as a frame (dicts are encoded, bytes go as they are), then reads
-    until the node closes the connection or `wait` seconds pass."""
+    until the node closes the connection or `wait` seconds pass (`shut_wr`: half-close
+    after the requests, so the node closes once it has answered them)."""
     payload = b"".join(r if isinstance(r, bytes) else trainer_frame(r) for r in requests)
-    return send_and_read(path, payload, wait)
+    return send_and_read(path, payload, wait, shut_wr=shut_wr)
 
 
 # --- HTTP ------------------------------------------------------------------------------------

@@ -1,24 +1,23 @@
-"""Shared harness of the SDK end-to-end tests over HTTP and Arrow (test_http.py,
-test_arrow.py): the SDK from client/python/src first on sys.path, real `shardwire source` /
+"""Shared harness of the SDK end-to-end tests (test_sdk.py, test_http.py, test_arrow.py,
+test_frameworks.py): the SDK from client/python/src first on sys.path, real `shardwire source` /
 `serve` children (killed at teardown), a module-wide dataset written with numpy and pyarrow,
-and the helpers to compare what arrives with what the files hold."""
+and the helpers to compare what arrives with what the files hold.
+
+The children are conftest's :class:`conftest.Proc` (as are the binary, the children's
+environment, the waits and the teardown of :class:`conftest.Children`); this module adds the
+small :class:`Procs` registry the SDK tests use, which starts a source and a serve with the SDK
+tests' options."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import queue
-import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +25,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from conftest import REPO, SERVE_READY, SOURCE_READY, WAIT, Children, Proc, child_env, require_bin, wait_for
+
 SDK_SRC = REPO / "client" / "python" / "src"
 sys.path.insert(0, str(SDK_SRC))
 
 import shardwire  # noqa: E402
 
-WAIT = 60.0
-SOURCE_READY = re.compile(r"source listening on (\S+)")
-SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
 SERVE_OPTS = ("--pool-size", "1GiB", "--stream-memory", "16MiB")
 SHARDS = 10
 
@@ -42,79 +39,10 @@ SHARDS = 10
 # --- processes -------------------------------------------------------------------------------
 
 
-def shardwire_bin() -> pathlib.Path:
-    b = pathlib.Path(os.environ.get("SHARDWIRE_BIN", REPO / "target" / "debug" / "shardwire"))
-    if not (b.is_file() and os.access(b, os.X_OK)):
-        pytest.fail(f"shardwire binary not found at {b}; run `cargo build -p shardwire` or set SHARDWIRE_BIN")
-    return b
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
-    env.update(RUST_LOG="info", NO_COLOR="1", RUST_BACKTRACE="1")
-    env["SHARDWIRE_MEMORY"] = "host"  # numpy tensors even on a GPU host (see conftest.child_env)
-    return env
-
-
-class Proc:
-    """A child whose stdout lines are collected by a thread; stderr goes to a log file."""
-
-    def __init__(self, name: str, args: list[Any], log_dir: pathlib.Path) -> None:
-        self.name = name
-        self.args = [str(a) for a in args]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.stderr_path = log_dir / f"{name}.stderr.log"
-        self._err = open(self.stderr_path, "wb")
-        self.lines: list[str] = []
-        self._q: queue.Queue[str | None] = queue.Queue()
-        self.popen = subprocess.Popen(
-            self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err,
-            env=child_env(), text=True, bufsize=1,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def describe(self) -> str:
-        self._err.flush()
-        err = self.stderr_path.read_text(errors="replace")[-4000:] if self.stderr_path.exists() else ""
-        rc = self.popen.poll()
-        return f"[{self.name}] {'exited ' + str(rc) if rc is not None else 'running'}: {' '.join(self.args)}\n  stdout: {self.lines[-20:]}\n  stderr:\n{err}"
-
-    def wait_line(self, pattern: re.Pattern[str], timeout: float = WAIT) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no stdout line matching {pattern.pattern!r} within {timeout}s\n{self.describe()}")
-            try:
-                line = self._q.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                self.popen.wait(timeout=5)
-                raise AssertionError(f"process ended before printing {pattern.pattern!r}\n{self.describe()}")
-            m = pattern.search(line)
-            if m:
-                return m
-
-    def stop(self) -> None:
-        """SIGTERM, SIGKILL after 5 s; always reaps."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=WAIT)
-        self._reader.join(timeout=5)
-        self._err.close()
+def sdk_on_path() -> dict[str, str]:
+    """The environment entry that makes the SDK importable from the source tree in a Python
+    child (client/python/src first on PYTHONPATH); for :func:`child_env` or a :class:`Proc`."""
+    return {"PYTHONPATH": os.pathsep.join([str(SDK_SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 @dataclass
@@ -124,27 +52,30 @@ class Serve:
     admin: str
 
 
-class Procs:
+class Procs(Children):
     """Starts children and kills every one of them at `close`."""
 
     def __init__(self, tmp: pathlib.Path) -> None:
+        super().__init__()
         self.tmp = tmp
-        self.procs: list[Proc] = []
 
-    def start(self, kind: str, args: list[Any]) -> Proc:
-        p = Proc(f"{len(self.procs):02d}-{kind}", args, self.tmp / "logs")
+    def start(self, kind: str, args: list[Any], env: dict[str, str] | None = None) -> Proc:
+        """A :class:`Proc` of `args` (`env`: extra environment variables for it)."""
+        p = Proc(f"{len(self.procs):02d}-{kind}", args, self.tmp / "logs", env)
         self.procs.append(p)
         return p
 
     def source(self, datasets: dict[str, pathlib.Path], *extra: str) -> str:
-        args: list[Any] = [shardwire_bin(), "source", "--listen", "127.0.0.1:0"]
+        """`shardwire source --listen 127.0.0.1:0 --dataset N=DIR ...`; returns its address."""
+        args: list[Any] = [require_bin(), "source", "--listen", "127.0.0.1:0"]
         for name, d in datasets.items():
             args += ["--dataset", f"{name}={d}"]
         return self.start("source", args + list(extra)).wait_line(SOURCE_READY).group(1)
 
     def serve(self, source: str, socket: pathlib.Path, *extra: str) -> Serve:
+        """`shardwire serve` on ephemeral loopback ports; waits for the ready line and /readyz."""
         p = self.start("serve", [
-            shardwire_bin(), "serve", "--source", source, "--socket", socket,
+            require_bin(), "serve", "--source", source, "--socket", socket,
             "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *SERVE_OPTS, *extra,
         ])
         m = p.wait_line(SERVE_READY)
@@ -152,12 +83,11 @@ class Procs:
         wait_for(lambda: http(s.admin, "GET", "/readyz")[0] == 200, f"{p.name} /readyz 200", diag=p.describe)
         return s
 
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - teardown must reach every child
-                p.popen.kill()
+    def python(self, code: str, *args: Any) -> Proc:
+        """`python -c CODE ARGS...` with the SDK importable."""
+        return self.start("python", [sys.executable, "-c", code, *args], sdk_on_path())
+
+    describe = Children.logs_of_all
 
 
 def http(admin: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, dict[str, str]]:
@@ -179,17 +109,6 @@ def http_json(admin: str, method: str, path: str, body: Any = None) -> tuple[int
     return st, (json.loads(b) if b else None)
 
 
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT, diag: Callable[[], str] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{diag()}" if diag else ""))
-        time.sleep(0.05)
-
-
 def listed(admin: str, stream_id: int) -> dict[str, Any] | None:
     st, v = http_json(admin, "GET", "/v1/streams")
     assert st == 200, v
@@ -200,15 +119,16 @@ def listed(admin: str, stream_id: int) -> dict[str, Any] | None:
 
 
 def index(d: pathlib.Path) -> dict[str, Any]:
-    r = subprocess.run([shardwire_bin(), "index", str(d)], capture_output=True, text=True, timeout=300, env=child_env())
+    r = subprocess.run([require_bin(), "index", str(d)], capture_output=True, text=True, timeout=300, env=child_env())
     assert r.returncode == 0, f"shardwire index {d}: {r.stdout}\n{r.stderr}"
     return json.loads((d / "shardwire.manifest.json").read_text())
 
 
-def write_mix(d: pathlib.Path) -> None:
-    """10 shards: six .npy files of assorted dtypes/shapes and one Arrow IPC file (4 batches)."""
+def write_mix(d: pathlib.Path, seed: int = 7) -> None:
+    """10 shards: six .npy files of assorted dtypes/shapes and one Arrow IPC file (4 batches),
+    random values from `seed`."""
     d.mkdir(parents=True)
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     np.save(d / "a_f32.npy", rng.standard_normal((17, 8)).astype(np.float32))
     np.save(d / "b_i64.npy", rng.integers(-(2**40), 2**40, 301, dtype=np.int64))
     np.save(d / "c_u8.npy", rng.integers(0, 256, (3, 5, 7), dtype=np.uint8))

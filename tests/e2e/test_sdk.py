@@ -5,223 +5,61 @@
 Datasets are written with real numpy (np.save) and pyarrow (pa.ipc.new_file); every tensor the
 SDK yields is compared with np.load / the pyarrow column values.
 
-The SDK is imported from the source tree: client/python/src is put first on sys.path here (and
-on PYTHONPATH for the SDK subprocesses). That is more robust than `pip install -e` at session
+The SDK is imported from the source tree: client/python/src is put first on sys.path (by
+sdk_harness.py) and on PYTHONPATH for the SDK subprocesses. That is more robust than `pip install -e` at session
 start: it needs no network (an isolated build would fetch setuptools), never writes into the
 shared venv, and cannot pick up a stale installed copy. `test_package_builds_a_wheel` checks
 that the package itself builds and installs.
 
-Self-contained (no conftest.py fixtures): the processes are started by the small `Procs`
-registry below, and every child is killed at teardown, pass or fail.
+No conftest.py fixtures: the processes are started by the small `Procs` registry of
+sdk_harness.py (children are conftest's `Proc`), and every child is killed at teardown, pass or
+fail.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 import zipfile
-from collections import Counter
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SDK_SRC = REPO / "client" / "python" / "src"
-sys.path.insert(0, str(SDK_SRC))
-
+from conftest import http_get
+from sdk_harness import (  # the shared harness; puts the SDK on sys.path
+    procs,  # noqa: F401 - a fixture
+    REPO,
+    SDK_SRC,
+    SHARDS,
+    WAIT,
+    Procs,
+    Serve,
+    child_env,
+    expected_tensors,
+    index,
+    sdk_on_path,
+    sequence,
+    wait_for,
+    write_mix,
+)
 import shardwire  # noqa: E402
 from shardwire.torch import effective_rank, open_at_epoch  # noqa: E402
-
-#: Generous timeout of every wait, in seconds.
-WAIT = 60.0
-SOURCE_READY = re.compile(r"source listening on (\S+)")
-SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
-#: Per-stream region for the tests' serves: small datasets need little.
-SERVE_OPTS = ("--pool-size", "1GiB", "--stream-memory", "16MiB")
-SHARDS = 10  # shards of the "mix" dataset
 
 
 def test_sdk_is_imported_from_the_source_tree():
     assert pathlib.Path(shardwire.__file__).resolve().is_relative_to(SDK_SRC), shardwire.__file__
 
 
-# --- processes -------------------------------------------------------------------------------
-
-
-def shardwire_bin() -> pathlib.Path:
-    b = pathlib.Path(os.environ.get("SHARDWIRE_BIN", REPO / "target" / "debug" / "shardwire"))
-    if not (b.is_file() and os.access(b, os.X_OK)):
-        pytest.fail(f"shardwire binary not found at {b}; run `cargo build -p shardwire` or set SHARDWIRE_BIN")
-    return b
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """No inherited SHARDWIRE_* settings; the SDK importable from the source tree."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
-    env.update(RUST_LOG="info", NO_COLOR="1", RUST_BACKTRACE="1")
-    # Host memory unless a test asks otherwise (`--memory` beats the environment): the
-    # suite checks bytes in host memory, and on a GPU host `auto` would choose CUDA
-    # (tests/e2e/test_cuda_e2e.py covers that).
-    env["SHARDWIRE_MEMORY"] = "host"
-    env["PYTHONPATH"] = os.pathsep.join([str(SDK_SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.update(extra or {})
-    return env
-
-
-class Proc:
-    """A child whose stdout lines are collected by a thread; stderr goes to a log file."""
-
-    def __init__(self, name: str, args: list[Any], log_dir: pathlib.Path) -> None:
-        self.name = name
-        self.args = [str(a) for a in args]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.stderr_path = log_dir / f"{name}.stderr.log"
-        self._err = open(self.stderr_path, "wb")
-        self.lines: list[str] = []
-        self._q: queue.Queue[str | None] = queue.Queue()
-        self.popen = subprocess.Popen(
-            self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err,
-            env=child_env(), text=True, bufsize=1,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def describe(self) -> str:
-        self._err.flush()
-        err = self.stderr_path.read_text(errors="replace")[-4000:] if self.stderr_path.exists() else ""
-        rc = self.popen.poll()
-        return f"[{self.name}] {'exited ' + str(rc) if rc is not None else 'running'}: {' '.join(self.args)}\n  stdout: {self.lines[-20:]}\n  stderr:\n{err}"
-
-    def wait_line(self, pattern: re.Pattern[str], timeout: float = WAIT) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no stdout line matching {pattern.pattern!r} within {timeout}s\n{self.describe()}")
-            try:
-                line = self._q.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                self.popen.wait(timeout=5)
-                raise AssertionError(f"process ended before printing {pattern.pattern!r}\n{self.describe()}")
-            m = pattern.search(line)
-            if m:
-                return m
-
-    def kill(self) -> None:
-        """SIGKILL and reap."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(timeout=WAIT)
-
-    def stop(self) -> None:
-        """SIGTERM, SIGKILL after 5 s; always reaps."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._reader.join(timeout=5)
-        self._err.close()
-
-
-@dataclass
-class Serve:
-    proc: Proc
-    socket: str
-    admin: str
-
-
-class Procs:
-    """Starts children and kills every one of them at `close`."""
-
-    def __init__(self, tmp: pathlib.Path) -> None:
-        self.tmp = tmp
-        self.procs: list[Proc] = []
-
-    def start(self, kind: str, args: list[Any]) -> Proc:
-        p = Proc(f"{len(self.procs):02d}-{kind}", args, self.tmp / "logs")
-        self.procs.append(p)
-        return p
-
-    def source(self, datasets: dict[str, pathlib.Path], *extra: str) -> str:
-        """`shardwire source --listen 127.0.0.1:0 --dataset N=DIR ...`; returns its address."""
-        args: list[Any] = [shardwire_bin(), "source", "--listen", "127.0.0.1:0"]
-        for name, d in datasets.items():
-            args += ["--dataset", f"{name}={d}"]
-        p = self.start("source", args + list(extra))
-        return p.wait_line(SOURCE_READY).group(1)
-
-    def serve(self, source: str, socket: pathlib.Path, *extra: str) -> Serve:
-        """`shardwire serve` on ephemeral loopback ports; waits for the ready line and /readyz."""
-        p = self.start("serve", [
-            shardwire_bin(), "serve", "--source", source, "--socket", socket,
-            "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *SERVE_OPTS, *extra,
-        ])
-        m = p.wait_line(SERVE_READY)
-        s = Serve(p, m.group(1), m.group(2))
-        wait_for(lambda: http_get(s.admin, "/readyz")[0] == 200, f"{p.name} /readyz 200", diag=p.describe)
-        return s
-
-    def python(self, code: str, *args: Any) -> Proc:
-        """`python -c CODE ARGS...` with the SDK importable."""
-        return self.start("python", [sys.executable, "-c", code, *args])
-
-    def describe(self) -> str:
-        return "\n".join(p.describe() for p in self.procs)
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - teardown must reach every child
-                p.popen.kill()
-
-
-def http_get(admin: str, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{admin}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-    except OSError as e:
-        return 0, str(e)
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT, diag: Callable[[], str] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{diag()}" if diag else ""))
-        time.sleep(0.05)
+# --- helpers ---------------------------------------------------------------------------------
 
 
 def stream_status(admin: str, stream_id: int) -> dict[str, Any] | None:
@@ -234,60 +72,6 @@ def leased(admin: str, stream_id: int) -> int:
     s = stream_status(admin, stream_id)
     assert s is not None, f"stream {stream_id} not in /v1/streams"
     return int(s["leased"])
-
-
-# --- datasets --------------------------------------------------------------------------------
-
-
-def index(d: pathlib.Path) -> dict[str, Any]:
-    r = subprocess.run([shardwire_bin(), "index", str(d)], capture_output=True, text=True, timeout=300, env=child_env())
-    assert r.returncode == 0, f"shardwire index {d}: {r.stdout}\n{r.stderr}"
-    return json.loads((d / "shardwire.manifest.json").read_text())
-
-
-def write_mix(d: pathlib.Path) -> None:
-    """10 shards: six .npy files of assorted dtypes/shapes and one Arrow IPC file (4 batches)."""
-    d.mkdir(parents=True)
-    rng = np.random.default_rng(42)
-    np.save(d / "a_f32.npy", rng.standard_normal((17, 8)).astype(np.float32))
-    np.save(d / "b_i64.npy", rng.integers(-(2**40), 2**40, 301, dtype=np.int64))
-    np.save(d / "c_u8.npy", rng.integers(0, 256, (3, 5, 7), dtype=np.uint8))
-    np.save(d / "d_f16.npy", rng.standard_normal(129).astype(np.float16))
-    np.save(d / "e_i16.npy", rng.integers(-(2**15), 2**15, (40, 3), dtype=np.int16))
-    np.save(d / "f_f64.npy", rng.standard_normal((9, 2)))
-    batches = []
-    for n in (3, 11, 1, 20):
-        ids = rng.integers(-(2**62), 2**62, n, dtype=np.int64)
-        emb = rng.standard_normal((n, 4)).astype(np.float32)
-        batches.append(pa.RecordBatch.from_arrays(
-            [pa.array(ids, pa.int64()), pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1), pa.float32()), 4)],
-            names=["id", "emb"],
-        ))
-    with pa.ipc.new_file(str(d / "g_table.arrow"), batches[0].schema) as w:
-        for b in batches:
-            w.write_batch(b)
-
-
-def expected_tensors(d: pathlib.Path, manifest: dict[str, Any]) -> list[dict[str, np.ndarray]]:
-    """Per shard (manifest order): tensor name -> the array as numpy / pyarrow read it."""
-    out: list[dict[str, np.ndarray]] = []
-    batch_no: Counter[str] = Counter()
-    for s in manifest["shards"]:
-        f = d / s["file"]
-        if f.suffix == ".npy":
-            out.append({f.stem: np.load(f)})
-        else:
-            rb = pa.ipc.open_file(str(f)).get_batch(batch_no[s["file"]])
-            batch_no[s["file"]] += 1
-            cols = {}
-            for name in rb.schema.names:
-                col = rb.column(name)
-                if pa.types.is_fixed_size_list(col.type):
-                    cols[name] = col.flatten().to_numpy().reshape(len(col), col.type.list_size)
-                else:
-                    cols[name] = col.to_numpy()
-            out.append(cols)
-    return out
 
 
 def assert_batch_matches(b: shardwire.Batch, expected: list[dict[str, np.ndarray]]) -> None:
@@ -321,7 +105,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     procs = Procs(tmp)
     try:
         mix = tmp / "mix"
-        write_mix(mix)
+        write_mix(mix, seed=42)
         manifest = index(mix)
         assert len(manifest["shards"]) == SHARDS
         src = procs.source({"mix": mix})
@@ -329,20 +113,6 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         yield World(procs, tmp, src, serve, mix, expected_tensors(mix, manifest))
     finally:
         procs.close()
-
-
-@pytest.fixture
-def procs(tmp_path: pathlib.Path):
-    """Children started by one test; all killed when it ends."""
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
-def sequence(stream: shardwire.Stream) -> list[tuple[int, int, int]]:
-    return [(b.epoch, b.index, b.shard) for b in stream]
 
 
 # --- 1. one epoch: values, dtypes, shapes, read-only, zero-copy, exactly once ----------------
@@ -441,6 +211,7 @@ def take_in_subprocess_then_sigkill(procs: Procs, sock: str, dataset: str, seed:
     p = procs.python(TAKE_AND_HANG, sock, dataset, seed, epochs, k)
     out = json.loads(p.wait_line(STATE_LINE).group(1))
     p.kill()
+    p.wait()
     assert p.popen.returncode == -signal.SIGKILL
     return [tuple(t) for t in out["taken"]], out["state"]
 
@@ -477,6 +248,7 @@ def test_resume_across_a_service_restart(world: World, procs: Procs, tmp_path: p
     first = live.next(timeout=WAIT)
     assert first is not None
     a.proc.kill()  # the node service dies too
+    a.proc.wait()
     with pytest.raises(shardwire.ConnectionClosed):
         live.next(timeout=WAIT)
     assert live.closed and first.released
@@ -670,7 +442,7 @@ def test_dataset_iteration_without_torch(world: World, monkeypatch: pytest.Monke
 
 def test_importing_shardwire_does_not_import_torch():
     code = "import sys, shardwire, shardwire.torch; assert 'torch' not in sys.modules, 'torch imported'"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=WAIT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(sdk_on_path()), timeout=WAIT)
     assert r.returncode == 0, r.stderr
     if importlib.util.find_spec("torch") is None:
         import shardwire.torch as swt

@@ -47,8 +47,12 @@ impl Limits {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` turns true (connections in progress are
-/// asked to finish their current request).
+/// How long a shutdown waits for connections to finish their current request.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Serves `app` on `listener` until `shutdown` turns true; connections in progress are asked
+/// to finish their current request, and this returns once they have (or after
+/// [`SHUTDOWN_GRACE`]), so an answer such as the one to `POST /v1/drain` is not cut off.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
@@ -60,7 +64,7 @@ pub async fn serve(
     loop {
         let permit = tokio::select! {
             p = Arc::clone(&slots).acquire_owned() => p.expect("never closed"),
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => break,
         };
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -71,7 +75,7 @@ pub async fn serve(
                     continue;
                 }
             },
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => break,
         };
         let svc = TowerToHyperService::new(app.clone());
         let mut stop = shutdown.clone();
@@ -100,6 +104,9 @@ pub async fn serve(
             drop(permit);
         });
     }
+    // Every connection holds a permit until it ends.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, slots.acquire_many(all)).await;
 }
 
 /// Reads the whole request body within the body timeout (and [`BODY_LIMIT`]) before the

@@ -13,19 +13,17 @@ import mmap
 import os
 import socket
 import stat
-import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
 from . import _wire
 from ._arrow import ArrowExport
 from ._cuda import _ON_GPU, CudaRegion
-from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._tensor import Tensor
+from ._types import Shuffle, StreamInfo, TensorView, Uneven, _attach_fields, _BatchBase, _dtype, _StreamBase, _tensor_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
@@ -45,69 +43,6 @@ __all__ = [
 DEFAULT_SOCKET = "/run/shardwire/trainer.sock"
 #: Environment variable naming the trainer socket.
 SOCKET_ENV = "SHARDWIRE_SOCKET"
-
-Uneven = Literal["pad", "drop"]
-
-# Element types the service describes (numpy names; all little-endian on the wire).
-_DTYPES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(code)
-    for name, code in {
-        "int8": "i1",
-        "int16": "<i2",
-        "int32": "<i4",
-        "int64": "<i8",
-        "uint8": "u1",
-        "uint16": "<u2",
-        "uint32": "<u4",
-        "uint64": "<u8",
-        "float16": "<f2",
-        "float32": "<f4",
-        "float64": "<f8",
-    }.items()
-}
-
-
-@dataclass(frozen=True)
-class TensorView:
-    """Where one tensor of a batch lies in the stream's region (the service's description)."""
-
-    #: Tensor name (Arrow column name, or the ``.npy``/``.bin`` file stem).
-    name: str
-    #: numpy dtype name, e.g. ``"float32"`` (little-endian).
-    dtype: str
-    #: Shape.
-    shape: tuple[int, ...]
-    #: Byte offset in the region.
-    offset: int
-    #: Byte length.
-    length: int
-
-
-@dataclass(frozen=True)
-class StreamInfo:
-    """What the service said when the stream opened (the ``attached`` reply)."""
-
-    #: Stream id (as in the admin API's ``/v1/streams``).
-    stream: int
-    #: Size of the mapped region in bytes.
-    region_size: int
-    #: Batches per epoch for this rank.
-    batches_per_epoch: int
-    #: Epochs the stream delivers (counting from epoch 0, including any skipped by a resume).
-    epochs: int
-    #: Memory kind of the region: ``"host"`` (numpy tensors) or ``"cuda"`` (CudaTensor).
-    memory: str
-    #: The state the stream starts from: ``{epoch, index, seed, fingerprint}``.
-    state: dict[str, Any] = field(default_factory=dict)
-    #: For ``memory = "cuda"``: the region's device ``{ordinal, pci_bus_id, granularity}`` as
-    #: the service names it (its ordinal, not necessarily this process's).
-    gpu: dict[str, Any] | None = None
-
-    @property
-    def total_batches(self) -> int:
-        """Batches over all epochs (``batches_per_epoch * epochs``), from epoch 0."""
-        return self.batches_per_epoch * self.epochs
-
 
 @overload
 def connect(path: str | os.PathLike[str] | None = None) -> Client: ...
@@ -175,6 +110,13 @@ class Client:
         epochs: int = 1,
         uneven: Uneven = "pad",
         state: Mapping[str, Any] | None = None,
+        batch_size: int | None = None,
+        shuffle: Shuffle | None = None,
+        shuffle_block: int | None = None,
+        partitions: int | None = None,
+        drop_last: bool = False,
+        worker: int | None = None,
+        num_workers: int | None = None,
     ) -> Stream:
         """Opens a stream of `dataset` for this rank.
 
@@ -188,50 +130,54 @@ class Client:
                 shards from the start of the epoch's order, ``"drop"`` drops the tail; either
                 way every rank gets the same number of batches per epoch.
             state: A :meth:`Stream.state_dict` saved earlier, to resume exactly at the batch
-                after the last one taken. Dataset, seed, world size, rank and uneven policy
-                must match (else :class:`ServiceError` code ``"state_mismatch"``, naming the
-                field).
+                after the last one taken. Shard mode: dataset, seed, world size, rank and
+                uneven policy must match. Batch mode: the state is global (any rank's resumes
+                every rank); dataset, seed, shuffle, shuffle_block, partitions, drop_last and
+                the global batch (``batch_size * world_size``) must match, and the world size
+                must divide the partitions or be a multiple of them. Otherwise
+                :class:`ServiceError` code ``"state_mismatch"`` or ``"bad_plan"``, naming the
+                field and the rule.
+            batch_size: Samples per batch for this rank: **batch mode**. Every batch tensor is
+                shaped ``[batch_size, ...]``; global step ``s`` takes ``batch_size *
+                world_size`` samples. None (default): shard mode, one shard per batch.
+            shuffle: Batch mode: ``"block"`` (default: shards permuted, samples shuffled within
+                blocks of about `shuffle_block` samples), ``"shards"`` (shard order shuffled,
+                rows in order) or ``"none"`` (storage order).
+            shuffle_block: Batch mode, ``"block"``: samples per shuffle block (default: the
+                samples of 8 average shards). Larger mixes better and keeps more shards
+                resident on the node.
+            partitions: Batch mode: canonical partitions (default: `world_size`, or the resume
+                state's). The order depends on them, never on the world size; a job may resume
+                on any world size that divides them or is a multiple of them.
+            drop_last: Batch mode: drop the last partial global batch (each sample at most
+                once per epoch); default False completes it with samples from the start of the
+                epoch (each sample at least once).
+            worker, num_workers: Batch mode: deliver only this rank's batches ``worker,
+                worker + num_workers, ...`` (a DataLoader worker's share; see
+                :class:`shardwire.torch.IterableDataset`).
 
         Raises:
             ConnectError: the socket cannot be reached.
             ServiceError: the service refused (``unknown_dataset``, ``unavailable``,
                 ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
         """
-        req = {"op": "attach", **_attach_fields(dataset, seed, rank, world_size, epochs, uneven, state)}
+        batch = {
+            "batch_size": batch_size,
+            "shuffle": shuffle,
+            "shuffle_block": shuffle_block,
+            "partitions": partitions,
+            "drop_last": drop_last,
+            "worker": worker,
+            "num_workers": num_workers,
+        }
+        req = {"op": "attach", **_attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)}
         return Stream._open(self.path, req)
-
-
-def _attach_fields(
-    dataset: str, seed: int, rank: int, world_size: int, epochs: int, uneven: str, state: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    """The validated fields of ``attach`` (shared by the socket and HTTP clients).
-
-    Raises:
-        ValueError: an argument out of range (nothing is sent).
-    """
-    if uneven not in ("pad", "drop"):
-        raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
-    for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
-    return {
-        "version": _wire.VERSION,
-        "dataset": str(dataset),
-        "seed": seed,
-        "rank": rank,
-        "world_size": world_size,
-        "epochs": epochs,
-        "uneven": uneven,
-        "state": dict(state) if state is not None else None,
-    }
 
 
 def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
     """A read-only numpy view of tensor `v` in `region` (no copy); a CudaTensor for a CUDA
     region."""
-    dt = _DTYPES.get(v.dtype)
-    if dt is None:
-        raise ProtocolError(f"tensor {v.name!r} has dtype {v.dtype!r}, unknown to this SDK")
+    dt = _dtype(v)
     count = math.prod(v.shape)
     if count * dt.itemsize != v.length:
         raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {count * dt.itemsize} bytes, the service says {v.length}")
@@ -242,7 +188,7 @@ def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
     return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape).view(Tensor)
 
 
-class Batch(ArrowExport, Mapping[str, np.ndarray]):
+class Batch(_BatchBase):
     """One leased batch (one shard): a read-only mapping from tensor name to numpy array.
 
     Each array is a zero-copy, read-only view of the stream's mapped region
@@ -280,39 +226,18 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
         views: Where each tensor lies in the region.
     """
 
-    __slots__ = ("_stream", "_tensors", "_kept", "_released", "_arrow_rb", "lease", "epoch", "index", "shard", "views", "__weakref__")
+    __slots__ = ("_stream", "_released")
 
-    # A batch is a lease: identity semantics (Mapping's value comparison would compare arrays).
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+    _NAME = "Batch"
 
     def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], region: memoryview | CudaRegion) -> None:
         self._stream = stream
-        self.lease = lease
-        self.epoch = epoch
-        self.index = index
-        self.shard = shard
-        self.views = tuple(views)
-        self._kept = False
         self._released = False
-        self._arrow_rb: Any = None
-        self._tensors: dict[str, np.ndarray] = {v.name: _tensor(region, v) for v in views}
+        super().__init__(lease, epoch, index, shard, views, {v.name: _tensor(region, v) for v in views})
 
-    # --- Mapping -----------------------------------------------------------------------------
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._tensors[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __repr__(self) -> str:
-        ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
+    def _repr_state(self) -> str:
         state = "released" if self.released else ("kept" if self._kept else "leased")
-        return f"<shardwire.Batch epoch={self.epoch} index={self.index} shard={self.shard} lease={self.lease} {state} {{{ts}}}>"
+        return f" lease={self.lease} {state}"
 
     # --- Arrow (host memory only) -------------------------------------------------------------
 
@@ -339,19 +264,13 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
         """True once released (explicitly, automatically, or because the stream closed)."""
         return self._released or self._stream.closed
 
-    @property
-    def kept(self) -> bool:
-        """True if :meth:`keep` was called (the batch is then exempt from auto-release)."""
-        return self._kept
-
     def keep(self) -> Batch:
         """Exempts this batch from auto-release: it stays leased (its bytes valid) until
         :meth:`release`. Returns the batch. Kept batches occupy stream memory: a trainer that
         keeps too many stalls its stream (the service fetches ahead only into free memory)."""
         if self.released:
             raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
-        self._kept = True
-        return self
+        return super().keep()
 
     def release(self) -> None:
         """Gives the batch's memory back to the service. A no-op if already released."""
@@ -359,12 +278,6 @@ class Batch(ArrowExport, Mapping[str, np.ndarray]):
             return
         self._released = True
         self._stream._release(self)
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
 
 
 def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
@@ -377,7 +290,12 @@ def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
         raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {e}") from e
 
 
-class Stream:
+def _service_error(msg: Mapping[str, Any]) -> ServiceError:
+    """The ServiceError of an ``error`` message."""
+    return ServiceError(str(msg.get("code")), str(msg.get("message")))
+
+
+class Stream(_StreamBase[Batch]):
     """An open stream: iterate it for :class:`Batch` objects in plan order.
 
     Create with :meth:`Client.open_stream`. One stream is one Unix connection; closing it (or
@@ -392,17 +310,15 @@ class Stream:
         info: What the service said at open (stream id, batches per epoch, epochs, memory).
     """
 
+    _NAME = "Stream"
+
     def __init__(self, conn: _wire.Conn, region: mmap.mmap | CudaRegion, info: StreamInfo) -> None:
+        super().__init__(info)
         self._conn = conn
         self._mmap = region if isinstance(region, mmap.mmap) else None
         self._cuda = region if isinstance(region, CudaRegion) else None
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
-        self._lock = threading.Lock()
         self._auto: Batch | None = None
-        self._closed = False
-        self._closed_why = "the stream was closed"
-        self._ended = False
-        self.info = info
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any]) -> Stream:
@@ -428,7 +344,7 @@ class Stream:
             msg, fds = conn.recv(want_fds=True)
             op = msg["op"]
             if op == "error":
-                raise ServiceError(str(msg.get("code")), str(msg.get("message")))
+                raise _service_error(msg)
             if op != "attached":
                 raise ProtocolError(f"unexpected answer to attach: {msg!r}")
             if len(fds) != 1:
@@ -462,22 +378,24 @@ class Stream:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
+    def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Sends `req` and receives the answer (lock held). A lost connection ends the stream
+        (see ``_broken``) and raises ConnectionClosed."""
+        try:
+            self._conn.send(req)
+            msg, _ = self._conn.recv()
+        except ConnectionClosed:
+            self._broken("the connection to the node service was lost")
+            raise
+        return msg
 
-    def _broken(self) -> None:
-        """The connection failed (the service went away): the stream is over and its leases
-        are gone with it; later calls raise ``closed``. Call with the lock held."""
-        self._closed_why = "the connection to the node service was lost"
-        self._close_locked()
-
-    def _reply(self, expect: str, what: str) -> dict[str, Any]:
-        msg, _ = self._conn.recv()
+    def _reply(self, req: dict[str, Any], expect: str) -> dict[str, Any]:
+        """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError)."""
+        msg = self._exchange(req)
         if msg["op"] == "error":
-            raise ServiceError(str(msg.get("code")), str(msg.get("message")))
+            raise _service_error(msg)
         if msg["op"] != expect:
-            raise ProtocolError(f"unexpected answer to {what}: {msg!r}")
+            raise ProtocolError(f"unexpected answer to {req['op']}: {msg!r}")
         return msg
 
     def next(self, timeout: float | None = None) -> Batch | None:
@@ -494,44 +412,33 @@ class Stream:
             ServiceError: e.g. code ``"closed"`` if the service closed the stream.
             ConnectionClosed: the service went away.
         """
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0, not {timeout!r}")
-        with self._lock:
-            self._check_open()
-            if self._ended:
-                return None
-            prev, self._auto = self._auto, None
-            nxt: dict[str, Any] = {"op": "next"}
-            if prev is not None and not prev._kept and not prev._released:
-                # The release rides on the `next` request: one round trip per batch.
-                self._gpu_done()
-                prev._released = True
-                nxt["release"] = [prev.lease]
-            if timeout is not None:
-                nxt["timeout_ms"] = math.ceil(timeout * 1000)
-            try:
-                self._conn.send(nxt)
-                msg, _ = self._conn.recv()
-            except ConnectionClosed:
-                self._broken()
-                raise
-            op = msg["op"]
-            if op == "batch":
-                views = [
-                    TensorView(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"]), int(t["length"]))
-                    for t in msg["tensors"]
-                ]
-                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
-                self._auto = b
-                return b
-            if op == "end":
-                self._ended = True
-                return None
-            if op == "timeout":
-                raise Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
-            if op == "error":
-                raise ServiceError(str(msg.get("code")), str(msg.get("message")))
-            raise ProtocolError(f"unexpected answer to next: {msg!r}")
+        return super().next(timeout)
+
+    def _take(self, timeout: float | None) -> Batch | None:
+        prev, self._auto = self._auto, None
+        nxt: dict[str, Any] = {"op": "next"}
+        if prev is not None and not prev._kept and not prev._released:
+            # The release rides on the `next` request: one round trip per batch.
+            self._gpu_done()
+            prev._released = True
+            nxt["release"] = [prev.lease]
+        if timeout is not None:
+            nxt["timeout_ms"] = math.ceil(timeout * 1000)
+        msg = self._exchange(nxt)
+        op = msg["op"]
+        if op == "batch":
+            views = [_tensor_view(t) for t in msg["tensors"]]
+            b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
+            self._auto = b
+            return b
+        if op == "end":
+            self._ended = True
+            return None
+        if op == "timeout":
+            raise self._timeout(timeout)
+        if op == "error":
+            raise _service_error(msg)
+        raise ProtocolError(f"unexpected answer to next: {msg!r}")
 
     def _release(self, batch: Batch) -> None:
         with self._lock:
@@ -540,12 +447,7 @@ class Stream:
             if self._auto is batch:
                 self._auto = None
             self._gpu_done()
-            try:
-                self._conn.send({"op": "release", "lease": batch.lease})
-                self._reply("released", "release")
-            except ConnectionClosed:
-                self._broken()
-                raise
+            self._reply({"op": "release", "lease": batch.lease}, "released")
 
     def _gpu_done(self) -> None:
         """Before a CUDA batch is released: wait for the GPU work queued so far, which may
@@ -553,23 +455,8 @@ class Stream:
         if self._cuda is not None:
             self._cuda.synchronize()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
-        fingerprint}``, naming the next batch not yet taken. Pass it to
-        ``open_stream(..., state=...)`` (same dataset, seed, rank, world size, uneven) to
-        continue exactly there. JSON-serialisable.
-
-        Batches already taken count as consumed: save the state after you have finished
-        with them (e.g. after the optimizer step), not while they are still to be trained on.
-        """
-        with self._lock:
-            self._check_open()
-            try:
-                self._conn.send({"op": "state"})
-                return dict(self._reply("state", "state")["state"])
-            except ConnectionClosed:
-                self._broken()
-                raise
+    def _state(self) -> dict[str, Any]:
+        return dict(self._reply({"op": "state"}, "state")["state"])
 
     @property
     def region(self) -> Any:
@@ -578,22 +465,14 @@ class Stream:
         the stream is closed)."""
         return self._region
 
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
     def close(self) -> None:
         """Closes the stream: the service releases every lease it holds. Arrays of its batches
         stay mapped (memory-safe) until they are garbage-collected, but their contents are no
         longer guaranteed. Idempotent."""
-        with self._lock:
-            self._close_locked()
+        super().close()
 
-    def _close_locked(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _shutdown(self, notify: bool) -> None:
+        # Closing the connection is what tells the service (when it is still there).
         self._auto = None
         self._conn.close()
         if self._cuda is not None:
@@ -606,23 +485,3 @@ class Stream:
             self._mmap.close()
         except BufferError:
             pass  # numpy views are alive: the mapping goes when the last one does
-
-    # --- protocols ---------------------------------------------------------------------------
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> Batch:
-        b = self.next()
-        if b is None:
-            raise StopIteration
-        return b
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<shardwire.Stream {self.info.stream} {'closed' if self._closed else 'open'} batches_per_epoch={self.info.batches_per_epoch} epochs={self.info.epochs}>"

@@ -13,17 +13,14 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping
-from types import TracebackType
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ._arrow import ArrowExport
-from ._client import _DTYPES, StreamInfo, TensorView, Uneven, _attach_fields
-from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError, Timeout
+from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
+from ._types import Shuffle, StreamInfo, Uneven, _attach_fields, _BatchBase, _dtype, _StreamBase, _tensor_view
 
 __all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
 
@@ -103,6 +100,11 @@ class HttpClient:
         uneven: Uneven = "pad",
         state: Mapping[str, Any] | None = None,
         idle_timeout: float | None = None,
+        batch_size: int | None = None,
+        shuffle: Shuffle | None = None,
+        shuffle_block: int | None = None,
+        partitions: int | None = None,
+        drop_last: bool = False,
     ) -> HttpStream:
         """Opens a stream of `dataset` for this rank; arguments as in
         :meth:`shardwire.Client.open_stream`.
@@ -116,7 +118,8 @@ class HttpClient:
             ConnectError: the service cannot be reached.
             ServiceError: the service refused (``unknown_dataset``, ``state_mismatch``, ...).
         """
-        body = _attach_fields(dataset, seed, rank, world_size, epochs, uneven, state)
+        batch = {"batch_size": batch_size, "shuffle": shuffle, "shuffle_block": shuffle_block, "partitions": partitions, "drop_last": drop_last}
+        body = _attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)
         if idle_timeout is not None:
             if not idle_timeout > 0:
                 raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")
@@ -124,7 +127,7 @@ class HttpClient:
         return HttpStream._open(self, body)
 
 
-class HttpBatch(ArrowExport, Mapping[str, np.ndarray]):
+class HttpBatch(_BatchBase):
     """One batch taken over HTTP: a read-only mapping from tensor name to numpy array.
 
     Unlike a socket :class:`shardwire.Batch`, the arrays are **copies** downloaded from the
@@ -144,57 +147,21 @@ class HttpBatch(ArrowExport, Mapping[str, np.ndarray]):
         views: Name, dtype, shape and length of each tensor (``offset`` is -1: no region).
     """
 
-    __slots__ = ("_tensors", "_kept", "_arrow_rb", "lease", "epoch", "index", "shard", "views", "__weakref__")
+    __slots__ = ()
 
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-    def __init__(self, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], tensors: dict[str, np.ndarray]) -> None:
-        self.lease = lease
-        self.epoch = epoch
-        self.index = index
-        self.shard = shard
-        self.views = tuple(views)
-        self._tensors = tensors
-        self._kept = False
-        self._arrow_rb: Any = None
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._tensors[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __repr__(self) -> str:
-        ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
-        return f"<shardwire.HttpBatch epoch={self.epoch} index={self.index} shard={self.shard} {{{ts}}}>"
+    _NAME = "HttpBatch"
 
     @property
     def released(self) -> bool:
         """Always True: the lease ends as soon as the tensors are downloaded."""
         return True
 
-    @property
-    def kept(self) -> bool:
-        """True if :meth:`keep` was called (it changes nothing: the copies stay valid)."""
-        return self._kept
-
     def keep(self) -> HttpBatch:
         """Accepted for API compatibility; the arrays are copies and stay valid anyway."""
-        self._kept = True
-        return self
+        return super().keep()
 
     def release(self) -> None:
         """A no-op: the lease was released when the batch arrived."""
-
-    def __enter__(self) -> HttpBatch:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        pass
 
 
 class _Reply:
@@ -219,7 +186,7 @@ class _Reply:
             return ProtocolError(f"HTTP {self.status}: {bytes(self.body[:200])!r}")
 
 
-class HttpStream:
+class HttpStream(_StreamBase[HttpBatch]):
     """A stream over HTTP: iterate it for :class:`HttpBatch` objects in plan order.
 
     Create with :meth:`HttpClient.open_stream`. :meth:`close` (or leaving ``with stream:``)
@@ -233,14 +200,12 @@ class HttpStream:
         idle_timeout: Seconds without a request after which the service closes the stream.
     """
 
+    _NAME = "HttpStream"
+
     def __init__(self, client: HttpClient, info: StreamInfo, idle_timeout: int, conn: http.client.HTTPConnection) -> None:
+        super().__init__(info)
         self._client = client
         self._conn: http.client.HTTPConnection | None = conn
-        self._lock = threading.Lock()
-        self._closed = False
-        self._closed_why = "the stream was closed"
-        self._ended = False
-        self.info = info
         self.idle_timeout = idle_timeout
 
     @classmethod
@@ -267,10 +232,6 @@ class HttpStream:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
-
     def _request(self, method: str, path: str, timeout: float, body: bytes | None = None, into: bool = False) -> _Reply:
         """One request on the stream's connection (lock held). A failure to reach the service
         closes the stream locally (ConnectionClosed); the service closes it after its idle
@@ -283,8 +244,7 @@ class HttpStream:
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
-            self._closed_why = f"the connection to the node service failed: {e}"
-            self._close_locked(notify=False)
+            self._broken(f"the connection to the node service failed: {e}")
             raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
 
     def next(self, timeout: float | None = None) -> HttpBatch | None:
@@ -300,40 +260,35 @@ class HttpStream:
                 ``"not_found"`` if it was closed for being idle.
             ConnectionClosed: the service could not be reached.
         """
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0, not {timeout!r}")
-        with self._lock:
-            self._check_open()
-            if self._ended:
+        return super().next(timeout)
+
+    def _take(self, timeout: float | None) -> HttpBatch | None:
+        left = None if timeout is None else math.ceil(timeout * 1000)
+        while True:
+            wait = POLL_MS if left is None else min(left, POLL_MS)
+            r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
+            if r.status == 204:
+                if left is not None:
+                    left -= wait
+                    if left <= 0:
+                        raise self._timeout(timeout)
+                continue
+            if r.status != 200:
+                raise r.error()
+            v = r.json()
+            if v.get("end"):
+                self._ended = True
                 return None
-            left = None if timeout is None else math.ceil(timeout * 1000)
-            while True:
-                wait = POLL_MS if left is None else min(left, POLL_MS)
-                r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
-                if r.status == 204:
-                    if left is not None:
-                        left -= wait
-                        if left <= 0:
-                            raise Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
-                    continue
-                if r.status != 200:
-                    raise r.error()
-                v = r.json()
-                if v.get("end"):
-                    self._ended = True
-                    return None
-                return self._download(v)
+            return self._download(v)
 
     def _download(self, v: dict[str, Any]) -> HttpBatch:
         lease = int(v["lease"])
-        views = [TensorView(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), -1, int(t["length"])) for t in v["tensors"]]
+        views = [_tensor_view(t, offset=-1) for t in v["tensors"]]
         tensors: dict[str, np.ndarray] = {}
         release = f"/v1/leases/{lease}/release"
         try:
             for tv in views:
-                dt = _DTYPES.get(tv.dtype)
-                if dt is None:
-                    raise ProtocolError(f"tensor {tv.name!r} has dtype {tv.dtype!r}, unknown to this SDK")
+                dt = _dtype(tv)
                 if math.prod(tv.shape) * dt.itemsize != tv.length:
                     raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
                 path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
@@ -355,33 +310,19 @@ class HttpStream:
             raise r.error()
         return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The resumable position ``{epoch, index, seed, fingerprint}`` (the next batch not yet
-        taken), as for socket streams; pass it to ``open_stream(..., state=...)`` on either
-        transport."""
-        with self._lock:
-            self._check_open()
-            r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT)
-            if r.status != 200:
-                raise r.error()
-            return dict(r.json())
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
+    def _state(self) -> dict[str, Any]:
+        r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT)
+        if r.status != 200:
+            raise r.error()
+        return dict(r.json())
 
     def close(self) -> None:
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
         batches already taken stay valid (they are copies). A failure to reach the service is
         ignored: it closes the stream after its idle timeout."""
-        with self._lock:
-            self._close_locked(notify=True)
+        super().close()
 
-    def _close_locked(self, notify: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _shutdown(self, notify: bool) -> None:
         if notify:
             try:
                 self._request("POST", f"/v1/streams/{self.info.stream}/close", 10.0)
@@ -391,25 +332,8 @@ class HttpStream:
             self._conn.close()
             self._conn = None
 
-    # --- protocols ---------------------------------------------------------------------------
-
-    def __iter__(self) -> HttpStream:
-        return self
-
-    def __next__(self) -> HttpBatch:
-        b = self.next()
-        if b is None:
-            raise StopIteration
-        return b
-
-    def __enter__(self) -> HttpStream:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<shardwire.HttpStream {self.info.stream} {self._client.url} {'closed' if self._closed else 'open'} batches_per_epoch={self.info.batches_per_epoch} epochs={self.info.epochs}>"
+    def _repr_where(self) -> str:
+        return f" {self._client.url}"
 
 
 def _call(

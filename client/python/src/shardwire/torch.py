@@ -4,18 +4,21 @@ torch is imported lazily: importing ``shardwire`` or ``shardwire.torch`` does no
 touching ``shardwire.torch.IterableDataset`` does (and fails with ImportError if torch is not
 installed). The rank arithmetic (:func:`effective_rank`) and :func:`open_at_epoch` need no torch.
 
-Usage::
+Usage (batch mode: the node assembles batches of ``batch_size`` samples)::
 
     from shardwire.torch import IterableDataset
-    ds = IterableDataset("imagenet", seed=1)            # rank/world from torch.distributed
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    ds = IterableDataset("imagenet", seed=1, batch_size=256)   # rank/world from torch.distributed
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
     for epoch in range(10):
         ds.set_epoch(epoch)
-        for item in loader:                             # dict: tensor name -> torch.Tensor
+        for item in loader:              # dict: tensor name -> torch.Tensor [256, ...]
             ...
+        ckpt = loader.state_dict()       # resume with loader.load_state_dict(ckpt), no replay
 
-Each item is one shard (one service batch) as a dict of arrays; use ``batch_size=None`` so the
-DataLoader does not stack several shards (or pass a ``collate_fn`` that knows how).
+Each item is one service batch as a dict of arrays (batch mode: ``batch_size`` samples; shard
+mode, without ``batch_size``: one shard); use ``batch_size=None`` in the DataLoader so it does
+not stack batches.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._client import Client, Stream, Uneven, connect
+from ._client import Client, Stream, connect
 from ._cuda import CudaTensor
+from ._types import Shuffle, Uneven
 
 __all__ = ["IterableDataset", "effective_rank", "open_at_epoch"]
 
@@ -98,6 +102,27 @@ def _torch_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return effective_rank(rank, world_size, worker_id, num_workers)
 
 
+def _ddp_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) of this process from torch.distributed (or the given values)."""
+    import torch.distributed as dist
+
+    if rank is None or world_size is None:
+        initialised = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialised else 1
+    return rank, world_size
+
+
+def _worker() -> tuple[int, int]:
+    """(worker id, workers) of the calling DataLoader worker; (0, 1) in the main process."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
 def _copy(view: Any) -> Any:
     """A writable copy of one batch tensor: a numpy array for host regions, a torch tensor
     on the same GPU for CUDA regions (``memory = "cuda"``)."""
@@ -121,6 +146,11 @@ class _DatasetMixin:
         world_size: int | None = None,
         copy: bool = True,
         timeout: float | None = None,
+        batch_size: int | None = None,
+        shuffle: Shuffle | None = None,
+        shuffle_block: int | None = None,
+        partitions: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -132,30 +162,86 @@ class _DatasetMixin:
         self.world_size = world_size
         self.copy = copy
         self.timeout = timeout
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.shuffle_block = shuffle_block
+        self.partitions = partitions
+        self.drop_last = drop_last
         self.epoch = 0
+        # The stream state after the last item yielded (batch mode), and one to resume from.
+        self._stream_state: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
         ``DistributedSampler.set_epoch``. Call it before iterating the loader each epoch."""
         self.epoch = int(epoch)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torchdata's Stateful protocol (batch mode): the epoch the iteration started at and
+        the stream state after the last item this process (main process or DataLoader
+        worker) yielded. Small and JSON-serialisable."""
+        return {"epoch": self.epoch, "stream": self._stream_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the next iteration right after the last item of `state` (batch mode): the
+        node starts there, nothing is replayed."""
+        if self.batch_size is None:
+            raise ValueError("resuming with load_state_dict needs batch mode (batch_size=...)")
+        self.epoch = int(state["epoch"])
+        self._resume = state.get("stream")
+
+    def _items(self, stream: Stream) -> Iterator[dict[str, np.ndarray]]:
+        while True:
+            batch = stream.next(self.timeout)
+            if batch is None:
+                return
+            if self.batch_size is not None:
+                # The position after this item, before it is yielded: a state taken while the
+                # item is in use resumes after it.
+                self._stream_state = stream.state_dict()
+            if self.copy:
+                item = {k: _copy(v) for k, v in batch.items()}  # writable copies
+                batch.release()  # free the region at once
+            else:
+                item = dict(batch)  # views: valid until the next item is taken
+            yield item
+
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        rank, world = _torch_ranks(self.rank, self.world_size)
         client = connect(self.socket)
-        with open_at_epoch(
-            client, self.dataset, start_epoch=self.epoch, epochs=self.epochs,
-            seed=self.seed, rank=rank, world_size=world, uneven=self.uneven,
-        ) as stream:
-            while True:
-                batch = stream.next(self.timeout)
-                if batch is None:
-                    return
-                if self.copy:
-                    item = {k: _copy(v) for k, v in batch.items()}  # writable copies
-                    batch.release()  # free the region at once
-                else:
-                    item = dict(batch)  # views: valid until the next item is taken
-                yield item
+        if self.batch_size is None:
+            rank, world = _torch_ranks(self.rank, self.world_size)
+            with open_at_epoch(
+                client, self.dataset, start_epoch=self.epoch, epochs=self.epochs,
+                seed=self.seed, rank=rank, world_size=world, uneven=self.uneven,
+            ) as stream:
+                yield from self._items(stream)
+            return
+        with self._open_batches(client) as stream:
+            yield from self._items(stream)
+
+    def _open_batches(self, client: Client) -> Stream:
+        """The batch-mode stream of this process: the DDP rank's batches, split among the
+        DataLoader's workers (worker ``w`` of ``n`` takes the rank's batches ``w, w + n, ...``,
+        the order in which the DataLoader polls them)."""
+        rank, world = _ddp_ranks(self.rank, self.world_size)
+        worker, workers = _worker()
+        opts: dict[str, Any] = {
+            "seed": self.seed, "rank": rank, "world_size": world, "batch_size": self.batch_size,
+            "shuffle": self.shuffle, "shuffle_block": self.shuffle_block,
+            "partitions": self.partitions, "drop_last": self.drop_last,
+            "worker": worker, "num_workers": workers,
+        }
+        state, self._resume = self._resume, None
+        end = self.epoch + self.epochs
+        if state is None and self.epoch > 0:
+            # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe.
+            with client.open_stream(self.dataset, epochs=1, **{**opts, "worker": None, "num_workers": None}) as probe:
+                base = probe.state_dict()
+            state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
+        if state is not None:
+            end = max(end, int(state["epoch"]) + 1)
+        return client.open_stream(self.dataset, epochs=end, state=state, **opts)
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
@@ -185,13 +271,25 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             ``num_workers=0, batch_size=None`` and consume each item before the next. torch
             warns about read-only arrays when it converts them.
         timeout: seconds per ``next`` (raises ``shardwire.Timeout``); None waits.
+        batch_size, shuffle, shuffle_block, partitions, drop_last: batch mode, as in
+            ``Client.open_stream`` (every item is ``batch_size`` samples).
 
-    In ``__iter__`` (i.e. in each DataLoader worker) the stream rank is
-    ``effective_rank(rank, world_size, worker_id, num_workers)``: workers split each DDP rank,
-    so no shard is duplicated or dropped beyond what the uneven policy does over
-    ``world_size * num_workers`` streams. ``set_epoch(e)`` makes the next iteration deliver
-    epochs ``e .. e + epochs - 1``. Resuming from a state dict is not supported here (each
-    worker has its own stream); use ``Client.open_stream(..., state=...)`` directly.
+    Batch mode: the global order depends only on (dataset, seed, epoch, shuffle,
+    shuffle_block, partitions); each DDP rank takes its share of every global step, and its
+    DataLoader workers split the rank's batches round robin (worker ``w`` of ``n`` takes
+    ``w, w + n, ...``, the order the DataLoader yields them in), so the sequence of items does
+    not depend on ``num_workers``. ``state_dict()`` / ``load_state_dict()`` follow torchdata's
+    Stateful protocol: ``StatefulDataLoader`` checkpoints and resumes the dataset in each
+    worker (or in the main process with ``num_workers=0``) exactly, and the node starts at the
+    saved position: nothing is replayed. Note that with ``n`` workers each worker's stream
+    reads the rank's blocks, so the node fetches them ``n`` times; the node already runs
+    ahead of the trainer, so ``num_workers=0`` is usually best.
+
+    Shard mode (no ``batch_size``): in ``__iter__`` (i.e. in each DataLoader worker) the stream
+    rank is ``effective_rank(rank, world_size, worker_id, num_workers)``: workers split each
+    DDP rank, so no shard is duplicated or dropped beyond what the uneven policy does over
+    ``world_size * num_workers`` streams; resuming from a state dict is not supported there.
+    ``set_epoch(e)`` makes the next iteration deliver epochs ``e .. e + epochs - 1``.
     """
 
 

@@ -1,0 +1,365 @@
+"""What the socket and HTTP transports share (``_client.py``, ``_http.py``): the plain types of
+the trainer API (:class:`TensorView`, :class:`StreamInfo`, ``Uneven``), the dtype table, the
+validated fields of ``attach``, and the base classes of their streams and batches.
+
+:class:`_StreamBase` holds what a stream is on either transport (the open/closed/ended state
+under one lock, the iteration and context-manager protocols, ``state_dict``); a transport adds
+how to take a batch, fetch the state and shut down. :class:`_BatchBase` holds what a batch is
+(a read-only mapping of tensor name to array, its lease fields, ``keep()`` and ``with batch:``);
+a transport adds what releasing it means.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+import numpy as np
+
+from . import _wire
+from ._arrow import ArrowExport
+from ._errors import ProtocolError, ShardwireError, Timeout
+
+Uneven = Literal["pad", "drop"]
+
+# Element types the service describes (numpy names; all little-endian on the wire).
+_DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(code)
+    for name, code in {
+        "int8": "i1",
+        "int16": "<i2",
+        "int32": "<i4",
+        "int64": "<i8",
+        "uint8": "u1",
+        "uint16": "<u2",
+        "uint32": "<u4",
+        "uint64": "<u8",
+        "float16": "<f2",
+        "float32": "<f4",
+        "float64": "<f8",
+    }.items()
+}
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """Where one tensor of a batch lies in the stream's region (the service's description)."""
+
+    #: Tensor name (Arrow column name, or the ``.npy``/``.bin`` file stem).
+    name: str
+    #: numpy dtype name, e.g. ``"float32"`` (little-endian).
+    dtype: str
+    #: Shape.
+    shape: tuple[int, ...]
+    #: Byte offset in the region.
+    offset: int
+    #: Byte length.
+    length: int
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """What the service said when the stream opened (the ``attached`` reply)."""
+
+    #: Stream id (as in the admin API's ``/v1/streams``).
+    stream: int
+    #: Size of the mapped region in bytes.
+    region_size: int
+    #: Batches per epoch for this rank.
+    batches_per_epoch: int
+    #: Epochs the stream delivers (counting from epoch 0, including any skipped by a resume).
+    epochs: int
+    #: Memory kind of the region: ``"host"`` (numpy tensors) or ``"cuda"`` (CudaTensor).
+    memory: str
+    #: The state the stream starts from: ``{epoch, index, seed, fingerprint}``.
+    state: dict[str, Any] = field(default_factory=dict)
+    #: For ``memory = "cuda"``: the region's device ``{ordinal, pci_bus_id, granularity}`` as
+    #: the service names it (its ordinal, not necessarily this process's).
+    gpu: dict[str, Any] | None = None
+
+    @property
+    def total_batches(self) -> int:
+        """Batches over all epochs (``batches_per_epoch * epochs``), from epoch 0."""
+        return self.batches_per_epoch * self.epochs
+
+
+#: ``shard`` of a batch that holds samples of many shards (batch mode) on the wire.
+NO_SHARD = 0xFFFF_FFFF
+
+#: The ``shuffle`` modes of batch mode.
+Shuffle = Literal["none", "shards", "block"]
+
+
+def _int_at_least(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
+    return v
+
+
+def _attach_fields(
+    dataset: str,
+    seed: int,
+    rank: int,
+    world_size: int,
+    epochs: int,
+    uneven: str,
+    state: Mapping[str, Any] | None,
+    **batch: Any,
+) -> dict[str, Any]:
+    """The validated fields of ``attach`` (shared by the socket and HTTP clients). `batch`
+    holds the batch-mode keywords (``batch_size``, ``shuffle``, ``shuffle_block``,
+    ``partitions``, ``drop_last``, ``worker``, ``num_workers``); None means the default.
+
+    Raises:
+        ValueError: an argument out of range (nothing is sent).
+    """
+    if uneven not in ("pad", "drop"):
+        raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
+    for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
+        _int_at_least(name, v, lo)
+    fields: dict[str, Any] = {
+        "version": _wire.VERSION,
+        "dataset": str(dataset),
+        "seed": seed,
+        "rank": rank,
+        "world_size": world_size,
+        "epochs": epochs,
+        "uneven": uneven,
+        "state": dict(state) if state is not None else None,
+    }
+    for name, lo in (("batch_size", 1), ("shuffle_block", 1), ("partitions", 1), ("worker", 0), ("num_workers", 1)):
+        v = batch.pop(name, None)
+        if v is not None:
+            fields[name] = _int_at_least(name, v, lo)
+    shuffle = batch.pop("shuffle", None)
+    if shuffle is not None:
+        if shuffle not in ("none", "shards", "block"):
+            raise ValueError(f"shuffle must be 'none', 'shards' or 'block', not {shuffle!r}")
+        fields["shuffle"] = shuffle
+    if batch.pop("drop_last", False):
+        fields["drop_last"] = True
+    if batch:
+        raise TypeError(f"unexpected keyword arguments: {sorted(batch)}")
+    if "batch_size" not in fields:
+        given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last") if k in fields]
+        if given:
+            raise ValueError(f"{', '.join(given)} need batch_size (batch mode)")
+    return fields
+
+
+def _tensor_view(t: Mapping[str, Any], offset: int | None = None) -> TensorView:
+    """The :class:`TensorView` of one entry of a batch's ``tensors``; `offset` replaces the
+    entry's own (HTTP batches have no region)."""
+    return TensorView(
+        str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"]) if offset is None else offset, int(t["length"])
+    )
+
+
+def _dtype(v: TensorView) -> np.dtype[Any]:
+    """The numpy dtype of `v`; ProtocolError if this SDK does not know it."""
+    dt = _DTYPES.get(v.dtype)
+    if dt is None:
+        raise ProtocolError(f"tensor {v.name!r} has dtype {v.dtype!r}, unknown to this SDK")
+    return dt
+
+
+_B = TypeVar("_B", bound="_BatchBase")
+_S = TypeVar("_S", bound="_StreamBase[Any]")
+_BatchT = TypeVar("_BatchT", bound="_BatchBase")
+
+
+class _BatchBase(ArrowExport, Mapping[str, np.ndarray]):
+    """A batch of either transport: a read-only mapping from tensor name to array, with the
+    lease it came under (see :class:`shardwire.Batch` and :class:`shardwire.HttpBatch`).
+
+    A subclass says what releasing means (:attr:`released`, :meth:`release`) and names
+    itself in ``repr`` (``_NAME``, ``_repr_state``)."""
+
+    __slots__ = ("_tensors", "_kept", "_arrow_rb", "lease", "epoch", "index", "shard", "views", "__weakref__")
+
+    #: The class name ``repr`` shows, ``<shardwire.NAME ...>``.
+    _NAME: ClassVar[str]
+
+    # A batch is a lease: identity semantics (Mapping's value comparison would compare arrays).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], tensors: dict[str, np.ndarray]) -> None:
+        self.lease = lease
+        self.epoch = epoch
+        self.index = index
+        #: The shard this batch is (shard mode); None in batch mode, where a batch holds
+        #: samples of many shards.
+        self.shard: int | None = None if shard == NO_SHARD else shard
+        self.views = tuple(views)
+        self._tensors = tensors
+        self._kept = False
+        self._arrow_rb: Any = None
+
+    # --- Mapping -----------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        ts = ", ".join(f"{k}: {a.dtype}{list(a.shape)}" for k, a in self._tensors.items())
+        return f"<shardwire.{self._NAME} epoch={self.epoch} index={self.index} shard={self.shard}{self._repr_state()} {{{ts}}}>"
+
+    def _repr_state(self) -> str:
+        """What ``repr`` shows between the shard and the tensors (nothing by default)."""
+        return ""
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        """True once the batch's lease has ended."""
+        raise NotImplementedError
+
+    @property
+    def kept(self) -> bool:
+        """True if :meth:`keep` was called (a socket batch is then exempt from auto-release;
+        for an HTTP batch it changes nothing: the copies stay valid)."""
+        return self._kept
+
+    def keep(self: _B) -> _B:
+        """Marks the batch kept (:attr:`kept`) and returns it."""
+        self._kept = True
+        return self
+
+    def release(self) -> None:
+        """Gives the batch's lease back to the service. A no-op if already released."""
+        raise NotImplementedError
+
+    def __enter__(self: _B) -> _B:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class _StreamBase(Generic[_BatchT]):
+    """A stream of either transport: iterate it for batches in plan order (see
+    :class:`shardwire.Stream` and :class:`shardwire.HttpStream`).
+
+    Holds the stream's state (open, closed and why, ended) under one lock: one request at a
+    time. A subclass takes the next batch (``_take``), fetches the state (``_state``) and shuts
+    its transport down (``_shutdown``), each called with the lock held on an open stream, and
+    names itself in ``repr`` (``_NAME``, ``_repr_where``).
+
+    Attributes:
+        info: What the service said at open.
+    """
+
+    #: The class name ``repr`` shows, ``<shardwire.NAME ...>``.
+    _NAME: ClassVar[str]
+
+    def __init__(self, info: StreamInfo) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closed_why = "the stream was closed"
+        self._ended = False
+        self.info = info
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
+
+    def _broken(self, why: str) -> None:
+        """The connection to the service failed: the stream is over here (on the socket its
+        leases are gone with the connection; over HTTP the service closes it after its idle
+        timeout); later calls raise ``closed`` saying `why`. Call with the lock held."""
+        self._closed_why = why
+        self._close_locked(notify=False)
+
+    def _timeout(self, timeout: float | None) -> Timeout:
+        return Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
+
+    def next(self, timeout: float | None = None) -> _BatchT | None:
+        """The next batch in plan order, or None when every epoch was delivered."""
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, not {timeout!r}")
+        with self._lock:
+            self._check_open()
+            if self._ended:
+                return None
+            return self._take(timeout)
+
+    def _take(self, timeout: float | None) -> _BatchT | None:
+        """The next batch, or None (setting ``_ended``) at the end; `timeout` as in :meth:`next`."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
+        fingerprint}``, naming the next batch not yet taken. Pass it to
+        ``open_stream(..., state=...)`` (same dataset, seed, rank, world size, uneven) to
+        continue exactly there, on either transport. JSON-serialisable.
+
+        Batches already taken count as consumed: save the state after you have finished
+        with them (e.g. after the optimizer step), not while they are still to be trained on.
+        """
+        with self._lock:
+            self._check_open()
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def close(self) -> None:
+        """Closes the stream on the service. Idempotent."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self, notify: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown(notify)
+
+    def _shutdown(self, notify: bool) -> None:
+        """Ends the transport once the stream is marked closed; `notify` is False when the
+        connection to the service has failed (there is nobody to tell)."""
+        raise NotImplementedError
+
+    # --- protocols ---------------------------------------------------------------------------
+
+    def __iter__(self: _S) -> _S:
+        return self
+
+    def __next__(self) -> _BatchT:
+        b = self.next()
+        if b is None:
+            raise StopIteration
+        return b
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<shardwire.{self._NAME} {self.info.stream}{self._repr_where()} {'closed' if self._closed else 'open'} "
+            f"batches_per_epoch={self.info.batches_per_epoch} epochs={self.info.epochs}>"
+        )
+
+    def _repr_where(self) -> str:
+        """What ``repr`` shows after the stream id (nothing by default)."""
+        return ""
