@@ -8,13 +8,14 @@
 # Steps (each prints PASS/FAIL; stops at the first failure):
 #   1. shardwire gpus: the probe lists a usable device and `auto` chooses CUDA memory.
 #   2. cargo test -p shardwire-gpu -- --ignored: VMM region + fd/dma-buf export, the CRC
-#      kernel against crc-fast, the gather kernel against the CPU reference, H2D staging,
-#      the service's GPU self-test.
+#      kernel against crc-fast, the gather kernel against the CPU reference (between regions,
+#      and a batch assembled inside one region), H2D staging, the service's GPU self-test.
 #   3. gpu_bench (release): gather GB/s against cuMemcpyDtoD, CRC GB/s, H2D staging GB/s;
 #      the JSON lands in target/gpu-check/bench.json (copy the figures to docs/BENCHMARKS.md).
 #   4. pytest tests/e2e/test_cuda_sdk.py and test_cuda_e2e.py: the Python SDK imports a VMM
 #      region (cuda-python) and torch.from_dlpack gives a GPU tensor without a copy; the node
-#      with memory = "cuda" end to end into torch (receive host and devmem-sim).
+#      with memory = "cuda" end to end into torch (receive host and devmem-sim, and batch
+#      mode: shuffled batches assembled by the gather kernel, byte-exact in torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${1:-256}
@@ -34,7 +35,7 @@ grep -q '"memory": "cuda"' "$OUT/gpus.json" && pass "1 probe: auto chooses CUDA 
 cargo test -q --release -p shardwire-gpu --lib --test cuda_gpu -- --ignored --test-threads=1 \
     >"$OUT/tests.log" 2>&1 || { cat "$OUT/tests.log"; fail "2 GPU tests (see $OUT/tests.log)"; }
 grep 'test result' "$OUT/tests.log"
-grep -q 'test result: ok. 5 passed' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests (expected 5 passed)"
+grep -q 'test result: ok. 6 passed' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests (expected 6 passed)"
 
 cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB" >"$OUT/bench.json" \
     || fail "3 GPU benchmark"

@@ -77,7 +77,7 @@
  *   it is CUDA_ERROR_ILLEGAL_ADDRESS (sticky; the real GPU faults asynchronously too, or
  *   silently corrupts a neighbouring allocation: the fake is stricter there). Launches that
  *   break the kernel contract of gpu/src/kernels.rs (gather frags whose destinations overlap,
- *   src and dst in one buffer) fail with CUDA_ERROR_LAUNCH_FAILED (sticky; a GPU would race
+ *   or, with src and dst in one buffer, a frag reading bytes the launch writes) fail with CUDA_ERROR_LAUNCH_FAILED (sticky; a GPU would race
  *   silently). Then the grid runs serially on the calling thread, every (block, thread) in
  *   turn, like gpu/kernels/host_harness.c (a valid schedule: the kernels share nothing).
  *   Faults are always printed to stderr ("fake libcuda[pid]: FAULT ...").
@@ -906,6 +906,33 @@ static int cmp_u64pair(const void *a, const void *b)
     return x[0] < y[0] ? -1 : x[0] > y[0] ? 1 : 0;
 }
 
+/* In one buffer: no frag's source bytes [src + src_off, +len) meet a destination of the
+ * sorted, disjoint writes w[0..m) (offsets from dst). Binary search per frag: O(n log n). */
+static CUresult check_reads_unwritten(const sw_frag *frags, unsigned n, uint64_t src, uint64_t dst,
+                                      const uint64_t *w, unsigned m, char *why, size_t whylen)
+{
+    for (unsigned f = 0; f < n; f++) {
+        uint64_t rs = src + frags[f].src_off, re = rs + frags[f].len;
+        unsigned lo = 0, hi = m; /* first write starting at or after re */
+        if (!frags[f].len)
+            continue;
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo) / 2;
+            if (dst + w[2 * mid] < re)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo > 0 && dst + w[2 * (lo - 1) + 1] > rs) {
+            snprintf(why, whylen,
+                     "sw_gather: frag %u reads [0x%llx, 0x%llx), which the launch writes (contract: in one buffer, reads and writes are disjoint)",
+                     f, (unsigned long long)rs, (unsigned long long)re);
+            return CUDA_ERROR_LAUNCH_FAILED;
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
 /* sw_gather(src, dst, frags, nfrags): every frag f < nfrags is read (blocks stride over them)
  * and copies [src + src_off, +len) to [dst + dst_off, +len). */
 static CUresult check_gather(const struct launch_view *l, char *why, size_t whylen)
@@ -945,13 +972,9 @@ static CUresult check_gather(const struct launch_view *l, char *why, size_t whyl
     }
     if (!any)
         return CUDA_SUCCESS;
-    /* The contract (kernels.rs, shardwire.cu): src and dst are different buffers, and no two
-     * frags write the same destination byte. A GPU would race silently. */
-    if (find_range((uintptr_t)src) == find_range((uintptr_t)dst)) {
-        snprintf(why, whylen, "sw_gather: src 0x%llx and dst 0x%llx lie in the same buffer (contract: different buffers)",
-                 (unsigned long long)src, (unsigned long long)dst);
-        return CUDA_ERROR_LAUNCH_FAILED;
-    }
+    /* The contract (kernels.rs, shardwire.cu): no two frags write the same destination byte,
+     * and in one buffer no frag reads a byte any frag writes. A GPU would race silently (and
+     * its read-only loads of src would not be coherent with the writes). */
     iv = malloc((size_t)n * 2 * sizeof *iv);
     if (!iv)
         abort();
@@ -973,6 +996,8 @@ static CUresult check_gather(const struct launch_view *l, char *why, size_t whyl
                 result = CUDA_ERROR_LAUNCH_FAILED;
                 break;
             }
+        if (result == CUDA_SUCCESS && find_range((uintptr_t)src) == find_range((uintptr_t)dst))
+            result = check_reads_unwritten(frags, n, src, dst, iv, m, why, whylen);
     }
     free(iv);
     return result;

@@ -10,8 +10,9 @@
  *   frag's bytes. When src and dst are co-aligned mod 16 (always so when both offsets are
  *   16-aligned) a bytewise head reaches 16-byte alignment, the body moves uint4 words and
  *   a bytewise tail finishes; else the same with 4-byte words when co-aligned mod 4; else
- *   bytes. Any length (0 too) and any offsets; destinations must not overlap, and src and
- *   dst must be different buffers.
+ *   bytes. Any length (0 too) and any offsets; destinations must not overlap, and no byte
+ *   a frag reads may be written by the launch (src and dst may be one buffer, as when a
+ *   batch is assembled from shards resident in the same region).
  *
  * CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) in two launches:
  *   sw_crc32c_chunks: thread k of span s (grid (ceil(max_chunks / CRC_BLOCK), nspans),

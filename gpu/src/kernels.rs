@@ -167,6 +167,21 @@ pub enum KernelArgError {
         /// Its length.
         second_len: u64,
     },
+    /// A frag reads bytes that a frag of the same launch writes (src and dst in one buffer).
+    #[error(
+        "gather frag {reader} reads device bytes [{read_at:#x}, {read_at:#x} + {len}) that frag \
+         {writer} writes (in one buffer, reads and writes must be disjoint)"
+    )]
+    ReadsWritten {
+        /// Index of the frag that reads.
+        reader: usize,
+        /// Device address of its first byte read.
+        read_at: u64,
+        /// Its length.
+        len: u64,
+        /// Index of a frag that writes some of those bytes.
+        writer: usize,
+    },
     /// More spans than one launch's grid y can hold.
     #[error("{count} CRC spans in one call; at most {MAX_GRID_Y}")]
     TooManySpans {
@@ -240,6 +255,31 @@ pub fn check_frags(frags: &[Frag], src_len: u64, dst_len: u64) -> Result<(), Ker
                 second: pair[1],
                 second_off: b.dst_off,
                 second_len: b.len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a gather whose source and destination are one buffer (or overlap): no byte any
+/// frag reads is written by any frag, so every read sees the bytes as they were before the
+/// launch, whatever the schedule, and the kernel's read-only loads stay coherent. `src` and
+/// `dst` are the buffers' device addresses; the frags passed [`check_frags`]. O(n log n).
+pub fn check_reads_unwritten(frags: &[Frag], src: u64, dst: u64) -> Result<(), KernelArgError> {
+    let mut writes: Vec<usize> = (0..frags.len()).filter(|&i| frags[i].len > 0).collect();
+    writes.sort_unstable_by_key(|&i| frags[i].dst_off);
+    for (reader, f) in frags.iter().enumerate().filter(|(_, f)| f.len > 0) {
+        let (start, end) = (src + f.src_off, src + f.src_off + f.len);
+        // Writes are disjoint, so the last one starting before `end` ends last among them.
+        let n = writes.partition_point(|&w| dst + frags[w].dst_off < end);
+        if let Some(&writer) = n.checked_sub(1).map(|k| &writes[k])
+            && dst + frags[writer].dst_off + frags[writer].len > start
+        {
+            return Err(KernelArgError::ReadsWritten {
+                reader,
+                read_at: start,
+                len: f.len,
+                writer,
             });
         }
     }
@@ -591,6 +631,45 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn in_one_buffer_reads_must_not_be_written() {
+        // Shards at [0, 100) and [100, 200), a batch slab at [512, 612): disjoint, fine.
+        let batch = [frag(10, 512, 30), frag(150, 542, 50), frag(0, 592, 20)];
+        assert_eq!(check_reads_unwritten(&batch, 0x1000, 0x1000), Ok(()));
+        // Touching is not overlapping: the read ends where a write starts.
+        assert_eq!(
+            check_reads_unwritten(&[frag(0, 64, 64)], 0x1000, 0x1000),
+            Ok(())
+        );
+        // A read that a later-starting write covers, and one inside a write.
+        let err = check_reads_unwritten(&[frag(0, 300, 8), frag(296, 600, 8)], 0x1000, 0x1000)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            KernelArgError::ReadsWritten {
+                reader: 1,
+                read_at: 0x1000 + 296,
+                len: 8,
+                writer: 0
+            }
+        );
+        assert!(
+            err.to_string()
+                .contains("frag 1 reads device bytes [0x1128, 0x1128 + 8)")
+        );
+        // Different bases: a source region starting where the destination's bytes are.
+        assert!(check_reads_unwritten(&[frag(0, 16, 4)], 0x2010, 0x2000).is_err());
+        assert_eq!(
+            check_reads_unwritten(&[frag(0, 16, 4)], 0x2014, 0x2000),
+            Ok(())
+        );
+        // Empty frags neither read nor write.
+        assert_eq!(
+            check_reads_unwritten(&[frag(0, 0, 0), frag(0, 8, 4)], 0, 0),
+            Ok(())
+        );
     }
 
     #[test]

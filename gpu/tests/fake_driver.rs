@@ -74,7 +74,7 @@ fn run_child(filter: &str, tests: usize, env: &[(&str, &str)]) -> Child {
 
 #[test]
 fn gpu_suite_passes_on_the_fake_driver() {
-    let child = run_child("cuda_gpu::", 5, &[]);
+    let child = run_child("cuda_gpu::", 6, &[]);
     // Not one driver call failed, nothing leaked, no kernel touched a byte it should not.
     assert!(
         child.fake_lines().is_empty(),

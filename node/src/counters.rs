@@ -16,6 +16,10 @@ pub struct Counters {
     pub refetches: AtomicU64,
     /// Batches handed to trainers.
     pub batches_delivered: AtomicU64,
+    /// Batches of `batch_size` samples assembled (batch mode).
+    pub batches_assembled: AtomicU64,
+    /// Gather-kernel launches that assembled batches (CUDA memory: one per batch).
+    pub batch_gather_launches: AtomicU64,
     /// Nanoseconds trainers waited in `next` for a batch that was not ready (network-bound).
     pub stall_network_ns: AtomicU64,
     /// Nanoseconds fetchers had shards to fetch but no free memory (trainer-bound).

@@ -431,6 +431,8 @@ impl Node {
                 crc_failures: c.crc_failures.load(Ordering::Relaxed),
                 refetches: c.refetches.load(Ordering::Relaxed),
                 batches_delivered: c.batches_delivered.load(Ordering::Relaxed),
+                batches_assembled: c.batches_assembled.load(Ordering::Relaxed),
+                batch_gather_launches: c.batch_gather_launches.load(Ordering::Relaxed),
                 stall_network_seconds: secs(&c.stall_network_ns),
                 stall_trainer_seconds: secs(&c.stall_trainer_ns),
                 stall_assembly_seconds: secs(&c.assembly_ns),

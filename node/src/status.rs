@@ -94,6 +94,10 @@ pub struct CounterStatus {
     pub refetches: u64,
     /// Batches handed to trainers.
     pub batches_delivered: u64,
+    /// Batches assembled from samples (batch mode).
+    pub batches_assembled: u64,
+    /// Gather-kernel launches that assembled batches (CUDA memory).
+    pub batch_gather_launches: u64,
     /// Seconds trainers waited for batches.
     pub stall_network_seconds: f64,
     /// Seconds fetchers waited for memory.

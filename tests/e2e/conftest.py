@@ -131,6 +131,28 @@ def arrow_batches(rows: Iterable[int], k: int = 4, seed: int = 0, id_start: int 
     return batches
 
 
+def write_id_dataset(d: pathlib.Path, sizes: list[list[int]], k: int = 4) -> dict[int, tuple[bytes, bytes]]:
+    """An indexed Arrow dataset of record batches from :func:`arrow_batches`: file f holds
+    batches of sizes[f] rows (stream format for even f, file format for odd). Returns every
+    row by id: (the id's 8 bytes, the emb row's 4k bytes), to check batch tensors against."""
+    import struct
+
+    import numpy as np
+
+    rows: dict[int, tuple[bytes, bytes]] = {}
+    next_id = 0
+    for f, sz in enumerate(sizes):
+        batches = arrow_batches(sz, k=k, seed=f, id_start=next_id)
+        next_id += sum(sz)
+        write_arrow(d / f"part-{f}.arrow", batches, stream=f % 2 == 0)
+        for b in batches:
+            emb = b.column(1).flatten().to_numpy().reshape(-1, k)
+            for i, e in zip(b.column(0).to_numpy(), emb):
+                rows[int(i)] = (struct.pack("<q", int(i)), e.astype(np.float32).tobytes())
+    index_dataset(d)
+    return rows
+
+
 def write_arrow(path: pathlib.Path, batches, stream: bool) -> None:
     """Writes record batches with pa.ipc.new_stream (stream=True) or pa.ipc.new_file."""
     import pyarrow as pa

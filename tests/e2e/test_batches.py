@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import collections
 import json
-import struct
 
 import numpy as np
 import pytest
 
 from conftest import (
     MiB,
-    arrow_batches,
     crc32c,
     index_dataset,
     vm_rss,
     wait_for,
     wait_ready,
     write_arrow,
+    write_id_dataset,
 )
 
 K = 4  # emb width
@@ -37,19 +36,7 @@ def data(tmp_path_factory):
     (Partition cuts split a shard between two ranks: with C partitions about (C-1)/shards of
     the bytes cross twice, so the locality bound needs a few hundred shards.)"""
     d = tmp_path_factory.mktemp("batches") / "ds"
-    rows: dict[int, tuple[bytes, bytes]] = {}
-    next_id = 0
-    for f in range(8):
-        sizes = [40 + (f * 40 + i) % 20 for i in range(40)]
-        batches = arrow_batches(sizes, k=K, seed=f, id_start=next_id)
-        next_id += sum(sizes)
-        write_arrow(d / f"part-{f}.arrow", batches, stream=f % 2 == 0)
-        for b in batches:
-            ids = b.column(0).to_numpy()
-            emb = b.column(1).flatten().to_numpy().reshape(-1, K)
-            for i, e in zip(ids, emb):
-                rows[int(i)] = (struct.pack("<q", int(i)), e.astype(np.float32).tobytes())
-    index_dataset(d)
+    rows = write_id_dataset(d, [[40 + (f * 40 + i) % 20 for i in range(40)] for f in range(8)], k=K)
     return d, rows
 
 

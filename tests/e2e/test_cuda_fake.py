@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MiB, REPO, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_npy_dataset, write_uint8_shards
+from conftest import MiB, REPO, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_id_dataset, write_npy_dataset, write_uint8_shards
 
 FAKE_NAME = "shardwire fake CUDA device (host memory)"
 FAKE_BUS = "0000:fa:00.0"
@@ -94,10 +94,10 @@ def _vmm_mappings(pid: int) -> int:
         return sum("fakecuda-vmm" in line for line in f)
 
 
-def _trainer(serve, *args: str) -> subprocess.CompletedProcess:
+def _trainer(serve, **opts) -> subprocess.CompletedProcess:
     """The trainer: a child with the fake on its loader path (see _consume)."""
     return subprocess.run(
-        [sys.executable, __file__, "consume", serve.socket, "ds", *args],
+        [sys.executable, __file__, "consume", serve.socket, "ds", json.dumps(opts)],
         capture_output=True, text=True, timeout=120, env={**os.environ, **fake_env()},
     )
 
@@ -114,7 +114,8 @@ def _run_trainer(serve, expected: list) -> None:
         assert info["access"] == "read", info  # the fake grants read-only mappings, as asked
     for b in batches:
         want = [{"name": e["name"], "crc32c": e["crc32c"]} for e in expected[b["shard"]]]
-        assert b["tensors"] == want, f"shard {b['shard']} differs from the dataset file"
+        got = [{"name": t["name"], "crc32c": t["crc32c"]} for t in b["tensors"]]
+        assert got == want, f"shard {b['shard']} differs from the dataset file"
     assert sorted(b["shard"] for b in batches) == list(range(len(expected)))
     assert fake_lines(r.stderr) == [], r.stderr  # no driver call failed, nothing leaked
 
@@ -162,10 +163,42 @@ def test_a_trainer_dying_mid_epoch_leaves_the_gpu_node_clean(sw, tmp_path):
     expected = expected_crcs(d)
     serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB",
                      env=fake_env())
-    r = _trainer(serve, "1")
+    r = _trainer(serve, limit=1)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     assert len([line for line in r.stdout.splitlines() if line.startswith('{"shard"')]) == 1, r.stdout
     _run_trainer(serve, expected)
+    _closed_and_unmapped(serve)
+
+
+def test_batch_mode_assembles_each_batch_with_one_gather_launch(sw, tmp_path):
+    """Batch mode in CUDA memory: the stream's resident shards are VMM memory (staged H2D), and
+    each batch of samples shuffled across shards is one gather-kernel launch into one slab
+    (the node's counters: launches == batches assembled == batches the trainer got); every
+    sample once, every tensor byte-exact against the rows its ids name, nothing leaked."""
+    d = tmp_path / "ds"
+    rows = write_id_dataset(d, [[30 + (7 * i + f) % 17 for i in range(8)] for f in range(3)])
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB",
+                     env=fake_env())
+    r = _trainer(serve, batch_size=16, shuffle="block", shuffle_block=100, drop_last=True)
+    assert r.returncode == 0, f"trainer failed ({r.returncode}):\n{r.stdout}\n{r.stderr}\n{serve.describe()}"
+    out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert out[0]["memory"] == "cuda", out[0]
+    got = out[1:]
+    assert len(got) == len(rows) // 16
+    seen = [i for b in got for i in b["ids"]]
+    assert len(set(seen)) == len(seen) and len(rows) - len(seen) < 16, "each sample once, under a batch dropped"
+    assert seen != sorted(seen), "samples are shuffled across shards"
+    for b in got:
+        t = {x["name"]: x for x in b["tensors"]}
+        assert b["shard"] is None and t["id"]["shape"] == [16] and t["emb"]["shape"] == [16, 4], b
+        assert t["id"]["crc32c"] == crc32c(b"".join(rows[i][0] for i in b["ids"])), b["ids"]
+        assert t["emb"]["crc32c"] == crc32c(b"".join(rows[i][1] for i in b["ids"])), b["ids"]
+    assert fake_lines(r.stderr) == [], r.stderr
+    c = get_status(serve.admin)["counters"]
+    assert c["batch_gather_launches"] == c["batches_assembled"] >= len(got), c
+    assert c["batches_delivered"] == len(got), c
+    code, metrics = http_get(serve.admin, "/metrics")
+    assert code == 200 and _metric(metrics, "shardwire_batch_gather_launches_total") == c["batch_gather_launches"]
     _closed_and_unmapped(serve)
 
 
@@ -195,10 +228,12 @@ def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(s
 # --- the trainer child ---------------------------------------------------------------------------
 
 
-def _consume(socket: str, dataset: str, limit: int | None = None) -> None:
+def _consume(socket: str, dataset: str, limit: int | None = None, **batch) -> None:
     """Consumes one epoch; prints {memory, import, access}, then per batch {shard, tensors:
-    [{name, crc32c}]} with the CRC-32C of each tensor's bytes read at its device pointer. With
-    `limit`, dies (os._exit, nothing released or closed) after that many batches."""
+    [{name, crc32c, shape}]} with the CRC-32C of each tensor's bytes read at its device
+    pointer (and `ids`, the int64 `id` tensor's values, when there is one). With `limit`, dies
+    (os._exit, nothing released or closed) after that many batches; `batch` are open_stream's
+    batch-mode keywords."""
     sys.path.insert(0, str(REPO / "client" / "python" / "src"))
     import shardwire
     from shardwire import _client, _cuda
@@ -229,17 +264,20 @@ def _consume(socket: str, dataset: str, limit: int | None = None) -> None:
         _client.CudaRegion = MappedRegion  # type: ignore[misc]
 
     client = shardwire.connect(socket)
-    with client.open_stream(dataset, seed=3) as stream:
+    with client.open_stream(dataset, seed=3, **batch) as stream:
         region = stream.region
         print(json.dumps({"memory": stream.info.memory, "import": how, "access": region.access}), flush=True)
         while (batch := stream.next(60)) is not None:
-            tensors = []
+            tensors, out = [], {"shard": batch.shard}
             for name, t in batch.items():
                 assert isinstance(t, shardwire.CudaTensor), type(t)
                 ptr = t.__cuda_array_interface__["data"][0]
                 assert region.ptr <= ptr and ptr + t.nbytes <= region.ptr + region.size
-                tensors.append({"name": name, "crc32c": crc32c(ctypes.string_at(ptr, t.nbytes))})
-            print(json.dumps({"shard": batch.shard, "tensors": tensors}), flush=True)
+                data = ctypes.string_at(ptr, t.nbytes)
+                tensors.append({"name": name, "crc32c": crc32c(data), "shape": list(t.shape)})
+                if name == "id":
+                    out["ids"] = np.frombuffer(data, np.int64).tolist()
+            print(json.dumps({**out, "tensors": tensors}), flush=True)
             if limit is not None and (limit := limit - 1) == 0:
                 os._exit(0)
             del t
@@ -247,5 +285,5 @@ def _consume(socket: str, dataset: str, limit: int | None = None) -> None:
     region.close()
 
 
-if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "consume":
-    _consume(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else None)
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "consume":
+    _consume(sys.argv[2], sys.argv[3], **json.loads(sys.argv[4]))

@@ -127,7 +127,9 @@ impl Engines {
     }
 
     /// Copies every frag from `src` into `dst` with one kernel launch. Returns the event
-    /// recorded after the launch: once it is done, `src` may be reused.
+    /// recorded after the launch: once it is done, `src` may be reused. `src` and `dst` may
+    /// be the same region (batches assembled from resident shards) when no frag reads bytes
+    /// that a frag writes.
     pub fn gather(
         &self,
         src: &dyn DeviceRange,
@@ -135,6 +137,10 @@ impl Engines {
         frags: &[Frag],
     ) -> Result<Arc<Event>, GpuError> {
         kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
+        let (s0, d0) = (src.device_ptr(), dst.device_ptr());
+        if s0 < d0 + dst.len() as u64 && d0 < s0 + src.len() as u64 {
+            kernels::check_reads_unwritten(frags, s0, d0)?;
+        }
         let mut scratch = self.scratch.lock().expect("engine scratch poisoned");
         let args = self.stage(&mut scratch, as_bytes(frags))?;
         if !frags.is_empty() {

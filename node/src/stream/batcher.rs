@@ -321,10 +321,10 @@ impl Driver {
             self.s.close(&format!("assembling a batch failed: {e}"));
             return false;
         }
-        self.s
-            .counters
-            .assembly_ns
+        let c = &self.s.counters;
+        c.assembly_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        c.batches_assembled.fetch_add(1, Ordering::Relaxed);
         let tensors = self.views();
         self.s.complete(
             self.pos,
@@ -401,8 +401,14 @@ impl Driver {
             .region()
             .cuda()
             .ok_or("a CUDA slab outside a CUDA region")?;
-        gpu.engines
-            .gather(region, region, &frags)
+        let launched = gpu.engines.gather(region, region, &frags);
+        if launched.is_ok() {
+            self.s
+                .counters
+                .batch_gather_launches
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        launched
             .and_then(|ev| ev.wait())
             .map_err(|e| format!("the gather kernel: {e}"))
     }

@@ -85,6 +85,16 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     ),
     (
         "counter",
+        "shardwire_batches_assembled_total",
+        "Batches of batch_size samples assembled from resident shards (batch mode)",
+    ),
+    (
+        "counter",
+        "shardwire_batch_gather_launches_total",
+        "Gather-kernel launches that assembled batches in CUDA memory (one per batch)",
+    ),
+    (
+        "counter",
         "shardwire_source_bytes_received_total",
         "Payload bytes received from each source",
     ),
@@ -268,6 +278,8 @@ fn record(st: &Status) {
     metrics::counter!("shardwire_crc_failures_total").absolute(c.crc_failures);
     metrics::counter!("shardwire_refetches_total").absolute(c.refetches);
     metrics::counter!("shardwire_batches_delivered_total").absolute(c.batches_delivered);
+    metrics::counter!("shardwire_batches_assembled_total").absolute(c.batches_assembled);
+    metrics::counter!("shardwire_batch_gather_launches_total").absolute(c.batch_gather_launches);
     metrics::counter!("shardwire_h2d_staging_stalls_total").absolute(c.h2d_staging_stalls);
     let cancelled = st.sources.iter().map(|s| s.cancelled).sum();
     metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
