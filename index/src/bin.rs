@@ -11,13 +11,7 @@ pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
     if src.len == 0 {
         return Err(src.unsupported("the file is empty; a shard cannot be empty", "0 bytes"));
     }
-    let tensor = TensorEntry {
-        name: src.stem(),
-        dtype: DType::Uint8,
-        shape: vec![src.len],
-        offset: 0,
-        length: src.len,
-    };
+    let tensor = TensorEntry::dense(src.stem(), DType::Uint8, vec![src.len], 0, src.len);
     Ok(vec![src.shard(0, src.len, vec![tensor])?])
 }
 

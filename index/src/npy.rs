@@ -47,13 +47,7 @@ pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
             shape_str(&h.shape),
         ));
     }
-    let tensor = TensorEntry {
-        name: src.stem(),
-        dtype: h.dtype,
-        shape: h.shape,
-        offset: h.data_offset,
-        length: have,
-    };
+    let tensor = TensorEntry::dense(src.stem(), h.dtype, h.shape, h.data_offset, have);
     Ok(vec![src.shard(h.data_offset, have, vec![tensor])?])
 }
 

@@ -1,8 +1,13 @@
 //! The dataset manifest (`DIR/shardwire.manifest.json`), written by `shardwire index`.
 //!
 //! A *shard* is one contiguous byte range of one file (an Arrow record batch body, a `.npy`
-//! data section, a whole `.bin` file); it is the unit of fetching, checksumming and
-//! delivery. A shard holds one or more named *tensors*, each a byte range inside the shard.
+//! data section, a whole `.bin` file, a WebDataset tar, an MDS shard); it is the unit of
+//! fetching, checksumming and delivery. A shard holds one or more named *tensors* whose
+//! first axis is the shard's rows (samples). A *dense* tensor is one byte range inside the
+//! shard. A tensor with [`TensorEntry::rows`] has its rows stored apart (a WebDataset member
+//! per sample, an MDS field) or of varying length ([`TensorEntry::ragged`]: an Arrow list or
+//! string column); the node assembles such rows into contiguous arrays, and a ragged
+//! tensor `c` arrives as `c` (the flat values) and `c.offsets` (int64, rows + 1, from 0).
 //! The dataset digest is SHA-256 over the canonical JSON of the shard list, so two nodes
 //! that hold the same manifest plan the same order.
 
@@ -19,6 +24,8 @@ pub const MAX_SHARDS: usize = 10_000_000;
 pub const MAX_TENSORS_PER_SHARD: usize = 4096;
 /// At most this many dimensions per tensor.
 pub const MAX_DIMS: usize = 32;
+/// Suffix of the offsets tensor delivered with a ragged tensor.
+pub const OFFSETS_SUFFIX: &str = ".offsets";
 
 /// Element types shardwire can describe (numpy names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -86,16 +93,51 @@ impl std::fmt::Display for DType {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorEntry {
-    /// Name (Arrow column name, or the file stem for `.npy`/`.bin`).
+    /// Name (Arrow column name, the file stem for `.npy`/`.bin`, a WebDataset field).
     pub name: String,
     /// Element type.
     pub dtype: DType,
-    /// Shape, C order.
+    /// Shape, C order: `[rows, ...]`; for a ragged tensor `[total elements]` of all rows.
     pub shape: Vec<u64>,
-    /// Byte offset in the file.
+    /// Byte offset in the file (of the first row when [`Self::rows`] is set).
     pub offset: u64,
-    /// Byte length (= product(shape) * dtype size).
+    /// Byte length (= product(shape) * dtype size): the bytes delivered.
     pub length: u64,
+    /// Per row, its byte range `[offset, length]` relative to the shard's offset, when rows
+    /// are not one dense range. Every row has `length / rows` bytes unless `ragged`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Vec<[u64; 2]>>,
+    /// Rows of varying length (a whole number of elements each); needs `rows`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ragged: bool,
+}
+
+impl TensorEntry {
+    /// A dense tensor: `length` bytes at `offset`, row `i` at `offset + i * length / rows`.
+    pub fn dense(name: String, dtype: DType, shape: Vec<u64>, offset: u64, length: u64) -> Self {
+        Self {
+            name,
+            dtype,
+            shape,
+            offset,
+            length,
+            rows: None,
+            ragged: false,
+        }
+    }
+
+    /// Rows (samples) of the tensor.
+    pub fn row_count(&self) -> u64 {
+        match &self.rows {
+            Some(r) => r.len() as u64,
+            None => self.shape.first().copied().unwrap_or(1),
+        }
+    }
+
+    /// Whether the node must assemble the tensor's rows before delivery.
+    pub fn needs_assembly(&self) -> bool {
+        self.rows.is_some()
+    }
 }
 
 /// One shard: a byte range of a file.
@@ -251,6 +293,7 @@ impl Manifest {
                 )));
             }
             for t in &s.tensors {
+                check_rows(t, s.length).map_err(&bad)?;
                 if t.shape.len() > MAX_DIMS {
                     return Err(bad(format!(
                         "tensor `{}` has {} dims (max {MAX_DIMS})",
@@ -270,7 +313,7 @@ impl Manifest {
                     )));
                 }
                 let t_end = t.offset.checked_add(t.length);
-                if t.offset < s.offset || t_end.is_none_or(|e| e > end) {
+                if t.rows.is_none() && (t.offset < s.offset || t_end.is_none_or(|e| e > end)) {
                     return Err(bad(format!(
                         "tensor `{}` range {}+{} lies outside the shard {}+{}",
                         t.name, t.offset, t.length, s.offset, s.length
@@ -300,6 +343,59 @@ impl Manifest {
     }
 }
 
+/// Checks a tensor's row table: present when ragged, rows inside the shard (of `shard_len`
+/// bytes), a whole number of elements each, all of one size unless ragged, and summing to
+/// the tensor's length.
+fn check_rows(t: &TensorEntry, shard_len: u64) -> Result<(), String> {
+    let Some(rows) = &t.rows else {
+        return match t.ragged {
+            true => Err(format!("tensor `{}` is ragged but has no rows", t.name)),
+            false => Ok(()),
+        };
+    };
+    if t.ragged && t.shape.len() != 1 {
+        return Err(format!(
+            "ragged tensor `{}` has shape {:?}; a ragged tensor's shape is [total elements]",
+            t.name, t.shape
+        ));
+    }
+    let size = t.dtype.size();
+    let row_bytes = match t.ragged {
+        true => None,
+        false => Some(t.length / (rows.len() as u64).max(1)),
+    };
+    let mut total = 0u64;
+    for (i, &[off, len]) in rows.iter().enumerate() {
+        if off.checked_add(len).is_none_or(|e| e > shard_len) {
+            return Err(format!(
+                "tensor `{}` row {i} at {off}+{len} lies outside the shard's {shard_len} bytes",
+                t.name
+            ));
+        }
+        if len % size != 0 || row_bytes.is_some_and(|b| b != len) {
+            return Err(format!(
+                "tensor `{}` row {i} has {len} bytes; rows are {} of {size}-byte elements",
+                t.name,
+                match row_bytes {
+                    Some(b) => format!("{b} bytes"),
+                    None => "a whole number".into(),
+                }
+            ));
+        }
+        total += len;
+    }
+    if total != t.length || (!t.ragged && t.shape.first() != Some(&(rows.len() as u64))) {
+        return Err(format!(
+            "tensor `{}`: {} rows of {total} bytes in all disagree with shape {:?} and length {}",
+            t.name,
+            rows.len(),
+            t.shape,
+            t.length
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,14 +406,53 @@ mod tests {
             offset: 128,
             length: 24,
             crc32c: 1,
-            tensors: vec![TensorEntry {
-                name: "a".into(),
-                dtype: DType::Float32,
-                shape: vec![2, 3],
-                offset: 128,
-                length: 24,
-            }],
+            tensors: vec![TensorEntry::dense(
+                "a".into(),
+                DType::Float32,
+                vec![2, 3],
+                128,
+                24,
+            )],
         }])
+    }
+
+    fn with_rows(rows: Vec<[u64; 2]>, ragged: bool, shape: Vec<u64>, length: u64) -> Manifest {
+        let mut m = sample();
+        let t = &mut m.shards[0].tensors[0];
+        (t.rows, t.ragged, t.shape, t.length) = (Some(rows), ragged, shape, length);
+        t.dtype = DType::Uint16;
+        Manifest::new(m.shards)
+    }
+
+    #[test]
+    fn row_tables_are_checked() {
+        // Two scattered rows of 3 uint16, and ragged rows of 1 and 5 elements.
+        let ok = with_rows(vec![[0, 6], [12, 6]], false, vec![2, 3], 12);
+        ok.validate().unwrap();
+        assert!(ok.shards[0].tensors[0].needs_assembly());
+        assert_eq!(ok.shards[0].tensors[0].row_count(), 2);
+        let back = Manifest::from_json(&ok.to_json()).unwrap();
+        assert_eq!(back, ok);
+        with_rows(vec![[0, 2], [4, 10]], true, vec![6], 12)
+            .validate()
+            .unwrap();
+        let err = |m: Manifest| m.validate().unwrap_err().to_string();
+        assert!(
+            err(with_rows(vec![[20, 6]], false, vec![1, 3], 6))
+                .contains("row 0 at 20+6 lies outside")
+        );
+        assert!(
+            err(with_rows(vec![[0, 6], [8, 4]], false, vec![2, 3], 12))
+                .contains("row 1 has 4 bytes")
+        );
+        assert!(err(with_rows(vec![[0, 3]], true, vec![1], 3)).contains("row 0 has 3 bytes"));
+        assert!(err(with_rows(vec![[0, 2]], true, vec![2], 4)).contains("disagree"));
+        assert!(
+            err(with_rows(vec![[0, 2]], true, vec![1, 1], 2)).contains("shape is [total elements]")
+        );
+        let mut m = sample();
+        m.shards[0].tensors[0].ragged = true;
+        assert!(err(Manifest::new(m.shards)).contains("ragged but has no rows"));
     }
 
     #[test]

@@ -289,13 +289,13 @@ pub(crate) fn batch_tensors(
         let mut shape = Vec::with_capacity(p.dims.len() + 1);
         shape.push(b.rows);
         shape.extend(&p.dims);
-        out.push(TensorEntry {
-            name: p.name.clone(),
-            dtype: p.dtype,
+        out.push(TensorEntry::dense(
+            p.name.clone(),
+            p.dtype,
             shape,
-            offset: body_start + off,
-            length: need,
-        });
+            body_start + off,
+            need,
+        ));
     }
     if nodes.next().is_some() || buffers.next().is_some() {
         return Err((

@@ -136,12 +136,8 @@ mod tests {
     use super::*;
 
     fn shard(rows: u64, file: &str) -> ShardEntry {
-        let t = |name: &str, off: u64, dtype: DType, k: u64, esize: u64| TensorEntry {
-            name: name.into(),
-            dtype,
-            shape: vec![rows, k],
-            offset: off,
-            length: rows * k * esize,
+        let t = |name: &str, off: u64, dtype: DType, k: u64, esize: u64| {
+            TensorEntry::dense(name.into(), dtype, vec![rows, k], off, rows * k * esize)
         };
         ShardEntry {
             file: file.into(),

@@ -16,13 +16,13 @@ fn manifest(shards: u32, len: u64) -> Arc<Manifest> {
                 offset: 0,
                 length: len,
                 crc32c: 0,
-                tensors: vec![TensorEntry {
-                    name: "x".into(),
-                    dtype: DType::Uint8,
-                    shape: vec![len],
-                    offset: 0,
-                    length: len,
-                }],
+                tensors: vec![TensorEntry::dense(
+                    "x".into(),
+                    DType::Uint8,
+                    vec![len],
+                    0,
+                    len,
+                )],
             })
             .collect(),
     ))
