@@ -117,3 +117,31 @@ def test_stateful_dataloader_resumes_exactly_without_replay(node, data, workers)
     tail = [b["id"].tolist() for b in dl2]
     assert head + tail == full, "the resumed loader continues exactly where the checkpoint was"
     assert delivered(node) - before == len(full) - k, "nothing was replayed: the node delivered only the rest"
+
+
+def test_http_batches_equal_the_socket_and_states_cross(node, data):
+    """The trainer HTTP API in batch mode: the same batches as the Unix socket (ids and rows),
+    and a state saved over one transport resumes over the other."""
+    _, rows = data
+    opts = dict(batch_size=16, seed=6, shuffle="block", shuffle_block=64, drop_last=True)
+    with shardwire.connect(node.socket).open_stream("b", **opts) as s:
+        want = [b["id"].tolist() for b in s]
+    http = shardwire.connect_http(node.admin)
+    with http.open_stream("b", **opts) as s:
+        assert isinstance(s, shardwire.HttpStream) and s.info.batches_per_epoch == len(want)
+        got = []
+        for b in s:
+            assert b.shard is None and b["id"].shape == (16,) and b["emb"].shape == (16, K)
+            for i, e in zip(b["id"], b["emb"]):
+                assert np.array_equal(e, rows[int(i)])
+            got.append(b["id"].tolist())
+            if len(got) == 5:
+                st = s.state_dict()
+                break
+    assert got == want[:5]
+    with shardwire.connect(node.socket).open_stream("b", **opts, state=st) as s:  # HTTP -> socket
+        middle = [s.next()["id"].tolist() for _ in range(4)]
+        st2 = s.state_dict()
+    with http.open_stream("b", **opts, state=st2) as s:  # socket -> HTTP
+        rest = [b["id"].tolist() for b in s]
+    assert got + middle + rest == want
