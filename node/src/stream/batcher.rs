@@ -9,7 +9,8 @@
 //! units) and freed when the last unit holding it is past. A batch is assembled when every
 //! shard its samples come from has arrived: each tensor becomes one contiguous
 //! `[batch_size, ...]` array in a fresh slab, by memcpy of runs of consecutive rows (host
-//! memory) or by one gather-kernel launch for the whole batch (CUDA memory). At most
+//! memory) or by one gather-kernel launch for the whole batch (CUDA memory), as planned by
+//! `assemble` (ragged tensors as values and offsets). At most
 //! [`READY_AHEAD`] assembled batches wait for the trainer, so memory stays within the region
 //! whatever the trainer does.
 
@@ -20,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::samples::{EpochOrder, SampleRef, Unit};
-use shardwire_protocol::trainer::TensorView;
 use tokio::sync::mpsc;
 
+use super::assemble;
 use super::fetcher::{self, Retry};
 use super::kind::{BatchMode, Kind};
 use super::{Ready, Stream};
@@ -308,109 +309,44 @@ impl Driver {
         }) {
             return false;
         }
+        let plan = assemble::plan(&self.s.manifest, &samples);
         self.s.wants_memory.store(true, Ordering::SeqCst);
-        let Some(mut out) = self.s.pool.alloc(self.m.batch_bytes as usize) else {
+        let Some(mut out) = self.s.pool.alloc(plan.bytes as usize) else {
             return false;
         };
         self.s.wants_memory.store(false, Ordering::SeqCst);
         let t = Instant::now();
-        let runs = runs(&samples);
-        let copied = tokio::task::block_in_place(|| self.copy(&runs, &mut out));
-        if let Err(e) = copied {
-            tracing::error!(error = %e, "assembling a batch failed; closing the stream");
-            self.s.close(&format!("assembling a batch failed: {e}"));
-            return false;
-        }
+        let resident = &self.resident;
+        let slab_of = |shard: u32| resident[&shard].slab.as_ref().expect("checked resident");
+        let gpu = self.m.gpu.as_deref();
+        let filled =
+            tokio::task::block_in_place(|| assemble::execute(&plan, slab_of, &mut out, gpu));
         let c = &self.s.counters;
+        match filled {
+            Ok(how) => {
+                if how == assemble::Filled::Gather {
+                    c.batch_gather_launches.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "assembling a batch failed; closing the stream");
+                self.s.close(&format!("assembling a batch failed: {e}"));
+                return false;
+            }
+        }
         c.assembly_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         c.batches_assembled.fetch_add(1, Ordering::Relaxed);
-        let tensors = self.views();
         self.s.complete(
             self.pos,
             Ready {
                 slab: out,
-                tensors: Some(tensors),
+                tensors: Some(plan.views),
             },
         );
         self.release_through(self.last_index(self.pos));
         self.pos += u64::from(self.m.num_workers);
         true
-    }
-
-    /// The batch's tensors, with offsets relative to its slab.
-    fn views(&self) -> Vec<TensorView> {
-        let b = u64::from(self.m.plan.batch_size);
-        self.m
-            .layout
-            .tensors
-            .iter()
-            .zip(&self.m.offsets)
-            .map(|(t, &offset)| {
-                let mut shape = vec![b];
-                shape.extend_from_slice(&t.row_shape);
-                TensorView {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    shape,
-                    offset,
-                    length: b * t.row_bytes,
-                }
-            })
-            .collect()
-    }
-
-    /// Copies the batch's rows into `out`: memcpy per run of consecutive rows (host memory),
-    /// or one gather launch for the whole batch (CUDA memory).
-    fn copy(&self, runs: &[Run], out: &mut Slab) -> Result<(), String> {
-        let layout = &self.m.layout;
-        let mut frags = Vec::new();
-        for (ti, t) in layout.tensors.iter().enumerate() {
-            let rb = t.row_bytes as usize;
-            for r in runs {
-                let shard = self.resident[&r.shard]
-                    .slab
-                    .as_ref()
-                    .expect("checked resident");
-                let src =
-                    layout.tensor_offsets[r.shard as usize][ti] as usize + r.row as usize * rb;
-                let dst = self.m.offsets[ti] as usize + r.at * rb;
-                let len = r.rows * rb;
-                match (shard.host_slice(), out.host_slice_mut()) {
-                    (Some(from), Some(to)) => {
-                        to[dst..dst + len].copy_from_slice(&from[src..src + len])
-                    }
-                    _ => frags.push(shardwire_gpu::kernels::Frag {
-                        src_off: (shard.offset() + src) as u64,
-                        dst_off: (out.offset() + dst) as u64,
-                        len: len as u64,
-                    }),
-                }
-            }
-        }
-        if frags.is_empty() {
-            return Ok(());
-        }
-        let gpu = self
-            .m
-            .gpu
-            .as_ref()
-            .ok_or("a CUDA region on a node without a GPU")?;
-        let region = self
-            .s
-            .region()
-            .cuda()
-            .ok_or("a CUDA slab outside a CUDA region")?;
-        let launched = gpu.engines.gather(region, region, &frags);
-        if launched.is_ok() {
-            self.s
-                .counters
-                .batch_gather_launches
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        launched
-            .and_then(|ev| ev.wait())
-            .map_err(|e| format!("the gather kernel: {e}"))
     }
 
     /// Releases the units the rank has passed (their last sample is at or before `index`).
@@ -450,55 +386,4 @@ fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool {
     let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
     let free = pool.capacity() - pool.used();
     free >= reserve + SlabPool::class_size(len)
-}
-
-/// A run of consecutive rows of one shard, at batch position `at`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Run {
-    shard: u32,
-    row: u64,
-    at: usize,
-    rows: usize,
-}
-
-/// The batch's samples as runs of consecutive rows of one shard.
-fn runs(samples: &[SampleRef]) -> Vec<Run> {
-    let mut v: Vec<Run> = Vec::new();
-    for (j, x) in samples.iter().enumerate() {
-        match v.last_mut() {
-            Some(r) if r.shard == x.shard && r.row + r.rows as u64 == x.row => r.rows += 1,
-            _ => v.push(Run {
-                shard: x.shard,
-                row: x.row,
-                at: j,
-                rows: 1,
-            }),
-        }
-    }
-    v
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn consecutive_rows_of_a_shard_are_copied_together() {
-        let s = |shard, row| SampleRef { shard, row };
-        let r = runs(&[
-            s(3, 4),
-            s(3, 5),
-            s(3, 6),
-            s(1, 0),
-            s(3, 7),
-            s(1, 1),
-            s(1, 2),
-        ]);
-        assert_eq!(
-            r.iter()
-                .map(|r| (r.shard, r.row, r.at, r.rows))
-                .collect::<Vec<_>>(),
-            vec![(3, 4, 0, 3), (1, 0, 3, 1), (3, 7, 4, 1), (1, 1, 5, 2)]
-        );
-    }
 }

@@ -20,9 +20,7 @@ pub struct BatchMode {
     pub plan: BatchPlan,
     /// Per-sample layout.
     pub layout: Arc<Layout>,
-    /// Each tensor's offset in a batch slab.
-    pub offsets: Vec<u64>,
-    /// Bytes of a batch slab.
+    /// The most bytes a batch slab takes.
     pub batch_bytes: u64,
     /// Which of the rank's batches this stream delivers: `worker` of `num_workers`.
     pub worker: u32,

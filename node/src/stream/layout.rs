@@ -1,8 +1,8 @@
 //! The per-sample layout of a dataset, for batch mode: every shard holds the same tensors
-//! (name, dtype, shape after the first axis), each with as many rows as the shard has
-//! samples, so sample `row` of tensor `t` is the byte range `row * row_bytes .. + row_bytes`
-//! of that tensor in the shard. A batch is one slab holding each tensor as a contiguous
-//! `[batch_size, ...]` array, each starting at a 64-byte boundary (DLPack consumers such as
+//! (name, dtype, shape after the first axis, ragged or not), each with as many rows as the
+//! shard has samples; sample `row` of a tensor is one row of it (`assemble::row_range`). A
+//! batch is one slab holding each tensor as a contiguous `[batch_size, ...]` array (a ragged
+//! one as values and offsets), each starting at a 64-byte boundary (DLPack consumers such as
 //! JAX import such buffers without a copy).
 
 use shardwire_protocol::DType;
@@ -23,8 +23,10 @@ pub struct TensorLayout {
     pub dtype: DType,
     /// Shape of one sample's row.
     pub row_shape: Vec<u64>,
-    /// Bytes of one row.
+    /// Bytes of one row (a ragged tensor: of its longest row).
     pub row_bytes: u64,
+    /// Rows of varying length: delivered as values and `.offsets`.
+    pub ragged: bool,
 }
 
 /// The layout of a dataset's samples and of its batches.
@@ -34,8 +36,6 @@ pub struct Layout {
     pub tensors: Vec<TensorLayout>,
     /// Samples per shard.
     pub shard_rows: Vec<u64>,
-    /// Per shard, per tensor: the tensor's offset inside the shard's payload.
-    pub tensor_offsets: Vec<Vec<u64>>,
 }
 
 impl Layout {
@@ -46,47 +46,60 @@ impl Layout {
             .shards
             .first()
             .ok_or_else(|| bad("the dataset has no shards".into()))?;
-        let tensors: Vec<TensorLayout> = first
+        let mut tensors: Vec<TensorLayout> = first
             .tensors
             .iter()
-            .map(|t| {
-                let rows = t.shape.first().copied().unwrap_or(1).max(1);
-                TensorLayout {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    row_shape: t.shape.get(1..).unwrap_or_default().to_vec(),
-                    row_bytes: t.length / rows,
-                }
+            .map(|t| TensorLayout {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                row_shape: match t.ragged {
+                    true => vec![],
+                    false => t.shape.get(1..).unwrap_or_default().to_vec(),
+                },
+                row_bytes: match t.ragged {
+                    true => 0,
+                    false => t.length / t.row_count().max(1),
+                },
+                ragged: t.ragged,
             })
             .collect();
+        let want: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
         let mut shard_rows = Vec::with_capacity(m.shards.len());
-        let mut tensor_offsets = Vec::with_capacity(m.shards.len());
         for (i, s) in m.shards.iter().enumerate() {
             let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
-            let want: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
             if names != want {
                 return Err(bad(format!(
                     "shard {i} ({}) has tensors {names:?}, shard 0 has {want:?}; every shard must hold the same tensors",
                     s.file
                 )));
             }
-            let rows = s
-                .tensors
-                .first()
-                .and_then(|t| t.shape.first().copied())
-                .unwrap_or(0);
-            for (t, l) in s.tensors.iter().zip(&tensors) {
-                let (r, rest) = (
-                    t.shape.first().copied().unwrap_or(0),
-                    t.shape.get(1..).unwrap_or_default(),
-                );
+            let rows = s.tensors.first().map_or(0, |t| t.row_count());
+            for (t, l) in s.tensors.iter().zip(tensors.iter_mut()) {
+                let r = t.row_count();
+                let rest = match t.ragged {
+                    true => &[][..],
+                    false => t.shape.get(1..).unwrap_or_default(),
+                };
+                if t.ragged != l.ragged {
+                    return Err(bad(format!(
+                        "shard {i} ({}): tensor `{}` is {} here and {} in shard 0",
+                        s.file,
+                        t.name,
+                        if t.ragged { "ragged" } else { "fixed-shape" },
+                        if l.ragged { "ragged" } else { "fixed-shape" },
+                    )));
+                }
+                if t.ragged {
+                    let longest = t.rows.iter().flatten().map(|&[_, len]| len).max();
+                    l.row_bytes = l.row_bytes.max(longest.unwrap_or(0));
+                }
                 if t.dtype != l.dtype || rest != l.row_shape.as_slice() {
                     return Err(bad(format!(
                         "shard {i} ({}): tensor `{}` is {} {:?} per row; shard 0 has {} {:?}",
                         s.file, t.name, t.dtype, rest, l.dtype, l.row_shape
                     )));
                 }
-                if r != rows || t.length != r * l.row_bytes {
+                if r != rows || (!t.ragged && t.length != r * l.row_bytes) {
                     return Err(bad(format!(
                         "shard {i} ({}): tensor `{}` has {r} rows ({} bytes) but `{}` has {rows}; a sample is one row of every tensor",
                         s.file, t.name, t.length, want[0]
@@ -94,7 +107,6 @@ impl Layout {
                 }
             }
             shard_rows.push(rows);
-            tensor_offsets.push(s.tensors.iter().map(|t| s.relative_offset(t)).collect());
         }
         if shard_rows.iter().all(|&r| r == 0) {
             return Err(bad(
@@ -104,23 +116,21 @@ impl Layout {
         Ok(Self {
             tensors,
             shard_rows,
-            tensor_offsets,
         })
     }
 
-    /// Each tensor's offset in a batch of `batch` samples, and the batch's size in bytes.
-    pub fn batch_offsets(&self, batch: u32) -> (Vec<u64>, u64) {
-        let mut off = 0u64;
-        let offsets = self
-            .tensors
-            .iter()
-            .map(|t| {
-                let at = off;
-                off = (off + t.row_bytes * u64::from(batch)).next_multiple_of(TENSOR_ALIGN);
-                at
-            })
-            .collect();
-        (offsets, off.max(1))
+    /// The most bytes a batch of `batch` samples takes (exact without ragged tensors; with
+    /// them, as if every row were the longest, plus the offsets).
+    pub fn max_batch_bytes(&self, batch: u32) -> u64 {
+        let b = u64::from(batch);
+        let bytes = self.tensors.iter().fold(0u64, |off, t| {
+            let values = (off + t.row_bytes * b).next_multiple_of(TENSOR_ALIGN);
+            match t.ragged {
+                true => (values + (b + 1) * 8).next_multiple_of(TENSOR_ALIGN),
+                false => values,
+            }
+        });
+        bytes.max(1)
     }
 
     /// Bytes of one sample (all tensors).
@@ -156,11 +166,8 @@ mod tests {
         let m = Manifest::new(vec![shard(10, "a"), shard(4, "b")]);
         let l = Layout::of(&m).unwrap();
         assert_eq!(l.shard_rows, vec![10, 4]);
-        assert_eq!(l.tensor_offsets[1], vec![0, 32]);
         assert_eq!((l.tensors[1].row_bytes, l.sample_bytes()), (12, 20));
-        let (offs, bytes) = l.batch_offsets(5);
-        assert_eq!(offs, vec![0, 64]);
-        assert_eq!(bytes, 128);
+        assert_eq!(l.max_batch_bytes(5), 128);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! [`Stream`] is the whole interface the fronts (the trainer socket, the HTTP API) use:
 //! `next`, `release`, `state`, reading a leased tensor, and what to tell the trainer.
 
+pub mod assemble;
 pub mod batcher;
 pub mod fetcher;
 pub mod kind;

@@ -193,12 +193,11 @@ pub fn batch_mode(
     .map_err(|e| bad(e.to_string()))?;
     let fingerprint = plan.fingerprint(&digest);
     let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
-    let (offsets, batch_bytes) = layout.batch_offsets(batch_size);
+    let batch_bytes = layout.max_batch_bytes(batch_size);
     check_window(m, &plan, batch_bytes, region_bytes)?;
     let mode = BatchMode {
         plan,
         layout: Arc::new(layout),
-        offsets,
         batch_bytes,
         worker: r.worker,
         num_workers: r.num_workers,

@@ -1,0 +1,289 @@
+//! Assembly of delivered tensors from rows of resident shards: a batch of samples (batch
+//! mode), or every row of one shard whose tensors have row tables (shard mode: WebDataset
+//! members, MDS fields, Arrow list and string columns; see the manifest's `rows`).
+//!
+//! [`plan`] lays the output slab out: each tensor starts at a [`TENSOR_ALIGN`] boundary; a
+//! fixed-shape tensor is `[rows, ...]`; a ragged tensor `c` is `c` (the rows' values back to
+//! back) followed by `c.offsets` (int64, rows + 1, from 0, in elements). Its copies are
+//! pieces of consecutive bytes (rows adjacent in both the shard and the output merge into
+//! one), executed by [`execute`] as memcpys (host memory) or as one gather-kernel launch
+//! (CUDA memory); the offsets tensors are written from the host.
+
+use shardwire_gpu::Slab;
+use shardwire_protocol::manifest::{OFFSETS_SUFFIX, ShardEntry, TensorEntry};
+use shardwire_protocol::samples::SampleRef;
+use shardwire_protocol::trainer::TensorView;
+use shardwire_protocol::{DType, Manifest};
+
+use super::layout::TENSOR_ALIGN;
+
+/// Bytes `[src, src + len)` of shard `shard`'s payload go to `[dst, dst + len)` of the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Manifest shard index.
+    pub shard: u32,
+    /// Offset in the shard's payload.
+    pub src: u64,
+    /// Offset in the output slab.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The layout of an assembled slab and how to fill it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The delivered tensors, offsets relative to the slab.
+    pub views: Vec<TensorView>,
+    /// Bytes of the slab (at least 1).
+    pub bytes: u64,
+    /// Copies from resident shards.
+    pub pieces: Vec<Piece>,
+    /// Bytes written from the host (the offsets tensors), at slab offsets.
+    pub writes: Vec<(u64, Vec<u8>)>,
+}
+
+/// The byte range of row `row` of tensor `t` in shard `s`'s payload: (offset, length).
+pub fn row_range(s: &ShardEntry, t: &TensorEntry, row: u64) -> (u64, u64) {
+    match &t.rows {
+        Some(rows) => {
+            let [off, len] = rows[row as usize];
+            (off, len)
+        }
+        None => {
+            let rb = t.length / t.shape.first().copied().unwrap_or(1).max(1);
+            (s.relative_offset(t) + row * rb, rb)
+        }
+    }
+}
+
+/// Plans the slab holding `samples` (in order) of every tensor. The tensors are those of the
+/// first sample's shard; every shard named must hold the same tensors in the same order
+/// (batch mode checks that when the stream opens, see `Layout`; shard mode names one shard).
+pub fn plan(m: &Manifest, samples: &[SampleRef]) -> Plan {
+    let template = &m.shards[samples.first().map_or(0, |x| x.shard as usize)].tensors;
+    let mut p = Plan {
+        views: Vec::new(),
+        bytes: 0,
+        pieces: Vec::new(),
+        writes: Vec::new(),
+    };
+    let n = samples.len() as u64;
+    for (ti, t) in template.iter().enumerate() {
+        let base = p.bytes;
+        let mut at = base;
+        let mut offsets = Vec::with_capacity(if t.ragged { samples.len() + 1 } else { 0 });
+        for x in samples {
+            let s = &m.shards[x.shard as usize];
+            let (src, len) = row_range(s, &s.tensors[ti], x.row);
+            if t.ragged {
+                offsets.push((at - base) / t.dtype.size());
+            }
+            push_piece(&mut p.pieces, x.shard, src, at, len);
+            at += len;
+        }
+        let shape = match t.ragged {
+            true => vec![(at - base) / t.dtype.size()],
+            false => [vec![n], t.shape.get(1..).unwrap_or_default().to_vec()].concat(),
+        };
+        p.views.push(view(&t.name, t.dtype, shape, base, at - base));
+        p.bytes = at.next_multiple_of(TENSOR_ALIGN);
+        if t.ragged {
+            offsets.push((at - base) / t.dtype.size());
+            let bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+            let name = format!("{}{OFFSETS_SUFFIX}", t.name);
+            let len = bytes.len() as u64;
+            p.views
+                .push(view(&name, DType::Int64, vec![n + 1], p.bytes, len));
+            p.writes.push((p.bytes, bytes));
+            p.bytes = (p.bytes + len).next_multiple_of(TENSOR_ALIGN);
+        }
+    }
+    p.bytes = p.bytes.max(1);
+    p
+}
+
+fn view(name: &str, dtype: DType, shape: Vec<u64>, offset: u64, length: u64) -> TensorView {
+    TensorView {
+        name: name.to_owned(),
+        dtype,
+        shape,
+        offset,
+        length,
+    }
+}
+
+/// Appends a piece, merged into the last one when both its source and destination follow on.
+fn push_piece(pieces: &mut Vec<Piece>, shard: u32, src: u64, dst: u64, len: u64) {
+    if len == 0 {
+        return;
+    }
+    match pieces.last_mut() {
+        Some(l) if l.shard == shard && l.src + l.len == src && l.dst + l.len == dst => l.len += len,
+        _ => pieces.push(Piece {
+            shard,
+            src,
+            dst,
+            len,
+        }),
+    }
+}
+
+/// How the slab was filled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filled {
+    /// By memcpy (host memory).
+    Memcpy,
+    /// By one gather-kernel launch (CUDA memory).
+    Gather,
+}
+
+/// Fills `out` as `plan` says, reading the shards' slabs from `shard_slab`. Host memory:
+/// memcpy per piece; CUDA memory: the pieces as frags of one gather launch on `gpu` (the
+/// shards and `out` lie in one region), then the offsets written from the host.
+pub fn execute<'a>(
+    plan: &Plan,
+    shard_slab: impl Fn(u32) -> &'a Slab,
+    out: &mut Slab,
+    gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
+) -> Result<Filled, String> {
+    if let Some(to) = out.host_slice_mut() {
+        for p in &plan.pieces {
+            let from = shard_slab(p.shard)
+                .host_slice()
+                .ok_or("a host slab assembled from a CUDA shard")?;
+            let (s, d, l) = (p.src as usize, p.dst as usize, p.len as usize);
+            to[d..d + l].copy_from_slice(&from[s..s + l]);
+        }
+        for (at, bytes) in &plan.writes {
+            to[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
+        }
+        return Ok(Filled::Memcpy);
+    }
+    let gpu = gpu.ok_or("a CUDA region on a node without a GPU")?;
+    let region = out
+        .region()
+        .cuda()
+        .ok_or("a CUDA slab outside a CUDA region")?;
+    let frags: Vec<shardwire_gpu::kernels::Frag> = plan
+        .pieces
+        .iter()
+        .map(|p| shardwire_gpu::kernels::Frag {
+            src_off: shard_slab(p.shard).offset() as u64 + p.src,
+            dst_off: out.offset() as u64 + p.dst,
+            len: p.len,
+        })
+        .collect();
+    gpu.engines
+        .gather(region, region, &frags)
+        .and_then(|ev| ev.wait())
+        .map_err(|e| format!("the gather kernel: {e}"))?;
+    for (at, bytes) in &plan.writes {
+        region
+            .write(out.offset() + *at as usize, bytes)
+            .map_err(|e| format!("writing the offsets: {e}"))?;
+    }
+    Ok(Filled::Gather)
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::manifest::TensorEntry;
+
+    use super::*;
+
+    /// Shard `i`: `id` int64 dense at payload 0, `tok` ragged uint16 rows after it.
+    fn shard(rows: &[u64]) -> ShardEntry {
+        let n = rows.len() as u64;
+        let mut spans = Vec::new();
+        let mut at = n * 8;
+        for &r in rows {
+            spans.push([at, r * 2]);
+            at += r * 2;
+        }
+        let total: u64 = rows.iter().sum();
+        let mut tok = TensorEntry::dense(
+            "tok".into(),
+            DType::Uint16,
+            vec![total],
+            100 + n * 8,
+            total * 2,
+        );
+        (tok.rows, tok.ragged) = (Some(spans), true);
+        ShardEntry {
+            file: "a".into(),
+            offset: 100,
+            length: at,
+            crc32c: 0,
+            tensors: vec![
+                TensorEntry::dense("id".into(), DType::Int64, vec![n], 100, n * 8),
+                tok,
+            ],
+        }
+    }
+
+    #[test]
+    fn a_batch_of_dense_and_ragged_rows() {
+        let m = Manifest::new(vec![shard(&[1, 2, 3]), shard(&[4, 0])]);
+        let x = |shard, row| SampleRef { shard, row };
+        let p = plan(&m, &[x(0, 1), x(0, 2), x(1, 1), x(1, 0)]);
+        let names: Vec<(&str, &[u64], u64, u64)> = p
+            .views
+            .iter()
+            .map(|v| (v.name.as_str(), v.shape.as_slice(), v.offset, v.length))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("id", &[4][..], 0, 32),
+                ("tok", &[9][..], 64, 18),
+                ("tok.offsets", &[5][..], 128, 40)
+            ]
+        );
+        assert_eq!(p.bytes, 192);
+        // id rows 1, 2 of shard 0 merge; shard 1 rows 1 then 0 do not (row 0 comes after).
+        assert_eq!(
+            p.pieces,
+            vec![
+                Piece {
+                    shard: 0,
+                    src: 8,
+                    dst: 0,
+                    len: 16
+                },
+                Piece {
+                    shard: 1,
+                    src: 8,
+                    dst: 16,
+                    len: 8
+                },
+                Piece {
+                    shard: 1,
+                    src: 0,
+                    dst: 24,
+                    len: 8
+                },
+                // tok: shard 0 rows 1 (2 tokens) and 2 (3 tokens) are adjacent; shard 1 row 1
+                // is empty; row 0 has 4 tokens.
+                Piece {
+                    shard: 0,
+                    src: 24 + 2,
+                    dst: 64,
+                    len: 10
+                },
+                Piece {
+                    shard: 1,
+                    src: 16,
+                    dst: 74,
+                    len: 8
+                },
+            ]
+        );
+        let offs: Vec<u64> = p.writes[0]
+            .1
+            .chunks(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!((p.writes[0].0, offs), (128, vec![0, 2, 5, 5, 9]));
+    }
+}
