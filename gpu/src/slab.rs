@@ -211,6 +211,19 @@ impl Slab {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The bytes the slab's block holds (its size class): the most [`Slab::set_len`] takes.
+    pub fn capacity(&self) -> usize {
+        MIN_BLOCK << self.class
+    }
+    /// Changes the length within the block (a payload received into its head, then a
+    /// larger view assembled behind it); false, and no change, beyond [`Slab::capacity`].
+    pub fn set_len(&mut self, len: usize) -> bool {
+        let fits = len <= self.capacity();
+        if fits {
+            self.len = len;
+        }
+        fits
+    }
     /// The region the slab lies in.
     pub fn region(&self) -> &Region {
         &self.pool.region
@@ -266,6 +279,16 @@ mod tests {
 
     fn pool(len: usize) -> Arc<SlabPool> {
         SlabPool::new(crate::HostRegion::new("slab-test", len).unwrap())
+    }
+
+    #[test]
+    fn set_len_stays_within_the_block() {
+        let p = pool(1 << 20);
+        let mut a = p.alloc(5000).unwrap();
+        assert_eq!(a.capacity(), 8192);
+        assert!(a.set_len(3000) && a.len() == 3000 && a.host_slice().unwrap().len() == 3000);
+        assert!(a.set_len(8192) && a.host_slice_mut().unwrap().len() == 8192);
+        assert!(!a.set_len(8193) && a.len() == 8192);
     }
 
     #[test]

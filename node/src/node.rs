@@ -121,7 +121,7 @@ impl Node {
         let region_bytes = self.info.cfg.stream_memory();
         let (kind, start, fingerprint) = match r.batch_size {
             None => open::shard_mode(&manifest, &r, region_bytes)?,
-            Some(b) => open::batch_mode(&manifest, &r, b, region_bytes, self.plane.cuda.clone())?,
+            Some(b) => open::batch_mode(&manifest, &r, b, region_bytes)?,
         };
         let reservation = self.admission.reserve(region_bytes).map_err(|e| {
             let code = match e {
@@ -146,6 +146,7 @@ impl Node {
             fingerprint,
             counters: Arc::clone(&self.counters),
             ids: Arc::clone(&self.ids),
+            gpu: self.plane.cuda.clone(),
         });
         reservation.commit(id, Arc::clone(&s));
         let span = tracing::info_span!("stream", id, dataset = %r.dataset, rank, world_size);

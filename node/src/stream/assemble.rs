@@ -31,7 +31,7 @@ pub struct Piece {
 }
 
 /// The layout of an assembled slab and how to fill it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// The delivered tensors, offsets relative to the slab.
     pub views: Vec<TensorView>,
@@ -62,45 +62,77 @@ pub fn row_range(s: &ShardEntry, t: &TensorEntry, row: u64) -> (u64, u64) {
 /// (batch mode checks that when the stream opens, see `Layout`; shard mode names one shard).
 pub fn plan(m: &Manifest, samples: &[SampleRef]) -> Plan {
     let template = &m.shards[samples.first().map_or(0, |x| x.shard as usize)].tensors;
-    let mut p = Plan {
-        views: Vec::new(),
-        bytes: 0,
-        pieces: Vec::new(),
-        writes: Vec::new(),
-    };
-    let n = samples.len() as u64;
+    let mut p = Plan::default();
     for (ti, t) in template.iter().enumerate() {
-        let base = p.bytes;
-        let mut at = base;
-        let mut offsets = Vec::with_capacity(if t.ragged { samples.len() + 1 } else { 0 });
-        for x in samples {
-            let s = &m.shards[x.shard as usize];
-            let (src, len) = row_range(s, &s.tensors[ti], x.row);
-            if t.ragged {
-                offsets.push((at - base) / t.dtype.size());
-            }
-            push_piece(&mut p.pieces, x.shard, src, at, len);
-            at += len;
-        }
-        let shape = match t.ragged {
-            true => vec![(at - base) / t.dtype.size()],
-            false => [vec![n], t.shape.get(1..).unwrap_or_default().to_vec()].concat(),
-        };
-        p.views.push(view(&t.name, t.dtype, shape, base, at - base));
-        p.bytes = at.next_multiple_of(TENSOR_ALIGN);
-        if t.ragged {
-            offsets.push((at - base) / t.dtype.size());
-            let bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
-            let name = format!("{}{OFFSETS_SUFFIX}", t.name);
-            let len = bytes.len() as u64;
-            p.views
-                .push(view(&name, DType::Int64, vec![n + 1], p.bytes, len));
-            p.writes.push((p.bytes, bytes));
-            p.bytes = (p.bytes + len).next_multiple_of(TENSOR_ALIGN);
-        }
+        lay_tensor(&mut p, m, ti, t, samples);
     }
     p.bytes = p.bytes.max(1);
     p
+}
+
+/// The slab of shard `shard` when some of its tensors have row tables (None: it is
+/// delivered as received). The payload stays at the slab's head and its dense tensors are
+/// viewed there; the row-table tensors are assembled behind it, from [`behind`] on.
+pub fn plan_shard(m: &Manifest, shard: u32) -> Option<Plan> {
+    let s = &m.shards[shard as usize];
+    if !s.tensors.iter().any(TensorEntry::needs_assembly) {
+        return None;
+    }
+    let mut p = Plan {
+        bytes: behind(s.length),
+        ..Plan::default()
+    };
+    for (ti, t) in s.tensors.iter().enumerate() {
+        if t.needs_assembly() {
+            let rows: Vec<SampleRef> = (0..t.row_count())
+                .map(|row| SampleRef { shard, row })
+                .collect();
+            lay_tensor(&mut p, m, ti, t, &rows);
+        } else {
+            let (offset, length) = (s.relative_offset(t), t.length);
+            p.views
+                .push(view(&t.name, t.dtype, t.shape.clone(), offset, length));
+        }
+    }
+    Some(p)
+}
+
+/// Where an assembly behind a payload of `len` bytes starts.
+pub fn behind(len: u64) -> u64 {
+    len.next_multiple_of(TENSOR_ALIGN)
+}
+
+/// Lays tensor `ti` (described by `t`) of `samples` out at the end of `p`.
+fn lay_tensor(p: &mut Plan, m: &Manifest, ti: usize, t: &TensorEntry, samples: &[SampleRef]) {
+    let n = samples.len() as u64;
+    let base = p.bytes;
+    let mut at = base;
+    let mut offsets = Vec::with_capacity(if t.ragged { samples.len() + 1 } else { 0 });
+    for x in samples {
+        let s = &m.shards[x.shard as usize];
+        let (src, len) = row_range(s, &s.tensors[ti], x.row);
+        if t.ragged {
+            offsets.push((at - base) / t.dtype.size());
+        }
+        push_piece(&mut p.pieces, x.shard, src, at, len);
+        at += len;
+    }
+    let shape = match t.ragged {
+        true => vec![(at - base) / t.dtype.size()],
+        false => [vec![n], t.shape.get(1..).unwrap_or_default().to_vec()].concat(),
+    };
+    p.views.push(view(&t.name, t.dtype, shape, base, at - base));
+    p.bytes = at.next_multiple_of(TENSOR_ALIGN);
+    if t.ragged {
+        offsets.push((at - base) / t.dtype.size());
+        let bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+        let name = format!("{}{OFFSETS_SUFFIX}", t.name);
+        let len = bytes.len() as u64;
+        p.views
+            .push(view(&name, DType::Int64, vec![n + 1], p.bytes, len));
+        p.writes.push((p.bytes, bytes));
+        p.bytes = (p.bytes + len).next_multiple_of(TENSOR_ALIGN);
+    }
 }
 
 fn view(name: &str, dtype: DType, shape: Vec<u64>, offset: u64, length: u64) -> TensorView {
@@ -160,6 +192,46 @@ pub fn execute<'a>(
         }
         return Ok(Filled::Memcpy);
     }
+    gather(plan, |shard| shard_slab(shard).offset() as u64, out, gpu)
+}
+
+/// Fills the tail of `slab` as [`plan_shard`]'s `plan` says, from the payload at its head
+/// (host: `copy_within`; CUDA: one gather launch inside the slab), after growing it to the
+/// plan's size (the fetcher allocated a block that holds it).
+pub fn execute_in_place(
+    plan: &Plan,
+    slab: &mut Slab,
+    gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
+) -> Result<Filled, String> {
+    if !slab.set_len(plan.bytes as usize) {
+        return Err(format!(
+            "the slab's block of {} bytes cannot hold the assembled {} bytes",
+            slab.capacity(),
+            plan.bytes
+        ));
+    }
+    if let Some(buf) = slab.host_slice_mut() {
+        for p in &plan.pieces {
+            let (s, d, l) = (p.src as usize, p.dst as usize, p.len as usize);
+            buf.copy_within(s..s + l, d);
+        }
+        for (at, bytes) in &plan.writes {
+            buf[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
+        }
+        return Ok(Filled::Memcpy);
+    }
+    let base = slab.offset() as u64;
+    gather(plan, |_| base, slab, gpu)
+}
+
+/// The CUDA half of [`execute`]: the pieces as frags of one gather launch (sources at
+/// `src_base(shard)` in the region), then the offsets written from the host.
+fn gather(
+    plan: &Plan,
+    src_base: impl Fn(u32) -> u64,
+    out: &Slab,
+    gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
+) -> Result<Filled, String> {
     let gpu = gpu.ok_or("a CUDA region on a node without a GPU")?;
     let region = out
         .region()
@@ -169,7 +241,7 @@ pub fn execute<'a>(
         .pieces
         .iter()
         .map(|p| shardwire_gpu::kernels::Frag {
-            src_off: shard_slab(p.shard).offset() as u64 + p.src,
+            src_off: src_base(p.shard) + p.src,
             dst_off: out.offset() as u64 + p.dst,
             len: p.len,
         })
@@ -285,5 +357,37 @@ mod tests {
             .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!((p.writes[0].0, offs), (128, vec![0, 2, 5, 5, 9]));
+    }
+
+    #[test]
+    fn a_shard_keeps_dense_tensors_in_place_and_assembles_the_rest_behind() {
+        let m = Manifest::new(vec![shard(&[1, 2, 3]), shard(&[4, 0])]);
+        let dense = ShardEntry {
+            tensors: vec![m.shards[0].tensors[0].clone()],
+            length: 24,
+            ..m.shards[0].clone()
+        };
+        assert!(
+            plan_shard(&Manifest::new(vec![dense]), 0).is_none(),
+            "all dense: as received"
+        );
+        let p = plan_shard(&m, 1).unwrap();
+        // Payload: 2 ids (16 bytes) + 4 tokens (8 bytes) = 24 -> assembly from 64.
+        let v: Vec<(&str, u64, u64)> = p
+            .views
+            .iter()
+            .map(|v| (v.name.as_str(), v.offset, v.length))
+            .collect();
+        assert_eq!(v, [("id", 0, 16), ("tok", 64, 8), ("tok.offsets", 128, 24)]);
+        assert_eq!(
+            p.pieces,
+            vec![Piece {
+                shard: 1,
+                src: 16,
+                dst: 64,
+                len: 8
+            }]
+        );
+        assert_eq!(p.bytes, 192);
     }
 }

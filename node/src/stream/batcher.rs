@@ -318,7 +318,7 @@ impl Driver {
         let t = Instant::now();
         let resident = &self.resident;
         let slab_of = |shard: u32| resident[&shard].slab.as_ref().expect("checked resident");
-        let gpu = self.m.gpu.as_deref();
+        let gpu = self.s.gpu.as_deref();
         let filled =
             tokio::task::block_in_place(|| assemble::execute(&plan, slab_of, &mut out, gpu));
         let c = &self.s.counters;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use shardwire_gpu::Slab;
 use tokio::sync::mpsc;
 
+use super::assemble;
 use super::kind::Kind;
 use super::{Ready, Stream};
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight};
@@ -66,13 +67,16 @@ pub async fn run(s: Arc<Stream>, start: u64) {
         while retry.is_empty() && next_issue < s.total {
             let shard = order.shard_at(next_issue);
             let len = s.manifest.shards[shard as usize].length as usize;
+            // A shard with row tables is assembled behind its payload, in the same block.
+            let block = assemble::plan_shard(&s.manifest, shard).map_or(len, |p| p.bytes as usize);
             // Announce the need before trying, so a free between the failed try and the
             // wait below leaves a permit instead of being missed.
             s.wants_memory.store(true, Ordering::SeqCst);
-            let Some(slab) = s.pool.alloc(len) else {
+            let Some(mut slab) = s.pool.alloc(block) else {
                 starved_since.get_or_insert_with(Instant::now);
                 break;
             };
+            slab.set_len(len); // the payload's length; within the block by construction
             s.wants_memory.store(false, Ordering::SeqCst);
             if let Some(t) = starved_since.take() {
                 s.counters
@@ -110,13 +114,22 @@ fn completed(s: &Stream, c: Completion, retry: &mut VecDeque<Retry>) {
         Ok(()) => {
             metrics::histogram!("shardwire_fetch_duration_seconds")
                 .record(c.issued.elapsed().as_secs_f64());
-            s.complete(
-                c.pos,
-                Ready {
-                    slab: c.slab,
-                    tensors: None,
-                },
-            );
+            let mut slab = c.slab;
+            let tensors = match assemble::plan_shard(&s.manifest, c.shard) {
+                None => None,
+                Some(plan) => {
+                    let filled = tokio::task::block_in_place(|| {
+                        assemble::execute_in_place(&plan, &mut slab, s.gpu.as_deref())
+                    });
+                    if let Err(e) = filled {
+                        tracing::error!(shard = c.shard, error = %e, "assembling a shard failed; closing the stream");
+                        s.close(&format!("assembling shard {} failed: {e}", c.shard));
+                        return;
+                    }
+                    Some(plan.views)
+                }
+            };
+            s.complete(c.pos, Ready { slab, tensors });
         }
         Err(f) => {
             s.counters.refetches.fetch_add(1, Ordering::Relaxed);

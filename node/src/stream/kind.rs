@@ -26,8 +26,6 @@ pub struct BatchMode {
     pub worker: u32,
     /// See `worker`.
     pub num_workers: u32,
-    /// The GPU the region is on (`memory = cuda`: batches are gathered by the kernel).
-    pub gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
 }
 
 /// The kind of a stream.

@@ -92,8 +92,9 @@ pub struct StreamInfo {
     pub state: StreamState,
 }
 
-/// A batch ready for its trainer: its slab, and (batch mode) its tensors with offsets
-/// relative to the slab (shard mode derives them from the manifest).
+/// A batch ready for its trainer: its slab, and (batch mode, and shard mode for shards
+/// with row tables) its tensors with offsets relative to the slab (otherwise shard mode
+/// derives them from the manifest).
 #[derive(Debug)]
 pub struct Ready {
     /// The memory.
@@ -136,6 +137,8 @@ pub struct Parts {
     pub counters: Arc<Counters>,
     /// The node's id source (leases).
     pub ids: Arc<AtomicU64>,
+    /// The GPU of a CUDA region (assembly launches the gather kernel on it).
+    pub gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
 }
 
 /// A stream's state, shared by its trainer's front and its fetcher task.
@@ -151,6 +154,7 @@ pub struct Stream {
     candidates: Vec<Arc<SourceLink>>,
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
+    gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
     inner: Mutex<Inner>,
     cv: Condvar,
     /// Woken when a slab is freed while the fetcher waits for memory.
@@ -178,6 +182,7 @@ impl Stream {
             candidates: p.candidates,
             counters: p.counters,
             ids: p.ids,
+            gpu: p.gpu,
             inner: Mutex::new(Inner {
                 reorder: Reorder::new(first, slots),
                 leases: HashMap::new(),
@@ -377,7 +382,14 @@ impl Stream {
     fn lease(&self, pos: u64, ready: &Ready) -> Batch {
         let base = ready.slab.offset() as u64;
         let (shard, tensors) = match (&self.kind, &ready.tensors) {
-            (Kind::Shards(order), _) => {
+            (Kind::Shards(order), Some(views)) => {
+                let views = views.iter().map(|t| TensorView {
+                    offset: base + t.offset,
+                    ..t.clone()
+                });
+                (order.shard_at(pos), views.collect())
+            }
+            (Kind::Shards(order), None) => {
                 let shard = order.shard_at(pos);
                 let entry = &self.manifest.shards[shard as usize];
                 let views = entry

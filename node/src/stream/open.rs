@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use shardwire_gpu::cuda::CudaMemory;
 use shardwire_gpu::{HostRegion, Region, SlabPool};
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
@@ -115,13 +114,20 @@ pub fn resume_position(
 
 /// Checks that a region of `region_bytes` can keep one batch leased while the next arrives.
 pub fn check_region(manifest: &Manifest, region_bytes: u64) -> Result<(), OpenError> {
-    let largest = manifest.shards.iter().map(|s| s.length).max().unwrap_or(0) as usize;
+    // A shard with row tables is assembled behind its payload, in the same slab.
+    let largest = (0..manifest.shards.len() as u32)
+        .map(|i| match super::assemble::plan_shard(manifest, i) {
+            Some(p) => p.bytes,
+            None => manifest.shards[i as usize].length,
+        })
+        .max()
+        .unwrap_or(0) as usize;
     let class = SlabPool::class_size(largest) as u64;
     if class * 2 > region_bytes {
         return Err(OpenError::new(
             ErrorCode::NoMemory,
             format!(
-                "the largest shard ({largest} bytes, slab class {class}) needs stream_memory of at least {} bytes to keep one batch leased while the next arrives; stream_memory is {region_bytes}",
+                "the largest shard ({largest} bytes as delivered, slab class {class}) needs stream_memory of at least {} bytes to keep one batch leased while the next arrives; stream_memory is {region_bytes}",
                 class * 2
             ),
         ));
@@ -151,7 +157,6 @@ pub fn batch_mode(
     r: &StreamRequest,
     batch_size: u32,
     region_bytes: u64,
-    gpu: Option<Arc<CudaMemory>>,
 ) -> Result<(Kind, u64, String), OpenError> {
     let layout = Layout::of(m)?;
     let st = r.state.as_ref();
@@ -201,7 +206,6 @@ pub fn batch_mode(
         batch_bytes,
         worker: r.worker,
         num_workers: r.num_workers,
-        gpu,
     };
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
