@@ -23,13 +23,24 @@ fn vm_hwm_kib() -> u64 {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let shards: usize = args.next().map_or(1_000_000, |a| a.parse().expect("SHARDS"));
-    let rows: u64 = args.next().map_or(1000, |a| a.parse().expect("ROWS_PER_SHARD"));
+    let shards: usize = args
+        .next()
+        .map_or(1_000_000, |a| a.parse().expect("SHARDS"));
+    let rows: u64 = args
+        .next()
+        .map_or(1000, |a| a.parse().expect("ROWS_PER_SHARD"));
     let base = vm_hwm_kib();
     let (batch, world, partitions, block) = (512u32, 8u32, 8u32, 16_000u64);
     let order = Arc::new(
-        SampleOrder::new([7; 32], vec![rows; shards], 3, Shuffle::Block, block, partitions)
-            .expect("valid order"),
+        SampleOrder::new(
+            [7; 32],
+            vec![rows; shards],
+            3,
+            Shuffle::Block,
+            block,
+            partitions,
+        )
+        .expect("valid order"),
     );
     let mut worst = 0f64;
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
