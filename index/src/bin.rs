@@ -25,7 +25,7 @@ mod tests {
         let dir = temp_dir("bin");
         let data: Vec<u8> = (0..1000u32).map(|i| (i * 31 % 256) as u8).collect();
         std::fs::write(dir.join("blob.bin"), &data).unwrap();
-        let m = index_dir(&dir, &IndexOptions { progress: false }).unwrap();
+        let m = index_dir(&dir, &IndexOptions::default()).unwrap();
         assert_eq!(m.shards.len(), 1);
         let s = &m.shards[0];
         assert_eq!((s.file.as_str(), s.offset, s.length), ("blob.bin", 0, 1000));
@@ -44,7 +44,7 @@ mod tests {
             .map(|i| (i ^ (i >> 9)) as u8)
             .collect();
         std::fs::write(dir.join("big.bin"), &data).unwrap();
-        let m = index_dir(&dir, &IndexOptions { progress: false }).unwrap();
+        let m = index_dir(&dir, &IndexOptions::default()).unwrap();
         assert_eq!(m.shards[0].crc32c, shardwire_protocol::crc::crc32c(&data));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -53,7 +53,7 @@ mod tests {
     fn empty_bin_is_rejected() {
         let dir = temp_dir("bin-empty");
         std::fs::write(dir.join("e.bin"), b"").unwrap();
-        let err = index_dir(&dir, &IndexOptions { progress: false })
+        let err = index_dir(&dir, &IndexOptions::default())
             .unwrap_err()
             .to_string();
         assert!(err.contains("e.bin") && err.contains("empty"), "{err}");

@@ -72,6 +72,19 @@ pub enum IndexError {
         /// The offending value (a type, a count, a range).
         value: String,
     },
+    /// `--columns` names a column that an Arrow file does not have.
+    #[error(
+        "{}: --columns names `{column}`, which is not a column of this file (available: {available})",
+        .file.display()
+    )]
+    UnknownColumn {
+        /// The file.
+        file: PathBuf,
+        /// The name given.
+        column: String,
+        /// The file's columns, comma-separated.
+        available: String,
+    },
     /// The manifest built from the files failed its own validation (a bug guard).
     #[error("{}: internal error, the built manifest is invalid: {source}", .dir.display())]
     Manifest {

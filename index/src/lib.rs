@@ -5,6 +5,10 @@
 //! section, a whole `.bin` file) with its CRC-32C; its tensors are byte ranges inside it,
 //! with absolute file offsets. Files are visited in sorted relative-path order, so the same
 //! directory always yields the same manifest and digest.
+//!
+//! Nothing is left out silently: [`index_report`] also lists the files not used (with the
+//! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
+//! files and the manifest itself are the only files skipped without a word.
 
 #![forbid(unsafe_code)]
 
@@ -18,14 +22,16 @@ mod source;
 mod testutil;
 mod walk;
 
+use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
-use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest};
+use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ShardEntry};
 
 pub use crate::error::IndexError;
 use crate::source::Source;
-use crate::walk::Kind;
+pub use crate::walk::Unused;
+use crate::walk::{Candidate, Kind};
 
 /// Options for [`index_dir`].
 #[derive(Clone, Debug, Default)]
@@ -33,41 +39,193 @@ pub struct IndexOptions {
     /// Show the `indexed 120/4000 files, 3.2 GiB` progress line on stderr. Even when true,
     /// the line is drawn only if stderr is a terminal, so redirected output stays clean.
     pub progress: bool,
+    /// Serve only these Arrow columns (`--columns a,b`), in schema order; a name that an
+    /// Arrow file lacks is an error naming the file's columns. `.npy`/`.bin` files are
+    /// not affected.
+    pub columns: Option<Vec<String>>,
+    /// Skip Arrow columns that cannot be served (`--skip-unsupported`) instead of failing;
+    /// each is listed in [`IndexReport::skipped`].
+    pub skip_unsupported: bool,
+}
+
+/// An Arrow column left out under [`IndexOptions::skip_unsupported`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedColumn {
+    /// Column name.
+    pub column: String,
+    /// Its type, spelt as pyarrow does (`list<item: struct<a: int64>>`).
+    pub dtype: String,
+    /// Why it cannot be served.
+    pub reason: String,
+    /// The files where it was skipped.
+    pub files: Vec<String>,
+}
+
+/// What [`index_report`] found: the manifest, and what was left out.
+#[derive(Clone, Debug)]
+pub struct IndexReport {
+    /// The validated manifest.
+    pub manifest: Manifest,
+    /// Files not used, sorted by path.
+    pub unused: Vec<Unused>,
+    /// Columns skipped, one entry per (column, type).
+    pub skipped: Vec<SkippedColumn>,
+}
+
+/// How many names a note lists before `and N more`.
+const NOTE_NAMES: usize = 5;
+
+impl IndexReport {
+    /// One line each for the files not used and the columns skipped (none when nothing
+    /// was left out), e.g. `not used: 2 files: notes.txt (unknown extension .txt), ...`.
+    pub fn notes(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !self.unused.is_empty() {
+            let names = self
+                .unused
+                .iter()
+                .map(|u| format!("{} ({})", u.file, u.reason));
+            out.push(note("not used", self.unused.len(), "file", names));
+        }
+        if !self.skipped.is_empty() {
+            let names = self.skipped.iter().map(|c| {
+                let n = c.files.len();
+                let files = if n == 1 { "file" } else { "files" };
+                format!("{} ({}, {n} {files})", c.column, c.dtype)
+            });
+            let what = "skipped unsupported";
+            out.push(note(what, self.skipped.len(), "column", names));
+        }
+        out
+    }
+}
+
+/// `label: N things: a, b, c, d, e, and 3 more`.
+fn note(label: &str, n: usize, thing: &str, names: impl Iterator<Item = String>) -> String {
+    let plural = if n == 1 { "" } else { "s" };
+    let mut list: Vec<String> = names.take(NOTE_NAMES).collect();
+    if n > NOTE_NAMES {
+        list.push(format!("and {} more", n - NOTE_NAMES));
+    }
+    format!("{label}: {n} {thing}{plural}: {}", list.join(", "))
 }
 
 /// Indexes every data file under `dir` into a validated manifest.
 pub fn index_dir(dir: &Path, opts: &IndexOptions) -> Result<Manifest, IndexError> {
+    index_report(dir, opts).map(|r| r.manifest)
+}
+
+/// Indexes every data file under `dir`: the manifest, the files not used and the columns
+/// skipped.
+pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
     if !dir.is_dir() {
         return Err(IndexError::NotADirectory {
             dir: dir.to_path_buf(),
         });
     }
-    let files = walk::collect(dir)?;
+    let (files, mut unused) = walk::collect(dir)?;
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
     );
-    let mut shards = Vec::new();
-    for f in &files {
-        let found = Source::open(&f.path, &f.rel).and_then(|mut src| match f.kind {
-            Kind::Arrow => arrow::index(&mut src),
-            Kind::Npy => npy::index(&mut src),
-            Kind::Bin => bin::index(&mut src),
-        });
-        match found {
-            Ok(found) => shards.extend(found),
-            Err(e) => {
-                progress.finish();
-                return Err(e);
+    let found = index_files(&files, opts, &mut progress);
+    progress.finish();
+    let Found {
+        mut shards,
+        skipped,
+        nested,
+        empty,
+    } = found?;
+    arrow::harmonize(&mut shards, &nested);
+    unused.extend(empty.into_iter().map(|file| Unused {
+        file,
+        reason: "holds no rows".into(),
+    }));
+    unused.sort_by(|a, b| a.file.cmp(&b.file));
+    let manifest = checked_manifest(dir, shards, files.len())?;
+    Ok(IndexReport {
+        manifest,
+        unused,
+        skipped,
+    })
+}
+
+/// What the data files yield together.
+#[derive(Default)]
+struct Found {
+    shards: Vec<ShardEntry>,
+    skipped: Vec<SkippedColumn>,
+    nested: HashSet<String>,
+    /// Files with no rows.
+    empty: Vec<String>,
+}
+
+/// Indexes `files` in order.
+fn index_files(
+    files: &[Candidate],
+    opts: &IndexOptions,
+    progress: &mut Progress,
+) -> Result<Found, IndexError> {
+    let choice = arrow::Choice {
+        columns: opts.columns.as_deref(),
+        skip_unsupported: opts.skip_unsupported,
+    };
+    let mut out = Found::default();
+    for f in files {
+        let mut src = Source::open(&f.path, &f.rel)?;
+        let shards = match f.kind {
+            Kind::Arrow => {
+                let a = arrow::index(&mut src, choice)?;
+                for (column, dtype, reason) in a.skipped {
+                    add_skipped(&mut out.skipped, column, dtype, reason, &f.rel);
+                }
+                out.nested.extend(a.nested);
+                a.shards
             }
+            Kind::Npy => npy::index(&mut src)?,
+            Kind::Bin => bin::index(&mut src)?,
+        };
+        if shards.is_empty() {
+            out.empty.push(f.rel.clone());
         }
+        out.shards.extend(shards);
         progress.file_done(f.size);
     }
-    progress.finish();
+    Ok(out)
+}
+
+/// Records a skipped column, merging files that skip the same (column, type).
+fn add_skipped(
+    list: &mut Vec<SkippedColumn>,
+    column: String,
+    dtype: String,
+    reason: String,
+    file: &str,
+) {
+    match list
+        .iter_mut()
+        .find(|c| c.column == column && c.dtype == dtype)
+    {
+        Some(c) => c.files.push(file.to_string()),
+        None => list.push(SkippedColumn {
+            column,
+            dtype,
+            reason,
+            files: vec![file.to_string()],
+        }),
+    }
+}
+
+/// The validated manifest of `shards` (`found`: how many data files were read).
+fn checked_manifest(
+    dir: &Path,
+    shards: Vec<ShardEntry>,
+    found: usize,
+) -> Result<Manifest, IndexError> {
     if shards.is_empty() {
         return Err(IndexError::NoUsableFiles {
             dir: dir.to_path_buf(),
-            found: files.len(),
+            found,
         });
     }
     let manifest = Manifest::new(shards);
@@ -200,7 +358,7 @@ mod tests {
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         std::fs::write(dir.join("b.bin"), [1u8, 2, 3]).unwrap();
         std::fs::write(dir.join("sub/a.bin"), [4u8; 10]).unwrap();
-        let m = index_dir(&dir, &IndexOptions { progress: false }).unwrap();
+        let m = index_dir(&dir, &IndexOptions::default()).unwrap();
         let files: Vec<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
         assert_eq!(files, ["b.bin", "sub/a.bin"]);
         assert_eq!(m.total_bytes, 13);

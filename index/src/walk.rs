@@ -1,5 +1,7 @@
 //! Finds the data files of a dataset directory: recursive, deterministic (sorted by relative
-//! path), skipping hidden entries, the manifest itself and unknown extensions.
+//! path), skipping hidden entries and the manifest itself silently. Every other file that
+//! is not read (unknown extension, HF `datasets` metadata, links to directories, dangling
+//! links) is listed as [`Unused`] with the reason, so that nothing is left out unseen.
 
 use std::path::{Path, PathBuf};
 
@@ -44,11 +46,35 @@ pub(crate) struct Candidate {
     pub size: u64,
 }
 
-/// Lists the data files under `dir`, sorted by relative path.
+/// A file the walk does not read, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unused {
+    /// Path relative to the dataset directory, '/'-separated.
+    pub file: String,
+    /// Why it is not read, e.g. `unknown extension .txt`.
+    pub reason: String,
+}
+
+/// Files HF `datasets` writes next to its Arrow files (`save_to_disk`).
+const HF_METADATA: [&str; 3] = ["dataset_info.json", "state.json", "dataset_dict.json"];
+
+/// Why a regular file named `name` is not read.
+fn unused_reason(name: &str) -> String {
+    if HF_METADATA.contains(&name) {
+        return "HF datasets metadata".into();
+    }
+    match Path::new(name).extension() {
+        Some(ext) => format!("unknown extension .{}", ext.to_string_lossy()),
+        None => "no extension".into(),
+    }
+}
+
+/// Lists the data files under `dir`, sorted by relative path, and the files not used.
 ///
 /// Symbolic links to files are followed; symbolic links to directories are not (no cycles).
-pub(crate) fn collect(dir: &Path) -> Result<Vec<Candidate>, IndexError> {
+pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), IndexError> {
     let mut out = Vec::new();
+    let mut unused = Vec::new();
     let mut stack: Vec<(PathBuf, String)> = vec![(dir.to_path_buf(), String::new())];
     while let Some((path, prefix)) = stack.pop() {
         let entries = std::fs::read_dir(&path).map_err(|e| IndexError::io(&path, e))?;
@@ -72,13 +98,25 @@ pub(crate) fn collect(dir: &Path) -> Result<Vec<Candidate>, IndexError> {
                 stack.push((full, rel));
                 continue;
             }
-            let Some(kind) = Kind::of(name) else { continue };
             // Follows a symbolic link to a file; skips links to directories and dangling links.
             let meta = match std::fs::metadata(&full) {
-                Ok(m) if m.is_file() => m,
-                Ok(_) => continue,
-                Err(_) if ftype.is_symlink() => continue,
+                Ok(m) if m.is_file() => Ok(m),
+                Ok(m) if m.is_dir() => Err("symbolic link to a directory (not followed)"),
+                Ok(_) => Err("not a regular file"),
+                Err(_) if ftype.is_symlink() => Err("dangling symbolic link"),
                 Err(e) => return Err(IndexError::io(&full, e)),
+            };
+            let found = meta.map_err(String::from).and_then(|m| {
+                Kind::of(name)
+                    .map(|k| (k, m))
+                    .ok_or_else(|| unused_reason(name))
+            });
+            let (kind, meta) = match found {
+                Ok(found) => found,
+                Err(reason) => {
+                    unused.push(Unused { file: rel, reason });
+                    continue;
+                }
             };
             out.push(Candidate {
                 path: full,
@@ -89,7 +127,8 @@ pub(crate) fn collect(dir: &Path) -> Result<Vec<Candidate>, IndexError> {
         }
     }
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
-    Ok(out)
+    unused.sort_by(|a, b| a.file.cmp(&b.file));
+    Ok((out, unused))
 }
 
 #[cfg(test)]
@@ -121,12 +160,29 @@ mod tests {
             ".dot.bin",
             ".hidden/x.bin",
             "notes.txt",
+            "sub/state.json",
+            "data.tar",
+            "README",
             MANIFEST_FILE,
         ] {
             std::fs::write(dir.join(f), b"x").unwrap();
         }
-        let rels: Vec<String> = collect(&dir).unwrap().into_iter().map(|c| c.rel).collect();
+        let (found, unused) = collect(&dir).unwrap();
+        let rels: Vec<String> = found.into_iter().map(|c| c.rel).collect();
         assert_eq!(rels, ["a.npy", "b.bin", "sub/c.arrow", "sub/deeper/z.bin"]);
+        let unused: Vec<(&str, &str)> = unused
+            .iter()
+            .map(|u| (u.file.as_str(), u.reason.as_str()))
+            .collect();
+        assert_eq!(
+            unused,
+            [
+                ("README", "no extension"),
+                ("data.tar", "unknown extension .tar"),
+                ("notes.txt", "unknown extension .txt"),
+                ("sub/state.json", "HF datasets metadata"),
+            ]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

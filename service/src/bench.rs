@@ -104,7 +104,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     for i in 0..count {
         synth::write_bin(&data.join(format!("s{i:04}.bin")), shard, i as u64)?;
     }
-    let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
+    let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions::default())?;
     shardwire_index::write_manifest(&data, &m)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
     // Deep enough that in-order delivery (a slow head-of-line shard holds finished ones in

@@ -26,6 +26,12 @@ enum Cmd {
         /// Never show the progress line.
         #[arg(long)]
         quiet: bool,
+        /// Serve only these Arrow columns (comma-separated, e.g. `--columns image,label`).
+        #[arg(long, value_delimiter = ',')]
+        columns: Option<Vec<String>>,
+        /// Skip Arrow columns that cannot be served (each is named) instead of failing.
+        #[arg(long)]
+        skip_unsupported: bool,
     },
     /// Serve datasets to node services.
     Source(SourceFlags),
@@ -255,7 +261,19 @@ fn redact(c: SourceConfig) -> SourceConfig {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
-        Cmd::Index { dir, quiet } => index(&dir, quiet),
+        Cmd::Index {
+            dir,
+            quiet,
+            columns,
+            skip_unsupported,
+        } => {
+            let opts = shardwire_index::IndexOptions {
+                progress: !quiet,
+                columns,
+                skip_unsupported,
+            };
+            index(&dir, &opts)
+        }
         Cmd::Source(f) => source(&f),
         Cmd::Serve(f) => serve(&f),
         Cmd::Consume(a) => consume::run(a),
@@ -268,10 +286,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn index(dir: &std::path::Path, quiet: bool) -> anyhow::Result<ExitCode> {
-    let opts = shardwire_index::IndexOptions { progress: !quiet };
-    let m = shardwire_index::index_dir(dir, &opts)?;
-    let path = shardwire_index::write_manifest(dir, &m)?;
+fn index(dir: &std::path::Path, opts: &shardwire_index::IndexOptions) -> anyhow::Result<ExitCode> {
+    let report = shardwire_index::index_report(dir, opts)?;
+    for note in report.notes() {
+        eprintln!("{note}");
+    }
+    let m = &report.manifest;
+    let path = shardwire_index::write_manifest(dir, m)?;
     println!(
         "indexed {} shards, {} bytes, digest {} -> {}",
         m.shards.len(),

@@ -128,8 +128,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
     for i in 0..4u64 {
         synth::write_npy_f32(&data.join(format!("emb-{i}.npy")), &[128, 96], i + 10)?;
     }
-    let manifest =
-        shardwire_index::index_dir(&data, &shardwire_index::IndexOptions { progress: false })?;
+    let manifest = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions::default())?;
     shardwire_index::write_manifest(&data, &manifest)?;
     println!(
         "dataset: {} shards, {} bytes in {}",

@@ -506,6 +506,13 @@ def wait_ready(serve: Serve, sources: int = 1, timeout: float = WAIT) -> dict:
     return wait_for(enough_up, f"{sources} source(s) up on {serve.name}", timeout, diag=serve.describe)
 
 
+def serve_dataset(sw, name: str, d: pathlib.Path, pool: str = "256MiB", stream_memory: str = "16MiB") -> Serve:
+    """A source serving dataset `name` from `d` and a node on it, ready."""
+    n = sw.serve([sw.source({name: d})], "--pool-size", pool, "--stream-memory", stream_memory)
+    wait_ready(n)
+    return n
+
+
 # --- /proc -----------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, arrow_batches, index_dataset, wait_ready, write_arrow
+from conftest import REPO, arrow_batches, index_dataset, serve_dataset, write_arrow
 
 sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 
@@ -40,10 +40,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture
 def node(sw, data):
-    src = sw.source({"b": data[0]})
-    n = sw.serve([src], "--pool-size", "256MiB", "--stream-memory", "16MiB")
-    wait_ready(n)
-    return n
+    return serve_dataset(sw, "b", data[0])
 
 
 def test_batches_are_read_only_arrays_of_batch_size(node, data):

@@ -2,14 +2,25 @@
 //! nodes and buffers to tensor byte ranges ([`batch_tensors`]).
 //!
 //! Supported columns: fixed-width integers and floats, `FixedSizeList` of them (any depth),
-//! and the canonical `arrow.fixed_shape_tensor` extension over such storage. In the IPC
-//! body a primitive column is one field node and two buffers (validity, values); each
-//! `FixedSizeList` level adds one field node and one buffer (validity) before its child.
+//! the canonical `arrow.fixed_shape_tensor` extension over such storage, and
+//! variable-length `List`/`LargeList` (any depth) of those, `Utf8`/`LargeUtf8`/`Binary`/
+//! `LargeBinary` (as `uint8`) and lists of them (see [`super::lists`]). In the IPC body a
+//! primitive column is one field node and two buffers (validity, values); each
+//! `FixedSizeList` level adds one field node and one buffer (validity) before its child;
+//! each list level one field node and two buffers (validity, offsets) before its child; a
+//! string/binary column is one field node and three buffers (validity, offsets, values).
+//!
+//! Columns left out by `--columns`, or unsupported ones under `--skip-unsupported`, are
+//! stepped over by their node and buffer counts ([`super::pytype::ipc_counts`]).
 
 use std::collections::HashSet;
 
 use arrow_schema::{DataType, Field, Schema};
 use shardwire_protocol::manifest::{DType, MAX_DIMS, MAX_TENSORS_PER_SHARD, TensorEntry};
+
+use super::lists::list_tensor;
+use super::pytype::{ipc_counts, py_type};
+use crate::error::IndexError;
 
 /// Extension name key in field metadata.
 const EXT_NAME: &str = "ARROW:extension:name";
@@ -17,6 +28,18 @@ const EXT_NAME: &str = "ARROW:extension:name";
 const EXT_META: &str = "ARROW:extension:metadata";
 /// The canonical fixed-shape tensor extension.
 const FIXED_SHAPE_TENSOR: &str = "arrow.fixed_shape_tensor";
+/// What an unsupported-column error suggests.
+const HINT: &str =
+    "choose other columns with --columns or skip such columns with --skip-unsupported";
+
+/// One variable-length level of a column, outermost first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ListLevel {
+    /// 64-bit offsets (`LargeList`, `LargeUtf8`, `LargeBinary`); else 32-bit.
+    pub large: bool,
+    /// `Utf8`/`Binary`: offsets and byte values in one field node (always the innermost).
+    pub bytes: bool,
+}
 
 /// How one column becomes a tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,88 +48,243 @@ pub(crate) struct ColumnPlan {
     pub name: String,
     /// Element type of the leaf values.
     pub dtype: DType,
-    /// `FixedSizeList` sizes, outermost first (the storage nesting).
+    /// Variable-length list levels above the fixed part, outermost first (empty: dense).
+    pub lists: Vec<ListLevel>,
+    /// `FixedSizeList` sizes below the lists, outermost first (the storage nesting).
     pub levels: Vec<u64>,
-    /// Per-row tensor shape (after `fixed_shape_tensor` reshaping); product equals the
-    /// product of `levels`.
+    /// Per-element shape of the fixed part (after `fixed_shape_tensor` reshaping);
+    /// product equals the product of `levels`.
     pub dims: Vec<u64>,
+}
+
+/// One top-level column of a record batch: a tensor, or field nodes and buffers to step over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// The column becomes a tensor.
+    Column(ColumnPlan),
+    /// The column is not served.
+    Skip {
+        /// Field nodes it occupies.
+        nodes: usize,
+        /// Buffers it occupies.
+        buffers: usize,
+    },
+}
+
+/// A schema's plan: one slot per column, and the unsupported columns skipped.
+#[derive(Debug)]
+pub(crate) struct SchemaPlan {
+    /// One per top-level column, in schema order.
+    pub slots: Vec<Slot>,
+    /// (column, pyarrow type, reason) of each unsupported column skipped.
+    pub skipped: Vec<(String, String, String)>,
+}
+
+/// Which columns to serve.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Choice<'a> {
+    /// Keep only these columns.
+    pub columns: Option<&'a [String]>,
+    /// Skip unsupported columns instead of failing.
+    pub skip_unsupported: bool,
 }
 
 /// A column-level problem: (column, reason, offending value).
 pub(crate) type ColumnErr = (String, String, String);
 
-/// Plans every column of `schema`, or names the first column that cannot be a tensor.
-pub(crate) fn plan_schema(schema: &Schema) -> Result<Vec<ColumnPlan>, ColumnErr> {
-    let n = schema.fields().len();
-    if n == 0 {
-        return Err((
-            String::new(),
-            "the schema has no columns".into(),
-            "0 columns".into(),
-        ));
+/// Why a schema cannot be planned.
+#[derive(Debug)]
+pub(crate) enum PlanErr {
+    /// A column (or the schema, with an empty name) cannot be served.
+    Column(ColumnErr),
+    /// `--columns` names a column the schema lacks: (name, available columns).
+    Unknown(String, Vec<String>),
+}
+
+impl From<ColumnErr> for PlanErr {
+    fn from(e: ColumnErr) -> Self {
+        Self::Column(e)
     }
-    if n > MAX_TENSORS_PER_SHARD {
-        let first = schema.field(MAX_TENSORS_PER_SHARD).name().clone();
-        return Err((
-            first,
-            format!("at most {MAX_TENSORS_PER_SHARD} columns are supported"),
-            format!("{n} columns"),
-        ));
+}
+
+/// Plans every column of `schema` under `choice`, or names the first column that cannot
+/// be a tensor.
+pub(crate) fn plan_schema(schema: &Schema, choice: Choice<'_>) -> Result<SchemaPlan, PlanErr> {
+    let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+    if let Some(want) = choice.columns
+        && let Some(bad) = want.iter().find(|w| !names.contains(w))
+    {
+        return Err(PlanErr::Unknown(bad.clone(), names));
     }
     let mut seen = HashSet::new();
-    let mut plans = Vec::with_capacity(n);
+    let mut plan = SchemaPlan {
+        slots: Vec::with_capacity(names.len()),
+        skipped: Vec::new(),
+    };
     for field in schema.fields() {
         let name = field.name().clone();
-        if !seen.insert(name.clone()) {
+        let wanted = choice.columns.is_none_or(|c| c.contains(&name));
+        let slot = if wanted {
+            checked_plan(field).map(Slot::Column)
+        } else {
+            Err((String::new(), String::new()))
+        };
+        let slot = match slot {
+            Ok(slot) => slot,
+            Err((reason, value)) => {
+                let ty = py_type(field.data_type());
+                if wanted && !choice.skip_unsupported {
+                    let value = if value.is_empty() { ty } else { value };
+                    return Err((name, format!("{reason}; {HINT}"), value).into());
+                }
+                let (nodes, buffers) = ipc_counts(field.data_type()).ok_or_else(|| {
+                    (
+                        name.clone(),
+                        "string and binary view columns cannot be skipped; rewrite them as string/binary".into(),
+                        ty.clone(),
+                    )
+                })?;
+                if wanted {
+                    plan.skipped.push((name.clone(), ty, reason));
+                }
+                Slot::Skip { nodes, buffers }
+            }
+        };
+        if matches!(slot, Slot::Column(_)) && !seen.insert(name.clone()) {
             return Err((
                 name,
                 "duplicate column name; tensor names must be unique".into(),
                 "a second column".into(),
-            ));
+            )
+                .into());
         }
-        let plan = plan_field(field).map_err(|(reason, value)| (name.clone(), reason, value))?;
-        if plan.dims.len() + 1 > MAX_DIMS {
-            let dims = format!("{} dims", plan.dims.len() + 1);
-            return Err((
-                name,
-                format!("tensors have at most {MAX_DIMS} dimensions"),
-                dims,
-            ));
-        }
-        plans.push(plan);
+        plan.slots.push(slot);
     }
-    Ok(plans)
+    check_count(&plan)?;
+    Ok(plan)
 }
 
-/// Why a field is rejected: (reason, offending value).
+/// At least one and at most [`MAX_TENSORS_PER_SHARD`] served columns.
+fn check_count(plan: &SchemaPlan) -> Result<(), ColumnErr> {
+    let used: Vec<&ColumnPlan> = plan
+        .slots
+        .iter()
+        .filter_map(|s| match s {
+            Slot::Column(c) => Some(c),
+            Slot::Skip { .. } => None,
+        })
+        .collect();
+    if used.is_empty() {
+        let skipped: Vec<String> = plan
+            .skipped
+            .iter()
+            .map(|(n, t, _)| format!("{n}: {t}"))
+            .collect();
+        return Err((
+            String::new(),
+            "no column is left to serve".into(),
+            if skipped.is_empty() {
+                format!("{} columns", plan.slots.len())
+            } else {
+                format!("skipped {}", skipped.join(", "))
+            },
+        ));
+    }
+    if used.len() > MAX_TENSORS_PER_SHARD {
+        return Err((
+            used[MAX_TENSORS_PER_SHARD].name.clone(),
+            format!("at most {MAX_TENSORS_PER_SHARD} columns are supported"),
+            format!("{} columns", used.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// The plan of one top-level field, with its tensor rank checked.
+fn checked_plan(field: &Field) -> Result<ColumnPlan, Reject> {
+    let plan = plan_field(field)?;
+    let dims = match plan.lists.len() {
+        0 => 1 + plan.dims.len(),
+        1 => 1,
+        n => 1 + n + plan.dims.len(),
+    };
+    if dims > MAX_DIMS {
+        return Err((
+            format!("tensors have at most {MAX_DIMS} dimensions"),
+            format!("{dims} dims"),
+        ));
+    }
+    Ok(plan)
+}
+
+/// Why a field is rejected: (reason, offending value; empty: the field's type).
 type Reject = (String, String);
 
-/// The plan of one field (also used for `FixedSizeList` children), or why it is rejected.
+/// The plan of one field (also used for list children), or why it is rejected.
 fn plan_field(field: &Field) -> Result<ColumnPlan, Reject> {
+    let leaf = |dtype, lists| ColumnPlan {
+        name: String::new(),
+        dtype,
+        lists,
+        levels: vec![],
+        dims: vec![],
+    };
     let mut plan = match field.data_type() {
         DataType::FixedSizeList(child, k) => {
             let k = u64::try_from(*k)
                 .map_err(|_| ("negative FixedSizeList size".to_string(), k.to_string()))?;
             let mut plan = plan_field(child)?;
+            if !plan.lists.is_empty() {
+                return Err((
+                    "a FixedSizeList of variable-length lists or strings is not supported".into(),
+                    String::new(),
+                ));
+            }
             plan.levels.insert(0, k);
             plan.dims.insert(0, k);
             plan
         }
-        dt => ColumnPlan {
-            name: String::new(),
-            dtype: primitive(dt)?,
-            levels: vec![],
-            dims: vec![],
-        },
+        DataType::List(child) | DataType::LargeList(child) => {
+            let mut plan = plan_field(child)?;
+            let large = matches!(field.data_type(), DataType::LargeList(_));
+            plan.lists.insert(
+                0,
+                ListLevel {
+                    large,
+                    bytes: false,
+                },
+            );
+            plan
+        }
+        DataType::Utf8 | DataType::Binary => leaf(
+            DType::Uint8,
+            vec![ListLevel {
+                large: false,
+                bytes: true,
+            }],
+        ),
+        DataType::LargeUtf8 | DataType::LargeBinary => leaf(
+            DType::Uint8,
+            vec![ListLevel {
+                large: true,
+                bytes: true,
+            }],
+        ),
+        dt => leaf(primitive(dt)?, vec![]),
     };
     plan.name = field.name().clone();
     // Other extension types are indexed as their storage type.
     if field.metadata().get(EXT_NAME).map(String::as_str) == Some(FIXED_SHAPE_TENSOR) {
+        if !plan.lists.is_empty() {
+            return Err((
+                "arrow.fixed_shape_tensor: storage must be a FixedSizeList of a fixed-width integer or float type".into(),
+                String::new(),
+            ));
+        }
         plan.dims = tensor_shape(field.metadata().get(EXT_META), &plan.levels)?;
     }
     Ok(plan)
 }
-
 /// The tensor shape of an `arrow.fixed_shape_tensor` field with storage `levels`.
 fn tensor_shape(meta: Option<&String>, levels: &[u64]) -> Result<Vec<u64>, Reject> {
     let raw = meta.map(String::as_str).unwrap_or("");
@@ -167,21 +345,21 @@ fn primitive(dt: &DataType) -> Result<DType, Reject> {
         DataType::Boolean => {
             return Err((
                 "boolean columns are bit-packed and not supported; cast to uint8".into(),
-                dt.to_string(),
+                String::new(),
             ));
         }
         DataType::Dictionary(..) => {
             return Err((
                 "dictionary-encoded columns are not supported; decode them first".into(),
-                dt.to_string(),
+                String::new(),
             ));
         }
         _ => {
             return Err((
                 "type is not supported; columns must be fixed-width integers/floats, FixedSizeList of them, \
-                 or arrow.fixed_shape_tensor"
+                 arrow.fixed_shape_tensor, strings/binary, or lists of those"
                     .into(),
-                dt.to_string(),
+                String::new(),
             ));
         }
     })
@@ -201,108 +379,187 @@ pub(crate) struct BatchLayout {
 /// (reason, value).
 pub(crate) type BatchErr = (Option<String>, String, String);
 
-/// The tensors of one record batch whose body starts at file offset `body_start` and is
-/// `body_len` bytes long.
-pub(crate) fn batch_tensors(
-    plans: &[ColumnPlan],
-    b: &BatchLayout,
-    body_start: u64,
-    body_len: u64,
-) -> Result<Vec<TensorEntry>, BatchErr> {
-    let mut nodes = b.nodes.iter().copied();
-    let mut buffers = b.buffers.iter().copied();
-    let short = |what: &str| {
+/// Why a batch's tensors could not be found.
+#[derive(Debug)]
+pub(crate) enum BatchFail {
+    /// The layout is wrong or unsupported.
+    Layout(BatchErr),
+    /// Reading an offsets buffer from the file failed.
+    Read(IndexError),
+}
+
+impl From<BatchErr> for BatchFail {
+    fn from(e: BatchErr) -> Self {
+        Self::Layout(e)
+    }
+}
+
+/// Reads `len` bytes at body offset `offset` (`what` names them in errors).
+pub(crate) type ReadBody<'a> = dyn FnMut(&str, u64, u64) -> Result<Vec<u8>, IndexError> + 'a;
+
+/// A cursor over a batch's field nodes and buffers, depth-first.
+pub(crate) struct Walk<'a> {
+    layout: &'a BatchLayout,
+    node: usize,
+    buffer: usize,
+    /// Body length in bytes.
+    pub body_len: u64,
+}
+
+impl<'a> Walk<'a> {
+    fn short(&self, what: &str, have: usize) -> BatchErr {
         (
             None,
             format!("the record batch has fewer {what} than its schema needs"),
-            format!(
-                "{} {what}",
-                if what == "field nodes" {
-                    b.nodes.len()
-                } else {
-                    b.buffers.len()
-                }
-            ),
+            format!("{have} {what}"),
         )
-    };
-    let mut out = Vec::with_capacity(plans.len());
-    for p in plans {
-        let col = |reason: String, value: String| (Some(p.name.clone()), reason, value);
-        let mut expect = b.rows;
-        let depth = p.levels.len() + 1;
-        let mut levels = p.levels.iter();
-        for level in 0..depth {
-            let (len, nulls) = nodes.next().ok_or_else(|| short("field nodes"))?;
-            if nulls != 0 {
-                let where_ = if level == 0 {
-                    "column"
-                } else {
-                    "column's FixedSizeList values"
-                };
-                return Err(col(
-                    format!("{where_} has {nulls} nulls; shardwire tensors cannot carry nulls"),
-                    format!("null_count {nulls}"),
-                ));
-            }
-            if u64::try_from(len).ok() != Some(expect) {
-                let reason = if level == 0 {
-                    format!(
-                        "field node length differs from the batch row count {}",
-                        b.rows
-                    )
-                } else {
-                    format!(
-                        "FixedSizeList child has a length other than {expect} (rows x list size); sliced arrays \
-                         with a non-zero child offset are not supported"
-                    )
-                };
-                return Err(col(reason, format!("length {len}")));
-            }
-            buffers.next().ok_or_else(|| short("buffers"))?; // validity bitmap (no nulls: unused)
-            if let Some(&k) = levels.next() {
-                expect = expect.checked_mul(k).ok_or_else(|| {
-                    col("element count overflows".into(), format!("{expect} x {k}"))
-                })?;
-            }
-        }
-        let (off, len) = buffers.next().ok_or_else(|| short("buffers"))?;
-        let need = expect.checked_mul(p.dtype.size());
-        let range = format!("buffer {off}+{len} in a body of {body_len} bytes");
+    }
+
+    /// The next field node: (length, null count).
+    pub fn node(&mut self) -> Result<(i64, i64), BatchErr> {
+        let n = self.layout.nodes.get(self.node).copied();
+        self.node += 1;
+        n.ok_or_else(|| self.short("field nodes", self.layout.nodes.len()))
+    }
+
+    /// The next buffer: (offset, length) within the body.
+    pub fn buffer(&mut self) -> Result<(i64, i64), BatchErr> {
+        let b = self.layout.buffers.get(self.buffer).copied();
+        self.buffer += 1;
+        b.ok_or_else(|| self.short("buffers", self.layout.buffers.len()))
+    }
+
+    /// The next buffer, which must hold `need` bytes (`None`: overflowed) inside the body;
+    /// returns its body offset. `what` names the buffer, `need_desc` the requirement.
+    pub fn data(
+        &mut self,
+        col: &str,
+        what: &str,
+        need: Option<u64>,
+        need_desc: &str,
+    ) -> Result<u64, BatchErr> {
+        let (off, len) = self.buffer()?;
+        let err = |reason: String| {
+            (
+                Some(col.to_string()),
+                reason,
+                format!("buffer {off}+{len} in a body of {} bytes", self.body_len),
+            )
+        };
         let (Ok(off), Ok(len), Some(need)) = (u64::try_from(off), u64::try_from(len), need) else {
-            return Err(col("invalid values buffer".into(), range));
+            return Err(err(format!("invalid {what}")));
         };
         if len < need {
-            return Err(col(
-                format!(
-                    "values buffer is shorter than {expect} x {} bytes",
-                    p.dtype.size()
-                ),
-                range,
-            ));
+            return Err(err(format!("{what} is shorter than {need_desc}")));
         }
-        if off.checked_add(need).is_none_or(|end| end > body_len) {
-            return Err(col(
-                "values buffer lies outside the record batch body".into(),
-                range,
-            ));
+        if off.checked_add(need).is_none_or(|end| end > self.body_len) {
+            return Err(err(format!("{what} lies outside the record batch body")));
         }
-        let mut shape = Vec::with_capacity(p.dims.len() + 1);
-        shape.push(b.rows);
-        shape.extend(&p.dims);
-        out.push(TensorEntry::dense(
-            p.name.clone(),
-            p.dtype,
-            shape,
-            body_start + off,
-            need,
-        ));
+        Ok(off)
     }
-    if nodes.next().is_some() || buffers.next().is_some() {
-        return Err((
+}
+
+/// Refuses a field node with nulls; `where_` says which part of column `col` it is.
+pub(crate) fn no_nulls(col: &str, nulls: i64, where_: &str) -> Result<(), BatchErr> {
+    if nulls == 0 {
+        return Ok(());
+    }
+    Err((
+        Some(col.to_string()),
+        format!("{where_} has {nulls} nulls; shardwire tensors cannot carry nulls"),
+        format!("null_count {nulls}"),
+    ))
+}
+
+/// The tensors of one record batch whose body starts at file offset `body_start` and is
+/// `body_len` bytes long; `read` reads offsets buffers of list and string columns.
+pub(crate) fn batch_tensors(
+    slots: &[Slot],
+    b: &BatchLayout,
+    body_start: u64,
+    body_len: u64,
+    read: &mut ReadBody<'_>,
+) -> Result<Vec<TensorEntry>, BatchFail> {
+    let mut w = Walk {
+        layout: b,
+        node: 0,
+        buffer: 0,
+        body_len,
+    };
+    let mut out = Vec::with_capacity(slots.len());
+    for slot in slots {
+        match slot {
+            Slot::Skip { nodes, buffers } => {
+                for _ in 0..*nodes {
+                    w.node()?;
+                }
+                for _ in 0..*buffers {
+                    w.buffer()?;
+                }
+            }
+            Slot::Column(p) if p.lists.is_empty() => {
+                out.push(fixed_tensor(p, &mut w, b.rows, body_start)?)
+            }
+            Slot::Column(p) => out.push(list_tensor(p, &mut w, b.rows, body_start, read)?),
+        }
+    }
+    if w.node != b.nodes.len() || w.buffer != b.buffers.len() {
+        return Err(BatchFail::Layout((
             None,
             "the record batch has more field nodes or buffers than its schema needs".into(),
             format!("{} nodes, {} buffers", b.nodes.len(), b.buffers.len()),
-        ));
+        )));
     }
     Ok(out)
+}
+
+/// The dense tensor of a primitive / `FixedSizeList` column.
+fn fixed_tensor(
+    p: &ColumnPlan,
+    w: &mut Walk<'_>,
+    rows: u64,
+    body_start: u64,
+) -> Result<TensorEntry, BatchErr> {
+    let col = |reason: String, value: String| (Some(p.name.clone()), reason, value);
+    let mut expect = rows;
+    let mut levels = p.levels.iter();
+    for level in 0..=p.levels.len() {
+        let (len, nulls) = w.node()?;
+        let where_ = if level == 0 {
+            "column"
+        } else {
+            "column's FixedSizeList values"
+        };
+        no_nulls(&p.name, nulls, where_)?;
+        if u64::try_from(len).ok() != Some(expect) {
+            let reason = if level == 0 {
+                format!("field node length differs from the batch row count {rows}")
+            } else {
+                format!(
+                    "FixedSizeList child has a length other than {expect} (rows x list size); sliced arrays \
+                     with a non-zero child offset are not supported"
+                )
+            };
+            return Err(col(reason, format!("length {len}")));
+        }
+        w.buffer()?; // validity bitmap (no nulls: unused)
+        if let Some(&k) = levels.next() {
+            expect = expect
+                .checked_mul(k)
+                .ok_or_else(|| col("element count overflows".into(), format!("{expect} x {k}")))?;
+        }
+    }
+    let need = expect.checked_mul(p.dtype.size());
+    let desc = format!("{expect} x {} bytes", p.dtype.size());
+    let off = w.data(&p.name, "values buffer", need, &desc)?;
+    let mut shape = Vec::with_capacity(p.dims.len() + 1);
+    shape.push(rows);
+    shape.extend(&p.dims);
+    Ok(TensorEntry::dense(
+        p.name.clone(),
+        p.dtype,
+        shape,
+        body_start + off,
+        need.unwrap_or(0),
+    ))
 }

@@ -5,41 +5,79 @@
 //! checksummed in chunks, never decoded. The file format is recognised by its leading
 //! `ARROW1` magic; anything else is read as a stream of encapsulated messages
 //! (`[0xFFFFFFFF] <i32 metadata length> <Message flatbuffer + padding> <body>`).
+//!
+//! Which column types become which tensors: [`layout`] (fixed-width) and [`lists`]
+//! (lists and strings, ragged or dense; the rule for nested lists is there). Only the
+//! offsets buffers of list and string columns are read from a body. Dictionary batches are
+//! ignored: a dictionary column is never served (it is an error, or skipped).
 
 mod layout;
+mod lists;
+mod pytype;
+
+use std::collections::HashSet;
 
 use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
 use shardwire_protocol::manifest::ShardEntry;
 
-use self::layout::{BatchLayout, ColumnPlan, batch_tensors, plan_schema};
+pub(crate) use self::layout::Choice;
+use self::layout::{BatchFail, BatchLayout, PlanErr, SchemaPlan, Slot, batch_tensors, plan_schema};
+pub(crate) use self::lists::harmonize;
 use crate::error::IndexError;
 use crate::source::Source;
+
+/// What one Arrow file yields.
+#[derive(Debug, Default)]
+pub(crate) struct ArrowFile {
+    /// One per record batch with rows.
+    pub shards: Vec<ShardEntry>,
+    /// (column, pyarrow type, reason) of the unsupported columns skipped.
+    pub skipped: Vec<(String, String, String)>,
+    /// Columns that are lists of lists (dense or ragged per shard; see [`harmonize`]).
+    pub nested: HashSet<String>,
+}
 
 /// File-format magic (at the start, padded to 8 bytes, and at the end).
 const MAGIC: &[u8; 6] = b"ARROW1";
 /// Continuation marker before the metadata length (since Arrow 0.15).
 const CONTINUATION: [u8; 4] = [0xff; 4];
 
-/// Indexes an Arrow IPC file (file or stream format).
-pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
+/// Indexes an Arrow IPC file (file or stream format), serving the columns `choice` keeps.
+pub(crate) fn index(src: &mut Source, choice: Choice<'_>) -> Result<ArrowFile, IndexError> {
     if src.len == 0 {
         return Err(src.malformed("the Arrow IPC file is empty", "0 bytes"));
     }
     let head = src.read_at("file header", 0, src.len.min(8))?;
-    if head.starts_with(MAGIC) {
-        file_format(src)
+    let (plan, shards) = if head.starts_with(MAGIC) {
+        file_format(src, choice)?
     } else if head.starts_with(b"FEA1") {
-        Err(src.unsupported(
+        return Err(src.unsupported(
             "Feather V1 files are not supported; write Feather V2 (Arrow IPC)",
             "FEA1 magic",
-        ))
+        ));
     } else {
-        stream_format(src)
-    }
+        stream_format(src, choice)?
+    };
+    let nested = plan
+        .slots
+        .iter()
+        .filter_map(|s| match s {
+            Slot::Column(c) if c.lists.len() >= 2 => Some(c.name.clone()),
+            _ => None,
+        })
+        .collect();
+    Ok(ArrowFile {
+        shards,
+        skipped: plan.skipped,
+        nested,
+    })
 }
 
+/// A schema's plan and the shards of the batches.
+type Planned = (SchemaPlan, Vec<ShardEntry>);
+
 /// The IPC file format: footer with the schema and the record batch blocks.
-fn file_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
+fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexError> {
     if src.len < 8 + 10 {
         return Err(src.malformed(
             "Arrow IPC file is too short to hold a footer",
@@ -64,13 +102,7 @@ fn file_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
     let schema = footer
         .schema()
         .ok_or_else(|| src.malformed("the footer has no schema", "none"))?;
-    let plans = plans_for(src, schema)?;
-    if footer.dictionaries().is_some_and(|d| !d.is_empty()) {
-        return Err(src.unsupported(
-            "dictionary batches are not supported",
-            "dictionary blocks in the footer",
-        ));
-    }
+    let plans = plans_for(src, schema, choice)?;
     let mut shards = Vec::new();
     for (i, block) in footer.recordBatches().into_iter().flatten().enumerate() {
         let (off, meta_len, body_len) =
@@ -107,15 +139,22 @@ fn file_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
                 msg.bodyLength(),
             ));
         }
-        shards.extend(batch_shard(src, &plans, i, &msg, off + meta_len, body_len)?);
+        shards.extend(batch_shard(
+            src,
+            &plans.slots,
+            i,
+            &msg,
+            off + meta_len,
+            body_len,
+        )?);
     }
-    Ok(shards)
+    Ok((plans, shards))
 }
 
 /// The IPC stream format: a schema message, then record batches, up to an end marker or EOF.
-fn stream_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
+fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexError> {
     let mut pos = 0u64;
-    let mut plans: Option<Vec<ColumnPlan>> = None;
+    let mut plans: Option<SchemaPlan> = None;
     let mut shards = Vec::new();
     let mut batch = 0usize;
     while src.len - pos >= 4 {
@@ -155,18 +194,16 @@ fn stream_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
                 let schema = msg
                     .header_as_schema()
                     .ok_or_else(|| src.malformed("schema message without a schema", pos))?;
-                plans = Some(plans_for(src, schema)?);
+                plans = Some(plans_for(src, schema, choice)?);
             }
             (MessageHeader::RecordBatch, Some(p)) => {
-                shards.extend(batch_shard(src, p, batch, &msg, body_start, body_len)?);
+                shards.extend(batch_shard(
+                    src, &p.slots, batch, &msg, body_start, body_len,
+                )?);
                 batch += 1;
             }
-            (MessageHeader::DictionaryBatch, _) => {
-                return Err(src.unsupported(
-                    "dictionary batches are not supported",
-                    format!("dictionary batch at offset {pos}"),
-                ));
-            }
+            // Only dictionary columns use them, and those are never served.
+            (MessageHeader::DictionaryBatch, Some(_)) => {}
             (_, None) => {
                 return Err(src.malformed(
                     "the stream does not start with a schema message",
@@ -182,36 +219,50 @@ fn stream_format(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
         }
         pos = body_start + body_len;
     }
-    if plans.is_none() {
+    let Some(plans) = plans else {
         let head = src.read_at("file header", 0, src.len.min(8))?;
         return Err(src.malformed(
             "not an Arrow IPC file or stream (no schema message)",
             hex(&head),
         ));
-    }
-    Ok(shards)
+    };
+    Ok((plans, shards))
 }
 
 /// Checks endianness and converts the schema into column plans.
-fn plans_for(src: &Source, schema: arrow_ipc::Schema<'_>) -> Result<Vec<ColumnPlan>, IndexError> {
+fn plans_for(
+    src: &Source,
+    schema: arrow_ipc::Schema<'_>,
+    choice: Choice<'_>,
+) -> Result<SchemaPlan, IndexError> {
     if schema.endianness() != Endianness::Little {
         return Err(src.unsupported("big-endian Arrow data is not supported", "endianness Big"));
     }
     let schema = arrow_ipc::convert::try_fb_to_schema(schema)
         .map_err(|e| src.malformed("invalid schema", e))?;
-    plan_schema(&schema).map_err(|(column, reason, value)| IndexError::Column {
-        file: src.path.clone(),
-        batch: None,
-        column,
-        reason,
-        value,
+    plan_schema(&schema, choice).map_err(|e| match e {
+        PlanErr::Column((column, reason, value)) if column.is_empty() => {
+            src.unsupported(reason, value)
+        }
+        PlanErr::Column((column, reason, value)) => IndexError::Column {
+            file: src.path.clone(),
+            batch: None,
+            column,
+            reason,
+            value,
+        },
+        PlanErr::Unknown(column, available) => IndexError::UnknownColumn {
+            file: src.path.clone(),
+            column,
+            available: available.join(", "),
+        },
     })
 }
 
 /// The shard of one record batch message (None for a batch with no rows).
 fn batch_shard(
     src: &mut Source,
-    plans: &[ColumnPlan],
+    slots: &[Slot],
     index: usize,
     msg: &Message<'_>,
     body_start: u64,
@@ -256,18 +307,29 @@ fn batch_shard(
             .map(|b| (b.offset(), b.length()))
             .collect(),
     };
-    let tensors = batch_tensors(plans, &layout, body_start, body_len).map_err(
-        |(column, reason, value)| match column {
-            Some(column) => IndexError::Column {
+    let mut read = |what: &str, off: u64, len: u64| {
+        src.read_at(
+            &format!("record batch {index} {what}"),
+            body_start + off,
+            len,
+        )
+    };
+    let tensors = match batch_tensors(slots, &layout, body_start, body_len, &mut read) {
+        Ok(t) => t,
+        Err(BatchFail::Read(e)) => return Err(e),
+        Err(BatchFail::Layout((Some(column), reason, value))) => {
+            return Err(IndexError::Column {
                 file: src.path.clone(),
                 batch: Some(index),
                 column,
                 reason,
                 value,
-            },
-            None => src.malformed(format!("record batch {index}: {reason}"), value),
-        },
-    )?;
+            });
+        }
+        Err(BatchFail::Layout((None, reason, value))) => {
+            return Err(src.malformed(format!("record batch {index}: {reason}"), value));
+        }
+    };
     if body_len == 0 {
         return Err(src.unsupported(
             format!("record batch {index} has an empty body; a shard cannot be empty"),
@@ -322,5 +384,7 @@ fn hex(b: &[u8]) -> String {
         .join(" ")
 }
 
+#[cfg(test)]
+mod list_tests;
 #[cfg(test)]
 mod tests;

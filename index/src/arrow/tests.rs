@@ -4,18 +4,31 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use arrow_array::builder::{Int64Builder, ListBuilder, StructBuilder};
 use arrow_array::{
     Array, ArrayRef, BooleanArray, DictionaryArray, FixedSizeListArray, Float32Array, Float64Array,
-    Int16Array, Int32Array, Int64Array, RecordBatch, StringArray, UInt8Array, UInt16Array,
-    types::Int32Type,
+    Int16Array, Int32Array, Int64Array, RecordBatch, UInt8Array, UInt16Array, types::Int32Type,
 };
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions, StreamWriter};
 use arrow_schema::{DataType, Field, Schema};
 use shardwire_protocol::manifest::{DType, Manifest};
 
-use super::layout::{BatchLayout, ColumnPlan, batch_tensors};
+use super::layout::{BatchErr, BatchFail, BatchLayout, ColumnPlan, Slot, batch_tensors};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
 use crate::{IndexOptions, index_dir};
+
+/// A `list<item: struct<a: int64>>` column of two rows.
+pub(super) fn struct_list() -> ArrayRef {
+    let fields = vec![Field::new("a", DataType::Int64, true)];
+    let mut b = ListBuilder::new(StructBuilder::from_fields(fields, 0));
+    for v in [1i64, 2] {
+        let st = b.values();
+        st.field_builder::<Int64Builder>(0).unwrap().append_value(v);
+        st.append(true);
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
 
 fn fsl(values: ArrayRef, k: i32) -> FixedSizeListArray {
     let item = Arc::new(Field::new("item", values.data_type().clone(), false));
@@ -136,7 +149,7 @@ fn expected(n: usize) -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
-fn write_file(path: &Path, batches: &[RecordBatch]) {
+pub(super) fn write_file(path: &Path, batches: &[RecordBatch]) {
     let f = std::fs::File::create(path).unwrap();
     let mut w = FileWriter::try_new(f, &batches[0].schema()).unwrap();
     for b in batches {
@@ -145,7 +158,7 @@ fn write_file(path: &Path, batches: &[RecordBatch]) {
     w.finish().unwrap();
 }
 
-fn write_stream(path: &Path, batches: &[RecordBatch]) {
+pub(super) fn write_stream(path: &Path, batches: &[RecordBatch]) {
     let f = std::fs::File::create(path).unwrap();
     let mut w = StreamWriter::try_new(f, &batches[0].schema()).unwrap();
     for b in batches {
@@ -154,12 +167,12 @@ fn write_stream(path: &Path, batches: &[RecordBatch]) {
     w.finish().unwrap();
 }
 
-fn index(dir: &Path) -> Result<Manifest, String> {
-    index_dir(dir, &IndexOptions { progress: false }).map_err(|e| e.to_string())
+pub(super) fn index(dir: &Path) -> Result<Manifest, String> {
+    index_dir(dir, &IndexOptions::default()).map_err(|e| e.to_string())
 }
 
 /// Writes `batches` to `dir/name` (file format) and returns the indexing error.
-fn rejected(test: &str, name: &str, batches: &[RecordBatch]) -> (PathBuf, String) {
+pub(super) fn rejected(test: &str, name: &str, batches: &[RecordBatch]) -> (PathBuf, String) {
     let dir = temp_dir(test);
     write_file(&dir.join(name), batches);
     let err = index(&dir).expect_err("must be rejected");
@@ -319,13 +332,19 @@ fn unsupported_types_are_rejected_naming_column_and_type() {
         (
             "flag",
             Arc::new(BooleanArray::from(vec![true, false])),
-            "Boolean",
+            "(found: bool)",
         ),
-        ("text", Arc::new(StringArray::from(vec!["a", "b"])), "Utf8"),
         (
             "cat",
             Arc::new(DictionaryArray::<Int32Type>::from_iter(["x", "y"])),
-            "dictionary-encoded",
+            "dictionary-encoded columns are not supported; decode them first; choose other \
+             columns with --columns or skip such columns with --skip-unsupported (found: \
+             dictionary<values=string, indices=int32",
+        ),
+        (
+            "meta",
+            struct_list(),
+            "(found: list<item: struct<a: int64>>)",
         ),
     ];
     for (name, col, needle) in cases {
@@ -337,7 +356,9 @@ fn unsupported_types_are_rejected_naming_column_and_type() {
         let batch = RecordBatch::try_new(schema, vec![col]).unwrap();
         let (dir, err) = rejected(&format!("arrow-type-{name}"), "u.arrow", &[batch]);
         assert!(
-            err.contains(&format!("column `{name}`")) && err.contains(needle),
+            err.contains(&format!("column `{name}`"))
+                && err.contains(needle)
+                && err.contains("--skip-unsupported"),
             "{err}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
@@ -414,12 +435,25 @@ fn truncated_and_foreign_files_are_rejected() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn plan(name: &str, dtype: DType, levels: &[u64]) -> ColumnPlan {
-    ColumnPlan {
+fn plan(name: &str, dtype: DType, levels: &[u64]) -> Slot {
+    Slot::Column(ColumnPlan {
         name: name.into(),
         dtype,
+        lists: vec![],
         levels: levels.to_vec(),
         dims: levels.to_vec(),
+    })
+}
+
+/// A reader for layout tests, which must not read.
+fn no_read(what: &str, _: u64, _: u64) -> Result<Vec<u8>, crate::IndexError> {
+    panic!("unexpected read of {what}")
+}
+
+fn layout_err(r: Result<Vec<shardwire_protocol::manifest::TensorEntry>, BatchFail>) -> BatchErr {
+    match r {
+        Err(BatchFail::Layout(e)) => e,
+        other => panic!("expected a layout error, got {other:?}"),
     }
 }
 
@@ -434,7 +468,7 @@ fn batch_layout_checks() {
         nodes: vec![(3, 0), (3, 0), (6, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 16)],
     };
-    let t = batch_tensors(&plans, &good, 1000, 32).unwrap();
+    let t = batch_tensors(&plans, &good, 1000, 32, &mut no_read).unwrap();
     assert_eq!(
         (t[0].offset, t[0].length, t[0].shape.clone()),
         (1000, 12, vec![3])
@@ -451,7 +485,7 @@ fn batch_layout_checks() {
             buffers: good.buffers.clone(),
         };
         f(&mut b);
-        batch_tensors(&plans, &b, 1000, 32).unwrap_err()
+        layout_err(batch_tensors(&plans, &b, 1000, 32, &mut no_read))
     };
     let e = with(&|b| b.buffers[4] = (24, 16));
     assert!(

@@ -34,7 +34,7 @@ fn index_one(
 ) {
     let dir = temp_dir(&format!("npy-{name}"));
     std::fs::write(dir.join(name), bytes).unwrap();
-    let r = index_dir(&dir, &IndexOptions { progress: false }).map_err(|e| e.to_string());
+    let r = index_dir(&dir, &IndexOptions::default()).map_err(|e| e.to_string());
     (dir, r)
 }
 

@@ -1,0 +1,256 @@
+//! Variable-length columns: `List`/`LargeList` (any depth) of fixed-width values or
+//! `FixedSizeList`s of them, and `Utf8`/`LargeUtf8`/`Binary`/`LargeBinary` (as `uint8`).
+//!
+//! The offsets buffer of every list level is read from the record batch body (int32, or
+//! int64 for the `Large` variants; they need not start at 0, as in sliced arrays). Rules:
+//!
+//! - One list level (`list<item: int32>`, `string`, `list<item: fixed_size_list<...>>`):
+//!   always a *ragged* tensor: dtype the leaf type, shape `[total elements]`, one row per
+//!   list, each row's byte range taken from the offsets.
+//! - Nested lists (`list<item: list<item: uint8>>`, as HF `datasets` writes `Array2D` and
+//!   `Sequence(Sequence(...))`): when every row of the shard has the same inner shape
+//!   (every offsets level has one constant step), a *dense* tensor
+//!   `[rows, d1, ..., dn, *fixed dims]` over the contiguous values; otherwise ragged over
+//!   the outermost list (flat leaf values, one row per outer element). Shards of a dataset
+//!   may differ in inner shape only as ragged tensors: when a nested column's shards
+//!   disagree (or one is ragged), [`harmonize`] makes every shard of it ragged.
+
+use std::collections::HashSet;
+
+use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
+
+use super::layout::{BatchErr, BatchFail, ColumnPlan, ReadBody, Walk, no_nulls};
+
+/// Offsets of one list level: entries `start..=start + len` of the level's offsets buffer.
+struct Level {
+    /// Index of the first entry read.
+    start: u64,
+    /// The entries read.
+    offs: Vec<u64>,
+}
+
+impl Level {
+    /// The offset at element index `i` (inside the range read).
+    fn at(&self, i: u64) -> u64 {
+        self.offs[(i - self.start) as usize]
+    }
+}
+
+/// The tensor of a list or string column.
+pub(crate) fn list_tensor(
+    p: &ColumnPlan,
+    w: &mut Walk<'_>,
+    rows: u64,
+    body_start: u64,
+    read: &mut ReadBody<'_>,
+) -> Result<TensorEntry, BatchFail> {
+    let (levels, values_off, hi) = read_levels(p, w, rows, read)?;
+    let fp: u64 = p.levels.iter().product();
+    let hi = fixed_part(p, w, hi)?;
+    let values_off = match values_off {
+        Some(off) => off,
+        None => {
+            let desc = format!("{hi} x {} bytes", p.dtype.size());
+            w.data(
+                &p.name,
+                "values buffer",
+                hi.checked_mul(p.dtype.size()),
+                &desc,
+            )?
+        }
+    };
+    // Bytes per element of the innermost list (all checked against the values buffer).
+    let unit = fp * p.dtype.size();
+    if levels.len() >= 2
+        && let Some(inner) = uniform(&levels)
+    {
+        let first = values_off + leaf_index(&levels, 0) * unit;
+        let mut shape = vec![rows];
+        shape.extend(&inner);
+        shape.extend(&p.dims);
+        let length = shape.iter().product::<u64>() * p.dtype.size();
+        return Ok(TensorEntry::dense(
+            p.name.clone(),
+            p.dtype,
+            shape,
+            body_start + first,
+            length,
+        ));
+    }
+    let table: Vec<[u64; 2]> = (0..rows)
+        .map(|i| {
+            let (a, b) = (leaf_index(&levels, i), leaf_index(&levels, i + 1));
+            [values_off + a * unit, (b - a) * unit]
+        })
+        .collect();
+    let length: u64 = table.iter().map(|r| r[1]).sum();
+    Ok(TensorEntry {
+        name: p.name.clone(),
+        dtype: p.dtype,
+        shape: vec![length / p.dtype.size()],
+        offset: body_start + table.first().map_or(values_off, |r| r[0]),
+        length,
+        rows: Some(table),
+        ragged: true,
+    })
+}
+
+/// Reads every list level's node and offsets; returns the levels, the values buffer of a
+/// string/binary innermost level, and the end `hi` of the element range of the innermost
+/// list's child.
+fn read_levels(
+    p: &ColumnPlan,
+    w: &mut Walk<'_>,
+    rows: u64,
+    read: &mut ReadBody<'_>,
+) -> Result<(Vec<Level>, Option<u64>, u64), BatchFail> {
+    let col = |reason: String, value: String| (Some(p.name.clone()), reason, value);
+    let (mut lo, mut hi) = (0u64, rows);
+    let mut levels = Vec::with_capacity(p.lists.len());
+    let mut values = None;
+    for (k, list) in p.lists.iter().enumerate() {
+        let (len, nulls) = w.node()?;
+        no_nulls(
+            &p.name,
+            nulls,
+            if k == 0 {
+                "column"
+            } else {
+                "column's list values"
+            },
+        )?;
+        let ok = u64::try_from(len).is_ok_and(|l| if k == 0 { l == rows } else { l >= hi });
+        if !ok {
+            let reason = match k {
+                0 => format!("field node length differs from the batch row count {rows}"),
+                _ => format!("list values are fewer than the {hi} its parent's offsets need"),
+            };
+            return Err(col(reason, format!("length {len}")).into());
+        }
+        w.buffer()?; // validity bitmap (no nulls: unused)
+        let width = if list.large { 8 } else { 4 };
+        let need = hi.checked_add(1).and_then(|n| n.checked_mul(width));
+        let desc = format!("{} x {width} bytes", hi.saturating_add(1));
+        let off = w.data(&p.name, "offsets buffer", need, &desc)?;
+        let raw = read("offsets buffer", off + lo * width, (hi - lo + 1) * width)
+            .map_err(BatchFail::Read)?;
+        let offs = decode(&p.name, &raw, width)?;
+        let start = lo;
+        (lo, hi) = (offs[0], offs[offs.len() - 1]);
+        levels.push(Level { start, offs });
+        if list.bytes {
+            let desc = format!("{hi} bytes");
+            values = Some(w.data(&p.name, "values buffer", Some(hi), &desc)?);
+        }
+    }
+    Ok((levels, values, hi))
+}
+
+/// Checks the `FixedSizeList` levels and leaf node below the lists (none for strings);
+/// returns the end of the leaf element range.
+fn fixed_part(p: &ColumnPlan, w: &mut Walk<'_>, mut hi: u64) -> Result<u64, BatchErr> {
+    if p.lists.last().is_some_and(|l| l.bytes) {
+        return Ok(hi);
+    }
+    let col = |reason: String, value: String| (Some(p.name.clone()), reason, value);
+    for level in 0..=p.levels.len() {
+        let (len, nulls) = w.node()?;
+        no_nulls(&p.name, nulls, "column's list values")?;
+        if u64::try_from(len).ok().is_none_or(|l| l < hi) {
+            return Err(col(
+                format!("list values are fewer than the {hi} the offsets need"),
+                format!("length {len}"),
+            ));
+        }
+        w.buffer()?; // validity bitmap
+        if let Some(&k) = p.levels.get(level) {
+            let over = || col("element count overflows".into(), format!("{hi} x {k}"));
+            hi = hi.checked_mul(k).ok_or_else(over)?;
+        }
+    }
+    Ok(hi)
+}
+
+/// Little-endian offsets, which must be non-negative and non-decreasing.
+fn decode(col: &str, raw: &[u8], width: u64) -> Result<Vec<u64>, BatchErr> {
+    let mut out = Vec::with_capacity(raw.len() / width as usize);
+    for (i, c) in raw.chunks_exact(width as usize).enumerate() {
+        let v = match c {
+            [a, b, c, d] => i64::from(i32::from_le_bytes([*a, *b, *c, *d])),
+            _ => i64::from_le_bytes(c.try_into().unwrap_or([0; 8])),
+        };
+        let bad = u64::try_from(v)
+            .ok()
+            .filter(|&v| out.last().is_none_or(|&prev| v >= prev));
+        let Some(v) = bad else {
+            return Err((
+                Some(col.to_string()),
+                "list offsets are negative or decreasing".into(),
+                format!("offset {v} at entry {i}"),
+            ));
+        };
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// Element index, in the innermost list's child, where outer row `i` starts.
+fn leaf_index(levels: &[Level], i: u64) -> u64 {
+    levels.iter().fold(i, |e, l| l.at(e))
+}
+
+/// The inner shape `[d1, ..., dn]` when every offsets level has one constant step.
+fn uniform(levels: &[Level]) -> Option<Vec<u64>> {
+    levels
+        .iter()
+        .map(|l| {
+            let step = l.offs.get(1)? - l.offs[0];
+            l.offs
+                .windows(2)
+                .all(|w| w[1] - w[0] == step)
+                .then_some(step)
+        })
+        .collect()
+}
+
+/// Makes every shard's tensor of each nested-list column in `nested` ragged unless all of
+/// them are dense with one inner shape, so that a column has one form over the dataset.
+pub(crate) fn harmonize(shards: &mut [ShardEntry], nested: &HashSet<String>) {
+    for name in nested {
+        let mut shapes = shards
+            .iter()
+            .flat_map(|s| &s.tensors)
+            .filter(|t| &t.name == name)
+            .map(|t| (t.ragged, t.shape.get(1..).map(<[u64]>::to_vec)));
+        let first = shapes.next();
+        if first
+            .as_ref()
+            .is_none_or(|f| !f.0 && shapes.all(|s| &s == f))
+        {
+            continue;
+        }
+        for s in shards.iter_mut() {
+            let base = s.offset;
+            for t in s
+                .tensors
+                .iter_mut()
+                .filter(|t| &t.name == name && !t.ragged)
+            {
+                to_ragged(t, base);
+            }
+        }
+    }
+}
+
+/// Rewrites a dense tensor as a ragged one with equal rows; `base` is the shard's offset.
+fn to_ragged(t: &mut TensorEntry, base: u64) {
+    let n = t.shape.first().copied().unwrap_or(0);
+    if n == 0 || t.rows.is_some() {
+        return;
+    }
+    let row = t.length / n;
+    let start = t.offset - base;
+    t.rows = Some((0..n).map(|i| [start + i * row, row]).collect());
+    t.shape = vec![t.length / t.dtype.size()];
+    t.ragged = true;
+}

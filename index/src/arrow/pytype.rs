@@ -1,0 +1,156 @@
+//! Arrow types as users know them: [`py_type`] spells a type the way pyarrow prints it
+//! (`list<item: struct<a: int64>>`, `bool`, `dictionary<values=string, indices=int32,
+//! ordered=0>`), falling back to arrow-rs's `Display` for rare types; [`ipc_counts`] gives
+//! the number of field nodes and buffers a column of a type occupies in an IPC record batch
+//! body, so that a column can be stepped over without being read.
+
+use arrow_schema::{DataType, Field, IntervalUnit, TimeUnit, UnionMode};
+
+/// The pyarrow spelling of `dt`.
+pub(crate) fn py_type(dt: &DataType) -> String {
+    use DataType as D;
+    let simple = match dt {
+        D::Null => "null",
+        D::Boolean => "bool",
+        D::Int8 => "int8",
+        D::Int16 => "int16",
+        D::Int32 => "int32",
+        D::Int64 => "int64",
+        D::UInt8 => "uint8",
+        D::UInt16 => "uint16",
+        D::UInt32 => "uint32",
+        D::UInt64 => "uint64",
+        D::Float16 => "halffloat",
+        D::Float32 => "float",
+        D::Float64 => "double",
+        D::Utf8 => "string",
+        D::LargeUtf8 => "large_string",
+        D::Utf8View => "string_view",
+        D::Binary => "binary",
+        D::LargeBinary => "large_binary",
+        D::BinaryView => "binary_view",
+        D::Date32 => "date32[day]",
+        D::Date64 => "date64[ms]",
+        D::Interval(IntervalUnit::MonthDayNano) => "month_day_nano_interval",
+        _ => "",
+    };
+    if !simple.is_empty() {
+        return simple.to_string();
+    }
+    match dt {
+        D::FixedSizeBinary(n) => format!("fixed_size_binary[{n}]"),
+        D::Timestamp(u, None) => format!("timestamp[{}]", unit(u)),
+        D::Timestamp(u, Some(tz)) => format!("timestamp[{}, tz={tz}]", unit(u)),
+        D::Time32(u) => format!("time32[{}]", unit(u)),
+        D::Time64(u) => format!("time64[{}]", unit(u)),
+        D::Duration(u) => format!("duration[{}]", unit(u)),
+        D::Decimal128(p, s) => format!("decimal128({p}, {s})"),
+        D::Decimal256(p, s) => format!("decimal256({p}, {s})"),
+        D::List(f) => format!("list<{}>", py_field(f)),
+        D::LargeList(f) => format!("large_list<{}>", py_field(f)),
+        D::ListView(f) => format!("list_view<{}>", py_field(f)),
+        D::LargeListView(f) => format!("large_list_view<{}>", py_field(f)),
+        D::FixedSizeList(f, n) => format!("fixed_size_list<{}>[{n}]", py_field(f)),
+        D::Struct(fields) => {
+            let inner: Vec<String> = fields.iter().map(|f| py_field(f)).collect();
+            format!("struct<{}>", inner.join(", "))
+        }
+        D::Map(entries, _) => match entries.data_type() {
+            D::Struct(kv) if kv.len() == 2 => format!(
+                "map<{}, {}>",
+                py_type(kv[0].data_type()),
+                py_type(kv[1].data_type())
+            ),
+            other => format!("map<{}>", py_type(other)),
+        },
+        D::Dictionary(k, v) => format!(
+            "dictionary<values={}, indices={}, ordered=0>",
+            py_type(v),
+            py_type(k)
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// `name: type`, pyarrow's spelling of a child field.
+fn py_field(f: &Field) -> String {
+    format!("{}: {}", f.name(), py_type(f.data_type()))
+}
+
+fn unit(u: &TimeUnit) -> &'static str {
+    match u {
+        TimeUnit::Second => "s",
+        TimeUnit::Millisecond => "ms",
+        TimeUnit::Microsecond => "us",
+        TimeUnit::Nanosecond => "ns",
+    }
+}
+
+/// (field nodes, buffers) of a column of type `dt` in an IPC record batch, or `None` for
+/// types whose buffer count is not fixed by the schema (string/binary views).
+pub(crate) fn ipc_counts(dt: &DataType) -> Option<(usize, usize)> {
+    use DataType as D;
+    let (own, children): (usize, Vec<&DataType>) = match dt {
+        D::Null => (0, vec![]),
+        D::Utf8 | D::LargeUtf8 | D::Binary | D::LargeBinary => (3, vec![]),
+        D::Utf8View | D::BinaryView => return None,
+        D::List(f) | D::LargeList(f) | D::Map(f, _) => (2, vec![f.data_type()]),
+        D::ListView(f) | D::LargeListView(f) => (3, vec![f.data_type()]),
+        D::FixedSizeList(f, _) => (1, vec![f.data_type()]),
+        D::Struct(fs) => (1, fs.iter().map(|f| f.data_type()).collect()),
+        D::Union(fs, mode) => (
+            if *mode == UnionMode::Dense { 2 } else { 1 },
+            fs.iter().map(|(_, f)| f.data_type()).collect(),
+        ),
+        D::RunEndEncoded(r, v) => (0, vec![r.data_type(), v.data_type()]),
+        // Dictionary columns hold indices; the values travel in dictionary batches.
+        _ => (2, vec![]),
+    };
+    let (mut nodes, mut buffers) = (1, own);
+    for c in children {
+        let (n, b) = ipc_counts(c)?;
+        nodes += n;
+        buffers += b;
+    }
+    Some((nodes, buffers))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_schema::Fields;
+
+    use super::*;
+
+    #[test]
+    fn pyarrow_spellings() {
+        let st = DataType::Struct(Fields::from(vec![Field::new("a", DataType::Int64, true)]));
+        let list = DataType::List(Arc::new(Field::new("item", st, true)));
+        assert_eq!(py_type(&list), "list<item: struct<a: int64>>");
+        assert_eq!(py_type(&DataType::Boolean), "bool");
+        let dict = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8));
+        assert_eq!(
+            py_type(&dict),
+            "dictionary<values=string, indices=int32, ordered=0>"
+        );
+        let ts = DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into()));
+        assert_eq!(py_type(&ts), "timestamp[us, tz=UTC]");
+        let fsl = DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), 3);
+        assert_eq!(py_type(&fsl), "fixed_size_list<item: float>[3]");
+    }
+
+    #[test]
+    fn ipc_counts_of_nested_types() {
+        assert_eq!(ipc_counts(&DataType::Int32), Some((1, 2)));
+        assert_eq!(ipc_counts(&DataType::Utf8), Some((1, 3)));
+        let st = DataType::Struct(Fields::from(vec![
+            Field::new("a", DataType::Int64, true),
+            Field::new("s", DataType::Utf8, true),
+        ]));
+        let list = DataType::List(Arc::new(Field::new("item", st, true)));
+        // list (2) + struct (1) + int64 (2) + utf8 (3)
+        assert_eq!(ipc_counts(&list), Some((4, 8)));
+        assert_eq!(ipc_counts(&DataType::Utf8View), None);
+    }
+}
