@@ -72,6 +72,18 @@ pub enum IndexError {
         /// The offending value (a type, a count, a range).
         value: String,
     },
+    /// One WebDataset sample does not fit the others (fields differ, a duplicate field).
+    #[error("{}: sample `{key}` {reason} (found: {value})", .file.display())]
+    Sample {
+        /// The tar file.
+        file: PathBuf,
+        /// The sample's key.
+        key: String,
+        /// What is wrong, and how to fix it.
+        reason: String,
+        /// The offending value (the sample's fields, a field name).
+        value: String,
+    },
     /// `--columns` names a column that an Arrow file does not have.
     #[error(
         "{}: --columns names `{column}`, which is not a column of this file (available: {available})",
@@ -85,6 +97,22 @@ pub enum IndexError {
         /// The file's columns, comma-separated.
         available: String,
     },
+    /// A Parquet file could not be read (corrupt, or a codec or type not supported).
+    #[error("{}: cannot read Parquet file: {source}", .file.display())]
+    Parquet {
+        /// The Parquet file.
+        file: PathBuf,
+        /// The reader's error (names the bad value: codec, type, offset).
+        source: ::parquet::errors::ParquetError,
+    },
+    /// Writing the Arrow IPC file converted from a Parquet file failed.
+    #[error("{}: cannot write converted Arrow IPC file: {source}", .file.display())]
+    ArrowWrite {
+        /// The cached Arrow IPC file being written.
+        file: PathBuf,
+        /// The writer's error.
+        source: arrow_schema::ArrowError,
+    },
     /// The manifest built from the files failed its own validation (a bug guard).
     #[error("{}: internal error, the built manifest is invalid: {source}", .dir.display())]
     Manifest {
@@ -97,7 +125,7 @@ pub enum IndexError {
 
 fn no_files_reason(found: usize) -> String {
     if found == 0 {
-        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin)".into()
+        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin, .tar, .parquet)".into()
     } else {
         format!("found {found} data files but none holds any rows")
     }

@@ -1,8 +1,9 @@
 //! `shardwire index DIR`: builds the dataset manifest ([`Manifest`]) of a directory of
-//! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`), `.npy` and `.bin` files.
+//! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`), `.npy`, `.bin` and WebDataset `.tar`
+//! files, and Parquet (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
-//! section, a whole `.bin` file) with its CRC-32C; its tensors are byte ranges inside it,
+//! section, a whole `.bin` or `.tar` file) with its CRC-32C; its tensors are byte ranges inside it,
 //! with absolute file offsets. Files are visited in sorted relative-path order, so the same
 //! directory always yields the same manifest and digest.
 //!
@@ -16,11 +17,13 @@ mod arrow;
 mod bin;
 mod error;
 mod npy;
+mod parquet;
 mod pylit;
 mod source;
 #[cfg(test)]
 mod testutil;
 mod walk;
+mod webdataset;
 
 use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
@@ -29,6 +32,7 @@ use std::path::{Path, PathBuf};
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ShardEntry};
 
 pub use crate::error::IndexError;
+pub use crate::parquet::ParquetNote;
 use crate::source::Source;
 pub use crate::walk::Unused;
 use crate::walk::{Candidate, Kind};
@@ -70,6 +74,8 @@ pub struct IndexReport {
     pub unused: Vec<Unused>,
     /// Columns skipped, one entry per (column, type).
     pub skipped: Vec<SkippedColumn>,
+    /// Parquet files, each converted to (or reused from) its cached Arrow IPC file.
+    pub parquet: Vec<ParquetNote>,
 }
 
 /// How many names a note lists before `and N more`.
@@ -79,7 +85,7 @@ impl IndexReport {
     /// One line each for the files not used and the columns skipped (none when nothing
     /// was left out), e.g. `not used: 2 files: notes.txt (unknown extension .txt), ...`.
     pub fn notes(&self) -> Vec<String> {
-        let mut out = Vec::new();
+        let mut out = parquet_notes(&self.parquet);
         if !self.unused.is_empty() {
             let names = self
                 .unused
@@ -98,6 +104,27 @@ impl IndexReport {
         }
         out
     }
+}
+
+/// One line per Parquet file (`parquet: a.parquet -> .shardwire-cache/... (converted, 3
+/// row groups)`), the first [`NOTE_NAMES`] of them, then one line for the rest.
+fn parquet_notes(list: &[ParquetNote]) -> Vec<String> {
+    let mut out: Vec<String> = list
+        .iter()
+        .take(NOTE_NAMES)
+        .map(|p| p.to_string())
+        .collect();
+    if list.len() > NOTE_NAMES {
+        let rest = &list[NOTE_NAMES..];
+        let reused = rest.iter().filter(|p| p.reused).count();
+        let converted = rest.len() - reused;
+        out.push(format!(
+            "parquet: and {} more files ({converted} converted, {reused} reused) in {}/",
+            rest.len(),
+            parquet::CACHE_DIR
+        ));
+    }
+    out
 }
 
 /// `label: N things: a, b, c, d, e, and 3 more`.
@@ -128,15 +155,18 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
     );
-    let found = index_files(&files, opts, &mut progress);
+    let found = index_files(dir, &files, opts, &mut progress);
     progress.finish();
     let Found {
         mut shards,
         skipped,
         nested,
         empty,
+        parquet,
+        wds,
     } = found?;
     arrow::harmonize(&mut shards, &nested);
+    webdataset::harmonize(&mut shards, wds);
     unused.extend(empty.into_iter().map(|file| Unused {
         file,
         reason: "holds no rows".into(),
@@ -147,6 +177,7 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
         manifest,
         unused,
         skipped,
+        parquet,
     })
 }
 
@@ -158,10 +189,15 @@ struct Found {
     nested: HashSet<String>,
     /// Files with no rows.
     empty: Vec<String>,
+    /// Parquet files converted or reused.
+    parquet: Vec<ParquetNote>,
+    /// Raw member rows of the typed WebDataset tensors.
+    wds: Vec<webdataset::RawRows>,
 }
 
 /// Indexes `files` in order.
 fn index_files(
+    dir: &Path,
     files: &[Candidate],
     opts: &IndexOptions,
     progress: &mut Progress,
@@ -172,9 +208,17 @@ fn index_files(
     };
     let mut out = Found::default();
     for f in files {
-        let mut src = Source::open(&f.path, &f.rel)?;
+        let mut src = match f.kind {
+            Kind::Parquet => {
+                let (path, note) = parquet::cached(dir, &f.path, &f.rel)?;
+                let src = Source::open(&path, &note.cache)?;
+                out.parquet.push(note);
+                src
+            }
+            _ => Source::open(&f.path, &f.rel)?,
+        };
         let shards = match f.kind {
-            Kind::Arrow => {
+            Kind::Arrow | Kind::Parquet => {
                 let a = arrow::index(&mut src, choice)?;
                 for (column, dtype, reason) in a.skipped {
                     add_skipped(&mut out.skipped, column, dtype, reason, &f.rel);
@@ -184,6 +228,13 @@ fn index_files(
             }
             Kind::Npy => npy::index(&mut src)?,
             Kind::Bin => bin::index(&mut src)?,
+            Kind::Tar => {
+                let (shards, raw) = webdataset::index(&mut src)?;
+                let base = out.shards.len();
+                out.wds.extend(raw.into_iter().map(|r| r.in_shard(base)));
+                shards
+            }
+            Kind::TarGz => return Err(webdataset::refuse_gzip(&src)),
         };
         if shards.is_empty() {
             out.empty.push(f.rel.clone());

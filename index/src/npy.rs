@@ -53,7 +53,18 @@ pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
 
 /// Reads and checks the magic, version and header dict.
 pub(crate) fn read_header(src: &mut Source) -> Result<Header, IndexError> {
-    let pre = src.read_at("npy preamble", 0, 10.min(src.len))?;
+    let len = src.len;
+    read_header_at(src, 0, len)
+}
+
+/// Reads and checks the header of an `.npy` image of `avail` bytes at `base` (a whole file,
+/// or a tar member); the data offset returned is absolute.
+pub(crate) fn read_header_at(
+    src: &mut Source,
+    base: u64,
+    avail: u64,
+) -> Result<Header, IndexError> {
+    let pre = src.read_at("npy preamble", base, 10.min(avail))?;
     if pre.len() < 10 || &pre[..6] != MAGIC {
         return Err(src.malformed(
             "not a .npy file (missing \\x93NUMPY magic)",
@@ -64,7 +75,14 @@ pub(crate) fn read_header(src: &mut Source) -> Result<Header, IndexError> {
     let (hlen, hstart) = match major {
         1 => (u64::from(u16::from_le_bytes([pre[8], pre[9]])), 10u64),
         2 | 3 => {
-            let b = src.read_at("npy header length", 8, 4)?;
+            let b = src.read_at(
+                "npy header length",
+                base + 8,
+                4.min(avail.saturating_sub(8)),
+            )?;
+            if b.len() < 4 {
+                return Err(src.malformed("npy header length is truncated", hex_prefix(&pre)));
+            }
             (
                 u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
                 12u64,
@@ -77,7 +95,13 @@ pub(crate) fn read_header(src: &mut Source) -> Result<Header, IndexError> {
             ));
         }
     };
-    let raw = src.read_at("npy header", hstart, hlen)?;
+    if hstart + hlen > avail {
+        return Err(src.malformed(
+            format!("npy header lies beyond the end of the array ({avail} bytes)"),
+            format!("header length {hlen}"),
+        ));
+    }
+    let raw = src.read_at("npy header", base + hstart, hlen)?;
     // 1.x and 2.x headers are latin-1, 3.x is UTF-8.
     let text: String = if major == 3 {
         String::from_utf8(raw)
@@ -95,7 +119,7 @@ pub(crate) fn read_header(src: &mut Source) -> Result<Header, IndexError> {
     Ok(Header {
         dtype,
         shape,
-        data_offset: hstart + hlen,
+        data_offset: base + hstart + hlen,
     })
 }
 

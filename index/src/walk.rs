@@ -18,6 +18,12 @@ pub(crate) enum Kind {
     Npy,
     /// `.bin`: raw bytes.
     Bin,
+    /// `.parquet`: converted to Arrow IPC in the cache, then read as [`Kind::Arrow`].
+    Parquet,
+    /// `.tar`: a WebDataset shard.
+    Tar,
+    /// `.tar.gz`, `.tgz`: a gzipped tar, refused with the reason.
+    TarGz,
 }
 
 impl Kind {
@@ -28,6 +34,10 @@ impl Kind {
             "arrow" | "arrows" | "ipc" | "feather" => Some(Self::Arrow),
             "npy" => Some(Self::Npy),
             "bin" => Some(Self::Bin),
+            "parquet" => Some(Self::Parquet),
+            "tar" => Some(Self::Tar),
+            "tgz" => Some(Self::TarGz),
+            "gz" if name.to_ascii_lowercase().ends_with(".tar.gz") => Some(Self::TarGz),
             _ => None,
         }
     }
@@ -143,6 +153,11 @@ mod tests {
         assert_eq!(Kind::of("a.ipc"), Some(Kind::Arrow));
         assert_eq!(Kind::of("x.npy"), Some(Kind::Npy));
         assert_eq!(Kind::of("x.bin"), Some(Kind::Bin));
+        assert_eq!(Kind::of("x.Parquet"), Some(Kind::Parquet));
+        assert_eq!(Kind::of("x.tar"), Some(Kind::Tar));
+        assert_eq!(Kind::of("x.TGZ"), Some(Kind::TarGz));
+        assert_eq!(Kind::of("x.tar.gz"), Some(Kind::TarGz));
+        assert_eq!(Kind::of("x.gz"), None);
         assert_eq!(Kind::of("x.json"), None);
         assert_eq!(Kind::of("npy"), None);
     }
@@ -169,7 +184,16 @@ mod tests {
         }
         let (found, unused) = collect(&dir).unwrap();
         let rels: Vec<String> = found.into_iter().map(|c| c.rel).collect();
-        assert_eq!(rels, ["a.npy", "b.bin", "sub/c.arrow", "sub/deeper/z.bin"]);
+        assert_eq!(
+            rels,
+            [
+                "a.npy",
+                "b.bin",
+                "data.tar",
+                "sub/c.arrow",
+                "sub/deeper/z.bin"
+            ]
+        );
         let unused: Vec<(&str, &str)> = unused
             .iter()
             .map(|u| (u.file.as_str(), u.reason.as_str()))
@@ -178,7 +202,6 @@ mod tests {
             unused,
             [
                 ("README", "no extension"),
-                ("data.tar", "unknown extension .tar"),
                 ("notes.txt", "unknown extension .txt"),
                 ("sub/state.json", "HF datasets metadata"),
             ]

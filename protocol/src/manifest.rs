@@ -251,9 +251,11 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Pretty JSON for the manifest file.
+    /// JSON for the manifest file: compact (one line), since row tables would make a
+    /// pretty-printed manifest several times larger (and manifests travel in one frame of
+    /// at most 64 MiB); `python -m json.tool` shows it indented.
     pub fn to_json(&self) -> Vec<u8> {
-        let mut v = serde_json::to_vec_pretty(self).expect("manifest serialises");
+        let mut v = serde_json::to_vec(self).expect("manifest serialises");
         v.push(b'\n');
         v
     }

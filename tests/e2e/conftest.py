@@ -506,6 +506,13 @@ def wait_ready(serve: Serve, sources: int = 1, timeout: float = WAIT) -> dict:
     return wait_for(enough_up, f"{sources} source(s) up on {serve.name}", timeout, diag=serve.describe)
 
 
+def ragged_rows(b, name: str) -> list:
+    """The rows of ragged tensor `name` of batch `b` (`name` + `name.offsets`, int64 from 0)."""
+    values, offs = b[name], b[name + ".offsets"]
+    assert offs.dtype == "int64" and offs[0] == 0 and offs[-1] == len(values), (name, offs[:3], len(values))
+    return [values[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+
+
 def serve_dataset(sw, name: str, d: pathlib.Path, pool: str = "256MiB", stream_memory: str = "16MiB") -> Serve:
     """A source serving dataset `name` from `d` and a node on it, ready."""
     n = sw.serve([sw.source({name: d})], "--pool-size", pool, "--stream-memory", stream_memory)

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, child_env, require_bin, serve_dataset
+from conftest import REPO, child_env, require_bin, ragged_rows, serve_dataset
 
 sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 
@@ -62,15 +62,9 @@ def node(sw, hf):
     return serve_dataset(sw, "hf", hf[0])
 
 
-def _ragged(b, name: str) -> list[np.ndarray]:
-    values, offs = b[name], b[name + ".offsets"]
-    assert offs.dtype == np.int64 and offs[0] == 0 and offs[-1] == len(values), (name, offs[:3], len(values))
-    return [values[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
-
-
 def _check(b, rows: dict, seen: collections.Counter) -> None:
     ids = b["id"].tolist()
-    texts, toks = _ragged(b, "text"), _ragged(b, "input_ids")
+    texts, toks = ragged_rows(b, "text"), ragged_rows(b, "input_ids")
     assert b["text"].dtype == np.uint8 and b["input_ids"].dtype == np.int32
     assert b["img"].dtype == np.uint8 and b["img"].shape == (len(ids), 4, 3)
     for k, i in enumerate(ids):

@@ -356,10 +356,10 @@ fn the_report_lists_every_unused_file_with_its_reason() {
     std::fs::write(dir.join("data.bin"), [1u8, 2]).unwrap();
     for f in [
         "notes.txt",
-        "data.tar",
+        "data.zip",
         "dataset_info.json",
         "state.json",
-        "x.parquet",
+        "x.orc",
         "y.mds",
         ".hidden.txt",
     ] {
@@ -376,19 +376,19 @@ fn the_report_lists_every_unused_file_with_its_reason() {
     assert_eq!(
         unused,
         [
-            ("data.tar", "unknown extension .tar"),
+            ("data.zip", "unknown extension .zip"),
             ("dataset_info.json", "HF datasets metadata"),
             ("empty.arrow", "holds no rows"),
             ("notes.txt", "unknown extension .txt"),
             ("state.json", "HF datasets metadata"),
-            ("x.parquet", "unknown extension .parquet"),
+            ("x.orc", "unknown extension .orc"),
             ("y.mds", "unknown extension .mds"),
         ]
     );
     assert_eq!(
         r.notes(),
         [
-            "not used: 7 files: data.tar (unknown extension .tar), dataset_info.json (HF datasets metadata), \
+            "not used: 7 files: data.zip (unknown extension .zip), dataset_info.json (HF datasets metadata), \
           empty.arrow (holds no rows), notes.txt (unknown extension .txt), state.json (HF datasets metadata), \
           and 2 more"
         ]

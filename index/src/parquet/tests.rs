@@ -1,0 +1,185 @@
+//! Parquet conversion: the manifest of a converted file holds the Parquet file's values,
+//! the cache is reused while the file is unchanged and rebuilt when it changes.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use ::parquet::arrow::ArrowWriter;
+use ::parquet::basic::{Compression, ZstdLevel};
+use ::parquet::file::properties::WriterProperties;
+use arrow_array::types::Float32Type;
+use arrow_array::{ArrayRef, FixedSizeListArray, Int64Array, RecordBatch, StringArray};
+
+use super::{CACHE_DIR, utc};
+use crate::testutil::{check_manifest, le_bytes, temp_dir};
+use crate::{IndexError, IndexOptions, IndexReport, index_report};
+
+/// Rows `0..n`: `id` = i, `emb` = [i, i + 0.5, -i], `text` = "row i" repeated i % 3 times.
+fn rows(n: i64) -> RecordBatch {
+    let ids = Int64Array::from_iter_values(0..n);
+    let emb = FixedSizeListArray::from_iter_primitive::<Float32Type, _, _>(
+        (0..n).map(|i| Some([Some(i as f32), Some(i as f32 + 0.5), Some(-(i as f32))])),
+        3,
+    );
+    let text =
+        StringArray::from_iter_values((0..n).map(|i| format!("row {i}").repeat(i as usize % 3)));
+    let cols: Vec<(&str, ArrayRef)> = vec![
+        ("id", Arc::new(ids)),
+        ("emb", Arc::new(emb)),
+        ("text", Arc::new(text)),
+    ];
+    RecordBatch::try_from_iter(cols).unwrap()
+}
+
+/// The bytes each tensor of [`rows`] must hold, concatenated over shards.
+fn expected(n: i64) -> Vec<(&'static str, Vec<u8>)> {
+    let ids: Vec<i64> = (0..n).collect();
+    let emb: Vec<f32> = (0..n)
+        .flat_map(|i| [i as f32, i as f32 + 0.5, -(i as f32)])
+        .collect();
+    let text: Vec<u8> = (0..n)
+        .flat_map(|i| format!("row {i}").repeat(i as usize % 3).into_bytes())
+        .collect();
+    vec![
+        ("id", le_bytes(&ids, i64::to_le_bytes)),
+        ("emb", le_bytes(&emb, f32::to_le_bytes)),
+        ("text", text),
+    ]
+}
+
+fn write_parquet(path: &Path, batch: &RecordBatch, group_rows: usize, codec: Compression) {
+    let props = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(group_rows))
+        .set_compression(codec)
+        .build();
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = ArrowWriter::try_new(f, batch.schema(), Some(props)).unwrap();
+    w.write(batch).unwrap();
+    w.close().unwrap();
+}
+
+fn index(dir: &Path) -> IndexReport {
+    index_report(dir, &IndexOptions::default()).unwrap()
+}
+
+#[test]
+fn converts_once_reuses_and_reconverts_when_changed() {
+    let dir = temp_dir("parquet-cache");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let src = dir.join("data/a.parquet");
+    write_parquet(&src, &rows(10), 4, Compression::SNAPPY);
+    let cache = format!("{CACHE_DIR}/data/a.parquet.arrow");
+
+    let r = index(&dir);
+    let m = &r.manifest;
+    assert_eq!(
+        m.shards.len(),
+        3,
+        "one shard per row group (4 + 4 + 2 rows)"
+    );
+    assert!(m.shards.iter().all(|s| s.file == cache), "{:?}", m.shards);
+    check_manifest(&dir, m, &expected(10));
+    let notes = r.notes();
+    assert_eq!(
+        notes[0],
+        format!("parquet: data/a.parquet -> {cache} (converted, 3 row groups)")
+    );
+    assert!(dir.join(format!("{cache}.json")).is_file());
+
+    let again = index(&dir);
+    assert!(again.parquet[0].reused, "{:?}", again.parquet);
+    assert!(again.notes()[0].contains("(reused, 3 row groups, unchanged since "));
+    assert_eq!(again.manifest.digest, m.digest);
+
+    // Rewritten with other rows and touched: converted again.
+    write_parquet(&src, &rows(7), 7, Compression::ZSTD(ZstdLevel::default()));
+    let later = SystemTime::now() + Duration::from_secs(5);
+    std::fs::File::options()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let r = index(&dir);
+    assert!(!r.parquet[0].reused);
+    assert_eq!(r.manifest.shards.len(), 1);
+    check_manifest(&dir, &r.manifest, &expected(7));
+
+    // Touched only (same bytes, new mtime): converted again, same manifest.
+    let touched = later + Duration::from_secs(5);
+    let f = std::fs::File::options().write(true).open(&src).unwrap();
+    f.set_modified(touched).unwrap();
+    let r2 = index(&dir);
+    assert!(!r2.parquet[0].reused);
+    assert_eq!(r2.manifest.digest, r.manifest.digest);
+    let names: Vec<_> = std::fs::read_dir(dir.join(CACHE_DIR).join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        names.len(),
+        2,
+        "cache + sidecar, no temporary file: {names:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn gzip_and_lz4_read_and_a_damaged_sidecar_converts_again() {
+    let dir = temp_dir("parquet-codecs");
+    let gz = ::parquet::basic::GzipLevel::default();
+    write_parquet(&dir.join("g.parquet"), &rows(5), 2, Compression::GZIP(gz));
+    write_parquet(&dir.join("l.parquet"), &rows(5), 5, Compression::LZ4_RAW);
+    let r = index(&dir);
+    assert_eq!(r.manifest.shards.len(), 4);
+    let mut want = expected(5);
+    for (_, bytes) in &mut want {
+        *bytes = bytes.repeat(2);
+    }
+    check_manifest(&dir, &r.manifest, &want);
+    std::fs::write(
+        dir.join(format!("{CACHE_DIR}/g.parquet.arrow.json")),
+        b"{oops",
+    )
+    .unwrap();
+    let r = index(&dir);
+    assert_eq!(
+        r.parquet.iter().map(|p| p.reused).collect::<Vec<_>>(),
+        [false, true]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_parquet_is_an_error_naming_the_file() {
+    let dir = temp_dir("parquet-bad");
+    std::fs::write(dir.join("x.parquet"), b"PAR1 not really").unwrap();
+    let err = index_report(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(matches!(err, IndexError::Parquet { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("x.parquet") && msg.contains("Parquet"),
+        "{msg}"
+    );
+    assert!(!dir.join(format!("{CACHE_DIR}/x.parquet.arrow")).exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn empty_parquet_holds_no_rows() {
+    let dir = temp_dir("parquet-empty");
+    write_parquet(&dir.join("e.parquet"), &rows(0), 4, Compression::SNAPPY);
+    std::fs::write(dir.join("x.bin"), [1u8]).unwrap();
+    let r = index(&dir);
+    assert_eq!(r.unused[0].file, "e.parquet");
+    assert_eq!(r.unused[0].reason, "holds no rows");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn utc_dates() {
+    assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+    assert_eq!(utc(1_764_602_513_000_000_000), "2025-12-01T15:21:53Z");
+    assert_eq!(utc(951_782_400_000_000_000), "2000-02-29T00:00:00Z");
+}

@@ -1,0 +1,305 @@
+//! WebDataset shards (uncompressed `.tar`): the whole tar file is one shard, and every
+//! field of its samples one tensor with a row table (one row per sample).
+//!
+//! Members are grouped as `webdataset.tariterators` does: only regular files count;
+//! metadata members (`__*__`) and names without a key/field split are skipped; a sample is
+//! the run of consecutive members with the same key; the name splits at the first dot of
+//! its basename (`a/b/000123.img.npy` -> key `a/b/000123`, field `img.npy`) and the field is
+//! lowercased. Every sample must have the same fields. A `.npy` field whose members all
+//! hold arrays of one dtype and shape becomes a typed `[rows, ...]` tensor over their data
+//! sections; every other field is a ragged `uint8` tensor of the members' raw bytes.
+//! Gzipped tars are refused: a gzip stream cannot be fetched by byte range.
+
+use std::fs::File;
+use std::io::BufReader;
+
+use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+
+use crate::error::IndexError;
+use crate::npy;
+use crate::source::Source;
+
+/// One field of one sample: the member's data `[offset, length]` in the tar.
+type Row = [u64; 2];
+
+/// A sample: consecutive regular-file members sharing a key, as `(field, row)`.
+struct Sample {
+    key: String,
+    members: Vec<(String, Row)>,
+}
+
+/// The members' raw rows of a typed `.npy` tensor, kept for [`harmonize`].
+pub(crate) struct RawRows {
+    /// Index of the shard in the dataset's shard list.
+    shard: usize,
+    /// The field (tensor name).
+    field: String,
+    /// Each member's whole bytes.
+    rows: Vec<Row>,
+}
+
+impl RawRows {
+    /// The same rows, for the shard at index `shard` of the dataset.
+    pub(crate) fn in_shard(self, shard: usize) -> Self {
+        Self { shard, ..self }
+    }
+}
+
+/// Indexes an uncompressed WebDataset tar: its shard (none when it holds no samples), and
+/// the raw rows of its typed tensors (for shard 0: see [`RawRows::in_shard`]).
+pub(crate) fn index(src: &mut Source) -> Result<(Vec<ShardEntry>, Vec<RawRows>), IndexError> {
+    let samples = read_samples(src)?;
+    if samples.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let columns = columns(src, &samples)?;
+    let mut tensors = Vec::with_capacity(columns.len());
+    let mut raw = Vec::new();
+    for (field, rows) in columns {
+        let typed = if field == "npy" || field.ends_with(".npy") {
+            npy_tensor(src, &field, &rows)?
+        } else {
+            None
+        };
+        match typed {
+            Some(t) => {
+                let field = field.clone();
+                raw.push(RawRows {
+                    shard: 0,
+                    field,
+                    rows,
+                });
+                tensors.push(t);
+            }
+            None => tensors.push(ragged(field, rows)),
+        }
+    }
+    let len = src.len;
+    Ok((vec![src.shard(0, len, tensors)?], raw))
+}
+
+/// Makes a `.npy` field ragged raw bytes in every tar shard unless all of them have it as
+/// a typed tensor of one dtype and row shape, so that a field has one form over the
+/// dataset (batch mode needs that).
+pub(crate) fn harmonize(shards: &mut [ShardEntry], raw: Vec<RawRows>) {
+    let mut names: Vec<String> = raw.iter().map(|r| r.field.clone()).collect();
+    names.sort();
+    names.dedup();
+    for name in names {
+        let mut forms = shards
+            .iter()
+            .filter(|s| s.file.to_ascii_lowercase().ends_with(".tar"))
+            .flat_map(|s| &s.tensors)
+            .filter(|t| t.name == name)
+            .map(|t| (t.ragged, t.dtype, t.shape.get(1..).map(<[u64]>::to_vec)));
+        let first = forms.next();
+        if first
+            .as_ref()
+            .is_none_or(|f| !f.0 && forms.all(|g| &g == f))
+        {
+            continue;
+        }
+        for r in raw.iter().filter(|r| r.field == name) {
+            let Some(s) = shards.get_mut(r.shard) else {
+                continue;
+            };
+            if let Some(t) = s.tensors.iter_mut().find(|t| t.name == name) {
+                *t = ragged(name.clone(), r.rows.clone());
+            }
+        }
+    }
+}
+
+/// The error for a `.tar.gz` / `.tgz` file.
+pub(crate) fn refuse_gzip(src: &Source) -> IndexError {
+    src.unsupported(
+        "gzip-compressed tars cannot be served: gzip is not byte-addressable, so shards \
+         cannot be fetched by byte range; unpack it with `gunzip` (a .tgz: rename to .tar.gz \
+         first) or re-write the shards uncompressed",
+        src.rel.rsplit('/').next().unwrap_or(&src.rel),
+    )
+}
+
+/// Reads the tar's member headers and groups the members into samples.
+fn read_samples(src: &Source) -> Result<Vec<Sample>, IndexError> {
+    let file = File::open(&src.path).map_err(|e| IndexError::io(&src.path, e))?;
+    let mut archive = tar::Archive::new(BufReader::new(file));
+    let bad = |e: std::io::Error| src.malformed("not a readable tar archive", e);
+    let mut samples: Vec<Sample> = Vec::new();
+    for entry in archive.entries_with_seek().map_err(bad)? {
+        let entry = entry.map_err(bad)?;
+        let kind = entry.header().entry_type();
+        let path = entry.path_bytes();
+        let Ok(name) = std::str::from_utf8(&path) else {
+            let lossy = String::from_utf8_lossy(&path).into_owned();
+            return Err(src.unsupported("tar member name is not valid UTF-8", lossy));
+        };
+        if kind.is_gnu_sparse() {
+            return Err(src.unsupported(
+                "sparse tar members are not supported; re-write the tar without --sparse",
+                name,
+            ));
+        }
+        if !(kind.is_file() || kind.is_contiguous()) || is_meta(name) {
+            continue;
+        }
+        let Some((key, field)) = split_name(name) else {
+            continue;
+        };
+        let row = [entry.raw_file_position(), entry.size()];
+        src.check_range(&format!("tar member `{name}`"), row[0], row[1])?;
+        let field = field.to_lowercase();
+        match samples.last_mut() {
+            Some(s) if s.key == key => {
+                if s.members.iter().any(|(f, _)| *f == field) {
+                    return Err(sample_err(src, key, "duplicate field in the sample", field));
+                }
+                s.members.push((field, row));
+            }
+            _ => samples.push(Sample {
+                key: key.to_owned(),
+                members: vec![(field, row)],
+            }),
+        }
+    }
+    Ok(samples)
+}
+
+/// Whether webdataset skips the member as metadata (`__key__`, `__meta__/x`).
+fn is_meta(name: &str) -> bool {
+    let first = name.split('/').next().unwrap_or("");
+    let plain = !name.contains('/') && name.starts_with("__") && name.ends_with("__");
+    plain || (first.len() >= 4 && first.starts_with("__") && first.ends_with("__"))
+}
+
+/// webdataset's `base_plus_ext`: `^((?:.*/|)[^.]+)[.]([^/]*)$`, matched in the same
+/// (backtracking) order: `(key, field)`, or `None` when the name has no such split.
+pub(crate) fn split_name(name: &str) -> Option<(&str, &str)> {
+    let slashes = name.rmatch_indices('/').map(|(i, _)| i + 1);
+    for start in slashes.chain(std::iter::once(0)) {
+        let Some(run) = name[start..].find('.') else {
+            continue;
+        };
+        let dot = start + run;
+        if run > 0 && !name[dot + 1..].contains('/') {
+            return Some((&name[..dot], &name[dot + 1..]));
+        }
+    }
+    None
+}
+
+/// The fields of the first sample, by name, each with its row in every sample;
+/// an error names the first sample whose fields differ.
+fn columns(src: &Source, samples: &[Sample]) -> Result<Vec<(String, Vec<Row>)>, IndexError> {
+    let first = &samples[0];
+    let mut cols: Vec<(String, Vec<Row>)> = first
+        .members
+        .iter()
+        .map(|(f, _)| (f.clone(), Vec::with_capacity(samples.len())))
+        .collect();
+    let names = || cols_names(&first.members);
+    for s in samples {
+        if let Some((f, _)) = s.members.iter().find(|(f, _)| !has(&first.members, f)) {
+            let reason = format!(
+                "has field `{f}`, which sample `{}` lacks; every sample of a shard must \
+                 have the same fields",
+                first.key
+            );
+            return Err(sample_err(src, &s.key, &reason, names()));
+        }
+        for (field, rows) in &mut cols {
+            let Some((_, row)) = s.members.iter().find(|(f, _)| f == field) else {
+                let reason = format!(
+                    "lacks field `{field}`, which sample `{}` has; every sample of a shard \
+                     must have the same fields",
+                    first.key
+                );
+                return Err(sample_err(src, &s.key, &reason, cols_names(&s.members)));
+            };
+            rows.push(*row);
+        }
+    }
+    // webdataset samples are dicts: order the tensors by name, as `TarWriter` writes them,
+    // so that every shard lists them alike.
+    cols.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(cols)
+}
+
+fn has(members: &[(String, Row)], field: &str) -> bool {
+    members.iter().any(|(f, _)| f == field)
+}
+
+/// `fields: a, b, c`.
+fn cols_names(members: &[(String, Row)]) -> String {
+    let names: Vec<&str> = members.iter().map(|(f, _)| f.as_str()).collect();
+    format!("fields: {}", names.join(", "))
+}
+
+fn sample_err(src: &Source, key: &str, reason: &str, value: impl ToString) -> IndexError {
+    IndexError::Sample {
+        file: src.path.clone(),
+        key: key.to_owned(),
+        reason: reason.to_owned(),
+        value: value.to_string(),
+    }
+}
+
+/// A typed `[rows, ...]` tensor over the members' `.npy` data sections, when every member
+/// is a well-formed `.npy` of one dtype and shape; `None` otherwise.
+fn npy_tensor(
+    src: &mut Source,
+    field: &str,
+    rows: &[Row],
+) -> Result<Option<TensorEntry>, IndexError> {
+    let mut table = Vec::with_capacity(rows.len());
+    let mut first: Option<(DType, Vec<u64>)> = None;
+    for &[pos, size] in rows {
+        let h = match npy::read_header_at(src, pos, size) {
+            Ok(h) => h,
+            Err(e @ IndexError::Io { .. }) => return Err(e),
+            Err(_) => return Ok(None),
+        };
+        let elems = h.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let need = elems.and_then(|e| e.checked_mul(h.dtype.size()));
+        if need != Some(pos + size - h.data_offset) {
+            return Ok(None);
+        }
+        match &first {
+            Some((d, s)) if (*d, s) != (h.dtype, &h.shape) => return Ok(None),
+            Some(_) => {}
+            None => first = Some((h.dtype, h.shape.clone())),
+        }
+        table.push([h.data_offset, pos + size - h.data_offset]);
+    }
+    let Some((dtype, dims)) = first else {
+        return Ok(None);
+    };
+    let mut shape = vec![rows.len() as u64];
+    shape.extend(dims);
+    Ok(Some(TensorEntry {
+        name: field.to_owned(),
+        dtype,
+        shape,
+        offset: table[0][0],
+        length: table.iter().map(|r| r[1]).sum(),
+        rows: Some(table),
+        ragged: false,
+    }))
+}
+
+/// A ragged `uint8` tensor of the members' raw bytes.
+fn ragged(field: String, rows: Vec<Row>) -> TensorEntry {
+    let length: u64 = rows.iter().map(|r| r[1]).sum();
+    TensorEntry {
+        name: field,
+        dtype: DType::Uint8,
+        shape: vec![length],
+        offset: rows.first().map_or(0, |r| r[0]),
+        length,
+        rows: Some(rows),
+        ragged: true,
+    }
+}
+
+#[cfg(test)]
+mod tests;

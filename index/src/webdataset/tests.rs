@@ -1,0 +1,276 @@
+//! Tests of the WebDataset indexer, on tars written by the `tar` crate's `Builder`.
+
+use std::path::Path;
+
+use shardwire_protocol::manifest::{DType, Manifest, TensorEntry};
+
+use super::split_name;
+use crate::testutil::{check_manifest, temp_dir};
+use crate::{IndexError, IndexOptions, index_dir, index_report};
+
+/// A tar of `(name, data)` regular-file members, in order.
+fn tar_of(members: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, data) in members {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, name, data.as_slice()).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// A `.npy` 1.0 image, as numpy writes it.
+fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+    let mut dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + dict.len() + 1) % 64 != 0 {
+        dict.push(' ');
+    }
+    dict.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((dict.len() as u16).to_le_bytes());
+    out.extend(dict.as_bytes());
+    out.extend(data);
+    out
+}
+
+/// The bytes a row-table tensor delivers: its rows, concatenated.
+fn gather(file: &[u8], shard_offset: u64, t: &TensorEntry) -> Vec<u8> {
+    let rows = t.rows.as_ref().expect("a row table");
+    rows.iter()
+        .flat_map(|&[o, l]| {
+            let a = (shard_offset + o) as usize;
+            file[a..a + l as usize].to_vec()
+        })
+        .collect()
+}
+
+fn tensor<'m>(m: &'m Manifest, name: &str) -> &'m TensorEntry {
+    let found = m.shards[0].tensors.iter().find(|t| t.name == name);
+    found.unwrap_or_else(|| panic!("no tensor `{name}` in {:?}", m.shards[0].tensors))
+}
+
+fn index_err(dir: &Path) -> String {
+    index_dir(dir, &IndexOptions::default())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn npy_fields_are_typed_and_the_rest_ragged() {
+    let dir = temp_dir("wds-basic");
+    let mut members = Vec::new();
+    let (mut img, mut cls, mut txt) = (Vec::<u8>::new(), Vec::new(), Vec::new());
+    for i in 0..3u8 {
+        let data: Vec<u8> = (0..24).map(|j| i * 24 + j).collect();
+        let t = "x".repeat(i as usize * 7 + 1).into_bytes();
+        members.push((format!("s{i:03}.img.npy"), npy("<f4", "(2, 3)", &data)));
+        members.push((format!("s{i:03}.cls"), vec![b'0' + i]));
+        members.push((format!("s{i:03}.txt"), t.clone()));
+        img.extend(&data);
+        cls.push(b'0' + i);
+        txt.extend(t);
+    }
+    let members: Vec<(&str, Vec<u8>)> = members
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.clone()))
+        .collect();
+    let bytes = tar_of(&members);
+    std::fs::write(dir.join("shard-0.tar"), &bytes).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    check_manifest(&dir, &m, &[]);
+    let s = &m.shards[0];
+    assert_eq!(
+        (s.file.as_str(), s.offset, s.length),
+        ("shard-0.tar", 0, bytes.len() as u64)
+    );
+    let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["cls", "img.npy", "txt"],
+        "by name, as TarWriter orders them"
+    );
+    let t = tensor(&m, "img.npy");
+    assert_eq!(
+        (t.dtype, t.shape.as_slice(), t.ragged),
+        (DType::Float32, &[3u64, 2, 3][..], false)
+    );
+    assert_eq!(gather(&bytes, 0, t), img);
+    for (name, want) in [("cls", cls), ("txt", txt)] {
+        let t = tensor(&m, name);
+        assert_eq!(
+            (t.dtype, t.ragged, t.shape.clone()),
+            (DType::Uint8, true, vec![want.len() as u64])
+        );
+        assert_eq!(gather(&bytes, 0, t), want, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn mixed_npy_shapes_or_dtypes_are_ragged_raw_bytes() {
+    let dir = temp_dir("wds-mixed");
+    let a = npy("<f4", "(2,)", &[1u8; 8]);
+    let b = npy("<f4", "(3,)", &[2u8; 12]);
+    let c = npy("<i4", "(2,)", &[3u8; 8]);
+    let d = b"not an npy".to_vec();
+    let shape = tar_of(&[("0.npy", a.clone()), ("1.npy", b.clone())]);
+    let dtype = tar_of(&[("0.npy", a.clone()), ("1.npy", c.clone())]);
+    let junk = tar_of(&[("0.npy", a.clone()), ("1.npy", d.clone())]);
+    for (name, bytes, want) in [
+        ("shape.tar", &shape, [a.clone(), b].concat()),
+        ("dtype.tar", &dtype, [a.clone(), c].concat()),
+        ("junk.tar", &junk, [a.clone(), d].concat()),
+    ] {
+        let sub = dir.join(name.trim_end_matches(".tar"));
+        std::fs::create_dir_all(&sub).unwrap();
+        std::fs::write(sub.join(name), bytes).unwrap();
+        let m = index_dir(&sub, &IndexOptions::default()).unwrap();
+        let t = tensor(&m, "npy");
+        assert!(t.ragged && t.dtype == DType::Uint8, "{name}: {t:?}");
+        assert_eq!(gather(bytes, 0, t), want, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn samples_must_share_their_fields() {
+    let dir = temp_dir("wds-fields");
+    let x = || b"x".to_vec();
+    let missing = tar_of(&[("a.cls", x()), ("a.txt", x()), ("b.cls", x())]);
+    std::fs::write(dir.join("m.tar"), missing).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("m.tar") && err.contains("sample `b`") && err.contains("lacks field `txt`"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.join("m.tar")).unwrap();
+    let extra = tar_of(&[("a.cls", x()), ("b.cls", x()), ("b.json", x())]);
+    std::fs::write(dir.join("e.tar"), extra).unwrap();
+    let err = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, IndexError::Sample { key, .. } if key == "b"),
+        "{err}"
+    );
+    let err = err.to_string();
+    assert!(
+        err.contains("e.tar") && err.contains("has field `json`"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.join("e.tar")).unwrap();
+    let dup = tar_of(&[("a.cls", x()), ("a.CLS", x())]);
+    std::fs::write(dir.join("d.tar"), dup).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("duplicate field") && err.contains("cls"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn empty_tar_holds_no_rows() {
+    let dir = temp_dir("wds-empty");
+    std::fs::write(dir.join("e.tar"), tar_of(&[])).unwrap();
+    let err = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, IndexError::NoUsableFiles { found: 1, .. }),
+        "{err}"
+    );
+    std::fs::write(dir.join("b.bin"), [1u8, 2]).unwrap();
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(r.unused.len(), 1);
+    assert_eq!(
+        (r.unused[0].file.as_str(), r.unused[0].reason.as_str()),
+        ("e.tar", "holds no rows")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn names_split_like_webdataset() {
+    // Checked against webdataset.tariterators.base_plus_ext.
+    let cases = [
+        ("a/b/000123.img.npy", Some(("a/b/000123", "img.npy"))),
+        ("000.cls", Some(("000", "cls"))),
+        ("dir.v2/000.seg.png", Some(("dir.v2/000", "seg.png"))),
+        ("a/.x", Some(("a/", "x"))),
+        ("a.b/c/.x", Some(("a.b/c/", "x"))),
+        ("a.b/.x", None),
+        ("noext", None),
+        ("a.b/noext", None),
+        (".hidden", None),
+    ];
+    for (name, want) in cases {
+        assert_eq!(split_name(name), want, "{name}");
+    }
+}
+
+#[test]
+fn keys_with_dirs_long_names_and_meta_members() {
+    let dir = temp_dir("wds-keys");
+    let long = format!("{}/k1", "d".repeat(120));
+    let m1 = format!("{long}.Seg.PNG");
+    let m2 = format!("{long}.json");
+    let bytes = tar_of(&[
+        ("__meta__", b"skipped".to_vec()),
+        ("a.b/k0.seg.png", b"p0".to_vec()),
+        ("a.b/k0.json", b"j0".to_vec()),
+        ("README", b"no split, skipped".to_vec()),
+        (&m1, b"p1!".to_vec()),
+        (&m2, b"j1".to_vec()),
+    ]);
+    std::fs::write(dir.join("k.tar"), &bytes).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    check_manifest(&dir, &m, &[]);
+    assert_eq!(gather(&bytes, 0, tensor(&m, "seg.png")), b"p0p1!");
+    assert_eq!(gather(&bytes, 0, tensor(&m, "json")), b"j0j1");
+    assert_eq!(m.shards[0].tensors.len(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn gzip_and_garbage_are_refused() {
+    let dir = temp_dir("wds-gz");
+    std::fs::write(dir.join("d.tar.gz"), b"\x1f\x8b junk").unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("d.tar.gz") && err.contains("byte range") && err.contains("gunzip"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.join("d.tar.gz")).unwrap();
+    std::fs::write(dir.join("g.tar"), [7u8; 1024]).unwrap();
+    let err = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(matches!(err, IndexError::Malformed { .. }), "{err}");
+    assert!(err.to_string().contains("g.tar"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn npy_fields_take_one_form_over_the_dataset() {
+    let dir = temp_dir("wds-harmonize");
+    let a = npy("<f4", "(2,)", &[1u8; 8]);
+    let b = npy("<f4", "(3,)", &[2u8; 12]);
+    let one = tar_of(&[("0.img.npy", a.clone()), ("1.img.npy", a.clone())]);
+    let two = tar_of(&[("2.img.npy", b.clone()), ("3.img.npy", b.clone())]);
+    std::fs::write(dir.join("1.tar"), &one).unwrap();
+    std::fs::write(dir.join("2.tar"), &two).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    check_manifest(&dir, &m, &[]);
+    for (s, bytes, want) in [(0, &one, [a.clone(), a.clone()]), (1, &two, [b.clone(), b])] {
+        let t = &m.shards[s].tensors[0];
+        assert!(t.ragged && t.dtype == DType::Uint8, "shard {s}: {t:?}");
+        assert_eq!(gather(bytes, 0, t), want.concat(), "shard {s}");
+    }
+    std::fs::write(dir.join("2.tar"), &one).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    for s in &m.shards {
+        let t = &s.tensors[0];
+        assert_eq!(
+            (t.ragged, t.dtype, t.shape.as_slice()),
+            (false, DType::Float32, &[2u64, 2][..])
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
