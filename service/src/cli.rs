@@ -19,7 +19,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Build DIR/shardwire.manifest.json from the Arrow IPC, .npy and .bin files in DIR.
+    /// Build DIR/shardwire.manifest.json from the Arrow IPC (HF datasets), .npy, .bin, WebDataset
+    /// .tar and Parquet files in DIR (Parquet is converted once into DIR/.shardwire-cache).
     Index {
         /// Dataset directory.
         dir: PathBuf,
