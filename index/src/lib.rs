@@ -1,6 +1,6 @@
 //! `shardwire index DIR`: builds the dataset manifest ([`Manifest`]) of a directory of
 //! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`), `.npy`, `.bin` and WebDataset `.tar`
-//! files, and Parquet (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
+//! files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), and Parquet (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
 //! section, a whole `.bin` or `.tar` file) with its CRC-32C; its tensors are byte ranges inside it,
@@ -16,6 +16,7 @@
 mod arrow;
 mod bin;
 mod error;
+mod mds;
 mod npy;
 mod parquet;
 mod pylit;
@@ -150,12 +151,13 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
             dir: dir.to_path_buf(),
         });
     }
-    let (files, mut unused) = walk::collect(dir)?;
+    let (mut files, mut unused) = walk::collect(dir)?;
+    let mds = mds::plan(dir, &mut files, &mut unused)?;
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
     );
-    let found = index_files(dir, &files, opts, &mut progress);
+    let found = index_files(dir, &files, &mds, opts, &mut progress);
     progress.finish();
     let Found {
         mut shards,
@@ -199,6 +201,7 @@ struct Found {
 fn index_files(
     dir: &Path,
     files: &[Candidate],
+    mds: &mds::Plan,
     opts: &IndexOptions,
     progress: &mut Progress,
 ) -> Result<Found, IndexError> {
@@ -235,6 +238,9 @@ fn index_files(
                 shards
             }
             Kind::TarGz => return Err(webdataset::refuse_gzip(&src)),
+            Kind::Mds => mds::index(&mut src, mds.get(&f.rel))?,
+            // Read (and taken out of `files`) by `mds::plan`.
+            Kind::MdsIndex => continue,
         };
         if shards.is_empty() {
             out.empty.push(f.rel.clone());

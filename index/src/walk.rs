@@ -24,11 +24,18 @@ pub(crate) enum Kind {
     Tar,
     /// `.tar.gz`, `.tgz`: a gzipped tar, refused with the reason.
     TarGz,
+    /// `.mds`: a MosaicML Streaming MDS shard, listed by an `index.json`.
+    Mds,
+    /// `index.json`: a MosaicML Streaming index (read first, see `mds::plan`).
+    MdsIndex,
 }
 
 impl Kind {
     /// The kind for a file name, or `None` for files that are not indexed.
     pub fn of(name: &str) -> Option<Self> {
+        if name == crate::mds::INDEX_FILE {
+            return Some(Self::MdsIndex);
+        }
         let ext = Path::new(name).extension()?.to_str()?.to_ascii_lowercase();
         match ext.as_str() {
             "arrow" | "arrows" | "ipc" | "feather" => Some(Self::Arrow),
@@ -37,6 +44,7 @@ impl Kind {
             "parquet" => Some(Self::Parquet),
             "tar" => Some(Self::Tar),
             "tgz" => Some(Self::TarGz),
+            "mds" => Some(Self::Mds),
             "gz" if name.to_ascii_lowercase().ends_with(".tar.gz") => Some(Self::TarGz),
             _ => None,
         }
@@ -159,6 +167,8 @@ mod tests {
         assert_eq!(Kind::of("x.tar.gz"), Some(Kind::TarGz));
         assert_eq!(Kind::of("x.gz"), None);
         assert_eq!(Kind::of("x.json"), None);
+        assert_eq!(Kind::of("x.mds"), Some(Kind::Mds));
+        assert_eq!(Kind::of("index.json"), Some(Kind::MdsIndex));
         assert_eq!(Kind::of("npy"), None);
     }
 

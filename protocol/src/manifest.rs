@@ -65,6 +65,26 @@ impl DType {
             Self::Int64 | Self::Uint64 | Self::Float64 => 8,
         }
     }
+    /// Every dtype.
+    pub const ALL: [Self; 11] = [
+        Self::Int8,
+        Self::Int16,
+        Self::Int32,
+        Self::Int64,
+        Self::Uint8,
+        Self::Uint16,
+        Self::Uint32,
+        Self::Uint64,
+        Self::Float16,
+        Self::Float32,
+        Self::Float64,
+    ];
+
+    /// The dtype of a numpy name (`"float32"`), or None.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// The numpy name, e.g. `"float32"`.
     pub fn name(self) -> &'static str {
         match self {

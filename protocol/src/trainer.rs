@@ -680,20 +680,7 @@ mod fast {
     }
 
     fn dtype(name: &str) -> Option<DType> {
-        Some(match name {
-            "int8" => DType::Int8,
-            "int16" => DType::Int16,
-            "int32" => DType::Int32,
-            "int64" => DType::Int64,
-            "uint8" => DType::Uint8,
-            "uint16" => DType::Uint16,
-            "uint32" => DType::Uint32,
-            "uint64" => DType::Uint64,
-            "float16" => DType::Float16,
-            "float32" => DType::Float32,
-            "float64" => DType::Float64,
-            _ => return None,
-        })
+        DType::from_name(name)
     }
 
     /// `{"op":"next"` then `timeout_ms` (a number or null) and `release`, each at most once.

@@ -382,7 +382,7 @@ fn the_report_lists_every_unused_file_with_its_reason() {
             ("notes.txt", "unknown extension .txt"),
             ("state.json", "HF datasets metadata"),
             ("x.orc", "unknown extension .orc"),
-            ("y.mds", "unknown extension .mds"),
+            ("y.mds", "MDS shard with no index.json next to it"),
         ]
     );
     assert_eq!(

@@ -1,0 +1,290 @@
+//! Tests of the MDS indexer, on shards built by hand following Streaming's layout.
+
+use std::path::Path;
+
+use shardwire_protocol::manifest::{DType, Manifest, TensorEntry};
+
+use crate::testutil::temp_dir;
+use crate::{IndexOptions, index_dir, index_report};
+
+/// `(name, encoding, fixed size)`.
+type Col = (&'static str, &'static str, Option<u64>);
+
+const COLS: [Col; 4] = [
+    ("blob", "bytes", None),
+    ("id", "int64", Some(8)),
+    ("txt", "str", None),
+    ("x", "ndarray:float32:2,3", Some(24)),
+];
+
+/// An `.mds` file as `MDSWriter.encode_joint_shard` writes it: count, offsets, config,
+/// samples (variable sizes first, then every column's bytes).
+fn mds_file(cols: &[Col], samples: &[Vec<Vec<u8>>]) -> Vec<u8> {
+    let config = br#"{"column_names":[]}"#;
+    let bodies: Vec<Vec<u8>> = samples
+        .iter()
+        .map(|s| {
+            let mut b = Vec::new();
+            for (c, v) in cols.iter().zip(s) {
+                if c.2.is_none() {
+                    b.extend((v.len() as u32).to_le_bytes());
+                }
+            }
+            for v in s {
+                b.extend(v);
+            }
+            b
+        })
+        .collect();
+    let mut out = (samples.len() as u32).to_le_bytes().to_vec();
+    let mut off = 4 + 4 * (samples.len() as u32 + 1) + config.len() as u32;
+    out.extend(off.to_le_bytes());
+    for b in &bodies {
+        off += b.len() as u32;
+        out.extend(off.to_le_bytes());
+    }
+    out.extend(config);
+    for b in bodies {
+        out.extend(b);
+    }
+    out
+}
+
+/// One `shards` entry of an `index.json`.
+fn shard_json(cols: &[Col], basename: &str, bytes: usize, samples: usize) -> String {
+    let names: Vec<String> = cols.iter().map(|c| format!("\"{}\"", c.0)).collect();
+    let encs: Vec<String> = cols.iter().map(|c| format!("\"{}\"", c.1)).collect();
+    let sizes: Vec<String> = cols
+        .iter()
+        .map(|c| c.2.map_or("null".into(), |s| s.to_string()))
+        .collect();
+    format!(
+        r#"{{"column_encodings": [{}], "column_names": [{}], "column_sizes": [{}],
+        "compression": null, "format": "mds", "hashes": [],
+        "raw_data": {{"basename": "{basename}", "bytes": {bytes}, "hashes": {{}}}},
+        "samples": {samples}, "size_limit": 67108864, "version": 2, "zip_data": null}}"#,
+        encs.join(", "),
+        names.join(", "),
+        sizes.join(", ")
+    )
+}
+
+fn index_json(shards: &[String]) -> String {
+    format!(r#"{{"version": 2, "shards": [{}]}}"#, shards.join(", "))
+}
+
+fn sample(i: usize) -> Vec<Vec<u8>> {
+    let x: Vec<u8> = (0..6)
+        .flat_map(|k| (i as f32 + k as f32).to_le_bytes())
+        .collect();
+    vec![
+        vec![i as u8; i % 4],
+        (i as i64 * 7).to_le_bytes().to_vec(),
+        format!("sample {i}").into_bytes(),
+        x,
+    ]
+}
+
+/// Writes shards of `per` samples each under `dir/sub` with their `index.json`; returns the
+/// samples.
+fn write_dataset(dir: &Path, shards: usize, per: usize) -> Vec<Vec<Vec<u8>>> {
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let mut all = Vec::new();
+    let mut entries = Vec::new();
+    for s in 0..shards {
+        let samples: Vec<_> = (s * per..(s + 1) * per).map(sample).collect();
+        let file = mds_file(&COLS, &samples);
+        let name = format!("shard.{s:05}.mds");
+        std::fs::write(sub.join(&name), &file).unwrap();
+        entries.push(shard_json(&COLS, &name, file.len(), per));
+        all.extend(samples);
+    }
+    std::fs::write(sub.join("index.json"), index_json(&entries)).unwrap();
+    all
+}
+
+fn gather(file: &[u8], t: &TensorEntry) -> Vec<Vec<u8>> {
+    let rows = t.rows.as_ref().expect("a row table");
+    rows.iter()
+        .map(|&[o, l]| file[o as usize..(o + l) as usize].to_vec())
+        .collect()
+}
+
+fn tensor<'m>(m: &'m Manifest, shard: usize, name: &str) -> &'m TensorEntry {
+    let t = m.shards[shard].tensors.iter().find(|t| t.name == name);
+    t.unwrap_or_else(|| panic!("no tensor `{name}`"))
+}
+
+fn index_err(dir: &Path) -> String {
+    index_dir(dir, &IndexOptions::default())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn fixed_variable_and_ndarray_columns_byte_exact() {
+    let dir = temp_dir("mds-basic");
+    let samples = write_dataset(&dir, 3, 5);
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    assert!(r.unused.is_empty(), "{:?}", r.unused);
+    let m = &r.manifest;
+    let files: Vec<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
+    assert_eq!(
+        files,
+        [
+            "sub/shard.00000.mds",
+            "sub/shard.00001.mds",
+            "sub/shard.00002.mds"
+        ]
+    );
+    let id = tensor(m, 0, "id");
+    assert_eq!(
+        (id.dtype, id.shape.clone(), id.ragged),
+        (DType::Int64, vec![5], false)
+    );
+    let x = tensor(m, 0, "x");
+    assert_eq!(
+        (x.dtype, x.shape.clone(), x.ragged),
+        (DType::Float32, vec![5, 2, 3], false)
+    );
+    for name in ["blob", "txt"] {
+        let t = tensor(m, 0, name);
+        assert!(t.ragged && t.dtype == DType::Uint8, "{t:?}");
+    }
+    let names: Vec<&str> = m.shards[0]
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect();
+    assert_eq!(names, ["blob", "id", "txt", "x"]);
+    for (s, shard) in m.shards.iter().enumerate() {
+        let file = std::fs::read(dir.join(&shard.file)).unwrap();
+        assert_eq!((shard.offset, shard.length), (0, file.len() as u64));
+        for (c, col) in COLS.iter().enumerate() {
+            let got = gather(&file, tensor(m, s, col.0));
+            let want: Vec<Vec<u8>> = samples[s * 5..(s + 1) * 5]
+                .iter()
+                .map(|x| x[c].clone())
+                .collect();
+            assert_eq!(got, want, "shard {s} column {}", col.0);
+        }
+    }
+    m.validate().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn dynamic_ndarray_is_ragged_and_int_is_int64() {
+    let dir = temp_dir("mds-dyn");
+    let cols: [Col; 2] = [("a", "ndarray:float32", None), ("n", "int", Some(8))];
+    let samples: Vec<Vec<Vec<u8>>> = (0..3)
+        .map(|i| {
+            vec![
+                vec![34, 1 << 2, 0, 1, 2, 3][..2 + i].to_vec(),
+                (i as i64).to_le_bytes().to_vec(),
+            ]
+        })
+        .collect();
+    let file = mds_file(&cols, &samples);
+    std::fs::write(dir.join("shard.00000.mds"), &file).unwrap();
+    let entry = shard_json(&cols, "shard.00000.mds", file.len(), 3);
+    std::fs::write(dir.join("index.json"), index_json(&[entry])).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    let a = tensor(&m, 0, "a");
+    assert!(a.ragged && a.shape == [2 + 3 + 4], "{a:?}");
+    assert_eq!(tensor(&m, 0, "n").dtype, DType::Int64);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compression_is_refused_naming_the_shard_and_the_fix() {
+    let dir = temp_dir("mds-zstd");
+    let entry = shard_json(&COLS, "shard.00000.mds", 10, 1)
+        .replace(r#""compression": null"#, r#""compression": "zstd""#)
+        .replace(
+            r#""zip_data": null"#,
+            r#""zip_data": {"basename": "shard.00000.mds.zstd", "bytes": 5, "hashes": {}}"#,
+        );
+    std::fs::write(dir.join("shard.00000.mds.zstd"), b"zzzzz").unwrap();
+    std::fs::write(dir.join("index.json"), index_json(&[entry])).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("shard.00000.mds.zstd")
+            && err.contains("zstd")
+            && err.contains("compression=None"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn stray_mds_is_reported_unused_and_index_json_is_used() {
+    let dir = temp_dir("mds-stray");
+    write_dataset(&dir, 1, 2);
+    let file = mds_file(&COLS, &[sample(0)]);
+    std::fs::write(dir.join("sub/extra.mds"), &file).unwrap();
+    std::fs::write(dir.join("lonely.mds"), &file).unwrap();
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    let unused: Vec<(&str, &str)> = r
+        .unused
+        .iter()
+        .map(|u| (u.file.as_str(), u.reason.as_str()))
+        .collect();
+    assert_eq!(
+        unused,
+        [
+            ("lonely.mds", "MDS shard with no index.json next to it"),
+            ("sub/extra.mds", "MDS shard not listed in sub/index.json"),
+        ]
+    );
+    assert_eq!(r.manifest.shards.len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn size_and_count_mismatches_are_refused() {
+    let dir = temp_dir("mds-bad");
+    write_dataset(&dir, 1, 2);
+    let path = dir.join("sub/shard.00000.mds");
+    let mut file = std::fs::read(&path).unwrap();
+    file.push(0);
+    std::fs::write(&path, &file).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("shard.00000.mds") && err.contains("raw_data.bytes"),
+        "{err}"
+    );
+    // A truncated file whose index agrees: the samples lie outside it.
+    file.truncate(file.len() - 10);
+    let entry = shard_json(&COLS, "shard.00000.mds", file.len(), 2);
+    std::fs::write(&path, &file).unwrap();
+    std::fs::write(dir.join("sub/index.json"), index_json(&[entry])).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("malformed") && err.contains("sample 1"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn other_json_is_unused_and_disagreeing_columns_are_refused() {
+    let dir = temp_dir("mds-cols");
+    write_dataset(&dir, 2, 2);
+    std::fs::write(dir.join("index.json"), b"[1, 2]").unwrap();
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(r.unused.len(), 1);
+    assert!(
+        r.unused[0]
+            .reason
+            .contains("not a MosaicML Streaming index")
+    );
+    let text = std::fs::read_to_string(dir.join("sub/index.json")).unwrap();
+    let second = text.rfind("\"txt\"").unwrap();
+    let text = format!("{}\"tx2\"{}", &text[..second], &text[second + 5..]);
+    std::fs::write(dir.join("sub/index.json"), text).unwrap();
+    let err = index_err(&dir);
+    assert!(err.contains("other columns than shard 0"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
