@@ -1,6 +1,7 @@
 //! `shardwire index DIR`: builds the dataset manifest ([`Manifest`]) of a directory of
-//! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`), `.npy`, `.bin` and WebDataset `.tar`
-//! files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), and Parquet (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
+//! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`; HF `datasets` too), `.npy`, `.bin` and
+//! WebDataset `.tar` files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), and Parquet
+//! (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
 //! section, a whole `.bin` or `.tar` file) with its CRC-32C; its tensors are byte ranges inside it,

@@ -20,7 +20,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Build DIR/shardwire.manifest.json from the Arrow IPC (HF datasets), .npy, .bin, WebDataset
-    /// .tar and Parquet files in DIR (Parquet is converted once into DIR/.shardwire-cache).
+    /// .tar, MDS and Parquet files in DIR (Parquet is converted once into DIR/.shardwire-cache).
     Index {
         /// Dataset directory.
         dir: PathBuf,
