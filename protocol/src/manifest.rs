@@ -314,6 +314,7 @@ impl Manifest {
                     s.tensors.len()
                 )));
             }
+            check_names(&s.tensors).map_err(&bad)?;
             for t in &s.tensors {
                 check_rows(t, s.length).map_err(&bad)?;
                 if t.shape.len() > MAX_DIMS {
@@ -363,6 +364,23 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// Tensor names are unique in a shard, also counting the `c.offsets` a ragged `c` brings.
+fn check_names(tensors: &[TensorEntry]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    let offsets = tensors
+        .iter()
+        .filter(|t| t.ragged)
+        .map(|t| format!("{}{OFFSETS_SUFFIX}", t.name));
+    for name in tensors.iter().map(|t| t.name.clone()).chain(offsets) {
+        if !seen.insert(name.clone()) {
+            return Err(format!(
+                "two tensors are named `{name}` (a ragged tensor `c` also delivers `c{OFFSETS_SUFFIX}`); rename one"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks a tensor's row table: present when ragged, rows inside the shard (of `shard_len`
@@ -475,6 +493,20 @@ mod tests {
         let mut m = sample();
         m.shards[0].tensors[0].ragged = true;
         assert!(err(Manifest::new(m.shards)).contains("ragged but has no rows"));
+        // A ragged `a` delivers `a.offsets`: a tensor of that name clashes, as does a twin.
+        let mut m = with_rows(vec![[0, 2], [4, 10]], true, vec![6], 12);
+        let mut clash = m.shards[0].tensors[0].clone();
+        (
+            clash.name,
+            clash.rows,
+            clash.ragged,
+            clash.shape,
+            clash.length,
+        ) = ("a.offsets".into(), None, false, vec![1], 2);
+        m.shards[0].tensors.push(clash);
+        assert!(err(Manifest::new(m.shards.clone())).contains("two tensors are named `a.offsets`"));
+        m.shards[0].tensors[1].name = "a".into();
+        assert!(err(Manifest::new(m.shards)).contains("two tensors are named `a`"));
     }
 
     #[test]
