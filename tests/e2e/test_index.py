@@ -50,10 +50,10 @@ def test_crc32c_helper_known_vector():
     assert crc32c(b"123456789") == 0xE3069283
 
 
-def run_index(d: pathlib.Path) -> subprocess.CompletedProcess:
+def run_index(d: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
     if not BIN.is_file():
         pytest.fail(f"shardwire binary not found at {BIN}; run `cargo build -p shardwire` or set SHARDWIRE_BIN")
-    return subprocess.run([str(BIN), "index", str(d)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(BIN), "index", *flags, str(d)], capture_output=True, text=True, timeout=300)
 
 
 def index_ok(d: pathlib.Path) -> dict:
@@ -253,10 +253,22 @@ def test_arrow_lz4_is_rejected(tmp_path):
     index_fails(tmp_path, "c.arrow", "compressed")
 
 
-def test_arrow_string_column_is_rejected(tmp_path):
-    t = pa.table({"x": pa.array([1, 2], pa.int32()), "name": pa.array(["a", "b"])})
+def test_an_unsupported_column_names_its_type_and_the_flags_that_get_past_it(tmp_path):
+    """A struct column cannot be served: the error names the file, the column, its pyarrow
+    type and both flags; `--skip-unsupported` indexes the rest and names what it skipped;
+    `--columns` keeps only the named columns. (Strings are served, ragged: test_formats.py.)"""
+    meta = pa.array([{"a": 1, "b": 2.0}, {"a": 3, "b": 4.0}])
+    t = pa.table({"x": pa.array([1, 2], pa.int32()), "name": pa.array(["a", "b"]), "meta": meta})
     write_arrow(tmp_path / "s.arrow", t.to_batches(), stream=True)
-    index_fails(tmp_path, "s.arrow", "name", "Utf8")
+    err = index_fails(tmp_path, "s.arrow", "meta", "struct<a: int64, b: double>", "--skip-unsupported", "--columns")
+    r = run_index(tmp_path, "--skip-unsupported")
+    assert r.returncode == 0 and "meta" in r.stderr and "struct<a: int64, b: double>" in r.stderr, (r.stderr, err)
+    names = [t["name"] for t in json.loads((tmp_path / MANIFEST).read_text())["shards"][0]["tensors"]]
+    assert names == ["x", "name"], names
+    r = run_index(tmp_path, "--columns", "x")
+    assert r.returncode == 0, r.stderr
+    names = [t["name"] for t in json.loads((tmp_path / MANIFEST).read_text())["shards"][0]["tensors"]]
+    assert names == ["x"], names
 
 
 def test_empty_directory_fails_naming_it(tmp_path):
