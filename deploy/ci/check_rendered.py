@@ -27,7 +27,7 @@ Checks, per rendered overlay:
            the same hostPath at the socket's directory, its dataset is served, and its groups
            include the node service's group (the socket is 0660).
 Once: the Grafana dashboard (JSON, Prometheus datasource variable used by every panel, every
-expression parses as PromQL, references only metrics that service/src registers, in the form
+expression parses as PromQL, references only metrics that service/src or node/src registers, in the form
 the exporter renders them, and shows the README's core metrics; others are warnings) and the Dockerfile (parsed with BuildKit's parser: multi-stage, the
 release build, a non-root USER, ENTRYPOINT ["shardwire"], EXPOSEd default ports, Rust
 version >= the workspace's rust-version, context exclusions keep every workspace member).
@@ -637,13 +637,14 @@ REQUIRED_METRICS = {
 }
 
 
-def exported_metrics(src: Path) -> tuple[dict[str, str], bool]:
-    """{name: counter|gauge|histogram} registered by the node service (service/src), and
-    whether histogram buckets are configured (without them metrics-exporter-prometheus
-    renders histograms as summaries: NAME{quantile=...}, NAME_sum, NAME_count)."""
+def exported_metrics(srcs: list[Path]) -> tuple[dict[str, str], bool]:
+    """{name: counter|gauge|histogram} registered by the node service (service/src and the
+    node library it runs, node/src), and whether histogram buckets are configured (without
+    them metrics-exporter-prometheus renders histograms as summaries: NAME{quantile=...},
+    NAME_sum, NAME_count)."""
     out: dict[str, str] = {}
     buckets = False
-    for f in sorted(src.rglob("*.rs")):
+    for f in sorted(f for src in srcs for f in src.rglob("*.rs")):
         text = f.read_text()
         for kind, name in re.findall(r'metrics::(counter|gauge|histogram)!\(\s*"(shardwire_[a-z0-9_]+)"', text):
             out[name] = kind
@@ -657,7 +658,7 @@ def exported_metrics(src: Path) -> tuple[dict[str, str], bool]:
     return out, buckets
 
 
-def check_dashboard(path: Path, src: Path) -> tuple[list[str], str, list[str]]:
+def check_dashboard(path: Path, srcs: list[Path]) -> tuple[list[str], str, list[str]]:
     import promql_parser
 
     errs: list[str] = []
@@ -671,7 +672,8 @@ def check_dashboard(path: Path, src: Path) -> tuple[list[str], str, list[str]]:
         errs.append("no Prometheus datasource variable (type datasource, query prometheus)")
     dsname = dsvars[0]["name"] if dsvars else "datasource"
     want_ds = {"${%s}" % dsname, "$" + dsname}
-    kinds, buckets = exported_metrics(src)
+    kinds, buckets = exported_metrics(srcs)
+    src = ", ".join(str(x) for x in srcs)
     exported = set(kinds)
     if not exported:
         errs.append(f"found no exported metrics in {src}")
@@ -963,7 +965,7 @@ def main() -> int:
         run_overlay(docs, name, schemas, sw, res)
 
     print("---- dashboard, Dockerfile")
-    errs, detail, warnings = check_dashboard(repo / "deploy/grafana/shardwire-dashboard.json", repo / "service/src")
+    errs, detail, warnings = check_dashboard(repo / "deploy/grafana/shardwire-dashboard.json", [repo / "service/src", repo / "node/src"])
     for w in warnings:
         res.warn("grafana", w)
     res.check("grafana", "dashboard: datasource variable, PromQL parses, metrics exported and covered", errs, detail)
