@@ -125,7 +125,7 @@ pub enum IndexError {
 
 fn no_files_reason(found: usize) -> String {
     if found == 0 {
-        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin, .tar, .parquet, .mds)".into()
+        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin (+ .idx), .tar, .parquet, .mds)".into()
     } else {
         format!("found {found} data files but none holds any rows")
     }

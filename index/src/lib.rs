@@ -1,6 +1,7 @@
 //! `shardwire index DIR`: builds the dataset manifest ([`Manifest`]) of a directory of
 //! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`; HF `datasets` too), `.npy`, `.bin` and
-//! WebDataset `.tar` files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), and Parquet
+//! WebDataset `.tar` files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), Megatron-LM
+//! indexed datasets (`NAME.bin` + `NAME.idx`), and Parquet
 //! (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
@@ -18,6 +19,7 @@ mod arrow;
 mod bin;
 mod error;
 mod mds;
+mod megatron;
 mod npy;
 mod parquet;
 mod pylit;
@@ -154,11 +156,16 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
     }
     let (mut files, mut unused) = walk::collect(dir)?;
     let mds = mds::plan(dir, &mut files, &mut unused)?;
+    let megatron = megatron::plan(&mut files, &mut unused);
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
     );
-    let found = index_files(dir, &files, &mds, opts, &mut progress);
+    let plans = Plans {
+        mds: &mds,
+        megatron: &megatron,
+    };
+    let found = index_files(dir, &files, plans, opts, &mut progress);
     progress.finish();
     let Found {
         mut shards,
@@ -198,11 +205,18 @@ struct Found {
     wds: Vec<webdataset::RawRows>,
 }
 
+/// What the files read before the others (indexes) say about them.
+#[derive(Clone, Copy)]
+struct Plans<'a> {
+    mds: &'a mds::Plan,
+    megatron: &'a megatron::Plan,
+}
+
 /// Indexes `files` in order.
 fn index_files(
     dir: &Path,
     files: &[Candidate],
-    mds: &mds::Plan,
+    plans: Plans<'_>,
     opts: &IndexOptions,
     progress: &mut Progress,
 ) -> Result<Found, IndexError> {
@@ -231,7 +245,10 @@ fn index_files(
                 a.shards
             }
             Kind::Npy => npy::index(&mut src)?,
-            Kind::Bin => bin::index(&mut src)?,
+            Kind::Bin => match plans.megatron.get(&f.rel) {
+                Some(idx) => megatron::index(&mut src, idx)?,
+                None => bin::index(&mut src)?,
+            },
             Kind::Tar => {
                 let (shards, raw) = webdataset::index(&mut src)?;
                 let base = out.shards.len();
@@ -239,9 +256,9 @@ fn index_files(
                 shards
             }
             Kind::TarGz => return Err(webdataset::refuse_gzip(&src)),
-            Kind::Mds => mds::index(&mut src, mds.get(&f.rel))?,
-            // Read (and taken out of `files`) by `mds::plan`.
-            Kind::MdsIndex => continue,
+            Kind::Mds => mds::index(&mut src, plans.mds.get(&f.rel))?,
+            // Taken out of `files` by `mds::plan` and `megatron::plan`.
+            Kind::MdsIndex | Kind::MegatronIdx => continue,
         };
         if shards.is_empty() {
             out.empty.push(f.rel.clone());

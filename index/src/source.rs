@@ -72,6 +72,18 @@ impl Source {
                 format!("{len} bytes"),
             ));
         }
+        self.read_exact_at(what, offset, len)
+    }
+
+    /// Reads `len` bytes at `offset`, bounded only by the file's size (for index arrays
+    /// whose size the caller has checked against the file).
+    pub fn read_exact_at(
+        &mut self,
+        what: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, IndexError> {
+        self.check_range(what, offset, len)?;
         let mut buf = vec![0u8; len as usize];
         self.file
             .seek(SeekFrom::Start(offset))

@@ -28,6 +28,9 @@ pub(crate) enum Kind {
     Mds,
     /// `index.json`: a MosaicML Streaming index (read first, see `mds::plan`).
     MdsIndex,
+    /// `.idx`: a Megatron-LM index, paired with the `.bin` of the same stem (read first, see
+    /// `megatron::plan`).
+    MegatronIdx,
 }
 
 impl Kind {
@@ -45,6 +48,7 @@ impl Kind {
             "tar" => Some(Self::Tar),
             "tgz" => Some(Self::TarGz),
             "mds" => Some(Self::Mds),
+            "idx" => Some(Self::MegatronIdx),
             "gz" if name.to_ascii_lowercase().ends_with(".tar.gz") => Some(Self::TarGz),
             _ => None,
         }
@@ -169,6 +173,7 @@ mod tests {
         assert_eq!(Kind::of("x.json"), None);
         assert_eq!(Kind::of("x.mds"), Some(Kind::Mds));
         assert_eq!(Kind::of("index.json"), Some(Kind::MdsIndex));
+        assert_eq!(Kind::of("x.idx"), Some(Kind::MegatronIdx));
         assert_eq!(Kind::of("npy"), None);
     }
 

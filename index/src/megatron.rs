@@ -1,0 +1,463 @@
+//! Megatron-LM indexed datasets: a pair `NAME.bin` + `NAME.idx` in one directory
+//! (`megatron/core/datasets/indexed_dataset.py`). The `.bin` holds the token sequences back
+//! to back; the `.idx` says where each starts. A `.bin` without its `.idx` stays a raw
+//! `uint8` shard ([`crate::bin`]); an `.idx` without its `.bin` is reported unused.
+//!
+//! The `.idx` layout, all little-endian and unaligned: the magic `MMIDIDX\0\0` (9 bytes), a
+//! `u64` version (1), a `u8` dtype code, a `u64` sequence count `S`, a `u64` document count
+//! `D` (documents + 1), then `int32[S]` sequence lengths (in tokens), `int64[S]` sequence
+//! byte offsets into the `.bin`, and `int64[D]` document indices (sequence numbers, `0 ..
+//! S`). Everything is checked: the sequences must tile the `.bin` exactly.
+//!
+//! The `.bin` is cut into shards of whole sequences, each at most [`SHARD_CAP`] bytes of
+//! tokens unless one sequence alone is larger (then that sequence is a shard by itself).
+//! Each shard holds one ragged tensor `tokens` with one row per sequence (GPT-style
+//! training samples are sequences).
+//!
+//! Future work: documents (groups of sequences) are validated but not carried in the
+//! manifest; token windows that span sequences of a document would need them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+
+use crate::error::IndexError;
+use crate::source::Source;
+use crate::walk::{Candidate, Kind, Unused};
+
+/// Most bytes of tokens in one shard (unless a single sequence is larger).
+pub(crate) const SHARD_CAP: u64 = 64 << 20;
+/// The `.idx` magic.
+const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
+/// Bytes before the arrays.
+const HEADER: u64 = 34;
+
+/// The `.idx` of each paired `.bin`, by the `.bin`'s relative path: (full path, relative path).
+pub(crate) type Plan = HashMap<String, (PathBuf, String)>;
+
+/// Takes the `.idx` files out of `files`, pairing each with the `.bin` of the same stem in
+/// the same directory; an `.idx` with no such `.bin` goes to `unused`, with the reason.
+pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan {
+    let bins: std::collections::HashSet<&str> = files
+        .iter()
+        .filter(|f| f.kind == Kind::Bin)
+        .map(|f| f.rel.as_str())
+        .collect();
+    let mut plan = Plan::new();
+    for f in files.iter().filter(|f| f.kind == Kind::MegatronIdx) {
+        let stem = f.rel.rsplit_once('.').map_or(f.rel.as_str(), |(s, _)| s);
+        let bin = format!("{stem}.bin");
+        if bins.contains(bin.as_str()) {
+            plan.insert(bin, (f.path.clone(), f.rel.clone()));
+        } else {
+            let name = bin.rsplit('/').next().unwrap_or(&bin).to_owned();
+            unused.push(Unused {
+                file: f.rel.clone(),
+                reason: format!("Megatron .idx without its data file {name} next to it"),
+            });
+        }
+    }
+    files.retain(|f| f.kind != Kind::MegatronIdx);
+    plan
+}
+
+/// The dtype of a Megatron dtype code.
+fn dtype(code: u8) -> Option<DType> {
+    Some(match code {
+        1 => DType::Uint8,
+        2 => DType::Int8,
+        3 => DType::Int16,
+        4 => DType::Int32,
+        5 => DType::Int64,
+        6 => DType::Float64,
+        7 => DType::Float32,
+        8 => DType::Uint16,
+        _ => return None,
+    })
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn i64_at(b: &[u8], at: usize) -> i64 {
+    i64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn i32_at(b: &[u8], at: usize) -> i32 {
+    i32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// What an `.idx` says: the token dtype and each sequence's byte range `[offset, length]`
+/// in the `.bin`.
+struct Index {
+    dtype: DType,
+    seqs: Vec<[u64; 2]>,
+}
+
+/// Reads and checks an `.idx` against its `.bin` of `bin_len` bytes.
+fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, IndexError> {
+    let head = idx.read_at("the .idx header", 0, HEADER.min(idx.len))?;
+    if head.len() < 9 || &head[..9] != MAGIC {
+        return Err(idx.malformed(
+            "not a Megatron-LM index (magic MMIDIDX\\0\\0)",
+            format!("{:?}", String::from_utf8_lossy(&head[..head.len().min(9)])),
+        ));
+    }
+    if head.len() < HEADER as usize {
+        return Err(idx.malformed(
+            format!("the header is {HEADER} bytes"),
+            format!("{} bytes", idx.len),
+        ));
+    }
+    let version = u64_at(&head, 9);
+    if version != 1 {
+        return Err(idx.unsupported("only Megatron index version 1 is known", version));
+    }
+    let code = head[17];
+    let dtype = dtype(code).ok_or_else(|| {
+        idx.unsupported(
+            "unknown dtype code (known: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)",
+            code,
+        )
+    })?;
+    let s = u64_at(&head, 18);
+    let d = u64_at(&head, 26);
+    let need = s
+        .checked_mul(12)
+        .and_then(|a| d.checked_mul(8).and_then(|b| a.checked_add(b)))
+        .and_then(|a| a.checked_add(HEADER));
+    if need.is_none_or(|n| n > idx.len) {
+        return Err(idx.malformed(
+            format!(
+                "{s} sequences and {d} document indices need {} bytes, more than the file's {}",
+                need.map_or("too many".into(), |n| n.to_string()),
+                idx.len
+            ),
+            format!("sequence_count {s}, document_count {d}"),
+        ));
+    }
+    // Bounded by the file size just checked.
+    let arrays = idx.read_exact_at("the .idx arrays", HEADER, s * 12 + d * 8)?;
+    let (s, d) = (s as usize, d as usize);
+    let size = dtype.size();
+    let mut seqs = Vec::with_capacity(s);
+    let mut expect = 0u64;
+    for i in 0..s {
+        let len = i32_at(&arrays, 4 * i);
+        let ptr = i64_at(&arrays, 4 * s + 8 * i);
+        if len < 0 {
+            return Err(idx.malformed(format!("sequence {i} has a negative length"), len));
+        }
+        if ptr < 0 || ptr as u64 != expect {
+            return Err(idx.malformed(
+                format!(
+                    "sequence {i} does not start where the previous one ends (pointers must be contiguous from 0)"
+                ),
+                format!("pointer {ptr}, expected {expect}"),
+            ));
+        }
+        let bytes = len as u64 * size;
+        seqs.push([expect, bytes]);
+        expect = expect
+            .checked_add(bytes)
+            .ok_or_else(|| idx.malformed(format!("sequence {i} ends beyond 2^64"), ptr))?;
+    }
+    if expect != bin_len {
+        return Err(IndexError::Malformed {
+            file: bin.to_path_buf(),
+            reason: format!(
+                "its index {} says the sequences take {expect} bytes, but the file has {bin_len}",
+                idx.rel
+            ),
+            value: format!("{bin_len} bytes"),
+        });
+    }
+    let docs = &arrays[12 * s..];
+    let mut prev = 0i64;
+    for j in 0..d {
+        let v = i64_at(docs, 8 * j);
+        if (j == 0 && v != 0) || v < prev || v as u64 > s as u64 {
+            return Err(idx.malformed(
+                format!(
+                    "document index {j} breaks the rule: the first is 0, they never decrease, none exceeds the {s} sequences"
+                ),
+                v,
+            ));
+        }
+        prev = v;
+    }
+    if d == 0 || prev as u64 != s as u64 {
+        return Err(idx.malformed(
+            format!("the last document index must be the sequence count {s}"),
+            if d == 0 {
+                "no document indices".to_owned()
+            } else {
+                prev.to_string()
+            },
+        ));
+    }
+    Ok(Index { dtype, seqs })
+}
+
+/// Indexes the `.bin` `src` with its `.idx` (full path, relative path).
+pub(crate) fn index(
+    src: &mut Source,
+    idx: &(PathBuf, String),
+) -> Result<Vec<ShardEntry>, IndexError> {
+    index_with_cap(src, idx, SHARD_CAP)
+}
+
+fn index_with_cap(
+    src: &mut Source,
+    (idx_path, idx_rel): &(PathBuf, String),
+    cap: u64,
+) -> Result<Vec<ShardEntry>, IndexError> {
+    let mut idx = Source::open(idx_path, idx_rel)?;
+    let Index { dtype, seqs } = read_index(&mut idx, src.len, &src.path)?;
+    if src.len == 0 {
+        // No tokens at all: reported as holding no rows.
+        return Ok(Vec::new());
+    }
+    let mut shards = Vec::new();
+    let mut start = 0usize;
+    let mut bytes = 0u64;
+    for (i, &[_, len]) in seqs.iter().enumerate() {
+        if i > start && bytes + len > cap && bytes > 0 {
+            shards.push(shard(src, dtype, &seqs[start..i], bytes)?);
+            (start, bytes) = (i, 0);
+        }
+        bytes += len;
+    }
+    if start < seqs.len() {
+        shards.push(shard(src, dtype, &seqs[start..], bytes)?);
+    }
+    Ok(shards)
+}
+
+/// One shard of the sequences `seqs` (contiguous, `bytes` in all).
+fn shard(
+    src: &mut Source,
+    dtype: DType,
+    seqs: &[[u64; 2]],
+    bytes: u64,
+) -> Result<ShardEntry, IndexError> {
+    let offset = seqs[0][0];
+    let rows = seqs.iter().map(|&[o, l]| [o - offset, l]).collect();
+    let tensor = TensorEntry {
+        name: "tokens".into(),
+        dtype,
+        shape: vec![bytes / dtype.size()],
+        offset,
+        length: bytes,
+        rows: Some(rows),
+        ragged: true,
+    };
+    src.shard(offset, bytes, vec![tensor])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{check_manifest, le_bytes, temp_dir};
+    use crate::{IndexOptions, index_dir, index_report};
+
+    /// Writes `NAME.bin` and `NAME.idx` for `docs` (each a list of sequences of tokens,
+    /// already little-endian bytes of `size`-byte elements); returns the .bin bytes.
+    fn write(dir: &Path, name: &str, code: u8, size: usize, docs: &[Vec<Vec<u8>>]) -> Vec<u8> {
+        let mut bin = Vec::new();
+        let (mut lens, mut ptrs, mut doc_idx) = (Vec::new(), Vec::new(), vec![0i64]);
+        for d in docs {
+            for s in d {
+                lens.push((s.len() / size) as i32);
+                ptrs.push(bin.len() as i64);
+                bin.extend_from_slice(s);
+            }
+            doc_idx.push(lens.len() as i64);
+        }
+        std::fs::write(dir.join(format!("{name}.bin")), &bin).unwrap();
+        std::fs::write(
+            dir.join(format!("{name}.idx")),
+            idx(code, &lens, &ptrs, &doc_idx),
+        )
+        .unwrap();
+        bin
+    }
+
+    fn idx(code: u8, lens: &[i32], ptrs: &[i64], docs: &[i64]) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&1u64.to_le_bytes());
+        out.push(code);
+        out.extend_from_slice(&(lens.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(docs.len() as u64).to_le_bytes());
+        out.extend(le_bytes(lens, i32::to_le_bytes));
+        out.extend(le_bytes(ptrs, i64::to_le_bytes));
+        out.extend(le_bytes(docs, i64::to_le_bytes));
+        out
+    }
+
+    fn u16s(first: u16, n: u16) -> Vec<u8> {
+        le_bytes(
+            &(0..n).map(|k| first + k * 3).collect::<Vec<_>>(),
+            u16::to_le_bytes,
+        )
+    }
+
+    #[test]
+    fn uint16_sequences_are_ragged_rows() {
+        let dir = temp_dir("megatron-u16");
+        let docs = vec![
+            vec![u16s(0, 5), u16s(100, 2)],
+            vec![u16s(200, 7)],
+            vec![u16s(300, 0), u16s(400, 4)],
+        ];
+        let bin = write(&dir, "corpus_text_document", 8, 2, &docs);
+        let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+        assert_eq!(m.shards.len(), 1);
+        let s = &m.shards[0];
+        assert_eq!(
+            (s.file.as_str(), s.offset, s.length),
+            ("corpus_text_document.bin", 0, 36)
+        );
+        let t = &s.tensors[0];
+        assert_eq!(
+            (t.name.as_str(), t.dtype, t.ragged),
+            ("tokens", DType::Uint16, true)
+        );
+        assert_eq!(t.shape, [18]);
+        assert_eq!(
+            t.rows.as_deref().unwrap(),
+            [[0, 10], [10, 4], [14, 14], [28, 0], [28, 8]]
+        );
+        check_manifest(&dir, &m, &[("tokens", bin)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn int32_cut_into_shards_of_whole_sequences() {
+        let dir = temp_dir("megatron-i32");
+        let seq = |v: i32, n: usize| le_bytes(&vec![v; n], i32::to_le_bytes);
+        // 40-byte cap: 3+4 tokens (28 bytes) fit; 20 tokens (80 bytes) alone; then 2+2 (7 more would pass 40).
+        let docs = vec![
+            vec![seq(1, 3), seq(2, 4)],
+            vec![seq(3, 20)],
+            vec![seq(4, 2), seq(5, 2), seq(6, 7)],
+        ];
+        let bin = write(&dir, "d", 4, 4, &docs);
+        let mut src = Source::open(&dir.join("d.bin"), "d.bin").unwrap();
+        let idx = (dir.join("d.idx"), "d.idx".to_owned());
+        let shards = index_with_cap(&mut src, &idx, 40).unwrap();
+        let spans: Vec<(u64, u64, usize)> = shards
+            .iter()
+            .map(|s| {
+                (
+                    s.offset,
+                    s.length,
+                    s.tensors[0].rows.as_ref().unwrap().len(),
+                )
+            })
+            .collect();
+        assert_eq!(spans, [(0, 28, 2), (28, 80, 1), (108, 16, 2), (124, 28, 1)]);
+        assert_eq!(
+            shards[2].tensors[0].rows.as_deref().unwrap(),
+            [[0, 8], [8, 8]]
+        );
+        assert!(shards.iter().all(|s| s.tensors[0].dtype == DType::Int32));
+        let m = shardwire_protocol::manifest::Manifest::new(shards);
+        check_manifest(&dir, &m, &[("tokens", bin)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn refused(name: &str, idx_bytes: Vec<u8>, bin: &[u8]) -> String {
+        let dir = temp_dir(name);
+        std::fs::write(dir.join("x.bin"), bin).unwrap();
+        std::fs::write(dir.join("x.idx"), idx_bytes).unwrap();
+        let err = index_dir(&dir, &IndexOptions::default())
+            .unwrap_err()
+            .to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        err
+    }
+
+    #[test]
+    fn bad_indexes_are_refused_naming_the_value() {
+        let bin = u16s(0, 6);
+        let good = || idx(8, &[2, 4], &[0, 4], &[0, 1, 2]);
+        let mut bad = good();
+        bad[0] = b'X';
+        let e = refused("megatron-magic", bad, &bin);
+        assert!(
+            e.contains("x.idx") && e.contains("magic") && e.contains("XMIDIDX"),
+            "{e}"
+        );
+        let mut bad = good();
+        bad[9] = 2;
+        let e = refused("megatron-version", bad, &bin);
+        assert!(
+            e.contains("x.idx") && e.contains("version") && e.contains("found: 2"),
+            "{e}"
+        );
+        let mut bad = good();
+        bad[17] = 9;
+        let e = refused("megatron-dtype", bad, &bin);
+        assert!(e.contains("dtype code") && e.contains("found: 9"), "{e}");
+        let e = refused("megatron-ptr", idx(8, &[2, 4], &[0, 6], &[0, 2]), &bin);
+        assert!(
+            e.contains("sequence 1") && e.contains("pointer 6, expected 4"),
+            "{e}"
+        );
+        let e = refused("megatron-neg", idx(8, &[2, -1], &[0, 4], &[0, 2]), &bin);
+        assert!(
+            e.contains("negative length") && e.contains("found: -1"),
+            "{e}"
+        );
+        let e = refused("megatron-binlen", good(), &bin[..10]);
+        assert!(
+            e.contains("x.bin") && e.contains("12 bytes") && e.contains("has 10"),
+            "{e}"
+        );
+        let e = refused("megatron-docs", idx(8, &[2, 4], &[0, 4], &[0, 2, 1]), &bin);
+        assert!(
+            e.contains("document index 2") && e.contains("found: 1"),
+            "{e}"
+        );
+        let e = refused("megatron-lastdoc", idx(8, &[2, 4], &[0, 4], &[0, 1]), &bin);
+        assert!(
+            e.contains("last document index") && e.contains("found: 1"),
+            "{e}"
+        );
+        let mut bad = good();
+        bad.truncate(bad.len() - 1);
+        let e = refused("megatron-short", bad, &bin);
+        assert!(
+            e.contains("more than the file's") && e.contains("document_count 3"),
+            "{e}"
+        );
+        let mut bad = good();
+        bad[18..26].copy_from_slice(&u64::MAX.to_le_bytes());
+        let e = refused("megatron-huge", bad, &bin);
+        assert!(e.contains("too many"), "{e}");
+    }
+
+    #[test]
+    fn idx_alone_is_unused_and_bin_alone_stays_raw() {
+        let dir = temp_dir("megatron-alone");
+        std::fs::write(dir.join("lonely.idx"), idx(8, &[1], &[0], &[0, 1])).unwrap();
+        std::fs::write(dir.join("raw.bin"), [1u8, 2, 3]).unwrap();
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        assert_eq!(r.unused.len(), 1);
+        assert_eq!(r.unused[0].file, "lonely.idx");
+        assert!(
+            r.unused[0].reason.contains("lonely.bin"),
+            "{}",
+            r.unused[0].reason
+        );
+        let t = &r.manifest.shards[0].tensors[0];
+        assert_eq!(
+            (t.name.as_str(), t.dtype, t.ragged),
+            ("raw", DType::Uint8, false)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
