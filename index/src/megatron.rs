@@ -98,6 +98,17 @@ struct Index {
 
 /// Reads and checks an `.idx` against its `.bin` of `bin_len` bytes.
 fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, IndexError> {
+    let (dtype, s, d) = read_header(idx)?;
+    // Bounded by the file size `read_header` checked.
+    let arrays = idx.read_exact_at("the .idx arrays", HEADER, s * 12 + d * 8)?;
+    let (s, d) = (s as usize, d as usize);
+    let seqs = sequences(idx, &arrays, s, dtype.size(), bin_len, bin)?;
+    check_documents(idx, &arrays[12 * s..], s, d)?;
+    Ok(Index { dtype, seqs })
+}
+
+/// The header's dtype, sequence count and document count, checked against the file size.
+fn read_header(idx: &mut Source) -> Result<(DType, u64, u64), IndexError> {
     let head = idx.read_at("the .idx header", 0, HEADER.min(idx.len))?;
     if head.len() < 9 || &head[..9] != MAGIC {
         return Err(idx.malformed(
@@ -138,15 +149,23 @@ fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, Index
             format!("sequence_count {s}, document_count {d}"),
         ));
     }
-    // Bounded by the file size just checked.
-    let arrays = idx.read_exact_at("the .idx arrays", HEADER, s * 12 + d * 8)?;
-    let (s, d) = (s as usize, d as usize);
-    let size = dtype.size();
+    Ok((dtype, s, d))
+}
+
+/// Each sequence's byte range in the `.bin`: pointers contiguous from 0, tiling its `bin_len`.
+fn sequences(
+    idx: &Source,
+    arrays: &[u8],
+    s: usize,
+    size: u64,
+    bin_len: u64,
+    bin: &Path,
+) -> Result<Vec<[u64; 2]>, IndexError> {
     let mut seqs = Vec::with_capacity(s);
     let mut expect = 0u64;
     for i in 0..s {
-        let len = i32_at(&arrays, 4 * i);
-        let ptr = i64_at(&arrays, 4 * s + 8 * i);
+        let len = i32_at(arrays, 4 * i);
+        let ptr = i64_at(arrays, 4 * s + 8 * i);
         if len < 0 {
             return Err(idx.malformed(format!("sequence {i} has a negative length"), len));
         }
@@ -174,7 +193,11 @@ fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, Index
             value: format!("{bin_len} bytes"),
         });
     }
-    let docs = &arrays[12 * s..];
+    Ok(seqs)
+}
+
+/// Document indices: the first 0, never decreasing, the last the sequence count.
+fn check_documents(idx: &Source, docs: &[u8], s: usize, d: usize) -> Result<(), IndexError> {
     let mut prev = 0i64;
     for j in 0..d {
         let v = i64_at(docs, 8 * j);
@@ -198,7 +221,7 @@ fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, Index
             },
         ));
     }
-    Ok(Index { dtype, seqs })
+    Ok(())
 }
 
 /// Indexes the `.bin` `src` with its `.idx` (full path, relative path).

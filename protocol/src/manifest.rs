@@ -304,8 +304,8 @@ impl Manifest {
             if s.length == 0 {
                 return Err(bad("payload length is 0".into()));
             }
-            let end = s
-                .offset
+            // Checked here, so `check_tensor` may add them.
+            s.offset
                 .checked_add(s.length)
                 .ok_or_else(|| bad("offset + length overflows".into()))?;
             if s.tensors.is_empty() || s.tensors.len() > MAX_TENSORS_PER_SHARD {
@@ -316,32 +316,7 @@ impl Manifest {
             }
             check_names(&s.tensors).map_err(&bad)?;
             for t in &s.tensors {
-                check_rows(t, s.length).map_err(&bad)?;
-                if t.shape.len() > MAX_DIMS {
-                    return Err(bad(format!(
-                        "tensor `{}` has {} dims (max {MAX_DIMS})",
-                        t.name,
-                        t.shape.len()
-                    )));
-                }
-                let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-                let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
-                if expect != Some(t.length) {
-                    return Err(bad(format!(
-                        "tensor `{}`: length {} != shape {:?} x {} bytes",
-                        t.name,
-                        t.length,
-                        t.shape,
-                        t.dtype.size()
-                    )));
-                }
-                let t_end = t.offset.checked_add(t.length);
-                if t.rows.is_none() && (t.offset < s.offset || t_end.is_none_or(|e| e > end)) {
-                    return Err(bad(format!(
-                        "tensor `{}` range {}+{} lies outside the shard {}+{}",
-                        t.name, t.offset, t.length, s.offset, s.length
-                    )));
-                }
+                check_tensor(t, s).map_err(&bad)?;
             }
         }
         let computed = Self::compute_digest(&self.shards);
@@ -364,6 +339,38 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// Checks one tensor of shard `s`: its row table, dims, length against shape x dtype, and a
+/// dense tensor's range inside the shard.
+fn check_tensor(t: &TensorEntry, s: &ShardEntry) -> Result<(), String> {
+    check_rows(t, s.length)?;
+    if t.shape.len() > MAX_DIMS {
+        return Err(format!(
+            "tensor `{}` has {} dims (max {MAX_DIMS})",
+            t.name,
+            t.shape.len()
+        ));
+    }
+    let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
+    if expect != Some(t.length) {
+        return Err(format!(
+            "tensor `{}`: length {} != shape {:?} x {} bytes",
+            t.name,
+            t.length,
+            t.shape,
+            t.dtype.size()
+        ));
+    }
+    let (t_end, end) = (t.offset.checked_add(t.length), s.offset + s.length);
+    if t.rows.is_none() && (t.offset < s.offset || t_end.is_none_or(|e| e > end)) {
+        return Err(format!(
+            "tensor `{}` range {}+{} lies outside the shard {}+{}",
+            t.name, t.offset, t.length, s.offset, s.length
+        ));
+    }
+    Ok(())
 }
 
 /// Tensor names are unique in a shard, also counting the `c.offsets` a ragged `c` brings.
