@@ -26,6 +26,7 @@ mod pylit;
 mod source;
 #[cfg(test)]
 mod testutil;
+mod tokens;
 mod walk;
 mod webdataset;
 
@@ -38,6 +39,7 @@ use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ShardEntry};
 pub use crate::error::IndexError;
 pub use crate::parquet::ParquetNote;
 use crate::source::Source;
+pub use crate::tokens::RawTokens;
 pub use crate::walk::Unused;
 use crate::walk::{Candidate, Kind};
 
@@ -54,6 +56,8 @@ pub struct IndexOptions {
     /// Skip Arrow columns that cannot be served (`--skip-unsupported`) instead of failing;
     /// each is listed in [`IndexReport::skipped`].
     pub skip_unsupported: bool,
+    /// Read `.bin` files (not Megatron pairs) as raw token streams (`--tokens`, `--eos`).
+    pub tokens: Option<RawTokens>,
 }
 
 /// An Arrow column left out under [`IndexOptions::skip_unsupported`].
@@ -247,7 +251,10 @@ fn index_files(
             Kind::Npy => npy::index(&mut src)?,
             Kind::Bin => match plans.megatron.get(&f.rel) {
                 Some(idx) => megatron::index(&mut src, idx)?,
-                None => bin::index(&mut src)?,
+                None => match opts.tokens {
+                    Some(t) => tokens::index(&mut src, t)?,
+                    None => bin::index(&mut src)?,
+                },
             },
             Kind::Tar => {
                 let (shards, raw) = webdataset::index(&mut src)?;

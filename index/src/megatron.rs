@@ -259,8 +259,9 @@ fn index_with_cap(
     Ok(shards)
 }
 
-/// One shard of the sequences `seqs` (contiguous, `bytes` in all).
-fn shard(
+/// One shard of one ragged tensor `tokens` holding the rows `seqs` (contiguous byte ranges
+/// of the file, `bytes` in all).
+pub(crate) fn shard(
     src: &mut Source,
     dtype: DType,
     seqs: &[[u64; 2]],

@@ -121,7 +121,10 @@ impl Node {
         let region_bytes = self.info.cfg.stream_memory();
         let (kind, start, fingerprint) = match r.batch_size {
             None => open::shard_mode(&manifest, &r, region_bytes)?,
-            Some(b) => open::batch_mode(&manifest, &r, b, region_bytes)?,
+            Some(b) => {
+                let cuda = self.plane.cuda.is_some();
+                open::batch_mode(&manifest, &r, b, region_bytes, cuda)?
+            }
         };
         let reservation = self.admission.reserve(region_bytes).map_err(|e| {
             let code = match e {

@@ -29,6 +29,11 @@ use sha2::{Digest, Sha256};
 
 use crate::bijection::{Bijection, mix};
 
+pub mod megatron;
+mod windows;
+
+pub use windows::{TokenPiece, WindowSpec};
+
 /// How samples are ordered within an epoch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -98,6 +103,23 @@ pub enum SampleError {
         /// Global batch.
         global_batch: u64,
     },
+    /// `seq_len` is 0.
+    #[error("seq_len must be at least 1 token")]
+    SeqLen,
+    /// Not one window of `seq_len + 1` tokens in the dataset.
+    #[error(
+        "the dataset's {tokens} tokens hold no window of seq_len + 1 = {} tokens; lower seq_len",
+        seq_len + 1
+    )]
+    TooFewTokens {
+        /// Tokens in the dataset.
+        tokens: u64,
+        /// Requested.
+        seq_len: u64,
+    },
+    /// A limit of `order = "megatron"`.
+    #[error("order \"megatron\": {0}")]
+    MegatronLimit(String),
     /// A shard with more samples than the plan can index.
     #[error("the dataset has {0} shards; at most {max}", max = u32::MAX)]
     TooManyShards(usize),
@@ -117,7 +139,10 @@ pub struct SampleRef {
 pub struct SampleOrder {
     digest: [u8; 32],
     shard_samples: Vec<u64>,
+    /// Samples: rows, or token windows when `windows` is set.
     total: u64,
+    /// Token windows over the rows (documents), if a sample is a window.
+    windows: Option<windows::WindowSpec>,
     /// Seed.
     pub seed: u64,
     /// Shuffle mode.
@@ -139,6 +164,17 @@ struct Block {
     first_shard: u32,
     /// Past the last permuted shard overlapping it.
     end_shard: u32,
+}
+
+/// Document-level blocks of a window-mode epoch.
+#[derive(Debug)]
+struct DocLevel {
+    /// The blocks of the documents laid end to end (one partition).
+    blocks: Vec<Block>,
+    /// `tok[k]`: tokens before block k (`len = blocks + 1`).
+    tok: Vec<u64>,
+    /// Recently used blocks' token prefixes in shuffled document order.
+    cache: std::sync::Mutex<std::collections::VecDeque<(u32, Arc<Vec<u64>>)>>,
 }
 
 /// One partition's place in X and its blocks.
@@ -167,6 +203,11 @@ pub struct EpochOrder {
     /// Partitions longer than q, in order.
     long: Vec<u32>,
     key: u64,
+    /// Window mode: the documents' blocks (`parts` and `blocks` are then in window space).
+    docs: Option<DocLevel>,
+    /// Megatron order: GPTDataset's indices (`blocks` are units of items, their shard
+    /// ranges index `unit_shards`).
+    megatron: Option<windows::MegatronEpoch>,
 }
 
 impl SampleOrder {
@@ -196,6 +237,7 @@ impl SampleOrder {
             digest,
             shard_samples,
             total,
+            windows: None,
             seed,
             shuffle,
             shuffle_block,
@@ -203,12 +245,51 @@ impl SampleOrder {
         })
     }
 
-    /// Samples in the dataset.
+    /// The order of token windows over the documents of `spec` (see [`windows`]).
+    pub fn windows(
+        digest: [u8; 32],
+        spec: WindowSpec,
+        seed: u64,
+        shuffle: Shuffle,
+        shuffle_block: u64,
+        partitions: u32,
+    ) -> Result<Self, SampleError> {
+        let docs = spec.doc_tokens.iter().map(|d| d.len() as u64).collect();
+        let n = spec.check()?;
+        let mut o = Self::new(digest, docs, seed, shuffle, shuffle_block, 1)?;
+        if partitions == 0 || u64::from(partitions) > n {
+            return Err(SampleError::Partitions {
+                partitions,
+                samples: n,
+            });
+        }
+        if spec.megatron && partitions != 1 {
+            return Err(SampleError::MegatronLimit(format!(
+                "GPTDataset's order is one global sequence; partitions must be 1, not {partitions}"
+            )));
+        }
+        if spec.megatron && u32::try_from(seed).is_err() {
+            return Err(SampleError::MegatronLimit(format!(
+                "numpy's RandomState takes a 32-bit seed; seed {seed} is larger"
+            )));
+        }
+        o.total = n;
+        o.partitions = partitions;
+        o.windows = Some(spec);
+        Ok(o)
+    }
+
+    /// The window spec, if a sample is a token window.
+    pub fn window_spec(&self) -> Option<&WindowSpec> {
+        self.windows.as_ref()
+    }
+
+    /// Samples in the dataset (windows in window mode).
     pub fn total(&self) -> u64 {
         self.total
     }
 
-    /// Samples of each shard.
+    /// Samples (documents in window mode) of each shard.
     pub fn shard_samples(&self) -> &[u64] {
         &self.shard_samples
     }
@@ -243,7 +324,32 @@ impl SampleOrder {
             acc += self.shard_samples[s as usize];
             prefix.push(acc);
         }
-        let (parts, blocks) = self.cut(&prefix);
+        let mut megatron = None;
+        let (parts, blocks, docs) = match &self.windows {
+            None => {
+                let (parts, blocks) = self.cut(&prefix, self.total, self.partitions);
+                (parts, blocks, None)
+            }
+            Some(w) if w.megatron => {
+                let seed = (self.seed as u32).wrapping_add(epoch);
+                let (m, parts, blocks) = windows::MegatronEpoch::new(w, seed);
+                megatron = Some(m);
+                (parts, blocks, None)
+            }
+            Some(w) => {
+                let docs = self.shard_samples.iter().sum();
+                let (_, doc_blocks) = self.cut(&prefix, docs, 1);
+                let tok = w.block_tokens(&perm, &prefix, &doc_blocks);
+                let (parts, blocks) = w.cut(self.total, self.partitions, &doc_blocks, &tok);
+                let cache = Default::default();
+                let level = DocLevel {
+                    blocks: doc_blocks,
+                    tok,
+                    cache,
+                };
+                (parts, blocks, Some(level))
+            }
+        };
         let c = u64::from(self.partitions);
         let q = parts.iter().map(|p| p.len).min().unwrap_or(0);
         let long = (0..self.partitions)
@@ -260,17 +366,20 @@ impl SampleOrder {
             blocks,
             q,
             long,
+            docs,
+            megatron,
         }
     }
 
-    /// Partitions at `N*c/C` and their blocks at shard boundaries.
-    fn cut(&self, prefix: &[u64]) -> (Vec<Part>, Vec<Block>) {
-        let c = u64::from(self.partitions);
-        let mut parts = Vec::with_capacity(self.partitions as usize);
+    /// `partitions` partitions of X (`total` samples) at `total*c/C` and their blocks at
+    /// shard boundaries.
+    fn cut(&self, prefix: &[u64], total: u64, partitions: u32) -> (Vec<Part>, Vec<Block>) {
+        let c = u64::from(partitions);
+        let mut parts = Vec::with_capacity(partitions as usize);
         let mut blocks = Vec::new();
         let mut k = 0usize; // permuted shard containing the partition start
         for i in 0..c {
-            let (ps, pe) = (self.total * i / c, self.total * (i + 1) / c);
+            let (ps, pe) = (total * i / c, total * (i + 1) / c);
             let first_block = blocks.len() as u32;
             let mut start = ps;
             while start < pe {
@@ -319,7 +428,15 @@ impl EpochOrder {
 
     /// Bytes this epoch's tables take (for the memory bound).
     pub fn table_bytes(&self) -> usize {
-        self.perm.capacity() * 4
+        let docs = self.docs.as_ref().map_or(0, |d| {
+            d.blocks.capacity() * std::mem::size_of::<Block>() + d.tok.capacity() * 8
+        });
+        let megatron = self
+            .megatron
+            .as_ref()
+            .map_or(0, windows::MegatronEpoch::bytes);
+        docs + megatron
+            + self.perm.capacity() * 4
             + self.prefix.capacity() * 8
             + self.parts.capacity() * std::mem::size_of::<Part>()
             + self.blocks.capacity() * std::mem::size_of::<Block>()
@@ -335,23 +452,23 @@ impl EpochOrder {
         }
     }
 
-    /// Sample `u` of partition `c`.
-    fn in_partition(&self, c: u32, u: u64) -> SampleRef {
+    /// The X position of sample `u` of partition `c`.
+    fn in_partition(&self, c: u32, u: u64) -> u64 {
         let p = self.parts[c as usize];
         let x = p.start + u;
         let blocks = &self.blocks[p.first_block as usize..p.end_block as usize];
         let b = &blocks[blocks.partition_point(|b| b.start <= x) - 1];
-        let off = if self.order.shuffle == Shuffle::Block {
+        let off = if self.order.shuffle == Shuffle::Block && self.megatron.is_none() {
             let bi = u64::from(p.first_block) + (b.start - p.start);
             Bijection::new(b.len, mix(self.key ^ mix(bi))).apply(x - b.start)
         } else {
             x - b.start
         };
-        self.at_x(b.start + off)
+        b.start + off
     }
 
-    /// `G[t]` (positions past the epoch's samples wrap to its start).
-    pub fn sample(&self, t: u64) -> SampleRef {
+    /// The X position of `G[t]` (positions past the epoch's samples wrap to its start).
+    fn x_of(&self, t: u64) -> u64 {
         let n = self.order.total;
         let t = t % n;
         let c = u64::from(self.order.partitions);
@@ -363,6 +480,24 @@ impl EpochOrder {
         }
     }
 
+    /// `G[t]`, a row (positions past the epoch's samples wrap to its start). In window mode
+    /// see [`EpochOrder::window`].
+    pub fn sample(&self, t: u64) -> SampleRef {
+        self.at_x(self.x_of(t))
+    }
+
+    /// The shards sample `G[t]` reads.
+    pub fn shards_at(&self, t: u64) -> Vec<u32> {
+        match self.order.windows {
+            None => vec![self.sample(t).shard],
+            Some(_) => {
+                let mut v: Vec<u32> = self.window(t).iter().map(|p| p.doc.shard).collect();
+                v.dedup();
+                v
+            }
+        }
+    }
+
     /// The blocks of partition `c`: (partition-relative start, length, permuted shards).
     fn blocks_of(&self, c: u32) -> impl Iterator<Item = (u64, u64, std::ops::Range<u32>)> + '_ {
         let p = self.parts[c as usize];
@@ -371,9 +506,13 @@ impl EpochOrder {
             .map(move |b| (b.start - p.start, b.len, b.first_shard..b.end_shard))
     }
 
-    /// The manifest indexes of permuted shards `range`.
+    /// The manifest indexes of permuted shards `range` (of a Megatron epoch's unit shards).
     pub fn shards(&self, range: std::ops::Range<u32>) -> &[u32] {
-        &self.perm[range.start as usize..range.end as usize]
+        let all = match &self.megatron {
+            Some(m) => &m.unit_shards,
+            None => &self.perm,
+        };
+        &all[range.start as usize..range.end as usize]
     }
 }
 
@@ -464,6 +603,11 @@ impl BatchPlan {
     /// Sample `j` of this rank's batch at `step`.
     pub fn sample(&self, ep: &EpochOrder, step: u64, j: u32) -> SampleRef {
         ep.sample(self.position(step * u64::from(self.batch_size) + u64::from(j)))
+    }
+
+    /// Window `j` of this rank's batch at `step` (window mode).
+    pub fn window(&self, ep: &EpochOrder, step: u64, j: u32) -> Vec<TokenPiece> {
+        ep.window(self.position(step * u64::from(self.batch_size) + u64::from(j)))
     }
 
     /// The units this rank needs in `ep`, in the order of their first use.
@@ -563,7 +707,7 @@ impl BatchPlan {
             return None;
         }
         let mut shards: Vec<u32> = (first..end)
-            .map(|i| ep.sample(self.position(i)).shard)
+            .flat_map(|i| ep.shards_at(self.position(i)))
             .collect();
         shards.sort_unstable();
         shards.dedup();
@@ -588,7 +732,11 @@ impl BatchPlan {
             o.partitions,
             self.global_batch(),
             self.drop_last
-        )
+        ) + &match &o.windows {
+            Some(w) if w.megatron => format!(";windows={}:{}:megatron", w.column, w.seq_len),
+            Some(w) => format!(";windows={}:{}", w.column, w.seq_len),
+            None => String::new(),
+        }
     }
 }
 

@@ -95,6 +95,33 @@ pub struct StreamRequest {
     /// Batch mode: how many workers split the rank's batches.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub num_workers: u32,
+    /// Token mode: each sample is a window of `seq_len + 1` tokens of the documents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
+    /// Token mode: the ragged integer tensor whose rows are the documents (needed when the
+    /// dataset has several).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_column: Option<String>,
+    /// Token mode: deliver `tokens` as `int32` or `int64` (widened during assembly).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_dtype: Option<crate::DType>,
+    /// Token mode: also deliver `positions` (int32, the token's place in its document).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub boundaries: bool,
+    /// Token mode: the window order, `"shardwire"` (default) or `"megatron"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<WindowOrder>,
+}
+
+/// The order of token windows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WindowOrder {
+    /// Blocks of documents and windows as `shuffle` says (elastic, bounded memory).
+    #[default]
+    Shardwire,
+    /// megatron-core `GPTDataset`'s document, sample and shuffle indices for the seed.
+    Megatron,
 }
 
 /// Default shuffle block: the samples of this many average shards.
@@ -128,6 +155,11 @@ impl StreamRequest {
             drop_last: false,
             worker: 0,
             num_workers: 1,
+            seq_len: None,
+            tokens_column: None,
+            token_dtype: None,
+            boundaries: false,
+            order: None,
         }
     }
 }

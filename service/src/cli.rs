@@ -33,6 +33,13 @@ enum Cmd {
         /// Skip Arrow columns that cannot be served (each is named) instead of failing.
         #[arg(long)]
         skip_unsupported: bool,
+        /// Read `.bin` files (other than Megatron `.bin/.idx` pairs) as raw token streams of
+        /// this integer dtype (e.g. `uint16` for nanoGPT's train.bin).
+        #[arg(long, value_name = "DTYPE", value_parser = parse_token_dtype)]
+        tokens: Option<shardwire_protocol::DType>,
+        /// With --tokens: documents end at (and include) this token id.
+        #[arg(long, value_name = "ID", requires = "tokens")]
+        eos: Option<u64>,
     },
     /// Serve datasets to node services.
     Source(SourceFlags),
@@ -259,6 +266,17 @@ fn redact(c: SourceConfig) -> SourceConfig {
     c
 }
 
+/// `--tokens DTYPE`: a dtype name.
+fn parse_token_dtype(s: &str) -> Result<shardwire_protocol::DType, String> {
+    shardwire_protocol::DType::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = shardwire_protocol::DType::ALL
+            .iter()
+            .map(|d| d.name())
+            .collect();
+        format!("{s:?} is not a dtype; one of {}", names.join(", "))
+    })
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
@@ -267,11 +285,18 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             quiet,
             columns,
             skip_unsupported,
+            tokens,
+            eos,
         } => {
+            let tokens = tokens
+                .map(|d| shardwire_index::RawTokens::new(d, eos))
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
             let opts = shardwire_index::IndexOptions {
                 progress: !quiet,
                 columns,
                 skip_unsupported,
+                tokens,
             };
             index(&dir, &opts)
         }

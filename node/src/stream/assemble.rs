@@ -41,6 +41,60 @@ pub struct Plan {
     pub pieces: Vec<Piece>,
     /// Bytes written from the host (the offsets tensors), at slab offsets.
     pub writes: Vec<(u64, Vec<u8>)>,
+    /// Pieces hold integers of `from` widened to `to` while copied (a piece's `len` counts
+    /// source bytes; it fills `len / from.size() * to.size()` bytes).
+    pub widen: Option<Widen>,
+}
+
+/// An integer widening applied while copying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Widen {
+    /// Source dtype.
+    pub from: DType,
+    /// Delivered dtype.
+    pub to: DType,
+}
+
+impl Plan {
+    /// Appends a copy of `len` source bytes from `shard`'s payload at `src` to `dst`, merged
+    /// into the last piece when both its source and destination follow on.
+    pub fn push(&mut self, shard: u32, src: u64, dst: u64, len: u64) {
+        let out = |l: u64| match self.widen {
+            Some(w) => l / w.from.size() * w.to.size(),
+            None => l,
+        };
+        if len == 0 {
+            return;
+        }
+        match self.pieces.last() {
+            Some(l) if l.shard == shard && l.src + l.len == src && l.dst + out(l.len) == dst => {
+                self.pieces.last_mut().expect("a last piece").len += len;
+            }
+            _ => self.pieces.push(Piece {
+                shard,
+                src,
+                dst,
+                len,
+            }),
+        }
+    }
+}
+
+/// Writes the integers of `src` (dtype `w.from`) into `dst` as `w.to`, sign- or zero-extended.
+pub fn widen_into(w: Widen, src: &[u8], dst: &mut [u8]) {
+    let (fs, ts) = (w.from.size() as usize, w.to.size() as usize);
+    for (i, o) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
+        let v: i64 = match w.from {
+            DType::Int8 => i64::from(i[0] as i8),
+            DType::Uint8 => i64::from(i[0]),
+            DType::Int16 => i64::from(i16::from_le_bytes([i[0], i[1]])),
+            DType::Uint16 => i64::from(u16::from_le_bytes([i[0], i[1]])),
+            DType::Int32 => i64::from(i32::from_le_bytes([i[0], i[1], i[2], i[3]])),
+            DType::Uint32 => i64::from(u32::from_le_bytes([i[0], i[1], i[2], i[3]])),
+            _ => i64::from_le_bytes(i.try_into().expect("8 bytes")),
+        };
+        o.copy_from_slice(&v.to_le_bytes()[..ts]);
+    }
 }
 
 /// The byte range of row `row` of tensor `t` in shard `s`'s payload: (offset, length).
@@ -114,7 +168,7 @@ fn lay_tensor(p: &mut Plan, m: &Manifest, ti: usize, t: &TensorEntry, samples: &
         if t.ragged {
             offsets.push((at - base) / t.dtype.size());
         }
-        push_piece(&mut p.pieces, x.shard, src, at, len);
+        p.push(x.shard, src, at, len);
         at += len;
     }
     let shape = match t.ragged {
@@ -135,29 +189,19 @@ fn lay_tensor(p: &mut Plan, m: &Manifest, ti: usize, t: &TensorEntry, samples: &
     }
 }
 
-fn view(name: &str, dtype: DType, shape: Vec<u64>, offset: u64, length: u64) -> TensorView {
+pub(super) fn view(
+    name: &str,
+    dtype: DType,
+    shape: Vec<u64>,
+    offset: u64,
+    length: u64,
+) -> TensorView {
     TensorView {
         name: name.to_owned(),
         dtype,
         shape,
         offset,
         length,
-    }
-}
-
-/// Appends a piece, merged into the last one when both its source and destination follow on.
-fn push_piece(pieces: &mut Vec<Piece>, shard: u32, src: u64, dst: u64, len: u64) {
-    if len == 0 {
-        return;
-    }
-    match pieces.last_mut() {
-        Some(l) if l.shard == shard && l.src + l.len == src && l.dst + l.len == dst => l.len += len,
-        _ => pieces.push(Piece {
-            shard,
-            src,
-            dst,
-            len,
-        }),
     }
 }
 
@@ -185,7 +229,13 @@ pub fn execute<'a>(
                 .host_slice()
                 .ok_or("a host slab assembled from a CUDA shard")?;
             let (s, d, l) = (p.src as usize, p.dst as usize, p.len as usize);
-            to[d..d + l].copy_from_slice(&from[s..s + l]);
+            match plan.widen {
+                None => to[d..d + l].copy_from_slice(&from[s..s + l]),
+                Some(w) => {
+                    let out = l / w.from.size() as usize * w.to.size() as usize;
+                    widen_into(w, &from[s..s + l], &mut to[d..d + out]);
+                }
+            }
         }
         for (at, bytes) in &plan.writes {
             to[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
@@ -232,6 +282,9 @@ fn gather(
     out: &Slab,
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
 ) -> Result<Filled, String> {
+    if plan.widen.is_some() {
+        return Err("token_dtype widening into CUDA memory (refused when the stream opens)".into());
+    }
     let gpu = gpu.ok_or("a CUDA region on a node without a GPU")?;
     let region = out
         .region()

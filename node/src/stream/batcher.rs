@@ -23,10 +23,10 @@ use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::samples::{EpochOrder, SampleRef, Unit};
 use tokio::sync::mpsc;
 
-use super::assemble;
 use super::fetcher::{self, Retry};
 use super::kind::{BatchMode, Kind};
 use super::{Ready, Stream};
+use super::{assemble, tokens};
 use crate::fetch::{Completion, FetchFailure};
 
 /// Assembled batches that may wait for the trainer.
@@ -300,16 +300,9 @@ impl Driver {
         }
         let (epoch, step) = self.s.kind().split(self.pos);
         let ep = self.order_of(epoch);
-        let b = self.m.plan.batch_size;
-        let samples: Vec<SampleRef> = (0..b).map(|j| self.m.plan.sample(&ep, step, j)).collect();
-        if !samples.iter().all(|x| {
-            self.resident
-                .get(&x.shard)
-                .is_some_and(|r| r.slab.is_some())
-        }) {
+        let Some(plan) = self.plan_batch(&ep, step) else {
             return false;
-        }
-        let plan = assemble::plan(&self.s.manifest, &samples);
+        };
         self.s.wants_memory.store(true, Ordering::SeqCst);
         let Some(mut out) = self.s.pool.alloc(plan.bytes as usize) else {
             return false;
@@ -347,6 +340,25 @@ impl Driver {
         self.release_through(self.last_index(self.pos));
         self.pos += u64::from(self.m.num_workers);
         true
+    }
+
+    /// The slab plan of the batch at `step` of `ep`, if every shard it reads is resident.
+    fn plan_batch(&self, ep: &EpochOrder, step: u64) -> Option<assemble::Plan> {
+        let b = self.m.plan.batch_size;
+        let here = |shard: u32| self.resident.get(&shard).is_some_and(|r| r.slab.is_some());
+        match &self.m.tokens {
+            None => {
+                let samples: Vec<SampleRef> =
+                    (0..b).map(|j| self.m.plan.sample(ep, step, j)).collect();
+                let ready = samples.iter().all(|x| here(x.shard));
+                ready.then(|| assemble::plan(&self.s.manifest, &samples))
+            }
+            Some(t) => {
+                let windows: Vec<_> = (0..b).map(|j| self.m.plan.window(ep, step, j)).collect();
+                let ready = windows.iter().flatten().all(|p| here(p.doc.shard));
+                ready.then(|| tokens::plan(&self.s.manifest, t, &windows))
+            }
+        }
     }
 
     /// Releases the units the rank has passed (their last sample is at or before `index`).

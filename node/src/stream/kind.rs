@@ -12,6 +12,7 @@ use shardwire_protocol::trainer::StreamState;
 
 use super::layout::Layout;
 use super::order::Order;
+use super::tokens::TokenMode;
 
 /// Batch mode: the rank's plan, the sample layout and the batch slab's shape.
 #[derive(Debug)]
@@ -26,6 +27,8 @@ pub struct BatchMode {
     pub worker: u32,
     /// See `worker`.
     pub num_workers: u32,
+    /// Token mode: samples are token windows.
+    pub tokens: Option<TokenMode>,
 }
 
 /// The kind of a stream.

@@ -14,6 +14,7 @@ pub mod layout;
 pub mod open;
 pub mod order;
 pub mod reorder;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

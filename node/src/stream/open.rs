@@ -10,13 +10,14 @@ use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
 use shardwire_protocol::samples::{BatchPlan, SampleOrder, Shuffle};
 use shardwire_protocol::trainer::{
-    DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION,
+    DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION, WindowOrder,
 };
 
 use super::batcher::READY_AHEAD;
 use super::kind::{BatchMode, Kind};
 use super::layout::Layout;
 use super::order::Order;
+use super::tokens::TokenMode;
 
 /// Why a stream was not opened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,6 +54,24 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
         return Err(OpenError::new(
             ErrorCode::BadRequest,
             "epochs must be at least 1",
+        ));
+    }
+    let token_fields = [
+        ("tokens_column", r.tokens_column.is_some()),
+        ("token_dtype", r.token_dtype.is_some()),
+        ("boundaries", r.boundaries),
+        ("order", r.order.is_some()),
+    ];
+    if let (None, Some((name, _))) = (r.seq_len, token_fields.iter().find(|f| f.1)) {
+        return Err(OpenError::new(
+            ErrorCode::BadRequest,
+            format!("{name} is a token-mode field: it needs seq_len (and batch_size)"),
+        ));
+    }
+    if r.seq_len.is_some() && r.batch_size.is_none() {
+        return Err(OpenError::new(
+            ErrorCode::BadRequest,
+            "seq_len needs batch_size: token windows are delivered in batches",
         ));
     }
     // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
@@ -149,7 +168,7 @@ pub fn shard_mode(
     Ok((Kind::Shards(Order::new(spec)), start, fingerprint))
 }
 
-/// Batch mode: the sample layout, the rank's plan (partitions and shuffle block from the
+/// Batch mode (token mode with `seq_len`): the sample layout, the rank's plan (partitions and shuffle block from the
 /// request, else from the resume state, else the defaults), the resume position and the
 /// window check; returns the stream's kind, its start position and fingerprint.
 pub fn batch_mode(
@@ -157,6 +176,7 @@ pub fn batch_mode(
     r: &StreamRequest,
     batch_size: u32,
     region_bytes: u64,
+    cuda: bool,
 ) -> Result<(Kind, u64, String), OpenError> {
     let layout = Layout::of(m)?;
     let st = r.state.as_ref();
@@ -167,7 +187,10 @@ pub fn batch_mode(
     let partitions = r
         .partitions
         .or(st.and_then(|s| s.partitions))
-        .unwrap_or(r.world_size);
+        .unwrap_or(match r.order {
+            Some(WindowOrder::Megatron) => 1, // one global sequence
+            _ => r.world_size,
+        });
     let shuffle_block = r
         .shuffle_block
         .or(st.and_then(|s| s.shuffle_block))
@@ -179,15 +202,28 @@ pub fn batch_mode(
         )));
     }
     let digest = m.digest_bytes();
-    let order = SampleOrder::new(
-        digest,
-        layout.shard_rows.clone(),
-        r.seed,
-        shuffle,
-        shuffle_block,
-        partitions,
-    )
-    .map_err(|e| bad(e.to_string()))?;
+    let (order, tokens) = match r.seq_len {
+        None => {
+            let rows = layout.shard_rows.clone();
+            let o = SampleOrder::new(digest, rows, r.seed, shuffle, shuffle_block, partitions);
+            (o, None)
+        }
+        Some(seq_len) => {
+            let (spec, mode) = TokenMode::of(m, r, seq_len)?;
+            if cuda && mode.out != mode.src {
+                return Err(OpenError::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "token mode: token_dtype {} widening is done on the host; this node's stream memory is on the GPU, where it is not built yet: leave token_dtype unset and widen in the trainer (tokens.long())",
+                        mode.out.name()
+                    ),
+                ));
+            }
+            let o = SampleOrder::windows(digest, spec, r.seed, shuffle, shuffle_block, partitions);
+            (o, Some(mode))
+        }
+    };
+    let order = order.map_err(|e| bad(e.to_string()))?;
     let plan = BatchPlan::new(
         Arc::new(order),
         batch_size,
@@ -198,7 +234,10 @@ pub fn batch_mode(
     .map_err(|e| bad(e.to_string()))?;
     let fingerprint = plan.fingerprint(&digest);
     let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
-    let batch_bytes = layout.max_batch_bytes(batch_size);
+    let batch_bytes = match &tokens {
+        Some(t) => t.batch_bytes(batch_size),
+        None => layout.max_batch_bytes(batch_size),
+    };
     check_window(m, &plan, batch_bytes, region_bytes)?;
     let mode = BatchMode {
         plan,
@@ -206,6 +245,7 @@ pub fn batch_mode(
         batch_bytes,
         worker: r.worker,
         num_workers: r.num_workers,
+        tokens,
     };
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
@@ -272,6 +312,8 @@ fn check_window(
         Shuffle::Block => (o.shuffle_block.div_ceil(min_rows) + 1).min(m.shards.len() as u64),
         _ => 1,
     };
+    // A window block also reads into the next shard.
+    let per_block = per_block + u64::from(o.window_spec().is_some());
     let blocks = concurrent * per_block * max_class;
     let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
     if blocks + batches <= region_bytes {

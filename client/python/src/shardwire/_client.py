@@ -117,6 +117,11 @@ class Client:
         drop_last: bool = False,
         worker: int | None = None,
         num_workers: int | None = None,
+        seq_len: int | None = None,
+        tokens_column: str | None = None,
+        token_dtype: str | None = None,
+        boundaries: bool = False,
+        order: str | None = None,
     ) -> Stream:
         """Opens a stream of `dataset` for this rank.
 
@@ -155,6 +160,21 @@ class Client:
             worker, num_workers: Batch mode: deliver only this rank's batches ``worker,
                 worker + num_workers, ...`` (a DataLoader worker's share; see
                 :class:`shardwire.torch.IterableDataset`).
+            seq_len: **Token mode** (needs `batch_size`): each sample is a window of
+                ``seq_len + 1`` tokens of the documents (the rows of the dataset's ragged
+                integer tensor: a Megatron ``.bin/.idx``, ``shardwire index --tokens``, an
+                ``input_ids`` column); consecutive windows start `seq_len` tokens apart and
+                overlap by one. Each batch is ``tokens`` ``[batch_size, seq_len + 1]``.
+                `shuffle` applies to documents and windows within bounded blocks.
+            tokens_column: Token mode: the documents' tensor when the dataset has several
+                ragged integer tensors; other tensors are not delivered.
+            token_dtype: Token mode: ``"int32"`` or ``"int64"``: widen ``tokens`` during
+                assembly (default: the dataset's dtype).
+            boundaries: Token mode: also deliver ``positions`` (int32, same shape: each
+                token's position in its document, 0 at every document start).
+            order: Token mode: ``"megatron"`` delivers the windows of megatron-core's
+                ``GPTDataset`` for this seed and seq_len (partitions 1; epoch ``e`` uses
+                ``random_seed = seed + e``); default ``"shardwire"`` (blocks, elastic).
 
         Raises:
             ConnectError: the socket cannot be reached.
@@ -169,6 +189,11 @@ class Client:
             "drop_last": drop_last,
             "worker": worker,
             "num_workers": num_workers,
+            "seq_len": seq_len,
+            "tokens_column": tokens_column,
+            "token_dtype": token_dtype,
+            "boundaries": boundaries,
+            "order": order,
         }
         req = {"op": "attach", **_attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)}
         return Stream._open(self.path, req)

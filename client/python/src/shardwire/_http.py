@@ -105,6 +105,11 @@ class HttpClient:
         shuffle_block: int | None = None,
         partitions: int | None = None,
         drop_last: bool = False,
+        seq_len: int | None = None,
+        tokens_column: str | None = None,
+        token_dtype: str | None = None,
+        boundaries: bool = False,
+        order: str | None = None,
     ) -> HttpStream:
         """Opens a stream of `dataset` for this rank; arguments as in
         :meth:`shardwire.Client.open_stream`.
@@ -119,6 +124,7 @@ class HttpClient:
             ServiceError: the service refused (``unknown_dataset``, ``state_mismatch``, ...).
         """
         batch = {"batch_size": batch_size, "shuffle": shuffle, "shuffle_block": shuffle_block, "partitions": partitions, "drop_last": drop_last}
+        batch.update({"seq_len": seq_len, "tokens_column": tokens_column, "token_dtype": token_dtype, "boundaries": boundaries, "order": order})
         body = _attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)
         if idle_timeout is not None:
             if not idle_timeout > 0:

@@ -111,7 +111,9 @@ def _attach_fields(
 ) -> dict[str, Any]:
     """The validated fields of ``attach`` (shared by the socket and HTTP clients). `batch`
     holds the batch-mode keywords (``batch_size``, ``shuffle``, ``shuffle_block``,
-    ``partitions``, ``drop_last``, ``worker``, ``num_workers``); None means the default.
+    ``partitions``, ``drop_last``, ``worker``, ``num_workers``) and the token-mode ones
+    (``seq_len``, ``tokens_column``, ``token_dtype``, ``boundaries``, ``order``); None means
+    the default.
 
     Raises:
         ValueError: an argument out of range (nothing is sent).
@@ -130,7 +132,7 @@ def _attach_fields(
         "uneven": uneven,
         "state": dict(state) if state is not None else None,
     }
-    for name, lo in (("batch_size", 1), ("shuffle_block", 1), ("partitions", 1), ("worker", 0), ("num_workers", 1)):
+    for name, lo in (("batch_size", 1), ("shuffle_block", 1), ("partitions", 1), ("worker", 0), ("num_workers", 1), ("seq_len", 1)):
         v = batch.pop(name, None)
         if v is not None:
             fields[name] = _int_at_least(name, v, lo)
@@ -141,6 +143,7 @@ def _attach_fields(
         fields["shuffle"] = shuffle
     if batch.pop("drop_last", False):
         fields["drop_last"] = True
+    _token_fields(fields, batch)
     if batch:
         raise TypeError(f"unexpected keyword arguments: {sorted(batch)}")
     if "batch_size" not in fields:
@@ -148,6 +151,33 @@ def _attach_fields(
         if given:
             raise ValueError(f"{', '.join(given)} need batch_size (batch mode)")
     return fields
+
+
+def _token_fields(fields: dict[str, Any], batch: dict[str, Any]) -> None:
+    """Moves the token-mode keywords (``tokens_column``, ``token_dtype``, ``boundaries``,
+    ``order``) from `batch` into `fields`, checked; they need ``seq_len``, which needs
+    ``batch_size``."""
+    column = batch.pop("tokens_column", None)
+    if column is not None:
+        fields["tokens_column"] = str(column)
+    dtype = batch.pop("token_dtype", None)
+    if dtype is not None:
+        if dtype not in ("int32", "int64"):
+            raise ValueError(f"token_dtype must be 'int32' or 'int64', not {dtype!r}")
+        fields["token_dtype"] = dtype
+    if batch.pop("boundaries", False):
+        fields["boundaries"] = True
+    order = batch.pop("order", None)
+    if order is not None:
+        if order not in ("shardwire", "megatron"):
+            raise ValueError(f"order must be 'shardwire' or 'megatron', not {order!r}")
+        fields["order"] = order
+    if "seq_len" not in fields:
+        given = [k for k in ("tokens_column", "token_dtype", "boundaries", "order") if k in fields]
+        if given:
+            raise ValueError(f"{', '.join(given)} need seq_len (token mode)")
+    elif "batch_size" not in fields:
+        raise ValueError("seq_len needs batch_size: token windows are delivered in batches")
 
 
 def _tensor_view(t: Mapping[str, Any], offset: int | None = None) -> TensorView:

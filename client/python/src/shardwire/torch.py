@@ -151,6 +151,11 @@ class _DatasetMixin:
         shuffle_block: int | None = None,
         partitions: int | None = None,
         drop_last: bool = False,
+        seq_len: int | None = None,
+        tokens_column: str | None = None,
+        token_dtype: str | None = None,
+        boundaries: bool = False,
+        order: str | None = None,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -167,6 +172,7 @@ class _DatasetMixin:
         self.shuffle_block = shuffle_block
         self.partitions = partitions
         self.drop_last = drop_last
+        self.tokens: dict[str, Any] = {"seq_len": seq_len, "tokens_column": tokens_column, "token_dtype": token_dtype, "boundaries": boundaries, "order": order}
         self.epoch = 0
         # The stream state after the last item yielded (batch mode), and one to resume from.
         self._stream_state: dict[str, Any] | None = None
@@ -230,7 +236,7 @@ class _DatasetMixin:
             "seed": self.seed, "rank": rank, "world_size": world, "batch_size": self.batch_size,
             "shuffle": self.shuffle, "shuffle_block": self.shuffle_block,
             "partitions": self.partitions, "drop_last": self.drop_last,
-            "worker": worker, "num_workers": workers,
+            "worker": worker, "num_workers": workers, **self.tokens,
         }
         state, self._resume = self._resume, None
         end = self.epoch + self.epochs
@@ -273,6 +279,8 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
         timeout: seconds per ``next`` (raises ``shardwire.Timeout``); None waits.
         batch_size, shuffle, shuffle_block, partitions, drop_last: batch mode, as in
             ``Client.open_stream`` (every item is ``batch_size`` samples).
+        seq_len, tokens_column, token_dtype, boundaries, order: token mode, as in
+            ``Client.open_stream`` (every item is ``tokens`` ``[batch_size, seq_len + 1]``).
 
     Batch mode: the global order depends only on (dataset, seed, epoch, shuffle,
     shuffle_block, partitions); each DDP rank takes its share of every global step, and its

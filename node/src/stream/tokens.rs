@@ -1,0 +1,220 @@
+//! Token mode (DESIGN §10, token windows): a batch-mode stream with `seq_len` whose samples
+//! are windows of `seq_len + 1` tokens cut from the documents, the rows of one ragged
+//! integer tensor (a Megatron `.bin/.idx`, a raw token file, an Arrow `input_ids` column).
+//!
+//! [`TokenMode::of`] picks that tensor and checks the request; [`plan`] lays a batch out as
+//! `tokens` (`[batch_size, seq_len + 1]`, the dataset's dtype or `token_dtype`) and, with
+//! `boundaries`, `positions` (int32, same shape: the token's place in its document, 0 at
+//! each document start), written from the host. Widening happens while copying (`Widen`).
+
+use shardwire_protocol::samples::{TokenPiece, WindowSpec};
+use shardwire_protocol::trainer::{ErrorCode, StreamRequest, WindowOrder};
+use shardwire_protocol::{DType, Manifest};
+
+use super::assemble::{Plan, Widen, row_range};
+use super::layout::TENSOR_ALIGN;
+use super::open::OpenError;
+
+/// The delivered tokens tensor.
+pub const TOKENS: &str = "tokens";
+/// The delivered positions tensor (`boundaries`).
+pub const POSITIONS: &str = "positions";
+
+/// How a token-mode stream reads and delivers its windows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenMode {
+    /// Index of the documents' tensor in every shard.
+    pub tensor: usize,
+    /// Its dtype.
+    pub src: DType,
+    /// The delivered dtype.
+    pub out: DType,
+    /// Tokens per window less one.
+    pub seq_len: u64,
+    /// Deliver `positions`.
+    pub boundaries: bool,
+}
+
+fn bad(msg: String) -> OpenError {
+    OpenError::new(ErrorCode::BadRequest, format!("token mode: {msg}"))
+}
+
+/// Whether every value of `src` fits `out` (the widenings `token_dtype` allows).
+fn holds(out: DType, src: DType) -> bool {
+    use DType::*;
+    match out {
+        Int32 => matches!(src, Int8 | Int16 | Int32 | Uint8 | Uint16),
+        Int64 => matches!(src, Int8 | Int16 | Int32 | Int64 | Uint8 | Uint16 | Uint32),
+        _ => false,
+    }
+}
+
+fn is_int(d: DType) -> bool {
+    !matches!(d, DType::Float16 | DType::Float32 | DType::Float64)
+}
+
+impl TokenMode {
+    /// The documents' tensor of `m` (`tokens_column`, or its only ragged integer tensor),
+    /// the window spec over its rows, and the delivery; `cuda`: the stream's memory is on a
+    /// GPU.
+    pub fn of(
+        m: &Manifest,
+        r: &StreamRequest,
+        seq_len: u64,
+    ) -> Result<(WindowSpec, Self), OpenError> {
+        let first = m
+            .shards
+            .first()
+            .ok_or_else(|| bad("the dataset has no shards".into()))?;
+        let candidates: Vec<&str> = first
+            .tensors
+            .iter()
+            .filter(|t| t.ragged && is_int(t.dtype))
+            .map(|t| t.name.as_str())
+            .collect();
+        let name = match (&r.tokens_column, candidates.as_slice()) {
+            (Some(n), _) => n.as_str(),
+            (None, [one]) => one,
+            (None, []) => {
+                return Err(bad(format!(
+                    "seq_len needs documents as the rows of a ragged integer tensor (a Megatron .bin/.idx, `shardwire index --tokens`, an Arrow list-of-integers column such as input_ids); the dataset's tensors are {:?}",
+                    first.tensors.iter().map(|t| &t.name).collect::<Vec<_>>()
+                )));
+            }
+            (None, many) => {
+                return Err(bad(format!(
+                    "the dataset has several ragged integer tensors {many:?}; name the documents with tokens_column"
+                )));
+            }
+        };
+        let tensor = first.tensors.iter().position(|t| t.name == name).ok_or_else(|| {
+            bad(format!("tokens_column {name:?} is not a tensor of the dataset; ragged integer tensors: {candidates:?}"))
+        })?;
+        let src = first.tensors[tensor].dtype;
+        if !candidates.contains(&name) {
+            return Err(bad(format!(
+                "tokens_column {name:?} is {} {}, not a ragged integer tensor; ragged integer tensors: {candidates:?}",
+                if first.tensors[tensor].ragged {
+                    "ragged"
+                } else {
+                    "fixed-shape"
+                },
+                src.name()
+            )));
+        }
+        let out = r.token_dtype.unwrap_or(src);
+        if out != src && !holds(out, src) {
+            return Err(bad(format!(
+                "token_dtype {} cannot hold every {} token; use int32 or int64 wide enough (int64 holds all but uint64)",
+                out.name(),
+                src.name()
+            )));
+        }
+        let mut doc_tokens = Vec::with_capacity(m.shards.len());
+        for (i, s) in m.shards.iter().enumerate() {
+            let t = s
+                .tensors
+                .get(tensor)
+                .filter(|t| t.name == name && t.dtype == src && t.ragged);
+            let Some(t) = t else {
+                return Err(bad(format!(
+                    "shard {i} ({}) has no ragged {} tensor {name:?} at the place shard 0 has it",
+                    s.file,
+                    src.name()
+                )));
+            };
+            let docs = (0..t.row_count())
+                .map(|row| (row_range(s, t, row).1 / src.size()) as u32)
+                .collect();
+            doc_tokens.push(docs);
+        }
+        let spec = WindowSpec {
+            seq_len,
+            column: name.to_owned(),
+            doc_tokens,
+            megatron: r.order == Some(WindowOrder::Megatron),
+        };
+        let mode = Self {
+            tensor,
+            src,
+            out,
+            seq_len,
+            boundaries: r.boundaries,
+        };
+        Ok((spec, mode))
+    }
+
+    /// Tokens per window.
+    pub fn width(&self) -> u64 {
+        self.seq_len + 1
+    }
+
+    /// Bytes of a batch of `b` windows.
+    pub fn batch_bytes(&self, b: u32) -> u64 {
+        let cells = u64::from(b) * self.width();
+        let tokens = (cells * self.out.size()).next_multiple_of(TENSOR_ALIGN);
+        match self.boundaries {
+            true => tokens + (cells * 4).next_multiple_of(TENSOR_ALIGN),
+            false => tokens,
+        }
+    }
+}
+
+/// The slab of a batch of `windows` (in order): `tokens` at 0, then `positions`.
+pub fn plan(m: &Manifest, mode: &TokenMode, windows: &[Vec<TokenPiece>]) -> Plan {
+    let b = windows.len() as u64;
+    let (w, src, out) = (mode.width(), mode.src.size(), mode.out.size());
+    let tokens_len = b * w * out;
+    let mut p = Plan {
+        widen: (mode.src != mode.out).then_some(Widen {
+            from: mode.src,
+            to: mode.out,
+        }),
+        ..Plan::default()
+    };
+    let mut positions = Vec::with_capacity(if mode.boundaries {
+        (b * w * 4) as usize
+    } else {
+        0
+    });
+    for (j, win) in windows.iter().enumerate() {
+        let mut at = j as u64 * w; // in tokens
+        for piece in win {
+            let s = &m.shards[piece.doc.shard as usize];
+            let (row, _) = row_range(s, &s.tensors[mode.tensor], piece.doc.row);
+            let from = row + piece.start * src;
+            p.push(piece.doc.shard, from, at * out, piece.len * src);
+            if mode.boundaries {
+                for k in piece.start..piece.start + piece.len {
+                    positions.extend_from_slice(&(k.min(i32::MAX as u64) as i32).to_le_bytes());
+                }
+            }
+            at += piece.len;
+        }
+    }
+    p.views.push(super::assemble::view(
+        TOKENS,
+        mode.out,
+        vec![b, w],
+        0,
+        tokens_len,
+    ));
+    p.bytes = tokens_len.next_multiple_of(TENSOR_ALIGN);
+    if mode.boundaries {
+        let len = positions.len() as u64;
+        p.views.push(super::assemble::view(
+            POSITIONS,
+            DType::Int32,
+            vec![b, w],
+            p.bytes,
+            len,
+        ));
+        p.writes.push((p.bytes, positions));
+        p.bytes = (p.bytes + len).next_multiple_of(TENSOR_ALIGN);
+    }
+    p.bytes = p.bytes.max(1);
+    p
+}
+
+#[cfg(test)]
+mod tests;
