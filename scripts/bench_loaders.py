@@ -7,6 +7,7 @@ Run through scripts/bench-loaders (it makes .venv-streaming and builds the relea
 
     scripts/bench-loaders [--samples 262144] [--rounds 3] [--batch 256] [--shuffle-block 32768]
     scripts/bench-loaders --shuffle-quality [--samples 262144]
+    scripts/bench-loaders --tokens [--tok-tokens 32000000] [--seq-len 2048] [--batch 8] [--rounds 3]
 
 One dataset of N samples (int64 `id` = storage position, float32 `x[256]`), written once as
 Arrow IPC files (record batches of --shard-rows rows = shardwire shards), as MDS shards and as
@@ -14,6 +15,14 @@ tar shards of the same rows. Each loader runs in its own subprocess per round (S
 .venv-streaming's python), rounds alternate the loaders, and every loader's batch goes through
 the same tiny model step (Linear(256,256)+ReLU+Linear(256,1), forward, backward, SGD, CPU,
 torch.set_num_threads(1)). samples/s counts --measure batches after --warmup batches.
+
+--tokens: one Megatron dataset (.bin/.idx written by megatron-core's IndexedDatasetBuilder,
+uint16, documents of 200..3000 random tokens < 50000 each ending in EOD 0), read as windows
+of --seq-len + 1 tokens by megatron-core's GPTDataset in a torch DataLoader (local files,
+--workers workers, create_attention_mask=False) and by shardwire's token stream (block
+shuffle, and order="megatron"), token_dtype int64. Each batch goes through Embedding(50000,
+64) + mean + Linear(64,1) on tokens[:, :-1]; tokens/s = batches * B * (L+1) / time. The first
+batch of order="megatron" is checked equal to GPTDataset's. SHARDWIRE_BIN overrides the binary.
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SDK_SRC = REPO / "client" / "python" / "src"
 MAIN_PY = REPO / ".venv" / "bin" / "python"
 STREAMING_PY = REPO / ".venv-streaming" / "bin" / "python"
-BIN = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "shardwire"
+BIN = pathlib.Path(os.environ.get("SHARDWIRE_BIN") or pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "shardwire")
 DIM = 256
 DATASET = "bench"
 SOURCE_READY = re.compile(r"source listening on (\S+)")
 SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
 LOADERS = ["shardwire", "shardwire-torch", "torch-arrow", "streaming", "webdataset"]
+TOK_LOADERS = ["megatron", "shardwire", "shardwire-megatron"]
+TOK_DATASET, TOK_PREFIX, VOCAB = "gpt", "corpus_text_document", 50000
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -120,15 +131,75 @@ def write_wds(data: pathlib.Path, shard_rows: int) -> None:
                 w.write({"__key__": f"{int(ids[i]):09d}", "x.npy": x[i].copy(), "id.cls": int(ids[i])})
 
 
+def prepare_tokens(d: pathlib.Path, n: int) -> None:
+    """Write the Megatron .bin/.idx pair once with megatron-core's builder, then index it."""
+    marker = d / "params.json"
+    want = {"tokens": n, "vocab": VOCAB, "doc_len": [200, 3000], "dtype": "uint16", "v": 1}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    t = time.perf_counter()
+    rng = np.random.default_rng(0)
+    b = IndexedDatasetBuilder(str(d / f"{TOK_PREFIX}.bin"), dtype=np.uint16)
+    total = docs = 0
+    while total < n:
+        doc = rng.integers(1, VOCAB, size=int(rng.integers(200, 3001)), dtype=np.int64)
+        doc[-1] = 0  # EOD
+        b.add_item(torch.from_numpy(doc))
+        b.end_document()
+        total, docs = total + len(doc), docs + 1
+    b.finalize(str(d / f"{TOK_PREFIX}.idx"))
+    subprocess.run([str(BIN), "index", "--quiet", str(d)], check=True)
+    print(f"megatron: {total} tokens in {docs} documents ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+    marker.write_text(json.dumps(want))
+
+
+def gpt_dataset(d: pathlib.Path, L: int):
+    """megatron-core's GPTDataset over the whole prefix (random_seed 1, one epoch)."""
+    import numpy as np
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    class Tok:
+        vocab_size, eod, pad, unique_identifiers = 1 << 20, 0, -1, {"class": "bench"}
+
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=L, tokenizer=Tok(), reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False, create_attention_mask=False, path_to_cache=str(d / "cache"))
+    prefix = str(d / TOK_PREFIX)
+    ds = IndexedDataset(prefix)
+    return GPTDataset(ds, prefix, np.arange(len(ds.sequence_lengths), dtype=np.int32), None, Split.train, cfg)
+
+
 # ----------------------------------------------------------------------------- one loader, one run
 
 
-def train_loop(batches, warmup: int, measure: int, to_x) -> dict:
-    """Runs the fixed model step on every batch; times `measure` batches after `warmup`."""
+def token_model():
+    import torch
+
+    class M(torch.nn.Module):  # Embedding + mean over the sequence + Linear
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(VOCAB, 64), torch.nn.Linear(64, 1)
+
+        def forward(self, t):
+            return self.head(self.emb(t).mean(dim=1))
+
+    return M()
+
+
+def train_loop(batches, warmup: int, measure: int, to_x, make_model=None) -> dict:
+    """Runs the fixed model step on every batch; times `measure` batches after `warmup`.
+    `make_model` (default: the MLP over x[DIM]) builds the model `to_x`'s tensors go into."""
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, 1))
+    model = make_model() if make_model else torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     it = iter(batches)
     samples = 0
@@ -144,7 +215,7 @@ def train_loop(batches, warmup: int, measure: int, to_x) -> dict:
         b = next(it)
         x = to_x(b)
         c = time.perf_counter()
-        assert x.dtype == torch.float32 and x.shape[1] == DIM, (x.dtype, x.shape)
+        assert make_model or (x.dtype == torch.float32 and x.shape[1] == DIM), (x.dtype, x.shape)
         opt.zero_grad(set_to_none=True)
         loss = model(x).square().mean()
         loss.backward()
@@ -245,6 +316,43 @@ def run_loader(name: str, a: argparse.Namespace) -> dict:
     return res
 
 
+def run_token_loader(name: str, a: argparse.Namespace) -> dict:
+    """One token loader into the token model; saves its first batch (L+1 tokens) to --first."""
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    B, L = a.batch, a.seq_len
+    first: list = []
+
+    def to_x(t):  # t: [B, L+1] int64
+        assert t.dtype == torch.int64 and tuple(t.shape) == (B, L + 1), (t.dtype, t.shape)
+        if not first:
+            first.append(t.numpy().copy())
+        return t[:, :-1]
+
+    t_start = time.perf_counter()
+    if name == "megatron":
+        loader = torch.utils.data.DataLoader(gpt_dataset(pathlib.Path(a.data), L), batch_size=B, num_workers=a.workers, shuffle=False, drop_last=True)
+        res = train_loop(loader, a.warmup, a.measure, lambda b: to_x(torch.cat([b["tokens"], b["labels"][:, -1:]], dim=1)), token_model)
+    elif name in ("shardwire", "shardwire-megatron"):
+        sys.path.insert(0, str(SDK_SRC))
+        import shardwire
+
+        order = {"order": "megatron"} if name == "shardwire-megatron" else {"shuffle": "block"}
+        stream = shardwire.connect(a.socket).open_stream(TOK_DATASET, seed=1, batch_size=B, seq_len=L, drop_last=True, token_dtype="int64", **order)
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*not writable.*")  # read-only zero-copy view; the model only reads it
+        res = train_loop(stream, a.warmup, a.measure, lambda b: to_x(torch.from_numpy(np.asarray(b["tokens"]))), token_model)
+        stream.close()
+    else:
+        raise SystemExit(f"unknown token loader {name}")
+    np.save(a.first, first[0])
+    res.update(loader=name, total_s=time.perf_counter() - t_start, tokens_per_s=res["samples_per_s"] * (L + 1))
+    return res
+
+
 # ----------------------------------------------------------------------------- children
 
 
@@ -286,10 +394,10 @@ class Child:
         self._err.close()
 
 
-def start_node(data: pathlib.Path, tmp: pathlib.Path, children: list[Child], stream_memory: int = 256 << 20) -> tuple[str, str]:
+def start_node(data: pathlib.Path, tmp: pathlib.Path, children: list[Child], stream_memory: int = 256 << 20, spec: str | None = None) -> tuple[str, str]:
     import http.client
 
-    src = Child([str(BIN), "source", "--listen", "127.0.0.1:0", "--dataset", f"{DATASET}={data / 'arrow'}"], tmp / "source.log")
+    src = Child([str(BIN), "source", "--listen", "127.0.0.1:0", "--dataset", spec or f"{DATASET}={data / 'arrow'}"], tmp / "source.log")
     children.append(src)
     addr = src.wait(SOURCE_READY).group(1)
     serve = Child([str(BIN), "serve", "--source", addr, "--socket", str(tmp / "sw.sock"), "--data-listen", "127.0.0.1:0",
@@ -369,6 +477,48 @@ def shuffle_quality(a: argparse.Namespace, tmp: pathlib.Path, children: list[Chi
     print(json.dumps({"shuffle_quality": rows}))
 
 
+# ----------------------------------------------------------------------------- tokens
+
+
+def tokens_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]) -> None:
+    import numpy as np
+
+    d = pathlib.Path(a.data + "-tokens")
+    if a.tok_tokens // a.seq_len // a.batch < a.warmup + a.measure:
+        raise SystemExit(f"--tok-tokens {a.tok_tokens} holds fewer than --warmup + --measure batches of {a.batch} x {a.seq_len}")
+    prepare_tokens(d, a.tok_tokens)
+    sock, _ = start_node(d, tmp, children, spec=f"{TOK_DATASET}={d}")
+    loaders = TOK_LOADERS
+    results: dict[str, list[dict]] = {l: [] for l in loaders}
+    common = ["--tokens", "--data", str(d), "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--workers", str(a.workers),
+              "--warmup", str(a.warmup), "--measure", str(a.measure), "--socket", sock]
+    for rnd in range(a.rounds):
+        for l in (loaders if rnd % 2 == 0 else loaders[::-1]):
+            first = tmp / f"first-{l}.npy"
+            r = subprocess.run([str(MAIN_PY), __file__, "--one", l, "--first", str(first), *common], capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise SystemExit(f"{l} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+            res = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+            res["round"] = rnd + 1
+            results[l].append(res)
+            print(f"round {rnd + 1} {l:18s} {res['tokens_per_s']:12.0f} tokens/s  (loader wait {res['wait_s']:.2f} s, "
+                  f"model {res['step_s']:.2f} s, process {res['total_s']:.1f} s)", file=sys.stderr, flush=True)
+        if rnd == 0:
+            assert np.array_equal(np.load(tmp / "first-megatron.npy"), np.load(tmp / "first-shardwire-megatron.npy")), "order=megatron != GPTDataset"
+            print("order=megatron matches GPTDataset: first batch equal", file=sys.stderr)
+    med = {l: statistics.median(r["tokens_per_s"] for r in v) for l, v in results.items()}
+    print(f"\n{a.tok_tokens} tokens (uint16, documents of 200..3000), seq_len {a.seq_len}, batch {a.batch}, token_dtype int64, "
+          f"{a.workers} DataLoader workers for megatron, {a.measure} batches timed after {a.warmup}; {cpu_model()}, {os.cpu_count()} CPUs")
+    print("| loader | " + " | ".join(f"round {i + 1}" for i in range(a.rounds)) + " | median tokens/s | loader wait share | vs megatron |")
+    print("|---|" + "---:|" * (a.rounds + 3))
+    for l in loaders:
+        v = results[l]
+        share = statistics.median(r["wait_s"] / (r["wait_s"] + r["step_s"]) for r in v)
+        print(f"| {l} | " + " | ".join(f"{r['tokens_per_s']:.0f}" for r in v) + f" | {med[l]:.0f} | {share:.0%} | {med[l] / med['megatron']:.3f} |")
+    print(json.dumps({"bench": "loaders-tokens", "cpu": cpu_model(), "seq_len": a.seq_len, "batch": a.batch, "median_tokens_per_s": med,
+                      "ratios_vs_megatron": {l: med[l] / med["megatron"] for l in loaders}, "runs": results}))
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -377,7 +527,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=262144)
     p.add_argument("--shard-rows", type=int, default=4096)
     p.add_argument("--files", type=int, default=4)
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, default=None, help="default 256 (8 with --tokens)")
     p.add_argument("--shuffle-block", type=int, default=32768)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--warmup", type=int, default=20, help="batches")
@@ -388,22 +538,31 @@ def main() -> None:
     p.add_argument("--data", default=os.environ.get("BENCH_LOADERS_DATA", "/tmp/sw-bench-loaders-data"))
     p.add_argument("--shuffle-quality", action="store_true")
     p.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 131072])
+    p.add_argument("--tokens", action="store_true", help="token mode: megatron GPTDataset vs shardwire token stream")
+    p.add_argument("--tok-tokens", type=int, default=32_000_000)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--first", help=argparse.SUPPRESS)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
     p.add_argument("--write-mds", help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.batch = a.batch or (8 if a.tokens else 256)
     if a.write_mds:
         write_mds(pathlib.Path(a.write_mds), a.shard_rows)
         return
     if a.one:
-        print(json.dumps(run_loader(a.one, a)), flush=True)
+        print(json.dumps((run_token_loader if a.tokens else run_loader)(a.one, a)), flush=True)
         return
 
-    prepare(pathlib.Path(a.data), a.samples, a.shard_rows, a.files)
+    if not a.tokens:
+        prepare(pathlib.Path(a.data), a.samples, a.shard_rows, a.files)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sw-bench-loaders-"))
     children: list[Child] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if a.tokens:
+            tokens_bench(a, tmp, children)
+            return
         if a.shuffle_quality:
             shuffle_quality(a, tmp, children)
             return

@@ -196,7 +196,7 @@ impl Stream {
             path: path.display().to_string(),
             source,
         })?;
-        let req = Request::Attach(o);
+        let req = Request::Attach(Box::new(o));
         let mut frame = Vec::new();
         trainer::encode(&req, &mut frame);
         // A node that refuses this trainer (peer allowlist) answers and closes; if the close

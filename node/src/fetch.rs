@@ -81,8 +81,11 @@ pub struct InFlight {
     pub slab: Slab,
     /// Stream position it is for.
     pub pos: u64,
-    /// Shard index.
+    /// Shard index in the stream's manifest.
     pub shard: u32,
+    /// Shard index in its dataset, as the FETCH names it (differs from `shard` in a mixture,
+    /// whose manifest holds several datasets' shards).
+    pub wire_shard: u32,
     /// Payload length from the manifest.
     pub length: u64,
     /// CRC-32C from the manifest.
@@ -122,6 +125,7 @@ impl InFlight {
             slab: r.slab,
             pos: r.pos,
             shard: r.shard,
+            wire_shard: r.shard,
             length: r.length,
             crc32c: r.crc32c,
             source,

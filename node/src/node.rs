@@ -27,7 +27,7 @@ use crate::plane::{DataPlane, Flow};
 use crate::status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::open::{self, OpenError};
-use crate::stream::{Parts, Stream, batcher, fetcher};
+use crate::stream::{DatasetSource, Parts, Stream, batcher, fetcher, open_mix};
 
 /// A control message and where its answer goes.
 pub(crate) type ControlRequest = (Control, oneshot::Sender<Result<Reply, ControlError>>);
@@ -117,13 +117,43 @@ impl Node {
                 AdmitError::Draining.to_string(),
             ));
         }
-        let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
         let region_bytes = self.info.cfg.stream_memory();
-        let (kind, start, fingerprint) = match r.batch_size {
-            None => open::shard_mode(&manifest, &r, region_bytes)?,
-            Some(b) => {
-                let cuda = self.plane.cuda.is_some();
-                open::batch_mode(&manifest, &r, b, region_bytes, cuda)?
+        let cuda = self.plane.cuda.is_some();
+        let (manifest, sources, (kind, start, fingerprint)) = match (&r.mix, r.batch_size) {
+            (Some(mix), Some(b)) => {
+                let mut parts = Vec::with_capacity(mix.len());
+                let mut sources = Vec::with_capacity(mix.len());
+                let mut first = 0u32;
+                for e in mix {
+                    let (m, candidates) = self.manifest_for(&e.dataset).await?;
+                    sources.push(DatasetSource {
+                        dataset: e.dataset.clone(),
+                        first,
+                        candidates,
+                    });
+                    first += m.shards.len() as u32;
+                    parts.push((e.dataset.clone(), m));
+                }
+                let named: Vec<(&str, &Manifest)> = parts
+                    .iter()
+                    .map(|(n, m)| (n.as_str(), m.as_ref()))
+                    .collect();
+                let combined = Manifest::mixture(&named);
+                let opened = open_mix::mix_mode(&parts, &combined, &r, b, region_bytes, cuda)?;
+                (Arc::new(combined), sources, opened)
+            }
+            (_, batch) => {
+                let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
+                let opened = match batch {
+                    None => open::shard_mode(&manifest, &r, region_bytes)?,
+                    Some(b) => open::batch_mode(&manifest, &r, b, region_bytes, cuda)?,
+                };
+                let sources = vec![DatasetSource {
+                    dataset: r.dataset.clone(),
+                    first: 0,
+                    candidates,
+                }];
+                (manifest, sources, opened)
             }
         };
         let reservation = self.admission.reserve(region_bytes).map_err(|e| {
@@ -139,20 +169,20 @@ impl Node {
         let batches = matches!(kind, Kind::Batches(_));
         let s = Stream::new(Parts {
             id,
-            dataset: r.dataset.clone(),
+            dataset: display_name(&r),
             kind,
             epochs: r.epochs,
             start,
             manifest,
             pool: shardwire_gpu::SlabPool::new(region),
-            candidates,
+            sources,
             fingerprint,
             counters: Arc::clone(&self.counters),
             ids: Arc::clone(&self.ids),
             gpu: self.plane.cuda.clone(),
         });
         reservation.commit(id, Arc::clone(&s));
-        let span = tracing::info_span!("stream", id, dataset = %r.dataset, rank, world_size);
+        let span = tracing::info_span!("stream", id, dataset = %s.dataset(), rank, world_size);
         match batches {
             false => self
                 .rt
@@ -161,7 +191,7 @@ impl Node {
                 .rt
                 .spawn(batcher::run(Arc::clone(&s), start).instrument(span)),
         };
-        tracing::info!(stream = id, dataset = %r.dataset, seed, rank, world_size, epochs = r.epochs,
+        tracing::info!(stream = id, dataset = %s.dataset(), seed, rank, world_size, epochs = r.epochs,
             batch_size = r.batch_size, start, "stream opened");
         Ok(s)
     }
@@ -459,5 +489,17 @@ fn source_status(l: &SourceLink) -> SourceStatus {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
+    }
+}
+
+/// The name a stream shows: its dataset, or a mixture's `web+code`.
+fn display_name(r: &StreamRequest) -> String {
+    match &r.mix {
+        Some(mix) => mix
+            .iter()
+            .map(|e| e.dataset.as_str())
+            .collect::<Vec<_>>()
+            .join("+"),
+        None => r.dataset.clone(),
     }
 }

@@ -215,7 +215,7 @@ impl Conn<'_> {
     fn handle(&mut self, req: Request) -> Result<(), FrameIoError> {
         let Some(s) = self.stream.clone() else {
             return match req {
-                Request::Attach(r) => self.attach(r),
+                Request::Attach(r) => self.attach(*r),
                 _ => self.send(&error(ErrorCode::NotAttached, "send attach first")),
             };
         };

@@ -266,7 +266,8 @@ mod tests {
         send_frame(&a, &frame, &[file.as_fd()]).unwrap();
         send_frame(&a, &frame, &[]).unwrap();
         // A frame larger than the reader's buffer, split over many reads.
-        let big = trainer::Request::Attach(trainer::StreamRequest::new("x".repeat(200_000)));
+        let big =
+            trainer::Request::Attach(Box::new(trainer::StreamRequest::new("x".repeat(200_000))));
         let mut big_frame = Vec::new();
         trainer::encode(&big, &mut big_frame);
         let writer = std::thread::spawn(move || send_frame(&a, &big_frame, &[]).map(|_| a));

@@ -254,7 +254,31 @@ impl Manifest {
             .collect()
     }
 
-    /// The digest as 32 bytes (for planning and fingerprints).
+    /// The manifest of a mixture: every part's shards in order (part `k`'s shards after
+    /// those of parts `< k`, their files prefixed `NAME/`), under a digest of the parts' names
+    /// and digests. It is never served; a mixture stream fetches each shard from its part.
+    pub fn mixture(parts: &[(&str, &Manifest)]) -> Manifest {
+        let mut h = Sha256::new();
+        h.update(b"shardwire-mixture-v1");
+        let mut shards = Vec::new();
+        for (name, m) in parts {
+            h.update((name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            h.update(m.digest.as_bytes());
+            shards.extend(m.shards.iter().map(|s| ShardEntry {
+                file: format!("{name}/{}", s.file),
+                ..s.clone()
+            }));
+        }
+        Manifest {
+            format: FORMAT,
+            digest: h.finalize().iter().map(|b| format!("{b:02x}")).collect(),
+            total_bytes: parts.iter().map(|(_, m)| m.total_bytes).sum(),
+            shards,
+        }
+    }
+
+    /// The digest as 32 bytes.
     pub fn digest_bytes(&self) -> [u8; 32] {
         let mut out = [0u8; 32];
         for (i, o) in out.iter_mut().enumerate() {

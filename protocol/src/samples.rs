@@ -30,6 +30,7 @@ use sha2::{Digest, Sha256};
 use crate::bijection::{Bijection, mix};
 
 pub mod megatron;
+pub mod mix;
 mod windows;
 
 pub use windows::{TokenPiece, WindowSpec};

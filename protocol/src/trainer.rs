@@ -41,17 +41,47 @@ pub struct StreamState {
     /// Batch mode: the shuffle block in samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shuffle_block: Option<u64>,
+    /// Mixtures: where every dataset stands (its cursor) after `step` global steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mix: Option<MixState>,
+}
+
+/// A mixture's schedule at a global step: enough to continue it exactly, or with new weights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixState {
+    /// Global steps taken since the stream's first epoch began.
+    pub step: u64,
+    /// The datasets, in the mixture's order.
+    pub datasets: Vec<String>,
+    /// Their weights, fixed point (2^40 = all; see `samples::mix`).
+    pub weights: Vec<i64>,
+    /// Samples each dataset has given (its position in its own order, across its epochs).
+    pub cursors: Vec<u64>,
+    /// Each dataset's rounding carry (2^-40 samples; reset when the weights change).
+    pub carry: Vec<i64>,
+}
+
+/// One dataset of a mixture and its weight.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixEntry {
+    /// Dataset name.
+    pub dataset: String,
+    /// Relative weight (positive; the weights are normalised).
+    pub weight: f64,
 }
 
 /// What a trainer asks for when it opens a stream: the fields of the socket's `attach` and of
 /// `POST /v1/streams`, defined here once for every front and client.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamRequest {
     /// Protocol version the client speaks.
     #[serde(default = "version")]
     pub version: u32,
-    /// Dataset name.
+    /// Dataset name (empty for a mixture, which names its datasets in `mix`).
+    #[serde(default)]
     pub dataset: String,
     /// Shuffle seed.
     #[serde(default)]
@@ -111,6 +141,9 @@ pub struct StreamRequest {
     /// Token mode: the window order, `"shardwire"` (default) or `"megatron"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order: Option<WindowOrder>,
+    /// Batch mode: a mixture of datasets with weights (instead of `dataset`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mix: Option<Vec<MixEntry>>,
 }
 
 /// The order of token windows.
@@ -160,6 +193,7 @@ impl StreamRequest {
             token_dtype: None,
             boundaries: false,
             order: None,
+            mix: None,
         }
     }
 }
@@ -322,11 +356,11 @@ impl std::fmt::Display for MemoryKind {
 }
 
 /// trainer -> service.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Open a stream on this connection and receive its region.
-    Attach(StreamRequest),
+    Attach(Box<StreamRequest>),
     /// Take the next batch (waits up to `timeout_ms`, default forever), after releasing the
     /// leases in `release` (so a training loop needs one round trip per batch).
     Next {
@@ -802,7 +836,7 @@ mod tests {
     #[test]
     fn request_defaults_and_round_trip() {
         let r: Request = decode(br#"{"op":"attach","version":1,"dataset":"d"}"#).unwrap();
-        assert_eq!(r, Request::Attach(StreamRequest::new("d")));
+        assert_eq!(r, Request::Attach(Box::new(StreamRequest::new("d"))));
         let e = decode::<Request>(br#"{"op":"attach","dataset":"d","bogus":1}"#)
             .unwrap_err()
             .to_string();

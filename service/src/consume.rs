@@ -15,7 +15,7 @@ use shardwire_client::{Stream, StreamOptions};
 use shardwire_protocol::crc::crc32c;
 use shardwire_protocol::plan::Uneven;
 use shardwire_protocol::samples::Shuffle;
-use shardwire_protocol::trainer::StreamState;
+use shardwire_protocol::trainer::{MixEntry, StreamState, WindowOrder};
 
 /// Flags of `shardwire consume`.
 #[derive(Args, Debug)]
@@ -28,8 +28,11 @@ pub struct ConsumeArgs {
     )]
     socket: PathBuf,
     /// Dataset name.
-    #[arg(long)]
-    dataset: String,
+    #[arg(long, required_unless_present = "mix", conflicts_with = "mix")]
+    dataset: Option<String>,
+    /// A mixture instead of one dataset: `NAME=WEIGHT,...` (e.g. `web=0.7,code=0.3`; batch mode).
+    #[arg(long, value_parser = parse_mix)]
+    mix: Option<MixArg>,
     /// Shuffle seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -60,6 +63,21 @@ pub struct ConsumeArgs {
     /// Batch mode: drop the last partial global batch.
     #[arg(long)]
     drop_last: bool,
+    /// Token mode: windows of SEQ_LEN + 1 tokens (needs --batch-size).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Token mode: the documents' tensor, when the dataset has several ragged integer ones.
+    #[arg(long)]
+    tokens_column: Option<String>,
+    /// Token mode: deliver tokens as int32 or int64.
+    #[arg(long, value_parser = parse_token_dtype)]
+    token_dtype: Option<shardwire_protocol::DType>,
+    /// Token mode: also deliver `positions`.
+    #[arg(long)]
+    boundaries: bool,
+    /// Token mode: window order, shardwire (default) or megatron (GPTDataset's).
+    #[arg(long, value_parser = parse_order)]
+    order: Option<WindowOrder>,
     /// Resume from this state (the JSON of a `{"state": ...}` line or of `state_dict()`).
     #[arg(long)]
     state: Option<String>,
@@ -115,6 +133,45 @@ fn values(t: &shardwire_protocol::trainer::TensorView, bytes: &[u8]) -> Option<V
     )
 }
 
+/// The datasets and weights of `--mix`.
+#[derive(Clone, Debug)]
+struct MixArg(Vec<MixEntry>);
+
+/// `--mix web=0.7,code=0.3`.
+fn parse_mix(s: &str) -> Result<MixArg, String> {
+    s.split(',')
+        .map(|part| {
+            let (name, w) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}` is not NAME=WEIGHT"))?;
+            let weight: f64 = w
+                .parse()
+                .map_err(|_| format!("weight `{w}` of `{name}` is not a number"))?;
+            Ok(MixEntry {
+                dataset: name.to_owned(),
+                weight,
+            })
+        })
+        .collect::<Result<_, _>>()
+        .map(MixArg)
+}
+
+fn parse_token_dtype(s: &str) -> Result<shardwire_protocol::DType, String> {
+    match s {
+        "int32" => Ok(shardwire_protocol::DType::Int32),
+        "int64" => Ok(shardwire_protocol::DType::Int64),
+        other => Err(format!("`{other}` is not int32 or int64")),
+    }
+}
+
+fn parse_order(s: &str) -> Result<WindowOrder, String> {
+    match s {
+        "shardwire" => Ok(WindowOrder::Shardwire),
+        "megatron" => Ok(WindowOrder::Megatron),
+        other => Err(format!("`{other}` is not shardwire or megatron")),
+    }
+}
+
 fn parse_uneven(s: &str) -> Result<Uneven, String> {
     match s {
         "pad" => Ok(Uneven::Pad),
@@ -145,7 +202,13 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         partitions: a.partitions,
         drop_last: a.drop_last,
         state,
-        ..StreamOptions::new(&a.dataset)
+        seq_len: a.seq_len,
+        tokens_column: a.tokens_column,
+        token_dtype: a.token_dtype,
+        boundaries: a.boundaries,
+        order: a.order,
+        mix: a.mix.map(|m| m.0),
+        ..StreamOptions::new(a.dataset.unwrap_or_default())
     };
     let mut s = Stream::open(&a.socket, opts)
         .with_context(|| format!("opening a stream on {}", a.socket.display()))?;

@@ -202,6 +202,37 @@ def test_batch_mode_assembles_each_batch_with_one_gather_launch(sw, tmp_path):
     _closed_and_unmapped(serve)
 
 
+def test_token_windows_widen_in_the_batch_gather_launch(sw, tmp_path):
+    """Token mode in CUDA memory: uint16 windows widened to int64 by the batch's one gather
+    launch (a frag per token into zeroed cells): every window exact against the raw token
+    file, launches == batches, no driver call failed."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    rng = np.random.default_rng(4)
+    stream = np.concatenate([np.append(rng.integers(1, 65535, size=n), 0) for n in rng.integers(5, 80, size=60)]).astype(np.uint16)
+    stream.tofile(d / "train.bin")
+    r = subprocess.run([str(shardwire_bin()), "index", str(d), "--tokens", "uint16", "--eos", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB",
+                     env=fake_env())
+    L = 16
+    r = _trainer(serve, batch_size=4, seq_len=L, shuffle="none", token_dtype="int64", drop_last=True)
+    assert r.returncode == 0, f"trainer failed ({r.returncode}):\n{r.stdout}\n{r.stderr}\n{serve.describe()}"
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")][1:]
+    assert len(got) == (len(stream) - 1) // L // 4
+    for k, b in enumerate(got):
+        assert b["tokens"]["typestr"] == "<i8", b["tokens"]["typestr"]
+        w = np.array(b["tokens"]["values"]).reshape(4, L + 1)
+        for i in range(4):
+            j = (4 * k + i) * L
+            assert np.array_equal(w[i], stream[j: j + L + 1]), (k, i)
+    assert fake_lines(r.stderr) == [], r.stderr
+    c = get_status(serve.admin)["counters"]
+    assert c["batch_gather_launches"] == c["batches_assembled"] >= len(got), c
+    _closed_and_unmapped(serve)
+
+
 def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(sw, tmp_path):
     """`shardwire gpus` and `serve --memory auto` see the fake as a usable GPU; with a driver that
     refuses the dma-buf PCIe mapping flag (FAKE_CUDA_NO_PCIE_FLAG=1) the node's self-test
@@ -277,6 +308,9 @@ def _consume(socket: str, dataset: str, limit: int | None = None, **batch) -> No
                 tensors.append({"name": name, "crc32c": crc32c(data), "shape": list(t.shape)})
                 if name == "id":
                     out["ids"] = np.frombuffer(data, np.int64).tolist()
+                if name == "tokens":
+                    typestr = t.__cuda_array_interface__["typestr"]
+                    out["tokens"] = {"typestr": typestr, "values": np.frombuffer(data, np.dtype(typestr)).tolist()}
             print(json.dumps({**out, "tensors": tensors}), flush=True)
             if limit is not None and (limit := limit - 1) == 0:
                 os._exit(0)

@@ -200,20 +200,23 @@ impl SourceLink {
             .ok_or_else(|| SendError::Down(self.addr.clone()))
     }
 
-    /// Sends a FETCH; gives the fetch back if it cannot be sent.
+    /// Sends a FETCH of `dataset`'s shard `shard` for `f`; gives the fetch back if it cannot be
+    /// sent.
     pub fn fetch(
         &self,
         req: u64,
         dataset: &str,
+        shard: u32,
         mut f: InFlight,
     ) -> Result<(), Box<(InFlight, SendError)>> {
         let st = self.state.lock().expect("poisoned");
         let msg = Message::Fetch {
             req,
             dataset: dataset.into(),
-            shard: f.shard,
+            shard,
         };
         f.req = req;
+        f.wire_shard = shard;
         // Pending before the send, so an answer can never come for an unknown request.
         self.pending.lock().expect("poisoned").insert(req, f);
         match self.send(&st, &msg) {

@@ -304,10 +304,10 @@ fn announced(
         source_addr: link.addr.clone(),
         reason,
     };
-    if f.shard != shard || f.length != length || f.crc32c != crc32c {
+    if f.wire_shard != shard || f.length != length || f.crc32c != crc32c {
         let msg = format!(
             "SHARD req {req} says shard {shard}, {length} bytes, crc {crc32c:08x}; expected shard {}, {} bytes, crc {:08x}",
-            f.shard, f.length, f.crc32c
+            f.wire_shard, f.length, f.crc32c
         );
         f.finish(Err(down(msg.clone())));
         return Err(LinkError::Protocol(msg));

@@ -10,6 +10,7 @@
 //! (CUDA memory); the offsets tensors are written from the host.
 
 use shardwire_gpu::Slab;
+use shardwire_gpu::kernels::Frag;
 use shardwire_protocol::manifest::{OFFSETS_SUFFIX, ShardEntry, TensorEntry};
 use shardwire_protocol::samples::SampleRef;
 use shardwire_protocol::trainer::TensorView;
@@ -274,6 +275,42 @@ pub fn execute_in_place(
     gather(plan, |_| base, slab, gpu)
 }
 
+/// Zero extension as copies, for the gather kernel: the destination span is zeroed from the
+/// host, then each element of a piece is one frag into the low bytes of its wider cell
+/// (little-endian). Signed sources would need sign extension: refused when the stream opens.
+fn widening_frags(
+    plan: &Plan,
+    w: Widen,
+    src_base: &impl Fn(u32) -> u64,
+    base: u64,
+    region: &shardwire_gpu::cuda::VmmRegion,
+) -> Result<Vec<Frag>, String> {
+    if !matches!(w.from, DType::Uint8 | DType::Uint16 | DType::Uint32) {
+        return Err(format!(
+            "widening signed {} tokens on the GPU",
+            w.from.name()
+        ));
+    }
+    let (fs, ts) = (w.from.size(), w.to.size());
+    let span = |p: &Piece| (p.dst, p.dst + p.len / fs * ts);
+    let lo = plan.pieces.iter().map(|p| span(p).0).min().unwrap_or(0);
+    let hi = plan.pieces.iter().map(|p| span(p).1).max().unwrap_or(0);
+    region
+        .write(base as usize + lo as usize, &vec![0u8; (hi - lo) as usize])
+        .map_err(|e| format!("zeroing the widened tokens: {e}"))?;
+    Ok(plan
+        .pieces
+        .iter()
+        .flat_map(|p| {
+            (0..p.len / fs).map(move |k| Frag {
+                src_off: src_base(p.shard) + p.src + k * fs,
+                dst_off: base + p.dst + k * ts,
+                len: fs,
+            })
+        })
+        .collect())
+}
+
 /// The CUDA half of [`execute`]: the pieces as frags of one gather launch (sources at
 /// `src_base(shard)` in the region), then the offsets written from the host.
 fn gather(
@@ -282,23 +319,24 @@ fn gather(
     out: &Slab,
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
 ) -> Result<Filled, String> {
-    if plan.widen.is_some() {
-        return Err("token_dtype widening into CUDA memory (refused when the stream opens)".into());
-    }
     let gpu = gpu.ok_or("a CUDA region on a node without a GPU")?;
     let region = out
         .region()
         .cuda()
         .ok_or("a CUDA slab outside a CUDA region")?;
-    let frags: Vec<shardwire_gpu::kernels::Frag> = plan
-        .pieces
-        .iter()
-        .map(|p| shardwire_gpu::kernels::Frag {
-            src_off: src_base(p.shard) + p.src,
-            dst_off: out.offset() as u64 + p.dst,
-            len: p.len,
-        })
-        .collect();
+    let base = out.offset() as u64;
+    let frags: Vec<Frag> = match plan.widen {
+        None => plan
+            .pieces
+            .iter()
+            .map(|p| Frag {
+                src_off: src_base(p.shard) + p.src,
+                dst_off: base + p.dst,
+                len: p.len,
+            })
+            .collect(),
+        Some(w) => widening_frags(plan, w, &src_base, base, region)?,
+    };
     gpu.engines
         .gather(region, region, &frags)
         .and_then(|ev| ev.wait())

@@ -20,11 +20,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use shardwire_gpu::{Slab, SlabPool};
-use shardwire_protocol::samples::{EpochOrder, SampleRef, Unit};
+use shardwire_protocol::samples::{EpochOrder, Unit};
 use tokio::sync::mpsc;
 
 use super::fetcher::{self, Retry};
-use super::kind::{BatchMode, Kind};
+use super::kind::{BatchMode, Kind, Sampler};
+use super::mix::{self, MixSample};
 use super::{Ready, Stream};
 use super::{assemble, tokens};
 use crate::fetch::{Completion, FetchFailure};
@@ -44,7 +45,8 @@ struct Resident {
 /// One epoch's units and how far they have been issued.
 struct EpochUnits {
     epoch: u32,
-    order: Arc<EpochOrder>,
+    /// The order (one dataset; a mixture keeps its own).
+    order: Option<Arc<EpochOrder>>,
     units: Vec<Unit>,
     next: usize,
     /// Shards of `units[next]` already held (a unit issued halfway, for lack of memory).
@@ -82,7 +84,7 @@ pub async fn run(s: Arc<Stream>, start: u64) {
     };
     let m = Arc::clone(m);
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let per_epoch = m.plan.steps() * u64::from(m.plan.batch_size);
+    let per_epoch = m.steps() * u64::from(m.batch_size());
     let end = s.kind().per_epoch() * u64::from(s.epochs);
     let pos = s.kind().position(s.kind().slot_at(start));
     let mut d = Driver {
@@ -121,40 +123,41 @@ pub async fn run(s: Arc<Stream>, start: u64) {
 impl Driver {
     /// The rank-local index (over all epochs) of the last sample of the batch at `pos`.
     fn last_index(&self, pos: u64) -> u64 {
-        (pos + 1) * u64::from(self.m.plan.batch_size) - 1
+        (pos + 1) * u64::from(self.m.batch_size()) - 1
     }
 
     /// The units of `epoch` (the plan's tables are computed on this worker thread: O(shards)).
     fn load_epoch(&mut self, epoch: u32) {
-        let order = Arc::clone(&self.m.plan.order);
-        let plan = &self.m.plan;
-        let (ep, units) = tokio::task::block_in_place(|| {
-            let ep = order.epoch(epoch);
-            let units = plan.units(&ep);
-            (ep, units)
+        let (ep, units) = tokio::task::block_in_place(|| match &self.m.sampler {
+            Sampler::One(plan) => {
+                let ep = plan.order.epoch(epoch);
+                let units = plan.units(&ep);
+                (Some(Arc::new(ep)), units)
+            }
+            Sampler::Mix(m) => (None, m.units(epoch)),
         });
         self.epochs.push_back(EpochUnits {
             epoch,
-            order: Arc::new(ep),
+            order: ep,
             units,
             next: 0,
             held: 0,
         });
     }
 
-    /// The order of `epoch`, loading it when needed.
-    fn order_of(&mut self, epoch: u32) -> Arc<EpochOrder> {
+    /// The order of `epoch` (one dataset), loading it when needed.
+    fn order_of(&mut self, epoch: u32) -> Option<Arc<EpochOrder>> {
         if let Some(e) = self.epochs.iter().find(|e| e.epoch == epoch) {
-            return Arc::clone(&e.order);
+            return e.order.clone();
         }
         self.load_epoch(epoch);
-        Arc::clone(&self.epochs.back().expect("just loaded").order)
+        self.epochs.back().expect("just loaded").order.clone()
     }
 
     /// Whether this worker assembles a batch that needs unit `u` of `epoch`.
     fn needed(&self, epoch: u32, u: &Unit) -> bool {
-        let b = u64::from(self.m.plan.batch_size);
-        let base = u64::from(epoch) * self.m.plan.steps();
+        let b = u64::from(self.m.batch_size());
+        let base = u64::from(epoch) * self.m.steps();
         let (first, last) = (base + u.first / b, base + u.last / b);
         let nw = u64::from(self.m.num_workers);
         let w = u64::from(self.m.worker);
@@ -163,7 +166,7 @@ impl Driver {
 
     /// Issues units in first-use order while memory allows (at most two epochs ahead).
     fn issue_units(&mut self) {
-        let epochs = (self.end / self.m.plan.steps()) as u32;
+        let epochs = (self.end / self.m.steps()) as u32;
         loop {
             if self.epochs.is_empty() {
                 if self.pos >= self.end {
@@ -300,7 +303,7 @@ impl Driver {
         }
         let (epoch, step) = self.s.kind().split(self.pos);
         let ep = self.order_of(epoch);
-        let Some(plan) = self.plan_batch(&ep, step) else {
+        let Some(plan) = self.plan_batch(ep.as_deref(), epoch, step) else {
             return false;
         };
         self.s.wants_memory.store(true, Ordering::SeqCst);
@@ -343,22 +346,42 @@ impl Driver {
     }
 
     /// The slab plan of the batch at `step` of `ep`, if every shard it reads is resident.
-    fn plan_batch(&self, ep: &EpochOrder, step: u64) -> Option<assemble::Plan> {
-        let b = self.m.plan.batch_size;
+    fn plan_batch(&self, ep: Option<&EpochOrder>, epoch: u32, step: u64) -> Option<assemble::Plan> {
         let here = |shard: u32| self.resident.get(&shard).is_some_and(|r| r.slab.is_some());
-        match &self.m.tokens {
-            None => {
-                let samples: Vec<SampleRef> =
-                    (0..b).map(|j| self.m.plan.sample(ep, step, j)).collect();
-                let ready = samples.iter().all(|x| here(x.shard));
-                ready.then(|| assemble::plan(&self.s.manifest, &samples))
+        let samples: Vec<MixSample> = match (&self.m.sampler, ep) {
+            (Sampler::One(plan), Some(ep)) => {
+                let b = plan.batch_size;
+                match self.m.tokens {
+                    None => (0..b)
+                        .map(|j| MixSample::Row(plan.sample(ep, step, j)))
+                        .collect(),
+                    Some(_) => (0..b)
+                        .map(|j| MixSample::Window(plan.window(ep, step, j)))
+                        .collect(),
+                }
             }
-            Some(t) => {
-                let windows: Vec<_> = (0..b).map(|j| self.m.plan.window(ep, step, j)).collect();
-                let ready = windows.iter().flatten().all(|p| here(p.doc.shard));
-                ready.then(|| tokens::plan(&self.s.manifest, t, &windows))
+            (Sampler::Mix(m), _) => {
+                let global = u64::from(epoch) * m.steps + step;
+                m.samples(global).into_iter().map(|(_, s)| s).collect()
+            }
+            (Sampler::One(_), None) => unreachable!("a one-dataset epoch has its order"),
+        };
+        if !samples.iter().flat_map(mix::shards_of).all(here) {
+            return None;
+        }
+        let m = &self.s.manifest;
+        let mut rows = Vec::new();
+        let mut windows = Vec::new();
+        for s in samples {
+            match s {
+                MixSample::Row(r) => rows.push(r),
+                MixSample::Window(w) => windows.push(w),
             }
         }
+        Some(match &self.m.tokens {
+            None => assemble::plan(m, &rows),
+            Some(t) => tokens::plan(m, t, &windows),
+        })
     }
 
     /// Releases the units the rank has passed (their last sample is at or before `index`).

@@ -153,7 +153,8 @@ fn completed(s: &Stream, c: Completion, retry: &mut VecDeque<Retry>) {
 
 /// Sends a fetch on a live source; gives it back when none is up.
 pub(super) fn issue(s: &Stream, tx: &Completions, r: Retry, rr: &mut usize) -> Result<(), Retry> {
-    let links = s.candidates();
+    let (source, shard) = s.source_of(r.shard);
+    let links = &source.candidates;
     let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
     let avoid = r
         .avoid
@@ -175,7 +176,7 @@ pub(super) fn issue(s: &Stream, tx: &Completions, r: Retry, rr: &mut usize) -> R
     let f = InFlight::new(req, link.index, tx.clone());
     let id = s.ids.fetch_add(1, Ordering::Relaxed) + 1;
     tracing::debug!(req = id, shard = r.shard, pos = r.pos, source = %link.addr, "FETCH");
-    link.fetch(id, &s.dataset, f).map_err(|failed| {
+    link.fetch(id, &source.dataset, shard, f).map_err(|failed| {
         let (f, e) = *failed;
         if let SendError::Encode { .. } = e {
             // Names are checked when the stream opens, so this is a bug, not a retry.

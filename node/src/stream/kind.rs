@@ -8,17 +8,29 @@
 use std::sync::Arc;
 
 use shardwire_protocol::samples::{BatchPlan, Shuffle};
-use shardwire_protocol::trainer::StreamState;
+use shardwire_protocol::trainer::{StreamRequest, StreamState};
 
 use super::layout::Layout;
+use super::mix::Mixture;
 use super::order::Order;
 use super::tokens::TokenMode;
+
+/// What a batch-mode stream draws its samples from.
+#[derive(Debug)]
+pub enum Sampler {
+    /// One dataset: the rank's plan.
+    One(BatchPlan),
+    /// A mixture of datasets.
+    Mix(Mixture),
+}
 
 /// Batch mode: the rank's plan, the sample layout and the batch slab's shape.
 #[derive(Debug)]
 pub struct BatchMode {
-    /// The rank's plan.
-    pub plan: BatchPlan,
+    /// Where the samples come from.
+    pub sampler: Sampler,
+    /// Seed of the request.
+    pub seed: u64,
     /// Per-sample layout.
     pub layout: Arc<Layout>,
     /// The most bytes a batch slab takes.
@@ -29,6 +41,64 @@ pub struct BatchMode {
     pub num_workers: u32,
     /// Token mode: samples are token windows.
     pub tokens: Option<TokenMode>,
+}
+
+impl BatchMode {
+    /// The mode of `sampler` for request `r`: its layout or token windows set the batch size.
+    pub fn new(
+        sampler: Sampler,
+        r: &StreamRequest,
+        layout: Layout,
+        tokens: Option<TokenMode>,
+    ) -> Self {
+        let b = match &sampler {
+            Sampler::One(p) => p.batch_size,
+            Sampler::Mix(m) => m.batch_size,
+        };
+        let batch_bytes = match &tokens {
+            Some(t) => t.batch_bytes(b),
+            None => layout.max_batch_bytes(b),
+        };
+        Self {
+            sampler,
+            seed: r.seed,
+            layout: Arc::new(layout),
+            batch_bytes,
+            worker: r.worker,
+            num_workers: r.num_workers,
+            tokens,
+        }
+    }
+
+    /// Steps (batches per rank) per epoch.
+    pub fn steps(&self) -> u64 {
+        match &self.sampler {
+            Sampler::One(p) => p.steps(),
+            Sampler::Mix(m) => m.steps,
+        }
+    }
+
+    /// Samples per rank per step.
+    pub fn batch_size(&self) -> u32 {
+        match &self.sampler {
+            Sampler::One(p) => p.batch_size,
+            Sampler::Mix(m) => m.batch_size,
+        }
+    }
+
+    /// (rank, world size).
+    pub fn ranks(&self) -> (u32, u32) {
+        match &self.sampler {
+            Sampler::One(p) => (p.rank, p.world_size),
+            Sampler::Mix(m) => (m.rank, m.world_size),
+        }
+    }
+
+    /// Samples per global step.
+    pub fn global_batch(&self) -> u64 {
+        let (_, w) = self.ranks();
+        u64::from(self.batch_size()) * u64::from(w)
+    }
 }
 
 /// The kind of a stream.
@@ -45,7 +115,7 @@ impl Kind {
     pub fn per_epoch(&self) -> u64 {
         match self {
             Self::Shards(o) => o.per_epoch(),
-            Self::Batches(b) => b.plan.steps(),
+            Self::Batches(b) => b.steps(),
         }
     }
 
@@ -84,7 +154,10 @@ impl Kind {
     pub fn who(&self) -> (u32, u32, u64) {
         match self {
             Self::Shards(o) => (o.spec.rank, o.spec.world_size, o.spec.seed),
-            Self::Batches(b) => (b.plan.rank, b.plan.world_size, b.plan.order.seed),
+            Self::Batches(b) => {
+                let (rank, world) = b.ranks();
+                (rank, world, b.seed)
+            }
         }
     }
 
@@ -100,12 +173,18 @@ impl Kind {
             cursor: None,
             partitions: None,
             shuffle_block: None,
+            mix: None,
         };
         if let Self::Batches(b) = self {
-            let o = &b.plan.order;
-            st.cursor = Some(index * b.plan.global_batch());
-            st.partitions = Some(o.partitions);
-            st.shuffle_block = (o.shuffle == Shuffle::Block).then_some(o.shuffle_block);
+            st.cursor = Some(index * b.global_batch());
+            match &b.sampler {
+                Sampler::One(p) => {
+                    let o = &p.order;
+                    st.partitions = Some(o.partitions);
+                    st.shuffle_block = (o.shuffle == Shuffle::Block).then_some(o.shuffle_block);
+                }
+                Sampler::Mix(m) => st.mix = Some(m.state(pos)),
+            }
         }
         st
     }

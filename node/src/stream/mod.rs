@@ -11,7 +11,9 @@ pub mod batcher;
 pub mod fetcher;
 pub mod kind;
 pub mod layout;
+pub mod mix;
 pub mod open;
+pub mod open_mix;
 pub mod order;
 pub mod reorder;
 pub mod tokens;
@@ -130,8 +132,8 @@ pub struct Parts {
     pub manifest: Arc<Manifest>,
     /// The region's allocator.
     pub pool: Arc<SlabPool>,
-    /// Links whose manifest matches.
-    pub candidates: Vec<Arc<SourceLink>>,
+    /// The datasets the shards come from (one; several for a mixture).
+    pub sources: Vec<DatasetSource>,
     /// Fingerprint of the plan inputs.
     pub fingerprint: String,
     /// The node's counters.
@@ -140,6 +142,17 @@ pub struct Parts {
     pub ids: Arc<AtomicU64>,
     /// The GPU of a CUDA region (assembly launches the gather kernel on it).
     pub gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
+}
+
+/// The shards `[first, first + shards)` of a stream's manifest: shards `0..` of `dataset`,
+/// served by `candidates` (the links whose manifest of it matches).
+pub struct DatasetSource {
+    /// Dataset name on the wire.
+    pub dataset: String,
+    /// Its first shard in the stream's manifest.
+    pub first: u32,
+    /// Links that serve it.
+    pub candidates: Vec<Arc<SourceLink>>,
 }
 
 /// A stream's state, shared by its trainer's front and its fetcher task.
@@ -152,6 +165,8 @@ pub struct Stream {
     pool: Arc<SlabPool>,
     total: u64,
     fingerprint: String,
+    sources: Vec<DatasetSource>,
+    /// Every link of `sources`, once.
     candidates: Vec<Arc<SourceLink>>,
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
@@ -171,6 +186,12 @@ impl Stream {
     pub fn new(p: Parts) -> Arc<Self> {
         let total = p.kind.per_epoch() * u64::from(p.epochs);
         let (first, slots) = (p.kind.slot_at(p.start), p.kind.slot_at(total));
+        let mut candidates: Vec<Arc<SourceLink>> = Vec::new();
+        for l in p.sources.iter().flat_map(|d| &d.candidates) {
+            if !candidates.iter().any(|c| c.index == l.index) {
+                candidates.push(Arc::clone(l));
+            }
+        }
         let s = Arc::new(Self {
             id: p.id,
             dataset: p.dataset,
@@ -180,7 +201,8 @@ impl Stream {
             pool: p.pool,
             total,
             fingerprint: p.fingerprint,
-            candidates: p.candidates,
+            sources: p.sources,
+            candidates,
             counters: p.counters,
             ids: p.ids,
             gpu: p.gpu,
@@ -247,9 +269,16 @@ impl Stream {
         self.lock().reorder.held()
     }
 
-    /// Links that serve its dataset.
+    /// Links that serve its datasets.
     pub(crate) fn candidates(&self) -> &[Arc<SourceLink>] {
         &self.candidates
+    }
+
+    /// The dataset of manifest shard `shard`, and the shard's index in it.
+    pub(crate) fn source_of(&self, shard: u32) -> (&DatasetSource, u32) {
+        let i = self.sources.partition_point(|d| d.first <= shard).max(1) - 1;
+        let d = &self.sources[i];
+        (d, shard - d.first)
     }
 
     /// The state that resumes at the next undelivered batch.

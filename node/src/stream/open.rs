@@ -6,15 +6,15 @@
 use std::sync::Arc;
 
 use shardwire_gpu::{HostRegion, Region, SlabPool};
-use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
 use shardwire_protocol::samples::{BatchPlan, SampleOrder, Shuffle};
 use shardwire_protocol::trainer::{
     DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION, WindowOrder,
 };
+use shardwire_protocol::{DType, Manifest};
 
 use super::batcher::READY_AHEAD;
-use super::kind::{BatchMode, Kind};
+use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::order::Order;
 use super::tokens::TokenMode;
@@ -73,6 +73,28 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             ErrorCode::BadRequest,
             "seq_len needs batch_size: token windows are delivered in batches",
         ));
+    }
+    if let Some(mix) = &r.mix {
+        if !r.dataset.is_empty() {
+            return Err(OpenError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "dataset {:?} and mix both given; a mixture names its datasets in mix only",
+                    r.dataset
+                ),
+            ));
+        }
+        if r.batch_size.is_none() {
+            return Err(OpenError::new(
+                ErrorCode::BadRequest,
+                "mix needs batch_size: mixtures are delivered in batches",
+            ));
+        }
+        for e in mix {
+            shardwire_protocol::wire::check_dataset_name(&e.dataset)
+                .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))?;
+        }
+        return Ok(());
     }
     // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
     // must fail this request, never the source links shared by every stream.
@@ -168,9 +190,10 @@ pub fn shard_mode(
     Ok((Kind::Shards(Order::new(spec)), start, fingerprint))
 }
 
-/// Batch mode (token mode with `seq_len`): the sample layout, the rank's plan (partitions and shuffle block from the
-/// request, else from the resume state, else the defaults), the resume position and the
-/// window check; returns the stream's kind, its start position and fingerprint.
+/// Batch mode (token mode with `seq_len`): the sample layout, the rank's plan (partitions
+/// and shuffle block from the request, else from the resume state, else the defaults), the
+/// resume position and the window check; returns the stream's kind, its start position and
+/// fingerprint.
 pub fn batch_mode(
     m: &Manifest,
     r: &StreamRequest,
@@ -181,49 +204,12 @@ pub fn batch_mode(
     let layout = Layout::of(m)?;
     let st = r.state.as_ref();
     let bad = |e: String| OpenError::new(ErrorCode::BadPlan, e);
-    let shards = layout.shard_rows.len() as u64;
-    let avg = layout.shard_rows.iter().sum::<u64>().div_ceil(shards);
-    let shuffle = r.shuffle.unwrap_or_default();
-    let partitions = r
-        .partitions
-        .or(st.and_then(|s| s.partitions))
-        .unwrap_or(match r.order {
-            Some(WindowOrder::Megatron) => 1, // one global sequence
-            _ => r.world_size,
-        });
-    let shuffle_block = r
-        .shuffle_block
-        .or(st.and_then(|s| s.shuffle_block))
-        .unwrap_or(DEFAULT_BLOCK_SHARDS * avg);
-    if r.num_workers == 0 || r.worker >= r.num_workers {
-        return Err(bad(format!(
-            "worker {} is not below num_workers {}",
-            r.worker, r.num_workers
-        )));
-    }
-    let digest = m.digest_bytes();
-    let (order, tokens) = match r.seq_len {
-        None => {
-            let rows = layout.shard_rows.clone();
-            let o = SampleOrder::new(digest, rows, r.seed, shuffle, shuffle_block, partitions);
-            (o, None)
-        }
-        Some(seq_len) => {
-            let (spec, mode) = TokenMode::of(m, r, seq_len)?;
-            if cuda && mode.out != mode.src {
-                return Err(OpenError::new(
-                    ErrorCode::BadRequest,
-                    format!(
-                        "token mode: token_dtype {} widening is done on the host; this node's stream memory is on the GPU, where it is not built yet: leave token_dtype unset and widen in the trainer (tokens.long())",
-                        mode.out.name()
-                    ),
-                ));
-            }
-            let o = SampleOrder::windows(digest, spec, r.seed, shuffle, shuffle_block, partitions);
-            (o, Some(mode))
-        }
+    check_workers(r)?;
+    let partitions = match r.order {
+        Some(WindowOrder::Megatron) => 1, // one global sequence
+        _ => r.world_size,
     };
-    let order = order.map_err(|e| bad(e.to_string()))?;
+    let (order, tokens) = sample_order(m, r, &layout.shard_rows, partitions, cuda)?;
     let plan = BatchPlan::new(
         Arc::new(order),
         batch_size,
@@ -232,22 +218,80 @@ pub fn batch_mode(
         r.drop_last,
     )
     .map_err(|e| bad(e.to_string()))?;
-    let fingerprint = plan.fingerprint(&digest);
+    let fingerprint = plan.fingerprint(&m.digest_bytes());
     let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
-    let batch_bytes = match &tokens {
-        Some(t) => t.batch_bytes(batch_size),
-        None => layout.max_batch_bytes(batch_size),
+    let mode = BatchMode::new(Sampler::One(plan), r, layout, tokens);
+    let Sampler::One(plan) = &mode.sampler else {
+        unreachable!("just made")
     };
-    check_window(m, &plan, batch_bytes, region_bytes)?;
-    let mode = BatchMode {
-        plan,
-        layout: Arc::new(layout),
-        batch_bytes,
-        worker: r.worker,
-        num_workers: r.num_workers,
-        tokens,
-    };
+    check_window(m, plan, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
+}
+
+/// Checks `worker` against `num_workers`.
+pub(super) fn check_workers(r: &StreamRequest) -> Result<(), OpenError> {
+    if r.num_workers == 0 || r.worker >= r.num_workers {
+        return Err(OpenError::new(
+            ErrorCode::BadPlan,
+            format!(
+                "worker {} is not below num_workers {}",
+                r.worker, r.num_workers
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The order of dataset `m` (whose shards hold `shard_rows` rows) for request `r`: rows, or
+/// token windows with `seq_len`; partitions and shuffle block from the request, else the
+/// resume state's, else `partitions` and the default block.
+pub(super) fn sample_order(
+    m: &Manifest,
+    r: &StreamRequest,
+    shard_rows: &[u64],
+    partitions: u32,
+    cuda: bool,
+) -> Result<(SampleOrder, Option<TokenMode>), OpenError> {
+    let st = r.state.as_ref();
+    let bad = |e: String| OpenError::new(ErrorCode::BadPlan, e);
+    let avg = shard_rows
+        .iter()
+        .sum::<u64>()
+        .div_ceil(shard_rows.len().max(1) as u64);
+    let shuffle = r.shuffle.unwrap_or_default();
+    let partitions = r
+        .partitions
+        .or(st.and_then(|s| s.partitions))
+        .unwrap_or(partitions);
+    let shuffle_block = r
+        .shuffle_block
+        .or(st.and_then(|s| s.shuffle_block))
+        .unwrap_or(DEFAULT_BLOCK_SHARDS * avg.max(1));
+    let digest = m.digest_bytes();
+    let (order, tokens) = match r.seq_len {
+        None => {
+            let rows = shard_rows.to_vec();
+            let o = SampleOrder::new(digest, rows, r.seed, shuffle, shuffle_block, partitions);
+            (o, None)
+        }
+        Some(seq_len) => {
+            let (spec, mode) = TokenMode::of(m, r, seq_len)?;
+            let unsigned = matches!(mode.src, DType::Uint8 | DType::Uint16 | DType::Uint32);
+            if cuda && mode.out != mode.src && !unsigned {
+                return Err(OpenError::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "token mode: token_dtype {} from signed {} tokens needs sign extension, which the GPU assembly (copies in one gather launch) does not do; leave token_dtype unset and widen in the trainer (tokens.long())",
+                        mode.out.name(),
+                        mode.src.name()
+                    ),
+                ));
+            }
+            let o = SampleOrder::windows(digest, spec, r.seed, shuffle, shuffle_block, partitions);
+            (o, Some(mode))
+        }
+    };
+    Ok((order.map_err(|e| bad(e.to_string()))?, tokens))
 }
 
 /// The batch-mode position to start from: 0, or the global step `state` names.
@@ -295,25 +339,9 @@ fn check_window(
     let o = &plan.order;
     let (c, w) = (o.partitions, plan.world_size);
     let concurrent = u64::from(if c % w == 0 { c / w } else { 1 });
-    let max_class = m
-        .shards
-        .iter()
-        .map(|s| SlabPool::class_size(s.length as usize) as u64)
-        .max()
-        .unwrap_or(0);
-    let min_rows = o
-        .shard_samples()
-        .iter()
-        .copied()
-        .filter(|&r| r > 0)
-        .min()
-        .unwrap_or(1);
-    let per_block = match o.shuffle {
-        Shuffle::Block => (o.shuffle_block.div_ceil(min_rows) + 1).min(m.shards.len() as u64),
-        _ => 1,
-    };
-    // A window block also reads into the next shard.
-    let per_block = per_block + u64::from(o.window_spec().is_some());
+    let max_class = max_class(m);
+    let min_rows = min_rows(o);
+    let per_block = block_shards(o).min(m.shards.len() as u64);
     let blocks = concurrent * per_block * max_class;
     let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
     if blocks + batches <= region_bytes {
@@ -337,6 +365,34 @@ fn check_window(
             SlabPool::class_size(batch_bytes as usize)
         ),
     ))
+}
+
+/// The largest slab class of `m`'s shards.
+pub(super) fn max_class(m: &Manifest) -> u64 {
+    m.shards
+        .iter()
+        .map(|s| SlabPool::class_size(s.length as usize) as u64)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The fewest samples (rows, documents) of a non-empty shard of `o`.
+fn min_rows(o: &SampleOrder) -> u64 {
+    o.shard_samples()
+        .iter()
+        .copied()
+        .filter(|&r| r > 0)
+        .min()
+        .unwrap_or(1)
+}
+
+/// The most shards a block of `o` reads at once (a window block also reads into the next).
+pub(super) fn block_shards(o: &SampleOrder) -> u64 {
+    let per_block = match o.shuffle {
+        Shuffle::Block => o.shuffle_block.div_ceil(min_rows(o)) + 1,
+        _ => 1,
+    };
+    per_block + u64::from(o.window_spec().is_some())
 }
 
 /// The region of stream `id`: a memfd, or a VMM allocation on the GPU.
@@ -387,6 +443,7 @@ mod tests {
             cursor: None,
             partitions: None,
             shuffle_block: None,
+            mix: None,
         }
     }
 

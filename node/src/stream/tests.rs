@@ -47,7 +47,7 @@ fn stream(shards: u32, start: u64) -> Arc<Stream> {
         start,
         manifest: m,
         pool: pool(1 << 20),
-        candidates: Vec::new(),
+        sources: Vec::new(),
         fingerprint,
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),

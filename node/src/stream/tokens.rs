@@ -23,8 +23,9 @@ pub const POSITIONS: &str = "positions";
 /// How a token-mode stream reads and delivers its windows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenMode {
-    /// Index of the documents' tensor in every shard.
-    pub tensor: usize,
+    /// Index of the documents' tensor in the shards from each first shard on (one entry per
+    /// dataset of a mixture, by first shard in the stream's manifest).
+    pub tensors: Vec<(u32, usize)>,
     /// Its dtype.
     pub src: DType,
     /// The delivered dtype.
@@ -135,13 +136,19 @@ impl TokenMode {
             megatron: r.order == Some(WindowOrder::Megatron),
         };
         let mode = Self {
-            tensor,
+            tensors: vec![(0, tensor)],
             src,
             out,
             seq_len,
             boundaries: r.boundaries,
         };
         Ok((spec, mode))
+    }
+
+    /// The documents' tensor index in shard `shard`.
+    pub fn tensor(&self, shard: u32) -> usize {
+        let i = self.tensors.partition_point(|&(first, _)| first <= shard);
+        self.tensors[i.max(1) - 1].1
     }
 
     /// Tokens per window.
@@ -181,7 +188,7 @@ pub fn plan(m: &Manifest, mode: &TokenMode, windows: &[Vec<TokenPiece>]) -> Plan
         let mut at = j as u64 * w; // in tokens
         for piece in win {
             let s = &m.shards[piece.doc.shard as usize];
-            let (row, _) = row_range(s, &s.tensors[mode.tensor], piece.doc.row);
+            let (row, _) = row_range(s, &s.tensors[mode.tensor(piece.doc.shard)], piece.doc.row);
             let from = row + piece.start * src;
             p.push(piece.doc.shard, from, at * out, piece.len * src);
             if mode.boundaries {

@@ -102,7 +102,7 @@ class Client:
 
     def open_stream(
         self,
-        dataset: str,
+        dataset: str | Mapping[str, float],
         *,
         seed: int = 0,
         rank: int = 0,
@@ -126,7 +126,12 @@ class Client:
         """Opens a stream of `dataset` for this rank.
 
         Args:
-            dataset: Dataset name, as the source serves it (``--dataset NAME=DIR``).
+            dataset: Dataset name, as the source serves it (``--dataset NAME=DIR``); or, for a
+                **mixture** (batch mode), a mapping of dataset names to weights, e.g.
+                ``{"web": 0.7, "code": 0.3}``: every global batch holds each dataset's exact
+                share (rounded, the remainder carried to the next batch), each dataset read
+                in its own order from its own cursor; the state resumes with the same or
+                changed weights (see docs/TRAINER_API.md, "Mixtures").
             seed: Shuffle seed; every rank of a job must use the same one.
             rank: This trainer's rank, ``0 <= rank < world_size``.
             world_size: Number of ranks sharing the dataset.

@@ -91,7 +91,7 @@ class HttpClient:
 
     def open_stream(
         self,
-        dataset: str,
+        dataset: str | Mapping[str, float],
         *,
         seed: int = 0,
         rank: int = 0,

@@ -100,7 +100,7 @@ def _int_at_least(name: str, v: Any, lo: int) -> int:
 
 
 def _attach_fields(
-    dataset: str,
+    dataset: str | Mapping[str, float],
     seed: int,
     rank: int,
     world_size: int,
@@ -124,7 +124,7 @@ def _attach_fields(
         _int_at_least(name, v, lo)
     fields: dict[str, Any] = {
         "version": _wire.VERSION,
-        "dataset": str(dataset),
+        "dataset": "" if isinstance(dataset, Mapping) else str(dataset),
         "seed": seed,
         "rank": rank,
         "world_size": world_size,
@@ -144,6 +144,10 @@ def _attach_fields(
     if batch.pop("drop_last", False):
         fields["drop_last"] = True
     _token_fields(fields, batch)
+    if isinstance(dataset, Mapping):
+        fields["mix"] = _mix_entries(dataset)
+        if "batch_size" not in fields:
+            raise ValueError("a mixture (a mapping of datasets to weights) needs batch_size (batch mode)")
     if batch:
         raise TypeError(f"unexpected keyword arguments: {sorted(batch)}")
     if "batch_size" not in fields:
@@ -151,6 +155,18 @@ def _attach_fields(
         if given:
             raise ValueError(f"{', '.join(given)} need batch_size (batch mode)")
     return fields
+
+
+def _mix_entries(mix: Mapping[str, float]) -> list[dict[str, Any]]:
+    """The ``mix`` field of a mapping of dataset names to weights (positive numbers)."""
+    if not mix:
+        raise ValueError("a mixture needs at least one dataset")
+    out = []
+    for name, w in mix.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w != w or w == float("inf"):
+            raise ValueError(f"mix weight of {name!r} must be a positive number, not {w!r}")
+        out.append({"dataset": str(name), "weight": float(w)})
+    return out
 
 
 def _token_fields(fields: dict[str, Any], batch: dict[str, Any]) -> None:

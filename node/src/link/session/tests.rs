@@ -203,10 +203,10 @@ async fn cancels_go_out_for_one_stream_and_a_confirmation_ends_the_fetch() {
     until_up(&l).await;
     let p = pool(1 << 20);
     let (f, mut done) = in_flight(&p, 0, 4096, 5);
-    l.fetch(11, "tiny", f).unwrap();
+    l.fetch(11, "tiny", f.shard, f).unwrap();
     let (mut other, _keep) = in_flight(&p, 1, 4096, 6);
     other.stream = 2;
-    l.fetch(12, "tiny", other).unwrap();
+    l.fetch(12, "tiny", other.shard, other).unwrap();
     assert!(matches!(
         src.recv_work().await,
         Message::Fetch { req: 11, .. }
@@ -246,7 +246,7 @@ async fn announcements_reach_the_data_plane_and_shards_their_queue() {
     .await;
     let p = pool(1 << 20);
     let (f, _done) = in_flight(&p, 0, 4096, 5);
-    l.fetch(7, "tiny", f).unwrap();
+    l.fetch(7, "tiny", f.shard, f).unwrap();
     assert!(matches!(
         src.recv_work().await,
         Message::Fetch { req: 7, .. }
@@ -323,7 +323,7 @@ async fn going_down_fails_what_waits_with_the_reason() {
     until_up(&l).await;
     let p = pool(1 << 20);
     let (f, mut done) = in_flight(&p, 0, 4096, 5);
-    l.fetch(3, "tiny", f).unwrap();
+    l.fetch(3, "tiny", f.shard, f).unwrap();
     let l2 = Arc::clone(&l);
     let waiting = tokio::spawn(async move { l2.request_manifest(4, "tiny").await });
     while l.manifest_waiters.lock().unwrap().is_empty() {

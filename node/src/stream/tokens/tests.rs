@@ -84,7 +84,7 @@ fn the_only_ragged_integer_tensor_is_chosen_and_others_are_named() {
         "{e}"
     );
     r.tokens_column = Some("b".into());
-    assert_eq!(TokenMode::of(&two, &r, 2).unwrap().1.tensor, 1);
+    assert_eq!(TokenMode::of(&two, &r, 2).unwrap().1.tensor(0), 1);
 
     let floats = manifest(vec![shard(&[("x", DType::Float32, &[3])])]);
     let e = TokenMode::of(&floats, &request(2), 2).unwrap_err();

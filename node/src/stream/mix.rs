@@ -1,0 +1,362 @@
+//! Mixtures (DESIGN §10, mixing): a batch-mode stream over several datasets with weights.
+//!
+//! Each dataset keeps its own order (rows or token windows, `shuffle` as for one dataset,
+//! one partition unless asked) and a *cursor*: how many of its samples the job has taken,
+//! across its own epochs. Global step `s` holds `n_d` samples of dataset `d`, from
+//! `samples::mix::counts` (exact shares, the rounding carried to the next step); its slots
+//! interleave the datasets (`samples::mix::interleave`), slot `j` taking dataset `d`'s sample
+//! at its cursor; rank `r` takes slots `[r * B, (r + 1) * B)`. So the step's set of samples
+//! depends on the global batch only, never on the world size.
+//!
+//! A mixture epoch is `floor(sum of the datasets' samples / GB)` steps. A dataset whose
+//! cursor passes the end of its epoch goes on with its next epoch (freshly shuffled): a
+//! weight above a dataset's share of the samples repeats it, a weight below leaves part of
+//! it for the next mixture epoch; nothing is skipped and nothing repeats early.
+//!
+//! The schedule is a function of the weights and of where it started: the state holds the
+//! step, the cursors and the carry, so a resume with the same weights continues exactly,
+//! and one with **changed weights** continues every dataset from its cursor under the new
+//! weights (carry reset), with no sample repeated or skipped.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use shardwire_protocol::samples::mix::{counts, interleave};
+use shardwire_protocol::samples::{EpochOrder, SampleOrder, SampleRef, TokenPiece, Unit};
+use shardwire_protocol::trainer::MixState;
+
+/// Steps between checkpoints of the schedule.
+const CHECKPOINT: u64 = 1024;
+
+/// One dataset of a mixture.
+#[derive(Debug)]
+pub struct MixPart {
+    /// Dataset name.
+    pub name: String,
+    /// Its order.
+    pub order: Arc<SampleOrder>,
+    /// Its first shard in the stream's (combined) manifest.
+    pub first_shard: u32,
+}
+
+/// Where the schedule stands before a global step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Point {
+    /// Global step (all epochs).
+    pub step: u64,
+    /// Samples each dataset has given.
+    pub cursors: Vec<u64>,
+    /// Rounding carry (2^-40 samples).
+    pub carry: Vec<i128>,
+}
+
+impl Point {
+    /// The point after this step; returns the step's counts.
+    fn advance(&mut self, q: &[i128], gb: u64) -> Vec<u64> {
+        let n = counts(q, gb, &mut self.carry);
+        for (c, k) in self.cursors.iter_mut().zip(&n) {
+            *c += k;
+        }
+        self.step += 1;
+        n
+    }
+}
+
+/// A sample of a mixture: a row, or a window, with shards in the combined manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MixSample {
+    /// A row.
+    Row(SampleRef),
+    /// A token window.
+    Window(Vec<TokenPiece>),
+}
+
+/// A rank's view of a mixture.
+#[derive(Debug)]
+pub struct Mixture {
+    /// The datasets.
+    pub parts: Vec<MixPart>,
+    /// Fixed-point weights.
+    pub q: Vec<i128>,
+    /// Samples per rank per step.
+    pub batch_size: u32,
+    /// Ranks.
+    pub world_size: u32,
+    /// This rank.
+    pub rank: u32,
+    /// Steps per mixture epoch.
+    pub steps: u64,
+    /// Where the schedule starts (step 0, or the resume state's point).
+    pub base: Point,
+    checkpoints: Mutex<Vec<Point>>,
+    orders: Mutex<VecDeque<(usize, u32, Arc<EpochOrder>)>>,
+}
+
+impl Mixture {
+    /// A mixture of `parts` with weights `q` for rank `rank` of `world_size`, starting at
+    /// `base`.
+    pub fn new(
+        parts: Vec<MixPart>,
+        q: Vec<i128>,
+        (batch_size, world_size, rank): (u32, u32, u32),
+        base: Point,
+    ) -> Self {
+        let gb = u64::from(batch_size) * u64::from(world_size);
+        let total: u64 = parts.iter().map(|p| p.order.total()).sum();
+        Self {
+            parts,
+            q,
+            batch_size,
+            world_size,
+            rank,
+            steps: total / gb,
+            checkpoints: Mutex::new(vec![base.clone()]),
+            base,
+            orders: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// Samples per global step.
+    pub fn global_batch(&self) -> u64 {
+        u64::from(self.batch_size) * u64::from(self.world_size)
+    }
+
+    /// The schedule before global step `step` (at or after the base).
+    pub fn point(&self, step: u64) -> Point {
+        let mut cps = self.checkpoints.lock().unwrap_or_else(|e| e.into_inner());
+        let i = cps.partition_point(|c| c.step <= step).max(1) - 1;
+        let mut p = cps[i].clone();
+        while p.step < step {
+            p.advance(&self.q, self.global_batch());
+            if p.step.is_multiple_of(CHECKPOINT) && cps.last().is_some_and(|l| l.step < p.step) {
+                cps.push(p.clone());
+            }
+        }
+        p
+    }
+
+    /// This rank's slots at the step after `p`: (dataset, its cursor).
+    fn slots_after(&self, p: &Point) -> Vec<(usize, u64)> {
+        let n = counts(&self.q, self.global_batch(), &mut p.carry.clone());
+        let b = self.batch_size as usize;
+        let mut next = p.cursors.clone();
+        let mut out = Vec::with_capacity(b);
+        for (j, d) in interleave(&n).into_iter().enumerate() {
+            let d = d as usize;
+            if j / b == self.rank as usize {
+                out.push((d, next[d]));
+            }
+            next[d] += 1;
+        }
+        out
+    }
+
+    /// Dataset `d`'s order for its epoch `e` (the few in use are kept).
+    fn order(&self, d: usize, e: u32) -> Arc<EpochOrder> {
+        let mut o = self.orders.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, _, ep)) = o.iter().find(|(pd, pe, _)| *pd == d && *pe == e) {
+            return Arc::clone(ep);
+        }
+        let ep = Arc::new(self.parts[d].order.epoch(e));
+        if o.len() >= 2 * self.parts.len() + 2 {
+            o.pop_front();
+        }
+        o.push_back((d, e, Arc::clone(&ep)));
+        ep
+    }
+
+    /// Dataset `d`'s sample at cursor `k`.
+    fn sample(&self, d: usize, k: u64) -> MixSample {
+        let part = &self.parts[d];
+        let n = part.order.total();
+        let ep = self.order(d, (k / n) as u32);
+        let first = part.first_shard;
+        match part.order.window_spec() {
+            None => {
+                let mut s = ep.sample(k % n);
+                s.shard += first;
+                MixSample::Row(s)
+            }
+            Some(_) => {
+                let mut w = ep.window(k % n);
+                for p in &mut w {
+                    p.doc.shard += first;
+                }
+                MixSample::Window(w)
+            }
+        }
+    }
+
+    /// This rank's samples of global step `step`, with the dataset of each.
+    pub fn samples(&self, step: u64) -> Vec<(usize, MixSample)> {
+        self.samples_after(&self.point(step))
+    }
+
+    fn samples_after(&self, p: &Point) -> Vec<(usize, MixSample)> {
+        self.slots_after(p)
+            .into_iter()
+            .map(|(d, k)| (d, self.sample(d, k)))
+            .collect()
+    }
+
+    /// The units of mixture epoch `epoch`: one per step from the base on, holding the shards
+    /// of this rank's samples (rank-local sample indexes within the epoch).
+    pub fn units(&self, epoch: u32) -> Vec<Unit> {
+        let b = u64::from(self.batch_size);
+        let first = (u64::from(epoch) * self.steps).max(self.base.step);
+        let end = u64::from(epoch + 1) * self.steps;
+        let mut p = self.point(first);
+        let mut out = Vec::with_capacity(end.saturating_sub(first) as usize);
+        while p.step < end {
+            let i = p.step - u64::from(epoch) * self.steps;
+            let mut shards: Vec<u32> = self
+                .samples_after(&p)
+                .iter()
+                .flat_map(|(_, s)| shards_of(s))
+                .collect();
+            shards.sort_unstable();
+            shards.dedup();
+            out.push(Unit {
+                first: i * b,
+                last: i * b + b - 1,
+                shards,
+            });
+            p.advance(&self.q, self.global_batch());
+        }
+        out
+    }
+
+    /// The state of the schedule before global step `step`.
+    pub fn state(&self, step: u64) -> MixState {
+        let p = self.point(step.max(self.base.step));
+        MixState {
+            step: p.step,
+            datasets: self.parts.iter().map(|x| x.name.clone()).collect(),
+            weights: self.q.iter().map(|&w| w as i64).collect(),
+            cursors: p.cursors,
+            carry: p.carry.iter().map(|&c| c as i64).collect(),
+        }
+    }
+}
+
+/// The shards a sample reads.
+pub fn shards_of(s: &MixSample) -> Vec<u32> {
+    match s {
+        MixSample::Row(r) => vec![r.shard],
+        MixSample::Window(w) => w.iter().map(|p| p.doc.shard).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::samples::Shuffle;
+    use shardwire_protocol::samples::mix::fixed_weights;
+
+    use super::*;
+
+    fn parts() -> Vec<MixPart> {
+        let a = SampleOrder::new([1; 32], vec![10, 10], 3, Shuffle::Block, 5, 1).unwrap();
+        let b = SampleOrder::new([2; 32], vec![7], 3, Shuffle::Block, 5, 1).unwrap();
+        vec![
+            MixPart {
+                name: "web".into(),
+                order: Arc::new(a),
+                first_shard: 0,
+            },
+            MixPart {
+                name: "code".into(),
+                order: Arc::new(b),
+                first_shard: 2,
+            },
+        ]
+    }
+
+    fn start() -> Point {
+        Point {
+            step: 0,
+            cursors: vec![0, 0],
+            carry: vec![0, 0],
+        }
+    }
+
+    fn mix(w: &[f64], b: u32, world: u32, rank: u32, base: Point) -> Mixture {
+        let q = fixed_weights(&["web", "code"], w).unwrap();
+        Mixture::new(parts(), q, (b, world, rank), base)
+    }
+
+    #[test]
+    fn every_step_holds_the_exact_shares_and_ranks_split_it() {
+        let one = mix(&[0.75, 0.25], 8, 1, 0, start());
+        assert_eq!(one.steps, 27 / 8);
+        for step in 0..10 {
+            let all = one.samples(step);
+            assert_eq!(
+                all.iter().filter(|(d, _)| *d == 1).count(),
+                2,
+                "step {step}"
+            );
+            let mut split: Vec<_> = (0..4)
+                .flat_map(|r| mix(&[0.75, 0.25], 2, 4, r, start()).samples(step))
+                .collect();
+            let mut whole = all.clone();
+            split.sort_by_key(|x| format!("{x:?}"));
+            whole.sort_by_key(|x| format!("{x:?}"));
+            assert_eq!(split, whole, "step {step}: the same set on 1 and 4 ranks");
+        }
+        // "code" (7 samples) is taken at 2 a step: its fourth step reads its second epoch.
+        let code: Vec<SampleRef> = (0..4)
+            .flat_map(|s| one.samples(s))
+            .filter_map(|(d, s)| match (d, s) {
+                (1, MixSample::Row(r)) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let first_epoch: std::collections::HashSet<_> = code[..7].iter().collect();
+        assert_eq!(
+            first_epoch.len(),
+            7,
+            "each sample once per epoch of the dataset"
+        );
+        assert!(code.iter().all(|r| r.shard == 2));
+    }
+
+    #[test]
+    fn a_resume_with_new_weights_continues_each_cursor() {
+        let old = mix(&[0.5, 0.5], 4, 1, 0, start());
+        let st = old.state(5);
+        assert_eq!(st.cursors, vec![10, 10]);
+        let base = Point {
+            step: st.step,
+            cursors: st.cursors.clone(),
+            carry: vec![0, 0],
+        };
+        let new = mix(&[0.75, 0.25], 4, 1, 0, base);
+        let seen_old: Vec<_> = (0..5).flat_map(|s| old.samples(s)).collect();
+        let next = new.samples(5);
+        assert_eq!(next.iter().filter(|(d, _)| *d == 0).count(), 3);
+        // web's next samples are its cursors 10, 11, 12 of its first epoch: none taken
+        // before (code, 7 samples, is in its second epoch by now and may repeat).
+        for (d, s) in next.iter().filter(|(d, _)| *d == 0) {
+            assert!(!seen_old.contains(&(*d, s.clone())), "{s:?} repeated");
+        }
+        assert_eq!(new.state(6).cursors, vec![13, 11]);
+    }
+
+    #[test]
+    fn units_cover_every_shard_a_step_reads() {
+        let m = mix(&[0.6, 0.4], 3, 2, 1, start());
+        let units = m.units(1);
+        assert_eq!(units.len() as u64, m.steps);
+        for (i, u) in units.iter().enumerate() {
+            let step = m.steps + i as u64;
+            for (_, s) in m.samples(step) {
+                for sh in shards_of(&s) {
+                    assert!(
+                        u.shards.contains(&sh),
+                        "step {step} reads {sh} outside {u:?}"
+                    );
+                }
+            }
+        }
+    }
+}

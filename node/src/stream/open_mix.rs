@@ -1,0 +1,259 @@
+//! The checks of opening a mixture stream (`mix: [{dataset, weight}]`, see [`super::mix`]):
+//! the weights, every dataset's order, that the datasets' samples agree (the same tensors,
+//! or token windows of one dtype), the resume state (same datasets and global batch; the
+//! weights may change), and the region.
+
+use std::sync::Arc;
+
+use shardwire_gpu::SlabPool;
+use shardwire_protocol::Manifest;
+use shardwire_protocol::plan::compare_fingerprints;
+use shardwire_protocol::samples::SampleOrder;
+use shardwire_protocol::samples::mix::fixed_weights;
+use shardwire_protocol::trainer::{ErrorCode, MixEntry, StreamRequest};
+
+use super::batcher::READY_AHEAD;
+use super::kind::{BatchMode, Kind, Sampler};
+use super::layout::Layout;
+use super::mix::{MixPart, Mixture, Point};
+use super::open::{OpenError, block_shards, check_workers, max_class, sample_order};
+use super::tokens::TokenMode;
+
+fn bad(code: ErrorCode, msg: String) -> OpenError {
+    OpenError::new(code, format!("mix: {msg}"))
+}
+
+/// A mixture of `parts` (each dataset's name and manifest, in the request's order) whose
+/// stream manifest is `combined` (`Manifest::mixture`); returns the stream's kind, its start
+/// position and fingerprint.
+pub fn mix_mode(
+    parts: &[(String, Arc<Manifest>)],
+    combined: &Manifest,
+    r: &StreamRequest,
+    batch_size: u32,
+    region_bytes: u64,
+    cuda: bool,
+) -> Result<(Kind, u64, String), OpenError> {
+    let entries: &[MixEntry] = r.mix.as_deref().unwrap_or_default();
+    let names: Vec<&str> = entries.iter().map(|e| e.dataset.as_str()).collect();
+    let weights: Vec<f64> = entries.iter().map(|e| e.weight).collect();
+    let q =
+        fixed_weights(&names, &weights).map_err(|e| bad(ErrorCode::BadRequest, e.to_string()))?;
+    check_workers(r)?;
+    // Rows: every dataset's samples hold the same tensors (checked over all their shards);
+    // token windows: only the documents' tensor is read.
+    let layout = match r.seq_len {
+        None => Layout::of(combined).map_err(|e| bad(e.code, e.message))?,
+        Some(_) => {
+            let mut all: Option<Layout> = None;
+            for (name, m) in parts {
+                let l = Layout::of(m)
+                    .map_err(|e| bad(e.code, format!("dataset {name:?}: {}", e.message)))?;
+                match &mut all {
+                    None => all = Some(l),
+                    Some(a) => a.shard_rows.extend(l.shard_rows),
+                }
+            }
+            all.ok_or_else(|| bad(ErrorCode::BadRequest, "no datasets".into()))?
+        }
+    };
+    let mut orders = Vec::with_capacity(parts.len());
+    let mut tokens: Option<TokenMode> = None;
+    let mut first = 0u32;
+    for (name, m) in parts {
+        let rows = &layout.shard_rows[first as usize..first as usize + m.shards.len()];
+        let (order, t) = sample_order(m, r, rows, 1, cuda)
+            .map_err(|e| bad(e.code, format!("dataset {name:?}: {}", e.message)))?;
+        if let Some(t) = t {
+            tokens = Some(merge_tokens(tokens, t, name, first)?);
+        }
+        orders.push(MixPart {
+            name: name.clone(),
+            order: Arc::new(order),
+            first_shard: first,
+        });
+        first += m.shards.len() as u32;
+    }
+    let base = resume_point(r, &q, parts.len())?;
+    let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
+    if mix.steps == 0 {
+        let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
+        return Err(bad(
+            ErrorCode::BadPlan,
+            format!(
+                "the datasets' {total} samples make no global batch of {} (batch_size x world_size)",
+                mix.global_batch()
+            ),
+        ));
+    }
+    let fingerprint = fingerprint(&mix, parts);
+    let start = resume_position(r, &mix, &fingerprint)?;
+    let mode = BatchMode::new(Sampler::Mix(mix), r, layout, tokens);
+    let Sampler::Mix(mix) = &mode.sampler else {
+        unreachable!("just made")
+    };
+    check_window(combined, mix, mode.batch_bytes, region_bytes)?;
+    Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
+}
+
+/// The token mode of the datasets so far and of `name` (from shard `first` on): one dtype.
+fn merge_tokens(
+    so_far: Option<TokenMode>,
+    t: TokenMode,
+    name: &str,
+    first: u32,
+) -> Result<TokenMode, OpenError> {
+    let Some(mut m) = so_far else {
+        return Ok(TokenMode {
+            tensors: vec![(first, t.tensors[0].1)],
+            ..t
+        });
+    };
+    if m.src != t.src {
+        return Err(bad(
+            ErrorCode::BadRequest,
+            format!(
+                "dataset {name:?} holds {} tokens, the datasets before it {}; a mixture's datasets need one token dtype (index them with the same dtype)",
+                t.src.name(),
+                m.src.name()
+            ),
+        ));
+    }
+    m.tensors.push((first, t.tensors[0].1));
+    Ok(m)
+}
+
+/// Where the schedule starts: step 0, or the resume state's point (its carry kept only if
+/// the weights are unchanged).
+fn resume_point(r: &StreamRequest, q: &[i128], n: usize) -> Result<Point, OpenError> {
+    let Some(st) = r.state.as_ref() else {
+        return Ok(Point {
+            step: 0,
+            cursors: vec![0; n],
+            carry: vec![0; n],
+        });
+    };
+    let Some(ms) = &st.mix else {
+        return Err(bad(
+            ErrorCode::StateMismatch,
+            "the state was saved by a stream of one dataset; it cannot resume a mixture".into(),
+        ));
+    };
+    let names: Vec<&str> = r.mix.iter().flatten().map(|e| e.dataset.as_str()).collect();
+    if ms.datasets != names || ms.cursors.len() != n || ms.carry.len() != n {
+        return Err(bad(
+            ErrorCode::StateMismatch,
+            format!(
+                "the state's datasets are {:?}, the request's {names:?}; a mixture resumes with the same datasets in the same order (weights may change)",
+                ms.datasets
+            ),
+        ));
+    }
+    let same = ms
+        .weights
+        .iter()
+        .map(|&w| i128::from(w))
+        .eq(q.iter().copied());
+    if !same {
+        tracing::info!(saved = ?ms.weights, now = ?q, "mixture weights changed: every dataset continues from its cursor under the new weights");
+    }
+    Ok(Point {
+        step: ms.step,
+        cursors: ms.cursors.clone(),
+        carry: match same {
+            true => ms.carry.iter().map(|&c| i128::from(c)).collect(),
+            false => vec![0; n],
+        },
+    })
+}
+
+/// The state's stream position, checked against the fingerprint and the schedule.
+fn resume_position(r: &StreamRequest, mix: &Mixture, fingerprint: &str) -> Result<u64, OpenError> {
+    let Some(st) = r.state.as_ref() else {
+        return Ok(0);
+    };
+    let mismatch = |m: String| bad(ErrorCode::StateMismatch, m);
+    compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
+    if st.index >= mix.steps || st.epoch > r.epochs {
+        return Err(mismatch(format!(
+            "state position epoch {} step {} is outside this stream ({} epochs of {} steps)",
+            st.epoch, st.index, r.epochs, mix.steps
+        )));
+    }
+    let pos = u64::from(st.epoch) * mix.steps + st.index;
+    if mix.base.step != pos {
+        return Err(mismatch(format!(
+            "the state's mixture point is step {}, its position epoch {} step {} is step {pos}",
+            mix.base.step, st.epoch, st.index
+        )));
+    }
+    Ok(pos)
+}
+
+/// The readable fingerprint of a mixture: its datasets' plans and the global batch, never
+/// the weights (a resume may change them) nor the world size.
+fn fingerprint(mix: &Mixture, parts: &[(String, Arc<Manifest>)]) -> String {
+    let names: Vec<&str> = parts.iter().map(|(n, _)| n.as_str()).collect();
+    let mut f = format!(
+        "v2;mix={};global_batch={};seed={}",
+        names.join("+"),
+        mix.global_batch(),
+        mix.parts.first().map_or(0, |p| p.order.seed)
+    );
+    for (p, (_, m)) in mix.parts.iter().zip(parts) {
+        f += &part_fields(&p.name, &p.order, m);
+    }
+    f
+}
+
+fn part_fields(name: &str, o: &SampleOrder, m: &Manifest) -> String {
+    let windows = match o.window_spec() {
+        Some(w) => format!(
+            "{}:{}{}",
+            w.column,
+            w.seq_len,
+            if w.megatron { ":megatron" } else { "" }
+        ),
+        None => "rows".into(),
+    };
+    format!(
+        ";{name}.digest={};{name}.samples={};{name}.shuffle={};{name}.shuffle_block={};{name}.partitions={};{name}.windows={windows}",
+        m.digest.get(..16).unwrap_or(&m.digest),
+        o.total(),
+        o.shuffle.as_str(),
+        o.shuffle_block,
+        o.partitions
+    )
+}
+
+/// Checks that the region holds every dataset's current blocks (all partitions: every rank
+/// of a mixture reads them all), the batch the trainer holds and [`READY_AHEAD`] more.
+fn check_window(
+    m: &Manifest,
+    mix: &Mixture,
+    batch_bytes: u64,
+    region_bytes: u64,
+) -> Result<(), OpenError> {
+    let max_class = max_class(m);
+    let shards: u64 = mix
+        .parts
+        .iter()
+        .map(|p| {
+            (u64::from(p.order.partitions) * (block_shards(&p.order) + 1))
+                .min(p.order.shard_samples().len() as u64)
+        })
+        .sum();
+    let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
+    let need = shards * max_class + batches;
+    if need <= region_bytes {
+        return Ok(());
+    }
+    Err(bad(
+        ErrorCode::NoMemory,
+        format!(
+            "needs stream_memory of at least {need} bytes: the current blocks of every dataset ({shards} shards of slab class {max_class}) plus {} batch slabs of {} bytes; stream_memory is {region_bytes}; lower shuffle_block or raise stream_memory",
+            READY_AHEAD + 1,
+            SlabPool::class_size(batch_bytes as usize)
+        ),
+    ))
+}

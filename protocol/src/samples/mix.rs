@@ -1,0 +1,201 @@
+//! Mixture schedules (DESIGN §10, mixing): how many samples of each dataset every global
+//! batch holds, and in which slots.
+//!
+//! Weights are fixed-point ([`ONE`] = 2^40), normalised so they sum to exactly [`ONE`]; all
+//! arithmetic is integer, so every rank and every resume computes the same schedule. A
+//! global batch of `GB` slots gives dataset `d` the quota `q_d * GB + carry_d`; each dataset
+//! gets the floor of its quota, the slots left go to the largest remainders (ties to the
+//! lowest index), and what a dataset got beyond or below its quota is carried to the next
+//! batch (Megatron's blending carries its error the same way, sample by sample). So every
+//! batch holds each dataset's exact share rounded to a neighbouring integer, and after `s`
+//! batches each dataset has had `w_d * s * GB` samples within one.
+//!
+//! Inside a batch the slots interleave the datasets: slot `j` goes to the dataset furthest
+//! behind its share of the slots so far (`n_d * (j + 1) - GB * taken_d` largest, ties to the
+//! lowest index), so every run of slots holds each share within one. Rank `r` of `W` takes
+//! the run `[r * B, (r + 1) * B)` (as Megatron's data-parallel sampler gives each rank a
+//! contiguous micro-batch of the global batch), so ranks get near-equal shares too.
+
+/// Fixed-point one: weights are multiples of 2^-40.
+pub const ONE: i128 = 1 << 40;
+
+/// Why weights cannot make a schedule.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MixError {
+    /// A weight that is not a positive finite number.
+    #[error("mix weight {weight} of {dataset:?} must be a positive number")]
+    Weight {
+        /// The dataset.
+        dataset: String,
+        /// Its weight.
+        weight: f64,
+    },
+    /// No datasets, or the same one twice.
+    #[error("{0}")]
+    Datasets(String),
+}
+
+/// Normalised fixed-point weights (sum exactly [`ONE`]) of positive `weights`.
+pub fn fixed_weights(names: &[&str], weights: &[f64]) -> Result<Vec<i128>, MixError> {
+    if names.is_empty() {
+        return Err(MixError::Datasets("mix names no dataset".into()));
+    }
+    for (i, n) in names.iter().enumerate() {
+        if names[..i].contains(n) {
+            return Err(MixError::Datasets(format!(
+                "mix names {n:?} twice; give each dataset once"
+            )));
+        }
+    }
+    for (n, &w) in names.iter().zip(weights) {
+        if !(w.is_finite() && w > 0.0) {
+            return Err(MixError::Weight {
+                dataset: (*n).to_owned(),
+                weight: w,
+            });
+        }
+    }
+    let sum: f64 = weights.iter().sum();
+    let mut q: Vec<i128> = weights
+        .iter()
+        .map(|w| ((w / sum) * ONE as f64).round().max(1.0) as i128)
+        .collect();
+    // Give the rounding error to the largest weight, so the sum is exact.
+    let err = ONE - q.iter().sum::<i128>();
+    let top = (0..q.len())
+        .max_by_key(|&i| (q[i], usize::MAX - i))
+        .expect("not empty");
+    q[top] += err;
+    Ok(q)
+}
+
+/// The samples each dataset gets in one global batch of `gb`; updates `carry` (in units of
+/// 2^-40 samples, summing to 0).
+pub fn counts(q: &[i128], gb: u64, carry: &mut [i128]) -> Vec<u64> {
+    let gb_i = i128::from(gb);
+    let quota: Vec<i128> = q
+        .iter()
+        .zip(carry.iter())
+        .map(|(w, c)| w * gb_i + c)
+        .collect();
+    let mut n: Vec<i128> = quota.iter().map(|x| x.div_euclid(ONE).max(0)).collect();
+    let mut left = gb_i - n.iter().sum::<i128>();
+    // The slots left go to the largest remainders, ties to the lowest index.
+    let mut by_rem: Vec<usize> = (0..q.len()).collect();
+    by_rem.sort_by_key(|&d| (std::cmp::Reverse(quota[d] - n[d] * ONE), d));
+    let mut k = 0;
+    while left > 0 {
+        n[by_rem[k % by_rem.len()]] += 1;
+        left -= 1;
+        k += 1;
+    }
+    // Over-full only by rounding of a negative carry: take from the smallest remainders.
+    while left < 0 {
+        let d = *by_rem
+            .iter()
+            .rev()
+            .find(|&&d| n[d] > 0)
+            .expect("some count is positive");
+        n[d] -= 1;
+        left += 1;
+    }
+    for d in 0..q.len() {
+        carry[d] = quota[d] - n[d] * ONE;
+    }
+    n.into_iter().map(|x| x as u64).collect()
+}
+
+/// The dataset of each slot of a batch holding `n[d]` samples of dataset `d`.
+pub fn interleave(n: &[u64]) -> Vec<u16> {
+    let gb: u64 = n.iter().sum();
+    let mut taken = vec![0u64; n.len()];
+    let mut out = Vec::with_capacity(gb as usize);
+    for j in 0..gb {
+        let d = (0..n.len())
+            .filter(|&d| taken[d] < n[d])
+            .max_by_key(|&d| {
+                let lead = i128::from(n[d]) * i128::from(j + 1) - i128::from(gb * taken[d]);
+                (lead, usize::MAX - d)
+            })
+            .expect("a dataset with slots left");
+        taken[d] += 1;
+        out.push(d as u16);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn shares_are_exact_per_batch_and_carried_across_batches() {
+        let q = fixed_weights(&["web", "code"], &[0.7, 0.3]).unwrap();
+        let mut carry = vec![0; 2];
+        // 0.7 * 10 = 7 exactly: every batch.
+        for _ in 0..50 {
+            assert_eq!(counts(&q, 10, &mut carry), vec![7, 3]);
+        }
+        // 0.7 * 4 = 2.8: batches of 3 and 2, the sum over 5 batches exactly 14.
+        let mut carry = vec![0; 2];
+        let n: Vec<Vec<u64>> = (0..5).map(|_| counts(&q, 4, &mut carry)).collect();
+        assert_eq!(n.iter().map(|c| c[0]).sum::<u64>(), 14, "{n:?}");
+        assert!(n.iter().all(|c| c[0] == 2 || c[0] == 3), "{n:?}");
+    }
+
+    #[test]
+    fn bad_weights_are_refused_naming_the_dataset() {
+        let e = fixed_weights(&["a", "b"], &[1.0, 0.0]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "mix weight 0 of \"b\" must be a positive number"
+        );
+        assert!(
+            fixed_weights(&["a", "a"], &[1.0, 1.0])
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
+        assert!(fixed_weights(&[], &[]).is_err());
+    }
+
+    #[test]
+    fn slots_interleave_in_proportion() {
+        assert_eq!(interleave(&[2, 1]), vec![0, 1, 0]);
+        assert_eq!(interleave(&[4, 4]), vec![0, 1, 0, 1, 0, 1, 0, 1]);
+        let s = interleave(&[6, 2]);
+        assert_eq!(s.iter().filter(|&&d| d == 1).count(), 2);
+        // Rank 0 and rank 1 of two (each a contiguous half) get one slot of dataset 1 each.
+        for half in s.chunks(4) {
+            assert_eq!(half.iter().filter(|&&d| d == 1).count(), 1, "{s:?}");
+        }
+    }
+
+    proptest! {
+        /// Every batch sums to GB and holds each share within one; the cumulative counts
+        /// stay within one of `w * s * GB`.
+        #[test]
+        fn cumulative_shares_stay_within_one(w in proptest::collection::vec(0.01f64..10.0, 1..6), gb in 1u64..300) {
+            let names: Vec<String> = (0..w.len()).map(|i| format!("d{i}")).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let q = fixed_weights(&names, &w).unwrap();
+            prop_assert_eq!(q.iter().sum::<i128>(), ONE);
+            let mut carry = vec![0; w.len()];
+            let mut total = vec![0u64; w.len()];
+            for s in 1..=200u64 {
+                let n = counts(&q, gb, &mut carry);
+                prop_assert_eq!(n.iter().sum::<u64>(), gb);
+                prop_assert_eq!(interleave(&n).len() as u64, gb);
+                for d in 0..w.len() {
+                    let exact = q[d] as f64 / ONE as f64 * gb as f64;
+                    prop_assert!((n[d] as f64 - exact).abs() < 2.0, "batch share {} vs {exact}", n[d]);
+                    total[d] += n[d];
+                    let cum = q[d] as f64 / ONE as f64 * (s * gb) as f64;
+                    prop_assert!((total[d] as f64 - cum).abs() <= 1.0 + 1e-9, "after {s}: {} vs {cum}", total[d]);
+                }
+            }
+        }
+    }
+}

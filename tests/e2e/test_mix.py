@@ -1,0 +1,191 @@
+"""Mixtures (`open_stream({"web": 0.7, "code": 0.3}, batch_size=...)`): several datasets served
+by a real `shardwire source`, mixed by a real node, read through the Python SDK.
+
+Checked: every global batch holds each dataset's exact share (and fractional shares are
+exact over steps, within one sample); the same step sets on 1 and 2 ranks; a resume with the
+same weights continues exactly and one with changed weights continues each dataset from its
+cursor under the new shares, nothing repeated; a dataset that runs out starts its next epoch
+(every sample once per pass); token-window mixtures; refusals naming the difference.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, arrow_batches, child_env, index_dataset, require_bin, wait_ready, write_arrow
+
+sys.path.insert(0, str(REPO / "client" / "python" / "src"))
+
+import shardwire  # noqa: E402
+
+CODE_START = 1_000_000  # ids of "code" rows start here
+
+
+def _write(d, sizes: list[list[int]], id_start: int, k: int = 4) -> set[int]:
+    """An indexed Arrow dataset (id int64, emb float32[k]); returns its ids."""
+    d.mkdir(parents=True)
+    ids: set[int] = set()
+    at = id_start
+    for f, sz in enumerate(sizes):
+        batches = arrow_batches(sz, k=k, seed=f + id_start, id_start=at)
+        at += sum(sz)
+        write_arrow(d / f"part-{f}.arrow", batches, stream=True)
+        for b in batches:
+            ids.update(int(i) for i in b.column(0).to_numpy())
+    index_dataset(d)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    web = _write(root / "web", [[25] * 8 for _ in range(2)], 0)  # 400 rows
+    code = _write(root / "code", [[15] * 4], CODE_START)  # 60 rows
+    wide = _write(root / "wide", [[10] * 2], 2 * CODE_START, k=8)  # emb of 8: other samples
+    return root, web, code, wide
+
+
+@pytest.fixture
+def node(sw, datasets):
+    root = datasets[0]
+    src = sw.source({"web": root / "web", "code": root / "code", "wide": root / "wide"})
+    n = sw.serve([src], "--pool-size", "256MiB", "--stream-memory", "16MiB")
+    wait_ready(n)
+    return n
+
+
+def _is_code(i: int) -> bool:
+    return CODE_START * 1_000_003 - 7 <= i < 2 * CODE_START * 1_000_003 - 7
+
+
+def _batches(stream, n: int | None = None) -> list[list[int]]:
+    out = []
+    while n is None or len(out) < n:
+        try:
+            b = stream.next(30)
+        except TimeoutError:
+            raise AssertionError(f"no batch within 30 s after {len(out)}") from None
+        if b is None:
+            break
+        out.append([int(i) for i in b["id"]])
+    return out
+
+
+def test_every_batch_holds_the_exact_shares(node):
+    client = shardwire.connect(node.socket)
+    with client.open_stream({"web": 0.75, "code": 0.25}, batch_size=8, seed=1) as s:
+        batches = _batches(s)
+    assert len(batches) == (400 + 60) // 8
+    for b in batches:
+        assert sum(map(_is_code, b)) == 2, b
+    # 0.7 of 4 is 2.8: batches of 2 or 3 "web", exact over the steps (within one).
+    with client.open_stream({"web": 0.7, "code": 0.3}, batch_size=4, seed=1) as s:
+        batches = _batches(s, 40)
+    web = 0
+    for step, b in enumerate(batches, 1):
+        n = sum(not _is_code(i) for i in b)
+        assert n in (2, 3), b
+        web += n
+        assert abs(web - 0.7 * 4 * step) <= 1.0, (step, web)
+
+
+def test_steps_are_the_same_set_on_one_and_two_ranks(node):
+    client = shardwire.connect(node.socket)
+    with client.open_stream({"web": 0.6, "code": 0.4}, batch_size=10, seed=2) as s:
+        one = _batches(s)
+    halves = []
+    for r in range(2):
+        with client.open_stream({"web": 0.6, "code": 0.4}, batch_size=5, rank=r, world_size=2, seed=2) as s:
+            halves.append(_batches(s))
+    assert len(halves[0]) == len(halves[1]) == len(one)
+    for i, b in enumerate(one):
+        assert sorted(halves[0][i] + halves[1][i]) == sorted(b), i
+        # Each rank's half holds its share too (contiguous runs of the interleaved slots).
+        assert sum(map(_is_code, halves[0][i])) == 2 and sum(map(_is_code, halves[1][i])) == 2
+
+
+def test_resume_with_changed_weights_continues_every_cursor(node):
+    client = shardwire.connect(node.socket)
+    opts = {"batch_size": 8, "seed": 3}
+    with client.open_stream({"web": 0.5, "code": 0.5}, **opts) as s:
+        first = _batches(s, 5)
+        state = s.state_dict()
+    # Same weights: exactly where the unbroken stream goes on.
+    with client.open_stream({"web": 0.5, "code": 0.5}, **opts) as s:
+        unbroken = _batches(s, 8)[5:]
+    with client.open_stream({"web": 0.5, "code": 0.5}, state=state, **opts) as s:
+        assert _batches(s, 3) == unbroken
+    # New weights from the same state: 7 web + 1 code a batch, no web row seen before, and
+    # code goes on from its cursor (20 of its 60 rows taken: no repeat within its epoch).
+    with client.open_stream({"web": 0.875, "code": 0.125}, state=state, **opts) as s:
+        after = _batches(s, 6)
+        later = s.state_dict()
+    seen = {i for b in first for i in b}
+    for b in after:
+        assert sum(map(_is_code, b)) == 1, b
+        assert not seen & set(b), "a sample repeated after the weights changed"
+    assert later["mix"]["cursors"] == [20 + 6 * 7, 20 + 6 * 1], later["mix"]
+    assert later["mix"]["datasets"] == ["web", "code"]
+
+
+def test_a_dataset_that_runs_out_starts_its_next_epoch(node):
+    client = shardwire.connect(node.socket)
+    with client.open_stream({"web": 0.5, "code": 0.5}, batch_size=10, seed=4, epochs=1) as s:
+        batches = _batches(s)
+    code = [i for b in batches for i in b if _is_code(i)]
+    assert len(code) > 60, "code (60 rows) is taken past its first epoch"
+    assert len(set(code[:60])) == 60, "every code row once in its first pass"
+    assert len(set(code[60:120])) == len(code[60:120]), "and once per later pass"
+    assert code[:60] != code[60:120], "each pass in a fresh order"
+
+
+def test_datasets_whose_samples_differ_are_refused_naming_the_difference(node):
+    client = shardwire.connect(node.socket)
+    with pytest.raises(shardwire.ServiceError) as e:
+        client.open_stream({"web": 1, "wide": 1}, batch_size=4).next()
+    msg = str(e.value)
+    assert "mix:" in msg and "wide/" in msg and "emb" in msg, msg
+    with pytest.raises(ValueError, match="mix weight of 'code' must be a positive number"):
+        client.open_stream({"web": 1, "code": 0}, batch_size=4)
+    with pytest.raises(ValueError, match="needs batch_size"):
+        client.open_stream({"web": 1, "code": 1})
+    with client.open_stream({"web": 0.5, "code": 0.5}, batch_size=4) as s:
+        s.next()
+        state = s.state_dict()
+    with pytest.raises(shardwire.ServiceError) as e:
+        client.open_stream({"code": 0.5, "web": 0.5}, batch_size=4, state=state).next()
+    assert e.value.code == "state_mismatch" and "mix" in str(e.value), e.value
+    with pytest.raises(shardwire.ServiceError) as e:
+        client.open_stream("web", batch_size=4, state=state).next()
+    assert e.value.code == "state_mismatch", e.value
+
+
+def test_token_windows_mix_in_exact_shares(sw, tmp_path):
+    L = 8
+    dirs = {}
+    for name, start in (("books", 1), ("math", 40001)):
+        d = tmp_path / name
+        d.mkdir()
+        np.arange(start, start + 3000, dtype=np.uint16).tofile(d / "train.bin")
+        r = subprocess.run([str(require_bin()), "index", str(d), "--tokens", "uint16"],
+                           capture_output=True, text=True, timeout=60, env=child_env())
+        assert r.returncode == 0, r.stderr
+        dirs[name] = d
+    n = sw.serve([sw.source(dirs)], "--pool-size", "256MiB", "--stream-memory", "16MiB")
+    wait_ready(n)
+    with shardwire.connect(n.socket).open_stream({"books": 3, "math": 1}, batch_size=4, seq_len=L,
+                                                 shuffle="none") as s:
+        got = collections.Counter()
+        for b in s:
+            t = np.asarray(b["tokens"]).astype(np.int64)
+            assert t.shape == (4, L + 1)
+            for w in t:
+                assert np.array_equal(w, np.arange(w[0], w[0] + L + 1)), w  # one stream's run
+                got["math" if w[0] > 40000 else "books"] += 1
+            assert sum(1 for w in t if w[0] > 40000) == 1
+    assert got["books"] == 3 * got["math"]
