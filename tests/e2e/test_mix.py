@@ -189,3 +189,16 @@ def test_token_windows_mix_in_exact_shares(sw, tmp_path):
                 got["math" if w[0] > 40000 else "books"] += 1
             assert sum(1 for w in t if w[0] > 40000) == 1
     assert got["books"] == 3 * got["math"]
+
+
+def test_http_mixture_equals_the_socket_and_states_cross(node):
+    opts = {"batch_size": 8, "seed": 5}
+    mix = {"web": 0.75, "code": 0.25}
+    with shardwire.connect(node.socket).open_stream(mix, **opts) as s:
+        want = _batches(s, 10)
+    with shardwire.connect_http(node.admin).open_stream(mix, **opts) as s:
+        got = _batches(s, 6)
+        st = s.state_dict()
+    assert got == want[:6]
+    with shardwire.connect(node.socket).open_stream(mix, state=st, **opts) as s:  # HTTP -> socket
+        assert _batches(s, 4) == want[6:]

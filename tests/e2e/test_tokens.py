@@ -112,12 +112,12 @@ def test_token_dtype_widens_uint16_to_int64(sw, tmp_path_factory):
         assert np.array_equal(b["tokens"][1], stream[L: 2 * L + 1])
 
 
-def _steps(socket: str, world: int, gb: int) -> list[list[tuple]]:
+def _steps(socket: str, world: int, gb: int, seed: int = 3) -> list[list[tuple]]:
     """Every global step of one epoch as a sorted list of windows, read by `world` ranks."""
     client = shardwire.connect(socket)
     per_rank = []
     for r in range(world):
-        with client.open_stream("gpt", seed=3, rank=r, world_size=world, batch_size=gb // world,
+        with client.open_stream("gpt", seed=seed, rank=r, world_size=world, batch_size=gb // world,
                                 seq_len=L, shuffle="block", shuffle_block=40, partitions=4,
                                 drop_last=True) as s:
             per_rank.append([[tuple(w) for w in np.asarray(b["tokens"]).tolist()] for b in s])
@@ -246,3 +246,26 @@ def test_token_mode_refusals_name_the_field(sw, gpt):
     with pytest.raises(shardwire.ServiceError) as e:
         client.open_stream("gpt", batch_size=2, seq_len=8, order="megatron", partitions=2).next()
     assert "partitions must be 1, not 2" in str(e.value), e.value
+
+
+def test_elastic_resume_of_windows_at_the_same_global_batch(sw, gpt):
+    """A state taken on 2 ranks after 3 steps resumes on 4 ranks (global batch 8 kept): every
+    later step holds the windows an unbroken run's step holds."""
+    d = gpt[0]
+    node = serve_dataset(sw, "gpt", d)
+    client = shardwire.connect(node.socket)
+    opts = dict(seed=9, seq_len=L, shuffle="block", shuffle_block=40, partitions=4, drop_last=True)
+    unbroken = _steps(node.socket, 1, 8, seed=9)
+    states = []
+    for r in range(2):
+        with client.open_stream("gpt", rank=r, world_size=2, batch_size=4, **opts) as s:
+            for _ in range(3):
+                s.next()
+            states.append(s.state_dict())
+    assert states[0] == states[1], "the state is global"
+    per_rank = []
+    for r in range(4):
+        with client.open_stream("gpt", rank=r, world_size=4, batch_size=2, state=states[0], **opts) as s:
+            per_rank.append([[tuple(w) for w in np.asarray(b["tokens"]).tolist()] for b in s])
+    resumed = [sorted(sum((per_rank[r][i] for r in range(4)), [])) for i in range(len(per_rank[0]))]
+    assert resumed == unbroken[3:]
