@@ -188,8 +188,11 @@ def test_hf_input_ids_column_with_tokens_column(sw, tmp_path):
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 50000, size=n).tolist() for n in lengths]
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "attention_mask": datasets.Sequence(datasets.Value("int8")),
+                                  "labels": datasets.Sequence(datasets.Value("int64")),
                                   "text": datasets.Value("string")})
-    hf = datasets.Dataset.from_dict({"input_ids": docs, "text": [f"doc {i}" for i in range(len(docs))]},
+    hf = datasets.Dataset.from_dict({"input_ids": docs, "attention_mask": [[1] * len(x) for x in docs],
+                                     "labels": docs, "text": [f"doc {i}" for i in range(len(docs))]},
                                     features=features)
     d = tmp_path / "hf"
     hf.save_to_disk(str(d))
@@ -198,7 +201,8 @@ def test_hf_input_ids_column_with_tokens_column(sw, tmp_path):
     client = shardwire.connect(node.socket)
     with pytest.raises(shardwire.ServiceError) as e:
         client.open_stream("hf", batch_size=2, seq_len=L).next()
-    assert "tokens_column" in str(e.value), e.value
+    # input_ids and labels are both token-like (text and attention_mask are 8-bit: not chosen).
+    assert '["input_ids", "labels"]; name the documents with tokens_column' in str(e.value), e.value
     stream = np.concatenate([np.asarray(x, dtype=np.int64) for x in docs])
     with client.open_stream("hf", batch_size=3, seq_len=L, shuffle="none",
                             tokens_column="input_ids", drop_last=True) as s:

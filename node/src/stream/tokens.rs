@@ -73,12 +73,20 @@ impl TokenMode {
             .filter(|t| t.ragged && is_int(t.dtype))
             .map(|t| t.name.as_str())
             .collect();
-        let name = match (&r.tokens_column, candidates.as_slice()) {
+        // Chosen without `tokens_column`: wider than a byte (strings, bytes, WebDataset
+        // members and HF attention masks are 8-bit; token ids never are).
+        let wide: Vec<&str> = first
+            .tensors
+            .iter()
+            .filter(|t| t.ragged && is_int(t.dtype) && t.dtype.size() > 1)
+            .map(|t| t.name.as_str())
+            .collect();
+        let name = match (&r.tokens_column, wide.as_slice()) {
             (Some(n), _) => n.as_str(),
             (None, [one]) => one,
             (None, []) => {
                 return Err(bad(format!(
-                    "seq_len needs documents as the rows of a ragged integer tensor (a Megatron .bin/.idx, `shardwire index --tokens`, an Arrow list-of-integers column such as input_ids); the dataset's tensors are {:?}",
+                    "seq_len needs documents as the rows of a ragged integer tensor wider than 8 bits (a Megatron .bin/.idx, `shardwire index --tokens`, an Arrow list-of-integers column such as input_ids), or tokens_column naming one; the dataset's tensors are {:?}",
                     first.tensors.iter().map(|t| &t.name).collect::<Vec<_>>()
                 )));
             }

@@ -86,6 +86,21 @@ fn the_only_ragged_integer_tensor_is_chosen_and_others_are_named() {
     r.tokens_column = Some("b".into());
     assert_eq!(TokenMode::of(&two, &r, 2).unwrap().1.tensor(0), 1);
 
+    // Bytes (strings, masks) are not chosen without tokens_column, but may be named.
+    let text = manifest(vec![shard(&[
+        ("text", DType::Uint8, &[3]),
+        ("ids", DType::Int32, &[3]),
+    ])]);
+    assert_eq!(
+        TokenMode::of(&text, &request(2), 2).unwrap().0.column,
+        "ids"
+    );
+    let bytes = manifest(vec![shard(&[("text", DType::Uint8, &[9])])]);
+    assert!(TokenMode::of(&bytes, &request(2), 2).is_err());
+    let mut r = request(2);
+    r.tokens_column = Some("text".into());
+    assert_eq!(TokenMode::of(&bytes, &r, 2).unwrap().1.src, DType::Uint8);
+
     let floats = manifest(vec![shard(&[("x", DType::Float32, &[3])])]);
     let e = TokenMode::of(&floats, &request(2), 2).unwrap_err();
     assert!(e.message.contains("ragged integer tensor"), "{e}");
