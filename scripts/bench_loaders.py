@@ -420,6 +420,14 @@ def start_node(data: pathlib.Path, tmp: pathlib.Path, children: list[Child], str
     return sock, admin
 
 
+def run_one(py: pathlib.Path, loader: str, args: list[str]) -> dict:
+    """One loader in its own process (`--one LOADER`); its last JSON line."""
+    r = subprocess.run([str(py), __file__, "--one", loader, *args], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"{loader} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+
+
 def cpu_model() -> str:
     return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 
@@ -495,10 +503,7 @@ def tokens_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]
     for rnd in range(a.rounds):
         for l in (loaders if rnd % 2 == 0 else loaders[::-1]):
             first = tmp / f"first-{l}.npy"
-            r = subprocess.run([str(MAIN_PY), __file__, "--one", l, "--first", str(first), *common], capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                raise SystemExit(f"{l} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-            res = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+            res = run_one(MAIN_PY, l, ["--first", str(first), *common])
             res["round"] = rnd + 1
             results[l].append(res)
             print(f"round {rnd + 1} {l:18s} {res['tokens_per_s']:12.0f} tokens/s  (loader wait {res['wait_s']:.2f} s, "
@@ -575,10 +580,7 @@ def main() -> None:
             order = loaders if rnd % 2 == 0 else loaders[::-1]
             for l in order:
                 py = STREAMING_PY if l == "streaming" else MAIN_PY
-                r = subprocess.run([str(py), __file__, "--one", l, *common], capture_output=True, text=True, timeout=600)
-                if r.returncode != 0:
-                    raise SystemExit(f"{l} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-                res = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+                res = run_one(py, l, common)
                 res["round"] = rnd + 1
                 results[l].append(res)
                 print(f"round {rnd + 1} {l:16s} {res['samples_per_s']:10.0f} samples/s  (loader wait {res['wait_s']:.2f} s, "
