@@ -122,3 +122,33 @@ def test_batch_mode_into_torch_one_gather_launch_per_batch(sw, tmp_path):
     assert len(set(seen)) == len(seen) and len(rows) - len(seen) < 16
     c = _status(serve)["counters"]
     assert c["batch_gather_launches"] == c["batches_assembled"] >= len(seen) // 16, c
+
+
+@pytest.mark.skipif("not _has_cuda_gpu()", reason="needs CUDA GPU")
+def test_token_windows_widened_on_the_gpu_into_torch(sw, tmp_path):
+    """Token mode on the GPU: uint16 windows widened to int64 in each batch's gather launch,
+    imported by torch without a copy, every window exact against the raw token file."""
+    import torch
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    rng = np.random.default_rng(4)
+    stream = np.concatenate([np.append(rng.integers(1, 65535, size=n), 0) for n in rng.integers(5, 80, size=60)]).astype(np.uint16)
+    stream.tofile(d / "train.bin")
+    r = subprocess.run([str(shardwire_bin()), "index", str(d), "--tokens", "uint16", "--eos", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB")
+    L, k = 16, 0
+    with shardwire.connect(serve.socket).open_stream("ds", batch_size=4, seq_len=L, shuffle="none",
+                                                     token_dtype="int64", drop_last=True) as s:
+        assert s.info.memory == "cuda"
+        while (batch := s.next(60)) is not None:
+            t = torch.from_dlpack(batch["tokens"])
+            assert t.is_cuda and t.dtype == torch.int64 and tuple(t.shape) == (4, L + 1)
+            for w in t.cpu().numpy():
+                assert np.array_equal(w, stream[k * L: k * L + L + 1]), k
+                k += 1
+            batch.release()
+    assert k == (len(stream) - 1) // L // 4 * 4
+
