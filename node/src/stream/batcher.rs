@@ -55,6 +55,7 @@ struct EpochUnits {
 
 /// A unit whose shards are held, until the rank passes its last sample.
 struct Live {
+    first: u64,
     last: u64,
     shards: Vec<u32>,
 }
@@ -197,6 +198,7 @@ impl Driver {
                 return;
             }
             self.live.push(Live {
+                first: g + unit.first,
                 last: g + unit.last,
                 shards: unit.shards,
             });
@@ -223,6 +225,9 @@ impl Driver {
             self.s.wants_memory.store(true, Ordering::SeqCst);
             let Some(slab) = pool.alloc(len) else {
                 self.starved_since.get_or_insert_with(Instant::now);
+                if needed_now {
+                    self.refuse_if_it_cannot_fit(unit);
+                }
                 return false;
             };
             self.s.wants_memory.store(false, Ordering::SeqCst);
@@ -248,6 +253,36 @@ impl Driver {
             });
         }
         true
+    }
+
+    /// Closes the stream when the shards the next batch needs (those of the live units it
+    /// reads and of `unit`) cannot fit the region beside the batch slabs: waiting would never
+    /// end (a Megatron-order batch may read a shard per window).
+    fn refuse_if_it_cannot_fit(&self, unit: &Unit) {
+        let upto = self.last_index(self.pos);
+        let mut shards: Vec<u32> = self
+            .live
+            .iter()
+            .filter(|l| l.first <= upto)
+            .flat_map(|l| l.shards.iter().copied())
+            .chain(unit.shards.iter().copied())
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        let m = &self.s.manifest;
+        let class = |s: u32| SlabPool::class_size(m.shards[s as usize].length as usize) as u64;
+        let need: u64 = shards.iter().map(|&s| class(s)).sum();
+        let reserve =
+            (READY_AHEAD as u64 + 1) * SlabPool::class_size(self.m.batch_bytes as usize) as u64;
+        let cap = self.s.pool.capacity() as u64;
+        if need + reserve > cap {
+            let msg = format!(
+                "the next batch reads {} shards ({need} bytes of slabs) and needs {reserve} bytes of batch slabs; stream_memory is {cap}: raise stream_memory or lower batch_size",
+                shards.len()
+            );
+            tracing::error!(%msg, "closing the stream");
+            self.s.close(&msg);
+        }
     }
 
     fn fetch(&mut self, r: Retry) {

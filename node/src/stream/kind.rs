@@ -21,7 +21,7 @@ pub enum Sampler {
     /// One dataset: the rank's plan.
     One(BatchPlan),
     /// A mixture of datasets.
-    Mix(Mixture),
+    Mix(Box<Mixture>),
 }
 
 /// Batch mode: the rank's plan, the sample layout and the batch slab's shape.

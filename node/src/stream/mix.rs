@@ -89,6 +89,8 @@ pub struct Mixture {
     /// Where the schedule starts (step 0, or the resume state's point).
     pub base: Point,
     checkpoints: Mutex<Vec<Point>>,
+    /// The last point asked for (the batcher asks in increasing order).
+    last: Mutex<Point>,
     orders: Mutex<VecDeque<(usize, u32, Arc<EpochOrder>)>>,
 }
 
@@ -111,6 +113,7 @@ impl Mixture {
             rank,
             steps: total / gb,
             checkpoints: Mutex::new(vec![base.clone()]),
+            last: Mutex::new(base.clone()),
             base,
             orders: Mutex::new(VecDeque::new()),
         }
@@ -123,15 +126,23 @@ impl Mixture {
 
     /// The schedule before global step `step` (at or after the base).
     pub fn point(&self, step: u64) -> Point {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.step == step {
+            return last.clone();
+        }
         let mut cps = self.checkpoints.lock().unwrap_or_else(|e| e.into_inner());
         let i = cps.partition_point(|c| c.step <= step).max(1) - 1;
-        let mut p = cps[i].clone();
+        let mut p = match last.step <= step && last.step >= cps[i].step {
+            true => last.clone(),
+            false => cps[i].clone(),
+        };
         while p.step < step {
             p.advance(&self.q, self.global_batch());
             if p.step.is_multiple_of(CHECKPOINT) && cps.last().is_some_and(|l| l.step < p.step) {
                 cps.push(p.clone());
             }
         }
+        *last = p.clone();
         p
     }
 

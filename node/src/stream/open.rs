@@ -386,13 +386,24 @@ fn min_rows(o: &SampleOrder) -> u64 {
         .unwrap_or(1)
 }
 
-/// The most shards a block of `o` reads at once (a window block also reads into the next).
+/// The most shards a block of `o` reads at once (a window block also reads into the shards
+/// its last window reaches: `seq_len + 1` tokens past its start).
 pub(super) fn block_shards(o: &SampleOrder) -> u64 {
     let per_block = match o.shuffle {
         Shuffle::Block => o.shuffle_block.div_ceil(min_rows(o)) + 1,
         _ => 1,
     };
-    per_block + u64::from(o.window_spec().is_some())
+    let reach = o.window_spec().map_or(0, |w| {
+        let min_tokens = w
+            .doc_tokens
+            .iter()
+            .map(|d| d.iter().map(|&t| u64::from(t)).sum::<u64>())
+            .filter(|&t| t > 0)
+            .min()
+            .unwrap_or(1);
+        (w.seq_len + 1).div_ceil(min_tokens) + 1
+    });
+    per_block + reach
 }
 
 /// The region of stream `id`: a memfd, or a VMM allocation on the GPU.

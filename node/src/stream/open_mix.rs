@@ -40,6 +40,15 @@ pub fn mix_mode(
     let q =
         fixed_weights(&names, &weights).map_err(|e| bad(ErrorCode::BadRequest, e.to_string()))?;
     check_workers(r)?;
+    if batch_size == 0 || r.world_size == 0 || r.rank >= r.world_size {
+        return Err(bad(
+            ErrorCode::BadPlan,
+            format!(
+                "batch_size {batch_size}, rank {}, world_size {}: batch_size and world_size must be at least 1 and rank below world_size",
+                r.rank, r.world_size
+            ),
+        ));
+    }
     // Rows: every dataset's samples hold the same tensors (checked over all their shards);
     // token windows: only the documents' tensor is read.
     let layout = match r.seq_len {
@@ -88,7 +97,7 @@ pub fn mix_mode(
     }
     let fingerprint = fingerprint(&mix, parts);
     let start = resume_position(r, &mix, &fingerprint)?;
-    let mode = BatchMode::new(Sampler::Mix(mix), r, layout, tokens);
+    let mode = BatchMode::new(Sampler::Mix(Box::new(mix)), r, layout, tokens);
     let Sampler::Mix(mix) = &mode.sampler else {
         unreachable!("just made")
     };

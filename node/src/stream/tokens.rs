@@ -132,9 +132,17 @@ impl TokenMode {
                     src.name()
                 )));
             };
-            let docs = (0..t.row_count())
-                .map(|row| (row_range(s, t, row).1 / src.size()) as u32)
-                .collect();
+            let mut docs = Vec::with_capacity(t.row_count() as usize);
+            for row in 0..t.row_count() {
+                let n = row_range(s, t, row).1 / src.size();
+                docs.push(u32::try_from(n).map_err(|_| {
+                    bad(format!(
+                        "shard {i} ({}) row {row} of {name:?} holds {n} tokens; a document may hold at most {} (split it)",
+                        s.file,
+                        u32::MAX
+                    ))
+                })?);
+            }
             doc_tokens.push(docs);
         }
         let spec = WindowSpec {

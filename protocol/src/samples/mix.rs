@@ -47,6 +47,13 @@ pub fn fixed_weights(names: &[&str], weights: &[f64]) -> Result<Vec<i128>, MixEr
             )));
         }
     }
+    if names.len() != weights.len() {
+        return Err(MixError::Datasets(format!(
+            "{} datasets and {} weights",
+            names.len(),
+            weights.len()
+        )));
+    }
     for (n, &w) in names.iter().zip(weights) {
         if !(w.is_finite() && w > 0.0) {
             return Err(MixError::Weight {
@@ -55,10 +62,12 @@ pub fn fixed_weights(names: &[&str], weights: &[f64]) -> Result<Vec<i128>, MixEr
             });
         }
     }
-    let sum: f64 = weights.iter().sum();
+    // Scaled by the largest first, so huge weights cannot overflow the sum.
+    let top_w = weights.iter().copied().fold(0.0f64, f64::max);
+    let sum: f64 = weights.iter().map(|w| w / top_w).sum();
     let mut q: Vec<i128> = weights
         .iter()
-        .map(|w| ((w / sum) * ONE as f64).round().max(1.0) as i128)
+        .map(|w| ((w / top_w / sum) * ONE as f64).round().max(1.0) as i128)
         .collect();
     // Give the rounding error to the largest weight, so the sum is exact.
     let err = ONE - q.iter().sum::<i128>();
@@ -159,6 +168,9 @@ mod tests {
                 .contains("twice")
         );
         assert!(fixed_weights(&[], &[]).is_err());
+        // Huge weights keep their proportions.
+        let q = fixed_weights(&["a", "b"], &[1e308, 1e308]).unwrap();
+        assert_eq!(q, vec![ONE / 2, ONE / 2]);
     }
 
     #[test]
