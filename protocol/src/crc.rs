@@ -8,7 +8,7 @@
 
 use std::sync::OnceLock;
 
-use crc_fast::CrcAlgorithm;
+use crc_fast::{CrcAlgorithm, Digest};
 
 fn use_crc_fast() -> bool {
     static FAST: OnceLock<bool> = OnceLock::new();
@@ -27,8 +27,10 @@ fn use_crc_fast() -> bool {
 
 fn append_with(fast: bool, crc: u32, bytes: &[u8]) -> u32 {
     if fast {
-        let part = crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, bytes) as u32;
-        crc32c::crc32c_combine(crc, part, bytes.len())
+        // crc-fast's state is the reflected register before the final xor.
+        let mut d = Digest::new_with_init_state(CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+        d.update(bytes);
+        d.finalize() as u32
     } else {
         crc32c::crc32c_append(crc, bytes)
     }
@@ -39,22 +41,53 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
     append_with(use_crc_fast(), 0, bytes)
 }
 
-/// Incremental CRC-32C, for data that arrives in pieces.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Crc32c(u32);
+/// CRC-32C of `a` followed by `b` from the CRCs of each (`b` is `len_b` bytes long), for
+/// pieces that complete out of order (devmem frags, GPU chunks). In-order data should use
+/// one running [`Crc32c`]: a combine costs a GF(2) matrix product per call.
+pub fn combine(a: u32, b: u32, len_b: usize) -> u32 {
+    crc32c::crc32c_combine(a, b, len_b)
+}
+
+/// Incremental CRC-32C, for data that arrives in pieces, in order: one running register
+/// updated over each piece while it is in cache (no per-piece combine).
+#[derive(Clone, Debug)]
+pub struct Crc32c(State);
+
+#[derive(Clone, Debug)]
+enum State {
+    /// crc-fast's folding kernels (AVX-512 + VPCLMULQDQ, or aarch64).
+    Fast(Box<Digest>),
+    /// The `crc32c` crate's SSE4.2 path: the register is the CRC so far.
+    Sse(u32),
+}
+
+impl Default for Crc32c {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Crc32c {
     /// A fresh checksum state.
     pub fn new() -> Self {
-        Self::default()
+        Self(match use_crc_fast() {
+            true => State::Fast(Box::new(Digest::new(CrcAlgorithm::Crc32Iscsi))),
+            false => State::Sse(0),
+        })
     }
     /// Feeds more bytes.
     pub fn update(&mut self, bytes: &[u8]) {
-        self.0 = append_with(use_crc_fast(), self.0, bytes);
+        match &mut self.0 {
+            State::Fast(d) => d.update(bytes),
+            State::Sse(c) => *c = crc32c::crc32c_append(*c, bytes),
+        }
     }
     /// The checksum of everything fed so far.
     pub fn finish(&self) -> u32 {
-        self.0
+        match &self.0 {
+            State::Fast(d) => d.finalize() as u32,
+            State::Sse(c) => *c,
+        }
     }
 }
 
@@ -93,6 +126,18 @@ mod tests {
             assert_eq!(a, b, "chunk {chunk}");
         }
         assert_eq!(append_with(true, 0, b"123456789"), 0xe306_9283);
+        // The running digest (crc-fast's) equals the SSE4.2 append, chunk by chunk.
+        let mut d = Crc32c(State::Fast(Box::new(Digest::new(CrcAlgorithm::Crc32Iscsi))));
+        let mut s = Crc32c(State::Sse(0));
+        for c in data.chunks(4093) {
+            d.update(c);
+            s.update(c);
+        }
+        assert_eq!(d.finish(), s.finish());
+        assert_eq!(
+            combine(crc32c(&data[..5]), crc32c(&data[5..]), data.len() - 5),
+            crc32c(&data)
+        );
         assert_eq!(append_with(false, 0, b"123456789"), 0xe306_9283);
     }
 }

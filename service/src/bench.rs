@@ -1,15 +1,16 @@
 //! `shardwire bench`: kperf-style ingest throughput on loopback. A source and a node run in
 //! this process on synthetic `.bin` shards; a trainer thread takes and releases batches
-//! for `--seconds`. Prints per-flow Rx lines, per-CPU usage and a summary; with
-//! `--compare-tcp` it also runs plain TCP streams with the same flows and thread layout
-//! (sendfile from the same files -> `recv` into a buffer, no CRC, no trainer) in the same
-//! run and prints the ratio.
+//! for `--seconds`. Prints per-flow Rx lines, per-CPU usage, CPU seconds per GB delivered by
+//! role (source send, node receive, trainer, ...) and a summary; with `--compare-tcp` it also
+//! runs plain TCP with the same flows and thread layout ([`tcp`]: into one hot buffer, and
+//! into a rotating region as large as the stream's) in the same run and prints the ratios.
+//! `--rate` paces both to the same goodput, so their CPU per GB compares throughput-matched.
 
-use std::io::Read;
-use std::net::{TcpListener, TcpStream};
+mod cpu;
+mod tcp;
+
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -46,37 +47,16 @@ pub struct BenchArgs {
     /// the kernel-faithful emulator: frags into a memfd "dma-buf", gather, token return).
     #[arg(long, default_value = "host")]
     mode: ReceiveMode,
+    /// Pace the sources (and plain TCP) to this goodput in Gbit/s, for CPU per GB at a
+    /// matched rate (default: as fast as they go).
+    #[arg(long)]
+    rate: Option<f64>,
 }
 
-/// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
-fn cpu_times() -> Vec<[u64; 5]> {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    stat.lines()
-        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
-        .map(|l| {
-            let v: Vec<u64> = l
-                .split_whitespace()
-                .skip(1)
-                .filter_map(|x| x.parse().ok())
-                .collect();
-            let g = |i: usize| v.get(i).copied().unwrap_or(0);
-            [g(0) + g(1), g(2), g(3) + g(4), g(5) + g(6), v.iter().sum()]
-        })
-        .collect()
-}
-
-fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) {
-    for (i, (b, a)) in before.iter().zip(after).enumerate() {
-        let total = (a[4] - b[4]).max(1) as f64;
-        let pct = |k: usize| (a[k] - b[k]) as f64 * 100.0 / total;
-        println!(
-            "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}%",
-            pct(0),
-            pct(1),
-            pct(2),
-            pct(3)
-        );
-    }
+/// What one run measured: goodput and CPU seconds per GB over this process's threads.
+struct Run {
+    gbps: f64,
+    cpu_per_gb: f64,
 }
 
 fn gbps(bytes: u64, secs: f64) -> f64 {
@@ -122,32 +102,59 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         a.flows, a.seconds, shard, a.mode
     );
 
+    let rate = a.rate.map_or(0, |g| (g * 1e9 / 8.0) as u64);
     let result = (|| {
         let mut ratios = Vec::new();
         for round in 0..a.rounds.max(1) {
             if a.rounds > 1 {
                 println!("-- round {}", round + 1);
             }
-            let sw = run_shardwire(&a, &data, &dir, stream_memory)?;
+            let sw = run_shardwire(&a, &data, &dir, stream_memory, rate)?;
             if a.compare_tcp {
                 let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
-                let tcp = run_tcp(&a, &files, shard)?;
+                let run = |region| tcp::TcpRun {
+                    flows: a.flows,
+                    shard,
+                    region,
+                    rate,
+                    seconds: a.seconds,
+                };
+                let hot = run_plain(run(None), &files)?;
+                let placed = run_plain(run(Some(stream_memory as usize)), &files)?;
                 println!(
-                    "ratio shardwire/tcp: {:.3} ({sw:.3} / {tcp:.3} Gbps)",
-                    sw / tcp
+                    "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: {:.2} ({:.3} / {:.3})",
+                    sw.gbps / hot.gbps,
+                    sw.gbps,
+                    hot.gbps,
+                    sw.gbps / placed.gbps,
+                    placed.gbps,
+                    sw.cpu_per_gb / hot.cpu_per_gb,
+                    sw.cpu_per_gb,
+                    hot.cpu_per_gb
                 );
-                ratios.push(sw / tcp);
+                ratios.push((
+                    sw.gbps / hot.gbps,
+                    sw.gbps / placed.gbps,
+                    sw.cpu_per_gb / hot.cpu_per_gb,
+                ));
             }
         }
         if ratios.len() > 1 {
-            ratios.sort_by(f64::total_cmp);
-            let list: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+            let median = |k: fn(&(f64, f64, f64)) -> f64| {
+                let mut v: Vec<f64> = ratios.iter().map(k).collect();
+                v.sort_by(f64::total_cmp);
+                let list: Vec<String> = v.iter().map(|r| format!("{r:.3}")).collect();
+                (v[v.len() / 2], list.join(" "))
+            };
+            let (tcp, l1) = median(|r| r.0);
+            let (region, l2) = median(|r| r.1);
+            let (cpu, l3) = median(|r| r.2);
             println!(
-                "median ratio shardwire/tcp over {} rounds: {:.3} (sorted: {})",
-                ratios.len(),
-                ratios[ratios.len() / 2],
-                list.join(" ")
+                "median ratio shardwire/tcp over {} rounds: {tcp:.3} (sorted: {l1})",
+                ratios.len()
             );
+            println!("median ratio shardwire/tcp-region: {region:.3} (sorted: {l2})");
+            println!("median CPU s/GB shardwire/tcp: {cpu:.3} (sorted: {l3})");
         }
         Ok::<_, anyhow::Error>(())
     })();
@@ -161,12 +168,13 @@ fn run_shardwire(
     data: &std::path::Path,
     dir: &std::path::Path,
     stream_memory: u64,
-) -> anyhow::Result<f64> {
+    rate: u64,
+) -> anyhow::Result<Run> {
     let lb = Loopback::start(
         "bench",
         data,
         dir.join("trainer.sock"),
-        a.flows,
+        (a.flows, rate),
         stream_memory,
         a.mode,
     )?;
@@ -190,16 +198,26 @@ fn run_shardwire(
         .iter()
         .map(|f| f.stats.bytes.load(Ordering::Relaxed))
         .collect();
-    let cpu0 = cpu_times();
+    let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
     let t0 = Instant::now();
-    let mut delivered = 0u64;
-    while t0.elapsed() < Duration::from_secs(a.seconds) {
-        let Some(b) = s.next()? else { break };
-        delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-        s.release(b)?;
-    }
-    let secs = t0.elapsed().as_secs_f64();
-    let cpu1 = cpu_times();
+    // The trainer runs in a named thread, so its CPU shows up as its own role.
+    // The end sample is taken on that thread, while it still counts among the threads.
+    let (s, delivered, secs, cpu1, threads1) = std::thread::scope(|sc| {
+        std::thread::Builder::new()
+            .name("bench-trainer".into())
+            .spawn_scoped(sc, move || -> anyhow::Result<_> {
+                let mut delivered = 0u64;
+                while t0.elapsed() < Duration::from_secs(a.seconds) {
+                    let Some(b) = s.next()? else { break };
+                    delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
+                    s.release(b)?;
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                Ok((s, delivered, secs, cpu::cpu_times(), cpu::thread_times()))
+            })?
+            .join()
+            .map_err(|_| anyhow::anyhow!("the bench trainer thread panicked"))?
+    })?;
     let flows: Vec<(String, u16, u64)> = node
         .flows()
         .iter()
@@ -229,72 +247,51 @@ fn run_shardwire(
             (secs * 1e6) as u64
         );
     }
-    print_cpu(&cpu0, &cpu1);
+    let busy = cpu::print_cpu(&cpu0, &cpu1);
+    let cpu_per_gb = cpu::print_per_gb(&threads0, &threads1, delivered);
     let g = gbps(delivered, secs);
     println!(
-        "shardwire: {g:.3} Gbps delivered to the trainer ({delivered} bytes in {secs:.2} s), CRC failures: {crc}"
+        "shardwire: {g:.3} Gbps delivered to the trainer ({delivered} bytes in {secs:.2} s), CPUs {:.0}% busy, CRC failures: {crc}",
+        busy * 100.0
     );
-    Ok(g)
+    Ok(Run {
+        gbps: g,
+        cpu_per_gb,
+    })
 }
 
-fn run_tcp(a: &BenchArgs, files: &[std::path::PathBuf], shard: usize) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let received = Arc::new(AtomicU64::new(0));
-    let mut threads = Vec::new();
-    for f in 0..a.flows {
-        let files: Vec<std::fs::File> = files
-            .iter()
-            .map(std::fs::File::open)
-            .collect::<Result<_, _>>()?;
-        let stop_tx = Arc::clone(&stop);
-        threads.push(std::thread::spawn(move || -> std::io::Result<()> {
-            let sock = TcpStream::connect(addr)?;
-            let mut i = f as usize;
-            while !stop_tx.load(Ordering::Relaxed) {
-                let file = &files[i % files.len()];
-                let mut off = 0u64;
-                while (off as usize) < shard {
-                    let want = shard - off as usize;
-                    let n = rustix::fs::sendfile(&sock, file, Some(&mut off), want)?;
-                    if n == 0 {
-                        break;
-                    }
-                }
-                i += 1;
-            }
-            Ok(())
-        }));
-        let (mut conn, _) = listener.accept()?;
-        let (stop, received) = (Arc::clone(&stop), Arc::clone(&received));
-        threads.push(std::thread::spawn(move || -> std::io::Result<()> {
-            let mut buf = vec![0u8; shard];
-            while !stop.load(Ordering::Relaxed) {
-                let n = conn.read(&mut buf)?;
-                if n == 0 {
-                    break;
-                }
-                received.fetch_add(n as u64, Ordering::Relaxed);
-            }
-            Ok(())
-        }));
+/// A plain-TCP run (see [`tcp`]) with its CPU figures.
+fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run> {
+    let mut samples = Vec::new();
+    let m = tcp::run(r, files, || {
+        samples.push((cpu::cpu_times(), cpu::thread_times()))
+    })?;
+    let [(c0, t0), (c1, t1)] =
+        <[_; 2]>::try_from(samples).map_err(|_| anyhow::anyhow!("two CPU samples"))?;
+    match r.region {
+        None => println!(
+            "== plain TCP, same flows and threads (sendfile -> recv into one hot buffer, no CRC, no trainer)"
+        ),
+        Some(b) => println!(
+            "== plain TCP into a rotating region of {b} bytes (shard-sized slots in turn, as the stream's region)"
+        ),
     }
-    std::thread::sleep(Duration::from_millis(300));
-    let r0 = received.load(Ordering::Relaxed);
-    let cpu0 = cpu_times();
-    let t0 = Instant::now();
-    std::thread::sleep(Duration::from_secs(a.seconds));
-    let bytes = received.load(Ordering::Relaxed) - r0;
-    let secs = t0.elapsed().as_secs_f64();
-    let cpu1 = cpu_times();
-    stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        let _ = t.join();
-    }
-    println!("== plain TCP, same flows and threads (sendfile -> recv, no CRC, no trainer)");
-    print_cpu(&cpu0, &cpu1);
-    let g = gbps(bytes, secs);
-    println!("tcp: {g:.3} Gbps ({bytes} bytes in {secs:.2} s)");
-    Ok(g)
+    let busy = cpu::print_cpu(&c0, &c1);
+    let cpu_per_gb = cpu::print_per_gb(&t0, &t1, m.bytes);
+    let g = gbps(m.bytes, m.secs);
+    let name = if r.region.is_some() {
+        "tcp-region"
+    } else {
+        "tcp"
+    };
+    println!(
+        "{name}: {g:.3} Gbps ({} bytes in {:.2} s), CPUs {:.0}% busy",
+        m.bytes,
+        m.secs,
+        busy * 100.0
+    );
+    Ok(Run {
+        gbps: g,
+        cpu_per_gb,
+    })
 }

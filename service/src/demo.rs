@@ -47,7 +47,7 @@ impl Loopback {
         name: &str,
         dir: &std::path::Path,
         socket: PathBuf,
-        flows: u16,
+        (flows, rate_limit): (u16, u64),
         stream_memory: u64,
         receive: ReceiveMode,
     ) -> anyhow::Result<Self> {
@@ -60,7 +60,7 @@ impl Loopback {
         let scfg = shardwire_source::SourceConfig {
             listen: "127.0.0.1:0".parse()?,
             secret: None,
-            rate_limit: 0,
+            rate_limit,
             fault_corrupt: 0,
             devmem_tx: None,
             idle_timeout: shardwire_source::DEFAULT_IDLE_TIMEOUT,
@@ -141,7 +141,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
         "demo",
         &data,
         dir.join("trainer.sock"),
-        2,
+        (2, 0),
         64 << 20,
         receive,
     )?;

@@ -1,0 +1,141 @@
+//! CPU accounting for `shardwire bench`: per-CPU shares from /proc/stat (kperf's per-CPU
+//! usr/sys/idle/irq lines) and CPU seconds per thread of this process from
+//! /proc/self/task, grouped by role (the thread names say which part of the pipeline a
+//! thread belongs to), to report CPU seconds per GB delivered.
+
+use std::collections::BTreeMap;
+
+/// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
+pub fn cpu_times() -> Vec<[u64; 5]> {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .map(|l| {
+            let v: Vec<u64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let g = |i: usize| v.get(i).copied().unwrap_or(0);
+            [g(0) + g(1), g(2), g(3) + g(4), g(5) + g(6), v.iter().sum()]
+        })
+        .collect()
+}
+
+/// Prints each CPU's shares between two [`cpu_times`] samples; returns the busy share of
+/// all CPUs together (0..1).
+pub fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) -> f64 {
+    let (mut busy, mut all) = (0u64, 0u64);
+    for (i, (b, a)) in before.iter().zip(after).enumerate() {
+        let total = (a[4] - b[4]).max(1) as f64;
+        let pct = |k: usize| (a[k] - b[k]) as f64 * 100.0 / total;
+        println!(
+            "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}%",
+            pct(0),
+            pct(1),
+            pct(2),
+            pct(3)
+        );
+        busy += (a[4] - b[4]) - (a[2] - b[2]);
+        all += a[4] - b[4];
+    }
+    busy as f64 / all.max(1) as f64
+}
+
+/// The role of a thread, from its name.
+fn role(comm: &str) -> &'static str {
+    const ROLES: [(&str, &str); 7] = [
+        ("sw-send-", "source send"),
+        ("sw-recv-", "node receive"),
+        ("sw-trainer", "node trainer socket"),
+        ("tokio-runtime", "runtime (source + node control)"),
+        ("tcp-send-", "tcp send"),
+        ("tcp-recv-", "tcp recv"),
+        ("bench-trainer", "trainer"),
+    ];
+    ROLES
+        .iter()
+        .find(|(p, _)| comm.starts_with(p))
+        .map_or("other", |(_, r)| r)
+}
+
+/// (user, system) seconds of every thread of this process so far, by role.
+pub fn thread_times() -> BTreeMap<&'static str, (f64, f64)> {
+    let tick = rustix::param::clock_ticks_per_second() as f64;
+    let mut out: BTreeMap<&'static str, (f64, f64)> = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // Fields after the `(comm)`: state is field 3, utime 14, stime 15.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+        let e = out.entry(role(comm.trim())).or_default();
+        e.0 += num(11) / tick;
+        e.1 += num(12) / tick;
+    }
+    out
+}
+
+/// Prints CPU seconds per GB delivered, by role, between two [`thread_times`] samples, and
+/// returns the total over this process's threads.
+pub fn print_per_gb(
+    before: &BTreeMap<&'static str, (f64, f64)>,
+    after: &BTreeMap<&'static str, (f64, f64)>,
+    bytes: u64,
+) -> f64 {
+    let gb = bytes as f64 / 1e9;
+    let mut total = 0.0;
+    for (role, &(u1, s1)) in after {
+        let (u0, s0) = before.get(role).copied().unwrap_or_default();
+        let (u, s) = (u1 - u0, s1 - s0);
+        if u + s < 0.005 {
+            continue;
+        }
+        total += u + s;
+        println!(
+            "  {role:32} usr {u:6.2} s  sys {s:6.2} s  {:6.3} CPU s/GB",
+            (u + s) / gb.max(1e-9)
+        );
+    }
+    println!(
+        "  {:32} {total:.2} CPU s  {:6.3} CPU s/GB",
+        "all threads",
+        total / gb.max(1e-9)
+    );
+    total / gb.max(1e-9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_come_from_thread_names() {
+        assert_eq!(role("sw-recv-0-3"), "node receive");
+        assert_eq!(role("sw-send-1"), "source send");
+        assert_eq!(role("tokio-runtime-w"), "runtime (source + node control)");
+        assert_eq!(role("bench-trainer"), "trainer");
+        assert_eq!(role("whatever"), "other");
+    }
+
+    #[test]
+    fn this_thread_shows_up_with_its_cpu() {
+        let before = thread_times();
+        let mut x = 0u64;
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(50) {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        }
+        std::hint::black_box(x);
+        let after = thread_times();
+        let sum = |m: &BTreeMap<&str, (f64, f64)>| m.values().map(|(u, s)| u + s).sum::<f64>();
+        assert!(sum(&after) >= sum(&before), "{before:?} {after:?}");
+        assert!(!after.is_empty());
+    }
+}
