@@ -22,8 +22,9 @@ pub fn cpu_times() -> Vec<[u64; 5]> {
         .collect()
 }
 
-/// Prints each CPU's shares between two [`cpu_times`] samples; returns the busy share of
-/// all CPUs together (0..1).
+/// Prints each CPU's shares between two [`cpu_times`] samples; returns the CPU seconds all
+/// CPUs were busy (user, system, irq and softirq: work no thread is charged for, such as
+/// loopback's receive processing, included).
 pub fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) -> f64 {
     let (mut busy, mut all) = (0u64, 0u64);
     for (i, (b, a)) in before.iter().zip(after).enumerate() {
@@ -39,15 +40,17 @@ pub fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) -> f64 {
         busy += (a[4] - b[4]) - (a[2] - b[2]);
         all += a[4] - b[4];
     }
-    busy as f64 / all.max(1) as f64
+    let _ = all;
+    busy as f64 / rustix::param::clock_ticks_per_second() as f64
 }
 
 /// The role of a thread, from its name.
 fn role(comm: &str) -> &'static str {
-    const ROLES: [(&str, &str); 7] = [
+    const ROLES: [(&str, &str); 8] = [
         ("sw-send-", "source send"),
         ("sw-recv-", "node receive"),
         ("sw-trainer", "node trainer socket"),
+        ("tokio-rt-worker", "runtime (source + node control)"),
         ("tokio-runtime", "runtime (source + node control)"),
         ("tcp-send-", "tcp send"),
         ("tcp-recv-", "tcp recv"),
@@ -119,7 +122,7 @@ mod tests {
     fn roles_come_from_thread_names() {
         assert_eq!(role("sw-recv-0-3"), "node receive");
         assert_eq!(role("sw-send-1"), "source send");
-        assert_eq!(role("tokio-runtime-w"), "runtime (source + node control)");
+        assert_eq!(role("tokio-rt-worker"), "runtime (source + node control)");
         assert_eq!(role("bench-trainer"), "trainer");
         assert_eq!(role("whatever"), "other");
     }
