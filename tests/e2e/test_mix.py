@@ -202,3 +202,42 @@ def test_http_mixture_equals_the_socket_and_states_cross(node):
     assert got == want[:6]
     with shardwire.connect(node.socket).open_stream(mix, state=st, **opts) as s:  # HTTP -> socket
         assert _batches(s, 4) == want[6:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_a_token_mixture_exactly(sw, tmp_path, workers):
+    """shardwire.torch.IterableDataset over a token-window mixture in torchdata's
+    StatefulDataLoader (0 and 2 workers): a checkpoint after 5 batches resumes exactly."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata")
+    from shardwire.torch import IterableDataset
+
+    dirs = {}
+    for name, start in (("books", 1), ("math", 40001)):
+        d = tmp_path / name
+        d.mkdir()
+        np.arange(start, start + 4000, dtype=np.uint16).tofile(d / "train.bin")
+        r = subprocess.run([str(require_bin()), "index", str(d), "--tokens", "uint16"],
+                           capture_output=True, text=True, timeout=60, env=child_env())
+        assert r.returncode == 0, r.stderr
+        dirs[name] = d
+    n = sw.serve([sw.source(dirs)], "--pool-size", "256MiB", "--stream-memory", "16MiB")
+    wait_ready(n)
+
+    def loader():
+        ds = IterableDataset({"books": 0.5, "math": 0.5}, socket=n.socket, seed=2, batch_size=4,
+                             seq_len=8, shuffle="block", shuffle_block=2)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    def firsts(b) -> list[int]:
+        return [int(w[0]) for w in np.asarray(b["tokens"])]
+
+    full = [firsts(b) for b in loader()]
+    assert len(full) == (2 * ((4000 - 1) // 8)) // 4, len(full)  # a mixture epoch: all windows / batch
+    dl = loader()
+    it = iter(dl)
+    head = [firsts(next(it)) for _ in range(5)]
+    sd = dl.state_dict()
+    del it, dl
+    dl2 = loader()
+    dl2.load_state_dict(sd)
+    assert head + [firsts(b) for b in dl2] == full
