@@ -37,6 +37,7 @@ pub mod probe;
 pub mod socket;
 #[allow(unsafe_code)] // the one module with raw syscalls; every block has a SAFETY note
 mod sys;
+pub use sys::set_rcvlowat;
 #[cfg(test)]
 mod testutil;
 pub mod tx;

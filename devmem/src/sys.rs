@@ -86,6 +86,26 @@ pub(crate) fn dontneed(fd: BorrowedFd<'_>, tokens: &[libc::dmabuf_token]) -> io:
     }
 }
 
+/// `setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, bytes)`: blocking reads wait for `bytes` (or
+/// the read's length, if smaller) before returning.
+pub fn set_rcvlowat(fd: BorrowedFd<'_>, bytes: i32) -> io::Result<()> {
+    // SAFETY: `bytes` is a live c_int read by the kernel for optlen bytes; `fd` is live.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// `setsockopt(fd, SOL_SOCKET, SO_ZEROCOPY, 1)`.
 pub(crate) fn set_zerocopy(fd: BorrowedFd<'_>) -> io::Result<()> {
     let one: libc::c_int = 1;
