@@ -31,7 +31,8 @@ use crate::link::SourceLink;
 /// are still in L2 when they are checksummed.
 pub const CHUNK: usize = 1 << 20;
 
-/// `SO_RCVLOWAT` of plain-TCP data connections (a quarter of a [`CHUNK`]). Measured with
+/// `SO_RCVLOWAT` of plain-TCP data connections (a quarter of a [`CHUNK`]; see
+/// [`Plain::read_some`] for the smaller marks near a payload's end). Measured with
 /// `bench` on loopback (docs/BENCHMARKS.md): 256 KiB and 512 KiB raised goodput by about a
 /// quarter over the default of 1 byte at a lower CPU per GB; 1 MiB (with 2 MiB reads) was
 /// worse than both. A slow link still makes progress: a read that times out returns what
@@ -367,9 +368,9 @@ mod tests {
     use super::*;
     use crate::fetch::Completion;
 
-    /// A payload smaller than RCVLOWAT arrives at once (the mark follows the read's length:
-    /// the kernel wakes a blocked reader only at the socket's mark), and a large one is
-    /// read whole, back to back with the next, over a real loopback socket.
+    /// Over a real loopback socket: a small payload arrives at once (the mark is at most
+    /// half the read's length: the kernel wakes a blocked reader only at the socket's mark),
+    /// a payload of exactly RCVLOWAT trickling in arrives, and a large one is read whole.
     #[test]
     fn the_low_water_mark_never_waits_past_a_payload() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
