@@ -118,44 +118,8 @@ impl Node {
             ));
         }
         let region_bytes = self.info.cfg.stream_memory();
-        let cuda = self.plane.cuda.is_some();
-        let (manifest, sources, (kind, start, fingerprint)) = match (&r.mix, r.batch_size) {
-            (Some(mix), Some(b)) => {
-                let mut parts = Vec::with_capacity(mix.len());
-                let mut sources = Vec::with_capacity(mix.len());
-                let mut first = 0u32;
-                for e in mix {
-                    let (m, candidates) = self.manifest_for(&e.dataset).await?;
-                    sources.push(DatasetSource {
-                        dataset: e.dataset.clone(),
-                        first,
-                        candidates,
-                    });
-                    first += m.shards.len() as u32;
-                    parts.push((e.dataset.clone(), m));
-                }
-                let named: Vec<(&str, &Manifest)> = parts
-                    .iter()
-                    .map(|(n, m)| (n.as_str(), m.as_ref()))
-                    .collect();
-                let combined = Manifest::mixture(&named);
-                let opened = open_mix::mix_mode(&parts, &combined, &r, b, region_bytes, cuda)?;
-                (Arc::new(combined), sources, opened)
-            }
-            (_, batch) => {
-                let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
-                let opened = match batch {
-                    None => open::shard_mode(&manifest, &r, region_bytes)?,
-                    Some(b) => open::batch_mode(&manifest, &r, b, region_bytes, cuda)?,
-                };
-                let sources = vec![DatasetSource {
-                    dataset: r.dataset.clone(),
-                    first: 0,
-                    candidates,
-                }];
-                (manifest, sources, opened)
-            }
-        };
+        let (manifest, sources, (kind, start, fingerprint)) =
+            self.plan_stream(&r, region_bytes).await?;
         let reservation = self.admission.reserve(region_bytes).map_err(|e| {
             let code = match e {
                 AdmitError::Draining => ErrorCode::Draining,
@@ -194,6 +158,53 @@ impl Node {
         tracing::info!(stream = id, dataset = %s.dataset(), seed, rank, world_size, epochs = r.epochs,
             batch_size = r.batch_size, start, "stream opened");
         Ok(s)
+    }
+
+    /// The manifest, the datasets its shards come from and the opened plan of `r`: one
+    /// dataset (shard or batch mode), or a mixture over the combined manifest of its parts.
+    async fn plan_stream(
+        &self,
+        r: &StreamRequest,
+        region_bytes: u64,
+    ) -> Result<(Arc<Manifest>, Vec<DatasetSource>, (Kind, u64, String)), OpenError> {
+        let cuda = self.plane.cuda.is_some();
+        Ok(match (&r.mix, r.batch_size) {
+            (Some(mix), Some(b)) => {
+                let mut parts = Vec::with_capacity(mix.len());
+                let mut sources = Vec::with_capacity(mix.len());
+                let mut first = 0u32;
+                for e in mix {
+                    let (m, candidates) = self.manifest_for(&e.dataset).await?;
+                    sources.push(DatasetSource {
+                        dataset: e.dataset.clone(),
+                        first,
+                        candidates,
+                    });
+                    first += m.shards.len() as u32;
+                    parts.push((e.dataset.clone(), m));
+                }
+                let named: Vec<(&str, &Manifest)> = parts
+                    .iter()
+                    .map(|(n, m)| (n.as_str(), m.as_ref()))
+                    .collect();
+                let combined = Manifest::mixture(&named);
+                let opened = open_mix::mix_mode(&parts, &combined, r, b, region_bytes, cuda)?;
+                (Arc::new(combined), sources, opened)
+            }
+            (_, batch) => {
+                let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
+                let opened = match batch {
+                    None => open::shard_mode(&manifest, r, region_bytes)?,
+                    Some(b) => open::batch_mode(&manifest, r, b, region_bytes, cuda)?,
+                };
+                let sources = vec![DatasetSource {
+                    dataset: r.dataset.clone(),
+                    first: 0,
+                    candidates,
+                }];
+                (manifest, sources, opened)
+            }
+        })
     }
 
     /// [`Node::open_stream`] from a thread outside the runtime (the trainer socket): the open

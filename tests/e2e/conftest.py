@@ -84,14 +84,23 @@ def crc32c(data: bytes) -> int:
 # --- datasets --------------------------------------------------------------------------------
 
 
-def index_dataset(d: pathlib.Path, timeout: float = 300) -> dict:
-    """Runs `shardwire index DIR`, asserts success and returns the manifest."""
+def index_dataset(d: pathlib.Path, *flags: str, timeout: float = 300) -> dict:
+    """Runs `shardwire index DIR [FLAGS]`, asserts success and returns the manifest."""
     r = subprocess.run(
-        [str(require_bin()), "index", "--quiet", str(d)],
+        [str(require_bin()), "index", "--quiet", str(d), *flags],
         capture_output=True, text=True, timeout=timeout, env=child_env(),
     )
     assert r.returncode == 0, f"shardwire index {d} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     return load_manifest(d)
+
+
+def write_tokens(d: pathlib.Path, tokens, eos: int | None = None) -> dict:
+    """A raw token dataset: `tokens` (a numpy array) as DIR/train.bin, indexed with
+    `--tokens DTYPE` (and `--eos EOS`); returns the manifest."""
+    d.mkdir(parents=True, exist_ok=True)
+    tokens.tofile(d / "train.bin")
+    flags = ["--tokens", str(tokens.dtype)] + ([] if eos is None else ["--eos", str(eos)])
+    return index_dataset(d, *flags)
 
 
 def load_manifest(d: pathlib.Path) -> dict:

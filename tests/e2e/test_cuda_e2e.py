@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import child_env, shardwire_bin, MiB, admin_request, crc32c, expected_crcs, http_get, index_dataset, write_id_dataset, write_npy_dataset, write_uint8_shards
+from conftest import child_env, shardwire_bin, MiB, admin_request, crc32c, expected_crcs, http_get, index_dataset, write_id_dataset, write_npy_dataset, write_uint8_shards, write_tokens
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "client" / "python" / "src"))
 
@@ -131,13 +131,9 @@ def test_token_windows_widened_on_the_gpu_into_torch(sw, tmp_path):
     import torch
 
     d = tmp_path / "tok"
-    d.mkdir()
     rng = np.random.default_rng(4)
     stream = np.concatenate([np.append(rng.integers(1, 65535, size=n), 0) for n in rng.integers(5, 80, size=60)]).astype(np.uint16)
-    stream.tofile(d / "train.bin")
-    r = subprocess.run([str(shardwire_bin()), "index", str(d), "--tokens", "uint16", "--eos", "0"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    write_tokens(d, stream, eos=0)
     serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB")
     L, k = 16, 0
     with shardwire.connect(serve.socket).open_stream("ds", batch_size=4, seq_len=L, shuffle="none",

@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MiB, REPO, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_id_dataset, write_npy_dataset, write_uint8_shards
+from conftest import MiB, REPO, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_id_dataset, write_npy_dataset, write_uint8_shards, write_tokens
 
 FAKE_NAME = "shardwire fake CUDA device (host memory)"
 FAKE_BUS = "0000:fa:00.0"
@@ -207,13 +207,9 @@ def test_token_windows_widen_in_the_batch_gather_launch(sw, tmp_path):
     launch (a frag per token into zeroed cells): every window exact against the raw token
     file, launches == batches, no driver call failed."""
     d = tmp_path / "tok"
-    d.mkdir()
     rng = np.random.default_rng(4)
     stream = np.concatenate([np.append(rng.integers(1, 65535, size=n), 0) for n in rng.integers(5, 80, size=60)]).astype(np.uint16)
-    stream.tofile(d / "train.bin")
-    r = subprocess.run([str(shardwire_bin()), "index", str(d), "--tokens", "uint16", "--eos", "0"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    write_tokens(d, stream, eos=0)
     serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB",
                      env=fake_env())
     L = 16

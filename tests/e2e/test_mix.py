@@ -11,13 +11,12 @@ cursor under the new shares, nothing repeated; a dataset that runs out starts it
 from __future__ import annotations
 
 import collections
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, arrow_batches, child_env, index_dataset, require_bin, wait_ready, write_arrow
+from conftest import REPO, arrow_batches, index_dataset, wait_ready, write_arrow, write_tokens
 
 sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 
@@ -169,13 +168,8 @@ def test_token_windows_mix_in_exact_shares(sw, tmp_path):
     L = 8
     dirs = {}
     for name, start in (("books", 1), ("math", 40001)):
-        d = tmp_path / name
-        d.mkdir()
-        np.arange(start, start + 3000, dtype=np.uint16).tofile(d / "train.bin")
-        r = subprocess.run([str(require_bin()), "index", str(d), "--tokens", "uint16"],
-                           capture_output=True, text=True, timeout=60, env=child_env())
-        assert r.returncode == 0, r.stderr
-        dirs[name] = d
+        dirs[name] = tmp_path / name
+        write_tokens(dirs[name], np.arange(start, start + 3000, dtype=np.uint16))
     n = sw.serve([sw.source(dirs)], "--pool-size", "256MiB", "--stream-memory", "16MiB")
     wait_ready(n)
     with shardwire.connect(n.socket).open_stream({"books": 3, "math": 1}, batch_size=4, seq_len=L,
@@ -213,13 +207,8 @@ def test_stateful_dataloader_resumes_a_token_mixture_exactly(sw, tmp_path, worke
 
     dirs = {}
     for name, start in (("books", 1), ("math", 40001)):
-        d = tmp_path / name
-        d.mkdir()
-        np.arange(start, start + 4000, dtype=np.uint16).tofile(d / "train.bin")
-        r = subprocess.run([str(require_bin()), "index", str(d), "--tokens", "uint16"],
-                           capture_output=True, text=True, timeout=60, env=child_env())
-        assert r.returncode == 0, r.stderr
-        dirs[name] = d
+        dirs[name] = tmp_path / name
+        write_tokens(dirs[name], np.arange(start, start + 4000, dtype=np.uint16))
     n = sw.serve([sw.source(dirs)], "--pool-size", "256MiB", "--stream-memory", "16MiB")
     wait_ready(n)
 

@@ -15,13 +15,12 @@ be imported.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, child_env, require_bin, serve_dataset
+from conftest import REPO, index_dataset, serve_dataset, write_tokens
 
 sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 
@@ -34,12 +33,6 @@ indexed = pytest.importorskip(
 )
 
 L = 16
-
-
-def _index(d, *flags: str) -> None:
-    r = subprocess.run([str(require_bin()), "index", str(d), *flags], capture_output=True,
-                       text=True, timeout=120, env=child_env())
-    assert r.returncode == 0, f"shardwire index failed:\n{r.stdout}\n{r.stderr}"
 
 
 def _lengths(n: int, seed: int) -> list[int]:
@@ -60,7 +53,7 @@ def _megatron_dir(tmp_path_factory, name: str, dtype, lengths: list[int]):
         b.end_document()
         at += n
     b.finalize(prefix + ".idx")
-    _index(d)
+    index_dataset(d)
     stream = np.arange(1, at, dtype=np.int64)
     pos = np.concatenate([np.arange(n) for n in lengths])
     return d, prefix, stream, pos
@@ -196,7 +189,7 @@ def test_hf_input_ids_column_with_tokens_column(sw, tmp_path):
                                     features=features)
     d = tmp_path / "hf"
     hf.save_to_disk(str(d))
-    _index(d)
+    index_dataset(d)
     node = serve_dataset(sw, "hf", d)
     client = shardwire.connect(node.socket)
     with pytest.raises(shardwire.ServiceError) as e:
@@ -218,9 +211,7 @@ def test_raw_uint16_tokens_with_eos(sw, tmp_path):
     docs = [np.concatenate([rng.integers(1, 65535, size=n), [0]]).astype(np.uint16) for n in lengths]
     stream = np.concatenate(docs)
     d = tmp_path / "raw"
-    d.mkdir()
-    stream.tofile(d / "train.bin")
-    _index(d, "--tokens", "uint16", "--eos", "0")
+    write_tokens(d, stream, eos=0)
     pos = np.concatenate([np.arange(len(x)) for x in docs])
     node = serve_dataset(sw, "raw", d)
     with shardwire.connect(node.socket).open_stream("raw", batch_size=4, seq_len=L, shuffle="none",

@@ -7,6 +7,7 @@
 //! `boundaries`, `positions` (int32, same shape: the token's place in its document, 0 at
 //! each document start), written from the host. Widening happens while copying (`Widen`).
 
+use shardwire_protocol::manifest::ShardEntry;
 use shardwire_protocol::samples::{TokenPiece, WindowSpec};
 use shardwire_protocol::trainer::{ErrorCode, StreamRequest, WindowOrder};
 use shardwire_protocol::{DType, Manifest};
@@ -55,9 +56,8 @@ fn is_int(d: DType) -> bool {
 }
 
 impl TokenMode {
-    /// The documents' tensor of `m` (`tokens_column`, or its only ragged integer tensor),
-    /// the window spec over its rows, and the delivery; `cuda`: the stream's memory is on a
-    /// GPU.
+    /// The documents' tensor of `m` (`tokens_column`, or its only ragged integer tensor
+    /// wider than 8 bits), the window spec over its rows, and the delivery.
     pub fn of(
         m: &Manifest,
         r: &StreamRequest,
@@ -67,50 +67,8 @@ impl TokenMode {
             .shards
             .first()
             .ok_or_else(|| bad("the dataset has no shards".into()))?;
-        let candidates: Vec<&str> = first
-            .tensors
-            .iter()
-            .filter(|t| t.ragged && is_int(t.dtype))
-            .map(|t| t.name.as_str())
-            .collect();
-        // Chosen without `tokens_column`: wider than a byte (strings, bytes, WebDataset
-        // members and HF attention masks are 8-bit; token ids never are).
-        let wide: Vec<&str> = first
-            .tensors
-            .iter()
-            .filter(|t| t.ragged && is_int(t.dtype) && t.dtype.size() > 1)
-            .map(|t| t.name.as_str())
-            .collect();
-        let name = match (&r.tokens_column, wide.as_slice()) {
-            (Some(n), _) => n.as_str(),
-            (None, [one]) => one,
-            (None, []) => {
-                return Err(bad(format!(
-                    "seq_len needs documents as the rows of a ragged integer tensor wider than 8 bits (a Megatron .bin/.idx, `shardwire index --tokens`, an Arrow list-of-integers column such as input_ids), or tokens_column naming one; the dataset's tensors are {:?}",
-                    first.tensors.iter().map(|t| &t.name).collect::<Vec<_>>()
-                )));
-            }
-            (None, many) => {
-                return Err(bad(format!(
-                    "the dataset has several ragged integer tensors {many:?}; name the documents with tokens_column"
-                )));
-            }
-        };
-        let tensor = first.tensors.iter().position(|t| t.name == name).ok_or_else(|| {
-            bad(format!("tokens_column {name:?} is not a tensor of the dataset; ragged integer tensors: {candidates:?}"))
-        })?;
-        let src = first.tensors[tensor].dtype;
-        if !candidates.contains(&name) {
-            return Err(bad(format!(
-                "tokens_column {name:?} is {} {}, not a ragged integer tensor; ragged integer tensors: {candidates:?}",
-                if first.tensors[tensor].ragged {
-                    "ragged"
-                } else {
-                    "fixed-shape"
-                },
-                src.name()
-            )));
-        }
+        let (tensor, src) = choose_column(first, r.tokens_column.as_deref())?;
+        let name = first.tensors[tensor].name.as_str();
         let out = r.token_dtype.unwrap_or(src);
         if out != src && !holds(out, src) {
             return Err(bad(format!(
@@ -119,36 +77,10 @@ impl TokenMode {
                 src.name()
             )));
         }
-        let mut doc_tokens = Vec::with_capacity(m.shards.len());
-        for (i, s) in m.shards.iter().enumerate() {
-            let t = s
-                .tensors
-                .get(tensor)
-                .filter(|t| t.name == name && t.dtype == src && t.ragged);
-            let Some(t) = t else {
-                return Err(bad(format!(
-                    "shard {i} ({}) has no ragged {} tensor {name:?} at the place shard 0 has it",
-                    s.file,
-                    src.name()
-                )));
-            };
-            let mut docs = Vec::with_capacity(t.row_count() as usize);
-            for row in 0..t.row_count() {
-                let n = row_range(s, t, row).1 / src.size();
-                docs.push(u32::try_from(n).map_err(|_| {
-                    bad(format!(
-                        "shard {i} ({}) row {row} of {name:?} holds {n} tokens; a document may hold at most {} (split it)",
-                        s.file,
-                        u32::MAX
-                    ))
-                })?);
-            }
-            doc_tokens.push(docs);
-        }
         let spec = WindowSpec {
             seq_len,
             column: name.to_owned(),
-            doc_tokens,
+            doc_tokens: doc_tokens(m, tensor, name, src)?,
             megatron: r.order == Some(WindowOrder::Megatron),
         };
         let mode = Self {
@@ -181,6 +113,92 @@ impl TokenMode {
             false => tokens,
         }
     }
+}
+
+/// The index and dtype of the documents' tensor among `first`'s: `column`, or the only
+/// ragged integer tensor wider than a byte.
+fn choose_column(first: &ShardEntry, column: Option<&str>) -> Result<(usize, DType), OpenError> {
+    let candidates: Vec<&str> = first
+        .tensors
+        .iter()
+        .filter(|t| t.ragged && is_int(t.dtype))
+        .map(|t| t.name.as_str())
+        .collect();
+    // Chosen without `tokens_column`: wider than a byte (strings, bytes, WebDataset
+    // members and HF attention masks are 8-bit; token ids never are).
+    let wide: Vec<&str> = first
+        .tensors
+        .iter()
+        .filter(|t| t.ragged && is_int(t.dtype) && t.dtype.size() > 1)
+        .map(|t| t.name.as_str())
+        .collect();
+    let name = match (column, wide.as_slice()) {
+        (Some(n), _) => n,
+        (None, [one]) => one,
+        (None, []) => {
+            return Err(bad(format!(
+                "seq_len needs documents as the rows of a ragged integer tensor wider than 8 bits (a Megatron .bin/.idx, `shardwire index --tokens`, an Arrow list-of-integers column such as input_ids), or tokens_column naming one; the dataset's tensors are {:?}",
+                first.tensors.iter().map(|t| &t.name).collect::<Vec<_>>()
+            )));
+        }
+        (None, many) => {
+            return Err(bad(format!(
+                "the dataset has several ragged integer tensors {many:?}; name the documents with tokens_column"
+            )));
+        }
+    };
+    let tensor = first.tensors.iter().position(|t| t.name == name).ok_or_else(|| {
+            bad(format!("tokens_column {name:?} is not a tensor of the dataset; ragged integer tensors: {candidates:?}"))
+        })?;
+    let src = first.tensors[tensor].dtype;
+    if !candidates.contains(&name) {
+        return Err(bad(format!(
+            "tokens_column {name:?} is {} {}, not a ragged integer tensor; ragged integer tensors: {candidates:?}",
+            if first.tensors[tensor].ragged {
+                "ragged"
+            } else {
+                "fixed-shape"
+            },
+            src.name()
+        )));
+    }
+    Ok((tensor, src))
+}
+
+/// The tokens of every document (row of tensor `tensor`, `name`, of `src` tokens) per shard.
+fn doc_tokens(
+    m: &Manifest,
+    tensor: usize,
+    name: &str,
+    src: DType,
+) -> Result<Vec<Vec<u32>>, OpenError> {
+    let mut doc_tokens = Vec::with_capacity(m.shards.len());
+    for (i, s) in m.shards.iter().enumerate() {
+        let t = s
+            .tensors
+            .get(tensor)
+            .filter(|t| t.name == name && t.dtype == src && t.ragged);
+        let Some(t) = t else {
+            return Err(bad(format!(
+                "shard {i} ({}) has no ragged {} tensor {name:?} at the place shard 0 has it",
+                s.file,
+                src.name()
+            )));
+        };
+        let mut docs = Vec::with_capacity(t.row_count() as usize);
+        for row in 0..t.row_count() {
+            let n = row_range(s, t, row).1 / src.size();
+            docs.push(u32::try_from(n).map_err(|_| {
+                    bad(format!(
+                        "shard {i} ({}) row {row} of {name:?} holds {n} tokens; a document may hold at most {} (split it)",
+                        s.file,
+                        u32::MAX
+                    ))
+                })?);
+        }
+        doc_tokens.push(docs);
+    }
+    Ok(doc_tokens)
 }
 
 /// The slab of a batch of `windows` (in order): `tokens` at 0, then `positions`.
