@@ -15,6 +15,8 @@
 //!   restored on shutdown or at the next start after a crash.
 //! * [`txbuf`]: the sender's TX dma-buf, per-connection rings gated by completions.
 //! * [`tx`]: devmem TX (`sendmsg` from a TX-bound dma-buf, zerocopy completions).
+//! * [`uring`]: io_uring multishot receive into provided buffers (host memory), measured by
+//!   `shardwire bench --compare-uring` against `recv`.
 //!
 //! The socket-level UAPI constants below are checked at compile time against the `libc`
 //! crate. Source: include/uapi/asm-generic/socket.h and include/uapi/linux/uio.h (Linux
@@ -37,6 +39,8 @@ pub mod probe;
 pub mod socket;
 #[allow(unsafe_code)] // the one module with raw syscalls; every block has a SAFETY note
 mod sys;
+#[allow(unsafe_code)] // ring setup, provided-buffer memory and SQE pushes: each has a SAFETY note
+pub mod uring;
 pub use sys::set_rcvlowat;
 #[cfg(test)]
 mod testutil;

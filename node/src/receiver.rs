@@ -92,12 +92,29 @@ impl PayloadRead for Wire {
     }
 }
 
+/// The `SO_RCVLOWAT` for a read that may take `len` more bytes of a payload: [`RCVLOWAT`],
+/// or half of `len` if that is less (1 below [`MIN_LOWAT`]).
+pub fn lowat_for(len: usize) -> i32 {
+    let half = len / 2;
+    match half < MIN_LOWAT {
+        true => 1,
+        false => half.min(RCVLOWAT as usize) as i32,
+    }
+}
+
 /// A plain-TCP data connection and its `SO_RCVLOWAT`.
 #[derive(Debug)]
 pub struct Plain {
     sock: TcpStream,
     /// The low-water mark set now (the kernel's default is 1).
     lowat: i32,
+}
+
+impl Plain {
+    /// A plain-TCP data connection at the kernel's default mark (set per read).
+    pub fn new(sock: TcpStream) -> Self {
+        Self { sock, lowat: 1 }
+    }
 }
 
 impl PayloadRead for Plain {
@@ -108,11 +125,7 @@ impl PayloadRead for Plain {
     /// on the read's length, so the mark stays at most half of what is still on its way:
     /// the receive window (which the queued bytes fill) never has to hold all of it.
     fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
-        let half = dst.len() / 2;
-        let want = match half < MIN_LOWAT {
-            true => 1,
-            false => half.min(RCVLOWAT as usize) as i32,
-        };
+        let want = lowat_for(dst.len());
         if want != self.lowat {
             shardwire_devmem::set_rcvlowat(std::os::fd::AsFd::as_fd(&self.sock), want)?;
             self.lowat = want;
@@ -145,7 +158,7 @@ impl Path {
         cuda: Option<&Arc<CudaMemory>>,
     ) -> io::Result<Self> {
         let wire = match rx {
-            None => Wire::Plain(Plain { sock, lowat: 1 }),
+            None => Wire::Plain(Plain::new(sock)),
             Some(region) => Wire::Devmem(region.reader(sock)?),
         };
         Ok(match (wire, cuda) {
@@ -378,7 +391,7 @@ mod tests {
         let (sock, _) = l.accept().unwrap();
         sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
             .unwrap();
-        let mut rx = Plain { sock, lowat: 1 };
+        let mut rx = Plain::new(sock);
         let big: Vec<u8> = (0..(3 * RCVLOWAT as usize + 7)).map(|i| i as u8).collect();
         std::io::Write::write_all(&mut tx, &[7u8; 100]).unwrap();
         let t = std::time::Instant::now();

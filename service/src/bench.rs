@@ -36,6 +36,12 @@ pub struct BenchArgs {
     /// Also run plain TCP with the same layout and print the ratio.
     #[arg(long)]
     compare_tcp: bool,
+    /// Also measure the receive primitives into the stream-sized region, alternating in each
+    /// round: the node's reader (`recv` with its SO_RCVLOWAT rule) against io_uring
+    /// multishot receive into provided buffers (copied, or the region's own slots filled
+    /// incrementally), with and without SO_RCVLOWAT; prints each one's ratio to the node's.
+    #[arg(long)]
+    compare_uring: bool,
     /// Stream region size (fetch-ahead window) [default: 32 slabs, 64MiB..1GiB].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
@@ -105,24 +111,29 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     let rate = a.rate.map_or(0, |g| (g * 1e9 / 8.0) as u64);
+    let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
+    let region = stream_memory as usize;
+    let plain = |region, recv| tcp::TcpRun {
+        flows: a.flows,
+        shard,
+        region,
+        recv,
+        rate,
+        seconds: a.seconds,
+    };
     let result = (|| {
-        let mut ratios = Vec::new();
+        let (mut ratios, mut uring_rows) = (Vec::new(), Vec::new());
         for round in 0..a.rounds.max(1) {
             if a.rounds > 1 {
                 println!("-- round {}", round + 1);
             }
             let sw = run_shardwire(&a, &data, &dir, stream_memory, rate)?;
+            if a.compare_uring {
+                uring_rows.push(compare_uring(&files, &plain, region)?);
+            }
             if a.compare_tcp {
-                let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
-                let run = |region| tcp::TcpRun {
-                    flows: a.flows,
-                    shard,
-                    region,
-                    rate,
-                    seconds: a.seconds,
-                };
-                let hot = run_plain(run(None), &files)?;
-                let placed = run_plain(run(Some(stream_memory as usize)), &files)?;
+                let hot = run_plain(plain(None, tcp::Recv::Read), &files)?;
+                let placed = run_plain(plain(Some(region), tcp::Recv::Read), &files)?;
                 println!(
                     "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: threads {:.2} ({:.3} / {:.3}), all CPUs {:.2} ({:.3} / {:.3})",
                     sw.gbps / hot.gbps,
@@ -163,6 +174,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
                 );
             }
         }
+        print_uring_medians(&uring_rows);
         Ok::<_, anyhow::Error>(())
     })();
     let _ = std::fs::remove_dir_all(&dir);
@@ -278,20 +290,22 @@ fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run
         <[_; 2]>::try_from(samples).map_err(|_| anyhow::anyhow!("two CPU samples"))?;
     match r.region {
         None => println!(
-            "== plain TCP, same flows and threads (sendfile -> recv into one hot buffer, no CRC, no trainer)"
+            "== plain TCP, same flows and threads (sendfile -> {} into one hot buffer, no CRC, no trainer)",
+            r.recv.label()
         ),
         Some(b) => println!(
-            "== plain TCP into a rotating region of {b} bytes (shard-sized slots in turn, as the stream's region)"
+            "== plain TCP ({}) into a rotating region of {b} bytes (shard-sized slots in turn, as the stream's region)",
+            r.recv.label()
         ),
     }
     let busy = cpu::print_cpu(&c0, &c1);
     let cpu_per_gb = cpu::print_per_gb(&t0, &t1, m.bytes);
     let all_per_gb = busy / (m.bytes as f64 / 1e9);
     let g = gbps(m.bytes, m.secs);
-    let name = if r.region.is_some() {
-        "tcp-region"
-    } else {
-        "tcp"
+    let name = match (r.region, r.recv) {
+        (None, tcp::Recv::Read) => "tcp".to_string(),
+        (Some(_), tcp::Recv::Read) => "tcp-region".to_string(),
+        (_, recv) => format!("tcp-{}", recv.label()),
     };
     println!(
         "{name}: {g:.3} Gbps ({} bytes in {:.2} s), all CPUs {all_per_gb:.3} busy s/GB",
@@ -302,4 +316,73 @@ fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run
         cpu_per_gb,
         all_per_gb,
     })
+}
+
+/// The primitives `--compare-uring` measures, the node's reader first (the reference).
+const URING_RUNS: [tcp::Recv; 7] = [
+    tcp::Recv::Node,
+    tcp::Recv::ReadLowat,
+    tcp::Recv::UringInto,
+    tcp::Recv::UringCopy { lowat: false },
+    tcp::Recv::UringCopy { lowat: true },
+    tcp::Recv::UringSlots { lowat: false },
+    tcp::Recv::UringSlots { lowat: true },
+];
+
+/// One round of `--compare-uring`: each primitive into the region; returns (goodput,
+/// CPU s/GB of the threads) ratios to the node's reader, in [`URING_RUNS`] order.
+fn compare_uring(
+    files: &[std::path::PathBuf],
+    plain: &impl Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun,
+    region: usize,
+) -> anyhow::Result<Vec<(f64, f64)>> {
+    let mut runs = Vec::new();
+    for recv in URING_RUNS {
+        runs.push(run_plain(plain(Some(region), recv), files)?);
+    }
+    let base = &runs[0];
+    let row: Vec<(f64, f64)> = runs
+        .iter()
+        .map(|r| (r.gbps / base.gbps, r.cpu_per_gb / base.cpu_per_gb))
+        .collect();
+    let cells: Vec<String> = URING_RUNS
+        .iter()
+        .zip(&runs)
+        .zip(&row)
+        .skip(1)
+        .map(|((recv, r), (g, c))| {
+            format!(
+                "{} {g:.3} ({:.3} Gbps, CPU s/GB {c:.2})",
+                recv.label(),
+                r.gbps
+            )
+        })
+        .collect();
+    println!(
+        "ratio to node-recv ({:.3} Gbps, {:.3} s/GB): {}",
+        base.gbps,
+        base.cpu_per_gb,
+        cells.join("; ")
+    );
+    Ok(row)
+}
+
+fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
+    if rows.len() < 2 {
+        return;
+    }
+    for (k, recv) in URING_RUNS.iter().enumerate().skip(1) {
+        let median = |f: fn(&(f64, f64)) -> f64| {
+            let mut v: Vec<f64> = rows.iter().map(|r| f(&r[k])).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "median {}/node-recv over {} rounds: goodput {:.3}, CPU s/GB (threads) {:.3}",
+            recv.label(),
+            rows.len(),
+            median(|r| r.0),
+            median(|r| r.1)
+        );
+    }
 }

@@ -4,12 +4,56 @@
 //! `recv` into one hot buffer of a shard's size, or into a rotating region as large as the
 //! stream's (each flow a share of it, shard-sized slots in turn), which separates the cost
 //! of memory placement from shardwire's own work. `rate` paces every sender (bytes/s in all).
+//! The receive primitive is chosen by [`Recv`]: `recv` as it comes, the node's own
+//! data-connection reader, or io_uring multishot receive into provided buffers
+//! (`shardwire_devmem::uring`), so the primitives compare with everything else equal.
 
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use shardwire_devmem::uring::{Buffers, MultishotRecv, RecvInto};
+use shardwire_node::receiver::{CHUNK, PayloadRead, Plain, RCVLOWAT};
+
+/// How a plain-TCP receiver takes its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recv {
+    /// `recv` of the rest of the slot at the kernel's default mark (1 byte).
+    Read,
+    /// `recv` of the rest of the slot with `SO_RCVLOWAT` at [`RCVLOWAT`].
+    ReadLowat,
+    /// The node's data-connection reader ([`Plain`]): `recv` of up to a [`CHUNK`] with its
+    /// `SO_RCVLOWAT` rule: the current receive path.
+    Node,
+    /// io_uring multishot receive into 64 KiB provided buffers, each copied into the slot
+    /// (`lowat`: with `SO_RCVLOWAT` at [`RCVLOWAT`]).
+    UringCopy { lowat: bool },
+    /// io_uring multishot receive whose incremental provided buffers are the region's
+    /// slots: the kernel places the bytes, no copy (`lowat` as above).
+    UringSlots { lowat: bool },
+    /// [`RecvInto`] one slot at a time with the node's `SO_RCVLOWAT` rule (the receive the
+    /// node would do with io_uring).
+    UringInto,
+}
+
+impl Recv {
+    /// The name of a run with this primitive.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Read => "recv",
+            Self::ReadLowat => "recv-lowat",
+            Self::Node => "node-recv",
+            Self::UringCopy { lowat: false } => "uring-copy",
+            Self::UringCopy { lowat: true } => "uring-copy-lowat",
+            Self::UringSlots { lowat: false } => "uring-slots",
+            Self::UringSlots { lowat: true } => "uring-slots-lowat",
+            Self::UringInto => "uring-into",
+        }
+    }
+}
 
 /// How a plain-TCP run places and paces its bytes.
 #[derive(Clone, Copy, Debug)]
@@ -20,6 +64,8 @@ pub struct TcpRun {
     pub shard: usize,
     /// Receive into a rotating region of this many bytes (all flows) instead of one buffer.
     pub region: Option<usize>,
+    /// The receive primitive.
+    pub recv: Recv,
     /// Total send rate in bytes/s (0: unlimited).
     pub rate: u64,
     /// Measured time.
@@ -74,7 +120,7 @@ fn sender(
 }
 
 fn receiver(
-    mut conn: TcpStream,
+    conn: TcpStream,
     r: TcpRun,
     stop: Arc<AtomicBool>,
     received: Arc<AtomicU64>,
@@ -82,17 +128,137 @@ fn receiver(
     let slots = r
         .region
         .map_or(1, |b| (b / usize::from(r.flows) / r.shard).max(1));
+    let count = |s: &AtomicU64, n: usize| s.fetch_add(n as u64, Ordering::Relaxed);
+    match r.recv {
+        Recv::Read | Recv::ReadLowat => {
+            if r.recv == Recv::ReadLowat {
+                shardwire_devmem::set_rcvlowat(conn.as_fd(), RCVLOWAT)?;
+            }
+            let mut conn = conn;
+            read_loop(|b| conn.read(b), r.shard, slots, &stop, &received)
+        }
+        Recv::Node => {
+            let mut conn = Plain::new(conn);
+            read_loop(
+                |b| {
+                    let n = b.len().min(CHUNK);
+                    conn.read_some(&mut b[..n])
+                },
+                r.shard,
+                slots,
+                &stop,
+                &received,
+            )
+        }
+        Recv::UringCopy { lowat } => {
+            let mut rx = uring(
+                conn,
+                Buffers::Copy {
+                    len: 64 << 10,
+                    count: 64,
+                },
+                lowat,
+            )?;
+            let mut buf = vec![0u8; slots * r.shard];
+            let mut at = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let n = rx.wait(|p| {
+                    // The stream's bytes in turn, wrapping around the region.
+                    let mut data = p.data;
+                    while !data.is_empty() {
+                        let k = data.len().min(buf.len() - at);
+                        buf[at..at + k].copy_from_slice(&data[..k]);
+                        (at, data) = ((at + k) % buf.len(), &data[k..]);
+                    }
+                })?;
+                if n == 0 {
+                    break;
+                }
+                count(&received, n);
+            }
+            Ok(())
+        }
+        Recv::UringInto => uring_into(conn, r, slots, &stop, &received),
+        Recv::UringSlots { lowat } => {
+            // A ring holds a power of two of slots.
+            let count_slots = 1u16 << (usize::BITS - 1 - slots.min(1 << 15).leading_zeros());
+            let len = u32::try_from(r.shard).map_err(std::io::Error::other)?;
+            let mut rx = uring(
+                conn,
+                Buffers::Slots {
+                    len,
+                    count: count_slots,
+                },
+                lowat,
+            )?;
+            while !stop.load(Ordering::Relaxed) {
+                let n = rx.wait(|_| {})?;
+                if n == 0 {
+                    break;
+                }
+                count(&received, n);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// [`RecvInto`] into shard-sized slots in turn, the mark set as the node's reader sets it.
+fn uring_into(
+    conn: TcpStream,
+    r: TcpRun,
+    slots: usize,
+    stop: &AtomicBool,
+    received: &AtomicU64,
+) -> std::io::Result<()> {
+    let mut rx = RecvInto::new(conn)?;
     let mut buf = vec![0u8; slots * r.shard];
+    let mut slot = 0usize;
+    let mut lowat = 1;
+    while !stop.load(Ordering::Relaxed) {
+        let want = shardwire_node::receiver::lowat_for(r.shard);
+        if want != lowat {
+            shardwire_devmem::set_rcvlowat(rx.socket().as_fd(), want)?;
+            lowat = want;
+        }
+        let dst = &mut buf[slot * r.shard..(slot + 1) * r.shard];
+        match rx.recv(dst, Duration::from_secs(60), |_, p| {
+            received.fetch_add(p.len() as u64, Ordering::Relaxed);
+        }) {
+            Ok(()) => slot = (slot + 1) % slots,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn uring(conn: TcpStream, b: Buffers, lowat: bool) -> std::io::Result<MultishotRecv> {
+    if lowat {
+        shardwire_devmem::set_rcvlowat(conn.as_fd(), RCVLOWAT)?;
+    }
+    MultishotRecv::new(conn, b)
+}
+
+/// `read` into shard-sized slots in turn until the peer closes or `stop`.
+fn read_loop(
+    mut read: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
+    shard: usize,
+    slots: usize,
+    stop: &AtomicBool,
+    received: &AtomicU64,
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; slots * shard];
     let (mut slot, mut at) = (0usize, 0usize);
     while !stop.load(Ordering::Relaxed) {
-        let base = slot * r.shard;
-        let n = conn.read(&mut buf[base + at..base + r.shard])?;
+        let base = slot * shard;
+        let n = read(&mut buf[base + at..base + shard])?;
         if n == 0 {
             break;
         }
         received.fetch_add(n as u64, Ordering::Relaxed);
         at += n;
-        if at == r.shard {
+        if at == shard {
             (slot, at) = ((slot + 1) % slots, 0);
         }
     }

@@ -1,0 +1,565 @@
+//! io_uring multishot receive into provided buffers: the host-memory receive primitive that
+//! `shardwire bench --compare-uring` measures against `recv` on the same flows.
+//!
+//! A [`MultishotRecv`] owns a TCP socket, an io_uring, a buffer ring (the kernel takes the
+//! next free buffer for each completion, so one armed request serves the whole connection)
+//! and the buffers. Two layouts ([`Buffers`]):
+//!
+//! * `Copy`: many small buffers, each handed to the caller once and then given back to the
+//!   kernel; the bytes need a copy to wherever they belong (a shard's slab).
+//! * `Slots`: incremental consumption (`IOU_PBUF_RING_INC`, Linux 6.12+): each buffer is a
+//!   large slot that the kernel fills piece by piece, so consecutive receives land one after
+//!   another in it with no copy, as `recv` into a slab does.
+//!
+//! [`RecvInto`] is the node's form of `Slots`: the caller's buffer (a shard's slab) is the
+//! one provided buffer while one payload is received into it, so the bytes land where they
+//! belong with no copy, and each completed piece is handed over (to be checksummed) in order.
+//!
+//! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`: the kernel runs the receives (and so
+//! writes the buffers) only inside this thread's `io_uring_enter`, which is where a
+//! completion is waited for.
+//!
+//! Kernel facts: io_uring_register_buf_ring(3), io_uring_prep_recv_multishot(3), and
+//! include/uapi/linux/io_uring.h for `IOU_PBUF_RING_INC` and `IORING_CQE_F_BUF_MORE`.
+//! The memory the kernel writes is held as raw allocations, never as a Rust reference while
+//! the kernel may write it; a request in flight is cancelled and waited for before the
+//! memory is freed, and the memory is leaked rather than freed if that cannot be confirmed.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::io;
+use std::mem::ManuallyDrop;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::Duration;
+
+use io_uring::{IoUring, cqueue, opcode, types};
+
+/// `IOU_PBUF_RING_INC` (include/uapi/linux/io_uring.h): buffers are consumed incrementally.
+const IOU_PBUF_RING_INC: u16 = 2;
+/// user_data of the multishot receive and of its cancel.
+const RECV: u64 = 1;
+const CANCEL: u64 = 2;
+/// The one buffer group of a ring.
+const GROUP: u16 = 0;
+const PAGE: usize = 4096;
+
+/// How the provided buffers are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buffers {
+    /// `count` buffers of `len` bytes, each used for one completion.
+    Copy { len: u32, count: u16 },
+    /// `count` slots of `len` bytes, each filled by consecutive completions.
+    Slots { len: u32, count: u16 },
+}
+
+impl Buffers {
+    fn shape(self) -> (usize, u16, bool) {
+        match self {
+            Self::Copy { len, count } => (len as usize, count, false),
+            Self::Slots { len, count } => (len as usize, count, true),
+        }
+    }
+}
+
+/// Bytes one completion placed: `data` sits at `offset` in buffer `buf`.
+#[derive(Debug)]
+pub struct Received<'a> {
+    /// Buffer id (0..count).
+    pub buf: u16,
+    /// Where in the buffer the bytes start (always 0 for `Copy`).
+    pub offset: usize,
+    /// The bytes.
+    pub data: &'a [u8],
+}
+
+/// A zeroed, page-aligned heap allocation the kernel may write.
+struct Pages {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Pages {
+    fn new(len: usize) -> io::Result<Self> {
+        let layout = Layout::from_size_align(len.max(1), PAGE)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        Ok(Self { ptr, layout })
+    }
+
+    fn addr(&self, off: usize) -> u64 {
+        self.ptr.as_ptr().wrapping_add(off) as u64
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; callers drop it only when the kernel
+        // no longer refers to it.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// A ring with one buffer group and one multishot receive on `sock`.
+struct Core {
+    ring: IoUring,
+    entries: ManuallyDrop<Pages>,
+    count: u16,
+    /// Next tail of the buffer ring (published with release order).
+    tail: u16,
+    armed: bool,
+    /// The buffer ring is registered (until [`Core::unregister`]).
+    registered: bool,
+    sock: TcpStream,
+}
+
+/// One completion of the receive, as the kernel reported it.
+enum Event {
+    /// `n` bytes in buffer `buf`; `more`: the buffer takes more (incremental buffers).
+    Data { buf: u16, n: usize, more: bool },
+    /// The peer closed the connection.
+    Eof,
+}
+
+impl Core {
+    fn new(sock: TcpStream, count: u16, incremental: bool) -> io::Result<Self> {
+        if !count.is_power_of_two() || count > 1 << 15 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("provided buffers: count {count} must be a power of two up to 32768"),
+            ));
+        }
+        let ring = IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_cqsize(4096)
+            .build(8)?;
+        let entries = Pages::new(usize::from(count) * size_of::<types::BufRingEntry>())?;
+        let flags = if incremental { IOU_PBUF_RING_INC } else { 0 };
+        // SAFETY: `entries` is page aligned and holds `count` ring entries; it stays
+        // allocated until the ring is unregistered in `drop` (or is leaked).
+        unsafe {
+            ring.submitter()
+                .register_buf_ring_with_flags(entries.addr(0), count, GROUP, flags)?
+        };
+        Ok(Self {
+            ring,
+            entries: ManuallyDrop::new(entries),
+            count,
+            tail: 0,
+            armed: false,
+            registered: true,
+            sock,
+        })
+    }
+
+    /// Unregisters the buffer ring: the kernel takes no buffer from it any more.
+    fn unregister(&mut self) -> bool {
+        if self.registered && self.ring.submitter().unregister_buf_ring(GROUP).is_ok() {
+            self.registered = false;
+        }
+        !self.registered
+    }
+
+    /// Writes a buffer at the ring's next tail slot; [`Self::publish`] hands it over.
+    fn push(&mut self, addr: u64, len: u32, bid: u16) {
+        let slot = usize::from(self.tail & (self.count - 1));
+        let base = self.entries.ptr.as_ptr().cast::<types::BufRingEntry>();
+        // SAFETY: `slot < count` entries are allocated; the slot is past the published tail,
+        // so the kernel does not read or write it now; the setters leave `resv` (the tail,
+        // in entry 0) alone.
+        let e = unsafe { &mut *base.add(slot) };
+        e.set_addr(addr);
+        e.set_len(len);
+        e.set_bid(bid);
+        self.tail = self.tail.wrapping_add(1);
+    }
+
+    fn publish(&self) {
+        let base = self.entries.ptr.as_ptr().cast::<types::BufRingEntry>();
+        // SAFETY: `base` is the ring's first entry; its tail field is a u16 the kernel reads
+        // with acquire order and only this struct writes.
+        let tail = unsafe { &*types::BufRingEntry::tail(base).cast::<AtomicU16>() };
+        tail.store(self.tail, Ordering::Release);
+    }
+
+    fn arm(&mut self) -> io::Result<()> {
+        let sqe = opcode::RecvMulti::new(types::Fd(self.sock.as_raw_fd()), GROUP)
+            .build()
+            .user_data(RECV);
+        // SAFETY: the request refers to the socket and the buffer group this struct owns;
+        // both outlive it (`drop` cancels it and waits for its last completion), and the
+        // owners of the buffers in the group keep them until the kernel gives them back.
+        unsafe { self.ring.submission().push(&sqe) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        self.ring.submit()?;
+        self.armed = true;
+        Ok(())
+    }
+
+    /// Waits for at least one completion (up to `timeout`) and passes each to `on` in order;
+    /// re-arms the receive when the kernel ended it for want of buffers.
+    fn wait(
+        &mut self,
+        timeout: Option<Duration>,
+        mut on: impl FnMut(Event) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let ts = timeout.map(types::Timespec::from);
+        loop {
+            let r = match &ts {
+                None => self.ring.submit_and_wait(1),
+                Some(ts) => {
+                    let args = types::SubmitArgs::new().timespec(ts);
+                    self.ring.submitter().submit_with_args(1, &args)
+                }
+            };
+            match r {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("no bytes arrived for {:?}", timeout.unwrap_or_default()),
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let (mut eof, mut result) = (false, Ok(()));
+        for cqe in self.ring.completion() {
+            if cqe.user_data() != RECV {
+                continue;
+            }
+            let (res, flags) = (cqe.result(), cqe.flags());
+            if !cqueue::more(flags) {
+                self.armed = false;
+            }
+            let event = match res {
+                0 => Event::Eof,
+                r if r == -libc::ENOBUFS => continue, // no buffer was free: re-armed below
+                r if r < 0 => {
+                    result = result.and(Err(io::Error::from_raw_os_error(-r)));
+                    continue;
+                }
+                r => match cqueue::buffer_select(flags).filter(|b| *b < self.count) {
+                    Some(buf) => Event::Data {
+                        buf,
+                        n: r as usize,
+                        more: cqueue::buffer_more(flags),
+                    },
+                    None => {
+                        result = result.and(Err(io::Error::other(format!(
+                            "io_uring receive of {r} bytes named no valid buffer (flags {flags:#x})"
+                        ))));
+                        continue;
+                    }
+                },
+            };
+            eof |= matches!(event, Event::Eof);
+            if result.is_ok() {
+                result = on(event);
+            }
+        }
+        result?;
+        if !self.armed && !eof {
+            self.arm()?;
+        }
+        Ok(())
+    }
+
+    /// Cancels the armed receive and waits for its last completion (the socket is shut down
+    /// first when `shut`); false if that could not be confirmed.
+    fn disarm(&mut self, shut: bool) -> bool {
+        if !self.armed {
+            return true;
+        }
+        if shut {
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        }
+        let sqe = opcode::AsyncCancel::new(RECV).build().user_data(CANCEL);
+        // SAFETY: a cancel refers to no memory.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            return false;
+        }
+        for _ in 0..1000 {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+            for cqe in self.ring.completion() {
+                if cqe.user_data() == RECV && !cqueue::more(cqe.flags()) {
+                    self.armed = false;
+                }
+            }
+            if !self.armed {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        if self.disarm(false) && self.unregister() {
+            // SAFETY: no request is in flight and the buffer ring is unregistered, so the
+            // kernel no longer refers to the entries.
+            unsafe { ManuallyDrop::drop(&mut self.entries) };
+        }
+        // Otherwise the entries are leaked: the kernel might still read them.
+    }
+}
+
+/// A TCP socket read by one armed multishot receive into buffers it owns.
+pub struct MultishotRecv {
+    // Declared first: dropped (receive cancelled, group unregistered) before the buffers.
+    core: Core,
+    bufs: ManuallyDrop<Pages>,
+    buf_len: usize,
+    incremental: bool,
+    /// Per buffer: bytes the kernel placed in it since it was last given back.
+    filled: Vec<usize>,
+    retired: Vec<u16>,
+    eof: bool,
+}
+
+impl std::fmt::Debug for MultishotRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultishotRecv")
+            .field("buf_len", &self.buf_len)
+            .field("count", &self.core.count)
+            .field("incremental", &self.incremental)
+            .field("armed", &self.core.armed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MultishotRecv {
+    /// Sets up a ring over `sock` with `layout`'s buffers (count a power of two up to 32768)
+    /// and arms one multishot receive.
+    pub fn new(sock: TcpStream, layout: Buffers) -> io::Result<Self> {
+        let (buf_len, count, incremental) = layout.shape();
+        if buf_len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "provided buffers: length 0",
+            ));
+        }
+        let core = Core::new(sock, count, incremental)?;
+        let bufs = Pages::new(buf_len * usize::from(count))?;
+        let mut me = Self {
+            core,
+            bufs: ManuallyDrop::new(bufs),
+            buf_len,
+            incremental,
+            filled: vec![0; usize::from(count)],
+            retired: Vec::new(),
+            eof: false,
+        };
+        for b in 0..count {
+            me.give_back(b);
+        }
+        me.core.publish();
+        me.core.arm()?;
+        Ok(me)
+    }
+
+    /// Hands buffer `b` (whole) back to the kernel at the next [`Core::publish`].
+    fn give_back(&mut self, b: u16) {
+        let addr = self.bufs.addr(usize::from(b) * self.buf_len);
+        self.core.push(addr, self.buf_len as u32, b);
+        self.filled[usize::from(b)] = 0;
+    }
+
+    /// Waits for at least one completion and hands every completed piece to `f` in order.
+    /// Returns the bytes handed over; 0 means the peer closed the connection.
+    pub fn wait(&mut self, mut f: impl FnMut(Received<'_>)) -> io::Result<usize> {
+        let mut total = 0usize;
+        // A wait can bring only a receive ended for want of buffers: wait again.
+        while total == 0 && !self.eof {
+            total = self.wait_once(&mut f)?;
+        }
+        Ok(total)
+    }
+
+    fn wait_once(&mut self, f: &mut impl FnMut(Received<'_>)) -> io::Result<usize> {
+        let mut total = 0usize;
+        let (buf_len, incremental, base) = (self.buf_len, self.incremental, self.bufs.ptr);
+        let (filled, retired, eof) = (&mut self.filled, &mut self.retired, &mut self.eof);
+        let r = self.core.wait(None, |ev| {
+            let Event::Data { buf, n, more } = ev else {
+                *eof = true;
+                return Ok(());
+            };
+            let off = if incremental {
+                filled[usize::from(buf)]
+            } else {
+                0
+            };
+            if off + n > buf_len {
+                return Err(io::Error::other(format!(
+                    "io_uring placed {n} bytes at {off} of buffer {buf}, past its {buf_len} bytes"
+                )));
+            }
+            let at = base.as_ptr().wrapping_add(usize::from(buf) * buf_len + off);
+            // SAFETY: the kernel has finished writing these `n` bytes (their completion is
+            // here) and will not write them again until the buffer is given back, which
+            // happens after `f` returns.
+            let data = unsafe { std::slice::from_raw_parts(at, n) };
+            f(Received {
+                buf,
+                offset: off,
+                data,
+            });
+            total += n;
+            if incremental && more {
+                filled[usize::from(buf)] = off + n;
+            } else {
+                retired.push(buf);
+            }
+            Ok(())
+        });
+        let retired = std::mem::take(&mut self.retired);
+        for &b in &retired {
+            self.give_back(b);
+        }
+        self.retired = retired;
+        self.retired.clear();
+        self.core.publish();
+        r?;
+        Ok(total)
+    }
+}
+
+impl Drop for MultishotRecv {
+    fn drop(&mut self) {
+        if self.core.disarm(false) {
+            // SAFETY: no receive is in flight, so the kernel writes no buffer any more (an
+            // unconfirmed cancel leaks them instead).
+            unsafe { ManuallyDrop::drop(&mut self.bufs) };
+        }
+    }
+}
+
+/// Receives payloads one at a time straight into the caller's buffer (the node's plain-TCP
+/// data connections): the buffer is the ring's one provided buffer for as long as its
+/// payload takes, consumed incrementally.
+pub struct RecvInto {
+    core: Core,
+    /// A receive ended with the caller's buffer possibly still in the ring: never used again.
+    poisoned: bool,
+}
+
+impl std::fmt::Debug for RecvInto {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvInto")
+            .field("armed", &self.core.armed)
+            .field("poisoned", &self.poisoned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RecvInto {
+    /// Sets up the ring over `sock` (fails where io_uring is unavailable or lacks
+    /// incremental buffers: Linux before 6.12, or a seccomp policy that refuses it).
+    pub fn new(sock: TcpStream) -> io::Result<Self> {
+        Ok(Self {
+            core: Core::new(sock, 1, true)?,
+            poisoned: false,
+        })
+    }
+
+    /// The socket (for socket options).
+    pub fn socket(&self) -> &TcpStream {
+        &self.core.sock
+    }
+
+    /// Fills `dst` with the connection's next `dst.len()` bytes, handing each piece to
+    /// `piece` in order as it completes (`after`: the bytes placed before it). A wait with no
+    /// completion for `stall` fails; so does a close before `dst` is full. After an error the
+    /// receiver is unusable (the socket is shut down).
+    pub fn recv(
+        &mut self,
+        dst: &mut [u8],
+        stall: Duration,
+        mut piece: impl FnMut(usize, &[u8]),
+    ) -> io::Result<()> {
+        if self.poisoned {
+            return Err(io::Error::other(
+                "this io_uring receiver failed earlier and is not used again",
+            ));
+        }
+        let len = dst.len();
+        let Ok(len32) = u32::try_from(len) else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a payload of {len} bytes is over the 4 GiB a provided buffer holds"),
+            ));
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let base = dst.as_mut_ptr();
+        self.core.push(base as u64, len32, 0);
+        self.core.publish();
+        let mut filled = 0usize;
+        let mut r = if self.core.armed {
+            Ok(())
+        } else {
+            self.core.arm()
+        };
+        while r.is_ok() && filled < len {
+            let mut closed = false;
+            r = self.core.wait(Some(stall), |ev| match ev {
+                Event::Eof => {
+                    closed = true;
+                    Ok(())
+                }
+                // The buffer takes more exactly while the payload is not yet complete.
+                Event::Data { n, more, .. } if filled + n > len || more != (filled + n < len) => {
+                    Err(io::Error::other(format!(
+                        "io_uring placed {n} bytes at {filled} of a {len}-byte payload (buffer kept: {more})"
+                    )))
+                }
+                Event::Data { n, .. } => {
+                    // SAFETY: these `n` bytes of `dst` are complete (their completion is
+                    // here); the kernel writes only later bytes of it, and only inside a
+                    // later `io_uring_enter` of this thread (DEFER_TASKRUN).
+                    let done = unsafe { std::slice::from_raw_parts(base.add(filled), n) };
+                    piece(filled, done);
+                    filled += n;
+                    Ok(())
+                }
+            });
+            if closed && r.is_ok() && filled < len {
+                r = Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("connection closed after {filled} of {len} payload bytes"),
+                ));
+            }
+        }
+        if r.is_err() {
+            self.abandon();
+        }
+        r
+    }
+
+    /// After a failed receive: shut the socket, cancel the receive and make sure the kernel
+    /// can no longer write the caller's buffer before it is handed back.
+    fn abandon(&mut self) {
+        self.poisoned = true;
+        if !self.core.disarm(true) || !self.core.unregister() {
+            // The kernel might still write a buffer its owner is about to free; nothing
+            // safe remains but to stop.
+            eprintln!("shardwire: an io_uring receive could not be cancelled; aborting");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

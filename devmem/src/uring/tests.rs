@@ -1,0 +1,194 @@
+//! Multishot receive over real loopback sockets: every byte arrives once, in order, where the
+//! layout says; a ring dropped while armed lets go of its socket.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+
+use super::*;
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+/// A connected pair; the sender thread writes `data` in uneven pieces and closes.
+fn send_over_loopback(data: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (rx, _) = l.accept().unwrap();
+    let t = std::thread::spawn(move || {
+        let mut at = 0;
+        for k in 0.. {
+            if at == data.len() {
+                break;
+            }
+            let n = (1000 + k * 7919 % 200_000).min(data.len() - at);
+            tx.write_all(&data[at..at + n]).unwrap();
+            at += n;
+        }
+    });
+    (rx, t)
+}
+
+#[test]
+fn copy_buffers_hand_over_every_byte_in_order() {
+    let data = pattern(3 << 20);
+    let (rx, t) = send_over_loopback(data.clone());
+    let mut r = MultishotRecv::new(
+        rx,
+        Buffers::Copy {
+            len: 16 << 10,
+            count: 8,
+        },
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    while r
+        .wait(|p| {
+            assert_eq!(p.offset, 0);
+            assert!(p.data.len() <= 16 << 10);
+            got.extend_from_slice(p.data);
+        })
+        .unwrap()
+        > 0
+    {}
+    t.join().unwrap();
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "bytes differ from what was sent");
+}
+
+#[test]
+fn slots_fill_piece_by_piece_and_rotate() {
+    let slot = 256 << 10;
+    let data = pattern(5 * slot + 1234);
+    let (rx, t) = send_over_loopback(data.clone());
+    let mut r = MultishotRecv::new(
+        rx,
+        Buffers::Slots {
+            len: slot as u32,
+            count: 4,
+        },
+    )
+    .unwrap();
+    let (mut at, mut pieces, mut slots_seen) = (0usize, 0, Vec::new());
+    while r
+        .wait(|p| {
+            // Consecutive pieces continue the same slot until it is full.
+            assert_eq!(p.offset, at % slot, "piece at stream offset {at}");
+            if p.offset == 0 {
+                slots_seen.push(p.buf);
+            }
+            assert!(p.offset + p.data.len() <= slot);
+            assert!(p.data == &data[at..at + p.data.len()], "bytes at {at}");
+            at += p.data.len();
+            pieces += 1;
+        })
+        .unwrap()
+        > 0
+    {}
+    t.join().unwrap();
+    assert_eq!(at, data.len());
+    assert!(
+        pieces > 6,
+        "{pieces} pieces: the test did not exercise partial slots"
+    );
+    // Six slots begun over a ring of four: buffers were given back and reused in turn.
+    assert_eq!(slots_seen, vec![0, 1, 2, 3, 0, 1]);
+}
+
+#[test]
+fn dropping_an_armed_receive_closes_the_socket() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (rx, _) = l.accept().unwrap();
+    let r = MultishotRecv::new(
+        rx,
+        Buffers::Copy {
+            len: 4096,
+            count: 2,
+        },
+    )
+    .unwrap();
+    assert!(r.core.armed);
+    drop(r);
+    tx.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(tx.read(&mut b).unwrap(), 0, "the peer sees the close");
+}
+
+#[test]
+fn bad_buffer_counts_are_refused_with_the_count() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let _tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (rx, _) = l.accept().unwrap();
+    let e = MultishotRecv::new(
+        rx,
+        Buffers::Copy {
+            len: 4096,
+            count: 3,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("count 3"), "{e}");
+}
+
+#[test]
+fn recv_into_fills_each_payload_in_place_in_order() {
+    let sizes = [1usize, 4096, 300_000, 1 << 20, 17, 2 << 20];
+    let data = pattern(sizes.iter().sum());
+    let (rx, t) = send_over_loopback(data.clone());
+    let mut r = RecvInto::new(rx).unwrap();
+    let mut at = 0;
+    for len in sizes {
+        let mut dst = vec![0u8; len];
+        let mut next = 0;
+        r.recv(&mut dst, Duration::from_secs(10), |off, piece| {
+            assert_eq!(off, next, "pieces arrive in order");
+            assert!(piece == &data[at + off..at + off + piece.len()]);
+            next += piece.len();
+        })
+        .unwrap();
+        assert_eq!(next, len);
+        assert!(dst == data[at..at + len], "payload at {at} differs");
+        at += len;
+    }
+    t.join().unwrap();
+}
+
+#[test]
+fn recv_into_fails_on_a_close_mid_payload_and_is_not_used_again() {
+    let (rx, t) = send_over_loopback(pattern(1000));
+    let mut r = RecvInto::new(rx).unwrap();
+    let mut dst = vec![0u8; 4000];
+    let e = r
+        .recv(&mut dst, Duration::from_secs(10), |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    assert!(e.to_string().contains("after 1000 of 4000"), "{e}");
+    t.join().unwrap();
+    let e = r
+        .recv(&mut dst, Duration::from_secs(1), |_, _| {})
+        .unwrap_err();
+    assert!(e.to_string().contains("failed earlier"), "{e}");
+}
+
+#[test]
+fn recv_into_times_out_when_a_payload_stalls() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (rx, _) = l.accept().unwrap();
+    tx.write_all(&[7; 100]).unwrap();
+    let mut r = RecvInto::new(rx).unwrap();
+    let mut dst = vec![0u8; 200];
+    let t0 = std::time::Instant::now();
+    let e = r
+        .recv(&mut dst, Duration::from_millis(200), |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(&dst[..100], &[7; 100]);
+    // The receiver shut the socket down: the peer sees the close.
+    tx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(tx.read(&mut [0u8; 1]).unwrap(), 0);
+}
