@@ -137,6 +137,10 @@ pub struct ServeConfig {
     pub secret_file: Option<PathBuf>,
     /// Receive path.
     pub receive: ReceiveMode,
+    /// Plain-TCP data connections into host memory receive with io_uring multishot receive,
+    /// the next payloads' slabs posted as its buffers (Linux 6.12+; where io_uring cannot be
+    /// set up, a warning is logged and `recv` is used); false: always `recv`.
+    pub io_uring: bool,
     /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
     /// pool frags land in before they are gathered into shard slabs.
     pub devmem_memory: ByteSize,
@@ -191,6 +195,7 @@ impl Default for ServeConfig {
             flows: 2,
             secret_file: None,
             receive: ReceiveMode::Auto,
+            io_uring: true,
             devmem_memory: ByteSize(64 << 20),
             devmem_interface: None,
             devmem_queues: Vec::new(),

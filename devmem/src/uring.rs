@@ -11,13 +11,17 @@
 //!   large slot that the kernel fills piece by piece, so consecutive receives land one after
 //!   another in it with no copy, as `recv` into a slab does.
 //!
-//! [`RecvInto`] is the node's form of `Slots`: the caller's buffer (a shard's slab) is the
-//! one provided buffer while one payload is received into it, so the bytes land where they
+//! [`RecvInto`] and [`RecvQueue`] are the node's forms of `Slots`: the caller's buffers
+//! (shards' slabs) are the provided buffers, one payload each, so the bytes land where they
 //! belong with no copy, and each completed piece is handed over (to be checksummed) in order.
+//! `RecvInto` posts one payload at a time; `RecvQueue` owns up to [`QUEUE_DEPTH`] posted
+//! payloads, so the next one is ready when the current one fills (the kernel moves on to
+//! the next buffer without ending the receive).
 //!
 //! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`: the kernel runs the receives (and so
 //! writes the buffers) only inside this thread's `io_uring_enter`, which is where a
-//! completion is waited for.
+//! completion is waited for. A ring belongs to the thread that made it (the types are not
+//! `Send`), so each receiver thread sets up its own.
 //!
 //! Kernel facts: io_uring_register_buf_ring(3), io_uring_prep_recv_multishot(3), and
 //! include/uapi/linux/io_uring.h for `IOU_PBUF_RING_INC` and `IORING_CQE_F_BUF_MORE`.
@@ -26,6 +30,7 @@
 //! memory is freed, and the memory is leaked rather than freed if that cannot be confirmed.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::collections::VecDeque;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::net::TcpStream;
@@ -558,6 +563,204 @@ impl RecvInto {
             eprintln!("shardwire: an io_uring receive could not be cancelled; aborting");
             std::process::abort();
         }
+    }
+}
+
+/// Payloads a [`RecvQueue`] holds posted at once (its buffer ring's entries).
+pub const QUEUE_DEPTH: u16 = 8;
+
+/// A buffer whose bytes stay where they are while it is owned by a [`RecvQueue`].
+///
+/// # Safety
+///
+/// `bytes` returns the same memory on every call, and moving the value does not move or
+/// free that memory (the bytes live elsewhere: a pool, a heap allocation), so the kernel
+/// may write it through its address until the queue hands the value back.
+pub unsafe trait StableBuf {
+    /// The bytes a payload is received into.
+    fn bytes(&mut self) -> &mut [u8];
+}
+
+struct Posted<B> {
+    buf: B,
+    at: *mut u8,
+    len: usize,
+    filled: usize,
+    bid: u16,
+}
+
+/// Payloads received in order straight into buffers it owns while they are posted; see the
+/// module docs. Dropping it (or [`RecvQueue::abandon`]) makes sure the kernel has let go of
+/// every posted buffer before handing it back or dropping it.
+pub struct RecvQueue<B: StableBuf> {
+    core: Core,
+    posted: VecDeque<Posted<B>>,
+    next_bid: u16,
+    /// A receive failed: nothing is posted or received again.
+    poisoned: bool,
+}
+
+impl<B: StableBuf> std::fmt::Debug for RecvQueue<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvQueue")
+            .field("posted", &self.posted.len())
+            .field("remaining", &self.remaining())
+            .field("poisoned", &self.poisoned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: StableBuf> RecvQueue<B> {
+    /// Sets up the ring over `sock` (fails where io_uring is unavailable or lacks
+    /// incremental buffers: Linux before 6.12, or a seccomp policy that refuses it).
+    pub fn new(sock: TcpStream) -> io::Result<Self> {
+        Ok(Self {
+            core: Core::new(sock, QUEUE_DEPTH, true)?,
+            posted: VecDeque::new(),
+            next_bid: 0,
+            poisoned: false,
+        })
+    }
+
+    /// The socket (for socket options).
+    pub fn socket(&self) -> &TcpStream {
+        &self.core.sock
+    }
+
+    /// Payloads posted and not yet complete.
+    pub fn len(&self) -> usize {
+        self.posted.len()
+    }
+
+    /// Nothing is posted.
+    pub fn is_empty(&self) -> bool {
+        self.posted.is_empty()
+    }
+
+    /// No more payloads can be posted now.
+    pub fn is_full(&self) -> bool {
+        self.posted.len() >= usize::from(QUEUE_DEPTH)
+    }
+
+    /// Bytes still due over all posted payloads.
+    pub fn remaining(&self) -> usize {
+        self.posted.iter().map(|p| p.len - p.filled).sum()
+    }
+
+    /// Posts `buf` as the next payload (its whole `bytes()`); gives it back with the reason
+    /// when the queue is full, failed earlier, or the payload is empty or over 4 GiB.
+    pub fn post(&mut self, mut buf: B) -> Result<(), (B, io::Error)> {
+        let bytes = buf.bytes();
+        let (at, len) = (bytes.as_mut_ptr(), bytes.len());
+        let refuse = if self.poisoned {
+            Some("this io_uring receiver failed earlier and is not used again".to_string())
+        } else if self.is_full() {
+            Some(format!("{QUEUE_DEPTH} payloads are posted already"))
+        } else if len == 0 || u32::try_from(len).is_err() {
+            Some(format!(
+                "a payload of {len} bytes (1 byte to 4 GiB can be posted)"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = refuse {
+            return Err((buf, io::Error::new(io::ErrorKind::InvalidInput, why)));
+        }
+        let bid = self.next_bid;
+        self.next_bid = (bid + 1) % QUEUE_DEPTH;
+        self.core.push(at as u64, len as u32, bid);
+        self.core.publish();
+        self.posted.push_back(Posted {
+            buf,
+            at,
+            len,
+            filled: 0,
+            bid,
+        });
+        Ok(())
+    }
+
+    /// Waits (up to `stall`) for the posted payloads' next bytes: each completed piece goes
+    /// to `piece` with its buffer and offset, in order, and each payload that is complete
+    /// goes to `done`. After an error, call [`Self::abandon`] to get the posted buffers back.
+    pub fn wait(
+        &mut self,
+        stall: Duration,
+        mut piece: impl FnMut(&mut B, usize, &[u8]),
+        mut done: impl FnMut(B),
+    ) -> io::Result<()> {
+        if self.poisoned || self.posted.is_empty() {
+            return Err(io::Error::other(match self.poisoned {
+                true => "this io_uring receiver failed earlier and is not used again",
+                false => "nothing is posted to receive into",
+            }));
+        }
+        if !self.core.armed {
+            self.core.arm()?;
+        }
+        let (posted, mut closed) = (&mut self.posted, false);
+        let r = self.core.wait(Some(stall), |ev| {
+            let Event::Data { buf, n, more } = ev else {
+                closed = true;
+                return Ok(());
+            };
+            let Some(p) = posted.front_mut() else {
+                return Err(io::Error::other(format!(
+                    "io_uring placed {n} bytes with no payload posted"
+                )));
+            };
+            let (len, filled) = (p.len, p.filled);
+            // Payloads fill in order, and a buffer takes more exactly while it is not full.
+            if buf != p.bid || filled + n > len || more != (filled + n < len) {
+                return Err(io::Error::other(format!(
+                    "io_uring placed {n} bytes in buffer {buf} (kept: {more}) while payload {} had {filled} of {len}",
+                    p.bid
+                )));
+            }
+            // SAFETY: these `n` bytes of the posted buffer are complete (their completion
+            // is here); the kernel writes only later bytes of it, and only inside a later
+            // `io_uring_enter` of this thread (DEFER_TASKRUN).
+            let bytes = unsafe { std::slice::from_raw_parts(p.at.add(filled), n) };
+            piece(&mut p.buf, filled, bytes);
+            p.filled += n;
+            if p.filled == len {
+                let p = posted.pop_front().expect("the front payload");
+                done(p.buf);
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) if closed => {
+                let (filled, len) = self.posted.front().map_or((0, 0), |p| (p.filled, p.len));
+                Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("connection closed after {filled} of {len} payload bytes"),
+                ))
+            }
+            r => r,
+        }
+    }
+
+    /// After a failed receive: shuts the socket, cancels the receive and unregisters the
+    /// buffers, then hands back every posted buffer (empty if the kernel's release of them
+    /// could not be confirmed: they are leaked rather than handed back).
+    pub fn abandon(&mut self) -> Vec<B> {
+        self.poisoned = true;
+        if self.core.disarm(true) && self.core.unregister() {
+            self.posted.drain(..).map(|p| p.buf).collect()
+        } else {
+            for p in self.posted.drain(..) {
+                std::mem::forget(p.buf);
+            }
+            Vec::new()
+        }
+    }
+}
+
+impl<B: StableBuf> Drop for RecvQueue<B> {
+    fn drop(&mut self) {
+        // The buffers are dropped (or leaked) only once the kernel cannot write them.
+        drop(self.abandon());
     }
 }
 

@@ -30,6 +30,7 @@ pub mod socket;
 mod start;
 pub mod status;
 pub mod stream;
+pub mod uring_rx;
 
 pub use control::{BindingSpec, Control, ControlError, Reply};
 pub use node::Node;

@@ -482,6 +482,8 @@ impl Node {
                 stall_trainer_seconds: secs(&c.stall_trainer_ns),
                 stall_assembly_seconds: secs(&c.assembly_ns),
                 h2d_staging_stalls: c.staging_stalls.load(Ordering::Relaxed),
+                data_connections_io_uring: c.io_uring_connections.load(Ordering::Relaxed),
+                data_connections_recv: c.recv_connections.load(Ordering::Relaxed),
             },
         }
     }

@@ -51,6 +51,8 @@ pub struct DataPlane {
     pub cuda: Option<Arc<CudaMemory>>,
     flows: Mutex<Vec<Flow>>,
     counters: Arc<Counters>,
+    /// Plain-TCP host connections try io_uring ([`crate::uring_rx`]).
+    io_uring: bool,
 }
 
 impl DataPlane {
@@ -60,6 +62,7 @@ impl DataPlane {
         rx: Option<Arc<RxRegion>>,
         cuda: Option<Arc<CudaMemory>>,
         counters: Arc<Counters>,
+        io_uring: bool,
     ) -> Self {
         Self {
             links,
@@ -68,6 +71,7 @@ impl DataPlane {
             cuda,
             flows: Mutex::default(),
             counters,
+            io_uring,
         }
     }
 
@@ -128,7 +132,10 @@ impl DataPlane {
         tracing::debug!(%peer, source = %link.addr, conn = e.conn, "data connection identified");
         let path = sock
             .set_read_timeout(Some(DATA_STALL_TIMEOUT))
-            .and_then(|()| Path::choose(sock, self.binding().as_ref(), self.cuda.as_ref()));
+            .and_then(|()| {
+                let (rx, cuda) = (self.binding(), self.cuda.as_ref());
+                Path::choose(sock, rx.as_ref(), cuda, self.io_uring)
+            });
         let path = match path {
             Ok(p) => p,
             Err(err) => {

@@ -3,6 +3,8 @@
 //! and ends the fetch with the outcome.
 //!
 //! The receive path is chosen once, when the connection is identified ([`Path::choose`]):
+//! - `HostQueued`: plain TCP into host memory over io_uring, the next payloads' slabs posted
+//!   as the receive's buffers ([`crate::uring_rx`]), where io_uring can be set up;
 //! - `Host`: `recv` (or the devmem gather, [`crate::devmem_rx`]) straight into the slab in host
 //!   memory, each piece checksummed while it is still in cache;
 //! - `Staged`: CUDA memory without GPU-direct receive: `recv` into pinned buffers whose
@@ -26,6 +28,7 @@ use crate::counters::{Counters, FlowStats};
 use crate::devmem_rx::{DevmemReader, RxRegion};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::link::SourceLink;
+use crate::uring_rx;
 
 /// Largest single `recv`: large enough to amortise the syscall, small enough that the bytes
 /// are still in L2 when they are checksummed.
@@ -144,6 +147,10 @@ pub trait Place {
 pub enum Path {
     /// Into host memory.
     Host(Wire),
+    /// Into host memory over io_uring, payloads posted ahead ([`crate::uring_rx`]): the
+    /// receiver thread sets up its ring (a ring is used by the thread that made it) and
+    /// falls back to `recv` where it cannot. It has its own loop; [`Place::place`] refuses it.
+    HostQueued(TcpStream),
     /// Into CUDA memory through pinned staging buffers (made on first use).
     Staged(Wire, Arc<CudaMemory>, Option<H2dStager>),
     /// Devmem frags gathered on the GPU; `Vec` is where linear bytes land.
@@ -151,12 +158,17 @@ pub enum Path {
 }
 
 impl Path {
-    /// The path for a connection on a node with this binding and GPU (`None`: host memory).
+    /// The path for a connection on a node with this binding and GPU (`None`: host memory);
+    /// `io_uring`: plain TCP into host memory tries [`Path::HostQueued`].
     pub fn choose(
         sock: TcpStream,
         rx: Option<&Arc<RxRegion>>,
         cuda: Option<&Arc<CudaMemory>>,
+        io_uring: bool,
     ) -> io::Result<Self> {
+        if let (None, None, true) = (rx, cuda, io_uring) {
+            return Ok(Self::HostQueued(sock));
+        }
         let wire = match rx {
             None => Wire::Plain(Plain::new(sock)),
             Some(region) => Wire::Devmem(region.reader(sock)?),
@@ -181,6 +193,7 @@ impl Place for Path {
                     .ok_or("a slab outside host memory on the host path")?;
                 recv_payload(w, dst, flow, &c.assembly_ns).map_err(|e| e.to_string())
             }
+            Self::HostQueued(_) => Err("the io_uring path receives in its own loop".into()),
             Self::Staged(w, gpu, stager) => staged(w, gpu, stager, &f.slab, flow, c),
             Self::GpuDirect(r, gpu, host) => gpu_direct(r, gpu, host, &f.slab, flow, c),
         }
@@ -199,7 +212,27 @@ pub fn spawn(
     let name = format!("sw-recv-{}-{conn}", link.index);
     std::thread::Builder::new()
         .name(name)
-        .spawn(move || run(path, &link, conn, &queue, &flow, &counters))
+        .spawn(move || match path {
+            Path::HostQueued(sock) => match uring_rx::queue_for(&sock) {
+                Some(q) => {
+                    counters
+                        .io_uring_connections
+                        .fetch_add(1, Ordering::Relaxed);
+                    uring_rx::run(q, &link, conn, &queue, &flow, &counters)
+                }
+                None => {
+                    counters.recv_connections.fetch_add(1, Ordering::Relaxed);
+                    let path = Path::Host(Wire::Plain(Plain::new(sock)));
+                    run(path, &link, conn, &queue, &flow, &counters)
+                }
+            },
+            path => {
+                if let Path::Host(Wire::Plain(_)) | Path::Staged(Wire::Plain(_), ..) = path {
+                    counters.recv_connections.fetch_add(1, Ordering::Relaxed);
+                }
+                run(path, &link, conn, &queue, &flow, &counters)
+            }
+        })
         .expect("spawn receiver thread");
 }
 
@@ -212,43 +245,55 @@ pub fn run<P: Place>(
     flow: &FlowStats,
     c: &Counters,
 ) {
-    let mut broken: Option<String> = None;
     while let Ok(mut f) = queue.recv() {
-        let lost = |cause: String| FetchFailure::ConnectionLost {
-            source_addr: link.addr.clone(),
-            conn,
-            cause,
-        };
-        if let Some(cause) = &broken {
-            f.finish(Err(lost(format!("it failed earlier: {cause}"))));
-            continue;
-        }
         // One span per fetch: the receive and the verification happen inside it.
         let span = tracing::debug_span!("fetch", req = f.req, shard = f.shard, source = %link.addr);
         let _entered = span.enter();
         match path.place(&mut f, flow, c) {
-            Ok(got) if got == f.crc32c => {
-                c.bytes_received.fetch_add(f.length, Ordering::Relaxed);
-                c.shards_received.fetch_add(1, Ordering::Relaxed);
-                link.bytes.fetch_add(f.length, Ordering::Relaxed);
-                f.verified(got);
-            }
-            Ok(got) => {
-                c.crc_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(source = %link.addr, shard = f.shard, got = format!("{got:08x}"), want = format!("{:08x}", f.crc32c),
-                    "CRC-32C mismatch: the shard will be fetched again");
-                f.verified(got);
-            }
+            Ok(got) => deliver(f, got, link, c),
             Err(cause) => {
                 let reason = format!(
                     "data connection {conn} from {} failed mid-shard: {cause}",
                     link.addr
                 );
-                f.finish(Err(lost(cause.clone())));
-                broken = Some(cause);
+                f.finish(Err(lost(link, conn, cause.clone())));
                 link.kick(&reason);
+                fail_queued(queue, link, conn, &cause);
+                return;
             }
         }
+    }
+}
+
+/// The failure of a fetch whose connection broke.
+pub fn lost(link: &SourceLink, conn: u16, cause: String) -> FetchFailure {
+    FetchFailure::ConnectionLost {
+        source_addr: link.addr.clone(),
+        conn,
+        cause,
+    }
+}
+
+/// Ends a received fetch: counts it when its CRC-32C (`got`) matches, warns when not (the
+/// fetcher fetches it again).
+pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) {
+    if got == f.crc32c {
+        c.bytes_received.fetch_add(f.length, Ordering::Relaxed);
+        c.shards_received.fetch_add(1, Ordering::Relaxed);
+        link.bytes.fetch_add(f.length, Ordering::Relaxed);
+    } else {
+        c.crc_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(source = %link.addr, shard = f.shard, got = format!("{got:08x}"), want = format!("{:08x}", f.crc32c),
+            "CRC-32C mismatch: the shard will be fetched again");
+    }
+    f.verified(got);
+}
+
+/// After a connection broke: fails every payload still announced on it until its queue
+/// closes.
+pub fn fail_queued(queue: &Receiver<InFlight>, link: &SourceLink, conn: u16, cause: &str) {
+    while let Ok(f) = queue.recv() {
+        f.finish(Err(lost(link, conn, format!("it failed earlier: {cause}"))));
     }
 }
 
@@ -377,7 +422,7 @@ fn gpu_direct(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fetch::Completion;
 
@@ -448,7 +493,7 @@ mod tests {
         }
     }
 
-    fn link() -> Arc<SourceLink> {
+    pub(crate) fn link() -> Arc<SourceLink> {
         SourceLink::new(
             0,
             "src:1".into(),
@@ -460,13 +505,15 @@ mod tests {
         )
     }
 
-    fn crc(b: &[u8]) -> u32 {
+    pub(crate) fn crc(b: &[u8]) -> u32 {
         let mut c = Crc32c::new();
         c.update(b);
         c.finish()
     }
 
-    fn outcomes(rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Completion>>) -> Vec<Completion> {
+    pub(crate) fn outcomes(
+        rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Completion>>,
+    ) -> Vec<Completion> {
         rxs.into_iter().map(|mut r| r.try_recv().unwrap()).collect()
     }
 

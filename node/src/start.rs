@@ -180,7 +180,13 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .enumerate()
         .map(|(i, a)| SourceLink::new(i, a.clone(), link_cfg.clone()))
         .collect();
-    let plane = Arc::new(DataPlane::new(links, rx, cuda, Arc::clone(&counters)));
+    let plane = Arc::new(DataPlane::new(
+        links,
+        rx,
+        cuda,
+        Arc::clone(&counters),
+        cfg.io_uring,
+    ));
     let info = Info::new(
         cfg,
         (secret, admin_token),

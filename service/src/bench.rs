@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// incrementally), with and without SO_RCVLOWAT; prints each one's ratio to the node's.
     #[arg(long)]
     compare_uring: bool,
+    /// The node's plain-TCP data connections receive with io_uring (the service default);
+    /// `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    io_uring: bool,
     /// Stream region size (fetch-ahead window) [default: 32 slabs, 64MiB..1GiB].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
@@ -127,9 +131,22 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
             if a.rounds > 1 {
                 println!("-- round {}", round + 1);
             }
-            let sw = run_shardwire(&a, &data, &dir, stream_memory, rate)?;
+            let sw = run_shardwire(&a, &data, &dir, stream_memory, rate, a.io_uring)?;
             if a.compare_uring {
-                uring_rows.push(compare_uring(&files, &plain, region)?);
+                let other = run_shardwire(&a, &data, &dir, stream_memory, rate, !a.io_uring)?;
+                let (on, off) = if a.io_uring {
+                    (&sw, &other)
+                } else {
+                    (&other, &sw)
+                };
+                let node = (on.gbps / off.gbps, on.cpu_per_gb / off.cpu_per_gb);
+                println!(
+                    "ratio shardwire io_uring/recv: {:.3} ({:.3} / {:.3} Gbps), CPU s/GB (threads) {:.3}",
+                    node.0, on.gbps, off.gbps, node.1
+                );
+                let mut row = vec![node];
+                row.extend(compare_uring(&files, &plain, region)?);
+                uring_rows.push(row);
             }
             if a.compare_tcp {
                 let hot = run_plain(plain(None, tcp::Recv::Read), &files)?;
@@ -188,6 +205,7 @@ fn run_shardwire(
     dir: &std::path::Path,
     stream_memory: u64,
     rate: u64,
+    io_uring: bool,
 ) -> anyhow::Result<Run> {
     let lb = Loopback::start(
         "bench",
@@ -195,9 +213,13 @@ fn run_shardwire(
         dir.join("trainer.sock"),
         (a.flows, rate),
         stream_memory,
-        a.mode,
+        (a.mode, io_uring),
     )?;
-    println!("== Source {}", lb.source_addr);
+    println!(
+        "== Source {} (node data connections: {})",
+        lb.source_addr,
+        if io_uring { "io_uring" } else { "recv" }
+    );
     let node = &lb.node.handle.node;
     println!("== Target {}", node.info().data_addr);
     let mut s = Stream::open(
@@ -319,13 +341,11 @@ fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run
 }
 
 /// The primitives `--compare-uring` measures, the node's reader first (the reference).
-const URING_RUNS: [tcp::Recv; 7] = [
+const URING_RUNS: [tcp::Recv; 5] = [
     tcp::Recv::Node,
     tcp::Recv::ReadLowat,
     tcp::Recv::UringInto,
     tcp::Recv::UringCopy { lowat: false },
-    tcp::Recv::UringCopy { lowat: true },
-    tcp::Recv::UringSlots { lowat: false },
     tcp::Recv::UringSlots { lowat: true },
 ];
 
@@ -371,15 +391,22 @@ fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
     if rows.len() < 2 {
         return;
     }
-    for (k, recv) in URING_RUNS.iter().enumerate().skip(1) {
+    // Column 0: the node with io_uring over the node with recv; then the primitives.
+    let labels = std::iter::once("shardwire io_uring/recv".to_string()).chain(
+        URING_RUNS
+            .iter()
+            .skip(1)
+            .map(|r| format!("{}/node-recv", r.label())),
+    );
+    for (k, label) in labels.enumerate() {
+        let k = if k == 0 { 0 } else { k + 1 };
         let median = |f: fn(&(f64, f64)) -> f64| {
             let mut v: Vec<f64> = rows.iter().map(|r| f(&r[k])).collect();
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
         println!(
-            "median {}/node-recv over {} rounds: goodput {:.3}, CPU s/GB (threads) {:.3}",
-            recv.label(),
+            "median {label} over {} rounds: goodput {:.3}, CPU s/GB (threads) {:.3}",
             rows.len(),
             median(|r| r.0),
             median(|r| r.1)

@@ -49,7 +49,7 @@ impl Loopback {
         socket: PathBuf,
         (flows, rate_limit): (u16, u64),
         stream_memory: u64,
-        receive: ReceiveMode,
+        (receive, io_uring): (ReceiveMode, bool),
     ) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -79,6 +79,7 @@ impl Loopback {
             stream_memory: Some(ByteSize(stream_memory)),
             flows,
             receive,
+            io_uring,
             // The demo and bench consume with the Rust client, which maps host regions only;
             // on a GPU host `auto` would pick CUDA memory (scripts/gpu-check.sh covers that).
             memory: shardwire_config::MemoryMode::Host,
@@ -143,7 +144,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
         dir.join("trainer.sock"),
         (2, 0),
         64 << 20,
-        receive,
+        (receive, true),
     )?;
     println!(
         "source on {}, node data port {}, admin http://{}",

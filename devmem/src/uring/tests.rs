@@ -192,3 +192,85 @@ fn recv_into_times_out_when_a_payload_stalls() {
     tx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     assert_eq!(tx.read(&mut [0u8; 1]).unwrap(), 0);
 }
+
+/// A heap buffer: its bytes do not move with the `Vec` value.
+struct Heap(Vec<u8>);
+
+// SAFETY: a Vec's heap allocation does not move when the Vec is moved, and it is not
+// resized while posted.
+unsafe impl StableBuf for Heap {
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+#[test]
+fn a_queue_receives_posted_payloads_in_order_and_hands_them_back_whole() {
+    let sizes = [
+        5usize,
+        1 << 20,
+        70_000,
+        3 << 20,
+        1,
+        999_999,
+        4096,
+        4096,
+        2 << 20,
+        12,
+    ];
+    let data = pattern(sizes.iter().sum());
+    let (rx, t) = send_over_loopback(data.clone());
+    let mut q = RecvQueue::<Heap>::new(rx).unwrap();
+    let (mut next, mut done, mut pieces) = (0usize, Vec::new(), 0);
+    while done.len() < sizes.len() {
+        while !q.is_full() && next < sizes.len() {
+            q.post(Heap(vec![0; sizes[next]]))
+                .map_err(|(_, e)| e)
+                .unwrap();
+            next += 1;
+        }
+        assert!(q.remaining() > 0);
+        q.wait(
+            Duration::from_secs(10),
+            |b, off, p| {
+                assert!(off + p.len() <= b.0.len());
+                pieces += 1;
+            },
+            |b| done.push(b.0),
+        )
+        .unwrap();
+    }
+    t.join().unwrap();
+    assert!(q.is_empty());
+    let got: Vec<u8> = done.iter().flatten().copied().collect();
+    assert_eq!(done.iter().map(Vec::len).collect::<Vec<_>>(), sizes);
+    assert!(got == data, "payload bytes differ");
+    assert!(pieces >= sizes.len());
+}
+
+#[test]
+fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
+    let (rx, t) = send_over_loopback(pattern(10));
+    let mut q = RecvQueue::<Heap>::new(rx).unwrap();
+    for _ in 0..QUEUE_DEPTH {
+        q.post(Heap(vec![0; 4])).map_err(|(_, e)| e).unwrap();
+    }
+    let (back, e) = q.post(Heap(vec![0; 4])).unwrap_err();
+    assert_eq!(back.0.len(), 4);
+    assert!(e.to_string().contains("8 payloads are posted"), "{e}");
+    let mut completed = 0;
+    let err = loop {
+        match q.wait(Duration::from_secs(10), |_, _, _| {}, |_| completed += 1) {
+            Ok(()) => continue,
+            Err(e) => break e,
+        }
+    };
+    t.join().unwrap();
+    // 10 bytes fill two payloads of 4 and half a third; then the sender closes.
+    assert_eq!(completed, 2);
+    assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    assert!(err.to_string().contains("after 2 of 4"), "{err}");
+    let back = q.abandon();
+    assert_eq!(back.len(), 6, "every posted buffer comes back");
+    assert!(q.post(Heap(vec![0; 4])).is_err());
+}

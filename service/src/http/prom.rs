@@ -105,6 +105,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     ),
     (
         "counter",
+        "shardwire_data_connections_total",
+        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")",
+    ),
+    (
+        "counter",
         "shardwire_admin_auth_fails_total",
         "Mutating admin requests refused, by reason (missing or wrong token)",
     ),
@@ -253,6 +258,7 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         "shardwire_devmem_host_bytes_total" => one("kind", &["linear", "plain"]),
         "shardwire_devmem_niovs" => one("state", &["free", "in_use"]),
+        "shardwire_data_connections_total" => one("recv", &["io_uring", "recv"]),
         _ => vec![vec![]],
     }
 }
@@ -281,6 +287,12 @@ fn record(st: &Status) {
     metrics::counter!("shardwire_batches_assembled_total").absolute(c.batches_assembled);
     metrics::counter!("shardwire_batch_gather_launches_total").absolute(c.batch_gather_launches);
     metrics::counter!("shardwire_h2d_staging_stalls_total").absolute(c.h2d_staging_stalls);
+    for (recv, n) in [
+        ("io_uring", c.data_connections_io_uring),
+        ("recv", c.data_connections_recv),
+    ] {
+        metrics::counter!("shardwire_data_connections_total", "recv" => recv).absolute(n);
+    }
     let cancelled = st.sources.iter().map(|s| s.cancelled).sum();
     metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
     for s in &st.sources {
