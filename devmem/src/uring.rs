@@ -18,16 +18,19 @@
 //! payloads, so the next one is ready when the current one fills (the kernel moves on to
 //! the next buffer without ending the receive).
 //!
-//! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`: the kernel runs the receives (and so
-//! writes the buffers) only inside this thread's `io_uring_enter`, which is where a
-//! completion is waited for. A ring belongs to the thread that made it (the types are not
+//! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`, so the receives normally run inside
+//! this thread's `io_uring_enter`, where a completion is waited for. Soundness does not rest
+//! on that: the kernel consumes a buffer's bytes once and in order, so completed bytes are
+//! never written again, and a buffer goes back to its owner only after the receive has been
+//! cancelled (its last completion seen) and the buffer ring unregistered. A ring belongs to the thread that made it (the types are not
 //! `Send`), so each receiver thread sets up its own.
 //!
 //! Kernel facts: io_uring_register_buf_ring(3), io_uring_prep_recv_multishot(3), and
 //! include/uapi/linux/io_uring.h for `IOU_PBUF_RING_INC` and `IORING_CQE_F_BUF_MORE`.
-//! The memory the kernel writes is held as raw allocations, never as a Rust reference while
-//! the kernel may write it; a request in flight is cancelled and waited for before the
-//! memory is freed, and the memory is leaked rather than freed if that cannot be confirmed.
+//! Memory the kernel may write is reached through raw pointers, and only completed bytes
+//! are turned into slices; a request in flight is cancelled and waited for before the memory
+//! is freed. Where that cannot be confirmed, memory a type owns is leaked rather than freed,
+//! and [`RecvInto`] and [`RecvQueue`], which hold their callers' memory, abort the process.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::VecDeque;
@@ -200,13 +203,15 @@ impl Core {
         // owners of the buffers in the group keep them until the kernel gives them back.
         unsafe { self.ring.submission().push(&sqe) }
             .map_err(|_| io::Error::other("io_uring submission queue full"))?;
-        self.ring.submit()?;
+        // Armed once queued: a later enter would submit it even if this one fails.
         self.armed = true;
+        self.ring.submit()?;
         Ok(())
     }
 
-    /// Waits for at least one completion (up to `timeout`) and passes each to `on` in order;
-    /// re-arms the receive when the kernel ended it for want of buffers.
+    /// Waits for at least one completion (up to `timeout`) and passes each to `on` in order.
+    /// A receive the kernel ended (for want of buffers) is re-armed by the caller, after it
+    /// has given buffers back ([`Self::arm`]).
     fn wait(
         &mut self,
         timeout: Option<Duration>,
@@ -233,7 +238,7 @@ impl Core {
                 Err(e) => return Err(e),
             }
         }
-        let (mut eof, mut result) = (false, Ok(()));
+        let mut result = Ok(());
         for cqe in self.ring.completion() {
             if cqe.user_data() != RECV {
                 continue;
@@ -263,16 +268,11 @@ impl Core {
                     }
                 },
             };
-            eof |= matches!(event, Event::Eof);
             if result.is_ok() {
                 result = on(event);
             }
         }
-        result?;
-        if !self.armed && !eof {
-            self.arm()?;
-        }
-        Ok(())
+        result
     }
 
     /// Cancels the armed receive and waits for its last completion (the socket is shut down
@@ -289,10 +289,14 @@ impl Core {
         if unsafe { self.ring.submission().push(&sqe) }.is_err() {
             return false;
         }
-        for _ in 0..1000 {
-            match self.ring.submit_and_wait(1) {
+        // A cancel completes at once; allow 10 s in waits of 1 s (EINTR and timeouts count).
+        let ts = types::Timespec::from(Duration::from_secs(1));
+        for _ in 0..10 {
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => continue,
                 Err(_) => return false,
             }
             for cqe in self.ring.completion() {
@@ -381,7 +385,8 @@ impl MultishotRecv {
     }
 
     /// Waits for at least one completion and hands every completed piece to `f` in order.
-    /// Returns the bytes handed over; 0 means the peer closed the connection.
+    /// Returns the bytes handed over; 0 means the peer closed the connection. A wait with no
+    /// completion for a minute fails (`TimedOut`).
     pub fn wait(&mut self, mut f: impl FnMut(Received<'_>)) -> io::Result<usize> {
         let mut total = 0usize;
         // A wait can bring only a receive ended for want of buffers: wait again.
@@ -395,7 +400,7 @@ impl MultishotRecv {
         let mut total = 0usize;
         let (buf_len, incremental, base) = (self.buf_len, self.incremental, self.bufs.ptr);
         let (filled, retired, eof) = (&mut self.filled, &mut self.retired, &mut self.eof);
-        let r = self.core.wait(None, |ev| {
+        let r = self.core.wait(Some(Duration::from_secs(60)), |ev| {
             let Event::Data { buf, n, more } = ev else {
                 *eof = true;
                 return Ok(());
@@ -436,6 +441,9 @@ impl MultishotRecv {
         self.retired.clear();
         self.core.publish();
         r?;
+        if !self.core.armed && !self.eof {
+            self.core.arm()?;
+        }
         Ok(total)
     }
 }
@@ -484,9 +492,10 @@ impl RecvInto {
     }
 
     /// Fills `dst` with the connection's next `dst.len()` bytes, handing each piece to
-    /// `piece` in order as it completes (`after`: the bytes placed before it). A wait with no
-    /// completion for `stall` fails; so does a close before `dst` is full. After an error the
-    /// receiver is unusable (the socket is shut down).
+    /// `piece` in order as it completes (with the bytes placed before it). A wait with no
+    /// completion for `stall` fails; so does a close before `dst` is full. After an error
+    /// (or a panic in `piece`) the receiver is unusable: the socket is shut down and the
+    /// kernel has let go of `dst` before this returns.
     pub fn recv(
         &mut self,
         dst: &mut [u8],
@@ -511,15 +520,38 @@ impl RecvInto {
         let base = dst.as_mut_ptr();
         self.core.push(base as u64, len32, 0);
         self.core.publish();
+        // `dst` is in the ring now: whatever happens, it leaves the ring before `dst` does.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.fill(base, len, stall, &mut piece)
+        }));
+        match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                self.abandon();
+                Err(e)
+            }
+            Err(panic) => {
+                self.abandon();
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// The receive loop of [`Self::recv`] over the posted `len` bytes at `base`.
+    fn fill(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        stall: Duration,
+        piece: &mut impl FnMut(usize, &[u8]),
+    ) -> io::Result<()> {
         let mut filled = 0usize;
-        let mut r = if self.core.armed {
-            Ok(())
-        } else {
-            self.core.arm()
-        };
-        while r.is_ok() && filled < len {
+        while filled < len {
+            if !self.core.armed {
+                self.core.arm()?;
+            }
             let mut closed = false;
-            r = self.core.wait(Some(stall), |ev| match ev {
+            self.core.wait(Some(stall), |ev| match ev {
                 Event::Eof => {
                     closed = true;
                     Ok(())
@@ -531,26 +563,22 @@ impl RecvInto {
                     )))
                 }
                 Event::Data { n, .. } => {
-                    // SAFETY: these `n` bytes of `dst` are complete (their completion is
-                    // here); the kernel writes only later bytes of it, and only inside a
-                    // later `io_uring_enter` of this thread (DEFER_TASKRUN).
+                    // SAFETY: these `n` bytes of the posted buffer are complete (their
+                    // completion is here), and the kernel does not write them again.
                     let done = unsafe { std::slice::from_raw_parts(base.add(filled), n) };
                     piece(filled, done);
                     filled += n;
                     Ok(())
                 }
-            });
-            if closed && r.is_ok() && filled < len {
-                r = Err(io::Error::new(
+            })?;
+            if closed && filled < len {
+                return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     format!("connection closed after {filled} of {len} payload bytes"),
                 ));
             }
         }
-        if r.is_err() {
-            self.abandon();
-        }
-        r
+        Ok(())
     }
 
     /// After a failed receive: shut the socket, cancel the receive and make sure the kernel
@@ -695,11 +723,48 @@ impl<B: StableBuf> RecvQueue<B> {
                 false => "nothing is posted to receive into",
             }));
         }
-        if !self.core.armed {
-            self.core.arm()?;
+        let deadline = std::time::Instant::now() + stall;
+        loop {
+            if !self.core.armed {
+                self.core.arm()?;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no bytes arrived for {stall:?}"),
+                ));
+            }
+            let before = self.remaining();
+            let closed = self.wait_once(left, &mut piece, &mut done)?;
+            match self.posted.front() {
+                // Closed right after the last posted payload: a later wait reports it.
+                None if closed => return Ok(()),
+                Some(p) if closed => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "connection closed after {} of {} payload bytes",
+                            p.filled, p.len
+                        ),
+                    ));
+                }
+                // Only a receive ended for want of buffers: wait again, within `stall`.
+                _ if self.remaining() == before => continue,
+                _ => return Ok(()),
+            }
         }
+    }
+
+    /// One wait of [`Self::wait`]; returns whether the peer closed the connection.
+    fn wait_once(
+        &mut self,
+        timeout: Duration,
+        piece: &mut impl FnMut(&mut B, usize, &[u8]),
+        done: &mut impl FnMut(B),
+    ) -> io::Result<bool> {
         let (posted, mut closed) = (&mut self.posted, false);
-        let r = self.core.wait(Some(stall), |ev| {
+        self.core.wait(Some(timeout), |ev| {
             let Event::Data { buf, n, more } = ev else {
                 closed = true;
                 return Ok(());
@@ -718,8 +783,8 @@ impl<B: StableBuf> RecvQueue<B> {
                 )));
             }
             // SAFETY: these `n` bytes of the posted buffer are complete (their completion
-            // is here); the kernel writes only later bytes of it, and only inside a later
-            // `io_uring_enter` of this thread (DEFER_TASKRUN).
+            // is here), and the kernel consumes a buffer's bytes once, in order: it does
+            // not write them again.
             let bytes = unsafe { std::slice::from_raw_parts(p.at.add(filled), n) };
             piece(&mut p.buf, filled, bytes);
             p.filled += n;
@@ -728,32 +793,21 @@ impl<B: StableBuf> RecvQueue<B> {
                 done(p.buf);
             }
             Ok(())
-        });
-        match r {
-            Ok(()) if closed => {
-                let (filled, len) = self.posted.front().map_or((0, 0), |p| (p.filled, p.len));
-                Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("connection closed after {filled} of {len} payload bytes"),
-                ))
-            }
-            r => r,
-        }
+        })?;
+        Ok(closed)
     }
 
     /// After a failed receive: shuts the socket, cancels the receive and unregisters the
-    /// buffers, then hands back every posted buffer (empty if the kernel's release of them
-    /// could not be confirmed: they are leaked rather than handed back).
+    /// buffers, then hands back every posted buffer. If the kernel's release of them cannot
+    /// be confirmed (the ring itself failed), the process aborts: a buffer handed back could
+    /// still be written, and one kept back would leave its owner waiting forever.
     pub fn abandon(&mut self) -> Vec<B> {
         self.poisoned = true;
-        if self.core.disarm(true) && self.core.unregister() {
-            self.posted.drain(..).map(|p| p.buf).collect()
-        } else {
-            for p in self.posted.drain(..) {
-                std::mem::forget(p.buf);
-            }
-            Vec::new()
+        if !self.core.disarm(true) || !self.core.unregister() {
+            eprintln!("shardwire: an io_uring receive could not be cancelled; aborting");
+            std::process::abort();
         }
+        self.posted.drain(..).map(|p| p.buf).collect()
     }
 }
 

@@ -29,9 +29,10 @@ pub struct Counters {
     /// Times a receiver in CUDA memory mode waited for a pinned buffer whose H2D copy had
     /// not finished (the network waited on the GPU copy).
     pub staging_stalls: AtomicU64,
-    /// Plain-TCP data connections received with io_uring ([`crate::uring_rx`]).
+    /// Plain-TCP data connections into host memory received with io_uring
+    /// ([`crate::uring_rx`]).
     pub io_uring_connections: AtomicU64,
-    /// Plain-TCP data connections received with `recv`.
+    /// Plain-TCP data connections into host memory received with `recv`.
     pub recv_connections: AtomicU64,
 }
 

@@ -227,7 +227,7 @@ pub fn spawn(
                 }
             },
             path => {
-                if let Path::Host(Wire::Plain(_)) | Path::Staged(Wire::Plain(_), ..) = path {
+                if let Path::Host(Wire::Plain(_)) = path {
                     counters.recv_connections.fetch_add(1, Ordering::Relaxed);
                 }
                 run(path, &link, conn, &queue, &flow, &counters)

@@ -106,10 +106,11 @@ pub struct CounterStatus {
     pub stall_assembly_seconds: f64,
     /// Waits for a pinned staging buffer.
     pub h2d_staging_stalls: u64,
-    /// Plain-TCP data connections received with io_uring multishot receive.
+    /// Plain-TCP data connections into host memory received with io_uring multishot receive.
     pub data_connections_io_uring: u64,
-    /// Plain-TCP data connections received with `recv` (`io_uring = false`, or io_uring
-    /// could not be set up: the log says why).
+    /// Plain-TCP data connections into host memory received with `recv` (`io_uring = false`,
+    /// or io_uring could not be set up: the log says why). CUDA memory's staged connections
+    /// are in neither count.
     pub data_connections_recv: u64,
 }
 

@@ -40,7 +40,14 @@ unsafe impl StableBuf for Job {
 /// cannot be set up: the caller then reads with `recv`.
 pub fn queue_for(sock: &TcpStream) -> Option<RecvQueue<Job>> {
     static WARNED: Once = Once::new();
-    let made = sock.try_clone().and_then(RecvQueue::new);
+    let dup = match sock.try_clone() {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot duplicate a data connection's socket for io_uring: it reads with recv");
+            return None;
+        }
+    };
+    let made = RecvQueue::new(dup);
     if let Err(e) = &made {
         WARNED.call_once(|| {
             tracing::warn!(error = %e,
@@ -62,25 +69,29 @@ pub fn run(
 ) {
     let mut lowat = 1;
     loop {
+        let mut r = Ok(());
         if q.is_empty() {
             match queue.recv() {
-                Ok(f) => post(&mut q, f, (link, conn), c),
+                Ok(f) => r = post(&mut q, f, link, c),
                 Err(_) => return, // the link is gone
             }
         }
-        while !q.is_full() {
+        while r.is_ok() && !q.is_full() {
             match queue.try_recv() {
-                Ok(f) => post(&mut q, f, (link, conn), c),
+                Ok(f) => r = post(&mut q, f, link, c),
                 Err(_) => break,
             }
         }
-        if q.is_empty() {
+        if r.is_ok() && q.is_empty() {
             continue;
         }
-        let r = set_lowat(&q, &mut lowat).and_then(|()| receive(&mut q, flow, c, link));
-        if let Err(e) = r {
+        let r = r.and_then(|()| {
+            set_lowat(&q, &mut lowat).map_err(|e| (None, e))?;
+            receive(&mut q, flow, c, link).map_err(|e| (None, e))
+        });
+        if let Err((refused, e)) = r {
             let cause = e.to_string();
-            for job in q.abandon() {
+            for job in refused.into_iter().map(|j| *j).chain(q.abandon()) {
                 job.f.finish(Err(receiver::lost(link, conn, cause.clone())));
             }
             link.kick(&format!(
@@ -93,20 +104,33 @@ pub fn run(
     }
 }
 
-/// Posts `f`'s slab; an empty payload is complete at once.
-fn post(q: &mut RecvQueue<Job>, f: InFlight, (link, conn): (&SourceLink, u16), c: &Counters) {
+/// A payload that could not be posted, and why.
+type Refused = (Option<Box<Job>>, std::io::Error);
+
+/// Posts `f`'s slab (an empty payload is complete at once). A payload that cannot be posted
+/// (only a slab outside host memory could be refused) breaks the connection: its bytes are
+/// on their way and would land in the next slab.
+fn post(
+    q: &mut RecvQueue<Job>,
+    f: InFlight,
+    link: &SourceLink,
+    c: &Counters,
+) -> Result<(), Refused> {
     if f.length == 0 {
-        return receiver::deliver(f, Crc32c::new().finish(), link, c);
+        receiver::deliver(f, Crc32c::new().finish(), link, c);
+        return Ok(());
     }
     let job = Job {
         f,
         crc: Crc32c::new(),
     };
-    if let Err((job, e)) = q.post(job) {
-        // Only a slab outside host memory can get here (the path is chosen for host memory).
-        let cause = format!("cannot post the payload to the io_uring receive: {e}");
-        job.f.finish(Err(receiver::lost(link, conn, cause)));
-    }
+    q.post(job).map_err(|(job, e)| {
+        let e = std::io::Error::other(format!(
+            "cannot post a {}-byte payload to the io_uring receive: {e}",
+            job.f.length
+        ));
+        (Some(Box::new(job)), e)
+    })
 }
 
 /// The `SO_RCVLOWAT` rule of the `recv` path over all the bytes still due.

@@ -274,3 +274,42 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     assert_eq!(back.len(), 6, "every posted buffer comes back");
     assert!(q.post(Heap(vec![0; 4])).is_err());
 }
+
+#[test]
+fn a_panic_while_handing_a_piece_over_takes_the_buffer_out_of_the_ring() {
+    let (rx, t) = send_over_loopback(pattern(100_000));
+    let mut r = RecvInto::new(rx).unwrap();
+    let mut dst = vec![0u8; 100_000];
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = r.recv(&mut dst, Duration::from_secs(10), |_, _| panic!("piece"));
+    }));
+    assert!(caught.is_err());
+    assert!(r.poisoned && !r.core.armed && !r.core.registered);
+    drop(dst); // the kernel let go of it before the panic left `recv`
+    let e = r
+        .recv(&mut [0u8; 8], Duration::from_secs(1), |_, _| {})
+        .unwrap_err();
+    assert!(e.to_string().contains("failed earlier"), "{e}");
+    t.join().unwrap();
+}
+
+#[test]
+fn a_close_right_after_the_last_posted_payload_is_reported_by_the_next_one() {
+    let (rx, t) = send_over_loopback(pattern(4096));
+    t.join().unwrap(); // all sent and closed: the close can come with the last bytes
+    let mut q = RecvQueue::<Heap>::new(rx).unwrap();
+    q.post(Heap(vec![0; 4096])).map_err(|(_, e)| e).unwrap();
+    let mut done = Vec::new();
+    while done.is_empty() {
+        q.wait(Duration::from_secs(10), |_, _, _| {}, |b| done.push(b))
+            .unwrap();
+    }
+    assert!(done[0].0 == pattern(4096));
+    q.post(Heap(vec![0; 10])).map_err(|(_, e)| e).unwrap();
+    let e = q
+        .wait(Duration::from_secs(10), |_, _, _| {}, |_| {})
+        .and_then(|()| q.wait(Duration::from_secs(10), |_, _, _| {}, |_| {}))
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    assert!(e.to_string().contains("after 0 of 10"), "{e}");
+}

@@ -34,8 +34,8 @@ pub enum Recv {
     /// io_uring multishot receive whose incremental provided buffers are the region's
     /// slots: the kernel places the bytes, no copy (`lowat` as above).
     UringSlots { lowat: bool },
-    /// [`RecvInto`] one slot at a time with the node's `SO_RCVLOWAT` rule (the receive the
-    /// node would do with io_uring).
+    /// [`RecvInto`] one slot at a time, the `SO_RCVLOWAT` of the node's rule for a whole slot
+    /// set once per slot (one payload posted at a time, unlike the node's queue).
     UringInto,
 }
 
@@ -203,7 +203,7 @@ fn receiver(
     }
 }
 
-/// [`RecvInto`] into shard-sized slots in turn, the mark set as the node's reader sets it.
+/// [`RecvInto`] into shard-sized slots in turn, the mark the node's rule gives a whole slot.
 fn uring_into(
     conn: TcpStream,
     r: TcpRun,
