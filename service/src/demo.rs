@@ -156,14 +156,14 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
     let started = Instant::now();
     let checked = consume_and_check(&lb.node.handle.socket, &data, &manifest);
     let secs = started.elapsed().as_secs_f64();
-    let crc_failures = lb
-        .node
-        .handle
-        .node
-        .counters()
-        .crc_failures
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let c = lb.node.handle.node.counters();
+    let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    let crc_failures = load(&c.crc_failures);
+    let (uring, recv) = (load(&c.io_uring_connections), load(&c.recv_connections));
     lb.stop();
+    if uring + recv > 0 {
+        println!("data connections: {uring} with io_uring multishot receive, {recv} with recv");
+    }
     let (shards, bytes) = checked?;
     println!(
         "demo ok: {shards} shards, {bytes} bytes verified against the files in {:.3} s ({:.3} Gbit/s), CRC failures: {crc_failures}",
