@@ -433,11 +433,9 @@ impl MultishotRecv {
             }
             Ok(())
         });
-        let retired = std::mem::take(&mut self.retired);
-        for &b in &retired {
-            self.give_back(b);
+        for i in 0..self.retired.len() {
+            self.give_back(self.retired[i]);
         }
-        self.retired = retired;
         self.retired.clear();
         self.core.publish();
         r?;

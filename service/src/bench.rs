@@ -134,63 +134,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
             let sw = run_shardwire(&a, &data, &dir, stream_memory, rate, a.io_uring)?;
             if a.compare_uring {
                 let other = run_shardwire(&a, &data, &dir, stream_memory, rate, !a.io_uring)?;
-                let (on, off) = if a.io_uring {
-                    (&sw, &other)
-                } else {
-                    (&other, &sw)
-                };
-                let node = (on.gbps / off.gbps, on.cpu_per_gb / off.cpu_per_gb);
-                println!(
-                    "ratio shardwire io_uring/recv: {:.3} ({:.3} / {:.3} Gbps), CPU s/GB (threads) {:.3}",
-                    node.0, on.gbps, off.gbps, node.1
-                );
-                let mut row = vec![node];
+                let mut row = vec![node_ratio(a.io_uring, &sw, &other)];
                 row.extend(compare_uring(&files, &plain, region)?);
                 uring_rows.push(row);
             }
             if a.compare_tcp {
-                let hot = run_plain(plain(None, tcp::Recv::Read), &files)?;
-                let placed = run_plain(plain(Some(region), tcp::Recv::Read), &files)?;
-                println!(
-                    "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: threads {:.2} ({:.3} / {:.3}), all CPUs {:.2} ({:.3} / {:.3})",
-                    sw.gbps / hot.gbps,
-                    sw.gbps,
-                    hot.gbps,
-                    sw.gbps / placed.gbps,
-                    placed.gbps,
-                    sw.cpu_per_gb / hot.cpu_per_gb,
-                    sw.cpu_per_gb,
-                    hot.cpu_per_gb,
-                    sw.all_per_gb / hot.all_per_gb,
-                    sw.all_per_gb,
-                    hot.all_per_gb
-                );
-                ratios.push([
-                    sw.gbps / hot.gbps,
-                    sw.gbps / placed.gbps,
-                    sw.cpu_per_gb / hot.cpu_per_gb,
-                    sw.all_per_gb / hot.all_per_gb,
-                ]);
+                ratios.push(compare_tcp(&sw, &files, &plain, region)?);
             }
         }
-        if ratios.len() > 1 {
-            let labels = [
-                format!("median ratio shardwire/tcp over {} rounds", ratios.len()),
-                "median ratio shardwire/tcp-region".into(),
-                "median CPU s/GB shardwire/tcp (this process's threads, user + system)".into(),
-                "median CPU s/GB shardwire/tcp (all CPUs busy, softirq included)".into(),
-            ];
-            for (k, label) in labels.iter().enumerate() {
-                let mut v: Vec<f64> = ratios.iter().map(|r| r[k]).collect();
-                v.sort_by(f64::total_cmp);
-                let list: Vec<String> = v.iter().map(|r| format!("{r:.3}")).collect();
-                println!(
-                    "{label}: {:.3} (sorted: {})",
-                    v[v.len() / 2],
-                    list.join(" ")
-                );
-            }
-        }
+        print_tcp_medians(&ratios);
         print_uring_medians(&uring_rows);
         Ok::<_, anyhow::Error>(())
     })();
@@ -302,6 +254,73 @@ fn run_shardwire(
     })
 }
 
+/// The median of `v` and `v` sorted.
+fn median(mut v: Vec<f64>) -> (f64, Vec<f64>) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v)
+}
+
+/// The node with io_uring over the node with `recv` (goodput, CPU s/GB of the threads),
+/// printed; `sw` ran with `io_uring`, `other` the other way.
+fn node_ratio(io_uring: bool, sw: &Run, other: &Run) -> (f64, f64) {
+    let (on, off) = if io_uring { (sw, other) } else { (other, sw) };
+    let r = (on.gbps / off.gbps, on.cpu_per_gb / off.cpu_per_gb);
+    println!(
+        "ratio shardwire io_uring/recv: {:.3} ({:.3} / {:.3} Gbps), CPU s/GB (threads) {:.3}",
+        r.0, on.gbps, off.gbps, r.1
+    );
+    r
+}
+
+/// One round of `--compare-tcp`: plain TCP into a hot buffer and into the region; returns
+/// shardwire's ratios (goodput to hot, goodput to region, CPU s/GB threads, all CPUs).
+fn compare_tcp(
+    sw: &Run,
+    files: &[std::path::PathBuf],
+    plain: &impl Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun,
+    region: usize,
+) -> anyhow::Result<[f64; 4]> {
+    let hot = run_plain(plain(None, tcp::Recv::Read), files)?;
+    let placed = run_plain(plain(Some(region), tcp::Recv::Read), files)?;
+    println!(
+        "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: threads {:.2} ({:.3} / {:.3}), all CPUs {:.2} ({:.3} / {:.3})",
+        sw.gbps / hot.gbps,
+        sw.gbps,
+        hot.gbps,
+        sw.gbps / placed.gbps,
+        placed.gbps,
+        sw.cpu_per_gb / hot.cpu_per_gb,
+        sw.cpu_per_gb,
+        hot.cpu_per_gb,
+        sw.all_per_gb / hot.all_per_gb,
+        sw.all_per_gb,
+        hot.all_per_gb
+    );
+    Ok([
+        sw.gbps / hot.gbps,
+        sw.gbps / placed.gbps,
+        sw.cpu_per_gb / hot.cpu_per_gb,
+        sw.all_per_gb / hot.all_per_gb,
+    ])
+}
+
+fn print_tcp_medians(ratios: &[[f64; 4]]) {
+    if ratios.len() < 2 {
+        return;
+    }
+    let labels = [
+        format!("median ratio shardwire/tcp over {} rounds", ratios.len()),
+        "median ratio shardwire/tcp-region".into(),
+        "median CPU s/GB shardwire/tcp (this process's threads, user + system)".into(),
+        "median CPU s/GB shardwire/tcp (all CPUs busy, softirq included)".into(),
+    ];
+    for (k, label) in labels.iter().enumerate() {
+        let (m, sorted) = median(ratios.iter().map(|r| r[k]).collect());
+        let list: Vec<String> = sorted.iter().map(|r| format!("{r:.3}")).collect();
+        println!("{label}: {m:.3} (sorted: {})", list.join(" "));
+    }
+}
+
 /// A plain-TCP run (see [`tcp`]) with its CPU figures.
 fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run> {
     let mut samples = Vec::new();
@@ -400,16 +419,11 @@ fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
     );
     for (k, label) in labels.enumerate() {
         let k = if k == 0 { 0 } else { k + 1 };
-        let median = |f: fn(&(f64, f64)) -> f64| {
-            let mut v: Vec<f64> = rows.iter().map(|r| f(&r[k])).collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
+        let (goodput, _) = median(rows.iter().map(|r| r[k].0).collect());
+        let (cpu, _) = median(rows.iter().map(|r| r[k].1).collect());
         println!(
-            "median {label} over {} rounds: goodput {:.3}, CPU s/GB (threads) {:.3}",
-            rows.len(),
-            median(|r| r.0),
-            median(|r| r.1)
+            "median {label} over {} rounds: goodput {goodput:.3}, CPU s/GB (threads) {cpu:.3}",
+            rows.len()
         );
     }
 }

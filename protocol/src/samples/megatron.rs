@@ -509,28 +509,39 @@ mod tests {
                 num_samples: f[2].trim_start_matches("ns").parse().ok(),
                 drop_last: true,
             };
-            let ix = MegatronIndex::build(&lengths, &spec).unwrap();
-            assert_eq!(
-                u64::from(ix.num_epochs),
-                c["num_epochs"].as_u64().unwrap(),
-                "{name}"
-            );
-            assert_eq!(
-                ix.separate_final_epoch,
-                c["separate_final_epoch"].as_bool().unwrap()
-            );
-            assert_eq!(ix.document_index, u32s(&c["document_index"]), "{name}");
-            assert_eq!(ix.sample_index, rows(&c["sample_index"]), "{name}");
-            assert_eq!(ix.shuffle_index, u64s(&c["shuffle_index"]), "{name}");
-            for (i, t) in c["first_samples"].as_array().unwrap().iter().enumerate() {
-                assert_eq!(
-                    text(&ix, &seqs, &spec, i as u64),
-                    u64s(t),
-                    "{name} item {i}"
-                );
-            }
+            let ix = matches_vector(name, c, &seqs, &lengths, &spec, "first_samples");
             check_piece_sums(&ix, &lengths, &spec);
         }
+    }
+
+    /// Builds the index for `spec` and checks it against vector `c` (megatron-core's
+    /// arrays and the token texts of its first items, under `texts`).
+    fn matches_vector(
+        name: &str,
+        c: &Value,
+        seqs: &[Vec<u64>],
+        lengths: &[u32],
+        spec: &MegatronSpec,
+        texts: &str,
+    ) -> MegatronIndex {
+        let ix = MegatronIndex::build(lengths, spec).unwrap();
+        assert_eq!(
+            u64::from(ix.num_epochs),
+            c["num_epochs"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            ix.separate_final_epoch,
+            c["separate_final_epoch"].as_bool().unwrap(),
+            "{name}"
+        );
+        assert_eq!(ix.document_index, u32s(&c["document_index"]), "{name}");
+        assert_eq!(ix.sample_index, rows(&c["sample_index"]), "{name}");
+        assert_eq!(ix.shuffle_index, u64s(&c["shuffle_index"]), "{name}");
+        for (i, t) in c[texts].as_array().unwrap().iter().enumerate() {
+            assert_eq!(text(&ix, seqs, spec, i as u64), u64s(t), "{name} item {i}");
+        }
+        ix
     }
 
     #[test]
@@ -551,26 +562,7 @@ mod tests {
                 num_samples: c["num_samples"].as_u64(),
                 drop_last: c["drop_last"].as_bool().unwrap(),
             };
-            let ix = MegatronIndex::build(&lengths, &spec).unwrap();
-            assert_eq!(
-                u64::from(ix.num_epochs),
-                c["num_epochs"].as_u64().unwrap(),
-                "{name}"
-            );
-            assert_eq!(
-                ix.separate_final_epoch,
-                c["separate_final_epoch"].as_bool().unwrap()
-            );
-            assert_eq!(ix.document_index, u32s(&c["document_index"]), "{name}");
-            assert_eq!(ix.sample_index, rows(&c["sample_index"]), "{name}");
-            assert_eq!(ix.shuffle_index, u64s(&c["shuffle_index"]), "{name}");
-            for (i, t) in c["first_texts"].as_array().unwrap().iter().enumerate() {
-                assert_eq!(
-                    text(&ix, &seqs, &spec, i as u64),
-                    u64s(t),
-                    "{name} item {i}"
-                );
-            }
+            let ix = matches_vector(name, c, &seqs, &lengths, &spec, "first_texts");
             let tail = c["tail_dataset_index"].as_u64().unwrap();
             assert_eq!(
                 text(&ix, &seqs, &spec, tail),

@@ -128,7 +128,6 @@ fn receiver(
     let slots = r
         .region
         .map_or(1, |b| (b / usize::from(r.flows) / r.shard).max(1));
-    let count = |s: &AtomicU64, n: usize| s.fetch_add(n as u64, Ordering::Relaxed);
     match r.recv {
         Recv::Read | Recv::ReadLowat => {
             if r.recv == Recv::ReadLowat {
@@ -161,22 +160,15 @@ fn receiver(
             )?;
             let mut buf = vec![0u8; slots * r.shard];
             let mut at = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                let n = rx.wait(|p| {
-                    // The stream's bytes in turn, wrapping around the region.
-                    let mut data = p.data;
-                    while !data.is_empty() {
-                        let k = data.len().min(buf.len() - at);
-                        buf[at..at + k].copy_from_slice(&data[..k]);
-                        (at, data) = ((at + k) % buf.len(), &data[k..]);
-                    }
-                })?;
-                if n == 0 {
-                    break;
+            multishot_loop(&mut rx, &stop, &received, |p| {
+                // The stream's bytes in turn, wrapping around the region.
+                let mut data = p.data;
+                while !data.is_empty() {
+                    let k = data.len().min(buf.len() - at);
+                    buf[at..at + k].copy_from_slice(&data[..k]);
+                    (at, data) = ((at + k) % buf.len(), &data[k..]);
                 }
-                count(&received, n);
-            }
-            Ok(())
+            })
         }
         Recv::UringInto => uring_into(conn, r, slots, &stop, &received),
         Recv::UringSlots { lowat } => {
@@ -191,16 +183,26 @@ fn receiver(
                 },
                 lowat,
             )?;
-            while !stop.load(Ordering::Relaxed) {
-                let n = rx.wait(|_| {})?;
-                if n == 0 {
-                    break;
-                }
-                count(&received, n);
-            }
-            Ok(())
+            multishot_loop(&mut rx, &stop, &received, |_| {})
         }
     }
+}
+
+/// Waits on `rx` until the peer closes or `stop`, handing each piece to `f` and counting it.
+fn multishot_loop(
+    rx: &mut MultishotRecv,
+    stop: &AtomicBool,
+    received: &AtomicU64,
+    mut f: impl FnMut(shardwire_devmem::uring::Received<'_>),
+) -> std::io::Result<()> {
+    while !stop.load(Ordering::Relaxed) {
+        let n = rx.wait(&mut f)?;
+        if n == 0 {
+            break;
+        }
+        received.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// [`RecvInto`] into shard-sized slots in turn, the mark the node's rule gives a whole slot.
@@ -211,16 +213,12 @@ fn uring_into(
     stop: &AtomicBool,
     received: &AtomicU64,
 ) -> std::io::Result<()> {
+    let rx_lowat = shardwire_node::receiver::lowat_for(r.shard);
+    shardwire_devmem::set_rcvlowat(conn.as_fd(), rx_lowat)?;
     let mut rx = RecvInto::new(conn)?;
     let mut buf = vec![0u8; slots * r.shard];
     let mut slot = 0usize;
-    let mut lowat = 1;
     while !stop.load(Ordering::Relaxed) {
-        let want = shardwire_node::receiver::lowat_for(r.shard);
-        if want != lowat {
-            shardwire_devmem::set_rcvlowat(rx.socket().as_fd(), want)?;
-            lowat = want;
-        }
         let dst = &mut buf[slot * r.shard..(slot + 1) * r.shard];
         match rx.recv(dst, Duration::from_secs(60), |_, p| {
             received.fetch_add(p.len() as u64, Ordering::Relaxed);
