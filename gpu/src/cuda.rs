@@ -10,6 +10,7 @@
 pub mod device;
 pub mod engine;
 pub mod hostmap;
+pub mod memory;
 pub mod selftest;
 pub mod staging;
 pub mod vmm;
@@ -17,7 +18,8 @@ pub mod vmm;
 pub use device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 pub use engine::Engines;
 pub use hostmap::{DeviceRange, HostMapped};
-pub use selftest::{CudaMemory, open_for_service, self_test};
+pub use memory::{CudaMemory, open_for_service};
+pub use selftest::self_test;
 pub use staging::{H2dStager, StageError};
 pub use vmm::VmmRegion;
 

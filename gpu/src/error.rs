@@ -13,6 +13,9 @@ pub enum GpuError {
         /// Its status code.
         result: cudarc::driver::sys::CUresult,
     },
+    /// This build has no CUDA support.
+    #[error("this build has no CUDA support (built without the `cuda` feature)")]
+    NotBuilt,
     /// libcuda cannot be loaded.
     #[error("libcuda.so was not found (no NVIDIA driver on this host)")]
     NoDriver,

@@ -8,8 +8,8 @@
 //!   that launch the kernels, and the H2D staging path.
 //! - [`probe`]: the CUDA capability probe and the host/CUDA memory decision. The `cuda`
 //!   feature (on by default) loads `libcuda` at run time, so one binary builds and runs
-//!   without CUDA and says why it chose host memory; without the feature a stub reports
-//!   "built without CUDA".
+//!   without CUDA and says why it chose host memory; without the feature `cuda` is a stub of
+//!   the same names whose constructors all return "built without CUDA".
 //!
 //! Memory use is bounded by the regions the service creates, never by load.
 
@@ -23,7 +23,8 @@ pub mod slab;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]
-mod dummy_cuda;
+#[path = "dummy_cuda.rs"]
+pub mod cuda;
 
 pub use probe::{
     GpuDevice, GpuError, GpuProbe, MemoryChoice, MemoryDecision, choose_memory, probe_gpus,

@@ -10,10 +10,7 @@
 use serde::{Deserialize, Serialize};
 use shardwire_protocol::trainer::MemoryKind;
 
-#[cfg(feature = "cuda")]
 use crate::cuda as backend;
-#[cfg(not(feature = "cuda"))]
-use crate::dummy_cuda as backend;
 pub use crate::error::GpuError;
 pub use crate::report::{GpuDevice, GpuProbe, MIN_DRIVER_VERSION, device_text};
 

@@ -49,7 +49,6 @@ pub enum Region {
     /// A memfd mapped here.
     Host(HostRegion),
     /// A CUDA VMM allocation.
-    #[cfg(feature = "cuda")]
     Cuda(crate::cuda::VmmRegion),
 }
 
@@ -59,7 +58,6 @@ impl From<HostRegion> for Region {
     }
 }
 
-#[cfg(feature = "cuda")]
 impl From<crate::cuda::VmmRegion> for Region {
     fn from(r: crate::cuda::VmmRegion) -> Self {
         Self::Cuda(r)
@@ -71,7 +69,6 @@ impl Region {
     pub fn len(&self) -> usize {
         match self {
             Self::Host(r) => r.len(),
-            #[cfg(feature = "cuda")]
             Self::Cuda(r) => r.len(),
         }
     }
@@ -86,7 +83,6 @@ impl Region {
         use shardwire_protocol::trainer::MemoryKind;
         match self {
             Self::Host(_) => MemoryKind::Host,
-            #[cfg(feature = "cuda")]
             Self::Cuda(_) => MemoryKind::Cuda,
         }
     }
@@ -103,7 +99,6 @@ impl Region {
                     len: r.len(),
                     source,
                 }),
-            #[cfg(feature = "cuda")]
             Self::Cuda(r) => Ok(r.export_fd()?),
         }
     }
@@ -112,13 +107,11 @@ impl Region {
     pub fn host(&self) -> Option<&HostRegion> {
         match self {
             Self::Host(r) => Some(r),
-            #[cfg(feature = "cuda")]
             Self::Cuda(_) => None,
         }
     }
 
     /// The CUDA region, if this is one.
-    #[cfg(feature = "cuda")]
     pub fn cuda(&self) -> Option<&crate::cuda::VmmRegion> {
         match self {
             Self::Cuda(r) => Some(r),

@@ -255,7 +255,6 @@ impl Slab {
                 })?;
         match &self.pool.region {
             Region::Host(_) => Ok(self.host_slice().expect("host slab")[start..end].to_vec()),
-            #[cfg(feature = "cuda")]
             Region::Cuda(cuda) => {
                 let mut out = vec![0; len];
                 cuda.read(self.offset + start, &mut out)?;

@@ -19,10 +19,7 @@ use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
 
 use crate::error::IndexError;
 use crate::source::Source;
-use crate::walk::{Candidate, Kind, Unused};
-
-/// The name of a Streaming index file.
-pub(crate) const INDEX_FILE: &str = "index.json";
+use crate::walk::{Candidate, Kind, MDS_INDEX_FILE as INDEX_FILE, Unused};
 
 /// One column: name, encoding, fixed size (`None`: variable).
 #[derive(Clone, Debug, PartialEq, Eq)]

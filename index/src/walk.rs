@@ -9,6 +9,9 @@ use shardwire_protocol::manifest::MANIFEST_FILE;
 
 use crate::error::IndexError;
 
+/// The name of a MosaicML Streaming index file (read by [`crate::mds`]).
+pub(crate) const MDS_INDEX_FILE: &str = "index.json";
+
 /// How a file is read, chosen by its extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -36,7 +39,7 @@ pub(crate) enum Kind {
 impl Kind {
     /// The kind for a file name, or `None` for files that are not indexed.
     pub fn of(name: &str) -> Option<Self> {
-        if name == crate::mds::INDEX_FILE {
+        if name == MDS_INDEX_FILE {
             return Some(Self::MdsIndex);
         }
         let ext = Path::new(name).extension()?.to_str()?.to_ascii_lowercase();

@@ -127,11 +127,6 @@ impl<S> Admission<S> {
     pub fn draining(&self) -> bool {
         self.lock().draining
     }
-
-    /// `pool_size`.
-    pub fn pool(&self) -> u64 {
-        self.pool
-    }
 }
 
 impl<S> Reservation<'_, S> {

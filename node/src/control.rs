@@ -24,7 +24,7 @@ pub enum Control {
         /// The stream.
         id: u64,
         /// Why, for its trainer.
-        reason: String,
+        reason: crate::stream::CloseReason,
     },
 }
 

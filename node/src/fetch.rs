@@ -12,6 +12,8 @@ use shardwire_gpu::Slab;
 use shardwire_protocol::wire;
 use tokio::sync::mpsc;
 
+use crate::rx::error::RxError;
+
 /// Why a fetch did not produce a verified shard.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FetchFailure {
@@ -47,11 +49,40 @@ pub enum FetchFailure {
         /// The data connection.
         conn: u16,
         /// What happened (the I/O error, or the earlier failure of this connection).
-        cause: String,
+        cause: RxError,
     },
     /// The source dropped it on the node's request (its stream closed).
     #[error("cancelled: its stream closed")]
     Cancelled,
+}
+
+/// What to do about a failed fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryClass {
+    /// Fetch it again (from another source when one is up): the bytes were damaged or the
+    /// connection went away.
+    Refetch,
+    /// Another attempt gets the same answer (the source does not have the shard or refuses
+    /// the request): the stream ends with the reason.
+    Fail,
+}
+
+impl FetchFailure {
+    /// Whether another attempt can succeed.
+    pub fn retry_class(&self) -> RetryClass {
+        use wire::ErrorCode as C;
+        match self {
+            Self::Refused {
+                code: C::UnknownDataset | C::UnknownShard | C::BadRequest,
+                ..
+            } => RetryClass::Fail,
+            Self::LinkDown { .. }
+            | Self::Crc { .. }
+            | Self::Refused { .. }
+            | Self::ConnectionLost { .. }
+            | Self::Cancelled => RetryClass::Refetch,
+        }
+    }
 }
 
 /// What a fetch came to; the slab always comes back.
@@ -204,6 +235,29 @@ pub(crate) mod tests {
         assert_eq!(c.result, Err(FetchFailure::Crc { got: 8, want: 7 }));
         drop(c);
         assert_eq!(p.used(), 0, "the slab returned to the pool");
+    }
+
+    #[test]
+    fn refusals_that_cannot_change_fail_and_the_rest_are_fetched_again() {
+        let refused = |code| FetchFailure::Refused {
+            code,
+            message: "no".into(),
+        };
+        for code in [
+            wire::ErrorCode::UnknownShard,
+            wire::ErrorCode::UnknownDataset,
+            wire::ErrorCode::BadRequest,
+        ] {
+            assert_eq!(refused(code).retry_class(), RetryClass::Fail, "{code:?}");
+        }
+        assert_eq!(
+            refused(wire::ErrorCode::ReadFailed).retry_class(),
+            RetryClass::Refetch
+        );
+        assert_eq!(
+            FetchFailure::Crc { got: 1, want: 2 }.retry_class(),
+            RetryClass::Refetch
+        );
     }
 
     #[test]

@@ -2,39 +2,49 @@
 //! streams, and the trainer Unix socket. The `shardwire` binary puts its admin and trainer
 //! HTTP fronts on top of it; this crate serves no HTTP.
 //!
-//! Control plane (tokio): one link task per source ([`link`]: handshake, manifests,
-//! FETCH/SHARD), one fetcher task per stream ([`stream::fetcher`]), the data-port acceptor
-//! ([`plane`]) and the control task that applies admin changes ([`control`]). Data path
-//! (threads): one receiver per data connection ([`receiver`]: `recv` straight into the shard's
-//! slab, CRC-32C while the bytes are cache-hot) and one thread per trainer connection
-//! ([`socket`]). The data path never waits on the control plane except for the announcement
-//! that tells a receiver where its next payload goes.
+//! Control plane (tokio): one link task per source (`link`: handshake, manifests,
+//! FETCH/SHARD), one task per stream (`stream`: fetch ahead, assemble batches), the
+//! data-port acceptor (`plane`) and the control task that applies admin changes (`control`).
+//! Data path (threads): one receiver per data connection (`rx`: the receive path chosen once
+//! per connection, CRC-32C while the bytes are cache-hot) and one thread per trainer
+//! connection (`socket`). The data path never waits on the control plane except for the
+//! announcement that tells a receiver where its next payload goes.
 //!
-//! Layers, each using only those below it: [`node`] (what the fronts see) over [`admission`],
-//! [`info`] and [`plane`]; the plane over [`link`], [`matcher`] and [`receiver`]; all of
-//! them over [`fetch`] (a fetch in flight and its one way to end) and [`counters`].
+//! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
+//! `info` and `plane`; the plane over `link`, `matcher`, `binding` and `rx`; all of them over
+//! `fetch` (a fetch in flight and its one way to end) and `counters`. The fronts see the
+//! facade re-exported here: [`Node`] and [`Stream`], [`start`] and [`NodeHandle`], the
+//! control messages and the status document; `shardwire bench` also gets the receive
+//! primitives in [`bench`].
 
-pub mod admission;
-pub mod binding;
-pub mod control;
-pub mod counters;
-pub mod devmem_rx;
-pub mod fetch;
-pub mod info;
-pub mod link;
-pub mod matcher;
-pub mod node;
-pub mod plane;
-pub mod receiver;
-pub mod socket;
+mod admission;
+mod binding;
+mod control;
+mod counters;
+mod fetch;
+mod info;
+mod link;
+mod matcher;
+mod node;
+mod plane;
+mod rx;
+mod socket;
 mod start;
-pub mod status;
-pub mod stream;
-pub mod uring_rx;
+mod status;
+mod stream;
 
+pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};
+pub use counters::{Counters, FlowStats};
+pub use info::Info;
 pub use node::Node;
+pub use plane::Flow;
 pub use start::{NodeHandle, StartError, read_secret, start};
-pub use status::Status;
-pub use stream::open::OpenError;
-pub use stream::{Batch, Next, Stream, StreamInfo};
+pub use status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
+pub use stream::{Batch, CloseReason, Next, OpenError, Stream, StreamInfo};
+
+/// The receive primitives `shardwire bench` measures the node's own reader with.
+pub mod bench {
+    pub use crate::rx::recv::Plain;
+    pub use crate::rx::shared::{CHUNK, PayloadRead, RCVLOWAT, lowat_for};
+}

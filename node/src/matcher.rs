@@ -95,6 +95,7 @@ impl<S, E> Matcher<S, E> {
     }
 
     /// (announced and waiting, accepted and waiting).
+    #[cfg(test)]
     pub fn waiting(&self) -> (usize, usize) {
         (self.expected.len(), self.accepted.len())
     }

@@ -26,8 +26,10 @@ use crate::link::SourceLink;
 use crate::plane::{DataPlane, Flow};
 use crate::status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
-use crate::stream::open::{self, OpenError};
-use crate::stream::{DatasetSource, Parts, Stream, batcher, fetcher, open_mix};
+use crate::stream::open;
+use crate::stream::{
+    CloseReason, DatasetSource, OpenError, Parts, Stream, batcher, fetcher, open_mix,
+};
 
 /// A control message and where its answer goes.
 pub(crate) type ControlRequest = (Control, oneshot::Sender<Result<Reply, ControlError>>);
@@ -234,22 +236,23 @@ impl Node {
 
     /// Closes stream `id`: its leases end, its memory budget returns, and the fetches it has
     /// queued at sources are cancelled. False if it was not open (closing twice is harmless).
-    pub fn close_stream(&self, id: u64, reason: &str) -> bool {
+    pub fn close_stream(&self, id: u64, reason: CloseReason) -> bool {
         let Some(s) = self.admission.remove(id) else {
             return false;
         };
+        tracing::info!(stream = id, %reason, "closing the stream");
         s.close(reason);
         // Fetches not yet on the wire are dropped at the source; the ones already announced
         // arrive and are discarded.
         let cancelled: usize = s.candidates().iter().map(|l| l.cancel_stream(id)).sum();
-        tracing::info!(stream = id, reason, cancelled, "stream closed");
+        tracing::info!(stream = id, cancelled, "stream closed");
         true
     }
 
     /// Closes every stream (shutdown).
-    pub(crate) fn close_all(&self, reason: &str) {
+    pub(crate) fn close_all(&self, reason: &CloseReason) {
         for s in self.streams() {
-            self.close_stream(s.id(), reason);
+            self.close_stream(s.id(), reason.clone());
         }
     }
 
@@ -342,7 +345,7 @@ impl Node {
                     timeout_secs,
                 })
             }
-            Control::CloseStream { id, reason } => match self.close_stream(id, &reason) {
+            Control::CloseStream { id, reason } => match self.close_stream(id, reason) {
                 true => Ok(Reply::Closed { id }),
                 false => Err(ControlError::NoStream(id)),
             },

@@ -14,12 +14,12 @@ use shardwire_config::ReceiveMode;
 use shardwire_gpu::cuda::CudaMemory;
 use tokio::sync::watch;
 
+use crate::binding::{BindingKind, RxRegion};
 use crate::counters::{Counters, FlowStats};
-use crate::devmem_rx::{BindingKind, RxRegion};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::link::{DataConns, SourceLink};
 use crate::matcher::{Accepted, Matcher};
-use crate::receiver::{self, DATA_STALL_TIMEOUT, Path};
+use crate::rx::{self, Conn, Setup, shared::Gpus};
 
 /// A data connection a source announced and the node has not accepted yet.
 #[derive(Debug)]
@@ -49,9 +49,11 @@ pub struct DataPlane {
     rx: RwLock<Option<Arc<RxRegion>>>,
     /// The GPU stream regions live on (`memory = cuda`); `None`: host memory.
     pub cuda: Option<Arc<CudaMemory>>,
+    /// The same, for the receive paths.
+    gpus: Gpus,
     flows: Mutex<Vec<Flow>>,
     counters: Arc<Counters>,
-    /// Plain-TCP host connections try io_uring ([`crate::uring_rx`]).
+    /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
     io_uring: bool,
 }
 
@@ -68,6 +70,7 @@ impl DataPlane {
             links,
             matcher: Mutex::default(),
             rx: RwLock::new(rx),
+            gpus: Gpus::new(cuda.iter().cloned().collect()),
             cuda,
             flows: Mutex::default(),
             counters,
@@ -130,38 +133,25 @@ impl DataPlane {
             return;
         }
         tracing::debug!(%peer, source = %link.addr, conn = e.conn, "data connection identified");
-        let path = sock
-            .set_read_timeout(Some(DATA_STALL_TIMEOUT))
-            .and_then(|()| {
-                let (rx, cuda) = (self.binding(), self.cuda.as_ref());
-                Path::choose(sock, rx.as_ref(), cuda, self.io_uring)
-            });
-        let path = match path {
-            Ok(p) => p,
-            Err(err) => {
-                let reason = format!(
-                    "cannot read data connection {} through the receive path: {err}",
-                    e.conn
-                );
-                tracing::error!(source = %link.addr, "{reason}; dropping it");
-                link.kick(&reason);
-                return;
-            }
-        };
-        let stats = Arc::new(FlowStats::default());
+        let flow = Arc::new(FlowStats::default());
         self.flows.lock().expect("poisoned").push(Flow {
             source: link.addr.clone(),
             conn: e.conn,
-            stats: Arc::clone(&stats),
+            stats: Arc::clone(&flow),
         });
-        receiver::spawn(
+        let setup = Setup {
+            binding: self.binding(),
+            gpus: self.gpus.clone(),
+            io_uring: self.io_uring,
+        };
+        let conn = Conn {
             link,
-            e.conn,
-            path,
-            e.queue,
-            stats,
-            Arc::clone(&self.counters),
-        );
+            conn: e.conn,
+            queue: e.queue,
+            flow,
+            counters: Arc::clone(&self.counters),
+        };
+        rx::spawn(conn, sock, setup);
     }
 
     fn sweep(&self) {

@@ -18,7 +18,7 @@ use shardwire_protocol::trainer::{ErrorCode, Request, Response, StreamRequest};
 use tokio::sync::watch;
 
 use crate::node::Node;
-use crate::stream::{Next, Stream};
+use crate::stream::{CloseReason, Next, Stream};
 
 /// Binds the socket (replacing a stale file) and starts the accept thread.
 pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
@@ -206,7 +206,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
         }
     }
     if let Some(s) = c.stream.take() {
-        node.close_stream(s.id(), "trainer disconnected");
+        node.close_stream(s.id(), CloseReason::TrainerDisconnected);
     }
 }
 
@@ -265,8 +265,9 @@ impl Conn<'_> {
         let fd = match region.share_fd() {
             Ok(fd) => fd,
             Err(e) => {
-                let msg = format!("cannot share the stream's region: {e}");
-                self.node.close_stream(s.id(), &msg);
+                let why = CloseReason::CannotShare(e.to_string());
+                let msg = why.to_string();
+                self.node.close_stream(s.id(), why);
                 return self.send(&error(ErrorCode::NoMemory, msg));
             }
         };
@@ -327,6 +328,6 @@ fn next_response(n: Next) -> Response {
         },
         Next::End => Response::End,
         Next::Timeout => Response::Timeout,
-        Next::Closed(why) => error(ErrorCode::Closed, why),
+        Next::Closed(why) => error(why.code(), why.to_string()),
     }
 }

@@ -14,13 +14,14 @@ use shardwire_gpu::{GpuError, MemoryChoice, MemoryDecision};
 use shardwire_protocol::trainer::MemoryKind;
 use tokio::sync::{mpsc, watch};
 
+use crate::binding::RxRegion;
 use crate::binding::{self, BindingError, NicRequest};
 use crate::counters::Counters;
-use crate::devmem_rx::RxRegion;
 use crate::info::Info;
 use crate::link::{DataConns, LinkConfig, SourceLink};
 use crate::node::{ControlRequest, Node};
 use crate::plane::{self, DataPlane};
+use crate::stream::CloseReason;
 
 /// Why the node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -131,7 +132,7 @@ impl NodeHandle {
             region.unbind();
         }
         let _ = self.shutdown.send(true);
-        self.node.close_all("node shutting down");
+        self.node.close_all(&CloseReason::Shutdown);
         let _ = std::fs::remove_file(&self.socket);
     }
 }

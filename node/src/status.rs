@@ -6,7 +6,7 @@ use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::GpuProbe;
 use shardwire_protocol::trainer::MemoryKind;
 
-use crate::devmem_rx::BindingKind;
+use crate::binding::BindingKind;
 use crate::stream::StreamInfo;
 
 /// The receive and memory modes in effect, and why.

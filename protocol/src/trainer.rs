@@ -234,6 +234,10 @@ pub enum ErrorCode {
     BindFailed,
     /// No source is connected.
     Unavailable,
+    /// The data cannot be delivered: a source refused a shard for good (it does not have it,
+    /// or the request is one it cannot serve). The message names the dataset, the shard and
+    /// the source's reason; the dataset (or the sources) must change first.
+    DataUnavailable,
     /// Not enough memory for the stream.
     NoMemory,
     /// The node is draining.
@@ -273,6 +277,7 @@ impl ErrorCode {
             | Self::BindingExists
             | Self::NotCapable
             | Self::BindFailed => 409,
+            Self::DataUnavailable => 502,
             Self::Unavailable | Self::NoMemory | Self::Draining | Self::TooManyConnections => 503,
             Self::Internal | Self::Unknown => 500,
         }
@@ -310,6 +315,7 @@ impl ErrorCode {
             Self::NotCapable => "not_capable",
             Self::BindFailed => "bind_failed",
             Self::Unavailable => "unavailable",
+            Self::DataUnavailable => "data_unavailable",
             Self::NoMemory => "no_memory",
             Self::Draining => "draining",
             Self::TooManyConnections => "too_many_connections",
@@ -1028,6 +1034,7 @@ mod tests {
             (ErrorCode::StateMismatch, "state_mismatch", 409),
             (ErrorCode::NoMemory, "no_memory", 503),
             (ErrorCode::Timeout, "timeout", 408),
+            (ErrorCode::DataUnavailable, "data_unavailable", 502),
         ] {
             assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{name}\""));
             assert_eq!(code.as_str(), name);

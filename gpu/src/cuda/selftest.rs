@@ -8,30 +8,6 @@ use std::sync::Arc;
 use super::{Device, Engines, H2dStager, VmmRegion};
 use crate::error::GpuError;
 use crate::kernels::{Frag, Span, reference};
-use crate::report::GpuDevice;
-
-/// A device ready for stream regions: the device, its engines, and what the probe said.
-#[derive(Debug)]
-pub struct CudaMemory {
-    /// The device (its primary context).
-    pub device: Arc<Device>,
-    /// The loaded kernels.
-    pub engines: Engines,
-    /// The probe's report for it.
-    pub info: GpuDevice,
-}
-
-/// Opens `info`'s device, loads the kernels and runs [`self_test`].
-pub fn open_for_service(info: &GpuDevice) -> Result<CudaMemory, GpuError> {
-    let device = Device::open(info.ordinal)?;
-    let engines = Engines::new(&device)?;
-    self_test(&device, &engines, info.dma_buf_supported)?;
-    Ok(CudaMemory {
-        device,
-        engines,
-        info: info.clone(),
-    })
-}
 
 /// Runs each path once on a 2 MiB region and compares with the CPU reference.
 pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<(), GpuError> {

@@ -63,6 +63,11 @@ impl H2dStager {
         })
     }
 
+    /// The device the copies go to.
+    pub fn device(&self) -> &Arc<Device> {
+        self.stream.device()
+    }
+
     /// Bytes per buffer.
     pub fn slot_len(&self) -> usize {
         self.slots[0].buf.as_slice().len()

@@ -14,7 +14,9 @@ use arrow_array::{
 use arrow_schema::{Field, Schema};
 use shardwire_protocol::manifest::{DType, Manifest, TensorEntry};
 
-use super::layout::{BatchFail, BatchLayout, ColumnPlan, ListLevel, Slot, batch_tensors};
+use super::batch::batch_tensors;
+use super::body::{BatchFail, BatchLayout};
+use super::layout::{ColumnPlan, ListLevel, Slot};
 use super::tests::{index, rejected, struct_list, write_file, write_stream};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
 use crate::{IndexOptions, IndexReport, index_report};

@@ -19,7 +19,8 @@ use std::collections::HashSet;
 
 use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
-use super::layout::{BatchErr, BatchFail, ColumnPlan, ReadBody, Walk, no_nulls};
+use super::body::{BatchErr, BatchFail, ReadBody, Walk, no_nulls};
+use super::layout::ColumnPlan;
 
 /// Offsets of one list level: entries `start..=start + len` of the level's offsets buffer.
 struct Level {

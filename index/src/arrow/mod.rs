@@ -6,11 +6,13 @@
 //! `ARROW1` magic; anything else is read as a stream of encapsulated messages
 //! (`[0xFFFFFFFF] <i32 metadata length> <Message flatbuffer + padding> <body>`).
 //!
-//! Which column types become which tensors: [`layout`] (fixed-width) and [`lists`]
+//! Which column types become which tensors: [`layout`] (the schema's columns), [`batch`] (fixed-width) and [`lists`]
 //! (lists and strings, ragged or dense; the rule for nested lists is there). Only the
 //! offsets buffers of list and string columns are read from a body. Dictionary batches are
 //! ignored: a dictionary column is never served (it is an error, or skipped).
 
+mod batch;
+mod body;
 mod layout;
 mod lists;
 mod pytype;
@@ -20,8 +22,10 @@ use std::collections::HashSet;
 use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
 use shardwire_protocol::manifest::ShardEntry;
 
+use self::batch::batch_tensors;
+use self::body::{BatchFail, BatchLayout};
 pub(crate) use self::layout::Choice;
-use self::layout::{BatchFail, BatchLayout, PlanErr, SchemaPlan, Slot, batch_tensors, plan_schema};
+use self::layout::{PlanErr, SchemaPlan, Slot, plan_schema};
 pub(crate) use self::lists::harmonize;
 use crate::error::IndexError;
 use crate::source::Source;

@@ -13,7 +13,9 @@ use arrow_ipc::writer::{FileWriter, IpcWriteOptions, StreamWriter};
 use arrow_schema::{DataType, Field, Schema};
 use shardwire_protocol::manifest::{DType, Manifest};
 
-use super::layout::{BatchErr, BatchFail, BatchLayout, ColumnPlan, Slot, batch_tensors};
+use super::batch::batch_tensors;
+use super::body::{BatchErr, BatchFail, BatchLayout};
+use super::layout::{ColumnPlan, Slot};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
 use crate::{IndexOptions, index_dir};
 

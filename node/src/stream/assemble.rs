@@ -16,6 +16,7 @@ use shardwire_protocol::samples::SampleRef;
 use shardwire_protocol::trainer::TensorView;
 use shardwire_protocol::{DType, Manifest};
 
+use super::error::AssembleError;
 use super::layout::TENSOR_ALIGN;
 
 /// Bytes `[src, src + len)` of shard `shard`'s payload go to `[dst, dst + len)` of the output.
@@ -223,12 +224,12 @@ pub fn execute<'a>(
     shard_slab: impl Fn(u32) -> &'a Slab,
     out: &mut Slab,
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
-) -> Result<Filled, String> {
+) -> Result<Filled, AssembleError> {
     if let Some(to) = out.host_slice_mut() {
         for p in &plan.pieces {
             let from = shard_slab(p.shard)
                 .host_slice()
-                .ok_or("a host slab assembled from a CUDA shard")?;
+                .ok_or(AssembleError::MixedMemory)?;
             let (s, d, l) = (p.src as usize, p.dst as usize, p.len as usize);
             match plan.widen {
                 None => to[d..d + l].copy_from_slice(&from[s..s + l]),
@@ -253,13 +254,12 @@ pub fn execute_in_place(
     plan: &Plan,
     slab: &mut Slab,
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
-) -> Result<Filled, String> {
+) -> Result<Filled, AssembleError> {
     if !slab.set_len(plan.bytes as usize) {
-        return Err(format!(
-            "the slab's block of {} bytes cannot hold the assembled {} bytes",
-            slab.capacity(),
-            plan.bytes
-        ));
+        return Err(AssembleError::BlockTooSmall {
+            block: slab.capacity() as u64,
+            need: plan.bytes,
+        });
     }
     if let Some(buf) = slab.host_slice_mut() {
         for p in &plan.pieces {
@@ -284,12 +284,9 @@ fn widening_frags(
     src_base: &impl Fn(u32) -> u64,
     base: u64,
     region: &shardwire_gpu::cuda::VmmRegion,
-) -> Result<Vec<Frag>, String> {
+) -> Result<Vec<Frag>, AssembleError> {
     if !matches!(w.from, DType::Uint8 | DType::Uint16 | DType::Uint32) {
-        return Err(format!(
-            "widening signed {} tokens on the GPU",
-            w.from.name()
-        ));
+        return Err(AssembleError::SignedWidening { dtype: w.from });
     }
     let (fs, ts) = (w.from.size(), w.to.size());
     let span = |p: &Piece| (p.dst, p.dst + p.len / fs * ts);
@@ -297,7 +294,7 @@ fn widening_frags(
     let hi = plan.pieces.iter().map(|p| span(p).1).max().unwrap_or(0);
     region
         .write(base as usize + lo as usize, &vec![0u8; (hi - lo) as usize])
-        .map_err(|e| format!("zeroing the widened tokens: {e}"))?;
+        .map_err(|e| AssembleError::gpu("zeroing the widened tokens", e))?;
     Ok(plan
         .pieces
         .iter()
@@ -318,12 +315,9 @@ fn gather(
     src_base: impl Fn(u32) -> u64,
     out: &Slab,
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
-) -> Result<Filled, String> {
-    let gpu = gpu.ok_or("a CUDA region on a node without a GPU")?;
-    let region = out
-        .region()
-        .cuda()
-        .ok_or("a CUDA slab outside a CUDA region")?;
+) -> Result<Filled, AssembleError> {
+    let gpu = gpu.ok_or(AssembleError::NoGpu)?;
+    let region = out.region().cuda().ok_or(AssembleError::MixedMemory)?;
     let base = out.offset() as u64;
     let frags: Vec<Frag> = match plan.widen {
         None => plan
@@ -340,11 +334,11 @@ fn gather(
     gpu.engines
         .gather(region, region, &frags)
         .and_then(|ev| ev.wait())
-        .map_err(|e| format!("the gather kernel: {e}"))?;
+        .map_err(|e| AssembleError::gpu("the gather kernel", e))?;
     for (at, bytes) in &plan.writes {
         region
             .write(out.offset() + *at as usize, bytes)
-            .map_err(|e| format!("writing the offsets: {e}"))?;
+            .map_err(|e| AssembleError::gpu("writing the offsets", e))?;
     }
     Ok(Filled::Gather)
 }

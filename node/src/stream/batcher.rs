@@ -21,17 +21,14 @@ use std::time::{Duration, Instant};
 
 use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::samples::{EpochOrder, Unit};
-use tokio::sync::mpsc;
 
-use super::fetcher::{self, Retry};
+use super::error::CloseReason;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::mix::{self, MixSample};
+use super::supply::{Fetches, Issue, Links, Pending, READY_AHEAD, room_for_prefetch};
 use super::{Ready, Stream};
 use super::{assemble, tokens};
-use crate::fetch::{Completion, FetchFailure};
-
-/// Assembled batches that may wait for the trainer.
-pub const READY_AHEAD: usize = 2;
+use crate::fetch::Completion;
 
 /// How often fetches that found no live source try again.
 const RETRY: Duration = Duration::from_millis(100);
@@ -72,56 +69,71 @@ struct Driver {
     epochs: VecDeque<EpochUnits>,
     live: Vec<Live>,
     resident: HashMap<u32, Resident>,
-    retry: VecDeque<Retry>,
-    rr: usize,
-    tx: mpsc::UnboundedSender<Completion>,
-    starved_since: Option<Instant>,
+    fetches: Fetches,
 }
 
 /// Runs a batch-mode stream from position `start` until it closes.
 pub async fn run(s: Arc<Stream>, start: u64) {
-    let Kind::Batches(m) = s.kind() else {
-        unreachable!("the batcher runs batch-mode streams");
-    };
-    let m = Arc::clone(m);
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let per_epoch = m.steps() * u64::from(m.batch_size());
-    let end = s.kind().per_epoch() * u64::from(s.epochs);
-    let pos = s.kind().position(s.kind().slot_at(start));
-    let mut d = Driver {
-        s,
-        m,
-        per_epoch,
-        end,
-        pos,
-        epochs: VecDeque::new(),
-        live: Vec::new(),
-        resident: HashMap::new(),
-        retry: VecDeque::new(),
-        rr: 0,
-        tx,
-        starved_since: None,
-    };
+    let mut d = Driver::new(s, start, Box::new(Links::default()));
     loop {
         if d.s.is_closed() {
             return;
         }
-        d.reissue();
-        d.issue_units();
-        while d.try_assemble() {}
+        if let Err(why) = d.step() {
+            d.s.close(why);
+            return;
+        }
         let s = Arc::clone(&d.s);
+        let supply = Arc::clone(s.supply());
+        let retry = d.fetches.has_waiting();
         tokio::select! {
             biased;
-            _ = s.closed_notify.notified() => return,
-            Some(c) = rx.recv() => d.completed(c),
-            _ = s.freed.notified() => {}
-            _ = s.taken.notified() => {}
-            _ = tokio::time::sleep(RETRY), if !d.retry.is_empty() => {}
+            _ = s.closed() => return,
+            Some(c) = d.fetches.completed() => {
+                if let Err(why) = d.completed(c) {
+                    s.close(why);
+                    return;
+                }
+            }
+            _ = supply.freed() => {}
+            _ = s.taken() => {}
+            _ = tokio::time::sleep(RETRY), if retry => {}
         }
     }
 }
 
 impl Driver {
+    /// The driver of batch-mode stream `s` from position `start`, fetching through `issuer`.
+    fn new(s: Arc<Stream>, start: u64, issuer: Box<dyn Issue>) -> Self {
+        let Kind::Batches(m) = s.kind() else {
+            unreachable!("the batcher runs batch-mode streams");
+        };
+        let m = Arc::clone(m);
+        let per_epoch = m.steps() * u64::from(m.batch_size());
+        let end = s.kind().per_epoch() * u64::from(s.epochs());
+        let pos = s.kind().position(s.kind().slot_at(start));
+        let fetches = Fetches::new(Arc::clone(s.supply()), issuer);
+        Self {
+            s,
+            m,
+            per_epoch,
+            end,
+            pos,
+            epochs: VecDeque::new(),
+            live: Vec::new(),
+            resident: HashMap::new(),
+            fetches,
+        }
+    }
+
+    /// Issues what waits and what memory allows, then assembles every batch it can.
+    fn step(&mut self) -> Result<(), CloseReason> {
+        self.fetches.reissue()?;
+        self.issue_units()?;
+        while self.try_assemble()? {}
+        Ok(())
+    }
+
     /// The rank-local index (over all epochs) of the last sample of the batch at `pos`.
     fn last_index(&self, pos: u64) -> u64 {
         (pos + 1) * u64::from(self.m.batch_size()) - 1
@@ -166,12 +178,12 @@ impl Driver {
     }
 
     /// Issues units in first-use order while memory allows (at most two epochs ahead).
-    fn issue_units(&mut self) {
+    fn issue_units(&mut self) -> Result<(), CloseReason> {
         let epochs = (self.end / self.m.steps()) as u32;
         loop {
             if self.epochs.is_empty() {
                 if self.pos >= self.end {
-                    return;
+                    return Ok(());
                 }
                 let (epoch, _) = self.s.kind().split(self.pos);
                 self.load_epoch(epoch);
@@ -182,7 +194,7 @@ impl Driver {
                     self.load_epoch(last + 1);
                     continue;
                 }
-                return;
+                return Ok(());
             };
             let (epoch, unit) = {
                 let e = &self.epochs[ei];
@@ -194,8 +206,8 @@ impl Driver {
             }
             let g = u64::from(epoch) * self.per_epoch;
             let needed_now = g + unit.first <= self.last_index(self.pos);
-            if !self.hold(ei, &unit, needed_now) {
-                return;
+            if !self.hold(ei, &unit, needed_now)? {
+                return Ok(());
             }
             self.live.push(Live {
                 first: g + unit.first,
@@ -209,8 +221,8 @@ impl Driver {
 
     /// Holds the shards of `unit` (fetching the ones not resident); false when memory ran out
     /// first (the unit stays half held, and is finished on a later call).
-    fn hold(&mut self, ei: usize, unit: &Unit, needed_now: bool) -> bool {
-        let pool = Arc::clone(&self.s.pool);
+    fn hold(&mut self, ei: usize, unit: &Unit, needed_now: bool) -> Result<bool, CloseReason> {
+        let supply = Arc::clone(self.s.supply());
         while self.epochs[ei].held < unit.shards.len() {
             let shard = unit.shards[self.epochs[ei].held];
             if let Some(r) = self.resident.get_mut(&shard) {
@@ -218,25 +230,16 @@ impl Driver {
                 self.epochs[ei].held += 1;
                 continue;
             }
-            let len = self.s.manifest.shards[shard as usize].length as usize;
-            if !needed_now && !room_for_prefetch(&pool, len, self.m.batch_bytes) {
-                return false;
+            let len = supply.manifest().shards[shard as usize].length as usize;
+            if !needed_now && !room_for_prefetch(supply.pool(), len, self.m.batch_bytes) {
+                return Ok(false);
             }
-            self.s.wants_memory.store(true, Ordering::SeqCst);
-            let Some(slab) = pool.alloc(len) else {
-                self.starved_since.get_or_insert_with(Instant::now);
+            let Some(slab) = self.fetches.alloc(len) else {
                 if needed_now {
-                    self.refuse_if_it_cannot_fit(unit);
+                    self.refuse_if_it_cannot_fit(unit)?;
                 }
-                return false;
+                return Ok(false);
             };
-            self.s.wants_memory.store(false, Ordering::SeqCst);
-            if let Some(t) = self.starved_since.take() {
-                self.s
-                    .counters
-                    .stall_trainer_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            }
             self.resident.insert(
                 shard,
                 Resident {
@@ -245,20 +248,20 @@ impl Driver {
                 },
             );
             self.epochs[ei].held += 1;
-            self.fetch(Retry {
+            self.fetches.fetch(Pending {
                 pos: u64::from(shard),
                 shard,
                 slab,
                 avoid: None,
-            });
+            })?;
         }
-        true
+        Ok(true)
     }
 
     /// Closes the stream when the shards the next batch needs (those of the live units it
     /// reads and of `unit`) cannot fit the region beside the batch slabs: waiting would never
     /// end (a Megatron-order batch may read a shard per window).
-    fn refuse_if_it_cannot_fit(&self, unit: &Unit) {
+    fn refuse_if_it_cannot_fit(&self, unit: &Unit) -> Result<(), CloseReason> {
         let upto = self.last_index(self.pos);
         let mut shards: Vec<u32> = self
             .live
@@ -269,100 +272,69 @@ impl Driver {
             .collect();
         shards.sort_unstable();
         shards.dedup();
-        let m = &self.s.manifest;
+        let m = self.s.supply().manifest();
         let class = |s: u32| SlabPool::class_size(m.shards[s as usize].length as usize) as u64;
         let need: u64 = shards.iter().map(|&s| class(s)).sum();
         let reserve =
             (READY_AHEAD as u64 + 1) * SlabPool::class_size(self.m.batch_bytes as usize) as u64;
-        let cap = self.s.pool.capacity() as u64;
-        if need + reserve > cap {
-            let msg = format!(
-                "the next batch reads {} shards ({need} bytes of slabs) and needs {reserve} bytes of batch slabs; stream_memory is {cap}: raise stream_memory or lower batch_size",
-                shards.len()
-            );
-            tracing::error!(%msg, "closing the stream");
-            self.s.close(&msg);
+        let capacity = self.s.supply().pool().capacity() as u64;
+        if need + reserve > capacity {
+            let why = CloseReason::DoesNotFit {
+                shards: shards.len(),
+                need,
+                reserve,
+                capacity,
+            };
+            tracing::error!(%why, "closing the stream");
+            return Err(why);
         }
+        Ok(())
     }
 
-    fn fetch(&mut self, r: Retry) {
-        if let Err(r) = fetcher::issue(&self.s, &self.tx, r, &mut self.rr) {
-            self.retry.push_back(r);
-        }
-    }
-
-    fn reissue(&mut self) {
-        while let Some(r) = self.retry.pop_front() {
-            if let Err(r) = fetcher::issue(&self.s, &self.tx, r, &mut self.rr) {
-                self.retry.push_front(r);
-                return;
+    /// A fetch ended: the shard is resident, or waits to be fetched again.
+    fn completed(&mut self, c: Completion) -> Result<(), CloseReason> {
+        let shard = c.shard;
+        if let Some(slab) = self.fetches.sort(c)? {
+            match self.resident.get_mut(&shard) {
+                Some(r) => r.slab = Some(slab),
+                None => drop(slab), // no unit holds it any more
             }
         }
-    }
-
-    /// A fetch ended: the shard is resident, or fetched again.
-    fn completed(&mut self, c: Completion) {
-        match c.result {
-            Ok(()) => {
-                metrics::histogram!("shardwire_fetch_duration_seconds")
-                    .record(c.issued.elapsed().as_secs_f64());
-                match self.resident.get_mut(&c.shard) {
-                    Some(r) => r.slab = Some(c.slab),
-                    None => drop(c.slab), // no unit holds it any more
-                }
-            }
-            Err(f) => {
-                self.s.counters.refetches.fetch_add(1, Ordering::Relaxed);
-                match &f {
-                    FetchFailure::Crc { got, want } => {
-                        tracing::warn!(shard = c.shard, got, want, "refetching after CRC mismatch")
-                    }
-                    other => {
-                        tracing::warn!(shard = c.shard, failure = %other, "refetching after a failed fetch")
-                    }
-                }
-                self.retry.push_back(Retry {
-                    pos: c.pos,
-                    shard: c.shard,
-                    slab: c.slab,
-                    avoid: Some(c.source),
-                });
-            }
-        }
+        Ok(())
     }
 
     /// Assembles the next batch if its shards are resident and there is room; true if it did.
-    fn try_assemble(&mut self) -> bool {
+    fn try_assemble(&mut self) -> Result<bool, CloseReason> {
         if self.pos >= self.end || self.s.ready_count() >= READY_AHEAD {
-            return false;
+            return Ok(false);
         }
         let (epoch, step) = self.s.kind().split(self.pos);
         let ep = self.order_of(epoch);
         let Some(plan) = self.plan_batch(ep.as_deref(), epoch, step) else {
-            return false;
+            return Ok(false);
         };
-        self.s.wants_memory.store(true, Ordering::SeqCst);
-        let Some(mut out) = self.s.pool.alloc(plan.bytes as usize) else {
-            return false;
+        let Some(mut out) = self.s.supply().try_alloc(plan.bytes as usize) else {
+            return Ok(false);
         };
-        self.s.wants_memory.store(false, Ordering::SeqCst);
         let t = Instant::now();
         let resident = &self.resident;
         let slab_of = |shard: u32| resident[&shard].slab.as_ref().expect("checked resident");
-        let gpu = self.s.gpu.as_deref();
+        let gpu = self.s.gpu();
         let filled =
             tokio::task::block_in_place(|| assemble::execute(&plan, slab_of, &mut out, gpu));
-        let c = &self.s.counters;
+        let c = self.s.supply().counters();
         match filled {
             Ok(how) => {
                 if how == assemble::Filled::Gather {
                     c.batch_gather_launches.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            Err(e) => {
-                tracing::error!(error = %e, "assembling a batch failed; closing the stream");
-                self.s.close(&format!("assembling a batch failed: {e}"));
-                return false;
+            Err(error) => {
+                tracing::error!(%error, "assembling a batch failed; closing the stream");
+                return Err(CloseReason::Assembly {
+                    what: "a batch".into(),
+                    error,
+                });
             }
         }
         c.assembly_ns
@@ -377,7 +349,7 @@ impl Driver {
         );
         self.release_through(self.last_index(self.pos));
         self.pos += u64::from(self.m.num_workers);
-        true
+        Ok(true)
     }
 
     /// The slab plan of the batch at `step` of `ep`, if every shard it reads is resident.
@@ -404,7 +376,7 @@ impl Driver {
         if !samples.iter().flat_map(mix::shards_of).all(here) {
             return None;
         }
-        let m = &self.s.manifest;
+        let m = self.s.supply().manifest();
         let mut rows = Vec::new();
         let mut windows = Vec::new();
         for s in samples {
@@ -451,9 +423,5 @@ impl Driver {
     }
 }
 
-/// Whether the region keeps room for the ready-ahead batches after a prefetch of `len`.
-fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool {
-    let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
-    let free = pool.capacity() - pool.used();
-    free >= reserve + SlabPool::class_size(len)
-}
+#[cfg(test)]
+mod tests;

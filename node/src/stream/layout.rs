@@ -9,7 +9,7 @@ use shardwire_protocol::DType;
 use shardwire_protocol::Manifest;
 use shardwire_protocol::trainer::ErrorCode;
 
-use super::open::OpenError;
+use super::error::OpenError;
 
 /// Alignment of each tensor in a batch slab.
 pub const TENSOR_ALIGN: u64 = 64;

@@ -1,36 +1,45 @@
 //! Streams: one per trainer. Each has its own region (a trainer never gets a handle to
-//! another stream's memory), a deterministic plan ([`order`]), a fetcher task that keeps the
-//! region full of fetch-ahead shards ([`fetcher`]), a reorder buffer that delivers in plan
-//! order ([`reorder`]), and the leases its trainer holds.
+//! another stream's memory), a deterministic plan ([`kind`]: shards by [`order`], or batches
+//! of samples), a fetch side ([`supply`]) that a task keeps busy ([`fetcher`] in shard mode,
+//! [`batcher`] in batch mode, assembling batches with [`assemble`]), a reorder buffer that
+//! delivers in plan order ([`reorder`]), and the leases its trainer holds.
 //!
-//! [`Stream`] is the whole interface the fronts (the trainer socket, the HTTP API) use:
-//! `next`, `release`, `state`, reading a leased tensor, and what to tell the trainer.
+//! [`Stream`] is the trainer side and the whole interface the fronts (the trainer socket, the
+//! HTTP API) use: `next`, `release`, `state`, reading a leased tensor, and what to tell the
+//! trainer. Opening one is checked in [`open`] ([`open_mix`] for mixtures); a refusal is an
+//! [`OpenError`], the end of an open stream a [`CloseReason`].
 
-pub mod assemble;
-pub mod batcher;
-pub mod fetcher;
-pub mod kind;
-pub mod layout;
-pub mod mix;
-pub mod open;
-pub mod open_mix;
-pub mod order;
-pub mod reorder;
-pub mod tokens;
+pub(crate) mod assemble;
+pub(crate) mod batcher;
+pub(crate) mod error;
+pub(crate) mod fetcher;
+pub(crate) mod kind;
+pub(crate) mod layout;
+pub(crate) mod mix;
+pub(crate) mod open;
+pub(crate) mod open_mix;
+pub(crate) mod order;
+pub(crate) mod reorder;
+pub(crate) mod supply;
+pub(crate) mod tokens;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use shardwire_gpu::cuda::CudaMemory;
 use shardwire_gpu::{Region, Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use shardwire_protocol::trainer::{StreamState, TensorView};
 use tokio::sync::Notify;
 
+pub use self::error::{CloseReason, OpenError};
 use self::kind::Kind;
 use self::reorder::Reorder;
+pub(crate) use self::supply::DatasetSource;
+use self::supply::Supply;
 use crate::counters::Counters;
 use crate::link::SourceLink;
 
@@ -44,7 +53,7 @@ pub enum Next {
     /// Nothing within the timeout.
     Timeout,
     /// The stream was closed.
-    Closed(String),
+    Closed(CloseReason),
 }
 
 /// A leased batch.
@@ -113,7 +122,7 @@ struct Inner {
     /// Ready batches by slot.
     reorder: Reorder<Ready>,
     leases: HashMap<u64, Slab>,
-    closed: Option<String>,
+    closed: Option<CloseReason>,
 }
 
 /// What a stream is made of (see [`open`]).
@@ -141,68 +150,53 @@ pub struct Parts {
     /// The node's id source (leases).
     pub ids: Arc<AtomicU64>,
     /// The GPU of a CUDA region (assembly launches the gather kernel on it).
-    pub gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
+    pub gpu: Option<Arc<CudaMemory>>,
 }
 
-/// The shards `[first, first + shards)` of a stream's manifest: shards `0..` of `dataset`,
-/// served by `candidates` (the links whose manifest of it matches).
-pub struct DatasetSource {
-    /// Dataset name on the wire.
-    pub dataset: String,
-    /// Its first shard in the stream's manifest.
-    pub first: u32,
-    /// Links that serve it.
-    pub candidates: Vec<Arc<SourceLink>>,
-}
-
-/// A stream's state, shared by its trainer's front and its fetcher task.
+/// A stream's trainer side, shared by its trainer's front and its task.
 pub struct Stream {
     id: u64,
     dataset: String,
     kind: Kind,
     epochs: u32,
-    manifest: Arc<Manifest>,
-    pool: Arc<SlabPool>,
     total: u64,
     fingerprint: String,
-    sources: Vec<DatasetSource>,
-    /// Every link of `sources`, once.
-    candidates: Vec<Arc<SourceLink>>,
+    supply: Arc<Supply>,
+    manifest: Arc<Manifest>,
+    pool: Arc<SlabPool>,
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
-    gpu: Option<Arc<shardwire_gpu::cuda::CudaMemory>>,
+    gpu: Option<Arc<CudaMemory>>,
     inner: Mutex<Inner>,
     cv: Condvar,
-    /// Woken when a slab is freed while the fetcher waits for memory.
-    freed: Notify,
-    wants_memory: AtomicBool,
     closed_notify: Notify,
     /// Woken when the trainer takes a batch (a batch-mode task may assemble the next).
     taken: Notify,
 }
 
 impl Stream {
-    /// Builds the stream (its fetcher is started separately).
+    /// Builds the stream (its task is started separately).
     pub fn new(p: Parts) -> Arc<Self> {
         let total = p.kind.per_epoch() * u64::from(p.epochs);
         let (first, slots) = (p.kind.slot_at(p.start), p.kind.slot_at(total));
-        let mut candidates: Vec<Arc<SourceLink>> = Vec::new();
-        for l in p.sources.iter().flat_map(|d| &d.candidates) {
-            if !candidates.iter().any(|c| c.index == l.index) {
-                candidates.push(Arc::clone(l));
-            }
-        }
-        let s = Arc::new(Self {
+        let supply = Supply::new(
+            p.id,
+            Arc::clone(&p.manifest),
+            Arc::clone(&p.pool),
+            p.sources,
+            Arc::clone(&p.counters),
+            Arc::clone(&p.ids),
+        );
+        Arc::new(Self {
             id: p.id,
             dataset: p.dataset,
             kind: p.kind,
             epochs: p.epochs,
-            manifest: p.manifest,
-            pool: p.pool,
             total,
             fingerprint: p.fingerprint,
-            sources: p.sources,
-            candidates,
+            supply,
+            manifest: p.manifest,
+            pool: p.pool,
             counters: p.counters,
             ids: p.ids,
             gpu: p.gpu,
@@ -212,22 +206,9 @@ impl Stream {
                 closed: None,
             }),
             cv: Condvar::new(),
-            freed: Notify::new(),
-            wants_memory: AtomicBool::new(false),
             closed_notify: Notify::new(),
             taken: Notify::new(),
-        });
-        let weak = Arc::downgrade(&s);
-        s.pool.set_on_free(Arc::new(move || {
-            // Only a fetcher waiting for memory needs waking: a release on a fully
-            // prefetched stream then costs no cross-thread wake-up.
-            if let Some(s) = weak.upgrade()
-                && s.wants_memory.load(Ordering::SeqCst)
-            {
-                s.freed.notify_one();
-            }
-        }));
-        s
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -259,6 +240,31 @@ impl Stream {
         self.epochs
     }
 
+    /// Positions in all epochs.
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The fetch side.
+    pub(crate) fn supply(&self) -> &Arc<Supply> {
+        &self.supply
+    }
+
+    /// The GPU of a CUDA region.
+    pub(crate) fn gpu(&self) -> Option<&CudaMemory> {
+        self.gpu.as_deref()
+    }
+
+    /// Resolves when the stream is closed (its task then ends).
+    pub(crate) async fn closed(&self) {
+        self.closed_notify.notified().await;
+    }
+
+    /// Resolves when the trainer takes a batch.
+    pub(crate) async fn taken(&self) {
+        self.taken.notified().await;
+    }
+
     /// The stream's region (shared with its trainer).
     pub fn region(&self) -> &Region {
         self.pool.region()
@@ -271,14 +277,7 @@ impl Stream {
 
     /// Links that serve its datasets.
     pub(crate) fn candidates(&self) -> &[Arc<SourceLink>] {
-        &self.candidates
-    }
-
-    /// The dataset of manifest shard `shard`, and the shard's index in it.
-    pub(crate) fn source_of(&self, shard: u32) -> (&DatasetSource, u32) {
-        let i = self.sources.partition_point(|d| d.first <= shard).max(1) - 1;
-        let d = &self.sources[i];
-        (d, shard - d.first)
+        self.supply.candidates()
     }
 
     /// The state that resumes at the next undelivered batch.
@@ -325,11 +324,11 @@ impl Stream {
 
     /// Closes the stream: drops ready batches and leases (freeing the region when the last
     /// in-flight slab returns), wakes everyone.
-    pub(crate) fn close(&self, reason: &str) {
+    pub(crate) fn close(&self, reason: CloseReason) {
         let (ready, leases) = {
             let mut i = self.lock();
             if i.closed.is_none() {
-                i.closed = Some(reason.to_string());
+                i.closed = Some(reason);
             }
             (i.reorder.clear(), std::mem::take(&mut i.leases))
         };

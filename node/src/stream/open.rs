@@ -13,31 +13,12 @@ use shardwire_protocol::trainer::{
 };
 use shardwire_protocol::{DType, Manifest};
 
-use super::batcher::READY_AHEAD;
+use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::order::Order;
+use super::supply::READY_AHEAD;
 use super::tokens::TokenMode;
-
-/// Why a stream was not opened.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{code}: {message}")]
-pub struct OpenError {
-    /// Stable code.
-    pub code: ErrorCode,
-    /// What was wrong, naming the field and the value.
-    pub message: String,
-}
-
-impl OpenError {
-    /// An error with this code.
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
 
 /// Checks the request's own fields.
 pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {

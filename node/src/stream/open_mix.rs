@@ -12,11 +12,12 @@ use shardwire_protocol::samples::SampleOrder;
 use shardwire_protocol::samples::mix::fixed_weights;
 use shardwire_protocol::trainer::{ErrorCode, MixEntry, StreamRequest};
 
-use super::batcher::READY_AHEAD;
+use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::mix::{MixPart, Mixture, Point};
-use super::open::{OpenError, block_shards, check_workers, max_class, sample_order};
+use super::open::{block_shards, check_workers, max_class, sample_order};
+use super::supply::READY_AHEAD;
 use super::tokens::TokenMode;
 
 fn bad(code: ErrorCode, msg: String) -> OpenError {

@@ -128,8 +128,11 @@ fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
         })
     };
     std::thread::sleep(Duration::from_millis(50));
-    s.close("trainer disconnected");
-    assert!(matches!(waiting.join().unwrap(), Next::Closed(r) if r == "trainer disconnected"));
+    s.close(CloseReason::TrainerDisconnected);
+    assert!(matches!(
+        waiting.join().unwrap(),
+        Next::Closed(CloseReason::TrainerDisconnected)
+    ));
     assert_eq!(s.pool.used(), 0, "every lease and ready slab went back");
     arrive(&s, 2); // a fetch that lands after the close is dropped
     assert_eq!(s.pool.used(), 0);

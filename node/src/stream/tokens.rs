@@ -13,8 +13,8 @@ use shardwire_protocol::trainer::{ErrorCode, StreamRequest, WindowOrder};
 use shardwire_protocol::{DType, Manifest};
 
 use super::assemble::{Plan, Widen, row_range};
+use super::error::OpenError;
 use super::layout::TENSOR_ALIGN;
-use super::open::OpenError;
 
 /// The delivered tokens tensor.
 pub const TOKENS: &str = "tokens";

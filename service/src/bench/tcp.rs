@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use shardwire_devmem::uring::{Buffers, MultishotRecv, RecvInto};
-use shardwire_node::receiver::{CHUNK, PayloadRead, Plain, RCVLOWAT};
+use shardwire_node::bench::{CHUNK, PayloadRead, Plain, RCVLOWAT};
 
 /// How a plain-TCP receiver takes its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,7 +213,7 @@ fn uring_into(
     stop: &AtomicBool,
     received: &AtomicU64,
 ) -> std::io::Result<()> {
-    let rx_lowat = shardwire_node::receiver::lowat_for(r.shard);
+    let rx_lowat = shardwire_node::bench::lowat_for(r.shard);
     shardwire_devmem::set_rcvlowat(conn.as_fd(), rx_lowat)?;
     let mut rx = RecvInto::new(conn)?;
     let mut buf = vec![0u8; slots * r.shard];

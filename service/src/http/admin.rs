@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde_json::json;
-use shardwire_node::{Control, Node, Reply};
+use shardwire_node::{CloseReason, Control, Node, Reply};
 use shardwire_protocol::trainer::ErrorCode;
 
 use super::error::{ApiError, authorize};
@@ -87,7 +87,7 @@ async fn close_stream(
 ) -> Result<Response, ApiError> {
     authorize(&node, &headers)?;
     let id = stream_id(&id)?;
-    let reason = "closed by an operator over the admin API".to_owned();
+    let reason = CloseReason::Operator;
     node.control(Control::CloseStream { id, reason }).await?;
     Ok(Json(json!({ "closed": id })).into_response())
 }

@@ -28,7 +28,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shardwire_node::{Next, Node, Stream};
+use shardwire_node::{CloseReason, Next, Node, Stream};
 use shardwire_protocol::trainer::{ErrorCode, StreamRequest, StreamState, TensorView};
 use tokio::sync::oneshot;
 
@@ -103,7 +103,7 @@ enum Outcome {
     Batch(Delivered),
     End,
     Timeout,
-    Closed(String),
+    Closed(CloseReason),
 }
 
 struct HttpStream {
@@ -179,14 +179,14 @@ impl Api {
     }
 
     /// Closes an HTTP stream: its leases end, its memory budget returns to the pool.
-    fn close(&self, s: &HttpStream, reason: &str) {
+    fn close(&self, s: &HttpStream, reason: CloseReason) {
         self.streams.lock().expect("poisoned").remove(&s.id);
         self.leases
             .lock()
             .expect("poisoned")
             .retain(|_, l| l.stream != s.id);
+        tracing::info!(stream = s.id, %reason, "HTTP stream closed");
         self.node.close_stream(s.id, reason);
-        tracing::info!(stream = s.id, reason, "HTTP stream closed");
     }
 }
 
@@ -210,8 +210,10 @@ fn spawn_reaper(api: &Arc<Api>) {
                 .cloned()
                 .collect();
             for s in idle {
-                let reason = format!("no HTTP request for {} s", s.idle.as_secs());
-                api.close(&s, &reason);
+                let reason = CloseReason::HttpIdle {
+                    secs: s.idle.as_secs(),
+                };
+                api.close(&s, reason);
             }
         }
     });
@@ -287,7 +289,7 @@ async fn close(
 ) -> Result<Json<Value>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let s = api.stream(id)?;
-    api.close(&s, "closed over HTTP");
+    api.close(&s, CloseReason::ClosedOverHttp);
     Ok(Json(json!({ "stream": id, "closed": true })))
 }
 
@@ -352,7 +354,7 @@ async fn next(
         Outcome::Batch(b) => Json(batch_json(&b)).into_response(),
         Outcome::End => Json(json!({ "end": true })).into_response(),
         Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
-        Outcome::Closed(why) => ApiError::new(ErrorCode::Closed, why).into_response(),
+        Outcome::Closed(why) => ApiError::new(why.code(), why.to_string()).into_response(),
     })
 }
 

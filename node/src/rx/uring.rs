@@ -1,30 +1,29 @@
-//! The host-memory receive path over io_uring: each data connection's announced payloads are
-//! posted ahead (up to `shardwire_devmem::uring::QUEUE_DEPTH`) as the provided buffers of one multishot receive
-//! ([`shardwire_devmem::uring::RecvQueue`]), so the kernel places every payload straight in
-//! its slab and moves on to the next one without a new request; each completed piece is
-//! checksummed as it arrives. Measured against the `recv` path ([`crate::receiver`]) by
-//! `shardwire bench --compare-uring` (docs/BENCHMARKS.md); where io_uring cannot be set up
-//! (a seccomp policy, an older kernel) the connection uses `recv`, and the node logs why.
+//! The io_uring path: plain TCP into host memory, each data connection's announced payloads
+//! posted ahead (up to `shardwire_devmem::uring::QUEUE_DEPTH`) as the provided buffers of one
+//! multishot receive ([`shardwire_devmem::uring::RecvQueue`]), so the kernel places every
+//! payload straight in its slab and moves on to the next one without a new request; each
+//! completed piece is checksummed as it arrives. Measured against the `recv` path
+//! ([`super::recv`]) by `shardwire bench --compare-uring` (docs/BENCHMARKS.md); where io_uring
+//! cannot be set up (a seccomp policy, an older kernel) [`queue_for`] says no and the
+//! connection uses `recv`, and the node logs why.
 
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Once;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
 
 use shardwire_devmem::uring::{RecvQueue, StableBuf};
-use shardwire_protocol::crc::Crc32c;
 
+use super::error::RxError;
+use super::shared::{Checksum, DATA_STALL_TIMEOUT, Tally, broken, deliver, lowat_for};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::InFlight;
 use crate::link::SourceLink;
-use crate::receiver::{self, DATA_STALL_TIMEOUT};
 
 /// A posted payload: the fetch and the CRC of its bytes so far.
 pub struct Job {
     f: InFlight,
-    crc: Crc32c,
+    sum: Checksum,
 }
 
 // SAFETY: the bytes are the slab's span of its pool's region, which neither moves nor is
@@ -58,7 +57,7 @@ pub fn queue_for(sock: &TcpStream) -> Option<RecvQueue<Job>> {
 }
 
 /// Receives the payloads announced for one connection until its queue closes (the io_uring
-/// form of [`receiver::run`], with the same outcomes and counters).
+/// form of [`super::shared::run`], with the same outcomes and counters).
 pub fn run(
     mut q: RecvQueue<Job>,
     link: &SourceLink,
@@ -86,26 +85,19 @@ pub fn run(
             continue;
         }
         let r = r.and_then(|()| {
-            set_lowat(&q, &mut lowat).map_err(|e| (None, e))?;
+            set_lowat(&q, &mut lowat)
+                .map_err(|e| (None, RxError::io("setsockopt(SO_RCVLOWAT)", &e)))?;
             receive(&mut q, flow, c, link).map_err(|e| (None, e))
         });
-        if let Err((refused, e)) = r {
-            let cause = e.to_string();
-            for job in refused.into_iter().map(|j| *j).chain(q.abandon()) {
-                job.f.finish(Err(receiver::lost(link, conn, cause.clone())));
-            }
-            link.kick(&format!(
-                "data connection {conn} from {} failed mid-shard: {cause}",
-                link.addr
-            ));
-            receiver::fail_queued(queue, link, conn, &cause);
-            return;
+        if let Err((refused, cause)) = r {
+            let jobs = refused.into_iter().map(|j| *j).chain(q.abandon());
+            return broken(jobs.map(|j| j.f), queue, link, conn, cause);
         }
     }
 }
 
 /// A payload that could not be posted, and why.
-type Refused = (Option<Box<Job>>, std::io::Error);
+type Refused = (Option<Box<Job>>, RxError);
 
 /// Posts `f`'s slab (an empty payload is complete at once). A payload that cannot be posted
 /// (only a slab outside host memory could be refused) breaks the connection: its bytes are
@@ -117,25 +109,24 @@ fn post(
     c: &Counters,
 ) -> Result<(), Refused> {
     if f.length == 0 {
-        receiver::deliver(f, Crc32c::new().finish(), link, c);
+        deliver(f, Checksum::new().finish(), link, c);
         return Ok(());
     }
     let job = Job {
         f,
-        crc: Crc32c::new(),
+        sum: Checksum::new(),
     };
     q.post(job).map_err(|(job, e)| {
-        let e = std::io::Error::other(format!(
-            "cannot post a {}-byte payload to the io_uring receive: {e}",
-            job.f.length
-        ));
-        (Some(Box::new(job)), e)
+        (
+            Some(Box::new(job)),
+            RxError::io("posting a payload to io_uring", &e),
+        )
     })
 }
 
 /// The `SO_RCVLOWAT` rule of the `recv` path over all the bytes still due.
 fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> std::io::Result<()> {
-    let want = receiver::lowat_for(q.remaining());
+    let want = lowat_for(q.remaining());
     if want != *lowat {
         shardwire_devmem::set_rcvlowat(q.socket().as_fd(), want)?;
         *lowat = want;
@@ -149,21 +140,15 @@ fn receive(
     flow: &FlowStats,
     c: &Counters,
     link: &SourceLink,
-) -> std::io::Result<()> {
-    let mut verify = Duration::ZERO;
+) -> Result<(), RxError> {
+    let mut tally = Tally::new(flow);
     let r = q.wait(
         DATA_STALL_TIMEOUT,
-        |job, _, piece| {
-            let t = Instant::now();
-            job.crc.update(piece);
-            verify += t.elapsed();
-            flow.bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
-        },
-        |job| receiver::deliver(job.f, job.crc.finish(), link, c),
+        |job, _, piece| tally.piece(&mut job.sum, piece),
+        |job| deliver(job.f, job.sum.finish(), link, c),
     );
-    c.assembly_ns
-        .fetch_add(verify.as_nanos() as u64, Ordering::Relaxed);
-    r
+    tally.flush(c);
+    r.map_err(|e| RxError::io("io_uring receive", &e))
 }
 
 #[cfg(test)]
@@ -171,10 +156,12 @@ mod tests {
     use std::io::Write;
     use std::net::TcpListener;
 
+    use std::sync::atomic::Ordering;
+
     use super::*;
     use crate::fetch::FetchFailure;
     use crate::fetch::tests::{in_flight, pool};
-    use crate::receiver::tests::{crc, link, outcomes};
+    use crate::rx::recv::tests::{crc, link, outcomes};
 
     /// A connected pair; a thread writes `wire` to the far end, then closes it.
     fn socket_with(wire: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
@@ -278,8 +265,13 @@ mod tests {
         let out = outcomes(rxs);
         assert!(out[0].result.is_ok());
         match &out[1].result {
-            Err(FetchFailure::ConnectionLost { conn: 3, cause, .. }) => {
-                assert!(cause.contains("closed after 1000 of 4096"), "{cause}")
+            Err(FetchFailure::ConnectionLost {
+                conn: 3,
+                cause: RxError::Io { kind, message, .. },
+                ..
+            }) => {
+                assert_eq!(*kind, std::io::ErrorKind::UnexpectedEof);
+                assert!(message.contains("closed after 1000 of 4096"), "{message}")
             }
             other => panic!("{other:?}"),
         }

@@ -2,6 +2,8 @@
 //! probe (set up, bound, journaled; see [`RxRegion::bind_kernel`]). Used at start (`receive =
 //! devmem | devmem-sim | auto`) and by the control task (`POST /v1/bindings`).
 
+mod region;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -9,7 +11,7 @@ use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 use shardwire_protocol::trainer::ErrorCode;
 
-use crate::devmem_rx::{BindError, RxRegion};
+pub use self::region::{BindError, BindingKind, RxRegion};
 
 /// Why no binding was made.
 #[derive(Debug, thiserror::Error)]

@@ -1,40 +1,24 @@
-//! Devmem receive in the node (`receive = devmem` / `devmem-sim`).
+//! The node's RX binding for devmem receive (`receive = devmem` / `devmem-sim`).
 //!
-//! [`RxRegion`] is the node's RX binding: the dma-buf the NIC queues are bound to (a
-//! udmabuf bound with `bind-rx` after the NIC was set up, or the emulator's memfd, DESIGN
-//! §8.4) with its counters. It is shared (`Arc`) by the node and by
-//! every data connection reading from it, so it lives until the last frag reader is gone,
-//! whatever order shutdown happens in; [`RxRegion::unbind`] stops new frags (the kernel's
-//! unbind on netlink-socket close) while frags already handed out stay readable until their
-//! tokens come back.
-//!
-//! [`DevmemReader`] is what a receiver thread reads payload bytes through: one
-//! `recvmsg(MSG_SOCK_DEVMEM)` per call, the frags gathered into the shard's slab, and the
-//! tokens returned right after the gather, so the binding's pool refills as fast as the
-//! receiver runs. Host memory: a memcpy out of the host dma-buf ([`DevmemReader::read_some`]).
-//! CUDA memory ([`DevmemReader::read_into_gpu`]): the gather kernel copies the frags, one
-//! launch per `recvmsg`, from the dma-buf (a GPU `VmmRegion` bound to the NIC, or the
-//! emulator's memfd registered with CUDA) into the slab on the GPU; the tokens go back once
-//! the launch's event says the frags were read. A full pool
-//! makes the emulated NIC wait: backpressure, not loss. Bytes that arrive outside the
-//! dma-buf (LINEAR frags, ordinary TCP) are still placed correctly but counted and reported
-//! as a header-split or steering problem.
+//! [`RxRegion`] is the dma-buf the NIC queues are bound to (a udmabuf or GPU memory bound
+//! with `bind-rx` after the NIC was set up, or the emulator's memfd, DESIGN §8.4) with its
+//! counters. It is shared (`Arc`) by the node and by every data connection reading from it
+//! (`crate::rx::devmem`), so it lives until the last frag reader is gone, whatever order
+//! shutdown happens in; [`RxRegion::unbind`] stops new frags (the kernel's unbind on
+//! netlink-socket close) while frags already handed out stay readable until their tokens
+//! come back.
 
 use std::io;
 use std::net::TcpStream;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError, EmuSocket};
-use shardwire_devmem::gather::{GatherPlan, gather, plan};
 use shardwire_devmem::mem::DmabufMem;
 use shardwire_devmem::nic::{NicSetup, SetupPlan};
-use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding, TokenBatcher};
+use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, HostMapped, VmmRegion};
-use shardwire_gpu::kernels::Frag;
 
 /// Counters of the devmem receive path (exported as `shardwire_devmem_*` metrics).
 #[derive(Debug, Default)]
@@ -245,7 +229,7 @@ impl RxRegion {
     }
 
     /// The host mapping of the dma-buf; `None` for GPU memory.
-    fn mem(&self) -> Option<&DmabufMem> {
+    pub(crate) fn mem(&self) -> Option<&DmabufMem> {
         match &self.backing {
             Backing::Emulated { binding, .. } => Some(binding.mem()),
             Backing::Kernel {
@@ -273,7 +257,7 @@ impl RxRegion {
     }
 
     /// What the gather kernel reads frags from.
-    fn gpu_source(&self) -> Option<(&CudaMemory, &dyn DeviceRange)> {
+    pub(crate) fn gpu_source(&self) -> Option<(&CudaMemory, &dyn DeviceRange)> {
         let gpu = self.gpu.as_ref()?;
         let range: &dyn DeviceRange = match (&gpu.mapped, &self.backing) {
             (Some(mapped), _) => mapped,
@@ -331,174 +315,18 @@ impl RxRegion {
         }
     }
 
-    /// A reader for one data connection.
-    pub fn reader(self: &Arc<Self>, sock: TcpStream) -> io::Result<DevmemReader> {
-        let sock: Box<dyn DevmemRecv + Send> = match &self.backing {
+    /// The devmem socket of a data connection reading through this binding: the emulator's
+    /// over ordinary TCP, or `recvmsg(MSG_SOCK_DEVMEM)` on the kernel's.
+    pub(crate) fn recv_socket(
+        self: &Arc<Self>,
+        sock: TcpStream,
+    ) -> io::Result<Box<dyn DevmemRecv + Send>> {
+        Ok(match &self.backing {
             Backing::Emulated { binding, emu } => Box::new(
                 EmuSocket::new(sock, Arc::clone(binding), *emu)
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
             ),
             Backing::Kernel { .. } => Box::new(DevmemSocket::new(sock)),
-        };
-        Ok(DevmemReader {
-            sock,
-            region: Arc::clone(self),
-            tokens: TokenBatcher::new(),
-            plan: GatherPlan::default(),
-            frags: Vec::new(),
-            warned: false,
         })
-    }
-}
-
-/// Payload reader of one data connection on the devmem path.
-pub struct DevmemReader {
-    sock: Box<dyn DevmemRecv + Send>,
-    region: Arc<RxRegion>,
-    tokens: TokenBatcher,
-    /// Scratch of the GPU gather (reused per call).
-    plan: GatherPlan,
-    frags: Vec<Frag>,
-    warned: bool,
-}
-
-impl std::fmt::Debug for DevmemReader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DevmemReader")
-            .field("binding", &self.region.id())
-            .finish_non_exhaustive()
-    }
-}
-
-fn to_io(e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(e.to_string())
-}
-
-impl DevmemReader {
-    /// True when this reader gathers into GPU memory ([`Self::read_into_gpu`]).
-    pub fn gpu_gather(&self) -> bool {
-        self.region.gpu_gather()
-    }
-
-    /// Receive up to `dst.len()` payload bytes into `dst` (in stream order); 0 at EOF.
-    /// For a binding whose frags lie in GPU memory this is an error (use
-    /// [`Self::read_into_gpu`]).
-    pub fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
-        let Some(mem) = self.region.mem() else {
-            return Err(io::Error::other(
-                "this binding's dma-buf is GPU memory: its frags can only be gathered on the GPU",
-            ));
-        };
-        let c = &self.region.counters;
-        let batch = self.sock.recv_frags(dst).map_err(to_io)?;
-        if batch.is_eof() {
-            return Ok(0);
-        }
-        let gathered = gather(&batch, dst, mem, self.region.id(), &mut self.tokens);
-        // Tokens go back right after the gather, even when it failed.
-        let returned = self.sock.return_tokens(&mut self.tokens);
-        let freed = returned.map_err(to_io)?;
-        c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
-        let g = gathered.map_err(to_io)?;
-        c.frags.fetch_add(g.dmabuf_frags as u64, Ordering::Relaxed);
-        c.dmabuf_bytes.fetch_add(g.dmabuf_bytes, Ordering::Relaxed);
-        if g.linear_bytes > 0 || g.plain_bytes > 0 {
-            c.linear_bytes.fetch_add(g.linear_bytes, Ordering::Relaxed);
-            c.plain_bytes.fetch_add(g.plain_bytes, Ordering::Relaxed);
-            if !std::mem::replace(&mut self.warned, true) {
-                tracing::warn!(
-                    linear_bytes = g.linear_bytes,
-                    plain_bytes = g.plain_bytes,
-                    "payload arrived in host memory on a devmem connection: check header split (tcp-data-split on, hds-thresh 0) and that the data port is steered to the bound queues; the bytes are still delivered"
-                );
-            }
-        }
-        Ok(g.bytes)
-    }
-
-    /// Receive up to `host.len()` payload bytes into GPU region `dst` at `dst_off` (in
-    /// stream order); 0 at EOF. Dma-buf frags are copied by the gather kernel (one launch);
-    /// bytes that arrived in host memory (linear or ordinary TCP, landed in `host`) are
-    /// copied up. Tokens go back once the gather's event completes, also after an error.
-    pub fn read_into_gpu(
-        &mut self,
-        dst: &VmmRegion,
-        dst_off: usize,
-        host: &mut [u8],
-    ) -> io::Result<usize> {
-        let region = Arc::clone(&self.region);
-        let Some((cuda, src)) = region.gpu_source() else {
-            return Err(io::Error::other(
-                "this binding has no GPU gather (the node runs on host memory)",
-            ));
-        };
-        let batch = self.sock.recv_frags(host).map_err(to_io)?;
-        if batch.is_eof() {
-            return Ok(0);
-        }
-        self.tokens.push_batch(&batch);
-        let planned = plan(&batch, region.id(), host.len(), &mut self.plan);
-        let copied = planned
-            .map_err(to_io)
-            .and_then(|()| self.copy_planned(cuda, src, dst, dst_off, host));
-        let freed = self.sock.return_tokens(&mut self.tokens).map_err(to_io)?;
-        let c = &region.counters;
-        c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
-        copied?;
-        let p = &self.plan;
-        c.frags.fetch_add(p.dmabuf.len() as u64, Ordering::Relaxed);
-        c.dmabuf_bytes
-            .fetch_add(p.dmabuf_bytes(), Ordering::Relaxed);
-        let (linear, plain) = if p.plain {
-            (0, p.bytes as u64)
-        } else {
-            (p.linear_bytes(), 0)
-        };
-        if linear > 0 || plain > 0 {
-            c.linear_bytes.fetch_add(linear, Ordering::Relaxed);
-            c.plain_bytes.fetch_add(plain, Ordering::Relaxed);
-            if !std::mem::replace(&mut self.warned, true) {
-                tracing::warn!(
-                    linear_bytes = linear,
-                    plain_bytes = plain,
-                    "payload arrived in host memory on a devmem connection: check header split and steering; the bytes are still delivered"
-                );
-            }
-        }
-        Ok(p.bytes)
-    }
-
-    /// Carries out `self.plan`: host pieces copied up, dma-buf frags gathered by the kernel;
-    /// returns when the kernel has read every frag.
-    fn copy_planned(
-        &mut self,
-        cuda: &CudaMemory,
-        src: &dyn DeviceRange,
-        dst: &VmmRegion,
-        dst_off: usize,
-        host: &[u8],
-    ) -> io::Result<()> {
-        let p = &self.plan;
-        if p.plain {
-            return dst.write(dst_off, &host[..p.bytes]).map_err(to_io);
-        }
-        for &(from, to, len) in &p.linear {
-            dst.write(dst_off + to, &host[from..from + len])
-                .map_err(to_io)?;
-        }
-        self.frags.clear();
-        self.frags
-            .extend(p.dmabuf.iter().map(|&(offset, to, len)| Frag {
-                src_off: offset,
-                dst_off: (dst_off + to) as u64,
-                len: len as u64,
-            }));
-        if !self.frags.is_empty() {
-            cuda.engines
-                .gather(src, dst, &self.frags)
-                .and_then(|done| done.wait())
-                .map_err(to_io)?;
-        }
-        Ok(())
     }
 }

@@ -1,0 +1,272 @@
+//! The devmem path: a data connection whose payload lands in the RX binding's dma-buf as
+//! frags (`recvmsg(MSG_SOCK_DEVMEM)`, or the emulator's equivalent over ordinary TCP).
+//!
+//! [`DevmemReader`] reads payload bytes through the binding: one `recvmsg` per call, the
+//! frags gathered into the shard's slab, and the tokens returned right after the gather, so
+//! the binding's pool refills as fast as the receiver runs. Host memory: a memcpy out of the
+//! host dma-buf ([`DevmemReader::read_some`], placed by [`super::recv::Host`] or, for CUDA
+//! slabs without GPU gather, [`super::staged::Staged`]). CUDA memory with a GPU binding
+//! ([`GpuDirect`]): the gather kernel copies each `recvmsg`'s frags from the dma-buf into the
+//! slab on the GPU, the tokens go back once the launch's event says the frags were read, and
+//! the CRC-32C is computed at the end by the CRC kernel of the slab's GPU. A full pool makes
+//! the emulated NIC wait: backpressure, not loss. Bytes that arrive outside the dma-buf
+//! (LINEAR frags, ordinary TCP) are still placed correctly but counted and reported as a
+//! header-split or steering problem.
+
+use std::io;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use shardwire_devmem::gather::{GatherPlan, gather, plan};
+use shardwire_devmem::{DevmemRecv, TokenBatcher};
+use shardwire_gpu::cuda::{CudaMemory, DeviceRange, VmmRegion};
+use shardwire_gpu::kernels::Frag;
+
+use super::error::RxError;
+use super::shared::{CHUNK, Gpus, PayloadRead, Place, Tally};
+use crate::binding::RxRegion;
+use crate::fetch::InFlight;
+
+/// Payload reader of one data connection on the devmem path.
+pub struct DevmemReader {
+    sock: Box<dyn DevmemRecv + Send>,
+    region: Arc<RxRegion>,
+    tokens: TokenBatcher,
+    /// Scratch of the GPU gather (reused per call).
+    plan: GatherPlan,
+    frags: Vec<Frag>,
+    warned: bool,
+}
+
+impl std::fmt::Debug for DevmemReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevmemReader")
+            .field("binding", &self.region.id())
+            .finish_non_exhaustive()
+    }
+}
+
+fn to_io(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+impl PayloadRead for DevmemReader {
+    fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        DevmemReader::read_some(self, dst)
+    }
+}
+
+impl DevmemReader {
+    /// A reader of data connection `sock` through `region`.
+    pub fn new(region: &Arc<RxRegion>, sock: TcpStream) -> io::Result<Self> {
+        Ok(Self {
+            sock: region.recv_socket(sock)?,
+            region: Arc::clone(region),
+            tokens: TokenBatcher::new(),
+            plan: GatherPlan::default(),
+            frags: Vec::new(),
+            warned: false,
+        })
+    }
+
+    /// True when this reader gathers into GPU memory ([`Self::read_into_gpu`]).
+    pub fn gpu_gather(&self) -> bool {
+        self.region.gpu_gather()
+    }
+
+    /// Receive up to `dst.len()` payload bytes into `dst` (in stream order); 0 at EOF.
+    /// For a binding whose frags lie in GPU memory this is an error (use
+    /// [`Self::read_into_gpu`]).
+    pub fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        let Some(mem) = self.region.mem() else {
+            return Err(io::Error::other(
+                "this binding's dma-buf is GPU memory: its frags can only be gathered on the GPU",
+            ));
+        };
+        let c = &self.region.counters;
+        let batch = self.sock.recv_frags(dst).map_err(to_io)?;
+        if batch.is_eof() {
+            return Ok(0);
+        }
+        let gathered = gather(&batch, dst, mem, self.region.id(), &mut self.tokens);
+        // Tokens go back right after the gather, even when it failed.
+        let returned = self.sock.return_tokens(&mut self.tokens);
+        let freed = returned.map_err(to_io)?;
+        c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
+        let g = gathered.map_err(to_io)?;
+        c.frags.fetch_add(g.dmabuf_frags as u64, Ordering::Relaxed);
+        c.dmabuf_bytes.fetch_add(g.dmabuf_bytes, Ordering::Relaxed);
+        if g.linear_bytes > 0 || g.plain_bytes > 0 {
+            c.linear_bytes.fetch_add(g.linear_bytes, Ordering::Relaxed);
+            c.plain_bytes.fetch_add(g.plain_bytes, Ordering::Relaxed);
+            if !std::mem::replace(&mut self.warned, true) {
+                tracing::warn!(
+                    linear_bytes = g.linear_bytes,
+                    plain_bytes = g.plain_bytes,
+                    "payload arrived in host memory on a devmem connection: check header split (tcp-data-split on, hds-thresh 0) and that the data port is steered to the bound queues; the bytes are still delivered"
+                );
+            }
+        }
+        Ok(g.bytes)
+    }
+
+    /// Receive up to `host.len()` payload bytes into GPU region `dst` at `dst_off` (in
+    /// stream order); 0 at EOF. Dma-buf frags are copied by the gather kernel (one launch);
+    /// bytes that arrived in host memory (linear or ordinary TCP, landed in `host`) are
+    /// copied up. Tokens go back once the gather's event completes, also after an error.
+    pub fn read_into_gpu(
+        &mut self,
+        dst: &VmmRegion,
+        dst_off: usize,
+        host: &mut [u8],
+    ) -> io::Result<usize> {
+        let region = Arc::clone(&self.region);
+        let Some((cuda, src)) = region.gpu_source() else {
+            return Err(io::Error::other(
+                "this binding has no GPU gather (the node runs on host memory)",
+            ));
+        };
+        let batch = self.sock.recv_frags(host).map_err(to_io)?;
+        if batch.is_eof() {
+            return Ok(0);
+        }
+        self.tokens.push_batch(&batch);
+        let planned = plan(&batch, region.id(), host.len(), &mut self.plan);
+        let copied = planned
+            .map_err(to_io)
+            .and_then(|()| self.copy_planned(cuda, src, dst, dst_off, host));
+        let freed = self.sock.return_tokens(&mut self.tokens).map_err(to_io)?;
+        let c = &region.counters;
+        c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
+        copied?;
+        let p = &self.plan;
+        c.frags.fetch_add(p.dmabuf.len() as u64, Ordering::Relaxed);
+        c.dmabuf_bytes
+            .fetch_add(p.dmabuf_bytes(), Ordering::Relaxed);
+        let (linear, plain) = if p.plain {
+            (0, p.bytes as u64)
+        } else {
+            (p.linear_bytes(), 0)
+        };
+        if linear > 0 || plain > 0 {
+            c.linear_bytes.fetch_add(linear, Ordering::Relaxed);
+            c.plain_bytes.fetch_add(plain, Ordering::Relaxed);
+            if !std::mem::replace(&mut self.warned, true) {
+                tracing::warn!(
+                    linear_bytes = linear,
+                    plain_bytes = plain,
+                    "payload arrived in host memory on a devmem connection: check header split and steering; the bytes are still delivered"
+                );
+            }
+        }
+        Ok(p.bytes)
+    }
+
+    /// Carries out `self.plan`: host pieces copied up, dma-buf frags gathered by the kernel;
+    /// returns when the kernel has read every frag.
+    fn copy_planned(
+        &mut self,
+        cuda: &CudaMemory,
+        src: &dyn DeviceRange,
+        dst: &VmmRegion,
+        dst_off: usize,
+        host: &[u8],
+    ) -> io::Result<()> {
+        let p = &self.plan;
+        if p.plain {
+            return dst.write(dst_off, &host[..p.bytes]).map_err(to_io);
+        }
+        for &(from, to, len) in &p.linear {
+            dst.write(dst_off + to, &host[from..from + len])
+                .map_err(to_io)?;
+        }
+        self.frags.clear();
+        self.frags
+            .extend(p.dmabuf.iter().map(|&(offset, to, len)| Frag {
+                src_off: offset,
+                dst_off: (dst_off + to) as u64,
+                len: len as u64,
+            }));
+        if !self.frags.is_empty() {
+            cuda.engines
+                .gather(src, dst, &self.frags)
+                .and_then(|done| done.wait())
+                .map_err(to_io)?;
+        }
+        Ok(())
+    }
+}
+
+/// Places payloads of a devmem connection into CUDA slabs with the GPU gather; `host` is where
+/// bytes that arrive outside the dma-buf land before they are copied up.
+pub struct GpuDirect {
+    reader: DevmemReader,
+    host: Vec<u8>,
+    gpus: Gpus,
+}
+
+impl GpuDirect {
+    /// A GPU-direct placer over `reader`, checksumming on the GPU of each slab (from `gpus`).
+    pub fn new(reader: DevmemReader, gpus: Gpus) -> Self {
+        Self {
+            reader,
+            host: vec![0; CHUNK],
+            gpus,
+        }
+    }
+}
+
+impl Place for GpuDirect {
+    /// Each `recvmsg`'s frags are gathered on the GPU (see [`DevmemReader::read_into_gpu`]),
+    /// so the bytes never enter host memory; the CRC-32C is computed at the end by the CRC
+    /// kernel of the slab's GPU.
+    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
+        let slab = &f.slab;
+        let region = slab.region().cuda().ok_or(RxError::WrongMemory {
+            path: "GPU-direct",
+            found: "host",
+        })?;
+        let gpu = self.gpus.of(region).ok_or_else(|| {
+            RxError::gpu(
+                "the CRC kernel",
+                format!(
+                    "no open GPU holds CUDA device {}",
+                    region.device().ordinal()
+                ),
+            )
+        })?;
+        let mut off = 0;
+        while off < slab.len() {
+            let want = (slab.len() - off).min(self.host.len());
+            let got =
+                self.reader
+                    .read_into_gpu(region, slab.offset() + off, &mut self.host[..want]);
+            let n = match got {
+                Ok(0) => {
+                    return Err(RxError::Closed {
+                        got: off as u64,
+                        want: slab.len() as u64,
+                    });
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(RxError::io("recvmsg(MSG_SOCK_DEVMEM)", &e)),
+            };
+            off += n;
+            tally.unseen(n);
+        }
+        let t = Instant::now();
+        let span = shardwire_gpu::kernels::Span {
+            off: slab.offset() as u64,
+            len: slab.len() as u64,
+        };
+        let crc = gpu
+            .engines
+            .crc32c(region, &[span])
+            .map_err(|e| RxError::gpu("CRC-32C on the GPU", e))?;
+        tally.spent(t.elapsed());
+        Ok(crc[0])
+    }
+}

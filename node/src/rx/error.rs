@@ -1,0 +1,96 @@
+//! The typed error of a data connection's receive path (a leaf: [`crate::fetch`] carries it
+//! in `FetchFailure::ConnectionLost`).
+
+use std::io;
+
+/// Why a data connection could not deliver a payload. The connection is then broken: its
+/// fetch and every later one queued on it fail with this cause and are fetched again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RxError {
+    /// The peer closed the connection inside a payload.
+    #[error("connection closed after {got} of {want} payload bytes")]
+    Closed {
+        /// Bytes of the payload that arrived.
+        got: u64,
+        /// The payload's length.
+        want: u64,
+    },
+    /// A socket or ring call failed (a stall past [`DATA_STALL_TIMEOUT`] is `WouldBlock` or
+    /// `TimedOut`).
+    #[error("{op}: {message}")]
+    Io {
+        /// The call.
+        op: &'static str,
+        /// Its error kind.
+        kind: io::ErrorKind,
+        /// The OS's words.
+        message: String,
+    },
+    /// The slab lies in other memory than this path writes (a bug).
+    #[error("a slab in {found} memory on the {path} receive path")]
+    WrongMemory {
+        /// The path.
+        path: &'static str,
+        /// The slab's memory.
+        found: &'static str,
+    },
+    /// A GPU step failed (staging buffers, the H2D copy, the gather or CRC kernel).
+    #[error("{what}: {message}")]
+    Gpu {
+        /// The step.
+        what: &'static str,
+        /// The driver's words.
+        message: String,
+    },
+    /// An earlier payload on this connection failed, so this one cannot be placed.
+    #[error("it failed earlier: {0}")]
+    Earlier(Box<RxError>),
+}
+
+impl RxError {
+    /// The error of call `op`.
+    pub fn io(op: &'static str, e: &io::Error) -> Self {
+        Self::Io {
+            op,
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+
+    /// A GPU step's error.
+    pub fn gpu(what: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Gpu {
+            what,
+            message: e.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_what_happened() {
+        let e = RxError::Closed {
+            got: 1000,
+            want: 4096,
+        };
+        assert_eq!(
+            e.to_string(),
+            "connection closed after 1000 of 4096 payload bytes"
+        );
+        assert_eq!(
+            RxError::Earlier(Box::new(e)).to_string(),
+            "it failed earlier: connection closed after 1000 of 4096 payload bytes"
+        );
+        let io = RxError::io("recv", &io::Error::from(io::ErrorKind::WouldBlock));
+        assert!(matches!(
+            io,
+            RxError::Io {
+                kind: io::ErrorKind::WouldBlock,
+                ..
+            }
+        ));
+    }
+}

@@ -1,0 +1,131 @@
+//! Receiver threads: one per data connection. Each takes the next announced payload
+//! ([`InFlight`]) from its connection's queue, receives it into the shard's slab, checksums
+//! it, and ends the fetch with the outcome.
+//!
+//! The path is chosen once, inside the thread, from the binding and memory in effect when the
+//! connection was identified ([`spawn`]):
+//! - [`uring`]: plain TCP into host memory over io_uring, the next payloads' slabs posted as
+//!   the receive's buffers (where a ring can be set up and `io_uring` is on);
+//! - [`recv`]: plain TCP into host memory with `recv`, each piece checksummed in cache;
+//! - [`devmem`]: frags out of the RX binding's dma-buf, gathered into host slabs on the CPU
+//!   or into CUDA slabs by the gather kernel (GPU-direct, CRC on the GPU);
+//! - [`staged`]: CUDA memory without GPU-direct receive, through pinned buffers whose
+//!   asynchronous H2D copies overlap the next reads.
+//!
+//! What they share ([`shared`]): the loop of the one-payload-at-a-time paths, the piece
+//! callback, and how a fetch ends (delivered, CRC mismatch, or a broken connection that fails
+//! its payload and every later one). A path that writes CUDA slabs uses the GPU that holds
+//! each slab. Errors are [`error::RxError`].
+
+pub mod devmem;
+pub mod error;
+pub mod recv;
+pub mod shared;
+pub mod staged;
+pub mod uring;
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+
+use self::devmem::{DevmemReader, GpuDirect};
+use self::error::RxError;
+use self::recv::{Host, Plain};
+use self::shared::{DATA_STALL_TIMEOUT, Gpus, broken, run};
+use self::staged::Staged;
+use crate::binding::RxRegion;
+use crate::counters::{Counters, FlowStats};
+use crate::fetch::InFlight;
+use crate::link::SourceLink;
+
+/// An identified data connection: whose it is, and where its announced payloads queue.
+pub struct Conn {
+    /// The source link that announced it.
+    pub link: Arc<SourceLink>,
+    /// Its connection number.
+    pub conn: u16,
+    /// The payloads announced on it, in order.
+    pub queue: Receiver<InFlight>,
+    /// Its counters.
+    pub flow: Arc<FlowStats>,
+    /// The node's counters.
+    pub counters: Arc<Counters>,
+}
+
+/// The receive settings in effect when the connection was identified.
+#[derive(Clone, Default)]
+pub struct Setup {
+    /// The RX binding (`None`: plain TCP).
+    pub binding: Option<Arc<RxRegion>>,
+    /// The node's GPUs (none: host memory).
+    pub gpus: Gpus,
+    /// Plain TCP into host memory tries io_uring.
+    pub io_uring: bool,
+}
+
+/// The path a connection's receiver runs.
+enum RxPath {
+    Uring(shardwire_devmem::uring::RecvQueue<uring::Job>),
+    Recv(Plain),
+    Devmem(DevmemReader),
+    StagedPlain(Plain),
+    StagedDevmem(DevmemReader),
+    GpuDirect(GpuDirect),
+}
+
+/// Starts the receiver thread of an identified connection; it chooses its path first.
+pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
+    let name = format!("sw-recv-{}-{}", c.link.index, c.conn);
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || match choose(sock, &setup, &c.counters) {
+            Ok(path) => receive(path, &c),
+            Err(cause) => {
+                tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
+                    "cannot read a data connection through the receive path; dropping it");
+                broken([], &c.queue, &c.link, c.conn, cause);
+            }
+        })
+        .expect("spawn receiver thread");
+}
+
+/// The path for `sock` under `setup`, counted by kind (plain-TCP host connections only).
+fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxError> {
+    sock.set_read_timeout(Some(DATA_STALL_TIMEOUT))
+        .map_err(|e| RxError::io("setsockopt(SO_RCVTIMEO)", &e))?;
+    let host = setup.gpus.is_empty();
+    let Some(binding) = &setup.binding else {
+        if !host {
+            return Ok(RxPath::StagedPlain(Plain::new(sock)));
+        }
+        if setup.io_uring
+            && let Some(q) = uring::queue_for(&sock)
+        {
+            c.io_uring_connections.fetch_add(1, Ordering::Relaxed);
+            return Ok(RxPath::Uring(q));
+        }
+        c.recv_connections.fetch_add(1, Ordering::Relaxed);
+        return Ok(RxPath::Recv(Plain::new(sock)));
+    };
+    let reader = DevmemReader::new(binding, sock)
+        .map_err(|e| RxError::io("making the devmem socket", &e))?;
+    Ok(match (host, reader.gpu_gather()) {
+        (true, _) => RxPath::Devmem(reader),
+        (false, true) => RxPath::GpuDirect(GpuDirect::new(reader, setup.gpus.clone())),
+        (false, false) => RxPath::StagedDevmem(reader),
+    })
+}
+
+/// Runs `path` until the connection's queue closes.
+fn receive(path: RxPath, c: &Conn) {
+    let (link, conn, q, flow, n) = (&*c.link, c.conn, &c.queue, &*c.flow, &*c.counters);
+    match path {
+        RxPath::Uring(ring) => uring::run(ring, link, conn, q, flow, n),
+        RxPath::Recv(p) => run(Host(p), link, conn, q, flow, n),
+        RxPath::Devmem(r) => run(Host(r), link, conn, q, flow, n),
+        RxPath::StagedPlain(p) => run(Staged::new(p, n), link, conn, q, flow, n),
+        RxPath::StagedDevmem(r) => run(Staged::new(r, n), link, conn, q, flow, n),
+        RxPath::GpuDirect(g) => run(g, link, conn, q, flow, n),
+    }
+}

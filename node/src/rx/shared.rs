@@ -1,0 +1,251 @@
+//! What every receive path shares: the read sizes and the low-water rule, the stall timeout,
+//! what payload bytes are read from ([`PayloadRead`]), the loop of the paths that place one
+//! payload at a time ([`Place`], [`run`]), the one piece callback (CRC-32C while the bytes are in cache,
+//! the time it took, the flow's byte count), and the three ways a fetch ends on a data
+//! connection ([`deliver`], [`lost`], [`fail_queued`]). A leaf: it uses no other path.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use shardwire_gpu::cuda::{CudaMemory, VmmRegion};
+use shardwire_protocol::crc::Crc32c;
+
+use super::error::RxError;
+use crate::counters::{Counters, FlowStats};
+use crate::fetch::{FetchFailure, InFlight};
+use crate::link::SourceLink;
+
+/// Largest single read: large enough to amortise the syscall, small enough that the bytes
+/// are still in L2 when they are checksummed.
+pub const CHUNK: usize = 1 << 20;
+
+/// `SO_RCVLOWAT` of plain-TCP data connections (a quarter of a [`CHUNK`]; see
+/// [`lowat_for`] for the smaller marks near a payload's end). Measured with `bench` on
+/// loopback (docs/BENCHMARKS.md): 256 KiB and 512 KiB raised goodput by about a quarter over
+/// the default of 1 byte at a lower CPU per GB; 1 MiB (with 2 MiB reads) was worse than both.
+/// A slow link still makes progress: a read that times out returns what has arrived.
+pub const RCVLOWAT: i32 = 256 << 10;
+
+/// Below this a read takes whatever has arrived (`SO_RCVLOWAT` 1).
+const MIN_LOWAT: usize = 16 << 10;
+
+/// A payload that stops arriving for this long (a source that is alive on its control
+/// connection but stalls a data connection) fails the fetch and resets the link.
+pub const DATA_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The `SO_RCVLOWAT` for a read that may take `len` more bytes of a payload: [`RCVLOWAT`],
+/// or half of `len` if that is less (1 below [`MIN_LOWAT`]). The kernel wakes a blocked
+/// reader on the socket's mark, not on the read's length, so the mark stays at most half of
+/// what is still on its way: the receive window (which the queued bytes fill) never has to
+/// hold all of it.
+pub fn lowat_for(len: usize) -> i32 {
+    let half = len / 2;
+    match half < MIN_LOWAT {
+        true => 1,
+        false => half.min(RCVLOWAT as usize) as i32,
+    }
+}
+
+/// The GPUs the node opened (none: host memory); a path that writes a CUDA slab uses the one
+/// that holds it.
+#[derive(Clone, Debug, Default)]
+pub struct Gpus(Arc<[Arc<CudaMemory>]>);
+
+impl Gpus {
+    /// These GPUs.
+    pub fn new(gpus: Vec<Arc<CudaMemory>>) -> Self {
+        Self(gpus.into())
+    }
+
+    /// True on a host-memory node.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The GPU that holds `region`.
+    pub fn of(&self, region: &VmmRegion) -> Option<&Arc<CudaMemory>> {
+        let ordinal = region.device().ordinal();
+        self.0.iter().find(|g| g.device.ordinal() == ordinal)
+    }
+}
+
+/// Something payload bytes can be read from.
+pub trait PayloadRead {
+    /// Reads some bytes into `dst` (0 at end of stream).
+    fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize>;
+}
+
+impl PayloadRead for &[u8] {
+    fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        io::Read::read(self, dst)
+    }
+}
+
+/// Puts one payload into its slab and returns the CRC-32C of what arrived.
+pub trait Place {
+    /// Receives `f`'s payload into `f.slab`; an error means the connection is broken.
+    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError>;
+}
+
+/// Receives the payloads announced for one connection, one at a time, until its queue
+/// closes; a broken connection fails its payload and every later one.
+pub fn run<P: Place>(
+    mut path: P,
+    link: &SourceLink,
+    conn: u16,
+    queue: &Receiver<InFlight>,
+    flow: &FlowStats,
+    c: &Counters,
+) {
+    while let Ok(mut f) = queue.recv() {
+        // One span per fetch: the receive and the verification happen inside it.
+        let span = tracing::debug_span!("fetch", req = f.req, shard = f.shard, source = %link.addr);
+        let _entered = span.enter();
+        let mut tally = Tally::new(flow);
+        let placed = path.place(&mut f, &mut tally);
+        tally.flush(c);
+        match placed {
+            Ok(got) => deliver(f, got, link, c),
+            Err(cause) => return broken([f], queue, link, conn, cause),
+        }
+    }
+}
+
+/// The checksum of one payload as its pieces land.
+#[derive(Debug)]
+pub struct Checksum(Crc32c);
+
+impl Checksum {
+    /// Nothing seen yet.
+    pub fn new() -> Self {
+        Self(Crc32c::new())
+    }
+
+    /// The CRC-32C of the bytes seen.
+    pub fn finish(&self) -> u32 {
+        self.0.finish()
+    }
+}
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The one piece callback of every host-visible path: each piece that lands is checksummed
+/// right away (while it is in cache), the time that takes is summed (the node's assembly
+/// counter), and the flow counts its bytes.
+#[derive(Debug)]
+pub struct Tally<'a> {
+    flow: &'a FlowStats,
+    spent: Duration,
+}
+
+impl<'a> Tally<'a> {
+    /// A tally for `flow`.
+    pub fn new(flow: &'a FlowStats) -> Self {
+        Self {
+            flow,
+            spent: Duration::ZERO,
+        }
+    }
+
+    /// A piece of a payload landed.
+    pub fn piece(&mut self, sum: &mut Checksum, piece: &[u8]) {
+        let t = Instant::now();
+        sum.0.update(piece);
+        self.spent += t.elapsed();
+        self.flow
+            .bytes
+            .fetch_add(piece.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes that landed where the CPU does not checksum them (GPU memory).
+    pub fn unseen(&mut self, bytes: usize) {
+        self.flow.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Time spent on a check done elsewhere (the CRC kernel).
+    pub fn spent(&mut self, d: Duration) {
+        self.spent += d;
+    }
+
+    /// Adds the time spent to the node's counters.
+    pub fn flush(self, c: &Counters) {
+        c.assembly_ns
+            .fetch_add(self.spent.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The failure of a fetch whose connection broke.
+pub fn lost(link: &SourceLink, conn: u16, cause: RxError) -> FetchFailure {
+    FetchFailure::ConnectionLost {
+        source_addr: link.addr.clone(),
+        conn,
+        cause,
+    }
+}
+
+/// Ends a received fetch: counts it when its CRC-32C (`got`) matches, warns when not (the
+/// stream fetches it again).
+pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) {
+    if got == f.crc32c {
+        c.bytes_received.fetch_add(f.length, Ordering::Relaxed);
+        c.shards_received.fetch_add(1, Ordering::Relaxed);
+        link.bytes.fetch_add(f.length, Ordering::Relaxed);
+    } else {
+        c.crc_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(source = %link.addr, shard = f.shard, got = format!("{got:08x}"), want = format!("{:08x}", f.crc32c),
+            "CRC-32C mismatch: the shard will be fetched again");
+    }
+    f.verified(got);
+}
+
+/// A connection broke inside the payloads of `failed`: fails them, resets the link, and
+/// fails every payload still announced on the connection until its queue closes.
+pub fn broken(
+    failed: impl IntoIterator<Item = InFlight>,
+    queue: &Receiver<InFlight>,
+    link: &SourceLink,
+    conn: u16,
+    cause: RxError,
+) {
+    for f in failed {
+        f.finish(Err(lost(link, conn, cause.clone())));
+    }
+    link.kick(&format!(
+        "data connection {conn} from {} failed mid-shard: {cause}",
+        link.addr
+    ));
+    fail_queued(queue, link, conn, &cause);
+}
+
+/// After a connection broke: fails every payload still announced on it until its queue
+/// closes.
+pub fn fail_queued(queue: &Receiver<InFlight>, link: &SourceLink, conn: u16, cause: &RxError) {
+    while let Ok(f) = queue.recv() {
+        f.finish(Err(lost(
+            link,
+            conn,
+            RxError::Earlier(Box::new(cause.clone())),
+        )));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mark_is_at_most_half_of_what_is_due() {
+        assert_eq!(lowat_for(0), 1);
+        assert_eq!(lowat_for(2 * MIN_LOWAT - 1), 1);
+        assert_eq!(lowat_for(2 * MIN_LOWAT), MIN_LOWAT as i32);
+        assert_eq!(lowat_for(300 << 10), 150 << 10);
+        assert_eq!(lowat_for(64 << 20), RCVLOWAT);
+    }
+}

@@ -1,0 +1,286 @@
+//! The batch-mode driver over a fake [`Issue`]: fetches are answered by the test (in any
+//! order, or with failures) instead of a source, so what the driver asks for, what it
+//! assembles and how it reacts to failures are checked without sockets.
+
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use shardwire_protocol::manifest::{DType, Manifest, ShardEntry, TensorEntry};
+use shardwire_protocol::trainer::{ErrorCode, StreamRequest};
+use shardwire_protocol::wire;
+
+use super::*;
+use crate::counters::Counters;
+use crate::fetch::tests::pool;
+use crate::fetch::{Completions, FetchFailure, FetchRequest, InFlight};
+use crate::stream::supply::IssueError;
+use crate::stream::{Next, Parts, open};
+
+const SHARDS: u32 = 6;
+const ROWS: u64 = 8;
+const ROW: u64 = 4;
+const BATCH: u32 = 4;
+
+/// Row `r` of shard `s`: `[s, r, 0xab, 0xcd]`.
+fn shard_bytes(s: u32) -> Vec<u8> {
+    (0..ROWS)
+        .flat_map(|r| [s as u8, r as u8, 0xab, 0xcd])
+        .collect()
+}
+
+fn manifest() -> Arc<Manifest> {
+    Arc::new(Manifest::new(
+        (0..SHARDS)
+            .map(|i| ShardEntry {
+                file: format!("s{i}.bin"),
+                offset: 0,
+                length: ROWS * ROW,
+                crc32c: crc(&shard_bytes(i)),
+                tensors: vec![TensorEntry::dense(
+                    "x".into(),
+                    DType::Uint8,
+                    vec![ROWS, ROW],
+                    0,
+                    ROWS * ROW,
+                )],
+            })
+            .collect(),
+    ))
+}
+
+fn crc(b: &[u8]) -> u32 {
+    let mut c = shardwire_protocol::crc::Crc32c::new();
+    c.update(b);
+    c.finish()
+}
+
+/// A batch-mode stream over [`manifest`] in a region of `region` bytes.
+fn stream(region: usize) -> Arc<Stream> {
+    let m = manifest();
+    let mut r = StreamRequest::new("d");
+    r.batch_size = Some(BATCH);
+    r.seed = 3;
+    r.epochs = 2;
+    let (kind, start, fingerprint) =
+        open::batch_mode(&m, &r, BATCH, region as u64, false).expect("a valid plan");
+    assert_eq!(start, 0);
+    Stream::new(Parts {
+        id: 1,
+        dataset: "d".into(),
+        kind,
+        epochs: 2,
+        start: 0,
+        manifest: m,
+        pool: pool(region),
+        sources: vec![crate::stream::DatasetSource {
+            dataset: "d".into(),
+            first: 0,
+            candidates: Vec::new(),
+        }],
+        fingerprint,
+        counters: Arc::new(Counters::default()),
+        ids: Arc::new(AtomicU64::new(0)),
+        gpu: None,
+    })
+}
+
+/// A source that takes every fetch and lets the test answer it.
+#[derive(Clone, Default)]
+struct Fake {
+    issued: Arc<Mutex<Vec<(InFlight, Option<usize>)>>>,
+}
+
+impl Issue for Fake {
+    fn issue(
+        &mut self,
+        s: &super::super::supply::Supply,
+        p: Pending,
+        done: &Completions,
+    ) -> Result<(), IssueError> {
+        let entry = &s.manifest().shards[p.shard as usize];
+        let r = FetchRequest {
+            slab: p.slab,
+            pos: p.pos,
+            shard: p.shard,
+            length: entry.length,
+            crc32c: entry.crc32c,
+            stream: 1,
+        };
+        let f = InFlight::new(r, 0, done.clone());
+        self.issued.lock().unwrap().push((f, p.avoid));
+        Ok(())
+    }
+}
+
+impl Fake {
+    /// Takes what was issued, newest first.
+    fn take(&self) -> Vec<(InFlight, Option<usize>)> {
+        let mut v = std::mem::take(&mut *self.issued.lock().unwrap());
+        v.reverse();
+        v
+    }
+}
+
+/// Fills the fetch's slab with its shard and ends it verified.
+fn answer(mut f: InFlight) {
+    let bytes = shard_bytes(f.shard);
+    f.slab.host_slice_mut().unwrap().copy_from_slice(&bytes);
+    f.verified(crc(&bytes));
+}
+
+/// Hands every outcome that arrived to the driver.
+fn settle(d: &mut Driver) -> Result<(), CloseReason> {
+    while let Some(c) = d.fetches.try_completed() {
+        d.completed(c)?;
+    }
+    d.step()
+}
+
+/// The rows (as `(shard, row)`) of the batch `b` of stream `s`.
+fn rows_of(s: &Stream, b: &crate::stream::Batch) -> Vec<(u8, u8)> {
+    let t = &b.tensors[0];
+    let bytes = s.read_leased(b.lease, t.offset, t.length).unwrap();
+    bytes
+        .chunks(ROW as usize)
+        .map(|r| {
+            assert_eq!(&r[2..], &[0xab, 0xcd], "a row of a shard, whole");
+            (r[0], r[1])
+        })
+        .collect()
+}
+
+/// The rows the plan puts in each batch of the stream, in order.
+fn planned(s: &Stream) -> Vec<Vec<(u8, u8)>> {
+    let Kind::Batches(m) = s.kind() else {
+        unreachable!()
+    };
+    let Sampler::One(plan) = &m.sampler else {
+        unreachable!()
+    };
+    (0..2u32)
+        .flat_map(|e| {
+            let ep = plan.order.epoch(e);
+            (0..plan.steps())
+                .map(|step| {
+                    (0..BATCH)
+                        .map(|j| {
+                            let r = plan.sample(&ep, step, j);
+                            (r.shard as u8, r.row as u8)
+                        })
+                        .collect()
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Runs the driver to the end, answering fetches with `answer_all`, and returns the rows of
+/// every batch the trainer took.
+fn drive(
+    s: &Arc<Stream>,
+    fake: &Fake,
+    mut answer_all: impl FnMut(Vec<(InFlight, Option<usize>)>),
+) -> Vec<Vec<(u8, u8)>> {
+    let mut d = Driver::new(Arc::clone(s), 0, Box::new(fake.clone()));
+    let mut got = Vec::new();
+    for _ in 0..10_000 {
+        settle(&mut d).unwrap();
+        answer_all(fake.take());
+        settle(&mut d).unwrap();
+        match s.next(Some(Duration::ZERO)) {
+            Next::Batch(b) => {
+                got.push(rows_of(s, &b));
+                assert!(s.release(b.lease));
+            }
+            Next::End => return got,
+            Next::Timeout => {}
+            Next::Closed(why) => panic!("closed: {why}"),
+        }
+    }
+    panic!("the stream did not end");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_hold_the_planned_rows_whatever_order_shards_arrive_in() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    // Newest first: every round's fetches complete in reverse order of issue.
+    let got = drive(&s, &fake, |issued| {
+        for (f, _) in issued {
+            answer(f);
+        }
+    });
+    let want = planned(&s);
+    assert_eq!(
+        got.len(),
+        2 * (SHARDS as usize * ROWS as usize) / BATCH as usize
+    );
+    assert_eq!(got, want);
+    let c = s.supply().counters();
+    assert_eq!(
+        c.batches_assembled.load(Ordering::Relaxed),
+        got.len() as u64
+    );
+    assert_eq!(c.refetches.load(Ordering::Relaxed), 0);
+    assert_eq!(s.supply().pool().used(), 0, "every slab went back");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crc_failure_is_fetched_again_avoiding_the_source_and_never_delivered() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut failed = None;
+    let mut retried = Vec::new();
+    let got = drive(&s, &fake, |issued| {
+        for (mut f, avoid) in issued {
+            if avoid.is_some() {
+                retried.push((f.shard, avoid));
+            }
+            if failed.is_none() {
+                failed = Some(f.shard);
+                f.slab.host_slice_mut().unwrap().fill(0xee); // damaged bytes
+                f.verified(0);
+            } else {
+                answer(f);
+            }
+        }
+    });
+    assert_eq!(got, planned(&s), "the damaged bytes were never assembled");
+    assert_eq!(retried, vec![(failed.unwrap(), Some(0))]);
+    let c = s.supply().counters();
+    assert_eq!(c.refetches.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_shard_ends_the_stream_with_the_reason() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let (f, _) = fake.take().pop().expect("a fetch was issued");
+    let shard = f.shard;
+    f.finish(Err(FetchFailure::Refused {
+        code: wire::ErrorCode::UnknownShard,
+        message: format!("no shard {shard}"),
+    }));
+    let why = settle(&mut d).unwrap_err();
+    assert!(
+        matches!(&why, CloseReason::ShardFailed { shard: s, .. } if *s == shard),
+        "{why:?}"
+    );
+    assert_eq!(why.code(), ErrorCode::DataUnavailable);
+    s.close(why); // what the task does with it
+    match s.next(Some(Duration::ZERO)) {
+        Next::Closed(r) => {
+            let text = r.to_string();
+            assert!(
+                text.contains(&format!("shard {shard} of dataset d")),
+                "{text}"
+            );
+            assert!(text.contains(&format!("no shard {shard}")), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
+}

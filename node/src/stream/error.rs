@@ -1,0 +1,178 @@
+//! Why a stream was not opened ([`OpenError`]), why an open stream ended ([`CloseReason`]),
+//! and why a batch could not be assembled ([`AssembleError`]). A refusal and a close reach
+//! the trainer as a stable [`ErrorCode`] and a message; the close reason also says who ended
+//! the stream, so the fronts and the logs never parse text.
+
+use shardwire_protocol::DType;
+use shardwire_protocol::trainer::ErrorCode;
+
+use crate::fetch::FetchFailure;
+
+/// Why a stream was not opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct OpenError {
+    /// Stable code.
+    pub code: ErrorCode,
+    /// What was wrong, naming the field and the value.
+    pub message: String,
+}
+
+impl OpenError {
+    /// An error with this code.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Why a batch (or a shard's row tables) could not be assembled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssembleError {
+    /// Host and CUDA slabs in one assembly (a bug: a stream's slabs share one region).
+    #[error("host and CUDA slabs mixed in one assembly")]
+    MixedMemory,
+    /// The shard's slab block cannot hold its assembled tables.
+    #[error("the slab's block of {block} bytes cannot hold the assembled {need} bytes")]
+    BlockTooSmall {
+        /// The block's bytes.
+        block: u64,
+        /// The assembled bytes.
+        need: u64,
+    },
+    /// Signed tokens cannot be widened by copies (refused when the stream opens).
+    #[error("widening signed {} tokens on the GPU", dtype.name())]
+    SignedWidening {
+        /// The token type.
+        dtype: DType,
+    },
+    /// A CUDA region on a node without a GPU.
+    #[error("a CUDA region on a node without a GPU")]
+    NoGpu,
+    /// A CUDA call failed.
+    #[error("{what}: {error}")]
+    Gpu {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's error.
+        error: String,
+    },
+}
+
+impl AssembleError {
+    pub(crate) fn gpu(what: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Gpu {
+            what,
+            error: e.to_string(),
+        }
+    }
+}
+
+/// Why a stream was closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CloseReason {
+    /// The trainer's connection to the socket ended.
+    #[error("trainer disconnected")]
+    TrainerDisconnected,
+    /// The trainer closed it over the HTTP API.
+    #[error("closed over HTTP")]
+    ClosedOverHttp,
+    /// An HTTP trainer sent nothing for its idle timeout.
+    #[error("no HTTP request for {secs} s")]
+    HttpIdle {
+        /// The stream's idle timeout.
+        secs: u64,
+    },
+    /// An operator closed it over the admin API.
+    #[error("closed by an operator over the admin API")]
+    Operator,
+    /// The node is shutting down.
+    #[error("node shutting down")]
+    Shutdown,
+    /// The stream's region could not be shared with its trainer.
+    #[error("cannot share the stream's region: {0}")]
+    CannotShare(String),
+    /// Assembling a batch (or a shard's row tables) failed.
+    #[error("assembling {what} failed: {error}")]
+    Assembly {
+        /// `a batch`, or `shard N`.
+        what: String,
+        /// The failure.
+        error: AssembleError,
+    },
+    /// The shards the next batch reads cannot fit the region beside the batch slabs.
+    #[error(
+        "the next batch reads {shards} shards ({need} bytes of slabs) and needs {reserve} bytes of batch slabs; stream_memory is {capacity}: raise stream_memory or lower batch_size"
+    )]
+    DoesNotFit {
+        /// Shards the next batch reads.
+        shards: usize,
+        /// Their slab bytes.
+        need: u64,
+        /// Bytes of batch slabs kept for assembled batches.
+        reserve: u64,
+        /// The region's size.
+        capacity: u64,
+    },
+    /// A shard's fetch failed in a way another attempt cannot change (the source refused it).
+    #[error("shard {shard} of dataset {dataset} cannot be fetched: {failure}")]
+    ShardFailed {
+        /// The dataset.
+        dataset: String,
+        /// The shard's index in it.
+        shard: u32,
+        /// The failure.
+        failure: FetchFailure,
+    },
+    /// A bug or an unexpected failure in the node.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl CloseReason {
+    /// The code a trainer waiting on the stream gets.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::TrainerDisconnected | Self::ClosedOverHttp | Self::Operator => ErrorCode::Closed,
+            Self::HttpIdle { .. } => ErrorCode::Timeout,
+            Self::Shutdown => ErrorCode::Draining,
+            Self::CannotShare(_) | Self::DoesNotFit { .. } => ErrorCode::NoMemory,
+            Self::ShardFailed { .. } => ErrorCode::DataUnavailable,
+            Self::Assembly { .. } | Self::Internal(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::wire;
+
+    use super::*;
+
+    #[test]
+    fn each_reason_has_a_code_and_names_what_happened() {
+        let refused = CloseReason::ShardFailed {
+            dataset: "web".into(),
+            shard: 7,
+            failure: FetchFailure::Refused {
+                code: wire::ErrorCode::UnknownShard,
+                message: "no shard 7".into(),
+            },
+        };
+        assert_eq!(refused.code(), ErrorCode::DataUnavailable);
+        let text = refused.to_string();
+        assert!(
+            text.contains("shard 7 of dataset web") && text.contains("no shard 7"),
+            "{text}"
+        );
+        assert_eq!(CloseReason::Operator.code(), ErrorCode::Closed);
+        assert_eq!(CloseReason::HttpIdle { secs: 3 }.code(), ErrorCode::Timeout);
+        assert_eq!(
+            CloseReason::HttpIdle { secs: 3 }.to_string(),
+            "no HTTP request for 3 s"
+        );
+        assert_eq!(CloseReason::Shutdown.code(), ErrorCode::Draining);
+    }
+}

@@ -1,0 +1,397 @@
+//! The fetch side of a stream: where its shards come from and the memory they land in.
+//!
+//! [`Supply`] is what a stream shares between its trainer side and its task: the manifest,
+//! the region's allocator, the datasets and the links that serve them, and the wake-up for a
+//! task that waits for memory (the region's free upcall notifies it only while it waits).
+//! [`Fetches`] is the task's own half, the same for both drivers (shard mode:
+//! [`super::fetcher`], batch mode: [`super::batcher`]): allocating a slab with the wait for
+//! memory counted as a trainer stall, issuing a FETCH through an [`Issue`] (the links, or a
+//! fake in tests), queueing what found no live source, and classifying failures: a CRC error
+//! or a lost connection is fetched again (from another source when one is up), a refusal that
+//! will not change (an unknown shard or dataset, a bad request) ends the stream with the
+//! source's reason.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use shardwire_gpu::{Slab, SlabPool};
+use shardwire_protocol::Manifest;
+use tokio::sync::{Notify, mpsc};
+
+use super::error::CloseReason;
+use crate::counters::Counters;
+use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
+use crate::link::{SendError, SourceLink};
+
+/// Assembled batches that may wait for their trainer; the region keeps room for them (and the
+/// one the trainer holds) beside the shards it reads.
+pub const READY_AHEAD: usize = 2;
+
+/// The shards `[first, first + shards)` of a stream's manifest: shards `0..` of `dataset`,
+/// served by `candidates` (the links whose manifest of it matches).
+pub struct DatasetSource {
+    /// Dataset name on the wire.
+    pub dataset: String,
+    /// Its first shard in the stream's manifest.
+    pub first: u32,
+    /// Links that serve it.
+    pub candidates: Vec<Arc<SourceLink>>,
+}
+
+/// A fetch to issue: the first attempt or another one after a failure.
+#[derive(Debug)]
+pub struct Pending {
+    /// The stream position (shard mode) or the shard (batch mode) it is for.
+    pub pos: u64,
+    /// The shard (index in the stream's manifest).
+    pub shard: u32,
+    /// Its destination.
+    pub slab: Slab,
+    /// The link that failed it last, avoided while another is up.
+    pub avoid: Option<usize>,
+}
+
+/// Why a fetch was not issued.
+#[derive(Debug)]
+pub enum IssueError {
+    /// No link that serves the dataset is up: try again later.
+    NoSource(Pending),
+    /// The FETCH cannot be sent at all (a bug: names are checked when the stream opens).
+    Fatal(Pending, String),
+}
+
+/// Sends a fetch on its way; the links in the node, a fake in tests.
+pub trait Issue: Send {
+    /// Issues `p` (its outcome goes to `done`), or gives it back with the reason.
+    fn issue(&mut self, supply: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError>;
+}
+
+/// The shared fetch side of one stream.
+pub struct Supply {
+    stream: u64,
+    manifest: Arc<Manifest>,
+    pool: Arc<SlabPool>,
+    sources: Vec<DatasetSource>,
+    /// Every link of `sources`, once.
+    candidates: Vec<Arc<SourceLink>>,
+    counters: Arc<Counters>,
+    ids: Arc<AtomicU64>,
+    /// Woken when a slab is freed while the task waits for memory.
+    freed: Notify,
+    wants_memory: AtomicBool,
+}
+
+impl Supply {
+    /// The supply of stream `stream`; the region's frees wake its task while it waits.
+    pub fn new(
+        stream: u64,
+        manifest: Arc<Manifest>,
+        pool: Arc<SlabPool>,
+        sources: Vec<DatasetSource>,
+        counters: Arc<Counters>,
+        ids: Arc<AtomicU64>,
+    ) -> Arc<Self> {
+        let mut candidates: Vec<Arc<SourceLink>> = Vec::new();
+        for l in sources.iter().flat_map(|d| &d.candidates) {
+            if !candidates.iter().any(|c| c.index == l.index) {
+                candidates.push(Arc::clone(l));
+            }
+        }
+        let s = Arc::new(Self {
+            stream,
+            manifest,
+            pool,
+            sources,
+            candidates,
+            counters,
+            ids,
+            freed: Notify::new(),
+            wants_memory: AtomicBool::new(false),
+        });
+        let weak: Weak<Self> = Arc::downgrade(&s);
+        s.pool.set_on_free(Arc::new(move || {
+            // Only a task waiting for memory needs waking: a release on a fully prefetched
+            // stream then costs no cross-thread wake-up.
+            if let Some(s) = weak.upgrade()
+                && s.wants_memory.load(Ordering::SeqCst)
+            {
+                s.freed.notify_one();
+            }
+        }));
+        s
+    }
+
+    /// The stream's manifest.
+    pub fn manifest(&self) -> &Arc<Manifest> {
+        &self.manifest
+    }
+
+    /// The region's allocator.
+    pub fn pool(&self) -> &Arc<SlabPool> {
+        &self.pool
+    }
+
+    /// The node's counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Links that serve the stream's datasets.
+    pub fn candidates(&self) -> &[Arc<SourceLink>] {
+        &self.candidates
+    }
+
+    /// The dataset of manifest shard `shard`, and the shard's index in it.
+    pub fn source_of(&self, shard: u32) -> (&DatasetSource, u32) {
+        let i = self.sources.partition_point(|d| d.first <= shard).max(1) - 1;
+        let d = &self.sources[i];
+        (d, shard - d.first)
+    }
+
+    /// Resolves when a slab is freed after [`Fetches::alloc`] found no room.
+    pub async fn freed(&self) {
+        self.freed.notified().await;
+    }
+
+    /// A slab of `bytes`, or `None` when the region is full; until one is found again, a
+    /// freed slab wakes the task ([`Self::freed`]).
+    pub fn try_alloc(&self, bytes: usize) -> Option<Slab> {
+        // Announce the need before trying, so a free between the failed try and the wait
+        // leaves a permit instead of being missed.
+        self.wants_memory.store(true, Ordering::SeqCst);
+        let slab = self.pool.alloc(bytes)?;
+        self.wants_memory.store(false, Ordering::SeqCst);
+        Some(slab)
+    }
+
+    /// A fresh request id.
+    fn next_id(&self) -> u64 {
+        self.ids.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+/// The real [`Issue`]: the first live link from a rotating start, avoiding the one that just
+/// failed while another is up.
+#[derive(Debug, Default)]
+pub struct Links {
+    rr: usize,
+}
+
+impl Issue for Links {
+    fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
+        let (source, shard) = s.source_of(p.shard);
+        let links = &source.candidates;
+        let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
+        let avoid = p
+            .avoid
+            .and_then(|index| links.iter().position(|l| l.index == index));
+        let Some(i) = pick_source(&up, avoid, self.rr) else {
+            return Err(IssueError::NoSource(p));
+        };
+        self.rr = i + 1;
+        let link = &links[i];
+        let entry = &s.manifest.shards[p.shard as usize];
+        let req = FetchRequest {
+            slab: p.slab,
+            pos: p.pos,
+            shard: p.shard,
+            length: entry.length,
+            crc32c: entry.crc32c,
+            stream: s.stream,
+        };
+        let f = InFlight::new(req, link.index, done.clone());
+        let id = s.next_id();
+        tracing::debug!(req = id, shard = p.shard, pos = p.pos, source = %link.addr, "FETCH");
+        link.fetch(id, &source.dataset, shard, f).map_err(|failed| {
+            let (f, e) = *failed;
+            let p = Pending {
+                pos: f.pos,
+                shard: f.shard,
+                slab: f.slab,
+                avoid: p.avoid,
+            };
+            match e {
+                SendError::Encode { .. } => IssueError::Fatal(p, e.to_string()),
+                SendError::Down(_) => IssueError::NoSource(p),
+            }
+        })
+    }
+}
+
+/// The link to send a fetch on: the first live one from `rr` on, skipping `avoid` when
+/// another is up. `up[i]` says whether candidate `i` is up; returns its index.
+pub fn pick_source(up: &[bool], avoid: Option<usize>, rr: usize) -> Option<usize> {
+    let n = up.len();
+    let order = (0..n).map(|k| (rr + k) % n);
+    order
+        .clone()
+        .find(|&i| up[i] && Some(i) != avoid)
+        .or_else(|| order.clone().find(|&i| up[i]))
+}
+
+/// A stream task's half of the fetch side: what waits to be issued, where outcomes arrive,
+/// and since when it waits for memory.
+pub struct Fetches {
+    supply: Arc<Supply>,
+    issuer: Box<dyn Issue>,
+    waiting: VecDeque<Pending>,
+    tx: Completions,
+    rx: mpsc::UnboundedReceiver<Completion>,
+    starved_since: Option<Instant>,
+}
+
+impl Fetches {
+    /// The task half over `supply`, issuing through `issuer`.
+    pub fn new(supply: Arc<Supply>, issuer: Box<dyn Issue>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            supply,
+            issuer,
+            waiting: VecDeque::new(),
+            tx,
+            rx,
+            starved_since: None,
+        }
+    }
+
+    /// A slab of `bytes`, or `None` when the region is full (the task then waits for
+    /// [`Supply::freed`]); the time until memory is found again counts as a trainer stall.
+    pub fn alloc(&mut self, bytes: usize) -> Option<Slab> {
+        let Some(slab) = self.supply.try_alloc(bytes) else {
+            self.starved_since.get_or_insert_with(Instant::now);
+            return None;
+        };
+        if let Some(t) = self.starved_since.take() {
+            self.supply
+                .counters
+                .stall_trainer_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        Some(slab)
+    }
+
+    /// Issues `p`, or keeps it for [`Self::reissue`] when no source is up; an error is a FETCH
+    /// that can never be sent.
+    pub fn fetch(&mut self, p: Pending) -> Result<(), CloseReason> {
+        match self.issuer.issue(&self.supply, p, &self.tx) {
+            Ok(()) => Ok(()),
+            Err(IssueError::NoSource(p)) => {
+                self.waiting.push_back(p);
+                Ok(())
+            }
+            Err(IssueError::Fatal(p, why)) => {
+                self.waiting.push_back(p);
+                Err(CloseReason::Internal(format!("cannot send a FETCH: {why}")))
+            }
+        }
+    }
+
+    /// Issues the waiting fetches in order until one finds no source.
+    pub fn reissue(&mut self) -> Result<(), CloseReason> {
+        while let Some(p) = self.waiting.pop_front() {
+            match self.issuer.issue(&self.supply, p, &self.tx) {
+                Ok(()) => {}
+                Err(IssueError::NoSource(p)) => {
+                    self.waiting.push_front(p);
+                    return Ok(());
+                }
+                Err(IssueError::Fatal(p, why)) => {
+                    self.waiting.push_front(p);
+                    return Err(CloseReason::Internal(format!("cannot send a FETCH: {why}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// True while fetches wait for a source to come up (the task then retries on a timer).
+    pub fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// The next outcome of a fetch.
+    pub async fn completed(&mut self) -> Option<Completion> {
+        self.rx.recv().await
+    }
+
+    /// An outcome already here, without waiting.
+    #[cfg(test)]
+    pub fn try_completed(&mut self) -> Option<Completion> {
+        self.rx.try_recv().ok()
+    }
+
+    /// Sorts an outcome: `Ok(Some(slab))` holds a verified shard; `Ok(None)` means it waits
+    /// to be fetched again ([`Self::reissue`]; counted, logged, from another source when one
+    /// is up); `Err` is a failure that will not change, which ends the stream.
+    pub fn sort(&mut self, c: Completion) -> Result<Option<Slab>, CloseReason> {
+        let f = match c.result {
+            Ok(()) => {
+                metrics::histogram!("shardwire_fetch_duration_seconds")
+                    .record(c.issued.elapsed().as_secs_f64());
+                return Ok(Some(c.slab));
+            }
+            Err(f) => f,
+        };
+        if f.retry_class() == RetryClass::Fail {
+            let (d, shard) = self.supply.source_of(c.shard);
+            tracing::error!(dataset = %d.dataset, shard, failure = %f, "a fetch failed for good; closing the stream");
+            return Err(CloseReason::ShardFailed {
+                dataset: d.dataset.clone(),
+                shard,
+                failure: f,
+            });
+        }
+        self.supply
+            .counters
+            .refetches
+            .fetch_add(1, Ordering::Relaxed);
+        match &f {
+            FetchFailure::Crc { got, want } => {
+                tracing::warn!(shard = c.shard, got, want, "refetching after CRC mismatch")
+            }
+            other => {
+                tracing::warn!(shard = c.shard, failure = %other, "refetching after a failed fetch")
+            }
+        }
+        self.waiting.push_back(Pending {
+            pos: c.pos,
+            shard: c.shard,
+            slab: c.slab,
+            avoid: Some(c.source),
+        });
+        Ok(None)
+    }
+}
+
+/// Whether the region keeps room for the ready-ahead batches after a prefetch of `len`.
+pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool {
+    let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
+    let free = pool.capacity() - pool.used();
+    free >= reserve + SlabPool::class_size(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_robin_over_live_sources() {
+        let up = [true, true, true];
+        assert_eq!(pick_source(&up, None, 0), Some(0));
+        assert_eq!(pick_source(&up, None, 1), Some(1));
+        assert_eq!(pick_source(&up, None, 5), Some(2));
+        assert_eq!(pick_source(&[false, true, false], None, 2), Some(1));
+        assert_eq!(pick_source(&[false, false], None, 0), None);
+        assert_eq!(pick_source(&[], None, 0), None);
+    }
+
+    #[test]
+    fn a_retry_avoids_the_source_that_failed_while_another_is_up() {
+        assert_eq!(pick_source(&[true, true], Some(0), 0), Some(1));
+        assert_eq!(pick_source(&[true, true, true], Some(1), 1), Some(2));
+        // Only the failed one is up: it is tried again rather than waiting forever.
+        assert_eq!(pick_source(&[true, false], Some(0), 0), Some(0));
+    }
+}
