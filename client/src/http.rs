@@ -25,9 +25,11 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use serde_json::{Value, json};
-use shardwire_protocol::DType;
+use serde::de::DeserializeOwned;
 use shardwire_protocol::trainer::ErrorCode;
+use shardwire_protocol::trainer::http::{
+    BatchBody, ErrorBody, NextBody, OpenStream, Opened, TensorMeta,
+};
 
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
 
@@ -39,17 +41,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_HEAD: usize = 64 << 10;
 
 /// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HttpTensor {
-    /// Tensor name.
-    pub name: String,
-    /// Element type.
-    pub dtype: DType,
-    /// Shape.
-    pub shape: Vec<u64>,
-    /// Byte length.
-    pub length: u64,
-}
+pub type HttpTensor = TensorMeta;
 
 /// One batch leased over HTTP.
 #[derive(Clone, Debug)]
@@ -77,18 +69,18 @@ impl HttpBatch {
 }
 
 /// What the service said when the stream opened.
-#[derive(Clone, Debug)]
-pub struct HttpStreamInfo {
-    /// Stream id.
-    pub stream: u64,
-    /// Batches per epoch for this rank.
-    pub batches_per_epoch: u64,
-    /// Epochs.
-    pub epochs: u32,
-    /// State it started from.
-    pub state: StreamState,
-    /// Seconds without a request after which the service closes the stream.
-    pub idle_timeout_s: u64,
+pub type HttpStreamInfo = Opened;
+
+impl From<BatchBody> for HttpBatch {
+    fn from(b: BatchBody) -> Self {
+        Self {
+            lease: b.lease,
+            epoch: b.epoch,
+            index: b.index,
+            shard: b.shard,
+            tensors: b.tensors,
+        }
+    }
 }
 
 /// A response: status, lower-case headers, body.
@@ -105,10 +97,11 @@ impl Reply {
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
     }
-    fn json(&self) -> Result<Value, ClientError> {
+    /// The body as the API's type for this answer.
+    fn json<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
         serde_json::from_slice(&self.body).map_err(|e| {
             ClientError::Protocol(format!(
-                "HTTP {}: the body is not JSON ({e}): {}",
+                "HTTP {}: the body is not the expected JSON ({e}): {}",
                 self.status,
                 String::from_utf8_lossy(&self.body[..self.body.len().min(200)])
             ))
@@ -116,13 +109,10 @@ impl Reply {
     }
     /// The service's `{code, message}` as an error.
     fn error(&self) -> ClientError {
-        match self.json() {
-            Ok(v) => match (v["code"].as_str(), v["message"].as_str()) {
-                (Some(code), Some(message)) => ClientError::Service {
-                    code: serde_json::from_value(json!(code)).unwrap_or(ErrorCode::Unknown),
-                    message: message.into(),
-                },
-                _ => ClientError::Protocol(format!("HTTP {}: {v}", self.status)),
+        match self.json::<ErrorBody>() {
+            Ok(e) => ClientError::Service {
+                code: e.code,
+                message: e.message,
             },
             Err(e) => e,
         }
@@ -172,10 +162,10 @@ impl Conn {
         &mut self,
         method: &str,
         path: &str,
-        body: Option<&Value>,
+        body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<Reply, ClientError> {
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let body = String::from_utf8_lossy(body.unwrap_or_default());
         let mut req = format!(
             "{method} {path} HTTP/1.1\r\nHost: {}\r\nAccept: */*\r\n",
             self.addr
@@ -326,20 +316,6 @@ fn read_reply(r: &mut BufReader<TcpStream>, head_only: bool) -> Result<(Reply, b
     ))
 }
 
-fn u64_of(v: &Value, key: &str) -> Result<u64, ClientError> {
-    v[key]
-        .as_u64()
-        .ok_or_else(|| bad(format!("`{key}` missing or not a number in {v}")))
-}
-
-fn u32_of(v: &Value, key: &str) -> Result<u32, ClientError> {
-    u32::try_from(u64_of(v, key)?).map_err(|_| bad(format!("`{key}` out of range in {v}")))
-}
-
-fn state_of(v: &Value) -> Result<StreamState, ClientError> {
-    serde_json::from_value(v.clone()).map_err(|e| bad(format!("bad stream state {v}: {e}")))
-}
-
 /// A stream opened over the node service's HTTP API.
 pub struct HttpStream {
     conn: Conn,
@@ -378,22 +354,15 @@ impl HttpStream {
             .trim_end_matches('/')
             .to_string();
         let mut conn = Conn { addr, sock: None };
-        let mut req = serde_json::to_value(&o).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        if let Some(t) = idle_timeout {
-            req["idle_timeout_s"] = json!(t.as_secs().max(1));
-        }
-        let r = conn.call("POST", "/v1/streams", Some(&req), IO_TIMEOUT)?;
+        let req = OpenStream {
+            stream: o,
+            idle_timeout_s: idle_timeout.map(|t| t.as_secs().max(1)),
+        };
+        let r = conn.call("POST", "/v1/streams", Some(&req.to_json()), IO_TIMEOUT)?;
         if r.status != 201 {
             return Err(r.error());
         }
-        let v = r.json()?;
-        let info = HttpStreamInfo {
-            stream: u64_of(&v, "stream")?,
-            batches_per_epoch: u64_of(&v, "batches_per_epoch")?,
-            epochs: u32_of(&v, "epochs")?,
-            state: state_of(&v["state"])?,
-            idle_timeout_s: v["idle_timeout_s"].as_u64().unwrap_or(300),
-        };
+        let info: Opened = r.json()?;
         Ok(Self {
             conn,
             closed: false,
@@ -446,37 +415,10 @@ impl HttpStream {
             .call("POST", &path, None, Duration::from_millis(ms) + IO_TIMEOUT)?;
         match r.status {
             204 => Ok(None),
-            200 => {
-                let v = r.json()?;
-                if v["end"].as_bool() == Some(true) {
-                    return Ok(Some(None));
-                }
-                let tensors = v["tensors"]
-                    .as_array()
-                    .ok_or_else(|| bad(format!("batch without tensors: {v}")))?
-                    .iter()
-                    .map(|t| {
-                        Ok(HttpTensor {
-                            name: t["name"]
-                                .as_str()
-                                .ok_or_else(|| bad(format!("tensor without a name: {t}")))?
-                                .to_string(),
-                            dtype: serde_json::from_value(t["dtype"].clone())
-                                .map_err(|e| bad(format!("tensor dtype in {t}: {e}")))?,
-                            shape: serde_json::from_value(t["shape"].clone())
-                                .map_err(|e| bad(format!("tensor shape in {t}: {e}")))?,
-                            length: u64_of(t, "length")?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, ClientError>>()?;
-                Ok(Some(Some(HttpBatch {
-                    lease: u64_of(&v, "lease")?,
-                    epoch: u32_of(&v, "epoch")?,
-                    index: u64_of(&v, "index")?,
-                    shard: u32_of(&v, "shard")?,
-                    tensors,
-                })))
-            }
+            200 => match r.json::<NextBody>()? {
+                NextBody::Batch(b) => Ok(Some(Some(b.into()))),
+                NextBody::End(_) => Ok(Some(None)),
+            },
             _ => Err(r.error()),
         }
     }
@@ -533,7 +475,7 @@ impl HttpStream {
         let path = format!("/v1/streams/{}/state", self.info.stream);
         let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
         match r.status {
-            200 => state_of(&r.json()?),
+            200 => r.json::<StreamState>(),
             _ => Err(r.error()),
         }
     }

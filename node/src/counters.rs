@@ -1,39 +1,166 @@
 //! Counters of the data path: atomics bumped on the hot path and read by the admin front
 //! (status and Prometheus), which never touches the data path's locks.
+//!
+//! Each node-wide counter is named once, in the [`counters!`] table below: its atomic field,
+//! its name in `/v1/status` `counters`, its Prometheus family and label, and the family's
+//! help. The macro makes [`Counters`], the [`CounterStatus`] snapshot and [`COUNTERS`] from
+//! it, so the status document and the metrics cannot drift apart.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Node-wide counters (also exported as Prometheus metrics).
-#[derive(Default, Debug)]
-pub struct Counters {
+use serde::Serialize;
+
+/// How a counter's value is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// A count (bytes, shards, events).
+    Count,
+    /// Nanoseconds in the atomic, seconds in status and metrics.
+    Seconds,
+}
+
+/// The label a counter's series carries in its family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Label {
+    /// None.
+    None,
+    /// `mode`: the receive mode in effect (`host`, `devmem`, `devmem-sim`).
+    Mode,
+    /// A fixed `key="value"` (several counters share one family).
+    Fixed(&'static str, &'static str),
+}
+
+/// One counter of the table.
+#[derive(Debug, Clone, Copy)]
+pub struct CounterDef {
+    /// Its name in `/v1/status` `counters`.
+    pub status: &'static str,
+    /// Its Prometheus family.
+    pub metric: &'static str,
+    /// Its label in the family.
+    pub label: Label,
+    /// The family's help.
+    pub help: &'static str,
+    /// How it is shown.
+    pub unit: Unit,
+}
+
+/// The Rust type of a status field of a unit.
+macro_rules! status_type {
+    (Count) => {
+        u64
+    };
+    (Seconds) => {
+        f64
+    };
+}
+
+/// A status value from an atomic of a unit.
+macro_rules! status_value {
+    (Count, $a:expr) => {
+        $a.load(Ordering::Relaxed)
+    };
+    (Seconds, $a:expr) => {
+        $a.load(Ordering::Relaxed) as f64 / 1e9
+    };
+}
+
+macro_rules! counters {
+    ($(
+        $(#[doc = $doc:literal])*
+        $field:ident => $status:ident: $unit:ident, $metric:literal, $label:expr, $help:literal;
+    )*) => {
+        /// Node-wide counters (also exported as Prometheus metrics; see [`COUNTERS`]).
+        #[derive(Default, Debug)]
+        pub struct Counters {
+            $(
+                $(#[doc = $doc])*
+                pub $field: AtomicU64,
+            )*
+        }
+
+        /// The counters as `/v1/status` shows them.
+        #[derive(Debug, Clone, Serialize)]
+        pub struct CounterStatus {
+            $(
+                $(#[doc = $doc])*
+                pub $status: status_type!($unit),
+            )*
+        }
+
+        /// Every counter: status name, metric family, label, help, unit.
+        pub const COUNTERS: &[CounterDef] = &[$(
+            CounterDef {
+                status: stringify!($status),
+                metric: $metric,
+                label: $label,
+                help: $help,
+                unit: Unit::$unit,
+            },
+        )*];
+
+        impl Counters {
+            /// A snapshot for the status document.
+            pub fn snapshot(&self) -> CounterStatus {
+                CounterStatus {
+                    $($status: status_value!($unit, self.$field),)*
+                }
+            }
+        }
+
+        impl CounterStatus {
+            /// Each counter with its value (seconds as seconds), in [`COUNTERS`] order.
+            pub fn values(&self) -> Vec<(&'static CounterDef, f64)> {
+                let values = [$(self.$status as f64),*];
+                COUNTERS.iter().zip(values).collect()
+            }
+        }
+    };
+}
+
+counters! {
     /// Payload bytes received and verified.
-    pub bytes_received: AtomicU64,
+    bytes_received => bytes_received: Count, "shardwire_bytes_received_total", Label::Mode,
+        "Payload bytes received and verified, by receive mode";
     /// Shards received and verified.
-    pub shards_received: AtomicU64,
+    shards_received => shards_received: Count, "shardwire_shards_received_total", Label::Mode,
+        "Shards received and verified, by receive mode";
     /// Payloads whose CRC-32C did not match.
-    pub crc_failures: AtomicU64,
+    crc_failures => crc_failures: Count, "shardwire_crc_failures_total", Label::None,
+        "Payloads whose CRC-32C did not match the manifest (each is fetched again, never delivered)";
     /// FETCHes issued again after a failure.
-    pub refetches: AtomicU64,
+    refetches => refetches: Count, "shardwire_refetches_total", Label::None,
+        "FETCHes issued again after a failure";
     /// Batches handed to trainers.
-    pub batches_delivered: AtomicU64,
+    batches_delivered => batches_delivered: Count, "shardwire_batches_delivered_total", Label::None,
+        "Batches handed to trainers";
     /// Batches of `batch_size` samples assembled (batch mode).
-    pub batches_assembled: AtomicU64,
+    batches_assembled => batches_assembled: Count, "shardwire_batches_assembled_total", Label::None,
+        "Batches of batch_size samples assembled from resident shards (batch mode)";
     /// Gather-kernel launches that assembled batches (CUDA memory: one per batch).
-    pub batch_gather_launches: AtomicU64,
-    /// Nanoseconds trainers waited in `next` for a batch that was not ready (network-bound).
-    pub stall_network_ns: AtomicU64,
-    /// Nanoseconds fetchers had shards to fetch but no free memory (trainer-bound).
-    pub stall_trainer_ns: AtomicU64,
-    /// Nanoseconds receivers spent verifying payloads (assembly).
-    pub assembly_ns: AtomicU64,
-    /// Times a receiver in CUDA memory mode waited for a pinned buffer whose H2D copy had
-    /// not finished (the network waited on the GPU copy).
-    pub staging_stalls: AtomicU64,
-    /// Plain-TCP data connections into host memory received with io_uring
-    /// ([`crate::uring_rx`]).
-    pub io_uring_connections: AtomicU64,
-    /// Plain-TCP data connections into host memory received with `recv`.
-    pub recv_connections: AtomicU64,
+    batch_gather_launches => batch_gather_launches: Count, "shardwire_batch_gather_launches_total", Label::None,
+        "Gather-kernel launches that assembled batches in CUDA memory (one per batch)";
+    /// Time trainers waited in `next` for a batch that was not ready (network-bound).
+    stall_network_ns => stall_network_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "network"),
+        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+    /// Time fetchers had shards to fetch but no free memory (trainer-bound).
+    stall_trainer_ns => stall_trainer_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "trainer"),
+        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+    /// Time receivers spent verifying payloads and tasks assembling batches.
+    assembly_ns => stall_assembly_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "assembly"),
+        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+    /// Times a receiver in CUDA memory mode waited for a pinned buffer whose H2D copy had not
+    /// finished (the network waited on the GPU copy).
+    staging_stalls => h2d_staging_stalls: Count, "shardwire_h2d_staging_stalls_total", Label::None,
+        "Times a receiver waited for a pinned staging buffer whose host-to-GPU copy had not finished";
+    /// Plain-TCP data connections into host memory received with io_uring multishot receive.
+    io_uring_connections => data_connections_io_uring: Count, "shardwire_data_connections_total", Label::Fixed("recv", "io_uring"),
+        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")";
+    /// Plain-TCP data connections into host memory received with `recv` (`io_uring = false`,
+    /// or io_uring could not be set up: the log says why). CUDA memory's staged connections
+    /// are in neither count.
+    recv_connections => data_connections_recv: Count, "shardwire_data_connections_total", Label::Fixed("recv", "recv"),
+        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")";
 }
 
 /// Per-data-connection counters (for `shardwire bench`).
@@ -41,4 +168,28 @@ pub struct Counters {
 pub struct FlowStats {
     /// Bytes received on this flow.
     pub bytes: AtomicU64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_snapshot_shows_each_counter_under_its_status_name() {
+        let c = Counters::default();
+        c.crc_failures.store(3, Ordering::Relaxed);
+        c.stall_network_ns.store(1_500_000_000, Ordering::Relaxed);
+        c.recv_connections.store(2, Ordering::Relaxed);
+        let st = c.snapshot();
+        let json = serde_json::to_value(&st).unwrap();
+        assert_eq!(json["crc_failures"], 3);
+        assert_eq!(json["stall_network_seconds"], 1.5);
+        assert_eq!(json["data_connections_recv"], 2);
+        let fields = json.as_object().unwrap();
+        assert_eq!(fields.len(), COUNTERS.len());
+        for (def, v) in st.values() {
+            assert_eq!(json[def.status].as_f64(), Some(v), "{}", def.status);
+            assert!(def.metric.starts_with("shardwire_") && def.metric.ends_with("_total"));
+        }
+    }
 }

@@ -35,12 +35,12 @@ mod stream;
 
 pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};
-pub use counters::{Counters, FlowStats};
+pub use counters::{COUNTERS, CounterDef, CounterStatus, Counters, FlowStats, Label, Unit};
 pub use info::Info;
 pub use node::Node;
 pub use plane::Flow;
 pub use start::{NodeHandle, StartError, read_secret, start};
-pub use status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
+pub use status::{BindingStatus, Mode, PoolStatus, SourceStatus, Status};
 pub use stream::{Batch, CloseReason, Next, OpenError, Stream, StreamInfo};
 
 /// The receive primitives `shardwire bench` measures the node's own reader with.

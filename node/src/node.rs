@@ -24,7 +24,7 @@ use crate::counters::Counters;
 use crate::info::Info;
 use crate::link::SourceLink;
 use crate::plane::{DataPlane, Flow};
-use crate::status::{BindingStatus, CounterStatus, Mode, PoolStatus, SourceStatus, Status};
+use crate::status::{BindingStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::open;
 use crate::stream::{
@@ -451,8 +451,6 @@ impl Node {
     pub fn status(&self) -> Status {
         let cfg = &self.info.cfg;
         let sources = self.plane.links.iter().map(|l| source_status(l)).collect();
-        let c = &self.counters;
-        let secs = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64 / 1e9;
         Status {
             version: env!("CARGO_PKG_VERSION"),
             mode: Mode {
@@ -473,21 +471,7 @@ impl Node {
             },
             sources,
             streams: self.streams().iter().map(|s| s.info()).collect(),
-            counters: CounterStatus {
-                bytes_received: c.bytes_received.load(Ordering::Relaxed),
-                shards_received: c.shards_received.load(Ordering::Relaxed),
-                crc_failures: c.crc_failures.load(Ordering::Relaxed),
-                refetches: c.refetches.load(Ordering::Relaxed),
-                batches_delivered: c.batches_delivered.load(Ordering::Relaxed),
-                batches_assembled: c.batches_assembled.load(Ordering::Relaxed),
-                batch_gather_launches: c.batch_gather_launches.load(Ordering::Relaxed),
-                stall_network_seconds: secs(&c.stall_network_ns),
-                stall_trainer_seconds: secs(&c.stall_trainer_ns),
-                stall_assembly_seconds: secs(&c.assembly_ns),
-                h2d_staging_stalls: c.staging_stalls.load(Ordering::Relaxed),
-                data_connections_io_uring: c.io_uring_connections.load(Ordering::Relaxed),
-                data_connections_recv: c.recv_connections.load(Ordering::Relaxed),
-            },
+            counters: self.counters.snapshot(),
         }
     }
 }

@@ -7,6 +7,7 @@ use shardwire_gpu::GpuProbe;
 use shardwire_protocol::trainer::MemoryKind;
 
 use crate::binding::BindingKind;
+use crate::counters::CounterStatus;
 use crate::stream::StreamInfo;
 
 /// The receive and memory modes in effect, and why.
@@ -79,39 +80,6 @@ pub struct PoolStatus {
     pub reserved: u64,
     /// Each stream's region.
     pub stream_memory: u64,
-}
-
-/// Counters (the first five are the documented `/v1/status` ones; the rest feed metrics).
-#[derive(Debug, Clone, Serialize)]
-pub struct CounterStatus {
-    /// Payload bytes received and verified.
-    pub bytes_received: u64,
-    /// Shards received and verified.
-    pub shards_received: u64,
-    /// CRC mismatches.
-    pub crc_failures: u64,
-    /// Fetches issued again.
-    pub refetches: u64,
-    /// Batches handed to trainers.
-    pub batches_delivered: u64,
-    /// Batches assembled from samples (batch mode).
-    pub batches_assembled: u64,
-    /// Gather-kernel launches that assembled batches (CUDA memory).
-    pub batch_gather_launches: u64,
-    /// Seconds trainers waited for batches.
-    pub stall_network_seconds: f64,
-    /// Seconds fetchers waited for memory.
-    pub stall_trainer_seconds: f64,
-    /// Seconds receivers spent verifying.
-    pub stall_assembly_seconds: f64,
-    /// Waits for a pinned staging buffer.
-    pub h2d_staging_stalls: u64,
-    /// Plain-TCP data connections into host memory received with io_uring multishot receive.
-    pub data_connections_io_uring: u64,
-    /// Plain-TCP data connections into host memory received with `recv` (`io_uring = false`,
-    /// or io_uring could not be set up: the log says why). CUDA memory's staged connections
-    /// are in neither count.
-    pub data_connections_recv: u64,
 }
 
 /// The `/v1/status` document.

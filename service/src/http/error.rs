@@ -4,9 +4,10 @@
 use axum::Json;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+
 use shardwire_node::{ControlError, Node, OpenError};
 use shardwire_protocol::trainer::ErrorCode;
+use shardwire_protocol::trainer::http::ErrorBody;
 
 /// An API error: its code, the message, and the status (the code's, unless overridden).
 #[derive(Debug)]
@@ -41,7 +42,10 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Json(json!({ "code": self.code, "message": self.message }));
+        let body = Json(ErrorBody {
+            code: self.code,
+            message: self.message,
+        });
         (self.status, body).into_response()
     }
 }

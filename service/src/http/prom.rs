@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use shardwire_node::Status;
+use shardwire_node::{COUNTERS, CounterDef, Label, Status, Unit};
 
 /// How often histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -46,33 +46,9 @@ pub async fn upkeep() {
     }
 }
 
-/// Counters exported as floating-point seconds, rendered by us (the recorder's counters are
-/// integers): `shardwire_stall_seconds_total{cause}`.
-pub const STALL: &str = "shardwire_stall_seconds_total";
-const STALL_HELP: &str = "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
-
-/// One line of help per family: (kind, name, help).
+/// One line of help per family that is not one of the node's counters ([`COUNTERS`], which
+/// carry their own): (kind, name, help).
 const FAMILIES: &[(&str, &str, &str)] = &[
-    (
-        "counter",
-        "shardwire_bytes_received_total",
-        "Payload bytes received and verified, by receive mode",
-    ),
-    (
-        "counter",
-        "shardwire_shards_received_total",
-        "Shards received and verified, by receive mode",
-    ),
-    (
-        "counter",
-        "shardwire_crc_failures_total",
-        "Payloads whose CRC-32C did not match the manifest (each is fetched again, never delivered)",
-    ),
-    (
-        "counter",
-        "shardwire_refetches_total",
-        "FETCHes issued again after a failure",
-    ),
     (
         "counter",
         "shardwire_fetches_cancelled_total",
@@ -80,33 +56,8 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     ),
     (
         "counter",
-        "shardwire_batches_delivered_total",
-        "Batches handed to trainers",
-    ),
-    (
-        "counter",
-        "shardwire_batches_assembled_total",
-        "Batches of batch_size samples assembled from resident shards (batch mode)",
-    ),
-    (
-        "counter",
-        "shardwire_batch_gather_launches_total",
-        "Gather-kernel launches that assembled batches in CUDA memory (one per batch)",
-    ),
-    (
-        "counter",
         "shardwire_source_bytes_received_total",
         "Payload bytes received from each source",
-    ),
-    (
-        "counter",
-        "shardwire_h2d_staging_stalls_total",
-        "Times a receiver waited for a pinned staging buffer whose host-to-GPU copy had not finished",
-    ),
-    (
-        "counter",
-        "shardwire_data_connections_total",
-        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")",
     ),
     (
         "counter",
@@ -197,6 +148,9 @@ const FAMILIES: &[(&str, &str, &str)] = &[
 ];
 
 fn describe() {
+    for d in COUNTERS.iter().filter(|d| d.unit == Unit::Count) {
+        describe_counter!(d.metric, d.help);
+    }
     for &(kind, name, help) in FAMILIES {
         match kind {
             "counter" => describe_counter!(name, help),
@@ -209,11 +163,11 @@ fn describe() {
 /// Registers every documented series at 0, so a scrape shows each family from the start
 /// (labels: the receive mode, the configured sources).
 pub fn register_zero(mode: &str, sources: &[String]) {
+    for d in COUNTERS.iter().filter(|d| d.unit == Unit::Count) {
+        record_counter(d, mode, 0);
+    }
     for &(kind, name, _) in FAMILIES {
         match (kind, name) {
-            ("counter", "shardwire_bytes_received_total" | "shardwire_shards_received_total") => {
-                metrics::counter!(name, "mode" => mode.to_owned()).absolute(0)
-            }
             ("counter", "shardwire_source_bytes_received_total") => {
                 for s in sources {
                     metrics::counter!(name, "source" => s.clone()).absolute(0);
@@ -258,7 +212,6 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         "shardwire_devmem_host_bytes_total" => one("kind", &["linear", "plain"]),
         "shardwire_devmem_niovs" => one("state", &["free", "in_use"]),
-        "shardwire_data_connections_total" => one("recv", &["io_uring", "recv"]),
         _ => vec![vec![]],
     }
 }
@@ -266,32 +219,30 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
 /// Copies the node's figures into the recorder and renders the exposition text.
 pub fn render(st: &Status) -> String {
     record(st);
-    let c = &st.counters;
-    let stall = [
-        ("network", c.stall_network_seconds),
-        ("trainer", c.stall_trainer_seconds),
-        ("assembly", c.stall_assembly_seconds),
-    ];
-    render_text(&stall)
+    let seconds: Vec<(&CounterDef, f64)> = st
+        .counters
+        .values()
+        .into_iter()
+        .filter(|(d, _)| d.unit == Unit::Seconds)
+        .collect();
+    render_text(&seconds)
+}
+
+/// Sets one of the node's integer counters in the recorder.
+fn record_counter(d: &CounterDef, mode: &str, v: u64) {
+    match d.label {
+        Label::None => metrics::counter!(d.metric).absolute(v),
+        Label::Mode => metrics::counter!(d.metric, "mode" => mode.to_owned()).absolute(v),
+        Label::Fixed(k, value) => metrics::counter!(d.metric, k => value).absolute(v),
+    }
 }
 
 /// Sets every counter and gauge from the status.
 fn record(st: &Status) {
-    let c = &st.counters;
-    let mode = [("mode", st.mode.receive.clone())];
-    metrics::counter!("shardwire_bytes_received_total", &mode).absolute(c.bytes_received);
-    metrics::counter!("shardwire_shards_received_total", &mode).absolute(c.shards_received);
-    metrics::counter!("shardwire_crc_failures_total").absolute(c.crc_failures);
-    metrics::counter!("shardwire_refetches_total").absolute(c.refetches);
-    metrics::counter!("shardwire_batches_delivered_total").absolute(c.batches_delivered);
-    metrics::counter!("shardwire_batches_assembled_total").absolute(c.batches_assembled);
-    metrics::counter!("shardwire_batch_gather_launches_total").absolute(c.batch_gather_launches);
-    metrics::counter!("shardwire_h2d_staging_stalls_total").absolute(c.h2d_staging_stalls);
-    for (recv, n) in [
-        ("io_uring", c.data_connections_io_uring),
-        ("recv", c.data_connections_recv),
-    ] {
-        metrics::counter!("shardwire_data_connections_total", "recv" => recv).absolute(n);
+    for (d, v) in st.counters.values() {
+        if d.unit == Unit::Count {
+            record_counter(d, &st.mode.receive, v as u64);
+        }
     }
     let cancelled = st.sources.iter().map(|s| s.cancelled).sum();
     metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
@@ -328,21 +279,36 @@ fn record(st: &Status) {
 
 /// The exposition text: the recorder's families in name order (counter and gauge series in
 /// label order; histogram series as the recorder keeps them, in registration order, each
-/// with its buckets in `le` order), then the float counters given as (labels, value).
-fn render_text(stall: &[(&str, f64)]) -> String {
+/// with its buckets in `le` order), then the node's counters in seconds, rendered here (the
+/// recorder's counters are integers).
+fn render_text(seconds: &[(&CounterDef, f64)]) -> String {
     let mut blocks: Vec<(String, String)> = handle()
         .render()
         .split("\n\n")
         .filter(|b| !b.trim().is_empty())
         .map(|b| (family_name(b), sorted_block(b)))
         .collect();
-    let mut own = String::new();
-    let _ = writeln!(own, "# HELP {STALL} {STALL_HELP}");
-    let _ = writeln!(own, "# TYPE {STALL} counter");
-    for (cause, v) in stall {
-        let _ = writeln!(own, "{STALL}{{cause=\"{cause}\"}} {v}");
+    let mut families: Vec<&str> = seconds.iter().map(|(d, _)| d.metric).collect();
+    families.dedup();
+    for family in families {
+        let mut own = String::new();
+        let defs = seconds.iter().filter(|(d, _)| d.metric == family);
+        for (i, (d, v)) in defs.enumerate() {
+            if i == 0 {
+                let _ = writeln!(own, "# HELP {family} {}", d.help);
+                let _ = writeln!(own, "# TYPE {family} counter");
+            }
+            match d.label {
+                Label::Fixed(k, value) => {
+                    let _ = writeln!(own, "{family}{{{k}=\"{value}\"}} {v}");
+                }
+                _ => {
+                    let _ = writeln!(own, "{family} {v}");
+                }
+            }
+        }
+        blocks.push((family.to_owned(), own));
     }
-    blocks.push((STALL.to_owned(), own));
     blocks.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = String::with_capacity(blocks.iter().map(|b| b.1.len() + 1).sum());
     for (_, b) in blocks {
@@ -405,7 +371,8 @@ mod tests {
             "/../docs/OPERATIONS.md"
         ))
         .expect("docs/OPERATIONS.md exists");
-        for (_, name, _) in FAMILIES.iter().chain([&("counter", STALL, "")]) {
+        let node = COUNTERS.iter().map(|d| d.metric);
+        for name in FAMILIES.iter().map(|f| f.1).chain(node) {
             assert!(
                 doc.contains(name),
                 "docs/OPERATIONS.md does not mention {name}"

@@ -27,9 +27,11 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
-use serde_json::{Value, json};
 use shardwire_node::{CloseReason, Next, Node, Stream};
-use shardwire_protocol::trainer::{ErrorCode, StreamRequest, StreamState, TensorView};
+use shardwire_protocol::trainer::http::{
+    BatchBody, ClosedBody, EndBody, NextBody, OpenStream, Opened, ReleasedBody, TensorMeta,
+};
+use shardwire_protocol::trainer::{ErrorCode, StreamState, TensorView};
 use tokio::sync::oneshot;
 
 use super::error::ApiError;
@@ -221,31 +223,15 @@ fn spawn_reaper(api: &Arc<Api>) {
 
 // --- open ------------------------------------------------------------------------------------
 
-/// The body of `POST /v1/streams`: the socket's `attach` fields ([`StreamRequest`], which
-/// refuses unknown fields), plus `idle_timeout_s`.
-fn open_body(body: &[u8]) -> Result<(StreamRequest, Option<u64>), ApiError> {
-    let invalid =
-        |e: serde_json::Error| ApiError::bad_request(format!("invalid stream request: {e}"));
-    let mut fields: serde_json::Map<String, Value> =
-        serde_json::from_slice(body).map_err(invalid)?;
-    let idle = match fields.remove("idle_timeout_s") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().ok_or_else(|| {
-            ApiError::bad_request(format!(
-                "idle_timeout_s is {v}; it must be a whole number of seconds"
-            ))
-        })?),
-    };
-    let stream = serde_json::from_value(Value::Object(fields)).map_err(invalid)?;
-    Ok((stream, idle))
-}
-
 async fn open(
     State(api): State<Arc<Api>>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Opened>), ApiError> {
     let body = body.map_err(|e| ApiError::bad_request(e.body_text()).with_status(e.status()))?;
-    let (stream, idle_timeout_s) = open_body(&body)?;
+    let OpenStream {
+        stream,
+        idle_timeout_s,
+    } = OpenStream::from_json(&body).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let idle = match idle_timeout_s {
         None => DEFAULT_IDLE_TIMEOUT,
         Some(s) if (1..=MAX_IDLE_TIMEOUT_S).contains(&s) => Duration::from_secs(s),
@@ -257,13 +243,13 @@ async fn open(
     };
     let shared = api.node.open_stream(stream).await?;
     let id = shared.id();
-    let body = json!({
-        "stream": id,
-        "batches_per_epoch": shared.batches_per_epoch(),
-        "epochs": shared.epochs(),
-        "state": shared.state(),
-        "idle_timeout_s": idle.as_secs(),
-    });
+    let body = Opened {
+        stream: id,
+        batches_per_epoch: shared.batches_per_epoch(),
+        epochs: shared.epochs(),
+        state: shared.state(),
+        idle_timeout_s: idle.as_secs(),
+    };
     let s = Arc::new(HttpStream {
         id,
         shared,
@@ -286,11 +272,14 @@ async fn open(
 async fn close(
     State(api): State<Arc<Api>>,
     id: Result<Path<u64>, PathRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<ClosedBody>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let s = api.stream(id)?;
     api.close(&s, CloseReason::ClosedOverHttp);
-    Ok(Json(json!({ "stream": id, "closed": true })))
+    Ok(Json(ClosedBody {
+        stream: id,
+        closed: true,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -299,15 +288,13 @@ struct NextQuery {
     timeout_ms: Option<u64>,
 }
 
-fn batch_json(b: &Delivered) -> Value {
-    let tensors: Vec<Value> = b
-        .tensors
-        .iter()
-        .map(|t| json!({ "name": t.name, "dtype": t.dtype, "shape": t.shape, "length": t.length }))
-        .collect();
-    json!({
-        "lease": b.lease, "epoch": b.epoch, "index": b.index, "shard": b.shard,
-        "tensors": tensors,
+fn batch_body(b: &Delivered) -> NextBody {
+    NextBody::Batch(BatchBody {
+        lease: b.lease,
+        epoch: b.epoch,
+        index: b.index,
+        shard: b.shard,
+        tensors: b.tensors.iter().map(TensorMeta::from).collect(),
     })
 }
 
@@ -351,8 +338,8 @@ async fn next(
     metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "http")
         .record(t.elapsed().as_secs_f64());
     Ok(match outcome {
-        Outcome::Batch(b) => Json(batch_json(&b)).into_response(),
-        Outcome::End => Json(json!({ "end": true })).into_response(),
+        Outcome::Batch(b) => Json(batch_body(&b)).into_response(),
+        Outcome::End => Json(NextBody::End(EndBody { end: true })).into_response(),
         Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
         Outcome::Closed(why) => ApiError::new(why.code(), why.to_string()).into_response(),
     })
@@ -429,7 +416,7 @@ async fn tensor(
 async fn release(
     State(api): State<Arc<Api>>,
     p: Result<Path<u64>, PathRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<ReleasedBody>, ApiError> {
     let Path(lease) = p.map_err(path_error)?;
     let l = api
         .leases
@@ -440,7 +427,7 @@ async fn release(
     let s = api.stream(l.stream).map_err(|_| unknown_lease(lease))?;
     let _busy = Busy::new(&s);
     if s.shared.release(lease) {
-        Ok(Json(json!({ "released": true })))
+        Ok(Json(ReleasedBody { released: true }))
     } else {
         Err(unknown_lease(lease))
     }

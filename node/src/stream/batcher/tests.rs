@@ -85,10 +85,13 @@ fn stream(region: usize) -> Arc<Stream> {
     })
 }
 
+/// A fetch the driver issued, with the source it asked to avoid.
+type Issued = (InFlight, Option<usize>);
+
 /// A source that takes every fetch and lets the test answer it.
 #[derive(Clone, Default)]
 struct Fake {
-    issued: Arc<Mutex<Vec<(InFlight, Option<usize>)>>>,
+    issued: Arc<Mutex<Vec<Issued>>>,
 }
 
 impl Issue for Fake {
@@ -115,7 +118,7 @@ impl Issue for Fake {
 
 impl Fake {
     /// Takes what was issued, newest first.
-    fn take(&self) -> Vec<(InFlight, Option<usize>)> {
+    fn take(&self) -> Vec<Issued> {
         let mut v = std::mem::take(&mut *self.issued.lock().unwrap());
         v.reverse();
         v
@@ -180,7 +183,7 @@ fn planned(s: &Stream) -> Vec<Vec<(u8, u8)>> {
 fn drive(
     s: &Arc<Stream>,
     fake: &Fake,
-    mut answer_all: impl FnMut(Vec<(InFlight, Option<usize>)>),
+    mut answer_all: impl FnMut(Vec<Issued>),
 ) -> Vec<Vec<(u8, u8)>> {
     let mut d = Driver::new(Arc::clone(s), 0, Box::new(fake.clone()));
     let mut got = Vec::new();

@@ -1,0 +1,186 @@
+//! The bodies of the HTTP trainer API (docs/TRAINER_API.md, "HTTP API"), defined once and
+//! serialised from these types by the node and parsed into them by the Rust client. Each is
+//! the socket message of the same operation with what HTTP needs instead of a mapped region
+//! (tensor lengths rather than offsets, the HTTP stream's idle timeout).
+
+use serde::{Deserialize, Serialize};
+
+use super::messages::{ErrorCode, StreamRequest, StreamState, TensorView};
+use crate::DType;
+
+/// `POST /v1/streams`: the socket's `attach` fields, plus the HTTP stream's idle timeout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenStream {
+    /// The stream (the socket's `attach`).
+    pub stream: StreamRequest,
+    /// Seconds without a request after which the node closes the stream (`None`: its
+    /// default).
+    pub idle_timeout_s: Option<u64>,
+}
+
+/// Why an open body is not acceptable.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenBodyError {
+    /// Not JSON, not an object, or a field the stream request refuses.
+    #[error("invalid stream request: {0}")]
+    Json(#[from] serde_json::Error),
+    /// `idle_timeout_s` is not a whole number of seconds.
+    #[error("idle_timeout_s is {0}; it must be a whole number of seconds")]
+    IdleTimeout(serde_json::Value),
+}
+
+impl OpenStream {
+    /// Parses a body: [`StreamRequest`] refuses unknown fields, so `idle_timeout_s` is taken
+    /// out first.
+    pub fn from_json(body: &[u8]) -> Result<Self, OpenBodyError> {
+        let mut fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)?;
+        let idle_timeout_s = match fields.remove("idle_timeout_s") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => Some(v.as_u64().ok_or(OpenBodyError::IdleTimeout(v))?),
+        };
+        let stream = serde_json::from_value(serde_json::Value::Object(fields))?;
+        Ok(Self {
+            stream,
+            idle_timeout_s,
+        })
+    }
+
+    /// The body's JSON.
+    pub fn to_json(&self) -> Vec<u8> {
+        let mut v = serde_json::to_value(&self.stream).expect("a stream request serialises");
+        if let (Some(t), Some(map)) = (self.idle_timeout_s, v.as_object_mut()) {
+            map.insert("idle_timeout_s".into(), t.into());
+        }
+        serde_json::to_vec(&v).expect("JSON serialises")
+    }
+}
+
+/// `201` answer to [`OpenStream`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Opened {
+    /// The stream's id (its routes are `/v1/streams/{id}/...`).
+    pub stream: u64,
+    /// Batches per epoch for this rank.
+    pub batches_per_epoch: u64,
+    /// Epochs to deliver.
+    pub epochs: u32,
+    /// The state the stream starts from.
+    pub state: StreamState,
+    /// The idle timeout in effect.
+    pub idle_timeout_s: u64,
+}
+
+/// A tensor of a batch: its bytes are at `/v1/leases/{lease}/tensors/{name}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Byte length.
+    pub length: u64,
+}
+
+impl From<&TensorView> for TensorMeta {
+    fn from(t: &TensorView) -> Self {
+        Self {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            length: t.length,
+        }
+    }
+}
+
+/// A leased batch (`200` answer to `POST /v1/streams/{id}/next`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchBody {
+    /// Lease id (release it).
+    pub lease: u64,
+    /// Epoch.
+    pub epoch: u32,
+    /// Index within the epoch.
+    pub index: u64,
+    /// Shard index (`4294967295` in batch mode).
+    pub shard: u32,
+    /// Tensors.
+    pub tensors: Vec<TensorMeta>,
+}
+
+/// The answer to `next` when the stream has delivered every epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndBody {
+    /// Always true.
+    pub end: bool,
+}
+
+/// `200` answer to `next`: a batch, or the end (a timeout is `204` without a body).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NextBody {
+    /// A batch.
+    Batch(BatchBody),
+    /// The end.
+    End(EndBody),
+}
+
+/// Answer to `POST /v1/streams/{id}/close`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClosedBody {
+    /// The stream.
+    pub stream: u64,
+    /// Always true (closing twice is not an error).
+    pub closed: bool,
+}
+
+/// Answer to `POST /v1/leases/{lease}/release`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleasedBody {
+    /// Always true.
+    pub released: bool,
+}
+
+/// Every error of the HTTP APIs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Stable code.
+    pub code: ErrorCode,
+    /// What was wrong.
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_bodies_take_the_idle_timeout_out_and_refuse_unknown_fields() {
+        let o = OpenStream::from_json(br#"{"dataset":"d","seed":4,"idle_timeout_s":7}"#).unwrap();
+        assert_eq!((o.stream.dataset.as_str(), o.stream.seed), ("d", 4));
+        assert_eq!(o.idle_timeout_s, Some(7));
+        assert_eq!(OpenStream::from_json(&o.to_json()).unwrap(), o);
+        let e = OpenStream::from_json(br#"{"dataset":"d","bogus":1}"#).unwrap_err();
+        assert!(
+            matches!(e, OpenBodyError::Json(_)) && e.to_string().contains("bogus"),
+            "{e}"
+        );
+        let e = OpenStream::from_json(br#"{"dataset":"d","idle_timeout_s":-1}"#).unwrap_err();
+        assert!(matches!(e, OpenBodyError::IdleTimeout(_)), "{e}");
+        let none = OpenStream::from_json(br#"{"dataset":"d","idle_timeout_s":null}"#).unwrap();
+        assert_eq!(none.idle_timeout_s, None);
+    }
+
+    #[test]
+    fn next_bodies_are_a_batch_or_the_end() {
+        let b: NextBody = serde_json::from_str(
+            r#"{"lease":3,"epoch":0,"index":1,"shard":2,"tensors":[{"name":"x","dtype":"uint8","shape":[4],"length":4}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(&b, NextBody::Batch(b) if b.tensors[0].name == "x"));
+        let e: NextBody = serde_json::from_str(r#"{"end":true}"#).unwrap();
+        assert_eq!(e, NextBody::End(EndBody { end: true }));
+        assert_eq!(serde_json::to_string(&e).unwrap(), r#"{"end":true}"#);
+    }
+}

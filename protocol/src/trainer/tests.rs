@@ -1,0 +1,227 @@
+//! The trainer messages: defaults, round trips, the fast codec against serde's, error codes, limits.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::DType;
+
+#[test]
+fn request_defaults_and_round_trip() {
+    let r: Request = decode(br#"{"op":"attach","version":1,"dataset":"d"}"#).unwrap();
+    assert_eq!(r, Request::Attach(Box::new(StreamRequest::new("d"))));
+    let e = decode::<Request>(br#"{"op":"attach","dataset":"d","bogus":1}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bogus"), "{e}");
+    let mut buf = Vec::new();
+    encode(&Request::Release { lease: 9 }, &mut buf);
+    let len = check_len(buf[..4].try_into().unwrap()).unwrap();
+    assert_eq!(
+        decode::<Request>(&buf[4..4 + len]).unwrap(),
+        Request::Release { lease: 9 }
+    );
+}
+
+/// `Request::decode` and `Response::decode` agree with the derived decoder: same value or
+/// the same error message.
+fn same_as_derived(body: &[u8]) {
+    let (fast, slow) = (Request::decode(body), decode::<Request>(body));
+    match (&fast, &slow) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b),
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+        _ => panic!(
+            "{}: fast {fast:?} derived {slow:?}",
+            String::from_utf8_lossy(body)
+        ),
+    }
+    let (fast, slow) = (Response::decode(body), decode::<Response>(body));
+    match (&fast, &slow) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b),
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+        _ => panic!(
+            "{}: fast {fast:?} derived {slow:?}",
+            String::from_utf8_lossy(body)
+        ),
+    }
+}
+
+#[test]
+fn hot_messages_decode_like_the_derived_code() {
+    for body in [
+        r#"{"op":"next"}"#,
+        r#"{"op":"next","timeout_ms":null}"#,
+        r#"{"op":"next","timeout_ms":250,"release":[1,2]}"#,
+        r#"{"op":"next","release":[7],"timeout_ms":5}"#,
+        r#"{"op":"next","release":[]}"#,
+        r#"{"op":"next","release":[7],"release":[8]}"#,
+        r#"{"op":"next","timeout_ms":1,"timeout_ms":2}"#,
+        r#"{"op":"next","timeout_ms":01}"#,
+        r#"{"op":"next","timeout_ms":-1}"#,
+        r#"{"op":"next","timeout_ms":1.5}"#,
+        r#"{"op":"next","timeout_ms":18446744073709551616}"#,
+        r#"{"op":"next","bogus":1}"#,
+        r#"{"op":"next"} "#,
+        r#"{"op": "next", "release": [3]}"#,
+        r#"{"release":[3],"op":"next"}"#,
+        r#"{"op":"nexts"}"#,
+        r#"{"op":"next","release":[1,]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"float32","shape":[2,3],"offset":64,"length":24},{"name":"y","dtype":"int64","shape":[],"offset":0,"length":8}]}"#,
+        r#"{"op":"batch","lease":1,"epoch":4294967296,"index":2,"shard":3,"tensors":[]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x\"y","dtype":"uint8","shape":[1],"offset":0,"length":1}]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"complex64","shape":[1],"offset":0,"length":1}]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[{"dtype":"uint8","name":"x","shape":[1],"offset":0,"length":1}]}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[],"extra":1}"#,
+        r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3}"#,
+        r#"{"op":"released"}"#,
+        r#"{"op":"error","code":"closed","message":"bye"}"#,
+        r#"{"op":"attach","version":1,"dataset":"d","seed":3,"world_size":2,"rank":1}"#,
+    ] {
+        same_as_derived(body.as_bytes());
+    }
+    same_as_derived(b"{\"op\":\"batch\",\"lease\":1,\"epoch\":0,\"index\":2,\"shard\":3,\"tensors\":[{\"name\":\"\xff\",\"dtype\":\"uint8\",\"shape\":[1],\"offset\":0,\"length\":1}]}");
+}
+
+#[test]
+fn the_hot_path_reads_what_the_writers_write() {
+    for body in [
+        &br#"{"op":"next","timeout_ms":null,"release":[9]}"#[..],
+        br#"{"op":"next","release":[9]}"#, // the Python SDK's form
+        br#"{"op":"next","timeout_ms":250}"#,
+    ] {
+        assert!(fast::decode_next(body).is_some(), "{body:?}");
+    }
+    let b = br#"{"op":"batch","lease":7,"epoch":1,"index":2,"shard":3,"tensors":[{"name":"x","dtype":"float32","shape":[2,3],"offset":64,"length":24}]}"#;
+    assert!(fast::decode_batch(b).is_some());
+}
+
+fn dtypes() -> impl Strategy<Value = DType> {
+    prop_oneof![
+        Just(DType::Int8),
+        Just(DType::Int16),
+        Just(DType::Int32),
+        Just(DType::Int64),
+        Just(DType::Uint8),
+        Just(DType::Uint16),
+        Just(DType::Uint32),
+        Just(DType::Uint64),
+        Just(DType::Float16),
+        Just(DType::Float32),
+        Just(DType::Float64),
+    ]
+}
+
+fn batches() -> impl Strategy<Value = Response> {
+    let tensor = (
+        prop_oneof![any::<String>(), "[a-z0-9_./]{0,12}"],
+        dtypes(),
+        proptest::collection::vec(any::<u64>(), 0..4),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(name, dtype, shape, offset, length)| TensorView {
+            name,
+            dtype,
+            shape,
+            offset,
+            length,
+        });
+    (
+        any::<u64>(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u32>(),
+        proptest::collection::vec(tensor, 0..4),
+    )
+        .prop_map(|(lease, epoch, index, shard, tensors)| Response::Batch {
+            lease,
+            epoch,
+            index,
+            shard,
+            tensors,
+        })
+}
+
+fn nexts() -> impl Strategy<Value = Request> {
+    (
+        proptest::option::of(any::<u64>()),
+        proptest::collection::vec(any::<u64>(), 0..4),
+    )
+        .prop_map(|(timeout_ms, release)| Request::Next {
+            timeout_ms,
+            release,
+        })
+}
+
+proptest! {
+    #[test]
+    fn hot_messages_encode_like_serde_and_round_trip(b in batches(), n in nexts()) {
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        b.encode(&mut fast);
+        encode(&b, &mut slow);
+        prop_assert_eq!(&fast, &slow);
+        prop_assert_eq!(Response::decode(&fast[4..]).unwrap(), b);
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        n.encode(&mut fast);
+        encode(&n, &mut slow);
+        prop_assert_eq!(&fast, &slow);
+        prop_assert_eq!(Request::decode(&fast[4..]).unwrap(), n);
+    }
+
+    #[test]
+    fn mangled_hot_messages_decode_like_the_derived_code(
+        b in batches(),
+        n in nexts(),
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..4),
+    ) {
+        for msg in [serde_json::to_vec(&b).unwrap(), serde_json::to_vec(&n).unwrap()] {
+            let mut body = msg.clone();
+            for (at, byte, how) in &edits {
+                if body.is_empty() {
+                    break;
+                }
+                let i = at.index(body.len());
+                match how {
+                    0 => body[i] = *byte,
+                    1 => { body.remove(i); }
+                    _ => body.insert(i, *byte),
+                }
+            }
+            same_as_derived(&body);
+        }
+    }
+}
+
+#[test]
+fn error_codes_keep_their_wire_names_and_map_to_http() {
+    for (code, name, status) in [
+        (ErrorCode::BadRequest, "bad_request", 400),
+        (ErrorCode::UnknownDataset, "unknown_dataset", 404),
+        (ErrorCode::StateMismatch, "state_mismatch", 409),
+        (ErrorCode::NoMemory, "no_memory", 503),
+        (ErrorCode::Timeout, "timeout", 408),
+        (ErrorCode::DataUnavailable, "data_unavailable", 502),
+    ] {
+        assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{name}\""));
+        assert_eq!(code.as_str(), name);
+        assert_eq!(code.http_status(), status);
+    }
+    assert!(ErrorCode::NoMemory.retryable() && !ErrorCode::BadPlan.retryable());
+    let r: Response = decode(br#"{"op":"error","code":"from_the_future","message":"x"}"#).unwrap();
+    assert_eq!(
+        r,
+        Response::Error {
+            code: ErrorCode::Unknown,
+            message: "x".into()
+        }
+    );
+}
+
+#[test]
+fn unknown_fields_and_long_frames_are_rejected() {
+    let e = decode::<Request>(br#"{"op":"next","bogus":1}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bogus"), "{e}");
+    assert!(check_len((MAX_TRAINER_FRAME as u32 + 1).to_le_bytes()).is_err());
+}
