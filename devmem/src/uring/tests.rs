@@ -4,6 +4,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 
+use super::bench::{Buffers, MultishotRecv, RecvInto};
 use super::*;
 
 fn pattern(len: usize) -> Vec<u8> {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use shardwire_devmem::uring::{Buffers, MultishotRecv, RecvInto};
+use shardwire_devmem::uring::bench::{Buffers, MultishotRecv, Received, RecvInto};
 use shardwire_node::bench::{CHUNK, PayloadRead, Plain, RCVLOWAT};
 
 /// How a plain-TCP receiver takes its bytes.
@@ -193,7 +193,7 @@ fn multishot_loop(
     rx: &mut MultishotRecv,
     stop: &AtomicBool,
     received: &AtomicU64,
-    mut f: impl FnMut(shardwire_devmem::uring::Received<'_>),
+    mut f: impl FnMut(Received<'_>),
 ) -> std::io::Result<()> {
     while !stop.load(Ordering::Relaxed) {
         let n = rx.wait(&mut f)?;
