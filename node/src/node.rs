@@ -240,12 +240,12 @@ impl Node {
         let Some(s) = self.admission.remove(id) else {
             return false;
         };
-        tracing::info!(stream = id, %reason, "closing the stream");
+        let why = reason.to_string();
         s.close(reason);
         // Fetches not yet on the wire are dropped at the source; the ones already announced
         // arrive and are discarded.
         let cancelled: usize = s.candidates().iter().map(|l| l.cancel_stream(id)).sum();
-        tracing::info!(stream = id, cancelled, "stream closed");
+        tracing::info!(stream = id, reason = %why, cancelled, "stream closed");
         true
     }
 

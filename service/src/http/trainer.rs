@@ -187,8 +187,9 @@ impl Api {
             .lock()
             .expect("poisoned")
             .retain(|_, l| l.stream != s.id);
-        tracing::info!(stream = s.id, %reason, "HTTP stream closed");
+        let why = reason.to_string();
         self.node.close_stream(s.id, reason);
+        tracing::info!(stream = s.id, reason = %why, "HTTP stream closed");
     }
 }
 
