@@ -142,3 +142,18 @@ def test_http_batches_equal_the_socket_and_states_cross(node, data):
     with http.open_stream("b", **opts, state=st2) as s:  # socket -> HTTP
         rest = [b["id"].tolist() for b in s]
     assert got + middle + rest == want
+
+
+def test_http_takes_worker_and_num_workers_like_the_socket(node, data):
+    """`worker`/`num_workers` (a DataLoader worker's share) over HTTP: worker w of 3 gets the
+    rank's batches w, w + 3, ..., as over the socket."""
+    opts = dict(batch_size=16, seed=6, drop_last=True)
+    with shardwire.connect(node.socket).open_stream("b", **opts) as s:
+        want = [b["id"].tolist() for b in s]
+    http = shardwire.connect_http(node.admin)
+    for w in range(3):
+        with http.open_stream("b", **opts, worker=w, num_workers=3) as s:
+            got = [b["id"].tolist() for b in s]
+        with shardwire.connect(node.socket).open_stream("b", **opts, worker=w, num_workers=3) as s:
+            assert [b["id"].tolist() for b in s] == got
+        assert got == want[w::3], f"worker {w}"

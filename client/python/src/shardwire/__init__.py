@@ -24,6 +24,9 @@ A node run with ``memory = "cuda"`` keeps shards in GPU memory: its regions are 
 cuda-python's driver bindings (:class:`CudaRegion`) and batch tensors are :class:`CudaTensor`
 views on the GPU (``torch.from_dlpack(t)``, ``cupy.from_dlpack(t)``; no copy), see the README.
 
+The keywords of ``open_stream`` (seed, rank, world_size, epochs, batch mode, token mode, ...)
+are the fields of :class:`StreamOptions`, their one definition.
+
 See :class:`Batch` for the lifetime rules (auto-release, ``keep()``), ``shardwire.torch`` for a
 PyTorch ``IterableDataset`` (torch is imported only when that is used), and the README.
 """
@@ -34,6 +37,7 @@ from ._client import DEFAULT_SOCKET, SOCKET_ENV, Batch, Client, Stream, StreamIn
 from ._cuda import CudaRegion, CudaTensor
 from ._errors import ConnectError, ConnectionClosed, CudaImportError, ProtocolError, ServiceError, ShardwireError, Timeout
 from ._http import HttpBatch, HttpClient, HttpStream, connect_http
+from ._options import StreamOptions
 from ._tensor import Tensor
 
 __version__ = "0.1.0"
@@ -57,6 +61,7 @@ __all__ = [
     "ShardwireError",
     "Stream",
     "StreamInfo",
+    "StreamOptions",
     "TensorView",
     "Timeout",
     "connect",

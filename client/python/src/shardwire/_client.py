@@ -22,11 +22,13 @@ from . import _wire
 from ._arrow import ArrowExport
 from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
+from ._options import StreamOptions, document
 from ._tensor import Tensor
-from ._types import Shuffle, StreamInfo, TensorView, Uneven, _attach_fields, _BatchBase, _dtype, _StreamBase, _tensor_view
+from ._types import StreamInfo, TensorView, _BatchBase, _dtype, _StreamBase, _tensor_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
+    from ._options import StreamKeywords, Unpack
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -100,30 +102,13 @@ class Client:
     def __repr__(self) -> str:
         return f"shardwire.Client({self.path!r})"
 
-    def open_stream(
-        self,
-        dataset: str | Mapping[str, float],
-        *,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        epochs: int = 1,
-        uneven: Uneven = "pad",
-        state: Mapping[str, Any] | None = None,
-        batch_size: int | None = None,
-        shuffle: Shuffle | None = None,
-        shuffle_block: int | None = None,
-        partitions: int | None = None,
-        drop_last: bool = False,
-        worker: int | None = None,
-        num_workers: int | None = None,
-        seq_len: int | None = None,
-        tokens_column: str | None = None,
-        token_dtype: str | None = None,
-        boundaries: bool = False,
-        order: str | None = None,
-    ) -> Stream:
+    @document
+    def open_stream(self, dataset: str | Mapping[str, float], **options: Unpack[StreamKeywords]) -> Stream:
         """Opens a stream of `dataset` for this rank.
+
+        The keywords (all optional, keyword-only) are the fields of
+        :class:`shardwire.StreamOptions`, listed below from there; the HTTP client
+        (:meth:`shardwire.HttpClient.open_stream`) takes the same ones.
 
         Args:
             dataset: Dataset name, as the source serves it (``--dataset NAME=DIR``); or, for a
@@ -132,75 +117,17 @@ class Client:
                 share (rounded, the remainder carried to the next batch), each dataset read
                 in its own order from its own cursor; the state resumes with the same or
                 changed weights (see docs/TRAINER_API.md, "Mixtures").
-            seed: Shuffle seed; every rank of a job must use the same one.
-            rank: This trainer's rank, ``0 <= rank < world_size``.
-            world_size: Number of ranks sharing the dataset.
-            epochs: Epochs to deliver.
-            uneven: When the shard count is not a multiple of `world_size`: ``"pad"`` repeats
-                shards from the start of the epoch's order, ``"drop"`` drops the tail; either
-                way every rank gets the same number of batches per epoch.
-            state: A :meth:`Stream.state_dict` saved earlier, to resume exactly at the batch
-                after the last one taken. Shard mode: dataset, seed, world size, rank and
-                uneven policy must match. Batch mode: the state is global (any rank's resumes
-                every rank); dataset, seed, shuffle, shuffle_block, partitions, drop_last and
-                the global batch (``batch_size * world_size``) must match, and the world size
-                must divide the partitions or be a multiple of them. Otherwise
-                :class:`ServiceError` code ``"state_mismatch"`` or ``"bad_plan"``, naming the
-                field and the rule.
-            batch_size: Samples per batch for this rank: **batch mode**. Every batch tensor is
-                shaped ``[batch_size, ...]``; global step ``s`` takes ``batch_size *
-                world_size`` samples. None (default): shard mode, one shard per batch.
-            shuffle: Batch mode: ``"block"`` (default: shards permuted, samples shuffled within
-                blocks of about `shuffle_block` samples), ``"shards"`` (shard order shuffled,
-                rows in order) or ``"none"`` (storage order).
-            shuffle_block: Batch mode, ``"block"``: samples per shuffle block (default: the
-                samples of 8 average shards). Larger mixes better and keeps more shards
-                resident on the node.
-            partitions: Batch mode: canonical partitions (default: `world_size`, or the resume
-                state's). The order depends on them, never on the world size; a job may resume
-                on any world size that divides them or is a multiple of them.
-            drop_last: Batch mode: drop the last partial global batch (each sample at most
-                once per epoch); default False completes it with samples from the start of the
-                epoch (each sample at least once).
-            worker, num_workers: Batch mode: deliver only this rank's batches ``worker,
-                worker + num_workers, ...`` (a DataLoader worker's share; see
-                :class:`shardwire.torch.IterableDataset`).
-            seq_len: **Token mode** (needs `batch_size`): each sample is a window of
-                ``seq_len + 1`` tokens of the documents (the rows of the dataset's ragged
-                integer tensor: a Megatron ``.bin/.idx``, ``shardwire index --tokens``, an
-                ``input_ids`` column); consecutive windows start `seq_len` tokens apart and
-                overlap by one. Each batch is ``tokens`` ``[batch_size, seq_len + 1]``.
-                `shuffle` applies to documents and windows within bounded blocks.
-            tokens_column: Token mode: the documents' tensor when the dataset has several
-                ragged integer tensors; other tensors are not delivered.
-            token_dtype: Token mode: ``"int32"`` or ``"int64"``: widen ``tokens`` during
-                assembly (default: the dataset's dtype).
-            boundaries: Token mode: also deliver ``positions`` (int32, same shape: each
-                token's position in its document, 0 at every document start).
-            order: Token mode: ``"megatron"`` delivers the windows of megatron-core's
-                ``GPTDataset`` for this seed and seq_len (partitions 1; epoch ``e`` uses
-                ``random_seed = seed + e``); default ``"shardwire"`` (blocks, elastic).
+            <stream keywords>
 
         Raises:
+            TypeError: a keyword that is none of these (the message names it).
+            ValueError: a value out of range, or a keyword without the one it needs (nothing
+                is sent; the message names them).
             ConnectError: the socket cannot be reached.
             ServiceError: the service refused (``unknown_dataset``, ``unavailable``,
                 ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
         """
-        batch = {
-            "batch_size": batch_size,
-            "shuffle": shuffle,
-            "shuffle_block": shuffle_block,
-            "partitions": partitions,
-            "drop_last": drop_last,
-            "worker": worker,
-            "num_workers": num_workers,
-            "seq_len": seq_len,
-            "tokens_column": tokens_column,
-            "token_dtype": token_dtype,
-            "boundaries": boundaries,
-            "order": order,
-        }
-        req = {"op": "attach", **_attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)}
+        req = {"op": "attach", **StreamOptions.of(options, "Client.open_stream").attach_fields(dataset)}
         return Stream._open(self.path, req)
 
 

@@ -15,12 +15,16 @@ import json
 import math
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
-from ._types import Shuffle, StreamInfo, Uneven, _attach_fields, _BatchBase, _dtype, _StreamBase, _tensor_view
+from ._options import StreamOptions, document
+from ._types import StreamInfo, _BatchBase, _dtype, _StreamBase, _tensor_view
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._options import StreamKeywords, Unpack
 
 __all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
 
@@ -89,43 +93,31 @@ class HttpClient:
     def __repr__(self) -> str:
         return f"shardwire.HttpClient({self.url!r})"
 
+    @document
     def open_stream(
-        self,
-        dataset: str | Mapping[str, float],
-        *,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        epochs: int = 1,
-        uneven: Uneven = "pad",
-        state: Mapping[str, Any] | None = None,
-        idle_timeout: float | None = None,
-        batch_size: int | None = None,
-        shuffle: Shuffle | None = None,
-        shuffle_block: int | None = None,
-        partitions: int | None = None,
-        drop_last: bool = False,
-        seq_len: int | None = None,
-        tokens_column: str | None = None,
-        token_dtype: str | None = None,
-        boundaries: bool = False,
-        order: str | None = None,
+        self, dataset: str | Mapping[str, float], *, idle_timeout: float | None = None, **options: Unpack[StreamKeywords]
     ) -> HttpStream:
-        """Opens a stream of `dataset` for this rank; arguments as in
-        :meth:`shardwire.Client.open_stream`.
+        """Opens a stream of `dataset` for this rank: the same stream keywords as
+        :meth:`shardwire.Client.open_stream` (the fields of :class:`shardwire.StreamOptions`,
+        listed below from there; the HTTP body is the socket's ``attach`` fields), plus
+        `idle_timeout`.
 
         Args:
+            dataset: Dataset name, or a mixture (a mapping of dataset names to weights), as in
+                :meth:`shardwire.Client.open_stream`.
             idle_timeout: Seconds without a request after which the service closes the
                 stream (default: the service's, 300 s). A stream that is not closed
                 explicitly (``close()``, ``with``) lingers on the service until then.
+            <stream keywords>
 
         Raises:
+            TypeError: a keyword that is none of these (the message names it).
+            ValueError: a value out of range, or a keyword without the one it needs (nothing
+                is sent; the message names them).
             ConnectError: the service cannot be reached.
             ServiceError: the service refused (``unknown_dataset``, ``state_mismatch``, ...).
         """
-        batch = {"batch_size": batch_size, "shuffle": shuffle, "shuffle_block": shuffle_block, "partitions": partitions, "drop_last": drop_last}
-        batch.update({"seq_len": seq_len, "tokens_column": tokens_column, "token_dtype": token_dtype, "boundaries": boundaries, "order": order})
-        body = _attach_fields(dataset, seed, rank, world_size, epochs, uneven, state, **batch)
+        body = StreamOptions.of(options, "HttpClient.open_stream").attach_fields(dataset)
         if idle_timeout is not None:
             if not idle_timeout > 0:
                 raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")

@@ -1,6 +1,7 @@
 """What the socket and HTTP transports share (``_client.py``, ``_http.py``): the plain types of
-the trainer API (:class:`TensorView`, :class:`StreamInfo`, ``Uneven``), the dtype table, the
-validated fields of ``attach``, and the base classes of their streams and batches.
+the trainer API (:class:`TensorView`, :class:`StreamInfo`, ``Uneven``, ``Shuffle``), the dtype
+table, and the base classes of their streams and batches. The keywords of ``open_stream`` and
+the fields of ``attach`` they give are defined in ``_options.py``.
 
 :class:`_StreamBase` holds what a stream is on either transport (the open/closed/ended state
 under one lock, the iteration and context-manager protocols, ``state_dict``); a transport adds
@@ -19,7 +20,6 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
 
-from . import _wire
 from ._arrow import ArrowExport
 from ._errors import ProtocolError, ShardwireError, Timeout
 
@@ -91,109 +91,6 @@ NO_SHARD = 0xFFFF_FFFF
 
 #: The ``shuffle`` modes of batch mode.
 Shuffle = Literal["none", "shards", "block"]
-
-
-def _int_at_least(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
-    return v
-
-
-def _attach_fields(
-    dataset: str | Mapping[str, float],
-    seed: int,
-    rank: int,
-    world_size: int,
-    epochs: int,
-    uneven: str,
-    state: Mapping[str, Any] | None,
-    **batch: Any,
-) -> dict[str, Any]:
-    """The validated fields of ``attach`` (shared by the socket and HTTP clients). `batch`
-    holds the batch-mode keywords (``batch_size``, ``shuffle``, ``shuffle_block``,
-    ``partitions``, ``drop_last``, ``worker``, ``num_workers``) and the token-mode ones
-    (``seq_len``, ``tokens_column``, ``token_dtype``, ``boundaries``, ``order``); None means
-    the default.
-
-    Raises:
-        ValueError: an argument out of range (nothing is sent).
-    """
-    if uneven not in ("pad", "drop"):
-        raise ValueError(f"uneven must be 'pad' or 'drop', not {uneven!r}")
-    for name, v, lo in (("seed", seed, 0), ("rank", rank, 0), ("world_size", world_size, 1), ("epochs", epochs, 1)):
-        _int_at_least(name, v, lo)
-    fields: dict[str, Any] = {
-        "version": _wire.VERSION,
-        "dataset": "" if isinstance(dataset, Mapping) else str(dataset),
-        "seed": seed,
-        "rank": rank,
-        "world_size": world_size,
-        "epochs": epochs,
-        "uneven": uneven,
-        "state": dict(state) if state is not None else None,
-    }
-    for name, lo in (("batch_size", 1), ("shuffle_block", 1), ("partitions", 1), ("worker", 0), ("num_workers", 1), ("seq_len", 1)):
-        v = batch.pop(name, None)
-        if v is not None:
-            fields[name] = _int_at_least(name, v, lo)
-    shuffle = batch.pop("shuffle", None)
-    if shuffle is not None:
-        if shuffle not in ("none", "shards", "block"):
-            raise ValueError(f"shuffle must be 'none', 'shards' or 'block', not {shuffle!r}")
-        fields["shuffle"] = shuffle
-    if batch.pop("drop_last", False):
-        fields["drop_last"] = True
-    _token_fields(fields, batch)
-    if isinstance(dataset, Mapping):
-        fields["mix"] = _mix_entries(dataset)
-        if "batch_size" not in fields:
-            raise ValueError("a mixture (a mapping of datasets to weights) needs batch_size (batch mode)")
-    if batch:
-        raise TypeError(f"unexpected keyword arguments: {sorted(batch)}")
-    if "batch_size" not in fields:
-        given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last") if k in fields]
-        if given:
-            raise ValueError(f"{', '.join(given)} need batch_size (batch mode)")
-    return fields
-
-
-def _mix_entries(mix: Mapping[str, float]) -> list[dict[str, Any]]:
-    """The ``mix`` field of a mapping of dataset names to weights (positive numbers)."""
-    if not mix:
-        raise ValueError("a mixture needs at least one dataset")
-    out = []
-    for name, w in mix.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w != w or w == float("inf"):
-            raise ValueError(f"mix weight of {name!r} must be a positive number, not {w!r}")
-        out.append({"dataset": str(name), "weight": float(w)})
-    return out
-
-
-def _token_fields(fields: dict[str, Any], batch: dict[str, Any]) -> None:
-    """Moves the token-mode keywords (``tokens_column``, ``token_dtype``, ``boundaries``,
-    ``order``) from `batch` into `fields`, checked; they need ``seq_len``, which needs
-    ``batch_size``."""
-    column = batch.pop("tokens_column", None)
-    if column is not None:
-        fields["tokens_column"] = str(column)
-    dtype = batch.pop("token_dtype", None)
-    if dtype is not None:
-        if dtype not in ("int32", "int64"):
-            raise ValueError(f"token_dtype must be 'int32' or 'int64', not {dtype!r}")
-        fields["token_dtype"] = dtype
-    if batch.pop("boundaries", False):
-        fields["boundaries"] = True
-    order = batch.pop("order", None)
-    if order is not None:
-        if order not in ("shardwire", "megatron"):
-            raise ValueError(f"order must be 'shardwire' or 'megatron', not {order!r}")
-        fields["order"] = order
-    if "seq_len" not in fields:
-        given = [k for k in ("tokens_column", "token_dtype", "boundaries", "order") if k in fields]
-        if given:
-            raise ValueError(f"{', '.join(given)} need seq_len (token mode)")
-    elif "batch_size" not in fields:
-        raise ValueError("seq_len needs batch_size: token windows are delivered in batches")
 
 
 def _tensor_view(t: Mapping[str, Any], offset: int | None = None) -> TensorView:

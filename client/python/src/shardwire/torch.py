@@ -30,7 +30,11 @@ import numpy as np
 
 from ._client import Client, Stream, connect
 from ._cuda import CudaTensor
-from ._types import Shuffle, Uneven
+from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, fill_doc
+from ._types import Uneven
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._options import DatasetKeywords, Unpack
 
 __all__ = ["IterableDataset", "effective_rank", "open_at_epoch"]
 
@@ -132,47 +136,34 @@ def _copy(view: Any) -> Any:
 
 
 class _DatasetMixin:
-    """The torch-independent body of :class:`IterableDataset` (see its docstring)."""
+    """The torch-independent body of :class:`IterableDataset` (see its docstring).
+
+    Attributes:
+        options: The stream keywords (:class:`shardwire.StreamOptions`); ``rank``,
+            ``world_size``, ``worker``, ``num_workers`` and ``state`` are set when a stream
+            opens. Each keyword the dataset takes is also an attribute (``ds.batch_size``,
+            ``ds.seed``, ...), read and written through `options`.
+    """
 
     def __init__(
         self,
         dataset: str,
         *,
         socket: str | None = None,
-        seed: int = 0,
-        epochs: int = 1,
-        uneven: Uneven = "pad",
-        rank: int | None = None,
-        world_size: int | None = None,
         copy: bool = True,
         timeout: float | None = None,
-        batch_size: int | None = None,
-        shuffle: Shuffle | None = None,
-        shuffle_block: int | None = None,
-        partitions: int | None = None,
-        drop_last: bool = False,
-        seq_len: int | None = None,
-        tokens_column: str | None = None,
-        token_dtype: str | None = None,
-        boundaries: bool = False,
-        order: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **options: Unpack[DatasetKeywords],
     ) -> None:
         super().__init__()
         self.dataset = dataset
         self.socket = socket
-        self.seed = seed
-        self.epochs = epochs
-        self.uneven: Uneven = uneven
         self.rank = rank
         self.world_size = world_size
         self.copy = copy
         self.timeout = timeout
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.shuffle_block = shuffle_block
-        self.partitions = partitions
-        self.drop_last = drop_last
-        self.tokens: dict[str, Any] = {"seq_len": seq_len, "tokens_column": tokens_column, "token_dtype": token_dtype, "boundaries": boundaries, "order": order}
+        self.options = StreamOptions.of(options, "IterableDataset", DATASET_REFUSED)
         self.epoch = 0
         # The stream state after the last item yielded (batch mode), and one to resume from.
         self._stream_state: dict[str, Any] | None = None
@@ -192,7 +183,7 @@ class _DatasetMixin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration right after the last item of `state` (batch mode): the
         node starts there, nothing is replayed."""
-        if self.batch_size is None:
+        if self.options.batch_size is None:
             raise ValueError("resuming with load_state_dict needs batch mode (batch_size=...)")
         self.epoch = int(state["epoch"])
         self._resume = state.get("stream")
@@ -202,7 +193,7 @@ class _DatasetMixin:
             batch = stream.next(self.timeout)
             if batch is None:
                 return
-            if self.batch_size is not None:
+            if self.options.batch_size is not None:
                 # The position after this item, before it is yielded: a state taken while the
                 # item is in use resumes after it.
                 self._stream_state = stream.state_dict()
@@ -215,11 +206,12 @@ class _DatasetMixin:
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         client = connect(self.socket)
-        if self.batch_size is None:
+        o = self.options
+        if o.batch_size is None:
             rank, world = _torch_ranks(self.rank, self.world_size)
             with open_at_epoch(
-                client, self.dataset, start_epoch=self.epoch, epochs=self.epochs,
-                seed=self.seed, rank=rank, world_size=world, uneven=self.uneven,
+                client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
+                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven,
             ) as stream:
                 yield from self._items(stream)
             return
@@ -232,22 +224,35 @@ class _DatasetMixin:
         the order in which the DataLoader polls them)."""
         rank, world = _ddp_ranks(self.rank, self.world_size)
         worker, workers = _worker()
-        opts: dict[str, Any] = {
-            "seed": self.seed, "rank": rank, "world_size": world, "batch_size": self.batch_size,
-            "shuffle": self.shuffle, "shuffle_block": self.shuffle_block,
-            "partitions": self.partitions, "drop_last": self.drop_last,
-            "worker": worker, "num_workers": workers, **self.tokens,
-        }
+        opts = self.options.replace(rank=rank, world_size=world, worker=worker, num_workers=workers)
         state, self._resume = self._resume, None
-        end = self.epoch + self.epochs
+        end = self.epoch + opts.epochs
         if state is None and self.epoch > 0:
             # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe.
-            with client.open_stream(self.dataset, epochs=1, **{**opts, "worker": None, "num_workers": None}) as probe:
+            probe_opts = opts.replace(epochs=1, worker=None, num_workers=None)
+            with client.open_stream(self.dataset, **probe_opts.keywords()) as probe:
                 base = probe.state_dict()
             state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
         if state is not None:
             end = max(end, int(state["epoch"]) + 1)
-        return client.open_stream(self.dataset, epochs=end, state=state, **opts)
+        return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
+
+
+def _option(name: str) -> property:
+    """The attribute `name` of the dataset: its stream keyword, in ``options``."""
+
+    def get(self: _DatasetMixin) -> Any:
+        return getattr(self.options, name)
+
+    def put(self: _DatasetMixin, value: Any) -> None:
+        self.options = self.options.replace(**{name: value})
+
+    return property(get, put, doc=f"The stream keyword ``{name}`` (in ``options``).")
+
+
+for _name in DATASET_NAMES:
+    setattr(_DatasetMixin, _name, _option(_name))
+del _name
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
@@ -264,9 +269,8 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
     Each item is one service batch (one shard): ``dict[str, numpy.ndarray]`` by tensor name.
 
     Args:
-        dataset: Dataset name.
+        dataset: Dataset name (or a mixture, as in ``Client.open_stream``).
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
-        seed, epochs, uneven: as in ``Client.open_stream`` (all ranks must agree).
         rank, world_size: default from ``torch.distributed`` if initialised, else 0 of 1.
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
             ``memory = "cuda"``, a torch tensor cloned on the GPU) and release the batch
@@ -277,10 +281,13 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             ``num_workers=0, batch_size=None`` and consume each item before the next. torch
             warns about read-only arrays when it converts them.
         timeout: seconds per ``next`` (raises ``shardwire.Timeout``); None waits.
-        batch_size, shuffle, shuffle_block, partitions, drop_last: batch mode, as in
-            ``Client.open_stream`` (every item is ``batch_size`` samples).
-        seq_len, tokens_column, token_dtype, boundaries, order: token mode, as in
-            ``Client.open_stream`` (every item is ``tokens`` ``[batch_size, seq_len + 1]``).
+        <stream keywords>
+
+    The stream keywords are those of ``Client.open_stream`` (the fields of
+    ``shardwire.StreamOptions``; all ranks must agree on them) except ``state``, ``worker`` and
+    ``num_workers``, which the dataset sets itself (``load_state_dict``, the DataLoader's
+    workers). In batch mode every item is ``batch_size`` samples; in token mode ``tokens``
+    ``[batch_size, seq_len + 1]``.
 
     Batch mode: the global order depends only on (dataset, seed, epoch, shuffle,
     shuffle_block, partitions); each DDP rank takes its share of every global step, and its
@@ -306,7 +313,8 @@ def _dataset_class() -> type:
     if _CLASS is None:
         import torch.utils.data
 
-        cls = type("IterableDataset", (_DatasetMixin, torch.utils.data.IterableDataset), {"__doc__": _DOC, "__module__": __name__})
+        doc = fill_doc(_DOC, DATASET_NAMES)
+        cls = type("IterableDataset", (_DatasetMixin, torch.utils.data.IterableDataset), {"__doc__": doc, "__module__": __name__})
         cls.__qualname__ = "IterableDataset"  # picklable as shardwire.torch.IterableDataset
         _CLASS = cls
     return _CLASS
