@@ -11,8 +11,9 @@
 //! announcement that tells a receiver where its next payload goes.
 //!
 //! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
-//! `info` and `plane`; the plane over `link`, `matcher`, `binding` and `rx`; all of them over
-//! `fetch` (a fetch in flight and its one way to end) and `counters`. The fronts see the
+//! `info`, `control`, `status`, `stream` and `plane`; the plane over `link`, `matcher`,
+//! `binding` and `rx`; streams and receivers over `fetch` (a fetch in flight and its one way
+//! to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the
 //! facade re-exported here: [`Node`] and [`Stream`], [`start`] and [`NodeHandle`], the
 //! control messages and the status document; `shardwire bench` also gets the receive
 //! primitives in [`bench`].
