@@ -15,12 +15,13 @@ pub mod selftest;
 pub mod staging;
 pub mod vmm;
 
+pub use crate::error::StageError;
 pub use device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
 pub use engine::Engines;
 pub use hostmap::{DeviceRange, HostMapped};
 pub use memory::{CudaMemory, open_for_service};
 pub use selftest::self_test;
-pub use staging::{H2dStager, StageError};
+pub use staging::H2dStager;
 pub use vmm::VmmRegion;
 
 use std::ffi::{CStr, c_char, c_int};

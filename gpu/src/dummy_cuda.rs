@@ -8,6 +8,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::GpuError;
+pub use crate::error::StageError;
 use crate::kernels::{Frag, Span};
 use crate::report::{GpuDevice, GpuProbe};
 
@@ -173,17 +174,6 @@ impl Engines {
 /// Pinned staging buffers (never made in this build).
 #[derive(Debug)]
 pub struct H2dStager(Never);
-
-/// Why a staged receive failed.
-#[derive(Debug, thiserror::Error)]
-pub enum StageError {
-    /// Reading the source failed.
-    #[error(transparent)]
-    Io(std::io::Error),
-    /// A CUDA call failed.
-    #[error(transparent)]
-    Gpu(#[from] GpuError),
-}
 
 impl H2dStager {
     /// Always [`GpuError::NotBuilt`].

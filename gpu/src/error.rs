@@ -45,3 +45,14 @@ pub enum GpuError {
         reason: String,
     },
 }
+
+/// Why a staged receive (`cuda::H2dStager::copy_from`) failed: the source, or the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// Reading the source failed.
+    #[error(transparent)]
+    Io(std::io::Error),
+    /// A CUDA call failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}

@@ -68,7 +68,7 @@ macro_rules! status_value {
 macro_rules! counters {
     ($(
         $(#[doc = $doc:literal])*
-        $field:ident => $status:ident: $unit:ident, $metric:literal, $label:expr, $help:literal;
+        $field:ident => $status:ident: $unit:ident, $metric:literal, $label:expr, $help:expr;
     )*) => {
         /// Node-wide counters (also exported as Prometheus metrics; see [`COUNTERS`]).
         #[derive(Default, Debug)]
@@ -118,6 +118,12 @@ macro_rules! counters {
     };
 }
 
+/// The help of `shardwire_stall_seconds_total` (three counters, one family).
+const STALL_HELP: &str = "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+/// The help of `shardwire_data_connections_total` (two counters, one family).
+const CONNECTIONS_HELP: &str =
+    "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")";
+
 counters! {
     /// Payload bytes received and verified.
     bytes_received => bytes_received: Count, "shardwire_bytes_received_total", Label::Mode,
@@ -142,25 +148,25 @@ counters! {
         "Gather-kernel launches that assembled batches in CUDA memory (one per batch)";
     /// Time trainers waited in `next` for a batch that was not ready (network-bound).
     stall_network_ns => stall_network_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "network"),
-        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+        STALL_HELP;
     /// Time fetchers had shards to fetch but no free memory (trainer-bound).
     stall_trainer_ns => stall_trainer_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "trainer"),
-        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+        STALL_HELP;
     /// Time receivers spent verifying payloads and tasks assembling batches.
     assembly_ns => stall_assembly_seconds: Seconds, "shardwire_stall_seconds_total", Label::Fixed("cause", "assembly"),
-        "Seconds spent stalled, by cause: network (a trainer waited for a batch that had not arrived), trainer (fetchers had work but no free memory), assembly (receivers verifying and assembling payloads)";
+        STALL_HELP;
     /// Times a receiver in CUDA memory mode waited for a pinned buffer whose H2D copy had not
     /// finished (the network waited on the GPU copy).
     staging_stalls => h2d_staging_stalls: Count, "shardwire_h2d_staging_stalls_total", Label::None,
         "Times a receiver waited for a pinned staging buffer whose host-to-GPU copy had not finished";
     /// Plain-TCP data connections into host memory received with io_uring multishot receive.
     io_uring_connections => data_connections_io_uring: Count, "shardwire_data_connections_total", Label::Fixed("recv", "io_uring"),
-        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")";
+        CONNECTIONS_HELP;
     /// Plain-TCP data connections into host memory received with `recv` (`io_uring = false`,
     /// or io_uring could not be set up: the log says why). CUDA memory's staged connections
     /// are in neither count.
     recv_connections => data_connections_recv: Count, "shardwire_data_connections_total", Label::Fixed("recv", "recv"),
-        "Plain-TCP data connections by receive primitive (recv=\"io_uring\" or \"recv\")";
+        CONNECTIONS_HELP;
 }
 
 /// Per-data-connection counters (for `shardwire bench`).

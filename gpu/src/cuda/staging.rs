@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 use super::check;
 use super::device::{Device, Event, PinnedBuffer, Stream};
 use super::vmm::VmmRegion;
-use crate::error::GpuError;
+use crate::error::{GpuError, StageError};
 
 struct Slot {
     buf: PinnedBuffer,
@@ -184,15 +184,4 @@ impl Drop for H2dStager {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
     }
-}
-
-/// Why a staged receive failed: the source, or the GPU.
-#[derive(Debug, thiserror::Error)]
-pub enum StageError {
-    /// Reading the source failed.
-    #[error(transparent)]
-    Io(std::io::Error),
-    /// A CUDA call failed.
-    #[error(transparent)]
-    Gpu(#[from] GpuError),
 }
