@@ -228,3 +228,23 @@ def test_a_checkpoint_after_set_epoch_starts_that_epoch(node):
     ds2, dl2 = loader(0)
     dl2.load_state_dict(sd)
     assert [ids(item) for item in dl2] == want
+
+
+def test_a_batch_mode_checkpoint_after_the_last_batch_resumes_to_nothing(node):
+    """Batch mode, for contrast: a StatefulDataLoader checkpoint taken after the last batch of
+    the stream's epochs resumes to an empty stream (it once replayed a whole extra epoch)."""
+    from shardwire.torch import IterableDataset
+
+    def loader():
+        ds = IterableDataset("s", socket=node.socket, seed=3, batch_size=4, epochs=1, timeout=60)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    dl = loader()
+    items = [ids(item) for item in dl]
+    assert items and all(len(x) == 4 for x in items)
+    sd = copy.deepcopy(dl.state_dict())
+    before = delivered(node)
+    dl2 = loader()
+    dl2.load_state_dict(sd)
+    assert [ids(item) for item in dl2] == []
+    assert delivered(node) == before, "nothing is handed out again"

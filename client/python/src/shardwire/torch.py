@@ -270,7 +270,11 @@ class _DatasetMixin:
                 base = probe.state_dict()
             state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
         if state is not None:
-            end = max(end, int(state["epoch"]) + 1)
+            # The stream must reach the saved position: its epoch, and past it when the
+            # position lies inside that epoch. A state at the end of the last epoch
+            # (index 0 of the epoch after) resumes to nothing rather than another epoch.
+            inside = int(state.get("index", 0)) > 0
+            end = max(end, int(state["epoch"]) + inside)
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
 
 
