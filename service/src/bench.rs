@@ -21,7 +21,7 @@ use shardwire_client::{Stream, StreamOptions};
 use shardwire_config::{ByteSize, ReceiveMode};
 
 use self::report::{
-    Run, compare_crc, compare_tcp, compare_uring, gbps, node_ratio, print_crc_medians,
+    Run, compare_crc, compare_tcp, compare_uring, crc_ways, gbps, node_ratio, print_crc_medians,
     print_tcp_medians, print_uring_medians,
 };
 use crate::demo::Loopback;
@@ -50,10 +50,11 @@ pub struct BenchArgs {
     compare_uring: bool,
     /// Also measure where the CRC-32C of received bytes is computed, each way into the
     /// stream-sized region with every shard checked: in place after reads of 1 MiB (the
-    /// node's recv path), 256 KiB, 64 KiB; io_uring completions uncapped (the node's io_uring
-    /// path) and capped at 256 KiB; through a 256 KiB bounce buffer copied normally or with
-    /// non-temporal stores; through a 64 KiB one with CRC and copy fused per 16 KiB. Prints
-    /// each one's ratio to the first, and the median piece each checksum read.
+    /// node's recv path) and 256 KiB; the node's io_uring queue with whole payloads (its
+    /// path) and with pieces of 128 KiB / 256 KiB handed over a bounded window ahead;
+    /// io_uring completions uncapped; through a 256 KiB bounce buffer copied on with
+    /// non-temporal stores or `memcpy`; through a 64 KiB one with CRC and copy fused per
+    /// 16 KiB. Prints each one's ratio to the first, and the median piece each checksum read.
     #[arg(long)]
     compare_crc: bool,
     /// With --compare-crc: only these ways (their labels as printed, e.g. `crc-queue`;
@@ -96,6 +97,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
     let count = ((256usize << 20) / shard).clamp(8, 64);
+    let crc_ways = match a.compare_crc {
+        true => crc_ways(&a.crc_ways)?,
+        false => Vec::new(),
+    };
     let dir = synth::scratch_dir("bench")?;
     let data = dir.join("data");
     std::fs::create_dir_all(&data)?;
@@ -156,12 +161,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
                 ratios.push(compare_tcp(&sw, &files, &plain, region)?);
             }
             if a.compare_crc {
-                crc_rows.push(compare_crc(&files, &plain, region, &crcs, &a.crc_ways)?);
+                crc_rows.push(compare_crc(&files, &plain, region, &crcs, &crc_ways)?);
             }
         }
         print_tcp_medians(&ratios);
         print_uring_medians(&uring_rows);
-        print_crc_medians(&crc_rows, &a.crc_ways);
+        print_crc_medians(&crc_rows, &crc_ways);
         Ok::<_, anyhow::Error>(())
     })();
     let _ = std::fs::remove_dir_all(&dir);

@@ -31,12 +31,13 @@ pub enum Way {
         /// Largest read.
         piece: usize,
     },
-    /// `recv` into a `bounce`-byte buffer, CRC there, then copied into the slot with
-    /// non-temporal stores (measured against a normal copy and a copy fused with the CRC per
-    /// 16 KiB: both slower, docs/BENCHMARKS.md).
+    /// `recv` into a `bounce`-byte buffer, CRC there, then copied into the slot as `copy`
+    /// says.
     Bounce {
         /// The buffer's size.
         bounce: usize,
+        /// How the checksummed bytes go on into the slot.
+        copy: Onward,
     },
     /// io_uring into the slot (the slot is the provided buffer), each completion at most
     /// `cap` bytes (0: uncapped) and checksummed as it lands.
@@ -55,6 +56,22 @@ pub enum Way {
     },
 }
 
+/// How [`Way::Bounce`] moves checksummed bytes from its buffer into the slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Onward {
+    /// The whole read checksummed, then copied with non-temporal stores (the slot's lines
+    /// are not read for ownership and do not evict the buffer).
+    NonTemporal,
+    /// The whole read checksummed, then copied with `memcpy`.
+    Plain,
+    /// CRC and `memcpy` fused: each 16 KiB step of the read is checksummed and copied
+    /// while it is in L1.
+    Fused,
+}
+
+/// The step of [`Onward::Fused`].
+const FUSED_STEP: usize = 16 << 10;
+
 fn kib(n: usize) -> String {
     match n >= 1 << 20 {
         true => format!("{}M", n >> 20),
@@ -67,7 +84,14 @@ impl Way {
     pub fn label(self) -> String {
         match self {
             Self::InPlace { piece } => format!("crc-inplace-{}", kib(piece)),
-            Self::Bounce { bounce } => format!("crc-bounce-nt-{}", kib(bounce)),
+            Self::Bounce { bounce, copy } => {
+                let how = match copy {
+                    Onward::NonTemporal => "bounce-nt",
+                    Onward::Plain => "bounce-copy",
+                    Onward::Fused => "fused",
+                };
+                format!("crc-{how}-{}", kib(bounce))
+            }
             Self::Uring { cap: 0 } => "crc-uring".to_string(),
             Self::Uring { cap } => format!("crc-uring-{}", kib(cap as usize)),
             Self::Queue { piece: 0, .. } => "crc-queue".to_string(),
@@ -152,9 +176,11 @@ pub fn receive(
             let mut r = Plain::new(conn);
             Box::new(move |slot, crc, local| in_place(&mut r, piece, slot, crc, local, received))
         }
-        Way::Bounce { bounce } => {
+        Way::Bounce { bounce, copy } => {
             let (mut r, mut buf) = (Plain::new(conn), vec![0u8; bounce]);
-            Box::new(move |slot, crc, local| bounced(&mut r, &mut buf, slot, crc, local, received))
+            Box::new(move |slot, crc, local| {
+                bounced(&mut r, (&mut buf, copy), slot, crc, local, received)
+            })
         }
         Way::Queue { .. } => unreachable!("queued above"),
         Way::Uring { cap } => {
@@ -217,10 +243,11 @@ fn in_place(
     Ok(true)
 }
 
-/// One shard through the bounce buffer `buf` into `slot`; false at the peer's close.
+/// One shard through the bounce buffer `buf` into `slot`, copied on as `copy` says; false
+/// at the peer's close.
 fn bounced(
     r: &mut Plain,
-    buf: &mut [u8],
+    (buf, copy): (&mut [u8], Onward),
     slot: &mut [u8],
     crc: &mut Crc32c,
     local: &mut [u64; 32],
@@ -233,8 +260,23 @@ fn bounced(
         if n == 0 {
             return Ok(false);
         }
-        crc.update(&buf[..n]);
-        copy_nt(&mut slot[at..at + n], &buf[..n]);
+        let (dst, src) = (&mut slot[at..at + n], &buf[..n]);
+        match copy {
+            Onward::NonTemporal => {
+                crc.update(src);
+                copy_nt(dst, src);
+            }
+            Onward::Plain => {
+                crc.update(src);
+                dst.copy_from_slice(src);
+            }
+            Onward::Fused => {
+                for (d, s) in dst.chunks_mut(FUSED_STEP).zip(src.chunks(FUSED_STEP)) {
+                    crc.update(s);
+                    d.copy_from_slice(s);
+                }
+            }
+        }
         tally(n, local);
         received.fetch_add(n as u64, Ordering::Relaxed);
         at += n;

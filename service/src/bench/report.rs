@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::crc::Way;
+use super::crc::{Onward, Way};
 use super::{cpu, tcp};
 
 /// What one run measured: goodput, CPU seconds per GB over this process's threads (user +
@@ -205,7 +205,7 @@ pub(super) fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
 
 /// The ways `--compare-crc` measures, the node's `recv` path first (the reference) and its
 /// io_uring path second.
-pub(super) const CRC_RUNS: [Way; 7] = [
+pub(super) const CRC_RUNS: [Way; 9] = [
     Way::InPlace { piece: 1 << 20 },
     Way::Queue { piece: 0, ahead: 0 },
     Way::InPlace { piece: 256 << 10 },
@@ -217,7 +217,18 @@ pub(super) const CRC_RUNS: [Way; 7] = [
         piece: 256 << 10,
         ahead: 1 << 20,
     },
-    Way::Bounce { bounce: 256 << 10 },
+    Way::Bounce {
+        bounce: 256 << 10,
+        copy: Onward::NonTemporal,
+    },
+    Way::Bounce {
+        bounce: 256 << 10,
+        copy: Onward::Plain,
+    },
+    Way::Bounce {
+        bounce: 64 << 10,
+        copy: Onward::Fused,
+    },
     Way::Uring { cap: 0 },
 ];
 
@@ -228,11 +239,10 @@ pub(super) fn compare_crc(
     plain: &impl Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun,
     region: usize,
     crcs: &[u32],
-    only: &[String],
+    ways: &[Way],
 ) -> anyhow::Result<Vec<(f64, f64)>> {
-    let ways = crc_ways(only)?;
     let mut runs = Vec::new();
-    for &way in &ways {
+    for &way in ways {
         let check = Arc::new(tcp::CrcCheck {
             crcs: crcs.to_vec(),
             stats: Default::default(),
@@ -277,8 +287,9 @@ pub(super) fn compare_crc(
     Ok(row)
 }
 
-/// The ways named in `only` (by label, in that order), or all of [`CRC_RUNS`].
-fn crc_ways(only: &[String]) -> anyhow::Result<Vec<Way>> {
+/// The ways named in `only` (by label, in that order), or all of [`CRC_RUNS`]; an unknown
+/// name is an error that lists the known ones.
+pub(super) fn crc_ways(only: &[String]) -> anyhow::Result<Vec<Way>> {
     if only.is_empty() {
         return Ok(CRC_RUNS.to_vec());
     }
@@ -297,11 +308,10 @@ fn crc_ways(only: &[String]) -> anyhow::Result<Vec<Way>> {
 }
 
 /// The medians of [`compare_crc`]'s rows.
-pub(super) fn print_crc_medians(rows: &[Vec<(f64, f64)>], only: &[String]) {
+pub(super) fn print_crc_medians(rows: &[Vec<(f64, f64)>], ways: &[Way]) {
     if rows.len() < 2 {
         return;
     }
-    let Ok(ways) = crc_ways(only) else { return };
     for (k, way) in ways.iter().enumerate().skip(1) {
         let (goodput, _) = median(rows.iter().map(|r| r[k].0).collect());
         let (cpu, _) = median(rows.iter().map(|r| r[k].1).collect());
