@@ -1,33 +1,94 @@
 #!/usr/bin/env python3
-"""Data loaders into a torch training loop: samples/s of shardwire (batch mode, over TCP on
-loopback) against local-disk peers: torch DataLoader over a memory-mapped Arrow IPC file,
-MosaicML Streaming (local MDS) and WebDataset (local tars). Also a shuffle-quality mode.
+"""Data loaders into a torch training loop: steady-state samples/s and the time to the first
+batch of shardwire (batch mode, over TCP on loopback) against local-disk loaders over the same
+rows: the strongest hand-written local loader (`numpy-mmap-gather`), torch DataLoader with a
+batched `__getitems__`, torch DataLoader with per-sample `__getitem__`, MosaicML Streaming
+(local MDS) and WebDataset (local tars). Also a shuffle-quality mode and a token mode.
 
-Run through scripts/bench-loaders (it makes .venv-streaming and builds the release binary):
+Run through scripts/bench-loaders (it makes .venv-streaming and builds the release binary;
+SKIP_BUILD=1 skips the build):
 
-    scripts/bench-loaders [--samples 262144] [--rounds 3] [--batch 256] [--shuffle-block 32768]
+    scripts/bench-loaders [--samples 262144] [--rounds 3] [--seconds 3] [--batch 256] [--shuffle-block 32768]
     scripts/bench-loaders --shuffle-quality [--samples 262144]
     scripts/bench-loaders --tokens [--tok-tokens 32000000] [--seq-len 2048] [--batch 8] [--rounds 3]
 
-One dataset of N samples (int64 `id` = storage position, float32 `x[256]`), written once as
-Arrow IPC files (record batches of --shard-rows rows = shardwire shards), as MDS shards and as
-tar shards of the same rows. Each loader runs in its own subprocess per round (Streaming with
-.venv-streaming's python), rounds alternate the loaders, and every loader's batch goes through
-the same tiny model step (Linear(256,256)+ReLU+Linear(256,1), forward, backward, SGD, CPU,
-torch.set_num_threads(1)). samples/s counts --measure batches after --warmup batches.
+One dataset of N samples (int64 `id` = storage position, float32 `x[256]`: 1 KiB rows), written
+once as Arrow IPC files (record batches of --shard-rows rows = shardwire shards), as MDS shards
+and as tar shards of the same rows. Each loader runs in its own subprocess per round (Streaming
+with .venv-streaming's python), rounds alternate the loaders' order, and every loader's batch
+goes through the same tiny model step (Linear(256,256)+ReLU+Linear(256,1), forward, backward,
+SGD, CPU, torch.set_num_threads(1)). Every loader runs as many epochs as the windows need
+(shardwire: one stream of --epochs epochs; the local loaders: epoch after epoch, each its own
+shuffle order, DataLoader workers persistent).
+
+Windows (per loader, per round, in its process):
+- first batch, fresh: from opening the loader (shardwire: `connect` + `open_stream`; local: opening
+  the files / constructing the dataset and DataLoader, workers included) to the first batch in
+  the training loop, in a new process (torch and the loader's modules are imported and the model
+  built before the clock starts).
+- warm-up: at least --warmup-seconds (default 1 s) after the first batch AND at least --warmup
+  batches (default 300), whichever ends later; not timed.
+- steady state: then at least --seconds (default 3 s) of wall time AND at least --measure batches
+  (default 0); samples/s = samples / that time. The loop's time waiting for the next batch and
+  the model step's time are split (loader wait share).
+- first batch, resumed: after the window the loader's position is saved, the loader closed, and
+  a new one opened at that position, timed from the open to its first batch:
+  shardwire `open_stream(state=stream.state_dict())` (over a new connection); shardwire-torch
+  `IterableDataset.load_state_dict(ds.state_dict())` in a new DataLoader; numpy-mmap-gather and
+  the torch loaders: re-created at (epoch, batches taken in it) -- files mapped again, the
+  epoch's order recomputed and the batches before the offset skipped (their indices only, no
+  data); Streaming: a new StreamingDataset + StreamingDataLoader given the old loader's
+  `state_dict()`; WebDataset: none (it has no resume; reported as "-").
+
+Loaders:
+- shardwire: `open_stream(batch_size, shuffle="block", shuffle_block, drop_last=True)` in the
+  training process; the batch's read-only zero-copy view goes to `torch.from_numpy`.
+- shardwire-torch: `DataLoader(shardwire.torch.IterableDataset(...), batch_size=None,
+  num_workers=0)` (the SDK's copy=True default: one copy per batch).
+- numpy-mmap-gather: the strongest local loader we could write, in the training process, no
+  DataLoader, no workers. The Arrow IPC files are memory-mapped read-only (mmap(2), all files
+  into one contiguous address range so one view spans the dataset) and opened with pyarrow's IPC
+  reader over that mapping (`pa.foreign_buffer` + `ipc.open_file`): zero-copy numpy views, and
+  per sample the offset of its `x` row and `id` in the mapping. The order is the same kind of
+  two-level block shuffle as shardwire's `shuffle="block"`: per epoch (numpy PCG64 seeded with
+  (seed, epoch)) the record batches (= shards) are permuted, cut into blocks closed at the first
+  shard end at or past --shuffle-block samples, and each block's samples permuted; batches of
+  --batch run across block edges, drop_last per epoch (the same work, not the same order). Per
+  batch: one numpy fancy-index gather of the x rows (a [batch, 256] float32 array) and one of the
+  ids, then `torch.from_numpy`.
+- torch-getitems: `DataLoader` over a map-style dataset whose batched `__getitems__(indices)`
+  does the same gather (torch >= 2.1 calls it once per batch), `batch_sampler` yielding the same
+  block-shuffled index arrays, an identity `collate_fn`, num_workers=0.
+  torch-getitems-workers: the same with --workers workers (persistent, each mapping the files).
+- torch-arrow: the usual way: map-style dataset over the same Arrow files (pyarrow memory_map,
+  zero-copy views per record batch), `__getitem__` returns one row, default collate, a full
+  random permutation per epoch (torch.randperm), --workers persistent workers.
+- streaming: StreamingDataset(local MDS, shuffle_algo="py1e", shuffle_block_size=--shuffle-block)
+  in a StreamingDataLoader with --workers persistent workers.
+- webdataset: WebDataset(tars, shardshuffle).shuffle(--shuffle-block).decode().batched(B) in a
+  WebLoader with --workers persistent workers.
+
+The summary names the fastest local loader (median steady-state samples/s) and gives shardwire's
+ratio to it per round and median, the time-to-first-batch table (fresh and resumed), and the
+CPU model and flags.
 
 --tokens: one Megatron dataset (.bin/.idx written by megatron-core's IndexedDatasetBuilder,
 uint16, documents of 200..3000 random tokens < 50000 each ending in EOD 0), read as windows
 of --seq-len + 1 tokens by megatron-core's GPTDataset in a torch DataLoader (local files,
 --workers workers, create_attention_mask=False) and by shardwire's token stream (block
 shuffle, and order="megatron"), token_dtype int64. Each batch goes through Embedding(50000,
-64) + mean + Linear(64,1) on tokens[:, :-1]; tokens/s = batches * B * (L+1) / time. The first
-batch of order="megatron" is checked equal to GPTDataset's. SHARDWIRE_BIN overrides the binary.
+64) + mean + Linear(64,1) on tokens[:, :-1]; tokens/s = batches * B * (L+1) / time. Token mode
+keeps batch-count windows (defaults --warmup 20 --measure 300, no time floor; GPTDataset runs one
+epoch). The first batch of order="megatron" is checked equal to GPTDataset's.
+
+SHARDWIRE_BIN overrides the binary; SHARDWIRE_VENV and SHARDWIRE_STREAMING_VENV the venvs
+(default .venv and .venv-streaming in the repository).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -44,14 +105,14 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SDK_SRC = REPO / "client" / "python" / "src"
-MAIN_PY = REPO / ".venv" / "bin" / "python"
-STREAMING_PY = REPO / ".venv-streaming" / "bin" / "python"
+MAIN_PY = pathlib.Path(os.environ.get("SHARDWIRE_VENV") or REPO / ".venv") / "bin" / "python"
+STREAMING_PY = pathlib.Path(os.environ.get("SHARDWIRE_STREAMING_VENV") or REPO / ".venv-streaming") / "bin" / "python"
 BIN = pathlib.Path(os.environ.get("SHARDWIRE_BIN") or pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "shardwire")
 DIM = 256
 DATASET = "bench"
 SOURCE_READY = re.compile(r"source listening on (\S+)")
 SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
-LOADERS = ["shardwire", "shardwire-torch", "torch-arrow", "streaming", "webdataset"]
+LOADERS = ["shardwire", "shardwire-torch", "numpy-mmap-gather", "torch-getitems", "torch-getitems-workers", "torch-arrow", "streaming", "webdataset"]
 TOK_LOADERS = ["megatron", "shardwire", "shardwire-megatron"]
 TOK_DATASET, TOK_PREFIX, VOCAB = "gpt", "corpus_text_document", 50000
 
@@ -193,87 +254,392 @@ def token_model():
     return M()
 
 
-def train_loop(batches, warmup: int, measure: int, to_x, make_model=None) -> dict:
-    """Runs the fixed model step on every batch; times `measure` batches after `warmup`.
-    `make_model` (default: the MLP over x[DIM]) builds the model `to_x`'s tensors go into."""
+def mlp():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, 1))
+
+
+def model_step(make_model=None):
+    """The fixed training step (forward, backward, SGD) on a fresh model (default: the MLP over
+    x[DIM]); built before any loader opens, so no first-batch time includes it."""
     import torch
 
     torch.manual_seed(0)
-    model = make_model() if make_model else torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, 1))
+    model = (make_model or mlp)()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    it = iter(batches)
-    samples = 0
-    wait = step = 0.0
-    t0 = None
-    ids_seen = 0
-    for i in range(warmup + measure):
-        if i == warmup:
-            t0 = time.perf_counter()
-            wait = step = 0.0
-            samples = 0
-        a = time.perf_counter()
-        b = next(it)
-        x = to_x(b)
-        c = time.perf_counter()
-        assert make_model or (x.dtype == torch.float32 and x.shape[1] == DIM), (x.dtype, x.shape)
+
+    def step(x):
         opt.zero_grad(set_to_none=True)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
-        d = time.perf_counter()
-        wait += c - a
-        step += d - c
+
+    return step
+
+
+def train_loop(batches, a: argparse.Namespace, to_x, step, t_open: float, check=None) -> dict:
+    """Runs `step` on every batch of `batches` (opened at `t_open`): the first batch's time, a
+    warm-up of at least `a.warmup_seconds` after it and `a.warmup` batches, then a timed window
+    of at least `a.seconds` and `a.measure` batches (samples/s over that window)."""
+    it = iter(batches)
+    perf = time.perf_counter
+
+    def take():
+        try:
+            return to_x(next(it))
+        except StopIteration:
+            raise SystemExit("the loader ended before the windows did (more data, or fewer --warmup/--measure/--seconds)") from None
+
+    x = take()
+    t_first = perf()
+    if check:
+        check(x)
+    step(x)
+    warm = 1
+    while warm < a.warmup or perf() - t_first < a.warmup_seconds:
+        step(take())
+        warm += 1
+    t_warm = perf() - t_first
+    samples = n = 0
+    wait = stepped = 0.0
+    t0 = c = perf()
+    while True:
+        b0 = c
+        x = take()
+        b1 = perf()
+        step(x)
+        c = perf()
+        wait += b1 - b0
+        stepped += c - b1
         samples += x.shape[0]
-        ids_seen += 1
-    el = time.perf_counter() - t0
-    return {"samples": samples, "seconds": el, "samples_per_s": samples / el, "wait_s": wait, "step_s": step}
+        n += 1
+        if n >= a.measure and c - t0 >= a.seconds:
+            break
+    el = c - t0
+    return {"samples": samples, "batches": n, "seconds": el, "samples_per_s": samples / el, "wait_s": wait, "step_s": stepped,
+            "first_batch_s": t_first - t_open, "warmup_batches": warm, "warmup_s": t_warm}
 
 
-def run_loader(name: str, a: argparse.Namespace) -> dict:
+class Epochs:
+    """Endless batches over epochs: `make(epoch, skip)` gives epoch `epoch`'s batches from its
+    batch `skip` on. `pos`: (epoch, batches of it taken) after the last batch handed out."""
+
+    def __init__(self, make, pos=(0, 0)):
+        self.make, self.pos = make, tuple(pos)
+
+    def __iter__(self):
+        e, k = self.pos
+        while True:
+            for b in self.make(e, k):
+                k += 1
+                self.pos = (e, k)
+                yield b
+            e, k = e + 1, 0
+
+
+def shard_rows(data: pathlib.Path) -> list[int]:
+    """Rows per record batch (= shard) of the Arrow files, in storage order (metadata only)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    rows = []
+    for p in sorted((data / "arrow").glob("*.arrow")):
+        r = ipc.open_file(pa.memory_map(str(p), "r"))
+        rows += [r.get_batch(i).num_rows for i in range(r.num_record_batches)]
+    return rows
+
+
+def block_batches(rows: list[int], seed: int, epoch: int, S: int, B: int, skip: int = 0):
+    """One epoch of the two-level block shuffle as batches of B global sample indices (storage
+    positions), drop_last, from batch `skip` on: numpy PCG64 seeded with (seed, epoch) permutes
+    the shards, the permuted shards are cut into blocks closed at the first shard end at or past
+    S samples, and each block's samples are permuted; batches run across block edges."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, epoch])
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    perm = rng.permutation(len(rows))
+    todo = skip * B  # samples before the first batch wanted: their blocks are shuffled (the rng is sequential), not yielded
+    pending = np.empty(0, np.int64)
+    i = 0
+    while i < len(perm):
+        j, n = i, 0
+        while j < len(perm) and n < S:
+            n += rows[perm[j]]
+            j += 1
+        blk = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in perm[i:j]])
+        rng.shuffle(blk)
+        i = j
+        if todo >= len(blk):
+            todo -= len(blk)
+            continue
+        blk, todo = blk[todo:], 0
+        pending = np.concatenate([pending, blk]) if len(pending) else blk
+        k = 0
+        while len(pending) - k >= B:
+            yield pending[k:k + B]
+            k += B
+        pending = pending[k:]
+
+
+class _Unmap:
+    """Owns one mmap(2) region; unmapped when the last buffer over it is gone."""
+
+    def __init__(self, libc, addr: int, size: int):
+        self.libc, self.addr, self.size = libc, addr, size
+
+    def __del__(self):
+        self.libc.munmap(self.addr, self.size)
+
+
+class MmapArrow:
+    """The Arrow IPC files memory-mapped read-only, zero-copy, with one gather per column per batch.
+
+    All files are mapped (mmap(2), PROT_READ, MAP_SHARED) into one contiguous address range, so
+    that one numpy view spans the whole dataset; pyarrow's IPC reader opens each file over its
+    part of the range (`pa.foreign_buffer` + `ipc.open_file`) and gives the address of every
+    record batch's `id` and `x` buffers. `x` rows (1 KiB each, 4-byte aligned) are addressed
+    through an overlapping float32 row view of the range (`as_strided`, row stride 4 bytes), so
+    `gather(idx)` is `xrows[xoff[idx]]`: one fancy-index gather of whole rows, whichever shard or
+    file each row lives in (plus one of the int64 ids). Linux (mmap with MAP_FIXED)."""
+
+    def __init__(self, data: pathlib.Path):
+        import ctypes
+        import mmap
+
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        paths = sorted((data / "arrow").glob("*.arrow"))
+        page = mmap.PAGESIZE
+        sizes = [p.stat().st_size for p in paths]
+        spans = [-(-s // page) * page for s in sizes]
+        total = sum(spans)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        MAP_FIXED, MAP_NORESERVE, PROT_NONE, FAILED = 0x10, 0x4000, 0, ctypes.c_void_p(-1).value
+        base = libc.mmap(None, total, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if base in (None, FAILED):
+            raise OSError(ctypes.get_errno(), "mmap: cannot reserve the address range")
+        owner = _Unmap(libc, base, total)  # from here the range is unmapped when the buffer goes
+        off = 0
+        for p, span in zip(paths, spans):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                if libc.mmap(base + off, span, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, 0) != base + off:
+                    raise OSError(ctypes.get_errno(), f"mmap {p}")
+            finally:
+                os.close(fd)
+            off += span
+        whole = pa.foreign_buffer(base, total, base=owner)
+        xoff, idoff, self.rows = [], [], []
+        off = 0
+        for size, span in zip(sizes, spans):
+            r = ipc.open_file(whole.slice(off, size))
+            for i in range(r.num_record_batches):
+                rb = r.get_batch(i)
+                ids, x = rb.column("id"), rb.column("x")
+                assert ids.null_count == 0 and x.null_count == 0 and x.type.list_size == DIM
+                ia = ids.buffers()[1].address + 8 * ids.offset - base
+                xa = x.values.buffers()[1].address + 4 * (x.values.offset + DIM * x.offset) - base
+                assert ia % 8 == 0 and xa % 4 == 0 and 0 <= xa < total, (ia, xa)
+                idoff.append(ia // 8 + np.arange(rb.num_rows, dtype=np.int64))
+                xoff.append(xa // 4 + DIM * np.arange(rb.num_rows, dtype=np.int64))
+                self.rows.append(rb.num_rows)
+            off += span
+        self.xoff, self.idoff = np.concatenate(xoff), np.concatenate(idoff)
+        u8 = np.frombuffer(whole, dtype=np.uint8)
+        f32 = u8.view(np.float32)
+        self.ids = u8.view(np.int64)
+        self.xrows = np.lib.stride_tricks.as_strided(f32, shape=(len(f32) - DIM + 1, DIM), strides=(4, 4), writeable=False)
+        n = len(self.xoff)
+        assert self.ids[self.idoff[0]] == 0 and self.ids[self.idoff[n - 1]] == n - 1, "id != storage position"
+
+    def __len__(self) -> int:
+        return len(self.xoff)
+
+    def gather(self, idx):
+        """(ids [len(idx)] int64, x [len(idx), DIM] float32), new arrays."""
+        return self.ids[self.idoff[idx]], self.xrows[self.xoff[idx]]
+
+
+class Loader:
+    """One loader: `open(state)` (None: fresh) gives its endless batches, `state()` the position
+    after the last batch taken (None: the loader has no resume), `close()` ends it, `to_x` maps a
+    batch to the float32 [B, DIM] tensor of the model step. `imports`: its modules, imported
+    before the first-batch clock starts (module imports are process start-up, not opening)."""
+
+    imports = ("numpy", "pyarrow", "pyarrow.ipc", "ctypes", "mmap")
+
+    def __init__(self, a: argparse.Namespace):
+        import numpy
+        import torch
+
+        self.a, self.data, self.it = a, pathlib.Path(a.data), None
+        self.np, self.torch = numpy, torch
+
+    def open(self, state=None):
+        raise NotImplementedError
+
+    def state(self):
+        return list(self.it.pos) if isinstance(self.it, Epochs) else None
+
+    def close(self):
+        self.it = None
+        import gc
+
+        gc.collect()
+
+    def to_x(self, b):
+        return b["x"]
+
+
+class Shardwire(Loader):
+    imports = ("shardwire",)
+
+    def open(self, state=None):
+        import shardwire
+
+        a = self.a
+        self.stream = shardwire.connect(a.socket).open_stream(DATASET, seed=1, batch_size=a.batch, shuffle="block", shuffle_block=a.shuffle_block,
+                                                              drop_last=True, epochs=a.epochs, state=state)
+        return self.stream
+
+    def state(self):
+        return self.stream.state_dict()
+
+    def close(self):
+        self.stream.close()
+
+    def to_x(self, b):
+        return self.torch.from_numpy(self.np.asarray(b["x"]))  # read-only zero-copy view; the model only reads it
+
+
+class ShardwireTorch(Loader):
+    imports = ("shardwire.torch",)
+
+    def open(self, state=None):
+        import torch
+        from shardwire.torch import IterableDataset
+
+        a = self.a
+        self.ds = IterableDataset(DATASET, socket=a.socket, seed=1, batch_size=a.batch, shuffle="block", shuffle_block=a.shuffle_block,
+                                  drop_last=True, epochs=a.epochs)
+        if state is not None:
+            self.ds.load_state_dict(state)
+        self.it = iter(torch.utils.data.DataLoader(self.ds, batch_size=None, num_workers=0))
+        return self.it
+
+    def state(self):
+        return self.ds.state_dict()
+
+
+class NumpyMmapGather(Loader):
+    def open(self, state=None):
+        a = self.a
+        m = MmapArrow(self.data)
+
+        def epoch(e, skip):
+            for idx in block_batches(m.rows, 1, e, a.shuffle_block, a.batch, skip):
+                yield m.gather(idx)
+
+        self.it = Epochs(epoch, state or (0, 0))
+        return self.it
+
+    def to_x(self, b):
+        return self.torch.from_numpy(b[1])
+
+
+def _identity(b):
+    return b
+
+
+def _getitems_dataset():
     import numpy as np
     import torch
 
-    torch.set_num_threads(1)
-    data = pathlib.Path(a.data)
-    B, S, W = a.batch, a.shuffle_block, a.workers
-    t_start = time.perf_counter()
-    if name == "shardwire":
-        sys.path.insert(0, str(SDK_SRC))
-        import shardwire
+    class GetItems(torch.utils.data.Dataset):
+        """Map-style: `__getitems__(indices)` gathers a whole batch (each process maps the files
+        on first use); `__getitem__` for one sample."""
 
-        client = shardwire.connect(a.socket)
-        stream = client.open_stream(DATASET, seed=1, batch_size=B, shuffle="block", shuffle_block=S, drop_last=True, epochs=a.epochs)
+        def __init__(self, data: pathlib.Path, n: int):
+            self.data, self.n, self.m = data, n, None
 
-        def to_x(b):
-            return torch.from_numpy(np.asarray(b["x"]))  # read-only zero-copy view; the model only reads it
+        def __len__(self):
+            return self.n
 
-        import warnings
+        def __getstate__(self):
+            return {**self.__dict__, "m": None}
 
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        res = train_loop(stream, a.warmup, a.measure, to_x)
-        stream.close()
-    elif name == "shardwire-torch":
-        sys.path.insert(0, str(SDK_SRC))
-        os.environ["SHARDWIRE_SOCKET"] = a.socket
-        from shardwire.torch import IterableDataset
+        def __getitems__(self, indices):
+            if self.m is None:
+                self.m = MmapArrow(self.data)
+            ids, x = self.m.gather(np.asarray(indices, dtype=np.int64))
+            return {"id": torch.from_numpy(ids), "x": torch.from_numpy(x)}
 
-        ds = IterableDataset(DATASET, seed=1, batch_size=B, shuffle="block", shuffle_block=S, drop_last=True, epochs=a.epochs)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
-        res = train_loop(loader, a.warmup, a.measure, lambda b: b["x"])
-    elif name == "torch-arrow":
+        def __getitem__(self, i):
+            b = self.__getitems__([i])
+            return {k: v[0] for k, v in b.items()}
+
+    class BlockBatchSampler(torch.utils.data.Sampler):
+        """Batches of block-shuffled indices (`block_batches`), one numpy array per batch."""
+
+        def __init__(self, rows, seed, S, B):
+            self.rows, self.seed, self.S, self.B, self.epoch, self.skip = rows, seed, S, B, 0, 0
+
+        def set_epoch(self, epoch, skip=0):
+            self.epoch, self.skip = epoch, skip
+
+        def __len__(self):
+            return sum(self.rows) // self.B - self.skip
+
+        def __iter__(self):
+            return block_batches(self.rows, self.seed, self.epoch, self.S, self.B, self.skip)
+
+    return GetItems, BlockBatchSampler
+
+
+class TorchGetItems(Loader):
+    workers = 0
+
+    def open(self, state=None):
+        import torch
+
+        a = self.a
+        GetItems, BlockBatchSampler = _getitems_dataset()
+        rows = shard_rows(self.data)
+        W = a.workers if self.workers else 0
+        sampler = BlockBatchSampler(rows, 1, a.shuffle_block, a.batch)
+        ds = GetItems(self.data, sum(rows))
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=_identity, num_workers=W, persistent_workers=W > 0)
+
+        def epoch(e, skip):
+            sampler.set_epoch(e, skip)
+            return iter(loader)
+
+        self.it = Epochs(epoch, state or (0, 0))
+        return self.it
+
+
+class TorchGetItemsWorkers(TorchGetItems):
+    workers = 1
+
+
+class TorchArrow(Loader):
+    def open(self, state=None):
+        import numpy as np
+        import torch
+
+        a, data = self.a, self.data
 
         class ArrowMap(torch.utils.data.Dataset):
-            def __init__(self, paths):
-                self.paths = paths
+            def __init__(self, rows):
                 self.parts = None
-                import pyarrow.ipc as ipc
-                import pyarrow as pa
-
-                self.rows = []
-                for p in paths:
-                    r = ipc.open_file(pa.memory_map(str(p), "r"))
-                    self.rows += [r.get_batch(i).num_rows for i in range(r.num_record_batches)]
-                self.starts = np.cumsum([0] + self.rows)
+                self.starts = np.cumsum([0] + rows)
 
             def _open(self):  # per process (after the fork): memory-mapped, zero-copy views
                 self.parts = list(arrow_batches(data))
@@ -289,30 +655,126 @@ def run_loader(name: str, a: argparse.Namespace) -> dict:
                 j = i - int(self.starts[k])
                 return {"id": int(ids[j]), "x": torch.from_numpy(x[j].copy())}
 
-        ds = ArrowMap(sorted((data / "arrow").glob("*.arrow")))
-        g = torch.Generator().manual_seed(1)
-        loader = torch.utils.data.DataLoader(ds, batch_size=B, shuffle=True, num_workers=W, drop_last=True, generator=g, persistent_workers=False)
-        res = train_loop(loader, a.warmup, a.measure, lambda b: b["x"])
-    elif name == "streaming":
-        from streaming import StreamingDataset
+        class PermSampler(torch.utils.data.Sampler):
+            """RandomSampler's full permutation, seeded per epoch, from sample `skip` on."""
+
+            def __init__(self, n):
+                self.n, self.epoch, self.skip = n, 0, 0
+
+            def __len__(self):
+                return self.n - self.skip
+
+            def __iter__(self):
+                g = torch.Generator().manual_seed(1_000_003 + self.epoch)
+                return iter(torch.randperm(self.n, generator=g)[self.skip:].tolist())
+
+        ds = ArrowMap(shard_rows(data))
+        sampler = PermSampler(len(ds))
+        W = a.workers
+        loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=W, drop_last=True, persistent_workers=W > 0)
+
+        def epoch(e, skip):
+            sampler.epoch, sampler.skip = e, skip * a.batch
+            return iter(loader)
+
+        self.it = Epochs(epoch, state or (0, 0))
+        return self.it
+
+
+class Streaming(Loader):
+    imports = ("streaming", "streaming.base.util")
+
+    def open(self, state=None):
+        from streaming import StreamingDataLoader, StreamingDataset
         from streaming.base.util import clean_stale_shared_memory
 
+        a = self.a
         clean_stale_shared_memory()
-        ds = StreamingDataset(local=str(data / "mds"), remote=None, batch_size=B, shuffle=True, shuffle_algo="py1e",
-                              shuffle_block_size=S, shuffle_seed=1, num_canonical_nodes=1)
-        loader = torch.utils.data.DataLoader(ds, batch_size=B, num_workers=W, drop_last=True)
-        res = train_loop(loader, a.warmup, a.measure, lambda b: b["x"])
-    elif name == "webdataset":
+        self.ds = StreamingDataset(local=str(self.data / "mds"), remote=None, batch_size=a.batch, shuffle=True, shuffle_algo="py1e",
+                                   shuffle_block_size=a.shuffle_block, shuffle_seed=1, num_canonical_nodes=1)
+        self.loader = StreamingDataLoader(self.ds, batch_size=a.batch, num_workers=a.workers, drop_last=True, persistent_workers=a.workers > 0)
+        if state is not None:
+            self.loader.load_state_dict(state)
+        self.it = Epochs(lambda e, k: iter(self.loader))
+        return self.it
+
+    def state(self):
+        return self.loader.state_dict()
+
+    def close(self):
+        self.loader = self.ds = None
+        super().close()
+
+
+class WebDataset(Loader):
+    imports = ("webdataset",)
+
+    def open(self, state=None):
         import webdataset as wds
 
-        urls = [str(p) for p in sorted((data / "wds").glob("*.tar"))]
+        a = self.a
+        urls = [str(p) for p in sorted((self.data / "wds").glob("*.tar"))]
         ds = (wds.WebDataset(urls, shardshuffle=len(urls), seed=1, empty_check=False)
-              .shuffle(S).decode().to_tuple("x.npy", "id.cls").batched(B, partial=False))
-        loader = wds.WebLoader(ds, batch_size=None, num_workers=W)
-        res = train_loop(loader, a.warmup, a.measure, lambda b: b[0] if torch.is_tensor(b[0]) else torch.from_numpy(b[0]))
-    else:
-        raise SystemExit(f"unknown loader {name}")
-    res.update(loader=name, total_s=time.perf_counter() - t_start)
+              .shuffle(a.shuffle_block).decode().to_tuple("x.npy", "id.cls").batched(a.batch, partial=False))
+        loader = wds.WebLoader(ds, batch_size=None, num_workers=a.workers, persistent_workers=a.workers > 0)
+        self.it = Epochs(lambda e, k: iter(loader))
+        return self.it
+
+    def state(self):
+        return None  # no resume API
+
+    def to_x(self, b):
+        return b[0] if self.torch.is_tensor(b[0]) else self.torch.from_numpy(b[0])
+
+
+LOADER_CLASSES = {"shardwire": Shardwire, "shardwire-torch": ShardwireTorch, "numpy-mmap-gather": NumpyMmapGather, "torch-getitems": TorchGetItems,
+                  "torch-getitems-workers": TorchGetItemsWorkers, "torch-arrow": TorchArrow, "streaming": Streaming, "webdataset": WebDataset}
+
+
+def versions() -> dict:
+    import numpy
+    import torch
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__}
+    for m in ("pyarrow", "streaming", "webdataset"):
+        if m in sys.modules:
+            v[m] = getattr(sys.modules[m], "__version__", "?")
+    return v
+
+
+def run_loader(name: str, a: argparse.Namespace) -> dict:
+    """One loader in this process: fresh open, warm-up, steady-state window, then a resume at the
+    position after the window (a new loader object, timed to its first batch)."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message=".*not writable.*")  # shardwire's read-only views; the model only reads them
+    torch.set_num_threads(1)
+    cls = LOADER_CLASSES.get(name) or sys.exit(f"unknown loader {name}; known: {', '.join(LOADER_CLASSES)}")
+    t_start = time.perf_counter()
+    step = model_step()
+
+    def check(x):
+        assert x.dtype == torch.float32 and tuple(x.shape) == (a.batch, DIM), (x.dtype, x.shape)
+
+    sys.path.insert(0, str(SDK_SRC))
+    for m in cls.imports:
+        importlib.import_module(m)
+    ld = cls(a)
+    t_open = time.perf_counter()
+    res = train_loop(ld.open(), a, ld.to_x, step, t_open, check)
+    state = ld.state()
+    ld.close()
+    res["resume_at"] = {k: state[k] for k in ("epoch", "index") if k in state} if isinstance(state, dict) and "index" in state else state
+    res["resume_first_batch_s"] = None
+    if state is not None:
+        ld = cls(a)
+        t = time.perf_counter()
+        check(ld.to_x(next(iter(ld.open(state)))))
+        res["resume_first_batch_s"] = time.perf_counter() - t
+        ld.close()
+    res.update(loader=name, total_s=time.perf_counter() - t_start, versions=versions())
     return res
 
 
@@ -332,9 +794,11 @@ def run_token_loader(name: str, a: argparse.Namespace) -> dict:
         return t[:, :-1]
 
     t_start = time.perf_counter()
+    step = model_step(token_model)
+    t_open = time.perf_counter()
     if name == "megatron":
         loader = torch.utils.data.DataLoader(gpt_dataset(pathlib.Path(a.data), L), batch_size=B, num_workers=a.workers, shuffle=False, drop_last=True)
-        res = train_loop(loader, a.warmup, a.measure, lambda b: to_x(torch.cat([b["tokens"], b["labels"][:, -1:]], dim=1)), token_model)
+        res = train_loop(loader, a, lambda b: to_x(torch.cat([b["tokens"], b["labels"][:, -1:]], dim=1)), step, t_open)
     elif name in ("shardwire", "shardwire-megatron"):
         sys.path.insert(0, str(SDK_SRC))
         import shardwire
@@ -344,7 +808,7 @@ def run_token_loader(name: str, a: argparse.Namespace) -> dict:
         import warnings
 
         warnings.filterwarnings("ignore", message=".*not writable.*")  # read-only zero-copy view; the model only reads it
-        res = train_loop(stream, a.warmup, a.measure, lambda b: to_x(torch.from_numpy(np.asarray(b["tokens"]))), token_model)
+        res = train_loop(stream, a, lambda b: to_x(torch.from_numpy(np.asarray(b["tokens"]))), step, t_open)
         stream.close()
     else:
         raise SystemExit(f"unknown token loader {name}")
@@ -432,6 +896,20 @@ def cpu_model() -> str:
     return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 
 
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "asimd", "sve", "hypervisor")
+
+
+def cpu_line() -> str:
+    """The CPU model, CPU count, the SIMD flags that matter to numpy/torch, and the load."""
+    flags: set[str] = set()
+    for l in open("/proc/cpuinfo"):
+        if l.startswith(("flags", "Features")):
+            flags = set(l.split(":", 1)[1].split())
+            break
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, flags {' '.join(f for f in CPU_FLAGS if f in flags) or '-'}; load average {load}"
+
+
 # ----------------------------------------------------------------------------- shuffle quality
 
 
@@ -499,7 +977,8 @@ def tokens_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]
     loaders = TOK_LOADERS
     results: dict[str, list[dict]] = {l: [] for l in loaders}
     common = ["--tokens", "--data", str(d), "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--workers", str(a.workers),
-              "--warmup", str(a.warmup), "--measure", str(a.measure), "--socket", sock]
+              "--warmup", str(a.warmup), "--measure", str(a.measure), "--warmup-seconds", str(a.warmup_seconds), "--seconds", str(a.seconds),
+              "--socket", sock]
     for rnd in range(a.rounds):
         for l in (loaders if rnd % 2 == 0 else loaders[::-1]):
             first = tmp / f"first-{l}.npy"
@@ -513,7 +992,7 @@ def tokens_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]
             print("order=megatron matches GPTDataset: first batch equal", file=sys.stderr)
     med = {l: statistics.median(r["tokens_per_s"] for r in v) for l, v in results.items()}
     print(f"\n{a.tok_tokens} tokens (uint16, documents of 200..3000), seq_len {a.seq_len}, batch {a.batch}, token_dtype int64, "
-          f"{a.workers} DataLoader workers for megatron, {a.measure} batches timed after {a.warmup}; {cpu_model()}, {os.cpu_count()} CPUs")
+          f"{a.workers} DataLoader workers for megatron, {a.measure} batches timed after {a.warmup}; {cpu_line()}")
     print("| loader | " + " | ".join(f"round {i + 1}" for i in range(a.rounds)) + " | median tokens/s | loader wait share | vs megatron |")
     print("|---|" + "---:|" * (a.rounds + 3))
     for l in loaders:
@@ -524,22 +1003,112 @@ def tokens_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]
                       "ratios_vs_megatron": {l: med[l] / med["megatron"] for l in loaders}, "runs": results}))
 
 
+def ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]) -> None:
+    """The loaders, each in its own process per round; per-round lines on stderr, the summary
+    (steady state, time to the first batch, shardwire against the fastest local loader) and one
+    JSON line on stdout."""
+    sock, _ = start_node(pathlib.Path(a.data), tmp, children)
+    loaders = a.loaders.split(",")
+    unknown = [l for l in loaders if l not in LOADER_CLASSES]
+    if unknown:
+        raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADER_CLASSES)}")
+    results: dict[str, list[dict]] = {l: [] for l in loaders}
+    common = ["--data", a.data, "--batch", str(a.batch), "--shuffle-block", str(a.shuffle_block), "--workers", str(a.workers),
+              "--warmup", str(a.warmup), "--measure", str(a.measure), "--warmup-seconds", str(a.warmup_seconds), "--seconds", str(a.seconds),
+              "--epochs", str(a.epochs), "--socket", sock]
+    print(cpu_line(), file=sys.stderr, flush=True)
+    for rnd in range(a.rounds):
+        for l in (loaders if rnd % 2 == 0 else loaders[::-1]):
+            res = run_one(STREAMING_PY if l == "streaming" else MAIN_PY, l, common)
+            res["round"] = rnd + 1
+            results[l].append(res)
+            print(f"round {rnd + 1} {l:22s} {res['samples_per_s']:10.0f} samples/s over {res['seconds']:.1f} s ({res['batches']} batches; "
+                  f"loader wait {res['wait_s']:.2f} s, model {res['step_s']:.2f} s; warm-up {res['warmup_batches']} batches "
+                  f"{res['warmup_s']:.1f} s); first batch {ms(res['first_batch_s'])} ms fresh, {ms(res['resume_first_batch_s'])} ms resumed; "
+                  f"process {res['total_s']:.1f} s", file=sys.stderr, flush=True)
+    R = a.rounds
+    med = {l: statistics.median(r["samples_per_s"] for r in v) for l, v in results.items()}
+
+    def med_of(l, k):
+        v = [r[k] for r in results[l] if r[k] is not None]
+        return statistics.median(v) if v else None
+
+    local = [l for l in loaders if not l.startswith("shardwire")]
+    best = max(local, key=lambda l: med[l]) if local else None
+    vers = {k: v for rs in results.values() for r in rs for k, v in r.get("versions", {}).items()}
+    print(f"\nsteady state: {a.samples} samples x {DIM} float32 (1 KiB rows), shards of {a.shard_rows}, batch {a.batch}, shuffle_block "
+          f"{a.shuffle_block}, {a.workers} workers where a loader has workers; each window at least {a.seconds:g} s and {a.measure} "
+          f"batches after a warm-up of at least {a.warmup_seconds:g} s and {a.warmup} batches; {R} rounds")
+    print(cpu_line() + "; " + ", ".join(f"{k} {v}" for k, v in vers.items()))
+    vs = f"vs fastest local ({best})" if best else "vs fastest local"
+    print("| loader | " + " | ".join(f"round {i + 1}" for i in range(R)) + f" | median samples/s | loader wait share | {vs} |")
+    print("|---|" + "---:|" * (R + 3))
+    for l in loaders:
+        v = results[l]
+        share = statistics.median(r["wait_s"] / (r["wait_s"] + r["step_s"]) for r in v)
+        ratio = f"{med[l] / med[best]:.3f}" if best else "-"
+        print(f"| {l} | " + " | ".join(f"{r['samples_per_s']:.0f}" for r in v) + f" | {med[l]:.0f} | {share:.0%} | {ratio} |")
+    print("\ntime to the first batch, ms (fresh: open/attach -> first batch in a new process; resumed: re-opened at the position "
+          "saved after the window -> first batch)")
+    print("| loader | " + " | ".join(f"fresh r{i + 1}" for i in range(R)) + " | median fresh | "
+          + " | ".join(f"resumed r{i + 1}" for i in range(R)) + " | median resumed |")
+    print("|---|" + "---:|" * (2 * R + 2))
+    for l in loaders:
+        v = results[l]
+        print(f"| {l} | " + " | ".join(ms(r["first_batch_s"]) for r in v) + f" | {ms(med_of(l, 'first_batch_s'))} | "
+              + " | ".join(ms(r["resume_first_batch_s"]) for r in v) + f" | {ms(med_of(l, 'resume_first_batch_s'))} |")
+    summary: dict[str, dict] = {}
+    if best:
+        print(f"\nfastest local loader (median steady-state samples/s): {best}, {med[best]:.0f} samples/s")
+        for l in loaders:
+            if not l.startswith("shardwire"):
+                continue
+            rr = [results[l][i]["samples_per_s"] / results[best][i]["samples_per_s"] for i in range(R)]
+            fastest = [max(local, key=lambda x: results[x][i]["samples_per_s"]) for i in range(R)]
+            rf = [results[l][i]["samples_per_s"] / results[fastest[i]][i]["samples_per_s"] for i in range(R)]
+            summary[l] = {"vs": best, "per_round": rr, "median": statistics.median(rr), "ratio_of_medians": med[l] / med[best],
+                          "per_round_vs_round_fastest": rf, "round_fastest": fastest,
+                          "first_batch_s": med_of(l, "first_batch_s"), "resume_first_batch_s": med_of(l, "resume_first_batch_s")}
+            print(f"{l} / {best} steady state per round: {', '.join(f'{x:.3f}' for x in rr)} (median {statistics.median(rr):.3f}; "
+                  f"ratio of medians {med[l] / med[best]:.3f}); against each round's fastest local: "
+                  + ", ".join(f"{x:.3f} ({f})" for x, f in zip(rf, fastest)))
+            print(f"{l} first batch: {ms(med_of(l, 'first_batch_s'))} ms fresh, {ms(med_of(l, 'resume_first_batch_s'))} ms resumed "
+                  f"(medians; {best}: {ms(med_of(best, 'first_batch_s'))} ms fresh, {ms(med_of(best, 'resume_first_batch_s'))} ms resumed)")
+    print(json.dumps({"bench": "loaders", "cpu": cpu_model(), "cpu_line": cpu_line(), "versions": vers,
+                      "params": {k: getattr(a, k) for k in ("samples", "shard_rows", "files", "batch", "shuffle_block", "workers", "warmup",
+                                                            "warmup_seconds", "measure", "seconds", "rounds")},
+                      "median_samples_per_s": med, "fastest_local": best,
+                      "ratios_vs_fastest_local": {l: med[l] / med[best] for l in loaders} if best else {},
+                      "shardwire_vs_fastest_local": summary,
+                      "median_first_batch_s": {l: med_of(l, "first_batch_s") for l in loaders},
+                      "median_resume_first_batch_s": {l: med_of(l, "resume_first_batch_s") for l in loaders}, "runs": results}))
+
+
 # ----------------------------------------------------------------------------- driver
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring (scripts/bench_loaders.py) for the "
+                                "method: windows, loaders, resume.", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=262144)
     p.add_argument("--shard-rows", type=int, default=4096)
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--batch", type=int, default=None, help="default 256 (8 with --tokens)")
     p.add_argument("--shuffle-block", type=int, default=32768)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=20, help="batches")
-    p.add_argument("--measure", type=int, default=300, help="batches")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of torch-getitems-workers, torch-arrow, streaming, webdataset "
+                   "(and megatron with --tokens)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up: at least this many batches (default 300; 20 with --tokens)")
+    p.add_argument("--warmup-seconds", type=float, default=None, help="warm-up: and at least this long after the first batch "
+                   "(default 1; 0 with --tokens)")
+    p.add_argument("--measure", type=int, default=None, help="timed window: at least this many batches (default 0; 300 with --tokens)")
+    p.add_argument("--seconds", type=float, default=None, help="timed window: and at least this long (default 3; 0 with --tokens)")
+    p.add_argument("--epochs", type=int, default=10000, help="epochs of the shardwire streams (the windows run as many as they need)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--loaders", default=",".join(LOADERS))
+    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated, of: %(default)s")
     p.add_argument("--data", default=os.environ.get("BENCH_LOADERS_DATA", "/tmp/sw-bench-loaders-data"))
     p.add_argument("--shuffle-quality", action="store_true")
     p.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 131072])
@@ -552,6 +1121,9 @@ def main() -> None:
     p.add_argument("--write-mds", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.batch = a.batch or (8 if a.tokens else 256)
+    for k, samples_mode, tokens_mode in (("warmup", 300, 20), ("warmup_seconds", 1.0, 0.0), ("measure", 0, 300), ("seconds", 3.0, 0.0)):
+        if getattr(a, k) is None:
+            setattr(a, k, tokens_mode if a.tokens else samples_mode)
     if a.write_mds:
         write_mds(pathlib.Path(a.write_mds), a.shard_rows)
         return
@@ -567,44 +1139,10 @@ def main() -> None:
     try:
         if a.tokens:
             tokens_bench(a, tmp, children)
-            return
-        if a.shuffle_quality:
+        elif a.shuffle_quality:
             shuffle_quality(a, tmp, children)
-            return
-        sock, _ = start_node(pathlib.Path(a.data), tmp, children)
-        loaders = a.loaders.split(",")
-        results: dict[str, list[dict]] = {l: [] for l in loaders}
-        common = ["--data", a.data, "--batch", str(a.batch), "--shuffle-block", str(a.shuffle_block), "--workers", str(a.workers),
-                  "--warmup", str(a.warmup), "--measure", str(a.measure), "--epochs", str(a.epochs), "--socket", sock]
-        for rnd in range(a.rounds):
-            order = loaders if rnd % 2 == 0 else loaders[::-1]
-            for l in order:
-                py = STREAMING_PY if l == "streaming" else MAIN_PY
-                res = run_one(py, l, common)
-                res["round"] = rnd + 1
-                results[l].append(res)
-                print(f"round {rnd + 1} {l:16s} {res['samples_per_s']:10.0f} samples/s  (loader wait {res['wait_s']:.2f} s, "
-                      f"model {res['step_s']:.2f} s, process {res['total_s']:.1f} s)", file=sys.stderr, flush=True)
-        med = {l: statistics.median(r["samples_per_s"] for r in v) for l, v in results.items()}
-        local = [l for l in loaders if not l.startswith("shardwire")]
-        best = max(local, key=lambda l: med[l]) if local else None
-        print(f"\n{a.samples} samples x {DIM} float32, shards of {a.shard_rows}, batch {a.batch}, shuffle_block {a.shuffle_block}, "
-              f"{a.workers} workers for local loaders, {a.measure} batches timed after {a.warmup}; {cpu_model()}, {os.cpu_count()} CPUs")
-        print("| loader | " + " | ".join(f"round {i + 1}" for i in range(a.rounds)) + " | median samples/s | loader wait share | vs fastest local |")
-        print("|---|" + "---:|" * (a.rounds + 3))
-        for l in loaders:
-            v = results[l]
-            share = statistics.median(r["wait_s"] / (r["wait_s"] + r["step_s"]) for r in v)
-            ratio = f"{med[l] / med[best]:.3f}" if best else "-"
-            print(f"| {l} | " + " | ".join(f"{r['samples_per_s']:.0f}" for r in v) + f" | {med[l]:.0f} | {share:.0%} | {ratio} |")
-        # per-round ratio against the fastest local peer of that round
-        if best:
-            for l in loaders:
-                if l.startswith("shardwire"):
-                    rr = [results[l][i]["samples_per_s"] / max(results[x][i]["samples_per_s"] for x in local) for i in range(a.rounds)]
-                    print(f"{l} / fastest local peer per round: {', '.join(f'{x:.3f}' for x in rr)} (median {statistics.median(rr):.3f})")
-        print(json.dumps({"bench": "loaders", "cpu": cpu_model(), "median_samples_per_s": med, "fastest_local": best,
-                          "ratios_vs_fastest_local": {l: med[l] / med[best] for l in loaders} if best else {}, "runs": results}))
+        else:
+            loaders_bench(a, tmp, children)
     finally:
         for c in reversed(children):
             c.stop()

@@ -307,6 +307,7 @@ impl Stream {
                 index,
                 shard,
                 tensors,
+                ..
             } => Ok(Some(Batch {
                 lease,
                 epoch,

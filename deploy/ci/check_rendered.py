@@ -654,6 +654,10 @@ def exported_metrics(srcs: list[Path]) -> tuple[dict[str, str], bool]:
             out[name] = kind
         for name in re.findall(r'pub const STALL: &str = "(shardwire_[a-z0-9_]+)"', text):
             out[name] = "counter"
+        # node/src/counters.rs: the `counters!` table, `field => status: Unit, "name", label, help;`
+        # (every entry is a counter).
+        for name in re.findall(r'=>\s*[a-z_0-9]+:\s*[A-Za-z]+,\s*"(shardwire_[a-z0-9_]+)"', text):
+            out[name] = "counter"
         buckets = buckets or "set_buckets" in text
     return out, buckets
 

@@ -174,11 +174,55 @@ counters! {
 pub struct FlowStats {
     /// Bytes received on this flow.
     pub bytes: AtomicU64,
+    /// Bytes checksummed on the CPU, by the log2 of the piece they landed in just before
+    /// (how far the CRC reads behind the copy that placed them: small pieces are read from
+    /// cache).
+    pub crc_pieces: [AtomicU64; 32],
+}
+
+impl FlowStats {
+    /// Counts `n` bytes checksummed right after landing in one piece.
+    pub fn crc_piece(&self, n: usize) {
+        let k = (usize::BITS - 1 - n.max(1).leading_zeros()) as usize;
+        self.crc_pieces[k.min(31)].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The piece size (a power of two, rounded down) below which half of the checksummed
+    /// bytes landed, over `flows`; `None` when nothing was checksummed on the CPU.
+    pub fn median_crc_piece<'a>(flows: impl IntoIterator<Item = &'a Self>) -> Option<usize> {
+        let mut sum = [0u64; 32];
+        for f in flows {
+            for (s, a) in sum.iter_mut().zip(&f.crc_pieces) {
+                *s += a.load(Ordering::Relaxed);
+            }
+        }
+        let total: u64 = sum.iter().sum();
+        let mut seen = 0;
+        sum.iter()
+            .position(|b| {
+                seen += b;
+                total > 0 && seen * 2 >= total
+            })
+            .map(|k| 1 << k)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_median_crc_piece_weighs_bytes() {
+        let (a, b) = (FlowStats::default(), FlowStats::default());
+        assert_eq!(FlowStats::median_crc_piece([&a, &b]), None);
+        for _ in 0..10 {
+            a.crc_piece(4096); // 40 KiB in 4 KiB pieces
+        }
+        b.crc_piece(3 << 20); // 3 MiB in one piece
+        assert_eq!(FlowStats::median_crc_piece([&a, &b]), Some(2 << 20));
+        a.crc_piece(0);
+        assert_eq!(a.crc_pieces[0].load(Ordering::Relaxed), 0);
+    }
 
     #[test]
     fn the_snapshot_shows_each_counter_under_its_status_name() {

@@ -46,6 +46,7 @@ pub use stream::{Batch, CloseReason, Next, OpenError, Stream, StreamInfo};
 
 /// The receive primitives `shardwire bench` measures the node's own reader with.
 pub mod bench {
+    pub use crate::rx::copy::copy_nt;
     pub use crate::rx::recv::Plain;
     pub use crate::rx::shared::{CHUNK, PayloadRead, RCVLOWAT, lowat_for};
 }

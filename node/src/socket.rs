@@ -148,6 +148,8 @@ struct Conn<'a> {
     /// Slabs of released leases: freed after the answer is out (freeing takes the region's
     /// locks, and the trainer is busy with the answer by then).
     released: Vec<Slab>,
+    /// The attach asked for `state` in every batch reply.
+    batch_state: bool,
 }
 
 fn serve(node: &Arc<Node>, sock: UnixStream) {
@@ -168,6 +170,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
         frame: Vec::with_capacity(256),
         stream: None,
         released: Vec::new(),
+        batch_state: false,
     };
     loop {
         // Before `attach` a trainer has the request timeout; attached, the idle timeout.
@@ -237,7 +240,10 @@ impl Conn<'_> {
                         ErrorCode::UnknownLease,
                         format!("lease {l} (in {release:?}) is not held by this stream"),
                     ),
-                    Ok(()) => next_response(s.next(timeout_ms.map(Duration::from_millis))),
+                    Ok(()) => {
+                        let n = s.next(timeout_ms.map(Duration::from_millis));
+                        next_response(n, self.batch_state.then_some(&*s))
+                    }
                 }
             }
             Request::Release { lease } => match s.take_lease(lease) {
@@ -257,6 +263,7 @@ impl Conn<'_> {
 
     /// Opens the connection's stream and sends its region.
     fn attach(&mut self, r: StreamRequest) -> Result<(), FrameIoError> {
+        let batch_state = r.batch_state;
         let s = match self.node.open_stream_from_thread(r) {
             Ok(s) => s,
             Err(e) => return self.send(&error(e.code, e.message)),
@@ -281,6 +288,7 @@ impl Conn<'_> {
             state: s.state(),
         };
         self.stream = Some(Arc::clone(&s));
+        self.batch_state = batch_state;
         reply(&self.sock, &attached, &[fd.as_fd()])
     }
 
@@ -317,9 +325,11 @@ impl Conn<'_> {
     }
 }
 
-fn next_response(n: Next) -> Response {
+/// The reply to `next`; with `states`, a batch carries the state that resumes after it.
+fn next_response(n: Next, states: Option<&Stream>) -> Response {
     match n {
         Next::Batch(b) => Response::Batch {
+            state: states.map(|s| s.state_after(b.epoch, b.index)),
             lease: b.lease,
             epoch: b.epoch,
             index: b.index,

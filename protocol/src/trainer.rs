@@ -80,8 +80,14 @@ impl Response {
                 index,
                 shard,
                 tensors,
+                state,
             } => frame(out, |out| {
-                fast::encode_batch(*lease, *epoch, *index, *shard, tensors, out)
+                fast::encode_batch(
+                    (*lease, *epoch, *index, *shard),
+                    tensors,
+                    state.as_ref(),
+                    out,
+                )
             }),
             other => encode(other, out),
         }

@@ -7,6 +7,8 @@
 //! `--rate` paces both to the same goodput, so their CPU per GB compares throughput-matched.
 
 mod cpu;
+mod crc;
+mod report;
 mod tcp;
 
 use std::process::ExitCode;
@@ -18,6 +20,10 @@ use clap::Args;
 use shardwire_client::{Stream, StreamOptions};
 use shardwire_config::{ByteSize, ReceiveMode};
 
+use self::report::{
+    Run, compare_crc, compare_tcp, compare_uring, crc_ways, gbps, node_ratio, print_crc_medians,
+    print_tcp_medians, print_uring_medians,
+};
 use crate::demo::Loopback;
 use crate::synth;
 
@@ -42,6 +48,19 @@ pub struct BenchArgs {
     /// incrementally), with and without SO_RCVLOWAT; prints each one's ratio to the node's.
     #[arg(long)]
     compare_uring: bool,
+    /// Also measure where the CRC-32C of received bytes is computed, each way into the
+    /// stream-sized region with every shard checked: in place after reads of 1 MiB (the
+    /// node's recv path) and 256 KiB; the node's io_uring queue with whole payloads (its
+    /// path) and with pieces of 128 KiB / 256 KiB handed over a bounded window ahead;
+    /// io_uring completions uncapped; through a 256 KiB bounce buffer copied on with
+    /// non-temporal stores or `memcpy`; through a 64 KiB one with CRC and copy fused per
+    /// 16 KiB. Prints each one's ratio to the first, and the median piece each checksum read.
+    #[arg(long)]
+    compare_crc: bool,
+    /// With --compare-crc: only these ways (their labels as printed, e.g. `crc-queue`;
+    /// repeatable). The first one named is the reference of the ratios.
+    #[arg(long = "crc-way")]
+    crc_ways: Vec<String>,
     /// The node's plain-TCP data connections receive with io_uring (the service default);
     /// `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -63,18 +82,6 @@ pub struct BenchArgs {
     rate: Option<f64>,
 }
 
-/// What one run measured: goodput, CPU seconds per GB over this process's threads (user +
-/// system) and over all CPUs (busy time, softirq included).
-struct Run {
-    gbps: f64,
-    cpu_per_gb: f64,
-    all_per_gb: f64,
-}
-
-fn gbps(bytes: u64, secs: f64) -> f64 {
-    bytes as f64 * 8.0 / secs / 1e9
-}
-
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     crate::logging::init_filter("warn");
@@ -90,6 +97,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
     let count = ((256usize << 20) / shard).clamp(8, 64);
+    let crc_ways = match a.compare_crc {
+        true => crc_ways(&a.crc_ways)?,
+        false => Vec::new(),
+    };
     let dir = synth::scratch_dir("bench")?;
     let data = dir.join("data");
     std::fs::create_dir_all(&data)?;
@@ -113,6 +124,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}",
         a.flows, a.seconds, shard, a.mode
     );
+    println!("cpu: {}", cpu::describe());
 
     let rate = a.rate.map_or(0, |g| (g * 1e9 / 8.0) as u64);
     let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
@@ -126,7 +138,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         seconds: a.seconds,
     };
     let result = (|| {
-        let (mut ratios, mut uring_rows) = (Vec::new(), Vec::new());
+        let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
+        let crcs: Vec<u32> = match a.compare_crc {
+            true => files
+                .iter()
+                .map(|f| std::fs::read(f).map(|b| shardwire_protocol::crc::crc32c(&b)))
+                .collect::<Result<_, _>>()?,
+            false => Vec::new(),
+        };
         for round in 0..a.rounds.max(1) {
             if a.rounds > 1 {
                 println!("-- round {}", round + 1);
@@ -141,9 +160,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
             if a.compare_tcp {
                 ratios.push(compare_tcp(&sw, &files, &plain, region)?);
             }
+            if a.compare_crc {
+                crc_rows.push(compare_crc(&files, &plain, region, &crcs, &crc_ways)?);
+            }
         }
         print_tcp_medians(&ratios);
         print_uring_medians(&uring_rows);
+        print_crc_medians(&crc_rows, &crc_ways);
         Ok::<_, anyhow::Error>(())
     })();
     let _ = std::fs::remove_dir_all(&dir);
@@ -225,6 +248,10 @@ fn run_shardwire(
         })
         .collect();
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
+    let stats: Vec<_> = node.flows().into_iter().map(|f| f.stats).collect();
+    print_crc_hotness(shardwire_node::FlowStats::median_crc_piece(
+        stats.iter().map(|s| &**s),
+    ));
     if let Some(b) = node.binding_status() {
         println!(
             "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {:?} of {} net_iovs free at the end",
@@ -254,176 +281,24 @@ fn run_shardwire(
     })
 }
 
-/// The median of `v` and `v` sorted.
-fn median(mut v: Vec<f64>) -> (f64, Vec<f64>) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v)
-}
-
-/// The node with io_uring over the node with `recv` (goodput, CPU s/GB of the threads),
-/// printed; `sw` ran with `io_uring`, `other` the other way.
-fn node_ratio(io_uring: bool, sw: &Run, other: &Run) -> (f64, f64) {
-    let (on, off) = if io_uring { (sw, other) } else { (other, sw) };
-    let r = (on.gbps / off.gbps, on.cpu_per_gb / off.cpu_per_gb);
-    println!(
-        "ratio shardwire io_uring/recv: {:.3} ({:.3} / {:.3} Gbps), CPU s/GB (threads) {:.3}",
-        r.0, on.gbps, off.gbps, r.1
-    );
-    r
-}
-
-/// One round of `--compare-tcp`: plain TCP into a hot buffer and into the region; returns
-/// shardwire's ratios (goodput to hot, goodput to region, CPU s/GB threads, all CPUs).
-fn compare_tcp(
-    sw: &Run,
-    files: &[std::path::PathBuf],
-    plain: &impl Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun,
-    region: usize,
-) -> anyhow::Result<[f64; 4]> {
-    let hot = run_plain(plain(None, tcp::Recv::Read), files)?;
-    let placed = run_plain(plain(Some(region), tcp::Recv::Read), files)?;
-    println!(
-        "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: threads {:.2} ({:.3} / {:.3}), all CPUs {:.2} ({:.3} / {:.3})",
-        sw.gbps / hot.gbps,
-        sw.gbps,
-        hot.gbps,
-        sw.gbps / placed.gbps,
-        placed.gbps,
-        sw.cpu_per_gb / hot.cpu_per_gb,
-        sw.cpu_per_gb,
-        hot.cpu_per_gb,
-        sw.all_per_gb / hot.all_per_gb,
-        sw.all_per_gb,
-        hot.all_per_gb
-    );
-    Ok([
-        sw.gbps / hot.gbps,
-        sw.gbps / placed.gbps,
-        sw.cpu_per_gb / hot.cpu_per_gb,
-        sw.all_per_gb / hot.all_per_gb,
-    ])
-}
-
-fn print_tcp_medians(ratios: &[[f64; 4]]) {
-    if ratios.len() < 2 {
+/// Says how far behind the copy that placed them the node's CRC read the bytes: the median
+/// piece (by bytes) checksummed right after it landed, against the L2 cache (hot up to a
+/// quarter of it: `protocol/examples/crc_speed.rs` measures CRC speed after a copy).
+fn print_crc_hotness(median: Option<usize>) {
+    let Some(piece) = median else {
+        println!("crc: not computed on the CPU (GPU kernel, or nothing received)");
         return;
-    }
-    let labels = [
-        format!("median ratio shardwire/tcp over {} rounds", ratios.len()),
-        "median ratio shardwire/tcp-region".into(),
-        "median CPU s/GB shardwire/tcp (this process's threads, user + system)".into(),
-        "median CPU s/GB shardwire/tcp (all CPUs busy, softirq included)".into(),
-    ];
-    for (k, label) in labels.iter().enumerate() {
-        let (m, sorted) = median(ratios.iter().map(|r| r[k]).collect());
-        let list: Vec<String> = sorted.iter().map(|r| format!("{r:.3}")).collect();
-        println!("{label}: {m:.3} (sorted: {})", list.join(" "));
-    }
-}
-
-/// A plain-TCP run (see [`tcp`]) with its CPU figures.
-fn run_plain(r: tcp::TcpRun, files: &[std::path::PathBuf]) -> anyhow::Result<Run> {
-    let mut samples = Vec::new();
-    let m = tcp::run(r, files, || {
-        samples.push((cpu::cpu_times(), cpu::thread_times()))
-    })?;
-    let [(c0, t0), (c1, t1)] =
-        <[_; 2]>::try_from(samples).map_err(|_| anyhow::anyhow!("two CPU samples"))?;
-    match r.region {
-        None => println!(
-            "== plain TCP, same flows and threads (sendfile -> {} into one hot buffer, no CRC, no trainer)",
-            r.recv.label()
-        ),
-        Some(b) => println!(
-            "== plain TCP ({}) into a rotating region of {b} bytes (shard-sized slots in turn, as the stream's region)",
-            r.recv.label()
-        ),
-    }
-    let busy = cpu::print_cpu(&c0, &c1);
-    let cpu_per_gb = cpu::print_per_gb(&t0, &t1, m.bytes);
-    let all_per_gb = busy / (m.bytes as f64 / 1e9);
-    let g = gbps(m.bytes, m.secs);
-    let name = match (r.region, r.recv) {
-        (None, tcp::Recv::Read) => "tcp".to_string(),
-        (Some(_), tcp::Recv::Read) => "tcp-region".to_string(),
-        (_, recv) => format!("tcp-{}", recv.label()),
     };
+    let l2 = cpu::l2_bytes();
+    let hot = l2.map(|l2| piece <= l2 / 4);
     println!(
-        "{name}: {g:.3} Gbps ({} bytes in {:.2} s), all CPUs {all_per_gb:.3} busy s/GB",
-        m.bytes, m.secs
+        "crc: median piece checksummed right after landing {} KiB (L2 {}): {}",
+        piece >> 10,
+        l2.map_or("unknown".into(), |b| format!("{} KiB", b >> 10)),
+        match hot {
+            Some(true) => "hot (read from cache)",
+            Some(false) => "cold (read back from memory or L3)",
+            None => "unknown",
+        }
     );
-    Ok(Run {
-        gbps: g,
-        cpu_per_gb,
-        all_per_gb,
-    })
-}
-
-/// The primitives `--compare-uring` measures, the node's reader first (the reference).
-const URING_RUNS: [tcp::Recv; 5] = [
-    tcp::Recv::Node,
-    tcp::Recv::ReadLowat,
-    tcp::Recv::UringInto,
-    tcp::Recv::UringCopy { lowat: false },
-    tcp::Recv::UringSlots { lowat: true },
-];
-
-/// One round of `--compare-uring`: each primitive into the region; returns (goodput,
-/// CPU s/GB of the threads) ratios to the node's reader, in [`URING_RUNS`] order.
-fn compare_uring(
-    files: &[std::path::PathBuf],
-    plain: &impl Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun,
-    region: usize,
-) -> anyhow::Result<Vec<(f64, f64)>> {
-    let mut runs = Vec::new();
-    for recv in URING_RUNS {
-        runs.push(run_plain(plain(Some(region), recv), files)?);
-    }
-    let base = &runs[0];
-    let row: Vec<(f64, f64)> = runs
-        .iter()
-        .map(|r| (r.gbps / base.gbps, r.cpu_per_gb / base.cpu_per_gb))
-        .collect();
-    let cells: Vec<String> = URING_RUNS
-        .iter()
-        .zip(&runs)
-        .zip(&row)
-        .skip(1)
-        .map(|((recv, r), (g, c))| {
-            format!(
-                "{} {g:.3} ({:.3} Gbps, CPU s/GB {c:.2})",
-                recv.label(),
-                r.gbps
-            )
-        })
-        .collect();
-    println!(
-        "ratio to node-recv ({:.3} Gbps, {:.3} s/GB): {}",
-        base.gbps,
-        base.cpu_per_gb,
-        cells.join("; ")
-    );
-    Ok(row)
-}
-
-fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
-    if rows.len() < 2 {
-        return;
-    }
-    // Column 0: the node with io_uring over the node with recv; then the primitives.
-    let labels = std::iter::once("shardwire io_uring/recv".to_string()).chain(
-        URING_RUNS
-            .iter()
-            .skip(1)
-            .map(|r| format!("{}/node-recv", r.label())),
-    );
-    for (k, label) in labels.enumerate() {
-        let k = if k == 0 { 0 } else { k + 1 };
-        let (goodput, _) = median(rows.iter().map(|r| r[k].0).collect());
-        let (cpu, _) = median(rows.iter().map(|r| r[k].1).collect());
-        println!(
-            "median {label} over {} rounds: goodput {goodput:.3}, CPU s/GB (threads) {cpu:.3}",
-            rows.len()
-        );
-    }
 }

@@ -2,7 +2,7 @@
 trainer socket (one `next` per batch, releasing the previous lease), close it and start
 again, while nobody scrapes /metrics. The node's RSS is sampled once a second and the slope
 of its anonymous part (RssAnon: heap and private maps, where a leak like that one grows) is
-fitted by least squares after a warm-up: memory must stay flat whether or not anyone scrapes
+fitted (Theil-Sen) after a warm-up: memory must stay flat whether or not anyone scrapes
 (the Prometheus recorder once kept every histogram sample until a scrape). The slab pool is
 shared memory (a memfd, at most `--pool-size`) whose resident pages swing as slabs come and
 go (0.8 to 4.1 MiB within one minute of this churn, measured), so VmRSS is printed but not
@@ -94,15 +94,20 @@ class SoakResult:
     errors: list[str] = field(default_factory=list)
 
     def slope_mib_per_min(self, warmup: float) -> float:
+        """RssAnon's trend after `warmup` seconds: the Theil-Sen slope (the median of the
+        slopes between every pair of samples), which the allocator's swings of a few hundred
+        KiB around a plateau do not tilt the way they tilt a least-squares line over a short
+        window, while a leak's steady climb shows in full."""
         pts = [(t, a / MiB) for t, _, a in self.samples if t >= warmup]
         if len(pts) < 3:
             raise ValueError(f"only {len(pts)} RSS samples after the {warmup} s warm-up")
-        n = len(pts)
-        mt = sum(t for t, _ in pts) / n
-        mr = sum(r for _, r in pts) / n
-        cov = sum((t - mt) * (r - mr) for t, r in pts)
-        var = sum((t - mt) ** 2 for t, _ in pts)
-        return cov / var * 60.0
+        slopes = sorted(
+            (r2 - r1) / (t2 - t1)
+            for i, (t1, r1) in enumerate(pts)
+            for t2, r2 in pts[i + 1:]
+            if t2 > t1
+        )
+        return slopes[len(slopes) // 2] * 60.0
 
     def summary(self, warmup: float) -> str:
         rss = [r for _, r, _ in self.samples]

@@ -220,7 +220,8 @@ def test_raw_api_codes_headers_and_limits(world: World):
         assert (st, v["code"]) == (404, "unknown_lease")
         st, v = http_json(a, "POST", f"/v1/leases/{sb.lease}/release")
         assert (st, v["code"]) == (404, "unknown_lease")
-        assert not sb.released and listed(a, s.info.stream)["leased"] == 1
+        # 1: the batch taken; 2 once the one asked for ahead of time has been handed over.
+        assert not sb.released and listed(a, s.info.stream)["leased"] in (1, 2)
 
     st, v = http_json(a, "POST", f"/v1/streams/{sid}/close")
     assert (st, v) == (200, {"stream": sid, "closed": True})

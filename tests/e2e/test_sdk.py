@@ -150,14 +150,16 @@ def test_one_epoch_values_readonly_zero_copy(world: World):
 
 def test_auto_release_keep_and_release(world: World):
     admin = world.serve.admin
+    # The stream asks for the batch after the one it hands out ahead of time: the service
+    # then holds at most one lease more than the trainer (the batch on its way).
     with world.client().open_stream("mix", seed=1) as s:
         for _ in range(5):
             b = s.next(timeout=WAIT)
             assert b is not None
-            assert leased(admin, s.info.stream) <= 1, "the previous batch was not auto-released"
+            assert leased(admin, s.info.stream) <= 2, "the previous batch was not auto-released"
         assert not b.released
         b.release()
-        assert b.released and leased(admin, s.info.stream) == 0
+        assert b.released and leased(admin, s.info.stream) <= 1
         b.release()  # twice: no-op
 
     with world.client().open_stream("mix", seed=1) as s:
@@ -167,7 +169,10 @@ def test_auto_release_keep_and_release(world: World):
             assert b is not None
             kept.append(b.keep())
             copies.append({k: np.array(v) for k, v in b.items()})
-            assert leased(admin, s.info.stream) == i + 1, "kept batches must stay leased"
+            # Before the first keep() the stream asked for batch 1 ahead of time; while
+            # batches are kept it asks for nothing ahead.
+            want = (1, 2) if i == 0 else (i + 1,)
+            assert leased(admin, s.info.stream) in want, "kept batches must stay leased"
         # kept batches' bytes are unchanged while leased
         for b, c in zip(kept, copies):
             assert all(np.array_equal(b[k], c[k]) for k in c)

@@ -71,11 +71,15 @@ class FakeStream:
 
 @pytest.fixture
 def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Socket attach requests and HTTP open bodies, captured instead of sent: the socket's are
-    recorded and answered with a FakeStream, the HTTP ones raise Sent."""
+    """Socket attach requests (without `batch_state`, checked True) and HTTP open bodies,
+    captured instead of sent: the socket's are recorded and answered with a FakeStream, the
+    HTTP ones raise Sent."""
     reqs: list[dict[str, Any]] = []
 
     def sock_open(cls: Any, path: str, req: dict[str, Any]) -> FakeStream:
+        # The socket client always asks for the state in each batch reply (it asks for the
+        # next batch ahead of time); the stream keywords are the rest, compared below.
+        assert req.pop("batch_state") is True, req
         reqs.append(req)
         return FakeStream()
 

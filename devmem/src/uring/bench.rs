@@ -204,6 +204,11 @@ impl RecvInto {
         &self.core.sock
     }
 
+    /// Caps each completion at `bytes` (0: no cap), as [`super::RecvQueue::set_piece_cap`].
+    pub fn set_piece_cap(&mut self, bytes: u32) {
+        self.core.cap = bytes;
+    }
+
     /// Fills `dst` with the connection's next `dst.len()` bytes, handing each piece to
     /// `piece` in order as it completes (with the bytes placed before it). A wait with no
     /// completion for `stall` fails; so does a close before `dst` is full. After an error

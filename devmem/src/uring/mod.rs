@@ -84,6 +84,8 @@ struct Core {
     count: u16,
     /// Next tail of the buffer ring (published with release order).
     tail: u16,
+    /// The most bytes one completion may carry (0: as many as the buffer takes).
+    cap: u32,
     armed: bool,
     /// The buffer ring is registered (until [`Core::unregister`]).
     registered: bool,
@@ -124,6 +126,7 @@ impl Core {
             entries: ManuallyDrop::new(entries),
             count,
             tail: 0,
+            cap: 0,
             armed: false,
             registered: true,
             sock,
@@ -162,6 +165,7 @@ impl Core {
 
     fn arm(&mut self) -> io::Result<()> {
         let sqe = opcode::RecvMulti::new(types::Fd(self.sock.as_raw_fd()), GROUP)
+            .len(self.cap)
             .build()
             .user_data(RECV);
         // SAFETY: the request refers to the socket and the buffer group this struct owns;
@@ -289,8 +293,11 @@ impl Drop for Core {
     }
 }
 
-/// Payloads a [`RecvQueue`] holds posted at once (its buffer ring's entries).
+/// Payloads a [`RecvQueue`] holds posted at once.
 pub const QUEUE_DEPTH: u16 = 8;
+
+/// Buffer ring entries of a [`RecvQueue`]: the pieces of its payloads handed to the kernel.
+const RING_ENTRIES: u16 = 64;
 
 /// A buffer whose bytes stay where they are while it is owned by a [`RecvQueue`].
 ///
@@ -304,20 +311,52 @@ pub unsafe trait StableBuf {
     fn bytes(&mut self) -> &mut [u8];
 }
 
+/// A payload in the queue: where its bytes go, how many arrived, how many were handed to
+/// the kernel (as pieces).
 struct Posted<B> {
     buf: B,
     at: *mut u8,
     len: usize,
     filled: usize,
+    handed: usize,
+}
+
+/// A piece of a payload in the buffer ring: its buffer id, length and bytes filled.
+struct Piece {
     bid: u16,
+    len: usize,
+    filled: usize,
+}
+
+/// How a [`RecvQueue`] hands payloads to the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    /// Largest piece of a payload one ring entry covers.
+    pub piece: usize,
+    /// The most bytes handed to the kernel and not yet received (at least one piece).
+    pub ahead: usize,
+}
+
+impl Window {
+    /// Whole payloads, all of them handed over at once (up to [`QUEUE_DEPTH`]).
+    pub const WHOLE: Self = Self {
+        piece: u32::MAX as usize,
+        ahead: usize::MAX,
+    };
 }
 
 /// Payloads received in order straight into buffers it owns while they are posted; see the
-/// module docs. Dropping it (or [`RecvQueue::abandon`]) makes sure the kernel has let go of
-/// every posted buffer before handing it back or dropping it.
+/// module docs. Each payload is handed to the kernel in pieces, at most [`Window::ahead`]
+/// bytes before the bytes that arrived, so the kernel never copies more than that between
+/// two waits: the bytes a piece callback checksums were written moments before. Dropping it
+/// (or [`RecvQueue::abandon`]) makes sure the kernel has let go of every posted buffer
+/// before handing it back or dropping it.
 pub struct RecvQueue<B: StableBuf> {
     core: Core,
     posted: VecDeque<Posted<B>>,
+    /// Pieces in the ring, in the order the kernel fills them.
+    pieces: VecDeque<Piece>,
+    window: Window,
     next_bid: u16,
     /// A receive failed: nothing is posted or received again.
     poisoned: bool,
@@ -327,7 +366,9 @@ impl<B: StableBuf> std::fmt::Debug for RecvQueue<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RecvQueue")
             .field("posted", &self.posted.len())
+            .field("pieces", &self.pieces.len())
             .field("remaining", &self.remaining())
+            .field("window", &self.window)
             .field("poisoned", &self.poisoned)
             .finish_non_exhaustive()
     }
@@ -335,11 +376,25 @@ impl<B: StableBuf> std::fmt::Debug for RecvQueue<B> {
 
 impl<B: StableBuf> RecvQueue<B> {
     /// Sets up the ring over `sock` (fails where io_uring is unavailable or lacks
-    /// incremental buffers: Linux before 6.12, or a seccomp policy that refuses it).
+    /// incremental buffers: Linux before 6.12, or a seccomp policy that refuses it), handing
+    /// whole payloads to the kernel.
     pub fn new(sock: TcpStream) -> io::Result<Self> {
+        Self::with_window(sock, Window::WHOLE)
+    }
+
+    /// Like [`Self::new`], handing payloads over as `window` says.
+    pub fn with_window(sock: TcpStream, window: Window) -> io::Result<Self> {
+        if window.piece == 0 || window.piece > u32::MAX as usize || window.ahead == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("window {window:?}: pieces of 1 byte to 4 GiB, ahead at least 1 byte"),
+            ));
+        }
         Ok(Self {
-            core: Core::new(sock, QUEUE_DEPTH, true)?,
+            core: Core::new(sock, RING_ENTRIES, true)?,
             posted: VecDeque::new(),
+            pieces: VecDeque::new(),
+            window,
             next_bid: 0,
             poisoned: false,
         })
@@ -365,7 +420,7 @@ impl<B: StableBuf> RecvQueue<B> {
         self.posted.len() >= usize::from(QUEUE_DEPTH)
     }
 
-    /// Bytes still due over all posted payloads.
+    /// Bytes of the posted payloads not yet received.
     pub fn remaining(&self) -> usize {
         self.posted.iter().map(|p| p.len - p.filled).sum()
     }
@@ -389,18 +444,49 @@ impl<B: StableBuf> RecvQueue<B> {
         if let Some(why) = refuse {
             return Err((buf, io::Error::new(io::ErrorKind::InvalidInput, why)));
         }
-        let bid = self.next_bid;
-        self.next_bid = (bid + 1) % QUEUE_DEPTH;
-        self.core.push(at as u64, len as u32, bid);
-        self.core.publish();
         self.posted.push_back(Posted {
             buf,
             at,
             len,
             filled: 0,
-            bid,
+            handed: 0,
         });
+        self.hand_over();
         Ok(())
+    }
+
+    /// Hands the next pieces of the posted payloads to the kernel, while fewer than
+    /// [`Window::ahead`] bytes are handed over and not received (at least one piece, so a
+    /// window smaller than a piece still makes progress) and ring entries are free.
+    fn hand_over(&mut self) {
+        let mut ahead: usize = self.pieces.iter().map(|p| p.len - p.filled).sum();
+        let mut pushed = false;
+        for p in self.posted.iter_mut() {
+            while p.handed < p.len && self.pieces.len() < usize::from(RING_ENTRIES) {
+                let len = (p.len - p.handed).min(self.window.piece);
+                if !self.pieces.is_empty() && ahead + len > self.window.ahead {
+                    break;
+                }
+                let bid = self.next_bid;
+                self.next_bid = (bid + 1) % RING_ENTRIES;
+                // The piece lies inside the payload (`handed + len <= len`); its address
+                // stays valid while the payload is posted (`StableBuf`).
+                let addr = p.at.wrapping_add(p.handed) as u64;
+                self.core.push(addr, len as u32, bid);
+                self.pieces.push_back(Piece {
+                    bid,
+                    len,
+                    filled: 0,
+                });
+                (p.handed, ahead, pushed) = (p.handed + len, ahead + len, true);
+            }
+            if p.handed < p.len {
+                break; // pieces go over in payload order
+            }
+        }
+        if pushed {
+            self.core.publish();
+        }
     }
 
     /// Waits (up to `stall`) for the posted payloads' next bytes: each completed piece goes
@@ -432,6 +518,7 @@ impl<B: StableBuf> RecvQueue<B> {
             }
             let before = self.remaining();
             let closed = self.wait_once(left, &mut piece, &mut done)?;
+            self.hand_over();
             match self.posted.front() {
                 // Closed right after the last posted payload: a later wait reports it.
                 None if closed => return Ok(()),
@@ -458,32 +545,35 @@ impl<B: StableBuf> RecvQueue<B> {
         piece: &mut impl FnMut(&mut B, usize, &[u8]),
         done: &mut impl FnMut(B),
     ) -> io::Result<bool> {
-        let (posted, mut closed) = (&mut self.posted, false);
+        let (posted, pieces, mut closed) = (&mut self.posted, &mut self.pieces, false);
         self.core.wait(Some(timeout), |ev| {
             let Event::Data { buf, n, more } = ev else {
                 closed = true;
                 return Ok(());
             };
-            let Some(p) = posted.front_mut() else {
+            let (Some(p), Some(q)) = (posted.front_mut(), pieces.front_mut()) else {
                 return Err(io::Error::other(format!(
                     "io_uring placed {n} bytes with no payload posted"
                 )));
             };
-            let (len, filled) = (p.len, p.filled);
-            // Payloads fill in order, and a buffer takes more exactly while it is not full.
-            if buf != p.bid || filled + n > len || more != (filled + n < len) {
+            // Pieces fill in order, and a buffer takes more exactly while it is not full.
+            if buf != q.bid || q.filled + n > q.len || more != (q.filled + n < q.len) {
                 return Err(io::Error::other(format!(
-                    "io_uring placed {n} bytes in buffer {buf} (kept: {more}) while payload {} had {filled} of {len}",
-                    p.bid
+                    "io_uring placed {n} bytes in buffer {buf} (kept: {more}) while piece {} had {} of {}",
+                    q.bid, q.filled, q.len
                 )));
             }
-            // SAFETY: these `n` bytes of the posted buffer are complete (their completion
-            // is here), and the kernel consumes a buffer's bytes once, in order: it does
-            // not write them again.
+            let filled = p.filled;
+            // SAFETY: these `n` bytes of the posted payload are complete (their completion
+            // is here; the front piece starts at the payload's first unfilled byte), and the
+            // kernel consumes a buffer's bytes once, in order: it does not write them again.
             let bytes = unsafe { std::slice::from_raw_parts(p.at.add(filled), n) };
             piece(&mut p.buf, filled, bytes);
-            p.filled += n;
-            if p.filled == len {
+            (p.filled, q.filled) = (filled + n, q.filled + n);
+            if q.filled == q.len {
+                pieces.pop_front();
+            }
+            if p.filled == p.len {
                 let p = posted.pop_front().expect("the front payload");
                 done(p.buf);
             }
@@ -502,6 +592,7 @@ impl<B: StableBuf> RecvQueue<B> {
             eprintln!("shardwire: an io_uring receive could not be cancelled; aborting");
             std::process::abort();
         }
+        self.pieces.clear();
         self.posted.drain(..).map(|p| p.buf).collect()
     }
 }

@@ -17,6 +17,7 @@
 //! its payload and every later one). A path that writes CUDA slabs uses the GPU that holds
 //! each slab. Errors are [`error::RxError`].
 
+pub mod copy;
 pub mod devmem;
 pub mod error;
 pub mod recv;
@@ -66,7 +67,7 @@ pub struct Setup {
 
 /// The path a connection's receiver runs.
 enum RxPath {
-    Uring(shardwire_devmem::uring::RecvQueue<uring::Job>),
+    Uring(Box<shardwire_devmem::uring::RecvQueue<uring::Job>>),
     Recv(Plain),
     Devmem(DevmemReader),
     StagedPlain(Plain),
@@ -103,7 +104,7 @@ fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxErro
             && let Some(q) = uring::queue_for(&sock)
         {
             c.io_uring_connections.fetch_add(1, Ordering::Relaxed);
-            return Ok(RxPath::Uring(q));
+            return Ok(RxPath::Uring(Box::new(q)));
         }
         c.recv_connections.fetch_add(1, Ordering::Relaxed);
         return Ok(RxPath::Recv(Plain::new(sock)));
@@ -121,7 +122,7 @@ fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxErro
 fn receive(path: RxPath, c: &Conn) {
     let (link, conn, q, flow, n) = (&*c.link, c.conn, &c.queue, &*c.flow, &*c.counters);
     match path {
-        RxPath::Uring(ring) => uring::run(ring, link, conn, q, flow, n),
+        RxPath::Uring(ring) => uring::run(*ring, link, conn, q, flow, n),
         RxPath::Recv(p) => run(Host(p), link, conn, q, flow, n),
         RxPath::Devmem(r) => run(Host(r), link, conn, q, flow, n),
         RxPath::StagedPlain(p) => run(Staged::new(p, n), link, conn, q, flow, n),

@@ -162,6 +162,7 @@ impl<'a> Tally<'a> {
         self.flow
             .bytes
             .fetch_add(piece.len() as u64, Ordering::Relaxed);
+        self.flow.crc_piece(piece.len());
     }
 
     /// Bytes that landed where the CPU does not checksum them (GPU memory).

@@ -286,6 +286,13 @@ impl Stream {
         self.state_at(self.kind.position(next))
     }
 
+    /// The state that resumes right after the batch at (`epoch`, `index`): at this stream's
+    /// next batch (a DataLoader worker's stream skips the other workers' batches).
+    pub fn state_after(&self, epoch: u32, index: u64) -> StreamState {
+        let slot = self.kind.slot_at(self.kind.join(epoch, index));
+        self.state_at(self.kind.position(slot + 1))
+    }
+
     /// The state that resumes at stream position `pos`.
     pub fn state_at(&self, pos: u64) -> StreamState {
         self.kind.state_at(pos, &self.fingerprint)

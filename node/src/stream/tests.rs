@@ -147,3 +147,24 @@ fn a_resumed_stream_starts_at_its_position_and_ends() {
     assert_eq!((b.epoch, b.index), (1, 2));
     assert!(matches!(s.next(None), Next::End));
 }
+
+#[test]
+fn the_state_after_a_batch_is_the_state_once_it_is_taken() {
+    let s = stream(3, 0);
+    for pos in 0..6 {
+        arrive(&s, pos);
+        let b = batch(s.next(None));
+        assert_eq!(
+            s.state_after(b.epoch, b.index),
+            s.state(),
+            "after position {pos}"
+        );
+        assert!(s.release(b.lease));
+    }
+    assert!(matches!(s.next(None), Next::End));
+    assert_eq!(
+        (s.state().epoch, s.state().index),
+        (2, 0),
+        "the end of 2 epochs"
+    );
+}

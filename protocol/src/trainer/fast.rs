@@ -9,7 +9,7 @@
 //! which the callers then hand to the derived decoder: what is accepted, and every error
 //! message, stay those of the derived code.
 
-use super::messages::{Request, Response, TensorView};
+use super::messages::{Request, Response, StreamState, TensorView};
 use crate::DType;
 
 fn push_u64(out: &mut Vec<u8>, mut v: u64) {
@@ -57,11 +57,9 @@ pub(super) fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Ve
 }
 
 pub(super) fn encode_batch(
-    lease: u64,
-    epoch: u32,
-    index: u64,
-    shard: u32,
+    (lease, epoch, index, shard): (u64, u32, u64, u32),
     tensors: &[TensorView],
+    state: Option<&StreamState>,
     out: &mut Vec<u8>,
 ) {
     out.extend_from_slice(br#"{"op":"batch","lease":"#);
@@ -94,7 +92,13 @@ pub(super) fn encode_batch(
         push_u64(out, t.length);
         out.push(b'}');
     }
-    out.extend_from_slice(b"]}");
+    out.push(b']');
+    if let Some(st) = state {
+        // Small and rare next to the tensors: serde writes it, as the derived code would.
+        out.extend_from_slice(br#","state":"#);
+        serde_json::to_writer(&mut *out, st).expect("a stream state serialises");
+    }
+    out.push(b'}');
 }
 
 /// A reader of the compact form; every method returns `None` on anything unexpected.
@@ -252,5 +256,6 @@ pub(super) fn decode_batch(body: &[u8]) -> Option<Response> {
         index,
         shard,
         tensors,
+        state: None, // a batch with a state is left to the derived decoder
     })
 }

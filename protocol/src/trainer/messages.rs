@@ -142,6 +142,11 @@ pub struct StreamRequest {
     /// Batch mode: a mixture of datasets with weights (instead of `dataset`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mix: Option<Vec<MixEntry>>,
+    /// Each `batch` reply carries `state`: where the stream resumes after that batch (so a
+    /// trainer that asks for its next batch ahead of time still knows the state of the one
+    /// it is using, without a `state` round trip). Socket only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub batch_state: bool,
 }
 
 /// The order of token windows.
@@ -192,6 +197,7 @@ impl StreamRequest {
             boundaries: false,
             order: None,
             mix: None,
+            batch_state: false,
         }
     }
 }
@@ -456,6 +462,9 @@ pub enum Response {
         shard: u32,
         /// Tensors.
         tensors: Vec<TensorView>,
+        /// With `batch_state` at attach: the state that resumes right after this batch.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        state: Option<StreamState>,
     },
     /// No batch arrived within the timeout.
     Timeout,

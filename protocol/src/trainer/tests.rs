@@ -132,14 +132,27 @@ fn batches() -> impl Strategy<Value = Response> {
         any::<u64>(),
         any::<u32>(),
         proptest::collection::vec(tensor, 0..4),
+        any::<bool>(),
     )
-        .prop_map(|(lease, epoch, index, shard, tensors)| Response::Batch {
-            lease,
-            epoch,
-            index,
-            shard,
-            tensors,
-        })
+        .prop_map(
+            |(lease, epoch, index, shard, tensors, with_state)| Response::Batch {
+                lease,
+                epoch,
+                index: index / 2,
+                shard,
+                tensors,
+                state: with_state.then(|| StreamState {
+                    epoch,
+                    index: index / 2 + 1,
+                    seed: lease,
+                    fingerprint: "v2;digest=00;seed=1".into(),
+                    cursor: Some(index),
+                    partitions: None,
+                    shuffle_block: None,
+                    mix: None,
+                }),
+            },
+        )
 }
 
 fn nexts() -> impl Strategy<Value = Request> {

@@ -5,6 +5,59 @@
 
 use std::collections::BTreeMap;
 
+/// The CPU the figures are for: model name, family/model, and the flags the receive path's
+/// speed depends on (CRC-32C kernels, string copies), from /proc/cpuinfo; and the L2 size.
+pub fn describe() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    let flags = field("flags");
+    let wanted = [
+        "sse4_2",
+        "pclmulqdq",
+        "avx2",
+        "avx512f",
+        "avx512vl",
+        "vpclmulqdq",
+        "erms",
+        "fsrm",
+    ];
+    let have: Vec<&str> = wanted
+        .iter()
+        .copied()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    let l2 = l2_bytes().map_or("?".into(), |b| format!("{} KiB", b >> 10));
+    format!(
+        "{} (vendor {}, family {} model {}), {} CPUs, L2 {l2} per core, flags {}",
+        field("model name"),
+        field("vendor_id"),
+        field("cpu family"),
+        field("model"),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        have.join(" ")
+    )
+}
+
+/// The L2 cache of CPU 0 in bytes (sysfs `cache/index2/size`, e.g. `2048K`).
+pub fn l2_bytes() -> Option<usize> {
+    let s = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size").ok()?;
+    let s = s.trim();
+    let (n, mult) = match s.strip_suffix('K') {
+        Some(n) => (n, 1 << 10),
+        None => match s.strip_suffix('M') {
+            Some(n) => (n, 1 << 20),
+            None => (s, 1),
+        },
+    };
+    n.parse::<usize>().ok().map(|n| n * mult)
+}
+
 /// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
 pub fn cpu_times() -> Vec<[u64; 5]> {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();

@@ -37,12 +37,14 @@ pub enum Recv {
     /// [`RecvInto`] one slot at a time, the `SO_RCVLOWAT` of the node's rule for a whole slot
     /// set once per slot (one payload posted at a time, unlike the node's queue).
     UringInto,
+    /// With CRC-32C of every shard, checksummed where [`super::crc::Way`] says.
+    Crc(super::crc::Way),
 }
 
 impl Recv {
     /// The name of a run with this primitive.
-    pub fn label(self) -> &'static str {
-        match self {
+    pub fn label(self) -> String {
+        let s = match self {
             Self::Read => "recv",
             Self::ReadLowat => "recv-lowat",
             Self::Node => "node-recv",
@@ -51,8 +53,19 @@ impl Recv {
             Self::UringSlots { lowat: false } => "uring-slots",
             Self::UringSlots { lowat: true } => "uring-slots-lowat",
             Self::UringInto => "uring-into",
-        }
+            Self::Crc(way) => return way.label(),
+        };
+        s.to_string()
     }
+}
+
+/// The files' CRCs for `Recv::Crc` runs, and what the receivers' checksums saw.
+#[derive(Default)]
+pub struct CrcCheck {
+    /// CRC-32C of each file, in the order the senders cycle through them.
+    pub crcs: Vec<u32>,
+    /// The receivers' results.
+    pub stats: super::crc::CrcStats,
 }
 
 /// How a plain-TCP run places and paces its bytes.
@@ -122,6 +135,7 @@ fn sender(
 fn receiver(
     conn: TcpStream,
     r: TcpRun,
+    (flow, check): (usize, Arc<CrcCheck>),
     stop: Arc<AtomicBool>,
     received: Arc<AtomicU64>,
 ) -> std::io::Result<()> {
@@ -129,6 +143,14 @@ fn receiver(
         .region
         .map_or(1, |b| (b / usize::from(r.flows) / r.shard).max(1));
     match r.recv {
+        Recv::Crc(way) => {
+            let c = super::crc::Check {
+                crcs: &check.crcs,
+                flow,
+                stats: &check.stats,
+            };
+            super::crc::receive(conn, way, r.shard, slots, &c, &stop, &received)
+        }
         Recv::Read | Recv::ReadLowat => {
             if r.recv == Recv::ReadLowat {
                 shardwire_devmem::set_rcvlowat(conn.as_fd(), RCVLOWAT)?;
@@ -268,6 +290,7 @@ fn read_loop(
 pub fn run(
     r: TcpRun,
     files: &[std::path::PathBuf],
+    check: &Arc<CrcCheck>,
     mut sample: impl FnMut(),
 ) -> anyhow::Result<Measured> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -289,10 +312,11 @@ pub fn run(
         );
         let (conn, _) = listener.accept()?;
         let (st, rx) = (Arc::clone(&stop), Arc::clone(&received));
+        let flow = (f as usize, Arc::clone(check));
         threads.push(
             std::thread::Builder::new()
                 .name(format!("tcp-recv-{f}"))
-                .spawn(move || receiver(conn, r, st, rx))?,
+                .spawn(move || receiver(conn, r, flow, st, rx))?,
         );
     }
     std::thread::sleep(Duration::from_millis(300));

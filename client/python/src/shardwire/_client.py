@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import select
 import socket
 import stat
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, overload
 
@@ -128,6 +130,9 @@ class Client:
                 ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
         """
         req = {"op": "attach", **StreamOptions.of(options, "Client.open_stream").attach_fields(dataset)}
+        # Every batch reply then carries the state that resumes after it: the stream asks for
+        # its next batch ahead of time (see Stream) and still knows the state of this one.
+        req["batch_state"] = True
         return Stream._open(self.path, req)
 
 
@@ -227,6 +232,7 @@ class Batch(_BatchBase):
         keeps too many stalls its stream (the service fetches ahead only into free memory)."""
         if self.released:
             raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
+        self._stream._kept_leases.add(self.lease)
         return super().keep()
 
     def release(self) -> None:
@@ -234,6 +240,7 @@ class Batch(_BatchBase):
         if self._released:
             return
         self._released = True
+        self._stream._kept_leases.discard(self.lease)
         self._stream._release(self)
 
 
@@ -263,6 +270,15 @@ class Stream(_StreamBase[Batch]):
     thread-safe (one request at a time on the connection), but batches come in one order:
     iterate from one thread.
 
+    **Ahead of time.** As soon as :meth:`next` returns a batch, the stream asks the service for
+    the following one (releasing the previous batch in the same request), so the service
+    answers while the trainer works on this batch and the next :meth:`next` finds the answer
+    waiting: the hand-off costs no round trip on the training loop's critical path. The
+    service holds that batch's lease from then on (at most one more than the trainer holds).
+    While the trainer keeps batches (:meth:`Batch.keep`) nothing is asked for ahead. Each
+    batch reply carries the state that resumes after it, so :meth:`state_dict` needs no
+    request.
+
     Attributes:
         info: What the service said at open (stream id, batches per epoch, epochs, memory).
     """
@@ -276,6 +292,14 @@ class Stream(_StreamBase[Batch]):
         self._cuda = region if isinstance(region, CudaRegion) else None
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
         self._auto: Batch | None = None
+        #: Requests sent whose replies are not read yet ("next" asked ahead, "release"), in order.
+        self._inflight: deque[str] = deque()
+        #: The state that resumes after the last batch handed to the trainer.
+        self._resume: dict[str, Any] = dict(info.state)
+        #: Leases of kept batches not yet released: while there are any, no batch is asked
+        #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and a
+        #: release sent behind a waiting request would wait with it).
+        self._kept_leases: set[int] = set()
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any]) -> Stream:
@@ -336,18 +360,44 @@ class Stream(_StreamBase[Batch]):
     # --- requests ----------------------------------------------------------------------------
 
     def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Sends `req` and receives the answer (lock held). A lost connection ends the stream
-        (see ``_broken``) and raises ConnectionClosed."""
+        """Sends `req` and receives its answer (lock held; nothing in flight). A lost
+        connection ends the stream (see ``_broken``) and raises ConnectionClosed."""
+        self._send(req)
+        reply = self._read(None)
+        assert reply is not None, "a read without a timeout answers"
+        return reply[1]
+
+    def _send(self, req: dict[str, Any], data: bytes | None = None) -> None:
+        """Sends `req` (already encoded as `data`, if given); its answer is read, in order,
+        by :meth:`_read`."""
         try:
-            self._conn.send(req)
+            self._conn.send_bytes(data if data is not None else _wire.encode(req))
+        except ConnectionClosed:
+            self._broken("the connection to the node service was lost")
+            raise
+        self._inflight.append(req["op"])
+
+    def _read(self, timeout: float | None) -> tuple[str, dict[str, Any]] | None:
+        """The next answer and the op of the request it answers, or None if none came within
+        `timeout` (None: wait as long as it takes)."""
+        try:
+            ready = timeout is None or self._conn.pending()
+            if not ready and not select.select([self._conn.sock], [], [], timeout)[0]:
+                return None
             msg, _ = self._conn.recv()
         except ConnectionClosed:
             self._broken("the connection to the node service was lost")
             raise
-        return msg
+        except OSError as e:
+            self._broken(f"the connection to the node service failed: {e}")
+            raise ConnectionClosed(f"the node service connection failed: {e}") from e
+        if not self._inflight:
+            raise ProtocolError(f"an answer to no request: {msg!r}")
+        return self._inflight.popleft(), msg
 
     def _reply(self, req: dict[str, Any], expect: str) -> dict[str, Any]:
         """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError)."""
+        self._settle()
         msg = self._exchange(req)
         if msg["op"] == "error":
             raise _service_error(msg)
@@ -355,47 +405,85 @@ class Stream(_StreamBase[Batch]):
             raise ProtocolError(f"unexpected answer to {req['op']}: {msg!r}")
         return msg
 
+    def _settle(self) -> None:
+        """Reads the answers of releases sent while a `next` was in flight (an error among
+        them raises). Stops at a `next` still in flight."""
+        while self._inflight and self._inflight[0] == "release":
+            reply = self._read(None)
+            assert reply is not None
+            if reply[1]["op"] != "released":
+                raise _service_error(reply[1]) if reply[1]["op"] == "error" else ProtocolError(f"unexpected answer to release: {reply[1]!r}")
+
     def next(self, timeout: float | None = None) -> Batch | None:
         """The next batch in plan order, or None when every epoch was delivered.
 
-        Releases the previous batch first unless it was kept (see :class:`Batch`); both
-        requests travel in one write.
+        Releases the previous batch unless it was kept (see :class:`Batch`), in the same
+        request that asks for the batch after this one (see "Ahead of time" above).
 
         Args:
             timeout: Seconds to wait for the batch (None: wait as long as it takes).
 
         Raises:
-            Timeout: no batch within `timeout` (the stream stays usable).
+            Timeout: no batch within `timeout` (the stream stays usable: the request stays in
+                flight and a later ``next`` takes its answer).
             ServiceError: e.g. code ``"closed"`` if the service closed the stream.
             ConnectionClosed: the service went away.
         """
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> Batch | None:
+        self._settle()
+        if "next" not in self._inflight:
+            self._send_next(self._auto)
         prev, self._auto = self._auto, None
-        nxt: dict[str, Any] = {"op": "next"}
-        if prev is not None and not prev._kept and not prev._released:
-            # The release rides on the `next` request: one round trip per batch.
-            self._gpu_done()
-            prev._released = True
-            nxt["release"] = [prev.lease]
-        if timeout is not None:
-            nxt["timeout_ms"] = math.ceil(timeout * 1000)
-        msg = self._exchange(nxt)
-        op = msg["op"]
-        if op == "batch":
+        while True:
+            reply = self._read(timeout)
+            if reply is None:
+                self._auto = prev  # still this trainer's: released with a later request
+                raise self._timeout(timeout)
+            op, msg = reply
+            if op == "next":
+                break
+            if msg["op"] != "released":
+                raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
+        kind = msg["op"]
+        if kind == "batch":
             views = [_tensor_view(t) for t in msg["tensors"]]
             b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
+            if "state" not in msg:
+                raise ProtocolError("a batch without its state: the node service is older than this SDK")
+            self._resume = dict(msg["state"])
             self._auto = b
+            if not self._kept_leases:
+                self._send_next(prev)  # ahead of time; `prev` is the trainer's no more
+            elif prev is not None and not prev._kept and not prev._released:
+                self._gpu_done()  # no request ahead to carry its release: release it now
+                prev._released = True
+                self._reply({"op": "release", "lease": prev.lease}, "released")
             return b
-        if op == "end":
+        if kind == "end":
             self._ended = True
+            if prev is not None and not prev._kept and not prev._released:
+                # The last batch: nothing follows it to carry its release.
+                self._gpu_done()
+                prev._released = True
+                self._reply({"op": "release", "lease": prev.lease}, "released")
             return None
-        if op == "timeout":
+        self._auto = prev  # still the trainer's
+        if kind == "timeout":
             raise self._timeout(timeout)
-        if op == "error":
+        if kind == "error":
             raise _service_error(msg)
         raise ProtocolError(f"unexpected answer to next: {msg!r}")
+
+    def _send_next(self, prev: Batch | None) -> None:
+        """Asks for the next batch, releasing `prev` in the same request unless it was kept."""
+        release: list[int] = []
+        if prev is not None and not prev._kept and not prev._released:
+            self._gpu_done()
+            prev._released = True
+            release.append(prev.lease)
+        self._send({"op": "next"}, _wire.encode_next(release))
 
     def _release(self, batch: Batch) -> None:
         with self._lock:
@@ -404,6 +492,10 @@ class Stream(_StreamBase[Batch]):
             if self._auto is batch:
                 self._auto = None
             self._gpu_done()
+            if "next" in self._inflight:
+                # Behind the request in flight: its answer is read when it comes.
+                self._send({"op": "release", "lease": batch.lease})
+                return
             self._reply({"op": "release", "lease": batch.lease}, "released")
 
     def _gpu_done(self) -> None:
@@ -413,7 +505,9 @@ class Stream(_StreamBase[Batch]):
             self._cuda.synchronize()
 
     def _state(self) -> dict[str, Any]:
-        return dict(self._reply({"op": "state"}, "state")["state"])
+        # The state after the last batch handed to the trainer (or the one attach started
+        # from), as the batch replies carry it: no request.
+        return dict(self._resume)
 
     @property
     def region(self) -> Any:
@@ -431,6 +525,7 @@ class Stream(_StreamBase[Batch]):
     def _shutdown(self, notify: bool) -> None:
         # Closing the connection is what tells the service (when it is still there).
         self._auto = None
+        self._inflight.clear()
         self._conn.close()
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.

@@ -37,6 +37,13 @@ def encode(msg: Message) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
+def encode_next(release: list[int]) -> bytes:
+    """A ``next`` request releasing `release`: the bytes :func:`encode` writes, without the
+    generic encoder (one per batch on the training loop's path)."""
+    body = b'{"op":"next","release":[' + b",".join(b"%d" % int(x) for x in release) + b"]}" if release else b'{"op":"next"}'
+    return struct.pack("<I", len(body)) + body
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         try:
@@ -53,18 +60,31 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: Bytes received past the last reply read (replies come back to back).
+        self._buf = bytearray()
 
     def send(self, *msgs: Message) -> None:
         """Sends one or more requests in one write (the service answers them in order)."""
-        data = b"".join(encode(m) for m in msgs)
+        self.send_bytes(b"".join(encode(m) for m in msgs))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Sends encoded requests in one write."""
         try:
             self.sock.sendall(data, _NOSIGNAL)
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed while sending: {e}") from e
 
+    def pending(self) -> bool:
+        """True when bytes of a reply have already been received (no wait needed to read)."""
+        return bool(self._buf)
+
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
         the caller owns and must close them)."""
+        if not want_fds:
+            return self._recv_buffered(), []
+        if self._buf:
+            raise ProtocolError("a reply with file descriptors after buffered bytes")
         fds: list[int] = []
         try:
             prefix = bytearray()
@@ -105,6 +125,35 @@ class Conn:
             _close_fds(fds)
             raise ProtocolError(f"reply without an op: {msg!r}")
         return msg, fds
+
+    def _recv_buffered(self) -> Message:
+        """One reply, reading as much as has arrived per call (usually the whole reply in
+        one `recv`, and the next one too when it has come)."""
+        try:
+            while True:
+                if len(self._buf) >= 4:
+                    (n,) = struct.unpack_from("<I", self._buf)
+                    if n > MAX_FRAME:
+                        raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
+                    if len(self._buf) >= 4 + n:
+                        body = bytes(self._buf[4 : 4 + n])
+                        del self._buf[: 4 + n]
+                        break
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionClosed(
+                        "the node service closed the connection" + (" in the middle of a reply" if self._buf else "")
+                    )
+                self._buf += data
+        except OSError as e:
+            raise ConnectionClosed(f"the node service connection failed: {e}") from e
+        try:
+            msg = json.loads(body)
+        except ValueError as e:
+            raise ProtocolError(f"malformed reply from the node service: {e}") from e
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise ProtocolError(f"reply without an op: {msg!r}")
+        return msg
 
     def close(self) -> None:
         """Closes the socket (the service then closes the stream and releases its leases)."""

@@ -18,7 +18,9 @@ Usage (batch mode: the node assembles batches of ``batch_size`` samples)::
 
 Each item is one service batch as a dict of arrays (batch mode: ``batch_size`` samples; shard
 mode, without ``batch_size``: one shard); use ``batch_size=None`` in the DataLoader so it does
-not stack batches.
+not stack batches. Both modes resume through ``StatefulDataLoader`` (any ``num_workers``)
+exactly: each process's ``state_dict()`` holds its stream's position after the last item it
+yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from ._client import Client, Stream, connect
 from ._cuda import CudaTensor
+from ._errors import ServiceError
 from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, fill_doc
 from ._types import Uneven
 
@@ -171,20 +174,28 @@ class _DatasetMixin:
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
-        ``DistributedSampler.set_epoch``. Call it before iterating the loader each epoch."""
+        ``DistributedSampler.set_epoch``. Call it before iterating the loader each epoch.
+
+        It forgets the position of the previous iteration, so a ``state_dict()`` taken before
+        the next item resumes at the start of `epoch` (a state loaded with
+        ``load_state_dict`` is kept: ``StatefulDataLoader`` loads it after ``set_epoch``)."""
         self.epoch = int(epoch)
+        self._stream_state = None
 
     def state_dict(self) -> dict[str, Any]:
-        """torchdata's Stateful protocol (batch mode): the epoch the iteration started at and
-        the stream state after the last item this process (main process or DataLoader
-        worker) yielded. Small and JSON-serialisable."""
+        """torchdata's Stateful protocol (batch and shard mode): ``{"epoch", "stream"}``, the
+        epoch the iteration started at and the stream state after the last item this process
+        (main process or DataLoader worker) yielded (None before the first). Small and
+        JSON-serialisable."""
         return {"epoch": self.epoch, "stream": self._stream_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the next iteration right after the last item of `state` (batch mode): the
-        node starts there, nothing is replayed."""
-        if self.options.batch_size is None:
-            raise ValueError("resuming with load_state_dict needs batch mode (batch_size=...)")
+        """Resume the next iteration right after the last item of `state` (a
+        :meth:`state_dict`): the stream opens with ``state=`` that position and the node starts
+        there; nothing is replayed or skipped here. In shard mode the saved stream is this
+        process's own (one rank of ``world_size * num_workers``): resume with the same world
+        size and ``num_workers``, or the node refuses (``ServiceError`` ``state_mismatch``,
+        naming the field) when the next iteration opens the stream."""
         self.epoch = int(state["epoch"])
         self._resume = state.get("stream")
 
@@ -193,10 +204,9 @@ class _DatasetMixin:
             batch = stream.next(self.timeout)
             if batch is None:
                 return
-            if self.options.batch_size is not None:
-                # The position after this item, before it is yielded: a state taken while the
-                # item is in use resumes after it.
-                self._stream_state = stream.state_dict()
+            # The position after this item, before it is yielded: a state taken while the
+            # item is in use resumes after it.
+            self._stream_state = stream.state_dict()
             if self.copy:
                 item = {k: _copy(v) for k, v in batch.items()}  # writable copies
                 batch.release()  # free the region at once
@@ -206,17 +216,43 @@ class _DatasetMixin:
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         client = connect(self.socket)
-        o = self.options
-        if o.batch_size is None:
-            rank, world = _torch_ranks(self.rank, self.world_size)
-            with open_at_epoch(
-                client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
-                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven,
-            ) as stream:
+        if self.options.batch_size is None:
+            with self._open_shards(client) as stream:
                 yield from self._items(stream)
             return
         with self._open_batches(client) as stream:
             yield from self._items(stream)
+
+    def _open_shards(self, client: Client) -> Stream:
+        """The shard-mode stream of this process: stream rank ``effective_rank(rank,
+        world_size, worker, num_workers)`` of ``world_size * num_workers``, delivering epochs
+        ``epoch .. epoch + epochs - 1``; after :meth:`load_state_dict`, that same stream opened
+        at the saved state (O(1) on the node: no probe, no replay)."""
+        o = self.options
+        rank, world = _torch_ranks(self.rank, self.world_size)
+        state, self._resume = self._resume, None
+        if state is None:
+            return open_at_epoch(
+                client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
+                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven,
+            )
+        # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's does; a
+        # state saved after its last item (epoch + epochs, index 0) resumes to an empty stream.
+        try:
+            return client.open_stream(
+                self.dataset, epochs=self.epoch + o.epochs, seed=o.seed, rank=rank,
+                world_size=world, uneven=o.uneven, state=state,
+            )
+        except ServiceError as e:
+            if e.code != "state_mismatch":
+                raise
+            worker, workers = _worker()
+            raise ServiceError(e.code, (
+                f"{e.message} (shard mode: this DataLoader process opens stream rank {rank} of {world}, "
+                f"effective_rank(rank, world_size, worker={worker}, num_workers={workers}); a shard-mode "
+                "state resumes only the same stream: the same world size, rank and num_workers, dataset, "
+                "seed and uneven, and epochs that reach the saved position)"
+            )) from e
 
     def _open_batches(self, client: Client) -> Stream:
         """The batch-mode stream of this process: the DDP rank's batches, split among the
@@ -234,7 +270,11 @@ class _DatasetMixin:
                 base = probe.state_dict()
             state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
         if state is not None:
-            end = max(end, int(state["epoch"]) + 1)
+            # The stream must reach the saved position: its epoch, and past it when the
+            # position lies inside that epoch. A state at the end of the last epoch
+            # (index 0 of the epoch after) resumes to nothing rather than another epoch.
+            inside = int(state.get("index", 0)) > 0
+            end = max(end, int(state["epoch"]) + inside)
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
 
 
@@ -303,8 +343,15 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
     Shard mode (no ``batch_size``): in ``__iter__`` (i.e. in each DataLoader worker) the stream
     rank is ``effective_rank(rank, world_size, worker_id, num_workers)``: workers split each
     DDP rank, so no shard is duplicated or dropped beyond what the uneven policy does over
-    ``world_size * num_workers`` streams; resuming from a state dict is not supported there.
-    ``set_epoch(e)`` makes the next iteration deliver epochs ``e .. e + epochs - 1``.
+    ``world_size * num_workers`` streams. ``set_epoch(e)`` makes the next iteration deliver
+    epochs ``e .. e + epochs - 1``. ``state_dict()`` / ``load_state_dict()`` work as in batch
+    mode: each worker (or the main process) saves its own stream's position after the last
+    shard it yielded (``{epoch, index, seed, fingerprint}``, inside any of those epochs, or
+    their end), and the resumed stream starts at the next shard: nothing is replayed. The
+    saved stream is one rank of ``world_size * num_workers``, so resume with the same world
+    size and ``num_workers`` (and dataset, seed, uneven); otherwise the first item raises
+    ``ServiceError`` ``state_mismatch`` naming the field (from a DataLoader worker, torch
+    re-raises it as a ``RuntimeError`` quoting it).
     """
 
 

@@ -1,0 +1,253 @@
+"""Shard mode resumes exactly, without replay: `Client.open_stream(state=...)` and
+`shardwire.torch.IterableDataset` (no `batch_size`) in torchdata's `StatefulDataLoader` with 0
+and with 2 workers, mid-epoch, inside the second epoch of a `set_epoch` + `epochs` stream and
+after the last shard. The node's `batches_delivered` counter proves that the resumed run was
+handed only the shards not yet yielded. A state of another world size or worker count is
+refused with `state_mismatch`, naming the field."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import pytest
+
+from conftest import REPO, serve_dataset, wait_for, write_id_dataset
+
+sys.path.insert(0, str(REPO / "client" / "python" / "src"))
+
+import shardwire  # noqa: E402
+
+FILES, PER_FILE = 2, 8
+SHARDS = FILES * PER_FILE  # one shard per record batch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sresume") / "ds"
+    write_id_dataset(d, [[5 + f + 2 * i for i in range(PER_FILE)] for f in range(FILES)])
+    return d
+
+
+@pytest.fixture
+def node(sw, data):
+    return serve_dataset(sw, "s", data)
+
+
+def delivered(node) -> int:
+    """Batches the node has handed to trainers, over all streams, once none is open (a stream
+    still open, e.g. a DataLoader worker not yet gone, could still take one)."""
+    wait_for(lambda: node.status()["streams"] == [], "every stream closed")
+    return node.status()["counters"]["batches_delivered"]
+
+
+def ids(item: Any) -> list[int]:
+    """A shard's identity: its `id` column (every id is in exactly one shard)."""
+    return [int(i) for i in item["id"]]
+
+
+def test_the_shards_are_the_record_batches(node):
+    with shardwire.connect(node.socket).open_stream("s", seed=3) as s:
+        assert s.info.batches_per_epoch == SHARDS
+        firsts = sorted(ids(b)[0] for b in s)
+    assert len(set(firsts)) == SHARDS
+
+
+def test_open_stream_resumes_at_the_saved_shard(node):
+    """A shard-mode `state` (here rank 1 of 2, two epochs) resumes at the next shard, in the
+    second epoch too, O(1) on the node: only the remaining shards are delivered; a state saved
+    after the last shard resumes to an empty stream."""
+    client = shardwire.connect(node.socket)
+    opts = dict(seed=3, rank=1, world_size=2, epochs=2)
+    per_rank = SHARDS // 2
+    with client.open_stream("s", **opts) as s:
+        full = [(b.epoch, b.index, ids(b)) for b in s]
+    assert [(e, i) for e, i, _ in full] == [(e, i) for e in range(2) for i in range(per_rank)]
+    for k in (3, per_rank + 2, 2 * per_rank):  # mid-epoch 0, inside epoch 1, after the last
+        with client.open_stream("s", **opts) as s:
+            head = [ids(s.next()) for _ in range(k)]
+            state = s.state_dict()
+        assert (state["epoch"], state["index"]) == divmod(k, per_rank)
+        assert set(state) == {"epoch", "index", "seed", "fingerprint"}
+        before = delivered(node)
+        with client.open_stream("s", **opts, state=state) as s:
+            tail = [(b.epoch, b.index, ids(b)) for b in s]
+        assert head == [x for _, _, x in full[:k]]
+        assert tail == full[k:], f"resumed after {k} shards"
+        assert delivered(node) - before == len(full) - k, "nothing was replayed"
+
+
+torch = pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
+stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is installed by scripts/test")
+
+
+def dataset_states(sd: Any) -> list[dict]:
+    """The IterableDataset states inside a StatefulDataLoader state (one per worker, or the
+    main process's): every `{"epoch", "stream"}` dict in it."""
+    out = []
+    if isinstance(sd, dict):
+        if set(sd) == {"epoch", "stream"}:
+            return [sd]
+        for v in sd.values():
+            out += dataset_states(v)
+    return out
+
+
+# (set_epoch, epochs, k): mid-epoch; inside the second epoch of set_epoch(1) + epochs=2 (the
+# stream spans epochs 1..2); after the last shard (saved before the loader saw its end).
+CASES = {"mid-epoch": (0, 1, 5), "second-epoch": (1, 2, SHARDS + 3), "end": (0, 1, SHARDS)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_shard_mode_exactly_without_replay(node, workers, case):
+    from shardwire.torch import IterableDataset
+
+    start, epochs, k = CASES[case]
+    prefetch = 2  # StatefulDataLoader's default prefetch_factor (with workers)
+
+    def loader():
+        ds = IterableDataset("s", socket=node.socket, seed=3, epochs=epochs, timeout=60)
+        ds.set_epoch(start)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    full = [ids(item) for item in loader()]
+    assert len(full) == epochs * SHARDS and len({x[0] for x in full}) == SHARDS
+
+    before = delivered(node)
+    dl = loader()
+    it = iter(dl)
+    head = [ids(next(it)) for _ in range(k)]
+    sd = copy.deepcopy(dl.state_dict())  # a checkpoint
+    del it, dl  # stops the workers (joined) and closes the streams
+    first = delivered(node) - before
+
+    states = dataset_states(sd)
+    assert len(states) == max(workers, 1), sd
+    if case == "second-epoch":
+        # Every worker's position lies in epoch 2 of the stream that started at epoch 1.
+        assert all(s["epoch"] == start and s["stream"]["epoch"] == start + 1 for s in states), states
+    if case == "end":
+        assert all(s["stream"]["epoch"] == start + epochs and s["stream"]["index"] == 0 for s in states), states
+
+    dl2 = loader()
+    dl2.load_state_dict(sd)
+    tail = [ids(item) for item in dl2]
+    resumed = delivered(node) - before - first
+
+    assert head == full[:k]
+    assert tail == full[k:], "the resumed loader continues exactly after item k"
+    # The resumed run was handed exactly the items not yet yielded, none of the k again.
+    assert resumed == len(full) - k, f"resumed run delivered {resumed}, want {len(full) - k}: replay"
+    # The interrupted run was handed the k items it yielded plus what its workers had
+    # prefetched: with workers, StatefulDataLoader keeps up to prefetch_factor * num_workers
+    # fetches outstanding, each of which may have taken a shard from the node that was never
+    # yielded. Those shards are not in the saved state (a worker's state travels with each item
+    # it yields, so the checkpoint holds each worker's position after its last *yielded* item),
+    # and the resumed run takes them again: that is the bound on what the node delivers twice
+    # over the two runs, never an item the trainer saw. With 0 workers the DataLoader prefetches
+    # nothing. On top of that each stream (the main process's, or each worker's) has asked the
+    # node for the batch after the one it handed out, ahead of time: one more per stream.
+    ahead = prefetch * workers + max(workers, 1)
+    assert k <= first <= k + ahead, (first, k)
+    assert resumed + first - len(full) <= ahead
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_state_of_another_world_size_is_refused(node, workers):
+    """A checkpoint of world size 1 resumed on world size 2: the node refuses the saved
+    stream state with `state_mismatch`, naming `world_size`; the loader does not start over."""
+    from shardwire.torch import IterableDataset
+
+    def loader(world_size: int):
+        ds = IterableDataset("s", socket=node.socket, seed=3, rank=0, world_size=world_size, timeout=60)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    dl = loader(1)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    before = delivered(node)
+    dl2 = loader(2)
+    dl2.load_state_dict(sd)
+    # In a worker the ServiceError reaches the main process re-raised by torch as a
+    # RuntimeError that quotes it.
+    with pytest.raises(shardwire.ServiceError if workers == 0 else RuntimeError) as e:
+        next(iter(dl2))
+    assert "state_mismatch" in str(e.value) and "`world_size`" in str(e.value), str(e.value)
+    assert "num_workers" in str(e.value), str(e.value)
+    if workers == 0:
+        assert e.value.code == "state_mismatch"
+    del dl2
+    assert delivered(node) == before, "nothing was delivered"
+
+
+def test_a_worker_state_resumes_only_its_own_stream(node):
+    """A worker's state (stream rank 1 of 2) loaded in the main process (stream rank 0 of 1)
+    is refused, naming the field; loaded in the same worker slot it resumes exactly."""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3)
+    dl = stateful.StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    it = iter(dl)
+    for _ in range(4):
+        next(it)
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    w1 = sd["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]
+    assert w1["stream"]["index"] == 2, w1
+    main = IterableDataset("s", socket=node.socket, seed=3)
+    main.load_state_dict(w1)
+    with pytest.raises(shardwire.ServiceError, match="state_mismatch: state fingerprint differs in `world_size`") as e:
+        next(iter(main))
+    assert e.value.code == "state_mismatch"
+    # The same state opened as the stream it came from (rank 1 of 2) resumes at its shard 2.
+    with shardwire.connect(node.socket).open_stream("s", seed=3, rank=1, world_size=2) as s:
+        want = [ids(b) for b in s][2:]
+    with shardwire.connect(node.socket).open_stream("s", seed=3, rank=1, world_size=2, state=w1["stream"]) as s:
+        assert [ids(b) for b in s] == want
+
+
+def test_a_checkpoint_after_set_epoch_starts_that_epoch(node):
+    """`set_epoch` forgets the finished iteration's position: with 0 workers (the dataset of
+    the main process lives on), a checkpoint taken after epoch 0 ended and `set_epoch(2)`
+    resumes at the start of epoch 2, not at the end of epoch 0's stream."""
+    from shardwire.torch import IterableDataset
+
+    def loader(epoch: int):
+        ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+        ds.set_epoch(epoch)
+        return ds, stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    want = [ids(item) for item in loader(2)[1]]
+    ds, dl = loader(0)
+    assert len(list(dl)) == SHARDS
+    ds.set_epoch(2)
+    sd = copy.deepcopy(dl.state_dict())
+    assert dataset_states(sd) == [{"epoch": 2, "stream": None}], sd
+    ds2, dl2 = loader(0)
+    dl2.load_state_dict(sd)
+    assert [ids(item) for item in dl2] == want
+
+
+def test_a_batch_mode_checkpoint_after_the_last_batch_resumes_to_nothing(node):
+    """Batch mode, for contrast: a StatefulDataLoader checkpoint taken after the last batch of
+    the stream's epochs resumes to an empty stream (it once replayed a whole extra epoch)."""
+    from shardwire.torch import IterableDataset
+
+    def loader():
+        ds = IterableDataset("s", socket=node.socket, seed=3, batch_size=4, epochs=1, timeout=60)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    dl = loader()
+    items = [ids(item) for item in dl]
+    assert items and all(len(x) == 4 for x in items)
+    sd = copy.deepcopy(dl.state_dict())
+    before = delivered(node)
+    dl2 = loader()
+    dl2.load_state_dict(sd)
+    assert [ids(item) for item in dl2] == []
+    assert delivered(node) == before, "nothing is handed out again"
