@@ -1,0 +1,746 @@
+//! Pairing every GPU with its nearest NIC (a *lane*, DESIGN.md §11), and splitting a NIC's
+//! devmem queues among the GPUs that share it. Pure: works on a [`Tree`], no I/O.
+//!
+//! Rules:
+//! - Each GPU gets a NIC at the smallest [`Distance`] it has to any usable NIC.
+//! - Ties are spread: GPUs with the fewest best candidates choose first (then in PCI
+//!   order), each taking the candidate with the fewest GPUs so far (then the lowest PCI
+//!   address; virtual NICs after physical ones, by name). 8 GPUs on 4 equidistant NICs
+//!   get 2 per NIC, and a GPU with one PIX NIC is not crowded out by one with two.
+//! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
+//!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
+//!   as evenly as possible; with fewer queues than GPUs the later GPUs get none.
+//! - Virtual NICs (veth, lo) have no PCI path. They are never used unless named in
+//!   [`PairOptions::include_virtual`]; a named one is a candidate at [`Distance::Sys`]
+//!   (we cannot know which CPU it hangs off), so any physical NIC at PIX, PXB or PHB wins
+//!   over it, it ties with physical NICs at SYS, and it is chosen alone when no physical
+//!   NIC exists. Naming a physical NIC there changes nothing.
+
+use serde::{Serialize, Serializer};
+
+use crate::distance::{Classified, Distance, classify};
+use crate::pci::PciAddr;
+use crate::sysfs::{Gpu, Nic, Tree};
+use crate::values::format_ranges;
+
+/// Choices the caller makes about pairing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PairOptions {
+    /// Virtual interfaces (e.g. `veth0`) that may carry a lane; others never do.
+    pub include_virtual: Vec<String>,
+}
+
+/// One planned lane: a GPU, its NIC and the NIC queues it receives on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LanePlan {
+    /// Lane id, 0.. in GPU PCI order.
+    pub lane: u32,
+    /// The GPU.
+    pub gpu: PciAddr,
+    /// The GPU's NUMA node.
+    pub gpu_numa: Option<u32>,
+    /// The NIC's interface name; `None` when no NIC is usable.
+    pub nic: Option<String>,
+    /// The NIC's PCI address; `None` without a NIC or for a virtual one.
+    pub nic_pci: Option<PciAddr>,
+    /// The NIC's NUMA node.
+    pub nic_numa: Option<u32>,
+    /// GPU to NIC distance; `None` without a NIC.
+    pub distance: Option<Distance>,
+    /// The NIC rx queues for this GPU's devmem binding (disjoint from other lanes').
+    pub queues: Vec<u32>,
+    /// One line: why this NIC, and how its queues are shared.
+    pub why: String,
+    /// The lane crosses a CPU (PHB, SYS) or has no NIC.
+    pub warn: bool,
+}
+
+impl LanePlan {
+    /// The NUMA node to run the lane's receivers on: the NIC's, else the GPU's.
+    pub fn numa_node(&self) -> Option<u32> {
+        self.nic_numa.or(self.gpu_numa)
+    }
+}
+
+/// The JSON shape of a lane (`shardwire topology --json`).
+#[derive(Serialize)]
+struct LaneJson<'a> {
+    lane: u32,
+    gpu: PciAddr,
+    nic: Option<&'a str>,
+    nic_pci: Option<PciAddr>,
+    distance: Option<Distance>,
+    numa_node: Option<u32>,
+    queues: &'a [u32],
+    why: &'a str,
+    warn: bool,
+}
+
+impl Serialize for LanePlan {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        LaneJson {
+            lane: self.lane,
+            gpu: self.gpu,
+            nic: self.nic.as_deref(),
+            nic_pci: self.nic_pci,
+            distance: self.distance,
+            numa_node: self.numa_node(),
+            queues: &self.queues,
+            why: &self.why,
+            warn: self.warn,
+        }
+        .serialize(s)
+    }
+}
+
+/// A usable NIC for a GPU at the GPU's best distance.
+#[derive(Clone, Debug)]
+struct Candidate {
+    /// Index into `Tree::nics`.
+    nic: usize,
+    class: Classified,
+}
+
+/// Plans one lane per GPU (none when the tree has no GPU: the node keeps its host lane).
+pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
+    let mut gpus: Vec<&Gpu> = tree.gpus.iter().collect();
+    gpus.sort_by_key(|g| g.pci);
+    let best: Vec<Vec<Candidate>> = gpus
+        .iter()
+        .map(|g| best_candidates(g, &tree.nics, opts))
+        .collect();
+    let chosen = assign(&best, &tree.nics);
+    let mut queues: Vec<Vec<u32>> = vec![Vec::new(); gpus.len()];
+    let mut shares: Vec<String> = vec![String::new(); gpus.len()];
+    for (k, nic) in tree.nics.iter().enumerate() {
+        // GPUs of this NIC, in PCI order (gpus is sorted).
+        let users: Vec<usize> = (0..gpus.len()).filter(|&i| chosen[i] == Some(k)).collect();
+        let split = split_queues(nic.rx_queues, users.len());
+        for (slot, (&i, q)) in users.iter().zip(split).enumerate() {
+            shares[i] = share_note(nic, users.len(), slot, &q);
+            queues[i] = q;
+        }
+    }
+    gpus.iter()
+        .enumerate()
+        .map(|(i, gpu)| {
+            let lane = u32::try_from(i).unwrap_or(u32::MAX);
+            let pick = chosen[i].and_then(|k| best[i].iter().find(|c| c.nic == k));
+            let Some(pick) = pick else {
+                return no_nic_lane(lane, gpu, opts);
+            };
+            let nic = &tree.nics[pick.nic];
+            let spread = match best[i].len() {
+                1 => String::new(),
+                n => format!("; 1 of {n} NICs at {}, spread", pick.class.distance),
+            };
+            LanePlan {
+                lane,
+                gpu: gpu.pci,
+                gpu_numa: gpu.numa_node,
+                nic: Some(nic.interface.clone()),
+                nic_pci: nic.pci,
+                nic_numa: nic.numa_node,
+                distance: Some(pick.class.distance),
+                queues: std::mem::take(&mut queues[i]),
+                why: format!("{}{spread}{}", pick.class.why, shares[i]),
+                warn: pick.class.distance.crosses_cpu(),
+            }
+        })
+        .collect()
+}
+
+fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
+    let why = if opts.include_virtual.is_empty() {
+        "no physical NIC (virtual NICs are used only when named in include_virtual)"
+    } else {
+        "no physical NIC, and no NIC named in include_virtual exists"
+    };
+    LanePlan {
+        lane,
+        gpu: gpu.pci,
+        gpu_numa: gpu.numa_node,
+        nic: None,
+        nic_pci: None,
+        nic_numa: None,
+        distance: None,
+        queues: Vec::new(),
+        why: why.to_owned(),
+        warn: true,
+    }
+}
+
+/// The usable NICs at the GPU's smallest distance.
+fn best_candidates(gpu: &Gpu, nics: &[Nic], opts: &PairOptions) -> Vec<Candidate> {
+    let all: Vec<Candidate> = nics
+        .iter()
+        .enumerate()
+        .filter_map(|(k, nic)| {
+            let class = match &nic.path {
+                Some(path) if !nic.is_virtual => {
+                    classify(&gpu.path, gpu.numa_node, path, nic.numa_node)
+                }
+                _ if opts.include_virtual.contains(&nic.interface) => Classified {
+                    distance: Distance::Sys,
+                    why: format!(
+                        "virtual NIC {} (no PCI path), named in include_virtual",
+                        nic.interface
+                    ),
+                },
+                _ => return None,
+            };
+            Some(Candidate { nic: k, class })
+        })
+        .collect();
+    let Some(best) = all.iter().map(|c| c.class.distance).min() else {
+        return all;
+    };
+    all.into_iter()
+        .filter(|c| c.class.distance == best)
+        .collect()
+}
+
+/// The NIC (index into `nics`) of each GPU: GPUs with the fewest candidates choose first,
+/// each the candidate with the fewest GPUs so far, then physical before virtual, then the
+/// lowest PCI address, then the name. `best` is in GPU PCI order.
+fn assign(best: &[Vec<Candidate>], nics: &[Nic]) -> Vec<Option<usize>> {
+    let mut order: Vec<usize> = (0..best.len()).filter(|&i| !best[i].is_empty()).collect();
+    order.sort_by_key(|&i| (best[i].len(), i));
+    let mut load = vec![0usize; nics.len()];
+    let mut chosen = vec![None; best.len()];
+    for i in order {
+        let pick = best[i].iter().map(|c| c.nic).min_by_key(|&k| {
+            let nic = &nics[k];
+            (load[k], nic.is_virtual, nic.pci, &nic.interface)
+        });
+        if let Some(k) = pick {
+            load[k] += 1;
+            chosen[i] = Some(k);
+        }
+    }
+    chosen
+}
+
+/// The devmem queues `[rx/2, rx)` of a NIC split among `gpus` GPUs: contiguous, disjoint,
+/// in order, sizes differing by at most one; later GPUs get none when queues run out.
+pub fn split_queues(rx_queues: u32, gpus: usize) -> Vec<Vec<u32>> {
+    let Ok(k) = u32::try_from(gpus) else {
+        return vec![Vec::new(); gpus];
+    };
+    if k == 0 {
+        return Vec::new();
+    }
+    let first = rx_queues / 2;
+    let count = rx_queues - first;
+    let (base, extra) = (count / k, count % k);
+    let mut next = first;
+    (0..k)
+        .map(|i| {
+            let n = base + u32::from(i < extra);
+            let run: Vec<u32> = (next..next + n).collect();
+            next += n;
+            run
+        })
+        .collect()
+}
+
+/// How a NIC's queues were shared, for a lane's `why` (empty when it has the NIC alone
+/// and queues).
+fn share_note(nic: &Nic, users: usize, slot: usize, queues: &[u32]) -> String {
+    let all = split_queues(nic.rx_queues, 1).concat();
+    let name = &nic.interface;
+    if all.is_empty() {
+        return format!("; {name} has no rx queues for devmem");
+    }
+    if queues.is_empty() {
+        return format!(
+            "; no devmem queue left: {name} has {} for {users} GPUs (GPU {} of {users})",
+            all.len(),
+            slot + 1
+        );
+    }
+    if users == 1 {
+        return String::new();
+    }
+    format!(
+        "; {name} shared by {users} GPUs: queues {} of {}",
+        format_ranges(queues),
+        format_ranges(&all)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::path::PciPath;
+
+    fn addr(s: &str) -> PciAddr {
+        s.parse().expect("valid BDF")
+    }
+
+    fn path(host: &str, chain: &[&str]) -> PciPath {
+        PciPath {
+            host_bridge: host.to_owned(),
+            chain: chain.iter().map(|s| addr(s)).collect(),
+        }
+    }
+
+    fn gpu(numa: Option<u32>, host: &str, chain: &[&str]) -> Gpu {
+        let path = path(host, chain);
+        Gpu {
+            pci: path.device().expect("chain ends with the device"),
+            numa_node: numa,
+            vendor: 0x10de,
+            device: Some(0x2330),
+            local_cpulist: Vec::new(),
+            path,
+        }
+    }
+
+    fn nic(name: &str, numa: Option<u32>, rx: u32, host: &str, chain: &[&str]) -> Nic {
+        let path = path(host, chain);
+        Nic {
+            interface: name.to_owned(),
+            pci: path.device(),
+            numa_node: numa,
+            is_virtual: false,
+            rx_queues: rx,
+            vendor: Some(0x15b3),
+            device: Some(0x1021),
+            local_cpulist: Vec::new(),
+            path: Some(path),
+        }
+    }
+
+    fn veth(name: &str) -> Nic {
+        Nic {
+            interface: name.to_owned(),
+            pci: None,
+            numa_node: None,
+            is_virtual: true,
+            rx_queues: 1,
+            vendor: None,
+            device: None,
+            local_cpulist: Vec::new(),
+            path: None,
+        }
+    }
+
+    /// Device `bus:00.0` behind downstream port `down` of the switch at `sw` (root port 00:01.0).
+    fn under_switch(sw: &str, down: &str, dev: &str) -> [String; 4] {
+        [
+            "0000:00:01.0".to_owned(),
+            sw.to_owned(),
+            down.to_owned(),
+            dev.to_owned(),
+        ]
+    }
+
+    fn chain(c: &[String; 4]) -> Vec<&str> {
+        c.iter().map(String::as_str).collect()
+    }
+
+    fn opts(names: &[&str]) -> PairOptions {
+        PairOptions {
+            include_virtual: names.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    /// lane, GPU, NIC, distance, queues, warn.
+    type Summary<'a> = (
+        u32,
+        String,
+        Option<&'a str>,
+        Option<Distance>,
+        Vec<u32>,
+        bool,
+    );
+
+    fn summary(lanes: &[LanePlan]) -> Vec<Summary<'_>> {
+        lanes
+            .iter()
+            .map(|l| {
+                (
+                    l.lane,
+                    l.gpu.to_string(),
+                    l.nic.as_deref(),
+                    l.distance,
+                    l.queues.clone(),
+                    l.warn,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_gpu_no_lanes() {
+        let tree = Tree {
+            nics: vec![nic(
+                "eth1",
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:01.0", "0000:01:00.0"],
+            )],
+            ..Tree::default()
+        };
+        assert_eq!(pair(&tree, &PairOptions::default()), vec![]);
+    }
+
+    #[test]
+    fn eight_gpus_on_four_equidistant_nics_get_two_each() {
+        // One switch 0000:01:00.0 holding 8 GPUs (buses 10..17) and 4 NICs (buses 20..23):
+        // every NIC is PIX to every GPU.
+        let gpus: Vec<Gpu> = (0..8)
+            .map(|i| {
+                let c = under_switch(
+                    "0000:01:00.0",
+                    &format!("0000:02:{i:02x}.0"),
+                    &format!("0000:{:02x}:00.0", 0x10 + i),
+                );
+                gpu(Some(0), "pci0000:00", &chain(&c))
+            })
+            .collect();
+        let nics: Vec<Nic> = (0..4)
+            .map(|i| {
+                let c = under_switch(
+                    "0000:01:00.0",
+                    &format!("0000:02:{:02x}.0", 8 + i),
+                    &format!("0000:{:02x}:00.0", 0x20 + i),
+                );
+                nic(
+                    &format!("eth{}", i + 1),
+                    Some(0),
+                    16,
+                    "pci0000:00",
+                    &chain(&c),
+                )
+            })
+            .collect();
+        // Handed in reverse: pair() must not depend on the tree's order.
+        let tree = Tree {
+            gpus: gpus.into_iter().rev().collect(),
+            nics: nics.into_iter().rev().collect(),
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        let got: Vec<(String, &str, Vec<u32>)> = lanes
+            .iter()
+            .map(|l| {
+                (
+                    l.gpu.to_string(),
+                    l.nic.as_deref().unwrap_or("-"),
+                    l.queues.clone(),
+                )
+            })
+            .collect();
+        let q_lo: Vec<u32> = (8..12).collect();
+        let q_hi: Vec<u32> = (12..16).collect();
+        let want = [
+            ("0000:10:00.0", "eth1", &q_lo),
+            ("0000:11:00.0", "eth2", &q_lo),
+            ("0000:12:00.0", "eth3", &q_lo),
+            ("0000:13:00.0", "eth4", &q_lo),
+            ("0000:14:00.0", "eth1", &q_hi),
+            ("0000:15:00.0", "eth2", &q_hi),
+            ("0000:16:00.0", "eth3", &q_hi),
+            ("0000:17:00.0", "eth4", &q_hi),
+        ];
+        let want: Vec<(String, &str, Vec<u32>)> = want
+            .iter()
+            .map(|(g, n, q)| ((*g).to_owned(), *n, (*q).clone()))
+            .collect();
+        assert_eq!(got, want);
+        assert!(
+            lanes
+                .iter()
+                .all(|l| l.distance == Some(Distance::Pix) && !l.warn)
+        );
+        assert_eq!(
+            lanes.iter().map(|l| l.lane).collect::<Vec<_>>(),
+            (0..8).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            lanes[4].why,
+            "same PCIe switch 0000:01:00.0; 1 of 4 NICs at PIX, spread; eth1 shared by 2 GPUs: queues 12-15 of 8-15"
+        );
+    }
+
+    fn cand(nic: usize) -> Candidate {
+        Candidate {
+            nic,
+            class: Classified {
+                distance: Distance::Pix,
+                why: String::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn gpus_with_fewer_candidates_choose_first() {
+        // GPU A (first in PCI order) has NICs 1 and 2 at PIX, GPU B only NIC 1. Greedy in
+        // PCI order would put both on NIC 1.
+        let nics = [
+            nic(
+                "eth1",
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:01.0", "0000:05:00.0"],
+            ),
+            nic(
+                "eth2",
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:02.0", "0000:06:00.0"],
+            ),
+        ];
+        let best = vec![vec![cand(0), cand(1)], vec![cand(0)]];
+        assert_eq!(assign(&best, &nics), vec![Some(1), Some(0)]);
+    }
+
+    #[test]
+    fn fewest_candidates_first_on_a_tree() {
+        // PCI switches make "nearest" transitive, so build the asymmetry from NUMA: GPU A
+        // (NUMA 0) reaches eth1 and eth2 through the CPU (PHB); GPU B, on eth1's host bridge
+        // but with its NUMA node unknown, reaches eth1 by PHB and eth2 only by SYS.
+        let a = gpu(Some(0), "pci0000:00", &["0000:00:01.0", "0000:01:00.0"]);
+        let b = gpu(None, "pci0000:40", &["0000:40:01.0", "0000:41:00.0"]);
+        let eth1 = nic(
+            "eth1",
+            Some(0),
+            16,
+            "pci0000:40",
+            &["0000:40:02.0", "0000:42:00.0"],
+        );
+        let eth2 = nic(
+            "eth2",
+            Some(0),
+            16,
+            "pci0000:80",
+            &["0000:80:01.0", "0000:81:00.0"],
+        );
+        let tree = Tree {
+            gpus: vec![a, b],
+            nics: vec![eth1, eth2],
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        assert_eq!(
+            summary(&lanes),
+            [
+                (
+                    0,
+                    "0000:01:00.0".into(),
+                    Some("eth2"),
+                    Some(Distance::Phb),
+                    (8..16).collect(),
+                    true
+                ),
+                (
+                    1,
+                    "0000:41:00.0".into(),
+                    Some("eth1"),
+                    Some(Distance::Phb),
+                    (8..16).collect(),
+                    true
+                ),
+            ]
+        );
+        assert_eq!(lanes[1].why, "through host bridge pci0000:40 (NUMA 0)");
+        assert_eq!(lanes[1].numa_node(), Some(0));
+    }
+
+    #[test]
+    fn queues_split_evenly_and_contiguously() {
+        let ranges = |rx, gpus| -> Vec<Vec<u32>> { split_queues(rx, gpus) };
+        assert_eq!(ranges(16, 1), vec![(8..16).collect::<Vec<_>>()]);
+        assert_eq!(
+            ranges(16, 2),
+            vec![(8..12).collect::<Vec<_>>(), (12..16).collect()]
+        );
+        assert_eq!(
+            ranges(16, 3),
+            vec![vec![8, 9, 10], vec![11, 12, 13], vec![14, 15]]
+        );
+        assert_eq!(ranges(4, 3), vec![vec![2], vec![3], vec![]]);
+        assert_eq!(ranges(1, 2), vec![vec![0], vec![]]);
+        assert_eq!(ranges(0, 2), vec![Vec::<u32>::new(), vec![]]);
+        assert_eq!(ranges(16, 0), Vec::<Vec<u32>>::new());
+    }
+
+    #[test]
+    fn more_gpus_than_queues_leave_later_gpus_empty_and_say_so() {
+        let gpus: Vec<Gpu> = (0..3)
+            .map(|i| {
+                let c = under_switch(
+                    "0000:01:00.0",
+                    &format!("0000:02:{i:02x}.0"),
+                    &format!("0000:{:02x}:00.0", 0x10 + i),
+                );
+                gpu(Some(0), "pci0000:00", &chain(&c))
+            })
+            .collect();
+        let c = under_switch("0000:01:00.0", "0000:02:08.0", "0000:20:00.0");
+        let tree = Tree {
+            gpus,
+            nics: vec![nic("eth1", Some(0), 4, "pci0000:00", &chain(&c))],
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        let queues: Vec<Vec<u32>> = lanes.iter().map(|l| l.queues.clone()).collect();
+        assert_eq!(queues, vec![vec![2], vec![3], vec![]]);
+        assert_eq!(
+            lanes[2].why,
+            "same PCIe switch 0000:01:00.0; no devmem queue left: eth1 has 2 for 3 GPUs (GPU 3 of 3)"
+        );
+        assert_eq!(
+            lanes[0].why,
+            "same PCIe switch 0000:01:00.0; eth1 shared by 3 GPUs: queues 2 of 2-3"
+        );
+    }
+
+    #[test]
+    fn virtual_nics_only_when_named() {
+        let g = gpu(
+            Some(0),
+            "pci0000:00",
+            &chain(&under_switch(
+                "0000:01:00.0",
+                "0000:02:00.0",
+                "0000:03:00.0",
+            )),
+        );
+        let alone = Tree {
+            gpus: vec![g.clone()],
+            nics: vec![veth("lo"), veth("veth0")],
+            ..Tree::default()
+        };
+        let lanes = pair(&alone, &PairOptions::default());
+        assert_eq!(
+            summary(&lanes),
+            [(0, "0000:03:00.0".into(), None, None, vec![], true)]
+        );
+        assert!(
+            lanes[0].why.starts_with("no physical NIC"),
+            "{}",
+            lanes[0].why
+        );
+        assert_eq!(lanes[0].numa_node(), Some(0));
+        let named = pair(&alone, &opts(&["veth0"]));
+        assert_eq!(
+            summary(&named),
+            [(
+                0,
+                "0000:03:00.0".into(),
+                Some("veth0"),
+                Some(Distance::Sys),
+                vec![0],
+                true
+            )]
+        );
+        assert_eq!(
+            named[0].why,
+            "virtual NIC veth0 (no PCI path), named in include_virtual"
+        );
+        assert_eq!(named[0].nic_pci, None);
+        let missing = pair(&alone, &opts(&["veth9"]));
+        assert_eq!(
+            missing[0].why,
+            "no physical NIC, and no NIC named in include_virtual exists"
+        );
+        // A physical NIC in the GPU's switch beats the named veth.
+        let with_eth = Tree {
+            gpus: vec![g],
+            nics: vec![
+                nic(
+                    "eth1",
+                    Some(0),
+                    16,
+                    "pci0000:00",
+                    &chain(&under_switch(
+                        "0000:01:00.0",
+                        "0000:02:01.0",
+                        "0000:04:00.0",
+                    )),
+                ),
+                veth("veth0"),
+            ],
+            ..Tree::default()
+        };
+        let lanes = pair(&with_eth, &opts(&["veth0", "eth1"]));
+        assert_eq!(
+            summary(&lanes),
+            [(
+                0,
+                "0000:03:00.0".into(),
+                Some("eth1"),
+                Some(Distance::Pix),
+                (8..16).collect(),
+                false
+            )]
+        );
+    }
+
+    #[test]
+    fn a_named_veth_ties_with_a_cross_socket_nic() {
+        // Two GPUs on socket 0, the only physical NIC on socket 1: both are SYS from it and
+        // from the named veth, so they spread: physical first.
+        let g0 = gpu(Some(0), "pci0000:00", &["0000:00:01.0", "0000:01:00.0"]);
+        let g1 = gpu(Some(0), "pci0000:00", &["0000:00:02.0", "0000:02:00.0"]);
+        let far = nic(
+            "eth1",
+            Some(1),
+            16,
+            "pci0000:80",
+            &["0000:80:01.0", "0000:81:00.0"],
+        );
+        let tree = Tree {
+            gpus: vec![g0, g1],
+            nics: vec![far, veth("veth0")],
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &opts(&["veth0"]));
+        let nics: Vec<Option<&str>> = lanes.iter().map(|l| l.nic.as_deref()).collect();
+        assert_eq!(nics, [Some("eth1"), Some("veth0")]);
+        assert_eq!(
+            lanes[0].why,
+            "across sockets: GPU on NUMA 0, NIC on NUMA 1; 1 of 2 NICs at SYS, spread"
+        );
+        assert_eq!(lanes[0].numa_node(), Some(1));
+    }
+
+    #[test]
+    fn lane_json_has_the_documented_keys() {
+        let g = gpu(Some(0), "pci0000:00", &["0000:00:01.0", "0000:01:00.0"]);
+        let tree = Tree {
+            gpus: vec![g],
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        let json = serde_json::to_value(&lanes[0]).expect("serialize");
+        let keys: Vec<&str> = json
+            .as_object()
+            .expect("object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut want = [
+            "lane",
+            "gpu",
+            "nic",
+            "nic_pci",
+            "distance",
+            "numa_node",
+            "queues",
+            "why",
+            "warn",
+        ];
+        want.sort_unstable();
+        assert_eq!(keys, want);
+        assert_eq!(json["nic"], serde_json::Value::Null);
+        assert_eq!(json["numa_node"], 0);
+        assert_eq!(json["gpu"], "0000:01:00.0");
+    }
+}

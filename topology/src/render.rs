@@ -1,0 +1,238 @@
+//! The plain-text report of `shardwire topology`: GPUs, NICs and lanes as aligned tables,
+//! lanes that deserve a warning marked with `!`.
+
+use std::fmt::Write as _;
+
+use crate::Topology;
+use crate::values::{format_ranges, hex16};
+
+/// `-` for a missing value.
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// `vendor:device` without `0x`, or `-`.
+fn ids(vendor: Option<u16>, device: Option<u16>) -> String {
+    match (vendor, device) {
+        (None, None) => "-".to_owned(),
+        (v, d) => {
+            let part =
+                |id: Option<u16>| id.map_or_else(|| "?".to_owned(), |i| hex16(i)[2..].to_owned());
+            format!("{}:{}", part(v), part(d))
+        }
+    }
+}
+
+/// Appends `rows` under `header`, columns padded to their widest cell and separated by
+/// two spaces, each line indented by two.
+fn table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| (*h).to_owned()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::from(" ");
+        for (w, cell) in widths.iter().zip(row) {
+            let _ = write!(line, " {cell:<w$} ");
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+/// The topology as text for a terminal.
+pub fn render_text(topo: &Topology) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "GPUs: {}", topo.gpus.len());
+    let gpus: Vec<Vec<String>> = topo
+        .gpus
+        .iter()
+        .map(|g| {
+            vec![
+                g.pci.to_string(),
+                or_dash(g.numa_node),
+                ids(Some(g.vendor), g.device),
+                g.path.to_string(),
+            ]
+        })
+        .collect();
+    if !gpus.is_empty() {
+        table(&mut out, &["PCI", "NUMA", "ID", "PCIE PATH"], &gpus);
+    }
+    let _ = writeln!(out, "\nNICs: {}", topo.nics.len());
+    let nics: Vec<Vec<String>> = topo
+        .nics
+        .iter()
+        .map(|n| {
+            vec![
+                n.interface.clone(),
+                or_dash(n.pci),
+                or_dash(n.numa_node),
+                n.rx_queues.to_string(),
+                if n.is_virtual {
+                    "virtual".to_owned()
+                } else {
+                    ids(n.vendor, n.device)
+                },
+                or_dash(n.path.as_ref()),
+            ]
+        })
+        .collect();
+    if !nics.is_empty() {
+        table(
+            &mut out,
+            &["INTERFACE", "PCI", "NUMA", "RX", "ID", "PCIE PATH"],
+            &nics,
+        );
+    }
+    render_lanes(&mut out, topo);
+    out
+}
+
+fn render_lanes(out: &mut String, topo: &Topology) {
+    if topo.lanes.is_empty() {
+        out.push_str("\nLanes: none (no GPU: the node keeps its single host lane)\n");
+        return;
+    }
+    let _ = writeln!(out, "\nLanes: {}", topo.lanes.len());
+    let rows: Vec<Vec<String>> = topo
+        .lanes
+        .iter()
+        .map(|l| {
+            let queues = if l.queues.is_empty() {
+                "-".to_owned()
+            } else {
+                format_ranges(&l.queues)
+            };
+            vec![
+                if l.warn { "!" } else { " " }.to_owned(),
+                l.lane.to_string(),
+                l.gpu.to_string(),
+                or_dash(l.nic.as_deref()),
+                or_dash(l.distance),
+                or_dash(l.numa_node()),
+                queues,
+                l.why.clone(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[" ", "LANE", "GPU", "NIC", "DIST", "NUMA", "QUEUES", "WHY"],
+        &rows,
+    );
+    let warned = topo.lanes.iter().filter(|l| l.warn).count();
+    if warned > 0 {
+        let _ = writeln!(
+            out,
+            "! {warned} lane(s) cross a CPU (PHB/SYS) or have no NIC: GPU-direct receive there is slow or unavailable"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Gpu, Nic, PairOptions, PciPath, Tree};
+
+    fn topo(with_nic: bool) -> Topology {
+        let path = |chain: &[&str]| PciPath {
+            host_bridge: "pci0000:00".to_owned(),
+            chain: chain
+                .iter()
+                .map(|s| s.parse().expect("valid BDF"))
+                .collect(),
+        };
+        let gpu = Gpu {
+            pci: "0000:03:00.0".parse().expect("valid BDF"),
+            numa_node: Some(0),
+            vendor: 0x10de,
+            device: Some(0x2330),
+            local_cpulist: vec![0, 1],
+            path: path(&[
+                "0000:00:01.0",
+                "0000:01:00.0",
+                "0000:02:00.0",
+                "0000:03:00.0",
+            ]),
+        };
+        let eth = Nic {
+            interface: "eth1".to_owned(),
+            pci: Some("0000:04:00.0".parse().expect("valid BDF")),
+            numa_node: Some(0),
+            is_virtual: false,
+            rx_queues: 16,
+            vendor: Some(0x15b3),
+            device: Some(0x1021),
+            local_cpulist: vec![0, 1],
+            path: Some(path(&[
+                "0000:00:01.0",
+                "0000:01:00.0",
+                "0000:02:01.0",
+                "0000:04:00.0",
+            ])),
+        };
+        let lo = Nic {
+            interface: "lo".to_owned(),
+            pci: None,
+            numa_node: None,
+            is_virtual: true,
+            rx_queues: 1,
+            vendor: None,
+            device: None,
+            local_cpulist: Vec::new(),
+            path: None,
+        };
+        let nics = if with_nic { vec![eth, lo] } else { vec![lo] };
+        let tree = Tree {
+            gpus: vec![gpu],
+            nics,
+            ..Tree::default()
+        };
+        Topology::from_tree(&tree, &PairOptions::default())
+    }
+
+    #[test]
+    fn tables_align_and_mark_warnings() {
+        let text = render_text(&topo(true));
+        let want = "\
+GPUs: 1
+  PCI           NUMA  ID         PCIE PATH
+  0000:03:00.0  0     10de:2330  pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0
+
+NICs: 2
+  INTERFACE  PCI           NUMA  RX  ID         PCIE PATH
+  eth1       0000:04:00.0  0     16  15b3:1021  pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0
+  lo         -             -     1   virtual    -
+
+Lanes: 1
+     LANE  GPU           NIC   DIST  NUMA  QUEUES  WHY
+     0     0000:03:00.0  eth1  PIX   0     8-15    same PCIe switch 0000:01:00.0
+";
+        assert_eq!(text, want);
+        let text = render_text(&topo(false));
+        assert!(
+            text.contains("\n  !  0     0000:03:00.0  -    -     0     -       no physical NIC"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("GPU-direct receive there is slow or unavailable\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn no_gpu_says_the_host_lane_stays() {
+        let text = render_text(&Topology::from_tree(
+            &Tree::default(),
+            &PairOptions::default(),
+        ));
+        assert_eq!(
+            text,
+            "GPUs: 0\n\nNICs: 0\n\nLanes: none (no GPU: the node keeps its single host lane)\n"
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Discovery of a host's GPUs, NICs and NUMA nodes from a sysfs tree whose root is a
+//! parameter (`/sys` on a host, a fake tree in tests; see `tests/fixtures/sysfs/`).
+//!
+//! What is read is what TCPX RxDM, TCPXO and NCCL read: `bus/pci/devices/*/{vendor,class}`
+//! for GPUs, `class/net/*` and the real path of `class/net/IF/device` for NICs, and
+//! `numa_node`/`local_cpulist` of each device. Every path is resolved relative to the
+//! canonicalized root, so a fake tree with relative symlinks works wherever it lies.
+//! Missing or unreadable files are `None`/empty, never errors: only a root that does not
+//! exist is.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::path::PciPath;
+use crate::pci::{PciAddr, parse_sysfs_name};
+use crate::values::{
+    parse_cpulist, parse_hex16, parse_numa, ser_cpulist, ser_hex16, ser_opt_hex16,
+};
+
+/// The sysfs root of a running host.
+pub const DEFAULT_ROOT: &str = "/sys";
+
+/// NVIDIA's PCI vendor id.
+pub const NVIDIA_VENDOR: u16 = 0x10de;
+
+/// PCI class prefixes of GPUs: VGA controller and 3D controller (data-center GPUs).
+const GPU_CLASSES: [&str; 2] = ["0x0300", "0x0302"];
+
+/// Why a sysfs tree cannot be read at all.
+#[derive(Debug, thiserror::Error)]
+pub enum SysfsError {
+    /// The root does not exist or cannot be resolved.
+    #[error("sysfs root {path}: {source}")]
+    Root {
+        /// The root given.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The root is not a directory.
+    #[error("sysfs root {0} is not a directory")]
+    NotADirectory(PathBuf),
+}
+
+/// An NVIDIA GPU found under `bus/pci/devices`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Gpu {
+    /// Its bus id.
+    pub pci: PciAddr,
+    /// Its NUMA node; `None` when the platform says -1.
+    pub numa_node: Option<u32>,
+    /// PCI vendor id (always [`NVIDIA_VENDOR`]).
+    #[serde(serialize_with = "ser_hex16")]
+    pub vendor: u16,
+    /// PCI device id (`0x2330` = H100 SXM); `None` when unreadable.
+    #[serde(serialize_with = "ser_opt_hex16")]
+    pub device: Option<u16>,
+    /// CPUs near it, from `local_cpulist`.
+    #[serde(serialize_with = "ser_cpulist")]
+    pub local_cpulist: Vec<u32>,
+    /// Its place in the PCI tree.
+    pub path: PciPath,
+}
+
+/// A network interface found under `class/net`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Nic {
+    /// Interface name (`eth1`).
+    pub interface: String,
+    /// The PCI function behind it; `None` when virtual.
+    pub pci: Option<PciAddr>,
+    /// Its NUMA node; `None` when unknown or virtual.
+    pub numa_node: Option<u32>,
+    /// No PCI device behind it (veth, lo, bridge, virtio...): it has no PCI path.
+    #[serde(rename = "virtual")]
+    pub is_virtual: bool,
+    /// Number of `queues/rx-*` entries (0 when absent).
+    pub rx_queues: u32,
+    /// PCI vendor id (`0x15b3` = Mellanox); `None` when virtual or unreadable.
+    #[serde(serialize_with = "ser_opt_hex16")]
+    pub vendor: Option<u16>,
+    /// PCI device id; `None` when virtual or unreadable.
+    #[serde(serialize_with = "ser_opt_hex16")]
+    pub device: Option<u16>,
+    /// CPUs near it, from `local_cpulist`; empty when virtual.
+    #[serde(serialize_with = "ser_cpulist")]
+    pub local_cpulist: Vec<u32>,
+    /// Its place in the PCI tree; `None` when virtual.
+    pub path: Option<PciPath>,
+}
+
+/// What a sysfs tree says about a host.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tree {
+    /// GPUs by PCI address.
+    pub gpus: Vec<Gpu>,
+    /// Physical NICs by PCI address, then virtual ones by name.
+    pub nics: Vec<Nic>,
+    /// The CPUs of each NUMA node (`devices/system/node/node<N>/cpulist`).
+    pub nodes: BTreeMap<u32, Vec<u32>>,
+}
+
+impl Tree {
+    /// Reads the tree under `root` (`/sys` on a host). A missing `bus/pci/devices` or
+    /// `class/net` gives no GPUs or NICs (a VM without PCI); only a root that does not
+    /// exist is an error.
+    pub fn read(root: &Path) -> Result<Tree, SysfsError> {
+        let canonical = root.canonicalize().map_err(|source| SysfsError::Root {
+            path: root.to_owned(),
+            source,
+        })?;
+        if !canonical.is_dir() {
+            return Err(SysfsError::NotADirectory(root.to_owned()));
+        }
+        let root = canonical.as_path();
+        let mut gpus: Vec<Gpu> = entries(&root.join("bus/pci/devices"))
+            .iter()
+            .filter_map(|(name, entry)| read_gpu(root, name, entry))
+            .collect();
+        gpus.sort_by_key(|g| g.pci);
+        let mut nics: Vec<Nic> = entries(&root.join("class/net"))
+            .iter()
+            .map(|(name, entry)| read_nic(root, name, entry))
+            .collect();
+        nics.sort_by(|a, b| {
+            (a.is_virtual, a.pci, &a.interface).cmp(&(b.is_virtual, b.pci, &b.interface))
+        });
+        let nodes = entries(&root.join("devices/system/node"))
+            .iter()
+            .filter_map(|(name, dir)| {
+                let n = name.strip_prefix("node")?.parse().ok()?;
+                Some((n, read_cpulist(&dir.join("cpulist"))))
+            })
+            .collect();
+        Ok(Tree { gpus, nics, nodes })
+    }
+
+    /// The CPUs of NUMA node `node`; empty when the tree does not list it.
+    pub fn cpus_of_node(&self, node: u32) -> &[u32] {
+        self.nodes.get(&node).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// The entries of `dir` as (name, path), sorted by name; none when unreadable. Names that
+/// are not UTF-8 are skipped (sysfs names are ASCII).
+fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(read) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, PathBuf)> = read
+        .filter_map(Result::ok)
+        .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+        .collect();
+    out.sort();
+    out
+}
+
+fn read_text(path: &Path) -> Option<String> {
+    fs::read_to_string(path).ok()
+}
+
+fn read_hex16(path: &Path) -> Option<u16> {
+    parse_hex16(&read_text(path)?)
+}
+
+fn read_numa(dev: &Path) -> Option<u32> {
+    parse_numa(&read_text(&dev.join("numa_node"))?)
+}
+
+fn read_cpulist(path: &Path) -> Vec<u32> {
+    read_text(path)
+        .and_then(|s| parse_cpulist(&s))
+        .unwrap_or_default()
+}
+
+/// The PCI path of a device from its real path, relative to `ROOT/devices`.
+fn pci_path(root: &Path, real: &Path) -> PciPath {
+    let rel = real.strip_prefix(root.join("devices")).unwrap_or(real);
+    PciPath::from_real_path(rel)
+}
+
+/// `entry` (a `bus/pci/devices` link) as a GPU, when its vendor is NVIDIA and its class
+/// a display controller.
+fn read_gpu(root: &Path, name: &str, entry: &Path) -> Option<Gpu> {
+    let pci = parse_sysfs_name(name)?;
+    let vendor = read_hex16(&entry.join("vendor")).filter(|v| *v == NVIDIA_VENDOR)?;
+    let class = read_text(&entry.join("class"))?.trim().to_ascii_lowercase();
+    if !GPU_CLASSES.iter().any(|c| class.starts_with(c)) {
+        return None;
+    }
+    let real = entry.canonicalize().ok()?;
+    Some(Gpu {
+        pci,
+        numa_node: read_numa(&real),
+        vendor,
+        device: read_hex16(&real.join("device")),
+        local_cpulist: read_cpulist(&real.join("local_cpulist")),
+        path: pci_path(root, &real),
+    })
+}
+
+/// `real` lies under a `virtual` directory of the tree (`devices/virtual/net/veth0`).
+fn under_virtual(root: &Path, real: &Path) -> bool {
+    let rel = real.strip_prefix(root).unwrap_or(real);
+    rel.components().any(|c| c.as_os_str() == "virtual")
+}
+
+/// The PCI function behind `class/net/IF` and its real path, or `None` when the interface
+/// is virtual: no `device` link, a real path under `virtual/`, or a `device/subsystem`
+/// that is not the PCI bus (NCCL's test).
+fn pci_device(root: &Path, entry: &Path) -> Option<(PciAddr, PathBuf)> {
+    if under_virtual(root, &entry.canonicalize().ok()?) {
+        return None;
+    }
+    let dev = entry.join("device").canonicalize().ok()?;
+    if under_virtual(root, &dev) {
+        return None;
+    }
+    let subsystem = dev.join("subsystem").canonicalize().ok()?;
+    if !subsystem.is_dir() || !subsystem.ends_with("bus/pci") {
+        return None;
+    }
+    let pci = parse_sysfs_name(dev.file_name()?.to_str()?)?;
+    Some((pci, dev))
+}
+
+fn count_rx_queues(queues: &Path) -> u32 {
+    let n = entries(queues)
+        .iter()
+        .filter(|(name, _)| name.starts_with("rx-"))
+        .count();
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
+    let mut nic = Nic {
+        interface: name.to_owned(),
+        pci: None,
+        numa_node: None,
+        is_virtual: true,
+        rx_queues: count_rx_queues(&entry.join("queues")),
+        vendor: None,
+        device: None,
+        local_cpulist: Vec::new(),
+        path: None,
+    };
+    if let Some((pci, dev)) = pci_device(root, entry) {
+        nic.pci = Some(pci);
+        nic.numa_node = read_numa(&dev);
+        nic.is_virtual = false;
+        nic.vendor = read_hex16(&dev.join("vendor"));
+        nic.device = read_hex16(&dev.join("device"));
+        nic.local_cpulist = read_cpulist(&dev.join("local_cpulist"));
+        nic.path = Some(pci_path(root, &dev));
+    }
+    nic
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_root_is_an_error_naming_it() {
+        let root = Path::new("/nonexistent/shardwire-topology-sysfs");
+        let err = Tree::read(root).expect_err("missing root");
+        assert!(
+            err.to_string()
+                .contains("/nonexistent/shardwire-topology-sysfs"),
+            "{err}"
+        );
+        assert!(matches!(err, SysfsError::Root { .. }));
+    }
+
+    #[test]
+    fn a_root_without_pci_is_an_empty_tree() {
+        // The crate's own source directory: a directory with none of the sysfs entries.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let tree = Tree::read(&root).expect("readable root");
+        assert_eq!(tree, Tree::default());
+        assert_eq!(tree.cpus_of_node(0), &[] as &[u32]);
+    }
+
+    #[test]
+    fn a_file_as_root_is_refused() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        let err = Tree::read(&root).expect_err("file root");
+        assert!(matches!(err, SysfsError::NotADirectory(_)), "{err}");
+    }
+
+    #[test]
+    fn virtual_is_judged_below_the_root_only() {
+        let root = Path::new("/tmp/virtual/sys");
+        assert!(!under_virtual(
+            root,
+            Path::new("/tmp/virtual/sys/devices/pci0000:00")
+        ));
+        assert!(under_virtual(
+            root,
+            Path::new("/tmp/virtual/sys/devices/virtual/net/lo")
+        ));
+        let pp = pci_path(
+            root,
+            Path::new("/tmp/virtual/sys/devices/pci0000:00/0000:00:01.0"),
+        );
+        assert_eq!(pp.host_bridge, "pci0000:00");
+    }
+}

@@ -1,0 +1,564 @@
+//! Discovery and pairing on the fake sysfs trees of `tests/fixtures/sysfs/` (written by its
+//! `generate.py`): the exact GPUs, NICs and lanes of each, and that a tree copied elsewhere
+//! reads the same (its symlinks are relative).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use shardwire_topology::{Distance, PairOptions, Topology, Tree, classify, pair, render_text};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/sysfs")
+        .join(name)
+}
+
+fn read(name: &str) -> Tree {
+    Tree::read(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn opts(names: &[&str]) -> PairOptions {
+    PairOptions {
+        include_virtual: names.iter().map(|s| (*s).to_owned()).collect(),
+    }
+}
+
+/// (pci, numa, device id)
+fn gpus(tree: &Tree) -> Vec<(String, Option<u32>, Option<u16>)> {
+    tree.gpus
+        .iter()
+        .map(|g| (g.pci.to_string(), g.numa_node, g.device))
+        .collect()
+}
+
+/// A NIC as (interface, pci, virtual, rx queues, numa).
+type NicRow = (String, Option<String>, bool, u32, Option<u32>);
+
+fn nics(tree: &Tree) -> Vec<NicRow> {
+    tree.nics
+        .iter()
+        .map(|n| {
+            let pci = n.pci.map(|p| p.to_string());
+            (
+                n.interface.clone(),
+                pci,
+                n.is_virtual,
+                n.rx_queues,
+                n.numa_node,
+            )
+        })
+        .collect()
+}
+
+/// A lane as (gpu, nic, distance, queues, warn).
+type Lane = (String, Option<String>, Option<Distance>, Vec<u32>, bool);
+
+fn lanes(tree: &Tree, opts: &PairOptions) -> Vec<Lane> {
+    pair(tree, opts)
+        .iter()
+        .map(|l| {
+            (
+                l.gpu.to_string(),
+                l.nic.clone(),
+                l.distance,
+                l.queues.clone(),
+                l.warn,
+            )
+        })
+        .collect()
+}
+
+fn lane(gpu: &str, nic: Option<&str>, d: Option<Distance>, q: &[u32], warn: bool) -> Lane {
+    (gpu.to_owned(), nic.map(str::to_owned), d, q.to_vec(), warn)
+}
+
+fn nic(name: &str, pci: Option<&str>, rx: u32, numa: Option<u32>) -> NicRow {
+    (
+        name.to_owned(),
+        pci.map(str::to_owned),
+        pci.is_none(),
+        rx,
+        numa,
+    )
+}
+
+fn gpu(pci: &str, numa: u32, device: u16) -> (String, Option<u32>, Option<u16>) {
+    (pci.to_owned(), Some(numa), Some(device))
+}
+
+/// Copies `from` to `to` keeping symlinks as they are; each must be relative.
+fn copy_tree(from: &Path, to: &Path) {
+    fs::create_dir_all(to).expect("mkdir");
+    for entry in fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        let kind = entry.file_type().expect("file type");
+        if kind.is_symlink() {
+            let target = fs::read_link(&src).expect("read_link");
+            assert!(
+                target.is_relative(),
+                "{} -> {}",
+                src.display(),
+                target.display()
+            );
+            std::os::unix::fs::symlink(target, &dst).expect("symlink");
+        } else if kind.is_dir() {
+            copy_tree(&src, &dst);
+        } else {
+            fs::copy(&src, &dst).expect("copy");
+        }
+    }
+}
+
+/// Every symlink under `dir` resolves to something inside `top`.
+fn assert_links_stay_inside(dir: &Path, top: &Path) {
+    for entry in fs::read_dir(dir).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let kind = entry.file_type().expect("file type");
+        if kind.is_symlink() {
+            let real = fs::canonicalize(entry.path()).expect("link resolves");
+            assert!(
+                real.starts_with(top),
+                "{} leaves the tree",
+                entry.path().display()
+            );
+        } else if kind.is_dir() {
+            assert_links_stay_inside(&entry.path(), top);
+        }
+    }
+}
+
+/// The tree copied into cargo's temp dir reads the same as in place.
+fn assert_relocates(name: &str) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("topology-{}", std::process::id()))
+        .join(name);
+    let _ = fs::remove_dir_all(&dir);
+    copy_tree(&fixture(name), &dir);
+    let top = dir.canonicalize().expect("copy root");
+    assert_links_stay_inside(&top, &top);
+    let moved = Tree::read(&dir).expect("read the copy");
+    let _ = fs::remove_dir_all(&dir);
+    assert_eq!(moved, read(name), "{name} reads differently when moved");
+}
+
+#[test]
+fn a3_8gpu_8nic_pairs_each_gpu_with_its_leaf_switch_nic() {
+    let tree = read("a3-8gpu-8nic");
+    let bus = ["05", "09", "14", "18", "85", "89", "94", "98"];
+    let want_gpus: Vec<_> = bus
+        .iter()
+        .enumerate()
+        .map(|(i, b)| gpu(&format!("0000:{b}:00.0"), u32::from(i >= 4), 0x2330))
+        .collect();
+    assert_eq!(
+        gpus(&tree),
+        want_gpus,
+        "the NVSwitch is NVIDIA but not a GPU"
+    );
+    let nic_bus = ["06", "0a", "15", "19", "86", "8a", "95", "99"];
+    let mut want_nics: Vec<_> = nic_bus
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (name, pci) = (format!("eth{}", i + 1), format!("0000:{b}:00.0"));
+            nic(&name, Some(&pci), 16, Some(u32::from(i >= 4)))
+        })
+        .collect();
+    // The host NIC (bus 20) sorts after eth4 (bus 19).
+    want_nics.insert(4, nic("eth0", Some("0000:20:00.0"), 8, Some(0)));
+    want_nics.push(nic("lo", None, 1, None));
+    assert_eq!(nics(&tree), want_nics);
+    let q: Vec<u32> = (8..16).collect();
+    let want: Vec<Lane> = bus
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let nic = format!("eth{}", i + 1);
+            lane(
+                &format!("0000:{b}:00.0"),
+                Some(&nic),
+                Some(Distance::Pix),
+                &q,
+                false,
+            )
+        })
+        .collect();
+    assert_eq!(lanes(&tree, &PairOptions::default()), want);
+    let plans = pair(&tree, &PairOptions::default());
+    assert_eq!(plans[0].why, "same PCIe switch 0000:03:00.0");
+    assert_eq!(plans[5].numa_node(), Some(1));
+    assert_eq!(tree.cpus_of_node(1).len(), 104);
+    assert_eq!(tree.gpus[0].local_cpulist, tree.cpus_of_node(0));
+    assert_relocates("a3-8gpu-8nic");
+}
+
+#[test]
+fn a3_tree_has_every_distance_class() {
+    let tree = read("a3-8gpu-8nic");
+    let g = &tree.gpus[0]; // 0000:05:00.0, leaf switch 03:00.0 under top switch 01:00.0
+    let by_name = |n: &str| {
+        let nic = tree.nics.iter().find(|x| x.interface == n).expect("nic");
+        let c = classify(
+            &g.path,
+            g.numa_node,
+            nic.path.as_ref().expect("physical"),
+            nic.numa_node,
+        );
+        (c.distance, c.why)
+    };
+    let s = |d, w: &str| (d, w.to_owned());
+    assert_eq!(
+        by_name("eth1"),
+        s(Distance::Pix, "same PCIe switch 0000:03:00.0")
+    );
+    assert_eq!(
+        by_name("eth2"),
+        s(Distance::Pxb, "3 PCIe switches, no host bridge")
+    );
+    assert_eq!(
+        by_name("eth3"),
+        s(Distance::Phb, "through host bridge pci0000:00 (NUMA 0)")
+    );
+    assert_eq!(
+        by_name("eth0"),
+        s(Distance::Phb, "through host bridge pci0000:00 (NUMA 0)")
+    );
+    assert_eq!(
+        by_name("eth5"),
+        s(
+            Distance::Sys,
+            "across sockets: GPU on NUMA 0, NIC on NUMA 1"
+        )
+    );
+    let path = g.path.to_string();
+    assert_eq!(
+        path,
+        "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0/0000:04:00.0/0000:05:00.0"
+    );
+}
+
+#[test]
+fn gpu8_nic4_shares_each_nic_between_two_gpus() {
+    let tree = read("8gpu-4nic");
+    let bus = ["04", "05", "0a", "0b", "84", "85", "8a", "8b"];
+    let want_gpus: Vec<_> = bus
+        .iter()
+        .enumerate()
+        .map(|(i, b)| gpu(&format!("0000:{b}:00.0"), u32::from(i >= 4), 0x2330))
+        .collect();
+    assert_eq!(gpus(&tree), want_gpus, "the ASPEED VGA is not NVIDIA");
+    let want_nics = vec![
+        nic("eth1", Some("0000:06:00.0"), 16, Some(0)),
+        nic("eth2", Some("0000:0c:00.0"), 16, Some(0)),
+        nic("eth0", Some("0000:10:00.0"), 8, Some(0)),
+        nic("eth3", Some("0000:86:00.0"), 16, Some(1)),
+        nic("eth4", Some("0000:8c:00.0"), 16, Some(1)),
+        nic("lo", None, 1, None),
+    ];
+    assert_eq!(nics(&tree), want_nics);
+    let (lo, hi): (Vec<u32>, Vec<u32>) = ((8..12).collect(), (12..16).collect());
+    let want: Vec<Lane> = bus
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let nic = format!("eth{}", i / 2 + 1);
+            let q = if i % 2 == 0 { &lo } else { &hi };
+            lane(
+                &format!("0000:{b}:00.0"),
+                Some(&nic),
+                Some(Distance::Pix),
+                q,
+                false,
+            )
+        })
+        .collect();
+    assert_eq!(lanes(&tree, &PairOptions::default()), want);
+    let plans = pair(&tree, &PairOptions::default());
+    assert_eq!(
+        plans[1].why,
+        "same PCIe switch 0000:02:00.0; eth1 shared by 2 GPUs: queues 12-15 of 8-15"
+    );
+    assert_relocates("8gpu-4nic");
+}
+
+#[test]
+fn cross_socket_is_sys_and_warns() {
+    let tree = read("cross-socket");
+    assert_eq!(gpus(&tree), [gpu("0000:03:00.0", 0, 0x2330)]);
+    assert_eq!(
+        nics(&tree),
+        [
+            nic("eth1", Some("0000:83:00.0"), 16, Some(1)),
+            nic("lo", None, 1, None)
+        ]
+    );
+    let q: Vec<u32> = (8..16).collect();
+    assert_eq!(
+        lanes(&tree, &PairOptions::default()),
+        [lane(
+            "0000:03:00.0",
+            Some("eth1"),
+            Some(Distance::Sys),
+            &q,
+            true
+        )]
+    );
+    let plan = &pair(&tree, &PairOptions::default())[0];
+    assert_eq!(plan.why, "across sockets: GPU on NUMA 0, NIC on NUMA 1");
+    assert_eq!(
+        (plan.gpu_numa, plan.nic_numa, plan.numa_node()),
+        (Some(0), Some(1), Some(1))
+    );
+    assert_relocates("cross-socket");
+}
+
+#[test]
+fn two_domains_pair_within_the_gpus_domain() {
+    let tree = read("two-domains");
+    assert_eq!(gpus(&tree), [gpu("0001:17:00.0", 0, 0x2330)]);
+    assert_eq!(
+        nics(&tree),
+        [
+            nic("eth0", Some("0000:18:00.0"), 16, Some(0)),
+            nic("eth1", Some("0001:18:00.0"), 16, Some(0)),
+            nic("lo", None, 1, None),
+        ]
+    );
+    let q: Vec<u32> = (8..16).collect();
+    assert_eq!(
+        lanes(&tree, &PairOptions::default()),
+        [lane(
+            "0001:17:00.0",
+            Some("eth1"),
+            Some(Distance::Pix),
+            &q,
+            false
+        )]
+    );
+    assert_eq!(
+        pair(&tree, &PairOptions::default())[0].why,
+        "same PCIe switch 0001:15:00.0"
+    );
+    let (g, other) = (&tree.gpus[0], &tree.nics[0]);
+    let c = classify(
+        &g.path,
+        g.numa_node,
+        other.path.as_ref().expect("physical"),
+        other.numa_node,
+    );
+    assert_eq!(
+        c.distance,
+        Distance::Phb,
+        "same bus numbers, other domain: {}",
+        c.why
+    );
+    assert_relocates("two-domains");
+}
+
+#[test]
+fn veth_is_used_only_when_named_and_never_over_a_switch_nic() {
+    let tree = read("veth");
+    assert_eq!(gpus(&tree), [gpu("0000:03:00.0", 0, 0x2330)]);
+    assert_eq!(
+        nics(&tree),
+        [
+            nic("eth1", Some("0000:04:00.0"), 16, Some(0)),
+            nic("lo", None, 1, None),
+            nic("veth0", None, 1, None),
+        ]
+    );
+    let q: Vec<u32> = (8..16).collect();
+    let want = [lane(
+        "0000:03:00.0",
+        Some("eth1"),
+        Some(Distance::Pix),
+        &q,
+        false,
+    )];
+    assert_eq!(lanes(&tree, &PairOptions::default()), want);
+    assert_eq!(
+        lanes(&tree, &opts(&["veth0"])),
+        want,
+        "PIX beats a named veth (SYS)"
+    );
+    // Without the physical NIC the named veth carries the lane.
+    let mut no_eth = tree.clone();
+    no_eth.nics.retain(|n| n.is_virtual);
+    assert_eq!(
+        lanes(&no_eth, &opts(&["veth0"])),
+        [lane(
+            "0000:03:00.0",
+            Some("veth0"),
+            Some(Distance::Sys),
+            &[0],
+            true
+        )]
+    );
+    assert_eq!(
+        lanes(&no_eth, &PairOptions::default()),
+        [lane("0000:03:00.0", None, None, &[], true)]
+    );
+    assert_relocates("veth");
+}
+
+#[test]
+fn gpu_no_nic_lanes_have_no_nic_and_warn() {
+    let tree = read("gpu-no-nic");
+    assert_eq!(
+        gpus(&tree),
+        [
+            gpu("0000:03:00.0", 0, 0x2330),
+            gpu("0000:04:00.0", 0, 0x26b1)
+        ],
+        "3D controller and VGA class both count"
+    );
+    assert_eq!(nics(&tree), [nic("lo", None, 1, None)]);
+    assert_eq!(
+        lanes(&tree, &PairOptions::default()),
+        [
+            lane("0000:03:00.0", None, None, &[], true),
+            lane("0000:04:00.0", None, None, &[], true),
+        ]
+    );
+    // Naming lo: both on it, SYS; its one queue goes to the first GPU.
+    assert_eq!(
+        lanes(&tree, &opts(&["lo"])),
+        [
+            lane("0000:03:00.0", Some("lo"), Some(Distance::Sys), &[0], true),
+            lane("0000:04:00.0", Some("lo"), Some(Distance::Sys), &[], true),
+        ]
+    );
+    let plans = pair(&tree, &opts(&["lo"]));
+    assert!(
+        plans[1]
+            .why
+            .ends_with("; no devmem queue left: lo has 1 for 2 GPUs (GPU 2 of 2)"),
+        "{}",
+        plans[1].why
+    );
+    assert_relocates("gpu-no-nic");
+}
+
+#[test]
+fn phb_nic_under_another_root_port_warns() {
+    let tree = read("phb");
+    assert_eq!(gpus(&tree), [gpu("0000:03:00.0", 0, 0x2330)]);
+    assert_eq!(
+        nics(&tree),
+        [
+            nic("eth1", Some("0000:10:00.0"), 16, Some(0)),
+            nic("lo", None, 1, None)
+        ]
+    );
+    let q: Vec<u32> = (8..16).collect();
+    assert_eq!(
+        lanes(&tree, &PairOptions::default()),
+        [lane(
+            "0000:03:00.0",
+            Some("eth1"),
+            Some(Distance::Phb),
+            &q,
+            true
+        )]
+    );
+    assert_eq!(
+        pair(&tree, &PairOptions::default())[0].why,
+        "through host bridge pci0000:00 (NUMA 0)"
+    );
+    assert_relocates("phb");
+}
+
+fn keys(v: &serde_json::Value) -> Vec<&str> {
+    let mut k: Vec<&str> = v
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    k.sort_unstable();
+    k
+}
+
+fn sorted(mut k: Vec<&str>) -> Vec<&str> {
+    k.sort_unstable();
+    k
+}
+
+#[test]
+fn json_has_exactly_the_documented_keys() {
+    let topo = Topology::discover(&fixture("veth"), &PairOptions::default()).expect("read");
+    let json = serde_json::to_value(&topo).expect("serialize");
+    assert_eq!(keys(&json), ["gpus", "lanes", "nics"]);
+    let g = &json["gpus"][0];
+    assert_eq!(
+        keys(g),
+        sorted(vec![
+            "pci",
+            "numa_node",
+            "vendor",
+            "device",
+            "local_cpulist",
+            "path"
+        ])
+    );
+    assert_eq!(keys(&g["path"]), ["chain", "host_bridge"]);
+    let nic_keys = vec![
+        "interface",
+        "pci",
+        "numa_node",
+        "virtual",
+        "rx_queues",
+        "vendor",
+        "device",
+        "local_cpulist",
+        "path",
+    ];
+    for n in json["nics"].as_array().expect("nics") {
+        assert_eq!(keys(n), sorted(nic_keys.clone()));
+    }
+    let l = &json["lanes"][0];
+    let lane_keys = vec![
+        "lane",
+        "gpu",
+        "nic",
+        "nic_pci",
+        "distance",
+        "numa_node",
+        "queues",
+        "why",
+        "warn",
+    ];
+    assert_eq!(keys(l), sorted(lane_keys));
+    let want = serde_json::json!({
+        "gpu": {"pci": "0000:03:00.0", "numa_node": 0, "vendor": "0x10de", "device": "0x2330",
+                "local_cpulist": "0-7", "path": {"host_bridge": "pci0000:00",
+                "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:00.0", "0000:03:00.0"]}},
+        "eth1": {"interface": "eth1", "pci": "0000:04:00.0", "numa_node": 0, "virtual": false,
+                 "rx_queues": 16, "vendor": "0x15b3", "device": "0x1021", "local_cpulist": "0-7",
+                 "path": {"host_bridge": "pci0000:00",
+                          "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:01.0", "0000:04:00.0"]}},
+        "lo": {"interface": "lo", "pci": null, "numa_node": null, "virtual": true, "rx_queues": 1,
+               "vendor": null, "device": null, "local_cpulist": "", "path": null},
+        "lane": {"lane": 0, "gpu": "0000:03:00.0", "nic": "eth1", "nic_pci": "0000:04:00.0",
+                 "distance": "PIX", "numa_node": 0, "queues": [8, 9, 10, 11, 12, 13, 14, 15],
+                 "why": "same PCIe switch 0000:01:00.0", "warn": false},
+    });
+    assert_eq!(g, &want["gpu"]);
+    assert_eq!(json["nics"][0], want["eth1"]);
+    assert_eq!(json["nics"][1], want["lo"]);
+    assert_eq!(l, &want["lane"]);
+}
+
+#[test]
+fn text_report_of_a_fixture() {
+    let topo = Topology::discover(&fixture("cross-socket"), &PairOptions::default()).expect("read");
+    let text = render_text(&topo);
+    assert!(text.starts_with("GPUs: 1\n"), "{text}");
+    assert!(text.contains("\nNICs: 2\n"), "{text}");
+    assert!(
+        text.contains("  !  0     0000:03:00.0  eth1  SYS   1     8-15    across sockets: GPU on NUMA 0, NIC on NUMA 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("! 1 lane(s) cross a CPU"), "{text}");
+}
