@@ -10,8 +10,10 @@ bodies are handled in both directions, and ``Expect: 100-continue`` is passed th
 Keep-alive: moto (werkzeug) answers every request with ``Connection: close``. With
 ``keep_alive=True`` (the default) the proxy keeps the *client's* connection open like real S3
 does: it drops that hop-by-hop header from delimited responses and opens a new upstream
-connection for the next request. That is the only change it makes to a forwarded response.
-With ``keep_alive=False`` responses pass unchanged and clients reconnect every time.
+connection for the next request. Connection headers are the only change it makes to a
+forwarded response (it also adds ``Connection: close`` where it will close the client's
+connection: an HTTP/1.0 client, a client that asked, a body delimited by the close).
+With ``keep_alive=False`` moto's header passes unchanged and clients reconnect every time.
 
 Faults are armed from the test and apply to the next ``n`` matching requests (by method,
 default GET; ``None`` = any; optionally a substring of the URL-decoded path, i.e.
@@ -35,7 +37,7 @@ Body offsets and byte counts are payload bytes (for chunked bodies, without the 
 
 Every request is logged (:class:`Exchange`: method, path, query, headers, range, if-match,
 whether it was signed, status, body bytes each way, fault, connection); :meth:`requests`,
-:meth:`count`, :meth:`reset_log`, :meth:`wait_idle`. A record is in the log as soon as the
+:meth:`count`, :meth:`bytes_sent`, :meth:`reset_log`, :meth:`wait_idle`. A record is in the log as soon as the
 request head has arrived; its status is set before the response head is sent and its byte
 counts before the bytes are sent, so a client that has read a response sees its record final.
 """
