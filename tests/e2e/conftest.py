@@ -8,6 +8,9 @@ test_index.py) are unaffected. Tests opt in by naming the fixtures:
   ``shardwire consume --jsonl`` (foreground or background), and kills every child it started
   when the test ends, pass or fail. :class:`Proc` and :class:`Children` are the suite's one
   process helper: sdk_harness.py (the SDK tests' ``Procs``) builds on them too.
+- ``s3``, ``s3_bucket``, ``s3_proxy`` (tests/e2e/s3fixtures.py): a moto S3 server that checks
+  SigV4 (s3server.py), a fresh bucket per test, and a fault-injecting proxy in front of the
+  server (s3fault.py); they skip where moto[server] is not installed.
 - Module-level helpers: dataset writers (numpy ``np.save``, pyarrow IPC file/stream),
   ``index_dataset``, ``expected_crcs`` (CRC-32C of each tensor's bytes in the dataset files,
   from the manifest), ``get_status``/``wait_for``/``wait_ready`` for the admin API, and
@@ -549,3 +552,8 @@ def open_fds(pid: int) -> int:
 
 
 MiB = 1 << 20
+
+
+# --- object storage (S3) ---------------------------------------------------------------------
+# Fixtures `s3`, `s3_bucket`, `s3_proxy` (tests/e2e/s3fixtures.py; they skip where moto is absent).
+from s3fixtures import s3, s3_bucket, s3_proxy  # noqa: E402,F401
