@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod bytesize;
+mod lanes;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
 pub use bytesize::ByteSize;
+pub use lanes::{LaneConfig, Lanes, MAX_LANES, is_gpu_name};
 
 /// Why the configuration is not usable.
 #[derive(Debug, thiserror::Error)]
@@ -181,6 +183,11 @@ pub struct ServeConfig {
     /// Seconds an attached trainer may send nothing before its stream is closed (0: never;
     /// a trainer that dies closes its socket, so this only bounds live but stuck trainers).
     pub trainer_idle_timeout_secs: u64,
+    /// The node's lanes (GPU/NIC pairs): `"auto"` or one table per lane.
+    pub lanes: Lanes,
+    /// Root of the sysfs tree the GPUs and NICs are discovered from (`/sys`; a fake tree in
+    /// tests).
+    pub sysfs_root: PathBuf,
 }
 
 impl Default for ServeConfig {
@@ -213,6 +220,8 @@ impl Default for ServeConfig {
             trainer_max_connections: 256,
             trainer_request_timeout_secs: 10,
             trainer_idle_timeout_secs: 3600,
+            lanes: Lanes::Auto,
+            sysfs_root: PathBuf::from("/sys"),
         }
     }
 }
@@ -234,6 +243,9 @@ pub struct SourceConfig {
     pub rate_limit: ByteSize,
     /// Fault injection for tests: corrupt the first N payloads sent.
     pub fault_corrupt: u32,
+    /// Fault injection for tests: the first N data connections of a node's lane 0 dial its
+    /// lane 1 address instead (the node must refuse them).
+    pub fault_wrong_lane: u32,
     /// Interface for devmem TX (`None`: `sendfile`).
     pub devmem_tx: Option<String>,
     /// TX dma-buf size for devmem TX.
@@ -255,6 +267,7 @@ impl Default for SourceConfig {
             secret_file: None,
             rate_limit: ByteSize(0),
             fault_corrupt: 0,
+            fault_wrong_lane: 0,
             devmem_tx: None,
             devmem_tx_memory: ByteSize(64 << 20),
             log_format: LogFormat::Text,
@@ -356,6 +369,7 @@ impl ServeConfig {
             ));
         }
         self.socket_mode_bits()?;
+        self.lanes.validate()?;
         for s in &self.sources {
             if !s.contains(':') {
                 return Err(invalid("sources", s, "each source must be HOST:PORT"));

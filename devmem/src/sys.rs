@@ -429,9 +429,9 @@ pub(crate) fn ioctl_socket() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
-/// with the command struct `cmd` (read and written by the kernel in place).
-pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
+/// An `ifreq` naming `ifname` (all other fields zero), or `InvalidInput` for a name the
+/// kernel cannot take.
+fn ifreq_for(ifname: &str) -> io::Result<libc::ifreq> {
     let name = ifname.as_bytes();
     if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {
         return Err(io::Error::new(
@@ -444,6 +444,36 @@ pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) ->
     for (d, s) in ifr.ifr_name.iter_mut().zip(name) {
         *d = *s as libc::c_char;
     }
+    Ok(ifr)
+}
+
+/// `ioctl(fd, SIOCGIFADDR, {ifr_name: ifname})`: the interface's primary IPv4 address;
+/// `None` when it has none (`EADDRNOTAVAIL`); `ENODEV` when there is no such interface.
+pub(crate) fn ipv4_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<Option<std::net::Ipv4Addr>> {
+    let mut ifr = ifreq_for(ifname)?;
+    // SAFETY: `ifr` is a valid ifreq that lives across the call; SIOCGIFADDR writes a
+    // sockaddr into its union, which is large enough for one.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFADDR, &mut ifr) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EADDRNOTAVAIL) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    // SAFETY: on success the kernel wrote an AF_INET sockaddr_in into ifru_addr.
+    let sin: libc::sockaddr_in = unsafe {
+        std::ptr::read_unaligned((&raw const ifr.ifr_ifru.ifru_addr).cast::<libc::sockaddr_in>())
+    };
+    Ok(Some(std::net::Ipv4Addr::from(u32::from_be(
+        sin.sin_addr.s_addr,
+    ))))
+}
+
+/// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
+/// with the command struct `cmd` (read and written by the kernel in place).
+pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
+    let mut ifr = ifreq_for(ifname)?;
     ifr.ifr_ifru.ifru_data = cmd.as_mut_ptr().cast();
     // SAFETY: `ifr` is a valid ifreq whose ifr_data points at `cmd`, which lives across the
     // call and is as large as the ethtool command struct the caller encoded in it (the

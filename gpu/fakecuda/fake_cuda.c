@@ -3,7 +3,8 @@
  * memory, so CI exercises shardwire's real CUDA code paths (gpu/src/cuda*, the node with
  * memory = "cuda", the Python SDK's CudaRegion) on machines without a GPU. It is not a GPU,
  * not a CUDA implementation, and never a substitute for scripts/gpu-check.sh on real hardware.
- * Its device says so: "shardwire fake CUDA device (host memory)", PCI bus id 0000:fa:00.0.
+ * Its devices say so: "shardwire fake CUDA device (host memory)", PCI bus ids 0000:FA:NN.0 unless
+ * FAKE_CUDA_PCI_BUS_IDS names them (to match a fake sysfs tree, tests/fixtures/sysfs).
  *
  * Build: scripts/build-fakecuda (the one place with the flags); use: LD_LIBRARY_PATH=<its dir>
  * when the process STARTS (cudarc dlopens "libcuda.so", cuda-bindings "libcuda.so.1").
@@ -17,7 +18,21 @@
  * - Init/probe: every call but cuDriverGetVersion, cuGetErrorName/String and cuGetProcAddress
  *   returns CUDA_ERROR_NOT_INITIALIZED before cuInit(0). cuInit(flags != 0): INVALID_VALUE.
  *   cuDriverGetVersion: 12080. cuDeviceGetCount: 1 (FAKE_CUDA_DEVICES=N, 0..8; with 0, cuInit
- *   returns CUDA_ERROR_NO_DEVICE as the real driver does and cuDeviceGetCount says 0).
+ *   returns CUDA_ERROR_NO_DEVICE as the real driver does and cuDeviceGetCount says 0; with
+ *   FAKE_CUDA_PCI_BUS_IDS=BDF,BDF,... and no FAKE_CUDA_DEVICES, one device per bus id).
+ * - Device identity: device N's PCI bus id is the N-th of FAKE_CUDA_PCI_BUS_IDS, else 0000:FA:NN.0;
+ *   cuDeviceGetPCIBusId prints it as the driver does, "%04X:%02X:%02X.%X" (upper-case hex);
+ *   cuDeviceGetByPCIBusId takes any case, with or without the domain; PCI_BUS_ID,
+ *   PCI_DEVICE_ID and PCI_DOMAIN_ID attributes agree. cuDeviceGetUuid(_v2): 16 bytes derived
+ *   from the bus id only (5a77fa4e-DDDD-40BB-80DD-F00000000000), so every process sees the
+ *   same UUID for a device whatever its ordinal. cuCtxGetDevice: the current context's device
+ *   (CUDA_ERROR_INVALID_CONTEXT without one).
+ * - Memory is per device: FAKE_CUDA_MEMORY bytes each (cuMemAlloc and cuMemCreate count against
+ *   the device they allocate on). A VMM allocation's memfd is named after its device's bus id
+ *   ("fakecuda-vmm:pci=BDF"), the physical GPU, as a real handle carries it: an importing
+ *   process maps it on ITS ordinal for that bus id (CUDA_ERROR_INVALID_DEVICE where it has no
+ *   such device). FAKE_CUDA_ALLOC_LOG=<path> appends one line per cuMemCreate, cuMemAlloc and
+ *   import: "<call> pid=P dev=N pci=BDF size=S" (tests check where each region lies).
  *   cuDeviceGetAttribute: DMA_BUF_SUPPORTED, VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
  *   GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
  *   UNIFIED_ADDRESSING, CAN_MAP_HOST_MEMORY, HOST_REGISTER_SUPPORTED = 1, launch limits of an
@@ -83,7 +98,7 @@
  *   Faults are always printed to stderr ("fake libcuda[pid]: FAULT ...").
  * - VMM: granularity 2 MiB (MINIMUM and RECOMMENDED). cuMemCreate(size a multiple of it, prop
  *   PINNED on a DEVICE location, handle types NONE or POSIX_FILE_DESCRIPTOR, flags 0) backs
- *   the allocation with a sealed memfd named "fakecuda-vmm:dev=N". cuMemAddressReserve
+ *   the allocation with a sealed memfd named "fakecuda-vmm:pci=BDF". cuMemAddressReserve
  *   reserves PROT_NONE address space (aligned to max(alignment, granularity)), cuMemMap maps
  *   the memfd there (offset must be 0, as documented) still PROT_NONE: mapped memory is not
  *   accessible until cuMemSetAccess (PROT_READ for CU_MEM_ACCESS_FLAGS_PROT_READ, read-write
@@ -352,6 +367,8 @@ static struct {
     int version;
     unsigned long long total_mem;
     int inited;
+    unsigned pci[MAX_DEV][4]; /* domain, bus, device, function */
+    int alloc_log;            /* FAKE_CUDA_ALLOC_LOG fd, or -1 */
     struct fc_ctx ctx[MAX_DEV];
     unsigned long long used[MAX_DEV];
     struct vec ranges, resvs, allocs, streams, events, modules;
@@ -479,11 +496,76 @@ static int env_int(const char *name, long long lo, long long hi, long long dflt)
     return (int)v;
 }
 
+/* "[domain:]bus:device.function" (hex, any case) -> pci[4]; 0 if it is not one. */
+static int parse_bdf(const char *s, unsigned out[4])
+{
+    unsigned dom = 0, bus, d, fn = 0;
+    int n = -1;
+    if (!((sscanf(s, "%x:%x:%x.%x%n", &dom, &bus, &d, &fn, &n) == 4 && s[n] == '\0') ||
+          (n = -1, dom = 0, sscanf(s, "%x:%x.%x%n", &bus, &d, &fn, &n) == 3 && s[n] == '\0')))
+        return 0;
+    if (dom > 0xffff || bus > 0xff || d > 0x1f || fn > 7)
+        return 0;
+    out[0] = dom, out[1] = bus, out[2] = d, out[3] = fn;
+    return 1;
+}
+
+/* Fills g.pci: the listed bus ids first, then 0000:FA:NN.0. Returns how many were listed. */
+static int parse_bus_ids(const char *list)
+{
+    char buf[1024], *save = NULL, *tok;
+    int n = 0;
+    for (int i = 0; i < MAX_DEV; i++) {
+        g.pci[i][0] = 0, g.pci[i][1] = 0xfa, g.pci[i][2] = (unsigned)i, g.pci[i][3] = 0;
+    }
+    if (!list || !*list)
+        return 0;
+    snprintf(buf, sizeof buf, "%s", list);
+    for (tok = strtok_r(buf, ",", &save); tok && n < MAX_DEV; tok = strtok_r(NULL, ",", &save)) {
+        if (!parse_bdf(tok, g.pci[n])) {
+            fprintf(stderr, "fake libcuda: ignoring FAKE_CUDA_PCI_BUS_IDS entry %s (want dddd:bb:dd.f)\n", tok);
+            continue;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* The ordinal of the device at pci[4], or -1. */
+static int dev_at(const unsigned pci[4])
+{
+    for (int i = 0; i < g.ndev; i++)
+        if (!memcmp(g.pci[i], pci, sizeof g.pci[i]))
+            return i;
+    return -1;
+}
+
+static void bus_text(int dev, char *out, size_t len)
+{
+    snprintf(out, len, "%04X:%02X:%02X.%X", g.pci[dev][0], g.pci[dev][1], g.pci[dev][2], g.pci[dev][3]);
+}
+
+/* One line of the allocation log (FAKE_CUDA_ALLOC_LOG), written with one append. */
+static void log_alloc(const char *call, int dev, size_t size)
+{
+    char line[160], bus[32];
+    int n;
+    if (g.alloc_log < 0)
+        return;
+    bus_text(dev, bus, sizeof bus);
+    n = snprintf(line, sizeof line, "%s pid=%d dev=%d pci=%s size=%zu\n", call, (int)getpid(), dev, bus, size);
+    if (n > 0 && write(g.alloc_log, line, (size_t)n) < 0)
+        fprintf(stderr, "fake libcuda: FAKE_CUDA_ALLOC_LOG write: %s\n", strerror(errno));
+}
+
 __attribute__((constructor)) static void fake_init(void)
 {
     const char *mem = getenv("FAKE_CUDA_MEMORY");
     g.log = env_int("FAKE_CUDA_LOG", 0, 2, 0);
-    g.ndev = env_int("FAKE_CUDA_DEVICES", 0, MAX_DEV, 1);
+    int listed = parse_bus_ids(getenv("FAKE_CUDA_PCI_BUS_IDS"));
+    const char *log_path = getenv("FAKE_CUDA_ALLOC_LOG");
+    g.ndev = env_int("FAKE_CUDA_DEVICES", 0, MAX_DEV, listed > 0 ? listed : 1);
+    g.alloc_log = log_path && *log_path ? open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644) : -1;
     g.no_pcie = env_int("FAKE_CUDA_NO_PCIE_FLAG", 0, 1, 0);
     g.version = env_int("FAKE_CUDA_DRIVER_VERSION", 1000, 99990, 12080);
     g.total_mem = mem && *mem ? strtoull(mem, NULL, 10) : 16ull << 30;
@@ -1312,17 +1394,25 @@ static CUresult check_prop(const CUmemAllocationProp *prop)
     return CUDA_SUCCESS;
 }
 
-/* A memfd of ours (exported by cuMemExportToShareableHandle, in any process): its device. */
-static int our_memfd(int fd, int *dev)
+/* A memfd of ours (exported by cuMemExportToShareableHandle, in any process): the bus id of the
+ * GPU it lies on, and this process's ordinal for it (-1 when this process has no such device). */
+static int our_memfd(int fd, int *dev, char *bus, size_t buslen)
 {
     char path[64], link[256];
+    unsigned pci[4];
     ssize_t n;
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
     n = readlink(path, link, sizeof link - 1);
     if (n <= 0)
         return 0;
     link[n] = '\0';
-    return sscanf(link, "/memfd:fakecuda-vmm:dev=%d", dev) == 1;
+    if (strncmp(link, "/memfd:fakecuda-vmm:pci=", 24) != 0)
+        return 0;
+    snprintf(bus, buslen, "%.*s", (int)strcspn(link + 24, " "), link + 24);
+    if (!parse_bdf(bus, pci))
+        return 0;
+    *dev = dev_at(pci);
+    return 1;
 }
 
 /* True if [p, p + n) is mapped in this process, and writable when `write`. */
@@ -1444,30 +1534,65 @@ CUAPI CUresult cuDeviceGetPCIBusId(char *bus_id, int len, CUdevice dev)
         LEAVE("cuDeviceGetPCIBusId", r);
     if (!bus_id || len <= 0)
         LEAVE("cuDeviceGetPCIBusId", fail(CUDA_ERROR_INVALID_VALUE, "NULL buffer or length %d", len));
-    snprintf(bus_id, (size_t)len, "0000:fa:%02x.0", (unsigned)dev);
+    bus_text(dev, bus_id, (size_t)len);
     LEAVE("cuDeviceGetPCIBusId", CUDA_SUCCESS);
 }
 
 /* [domain]:[bus]:[device].[function], [domain]:[bus]:[device] or [bus]:[device].[function] (hex). */
 CUAPI CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *bus_id)
 {
-    unsigned dom = 0, bus, d, fn = 0;
-    int n = -1;
+    unsigned pci[4];
+    char full[64];
+    int d;
     CUresult r;
     ENTER();
     if ((r = need_init()))
         LEAVE("cuDeviceGetByPCIBusId", r);
     if (!dev || !bus_id)
         LEAVE("cuDeviceGetByPCIBusId", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer"));
-    if (!((sscanf(bus_id, "%x:%x:%x.%x%n", &dom, &bus, &d, &fn, &n) == 4 && bus_id[n] == '\0') ||
-          (n = -1, fn = 0, sscanf(bus_id, "%x:%x:%x%n", &dom, &bus, &d, &n) == 3 && bus_id[n] == '\0') ||
-          (n = -1, dom = 0, sscanf(bus_id, "%x:%x.%x%n", &bus, &d, &fn, &n) == 3 && bus_id[n] == '\0')))
-        LEAVE("cuDeviceGetByPCIBusId", fail(CUDA_ERROR_INVALID_VALUE, "\"%s\" is not a PCI bus id", bus_id));
-    if (dom != 0 || bus != 0xfa || fn != 0 || (int)d >= g.ndev)
-        LEAVE("cuDeviceGetByPCIBusId",
-              fail(CUDA_ERROR_INVALID_DEVICE, "no device at %s (the fake's are 0000:fa:NN.0)", bus_id));
+    snprintf(full, sizeof full, "%s", bus_id);
+    if (!parse_bdf(full, pci)) {
+        /* [domain]:[bus]:[device]: function 0 */
+        snprintf(full, sizeof full, "%s.0", bus_id);
+        if (!parse_bdf(full, pci) || strchr(bus_id, '.'))
+            LEAVE("cuDeviceGetByPCIBusId", fail(CUDA_ERROR_INVALID_VALUE, "\"%s\" is not a PCI bus id", bus_id));
+    }
+    if ((d = dev_at(pci)) < 0)
+        LEAVE("cuDeviceGetByPCIBusId", fail(CUDA_ERROR_INVALID_DEVICE, "no device at %s (%d device(s))", bus_id, g.ndev));
     *dev = (CUdevice)d;
     LEAVE("cuDeviceGetByPCIBusId", CUDA_SUCCESS);
+}
+
+typedef struct {
+    char bytes[16];
+} CUuuid;
+
+/* The UUID of device `dev`: a function of its bus id alone (the physical GPU). */
+static void uuid_of(int dev, CUuuid *u)
+{
+    const unsigned *p = g.pci[dev];
+    const unsigned char b[16] = {0x5a, 0x77, 0xfa, 0x4e, (unsigned char)(p[0] >> 8), (unsigned char)p[0], 0x40,
+                                 (unsigned char)p[1], 0x80, (unsigned char)p[2], (unsigned char)(p[3] << 4), 0, 0, 0,
+                                 0, 0};
+    memcpy(u->bytes, b, sizeof b);
+}
+
+CUAPI CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    CUresult r;
+    ENTER();
+    if ((r = need_dev(dev)))
+        LEAVE("cuDeviceGetUuid_v2", r);
+    if (!uuid)
+        LEAVE("cuDeviceGetUuid_v2", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer"));
+    uuid_of(dev, uuid);
+    LEAVE("cuDeviceGetUuid_v2", CUDA_SUCCESS);
+}
+
+/* Before CUDA 11.4 (MIG) the same: the fake has no MIG instances. */
+CUAPI CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    return cuDeviceGetUuid_v2(uuid, dev);
 }
 
 CUAPI CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
@@ -1505,8 +1630,9 @@ CUAPI CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev)
     case 16: v = 1; break;                        /* MULTIPROCESSOR_COUNT */
     case 19: case 41: case 99: v = 1; break;      /* CAN_MAP_HOST_MEMORY, UNIFIED_ADDRESSING, HOST_REGISTER */
     case 31: v = 1; break;                        /* CONCURRENT_KERNELS */
-    case ATTR_PCI_BUS_ID: v = 0xfa; break;
-    case ATTR_PCI_DEVICE_ID: v = dev; break;
+    case ATTR_PCI_BUS_ID: v = (int)g.pci[dev][1]; break;
+    case ATTR_PCI_DEVICE_ID: v = (int)g.pci[dev][2]; break;
+    case 50: v = (int)g.pci[dev][0]; break;       /* PCI_DOMAIN_ID */
     case 37: v = 64; break;                       /* GLOBAL_MEMORY_BUS_WIDTH */
     case 38: v = 1 << 20; break;                  /* L2_CACHE_SIZE */
     case 39: v = 2048; break;                     /* MAX_THREADS_PER_MULTIPROCESSOR */
@@ -1649,6 +1775,19 @@ CUAPI CUresult cuCtxGetCurrent(CUcontext *pctx)
     LEAVE("cuCtxGetCurrent", CUDA_SUCCESS);
 }
 
+CUAPI CUresult cuCtxGetDevice(CUdevice *device)
+{
+    struct fc_ctx *c;
+    CUresult r;
+    ENTER();
+    if (!device)
+        LEAVE("cuCtxGetDevice", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer"));
+    if ((r = need_ctx(&c)))
+        LEAVE("cuCtxGetDevice", r);
+    *device = c->dev;
+    LEAVE("cuCtxGetDevice", CUDA_SUCCESS);
+}
+
 CUAPI CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
     CUresult r;
@@ -1715,6 +1854,7 @@ CUAPI CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     *r = (struct range){.kind = R_ALLOC, .base = (uintptr_t)p, .size = size, .maplen = round_up(size, PAGE), .ctx = c};
     vpush(&g.ranges, r);
     g.used[c->dev] += size;
+    log_alloc("cuMemAlloc", c->dev, size);
     *dptr = (CUdeviceptr)(uintptr_t)p;
     LEAVE("cuMemAlloc_v2", CUDA_SUCCESS);
 }
@@ -2224,7 +2364,7 @@ CUAPI CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, co
                            unsigned long long flags)
 {
     struct alloc *a;
-    char name[64];
+    char name[64], bus[32];
     int fd;
     void *p;
     CUresult r;
@@ -2241,7 +2381,8 @@ CUAPI CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, co
     if (size > g.total_mem - g.used[prop->location.id])
         LEAVE("cuMemCreate", fail(CUDA_ERROR_OUT_OF_MEMORY, "%zu bytes asked, %llu free", size,
                                   g.total_mem - g.used[prop->location.id]));
-    snprintf(name, sizeof name, "fakecuda-vmm:dev=%d", prop->location.id);
+    bus_text(prop->location.id, bus, sizeof bus);
+    snprintf(name, sizeof name, "fakecuda-vmm:pci=%s", bus);
     fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ftruncate(fd, (off_t)size) < 0 ||
         fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
@@ -2264,6 +2405,7 @@ CUAPI CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, co
                         .accounted = 1};
     vpush(&g.allocs, a);
     g.used[a->dev] += size;
+    log_alloc("cuMemCreate", a->dev, size);
     *handle = a->handle;
     LEAVE("cuMemCreate", CUDA_SUCCESS);
 }
@@ -2473,6 +2615,7 @@ CUAPI CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *hand
 {
     struct alloc *a;
     struct stat st;
+    char bus[32];
     int fd = (int)(intptr_t)os_handle, dev, own;
     CUresult r;
     ENTER();
@@ -2482,17 +2625,19 @@ CUAPI CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *hand
         LEAVE("cuMemImportFromShareableHandle", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer"));
     if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         LEAVE("cuMemImportFromShareableHandle", fail(CUDA_ERROR_NOT_SUPPORTED, "handle type %d (POSIX fds only on Linux)", type));
-    if (fd < 0 || fstat(fd, &st) < 0 || !our_memfd(fd, &dev))
+    if (fd < 0 || fstat(fd, &st) < 0 || !our_memfd(fd, &dev, bus, sizeof bus))
         LEAVE("cuMemImportFromShareableHandle",
               fail(CUDA_ERROR_INVALID_VALUE, "fd %d is not a CUDA shareable handle (an fd from cuMemExportToShareableHandle)", fd));
-    if (dev < 0 || dev >= g.ndev)
-        LEAVE("cuMemImportFromShareableHandle", fail(CUDA_ERROR_INVALID_DEVICE, "the allocation lies on device %d", dev));
+    if (dev < 0)
+        LEAVE("cuMemImportFromShareableHandle",
+              fail(CUDA_ERROR_INVALID_DEVICE, "the allocation lies on the GPU at %s, which this process does not see", bus));
     if ((own = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0)
         LEAVE("cuMemImportFromShareableHandle", fail(CUDA_ERROR_OUT_OF_MEMORY, "dup: %s", strerror(errno)));
     a = calloc(1, sizeof *a);
     *a = (struct alloc){.handle = ++g.next_handle, .fd = own, .size = (size_t)st.st_size, .dev = dev,
                         .handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, .rdma = 1};
     vpush(&g.allocs, a);
+    log_alloc("cuMemImport", dev, a->size);
     *handle = a->handle;
     LEAVE("cuMemImportFromShareableHandle", CUDA_SUCCESS);
 }
@@ -2571,12 +2716,15 @@ static const struct proc {
     P("cuDeviceGetName", 2000, cuDeviceGetName),
     P("cuDeviceGetPCIBusId", 4010, cuDeviceGetPCIBusId),
     P("cuDeviceGetByPCIBusId", 4010, cuDeviceGetByPCIBusId),
+    P("cuDeviceGetUuid", 9020, cuDeviceGetUuid),
+    P("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2),
     P("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
     P("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
     P("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
     P("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
     P("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
     P("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
+    P("cuCtxGetDevice", 2000, cuCtxGetDevice),
     P("cuCtxPushCurrent", 4000, cuCtxPushCurrent_v2),
     P("cuCtxPopCurrent", 4000, cuCtxPopCurrent_v2),
     P("cuCtxSynchronize", 2000, cuCtxSynchronize),

@@ -127,7 +127,9 @@ fn query_device(ordinal: c_int) -> Result<GpuDevice, GpuError> {
     Ok(GpuDevice {
         ordinal,
         name: c_string(&name),
-        pci_bus_id: c_string(&bus_id),
+        // The driver prints upper-case hex; sysfs, RxDM and the lanes spell it lower-case.
+        pci_bus_id: c_string(&bus_id).to_ascii_lowercase(),
+        uuid: uuid(dev),
         total_memory: total_memory as u64,
         dma_buf_supported: flag(dev, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)?,
         vmm_supported: flag(
@@ -139,6 +141,31 @@ fn query_device(ordinal: c_int) -> Result<GpuDevice, GpuError> {
             A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
         )?,
     })
+}
+
+/// `cuDeviceGetUuid_v2` as `GPU-8-4-4-4-12` lower-case hex; `None` if the driver refuses.
+fn uuid(dev: sys::CUdevice) -> Option<String> {
+    let mut raw = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: `dev` is a valid device handle; the out-pointer is a live local of the
+    // driver's 16-byte struct.
+    check("cuDeviceGetUuid_v2", unsafe {
+        sys::cuDeviceGetUuid_v2(&mut raw, dev)
+    })
+    .ok()?;
+    Some(uuid_text(raw.bytes.map(|b| b as u8)))
+}
+
+/// 16 UUID bytes as `nvidia-smi -L` prints them.
+pub(crate) fn uuid_text(b: [u8; 16]) -> String {
+    let hex: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex[..4].concat(),
+        hex[4..6].concat(),
+        hex[6..8].concat(),
+        hex[8..10].concat(),
+        hex[10..].concat()
+    )
 }
 
 /// A boolean device attribute. A driver older than the attribute answers

@@ -96,6 +96,7 @@ mod tests {
             ordinal,
             name: "NVIDIA H200".to_owned(),
             pci_bus_id: "0000:19:00.0".to_owned(),
+            uuid: None,
             total_memory: 150_754_820_096,
             dma_buf_supported: dma_buf,
             vmm_supported: vmm,

@@ -38,6 +38,17 @@ pub enum RegionError {
         /// The slab's length.
         slab: usize,
     },
+    /// The kernel refused to place the region on a NUMA node.
+    #[error("mbind of a {len}-byte region to NUMA node {node} failed: {source}")]
+    Numa {
+        /// The node asked for.
+        node: u32,
+        /// Region size.
+        len: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A CUDA call on a device region failed.
     #[error(transparent)]
     Gpu(#[from] GpuError),
@@ -198,6 +209,45 @@ impl HostRegion {
         self.ptr.as_ptr()
     }
 
+    /// Asks the kernel to place the region's pages on NUMA node `node` (`mbind` with
+    /// `MPOL_PREFERRED` over the whole mapping: the memfd's shared policy, so it holds for
+    /// every page touched later, here or by a trainer; when the node is out of memory pages
+    /// come from another one rather than failing). Call it before the pages are touched.
+    /// An error names the node and the kernel's reason (`EINVAL`: no such node; `ENOSYS`: a
+    /// kernel without NUMA).
+    pub fn prefer_numa_node(&self, node: u32) -> Result<(), RegionError> {
+        const NODE_BITS: usize = 1024;
+        let err = |source| RegionError::Numa {
+            node,
+            len: self.len,
+            source,
+        };
+        let index = usize::try_from(node).unwrap_or(usize::MAX);
+        if index >= NODE_BITS {
+            return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let mut mask = [0 as libc::c_ulong; NODE_BITS / 64];
+        mask[index / 64] |= 1 << (index % 64);
+        // SAFETY: mbind only changes the memory policy of [ptr, ptr + len), our own live
+        // mapping; the mask is a live local of NODE_BITS bits, and maxnode (bits + 1, the
+        // kernel's convention) makes the kernel read no more than it.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len,
+                libc::MPOL_PREFERRED,
+                mask.as_ptr(),
+                NODE_BITS + 1,
+                0u32,
+            )
+        };
+        if r != 0 {
+            return Err(err(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     /// Resident bytes of the mapping (pages touched so far), via mincore.
     pub fn resident_bytes(&self) -> usize {
         let page = rustix::param::page_size();
@@ -241,5 +291,50 @@ mod tests {
         assert!(rustix::fs::ftruncate(r.fd(), 10).is_err());
         assert!(r.resident_bytes() >= 4096);
         assert!(matches!(HostRegion::new("t", 0), Err(RegionError::Empty)));
+    }
+
+    /// The policy the kernel keeps for the page at `addr` (get_mempolicy with MPOL_F_ADDR).
+    fn policy_at(addr: *mut u8) -> (i32, u64) {
+        let (mut mode, mut mask) = (0 as libc::c_int, [0 as libc::c_ulong; 16]);
+        // SAFETY: out-pointers to live locals; maxnode matches the mask's bits + 1; `addr`
+        // lies in a live mapping of the caller.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_get_mempolicy,
+                &mut mode,
+                mask.as_mut_ptr(),
+                1025usize,
+                addr,
+                2u64, // MPOL_F_ADDR (include/uapi/linux/mempolicy.h; not in libc)
+            )
+        };
+        assert_eq!(r, 0, "get_mempolicy: {}", std::io::Error::last_os_error());
+        (mode, mask[0])
+    }
+
+    #[test]
+    fn a_region_prefers_the_numa_node_it_is_given() {
+        let r = HostRegion::new("numa", 4 << 20).unwrap();
+        match r.prefer_numa_node(0) {
+            Ok(()) => {
+                let (mode, mask) = policy_at(r.base());
+                assert_eq!((mode, mask), (libc::MPOL_PREFERRED, 1));
+                // Pages touched later are placed by that policy: writing still works.
+                // SAFETY: inside our own mapping.
+                unsafe { r.base().add(1 << 20).write(1) };
+            }
+            // A kernel built without NUMA has no mbind: the node says so and goes on.
+            Err(RegionError::Numa { source, .. })
+                if source.raw_os_error() == Some(libc::ENOSYS) => {}
+            Err(e) => panic!("{e}"),
+        }
+        let e = r.prefer_numa_node(4000).unwrap_err();
+        assert!(e.to_string().contains("NUMA node 4000"), "{e}");
+        // A node this machine lacks (the fake sysfs trees name nodes up to 1).
+        let missing = std::fs::read_dir("/sys/devices/system/node")
+            .map(|d| d.count())
+            .unwrap_or(0)
+            + 64;
+        assert!(r.prefer_numa_node(missing as u32).is_err());
     }
 }

@@ -30,8 +30,12 @@ pub struct GpuDevice {
     pub ordinal: i32,
     /// `cuDeviceGetName`, e.g. "NVIDIA H200".
     pub name: String,
-    /// `cuDeviceGetPCIBusId`, e.g. "0000:19:00.0".
+    /// `cuDeviceGetPCIBusId` in lower case as sysfs spells it, e.g. "0000:19:00.0" (the
+    /// driver prints upper-case hex, "0000:1A:00.0").
     pub pci_bus_id: String,
+    /// `cuDeviceGetUuid_v2` as `nvidia-smi -L` prints it (`GPU-xxxxxxxx-xxxx-...`); `None`
+    /// when the driver cannot say.
+    pub uuid: Option<String>,
     /// Bytes of device memory.
     pub total_memory: u64,
     /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.

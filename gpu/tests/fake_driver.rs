@@ -52,6 +52,8 @@ fn run_child(filter: &str, tests: usize, env: &[(&str, &str)]) -> Child {
         .env("FAKE_CUDA_LOG", "1")
         .env_remove("FAKE_CUDA_NO_PCIE_FLAG")
         .env_remove("FAKE_CUDA_DEVICES")
+        .env_remove("FAKE_CUDA_PCI_BUS_IDS")
+        .env_remove("FAKE_CUDA_ALLOC_LOG")
         .env_remove("FAKE_CUDA_DRIVER_VERSION");
     for (k, v) in env {
         cmd.env(k, v);
@@ -104,6 +106,71 @@ fn probe_explains_an_old_driver_and_no_devices() {
         child.stderr.contains("cuInit -> CUDA_ERROR_NO_DEVICE"),
         "{}",
         child.stderr
+    );
+}
+
+/// Bus ids of three fake GPUs in two PCI domains (one bus in upper-case hex as CUDA prints it).
+const THREE_GPUS: &str = "0000:03:00.0,0000:1a:00.0,0001:17:00.0";
+
+#[test]
+fn several_devices_each_by_bus_id_uuid_and_memory() {
+    let log = std::env::temp_dir().join(format!("sw-fake-alloc-{}.log", std::process::id()));
+    let _ = std::fs::remove_file(&log);
+    let child = run_child(
+        "child::several_devices",
+        1,
+        &[
+            ("FAKE_CUDA_PCI_BUS_IDS", THREE_GPUS),
+            (
+                "FAKE_CUDA_ALLOC_LOG",
+                log.to_str().expect("utf-8 temp path"),
+            ),
+        ],
+    );
+    // The two failures are the ones asked for: a bus id no device has, and the copy on
+    // device 0 into device 1's region (access is per device).
+    let lines = child.fake_lines();
+    assert_eq!(lines.len(), 2, "{}", lines.join("\n"));
+    assert!(
+        lines[0].contains(
+            "cuDeviceGetByPCIBusId -> CUDA_ERROR_INVALID_DEVICE: no device at 0000:fa:00.0"
+        ),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains("cuMemcpyHtoD_v2 -> CUDA_ERROR_INVALID_VALUE: destination")
+            && lines[1].contains("device 0 may not write this VMM mapping"),
+        "{}",
+        lines[1]
+    );
+    // Every VMM allocation is logged on the device it was made on: the self-test of each
+    // device (2 regions of 2 MiB each) and the 4 MiB region made on device 1.
+    let text = std::fs::read_to_string(&log).expect("the allocation log");
+    let _ = std::fs::remove_file(&log);
+    let creates: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("cuMemCreate "))
+        .collect();
+    for (dev, bus) in [
+        (0, "0000:03:00.0"),
+        (1, "0000:1A:00.0"),
+        (2, "0001:17:00.0"),
+    ] {
+        let want = format!("dev={dev} pci={bus} size=2097152");
+        assert_eq!(
+            creates.iter().filter(|l| l.ends_with(&want)).count(),
+            2,
+            "{want} in:\n{text}"
+        );
+    }
+    assert_eq!(
+        creates
+            .iter()
+            .filter(|l| l.ends_with("dev=1 pci=0000:1A:00.0 size=4194304"))
+            .count(),
+        1,
+        "{text}"
     );
 }
 
@@ -248,7 +315,14 @@ mod child {
         assert_eq!(probe.devices.len(), 1);
         let d = &probe.devices[0];
         assert_eq!(d.name, FAKE_NAME);
-        assert_eq!(d.pci_bus_id, "0000:fa:00.0");
+        assert_eq!(
+            d.pci_bus_id, "0000:fa:00.0",
+            "the probe spells it as sysfs does"
+        );
+        assert_eq!(
+            d.uuid.as_deref(),
+            Some("GPU-5a77fa4e-0000-40fa-8000-000000000000")
+        );
         assert!(
             d.dma_buf_supported && d.vmm_supported && d.gpu_direct_rdma_with_cuda_vmm_supported
         );
@@ -267,6 +341,86 @@ mod child {
         );
         let mem = open_for_service(decision.device.as_ref().unwrap()).expect("self-test");
         assert_eq!(mem.info.name, FAKE_NAME);
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn several_devices() {
+        if !in_child() {
+            return;
+        }
+        let probe = probe_gpus();
+        assert!(probe.usable, "{probe:?}");
+        let ids: Vec<&str> = probe
+            .devices
+            .iter()
+            .map(|d| d.pci_bus_id.as_str())
+            .collect();
+        assert_eq!(ids, ["0000:03:00.0", "0000:1a:00.0", "0001:17:00.0"]);
+        // The driver itself prints upper-case hex, as the real one does.
+        let mut raw = [0 as std::ffi::c_char; 32];
+        let dev1 = Device::open(1).unwrap();
+        // SAFETY: the fake is loaded; the buffer is live and its length is passed.
+        ok("cuDeviceGetPCIBusId", unsafe {
+            sys::cuDeviceGetPCIBusId(raw.as_mut_ptr(), raw.len() as i32, 1)
+        });
+        // SAFETY: the driver NUL-terminated the string within the buffer.
+        let printed = unsafe { std::ffi::CStr::from_ptr(raw.as_ptr()) };
+        assert_eq!(printed.to_str().unwrap(), "0000:1A:00.0");
+        drop(dev1);
+        let uuids: Vec<&str> = probe
+            .devices
+            .iter()
+            .map(|d| d.uuid.as_deref().expect("a UUID"))
+            .collect();
+        assert_eq!(
+            uuids,
+            [
+                "GPU-5a77fa4e-0000-4003-8000-000000000000",
+                "GPU-5a77fa4e-0000-401a-8000-000000000000",
+                "GPU-5a77fa4e-0001-4017-8000-000000000000"
+            ]
+        );
+        // Found by bus id in any case, with or without the domain.
+        for (bus, want) in [("0000:1a:00.0", 1), ("1A:00.0", 1), ("0001:17:00.0", 2)] {
+            let mut dev: sys::CUdevice = -1;
+            let c = CString::new(bus).unwrap();
+            // SAFETY: the fake is loaded and initialised (by the probe); live out-pointer.
+            ok("cuDeviceGetByPCIBusId", unsafe {
+                sys::cuDeviceGetByPCIBusId(&mut dev, c.as_ptr())
+            });
+            assert_eq!(dev, want, "{bus}");
+        }
+        let mut missing: sys::CUdevice = -1;
+        let c = CString::new("0000:fa:00.0").unwrap();
+        // SAFETY: as above.
+        let r = unsafe { sys::cuDeviceGetByPCIBusId(&mut missing, c.as_ptr()) };
+        assert_eq!(r, sys::CUresult::CUDA_ERROR_INVALID_DEVICE);
+        // Each device opens for the service (self-test on its own memory).
+        let mems: Vec<_> = probe
+            .devices
+            .iter()
+            .map(|d| open_for_service(d).expect("self-test"))
+            .collect();
+        // The current context's device is the one bound last.
+        mems[2].device.bind().unwrap();
+        let mut cur: sys::CUdevice = -1;
+        // SAFETY: a context is current on this thread; live out-pointer.
+        ok("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut cur) });
+        assert_eq!(cur, 2);
+        // A region on device 1 takes writes through device 1, not through device 0.
+        let region = VmmRegion::new(&mems[1].device, 4 << 20).unwrap();
+        region.write(0, b"lane one").unwrap();
+        mems[0].device.bind().unwrap();
+        let bytes = [7u8; 16];
+        // SAFETY: device 0's context is current; the source is a live host buffer.
+        let r = unsafe {
+            sys::cuMemcpyHtoD_v2(region.device_ptr(), bytes.as_ptr().cast::<c_void>(), 16)
+        };
+        assert_eq!(r, sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+        let mut back = [0u8; 8];
+        region.read(0, &mut back).unwrap();
+        assert_eq!(&back, b"lane one");
     }
 
     #[test]

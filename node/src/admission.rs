@@ -1,7 +1,8 @@
 //! Stream admission and the memory budget, under one lock: the open streams, the bytes of
-//! `pool_size` they reserve, and whether the node is draining. A stream is admitted by a
-//! [`Reservation`] that returns its bytes unless it is committed, so a failed open never
-//! leaks budget; removing a stream returns its bytes exactly once.
+//! each lane's pool (`pool_size` per lane) they reserve, and whether the node is draining. A
+//! stream is admitted by a [`Reservation`] on one lane that returns its bytes unless it is
+//! committed, so a failed open never leaks budget; removing a stream returns its bytes to its
+//! lane exactly once. [`Admission::least_loaded`] is where a stream without a device goes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,12 +13,14 @@ pub enum AdmitError {
     /// The node is draining.
     #[error("the node service is draining and accepts no new streams")]
     Draining,
-    /// Not enough of the pool left.
+    /// Not enough of the lane's pool left.
     #[error(
-        "pool exhausted: {reserved} of pool_size {pool} bytes reserved by open streams; a stream needs stream_memory {need}"
+        "lane {lane}'s pool is exhausted: {reserved} of pool_size {pool} bytes reserved by its open streams; a stream needs stream_memory {need}"
     )]
     Exhausted {
-        /// Bytes reserved by open streams.
+        /// The lane.
+        lane: u32,
+        /// Bytes reserved by its open streams.
         reserved: u64,
         /// `pool_size`.
         pool: u64,
@@ -27,35 +30,39 @@ pub enum AdmitError {
 }
 
 struct Inner<S> {
-    streams: HashMap<u64, (Arc<S>, u64)>,
-    reserved: u64,
+    /// Stream id -> (stream, bytes, lane).
+    streams: HashMap<u64, (Arc<S>, u64, u32)>,
+    /// Bytes reserved per lane.
+    reserved: Vec<u64>,
     draining: bool,
 }
 
 /// The open streams and the budget they hold.
 pub struct Admission<S> {
-    pool: u64,
+    /// Each lane's pool.
+    pools: Vec<u64>,
     inner: Mutex<Inner<S>>,
 }
 
-/// Bytes set aside for a stream being opened; given back on drop unless committed.
+/// Bytes set aside on a lane for a stream being opened; given back on drop unless committed.
 #[must_use = "a reservation is given back when dropped"]
 pub struct Reservation<'a, S> {
     adm: &'a Admission<S>,
+    lane: u32,
     bytes: u64,
     committed: bool,
 }
 
 impl<S> Admission<S> {
-    /// No streams, `pool` bytes to give out.
-    pub fn new(pool: u64) -> Self {
+    /// No streams; lane `i` has `pools[i]` bytes to give out.
+    pub fn new(pools: Vec<u64>) -> Self {
         Self {
-            pool,
             inner: Mutex::new(Inner {
                 streams: HashMap::new(),
-                reserved: 0,
+                reserved: vec![0; pools.len()],
                 draining: false,
             }),
+            pools,
         }
     }
 
@@ -63,39 +70,55 @@ impl<S> Admission<S> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sets `bytes` aside for a new stream.
-    pub fn reserve(&self, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
+    /// Sets `bytes` of lane `lane`'s pool aside for a new stream.
+    pub fn reserve(&self, lane: u32, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
         let mut i = self.lock();
         if i.draining {
             return Err(AdmitError::Draining);
         }
-        if i.reserved + bytes > self.pool {
+        let l = lane as usize;
+        if i.reserved[l] + bytes > self.pools[l] {
             return Err(AdmitError::Exhausted {
-                reserved: i.reserved,
-                pool: self.pool,
+                lane,
+                reserved: i.reserved[l],
+                pool: self.pools[l],
                 need: bytes,
             });
         }
-        i.reserved += bytes;
+        i.reserved[l] += bytes;
         Ok(Reservation {
             adm: self,
+            lane,
             bytes,
             committed: false,
         })
+    }
+
+    /// The lane a stream without a device goes to: the most bytes free, then the fewest
+    /// streams, then the lowest id.
+    pub fn least_loaded(&self) -> u32 {
+        let i = self.lock();
+        let streams = |lane: usize| i.streams.values().filter(|v| v.2 as usize == lane).count();
+        (0..self.pools.len())
+            .min_by_key(|&l| {
+                let free = self.pools[l].saturating_sub(i.reserved[l]);
+                (std::cmp::Reverse(free), streams(l), l)
+            })
+            .unwrap_or(0) as u32
     }
 
     /// Removes stream `id`, returning its budget; `None` if it is not open (closing twice is
     /// harmless).
     pub fn remove(&self, id: u64) -> Option<Arc<S>> {
         let mut i = self.lock();
-        let (s, bytes) = i.streams.remove(&id)?;
-        i.reserved -= bytes;
+        let (s, bytes, lane) = i.streams.remove(&id)?;
+        i.reserved[lane as usize] -= bytes;
         Some(s)
     }
 
     /// Stream `id`, if open.
     pub fn get(&self, id: u64) -> Option<Arc<S>> {
-        self.lock().streams.get(&id).map(|(s, _)| Arc::clone(s))
+        self.lock().streams.get(&id).map(|(s, _, _)| Arc::clone(s))
     }
 
     /// Every open stream, by id.
@@ -104,16 +127,28 @@ impl<S> Admission<S> {
             .lock()
             .streams
             .iter()
-            .map(|(id, (s, _))| (*id, Arc::clone(s)))
+            .map(|(id, (s, _, _))| (*id, Arc::clone(s)))
             .collect();
         v.sort_by_key(|(id, _)| *id);
         v
     }
 
-    /// (open streams, bytes reserved).
+    /// (open streams, bytes reserved), over all lanes.
     pub fn usage(&self) -> (usize, u64) {
         let i = self.lock();
-        (i.streams.len(), i.reserved)
+        (i.streams.len(), i.reserved.iter().sum())
+    }
+
+    /// (open streams, bytes reserved, pool) of lane `lane`.
+    pub fn lane_usage(&self, lane: u32) -> (usize, u64, u64) {
+        let i = self.lock();
+        let l = lane as usize;
+        let n = i.streams.values().filter(|v| v.2 == lane).count();
+        (
+            n,
+            i.reserved.get(l).copied().unwrap_or(0),
+            self.pools.get(l).copied().unwrap_or(0),
+        )
     }
 
     /// Refuses new streams from now on; returns how many are open.
@@ -133,14 +168,17 @@ impl<S> Reservation<'_, S> {
     /// The stream opened: it now holds the bytes until it is removed.
     pub fn commit(mut self, id: u64, s: Arc<S>) {
         self.committed = true;
-        self.adm.lock().streams.insert(id, (s, self.bytes));
+        self.adm
+            .lock()
+            .streams
+            .insert(id, (s, self.bytes, self.lane));
     }
 }
 
 impl<S> Drop for Reservation<'_, S> {
     fn drop(&mut self) {
         if !self.committed {
-            self.adm.lock().reserved -= self.bytes;
+            self.adm.lock().reserved[self.lane as usize] -= self.bytes;
         }
     }
 }
@@ -151,11 +189,12 @@ mod tests {
 
     #[test]
     fn reservations_fit_the_pool_and_failed_opens_give_back() {
-        let a: Admission<&str> = Admission::new(100);
-        let r1 = a.reserve(60).unwrap();
+        let a: Admission<&str> = Admission::new(vec![100]);
+        let r1 = a.reserve(0, 60).unwrap();
         assert_eq!(
-            a.reserve(50).err(),
+            a.reserve(0, 50).err(),
             Some(AdmitError::Exhausted {
+                lane: 0,
                 reserved: 60,
                 pool: 100,
                 need: 50
@@ -163,29 +202,60 @@ mod tests {
         );
         drop(r1); // the open failed
         assert_eq!(a.usage(), (0, 0));
-        a.reserve(60).unwrap().commit(1, Arc::new("one"));
-        a.reserve(40).unwrap().commit(2, Arc::new("two"));
+        a.reserve(0, 60).unwrap().commit(1, Arc::new("one"));
+        a.reserve(0, 40).unwrap().commit(2, Arc::new("two"));
         assert_eq!(a.usage(), (2, 100));
-        assert!(a.reserve(1).is_err());
+        assert!(a.reserve(0, 1).is_err());
+    }
+
+    #[test]
+    fn each_lane_has_its_own_pool() {
+        let a: Admission<u8> = Admission::new(vec![100, 100]);
+        a.reserve(0, 100).unwrap().commit(1, Arc::new(0));
+        let e = a.reserve(0, 1).err().unwrap();
+        assert!(
+            e.to_string().starts_with("lane 0's pool is exhausted"),
+            "{e}"
+        );
+        a.reserve(1, 100).unwrap().commit(2, Arc::new(0));
+        assert_eq!(a.lane_usage(0), (1, 100, 100));
+        assert_eq!(a.lane_usage(1), (1, 100, 100));
+        assert_eq!(a.usage(), (2, 200));
+        a.remove(1);
+        assert_eq!(a.lane_usage(0), (0, 0, 100));
+    }
+
+    #[test]
+    fn the_least_loaded_lane_has_the_most_free_then_the_fewest_streams() {
+        let a: Admission<u8> = Admission::new(vec![100, 100, 100]);
+        assert_eq!(a.least_loaded(), 0, "all equal: the lowest id");
+        a.reserve(0, 10).unwrap().commit(1, Arc::new(0));
+        assert_eq!(a.least_loaded(), 1);
+        a.reserve(1, 10).unwrap().commit(2, Arc::new(0));
+        assert_eq!(a.least_loaded(), 2);
+        a.reserve(2, 5).unwrap().commit(3, Arc::new(0));
+        a.reserve(2, 5).unwrap().commit(4, Arc::new(0));
+        // Equal bytes free (90 each): the fewest streams.
+        assert_eq!(a.least_loaded(), 0);
     }
 
     #[test]
     fn removing_returns_the_budget_once() {
-        let a: Admission<u8> = Admission::new(10);
-        a.reserve(7).unwrap().commit(5, Arc::new(0));
+        let a: Admission<u8> = Admission::new(vec![10]);
+        a.reserve(0, 7).unwrap().commit(5, Arc::new(0));
         assert!(a.remove(5).is_some());
         assert!(a.remove(5).is_none(), "closing twice is harmless");
         assert_eq!(a.usage(), (0, 0));
-        a.reserve(10).unwrap().commit(6, Arc::new(0));
+        a.reserve(0, 10).unwrap().commit(6, Arc::new(0));
         assert_eq!(a.list().iter().map(|(id, _)| *id).collect::<Vec<_>>(), [6]);
     }
 
     #[test]
     fn draining_refuses_new_streams_but_keeps_open_ones() {
-        let a: Admission<u8> = Admission::new(10);
-        a.reserve(1).unwrap().commit(1, Arc::new(0));
+        let a: Admission<u8> = Admission::new(vec![10]);
+        a.reserve(0, 1).unwrap().commit(1, Arc::new(0));
         assert_eq!(a.start_draining(), 1);
-        assert_eq!(a.reserve(1).err(), Some(AdmitError::Draining));
+        assert_eq!(a.reserve(0, 1).err(), Some(AdmitError::Draining));
         assert!(a.get(1).is_some() && a.draining());
     }
 }

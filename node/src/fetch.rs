@@ -125,6 +125,8 @@ pub struct InFlight {
     pub source: usize,
     /// The stream it is for (to cancel it when the stream closes).
     pub stream: u64,
+    /// The stream's lane: the payload must come on one of its data connections.
+    pub lane: u16,
     /// Request id (set when the FETCH is sent).
     pub req: u64,
     /// When the FETCH was issued (for the fetch latency histogram).
@@ -147,6 +149,8 @@ pub struct FetchRequest {
     pub crc32c: u32,
     /// The stream.
     pub stream: u64,
+    /// The stream's lane.
+    pub lane: u16,
 }
 
 impl InFlight {
@@ -161,6 +165,7 @@ impl InFlight {
             crc32c: r.crc32c,
             source,
             stream: r.stream,
+            lane: r.lane,
             req: 0,
             issued: Instant::now(),
             done,
@@ -220,6 +225,7 @@ pub(crate) mod tests {
             length: len as u64,
             crc32c: crc,
             stream: 1,
+            lane: 0,
         };
         (InFlight::new(r, 0, tx), rx)
     }

@@ -12,8 +12,9 @@
 //!
 //! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
 //! `info`, `control`, `status`, `stream` and `plane`; the plane over `link`, `matcher`,
-//! `binding` and `rx`; streams and receivers over `fetch` (a fetch in flight and its one way
-//! to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the
+//! `binding`, `rx` and `lanes` (each GPU/NIC pair: its plan, GPU, listener, CPUs; a leaf
+//! over the topology, GPU and devmem crates); streams and receivers over `fetch` (a fetch in
+//! flight and its one way to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the
 //! facade re-exported here: [`Node`] and [`Stream`], [`start`] and [`NodeHandle`], the
 //! control messages and the status document; `shardwire bench` also gets the receive
 //! primitives in [`bench`].
@@ -24,6 +25,7 @@ mod control;
 mod counters;
 mod fetch;
 mod info;
+mod lanes;
 mod link;
 mod matcher;
 mod node;
@@ -38,10 +40,13 @@ pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};
 pub use counters::{COUNTERS, CounterDef, CounterStatus, Counters, FlowStats, Label, Unit};
 pub use info::Info;
+pub use lanes::open::LaneStartError;
+pub use lanes::plan::{Inputs as LaneInputs, LaneGpu, LaneSpec, PlanError, plan as plan_lanes};
+pub use lanes::{DeviceError, Excluded};
 pub use node::Node;
 pub use plane::Flow;
 pub use start::{NodeHandle, StartError, read_secret, start};
-pub use status::{BindingStatus, Mode, PoolStatus, SourceStatus, Status};
+pub use status::{BindingStatus, LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 pub use stream::{Batch, CloseReason, Next, OpenError, Stream, StreamInfo};
 
 /// The receive primitives `shardwire bench` measures the node's own reader with.

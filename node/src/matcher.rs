@@ -1,8 +1,14 @@
 //! Identifies data connections without in-band bytes (DESIGN §2): a source reports the local
 //! address of each data connection on its authenticated control connection ("expected"), and
-//! the node matches the peer address of the connections accepted on its data port. Either can
+//! the node matches the peer address of the connections accepted on its data ports. Either can
 //! come first. Connections nobody announces within [`UNMATCHED_TIMEOUT`] are dropped, and at
 //! most [`MAX_UNMATCHED`] are held.
+//!
+//! Each announcement names its lane, whose data address the node advertised (`want`); a
+//! connection must have arrived on exactly that address (its `getsockname`, `local`), else it
+//! went through another NIC than its lane's (a source that dialled the wrong lane, or a route
+//! that does not follow the lane's subnet) and the match is refused as [`Accepted::WrongLane`]
+//! / [`Announced::WrongLane`], whichever side comes second.
 //!
 //! A pure table, generic over the socket and the announcement, so its order races are unit
 //! tested without sockets; the data plane owns it and starts a receiver per match.
@@ -16,6 +22,19 @@ pub const UNMATCHED_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most this many unidentified connections are held at once.
 pub const MAX_UNMATCHED: usize = 1024;
 
+/// A source announced a connection for one lane, but it arrived on another address.
+#[derive(Debug)]
+pub struct WrongLane<S, E> {
+    /// The connection (drop it).
+    pub sock: S,
+    /// The announcement.
+    pub e: E,
+    /// Where it arrived (`getsockname`).
+    pub local: SocketAddr,
+    /// Where its lane is (the address the node advertised for it).
+    pub want: SocketAddr,
+}
+
 /// What became of an accepted connection.
 #[derive(Debug)]
 pub enum Accepted<S, E> {
@@ -25,13 +44,33 @@ pub enum Accepted<S, E> {
     Held,
     /// Too many unidentified connections: dropped.
     Refused(S),
+    /// Announced for a lane whose address it did not arrive on: refuse it.
+    WrongLane(WrongLane<S, E>),
+}
+
+/// What became of an announcement.
+#[derive(Debug)]
+pub enum Announced<S, E> {
+    /// The connection had been accepted: start its receiver.
+    Matched(S, E),
+    /// Waiting for the connection.
+    Waiting,
+    /// The connection had been accepted on another address than its lane's: refuse it.
+    WrongLane(WrongLane<S, E>),
 }
 
 /// The matcher table: announced addresses and accepted connections waiting for each other.
 #[derive(Debug)]
 pub struct Matcher<S, E> {
-    expected: HashMap<SocketAddr, E>,
-    accepted: HashMap<SocketAddr, (S, Instant)>,
+    /// Peer address -> (the lane's address, the announcement).
+    expected: HashMap<SocketAddr, (SocketAddr, E)>,
+    /// Peer address -> (the socket, where it arrived, when).
+    accepted: HashMap<SocketAddr, (S, SocketAddr, Instant)>,
+}
+
+/// `a` with an IPv4-mapped IPv6 address written as IPv4 (a dual-stack listener reports them so).
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 impl<S, E> Default for Matcher<S, E> {
@@ -44,27 +83,49 @@ impl<S, E> Default for Matcher<S, E> {
 }
 
 impl<S, E> Matcher<S, E> {
-    /// A source announced a data connection from `addr`: the connection, if it was accepted
-    /// already.
-    pub fn expect(&mut self, addr: SocketAddr, e: E) -> Option<(S, E)> {
+    /// A source announced a data connection from `addr` for a lane at `want`: the connection,
+    /// if it was accepted already (on `want`, or refused as the wrong lane).
+    pub fn expect(&mut self, addr: SocketAddr, want: SocketAddr, e: E) -> Announced<S, E> {
+        let want = canonical(want);
         match self.accepted.remove(&addr) {
-            Some((sock, _)) => Some((sock, e)),
+            Some((sock, local, _)) if local == want => Announced::Matched(sock, e),
+            Some((sock, local, _)) => Announced::WrongLane(WrongLane {
+                sock,
+                e,
+                local,
+                want,
+            }),
             None => {
-                self.expected.insert(addr, e);
-                None
+                self.expected.insert(addr, (want, e));
+                Announced::Waiting
             }
         }
     }
 
-    /// A connection from `peer` was accepted at `now`.
-    pub fn accepted(&mut self, peer: SocketAddr, sock: S, now: Instant) -> Accepted<S, E> {
-        if let Some(e) = self.expected.remove(&peer) {
-            return Accepted::Matched(sock, e);
+    /// A connection from `peer` was accepted on `local` at `now`.
+    pub fn accepted(
+        &mut self,
+        peer: SocketAddr,
+        local: SocketAddr,
+        sock: S,
+        now: Instant,
+    ) -> Accepted<S, E> {
+        let local = canonical(local);
+        if let Some((want, e)) = self.expected.remove(&peer) {
+            if want == local {
+                return Accepted::Matched(sock, e);
+            }
+            return Accepted::WrongLane(WrongLane {
+                sock,
+                e,
+                local,
+                want,
+            });
         }
         if self.accepted.len() >= MAX_UNMATCHED {
             return Accepted::Refused(sock);
         }
-        self.accepted.insert(peer, (sock, now));
+        self.accepted.insert(peer, (sock, local, now));
         Accepted::Held
     }
 
@@ -73,11 +134,11 @@ impl<S, E> Matcher<S, E> {
         let keys: Vec<SocketAddr> = self
             .expected
             .iter()
-            .filter(|(_, e)| gone(e))
+            .filter(|(_, (_, e))| gone(e))
             .map(|(k, _)| *k)
             .collect();
         keys.iter()
-            .filter_map(|k| self.expected.remove(k))
+            .filter_map(|k| self.expected.remove(k).map(|(_, e)| e))
             .collect()
     }
 
@@ -86,11 +147,11 @@ impl<S, E> Matcher<S, E> {
         let old: Vec<SocketAddr> = self
             .accepted
             .iter()
-            .filter(|(_, (_, t))| now.duration_since(*t) >= UNMATCHED_TIMEOUT)
+            .filter(|(_, (_, _, t))| now.duration_since(*t) >= UNMATCHED_TIMEOUT)
             .map(|(a, _)| *a)
             .collect();
         old.into_iter()
-            .filter_map(|a| self.accepted.remove(&a).map(|(s, _)| (a, s)))
+            .filter_map(|a| self.accepted.remove(&a).map(|(s, _, _)| (a, s)))
             .collect()
     }
 
@@ -109,17 +170,27 @@ mod tests {
         SocketAddr::from(([127, 0, 0, 1], port))
     }
 
+    /// Lane 0's data address.
+    fn lane0() -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], 7401))
+    }
+
+    /// Lane 1's data address.
+    fn lane1() -> SocketAddr {
+        SocketAddr::from(([10, 0, 1, 1], 7401))
+    }
+
     #[test]
     fn announcement_first_then_accept() {
         let mut m: Matcher<&str, u16> = Matcher::default();
-        assert!(m.expect(addr(1), 7).is_none());
+        assert!(matches!(m.expect(addr(1), lane0(), 7), Announced::Waiting));
         let now = Instant::now();
         assert!(matches!(
-            m.accepted(addr(2), "stranger", now),
+            m.accepted(addr(2), lane0(), "stranger", now),
             Accepted::Held
         ));
         assert!(matches!(
-            m.accepted(addr(1), "sock", now),
+            m.accepted(addr(1), lane0(), "sock", now),
             Accepted::Matched("sock", 7)
         ));
         assert_eq!(m.waiting(), (0, 1));
@@ -129,11 +200,49 @@ mod tests {
     fn accept_first_then_announcement() {
         let mut m: Matcher<&str, u16> = Matcher::default();
         assert!(matches!(
-            m.accepted(addr(1), "sock", Instant::now()),
+            m.accepted(addr(1), lane1(), "sock", Instant::now()),
             Accepted::Held
         ));
-        assert_eq!(m.expect(addr(1), 3), Some(("sock", 3)));
+        assert!(matches!(
+            m.expect(addr(1), lane1(), 3),
+            Announced::Matched("sock", 3)
+        ));
         assert_eq!(m.waiting(), (0, 0));
+    }
+
+    #[test]
+    fn a_connection_on_another_lane_is_refused_either_way_round() {
+        let mut m: Matcher<&str, u16> = Matcher::default();
+        // Announced for lane 1, arrived on lane 0's address.
+        assert!(matches!(m.expect(addr(1), lane1(), 5), Announced::Waiting));
+        match m.accepted(addr(1), lane0(), "sock", Instant::now()) {
+            Accepted::WrongLane(w) => {
+                assert_eq!(
+                    (w.sock, w.e, w.local, w.want),
+                    ("sock", 5, lane0(), lane1())
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Arrived first, announced second.
+        assert!(matches!(
+            m.accepted(addr(2), lane0(), "late", Instant::now()),
+            Accepted::Held
+        ));
+        match m.expect(addr(2), lane1(), 6) {
+            Announced::WrongLane(w) => {
+                assert_eq!((w.sock, w.local, w.want), ("late", lane0(), lane1()))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(m.waiting(), (0, 0));
+        // A dual-stack listener's IPv4-mapped local address is the IPv4 one.
+        let mapped: SocketAddr = "[::ffff:10.0.0.1]:7401".parse().unwrap();
+        assert!(matches!(m.expect(addr(3), lane0(), 7), Announced::Waiting));
+        assert!(matches!(
+            m.accepted(addr(3), mapped, "v6", Instant::now()),
+            Accepted::Matched("v6", 7)
+        ));
     }
 
     #[test]
@@ -142,12 +251,12 @@ mod tests {
         let t0 = Instant::now();
         for i in 0..MAX_UNMATCHED {
             assert!(matches!(
-                m.accepted(addr(i as u16 + 1), i as u32, t0),
+                m.accepted(addr(i as u16 + 1), lane0(), i as u32, t0),
                 Accepted::Held
             ));
         }
         assert!(matches!(
-            m.accepted(addr(60000), 9, t0),
+            m.accepted(addr(60000), lane0(), 9, t0),
             Accepted::Refused(9)
         ));
         assert!(m.sweep(t0 + UNMATCHED_TIMEOUT / 2).is_empty());
@@ -158,9 +267,9 @@ mod tests {
     #[test]
     fn a_link_going_down_forgets_only_its_announcements() {
         let mut m: Matcher<(), (usize, u64)> = Matcher::default();
-        m.expect(addr(1), (0, 1));
-        m.expect(addr(2), (0, 2));
-        m.expect(addr(3), (1, 1));
+        m.expect(addr(1), lane0(), (0, 1));
+        m.expect(addr(2), lane0(), (0, 2));
+        m.expect(addr(3), lane1(), (1, 1));
         let mut gone = m.forget(|&(link, generation)| link == 0 && generation == 1);
         gone.sort();
         assert_eq!(gone, vec![(0, 1)]);

@@ -3,8 +3,9 @@
 //! front reads [`Status`] and sends [`Control`] messages, which one task applies in order.
 //!
 //! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
-//! [`Admission`] (open streams and the memory budget, under one lock) and the
-//! [`DataPlane`] (links, matcher, RX binding, GPU).
+//! [`Admission`] (open streams and each lane's memory budget, under one lock) and the
+//! [`DataPlane`] (links, lanes, matcher, RX binding). A stream goes to the lane of the GPU
+//! its trainer names, else to the least loaded lane.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use shardwire_config::ReceiveMode;
 use shardwire_gpu::Region;
 use shardwire_protocol::Manifest;
-use shardwire_protocol::trainer::{ErrorCode, GpuRef, StreamRequest};
+use shardwire_protocol::trainer::{ErrorCode, GpuRef, LaneRef, MemoryKind, StreamRequest};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
 
@@ -22,9 +23,10 @@ use crate::binding::{self, BindingError, NicRequest};
 use crate::control::{BindingSpec, Control, ControlError, Reply};
 use crate::counters::Counters;
 use crate::info::Info;
+use crate::lanes::Lane;
 use crate::link::SourceLink;
 use crate::plane::{DataPlane, Flow};
-use crate::status::{BindingStatus, Mode, PoolStatus, SourceStatus, Status};
+use crate::status::{BindingStatus, LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::open;
 use crate::stream::{
@@ -54,8 +56,9 @@ impl Node {
         counters: Arc<Counters>,
     ) -> (Arc<Self>, mpsc::UnboundedReceiver<ControlRequest>) {
         let (tx, rx) = mpsc::unbounded_channel();
+        let pools = vec![info.cfg.pool_size.0; plane.lanes.all().len()];
         let node = Arc::new(Self {
-            admission: Admission::new(info.cfg.pool_size.0),
+            admission: Admission::new(pools),
             info,
             plane,
             counters,
@@ -109,8 +112,21 @@ impl Node {
 
     // --- streams -----------------------------------------------------------------------
 
-    /// Opens a stream: request checks, manifest, plan, resume check, memory reservation,
-    /// region, fetcher.
+    /// The lane a stream goes to: its trainer's GPU's, else the least loaded.
+    fn place(&self, device: Option<&str>) -> Result<&Arc<Lane>, OpenError> {
+        let lanes = &self.plane.lanes;
+        match device {
+            Some(d) => lanes
+                .by_device(d)
+                .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string())),
+            None => lanes
+                .get(self.admission.least_loaded())
+                .ok_or_else(|| OpenError::new(ErrorCode::Internal, "the node has no lane")),
+        }
+    }
+
+    /// Opens a stream: request checks, its lane, manifest, plan, resume check, memory
+    /// reservation on the lane, region on the lane's GPU (or NUMA node), fetcher.
     pub async fn open_stream(self: &Arc<Self>, r: StreamRequest) -> Result<Arc<Stream>, OpenError> {
         open::check_request(&r)?;
         if self.admission.draining() {
@@ -119,18 +135,29 @@ impl Node {
                 AdmitError::Draining.to_string(),
             ));
         }
+        let lane = Arc::clone(self.place(r.device.as_deref())?);
         let region_bytes = self.info.cfg.stream_memory();
-        let (manifest, sources, (kind, start, fingerprint)) =
-            self.plan_stream(&r, region_bytes).await?;
-        let reservation = self.admission.reserve(region_bytes).map_err(|e| {
-            let code = match e {
-                AdmitError::Draining => ErrorCode::Draining,
-                AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
-            };
-            OpenError::new(code, e.to_string())
-        })?;
+        let (manifest, sources, (kind, start, fingerprint)) = self
+            .plan_stream(&r, region_bytes, lane.cuda.is_some())
+            .await?;
+        let reservation = self
+            .admission
+            .reserve(lane.id(), region_bytes)
+            .map_err(|e| {
+                let code = match e {
+                    AdmitError::Draining => ErrorCode::Draining,
+                    AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
+                };
+                OpenError::new(code, e.to_string())
+            })?;
         let id = self.next_id();
-        let region = open::region(id, region_bytes, self.plane.cuda.as_deref())?;
+        let region = open::region(id, region_bytes, lane.cuda.as_deref())?;
+        if let (Some(host), Some(node)) = (region.host(), lane.numa_bind) {
+            // Checked at start: the kernel takes it for this lane; a failure now is logged.
+            if let Err(e) = host.prefer_numa_node(node) {
+                tracing::warn!(stream = id, lane = lane.id(), error = %e, "cannot place the stream's region on its lane's NUMA node");
+            }
+        }
         let (rank, world_size, seed) = kind.who();
         let batches = matches!(kind, Kind::Batches(_));
         let s = Stream::new(Parts {
@@ -145,7 +172,8 @@ impl Node {
             fingerprint,
             counters: Arc::clone(&self.counters),
             ids: Arc::clone(&self.ids),
-            gpu: self.plane.cuda.clone(),
+            gpu: lane.cuda.clone(),
+            lane: lane.id(),
         });
         reservation.commit(id, Arc::clone(&s));
         let span = tracing::info_span!("stream", id, dataset = %s.dataset(), rank, world_size);
@@ -157,7 +185,7 @@ impl Node {
                 .rt
                 .spawn(batcher::run(Arc::clone(&s), start).instrument(span)),
         };
-        tracing::info!(stream = id, dataset = %s.dataset(), seed, rank, world_size, epochs = r.epochs,
+        tracing::info!(stream = id, lane = lane.id(), device = r.device.as_deref().unwrap_or("-"), dataset = %s.dataset(), seed, rank, world_size, epochs = r.epochs,
             batch_size = r.batch_size, start, "stream opened");
         Ok(s)
     }
@@ -168,8 +196,8 @@ impl Node {
         &self,
         r: &StreamRequest,
         region_bytes: u64,
+        cuda: bool,
     ) -> Result<(Arc<Manifest>, Vec<DatasetSource>, (Kind, u64, String)), OpenError> {
-        let cuda = self.plane.cuda.is_some();
         Ok(match (&r.mix, r.batch_size) {
             (Some(mix), Some(b)) => {
                 let mut parts = Vec::with_capacity(mix.len());
@@ -256,15 +284,34 @@ impl Node {
         }
     }
 
-    /// The device of a CUDA region, for the `attached` message.
-    pub fn gpu_ref(&self, region: &Region) -> Option<GpuRef> {
-        let gpu = self.plane.cuda.as_ref()?;
+    /// The device of stream `s`'s CUDA region, for the `attached` message.
+    pub fn gpu_ref(&self, s: &Stream, region: &Region) -> Option<GpuRef> {
+        let gpu = self.plane.cuda(s.lane())?;
         let cuda = region.cuda()?;
         Some(GpuRef {
             ordinal: gpu.info.ordinal,
             pci_bus_id: gpu.info.pci_bus_id.clone(),
             granularity: cuda.granularity() as u64,
         })
+    }
+
+    /// The node's lanes as trainers see them (`info`).
+    pub fn lane_refs(&self) -> Vec<LaneRef> {
+        self.plane
+            .lanes
+            .all()
+            .iter()
+            .map(|l| LaneRef {
+                lane: l.id(),
+                gpu: l.spec.gpu.as_ref().map(|g| g.pci.to_string()),
+                uuid: l
+                    .spec
+                    .gpu
+                    .as_ref()
+                    .and_then(|g| g.uuid)
+                    .map(|u| u.to_string()),
+            })
+            .collect()
     }
 
     /// The manifest for `dataset` and the links that serve exactly it.
@@ -356,9 +403,11 @@ impl Node {
         if let Some(b) = self.plane.binding() {
             return Err(BindingError::Exists { id: b.id() });
         }
-        let cuda = self.plane.cuda.clone();
-        let (region, bytes) = match spec {
-            BindingSpec::Emulator { bytes } => (binding::emulator(bytes, cuda)?, bytes),
+        let (region, bytes, lane) = match spec {
+            BindingSpec::Emulator { bytes } => {
+                let cuda = self.plane.cuda(0).cloned();
+                (binding::emulator(bytes, cuda)?, bytes, 0)
+            }
             BindingSpec::Nic {
                 name,
                 queues,
@@ -367,15 +416,17 @@ impl Node {
                 let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
                     .await
                     .unwrap_or_default();
+                let lane = self.lane_of_interface(&name);
                 let req = NicRequest {
                     name: Some(name),
                     queues,
                     bytes,
                     state_file: self.info.cfg.nic_state_file.clone(),
-                    data_port: self.info.data_addr.port(),
+                    data_port: lane.data_addr.port(),
                     configured: false,
                 };
-                (binding::nic(&nics, req, cuda).await?.0, bytes)
+                let cuda = lane.cuda.clone();
+                (binding::nic(&nics, req, cuda).await?.0, bytes, lane.id())
             }
         };
         let what = match region.queues() {
@@ -387,8 +438,8 @@ impl Node {
             region.id(),
             shardwire_config::ByteSize(bytes as u64)
         );
-        self.plane.set_binding(Some(Arc::clone(&region)));
-        tracing::info!(receive = %self.receive(), %reason, "receive path changed");
+        self.plane.set_binding(Some((lane, Arc::clone(&region))));
+        tracing::info!(receive = %self.receive(), lane, %reason, "receive path changed");
         self.info.set_mode_reason(reason);
         self.plane.reconnect_all("the RX binding changed"); // data connections come back on it
         tracing::info!(binding = region.id(), %what, "devmem binding created over the admin API");
@@ -422,6 +473,14 @@ impl Node {
             waited_ms,
             readers_left,
         })
+    }
+
+    /// The lane whose NIC is `ifname`, else lane 0 (the binding's lane).
+    pub(crate) fn lane_of_interface(&self, ifname: &str) -> &Arc<Lane> {
+        let all = self.plane.lanes.all();
+        all.iter()
+            .find(|l| l.spec.nic.as_deref() == Some(ifname))
+            .unwrap_or(&all[0])
     }
 
     /// The RX binding, `None` in host mode.
@@ -463,6 +522,8 @@ impl Node {
             nics: self.info.nics.clone(),
             gpus: self.info.gpus.clone(),
             data_addr: self.info.data_addr.to_string(),
+            lanes: self.lane_statuses(),
+            lanes_excluded: self.plane.lanes.excluded().to_vec(),
             socket: cfg.socket.clone(),
             pool: PoolStatus {
                 size: cfg.pool_size.0,
@@ -473,6 +534,59 @@ impl Node {
             streams: self.streams().iter().map(|s| s.info()).collect(),
             counters: self.counters.snapshot(),
         }
+    }
+}
+
+impl Node {
+    /// Every lane's status.
+    fn lane_statuses(&self) -> Vec<LaneStatus> {
+        let flows = self.plane.flows();
+        let devmem = self.plane.binding_on().map(|(lane, _)| lane);
+        self.plane
+            .lanes
+            .all()
+            .iter()
+            .map(|l| {
+                let (streams, pool_reserved, pool_size) = self.admission.lane_usage(l.id());
+                let bytes = flows
+                    .iter()
+                    .filter(|f| f.lane == l.id())
+                    .map(|f| f.stats.bytes.load(Ordering::Relaxed))
+                    .sum();
+                let spec = &l.spec;
+                LaneStatus {
+                    lane: l.id(),
+                    gpu: spec.gpu.as_ref().map(|g| g.pci.to_string()),
+                    uuid: spec
+                        .gpu
+                        .as_ref()
+                        .and_then(|g| g.uuid)
+                        .map(|u| u.to_string()),
+                    nic: spec.nic.clone(),
+                    nic_pci: spec.nic_pci.map(|p| p.to_string()),
+                    distance: spec.distance.map(|d| d.to_string()),
+                    numa_node: spec.numa_node,
+                    data_addr: l.data_addr.to_string(),
+                    memory: if l.cuda.is_some() {
+                        MemoryKind::Cuda
+                    } else {
+                        MemoryKind::Host
+                    },
+                    cpus: shardwire_topology::format_ranges(&l.cpus),
+                    queues: spec.queues.clone(),
+                    devmem: devmem == Some(l.id()),
+                    streams,
+                    pool_reserved,
+                    pool_size,
+                    bytes_received: bytes,
+                    data_connections: l.stats.data_connections.load(Ordering::Relaxed),
+                    data_connections_refused: l.stats.wrong_lane.load(Ordering::Relaxed),
+                    why: spec.why.clone(),
+                    warn: spec.warn,
+                    notes: l.notes.clone(),
+                }
+            })
+            .collect()
     }
 }
 

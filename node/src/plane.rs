@@ -1,12 +1,14 @@
-//! The data plane: the source links, the data-connection matcher, the RX binding (devmem or
-//! its emulator, swapped at run time by the control task) and the GPU, and the receiver
-//! threads it starts for each identified data connection.
+//! The data plane: the source links, the data-connection matcher, the lanes, the RX binding
+//! (devmem or its emulator, on one lane, swapped at run time by the control task), and the
+//! receiver threads it starts for each identified data connection.
 //!
-//! Links announce data connections to the plane through [`DataConns`]; the accept loop on
-//! the data port hands it accepted sockets; a match starts a receiver on the path chosen for
-//! the binding and memory in effect at that moment.
+//! Links announce data connections to the plane through [`DataConns`]; the accept loops on the
+//! lanes' data listeners hand it accepted sockets with the address each arrived on; a match
+//! (on the announced lane's address, else refused and counted) starts a receiver on that
+//! lane's path: its GPU, its binding if it has the devmem one, its CPUs.
 
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -17,14 +19,16 @@ use tokio::sync::watch;
 use crate::binding::{BindingKind, RxRegion};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
-use crate::link::{DataConns, SourceLink};
-use crate::matcher::{Accepted, Matcher};
+use crate::lanes::{Lane, Lanes};
+use crate::link::{Announcement, DataConns, SourceLink};
+use crate::matcher::{Accepted, Announced, Matcher, WrongLane};
 use crate::rx::{self, Conn, Setup, shared::Gpus};
 
 /// A data connection a source announced and the node has not accepted yet.
 #[derive(Debug)]
 pub struct Expected {
     link: Arc<SourceLink>,
+    lane: u16,
     conn: u16,
     generation: u64,
     queue: std::sync::mpsc::Receiver<InFlight>,
@@ -35,22 +39,25 @@ pub struct Expected {
 pub struct Flow {
     /// The source.
     pub source: String,
+    /// Its lane.
+    pub lane: u32,
     /// Its connection number.
     pub conn: u16,
     /// Its counters.
     pub stats: Arc<FlowStats>,
 }
 
+/// The RX binding and the lane whose data connections read through it.
+type Binding = Option<(u32, Arc<RxRegion>)>;
+
 /// The data plane.
 pub struct DataPlane {
     /// One link per configured source.
     pub links: Vec<Arc<SourceLink>>,
+    /// The node's lanes.
+    pub lanes: Arc<Lanes>,
     matcher: Mutex<Matcher<TcpStream, Expected>>,
-    rx: RwLock<Option<Arc<RxRegion>>>,
-    /// The GPU stream regions live on (`memory = cuda`); `None`: host memory.
-    pub cuda: Option<Arc<CudaMemory>>,
-    /// The same, for the receive paths.
-    gpus: Gpus,
+    rx: RwLock<Binding>,
     flows: Mutex<Vec<Flow>>,
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
@@ -58,34 +65,43 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// A plane over these links, with this binding and GPU.
+    /// A plane over these links and lanes, with this binding (on its lane).
     pub fn new(
         links: Vec<Arc<SourceLink>>,
-        rx: Option<Arc<RxRegion>>,
-        cuda: Option<Arc<CudaMemory>>,
+        lanes: Arc<Lanes>,
+        rx: Binding,
         counters: Arc<Counters>,
         io_uring: bool,
     ) -> Self {
         Self {
             links,
+            lanes,
             matcher: Mutex::default(),
             rx: RwLock::new(rx),
-            gpus: Gpus::new(cuda.iter().cloned().collect()),
-            cuda,
             flows: Mutex::default(),
             counters,
             io_uring,
         }
     }
 
-    /// The RX binding new data connections read through (`None`: plain TCP).
+    /// The RX binding (`None`: plain TCP on every lane).
     pub fn binding(&self) -> Option<Arc<RxRegion>> {
+        self.binding_on().map(|(_, r)| r)
+    }
+
+    /// The RX binding and its lane.
+    pub fn binding_on(&self) -> Binding {
         self.rx.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Replaces the binding; data connections identified from now on use the new one.
-    pub(crate) fn set_binding(&self, rx: Option<Arc<RxRegion>>) {
+    /// Replaces the binding; data connections of its lane identified from now on use it.
+    pub(crate) fn set_binding(&self, rx: Binding) {
         *self.rx.write().unwrap_or_else(|p| p.into_inner()) = rx;
+    }
+
+    /// The GPU of lane `lane` (`None`: host memory).
+    pub fn cuda(&self, lane: u32) -> Option<&Arc<CudaMemory>> {
+        self.lanes.get(lane).and_then(|l| l.cuda.as_ref())
     }
 
     /// The receive path in effect.
@@ -109,49 +125,78 @@ impl DataPlane {
         }
     }
 
-    /// A connection accepted on the data port.
-    fn accepted(&self, sock: TcpStream, peer: SocketAddr) {
-        let got = self
-            .matcher
-            .lock()
-            .expect("poisoned")
-            .accepted(peer, sock, Instant::now());
+    /// A connection accepted on a data listener, at `local` (its `getsockname`).
+    fn accepted(&self, sock: TcpStream, peer: SocketAddr, local: SocketAddr) {
+        let got =
+            self.matcher
+                .lock()
+                .expect("poisoned")
+                .accepted(peer, local, sock, Instant::now());
         match got {
             Accepted::Matched(sock, e) => self.start(sock, peer, e),
             Accepted::Held => {}
             Accepted::Refused(_) => {
                 tracing::warn!(%peer, limit = crate::matcher::MAX_UNMATCHED, "too many unidentified data connections; refusing this one")
             }
+            Accepted::WrongLane(w) => self.wrong_lane(peer, w),
+        }
+    }
+
+    /// Refuses a connection announced for a lane that arrived on another address: counted on
+    /// that lane, logged, and closed (the source's session then fails and starts over).
+    fn wrong_lane(&self, peer: SocketAddr, w: WrongLane<TcpStream, Expected>) {
+        if let Some(l) = self.lanes.get(u32::from(w.e.lane)) {
+            l.stats.wrong_lane.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::warn!(%peer, source = %w.e.link.addr, lane = w.e.lane, conn = w.e.conn,
+            arrived_on = %w.local, lane_address = %w.want,
+            "refusing a data connection that arrived on another address than its lane's (another NIC)");
+        let _ = w.sock.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// The receive settings of a connection of `lane`.
+    fn setup(&self, lane: &Lane) -> Setup {
+        let binding = self
+            .binding_on()
+            .filter(|(on, _)| *on == lane.id())
+            .map(|(_, r)| r);
+        Setup {
+            binding,
+            gpus: Gpus::new(lane.cuda.iter().cloned().collect()),
+            io_uring: self.io_uring,
+            cpus: lane.cpus.clone().into(),
         }
     }
 
     /// Starts the receiver of an identified connection.
     fn start(&self, sock: TcpStream, peer: SocketAddr, e: Expected) {
         let link = e.link;
+        let Some(lane) = self.lanes.get(u32::from(e.lane)) else {
+            tracing::error!(%peer, lane = e.lane, "data connection for a lane this node does not have");
+            return;
+        };
         if !link.attach_data(e.generation, &sock) {
             tracing::debug!(%peer, "data connection for a link generation that is gone");
             return;
         }
-        tracing::debug!(%peer, source = %link.addr, conn = e.conn, "data connection identified");
+        tracing::debug!(%peer, source = %link.addr, lane = e.lane, conn = e.conn, "data connection identified");
+        lane.stats.data_connections.fetch_add(1, Ordering::Relaxed);
         let flow = Arc::new(FlowStats::default());
         self.flows.lock().expect("poisoned").push(Flow {
             source: link.addr.clone(),
+            lane: lane.id(),
             conn: e.conn,
             stats: Arc::clone(&flow),
         });
-        let setup = Setup {
-            binding: self.binding(),
-            gpus: self.gpus.clone(),
-            io_uring: self.io_uring,
-        };
         let conn = Conn {
             link,
+            lane: lane.id(),
             conn: e.conn,
             queue: e.queue,
             flow,
             counters: Arc::clone(&self.counters),
         };
-        rx::spawn(conn, sock, setup);
+        rx::spawn(conn, sock, self.setup(lane));
     }
 
     fn sweep(&self) {
@@ -165,20 +210,25 @@ impl DataConns for DataPlane {
     fn announced(
         &self,
         link: &Arc<SourceLink>,
-        generation: u64,
-        conn: u16,
-        addr: SocketAddr,
+        a: Announcement,
         queue: std::sync::mpsc::Receiver<InFlight>,
     ) {
         let e = Expected {
             link: Arc::clone(link),
-            conn,
-            generation,
+            lane: a.lane,
+            conn: a.conn,
+            generation: a.generation,
             queue,
         };
-        let matched = self.matcher.lock().expect("poisoned").expect(addr, e);
-        if let Some((sock, e)) = matched {
-            self.start(sock, addr, e);
+        let got = self
+            .matcher
+            .lock()
+            .expect("poisoned")
+            .expect(a.addr, a.want, e);
+        match got {
+            Announced::Matched(sock, e) => self.start(sock, a.addr, e),
+            Announced::Waiting => {}
+            Announced::WrongLane(w) => self.wrong_lane(a.addr, w),
         }
     }
 
@@ -199,22 +249,36 @@ impl DataConns for DataPlane {
     }
 }
 
-/// Accepts data connections until shutdown.
-pub async fn accept_loop(
-    plane: Arc<DataPlane>,
-    listener: tokio::net::TcpListener,
-    mut shutdown: watch::Receiver<bool>,
-) {
+/// Drops unannounced data connections that waited too long, every second until shutdown.
+pub async fn sweep_loop(plane: Arc<DataPlane>, mut shutdown: watch::Receiver<bool>) {
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
             _ = sweep.tick() => plane.sweep(),
+        }
+    }
+}
+
+/// Accepts data connections on one listener until shutdown.
+pub async fn accept_loop(
+    plane: Arc<DataPlane>,
+    listener: tokio::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
             r = listener.accept() => match r {
                 Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
-                    match s.into_std().and_then(|s| { s.set_nonblocking(false)?; Ok(s) }) {
-                        Ok(s) => plane.accepted(s, peer),
+                    let taken = s.local_addr().and_then(|local| {
+                        let s = s.into_std()?;
+                        s.set_nonblocking(false)?;
+                        Ok((s, local))
+                    });
+                    match taken {
+                        Ok((s, local)) => plane.accepted(s, peer, local),
                         Err(e) => tracing::warn!(%peer, error = %e, "cannot take over data connection"),
                     }
                 }

@@ -219,10 +219,12 @@ impl Conn<'_> {
         let Some(s) = self.stream.clone() else {
             return match req {
                 Request::Attach(r) => self.attach(*r),
+                Request::Info => self.send(&self.info()),
                 _ => self.send(&error(ErrorCode::NotAttached, "send attach first")),
             };
         };
         let r = match req {
+            Request::Info => self.info(),
             Request::Attach(_) => error(
                 ErrorCode::AlreadyAttached,
                 "this connection already has a stream",
@@ -261,6 +263,14 @@ impl Conn<'_> {
         self.send(&r)
     }
 
+    /// What the node serves: its memory and its lanes' GPUs.
+    fn info(&self) -> Response {
+        Response::Info {
+            memory: self.node.info().memory,
+            lanes: self.node.lane_refs(),
+        }
+    }
+
     /// Opens the connection's stream and sends its region.
     fn attach(&mut self, r: StreamRequest) -> Result<(), FrameIoError> {
         let batch_state = r.batch_state;
@@ -284,7 +294,7 @@ impl Conn<'_> {
             batches_per_epoch: s.batches_per_epoch(),
             epochs: s.epochs(),
             memory: region.memory(),
-            gpu: self.node.gpu_ref(region),
+            gpu: self.node.gpu_ref(&s, region),
             state: s.state(),
         };
         self.stream = Some(Arc::clone(&s));

@@ -1,23 +1,24 @@
-//! Starting a node: secrets, the data port, NIC state a crashed run left behind, the probes,
-//! the memory and receive decisions (each with its reason), then the tasks: the data-port
-//! acceptor, one link per source, the control task and the trainer socket. The node serves no
-//! HTTP: the binary puts its admin and trainer HTTP fronts on top.
+//! Starting a node: secrets, NIC state a crashed run left behind, the probes, the lanes (their
+//! GPUs opened, their data ports bound: [`crate::lanes::open`]), the memory and receive
+//! decisions (each with its reason), then the tasks: one acceptor per data listener, one link
+//! per source, the control task and the trainer socket. The node serves no HTTP: the binary
+//! puts its admin and trainer HTTP fronts on top.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardwire_config::{MemoryMode, ReceiveMode, ServeConfig};
+use shardwire_config::{ReceiveMode, ServeConfig};
 use shardwire_devmem::probe::NicReport;
-use shardwire_gpu::cuda::CudaMemory;
-use shardwire_gpu::{GpuError, MemoryChoice, MemoryDecision};
-use shardwire_protocol::trainer::MemoryKind;
+use shardwire_protocol::wire::LaneAddr;
 use tokio::sync::{mpsc, watch};
 
 use crate::binding::RxRegion;
 use crate::binding::{self, BindingError, NicRequest};
 use crate::counters::Counters;
 use crate::info::Info;
+use crate::lanes::Lanes;
+use crate::lanes::open::LaneStartError;
 use crate::link::{DataConns, LinkConfig, SourceLink};
 use crate::node::{ControlRequest, Node};
 use crate::plane::{self, DataPlane};
@@ -52,18 +53,9 @@ pub enum StartError {
         /// Path.
         path: PathBuf,
     },
-    /// The configured memory kind is not available.
+    /// The lanes cannot be made (their plan, their GPUs, their data ports).
     #[error(transparent)]
-    Memory(#[from] GpuError),
-    /// `memory = "cuda"` and the chosen GPU failed to open.
-    #[error("memory = \"cuda\": {device} could not be opened: {source}")]
-    GpuOpen {
-        /// The device.
-        device: String,
-        /// What failed.
-        #[source]
-        source: GpuError,
-    },
+    Lanes(#[from] LaneStartError),
     /// `receive = devmem-sim` and the emulator could not bind.
     #[error("receive=devmem-sim: {0}")]
     Emulator(BindingError),
@@ -148,14 +140,6 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .as_deref()
         .map(read_secret)
         .transpose()?;
-    let data = tokio::net::TcpListener::bind(cfg.data_listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            what: "the data port",
-            addr: cfg.data_listen.to_string(),
-            source,
-        })?;
-    let data_addr = data.local_addr().expect("bound");
     restore_nic_state(&cfg.nic_state_file).await;
     let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
         .await
@@ -163,17 +147,24 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let gpus = tokio::task::spawn_blocking(shardwire_gpu::probe_gpus)
         .await
         .expect("the GPU probe does not panic");
-    let (memory, cuda) = choose_memory(cfg.memory, &gpus).await?;
-    let (rx, receive_reason) = choose_receive(&cfg, &nics, data_addr, cuda.clone()).await?;
+    let started = crate::lanes::open::open(&cfg, &gpus).await?;
+    let lanes = started.lanes;
+    let (rx, receive_reason) = choose_receive(&cfg, &nics, &lanes).await?;
     let mode_reason = format!(
         "{receive_reason}. memory={}: {}",
-        memory.memory, memory.reason
+        started.memory, started.memory_reason
     );
     let counters = Arc::new(Counters::default());
     let link_cfg = LinkConfig {
         secret: secret.clone(),
-        flows: cfg.flows,
-        data_addr,
+        lanes: lanes
+            .all()
+            .iter()
+            .map(|l| LaneAddr {
+                data_addr: l.data_addr,
+                flows: cfg.flows,
+            })
+            .collect(),
     };
     let links: Vec<_> = cfg
         .sources
@@ -181,10 +172,11 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .enumerate()
         .map(|(i, a)| SourceLink::new(i, a.clone(), link_cfg.clone()))
         .collect();
+    let data_addr = lanes.all()[0].data_addr;
     let plane = Arc::new(DataPlane::new(
         links,
+        Arc::clone(&lanes),
         rx,
-        cuda,
         Arc::clone(&counters),
         cfg.io_uring,
     ));
@@ -193,22 +185,27 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         (secret, admin_token),
         (gpus, nics),
         data_addr,
-        memory.memory,
+        started.memory,
         mode_reason,
     );
     let (node, control) = Node::new(info, Arc::clone(&plane), counters);
     tracing::info!(receive = %node.receive(), reason = %node.info().mode_reason(), "memory and receive mode chosen");
     let cfg = &node.info().cfg;
-    tracing::info!(pool_size = %cfg.pool_size, "{}", cfg.stream_memory_origin());
+    tracing::info!(pool_size = %cfg.pool_size, lanes = lanes.all().len(), "{} (pool_size is per lane)", cfg.stream_memory_origin());
     let (shutdown, watch) = watch::channel(false);
-    spawn_tasks(&node, data, control, &watch);
+    spawn_tasks(&node, started.listeners, control, &watch);
     let socket = cfg.socket.clone();
     crate::socket::start(Arc::clone(&node), &socket, watch).map_err(|source| StartError::Bind {
         what: "the trainer socket",
         addr: socket.display().to_string(),
         source,
     })?;
-    tracing::info!(data = %data_addr, socket = %socket.display(), sources = cfg.sources.len(), "node started");
+    let addrs: Vec<String> = lanes
+        .all()
+        .iter()
+        .map(|l| l.data_addr.to_string())
+        .collect();
+    tracing::info!(data = %addrs.join(" "), socket = %socket.display(), sources = cfg.sources.len(), "node started");
     Ok(NodeHandle {
         node,
         socket,
@@ -216,15 +213,22 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     })
 }
 
-/// The data-port acceptor, the links and the control task.
+/// The data-port acceptors, the links and the control task.
 fn spawn_tasks(
     node: &Arc<Node>,
-    data: tokio::net::TcpListener,
+    data: Vec<tokio::net::TcpListener>,
     mut control: mpsc::UnboundedReceiver<ControlRequest>,
     watch: &watch::Receiver<bool>,
 ) {
     let plane = Arc::clone(node.plane());
-    tokio::spawn(plane::accept_loop(Arc::clone(&plane), data, watch.clone()));
+    for listener in data {
+        tokio::spawn(plane::accept_loop(
+            Arc::clone(&plane),
+            listener,
+            watch.clone(),
+        ));
+    }
+    tokio::spawn(plane::sweep_loop(Arc::clone(&plane), watch.clone()));
     let conns: Arc<dyn DataConns> = plane.clone();
     for l in &plane.links {
         tokio::spawn(crate::link::run(
@@ -257,89 +261,77 @@ async fn restore_nic_state(state: &Path) {
     }
 }
 
-/// The memory decision, with the chosen GPU opened (kernels loaded, self-test passed). With
-/// `memory = "auto"` a GPU that fails to open gives host memory and the reason; with
-/// `memory = "cuda"` it is an error.
-async fn choose_memory(
-    mode: MemoryMode,
-    gpus: &shardwire_gpu::GpuProbe,
-) -> Result<(MemoryDecision, Option<Arc<CudaMemory>>), StartError> {
-    let choice = match mode {
-        MemoryMode::Auto => MemoryChoice::Auto,
-        MemoryMode::Host => MemoryChoice::Host,
-        MemoryMode::Cuda => MemoryChoice::Cuda,
-    };
-    let decision = shardwire_gpu::choose_memory(choice, gpus)?;
-    let Some(device) = decision.device.clone() else {
-        return Ok((decision, None));
-    };
-    let info = device.clone();
-    let opened = tokio::task::spawn_blocking(move || shardwire_gpu::cuda::open_for_service(&info))
-        .await
-        .expect("opening the GPU does not panic");
-    let what = shardwire_gpu::probe::device_text(&device);
-    match (opened, choice) {
-        (Ok(cuda), _) => Ok((decision, Some(Arc::new(cuda)))),
-        (Err(source), MemoryChoice::Cuda) => Err(StartError::GpuOpen {
-            device: what,
-            source,
-        }),
-        (Err(e), _) => Ok((
-            MemoryDecision {
-                memory: MemoryKind::Host,
-                reason: format!(
-                    "auto: {what} is usable but opening it failed ({e}); using host memory"
-                ),
-                device: None,
-            },
-            None,
-        )),
-    }
-}
-
-/// The RX binding for the configured receive mode, and why.
+/// The RX binding for the configured receive mode, the lane it is on, and why. Devmem is
+/// bound on one lane: the one whose NIC is the interface chosen (`devmem_interface`, else the
+/// first capable NIC), else lane 0; the emulator on lane 0.
 async fn choose_receive(
     cfg: &ServeConfig,
     nics: &[NicReport],
-    data_addr: std::net::SocketAddr,
-    cuda: Option<Arc<CudaMemory>>,
-) -> Result<(Option<Arc<RxRegion>>, String), StartError> {
+    lanes: &Lanes,
+) -> Result<(Option<(u32, Arc<RxRegion>)>, String), StartError> {
     let probe = binding::probe_summary(nics);
+    let picked = binding::pick_interface(nics, cfg.devmem_interface.as_deref(), true).ok();
+    let lane = picked
+        .and_then(|n| {
+            lanes
+                .all()
+                .iter()
+                .find(|l| l.spec.nic.as_deref() == Some(&n.name))
+        })
+        .unwrap_or(&lanes.all()[0]);
+    let on = |what: String| match lanes.all().len() {
+        1 => what,
+        _ => format!("{what} (on lane {})", lane.id()),
+    };
     let req = NicRequest {
         name: cfg.devmem_interface.clone(),
-        queues: cfg.devmem_queues.clone(),
-        bytes: cfg.devmem_memory.0 as usize,
+        queues: lane.spec.queues.clone(),
+        bytes: lane.spec.devmem_memory as usize,
         state_file: cfg.nic_state_file.clone(),
-        data_port: data_addr.port(),
+        data_port: lane.data_addr.port(),
         configured: true,
     };
+    let cuda = lane.cuda.clone();
     Ok(match cfg.receive {
         ReceiveMode::Host => (
             None,
             format!("receive=host: plain TCP into host memory, as configured; {probe}"),
         ),
         ReceiveMode::DevmemSim => {
-            let region = binding::emulator(req.bytes, cuda).map_err(StartError::Emulator)?;
+            let lane0 = &lanes.all()[0];
+            let region = binding::emulator(lane0.spec.devmem_memory as usize, lane0.cuda.clone())
+                .map_err(StartError::Emulator)?;
             let gather = if region.gpu_gather() {
                 "frags gathered into GPU memory by the CUDA kernel from the emulator's memory registered with CUDA"
             } else {
                 "frags gathered by memcpy"
             };
             let reason = format!(
-                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs, {gather}; NOT GPU-direct; {probe}",
-                cfg.devmem_memory,
-                region.niovs().1
+                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs, {gather}; NOT GPU-direct{}; {probe}",
+                shardwire_config::ByteSize(lane0.spec.devmem_memory),
+                region.niovs().1,
+                if lanes.all().len() > 1 {
+                    " (on lane 0; the other lanes receive with plain TCP)"
+                } else {
+                    ""
+                },
             );
-            (Some(region), reason)
+            (Some((0, region)), reason)
         }
         ReceiveMode::Devmem => {
             let (region, why) = binding::nic(nics, req, cuda)
                 .await
                 .map_err(StartError::Devmem)?;
-            (Some(region), format!("receive=devmem: {why}"))
+            (
+                Some((lane.id(), region)),
+                on(format!("receive=devmem: {why}")),
+            )
         }
         ReceiveMode::Auto => match binding::nic(nics, req, cuda).await {
-            Ok((region, why)) => (Some(region), format!("receive=auto chose devmem: {why}")),
+            Ok((region, why)) => (
+                Some((lane.id(), region)),
+                on(format!("receive=auto chose devmem: {why}")),
+            ),
             Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
         },
     })

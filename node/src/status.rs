@@ -8,6 +8,7 @@ use shardwire_protocol::trainer::MemoryKind;
 
 use crate::binding::BindingKind;
 use crate::counters::CounterStatus;
+use crate::lanes::Excluded;
 use crate::stream::StreamInfo;
 
 /// The receive and memory modes in effect, and why.
@@ -82,6 +83,54 @@ pub struct PoolStatus {
     pub stream_memory: u64,
 }
 
+/// One lane (`/v1/status` `lanes`).
+#[derive(Debug, Clone, Serialize)]
+pub struct LaneStatus {
+    /// Lane id.
+    pub lane: u32,
+    /// Its GPU's PCI bus id.
+    pub gpu: Option<String>,
+    /// Its GPU's UUID, when CUDA reports it.
+    pub uuid: Option<String>,
+    /// Its NIC.
+    pub nic: Option<String>,
+    /// The NIC's PCI bus id.
+    pub nic_pci: Option<String>,
+    /// GPU to NIC distance: `PIX`, `PXB`, `PHB` or `SYS`.
+    pub distance: Option<String>,
+    /// Its NUMA node.
+    pub numa_node: Option<u32>,
+    /// Its data listener's address (a wildcard is advertised per source as the address of
+    /// the control connection).
+    pub data_addr: String,
+    /// Where its streams' regions live.
+    pub memory: MemoryKind,
+    /// CPUs its receivers run on (`0-51,104-155`; empty: not pinned).
+    pub cpus: String,
+    /// Its RX queues for devmem.
+    pub queues: Vec<u32>,
+    /// It has the node's RX binding.
+    pub devmem: bool,
+    /// Open streams.
+    pub streams: usize,
+    /// Bytes of its pool reserved by its streams.
+    pub pool_reserved: u64,
+    /// Its pool (`pool_size`).
+    pub pool_size: u64,
+    /// Payload bytes received on its data connections.
+    pub bytes_received: u64,
+    /// Data connections identified on it.
+    pub data_connections: u64,
+    /// Data connections refused: announced for it, arrived on another address.
+    pub data_connections_refused: u64,
+    /// Why this pairing and address.
+    pub why: String,
+    /// The pairing deserves a warning.
+    pub warn: bool,
+    /// What could not be done for it (CPU pinning, NUMA placement), and why.
+    pub notes: Vec<String>,
+}
+
 /// The `/v1/status` document.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
@@ -97,8 +146,12 @@ pub struct Status {
     pub nics: Vec<NicReport>,
     /// The GPU probe taken at start.
     pub gpus: GpuProbe,
-    /// The data port.
+    /// Lane 0's data address (every lane's: `lanes`).
     pub data_addr: String,
+    /// The lanes.
+    pub lanes: Vec<LaneStatus>,
+    /// GPUs left out (their self-test failed), and why.
+    pub lanes_excluded: Vec<Excluded>,
     /// The trainer socket.
     pub socket: std::path::PathBuf,
     /// The memory budget.

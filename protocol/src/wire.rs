@@ -12,20 +12,43 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
-/// and Ping).
-pub const VERSION: u8 = 2;
+/// and Ping. 3: lanes: `Hello` lists every lane's data address and flows, `DataConn` and
+/// `Fetch` name the lane).
+pub const VERSION: u8 = 3;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
 /// Largest frame a node ever sends, and the largest a source accepts: a `Hello` with the
-/// longest node id is about 4.2 KiB. The node also holds a source to it until the handshake
+/// longest node id and 64 IPv6 lanes is about 5.4 KiB. The node also holds a source to it until the handshake
 /// is done, so an unauthenticated peer can make neither side buffer more than this.
 pub const MAX_SMALL_FRAME: usize = 8 << 10;
 /// Largest string field (dataset names, node ids, error messages).
 pub const MAX_STR: usize = 4096;
 /// Largest dataset name.
 pub const MAX_DATASET_NAME: usize = 255;
-/// Largest number of data connections a node may ask for.
+/// Largest number of data connections a node may ask for, per lane.
 pub const MAX_FLOWS: u16 = 64;
+/// Largest number of lanes a `Hello` may list (data connections are numbered across all of
+/// them, at most `MAX_LANES * MAX_FLOWS`).
+pub const MAX_LANES: u16 = 64;
+
+/// One lane of a node as its `Hello` lists it: where the source dials it, and how often.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneAddr {
+    /// The lane's data address, as the source should dial it.
+    pub data_addr: SocketAddr,
+    /// How many data connections the source opens to it (1..=[`MAX_FLOWS`]).
+    pub flows: u16,
+}
+
+/// The data connections of `lanes`, numbered across all of them in lane order: lane 0's are
+/// `0..flows0`, lane 1's follow, and so on. Returns the lane of each connection.
+pub fn conn_lanes(lanes: &[LaneAddr]) -> Vec<u16> {
+    lanes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| std::iter::repeat_n(i as u16, l.flows as usize))
+        .collect()
+}
 
 /// Why a dataset name cannot be used (the same rule on the source, the node's APIs and the
 /// wire, so a name that passes here can always be encoded).
@@ -111,16 +134,15 @@ impl ErrorCode {
 /// One control message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
-    /// node -> source, first message: who we are, where to dial data connections, how many.
+    /// node -> source, first message: who we are, and per lane where to dial data
+    /// connections and how many.
     Hello {
         /// Free-form node identity for logs.
         node_id: String,
         /// The node's challenge.
         nonce: [u8; NONCE_LEN],
-        /// The node's data port, as the source should dial it.
-        data_addr: SocketAddr,
-        /// How many data connections the source should open.
-        flows: u16,
+        /// The node's lanes, lane `i` at index `i` (1..=[`MAX_LANES`]).
+        lanes: Vec<LaneAddr>,
     },
     /// source -> node: the source's challenge, and whether it checks the secret.
     Challenge {
@@ -158,14 +180,17 @@ pub enum Message {
         /// The manifest file's bytes.
         json: Vec<u8>,
     },
-    /// source -> node: "I dialled your data port from `addr`; call it connection `conn`".
+    /// source -> node: "I dialled lane `lane`'s data address from `addr`; call it connection
+    /// `conn`".
     DataConn {
-        /// Connection number, 0..flows.
+        /// The lane it was dialled for.
+        lane: u16,
+        /// Connection number, across all lanes ([`conn_lanes`]).
         conn: u16,
         /// The source's local address of that connection.
         addr: SocketAddr,
     },
-    /// node -> source: send shard `shard` of `dataset`.
+    /// node -> source: send shard `shard` of `dataset` on a data connection of lane `lane`.
     Fetch {
         /// Request id chosen by the node, echoed in the announcement.
         req: u64,
@@ -173,6 +198,8 @@ pub enum Message {
         dataset: String,
         /// Shard index in the manifest.
         shard: u32,
+        /// The lane whose connections must carry the payload.
+        lane: u16,
     },
     /// source -> node: the payload of `req` follows on data connection `conn`, as its
     /// `seq`-th payload on that connection, `length` bytes with CRC-32C `crc32c`.
@@ -336,17 +363,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         K_HELLO => Message::Hello {
             node_id: r.string("node_id", MAX_STR)?,
             nonce: r.array("nonce")?,
-            data_addr: r.addr("data_addr")?,
-            flows: {
-                let f = r.u16("flows")?;
-                if f == 0 || f > MAX_FLOWS {
-                    return Err(DecodeError::Range {
-                        field: "flows",
-                        value: f.into(),
-                    });
-                }
-                f
-            },
+            lanes: r.lanes()?,
         },
         K_CHALLENGE => Message::Challenge {
             nonce: r.array("nonce")?,
@@ -377,6 +394,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             json: r.blob("json", MAX_FRAME)?,
         },
         K_DATA_CONN => Message::DataConn {
+            lane: r.u16("lane")?,
             conn: r.u16("conn")?,
             addr: r.addr("addr")?,
         },
@@ -384,6 +402,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             req: r.u64("req")?,
             dataset: r.string("dataset", MAX_DATASET_NAME)?,
             shard: r.u32("shard")?,
+            lane: r.u16("lane")?,
         },
         K_SHARD => Message::Shard {
             req: r.u64("req")?,
@@ -435,14 +454,23 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         Message::Hello {
             node_id,
             nonce,
-            data_addr,
-            flows,
+            lanes,
         } => {
             w.kind(K_HELLO);
             w.string("node_id", node_id, MAX_STR)?;
             w.bytes(nonce);
-            w.addr(data_addr);
-            w.u16(*flows);
+            if lanes.is_empty() || lanes.len() > usize::from(MAX_LANES) {
+                return Err(EncodeError::FieldTooLong {
+                    field: "lanes",
+                    len: lanes.len(),
+                    max: usize::from(MAX_LANES),
+                });
+            }
+            w.u16(lanes.len() as u16);
+            for l in lanes {
+                w.addr(&l.data_addr);
+                w.u16(l.flows);
+            }
         }
         Message::Challenge {
             nonce,
@@ -483,8 +511,9 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u32(json.len() as u32);
             w.bytes(json);
         }
-        Message::DataConn { conn, addr } => {
+        Message::DataConn { lane, conn, addr } => {
             w.kind(K_DATA_CONN);
+            w.u16(*lane);
             w.u16(*conn);
             w.addr(addr);
         }
@@ -492,11 +521,13 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             req,
             dataset,
             shard,
+            lane,
         } => {
             w.kind(K_FETCH);
             w.u64(*req);
             w.string("dataset", dataset, MAX_DATASET_NAME)?;
             w.u32(*shard);
+            w.u16(*lane);
         }
         Message::Shard {
             req,
@@ -534,6 +565,27 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_be_bytes());
     Ok(())
+}
+
+/// The frame that refuses a peer speaking protocol version `theirs`: an `Error{0,
+/// UnsupportedVersion}` that names both versions, written with the peer's version byte so
+/// that the peer can read it (`Error`'s layout is the same in versions 2 and 3).
+pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
+    let message = format!(
+        "this {who} speaks shardwire protocol version {VERSION}; the peer sent version {theirs}: run the same release on nodes and sources"
+    );
+    let mut out = Vec::with_capacity(64 + message.len());
+    encode(
+        &Message::Error {
+            req: 0,
+            code: ErrorCode::UnsupportedVersion,
+            message,
+        },
+        &mut out,
+    )
+    .expect("an error message is truncated to fit");
+    out[4] = theirs;
+    out
 }
 
 struct Reader<'a> {
@@ -592,6 +644,32 @@ impl<'a> Reader<'a> {
         }
         Ok(self.take(len, field)?.to_vec())
     }
+    /// A `Hello`'s lanes: a count (1..=[`MAX_LANES`]), then per lane an address and its
+    /// flows (1..=[`MAX_FLOWS`]). At most [`MAX_LANES`] entries are allocated, whatever the
+    /// bytes claim: a count past the bytes fails as truncated.
+    fn lanes(&mut self) -> Result<Vec<LaneAddr>, DecodeError> {
+        let n = self.u16("lanes")?;
+        if n == 0 || n > MAX_LANES {
+            return Err(DecodeError::Range {
+                field: "lanes",
+                value: n.into(),
+            });
+        }
+        let mut out = Vec::with_capacity(usize::from(n));
+        for _ in 0..n {
+            let data_addr = self.addr("data_addr")?;
+            let flows = self.u16("flows")?;
+            if flows == 0 || flows > MAX_FLOWS {
+                return Err(DecodeError::Range {
+                    field: "flows",
+                    value: flows.into(),
+                });
+            }
+            out.push(LaneAddr { data_addr, flows });
+        }
+        Ok(out)
+    }
+
     fn addr(&mut self, field: &'static str) -> Result<SocketAddr, DecodeError> {
         let ip = match self.u8(field)? {
             4 => IpAddr::V4(Ipv4Addr::from(self.array::<4>(field)?)),
@@ -660,8 +738,16 @@ mod tests {
             Message::Hello {
                 node_id: "gpu-7".into(),
                 nonce: [9; 32],
-                data_addr: "127.0.0.1:7401".parse().unwrap(),
-                flows: 4,
+                lanes: vec![
+                    LaneAddr {
+                        data_addr: "127.0.0.1:7401".parse().unwrap(),
+                        flows: 4,
+                    },
+                    LaneAddr {
+                        data_addr: "[fd00::2]:7401".parse().unwrap(),
+                        flows: 1,
+                    },
+                ],
             },
             Message::Challenge {
                 nonce: [3; 32],
@@ -682,6 +768,7 @@ mod tests {
                 json: b"{}".to_vec(),
             },
             Message::DataConn {
+                lane: 1,
                 conn: 3,
                 addr: "[::1]:40000".parse().unwrap(),
             },
@@ -689,6 +776,7 @@ mod tests {
                 req: 77,
                 dataset: "d".into(),
                 shard: 12,
+                lane: 2,
             },
             Message::Shard {
                 req: 77,
@@ -780,14 +868,17 @@ mod tests {
                 max: MAX_DATASET_NAME
             })
         );
-        let mut buf = Vec::new();
-        let hello = Message::Hello {
+        let lane = |flows| LaneAddr {
+            data_addr: "127.0.0.1:1".parse().unwrap(),
+            flows,
+        };
+        let hello = |lanes| Message::Hello {
             node_id: String::new(),
             nonce: [0; 32],
-            data_addr: "127.0.0.1:1".parse().unwrap(),
-            flows: 0,
+            lanes,
         };
-        encode(&hello, &mut buf).unwrap();
+        let mut buf = Vec::new();
+        encode(&hello(vec![lane(1), lane(0)]), &mut buf).unwrap();
         assert_eq!(
             decode(&buf),
             Err(DecodeError::Range {
@@ -795,6 +886,67 @@ mod tests {
                 value: 0
             })
         );
+        // No lanes, or more than MAX_LANES: refused on both sides.
+        assert!(encode(&hello(vec![]), &mut Vec::new()).is_err());
+        assert!(encode(&hello(vec![lane(1); 65]), &mut Vec::new()).is_err());
+        let mut buf = Vec::new();
+        encode(&hello(vec![lane(1)]), &mut buf).unwrap();
+        let count_at = buf.len() - (1 + 4 + 2) - 2 - 2; // lanes u16 before one v4 lane
+        for (n, want) in [
+            (
+                0u16,
+                Err(DecodeError::Range {
+                    field: "lanes",
+                    value: 0,
+                }),
+            ),
+            (
+                65,
+                Err(DecodeError::Range {
+                    field: "lanes",
+                    value: 65,
+                }),
+            ),
+            (
+                2,
+                Err(DecodeError::Truncated {
+                    kind: K_HELLO,
+                    field: "data_addr",
+                }),
+            ),
+        ] {
+            buf[count_at..count_at + 2].copy_from_slice(&n.to_be_bytes());
+            assert_eq!(decode(&buf), want, "lanes = {n}");
+        }
+    }
+
+    #[test]
+    fn connections_are_numbered_across_lanes() {
+        let l = |flows| LaneAddr {
+            data_addr: "127.0.0.1:1".parse().unwrap(),
+            flows,
+        };
+        assert_eq!(conn_lanes(&[l(2), l(1), l(3)]), [0, 0, 1, 2, 2, 2]);
+        assert_eq!(conn_lanes(&[]), [] as [u16; 0]);
+    }
+
+    #[test]
+    fn an_older_peer_is_refused_in_its_own_version() {
+        let frame = version_error_frame(2, "source");
+        assert_eq!(frame[4], 2, "written with the peer's version byte");
+        // Read as a version 2 peer reads it: the same layout, our version byte put back.
+        let mut as_ours = frame.clone();
+        as_ours[4] = VERSION;
+        let Decoded::Message(Message::Error { req, code, message }, _) = decode(&as_ours).unwrap()
+        else {
+            panic!("an Error frame")
+        };
+        assert_eq!((req, code), (0, ErrorCode::UnsupportedVersion));
+        assert!(
+            message.contains("version 3") && message.contains("sent version 2"),
+            "{message}"
+        );
+        assert_eq!(decode(&frame), Err(DecodeError::Version(2)));
     }
 
     #[test]
@@ -859,7 +1011,7 @@ mod tests {
         fn fetch_and_shard_round_trip(req in any::<u64>(), shard in any::<u32>(), length in any::<u64>(),
                                       crc in any::<u32>(), conn in any::<u16>(), seq in any::<u64>(),
                                       ds in "[a-z0-9_-]{0,40}") {
-            for m in [Message::Fetch { req, dataset: ds.clone(), shard },
+            for m in [Message::Fetch { req, dataset: ds.clone(), shard, lane: conn },
                       Message::Shard { req, shard, length, crc32c: crc, conn, seq }] {
                 let mut buf = Vec::new();
                 encode(&m, &mut buf).unwrap();

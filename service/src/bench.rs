@@ -186,7 +186,7 @@ fn run_shardwire(
         "bench",
         data,
         dir.join("trainer.sock"),
-        (a.flows, rate),
+        (a.flows, rate, 1),
         stream_memory,
         (a.mode, io_uring),
     )?;

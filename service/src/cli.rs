@@ -139,6 +139,11 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     fault_corrupt: Option<u32>,
+    /// Fault injection for tests: the first N data connections of a node's lane 0 dial its
+    /// lane 1 address instead (the node refuses them).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_wrong_lane: Option<u32>,
     /// Send with devmem TX from a dma-buf bound to this interface (refused at start, with
     /// the kernel's reason, where the NIC cannot).
     #[arg(long)]
@@ -223,6 +228,10 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_memory)]
     #[serde(skip_serializing_if = "Option::is_none")]
     memory: Option<MemoryMode>,
+    /// Root of the sysfs tree GPUs and NICs are discovered from [default: /sys].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sysfs_root: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, value_parser = parse_log_format)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -355,6 +364,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         secret,
         rate_limit: cfg.rate_limit.0,
         fault_corrupt: cfg.fault_corrupt,
+        fault_wrong_lane: cfg.fault_wrong_lane,
         devmem_tx,
         idle_timeout: std::time::Duration::from_secs(cfg.idle_timeout_secs),
         max_connections: cfg.max_connections,

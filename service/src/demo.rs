@@ -42,12 +42,13 @@ pub struct Loopback {
 }
 
 impl Loopback {
-    /// Starts a source serving `name=dir` and a node using it.
+    /// Starts a source serving `name=dir` and a node using it, with `lanes` host-memory lanes
+    /// on loopback addresses 127.0.0.1, 127.0.0.2, ... (each its own data port).
     pub fn start(
         name: &str,
         dir: &std::path::Path,
         socket: PathBuf,
-        (flows, rate_limit): (u16, u64),
+        (flows, rate_limit, lanes): (u16, u64, u8),
         stream_memory: u64,
         (receive, io_uring): (ReceiveMode, bool),
     ) -> anyhow::Result<Self> {
@@ -62,6 +63,7 @@ impl Loopback {
             secret: None,
             rate_limit,
             fault_corrupt: 0,
+            fault_wrong_lane: 0,
             devmem_tx: None,
             idle_timeout: shardwire_source::DEFAULT_IDLE_TIMEOUT,
             max_connections: shardwire_source::DEFAULT_MAX_CONNECTIONS,
@@ -77,6 +79,14 @@ impl Loopback {
             admin: "127.0.0.1:0".parse()?,
             pool_size: ByteSize(stream_memory),
             stream_memory: Some(ByteSize(stream_memory)),
+            lanes: shardwire_config::Lanes::Table(
+                (1..=lanes)
+                    .map(|i| shardwire_config::LaneConfig {
+                        data_listen: Some(std::net::SocketAddr::from(([127, 0, 0, i], 0))),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
             flows,
             receive,
             io_uring,
@@ -142,7 +152,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
         "demo",
         &data,
         dir.join("trainer.sock"),
-        (2, 0),
+        (2, 0, 1),
         64 << 20,
         (receive, true),
     )?;

@@ -10,6 +10,7 @@
 
 pub mod datasets;
 pub mod devmem_tx;
+mod dial;
 mod sender;
 pub mod session;
 
@@ -33,6 +34,9 @@ pub struct SourceConfig {
     pub rate_limit: u64,
     /// Fault injection for tests: flip one byte in each of the first N payloads sent.
     pub fault_corrupt: u32,
+    /// Fault injection for tests: the first N data connections dialled for a node's lane 0
+    /// go to its lane 1 address instead (a node with one lane is never misdialled).
+    pub fault_wrong_lane: u32,
     /// Send payloads with devmem TX from this bound buffer (`None`: `sendfile`).
     pub devmem_tx: Option<Arc<devmem_tx::TxPath>>,
     /// An established session that hears nothing for this long is dropped; both sides send
@@ -52,6 +56,7 @@ pub(crate) struct Shared {
     pub datasets: Datasets,
     pub cfg: SourceConfig,
     pub corrupt_left: AtomicU32,
+    pub wrong_lane_left: AtomicU32,
 }
 
 /// A bound, not yet serving, source.
@@ -65,12 +70,14 @@ impl Source {
     pub async fn bind(cfg: SourceConfig, datasets: Datasets) -> std::io::Result<Self> {
         let listener = TcpListener::bind(cfg.listen).await?;
         let corrupt_left = AtomicU32::new(cfg.fault_corrupt);
+        let wrong_lane_left = AtomicU32::new(cfg.fault_wrong_lane);
         Ok(Self {
             listener,
             shared: Arc::new(Shared {
                 datasets,
                 cfg,
                 corrupt_left,
+                wrong_lane_left,
             }),
         })
     }

@@ -1,10 +1,14 @@
-//! One node's control connection: handshake, data-connection setup, the FETCH queue and
-//! cancellation.
+//! One node's control connection: handshake, data-connection setup ([`crate::dial`]), the
+//! FETCH queues and cancellation.
 //!
-//! FETCHes wait in the session's queue until a data connection has room (at most
-//! [`crate::sender::DEPTH`] payloads each); only then is the payload announced (`Shard`) and handed
-//! to that connection's sender. So a `Cancel` can still drop every FETCH that is not on the
-//! wire yet, and a stream the node gave up on stops costing the source bandwidth.
+//! FETCHes wait in their lane's queue until a data connection of that lane has room (at most
+//! [`crate::sender::DEPTH`] payloads each); only then is the payload announced (`Shard`) and
+//! handed to that connection's sender. A lane's shards travel only on its own connections
+//! (its NIC, its GPU's memory on the node). So a `Cancel` can still drop every FETCH that is
+//! not on the wire yet, and a stream the node gave up on stops costing the source bandwidth.
+//!
+//! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
+//! version (the layout of `Error` is the same), naming both versions, and dropped.
 //!
 //! Every state has a time limit: the handshake [`HANDSHAKE_TIMEOUT`], an established session
 //! the idle timeout (both sides send `Ping` after a third of it without other traffic), and
@@ -18,15 +22,16 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
-use shardwire_protocol::wire::{self, ErrorCode, Message};
-use tokio::io::BufReader;
+use shardwire_protocol::wire::{self, DecodeError, ErrorCode, LaneAddr, Message};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::sender::{Job, Progress, Sender};
+use crate::dial::{DataConns, dial};
+use crate::sender::{Job, Sender};
 use shardwire_protocol::framing::{FrameError, read_message, write_message};
 
 /// The handshake must be done within this time.
@@ -82,6 +87,12 @@ pub enum SessionError {
     /// The node queued more FETCHes than any node legitimately does.
     #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
     TooManyFetches(usize),
+    /// The node speaks another protocol version (it was told so in its version).
+    #[error("the node speaks protocol version {theirs}, this source {ours}: refused", ours = wire::VERSION)]
+    Version {
+        /// The node's version.
+        theirs: u8,
+    },
 }
 
 fn kind(m: &Message) -> String {
@@ -93,7 +104,7 @@ fn kind(m: &Message) -> String {
 }
 
 /// The control connection with its time limits.
-struct Control {
+pub(crate) struct Control {
     rd: BufReader<OwnedReadHalf>,
     wr: OwnedWriteHalf,
     buf: Vec<u8>,
@@ -102,7 +113,7 @@ struct Control {
 }
 
 impl Control {
-    async fn send(&mut self, msg: &Message) -> Result<(), SessionError> {
+    pub(crate) async fn send(&mut self, msg: &Message) -> Result<(), SessionError> {
         tokio::time::timeout(WRITE_TIMEOUT, write_message(&mut self.wr, msg))
             .await
             .map_err(|_| SessionError::WriteTimeout(WRITE_TIMEOUT))??;
@@ -119,9 +130,18 @@ impl Control {
         self.send(&Message::Error { req, code, message }).await
     }
 
-    /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more).
-    async fn recv(&mut self) -> Result<Message, FrameError> {
-        read_message(&mut self.rd, &mut self.buf, wire::MAX_SMALL_FRAME).await
+    /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more). A
+    /// frame of another protocol version is answered in that version, naming both, and ends
+    /// the session.
+    async fn recv(&mut self) -> Result<Message, SessionError> {
+        match read_message(&mut self.rd, &mut self.buf, wire::MAX_SMALL_FRAME).await {
+            Err(FrameError::Decode(DecodeError::Version(theirs))) => {
+                let frame = wire::version_error_frame(theirs, "source");
+                let _ = tokio::time::timeout(WRITE_TIMEOUT, self.wr.write_all(&frame)).await;
+                Err(SessionError::Version { theirs })
+            }
+            r => Ok(r?),
+        }
     }
 }
 
@@ -142,19 +162,25 @@ pub(crate) async fn run(
         idle: shared.cfg.idle_timeout,
         last_sent: Instant::now(),
     };
-    let (data_addr, flows, node_id) =
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut ctl, &shared))
-            .await
-            .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
-    tracing::info!(%peer, node = %node_id, %data_addr, flows, "node authenticated");
+    let (lanes, node_id) = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut ctl, &shared))
+        .await
+        .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
+    let addrs: Vec<String> = lanes
+        .iter()
+        .map(|l| format!("{}x{}", l.data_addr, l.flows))
+        .collect();
+    tracing::info!(%peer, node = %node_id, lanes = %addrs.join(" "), "node authenticated");
     let failed = Arc::new(Notify::new());
     let progress = Arc::new(Notify::new());
-    let senders = dial_data(&mut ctl, &shared, data_addr, flows, &failed, &progress).await?;
+    let DataConns { senders, lane_of } =
+        dial(&mut ctl, &shared, &lanes, &failed, &progress).await?;
     Session {
         ctl,
         shared,
         senders,
-        waiting: VecDeque::new(),
+        lane_of,
+        waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
+        queued: 0,
         failed,
         progress,
     }
@@ -162,19 +188,18 @@ pub(crate) async fn run(
     .await
 }
 
-/// Hello, Challenge, Auth, Welcome; returns the node's data address, flows and id.
+/// Hello, Challenge, Auth, Welcome; returns the node's lanes and id.
 async fn handshake(
     ctl: &mut Control,
     shared: &Shared,
-) -> Result<(SocketAddr, u16, String), SessionError> {
+) -> Result<(Vec<LaneAddr>, String), SessionError> {
     let secret = shared.cfg.secret.as_deref();
-    let (node_nonce, data_addr, flows, node_id) = match ctl.recv().await? {
+    let (node_nonce, lanes, node_id) = match ctl.recv().await? {
         Message::Hello {
             node_id,
             nonce,
-            data_addr,
-            flows,
-        } => (nonce, data_addr, flows, node_id),
+            lanes,
+        } => (nonce, lanes, node_id),
         other => {
             return Err(SessionError::Unexpected {
                 expected: "Hello",
@@ -217,44 +242,7 @@ async fn handshake(
         idle_timeout_s,
     })
     .await?;
-    Ok((data_addr, flows, node_id))
-}
-
-/// Dials the node's data port `flows` times, reporting each connection's local address.
-async fn dial_data(
-    ctl: &mut Control,
-    shared: &Shared,
-    data_addr: SocketAddr,
-    flows: u16,
-    failed: &Arc<Notify>,
-    progress: &Arc<Notify>,
-) -> Result<Vec<Sender>, SessionError> {
-    let per_flow_rate = shared.cfg.rate_limit / u64::from(flows);
-    let mut senders = Vec::with_capacity(flows as usize);
-    let data_err = |source| SessionError::DataConnect {
-        addr: data_addr,
-        source,
-    };
-    for conn in 0..flows {
-        let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(data_addr))
-            .await
-            .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
-            .map_err(data_err)?;
-        let local = s.local_addr().map_err(data_err)?;
-        let std = s.into_std().map_err(data_err)?;
-        std.set_nonblocking(false).map_err(data_err)?;
-        ctl.send(&Message::DataConn { conn, addr: local }).await?;
-        let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
-        senders.push(Sender::spawn(
-            std,
-            conn,
-            per_flow_rate,
-            Arc::clone(failed),
-            shared.cfg.devmem_tx.as_ref().map(|p| &p.buffer),
-            p,
-        ));
-    }
-    Ok(senders)
+    Ok((lanes, node_id))
 }
 
 /// A FETCH waiting for a data connection with room.
@@ -268,8 +256,14 @@ struct Queued {
 struct Session {
     ctl: Control,
     shared: Arc<Shared>,
+    /// One per data connection.
     senders: Vec<Sender>,
-    waiting: VecDeque<Queued>,
+    /// The lane of each data connection.
+    lane_of: Vec<u16>,
+    /// FETCHes waiting, per lane.
+    waiting: Vec<VecDeque<Queued>>,
+    /// FETCHes waiting in all lanes.
+    queued: usize,
     failed: Arc<Notify>,
     progress: Arc<Notify>,
 }
@@ -285,8 +279,8 @@ impl Session {
             let msg = tokio::select! {
                 m = self.ctl.recv() => match m {
                     Ok(m) => m,
-                    Err(FrameError::Closed) => return Ok(()),
-                    Err(e) => return Err(e.into()),
+                    Err(SessionError::Frame(FrameError::Closed)) => return Ok(()),
+                    Err(e) => return Err(e),
                 },
                 _ = self.failed.notified() => return Err(SessionError::DataFailed),
                 _ = self.progress.notified() => continue,
@@ -322,10 +316,15 @@ impl Session {
                 req,
                 dataset,
                 shard,
-            } => self.queue(req, &dataset, shard).await,
+                lane,
+            } => self.queue(req, &dataset, shard, lane).await,
             Message::Cancel { req } => {
-                if let Some(at) = self.waiting.iter().position(|q| q.req == req) {
-                    self.waiting.remove(at);
+                let found = self.waiting.iter_mut().find_map(|w| {
+                    let at = w.iter().position(|q| q.req == req)?;
+                    w.remove(at)
+                });
+                if found.is_some() {
+                    self.queued -= 1;
                     tracing::debug!(req, "FETCH cancelled before it was sent");
                     metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
                     let why = "cancelled by the node before it was sent".to_string();
@@ -345,8 +344,19 @@ impl Session {
         }
     }
 
-    /// Checks a FETCH and queues it (or answers it with an error).
-    async fn queue(&mut self, req: u64, dataset: &str, shard: u32) -> Result<(), SessionError> {
+    /// Checks a FETCH and queues it in its lane (or answers it with an error).
+    async fn queue(
+        &mut self,
+        req: u64,
+        dataset: &str,
+        shard: u32,
+        lane: u16,
+    ) -> Result<(), SessionError> {
+        let lanes = self.waiting.len();
+        if usize::from(lane) >= lanes {
+            let message = format!("lane {lane} is not one of the node's {lanes} lanes (its Hello)");
+            return self.ctl.error(req, ErrorCode::BadRequest, message).await;
+        }
         let Some(d) = self.shared.datasets.get(dataset) else {
             let message = format!("dataset `{dataset}` is not served here");
             return self
@@ -361,8 +371,8 @@ impl Session {
             );
             return self.ctl.error(req, ErrorCode::UnknownShard, message).await;
         };
-        if self.waiting.len() >= MAX_QUEUED_FETCHES {
-            return Err(SessionError::TooManyFetches(self.waiting.len()));
+        if self.queued >= MAX_QUEUED_FETCHES {
+            return Err(SessionError::TooManyFetches(self.queued));
         }
         let corrupt = self
             .shared
@@ -375,44 +385,58 @@ impl Session {
             len: entry.length,
             corrupt,
         };
-        self.waiting.push_back(Queued {
+        self.waiting[usize::from(lane)].push_back(Queued {
             req,
             job,
             shard,
             crc32c: entry.crc32c,
         });
+        self.queued += 1;
         Ok(())
     }
 
-    /// Announces and hands out queued FETCHes while a data connection has room (the least
-    /// loaded first).
+    /// Announces and hands out queued FETCHes while a data connection of their lane has room
+    /// (the least loaded of the lane first).
     async fn dispatch(&mut self) -> Result<(), SessionError> {
-        while !self.waiting.is_empty() {
-            let Some((conn, _)) = self
-                .senders
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.has_room())
-                .min_by_key(|(_, s)| s.progress.bytes.load(Ordering::Relaxed))
-            else {
-                return Ok(());
-            };
-            let q = self.waiting.pop_front().expect("not empty");
-            let seq = self.senders[conn].seq;
-            self.senders[conn].seq += 1;
-            self.ctl
-                .send(&Message::Shard {
-                    req: q.req,
-                    shard: q.shard,
-                    length: q.job.len,
-                    crc32c: q.crc32c,
-                    conn: conn as u16,
-                    seq,
-                })
-                .await?;
-            if !self.senders[conn].push(q.job) {
-                return Err(SessionError::DataFailed);
+        for lane in 0..self.waiting.len() {
+            while !self.waiting[lane].is_empty() {
+                let Some(conn) = self.room_in(lane) else {
+                    break;
+                };
+                let q = self.waiting[lane].pop_front().expect("not empty");
+                self.queued -= 1;
+                self.send_on(conn, q).await?;
             }
+        }
+        Ok(())
+    }
+
+    /// The least loaded data connection of `lane` with room, if any.
+    fn room_in(&self, lane: usize) -> Option<usize> {
+        self.senders
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| usize::from(self.lane_of[*i]) == lane && s.has_room())
+            .min_by_key(|(_, s)| s.progress.bytes.load(Ordering::Relaxed))
+            .map(|(i, _)| i)
+    }
+
+    /// Announces `q` as the next payload of connection `conn` and hands it to its sender.
+    async fn send_on(&mut self, conn: usize, q: Queued) -> Result<(), SessionError> {
+        let seq = self.senders[conn].seq;
+        self.senders[conn].seq += 1;
+        self.ctl
+            .send(&Message::Shard {
+                req: q.req,
+                shard: q.shard,
+                length: q.job.len,
+                crc32c: q.crc32c,
+                conn: conn as u16,
+                seq,
+            })
+            .await?;
+        if !self.senders[conn].push(q.job) {
+            return Err(SessionError::DataFailed);
         }
         Ok(())
     }

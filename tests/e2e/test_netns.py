@@ -107,4 +107,4 @@ def test_non_loopback_needs_a_secret_and_data_crosses_the_veth(sw, tmp_path, net
     st = node.status()
     assert st["sources"][0]["bytes_received"] == 9 * 512 * 1024, st["sources"]
     # The wildcard data port was advertised as NODE_IP (what the source could reach).
-    assert f"data_addr={NODE_IP}:" in node.stderr_text(), node.stderr_text()[-2000:]
+    assert f"lanes={NODE_IP}:" in node.stderr_text(), node.stderr_text()[-2000:]

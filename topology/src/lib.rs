@@ -8,16 +8,18 @@
 //! text via [`render_text`]). Reading needs no privileges; nothing here needs a GPU.
 //!
 //! JSON keys (`serde_json::to_string(&topology)`):
-//! - `gpus[]`: `pci`, `numa_node`, `vendor`, `device` (`"0x10de"`), `local_cpulist`
+//! - `gpus[]`: `pci`, `uuid` (when the caller knows it from CUDA), `numa_node`, `vendor`, `device` (`"0x10de"`), `local_cpulist`
 //!   (`"0-51,104-155"`), `path` {`host_bridge`, `chain[]`}.
-//! - `nics[]`: `interface`, `pci`, `numa_node`, `virtual`, `rx_queues`, `vendor`, `device`,
+//! - `nics[]`: `interface`, `pci`, `numa_node`, `virtual`, `rx_queues`, `devmem_capable`
+//!   (when the caller probed it), `vendor`, `device`,
 //!   `local_cpulist`, `path` (null when virtual).
 //! - `lanes[]`: `lane`, `gpu`, `nic`, `nic_pci`, `distance` (`"PIX"`...), `numa_node` (the
-//!   NIC's, else the GPU's), `queues`, `why`, `warn`.
+//!   NIC's, else the GPU's), `queues`, `data_addr` (when the caller knows it), `why`, `warn`.
 //!
 //! Unknown values are `null` (NUMA `-1`, virtual NICs' PCI fields, lanes without a NIC).
 #![forbid(unsafe_code)]
 
+mod device;
 mod distance;
 mod pair;
 mod path;
@@ -30,6 +32,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+pub use device::{GpuName, GpuNameError, GpuUuid};
 pub use distance::{Classified, Distance, classify};
 pub use pair::{LanePlan, PairOptions, pair, split_queues};
 pub use path::PciPath;

@@ -49,6 +49,8 @@ pub struct LanePlan {
     pub distance: Option<Distance>,
     /// The NIC rx queues for this GPU's devmem binding (disjoint from other lanes').
     pub queues: Vec<u32>,
+    /// Where sources dial this lane (`IP:PORT`), when the caller knows it (the NIC's address).
+    pub data_addr: Option<String>,
     /// One line: why this NIC, and how its queues are shared.
     pub why: String,
     /// The lane crosses a CPU (PHB, SYS) or has no NIC.
@@ -72,6 +74,7 @@ struct LaneJson<'a> {
     distance: Option<Distance>,
     numa_node: Option<u32>,
     queues: &'a [u32],
+    data_addr: Option<&'a str>,
     why: &'a str,
     warn: bool,
 }
@@ -86,6 +89,7 @@ impl Serialize for LanePlan {
             distance: self.distance,
             numa_node: self.numa_node(),
             queues: &self.queues,
+            data_addr: self.data_addr.as_deref(),
             why: &self.why,
             warn: self.warn,
         }
@@ -143,6 +147,7 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
                 nic_numa: nic.numa_node,
                 distance: Some(pick.class.distance),
                 queues: std::mem::take(&mut queues[i]),
+                data_addr: None,
                 why: format!("{}{spread}{}", pick.class.why, shares[i]),
                 warn: pick.class.distance.crosses_cpu(),
             }
@@ -165,6 +170,7 @@ fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
         nic_numa: None,
         distance: None,
         queues: Vec::new(),
+        data_addr: None,
         why: why.to_owned(),
         warn: true,
     }
@@ -289,6 +295,7 @@ mod tests {
         let path = path(host, chain);
         Gpu {
             pci: path.device().expect("chain ends with the device"),
+            uuid: None,
             numa_node: numa,
             vendor: 0x10de,
             device: Some(0x2330),
@@ -305,6 +312,7 @@ mod tests {
             numa_node: numa,
             is_virtual: false,
             rx_queues: rx,
+            devmem_capable: None,
             vendor: Some(0x15b3),
             device: Some(0x1021),
             local_cpulist: Vec::new(),
@@ -319,6 +327,7 @@ mod tests {
             numa_node: None,
             is_virtual: true,
             rx_queues: 1,
+            devmem_capable: None,
             vendor: None,
             device: None,
             local_cpulist: Vec::new(),
@@ -734,6 +743,7 @@ mod tests {
             "distance",
             "numa_node",
             "queues",
+            "data_addr",
             "why",
             "warn",
         ];

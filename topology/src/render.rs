@@ -47,27 +47,37 @@ fn table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
 pub fn render_text(topo: &Topology) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "GPUs: {}", topo.gpus.len());
+    let uuids = topo.gpus.iter().any(|g| g.uuid.is_some());
     let gpus: Vec<Vec<String>> = topo
         .gpus
         .iter()
         .map(|g| {
-            vec![
-                g.pci.to_string(),
+            let mut row = vec![g.pci.to_string()];
+            if uuids {
+                row.push(or_dash(g.uuid));
+            }
+            row.extend([
                 or_dash(g.numa_node),
                 ids(Some(g.vendor), g.device),
                 g.path.to_string(),
-            ]
+            ]);
+            row
         })
         .collect();
     if !gpus.is_empty() {
-        table(&mut out, &["PCI", "NUMA", "ID", "PCIE PATH"], &gpus);
+        let header: &[&str] = match uuids {
+            true => &["PCI", "UUID", "NUMA", "ID", "PCIE PATH"],
+            false => &["PCI", "NUMA", "ID", "PCIE PATH"],
+        };
+        table(&mut out, header, &gpus);
     }
     let _ = writeln!(out, "\nNICs: {}", topo.nics.len());
+    let probed = topo.nics.iter().any(|n| n.devmem_capable.is_some());
     let nics: Vec<Vec<String>> = topo
         .nics
         .iter()
         .map(|n| {
-            vec![
+            let mut row = vec![
                 n.interface.clone(),
                 or_dash(n.pci),
                 or_dash(n.numa_node),
@@ -77,16 +87,30 @@ pub fn render_text(topo: &Topology) -> String {
                 } else {
                     ids(n.vendor, n.device)
                 },
-                or_dash(n.path.as_ref()),
-            ]
+            ];
+            if probed {
+                row.push(or_dash(
+                    n.devmem_capable.map(|c| if c { "yes" } else { "no" }),
+                ));
+            }
+            row.push(or_dash(n.path.as_ref()));
+            row
         })
         .collect();
     if !nics.is_empty() {
-        table(
-            &mut out,
-            &["INTERFACE", "PCI", "NUMA", "RX", "ID", "PCIE PATH"],
-            &nics,
-        );
+        let header: &[&str] = match probed {
+            true => &[
+                "INTERFACE",
+                "PCI",
+                "NUMA",
+                "RX",
+                "ID",
+                "DEVMEM",
+                "PCIE PATH",
+            ],
+            false => &["INTERFACE", "PCI", "NUMA", "RX", "ID", "PCIE PATH"],
+        };
+        table(&mut out, header, &nics);
     }
     render_lanes(&mut out, topo);
     out
@@ -98,6 +122,7 @@ fn render_lanes(out: &mut String, topo: &Topology) {
         return;
     }
     let _ = writeln!(out, "\nLanes: {}", topo.lanes.len());
+    let addrs = topo.lanes.iter().any(|l| l.data_addr.is_some());
     let rows: Vec<Vec<String>> = topo
         .lanes
         .iter()
@@ -107,7 +132,7 @@ fn render_lanes(out: &mut String, topo: &Topology) {
             } else {
                 format_ranges(&l.queues)
             };
-            vec![
+            let mut row = vec![
                 if l.warn { "!" } else { " " }.to_owned(),
                 l.lane.to_string(),
                 l.gpu.to_string(),
@@ -115,15 +140,29 @@ fn render_lanes(out: &mut String, topo: &Topology) {
                 or_dash(l.distance),
                 or_dash(l.numa_node()),
                 queues,
-                l.why.clone(),
-            ]
+            ];
+            if addrs {
+                row.push(or_dash(l.data_addr.as_deref()));
+            }
+            row.push(l.why.clone());
+            row
         })
         .collect();
-    table(
-        out,
-        &[" ", "LANE", "GPU", "NIC", "DIST", "NUMA", "QUEUES", "WHY"],
-        &rows,
-    );
+    let header: &[&str] = match addrs {
+        true => &[
+            " ",
+            "LANE",
+            "GPU",
+            "NIC",
+            "DIST",
+            "NUMA",
+            "QUEUES",
+            "DATA ADDR",
+            "WHY",
+        ],
+        false => &[" ", "LANE", "GPU", "NIC", "DIST", "NUMA", "QUEUES", "WHY"],
+    };
+    table(out, header, &rows);
     let warned = topo.lanes.iter().filter(|l| l.warn).count();
     if warned > 0 {
         let _ = writeln!(
@@ -148,6 +187,7 @@ mod tests {
         };
         let gpu = Gpu {
             pci: "0000:03:00.0".parse().expect("valid BDF"),
+            uuid: None,
             numa_node: Some(0),
             vendor: 0x10de,
             device: Some(0x2330),
@@ -165,6 +205,7 @@ mod tests {
             numa_node: Some(0),
             is_virtual: false,
             rx_queues: 16,
+            devmem_capable: None,
             vendor: Some(0x15b3),
             device: Some(0x1021),
             local_cpulist: vec![0, 1],
@@ -181,6 +222,7 @@ mod tests {
             numa_node: None,
             is_virtual: true,
             rx_queues: 1,
+            devmem_capable: None,
             vendor: None,
             device: None,
             local_cpulist: Vec::new(),

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::device::GpuUuid;
 use crate::path::PciPath;
 use crate::pci::{PciAddr, parse_sysfs_name};
 use crate::values::{
@@ -51,6 +52,8 @@ pub enum SysfsError {
 pub struct Gpu {
     /// Its bus id.
     pub pci: PciAddr,
+    /// Its UUID, when the CUDA driver sees it (sysfs does not say; the caller fills it in).
+    pub uuid: Option<GpuUuid>,
     /// Its NUMA node; `None` when the platform says -1.
     pub numa_node: Option<u32>,
     /// PCI vendor id (always [`NVIDIA_VENDOR`]).
@@ -80,6 +83,9 @@ pub struct Nic {
     pub is_virtual: bool,
     /// Number of `queues/rx-*` entries (0 when absent).
     pub rx_queues: u32,
+    /// Whether the devmem probe found it capable (`None`: not probed, e.g. a fake tree; the
+    /// caller fills it in).
+    pub devmem_capable: Option<bool>,
     /// PCI vendor id (`0x15b3` = Mellanox); `None` when virtual or unreadable.
     #[serde(serialize_with = "ser_opt_hex16")]
     pub vendor: Option<u16>,
@@ -195,6 +201,7 @@ fn read_gpu(root: &Path, name: &str, entry: &Path) -> Option<Gpu> {
     let real = entry.canonicalize().ok()?;
     Some(Gpu {
         pci,
+        uuid: None,
         numa_node: read_numa(&real),
         vendor,
         device: read_hex16(&real.join("device")),
@@ -243,6 +250,7 @@ fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
         numa_node: None,
         is_virtual: true,
         rx_queues: count_rx_queues(&entry.join("queues")),
+        devmem_capable: None,
         vendor: None,
         device: None,
         local_cpulist: Vec::new(),

@@ -495,6 +495,7 @@ fn json_has_exactly_the_documented_keys() {
         keys(g),
         sorted(vec![
             "pci",
+            "uuid",
             "numa_node",
             "vendor",
             "device",
@@ -509,6 +510,7 @@ fn json_has_exactly_the_documented_keys() {
         "numa_node",
         "virtual",
         "rx_queues",
+        "devmem_capable",
         "vendor",
         "device",
         "local_cpulist",
@@ -526,23 +528,24 @@ fn json_has_exactly_the_documented_keys() {
         "distance",
         "numa_node",
         "queues",
+        "data_addr",
         "why",
         "warn",
     ];
     assert_eq!(keys(l), sorted(lane_keys));
     let want = serde_json::json!({
-        "gpu": {"pci": "0000:03:00.0", "numa_node": 0, "vendor": "0x10de", "device": "0x2330",
+        "gpu": {"pci": "0000:03:00.0", "uuid": null, "numa_node": 0, "vendor": "0x10de", "device": "0x2330",
                 "local_cpulist": "0-7", "path": {"host_bridge": "pci0000:00",
                 "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:00.0", "0000:03:00.0"]}},
         "eth1": {"interface": "eth1", "pci": "0000:04:00.0", "numa_node": 0, "virtual": false,
-                 "rx_queues": 16, "vendor": "0x15b3", "device": "0x1021", "local_cpulist": "0-7",
+                 "rx_queues": 16, "devmem_capable": null, "vendor": "0x15b3", "device": "0x1021", "local_cpulist": "0-7",
                  "path": {"host_bridge": "pci0000:00",
                           "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:01.0", "0000:04:00.0"]}},
         "lo": {"interface": "lo", "pci": null, "numa_node": null, "virtual": true, "rx_queues": 1,
-               "vendor": null, "device": null, "local_cpulist": "", "path": null},
+               "devmem_capable": null, "vendor": null, "device": null, "local_cpulist": "", "path": null},
         "lane": {"lane": 0, "gpu": "0000:03:00.0", "nic": "eth1", "nic_pci": "0000:04:00.0",
                  "distance": "PIX", "numa_node": 0, "queues": [8, 9, 10, 11, 12, 13, 14, 15],
-                 "why": "same PCIe switch 0000:01:00.0", "warn": false},
+                 "data_addr": null, "why": "same PCIe switch 0000:01:00.0", "warn": false},
     });
     assert_eq!(g, &want["gpu"]);
     assert_eq!(json["nics"][0], want["eth1"]);

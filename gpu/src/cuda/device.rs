@@ -376,6 +376,7 @@ mod tests {
                 ordinal: 0,
                 name: "absent".into(),
                 pci_bus_id: "0000:00:00.0".into(),
+                uuid: None,
                 total_memory: 0,
                 dma_buf_supported: true,
                 vmm_supported: true,

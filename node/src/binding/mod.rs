@@ -129,24 +129,26 @@ pub struct NicRequest {
     pub configured: bool,
 }
 
-/// Binds a NIC's queues (blocking work on a blocking thread); returns the binding and a
-/// sentence on what was done.
-pub async fn nic(
-    nics: &[NicReport],
-    r: NicRequest,
-    cuda: Option<Arc<CudaMemory>>,
-) -> Result<(Arc<RxRegion>, String), BindingError> {
+/// The interface a binding request names, or the first devmem-capable one; it must be able to
+/// do devmem.
+pub fn pick_interface<'a>(
+    nics: &'a [NicReport],
+    name: Option<&str>,
+    configured: bool,
+) -> Result<&'a NicReport, BindingError> {
     let probe = probe_summary(nics);
-    let nic = match &r.name {
+    let nic = match name {
         Some(name) => nics
             .iter()
-            .find(|n| &n.name == name)
-            .ok_or_else(|| match r.configured {
+            .find(|n| n.name == name)
+            .ok_or_else(|| match configured {
                 true => BindingError::ConfiguredInterfaceMissing {
-                    name: name.clone(),
+                    name: name.to_owned(),
                     probe: probe.clone(),
                 },
-                false => BindingError::UnknownInterface { name: name.clone() },
+                false => BindingError::UnknownInterface {
+                    name: name.to_owned(),
+                },
             })?,
         None => nics
             .iter()
@@ -159,6 +161,17 @@ pub async fn nic(
             reason: nic.reason.clone(),
         });
     }
+    Ok(nic)
+}
+
+/// Binds a NIC's queues (blocking work on a blocking thread); returns the binding and a
+/// sentence on what was done.
+pub async fn nic(
+    nics: &[NicReport],
+    r: NicRequest,
+    cuda: Option<Arc<CudaMemory>>,
+) -> Result<(Arc<RxRegion>, String), BindingError> {
+    let nic = pick_interface(nics, r.name.as_deref(), r.configured)?;
     let queues: Vec<u32> = if r.queues.is_empty() {
         // The upper half of the RX queues, leaving the lower half to other traffic.
         (nic.rx_queues / 2..nic.rx_queues).collect()

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shardwire_protocol::framing::encode_frame;
-use shardwire_protocol::wire::{self, EncodeError, Message};
+use shardwire_protocol::wire::{self, EncodeError, LaneAddr, Message};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use crate::fetch::{FetchFailure, InFlight};
@@ -29,22 +29,34 @@ pub const MANIFEST_TIMEOUT: Duration = Duration::from_secs(15);
 pub struct LinkConfig {
     /// Shared secret for the handshake.
     pub secret: Option<Vec<u8>>,
-    /// Data connections to ask for.
-    pub flows: u16,
-    /// The node's data port (a wildcard IP is replaced by the control connection's local IP).
-    pub data_addr: SocketAddr,
+    /// Each lane's data address (a wildcard IP is replaced by the control connection's local
+    /// IP) and the data connections to ask for on it, lane `i` at index `i`.
+    pub lanes: Vec<LaneAddr>,
+}
+
+/// A data connection a source announced: which lane, which connection, from where, and the
+/// address its lane was advertised at (it must arrive there).
+#[derive(Debug, Clone, Copy)]
+pub struct Announcement {
+    /// Session generation of the link.
+    pub generation: u64,
+    /// The lane.
+    pub lane: u16,
+    /// Its connection number (across lanes).
+    pub conn: u16,
+    /// The source's local address of it.
+    pub addr: SocketAddr,
+    /// The lane's data address as this session advertised it.
+    pub want: SocketAddr,
 }
 
 /// Where a link's data-connection announcements go.
 pub trait DataConns: Send + Sync {
-    /// The source dialled the node's data port from `addr` for connection `conn` of session
-    /// `generation`; payloads for it arrive on `queue`.
+    /// The source dialled a lane's data address (`a`); payloads for it arrive on `queue`.
     fn announced(
         &self,
         link: &Arc<SourceLink>,
-        generation: u64,
-        conn: u16,
-        addr: SocketAddr,
+        a: Announcement,
         queue: std::sync::mpsc::Receiver<InFlight>,
     );
     /// Session `generation` of link `link` ended: its unmatched announcements go, and the
@@ -107,6 +119,10 @@ struct LinkState {
     /// Encoded frames for the session's writer.
     ctl: Option<mpsc::UnboundedSender<Vec<u8>>>,
     conns: Vec<Option<std::sync::mpsc::Sender<InFlight>>>,
+    /// The lane of each data connection.
+    conn_lane: Vec<u16>,
+    /// Each lane's data address as this session advertised it.
+    advertised: Vec<SocketAddr>,
     data_socks: Vec<TcpStream>,
 }
 
@@ -200,8 +216,8 @@ impl SourceLink {
             .ok_or_else(|| SendError::Down(self.addr.clone()))
     }
 
-    /// Sends a FETCH of `dataset`'s shard `shard` for `f`; gives the fetch back if it cannot be
-    /// sent.
+    /// Sends a FETCH of `dataset`'s shard `shard` for `f`, to come on a data connection of
+    /// `f.lane`; gives the fetch back if it cannot be sent.
     pub fn fetch(
         &self,
         req: u64,
@@ -214,6 +230,7 @@ impl SourceLink {
             req,
             dataset: dataset.into(),
             shard,
+            lane: f.lane,
         };
         f.req = req;
         f.wire_shard = shard;
@@ -305,12 +322,15 @@ impl SourceLink {
         true
     }
 
-    /// Marks a new session up: its writer's queue and `flows` empty connection slots.
-    fn establish(&self, ctl: mpsc::UnboundedSender<Vec<u8>>) -> u64 {
+    /// Marks a new session up: its writer's queue, one empty slot per data connection of
+    /// every lane, and the lane addresses it advertised.
+    fn establish(&self, ctl: mpsc::UnboundedSender<Vec<u8>>, lanes: &[LaneAddr]) -> u64 {
         let mut st = self.state.lock().expect("poisoned");
         st.generation += 1;
         st.ctl = Some(ctl);
-        st.conns = (0..self.cfg.flows).map(|_| None).collect();
+        st.conn_lane = wire::conn_lanes(lanes);
+        st.conns = st.conn_lane.iter().map(|_| None).collect();
+        st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;
         self.up.store(true, Ordering::Release);
         *self.last_error.lock().expect("poisoned") = None;

@@ -4,19 +4,18 @@
 //! and a `Ping` after a third of the idle timeout), and the reader, which hands each message to
 //! [`handle`] and ends the session when the source is silent for its idle timeout.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
 use shardwire_protocol::framing::{FrameError, encode_frame, read_message, write_message};
-use shardwire_protocol::wire::{self, ErrorCode, Message};
+use shardwire_protocol::wire::{self, DecodeError, ErrorCode, LaneAddr, Message};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::{DataConns, ManifestError, SourceLink};
+use super::{Announcement, DataConns, ManifestError, SourceLink};
 use crate::fetch::FetchFailure;
 
 /// The handshake must be done within this time.
@@ -68,6 +67,15 @@ pub enum LinkError {
     /// A control write did not finish in time.
     #[error("a control write did not finish within {0:?} (the source stopped reading)")]
     WriteTimeout(Duration),
+    /// The source speaks another protocol version.
+    #[error("the source speaks shardwire protocol version {theirs}, this node version {ours}: run the same release on nodes and sources", ours = wire::VERSION)]
+    Version {
+        /// The source's version.
+        theirs: u8,
+    },
+    /// The source closed the connection before answering `Hello`.
+    #[error("the source closed the connection after this node's Hello without answering: a source of another protocol version does that (this node speaks version {ours}; see the source's log), or it refused this node", ours = wire::VERSION)]
+    ClosedAfterHello,
 }
 
 /// Connects to the link's source and serves the session until it ends.
@@ -84,19 +92,31 @@ pub async fn connect_and_serve(
         .map_err(connect_err)?;
     let _ = stream.set_nodelay(true);
     let local_ip = stream.local_addr().map_err(connect_err)?.ip();
-    let data_addr = match link.cfg.data_addr {
-        a if a.ip().is_unspecified() => SocketAddr::new(local_ip, a.port()),
-        a => a,
-    };
+    let lanes = advertised(&link.cfg.lanes, local_ip);
     let (rd, wr) = stream.into_split();
     serve(
         link,
         conns,
         BufReader::with_capacity(256 << 10, rd),
         wr,
-        data_addr,
+        &lanes,
     )
     .await
+}
+
+/// The lanes as a session advertises them: a wildcard data address becomes `local_ip` (the
+/// node's address of the control connection: one the source can reach) with its port.
+pub fn advertised(lanes: &[LaneAddr], local_ip: std::net::IpAddr) -> Vec<LaneAddr> {
+    lanes
+        .iter()
+        .map(|l| LaneAddr {
+            data_addr: match l.data_addr {
+                a if a.ip().is_unspecified() => std::net::SocketAddr::new(local_ip, a.port()),
+                a => a,
+            },
+            flows: l.flows,
+        })
+        .collect()
 }
 
 /// Runs a whole session over `rd`/`wr`: handshake, then messages until it ends.
@@ -105,27 +125,31 @@ pub async fn serve<R, W>(
     conns: &dyn DataConns,
     mut rd: R,
     mut wr: W,
-    data_addr: SocketAddr,
+    lanes: &[LaneAddr],
 ) -> Result<(), LinkError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut buf = Vec::new();
-    let hs = handshake(link, &mut rd, &mut wr, &mut buf, data_addr);
+    let hs = handshake(link, &mut rd, &mut wr, &mut buf, lanes);
     let idle = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
         .await
         .map_err(|_| LinkError::Timeout(HANDSHAKE_TIMEOUT))??;
     let (ctl_tx, ctl_rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let generation = link.establish(ctl_tx);
-    tracing::info!(source = %link.addr, %data_addr, flows = link.cfg.flows,
+    let generation = link.establish(ctl_tx, lanes);
+    let addrs: Vec<String> = lanes
+        .iter()
+        .map(|l| format!("{}x{}", l.data_addr, l.flows))
+        .collect();
+    tracing::info!(source = %link.addr, lanes = %addrs.join(" "),
         authenticated = link.cfg.secret.is_some(), ?idle, "source link up");
     let writer = write_frames(wr, ctl_rx, idle);
     tokio::pin!(writer);
     loop {
         let heard_by = Instant::now() + idle;
         let msg = tokio::select! {
-            m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m?,
+            m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,
             w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
             _ = link.abort.notified() => {
                 let reason = link.abort_reason.lock().expect("poisoned").take();
@@ -137,13 +161,21 @@ where
     }
 }
 
+/// A framing error as the link reports it: a frame of another protocol version names both.
+fn from_frame(e: FrameError) -> LinkError {
+    match e {
+        FrameError::Decode(DecodeError::Version(theirs)) => LinkError::Version { theirs },
+        e => LinkError::Frame(e),
+    }
+}
+
 /// Hello, Challenge, Auth, Welcome; returns the source's idle timeout.
 async fn handshake<R, W>(
     link: &SourceLink,
     rd: &mut R,
     wr: &mut W,
     buf: &mut Vec<u8>,
-    data_addr: SocketAddr,
+    lanes: &[LaneAddr],
 ) -> Result<Duration, LinkError>
 where
     R: AsyncRead + Unpin,
@@ -160,13 +192,16 @@ where
     let hello = Message::Hello {
         node_id,
         nonce,
-        data_addr,
-        flows: link.cfg.flows,
+        lanes: lanes.to_vec(),
     };
     write_message(wr, &hello).await?;
     // Until the source has proved the secret, it gets no more than a small frame.
     let small = wire::MAX_SMALL_FRAME;
-    let (src_nonce, auth_required) = match read_message(rd, buf, small).await? {
+    let first = match read_message(rd, buf, small).await {
+        Err(FrameError::Closed) => return Err(LinkError::ClosedAfterHello),
+        r => r.map_err(from_frame)?,
+    };
+    let (src_nonce, auth_required) = match first {
         Message::Challenge {
             nonce,
             auth_required,
@@ -180,7 +215,7 @@ where
     }
     let mac = secret.map_or([0; 32], |s| auth::proof(s, Role::Node, &nonce, &src_nonce));
     write_message(wr, &Message::Auth { mac }).await?;
-    match read_message(rd, buf, small).await? {
+    match read_message(rd, buf, small).await.map_err(from_frame)? {
         Message::Welcome {
             mac,
             idle_timeout_s,
@@ -236,12 +271,22 @@ fn handle(
     msg: Message,
 ) -> Result<(), LinkError> {
     match msg {
-        Message::DataConn { conn, addr } => {
-            let queue = {
+        Message::DataConn { lane, conn, addr } => {
+            let (queue, want) = {
                 let mut st = link.state.lock().expect("poisoned");
-                let slot = st.conns.get_mut(conn as usize).ok_or_else(|| {
-                    LinkError::Protocol(format!("data connection {conn} >= flows"))
+                let total = st.conns.len();
+                let numbered = st.conn_lane.get(conn as usize).copied().ok_or_else(|| {
+                    LinkError::Protocol(format!(
+                        "data connection {conn} is past the {total} this node asked for"
+                    ))
                 })?;
+                if numbered != lane {
+                    return Err(LinkError::Protocol(format!(
+                        "data connection {conn} announced for lane {lane}; the node's Hello numbered it for lane {numbered}"
+                    )));
+                }
+                let want = st.advertised[usize::from(lane)];
+                let slot = &mut st.conns[conn as usize];
                 if slot.is_some() {
                     return Err(LinkError::Protocol(format!(
                         "data connection {conn} announced twice"
@@ -249,9 +294,16 @@ fn handle(
                 }
                 let (tx, rx) = std::sync::mpsc::channel();
                 *slot = Some(tx);
-                rx
+                (rx, want)
             };
-            conns.announced(link, generation, conn, addr, queue);
+            let a = Announcement {
+                generation,
+                lane,
+                conn,
+                addr,
+                want,
+            };
+            conns.announced(link, a, queue);
             Ok(())
         }
         Message::Shard {
@@ -318,6 +370,14 @@ fn announced(
         f.finish(Err(down(msg.clone())));
         return Err(LinkError::Protocol(msg));
     };
+    if st.conn_lane[conn as usize] != f.lane {
+        let msg = format!(
+            "SHARD req {req} on data connection {conn} of lane {}; its FETCH named lane {}",
+            st.conn_lane[conn as usize], f.lane
+        );
+        f.finish(Err(down(msg.clone())));
+        return Err(LinkError::Protocol(msg));
+    }
     tracing::debug!(req, shard, conn, seq, "SHARD announced");
     if let Err(e) = tx.send(f) {
         let reason = format!("the receiver of data connection {conn} is gone");

@@ -44,6 +44,8 @@ use crate::link::SourceLink;
 pub struct Conn {
     /// The source link that announced it.
     pub link: Arc<SourceLink>,
+    /// Its lane.
+    pub lane: u32,
     /// Its connection number.
     pub conn: u16,
     /// The payloads announced on it, in order.
@@ -63,6 +65,8 @@ pub struct Setup {
     pub gpus: Gpus,
     /// Plain TCP into host memory tries io_uring.
     pub io_uring: bool,
+    /// The CPUs the receiver thread runs on (its lane's; empty: not pinned).
+    pub cpus: Arc<[u32]>,
 }
 
 /// The path a connection's receiver runs.
@@ -75,20 +79,33 @@ enum RxPath {
     GpuDirect(GpuDirect),
 }
 
-/// Starts the receiver thread of an identified connection; it chooses its path first.
+/// Starts the receiver thread of an identified connection; it pins itself to its lane's CPUs
+/// and chooses its path first.
 pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
-    let name = format!("sw-recv-{}-{}", c.link.index, c.conn);
+    let name = format!("sw-recv-{}-{}-{}", c.lane, c.link.index, c.conn);
     std::thread::Builder::new()
         .name(name)
-        .spawn(move || match choose(sock, &setup, &c.counters) {
-            Ok(path) => receive(path, &c),
-            Err(cause) => {
-                tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
-                    "cannot read a data connection through the receive path; dropping it");
-                broken([], &c.queue, &c.link, c.conn, cause);
+        .spawn(move || {
+            if !setup.cpus.is_empty()
+                && let Err(e) = crate::lanes::affinity::pin_current(&setup.cpus)
+            {
+                tracing::warn!(lane = c.lane, conn = c.conn, error = %e, "cannot pin the receiver to its lane's CPUs; it runs anywhere");
             }
+            run_conn(sock, &setup, &c);
         })
         .expect("spawn receiver thread");
+}
+
+/// A receiver thread's body: the path for its connection, then its payloads.
+fn run_conn(sock: TcpStream, setup: &Setup, c: &Conn) {
+    match choose(sock, setup, &c.counters) {
+        Ok(path) => receive(path, c),
+        Err(cause) => {
+            tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
+                "cannot read a data connection through the receive path; dropping it");
+            broken([], &c.queue, &c.link, c.conn, cause);
+        }
+    }
 }
 
 /// The path for `sock` under `setup`, counted by kind (plain-TCP host connections only).

@@ -160,8 +160,10 @@ pub(crate) mod tests {
             "src:1".into(),
             LinkConfig {
                 secret: None,
-                flows: 1,
-                data_addr: "127.0.0.1:1".parse().unwrap(),
+                lanes: vec![shardwire_protocol::wire::LaneAddr {
+                    data_addr: "127.0.0.1:1".parse().unwrap(),
+                    flows: 1,
+                }],
             },
         )
     }

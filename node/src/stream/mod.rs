@@ -76,6 +76,8 @@ pub struct Batch {
 pub struct StreamInfo {
     /// Stream id.
     pub id: u64,
+    /// The lane it is served on.
+    pub lane: u32,
     /// Dataset.
     pub dataset: String,
     /// Rank.
@@ -151,6 +153,8 @@ pub struct Parts {
     pub ids: Arc<AtomicU64>,
     /// The GPU of a CUDA region (assembly launches the gather kernel on it).
     pub gpu: Option<Arc<CudaMemory>>,
+    /// The lane it is served on.
+    pub lane: u32,
 }
 
 /// A stream's trainer side, shared by its trainer's front and its task.
@@ -167,6 +171,7 @@ pub struct Stream {
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
     gpu: Option<Arc<CudaMemory>>,
+    lane: u32,
     inner: Mutex<Inner>,
     cv: Condvar,
     closed_notify: Notify,
@@ -181,6 +186,7 @@ impl Stream {
         let (first, slots) = (p.kind.slot_at(p.start), p.kind.slot_at(total));
         let supply = Supply::new(
             p.id,
+            p.lane as u16,
             Arc::clone(&p.manifest),
             Arc::clone(&p.pool),
             p.sources,
@@ -200,6 +206,7 @@ impl Stream {
             counters: p.counters,
             ids: p.ids,
             gpu: p.gpu,
+            lane: p.lane,
             inner: Mutex::new(Inner {
                 reorder: Reorder::new(first, slots),
                 leases: HashMap::new(),
@@ -253,6 +260,11 @@ impl Stream {
     /// The GPU of a CUDA region.
     pub(crate) fn gpu(&self) -> Option<&CudaMemory> {
         self.gpu.as_deref()
+    }
+
+    /// The lane it is served on.
+    pub fn lane(&self) -> u32 {
+        self.lane
     }
 
     /// Resolves when the stream is closed (its task then ends).
@@ -313,6 +325,7 @@ impl Stream {
         let next = self.kind.position(next);
         StreamInfo {
             id: self.id,
+            lane: self.lane,
             dataset: self.dataset.clone(),
             rank,
             world_size,

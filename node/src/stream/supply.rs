@@ -71,6 +71,8 @@ pub trait Issue: Send {
 /// The shared fetch side of one stream.
 pub struct Supply {
     stream: u64,
+    /// The stream's lane (its fetches come on that lane's data connections).
+    lane: u16,
     manifest: Arc<Manifest>,
     pool: Arc<SlabPool>,
     sources: Vec<DatasetSource>,
@@ -87,6 +89,7 @@ impl Supply {
     /// The supply of stream `stream`; the region's frees wake its task while it waits.
     pub fn new(
         stream: u64,
+        lane: u16,
         manifest: Arc<Manifest>,
         pool: Arc<SlabPool>,
         sources: Vec<DatasetSource>,
@@ -101,6 +104,7 @@ impl Supply {
         }
         let s = Arc::new(Self {
             stream,
+            lane,
             manifest,
             pool,
             sources,
@@ -200,6 +204,7 @@ impl Issue for Links {
             length: entry.length,
             crc32c: entry.crc32c,
             stream: s.stream,
+            lane: s.lane,
         };
         let f = InFlight::new(req, link.index, done.clone());
         let id = s.next_id();

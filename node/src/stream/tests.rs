@@ -52,6 +52,7 @@ fn stream(shards: u32, start: u64) -> Arc<Stream> {
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),
         gpu: None,
+        lane: 0,
     })
 }
 

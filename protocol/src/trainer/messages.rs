@@ -147,6 +147,12 @@ pub struct StreamRequest {
     /// it is using, without a `state` round trip). Socket only.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub batch_state: bool,
+    /// The trainer's GPU: a PCI bus id (`0000:19:00.0`) or a GPU UUID (`GPU-...`). The stream
+    /// goes to that GPU's lane (its region lies on that GPU when the node serves CUDA
+    /// memory); absent: the least loaded lane. A GPU the node does not serve is refused with
+    /// code `unknown_device`, naming it and the node's GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// The order of token windows.
@@ -198,6 +204,7 @@ impl StreamRequest {
             order: None,
             mix: None,
             batch_state: false,
+            device: None,
         }
     }
 }
@@ -222,6 +229,8 @@ pub enum ErrorCode {
     UnknownLease,
     /// No such network interface.
     UnknownInterface,
+    /// The GPU a trainer named is not one this node serves (the message lists them).
+    UnknownDevice,
     /// A resume state does not fit this stream (the message names the field).
     StateMismatch,
     /// The stream was closed.
@@ -270,9 +279,11 @@ impl ErrorCode {
             Self::BadRequest | Self::BadPlan | Self::UnsupportedVersion => 400,
             Self::Unauthorized => 401,
             Self::Forbidden | Self::AdminDisabled => 403,
-            Self::NotFound | Self::UnknownDataset | Self::UnknownLease | Self::UnknownInterface => {
-                404
-            }
+            Self::NotFound
+            | Self::UnknownDataset
+            | Self::UnknownLease
+            | Self::UnknownInterface
+            | Self::UnknownDevice => 404,
             Self::Timeout => 408,
             Self::StateMismatch
             | Self::Closed
@@ -311,6 +322,7 @@ impl ErrorCode {
             Self::UnknownDataset => "unknown_dataset",
             Self::UnknownLease => "unknown_lease",
             Self::UnknownInterface => "unknown_interface",
+            Self::UnknownDevice => "unknown_device",
             Self::StateMismatch => "state_mismatch",
             Self::Closed => "closed",
             Self::AlreadyAttached => "already_attached",
@@ -388,6 +400,9 @@ pub enum Request {
     },
     /// Ask for the resumable state.
     State,
+    /// What the node serves (memory kind, lanes and their GPUs), before or after `attach`:
+    /// the SDK asks it to know whether to name the trainer's GPU.
+    Info,
 }
 
 fn one() -> u32 {
@@ -425,6 +440,19 @@ pub struct GpuRef {
     /// The allocation granularity the region was created with; a trainer reserves its
     /// virtual range at this alignment.
     pub granularity: u64,
+}
+
+/// One lane of the node, as `info` shows it to trainers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneRef {
+    /// Lane id.
+    pub lane: u32,
+    /// The lane's GPU (PCI bus id), if it has one.
+    #[serde(default)]
+    pub gpu: Option<String>,
+    /// The GPU's UUID, when the node's CUDA driver reports it.
+    #[serde(default)]
+    pub uuid: Option<String>,
 }
 
 /// service -> trainer.
@@ -476,6 +504,13 @@ pub enum Response {
     State {
         /// The state.
         state: StreamState,
+    },
+    /// What the node serves.
+    Info {
+        /// Where stream regions live.
+        memory: MemoryKind,
+        /// The node's lanes.
+        lanes: Vec<LaneRef>,
     },
     /// The request failed; `code` is stable, `message` says what was wrong.
     Error {

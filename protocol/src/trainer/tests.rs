@@ -214,6 +214,7 @@ fn error_codes_keep_their_wire_names_and_map_to_http() {
         (ErrorCode::NoMemory, "no_memory", 503),
         (ErrorCode::Timeout, "timeout", 408),
         (ErrorCode::DataUnavailable, "data_unavailable", 502),
+        (ErrorCode::UnknownDevice, "unknown_device", 404),
     ] {
         assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{name}\""));
         assert_eq!(code.as_str(), name);
@@ -228,6 +229,37 @@ fn error_codes_keep_their_wire_names_and_map_to_http() {
             message: "x".into()
         }
     );
+}
+
+#[test]
+fn device_and_info_round_trip() {
+    let mut r = StreamRequest::new("d");
+    assert!(
+        !serde_json::to_string(&r).unwrap().contains("device"),
+        "absent unless given"
+    );
+    r.device = Some("0000:19:00.0".into());
+    let json = serde_json::to_string(&Request::Attach(Box::new(r.clone()))).unwrap();
+    assert!(json.contains(r#""device":"0000:19:00.0""#), "{json}");
+    assert_eq!(
+        decode::<Request>(json.as_bytes()).unwrap(),
+        Request::Attach(Box::new(r))
+    );
+    assert_eq!(
+        decode::<Request>(br#"{"op":"info"}"#).unwrap(),
+        Request::Info
+    );
+    let info = Response::Info {
+        memory: MemoryKind::Cuda,
+        lanes: vec![LaneRef {
+            lane: 0,
+            gpu: Some("0000:19:00.0".into()),
+            uuid: None,
+        }],
+    };
+    let mut frame = Vec::new();
+    info.encode(&mut frame);
+    assert_eq!(decode::<Response>(&frame[4..]).unwrap(), info);
 }
 
 #[test]

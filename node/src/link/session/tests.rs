@@ -2,8 +2,10 @@
 
 use std::sync::Mutex;
 
+use std::net::SocketAddr;
+
 use shardwire_protocol::framing::{read_message, write_message};
-use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWriteExt, DuplexStream, ReadHalf, WriteHalf};
 
 use super::*;
 use crate::fetch::tests::{in_flight, pool};
@@ -41,7 +43,10 @@ impl FakeSource {
 
     /// Answers the node's handshake (no secret).
     async fn handshake(&mut self, idle_timeout_s: u16) {
-        assert!(matches!(self.recv().await, Message::Hello { flows: 2, .. }));
+        match self.recv().await {
+            Message::Hello { lanes, .. } => assert_eq!(lanes, node_lanes()),
+            other => panic!("expected Hello, got {other:?}"),
+        }
         self.send(Message::Challenge {
             nonce: [1; 32],
             auth_required: false,
@@ -56,10 +61,13 @@ impl FakeSource {
     }
 }
 
+/// An announcement as the sink records it: (generation, lane, conn, addr, want).
+type Seen = (u64, u16, u16, SocketAddr, SocketAddr);
+
 /// Records what the link announces and forgets.
 #[derive(Default)]
 struct Sink {
-    announced: Mutex<Vec<(u64, u16, SocketAddr)>>,
+    announced: Mutex<Vec<Seen>>,
     queues: Mutex<Vec<std::sync::mpsc::Receiver<crate::fetch::InFlight>>>,
     forgotten: Mutex<Vec<(usize, u64, String)>>,
 }
@@ -68,15 +76,13 @@ impl DataConns for Sink {
     fn announced(
         &self,
         _link: &Arc<SourceLink>,
-        generation: u64,
-        conn: u16,
-        addr: SocketAddr,
+        a: Announcement,
         queue: std::sync::mpsc::Receiver<crate::fetch::InFlight>,
     ) {
         self.announced
             .lock()
             .unwrap()
-            .push((generation, conn, addr));
+            .push((a.generation, a.lane, a.conn, a.addr, a.want));
         self.queues.lock().unwrap().push(queue);
     }
     fn forget(&self, link: usize, generation: u64, reason: &str) {
@@ -87,14 +93,28 @@ impl DataConns for Sink {
     }
 }
 
+/// Two lanes: lane 0 at 127.0.0.1:7401 with 2 flows (connections 0, 1), lane 1 at
+/// 127.0.0.2:7402 with 1 (connection 2).
+fn node_lanes() -> Vec<LaneAddr> {
+    vec![
+        LaneAddr {
+            data_addr: "127.0.0.1:7401".parse().unwrap(),
+            flows: 2,
+        },
+        LaneAddr {
+            data_addr: "127.0.0.2:7402".parse().unwrap(),
+            flows: 1,
+        },
+    ]
+}
+
 fn link() -> Arc<SourceLink> {
     SourceLink::new(
         0,
         "source-a:7500".into(),
         LinkConfig {
             secret: None,
-            flows: 2,
-            data_addr: "127.0.0.1:7401".parse().unwrap(),
+            lanes: node_lanes(),
         },
     )
 }
@@ -110,10 +130,7 @@ fn start() -> (Arc<SourceLink>, FakeSource, Arc<Sink>, Session) {
     let (srd, swr) = tokio::io::split(source_end);
     let (l, sink) = (link(), Arc::new(Sink::default()));
     let (l2, s2) = (Arc::clone(&l), Arc::clone(&sink));
-    let task = tokio::spawn(async move {
-        let data = "127.0.0.1:7401".parse().unwrap();
-        serve(&l2, s2.as_ref(), nrd, nwr, data).await
-    });
+    let task = tokio::spawn(async move { serve(&l2, s2.as_ref(), nrd, nwr, &node_lanes()).await });
     let src = FakeSource {
         rd: srd,
         wr: swr,
@@ -240,6 +257,7 @@ async fn announcements_reach_the_data_plane_and_shards_their_queue() {
     until_up(&l).await;
     let from: SocketAddr = "127.0.0.1:40001".parse().unwrap();
     src.send(Message::DataConn {
+        lane: 0,
         conn: 1,
         addr: from,
     })
@@ -269,15 +287,142 @@ async fn announcements_reach_the_data_plane_and_shards_their_queue() {
         tokio::task::yield_now().await;
     };
     assert_eq!((f.req, f.shard), (7, 0));
-    assert_eq!(sink.announced.lock().unwrap()[0], (1, 1, from));
+    let lane0 = "127.0.0.1:7401".parse().unwrap();
+    assert_eq!(sink.announced.lock().unwrap()[0], (1, 0, 1, from, lane0));
     // Announcing connection 1 again breaks the protocol and ends the session.
     src.send(Message::DataConn {
+        lane: 0,
         conn: 1,
         addr: from,
     })
     .await;
     let e = task.await.unwrap().unwrap_err();
     assert!(e.to_string().contains("announced twice"), "{e}");
+}
+
+#[tokio::test]
+async fn a_connection_is_announced_for_the_lane_it_was_numbered_for() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let from: SocketAddr = "127.0.0.9:40002".parse().unwrap();
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: from,
+    })
+    .await;
+    while sink.announced.lock().unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    let want: SocketAddr = "127.0.0.2:7402".parse().unwrap();
+    assert_eq!(sink.announced.lock().unwrap()[0], (1, 1, 2, from, want));
+    // Connection 0 belongs to lane 0: announcing it for lane 1 is a violation.
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 0,
+        addr: from,
+    })
+    .await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "data connection 0 announced for lane 1; the node's Hello numbered it for lane 0"
+        ),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn a_shard_on_another_lanes_connection_fails_its_fetch_and_the_session() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: "127.0.0.9:40003".parse().unwrap(),
+    })
+    .await;
+    let p = pool(1 << 20);
+    let (f, mut done) = in_flight(&p, 0, 4096, 5);
+    assert_eq!(f.lane, 0);
+    l.fetch(8, "tiny", f.shard, f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch {
+            req: 8,
+            lane: 0,
+            ..
+        }
+    ));
+    src.send(Message::Shard {
+        req: 8,
+        shard: 0,
+        length: 4096,
+        crc32c: 5,
+        conn: 2,
+        seq: 0,
+    })
+    .await;
+    let c = done.recv().await.unwrap();
+    assert!(
+        matches!(c.result, Err(FetchFailure::LinkDown { .. })),
+        "{:?}",
+        c.result
+    );
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("SHARD req 8 on data connection 2 of lane 1; its FETCH named lane 0"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn a_source_of_another_version_is_named_with_both_versions() {
+    // A version 2 source answers a version 3 Hello with an error in its version...
+    let (_l, mut src, _sink, task) = start();
+    let mut hello = [0u8; 4];
+    tokio::io::AsyncReadExt::read_exact(&mut src.rd, &mut hello)
+        .await
+        .unwrap();
+    // (any frame with version byte 2: this one is what a version 3 peer sends a version 2 one)
+    src.wr
+        .write_all(&wire::version_error_frame(2, "source"))
+        .await
+        .unwrap();
+    let e = task.await.unwrap().unwrap_err();
+    assert!(matches!(e, LinkError::Version { theirs: 2 }), "{e}");
+    assert!(
+        e.to_string().contains("version 2, this node version 3"),
+        "{e}"
+    );
+    // ... or closes without a word.
+    let (_l, mut src, _sink, task) = start();
+    assert!(matches!(src.recv().await, Message::Hello { .. }));
+    drop(src);
+    let e = task.await.unwrap().unwrap_err();
+    assert!(matches!(e, LinkError::ClosedAfterHello), "{e}");
+    assert!(e.to_string().contains("another protocol version"), "{e}");
+}
+
+#[test]
+fn a_wildcard_lane_is_advertised_at_the_control_connections_address() {
+    let lanes = vec![
+        LaneAddr {
+            data_addr: "0.0.0.0:7401".parse().unwrap(),
+            flows: 2,
+        },
+        LaneAddr {
+            data_addr: "10.0.1.5:7401".parse().unwrap(),
+            flows: 1,
+        },
+    ];
+    let got = advertised(&lanes, "10.9.0.7".parse().unwrap());
+    assert_eq!(got[0].data_addr.to_string(), "10.9.0.7:7401");
+    assert_eq!(got[1].data_addr.to_string(), "10.0.1.5:7401");
+    assert_eq!((got[0].flows, got[1].flows), (2, 1));
 }
 
 #[tokio::test]

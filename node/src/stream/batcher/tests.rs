@@ -82,6 +82,7 @@ fn stream(region: usize) -> Arc<Stream> {
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),
         gpu: None,
+        lane: 0,
     })
 }
 
@@ -109,6 +110,7 @@ impl Issue for Fake {
             length: entry.length,
             crc32c: entry.crc32c,
             stream: 1,
+            lane: 0,
         };
         let f = InFlight::new(r, 0, done.clone());
         self.issued.lock().unwrap().push((f, p.avoid));

@@ -1,0 +1,109 @@
+//! The data listeners of a node's lanes: one socket per distinct lane address, where lanes
+//! that share a NIC share its address (their connections are told apart by the source's
+//! announcement), a wildcard on a port serves every lane on that port and address family
+//! (one cannot bind a wildcard and a specific address to one port), and port 0 gets an
+//! ephemeral port of its own per lane. [`group`] is the pure rule.
+
+use std::net::SocketAddr;
+
+/// One listener to bind and the lanes it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// The address to bind.
+    pub addr: SocketAddr,
+    /// The lanes it serves, in id order.
+    pub lanes: Vec<u32>,
+}
+
+/// The listeners of lanes `(id, data_listen)`, in the order of their first lane.
+pub fn group(lanes: &[(u32, SocketAddr)]) -> Vec<Listener> {
+    let wildcard_on = |a: &SocketAddr| {
+        lanes.iter().any(|(_, w)| {
+            w.ip().is_unspecified() && w.port() == a.port() && w.is_ipv4() == a.is_ipv4()
+        })
+    };
+    let mut out: Vec<Listener> = Vec::new();
+    for &(id, addr) in lanes {
+        let bind = match addr.port() {
+            0 => None,
+            _ if wildcard_on(&addr) => Some(SocketAddr::new(
+                match addr {
+                    SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                    SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+                },
+                addr.port(),
+            )),
+            _ => Some(addr),
+        };
+        match bind.and_then(|b| out.iter_mut().find(|l| l.addr == b)) {
+            Some(l) => l.lanes.push(id),
+            None => out.push(Listener {
+                addr: bind.unwrap_or(addr),
+                lanes: vec![id],
+            }),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lanes(addrs: &[&str]) -> Vec<(u32, SocketAddr)> {
+        addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (i as u32, a.parse().unwrap()))
+            .collect()
+    }
+
+    fn shown(ls: &[Listener]) -> Vec<(String, Vec<u32>)> {
+        ls.iter()
+            .map(|l| (l.addr.to_string(), l.lanes.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn one_listener_per_address_shared_by_lanes_of_one_nic() {
+        let got = group(&lanes(&["10.0.1.5:7401", "10.0.1.5:7401", "10.0.2.5:7401"]));
+        assert_eq!(
+            shown(&got),
+            [
+                ("10.0.1.5:7401".into(), vec![0, 1]),
+                ("10.0.2.5:7401".into(), vec![2])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_wildcard_serves_every_lane_on_its_port_and_family() {
+        let got = group(&lanes(&[
+            "10.0.1.5:7401",
+            "0.0.0.0:7401",
+            "10.0.2.5:7402",
+            "[fd00::1]:7401",
+        ]));
+        assert_eq!(
+            shown(&got),
+            [
+                ("0.0.0.0:7401".into(), vec![0, 1]),
+                ("10.0.2.5:7402".into(), vec![2]),
+                ("[fd00::1]:7401".into(), vec![3]),
+            ]
+        );
+    }
+
+    #[test]
+    fn port_zero_is_a_listener_per_lane() {
+        let got = group(&lanes(&["127.0.0.1:0", "127.0.0.2:0", "127.0.0.1:0"]));
+        assert_eq!(
+            shown(&got),
+            [
+                ("127.0.0.1:0".into(), vec![0]),
+                ("127.0.0.2:0".into(), vec![1]),
+                ("127.0.0.1:0".into(), vec![2]),
+            ]
+        );
+    }
+}

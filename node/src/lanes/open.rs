@@ -1,0 +1,344 @@
+//! Making the lanes at start: reading the sysfs tree, planning ([`super::plan`]), opening each
+//! lane's GPU (its self-test; a lane whose GPU fails is left out, with the reason), binding the
+//! data listeners ([`super::listen`]), and checking, per lane, that its receivers can run on
+//! its CPUs and its host memory can be placed on its NUMA node. Each decision has a reason for
+//! the startup log and `/v1/status`.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use shardwire_config::{Lanes as LanesConfig, MemoryMode, ServeConfig};
+use shardwire_gpu::cuda::CudaMemory;
+use shardwire_gpu::{GpuDevice, GpuError, GpuProbe, HostRegion, MemoryChoice};
+use shardwire_protocol::trainer::MemoryKind;
+use shardwire_topology::{SysfsError, Tree};
+
+use super::affinity;
+use super::listen::{self, Listener};
+use super::plan::{self, Inputs, PlanError};
+use super::{Excluded, Lane, LaneSpec, LaneStats, Lanes};
+
+/// Why the lanes cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum LaneStartError {
+    /// A configured sysfs root cannot be read.
+    #[error("sysfs_root = {0}")]
+    Sysfs(#[source] SysfsError),
+    /// The plan is impossible (a table names what is not there).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// `memory = "cuda"` and no usable GPU (the probe says why).
+    #[error(transparent)]
+    Memory(GpuError),
+    /// `memory = "cuda"` and no lane's GPU opened.
+    #[error("memory = \"cuda\": no GPU could be opened: {0}")]
+    GpuOpen(String),
+    /// A data listener could not be bound.
+    #[error("cannot bind the data port of lanes {lanes:?} on {addr}: {source}")]
+    Bind {
+        /// The lanes it serves.
+        lanes: Vec<u32>,
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The lanes made at start.
+pub struct Started {
+    /// The lanes.
+    pub lanes: Arc<Lanes>,
+    /// The data listeners.
+    pub listeners: Vec<tokio::net::TcpListener>,
+    /// Where stream regions live (CUDA when any lane has a GPU opened).
+    pub memory: MemoryKind,
+    /// Why.
+    pub memory_reason: String,
+}
+
+/// The sysfs tree at `root`: an error if it was configured and cannot be read, an empty tree
+/// (and a warning) if `/sys` itself cannot.
+fn read_tree(root: &Path) -> Result<Tree, LaneStartError> {
+    match Tree::read(root) {
+        Ok(t) => Ok(t),
+        Err(e) if root == Path::new(shardwire_topology::DEFAULT_ROOT) => {
+            tracing::warn!(error = %e, "cannot read the sysfs tree: lanes get no NIC pairing");
+            Ok(Tree::default())
+        }
+        Err(e) => Err(LaneStartError::Sysfs(e)),
+    }
+}
+
+/// The CUDA devices lanes may use: none with `memory = "host"`; the usable ones otherwise
+/// (`memory = "cuda"` without one is an error naming why).
+fn cuda_devices(mode: MemoryMode, probe: &GpuProbe) -> Result<Vec<GpuDevice>, LaneStartError> {
+    let choice = match mode {
+        MemoryMode::Host => return Ok(Vec::new()),
+        MemoryMode::Auto => MemoryChoice::Auto,
+        MemoryMode::Cuda => MemoryChoice::Cuda,
+    };
+    let d = shardwire_gpu::choose_memory(choice, probe).map_err(LaneStartError::Memory)?;
+    Ok(match d.device {
+        None => Vec::new(),
+        Some(_) => probe
+            .devices
+            .iter()
+            .filter(|d| d.usable())
+            .cloned()
+            .collect(),
+    })
+}
+
+/// Plans the lanes and opens their GPUs; returns the lanes kept (with their GPUs), the GPUs left
+/// out, the memory kind and why.
+async fn plan_and_open(
+    cfg: &ServeConfig,
+    probe: &GpuProbe,
+) -> Result<
+    (
+        Vec<(LaneSpec, Option<Arc<CudaMemory>>)>,
+        Vec<Excluded>,
+        MemoryKind,
+        String,
+    ),
+    LaneStartError,
+> {
+    let root = cfg.sysfs_root.clone();
+    let tree = tokio::task::spawn_blocking(move || read_tree(&root))
+        .await
+        .expect("reading sysfs does not panic")?;
+    let cuda = cuda_devices(cfg.memory, probe)?;
+    let inputs = Inputs {
+        lanes: &cfg.lanes,
+        data_listen: cfg.data_listen,
+        devmem_queues: &cfg.devmem_queues,
+        devmem_memory: cfg.devmem_memory.0,
+        tree: &tree,
+        cuda: &cuda,
+    };
+    let specs = plan::plan(&inputs, &shardwire_devmem::ifaddr::ipv4)?;
+    let mut kept = Vec::new();
+    let (mut excluded, mut failures) = (Vec::new(), Vec::new());
+    for spec in specs {
+        let Some(device) = spec_device(&spec, &cuda) else {
+            kept.push((spec, None));
+            continue;
+        };
+        let info = device.clone();
+        let opened =
+            tokio::task::spawn_blocking(move || shardwire_gpu::cuda::open_for_service(&info))
+                .await
+                .expect("opening the GPU does not panic");
+        match opened {
+            Ok(m) => kept.push((spec, Some(Arc::new(m)))),
+            Err(e) => {
+                let what = shardwire_gpu::probe::device_text(device);
+                tracing::error!(lane = spec.id, gpu = %what, error = %e, "the lane's GPU failed to open or its self-test failed: the lane is left out");
+                failures.push(format!("{what}: {e}"));
+                excluded.push(Excluded {
+                    gpu: device.pci_bus_id.clone(),
+                    reason: format!("opening it or its self-test failed: {e}"),
+                });
+                kept.push((spec, None));
+            }
+        }
+    }
+    let opened = kept.iter().filter(|(_, m)| m.is_some()).count();
+    let (memory, reason) = memory_decision(cfg, probe, &kept, &failures)?;
+    if memory == MemoryKind::Cuda {
+        // CUDA memory: a lane whose GPU did not open is left out (it is in `excluded`).
+        let failed: Vec<String> = excluded.iter().map(|e| e.gpu.clone()).collect();
+        kept.retain(|(s, m)| {
+            m.is_some()
+                || !s
+                    .gpu
+                    .as_ref()
+                    .is_some_and(|g| failed.contains(&g.pci.to_string()))
+        });
+    } else {
+        excluded.clear(); // host memory: every lane stays, none needs its GPU opened
+    }
+    debug_assert!(memory == MemoryKind::Host || opened > 0);
+    Ok((kept, excluded, memory, reason))
+}
+
+/// The CUDA device of a planned lane, if the node may use CUDA for it.
+fn spec_device<'a>(spec: &LaneSpec, cuda: &'a [GpuDevice]) -> Option<&'a GpuDevice> {
+    let ordinal = spec.gpu.as_ref()?.ordinal?;
+    cuda.iter().find(|d| d.ordinal == ordinal)
+}
+
+/// Host or CUDA memory after opening the lanes' GPUs, and why.
+fn memory_decision(
+    cfg: &ServeConfig,
+    probe: &GpuProbe,
+    kept: &[(LaneSpec, Option<Arc<CudaMemory>>)],
+    failures: &[String],
+) -> Result<(MemoryKind, String), LaneStartError> {
+    let opened: Vec<&CudaMemory> = kept.iter().filter_map(|(_, m)| m.as_deref()).collect();
+    let how = match cfg.memory {
+        MemoryMode::Cuda => "configured (memory = \"cuda\")",
+        _ => "auto",
+    };
+    if cfg.memory == MemoryMode::Host {
+        return Ok((MemoryKind::Host, "configured (memory = \"host\")".into()));
+    }
+    if opened.is_empty() {
+        if !failures.is_empty() && cfg.memory == MemoryMode::Cuda {
+            return Err(LaneStartError::GpuOpen(failures.join("; ")));
+        }
+        let why = match failures.first() {
+            Some(f) => format!("auto: {f}; using host memory"),
+            None => format!("auto: no CUDA driver or usable GPU ({})", probe.reason),
+        };
+        return Ok((MemoryKind::Host, why));
+    }
+    let text = |m: &CudaMemory| shardwire_gpu::probe::device_text(&m.info);
+    let reason = match (opened.as_slice(), cfg.memory) {
+        ([one], MemoryMode::Cuda) => format!("{how}: {}", text(one)),
+        ([one], _) => format!("{how}: {} has dma-buf and VMM support", text(one)),
+        (all, _) => {
+            let names: Vec<String> = all.iter().map(|m| text(m)).collect();
+            format!(
+                "{how}: {} GPUs, one lane each: {}",
+                all.len(),
+                names.join(", ")
+            )
+        }
+    };
+    Ok((MemoryKind::Cuda, reason))
+}
+
+/// Binds the listeners of `specs` (ids `0..n`); returns them and each lane's bound address.
+async fn bind_listeners(
+    specs: &[LaneSpec],
+) -> Result<(Vec<tokio::net::TcpListener>, Vec<SocketAddr>), LaneStartError> {
+    let plan: Vec<Listener> = listen::group(
+        &specs
+            .iter()
+            .map(|s| (s.id, s.data_listen))
+            .collect::<Vec<_>>(),
+    );
+    let mut bound = vec![None; specs.len()];
+    let mut out = Vec::with_capacity(plan.len());
+    for l in plan {
+        let sock = tokio::net::TcpListener::bind(l.addr)
+            .await
+            .map_err(|source| LaneStartError::Bind {
+                lanes: l.lanes.clone(),
+                addr: l.addr,
+                source,
+            })?;
+        let port = sock.local_addr().expect("bound").port();
+        for id in &l.lanes {
+            let ip = specs[*id as usize].data_listen.ip();
+            bound[*id as usize] = Some(SocketAddr::new(ip, port));
+        }
+        out.push(sock);
+    }
+    let addrs = bound
+        .into_iter()
+        .map(|a| a.expect("every lane has a listener"))
+        .collect();
+    Ok((out, addrs))
+}
+
+/// The CPUs a lane's receivers run on, and the NUMA node its host memory goes to, as this
+/// process and kernel allow; a note for each that is not possible.
+fn placement(spec: &LaneSpec, allowed: &[u32], host: bool) -> (Vec<u32>, Option<u32>, Vec<String>) {
+    let mut notes = Vec::new();
+    let cpus = match spec.cpus.as_slice() {
+        [] => Vec::new(),
+        wanted => affinity::usable(wanted, allowed).unwrap_or_else(|e| {
+            notes.push(format!("receivers not pinned: {e}"));
+            Vec::new()
+        }),
+    };
+    let numa = match (spec.numa_bind, host) {
+        (Some(node), true) => match HostRegion::new("shardwire-numa-check", 4096)
+            .and_then(|r| r.prefer_numa_node(node))
+        {
+            Ok(()) => Some(node),
+            Err(e) => {
+                notes.push(format!("host memory not placed on NUMA node {node}: {e}"));
+                None
+            }
+        },
+        _ => None,
+    };
+    (cpus, numa, notes)
+}
+
+/// Makes the lanes of `cfg`.
+pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneStartError> {
+    let (kept, excluded, memory, memory_reason) = plan_and_open(cfg, probe).await?;
+    // Ids 0..n over the lanes kept (the wire numbers lanes by position).
+    let specs: Vec<LaneSpec> = kept
+        .iter()
+        .enumerate()
+        .map(|(i, (s, _))| LaneSpec {
+            id: i as u32,
+            ..s.clone()
+        })
+        .collect();
+    let (listeners, addrs) = bind_listeners(&specs).await?;
+    let allowed = affinity::allowed().unwrap_or_default();
+    let lanes: Vec<Arc<Lane>> = specs
+        .into_iter()
+        .zip(kept.into_iter().map(|(_, m)| m))
+        .zip(addrs)
+        .map(|((spec, cuda), data_addr)| {
+            let (cpus, numa_bind, notes) = placement(&spec, &allowed, cuda.is_none());
+            Arc::new(Lane {
+                spec,
+                data_addr,
+                cuda,
+                cpus,
+                numa_bind,
+                notes,
+                stats: LaneStats::default(),
+            })
+        })
+        .collect();
+    log_lanes(&lanes, &excluded, &cfg.lanes);
+    Ok(Started {
+        lanes: Arc::new(Lanes::new(lanes, excluded)),
+        listeners,
+        memory,
+        memory_reason,
+    })
+}
+
+/// One log line per lane (a warning when its pairing crosses a CPU or it has no NIC) and per
+/// GPU left out.
+fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
+    let source = match cfg {
+        LanesConfig::Auto => "auto",
+        LanesConfig::Table(_) => "configured",
+    };
+    for l in lanes {
+        let s = &l.spec;
+        let gpu = s.gpu.as_ref().map_or("-".to_owned(), |g| g.pci.to_string());
+        let (nic, dist) = (
+            s.nic.as_deref().unwrap_or("-"),
+            s.distance.map_or("-".to_owned(), |d| d.to_string()),
+        );
+        let cpus = shardwire_topology::format_ranges(&l.cpus);
+        let memory = if l.cuda.is_some() { "cuda" } else { "host" };
+        if s.warn && lanes.len() > 1 {
+            tracing::warn!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why,
+                "lane: its GPU and NIC are far apart or it has no NIC (GPU-direct receive is slow or unavailable there)");
+        } else {
+            tracing::info!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why, "lane");
+        }
+        for n in &l.notes {
+            tracing::warn!(lane = s.id, "{n}");
+        }
+    }
+    for e in excluded {
+        tracing::error!(gpu = %e.gpu, reason = %e.reason, "GPU left out: it serves no lane");
+    }
+}

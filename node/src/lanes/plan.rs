@@ -1,0 +1,437 @@
+//! Planning a node's lanes (DESIGN §11) from the `lanes` configuration, the sysfs tree and the
+//! CUDA devices: for each lane its GPU, its NIC and their PCIe distance, where sources dial it,
+//! the CPUs its receivers run on, the NUMA node its host memory is placed on, and the RX
+//! queues it binds for devmem. Pure: the tree, the devices and the interface addresses come in
+//! as values and a lookup, so every rule is unit-tested without a GPU or a NIC.
+//!
+//! `lanes = "auto"`:
+//! - the GPUs are the CUDA devices when the node may use CUDA memory and a driver lists some,
+//!   else the GPUs of the sysfs tree (a host-memory node still places streams by GPU);
+//! - none or one: one lane on `data_listen`, with `devmem_queues`, no CPU pinning and no NUMA
+//!   placement: exactly the single-lane node of earlier releases (the paired NIC is shown);
+//! - two or more: one lane per GPU, in PCI order, paired with its nearest NIC
+//!   ([`shardwire_topology::pair`], over those GPUs only); its data address is the NIC's IPv4
+//!   address with `data_listen`'s port when `data_listen` is a wildcard, else `data_listen`.
+//!
+//! A table: lane `i` is the `i`-th entry; a field left out is filled as `auto` would (the
+//! NIC paired with the lane's GPU, its queue share, its address), else from the node's keys.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use shardwire_config::{LaneConfig, Lanes};
+use shardwire_devmem::ifaddr::IfAddrError;
+use shardwire_gpu::GpuDevice;
+use shardwire_topology::{
+    Distance, GpuName, GpuNameError, GpuUuid, LanePlan, PairOptions, PciAddr, Tree, classify, pair,
+};
+
+/// The GPU of a lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneGpu {
+    /// Its PCI bus id.
+    pub pci: PciAddr,
+    /// Its UUID, when the CUDA driver reports it.
+    pub uuid: Option<GpuUuid>,
+    /// Its CUDA ordinal in this process (`None`: CUDA does not list it).
+    pub ordinal: Option<i32>,
+}
+
+/// One planned lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneSpec {
+    /// Lane id, 0.. in plan order.
+    pub id: u32,
+    /// Its GPU (`None`: a host-memory lane without one).
+    pub gpu: Option<LaneGpu>,
+    /// Its NIC (interface name).
+    pub nic: Option<String>,
+    /// The NIC's PCI bus id.
+    pub nic_pci: Option<PciAddr>,
+    /// GPU to NIC PCIe distance, when both are in the sysfs tree.
+    pub distance: Option<Distance>,
+    /// The NUMA node of the NIC (else of the GPU).
+    pub numa_node: Option<u32>,
+    /// CPUs its receiver threads run on (empty: not pinned).
+    pub cpus: Vec<u32>,
+    /// The NUMA node its host-memory regions are placed on (`None`: not placed).
+    pub numa_bind: Option<u32>,
+    /// The RX queues it binds for devmem (empty: the binding's default).
+    pub queues: Vec<u32>,
+    /// Where its data listener binds (and, unless a wildcard, what sources dial).
+    pub data_listen: SocketAddr,
+    /// Its RX dma-buf size for devmem.
+    pub devmem_memory: u64,
+    /// One line: why this GPU, NIC and address.
+    pub why: String,
+    /// The pairing deserves a warning (through a CPU, across sockets, or no NIC).
+    pub warn: bool,
+}
+
+/// Why the lanes cannot be planned; each names the lane table and the value.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// `gpu` is neither a PCI bus id nor a UUID.
+    #[error("lanes[{lane}].gpu: {source}")]
+    GpuName {
+        /// The table's index.
+        lane: usize,
+        /// What is wrong.
+        #[source]
+        source: GpuNameError,
+    },
+    /// No GPU of this host has that name.
+    #[error(
+        "lanes[{lane}].gpu = {gpu}: this host has no such GPU (GPUs: {known}); `shardwire topology` lists them"
+    )]
+    UnknownGpu {
+        /// The table's index.
+        lane: usize,
+        /// The name given.
+        gpu: String,
+        /// The GPUs there are.
+        known: String,
+    },
+    /// A UUID cannot be resolved without the CUDA driver.
+    #[error(
+        "lanes[{lane}].gpu = {gpu}: a UUID names a GPU only through the CUDA driver, and this node uses none (memory = \"host\" or no driver); give its PCI bus id"
+    )]
+    UuidWithoutCuda {
+        /// The table's index.
+        lane: usize,
+        /// The name given.
+        gpu: String,
+    },
+    /// The interface does not exist or its address cannot be read.
+    #[error("lanes[{lane}].interface: {source}")]
+    Interface {
+        /// The table's index.
+        lane: usize,
+        /// What failed.
+        #[source]
+        source: IfAddrError,
+    },
+}
+
+/// What the plan is made from.
+pub struct Inputs<'a> {
+    /// The `lanes` key.
+    pub lanes: &'a Lanes,
+    /// The node's `data_listen`.
+    pub data_listen: SocketAddr,
+    /// The node's `devmem_queues` (the single lane's).
+    pub devmem_queues: &'a [u32],
+    /// The node's `devmem_memory`.
+    pub devmem_memory: u64,
+    /// The sysfs tree (empty when it could not be read).
+    pub tree: &'a Tree,
+    /// The CUDA devices the node may use (empty: host memory, or no driver).
+    pub cuda: &'a [GpuDevice],
+}
+
+/// An interface's IPv4 address (`shardwire_devmem::ifaddr::ipv4` on a host).
+pub type Ipv4Lookup<'a> = &'a dyn Fn(&str) -> Result<Option<Ipv4Addr>, IfAddrError>;
+
+/// A GPU the plan may give a lane.
+#[derive(Debug, Clone)]
+struct Candidate {
+    gpu: LaneGpu,
+}
+
+/// The GPUs lanes are made of: the CUDA devices, else the tree's GPUs; in PCI order.
+fn candidates(inp: &Inputs<'_>) -> Vec<Candidate> {
+    let mut out: Vec<Candidate> = if inp.cuda.is_empty() {
+        inp.tree
+            .gpus
+            .iter()
+            .map(|g| Candidate {
+                gpu: LaneGpu {
+                    pci: g.pci,
+                    uuid: None,
+                    ordinal: None,
+                },
+            })
+            .collect()
+    } else {
+        inp.cuda
+            .iter()
+            .filter_map(|d| {
+                Some(Candidate {
+                    gpu: LaneGpu {
+                        pci: d.pci_bus_id.parse().ok()?,
+                        uuid: d.uuid.as_deref().and_then(|u| u.parse().ok()),
+                        ordinal: Some(d.ordinal),
+                    },
+                })
+            })
+            .collect()
+    };
+    out.sort_by_key(|c| c.gpu.pci);
+    out
+}
+
+/// The pairing of `gpus` only (a GPU CUDA does not list takes no NIC share).
+fn pair_only(tree: &Tree, gpus: &[PciAddr]) -> Vec<LanePlan> {
+    let sub = Tree {
+        gpus: tree
+            .gpus
+            .iter()
+            .filter(|g| gpus.contains(&g.pci))
+            .cloned()
+            .collect(),
+        nics: tree.nics.clone(),
+        nodes: tree.nodes.clone(),
+    };
+    pair(&sub, &PairOptions::default())
+}
+
+/// The CPUs near a NIC (its `local_cpulist`), else those of the lane's NUMA node.
+fn cpus_for(tree: &Tree, nic: Option<&str>, numa: Option<u32>) -> Vec<u32> {
+    let local = nic
+        .and_then(|n| tree.nics.iter().find(|x| x.interface == n))
+        .map(|n| n.local_cpulist.clone())
+        .unwrap_or_default();
+    if !local.is_empty() {
+        return local;
+    }
+    numa.map(|n| tree.cpus_of_node(n).to_vec())
+        .unwrap_or_default()
+}
+
+/// Where sources dial a lane on `nic`: its IPv4 address with `listen`'s port when `listen` is
+/// a wildcard and the NIC has one, else `listen`; with the reason.
+fn addr_for(
+    nic: Option<&str>,
+    listen: SocketAddr,
+    ipv4: Ipv4Lookup<'_>,
+) -> Result<(SocketAddr, String), IfAddrError> {
+    let Some(nic) = nic else {
+        return Ok((listen, format!("data address {listen} (data_listen)")));
+    };
+    match ipv4(nic)? {
+        Some(ip) if listen.ip().is_unspecified() => Ok((
+            SocketAddr::new(IpAddr::V4(ip), listen.port()),
+            format!("data address {ip}:{} ({nic}'s IPv4)", listen.port()),
+        )),
+        Some(_) => Ok((
+            listen,
+            format!("data address {listen} (data_listen is not a wildcard)"),
+        )),
+        None => Ok((
+            listen,
+            format!("data address {listen} ({nic} has no IPv4 address)"),
+        )),
+    }
+}
+
+/// Plans the lanes.
+pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, PlanError> {
+    match inp.lanes {
+        Lanes::Auto => Ok(auto(inp, ipv4)),
+        Lanes::Table(t) => t
+            .iter()
+            .enumerate()
+            .map(|(i, lc)| table_lane(inp, i, lc, ipv4))
+            .collect(),
+    }
+}
+
+/// `lanes = "auto"`.
+fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
+    let gpus = candidates(inp);
+    let pcis: Vec<PciAddr> = gpus.iter().map(|c| c.gpu.pci).collect();
+    let plans = pair_only(inp.tree, &pcis);
+    let plan_of = |pci: PciAddr| plans.iter().find(|p| p.gpu == pci);
+    if gpus.len() <= 1 {
+        return vec![single(
+            inp,
+            gpus.first(),
+            gpus.first().and_then(|c| plan_of(c.gpu.pci)),
+        )];
+    }
+    gpus.iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let p = plan_of(c.gpu.pci);
+            let nic = p.and_then(|p| p.nic.clone());
+            let (data_listen, addr_why) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
+                .unwrap_or_else(|e| {
+                    (
+                        inp.data_listen,
+                        format!("data address {} ({e})", inp.data_listen),
+                    )
+                });
+            let numa_node = p.and_then(LanePlan::numa_node);
+            let pairing = p.map_or_else(
+                || "not in the sysfs tree: no NIC pairing".to_owned(),
+                |p| p.why.clone(),
+            );
+            LaneSpec {
+                id: i as u32,
+                gpu: Some(c.gpu.clone()),
+                nic_pci: p.and_then(|p| p.nic_pci),
+                distance: p.and_then(|p| p.distance),
+                cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
+                numa_bind: numa_node,
+                queues: p.map(|p| p.queues.clone()).unwrap_or_default(),
+                nic,
+                numa_node,
+                data_listen,
+                devmem_memory: inp.devmem_memory,
+                why: format!("{pairing}; {addr_why}"),
+                warn: p.is_none_or(|p| p.warn),
+            }
+        })
+        .collect()
+}
+
+/// The one lane of a node with no GPU or one: as earlier releases ran it.
+fn single(inp: &Inputs<'_>, gpu: Option<&Candidate>, p: Option<&LanePlan>) -> LaneSpec {
+    let what = match (gpu, p.and_then(|p| p.nic.as_deref())) {
+        (None, _) => "no GPU: one host lane".to_owned(),
+        (Some(_), Some(nic)) => format!(
+            "one GPU: one lane (its nearest NIC is {nic}: {})",
+            p.map_or("", |p| p.why.as_str())
+        ),
+        (Some(_), None) => "one GPU: one lane".to_owned(),
+    };
+    LaneSpec {
+        id: 0,
+        gpu: gpu.map(|c| c.gpu.clone()),
+        nic: p.and_then(|p| p.nic.clone()),
+        nic_pci: p.and_then(|p| p.nic_pci),
+        distance: p.and_then(|p| p.distance),
+        numa_node: p.and_then(LanePlan::numa_node),
+        cpus: Vec::new(),
+        numa_bind: None,
+        queues: inp.devmem_queues.to_vec(),
+        data_listen: inp.data_listen,
+        devmem_memory: inp.devmem_memory,
+        why: format!(
+            "{what}; data address {} (data_listen), receivers not pinned",
+            inp.data_listen
+        ),
+        warn: false,
+    }
+}
+
+/// The GPU a table names, among the candidates.
+fn named_gpu(inp: &Inputs<'_>, lane: usize, name: &str) -> Result<LaneGpu, PlanError> {
+    let parsed: GpuName = name
+        .parse()
+        .map_err(|source| PlanError::GpuName { lane, source })?;
+    if matches!(parsed, GpuName::Uuid(_)) && inp.cuda.is_empty() {
+        return Err(PlanError::UuidWithoutCuda {
+            lane,
+            gpu: name.to_owned(),
+        });
+    }
+    let all = candidates(inp);
+    all.iter()
+        .find(|c| parsed.is(Some(c.gpu.pci), c.gpu.uuid))
+        .map(|c| c.gpu.clone())
+        .ok_or_else(|| {
+            let known: Vec<String> = all.iter().map(|c| c.gpu.pci.to_string()).collect();
+            PlanError::UnknownGpu {
+                lane,
+                gpu: name.to_owned(),
+                known: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                },
+            }
+        })
+}
+
+/// The distance between a tree GPU and a tree NIC, when both are in the tree.
+fn distance_of(tree: &Tree, gpu: Option<PciAddr>, nic: Option<&str>) -> Option<(Distance, String)> {
+    let g = tree.gpus.iter().find(|g| Some(g.pci) == gpu)?;
+    let n = tree
+        .nics
+        .iter()
+        .find(|n| Some(n.interface.as_str()) == nic)?;
+    let c = classify(&g.path, g.numa_node, n.path.as_ref()?, n.numa_node);
+    Some((c.distance, c.why))
+}
+
+/// Lane `i` of a table.
+fn table_lane(
+    inp: &Inputs<'_>,
+    i: usize,
+    lc: &LaneConfig,
+    ipv4: Ipv4Lookup<'_>,
+) -> Result<LaneSpec, PlanError> {
+    let gpu = lc
+        .gpu
+        .as_deref()
+        .map(|g| named_gpu(inp, i, g))
+        .transpose()?;
+    let table_gpus: Vec<PciAddr> = match inp.lanes {
+        Lanes::Table(t) => t
+            .iter()
+            .enumerate()
+            .filter_map(|(j, l)| named_gpu(inp, j, l.gpu.as_deref()?).ok().map(|g| g.pci))
+            .collect(),
+        Lanes::Auto => Vec::new(),
+    };
+    let plans = pair_only(inp.tree, &table_gpus);
+    let p = gpu
+        .as_ref()
+        .and_then(|g| plans.iter().find(|p| p.gpu == g.pci));
+    let nic = lc
+        .interface
+        .clone()
+        .or_else(|| p.and_then(|p| p.nic.clone()));
+    let (data_listen, addr_why) = match lc.data_listen {
+        Some(a) => (a, format!("data address {a} (configured)")),
+        None => addr_for(nic.as_deref(), inp.data_listen, ipv4)
+            .map_err(|source| PlanError::Interface { lane: i, source })?,
+    };
+    if lc.data_listen.is_some()
+        && let Some(n) = lc.interface.as_deref()
+    {
+        // The interface must exist even when its address is not used.
+        ipv4(n).map_err(|source| PlanError::Interface { lane: i, source })?;
+    }
+    let paired = p.filter(|p| p.nic == nic);
+    let (distance, dist_why) =
+        match distance_of(inp.tree, gpu.as_ref().map(|g| g.pci), nic.as_deref()) {
+            Some((d, why)) => (Some(d), why),
+            None => (None, "not both in the sysfs tree".to_owned()),
+        };
+    let tree_nic = inp
+        .tree
+        .nics
+        .iter()
+        .find(|n| Some(&n.interface) == nic.as_ref());
+    let tree_gpu = inp
+        .tree
+        .gpus
+        .iter()
+        .find(|g| Some(g.pci) == gpu.as_ref().map(|g| g.pci));
+    let numa_node = tree_nic
+        .and_then(|n| n.numa_node)
+        .or_else(|| tree_gpu.and_then(|g| g.numa_node));
+    let queues = match (&lc.queues[..], paired) {
+        ([], Some(p)) => p.queues.clone(),
+        (q, _) => q.to_vec(),
+    };
+    Ok(LaneSpec {
+        id: i as u32,
+        cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
+        numa_bind: numa_node,
+        nic_pci: tree_nic.and_then(|n| n.pci),
+        warn: distance.is_some_and(Distance::crosses_cpu),
+        why: format!("configured (lanes[{i}]); {dist_why}; {addr_why}"),
+        gpu,
+        nic,
+        distance,
+        numa_node,
+        queues,
+        data_listen,
+        devmem_memory: lc.devmem_memory.map_or(inp.devmem_memory, |m| m.0),
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,341 @@
+//! Lane plans over the fixture sysfs trees (tests/fixtures/sysfs) with interface addresses
+//! and CUDA devices given by hand.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+
+use shardwire_config::ByteSize;
+
+use super::*;
+
+fn tree(name: &str) -> Tree {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/sysfs")
+        .join(name);
+    Tree::read(&root).expect("fixture tree")
+}
+
+/// eth<N> has 10.0.<N>.5; lo 127.0.0.1; anything else does not exist.
+fn addrs(ifname: &str) -> Result<Option<Ipv4Addr>, IfAddrError> {
+    if ifname == "lo" {
+        return Ok(Some(Ipv4Addr::LOCALHOST));
+    }
+    match ifname
+        .strip_prefix("eth")
+        .and_then(|n| n.parse::<u8>().ok())
+    {
+        Some(n) => Ok(Some(Ipv4Addr::new(10, 0, n, 5))),
+        None => Err(IfAddrError::NoSuchInterface(ifname.to_owned())),
+    }
+}
+
+fn cuda(bus: &str, ordinal: i32) -> GpuDevice {
+    GpuDevice {
+        ordinal,
+        name: "fake".into(),
+        pci_bus_id: bus.into(),
+        uuid: Some(format!(
+            "GPU-5a77fa4e-0000-40{}-8000-000000000000",
+            &bus[5..7]
+        )),
+        total_memory: 1 << 30,
+        dma_buf_supported: true,
+        vmm_supported: true,
+        gpu_direct_rdma_with_cuda_vmm_supported: true,
+    }
+}
+
+fn inputs<'a>(lanes: &'a Lanes, listen: &str, tree: &'a Tree, cuda: &'a [GpuDevice]) -> Inputs<'a> {
+    Inputs {
+        lanes,
+        data_listen: listen.parse().expect("address"),
+        devmem_queues: &[6, 7],
+        devmem_memory: 64 << 20,
+        tree,
+        cuda,
+    }
+}
+
+/// (gpu, nic, distance, data address, queues)
+fn rows(lanes: &[LaneSpec]) -> Vec<(String, String, String, String, Vec<u32>)> {
+    lanes
+        .iter()
+        .map(|l| {
+            (
+                l.gpu.as_ref().map_or("-".into(), |g| g.pci.to_string()),
+                l.nic.clone().unwrap_or_else(|| "-".into()),
+                l.distance.map_or("-".into(), |d| d.to_string()),
+                l.data_listen.to_string(),
+                l.queues.clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn no_gpu_is_one_host_lane_as_before() {
+    let t = Tree::default();
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(lanes.len(), 1);
+    let l = &lanes[0];
+    assert_eq!((l.id, l.gpu.as_ref(), l.nic.as_ref()), (0, None, None));
+    assert_eq!(l.data_listen.to_string(), "0.0.0.0:7401");
+    assert_eq!(l.queues, [6, 7], "devmem_queues");
+    assert!(
+        l.cpus.is_empty() && l.numa_bind.is_none(),
+        "not pinned, not placed"
+    );
+    assert!(l.why.starts_with("no GPU: one host lane"), "{}", l.why);
+}
+
+#[test]
+fn one_gpu_is_one_lane_on_data_listen_with_its_nic_shown() {
+    let t = tree("veth");
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(
+        rows(&lanes),
+        [(
+            "0000:03:00.0".into(),
+            "eth1".into(),
+            "PIX".into(),
+            "0.0.0.0:7401".into(),
+            vec![6, 7]
+        )]
+    );
+    assert!(lanes[0].cpus.is_empty());
+    assert!(
+        lanes[0].why.contains("its nearest NIC is eth1"),
+        "{}",
+        lanes[0].why
+    );
+}
+
+#[test]
+fn eight_gpus_get_eight_lanes_on_their_switch_nics() {
+    let t = tree("a3-8gpu-8nic");
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(lanes.len(), 8);
+    for (i, l) in lanes.iter().enumerate() {
+        assert_eq!(l.id, i as u32);
+        assert_eq!(l.distance, Some(Distance::Pix), "{l:?}");
+        let n: u8 = l.nic.as_deref().unwrap()[3..].parse().unwrap();
+        assert_eq!(l.data_listen.to_string(), format!("10.0.{n}.5:7401"));
+        assert!(!l.warn);
+        assert_eq!(l.queues, (8..16).collect::<Vec<u32>>());
+        // Receivers on the NIC's socket; host memory placed there.
+        let socket = u32::from(i >= 4);
+        assert_eq!(l.numa_bind, Some(socket));
+        assert_eq!(l.cpus.first(), Some(&(socket * 52)));
+        assert!(
+            l.why.contains("(eth") && l.why.contains("IPv4"),
+            "{}",
+            l.why
+        );
+    }
+    let nics: std::collections::BTreeSet<_> = lanes.iter().map(|l| l.nic.clone()).collect();
+    assert_eq!(nics.len(), 8, "one NIC each");
+    // A fixed data_listen is every lane's address.
+    let fixed = plan(&inputs(&Lanes::Auto, "10.9.9.9:7401", &t, &[]), &addrs).unwrap();
+    assert!(
+        fixed
+            .iter()
+            .all(|l| l.data_listen.to_string() == "10.9.9.9:7401")
+    );
+}
+
+#[test]
+fn lanes_are_the_gpus_cuda_lists_when_it_lists_some() {
+    let t = tree("8gpu-4nic");
+    // CUDA sees 4 of the 8 GPUs (CUDA_VISIBLE_DEVICES), one per switch: each gets its switch's
+    // NIC and all of its queues.
+    let seen = [
+        cuda("0000:04:00.0", 0),
+        cuda("0000:0a:00.0", 1),
+        cuda("0000:84:00.0", 2),
+        cuda("0000:8a:00.0", 3),
+    ];
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &seen), &addrs).unwrap();
+    let got: Vec<(String, String, Vec<u32>)> = lanes
+        .iter()
+        .map(|l| {
+            (
+                l.gpu.as_ref().unwrap().pci.to_string(),
+                l.nic.clone().unwrap(),
+                l.queues.clone(),
+            )
+        })
+        .collect();
+    let all: Vec<u32> = (8..16).collect();
+    assert_eq!(
+        got,
+        [
+            ("0000:04:00.0".into(), "eth1".into(), all.clone()),
+            ("0000:0a:00.0".into(), "eth2".into(), all.clone()),
+            ("0000:84:00.0".into(), "eth3".into(), all.clone()),
+            ("0000:8a:00.0".into(), "eth4".into(), all),
+        ]
+    );
+    assert_eq!(lanes[2].gpu.as_ref().unwrap().ordinal, Some(2));
+    assert!(lanes[0].gpu.as_ref().unwrap().uuid.is_some());
+    // All 8 visible: two per NIC, disjoint queue halves.
+    let eight: Vec<GpuDevice> = t
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| cuda(&g.pci.to_string(), i as i32))
+        .collect();
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &eight), &addrs).unwrap();
+    assert_eq!(lanes.len(), 8);
+    assert_eq!(
+        (lanes[0].nic.as_deref(), &lanes[0].queues[..]),
+        (Some("eth1"), &[8, 9, 10, 11][..])
+    );
+    assert_eq!(
+        (lanes[1].nic.as_deref(), &lanes[1].queues[..]),
+        (Some("eth1"), &[12, 13, 14, 15][..])
+    );
+    assert_eq!(
+        lanes[0].data_listen, lanes[1].data_listen,
+        "one NIC, one address"
+    );
+}
+
+#[test]
+fn gpus_the_tree_lacks_get_lanes_without_a_nic() {
+    // The fake libcuda's default bus ids are not in the host's sysfs tree.
+    let t = Tree::default();
+    let seen = [cuda("0000:fa:00.0", 0), cuda("0000:fa:01.0", 1)];
+    let lanes = plan(&inputs(&Lanes::Auto, "127.0.0.1:0", &t, &seen), &addrs).unwrap();
+    assert_eq!(lanes.len(), 2);
+    for l in &lanes {
+        assert_eq!(l.nic, None);
+        assert!(
+            l.warn && l.why.starts_with("not in the sysfs tree"),
+            "{}",
+            l.why
+        );
+        assert_eq!(l.data_listen.to_string(), "127.0.0.1:0");
+    }
+}
+
+#[test]
+fn a_cross_socket_pair_warns() {
+    let t = tree("cross-socket");
+    let seen = [cuda("0000:03:00.0", 0), cuda("0000:fa:00.0", 1)];
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &seen), &addrs).unwrap();
+    assert_eq!(lanes[0].distance, Some(Distance::Sys));
+    assert!(lanes[0].warn);
+    assert_eq!(lanes[0].numa_bind, Some(1), "memory near the NIC");
+}
+
+fn table(entries: Vec<LaneConfig>) -> Lanes {
+    Lanes::Table(entries)
+}
+
+#[test]
+fn tables_fill_what_they_leave_out() {
+    let t = tree("8gpu-4nic");
+    let lanes = table(vec![
+        LaneConfig {
+            gpu: Some("0000:05:00.0".into()),
+            ..LaneConfig::default()
+        },
+        LaneConfig {
+            gpu: Some("05:00.0".replace("05", "0b")),
+            interface: Some("eth2".into()),
+            data_listen: Some("10.1.1.1:9000".parse().unwrap()),
+            queues: vec![14, 15],
+            devmem_memory: Some(ByteSize(8 << 20)),
+        },
+        LaneConfig {
+            data_listen: Some("127.0.0.2:0".parse().unwrap()),
+            ..LaneConfig::default()
+        },
+    ]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(
+        rows(&got),
+        [
+            (
+                "0000:05:00.0".into(),
+                "eth1".into(),
+                "PIX".into(),
+                "10.0.1.5:7401".into(),
+                (8..16).collect()
+            ),
+            (
+                "0000:0b:00.0".into(),
+                "eth2".into(),
+                "PIX".into(),
+                "10.1.1.1:9000".into(),
+                vec![14, 15]
+            ),
+            (
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "127.0.0.2:0".into(),
+                vec![]
+            ),
+        ]
+    );
+    assert_eq!(got[1].devmem_memory, 8 << 20);
+    assert_eq!(got[0].devmem_memory, 64 << 20);
+    assert!(
+        got[0].why.starts_with("configured (lanes[0])"),
+        "{}",
+        got[0].why
+    );
+}
+
+#[test]
+fn tables_naming_what_is_not_there_are_refused_with_the_lane() {
+    let t = tree("veth");
+    let one = |lc: LaneConfig| plan(&inputs(&table(vec![lc]), "0.0.0.0:7401", &t, &[]), &addrs);
+    let e = one(LaneConfig {
+        gpu: Some("0000:99:00.0".into()),
+        ..LaneConfig::default()
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "lanes[0].gpu = 0000:99:00.0: this host has no such GPU (GPUs: 0000:03:00.0)"
+        ),
+        "{e}"
+    );
+    let e = one(LaneConfig {
+        gpu: Some("GPU-5a77fa4e-0000-4003-8000-000000000000".into()),
+        ..LaneConfig::default()
+    })
+    .unwrap_err();
+    assert!(
+        matches!(e, PlanError::UuidWithoutCuda { lane: 0, .. }),
+        "{e}"
+    );
+    let e = one(LaneConfig {
+        interface: Some("ib7".into()),
+        ..LaneConfig::default()
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("lanes[0].interface: no network interface named ib7"),
+        "{e}"
+    );
+    let e = one(LaneConfig {
+        interface: Some("ib7".into()),
+        data_listen: Some("10.0.0.1:1".parse().unwrap()),
+        ..LaneConfig::default()
+    })
+    .unwrap_err();
+    assert!(matches!(e, PlanError::Interface { lane: 0, .. }), "{e}");
+    // By UUID, through the CUDA devices.
+    let seen = [cuda("0000:03:00.0", 0)];
+    let by_uuid = table(vec![LaneConfig {
+        gpu: Some("gpu-5A77FA4E-0000-4003-8000-000000000000".into()),
+        ..LaneConfig::default()
+    }]);
+    let got = plan(&inputs(&by_uuid, "0.0.0.0:7401", &t, &seen), &addrs).unwrap();
+    assert_eq!(got[0].gpu.as_ref().unwrap().pci.to_string(), "0000:03:00.0");
+    assert_eq!(got[0].nic.as_deref(), Some("eth1"));
+}

@@ -1,0 +1,103 @@
+//! Dialling a node's data connections: `flows` to each lane's data address, numbered across
+//! the lanes in lane order (`wire::conn_lanes`), each reported with `DataConn{lane, conn,
+//! addr}` on the control connection, where `addr` is its local address: the node identifies
+//! it by that (DESIGN §2) and checks that it arrived on the lane's address.
+//!
+//! Each data socket is bound to an ephemeral port of its own before it connects, so its local
+//! address is unique on this host even across lanes: the kernel may otherwise reuse one
+//! source port for connections to different destinations, and the node would see two
+//! connections from one address.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use shardwire_protocol::wire::{LaneAddr, Message};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::Notify;
+
+use crate::Shared;
+use crate::sender::{Progress, Sender};
+use crate::session::{Control, HANDSHAKE_TIMEOUT, SessionError};
+
+/// A node's data connections: the senders in connection order, and the lane of each.
+pub(crate) struct DataConns {
+    /// One per data connection, `conn` = index.
+    pub senders: Vec<Sender>,
+    /// The lane of each connection.
+    pub lane_of: Vec<u16>,
+}
+
+/// Where connection `conn` of lane `lane` is dialled: the lane's address, unless the fault
+/// injection `fault_wrong_lane` sends one of lane 0's to lane 1.
+fn target(shared: &Shared, lanes: &[LaneAddr], lane: usize) -> SocketAddr {
+    let misdial = lane == 0
+        && lanes.len() > 1
+        && shared
+            .wrong_lane_left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+    if misdial {
+        tracing::warn!(lane, to = %lanes[1].data_addr, "fault injection: dialling lane 0's data connection to lane 1");
+        return lanes[1].data_addr;
+    }
+    lanes[lane].data_addr
+}
+
+/// Connects to `addr` from an ephemeral port bound first (see the module docs).
+async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let (sock, any) = match addr {
+        SocketAddr::V4(_) => (TcpSocket::new_v4()?, SocketAddr::from(([0, 0, 0, 0], 0))),
+        SocketAddr::V6(_) => (TcpSocket::new_v6()?, SocketAddr::from(([0u16; 8], 0))),
+    };
+    sock.bind(any)?;
+    sock.connect(addr).await
+}
+
+/// Dials every lane `flows` times, reporting each connection on the control connection.
+pub(crate) async fn dial(
+    ctl: &mut Control,
+    shared: &Shared,
+    lanes: &[LaneAddr],
+    failed: &Arc<Notify>,
+    progress: &Arc<Notify>,
+) -> Result<DataConns, SessionError> {
+    let total: u64 = lanes.iter().map(|l| u64::from(l.flows)).sum();
+    let per_flow_rate = shared.cfg.rate_limit / total.max(1);
+    let mut out = DataConns {
+        senders: Vec::with_capacity(total as usize),
+        lane_of: Vec::with_capacity(total as usize),
+    };
+    for (lane, l) in lanes.iter().enumerate() {
+        for _ in 0..l.flows {
+            let addr = target(shared, lanes, lane);
+            let data_err = |source| SessionError::DataConnect { addr, source };
+            let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr))
+                .await
+                .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
+                .map_err(data_err)?;
+            let local = s.local_addr().map_err(data_err)?;
+            let std = s.into_std().map_err(data_err)?;
+            std.set_nonblocking(false).map_err(data_err)?;
+            let conn = out.senders.len() as u16;
+            let lane = lane as u16;
+            ctl.send(&Message::DataConn {
+                lane,
+                conn,
+                addr: local,
+            })
+            .await?;
+            let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
+            out.senders.push(Sender::spawn(
+                std,
+                conn,
+                per_flow_rate,
+                Arc::clone(failed),
+                shared.cfg.devmem_tx.as_ref().map(|p| &p.buffer),
+                p,
+            ));
+            out.lane_of.push(lane);
+        }
+    }
+    Ok(out)
+}
