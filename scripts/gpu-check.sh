@@ -16,6 +16,10 @@
 #      region (cuda-python) and torch.from_dlpack gives a GPU tensor without a copy; the node
 #      with memory = "cuda" end to end into torch (receive host and devmem-sim, and batch
 #      mode: shuffled batches assembled by the gather kernel, byte-exact in torch).
+#   5. Lanes, on a host with several GPUs: `shardwire topology` (the GPUs, NICs and pairing the
+#      node plans from this host's sysfs tree, saved to target/gpu-check/topology.{txt,json}),
+#      and test_cuda_e2e.py's per-GPU lane test: one lane per GPU, a trainer on each GPU gets
+#      its region there, tensors on cuda:i in torch, byte-exact (it must not skip here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${1:-256}
@@ -52,5 +56,18 @@ if [ -x .venv/bin/python ]; then
     pass "4 SDK and node GPU tests"
 else
     fail "4 no .venv: run scripts/test once (it makes the venv)"
+fi
+GPUS=$(grep -c '"pci_bus_id"' "$OUT/gpus.json" || true)
+"$BIN" topology >"$OUT/topology.txt" && "$BIN" topology --json >"$OUT/topology.json" \
+    || fail "5 lanes: shardwire topology (see $OUT)"
+cat "$OUT/topology.txt"
+if [ "$GPUS" -ge 2 ]; then
+    SHARDWIRE_BIN="$PWD/target/release/shardwire" .venv/bin/python -m pytest -q -rs \
+        "tests/e2e/test_cuda_e2e.py::test_every_gpu_has_its_lane_and_a_stream_lands_on_its_trainers_gpu" \
+        >"$OUT/lanes.log" 2>&1 || { cat "$OUT/lanes.log"; fail "5 lanes: per-GPU lane test (see $OUT/lanes.log)"; }
+    grep -q 'needs 2 or more CUDA GPUs' "$OUT/lanes.log" && fail "5 lanes: the per-GPU lane test skipped with $GPUS GPUs"
+    pass "5 lanes: $GPUS GPUs, one lane each, every stream on its trainer's GPU"
+else
+    echo "SKIP 5 lanes: one GPU here (the per-GPU lane test needs 2 or more); topology in $OUT/topology.txt"
 fi
 echo "gpu-check: all passed in $((SECONDS - START)) s"

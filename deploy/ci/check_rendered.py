@@ -19,7 +19,7 @@ Checks, per rendered overlay:
            httpGet /readyz and liveness /healthz on the port of `admin`, `admin` is not
            loopback under hostNetwork, the `data` port is data_listen's, the trainer socket's
            directory is a hostPath mount, secret_file resolves to a rendered Secret key, the
-           memory limit exceeds pool_size, `sources` are exactly the StatefulSet's pods.
+           memory limit exceeds the pools' host memory (pool_size per lane), `sources` are exactly the StatefulSet's pods.
   source   StatefulSet runs `source --config F`; source.toml passes
            `shardwire config check --source-config`; listen port = container port = Service
            port; secret_file resolves; every dataset dir is on a mounted volume.
@@ -544,13 +544,14 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
             errs.append(f"terminationGracePeriodSeconds {grace} < preStop {pre_s}s + drain_timeout_secs {drain_s}s + 5s")
         lim = c.get("resources", {}).get("limits", {}).get("memory")
         margin = 256 << 20
+        charged, what = host_pool(eff, pod_spec(ds))
         if lim is None:
             errs.append("no memory limit on the node container")
-        elif quantity_bytes(lim) < eff["pool_size"] + margin:
-            errs.append(f"memory limit {lim} < pool_size {eff['pool_size']} B + 256MiB: memfd pool pages are charged to this pod")
+        elif quantity_bytes(lim) < charged + margin:
+            errs.append(f"memory limit {lim} < {what} + 256MiB: memfd pool pages are charged to this pod")
         tok = f", admin token {eff['admin_token_file']}" if eff.get("admin_token_file") else ""
         return errs, (f"data :{data_port}{tok}, socket dir {sock_dir} = hostPath {state.get('socket_hostpath')}, "
-                      f"memory limit {lim} >= pool_size {eff['pool_size'] >> 20}MiB + 256MiB, grace {grace}s >= {pre_s}s + {drain_s}s + 5s")
+                      f"memory limit {lim} >= {what} + 256MiB, grace {grace}s >= {pre_s}s + {drain_s}s + 5s")
 
     guarded("node: data port, socket hostPath, Secret keys, memory limit and grace period agree with serve.toml", node_wiring)
 
@@ -945,6 +946,24 @@ def run_overlay(docs: list[Doc], scope: str, schemas: Schemas, sw: Shardwire, re
     res.check(scope, f"schemas (k8s {', '.join(schemas.versions)}, strict)", errs, f"{len(docs)} objects: {', '.join(kinds)}")
     res.check(scope, "object references (selectors, ports, volumes, Secret/ConfigMap keys)", check_refs(docs))
     check_node_source_trainer(docs, sw, res, scope)
+
+
+#: Lanes counted for `lanes = "auto"` on GPU nodes (one per GPU; H100/H200 hosts have 8).
+GPU_NODE_LANES = 8
+
+
+def host_pool(eff: dict, spec: dict) -> tuple[int, str]:
+    """The host memory the node's stream pools may take (bytes, and how it is made up):
+    `pool_size` per lane in host memory (a lanes table: one lane per entry; "auto": one, or
+    GPU_NODE_LANES on GPU nodes, where every GPU gets a lane), none with `memory = "cuda"` (the
+    pools are GPU memory)."""
+    pool, lanes, memory = eff["pool_size"], eff.get("lanes", "auto"), eff.get("memory", "host")
+    if memory == "cuda":
+        return 0, f"no host pool (memory = cuda: pool_size {pool >> 20}MiB of GPU memory per lane)"
+    gpu_nodes = "nvidia.com/gpu.present" in (spec.get("nodeSelector") or {})
+    n = len(lanes) if isinstance(lanes, list) else GPU_NODE_LANES if gpu_nodes else 1
+    how = "table" if isinstance(lanes, list) else "auto, GPU nodes" if gpu_nodes else "auto"
+    return pool * n, f"pool_size {pool >> 20}MiB x {n} lane(s) ({how})"
 
 
 def main() -> int:

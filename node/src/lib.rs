@@ -40,7 +40,7 @@ pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};
 pub use counters::{COUNTERS, CounterDef, CounterStatus, Counters, FlowStats, Label, Unit};
 pub use info::Info;
-pub use lanes::open::LaneStartError;
+pub use lanes::open::{LaneStartError, cuda_devices};
 pub use lanes::plan::{Inputs as LaneInputs, LaneGpu, LaneSpec, PlanError, plan as plan_lanes};
 pub use lanes::{DeviceError, Excluded};
 pub use node::Node;

@@ -143,7 +143,8 @@ impl DataPlane {
     }
 
     /// Refuses a connection announced for a lane that arrived on another address: counted on
-    /// that lane, logged, and closed (the source's session then fails and starts over).
+    /// that lane, logged, closed, and the link's session ends (it cannot carry that lane's
+    /// payloads; the next session dials again).
     fn wrong_lane(&self, peer: SocketAddr, w: WrongLane<TcpStream, Expected>) {
         if let Some(l) = self.lanes.get(u32::from(w.e.lane)) {
             l.stats.wrong_lane.fetch_add(1, Ordering::Relaxed);
@@ -152,6 +153,10 @@ impl DataPlane {
             arrived_on = %w.local, lane_address = %w.want,
             "refusing a data connection that arrived on another address than its lane's (another NIC)");
         let _ = w.sock.shutdown(std::net::Shutdown::Both);
+        w.e.link.kick(&format!(
+            "data connection {} for lane {} arrived on {}, not on the lane's address {}",
+            w.e.conn, w.e.lane, w.local, w.want
+        ));
     }
 
     /// The receive settings of a connection of `lane`.

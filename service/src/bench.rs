@@ -8,6 +8,7 @@
 
 mod cpu;
 mod crc;
+mod lanes;
 mod report;
 mod tcp;
 
@@ -80,6 +81,11 @@ pub struct BenchArgs {
     /// matched rate (default: as fast as they go).
     #[arg(long)]
     rate: Option<f64>,
+    /// Run the node with this many host-memory lanes on loopback addresses 127.0.0.1 ..
+    /// 127.0.0.N and one trainer per lane; prints each lane's goodput and the total (the
+    /// comparisons are for one lane only).
+    #[arg(long, default_value_t = 1)]
+    lanes: u8,
 }
 
 /// Runs the benchmark.
@@ -93,6 +99,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         a.mode != ReceiveMode::Devmem,
         "bench runs on loopback, which cannot carry devmem; use --mode host or devmem-sim"
+    );
+    anyhow::ensure!(
+        (1..=lanes::MAX_LANES).contains(&a.lanes),
+        "--lanes must be 1..={}, got {}",
+        lanes::MAX_LANES,
+        a.lanes
+    );
+    anyhow::ensure!(
+        a.lanes == 1 || !(a.compare_tcp || a.compare_uring || a.compare_crc),
+        "--lanes runs no comparisons: drop --compare-tcp, --compare-uring and --compare-crc"
     );
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
@@ -121,8 +137,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         2 * class
     );
     println!(
-        "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}",
-        a.flows, a.seconds, shard, a.mode
+        "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}{}",
+        a.flows,
+        a.seconds,
+        shard,
+        a.mode,
+        match a.lanes {
+            1 => String::new(),
+            n => format!(", {n} lanes (flows per lane, one trainer each)"),
+        }
     );
     println!("cpu: {}", cpu::describe());
 
@@ -138,6 +161,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         seconds: a.seconds,
     };
     let result = (|| {
+        if a.lanes > 1 {
+            return lanes::run(&a, &data, &dir, stream_memory, rate);
+        }
         let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
         let crcs: Vec<u32> = match a.compare_crc {
             true => files

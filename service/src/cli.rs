@@ -72,6 +72,19 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Show the GPUs, the NICs and the lanes `serve` would pair them into (PCIe distance
+    /// classes PIX/PXB/PHB/SYS, and why), from the sysfs PCI tree.
+    Topology {
+        /// Root of the sysfs tree to read [default: /sys; env SHARDWIRE_SYSFS_ROOT].
+        #[arg(long)]
+        sysfs_root: Option<PathBuf>,
+        /// Print JSON: {"gpus": [...], "nics": [...], "lanes": [...]}.
+        #[arg(long)]
+        json: bool,
+        /// A `serve` configuration file (its `lanes`, `data_listen`, `memory`, ...).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Check or print configuration.
     #[command(subcommand)]
     Config(ConfigCmd),
@@ -316,6 +329,15 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Status { admin, json } => crate::status::run(&admin, json),
         Cmd::Gpus { json } => gpus(json),
+        Cmd::Topology {
+            sysfs_root,
+            json,
+            config,
+        } => crate::topology::run(
+            config.as_deref(),
+            &crate::topology::TopologyFlags { sysfs_root },
+            json,
+        ),
         Cmd::Nics { json } => nics(json),
         Cmd::Config(c) => config(c),
     }

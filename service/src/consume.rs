@@ -81,6 +81,10 @@ pub struct ConsumeArgs {
     /// Resume from this state (the JSON of a `{"state": ...}` line or of `state_dict()`).
     #[arg(long)]
     state: Option<String>,
+    /// The GPU to be served on (its lane): a PCI bus id (`0000:19:00.0`) or a GPU UUID.
+    /// Default: none (the node's least loaded lane). This client maps host regions only.
+    #[arg(long)]
+    device: Option<String>,
     /// Also print the values of this integer tensor per batch (repeatable).
     #[arg(long = "print-values")]
     print_values: Vec<String>,
@@ -208,6 +212,7 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         boundaries: a.boundaries,
         order: a.order,
         mix: a.mix.map(|m| m.0),
+        device: a.device,
         ..StreamOptions::new(a.dataset.unwrap_or_default())
     };
     let mut s = Stream::open(&a.socket, opts)

@@ -9,6 +9,7 @@ mod logging;
 mod serve;
 mod status;
 mod synth;
+mod topology;
 
 use std::process::ExitCode;
 

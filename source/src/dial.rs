@@ -17,8 +17,8 @@ use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
 
 use crate::Shared;
+use crate::control::{Control, HANDSHAKE_TIMEOUT, SessionError};
 use crate::sender::{Progress, Sender};
-use crate::session::{Control, HANDSHAKE_TIMEOUT, SessionError};
 
 /// A node's data connections: the senders in connection order, and the lane of each.
 pub(crate) struct DataConns {

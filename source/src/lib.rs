@@ -8,6 +8,7 @@
 //! the announced data connection, sent with `sendfile` straight from the page cache.
 //! It never decides order: it sends what it is asked.
 
+mod control;
 pub mod datasets;
 pub mod devmem_tx;
 mod dial;

@@ -1,4 +1,4 @@
-//! One node's control connection: handshake, data-connection setup ([`crate::dial`]), the
+//! One node's control connection: handshake, data-connection setup (`dial.rs`), the
 //! FETCH queues and cancellation.
 //!
 //! FETCHes wait in their lane's queue until a data connection of that lane has room (at most
@@ -13,7 +13,7 @@
 //! Every state has a time limit: the handshake [`HANDSHAKE_TIMEOUT`], an established session
 //! the idle timeout (both sides send `Ping` after a third of it without other traffic), and
 //! every write [`WRITE_TIMEOUT`]. A node can never make the source buffer a frame over
-//! [`wire::MAX_SMALL_FRAME`].
+//! [`shardwire_protocol::wire::MAX_SMALL_FRAME`].
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -22,128 +22,18 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
-use shardwire_protocol::wire::{self, DecodeError, ErrorCode, LaneAddr, Message};
-use tokio::io::{AsyncWriteExt, BufReader};
+use shardwire_protocol::framing::FrameError;
+use shardwire_protocol::wire::{ErrorCode, LaneAddr, Message};
+use tokio::io::BufReader;
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::Shared;
+use crate::control::{Control, kind};
+pub use crate::control::{HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT};
 use crate::dial::{DataConns, dial};
 use crate::sender::{Job, Sender};
-use shardwire_protocol::framing::{FrameError, read_message, write_message};
-
-/// The handshake must be done within this time.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// A control write that cannot finish within this time (the node stopped reading) ends the
-/// session.
-pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// FETCHes a session holds before the node must wait for payloads to go out; a node that
-/// sends more is broken and is dropped.
-pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
-
-/// Why a node session ended abnormally.
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    /// Framing or socket error.
-    #[error(transparent)]
-    Frame(#[from] FrameError),
-    /// No secret and the peer is not on loopback.
-    #[error("peer {0} is not on loopback and this source has no secret configured")]
-    NotLoopback(SocketAddr),
-    /// Handshake took too long.
-    #[error("handshake timed out after {0:?}")]
-    Timeout(Duration),
-    /// The node sent nothing for the idle timeout.
-    #[error("the node sent nothing for {0:?} (idle timeout)")]
-    Idle(Duration),
-    /// A control write did not finish in time.
-    #[error("a control write did not finish within {0:?} (the node stopped reading)")]
-    WriteTimeout(Duration),
-    /// Wrong proof of the secret.
-    #[error("authentication failed: wrong secret")]
-    AuthFailed,
-    /// A message out of order.
-    #[error("expected {expected}, got {got}")]
-    Unexpected {
-        /// What the state machine wanted.
-        expected: &'static str,
-        /// What came.
-        got: String,
-    },
-    /// Could not dial the node's data port.
-    #[error("cannot open data connection to {addr}: {source}")]
-    DataConnect {
-        /// The node's data address.
-        addr: SocketAddr,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A data connection died.
-    #[error("a data connection failed; closing the session")]
-    DataFailed,
-    /// The node queued more FETCHes than any node legitimately does.
-    #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
-    TooManyFetches(usize),
-    /// The node speaks another protocol version (it was told so in its version).
-    #[error("the node speaks protocol version {theirs}, this source {ours}: refused", ours = wire::VERSION)]
-    Version {
-        /// The node's version.
-        theirs: u8,
-    },
-}
-
-fn kind(m: &Message) -> String {
-    format!("{m:?}")
-        .split([' ', '{', '('])
-        .next()
-        .unwrap_or("?")
-        .to_string()
-}
-
-/// The control connection with its time limits.
-pub(crate) struct Control {
-    rd: BufReader<OwnedReadHalf>,
-    wr: OwnedWriteHalf,
-    buf: Vec<u8>,
-    idle: Duration,
-    last_sent: Instant,
-}
-
-impl Control {
-    pub(crate) async fn send(&mut self, msg: &Message) -> Result<(), SessionError> {
-        tokio::time::timeout(WRITE_TIMEOUT, write_message(&mut self.wr, msg))
-            .await
-            .map_err(|_| SessionError::WriteTimeout(WRITE_TIMEOUT))??;
-        self.last_sent = Instant::now();
-        Ok(())
-    }
-
-    async fn error(
-        &mut self,
-        req: u64,
-        code: ErrorCode,
-        message: String,
-    ) -> Result<(), SessionError> {
-        self.send(&Message::Error { req, code, message }).await
-    }
-
-    /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more). A
-    /// frame of another protocol version is answered in that version, naming both, and ends
-    /// the session.
-    async fn recv(&mut self) -> Result<Message, SessionError> {
-        match read_message(&mut self.rd, &mut self.buf, wire::MAX_SMALL_FRAME).await {
-            Err(FrameError::Decode(DecodeError::Version(theirs))) => {
-                let frame = wire::version_error_frame(theirs, "source");
-                let _ = tokio::time::timeout(WRITE_TIMEOUT, self.wr.write_all(&frame)).await;
-                Err(SessionError::Version { theirs })
-            }
-            r => Ok(r?),
-        }
-    }
-}
 
 pub(crate) async fn run(
     stream: TcpStream,

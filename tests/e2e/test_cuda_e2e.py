@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,7 +52,8 @@ def test_auto_memory_says_what_it_chose(sw, tmp_path):
                                       env=child_env(), timeout=60, check=True).stdout)
     if probe["probe"]["usable"]:
         assert mode["memory"] == "cuda", mode
-        assert "memory=cuda: auto: GPU" in mode["reason"], mode
+        # One GPU: "auto: GPU 0 (...)"; several: "auto: N GPUs, one lane each: ...".
+        assert re.search(r"memory=cuda: auto: (GPU \d|\d+ GPUs, one lane each)", mode["reason"]), mode
     else:
         assert not _has_cuda_gpu()
         assert mode["memory"] == "host", mode
@@ -97,6 +99,51 @@ def test_cuda_memory_end_to_end_into_torch(sw, tmp_path, receive):
     if receive == "devmem-sim":
         frags = [l for l in metrics.splitlines() if l.startswith("shardwire_devmem_frags_total")]
         assert frags and float(frags[0].split()[-1]) > 0, frags
+
+
+def _gpu_count() -> int:
+    if not _has_cuda_gpu():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif("_gpu_count() < 2", reason="needs 2 or more CUDA GPUs (one lane each)")
+def test_every_gpu_has_its_lane_and_a_stream_lands_on_its_trainers_gpu(sw, tmp_path):
+    """Lanes on a multi-GPU host: one per GPU (the real sysfs tree pairs each with its nearest
+    NIC); a trainer whose current device is GPU i (device="auto") gets its region on GPU i,
+    torch sees every tensor on cuda:i, byte-exact, and lane i's counters grow."""
+    import torch
+
+    d = tmp_path / "ds"
+    _dataset(d)
+    expected = expected_crcs(d)
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "1GiB", "--stream-memory", "64MiB")
+    n = torch.cuda.device_count()
+    lanes = _status(serve)["lanes"]
+    assert len(lanes) == n and all(l["memory"] == "cuda" for l in lanes), lanes
+    client = shardwire.connect(serve.socket)
+    for i in range(n):
+        torch.cuda.set_device(i)
+        p = torch.cuda.get_device_properties(i)
+        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        lane = next(l["lane"] for l in lanes if l["gpu"] == bus)
+        seen = []
+        with client.open_stream("ds", seed=i) as stream:
+            assert stream.info.gpu["pci_bus_id"] == bus, (i, stream.info.gpu)
+            while (batch := stream.next(60)) is not None:
+                got = []
+                for name, t in batch.items():
+                    g = torch.from_dlpack(t)
+                    assert g.is_cuda and g.device.index == i, (name, g.device)
+                    got.append({"name": name, "crc32c": crc32c(g.cpu().numpy().tobytes())})
+                assert got == [{"name": e["name"], "crc32c": e["crc32c"]} for e in expected[batch.shard]]
+                seen.append(batch.shard)
+                batch.release()
+        assert sorted(seen) == list(range(len(expected)))
+        after = _status(serve)["lanes"][lane]
+        assert after["bytes_received"] > 0 and after["data_connections"] > 0, after
 
 
 @pytest.mark.skipif("not _has_cuda_gpu()", reason="needs CUDA GPU")

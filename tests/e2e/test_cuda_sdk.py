@@ -360,8 +360,9 @@ def test_region_argument_checks():
 
 
 class _StandIn:
-    """A one-connection stand-in for the node service: answers ``attach`` with `reply` and a
-    memfd as the region fd, then records whether the trainer closed the connection."""
+    """A one-connection stand-in for the node service: answers ``info`` (the memory of `reply`),
+    then ``attach`` with `reply` and a memfd as the region fd, then records whether the trainer
+    closed the connection."""
 
     def __init__(self, path: pathlib.Path, reply: dict[str, Any]) -> None:
         self.path = str(path)
@@ -386,8 +387,14 @@ class _StandIn:
     def _serve(self) -> None:
         conn, _ = self.srv.accept()
         with conn:
-            (n,) = struct.unpack("<I", self._recv_exact(conn, 4))
-            self.request = json.loads(self._recv_exact(conn, n))
+            while True:
+                (n,) = struct.unpack("<I", self._recv_exact(conn, 4))
+                self.request = json.loads(self._recv_exact(conn, n))
+                if self.request.get("op") != "info":
+                    break
+                # The SDK asks what the node serves first (device="auto"): a node with one lane.
+                info = json.dumps({"op": "info", "memory": self.reply.get("memory", "host"), "lanes": [{"lane": 0, "gpu": None, "uuid": None}]}).encode()
+                conn.sendall(struct.pack("<I", len(info)) + info)
             body = json.dumps(self.reply).encode()
             fd = _memfd(2 << 20)
             try:

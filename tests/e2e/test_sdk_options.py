@@ -38,7 +38,7 @@ EVERY = {
     "seed": 3, "rank": 1, "world_size": 2, "epochs": 2, "uneven": "drop", "state": STATE,
     "batch_size": 4, "shuffle": "shards", "shuffle_block": 100, "partitions": 2, "drop_last": True,
     "worker": 1, "num_workers": 3, "seq_len": 8, "tokens_column": "ids", "token_dtype": "int64",
-    "boundaries": True, "order": "megatron",
+    "boundaries": True, "order": "megatron", "device": "0000:19:00.0",
 }
 
 
@@ -76,7 +76,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     HTTP ones raise Sent."""
     reqs: list[dict[str, Any]] = []
 
-    def sock_open(cls: Any, path: str, req: dict[str, Any]) -> FakeStream:
+    def sock_open(cls: Any, path: str, req: dict[str, Any], auto_device: bool = False) -> FakeStream:
         # The socket client always asks for the state in each batch reply (it asks for the
         # next batch ahead of time); the stream keywords are the rest, compared below.
         assert req.pop("batch_state") is True, req
@@ -114,7 +114,7 @@ def _type_text(t: Any) -> str:
 
 def test_the_typed_dicts_mirror_the_definition():
     assert NAMES == ["seed", "rank", "world_size", "epochs", "uneven", "state", "batch_size", "shuffle", "shuffle_block", "partitions",
-                     "drop_last", "worker", "num_workers", "seq_len", "tokens_column", "token_dtype", "boundaries", "order"]
+                     "drop_last", "worker", "num_workers", "seq_len", "tokens_column", "token_dtype", "boundaries", "order", "device"]
     types = {f.name: f.type for f in dataclasses.fields(StreamOptions)}
     assert {k: _type_text(t) for k, t in StreamKeywords.__annotations__.items()} == types
     assert {k: _type_text(t) for k, t in DatasetKeywords.__annotations__.items()} == {k: types[k] for k in DATASET_NAMES}
@@ -129,7 +129,7 @@ def test_the_typed_dicts_mirror_the_definition():
     assert StreamOptions().keywords() == {
         "seed": 0, "rank": 0, "world_size": 1, "epochs": 1, "uneven": "pad", "state": None, "batch_size": None, "shuffle": None,
         "shuffle_block": None, "partitions": None, "drop_last": False, "worker": None, "num_workers": None, "seq_len": None,
-        "tokens_column": None, "token_dtype": None, "boundaries": False, "order": None,
+        "tokens_column": None, "token_dtype": None, "boundaries": False, "order": None, "device": "auto",
     }
     assert set(EVERY) == set(NAMES)
 

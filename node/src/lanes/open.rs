@@ -74,7 +74,7 @@ fn read_tree(root: &Path) -> Result<Tree, LaneStartError> {
 
 /// The CUDA devices lanes may use: none with `memory = "host"`; the usable ones otherwise
 /// (`memory = "cuda"` without one is an error naming why).
-fn cuda_devices(mode: MemoryMode, probe: &GpuProbe) -> Result<Vec<GpuDevice>, LaneStartError> {
+pub fn cuda_devices(mode: MemoryMode, probe: &GpuProbe) -> Result<Vec<GpuDevice>, LaneStartError> {
     let choice = match mode {
         MemoryMode::Host => return Ok(Vec::new()),
         MemoryMode::Auto => MemoryChoice::Auto,
@@ -111,15 +111,10 @@ async fn plan_and_open(
         .await
         .expect("reading sysfs does not panic")?;
     let cuda = cuda_devices(cfg.memory, probe)?;
-    let inputs = Inputs {
-        lanes: &cfg.lanes,
-        data_listen: cfg.data_listen,
-        devmem_queues: &cfg.devmem_queues,
-        devmem_memory: cfg.devmem_memory.0,
-        tree: &tree,
-        cuda: &cuda,
-    };
-    let specs = plan::plan(&inputs, &shardwire_devmem::ifaddr::ipv4)?;
+    let specs = plan::plan(
+        &Inputs::of(cfg, &tree, &cuda),
+        &shardwire_devmem::ifaddr::ipv4,
+    )?;
     let mut kept = Vec::new();
     let (mut excluded, mut failures) = (Vec::new(), Vec::new());
     for spec in specs {
@@ -328,7 +323,7 @@ fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
         );
         let cpus = shardwire_topology::format_ranges(&l.cpus);
         let memory = if l.cuda.is_some() { "cuda" } else { "host" };
-        if s.warn && lanes.len() > 1 {
+        if s.warn {
             tracing::warn!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why,
                 "lane: its GPU and NIC are far apart or it has no NIC (GPU-direct receive is slow or unavailable there)");
         } else {

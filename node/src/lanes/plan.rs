@@ -128,6 +128,24 @@ pub struct Inputs<'a> {
     pub cuda: &'a [GpuDevice],
 }
 
+impl<'a> Inputs<'a> {
+    /// The inputs of `serve` with configuration `cfg`, over `tree` and the CUDA devices `cuda`.
+    pub fn of(
+        cfg: &'a shardwire_config::ServeConfig,
+        tree: &'a Tree,
+        cuda: &'a [GpuDevice],
+    ) -> Self {
+        Self {
+            lanes: &cfg.lanes,
+            data_listen: cfg.data_listen,
+            devmem_queues: &cfg.devmem_queues,
+            devmem_memory: cfg.devmem_memory.0,
+            tree,
+            cuda,
+        }
+    }
+}
+
 /// An interface's IPv4 address (`shardwire_devmem::ifaddr::ipv4` on a host).
 pub type Ipv4Lookup<'a> = &'a dyn Fn(&str) -> Result<Option<Ipv4Addr>, IfAddrError>;
 
@@ -310,7 +328,8 @@ fn single(inp: &Inputs<'_>, gpu: Option<&Candidate>, p: Option<&LanePlan>) -> La
             "{what}; data address {} (data_listen), receivers not pinned",
             inp.data_listen
         ),
-        warn: false,
+        // Its nearest NIC is through a CPU: worth saying even for the one lane.
+        warn: p.is_some_and(|p| p.warn && p.nic.is_some()),
     }
 }
 

@@ -147,6 +147,10 @@ where
     let writer = write_frames(wr, ctl_rx, idle);
     tokio::pin!(writer);
     loop {
+        // A kick while this task was busy (not waiting below) is not lost: its reason stays.
+        if let Some(reason) = link.abort_reason.lock().expect("poisoned").take() {
+            return Err(LinkError::DataFailed { reason });
+        }
         let heard_by = Instant::now() + idle;
         let msg = tokio::select! {
             m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,

@@ -23,7 +23,11 @@ pub async fn serve(
 ) {
     let limits = server::Limits::from_config(&node.info().cfg);
     prom::handle();
-    prom::register_zero(&node.receive().to_string(), &node.info().cfg.sources);
+    prom::register_zero(
+        &node.receive().to_string(),
+        &node.info().cfg.sources,
+        node.status().lanes.len() as u32,
+    );
     let mut stop = shutdown.clone();
     tokio::spawn(async move {
         tokio::select! {

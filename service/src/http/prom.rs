@@ -105,6 +105,31 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Times a devmem receiver waited for free net_iovs",
     ),
     (
+        "counter",
+        "shardwire_lane_bytes_received_total",
+        "Payload bytes received on each lane's data connections",
+    ),
+    (
+        "counter",
+        "shardwire_lane_data_connections_total",
+        "Data connections identified on each lane's data address",
+    ),
+    (
+        "counter",
+        "shardwire_lane_data_connections_refused_total",
+        "Data connections refused because they arrived on another address than their lane's (another NIC), by lane",
+    ),
+    (
+        "gauge",
+        "shardwire_lane_streams",
+        "Open streams on each lane",
+    ),
+    (
+        "gauge",
+        "shardwire_lane_pool_bytes_reserved",
+        "Bytes of each lane's pool (pool_size) reserved by its open streams",
+    ),
+    (
         "gauge",
         "shardwire_source_up",
         "1 while the control connection to the source is up and authenticated",
@@ -161,8 +186,8 @@ fn describe() {
 }
 
 /// Registers every documented series at 0, so a scrape shows each family from the start
-/// (labels: the receive mode, the configured sources).
-pub fn register_zero(mode: &str, sources: &[String]) {
+/// (labels: the receive mode, the configured sources, the lanes `0..lanes`).
+pub fn register_zero(mode: &str, sources: &[String], lanes: u32) {
     for d in COUNTERS.iter().filter(|d| d.unit == Unit::Count) {
         record_counter(d, mode, 0);
     }
@@ -176,6 +201,15 @@ pub fn register_zero(mode: &str, sources: &[String]) {
             ("gauge", "shardwire_source_up") => {
                 for s in sources {
                     metrics::gauge!(name, "source" => s.clone()).set(0.0);
+                }
+            }
+            (kind, _) if name.starts_with("shardwire_lane_") => {
+                for lane in 0..lanes {
+                    let l = [("lane", lane.to_string())];
+                    match kind {
+                        "counter" => metrics::counter!(name, &l).absolute(0),
+                        _ => metrics::gauge!(name, &l).set(0.0),
+                    }
                 }
             }
             ("counter", _) => {
@@ -251,6 +285,17 @@ fn record(st: &Status) {
         metrics::counter!("shardwire_source_bytes_received_total", &labels)
             .absolute(s.bytes_received);
         metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
+    }
+    for l in &st.lanes {
+        let labels = [("lane", l.lane.to_string())];
+        metrics::counter!("shardwire_lane_bytes_received_total", &labels)
+            .absolute(l.bytes_received);
+        metrics::counter!("shardwire_lane_data_connections_total", &labels)
+            .absolute(l.data_connections);
+        metrics::counter!("shardwire_lane_data_connections_refused_total", &labels)
+            .absolute(l.data_connections_refused);
+        metrics::gauge!("shardwire_lane_streams", &labels).set(l.streams as f64);
+        metrics::gauge!("shardwire_lane_pool_bytes_reserved", &labels).set(l.pool_reserved as f64);
     }
     let used: usize = st.streams.iter().map(|s| s.region_used).sum();
     let cap: usize = st.streams.iter().map(|s| s.region_bytes).sum();

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from . import _wire
+from . import _device, _wire
 from ._arrow import ArrowExport
 from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
@@ -129,11 +129,21 @@ class Client:
             ServiceError: the service refused (``unknown_dataset``, ``unavailable``,
                 ``bad_plan``, ``state_mismatch``, ``no_memory``, ...).
         """
-        req = {"op": "attach", **StreamOptions.of(options, "Client.open_stream").attach_fields(dataset)}
+        opts = StreamOptions.of(options, "Client.open_stream")
+        req = {"op": "attach", **opts.attach_fields(dataset)}
         # Every batch reply then carries the state that resumes after it: the stream asks for
         # its next batch ahead of time (see Stream) and still knows the state of this one.
         req["batch_state"] = True
-        return Stream._open(self.path, req)
+        return Stream._open(self.path, req, auto_device=opts.device == _device.AUTO)
+
+    def info(self) -> dict[str, Any]:
+        """What the node serves: ``{"memory": "host" | "cuda", "lanes": [{"lane", "gpu",
+        "uuid"}, ...]}`` (the trainer socket's ``info``; docs/TRAINER_API.md)."""
+        conn = _wire.Conn(_connect(self.path))
+        try:
+            return _info(conn)
+        finally:
+            conn.close()
 
 
 def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
@@ -254,6 +264,49 @@ def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
         raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {e}") from e
 
 
+def _connect(path: str) -> socket.socket:
+    """A connected trainer socket, or ConnectError saying what is wrong with `path`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except FileNotFoundError:
+        sock.close()
+        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}?)") from None
+    except ConnectionRefusedError:
+        sock.close()
+        raise ConnectError(path, "connection refused (a stale socket file: no node service is listening)") from None
+    except PermissionError:
+        sock.close()
+        raise ConnectError(path, "permission denied (the socket is mode 0660: run as the service's user or group)") from None
+    except OSError as e:
+        sock.close()
+        raise ConnectError(path, e.strerror or str(e)) from e
+    return sock
+
+
+def _info(conn: _wire.Conn) -> dict[str, Any]:
+    """The node's ``info`` answer on `conn` (ServiceError if it refuses)."""
+    conn.send({"op": "info"})
+    msg, _ = conn.recv()
+    if msg.get("op") == "error":
+        raise _service_error(msg)
+    if msg.get("op") != "info":
+        raise ProtocolError(f"unexpected answer to info: {msg!r}")
+    return {"memory": str(msg["memory"]), "lanes": list(msg.get("lanes", []))}
+
+
+def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
+    """``device="auto"``: asks the node what it serves on `conn`; when it serves CUDA memory,
+    the current CUDA device's bus id. A node too old for ``info`` drops the connection: then a
+    new one, and no device."""
+    try:
+        info = _info(conn)
+    except (ServiceError, ConnectionClosed):
+        conn.close()
+        return _wire.Conn(_connect(path)), None
+    return conn, (_device.current() if info["memory"] == "cuda" else None)
+
+
 def _service_error(msg: Mapping[str, Any]) -> ServiceError:
     """The ServiceError of an ``error`` message."""
     return ServiceError(str(msg.get("code")), str(msg.get("message")))
@@ -302,25 +355,14 @@ class Stream(_StreamBase[Batch]):
         self._kept_leases: set[int] = set()
 
     @classmethod
-    def _open(cls, path: str, req: dict[str, Any]) -> Stream:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-        except FileNotFoundError:
-            sock.close()
-            raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}?)") from None
-        except ConnectionRefusedError:
-            sock.close()
-            raise ConnectError(path, "connection refused (a stale socket file: no node service is listening)") from None
-        except PermissionError:
-            sock.close()
-            raise ConnectError(path, "permission denied (the socket is mode 0660: run as the service's user or group)") from None
-        except OSError as e:
-            sock.close()
-            raise ConnectError(path, e.strerror or str(e)) from e
-        conn = _wire.Conn(sock)
+    def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
+        conn = _wire.Conn(_connect(path))
         fds: list[int] = []
         try:
+            if auto_device:
+                conn, device = _auto_device(conn, path)
+                if device is not None:
+                    req = {**req, "device": device}
             conn.send(req)
             msg, fds = conn.recv(want_fds=True)
             op = msg["op"]

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
-from . import _wire
+from . import _device, _wire
 from ._types import Shuffle, Uneven
 
 if TYPE_CHECKING:  # pragma: no cover - re-exported for the entry points' annotations
@@ -197,6 +197,20 @@ class StreamOptions:
         """,
     )
 
+    device: str | int | None = _opt(
+        "auto",
+        """
+        The trainer's GPU, so that the node serves the stream on that GPU's lane (its region
+        on that GPU when the node serves CUDA memory, its shards through the NIC nearest to
+        it): ``"cuda:3"`` or ``3`` (an ordinal of this process), a PCI bus id
+        (``"0000:19:00.0"``) or a GPU UUID (``"GPU-..."``). ``"auto"`` (default): when the node
+        serves CUDA memory, this process's current CUDA device (torch's when torch is imported,
+        else cuda-python's); otherwise none. None: no GPU; the node picks its least loaded
+        lane. A GPU the node does not serve is refused (``ServiceError`` code
+        ``"unknown_device"``, naming it and the node's GPUs).
+        """,
+    )
+
     @classmethod
     def of(cls, options: Mapping[str, Any], caller: str, refused: Mapping[str, str] | None = None) -> StreamOptions:
         """The options of `caller`'s ``**options``. Values are checked by
@@ -227,7 +241,8 @@ class StreamOptions:
         """The fields of ``attach`` (and of the HTTP ``POST /v1/streams`` body) for `dataset`,
         a name or a mixture (a mapping of dataset names to weights): the protocol version, the
         dataset, seed, rank, world_size, epochs, uneven and state always (state None is sent
-        as null), every other field only when it is not its default (None, False).
+        as null), every other field only when it is not its default (None, False, ``device``
+        ``"auto"``: the caller fills it, it needs the node's memory kind).
 
         Raises:
             ValueError: a value out of range, or a keyword without the one it needs (nothing
@@ -257,6 +272,8 @@ class StreamOptions:
             fields["shuffle"] = self.shuffle
         if self.drop_last:
             fields["drop_last"] = True
+        if self.device is not None and self.device != _device.AUTO:
+            fields["device"] = _device.resolve(self.device)
         self._token_fields(fields)
         if isinstance(dataset, Mapping):
             fields["mix"] = _mix_entries(dataset)
@@ -338,6 +355,7 @@ class DatasetKeywords(TypedDict, total=False):
     token_dtype: str | None
     boundaries: bool
     order: str | None
+    device: str | int | None
 
 
 class StreamKeywords(DatasetKeywords, total=False):

@@ -102,7 +102,12 @@ fn one_gpu_is_one_lane_on_data_listen_with_its_nic_shown() {
             vec![6, 7]
         )]
     );
-    assert!(lanes[0].cpus.is_empty());
+    assert!(lanes[0].cpus.is_empty() && !lanes[0].warn);
+    // One GPU whose nearest NIC is across sockets: still one lane, with a warning.
+    let far = tree("cross-socket");
+    let far_lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &far, &[]), &addrs).unwrap();
+    assert_eq!(far_lanes.len(), 1);
+    assert!(far_lanes[0].warn && far_lanes[0].distance == Some(Distance::Sys));
     assert!(
         lanes[0].why.contains("its nearest NIC is eth1"),
         "{}",

@@ -1,0 +1,167 @@
+//! `shardwire bench --lanes N`: the node with N host-memory lanes on loopback addresses
+//! (127.0.0.1 .. 127.0.0.N, each its own data port, the source dialling `--flows` connections
+//! to each) and N trainer threads, one stream each; the node places each stream on the least
+//! loaded lane, so every lane carries one. Prints each lane's goodput to its trainer and the
+//! bytes its data connections received, the total, and CPU seconds per GB by role.
+//!
+//! On loopback every lane shares the same CPUs and memory bandwidth: the figures show what the
+//! node's per-lane machinery costs and whether it scales with the cores there are, not what
+//! NIC/GPU pairs do (each is limited by its own NIC there; scripts/gpu-check.sh).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use shardwire_client::{Stream, StreamOptions};
+
+use super::BenchArgs;
+use super::cpu;
+use super::report::gbps;
+use crate::demo::Loopback;
+
+/// Most lanes `--lanes` takes (loopback addresses 127.0.0.1..=127.0.0.N).
+pub const MAX_LANES: u8 = 16;
+
+/// One lane's figures over the measured interval.
+struct LaneRun {
+    lane: u32,
+    delivered: u64,
+    received: u64,
+}
+
+/// Opens `n` streams (the node places each on the least loaded lane), warmed up by one batch.
+fn open_streams(lb: &Loopback, n: u8) -> anyhow::Result<Vec<(u32, Stream)>> {
+    let node = &lb.node.handle.node;
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut s = Stream::open(
+            &lb.node.handle.socket,
+            StreamOptions {
+                epochs: 1_000_000,
+                seed: u64::from(i),
+                ..StreamOptions::new("bench")
+            },
+        )
+        .context("opening a bench stream")?;
+        if let Some(b) = s.next()? {
+            s.release(b)?;
+        }
+        let lane = node
+            .streams()
+            .iter()
+            .find(|x| x.id() == s.info.stream)
+            .map_or(u32::MAX, |x| x.lane());
+        out.push((lane, s));
+    }
+    Ok(out)
+}
+
+/// Bytes received per lane so far.
+fn lane_bytes(lb: &Loopback) -> Vec<u64> {
+    lb.node
+        .handle
+        .node
+        .status()
+        .lanes
+        .iter()
+        .map(|l| l.bytes_received)
+        .collect()
+}
+
+/// Runs the trainers for `seconds`; returns (lane, bytes delivered) each, and the seconds.
+fn drive(streams: Vec<(u32, Stream)>, seconds: u64) -> anyhow::Result<(Vec<(u32, u64)>, f64)> {
+    let t0 = Instant::now();
+    let per: Vec<anyhow::Result<(u32, u64)>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = streams
+            .into_iter()
+            .map(|(lane, mut s)| {
+                std::thread::Builder::new()
+                    .name(format!("bench-trainer-{lane}"))
+                    .spawn_scoped(sc, move || -> anyhow::Result<(u32, u64)> {
+                        let mut delivered = 0u64;
+                        while t0.elapsed() < Duration::from_secs(seconds) {
+                            let Some(b) = s.next()? else { break };
+                            delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
+                            s.release(b)?;
+                        }
+                        Ok((lane, delivered))
+                    })
+                    .expect("spawn a trainer thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a trainer thread panicked")))
+            })
+            .collect()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((per.into_iter().collect::<anyhow::Result<_>>()?, secs))
+}
+
+/// Runs the lanes benchmark.
+pub fn run(
+    a: &BenchArgs,
+    data: &std::path::Path,
+    dir: &std::path::Path,
+    stream_memory: u64,
+    rate: u64,
+) -> anyhow::Result<()> {
+    let n = a.lanes;
+    let lb = Loopback::start(
+        "bench",
+        data,
+        dir.join("trainer.sock"),
+        (a.flows, rate, n),
+        stream_memory,
+        (a.mode, a.io_uring),
+    )?;
+    let node = &lb.node.handle.node;
+    let addrs: Vec<String> = node
+        .status()
+        .lanes
+        .iter()
+        .map(|l| l.data_addr.clone())
+        .collect();
+    println!("== Source {} -> lanes {}", lb.source_addr, addrs.join(" "));
+    let streams = open_streams(&lb, n)?;
+    let placed: Vec<u32> = streams.iter().map(|(l, _)| *l).collect();
+    println!("streams on lanes {placed:?}");
+    let received0 = lane_bytes(&lb);
+    let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
+    let (per, secs) = drive(streams, a.seconds)?;
+    let (cpu1, threads1) = (cpu::cpu_times(), cpu::thread_times());
+    let received1 = lane_bytes(&lb);
+    let crc = node.counters().crc_failures.load(Ordering::Relaxed);
+    lb.stop();
+    let runs: Vec<LaneRun> = per
+        .iter()
+        .map(|&(lane, delivered)| LaneRun {
+            lane,
+            delivered,
+            received: received1.get(lane as usize).copied().unwrap_or(0)
+                - received0.get(lane as usize).copied().unwrap_or(0),
+        })
+        .collect();
+    for r in &runs {
+        println!(
+            "  lane {}: {:8.3} Gbps delivered to its trainer, {:8.3} Gbps received on its {} data connections",
+            r.lane,
+            gbps(r.delivered, secs),
+            gbps(r.received, secs),
+            a.flows
+        );
+    }
+    let total: u64 = runs.iter().map(|r| r.delivered).sum();
+    let busy = cpu::print_cpu(&cpu0, &cpu1);
+    cpu::print_per_gb(&threads0, &threads1, total);
+    let cores = std::thread::available_parallelism().map_or(0, |c| c.get());
+    println!(
+        "shardwire lanes: {n} lanes, {:.3} Gbps delivered in total ({total} bytes in {secs:.2} s), all CPUs {:.3} busy s/GB, CRC failures: {crc}; {cores} CPUs on this host: lanes share them on loopback",
+        gbps(total, secs),
+        busy / (total as f64 / 1e9).max(1e-9)
+    );
+    Ok(())
+}

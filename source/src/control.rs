@@ -1,0 +1,123 @@
+//! A node's control connection as the source holds it: the reader and writer with their time
+//! limits ([`Control`]), the constants of those limits, and why a session ends
+//! ([`SessionError`]). The leaf that the session and the data-connection dialling share.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use shardwire_protocol::framing::{FrameError, read_message, write_message};
+use shardwire_protocol::wire::{self, DecodeError, ErrorCode, Message};
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::time::Instant;
+
+/// The handshake must be done within this time.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A control write that cannot finish within this time (the node stopped reading) ends the
+/// session.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// FETCHes a session holds before the node must wait for payloads to go out; a node that
+/// sends more is broken and is dropped.
+pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
+
+/// Why a node session ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Framing or socket error.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// No secret and the peer is not on loopback.
+    #[error("peer {0} is not on loopback and this source has no secret configured")]
+    NotLoopback(SocketAddr),
+    /// Handshake took too long.
+    #[error("handshake timed out after {0:?}")]
+    Timeout(Duration),
+    /// The node sent nothing for the idle timeout.
+    #[error("the node sent nothing for {0:?} (idle timeout)")]
+    Idle(Duration),
+    /// A control write did not finish in time.
+    #[error("a control write did not finish within {0:?} (the node stopped reading)")]
+    WriteTimeout(Duration),
+    /// Wrong proof of the secret.
+    #[error("authentication failed: wrong secret")]
+    AuthFailed,
+    /// A message out of order.
+    #[error("expected {expected}, got {got}")]
+    Unexpected {
+        /// What the state machine wanted.
+        expected: &'static str,
+        /// What came.
+        got: String,
+    },
+    /// Could not dial the node's data port.
+    #[error("cannot open data connection to {addr}: {source}")]
+    DataConnect {
+        /// The node's data address.
+        addr: SocketAddr,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A data connection died.
+    #[error("a data connection failed; closing the session")]
+    DataFailed,
+    /// The node queued more FETCHes than any node legitimately does.
+    #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
+    TooManyFetches(usize),
+    /// The node speaks another protocol version (it was told so in its version).
+    #[error("the node speaks protocol version {theirs}, this source {ours}: refused", ours = wire::VERSION)]
+    Version {
+        /// The node's version.
+        theirs: u8,
+    },
+}
+
+pub(crate) fn kind(m: &Message) -> String {
+    format!("{m:?}")
+        .split([' ', '{', '('])
+        .next()
+        .unwrap_or("?")
+        .to_string()
+}
+
+/// The control connection with its time limits.
+pub(crate) struct Control {
+    pub(crate) rd: BufReader<OwnedReadHalf>,
+    pub(crate) wr: OwnedWriteHalf,
+    pub(crate) buf: Vec<u8>,
+    pub(crate) idle: Duration,
+    pub(crate) last_sent: Instant,
+}
+
+impl Control {
+    pub(crate) async fn send(&mut self, msg: &Message) -> Result<(), SessionError> {
+        tokio::time::timeout(WRITE_TIMEOUT, write_message(&mut self.wr, msg))
+            .await
+            .map_err(|_| SessionError::WriteTimeout(WRITE_TIMEOUT))??;
+        self.last_sent = Instant::now();
+        Ok(())
+    }
+
+    pub(crate) async fn error(
+        &mut self,
+        req: u64,
+        code: ErrorCode,
+        message: String,
+    ) -> Result<(), SessionError> {
+        self.send(&Message::Error { req, code, message }).await
+    }
+
+    /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more). A
+    /// frame of another protocol version is answered in that version, naming both, and ends
+    /// the session.
+    pub(crate) async fn recv(&mut self) -> Result<Message, SessionError> {
+        match read_message(&mut self.rd, &mut self.buf, wire::MAX_SMALL_FRAME).await {
+            Err(FrameError::Decode(DecodeError::Version(theirs))) => {
+                let frame = wire::version_error_frame(theirs, "source");
+                let _ = tokio::time::timeout(WRITE_TIMEOUT, self.wr.write_all(&frame)).await;
+                Err(SessionError::Version { theirs })
+            }
+            r => Ok(r?),
+        }
+    }
+}

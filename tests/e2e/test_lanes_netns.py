@@ -1,0 +1,326 @@
+"""Four lanes on one machine: four veth pairs (one /24 each) between the root network namespace,
+where the node runs, and a namespace of its own, where the source runs; a fake sysfs tree
+(tests/fixtures/sysfs/generate.py `gpu_nic_pairs`) that puts one GPU and one of the node's veth
+ends ("NICs") under each of four PCIe switches, two per socket; and, with `memory = cuda`, the
+fake libcuda with four devices at those GPUs' bus ids (gpu/fakecuda, FAKE_CUDA_PCI_BUS_IDS).
+
+The node pairs each GPU with the NIC on its switch, listens on each NIC's address, and the
+source dials every lane. Four trainers, each naming another GPU (by bus id, by UUID, as
+`cuda:2`, and as its current CUDA device), each get their stream on that GPU's lane: the
+region on that GPU (the fake's allocation log), the shards through that lane's connections
+(each accepted on its own address), every batch byte-exact, the lane's counters, its receiver
+threads on the CPUs of its NIC's NUMA node. A trainer naming a GPU the node does not serve is
+refused, and a connection the source dials to another lane's address (its fault injection) is
+refused and counted. With `memory = host` the same lanes hold host memory placed on their NUMA
+node where the kernel has it (numa_maps).
+
+What the doubles cannot show: a devmem NIC's steering and DMA into GPU memory (veth carries
+plain TCP), or real PCIe distances (the tree is fake): scripts/gpu-check.sh on a GPU host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import (
+    MiB,
+    REPO,
+    SERVE_READY,
+    SOURCE_READY,
+    Serve,
+    Source,
+    assert_byte_exact,
+    assert_exactly_once,
+    child_env,
+    crc32c,
+    expected_crcs,
+    index_dataset,
+    shardwire_bin,
+    wait_for,
+    wait_ready,
+    write_uint8_shards,
+)
+from test_cuda_fake import fake_env, fake_lines
+from test_lanes import established_on
+from test_netns import ip
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2 to create network namespaces and veth pairs",
+)
+
+LANES = 4
+SHARDS, SIZE = 8, 1 * MiB + 4321
+STREAM_MEMORY = 16 * MiB
+
+
+def node_ip(i: int) -> str:
+    return f"10.214.{i}.1"
+
+
+@pytest.fixture
+def net():
+    """A namespace for the source and LANES veth pairs: lane i's end `sl<tag><i>` in the root
+    namespace at 10.214.i.1/24, its peer in the namespace at 10.214.i.2/24."""
+    tag = uuid.uuid4().hex[:5]
+    ns, ifs = f"swls-{tag}", [f"sl{tag}{i}" for i in range(LANES)]
+    ip("netns", "add", ns)
+    try:
+        for i, name in enumerate(ifs):
+            peer = f"sp{tag}{i}"
+            ip("link", "add", name, "type", "veth", "peer", "name", peer)
+            ip("link", "set", peer, "netns", ns)
+            ip("addr", "add", f"{node_ip(i)}/24", "dev", name)
+            ip("link", "set", name, "up")
+            ip("netns", "exec", ns, "ip", "addr", "add", f"10.214.{i}.2/24", "dev", peer)
+            ip("netns", "exec", ns, "ip", "link", "set", peer, "up")
+        ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield ns, ifs
+    finally:
+        for name in ifs:
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def sysfs_tree(root: pathlib.Path, ifnames: list[str]) -> list[str]:
+    """The fake tree (one GPU + one NIC per switch, NUMA nodes 0 and 1 with CPUs 0 and 1);
+    returns the GPUs' bus ids."""
+    spec = importlib.util.spec_from_file_location("sysfs_generate", REPO / "tests" / "fixtures" / "sysfs" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen.gpu_nic_pairs(root, ifnames)
+
+
+def fake_uuid(bus: str) -> str:
+    """The fake libcuda's UUID of the GPU at `bus` (a function of the bus id only)."""
+    dom, b, rest = bus.split(":")
+    dev, fn = rest.split(".")
+    return f"GPU-5a77fa4e-{int(dom, 16):04x}-40{int(b, 16):02x}-80{int(dev, 16):02x}-{int(fn) << 4:02x}0000000000"
+
+
+def source_in(sw, ns: str, d, secret, *extra) -> Source:
+    args = ["ip", "netns", "exec", ns, sw.bin, "source", "--listen", "10.214.0.2:0", "--dataset", f"ds={d}",
+            "--secret-file", secret, *extra]
+    p = Source(sw._name("source"), [str(a) for a in args], sw.logs)
+    sw.procs.append(p)
+    p.addr = p.wait_line(SOURCE_READY).group(1)
+    return p
+
+
+def serve_lanes(sw, src, secret, tree, memory: str, env: dict) -> Serve:
+    name = sw._name("serve")
+    args = [sw.bin, "serve", "--socket", sw.tmp / f"{name}.sock", "--data-listen", "0.0.0.0:0", "--admin", "127.0.0.1:0",
+            "--source", src.addr, "--secret-file", secret, "--sysfs-root", tree, "--memory", memory, "--receive", "host",
+            "--flows", "2", "--pool-size", "64MiB", "--stream-memory", str(STREAM_MEMORY)]
+    p = Serve(name, [str(a) for a in args], sw.logs, env)
+    sw.procs.append(p)
+    m = p.wait_line(SERVE_READY)
+    p.socket, p.admin = m.group(1), m.group(2)
+    return p
+
+
+def on_own_address(lane: dict) -> int:
+    """The lane's data connections established on its own address (the node's end)."""
+    host, port = lane["data_addr"].rsplit(":", 1)
+    return established_on(host, int(port))
+
+
+def lanes_connected(node) -> list[dict]:
+    def ready():
+        lanes = node.status()["lanes"]
+        return lanes if all(on_own_address(l) == 2 for l in lanes) else None
+
+    return wait_for(ready, "2 data connections established on every lane's address", diag=node.describe)
+
+
+def recv_thread_cpus(pid: int) -> dict[int, set[str]]:
+    """Lane -> the Cpus_allowed_list of its receiver threads (named sw-recv-LANE-SOURCE-CONN)."""
+    out: dict[int, set[str]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = pathlib.Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            status = pathlib.Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        m = re.match(r"sw-recv-(\d+)-", comm)
+        if m:
+            cpus = re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M).group(1)
+            out.setdefault(int(m.group(1)), set()).add(cpus)
+    return out
+
+
+@pytest.fixture
+def setup(sw, tmp_path, net):
+    ns, ifs = net
+    d = tmp_path / "ds"
+    write_uint8_shards(d, SHARDS, SIZE, seed=33)
+    index_dataset(d)
+    secret = tmp_path / "secret"
+    secret.write_text("lanes-secret\n")
+    tree = tmp_path / "sys"
+    gpus = sysfs_tree(tree, ifs)
+    return ns, d, secret, tree, gpus
+
+
+def check_lanes(node, gpus: list[str], ifs: list[str], memory: str) -> list[dict]:
+    """The four lanes as planned: GPU i with NIC i (PIX), on NIC i's address, each with its
+    two data connections accepted there; receivers on their NIC's NUMA node's CPU."""
+    lanes = lanes_connected(node)
+    got = [(l["lane"], l["gpu"], l["nic"], l["distance"], l["data_addr"].rsplit(":", 1)[0], l["memory"]) for l in lanes]
+    assert got == [(i, gpus[i], ifs[i], "PIX", node_ip(i), memory) for i in range(LANES)], lanes
+    assert [l["numa_node"] for l in lanes] == [0, 0, 1, 1]
+    assert [l["cpus"] for l in lanes] == ["0", "0", "1", "1"], lanes
+    threads = recv_thread_cpus(node.pid)
+    assert threads == {0: {"0"}, 1: {"0"}, 2: {"1"}, 3: {"1"}}, threads
+    return lanes
+
+
+def check_refusals(node, sw, src) -> None:
+    """The misdialled connection was refused and counted on its lane; a GPU the node does not
+    serve is refused naming the node's GPUs."""
+    lanes = node.status()["lanes"]
+    assert [l["data_connections_refused"] for l in lanes] == [1, 0, 0, 0], lanes
+    assert "arrived on another address than its lane's" in node.stderr_text()
+    assert "fault injection: dialling lane 0's data connection to lane 1" in src.stderr_text()
+    r = subprocess.run([str(shardwire_bin()), "consume", "--socket", node.socket, "--dataset", "ds", "--device", "0000:99:00.0"],
+                       capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode != 0 and "unknown_device" in r.stderr, r.stderr
+    assert "its GPUs: 0000:12:00.0 (lane 0), 0000:22:00.0 (lane 1), 0000:92:00.0 (lane 2), 0000:a2:00.0 (lane 3)" in r.stderr, r.stderr
+
+
+def test_four_gpu_lanes_on_four_veth_pairs_with_the_fake_libcuda(sw, setup, net):
+    ns, d, secret, tree, gpus = setup
+    ifs = net[1]
+    expected = expected_crcs(d)
+    alloc_log = sw.tmp / "alloc.log"
+    env = {**fake_env(), "FAKE_CUDA_DEVICES": str(LANES), "FAKE_CUDA_PCI_BUS_IDS": ",".join(gpus),
+           "FAKE_CUDA_ALLOC_LOG": str(alloc_log)}
+    src = source_in(sw, ns, d, secret, "--fault-wrong-lane", "1")
+    node = serve_lanes(sw, src, secret, tree, "cuda", env)
+    wait_ready(node)
+    check_lanes(node, gpus, ifs, "cuda")
+    assert "4 GPUs, one lane each" in node.status()["mode"]["reason"]
+
+    # Four trainers, each on another GPU, each named another way.
+    names = [gpus[0], fake_uuid(gpus[1]), "cuda:2", "ctx:3"]
+    for i, how in enumerate(names):
+        r = subprocess.run([sys.executable, __file__, "train", node.socket, how], capture_output=True, text=True,
+                           timeout=180, env={**os.environ, **env})
+        assert r.returncode == 0, f"trainer {how} failed:\n{r.stdout}\n{r.stderr}\n{node.describe()}"
+        out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        info, batches = out[0], out[1:]
+        assert (info["memory"], info["gpu"], info["sent"]) == ("cuda", gpus[i], gpus[i] if i != 1 else fake_uuid(gpus[1])), (how, info)
+        assert_exactly_once(batches, SHARDS)
+        for b in batches:
+            assert b["tensors"] == [{"name": t["name"], "crc32c": t["crc32c"]} for t in expected[b["shard"]]], b["shard"]
+        assert fake_lines(r.stderr) == [], r.stderr
+        log = alloc_log.read_text()
+        # The node made exactly one stream region, on the trainer's GPU; the trainer imported it there.
+        regions = [line for line in log.splitlines() if line.startswith(f"cuMemCreate pid={node.pid} ") and line.endswith(f"size={STREAM_MEMORY}")]
+        assert len(regions) == i + 1 and f"dev={i} pci={gpus[i].upper()} " in regions[-1], log
+        assert f"cuMemImport pid={info['pid']} dev={i} pci={gpus[i].upper()} size={STREAM_MEMORY}" in log, log
+        lane = node.status()["lanes"][i]
+        assert lane["bytes_received"] >= SHARDS * SIZE, lane
+
+    check_refusals(node, sw, src)
+    assert fake_lines(node.stderr_text()) == [], node.stderr_text()
+
+
+def numa_nodes() -> set[int]:
+    return {int(n[4:]) for n in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", n)}
+
+
+def test_four_host_lanes_place_streams_by_gpu_and_memory_by_numa_node(sw, setup, net):
+    ns, d, secret, tree, gpus = setup
+    ifs = net[1]
+    expected = expected_crcs(d)
+    src = source_in(sw, ns, d, secret, "--fault-wrong-lane", "1")
+    node = serve_lanes(sw, src, secret, tree, "host", {})
+    wait_ready(node)
+    lanes = check_lanes(node, gpus, ifs, "host")
+    have = numa_nodes()
+    for l in lanes:
+        placed = l["numa_node"] in have
+        assert any("not placed on NUMA node" in n for n in l["notes"]) != placed, (have, l)
+    for i, gpu in enumerate(gpus):
+        held = sw.start_consume(node, "ds", device=gpu, limit=1, hold_secs=30)
+        wait_for(lambda: [s["lane"] for s in node.status()["streams"]] == [i], f"the stream on lane {i}", diag=node.describe)
+        stream = node.status()["streams"][0]["id"]
+        maps = pathlib.Path(f"/proc/{node.pid}/numa_maps").read_text()
+        region = [line for line in maps.splitlines() if f"shardwire-stream-{stream}" in line]
+        assert region, maps
+        if lanes[i]["numa_node"] in have:
+            assert f"prefer:{lanes[i]['numa_node']}" in region[0], region
+        held.kill()
+        wait_for(lambda: not node.status()["streams"], "the stream to close", diag=node.describe)
+        batches = sw.consume(node, "ds", device=gpu, seed=i)
+        assert_exactly_once(batches, SHARDS)
+        assert_byte_exact(batches, expected)
+        assert node.status()["lanes"][i]["bytes_received"] >= SHARDS * SIZE
+    check_refusals(node, sw, src)
+
+
+# --- the trainer child (run with the fake libcuda on its loader path) -----------------------------
+
+
+def _train(socket: str, how: str) -> None:
+    """One epoch on the GPU `how` names (a bus id, a UUID, "cuda:N", or "ctx:N": device N's
+    primary context made current and the default device="auto"); prints {memory, gpu, sent,
+    pid}, then per batch {shard, tensors: [{name, crc32c}]} read at the device pointers."""
+    import ctypes
+
+    sys.path.insert(0, str(REPO / "client" / "python" / "src"))
+    import shardwire
+    from shardwire import _client
+
+    sent: list[str] = []
+    opts, retained = {}, None
+    if how.startswith("ctx:"):
+        from cuda.bindings import driver
+
+        driver.cuInit(0)
+        _, retained = driver.cuDeviceGet(int(how[4:]))
+        _, ctx = driver.cuDevicePrimaryCtxRetain(retained)
+        driver.cuCtxSetCurrent(ctx)
+    else:
+        opts["device"] = how
+    orig_send = _client._wire.Conn.send
+
+    def send(self, *msgs):
+        for m in msgs:
+            if isinstance(m, dict) and m.get("op") == "attach":
+                sent.append(m.get("device"))
+        return orig_send(self, *msgs)
+
+    _client._wire.Conn.send = send
+    client = shardwire.connect(socket)
+    with client.open_stream("ds", seed=5, **opts) as stream:
+        region = stream.region
+        print(json.dumps({"memory": stream.info.memory, "gpu": stream.info.gpu["pci_bus_id"], "sent": sent[0], "pid": os.getpid()}), flush=True)
+        while (batch := stream.next(60)) is not None:
+            tensors = []
+            for name, t in batch.items():
+                ptr = t.__cuda_array_interface__["data"][0]
+                assert region.ptr <= ptr and ptr + t.nbytes <= region.ptr + region.size
+                tensors.append({"name": name, "crc32c": crc32c(ctypes.string_at(ptr, t.nbytes))})
+            print(json.dumps({"shard": batch.shard, "tensors": tensors}), flush=True)
+            del t
+            batch.release()
+    region.close()
+    if retained is not None:
+        driver.cuCtxSetCurrent(None)
+        driver.cuDevicePrimaryCtxRelease(retained)
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "train":
+    _train(sys.argv[2], sys.argv[3])
