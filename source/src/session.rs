@@ -116,7 +116,13 @@ impl Control {
         code: ErrorCode,
         message: String,
     ) -> Result<(), SessionError> {
-        self.send(&Message::Error { req, code, message }).await
+        self.send(&Message::Error {
+            req,
+            code,
+            retry_after_ms: 0,
+            message,
+        })
+        .await
     }
 
     /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more).
@@ -313,6 +319,7 @@ impl Session {
                     None => Message::Error {
                         req,
                         code: ErrorCode::UnknownDataset,
+                        retry_after_ms: 0,
                         message: format!("dataset `{dataset}` is not served here"),
                     },
                 };
@@ -334,6 +341,7 @@ impl Session {
                 Ok(())
             }
             Message::Ping => Ok(()),
+            Message::Hint { .. } => Ok(()),
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
                 let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;

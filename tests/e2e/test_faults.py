@@ -44,7 +44,7 @@ from conftest import (
     write_uint8_shards,
 )
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 # --- raw peers ------------------------------------------------------------------------------

@@ -253,6 +253,7 @@ impl Driver {
                 shard,
                 slab,
                 avoid: None,
+                not_before: None,
             })?;
         }
         Ok(true)

@@ -51,6 +51,8 @@ pub struct Pending {
     pub slab: Slab,
     /// The link that failed it last, avoided while another is up.
     pub avoid: Option<usize>,
+    /// Not before this (a throttled source asked the node to wait).
+    pub not_before: Option<Instant>,
 }
 
 /// Why a fetch was not issued.
@@ -211,6 +213,7 @@ impl Issue for Links {
                 shard: f.shard,
                 slab: f.slab,
                 avoid: p.avoid,
+                not_before: None,
             };
             match e {
                 SendError::Encode { .. } => IssueError::Fatal(p, e.to_string()),
@@ -288,9 +291,13 @@ impl Fetches {
         }
     }
 
-    /// Issues the waiting fetches in order until one finds no source.
+    /// Issues the waiting fetches in order until one finds no source or is not due yet.
     pub fn reissue(&mut self) -> Result<(), CloseReason> {
         while let Some(p) = self.waiting.pop_front() {
+            if p.not_before.is_some_and(|t| Instant::now() < t) {
+                self.waiting.push_front(p);
+                return Ok(());
+            }
             match self.issuer.issue(&self.supply, p, &self.tx) {
                 Ok(()) => {}
                 Err(IssueError::NoSource(p)) => {
@@ -360,6 +367,7 @@ impl Fetches {
             shard: c.shard,
             slab: c.slab,
             avoid: Some(c.source),
+            not_before: f.retry_after().map(|d| Instant::now() + d),
         });
         Ok(None)
     }
