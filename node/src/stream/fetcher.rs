@@ -19,7 +19,7 @@ const RETRY: Duration = Duration::from_millis(100);
 
 /// Runs a shard-mode stream until it closes.
 pub async fn run(s: Arc<Stream>, start: u64) {
-    let mut f = Fetches::new(Arc::clone(s.supply()), Box::new(Links::default()));
+    let mut f = Fetches::new(Arc::clone(s.supply()), Box::new(Links));
     let mut next_issue = start;
     loop {
         if s.is_closed() {
@@ -70,6 +70,10 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
             avoid: None,
             not_before: None,
         })?;
+    }
+    if f.hint_due() {
+        let end = s.total();
+        f.hint((*next_issue..end).map(|p| order.shard_at(p)));
     }
     Ok(())
 }
