@@ -10,6 +10,7 @@
 
 pub mod datasets;
 pub mod devmem_tx;
+pub mod remote;
 mod sender;
 pub mod session;
 
