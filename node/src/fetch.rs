@@ -91,7 +91,8 @@ impl FetchFailure {
                     | C::BadRequest
                     | C::DatasetChanged
                     | C::ObjectNotFound
-                    | C::StorageAuth,
+                    | C::StorageAuth
+                    | C::ChecksumMismatch,
                 ..
             } => RetryClass::Fail,
             Self::LinkDown { .. }
@@ -269,6 +270,7 @@ pub(crate) mod tests {
             wire::ErrorCode::DatasetChanged,
             wire::ErrorCode::ObjectNotFound,
             wire::ErrorCode::StorageAuth,
+            wire::ErrorCode::ChecksumMismatch,
         ] {
             assert_eq!(refused(code).retry_class(), RetryClass::Fail, "{code:?}");
         }
@@ -276,7 +278,6 @@ pub(crate) mod tests {
             wire::ErrorCode::ReadFailed,
             wire::ErrorCode::Throttled,
             wire::ErrorCode::StorageUnavailable,
-            wire::ErrorCode::ChecksumMismatch,
         ] {
             assert_eq!(refused(code).retry_class(), RetryClass::Refetch, "{code:?}");
         }

@@ -156,6 +156,26 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     idle_timeout_secs: Option<u64>,
+    /// Disk cache for object-storage datasets (needs --cache-size).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_dir: Option<PathBuf>,
+    /// Size of the disk cache per dataset (e.g. 500GiB).
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_size: Option<ByteSize>,
+    /// GETs in flight per bucket at most [default: 32].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    object_store_max_inflight: Option<usize>,
+    /// Largest ranged GET [default: 8MiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    object_store_request_size: Option<ByteSize>,
+    /// Admin HTTP address (/v1/status, /metrics).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admin: Option<std::net::SocketAddr>,
 }
 
 /// Flags of `shardwire serve`.
@@ -332,7 +352,12 @@ fn index(dir: &std::path::Path, opts: &shardwire_index::IndexOptions) -> anyhow:
 fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
     let cfg = SourceConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
-    let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
+    let remote = shardwire_source::RemoteOptions {
+        request_size: cfg.object_store_request_size.0,
+        max_inflight: cfg.object_store_max_inflight,
+        cache_dir: cfg.cache_dir.clone(),
+        cache_size: cfg.cache_size.0,
+    };
     let secret = cfg
         .secret_file
         .as_deref()
@@ -360,11 +385,26 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         max_connections: cfg.max_connections,
     };
     runtime()?.block_on(async {
+        let datasets = shardwire_source::Datasets::open(&cfg.datasets, &remote).await?;
         let src = shardwire_source::Source::bind(scfg, datasets)
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         println!("source listening on {}", src.local_addr());
         let (tx, rx) = tokio::sync::watch::channel(false);
+        match cfg.admin {
+            Some(addr) => {
+                let listener = crate::source_admin::bind(addr).await?;
+                println!("source admin on http://{}", listener.local_addr()?);
+                tokio::spawn(crate::source_admin::serve(
+                    listener,
+                    src.status(),
+                    rx.clone(),
+                ));
+            }
+            None => {
+                tokio::spawn(crate::source_admin::log_status(src.status()));
+            }
+        }
         tokio::spawn(async move {
             signalled().await;
             let _ = tx.send(true);

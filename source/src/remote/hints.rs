@@ -54,6 +54,29 @@ impl Hints {
         }
     }
 
+    /// A FETCH of `shard` came from node session `session`: its streams' hints are used up to
+    /// and including it (a FETCH does not name its stream).
+    pub fn consumed_by_session(&mut self, session: u64, shard: u32) {
+        let mut changed = false;
+        for ((s, _), list) in self.lists.iter_mut() {
+            if *s == session
+                && let Some(at) = list.iter().position(|&x| x == shard)
+            {
+                list.drain(..=at);
+                changed = true;
+            }
+        }
+        if changed {
+            self.lists.retain(|_, l| !l.is_empty());
+            self.rerank();
+        }
+    }
+
+    /// Streams with a standing hint.
+    pub fn streams(&self) -> usize {
+        self.lists.len()
+    }
+
     /// How soon `shard` is needed: its smallest position in any hint (0 = next), `None`
     /// when no hint names it.
     pub fn next_use(&self, shard: u32) -> Option<usize> {
@@ -124,5 +147,10 @@ mod tests {
         assert_eq!(h.next_use(3), Some(0));
         h.forget_session(1);
         assert_eq!(h.order(), vec![9]);
+        h.set((3, 1), vec![4, 5]);
+        h.set((3, 2), vec![5, 6]);
+        h.consumed_by_session(3, 5);
+        assert_eq!(h.order(), vec![9, 6]);
+        assert_eq!(h.streams(), 2);
     }
 }
