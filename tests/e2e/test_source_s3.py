@@ -56,6 +56,13 @@ def source_status(src) -> dict:
     return json.loads(body)
 
 
+def served_counts(src) -> dict:
+    """{prefetched|cached|read: n} from the source's /metrics."""
+    code, text = http_get(src.admin, "/metrics")
+    assert code == 200, text
+    return {k: int(float(v)) for k, v in re.findall(r'^shardwire_source_remote_fetches_total\{served="(\w+)"\} (\S+)', text, re.M)}
+
+
 def gets(proxy, bucket: str) -> list:
     return [e for e in proxy.requests("GET", f"/{bucket}/") if e.range]
 
@@ -82,6 +89,9 @@ def test_a_dataset_in_s3_is_served_byte_exact_with_ranged_gets_pinned_to_the_eta
     st = source_status(src)
     ds = st["datasets"][0]
     assert ds["backend"] == "object_store" and ds["object_store"]["url"] == url, ds
+    served = served_counts(src)
+    assert sum(served.values()) == len(m["shards"]), served
+    print("served:", served)
 
 
 def test_a_second_epoch_is_served_from_the_cache_without_a_get_and_so_is_a_restart(sw, s3, s3_bucket, s3_proxy, tmp_path):
@@ -190,3 +200,24 @@ def test_a_wrong_secret_is_refused_at_start_naming_the_bucket(sw, s3, s3_bucket,
     assert p.wait(timeout=60) != 0
     text = p.describe()
     assert s3_bucket in text and ("credential" in text.lower() or "403" in text), text[-3000:]
+
+
+def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 40, 256 * 1024, seed=9)
+    url = upload(s3, s3_bucket, d)
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
+    node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "2MiB")
+    wait_ready(node)
+    batches = sw.consume(node, "ds", shuffle="shards", seed=5)
+    assert_exactly_once(batches, 40)
+    assert_byte_exact(batches, expected_crcs(d))
+    served = served_counts(src)
+    assert sum(served.values()) == 40, served
+    # The region holds a few shards at a time; the hints name the next 256, so the source
+    # reads them ahead and most FETCHes find their bytes already in memory.
+    assert served.get("prefetched", 0) >= 20, served
+    # Read ahead in the plan's (shuffled) order: each shard read once.
+    data = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
+    assert len(data) == 40, len(data)

@@ -58,7 +58,7 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
         // A shard with row tables is assembled behind its payload, in the same block.
         let block = assemble::plan_shard(&manifest, shard).map_or(len, |p| p.bytes as usize);
         let Some(mut slab) = f.alloc(block) else {
-            return Ok(());
+            break;
         };
         slab.set_len(len); // the payload's length; within the block by construction
         let pos = *next_issue;

@@ -57,6 +57,11 @@ impl Hints {
             send(supply, key, Vec::new());
         }
         self.standing = lists.keys().copied().collect();
+        tracing::debug!(
+            stream = supply.stream(),
+            sources = lists.len(),
+            "read-ahead hints"
+        );
         for (key, shards) in lists {
             send(supply, key, shards);
         }

@@ -29,6 +29,14 @@ use crate::sender::Body;
 /// The outcome of one load, for whoever waits on it.
 type Outcome = Option<Result<(), Failure>>;
 
+/// A read registered by [`RemoteDataset::begin`], run by [`RemoteDataset::load`].
+struct Reading {
+    wants: Vec<Want>,
+    senders: Vec<watch::Sender<Outcome>>,
+    bytes: u64,
+    prefetch: bool,
+}
+
 /// What a dataset holds outside the store, under one lock.
 #[derive(Default)]
 struct State {
@@ -115,7 +123,7 @@ impl RemoteDataset {
                 };
                 return Ok((Body::Memory(parts), how));
             }
-            if let Some(body) = self.from_cache(shard).await {
+            if let Some(body) = self.cached(shard).await {
                 let how = if waited { Served::Read } else { Served::Cached };
                 return Ok((body, how));
             }
@@ -128,7 +136,10 @@ impl RemoteDataset {
             waited = true;
             match rx {
                 Some(rx) => wait(rx).await?,
-                None => self.load(vec![shard], false).await?,
+                None => {
+                    let reading = self.begin(vec![shard], false);
+                    self.load(reading).await?
+                }
             }
         }
     }
@@ -150,7 +161,7 @@ impl RemoteDataset {
 
     /// The cached entry of `shard` as a payload; an entry kept over a restart is checked
     /// against its CRC first (and deleted if it fails).
-    async fn from_cache(&self, shard: u32) -> Option<Body> {
+    async fn cached(&self, shard: u32) -> Option<Body> {
         let cache = self.cache.as_ref()?;
         let hit = cache.lock().expect("poisoned").get(shard)?;
         if !hit.verified {
@@ -173,26 +184,41 @@ impl RemoteDataset {
         })
     }
 
-    /// Reads `shards` (adjacent ones merged) and places each verified one in the cache or in
-    /// memory; the outcome of `shards[0]` is returned, every shard's goes to its waiters.
-    async fn load(self: &Arc<Self>, shards: Vec<u32>, prefetch: bool) -> Result<(), Failure> {
+    /// Registers a read of `shards` (so nobody starts another), before it runs.
+    fn begin(&self, shards: Vec<u32>, prefetch: bool) -> Reading {
         let wants: Vec<Want> = shards
             .iter()
             .map(|&s| self.shards[s as usize].clone())
             .collect();
         let bytes: u64 = wants.iter().map(|w| w.range.end - w.range.start).sum();
         let mut senders = Vec::with_capacity(shards.len());
-        {
-            let mut st = self.state();
-            for &s in &shards {
-                let (tx, rx) = watch::channel(None);
-                st.loading.insert(s, rx);
-                senders.push(tx);
-            }
-            if prefetch {
-                st.prefetching += bytes;
-            }
+        let mut st = self.state();
+        for &s in &shards {
+            let (tx, rx) = watch::channel(None);
+            st.loading.insert(s, rx);
+            senders.push(tx);
         }
+        if prefetch {
+            st.prefetching += bytes;
+        }
+        Reading {
+            wants,
+            senders,
+            bytes,
+            prefetch,
+        }
+    }
+
+    /// Runs a registered read (adjacent shards merged) and places each verified shard in the
+    /// cache or in memory; the first shard's outcome is returned, every shard's goes to its
+    /// waiters.
+    async fn load(self: &Arc<Self>, r: Reading) -> Result<(), Failure> {
+        let Reading {
+            wants,
+            senders,
+            bytes,
+            prefetch,
+        } = r;
         let reads = read_shards(&self.store, &self.objects, &wants).await;
         let mut first = None;
         for ((shard, got), tx) in reads.into_iter().zip(senders) {

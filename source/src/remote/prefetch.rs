@@ -24,9 +24,11 @@ impl RemoteDataset {
                 }
                 continue;
             }
+            // Registered before the task runs, so the next group does not take these again.
+            let reading = self.begin(group, true);
             let me = Arc::clone(&self);
             tokio::spawn(async move {
-                let _ = me.load(group, true).await;
+                let _ = me.load(reading).await;
             });
         }
     }
