@@ -34,6 +34,7 @@ pub async fn serve(
 ) {
     prom::handle();
     describe();
+    shardwire_store::metrics::describe();
     if let Ok(a) = listener.local_addr() {
         tracing::info!(admin = %a, "source admin endpoint: /v1/status, /metrics");
     }
