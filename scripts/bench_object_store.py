@@ -10,7 +10,9 @@ of .venv, each batch viewed and released, nothing copied):
 - local:        the directory (`sendfile` from the page cache), the baseline;
 - s3:           `--dataset ds=s3://bucket/ds`, no disk cache (every epoch read from the store);
 - s3-cache:     the same with `--cache-dir` (a cache larger than the dataset): epoch 1 fills
-                it (cold), later epochs are served from it (warm).
+                it (cold), later epochs are served from it (warm);
+- boto3-threads: no shardwire: every object fetched whole by boto3 from 32 threads, each pass
+                timed: what the store itself delivers on this host (the ceiling of the s3 way).
 
 Per way: Gbit/s of each epoch (epoch 1 apart: it includes the first reads), the steady-state
 median of the later epochs, and from the source's /metrics the GETs it sent, GETs per GB read
@@ -36,6 +38,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "client" / "python" / "src"))
 
 from bench_loaders import Child, cpu_model  # noqa: E402
 
@@ -122,6 +125,22 @@ def run_way(name: str, spec: str, extra: list[str], env: dict, a, total: int, tm
     return row
 
 
+def boto3_ceiling(s3, bucket: str, keys: list[str], total: int, threads: int, epochs: int) -> dict:
+    """The store's ceiling on this host: every object fetched whole with boto3 from `threads`
+    threads at once (a careful hand-written downloader), `epochs` times; Gbit/s per pass."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = s3.client()
+    out = []
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            got = sum(pool.map(lambda k: len(client.get_object(Bucket=bucket, Key=k)["Body"].read()), keys))
+        assert got == total, (got, total)
+        out.append(round(total * 8 / (time.perf_counter() - t0) / 1e9, 3))
+    return {"way": "boto3-threads", "epochs_gbps": out, "threads": threads}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", type=int, default=64)
@@ -141,12 +160,15 @@ def main() -> None:
             s3.upload_dir(data, bucket, "ds")
             env = s3.env()
             url = f"s3://{bucket}/ds"
+            keys = [f"ds/{p.name}" for p in sorted(data.glob("*.npy"))]
+            object_bytes = sum(p.stat().st_size for p in data.glob("*.npy"))
             rows = [
+                boto3_ceiling(s3, bucket, keys, object_bytes, 32, a.epochs),
                 run_way("local", f"ds={data}", [], {}, a, total, tmp),
                 run_way("s3", f"ds={url}", [], env, a, total, tmp),
                 run_way("s3-cache", f"ds={url}", ["--cache-dir", str(tmp / "cache"), "--cache-size", str(2 * total)], env, a, total, tmp),
             ]
-    local = statistics.median(rows[0]["epochs_gbps"][1:] or rows[0]["epochs_gbps"])
+    local = statistics.median(rows[1]["epochs_gbps"][1:] or rows[1]["epochs_gbps"])
     print(f"cpu: {cpu_model()}; dataset {a.shards} x {a.shard_size} B = {total} B; epochs {a.epochs}; request size {a.request_size}")
     for r in rows:
         steady = statistics.median(r["epochs_gbps"][1:] or r["epochs_gbps"])
