@@ -33,6 +33,19 @@ pub struct Described {
     pub addressing: Option<&'static str>,
 }
 
+impl Described {
+    /// A store with no credentials and no region (local files, tests over `InMemory`).
+    pub fn plain(backend: &'static str, endpoint: &str) -> Described {
+        Described {
+            backend,
+            credentials: "none".into(),
+            endpoint: endpoint.to_owned(),
+            region: None,
+            addressing: None,
+        }
+    }
+}
+
 impl std::fmt::Display for Described {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -106,13 +119,7 @@ pub(crate) fn build(
         Scheme::File => {
             let s = LocalFileSystem::new_with_prefix(bucket)
                 .map_err(|e| config(format!("cannot open the directory: {e}")))?;
-            let d = Described {
-                backend: "file",
-                credentials: "none (local files)".into(),
-                endpoint: bucket.to_owned(),
-                region: None,
-                addressing: None,
-            };
+            let d = Described::plain("file", bucket);
             Ok((Arc::new(s), d))
         }
         Scheme::Http | Scheme::Https => {
@@ -128,13 +135,7 @@ pub(crate) fn build(
                 b = b.with_config(ClientConfigKey::AllowHttp, "true");
             }
             let s = b.build().map_err(|e| config(e.to_string()))?;
-            let d = Described {
-                backend: "http",
-                credentials: "none (anonymous)".into(),
-                endpoint: base,
-                region: None,
-                addressing: None,
-            };
+            let d = Described::plain("http", &base);
             Ok((Arc::new(s), d))
         }
     }

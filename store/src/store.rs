@@ -59,15 +59,7 @@ impl Store {
     /// credential source, endpoint, region and addressing style, never a secret.
     pub fn open(url: &StoreUrl, opts: StoreOptions) -> Result<Store, StoreError> {
         let (os, described) = backend::build(url, &opts)?;
-        tracing::info!(
-            url = %url,
-            backend = described.backend,
-            credentials = %described.credentials,
-            endpoint = %described.endpoint,
-            region = described.region.as_deref().unwrap_or("-"),
-            addressing = described.addressing.unwrap_or("-"),
-            "object store: {described}"
-        );
+        tracing::info!(url = %url, "object store: {described}");
         Ok(Self::with_object_store(url, opts, os, described))
     }
 

@@ -10,13 +10,7 @@ use super::*;
 use crate::error::StoreErrorKind;
 
 fn memory() -> Described {
-    Described {
-        backend: "memory",
-        credentials: "none".into(),
-        endpoint: "memory".into(),
-        region: None,
-        addressing: None,
-    }
+    Described::plain("memory", "memory")
 }
 
 fn store(bucket: &str) -> (Store, Arc<InMemory>) {
