@@ -95,9 +95,11 @@ impl Dataset {
 
     /// `location`: a URL with a scheme shardwire serves (`s3://bucket/prefix`, `gs://`,
     /// `az://`, `file:///dir`, `http(s)://`) is opened with credentials and endpoint from the
-    /// environment and its prefix listed; anything else is a local directory.
+    /// environment and its prefix listed; another `scheme://` is an error naming the schemes
+    /// served; anything else is a local directory.
     pub fn open(location: &str, store: StoreOptions) -> Result<Dataset, IndexError> {
-        if !StoreUrl::is_remote(location) {
+        // `s4://x` is a mistyped URL, not a directory: parsing it names the schemes served.
+        if !StoreUrl::is_remote(location) && !location.contains("://") {
             return Ok(Self::local(Path::new(location)));
         }
         let url = StoreUrl::parse(location)?;
