@@ -21,9 +21,18 @@ pub struct Cli {
 enum Cmd {
     /// Build DIR/shardwire.manifest.json from the Arrow IPC (HF datasets), .npy, .bin, WebDataset
     /// .tar, MDS and Parquet files in DIR (Parquet is converted once into DIR/.shardwire-cache).
+    /// DIR may be a URL (s3://bucket/prefix, gs://, az://, file:///dir, http(s)://): the objects
+    /// are listed and read with ranged GETs (credentials and endpoint from the standard
+    /// AWS_*/GOOGLE_*/AZURE_* environment), and the manifest, with each object's size and
+    /// ETag, is written beside them.
     Index {
-        /// Dataset directory.
-        dir: PathBuf,
+        /// Dataset directory or URL.
+        #[arg(value_name = "DIR|URL")]
+        dir: String,
+        /// Write the manifest to this local file instead of beside the data (needed for
+        /// read-only http(s) datasets).
+        #[arg(long, value_name = "PATH")]
+        manifest_out: Option<PathBuf>,
         /// Never show the progress line.
         #[arg(long)]
         quiet: bool,
@@ -302,6 +311,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Index {
             dir,
+            manifest_out,
             quiet,
             columns,
             skip_unsupported,
@@ -318,7 +328,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 skip_unsupported,
                 tokens,
             };
-            index(&dir, &opts)
+            index(&dir, manifest_out.as_deref(), &opts)
         }
         Cmd::Source(f) => source(&f),
         Cmd::Serve(f) => serve(&f),
@@ -332,19 +342,30 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn index(dir: &std::path::Path, opts: &shardwire_index::IndexOptions) -> anyhow::Result<ExitCode> {
-    let report = shardwire_index::index_report(dir, opts)?;
+fn index(
+    location: &str,
+    out: Option<&std::path::Path>,
+    opts: &shardwire_index::IndexOptions,
+) -> anyhow::Result<ExitCode> {
+    use shardwire_index::{Dataset, StoreOptions, StoreUrl};
+    Dataset::check_output(location, out)?;
+    if StoreUrl::is_remote(location) {
+        // The store logs its credential source, endpoint and region when it opens.
+        logging::init_filter("info");
+    }
+    let mut ds = Dataset::open(location, StoreOptions::default())?;
+    let report = ds.index(opts)?;
     for note in report.notes() {
         eprintln!("{note}");
     }
     let m = &report.manifest;
-    let path = shardwire_index::write_manifest(dir, m)?;
+    let path = ds.write_manifest(m, out)?;
     println!(
         "indexed {} shards, {} bytes, digest {} -> {}",
         m.shards.len(),
         m.total_bytes,
         m.digest,
-        path.display()
+        path
     );
     Ok(ExitCode::SUCCESS)
 }
