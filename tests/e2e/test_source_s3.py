@@ -221,3 +221,29 @@ def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, 
     # Read ahead in the plan's (shuffled) order: each shard read once.
     data = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
     assert len(data) == 40, len(data)
+
+
+def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    import subprocess
+
+    from conftest import child_env, require_bin
+
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 5, 300_000, seed=10)
+    s3.upload_dir(d, s3_bucket, "ds")
+    url = f"s3://{s3_bucket}/ds"
+    r = subprocess.run([str(require_bin()), "index", url], capture_output=True, text=True, timeout=120, env=child_env(s3.env()))
+    assert r.returncode == 0, r.stderr[-2000:]
+    index_dataset(d)  # the local index, for the expected bytes
+    src, node, batches = run_epochs(sw, url, s3_proxy.env())
+    assert_exactly_once(batches, 5)
+    assert_byte_exact(batches, expected_crcs(d))
+    assert "records no ETags" not in src.stderr_text()
+    node.stop()
+    src.stop()
+    # The object changes after indexing: the source refuses the dataset at start, naming it.
+    s3.put(s3_bucket, "ds/s003.npy", (d / "s003.npy").read_bytes()[:-1] + b"!")
+    p = sw._start(Source, "source", ["source", "--listen", "127.0.0.1:0", "--dataset", f"ds={url}"], s3.env())
+    assert p.wait(timeout=60) != 0
+    text = p.stderr_text()
+    assert "s003.npy" in text and "changed since it was indexed" in text, text[-2000:]

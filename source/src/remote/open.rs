@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use shardwire_protocol::Manifest;
-use shardwire_protocol::manifest::{MANIFEST_FILE, ManifestError};
+use shardwire_protocol::manifest::{MANIFEST_FILE, ManifestError, ObjectEntry};
 use shardwire_store::{Store, StoreError, StoreErrorKind, StoreOptions, StoreUrl};
 use tokio::sync::Notify;
 
@@ -177,6 +177,11 @@ fn pin_objects(
         key: key.into(),
         reason,
     };
+    let indexed: HashMap<&str, &ObjectEntry> =
+        m.objects.iter().map(|o| (o.file.as_str(), o)).collect();
+    if m.objects.is_empty() {
+        tracing::warn!(dataset = %name, %url, "the manifest records no ETags (indexed from a local directory?): objects are pinned to the ETags they have now; re-index with `shardwire index {url}` to have changes since indexing detected");
+    }
     let mut index: HashMap<&str, usize> = HashMap::new();
     let mut objects: Vec<Object> = Vec::new();
     let mut shards = Vec::with_capacity(m.shards.len());
@@ -193,6 +198,8 @@ fn pin_objects(
                         "the store reports no ETag, so a change could not be detected".into(),
                     )
                 })?;
+                check_indexed(&indexed, m, &s.file, meta.size, &etag)
+                    .map_err(|r| bad(&s.file, r))?;
                 objects.push(Object {
                     key: s.file.clone(),
                     size: meta.size,
@@ -217,6 +224,35 @@ fn pin_objects(
         });
     }
     Ok((objects, shards))
+}
+
+/// Whether object `file` (now `size` bytes, ETag `etag`) is what the manifest indexed; the
+/// reason it is not.
+fn check_indexed(
+    indexed: &HashMap<&str, &ObjectEntry>,
+    m: &Manifest,
+    file: &str,
+    size: u64,
+    etag: &str,
+) -> Result<(), String> {
+    let Some(o) = indexed.get(file) else {
+        return match m.objects.is_empty() {
+            true => Ok(()),
+            false => Err("has no entry in the manifest's objects list".into()),
+        };
+    };
+    if o.size != size {
+        return Err(format!(
+            "changed since it was indexed: {size} bytes, the manifest says {}",
+            o.size
+        ));
+    }
+    match &o.etag {
+        Some(want) if want != etag => Err(format!(
+            "changed since it was indexed: ETag {etag}, the manifest says {want}"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The dataset's disk cache (`cache_dir/NAME`), when one is configured.
