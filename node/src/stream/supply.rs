@@ -22,7 +22,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::affinity;
 use super::error::CloseReason;
-use super::hints::Hints;
+use super::hints::{HintTarget, Hints};
 use crate::counters::Counters;
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
 use crate::link::{SendError, SourceLink};
@@ -160,16 +160,6 @@ impl Supply {
         (i, d, shard - d.first)
     }
 
-    /// The stream's `i`-th dataset.
-    pub fn dataset(&self, i: usize) -> &DatasetSource {
-        &self.sources[i]
-    }
-
-    /// The stream's id.
-    pub fn stream(&self) -> u64 {
-        self.stream
-    }
-
     /// The candidate of `source` to fetch its shard `wire_shard` from now (rendezvous
     /// ranking over the live links, passing over `avoid` while another is up), by its
     /// position in `source.candidates`.
@@ -205,6 +195,29 @@ impl Supply {
     /// A fresh request id.
     fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+impl HintTarget for Supply {
+    fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    fn locate(&self, shard: u32) -> (usize, u32) {
+        let (di, _, wire_shard) = self.dataset_of(shard);
+        (di, wire_shard)
+    }
+
+    fn link_for(&self, di: usize, wire_shard: u32) -> Option<usize> {
+        self.preferred(&self.sources[di], wire_shard, None)
+    }
+
+    fn send_hint(&self, di: usize, link: usize, shards: Vec<u32>) {
+        let source = &self.sources[di];
+        let l = &source.candidates[link];
+        if let Err(e) = l.hint(self.stream, &source.dataset, shards) {
+            tracing::debug!(source = %l.addr, error = %e, "hint not sent");
+        }
     }
 }
 
@@ -263,7 +276,7 @@ pub struct Fetches {
 
 impl Drop for Fetches {
     fn drop(&mut self) {
-        self.hints.withdraw(&self.supply);
+        self.hints.withdraw(&*self.supply);
     }
 }
 
@@ -290,7 +303,7 @@ impl Fetches {
     /// Tells the sources what the stream fetches next: `upcoming` yields the shards after
     /// those issued, soonest first (see [`super::hints`]).
     pub fn hint(&mut self, upcoming: impl Iterator<Item = u32>) {
-        self.hints.send(&self.supply, upcoming);
+        self.hints.send(&*self.supply, upcoming);
     }
 
     /// A slab of `bytes`, or `None` when the region is full (the task then waits for

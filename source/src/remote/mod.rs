@@ -17,7 +17,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use shardwire_store::Store;
+use shardwire_protocol::Manifest;
+use shardwire_store::{Store, StoreUrl};
 use tokio::sync::{Notify, watch};
 
 use self::cache::DiskCache;
@@ -77,6 +78,31 @@ pub enum Served {
 }
 
 impl RemoteDataset {
+    /// Opens dataset `name` at `url`: reads its manifest, checks its objects, opens its cache;
+    /// returns it with the manifest and the manifest file's bytes.
+    pub async fn open(
+        name: &str,
+        url: &StoreUrl,
+        opts: &RemoteOptions,
+    ) -> Result<(Arc<Self>, Manifest, Vec<u8>), OpenError> {
+        let o = open::open(name, url, opts).await?;
+        let budget = 2 * opts.request_size * opts.max_inflight as u64;
+        tracing::info!(dataset = %name, %url, shards = o.shards.len(), objects = o.objects.len(),
+            bytes = o.manifest.total_bytes, cache = ?opts.cache_dir, memory_budget = budget,
+            "serving dataset from object storage");
+        let d = Arc::new(RemoteDataset {
+            name: name.into(),
+            store: o.store,
+            objects: o.objects,
+            shards: o.shards,
+            cache: o.cache.map(Mutex::new),
+            state: Mutex::new(State::default()),
+            budget,
+            wake: Notify::new(),
+        });
+        Ok((d, o.manifest, o.json))
+    }
+
     /// The dataset's name.
     pub fn name(&self) -> &str {
         &self.name

@@ -5,16 +5,13 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use shardwire_protocol::Manifest;
 use shardwire_protocol::manifest::{MANIFEST_FILE, ManifestError, ObjectEntry};
 use shardwire_store::{Store, StoreError, StoreErrorKind, StoreOptions, StoreUrl};
-use tokio::sync::Notify;
 
 use super::cache::{CacheError, DiskCache, entry_name};
 use super::read::{Object, Want};
-use super::{RemoteDataset, State};
 
 /// Source settings for object-storage datasets.
 #[derive(Clone, Debug)]
@@ -79,54 +76,55 @@ pub enum OpenError {
     },
 }
 
-impl RemoteDataset {
-    /// Opens dataset `name` at `url`: reads its manifest, checks its objects, opens its cache.
-    pub async fn open(
-        name: &str,
-        url: &StoreUrl,
-        opts: &RemoteOptions,
-    ) -> Result<(Arc<Self>, Manifest, Vec<u8>), OpenError> {
-        let so = StoreOptions {
-            request_size: opts.request_size,
-            max_inflight: opts.max_inflight,
-            ..StoreOptions::default()
-        };
-        let store_err = |source| OpenError::Store {
-            dataset: name.into(),
-            source,
-        };
-        let store = Store::open(url, so).map_err(store_err)?;
-        let head = patiently(|| store.head(MANIFEST_FILE))
-            .await
-            .map_err(store_err)?;
-        let json = patiently(|| store.read(MANIFEST_FILE, 0..head.size, head.etag.as_deref()))
-            .await
-            .map_err(store_err)?
-            .to_vec();
-        let manifest = Manifest::from_json(&json).map_err(|source| OpenError::Manifest {
-            dataset: name.into(),
-            url: url.to_string(),
-            source,
-        })?;
-        let listed = patiently(|| store.list()).await.map_err(store_err)?;
-        let (objects, shards) = pin_objects(name, url, &manifest, &listed)?;
-        let cache = open_cache(name, opts, &manifest, &objects, &shards)?;
-        let budget = 2 * opts.request_size * opts.max_inflight as u64;
-        tracing::info!(dataset = %name, %url, shards = shards.len(), objects = objects.len(),
-            bytes = manifest.total_bytes, cache = ?opts.cache_dir, memory_budget = budget,
-            "serving dataset from object storage");
-        let d = Arc::new(RemoteDataset {
-            name: name.into(),
-            store,
-            objects,
-            shards,
-            cache: cache.map(Mutex::new),
-            state: Mutex::new(State::default()),
-            budget,
-            wake: Notify::new(),
-        });
-        Ok((d, manifest, json))
-    }
+/// What opening a dataset found: its store, objects, shards and cache, and its manifest.
+pub(super) struct Opened {
+    pub store: Store,
+    pub objects: Vec<Object>,
+    pub shards: Vec<Want>,
+    pub cache: Option<DiskCache>,
+    pub manifest: Manifest,
+    pub json: Vec<u8>,
+}
+
+/// Opens dataset `name` at `url`: reads its manifest, checks its objects, opens its cache.
+pub(super) async fn open(
+    name: &str,
+    url: &StoreUrl,
+    opts: &RemoteOptions,
+) -> Result<Opened, OpenError> {
+    let so = StoreOptions {
+        request_size: opts.request_size,
+        max_inflight: opts.max_inflight,
+        ..StoreOptions::default()
+    };
+    let store_err = |source| OpenError::Store {
+        dataset: name.into(),
+        source,
+    };
+    let store = Store::open(url, so).map_err(store_err)?;
+    let head = patiently(|| store.head(MANIFEST_FILE))
+        .await
+        .map_err(store_err)?;
+    let json = patiently(|| store.read(MANIFEST_FILE, 0..head.size, head.etag.as_deref()))
+        .await
+        .map_err(store_err)?
+        .to_vec();
+    let manifest = Manifest::from_json(&json).map_err(|source| OpenError::Manifest {
+        dataset: name.into(),
+        url: url.to_string(),
+        source,
+    })?;
+    let listed = patiently(|| store.list()).await.map_err(store_err)?;
+    let (objects, shards) = pin_objects(name, url, &manifest, &listed)?;
+    let cache = open_cache(name, opts, &manifest, &objects, &shards)?;
+    Ok(Opened {
+        store,
+        objects,
+        shards,
+        cache,
+        manifest,
+        json,
+    })
 }
 
 /// Attempts at each start-up read while the store throttles or is unavailable.
