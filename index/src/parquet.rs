@@ -35,7 +35,6 @@ pub(crate) mod remote;
 #[cfg(test)]
 mod tests;
 
-
 /// Where converted files go, relative to the dataset directory.
 pub(crate) const CACHE_DIR: &str = ".shardwire-cache/parquet";
 /// Most rows in one converted record batch (one shard).
