@@ -12,8 +12,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
-/// and Ping).
-pub const VERSION: u8 = 2;
+/// and Ping; 3: `Hint`, the object-storage error codes and `Error::retry_after_ms`).
+pub const VERSION: u8 = 3;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
 /// Largest frame a node ever sends, and the largest a source accepts: a `Hello` with the
@@ -26,6 +26,8 @@ pub const MAX_STR: usize = 4096;
 pub const MAX_DATASET_NAME: usize = 255;
 /// Largest number of data connections a node may ask for.
 pub const MAX_FLOWS: u16 = 64;
+/// Most shards one [`Message::Hint`] names (4 KiB of indices: the hint stays a small frame).
+pub const MAX_HINT_SHARDS: usize = 1024;
 
 /// Why a dataset name cannot be used (the same rule on the source, the node's APIs and the
 /// wire, so a name that passes here can always be encoded).
@@ -90,6 +92,19 @@ pub enum ErrorCode {
     Internal = 7,
     /// The request was cancelled by the node before the source sent anything for it.
     Cancelled = 8,
+    /// The object store throttled the source's reads (503 SlowDown / 429) after its retry
+    /// budget; `Error::retry_after_ms` says when to ask again.
+    Throttled = 9,
+    /// The object store failed or timed out after the source's retries.
+    StorageUnavailable = 10,
+    /// The object store refused the source's credentials.
+    StorageAuth = 11,
+    /// An object the manifest names does not exist (a stale manifest).
+    ObjectNotFound = 12,
+    /// An object changed since it was indexed (its ETag differs): nothing of it is sent.
+    DatasetChanged = 13,
+    /// The bytes read from the store do not match the manifest's CRC-32C (after one more read).
+    ChecksumMismatch = 14,
 }
 
 impl ErrorCode {
@@ -103,6 +118,12 @@ impl ErrorCode {
             6 => Self::ReadFailed,
             7 => Self::Internal,
             8 => Self::Cancelled,
+            9 => Self::Throttled,
+            10 => Self::StorageUnavailable,
+            11 => Self::StorageAuth,
+            12 => Self::ObjectNotFound,
+            13 => Self::DatasetChanged,
+            14 => Self::ChecksumMismatch,
             other => return Err(DecodeError::UnknownErrorCode(other)),
         })
     }
@@ -196,6 +217,9 @@ pub enum Message {
         req: u64,
         /// What kind of failure.
         code: ErrorCode,
+        /// Ask again no sooner than this many milliseconds from now (0: no advice; set with
+        /// [`ErrorCode::Throttled`]).
+        retry_after_ms: u32,
         /// Human-readable detail.
         message: String,
     },
@@ -209,6 +233,19 @@ pub enum Message {
     /// Either direction: keepalive, sent when a side has sent nothing else for a while, so
     /// that each side can time out a peer that went silent.
     Ping,
+    /// node -> source: the shards of `dataset` that stream `stream` will FETCH from this
+    /// source next, in the order it will ask (at most [`MAX_HINT_SHARDS`]). It replaces the
+    /// stream's previous hint for the dataset; an empty list withdraws it. A source that reads
+    /// from object storage prefetches in this order and keeps its cache by it; one that does
+    /// not may ignore it. A hint asks for nothing: only a `Fetch` is answered.
+    Hint {
+        /// The node's stream id (scopes the hint; hints of other streams stand).
+        stream: u64,
+        /// Dataset name.
+        dataset: String,
+        /// Shard indices, soonest first.
+        shards: Vec<u32>,
+    },
 }
 
 const K_HELLO: u8 = 1;
@@ -223,6 +260,7 @@ const K_SHARD: u8 = 9;
 const K_ERROR: u8 = 10;
 const K_CANCEL: u8 = 11;
 const K_PING: u8 = 12;
+const K_HINT: u8 = 13;
 
 /// Why bytes did not decode to a message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -396,10 +434,16 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         K_ERROR => Message::Error {
             req: r.u64("req")?,
             code: ErrorCode::from_u16(r.u16("code")?)?,
+            retry_after_ms: r.u32("retry_after_ms")?,
             message: r.string("message", MAX_STR)?,
         },
         K_CANCEL => Message::Cancel { req: r.u64("req")? },
         K_PING => Message::Ping,
+        K_HINT => Message::Hint {
+            stream: r.u64("stream")?,
+            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            shards: r.u32_list("shards", MAX_HINT_SHARDS)?,
+        },
         other => return Err(DecodeError::UnknownKind(other)),
     };
     if !r.buf.is_empty() {
@@ -514,10 +558,16 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u16(*conn);
             w.u64(*seq);
         }
-        Message::Error { req, code, message } => {
+        Message::Error {
+            req,
+            code,
+            retry_after_ms,
+            message,
+        } => {
             w.kind(K_ERROR);
             w.u64(*req);
             w.u16(*code as u16);
+            w.u32(*retry_after_ms);
             // Truncate rather than fail: an error report must always go out.
             let mut end = message.len().min(MAX_STR);
             while !message.is_char_boundary(end) {
@@ -530,6 +580,26 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u64(*req);
         }
         Message::Ping => w.kind(K_PING),
+        Message::Hint {
+            stream,
+            dataset,
+            shards,
+        } => {
+            w.kind(K_HINT);
+            w.u64(*stream);
+            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            if shards.len() > MAX_HINT_SHARDS {
+                return Err(EncodeError::FieldTooLong {
+                    field: "shards",
+                    len: shards.len(),
+                    max: MAX_HINT_SHARDS,
+                });
+            }
+            w.u16(shards.len() as u16);
+            for &x in shards {
+                w.u32(x);
+            }
+        }
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_be_bytes());
@@ -567,6 +637,18 @@ impl<'a> Reader<'a> {
     }
     fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
         Ok(u64::from_be_bytes(self.array(field)?))
+    }
+    /// A `u16` count, checked against `max` before anything is allocated, then the `u32`s.
+    fn u32_list(&mut self, field: &'static str, max: usize) -> Result<Vec<u32>, DecodeError> {
+        let len = self.u16(field)? as usize;
+        if len > max {
+            return Err(DecodeError::FieldTooLong { field, len, max });
+        }
+        let raw = self.take(len * 4, field)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_be_bytes(c.try_into().expect("4 bytes")))
+            .collect())
     }
     fn bool(&mut self, field: &'static str) -> Result<bool, DecodeError> {
         match self.u8(field)? {
@@ -701,15 +783,27 @@ mod tests {
             Message::Error {
                 req: 0,
                 code: ErrorCode::AuthFailed,
+                retry_after_ms: 0,
                 message: "nope".into(),
             },
             Message::Error {
                 req: 9,
-                code: ErrorCode::Cancelled,
-                message: "cancelled".into(),
+                code: ErrorCode::Throttled,
+                retry_after_ms: 1500,
+                message: "s3://b/k bytes 0..8: SlowDown".into(),
             },
             Message::Cancel { req: 9 },
             Message::Ping,
+            Message::Hint {
+                stream: 4,
+                dataset: "d".into(),
+                shards: vec![3, 1, 4, 1, 5],
+            },
+            Message::Hint {
+                stream: 5,
+                dataset: "d".into(),
+                shards: (0..MAX_HINT_SHARDS as u32).collect(),
+            },
         ]
     }
 
@@ -819,6 +913,54 @@ mod tests {
     }
 
     #[test]
+    fn hints_over_the_limit_are_refused_before_allocating() {
+        let mut body = vec![VERSION, K_HINT];
+        body.extend_from_slice(&1u64.to_be_bytes());
+        body.extend_from_slice(&1u16.to_be_bytes());
+        body.push(b'd');
+        body.extend_from_slice(&u16::MAX.to_be_bytes());
+        assert_eq!(
+            decode_frame(&body),
+            Err(DecodeError::FieldTooLong {
+                field: "shards",
+                len: u16::MAX as usize,
+                max: MAX_HINT_SHARDS
+            })
+        );
+        let m = Message::Hint {
+            stream: 1,
+            dataset: "d".into(),
+            shards: vec![0; MAX_HINT_SHARDS + 1],
+        };
+        assert!(matches!(
+            encode(&m, &mut Vec::new()),
+            Err(EncodeError::FieldTooLong {
+                field: "shards",
+                ..
+            })
+        ));
+        // The largest hint with the longest name stays a small frame.
+        let mut buf = Vec::new();
+        let big = Message::Hint {
+            stream: u64::MAX,
+            dataset: "x".repeat(MAX_DATASET_NAME),
+            shards: vec![u32::MAX; MAX_HINT_SHARDS],
+        };
+        encode(&big, &mut buf).unwrap();
+        assert!(buf.len() <= MAX_SMALL_FRAME, "{}", buf.len());
+    }
+
+    #[test]
+    fn a_peer_of_the_previous_version_is_refused_naming_both() {
+        let e = decode(&[0, 0, 0, 2, 2, K_PING]).unwrap_err();
+        assert_eq!(e, DecodeError::Version(2));
+        assert_eq!(
+            e.to_string(),
+            "unsupported protocol version 2 (this build speaks 3)"
+        );
+    }
+
+    #[test]
     fn encode_refuses_long_dataset_names() {
         let m = Message::ManifestRequest {
             req: 1,
@@ -844,7 +986,7 @@ mod tests {
 
         /// Same, with a plausible header so the body parsers are exercised.
         #[test]
-        fn arbitrary_bodies_never_panic(kind in 0u8..14, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn arbitrary_bodies_never_panic(kind in 0u8..15, body in proptest::collection::vec(any::<u8>(), 0..128)) {
             let mut frame = vec![VERSION, kind];
             frame.extend_from_slice(&body);
             if let Ok(m) = decode_frame(&frame) {

@@ -26,7 +26,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::sender::{Job, Progress, Sender};
+use crate::datasets::Backend;
+use crate::payload::{Now, Payload};
+use crate::sender::{Body, Job, Progress, Sender};
 use shardwire_protocol::framing::{FrameError, read_message, write_message};
 
 /// The handshake must be done within this time.
@@ -116,7 +118,13 @@ impl Control {
         code: ErrorCode,
         message: String,
     ) -> Result<(), SessionError> {
-        self.send(&Message::Error { req, code, message }).await
+        self.send(&Message::Error {
+            req,
+            code,
+            retry_after_ms: 0,
+            message,
+        })
+        .await
     }
 
     /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more).
@@ -150,7 +158,10 @@ pub(crate) async fn run(
     let failed = Arc::new(Notify::new());
     let progress = Arc::new(Notify::new());
     let senders = dial_data(&mut ctl, &shared, data_addr, flows, &failed, &progress).await?;
+    let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
+    let _hints = ForgetHints(Arc::clone(&shared), id);
     Session {
+        id,
         ctl,
         shared,
         senders,
@@ -160,6 +171,19 @@ pub(crate) async fn run(
     }
     .serve()
     .await
+}
+
+/// Drops a session's read-ahead hints when it ends, however it ends.
+struct ForgetHints(Arc<Shared>, u64);
+
+impl Drop for ForgetHints {
+    fn drop(&mut self) {
+        for d in self.0.datasets.iter() {
+            if let Backend::Remote(r) = &d.backend {
+                r.forget_session(self.1);
+            }
+        }
+    }
 }
 
 /// Hello, Challenge, Auth, Welcome; returns the node's data address, flows and id.
@@ -257,15 +281,24 @@ async fn dial_data(
     Ok(senders)
 }
 
-/// A FETCH waiting for a data connection with room.
-struct Queued {
+/// What a queued FETCH's announcement says.
+struct Head {
     req: u64,
-    job: Job,
+    len: u64,
+    corrupt: bool,
     shard: u32,
     crc32c: u32,
 }
 
+/// A FETCH waiting for its bytes (object storage) and a data connection with room.
+struct Queued {
+    head: Head,
+    payload: Payload,
+}
+
 struct Session {
+    /// This session's id (scopes its hints).
+    id: u64,
     ctl: Control,
     shared: Arc<Shared>,
     senders: Vec<Sender>,
@@ -313,6 +346,7 @@ impl Session {
                     None => Message::Error {
                         req,
                         code: ErrorCode::UnknownDataset,
+                        retry_after_ms: 0,
                         message: format!("dataset `{dataset}` is not served here"),
                     },
                 };
@@ -324,7 +358,7 @@ impl Session {
                 shard,
             } => self.queue(req, &dataset, shard).await,
             Message::Cancel { req } => {
-                if let Some(at) = self.waiting.iter().position(|q| q.req == req) {
+                if let Some(at) = self.waiting.iter().position(|q| q.head.req == req) {
                     self.waiting.remove(at);
                     tracing::debug!(req, "FETCH cancelled before it was sent");
                     metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
@@ -334,6 +368,18 @@ impl Session {
                 Ok(())
             }
             Message::Ping => Ok(()),
+            Message::Hint {
+                stream,
+                dataset,
+                shards,
+            } => {
+                match self.shared.datasets.get(&dataset).map(|d| &d.backend) {
+                    Some(Backend::Remote(r)) => r.hint(self.id, stream, shards),
+                    Some(Backend::Local { .. }) => {}
+                    None => tracing::debug!(%dataset, "hint for a dataset not served here"),
+                }
+                Ok(())
+            }
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
                 let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
@@ -369,50 +415,96 @@ impl Session {
             .corrupt_left
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
-        let job = Job {
-            file: Arc::clone(&d.files[shard as usize]),
-            offset: entry.offset,
-            len: entry.length,
-            corrupt,
+        let payload = match &d.backend {
+            Backend::Local { files, .. } => Payload::Ready(Body::File {
+                file: Arc::clone(&files[shard as usize]),
+                offset: entry.offset,
+            }),
+            Backend::Remote(r) => {
+                Payload::read(Arc::clone(r), self.id, shard, Arc::clone(&self.progress))
+            }
         };
         self.waiting.push_back(Queued {
-            req,
-            job,
-            shard,
-            crc32c: entry.crc32c,
+            head: Head {
+                req,
+                len: entry.length,
+                corrupt,
+                shard,
+                crc32c: entry.crc32c,
+            },
+            payload,
         });
         Ok(())
     }
 
-    /// Announces and hands out queued FETCHes while a data connection has room (the least
-    /// loaded first).
+    /// Answers queued FETCHes whose reads failed, then announces and hands out the first
+    /// settled ones, in queue order, while a data connection has room (the least loaded).
     async fn dispatch(&mut self) -> Result<(), SessionError> {
-        while !self.waiting.is_empty() {
-            let Some((conn, _)) = self
+        let mut at = 0;
+        while at < self.waiting.len() {
+            if !self.waiting[at].payload.settled() {
+                at += 1;
+                continue;
+            }
+            let room = self
                 .senders
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.has_room())
                 .min_by_key(|(_, s)| s.progress.bytes.load(Ordering::Relaxed))
-            else {
+                .map(|(conn, _)| conn);
+            let Queued { head: q, payload } = self.waiting.remove(at).expect("in range");
+            let body = match payload.now() {
+                Now::Send(body) => body,
+                Now::Fail(f) => {
+                    self.ctl
+                        .send(&Message::Error {
+                            req: q.req,
+                            code: f.code,
+                            retry_after_ms: f.retry_after_ms,
+                            message: f.message,
+                        })
+                        .await?;
+                    continue;
+                }
+                Now::Wait(payload) => {
+                    self.waiting.insert(at, Queued { head: q, payload });
+                    at += 1;
+                    continue;
+                }
+            };
+            let Some(conn) = room else {
+                // Settled but no room: back in its place, with its bytes.
+                let payload = Payload::Ready(body);
+                self.waiting.insert(at, Queued { head: q, payload });
                 return Ok(());
             };
-            let q = self.waiting.pop_front().expect("not empty");
-            let seq = self.senders[conn].seq;
-            self.senders[conn].seq += 1;
-            self.ctl
-                .send(&Message::Shard {
-                    req: q.req,
-                    shard: q.shard,
-                    length: q.job.len,
-                    crc32c: q.crc32c,
-                    conn: conn as u16,
-                    seq,
-                })
-                .await?;
-            if !self.senders[conn].push(q.job) {
-                return Err(SessionError::DataFailed);
-            }
+            self.announce(conn, q, body).await?;
+        }
+        Ok(())
+    }
+
+    /// Announces `q` on data connection `conn` and hands its bytes to that connection.
+    async fn announce(&mut self, conn: usize, q: Head, body: Body) -> Result<(), SessionError> {
+        let seq = self.senders[conn].seq;
+        self.senders[conn].seq += 1;
+        self.ctl
+            .send(&Message::Shard {
+                req: q.req,
+                shard: q.shard,
+                length: q.len,
+                crc32c: q.crc32c,
+                conn: conn as u16,
+                seq,
+            })
+            .await?;
+        let job = Job {
+            body,
+            len: q.len,
+            corrupt: q.corrupt,
+        };
+        if !self.senders[conn].push(job) {
+            return Err(SessionError::DataFailed);
         }
         Ok(())
     }
