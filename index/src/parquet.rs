@@ -31,11 +31,9 @@ use arrow_ipc::writer::FileWriter;
 
 use crate::error::IndexError;
 
-mod remote;
+pub(crate) mod remote;
 #[cfg(test)]
 mod tests;
-
-pub(crate) use self::remote::cached_remote;
 
 /// Where converted files go, relative to the dataset directory.
 pub(crate) const CACHE_DIR: &str = ".shardwire-cache/parquet";

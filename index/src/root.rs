@@ -57,7 +57,7 @@ impl Root {
                 let (path, note) = parquet::cached(dir, &dir.join(rel), rel)?;
                 Ok((Source::open(&path, &note.cache)?, note))
             }
-            Root::Remote(r) => parquet::cached_remote(r, rel),
+            Root::Remote(r) => parquet::remote::cached_remote(r, rel),
         }
     }
 
