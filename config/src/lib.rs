@@ -257,7 +257,22 @@ pub struct SourceConfig {
     pub idle_timeout_secs: u64,
     /// Control connections served at once; more are closed at accept.
     pub max_connections: usize,
+    /// Disk cache for object-storage datasets (`None`: none; shards read ahead are held in
+    /// memory until sent).
+    pub cache_dir: Option<PathBuf>,
+    /// Size of the disk cache (required with `cache_dir`).
+    pub cache_size: ByteSize,
+    /// GETs in flight per bucket at most (the ceiling of its adaptive window).
+    pub object_store_max_inflight: usize,
+    /// Largest ranged GET; larger shards are read in parallel parts.
+    pub object_store_request_size: ByteSize,
+    /// Admin HTTP address (`/v1/status`, `/metrics`); `None`: status goes to the log every
+    /// minute instead.
+    pub admin: Option<SocketAddr>,
 }
+
+/// Default of `object_store_request_size`: 8 MiB (AWS's guidance: ranged GETs of 8-16 MB).
+pub const DEFAULT_REQUEST_SIZE: u64 = 8 << 20;
 
 impl Default for SourceConfig {
     fn default() -> Self {
@@ -273,6 +288,11 @@ impl Default for SourceConfig {
             log_format: LogFormat::Text,
             idle_timeout_secs: 60,
             max_connections: 256,
+            cache_dir: None,
+            cache_size: ByteSize(0),
+            object_store_max_inflight: 32,
+            object_store_request_size: ByteSize(DEFAULT_REQUEST_SIZE),
+            admin: None,
         }
     }
 }
@@ -447,7 +467,35 @@ impl SourceConfig {
                 "must be at least 1",
             ));
         }
+        c.check_object_store()?;
         Ok(c)
+    }
+
+    /// The object-storage keys: sizes in range, a cache size with a cache directory.
+    fn check_object_store(&self) -> Result<(), ConfigError> {
+        if !(1..=1024).contains(&self.object_store_max_inflight) {
+            return Err(invalid(
+                "object_store_max_inflight",
+                self.object_store_max_inflight,
+                "must be between 1 and 1024",
+            ));
+        }
+        let rs = self.object_store_request_size.0;
+        if !((64 << 10)..=(1 << 30)).contains(&rs) {
+            return Err(invalid(
+                "object_store_request_size",
+                rs,
+                "must be between 64KiB and 1GiB (8MiB-16MiB suits S3)",
+            ));
+        }
+        if self.cache_dir.is_some() && self.cache_size.0 == 0 {
+            return Err(invalid(
+                "cache_size",
+                0,
+                "set cache_size (e.g. 500GiB) when cache_dir is set",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -469,6 +517,36 @@ mod tests {
         ));
         std::fs::write(&p, content).unwrap();
         p
+    }
+
+    #[test]
+    fn object_storage_keys_are_read_and_checked() {
+        let p = write(
+            "datasets = [\"web=s3://bucket/web\"]\ncache_dir = \"/var/cache/sw\"\ncache_size = \"500GiB\"\nobject_store_max_inflight = 64\nobject_store_request_size = \"16MiB\"\n",
+        );
+        let c = SourceConfig::load(Some(&p), &Flags::default()).unwrap();
+        assert_eq!(c.cache_size.0, 500 << 30);
+        assert_eq!(c.object_store_max_inflight, 64);
+        assert_eq!(c.object_store_request_size.0, 16 << 20);
+        let p = write("datasets = [\"web=s3://bucket/web\"]\ncache_dir = \"/var/cache/sw\"\n");
+        let e = SourceConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`cache_size`") && e.contains("when cache_dir is set"),
+            "{e}"
+        );
+        let p = write("datasets = [\"web=/d\"]\nobject_store_request_size = 1024\n");
+        let e = SourceConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`object_store_request_size`") && e.contains("64KiB"),
+            "{e}"
+        );
+        let d = SourceConfig::default();
+        assert_eq!(d.object_store_request_size.0, 8 << 20);
+        assert_eq!(d.cache_dir, None);
     }
 
     #[test]

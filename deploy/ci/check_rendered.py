@@ -453,6 +453,18 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         for spec in eff["datasets"]:
             name, _, d = spec.partition("=")
             names.append(name)
+            if re.match(r"^(s3|gs|az|file|https?)://", d):
+                # Object storage: no volume, but the cache (if any) must be a writable mount.
+                cache = eff.get("cache_dir")
+                if cache:
+                    try:
+                        resolve_file(sts, c, cache)
+                    except CheckError:
+                        errs.append(f"dataset {name}: cache_dir {cache} is on no volume mount of the source container")
+                    ro = [m for m in c.get("volumeMounts", []) if m["mountPath"].rstrip("/") == cache.rstrip("/") and m.get("readOnly")]
+                    if ro:
+                        errs.append(f"cache_dir {cache} is mounted read-only")
+                continue
             try:
                 resolve_file(sts, c, d)
             except CheckError:

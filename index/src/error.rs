@@ -113,6 +113,28 @@ pub enum IndexError {
         /// The writer's error.
         source: arrow_schema::ArrowError,
     },
+    /// An object-storage request failed (the message names the bucket, key and range).
+    #[error(transparent)]
+    Store(#[from] shardwire_store::StoreError),
+    /// Listing the dataset's prefix found no objects at all.
+    #[error(
+        "{url}: no objects under this prefix (check the bucket and the prefix; a prefix names \
+         whole path segments)"
+    )]
+    NoObjects {
+        /// The dataset URL.
+        url: String,
+    },
+    /// Something must be written beside the data, and the location is read-only.
+    #[error("{url}: {what}, but http(s) locations are read-only; {fix}")]
+    ReadOnly {
+        /// The dataset URL.
+        url: String,
+        /// What would be written.
+        what: String,
+        /// How to do without.
+        fix: String,
+    },
     /// The manifest built from the files failed its own validation (a bug guard).
     #[error("{}: internal error, the built manifest is invalid: {source}", .dir.display())]
     Manifest {

@@ -1,4 +1,5 @@
-//! `shardwire index DIR`: builds the dataset manifest ([`Manifest`]) of a directory of
+//! `shardwire index DIR|URL`: builds the dataset manifest ([`Manifest`]) of a directory (or an
+//! object-store prefix: `s3://`, `gs://`, `az://`, `file://`, `http(s)://`, see [`Dataset`]) of
 //! Arrow IPC (`.arrow`, `.arrows`, `.ipc`, `.feather`; HF `datasets` too), `.npy`, `.bin` and
 //! WebDataset `.tar` files, MosaicML Streaming MDS datasets (`index.json` + `.mds`), Megatron-LM
 //! indexed datasets (`NAME.bin` + `NAME.idx`), and Parquet
@@ -9,6 +10,12 @@
 //! with absolute file offsets. Files are visited in sorted relative-path order, so the same
 //! directory always yields the same manifest and digest.
 //!
+//! A dataset in object storage is read with ranged GETs only: listing replaces the directory
+//! walk (same rules), structure reads (headers, footers, index files) cost a few requests,
+//! and each object's shards are checksummed in one pass of planned GETs. Its manifest also
+//! lists each object's size and ETag, and is written beside the data (or where
+//! `--manifest-out` says).
+//!
 //! Nothing is left out silently: [`index_report`] also lists the files not used (with the
 //! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
 //! files and the manifest itself are the only files skipped without a word.
@@ -17,12 +24,15 @@
 
 mod arrow;
 mod bin;
+mod blob;
 mod error;
 mod mds;
 mod megatron;
 mod npy;
 mod parquet;
 mod pylit;
+mod remote;
+mod root;
 mod source;
 #[cfg(test)]
 mod testutil;
@@ -34,11 +44,13 @@ use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
-use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ShardEntry};
+use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ObjectEntry, ShardEntry};
+pub use shardwire_store::{Described, StoreOptions, StoreUrl};
 
 pub use crate::error::IndexError;
 pub use crate::parquet::ParquetNote;
-use crate::source::Source;
+use crate::remote::Remote;
+use crate::root::Root;
 pub use crate::tokens::RawTokens;
 pub use crate::walk::Unused;
 use crate::walk::{Candidate, Kind};
@@ -58,6 +70,97 @@ pub struct IndexOptions {
     pub skip_unsupported: bool,
     /// Read `.bin` files (not Megatron pairs) as raw token streams (`--tokens`, `--eos`).
     pub tokens: Option<RawTokens>,
+}
+
+/// A dataset to index: a local directory, or a prefix in object storage.
+pub struct Dataset {
+    root: Root,
+}
+
+impl Dataset {
+    /// A listed object-store prefix (tests: a store over `InMemory`).
+    #[cfg(test)]
+    pub(crate) fn remote(remote: Remote) -> Dataset {
+        Dataset {
+            root: Root::Remote(remote),
+        }
+    }
+
+    /// A local directory.
+    pub fn local(dir: &Path) -> Dataset {
+        Dataset {
+            root: Root::Local(dir.to_path_buf()),
+        }
+    }
+
+    /// `location`: a URL with a scheme shardwire serves (`s3://bucket/prefix`, `gs://`,
+    /// `az://`, `file:///dir`, `http(s)://`) is opened with credentials and endpoint from the
+    /// environment and its prefix listed; another `scheme://` is an error naming the schemes
+    /// served; anything else is a local directory.
+    pub fn open(location: &str, store: StoreOptions) -> Result<Dataset, IndexError> {
+        // `s4://x` is a mistyped URL, not a directory: parsing it names the schemes served.
+        if !StoreUrl::is_remote(location) && !location.contains("://") {
+            return Ok(Self::local(Path::new(location)));
+        }
+        let url = StoreUrl::parse(location)?;
+        Ok(Dataset {
+            root: Root::Remote(Remote::open(&url, store)?),
+        })
+    }
+
+    /// The directory or URL.
+    pub fn location(&self) -> PathBuf {
+        self.root.path()
+    }
+
+    /// For a dataset in object storage: backend, credential source, endpoint, region.
+    pub fn described(&self) -> Option<&Described> {
+        match &self.root {
+            Root::Local(_) => None,
+            Root::Remote(r) => Some(r.described()),
+        }
+    }
+
+    /// Refuses, before anything is read, what [`Dataset::write_manifest`] would refuse at
+    /// the end: writing beside the data of a read-only (http(s)) `location` without `out`.
+    pub fn check_output(location: &str, out: Option<&Path>) -> Result<(), IndexError> {
+        if out.is_some() || !StoreUrl::is_remote(location) {
+            return Ok(());
+        }
+        let url = StoreUrl::parse(location)?;
+        if url.scheme().writable() {
+            return Ok(());
+        }
+        Err(IndexError::ReadOnly {
+            url: url.to_string(),
+            what: "the manifest is written beside the data".into(),
+            fix: "give --manifest-out PATH to write it locally".into(),
+        })
+    }
+
+    /// Indexes every data file: the manifest, the files not used and the columns skipped.
+    pub fn index(&mut self, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
+        index_root(&mut self.root, opts)
+    }
+
+    /// Writes `m` to `out` when given (a local file, atomically), else beside the data
+    /// (`DIR/shardwire.manifest.json`, or one PUT of `PREFIX/shardwire.manifest.json`);
+    /// returns where it went.
+    pub fn write_manifest(&self, m: &Manifest, out: Option<&Path>) -> Result<String, IndexError> {
+        Self::check_output(&self.location().to_string_lossy(), out)?;
+        if let Some(out) = out {
+            write_file(out, &m.to_json())?;
+            return Ok(out.display().to_string());
+        }
+        match &self.root {
+            Root::Local(dir) => Ok(write_manifest(dir, m)?.display().to_string()),
+            Root::Remote(r) => {
+                r.store()
+                    .put(MANIFEST_FILE, bytes::Bytes::from(m.to_json()))?;
+                Ok(r.display(MANIFEST_FILE).display().to_string())
+            }
+        }
+    }
 }
 
 /// An Arrow column left out under [`IndexOptions::skip_unsupported`].
@@ -153,13 +256,13 @@ pub fn index_dir(dir: &Path, opts: &IndexOptions) -> Result<Manifest, IndexError
 /// Indexes every data file under `dir`: the manifest, the files not used and the columns
 /// skipped.
 pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
-    if !dir.is_dir() {
-        return Err(IndexError::NotADirectory {
-            dir: dir.to_path_buf(),
-        });
-    }
-    let (mut files, mut unused) = walk::collect(dir)?;
-    let mds = mds::plan(dir, &mut files, &mut unused)?;
+    Dataset::local(dir).index(opts)
+}
+
+/// Indexes every data file of `root`.
+fn index_root(root: &mut Root, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
+    let (mut files, mut unused) = root.collect()?;
+    let mds = mds::plan(root, &mut files, &mut unused)?;
     let megatron = megatron::plan(&mut files, &mut unused);
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
@@ -169,7 +272,7 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
         mds: &mds,
         megatron: &megatron,
     };
-    let found = index_files(dir, &files, plans, opts, &mut progress);
+    let found = index_files(root, &files, plans, opts, &mut progress);
     progress.finish();
     let Found {
         mut shards,
@@ -186,7 +289,8 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
         reason: "holds no rows".into(),
     }));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
-    let manifest = checked_manifest(dir, shards, files.len())?;
+    let objects = root.objects_for(&shards);
+    let manifest = checked_manifest(&root.path(), shards, objects, files.len())?;
     Ok(IndexReport {
         manifest,
         unused,
@@ -218,7 +322,7 @@ struct Plans<'a> {
 
 /// Indexes `files` in order.
 fn index_files(
-    dir: &Path,
+    root: &mut Root,
     files: &[Candidate],
     plans: Plans<'_>,
     opts: &IndexOptions,
@@ -232,14 +336,13 @@ fn index_files(
     for f in files {
         let mut src = match f.kind {
             Kind::Parquet => {
-                let (path, note) = parquet::cached(dir, &f.path, &f.rel)?;
-                let src = Source::open(&path, &note.cache)?;
+                let (src, note) = root.parquet(&f.rel)?;
                 out.parquet.push(note);
                 src
             }
-            _ => Source::open(&f.path, &f.rel)?,
+            _ => root.open(&f.rel)?,
         };
-        let shards = match f.kind {
+        let mut shards = match f.kind {
             Kind::Arrow | Kind::Parquet => {
                 let a = arrow::index(&mut src, choice)?;
                 for (column, dtype, reason) in a.skipped {
@@ -250,7 +353,7 @@ fn index_files(
             }
             Kind::Npy => npy::index(&mut src)?,
             Kind::Bin => match plans.megatron.get(&f.rel) {
-                Some(idx) => megatron::index(&mut src, idx)?,
+                Some(idx) => megatron::index(root, &mut src, idx)?,
                 None => match opts.tokens {
                     Some(t) => tokens::index(&mut src, t)?,
                     None => bin::index(&mut src)?,
@@ -270,6 +373,7 @@ fn index_files(
         if shards.is_empty() {
             out.empty.push(f.rel.clone());
         }
+        src.checksum(&mut shards)?;
         out.shards.extend(shards);
         progress.file_done(f.size);
     }
@@ -298,10 +402,12 @@ fn add_skipped(
     }
 }
 
-/// The validated manifest of `shards` (`found`: how many data files were read).
+/// The validated manifest of `shards` and the `objects` they read (none for a directory;
+/// `found`: how many data files were read).
 fn checked_manifest(
     dir: &Path,
     shards: Vec<ShardEntry>,
+    objects: Vec<ObjectEntry>,
     found: usize,
 ) -> Result<Manifest, IndexError> {
     if shards.is_empty() {
@@ -310,7 +416,7 @@ fn checked_manifest(
             found,
         });
     }
-    let manifest = Manifest::new(shards);
+    let manifest = Manifest::with_objects(shards, objects);
     manifest.validate().map_err(|source| IndexError::Manifest {
         dir: dir.to_path_buf(),
         source,
@@ -322,26 +428,42 @@ fn checked_manifest(
 /// and returns the path.
 pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<PathBuf, IndexError> {
     let path = dir.join(MANIFEST_FILE);
-    let tmp = dir.join(format!(".{MANIFEST_FILE}.{}.tmp", std::process::id()));
+    write_file(&path, &m.to_json())?;
+    Ok(path)
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, fsync, rename, and a
+/// best-effort fsync of the directory.
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), IndexError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.unwrap_or_default(),
+        std::process::id()
+    ));
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&m.to_json())?;
+        f.write_all(bytes)?;
         f.sync_all()
     };
     if let Err(e) = write() {
         let _ = std::fs::remove_file(&tmp);
         return Err(IndexError::io(&tmp, e));
     }
-    if let Err(e) = std::fs::rename(&tmp, &path) {
+    if let Err(e) = std::fs::rename(&tmp, path) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(IndexError::io(&path, e));
+        return Err(IndexError::io(path, e));
     }
     // Persist the rename; not every filesystem lets a directory be fsynced, so this is
     // best effort.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
-    Ok(path)
+    Ok(())
 }
 
 /// The `indexed 120/4000 files, 3.2 GiB` line on stderr.

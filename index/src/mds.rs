@@ -18,6 +18,7 @@ use serde_json::Value;
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
 
 use crate::error::IndexError;
+use crate::root::Root;
 use crate::source::Source;
 use crate::walk::{Candidate, Kind, MDS_INDEX_FILE as INDEX_FILE, Unused};
 
@@ -46,14 +47,16 @@ pub(crate) type Plan = HashMap<String, ShardPlan>;
 /// and moves the `.mds` files no index lists to `unused`, with the reason. An
 /// `index.json` that is not a Streaming index is reported unused.
 pub(crate) fn plan(
-    dir: &Path,
+    root: &Root,
     files: &mut Vec<Candidate>,
     unused: &mut Vec<Unused>,
 ) -> Result<Plan, IndexError> {
+    let dir = root.path();
+    let dir = dir.as_path();
     let mut plan = Plan::new();
     let mut index_dirs = Vec::new();
     for f in files.iter().filter(|f| f.kind == Kind::MdsIndex) {
-        let mut src = Source::open(&f.path, &f.rel)?;
+        let mut src = root.open(&f.rel)?;
         let text = src.read_at("index.json", 0, src.len)?;
         let Some(shards) = streaming_shards(&text) else {
             unused.push(Unused {

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
 
 use crate::error::IndexError;
+use crate::root::Root;
 use crate::source::Source;
 use crate::walk::{Candidate, Kind, Unused};
 
@@ -226,18 +227,20 @@ fn check_documents(idx: &Source, docs: &[u8], s: usize, d: usize) -> Result<(), 
 
 /// Indexes the `.bin` `src` with its `.idx` (full path, relative path).
 pub(crate) fn index(
+    root: &Root,
     src: &mut Source,
     idx: &(PathBuf, String),
 ) -> Result<Vec<ShardEntry>, IndexError> {
-    index_with_cap(src, idx, SHARD_CAP)
+    index_with_cap(root, src, idx, SHARD_CAP)
 }
 
 fn index_with_cap(
+    root: &Root,
     src: &mut Source,
-    (idx_path, idx_rel): &(PathBuf, String),
+    (_, idx_rel): &(PathBuf, String),
     cap: u64,
 ) -> Result<Vec<ShardEntry>, IndexError> {
-    let mut idx = Source::open(idx_path, idx_rel)?;
+    let mut idx = root.open(idx_rel)?;
     let Index { dtype, seqs } = read_index(&mut idx, src.len, &src.path)?;
     if src.len == 0 {
         // No tokens at all: reported as holding no rows.
@@ -371,7 +374,9 @@ mod tests {
         let bin = write(&dir, "d", 4, 4, &docs);
         let mut src = Source::open(&dir.join("d.bin"), "d.bin").unwrap();
         let idx = (dir.join("d.idx"), "d.idx".to_owned());
-        let shards = index_with_cap(&mut src, &idx, 40).unwrap();
+        let root = Root::Local(dir.clone());
+        let mut shards = index_with_cap(&root, &mut src, &idx, 40).unwrap();
+        src.checksum(&mut shards).unwrap();
         let spans: Vec<(u64, u64, usize)> = shards
             .iter()
             .map(|s| {

@@ -12,6 +12,11 @@
 //! they match, the cached file is reused. The cache directory is hidden, so the walk never
 //! reads it as input; the manifest names the cached file (the source serves any relative
 //! path). Both files are written to a temporary file first and then renamed.
+//!
+//! A dataset in object storage ([`remote`]) is converted the same way, reading the Parquet
+//! object with ranged GETs; the converted file and its sidecar (which records the object's
+//! size and ETag instead of a modification time) are uploaded beside the data, under the
+//! same hidden cache prefix, and reused while they match.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -21,10 +26,12 @@ use std::time::UNIX_EPOCH;
 use ::parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
+use ::parquet::file::reader::ChunkReader;
 use arrow_ipc::writer::FileWriter;
 
 use crate::error::IndexError;
 
+pub(crate) mod remote;
 #[cfg(test)]
 mod tests;
 
@@ -46,8 +53,9 @@ pub struct ParquetNote {
     pub reused: bool,
     /// Row groups in the Parquet file.
     pub row_groups: u64,
-    /// The Parquet file's modification time, `2026-12-01T15:21:53Z`.
-    pub mtime: String,
+    /// What says the file is unchanged: `since 2026-12-01T15:21:53Z` (its modification
+    /// time) for a local file, `at ETag "..."` for an object.
+    pub unchanged: String,
 }
 
 impl std::fmt::Display for ParquetNote {
@@ -63,7 +71,7 @@ impl std::fmt::Display for ParquetNote {
             self.source, self.cache
         )?;
         if self.reused {
-            write!(f, ", unchanged since {}", self.mtime)?;
+            write!(f, ", unchanged {}", self.unchanged)?;
         }
         f.write_str(")")
     }
@@ -104,7 +112,7 @@ pub(crate) fn cached(
         cache: cache_rel,
         reused: true,
         row_groups: 0,
-        mtime: utc(stamp.mtime_ns),
+        unchanged: format!("since {}", utc(stamp.mtime_ns)),
     };
     if let Some(row_groups) = still_valid(&sidecar, &cache, stamp) {
         note.row_groups = row_groups;
@@ -155,12 +163,22 @@ fn still_valid(sidecar: &Path, cache: &Path, stamp: Stamp) -> Option<u64> {
 /// Converts the Parquet file `src` to the Arrow IPC file `dst` (atomically); returns the
 /// number of row groups and the size written.
 fn convert(src: &Path, dst: &Path) -> Result<(u64, u64), IndexError> {
+    let open = || File::open(src).map_err(|e| IndexError::io(src, e));
+    convert_from(open, src, dst)
+}
+
+/// Converts the Parquet data that `open` gives (`name` in messages) to the Arrow IPC file
+/// `dst`, one record batch per row group (split at [`MAX_BATCH_ROWS`]).
+fn convert_from<R: ChunkReader + 'static>(
+    open: impl Fn() -> Result<R, IndexError>,
+    name: &Path,
+    dst: &Path,
+) -> Result<(u64, u64), IndexError> {
     let bad = |source| IndexError::Parquet {
-        file: src.to_path_buf(),
+        file: name.to_path_buf(),
         source,
     };
-    let file = File::open(src).map_err(|e| IndexError::io(src, e))?;
-    let meta = ArrowReaderMetadata::load(&file, ArrowReaderOptions::new()).map_err(bad)?;
+    let meta = ArrowReaderMetadata::load(&open()?, ArrowReaderOptions::new()).map_err(bad)?;
     let groups: Vec<usize> = meta
         .metadata()
         .row_groups()
@@ -178,8 +196,7 @@ fn convert(src: &Path, dst: &Path) -> Result<(u64, u64), IndexError> {
             if rows == 0 {
                 continue;
             }
-            let input = file.try_clone().map_err(|e| IndexError::io(src, e))?;
-            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(input, meta.clone())
+            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open()?, meta.clone())
                 .with_row_groups(vec![i])
                 .with_batch_size(rows.min(MAX_BATCH_ROWS))
                 .build()

@@ -1,44 +1,50 @@
-//! [`Source`]: one open data file, with bounded reads, streaming CRC-32C and error helpers.
+//! [`Source`]: one data file (local or in object storage, through a [`Blob`]), with bounded
+//! reads, checksums and error helpers.
 //!
 //! Format readers never load a whole file: they read headers and metadata with
-//! [`Source::read_at`] and checksum payloads chunk by chunk with [`Source::crc32c`].
+//! [`Source::read_at`] (or stream a tar through [`Source::reader`]) and describe shards with
+//! [`Source::shard`]; [`Source::checksum`] then fills in every shard's CRC-32C in one pass
+//! (for an object: planned ranged GETs, adjacent small shards merged, large ones split).
 
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use shardwire_protocol::crc::Crc32c;
 use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
+use crate::blob::{Blob, LocalFile};
 use crate::error::IndexError;
 
 /// Largest metadata block (npy header, IPC message or footer) we read into memory.
 pub(crate) const MAX_METADATA: u64 = 256 << 20;
-/// Chunk size for checksumming payloads.
-const CRC_CHUNK: usize = 1 << 20;
+/// Bytes [`Reader`] asks for at once.
+const READER_CHUNK: u64 = 64 << 10;
 
 /// An open data file.
 pub(crate) struct Source {
-    /// Full path (for messages).
+    /// Full path or URL (for messages).
     pub path: PathBuf,
     /// Path relative to the dataset directory, '/'-separated (for the manifest).
     pub rel: String,
     /// File length in bytes.
     pub len: u64,
-    file: File,
+    blob: Box<dyn Blob>,
 }
 
 impl Source {
-    /// Opens `dir/rel`.
+    /// Opens the local file `path` (`rel` inside its dataset).
     pub fn open(path: &Path, rel: &str) -> Result<Self, IndexError> {
-        let file = File::open(path).map_err(|e| IndexError::io(path, e))?;
-        let len = file.metadata().map_err(|e| IndexError::io(path, e))?.len();
-        Ok(Self {
-            path: path.to_path_buf(),
+        let (file, len) = LocalFile::open(path)?;
+        Ok(Self::new(path.to_path_buf(), rel, len, Box::new(file)))
+    }
+
+    /// A source over any blob of `len` bytes.
+    pub fn new(path: PathBuf, rel: &str, len: u64, blob: Box<dyn Blob>) -> Self {
+        Self {
+            path,
             rel: rel.to_owned(),
             len,
-            file,
-        })
+            blob,
+        }
     }
 
     /// The file name without its extension (tensor name for `.npy` and `.bin`).
@@ -85,50 +91,58 @@ impl Source {
     ) -> Result<Vec<u8>, IndexError> {
         self.check_range(what, offset, len)?;
         let mut buf = vec![0u8; len as usize];
-        self.file
-            .seek(SeekFrom::Start(offset))
-            .map_err(|e| IndexError::io(&self.path, e))?;
-        self.file
-            .read_exact(&mut buf)
-            .map_err(|e| IndexError::io(&self.path, e))?;
+        self.blob.read_at(offset, &mut buf)?;
         Ok(buf)
     }
 
-    /// CRC-32C of `len` bytes at `offset`, read in chunks.
-    pub fn crc32c(&mut self, offset: u64, len: u64) -> Result<u32, IndexError> {
-        self.check_range("shard payload", offset, len)?;
-        self.file
-            .seek(SeekFrom::Start(offset))
-            .map_err(|e| IndexError::io(&self.path, e))?;
-        let mut crc = Crc32c::new();
-        let mut buf = vec![0u8; CRC_CHUNK.min(len as usize)];
-        let mut left = len;
-        while left > 0 {
-            let n = (left.min(buf.len() as u64)) as usize;
-            self.file
-                .read_exact(&mut buf[..n])
-                .map_err(|e| IndexError::io(&self.path, e))?;
-            crc.update(&buf[..n]);
-            left -= n as u64;
-        }
-        Ok(crc.finish())
-    }
-
-    /// Builds a shard over `offset..offset+length`, checksumming the payload.
+    /// A shard over `offset..offset+length` of this file; its CRC-32C is filled in by
+    /// [`Source::checksum`].
     pub fn shard(
         &mut self,
         offset: u64,
         length: u64,
         tensors: Vec<TensorEntry>,
     ) -> Result<ShardEntry, IndexError> {
-        let crc32c = self.crc32c(offset, length)?;
+        self.check_range("shard payload", offset, length)?;
         Ok(ShardEntry {
             file: self.rel.clone(),
             offset,
             length,
-            crc32c,
+            crc32c: 0,
             tensors,
         })
+    }
+
+    /// Fills in the CRC-32C of every shard of this file among `shards`, reading their
+    /// payloads once.
+    pub fn checksum(&mut self, shards: &mut [ShardEntry]) -> Result<(), IndexError> {
+        let mine: Vec<usize> = (0..shards.len())
+            .filter(|&i| shards[i].file == self.rel)
+            .collect();
+        let ranges: Vec<(u64, u64)> = mine
+            .iter()
+            .map(|&i| (shards[i].offset, shards[i].length))
+            .collect();
+        for &(o, l) in &ranges {
+            self.check_range("shard payload", o, l)?;
+        }
+        let crcs = self.blob.crc32c(&ranges)?;
+        for (&i, crc) in mine.iter().zip(crcs) {
+            shards[i].crc32c = crc;
+        }
+        Ok(())
+    }
+
+    /// The file as a `Read + Seek` stream (for the tar reader), reading in small chunks
+    /// through the blob (whose cache makes them few requests for an object).
+    pub fn reader(&mut self) -> Reader<'_> {
+        Reader {
+            src: self,
+            pos: 0,
+            buf: Vec::new(),
+            buf_at: 0,
+            error: None,
+        }
     }
 
     /// An [`IndexError::Unsupported`] for this file.
@@ -147,5 +161,98 @@ impl Source {
             reason: reason.into(),
             value: value.to_string(),
         }
+    }
+}
+
+/// A buffered `Read + Seek` view of a [`Source`]. A read error is kept ([`Reader::error`]),
+/// so the caller can report it as it was (a store error stays a store error).
+pub(crate) struct Reader<'a> {
+    src: &'a mut Source,
+    pos: u64,
+    buf: Vec<u8>,
+    buf_at: u64,
+    error: Option<IndexError>,
+}
+
+impl Reader<'_> {
+    /// The error behind the last failed read, if any.
+    pub fn error(&mut self) -> Option<IndexError> {
+        self.error.take()
+    }
+}
+
+impl Read for Reader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let end = self.buf_at + self.buf.len() as u64;
+        if self.pos < self.buf_at || self.pos >= end {
+            let n = READER_CHUNK.min(self.src.len.saturating_sub(self.pos));
+            if n == 0 {
+                return Ok(0);
+            }
+            self.buf.resize(n as usize, 0);
+            if let Err(e) = self.src.blob.read_at(self.pos, &mut self.buf) {
+                let msg = e.to_string();
+                self.buf.clear();
+                self.error = Some(e);
+                return Err(std::io::Error::other(msg));
+            }
+            self.buf_at = self.pos;
+        }
+        let from = (self.pos - self.buf_at) as usize;
+        let n = out.len().min(self.buf.len() - from);
+        out[..n].copy_from_slice(&self.buf[from..from + n]);
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl Seek for Reader<'_> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        let target = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            SeekFrom::End(d) => self.src.len.checked_add_signed(d),
+        };
+        let target = target.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "seek before the start")
+        })?;
+        self.pos = target;
+        Ok(target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::temp_dir;
+
+    #[test]
+    fn reader_reads_and_seeks_like_the_file() {
+        let dir = temp_dir("source-reader");
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+        std::fs::write(dir.join("f.bin"), &data).unwrap();
+        let mut src = Source::open(&dir.join("f.bin"), "f.bin").unwrap();
+        let mut r = src.reader();
+        let mut head = [0u8; 10];
+        r.read_exact(&mut head).unwrap();
+        assert_eq!(head, data[..10]);
+        r.seek(SeekFrom::Start(150_000)).unwrap();
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, data[150_000..]);
+        r.seek(SeekFrom::End(-3)).unwrap();
+        r.read_exact(&mut head[..3]).unwrap();
+        assert_eq!(head[..3], data[data.len() - 3..]);
+        assert!(r.seek(SeekFrom::Current(-1_000_000)).is_err());
+        let mut shards = vec![
+            src.shard(5, 100_000, Vec::new()).unwrap(),
+            src.shard(0, 200_000, Vec::new()).unwrap(),
+        ];
+        assert!(src.shard(1, 200_000, Vec::new()).is_err(), "past the end");
+        src.checksum(&mut shards).unwrap();
+        let crc = shardwire_protocol::crc::crc32c;
+        assert_eq!(shards[0].crc32c, crc(&data[5..100_005]));
+        assert_eq!(shards[1].crc32c, crc(&data));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

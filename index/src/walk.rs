@@ -1,7 +1,8 @@
-//! Finds the data files of a dataset directory: recursive, deterministic (sorted by relative
-//! path), skipping hidden entries and the manifest itself silently. Every other file that
-//! is not read (unknown extension, HF `datasets` metadata, links to directories, dangling
-//! links) is listed as [`Unused`] with the reason, so that nothing is left out unseen.
+//! Finds the data files of a dataset directory ([`collect`]) or of an object-store listing
+//! ([`from_listing`]): deterministic (sorted by relative path), skipping hidden entries and
+//! the manifest itself silently. Every other file that is not read (unknown extension, HF
+//! `datasets` metadata, links to directories, dangling links) is listed as [`Unused`] with
+//! the reason, so that nothing is left out unseen. Both apply the same rules.
 
 use std::path::{Path, PathBuf};
 
@@ -94,6 +95,51 @@ fn unused_reason(name: &str) -> String {
     }
 }
 
+/// Whether the entry `name` (at the top of the dataset when `top`) is skipped without a word:
+/// hidden entries and the manifest.
+fn skipped(name: &str, top: bool) -> bool {
+    name.starts_with('.') || (top && name == MANIFEST_FILE)
+}
+
+/// The data files and the files not used among the objects of a listing (`(key relative to
+/// the prefix, size)`), by the same rules as [`collect`]; `display` names an object in
+/// messages (its URL).
+pub(crate) fn from_listing<'a>(
+    objects: impl Iterator<Item = (&'a str, u64)>,
+    display: impl Fn(&str) -> PathBuf,
+) -> (Vec<Candidate>, Vec<Unused>) {
+    let mut out = Vec::new();
+    let mut unused = Vec::new();
+    for (rel, size) in objects {
+        let parts: Vec<&str> = rel.split('/').collect();
+        let name = parts.last().copied().unwrap_or("");
+        // Directory markers (`a/`) and hidden entries at any depth are not files to read.
+        if name.is_empty()
+            || parts
+                .iter()
+                .enumerate()
+                .any(|(i, p)| skipped(p, i == 0 && parts.len() == 1))
+        {
+            continue;
+        }
+        match Kind::of(name) {
+            Some(kind) => out.push(Candidate {
+                path: display(rel),
+                rel: rel.to_owned(),
+                kind,
+                size,
+            }),
+            None => unused.push(Unused {
+                file: rel.to_owned(),
+                reason: unused_reason(name),
+            }),
+        }
+    }
+    out.sort_by(|a, b| a.rel.cmp(&b.rel));
+    unused.sort_by(|a, b| a.file.cmp(&b.file));
+    (out, unused)
+}
+
 /// Lists the data files under `dir`, sorted by relative path, and the files not used.
 ///
 /// Symbolic links to files are followed; symbolic links to directories are not (no cycles).
@@ -110,7 +156,7 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
             let Some(name) = name.to_str() else {
                 return Err(IndexError::NonUtf8Name { file: full });
             };
-            if name.starts_with('.') || (prefix.is_empty() && name == MANIFEST_FILE) {
+            if skipped(name, prefix.is_empty()) {
                 continue;
             }
             let rel = if prefix.is_empty() {
@@ -225,5 +271,48 @@ mod tests {
             ]
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_listing_follows_the_same_rules() {
+        let listing = [
+            ("b.bin", 3),
+            ("a.npy", 1),
+            ("sub/deeper/z.bin", 1),
+            ("sub/c.arrow", 1),
+            (".dot.bin", 1),
+            (".hidden/x.bin", 1),
+            ("sub/.shardwire-cache/p.arrow", 1),
+            ("notes.txt", 1),
+            ("sub/state.json", 1),
+            ("dir/", 0),
+            ("README", 1),
+            (MANIFEST_FILE, 1),
+            ("sub/shardwire.manifest.json", 1),
+        ];
+        let (found, unused) = from_listing(listing.into_iter(), |r| {
+            PathBuf::from(format!("s3://b/{r}"))
+        });
+        let rels: Vec<(&str, u64)> = found.iter().map(|c| (c.rel.as_str(), c.size)).collect();
+        assert_eq!(
+            rels,
+            [
+                ("a.npy", 1),
+                ("b.bin", 3),
+                ("sub/c.arrow", 1),
+                ("sub/deeper/z.bin", 1)
+            ]
+        );
+        assert_eq!(found[0].path, PathBuf::from("s3://b/a.npy"));
+        let unused: Vec<&str> = unused.iter().map(|u| u.file.as_str()).collect();
+        assert_eq!(
+            unused,
+            [
+                "README",
+                "notes.txt",
+                "sub/shardwire.manifest.json",
+                "sub/state.json"
+            ]
+        );
     }
 }

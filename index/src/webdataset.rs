@@ -10,9 +10,6 @@
 //! sections; every other field is a ragged `uint8` tensor of the members' raw bytes.
 //! Gzipped tars are refused: a gzip stream cannot be fetched by byte range.
 
-use std::fs::File;
-use std::io::BufReader;
-
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
 
 use crate::error::IndexError;
@@ -120,33 +117,71 @@ pub(crate) fn refuse_gzip(src: &Source) -> IndexError {
     )
 }
 
+/// One member header of the tar.
+struct Member {
+    /// The name's raw bytes.
+    name: Vec<u8>,
+    /// A regular (or contiguous) file.
+    file: bool,
+    /// A GNU sparse member.
+    sparse: bool,
+    /// The data's `[offset, length]` in the tar.
+    row: Row,
+}
+
+/// Reads every member header (the data is skipped by seeking, so an object costs a request
+/// per stretch of headers, not per member).
+fn read_members(src: &mut Source) -> Result<Vec<Member>, IndexError> {
+    let path = src.path.clone();
+    let bad = |e: std::io::Error| IndexError::Malformed {
+        file: path.clone(),
+        reason: "not a readable tar archive".into(),
+        value: e.to_string(),
+    };
+    let mut reader = src.reader();
+    let mut out = Vec::new();
+    let result = (|| {
+        let mut archive = tar::Archive::new(&mut reader);
+        for entry in archive.entries_with_seek().map_err(bad)? {
+            let entry = entry.map_err(bad)?;
+            let kind = entry.header().entry_type();
+            out.push(Member {
+                name: entry.path_bytes().into_owned(),
+                file: kind.is_file() || kind.is_contiguous(),
+                sparse: kind.is_gnu_sparse(),
+                row: [entry.raw_file_position(), entry.size()],
+            });
+        }
+        Ok(())
+    })();
+    // A failed read of the file itself (a store error) is reported as it is.
+    match (result, reader.error()) {
+        (Err(_), Some(e)) => Err(e),
+        (r, _) => r.map(|()| out),
+    }
+}
+
 /// Reads the tar's member headers and groups the members into samples.
-fn read_samples(src: &Source) -> Result<Vec<Sample>, IndexError> {
-    let file = File::open(&src.path).map_err(|e| IndexError::io(&src.path, e))?;
-    let mut archive = tar::Archive::new(BufReader::new(file));
-    let bad = |e: std::io::Error| src.malformed("not a readable tar archive", e);
+fn read_samples(src: &mut Source) -> Result<Vec<Sample>, IndexError> {
     let mut samples: Vec<Sample> = Vec::new();
-    for entry in archive.entries_with_seek().map_err(bad)? {
-        let entry = entry.map_err(bad)?;
-        let kind = entry.header().entry_type();
-        let path = entry.path_bytes();
-        let Ok(name) = std::str::from_utf8(&path) else {
-            let lossy = String::from_utf8_lossy(&path).into_owned();
+    for m in read_members(src)? {
+        let Ok(name) = std::str::from_utf8(&m.name) else {
+            let lossy = String::from_utf8_lossy(&m.name).into_owned();
             return Err(src.unsupported("tar member name is not valid UTF-8", lossy));
         };
-        if kind.is_gnu_sparse() {
+        if m.sparse {
             return Err(src.unsupported(
                 "sparse tar members are not supported; re-write the tar without --sparse",
                 name,
             ));
         }
-        if !(kind.is_file() || kind.is_contiguous()) || is_meta(name) {
+        if !m.file || is_meta(name) {
             continue;
         }
         let Some((key, field)) = split_name(name) else {
             continue;
         };
-        let row = [entry.raw_file_position(), entry.size()];
+        let row = m.row;
         src.check_range(&format!("tar member `{name}`"), row[0], row[1])?;
         let field = field.to_lowercase();
         match samples.last_mut() {

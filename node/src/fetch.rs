@@ -38,6 +38,8 @@ pub enum FetchFailure {
     Refused {
         /// The source's error code.
         code: wire::ErrorCode,
+        /// The source's advice: ask again no sooner than this (ms; 0: none).
+        retry_after_ms: u32,
         /// Its message.
         message: String,
     },
@@ -68,12 +70,29 @@ pub enum RetryClass {
 }
 
 impl FetchFailure {
+    /// How long the source asked to wait before the next attempt (a throttled store).
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Refused { retry_after_ms, .. } if *retry_after_ms > 0 => {
+                Some(std::time::Duration::from_millis(u64::from(*retry_after_ms)))
+            }
+            _ => None,
+        }
+    }
+
     /// Whether another attempt can succeed.
     pub fn retry_class(&self) -> RetryClass {
         use wire::ErrorCode as C;
         match self {
             Self::Refused {
-                code: C::UnknownDataset | C::UnknownShard | C::BadRequest,
+                code:
+                    C::UnknownDataset
+                    | C::UnknownShard
+                    | C::BadRequest
+                    | C::DatasetChanged
+                    | C::ObjectNotFound
+                    | C::StorageAuth
+                    | C::ChecksumMismatch,
                 ..
             } => RetryClass::Fail,
             Self::LinkDown { .. }
@@ -247,18 +266,36 @@ pub(crate) mod tests {
     fn refusals_that_cannot_change_fail_and_the_rest_are_fetched_again() {
         let refused = |code| FetchFailure::Refused {
             code,
+            retry_after_ms: 0,
             message: "no".into(),
         };
         for code in [
             wire::ErrorCode::UnknownShard,
             wire::ErrorCode::UnknownDataset,
             wire::ErrorCode::BadRequest,
+            wire::ErrorCode::DatasetChanged,
+            wire::ErrorCode::ObjectNotFound,
+            wire::ErrorCode::StorageAuth,
+            wire::ErrorCode::ChecksumMismatch,
         ] {
             assert_eq!(refused(code).retry_class(), RetryClass::Fail, "{code:?}");
         }
+        for code in [
+            wire::ErrorCode::ReadFailed,
+            wire::ErrorCode::Throttled,
+            wire::ErrorCode::StorageUnavailable,
+        ] {
+            assert_eq!(refused(code).retry_class(), RetryClass::Refetch, "{code:?}");
+        }
+        assert_eq!(refused(wire::ErrorCode::Throttled).retry_after(), None);
+        let throttled = FetchFailure::Refused {
+            code: wire::ErrorCode::Throttled,
+            retry_after_ms: 1500,
+            message: "SlowDown".into(),
+        };
         assert_eq!(
-            refused(wire::ErrorCode::ReadFailed).retry_class(),
-            RetryClass::Refetch
+            throttled.retry_after(),
+            Some(std::time::Duration::from_millis(1500))
         );
         assert_eq!(
             FetchFailure::Crc { got: 1, want: 2 }.retry_class(),

@@ -9,7 +9,10 @@
 //! string column); the node assembles such rows into contiguous arrays, and a ragged
 //! tensor `c` arrives as `c` (the flat values) and `c.offsets` (int64, rows + 1, from 0).
 //! The dataset digest is SHA-256 over the canonical JSON of the shard list, so two nodes
-//! that hold the same manifest plan the same order.
+//! that hold the same manifest plan the same order. A manifest of a dataset in object storage
+//! also lists each object the shards read, with its size and ETag ([`ObjectEntry`]); the
+//! digest then covers that list too, so a dataset whose objects changed has a new digest.
+//! Manifests without it (local directories) keep the digest they always had.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -183,6 +186,19 @@ impl ShardEntry {
     }
 }
 
+/// One object (file) the shards read, as the object store listed it when indexed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectEntry {
+    /// Path relative to the dataset prefix (as in [`ShardEntry::file`]).
+    pub file: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// The ETag the store reported (S3 keeps its double quotes); sent as `If-Match`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag: Option<String>,
+}
+
 /// The whole manifest.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -195,6 +211,10 @@ pub struct Manifest {
     pub total_bytes: u64,
     /// The shards, in index order.
     pub shards: Vec<ShardEntry>,
+    /// For a dataset in object storage: every object the shards read, sorted by file, with
+    /// its size and ETag (absent, and not in the digest, for a local directory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub objects: Vec<ObjectEntry>,
 }
 
 /// Why a manifest is not acceptable.
@@ -230,28 +250,57 @@ pub enum ManifestError {
     /// No shards at all.
     #[error("manifest has no shards")]
     Empty,
+    /// The object list is inconsistent.
+    #[error("manifest objects: {0}")]
+    Objects(String),
 }
 
 impl Manifest {
     /// Builds a manifest from shards, computing totals and the digest.
     pub fn new(shards: Vec<ShardEntry>) -> Self {
+        Self::with_objects(shards, Vec::new())
+    }
+
+    /// Builds a manifest of a dataset in object storage: shards and the objects they read
+    /// (sorted here by file), the digest covering both.
+    pub fn with_objects(shards: Vec<ShardEntry>, mut objects: Vec<ObjectEntry>) -> Self {
+        objects.sort_by(|a, b| a.file.cmp(&b.file));
         let total_bytes = shards.iter().map(|s| s.length).sum();
-        let digest = Self::compute_digest(&shards);
+        let digest = Self::compute_digest_of(&shards, &objects);
         Self {
             format: FORMAT,
             digest,
             total_bytes,
             shards,
+            objects,
         }
     }
 
-    /// Hex SHA-256 over the canonical JSON of `shards`.
+    /// Hex SHA-256 over the canonical JSON of `shards` (the digest of a manifest without
+    /// objects).
     pub fn compute_digest(shards: &[ShardEntry]) -> String {
-        let canonical = serde_json::to_vec(shards).expect("shard list serialises");
-        Sha256::digest(&canonical)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        Self::compute_digest_of(shards, &[])
+    }
+
+    /// Hex SHA-256 over the canonical JSON of `shards`, then, when there are objects, the
+    /// bytes `"\nobjects:"` and the canonical JSON of `objects`.
+    pub fn compute_digest_of(shards: &[ShardEntry], objects: &[ObjectEntry]) -> String {
+        let mut h = Sha256::new();
+        h.update(serde_json::to_vec(shards).expect("shard list serialises"));
+        if !objects.is_empty() {
+            h.update(b"\nobjects:");
+            h.update(serde_json::to_vec(objects).expect("object list serialises"));
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The object entry of `file`, when the manifest lists objects.
+    pub fn object(&self, file: &str) -> Option<&ObjectEntry> {
+        let i = self
+            .objects
+            .binary_search_by(|o| o.file.as_str().cmp(file))
+            .ok()?;
+        self.objects.get(i)
     }
 
     /// The manifest of a mixture: every part's shards in order (part `k`'s shards after
@@ -261,6 +310,7 @@ impl Manifest {
         let mut h = Sha256::new();
         h.update(b"shardwire-mixture-v1");
         let mut shards = Vec::new();
+        let mut objects = Vec::new();
         for (name, m) in parts {
             h.update((name.len() as u64).to_le_bytes());
             h.update(name.as_bytes());
@@ -269,12 +319,18 @@ impl Manifest {
                 file: format!("{name}/{}", s.file),
                 ..s.clone()
             }));
+            objects.extend(m.objects.iter().map(|o| ObjectEntry {
+                file: format!("{name}/{}", o.file),
+                ..o.clone()
+            }));
         }
+        objects.sort_by(|a, b| a.file.cmp(&b.file));
         Manifest {
             format: FORMAT,
             digest: h.finalize().iter().map(|b| format!("{b:02x}")).collect(),
             total_bytes: parts.iter().map(|(_, m)| m.total_bytes).sum(),
             shards,
+            objects,
         }
     }
 
@@ -343,7 +399,8 @@ impl Manifest {
                 check_tensor(t, s).map_err(&bad)?;
             }
         }
-        let computed = Self::compute_digest(&self.shards);
+        check_objects(&self.objects, &self.shards)?;
+        let computed = Self::compute_digest_of(&self.shards, &self.objects);
         if computed != self.digest {
             return Err(ManifestError::Digest {
                 stated: self.digest.clone(),
@@ -363,6 +420,38 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// When objects are listed: sorted by file without repeats, and every shard's file among them
+/// with the shard inside its size.
+fn check_objects(objects: &[ObjectEntry], shards: &[ShardEntry]) -> Result<(), ManifestError> {
+    if objects.is_empty() {
+        return Ok(());
+    }
+    if let Some(w) = objects.windows(2).find(|w| w[0].file >= w[1].file) {
+        return Err(ManifestError::Objects(format!(
+            "objects must be sorted by file, each once: `{}` then `{}`",
+            w[0].file, w[1].file
+        )));
+    }
+    for (i, s) in shards.iter().enumerate() {
+        let bad = |reason: String| ManifestError::Shard {
+            shard: i,
+            file: s.file.clone(),
+            reason,
+        };
+        let Ok(k) = objects.binary_search_by(|o| o.file.as_str().cmp(&s.file)) else {
+            return Err(bad("its file is not among the manifest's objects".into()));
+        };
+        let size = objects[k].size;
+        if s.offset + s.length > size {
+            return Err(bad(format!(
+                "range {}+{} lies beyond the object's {size} bytes",
+                s.offset, s.length
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks one tensor of shard `s`: its row table, dims, length against shape x dtype, and a
@@ -586,6 +675,78 @@ mod tests {
                 .to_string()
                 .contains("bogus")
         );
+    }
+
+    #[test]
+    fn manifests_without_objects_keep_their_digest_and_json() {
+        // The digest `shardwire index` always wrote for this shard list (SHA-256 of its
+        // canonical JSON), and no `objects` key.
+        let m = sample();
+        assert_eq!(
+            m.digest,
+            "b845ccacc6f498c248cb4ba6936a445a05bab6c9fa26f26d9a9379ae5a790855"
+        );
+        let json = String::from_utf8(m.to_json()).unwrap();
+        assert!(!json.contains("objects"), "{json}");
+        assert_eq!(Manifest::from_json(json.as_bytes()).unwrap(), m);
+    }
+
+    fn object(file: &str, size: u64, etag: &str) -> ObjectEntry {
+        ObjectEntry {
+            file: file.into(),
+            size,
+            etag: Some(etag.into()),
+        }
+    }
+
+    #[test]
+    fn objects_are_listed_sorted_and_in_the_digest() {
+        let shards = sample().shards;
+        let m = Manifest::with_objects(
+            shards.clone(),
+            vec![object("z.bin", 1, "\"z\""), object("a.npy", 152, "\"e1\"")],
+        );
+        assert_eq!(m.objects[0].file, "a.npy", "sorted by file");
+        assert_eq!(m.object("a.npy").unwrap().etag.as_deref(), Some("\"e1\""));
+        assert!(m.object("b.npy").is_none());
+        assert_ne!(m.digest, sample().digest);
+        let back = Manifest::from_json(&m.to_json()).unwrap();
+        assert_eq!(back, m);
+        // Another ETag: another digest.
+        let changed = Manifest::with_objects(
+            shards.clone(),
+            vec![object("a.npy", 152, "\"e2\""), object("z.bin", 1, "\"z\"")],
+        );
+        assert_ne!(changed.digest, m.digest);
+        // A stated digest that ignores the objects is refused.
+        let mut forged = m.clone();
+        forged.digest = sample().digest;
+        assert!(matches!(
+            forged.validate(),
+            Err(ManifestError::Digest { .. })
+        ));
+    }
+
+    #[test]
+    fn objects_must_cover_the_shards() {
+        let shards = sample().shards;
+        let err = |objects: Vec<ObjectEntry>| {
+            let mut m = Manifest::with_objects(shards.clone(), Vec::new());
+            m.objects = objects;
+            m.digest = Manifest::compute_digest_of(&m.shards, &m.objects);
+            m.validate().unwrap_err().to_string()
+        };
+        assert!(err(vec![object("b.npy", 200, "e")]).contains("not among the manifest's objects"));
+        assert!(err(vec![object("a.npy", 100, "e")]).contains("beyond the object's 100 bytes"));
+        let e = err(vec![object("b", 1, "e"), object("a.npy", 200, "e")]);
+        assert!(e.contains("sorted by file"), "{e}");
+    }
+
+    #[test]
+    fn mixtures_prefix_the_objects() {
+        let m = Manifest::with_objects(sample().shards, vec![object("a.npy", 152, "e")]);
+        let mix = Manifest::mixture(&[("one", &m), ("two", &sample())]);
+        assert_eq!(mix.objects, [object("one/a.npy", 152, "e")]);
     }
 
     #[test]

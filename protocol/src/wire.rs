@@ -12,8 +12,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
-/// and Ping. 3: lanes: `Hello` lists every lane's data address and flows, `DataConn` and
-/// `Fetch` name the lane).
+/// and Ping. 3: `Hint`, the object-storage error codes and `Error::retry_after_ms`; lanes:
+/// `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane).
 pub const VERSION: u8 = 3;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -27,6 +27,8 @@ pub const MAX_STR: usize = 4096;
 pub const MAX_DATASET_NAME: usize = 255;
 /// Largest number of data connections a node may ask for, per lane.
 pub const MAX_FLOWS: u16 = 64;
+/// Most shards one [`Message::Hint`] names (4 KiB of indices: the hint stays a small frame).
+pub const MAX_HINT_SHARDS: usize = 1024;
 /// Largest number of lanes a `Hello` may list (data connections are numbered across all of
 /// them, at most `MAX_LANES * MAX_FLOWS`).
 pub const MAX_LANES: u16 = 64;
@@ -113,6 +115,19 @@ pub enum ErrorCode {
     Internal = 7,
     /// The request was cancelled by the node before the source sent anything for it.
     Cancelled = 8,
+    /// The object store throttled the source's reads (503 SlowDown / 429) after its retry
+    /// budget; `Error::retry_after_ms` says when to ask again.
+    Throttled = 9,
+    /// The object store failed or timed out after the source's retries.
+    StorageUnavailable = 10,
+    /// The object store refused the source's credentials.
+    StorageAuth = 11,
+    /// An object the manifest names does not exist (a stale manifest).
+    ObjectNotFound = 12,
+    /// An object changed since it was indexed (its ETag differs): nothing of it is sent.
+    DatasetChanged = 13,
+    /// The bytes read from the store do not match the manifest's CRC-32C (after one more read).
+    ChecksumMismatch = 14,
 }
 
 impl ErrorCode {
@@ -126,6 +141,12 @@ impl ErrorCode {
             6 => Self::ReadFailed,
             7 => Self::Internal,
             8 => Self::Cancelled,
+            9 => Self::Throttled,
+            10 => Self::StorageUnavailable,
+            11 => Self::StorageAuth,
+            12 => Self::ObjectNotFound,
+            13 => Self::DatasetChanged,
+            14 => Self::ChecksumMismatch,
             other => return Err(DecodeError::UnknownErrorCode(other)),
         })
     }
@@ -223,6 +244,9 @@ pub enum Message {
         req: u64,
         /// What kind of failure.
         code: ErrorCode,
+        /// Ask again no sooner than this many milliseconds from now (0: no advice; set with
+        /// [`ErrorCode::Throttled`]).
+        retry_after_ms: u32,
         /// Human-readable detail.
         message: String,
     },
@@ -236,6 +260,19 @@ pub enum Message {
     /// Either direction: keepalive, sent when a side has sent nothing else for a while, so
     /// that each side can time out a peer that went silent.
     Ping,
+    /// node -> source: the shards of `dataset` that stream `stream` will FETCH from this
+    /// source next, in the order it will ask (at most [`MAX_HINT_SHARDS`]). It replaces the
+    /// stream's previous hint for the dataset; an empty list withdraws it. A source that reads
+    /// from object storage prefetches in this order and keeps its cache by it; one that does
+    /// not may ignore it. A hint asks for nothing: only a `Fetch` is answered.
+    Hint {
+        /// The node's stream id (scopes the hint; hints of other streams stand).
+        stream: u64,
+        /// Dataset name.
+        dataset: String,
+        /// Shard indices, soonest first.
+        shards: Vec<u32>,
+    },
 }
 
 const K_HELLO: u8 = 1;
@@ -250,6 +287,7 @@ const K_SHARD: u8 = 9;
 const K_ERROR: u8 = 10;
 const K_CANCEL: u8 = 11;
 const K_PING: u8 = 12;
+const K_HINT: u8 = 13;
 
 /// Why bytes did not decode to a message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -415,10 +453,16 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         K_ERROR => Message::Error {
             req: r.u64("req")?,
             code: ErrorCode::from_u16(r.u16("code")?)?,
+            retry_after_ms: r.u32("retry_after_ms")?,
             message: r.string("message", MAX_STR)?,
         },
         K_CANCEL => Message::Cancel { req: r.u64("req")? },
         K_PING => Message::Ping,
+        K_HINT => Message::Hint {
+            stream: r.u64("stream")?,
+            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            shards: r.u32_list("shards", MAX_HINT_SHARDS)?,
+        },
         other => return Err(DecodeError::UnknownKind(other)),
     };
     if !r.buf.is_empty() {
@@ -545,10 +589,16 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u16(*conn);
             w.u64(*seq);
         }
-        Message::Error { req, code, message } => {
+        Message::Error {
+            req,
+            code,
+            retry_after_ms,
+            message,
+        } => {
             w.kind(K_ERROR);
             w.u64(*req);
             w.u16(*code as u16);
+            w.u32(*retry_after_ms);
             // Truncate rather than fail: an error report must always go out.
             let mut end = message.len().min(MAX_STR);
             while !message.is_char_boundary(end) {
@@ -561,6 +611,26 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u64(*req);
         }
         Message::Ping => w.kind(K_PING),
+        Message::Hint {
+            stream,
+            dataset,
+            shards,
+        } => {
+            w.kind(K_HINT);
+            w.u64(*stream);
+            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            if shards.len() > MAX_HINT_SHARDS {
+                return Err(EncodeError::FieldTooLong {
+                    field: "shards",
+                    len: shards.len(),
+                    max: MAX_HINT_SHARDS,
+                });
+            }
+            w.u16(shards.len() as u16);
+            for &x in shards {
+                w.u32(x);
+            }
+        }
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_be_bytes());
@@ -568,8 +638,9 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
 }
 
 /// The frame that refuses a peer speaking protocol version `theirs`: an `Error{0,
-/// UnsupportedVersion}` that names both versions, written with the peer's version byte so
-/// that the peer can read it (`Error`'s layout is the same in versions 2 and 3).
+/// UnsupportedVersion}` that names both versions, written with the peer's version byte and in
+/// version 2's layout of `Error` (`req`, `code`, `message`; version 3 added `retry_after_ms`
+/// after `code`), the layout every version reads a refusal in, so the peer can read it.
 pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
     let message = format!(
         "this {who} speaks shardwire protocol version {VERSION}; the peer sent version {theirs}: run the same release on nodes and sources"
@@ -579,11 +650,17 @@ pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
         &Message::Error {
             req: 0,
             code: ErrorCode::UnsupportedVersion,
+            retry_after_ms: 0,
             message,
         },
         &mut out,
     )
     .expect("an error message is truncated to fit");
+    // len u32, version u8, kind u8, req u64, code u16, then the 4 bytes of retry_after_ms.
+    const RETRY_AT: usize = 4 + 1 + 1 + 8 + 2;
+    out.drain(RETRY_AT..RETRY_AT + 4);
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_be_bytes());
     out[4] = theirs;
     out
 }
@@ -619,6 +696,18 @@ impl<'a> Reader<'a> {
     }
     fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
         Ok(u64::from_be_bytes(self.array(field)?))
+    }
+    /// A `u16` count, checked against `max` before anything is allocated, then the `u32`s.
+    fn u32_list(&mut self, field: &'static str, max: usize) -> Result<Vec<u32>, DecodeError> {
+        let len = self.u16(field)? as usize;
+        if len > max {
+            return Err(DecodeError::FieldTooLong { field, len, max });
+        }
+        let raw = self.take(len * 4, field)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_be_bytes(c.try_into().expect("4 bytes")))
+            .collect())
     }
     fn bool(&mut self, field: &'static str) -> Result<bool, DecodeError> {
         match self.u8(field)? {
@@ -789,15 +878,27 @@ mod tests {
             Message::Error {
                 req: 0,
                 code: ErrorCode::AuthFailed,
+                retry_after_ms: 0,
                 message: "nope".into(),
             },
             Message::Error {
                 req: 9,
-                code: ErrorCode::Cancelled,
-                message: "cancelled".into(),
+                code: ErrorCode::Throttled,
+                retry_after_ms: 1500,
+                message: "s3://b/k bytes 0..8: SlowDown".into(),
             },
             Message::Cancel { req: 9 },
             Message::Ping,
+            Message::Hint {
+                stream: 4,
+                dataset: "d".into(),
+                shards: vec![3, 1, 4, 1, 5],
+            },
+            Message::Hint {
+                stream: 5,
+                dataset: "d".into(),
+                shards: (0..MAX_HINT_SHARDS as u32).collect(),
+            },
         ]
     }
 
@@ -934,14 +1035,16 @@ mod tests {
     fn an_older_peer_is_refused_in_its_own_version() {
         let frame = version_error_frame(2, "source");
         assert_eq!(frame[4], 2, "written with the peer's version byte");
-        // Read as a version 2 peer reads it: the same layout, our version byte put back.
-        let mut as_ours = frame.clone();
-        as_ours[4] = VERSION;
-        let Decoded::Message(Message::Error { req, code, message }, _) = decode(&as_ours).unwrap()
-        else {
-            panic!("an Error frame")
-        };
-        assert_eq!((req, code), (0, ErrorCode::UnsupportedVersion));
+        // Read as a version 2 peer reads it: len, version, kind, req, code, message.
+        let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, frame.len() - 4, "the length covers the body");
+        assert_eq!(frame[5], K_ERROR);
+        let req = u64::from_be_bytes(frame[6..14].try_into().unwrap());
+        let code = u16::from_be_bytes(frame[14..16].try_into().unwrap());
+        let n = u16::from_be_bytes(frame[16..18].try_into().unwrap()) as usize;
+        assert_eq!(18 + n, frame.len(), "nothing after the message");
+        let message = std::str::from_utf8(&frame[18..]).unwrap();
+        assert_eq!((req, code), (0, ErrorCode::UnsupportedVersion as u16));
         assert!(
             message.contains("version 3") && message.contains("sent version 2"),
             "{message}"
@@ -971,6 +1074,54 @@ mod tests {
     }
 
     #[test]
+    fn hints_over_the_limit_are_refused_before_allocating() {
+        let mut body = vec![VERSION, K_HINT];
+        body.extend_from_slice(&1u64.to_be_bytes());
+        body.extend_from_slice(&1u16.to_be_bytes());
+        body.push(b'd');
+        body.extend_from_slice(&u16::MAX.to_be_bytes());
+        assert_eq!(
+            decode_frame(&body),
+            Err(DecodeError::FieldTooLong {
+                field: "shards",
+                len: u16::MAX as usize,
+                max: MAX_HINT_SHARDS
+            })
+        );
+        let m = Message::Hint {
+            stream: 1,
+            dataset: "d".into(),
+            shards: vec![0; MAX_HINT_SHARDS + 1],
+        };
+        assert!(matches!(
+            encode(&m, &mut Vec::new()),
+            Err(EncodeError::FieldTooLong {
+                field: "shards",
+                ..
+            })
+        ));
+        // The largest hint with the longest name stays a small frame.
+        let mut buf = Vec::new();
+        let big = Message::Hint {
+            stream: u64::MAX,
+            dataset: "x".repeat(MAX_DATASET_NAME),
+            shards: vec![u32::MAX; MAX_HINT_SHARDS],
+        };
+        encode(&big, &mut buf).unwrap();
+        assert!(buf.len() <= MAX_SMALL_FRAME, "{}", buf.len());
+    }
+
+    #[test]
+    fn a_peer_of_the_previous_version_is_refused_naming_both() {
+        let e = decode(&[0, 0, 0, 2, 2, K_PING]).unwrap_err();
+        assert_eq!(e, DecodeError::Version(2));
+        assert_eq!(
+            e.to_string(),
+            "unsupported protocol version 2 (this build speaks 3)"
+        );
+    }
+
+    #[test]
     fn encode_refuses_long_dataset_names() {
         let m = Message::ManifestRequest {
             req: 1,
@@ -996,7 +1147,7 @@ mod tests {
 
         /// Same, with a plausible header so the body parsers are exercised.
         #[test]
-        fn arbitrary_bodies_never_panic(kind in 0u8..14, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        fn arbitrary_bodies_never_panic(kind in 0u8..15, body in proptest::collection::vec(any::<u8>(), 0..128)) {
             let mut frame = vec![VERSION, kind];
             frame.extend_from_slice(&body);
             if let Ok(m) = decode_frame(&frame) {

@@ -21,9 +21,18 @@ pub struct Cli {
 enum Cmd {
     /// Build DIR/shardwire.manifest.json from the Arrow IPC (HF datasets), .npy, .bin, WebDataset
     /// .tar, MDS and Parquet files in DIR (Parquet is converted once into DIR/.shardwire-cache).
+    /// DIR may be a URL (s3://bucket/prefix, gs://, az://, file:///dir, http(s)://): the objects
+    /// are listed and read with ranged GETs (credentials and endpoint from the standard
+    /// AWS_*/GOOGLE_*/AZURE_* environment), and the manifest, with each object's size and
+    /// ETag, is written beside them.
     Index {
-        /// Dataset directory.
-        dir: PathBuf,
+        /// Dataset directory or URL.
+        #[arg(value_name = "DIR|URL")]
+        dir: String,
+        /// Write the manifest to this local file instead of beside the data (needed for
+        /// read-only http(s) datasets).
+        #[arg(long, value_name = "PATH")]
+        manifest_out: Option<PathBuf>,
         /// Never show the progress line.
         #[arg(long)]
         quiet: bool,
@@ -174,6 +183,26 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     idle_timeout_secs: Option<u64>,
+    /// Disk cache for object-storage datasets (needs --cache-size).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_dir: Option<PathBuf>,
+    /// Size of the disk cache per dataset (e.g. 500GiB).
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_size: Option<ByteSize>,
+    /// GETs in flight per bucket at most [default: 32].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    object_store_max_inflight: Option<usize>,
+    /// Largest ranged GET [default: 8MiB].
+    #[arg(long, value_parser = parse_size)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    object_store_request_size: Option<ByteSize>,
+    /// Admin HTTP address (/v1/status, /metrics).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admin: Option<std::net::SocketAddr>,
 }
 
 /// Flags of `shardwire serve`.
@@ -304,6 +333,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Index {
             dir,
+            manifest_out,
             quiet,
             columns,
             skip_unsupported,
@@ -320,7 +350,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 skip_unsupported,
                 tokens,
             };
-            index(&dir, &opts)
+            index(&dir, manifest_out.as_deref(), &opts)
         }
         Cmd::Source(f) => source(&f),
         Cmd::Serve(f) => serve(&f),
@@ -343,19 +373,30 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn index(dir: &std::path::Path, opts: &shardwire_index::IndexOptions) -> anyhow::Result<ExitCode> {
-    let report = shardwire_index::index_report(dir, opts)?;
+fn index(
+    location: &str,
+    out: Option<&std::path::Path>,
+    opts: &shardwire_index::IndexOptions,
+) -> anyhow::Result<ExitCode> {
+    use shardwire_index::{Dataset, StoreOptions, StoreUrl};
+    Dataset::check_output(location, out)?;
+    if StoreUrl::is_remote(location) {
+        // The store logs its credential source, endpoint and region when it opens.
+        logging::init_filter("info");
+    }
+    let mut ds = Dataset::open(location, StoreOptions::default())?;
+    let report = ds.index(opts)?;
     for note in report.notes() {
         eprintln!("{note}");
     }
     let m = &report.manifest;
-    let path = shardwire_index::write_manifest(dir, m)?;
+    let path = ds.write_manifest(m, out)?;
     println!(
         "indexed {} shards, {} bytes, digest {} -> {}",
         m.shards.len(),
         m.total_bytes,
         m.digest,
-        path.display()
+        path
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -363,7 +404,12 @@ fn index(dir: &std::path::Path, opts: &shardwire_index::IndexOptions) -> anyhow:
 fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
     let cfg = SourceConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
-    let datasets = shardwire_source::Datasets::from_specs(&cfg.datasets)?;
+    let remote = shardwire_source::RemoteOptions {
+        request_size: cfg.object_store_request_size.0,
+        max_inflight: cfg.object_store_max_inflight,
+        cache_dir: cfg.cache_dir.clone(),
+        cache_size: cfg.cache_size.0,
+    };
     let secret = cfg
         .secret_file
         .as_deref()
@@ -392,11 +438,26 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         max_connections: cfg.max_connections,
     };
     runtime()?.block_on(async {
+        let datasets = shardwire_source::Datasets::open(&cfg.datasets, &remote).await?;
         let src = shardwire_source::Source::bind(scfg, datasets)
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         println!("source listening on {}", src.local_addr());
         let (tx, rx) = tokio::sync::watch::channel(false);
+        match cfg.admin {
+            Some(addr) => {
+                let listener = crate::source_admin::bind(addr).await?;
+                println!("source admin on http://{}", listener.local_addr()?);
+                tokio::spawn(crate::source_admin::serve(
+                    listener,
+                    src.status(),
+                    rx.clone(),
+                ));
+            }
+            None => {
+                tokio::spawn(crate::source_admin::log_status(src.status()));
+            }
+        }
         tokio::spawn(async move {
             signalled().await;
             let _ = tx.send(true);

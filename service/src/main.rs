@@ -7,6 +7,7 @@ mod demo;
 mod http;
 mod logging;
 mod serve;
+mod source_admin;
 mod status;
 mod synth;
 mod topology;

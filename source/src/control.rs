@@ -104,7 +104,13 @@ impl Control {
         code: ErrorCode,
         message: String,
     ) -> Result<(), SessionError> {
-        self.send(&Message::Error { req, code, message }).await
+        self.send(&Message::Error {
+            req,
+            code,
+            retry_after_ms: 0,
+            message,
+        })
+        .await
     }
 
     /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more). A

@@ -1,4 +1,5 @@
-//! The datasets a source serves: name -> directory, manifest, open files.
+//! The datasets a source serves: name -> manifest and where the shards are: a directory
+//! with open files, or objects in object storage ([`crate::remote`]).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -7,13 +8,30 @@ use std::sync::Arc;
 
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ManifestError};
 use shardwire_protocol::wire::{DatasetNameError, check_dataset_name};
+use shardwire_store::StoreUrl;
+
+use crate::remote::{self, RemoteDataset, RemoteOptions};
 
 /// Why a dataset cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
     /// `--dataset` value is not NAME=DIR.
-    #[error("dataset spec `{0}` is not NAME=DIR")]
+    #[error(
+        "dataset spec `{0}` is not NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)"
+    )]
     Spec(String),
+    /// An object-storage dataset cannot be served.
+    #[error(transparent)]
+    Remote(#[from] remote::OpenError),
+    /// The dataset URL is not valid.
+    #[error("--dataset {name}=...: {source}")]
+    Url {
+        /// The dataset.
+        name: String,
+        /// Why.
+        #[source]
+        source: shardwire_store::StoreError,
+    },
     /// Bad dataset name.
     #[error("--dataset NAME=DIR: {0}")]
     Name(#[from] DatasetNameError),
@@ -52,18 +70,29 @@ pub enum DatasetError {
     },
 }
 
+/// Where a dataset's shards are.
+pub enum Backend {
+    /// A directory: an open file per shard (shards of one file share it).
+    Local {
+        /// The directory.
+        dir: PathBuf,
+        /// Open file per shard.
+        files: Vec<Arc<File>>,
+    },
+    /// Objects in object storage.
+    Remote(Arc<RemoteDataset>),
+}
+
 /// One served dataset.
 pub struct Dataset {
     /// Name nodes ask for.
     pub name: String,
-    /// Directory.
-    pub dir: PathBuf,
     /// Parsed manifest.
     pub manifest: Manifest,
     /// The manifest file's bytes (sent verbatim).
     pub manifest_json: Vec<u8>,
-    /// Open file per shard (shards of one file share it).
-    pub files: Vec<Arc<File>>,
+    /// Where its shards are.
+    pub backend: Backend,
 }
 
 /// All datasets of a source.
@@ -71,25 +100,63 @@ pub struct Dataset {
 pub struct Datasets(BTreeMap<String, Dataset>);
 
 impl Datasets {
-    /// Loads datasets from `NAME=DIR` specs.
-    pub fn from_specs<S: AsRef<str>>(specs: &[S]) -> Result<Self, DatasetError> {
+    /// Loads datasets from `NAME=DIR` and `NAME=URL` specs (an object-storage dataset's
+    /// manifest is read and its objects checked here).
+    pub async fn open<S: AsRef<str>>(
+        specs: &[S],
+        remote: &RemoteOptions,
+    ) -> Result<Self, DatasetError> {
         let mut out = Datasets::default();
         for spec in specs {
             let spec = spec.as_ref();
-            let (name, dir) = spec
+            let (name, at) = spec
                 .split_once('=')
                 .ok_or_else(|| DatasetError::Spec(spec.into()))?;
-            out.add(name, Path::new(dir))?;
+            if StoreUrl::is_remote(at) {
+                out.add_remote(name, at, remote).await?;
+            } else {
+                out.add(name, Path::new(at))?;
+            }
         }
         Ok(out)
     }
 
-    /// Loads one dataset directory under `name`.
-    pub fn add(&mut self, name: &str, dir: &Path) -> Result<(), DatasetError> {
+    /// Opens the object-storage dataset at `url` under `name`.
+    pub async fn add_remote(
+        &mut self,
+        name: &str,
+        url: &str,
+        opts: &RemoteOptions,
+    ) -> Result<(), DatasetError> {
+        self.check_new(name)?;
+        let url = StoreUrl::parse(url).map_err(|source| DatasetError::Url {
+            name: name.into(),
+            source,
+        })?;
+        let (d, manifest, manifest_json) = RemoteDataset::open(name, &url, opts).await?;
+        self.0.insert(
+            name.into(),
+            Dataset {
+                name: name.into(),
+                manifest,
+                manifest_json,
+                backend: Backend::Remote(d),
+            },
+        );
+        Ok(())
+    }
+
+    fn check_new(&self, name: &str) -> Result<(), DatasetError> {
         check_dataset_name(name)?;
         if self.0.contains_key(name) {
             return Err(DatasetError::Duplicate(name.into()));
         }
+        Ok(())
+    }
+
+    /// Loads one dataset directory under `name`.
+    pub fn add(&mut self, name: &str, dir: &Path) -> Result<(), DatasetError> {
+        self.check_new(name)?;
         let path = dir.join(MANIFEST_FILE);
         let manifest_json = std::fs::read(&path).map_err(|source| DatasetError::Read {
             path: path.clone(),
@@ -139,10 +206,12 @@ impl Datasets {
             name.into(),
             Dataset {
                 name: name.into(),
-                dir: dir.into(),
                 manifest,
                 manifest_json,
-                files,
+                backend: Backend::Local {
+                    dir: dir.into(),
+                    files,
+                },
             },
         );
         Ok(())

@@ -215,8 +215,10 @@ mod tests {
         ];
         for (offset, len, corrupt) in jobs {
             assert!(s.push(Job {
-                file: Arc::clone(&file),
-                offset,
+                body: crate::sender::Body::File {
+                    file: Arc::clone(&file),
+                    offset,
+                },
                 len,
                 corrupt,
             }));

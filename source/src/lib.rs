@@ -12,6 +12,8 @@ mod control;
 pub mod datasets;
 pub mod devmem_tx;
 mod dial;
+mod payload;
+pub mod remote;
 mod sender;
 pub mod session;
 
@@ -22,7 +24,8 @@ use std::sync::atomic::AtomicU32;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use datasets::{Dataset, DatasetError, Datasets};
+pub use datasets::{Backend, Dataset, DatasetError, Datasets};
+pub use remote::RemoteOptions;
 
 /// How a source runs.
 #[derive(Clone, Debug)]
@@ -58,6 +61,8 @@ pub(crate) struct Shared {
     pub cfg: SourceConfig,
     pub corrupt_left: AtomicU32,
     pub wrong_lane_left: AtomicU32,
+    /// Ids of node sessions (hints are kept per session).
+    pub sessions: std::sync::atomic::AtomicU64,
 }
 
 /// A bound, not yet serving, source.
@@ -79,8 +84,14 @@ impl Source {
                 cfg,
                 corrupt_left,
                 wrong_lane_left,
+                sessions: std::sync::atomic::AtomicU64::new(0),
             }),
         })
+    }
+
+    /// A handle on what the source is doing, for its admin endpoint.
+    pub fn status(&self) -> SourceStatus {
+        SourceStatus(Arc::clone(&self.shared))
     }
 
     /// The bound control address.
@@ -103,6 +114,9 @@ impl Source {
         for d in self.shared.datasets.iter() {
             tracing::info!(dataset = %d.name, shards = d.manifest.shards.len(), bytes = d.manifest.total_bytes,
                 digest = %d.manifest.digest, "serving dataset");
+            if let Backend::Remote(r) = &d.backend {
+                tokio::spawn(Arc::clone(r).prefetch());
+            }
         }
         tracing::info!(listen = %self.local_addr(), "source ready");
         let slots = Arc::new(tokio::sync::Semaphore::new(self.shared.cfg.max_connections));
@@ -132,5 +146,44 @@ impl Source {
                 },
             }
         }
+    }
+}
+
+/// What a running source is doing: its datasets (and, for object storage, the store, the
+/// window, the cache and the read-ahead) and its node sessions.
+#[derive(Clone)]
+pub struct SourceStatus(Arc<Shared>);
+
+impl SourceStatus {
+    /// The status as JSON (the admin endpoint's `/v1/status`).
+    pub fn json(&self) -> serde_json::Value {
+        let datasets: Vec<serde_json::Value> = self
+            .0
+            .datasets
+            .iter()
+            .map(|d| {
+                let mut v = serde_json::json!({
+                    "name": d.name,
+                    "shards": d.manifest.shards.len(),
+                    "bytes": d.manifest.total_bytes,
+                    "digest": d.manifest.digest,
+                });
+                match &d.backend {
+                    Backend::Local { dir, .. } => {
+                        v["backend"] = "local".into();
+                        v["dir"] = dir.display().to_string().into();
+                    }
+                    Backend::Remote(r) => {
+                        v["backend"] = "object_store".into();
+                        v["object_store"] = r.status();
+                    }
+                }
+                v
+            })
+            .collect();
+        serde_json::json!({
+            "datasets": datasets,
+            "sessions_started": self.0.sessions.load(std::sync::atomic::Ordering::Relaxed),
+        })
     }
 }

@@ -1,6 +1,7 @@
-//! One thread per data connection: sends queued shard payloads back to back with
-//! `sendfile` (page cache -> socket, no copy through user space), in announcement order, or
-//! with devmem TX from a dma-buf ([`crate::devmem_tx`]).
+//! One thread per data connection: sends queued shard payloads back to back, in announcement
+//! order: from files with `sendfile` (page cache -> socket, no copy through user space) or
+//! with devmem TX from a dma-buf ([`crate::devmem_tx`]); bytes read from object storage and
+//! not cached are written from memory.
 
 use std::fs::File;
 use std::io::Write;
@@ -13,10 +14,22 @@ use std::time::{Duration, Instant};
 use shardwire_devmem::txbuf::TxBuffer;
 use tokio::sync::Notify;
 
+/// Where a payload's bytes are.
+pub(crate) enum Body {
+    /// `len` bytes of `file` from `offset`: a local dataset's file or a cache entry.
+    File {
+        /// The file.
+        file: Arc<File>,
+        /// Where the payload starts.
+        offset: u64,
+    },
+    /// Verified bytes read from object storage, in order.
+    Memory(Vec<bytes::Bytes>),
+}
+
 /// One payload to send.
 pub(crate) struct Job {
-    pub file: Arc<File>,
-    pub offset: u64,
+    pub body: Body,
     pub len: u64,
     /// Fault injection: flip a byte of this payload.
     pub corrupt: bool,
@@ -97,7 +110,7 @@ impl Sender {
                         .map(|d| SendPath::DevmemTx(Box::new(d))),
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
-                if let Err(e) = path.and_then(|p| send_loop(p, &rx, &q, rate)) {
+                if let Err(e) = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate)) {
                     tracing::warn!(conn, error = %e, "data connection failed");
                     failed.notify_one();
                 }
@@ -122,6 +135,35 @@ impl Sender {
         self.progress.jobs.fetch_add(1, Ordering::Release);
         self.tx.send(job).is_ok()
     }
+}
+
+/// Writes `parts` in order in pieces of at most `piece` bytes (flipping the byte at offset
+/// `flip` of the payload: fault injection), calling `paced` after each piece.
+fn send_memory(
+    mut stream: &TcpStream,
+    parts: &[bytes::Bytes],
+    mut flip: Option<u64>,
+    piece: usize,
+    paced: &mut impl FnMut(usize),
+) -> std::io::Result<()> {
+    let mut at = 0u64;
+    for part in parts {
+        for chunk in part.chunks(piece.max(1)) {
+            let end = at + chunk.len() as u64;
+            match flip.filter(|f| (at..end).contains(f)) {
+                Some(f) => {
+                    let mut copy = chunk.to_vec();
+                    copy[(f - at) as usize] ^= 0x5a;
+                    flip = None;
+                    stream.write_all(&copy)?;
+                }
+                None => stream.write_all(chunk)?,
+            }
+            at = end;
+            paced(chunk.len());
+        }
+    }
+    Ok(())
 }
 
 /// Sleeps as needed so that `sent_total` bytes since `started` stay within `rate` bytes/s.
@@ -204,6 +246,7 @@ impl SendPath<'_> {
 /// Sends queued payloads back to back, paced to `rate` bytes/s (0: unlimited).
 fn send_loop(
     mut path: SendPath<'_>,
+    stream: &TcpStream,
     rx: &mpsc::Receiver<Job>,
     progress: &Progress,
     rate: u64,
@@ -212,19 +255,30 @@ fn send_loop(
     let mut sent_total: u64 = 0;
     let piece = path.piece(rate);
     while let Ok(job) = rx.recv() {
-        let (mut off, end) = (job.offset, job.offset + job.len);
-        let mut flip = job.corrupt.then_some(job.offset + job.len / 2);
-        while off < end {
-            let n = path.send(&job.file, off, (end - off).min(piece), &mut flip)?;
-            if n == 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("shard file ended at offset {off}, expected data up to {end}"),
-                ));
-            }
-            off += n as u64;
+        let mut paced = |n: usize| {
             sent_total += n as u64;
             pace(started, sent_total, rate);
+        };
+        match &job.body {
+            Body::File { file, offset } => {
+                let (mut off, end) = (*offset, offset + job.len);
+                let mut flip = job.corrupt.then_some(offset + job.len / 2);
+                while off < end {
+                    let n = path.send(file, off, (end - off).min(piece), &mut flip)?;
+                    if n == 0 {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!("shard file ended at offset {off}, expected data up to {end}"),
+                        ));
+                    }
+                    off += n as u64;
+                    paced(n);
+                }
+            }
+            Body::Memory(parts) => {
+                let flip = job.corrupt.then_some(job.len / 2);
+                send_memory(stream, parts, flip, piece as usize, &mut paced)?;
+            }
         }
         if job.corrupt {
             tracing::warn!(

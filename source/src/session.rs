@@ -1,14 +1,15 @@
 //! One node's control connection: handshake, data-connection setup (`dial.rs`), the
-//! FETCH queues and cancellation.
+//! FETCH queues, read-ahead hints and cancellation.
 //!
-//! FETCHes wait in their lane's queue until a data connection of that lane has room (at most
-//! [`crate::sender::DEPTH`] payloads each); only then is the payload announced (`Shard`) and
-//! handed to that connection's sender. A lane's shards travel only on its own connections
-//! (its NIC, its GPU's memory on the node). So a `Cancel` can still drop every FETCH that is
-//! not on the wire yet, and a stream the node gave up on stops costing the source bandwidth.
+//! FETCHes wait in their lane's queue until their bytes are settled (object storage) and a
+//! data connection of that lane has room (at most [`crate::sender::DEPTH`] payloads each);
+//! only then is the payload announced (`Shard`) and handed to that connection's sender. A
+//! lane's shards travel only on its own connections (its NIC, its GPU's memory on the node).
+//! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
+//! node gave up on stops costing the source bandwidth.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
-//! version (the layout of `Error` is the same), naming both versions, and dropped.
+//! version (in version 2's layout of `Error`), naming both versions, and dropped.
 //!
 //! Every state has a time limit: the handshake [`HANDSHAKE_TIMEOUT`], an established session
 //! the idle timeout (both sides send `Ping` after a third of it without other traffic), and
@@ -32,8 +33,10 @@ use tokio::time::Instant;
 use crate::Shared;
 use crate::control::{Control, kind};
 pub use crate::control::{HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT};
+use crate::datasets::Backend;
 use crate::dial::{DataConns, dial};
-use crate::sender::{Job, Sender};
+use crate::payload::{Now, Payload};
+use crate::sender::{Body, Job, Sender};
 
 pub(crate) async fn run(
     stream: TcpStream,
@@ -64,7 +67,10 @@ pub(crate) async fn run(
     let progress = Arc::new(Notify::new());
     let DataConns { senders, lane_of } =
         dial(&mut ctl, &shared, &lanes, &failed, &progress).await?;
+    let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
+    let _hints = ForgetHints(Arc::clone(&shared), id);
     Session {
+        id,
         ctl,
         shared,
         senders,
@@ -76,6 +82,19 @@ pub(crate) async fn run(
     }
     .serve()
     .await
+}
+
+/// Drops a session's read-ahead hints when it ends, however it ends.
+struct ForgetHints(Arc<Shared>, u64);
+
+impl Drop for ForgetHints {
+    fn drop(&mut self) {
+        for d in self.0.datasets.iter() {
+            if let Backend::Remote(r) = &d.backend {
+                r.forget_session(self.1);
+            }
+        }
+    }
 }
 
 /// Hello, Challenge, Auth, Welcome; returns the node's lanes and id.
@@ -135,15 +154,24 @@ async fn handshake(
     Ok((lanes, node_id))
 }
 
-/// A FETCH waiting for a data connection with room.
-struct Queued {
+/// What a queued FETCH's announcement says.
+struct Head {
     req: u64,
-    job: Job,
+    len: u64,
+    corrupt: bool,
     shard: u32,
     crc32c: u32,
 }
 
+/// A FETCH waiting for its bytes (object storage) and a data connection with room.
+struct Queued {
+    head: Head,
+    payload: Payload,
+}
+
 struct Session {
+    /// This session's id (scopes its hints).
+    id: u64,
     ctl: Control,
     shared: Arc<Shared>,
     /// One per data connection.
@@ -197,6 +225,7 @@ impl Session {
                     None => Message::Error {
                         req,
                         code: ErrorCode::UnknownDataset,
+                        retry_after_ms: 0,
                         message: format!("dataset `{dataset}` is not served here"),
                     },
                 };
@@ -208,30 +237,45 @@ impl Session {
                 shard,
                 lane,
             } => self.queue(req, &dataset, shard, lane).await,
-            Message::Cancel { req } => {
-                let found = self.waiting.iter_mut().find_map(|w| {
-                    let at = w.iter().position(|q| q.req == req)?;
-                    w.remove(at)
-                });
-                if found.is_some() {
-                    self.queued -= 1;
-                    tracing::debug!(req, "FETCH cancelled before it was sent");
-                    metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
-                    let why = "cancelled by the node before it was sent".to_string();
-                    self.ctl.error(req, ErrorCode::Cancelled, why).await?;
+            Message::Cancel { req } => self.cancel(req).await,
+            Message::Ping => Ok(()),
+            Message::Hint {
+                stream,
+                dataset,
+                shards,
+            } => {
+                match self.shared.datasets.get(&dataset).map(|d| &d.backend) {
+                    Some(Backend::Remote(r)) => r.hint(self.id, stream, shards),
+                    Some(Backend::Local { .. }) => {}
+                    None => tracing::debug!(%dataset, "hint for a dataset not served here"),
                 }
                 Ok(())
             }
-            Message::Ping => Ok(()),
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
                 let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
                 Err(SessionError::Unexpected {
-                    expected: "ManifestRequest, Fetch, Cancel or Ping",
+                    expected: "ManifestRequest, Fetch, Cancel, Hint or Ping",
                     got: kind(&other),
                 })
             }
         }
+    }
+
+    /// Drops FETCH `req` if it is still queued (not on the wire yet) and says so.
+    async fn cancel(&mut self, req: u64) -> Result<(), SessionError> {
+        let found = self.waiting.iter_mut().find_map(|w| {
+            let at = w.iter().position(|q| q.head.req == req)?;
+            w.remove(at)
+        });
+        if found.is_some() {
+            self.queued -= 1;
+            tracing::debug!(req, "FETCH cancelled before it was sent");
+            metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
+            let why = "cancelled by the node before it was sent".to_string();
+            self.ctl.error(req, ErrorCode::Cancelled, why).await?;
+        }
+        Ok(())
     }
 
     /// Checks a FETCH and queues it in its lane (or answers it with an error).
@@ -269,36 +313,84 @@ impl Session {
             .corrupt_left
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
-        let job = Job {
-            file: Arc::clone(&d.files[shard as usize]),
-            offset: entry.offset,
-            len: entry.length,
-            corrupt,
+        let payload = match &d.backend {
+            Backend::Local { files, .. } => Payload::Ready(Body::File {
+                file: Arc::clone(&files[shard as usize]),
+                offset: entry.offset,
+            }),
+            Backend::Remote(r) => {
+                Payload::read(Arc::clone(r), self.id, shard, Arc::clone(&self.progress))
+            }
         };
         self.waiting[usize::from(lane)].push_back(Queued {
-            req,
-            job,
-            shard,
-            crc32c: entry.crc32c,
+            head: Head {
+                req,
+                len: entry.length,
+                corrupt,
+                shard,
+                crc32c: entry.crc32c,
+            },
+            payload,
         });
         self.queued += 1;
         Ok(())
     }
 
-    /// Announces and hands out queued FETCHes while a data connection of their lane has room
-    /// (the least loaded of the lane first).
+    /// Dispatches every lane's queue (see [`Session::dispatch_lane`]).
     async fn dispatch(&mut self) -> Result<(), SessionError> {
         for lane in 0..self.waiting.len() {
-            while !self.waiting[lane].is_empty() {
-                let Some(conn) = self.room_in(lane) else {
-                    break;
-                };
-                let q = self.waiting[lane].pop_front().expect("not empty");
-                self.queued -= 1;
-                self.send_on(conn, q).await?;
-            }
+            self.dispatch_lane(lane).await?;
         }
         Ok(())
+    }
+
+    /// Answers `lane`'s queued FETCHes whose reads failed, then announces and hands out the
+    /// first settled ones, in queue order, while a data connection of the lane has room (the
+    /// least loaded).
+    async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
+        let mut at = 0;
+        while at < self.waiting[lane].len() {
+            if !self.waiting[lane][at].payload.settled() {
+                at += 1;
+                continue;
+            }
+            let room = self.room_in(lane);
+            let Queued { head: q, payload } = self.waiting[lane].remove(at).expect("in range");
+            self.queued -= 1;
+            let body = match payload.now() {
+                Now::Send(body) => body,
+                Now::Fail(f) => {
+                    self.ctl
+                        .send(&Message::Error {
+                            req: q.req,
+                            code: f.code,
+                            retry_after_ms: f.retry_after_ms,
+                            message: f.message,
+                        })
+                        .await?;
+                    continue;
+                }
+                Now::Wait(payload) => {
+                    self.requeue(lane, at, Queued { head: q, payload });
+                    at += 1;
+                    continue;
+                }
+            };
+            let Some(conn) = room else {
+                // Settled but no room: back in its place, with its bytes.
+                let payload = Payload::Ready(body);
+                self.requeue(lane, at, Queued { head: q, payload });
+                return Ok(());
+            };
+            self.announce(conn, q, body).await?;
+        }
+        Ok(())
+    }
+
+    /// Puts `q` back at position `at` of `lane`'s queue.
+    fn requeue(&mut self, lane: usize, at: usize, q: Queued) {
+        self.waiting[lane].insert(at, q);
+        self.queued += 1;
     }
 
     /// The least loaded data connection of `lane` with room, if any.
@@ -311,21 +403,26 @@ impl Session {
             .map(|(i, _)| i)
     }
 
-    /// Announces `q` as the next payload of connection `conn` and hands it to its sender.
-    async fn send_on(&mut self, conn: usize, q: Queued) -> Result<(), SessionError> {
+    /// Announces `q` on data connection `conn` and hands its bytes to that connection.
+    async fn announce(&mut self, conn: usize, q: Head, body: Body) -> Result<(), SessionError> {
         let seq = self.senders[conn].seq;
         self.senders[conn].seq += 1;
         self.ctl
             .send(&Message::Shard {
                 req: q.req,
                 shard: q.shard,
-                length: q.job.len,
+                length: q.len,
                 crc32c: q.crc32c,
                 conn: conn as u16,
                 seq,
             })
             .await?;
-        if !self.senders[conn].push(q.job) {
+        let job = Job {
+            body,
+            len: q.len,
+            corrupt: q.corrupt,
+        };
+        if !self.senders[conn].push(job) {
             return Err(SessionError::DataFailed);
         }
         Ok(())

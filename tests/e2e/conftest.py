@@ -403,12 +403,14 @@ class Harness(Children):
         self.procs.append(p)
         return p
 
-    def source(self, datasets: dict, *extra, listen: str = "127.0.0.1:0") -> Source:
-        """Starts `shardwire source --listen ... --dataset NAME=DIR ...` and waits until ready."""
+    def source(self, datasets: dict, *extra, listen: str = "127.0.0.1:0", env: dict | None = None) -> Source:
+        """Starts `shardwire source --listen ... --dataset NAME=DIR ...` (DIR may be a URL such
+        as s3://bucket/prefix; `env`: extra environment, e.g. the S3 server's) and waits until
+        ready."""
         args = ["source", "--listen", listen]
         for name, d in datasets.items():
             args += ["--dataset", f"{name}={d}"]
-        p = self._start(Source, "source", args + [str(a) for a in extra])
+        p = self._start(Source, "source", args + [str(a) for a in extra], env)
         p.addr = p.wait_line(SOURCE_READY).group(1)
         return p
 

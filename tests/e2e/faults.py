@@ -8,7 +8,7 @@ connections or bytes. Nothing here asserts; the tests decide what is acceptable.
 
 Wire formats (docs/PROTOCOL.md, docs/TRAINER_API.md):
 
-- control frames (source control port): ``u32 BE len | version u8 (=2) | kind u8 | body``,
+- control frames (source control port): ``u32 BE len | version u8 (=3) | kind u8 | body``,
   ``len = 2 + len(body)``; ``str`` = ``u16 BE`` length + UTF-8, ``addr`` = family ``u8``
   (4|6), the address bytes, ``port u16``;
 - trainer frames (Unix socket): ``u32 LE len | JSON``;
@@ -31,9 +31,9 @@ Target = Union[str, tuple]  # "HOST:PORT", (host, port) or a Unix socket path ("
 
 #: What an outcome keeps of the bytes the peer sent back.
 KEEP = 64 * 1024
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Control message kinds (docs/PROTOCOL.md, "Messages").
-HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING = range(1, 13)
+HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING, HINT = range(1, 14)
 
 
 # --- connections -----------------------------------------------------------------------------
@@ -304,11 +304,11 @@ def control_malformed(seed: int = 0) -> dict[str, bytes]:
     return {
         "random 4 KiB": random_bytes(4096, seed),
         "http request": b"GET / HTTP/1.1\r\nHost: shardwire\r\n\r\n",
-        "length 0xFFFFFFFF": b"\xff\xff\xff\xff\x02\x01" + b"\x00" * 64,
-        "length 64 MiB": struct.pack(">I", 64 << 20) + b"\x02\x01" + b"\x00" * 64,
-        "length just over 8 KiB": struct.pack(">I", 8 * 1024 + 1) + b"\x02\x01" + b"\x00" * 64,
+        "length 0xFFFFFFFF": b"\xff\xff\xff\xff\x03\x01" + b"\x00" * 64,
+        "length 64 MiB": struct.pack(">I", 64 << 20) + b"\x03\x01" + b"\x00" * 64,
+        "length just over 8 KiB": struct.pack(">I", 8 * 1024 + 1) + b"\x03\x01" + b"\x00" * 64,
         "length 0": b"\x00\x00\x00\x00",
-        "length 1": b"\x00\x00\x00\x01\x02",
+        "length 1": b"\x00\x00\x00\x01\x03",
         "bad version 1": control_frame(HELLO, good[6:], version=1),
         "bad version 255": control_frame(HELLO, good[6:], version=255),
         "unknown kind 200": control_frame(200, b"\x00" * 16),
@@ -363,10 +363,10 @@ def read_control(s: socket.socket, wait: float) -> tuple[int, bytes] | str:
 
 
 def error_code(body: bytes) -> tuple[int, int, str]:
-    """(req, code, message) of an Error body."""
+    """(req, code, message) of an Error body (req u64, code u16, retry_after_ms u32, message)."""
     req, code = struct.unpack(">QH", body[:10])
-    (ln,) = struct.unpack(">H", body[10:12])
-    return req, code, body[12 : 12 + ln].decode(errors="replace")
+    (ln,) = struct.unpack(">H", body[14:16])
+    return req, code, body[16 : 16 + ln].decode(errors="replace")
 
 
 def control_session_attack(source: Target, wait: float = 5.0) -> dict:
@@ -416,7 +416,7 @@ def control_session_attack(source: Target, wait: float = 5.0) -> dict:
                     r = read_control(s, wait)
                 out["replies"].append((what, error_code(r[1]) if isinstance(r, tuple) and r[0] == ERROR else r))
             # Over the 8 KiB limit after authentication: the source drops the session.
-            s.sendall(b"\x7f\xff\xff\xff\x02\x08" + b"\x00" * 32)
+            s.sendall(b"\x7f\xff\xff\xff\x03\x08" + b"\x00" * 32)
             t0 = time.monotonic()
             o = read_until_closed(s, wait, t0)
             out["final"] = o.closed

@@ -44,7 +44,7 @@ from conftest import (
     write_uint8_shards,
 )
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 # --- raw peers ------------------------------------------------------------------------------
@@ -273,7 +273,9 @@ def test_source_drops_idle_sessions(sw, tmp_path):
     took = time.monotonic() - t0
     assert 1.5 < took < 6, f"idle session closed after {took:.1f} s (idle timeout 2 s)"
     assert pings >= 1, "the source sent no keepalive"
-    assert "idle timeout" in src.stderr_text(), src.stderr_text()[-2000:]
+    # The source logs why after it has closed the connection: wait for the line.
+    wait_for(lambda: "idle timeout" in src.stderr_text(), "the source's idle-timeout log line", 10,
+             diag=lambda: src.stderr_text()[-2000:])
     for s in (ctl, conn, data):
         s.close()
 

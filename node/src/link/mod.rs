@@ -245,6 +245,19 @@ impl SourceLink {
         }
     }
 
+    /// Tells the source which shards of `dataset` stream `stream` will fetch from it next,
+    /// soonest first (an empty list withdraws the stream's hint). Advice only: a link that is
+    /// down drops it, and the stream hints again as it goes.
+    pub fn hint(&self, stream: u64, dataset: &str, shards: Vec<u32>) -> Result<(), SendError> {
+        let st = self.state.lock().expect("poisoned");
+        let msg = Message::Hint {
+            stream,
+            dataset: dataset.into(),
+            shards,
+        };
+        self.send(&st, &msg)
+    }
+
     /// Asks the source to drop the FETCHes of `stream` it has not announced yet; they stay
     /// pending until it answers. Returns how many cancels were sent.
     pub fn cancel_stream(&self, stream: u64) -> usize {

@@ -329,8 +329,13 @@ fn handle(
             }
             Ok(())
         }
-        Message::Error { req, code, message } => {
-            error_for(link, req, code, message);
+        Message::Error {
+            req,
+            code,
+            retry_after_ms,
+            message,
+        } => {
+            error_for(link, req, (code, retry_after_ms), message);
             Ok(())
         }
         Message::Ping => Ok(()),
@@ -393,7 +398,12 @@ fn announced(
 
 /// An `Error` from the source fails the one request it names (a fetch or a manifest
 /// request) and nothing else; one about no request is logged.
-fn error_for(link: &SourceLink, req: u64, code: ErrorCode, message: String) {
+fn error_for(
+    link: &SourceLink,
+    req: u64,
+    (code, retry_after_ms): (ErrorCode, u32),
+    message: String,
+) {
     if req == 0 {
         tracing::warn!(source = %link.addr, ?code, %message, "source reported an error");
         return;
@@ -403,7 +413,11 @@ fn error_for(link: &SourceLink, req: u64, code: ErrorCode, message: String) {
             link.cancels.confirmed.fetch_add(1, Ordering::Relaxed);
             f.finish(Err(FetchFailure::Cancelled));
         } else {
-            f.finish(Err(FetchFailure::Refused { code, message }));
+            f.finish(Err(FetchFailure::Refused {
+                code,
+                retry_after_ms,
+                message,
+            }));
         }
         return;
     }

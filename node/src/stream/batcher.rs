@@ -74,7 +74,7 @@ struct Driver {
 
 /// Runs a batch-mode stream from position `start` until it closes.
 pub async fn run(s: Arc<Stream>, start: u64) {
-    let mut d = Driver::new(s, start, Box::new(Links::default()));
+    let mut d = Driver::new(s, start, Box::new(Links));
     loop {
         if d.s.is_closed() {
             return;
@@ -130,8 +130,36 @@ impl Driver {
     fn step(&mut self) -> Result<(), CloseReason> {
         self.fetches.reissue()?;
         self.issue_units()?;
+        if self.fetches.hint_due() {
+            let upcoming = self.upcoming();
+            self.fetches.hint(upcoming.into_iter());
+        }
         while self.try_assemble()? {}
         Ok(())
+    }
+
+    /// The shards this worker will fetch next, in first-use order: those of the loaded
+    /// epochs' units not issued yet that it needs and does not hold (at most
+    /// [`super::hints::HINT_AHEAD`]).
+    fn upcoming(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        for e in &self.epochs {
+            for (k, u) in e.units.iter().enumerate().skip(e.next) {
+                if !self.needed(e.epoch, u) {
+                    continue;
+                }
+                let from = if k == e.next { e.held } else { 0 };
+                for &shard in &u.shards[from.min(u.shards.len())..] {
+                    if !self.resident.contains_key(&shard) && !out.contains(&shard) {
+                        out.push(shard);
+                        if out.len() == super::hints::HINT_AHEAD {
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// The rank-local index (over all epochs) of the last sample of the batch at `pos`.
@@ -253,6 +281,7 @@ impl Driver {
                 shard,
                 slab,
                 avoid: None,
+                not_before: None,
             })?;
         }
         Ok(true)

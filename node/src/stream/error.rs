@@ -158,6 +158,7 @@ mod tests {
             shard: 7,
             failure: FetchFailure::Refused {
                 code: wire::ErrorCode::UnknownShard,
+                retry_after_ms: 0,
                 message: "no shard 7".into(),
             },
         };

@@ -19,7 +19,7 @@ const RETRY: Duration = Duration::from_millis(100);
 
 /// Runs a shard-mode stream until it closes.
 pub async fn run(s: Arc<Stream>, start: u64) {
-    let mut f = Fetches::new(Arc::clone(s.supply()), Box::new(Links::default()));
+    let mut f = Fetches::new(Arc::clone(s.supply()), Box::new(Links));
     let mut next_issue = start;
     loop {
         if s.is_closed() {
@@ -58,7 +58,7 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
         // A shard with row tables is assembled behind its payload, in the same block.
         let block = assemble::plan_shard(&manifest, shard).map_or(len, |p| p.bytes as usize);
         let Some(mut slab) = f.alloc(block) else {
-            return Ok(());
+            break;
         };
         slab.set_len(len); // the payload's length; within the block by construction
         let pos = *next_issue;
@@ -68,7 +68,12 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
             shard,
             slab,
             avoid: None,
+            not_before: None,
         })?;
+    }
+    if f.hint_due() {
+        let end = s.total();
+        f.hint((*next_issue..end).map(|p| order.shard_at(p)));
     }
     Ok(())
 }

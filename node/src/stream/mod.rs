@@ -9,10 +9,12 @@
 //! trainer. Opening one is checked in [`open`] ([`open_mix`] for mixtures); a refusal is an
 //! [`OpenError`], the end of an open stream a [`CloseReason`].
 
+pub(crate) mod affinity;
 pub(crate) mod assemble;
 pub(crate) mod batcher;
 pub(crate) mod error;
 pub(crate) mod fetcher;
+pub(crate) mod hints;
 pub(crate) mod kind;
 pub(crate) mod layout;
 pub(crate) mod mix;

@@ -20,7 +20,9 @@ use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use tokio::sync::{Notify, mpsc};
 
+use super::affinity;
 use super::error::CloseReason;
+use super::hints::{HintTarget, Hints};
 use crate::counters::Counters;
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
 use crate::link::{SendError, SourceLink};
@@ -51,6 +53,8 @@ pub struct Pending {
     pub slab: Slab,
     /// The link that failed it last, avoided while another is up.
     pub avoid: Option<usize>,
+    /// Not before this (a throttled source asked the node to wait).
+    pub not_before: Option<Instant>,
 }
 
 /// Why a fetch was not issued.
@@ -149,9 +153,31 @@ impl Supply {
 
     /// The dataset of manifest shard `shard`, and the shard's index in it.
     pub fn source_of(&self, shard: u32) -> (&DatasetSource, u32) {
+        let (_, d, s) = self.dataset_of(shard);
+        (d, s)
+    }
+
+    /// The same with the dataset's position in the stream ([`Self::dataset`]).
+    pub fn dataset_of(&self, shard: u32) -> (usize, &DatasetSource, u32) {
         let i = self.sources.partition_point(|d| d.first <= shard).max(1) - 1;
         let d = &self.sources[i];
-        (d, shard - d.first)
+        (i, d, shard - d.first)
+    }
+
+    /// The candidate of `source` to fetch its shard `wire_shard` from now (rendezvous
+    /// ranking over the live links, passing over `avoid` while another is up), by its
+    /// position in `source.candidates`.
+    pub fn preferred(
+        &self,
+        source: &DatasetSource,
+        wire_shard: u32,
+        avoid: Option<usize>,
+    ) -> Option<usize> {
+        let links = &source.candidates;
+        let names: Vec<&str> = links.iter().map(|l| l.addr.as_str()).collect();
+        let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
+        let avoid = avoid.and_then(|index| links.iter().position(|l| l.index == index));
+        affinity::pick(&source.dataset, wire_shard, &names, &up, avoid)
     }
 
     /// Resolves when a slab is freed after [`Fetches::alloc`] found no room.
@@ -176,26 +202,41 @@ impl Supply {
     }
 }
 
-/// The real [`Issue`]: the first live link from a rotating start, avoiding the one that just
-/// failed while another is up.
-#[derive(Debug, Default)]
-pub struct Links {
-    rr: usize,
+impl HintTarget for Supply {
+    fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    fn locate(&self, shard: u32) -> (usize, u32) {
+        let (di, _, wire_shard) = self.dataset_of(shard);
+        (di, wire_shard)
+    }
+
+    fn link_for(&self, di: usize, wire_shard: u32) -> Option<usize> {
+        self.preferred(&self.sources[di], wire_shard, None)
+    }
+
+    fn send_hint(&self, di: usize, link: usize, shards: Vec<u32>) {
+        let source = &self.sources[di];
+        let l = &source.candidates[link];
+        if let Err(e) = l.hint(self.stream, &source.dataset, shards) {
+            tracing::debug!(source = %l.addr, error = %e, "hint not sent");
+        }
+    }
 }
+
+/// The real [`Issue`]: the shard's preferred live link ([`Supply::preferred`]), avoiding the
+/// one that just failed while another is up.
+#[derive(Debug, Default)]
+pub struct Links;
 
 impl Issue for Links {
     fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
         let (source, shard) = s.source_of(p.shard);
-        let links = &source.candidates;
-        let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
-        let avoid = p
-            .avoid
-            .and_then(|index| links.iter().position(|l| l.index == index));
-        let Some(i) = pick_source(&up, avoid, self.rr) else {
+        let Some(i) = s.preferred(source, shard, p.avoid) else {
             return Err(IssueError::NoSource(p));
         };
-        self.rr = i + 1;
-        let link = &links[i];
+        let link = &source.candidates[i];
         let entry = &s.manifest.shards[p.shard as usize];
         let req = FetchRequest {
             slab: p.slab,
@@ -216,6 +257,7 @@ impl Issue for Links {
                 shard: f.shard,
                 slab: f.slab,
                 avoid: p.avoid,
+                not_before: None,
             };
             match e {
                 SendError::Encode { .. } => IssueError::Fatal(p, e.to_string()),
@@ -223,17 +265,6 @@ impl Issue for Links {
             }
         })
     }
-}
-
-/// The link to send a fetch on: the first live one from `rr` on, skipping `avoid` when
-/// another is up. `up[i]` says whether candidate `i` is up; returns its index.
-pub fn pick_source(up: &[bool], avoid: Option<usize>, rr: usize) -> Option<usize> {
-    let n = up.len();
-    let order = (0..n).map(|k| (rr + k) % n);
-    order
-        .clone()
-        .find(|&i| up[i] && Some(i) != avoid)
-        .or_else(|| order.clone().find(|&i| up[i]))
 }
 
 /// A stream task's half of the fetch side: what waits to be issued, where outcomes arrive,
@@ -245,6 +276,13 @@ pub struct Fetches {
     tx: Completions,
     rx: mpsc::UnboundedReceiver<Completion>,
     starved_since: Option<Instant>,
+    hints: Hints,
+}
+
+impl Drop for Fetches {
+    fn drop(&mut self) {
+        self.hints.withdraw(&*self.supply);
+    }
 }
 
 impl Fetches {
@@ -258,7 +296,19 @@ impl Fetches {
             tx,
             rx,
             starved_since: None,
+            hints: Hints::default(),
         }
+    }
+
+    /// Whether a round of read-ahead hints is due ([`super::hints`]).
+    pub fn hint_due(&self) -> bool {
+        self.hints.due()
+    }
+
+    /// Tells the sources what the stream fetches next: `upcoming` yields the shards after
+    /// those issued, soonest first (see [`super::hints`]).
+    pub fn hint(&mut self, upcoming: impl Iterator<Item = u32>) {
+        self.hints.send(&*self.supply, upcoming);
     }
 
     /// A slab of `bytes`, or `None` when the region is full (the task then waits for
@@ -280,6 +330,7 @@ impl Fetches {
     /// Issues `p`, or keeps it for [`Self::reissue`] when no source is up; an error is a FETCH
     /// that can never be sent.
     pub fn fetch(&mut self, p: Pending) -> Result<(), CloseReason> {
+        self.hints.fetched();
         match self.issuer.issue(&self.supply, p, &self.tx) {
             Ok(()) => Ok(()),
             Err(IssueError::NoSource(p)) => {
@@ -293,9 +344,13 @@ impl Fetches {
         }
     }
 
-    /// Issues the waiting fetches in order until one finds no source.
+    /// Issues the waiting fetches in order until one finds no source or is not due yet.
     pub fn reissue(&mut self) -> Result<(), CloseReason> {
         while let Some(p) = self.waiting.pop_front() {
+            if p.not_before.is_some_and(|t| Instant::now() < t) {
+                self.waiting.push_front(p);
+                return Ok(());
+            }
             match self.issuer.issue(&self.supply, p, &self.tx) {
                 Ok(()) => {}
                 Err(IssueError::NoSource(p)) => {
@@ -365,6 +420,7 @@ impl Fetches {
             shard: c.shard,
             slab: c.slab,
             avoid: Some(c.source),
+            not_before: f.retry_after().map(|d| Instant::now() + d),
         });
         Ok(None)
     }
@@ -375,28 +431,4 @@ pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool 
     let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
     let free = pool.capacity() - pool.used();
     free >= reserve + SlabPool::class_size(len)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn round_robin_over_live_sources() {
-        let up = [true, true, true];
-        assert_eq!(pick_source(&up, None, 0), Some(0));
-        assert_eq!(pick_source(&up, None, 1), Some(1));
-        assert_eq!(pick_source(&up, None, 5), Some(2));
-        assert_eq!(pick_source(&[false, true, false], None, 2), Some(1));
-        assert_eq!(pick_source(&[false, false], None, 0), None);
-        assert_eq!(pick_source(&[], None, 0), None);
-    }
-
-    #[test]
-    fn a_retry_avoids_the_source_that_failed_while_another_is_up() {
-        assert_eq!(pick_source(&[true, true], Some(0), 0), Some(1));
-        assert_eq!(pick_source(&[true, true, true], Some(1), 1), Some(2));
-        // Only the failed one is up: it is tried again rather than waiting forever.
-        assert_eq!(pick_source(&[true, false], Some(0), 0), Some(0));
-    }
 }

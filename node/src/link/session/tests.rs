@@ -163,6 +163,7 @@ async fn an_error_fails_only_the_manifest_request_it_names() {
     src.send(Message::Error {
         req: 2,
         code: ErrorCode::UnknownDataset,
+        retry_after_ms: 0,
         message: "dataset `nope` is not served here".into(),
     })
     .await;
@@ -237,6 +238,7 @@ async fn cancels_go_out_for_one_stream_and_a_confirmation_ends_the_fetch() {
     src.send(Message::Error {
         req: 11,
         code: ErrorCode::Cancelled,
+        retry_after_ms: 0,
         message: "cancelled".into(),
     })
     .await;
@@ -494,6 +496,7 @@ async fn a_source_that_refuses_the_handshake_says_why() {
     src.send(Message::Error {
         req: 0,
         code: ErrorCode::AuthFailed,
+        retry_after_ms: 0,
         message: "wrong secret".into(),
     })
     .await;

@@ -267,6 +267,7 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
     let shard = f.shard;
     f.finish(Err(FetchFailure::Refused {
         code: wire::ErrorCode::UnknownShard,
+        retry_after_ms: 0,
         message: format!("no shard {shard}"),
     }));
     let why = settle(&mut d).unwrap_err();

@@ -46,6 +46,7 @@ fn manifest(shards: Vec<ShardEntry>) -> Manifest {
         digest: "00".repeat(32),
         total_bytes: shards.iter().map(|s| s.length).sum(),
         shards,
+        objects: Vec::new(),
     }
 }
 

@@ -1,0 +1,84 @@
+//! A FETCH's payload while it waits in its session's queue: ready (a local file's range) or
+//! still being read from object storage by a task that fills it in and wakes the session.
+
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+use crate::remote::read::Failure;
+use crate::remote::{RemoteDataset, Served};
+use crate::sender::Body;
+
+type Slot = Arc<Mutex<Option<Result<Body, Failure>>>>;
+
+/// Where a queued FETCH's bytes are.
+pub(crate) enum Payload {
+    /// Ready to send.
+    Ready(Body),
+    /// Being read; the slot is filled when done.
+    Reading(Slot),
+}
+
+/// What a queued payload can do now.
+pub(crate) enum Now {
+    /// Send it.
+    Send(Body),
+    /// Answer the FETCH with this error.
+    Fail(Failure),
+    /// Wait.
+    Wait(Payload),
+}
+
+impl Payload {
+    /// Starts reading shard `shard` of `d` for node session `session`; `progress` is
+    /// notified when it is done.
+    pub fn read(d: Arc<RemoteDataset>, session: u64, shard: u32, progress: Arc<Notify>) -> Self {
+        let slot: Slot = Arc::default();
+        let out = Arc::clone(&slot);
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let got = d.get(session, shard).await;
+            let outcome = match got {
+                Ok((body, served)) => {
+                    let how = match served {
+                        Served::Prefetched => "prefetched",
+                        Served::Cached => "cached",
+                        Served::Read => "read",
+                    };
+                    metrics::counter!("shardwire_source_remote_fetches_total", "served" => how)
+                        .increment(1);
+                    metrics::histogram!("shardwire_source_remote_fetch_wait_seconds")
+                        .record(started.elapsed().as_secs_f64());
+                    Ok(body)
+                }
+                Err(f) => Err(f),
+            };
+            *out.lock().expect("poisoned") = Some(outcome);
+            progress.notify_one();
+        });
+        Payload::Reading(slot)
+    }
+
+    /// Whether it can be sent, failed, or must wait.
+    pub fn now(self) -> Now {
+        match self {
+            Payload::Ready(b) => Now::Send(b),
+            Payload::Reading(slot) => {
+                let taken = slot.lock().expect("poisoned").take();
+                match taken {
+                    Some(Ok(b)) => Now::Send(b),
+                    Some(Err(f)) => Now::Fail(f),
+                    None => Now::Wait(Payload::Reading(slot)),
+                }
+            }
+        }
+    }
+
+    /// Whether it is ready or failed (without taking it).
+    pub fn settled(&self) -> bool {
+        match self {
+            Payload::Ready(_) => true,
+            Payload::Reading(slot) => slot.lock().expect("poisoned").is_some(),
+        }
+    }
+}

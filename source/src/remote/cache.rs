@@ -1,0 +1,351 @@
+//! The source's disk cache of verified shards (`cache_dir`, bounded by `cache_size`): one
+//! file per shard, served with `sendfile` like a local dataset's files. Space goes to what the
+//! nodes' hints say is needed soonest: a shard is admitted if it fits, or if entries needed
+//! later than it (or never, as far as the hints say) can make room, and those go; otherwise it
+//! passes through uncached. So an epoch larger than the cache keeps the same cached slice
+//! from epoch to epoch instead of churning (an LRU cache would re-download all of it).
+//!
+//! Entries are named by what they hold (shard, and a hash of its object key, ETag, range and
+//! CRC), so after a restart an entry is kept only if the manifest still names the same bytes
+//! and its size matches; the rest are deleted and named in the log. A kept entry is checked
+//! against its CRC the first time it is served again.
+//!
+//! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room,
+//! the caller writes [`Reservation::temp`], then [`DiskCache::commit`] (or `abort`).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Why the cache cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// The directory cannot be created or read.
+    #[error("cache_dir {dir}: {source}")]
+    Io {
+        /// The directory.
+        dir: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file system has less room than `cache_size` asks for.
+    #[error(
+        "cache_dir {dir} has {free} bytes free (plus {held} in cache entries), less than cache_size {size}: lower cache_size or free space"
+    )]
+    NoRoom {
+        /// The directory.
+        dir: PathBuf,
+        /// Bytes free on its file system.
+        free: u64,
+        /// Bytes its kept entries hold.
+        held: u64,
+        /// The configured size.
+        size: u64,
+    },
+    /// The cache cannot hold even the largest shard.
+    #[error(
+        "cache_size {size} is smaller than the largest shard ({shard} bytes, dataset `{dataset}`): raise cache_size or leave cache_dir unset"
+    )]
+    TooSmall {
+        /// The configured size.
+        size: u64,
+        /// The largest shard's length.
+        shard: u64,
+        /// Its dataset.
+        dataset: String,
+    },
+}
+
+/// The file name of shard `shard` whose bytes are `key` at `offset..offset+len` of the object
+/// with `etag`, with CRC-32C `crc32c`.
+pub fn entry_name(
+    shard: u32,
+    key: &str,
+    etag: &str,
+    (offset, len): (u64, u64),
+    crc32c: u32,
+) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: &[u8]| {
+        for x in b {
+            h = (h ^ u64::from(*x)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0000_0100_0000_01b3);
+    };
+    eat(key.as_bytes());
+    eat(etag.as_bytes());
+    eat(&offset.to_be_bytes());
+    eat(&len.to_be_bytes());
+    eat(&crc32c.to_be_bytes());
+    format!("{shard:08}-{h:016x}.shard")
+}
+
+#[derive(Debug)]
+struct Entry {
+    name: String,
+    len: u64,
+    /// Checked against its CRC since it was written or loaded.
+    verified: bool,
+}
+
+/// What [`DiskCache::open`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Loaded {
+    /// Entries kept (same bytes, same size).
+    pub kept: usize,
+    /// Bytes they hold.
+    pub kept_bytes: u64,
+    /// Files deleted (names the manifest no longer has, wrong sizes, partial writes).
+    pub removed: Vec<String>,
+}
+
+/// Room made for one shard; write [`Self::temp`], then commit or abort.
+#[derive(Debug)]
+pub struct Reservation {
+    /// The shard.
+    pub shard: u32,
+    /// Its entry's name.
+    pub name: String,
+    /// Its length.
+    pub len: u64,
+    /// Where to write it (renamed into place by [`DiskCache::commit`]).
+    pub temp: PathBuf,
+    /// Entries evicted to make room (already out of the index).
+    pub evicted: Vec<u32>,
+}
+
+/// A served entry: its open file and whether it was checked since it was loaded.
+#[derive(Debug)]
+pub struct Hit {
+    /// The entry's file.
+    pub file: File,
+    /// Its length.
+    pub len: u64,
+    /// False for an entry kept over a restart and not served since: check it first.
+    pub verified: bool,
+}
+
+/// One dataset's cache directory.
+#[derive(Debug)]
+pub struct DiskCache {
+    dir: PathBuf,
+    capacity: u64,
+    /// Bytes of entries plus reservations.
+    used: u64,
+    entries: HashMap<u32, Entry>,
+    reserved: HashMap<u32, u64>,
+}
+
+impl DiskCache {
+    /// Opens `dir` (created if missing) holding at most `capacity` bytes; keeps the files that
+    /// `expect(shard)` still names with their size, deletes the rest.
+    pub fn open(
+        dir: &Path,
+        capacity: u64,
+        expect: impl Fn(u32) -> Option<(String, u64)>,
+    ) -> Result<(DiskCache, Loaded), CacheError> {
+        let io = |source| CacheError::Io {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut cache = DiskCache {
+            dir: dir.to_path_buf(),
+            capacity,
+            used: 0,
+            entries: HashMap::new(),
+            reserved: HashMap::new(),
+        };
+        let mut loaded = Loaded::default();
+        for e in std::fs::read_dir(dir).map_err(io)? {
+            let e = e.map_err(io)?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let len = e.metadata().map_err(io)?.len();
+            let shard = name.get(..8).and_then(|s| s.parse::<u32>().ok());
+            let keep = shard.and_then(|s| expect(s).map(|want| (s, want)));
+            match keep {
+                Some((s, (want, want_len))) if want == name && want_len == len => {
+                    cache.used += len;
+                    cache.entries.insert(
+                        s,
+                        Entry {
+                            name,
+                            len,
+                            verified: false,
+                        },
+                    );
+                    loaded.kept += 1;
+                    loaded.kept_bytes += len;
+                }
+                _ => {
+                    std::fs::remove_file(e.path()).map_err(io)?;
+                    loaded.removed.push(name);
+                }
+            }
+        }
+        cache.check_room()?;
+        Ok((cache, loaded))
+    }
+
+    /// Refuses a capacity the file system cannot hold.
+    fn check_room(&self) -> Result<(), CacheError> {
+        let st = rustix::fs::statvfs(&self.dir).map_err(|e| CacheError::Io {
+            dir: self.dir.clone(),
+            source: e.into(),
+        })?;
+        let free = st.f_bavail.saturating_mul(st.f_frsize);
+        if free + self.used < self.capacity {
+            return Err(CacheError::NoRoom {
+                dir: self.dir.clone(),
+                free,
+                held: self.used,
+                size: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// The cached entry of `shard`, opened.
+    pub fn get(&self, shard: u32) -> Option<Hit> {
+        let e = self.entries.get(&shard)?;
+        let file = File::open(self.dir.join(&e.name)).ok()?;
+        Some(Hit {
+            file,
+            len: e.len,
+            verified: e.verified,
+        })
+    }
+
+    /// Whether `shard` is cached or being written.
+    pub fn holds(&self, shard: u32) -> bool {
+        self.entries.contains_key(&shard) || self.reserved.contains_key(&shard)
+    }
+
+    /// An entry was checked against its CRC.
+    pub fn verified(&mut self, shard: u32) {
+        if let Some(e) = self.entries.get_mut(&shard) {
+            e.verified = true;
+        }
+    }
+
+    /// Deletes `shard`'s entry (it failed its check).
+    pub fn remove(&mut self, shard: u32) {
+        if let Some(e) = self.entries.remove(&shard) {
+            self.used -= e.len;
+            let _ = std::fs::remove_file(self.dir.join(&e.name));
+        }
+    }
+
+    /// Makes room for `shard` (`len` bytes, entry `name`), needed next at `next_use(shard)`
+    /// (`None`: no hint names it): evicts, latest next use first, only entries needed later
+    /// than it. `None` when it should pass through uncached.
+    pub fn reserve(
+        &mut self,
+        shard: u32,
+        name: String,
+        len: u64,
+        next_use: impl Fn(u32) -> Option<usize>,
+    ) -> Option<Reservation> {
+        if self.holds(shard) || len > self.capacity {
+            return None;
+        }
+        let later = |a: Option<usize>, b: Option<usize>| match (a, b) {
+            (None, None) => false,
+            (None, Some(_)) => true,
+            (Some(_), None) => false,
+            (Some(x), Some(y)) => x > y,
+        };
+        let mine = next_use(shard);
+        let mut evicted = Vec::new();
+        if self.used + len > self.capacity {
+            let mut victims: Vec<(Option<usize>, u32, u64)> = self
+                .entries
+                .iter()
+                .map(|(&s, e)| (next_use(s), s, e.len))
+                .filter(|(u, _, _)| later(*u, mine))
+                .collect();
+            // Latest next use first (no hint = latest of all).
+            victims.sort_by(|a, b| match (a.0, b.0) {
+                (None, None) => a.1.cmp(&b.1),
+                (None, Some(_)) => std::cmp::Ordering::Less,
+                (Some(_), None) => std::cmp::Ordering::Greater,
+                (Some(x), Some(y)) => y.cmp(&x),
+            });
+            let mut freed = 0;
+            let need = self.used + len - self.capacity;
+            for (_, s, l) in &victims {
+                if freed >= need {
+                    break;
+                }
+                evicted.push(*s);
+                freed += l;
+            }
+            if freed < need {
+                return None;
+            }
+            for s in &evicted {
+                self.remove(*s);
+            }
+        }
+        self.used += len;
+        self.reserved.insert(shard, len);
+        Some(Reservation {
+            shard,
+            temp: self.dir.join(format!(".{name}.partial")),
+            name,
+            len,
+            evicted,
+        })
+    }
+
+    /// The reserved entry was written to its temp file: it becomes an entry (verified: its
+    /// bytes were checked before they were written).
+    pub fn commit(&mut self, r: Reservation) -> std::io::Result<()> {
+        self.reserved.remove(&r.shard);
+        if let Err(e) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
+            self.used -= r.len;
+            let _ = std::fs::remove_file(&r.temp);
+            return Err(e);
+        }
+        self.entries.insert(
+            r.shard,
+            Entry {
+                name: r.name,
+                len: r.len,
+                verified: true,
+            },
+        );
+        Ok(())
+    }
+
+    /// The reserved entry could not be written: its room is given back.
+    pub fn abort(&mut self, r: Reservation) {
+        self.reserved.remove(&r.shard);
+        self.used -= r.len;
+        let _ = std::fs::remove_file(&r.temp);
+    }
+
+    /// Bytes held (entries and reservations).
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// The configured size.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True with no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;

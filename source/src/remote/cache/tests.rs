@@ -1,0 +1,161 @@
+use std::collections::HashMap;
+
+use super::*;
+
+/// A fresh directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> TempDir {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("shardwire-cache-test-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    TempDir(d)
+}
+
+fn name(shard: u32) -> String {
+    entry_name(
+        shard,
+        "data/a.bin",
+        "\"etag-1\"",
+        (u64::from(shard) * 100, 100),
+        7,
+    )
+}
+
+/// Stores `shard` (100 bytes) if the cache admits it; returns the evicted shards.
+fn put(c: &mut DiskCache, shard: u32, uses: &HashMap<u32, usize>) -> Option<Vec<u32>> {
+    let r = c.reserve(shard, name(shard), 100, |s| uses.get(&s).copied())?;
+    std::fs::write(&r.temp, [shard as u8; 100]).unwrap();
+    let evicted = r.evicted.clone();
+    c.commit(r).unwrap();
+    Some(evicted)
+}
+
+#[test]
+fn entries_needed_later_go_first_and_the_unhinted_before_them() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 300, |_| None).unwrap();
+    let mut uses = HashMap::new();
+    for s in 0..3 {
+        assert_eq!(put(&mut c, s, &uses), Some(vec![]));
+    }
+    // 0 is needed soon, 1 later, 2 never (as far as the hints say).
+    uses.extend([(0, 1), (1, 50), (3, 10)]);
+    assert_eq!(
+        put(&mut c, 3, &uses),
+        Some(vec![2]),
+        "the unhinted entry goes first"
+    );
+    assert_eq!(
+        put(&mut c, 4, &uses),
+        None,
+        "unhinted: passes through, evicts nothing"
+    );
+    uses.insert(5, 5);
+    assert_eq!(
+        put(&mut c, 5, &uses),
+        Some(vec![1]),
+        "then the one needed latest"
+    );
+    assert!(c.holds(0) && c.holds(3) && c.holds(5) && !c.holds(1));
+    assert_eq!(c.used(), 300);
+    let hit = c.get(5).unwrap();
+    assert!(hit.verified);
+    assert_eq!(hit.len, 100);
+}
+
+#[test]
+fn a_shard_needed_later_than_everything_cached_passes_through() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 200, |_| None).unwrap();
+    let uses: HashMap<u32, usize> = [(0, 1), (1, 2), (2, 3)].into();
+    put(&mut c, 0, &uses).unwrap();
+    put(&mut c, 1, &uses).unwrap();
+    assert!(put(&mut c, 2, &uses).is_none());
+    assert!(c.holds(0) && c.holds(1));
+}
+
+#[test]
+fn with_no_hints_the_first_slice_stays_from_epoch_to_epoch() {
+    // The LRU failure mode: a dataset of 5 shards through a cache of 3, twice in a row.
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 300, |_| None).unwrap();
+    let none = HashMap::new();
+    let mut hits = 0;
+    for _epoch in 0..2 {
+        for s in 0..5 {
+            if c.get(s).is_some() {
+                hits += 1;
+            } else {
+                let _ = put(&mut c, s, &none);
+            }
+        }
+    }
+    assert_eq!(hits, 3, "the second epoch hits the three cached shards");
+}
+
+#[test]
+fn a_restart_keeps_entries_the_manifest_still_names() {
+    let dir = tempdir();
+    {
+        let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+        for s in 0..3 {
+            put(&mut c, s, &HashMap::new()).unwrap();
+        }
+    }
+    std::fs::write(dir.path().join(".00000009-x.shard.partial"), b"half").unwrap();
+    // Shard 1's object changed (another name); shard 2's file was truncated.
+    std::fs::write(dir.path().join(name(2)), b"short").unwrap();
+    let expect = |s: u32| match s {
+        1 => Some((
+            entry_name(1, "data/a.bin", "\"etag-2\"", (100, 100), 7),
+            100,
+        )),
+        s => Some((name(s), 100)),
+    };
+    let (c, loaded) = DiskCache::open(dir.path(), 1000, expect).unwrap();
+    assert_eq!(loaded.kept, 1);
+    assert_eq!(loaded.kept_bytes, 100);
+    assert_eq!(loaded.removed.len(), 3, "{:?}", loaded.removed);
+    let hit = c.get(0).unwrap();
+    assert!(!hit.verified, "a kept entry is checked on its first serve");
+    assert!(c.get(1).is_none() && c.get(2).is_none());
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn an_aborted_write_gives_its_room_back() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 100, |_| None).unwrap();
+    let r = c.reserve(0, name(0), 100, |_| None).unwrap();
+    assert!(c.holds(0));
+    assert!(
+        c.reserve(1, name(1), 100, |_| Some(0)).is_none(),
+        "no room while reserved"
+    );
+    c.abort(r);
+    assert_eq!(c.used(), 0);
+    assert!(!c.holds(0));
+    assert!(c.reserve(1, name(1), 100, |_| None).is_some());
+}
+
+#[test]
+fn a_cache_larger_than_the_disk_is_refused_at_open() {
+    let dir = tempdir();
+    let e = DiskCache::open(dir.path(), u64::MAX / 2, |_| None).unwrap_err();
+    assert!(matches!(e, CacheError::NoRoom { .. }), "{e}");
+    assert!(e.to_string().contains("lower cache_size"), "{e}");
+}

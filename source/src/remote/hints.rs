@@ -1,0 +1,156 @@
+//! What the nodes said they will fetch next (wire `Hint`), per stream: the order the source
+//! prefetches in, and each shard's next use, by which its cache evicts (what is needed
+//! furthest in the future goes first; what no hint names is needed "never" as far as the
+//! source knows).
+
+use std::collections::HashMap;
+
+/// A hint's owner: (node session, the node's stream id).
+pub type StreamKey = (u64, u64);
+
+/// The standing hints of one dataset.
+#[derive(Debug, Default)]
+pub struct Hints {
+    lists: HashMap<StreamKey, Vec<u32>>,
+    /// Each hinted shard's smallest position, kept in step with `lists`.
+    rank: HashMap<u32, usize>,
+}
+
+impl Hints {
+    /// Replaces `key`'s hint (an empty list withdraws it).
+    pub fn set(&mut self, key: StreamKey, shards: Vec<u32>) {
+        if shards.is_empty() {
+            self.lists.remove(&key);
+        } else {
+            self.lists.insert(key, shards);
+        }
+        self.rerank();
+    }
+
+    fn rerank(&mut self) {
+        self.rank.clear();
+        for l in self.lists.values() {
+            for (i, &s) in l.iter().enumerate() {
+                let r = self.rank.entry(s).or_insert(i);
+                *r = (*r).min(i);
+            }
+        }
+    }
+
+    /// Drops every hint of node session `session` (it ended).
+    pub fn forget_session(&mut self, session: u64) {
+        self.lists.retain(|(s, _), _| *s != session);
+        self.rerank();
+    }
+
+    /// A FETCH of `shard` came for stream `key`: the hint's entries up to and including it
+    /// are used up (the stream is past them).
+    pub fn consumed(&mut self, key: StreamKey, shard: u32) {
+        if let Some(list) = self.lists.get_mut(&key)
+            && let Some(at) = list.iter().position(|&s| s == shard)
+        {
+            list.drain(..=at);
+            self.rerank();
+        }
+    }
+
+    /// A FETCH of `shard` came from node session `session`: its streams' hints are used up to
+    /// and including it (a FETCH does not name its stream).
+    pub fn consumed_by_session(&mut self, session: u64, shard: u32) {
+        let mut changed = false;
+        for ((s, _), list) in self.lists.iter_mut() {
+            if *s == session
+                && let Some(at) = list.iter().position(|&x| x == shard)
+            {
+                list.drain(..=at);
+                changed = true;
+            }
+        }
+        if changed {
+            self.lists.retain(|_, l| !l.is_empty());
+            self.rerank();
+        }
+    }
+
+    /// Streams with a standing hint.
+    pub fn streams(&self) -> usize {
+        self.lists.len()
+    }
+
+    /// How soon `shard` is needed: its smallest position in any hint (0 = next), `None`
+    /// when no hint names it.
+    pub fn next_use(&self, shard: u32) -> Option<usize> {
+        self.rank.get(&shard).copied()
+    }
+
+    /// Every hinted shard once, soonest first: position 0 of each hint, then position 1, ...
+    /// (ties in stream order, so one stream does not starve another).
+    pub fn order(&self) -> Vec<u32> {
+        let mut keys: Vec<&StreamKey> = self.lists.keys().collect();
+        keys.sort();
+        let longest = self.lists.values().map(Vec::len).max().unwrap_or(0);
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for i in 0..longest {
+            for k in &keys {
+                if let Some(&s) = self.lists[*k].get(i)
+                    && seen.insert(s)
+                {
+                    out.push(s);
+                }
+            }
+        }
+        out
+    }
+
+    /// True when no hint stands.
+    pub fn is_empty(&self) -> bool {
+        self.lists.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_use_is_the_soonest_position_over_all_streams() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![5, 6, 7]);
+        h.set((1, 2), vec![7, 8]);
+        assert_eq!(h.next_use(5), Some(0));
+        assert_eq!(h.next_use(7), Some(0));
+        assert_eq!(h.next_use(6), Some(1));
+        assert_eq!(h.next_use(9), None);
+        assert_eq!(h.order(), vec![5, 7, 6, 8]);
+    }
+
+    #[test]
+    fn a_new_hint_replaces_the_old_and_an_empty_one_withdraws_it() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![1, 2]);
+        h.set((1, 1), vec![3]);
+        assert_eq!(h.next_use(1), None);
+        assert_eq!(h.order(), vec![3]);
+        h.set((1, 1), vec![]);
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn fetches_use_up_the_hint_and_sessions_are_forgotten_whole() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![1, 2, 3]);
+        h.set((2, 1), vec![9]);
+        h.consumed((1, 1), 2);
+        assert_eq!(h.order(), vec![3, 9]);
+        h.consumed((1, 1), 42); // not hinted: nothing changes
+        assert_eq!(h.next_use(3), Some(0));
+        h.forget_session(1);
+        assert_eq!(h.order(), vec![9]);
+        h.set((3, 1), vec![4, 5]);
+        h.set((3, 2), vec![5, 6]);
+        h.consumed_by_session(3, 5);
+        assert_eq!(h.order(), vec![9, 6]);
+        assert_eq!(h.streams(), 2);
+    }
+}

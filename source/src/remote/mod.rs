@@ -1,0 +1,369 @@
+//! Datasets whose files are objects in object storage (`--dataset NAME=s3://bucket/prefix`).
+//!
+//! A [`RemoteDataset`] answers a FETCH with the shard's verified bytes: from the memory of a
+//! prefetch, from its disk cache (served with `sendfile` like a local file), or by reading it
+//! now ([`read`]). The nodes' hints ([`hints`]) say what comes next: a prefetch task reads
+//! those shards ahead, in hint order, within a memory budget and the bucket's window, and the
+//! cache ([`cache`]) keeps what is needed soonest. Only bytes whose CRC-32C matched the
+//! manifest are kept, cached or sent.
+
+pub mod cache;
+pub mod hints;
+mod open;
+mod prefetch;
+pub mod read;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use shardwire_protocol::Manifest;
+use shardwire_store::{Store, StoreUrl};
+use tokio::sync::{Notify, watch};
+
+use self::cache::DiskCache;
+use self::hints::Hints;
+pub use self::open::{OpenError, RemoteOptions};
+use self::read::{Failure, Object, Want, read_shards};
+use crate::sender::Body;
+
+/// The outcome of one load, for whoever waits on it.
+type Outcome = Option<Result<(), Failure>>;
+
+/// A read registered by [`RemoteDataset::begin`], run by [`RemoteDataset::load`].
+struct Reading {
+    wants: Vec<Want>,
+    senders: Vec<watch::Sender<Outcome>>,
+    bytes: u64,
+    prefetch: bool,
+}
+
+/// What a dataset holds outside the store, under one lock.
+#[derive(Default)]
+struct State {
+    hints: Hints,
+    /// Verified shards in memory (prefetched, or not admitted to the cache), not yet sent.
+    ready: HashMap<u32, Vec<Bytes>>,
+    ready_bytes: u64,
+    /// Shards being read, with where their outcome goes.
+    loading: HashMap<u32, watch::Receiver<Outcome>>,
+    /// Bytes the prefetch task is reading.
+    prefetching: u64,
+}
+
+/// One dataset served from object storage.
+pub struct RemoteDataset {
+    name: String,
+    store: Store,
+    objects: Vec<Object>,
+    /// Per shard: (object index, range, CRC-32C).
+    shards: Vec<Want>,
+    cache: Option<Mutex<DiskCache>>,
+    state: Mutex<State>,
+    /// Bytes prefetched shards may hold in memory.
+    budget: u64,
+    /// Wakes the prefetch task (a hint changed, a read ended, a shard was sent).
+    wake: Notify,
+}
+
+/// How a FETCH was answered (for counters and the log).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// From a prefetch, in memory.
+    Prefetched,
+    /// From the disk cache.
+    Cached,
+    /// Read from the store for this FETCH (or while another FETCH was reading it).
+    Read,
+}
+
+impl RemoteDataset {
+    /// Opens dataset `name` at `url`: reads its manifest, checks its objects, opens its cache;
+    /// returns it with the manifest and the manifest file's bytes.
+    pub async fn open(
+        name: &str,
+        url: &StoreUrl,
+        opts: &RemoteOptions,
+    ) -> Result<(Arc<Self>, Manifest, Vec<u8>), OpenError> {
+        let o = open::open(name, url, opts).await?;
+        let budget = 2 * opts.request_size * opts.max_inflight as u64;
+        tracing::info!(dataset = %name, %url, shards = o.shards.len(), objects = o.objects.len(),
+            bytes = o.manifest.total_bytes, cache = ?opts.cache_dir, memory_budget = budget,
+            "serving dataset from object storage");
+        let d = Arc::new(RemoteDataset {
+            name: name.into(),
+            store: o.store,
+            objects: o.objects,
+            shards: o.shards,
+            cache: o.cache.map(Mutex::new),
+            state: Mutex::new(State::default()),
+            budget,
+            wake: Notify::new(),
+        });
+        Ok((d, o.manifest, o.json))
+    }
+
+    /// The dataset's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Replaces stream `(session, stream)`'s hint; wakes the prefetch task.
+    pub fn hint(&self, session: u64, stream: u64, shards: Vec<u32>) {
+        let n = self.shards.len() as u32;
+        let shards: Vec<u32> = shards.into_iter().filter(|&s| s < n).collect();
+        self.state().hints.set((session, stream), shards);
+        self.wake.notify_one();
+    }
+
+    /// Node session `session` ended: its hints go.
+    pub fn forget_session(&self, session: u64) {
+        self.state().hints.forget_session(session);
+        self.wake.notify_one();
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("poisoned")
+    }
+
+    /// The verified bytes of `shard` (in range: the session checked it), asked for by node
+    /// session `session`.
+    pub(crate) async fn get(
+        self: &Arc<Self>,
+        session: u64,
+        shard: u32,
+    ) -> Result<(Body, Served), Failure> {
+        self.state().hints.consumed_by_session(session, shard);
+        let mut waited = false;
+        loop {
+            if let Some(parts) = self.take_ready(shard) {
+                let how = if waited {
+                    Served::Read
+                } else {
+                    Served::Prefetched
+                };
+                return Ok((Body::Memory(parts), how));
+            }
+            if let Some(body) = self.cached(shard).await {
+                let how = if waited { Served::Read } else { Served::Cached };
+                return Ok((body, how));
+            }
+            if waited {
+                // Read, then taken by another FETCH of the same shard, or not admitted and
+                // evicted: read it again.
+                tracing::debug!(dataset = %self.name, shard, "the shard went before this FETCH took it");
+            }
+            let rx = self.loading(shard);
+            waited = true;
+            match rx {
+                Some(rx) => wait(rx).await?,
+                None => {
+                    let reading = self.begin(vec![shard], false);
+                    self.load(reading).await?
+                }
+            }
+        }
+    }
+
+    /// A prefetched shard, taken out of memory.
+    fn take_ready(&self, shard: u32) -> Option<Vec<Bytes>> {
+        let mut st = self.state();
+        let parts = st.ready.remove(&shard)?;
+        st.ready_bytes -= parts.iter().map(|p| p.len() as u64).sum::<u64>();
+        drop(st);
+        self.wake.notify_one();
+        Some(parts)
+    }
+
+    /// Where shard `shard` is being read, if it is.
+    fn loading(&self, shard: u32) -> Option<watch::Receiver<Outcome>> {
+        self.state().loading.get(&shard).cloned()
+    }
+
+    /// The cached entry of `shard` as a payload; an entry kept over a restart is checked
+    /// against its CRC first (and deleted if it fails).
+    async fn cached(&self, shard: u32) -> Option<Body> {
+        let cache = self.cache.as_ref()?;
+        let hit = cache.lock().expect("poisoned").get(shard)?;
+        if !hit.verified {
+            let want = self.shards[shard as usize].crc32c;
+            let file = hit.file.try_clone().ok()?;
+            let ok = tokio::task::spawn_blocking(move || file_crc(&file) == Some(want))
+                .await
+                .unwrap_or(false);
+            let mut c = cache.lock().expect("poisoned");
+            if !ok {
+                tracing::warn!(dataset = %self.name, shard, "a cache entry kept over a restart failed its CRC check; deleted, reading the shard again");
+                c.remove(shard);
+                return None;
+            }
+            c.verified(shard);
+        }
+        Some(Body::File {
+            file: Arc::new(hit.file),
+            offset: 0,
+        })
+    }
+
+    /// Registers a read of `shards` (so nobody starts another), before it runs.
+    fn begin(&self, shards: Vec<u32>, prefetch: bool) -> Reading {
+        let wants: Vec<Want> = shards
+            .iter()
+            .map(|&s| self.shards[s as usize].clone())
+            .collect();
+        let bytes: u64 = wants.iter().map(|w| w.range.end - w.range.start).sum();
+        let mut senders = Vec::with_capacity(shards.len());
+        let mut st = self.state();
+        for &s in &shards {
+            let (tx, rx) = watch::channel(None);
+            st.loading.insert(s, rx);
+            senders.push(tx);
+        }
+        if prefetch {
+            st.prefetching += bytes;
+        }
+        Reading {
+            wants,
+            senders,
+            bytes,
+            prefetch,
+        }
+    }
+
+    /// Runs a registered read (adjacent shards merged) and places each verified shard in the
+    /// cache or in memory; the first shard's outcome is returned, every shard's goes to its
+    /// waiters.
+    async fn load(self: &Arc<Self>, r: Reading) -> Result<(), Failure> {
+        let Reading {
+            wants,
+            senders,
+            bytes,
+            prefetch,
+        } = r;
+        let reads = read_shards(&self.store, &self.objects, &wants).await;
+        let mut first = None;
+        for ((shard, got), tx) in reads.into_iter().zip(senders) {
+            let outcome = match got {
+                Ok(parts) => {
+                    metrics::counter!("shardwire_source_store_shard_bytes_total")
+                        .increment(parts.iter().map(|p| p.len() as u64).sum());
+                    self.place(shard, parts).await;
+                    Ok(())
+                }
+                Err(f) => {
+                    tracing::warn!(dataset = %self.name, shard, code = ?f.code, failure = %f.message, prefetch, "reading a shard from the store failed");
+                    Err(f)
+                }
+            };
+            self.state().loading.remove(&shard);
+            first.get_or_insert_with(|| outcome.clone());
+            let _ = tx.send(Some(outcome));
+        }
+        if prefetch {
+            self.state().prefetching -= bytes;
+        }
+        self.wake.notify_one();
+        first.expect("at least one shard")
+    }
+
+    /// Stores a verified shard: in the cache if it admits it, else in memory.
+    async fn place(&self, shard: u32, parts: Vec<Bytes>) {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if let Some(cache) = &self.cache {
+            let w = &self.shards[shard as usize];
+            let o = &self.objects[w.object];
+            let name = cache::entry_name(shard, &o.key, &o.etag, (w.range.start, len), w.crc32c);
+            let reserved = {
+                let st = self.state();
+                let mut c = cache.lock().expect("poisoned");
+                c.reserve(shard, name, len, |s| st.hints.next_use(s))
+            };
+            if let Some(r) = reserved {
+                metrics::counter!("shardwire_source_cache_evictions_total")
+                    .increment(r.evicted.len() as u64);
+                let (temp, write) = (r.temp.clone(), parts.clone());
+                let wrote = tokio::task::spawn_blocking(move || write_parts(&temp, &write)).await;
+                let mut c = cache.lock().expect("poisoned");
+                match wrote {
+                    Ok(Ok(())) => match c.commit(r) {
+                        Ok(()) => {
+                            metrics::gauge!("shardwire_source_cache_bytes").set(c.used() as f64);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!(dataset = %self.name, shard, error = %e, "cache entry not kept")
+                        }
+                    },
+                    failed => {
+                        let e = failed.map_or_else(|j| j.to_string(), |r| format!("{:?}", r.err()));
+                        tracing::warn!(dataset = %self.name, shard, error = %e, "writing a cache entry failed; served from memory");
+                        c.abort(r);
+                    }
+                }
+            }
+        }
+        let mut st = self.state();
+        st.ready_bytes += len;
+        st.ready.insert(shard, parts);
+    }
+
+    /// Status for the source's admin endpoint.
+    pub fn status(&self) -> serde_json::Value {
+        let st = self.state();
+        let w = self.store.window();
+        let cache = self.cache.as_ref().map(|c| {
+            let c = c.lock().expect("poisoned");
+            serde_json::json!({"entries": c.len(), "bytes": c.used(), "capacity": c.capacity()})
+        });
+        serde_json::json!({
+            "url": self.store.url().to_string(),
+            "store": self.store.described().to_string(),
+            "objects": self.objects.len(),
+            "shards": self.shards.len(),
+            "hinted_streams": st.hints.streams(),
+            "prefetched_bytes": st.ready_bytes,
+            "reading_shards": st.loading.len(),
+            "window": format!("{w:?}"),
+            "cache": cache,
+        })
+    }
+}
+
+/// Waits for a load's outcome.
+async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
+    match rx.wait_for(Option::is_some).await {
+        Ok(v) => v.clone().expect("is some"),
+        // The reader went away without an outcome (cancelled at shutdown): read again.
+        Err(_) => Ok(()),
+    }
+}
+
+/// CRC-32C of a whole file, `None` if it cannot be read.
+fn file_crc(file: &std::fs::File) -> Option<u32> {
+    use std::io::Read;
+    let mut crc = shardwire_protocol::crc::Crc32c::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut r = file;
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) => return Some(crc.finish()),
+            Ok(n) => crc.update(&buf[..n]),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Writes `parts` to a new file at `path`.
+fn write_parts(path: &std::path::Path, parts: &[Bytes]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    for p in parts {
+        f.write_all(p)?;
+    }
+    f.sync_data()
+}

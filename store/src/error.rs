@@ -1,0 +1,341 @@
+//! [`StoreError`]: why an object-storage request failed, by cause, each naming the bucket and
+//! key (and the byte range where one applies); [`StoreErrorKind`] is its `Copy` tag, which
+//! callers map to wire error codes without looking at text.
+//!
+//! object_store reports most HTTP failures as `Error::Generic` with a private source, so the
+//! cause comes from the last attempt the HTTP tap saw ([`Attempt`]: status, `Retry-After`,
+//! transport failure) together with the error's variant ([`classify`]).
+
+use std::ops::Range;
+use std::time::Duration;
+
+/// What went wrong, as a tag (see [`StoreError::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StoreErrorKind {
+    /// The dataset URL is not valid.
+    Url,
+    /// The store could not be set up (configuration, credentials missing, read-only).
+    Config,
+    /// 503/429 SlowDown after the retry budget.
+    Throttled,
+    /// 5xx, timeouts, connection errors after retries, or an unexpected answer.
+    Unavailable,
+    /// 401/403: credentials refused.
+    Credentials,
+    /// 404: no such object (or bucket): a stale manifest or a wrong prefix.
+    NotFound,
+    /// 412 on `If-Match`: the object changed since it was indexed.
+    Changed,
+    /// The body was shorter or longer than the range asked for.
+    Short,
+    /// The caller's sink refused the bytes (a local write failed).
+    Sink,
+}
+
+/// Why an object-storage operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The dataset URL is not valid.
+    #[error("{url}: {reason}")]
+    Url {
+        /// The URL as given.
+        url: String,
+        /// What is wrong and what to write instead.
+        reason: String,
+    },
+    /// The store could not be set up or does not allow the operation.
+    #[error("{url}: {reason}")]
+    Config {
+        /// The dataset URL.
+        url: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// The store kept answering 503/429 (SlowDown) after the retry budget.
+    #[error(
+        "bucket {bucket}, key {key}{}: throttled by the store (503/429 SlowDown) after retries{}; \
+         lower object_store_max_inflight or try again later",
+        at(range),
+        after(retry_after)
+    )]
+    Throttled {
+        /// Bucket.
+        bucket: String,
+        /// Full key (or the prefix, for a listing).
+        key: String,
+        /// Byte range asked for.
+        range: Option<Range<u64>>,
+        /// The store's `Retry-After`, when it sent one.
+        retry_after: Option<Duration>,
+    },
+    /// 5xx, timeouts or connection errors after retries.
+    #[error(
+        "bucket {bucket}, key {key}{}: storage unavailable: {reason}",
+        at(range)
+    )]
+    Unavailable {
+        /// Bucket.
+        bucket: String,
+        /// Full key (or the prefix, for a listing).
+        key: String,
+        /// Byte range asked for.
+        range: Option<Range<u64>>,
+        /// What happened (status and the store's message, or the transport error).
+        reason: String,
+    },
+    /// 401/403.
+    #[error(
+        "bucket {bucket}, key {key}: credentials refused: {reason} (the startup log names the \
+         credential source; check the AWS_*/GOOGLE_*/AZURE_* environment)"
+    )]
+    Credentials {
+        /// Bucket.
+        bucket: String,
+        /// Full key (or the prefix, for a listing).
+        key: String,
+        /// The store's answer.
+        reason: String,
+    },
+    /// 404.
+    #[error(
+        "bucket {bucket}, key {key}: not found (no such bucket or object): a wrong prefix, or a \
+         stale manifest (re-run `shardwire index`)"
+    )]
+    NotFound {
+        /// Bucket.
+        bucket: String,
+        /// Full key.
+        key: String,
+    },
+    /// 412 on `If-Match`.
+    #[error(
+        "bucket {bucket}, key {key}: dataset changed: the object's ETag is no longer {etag}; \
+         re-run `shardwire index`"
+    )]
+    Changed {
+        /// Bucket.
+        bucket: String,
+        /// Full key.
+        key: String,
+        /// The ETag the manifest recorded (sent as `If-Match`).
+        etag: String,
+    },
+    /// The body did not have the length of the range asked for.
+    #[error(
+        "bucket {bucket}, key {key}{}: the store sent {got} bytes for a range of {} bytes",
+        at(&Some(range.clone())), range.end - range.start
+    )]
+    Short {
+        /// Bucket.
+        bucket: String,
+        /// Full key.
+        key: String,
+        /// Byte range asked for.
+        range: Range<u64>,
+        /// Bytes received (counting up to the first byte too many).
+        got: u64,
+    },
+    /// The sink given to `read_to` failed.
+    #[error("bucket {bucket}, key {key}{}: writing the fetched bytes failed: {source}", at(&Some(range.clone())))]
+    Sink {
+        /// Bucket.
+        bucket: String,
+        /// Full key.
+        key: String,
+        /// Byte range being read.
+        range: Range<u64>,
+        /// The sink's error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn at(range: &Option<Range<u64>>) -> String {
+    range
+        .as_ref()
+        .map(|r| format!(", bytes {}..{}", r.start, r.end))
+        .unwrap_or_default()
+}
+
+fn after(d: &Option<Duration>) -> String {
+    d.map(|d| format!(" (Retry-After {:.1} s)", d.as_secs_f64()))
+        .unwrap_or_default()
+}
+
+impl StoreError {
+    /// The cause, as a tag.
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            Self::Url { .. } => StoreErrorKind::Url,
+            Self::Config { .. } => StoreErrorKind::Config,
+            Self::Throttled { .. } => StoreErrorKind::Throttled,
+            Self::Unavailable { .. } => StoreErrorKind::Unavailable,
+            Self::Credentials { .. } => StoreErrorKind::Credentials,
+            Self::NotFound { .. } => StoreErrorKind::NotFound,
+            Self::Changed { .. } => StoreErrorKind::Changed,
+            Self::Short { .. } => StoreErrorKind::Short,
+            Self::Sink { .. } => StoreErrorKind::Sink,
+        }
+    }
+
+    /// The store's `Retry-After` of a [`StoreError::Throttled`].
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Throttled { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// What the HTTP tap saw of one attempt.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Attempt {
+    /// The response status, when a response came.
+    pub status: Option<u16>,
+    /// The parsed `Retry-After`.
+    pub retry_after: Option<Duration>,
+}
+
+/// Where a request went: for the error's fields.
+#[derive(Clone, Debug)]
+pub(crate) struct At<'a> {
+    pub bucket: &'a str,
+    pub key: &'a str,
+    pub range: Option<Range<u64>>,
+    pub etag: Option<&'a str>,
+}
+
+/// The [`StoreError`] for object_store's `e`, given the last attempt the tap saw.
+pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_>) -> StoreError {
+    use object_store::Error as E;
+    let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
+    let status = last.and_then(|a| a.status);
+    match (&e, status) {
+        (E::NotFound { .. }, _) | (E::Generic { .. }, Some(404)) => {
+            StoreError::NotFound { bucket, key }
+        }
+        (E::Precondition { .. }, _) | (E::Generic { .. }, Some(412)) => StoreError::Changed {
+            bucket,
+            key,
+            etag: at.etag.unwrap_or("").to_owned(),
+        },
+        (E::PermissionDenied { .. } | E::Unauthenticated { .. }, _)
+        | (E::Generic { .. }, Some(401 | 403)) => StoreError::Credentials {
+            bucket,
+            key,
+            reason: short(&e),
+        },
+        (_, Some(429 | 503)) => StoreError::Throttled {
+            bucket,
+            key,
+            range: at.range,
+            retry_after: last.and_then(|a| a.retry_after),
+        },
+        (E::NotSupported { .. } | E::NotImplemented { .. }, _) => StoreError::Unavailable {
+            bucket,
+            key,
+            range: at.range,
+            reason: format!("not supported by this store: {}", short(&e)),
+        },
+        _ => StoreError::Unavailable {
+            bucket,
+            key,
+            range: at.range,
+            reason: short(&e),
+        },
+    }
+}
+
+/// The error's message, at most 600 characters (S3 error bodies can be long).
+fn short(e: &object_store::Error) -> String {
+    let s = e.to_string();
+    match s.char_indices().nth(600) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at() -> At<'static> {
+        At {
+            bucket: "bkt",
+            key: "p/a.bin",
+            range: Some(0..8),
+            etag: Some("\"e1\""),
+        }
+    }
+
+    fn generic() -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: "Server returned non-2xx status code".into(),
+        }
+    }
+
+    fn with(status: u16, retry_after: Option<Duration>) -> Attempt {
+        Attempt {
+            status: Some(status),
+            retry_after,
+        }
+    }
+
+    #[test]
+    fn variants_and_statuses_map_to_kinds() {
+        let nf = object_store::Error::NotFound {
+            path: "p/a.bin".into(),
+            source: "404".into(),
+        };
+        let e = classify(nf, None, at());
+        assert_eq!(e.kind(), StoreErrorKind::NotFound);
+        assert!(e.to_string().contains("bucket bkt, key p/a.bin"), "{e}");
+        let pre = object_store::Error::Precondition {
+            path: "p/a.bin".into(),
+            source: "412".into(),
+        };
+        let e = classify(pre, Some(&with(412, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Changed);
+        assert!(e.to_string().contains("no longer \"e1\""), "{e}");
+        let denied = object_store::Error::PermissionDenied {
+            path: "p/a.bin".into(),
+            source: "SignatureDoesNotMatch".into(),
+        };
+        let e = classify(denied, Some(&with(403, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Credentials);
+        assert!(e.to_string().contains("SignatureDoesNotMatch"), "{e}");
+        let e = classify(generic(), Some(&with(401, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Credentials);
+        let e = classify(generic(), Some(&with(500, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+        assert!(e.to_string().contains("bytes 0..8"), "{e}");
+        let e = classify(generic(), None, at());
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn throttling_keeps_the_retry_after() {
+        let wait = Some(Duration::from_millis(2500));
+        for status in [503, 429] {
+            let e = classify(generic(), Some(&with(status, wait)), at());
+            assert_eq!(e.kind(), StoreErrorKind::Throttled);
+            assert_eq!(e.retry_after(), wait);
+            let msg = e.to_string();
+            assert!(
+                msg.contains("Retry-After 2.5 s") && msg.contains("bytes 0..8"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn long_messages_are_cut() {
+        let e = object_store::Error::Generic {
+            store: "S3",
+            source: "x".repeat(5000).into(),
+        };
+        let msg = classify(e, None, at()).to_string();
+        assert!(msg.len() < 800 && msg.ends_with("..."), "{}", msg.len());
+    }
+}

@@ -1,0 +1,408 @@
+//! [`Store`]: one dataset location's object store. Every request waits for a slot in the
+//! bucket's adaptive window, runs under the HTTP tap's [`Call`] (so throttles reach the
+//! window and failures get their cause), is timed, and fails with a [`StoreError`] naming the
+//! bucket, key and range. Ranged reads are exactly one GET each (`If-Match` when an ETag is
+//! given) and never hold more than the range asked for: a body that runs longer is refused
+//! at the first extra byte.
+
+use std::ops::Range;
+use std::path::Path as FsPath;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::{Stream, StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
+
+use crate::backend::{self, Described};
+use crate::error::{At, StoreError, classify};
+use crate::metrics as m;
+use crate::options::StoreOptions;
+use crate::tap::Call;
+use crate::url::StoreUrl;
+use crate::window::{self, Permit, Window, WindowStatus};
+
+/// An object under the prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectMeta {
+    /// Key relative to the prefix, `/`-separated.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// ETag as the store reports it (S3: with its double quotes).
+    pub etag: Option<String>,
+}
+
+/// Smallest part of a multipart upload S3 accepts.
+const MIN_PART: u64 = 5 << 20;
+/// Parts of one `put_file` in flight at once.
+const PUT_PARTS_IN_FLIGHT: usize = 2;
+
+/// A dataset location's object store (cheap to clone; clones share everything).
+#[derive(Clone, Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    os: Arc<dyn ObjectStore>,
+    url: StoreUrl,
+    opts: StoreOptions,
+    described: Described,
+    window: Arc<Window>,
+}
+
+impl Store {
+    /// Opens `url` with credentials and endpoint from the environment and logs (at info) the
+    /// credential source, endpoint, region and addressing style, never a secret.
+    pub fn open(url: &StoreUrl, opts: StoreOptions) -> Result<Store, StoreError> {
+        let (os, described) = backend::build(url, &opts)?;
+        tracing::info!(url = %url, "object store: {described}");
+        Ok(Self::with_object_store(url, opts, os, described))
+    }
+
+    /// A store over a given object_store client (tests: `InMemory`).
+    pub fn with_object_store(
+        url: &StoreUrl,
+        opts: StoreOptions,
+        os: Arc<dyn ObjectStore>,
+        described: Described,
+    ) -> Store {
+        let bucket = format!("{}://{}", url.scheme().as_str(), url.bucket());
+        let window = window::for_bucket(&bucket, opts.max_inflight);
+        Store {
+            inner: Arc::new(Inner {
+                os,
+                url: url.clone(),
+                opts,
+                described,
+                window,
+            }),
+        }
+    }
+
+    /// The dataset location.
+    pub fn url(&self) -> &StoreUrl {
+        &self.inner.url
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &StoreOptions {
+        &self.inner.opts
+    }
+
+    /// The backend, credential source, endpoint and region (as logged at open).
+    pub fn described(&self) -> &Described {
+        &self.inner.described
+    }
+
+    /// The bucket's window: current limit, in flight, throttles seen.
+    pub fn window(&self) -> WindowStatus {
+        self.inner.window.status()
+    }
+
+    /// The object path of `key` (relative to the prefix).
+    fn path(&self, key: &str) -> Result<(String, Path), StoreError> {
+        let full = self.inner.url.key(key);
+        let path = Path::parse(&full).map_err(|e| StoreError::Config {
+            url: self.inner.url.to_string(),
+            reason: format!("key {full:?} is not a valid object path: {e}"),
+        })?;
+        Ok((full, path))
+    }
+
+    async fn begin(&self, op: &'static str) -> (Permit, Arc<Call>) {
+        let permit = self.inner.window.acquire().await;
+        let call = Call::new(op, Arc::clone(&self.inner.window), permit.epoch());
+        (permit, call)
+    }
+
+    fn at<'a>(&'a self, key: &'a str, range: Option<Range<u64>>, etag: Option<&'a str>) -> At<'a> {
+        At {
+            bucket: self.inner.url.bucket(),
+            key,
+            range,
+            etag,
+        }
+    }
+
+    /// Every object under the prefix, keys relative to it, in the store's order.
+    pub async fn list(&self) -> Result<Vec<ObjectMeta>, StoreError> {
+        let prefix = self.inner.url.prefix();
+        let (_, path) = self.path("")?;
+        let (mut permit, call) = self.begin("list").await;
+        let t0 = Instant::now();
+        let base = (!prefix.is_empty()).then_some(&path);
+        let listed: Result<Vec<_>, _> = call.run(self.inner.os.list(base).try_collect()).await;
+        let listed =
+            listed.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?;
+        metrics::histogram!(m::REQUEST_SECONDS, "op" => "list").record(t0.elapsed().as_secs_f64());
+        permit.succeeded();
+        let strip = if prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{prefix}/")
+        };
+        Ok(listed
+            .into_iter()
+            .filter_map(|o| {
+                let key = o.location.as_ref().strip_prefix(strip.as_str())?.to_owned();
+                Some(ObjectMeta {
+                    key,
+                    size: o.size,
+                    etag: o.e_tag,
+                })
+            })
+            .collect())
+    }
+
+    /// Size and ETag of `key`.
+    pub async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        let (full, path) = self.path(key)?;
+        let (mut permit, call) = self.begin("head").await;
+        let t0 = Instant::now();
+        let meta = call.run(self.inner.os.head(&path)).await;
+        let meta =
+            meta.map_err(|e| classify(e, call.last().as_ref(), self.at(&full, None, None)))?;
+        metrics::histogram!(m::REQUEST_SECONDS, "op" => "head").record(t0.elapsed().as_secs_f64());
+        permit.succeeded();
+        Ok(ObjectMeta {
+            key: key.to_owned(),
+            size: meta.size,
+            etag: meta.e_tag,
+        })
+    }
+
+    /// `range` of `key`: one ranged GET (`If-Match: etag` when given), after a slot in the
+    /// bucket's window. An empty range costs no request.
+    pub async fn read(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        etag: Option<&str>,
+    ) -> Result<Bytes, StoreError> {
+        let want = range.end.saturating_sub(range.start);
+        let mut parts: Vec<Bytes> = Vec::new();
+        self.fetch(key, Want::Range(range), etag, |b| {
+            parts.push(b);
+            Ok(())
+        })
+        .await?;
+        Ok(join(parts, want))
+    }
+
+    /// The same GET as [`Store::read`], each chunk handed to `sink` as it arrives; returns
+    /// the bytes read. An error from `sink` ends the request as [`StoreError::Sink`].
+    pub async fn read_to<F: FnMut(&[u8]) -> std::io::Result<()>>(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        etag: Option<&str>,
+        mut sink: F,
+    ) -> Result<u64, StoreError> {
+        let r = range.clone();
+        let bucket = self.inner.url.bucket();
+        let full = self.inner.url.key(key);
+        self.fetch(key, Want::Range(range), etag, |b| {
+            sink(&b).map_err(|source| StoreError::Sink {
+                bucket: bucket.to_owned(),
+                key: full.clone(),
+                range: r.clone(),
+                source,
+            })
+        })
+        .await
+    }
+
+    /// The last `n` bytes of `key` (all of it when shorter): one suffix GET, for footers.
+    pub async fn read_suffix(
+        &self,
+        key: &str,
+        n: u64,
+        etag: Option<&str>,
+    ) -> Result<Bytes, StoreError> {
+        let mut parts: Vec<Bytes> = Vec::new();
+        let got = self
+            .fetch(key, Want::Suffix(n), etag, |b| {
+                parts.push(b);
+                Ok(())
+            })
+            .await?;
+        Ok(join(parts, got))
+    }
+
+    /// `ranges` of `key` read with up to `parallel` GETs in flight (and the window's limit),
+    /// yielded in the order given: memory is at most `parallel` ranges.
+    pub fn read_ranges<'a>(
+        &'a self,
+        key: &'a str,
+        ranges: Vec<Range<u64>>,
+        etag: Option<&'a str>,
+        parallel: usize,
+    ) -> impl Stream<Item = Result<Bytes, StoreError>> + 'a {
+        futures_util::stream::iter(ranges)
+            .map(move |r| self.read(key, r, etag))
+            .buffered(parallel.max(1))
+    }
+
+    /// One GET of `want`; each chunk goes to `on_chunk`; returns the bytes received.
+    async fn fetch(
+        &self,
+        key: &str,
+        want: Want,
+        etag: Option<&str>,
+        mut on_chunk: impl FnMut(Bytes) -> Result<(), StoreError>,
+    ) -> Result<u64, StoreError> {
+        let (full, path) = self.path(key)?;
+        let (asked, get_range) = match &want {
+            Want::Range(r) if r.is_empty() => return Ok(0),
+            Want::Range(r) => (Some(r.clone()), GetRange::Bounded(r.clone())),
+            Want::Suffix(0) => return Ok(0),
+            Want::Suffix(n) => (None, GetRange::Suffix(*n)),
+        };
+        let (mut permit, call) = self.begin("get").await;
+        let t0 = Instant::now();
+        let at = self.at(&full, asked.clone(), etag);
+        let short = |range: Range<u64>, got: u64| StoreError::Short {
+            bucket: at.bucket.to_owned(),
+            key: full.clone(),
+            range,
+            got,
+        };
+        let body = async {
+            let opts = GetOptions {
+                range: Some(get_range),
+                if_match: etag.map(str::to_owned),
+                ..Default::default()
+            };
+            let os_err = |e| classify(e, call.last().as_ref(), at.clone());
+            let res = self.inner.os.get_opts(&path, opts).await.map_err(os_err)?;
+            // What the store says it sends must be what was asked (a suffix: at most `n`).
+            let sent = res.range.clone();
+            let expect = match &want {
+                Want::Range(r) if sent != *r => {
+                    return Err(short(r.clone(), sent.end - sent.start));
+                }
+                Want::Range(r) => r.clone(),
+                Want::Suffix(n) if sent.end - sent.start > *n => {
+                    return Err(short(sent.clone(), sent.end - sent.start));
+                }
+                Want::Suffix(_) => sent,
+            };
+            let len = expect.end - expect.start;
+            let mut stream = res.into_stream();
+            let mut got = 0u64;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(os_err)?;
+                got += chunk.len() as u64;
+                if got > len {
+                    return Err(short(expect, got));
+                }
+                metrics::counter!(m::BYTES, "op" => "get").increment(chunk.len() as u64);
+                on_chunk(chunk)?;
+            }
+            if got != len {
+                return Err(short(expect, got));
+            }
+            Ok(got)
+        };
+        let got = call.run(body).await?;
+        metrics::histogram!(m::REQUEST_SECONDS, "op" => "get").record(t0.elapsed().as_secs_f64());
+        permit.succeeded();
+        Ok(got)
+    }
+
+    /// Writes `body` to `key` (the manifest beside the data): one PUT.
+    pub async fn put(&self, key: &str, body: Bytes) -> Result<(), StoreError> {
+        let (full, path) = self.path(key)?;
+        self.writable(&full)?;
+        let (mut permit, call) = self.begin("put").await;
+        let t0 = Instant::now();
+        let res = call
+            .run(self.inner.os.put(&path, PutPayload::from_bytes(body)))
+            .await;
+        res.map_err(|e| classify(e, call.last().as_ref(), self.at(&full, None, None)))?;
+        metrics::histogram!(m::REQUEST_SECONDS, "op" => "put").record(t0.elapsed().as_secs_f64());
+        permit.succeeded();
+        Ok(())
+    }
+
+    /// Uploads the local file `src` to `key` (a multipart upload in request-size parts when
+    /// larger than one; memory: two parts), then returns its size and ETag (one HEAD).
+    pub async fn put_file(&self, key: &str, src: &FsPath) -> Result<ObjectMeta, StoreError> {
+        let (full, path) = self.path(key)?;
+        self.writable(&full)?;
+        let sink_err = |source| StoreError::Sink {
+            bucket: self.inner.url.bucket().to_owned(),
+            key: full.clone(),
+            range: 0..0,
+            source,
+        };
+        let size = std::fs::metadata(src).map_err(sink_err)?.len();
+        let part = self.inner.opts.request_size.max(MIN_PART);
+        if size <= part {
+            let body = tokio::fs::read(src).await.map_err(sink_err)?;
+            self.put(key, Bytes::from(body)).await?;
+            return self.head(key).await;
+        }
+        let (mut permit, call) = self.begin("put").await;
+        let at = self.at(&full, None, None);
+        let upload = async {
+            use tokio::io::AsyncReadExt;
+            let os_err = |e| classify(e, call.last().as_ref(), at.clone());
+            let up = self.inner.os.put_multipart(&path).await.map_err(os_err)?;
+            let mut w = WriteMultipart::new_with_chunk_size(up, part as usize);
+            let mut f = tokio::fs::File::open(src).await.map_err(sink_err)?;
+            let mut buf = vec![0u8; part as usize];
+            loop {
+                let n = f.read(&mut buf).await.map_err(sink_err)?;
+                if n == 0 {
+                    break;
+                }
+                w.wait_for_capacity(PUT_PARTS_IN_FLIGHT)
+                    .await
+                    .map_err(os_err)?;
+                w.write(&buf[..n]);
+            }
+            w.finish().await.map_err(os_err)
+        };
+        call.run(upload).await?;
+        permit.succeeded();
+        drop(permit);
+        self.head(key).await
+    }
+
+    fn writable(&self, full: &str) -> Result<(), StoreError> {
+        if self.inner.url.scheme().writable() {
+            return Ok(());
+        }
+        Err(StoreError::Config {
+            url: self.inner.url.to_string(),
+            reason: format!("http(s) locations are read-only; cannot write {full}"),
+        })
+    }
+}
+
+/// What one GET asks for.
+enum Want {
+    Range(Range<u64>),
+    Suffix(u64),
+}
+
+/// The chunks of one body as one buffer (no copy when it came in one chunk).
+fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
+    if parts.len() == 1 {
+        return parts.pop().unwrap_or_default();
+    }
+    // `len` is what the caller asked for and the body was checked against it.
+    let mut out = BytesMut::with_capacity(len as usize);
+    for p in parts {
+        out.extend_from_slice(&p);
+    }
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests;

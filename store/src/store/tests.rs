@@ -1,0 +1,173 @@
+//! [`Store`] over object_store's `InMemory` (pure logic: keys, ranges, errors, the window);
+//! real S3 behaviour is tested end to end against moto (tests/e2e/test_index_s3.py).
+
+use std::sync::Arc;
+
+use futures_util::TryStreamExt;
+use object_store::memory::InMemory;
+
+use super::*;
+use crate::error::StoreErrorKind;
+
+fn memory() -> Described {
+    Described::plain("memory", "memory")
+}
+
+fn store(bucket: &str) -> (Store, Arc<InMemory>) {
+    let mem = Arc::new(InMemory::new());
+    let url = StoreUrl::parse(&format!("s3://{bucket}/pre")).unwrap();
+    let opts = StoreOptions {
+        max_inflight: 4,
+        ..Default::default()
+    };
+    let s = Store::with_object_store(&url, opts, mem.clone(), memory());
+    (s, mem)
+}
+
+fn data(n: usize) -> Bytes {
+    Bytes::from((0..n).map(|i| (i * 7 % 251) as u8).collect::<Vec<u8>>())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn list_head_read_under_the_prefix() {
+    let (s, mem) = store("unit-list");
+    mem.put(&Path::from("pre/a.bin"), data(100).into())
+        .await
+        .unwrap();
+    mem.put(&Path::from("pre/sub/b.bin"), data(10).into())
+        .await
+        .unwrap();
+    mem.put(&Path::from("other/c.bin"), data(5).into())
+        .await
+        .unwrap();
+    let mut keys: Vec<(String, u64, bool)> = s
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| (o.key, o.size, o.etag.is_some()))
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [("a.bin".into(), 100, true), ("sub/b.bin".into(), 10, true)]
+    );
+    let meta = s.head("a.bin").await.unwrap();
+    assert_eq!((meta.key.as_str(), meta.size), ("a.bin", 100));
+    let etag = meta.etag.clone();
+    assert_eq!(
+        s.read("a.bin", 10..30, etag.as_deref()).await.unwrap(),
+        data(100).slice(10..30)
+    );
+    assert_eq!(s.read("a.bin", 5..5, None).await.unwrap().len(), 0);
+    assert_eq!(
+        s.read_suffix("a.bin", 8, None).await.unwrap(),
+        data(100).slice(92..)
+    );
+    assert_eq!(
+        s.read_suffix("sub/b.bin", 64, None).await.unwrap(),
+        data(10)
+    );
+    let mut seen = Vec::new();
+    let n = s
+        .read_to("a.bin", 0..100, etag.as_deref(), |b| {
+            seen.extend_from_slice(b);
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert_eq!((n, Bytes::from(seen)), (100, data(100)));
+    let parts: Vec<Bytes> = s
+        .read_ranges("a.bin", vec![50..60, 0..10, 90..100], None, 2)
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(
+        parts,
+        [
+            data(100).slice(50..60),
+            data(100).slice(0..10),
+            data(100).slice(90..100)
+        ]
+    );
+    assert_eq!(s.window().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn errors_name_the_bucket_key_and_cause() {
+    let (s, mem) = store("unit-errors");
+    mem.put(&Path::from("pre/a.bin"), data(100).into())
+        .await
+        .unwrap();
+    let e = s.read("missing.bin", 0..4, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::NotFound);
+    assert!(
+        e.to_string()
+            .contains("bucket unit-errors, key pre/missing.bin"),
+        "{e}"
+    );
+    let e = s.read("a.bin", 0..4, Some("\"stale\"")).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Changed);
+    assert!(e.to_string().contains("\"stale\""), "{e}");
+    // A range past the end: the store sends the rest, which is refused as short.
+    let e = s.read("a.bin", 90..120, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Short);
+    assert!(
+        e.to_string().contains("sent 10 bytes for a range of 30"),
+        "{e}"
+    );
+    let e = s
+        .read_to("a.bin", 0..10, None, |_| {
+            Err(std::io::Error::other("disk full"))
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Sink);
+    assert!(e.to_string().contains("disk full"), "{e}");
+    let e = s.read("a/../b", 0..1, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Config);
+    assert_eq!(s.window().in_flight, 0, "every permit came back");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn put_and_put_file_round_trip() {
+    let (s, mem) = store("unit-put");
+    s.put("shardwire.manifest.json", Bytes::from_static(b"{}"))
+        .await
+        .unwrap();
+    let got = mem
+        .get(&Path::from("pre/shardwire.manifest.json"))
+        .await
+        .unwrap();
+    assert_eq!(got.bytes().await.unwrap(), Bytes::from_static(b"{}"));
+    let dir = std::env::temp_dir().join(format!("shardwire-store-put-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("big.arrow");
+    let big = data((MIN_PART as usize) * 2 + 123);
+    std::fs::write(&file, &big).unwrap();
+    let meta = s.put_file("cache/big.arrow", &file).await.unwrap();
+    assert_eq!(meta.size, big.len() as u64);
+    let back = s
+        .read("cache/big.arrow", 0..meta.size, meta.etag.as_deref())
+        .await
+        .unwrap();
+    assert_eq!(back, big);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn http_locations_are_read_only() {
+    let url = StoreUrl::parse("http://127.0.0.1:1/ds").unwrap();
+    let s = Store::with_object_store(
+        &url,
+        StoreOptions::default(),
+        Arc::new(InMemory::new()),
+        memory(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let e = rt.block_on(s.put("m.json", Bytes::new())).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Config);
+    assert!(e.to_string().contains("read-only"), "{e}");
+}

@@ -1,0 +1,164 @@
+//! The HTTP tap: an `HttpConnector` around object_store's reqwest connector that sees every
+//! attempt (object_store retries inside one call, and its errors hide the status). For each
+//! attempt it counts the request by op and status, times the response head, counts retries
+//! and throttles, tells the bucket's window about a 503/429 at once (so the window reacts
+//! before object_store's retry budget is spent) and keeps the last status and `Retry-After`
+//! for [`crate::error::classify`]. The request it belongs to is found through a task-local
+//! [`Call`], set by [`Call::run`] around each store operation.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use object_store::ClientOptions;
+use object_store::client::{
+    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
+};
+
+use crate::error::Attempt;
+use crate::metrics as m;
+use crate::window::Window;
+
+tokio::task_local! {
+    static CALL: Arc<Call>;
+}
+
+/// One store operation, as the tap sees it across its attempts.
+#[derive(Debug)]
+pub(crate) struct Call {
+    op: &'static str,
+    window: Arc<Window>,
+    epoch: u64,
+    attempts: AtomicUsize,
+    last: Mutex<Option<Attempt>>,
+}
+
+impl Call {
+    pub fn new(op: &'static str, window: Arc<Window>, epoch: u64) -> Arc<Self> {
+        Arc::new(Self {
+            op,
+            window,
+            epoch,
+            attempts: AtomicUsize::new(0),
+            last: Mutex::new(None),
+        })
+    }
+
+    /// Runs `f` with this call current, so the tap attributes its attempts to it.
+    pub async fn run<F: Future>(self: &Arc<Self>, f: F) -> F::Output {
+        CALL.scope(Arc::clone(self), f).await
+    }
+
+    /// What the last attempt got.
+    pub fn last(&self) -> Option<Attempt> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn record(&self, status: Option<u16>, retry_after: Option<Duration>) {
+        if matches!(status, Some(429 | 503)) {
+            metrics::counter!(m::THROTTLED, "op" => self.op).increment(1);
+            self.window.throttle(self.epoch);
+        }
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(Attempt {
+            status,
+            retry_after,
+        });
+    }
+}
+
+/// Makes reqwest clients wrapped in [`Tap`].
+#[derive(Debug, Default)]
+pub(crate) struct TapConnector;
+
+impl HttpConnector for TapConnector {
+    fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
+        let inner = ReqwestConnector::default().connect(options)?;
+        Ok(HttpClient::new(Tap { inner }))
+    }
+}
+
+/// An `HttpService` that observes each attempt on its way through.
+#[derive(Debug)]
+struct Tap {
+    inner: HttpClient,
+}
+
+#[async_trait]
+impl HttpService for Tap {
+    async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        let call = CALL.try_with(Arc::clone).ok();
+        let op = call.as_ref().map_or("other", |c| c.op);
+        let t0 = Instant::now();
+        let res = self.inner.execute(req).await;
+        if let Some(c) = &call
+            && c.attempts.fetch_add(1, Ordering::Relaxed) > 0
+        {
+            metrics::counter!(m::RETRIES, "op" => op).increment(1);
+        }
+        match &res {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                metrics::counter!(m::REQUESTS, "op" => op, "status" => status.to_string())
+                    .increment(1);
+                metrics::histogram!(m::FIRST_BYTE, "op" => op).record(t0.elapsed().as_secs_f64());
+                let after = r
+                    .headers()
+                    .get(http::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| retry_after(v, chrono::Utc::now()));
+                if let Some(c) = &call {
+                    c.record(Some(status), after);
+                }
+            }
+            Err(_) => {
+                metrics::counter!(m::REQUESTS, "op" => op, "status" => "error").increment(1);
+                if let Some(c) = &call {
+                    c.record(None, None);
+                }
+            }
+        }
+        res
+    }
+}
+
+/// Longest `Retry-After` taken at its word.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
+/// Parses a `Retry-After` value: seconds (`2`, `0.5`) or an HTTP date, relative to `now`.
+pub(crate) fn retry_after(v: &str, now: chrono::DateTime<chrono::Utc>) -> Option<Duration> {
+    let v = v.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0)
+            .then(|| Duration::from_secs_f64(secs.min(MAX_RETRY_AFTER.as_secs_f64())));
+    }
+    let when = chrono::DateTime::parse_from_rfc2822(v).ok()?;
+    let d = when.signed_duration_since(now).to_std().unwrap_or_default();
+    Some(d.min(MAX_RETRY_AFTER))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_in_seconds_or_as_a_date() {
+        let now = chrono::DateTime::parse_from_rfc2822("Sun, 06 Nov 1994 08:49:37 GMT")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        assert_eq!(retry_after("2", now), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after(" 0.5 ", now), Some(Duration::from_millis(500)));
+        assert_eq!(
+            retry_after("Sun, 06 Nov 1994 08:49:40 GMT", now),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            retry_after("Sun, 06 Nov 1994 08:49:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(retry_after("1e9", now), Some(MAX_RETRY_AFTER));
+        assert_eq!(retry_after("-1", now), None);
+        assert_eq!(retry_after("soon", now), None);
+    }
+}

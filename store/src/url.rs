@@ -1,0 +1,249 @@
+//! [`StoreUrl`]: a dataset location in object storage (`s3://bucket/prefix`, `gs://`, `az://`,
+//! `file:///dir`, `http(s)://host/path`), parsed with errors that name the URL and the fix.
+
+use crate::error::StoreError;
+
+/// The storage service a URL names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    /// `s3://BUCKET/PREFIX`: Amazon S3 or an S3-compatible store (`AWS_ENDPOINT_URL`).
+    S3,
+    /// `gs://BUCKET/PREFIX`: Google Cloud Storage.
+    Gcs,
+    /// `az://CONTAINER/PREFIX`: Azure Blob Storage (account from `AZURE_STORAGE_ACCOUNT_NAME`).
+    Azure,
+    /// `file:///DIR`: a local directory through the same interface.
+    File,
+    /// `http://HOST/PATH`: plain HTTP (WebDAV listing), read-only.
+    Http,
+    /// `https://HOST/PATH`: HTTPS (WebDAV listing), read-only.
+    Https,
+}
+
+impl Scheme {
+    /// Every scheme, with the spelling users write.
+    pub const ALL: [(Scheme, &'static str); 6] = [
+        (Scheme::S3, "s3"),
+        (Scheme::Gcs, "gs"),
+        (Scheme::Azure, "az"),
+        (Scheme::File, "file"),
+        (Scheme::Http, "http"),
+        (Scheme::Https, "https"),
+    ];
+
+    /// The scheme as written in URLs (`s3`).
+    pub fn as_str(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(s, _)| *s == self)
+            .map_or("", |(_, n)| n)
+    }
+
+    /// Whether the store can be written (the manifest beside the data): not http(s).
+    pub fn writable(self) -> bool {
+        !matches!(self, Scheme::Http | Scheme::Https)
+    }
+
+    fn of(name: &str) -> Option<Scheme> {
+        Self::ALL
+            .iter()
+            .find(|(_, n)| n.eq_ignore_ascii_case(name))
+            .map(|(s, _)| *s)
+    }
+}
+
+/// A parsed dataset location: scheme, bucket (container, host, or for `file://` the
+/// directory) and prefix (`/`-separated, no leading or trailing `/`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StoreUrl {
+    scheme: Scheme,
+    bucket: String,
+    prefix: String,
+}
+
+const SCHEMES_HINT: &str = "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
+                            file:///DIR or http(s)://HOST/PATH";
+
+impl StoreUrl {
+    /// Parses `s`; the error names `s` and says what to write instead.
+    pub fn parse(s: &str) -> Result<StoreUrl, StoreError> {
+        let bad = |reason: String| StoreError::Url {
+            url: s.to_owned(),
+            reason,
+        };
+        let Some((name, rest)) = s.split_once("://") else {
+            return Err(bad(format!("not a URL (no scheme://); {SCHEMES_HINT}")));
+        };
+        let scheme = Scheme::of(name)
+            .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
+        if let Some(c) = rest
+            .chars()
+            .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
+        {
+            return Err(bad(format!(
+                "{c:?} is not allowed in a dataset URL (no query, fragment or spaces)"
+            )));
+        }
+        if scheme == Scheme::File {
+            return Self::parse_file(rest).map_err(bad);
+        }
+        let (bucket, path) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            let what = match scheme {
+                Scheme::Azure => "container",
+                Scheme::Http | Scheme::Https => "host",
+                _ => "bucket",
+            };
+            return Err(bad(format!(
+                "no {what}; write {}://{}/PREFIX",
+                scheme.as_str(),
+                what.to_uppercase()
+            )));
+        }
+        let prefix = clean_prefix(path).map_err(bad)?;
+        Ok(StoreUrl {
+            scheme,
+            bucket: bucket.to_owned(),
+            prefix,
+        })
+    }
+
+    /// `file:///abs/dir`: the bucket is the directory, the prefix empty.
+    fn parse_file(rest: &str) -> Result<StoreUrl, String> {
+        let path = match rest.strip_prefix("localhost") {
+            Some(p) => p,
+            None => rest,
+        };
+        if !path.starts_with('/') {
+            return Err("a file URL needs an absolute path: file:///DIR".into());
+        }
+        let clean = clean_prefix(path)?;
+        Ok(StoreUrl {
+            scheme: Scheme::File,
+            bucket: format!("/{clean}"),
+            prefix: String::new(),
+        })
+    }
+
+    /// Whether `s` starts with a scheme this crate serves (`s3://`, `gs://`, `az://`,
+    /// `file://`, `http(s)://`), so that a plain directory path stays local.
+    pub fn is_remote(s: &str) -> bool {
+        s.split_once("://")
+            .is_some_and(|(name, _)| Scheme::of(name).is_some())
+    }
+
+    /// The scheme.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// The bucket (container, host; the directory of a `file://` URL).
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// The prefix inside the bucket, without leading or trailing `/` (may be empty).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The full key of `key` (relative to the prefix) inside the bucket.
+    pub fn key(&self, key: &str) -> String {
+        if self.prefix.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{}/{key}", self.prefix)
+        }
+    }
+}
+
+/// `a//b/` -> `a/b`; refuses `.` and `..` segments.
+fn clean_prefix(path: &str) -> Result<String, String> {
+    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+    if let Some(p) = parts.iter().find(|p| **p == "." || **p == "..") {
+        return Err(format!(
+            "path segment `{p}` is not allowed; write the prefix out"
+        ));
+    }
+    Ok(parts.join("/"))
+}
+
+impl std::fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.scheme {
+            Scheme::File => write!(f, "file://{}", self.bucket),
+            s if self.prefix.is_empty() => write!(f, "{}://{}", s.as_str(), self.bucket),
+            s => write!(f, "{}://{}/{}", s.as_str(), self.bucket, self.prefix),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(s: &str) -> String {
+        StoreUrl::parse(s).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn parses_every_scheme() {
+        let u = StoreUrl::parse("s3://bkt/a/b/").unwrap();
+        assert_eq!(
+            (u.scheme(), u.bucket(), u.prefix()),
+            (Scheme::S3, "bkt", "a/b")
+        );
+        assert_eq!(u.to_string(), "s3://bkt/a/b");
+        assert_eq!(u.key("x.npy"), "a/b/x.npy");
+        let u = StoreUrl::parse("gs://bkt").unwrap();
+        assert_eq!((u.scheme(), u.prefix()), (Scheme::Gcs, ""));
+        assert_eq!(u.key("x"), "x");
+        assert_eq!(u.to_string(), "gs://bkt");
+        let u = StoreUrl::parse("AZ://cont//deep//p").unwrap();
+        assert_eq!(
+            (u.scheme(), u.bucket(), u.prefix()),
+            (Scheme::Azure, "cont", "deep/p")
+        );
+        let u = StoreUrl::parse("file:///data/set/").unwrap();
+        assert_eq!(
+            (u.scheme(), u.bucket(), u.prefix()),
+            (Scheme::File, "/data/set", "")
+        );
+        assert_eq!(u.to_string(), "file:///data/set");
+        let u = StoreUrl::parse("https://host:8443/ds").unwrap();
+        assert_eq!(
+            (u.scheme(), u.bucket(), u.prefix()),
+            (Scheme::Https, "host:8443", "ds")
+        );
+        assert!(!u.scheme().writable() && Scheme::S3.writable());
+    }
+
+    #[test]
+    fn bad_urls_name_the_url_and_the_fix() {
+        assert!(err("s4://b/p").contains("unsupported scheme `s4`"));
+        assert!(err("s4://b/p").contains("s4://b/p"));
+        assert!(err("/data/x").contains("no scheme"));
+        assert!(err("s3:///p").contains("no bucket; write s3://BUCKET/PREFIX"));
+        assert!(err("az://").contains("no container"));
+        assert!(err("s3://b/a/../c").contains("segment `..`"));
+        assert!(err("s3://b/p?versionId=1").contains("'?' is not allowed"));
+        assert!(err("file://rel/dir").contains("absolute path"));
+    }
+
+    #[test]
+    fn remote_means_a_known_scheme() {
+        for s in [
+            "s3://b",
+            "gs://b/p",
+            "az://c",
+            "file:///d",
+            "http://h/p",
+            "HTTPS://h",
+        ] {
+            assert!(StoreUrl::is_remote(s), "{s}");
+        }
+        for s in ["/data/ds", "ds", "./s3/x", "ftp://h/p", "s3:/b"] {
+            assert!(!StoreUrl::is_remote(s), "{s}");
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The per-bucket adaptive window: how many requests may be in flight to one bucket.
+//!
+//! AIMD: a throttle (503/429 SlowDown) halves the limit (floor 1), once per "epoch" (the
+//! requests already in flight when it was halved report their throttles without halving it
+//! again); a window's worth of successes (as many as the limit) raises it by one, up to the
+//! ceiling (`max_inflight`). [`Aimd`] is the pure rule; [`Window`] hands out [`Permit`]s
+//! under it. One window per bucket per process ([`for_bucket`]), so every dataset and store
+//! handle on one bucket shares it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::sync::Notify;
+
+use crate::metrics as m;
+
+/// The window's state as reported (`Store::window`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowStatus {
+    /// Current in-flight limit.
+    pub limit: usize,
+    /// Requests in flight now.
+    pub in_flight: usize,
+    /// The ceiling (`max_inflight`).
+    pub ceiling: usize,
+    /// Throttle answers (503/429) seen, every attempt counted.
+    pub throttles: u64,
+}
+
+/// The AIMD rule, without clocks or waiting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Aimd {
+    limit: usize,
+    ceiling: usize,
+    in_flight: usize,
+    epoch: u64,
+    successes: usize,
+    throttles: u64,
+}
+
+impl Aimd {
+    /// A window at its ceiling (at least 1).
+    pub fn new(ceiling: usize) -> Self {
+        let ceiling = ceiling.max(1);
+        Self {
+            limit: ceiling,
+            ceiling,
+            in_flight: 0,
+            epoch: 0,
+            successes: 0,
+            throttles: 0,
+        }
+    }
+
+    /// Takes a slot when one is free: `Some(epoch)` of the request.
+    pub fn try_acquire(&mut self) -> Option<u64> {
+        if self.in_flight < self.limit {
+            self.in_flight += 1;
+            Some(self.epoch)
+        } else {
+            None
+        }
+    }
+
+    /// A throttle answer to a request of `epoch`: halves the limit unless the window was
+    /// already cut since that request started. Returns whether it was cut.
+    pub fn throttle(&mut self, epoch: u64) -> bool {
+        self.throttles += 1;
+        if epoch < self.epoch {
+            return false;
+        }
+        self.limit = (self.limit / 2).max(1);
+        self.epoch += 1;
+        self.successes = 0;
+        true
+    }
+
+    /// A request of `epoch` ended; `ok`: it succeeded. Returns whether the limit grew.
+    pub fn release(&mut self, epoch: u64, ok: bool) -> bool {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if !ok || epoch < self.epoch {
+            return false;
+        }
+        self.successes += 1;
+        if self.successes >= self.limit && self.limit < self.ceiling {
+            self.limit += 1;
+            self.successes = 0;
+            return true;
+        }
+        false
+    }
+
+    /// Raises the ceiling (another opener asked for more); never lowers it.
+    pub fn raise_ceiling(&mut self, ceiling: usize) {
+        self.ceiling = self.ceiling.max(ceiling);
+    }
+
+    pub fn status(&self) -> WindowStatus {
+        WindowStatus {
+            limit: self.limit,
+            in_flight: self.in_flight,
+            ceiling: self.ceiling,
+            throttles: self.throttles,
+        }
+    }
+}
+
+/// A bucket's window: [`Aimd`] behind a lock, with waiting for a slot.
+#[derive(Debug)]
+pub(crate) struct Window {
+    bucket: String,
+    state: Mutex<Aimd>,
+    freed: Notify,
+}
+
+impl Window {
+    pub fn new(bucket: &str, ceiling: usize) -> Self {
+        let w = Self {
+            bucket: bucket.to_owned(),
+            state: Mutex::new(Aimd::new(ceiling)),
+            freed: Notify::new(),
+        };
+        w.publish(&w.lock());
+        w
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Aimd> {
+        // A panic while holding the lock leaves a consistent Aimd (plain integer updates).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn publish(&self, s: &Aimd) {
+        let st = s.status();
+        let b = self.bucket.clone();
+        metrics::gauge!(m::WINDOW, "bucket" => b.clone()).set(st.limit as f64);
+        metrics::gauge!(m::INFLIGHT, "bucket" => b).set(st.in_flight as f64);
+    }
+
+    /// Waits for a slot.
+    pub async fn acquire(self: &Arc<Self>) -> Permit {
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let mut s = self.lock();
+                if let Some(epoch) = s.try_acquire() {
+                    self.publish(&s);
+                    return Permit {
+                        window: Arc::clone(self),
+                        epoch,
+                        ok: false,
+                    };
+                }
+            }
+            freed.await;
+        }
+    }
+
+    /// A throttle answer to a request of `epoch`.
+    pub fn throttle(&self, epoch: u64) {
+        let mut s = self.lock();
+        if s.throttle(epoch) {
+            tracing::info!(
+                bucket = %self.bucket,
+                limit = s.status().limit,
+                "object store throttled: in-flight window halved"
+            );
+        }
+        self.publish(&s);
+    }
+
+    pub fn raise_ceiling(&self, ceiling: usize) {
+        let mut s = self.lock();
+        s.raise_ceiling(ceiling);
+    }
+
+    pub fn status(&self) -> WindowStatus {
+        self.lock().status()
+    }
+
+    fn release(&self, epoch: u64, ok: bool) {
+        {
+            let mut s = self.lock();
+            s.release(epoch, ok);
+            self.publish(&s);
+        }
+        self.freed.notify_waiters();
+    }
+}
+
+/// A slot in a window; gives it back when dropped (as a failure unless [`Permit::succeeded`]).
+#[derive(Debug)]
+pub(crate) struct Permit {
+    window: Arc<Window>,
+    epoch: u64,
+    ok: bool,
+}
+
+impl Permit {
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Marks the request as successful (counts toward growing the window).
+    pub fn succeeded(&mut self) {
+        self.ok = true;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.window.release(self.epoch, self.ok);
+    }
+}
+
+/// The process's window for `bucket` (`scheme://bucket`), made with `ceiling` on first use.
+pub(crate) fn for_bucket(bucket: &str, ceiling: usize) -> Arc<Window> {
+    static ALL: OnceLock<Mutex<HashMap<String, Arc<Window>>>> = OnceLock::new();
+    let mut all = ALL
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let w = all
+        .entry(bucket.to_owned())
+        .or_insert_with(|| Arc::new(Window::new(bucket, ceiling)));
+    w.raise_ceiling(ceiling);
+    Arc::clone(w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aimd_halves_once_per_epoch_and_grows_by_one_per_window() {
+        let mut w = Aimd::new(8);
+        let epochs: Vec<u64> = (0..8).map(|_| w.try_acquire().unwrap()).collect();
+        assert_eq!(w.try_acquire(), None, "full at the ceiling");
+        // Three requests of epoch 0 are throttled: only the first halves.
+        assert!(w.throttle(epochs[0]));
+        assert!(!w.throttle(epochs[1]));
+        assert!(!w.throttle(epochs[2]));
+        assert_eq!((w.status().limit, w.status().throttles), (4, 3));
+        // Old-epoch successes do not grow the window.
+        for &e in &epochs {
+            assert!(!w.release(e, true));
+        }
+        assert_eq!(w.status().in_flight, 0);
+        // A throttle in the new epoch halves again: 4 -> 2 -> 1 -> 1 (floor).
+        for want in [2, 1, 1] {
+            let e = w.try_acquire().unwrap();
+            assert!(w.throttle(e));
+            w.release(e, false);
+            assert_eq!(w.status().limit, want);
+        }
+        // Grow back: limit successes each raise it by one.
+        let mut seq = Vec::new();
+        for _ in 0..10 {
+            let e = w.try_acquire().unwrap();
+            w.release(e, true);
+            seq.push(w.status().limit);
+        }
+        assert_eq!(seq, [2, 2, 3, 3, 3, 4, 4, 4, 4, 5]);
+        // Never past the ceiling.
+        for _ in 0..100 {
+            let e = w.try_acquire().unwrap();
+            w.release(e, true);
+        }
+        assert_eq!(w.status().limit, 8);
+    }
+
+    #[test]
+    fn floor_is_one_and_ceiling_only_rises() {
+        let mut w = Aimd::new(0);
+        assert_eq!(w.status().limit, 1);
+        let e = w.try_acquire().unwrap();
+        assert_eq!(w.try_acquire(), None);
+        w.throttle(e);
+        assert_eq!(w.status().limit, 1);
+        w.raise_ceiling(4);
+        w.raise_ceiling(2);
+        assert_eq!(w.status().ceiling, 4);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn permits_wait_for_a_free_slot() {
+        let w = Arc::new(Window::new("test://permits", 2));
+        let a = w.acquire().await;
+        let mut b = w.acquire().await;
+        assert_eq!(w.status().in_flight, 2);
+        let w2 = Arc::clone(&w);
+        let waiter = tokio::spawn(async move { w2.acquire().await.epoch() });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        b.succeeded();
+        drop(b);
+        assert_eq!(waiter.await.unwrap(), 0);
+        drop(a);
+        assert_eq!(w.status().in_flight, 0);
+    }
+}
