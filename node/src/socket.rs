@@ -238,10 +238,13 @@ impl Conn<'_> {
                         .map(|slab| self.released.push(slab))
                         .ok_or(*l)
                 }) {
-                    Err(l) => error(
-                        ErrorCode::UnknownLease,
-                        format!("lease {l} (in {release:?}) is not held by this stream"),
-                    ),
+                    Err(l) => match s.closed_reason() {
+                        Some(why) => error(why.code(), why.to_string()),
+                        None => error(
+                            ErrorCode::UnknownLease,
+                            format!("lease {l} (in {release:?}) is not held by this stream"),
+                        ),
+                    },
                     Ok(()) => {
                         let n = s.next(timeout_ms.map(Duration::from_millis));
                         next_response(n, self.batch_state.then_some(&*s))
@@ -253,10 +256,13 @@ impl Conn<'_> {
                     self.released.push(slab);
                     Response::Released
                 }
-                None => error(
-                    ErrorCode::UnknownLease,
-                    format!("lease {lease} is not held by this stream"),
-                ),
+                None => match s.closed_reason() {
+                    Some(why) => error(why.code(), why.to_string()),
+                    None => error(
+                        ErrorCode::UnknownLease,
+                        format!("lease {lease} is not held by this stream"),
+                    ),
+                },
             },
             Request::State => Response::State { state: s.state() },
         };

@@ -364,6 +364,12 @@ impl Stream {
         self.lock().closed.is_some()
     }
 
+    /// Why the stream was closed, if it was (closing drops its leases: a trainer releasing
+    /// one afterwards is told this, not that the lease is unknown).
+    pub fn closed_reason(&self) -> Option<CloseReason> {
+        self.lock().closed.clone()
+    }
+
     /// A batch for position `pos` (dropped if the stream no longer waits for it).
     pub(crate) fn complete(&self, pos: u64, ready: Ready) {
         let mut i = self.lock();

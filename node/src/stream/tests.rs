@@ -120,7 +120,8 @@ fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
     let s = stream(3, 0);
     arrive(&s, 0);
     arrive(&s, 1);
-    let _leased = batch(s.next(None));
+    let leased = batch(s.next(None));
+    assert_eq!(s.closed_reason(), None);
     let waiting = {
         let s = Arc::clone(&s);
         std::thread::spawn(move || {
@@ -135,6 +136,12 @@ fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
         Next::Closed(CloseReason::TrainerDisconnected)
     ));
     assert_eq!(s.pool.used(), 0, "every lease and ready slab went back");
+    assert!(s.take_lease(leased.lease).is_none());
+    assert_eq!(
+        s.closed_reason(),
+        Some(CloseReason::TrainerDisconnected),
+        "a release after the close is told why"
+    );
     arrive(&s, 2); // a fetch that lands after the close is dropped
     assert_eq!(s.pool.used(), 0);
 }

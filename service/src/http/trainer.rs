@@ -429,6 +429,9 @@ async fn release(
     let _busy = Busy::new(&s);
     if s.shared.release(lease) {
         Ok(Json(ReleasedBody { released: true }))
+    } else if let Some(why) = s.shared.closed_reason() {
+        // Closing the stream dropped the lease: say why it closed.
+        Err(ApiError::new(why.code(), why.to_string()))
     } else {
         Err(unknown_lease(lease))
     }
