@@ -68,10 +68,21 @@ def node_ip(i: int) -> str:
     return f"10.214.{i}.1"
 
 
+def remove_stale_lanes() -> None:
+    """Deletes the namespaces (and with them the veth pairs) of an earlier run that was killed
+    before its clean-up: their 10.214.i.1 addresses would shadow this run's routes."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if re.fullmatch(r"swls-[0-9a-f]{5}", name):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 @pytest.fixture
 def net():
     """A namespace for the source and LANES veth pairs: lane i's end `sl<tag><i>` in the root
     namespace at 10.214.i.1/24, its peer in the namespace at 10.214.i.2/24."""
+    remove_stale_lanes()
     tag = uuid.uuid4().hex[:5]
     ns, ifs = f"swls-{tag}", [f"sl{tag}{i}" for i in range(LANES)]
     ip("netns", "add", ns)
