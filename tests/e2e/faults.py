@@ -283,13 +283,16 @@ def wire_addr(host: str, port: int, family: int = 4) -> bytes:
 
 
 def hello(node_id: Union[str, bytes] = "fault-node", data_addr: tuple = ("127.0.0.1", 9), flows: int = 1,
-          nonce: bytes = b"\x01" * 32, family: int = 4) -> bytes:
-    body = wire_str(node_id) + nonce + wire_addr(data_addr[0], data_addr[1], family) + struct.pack(">H", flows)
+          nonce: bytes = b"\x01" * 32, family: int = 4, lanes: int = 1) -> bytes:
+    """A version 3 Hello: the node id, the nonce, then `lanes` lanes (u16 count), each the
+    data address and its flows."""
+    lane = wire_addr(data_addr[0], data_addr[1], family) + struct.pack(">H", flows)
+    body = wire_str(node_id) + nonce + struct.pack(">H", lanes) + lane * lanes
     return control_frame(HELLO, body)
 
 
-def fetch(req: int, dataset: Union[str, bytes], shard: int) -> bytes:
-    return control_frame(FETCH, struct.pack(">Q", req) + wire_str(dataset) + struct.pack(">I", shard))
+def fetch(req: int, dataset: Union[str, bytes], shard: int, lane: int = 0) -> bytes:
+    return control_frame(FETCH, struct.pack(">Q", req) + wire_str(dataset) + struct.pack(">IH", shard, lane))
 
 
 def manifest_request(req: int, dataset: Union[str, bytes]) -> bytes:
@@ -319,6 +322,8 @@ def control_malformed(seed: int = 0) -> dict[str, bytes]:
         "hello flows 65": hello(flows=65),
         "hello flows 65535": hello(flows=65535),
         "hello bad address family": hello(family=7),
+        "hello 0 lanes": hello(lanes=0),
+        "hello 65 lanes": hello(lanes=65),
         "hello node_id over 4096 bytes": hello(node_id="n" * 5000),
         "hello node_id bad utf-8": hello(node_id=b"\xff\xfe\xfd"),
         "hello string length past the frame": control_frame(HELLO, b"\xff\xff" + b"x" * 10),
@@ -403,6 +408,7 @@ def control_session_attack(source: Target, wait: float = 5.0) -> dict:
             asks = [
                 ("fetch shard 2**32-1", fetch(1, "f", 2**32 - 1)),
                 ("fetch unknown dataset", fetch(2, "no-such-dataset", 0)),
+                ("fetch on a lane the node does not have", fetch(4, "f", 0, lane=7)),
                 ("manifest of an unknown dataset", manifest_request(3, "zz" * 100)),
                 ("cancel an unknown request", control_frame(CANCEL, struct.pack(">Q", 2**64 - 1))),
                 ("ping", control_frame(PING)),

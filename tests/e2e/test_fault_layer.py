@@ -261,6 +261,7 @@ def test_malformed_input_on_every_port(sw, tmp_path):
     assert [(w, a[1] if isinstance(a, tuple) else a) for w, a in sess["replies"]] == [
         ("fetch shard 2**32-1", 4),  # UnknownShard
         ("fetch unknown dataset", 3),  # UnknownDataset
+        ("fetch on a lane the node does not have", 5),  # BadRequest, naming the lanes of its Hello
         ("manifest of an unknown dataset", 3),
     ], sess
     assert sess["final"] in ("eof", "reset"), f"an over-long frame after the handshake did not drop the session: {sess}"

@@ -134,7 +134,8 @@ def read_control_frame(s: socket.socket) -> tuple[int, bytes]:
 def hello(data_addr: tuple[str, int], flows: int = 1) -> bytes:
     node_id = b"test-node"
     ip = socket.inet_aton(data_addr[0])
-    body = struct.pack(">H", len(node_id)) + node_id + b"\x00" * 32 + b"\x04" + ip + struct.pack(">HH", data_addr[1], flows)
+    lane = b"\x04" + ip + struct.pack(">HH", data_addr[1], flows)
+    body = struct.pack(">H", len(node_id)) + node_id + b"\x00" * 32 + struct.pack(">H", 1) + lane
     return control_frame(1, body)
 
 
