@@ -1,17 +1,18 @@
 //! [`RemoteBlob`]: one object read through the store, for the format readers.
 //!
-//! Structure reads (headers, footers, index arrays, tar headers) go through a small cache of
+//! Structure reads (headers, footers, index arrays, tar headers) go through a cache of
 //! extents: a miss fetches [`MIN_FETCH`] bytes from the read (a suffix GET near the end, so a
-//! footer and its length come in one request), and a miss right after the last extent
-//! (sequential reading: a tar's headers, MDS sample prefixes) fetches twice as much as last
-//! time, up to the request size. So structure costs a few GETs, and memory is bounded
-//! ([`EXTENTS`] extents). When the extents happen to cover the object from its first byte to
-//! its last, in order, their running CRC-32C is the whole object's, and a whole-object shard
-//! (a tar, an MDS shard) needs no second read.
+//! footer and its length come in one request), and a miss at most one extent past the end of
+//! the last sequential fetch (a tar's headers, MDS sample prefixes, Arrow batch metadata
+//! between small bodies) fetches from that end twice as much as last time, up to the request
+//! size, stopping where a cached extent begins. So structure costs a few GETs; memory is
+//! bounded by [`CACHE_REQUESTS`] request sizes, the oldest extents going first.
 //!
-//! Shard checksums ([`Blob::crc32c`]) are read once with planned GETs (`plan_requests`:
-//! adjacent small shards merged, large ones split into request-size parts), a few in flight,
-//! each CRC fed as its bytes arrive in order.
+//! Shard checksums ([`Blob::crc32c`]) come from what was already fetched when they can: the
+//! running CRC-32C of the bytes covered in order from byte 0 (a whole tar or MDS shard, even
+//! after its extents are evicted), or the cached extents that hold a shard; the rest is read
+//! once with planned GETs (`plan_requests`: adjacent small shards merged, large ones split
+//! into request-size parts), a few in flight, each CRC fed as its bytes arrive in order.
 
 use std::ops::Range;
 
@@ -23,8 +24,8 @@ use super::object::{MIN_FETCH, Object};
 use crate::blob::Blob;
 use crate::error::IndexError;
 
-/// Extents kept (the oldest goes first).
-const EXTENTS: usize = 4;
+/// Bytes of extents kept, in request sizes (the oldest go first).
+const CACHE_REQUESTS: u64 = 2;
 
 /// An object, read with `If-Match: etag`.
 pub(crate) struct RemoteBlob {
@@ -32,10 +33,10 @@ pub(crate) struct RemoteBlob {
     len: u64,
     /// Fetched extents, oldest first.
     extents: Vec<(u64, Bytes)>,
-    /// End and size of the last fetch (for sequential growth).
+    /// End and size of the last sequential (not tail) fetch, for growth.
     last: Option<(u64, u64)>,
-    /// CRC-32C of bytes `0..end`, while the extents fetched so far cover them in order.
-    prefix: Option<(u64, Crc32c)>,
+    /// CRC-32C of bytes `0..end`: the object as far as fetched in order from its start.
+    prefix: (u64, Crc32c),
 }
 
 impl RemoteBlob {
@@ -45,7 +46,7 @@ impl RemoteBlob {
             obj,
             extents: Vec::new(),
             last: None,
-            prefix: Some((0, Crc32c::new())),
+            prefix: (0, Crc32c::new()),
         }
     }
 
@@ -60,9 +61,15 @@ impl RemoteBlob {
             && offset < end + size
         {
             // Sequential: start where the last fetch ended (a small gap is read, keeping the
-            // object covered in order), and fetch twice as much.
+            // object covered in order), twice as much, and not into a cached extent.
             let size = (size * 2).min(self.request_size()).max(offset + len - end);
-            return end..(end + size).min(self.len);
+            let stop = self
+                .extents
+                .iter()
+                .map(|(s, _)| *s)
+                .filter(|&s| s > end && s >= offset + len)
+                .fold((end + size).min(self.len), u64::min);
+            return end..stop;
         }
         let size = MIN_FETCH.max(len);
         if offset + size > self.len {
@@ -73,25 +80,54 @@ impl RemoteBlob {
     }
 
     fn fetch(&mut self, r: Range<u64>) -> Result<(), IndexError> {
-        let bytes = if r.end == self.len && r.start > 0 {
+        let tail = r.end == self.len && r.start > 0;
+        let bytes = if tail {
             self.obj.read_suffix(r.end - r.start)?
         } else {
             self.obj.read(r.clone())?
         };
-        if let Some((end, crc)) = &mut self.prefix {
-            if r.start > *end {
-                self.prefix = None;
-            } else if r.end > *end {
-                crc.update(&bytes[(*end - r.start) as usize..]);
-                *end = r.end;
-            }
-        }
-        self.last = Some((r.end, r.end - r.start));
-        if self.extents.len() >= EXTENTS {
-            self.extents.remove(0);
+        // A footer read does not end a sequential run.
+        if !tail || self.last.is_some_and(|(end, _)| end == r.start) {
+            self.last = Some((r.end, r.end - r.start));
         }
         self.extents.push((r.start, bytes));
+        self.advance_prefix();
+        let budget = CACHE_REQUESTS * self.request_size();
+        while self.extents.len() > 1
+            && self.extents.iter().map(|e| e.1.len() as u64).sum::<u64>() > budget
+        {
+            self.extents.remove(0);
+        }
         Ok(())
+    }
+
+    /// Extends the in-order CRC over every cached extent that continues it.
+    fn advance_prefix(&mut self) {
+        let (end, crc) = &mut self.prefix;
+        while let Some((s, b)) = self
+            .extents
+            .iter()
+            .find(|(s, b)| *s <= *end && *end < s + b.len() as u64)
+        {
+            crc.update(&b[(*end - s) as usize..]);
+            *end = s + b.len() as u64;
+        }
+    }
+
+    /// CRC-32C of `offset..offset+len` from cached extents, when they hold all of it.
+    fn crc_cached(&self, offset: u64, len: u64) -> Option<u32> {
+        let mut crc = Crc32c::new();
+        let (mut pos, end) = (offset, offset + len);
+        while pos < end {
+            let (s, b) = self
+                .extents
+                .iter()
+                .find(|(s, b)| *s <= pos && pos < s + b.len() as u64)?;
+            let to = end.min(s + b.len() as u64);
+            crc.update(&b[(pos - s) as usize..(to - s) as usize]);
+            pos = to;
+        }
+        Some(crc.finish())
     }
 
     /// `offset..offset+len` from a cached extent.
@@ -140,20 +176,15 @@ impl Blob for RemoteBlob {
     }
 
     fn crc32c(&mut self, ranges: &[(u64, u64)]) -> Result<Vec<u32>, IndexError> {
-        let whole = self
-            .prefix
-            .as_ref()
-            .filter(|(end, _)| *end == self.len)
-            .map(|(_, c)| c.finish());
-        // A whole object covered in order, or a range inside an extent still cached (a small
-        // file read whole for its header), costs no second read.
+        let whole = (self.prefix.0 == self.len).then(|| self.prefix.1.finish());
+        // A whole object covered in order, or a range the cached extents hold (a small file
+        // read whole for its header, bodies between metadata read in order), costs no GET.
         let mut out: Vec<Option<u32>> = ranges
             .iter()
             .map(|&(o, l)| {
-                whole.filter(|_| (o, l) == (0, self.len)).or_else(|| {
-                    self.cached(o, l)
-                        .map(|b| shardwire_protocol::crc::crc32c(&b))
-                })
+                whole
+                    .filter(|_| (o, l) == (0, self.len))
+                    .or_else(|| self.crc_cached(o, l))
             })
             .collect();
         let todo: Vec<usize> = (0..ranges.len()).filter(|&i| out[i].is_none()).collect();
