@@ -649,7 +649,10 @@ mod tests {
         let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
         assert_eq!(c.source_resolve_secs, 5);
         let entries = c.source_entries().unwrap();
-        assert_eq!(entries[0].lookup().as_deref(), Some("shardwire-source.ml.svc:7500"));
+        assert_eq!(
+            entries[0].lookup().as_deref(),
+            Some("shardwire-source.ml.svc:7500")
+        );
         assert_eq!(entries[1], SourceEntry::Addr("10.0.0.9:7500".into()));
         let p = write("sources = [\"dns:bad name:7500\"]\n");
         let e = ServeConfig::load(Some(&p), &Flags::default())

@@ -49,14 +49,14 @@ impl SourceEntry {
     pub fn parse(s: &str) -> Result<Self, SourceEntryError> {
         let shape = || SourceEntryError::Shape(s.to_owned());
         let (host, port) = s.rsplit_once(':').ok_or_else(shape)?;
-        let port_num = port
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p > 0)
-            .ok_or_else(|| SourceEntryError::Port {
-                entry: s.to_owned(),
-                port: port.to_owned(),
-            })?;
+        let port_num =
+            port.parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| SourceEntryError::Port {
+                    entry: s.to_owned(),
+                    port: port.to_owned(),
+                })?;
         match host.strip_prefix("dns:") {
             Some(name) => {
                 let name = name.trim_end_matches('.');
@@ -137,7 +137,9 @@ mod tests {
         );
         // A fully qualified name's final dot is dropped.
         assert_eq!(
-            SourceEntry::parse("dns:src.example.:1").unwrap().to_string(),
+            SourceEntry::parse("dns:src.example.:1")
+                .unwrap()
+                .to_string(),
             "dns:src.example:1"
         );
     }
@@ -158,7 +160,13 @@ mod tests {
             SourceEntry::parse("src:0"),
             Err(SourceEntryError::Port { .. })
         ));
-        for bad in ["dns::7500", "dns:a..b:1", "dns:-a:1", "dns:a b:1", "dns:a/b:1"] {
+        for bad in [
+            "dns::7500",
+            "dns:a..b:1",
+            "dns:-a:1",
+            "dns:a b:1",
+            "dns:a/b:1",
+        ] {
             assert!(
                 matches!(SourceEntry::parse(bad), Err(SourceEntryError::Name { .. })),
                 "{bad}"

@@ -22,6 +22,8 @@ use crate::roster::{Member, Resolution, Roster};
 
 /// How long one resolution may take before it counts as failed.
 pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often draining sources are checked for an end of their fetches.
+pub const TEND_EVERY: Duration = Duration::from_millis(100);
 /// How long a retiring link waits for its outstanding fetches before it stops anyway.
 pub const RETIRE_LIMIT: Duration = Duration::from_secs(30);
 
@@ -99,16 +101,8 @@ pub fn spawn(
             dns @ SourceEntry::Dns { .. } => names.push(dns),
         }
     }
-    if names.is_empty() {
-        return;
-    }
     roster.set_resolutions(names.iter().map(Resolution::new).collect());
-    tokio::spawn(resolve_loop(
-        Arc::clone(plane),
-        names,
-        every,
-        shutdown.clone(),
-    ));
+    tokio::spawn(tend(Arc::clone(plane), names, every, shutdown.clone()));
 }
 
 /// Runs a link until its member is stopped (retired) or the node shuts down.
@@ -131,24 +125,46 @@ fn start_link(
     tokio::spawn(crate::link::run(link, conns, stop_rx));
 }
 
-/// Resolves every name every `every`; applies each answer to the roster.
-async fn resolve_loop(
+/// Resolves every name every `every` and applies each answer to the roster; in between,
+/// every [`TEND_EVERY`], ends the session of each draining source that has nothing
+/// outstanding ([`end_drained`]).
+async fn tend(
     plane: Arc<DataPlane>,
     names: Vec<SourceEntry>,
     every: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut tick = tokio::time::interval(every);
+    let mut tick = tokio::time::interval(TEND_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next_resolve = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = shutdown.wait_for(|s| *s) => return,
         }
+        end_drained(&plane.roster);
+        if names.is_empty() || tokio::time::Instant::now() < next_resolve {
+            continue;
+        }
+        next_resolve = tokio::time::Instant::now() + every;
         for (i, entry) in names.iter().enumerate() {
-            let lookup = entry.lookup().expect("a dns entry");
+            let Some(lookup) = entry.lookup() else {
+                continue;
+            };
             let answer = resolve(&lookup).await;
             apply(&plane, &names, i, answer, &shutdown);
+        }
+    }
+}
+
+/// Ends the session of every source that said it is draining and has no fetch outstanding:
+/// everything it took is in, and the source exits once its nodes have gone. The link then
+/// tries to reconnect, which succeeds only if a new source takes the address.
+fn end_drained(roster: &Roster) {
+    for l in roster.links() {
+        if l.is_draining() && l.is_up() && l.outstanding() == 0 {
+            tracing::info!(source = %l.addr, fetches = l.fetches.load(std::sync::atomic::Ordering::Relaxed), "draining source has nothing outstanding; closing its session");
+            l.kick("the source drained");
         }
     }
 }
@@ -219,10 +235,15 @@ mod tests {
 
     #[test]
     fn identities_are_ip_and_port_sorted_and_unique() {
-        let a: Vec<SocketAddr> = ["127.0.0.3:7500", "127.0.0.2:7500", "127.0.0.3:7500", "[::1]:7500"]
-            .iter()
-            .map(|s| s.parse().unwrap())
-            .collect();
+        let a: Vec<SocketAddr> = [
+            "127.0.0.3:7500",
+            "127.0.0.2:7500",
+            "127.0.0.3:7500",
+            "[::1]:7500",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
         let ids: Vec<String> = identities(a).into_iter().collect();
         assert_eq!(ids, ["127.0.0.2:7500", "127.0.0.3:7500", "[::1]:7500"]);
     }
@@ -231,7 +252,10 @@ mod tests {
     async fn the_system_resolver_answers_with_ip_and_port() {
         let ids = resolve("localhost:7500").await.expect("localhost resolves");
         assert!(ids.iter().all(|a| a.ends_with(":7500")), "{ids:?}");
-        assert!(ids.contains("127.0.0.1:7500") || ids.contains("[::1]:7500"), "{ids:?}");
+        assert!(
+            ids.contains("127.0.0.1:7500") || ids.contains("[::1]:7500"),
+            "{ids:?}"
+        );
         // (A name that does not resolve is tested end to end against a real DNS server,
         // tests/e2e/test_elastic.py: here it would wait for this machine's resolver.)
     }

@@ -19,6 +19,7 @@ use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::link::{DataConns, SourceLink};
 use crate::matcher::{Accepted, Matcher};
+use crate::roster::Roster;
 use crate::rx::{self, Conn, Setup, shared::Gpus};
 
 /// A data connection a source announced and the node has not accepted yet.
@@ -43,8 +44,8 @@ pub struct Flow {
 
 /// The data plane.
 pub struct DataPlane {
-    /// One link per configured source.
-    pub links: Vec<Arc<SourceLink>>,
+    /// The sources: configured and found by DNS ([`crate::discovery`]).
+    pub roster: Arc<Roster>,
     matcher: Mutex<Matcher<TcpStream, Expected>>,
     rx: RwLock<Option<Arc<RxRegion>>>,
     /// The GPU stream regions live on (`memory = cuda`); `None`: host memory.
@@ -58,16 +59,16 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// A plane over these links, with this binding and GPU.
+    /// A plane over these sources, with this binding and GPU.
     pub fn new(
-        links: Vec<Arc<SourceLink>>,
+        roster: Arc<Roster>,
         rx: Option<Arc<RxRegion>>,
         cuda: Option<Arc<CudaMemory>>,
         counters: Arc<Counters>,
         io_uring: bool,
     ) -> Self {
         Self {
-            links,
+            roster,
             matcher: Mutex::default(),
             rx: RwLock::new(rx),
             gpus: Gpus::new(cuda.iter().cloned().collect()),
@@ -104,7 +105,7 @@ impl DataPlane {
 
     /// Makes every link reconnect (its data connections come back on the current path).
     pub fn reconnect_all(&self, reason: &str) {
-        for l in &self.links {
+        for l in self.roster.links() {
             l.kick(reason);
         }
     }

@@ -128,7 +128,12 @@ impl Roster {
             .filter(|m| m.found_by == "config")
             .map(|m| m.link.addr.clone())
             .collect();
-        for r in self.resolutions.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for r in self
+            .resolutions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
             set.extend(r.addresses.iter().cloned());
         }
         set
@@ -141,7 +146,10 @@ impl Roster {
 
     /// Every link now.
     pub fn links(&self) -> Vec<Arc<SourceLink>> {
-        self.snapshot().iter().map(|m| Arc::clone(&m.link)).collect()
+        self.snapshot()
+            .iter()
+            .map(|m| Arc::clone(&m.link))
+            .collect()
     }
 
     /// The link with id `index`, if it is still in the roster.
@@ -163,7 +171,11 @@ impl Roster {
         if let Some(m) = members.iter().find(|m| m.link.addr == addr) {
             if m.link.is_retiring() {
                 m.link.set_retiring(false);
-                tracing::info!(source = addr, found_by, "source is back; no longer retiring it");
+                tracing::info!(
+                    source = addr,
+                    found_by,
+                    "source is back; no longer retiring it"
+                );
             }
             return None;
         }

@@ -18,9 +18,10 @@ use crate::binding::RxRegion;
 use crate::binding::{self, BindingError, NicRequest};
 use crate::counters::Counters;
 use crate::info::Info;
-use crate::link::{DataConns, LinkConfig, SourceLink};
+use crate::link::LinkConfig;
 use crate::node::{ControlRequest, Node};
 use crate::plane::{self, DataPlane};
+use crate::roster::Roster;
 use crate::stream::CloseReason;
 
 /// Why the node could not start.
@@ -52,6 +53,9 @@ pub enum StartError {
         /// Path.
         path: PathBuf,
     },
+    /// A `sources` entry is neither `HOST:PORT` nor `dns:NAME:PORT`.
+    #[error("sources: {0}")]
+    Source(#[from] shardwire_config::SourceEntryError),
     /// The configured memory kind is not available.
     #[error(transparent)]
     Memory(#[from] GpuError),
@@ -142,6 +146,11 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     if cfg.sources.is_empty() {
         return Err(StartError::NoSources);
     }
+    let entries = cfg
+        .sources
+        .iter()
+        .map(|s| shardwire_config::SourceEntry::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
     let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
     let admin_token = cfg
         .admin_token_file
@@ -175,14 +184,9 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         flows: cfg.flows,
         data_addr,
     };
-    let links: Vec<_> = cfg
-        .sources
-        .iter()
-        .enumerate()
-        .map(|(i, a)| SourceLink::new(i, a.clone(), link_cfg.clone()))
-        .collect();
+    let roster = Arc::new(Roster::new(link_cfg));
     let plane = Arc::new(DataPlane::new(
-        links,
+        roster,
         rx,
         cuda,
         Arc::clone(&counters),
@@ -201,7 +205,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let cfg = &node.info().cfg;
     tracing::info!(pool_size = %cfg.pool_size, "{}", cfg.stream_memory_origin());
     let (shutdown, watch) = watch::channel(false);
-    spawn_tasks(&node, data, control, &watch);
+    spawn_tasks(&node, data, control, (entries, &watch));
     let socket = cfg.socket.clone();
     crate::socket::start(Arc::clone(&node), &socket, watch).map_err(|source| StartError::Bind {
         what: "the trainer socket",
@@ -221,18 +225,12 @@ fn spawn_tasks(
     node: &Arc<Node>,
     data: tokio::net::TcpListener,
     mut control: mpsc::UnboundedReceiver<ControlRequest>,
-    watch: &watch::Receiver<bool>,
+    (entries, watch): (Vec<shardwire_config::SourceEntry>, &watch::Receiver<bool>),
 ) {
     let plane = Arc::clone(node.plane());
     tokio::spawn(plane::accept_loop(Arc::clone(&plane), data, watch.clone()));
-    let conns: Arc<dyn DataConns> = plane.clone();
-    for l in &plane.links {
-        tokio::spawn(crate::link::run(
-            Arc::clone(l),
-            Arc::clone(&conns),
-            watch.clone(),
-        ));
-    }
+    let every = Duration::from_secs(node.info().cfg.source_resolve_secs);
+    crate::discovery::spawn(&plane, entries, every, watch);
     let node = Arc::clone(node);
     tokio::spawn(async move {
         while let Some((c, answer)) = control.recv().await {

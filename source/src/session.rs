@@ -160,6 +160,7 @@ pub(crate) async fn run(
     let senders = dial_data(&mut ctl, &shared, data_addr, flows, &failed, &progress).await?;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
+    let draining = shared.draining.subscribe();
     Session {
         id,
         ctl,
@@ -168,6 +169,8 @@ pub(crate) async fn run(
         waiting: VecDeque::new(),
         failed,
         progress,
+        draining,
+        drained: false,
     }
     .serve()
     .await
@@ -305,6 +308,10 @@ struct Session {
     waiting: VecDeque<Queued>,
     failed: Arc<Notify>,
     progress: Arc<Notify>,
+    /// The source's drain flag ([`crate::Source::serve`]).
+    draining: tokio::sync::watch::Receiver<bool>,
+    /// The node has been told that this source drains.
+    drained: bool,
 }
 
 impl Session {
@@ -323,6 +330,10 @@ impl Session {
                 },
                 _ = self.failed.notified() => return Err(SessionError::DataFailed),
                 _ = self.progress.notified() => continue,
+                _ = async { self.draining.wait_for(|d| *d).await.is_ok() }, if !self.drained => {
+                    self.tell_draining().await?;
+                    continue;
+                }
                 _ = tokio::time::sleep_until(ping_at) => {
                     self.ctl.send(&Message::Ping).await?;
                     continue;
@@ -332,6 +343,22 @@ impl Session {
             last_heard = Instant::now();
             self.handle(msg).await?;
         }
+    }
+
+    /// Tells the node once that this source drains: it sends nothing new here, and the
+    /// queued FETCHes are still sent.
+    async fn tell_draining(&mut self) -> Result<(), SessionError> {
+        self.drained = true;
+        let queued = self.waiting.len();
+        tracing::info!(
+            session = self.id,
+            queued,
+            "telling the node this source drains"
+        );
+        let message = format!(
+            "source is draining: {queued} queued FETCHes are still sent, new ones are refused"
+        );
+        self.ctl.error(0, ErrorCode::Draining, message).await
     }
 
     async fn handle(&mut self, msg: Message) -> Result<(), SessionError> {
@@ -391,8 +418,13 @@ impl Session {
         }
     }
 
-    /// Checks a FETCH and queues it (or answers it with an error).
+    /// Checks a FETCH and queues it (or answers it with an error: refused while draining).
     async fn queue(&mut self, req: u64, dataset: &str, shard: u32) -> Result<(), SessionError> {
+        if self.drained {
+            metrics::counter!("shardwire_source_fetches_refused_draining_total").increment(1);
+            let message = "source is draining: fetch it from another source".to_string();
+            return self.ctl.error(req, ErrorCode::Draining, message).await;
+        }
         let Some(d) = self.shared.datasets.get(dataset) else {
             let message = format!("dataset `{dataset}` is not served here");
             return self

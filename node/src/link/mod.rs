@@ -216,6 +216,17 @@ impl SourceLink {
         !self.is_draining() && !self.is_retiring()
     }
 
+    /// `draining`, `retiring` or `active` (`/v1/status`).
+    pub fn state_name(&self) -> &'static str {
+        if self.is_retiring() {
+            "retiring"
+        } else if self.is_draining() {
+            "draining"
+        } else {
+            "active"
+        }
+    }
+
     /// Fetches sent on this link that have not ended (pending or being received).
     pub fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::Acquire)

@@ -79,7 +79,11 @@ mod tests {
     fn an_answer_is_asked_once_and_again_after_a_reconnect() {
         let s = Served::default();
         assert_eq!(s.check("web", "d1", 1), (Serves::Unknown, true));
-        assert_eq!(s.check("web", "d1", 1), (Serves::Unknown, false), "asked already");
+        assert_eq!(
+            s.check("web", "d1", 1),
+            (Serves::Unknown, false),
+            "asked already"
+        );
         s.record("web", Some("d1".into()), 1);
         assert_eq!(s.check("web", "d1", 1), (Serves::Yes, false));
         assert_eq!(s.check("web", "d2", 1), (Serves::No, false));

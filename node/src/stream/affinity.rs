@@ -23,6 +23,7 @@ use std::cmp::Reverse;
 /// How far from an even share of a dataset's bytes [`balance`] lets a source be.
 pub const SLACK_PERCENT: u128 = 5;
 /// [`SLACK_PERCENT`] as a fraction.
+#[cfg(test)]
 pub const SLACK: f64 = SLACK_PERCENT as f64 / 100.0;
 /// Ranks remembered per shard for raising a light source ([`balance`]'s second pass).
 const ALTERNATES: usize = 4;
@@ -243,7 +244,9 @@ mod tests {
     }
 
     fn names(n: usize, salt: usize) -> Vec<String> {
-        let mut v: Vec<String> = (0..n).map(|i| format!("10.{salt}.0.{}:7500", i + 2)).collect();
+        let mut v: Vec<String> = (0..n)
+            .map(|i| format!("10.{salt}.0.{}:7500", i + 2))
+            .collect();
         v.sort();
         v
     }
@@ -259,7 +262,14 @@ mod tests {
     #[test]
     fn balance_holds_every_source_within_the_slack_over_realistic_sizes() {
         for kind in ["even", "uniform", "lognormal", "bimodal"] {
-            for (shards, n) in [(64, 2), (300, 3), (300, 5), (2000, 8), (2000, 16), (20_000, 5)] {
+            for (shards, n) in [
+                (64, 2),
+                (300, 3),
+                (300, 5),
+                (2000, 8),
+                (2000, 16),
+                (20_000, 5),
+            ] {
                 let sizes = sizes(kind, shards, shards as u64 * 31 + n as u64);
                 let names = names(n, shards % 7);
                 let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -309,7 +319,10 @@ mod tests {
             let (a, b) = (balance("web", &sizes, &r5), balance("web", &sizes, &r4));
             let (moved, total) = moved_between(&sizes, (&five, &a), (&four, &b), &five[2]);
             let share = moved as f64 / total as f64;
-            assert!(share <= limit, "{shards} shards: {share:.4} of the bytes moved between the others");
+            assert!(
+                share <= limit,
+                "{shards} shards: {share:.4} of the bytes moved between the others"
+            );
             // Every shard of the removed source found another.
             assert!(b.iter().all(|&o| usize::from(o) < 4));
         }
@@ -328,9 +341,15 @@ mod tests {
         let total: u64 = sizes.iter().sum();
         let new = six.iter().position(|n| n == "10.2.0.99:7500").unwrap();
         let taken = loads(&sizes, &b, 6)[new] as f64 / total as f64;
-        assert!((taken - 1.0 / 6.0).abs() <= SLACK / 6.0 + 1e-9, "{taken:.4}");
+        assert!(
+            (taken - 1.0 / 6.0).abs() <= SLACK / 6.0 + 1e-9,
+            "{taken:.4}"
+        );
         let (moved, _) = moved_between(&sizes, (&five, &a), (&six, &b), "10.2.0.99:7500");
-        assert!((moved as f64) / (total as f64) <= 0.05, "{moved} of {total}");
+        assert!(
+            (moved as f64) / (total as f64) <= 0.05,
+            "{moved} of {total}"
+        );
     }
 
     #[test]

@@ -47,19 +47,32 @@ impl Placements {
         let (clock, tables) = &mut *guard;
         *clock += 1;
         let key = (dataset.to_owned(), digest.to_owned());
-        let fresh = tables
-            .get(&key)
-            .is_some_and(|t| t.sources.iter().map(String::as_str).eq(sources.iter().copied()));
+        let fresh = tables.get(&key).is_some_and(|t| {
+            t.sources
+                .iter()
+                .map(String::as_str)
+                .eq(sources.iter().copied())
+        });
         if !fresh {
             let sizes = sizes();
             let owner = affinity::balance(dataset, &sizes, sources);
             tracing::info!(%dataset, shards = sizes.len(), sources = ?sources, "placement computed");
             if tables.len() >= KEPT && !tables.contains_key(&key) {
-                let oldest = tables.iter().min_by_key(|(_, t)| t.used).map(|(k, _)| k.clone());
+                let oldest = tables
+                    .iter()
+                    .min_by_key(|(_, t)| t.used)
+                    .map(|(k, _)| k.clone());
                 tables.remove(&oldest.expect("not empty"));
             }
             let sources = sources.iter().map(|s| (*s).to_owned()).collect();
-            tables.insert(key.clone(), Table { sources, owner, used: 0 });
+            tables.insert(
+                key.clone(),
+                Table {
+                    sources,
+                    owner,
+                    used: 0,
+                },
+            );
         }
         let t = tables.get_mut(&key).expect("just made");
         t.used = *clock;

@@ -26,6 +26,38 @@ pub struct Version<'a> {
     pub digest: &'a str,
 }
 
+/// What routing needs of the node: its sources and the placements shared by its streams.
+#[derive(Debug)]
+pub struct Routing {
+    roster: Arc<Roster>,
+    placements: Placements,
+}
+
+impl Routing {
+    /// Routing over `roster`'s sources.
+    pub fn new(roster: Arc<Roster>) -> Arc<Self> {
+        Arc::new(Self {
+            roster,
+            placements: Placements::default(),
+        })
+    }
+
+    /// The node's sources.
+    pub fn roster(&self) -> &Arc<Roster> {
+        &self.roster
+    }
+
+    /// The placements of the datasets the streams read.
+    pub fn placements(&self) -> &Placements {
+        &self.placements
+    }
+
+    /// [`members`] of `v` over this node's sources.
+    pub fn members(&self, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
+        members(&self.roster, v, next_id)
+    }
+}
+
 /// The members of `v` now, sorted by name; links not yet asked about it are asked (request
 /// ids from `next_id`).
 pub fn members(roster: &Roster, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
@@ -108,9 +140,14 @@ fn ask_about(link: Arc<SourceLink>, v: Version<'_>, req: u64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::link::LinkConfig;
+
+    /// Routing over an empty roster (stream tests that issue through a fake).
+    pub(crate) fn routing() -> Arc<Routing> {
+        Routing::new(Arc::new(roster(&[]).0))
+    }
 
     fn roster(addrs: &[&str]) -> (Roster, Vec<Arc<SourceLink>>) {
         let r = Roster::new(LinkConfig {
@@ -118,7 +155,10 @@ mod tests {
             flows: 1,
             data_addr: "127.0.0.1:1".parse().unwrap(),
         });
-        let links = addrs.iter().map(|a| r.add(a, "config").unwrap().0).collect();
+        let links = addrs
+            .iter()
+            .map(|a| r.add(a, "config").unwrap().0)
+            .collect();
         (r, links)
     }
 
@@ -159,7 +199,10 @@ mod tests {
         for shard in 0..300u32 {
             let owner = usize::from(placed[shard as usize]);
             let got = choose(&p, V, &l, (shard, None), sizes).unwrap();
-            assert_eq!(got.index, l[owner].index, "shard {shard} goes to its placement");
+            assert_eq!(
+                got.index, l[owner].index,
+                "shard {shard} goes to its placement"
+            );
             // Its source failed it: the next in the ranking, never the one that failed.
             let retry = choose(&p, V, &l, (shard, Some(l[owner].index)), sizes).unwrap();
             assert_ne!(retry.index, l[owner].index);
