@@ -7,13 +7,16 @@
 //!
 //! Plain rendezvous balances shard *counts* only in expectation (a source's share of S
 //! shards among N sources varies by about sqrt(N / S), more when sizes vary), so
-//! [`balance`] bounds it: shards, largest first, go to the highest-ranked source whose bytes
-//! stay within [`SLACK`] above an even share; then each source left more than [`SLACK`]
-//! below takes shards for which it ranks next from sources that can spare them. Every source
-//! then holds an even share of bytes within [`SLACK`] (when no single shard is larger than
-//! that slack). The price: a change of sources moves the lost (or to the new) source's slice
-//! and also the few shards the bound needs to move between the others (measured in the tests
-//! below: a few percent of the bytes at a few hundred shards, under 1% at thousands).
+//! [`balance`] bounds it by bytes: each shard starts at its first-ranked source, a source
+//! more than [`SLACK_PERCENT`] above an even share gives its weakest claims to their next
+//! source with room, and a source more than that below takes its strongest claims from
+//! sources that can spare them. Every source then holds an even share of bytes within the
+//! slack (when no single shard is larger than it). The price: a change of sources may move a
+//! few shards between the sources that stayed, besides the lost (or new) source's slice; the
+//! tests below measure it (none in most removals at a few hundred shards, under 1% of the
+//! bytes at thousands). No function of the set of sources alone can both bound bytes and
+//! never move a survivor's shard (that would make each shard's choice independent of the
+//! other sources, i.e. plain rendezvous).
 //!
 //! [`pick`] is the plain ranking, for a source that is down or just failed a fetch: the next
 //! in the shard's ranking takes over, so only that source's shards move while it is away.
@@ -25,8 +28,8 @@ pub const SLACK_PERCENT: u128 = 5;
 /// [`SLACK_PERCENT`] as a fraction.
 #[cfg(test)]
 pub const SLACK: f64 = SLACK_PERCENT as f64 / 100.0;
-/// Ranks remembered per shard for raising a light source ([`balance`]'s second pass).
-const ALTERNATES: usize = 4;
+/// Ranks remembered per shard for shedding and raising ([`balance`]'s passes).
+const ALTERNATES: usize = 8;
 
 /// The weight of `source` for shard `shard` of `dataset`; the highest weight is preferred.
 pub fn weight(dataset: &str, shard: u32, source: &str) -> u64 {
@@ -68,9 +71,20 @@ pub fn pick(
     best(avoid).or_else(|| best(None))
 }
 
+/// One shard's best-ranked sources: (weight, index in `sources`), highest weight first.
+type Ranking = Vec<(u64, u16)>;
+
 /// The source of every shard (its index in `sources`) so that each source's bytes are within
-/// [`SLACK`] of an even share. `sizes` are the dataset's shard sizes in bytes; `sources` must
-/// be in the same order on every node (sorted names), since ties go to the lower index.
+/// [`SLACK_PERCENT`] of an even share. `sizes` are the dataset's shard sizes in bytes;
+/// `sources` must be in the same order on every node (sorted names), since ties go to the
+/// lower index.
+///
+/// Every shard starts at its first-ranked source; a source over the cap sheds its *weakest*
+/// claims (the shards it holds with the lowest weight) to their next-ranked source with room;
+/// then a source under the floor takes the shards it is ranked for that their owners claim
+/// weakest. A source that leaves made its shards the survivors' second-ranked ones, which are
+/// weaker claims than the survivors' own, so the survivors shed those first and keep their
+/// own: in practice only the lost slice moves (measured in the tests below).
 pub fn balance(dataset: &str, sizes: &[u64], sources: &[&str]) -> Vec<u16> {
     let n = sources.len();
     assert!(n <= usize::from(u16::MAX), "{n} sources");
@@ -79,68 +93,120 @@ pub fn balance(dataset: &str, sizes: &[u64], sources: &[&str]) -> Vec<u16> {
     }
     let total: u128 = sizes.iter().map(|&b| u128::from(b)).sum();
     let share = |percent: u128| total * percent / (100 * n as u128);
-    let (cap, floor) = (share(100 + SLACK_PERCENT), share(100 - SLACK_PERCENT));
-    let mut order: Vec<u32> = (0..sizes.len() as u32).collect();
-    order.sort_by_key(|&s| (Reverse(sizes[s as usize]), s));
+    let bounds = (share(100 - SLACK_PERCENT), share(100 + SLACK_PERCENT));
+    let ranks: Vec<Ranking> = (0..sizes.len())
+        .map(|s| ranking(dataset, s as u32, sources))
+        .collect();
+    let mut owner: Vec<u16> = ranks.iter().map(|r| r[0].1).collect();
     let mut load = vec![0u128; n];
-    let mut owner = vec![0u16; sizes.len()];
-    let mut alternates = vec![[u16::MAX; ALTERNATES]; sizes.len()];
-    let mut ranked: Vec<usize> = (0..n).collect();
-    let mut w = vec![0u64; n];
-    for s in order {
-        let size = u128::from(sizes[s as usize]);
-        for (i, name) in sources.iter().enumerate() {
-            w[i] = weight(dataset, s, name);
-        }
-        ranked.sort_unstable_by_key(|&i| (Reverse(w[i]), i));
-        let fits = ranked.iter().copied().find(|&i| load[i] + size <= cap);
-        // A shard too large for any room left goes to the least loaded.
-        let o = fits.unwrap_or_else(|| (0..n).min_by_key(|&i| (load[i], i)).expect("n > 1"));
-        owner[s as usize] = o as u16;
-        load[o] += size;
-        for (slot, &i) in alternates[s as usize].iter_mut().zip(&ranked) {
-            *slot = i as u16;
-        }
+    for (s, &o) in owner.iter().enumerate() {
+        load[usize::from(o)] += u128::from(sizes[s]);
     }
-    raise_light(sizes, (floor, cap), &mut owner, &alternates, &mut load);
+    let mut p = Pass {
+        sizes,
+        ranks: &ranks,
+        owner: &mut owner,
+        load: &mut load,
+        bounds,
+    };
+    p.shed_heavy();
+    p.raise_light();
     owner
 }
 
-/// [`balance`]'s second pass: each source below `floor` (lightest first) takes the shards for
-/// which it ranks highest (then the largest first) from owners that stay at or above `floor`,
-/// while it stays at or below `cap`.
-fn raise_light(
-    sizes: &[u64],
-    (floor, cap): (u128, u128),
-    owner: &mut [u16],
-    alternates: &[[u16; ALTERNATES]],
-    load: &mut [u128],
-) {
-    let mut light: Vec<usize> = (0..load.len()).collect();
-    light.sort_by_key(|&i| (load[i], i));
-    for l in light {
-        if load[l] >= floor {
-            continue;
-        }
-        let mut offers: Vec<(usize, Reverse<u64>, usize)> = alternates
+/// The [`ALTERNATES`] best-ranked sources of `shard`.
+fn ranking(dataset: &str, shard: u32, sources: &[&str]) -> Ranking {
+    let mut r: Ranking = sources
+        .iter()
+        .enumerate()
+        .map(|(i, name)| (weight(dataset, shard, name), i as u16))
+        .collect();
+    r.sort_unstable_by_key(|&(w, i)| (Reverse(w), i));
+    r.truncate(ALTERNATES);
+    r
+}
+
+/// The state of [`balance`]'s two passes.
+struct Pass<'a> {
+    sizes: &'a [u64],
+    ranks: &'a [Ranking],
+    owner: &'a mut [u16],
+    load: &'a mut [u128],
+    /// (floor, cap) of a source's bytes.
+    bounds: (u128, u128),
+}
+
+impl Pass<'_> {
+    /// The weight of the owner's claim on shard `s` (0 when it is not among its alternates).
+    fn claim(&self, s: usize, source: u16) -> u64 {
+        self.ranks[s]
             .iter()
-            .enumerate()
-            .filter(|&(s, _)| usize::from(owner[s]) != l)
-            .filter_map(|(s, alt)| {
-                let rank = alt.iter().position(|&i| usize::from(i) == l)?;
-                Some((rank, Reverse(sizes[s]), s))
-            })
-            .collect();
-        offers.sort_unstable();
-        for (_, Reverse(size), s) in offers {
-            if load[l] >= floor {
-                break;
+            .find(|&&(_, i)| i == source)
+            .map_or(0, |&(w, _)| w)
+    }
+
+    fn move_shard(&mut self, s: usize, to: u16) {
+        let size = u128::from(self.sizes[s]);
+        self.load[usize::from(self.owner[s])] -= size;
+        self.load[usize::from(to)] += size;
+        self.owner[s] = to;
+    }
+
+    /// Each source over the cap (in index order) gives its weakest claims to their next
+    /// source with room, until it is within the cap.
+    fn shed_heavy(&mut self) {
+        let cap = self.bounds.1;
+        for h in 0..self.load.len() as u16 {
+            if self.load[usize::from(h)] <= cap {
+                continue;
             }
-            let (o, size) = (usize::from(owner[s]), u128::from(size));
-            if load[o] >= floor + size && load[l] + size <= cap {
-                owner[s] = l as u16;
-                load[o] -= size;
-                load[l] += size;
+            let mut held: Vec<(u64, usize)> = (0..self.owner.len())
+                .filter(|&s| self.owner[s] == h)
+                .map(|s| (self.claim(s, h), s))
+                .collect();
+            held.sort_unstable();
+            for (_, s) in held {
+                if self.load[usize::from(h)] <= cap {
+                    break;
+                }
+                let size = u128::from(self.sizes[s]);
+                let to = self.ranks[s]
+                    .iter()
+                    .map(|&(_, i)| i)
+                    .find(|&i| i != h && self.load[usize::from(i)] + size <= cap);
+                if let Some(to) = to {
+                    self.move_shard(s, to);
+                }
+            }
+        }
+    }
+
+    /// Each source under the floor (lightest first) takes, among the shards it is ranked for,
+    /// those its owners claim weakest, from owners that stay at or above the floor, while it
+    /// stays within the cap.
+    fn raise_light(&mut self) {
+        let (floor, cap) = self.bounds;
+        let mut light: Vec<usize> = (0..self.load.len()).collect();
+        light.sort_by_key(|&i| (self.load[i], i));
+        for l in light.into_iter().map(|i| i as u16) {
+            if self.load[usize::from(l)] >= floor {
+                continue;
+            }
+            // The owners' weakest claims first: a survivor's own shards stay with it.
+            let mut offers: Vec<(u64, usize)> = (0..self.owner.len())
+                .filter(|&s| self.owner[s] != l && self.ranks[s].iter().any(|&(_, i)| i == l))
+                .map(|s| (self.claim(s, self.owner[s]), s))
+                .collect();
+            offers.sort_unstable();
+            for (_, s) in offers {
+                if self.load[usize::from(l)] >= floor {
+                    break;
+                }
+                let size = u128::from(self.sizes[s]);
+                let o = usize::from(self.owner[s]);
+                if self.load[o] >= floor + size && self.load[usize::from(l)] + size <= cap {
+                    self.move_shard(s, l);
+                }
             }
         }
     }
@@ -361,5 +427,30 @@ mod tests {
         assert_ne!(balance("web", &sizes, &r), balance("code", &sizes, &r));
         assert_eq!(balance("web", &sizes, &r[..1]), vec![0; 500]);
         assert!(balance("web", &[], &r).is_empty());
+    }
+
+    #[test]
+    fn scaling_five_to_two_keeps_the_survivors_shards_where_they_were() {
+        // The e2e test's shape (tests/e2e/test_elastic.py): 120 shards of 20-200 KB.
+        let mut worst = 0.0f64;
+        for seed in 0..20 {
+            let sizes: Vec<u64> = sizes("uniform", 120, seed).iter().map(|s| s * 3).collect();
+            let five = names(5, (seed % 5) as usize);
+            let two: Vec<String> = vec![five[1].clone(), five[3].clone()];
+            let r5: Vec<&str> = five.iter().map(String::as_str).collect();
+            let r2: Vec<&str> = two.iter().map(String::as_str).collect();
+            let (a, b) = (balance("ds", &sizes, &r5), balance("ds", &sizes, &r2));
+            let mut moved = 0u64;
+            for s in 0..sizes.len() {
+                let (x, y) = (&five[usize::from(a[s])], &two[usize::from(b[s])]);
+                if two.contains(x) && x != y {
+                    moved += sizes[s];
+                }
+            }
+            let share = moved as f64 / sizes.iter().sum::<u64>() as f64;
+            worst = worst.max(share);
+        }
+        eprintln!("worst survivor-to-survivor move over 20 datasets: {worst:.4}");
+        assert!(worst <= 0.05, "{worst:.4}");
     }
 }
