@@ -65,7 +65,7 @@ def serve_dns(sw, dns, *extra) -> Serve:
     name = sw._name("serve")
     args = [sw.bin, "serve", "--socket", sw.tmp / f"{name}.sock", "--data-listen", "127.0.0.1:0",
             "--admin", "127.0.0.1:0", "--source-resolve-secs", "1", "--pool-size", "256MiB",
-            "--stream-memory", "16MiB", *extra]
+            "--stream-memory", "2MiB", *extra]
     p = Serve(name, dns.wrap([str(a) for a in args]), sw.logs, NODE_LOG)
     sw.procs.append(p)
     m = p.wait_line(SERVE_READY)
@@ -136,7 +136,7 @@ def moved_bytes(a: dict[int, str], b: dict[int, str], stayed: set[str], lengths)
 
 def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     lengths = write_dataset(tmp_path / "ds")
-    tier = Tier(sw, tmp_path / "ds", free_port(), "--rate-limit", "8MiB")
+    tier = Tier(sw, tmp_path / "ds", free_port(), "--rate-limit", "4MiB")
     for i in range(5):
         tier.start(i)
     dns.set(IPS[:3])
@@ -154,6 +154,8 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     grow.done = False
     epochs(sw, node, 3, seed=12, on_progress=grow)
     assert grow.done
+    got = bytes_by_source(node)
+    assert all(got.get(tier.addr(i), 0) > 0 for i in (3, 4)), f"the new sources took no part in the running epochs: {got}"
     wait_sources(node, [tier.addr(i) for i in range(5)])
     five = stable_epoch(sw, node, [tier.addr(i) for i in range(5)], lengths, seed=13)
     new = {tier.addr(3), tier.addr(4)}
@@ -173,12 +175,19 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
             for i in gone:
                 tier.procs[i].kill(signal.SIGTERM)
     shrink.done = False
+    since = len(node.stderr_text())
     epochs(sw, node, 3, seed=14, on_progress=shrink)
     assert shrink.done
+    # While they left, a shard whose source stayed was fetched from that source.
+    during = re.findall(FETCH, node.stderr_text()[since:])
+    stay = {tier.addr(1), tier.addr(3)}
+    rehomed = {int(sh) for sh, src in during if five[int(sh)] in stay and src != five[int(sh)]}
+    print(f"5 -> 2, during the epochs: {len(rehomed)} shards of the sources that stayed fetched elsewhere")
+    assert sum(lengths[s] for s in rehomed) <= 0.05 * sum(lengths), sorted(rehomed)
     for i in gone:
         assert tier.procs[i].wait(30) == 0, tier.procs[i].describe()
         assert "drained: every node session has ended" in tier.procs[i].stderr_text(), tier.procs[i].describe()
-    stay = [tier.addr(1), tier.addr(3)]
+    stay = sorted(stay)
     wait_sources(node, stay)
     two = stable_epoch(sw, node, stay, lengths, seed=15)
     survivors = moved_bytes(five, two, set(stay), lengths)
@@ -208,7 +217,7 @@ def test_two_nodes_fetch_every_shard_from_the_same_source(sw, dns, tmp_path):
 
 def test_chaos_sources_killed_and_started_under_a_changing_dns_answer(sw, dns, tmp_path):
     write_dataset(tmp_path / "ds", seed=5)
-    tier = Tier(sw, tmp_path / "ds", free_port(), "--rate-limit", "6MiB")
+    tier = Tier(sw, tmp_path / "ds", free_port(), "--rate-limit", "1MiB")
     pool = list(range(5))
     for i in pool:
         tier.start(i)
