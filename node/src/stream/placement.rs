@@ -22,10 +22,13 @@ struct Table {
     used: u64,
 }
 
+/// The tables by (dataset, digest), with the clock their last use is read from.
+type Tables = (u64, HashMap<(String, String), Table>);
+
 /// The placements of the datasets the node's streams read.
 #[derive(Debug, Default)]
 pub struct Placements {
-    tables: Mutex<(u64, HashMap<(String, String), Table>)>,
+    tables: Mutex<Tables>,
 }
 
 impl Placements {
