@@ -9,6 +9,7 @@
 
 mod bytesize;
 mod lanes;
+mod sources;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 pub use bytesize::ByteSize;
 pub use lanes::{LaneConfig, Lanes, MAX_LANES, is_gpu_name};
+pub use sources::{SourceEntry, SourceEntryError};
 
 /// Why the configuration is not usable.
 #[derive(Debug, thiserror::Error)]
@@ -120,8 +122,11 @@ pub enum LogFormat {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeConfig {
-    /// Shard source control addresses (host:port).
+    /// Shard sources: control addresses (`HOST:PORT`) and DNS names standing for every
+    /// address they resolve to (`dns:NAME:PORT`) ([`SourceEntry`]).
     pub sources: Vec<String>,
+    /// Seconds between two resolutions of each `dns:` source entry.
+    pub source_resolve_secs: u64,
     /// Trainer Unix socket path.
     pub socket: PathBuf,
     /// Data port listen address (sources dial it).
@@ -194,6 +199,7 @@ impl Default for ServeConfig {
     fn default() -> Self {
         Self {
             sources: Vec::new(),
+            source_resolve_secs: 10,
             socket: PathBuf::from("/run/shardwire/trainer.sock"),
             data_listen: "0.0.0.0:7401".parse().expect("valid"),
             admin: "127.0.0.1:7400".parse().expect("valid"),
@@ -269,6 +275,9 @@ pub struct SourceConfig {
     /// Admin HTTP address (`/v1/status`, `/metrics`); `None`: status goes to the log every
     /// minute instead.
     pub admin: Option<SocketAddr>,
+    /// On SIGTERM the source takes no new FETCH and finishes the queued ones; it exits when
+    /// they are sent or after this many seconds, whichever comes first.
+    pub drain_timeout_secs: u64,
 }
 
 /// Default of `object_store_request_size`: 8 MiB (AWS's guidance: ranged GETs of 8-16 MB).
@@ -293,6 +302,7 @@ impl Default for SourceConfig {
             object_store_max_inflight: 32,
             object_store_request_size: ByteSize(DEFAULT_REQUEST_SIZE),
             admin: None,
+            drain_timeout_secs: 30,
         }
     }
 }
@@ -390,10 +400,13 @@ impl ServeConfig {
         }
         self.socket_mode_bits()?;
         self.lanes.validate()?;
-        for s in &self.sources {
-            if !s.contains(':') {
-                return Err(invalid("sources", s, "each source must be HOST:PORT"));
-            }
+        self.source_entries()?;
+        if !(1..=3600).contains(&self.source_resolve_secs) {
+            return Err(invalid(
+                "source_resolve_secs",
+                self.source_resolve_secs,
+                "must be between 1 and 3600",
+            ));
         }
         Ok(())
     }
@@ -418,6 +431,23 @@ impl ServeConfig {
                 self.pool_size
             ),
         }
+    }
+
+    /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT` is an
+    /// error naming it.
+    pub fn source_entries(&self) -> Result<Vec<SourceEntry>, ConfigError> {
+        self.sources
+            .iter()
+            .map(|s| {
+                SourceEntry::parse(s).map_err(|e| {
+                    invalid(
+                        "sources",
+                        s,
+                        format!("{e}; each source is HOST:PORT or dns:NAME:PORT"),
+                    )
+                })
+            })
+            .collect()
     }
 
     /// `socket_mode` as permission bits.
@@ -465,6 +495,13 @@ impl SourceConfig {
                 "max_connections",
                 c.max_connections,
                 "must be at least 1",
+            ));
+        }
+        if c.drain_timeout_secs == 0 {
+            return Err(invalid(
+                "drain_timeout_secs",
+                c.drain_timeout_secs,
+                "must be at least 1 second",
             ));
         }
         c.check_object_store()?;
@@ -616,6 +653,36 @@ mod tests {
             e.contains("`pool_size`") && e.contains("stream_memory (256MiB)"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn dns_sources_and_their_resolve_interval_are_checked() {
+        let p = write(
+            "sources = [\"dns:shardwire-source.ml.svc:7500\", \"10.0.0.9:7500\"]\nsource_resolve_secs = 5\n",
+        );
+        let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
+        assert_eq!(c.source_resolve_secs, 5);
+        let entries = c.source_entries().unwrap();
+        assert_eq!(
+            entries[0].lookup().as_deref(),
+            Some("shardwire-source.ml.svc:7500")
+        );
+        assert_eq!(entries[1], SourceEntry::Addr("10.0.0.9:7500".into()));
+        let p = write("sources = [\"dns:bad name:7500\"]\n");
+        let e = ServeConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`sources`") && e.contains("bad name") && e.contains("dns:NAME:PORT"),
+            "{e}"
+        );
+        let p = write("source_resolve_secs = 0\n");
+        let e = ServeConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`source_resolve_secs`"), "{e}");
+        assert_eq!(ServeConfig::default().source_resolve_secs, 10);
+        assert_eq!(SourceConfig::default().drain_timeout_secs, 30);
     }
 
     #[test]

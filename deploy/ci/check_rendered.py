@@ -372,7 +372,9 @@ def check_refs(docs: list[Doc]) -> list[str]:
             for s in svcs:
                 if ep.get("port") not in {p.get("name") for p in s["spec"]["ports"]}:
                     errs.append(f"ServiceMonitor/{sm['metadata']['name']}: port {ep.get('port')} is not a named port of Service/{s['metadata']['name']}")
-    for k, n in [("DaemonSet", "shardwire-node"), ("StatefulSet", "shardwire-source"), ("Service", "shardwire-source"),
+    if not any(k in ("StatefulSet", "Deployment") and n == "shardwire-source" for k, n in by_kind_name):
+        errs.append("neither StatefulSet/shardwire-source nor Deployment/shardwire-source is rendered")
+    for k, n in [("DaemonSet", "shardwire-node"), ("Service", "shardwire-source"),
                  ("Secret", "shardwire-secret"), ("Job", "shardwire-trainer-example"), ("Service", "shardwire-node-metrics")]:
         if (k, n) not in by_kind_name:
             errs.append(f"{k}/{n} is not rendered")
@@ -408,6 +410,53 @@ def secret_ok(docs: list[Doc], w: Doc, c: Doc, path: str | None) -> list[str]:
     return []
 
 
+def source_workload(docs: list[Doc]) -> Doc:
+    """The source tier: StatefulSet/shardwire-source (stable names) or, in the elastic overlay,
+    Deployment/shardwire-source (found by DNS)."""
+    for kind in ("StatefulSet", "Deployment"):
+        if find(docs, kind, "shardwire-source"):
+            return one(docs, kind, "shardwire-source")
+    raise CheckError("no StatefulSet or Deployment shardwire-source")
+
+
+def source_service_name(docs: list[Doc], w: Doc) -> str:
+    """The Service of the source pods: a StatefulSet's serviceName, else the headless Service
+    whose selector matches the Deployment's pods."""
+    if w["kind"] == "StatefulSet":
+        return w["spec"]["serviceName"]
+    pod = w["spec"]["template"]["metadata"].get("labels", {})
+    for svc in find(docs, "Service"):
+        sel = svc["spec"].get("selector") or {}
+        if svc["spec"].get("clusterIP") == "None" and sel and labels_match(sel, pod):
+            return svc["metadata"]["name"]
+    raise CheckError(f"no headless Service selects the pods of {w['kind']}/{w['metadata']['name']}")
+
+
+def dns_sources(docs: list[Doc], dep: Doc, eff: dict, port) -> tuple[list[str], str]:
+    """A Deployment of sources: serve.toml names them by one `dns:` entry for their headless
+    Service on its port; an HPA scales that Deployment and a PodDisruptionBudget covers its pods
+    (it drains on SIGTERM: the grace period must exceed drain_timeout_secs)."""
+    errs = []
+    ns = dep["metadata"].get("namespace", "")
+    svc = source_service_name(docs, dep)
+    names = (svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local")
+    entries = eff["sources"]
+    if len(entries) != 1 or not entries[0].startswith("dns:"):
+        errs.append(f"serve.toml sources {entries}: a Deployment's pods are found by one dns:NAME:PORT entry")
+    else:
+        host, p = host_port(entries[0][len("dns:"):])
+        if host not in names or p != port:
+            errs.append(f"source {entries[0]} is not headless Service {svc} (namespace {ns}) on port {port}")
+    hpas = [h for h in find(docs, "HorizontalPodAutoscaler")
+            if h["spec"]["scaleTargetRef"].get("kind") == "Deployment" and h["spec"]["scaleTargetRef"].get("name") == dep["metadata"]["name"]]
+    if not hpas:
+        errs.append(f"no HorizontalPodAutoscaler scales Deployment/{dep['metadata']['name']}")
+    pod = dep["spec"]["template"]["metadata"].get("labels", {})
+    if not any(labels_match(b["spec"]["selector"].get("matchLabels", {}), pod) for b in find(docs, "PodDisruptionBudget")):
+        errs.append(f"no PodDisruptionBudget selects the pods of Deployment/{dep['metadata']['name']}")
+    return errs, f"sources = {entries} -> headless Service {svc}:{port}; HPA and PDB on Deployment/{dep['metadata']['name']}"
+
+
 def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scope: str) -> None:
     def guarded(name: str, fn: Callable[[], tuple[list[str], str]]) -> None:
         try:
@@ -420,7 +469,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
 
     # ---- source (first: the node's `sources` are checked against it)
     def source_config() -> tuple[list[str], str]:
-        sts = one(docs, "StatefulSet", "shardwire-source")
+        sts = source_workload(docs)
         c = container_by_subcommand(sts, "source")
         argv = argv_of(c)
         cfg = flag_value(argv, "--config")
@@ -442,7 +491,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         _, port = host_port(eff["listen"])
         if container_port(c, "control") != port:
             errs.append(f"container port `control` {container_port(c, 'control')} != source.toml listen port {port}")
-        svc = one(docs, "Service", sts["spec"]["serviceName"])
+        svc = one(docs, "Service", source_service_name(docs, sts))
         sp = [p for p in svc["spec"]["ports"] if container_port(c, p.get("targetPort", p["port"])) == port]
         if not sp:
             errs.append(f"Service {svc['metadata']['name']} has no port targeting {port}")
@@ -572,6 +621,8 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
             return ["skipped: serve.toml or source.toml did not load"], ""
         _, _, eff = state["node"]
         sts, _, _ = state["source"]
+        if sts["kind"] == "Deployment":
+            return dns_sources(docs, sts, eff, state.get("source_port"))
         ns = sts["metadata"].get("namespace", "")
         svc = sts["spec"]["serviceName"]
         port = state.get("source_port")
@@ -592,7 +643,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
             errs.append(f"serve.toml sources name pods {sorted(got)}; the StatefulSet has {sorted(want)}")
         return errs, f"{len(eff['sources'])} sources = {n} StatefulSet pods via {svc}:{port}"
 
-    guarded("node: `sources` are exactly the source StatefulSet's pods", node_sources)
+    guarded("node: `sources` are exactly the source StatefulSet's pods (or the Deployment's, by DNS)", node_sources)
 
     def trainer() -> tuple[list[str], str]:
         if "node" not in state:

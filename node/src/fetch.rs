@@ -6,6 +6,8 @@
 //! which hands the slab back to the stream's fetcher with a typed outcome. So a slab is never
 //! re-issued while a receiver may still write into it, and every failure has one shape.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use shardwire_gpu::Slab;
@@ -150,7 +152,28 @@ pub struct InFlight {
     pub req: u64,
     /// When the FETCH was issued (for the fetch latency histogram).
     pub issued: Instant,
+    /// Counts it among its link's outstanding fetches until it ends.
+    pub held: Option<Held>,
     done: Completions,
+}
+
+/// One fetch counted among a link's outstanding ones (a retiring link waits for none to be
+/// left); the count goes down when it is dropped, however the fetch ends.
+#[derive(Debug)]
+pub struct Held(Arc<AtomicUsize>);
+
+impl Held {
+    /// Counts one more fetch on `count`.
+    pub fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What a stream asks for.
@@ -187,6 +210,7 @@ impl InFlight {
             lane: r.lane,
             req: 0,
             issued: Instant::now(),
+            held: None,
             done,
         }
     }
@@ -301,6 +325,17 @@ pub(crate) mod tests {
             FetchFailure::Crc { got: 1, want: 2 }.retry_class(),
             RetryClass::Refetch
         );
+    }
+
+    #[test]
+    fn a_held_fetch_counts_until_it_ends() {
+        let p = pool(1 << 20);
+        let count = Arc::new(AtomicUsize::new(0));
+        let (mut f, _rx) = in_flight(&p, 0, 4096, 1);
+        f.held = Some(Held::new(&count));
+        assert_eq!(count.load(Ordering::Acquire), 1);
+        f.finish(Err(FetchFailure::Cancelled));
+        assert_eq!(count.load(Ordering::Acquire), 0);
     }
 
     #[test]

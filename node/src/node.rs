@@ -24,13 +24,13 @@ use crate::control::{BindingSpec, Control, ControlError, Reply};
 use crate::counters::Counters;
 use crate::info::Info;
 use crate::lanes::Lane;
-use crate::link::SourceLink;
 use crate::plane::{DataPlane, Flow};
+use crate::roster::Member;
 use crate::status::{BindingStatus, LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
-use crate::stream::open;
 use crate::stream::{
-    CloseReason, DatasetSource, OpenError, Parts, Stream, batcher, fetcher, open_mix,
+    CloseReason, DatasetSource, OpenError, Parts, Routing, Stream, batcher, fetcher, manifests,
+    open, open_mix,
 };
 
 /// A control message and where its answer goes.
@@ -41,6 +41,7 @@ pub struct Node {
     info: Info,
     admission: Admission<Stream>,
     plane: Arc<DataPlane>,
+    routing: Arc<Routing>,
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
     control: mpsc::UnboundedSender<ControlRequest>,
@@ -60,6 +61,7 @@ impl Node {
         let node = Arc::new(Self {
             admission: Admission::new(pools),
             info,
+            routing: Routing::new(Arc::clone(&plane.roster)),
             plane,
             counters,
             ids: Arc::new(AtomicU64::new(0)),
@@ -95,10 +97,11 @@ impl Node {
         self.plane.flows()
     }
 
-    /// (sources up, sources configured, draining).
+    /// (sources up, sources known, draining).
     pub fn readiness(&self) -> (usize, usize, bool) {
-        let up = self.plane.links.iter().filter(|l| l.is_up()).count();
-        (up, self.plane.links.len(), self.admission.draining())
+        let links = self.plane.roster.links();
+        let up = links.iter().filter(|l| l.is_up()).count();
+        (up, links.len(), self.admission.draining())
     }
 
     /// Woken when a drain is requested over the admin API.
@@ -169,6 +172,7 @@ impl Node {
             manifest,
             pool: shardwire_gpu::SlabPool::new(region),
             sources,
+            routing: Arc::clone(&self.routing),
             fingerprint,
             counters: Arc::clone(&self.counters),
             ids: Arc::clone(&self.ids),
@@ -204,11 +208,12 @@ impl Node {
                 let mut sources = Vec::with_capacity(mix.len());
                 let mut first = 0u32;
                 for e in mix {
-                    let (m, candidates) = self.manifest_for(&e.dataset).await?;
+                    let m = self.manifest_for(&e.dataset).await?;
                     sources.push(DatasetSource {
                         dataset: e.dataset.clone(),
                         first,
-                        candidates,
+                        shards: m.shards.len() as u32,
+                        digest: m.digest.clone(),
                     });
                     first += m.shards.len() as u32;
                     parts.push((e.dataset.clone(), m));
@@ -222,7 +227,7 @@ impl Node {
                 (Arc::new(combined), sources, opened)
             }
             (_, batch) => {
-                let (manifest, candidates) = self.manifest_for(&r.dataset).await?;
+                let manifest = self.manifest_for(&r.dataset).await?;
                 let opened = match batch {
                     None => open::shard_mode(&manifest, r, region_bytes)?,
                     Some(b) => open::batch_mode(&manifest, r, b, region_bytes, cuda)?,
@@ -230,7 +235,8 @@ impl Node {
                 let sources = vec![DatasetSource {
                     dataset: r.dataset.clone(),
                     first: 0,
-                    candidates,
+                    shards: manifest.shards.len() as u32,
+                    digest: manifest.digest.clone(),
                 }];
                 (manifest, sources, opened)
             }
@@ -272,7 +278,7 @@ impl Node {
         s.close(reason);
         // Fetches not yet on the wire are dropped at the source; the ones already announced
         // arrive and are discarded.
-        let cancelled: usize = s.candidates().iter().map(|l| l.cancel_stream(id)).sum();
+        let cancelled: usize = s.links().iter().map(|l| l.cancel_stream(id)).sum();
         tracing::info!(stream = id, reason = %why, cancelled, "stream closed");
         true
     }
@@ -314,57 +320,9 @@ impl Node {
             .collect()
     }
 
-    /// The manifest for `dataset` and the links that serve exactly it.
-    async fn manifest_for(
-        &self,
-        dataset: &str,
-    ) -> Result<(Arc<Manifest>, Vec<Arc<SourceLink>>), OpenError> {
-        let links = &self.plane.links;
-        // Give links that are still connecting a moment (a trainer may start with the node).
-        for _ in 0..50 {
-            if links.iter().any(|l| l.is_up()) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let (mut errors, mut chosen, mut candidates) =
-            (Vec::new(), None::<Arc<Manifest>>, Vec::new());
-        for l in links.iter().filter(|l| l.is_up()) {
-            let got = l
-                .request_manifest(self.next_id(), dataset)
-                .await
-                .map_err(|e| e.to_string());
-            match got.and_then(|json| Manifest::from_json(&json).map_err(|e| e.to_string())) {
-                Ok(m) => match &chosen {
-                    None => {
-                        chosen = Some(Arc::new(m));
-                        candidates.push(Arc::clone(l));
-                    }
-                    Some(c) if c.digest == m.digest => candidates.push(Arc::clone(l)),
-                    Some(c) => {
-                        tracing::warn!(source = %l.addr, %dataset, theirs = %m.digest, ours = %c.digest, "source serves a different version of the dataset; not using it for this stream")
-                    }
-                },
-                Err(e) => errors.push(format!("{}: {e}", l.addr)),
-            }
-        }
-        match chosen {
-            Some(m) => Ok((m, candidates)),
-            None if errors.is_empty() => {
-                let all: Vec<&str> = links.iter().map(|l| l.addr.as_str()).collect();
-                Err(OpenError::new(
-                    ErrorCode::Unavailable,
-                    format!("no source is connected (configured: {})", all.join(", ")),
-                ))
-            }
-            None => Err(OpenError::new(
-                ErrorCode::UnknownDataset,
-                format!(
-                    "dataset `{dataset}` is not available: {}",
-                    errors.join("; ")
-                ),
-            )),
-        }
+    /// The manifest of `dataset` from the node's sources ([`manifests::manifest_of`]).
+    async fn manifest_for(&self, dataset: &str) -> Result<Arc<Manifest>, OpenError> {
+        manifests::manifest_of(&self.plane.roster, dataset, &|| self.next_id()).await
     }
 
     // --- admin -------------------------------------------------------------------------
@@ -509,7 +467,13 @@ impl Node {
     /// The `/v1/status` document.
     pub fn status(&self) -> Status {
         let cfg = &self.info.cfg;
-        let sources = self.plane.links.iter().map(|l| source_status(l)).collect();
+        let sources = self
+            .plane
+            .roster
+            .snapshot()
+            .iter()
+            .map(source_status)
+            .collect();
         Status {
             version: env!("CARGO_PKG_VERSION"),
             mode: Mode {
@@ -531,6 +495,7 @@ impl Node {
                 stream_memory: cfg.stream_memory(),
             },
             sources,
+            discovery: self.plane.roster.resolutions(),
             streams: self.streams().iter().map(|s| s.info()).collect(),
             counters: self.counters.snapshot(),
         }
@@ -590,10 +555,15 @@ impl Node {
     }
 }
 
-fn source_status(l: &SourceLink) -> SourceStatus {
+fn source_status(m: &Member) -> SourceStatus {
+    let l = &m.link;
     SourceStatus {
         addr: l.addr.clone(),
+        found_by: m.found_by.clone(),
         up: l.is_up(),
+        state: l.state_name(),
+        fetches: l.fetches.load(Ordering::Relaxed),
+        outstanding: l.outstanding(),
         in_flight: l.in_flight(),
         cancels_sent: l.cancels.sent.load(Ordering::Relaxed),
         cancelled: l.cancels.confirmed.load(Ordering::Relaxed),

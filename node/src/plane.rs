@@ -22,6 +22,7 @@ use crate::fetch::{FetchFailure, InFlight};
 use crate::lanes::{Lane, Lanes};
 use crate::link::{Announcement, DataConns, SourceLink};
 use crate::matcher::{Accepted, Announced, Matcher, WrongLane};
+use crate::roster::Roster;
 use crate::rx::{self, Conn, Setup, shared::Gpus};
 
 /// A data connection a source announced and the node has not accepted yet.
@@ -52,8 +53,8 @@ type Binding = Option<(u32, Arc<RxRegion>)>;
 
 /// The data plane.
 pub struct DataPlane {
-    /// One link per configured source.
-    pub links: Vec<Arc<SourceLink>>,
+    /// The sources: configured and found by DNS ([`crate::discovery`]).
+    pub roster: Arc<Roster>,
     /// The node's lanes.
     pub lanes: Arc<Lanes>,
     matcher: Mutex<Matcher<TcpStream, Expected>>,
@@ -65,16 +66,16 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// A plane over these links and lanes, with this binding (on its lane).
+    /// A plane over these sources and lanes, with this binding (on its lane).
     pub fn new(
-        links: Vec<Arc<SourceLink>>,
+        roster: Arc<Roster>,
         lanes: Arc<Lanes>,
         rx: Binding,
         counters: Arc<Counters>,
         io_uring: bool,
     ) -> Self {
         Self {
-            links,
+            roster,
             lanes,
             matcher: Mutex::default(),
             rx: RwLock::new(rx),
@@ -120,7 +121,7 @@ impl DataPlane {
 
     /// Makes every link reconnect (its data connections come back on the current path).
     pub fn reconnect_all(&self, reason: &str) {
-        for l in &self.links {
+        for l in self.roster.links() {
             l.kick(reason);
         }
     }

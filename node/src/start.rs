@@ -19,9 +19,10 @@ use crate::counters::Counters;
 use crate::info::Info;
 use crate::lanes::Lanes;
 use crate::lanes::open::LaneStartError;
-use crate::link::{DataConns, LinkConfig, SourceLink};
+use crate::link::LinkConfig;
 use crate::node::{ControlRequest, Node};
 use crate::plane::{self, DataPlane};
+use crate::roster::Roster;
 use crate::stream::CloseReason;
 
 /// Why the node could not start.
@@ -53,6 +54,9 @@ pub enum StartError {
         /// Path.
         path: PathBuf,
     },
+    /// A `sources` entry is neither `HOST:PORT` nor `dns:NAME:PORT`.
+    #[error("sources: {0}")]
+    Source(#[from] shardwire_config::SourceEntryError),
     /// The lanes cannot be made (their plan, their GPUs, their data ports).
     #[error(transparent)]
     Lanes(#[from] LaneStartError),
@@ -134,6 +138,11 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     if cfg.sources.is_empty() {
         return Err(StartError::NoSources);
     }
+    let entries = cfg
+        .sources
+        .iter()
+        .map(|s| shardwire_config::SourceEntry::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
     let secret = cfg.secret_file.as_deref().map(read_secret).transpose()?;
     let admin_token = cfg
         .admin_token_file
@@ -166,15 +175,10 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
             })
             .collect(),
     };
-    let links: Vec<_> = cfg
-        .sources
-        .iter()
-        .enumerate()
-        .map(|(i, a)| SourceLink::new(i, a.clone(), link_cfg.clone()))
-        .collect();
+    let roster = Arc::new(Roster::new(link_cfg));
     let data_addr = lanes.all()[0].data_addr;
     let plane = Arc::new(DataPlane::new(
-        links,
+        roster,
         Arc::clone(&lanes),
         rx,
         Arc::clone(&counters),
@@ -193,7 +197,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let cfg = &node.info().cfg;
     tracing::info!(pool_size = %cfg.pool_size, lanes = lanes.all().len(), "{} (pool_size is per lane)", cfg.stream_memory_origin());
     let (shutdown, watch) = watch::channel(false);
-    spawn_tasks(&node, started.listeners, control, &watch);
+    spawn_tasks(&node, started.listeners, control, (entries, &watch));
     let socket = cfg.socket.clone();
     crate::socket::start(Arc::clone(&node), &socket, watch).map_err(|source| StartError::Bind {
         what: "the trainer socket",
@@ -218,7 +222,7 @@ fn spawn_tasks(
     node: &Arc<Node>,
     data: Vec<tokio::net::TcpListener>,
     mut control: mpsc::UnboundedReceiver<ControlRequest>,
-    watch: &watch::Receiver<bool>,
+    (entries, watch): (Vec<shardwire_config::SourceEntry>, &watch::Receiver<bool>),
 ) {
     let plane = Arc::clone(node.plane());
     for listener in data {
@@ -229,14 +233,8 @@ fn spawn_tasks(
         ));
     }
     tokio::spawn(plane::sweep_loop(Arc::clone(&plane), watch.clone()));
-    let conns: Arc<dyn DataConns> = plane.clone();
-    for l in &plane.links {
-        tokio::spawn(crate::link::run(
-            Arc::clone(l),
-            Arc::clone(&conns),
-            watch.clone(),
-        ));
-    }
+    let every = Duration::from_secs(node.info().cfg.source_resolve_secs);
+    crate::discovery::spawn(&plane, entries, every, watch);
     let node = Arc::clone(node);
     tokio::spawn(async move {
         while let Some((c, answer)) = control.recv().await {

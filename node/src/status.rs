@@ -9,6 +9,7 @@ use shardwire_protocol::trainer::MemoryKind;
 use crate::binding::BindingKind;
 use crate::counters::CounterStatus;
 use crate::lanes::Excluded;
+use crate::roster::Resolution;
 use crate::stream::StreamInfo;
 
 /// The receive and memory modes in effect, and why.
@@ -56,10 +57,19 @@ pub struct BindingStatus {
 /// One source link.
 #[derive(Debug, Clone, Serialize)]
 pub struct SourceStatus {
-    /// HOST:PORT.
+    /// HOST:PORT (a configured entry as written, a discovered one as `IP:PORT`).
     pub addr: String,
+    /// How it was found: `config`, or the `dns:NAME:PORT` entry that resolved to it.
+    pub found_by: String,
     /// Connected and authenticated.
     pub up: bool,
+    /// `active`, `draining` (the source got SIGTERM: no new fetches go to it) or `retiring`
+    /// (its address left DNS: it goes once its fetches have ended).
+    pub state: &'static str,
+    /// FETCHes sent to it.
+    pub fetches: u64,
+    /// Fetches sent to it and not ended yet.
+    pub outstanding: usize,
     /// Fetches waiting for the source's announcement.
     pub in_flight: usize,
     /// Cancels sent.
@@ -158,6 +168,8 @@ pub struct Status {
     pub pool: PoolStatus,
     /// Source links.
     pub sources: Vec<SourceStatus>,
+    /// The `dns:` source entries and their last answers.
+    pub discovery: Vec<Resolution>,
     /// Open streams.
     pub streams: Vec<StreamInfo>,
     /// Counters.

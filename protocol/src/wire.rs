@@ -12,8 +12,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
-/// and Ping. 3: `Hint`, the object-storage error codes and `Error::retry_after_ms`; lanes:
-/// `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane).
+/// and Ping. 3: `Hint`, the object-storage error codes, `Draining` and `Error::retry_after_ms`;
+/// lanes: `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane).
 pub const VERSION: u8 = 3;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -128,6 +128,10 @@ pub enum ErrorCode {
     DatasetChanged = 13,
     /// The bytes read from the store do not match the manifest's CRC-32C (after one more read).
     ChecksumMismatch = 14,
+    /// The source is draining (it got SIGTERM): it takes no new FETCH and finishes the ones it
+    /// queued. With `req` 0 it tells the node once, so the node sends it nothing new; for a
+    /// FETCH that crossed that notice it refuses that FETCH, to be fetched from another source.
+    Draining = 15,
 }
 
 impl ErrorCode {
@@ -147,6 +151,7 @@ impl ErrorCode {
             12 => Self::ObjectNotFound,
             13 => Self::DatasetChanged,
             14 => Self::ChecksumMismatch,
+            15 => Self::Draining,
             other => return Err(DecodeError::UnknownErrorCode(other)),
         })
     }
@@ -886,6 +891,12 @@ mod tests {
                 code: ErrorCode::Throttled,
                 retry_after_ms: 1500,
                 message: "s3://b/k bytes 0..8: SlowDown".into(),
+            },
+            Message::Error {
+                req: 0,
+                code: ErrorCode::Draining,
+                retry_after_ms: 0,
+                message: "draining".into(),
             },
             Message::Cancel { req: 9 },
             Message::Ping,

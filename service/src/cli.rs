@@ -203,6 +203,10 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     admin: Option<std::net::SocketAddr>,
+    /// On SIGTERM: seconds to finish the queued FETCHes before exiting anyway [default: 30].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drain_timeout_secs: Option<u64>,
 }
 
 /// Flags of `shardwire serve`.
@@ -212,10 +216,15 @@ pub struct ServeFlags {
     #[arg(long)]
     #[serde(skip)]
     config: Option<PathBuf>,
-    /// A shard source's control address HOST:PORT (repeatable).
+    /// A shard source: its control address HOST:PORT, or dns:NAME:PORT for every address
+    /// NAME resolves to (repeatable).
     #[arg(long = "source")]
     #[serde(skip_serializing_if = "Vec::is_empty")]
     sources: Vec<String>,
+    /// Seconds between two resolutions of each dns: source [default: 10].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source_resolve_secs: Option<u64>,
     /// Trainer Unix socket path [default: /run/shardwire/trainer.sock].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -436,6 +445,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         devmem_tx,
         idle_timeout: std::time::Duration::from_secs(cfg.idle_timeout_secs),
         max_connections: cfg.max_connections,
+        drain_timeout: std::time::Duration::from_secs(cfg.drain_timeout_secs),
     };
     runtime()?.block_on(async {
         let datasets = shardwire_source::Datasets::open(&cfg.datasets, &remote).await?;

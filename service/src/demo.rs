@@ -67,6 +67,7 @@ impl Loopback {
             devmem_tx: None,
             idle_timeout: shardwire_source::DEFAULT_IDLE_TIMEOUT,
             max_connections: shardwire_source::DEFAULT_MAX_CONNECTIONS,
+            drain_timeout: shardwire_source::DEFAULT_DRAIN_TIMEOUT,
         };
         let src = rt.block_on(shardwire_source::Source::bind(scfg, datasets))?;
         let source_addr = src.local_addr();

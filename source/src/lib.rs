@@ -48,12 +48,17 @@ pub struct SourceConfig {
     pub idle_timeout: std::time::Duration,
     /// Control connections served at once; more are closed at accept.
     pub max_connections: usize,
+    /// On shutdown (SIGTERM) the source drains: it takes no new FETCH, finishes the queued
+    /// ones and exits when its nodes have gone, or after this long.
+    pub drain_timeout: std::time::Duration,
 }
 
 /// Default of [`SourceConfig::idle_timeout`].
 pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 /// Default of [`SourceConfig::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Default of [`SourceConfig::drain_timeout`].
+pub const DEFAULT_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Shared state of a running source.
 pub(crate) struct Shared {
@@ -63,6 +68,8 @@ pub(crate) struct Shared {
     pub wrong_lane_left: AtomicU32,
     /// Ids of node sessions (hints are kept per session).
     pub sessions: std::sync::atomic::AtomicU64,
+    /// Turns true when the source starts draining ([`Source::serve`]).
+    pub draining: watch::Sender<bool>,
 }
 
 /// A bound, not yet serving, source.
@@ -85,6 +92,7 @@ impl Source {
                 corrupt_left,
                 wrong_lane_left,
                 sessions: std::sync::atomic::AtomicU64::new(0),
+                draining: watch::Sender::new(false),
             }),
         })
     }
@@ -101,7 +109,10 @@ impl Source {
             .expect("bound listener has an address")
     }
 
-    /// Accepts control connections until `shutdown` turns true.
+    /// Accepts control connections until `shutdown` turns true, then drains: the listener
+    /// closes, every session tells its node it is draining, refuses new FETCHes (`Draining`:
+    /// the node fetches them elsewhere) and sends the ones it queued; the source returns when
+    /// every node has closed its session, or after the drain timeout.
     pub async fn serve(self, mut shutdown: watch::Receiver<bool>) {
         if self.shared.cfg.secret.is_none() {
             let msg = "no secret configured: accepting loopback peers only (use --secret-file to serve other hosts)";
@@ -124,27 +135,67 @@ impl Source {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-                            tracing::warn!(%peer, limit = self.shared.cfg.max_connections,
-                                "too many control connections (max_connections); closing this one");
-                            continue;
-                        };
-                        let shared = Arc::clone(&self.shared);
-                        tokio::spawn(async move {
-                            match session::run(stream, peer, shared).await {
-                                Ok(()) => tracing::info!(%peer, "node disconnected"),
-                                Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
-                            }
-                            drop(slot);
-                        });
-                    }
+                    Ok((stream, peer)) => self.accepted(stream, peer, &slots),
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     }
                 },
             }
+        }
+        let Self { listener, shared } = self;
+        drop(listener);
+        drain(&shared, &slots).await;
+    }
+
+    /// Starts the session of an accepted control connection, if a slot is free.
+    fn accepted(
+        &self,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+        slots: &Arc<tokio::sync::Semaphore>,
+    ) {
+        let Ok(slot) = Arc::clone(slots).try_acquire_owned() else {
+            tracing::warn!(%peer, limit = self.shared.cfg.max_connections,
+                "too many control connections (max_connections); closing this one");
+            return;
+        };
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            match session::run(stream, peer, shared).await {
+                Ok(()) => tracing::info!(%peer, "node disconnected"),
+                Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
+            }
+            drop(slot);
+        });
+    }
+}
+
+/// Drains: sessions are told, and this waits until all of them have ended (every slot is
+/// free again) or the drain timeout.
+async fn drain(shared: &Shared, slots: &Arc<tokio::sync::Semaphore>) {
+    let limit = shared.cfg.drain_timeout;
+    let open = shared.cfg.max_connections - slots.available_permits();
+    tracing::info!(
+        sessions = open,
+        ?limit,
+        "draining: no new FETCHes; finishing the queued ones"
+    );
+    shared.draining.send_replace(true);
+    let all = u32::try_from(shared.cfg.max_connections).unwrap_or(u32::MAX);
+    let started = std::time::Instant::now();
+    match tokio::time::timeout(limit, slots.acquire_many(all)).await {
+        Ok(_) => tracing::info!(
+            waited_ms = started.elapsed().as_millis() as u64,
+            "drained: every node session has ended"
+        ),
+        Err(_) => {
+            let left = shared.cfg.max_connections - slots.available_permits();
+            tracing::warn!(
+                sessions = left,
+                ?limit,
+                "drain timeout: exiting with node sessions still open"
+            );
         }
     }
 }

@@ -69,6 +69,7 @@ pub(crate) async fn run(
         dial(&mut ctl, &shared, &lanes, &failed, &progress).await?;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
+    let draining = shared.draining.subscribe();
     Session {
         id,
         ctl,
@@ -79,6 +80,8 @@ pub(crate) async fn run(
         queued: 0,
         failed,
         progress,
+        draining,
+        drained: false,
     }
     .serve()
     .await
@@ -184,6 +187,10 @@ struct Session {
     queued: usize,
     failed: Arc<Notify>,
     progress: Arc<Notify>,
+    /// The source's drain flag ([`crate::Source::serve`]).
+    draining: tokio::sync::watch::Receiver<bool>,
+    /// The node has been told that this source drains.
+    drained: bool,
 }
 
 impl Session {
@@ -202,6 +209,10 @@ impl Session {
                 },
                 _ = self.failed.notified() => return Err(SessionError::DataFailed),
                 _ = self.progress.notified() => continue,
+                _ = async { self.draining.wait_for(|d| *d).await.is_ok() }, if !self.drained => {
+                    self.tell_draining().await?;
+                    continue;
+                }
                 _ = tokio::time::sleep_until(ping_at) => {
                     self.ctl.send(&Message::Ping).await?;
                     continue;
@@ -211,6 +222,22 @@ impl Session {
             last_heard = Instant::now();
             self.handle(msg).await?;
         }
+    }
+
+    /// Tells the node once that this source drains: it sends nothing new here, and the
+    /// queued FETCHes are still sent.
+    async fn tell_draining(&mut self) -> Result<(), SessionError> {
+        self.drained = true;
+        let queued = self.waiting.len();
+        tracing::info!(
+            session = self.id,
+            queued,
+            "telling the node this source drains"
+        );
+        let message = format!(
+            "source is draining: {queued} queued FETCHes are still sent, new ones are refused"
+        );
+        self.ctl.error(0, ErrorCode::Draining, message).await
     }
 
     async fn handle(&mut self, msg: Message) -> Result<(), SessionError> {
@@ -290,6 +317,11 @@ impl Session {
         if usize::from(lane) >= lanes {
             let message = format!("lane {lane} is not one of the node's {lanes} lanes (its Hello)");
             return self.ctl.error(req, ErrorCode::BadRequest, message).await;
+        }
+        if self.drained {
+            metrics::counter!("shardwire_source_fetches_refused_draining_total").increment(1);
+            let message = "source is draining: fetch it from another source".to_string();
+            return self.ctl.error(req, ErrorCode::Draining, message).await;
         }
         let Some(d) = self.shared.datasets.get(dataset) else {
             let message = format!("dataset `{dataset}` is not served here");

@@ -7,11 +7,12 @@
 //! goes down. Ownership of a fetch: the pending table holds it from FETCH until the SHARD
 //! announcement, then the announced connection's queue and receiver (see [`crate::fetch`]).
 
+pub mod served;
 pub mod session;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,7 +20,8 @@ use shardwire_protocol::framing::encode_frame;
 use shardwire_protocol::wire::{self, EncodeError, LaneAddr, Message};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
-use crate::fetch::{FetchFailure, InFlight};
+use self::served::Served;
+use crate::fetch::{FetchFailure, Held, InFlight};
 
 /// How long a manifest request may wait for its answer.
 pub const MANIFEST_TIMEOUT: Duration = Duration::from_secs(15);
@@ -137,9 +139,10 @@ pub struct CancelCounts {
     pub confirmed: AtomicU64,
 }
 
-/// One configured source.
+/// One source: configured, or found by DNS.
 pub struct SourceLink {
-    /// Position in the configuration.
+    /// The link's id in this node, never reused (a source that leaves and comes back gets a
+    /// new link).
     pub index: usize,
     /// HOST:PORT.
     pub addr: String,
@@ -156,6 +159,16 @@ pub struct SourceLink {
     pub last_error: Mutex<Option<String>>,
     /// Cancelled fetches.
     pub cancels: CancelCounts,
+    /// FETCHes sent.
+    pub fetches: AtomicU64,
+    /// The dataset versions the source serves.
+    pub served: Served,
+    /// The source said it is draining (until its next session).
+    draining: AtomicBool,
+    /// The node is letting it go (its address left DNS).
+    retiring: AtomicBool,
+    /// Fetches sent on it and not ended yet.
+    outstanding: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for SourceLink {
@@ -184,12 +197,71 @@ impl SourceLink {
             bytes: AtomicU64::new(0),
             last_error: Mutex::default(),
             cancels: CancelCounts::default(),
+            fetches: AtomicU64::new(0),
+            served: Served::default(),
+            draining: AtomicBool::new(false),
+            retiring: AtomicBool::new(false),
+            outstanding: Arc::default(),
         })
+    }
+
+    /// The source is draining: it takes no new FETCH this session.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// The source said it is draining (wire `Error{req 0, Draining}`).
+    pub fn set_draining(&self, message: &str) {
+        if !self.draining.swap(true, Ordering::AcqRel) {
+            tracing::info!(source = %self.addr, %message, "source is draining: no new fetches go to it");
+        }
+    }
+
+    /// The node is letting the link go (false: it came back before it was gone).
+    pub fn set_retiring(&self, retiring: bool) {
+        self.retiring.store(retiring, Ordering::Release);
+    }
+
+    /// The node is letting the link go.
+    pub fn is_retiring(&self) -> bool {
+        self.retiring.load(Ordering::Acquire)
+    }
+
+    /// Whether new fetches may go to this source (up or not): neither draining nor retiring.
+    pub fn takes_new_fetches(&self) -> bool {
+        !self.is_draining() && !self.is_retiring()
+    }
+
+    /// `draining`, `retiring` or `active` (`/v1/status`).
+    pub fn state_name(&self) -> &'static str {
+        if self.is_retiring() {
+            "retiring"
+        } else if self.is_draining() {
+            "draining"
+        } else {
+            "active"
+        }
+    }
+
+    /// Fetches sent on this link that have not ended (pending or being received).
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// The current session's number (0 before the first).
+    pub fn generation(&self) -> u64 {
+        self.state.lock().expect("poisoned").generation
     }
 
     /// True while the control connection is established and authenticated.
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Acquire)
+    }
+
+    /// Marks the link up or down without a session (unit tests of routing).
+    #[cfg(test)]
+    pub(crate) fn force_up(&self, up: bool) {
+        self.up.store(up, Ordering::Release);
     }
 
     /// Fetches waiting for the source's announcement.
@@ -234,12 +306,19 @@ impl SourceLink {
         };
         f.req = req;
         f.wire_shard = shard;
+        f.held = Some(Held::new(&self.outstanding));
         // Pending before the send, so an answer can never come for an unknown request.
         self.pending.lock().expect("poisoned").insert(req, f);
         match self.send(&st, &msg) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.fetches.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
             Err(e) => {
-                let f = self.pending.lock().expect("poisoned").remove(&req);
+                let mut f = self.pending.lock().expect("poisoned").remove(&req);
+                if let Some(f) = &mut f {
+                    f.held = None;
+                }
                 Err(Box::new((f.expect("just inserted"), e)))
             }
         }
@@ -345,6 +424,7 @@ impl SourceLink {
         st.conns = st.conn_lane.iter().map(|_| None).collect();
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;
+        self.draining.store(false, Ordering::Release);
         self.up.store(true, Ordering::Release);
         *self.last_error.lock().expect("poisoned") = None;
         st.generation

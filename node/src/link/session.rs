@@ -405,7 +405,10 @@ fn error_for(
     message: String,
 ) {
     if req == 0 {
-        tracing::warn!(source = %link.addr, ?code, %message, "source reported an error");
+        match code {
+            ErrorCode::Draining => link.set_draining(&message),
+            _ => tracing::warn!(source = %link.addr, ?code, %message, "source reported an error"),
+        }
         return;
     }
     if let Some(f) = link.pending.lock().expect("poisoned").remove(&req) {

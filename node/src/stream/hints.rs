@@ -20,8 +20,7 @@ pub trait HintTarget {
     /// The dataset of manifest shard `shard` (its position in the stream) and the shard's
     /// index in it.
     fn locate(&self, shard: u32) -> (usize, u32);
-    /// The link (position among dataset `di`'s candidates) its FETCH of `wire_shard` would go
-    /// to now.
+    /// The link (its id) its FETCH of `wire_shard` of dataset `di` would go to now.
     fn link_for(&self, di: usize, wire_shard: u32) -> Option<usize>;
     /// Sends one hint; a link that is down drops it (the next round reaches it when it is up).
     fn send_hint(&self, di: usize, link: usize, shards: Vec<u32>);

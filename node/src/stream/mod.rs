@@ -17,11 +17,14 @@ pub(crate) mod fetcher;
 pub(crate) mod hints;
 pub(crate) mod kind;
 pub(crate) mod layout;
+pub(crate) mod manifests;
 pub(crate) mod mix;
 pub(crate) mod open;
 pub(crate) mod open_mix;
 pub(crate) mod order;
+pub(crate) mod placement;
 pub(crate) mod reorder;
+pub(crate) mod route;
 pub(crate) mod supply;
 pub(crate) mod tokens;
 
@@ -40,6 +43,7 @@ use tokio::sync::Notify;
 pub use self::error::{CloseReason, OpenError};
 use self::kind::Kind;
 use self::reorder::Reorder;
+pub(crate) use self::route::Routing;
 pub(crate) use self::supply::DatasetSource;
 use self::supply::Supply;
 use crate::counters::Counters;
@@ -147,6 +151,8 @@ pub struct Parts {
     pub pool: Arc<SlabPool>,
     /// The datasets the shards come from (one; several for a mixture).
     pub sources: Vec<DatasetSource>,
+    /// The node's sources and placements.
+    pub routing: Arc<Routing>,
     /// Fingerprint of the plan inputs.
     pub fingerprint: String,
     /// The node's counters.
@@ -191,7 +197,7 @@ impl Stream {
             p.lane as u16,
             Arc::clone(&p.manifest),
             Arc::clone(&p.pool),
-            p.sources,
+            (p.sources, p.routing),
             Arc::clone(&p.counters),
             Arc::clone(&p.ids),
         );
@@ -289,9 +295,9 @@ impl Stream {
         self.lock().reorder.held()
     }
 
-    /// Links that serve its datasets.
-    pub(crate) fn candidates(&self) -> &[Arc<SourceLink>] {
-        self.supply.candidates()
+    /// Every source link of the node.
+    pub(crate) fn links(&self) -> Vec<Arc<SourceLink>> {
+        self.supply.links()
     }
 
     /// The state that resumes at the next undelivered batch.

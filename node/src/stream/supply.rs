@@ -20,9 +20,9 @@ use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use tokio::sync::{Notify, mpsc};
 
-use super::affinity;
 use super::error::CloseReason;
 use super::hints::{HintTarget, Hints};
+use super::route::{self, Routing, Version};
 use crate::counters::Counters;
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
 use crate::link::{SendError, SourceLink};
@@ -32,14 +32,27 @@ use crate::link::{SendError, SourceLink};
 pub const READY_AHEAD: usize = 2;
 
 /// The shards `[first, first + shards)` of a stream's manifest: shards `0..` of `dataset`,
-/// served by `candidates` (the links whose manifest of it matches).
+/// version `digest`, served by the sources whose manifest of it has that digest
+/// ([`route::members`]).
 pub struct DatasetSource {
     /// Dataset name on the wire.
     pub dataset: String,
     /// Its first shard in the stream's manifest.
     pub first: u32,
-    /// Links that serve it.
-    pub candidates: Vec<Arc<SourceLink>>,
+    /// Its number of shards.
+    pub shards: u32,
+    /// The digest of the manifest the stream was opened with.
+    pub digest: String,
+}
+
+impl DatasetSource {
+    /// The version, as routing names it.
+    fn version(&self) -> Version<'_> {
+        Version {
+            dataset: &self.dataset,
+            digest: &self.digest,
+        }
+    }
 }
 
 /// A fetch to issue: the first attempt or another one after a failure.
@@ -80,8 +93,7 @@ pub struct Supply {
     manifest: Arc<Manifest>,
     pool: Arc<SlabPool>,
     sources: Vec<DatasetSource>,
-    /// Every link of `sources`, once.
-    candidates: Vec<Arc<SourceLink>>,
+    routing: Arc<Routing>,
     counters: Arc<Counters>,
     ids: Arc<AtomicU64>,
     /// Woken when a slab is freed while the task waits for memory.
@@ -96,23 +108,17 @@ impl Supply {
         lane: u16,
         manifest: Arc<Manifest>,
         pool: Arc<SlabPool>,
-        sources: Vec<DatasetSource>,
+        (sources, routing): (Vec<DatasetSource>, Arc<Routing>),
         counters: Arc<Counters>,
         ids: Arc<AtomicU64>,
     ) -> Arc<Self> {
-        let mut candidates: Vec<Arc<SourceLink>> = Vec::new();
-        for l in sources.iter().flat_map(|d| &d.candidates) {
-            if !candidates.iter().any(|c| c.index == l.index) {
-                candidates.push(Arc::clone(l));
-            }
-        }
         let s = Arc::new(Self {
             stream,
             lane,
             manifest,
             pool,
             sources,
-            candidates,
+            routing,
             counters,
             ids,
             freed: Notify::new(),
@@ -146,9 +152,9 @@ impl Supply {
         &self.counters
     }
 
-    /// Links that serve the stream's datasets.
-    pub fn candidates(&self) -> &[Arc<SourceLink>] {
-        &self.candidates
+    /// Every source link of the node (a closing stream cancels its fetches on each).
+    pub fn links(&self) -> Vec<Arc<SourceLink>> {
+        self.routing.roster().links()
     }
 
     /// The dataset of manifest shard `shard`, and the shard's index in it.
@@ -164,20 +170,31 @@ impl Supply {
         (i, d, shard - d.first)
     }
 
-    /// The candidate of `source` to fetch its shard `wire_shard` from now (rendezvous
-    /// ranking over the live links, passing over `avoid` while another is up), by its
-    /// position in `source.candidates`.
+    /// The link to fetch `source`'s shard `wire_shard` from now: its placement's source when
+    /// that one is up and not `avoid` (a link id), else the next live one in the shard's
+    /// rendezvous ranking ([`route::choose`]).
     pub fn preferred(
         &self,
         source: &DatasetSource,
         wire_shard: u32,
         avoid: Option<usize>,
-    ) -> Option<usize> {
-        let links = &source.candidates;
-        let names: Vec<&str> = links.iter().map(|l| l.addr.as_str()).collect();
-        let up: Vec<bool> = links.iter().map(|l| l.is_up()).collect();
-        let avoid = avoid.and_then(|index| links.iter().position(|l| l.index == index));
-        affinity::pick(&source.dataset, wire_shard, &names, &up, avoid)
+    ) -> Option<Arc<SourceLink>> {
+        let v = source.version();
+        let members = self.routing.members(v, &|| self.next_id());
+        let sizes = || {
+            let first = source.first as usize;
+            self.manifest.shards[first..first + source.shards as usize]
+                .iter()
+                .map(|e| e.length)
+                .collect()
+        };
+        route::choose(
+            self.routing.placements(),
+            v,
+            &members,
+            (wire_shard, avoid),
+            sizes,
+        )
     }
 
     /// Resolves when a slab is freed after [`Fetches::alloc`] found no room.
@@ -214,11 +231,14 @@ impl HintTarget for Supply {
 
     fn link_for(&self, di: usize, wire_shard: u32) -> Option<usize> {
         self.preferred(&self.sources[di], wire_shard, None)
+            .map(|l| l.index)
     }
 
     fn send_hint(&self, di: usize, link: usize, shards: Vec<u32>) {
         let source = &self.sources[di];
-        let l = &source.candidates[link];
+        let Some(l) = self.routing.roster().link(link) else {
+            return; // retired: its hints went with it
+        };
         if let Err(e) = l.hint(self.stream, &source.dataset, shards) {
             tracing::debug!(source = %l.addr, error = %e, "hint not sent");
         }
@@ -233,10 +253,9 @@ pub struct Links;
 impl Issue for Links {
     fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
         let (source, shard) = s.source_of(p.shard);
-        let Some(i) = s.preferred(source, shard, p.avoid) else {
+        let Some(link) = s.preferred(source, shard, p.avoid) else {
             return Err(IssueError::NoSource(p));
         };
-        let link = &source.candidates[i];
         let entry = &s.manifest.shards[p.shard as usize];
         let req = FetchRequest {
             slab: p.slab,

@@ -48,6 +48,7 @@ fn stream(shards: u32, start: u64) -> Arc<Stream> {
         manifest: m,
         pool: pool(1 << 20),
         sources: Vec::new(),
+        routing: crate::stream::route::tests::routing(),
         fingerprint,
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),

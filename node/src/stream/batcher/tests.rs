@@ -76,8 +76,10 @@ fn stream(region: usize) -> Arc<Stream> {
         sources: vec![crate::stream::DatasetSource {
             dataset: "d".into(),
             first: 0,
-            candidates: Vec::new(),
+            shards: 0,
+            digest: String::new(),
         }],
+        routing: crate::stream::route::tests::routing(),
         fingerprint,
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),

@@ -1,0 +1,223 @@
+//! Which link a fetch goes to. A dataset's *members* are the sources that serve its version
+//! (the manifest digest a link's source answered, [`crate::link::served`]) and take new
+//! fetches (not draining, not retiring), sorted by name so every node sees the same list. The
+//! node's placement over the members ([`super::placement`]) names each shard's source; when
+//! that source is down or just failed the shard, the shard goes to the next live member in its
+//! rendezvous ranking ([`affinity::pick`]), so only that source's shards move while it is
+//! away. A link whose answer is missing (found while streams run) or from an earlier session
+//! is asked for the dataset's manifest in the background, and joins once it answers.
+
+use std::sync::Arc;
+
+use shardwire_protocol::Manifest;
+
+use super::affinity;
+use super::placement::Placements;
+use crate::link::SourceLink;
+use crate::link::served::Serves;
+use crate::roster::Roster;
+
+/// One dataset version, as [`members`] and [`choose`] need it.
+#[derive(Debug, Clone, Copy)]
+pub struct Version<'a> {
+    /// Its name on the wire.
+    pub dataset: &'a str,
+    /// The manifest digest the stream was opened with.
+    pub digest: &'a str,
+}
+
+/// What routing needs of the node: its sources and the placements shared by its streams.
+#[derive(Debug)]
+pub struct Routing {
+    roster: Arc<Roster>,
+    placements: Placements,
+}
+
+impl Routing {
+    /// Routing over `roster`'s sources.
+    pub fn new(roster: Arc<Roster>) -> Arc<Self> {
+        Arc::new(Self {
+            roster,
+            placements: Placements::default(),
+        })
+    }
+
+    /// The node's sources.
+    pub fn roster(&self) -> &Arc<Roster> {
+        &self.roster
+    }
+
+    /// The placements of the datasets the streams read.
+    pub fn placements(&self) -> &Placements {
+        &self.placements
+    }
+
+    /// [`members`] of `v` over this node's sources.
+    pub fn members(&self, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
+        members(&self.roster, v, next_id)
+    }
+}
+
+/// The members of `v` now, sorted by name; links not yet asked about it are asked (request
+/// ids from `next_id`).
+pub fn members(roster: &Roster, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
+    let mut out: Vec<Arc<SourceLink>> = Vec::new();
+    for m in roster.snapshot().iter() {
+        let l = &m.link;
+        let generation = l.generation();
+        let (serves, ask) = l.served.check(v.dataset, v.digest, generation);
+        if ask {
+            if l.is_up() {
+                ask_about(Arc::clone(l), v, next_id());
+            } else {
+                l.served.gave_up(v.dataset); // asked when it is up
+            }
+        }
+        if serves == Serves::Yes && l.takes_new_fetches() {
+            out.push(Arc::clone(l));
+        }
+    }
+    out.sort_by(|a, b| a.addr.cmp(&b.addr));
+    out
+}
+
+/// The link for shard `shard` of `v` among `members` (sorted): the placement's source when
+/// it is up and not `avoid` (a link id), else the next live one in the shard's ranking.
+/// `sizes` gives the dataset's shard sizes when the placement must be computed.
+pub fn choose(
+    placements: &Placements,
+    v: Version<'_>,
+    members: &[Arc<SourceLink>],
+    (shard, avoid): (u32, Option<usize>),
+    sizes: impl FnOnce() -> Vec<u64>,
+) -> Option<Arc<SourceLink>> {
+    let names: Vec<&str> = members.iter().map(|l| l.addr.as_str()).collect();
+    let up: Vec<bool> = members.iter().map(|l| l.is_up()).collect();
+    let avoid = avoid.and_then(|id| members.iter().position(|l| l.index == id));
+    let placed = placements.owner((v.dataset, v.digest), &names, shard, sizes);
+    let i = match placed {
+        Some(o) if up[o] && Some(o) != avoid => Some(o),
+        _ => affinity::pick(v.dataset, shard, &names, &up, avoid),
+    }?;
+    Some(Arc::clone(&members[i]))
+}
+
+/// Asks `link`'s source for `v`'s manifest in the background and records whether it serves
+/// that version (nothing is recorded when the link goes down first: it is asked again).
+fn ask_about(link: Arc<SourceLink>, v: Version<'_>, req: u64) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        link.served.gave_up(v.dataset);
+        return;
+    };
+    let (dataset, digest) = (v.dataset.to_owned(), v.digest.to_owned());
+    rt.spawn(async move {
+        let generation = link.generation();
+        let answer = link.request_manifest(req, &dataset).await;
+        match answer.map(|json| Manifest::from_json(&json)) {
+            Ok(Ok(m)) => {
+                let same = m.digest == digest;
+                if same {
+                    tracing::info!(source = %link.addr, %dataset, "source serves the dataset; it takes its share of the shards");
+                } else {
+                    tracing::warn!(source = %link.addr, %dataset, theirs = %m.digest, ours = %digest, "source serves another version of the dataset; not using it for it");
+                }
+                link.served.record(&dataset, Some(m.digest), generation);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(source = %link.addr, %dataset, error = %e, "source's manifest does not parse; not using it for the dataset");
+                link.served.record(&dataset, None, generation);
+            }
+            Err(crate::link::ManifestError::Refused { code, message }) => {
+                tracing::info!(source = %link.addr, %dataset, ?code, %message, "source does not serve the dataset");
+                link.served.record(&dataset, None, generation);
+            }
+            Err(e) => {
+                tracing::debug!(source = %link.addr, %dataset, error = %e, "no answer about the dataset yet");
+                link.served.gave_up(&dataset);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::link::LinkConfig;
+
+    /// Routing over an empty roster (stream tests that issue through a fake).
+    pub(crate) fn routing() -> Arc<Routing> {
+        Routing::new(Arc::new(roster(&[]).0))
+    }
+
+    fn roster(addrs: &[&str]) -> (Roster, Vec<Arc<SourceLink>>) {
+        let r = Roster::new(LinkConfig {
+            secret: None,
+            lanes: vec![shardwire_protocol::wire::LaneAddr {
+                data_addr: "127.0.0.1:1".parse().unwrap(),
+                flows: 1,
+            }],
+        });
+        let links = addrs
+            .iter()
+            .map(|a| r.add(a, "config").unwrap().0)
+            .collect();
+        (r, links)
+    }
+
+    const V: Version<'static> = Version {
+        dataset: "web",
+        digest: "d1",
+    };
+
+    #[test]
+    fn members_serve_the_version_and_take_new_fetches_sorted_by_name() {
+        let (r, l) = roster(&["10.0.0.3:1", "10.0.0.2:1", "10.0.0.4:1", "10.0.0.5:1"]);
+        l[0].served.record("web", Some("d1".into()), 0);
+        l[1].served.record("web", Some("d1".into()), 0);
+        l[2].served.record("web", Some("d2".into()), 0); // another version
+        // l[3] unknown: not a member (it is down, so it is asked once it is up).
+        let ids = || 1;
+        let m = members(&r, V, &ids);
+        let names: Vec<&str> = m.iter().map(|l| l.addr.as_str()).collect();
+        assert_eq!(names, ["10.0.0.2:1", "10.0.0.3:1"]);
+        l[1].set_draining("test");
+        assert_eq!(members(&r, V, &ids).len(), 1);
+        l[0].set_retiring(true);
+        assert!(members(&r, V, &ids).is_empty());
+    }
+
+    #[test]
+    fn a_down_or_failed_source_hands_its_shard_to_the_next_in_its_ranking() {
+        let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
+        let p = Placements::default();
+        let sizes = || vec![1000u64; 300];
+        assert!(choose(&p, V, &l, (0, None), sizes).is_none(), "all down");
+        for x in &l {
+            x.force_up(true);
+        }
+        let names: Vec<&str> = l.iter().map(|x| x.addr.as_str()).collect();
+        let placed = affinity::balance("web", &sizes(), &names);
+        let mut moved = 0;
+        for shard in 0..300u32 {
+            let owner = usize::from(placed[shard as usize]);
+            let got = choose(&p, V, &l, (shard, None), sizes).unwrap();
+            assert_eq!(
+                got.index, l[owner].index,
+                "shard {shard} goes to its placement"
+            );
+            // Its source failed it: the next in the ranking, never the one that failed.
+            let retry = choose(&p, V, &l, (shard, Some(l[owner].index)), sizes).unwrap();
+            assert_ne!(retry.index, l[owner].index);
+            // Its source is down: the same next one.
+            l[owner].force_up(false);
+            let away = choose(&p, V, &l, (shard, None), sizes).unwrap();
+            assert_eq!(away.index, retry.index);
+            l[owner].force_up(true);
+            let others: Vec<bool> = (0..3).map(|i| i != owner).collect();
+            let next = affinity::pick("web", shard, &names, &others, None).unwrap();
+            assert_eq!(away.index, l[next].index, "the next in the shard's ranking");
+            moved += 1;
+        }
+        assert_eq!(moved, 300);
+    }
+}
