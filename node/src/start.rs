@@ -1,8 +1,9 @@
 //! Starting a node: secrets, NIC state a crashed run left behind, the probes, the lanes (their
 //! GPUs opened, their data ports bound: [`crate::lanes::open`]), the memory and receive
-//! decisions (each with its reason), then the tasks: one acceptor per data listener, one link
-//! per source, the control task and the trainer socket. The node serves no HTTP: the binary
-//! puts its admin and trainer HTTP fronts on top.
+//! decisions (each with its reason), then the tasks: one acceptor per data listener, the source
+//! roster's discovery (a link per configured or DNS-found source), the control task and the
+//! trainer socket. The node serves no HTTP: the binary puts its admin and trainer HTTP fronts
+//! on top.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -217,7 +218,8 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     })
 }
 
-/// The data-port acceptors, the links and the control task.
+/// The data-port acceptors, the stale-connection sweep, source discovery (which starts the
+/// links) and the control task.
 fn spawn_tasks(
     node: &Arc<Node>,
     data: Vec<tokio::net::TcpListener>,
