@@ -22,6 +22,9 @@
 //!   peers: backpressure, never loss;
 //! * closing the socket releases its outstanding tokens and queued packets.
 //!
+//! Several NICs, each with its own bindings, and the steering table placing each flow on a
+//! queue (so in one binding's dma-buf, or in host memory) are in [`host`].
+//!
 //! Our real parser ([`crate::cmsg`]), token batching ([`crate::TokenBatcher`]) and gather
 //! ([`crate::gather`]) run unchanged on its output: it implements [`crate::DevmemRecv`].
 
@@ -90,6 +93,9 @@ pub enum EmuError {
     /// `frag_max` out of 1..=4096.
     #[error("emulated frag size {0} is outside 1..={NIOV_SIZE}")]
     FragSize(usize),
+    /// The connection's addresses could not be read (its flow is unknown).
+    #[error("getsockname/getpeername of an emulated devmem connection: {0}")]
+    Socket(#[source] io::Error),
 }
 
 #[derive(Debug)]
@@ -170,6 +176,11 @@ impl EmuBinding {
     /// Counters.
     pub fn stats(&self) -> &EmuStats {
         &self.stats
+    }
+
+    /// True once [`Self::unbind`] ran.
+    pub fn is_unbound(&self) -> bool {
+        self.lock().unbound
     }
 
     /// Unbind: fills fail from now on (the queues went back to ordinary pages). Frags
@@ -543,5 +554,6 @@ fn write_cmsg(out: &mut [u8], cmsg_type: i32, data: &[u8; DMABUF_CMSG_LEN]) {
     out[CMSG_HDR_LEN + DMABUF_CMSG_LEN..].fill(0);
 }
 
+pub mod host;
 #[cfg(test)]
 mod tests;

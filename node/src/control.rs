@@ -12,7 +12,7 @@ use crate::status::BindingStatus;
 pub enum Control {
     /// Create the RX binding.
     CreateBinding(BindingSpec),
-    /// Delete the RX binding with this id.
+    /// Delete the RX binding with this id (of whichever lane has it).
     DeleteBinding {
         /// The binding id as the API names it.
         id: String,
@@ -35,6 +35,8 @@ pub enum BindingSpec {
     Emulator {
         /// Dma-buf bytes.
         bytes: usize,
+        /// The lane (`None`: lane 0).
+        lane: Option<u32>,
     },
     /// A NIC's RX queues.
     Nic {
@@ -44,6 +46,8 @@ pub enum BindingSpec {
         queues: Vec<u32>,
         /// Dma-buf bytes.
         bytes: usize,
+        /// The lane (`None`: the lane whose NIC it is, else lane 0).
+        lane: Option<u32>,
     },
 }
 

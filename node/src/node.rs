@@ -5,11 +5,13 @@
 //! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
 //! [`Admission`] (open streams and each lane's memory budget, under one lock) and the
 //! [`DataPlane`] (links, lanes, matcher, RX binding). A stream goes to the lane of the GPU
-//! its trainer names, else to the least loaded lane.
+//! its trainer names, else to the least loaded lane. The RX bindings, one per lane at most,
+//! are in [`bindings`].
+
+mod bindings;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
 
 use shardwire_config::ReceiveMode;
 use shardwire_gpu::Region;
@@ -19,14 +21,13 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
 
 use crate::admission::{Admission, AdmitError};
-use crate::binding::{self, BindingError, NicRequest};
-use crate::control::{BindingSpec, Control, ControlError, Reply};
+use crate::control::{Control, ControlError, Reply};
 use crate::counters::Counters;
 use crate::info::Info;
 use crate::lanes::Lane;
 use crate::plane::{DataPlane, Flow};
 use crate::roster::Member;
-use crate::status::{BindingStatus, LaneStatus, Mode, PoolStatus, SourceStatus, Status};
+use crate::status::{LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::{
     CloseReason, DatasetSource, OpenError, Parts, Routing, Stream, batcher, fetcher, manifests,
@@ -357,113 +358,6 @@ impl Node {
         }
     }
 
-    async fn create_binding(&self, spec: BindingSpec) -> Result<BindingStatus, BindingError> {
-        if let Some(b) = self.plane.binding() {
-            return Err(BindingError::Exists { id: b.id() });
-        }
-        let (region, bytes, lane) = match spec {
-            BindingSpec::Emulator { bytes } => {
-                let cuda = self.plane.cuda(0).cloned();
-                (binding::emulator(bytes, cuda)?, bytes, 0)
-            }
-            BindingSpec::Nic {
-                name,
-                queues,
-                bytes,
-            } => {
-                let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
-                    .await
-                    .unwrap_or_default();
-                let lane = self.lane_of_interface(&name);
-                let req = NicRequest {
-                    name: Some(name),
-                    queues,
-                    bytes,
-                    state_file: self.info.cfg.nic_state_file.clone(),
-                    data_port: lane.data_addr.port(),
-                    configured: false,
-                };
-                let cuda = lane.cuda.clone();
-                (binding::nic(&nics, req, cuda).await?.0, bytes, lane.id())
-            }
-        };
-        let what = match region.queues() {
-            Some((ifname, q)) => format!("{ifname} RX queues {q:?}"),
-            None => "the emulator (NOT GPU-direct)".to_string(),
-        };
-        let reason = format!(
-            "receive changed over the admin API: binding {} on {what}, {} dma-buf",
-            region.id(),
-            shardwire_config::ByteSize(bytes as u64)
-        );
-        self.plane.set_binding(Some((lane, Arc::clone(&region))));
-        tracing::info!(receive = %self.receive(), lane, %reason, "receive path changed");
-        self.info.set_mode_reason(reason);
-        self.plane.reconnect_all("the RX binding changed"); // data connections come back on it
-        tracing::info!(binding = region.id(), %what, "devmem binding created over the admin API");
-        Ok(self.binding_status().expect("just bound"))
-    }
-
-    async fn delete_binding(&self, id: &str) -> Result<Reply, ControlError> {
-        let Some(region) = self.plane.binding().filter(|r| r.id().to_string() == id) else {
-            return Err(BindingError::NotFound { id: id.to_owned() }.into());
-        };
-        let reason = format!(
-            "receive changed over the admin API: binding {id} deleted; plain TCP into host memory"
-        );
-        self.plane.set_binding(None);
-        tracing::info!(receive = %self.receive(), %reason, "receive path changed");
-        self.info.set_mode_reason(reason);
-        self.plane.reconnect_all("the RX binding was deleted");
-        // Wait until no data connection reads from the binding (ours is the last reference).
-        let started = Instant::now();
-        let limit = Duration::from_secs(self.info.cfg.drain_timeout_secs);
-        while Arc::strong_count(&region) > 1 && started.elapsed() < limit {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let readers_left = Arc::strong_count(&region) - 1;
-        let r = Arc::clone(&region);
-        let _ = tokio::task::spawn_blocking(move || r.unbind()).await;
-        let waited_ms = started.elapsed().as_millis() as u64;
-        tracing::info!(binding = %id, readers_left, waited_ms, "devmem binding deleted over the admin API");
-        Ok(Reply::Deleted {
-            id: region.id(),
-            waited_ms,
-            readers_left,
-        })
-    }
-
-    /// The lane whose NIC is `ifname`, else lane 0 (the binding's lane).
-    pub(crate) fn lane_of_interface(&self, ifname: &str) -> &Arc<Lane> {
-        let all = self.plane.lanes.all();
-        all.iter()
-            .find(|l| l.spec.nic.as_deref() == Some(ifname))
-            .unwrap_or(&all[0])
-    }
-
-    /// The RX binding, `None` in host mode.
-    pub fn binding_status(&self) -> Option<BindingStatus> {
-        let region = self.plane.binding()?;
-        let c = &region.counters;
-        let (free, total) = region.niovs();
-        let (ifname, queues) = region.queues().unzip();
-        Some(BindingStatus {
-            binding: region.id(),
-            kind: region.kind(),
-            bytes: region.bytes(),
-            interface: ifname.map(str::to_owned),
-            queues: queues.map(<[u32]>::to_vec),
-            niovs: total,
-            niovs_free: free,
-            pool_exhausted: region.exhausted_waits(),
-            frags: c.frags.load(Ordering::Relaxed),
-            dmabuf_bytes: c.dmabuf_bytes.load(Ordering::Relaxed),
-            tokens_returned: c.tokens_returned.load(Ordering::Relaxed),
-            linear_bytes: c.linear_bytes.load(Ordering::Relaxed),
-            plain_bytes: c.plain_bytes.load(Ordering::Relaxed),
-        })
-    }
-
     /// The `/v1/status` document.
     pub fn status(&self) -> Status {
         let cfg = &self.info.cfg;
@@ -481,7 +375,7 @@ impl Node {
                 memory: self.info.memory,
                 reason: self.info.mode_reason(),
             },
-            devmem: self.binding_status(),
+            devmem: self.binding_statuses().into_iter().next(),
             draining: self.admission.draining(),
             nics: self.info.nics.clone(),
             gpus: self.info.gpus.clone(),
@@ -506,7 +400,6 @@ impl Node {
     /// Every lane's status.
     fn lane_statuses(&self) -> Vec<LaneStatus> {
         let flows = self.plane.flows();
-        let devmem = self.plane.binding_on().map(|(lane, _)| lane);
         self.plane
             .lanes
             .all()
@@ -539,7 +432,8 @@ impl Node {
                     },
                     cpus: shardwire_topology::format_ranges(&l.cpus),
                     queues: spec.queues.clone(),
-                    devmem: devmem == Some(l.id()),
+                    devmem: self.plane.binding(l.id()).is_some(),
+                    binding: self.binding_status(l.id()),
                     streams,
                     pool_reserved,
                     pool_size,

@@ -1,18 +1,21 @@
-//! The data plane: the source links, the data-connection matcher, the lanes, the RX binding
-//! (devmem or its emulator, on one lane, swapped at run time by the control task), and the
-//! receiver threads it starts for each identified data connection.
+//! The data plane: the source links, the data-connection matcher, the lanes, the RX bindings
+//! (devmem or its emulator, at most one per lane, swapped at run time by the control task),
+//! and the receiver threads it starts for each identified data connection.
 //!
 //! Links announce data connections to the plane through [`DataConns`]; the accept loops on the
 //! lanes' data listeners hand it accepted sockets with the address each arrived on; a match
 //! (on the announced lane's address, else refused and counted) starts a receiver on that
-//! lane's path: its GPU, its binding if it has the devmem one, its CPUs.
+//! lane's path: its GPU, its own binding if it has one, its CPUs. A connection reads through
+//! its own lane's binding only.
 
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use shardwire_config::ReceiveMode;
+use shardwire_devmem::emu::host::EmuHost;
 use shardwire_gpu::cuda::CudaMemory;
 use tokio::sync::watch;
 
@@ -48,8 +51,8 @@ pub struct Flow {
     pub stats: Arc<FlowStats>,
 }
 
-/// The RX binding and the lane whose data connections read through it.
-type Binding = Option<(u32, Arc<RxRegion>)>;
+/// The RX bindings by lane.
+type Bindings = BTreeMap<u32, Arc<RxRegion>>;
 
 /// The data plane.
 pub struct DataPlane {
@@ -58,7 +61,9 @@ pub struct DataPlane {
     /// The node's lanes.
     pub lanes: Arc<Lanes>,
     matcher: Mutex<Matcher<TcpStream, Expected>>,
-    rx: RwLock<Binding>,
+    rx: RwLock<Bindings>,
+    /// The emulated host whose NICs the `devmem-sim` bindings are on.
+    emu: Arc<EmuHost>,
     flows: Mutex<Vec<Flow>>,
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
@@ -66,11 +71,12 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// A plane over these sources and lanes, with this binding (on its lane).
+    /// A plane over these sources and lanes, with these bindings (each on its lane, those of
+    /// the emulator on `emu`).
     pub fn new(
         roster: Arc<Roster>,
         lanes: Arc<Lanes>,
-        rx: Binding,
+        (rx, emu): (Vec<(u32, Arc<RxRegion>)>, Arc<EmuHost>),
         counters: Arc<Counters>,
         io_uring: bool,
     ) -> Self {
@@ -78,26 +84,42 @@ impl DataPlane {
             roster,
             lanes,
             matcher: Mutex::default(),
-            rx: RwLock::new(rx),
+            rx: RwLock::new(rx.into_iter().collect()),
+            emu,
             flows: Mutex::default(),
             counters,
             io_uring,
         }
     }
 
-    /// The RX binding (`None`: plain TCP on every lane).
-    pub fn binding(&self) -> Option<Arc<RxRegion>> {
-        self.binding_on().map(|(_, r)| r)
+    /// The RX binding of lane `lane` (`None`: plain TCP on it).
+    pub fn binding(&self, lane: u32) -> Option<Arc<RxRegion>> {
+        self.rx
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&lane)
+            .cloned()
     }
 
-    /// The RX binding and its lane.
-    pub fn binding_on(&self) -> Binding {
-        self.rx.read().unwrap_or_else(|p| p.into_inner()).clone()
+    /// Every RX binding with its lane, by lane.
+    pub fn bindings(&self) -> Vec<(u32, Arc<RxRegion>)> {
+        let rx = self.rx.read().unwrap_or_else(|p| p.into_inner());
+        rx.iter().map(|(l, r)| (*l, Arc::clone(r))).collect()
     }
 
-    /// Replaces the binding; data connections of its lane identified from now on use it.
-    pub(crate) fn set_binding(&self, rx: Binding) {
-        *self.rx.write().unwrap_or_else(|p| p.into_inner()) = rx;
+    /// Sets (or with `None` removes) lane `lane`'s binding; its data connections identified
+    /// from now on use it.
+    pub(crate) fn set_binding(&self, lane: u32, rx: Option<Arc<RxRegion>>) {
+        let mut all = self.rx.write().unwrap_or_else(|p| p.into_inner());
+        match rx {
+            Some(r) => all.insert(lane, r),
+            None => all.remove(&lane),
+        };
+    }
+
+    /// The emulated host of the `devmem-sim` bindings.
+    pub fn emu(&self) -> &Arc<EmuHost> {
+        &self.emu
     }
 
     /// The GPU of lane `lane` (`None`: host memory).
@@ -105,12 +127,15 @@ impl DataPlane {
         self.lanes.get(lane).and_then(|l| l.cuda.as_ref())
     }
 
-    /// The receive path in effect.
+    /// The receive path in effect (devmem when any lane has a kernel binding).
     pub fn receive(&self) -> ReceiveMode {
-        match self.binding() {
-            None => ReceiveMode::Host,
-            Some(r) if r.kind() == BindingKind::Emulated => ReceiveMode::DevmemSim,
-            Some(_) => ReceiveMode::Devmem,
+        let kinds: Vec<BindingKind> = self.bindings().iter().map(|(_, r)| r.kind()).collect();
+        if kinds.contains(&BindingKind::Kernel) {
+            ReceiveMode::Devmem
+        } else if kinds.is_empty() {
+            ReceiveMode::Host
+        } else {
+            ReceiveMode::DevmemSim
         }
     }
 
@@ -160,14 +185,11 @@ impl DataPlane {
         ));
     }
 
-    /// The receive settings of a connection of `lane`.
+    /// The receive settings of a connection of `lane`: its own lane's binding, never
+    /// another's.
     fn setup(&self, lane: &Lane) -> Setup {
-        let binding = self
-            .binding_on()
-            .filter(|(on, _)| *on == lane.id())
-            .map(|(_, r)| r);
         Setup {
-            binding,
+            binding: self.binding(lane.id()),
             gpus: Gpus::new(lane.cuda.iter().cloned().collect()),
             io_uring: self.io_uring,
             cpus: lane.cpus.clone().into(),

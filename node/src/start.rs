@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardwire_config::{ReceiveMode, ServeConfig};
+use shardwire_devmem::emu::host::EmuHost;
 use shardwire_devmem::probe::NicReport;
 use shardwire_protocol::wire::LaneAddr;
 use tokio::sync::{mpsc, watch};
@@ -125,7 +126,7 @@ impl NodeHandle {
 
     /// Asks every task to stop.
     pub fn shutdown(&self) {
-        if let Some(region) = self.node.plane().binding() {
+        for (_, region) in self.node.plane().bindings() {
             region.unbind();
         }
         let _ = self.shutdown.send(true);
@@ -159,7 +160,8 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         .expect("the GPU probe does not panic");
     let started = crate::lanes::open::open(&cfg, &gpus).await?;
     let lanes = started.lanes;
-    let (rx, receive_reason) = choose_receive(&cfg, &nics, &lanes).await?;
+    let emu = EmuHost::new();
+    let (rx, receive_reason) = choose_receive(&cfg, &nics, (&lanes, &emu)).await?;
     let mode_reason = format!(
         "{receive_reason}. memory={}: {}",
         started.memory, started.memory_reason
@@ -181,7 +183,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let plane = Arc::new(DataPlane::new(
         roster,
         Arc::clone(&lanes),
-        rx,
+        (rx, emu),
         Arc::clone(&counters),
         cfg.io_uring,
     ));
@@ -261,14 +263,18 @@ async fn restore_nic_state(state: &Path) {
     }
 }
 
-/// The RX binding for the configured receive mode, the lane it is on, and why. Devmem is
+/// RX bindings, each with its lane.
+type LaneBindings = Vec<(u32, Arc<RxRegion>)>;
+
+/// The RX bindings for the configured receive mode, each with its lane, and why. Devmem is
 /// bound on one lane: the one whose NIC is the interface chosen (`devmem_interface`, else the
-/// first capable NIC), else lane 0; the emulator on lane 0.
+/// first capable NIC), else lane 0; the emulator on every lane, each its own emulated NIC and
+/// dma-buf.
 async fn choose_receive(
     cfg: &ServeConfig,
     nics: &[NicReport],
-    lanes: &Lanes,
-) -> Result<(Option<(u32, Arc<RxRegion>)>, String), StartError> {
+    (lanes, emu): (&Lanes, &Arc<EmuHost>),
+) -> Result<(LaneBindings, String), StartError> {
     let probe = binding::probe_summary(nics);
     let picked = binding::pick_interface(nics, cfg.devmem_interface.as_deref(), true).ok();
     let lane = picked
@@ -294,45 +300,64 @@ async fn choose_receive(
     let cuda = lane.cuda.clone();
     Ok(match cfg.receive {
         ReceiveMode::Host => (
-            None,
+            Vec::new(),
             format!("receive=host: plain TCP into host memory, as configured; {probe}"),
         ),
-        ReceiveMode::DevmemSim => {
-            let lane0 = &lanes.all()[0];
-            let region = binding::emulator(lane0.spec.devmem_memory as usize, lane0.cuda.clone())
-                .map_err(StartError::Emulator)?;
-            let gather = if region.gpu_gather() {
-                "frags gathered into GPU memory by the CUDA kernel from the emulator's memory registered with CUDA"
-            } else {
-                "frags gathered by memcpy"
-            };
-            let reason = format!(
-                "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, {} binding of {} net_iovs, {gather}; NOT GPU-direct{}; {probe}",
-                shardwire_config::ByteSize(lane0.spec.devmem_memory),
-                region.niovs().1,
-                if lanes.all().len() > 1 {
-                    " (on lane 0; the other lanes receive with plain TCP)"
-                } else {
-                    ""
-                },
-            );
-            (Some((0, region)), reason)
-        }
+        ReceiveMode::DevmemSim => emulate_every_lane(lanes, emu, &probe)?,
         ReceiveMode::Devmem => {
             let (region, why) = binding::nic(nics, req, cuda)
                 .await
                 .map_err(StartError::Devmem)?;
             (
-                Some((lane.id(), region)),
+                vec![(lane.id(), region)],
                 on(format!("receive=devmem: {why}")),
             )
         }
         ReceiveMode::Auto => match binding::nic(nics, req, cuda).await {
             Ok((region, why)) => (
-                Some((lane.id(), region)),
+                vec![(lane.id(), region)],
                 on(format!("receive=auto chose devmem: {why}")),
             ),
-            Err(e) => (None, format!("receive=auto chose host (plain TCP): {e}")),
+            Err(e) => (
+                Vec::new(),
+                format!("receive=auto chose host (plain TCP): {e}"),
+            ),
         },
     })
+}
+
+/// `receive = devmem-sim`: every lane gets its own emulator binding (its own emulated NIC,
+/// queues and dma-buf, so its own binding id), and why.
+fn emulate_every_lane(
+    lanes: &Lanes,
+    emu: &Arc<EmuHost>,
+    probe: &str,
+) -> Result<(LaneBindings, String), StartError> {
+    let mut bound = Vec::new();
+    let mut each = Vec::new();
+    for lane in lanes.all() {
+        let (nic, queues) =
+            binding::emulated_nic(lane.id(), lane.spec.nic.as_deref(), &lane.spec.queues);
+        let bytes = lane.spec.devmem_memory as usize;
+        let region = binding::emulator(emu, (&nic, &queues), bytes, lane.cuda.clone())
+            .map_err(StartError::Emulator)?;
+        let gather = match region.gpu_gather() {
+            true => "gathered into GPU memory by the CUDA kernel",
+            false => "gathered by memcpy",
+        };
+        each.push(format!(
+            "lane {}: binding {} on {nic} queues {queues:?}, {} ({} net_iovs), frags {gather}",
+            lane.id(),
+            region.id(),
+            shardwire_config::ByteSize(bytes as u64),
+            region.niovs().1,
+        ));
+        tracing::info!(lane = lane.id(), binding = region.id(), %nic, ?queues, "devmem-sim binding");
+        bound.push((lane.id(), region));
+    }
+    let reason = format!(
+        "receive=devmem-sim: the devmem receive path (frags, tokens, gather) over the kernel-faithful emulator on ordinary TCP, one binding per lane ({}); each data connection steered to its lane's queues and its frags checked against its lane's binding; NOT GPU-direct; {probe}",
+        each.join("; ")
+    );
+    Ok((bound, reason))
 }

@@ -23,19 +23,21 @@ pub struct Mode {
     pub reason: String,
 }
 
-/// The RX binding.
+/// A lane's RX binding.
 #[derive(Debug, Clone, Serialize)]
 pub struct BindingStatus {
-    /// Binding id.
+    /// Its lane.
+    pub lane: u32,
+    /// Binding id (the dma-buf id its frags carry; unique on the host).
     pub binding: u32,
     /// Emulated or kernel.
     pub kind: BindingKind,
     /// Dma-buf bytes.
     pub bytes: usize,
-    /// The interface (kernel bindings).
-    pub interface: Option<String>,
-    /// The queues (kernel bindings).
-    pub queues: Option<Vec<u32>>,
+    /// The interface (an emulated NIC's name for the emulator).
+    pub interface: String,
+    /// The RX queues bound.
+    pub queues: Vec<u32>,
     /// net_iovs.
     pub niovs: usize,
     /// Free net_iovs (emulator only).
@@ -52,6 +54,9 @@ pub struct BindingStatus {
     pub linear_bytes: u64,
     /// Bytes of ordinary TCP.
     pub plain_bytes: u64,
+    /// Receives whose frags named another binding (steered to another lane's queue):
+    /// refused, tokens returned, payload fetched again.
+    pub steering_errors: u64,
 }
 
 /// One source link.
@@ -119,8 +124,10 @@ pub struct LaneStatus {
     pub cpus: String,
     /// Its RX queues for devmem.
     pub queues: Vec<u32>,
-    /// It has the node's RX binding.
+    /// It has an RX binding.
     pub devmem: bool,
+    /// Its RX binding (`null`: plain TCP).
+    pub binding: Option<BindingStatus>,
     /// Open streams.
     pub streams: usize,
     /// Bytes of its pool reserved by its streams.
@@ -148,7 +155,7 @@ pub struct Status {
     pub version: &'static str,
     /// Modes and why.
     pub mode: Mode,
-    /// The RX binding (`null` in host mode).
+    /// The first lane's RX binding (`null` in host mode; every lane's: `lanes[].binding`).
     pub devmem: Option<BindingStatus>,
     /// Draining.
     pub draining: bool,

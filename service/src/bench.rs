@@ -278,10 +278,17 @@ fn run_shardwire(
     print_crc_hotness(shardwire_node::FlowStats::median_crc_piece(
         stats.iter().map(|s| &**s),
     ));
-    if let Some(b) = node.binding_status() {
+    for b in node.binding_statuses() {
         println!(
-            "devmem-sim: {} frags, {} tokens returned, pool exhausted {} times, {:?} of {} net_iovs free at the end",
-            b.frags, b.tokens_returned, b.pool_exhausted, b.niovs_free, b.niovs
+            "devmem-sim lane {} (binding {}): {} frags, {} tokens returned, {} steering errors, pool exhausted {} times, {:?} of {} net_iovs free at the end",
+            b.lane,
+            b.binding,
+            b.frags,
+            b.tokens_returned,
+            b.steering_errors,
+            b.pool_exhausted,
+            b.niovs_free,
+            b.niovs
         );
     }
     drop(s);

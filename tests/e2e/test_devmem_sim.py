@@ -87,9 +87,10 @@ def test_devmem_sim_two_sources_two_ranks_byte_exact(sw, tmp_path):
 
     code, text = http_get(node.admin, "/metrics")
     assert code == 200
-    assert _metric(text, "shardwire_devmem_frags_total") == dm["frags"]
-    assert _metric(text, "shardwire_devmem_niovs", '{state="in_use"}') == 0
-    assert _metric(text, "shardwire_devmem_tokens_returned_total") > 0
+    assert _metric(text, "shardwire_devmem_frags_total", '{lane="0"}') == dm["frags"]
+    assert _metric(text, "shardwire_devmem_niovs", '{lane="0",state="in_use"}') == 0
+    assert _metric(text, "shardwire_devmem_tokens_returned_total", '{lane="0"}') > 0
+    assert _metric(text, "shardwire_devmem_steering_errors_total", '{lane="0"}') == 0
     assert 'shardwire_bytes_received_total{mode="devmem-sim"}' in text
 
 

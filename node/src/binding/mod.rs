@@ -1,12 +1,14 @@
-//! Making the node's RX binding: the emulator, or a NIC's queues chosen from the capability
-//! probe (set up, bound, journaled; see [`RxRegion::bind_kernel`]). Used at start (`receive =
-//! devmem | devmem-sim | auto`) and by the control task (`POST /v1/bindings`).
+//! Making a lane's RX binding: the emulator (one emulated NIC per lane, each binding its own
+//! dma-buf), or a NIC's queues chosen from the capability probe (set up, bound, journaled;
+//! see [`RxRegion::bind_kernel`]). Used at start (`receive = devmem | devmem-sim | auto`) and
+//! by the control task (`POST /v1/bindings`). A node holds at most one binding per lane.
 
 mod region;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use shardwire_devmem::emu::host::EmuHost;
 use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 use shardwire_protocol::trainer::ErrorCode;
@@ -44,11 +46,21 @@ pub enum BindingError {
         /// Why (the probe's reason).
         reason: String,
     },
-    /// A binding exists already.
-    #[error("binding {id} exists; delete it first (one binding per node)")]
+    /// The lane has a binding already.
+    #[error("binding {id} exists on lane {lane}; delete it first (one binding per lane)")]
     Exists {
         /// Its id.
         id: u32,
+        /// The lane.
+        lane: u32,
+    },
+    /// No lane of that number.
+    #[error("no lane {lane}; this node has {count}")]
+    NoLane {
+        /// The lane asked for.
+        lane: u32,
+        /// The node's lane count.
+        count: usize,
     },
     /// No binding with that id.
     #[error("no binding {id}")]
@@ -71,9 +83,9 @@ impl BindingError {
     /// The API code of this error.
     pub fn code(&self) -> ErrorCode {
         match self {
-            Self::UnknownInterface { .. } | Self::ConfiguredInterfaceMissing { .. } => {
-                ErrorCode::UnknownInterface
-            }
+            Self::UnknownInterface { .. }
+            | Self::ConfiguredInterfaceMissing { .. }
+            | Self::NoLane { .. } => ErrorCode::UnknownInterface,
             Self::NotFound { .. } => ErrorCode::NotFound,
             Self::NoneCapable { .. } | Self::NotCapable { .. } => ErrorCode::NotCapable,
             Self::Exists { .. } => ErrorCode::BindingExists,
@@ -101,13 +113,28 @@ pub fn probe_summary(nics: &[NicReport]) -> String {
     }
 }
 
-/// The emulator's binding of `bytes`.
+/// The emulated NIC and queues of lane `lane`'s binding: the lane's own NIC `emu{lane}` and
+/// the upper half of its queues, or, when the lane names queues, those queues of the lane's
+/// NIC (two lanes sharing a NIC name disjoint queue sets; an overlap is refused as `EBUSY`).
+pub fn emulated_nic(lane: u32, nic: Option<&str>, queues: &[u32]) -> (String, Vec<u32>) {
+    match (nic, queues.is_empty()) {
+        (Some(nic), false) => (format!("emu-{nic}"), queues.to_vec()),
+        _ => (
+            format!("emu{lane}"),
+            (region::EMU_RX_QUEUES / 2..region::EMU_RX_QUEUES).collect(),
+        ),
+    }
+}
+
+/// The emulator's binding of `bytes` on `queues` of emulated NIC `nic` of `host`.
 pub fn emulator(
+    host: &Arc<EmuHost>,
+    (nic, queues): (&str, &[u32]),
     bytes: usize,
     cuda: Option<Arc<CudaMemory>>,
 ) -> Result<Arc<RxRegion>, BindingError> {
-    RxRegion::emulated(bytes, cuda).map_err(|source| BindingError::Failed {
-        what: "the emulator".into(),
+    RxRegion::emulated(host, (nic, queues), bytes, cuda).map_err(|source| BindingError::Failed {
+        what: format!("the emulator ({nic} queues {queues:?})"),
         source,
     })
 }

@@ -14,7 +14,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError, EmuSocket};
+use shardwire_devmem::emu::host::{EmuHost, EmuRule, Flow, HostError};
+use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError};
 use shardwire_devmem::mem::DmabufMem;
 use shardwire_devmem::nic::{NicSetup, SetupPlan};
 use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding};
@@ -33,14 +34,24 @@ pub struct DevmemCounters {
     pub plain_bytes: AtomicU64,
     /// Tokens handed back with `SO_DEVMEM_DONTNEED`.
     pub tokens_returned: AtomicU64,
+    /// Receives whose frags named another binding's dma-buf (a flow steered to another
+    /// lane's queue): their tokens went back and their payload was fetched again.
+    pub steering_errors: AtomicU64,
 }
+
+/// RX queues of an emulated NIC (bindings take the upper half unless told).
+pub const EMU_RX_QUEUES: u32 = 16;
 
 /// What backs a binding.
 enum Backing {
-    /// `receive = devmem-sim`: the emulator's memfd and freelist.
+    /// `receive = devmem-sim`: the emulator's memfd and freelist, bound to `queues` of the
+    /// emulated NIC `nic` on the emulated `host`.
     Emulated {
         binding: Arc<EmuBinding>,
         emu: EmuConfig,
+        host: Arc<EmuHost>,
+        nic: String,
+        queues: Vec<u32>,
     },
     /// `receive = devmem`: a udmabuf (host memory) or GPU memory bound to NIC RX queues.
     /// The netlink binding and the NIC setup are dropped (unbind, then restore) by
@@ -106,6 +117,9 @@ pub enum BindError {
     /// The emulator could not make its binding.
     #[error("the emulator: {0}")]
     Emulator(#[from] EmuError),
+    /// The emulated host refused the NIC or the bind.
+    #[error("the emulated NIC: {0}")]
+    EmulatedNic(#[from] HostError),
     /// The emulator's memory could not be registered with CUDA.
     #[error("registering the emulator's dma-buf with CUDA: {0}")]
     GpuRegister(shardwire_gpu::GpuError),
@@ -122,10 +136,18 @@ pub enum BindingKind {
 }
 
 impl RxRegion {
-    /// An emulated binding of `bytes` (`receive = devmem-sim`). With `cuda`, its memory is
-    /// registered with the GPU and frags are gathered by the CUDA kernel.
-    pub fn emulated(bytes: usize, cuda: Option<Arc<CudaMemory>>) -> Result<Arc<Self>, BindError> {
-        let binding = EmuBinding::new(1, bytes)?;
+    /// An emulated binding of `bytes` (`receive = devmem-sim`) on `queues` of the emulated
+    /// NIC `nic` (its own dma-buf and id). With `cuda`, its memory is registered with the GPU
+    /// and frags are gathered by the CUDA kernel.
+    pub fn emulated(
+        host: &Arc<EmuHost>,
+        (nic, queues): (&str, &[u32]),
+        bytes: usize,
+        cuda: Option<Arc<CudaMemory>>,
+    ) -> Result<Arc<Self>, BindError> {
+        let rx_queues = queues.iter().max().map_or(0, |q| q + 1).max(EMU_RX_QUEUES);
+        host.add_nic(nic, rx_queues)?;
+        let binding = host.bind(nic, queues, bytes)?;
         let gpu = match cuda {
             None => None,
             Some(cuda) => {
@@ -147,6 +169,9 @@ impl RxRegion {
             backing: Backing::Emulated {
                 binding,
                 emu: EmuConfig::default(),
+                host: Arc::clone(host),
+                nic: nic.into(),
+                queues: queues.to_vec(),
             },
             counters: DevmemCounters::default(),
         }))
@@ -212,11 +237,11 @@ impl RxRegion {
         }
     }
 
-    /// `(interface, queues)` of a kernel binding.
-    pub fn queues(&self) -> Option<(&str, &[u32])> {
+    /// `(interface, queues)` the binding is bound to (an emulated NIC's for the emulator).
+    pub fn queues(&self) -> (&str, &[u32]) {
         match &self.backing {
-            Backing::Emulated { .. } => None,
-            Backing::Kernel { ifname, queues, .. } => Some((ifname, queues)),
+            Backing::Emulated { nic, queues, .. } => (nic, queues),
+            Backing::Kernel { ifname, queues, .. } => (ifname, queues),
         }
     }
 
@@ -315,17 +340,35 @@ impl RxRegion {
         }
     }
 
-    /// The devmem socket of a data connection reading through this binding: the emulator's
-    /// over ordinary TCP, or `recvmsg(MSG_SOCK_DEVMEM)` on the kernel's.
+    /// Steers data connection `sock` to the least-loaded queue of this binding before its
+    /// first payload byte: a 5-tuple rule on the emulated NIC, deleted when the returned rule
+    /// is dropped. A kernel binding steers its lane's data port at NIC setup (`None`).
+    pub(crate) fn steer(&self, sock: &TcpStream) -> io::Result<Option<EmuRule>> {
+        let Backing::Emulated {
+            host, nic, queues, ..
+        } = &self.backing
+        else {
+            return Ok(None);
+        };
+        let flow = Flow::of(sock)?;
+        let queue = host.least_loaded(nic, queues).unwrap_or(0);
+        let rule = host
+            .insert_rule(flow, nic, queue)
+            .map_err(io::Error::other)?;
+        Ok(Some(rule))
+    }
+
+    /// The devmem socket of a data connection reading through this binding: the emulated
+    /// host's (frags of the binding its flow is steered to, over ordinary TCP), or
+    /// `recvmsg(MSG_SOCK_DEVMEM)` on the kernel's.
     pub(crate) fn recv_socket(
         self: &Arc<Self>,
         sock: TcpStream,
     ) -> io::Result<Box<dyn DevmemRecv + Send>> {
         Ok(match &self.backing {
-            Backing::Emulated { binding, emu } => Box::new(
-                EmuSocket::new(sock, Arc::clone(binding), *emu)
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
-            ),
+            Backing::Emulated { host, emu, .. } => host
+                .socket(sock, *emu)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
             Backing::Kernel { .. } => Box::new(DevmemSocket::new(sock)),
         })
     }

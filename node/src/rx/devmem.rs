@@ -11,7 +11,10 @@
 //! the CRC-32C is computed at the end by the CRC kernel of the slab's GPU. A full pool makes
 //! the emulated NIC wait: backpressure, not loss. Bytes that arrive outside the dma-buf
 //! (LINEAR frags, ordinary TCP) are still placed correctly but counted and reported as a
-//! header-split or steering problem.
+//! header-split or steering problem. Every frag must name this connection's lane's binding:
+//! a frag of another binding (its flow landed on another lane's queue: a steering error) is
+//! counted in the binding's `steering_errors`, its tokens go back as always, and the payload
+//! fails, so it is fetched again and never delivered.
 
 use std::io;
 use std::net::TcpStream;
@@ -19,7 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use shardwire_devmem::gather::{GatherPlan, gather, plan};
+use shardwire_devmem::emu::host::EmuRule;
+use shardwire_devmem::gather::{GatherError, GatherPlan, gather, plan};
 use shardwire_devmem::{DevmemRecv, TokenBatcher};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, VmmRegion};
 use shardwire_gpu::kernels::Frag;
@@ -38,6 +42,8 @@ pub struct DevmemReader {
     plan: GatherPlan,
     frags: Vec<Frag>,
     warned: bool,
+    /// The emulator's steering rule for this connection, deleted when it closes.
+    _rule: Option<EmuRule>,
 }
 
 impl std::fmt::Debug for DevmemReader {
@@ -59,9 +65,12 @@ impl PayloadRead for DevmemReader {
 }
 
 impl DevmemReader {
-    /// A reader of data connection `sock` through `region`.
+    /// A reader of data connection `sock` through `region`, its flow steered to one of the
+    /// binding's queues before its first byte is read.
     pub fn new(region: &Arc<RxRegion>, sock: TcpStream) -> io::Result<Self> {
+        let rule = region.steer(&sock)?;
         Ok(Self {
+            _rule: rule,
             sock: region.recv_socket(sock)?,
             region: Arc::clone(region),
             tokens: TokenBatcher::new(),
@@ -95,7 +104,7 @@ impl DevmemReader {
         let returned = self.sock.return_tokens(&mut self.tokens);
         let freed = returned.map_err(to_io)?;
         c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
-        let g = gathered.map_err(to_io)?;
+        let g = gathered.map_err(|e| self.refused(e))?;
         c.frags.fetch_add(g.dmabuf_frags as u64, Ordering::Relaxed);
         c.dmabuf_bytes.fetch_add(g.dmabuf_bytes, Ordering::Relaxed);
         if g.linear_bytes > 0 || g.plain_bytes > 0 {
@@ -110,6 +119,23 @@ impl DevmemReader {
             }
         }
         Ok(g.bytes)
+    }
+
+    /// A batch the gather refused, as the payload's error; a frag of another binding is
+    /// counted as a steering error.
+    fn refused(&self, e: GatherError) -> io::Error {
+        if let GatherError::ForeignBinding { got, want } = e {
+            self.region
+                .counters
+                .steering_errors
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                frag_binding = got,
+                lane_binding = want,
+                "a frag of another lane's binding reached this connection (steered to another NIC's queue): tokens returned, the payload is fetched again"
+            );
+        }
+        io::Error::other(e)
     }
 
     /// Receive up to `host.len()` payload bytes into GPU region `dst` at `dst_off` (in
@@ -135,7 +161,7 @@ impl DevmemReader {
         self.tokens.push_batch(&batch);
         let planned = plan(&batch, region.id(), host.len(), &mut self.plan);
         let copied = planned
-            .map_err(to_io)
+            .map_err(|e| self.refused(e))
             .and_then(|()| self.copy_planned(cuda, src, dst, dst_off, host));
         let freed = self.sock.return_tokens(&mut self.tokens).map_err(to_io)?;
         let c = &region.counters;
@@ -268,5 +294,113 @@ impl Place for GpuDirect {
             .map_err(|e| RxError::gpu("CRC-32C on the GPU", e))?;
         tally.spent(t.elapsed());
         Ok(crc[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    use shardwire_devmem::emu::host::{EmuHost, Flow};
+
+    use super::*;
+    use crate::binding::{self, RxRegion};
+
+    const MIB: usize = 1 << 20;
+
+    /// Lane `lane`'s emulator binding on `host`.
+    fn lane_binding(host: &Arc<EmuHost>, lane: u32) -> Arc<RxRegion> {
+        let (nic, queues) = binding::emulated_nic(lane, None, &[]);
+        binding::emulator(host, (&nic, &queues), 4 * MIB, None).unwrap()
+    }
+
+    /// An accepted loopback connection on `ip` carrying `payload`.
+    fn conn(ip: &str, payload: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
+        let l = TcpListener::bind((ip, 0)).unwrap();
+        let addr = l.local_addr().unwrap();
+        let w = std::thread::spawn(move || {
+            // A refused connection is closed by the reader: the write may fail then.
+            let _ = TcpStream::connect(addr).unwrap().write_all(&payload);
+        });
+        (l.accept().unwrap().0, w)
+    }
+
+    fn read_all(r: &mut DevmemReader, n: usize) -> io::Result<Vec<u8>> {
+        let mut out = vec![0u8; n];
+        let mut off = 0;
+        while off < n {
+            let end = (off + CHUNK).min(n);
+            match r.read_some(&mut out[off..end])? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                got => off += got,
+            }
+        }
+        Ok(out)
+    }
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(13) ^ seed).collect()
+    }
+
+    #[test]
+    fn each_lane_reads_through_its_own_binding_only() {
+        let host = EmuHost::new();
+        let (a, b) = (lane_binding(&host, 0), lane_binding(&host, 1));
+        assert_ne!(a.id(), b.id(), "each lane its own dma-buf");
+        let (pa, pb) = (pattern(3 * MIB, 1), pattern(2 * MIB, 2));
+        let (sa, wa) = conn("127.0.0.1", pa.clone());
+        let (sb, wb) = conn("127.0.0.2", pb.clone());
+        let mut ra = DevmemReader::new(&a, sa).unwrap();
+        let mut rb = DevmemReader::new(&b, sb).unwrap();
+        assert_eq!(host.rules(), 2, "one steering rule per connection");
+        assert!(read_all(&mut ra, pa.len()).unwrap() == pa);
+        assert!(read_all(&mut rb, pb.len()).unwrap() == pb);
+        for (r, n) in [(&a, pa.len()), (&b, pb.len())] {
+            let c = &r.counters;
+            assert_eq!(c.dmabuf_bytes.load(Ordering::Relaxed), n as u64);
+            assert_eq!(c.steering_errors.load(Ordering::Relaxed), 0);
+            assert_eq!(
+                c.tokens_returned.load(Ordering::Relaxed),
+                c.frags.load(Ordering::Relaxed)
+            );
+        }
+        drop((ra, rb));
+        assert_eq!(host.rules(), 0, "rules go when their connections close");
+        wa.join().unwrap();
+        wb.join().unwrap();
+    }
+
+    #[test]
+    fn a_frag_of_another_lanes_binding_is_refused_counted_and_its_tokens_returned() {
+        let host = EmuHost::new();
+        let (a, b) = (lane_binding(&host, 0), lane_binding(&host, 1));
+        let (s, w) = conn("127.0.0.1", pattern(MIB, 3));
+        let flow = Flow::of(&s).unwrap();
+        let (nic_b, queues_b) = b.queues();
+        host.misplace(flow, nic_b, queues_b[0]);
+        let mut r = DevmemReader::new(&a, s).unwrap();
+        let mut dst = vec![0u8; CHUNK];
+        let e = r.read_some(&mut dst).unwrap_err();
+        let gather = e.get_ref().and_then(|e| e.downcast_ref::<GatherError>());
+        assert_eq!(
+            gather,
+            Some(&GatherError::ForeignBinding {
+                got: b.id(),
+                want: a.id()
+            })
+        );
+        let c = &a.counters;
+        assert_eq!(c.steering_errors.load(Ordering::Relaxed), 1);
+        assert_eq!(c.frags.load(Ordering::Relaxed), 0, "nothing gathered");
+        assert!(c.tokens_returned.load(Ordering::Relaxed) > 0);
+        drop(r);
+        let (free, total) = b.niovs();
+        assert_eq!(
+            free,
+            Some(total),
+            "every net_iov of the other binding came back"
+        );
+        w.join().unwrap();
     }
 }

@@ -2,8 +2,10 @@
 //! and `DELETE /v1/bindings/{id}`; the mutating ones need the admin bearer token and go to
 //! the node as control messages.
 //!
-//! A node has at most one binding. Creating one (a NIC's queues bound to a fresh udmabuf, or
-//! `"interface": "emulator"` for the kernel-faithful emulator) makes the source links
+//! A node has at most one binding per lane, each its own dma-buf and id. Creating one on a
+//! lane (`"lane": N`; default the lane of the named NIC, else lane 0; a NIC's queues bound to
+//! a fresh udmabuf, or `"interface": "emulator"` for the kernel-faithful emulator's NIC of
+//! that lane) makes the source links
 //! reconnect, so every data connection comes back through the devmem path; shards in flight
 //! are fetched again, nothing is lost. Deleting one switches new data connections to plain
 //! TCP, makes the links reconnect, waits until no data connection reads from the binding any
@@ -39,11 +41,14 @@ pub struct CreateBinding {
     queues: Vec<u32>,
     /// Dma-buf size, e.g. `"64MiB"` (default: `devmem_memory`).
     memory: Option<String>,
+    /// The lane (default: the lane whose NIC `interface` is, else lane 0).
+    lane: Option<u32>,
 }
 
-/// `GET /v1/bindings`: the node's devmem RX bindings (empty in host mode).
+/// `GET /v1/bindings`: the node's devmem RX bindings, one per bound lane with its `lane`
+/// (empty in host mode).
 pub async fn list(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
-    let list: Vec<_> = node.binding_status().into_iter().collect();
+    let list = node.binding_statuses();
     Json(json!({ "receive": node.receive().to_string(), "bindings": list }))
 }
 
@@ -66,12 +71,16 @@ pub async fn create(
         Some(Err(e)) => return Err(ApiError::bad_request(format!("memory: {e}"))),
     };
     let spec = if req.interface == EMULATOR {
-        BindingSpec::Emulator { bytes }
+        BindingSpec::Emulator {
+            bytes,
+            lane: req.lane,
+        }
     } else {
         BindingSpec::Nic {
             name: req.interface,
             queues: req.queues,
             bytes,
+            lane: req.lane,
         }
     };
     match node.control(Control::CreateBinding(spec)).await? {

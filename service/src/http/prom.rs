@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use shardwire_node::{COUNTERS, CounterDef, Label, Status, Unit};
+use shardwire_node::{BindingStatus, COUNTERS, CounterDef, Label, Status, Unit};
 
 /// How often histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -103,6 +103,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "counter",
         "shardwire_devmem_pool_exhausted_total",
         "Times a devmem receiver waited for free net_iovs",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_steering_errors_total",
+        "Receives whose frags named another lane's binding (a flow steered to another NIC's queue): tokens returned, payload fetched again, never delivered",
     ),
     (
         "counter",
@@ -244,8 +249,8 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
         "shardwire_http_timeouts_total" => one("phase", &["header", "body"]),
         "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle"]),
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
-        "shardwire_devmem_host_bytes_total" => one("kind", &["linear", "plain"]),
-        "shardwire_devmem_niovs" => one("state", &["free", "in_use"]),
+        // Per lane: a series appears with its lane's binding.
+        n if n.starts_with("shardwire_devmem_") => vec![],
         _ => vec![vec![]],
     }
 }
@@ -305,20 +310,28 @@ fn record(st: &Status) {
     metrics::gauge!("shardwire_pool_bytes_reserved").set(st.pool.reserved as f64);
     metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
     metrics::gauge!("shardwire_streams_open").set(st.streams.len() as f64);
-    if let Some(d) = &st.devmem {
-        metrics::counter!("shardwire_devmem_frags_total").absolute(d.frags);
-        metrics::counter!("shardwire_devmem_bytes_total").absolute(d.dmabuf_bytes);
-        metrics::counter!("shardwire_devmem_tokens_returned_total").absolute(d.tokens_returned);
-        metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "linear")
-            .absolute(d.linear_bytes);
-        metrics::counter!("shardwire_devmem_host_bytes_total", "kind" => "plain")
-            .absolute(d.plain_bytes);
-        metrics::counter!("shardwire_devmem_pool_exhausted_total").absolute(d.pool_exhausted);
-        if let Some(free) = d.niovs_free {
-            metrics::gauge!("shardwire_devmem_niovs", "state" => "free").set(free as f64);
-            metrics::gauge!("shardwire_devmem_niovs", "state" => "in_use")
-                .set((d.niovs - free) as f64);
-        }
+    for d in st.lanes.iter().filter_map(|l| l.binding.as_ref()) {
+        record_binding(d);
+    }
+}
+
+/// One lane's binding figures, labelled with its lane.
+fn record_binding(d: &BindingStatus) {
+    let lane = [("lane", d.lane.to_string())];
+    let with = |k: &'static str, v: &'static str| [lane[0].clone(), (k, v.to_owned())];
+    metrics::counter!("shardwire_devmem_frags_total", &lane).absolute(d.frags);
+    metrics::counter!("shardwire_devmem_bytes_total", &lane).absolute(d.dmabuf_bytes);
+    metrics::counter!("shardwire_devmem_tokens_returned_total", &lane).absolute(d.tokens_returned);
+    metrics::counter!("shardwire_devmem_steering_errors_total", &lane).absolute(d.steering_errors);
+    metrics::counter!("shardwire_devmem_host_bytes_total", &with("kind", "linear"))
+        .absolute(d.linear_bytes);
+    metrics::counter!("shardwire_devmem_host_bytes_total", &with("kind", "plain"))
+        .absolute(d.plain_bytes);
+    metrics::counter!("shardwire_devmem_pool_exhausted_total", &lane).absolute(d.pool_exhausted);
+    if let Some(free) = d.niovs_free {
+        metrics::gauge!("shardwire_devmem_niovs", &with("state", "free")).set(free as f64);
+        metrics::gauge!("shardwire_devmem_niovs", &with("state", "in_use"))
+            .set((d.niovs - free) as f64);
     }
 }
 
