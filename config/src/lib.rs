@@ -148,6 +148,11 @@ pub struct ServeConfig {
     /// the next payloads' slabs posted as its buffers (Linux 6.12+; where io_uring cannot be
     /// set up, a warning is logged and `recv` is used); false: always `recv`.
     pub io_uring: bool,
+    /// Fault injection for tests (`receive = devmem-sim` with two lanes or more): the first N
+    /// devmem data connections of lane 0 have their packets land on lane 1's binding (a
+    /// misplaced steering rule), so their frags name another binding; the node must count
+    /// them (`steering_errors`), return their tokens and fetch their payloads again.
+    pub fault_misplace: u32,
     /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
     /// pool frags land in before they are gathered into shard slabs.
     pub devmem_memory: ByteSize,
@@ -209,6 +214,7 @@ impl Default for ServeConfig {
             secret_file: None,
             receive: ReceiveMode::Auto,
             io_uring: true,
+            fault_misplace: 0,
             devmem_memory: ByteSize(64 << 20),
             devmem_interface: None,
             devmem_queues: Vec::new(),

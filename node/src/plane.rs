@@ -68,6 +68,8 @@ pub struct DataPlane {
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
     io_uring: bool,
+    /// Lane 0 devmem connections still to misplace onto lane 1's binding (`fault_misplace`).
+    fault_misplace: std::sync::atomic::AtomicU32,
 }
 
 impl DataPlane {
@@ -89,7 +91,24 @@ impl DataPlane {
             flows: Mutex::default(),
             counters,
             io_uring,
+            fault_misplace: Default::default(),
         }
+    }
+
+    /// Fault injection: the next `n` devmem data connections of lane 0 land on lane 1's
+    /// binding (`fault_misplace`).
+    pub(crate) fn set_fault_misplace(&self, n: u32) {
+        self.fault_misplace.store(n, Ordering::Relaxed);
+    }
+
+    /// Lane 1's binding when a lane 0 devmem connection is to be misplaced onto it.
+    fn take_misplace(&self, lane: u32) -> Option<Arc<RxRegion>> {
+        let onto = self.binding(1).filter(|_| lane == 0)?;
+        self.binding(0)?;
+        let left = &self.fault_misplace;
+        left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .ok()?;
+        Some(onto)
     }
 
     /// The RX binding of lane `lane` (`None`: plain TCP on it).
@@ -193,6 +212,7 @@ impl DataPlane {
             gpus: Gpus::new(lane.cuda.iter().cloned().collect()),
             io_uring: self.io_uring,
             cpus: lane.cpus.clone().into(),
+            misplace: self.take_misplace(lane.id()),
         }
     }
 

@@ -187,6 +187,13 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         Arc::clone(&counters),
         cfg.io_uring,
     ));
+    if cfg.fault_misplace > 0 {
+        tracing::warn!(
+            connections = cfg.fault_misplace,
+            "fault_misplace: lane 0's first devmem data connections land on lane 1's binding (fault injection for tests)"
+        );
+        plane.set_fault_misplace(cfg.fault_misplace);
+    }
     let info = Info::new(
         cfg,
         (secret, admin_token),

@@ -358,6 +358,18 @@ impl RxRegion {
         Ok(Some(rule))
     }
 
+    /// Fault injection: `sock`'s packets land on this binding's first queue whatever rule its
+    /// flow has (the emulator's `misplace`); a kernel binding cannot be told so (a no-op).
+    pub(crate) fn land_here(&self, sock: &TcpStream) -> io::Result<()> {
+        if let Backing::Emulated {
+            host, nic, queues, ..
+        } = &self.backing
+        {
+            host.misplace(Flow::of(sock)?, nic, queues[0]);
+        }
+        Ok(())
+    }
+
     /// The devmem socket of a data connection reading through this binding: the emulated
     /// host's (frags of the binding its flow is steered to, over ordinary TCP), or
     /// `recvmsg(MSG_SOCK_DEVMEM)` on the kernel's.

@@ -67,6 +67,9 @@ pub struct Setup {
     pub io_uring: bool,
     /// The CPUs the receiver thread runs on (its lane's; empty: not pinned).
     pub cpus: Arc<[u32]>,
+    /// Fault injection (`fault_misplace`): the connection's packets land on this other
+    /// lane's binding instead of its own.
+    pub misplace: Option<Arc<RxRegion>>,
 }
 
 /// The path a connection's receiver runs.
@@ -126,6 +129,15 @@ fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxErro
         c.recv_connections.fetch_add(1, Ordering::Relaxed);
         return Ok(RxPath::Recv(Plain::new(sock)));
     };
+    if let Some(onto) = &setup.misplace {
+        onto.land_here(&sock)
+            .map_err(|e| RxError::io("misplacing the flow (fault_misplace)", &e))?;
+        tracing::warn!(
+            binding = binding.id(),
+            onto = onto.id(),
+            "fault_misplace: this data connection's frags land on another lane's binding"
+        );
+    }
     let reader = DevmemReader::new(binding, sock)
         .map_err(|e| RxError::io("making the devmem socket", &e))?;
     Ok(match (host, reader.gpu_gather()) {
