@@ -1,6 +1,8 @@
 //! `shardwire demo`: a synthetic dataset (Arrow IPC and .npy shards) in a temp dir, a
 //! source and a node service on loopback, one epoch consumed with the Rust client, every
-//! batch checked byte for byte against the files, and a short summary.
+//! batch checked byte for byte against the files, and a short summary. With `--lanes N` the
+//! node has N lanes on 127.0.0.1, 127.0.0.2, ... and N trainers consume an epoch each, one per
+//! lane, and the summary has each lane's figures (with `--receive devmem-sim`, its binding).
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
@@ -28,6 +30,9 @@ pub struct DemoArgs {
     /// Receive path: host, or devmem-sim (the devmem path over the emulator).
     #[arg(long, default_value = "host")]
     receive: ReceiveMode,
+    /// Lanes on loopback addresses 127.0.0.1, 127.0.0.2, ...; one trainer per lane.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    lanes: u8,
 }
 
 /// A source and a node on loopback, running in this process.
@@ -122,7 +127,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
         a.receive != ReceiveMode::Devmem,
         "the demo runs on loopback, which cannot carry devmem; use --receive host or devmem-sim"
     );
-    let result = demo(&dir, a.receive);
+    let result = demo(&dir, a.receive, a.lanes);
     if a.keep {
         println!("kept {}", dir.display());
     } else {
@@ -131,7 +136,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
     result
 }
 
-fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode> {
+fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Result<ExitCode> {
     let data = dir.join("data");
     std::fs::create_dir_all(&data)?;
     for i in 0..4u64 {
@@ -153,7 +158,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
         "demo",
         &data,
         dir.join("trainer.sock"),
-        (2, 0, 1),
+        (2, 0, lanes),
         64 << 20,
         (receive, true),
     )?;
@@ -165,8 +170,9 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
     );
     println!("mode: {}", lb.node.handle.node.info().mode_reason());
     let started = Instant::now();
-    let checked = consume_and_check(&lb.node.handle.socket, &data, &manifest);
+    let checked = consume_every_lane(&lb.node.handle.socket, &data, &manifest, lanes);
     let secs = started.elapsed().as_secs_f64();
+    print_lanes(&lb.node.handle.node.status());
     let c = lb.node.handle.node.counters();
     let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
     let crc_failures = load(&c.crc_failures);
@@ -184,19 +190,57 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode) -> anyhow::Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
-fn consume_and_check(
+/// One trainer per lane: `lanes` streams opened first (each goes to the least loaded lane, so
+/// one per lane), then each consumes an epoch on its own thread; (shards, bytes) of them all.
+fn consume_every_lane(
     socket: &std::path::Path,
     data: &std::path::Path,
     m: &Manifest,
+    lanes: u8,
 ) -> anyhow::Result<(usize, u64)> {
-    let mut s = Stream::open(
-        socket,
-        StreamOptions {
-            seed: 7,
-            ..StreamOptions::new("demo")
-        },
-    )
-    .context("opening the demo stream")?;
+    let streams = (0..lanes)
+        .map(|i| {
+            let opts = StreamOptions {
+                seed: 7 + u64::from(i),
+                ..StreamOptions::new("demo")
+            };
+            Stream::open(socket, opts).context("opening a demo stream")
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = streams
+            .into_iter()
+            .map(|s| scope.spawn(move || consume_and_check(s, data, m)))
+            .collect();
+        runs.into_iter().try_fold((0, 0), |(n, b), r| {
+            let (shards, bytes) = r.join().expect("a demo trainer does not panic")?;
+            Ok((n + shards, b + bytes))
+        })
+    })
+}
+
+/// Each lane's figures: data connections, bytes, and its binding's frags and tokens.
+fn print_lanes(st: &shardwire_node::Status) {
+    for l in &st.lanes {
+        let binding = match &l.binding {
+            Some(b) => format!(
+                ", binding {} on {} queues {:?}: {} frags, {} tokens returned, {} steering errors",
+                b.binding, b.interface, b.queues, b.frags, b.tokens_returned, b.steering_errors
+            ),
+            None => String::new(),
+        };
+        println!(
+            "lane {} ({}): {} data connections, {} bytes received{binding}",
+            l.lane, l.data_addr, l.data_connections, l.bytes_received
+        );
+    }
+}
+
+fn consume_and_check(
+    mut s: Stream,
+    data: &std::path::Path,
+    m: &Manifest,
+) -> anyhow::Result<(usize, u64)> {
     let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
     let mut bytes = 0u64;
     let mut files = BTreeMap::new();

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 
 from conftest import (
     assert_byte_exact,
     assert_exactly_once,
+    child_env,
     expected_crcs,
     http_get,
     index_dataset,
+    require_bin,
     wait_for,
     write_uint8_shards,
 )
@@ -129,3 +132,17 @@ def test_frags_of_another_lanes_binding_are_counted_refused_and_refetched(sw, tm
     code, text = http_get(node.admin, "/metrics")
     assert code == 200
     assert _metric(text, "shardwire_devmem_steering_errors_total", '{lane="0"}') == 1
+
+
+def test_demo_with_two_devmem_sim_lanes_prints_each_lanes_binding():
+    r = subprocess.run([str(require_bin()), "demo", "--lanes", "2", "--receive", "devmem-sim"],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CRC failures: 0" in r.stdout, r.stdout
+    lines = re.findall(r"^lane (\d) \(127\.0\.0\.(\d):\d+\): 2 data connections, (\d+) bytes received, "
+                       r"binding (\d+) on emu\d queues \[[\d, ]+\]: (\d+) frags, (\d+) tokens returned, "
+                       r"0 steering errors$", r.stdout, re.M)
+    assert [(lane, ip) for lane, ip, *_ in lines] == [("0", "1"), ("1", "2")], r.stdout
+    assert lines[0][3] != lines[1][3], f"each lane its own binding: {r.stdout}"
+    for _, _, nbytes, _, frags, tokens in lines:
+        assert int(nbytes) > 0 and int(frags) > 0 and frags == tokens, r.stdout
