@@ -25,7 +25,7 @@ from conftest import (
     wait_for,
     write_uint8_shards,
 )
-from test_lanes import lanes_up, two_lane_node
+from test_lanes import lanes_toml, lanes_up, two_lane_node
 
 SHARDS, SIZE = 12, 700_001  # not a multiple of 4 KiB: frags end mid-page
 
@@ -102,6 +102,34 @@ def test_devmem_sim_on_two_lanes_each_lane_its_own_binding(sw, tmp_path, dataset
         lane = f'{{lane="{l["lane"]}"}}'
         assert _metric(text, "shardwire_devmem_frags_total", lane) == l["binding"]["frags"]
         assert _metric(text, "shardwire_devmem_steering_errors_total", lane) == 0
+
+
+def test_devmem_sim_on_four_lanes_one_trainer_each(sw, tmp_path, dataset):
+    """Four lanes on 127.0.0.1-4, four trainers (each stream on the least loaded lane, so one
+    per lane), each holding its stream at the end of its epoch until all are placed."""
+    expected = expected_crcs(dataset)
+    cfg = lanes_toml(tmp_path / "lanes.toml", [f"127.0.0.{i}:0" for i in range(1, 5)])
+    src = sw.source({"ds": dataset})
+    node = sw.serve([src], "--config", cfg, "--flows", "2", "--pool-size", "64MiB", "--stream-memory", "16MiB",
+                    "--receive", "devmem-sim", "--devmem-memory", "1MiB")
+    lanes_up(node)
+    trainers = []
+    for i in range(4):  # one at a time: two opens in the same millisecond may pick the same lane
+        trainers.append(sw.start_consume(node, "ds", seed=i, limit=SHARDS, hold_secs=6))
+        wait_for(lambda: sorted(s["lane"] for s in node.status()["streams"]) == list(range(i + 1)),
+                 f"stream {i} on lane {i}", diag=node.describe)
+    for t in trainers:
+        batches = t.result()
+        assert_exactly_once(batches, SHARDS)
+        assert_byte_exact(batches, expected)
+    lanes = settled_lanes(node)
+    ids = {l["binding"]["binding"] for l in lanes}
+    assert len(ids) == 4, f"each lane its own binding: {lanes}"
+    for l in lanes:
+        b = l["binding"]
+        assert b["dmabuf_bytes"] == l["bytes_received"] >= SHARDS * SIZE, (l["lane"], l["bytes_received"], b)
+        assert b["tokens_returned"] == b["frags"] and b["steering_errors"] == 0, b
+    assert node.status()["counters"]["crc_failures"] == 0
 
 
 def test_frags_of_another_lanes_binding_are_counted_refused_and_refetched(sw, tmp_path, dataset):
