@@ -4,7 +4,7 @@
 //!
 //! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
 //! [`Admission`] (open streams and each lane's memory budget, under one lock) and the
-//! [`DataPlane`] (links, lanes, matcher, RX binding). A stream goes to the lane of the GPU
+//! [`DataPlane`] (links, lanes, matcher, RX bindings). A stream goes to the lane of the GPU
 //! its trainer names, else to the least loaded lane. The RX bindings, one per lane at most,
 //! are in [`bindings`].
 
