@@ -194,6 +194,7 @@ impl DataPlane {
             conn: e.conn,
             stats: Arc::clone(&flow),
         });
+        let ready = (Arc::clone(&link), e.generation, e.conn);
         let conn = Conn {
             link,
             lane: lane.id(),
@@ -203,6 +204,8 @@ impl DataPlane {
             counters: Arc::clone(&self.counters),
         };
         rx::spawn(conn, sock, self.setup(lane));
+        // Its receiver runs: the source may send payloads on it now.
+        ready.0.data_ready(ready.1, ready.2);
     }
 
     fn sweep(&self) {
