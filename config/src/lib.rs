@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod bytesize;
+mod interfaces;
 mod lanes;
 mod sources;
 
@@ -258,10 +259,16 @@ pub struct SourceConfig {
     /// Fault injection for tests: the first N data connections of a node's lane 0 dial its
     /// lane 1 address instead (the node must refuse them).
     pub fault_wrong_lane: u32,
-    /// Interface for devmem TX (`None`: `sendfile`).
-    pub devmem_tx: Option<String>,
-    /// TX dma-buf size for devmem TX.
+    /// Interfaces for devmem TX, one TX binding each (empty: `sendfile`); written as one
+    /// name or a list.
+    #[serde(deserialize_with = "interfaces::one_or_many")]
+    pub devmem_tx: Vec<String>,
+    /// TX dma-buf size for devmem TX, per interface.
     pub devmem_tx_memory: ByteSize,
+    /// For tests on hosts without a devmem TX NIC: each `devmem_tx` interface gets an unbound
+    /// buffer (ordinary `MSG_ZEROCOPY` sends from it) instead of a `bind-tx` dma-buf; the rest
+    /// of the path (choice of NIC, `SO_BINDTODEVICE`, rings, completions) is the real one.
+    pub devmem_tx_emulate: bool,
     /// Log format.
     pub log_format: LogFormat,
     /// Seconds an established node session may be silent before it is dropped (nodes send
@@ -298,8 +305,9 @@ impl Default for SourceConfig {
             rate_limit: ByteSize(0),
             fault_corrupt: 0,
             fault_wrong_lane: 0,
-            devmem_tx: None,
+            devmem_tx: Vec::new(),
             devmem_tx_memory: ByteSize(64 << 20),
+            devmem_tx_emulate: false,
             log_format: LogFormat::Text,
             idle_timeout_secs: 60,
             max_connections: 256,
@@ -511,6 +519,14 @@ impl SourceConfig {
             ));
         }
         c.check_object_store()?;
+        interfaces::check("devmem_tx", &c.devmem_tx)?;
+        if c.devmem_tx_emulate && c.devmem_tx.is_empty() {
+            return Err(invalid(
+                "devmem_tx_emulate",
+                true,
+                "needs devmem_tx: the interfaces whose TX bindings it emulates",
+            ));
+        }
         Ok(c)
     }
 

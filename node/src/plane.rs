@@ -236,6 +236,7 @@ impl DataPlane {
             conn: e.conn,
             stats: Arc::clone(&flow),
         });
+        let ready = (Arc::clone(&link), e.generation, e.conn);
         let conn = Conn {
             link,
             lane: lane.id(),
@@ -245,6 +246,8 @@ impl DataPlane {
             counters: Arc::clone(&self.counters),
         };
         rx::spawn(conn, sock, self.setup(lane));
+        // Its receiver runs: the source may send payloads on it now.
+        ready.0.data_ready(ready.1, ready.2);
     }
 
     fn sweep(&self) {

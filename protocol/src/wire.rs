@@ -13,7 +13,8 @@ use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
 /// and Ping. 3: `Hint`, the object-storage error codes, `Draining` and `Error::retry_after_ms`;
-/// lanes: `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane).
+/// lanes: `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane;
+/// `DataReady`).
 pub const VERSION: u8 = 3;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -278,6 +279,14 @@ pub enum Message {
         /// Shard indices, soonest first.
         shards: Vec<u32>,
     },
+    /// node -> source: data connection `conn` is identified and ready for payloads (on a
+    /// devmem lane, its flow is steered to its lane's queues). The source announces and sends
+    /// no payload on a connection before this (TCPX's CONN_OK gate): bytes that arrived
+    /// before the steering rule could land in another GPU's memory.
+    DataReady {
+        /// The connection number (across lanes, as in `DataConn`).
+        conn: u16,
+    },
 }
 
 const K_HELLO: u8 = 1;
@@ -293,6 +302,7 @@ const K_ERROR: u8 = 10;
 const K_CANCEL: u8 = 11;
 const K_PING: u8 = 12;
 const K_HINT: u8 = 13;
+const K_DATA_READY: u8 = 14;
 
 /// Why bytes did not decode to a message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -468,6 +478,9 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
             dataset: r.string("dataset", MAX_DATASET_NAME)?,
             shards: r.u32_list("shards", MAX_HINT_SHARDS)?,
         },
+        K_DATA_READY => Message::DataReady {
+            conn: r.u16("conn")?,
+        },
         other => return Err(DecodeError::UnknownKind(other)),
     };
     if !r.buf.is_empty() {
@@ -635,6 +648,10 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             for &x in shards {
                 w.u32(x);
             }
+        }
+        Message::DataReady { conn } => {
+            w.kind(K_DATA_READY);
+            w.u16(*conn);
         }
     }
     let len = (out.len() - start - 4) as u32;
@@ -900,6 +917,7 @@ mod tests {
             },
             Message::Cancel { req: 9 },
             Message::Ping,
+            Message::DataReady { conn: 77 },
             Message::Hint {
                 stream: 4,
                 dataset: "d".into(),

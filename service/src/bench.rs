@@ -89,8 +89,8 @@ pub struct BenchArgs {
 }
 
 /// Runs the benchmark.
-pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
-    crate::logging::init_filter("warn");
+/// The checks of `bench`'s flags that need no dataset.
+fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.flows >= 1 && a.flows <= 64,
         "--flows must be 1..=64, got {}",
@@ -110,6 +110,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         a.lanes == 1 || !(a.compare_tcp || a.compare_uring || a.compare_crc),
         "--lanes runs no comparisons: drop --compare-tcp, --compare-uring and --compare-crc"
     );
+    Ok(())
+}
+
+pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    crate::logging::init_filter("warn");
+    check_args(&a)?;
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
     let count = ((256usize << 20) / shard).clamp(8, 64);
@@ -119,12 +125,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     };
     let dir = synth::scratch_dir("bench")?;
     let data = dir.join("data");
-    std::fs::create_dir_all(&data)?;
-    for i in 0..count {
-        synth::write_bin(&data.join(format!("s{i:04}.bin")), shard, i as u64)?;
-    }
-    let m = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions::default())?;
-    shardwire_index::write_manifest(&data, &m)?;
+    let m = write_dataset(&data, count, shard)?;
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
     // Deep enough that in-order delivery (a slow head-of-line shard holds finished ones in
     // the reorder buffer) does not starve the flows: 32 slabs, like the service default.
@@ -198,6 +199,21 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_dir_all(&dir);
     result?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `count` synthetic shards of `shard` bytes into `data` and indexes them.
+fn write_dataset(
+    data: &std::path::Path,
+    count: usize,
+    shard: usize,
+) -> anyhow::Result<shardwire_protocol::manifest::Manifest> {
+    std::fs::create_dir_all(data)?;
+    for i in 0..count {
+        synth::write_bin(&data.join(format!("s{i:04}.bin")), shard, i as u64)?;
+    }
+    let m = shardwire_index::index_dir(data, &shardwire_index::IndexOptions::default())?;
+    shardwire_index::write_manifest(data, &m)?;
+    Ok(m)
 }
 
 fn run_shardwire(

@@ -166,12 +166,18 @@ pub struct SourceFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     fault_wrong_lane: Option<u32>,
-    /// Send with devmem TX from a dma-buf bound to this interface (refused at start, with
-    /// the kernel's reason, where the NIC cannot).
+    /// Send with devmem TX from a dma-buf bound to this interface (repeatable: one binding per
+    /// NIC; each data connection leaves by the NIC its lane is routed through and sends from
+    /// that NIC's binding). Refused at start, with the kernel's reason, where a NIC cannot.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    devmem_tx: Option<String>,
-    /// TX dma-buf size for --devmem-tx [default: 64MiB].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    devmem_tx: Vec<String>,
+    /// For tests on hosts without a devmem TX NIC: unbound buffers stand in for the
+    /// --devmem-tx bindings (ordinary MSG_ZEROCOPY sends); everything else is the real path.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    devmem_tx_emulate: bool,
+    /// TX dma-buf size per --devmem-tx interface [default: 64MiB].
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     devmem_tx_memory: Option<ByteSize>,
@@ -296,6 +302,29 @@ fn parse_memory(s: &str) -> Result<MemoryMode, String> {
         "cuda" => Ok(MemoryMode::Cuda),
         other => Err(format!("`{other}` is not auto, host or cuda")),
     }
+}
+
+/// One devmem TX binding per `devmem_tx` interface (emulated with `devmem_tx_emulate`).
+fn tx_bindings(
+    cfg: &shardwire_config::SourceConfig,
+) -> anyhow::Result<shardwire_source::tx_nics::TxNics> {
+    use shardwire_source::devmem_tx::TxPath;
+    let bytes = cfg.devmem_tx_memory.0 as usize;
+    let mut paths = Vec::with_capacity(cfg.devmem_tx.len());
+    for ifname in &cfg.devmem_tx {
+        let p = match cfg.devmem_tx_emulate {
+            false => TxPath::bind(ifname, bytes, 16)?,
+            true => TxPath::emulated(ifname, bytes, 16)?,
+        };
+        match p.is_emulated() {
+            false => tracing::info!(%ifname, bytes, "sending with devmem TX"),
+            true => {
+                tracing::warn!(%ifname, bytes, "devmem TX emulated (devmem_tx_emulate): unbound buffer, ordinary MSG_ZEROCOPY; for tests")
+            }
+        }
+        paths.push(p);
+    }
+    Ok(shardwire_source::tx_nics::TxNics::new(paths))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -424,18 +453,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         .as_deref()
         .map(shardwire_node::read_secret)
         .transpose()?;
-    let devmem_tx = match &cfg.devmem_tx {
-        None => None,
-        Some(ifname) => {
-            let p = shardwire_source::devmem_tx::TxPath::bind(
-                ifname,
-                cfg.devmem_tx_memory.0 as usize,
-                16,
-            )?;
-            tracing::info!(%ifname, bytes = cfg.devmem_tx_memory.0, "sending with devmem TX");
-            Some(std::sync::Arc::new(p))
-        }
-    };
+    let devmem_tx = std::sync::Arc::new(tx_bindings(&cfg)?);
     let scfg = shardwire_source::SourceConfig {
         listen: cfg.listen,
         secret,

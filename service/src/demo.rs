@@ -69,7 +69,7 @@ impl Loopback {
             rate_limit,
             fault_corrupt: 0,
             fault_wrong_lane: 0,
-            devmem_tx: None,
+            devmem_tx: Default::default(),
             idle_timeout: shardwire_source::DEFAULT_IDLE_TIMEOUT,
             max_connections: shardwire_source::DEFAULT_MAX_CONNECTIONS,
             drain_timeout: shardwire_source::DEFAULT_DRAIN_TIMEOUT,

@@ -64,6 +64,22 @@ pub enum SessionError {
     /// The node queued more FETCHes than any node legitimately does.
     #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
     TooManyFetches(usize),
+    /// Data connections the node never said were ready (`DataReady`) within the time limit.
+    #[error("{conns} data connection(s) not ready (no DataReady from the node) within {waited:?}")]
+    NotReady {
+        /// How many.
+        conns: usize,
+        /// The limit.
+        waited: Duration,
+    },
+    /// `DataReady` named a connection the session does not have.
+    #[error("DataReady for connection {conn}: the session has {conns} data connections")]
+    NoSuchConn {
+        /// The connection named.
+        conn: u16,
+        /// How many the session has.
+        conns: usize,
+    },
     /// The node speaks another protocol version (it was told so in its version).
     #[error("the node speaks protocol version {theirs}, this source {ours}: refused", ours = wire::VERSION)]
     Version {

@@ -58,10 +58,7 @@ pub enum TxSetupError {
 impl TxPath {
     /// Allocate a udmabuf of `bytes` in `slots` slots and `bind-tx` it to `ifname`.
     pub fn bind(ifname: &str, bytes: usize, slots: usize) -> Result<Self, TxSetupError> {
-        let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{ifname}/ifindex"))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| TxSetupError::NoInterface(ifname.into()))?;
+        let ifindex = ifindex(ifname)?;
         let buffer = TxBuffer::udmabuf(bytes, slots).map_err(TxSetupError::Buffer)?;
         let binding =
             shardwire_devmem::bind_tx(ifindex, buffer.fd().as_raw_fd()).map_err(|source| {
@@ -78,16 +75,36 @@ impl TxPath {
         })
     }
 
-    /// A path over a plain memory buffer with binding id 0: the kernel's ordinary
-    /// MSG_ZEROCOPY send from that memory. Used by tests to run the whole path (slots,
-    /// sendmsg with the devmem cmsg, completions) on loopback.
-    pub fn unbound_for_tests(bytes: usize, slots: usize) -> io::Result<Self> {
+    /// The stand-in for [`TxPath::bind`] on an interface that cannot do devmem TX
+    /// (`devmem_tx_emulate`, for tests): a plain memory buffer with binding id 0, sent from
+    /// with the kernel's ordinary `MSG_ZEROCOPY` (same `sendmsg` with the devmem cmsg, same
+    /// slots and completions). The interface must exist.
+    pub fn emulated(ifname: &str, bytes: usize, slots: usize) -> Result<Self, TxSetupError> {
+        ifindex(ifname)?;
         Ok(Self {
-            buffer: TxBuffer::memfd(bytes, slots)?,
+            buffer: TxBuffer::memfd(bytes, slots).map_err(TxSetupError::Buffer)?,
             _binding: None,
-            ifname: "lo".into(),
+            ifname: ifname.into(),
         })
     }
+
+    /// [`TxPath::emulated`] on `lo`, for unit tests.
+    pub fn unbound_for_tests(bytes: usize, slots: usize) -> io::Result<Self> {
+        Self::emulated("lo", bytes, slots).map_err(io::Error::other)
+    }
+
+    /// Whether this path is [`TxPath::emulated`] (no `bind-tx` binding).
+    pub fn is_emulated(&self) -> bool {
+        self._binding.is_none()
+    }
+}
+
+/// The index of interface `ifname` in this network namespace.
+fn ifindex(ifname: &str) -> Result<u32, TxSetupError> {
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/ifindex"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| TxSetupError::NoInterface(ifname.into()))
 }
 
 fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result<()> {
@@ -117,13 +134,15 @@ fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result
 pub(crate) struct DevmemSend<'a> {
     tx: DevmemTx<&'a TcpStream>,
     slot: TxSlot,
+    /// The interface it sends through (the metric's label).
+    pub(crate) ifname: Arc<str>,
 }
 
 impl<'a> DevmemSend<'a> {
-    /// Sends from `slot` on `stream`.
-    pub(crate) fn new(stream: &'a TcpStream, slot: TxSlot) -> io::Result<Self> {
+    /// Sends from `slot` on `stream`, through `ifname`.
+    pub(crate) fn new(stream: &'a TcpStream, slot: TxSlot, ifname: Arc<str>) -> io::Result<Self> {
         let tx = DevmemTx::new(stream, slot.binding_id()).map_err(io::Error::other)?;
-        Ok(Self { tx, slot })
+        Ok(Self { tx, slot, ifname })
     }
 
     /// Reads up to `want` bytes of `file` at `off` into free room of the slot (flipping the
@@ -203,7 +222,7 @@ mod tests {
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut peer, _) = l.accept().unwrap();
         let failed = Arc::new(Notify::new());
-        let s = Sender::spawn(out, 0, 0, failed, Some(&path.buffer), Default::default());
+        let s = Sender::spawn(out, 0, 0, failed, Some(&path), Default::default());
         assert!(
             path.buffer.slot().is_some(),
             "one of two slots is still free"

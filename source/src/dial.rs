@@ -7,6 +7,10 @@
 //! address is unique on this host even across lanes: the kernel may otherwise reuse one
 //! source port for connections to different destinations, and the node would see two
 //! connections from one address.
+//!
+//! With devmem TX bindings on several NICs each connection is bound (`SO_BINDTODEVICE`) to the
+//! NIC the kernel routes its lane through and sends from that NIC's binding
+//! ([`crate::tx_nics`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,7 +22,9 @@ use tokio::sync::Notify;
 
 use crate::Shared;
 use crate::control::{Control, HANDSHAKE_TIMEOUT, SessionError};
+use crate::devmem_tx::TxPath;
 use crate::sender::{Progress, Sender};
+use crate::tx_nics::TxRoute;
 
 /// A node's data connections: the senders in connection order, and the lane of each.
 pub(crate) struct DataConns {
@@ -44,14 +50,37 @@ fn target(shared: &Shared, lanes: &[LaneAddr], lane: usize) -> SocketAddr {
     lanes[lane].data_addr
 }
 
-/// Connects to `addr` from an ephemeral port bound first (see the module docs).
-async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+/// Connects to `addr` from an ephemeral port bound first (see the module docs), through
+/// `device` only when one is given (`SO_BINDTODEVICE`).
+async fn connect(addr: SocketAddr, device: Option<&str>) -> std::io::Result<TcpStream> {
     let (sock, any) = match addr {
         SocketAddr::V4(_) => (TcpSocket::new_v4()?, SocketAddr::from(([0, 0, 0, 0], 0))),
         SocketAddr::V6(_) => (TcpSocket::new_v6()?, SocketAddr::from(([0u16; 8], 0))),
     };
+    if let Some(d) = device {
+        sock.bind_device(Some(d.as_bytes()))?;
+    }
     sock.bind(any)?;
     sock.connect(addr).await
+}
+
+/// The devmem TX binding a data connection to `addr` sends from, if any (module
+/// [`crate::tx_nics`]); says why when the source has bindings but this lane gets none.
+fn tx_path(shared: &Shared, addr: SocketAddr) -> Option<Arc<TxPath>> {
+    if shared.cfg.devmem_tx.is_empty() {
+        return None;
+    }
+    match shared.cfg.devmem_tx.route(addr) {
+        TxRoute::Nic(p) => Some(p),
+        TxRoute::NoBinding { local } => {
+            tracing::warn!(lane = %addr, %local, "this lane is reached from an address of no devmem TX interface: its data connection sends with sendfile");
+            None
+        }
+        TxRoute::Unroutable(e) => {
+            tracing::warn!(lane = %addr, error = %e, "no route to the lane's address");
+            None
+        }
+    }
 }
 
 /// Dials every lane `flows` times, reporting each connection on the control connection.
@@ -72,7 +101,9 @@ pub(crate) async fn dial(
         for _ in 0..l.flows {
             let addr = target(shared, lanes, lane);
             let data_err = |source| SessionError::DataConnect { addr, source };
-            let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr))
+            let tx = tx_path(shared, addr);
+            let device = tx.as_ref().map(|p| p.ifname.as_str());
+            let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr, device))
                 .await
                 .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
                 .map_err(data_err)?;
@@ -93,7 +124,7 @@ pub(crate) async fn dial(
                 conn,
                 per_flow_rate,
                 Arc::clone(failed),
-                shared.cfg.devmem_tx.as_ref().map(|p| &p.buffer),
+                tx.as_deref(),
                 p,
             ));
             out.lane_of.push(lane);

@@ -16,6 +16,7 @@ mod payload;
 pub mod remote;
 mod sender;
 pub mod session;
+pub mod tx_nics;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,8 +42,9 @@ pub struct SourceConfig {
     /// Fault injection for tests: the first N data connections dialled for a node's lane 0
     /// go to its lane 1 address instead (a node with one lane is never misdialled).
     pub fault_wrong_lane: u32,
-    /// Send payloads with devmem TX from this bound buffer (`None`: `sendfile`).
-    pub devmem_tx: Option<Arc<devmem_tx::TxPath>>,
+    /// Devmem TX bindings, one per NIC; a data connection sends from the binding of the NIC
+    /// it leaves by (empty: every connection uses `sendfile`).
+    pub devmem_tx: Arc<tx_nics::TxNics>,
     /// An established session that hears nothing for this long is dropped; both sides send
     /// keepalives after a third of it (the node learns it in `Welcome`).
     pub idle_timeout: std::time::Duration,

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shardwire_devmem::txbuf::TxBuffer;
 use tokio::sync::Notify;
 
 /// Where a payload's bytes are.
@@ -80,20 +79,21 @@ pub(crate) struct Sender {
 
 impl Sender {
     /// Starts the thread for data connection `conn`. `failed` is notified if it dies. With
-    /// `devmem` it sends from a slot of that TX buffer (devmem TX); without a free slot it
-    /// says so and uses `sendfile`.
+    /// `devmem` it sends from a slot of that NIC's TX buffer (devmem TX); without a free slot
+    /// it says so and uses `sendfile`.
     pub fn spawn(
         stream: TcpStream,
         conn: u16,
         rate: u64,
         failed: Arc<Notify>,
-        devmem: Option<&Arc<TxBuffer>>,
+        devmem: Option<&crate::devmem_tx::TxPath>,
         progress: Arc<Progress>,
     ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let q = Arc::clone(&progress);
-        let slot = devmem.and_then(|b| {
-            let s = b.slot();
+        let ifname: Arc<str> = devmem.map_or("".into(), |p| p.ifname.as_str().into());
+        let slot = devmem.and_then(|p| {
+            let s = p.buffer.slot();
             if s.is_none() {
                 tracing::warn!(
                     conn,
@@ -106,7 +106,7 @@ impl Sender {
             .name(format!("sw-send-{conn}"))
             .spawn(move || {
                 let path = match slot {
-                    Some(slot) => crate::devmem_tx::DevmemSend::new(&stream, slot)
+                    Some(slot) => crate::devmem_tx::DevmemSend::new(&stream, slot, ifname)
                         .map(|d| SendPath::DevmemTx(Box::new(d))),
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
@@ -288,8 +288,10 @@ fn send_loop(
         }
         metrics::counter!("shardwire_source_bytes_sent_total").increment(job.len);
         metrics::counter!("shardwire_source_shards_sent_total").increment(1);
-        if let SendPath::DevmemTx(_) = path {
-            metrics::counter!("shardwire_source_devmem_tx_bytes_total").increment(job.len);
+        if let SendPath::DevmemTx(d) = &path {
+            let interface = d.ifname.to_string();
+            metrics::counter!("shardwire_source_devmem_tx_bytes_total", "interface" => interface)
+                .increment(job.len);
         }
         progress.sent(job.len);
     }

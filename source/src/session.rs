@@ -2,8 +2,10 @@
 //! FETCH queues, read-ahead hints and cancellation.
 //!
 //! FETCHes wait in their lane's queue until their bytes are settled (object storage) and a
-//! data connection of that lane has room (at most [`crate::sender::DEPTH`] payloads each);
-//! only then is the payload announced (`Shard`) and handed to that connection's sender. A
+//! data connection of that lane is ready (the node said `DataReady`: on a devmem lane its flow
+//! is steered first; every connection must be ready within [`HANDSHAKE_TIMEOUT`]) and has
+//! room (at most [`crate::sender::DEPTH`] payloads each); only then is the payload announced
+//! (`Shard`) and handed to that connection's sender. A
 //! lane's shards travel only on its own connections (its NIC, its GPU's memory on the node).
 //! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
 //! node gave up on stops costing the source bandwidth.
@@ -74,6 +76,8 @@ pub(crate) async fn run(
         id,
         ctl,
         shared,
+        ready: vec![false; senders.len()],
+        ready_by: Instant::now() + HANDSHAKE_TIMEOUT,
         senders,
         lane_of,
         waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
@@ -179,6 +183,10 @@ struct Session {
     shared: Arc<Shared>,
     /// One per data connection.
     senders: Vec<Sender>,
+    /// Per data connection: the node said `DataReady` (only then are payloads sent on it).
+    ready: Vec<bool>,
+    /// Every data connection must be ready by then.
+    ready_by: Instant,
     /// The lane of each data connection.
     lane_of: Vec<u16>,
     /// FETCHes waiting, per lane.
@@ -218,6 +226,10 @@ impl Session {
                     continue;
                 }
                 _ = tokio::time::sleep_until(last_heard + idle) => return Err(SessionError::Idle(idle)),
+                _ = tokio::time::sleep_until(self.ready_by), if self.ready.contains(&false) => {
+                    let conns = self.ready.iter().filter(|r| !**r).count();
+                    return Err(SessionError::NotReady { conns, waited: HANDSHAKE_TIMEOUT });
+                }
             };
             last_heard = Instant::now();
             self.handle(msg).await?;
@@ -228,7 +240,7 @@ impl Session {
     /// queued FETCHes are still sent.
     async fn tell_draining(&mut self) -> Result<(), SessionError> {
         self.drained = true;
-        let queued = self.waiting.len();
+        let queued = self.queued;
         tracing::info!(
             session = self.id,
             queued,
@@ -266,6 +278,20 @@ impl Session {
             } => self.queue(req, &dataset, shard, lane).await,
             Message::Cancel { req } => self.cancel(req).await,
             Message::Ping => Ok(()),
+            Message::DataReady { conn } => {
+                let conns = self.ready.len();
+                match self.ready.get_mut(usize::from(conn)) {
+                    Some(r) => *r = true,
+                    None => {
+                        let message = format!(
+                            "DataReady for connection {conn}: this session has {conns} data connections"
+                        );
+                        let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
+                        return Err(SessionError::NoSuchConn { conn, conns });
+                    }
+                }
+                Ok(())
+            }
             Message::Hint {
                 stream,
                 dataset,
@@ -282,7 +308,7 @@ impl Session {
                 let message = format!("unexpected {} after the handshake", kind(&other));
                 let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
                 Err(SessionError::Unexpected {
-                    expected: "ManifestRequest, Fetch, Cancel, Hint or Ping",
+                    expected: "ManifestRequest, Fetch, Cancel, Hint, DataReady or Ping",
                     got: kind(&other),
                 })
             }
@@ -430,7 +456,9 @@ impl Session {
         self.senders
             .iter()
             .enumerate()
-            .filter(|(i, s)| usize::from(self.lane_of[*i]) == lane && s.has_room())
+            .filter(|(i, s)| {
+                usize::from(self.lane_of[*i]) == lane && self.ready[*i] && s.has_room()
+            })
             .min_by_key(|(_, s)| s.progress.bytes.load(Ordering::Relaxed))
             .map(|(i, _)| i)
     }

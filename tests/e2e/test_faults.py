@@ -281,6 +281,73 @@ def test_source_drops_idle_sessions(sw, tmp_path):
         s.close()
 
 
+def handshake_to_data_conn(addr, data: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """A loopback node's control connection through Welcome, and the source's data connection
+    (accepted on `data`) after its DataConn announcement."""
+    ctl = socket.create_connection(addr, timeout=10)
+    ctl.sendall(hello(data.getsockname()))
+    assert read_control_frame(ctl)[0] == 2  # Challenge
+    ctl.sendall(control_frame(3, b"\x00" * 32))  # Auth (no secret: zeros)
+    assert read_control_frame(ctl)[0] == 4  # Welcome
+    conn, _ = data.accept()
+    assert read_control_frame(ctl)[0] == 7  # DataConn
+    return ctl, conn
+
+
+def next_non_ping(ctl: socket.socket) -> tuple[int, bytes]:
+    while True:
+        kind, body = read_control_frame(ctl)
+        if kind != 12:
+            return kind, body
+
+
+def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_path):
+    import crc32c
+
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d})
+    addr = host_port(src.addr)
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn = handshake_to_data_conn(addr, data)
+    # FETCH shard 0 on lane 0: nothing is announced or sent until the node says DataReady.
+    ctl.sendall(control_frame(8, struct.pack(">Q", 1) + struct.pack(">H", 4) + b"tiny" + struct.pack(">IH", 0, 0)))
+    conn.settimeout(2)
+    with pytest.raises(socket.timeout):
+        conn.recv(1)
+    ctl.settimeout(1)
+    with pytest.raises(socket.timeout):
+        next_non_ping(ctl)
+    ctl.settimeout(10)
+    ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
+    kind, body = next_non_ping(ctl)
+    assert kind == 9, kind  # Shard
+    req, shard, length, crc = struct.unpack(">QIQI", body[:24])
+    assert (req, shard) == (1, 0)
+    got = b""
+    conn.settimeout(10)
+    while len(got) < length:
+        chunk = conn.recv(length - len(got))
+        assert chunk, "data connection closed early"
+        got += chunk
+    assert crc32c.crc32c(got) == crc
+    for s in (ctl, conn):
+        s.close()
+    # A session whose data connection the node never declares ready is dropped, saying why.
+    ctl, conn = handshake_to_data_conn(addr, data)
+    t0 = time.monotonic()
+    ctl.settimeout(15)
+    with pytest.raises((ConnectionError, ConnectionResetError)):
+        while True:
+            next_non_ping(ctl)
+    took = time.monotonic() - t0
+    assert 8 < took < 14, f"dropped after {took:.1f} s (limit: the 10 s handshake timeout)"
+    wait_for(lambda: "not ready (no DataReady from the node)" in src.stderr_text(), "the source's log line", 10,
+             diag=lambda: src.stderr_text()[-2000:])
+    for s in (ctl, conn, data):
+        s.close()
+
+
 # --- 5. admin HTTP read timeouts -----------------------------------------------------------
 
 

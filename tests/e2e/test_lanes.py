@@ -216,3 +216,20 @@ def test_topology_shows_the_lanes_of_the_fixture_trees():
     # The sysfs root from the environment, as serve takes it.
     doc = json.loads(topology("--json", env={"SHARDWIRE_SYSFS_ROOT": str(FIXTURES / "two-domains")}).stdout)
     assert [(l["gpu"], l["nic"]) for l in doc["lanes"]] == [("0001:17:00.0", "eth1")], doc["lanes"]
+
+
+def test_bench_lanes_reports_every_lane_and_the_total():
+    r = subprocess.run([str(shardwire_bin()), "bench", "--lanes", "2", "--seconds", "1", "--flows", "1",
+                        "--shard-size", "1MiB"], capture_output=True, text=True, timeout=180, env=child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    per_lane = [line for line in r.stdout.splitlines() if line.strip().startswith("lane ")]
+    assert [line.split(":")[0].strip() for line in per_lane] == ["lane 0", "lane 1"], r.stdout
+    for line in per_lane:
+        delivered = float(line.split(":")[1].split()[0])
+        assert delivered > 0, line
+    total = [line for line in r.stdout.splitlines() if line.startswith("shardwire lanes: 2 lanes")]
+    assert total and "CRC failures: 0" in total[0], r.stdout
+    # Comparisons are single-lane only: asked with lanes, it says so.
+    r = subprocess.run([str(shardwire_bin()), "bench", "--lanes", "2", "--compare-tcp"], capture_output=True,
+                       text=True, timeout=60, env=child_env())
+    assert r.returncode != 0 and "--lanes runs no comparisons" in r.stderr, r.stderr

@@ -414,6 +414,18 @@ impl SourceLink {
         true
     }
 
+    /// Tells the source that data connection `conn` of session `generation` is identified
+    /// and received from (`DataReady`): only then does it send payloads on it.
+    pub fn data_ready(&self, generation: u64, conn: u16) {
+        let st = self.state.lock().expect("poisoned");
+        if st.generation != generation {
+            return;
+        }
+        if let Err(e) = self.send(&st, &Message::DataReady { conn }) {
+            tracing::debug!(source = %self.addr, conn, error = %e, "DataReady not sent: the session is gone");
+        }
+    }
+
     /// Marks a new session up: its writer's queue, one empty slot per data connection of
     /// every lane, and the lane addresses it advertised.
     fn establish(&self, ctl: mpsc::UnboundedSender<Vec<u8>>, lanes: &[LaneAddr]) -> u64 {

@@ -1,0 +1,85 @@
+//! The `devmem_tx` key: the interfaces a source sends devmem TX through, written as one name
+//! (`devmem_tx = "eth1"`, as before) or a list (`devmem_tx = ["eth1", "eth2"]`, one TX binding
+//! per NIC), and the checks on those names.
+
+use serde::{Deserialize, Deserializer};
+
+use crate::{ConfigError, invalid};
+
+/// Longest interface name Linux accepts (`IFNAMSIZ` - 1).
+const MAX_IFNAME: usize = 15;
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Reads one interface name or a list of them.
+pub(crate) fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+/// Each name is a possible interface name and none is named twice (a NIC gets one TX
+/// binding).
+pub(crate) fn check(key: &'static str, names: &[String]) -> Result<(), ConfigError> {
+    for (i, n) in names.iter().enumerate() {
+        if n.is_empty() || n.len() > MAX_IFNAME || n.contains(['/', ' ', ':']) {
+            return Err(invalid(
+                key,
+                n,
+                "is not an interface name (1 to 15 characters, no '/', ' ' or ':')",
+            ));
+        }
+        if names[..i].contains(n) {
+            return Err(invalid(
+                key,
+                n,
+                "is named twice: each interface gets one TX binding",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Deserialize)]
+    struct T {
+        #[serde(deserialize_with = "one_or_many")]
+        devmem_tx: Vec<String>,
+    }
+
+    fn parse(text: &str) -> Option<T> {
+        use figment::providers::Format;
+        let f = figment::Figment::from(figment::providers::Toml::string(text));
+        f.extract().ok()
+    }
+
+    #[test]
+    fn one_name_or_a_list() {
+        assert_eq!(parse(r#"devmem_tx = "eth1""#).unwrap().devmem_tx, ["eth1"]);
+        let t = parse(r#"devmem_tx = ["eth1", "eth2"]"#).unwrap();
+        assert_eq!(t.devmem_tx, ["eth1", "eth2"]);
+        assert!(parse("devmem_tx = 3").is_none());
+    }
+
+    #[test]
+    fn bad_and_repeated_names_are_refused_naming_them() {
+        assert!(check("devmem_tx", &["eth1".into(), "eth2".into()]).is_ok());
+        let e = check("devmem_tx", &["eth1".into(), "eth1".into()]).unwrap_err();
+        assert!(
+            e.to_string().contains("eth1") && e.to_string().contains("twice"),
+            "{e}"
+        );
+        let e = check("devmem_tx", &["a-very-long-interface".into()]).unwrap_err();
+        assert!(e.to_string().contains("a-very-long-interface"), "{e}");
+        assert!(check("devmem_tx", &[String::new()]).is_err());
+    }
+}
