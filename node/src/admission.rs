@@ -2,7 +2,7 @@
 //! each lane's pool (`pool_size` per lane) they reserve, and whether the node is draining. A
 //! stream is admitted by a [`Reservation`] on one lane that returns its bytes unless it is
 //! committed, so a failed open never leaks budget; removing a stream returns its bytes to its
-//! lane exactly once. [`Admission::least_loaded`] is where a stream without a device goes.
+//! lane exactly once. [`Admission::reserve_least_loaded`] is where a stream without a device goes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -73,6 +73,24 @@ impl<S> Admission<S> {
     /// Sets `bytes` of lane `lane`'s pool aside for a new stream.
     pub fn reserve(&self, lane: u32, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
         let mut i = self.lock();
+        self.reserve_in(&mut i, lane, bytes)
+    }
+
+    /// Sets `bytes` aside on the least loaded lane (the most bytes free, reservations of
+    /// streams still opening included, then the fewest streams, then the lowest id), choosing and
+    /// reserving under one lock: streams opened at the same moment spread over the lanes.
+    pub fn reserve_least_loaded(&self, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
+        let mut i = self.lock();
+        let lane = self.least_loaded_in(&i);
+        self.reserve_in(&mut i, lane, bytes)
+    }
+
+    fn reserve_in(
+        &self,
+        i: &mut Inner<S>,
+        lane: u32,
+        bytes: u64,
+    ) -> Result<Reservation<'_, S>, AdmitError> {
         if i.draining {
             return Err(AdmitError::Draining);
         }
@@ -94,10 +112,15 @@ impl<S> Admission<S> {
         })
     }
 
-    /// The lane a stream without a device goes to: the most bytes free, then the fewest
-    /// streams, then the lowest id.
-    pub fn least_loaded(&self) -> u32 {
+    /// The lane a stream without a device goes to: the most bytes free (reservations of
+    /// streams still opening count), then the fewest streams, then the lowest id.
+    #[cfg(test)]
+    fn least_loaded(&self) -> u32 {
         let i = self.lock();
+        self.least_loaded_in(&i)
+    }
+
+    fn least_loaded_in(&self, i: &Inner<S>) -> u32 {
         let streams = |lane: usize| i.streams.values().filter(|v| v.2 as usize == lane).count();
         (0..self.pools.len())
             .min_by_key(|&l| {
@@ -165,6 +188,11 @@ impl<S> Admission<S> {
 }
 
 impl<S> Reservation<'_, S> {
+    /// The lane the bytes are set aside on.
+    pub fn lane(&self) -> u32 {
+        self.lane
+    }
+
     /// The stream opened: it now holds the bytes until it is removed.
     pub fn commit(mut self, id: u64, s: Arc<S>) {
         self.committed = true;
@@ -237,6 +265,29 @@ mod tests {
         a.reserve(2, 5).unwrap().commit(4, Arc::new(0));
         // Equal bytes free (90 each): the fewest streams.
         assert_eq!(a.least_loaded(), 0);
+    }
+
+    #[test]
+    fn streams_opening_together_spread_over_the_lanes() {
+        let a: Admission<u8> = Admission::new(vec![100, 100, 100]);
+        // Three reservations still open (none committed): each lands on another lane.
+        let r: Vec<_> = (0..3)
+            .map(|_| a.reserve_least_loaded(10).unwrap())
+            .collect();
+        let mut lanes: Vec<u32> = r.iter().map(Reservation::lane).collect();
+        lanes.sort();
+        assert_eq!(lanes, [0, 1, 2]);
+        drop(r);
+        assert_eq!(
+            a.lane_usage(1),
+            (0, 0, 100),
+            "dropped reservations give back"
+        );
+        a.start_draining();
+        assert!(matches!(
+            a.reserve_least_loaded(10),
+            Err(AdmitError::Draining)
+        ));
     }
 
     #[test]

@@ -20,7 +20,7 @@ use shardwire_protocol::trainer::{ErrorCode, GpuRef, LaneRef, MemoryKind, Stream
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmitError};
+use crate::admission::{Admission, AdmitError, Reservation};
 use crate::control::{Control, ControlError, Reply};
 use crate::counters::Counters;
 use crate::info::Info;
@@ -116,17 +116,35 @@ impl Node {
 
     // --- streams -----------------------------------------------------------------------
 
-    /// The lane a stream goes to: its trainer's GPU's, else the least loaded.
-    fn place(&self, device: Option<&str>) -> Result<&Arc<Lane>, OpenError> {
+    /// The lane a stream goes to, with its memory reserved there: its trainer's GPU's lane,
+    /// else the least loaded (chosen and reserved at once, so streams opened together spread).
+    fn place(
+        &self,
+        device: Option<&str>,
+        bytes: u64,
+    ) -> Result<(Arc<Lane>, Reservation<'_, Stream>), OpenError> {
+        let refused = |e: AdmitError| {
+            let code = match e {
+                AdmitError::Draining => ErrorCode::Draining,
+                AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
+            };
+            OpenError::new(code, e.to_string())
+        };
         let lanes = &self.plane.lanes;
-        match device {
-            Some(d) => lanes
-                .by_device(d)
-                .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string())),
-            None => lanes
-                .get(self.admission.least_loaded())
-                .ok_or_else(|| OpenError::new(ErrorCode::Internal, "the node has no lane")),
+        let reservation = match device {
+            Some(d) => {
+                let lane = lanes
+                    .by_device(d)
+                    .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string()))?;
+                self.admission.reserve(lane.id(), bytes)
+            }
+            None => self.admission.reserve_least_loaded(bytes),
         }
+        .map_err(refused)?;
+        let lane = lanes
+            .get(reservation.lane())
+            .ok_or_else(|| OpenError::new(ErrorCode::Internal, "the node has no lane"))?;
+        Ok((Arc::clone(lane), reservation))
     }
 
     /// Opens a stream: request checks, its lane, manifest, plan, resume check, memory
@@ -139,21 +157,11 @@ impl Node {
                 AdmitError::Draining.to_string(),
             ));
         }
-        let lane = Arc::clone(self.place(r.device.as_deref())?);
         let region_bytes = self.info.cfg.stream_memory();
+        let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
         let (manifest, sources, (kind, start, fingerprint)) = self
             .plan_stream(&r, region_bytes, lane.cuda.is_some())
             .await?;
-        let reservation = self
-            .admission
-            .reserve(lane.id(), region_bytes)
-            .map_err(|e| {
-                let code = match e {
-                    AdmitError::Draining => ErrorCode::Draining,
-                    AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
-                };
-                OpenError::new(code, e.to_string())
-            })?;
         let id = self.next_id();
         let region = open::region(id, region_bytes, lane.cuda.as_deref())?;
         if let (Some(host), Some(node)) = (region.host(), lane.numa_bind) {

@@ -236,18 +236,17 @@ impl DataPlane {
             conn: e.conn,
             stats: Arc::clone(&flow),
         });
-        let ready = (Arc::clone(&link), e.generation, e.conn);
         let conn = Conn {
             link,
             lane: lane.id(),
             conn: e.conn,
+            generation: e.generation,
             queue: e.queue,
             flow,
             counters: Arc::clone(&self.counters),
         };
+        // The receiver sends `DataReady` once its path is set up.
         rx::spawn(conn, sock, self.setup(lane));
-        // Its receiver runs: the source may send payloads on it now.
-        ready.0.data_ready(ready.1, ready.2);
     }
 
     fn sweep(&self) {

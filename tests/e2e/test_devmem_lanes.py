@@ -113,11 +113,10 @@ def test_devmem_sim_on_four_lanes_one_trainer_each(sw, tmp_path, dataset):
     node = sw.serve([src], "--config", cfg, "--flows", "2", "--pool-size", "64MiB", "--stream-memory", "16MiB",
                     "--receive", "devmem-sim", "--devmem-memory", "1MiB")
     lanes_up(node)
-    trainers = []
-    for i in range(4):  # one at a time: two opens in the same millisecond may pick the same lane
-        trainers.append(sw.start_consume(node, "ds", seed=i, limit=SHARDS, hold_secs=6))
-        wait_for(lambda: sorted(s["lane"] for s in node.status()["streams"]) == list(range(i + 1)),
-                 f"stream {i} on lane {i}", diag=node.describe)
+    # All four at once: the lane is chosen and its memory reserved in one step.
+    trainers = [sw.start_consume(node, "ds", seed=i, limit=SHARDS, hold_secs=6) for i in range(4)]
+    wait_for(lambda: sorted(s["lane"] for s in node.status()["streams"]) == [0, 1, 2, 3],
+             "one stream on each lane", diag=node.describe)
     for t in trainers:
         batches = t.result()
         assert_exactly_once(batches, SHARDS)

@@ -123,6 +123,15 @@ def test_two_host_lanes_on_loopback_each_carry_their_own_streams(sw, tmp_path, d
     assert metric(node.admin, 'shardwire_lane_bytes_received_total{lane="1"}') == lanes[1]["bytes_received"]
     assert metric(node.admin, 'shardwire_lane_data_connections_refused_total{lane="0"}') == 0
 
+    # Two trainers opening at once spread over the lanes: the lane is chosen and its memory
+    # reserved in one step, before the stream's manifest is fetched.
+    wait_for(lambda: not node.status()["streams"], "no stream open", diag=node.describe)
+    held = [sw.start_consume(node, "ds", limit=1, hold_secs=60) for _ in range(2)]
+    wait_for(lambda: sorted(s["lane"] for s in node.status()["streams"]) == [0, 1],
+             "two streams opened together on lanes 0 and 1", diag=node.describe)
+    for h in held:
+        h.kill()
+
 
 def test_a_connection_dialled_to_the_other_lane_is_refused_and_counted(sw, tmp_path, dataset):
     expected = expected_crcs(dataset)

@@ -48,6 +48,8 @@ pub struct Conn {
     pub lane: u32,
     /// Its connection number.
     pub conn: u16,
+    /// The link session that announced it (its `DataReady` goes to that session only).
+    pub generation: u64,
     /// The payloads announced on it, in order.
     pub queue: Receiver<InFlight>,
     /// Its counters.
@@ -102,7 +104,12 @@ pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
 /// A receiver thread's body: the path for its connection, then its payloads.
 fn run_conn(sock: TcpStream, setup: &Setup, c: &Conn) {
     match choose(sock, setup, &c.counters) {
-        Ok(path) => receive(path, c),
+        Ok(path) => {
+            // The path is set up (on a devmem lane, the flow is steered to the lane's
+            // queues): only now may the source send payloads on this connection.
+            c.link.data_ready(c.generation, c.conn);
+            receive(path, c)
+        }
         Err(cause) => {
             tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
                 "cannot read a data connection through the receive path; dropping it");
