@@ -114,8 +114,7 @@ impl<S> Admission<S> {
 
     /// The lane a stream without a device goes to: the most bytes free (reservations of
     /// streams still opening count), then the fewest streams, then the lowest id.
-    #[cfg(test)]
-    fn least_loaded(&self) -> u32 {
+    pub fn least_loaded(&self) -> u32 {
         let i = self.lock();
         self.least_loaded_in(&i)
     }

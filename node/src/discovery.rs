@@ -214,12 +214,11 @@ async fn retire(roster: Arc<Roster>, m: Member) {
     while link.is_retiring() && link.outstanding() > 0 && started.elapsed() < RETIRE_LIMIT {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if !link.is_retiring() {
-        return;
-    }
     let left = link.outstanding();
+    if !roster.remove_if_retiring(link.index) {
+        return; // its address came back: the link stays
+    }
     m.stop();
-    roster.remove(link.index);
     let bytes = link.bytes.load(std::sync::atomic::Ordering::Relaxed);
     let fetches = link.fetches.load(std::sync::atomic::Ordering::Relaxed);
     let waited_ms = started.elapsed().as_millis() as u64;

@@ -147,6 +147,21 @@ impl Node {
         Ok((Arc::clone(lane), reservation))
     }
 
+    /// Whether the stream's lane has GPU memory: its device's lane, else the node's least
+    /// loaded lane (before anything is reserved).
+    fn lane_memory(&self, device: Option<&str>) -> Result<bool, OpenError> {
+        let lanes = &self.plane.lanes;
+        let lane = match device {
+            Some(d) => lanes
+                .by_device(d)
+                .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string()))?,
+            None => lanes
+                .get(self.admission.least_loaded())
+                .ok_or_else(|| OpenError::new(ErrorCode::Internal, "the node has no lane"))?,
+        };
+        Ok(lane.cuda.is_some())
+    }
+
     /// Opens a stream: request checks, its lane, manifest, plan, resume check, memory
     /// reservation on the lane, region on the lane's GPU (or NUMA node), fetcher.
     pub async fn open_stream(self: &Arc<Self>, r: StreamRequest) -> Result<Arc<Stream>, OpenError> {
@@ -158,10 +173,16 @@ impl Node {
             ));
         }
         let region_bytes = self.info.cfg.stream_memory();
+        // Plan first (the manifest may take a while), reserve after: no pool budget is held
+        // while the sources are asked, and a drain that began meanwhile refuses the stream.
+        let cuda = self.lane_memory(r.device.as_deref())?;
+        let mut planned = self.plan_stream(&r, region_bytes, cuda).await?;
         let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
-        let (manifest, sources, (kind, start, fingerprint)) = self
-            .plan_stream(&r, region_bytes, lane.cuda.is_some())
-            .await?;
+        if lane.cuda.is_some() != cuda {
+            // Lanes of both memory kinds and the least loaded is the other kind: plan for it.
+            planned = self.plan_stream(&r, region_bytes, !cuda).await?;
+        }
+        let (manifest, sources, (kind, start, fingerprint)) = planned;
         let id = self.next_id();
         let region = open::region(id, region_bytes, lane.cuda.as_deref())?;
         if let (Some(host), Some(node)) = (region.host(), lane.numa_bind) {

@@ -198,10 +198,13 @@ impl DataPlane {
             arrived_on = %w.local, lane_address = %w.want,
             "refusing a data connection that arrived on another address than its lane's (another NIC)");
         let _ = w.sock.shutdown(std::net::Shutdown::Both);
-        w.e.link.kick(&format!(
-            "data connection {} for lane {} arrived on {}, not on the lane's address {}",
-            w.e.conn, w.e.lane, w.local, w.want
-        ));
+        w.e.link.kick_if(
+            w.e.generation,
+            &format!(
+                "data connection {} for lane {} arrived on {}, not on the lane's address {}",
+                w.e.conn, w.e.lane, w.local, w.want
+            ),
+        );
     }
 
     /// The receive settings of a connection of `lane`: its own lane's binding, never

@@ -215,6 +215,26 @@ impl Roster {
         *members = Arc::new(next);
     }
 
+    /// Takes link `index` out of the roster if it is still retiring, deciding under the lock
+    /// [`Roster::add`] takes (an address that came back un-retires it there); returns
+    /// whether it was removed.
+    pub fn remove_if_retiring(&self, index: usize) -> bool {
+        let mut members = self.members.write().unwrap_or_else(|p| p.into_inner());
+        let Some(m) = members.iter().find(|m| m.link.index == index) else {
+            return false;
+        };
+        if !m.link.is_retiring() {
+            return false;
+        }
+        let next: Vec<Member> = members
+            .iter()
+            .filter(|m| m.link.index != index)
+            .cloned()
+            .collect();
+        *members = Arc::new(next);
+        true
+    }
+
     /// Stops every link's task (the node shuts down).
     pub fn stop_all(&self) {
         for m in self.snapshot().iter() {
@@ -257,6 +277,27 @@ mod tests {
         assert_eq!(r.snapshot().len(), 2);
         assert_eq!(r.link(b.index).unwrap().addr, "10.0.0.3:7500");
         assert!(r.link(a.index).is_none());
+    }
+
+    #[test]
+    fn only_a_link_still_retiring_is_removed() {
+        let r = roster();
+        let (a, _) = r.add("10.0.0.2:7500", "dns:src:7500").unwrap();
+        assert!(!r.remove_if_retiring(a.index), "not retiring: kept");
+        r.retire("10.0.0.2:7500").unwrap();
+        assert!(
+            r.add("10.0.0.2:7500", "dns:src:7500").is_none(),
+            "came back: un-retired"
+        );
+        assert!(
+            !r.remove_if_retiring(a.index),
+            "came back before the removal: kept"
+        );
+        assert_eq!(r.snapshot().len(), 1);
+        r.retire("10.0.0.2:7500").unwrap();
+        assert!(r.remove_if_retiring(a.index));
+        assert!(r.link(a.index).is_none());
+        assert!(!r.remove_if_retiring(a.index), "gone already");
     }
 
     #[test]

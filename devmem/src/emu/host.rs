@@ -67,16 +67,6 @@ pub enum HostError {
     /// No NIC of that name.
     #[error("no emulated NIC named {0} (ENODEV)")]
     NoNic(String),
-    /// The NIC exists with another queue count.
-    #[error("emulated NIC {nic} exists with {has} RX queues, not {asked}")]
-    QueueCount {
-        /// The NIC.
-        nic: String,
-        /// Its queues.
-        has: u32,
-        /// Asked for.
-        asked: u32,
-    },
     /// A queue past the NIC's count.
     #[error("{nic} has {rx_queues} RX queues; queue {queue} does not exist (ERANGE/EINVAL)")]
     NoQueue {
@@ -147,17 +137,16 @@ impl EmuHost {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Adds NIC `name` with `rx_queues` RX queues; adding it again with the same count is a
-    /// no-op (two lanes on one NIC).
+    /// Adds NIC `name` with `rx_queues` RX queues; adding it again (two lanes on one NIC)
+    /// raises its count to the larger of the two, so each lane's queues exist.
     pub fn add_nic(&self, name: &str, rx_queues: u32) -> Result<(), HostError> {
         let mut s = self.lock();
-        match s.nics.get(name) {
-            Some(n) if n.rx_queues != rx_queues => Err(HostError::QueueCount {
-                nic: name.into(),
-                has: n.rx_queues,
-                asked: rx_queues,
-            }),
-            Some(_) => Ok(()),
+        match s.nics.get_mut(name) {
+            // Lanes sharing a NIC each ask for the queues they bind: the NIC has them all.
+            Some(n) => {
+                n.rx_queues = n.rx_queues.max(rx_queues);
+                Ok(())
+            }
             None => {
                 let nic = Nic {
                     rx_queues,
@@ -411,11 +400,9 @@ mod tests {
     fn bindings_get_their_own_ids_and_queues() {
         let host = EmuHost::new();
         host.add_nic("eth1", 16).unwrap();
-        host.add_nic("eth1", 16).unwrap();
-        assert!(matches!(
-            host.add_nic("eth1", 8),
-            Err(HostError::QueueCount { .. })
-        ));
+        host.add_nic("eth1", 8).unwrap(); // a lane needing fewer: the NIC keeps 16
+        host.add_nic("eth1", 22).unwrap(); // a lane binding queues up to 21: the NIC has them
+        host.bind("eth1", &[20, 21], MIB).unwrap();
         let a = host.bind("eth1", &[8, 9], MIB).unwrap();
         let b = host.bind("eth1", &[10, 11], MIB).unwrap();
         assert_ne!(a.id(), b.id());
@@ -428,8 +415,8 @@ mod tests {
             }
         );
         assert!(matches!(
-            host.bind("eth1", &[16], MIB),
-            Err(HostError::NoQueue { queue: 16, .. })
+            host.bind("eth1", &[22], MIB),
+            Err(HostError::NoQueue { queue: 22, .. })
         ));
         assert!(matches!(host.bind("eth9", &[1], MIB), Err(HostError::NoNic(n)) if n == "eth9"));
         b.unbind();

@@ -275,6 +275,16 @@ impl SourceLink {
         self.abort.notify_waiters();
     }
 
+    /// [`SourceLink::kick`], only while session `generation` is the current one: a
+    /// connection of an older session that fails late must not end its successor.
+    pub fn kick_if(&self, generation: u64, reason: &str) {
+        if self.generation() == generation {
+            self.kick(reason);
+        } else {
+            tracing::debug!(source = %self.addr, generation, reason, "not ending the link's newer session for a connection of an older one");
+        }
+    }
+
     /// Encodes `msg` and queues it for the session's writer. A message that cannot be
     /// encoded fails here, for this caller only: the session never sees it.
     fn send(&self, st: &LinkState, msg: &Message) -> Result<(), SendError> {

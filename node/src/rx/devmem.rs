@@ -102,9 +102,11 @@ impl DevmemReader {
         let gathered = gather(&batch, dst, mem, self.region.id(), &mut self.tokens);
         // Tokens go back right after the gather, even when it failed.
         let returned = self.sock.return_tokens(&mut self.tokens);
+        // A refused gather (a frag of another binding) is counted whatever the return did.
+        let gathered = gathered.map_err(|e| self.refused(e));
         let freed = returned.map_err(to_io)?;
         c.tokens_returned.fetch_add(freed as u64, Ordering::Relaxed);
-        let g = gathered.map_err(|e| self.refused(e))?;
+        let g = gathered?;
         c.frags.fetch_add(g.dmabuf_frags as u64, Ordering::Relaxed);
         c.dmabuf_bytes.fetch_add(g.dmabuf_bytes, Ordering::Relaxed);
         if g.linear_bytes > 0 || g.plain_bytes > 0 {

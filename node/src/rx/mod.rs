@@ -33,7 +33,7 @@ use std::sync::mpsc::Receiver;
 use self::devmem::{DevmemReader, GpuDirect};
 use self::error::RxError;
 use self::recv::{Host, Plain};
-use self::shared::{DATA_STALL_TIMEOUT, Gpus, broken, run};
+use self::shared::{DATA_STALL_TIMEOUT, Gpus, run};
 use self::staged::Staged;
 use crate::binding::RxRegion;
 use crate::counters::{Counters, FlowStats};
@@ -113,7 +113,12 @@ fn run_conn(sock: TcpStream, setup: &Setup, c: &Conn) {
         Err(cause) => {
             tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
                 "cannot read a data connection through the receive path; dropping it");
-            broken([], &c.queue, &c.link, c.conn, cause);
+            let why = format!(
+                "data connection {} from {} cannot be received from: {cause}",
+                c.conn, c.link.addr
+            );
+            c.link.kick_if(c.generation, &why);
+            shared::fail_queued(&c.queue, &c.link, c.conn, &cause);
         }
     }
 }
