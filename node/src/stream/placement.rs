@@ -46,40 +46,60 @@ impl Placements {
             return None;
         }
         debug_assert!(sources.is_sorted(), "{sources:?}");
+        let key = (dataset.to_owned(), digest.to_owned());
+        if let Some(o) = self.lookup(&key, sources, shard) {
+            return o;
+        }
+        // Computed without the lock: other streams keep fetching meanwhile (two streams may
+        // compute the same table once each; both get the same answer).
+        let sizes = sizes();
+        let owner = affinity::balance(dataset, &sizes, sources);
+        tracing::info!(%dataset, shards = sizes.len(), sources = ?sources, "placement computed");
         let mut guard = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         let (clock, tables) = &mut *guard;
         *clock += 1;
-        let key = (dataset.to_owned(), digest.to_owned());
-        let fresh = tables.get(&key).is_some_and(|t| {
-            t.sources
+        if tables.len() >= KEPT && !tables.contains_key(&key) {
+            let oldest = tables
                 .iter()
-                .map(String::as_str)
-                .eq(sources.iter().copied())
-        });
-        if !fresh {
-            let sizes = sizes();
-            let owner = affinity::balance(dataset, &sizes, sources);
-            tracing::info!(%dataset, shards = sizes.len(), sources = ?sources, "placement computed");
-            if tables.len() >= KEPT && !tables.contains_key(&key) {
-                let oldest = tables
-                    .iter()
-                    .min_by_key(|(_, t)| t.used)
-                    .map(|(k, _)| k.clone());
-                tables.remove(&oldest.expect("not empty"));
-            }
-            let sources = sources.iter().map(|s| (*s).to_owned()).collect();
-            tables.insert(
-                key.clone(),
-                Table {
-                    sources,
-                    owner,
-                    used: 0,
-                },
-            );
+                .min_by_key(|(_, t)| t.used)
+                .map(|(k, _)| k.clone());
+            tables.remove(&oldest.expect("not empty"));
         }
-        let t = tables.get_mut(&key).expect("just made");
+        let got = owner.get(shard as usize).map(|&o| usize::from(o));
+        let sources = sources.iter().map(|s| (*s).to_owned()).collect();
+        let used = *clock;
+        tables.insert(
+            key,
+            Table {
+                sources,
+                owner,
+                used,
+            },
+        );
+        got
+    }
+
+    /// The owner of `shard` from the table of `key` if it was computed over `sources`.
+    fn lookup(
+        &self,
+        key: &(String, String),
+        sources: &[&str],
+        shard: u32,
+    ) -> Option<Option<usize>> {
+        let mut guard = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        let (clock, tables) = &mut *guard;
+        *clock += 1;
+        let t = tables.get_mut(key)?;
+        if !t
+            .sources
+            .iter()
+            .map(String::as_str)
+            .eq(sources.iter().copied())
+        {
+            return None;
+        }
         t.used = *clock;
-        t.owner.get(shard as usize).map(|&o| usize::from(o))
+        Some(t.owner.get(shard as usize).map(|&o| usize::from(o)))
     }
 }
 
