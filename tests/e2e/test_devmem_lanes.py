@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from conftest import (
+    admin_request,
     assert_byte_exact,
     assert_exactly_once,
     child_env,
@@ -200,3 +201,20 @@ def test_two_lanes_sharing_one_nic_bind_disjoint_queue_sets(sw, tmp_path, datase
     for l in settled_lanes(node):
         b = l["binding"]
         assert b["dmabuf_bytes"] == l["bytes_received"] >= SHARDS * SIZE and b["steering_errors"] == 0, (l, b)
+
+
+def test_a_binding_on_another_nic_than_the_lanes_is_refused_naming_both(sw, tmp_path, dataset):
+    token = tmp_path / "admin.token"
+    token.write_text("tok\n")
+    cfg = tmp_path / "nic.toml"
+    cfg.write_text(f'admin_token_file = "{token}"\n'
+                   'lanes = [{ interface = "lo", data_listen = "127.0.0.1:0" },'
+                   ' { interface = "lo", data_listen = "127.0.0.2:0" }]\n')
+    src = sw.source({"ds": dataset})
+    node = sw.serve([src], "--config", str(cfg), "--receive", "host", "--pool-size", "64MiB",
+                    "--stream-memory", "16MiB")
+    lanes_up(node)
+    code, body = admin_request(node.admin, "POST", "/v1/bindings", {"interface": "eth0", "lane": 1}, "tok")
+    assert code == 404 and body["code"] == "unknown_interface", body
+    assert "lane 1 receives through lo, not eth0" in body["message"], body
+    assert node.status()["lanes"][1]["binding"] is None

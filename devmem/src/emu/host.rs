@@ -316,8 +316,13 @@ impl EmuRule {
 }
 
 impl Drop for EmuRule {
+    /// The rule goes with its connection, and so does a misplacement of its flow (a later
+    /// connection reusing the 5-tuple starts steered right).
     fn drop(&mut self) {
-        self.host.lock().rules.remove(&self.loc);
+        let mut s = self.host.lock();
+        if let Some((flow, _)) = s.rules.remove(&self.loc) {
+            s.misplaced.remove(&flow);
+        }
     }
 }
 
@@ -469,7 +474,7 @@ mod tests {
         let _b1 = host.bind("eth1", &[8], MIB).unwrap();
         let b2 = host.bind("eth2", &[8], MIB).unwrap();
         let (s, f, w) = conn("127.0.0.1:0", vec![7; 50_000]);
-        let _rule = host.insert_rule(f, "eth1", 8).unwrap();
+        let rule = host.insert_rule(f, "eth1", 8).unwrap();
         host.misplace(f, "eth2", 8);
         assert_eq!(
             ids(&mut *host.socket(s, EmuConfig::default()).unwrap(), 50_000),
@@ -477,5 +482,10 @@ mod tests {
         );
         assert_eq!(b2.free_niovs(), b2.num_niovs(), "every token came back");
         w.join().unwrap();
+        // The misplacement goes with the rule: the same 5-tuple steered again lands right.
+        drop(rule);
+        assert_eq!(host.placement(&f), None);
+        let _again = host.insert_rule(f, "eth1", 8).unwrap();
+        assert_eq!(host.placement(&f).map(|p| p.nic), Some("eth1".into()));
     }
 }

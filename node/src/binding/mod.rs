@@ -62,6 +62,19 @@ pub enum BindingError {
         /// The node's lane count.
         count: usize,
     },
+    /// The interface is not the lane's NIC: a binding there would never see the lane's
+    /// traffic.
+    #[error(
+        "lane {lane} receives through {nic}, not {asked}: bind {nic}'s queues for it (or name the lane whose NIC {asked} is)"
+    )]
+    NotLanesNic {
+        /// The lane.
+        lane: u32,
+        /// Its NIC.
+        nic: String,
+        /// The interface asked for.
+        asked: String,
+    },
     /// No binding with that id.
     #[error("no binding {id}")]
     NotFound {
@@ -85,7 +98,8 @@ impl BindingError {
         match self {
             Self::UnknownInterface { .. }
             | Self::ConfiguredInterfaceMissing { .. }
-            | Self::NoLane { .. } => ErrorCode::UnknownInterface,
+            | Self::NoLane { .. }
+            | Self::NotLanesNic { .. } => ErrorCode::UnknownInterface,
             Self::NotFound { .. } => ErrorCode::NotFound,
             Self::NoneCapable { .. } | Self::NotCapable { .. } => ErrorCode::NotCapable,
             Self::Exists { .. } => ErrorCode::BindingExists,

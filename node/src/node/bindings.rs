@@ -15,7 +15,8 @@ use crate::status::BindingStatus;
 
 impl Node {
     /// The lane a binding request is for: the one it names, else the lane whose NIC is the
-    /// interface, else lane 0.
+    /// interface, else lane 0. A NIC binding must then be on the lane's own NIC (a lane with
+    /// none, the single lane of a node without GPUs, takes any).
     fn lane_for(
         &self,
         lane: Option<u32>,
@@ -39,6 +40,15 @@ impl Node {
             BindingSpec::Nic { lane, name, .. } => (*lane, Some(name.as_str())),
         };
         let lane = self.lane_for(lane, ifname)?;
+        if let (Some(asked), Some(nic)) = (ifname, lane.spec.nic.as_deref())
+            && asked != nic
+        {
+            return Err(BindingError::NotLanesNic {
+                lane: lane.id(),
+                nic: nic.to_owned(),
+                asked: asked.to_owned(),
+            });
+        }
         if let Some(b) = self.plane.binding(lane.id()) {
             return Err(BindingError::Exists {
                 id: b.id(),
