@@ -335,3 +335,27 @@ def _train(socket: str, how: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "train":
     _train(sys.argv[2], sys.argv[3])
+
+
+def test_devmem_on_lanes_whose_nics_cannot_is_refused_naming_each_nic(sw, setup, net):
+    """The real kernel's answer per NIC: veths have no queue management ops, so no lane can bind
+    devmem. `receive = host` says so per NIC in the mode's reason; `receive = devmem` refuses to
+    start, naming every lane's NIC and the kernel's reason; nothing is left changed on them."""
+    ns, d, secret, tree, gpus = setup
+    ifs = net[1]
+    src = source_in(sw, ns, d, secret)
+    node = serve_lanes(sw, src, secret, tree, "host", {})
+    st = wait_ready(node)
+    for name in ifs:
+        assert f"{name}: EOPNOTSUPP" in st["mode"]["reason"], st["mode"]["reason"]
+    node.stop()
+    r = subprocess.run([str(shardwire_bin()), "serve", "--socket", str(sw.tmp / "devmem.sock"), "--data-listen",
+                        "0.0.0.0:0", "--admin", "127.0.0.1:0", "--source", src.addr, "--secret-file", str(secret),
+                        "--sysfs-root", str(tree), "--memory", "host", "--receive", "devmem",
+                        "--nic-state-file", str(sw.tmp / "nic-state.json")],
+                       capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode != 0, r.stdout
+    assert "receive=devmem is not possible here" in r.stderr, r.stderr
+    for name in ifs:
+        assert f"{name}: EOPNOTSUPP" in r.stderr, r.stderr
+    assert not (sw.tmp / "nic-state.json").exists(), "nothing was changed on any NIC, so nothing to restore"
