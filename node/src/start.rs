@@ -167,18 +167,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         started.memory, started.memory_reason
     );
     let counters = Arc::new(Counters::default());
-    let link_cfg = LinkConfig {
-        secret: secret.clone(),
-        lanes: lanes
-            .all()
-            .iter()
-            .map(|l| LaneAddr {
-                data_addr: l.data_addr,
-                flows: cfg.flows,
-            })
-            .collect(),
-    };
-    let roster = Arc::new(Roster::new(link_cfg));
+    let roster = Arc::new(Roster::new(link_config(secret.clone(), &lanes, cfg.flows)));
     let data_addr = lanes.all()[0].data_addr;
     let plane = Arc::new(DataPlane::new(
         roster,
@@ -225,6 +214,20 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         socket,
         shutdown,
     })
+}
+
+/// What every source link tells its source: the secret, and each lane's data address with
+/// `flows` connections.
+fn link_config(secret: Option<Vec<u8>>, lanes: &Lanes, flows: u16) -> LinkConfig {
+    let lanes = lanes
+        .all()
+        .iter()
+        .map(|l| LaneAddr {
+            data_addr: l.data_addr,
+            flows,
+        })
+        .collect();
+    LinkConfig { secret, lanes }
 }
 
 /// The data-port acceptors, the stale-connection sweep, source discovery (which starts the

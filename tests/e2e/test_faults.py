@@ -249,18 +249,9 @@ def test_source_drops_idle_sessions(sw, tmp_path):
     # timeout the source announced in Welcome.
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
-    ctl = socket.create_connection(addr, timeout=10)
-    ctl.sendall(hello(data.getsockname()))
-    kind, _ = read_control_frame(ctl)
-    assert kind == 2, kind  # Challenge
-    ctl.sendall(control_frame(3, b"\x00" * 32))  # Auth (no secret: zeros)
-    kind, body = read_control_frame(ctl)
-    assert kind == 4, kind  # Welcome
-    (idle,) = struct.unpack(">H", body[32:34])
+    ctl, conn, welcome = handshake_to_data_conn(addr, data)
+    (idle,) = struct.unpack(">H", welcome[32:34])
     assert idle == 2, idle
-    conn, _ = data.accept()  # the source dials the data port
-    kind, _ = read_control_frame(ctl)
-    assert kind == 7, kind  # DataConn
     t0 = time.monotonic()
     pings = 0
     ctl.settimeout(10)
@@ -281,17 +272,20 @@ def test_source_drops_idle_sessions(sw, tmp_path):
         s.close()
 
 
-def handshake_to_data_conn(addr, data: socket.socket) -> tuple[socket.socket, socket.socket]:
-    """A loopback node's control connection through Welcome, and the source's data connection
-    (accepted on `data`) after its DataConn announcement."""
+def handshake_to_data_conn(addr, data: socket.socket) -> tuple[socket.socket, socket.socket, bytes]:
+    """A loopback node's control connection through Welcome, the source's data connection
+    (accepted on `data`) after its DataConn announcement, and the Welcome's body."""
     ctl = socket.create_connection(addr, timeout=10)
     ctl.sendall(hello(data.getsockname()))
-    assert read_control_frame(ctl)[0] == 2  # Challenge
+    kind, _ = read_control_frame(ctl)
+    assert kind == 2, kind  # Challenge
     ctl.sendall(control_frame(3, b"\x00" * 32))  # Auth (no secret: zeros)
-    assert read_control_frame(ctl)[0] == 4  # Welcome
-    conn, _ = data.accept()
-    assert read_control_frame(ctl)[0] == 7  # DataConn
-    return ctl, conn
+    kind, welcome = read_control_frame(ctl)
+    assert kind == 4, kind  # Welcome
+    conn, _ = data.accept()  # the source dials the data port
+    kind, _ = read_control_frame(ctl)
+    assert kind == 7, kind  # DataConn
+    return ctl, conn, welcome
 
 
 def next_non_ping(ctl: socket.socket) -> tuple[int, bytes]:
@@ -309,7 +303,7 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
     addr = host_port(src.addr)
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
-    ctl, conn = handshake_to_data_conn(addr, data)
+    ctl, conn, _ = handshake_to_data_conn(addr, data)
     # FETCH shard 0 on lane 0: nothing is announced or sent until the node says DataReady.
     ctl.sendall(control_frame(8, struct.pack(">Q", 1) + struct.pack(">H", 4) + b"tiny" + struct.pack(">IH", 0, 0)))
     conn.settimeout(2)
@@ -334,7 +328,7 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
     for s in (ctl, conn):
         s.close()
     # A session whose data connection the node never declares ready is dropped, saying why.
-    ctl, conn = handshake_to_data_conn(addr, data)
+    ctl, conn, _ = handshake_to_data_conn(addr, data)
     t0 = time.monotonic()
     ctl.settimeout(15)
     with pytest.raises((ConnectionError, ConnectionResetError)):

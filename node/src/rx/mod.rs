@@ -33,7 +33,7 @@ use std::sync::mpsc::Receiver;
 use self::devmem::{DevmemReader, GpuDirect};
 use self::error::RxError;
 use self::recv::{Host, Plain};
-use self::shared::{DATA_STALL_TIMEOUT, Gpus, run};
+use self::shared::{ConnAt, DATA_STALL_TIMEOUT, Gpus, broken, run};
 use self::staged::Staged;
 use crate::binding::RxRegion;
 use crate::counters::{Counters, FlowStats};
@@ -56,6 +56,16 @@ pub struct Conn {
     pub flow: Arc<FlowStats>,
     /// The node's counters.
     pub counters: Arc<Counters>,
+}
+
+impl Conn {
+    /// The connection and its link session, as the receive loops name it.
+    fn at(&self) -> ConnAt {
+        ConnAt {
+            conn: self.conn,
+            generation: self.generation,
+        }
+    }
 }
 
 /// The receive settings in effect when the connection was identified.
@@ -113,12 +123,7 @@ fn run_conn(sock: TcpStream, setup: &Setup, c: &Conn) {
         Err(cause) => {
             tracing::error!(source = %c.link.addr, conn = c.conn, %cause,
                 "cannot read a data connection through the receive path; dropping it");
-            let why = format!(
-                "data connection {} from {} cannot be received from: {cause}",
-                c.conn, c.link.addr
-            );
-            c.link.kick_if(c.generation, &why);
-            shared::fail_queued(&c.queue, &c.link, c.conn, &cause);
+            broken([], &c.queue, &c.link, c.at(), cause);
         }
     }
 }
@@ -161,7 +166,7 @@ fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxErro
 
 /// Runs `path` until the connection's queue closes.
 fn receive(path: RxPath, c: &Conn) {
-    let (link, conn, q, flow, n) = (&*c.link, c.conn, &c.queue, &*c.flow, &*c.counters);
+    let (link, conn, q, flow, n) = (&*c.link, c.at(), &c.queue, &*c.flow, &*c.counters);
     match path {
         RxPath::Uring(ring) => uring::run(*ring, link, conn, q, flow, n),
         RxPath::Recv(p) => run(Host(p), link, conn, q, flow, n),

@@ -99,7 +99,7 @@ pub(crate) mod tests {
     use crate::fetch::tests::{in_flight, pool};
     use crate::fetch::{Completion, FetchFailure};
     use crate::link::{LinkConfig, SourceLink};
-    use crate::rx::shared::{RCVLOWAT, run};
+    use crate::rx::shared::{ConnAt, RCVLOWAT, run};
 
     /// Over a real loopback socket: a small payload arrives at once (the mark is at most
     /// half the read's length: the kernel wakes a blocked reader only at the socket's mark),
@@ -154,6 +154,14 @@ pub(crate) mod tests {
         assert_eq!(got, writer.join().unwrap().unwrap());
     }
 
+    /// Connection `conn` of the link's first session.
+    fn at(conn: u16) -> ConnAt {
+        ConnAt {
+            conn,
+            generation: 0,
+        }
+    }
+
     pub(crate) fn link() -> Arc<SourceLink> {
         SourceLink::new(
             0,
@@ -192,7 +200,7 @@ pub(crate) mod tests {
         tx.send(fb).unwrap();
         drop(tx);
         let (l, flow, c) = (link(), FlowStats::default(), Counters::default());
-        run(Host(&wire[..]), &l, 0, &queue, &flow, &c);
+        run(Host(&wire[..]), &l, at(0), &queue, &flow, &c);
         let out = outcomes(vec![ra, rb]);
         assert!(out.iter().all(|o| o.result.is_ok()));
         assert_eq!(out[0].slab.host_slice().unwrap(), &a[..]);
@@ -217,7 +225,7 @@ pub(crate) mod tests {
         run(
             Host(&wire[..]),
             &link(),
-            0,
+            at(0),
             &queue,
             &FlowStats::default(),
             &c,
@@ -242,7 +250,7 @@ pub(crate) mod tests {
         run(
             Host(&wire[..]),
             &link(),
-            2,
+            at(2),
             &queue,
             &FlowStats::default(),
             &Counters::default(),

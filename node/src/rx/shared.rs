@@ -90,12 +90,22 @@ pub trait Place {
     fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError>;
 }
 
+/// Which data connection a receive loop serves: its number, and the link session that
+/// announced it (a broken connection resets that session only, never a newer one).
+#[derive(Clone, Copy, Debug)]
+pub struct ConnAt {
+    /// The connection number.
+    pub conn: u16,
+    /// The link session (generation) it belongs to.
+    pub generation: u64,
+}
+
 /// Receives the payloads announced for one connection, one at a time, until its queue
 /// closes; a broken connection fails its payload and every later one.
 pub fn run<P: Place>(
     mut path: P,
     link: &SourceLink,
-    conn: u16,
+    at: ConnAt,
     queue: &Receiver<InFlight>,
     flow: &FlowStats,
     c: &Counters,
@@ -109,7 +119,7 @@ pub fn run<P: Place>(
         tally.flush(c);
         match placed {
             Ok(got) => deliver(f, got, link, c),
-            Err(cause) => return broken([f], queue, link, conn, cause),
+            Err(cause) => return broken([f], queue, link, at, cause),
         }
     }
 }
@@ -206,22 +216,24 @@ pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) {
     f.verified(got);
 }
 
-/// A connection broke inside the payloads of `failed`: fails them, resets the link, and
-/// fails every payload still announced on the connection until its queue closes.
+/// A connection broke inside the payloads of `failed` (or before any): fails them, resets
+/// the link session it belongs to, and fails every payload still announced on the
+/// connection until its queue closes.
 pub fn broken(
     failed: impl IntoIterator<Item = InFlight>,
     queue: &Receiver<InFlight>,
     link: &SourceLink,
-    conn: u16,
+    at: ConnAt,
     cause: RxError,
 ) {
+    let conn = at.conn;
     for f in failed {
         f.finish(Err(lost(link, conn, cause.clone())));
     }
-    link.kick(&format!(
-        "data connection {conn} from {} failed mid-shard: {cause}",
-        link.addr
-    ));
+    link.kick_if(
+        at.generation,
+        &format!("data connection {conn} from {} failed: {cause}", link.addr),
+    );
     fail_queued(queue, link, conn, &cause);
 }
 

@@ -15,7 +15,7 @@ use std::sync::mpsc::Receiver;
 use shardwire_devmem::uring::{RecvQueue, StableBuf};
 
 use super::error::RxError;
-use super::shared::{Checksum, DATA_STALL_TIMEOUT, Tally, broken, deliver, lowat_for};
+use super::shared::{Checksum, ConnAt, DATA_STALL_TIMEOUT, Tally, broken, deliver, lowat_for};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::InFlight;
 use crate::link::SourceLink;
@@ -61,7 +61,7 @@ pub fn queue_for(sock: &TcpStream) -> Option<RecvQueue<Job>> {
 pub fn run(
     mut q: RecvQueue<Job>,
     link: &SourceLink,
-    conn: u16,
+    at: ConnAt,
     queue: &Receiver<InFlight>,
     flow: &FlowStats,
     c: &Counters,
@@ -91,7 +91,7 @@ pub fn run(
         });
         if let Err((refused, cause)) = r {
             let jobs = refused.into_iter().map(|j| *j).chain(q.abandon());
-            return broken(jobs.map(|j| j.f), queue, link, conn, cause);
+            return broken(jobs.map(|j| j.f), queue, link, at, cause);
         }
     }
 }
@@ -212,7 +212,11 @@ mod tests {
         drop(tx);
         let (l, flow, c) = (link(), FlowStats::default(), Counters::default());
         let q = queue_for(&sock).expect("io_uring on this kernel");
-        run(q, &l, 0, &queue, &flow, &c);
+        let at = ConnAt {
+            conn: 0,
+            generation: 0,
+        };
+        run(q, &l, at, &queue, &flow, &c);
         t.join().unwrap();
         let out = outcomes(rxs);
         for (k, o) in out.iter().enumerate() {
@@ -256,7 +260,10 @@ mod tests {
         run(
             q,
             &link(),
-            3,
+            ConnAt {
+                conn: 3,
+                generation: 0,
+            },
             &queue,
             &FlowStats::default(),
             &Counters::default(),
