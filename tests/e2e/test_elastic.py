@@ -163,7 +163,10 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     between_old = moved_bytes(three, five, {tier.addr(i) for i in range(3)}, lengths) - to_new
     print(f"3 -> 5: {to_new:.3f} of the bytes moved to the new sources, {between_old:.3f} between the old")
     assert 0.35 <= to_new <= 0.45, to_new  # 2/5, within the balance slack
-    assert between_old <= 0.05, between_old
+    # Balancing 120 shards within 5 % moves a few between the sources that stayed, where the
+    # weighted rendezvous' margins shift: 2 % on average over 200 port layouts of this shape,
+    # 9 % at worst (node/src/stream/affinity.rs, adding_two_sources_to_three_...).
+    assert between_old <= 0.10, between_old
 
     # Down to two (sources 1 and 3 stay) while four ranks read three epochs: the three others
     # leave the DNS answer and drain (SIGTERM).
@@ -192,7 +195,7 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     two = stable_epoch(sw, node, stay, lengths, seed=15)
     survivors = moved_bytes(five, two, set(stay), lengths)
     print(f"5 -> 2: {survivors:.3f} of the bytes moved between the two sources that stayed")
-    assert survivors <= 0.05, survivors
+    assert survivors <= 0.06, survivors  # 1 % on average, 5 % at worst over 200 layouts
     log = node.stderr_text()
     for i in gone:
         assert re.search(rf"source retired.*source={re.escape(tier.addr(i))}|source={re.escape(tier.addr(i))}.*source retired", log), f"{tier.addr(i)} not retired"
