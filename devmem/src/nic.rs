@@ -482,6 +482,41 @@ impl Journal {
         self.record(Change::Rule { location })
     }
 
+    /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple
+    /// feature must be on: [`Journal::steer`] turned it on). Returns the rule's location.
+    pub fn add_flow(
+        &mut self,
+        client: &mut EthtoolClient,
+        flow: steer::Tcp4Flow,
+        queue: u32,
+    ) -> Result<u32, NicError> {
+        let location = client.insert_tcp4_flow_rule(&self.state.ifname, flow, queue)?;
+        if let Err(e) = self.record(Change::Rule { location }) {
+            // Not journaled: not left on the NIC either.
+            let _ = client.delete_rule(&self.state.ifname, location);
+            return Err(e);
+        }
+        Ok(location)
+    }
+
+    /// Delete the connection rule at `location` ([`Journal::add_flow`]) and its journal entry.
+    pub fn remove_flow(
+        &mut self,
+        client: &mut EthtoolClient,
+        location: u32,
+    ) -> Result<(), NicError> {
+        client.delete_rule(&self.state.ifname, location)?;
+        let at = self
+            .state
+            .changes
+            .iter()
+            .rposition(|c| matches!(c, Change::Rule { location: l } if *l == location));
+        if let Some(at) = at {
+            self.state.changes.remove(at);
+        }
+        self.save()
+    }
+
     /// Undo every change in reverse order and delete the state file.
     pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
         undo(&self.state, client)?;
@@ -569,9 +604,9 @@ pub struct SetupPlan {
     pub queues: Vec<u32>,
     /// Network namespace file of the interface, if not the caller's.
     pub netns: Option<PathBuf>,
-    /// Steer this TCP port (the data port) to the first queue, and RSS to the queues below
-    /// it; `None` leaves steering to the operator.
-    pub steer_port: Option<u16>,
+    /// Steer each of these TCP ports (a lane's data port) to its queue, and RSS to the queues
+    /// below the lowest of `queues`; empty leaves steering to the operator.
+    pub steer: Vec<(u16, u32)>,
 }
 
 /// A NIC set up for devmem; restores on [`NicSetup::restore`] or drop.
@@ -587,6 +622,27 @@ impl NicSetup {
     /// The journal's state.
     pub fn state(&self) -> Option<&StateFile> {
         self.journal.as_ref().map(Journal::state)
+    }
+
+    /// Steer one connection onto `queue` of this NIC before its first payload byte (a 5-tuple
+    /// ntuple rule, journaled, so a crash leaves nothing behind); returns the rule's
+    /// location for [`NicSetup::remove_flow`].
+    pub fn add_flow(&mut self, flow: steer::Tcp4Flow, queue: u32) -> Result<u32, NicError> {
+        let j = self.journal.as_mut().expect("not restored");
+        j.add_flow(&mut self.client, flow, queue)
+    }
+
+    /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
+    /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled.
+    pub fn steer(&mut self, dst_port: u16, queue: u32, rss_queues: u32) -> Result<(), NicError> {
+        let j = self.journal.as_mut().expect("not restored");
+        j.steer(&mut self.client, dst_port, queue, rss_queues)
+    }
+
+    /// Delete a connection's rule ([`NicSetup::add_flow`]).
+    pub fn remove_flow(&mut self, location: u32) -> Result<(), NicError> {
+        let j = self.journal.as_mut().expect("not restored");
+        j.remove_flow(&mut self.client, location)
     }
 
     /// Undo the changes now.
@@ -634,9 +690,11 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
             }
         }
         journal.enable_header_split(&mut client)?;
-        if let Some(port) = plan.steer_port {
-            let first = plan.queues.iter().min().copied().unwrap_or(0);
-            journal.steer(&mut client, port, first, first)?;
+        let first = plan.queues.iter().min().copied().unwrap_or(0);
+        for (i, &(port, queue)) in plan.steer.iter().enumerate() {
+            // RSS once, away from every bound queue (they are all at or above `first`).
+            let rss = if i == 0 { first } else { 0 };
+            journal.steer(&mut client, port, queue, rss)?;
         }
         Ok(())
     })();
@@ -644,7 +702,7 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
         Ok(()) => Ok(NicSetup {
             journal: Some(journal),
             client,
-            not_configured: if plan.steer_port.is_some() {
+            not_configured: if !plan.steer.is_empty() {
                 String::new()
             } else {
                 "flow steering was not asked for: set RSS and an ntuple rule with ethtool -X / -N"

@@ -100,7 +100,7 @@ fn hw_bind_sequence_follows_the_kernel_selftest() {
         ifindex: n.ifindex,
         queues: vec![n.queue],
         netns: None,
-        steer_port: None,
+        steer: Vec::new(),
     };
     let setup = nic::apply(&plan, &state).unwrap();
     let binding = NetdevClient::open()
@@ -153,7 +153,7 @@ fn hw_validated_pattern_lands_in_the_dmabuf() {
         ifindex: n.ifindex,
         queues: vec![n.queue],
         netns: None,
-        steer_port: Some(port),
+        steer: vec![(port, n.queue)],
     };
     let setup = nic::apply(&plan, &state_path()).unwrap();
     let binding = NetdevClient::open()

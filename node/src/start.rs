@@ -16,7 +16,8 @@ use shardwire_protocol::wire::LaneAddr;
 use tokio::sync::{mpsc, watch};
 
 use crate::binding::RxRegion;
-use crate::binding::{self, BindingError, NicRequest};
+use crate::binding::kernel::LaneRequest;
+use crate::binding::{self, BindingError};
 use crate::counters::Counters;
 use crate::info::Info;
 use crate::lanes::Lanes;
@@ -257,57 +258,40 @@ fn spawn_tasks(
     });
 }
 
-/// Undoes NIC changes a crashed run left behind, before anything else looks at NICs.
+/// Undoes NIC changes a crashed run left behind (the journal of each NIC it set up),
+/// before anything else looks at NICs.
 async fn restore_nic_state(state: &Path) {
-    let path = state.to_path_buf();
-    match tokio::task::spawn_blocking(move || shardwire_devmem::nic::restore_from(&path)).await {
-        Ok(Ok(Some(st))) => tracing::warn!(
-            file = %state.display(), ifname = %st.ifname, changes = ?st.changes,
-            "restored NIC settings left by a previous run that did not shut down cleanly"
-        ),
-        Ok(Ok(None)) => {}
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "could not restore NIC settings left by a previous run; the NIC may still be altered")
+    for file in binding::kernel::state_files(state) {
+        let path = file.clone();
+        match tokio::task::spawn_blocking(move || shardwire_devmem::nic::restore_from(&path)).await
+        {
+            Ok(Ok(Some(st))) => tracing::warn!(
+                file = %file.display(), ifname = %st.ifname, changes = ?st.changes,
+                "restored NIC settings left by a previous run that did not shut down cleanly"
+            ),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(file = %file.display(), error = %e, "could not restore NIC settings left by a previous run; the NIC may still be altered")
+            }
+            Err(e) => tracing::error!(error = %e, "NIC restore task failed"),
         }
-        Err(e) => tracing::error!(error = %e, "NIC restore task failed"),
     }
 }
 
 /// RX bindings, each with its lane.
 type LaneBindings = Vec<(u32, Arc<RxRegion>)>;
 
-/// The RX bindings for the configured receive mode, each with its lane, and why. Devmem is
-/// bound on one lane: the one whose NIC is the interface chosen (`devmem_interface`, else the
-/// first capable NIC), else lane 0; the emulator on every lane, each its own emulated NIC and
-/// dma-buf.
+/// The RX bindings for the configured receive mode, each with its lane, and why. Devmem
+/// binds every lane on its own NIC's queues ([`binding::kernel`]: one setup per NIC, disjoint
+/// queue sets for lanes sharing one; on a node of one lane the interface configured
+/// (`devmem_interface`) or the first capable NIC); the emulator binds every lane, each its own
+/// emulated NIC and dma-buf. `auto` takes devmem only if every lane can have it.
 async fn choose_receive(
     cfg: &ServeConfig,
     nics: &[NicReport],
     (lanes, emu): (&Lanes, &Arc<EmuHost>),
 ) -> Result<(LaneBindings, String), StartError> {
     let probe = binding::probe_summary(nics);
-    let picked = binding::pick_interface(nics, cfg.devmem_interface.as_deref(), true).ok();
-    let lane = picked
-        .and_then(|n| {
-            lanes
-                .all()
-                .iter()
-                .find(|l| l.spec.nic.as_deref() == Some(&n.name))
-        })
-        .unwrap_or(&lanes.all()[0]);
-    let on = |what: String| match lanes.all().len() {
-        1 => what,
-        _ => format!("{what} (on lane {})", lane.id()),
-    };
-    let req = NicRequest {
-        name: cfg.devmem_interface.clone(),
-        queues: lane.spec.queues.clone(),
-        bytes: lane.spec.devmem_memory as usize,
-        state_file: cfg.nic_state_file.clone(),
-        data_port: lane.data_addr.port(),
-        configured: true,
-    };
-    let cuda = lane.cuda.clone();
     Ok(match cfg.receive {
         ReceiveMode::Host => (
             Vec::new(),
@@ -315,25 +299,53 @@ async fn choose_receive(
         ),
         ReceiveMode::DevmemSim => emulate_every_lane(lanes, emu, &probe)?,
         ReceiveMode::Devmem => {
-            let (region, why) = binding::nic(nics, req, cuda)
+            let (bound, why) = bind_every_lane(cfg, nics, lanes)
                 .await
                 .map_err(StartError::Devmem)?;
-            (
-                vec![(lane.id(), region)],
-                on(format!("receive=devmem: {why}")),
-            )
+            (bound, format!("receive=devmem: {why}"))
         }
-        ReceiveMode::Auto => match binding::nic(nics, req, cuda).await {
-            Ok((region, why)) => (
-                vec![(lane.id(), region)],
-                on(format!("receive=auto chose devmem: {why}")),
-            ),
+        ReceiveMode::Auto => match bind_every_lane(cfg, nics, lanes).await {
+            Ok((bound, why)) => (bound, format!("receive=auto chose devmem: {why}")),
             Err(e) => (
                 Vec::new(),
-                format!("receive=auto chose host (plain TCP): {e}"),
+                format!("receive=auto chose host (plain TCP) on every lane: {e}"),
             ),
         },
     })
+}
+
+/// `receive = devmem` on every lane (blocking work on a blocking thread), and why.
+async fn bind_every_lane(
+    cfg: &ServeConfig,
+    nics: &[NicReport],
+    lanes: &Lanes,
+) -> Result<(LaneBindings, String), binding::BindingError> {
+    let reqs: Vec<LaneRequest> = lanes
+        .all()
+        .iter()
+        .map(|l| LaneRequest {
+            lane: l.id(),
+            nic: l.spec.nic.clone(),
+            queues: l.spec.queues.clone(),
+            bytes: l.spec.devmem_memory as usize,
+            data_port: l.data_addr.port(),
+            cuda: l.cuda.clone(),
+        })
+        .collect();
+    let plans = binding::kernel::plan(nics, &reqs, cfg.devmem_interface.as_deref())?;
+    let base = cfg.nic_state_file.clone();
+    let (bound, reqs) = tokio::task::spawn_blocking(move || {
+        (binding::kernel::bind_lanes(&plans, &reqs, &base), reqs)
+    })
+    .await
+    .expect("the bind task does not panic");
+    let bound = bound?;
+    let why: Vec<String> = bound
+        .iter()
+        .zip(&reqs)
+        .map(|((lane, region), r)| binding::describe(region, *lane, r.data_port))
+        .collect();
+    Ok((bound, why.join("; ")))
 }
 
 /// `receive = devmem-sim`: every lane gets its own emulator binding (its own emulated NIC,

@@ -57,6 +57,11 @@ pub struct BindingStatus {
     /// Receives whose frags named another binding (steered to another lane's queue):
     /// refused, tokens returned, payload fetched again.
     pub steering_errors: u64,
+    /// Per-connection steering rules installed now (kernel and emulated NICs alike: one per
+    /// open data connection of a kernel binding; the emulator's are not counted here).
+    pub flow_rules: u64,
+    /// Data connections failed because the NIC refused their steering rule.
+    pub flow_rule_failures: u64,
 }
 
 /// One source link.

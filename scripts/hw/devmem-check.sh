@@ -23,25 +23,30 @@
 #   4. ingest: shardwire source on the peer, shardwire serve --receive devmem here, one epoch
 #      consumed: CRC failures 0, devmem frags > 0, host bytes 0.
 #   5. devmem TX: shardwire source --devmem-tx IFNAME here, a node on the peer consumes.
+#
+#   scripts/hw/devmem-check.sh --lanes PEER_SSH
+#
+#   Every lane at once (issue 24), on a host whose GPUs and devmem NICs pair into lanes
+#   (`shardwire topology`): PEER_SSH as above, reaching every lane NIC's address. Starts
+#   `serve --receive devmem` (lanes auto, memory auto), one trainer per lane (--device = the
+#   lane's GPU), then checks per lane in /v1/bindings: a kernel binding on that lane's NIC only,
+#   frags > 0, steering errors 0, no payload in host memory, one flow rule per open data
+#   connection while trainers read; after shutdown: no journal left and no ntuple rule left
+#   on any lane's NIC.
 set -euo pipefail
-IF=${1:?IFNAME}; PEER=${2:?PEER_SSH}; HERE=${3:?address of this host on IFNAME}; PORT=${4:-5201}
 cd "$(dirname "$0")/../.."
+. scripts/hw/lib.sh
+if [ "${1:-}" = "--lanes" ]; then
+  exec scripts/hw/devmem-lanes-check.sh "${@:2}"
+fi
+IF=${1:?IFNAME}; PEER=${2:?PEER_SSH}; HERE=${3:?address of this host on IFNAME}; PORT=${4:-5201}
 [ "$(id -u)" = 0 ] || { echo "run as root"; exit 2; }
 command -v ethtool >/dev/null || { echo "needs ethtool"; exit 2; }
 [ -e /dev/udmabuf ] || { echo "needs /dev/udmabuf (modprobe udmabuf)"; exit 2; }
 
 RXQ=$(ls -d /sys/class/net/"$IF"/queues/rx-* | wc -l)
 Q=$((RXQ - 1))
-pass() { echo "PASS $*"; }
-fail() { echo "FAIL $*"; exit 1; }
-cleanup() {
-  ssh "$PEER" "pkill -f 'shardwire source --listen 0.0.0.0:7500'" 2>/dev/null || true
-  [ -n "${SERVE_PID:-}" ] && kill "$SERVE_PID" 2>/dev/null || true
-}
-trap cleanup EXIT
-
-cargo build --release -p shardwire
-SW=target/release/shardwire
+hw_start "$PEER"
 
 # 1. capability probe
 $SW nics --json | python3 -c "
@@ -72,18 +77,13 @@ wait
 
 # 4. ingest through serve --receive devmem
 TMP=$(mktemp -d)
-ssh "$PEER" "mkdir -p /tmp/swds && python3 -c \"
-import os
-for i in range(32): open(f'/tmp/swds/s{i:03d}.bin','wb').write(os.urandom(4<<20))
-\" && shardwire index /tmp/swds && (nohup shardwire source --listen 0.0.0.0:7500 --dataset hw=/tmp/swds --secret-file /tmp/swds/secret >/tmp/swds/source.log 2>&1 &)"
-head -c 32 /dev/urandom | base64 > "$TMP/secret"
-scp -q "$TMP/secret" "$PEER:/tmp/swds/secret"
+peer_source "$PEER" "$TMP" 32 4
 PEER_HOST=${PEER#*@}
 $SW serve --source "$PEER_HOST:7500" --secret-file "$TMP/secret" --socket "$TMP/t.sock" \
   --data-listen "0.0.0.0:$PORT" --admin 127.0.0.1:7410 --receive devmem \
   --devmem-interface "$IF" --devmem-queue "$Q" --nic-state-file "$TMP/nic.json" 2>"$TMP/serve.log" &
 SERVE_PID=$!
-for _ in $(seq 60); do curl -fs 127.0.0.1:7410/readyz >/dev/null && break; sleep 1; done
+wait_ready 127.0.0.1:7410 || fail "serve did not start (see $TMP/serve.log)"
 $SW consume --socket "$TMP/t.sock" --dataset hw --jsonl > "$TMP/batches.jsonl" || fail "consume"
 curl -fs 127.0.0.1:7410/v1/status | python3 -c "
 import json,sys

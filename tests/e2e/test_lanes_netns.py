@@ -128,10 +128,11 @@ def source_in(sw, ns: str, d, secret, *extra) -> Source:
     return p
 
 
-def serve_lanes(sw, src, secret, tree, memory: str, env: dict) -> Serve:
+def serve_lanes(sw, src, secret, tree, memory: str, env: dict, receive: str = "host") -> Serve:
     name = sw._name("serve")
     args = [sw.bin, "serve", "--socket", sw.tmp / f"{name}.sock", "--data-listen", "0.0.0.0:0", "--admin", "127.0.0.1:0",
-            "--source", src.addr, "--secret-file", secret, "--sysfs-root", tree, "--memory", memory, "--receive", "host",
+            "--source", src.addr, "--secret-file", secret, "--sysfs-root", tree, "--memory", memory, "--receive", receive,
+            "--nic-state-file", sw.tmp / f"{name}.nic-state.json",
             "--flows", "2", "--pool-size", "64MiB", "--stream-memory", str(STREAM_MEMORY)]
     p = Serve(name, [str(a) for a in args], sw.logs, env)
     sw.procs.append(p)
@@ -359,3 +360,11 @@ def test_devmem_on_lanes_whose_nics_cannot_is_refused_naming_each_nic(sw, setup,
     for name in ifs:
         assert f"{name}: EOPNOTSUPP" in r.stderr, r.stderr
     assert not (sw.tmp / "nic-state.json").exists(), "nothing was changed on any NIC, so nothing to restore"
+    assert not list(sw.tmp.glob("nic-state.*.json")), "no NIC's journal either"
+    # receive=auto: plain TCP on every lane (never a mix), each lane and its NIC named.
+    node = serve_lanes(sw, src, secret, tree, "host", {}, receive="auto")
+    reason = wait_ready(node)["mode"]["reason"]
+    assert "receive=auto chose host (plain TCP) on every lane" in reason, reason
+    for lane, name in enumerate(ifs):
+        assert f"lane {lane} ({name}: EOPNOTSUPP" in reason, reason
+    assert not list(sw.tmp.glob("*nic-state*.json")), "nothing journaled"

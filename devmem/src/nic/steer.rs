@@ -1,11 +1,14 @@
 //! Flow steering with the legacy ethtool ioctl (`SIOCETHTOOL`): the ntuple feature flag,
-//! ntuple rules and the RSS indirection table (what `ethtool -K ntuple on`, `ethtool -N ...
-//! action Q` and `ethtool -X equal N` do).
+//! ntuple rules (by destination port, or one connection's 5-tuple) and the RSS indirection
+//! table (what `ethtool -K ntuple on`, `ethtool -N ... action Q` and `ethtool -X equal N` do).
 //!
 //! Layouts from include/uapi/linux/ethtool.h, checked with `offsetof` on this machine:
 //! `struct ethtool_rxnfc` is 192 bytes with `fs` at 16; inside `fs` (168 bytes) `h_u` is at
 //! 4, `m_u` at 76, `ring_cookie` at 152 and `location` at 160; in `ethtool_tcpip4_spec`
-//! `pdst` is at 10. `struct ethtool_rxfh_indir` is `{cmd, size, ring_index[size]}`.
+//! `ip4src` is at 0, `ip4dst` at 4, `psrc` at 8 and `pdst` at 10. `struct ethtool_rxfh_indir`
+//! is `{cmd, size, ring_index[size]}`.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use super::{EthtoolClient, NicError};
 
@@ -83,16 +86,27 @@ impl EthtoolClient {
         dst_port: u16,
         queue: u32,
     ) -> Result<u32, NicError> {
-        let mut r = [0u8; RXNFC_LEN];
-        put(&mut r, 0, ETHTOOL_SRXCLSRLINS);
-        put(&mut r, 4, TCP_V4_FLOW);
-        put(&mut r, FS, TCP_V4_FLOW);
-        // h_u.tcp_ip4_spec.pdst (big-endian) and its mask m_u.tcp_ip4_spec.pdst.
-        r[FS + 4 + 10..FS + 4 + 12].copy_from_slice(&dst_port.to_be_bytes());
-        r[FS + 76 + 10..FS + 76 + 12].copy_from_slice(&[0xff, 0xff]);
-        r[FS + 152..FS + 160].copy_from_slice(&u64::from(queue).to_ne_bytes());
-        put(&mut r, FS + 160, RX_CLS_LOC_ANY);
+        let mut r = tcp4_rule(&Tcp4Match {
+            dst_port: Some(dst_port),
+            ..Tcp4Match::default()
+        });
+        set_queue(&mut r, queue);
         self.ioctl(ifname, "ntuple-rule-insert", &mut r)?;
+        Ok(get(&r, FS + 160))
+    }
+
+    /// Insert a rule steering one TCP/IPv4 connection, by its 5-tuple as its packets arrive
+    /// (`flow-type tcp4 src-ip S dst-ip D src-port SP dst-port DP action Q`), onto RX queue
+    /// `queue`; returns the rule's location (for [`EthtoolClient::delete_rule`]).
+    pub fn insert_tcp4_flow_rule(
+        &self,
+        ifname: &str,
+        flow: Tcp4Flow,
+        queue: u32,
+    ) -> Result<u32, NicError> {
+        let mut r = tcp4_rule(&Tcp4Match::flow(flow));
+        set_queue(&mut r, queue);
+        self.ioctl(ifname, "ntuple-flow-rule-insert", &mut r)?;
         Ok(get(&r, FS + 160))
     }
 
@@ -137,6 +151,83 @@ impl EthtoolClient {
     }
 }
 
+/// One TCP/IPv4 connection as its packets arrive at the NIC: from the peer (`src`) to this
+/// host (`dst`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tcp4Flow {
+    /// The sender: the remote end of the connection.
+    pub src: SocketAddrV4,
+    /// The receiver: this end.
+    pub dst: SocketAddrV4,
+}
+
+/// The fields a TCP/IPv4 ntuple rule matches exactly (`None`: any).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Tcp4Match {
+    src_ip: Option<Ipv4Addr>,
+    dst_ip: Option<Ipv4Addr>,
+    src_port: Option<u16>,
+    dst_port: Option<u16>,
+}
+
+impl Tcp4Match {
+    fn flow(f: Tcp4Flow) -> Self {
+        Self {
+            src_ip: Some(*f.src.ip()),
+            dst_ip: Some(*f.dst.ip()),
+            src_port: Some(f.src.port()),
+            dst_port: Some(f.dst.port()),
+        }
+    }
+}
+
+/// Offsets in `struct ethtool_tcpip4_spec`: `ip4src`, `ip4dst`, `psrc`, `pdst`.
+const IP4_SRC: usize = 0;
+const IP4_DST: usize = 4;
+const PSRC: usize = 8;
+const PDST: usize = 10;
+/// `fs.h_u` (the values) and `fs.m_u` (their masks: all ones where matched) in the request.
+const H_U: usize = FS + 4;
+const M_U: usize = FS + 76;
+
+/// An `ETHTOOL_SRXCLSRLINS` request for `m` (fields big-endian, as on the wire), at any
+/// location.
+fn tcp4_rule(m: &Tcp4Match) -> [u8; RXNFC_LEN] {
+    let mut r = [0u8; RXNFC_LEN];
+    put(&mut r, 0, ETHTOOL_SRXCLSRLINS);
+    put(&mut r, 4, TCP_V4_FLOW);
+    put(&mut r, FS, TCP_V4_FLOW);
+    let mut field = |at: usize, value: Option<&[u8]>| {
+        if let Some(v) = value {
+            r[H_U + at..H_U + at + v.len()].copy_from_slice(v);
+            r[M_U + at..M_U + at + v.len()].fill(0xff);
+        }
+    };
+    field(
+        IP4_SRC,
+        m.src_ip.map(|a| a.octets()).as_ref().map(|o| &o[..]),
+    );
+    field(
+        IP4_DST,
+        m.dst_ip.map(|a| a.octets()).as_ref().map(|o| &o[..]),
+    );
+    field(
+        PSRC,
+        m.src_port.map(u16::to_be_bytes).as_ref().map(|o| &o[..]),
+    );
+    field(
+        PDST,
+        m.dst_port.map(u16::to_be_bytes).as_ref().map(|o| &o[..]),
+    );
+    put(&mut r, FS + 160, RX_CLS_LOC_ANY);
+    r
+}
+
+/// The rule's action: deliver to RX queue `queue` (`fs.ring_cookie`).
+fn set_queue(r: &mut [u8; RXNFC_LEN], queue: u32) {
+    r[FS + 152..FS + 160].copy_from_slice(&u64::from(queue).to_ne_bytes());
+}
+
 /// `ethtool -X equal n`: `entries` buckets spread over queues `0..n`.
 pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
     (0..entries).map(|i| i as u32 % n.max(1)).collect()
@@ -145,6 +236,46 @@ pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flow_rule_matches_all_four_fields_big_endian() {
+        let flow = Tcp4Flow {
+            src: "10.1.2.3:40000".parse().unwrap(),
+            dst: "10.9.8.7:7401".parse().unwrap(),
+        };
+        let mut r = tcp4_rule(&Tcp4Match::flow(flow));
+        set_queue(&mut r, 12);
+        assert_eq!(get(&r, 0), ETHTOOL_SRXCLSRLINS);
+        assert_eq!(get(&r, FS), TCP_V4_FLOW);
+        assert_eq!(
+            &r[H_U..H_U + 12],
+            &[10, 1, 2, 3, 10, 9, 8, 7, 0x9c, 0x40, 0x1c, 0xe9]
+        );
+        assert_eq!(&r[M_U..M_U + 12], &[0xff; 12]);
+        // tos and its mask stay 0 (not matched).
+        assert_eq!((r[H_U + 12], r[M_U + 12]), (0, 0));
+        assert_eq!(
+            u64::from_ne_bytes(r[FS + 152..FS + 160].try_into().unwrap()),
+            12
+        );
+        assert_eq!(get(&r, FS + 160), RX_CLS_LOC_ANY);
+    }
+
+    #[test]
+    fn a_port_rule_matches_the_destination_port_only() {
+        let r = tcp4_rule(&Tcp4Match {
+            dst_port: Some(7401),
+            ..Tcp4Match::default()
+        });
+        assert_eq!(
+            &r[H_U..H_U + 12],
+            &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x1c, 0xe9]
+        );
+        assert_eq!(
+            &r[M_U..M_U + 12],
+            &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]
+        );
+    }
 
     #[test]
     fn equal_spreads_round_robin() {

@@ -29,6 +29,14 @@ fn veth() -> (Netns, u32) {
     (ns, va)
 }
 
+/// The errno of a kernel refusal.
+fn kernel_errno(e: &NicError) -> Option<i32> {
+    match e {
+        NicError::Kernel { errno, .. } => Some(*errno),
+        _ => None,
+    }
+}
+
 fn state_path(tag: &str) -> PathBuf {
     std::env::temp_dir().join(format!("sw-nic-{tag}-{}.json", std::process::id()))
 }
@@ -94,7 +102,7 @@ fn a_failed_setup_undoes_what_it_changed_and_leaves_no_state_file() {
         ifindex: va,
         queues: vec![2, 3],
         netns: Some(ns.path()),
-        steer_port: None,
+        steer: Vec::new(),
     };
     // Channels are raised to 4 (queue 3 needs them), then header split fails on veth.
     let e = apply(&plan, &state).unwrap_err();
@@ -194,6 +202,18 @@ fn steering_on_a_driver_without_ntuple_or_rss_names_the_cause() {
             .contains("va: ethtool ntuple-rule-insert: EOPNOTSUPP"),
         "{e}"
     );
+    // One connection's 5-tuple rule (what a devmem lane installs per data connection).
+    let flow = steer::Tcp4Flow {
+        src: "10.0.0.2:40000".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    };
+    let e = c.insert_tcp4_flow_rule("va", flow, 2).unwrap_err();
+    assert_eq!(kernel_errno(&e), Some(libc::EOPNOTSUPP), "{e}");
+    assert!(
+        e.to_string()
+            .contains("va: ethtool ntuple-flow-rule-insert: EOPNOTSUPP"),
+        "{e}"
+    );
     let e = c.rss_indir("va").unwrap_err();
     assert!(e.to_string().contains("no RSS indirection table"), "{e}");
     let e = c.ntuple_enabled("nosuch0").unwrap_err();
@@ -208,4 +228,30 @@ fn steering_on_a_driver_without_ntuple_or_rss_names_the_cause() {
         "{e}"
     );
     assert!(c.ntuple_enabled("a-name-that-is-far-too-long").is_err());
+}
+
+#[test]
+fn a_refused_connection_rule_leaves_the_journal_as_it_was() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let path = state_path("flow");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", va, Some(ns.path())).unwrap();
+    let flow = steer::Tcp4Flow {
+        src: "10.0.0.2:40001".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    };
+    let e = j.add_flow(&mut c, flow, 1).unwrap_err();
+    assert!(e.to_string().contains("ntuple-flow-rule-insert"), "{e}");
+    assert!(j.state().changes.is_empty(), "{:?}", j.state().changes);
+    let on_disk: StateFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert!(on_disk.changes.is_empty());
+    // Removing a rule the NIC does not have names the NIC's refusal too.
+    let e = j.remove_flow(&mut c, 5).unwrap_err();
+    assert!(
+        e.to_string().contains("va: ethtool ntuple-rule-delete"),
+        "{e}"
+    );
+    j.restore(&mut c).unwrap();
+    assert!(!path.exists());
 }

@@ -3,6 +3,7 @@
 //! see [`RxRegion::bind_kernel`]). Used at start (`receive = devmem | devmem-sim | auto`) and
 //! by the control task (`POST /v1/bindings`). A node holds at most one binding per lane.
 
+pub mod kernel;
 mod region;
 
 use std::path::PathBuf;
@@ -13,6 +14,7 @@ use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 use shardwire_protocol::trainer::ErrorCode;
 
+pub(crate) use self::region::FlowRule;
 pub use self::region::{BindError, BindingKind, RxRegion};
 
 /// Why no binding was made.
@@ -75,6 +77,47 @@ pub enum BindingError {
         /// The interface asked for.
         asked: String,
     },
+    /// Several lanes, and one of them has no NIC to bind.
+    #[error(
+        "lane {lane} has no NIC: with several lanes every lane names its NIC (lanes = \"auto\" pairs them by PCIe distance)"
+    )]
+    LaneWithoutNic {
+        /// The lane.
+        lane: u32,
+    },
+    /// Lanes whose NIC cannot do devmem (every one named).
+    #[error("{lanes}: cannot do devmem; {probe}")]
+    LanesNotCapable {
+        /// `lane N (NIC)`, comma-separated.
+        lanes: String,
+        /// What the probe found, per NIC.
+        probe: String,
+    },
+    /// Two lanes on one NIC name a common queue.
+    #[error(
+        "lanes {} and {} both name RX queue {queue} of {nic}: lanes sharing a NIC bind disjoint queue sets",
+        .lanes.0, .lanes.1
+    )]
+    QueuesOverlap {
+        /// The NIC.
+        nic: String,
+        /// The two lanes.
+        lanes: (u32, u32),
+        /// A queue both name.
+        queue: u32,
+    },
+    /// The NIC's upper half of RX queues cannot give each of its lanes one.
+    #[error(
+        "{nic}: {lanes} lanes need RX queues but only {free:?} are free in its upper half; name each lane's queues, or raise the NIC's channels"
+    )]
+    TooFewQueues {
+        /// The NIC.
+        nic: String,
+        /// Lanes that named none.
+        lanes: usize,
+        /// Queues left for them.
+        free: Vec<u32>,
+    },
     /// No binding with that id.
     #[error("no binding {id}")]
     NotFound {
@@ -99,9 +142,13 @@ impl BindingError {
             Self::UnknownInterface { .. }
             | Self::ConfiguredInterfaceMissing { .. }
             | Self::NoLane { .. }
-            | Self::NotLanesNic { .. } => ErrorCode::UnknownInterface,
+            | Self::NotLanesNic { .. }
+            | Self::LaneWithoutNic { .. } => ErrorCode::UnknownInterface,
             Self::NotFound { .. } => ErrorCode::NotFound,
-            Self::NoneCapable { .. } | Self::NotCapable { .. } => ErrorCode::NotCapable,
+            Self::NoneCapable { .. } | Self::NotCapable { .. } | Self::LanesNotCapable { .. } => {
+                ErrorCode::NotCapable
+            }
+            Self::QueuesOverlap { .. } | Self::TooFewQueues { .. } => ErrorCode::BindFailed,
             Self::Exists { .. } => ErrorCode::BindingExists,
             Self::Failed { .. } => ErrorCode::BindFailed,
         }
@@ -153,7 +200,7 @@ pub fn emulator(
     })
 }
 
-/// What to bind on a NIC.
+/// What to bind on a NIC (the admin API's `POST /v1/bindings`, one lane).
 #[derive(Debug, Clone)]
 pub struct NicRequest {
     /// The interface (`None`: the first devmem-capable one).
@@ -162,7 +209,7 @@ pub struct NicRequest {
     pub queues: Vec<u32>,
     /// Dma-buf bytes.
     pub bytes: usize,
-    /// NIC change journal.
+    /// NIC change journal (the NIC's own: [`kernel::state_file`]).
     pub state_file: PathBuf,
     /// The data port steered to the first bound queue.
     pub data_port: u16,
@@ -205,29 +252,26 @@ pub fn pick_interface<'a>(
     Ok(nic)
 }
 
-/// Binds a NIC's queues (blocking work on a blocking thread); returns the binding and a
-/// sentence on what was done.
+/// Binds a NIC's queues for one lane (blocking work on a blocking thread); returns the
+/// binding and a sentence on what was done. A NIC already set up for another lane is joined.
 pub async fn nic(
     nics: &[NicReport],
     r: NicRequest,
-    cuda: Option<Arc<CudaMemory>>,
+    (lane, cuda): (u32, Option<Arc<CudaMemory>>),
 ) -> Result<(Arc<RxRegion>, String), BindingError> {
-    let nic = pick_interface(nics, r.name.as_deref(), r.configured)?;
+    let nic = pick_interface(nics, r.name.as_deref(), r.configured)?.clone();
     let queues: Vec<u32> = if r.queues.is_empty() {
         // The upper half of the RX queues, leaving the lower half to other traffic.
         (nic.rx_queues / 2..nic.rx_queues).collect()
     } else {
         r.queues.clone()
     };
-    let memory = if cuda.is_some() {
-        "GPU region (GPU-direct)"
-    } else {
-        "udmabuf"
-    };
-    let (name, ifindex, q) = (nic.name.clone(), nic.ifindex, queues.clone());
-    let (bytes, state, port) = (r.bytes, r.state_file.clone(), r.data_port);
+    let first = queues.iter().min().copied().unwrap_or(0);
+    let (n, q, bytes, state) = (nic.clone(), queues.clone(), r.bytes, r.state_file.clone());
+    let ports = [(r.data_port, first)];
     let region = tokio::task::spawn_blocking(move || {
-        RxRegion::bind_kernel(&name, ifindex, &q, bytes, &state, port, cuda)
+        let share = kernel::setup_nic(&n, &q, &ports, &state)?;
+        RxRegion::bind_kernel((&n.name, n.ifindex), &q, bytes, share, cuda)
     })
     .await
     .expect("the bind task does not panic")
@@ -235,13 +279,20 @@ pub async fn nic(
         what: nic.name.clone(),
         source,
     })?;
+    Ok((region.clone(), describe(&region, lane, r.data_port)))
+}
+
+/// A sentence on a kernel binding made on lane `lane` with data port `port`.
+pub fn describe(region: &RxRegion, lane: u32, port: u16) -> String {
+    let (ifname, queues) = region.queues();
     let first = queues.iter().min().copied().unwrap_or(0);
-    let why = format!(
-        "{} RX queues {queues:?} bound to a {} {memory} (binding {}); header split on, RSS over queues 0..{first}, data port {} steered to queue {first} (all undone at shutdown)",
-        nic.name,
-        shardwire_config::ByteSize(r.bytes as u64),
+    let memory = match region.gpu_gather() {
+        true => "GPU region (GPU-direct)",
+        false => "udmabuf",
+    };
+    format!(
+        "lane {lane}: {ifname} RX queues {queues:?} bound to a {} {memory} (binding {}); header split on, RSS below queue {first}, data port {port} steered to queue {first}, each data connection to its least-loaded queue by a 5-tuple rule (all undone at shutdown)",
+        shardwire_config::ByteSize(region.bytes() as u64),
         region.id(),
-        r.data_port,
-    );
-    Ok((region, why))
+    )
 }

@@ -9,7 +9,7 @@
 //! come back.
 
 use std::io;
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use shardwire_devmem::emu::host::{EmuHost, EmuRule, Flow, HostError};
 use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError};
 use shardwire_devmem::mem::DmabufMem;
-use shardwire_devmem::nic::{NicSetup, SetupPlan};
+use shardwire_devmem::nic::NicSetup;
+use shardwire_devmem::nic::steer::Tcp4Flow;
 use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, HostMapped, VmmRegion};
 
@@ -37,7 +38,15 @@ pub struct DevmemCounters {
     /// Receives whose frags named another binding's dma-buf (a flow steered to another
     /// lane's queue): their tokens went back and their payload was fetched again.
     pub steering_errors: AtomicU64,
+    /// Per-connection steering rules installed now (one per open data connection).
+    pub flow_rules: AtomicU64,
+    /// Data connections failed because their steering rule could not be installed.
+    pub flow_rule_failures: AtomicU64,
 }
+
+/// One NIC's devmem setup, shared by the lanes bound on it and their connections' rules
+/// (restored when the last of them goes: [`super::kernel`]).
+pub type NicShare = Arc<Mutex<NicSetup>>;
 
 /// RX queues of an emulated NIC (bindings take the upper half unless told).
 pub const EMU_RX_QUEUES: u32 = 16;
@@ -57,11 +66,14 @@ enum Backing {
     /// The netlink binding and the NIC setup are dropped (unbind, then restore) by
     /// [`RxRegion::unbind`].
     Kernel {
+        // First: unbound (and the NIC restored by the last lane on it) before the memory goes.
+        bound: Mutex<Option<Box<(RxBinding, NicShare)>>>,
         mem: KernelMem,
         id: u32,
         ifname: String,
         queues: Vec<u32>,
-        bound: Mutex<Option<Box<(RxBinding, NicSetup)>>>,
+        /// Connections steered to each of `queues` now (same order).
+        steered: Mutex<Vec<usize>>,
     },
 }
 
@@ -177,28 +189,17 @@ impl RxRegion {
         }))
     }
 
-    /// A real binding (`receive = devmem`): set the NIC up for `queues` (channels, header
-    /// split, RSS over the queues below them, an ntuple rule steering `data_port` to the first;
-    /// journaled in `state_file`), allocate `bytes` of memory (a udmabuf, or with `cuda` a GPU
-    /// region exported as a dma-buf: GPU-direct), bind it to the queues. Any failure undoes
-    /// what was done.
+    /// A real binding (`receive = devmem`) on `queues` of NIC `ifname`, already set up for
+    /// them (`setup`, shared with the other lanes bound on the NIC: [`super::kernel`]):
+    /// allocate `bytes` of memory (a udmabuf, or with `cuda` a GPU region exported as a
+    /// dma-buf: GPU-direct), bind it to the queues. A failure leaves the setup to its owners.
     pub fn bind_kernel(
-        ifname: &str,
-        ifindex: u32,
+        (ifname, ifindex): (&str, u32),
         queues: &[u32],
         bytes: usize,
-        state_file: &std::path::Path,
-        data_port: u16,
+        setup: NicShare,
         cuda: Option<Arc<CudaMemory>>,
     ) -> Result<Arc<Self>, BindError> {
-        let plan = SetupPlan {
-            ifname: ifname.into(),
-            ifindex,
-            queues: queues.to_vec(),
-            netns: None,
-            steer_port: Some(data_port),
-        };
-        let setup = shardwire_devmem::nic::apply(&plan, state_file)?;
         let (mem, gpu) = match cuda {
             None => (
                 KernelMem::Host(DmabufMem::udmabuf(bytes).map_err(BindError::Dmabuf)?),
@@ -224,6 +225,7 @@ impl RxRegion {
                 ifname: ifname.into(),
                 queues: queues.to_vec(),
                 bound: Mutex::new(Some(Box::new((binding, setup)))),
+                steered: Mutex::new(vec![0; queues.len()]),
             },
             counters: DevmemCounters::default(),
         }))
@@ -325,9 +327,19 @@ impl RxRegion {
             Backing::Kernel { bound, ifname, .. } => {
                 let taken = bound.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if let Some(pair) = taken {
-                    let (binding, setup) = *pair;
+                    let (binding, share) = *pair;
                     drop(binding);
-                    match setup.restore() {
+                    // The last user of the NIC's setup restores it (another lane on the NIC,
+                    // or an open connection's rule, may still hold it: then its drop does).
+                    let Ok(setup) = Arc::try_unwrap(share) else {
+                        tracing::info!(%ifname, "devmem binding closed; the NIC's settings stay for its other users");
+                        return;
+                    };
+                    match setup
+                        .into_inner()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .restore()
+                    {
                         Ok(changes) => {
                             tracing::info!(%ifname, ?changes, "devmem binding closed and NIC settings restored")
                         }
@@ -341,21 +353,98 @@ impl RxRegion {
     }
 
     /// Steers data connection `sock` to the least-loaded queue of this binding before its
-    /// first payload byte: a 5-tuple rule on the emulated NIC, deleted when the returned rule
-    /// is dropped. A kernel binding steers its lane's data port at NIC setup (`None`).
-    pub(crate) fn steer(&self, sock: &TcpStream) -> io::Result<Option<EmuRule>> {
-        let Backing::Emulated {
-            host, nic, queues, ..
+    /// first payload byte: a 5-tuple rule on the emulated NIC, or an ntuple rule on the real
+    /// one (`flow-type tcp4 src-ip .. dst-ip .. src-port .. dst-port .. action Q`, journaled
+    /// with the NIC setup); deleted when the returned rule is dropped. A rule the NIC refuses
+    /// fails the connection with the NIC's reason.
+    pub(crate) fn steer(self: &Arc<Self>, sock: &TcpStream) -> io::Result<FlowRule> {
+        match &self.backing {
+            Backing::Emulated {
+                host, nic, queues, ..
+            } => {
+                let flow = Flow::of(sock)?;
+                let queue = host.least_loaded(nic, queues).unwrap_or(0);
+                let rule = host
+                    .insert_rule(flow, nic, queue)
+                    .map_err(io::Error::other)?;
+                Ok(FlowRule::Emulated { _rule: rule })
+            }
+            Backing::Kernel { .. } => self.steer_kernel(sock).inspect_err(|_| {
+                self.counters
+                    .flow_rule_failures
+                    .fetch_add(1, Ordering::Relaxed);
+            }),
+        }
+    }
+
+    /// [`Self::steer`] on a kernel binding.
+    fn steer_kernel(self: &Arc<Self>, sock: &TcpStream) -> io::Result<FlowRule> {
+        let Backing::Kernel {
+            bound,
+            queues,
+            steered,
+            ifname,
+            ..
         } = &self.backing
         else {
-            return Ok(None);
+            unreachable!("a kernel binding")
         };
-        let flow = Flow::of(sock)?;
-        let queue = host.least_loaded(nic, queues).unwrap_or(0);
-        let rule = host
-            .insert_rule(flow, nic, queue)
-            .map_err(io::Error::other)?;
-        Ok(Some(rule))
+        let flow = match (sock.peer_addr()?, sock.local_addr()?) {
+            (SocketAddr::V4(src), SocketAddr::V4(dst)) => Tcp4Flow { src, dst },
+            (peer, local) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!(
+                        "{ifname}: devmem steering needs an IPv4 data connection (ntuple tcp4); {peer} -> {local} is not"
+                    ),
+                ));
+            }
+        };
+        let share = match bound.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(pair) => Arc::clone(&pair.1),
+            None => {
+                return Err(io::Error::other(format!(
+                    "{ifname}: the devmem binding is closed"
+                )));
+            }
+        };
+        let mut steered = steered.lock().unwrap_or_else(|p| p.into_inner());
+        let at = least_loaded(&steered);
+        let queue = queues[at];
+        let location = share
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add_flow(flow, queue)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        steered[at] += 1;
+        self.counters.flow_rules.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%ifname, queue, location, src = %flow.src, dst = %flow.dst, "data connection steered");
+        Ok(FlowRule::Kernel {
+            region: Arc::clone(self),
+            share,
+            location,
+            at,
+        })
+    }
+
+    /// Deletes the rule of a closed connection ([`FlowRule`]'s drop).
+    fn unsteer(&self, share: &NicShare, location: u32, at: usize) {
+        let Backing::Kernel {
+            steered, ifname, ..
+        } = &self.backing
+        else {
+            return;
+        };
+        let removed = share
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove_flow(location);
+        if let Err(e) = removed {
+            tracing::warn!(%ifname, location, error = %e, "deleting a closed connection's steering rule failed");
+        }
+        let mut steered = steered.lock().unwrap_or_else(|p| p.into_inner());
+        steered[at] = steered[at].saturating_sub(1);
+        self.counters.flow_rules.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Fault injection: `sock`'s packets land on this binding's first queue whatever rule its
@@ -383,5 +472,54 @@ impl RxRegion {
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
             Backing::Kernel { .. } => Box::new(DevmemSocket::new(sock)),
         })
+    }
+}
+
+/// The index of the least-loaded queue (the first of equals).
+fn least_loaded(steered: &[usize]) -> usize {
+    (0..steered.len()).min_by_key(|&i| steered[i]).unwrap_or(0)
+}
+
+/// A data connection's steering rule; deleted from its NIC when dropped (the connection
+/// closed).
+pub(crate) enum FlowRule {
+    /// On the emulated NIC (its own drop deletes it).
+    Emulated {
+        /// Held for its drop.
+        _rule: EmuRule,
+    },
+    /// An ntuple rule on the real NIC, at `location`, steering to the binding's queue `at`.
+    Kernel {
+        region: Arc<RxRegion>,
+        /// The NIC's setup, whose journal holds the rule (kept until the rule is deleted).
+        share: NicShare,
+        location: u32,
+        at: usize,
+    },
+}
+
+impl Drop for FlowRule {
+    fn drop(&mut self) {
+        if let FlowRule::Kernel {
+            region,
+            share,
+            location,
+            at,
+        } = self
+        {
+            region.unsteer(share, *location, *at);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_go_to_the_least_loaded_queue_first_of_equals() {
+        assert_eq!(least_loaded(&[2, 1, 1]), 1);
+        assert_eq!(least_loaded(&[0, 0]), 0);
+        assert_eq!(least_loaded(&[]), 0);
     }
 }

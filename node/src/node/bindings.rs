@@ -70,15 +70,20 @@ impl Node {
                 let nics = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
                     .await
                     .unwrap_or_default();
+                let one_lane = self.plane.lanes.all().len() == 1;
+                let state_file =
+                    binding::kernel::state_file(&self.info.cfg.nic_state_file, &name, one_lane);
                 let req = NicRequest {
                     name: Some(name),
                     queues,
                     bytes,
-                    state_file: self.info.cfg.nic_state_file.clone(),
+                    state_file,
                     data_port: lane.data_addr.port(),
                     configured: false,
                 };
-                binding::nic(&nics, req, lane.cuda.clone()).await?.0
+                binding::nic(&nics, req, (lane.id(), lane.cuda.clone()))
+                    .await?
+                    .0
             }
         };
         Ok((region, lane.id()))
@@ -179,6 +184,8 @@ impl Node {
             linear_bytes: c.linear_bytes.load(Ordering::Relaxed),
             plain_bytes: c.plain_bytes.load(Ordering::Relaxed),
             steering_errors: c.steering_errors.load(Ordering::Relaxed),
+            flow_rules: c.flow_rules.load(Ordering::Relaxed),
+            flow_rule_failures: c.flow_rule_failures.load(Ordering::Relaxed),
         })
     }
 }

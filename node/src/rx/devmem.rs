@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use shardwire_devmem::emu::host::EmuRule;
 use shardwire_devmem::gather::{GatherError, GatherPlan, gather, plan};
 use shardwire_devmem::{DevmemRecv, TokenBatcher};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, VmmRegion};
@@ -30,7 +29,7 @@ use shardwire_gpu::kernels::Frag;
 
 use super::error::RxError;
 use super::shared::{CHUNK, Gpus, PayloadRead, Place, Tally};
-use crate::binding::RxRegion;
+use crate::binding::{FlowRule, RxRegion};
 use crate::fetch::InFlight;
 
 /// Payload reader of one data connection on the devmem path.
@@ -42,8 +41,8 @@ pub struct DevmemReader {
     plan: GatherPlan,
     frags: Vec<Frag>,
     warned: bool,
-    /// The emulator's steering rule for this connection, deleted when it closes.
-    _rule: Option<EmuRule>,
+    /// This connection's steering rule (emulated or on the NIC), deleted when it closes.
+    _rule: FlowRule,
 }
 
 impl std::fmt::Debug for DevmemReader {

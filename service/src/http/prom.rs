@@ -110,6 +110,16 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Receives whose frags named another lane's binding (a flow steered to another NIC's queue): tokens returned, payload fetched again, never delivered",
     ),
     (
+        "gauge",
+        "shardwire_devmem_flow_rules",
+        "Per-connection ntuple steering rules installed now on each lane's NIC (receive = devmem: one per open data connection)",
+    ),
+    (
+        "counter",
+        "shardwire_devmem_flow_rule_failures_total",
+        "Data connections failed because the lane's NIC refused their ntuple steering rule (the NIC's reason is logged)",
+    ),
+    (
         "counter",
         "shardwire_lane_bytes_received_total",
         "Payload bytes received on each lane's data connections",
@@ -328,6 +338,9 @@ fn record_binding(d: &BindingStatus) {
     metrics::counter!("shardwire_devmem_host_bytes_total", &with("kind", "plain"))
         .absolute(d.plain_bytes);
     metrics::counter!("shardwire_devmem_pool_exhausted_total", &lane).absolute(d.pool_exhausted);
+    metrics::gauge!("shardwire_devmem_flow_rules", &lane).set(d.flow_rules as f64);
+    metrics::counter!("shardwire_devmem_flow_rule_failures_total", &lane)
+        .absolute(d.flow_rule_failures);
     if let Some(free) = d.niovs_free {
         metrics::gauge!("shardwire_devmem_niovs", &with("state", "free")).set(free as f64);
         metrics::gauge!("shardwire_devmem_niovs", &with("state", "in_use"))

@@ -1,0 +1,271 @@
+//! `receive = devmem` on every lane: the lanes grouped by NIC ([`plan`]), each NIC set up once
+//! for all its lanes (channels, header split, RSS away from every bound queue, each lane's
+//! data port steered to its first queue; one journal per NIC, [`state_file`]), then one
+//! binding per lane on its own queues of its own NIC ([`bind_lanes`]). A NIC's setup is
+//! shared by the lanes bound on it ([`NicShare`]) and undone when the last of them unbinds;
+//! a binding made later over the admin API on a NIC already set up joins that setup.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use shardwire_devmem::nic::{self, NicSetup, SetupPlan};
+use shardwire_devmem::probe::NicReport;
+use shardwire_gpu::cuda::CudaMemory;
+
+pub use super::region::NicShare;
+use super::region::{BindError, RxRegion};
+use super::{BindingError, probe_summary};
+
+/// What one lane asks to bind.
+#[derive(Clone)]
+pub struct LaneRequest {
+    /// The lane.
+    pub lane: u32,
+    /// Its NIC (`None`: only for a node of one lane, the interface configured or found).
+    pub nic: Option<String>,
+    /// Its RX queues (empty: its share of the upper half of the NIC's).
+    pub queues: Vec<u32>,
+    /// Dma-buf bytes.
+    pub bytes: usize,
+    /// The lane's data port (steered to its first queue).
+    pub data_port: u16,
+    /// The lane's GPU (its memory is the dma-buf), or none (a udmabuf).
+    pub cuda: Option<Arc<CudaMemory>>,
+}
+
+impl std::fmt::Debug for LaneRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneRequest")
+            .field("lane", &self.lane)
+            .field("nic", &self.nic)
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A NIC and the lanes to bind on it, each with its queues (disjoint).
+#[derive(Debug)]
+pub struct NicPlan {
+    /// The NIC.
+    pub nic: NicReport,
+    /// (index in the requests, queues).
+    pub lanes: Vec<(usize, Vec<u32>)>,
+}
+
+/// Groups `reqs` by NIC and gives each lane its queues: those it names, else an even share of
+/// the upper half of its NIC's RX queues among the NIC's lanes that name none. Every NIC must
+/// be able to do devmem (all refusals named at once), and two lanes on one NIC must not share
+/// a queue.
+pub fn plan(
+    nics: &[NicReport],
+    reqs: &[LaneRequest],
+    configured: Option<&str>,
+) -> Result<Vec<NicPlan>, BindingError> {
+    let mut by_nic: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    let mut refused = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        let nic = match (r.nic.as_deref(), reqs.len()) {
+            (Some(n), _) => super::pick_interface(nics, Some(n), true),
+            (None, 1) => super::pick_interface(nics, configured, true),
+            (None, _) => return Err(BindingError::LaneWithoutNic { lane: r.lane }),
+        };
+        match nic {
+            Ok(n) => by_nic.entry(n.name.as_str()).or_default().push(i),
+            // A node of one lane says it as before lanes: "IF cannot do devmem: why".
+            Err(e @ BindingError::NotCapable { .. }) if reqs.len() == 1 => return Err(e),
+            Err(BindingError::NotCapable { name, reason }) => {
+                refused.push(format!("lane {} ({name}: {reason})", r.lane));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if !refused.is_empty() {
+        return Err(BindingError::LanesNotCapable {
+            lanes: refused.join(", "),
+            probe: probe_summary(nics),
+        });
+    }
+    by_nic
+        .into_iter()
+        .map(|(name, idx)| {
+            let nic = nics.iter().find(|n| n.name == name).expect("picked");
+            Ok(NicPlan {
+                lanes: share_queues(nic, reqs, &idx)?,
+                nic: nic.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The queues of each of `idx` (lanes of `nic`): named ones kept, the others an even split of
+/// the upper half of the NIC's queues not named by any; overlaps refused.
+fn share_queues(
+    nic: &NicReport,
+    reqs: &[LaneRequest],
+    idx: &[usize],
+) -> Result<Vec<(usize, Vec<u32>)>, BindingError> {
+    let named: Vec<u32> = idx.iter().flat_map(|&i| reqs[i].queues.clone()).collect();
+    let free: Vec<u32> = (nic.rx_queues / 2..nic.rx_queues)
+        .filter(|q| !named.contains(q))
+        .collect();
+    let unnamed = idx.iter().filter(|&&i| reqs[i].queues.is_empty()).count();
+    let each = free.len().checked_div(unnamed).unwrap_or(0);
+    let mut next = free.chunks(each.max(1));
+    let mut out: Vec<(usize, Vec<u32>)> = Vec::new();
+    for &i in idx {
+        let queues = match reqs[i].queues.is_empty() {
+            false => reqs[i].queues.clone(),
+            true if each == 0 => {
+                return Err(BindingError::TooFewQueues {
+                    nic: nic.name.clone(),
+                    lanes: unnamed,
+                    free,
+                });
+            }
+            true => next.next().expect("a chunk per unnamed lane").to_vec(),
+        };
+        for (j, other) in &out {
+            if let Some(q) = queues.iter().find(|q| other.contains(q)) {
+                return Err(BindingError::QueuesOverlap {
+                    nic: nic.name.clone(),
+                    lanes: (reqs[*j].lane, reqs[i].lane),
+                    queue: *q,
+                });
+            }
+        }
+        out.push((i, queues));
+    }
+    Ok(out)
+}
+
+/// The journal of `ifname`'s changes: `base` itself on a node of one lane (as before lanes),
+/// else `base` with the interface's name before its extension (`nic-state.eth1.json`).
+pub fn state_file(base: &Path, ifname: &str, one_lane: bool) -> PathBuf {
+    if one_lane {
+        return base.to_path_buf();
+    }
+    let stem = base.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match base.extension() {
+        Some(ext) => format!("{stem}.{ifname}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{ifname}"),
+    };
+    base.with_file_name(name)
+}
+
+/// The journals a run with `base` may have left: `base` and its per-interface siblings.
+pub fn state_files(base: &Path) -> Vec<PathBuf> {
+    let mut out = vec![base.to_path_buf()];
+    let (Some(dir), Some(stem)) = (base.parent(), base.file_stem()) else {
+        return out;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!("{}.", stem.to_string_lossy());
+    let ext = base.extension().map(|e| e.to_string_lossy().into_owned());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    let mut siblings: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            let same_ext = p.extension().map(|e| e.to_string_lossy().into_owned()) == ext;
+            name.starts_with(&prefix) && same_ext && p != base
+        })
+        .collect();
+    siblings.sort();
+    out.extend(siblings);
+    out
+}
+
+/// A live NIC setup and the lowest queue any lane bound on it (RSS stays below it).
+type Live = (Weak<Mutex<NicSetup>>, u32);
+
+/// Live NIC setups by interface. A NIC's state is the host's, so this is the process's.
+static SETUPS: Mutex<BTreeMap<String, Live>> = Mutex::new(BTreeMap::new());
+
+/// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
+/// live one joined (RSS narrowed if these queues lie lower, the ports steered), else a new
+/// one journaled at `state`. Blocking.
+pub fn setup_nic(
+    nic: &NicReport,
+    queues: &[u32],
+    ports: &[(u16, u32)],
+    state: &Path,
+) -> Result<NicShare, BindError> {
+    let first = queues.iter().min().copied().unwrap_or(0);
+    let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((weak, below)) = setups.get_mut(&nic.name)
+        && let Some(live) = weak.upgrade()
+    {
+        let mut s = live.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, &(port, queue)) in ports.iter().enumerate() {
+            let rss = if i == 0 && first < *below { first } else { 0 };
+            s.steer(port, queue, rss)?;
+        }
+        *below = (*below).min(first);
+        drop(s);
+        return Ok(live);
+    }
+    let plan = SetupPlan {
+        ifname: nic.name.clone(),
+        ifindex: nic.ifindex,
+        queues: queues.to_vec(),
+        netns: None,
+        steer: ports.to_vec(),
+    };
+    let share = Arc::new(Mutex::new(nic::apply(&plan, state)?));
+    setups.insert(nic.name.clone(), (Arc::downgrade(&share), first));
+    Ok(share)
+}
+
+/// Binds every lane of `plans` (blocking): per NIC one setup, then each lane's region on its
+/// queues. Returns (lane, region) in request order; on a failure what was made is undone
+/// (the regions dropped: unbound, NICs restored) and the error names the lane.
+pub fn bind_lanes(
+    plans: &[NicPlan],
+    reqs: &[LaneRequest],
+    state_base: &Path,
+) -> Result<Vec<(u32, Arc<RxRegion>)>, BindingError> {
+    let one_lane = reqs.len() == 1;
+    let mut bound = Vec::new();
+    for p in plans {
+        let queues: Vec<u32> = p.lanes.iter().flat_map(|(_, q)| q.clone()).collect();
+        let ports: Vec<(u16, u32)> = p
+            .lanes
+            .iter()
+            .map(|(i, q)| (reqs[*i].data_port, q.iter().min().copied().unwrap_or(0)))
+            .collect();
+        let state = state_file(state_base, &p.nic.name, one_lane);
+        let share =
+            setup_nic(&p.nic, &queues, &ports, &state).map_err(|source| BindingError::Failed {
+                what: p.nic.name.clone(),
+                source,
+            })?;
+        for (i, q) in &p.lanes {
+            let r = &reqs[*i];
+            let region = RxRegion::bind_kernel(
+                (&p.nic.name, p.nic.ifindex),
+                q,
+                r.bytes,
+                Arc::clone(&share),
+                r.cuda.clone(),
+            )
+            .map_err(|source| BindingError::Failed {
+                what: format!("lane {} on {}", r.lane, p.nic.name),
+                source,
+            })?;
+            bound.push((r.lane, region));
+        }
+    }
+    bound.sort_by_key(|(lane, _)| *lane);
+    Ok(bound)
+}
+
+#[cfg(test)]
+mod tests;

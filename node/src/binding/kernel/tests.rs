@@ -1,0 +1,197 @@
+//! Planning lanes onto NICs: grouping, queue shares, refusals; the journals' names.
+
+use super::*;
+use shardwire_devmem::probe::TrialBind;
+
+fn nic(name: &str, rx: u32, capable: bool) -> NicReport {
+    NicReport {
+        ifindex: 10,
+        name: name.into(),
+        driver: "mlx5_core".into(),
+        up: true,
+        rx_queues: rx,
+        tx_queues: rx,
+        bound_rx_queues: Vec::new(),
+        header_split: "enabled".into(),
+        hds_thresh: Some(0),
+        trial_bind: TrialBind {
+            errno: Some(22), // EINVAL
+            error: Some("EINVAL".into()),
+            message: None,
+            bad_attr: None,
+            reason: "EINVAL: a devmem driver".into(),
+        },
+        devmem_capable: capable,
+        reason: if capable {
+            "can bind".into()
+        } else {
+            "EOPNOTSUPP: the driver has no queue management ops".into()
+        },
+    }
+}
+
+fn lane(lane: u32, nic: Option<&str>, queues: &[u32]) -> LaneRequest {
+    LaneRequest {
+        lane,
+        nic: nic.map(Into::into),
+        queues: queues.to_vec(),
+        bytes: 1 << 20,
+        data_port: 7400 + lane as u16,
+        cuda: None,
+    }
+}
+
+fn queues_of(plans: &[NicPlan]) -> Vec<(String, u32, Vec<u32>)> {
+    plans
+        .iter()
+        .flat_map(|p| {
+            p.lanes
+                .iter()
+                .map(|(i, q)| (p.nic.name.clone(), *i as u32, q.clone()))
+        })
+        .collect()
+}
+
+#[test]
+fn each_lane_binds_its_own_nic_upper_half() {
+    let nics = [nic("eth0", 8, true), nic("eth1", 16, true)];
+    let reqs = [lane(0, Some("eth0"), &[]), lane(1, Some("eth1"), &[])];
+    let p = plan(&nics, &reqs, None).unwrap();
+    assert_eq!(
+        queues_of(&p),
+        [
+            ("eth0".into(), 0, vec![4, 5, 6, 7]),
+            ("eth1".into(), 1, (8..16).collect())
+        ]
+    );
+}
+
+#[test]
+fn lanes_sharing_a_nic_split_its_upper_half_into_disjoint_sets() {
+    let nics = [nic("eth0", 16, true)];
+    let reqs = [lane(0, Some("eth0"), &[]), lane(1, Some("eth0"), &[])];
+    let p = plan(&nics, &reqs, None).unwrap();
+    assert_eq!(p.len(), 1, "one setup for the NIC");
+    assert_eq!(
+        queues_of(&p),
+        [
+            ("eth0".into(), 0, vec![8, 9, 10, 11]),
+            ("eth0".into(), 1, vec![12, 13, 14, 15])
+        ]
+    );
+    // A lane naming its queues keeps them; the other gets the rest of the upper half.
+    let reqs = [lane(0, Some("eth0"), &[14, 15]), lane(1, Some("eth0"), &[])];
+    let p = plan(&nics, &reqs, None).unwrap();
+    assert_eq!(p[0].lanes[1].1, (8..14).collect::<Vec<_>>());
+}
+
+#[test]
+fn overlapping_queues_on_one_nic_are_refused_naming_both_lanes() {
+    let nics = [nic("eth0", 16, true)];
+    let reqs = [
+        lane(0, Some("eth0"), &[8, 9]),
+        lane(3, Some("eth0"), &[9, 10]),
+    ];
+    let e = plan(&nics, &reqs, None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BindingError::QueuesOverlap {
+                lanes: (0, 3),
+                queue: 9,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("lanes 0 and 3 both name RX queue 9 of eth0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn too_few_queues_for_the_lanes_of_a_nic_is_refused() {
+    let nics = [nic("eth0", 2, true)];
+    let reqs = [lane(0, Some("eth0"), &[]), lane(1, Some("eth0"), &[])];
+    let e = plan(&nics, &reqs, None).unwrap_err();
+    assert!(
+        matches!(e, BindingError::TooFewQueues { lanes: 2, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn every_lane_whose_nic_cannot_is_named_at_once() {
+    let nics = [
+        nic("va0", 4, false),
+        nic("eth1", 8, true),
+        nic("va2", 4, false),
+    ];
+    let reqs = [
+        lane(0, Some("va0"), &[]),
+        lane(1, Some("eth1"), &[]),
+        lane(2, Some("va2"), &[]),
+    ];
+    let e = plan(&nics, &reqs, None).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.starts_with("lane 0 (va0: EOPNOTSUPP"), "{msg}");
+    assert!(msg.contains(", lane 2 (va2: EOPNOTSUPP"), "{msg}");
+    assert!(!msg.contains("lane 1"), "{msg}");
+    // One lane: the NIC's refusal as before lanes.
+    let e = plan(&nics, &[lane(0, Some("va0"), &[])], None).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("va0 cannot do devmem: EOPNOTSUPP"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_lane_without_a_nic_is_refused_only_beside_others() {
+    let nics = [nic("eth0", 8, true), nic("eth1", 8, true)];
+    let e = plan(
+        &nics,
+        &[lane(0, Some("eth0"), &[]), lane(1, None, &[])],
+        None,
+    )
+    .unwrap_err();
+    assert!(matches!(e, BindingError::LaneWithoutNic { lane: 1 }), "{e}");
+    // One lane: the interface configured, else the first capable one.
+    let p = plan(&nics, &[lane(0, None, &[])], Some("eth1")).unwrap();
+    assert_eq!(p[0].nic.name, "eth1");
+    let p = plan(&nics, &[lane(0, None, &[])], None).unwrap();
+    assert_eq!(p[0].nic.name, "eth0");
+}
+
+#[test]
+fn each_nic_has_its_own_journal_beside_the_configured_one() {
+    let base = Path::new("/var/lib/shardwire/nic-state.json");
+    assert_eq!(state_file(base, "eth1", true), base);
+    assert_eq!(
+        state_file(base, "eth1", false),
+        Path::new("/var/lib/shardwire/nic-state.eth1.json")
+    );
+    let dir = std::env::temp_dir().join(format!("sw-kernel-journals-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = dir.join("nic-state.json");
+    for f in [
+        "nic-state.eth1.json",
+        "nic-state.eth0.json",
+        "nic-state.eth0.tmp",
+        "other.json",
+    ] {
+        std::fs::write(dir.join(f), "{}").unwrap();
+    }
+    assert_eq!(
+        state_files(&base),
+        [
+            base.clone(),
+            dir.join("nic-state.eth0.json"),
+            dir.join("nic-state.eth1.json")
+        ]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
