@@ -82,6 +82,9 @@ pub enum NicError {
         "NIC state file {0} exists (a previous run did not restore its NIC changes): restore it first"
     )]
     StateExists(PathBuf),
+    /// The setup was restored already (the node is shutting down or the binding went).
+    #[error("the NIC's devmem setup was already restored")]
+    Restored,
 }
 
 fn hint(errno: &i32, op: &str) -> &'static str {
@@ -421,7 +424,12 @@ impl Journal {
     /// Record `change` durably; call before making it.
     pub fn record(&mut self, change: Change) -> Result<(), NicError> {
         self.state.changes.push(change);
-        self.save()
+        let saved = self.save();
+        if saved.is_err() {
+            // Not on disk: not in memory either (the caller will not make the change).
+            self.state.changes.pop();
+        }
+        saved
     }
 
     /// Set channel counts, journaled.
@@ -505,7 +513,8 @@ impl Journal {
         client: &mut EthtoolClient,
         location: u32,
     ) -> Result<(), NicError> {
-        client.delete_rule(&self.state.ifname, location)?;
+        // A rule already gone (a driver reset, `ethtool -K ntuple off`) is as good as deleted.
+        gone_is_done(client.delete_rule(&self.state.ifname, location))?;
         let at = self
             .state
             .changes
@@ -538,7 +547,7 @@ fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
     for c in state.changes.iter().rev() {
         let r = match *c {
             Change::NtupleOn => client.set_ntuple(ifname, false),
-            Change::Rule { location } => client.delete_rule(ifname, location),
+            Change::Rule { location } => gone_is_done(client.delete_rule(ifname, location)),
             Change::Rss { ref table } => client.set_rss_indir(ifname, table),
             Change::Channels { rx, tx, combined } => {
                 client.set_channels(ifindex, ifname, rx, tx, combined)
@@ -561,6 +570,15 @@ fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+/// A rule deletion the kernel answers with ENOENT: the rule is not there, which is what the
+/// deletion wanted.
+fn gone_is_done(r: Result<(), NicError>) -> Result<(), NicError> {
+    match r {
+        Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(()),
+        r => r,
+    }
 }
 
 fn tracing_like_warn(e: &NicError) {
@@ -628,27 +646,38 @@ impl NicSetup {
     /// ntuple rule, journaled, so a crash leaves nothing behind); returns the rule's
     /// location for [`NicSetup::remove_flow`].
     pub fn add_flow(&mut self, flow: steer::Tcp4Flow, queue: u32) -> Result<u32, NicError> {
-        let j = self.journal.as_mut().expect("not restored");
+        let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.add_flow(&mut self.client, flow, queue)
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
     /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled.
     pub fn steer(&mut self, dst_port: u16, queue: u32, rss_queues: u32) -> Result<(), NicError> {
-        let j = self.journal.as_mut().expect("not restored");
+        let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.steer(&mut self.client, dst_port, queue, rss_queues)
     }
 
-    /// Delete a connection's rule ([`NicSetup::add_flow`]).
+    /// Delete a connection's rule ([`NicSetup::add_flow`]); nothing to do once the setup was
+    /// restored (the restore deleted every journaled rule).
     pub fn remove_flow(&mut self, location: u32) -> Result<(), NicError> {
-        let j = self.journal.as_mut().expect("not restored");
-        j.remove_flow(&mut self.client, location)
+        match self.journal.as_mut() {
+            Some(j) => j.remove_flow(&mut self.client, location),
+            None => Ok(()),
+        }
+    }
+
+    /// Undo the changes now, while others may still hold this setup (its connections' rules:
+    /// their later removal is then a no-op). Empty when already restored.
+    pub fn restore_now(&mut self) -> Result<Vec<Change>, NicError> {
+        match self.journal.take() {
+            Some(j) => j.restore(&mut self.client),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Undo the changes now.
     pub fn restore(mut self) -> Result<Vec<Change>, NicError> {
-        let j = self.journal.take().expect("restored once");
-        j.restore(&mut self.client)
+        self.restore_now()
     }
 }
 

@@ -186,7 +186,12 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     stay = {tier.addr(1), tier.addr(3)}
     rehomed = {int(sh) for sh, src in during if five[int(sh)] in stay and src != five[int(sh)]}
     print(f"5 -> 2, during the epochs: {len(rehomed)} shards of the sources that stayed fetched elsewhere")
-    assert sum(lengths[s] for s in rehomed) <= 0.05 * sum(lengths), sorted(rehomed)
+    # The three leave one by one as the node sees them drain, so up to six placements follow
+    # each other (every set of the two that stay and some of the three); each may move a few
+    # shards between the two. Over 100 port layouts of this shape, with every intermediate
+    # set taken, the union of those moves averaged 3.5 % of the bytes and was 12 % at worst
+    # (node/src/stream/affinity.rs, three_of_five_leaving_one_by_one_...).
+    assert sum(lengths[s] for s in rehomed) <= 0.15 * sum(lengths), sorted(rehomed)
     for i in gone:
         assert tier.procs[i].wait(30) == 0, tier.procs[i].describe()
         assert "drained: every node session has ended" in tier.procs[i].stderr_text(), tier.procs[i].describe()

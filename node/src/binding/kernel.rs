@@ -9,12 +9,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use shardwire_devmem::nic::{self, NicSetup, SetupPlan};
+use shardwire_devmem::nic::{self, SetupPlan};
 use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 
-pub use super::region::NicShare;
 use super::region::{BindError, RxRegion};
+pub use super::region::{NicShare, SharedNic};
 use super::{BindingError, probe_summary};
 
 /// What one lane asks to bind.
@@ -66,8 +66,10 @@ pub fn plan(
     let mut refused = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
         let nic = match (r.nic.as_deref(), reqs.len()) {
+            // One lane: `devmem_interface` when configured (as before lanes), else the lane's
+            // NIC, else the first capable one.
+            (n, 1) => super::pick_interface(nics, configured.or(n), true),
             (Some(n), _) => super::pick_interface(nics, Some(n), true),
-            (None, 1) => super::pick_interface(nics, configured, true),
             (None, _) => return Err(BindingError::LaneWithoutNic { lane: r.lane }),
         };
         match nic {
@@ -165,7 +167,6 @@ pub fn state_files(base: &Path) -> Vec<PathBuf> {
         dir
     };
     let prefix = format!("{}.", stem.to_string_lossy());
-    let ext = base.extension().map(|e| e.to_string_lossy().into_owned());
     let Ok(entries) = std::fs::read_dir(dir) else {
         return out;
     };
@@ -173,9 +174,11 @@ pub fn state_files(base: &Path) -> Vec<PathBuf> {
         .flatten()
         .map(|e| e.path())
         .filter(|p| {
+            // `STEM.IF.EXT` (or `STEM.IF` for a base without extension), never a journal's
+            // temporary file.
             let name = p.file_name().unwrap_or_default().to_string_lossy();
-            let same_ext = p.extension().map(|e| e.to_string_lossy().into_owned()) == ext;
-            name.starts_with(&prefix) && same_ext && p != base
+            let tmp = p.extension().is_some_and(|e| e == "tmp");
+            name.starts_with(&prefix) && !tmp && p.file_name() != base.file_name()
         })
         .collect();
     siblings.sort();
@@ -184,14 +187,28 @@ pub fn state_files(base: &Path) -> Vec<PathBuf> {
 }
 
 /// A live NIC setup and the lowest queue any lane bound on it (RSS stays below it).
-type Live = (Weak<Mutex<NicSetup>>, u32);
+type Live = (Weak<SharedNic>, u32);
 
 /// Live NIC setups by interface. A NIC's state is the host's, so this is the process's.
 static SETUPS: Mutex<BTreeMap<String, Live>> = Mutex::new(BTreeMap::new());
 
+/// The live (not restored) setup of `name`, with its lowest bound queue.
+fn live<'a>(setups: &'a mut BTreeMap<String, Live>, name: &str) -> Option<(NicShare, &'a mut u32)> {
+    let (weak, below) = setups.get_mut(name)?;
+    let share = weak.upgrade()?;
+    let restored = share.setup().state().is_none();
+    (!restored).then_some((share, below))
+}
+
+/// The queues of `name` bound by lanes now (empty when the NIC is not set up).
+pub fn in_use(name: &str) -> Vec<u32> {
+    let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
+    live(&mut setups, name).map_or_else(Vec::new, |(s, _)| s.bound())
+}
+
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
-/// live one joined (RSS narrowed if these queues lie lower, the ports steered), else a new
-/// one journaled at `state`. Blocking.
+/// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
+/// steered), else a new one journaled at `state`. Blocking.
 pub fn setup_nic(
     nic: &NicReport,
     queues: &[u32],
@@ -200,17 +217,19 @@ pub fn setup_nic(
 ) -> Result<NicShare, BindError> {
     let first = queues.iter().min().copied().unwrap_or(0);
     let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((weak, below)) = setups.get_mut(&nic.name)
-        && let Some(live) = weak.upgrade()
-    {
-        let mut s = live.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((share, below)) = live(&mut setups, &nic.name) {
+        let bound = share.bound();
+        if let Some(&queue) = queues.iter().find(|q| bound.contains(q)) {
+            return Err(BindError::QueueBound { queue, bound });
+        }
+        let mut s = share.setup();
         for (i, &(port, queue)) in ports.iter().enumerate() {
             let rss = if i == 0 && first < *below { first } else { 0 };
             s.steer(port, queue, rss)?;
         }
         *below = (*below).min(first);
         drop(s);
-        return Ok(live);
+        return Ok(share);
     }
     let plan = SetupPlan {
         ifname: nic.name.clone(),
@@ -219,7 +238,7 @@ pub fn setup_nic(
         netns: None,
         steer: ports.to_vec(),
     };
-    let share = Arc::new(Mutex::new(nic::apply(&plan, state)?));
+    let share = SharedNic::new(nic::apply(&plan, state)?);
     setups.insert(nic.name.clone(), (Arc::downgrade(&share), first));
     Ok(share)
 }

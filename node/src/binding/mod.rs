@@ -261,8 +261,12 @@ pub async fn nic(
 ) -> Result<(Arc<RxRegion>, String), BindingError> {
     let nic = pick_interface(nics, r.name.as_deref(), r.configured)?.clone();
     let queues: Vec<u32> = if r.queues.is_empty() {
-        // The upper half of the RX queues, leaving the lower half to other traffic.
-        (nic.rx_queues / 2..nic.rx_queues).collect()
+        // The upper half of the RX queues, leaving the lower half to other traffic, less
+        // those other lanes have bound on this NIC.
+        let taken = kernel::in_use(&nic.name);
+        (nic.rx_queues / 2..nic.rx_queues)
+            .filter(|q| !taken.contains(q))
+            .collect()
     } else {
         r.queues.clone()
     };

@@ -45,8 +45,50 @@ pub struct DevmemCounters {
 }
 
 /// One NIC's devmem setup, shared by the lanes bound on it and their connections' rules
-/// (restored when the last of them goes: [`super::kernel`]).
-pub type NicShare = Arc<Mutex<NicSetup>>;
+/// ([`super::kernel`]). The last lane to unbind restores it, whether or not connections
+/// still hold it (their rules' removal is then a no-op): shutdown leaves no change behind.
+#[derive(Debug)]
+pub struct SharedNic {
+    setup: Mutex<NicSetup>,
+    /// The queues bound on the NIC now, by every lane holding this setup.
+    bound: Mutex<Vec<u32>>,
+}
+
+/// A [`SharedNic`], as the lanes and rules hold it.
+pub type NicShare = Arc<SharedNic>;
+
+impl SharedNic {
+    /// A NIC just set up, nothing bound yet.
+    pub fn new(setup: NicSetup) -> NicShare {
+        Arc::new(Self {
+            setup: Mutex::new(setup),
+            bound: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The setup, for a change.
+    pub fn setup(&self) -> std::sync::MutexGuard<'_, NicSetup> {
+        self.setup.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The queues bound now.
+    pub fn bound(&self) -> Vec<u32> {
+        self.bound.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Records `queues` as bound.
+    fn claim(&self, queues: &[u32]) {
+        let mut b = self.bound.lock().unwrap_or_else(|p| p.into_inner());
+        b.extend_from_slice(queues);
+    }
+
+    /// Records `queues` as unbound; true when nothing is bound any more.
+    fn release(&self, queues: &[u32]) -> bool {
+        let mut b = self.bound.lock().unwrap_or_else(|p| p.into_inner());
+        b.retain(|q| !queues.contains(q));
+        b.is_empty()
+    }
+}
 
 /// RX queues of an emulated NIC (bindings take the upper half unless told).
 pub const EMU_RX_QUEUES: u32 = 16;
@@ -129,6 +171,14 @@ pub enum BindError {
     /// The emulator could not make its binding.
     #[error("the emulator: {0}")]
     Emulator(#[from] EmuError),
+    /// A queue another lane has bound on this NIC.
+    #[error("RX queue {queue} is bound by another lane (bound now: {bound:?}); name other queues")]
+    QueueBound {
+        /// The queue asked for.
+        queue: u32,
+        /// The NIC's bound queues.
+        bound: Vec<u32>,
+    },
     /// The emulated host refused the NIC or the bind.
     #[error("the emulated NIC: {0}")]
     EmulatedNic(#[from] HostError),
@@ -217,6 +267,7 @@ impl RxRegion {
             KernelMem::Gpu(_, fd) => fd.as_raw_fd(),
         };
         let binding = shardwire_devmem::bind_rx(ifindex, fd, queues)?;
+        setup.claim(queues);
         Ok(Arc::new(Self {
             gpu,
             backing: Backing::Kernel {
@@ -324,22 +375,24 @@ impl RxRegion {
     pub fn unbind(&self) {
         match &self.backing {
             Backing::Emulated { binding, .. } => binding.unbind(),
-            Backing::Kernel { bound, ifname, .. } => {
+            Backing::Kernel {
+                bound,
+                ifname,
+                queues,
+                ..
+            } => {
                 let taken = bound.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if let Some(pair) = taken {
                     let (binding, share) = *pair;
                     drop(binding);
-                    // The last user of the NIC's setup restores it (another lane on the NIC,
-                    // or an open connection's rule, may still hold it: then its drop does).
-                    let Ok(setup) = Arc::try_unwrap(share) else {
-                        tracing::info!(%ifname, "devmem binding closed; the NIC's settings stay for its other users");
+                    // The last lane on the NIC restores it, even while connections' rules
+                    // still hold the setup (the restore deletes every journaled rule).
+                    if !share.release(queues) {
+                        tracing::info!(%ifname, "devmem binding closed; the NIC's settings stay for its other lanes");
                         return;
-                    };
-                    match setup
-                        .into_inner()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .restore()
-                    {
+                    }
+                    let restored = share.setup().restore_now();
+                    match restored {
                         Ok(changes) => {
                             tracing::info!(%ifname, ?changes, "devmem binding closed and NIC settings restored")
                         }
@@ -389,9 +442,18 @@ impl RxRegion {
         else {
             unreachable!("a kernel binding")
         };
-        let flow = match (sock.peer_addr()?, sock.local_addr()?) {
-            (SocketAddr::V4(src), SocketAddr::V4(dst)) => Tcp4Flow { src, dst },
-            (peer, local) => {
+        let v4 = |a: SocketAddr| match a {
+            SocketAddr::V4(a) => Some(a),
+            // An IPv4 peer on a dual-stack listener.
+            SocketAddr::V6(a) => a
+                .ip()
+                .to_ipv4_mapped()
+                .map(|ip| std::net::SocketAddrV4::new(ip, a.port())),
+        };
+        let (peer, local) = (sock.peer_addr()?, sock.local_addr()?);
+        let flow = match (v4(peer), v4(local)) {
+            (Some(src), Some(dst)) => Tcp4Flow { src, dst },
+            _ => {
                 return Err(io::Error::new(
                     io::ErrorKind::Unsupported,
                     format!(
@@ -411,11 +473,17 @@ impl RxRegion {
         let mut steered = steered.lock().unwrap_or_else(|p| p.into_inner());
         let at = least_loaded(&steered);
         let queue = queues[at];
-        let location = share
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .add_flow(flow, queue)
-            .map_err(|e| io::Error::other(e.to_string()))?;
+        let added = share.setup().add_flow(flow, queue);
+        let location = added.map_err(|e| {
+            // The NIC's errno stays the error's kind; the text names the NIC and the step.
+            let kind = match &e {
+                shardwire_devmem::nic::NicError::Kernel { errno, .. } => {
+                    io::Error::from_raw_os_error(*errno).kind()
+                }
+                _ => io::ErrorKind::Other,
+            };
+            io::Error::new(kind, format!("steering the connection: {e}"))
+        })?;
         steered[at] += 1;
         self.counters.flow_rules.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(%ifname, queue, location, src = %flow.src, dst = %flow.dst, "data connection steered");
@@ -435,10 +503,7 @@ impl RxRegion {
         else {
             return;
         };
-        let removed = share
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove_flow(location);
+        let removed = share.setup().remove_flow(location);
         if let Err(e) = removed {
             tracing::warn!(%ifname, location, error = %e, "deleting a closed connection's steering rule failed");
         }

@@ -438,46 +438,91 @@ mod tests {
         assert!(balance("web", &[], &r).is_empty());
     }
 
-    /// The e2e test's shape (tests/e2e/test_elastic.py): 120 shards of 20-200 KB on sources
-    /// `127.0.0.2-6:PORT`, over `layouts` ports. Returns per layout (bytes to the two new
+    /// The e2e test's shard sizes (tests/e2e/test_elastic.py): 120 shards of 20-200 KB.
+    fn e2e_sizes() -> Vec<u64> {
+        sizes("uniform", 120, 7)
+            .iter()
+            .map(|s| 20_000 + (s - 8192) * 180_000 / 57_344)
+            .collect()
+    }
+
+    /// The e2e test's sources `127.0.0.2-6:PORT` for layout `k` (PORT = 40000 + k).
+    fn e2e_sources(k: u16) -> Vec<String> {
+        (2..7)
+            .map(|i| format!("127.0.0.{i}:{}", 40_000 + k))
+            .collect()
+    }
+
+    /// Each shard's source (by name) when `set` serves the dataset.
+    fn place(sizes: &[u64], set: &[&String]) -> Vec<String> {
+        let mut names: Vec<&str> = set.iter().map(|s| s.as_str()).collect();
+        names.sort_unstable();
+        let o = balance("ds", sizes, &names);
+        o.iter()
+            .map(|&i| names[usize::from(i)].to_owned())
+            .collect()
+    }
+
+    /// The share of the bytes of the shards `pick` selects.
+    fn share(sizes: &[u64], pick: impl Fn(usize) -> bool) -> f64 {
+        let total = sizes.iter().sum::<u64>() as f64;
+        (0..sizes.len())
+            .filter(|&s| pick(s))
+            .map(|s| sizes[s])
+            .sum::<u64>() as f64
+            / total
+    }
+
+    /// The e2e test's shape over `layouts` ports. Returns per layout (bytes to the two new
     /// sources when three become five, bytes moved between the three, bytes moved between
     /// the two that stay when five become two), as shares of the dataset.
     fn e2e_shape(layouts: u16) -> Vec<(f64, f64, f64)> {
-        let sizes: Vec<u64> = sizes("uniform", 120, 7)
-            .iter()
-            .map(|s| 20_000 + (s - 8192) * 180_000 / 57_344)
-            .collect();
-        let total = sizes.iter().sum::<u64>() as f64;
-        let share = |pick: &dyn Fn(usize) -> bool| {
-            (0..sizes.len())
-                .filter(|&s| pick(s))
-                .map(|s| sizes[s])
-                .sum::<u64>() as f64
-                / total
-        };
+        let sizes = e2e_sizes();
         (0..layouts)
             .map(|k| {
-                let all: Vec<String> = (2..7)
-                    .map(|i| format!("127.0.0.{i}:{}", 40_000 + k))
-                    .collect();
-                let place = |set: &[&String]| {
-                    let mut names: Vec<&str> = set.iter().map(|s| s.as_str()).collect();
-                    names.sort_unstable();
-                    let o = balance("ds", &sizes, &names);
-                    o.iter()
-                        .map(|&i| names[usize::from(i)].to_owned())
-                        .collect::<Vec<_>>()
-                };
-                let three = place(&all.iter().take(3).collect::<Vec<_>>());
-                let five = place(&all.iter().collect::<Vec<_>>());
-                let two = place(&[&all[1], &all[3]]);
-                let to_new = share(&|s| all[3..].contains(&five[s]));
-                let between = share(&|s| three[s] != five[s] && !all[3..].contains(&five[s]));
-                let survivors =
-                    share(&|s| (five[s] == all[1] || five[s] == all[3]) && two[s] != five[s]);
+                let all = e2e_sources(k);
+                let three = place(&sizes, &all.iter().take(3).collect::<Vec<_>>());
+                let five = place(&sizes, &all.iter().collect::<Vec<_>>());
+                let two = place(&sizes, &[&all[1], &all[3]]);
+                let new = |s: usize| all[3..].contains(&five[s]);
+                let to_new = share(&sizes, new);
+                let between = share(&sizes, |s| three[s] != five[s] && !new(s));
+                let stays = |s: usize| five[s] == all[1] || five[s] == all[3];
+                let survivors = share(&sizes, |s| stays(s) && two[s] != five[s]);
                 (to_new, between, survivors)
             })
             .collect()
+    }
+
+    #[test]
+    fn three_of_five_leaving_one_by_one_move_few_shards_between_the_two() {
+        // The e2e test's 5 -> 2: the three leave as the node sees each drain, so the
+        // placements of every set of the two that stay and some of the three may follow each
+        // other; the union of what they move between the two (what the e2e test counts).
+        let sizes = e2e_sizes();
+        let got: Vec<f64> = (0..100)
+            .map(|k| {
+                let all = e2e_sources(k);
+                let five = place(&sizes, &all.iter().collect::<Vec<_>>());
+                let (stay, gone) = ([&all[1], &all[3]], [&all[0], &all[2], &all[4]]);
+                let mut moved = vec![false; sizes.len()];
+                for subset in 0..7u8 {
+                    let mut set: Vec<&String> = stay.to_vec();
+                    set.extend((0..3).filter(|b| subset & (1 << b) != 0).map(|b| gone[b]));
+                    let t = place(&sizes, &set);
+                    for s in 0..sizes.len() {
+                        moved[s] |= stay.contains(&&five[s]) && t[s] != five[s];
+                    }
+                }
+                share(&sizes, |s| moved[s])
+            })
+            .collect();
+        let worst = got.iter().copied().fold(0.0, f64::max);
+        let mean = got.iter().sum::<f64>() / got.len() as f64;
+        eprintln!("5 -> 2 one by one over 100 layouts: mean {mean:.4} worst {worst:.4}");
+        // tests/e2e/test_elastic.py asserts <= 0.15 on one layout (measured: mean 3.5 %,
+        // worst 12 %).
+        assert!(worst <= 0.15 && mean <= 0.05, "{got:?}");
     }
 
     #[test]

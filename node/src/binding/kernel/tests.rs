@@ -158,8 +158,11 @@ fn a_lane_without_a_nic_is_refused_only_beside_others() {
     )
     .unwrap_err();
     assert!(matches!(e, BindingError::LaneWithoutNic { lane: 1 }), "{e}");
-    // One lane: the interface configured, else the first capable one.
+    // One lane: the interface configured (over the lane's nearest NIC), else the first
+    // capable one.
     let p = plan(&nics, &[lane(0, None, &[])], Some("eth1")).unwrap();
+    assert_eq!(p[0].nic.name, "eth1");
+    let p = plan(&nics, &[lane(0, Some("eth0"), &[])], Some("eth1")).unwrap();
     assert_eq!(p[0].nic.name, "eth1");
     let p = plan(&nics, &[lane(0, None, &[])], None).unwrap();
     assert_eq!(p[0].nic.name, "eth0");
@@ -193,5 +196,10 @@ fn each_nic_has_its_own_journal_beside_the_configured_one() {
             dir.join("nic-state.eth1.json")
         ]
     );
+    // A base without an extension: `nic-state.IF`.
+    let bare = dir.join("bare");
+    assert_eq!(state_file(&bare, "eth1", false), dir.join("bare.eth1"));
+    std::fs::write(dir.join("bare.eth1"), "{}").unwrap();
+    assert_eq!(state_files(&bare), [bare.clone(), dir.join("bare.eth1")]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
