@@ -465,14 +465,15 @@ impl Journal {
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue`: RSS over queues `0..rss_queues` only
-    /// (when `rss_queues` > 0), the ntuple feature on, one ntuple rule; all journaled.
+    /// (when `rss_queues` > 0), the ntuple feature on, one ntuple rule; all journaled. Returns
+    /// the rule's location.
     pub fn steer(
         &mut self,
         client: &mut EthtoolClient,
         dst_port: u16,
         queue: u32,
         rss_queues: u32,
-    ) -> Result<(), NicError> {
+    ) -> Result<u32, NicError> {
         let ifname = self.state.ifname.clone();
         if rss_queues > 0 {
             let old = client.rss_indir(&ifname)?;
@@ -487,7 +488,8 @@ impl Journal {
             client.set_ntuple(&ifname, true)?;
         }
         let location = client.insert_tcp4_rule(&ifname, dst_port, queue)?;
-        self.record(Change::Rule { location })
+        self.record(Change::Rule { location })?;
+        Ok(location)
     }
 
     /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple
@@ -651,8 +653,9 @@ impl NicSetup {
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
-    /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled.
-    pub fn steer(&mut self, dst_port: u16, queue: u32, rss_queues: u32) -> Result<(), NicError> {
+    /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled. Returns
+    /// the rule's location ([`NicSetup::remove_flow`] deletes it).
+    pub fn steer(&mut self, dst_port: u16, queue: u32, rss_queues: u32) -> Result<u32, NicError> {
         let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.steer(&mut self.client, dst_port, queue, rss_queues)
     }

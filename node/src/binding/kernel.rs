@@ -206,6 +206,10 @@ pub fn in_use(name: &str) -> Vec<u32> {
     live(&mut setups, name).map_or_else(Vec::new, |(s, _)| s.bound())
 }
 
+/// A NIC's setup for some lanes, and the port rules added to it for them when it was joined
+/// (a new setup owns its rules: it is restored whole if their bind fails).
+pub type Setup = (NicShare, Vec<u32>);
+
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
 /// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
 /// steered), else a new one journaled at `state`. Blocking.
@@ -214,7 +218,7 @@ pub fn setup_nic(
     queues: &[u32],
     ports: &[(u16, u32)],
     state: &Path,
-) -> Result<NicShare, BindError> {
+) -> Result<Setup, BindError> {
     let first = queues.iter().min().copied().unwrap_or(0);
     let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((share, below)) = live(&mut setups, &nic.name) {
@@ -223,13 +227,20 @@ pub fn setup_nic(
             return Err(BindError::QueueBound { queue, bound });
         }
         let mut s = share.setup();
+        let mut added = Vec::new();
         for (i, &(port, queue)) in ports.iter().enumerate() {
             let rss = if i == 0 && first < *below { first } else { 0 };
-            s.steer(port, queue, rss)?;
+            match s.steer(port, queue, rss) {
+                Ok(location) => added.push(location),
+                Err(e) => {
+                    unsteer_ports(&mut s, &added);
+                    return Err(e.into());
+                }
+            }
         }
         *below = (*below).min(first);
         drop(s);
-        return Ok(share);
+        return Ok((share, added));
     }
     let plan = SetupPlan {
         ifname: nic.name.clone(),
@@ -240,7 +251,38 @@ pub fn setup_nic(
     };
     let share = SharedNic::new(nic::apply(&plan, state)?);
     setups.insert(nic.name.clone(), (Arc::downgrade(&share), first));
-    Ok(share)
+    Ok((share, Vec::new()))
+}
+
+/// Deletes port rules added to a joined setup (their lane did not bind).
+fn unsteer_ports(s: &mut nic::NicSetup, locations: &[u32]) {
+    for &l in locations {
+        if let Err(e) = s.remove_flow(l) {
+            tracing::warn!(location = l, error = %e, "deleting a port rule of a lane that did not bind failed");
+        }
+    }
+}
+
+/// One lane's binding on `nic` (`queues`, `bytes` of its own dma-buf) with `setup`; if it
+/// fails, the port rules joining added for the lane are deleted again. Blocking.
+pub fn bind_lane(
+    nic: &NicReport,
+    queues: &[u32],
+    bytes: usize,
+    (share, joined): &Setup,
+    cuda: Option<Arc<CudaMemory>>,
+) -> Result<Arc<RxRegion>, BindError> {
+    let bound = RxRegion::bind_kernel(
+        (&nic.name, nic.ifindex),
+        queues,
+        bytes,
+        Arc::clone(share),
+        cuda,
+    );
+    if bound.is_err() {
+        unsteer_ports(&mut share.setup(), joined);
+    }
+    bound
 }
 
 /// Binds every lane of `plans` (blocking): per NIC one setup, then each lane's region on its
@@ -261,24 +303,20 @@ pub fn bind_lanes(
             .map(|(i, q)| (reqs[*i].data_port, q.iter().min().copied().unwrap_or(0)))
             .collect();
         let state = state_file(state_base, &p.nic.name, one_lane);
-        let share =
+        let setup =
             setup_nic(&p.nic, &queues, &ports, &state).map_err(|source| BindingError::Failed {
                 what: p.nic.name.clone(),
                 source,
             })?;
         for (i, q) in &p.lanes {
             let r = &reqs[*i];
-            let region = RxRegion::bind_kernel(
-                (&p.nic.name, p.nic.ifindex),
-                q,
-                r.bytes,
-                Arc::clone(&share),
-                r.cuda.clone(),
-            )
-            .map_err(|source| BindingError::Failed {
-                what: format!("lane {} on {}", r.lane, p.nic.name),
-                source,
-            })?;
+            let region =
+                bind_lane(&p.nic, q, r.bytes, &setup, r.cuda.clone()).map_err(|source| {
+                    BindingError::Failed {
+                        what: format!("lane {} on {}", r.lane, p.nic.name),
+                        source,
+                    }
+                })?;
             bound.push((r.lane, region));
         }
     }
