@@ -126,17 +126,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let dir = synth::scratch_dir("bench")?;
     let data = dir.join("data");
     let m = write_dataset(&data, count, shard)?;
-    let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
-    // Deep enough that in-order delivery (a slow head-of-line shard holds finished ones in
-    // the reorder buffer) does not starve the flows: 32 slabs, like the service default.
-    let stream_memory = a
-        .stream_memory
-        .map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
-    anyhow::ensure!(
-        stream_memory >= 2 * class,
-        "--stream-memory must be at least 2 slabs ({} bytes)",
-        2 * class
-    );
+    let stream_memory = stream_memory(&a, shard)?;
     println!(
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}{}",
         a.flows,
@@ -165,7 +155,6 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         if a.lanes > 1 {
             return lanes::run(&a, &data, &dir, stream_memory, rate);
         }
-        let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
         let crcs: Vec<u32> = match a.compare_crc {
             true => files
                 .iter()
@@ -173,32 +162,67 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
                 .collect::<Result<_, _>>()?,
             false => Vec::new(),
         };
-        for round in 0..a.rounds.max(1) {
-            if a.rounds > 1 {
-                println!("-- round {}", round + 1);
-            }
-            let sw = run_shardwire(&a, &data, &dir, stream_memory, rate, a.io_uring)?;
-            if a.compare_uring {
-                let other = run_shardwire(&a, &data, &dir, stream_memory, rate, !a.io_uring)?;
-                let mut row = vec![node_ratio(a.io_uring, &sw, &other)];
-                row.extend(compare_uring(&files, &plain, region)?);
-                uring_rows.push(row);
-            }
-            if a.compare_tcp {
-                ratios.push(compare_tcp(&sw, &files, &plain, region)?);
-            }
-            if a.compare_crc {
-                crc_rows.push(compare_crc(&files, &plain, region, &crcs, &crc_ways)?);
-            }
-        }
-        print_tcp_medians(&ratios);
-        print_uring_medians(&uring_rows);
-        print_crc_medians(&crc_rows, &crc_ways);
-        Ok::<_, anyhow::Error>(())
+        let ways = (&plain, &crcs[..], &crc_ways[..]);
+        rounds(
+            &a,
+            (&data, &dir),
+            (stream_memory, rate),
+            (&files, region),
+            ways,
+        )
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The bench stream's memory: `--stream-memory`, else deep enough that in-order delivery (a
+/// slow head-of-line shard holds finished ones in the reorder buffer) does not starve the
+/// flows: 32 slabs, like the service default.
+fn stream_memory(a: &BenchArgs, shard: usize) -> anyhow::Result<u64> {
+    let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
+    let stream_memory = a
+        .stream_memory
+        .map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
+    anyhow::ensure!(
+        stream_memory >= 2 * class,
+        "--stream-memory must be at least 2 slabs ({} bytes)",
+        2 * class
+    );
+    Ok(stream_memory)
+}
+
+/// The one-lane rounds: shardwire, then each comparison asked for, then their medians.
+fn rounds<P: Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun>(
+    a: &BenchArgs,
+    (data, dir): (&std::path::Path, &std::path::Path),
+    (stream_memory, rate): (u64, u64),
+    (files, region): (&[std::path::PathBuf], usize),
+    (plain, crcs, crc_ways): (&P, &[u32], &[crc::Way]),
+) -> anyhow::Result<()> {
+    let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..a.rounds.max(1) {
+        if a.rounds > 1 {
+            println!("-- round {}", round + 1);
+        }
+        let sw = run_shardwire(a, data, dir, stream_memory, rate, a.io_uring)?;
+        if a.compare_uring {
+            let other = run_shardwire(a, data, dir, stream_memory, rate, !a.io_uring)?;
+            let mut row = vec![node_ratio(a.io_uring, &sw, &other)];
+            row.extend(compare_uring(files, plain, region)?);
+            uring_rows.push(row);
+        }
+        if a.compare_tcp {
+            ratios.push(compare_tcp(&sw, files, plain, region)?);
+        }
+        if a.compare_crc {
+            crc_rows.push(compare_crc(files, plain, region, crcs, crc_ways)?);
+        }
+    }
+    print_tcp_medians(&ratios);
+    print_uring_medians(&uring_rows);
+    print_crc_medians(&crc_rows, crc_ways);
+    Ok(())
 }
 
 /// Writes `count` synthetic shards of `shard` bytes into `data` and indexes them.
@@ -257,56 +281,14 @@ fn run_shardwire(
         .map(|f| f.stats.bytes.load(Ordering::Relaxed))
         .collect();
     let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
-    let t0 = Instant::now();
-    // The trainer runs in a named thread, so its CPU shows up as its own role.
-    // The end sample is taken on that thread, while it still counts among the threads.
-    let (s, delivered, secs, cpu1, threads1) = std::thread::scope(|sc| {
-        std::thread::Builder::new()
-            .name("bench-trainer".into())
-            .spawn_scoped(sc, move || -> anyhow::Result<_> {
-                let mut delivered = 0u64;
-                while t0.elapsed() < Duration::from_secs(a.seconds) {
-                    let Some(b) = s.next()? else { break };
-                    delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-                    s.release(b)?;
-                }
-                let secs = t0.elapsed().as_secs_f64();
-                Ok((s, delivered, secs, cpu::cpu_times(), cpu::thread_times()))
-            })?
-            .join()
-            .map_err(|_| anyhow::anyhow!("the bench trainer thread panicked"))?
-    })?;
-    let flows: Vec<(String, u16, u64)> = node
-        .flows()
-        .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let bytes = f.stats.bytes.load(Ordering::Relaxed);
-            (
-                f.source.clone(),
-                f.conn,
-                bytes - flows0.get(i).copied().unwrap_or(0),
-            )
-        })
-        .collect();
+    let (s, delivered, secs, cpu1, threads1) = trainer_window(s, a.seconds)?;
+    let flows = flow_bytes_since(node, &flows0);
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
     let stats: Vec<_> = node.flows().into_iter().map(|f| f.stats).collect();
     print_crc_hotness(shardwire_node::FlowStats::median_crc_piece(
         stats.iter().map(|s| &**s),
     ));
-    for b in node.binding_statuses() {
-        println!(
-            "devmem-sim lane {} (binding {}): {} frags, {} tokens returned, {} steering errors, pool exhausted {} times, {:?} of {} net_iovs free at the end",
-            b.lane,
-            b.binding,
-            b.frags,
-            b.tokens_returned,
-            b.steering_errors,
-            b.pool_exhausted,
-            b.niovs_free,
-            b.niovs
-        );
-    }
+    print_bindings(node);
     drop(s);
     lb.stop();
     for (_, conn, bytes) in &flows {
@@ -328,6 +310,69 @@ fn run_shardwire(
         cpu_per_gb,
         all_per_gb,
     })
+}
+
+/// What the trainer thread saw in a window of `seconds`: the stream (to drop after the
+/// report), payload bytes delivered, the window's length, and the end samples of all CPUs and
+/// of every thread. The trainer runs in a named thread, so its CPU shows up as its own role;
+/// the end sample is taken on that thread, while it still counts among the threads.
+type Window = (
+    Stream,
+    u64,
+    f64,
+    Vec<[u64; 5]>,
+    std::collections::BTreeMap<&'static str, (f64, f64)>,
+);
+
+/// Reads and releases batches from `s` for `seconds` on a thread named `bench-trainer`.
+fn trainer_window(mut s: Stream, seconds: u64) -> anyhow::Result<Window> {
+    let t0 = Instant::now();
+    std::thread::scope(|sc| {
+        std::thread::Builder::new()
+            .name("bench-trainer".into())
+            .spawn_scoped(sc, move || -> anyhow::Result<_> {
+                let mut delivered = 0u64;
+                while t0.elapsed() < Duration::from_secs(seconds) {
+                    let Some(b) = s.next()? else { break };
+                    delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
+                    s.release(b)?;
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                Ok((s, delivered, secs, cpu::cpu_times(), cpu::thread_times()))
+            })?
+            .join()
+            .map_err(|_| anyhow::anyhow!("the bench trainer thread panicked"))?
+    })
+}
+
+/// Each data flow's (source, connection, bytes received since `before`, the counts then).
+fn flow_bytes_since(node: &shardwire_node::Node, before: &[u64]) -> Vec<(String, u16, u64)> {
+    node.flows()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let bytes = f.stats.bytes.load(Ordering::Relaxed);
+            let since = bytes - before.get(i).copied().unwrap_or(0);
+            (f.source.clone(), f.conn, since)
+        })
+        .collect()
+}
+
+/// One line per lane's devmem binding (`--mode devmem-sim`).
+fn print_bindings(node: &shardwire_node::Node) {
+    for b in node.binding_statuses() {
+        println!(
+            "devmem-sim lane {} (binding {}): {} frags, {} tokens returned, {} steering errors, pool exhausted {} times, {:?} of {} net_iovs free at the end",
+            b.lane,
+            b.binding,
+            b.frags,
+            b.tokens_returned,
+            b.steering_errors,
+            b.pool_exhausted,
+            b.niovs_free,
+            b.niovs
+        );
+    }
 }
 
 /// Says how far behind the copy that placed them the node's CRC read the bytes: the median

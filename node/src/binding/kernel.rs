@@ -108,9 +108,7 @@ fn share_queues(
     idx: &[usize],
 ) -> Result<Vec<(usize, Vec<u32>)>, BindingError> {
     let named: Vec<u32> = idx.iter().flat_map(|&i| reqs[i].queues.clone()).collect();
-    let free: Vec<u32> = (nic.rx_queues / 2..nic.rx_queues)
-        .filter(|q| !named.contains(q))
-        .collect();
+    let free = upper_half_except(nic, &named);
     let unnamed = idx.iter().filter(|&&i| reqs[i].queues.is_empty()).count();
     let each = free.len().checked_div(unnamed).unwrap_or(0);
     let mut next = free.chunks(each.max(1));
@@ -139,6 +137,13 @@ fn share_queues(
         out.push((i, queues));
     }
     Ok(out)
+}
+
+/// The upper half of `nic`'s RX queues (the lower half is left to other traffic) less `taken`.
+pub fn upper_half_except(nic: &NicReport, taken: &[u32]) -> Vec<u32> {
+    (nic.rx_queues / 2..nic.rx_queues)
+        .filter(|q| !taken.contains(q))
+        .collect()
 }
 
 /// The journal of `ifname`'s changes: `base` itself on a node of one lane (as before lanes),

@@ -261,12 +261,8 @@ pub async fn nic(
 ) -> Result<(Arc<RxRegion>, String), BindingError> {
     let nic = pick_interface(nics, r.name.as_deref(), r.configured)?.clone();
     let queues: Vec<u32> = if r.queues.is_empty() {
-        // The upper half of the RX queues, leaving the lower half to other traffic, less
-        // those other lanes have bound on this NIC.
-        let taken = kernel::in_use(&nic.name);
-        (nic.rx_queues / 2..nic.rx_queues)
-            .filter(|q| !taken.contains(q))
-            .collect()
+        // Less the queues other lanes have bound on this NIC.
+        kernel::upper_half_except(&nic, &kernel::in_use(&nic.name))
     } else {
         r.queues.clone()
     };
@@ -283,7 +279,8 @@ pub async fn nic(
         what: nic.name.clone(),
         source,
     })?;
-    Ok((region.clone(), describe(&region, lane, r.data_port)))
+    let why = describe(&region, lane, r.data_port);
+    Ok((region, why))
 }
 
 /// A sentence on a kernel binding made on lane `lane` with data port `port`.
