@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use shardwire_gpu::Slab;
 use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
-use shardwire_protocol::trainer::{ErrorCode, Request, Response, StreamRequest};
+use shardwire_protocol::trainer::{BatchEncoding, ErrorCode, Request, Response, StreamRequest};
 use tokio::sync::watch;
 
 use crate::node::Node;
@@ -150,6 +150,8 @@ struct Conn<'a> {
     released: Vec<Slab>,
     /// The attach asked for `state` in every batch reply.
     batch_state: bool,
+    /// How the attach asked for batch replies to be encoded.
+    batch_encoding: BatchEncoding,
 }
 
 fn serve(node: &Arc<Node>, sock: UnixStream) {
@@ -171,6 +173,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
         stream: None,
         released: Vec::new(),
         batch_state: false,
+        batch_encoding: BatchEncoding::Json,
     };
     loop {
         // Before `attach` a trainer has the request timeout; attached, the idle timeout.
@@ -279,7 +282,7 @@ impl Conn<'_> {
 
     /// Opens the connection's stream and sends its region.
     fn attach(&mut self, r: StreamRequest) -> Result<(), FrameIoError> {
-        let batch_state = r.batch_state;
+        let (batch_state, batch_encoding) = (r.batch_state, r.batch_encoding);
         let s = match self.node.open_stream_from_thread(r) {
             Ok(s) => s,
             Err(e) => return self.send(&error(e.code, e.message)),
@@ -305,13 +308,14 @@ impl Conn<'_> {
         };
         self.stream = Some(Arc::clone(&s));
         self.batch_state = batch_state;
+        self.batch_encoding = batch_encoding;
         reply(&self.sock, &attached, &[fd.as_fd()])
     }
 
     /// Encodes `r` into the connection's frame buffer and sends it in one write.
     fn send(&mut self, r: &Response) -> Result<(), FrameIoError> {
         self.frame.clear();
-        r.encode(&mut self.frame);
+        r.encode_as(self.batch_encoding, &mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])
     }
 

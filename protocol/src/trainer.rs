@@ -5,8 +5,10 @@
 //! disconnect closes the stream and releases all its leases.
 //!
 //! [`messages`] holds the types; [`fast`] the hand-written codec of the hot pair (`next` and
-//! its `batch`); [`http`] the bodies of the HTTP trainer API, built from the same types.
+//! its `batch`); [`binary`] the binary form of `batch` a trainer may ask for at attach;
+//! [`http`] the bodies of the HTTP trainer API, built from the same types.
 
+pub mod binary;
 mod fast;
 pub mod http;
 mod messages;
@@ -33,6 +35,9 @@ pub enum TrainerDecodeError {
     /// Not a valid message.
     #[error("malformed trainer message: {0}")]
     Json(#[from] serde_json::Error),
+    /// Not a valid binary `batch` body.
+    #[error("malformed trainer message: {0}")]
+    Binary(#[from] binary::BinaryBatchError),
 }
 
 /// Checks a frame length prefix.
@@ -93,8 +98,22 @@ impl Response {
         }
     }
 
-    /// Decodes a response body: the same result as [`decode`], faster for `batch`.
+    /// Appends this response as a frame in `encoding`: a `batch` in the binary form when
+    /// asked and it fits (see [`binary`]), anything else as [`Self::encode`] does.
+    pub fn encode_as(&self, encoding: BatchEncoding, out: &mut Vec<u8>) {
+        if encoding == BatchEncoding::Binary && frame_if(out, |out| binary::encode_batch(self, out))
+        {
+            return;
+        }
+        self.encode(out)
+    }
+
+    /// Decodes a response body, JSON or a binary `batch`: the same result as [`decode`] for
+    /// JSON, faster for `batch`.
     pub fn decode(body: &[u8]) -> Result<Self, TrainerDecodeError> {
+        if body.first() == Some(&binary::BINARY_BATCH_TAG) {
+            return Ok(binary::decode_batch(body)?);
+        }
         match fast::decode_batch(body) {
             Some(r) => Ok(r),
             None => decode(body),
@@ -106,6 +125,20 @@ impl Response {
 /// building the request.
 pub fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) {
     frame(out, |out| fast::encode_next(timeout_ms, release, out))
+}
+
+/// Appends a length prefix and the body `body` writes, or nothing when `body` says it wrote
+/// none (returns false).
+fn frame_if(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>) -> bool) -> bool {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    if !body(out) {
+        out.truncate(start);
+        return false;
+    }
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    true
 }
 
 /// Appends a length prefix and the body `body` writes.

@@ -71,15 +71,17 @@ class FakeStream:
 
 @pytest.fixture
 def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Socket attach requests (without `batch_state`, checked True) and HTTP open bodies,
+    """Socket attach requests (without `batch_state` and `batch_encoding`, checked) and HTTP open bodies,
     captured instead of sent: the socket's are recorded and answered with a FakeStream, the
     HTTP ones raise Sent."""
     reqs: list[dict[str, Any]] = []
 
     def sock_open(cls: Any, path: str, req: dict[str, Any], auto_device: bool = False) -> FakeStream:
         # The socket client always asks for the state in each batch reply (it asks for the
-        # next batch ahead of time); the stream keywords are the rest, compared below.
+        # next batch ahead of time), in the binary form; the stream keywords are the rest,
+        # compared below.
         assert req.pop("batch_state") is True, req
+        assert req.pop("batch_encoding") == "binary", req
         reqs.append(req)
         return FakeStream()
 

@@ -147,6 +147,10 @@ pub struct StreamRequest {
     /// it is using, without a `state` round trip). Socket only.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub batch_state: bool,
+    /// How `batch` replies are encoded: `"json"` (default) or `"binary"` (fixed-width fields a
+    /// trainer reads without a JSON parser; see [`super::binary`]). Socket only.
+    #[serde(default, skip_serializing_if = "BatchEncoding::is_json")]
+    pub batch_encoding: BatchEncoding,
     /// The trainer's GPU: a PCI bus id (`0000:19:00.0`) or a GPU UUID (`GPU-...`). The stream
     /// goes to that GPU's lane (its region lies on that GPU when the node serves CUDA
     /// memory); absent: the least loaded lane. A GPU the node does not serve is refused with
@@ -204,8 +208,26 @@ impl StreamRequest {
             order: None,
             mix: None,
             batch_state: false,
+            batch_encoding: BatchEncoding::Json,
             device: None,
         }
+    }
+}
+
+/// How the socket encodes `batch` replies (attach `batch_encoding`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchEncoding {
+    /// JSON, like every other reply.
+    #[default]
+    Json,
+    /// The binary form of [`super::binary`].
+    Binary,
+}
+
+impl BatchEncoding {
+    fn is_json(&self) -> bool {
+        *self == Self::Json
     }
 }
 

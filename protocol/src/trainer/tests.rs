@@ -23,7 +23,8 @@ fn request_defaults_and_round_trip() {
 }
 
 /// `Request::decode` and `Response::decode` agree with the derived decoder: same value or
-/// the same error message.
+/// the same error message (for responses: unless the body starts with the binary batch tag,
+/// which is no JSON).
 fn same_as_derived(body: &[u8]) {
     let (fast, slow) = (Request::decode(body), decode::<Request>(body));
     match (&fast, &slow) {
@@ -33,6 +34,10 @@ fn same_as_derived(body: &[u8]) {
             "{}: fast {fast:?} derived {slow:?}",
             String::from_utf8_lossy(body)
         ),
+    }
+    if body.first() == Some(&binary::BINARY_BATCH_TAG) {
+        assert!(decode::<Response>(body).is_err(), "not JSON");
+        return;
     }
     let (fast, slow) = (Response::decode(body), decode::<Response>(body));
     match (&fast, &slow) {
@@ -182,6 +187,48 @@ proptest! {
     }
 
     #[test]
+    fn binary_batches_round_trip_and_other_replies_stay_json(b in batches()) {
+        let mut buf = Vec::new();
+        b.encode_as(BatchEncoding::Binary, &mut buf);
+        let len = check_len(buf[..4].try_into().unwrap()).unwrap();
+        prop_assert_eq!(len, buf.len() - 4);
+        prop_assert_eq!(buf[4], binary::BINARY_BATCH_TAG);
+        prop_assert_eq!(Response::decode(&buf[4..]).unwrap(), b);
+        let (mut bin, mut json) = (Vec::new(), Vec::new());
+        Response::Released.encode_as(BatchEncoding::Binary, &mut bin);
+        Response::Released.encode(&mut json);
+        prop_assert_eq!(bin, json);
+    }
+
+    #[test]
+    fn mangled_binary_batches_are_refused_or_decoded_without_panic(
+        b in batches(),
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..4),
+    ) {
+        let mut buf = Vec::new();
+        b.encode_as(BatchEncoding::Binary, &mut buf);
+        let mut body = buf[4..].to_vec();
+        for (at, byte, how) in &edits {
+            let i = at.index(body.len());
+            match how {
+                0 => body[i] = *byte,
+                1 => { body.remove(i); }
+                _ => body.insert(i, *byte),
+            }
+            if body.is_empty() {
+                break;
+            }
+        }
+        // No panic, no allocation sized by a count before its bytes are there; whatever
+        // decodes is a well-formed batch that round-trips.
+        if let Ok(r) = Response::decode(&body) {
+            let mut again = Vec::new();
+            r.encode_as(BatchEncoding::Binary, &mut again);
+            prop_assert_eq!(Response::decode(&again[4..]).unwrap(), r);
+        }
+    }
+
+    #[test]
     fn mangled_hot_messages_decode_like_the_derived_code(
         b in batches(),
         n in nexts(),
@@ -269,4 +316,81 @@ fn unknown_fields_and_long_frames_are_rejected() {
         .to_string();
     assert!(e.contains("bogus"), "{e}");
     assert!(check_len((MAX_TRAINER_FRAME as u32 + 1).to_le_bytes()).is_err());
+}
+
+#[test]
+fn binary_batch_errors_name_the_field_and_oversized_replies_go_as_json() {
+    let b = Response::Batch {
+        lease: 7,
+        epoch: 1,
+        index: 2,
+        shard: 3,
+        tensors: vec![TensorView {
+            name: "x".into(),
+            dtype: DType::Float32,
+            shape: vec![2, 3],
+            offset: 4096,
+            length: 24,
+        }],
+        state: None,
+    };
+    let mut buf = Vec::new();
+    b.encode_as(BatchEncoding::Binary, &mut buf);
+    let body = &buf[4..];
+    // Header, then offset/length/desc_len, then the desc: name_len, "x", dtype_len, "float32", ndim, dims.
+    assert_eq!(body.len(), 32 + 18 + 2 + 1 + 1 + 7 + 1 + 16);
+    let e = binary::decode_batch(&body[..36]).unwrap_err();
+    assert_eq!(
+        e,
+        binary::BinaryBatchError::Short {
+            len: 36,
+            field: "tensor offset",
+            at: 32
+        }
+    );
+    let mut long = body.to_vec();
+    long.push(0);
+    assert_eq!(
+        binary::decode_batch(&long).unwrap_err(),
+        binary::BinaryBatchError::Trailing(1)
+    );
+    let mut bad = body.to_vec();
+    bad[32 + 18 + 2 + 1 + 1] = b'q'; // "qloat32"
+    let e = Response::decode(&bad).unwrap_err().to_string();
+    assert!(e.contains("unknown dtype \"qloat32\""), "{e}");
+    // A name too long for its u16 field: the JSON form instead.
+    let Response::Batch { mut tensors, .. } = b.clone() else {
+        unreachable!()
+    };
+    tensors[0].name = "n".repeat(70_000);
+    let big = Response::Batch {
+        lease: 7,
+        epoch: 1,
+        index: 2,
+        shard: 3,
+        tensors,
+        state: None,
+    };
+    let mut buf = Vec::new();
+    big.encode_as(BatchEncoding::Binary, &mut buf);
+    assert_eq!(buf[4], b'{');
+    assert_eq!(Response::decode(&buf[4..]).unwrap(), big);
+}
+
+#[test]
+fn batch_encoding_is_an_attach_field() {
+    let r: Request = decode(br#"{"op":"attach","dataset":"d","batch_encoding":"binary"}"#).unwrap();
+    let Request::Attach(a) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(a.batch_encoding, BatchEncoding::Binary);
+    assert!(
+        !serde_json::to_string(&StreamRequest::new("d"))
+            .unwrap()
+            .contains("batch_encoding")
+    );
+    let e = decode::<Request>(br#"{"op":"attach","dataset":"d","batch_encoding":"xml"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("xml"), "{e}");
 }

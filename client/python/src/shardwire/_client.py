@@ -8,6 +8,7 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -134,6 +135,9 @@ class Client:
         # Every batch reply then carries the state that resumes after it: the stream asks for
         # its next batch ahead of time (see Stream) and still knows the state of this one.
         req["batch_state"] = True
+        # Batch replies in the binary form: read with a few struct calls, no JSON parse on
+        # the training loop's path (the state stays JSON bytes until a checkpoint asks).
+        req["batch_encoding"] = "binary"
         return Stream._open(self.path, req, auto_device=opts.device == _device.AUTO)
 
     def info(self) -> dict[str, Any]:
@@ -157,7 +161,12 @@ def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
     if isinstance(region, CudaRegion):
         return region.tensor(v.offset, v.length, dt, v.shape)
-    return np.frombuffer(region[v.offset : v.offset + v.length], dtype=dt).reshape(v.shape).view(Tensor)
+    # One constructor call: read-only because the region's buffer is.
+    return Tensor(v.shape, dt, buffer=region, offset=v.offset)
+
+
+#: The request :meth:`Stream._send_next` records as in flight (its bytes are encoded apart).
+_NEXT = {"op": "next"}
 
 
 class Batch(_BatchBase):
@@ -347,8 +356,10 @@ class Stream(_StreamBase[Batch]):
         self._auto: Batch | None = None
         #: Requests sent whose replies are not read yet ("next" asked ahead, "release"), in order.
         self._inflight: deque[str] = deque()
-        #: The state that resumes after the last batch handed to the trainer.
+        #: The state that resumes after the last batch handed to the trainer; while
+        #: `_resume_raw` is set, that state is its JSON, decoded when asked for.
         self._resume: dict[str, Any] = dict(info.state)
+        self._resume_raw: bytes | None = None
         #: Leases of kept batches not yet released: while there are any, no batch is asked
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and a
         #: release sent behind a waiting request would wait with it).
@@ -426,7 +437,7 @@ class Stream(_StreamBase[Batch]):
             ready = timeout is None or self._conn.pending()
             if not ready and not select.select([self._conn.sock], [], [], timeout)[0]:
                 return None
-            msg, _ = self._conn.recv()
+            msg = self._conn.recv_reply()
         except ConnectionClosed:
             self._broken("the connection to the node service was lost")
             raise
@@ -490,11 +501,15 @@ class Stream(_StreamBase[Batch]):
                 raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
         kind = msg["op"]
         if kind == "batch":
-            views = [_tensor_view(t) for t in msg["tensors"]]
+            binary = "views" in msg  # see shardwire._binary
+            views = msg["views"] if binary else [_tensor_view(t) for t in msg["tensors"]]
             b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
-            if "state" not in msg:
+            if (msg["state_raw"] if binary else msg.get("state")) is None:
                 raise ProtocolError("a batch without its state: the node service is older than this SDK")
-            self._resume = dict(msg["state"])
+            if binary:
+                self._resume_raw = msg["state_raw"]
+            else:
+                self._resume, self._resume_raw = dict(msg["state"]), None
             self._auto = b
             if not self._kept_leases:
                 self._send_next(prev)  # ahead of time; `prev` is the trainer's no more
@@ -520,12 +535,13 @@ class Stream(_StreamBase[Batch]):
 
     def _send_next(self, prev: Batch | None) -> None:
         """Asks for the next batch, releasing `prev` in the same request unless it was kept."""
-        release: list[int] = []
+        release: tuple[int, ...] = ()
         if prev is not None and not prev._kept and not prev._released:
-            self._gpu_done()
+            if self._cuda is not None:
+                self._gpu_done()
             prev._released = True
-            release.append(prev.lease)
-        self._send({"op": "next"}, _wire.encode_next(release))
+            release = (prev.lease,)
+        self._send(_NEXT, _wire.encode_next(release))
 
     def _release(self, batch: Batch) -> None:
         with self._lock:
@@ -549,6 +565,14 @@ class Stream(_StreamBase[Batch]):
     def _state(self) -> dict[str, Any]:
         # The state after the last batch handed to the trainer (or the one attach started
         # from), as the batch replies carry it: no request.
+        if self._resume_raw is not None:
+            try:
+                state = json.loads(self._resume_raw)
+            except ValueError as e:
+                raise ProtocolError(f"malformed state in a binary batch reply: {e}: {self._resume_raw!r}") from e
+            if not isinstance(state, dict):
+                raise ProtocolError(f"the state in a binary batch reply is not an object: {self._resume_raw!r}")
+            self._resume, self._resume_raw = state, None
         return dict(self._resume)
 
     @property

@@ -11,8 +11,10 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
+from . import _binary
 from ._errors import ConnectionClosed, ProtocolError
 
 #: Protocol version this SDK speaks (``TRAINER_VERSION``).
@@ -25,6 +27,10 @@ _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 # EPIPE instead of SIGPIPE when the service is gone, even in hosts that do not ignore SIGPIPE.
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+#: How a binary `batch` body starts (see :mod:`shardwire._binary`).
+_BINARY_TAG = bytes([_binary.TAG])
+_LEN = struct.Struct("<I")
+_NEXT_ALONE = _LEN.pack(13) + b'{"op":"next"}'
 
 Message = dict[str, Any]
 
@@ -37,11 +43,26 @@ def encode(msg: Message) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def encode_next(release: list[int]) -> bytes:
+def encode_next(release: Sequence[int]) -> bytes:
     """A ``next`` request releasing `release`: the bytes :func:`encode` writes, without the
     generic encoder (one per batch on the training loop's path)."""
-    body = b'{"op":"next","release":[' + b",".join(b"%d" % int(x) for x in release) + b"]}" if release else b'{"op":"next"}'
-    return struct.pack("<I", len(body)) + body
+    if not release:
+        return _NEXT_ALONE
+    body = b'{"op":"next","release":[%s]}' % b",".join(b"%d" % int(x) for x in release)
+    return _LEN.pack(len(body)) + body
+
+
+def _decode(body: bytes) -> Message:
+    """A reply body: JSON, or a binary ``batch`` (see :mod:`shardwire._binary`)."""
+    if body[:1] == _BINARY_TAG:
+        return _binary.decode(body)
+    try:
+        msg = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"malformed reply from the node service: {e}") from e
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ProtocolError(f"reply without an op: {msg!r}")
+    return msg
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -77,6 +98,10 @@ class Conn:
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""
         return bool(self._buf)
+
+    def recv_reply(self) -> Message:
+        """Reads one reply that carries no file descriptors (every reply but ``attached``)."""
+        return self._recv_buffered()
 
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
@@ -128,17 +153,26 @@ class Conn:
 
     def _recv_buffered(self) -> Message:
         """One reply, reading as much as has arrived per call (usually the whole reply in
-        one `recv`, and the next one too when it has come)."""
+        one `recv`, and the next one too when it has come). A binary ``batch`` body (see
+        :mod:`shardwire._binary`) comes back as the same kind of dict."""
         try:
+            if not self._buf:
+                # The usual case on a training loop's path: one recv is exactly one reply.
+                data = self.sock.recv(1 << 16)
+                if len(data) >= 4 and _LEN.unpack_from(data)[0] == len(data) - 4:
+                    return _decode(data[4:])
+                if not data:
+                    raise ConnectionClosed("the node service closed the connection")
+                self._buf += data
             while True:
                 if len(self._buf) >= 4:
-                    (n,) = struct.unpack_from("<I", self._buf)
+                    (n,) = _LEN.unpack_from(self._buf)
                     if n > MAX_FRAME:
                         raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
                     if len(self._buf) >= 4 + n:
                         body = bytes(self._buf[4 : 4 + n])
                         del self._buf[: 4 + n]
-                        break
+                        return _decode(body)
                 data = self.sock.recv(1 << 16)
                 if not data:
                     raise ConnectionClosed(
@@ -147,13 +181,6 @@ class Conn:
                 self._buf += data
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
-        try:
-            msg = json.loads(body)
-        except ValueError as e:
-            raise ProtocolError(f"malformed reply from the node service: {e}") from e
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise ProtocolError(f"reply without an op: {msg!r}")
-        return msg
 
     def close(self) -> None:
         """Closes the socket (the service then closes the stream and releases its leases)."""

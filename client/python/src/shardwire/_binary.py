@@ -1,0 +1,91 @@
+"""The binary form of a ``batch`` reply (attach ``batch_encoding: "binary"``;
+protocol/src/trainer/binary.rs, docs/TRAINER_API.md "Binary batch frames").
+
+The fields a training loop needs on every hand-off are fixed-width little-endian words, read
+here with a few ``struct`` calls instead of a JSON parse; each tensor's name, dtype and shape
+(its ``desc``, the same batch after batch) are parsed once and cached by their bytes; the
+resume state stays JSON bytes until a checkpoint asks for it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from ._errors import ProtocolError
+from ._types import TensorView
+
+#: First byte of a binary ``batch`` body (a JSON body starts with ``{``).
+TAG = 0x01
+_HEADER = struct.Struct("<BBHIQQII")  # tag, 0, tensors, state_len, lease, index, epoch, shard
+_TENSOR = struct.Struct("<QQH")  # offset, length, desc_len
+#: Parsed descs by their bytes: (name, dtype, shape). Bounded; cleared when full.
+_DESCS: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
+#: TensorViews by (desc, offset, length): a stream reuses a few slabs, so the same views come
+#: back batch after batch (TensorView is frozen, so sharing one is safe). Bounded likewise.
+_VIEWS: dict[tuple[bytes, int, int], TensorView] = {}
+_MAX_DESCS = 1024
+
+
+def _desc(raw: bytes, k: int) -> tuple[str, str, tuple[int, ...]]:
+    """Tensor `k`'s (name, dtype, shape) from its desc bytes."""
+    try:
+        (name_len,) = struct.unpack_from("<H", raw, 0)
+        name = raw[2 : 2 + name_len].decode()
+        at = 2 + name_len
+        dtype_len = raw[at]
+        dtype = raw[at + 1 : at + 1 + dtype_len].decode("ascii")
+        at += 1 + dtype_len
+        ndim = raw[at]
+        shape = struct.unpack_from(f"<{ndim}Q", raw, at + 1)
+        used = at + 1 + 8 * ndim
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"binary batch tensor {k}: malformed desc {raw!r}: {e}") from e
+    if used != len(raw):
+        raise ProtocolError(f"binary batch tensor {k}: desc of {len(raw)} bytes does not match its fields {raw!r}")
+    if len(_DESCS) >= _MAX_DESCS:
+        _DESCS.clear()
+    d = _DESCS[raw] = (name, dtype, shape)
+    return d
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """A binary ``batch`` body as the reply dict the stream reads: ``op``, ``lease``,
+    ``epoch``, ``index``, ``shard``, ``views`` (TensorViews) and ``state_raw`` (the state's
+    JSON bytes, or None). ProtocolError names what is malformed."""
+    n = len(body)
+    if n < _HEADER.size:
+        raise ProtocolError(f"binary batch body of {n} bytes, shorter than its {_HEADER.size}-byte header")
+    tag, _, count, state_len, lease, index, epoch, shard = _HEADER.unpack_from(body, 0)
+    if tag != TAG:
+        raise ProtocolError(f"binary batch body starts with byte {tag:#04x}, expected {TAG:#04x}")
+    at = _HEADER.size
+    views = []
+    for k in range(count):
+        if at + _TENSOR.size > n:
+            raise ProtocolError(f"binary batch body of {n} bytes ends inside tensor {k} (at byte {at})")
+        offset, length, desc_len = _TENSOR.unpack_from(body, at)
+        at += _TENSOR.size
+        raw = body[at : at + desc_len]
+        if len(raw) != desc_len:
+            raise ProtocolError(f"binary batch body of {n} bytes ends inside tensor {k}'s desc (at byte {at})")
+        at += desc_len
+        key = (raw, offset, length)
+        v = _VIEWS.get(key)
+        if v is None:
+            name, dtype, shape = _DESCS.get(raw) or _desc(raw, k)
+            if len(_VIEWS) >= _MAX_DESCS:
+                _VIEWS.clear()
+            v = _VIEWS[key] = TensorView(name, dtype, shape, offset, length)
+        views.append(v)
+    if at + state_len != n:
+        raise ProtocolError(f"binary batch body of {n} bytes: tensors end at byte {at}, its state of {state_len} bytes does not end the body")
+    return {
+        "op": "batch",
+        "lease": lease,
+        "epoch": epoch,
+        "index": index,
+        "shard": shard,
+        "views": views,
+        "state_raw": body[at:] if state_len else None,
+    }

@@ -1,0 +1,156 @@
+"""Binary `batch` frames (attach `batch_encoding: "binary"`, docs/TRAINER_API.md "Binary batch
+frames") against the real node: the same stream asked for in JSON and in binary describes the
+same batches and states; the layout the docs give is what the SDK reads; a malformed binary
+reply raises ProtocolError naming what is wrong.
+
+    shardwire index DIR -> shardwire source -> shardwire serve -> raw trainer connections
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import struct
+from typing import Any
+
+import pytest
+
+from sdk_harness import SHARDS, Procs, index, write_mix  # puts the SDK on sys.path
+from shardwire import _binary, _wire  # noqa: E402
+from shardwire._errors import ProtocolError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sock(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("binary")
+    procs = Procs(tmp)
+    try:
+        mix = tmp / "mix"
+        write_mix(mix, seed=3)
+        assert len(index(mix)["shards"]) == SHARDS
+        serve = procs.serve(procs.source({"mix": mix}), tmp / "sw.sock")
+        yield serve.socket
+    finally:
+        procs.close()
+
+
+def replies(path: str, encoding: str | None, **fields: Any) -> list[tuple[dict[str, Any], bytes]]:
+    """Every batch of one stream over a raw connection: (decoded reply, raw body)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(path)
+    conn = _wire.Conn(s)
+    try:
+        req = {"op": "attach", "version": 1, "dataset": "mix", "seed": 5, "epochs": 2, "batch_state": True, **fields}
+        if encoding is not None:
+            req["batch_encoding"] = encoding
+        conn.send(req)
+        msg, fds = conn.recv(want_fds=True)
+        _wire._close_fds(fds)
+        assert msg["op"] == "attached", msg
+        out = []
+        conn.send_bytes(_wire.encode_next(()))
+        while True:
+            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+            body = s.recv(n, socket.MSG_WAITALL)
+            msg = _wire._decode(body)
+            if msg["op"] == "end":
+                return out
+            assert msg["op"] == "batch", msg
+            out.append((msg, body))
+            conn.send_bytes(_wire.encode_next((msg["lease"],)))
+    finally:
+        conn.close()
+
+
+def test_binary_and_json_describe_the_same_batches(sock: str):
+    """Shard mode, two epochs (batch mode goes through binary frames in every SDK test of
+    test_batches_sdk.py, test_tokens.py and test_mix.py)."""
+    js = replies(sock, None)
+    bs = replies(sock, "binary")
+    assert len(js) == len(bs) == 2 * SHARDS
+    for (j, jbody), (b, bbody) in zip(js, bs):
+        assert jbody[:1] == b"{" and bbody[:1] == bytes([_binary.TAG])
+        for k in ("epoch", "index", "shard"):
+            assert j[k] == b[k], (k, j, b)
+        want = [(t["name"], t["dtype"], tuple(t["shape"]), t["length"]) for t in j["tensors"]]
+        got = [(v.name, v.dtype, v.shape, v.length) for v in b["views"]]
+        assert got == want
+        # The state rides as the same JSON object.
+        assert json.loads(b["state_raw"]) == j["state"]
+        # Binary is the smaller frame (no field names).
+        assert len(bbody) < len(jbody)
+
+
+def documented_body() -> bytes:
+    """One tensor `x` float32 [4, 8] at 4096 and a state, packed as the docs' table says."""
+    state = b'{"epoch":0,"index":2,"seed":1,"fingerprint":"f"}'
+    desc = struct.pack("<H", 1) + b"x" + bytes([7]) + b"float32" + bytes([2]) + struct.pack("<2Q", 4, 8)
+    return struct.pack("<BBHIQQII", 1, 0, 1, len(state), 77, 1, 0, 9) + struct.pack("<QQH", 4096, 128, len(desc)) + desc + state
+
+
+def test_the_documented_layout_is_what_the_sdk_reads():
+    msg = _binary.decode(documented_body())
+    assert (msg["lease"], msg["index"], msg["epoch"], msg["shard"]) == (77, 1, 0, 9)
+    (v,) = msg["views"]
+    assert (v.name, v.dtype, v.shape, v.offset, v.length) == ("x", "float32", (4, 8), 4096, 128)
+    assert json.loads(msg["state_raw"])["index"] == 2
+
+
+@pytest.mark.parametrize(
+    "cut, why",
+    [
+        (lambda b: b[:20], "shorter than its 32-byte header"),
+        (lambda b: b[:40], "ends inside tensor 0"),
+        (lambda b: b[:60], "ends inside tensor 0's desc"),
+        (lambda b: b + b"!", "does not end the body"),
+        (lambda b: b[:50] + b"\x09" + b[51:], "desc of 28 bytes does not match its fields"),  # name_len 9
+        (lambda b: b"\x02" + b[1:], "starts with byte 0x02"),
+    ],
+)
+def test_malformed_binary_replies_name_what_is_wrong(cut: Any, why: str):
+    body = documented_body()
+    with pytest.raises(ProtocolError, match=why.replace("(", r"\(")):
+        _binary.decode(cut(body))
+
+
+def test_a_malformed_binary_reply_fails_the_stream_not_the_trainer(tmp_path: pathlib.Path):
+    """A fake service that attaches and then answers `next` with a truncated binary batch: the
+    SDK raises ProtocolError from `next` (the trainer's process goes on)."""
+    import os
+    import threading
+
+    import shardwire
+
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(30)
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        conn = _wire.Conn(c)
+        while (req := conn.recv()[0])["op"] == "info":
+            conn.send_bytes(_wire.encode({"op": "info", "memory": "host", "lanes": []}))
+        assert req["op"] == "attach", req
+        fd = os.memfd_create("region")
+        os.ftruncate(fd, 1 << 16)
+        attached = {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 1, "epochs": 1, "memory": "host",
+                    "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
+        body = _wire.encode(attached)
+        socket.send_fds(c, [body], [fd])
+        os.close(fd)
+        conn.recv()
+        c.sendall(struct.pack("<I", 33) + struct.pack("<BBHIQQII", 1, 0, 1, 0, 1, 0, 0, 0) + b"\0")
+        c.recv(1)  # until the client closes
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with shardwire.connect(path).open_stream("d") as s:
+        with pytest.raises(ProtocolError, match="ends inside tensor 0"):
+            s.next(timeout=10)
+    t.join(10)
+    srv.close()
