@@ -12,8 +12,10 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
+
 from ._errors import ProtocolError
-from ._types import TensorView
+from ._types import TensorView, _sized_dtype
 
 #: First byte of a binary ``batch`` body (a JSON body starts with ``{``).
 TAG = 0x01
@@ -21,9 +23,10 @@ _HEADER = struct.Struct("<BBHIQQII")  # tag, 0, tensors, state_len, lease, index
 _TENSOR = struct.Struct("<QQH")  # offset, length, desc_len
 #: Parsed descs by their bytes: (name, dtype, shape). Bounded; cleared when full.
 _DESCS: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
-#: TensorViews by (desc, offset, length): a stream reuses a few slabs, so the same views come
-#: back batch after batch (TensorView is frozen, so sharing one is safe). Bounded likewise.
-_VIEWS: dict[tuple[bytes, int, int], TensorView] = {}
+#: (TensorView, its checked numpy dtype) by (desc, offset, length): a stream reuses a few
+#: slabs, so the same views come back batch after batch (TensorView is frozen, so sharing one
+#: is safe). Bounded likewise.
+_VIEWS: dict[tuple[bytes, int, int], tuple[TensorView, np.dtype[Any]]] = {}
 _MAX_DESCS = 1024
 
 
@@ -51,8 +54,9 @@ def _desc(raw: bytes, k: int) -> tuple[str, str, tuple[int, ...]]:
 
 def decode(body: bytes) -> dict[str, Any]:
     """A binary ``batch`` body as the reply dict the stream reads: ``op``, ``lease``,
-    ``epoch``, ``index``, ``shard``, ``views`` (TensorViews) and ``state_raw`` (the state's
-    JSON bytes, or None). ProtocolError names what is malformed."""
+    ``epoch``, ``index``, ``shard``, ``views`` ((TensorView, numpy dtype) pairs, the dtype
+    known and the shape checked against the length) and ``state_raw`` (the state's JSON
+    bytes, or None). ProtocolError names what is malformed."""
     n = len(body)
     if n < _HEADER.size:
         raise ProtocolError(f"binary batch body of {n} bytes, shorter than its {_HEADER.size}-byte header")
@@ -71,13 +75,14 @@ def decode(body: bytes) -> dict[str, Any]:
             raise ProtocolError(f"binary batch body of {n} bytes ends inside tensor {k}'s desc (at byte {at})")
         at += desc_len
         key = (raw, offset, length)
-        v = _VIEWS.get(key)
-        if v is None:
+        vd = _VIEWS.get(key)
+        if vd is None:
             name, dtype, shape = _DESCS.get(raw) or _desc(raw, k)
+            v = TensorView(name, dtype, shape, offset, length)
             if len(_VIEWS) >= _MAX_DESCS:
                 _VIEWS.clear()
-            v = _VIEWS[key] = TensorView(name, dtype, shape, offset, length)
-        views.append(v)
+            vd = _VIEWS[key] = (v, _sized_dtype(v))
+        views.append(vd)
     if at + state_len != n:
         raise ProtocolError(f"binary batch body of {n} bytes: tensors end at byte {at}, its state of {state_len} bytes does not end the body")
     return {

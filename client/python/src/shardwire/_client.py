@@ -9,7 +9,6 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 import select
@@ -27,7 +26,7 @@ from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._options import StreamOptions, document
 from ._tensor import Tensor
-from ._types import StreamInfo, TensorView, _BatchBase, _dtype, _StreamBase, _tensor_view
+from ._types import StreamInfo, TensorView, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
@@ -150,13 +149,11 @@ class Client:
             conn.close()
 
 
-def _tensor(region: memoryview | CudaRegion, v: TensorView) -> Any:
+def _tensor(region: memoryview | CudaRegion, v: TensorView, dt: np.dtype[Any] | None = None) -> Any:
     """A read-only numpy view of tensor `v` in `region` (no copy); a CudaTensor for a CUDA
-    region."""
-    dt = _dtype(v)
-    count = math.prod(v.shape)
-    if count * dt.itemsize != v.length:
-        raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {count * dt.itemsize} bytes, the service says {v.length}")
+    region. `dt`: `v`'s dtype already checked against its length (see ``_sized_dtype``)."""
+    if dt is None:
+        dt = _sized_dtype(v)
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
     if isinstance(region, CudaRegion):
@@ -211,10 +208,15 @@ class Batch(_BatchBase):
 
     _NAME = "Batch"
 
-    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView], region: memoryview | CudaRegion) -> None:
+    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView],
+                 region: memoryview | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
         self._stream = stream
         self._released = False
-        super().__init__(lease, epoch, index, shard, views, {v.name: _tensor(region, v) for v in views})
+        if dtypes is None:
+            tensors = {v.name: _tensor(region, v) for v in views}
+        else:
+            tensors = {v.name: _tensor(region, v, dt) for v, dt in zip(views, dtypes)}
+        super().__init__(lease, epoch, index, shard, views, tensors)
 
     def _repr_state(self) -> str:
         state = "released" if self.released else ("kept" if self._kept else "leased")
@@ -484,8 +486,19 @@ class Stream(_StreamBase[Batch]):
         """
         return super().next(timeout)
 
+    def __next__(self) -> Batch:
+        # `next` without its argument checks and frames: once per step of a training loop.
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            b = None if self._ended else self._take(None)
+        if b is None:
+            raise StopIteration
+        return b
+
     def _take(self, timeout: float | None) -> Batch | None:
-        self._settle()
+        if self._inflight and self._inflight[0] == "release":
+            self._settle()
         if "next" not in self._inflight:
             self._send_next(self._auto)
         prev, self._auto = self._auto, None
@@ -501,14 +514,17 @@ class Stream(_StreamBase[Batch]):
                 raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
         kind = msg["op"]
         if kind == "batch":
-            binary = "views" in msg  # see shardwire._binary
-            views = msg["views"] if binary else [_tensor_view(t) for t in msg["tensors"]]
-            b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
-            if (msg["state_raw"] if binary else msg.get("state")) is None:
-                raise ProtocolError("a batch without its state: the node service is older than this SDK")
-            if binary:
+            if "views" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
+                pairs = msg["views"]
+                b = Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], [v for v, _ in pairs], self._region, [d for _, d in pairs])
+                if msg["state_raw"] is None:
+                    raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume_raw = msg["state_raw"]
             else:
+                views = [_tensor_view(t) for t in msg["tensors"]]
+                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
+                if "state" not in msg:
+                    raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume, self._resume_raw = dict(msg["state"]), None
             self._auto = b
             if not self._kept_leases:

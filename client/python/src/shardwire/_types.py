@@ -12,6 +12,7 @@ a transport adds what releasing it means.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,16 @@ def _dtype(v: TensorView) -> np.dtype[Any]:
     dt = _DTYPES.get(v.dtype)
     if dt is None:
         raise ProtocolError(f"tensor {v.name!r} has dtype {v.dtype!r}, unknown to this SDK")
+    return dt
+
+
+def _sized_dtype(v: TensorView) -> np.dtype[Any]:
+    """The numpy dtype of `v`, checked against its length; ProtocolError if this SDK does not
+    know it or its shape does not take `v.length` bytes."""
+    dt = _dtype(v)
+    size = math.prod(v.shape) * dt.itemsize
+    if size != v.length:
+        raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {size} bytes, the service says {v.length}")
     return dt
 
 
