@@ -185,6 +185,7 @@ def test_bindings_are_created_and_deleted_over_the_admin_api(sw, tmp_path):
     epoch(2)
     frags = node.status()["devmem"]["frags"]
     assert frags >= m["total_bytes"] // 4096, node.status()["devmem"]
+    assert 'shardwire_devmem_frags_total{lane="0"}' in _metrics(node), "the binding's series while it is bound"
 
     # Delete: waits for the readers, unbinds; the next epoch is plain TCP again.
     code, body = _call(node.admin, "DELETE", f"/v1/bindings/{bid}")
@@ -192,8 +193,17 @@ def test_bindings_are_created_and_deleted_over_the_admin_api(sw, tmp_path):
     assert _call(node.admin, "DELETE", f"/v1/bindings/{bid}")[0] == 404
     st = wait_ready(node)
     assert st["mode"]["receive"] == "host" and st["devmem"] is None, st["mode"]
+    # The deleted binding's series are gone from /metrics, not left at their last values.
+    left = [l for l in _metrics(node).splitlines() if l.startswith("shardwire_devmem_")]
+    assert not left, left
     epoch(3)
     assert node.status()["counters"]["crc_failures"] == 0
+
+
+def _metrics(node) -> str:
+    code, body = http_get(node.admin, "/metrics")
+    assert code == 200, body
+    return body
 
 
 def _cfg(tmp_path, token) -> str:

@@ -260,7 +260,7 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
         "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle"]),
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         // Per lane: a series appears with its lane's binding.
-        n if n.starts_with("shardwire_devmem_") => vec![],
+        n if n.starts_with(DEVMEM) => vec![],
         _ => vec![vec![]],
     }
 }
@@ -274,7 +274,13 @@ pub fn render(st: &Status) -> String {
         .into_iter()
         .filter(|(d, _)| d.unit == Unit::Seconds)
         .collect();
-    render_text(&seconds)
+    let bound: Vec<String> = st
+        .lanes
+        .iter()
+        .filter_map(|l| l.binding.as_ref())
+        .map(|d| d.lane.to_string())
+        .collect();
+    render_text(&seconds, &bound)
 }
 
 /// Sets one of the node's integer counters in the recorder.
@@ -352,12 +358,19 @@ fn record_binding(d: &BindingStatus) {
 /// label order; histogram series as the recorder keeps them, in registration order, each
 /// with its buckets in `le` order), then the node's counters in seconds, rendered here (the
 /// recorder's counters are integers).
-fn render_text(seconds: &[(&CounterDef, f64)]) -> String {
+fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String]) -> String {
     let mut blocks: Vec<(String, String)> = handle()
         .render()
         .split("\n\n")
         .filter(|b| !b.trim().is_empty())
         .map(|b| (family_name(b), sorted_block(b)))
+        .filter_map(|(name, b)| {
+            if name.starts_with(DEVMEM) {
+                bound_only(&b, bound).map(|b| (name, b))
+            } else {
+                Some((name, b))
+            }
+        })
         .collect();
     let mut families: Vec<&str> = seconds.iter().map(|(d, _)| d.metric).collect();
     families.dedup();
@@ -387,6 +400,26 @@ fn render_text(seconds: &[(&CounterDef, f64)]) -> String {
         out.push_str("\n\n");
     }
     out
+}
+
+/// The prefix of the per-lane binding families ([`record_binding`]).
+const DEVMEM: &str = "shardwire_devmem_";
+
+/// A devmem family's block without the series of lanes that have no binding now (the
+/// recorder keeps a deleted binding's last values; `DELETE /v1/bindings` must not leave them
+/// looking live), or None when no series is left.
+fn bound_only(block: &str, bound: &[String]) -> Option<String> {
+    let lane_of = |l: &str| {
+        let rest = l.split_once("lane=\"")?.1;
+        Some(rest[..rest.find('"')?].to_owned())
+    };
+    let keep = |l: &&str| l.starts_with('#') || lane_of(l).is_some_and(|n| bound.contains(&n));
+    let lines: Vec<&str> = block.lines().filter(keep).collect();
+    lines.iter().any(|l| !l.starts_with('#')).then(|| {
+        let mut out = lines.join("\n");
+        out.push('\n');
+        out
+    })
 }
 
 /// The family a block describes: the name on its `# TYPE` line (or its first sample's).
@@ -433,6 +466,21 @@ mod tests {
         let h = "# TYPE h histogram\nh_bucket{le=\"0.5\"} 1\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.1\nh_count 1";
         assert_eq!(sorted_block(h), format!("{h}\n"));
         assert_eq!(family_name(h), "h");
+    }
+
+    #[test]
+    fn devmem_series_of_unbound_lanes_are_left_out() {
+        let b = "# HELP shardwire_devmem_frags_total x\n# TYPE shardwire_devmem_frags_total counter\n\
+                 shardwire_devmem_frags_total{lane=\"0\"} 5\nshardwire_devmem_frags_total{lane=\"1\"} 7\n";
+        let kept = bound_only(b, &["1".to_owned()]).unwrap();
+        assert!(
+            kept.contains("{lane=\"1\"} 7") && !kept.contains("lane=\"0\""),
+            "{kept}"
+        );
+        assert!(kept.starts_with("# HELP"), "{kept}");
+        assert_eq!(bound_only(b, &[]), None);
+        // `lane="1"` is not `lane="10"`.
+        assert_eq!(bound_only(b, &["10".to_owned()]), None);
     }
 
     #[test]
