@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+from collections import Counter
 
 import pytest
 
@@ -221,9 +222,15 @@ def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, 
     # The region holds a few shards at a time; the hints name the next 256, so the source
     # reads them ahead and most FETCHes find their bytes already in memory.
     assert served.get("prefetched", 0) >= 20, served
-    # Read ahead in the plan's (shuffled) order: each shard read once.
+    # Read ahead in the plan's (shuffled) order: each shard read once. A GET the client gave
+    # up on (the store stalled past the request timeout; object_store retries it) delivered
+    # nothing to it (no status, no bytes, or the proxy saw the client gone), so it is not a
+    # second read; every other GET counts.
     data = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
-    assert len(data) == 40, len(data)
+    answered = [e for e in data if e.status is not None and e.response_bytes > 0 and e.error is None]
+    per_shard = Counter(e.path for e in answered)
+    assert len(per_shard) == 40 and set(per_shard.values()) == {1}, (per_shard, [e for e in data if e not in answered])
+    assert len(data) - len(answered) <= 20, data  # retries only after stalls, bounded
 
 
 def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):
