@@ -68,11 +68,21 @@ def gets(proxy, bucket: str) -> list:
     return [e for e in proxy.requests("GET", f"/{bucket}/") if e.range]
 
 
-def answered(exchanges: list) -> list:
-    """The GETs the store answered to the client. A GET the client gave up on (the store
-    stalled past the request timeout; object_store retries it) has no status, no bytes, or
-    the proxy saw the client gone: it read nothing, so it is no second read of its shard."""
-    return [e for e in exchanges if e.status is not None and e.response_bytes > 0 and e.error is None]
+def retried(src) -> int:
+    """GETs object_store sent again after a transport error (a read timeout when moto stalls):
+    the source logs each retry, and each may read its range a second time."""
+    return src.stderr_text().count("Encountered transport error")
+
+
+def repeats(exchanges: list) -> list:
+    """The exchanges whose (path, range) an earlier one already asked for."""
+    seen, again = set(), []
+    for e in exchanges:
+        key = (e.path, e.range)
+        if key in seen:
+            again.append(e)
+        seen.add(key)
+    return again
 
 
 def test_a_dataset_in_s3_is_served_byte_exact_with_ranged_gets_pinned_to_the_etag(sw, s3, s3_bucket, s3_proxy, tmp_path):
@@ -91,8 +101,14 @@ def test_a_dataset_in_s3_is_served_byte_exact_with_ranged_gets_pinned_to_the_eta
     assert all(e.signed for e in g)
     sizes = [int(e.range.split("-")[1]) - int(e.range.split("=")[1].split("-")[0]) + 1 for e in g]
     assert max(sizes) <= 1 << 20, f"a GET larger than the request size: {max(sizes)}"
-    # Shard data is read once (the manifest and listing aside): no whole-object re-reads.
-    data_bytes = sum(e.response_bytes for e in g if "manifest" not in e.path)
+    # Shard data is read once (the manifest and listing aside): no whole-object re-reads; a
+    # range asked for again only as a logged retry.
+    data = [e for e in g if "manifest" not in e.path]
+    assert len(repeats(data)) <= retried(src), [(e.path, e.range) for e in repeats(data)]
+    by_range: dict = {}
+    for e in data:
+        by_range[(e.path, e.range)] = max(by_range.get((e.path, e.range), 0), e.response_bytes)
+    data_bytes = sum(by_range.values())
     assert data_bytes == sum(s["length"] for s in m["shards"]), data_bytes
     st = source_status(src)
     ds = st["datasets"][0]
@@ -111,8 +127,9 @@ def test_a_second_epoch_is_served_from_the_cache_without_a_get_and_so_is_a_resta
     src, node, batches = run_epochs(sw, url, s3_proxy.env(), *flags, epochs=2)
     assert len(batches) == 16
     assert_byte_exact(batches, expected_crcs(d))
-    first = len(answered(gets(s3_proxy, s3_bucket)))
-    assert 8 <= first <= 9, f"{first} ranged GETs for 8 shards over two epochs"  # (+ the manifest)
+    first = len(gets(s3_proxy, s3_bucket))
+    # (+ the manifest; + any retry the source logged)
+    assert 8 <= first <= 9 + retried(src), f"{first} ranged GETs for 8 shards over two epochs"
     entries = sorted(p.name for p in (cache / "ds").iterdir())
     assert len(entries) == 8, entries
     node.stop()
@@ -135,13 +152,13 @@ def test_a_cache_smaller_than_the_dataset_keeps_a_stable_slice_instead_of_churni
     src, node, batches = run_epochs(sw, url, s3_proxy.env(), "--cache-dir", cache, "--cache-size", "4MiB", epochs=3)
     assert len(batches) == 30
     assert_byte_exact(batches, expected_crcs(d))
-    data = answered([e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path])
+    data = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
     # LRU would read all 10 shards in every epoch (30 GETs). Eviction by next use keeps 4
     # shards across epochs: epochs 2 and 3 read at most the other 6 each, and then some: one
     # full run on the loaded 2-core host read 23, one more than that (not reproduced in 14
     # runs of this test alone, 8 of them beside 3 busy loops; the cause is not established:
     # the hints reach the source asynchronously). Two more are allowed; churn would be 30.
-    assert len(data) <= 10 + 2 * 6 + 2, [(e.path.rsplit("/", 1)[-1], e.range, round(e.started, 3)) for e in data]
+    assert len(data) <= 10 + 2 * 6 + 2 + retried(src), [(e.path.rsplit("/", 1)[-1], e.range, round(e.started, 3)) for e in data]
     assert len(list((cache / "ds").iterdir())) == 4
     st = source_status(src)["datasets"][0]["object_store"]["cache"]
     assert st["bytes"] <= 4 << 20 and st["entries"] == 4, st
@@ -229,14 +246,14 @@ def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, 
     # The region holds a few shards at a time; the hints name the next 256, so the source
     # reads them ahead and most FETCHes find their bytes already in memory.
     assert served.get("prefetched", 0) >= 20, served
-    # Read ahead in the plan's (shuffled) order: each shard read once (a GET the store left
-    # unanswered, retried by object_store after a stall of moto's, is no second read; one full
-    # run had 10 of them: 50 GETs for 40 shards).
+    # Read ahead in the plan's (shuffled) order: each shard read once, a range asked for
+    # again only as a retry the source logged (one full run: moto stalled past the read
+    # timeout, 10 retries, 50 GETs for 40 shards).
     data = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
-    read = answered(data)
-    per_shard = Counter(e.path for e in read)
-    assert len(per_shard) == 40 and set(per_shard.values()) == {1}, (per_shard, [e for e in data if e not in read])
-    assert len(data) - len(read) <= 20, data  # retries only after stalls, bounded
+    again = repeats(data)
+    assert len(again) <= retried(src), [(e.path, e.range) for e in again]
+    per_shard = Counter(e.path for e in data if e not in again)
+    assert len(per_shard) == 40 and set(per_shard.values()) == {1}, per_shard
 
 
 def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):
