@@ -127,8 +127,8 @@ pub fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) 
     frame(out, |out| fast::encode_next(timeout_ms, release, out))
 }
 
-/// Appends a length prefix and the body `body` writes, or nothing when `body` says it wrote
-/// none (returns false).
+/// Appends a length prefix and the body `body` writes; when `body` returns false, drops what
+/// it wrote and returns false.
 fn frame_if(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>) -> bool) -> bool {
     let start = out.len();
     out.extend_from_slice(&[0; 4]);
@@ -143,11 +143,10 @@ fn frame_if(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>) -> bool) -> bool 
 
 /// Appends a length prefix and the body `body` writes.
 fn frame(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
-    let start = out.len();
-    out.extend_from_slice(&[0; 4]);
-    body(out);
-    let len = (out.len() - start - 4) as u32;
-    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    frame_if(out, |out| {
+        body(out);
+        true
+    });
 }
 
 #[cfg(test)]

@@ -75,7 +75,7 @@ def test_binary_and_json_describe_the_same_batches(sock: str):
         for k in ("epoch", "index", "shard"):
             assert j[k] == b[k], (k, j, b)
         want = [(t["name"], t["dtype"], tuple(t["shape"]), t["length"]) for t in j["tensors"]]
-        got = [(v.name, v.dtype, v.shape, v.length) for v, _ in b["views"]]
+        got = [(v.name, v.dtype, v.shape, v.length) for v in b["views"]]
         assert got == want
         # The state rides as the same JSON object.
         assert json.loads(b["state_raw"]) == j["state"]
@@ -93,7 +93,7 @@ def documented_body() -> bytes:
 def test_the_documented_layout_is_what_the_sdk_reads():
     msg = _binary.decode(documented_body())
     assert (msg["lease"], msg["index"], msg["epoch"], msg["shard"]) == (77, 1, 0, 9)
-    ((v, dt),) = msg["views"]
+    (v,), (dt,) = msg["views"], msg["dtypes"]
     assert dt == "float32"
     assert (v.name, v.dtype, v.shape, v.offset, v.length) == ("x", "float32", (4, 8), 4096, 128)
     assert json.loads(msg["state_raw"])["index"] == 2

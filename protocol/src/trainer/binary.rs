@@ -57,8 +57,9 @@ pub enum BinaryBatchError {
     State(String),
 }
 
-/// Appends the body of a binary `batch` reply, or returns false (appending nothing) for any
-/// other reply or when a count or length does not fit its field: the caller then sends JSON.
+/// Appends the body of a binary `batch` reply; false for any other reply or when a count or
+/// length does not fit its field: the caller (`frame_if`) then drops what was appended and
+/// sends JSON.
 pub(super) fn encode_batch(r: &Response, out: &mut Vec<u8>) -> bool {
     let Response::Batch {
         lease,
@@ -82,17 +83,13 @@ pub(super) fn encode_batch(r: &Response, out: &mut Vec<u8>) -> bool {
     out.extend_from_slice(&index.to_le_bytes());
     out.extend_from_slice(&epoch.to_le_bytes());
     out.extend_from_slice(&shard.to_le_bytes());
-    for t in tensors {
-        if !push_tensor(t, out) {
-            out.truncate(start);
-            return false;
-        }
+    if !tensors.iter().all(|t| push_tensor(t, out)) {
+        return false;
     }
     if let Some(st) = state {
         let at = out.len();
         serde_json::to_writer(&mut *out, st).expect("a stream state serialises");
         let Ok(len) = u32::try_from(out.len() - at) else {
-            out.truncate(start);
             return false;
         };
         out[start + 4..start + 8].copy_from_slice(&len.to_le_bytes());

@@ -54,9 +54,9 @@ def _desc(raw: bytes, k: int) -> tuple[str, str, tuple[int, ...]]:
 
 def decode(body: bytes) -> dict[str, Any]:
     """A binary ``batch`` body as the reply dict the stream reads: ``op``, ``lease``,
-    ``epoch``, ``index``, ``shard``, ``views`` ((TensorView, numpy dtype) pairs, the dtype
-    known and the shape checked against the length) and ``state_raw`` (the state's JSON
-    bytes, or None). ProtocolError names what is malformed."""
+    ``epoch``, ``index``, ``shard``, ``views`` (TensorViews), ``dtypes`` (their numpy dtypes,
+    known and checked against each view's length) and ``state_raw`` (the state's JSON bytes,
+    or None). ProtocolError names what is malformed."""
     n = len(body)
     if n < _HEADER.size:
         raise ProtocolError(f"binary batch body of {n} bytes, shorter than its {_HEADER.size}-byte header")
@@ -64,7 +64,7 @@ def decode(body: bytes) -> dict[str, Any]:
     if tag != TAG:
         raise ProtocolError(f"binary batch body starts with byte {tag:#04x}, expected {TAG:#04x}")
     at = _HEADER.size
-    views = []
+    views, dtypes = [], []
     for k in range(count):
         if at + _TENSOR.size > n:
             raise ProtocolError(f"binary batch body of {n} bytes ends inside tensor {k} (at byte {at})")
@@ -82,7 +82,8 @@ def decode(body: bytes) -> dict[str, Any]:
             if len(_VIEWS) >= _MAX_DESCS:
                 _VIEWS.clear()
             vd = _VIEWS[key] = (v, _sized_dtype(v))
-        views.append(vd)
+        views.append(vd[0])
+        dtypes.append(vd[1])
     if at + state_len != n:
         raise ProtocolError(f"binary batch body of {n} bytes: tensors end at byte {at}, its state of {state_len} bytes does not end the body")
     return {
@@ -92,5 +93,6 @@ def decode(body: bytes) -> dict[str, Any]:
         "index": index,
         "shard": shard,
         "views": views,
+        "dtypes": dtypes,
         "state_raw": body[at:] if state_len else None,
     }

@@ -486,16 +486,6 @@ class Stream(_StreamBase[Batch]):
         """
         return super().next(timeout)
 
-    def __next__(self) -> Batch:
-        # `next` without its argument checks and frames: once per step of a training loop.
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            b = None if self._ended else self._take(None)
-        if b is None:
-            raise StopIteration
-        return b
-
     def _take(self, timeout: float | None) -> Batch | None:
         if self._inflight and self._inflight[0] == "release":
             self._settle()
@@ -514,9 +504,8 @@ class Stream(_StreamBase[Batch]):
                 raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
         kind = msg["op"]
         if kind == "batch":
-            if "views" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
-                pairs = msg["views"]
-                b = Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], [v for v, _ in pairs], self._region, [d for _, d in pairs])
+            if "dtypes" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
+                b = Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._region, msg["dtypes"])
                 if msg["state_raw"] is None:
                     raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume_raw = msg["state_raw"]

@@ -297,7 +297,10 @@ class _StreamBase(Generic[_BatchT]):
         return self
 
     def __next__(self) -> _BatchT:
-        b = self.next()
+        # `next()` without its argument check: once per step of a training loop.
+        with self._lock:
+            self._check_open()
+            b = None if self._ended else self._take(None)
         if b is None:
             raise StopIteration
         return b

@@ -99,15 +99,11 @@ class Conn:
         """True when bytes of a reply have already been received (no wait needed to read)."""
         return bool(self._buf)
 
-    def recv_reply(self) -> Message:
-        """Reads one reply that carries no file descriptors (every reply but ``attached``)."""
-        return self._recv_buffered()
-
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
         the caller owns and must close them)."""
         if not want_fds:
-            return self._recv_buffered(), []
+            return self.recv_reply(), []
         if self._buf:
             raise ProtocolError("a reply with file descriptors after buffered bytes")
         fds: list[int] = []
@@ -142,18 +138,15 @@ class Conn:
             _close_fds(fds)
             raise
         try:
-            msg = json.loads(body)
-        except ValueError as e:
+            return _decode(bytes(body)), fds
+        except ProtocolError:
             _close_fds(fds)
-            raise ProtocolError(f"malformed reply from the node service: {e}") from e
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            _close_fds(fds)
-            raise ProtocolError(f"reply without an op: {msg!r}")
-        return msg, fds
+            raise
 
-    def _recv_buffered(self) -> Message:
-        """One reply, reading as much as has arrived per call (usually the whole reply in
-        one `recv`, and the next one too when it has come). A binary ``batch`` body (see
+    def recv_reply(self) -> Message:
+        """Reads one reply that carries no file descriptors (every reply but ``attached``),
+        reading as much as has arrived per call (usually the whole reply in one `recv`, and
+        the next one too when it has come). A binary ``batch`` body (see
         :mod:`shardwire._binary`) comes back as the same kind of dict."""
         try:
             if not self._buf:
