@@ -297,7 +297,7 @@ impl Stream {
     ) -> Result<Option<Batch>, ClientError> {
         let timeout_ms = timeout.map(|t| t.as_millis() as u64);
         let release = done.as_ref().map(|b| b.lease);
-        self.send(|frame| trainer::encode_next(timeout_ms, release.as_slice(), frame))?;
+        self.send(|frame| trainer::encode_next(timeout_ms, release.as_slice(), 1, frame))?;
         // Freed while the node works on the answer instead of after it.
         drop(done);
         match self.answer()? {

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use shardwire_gpu::Slab;
 use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
-use shardwire_protocol::trainer::{BatchEncoding, ErrorCode, Request, Response, StreamRequest};
+use shardwire_protocol::trainer::{
+    BatchEncoding, ErrorCode, MAX_NEXT_COUNT, Request, Response, StreamRequest,
+};
 use tokio::sync::watch;
 
 use crate::node::Node;
@@ -232,9 +234,14 @@ impl Conn<'_> {
                 ErrorCode::AlreadyAttached,
                 "this connection already has a stream",
             ),
+            Request::Next { count, .. } if !(1..=MAX_NEXT_COUNT).contains(&count) => error(
+                ErrorCode::BadRequest,
+                format!("next asked for {count} batches; count is 1 to {MAX_NEXT_COUNT}"),
+            ),
             Request::Next {
                 release,
                 timeout_ms,
+                count,
             } => {
                 match release.iter().try_for_each(|l| {
                     s.take_lease(*l)
@@ -250,7 +257,8 @@ impl Conn<'_> {
                     },
                     Ok(()) => {
                         let n = s.next(timeout_ms.map(Duration::from_millis));
-                        next_response(n, self.batch_state.then_some(&*s))
+                        let first = next_response(n, self.batch_state.then_some(&*s));
+                        return self.send_with_ready(&s, first, count);
                     }
                 }
             }
@@ -319,6 +327,33 @@ impl Conn<'_> {
         fdpass::send_frame(&self.sock, &self.frame, &[])
     }
 
+    /// Sends `first` (the answer to a `next`) and, when it is a batch, up to `count - 1`
+    /// batches after it that are ready now (none is waited for), each but the last marked
+    /// `more`, all in one write.
+    fn send_with_ready(
+        &mut self,
+        s: &Stream,
+        mut first: Response,
+        count: u32,
+    ) -> Result<(), FrameIoError> {
+        self.frame.clear();
+        let mut taken = 1;
+        while taken < count && matches!(first, Response::Batch { .. }) {
+            let Next::Batch(b) = s.next(Some(Duration::ZERO)) else {
+                break;
+            };
+            let next = next_response(Next::Batch(b), self.batch_state.then_some(s));
+            if let Response::Batch { more, .. } = &mut first {
+                *more = true;
+            }
+            first.encode_as(self.batch_encoding, &mut self.frame);
+            first = next;
+            taken += 1;
+        }
+        first.encode_as(self.batch_encoding, &mut self.frame);
+        fdpass::send_frame(&self.sock, &self.frame, &[])
+    }
+
     /// A read that failed: a timeout is counted and answered, anything else answered.
     fn read_failed(&mut self, e: &FrameIoError) {
         if let FrameIoError::Timeout { phase, .. } = e {
@@ -355,6 +390,7 @@ fn next_response(n: Next, states: Option<&Stream>) -> Response {
             index: b.index,
             shard: b.shard,
             tensors: b.tensors,
+            more: false,
         },
         Next::End => Response::End,
         Next::Timeout => Response::Timeout,

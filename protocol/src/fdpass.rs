@@ -363,7 +363,7 @@ mod tests {
         send_frame(&a, &frames, &[file.as_fd()]).unwrap();
         // Split mid-prefix and mid-body: the reader waits for the rest.
         let mut next = Vec::new();
-        trainer::encode_next(Some(5), &[1, 2], &mut next);
+        trainer::encode_next(Some(5), &[1, 2], 1, &mut next);
         send_frame(&a, &next[..2], &[]).unwrap();
         let mut r = FrameReader::new();
         let body = r.read_data(&b).unwrap();
@@ -387,7 +387,8 @@ mod tests {
             trainer::Request::decode(r.read_data(&b).unwrap()).unwrap(),
             trainer::Request::Next {
                 timeout_ms: Some(5),
-                release: vec![1, 2]
+                release: vec![1, 2],
+                count: 1,
             }
         );
         writer.join().unwrap();

@@ -61,7 +61,8 @@ impl Request {
             Self::Next {
                 timeout_ms,
                 release,
-            } => encode_next(*timeout_ms, release, out),
+                count,
+            } => encode_next(*timeout_ms, release, *count, out),
             other => encode(other, out),
         }
     }
@@ -86,11 +87,12 @@ impl Response {
                 shard,
                 tensors,
                 state,
+                more,
             } => frame(out, |out| {
                 fast::encode_batch(
                     (*lease, *epoch, *index, *shard),
                     tensors,
-                    state.as_ref(),
+                    (state.as_ref(), *more),
                     out,
                 )
             }),
@@ -123,8 +125,10 @@ impl Response {
 
 /// Appends a `next` request frame: the bytes of [`Request::Next`] with these fields, without
 /// building the request.
-pub fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) {
-    frame(out, |out| fast::encode_next(timeout_ms, release, out))
+pub fn encode_next(timeout_ms: Option<u64>, release: &[u64], count: u32, out: &mut Vec<u8>) {
+    frame(out, |out| {
+        fast::encode_next(timeout_ms, release, count, out)
+    })
 }
 
 /// Appends a length prefix and the body `body` writes; when `body` returns false, drops what

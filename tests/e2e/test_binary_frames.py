@@ -83,6 +83,60 @@ def test_binary_and_json_describe_the_same_batches(sock: str):
         assert len(bbody) < len(jbody)
 
 
+def read_reply(s: socket.socket) -> tuple[dict[str, Any], bytes]:
+    (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+    body = s.recv(n, socket.MSG_WAITALL)
+    return _wire._decode(body), body
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json"])
+def test_next_with_count_answers_the_ready_batches_in_one_write(sock: str, encoding: str):
+    """`next` with `count`: the first batch, then those ready at once, each but the last
+    marked `more`; every batch once, in plan order, and the same batches as `count` 1 asks
+    for. A count out of range is refused with `bad_request` and the stream goes on."""
+    want = [(m["epoch"], m["index"], m["shard"]) for m, _ in replies(sock, encoding)]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(sock)
+    conn = _wire.Conn(s)
+    try:
+        attach = {"op": "attach", "version": 1, "dataset": "mix", "seed": 5, "epochs": 2, "batch_state": True}
+        conn.send({**attach, "batch_encoding": encoding})
+        msg, fds = conn.recv(want_fds=True)
+        _wire._close_fds(fds)
+        assert msg["op"] == "attached", msg
+        for bad in (0, 65):
+            conn.send_bytes(_wire.encode_next((), bad))
+            err, _ = read_reply(s)
+            assert err["op"] == "error" and err["code"] == "bad_request", err
+            assert f"next asked for {bad} batches; count is 1 to 64" in err["message"], err
+        got, groups, release = [], [], ()
+        while True:
+            conn.send_bytes(_wire.encode_next(release, 4))
+            group = []
+            while True:
+                msg, body = read_reply(s)
+                if msg["op"] == "end":
+                    assert not group
+                    break
+                assert msg["op"] == "batch", msg
+                assert body[:1] == (bytes([_binary.TAG]) if encoding == "binary" else b"{")
+                group.append(msg)
+                if not msg.get("more"):
+                    break
+            if not group:
+                break
+            groups.append(len(group))
+            got += [(m["epoch"], m["index"], m["shard"]) for m in group]
+            release = tuple(m["lease"] for m in group)
+        assert got == want
+        assert max(groups) <= 4
+        # Shard mode keeps the region full of fetched shards: most requests find more ready.
+        assert max(groups) > 1, groups
+    finally:
+        conn.close()
+
+
 def documented_body() -> bytes:
     """One tensor `x` float32 [4, 8] at 4096 and a state, packed as the docs' table says."""
     state = b'{"epoch":0,"index":2,"seed":1,"fingerprint":"f"}'
@@ -108,6 +162,7 @@ def test_the_documented_layout_is_what_the_sdk_reads():
         (lambda b: b + b"!", "does not end the body"),
         (lambda b: b[:50] + b"\x09" + b[51:], "desc of 28 bytes does not match its fields"),  # name_len 9
         (lambda b: b"\x02" + b[1:], "starts with byte 0x02"),
+        (lambda b: b[:1] + b"\x05" + b[2:], "flags 0x05 set bits this SDK does not know"),
         (lambda b: b[:40] + struct.pack("<Q", 100) + b[48:], "shape \\(4, 8\\) of float32 is 128 bytes, the service says 100"),
     ],
 )

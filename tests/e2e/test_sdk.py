@@ -52,6 +52,7 @@ from sdk_harness import (  # the shared harness; puts the SDK on sys.path
     write_mix,
 )
 import shardwire  # noqa: E402
+from shardwire._client import _NEXT_COUNT  # noqa: E402
 from shardwire.torch import effective_rank, open_at_epoch  # noqa: E402
 
 
@@ -152,19 +153,20 @@ def test_one_epoch_values_readonly_zero_copy(world: World):
 
 def test_auto_release_keep_and_release(world: World):
     admin = world.serve.admin
-    # The stream asks for the batch after the one it hands out ahead of time: the service
-    # then holds at most one lease more than the trainer (the batch on its way).
+    # The stream asks ahead of time for up to _NEXT_COUNT batches after the one it hands out,
+    # and releases the batches handed out before in that request: the service then holds the
+    # trainer's batch, at most one whose release waits for that request, and those asked for.
     with world.client().open_stream("mix", seed=1) as s:
         for _ in range(5):
             b = s.next(timeout=WAIT)
             assert b is not None
-            assert leased(admin, s.info.stream) <= 2, "the previous batch was not auto-released"
+            assert leased(admin, s.info.stream) <= 1 + _NEXT_COUNT, "batches were not auto-released"
         assert not b.released
         b.release()
         assert b.released
         # With a `next` in flight the release goes out behind it and is not waited for: the
         # service drops the lease once it has answered that request.
-        wait_for(lambda: leased(admin, s.info.stream) <= 1, "the released batch's lease to go")
+        wait_for(lambda: leased(admin, s.info.stream) <= _NEXT_COUNT, "the released batch's lease to go")
         b.release()  # twice: no-op
 
     with world.client().open_stream("mix", seed=1) as s:
@@ -174,9 +176,9 @@ def test_auto_release_keep_and_release(world: World):
             assert b is not None
             kept.append(b.keep())
             copies.append({k: np.array(v) for k, v in b.items()})
-            # Before the first keep() the stream asked for batch 1 ahead of time; while
-            # batches are kept it asks for nothing ahead.
-            want = (1, 2) if i == 0 else (i + 1,)
+            # Before the first keep() the stream asked for up to _NEXT_COUNT batches ahead of
+            # time (those ready at once came); while batches are kept it asks for nothing ahead.
+            want = range(i + 1, max(i + 1, 1 + _NEXT_COUNT) + 1)
             assert leased(admin, s.info.stream) in want, "kept batches must stay leased"
         # kept batches' bytes are unchanged while leased
         for b, c in zip(kept, copies):

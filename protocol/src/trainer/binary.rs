@@ -7,7 +7,8 @@
 //! Body (after the frame's `u32` length):
 //!
 //! ```text
-//! tag u8 = 0x01 | 0 u8 | tensors u16 | state_len u32 | lease u64 | index u64 | epoch u32 | shard u32
+//! tag u8 = 0x01 | flags u8 | tensors u16 | state_len u32 | lease u64 | index u64 | epoch u32 | shard u32
+//! flags: bit 0 = more (another batch answering the same `next` follows); other bits 0
 //! per tensor: offset u64 | length u64 | desc_len u16 | desc
 //!   desc = name_len u16 | name (UTF-8) | dtype_len u8 | dtype name | ndim u8 | dims u64 x ndim
 //! state_len bytes: the state's JSON (0: no state)
@@ -24,6 +25,8 @@ use crate::DType;
 pub const BINARY_BATCH_TAG: u8 = 0x01;
 /// Bytes of the fixed header.
 const HEADER: usize = 32;
+/// `flags` bit: another batch answering the same `next` follows.
+const FLAG_MORE: u8 = 0x01;
 
 /// Why a binary `batch` body is not acceptable.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -41,6 +44,9 @@ pub enum BinaryBatchError {
     /// Not the tag of a binary batch.
     #[error("binary batch body starts with byte {0:#04x}, expected {BINARY_BATCH_TAG:#04x}")]
     Tag(u8),
+    /// A flag this decoder does not know is set.
+    #[error("binary batch flags {0:#04x} set unknown bits (known: {FLAG_MORE:#04x} more)")]
+    Flags(u8),
     /// A tensor's name is not UTF-8, or its dtype is unknown.
     #[error("binary batch tensor {index}: {what}")]
     Tensor {
@@ -68,6 +74,7 @@ pub(super) fn encode_batch(r: &Response, out: &mut Vec<u8>) -> bool {
         shard,
         tensors,
         state,
+        more,
     } = r
     else {
         return false;
@@ -76,7 +83,7 @@ pub(super) fn encode_batch(r: &Response, out: &mut Vec<u8>) -> bool {
     let Ok(count) = u16::try_from(tensors.len()) else {
         return false;
     };
-    out.extend_from_slice(&[BINARY_BATCH_TAG, 0]);
+    out.extend_from_slice(&[BINARY_BATCH_TAG, if *more { FLAG_MORE } else { 0 }]);
     out.extend_from_slice(&count.to_le_bytes());
     out.extend_from_slice(&[0; 4]); // state_len, patched below
     out.extend_from_slice(&lease.to_le_bytes());
@@ -174,7 +181,10 @@ pub fn decode_batch(body: &[u8]) -> Result<Response, BinaryBatchError> {
     if tag != BINARY_BATCH_TAG {
         return Err(BinaryBatchError::Tag(tag));
     }
-    r.u8("reserved")?;
+    let flags = r.u8("flags")?;
+    if flags & !FLAG_MORE != 0 {
+        return Err(BinaryBatchError::Flags(flags));
+    }
     let count = r.u16("tensors")?;
     let state_len = r.u32("state_len")? as usize;
     let lease = r.u64("lease")?;
@@ -202,6 +212,7 @@ pub fn decode_batch(body: &[u8]) -> Result<Response, BinaryBatchError> {
         shard,
         tensors,
         state,
+        more: flags & FLAG_MORE != 0,
     })
 }
 

@@ -37,7 +37,7 @@ fn push_str(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-pub(super) fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Vec<u8>) {
+pub(super) fn encode_next(timeout_ms: Option<u64>, release: &[u64], count: u32, out: &mut Vec<u8>) {
     out.extend_from_slice(br#"{"op":"next","timeout_ms":"#);
     match timeout_ms {
         Some(t) => push_u64(out, t),
@@ -53,13 +53,17 @@ pub(super) fn encode_next(timeout_ms: Option<u64>, release: &[u64], out: &mut Ve
         }
         out.push(b']');
     }
+    if count != 1 {
+        out.extend_from_slice(br#","count":"#);
+        push_u64(out, count.into());
+    }
     out.push(b'}');
 }
 
 pub(super) fn encode_batch(
     (lease, epoch, index, shard): (u64, u32, u64, u32),
     tensors: &[TensorView],
-    state: Option<&StreamState>,
+    (state, more): (Option<&StreamState>, bool),
     out: &mut Vec<u8>,
 ) {
     out.extend_from_slice(br#"{"op":"batch","lease":"#);
@@ -97,6 +101,9 @@ pub(super) fn encode_batch(
         // Small and rare next to the tensors: serde writes it, as the derived code would.
         out.extend_from_slice(br#","state":"#);
         serde_json::to_writer(&mut *out, st).expect("a stream state serialises");
+    }
+    if more {
+        out.extend_from_slice(br#","more":true"#);
     }
     out.push(b'}');
 }
@@ -182,11 +189,12 @@ fn dtype(name: &str) -> Option<DType> {
     DType::from_name(name)
 }
 
-/// `{"op":"next"` then `timeout_ms` (a number or null) and `release`, each at most once.
+/// `{"op":"next"` then `timeout_ms` (a number or null), `release` and `count`, each at most
+/// once.
 pub(super) fn decode_next(body: &[u8]) -> Option<Request> {
     let mut c = Cursor { b: body, i: 0 };
     c.lit(br#"{"op":"next""#)?;
-    let (mut timeout_ms, mut release) = (None, None);
+    let (mut timeout_ms, mut release, mut count) = (None, None, None);
     while !c.eat(b"}") {
         if c.eat(br#","timeout_ms":"#) {
             if timeout_ms.is_some() {
@@ -198,6 +206,11 @@ pub(super) fn decode_next(body: &[u8]) -> Option<Request> {
                 return None;
             }
             release = Some(c.u64s()?);
+        } else if c.eat(br#","count":"#) {
+            if count.is_some() {
+                return None;
+            }
+            count = Some(c.u32()?);
         } else {
             return None;
         }
@@ -206,6 +219,7 @@ pub(super) fn decode_next(body: &[u8]) -> Option<Request> {
     Some(Request::Next {
         timeout_ms: timeout_ms.flatten(),
         release: release.unwrap_or_default(),
+        count: count.unwrap_or(1),
     })
 }
 
@@ -248,6 +262,7 @@ pub(super) fn decode_batch(body: &[u8]) -> Option<Response> {
             }
         }
     }
+    let more = c.eat(br#","more":true"#);
     c.lit(b"}")?;
     c.end()?;
     Some(Response::Batch {
@@ -257,5 +272,6 @@ pub(super) fn decode_batch(body: &[u8]) -> Option<Response> {
         shard,
         tensors,
         state: None, // a batch with a state is left to the derived decoder
+        more,
     })
 }

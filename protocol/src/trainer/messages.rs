@@ -12,6 +12,8 @@ pub use crate::samples::Shuffle;
 pub const TRAINER_VERSION: u32 = 1;
 /// Largest trainer frame.
 pub const MAX_TRAINER_FRAME: usize = 1 << 20;
+/// The most batches one `next` may ask for (`count`).
+pub const MAX_NEXT_COUNT: u32 = 64;
 
 /// Resumable position of a stream.
 ///
@@ -406,7 +408,9 @@ pub enum Request {
     /// Open a stream on this connection and receive its region.
     Attach(Box<StreamRequest>),
     /// Take the next batch (waits up to `timeout_ms`, default forever), after releasing the
-    /// leases in `release` (so a training loop needs one round trip per batch).
+    /// leases in `release` (so a training loop needs one round trip per batch). With `count`
+    /// above 1, the batches after it that are ready at once come in the same write, up to
+    /// `count` in all, each but the last marked `more` (nothing else is waited for).
     Next {
         /// Wait limit in milliseconds.
         #[serde(default)]
@@ -414,6 +418,9 @@ pub enum Request {
         /// Leases to release first.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         release: Vec<u64>,
+        /// At most this many batches in answer, 1..=[`MAX_NEXT_COUNT`].
+        #[serde(default = "one", skip_serializing_if = "is_one")]
+        count: u32,
     },
     /// Give a batch's memory back.
     Release {
@@ -429,6 +436,10 @@ pub enum Request {
 
 fn one() -> u32 {
     1
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn version() -> u32 {
@@ -515,6 +526,9 @@ pub enum Response {
         /// With `batch_state` at attach: the state that resumes right after this batch.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         state: Option<StreamState>,
+        /// Another `batch` answering the same `next` follows (its `count` was above 1).
+        #[serde(default, skip_serializing_if = "is_false")]
+        more: bool,
     },
     /// No batch arrived within the timeout.
     Timeout,

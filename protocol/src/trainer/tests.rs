@@ -137,10 +137,10 @@ fn batches() -> impl Strategy<Value = Response> {
         any::<u64>(),
         any::<u32>(),
         proptest::collection::vec(tensor, 0..4),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |(lease, epoch, index, shard, tensors, with_state)| Response::Batch {
+            |(lease, epoch, index, shard, tensors, (with_state, more))| Response::Batch {
                 lease,
                 epoch,
                 index: index / 2,
@@ -156,6 +156,7 @@ fn batches() -> impl Strategy<Value = Response> {
                     shuffle_block: None,
                     mix: None,
                 }),
+                more,
             },
         )
 }
@@ -164,10 +165,12 @@ fn nexts() -> impl Strategy<Value = Request> {
     (
         proptest::option::of(any::<u64>()),
         proptest::collection::vec(any::<u64>(), 0..4),
+        prop_oneof![Just(1u32), 0..=MAX_NEXT_COUNT + 1],
     )
-        .prop_map(|(timeout_ms, release)| Request::Next {
+        .prop_map(|(timeout_ms, release, count)| Request::Next {
             timeout_ms,
             release,
+            count,
         })
 }
 
@@ -333,6 +336,7 @@ fn binary_batch_errors_name_the_field_and_oversized_replies_go_as_json() {
             length: 24,
         }],
         state: None,
+        more: false,
     };
     let mut buf = Vec::new();
     b.encode_as(BatchEncoding::Binary, &mut buf);
@@ -358,6 +362,18 @@ fn binary_batch_errors_name_the_field_and_oversized_replies_go_as_json() {
     bad[32 + 18 + 2 + 1 + 1] = b'q'; // "qloat32"
     let e = Response::decode(&bad).unwrap_err().to_string();
     assert!(e.contains("unknown dtype \"qloat32\""), "{e}");
+    // `more` is flag bit 0; a bit this decoder does not know is refused, not ignored.
+    let mut flagged = body.to_vec();
+    flagged[1] = 0x01;
+    assert!(matches!(
+        binary::decode_batch(&flagged),
+        Ok(Response::Batch { more: true, .. })
+    ));
+    flagged[1] = 0x03;
+    assert_eq!(
+        binary::decode_batch(&flagged).unwrap_err(),
+        binary::BinaryBatchError::Flags(0x03)
+    );
     // A name too long for its u16 field: the JSON form instead.
     let Response::Batch { mut tensors, .. } = b.clone() else {
         unreachable!()
@@ -370,6 +386,7 @@ fn binary_batch_errors_name_the_field_and_oversized_replies_go_as_json() {
         shard: 3,
         tensors,
         state: None,
+        more: true,
     };
     let mut buf = Vec::new();
     big.encode_as(BatchEncoding::Binary, &mut buf);

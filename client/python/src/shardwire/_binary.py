@@ -19,7 +19,9 @@ from ._types import TensorView, _sized_dtype
 
 #: First byte of a binary ``batch`` body (a JSON body starts with ``{``).
 TAG = 0x01
-_HEADER = struct.Struct("<BBHIQQII")  # tag, 0, tensors, state_len, lease, index, epoch, shard
+_HEADER = struct.Struct("<BBHIQQII")  # tag, flags, tensors, state_len, lease, index, epoch, shard
+#: `flags` bit: another batch answering the same ``next`` follows.
+FLAG_MORE = 0x01
 _TENSOR = struct.Struct("<QQH")  # offset, length, desc_len
 #: Parsed descs by their bytes: (name, dtype, shape). Bounded; cleared when full.
 _DESCS: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
@@ -55,14 +57,17 @@ def _desc(raw: bytes, k: int) -> tuple[str, str, tuple[int, ...]]:
 def decode(body: bytes) -> dict[str, Any]:
     """A binary ``batch`` body as the reply dict the stream reads: ``op``, ``lease``,
     ``epoch``, ``index``, ``shard``, ``views`` (TensorViews), ``dtypes`` (their numpy dtypes,
-    known and checked against each view's length) and ``state_raw`` (the state's JSON bytes,
-    or None). ProtocolError names what is malformed."""
+    known and checked against each view's length), ``state_raw`` (the state's JSON bytes,
+    or None) and ``more`` (truthy when another batch answering the same ``next`` follows).
+    ProtocolError names what is malformed."""
     n = len(body)
     if n < _HEADER.size:
         raise ProtocolError(f"binary batch body of {n} bytes, shorter than its {_HEADER.size}-byte header")
-    tag, _, count, state_len, lease, index, epoch, shard = _HEADER.unpack_from(body, 0)
+    tag, flags, count, state_len, lease, index, epoch, shard = _HEADER.unpack_from(body, 0)
     if tag != TAG:
         raise ProtocolError(f"binary batch body starts with byte {tag:#04x}, expected {TAG:#04x}")
+    if flags & ~FLAG_MORE:
+        raise ProtocolError(f"binary batch flags {flags:#04x} set bits this SDK does not know (known: {FLAG_MORE:#04x} more)")
     at = _HEADER.size
     views, dtypes = [], []
     for k in range(count):
@@ -95,4 +100,5 @@ def decode(body: bytes) -> dict[str, Any]:
         "views": views,
         "dtypes": dtypes,
         "state_raw": body[at:] if state_len else None,
+        "more": flags & FLAG_MORE,
     }

@@ -164,6 +164,10 @@ def _tensor(region: memoryview | CudaRegion, v: TensorView, dt: np.dtype[Any] | 
 
 #: The request :meth:`Stream._send_next` records as in flight (its bytes are encoded apart).
 _NEXT = {"op": "next"}
+#: Batches one ``next`` asks for: the service answers with the first and those ready at once
+#: after it (it keeps two assembled ahead in batch mode), so a loop pays one request and one
+#: receive per two batches; each lease beyond the trainer's waits for the next request.
+_NEXT_COUNT = 2
 
 
 class Batch(_BatchBase):
@@ -337,11 +341,14 @@ class Stream(_StreamBase[Batch]):
     **Ahead of time.** As soon as :meth:`next` returns a batch, the stream asks the service for
     the following one (releasing the previous batch in the same request), so the service
     answers while the trainer works on this batch and the next :meth:`next` finds the answer
-    waiting: the hand-off costs no round trip on the training loop's critical path. The
-    service holds that batch's lease from then on (at most one more than the trainer holds).
-    While the trainer keeps batches (:meth:`Batch.keep`) nothing is asked for ahead. Each
-    batch reply carries the state that resumes after it, so :meth:`state_dict` needs no
-    request.
+    waiting: the hand-off costs no round trip on the training loop's critical path. Each
+    request asks for up to ``_NEXT_COUNT`` batches, and the service adds to the first those
+    ready at once, in one write; the stream asks again when it hands out the last of them,
+    releasing the ones handed out before in that request. So a training loop pays one
+    request and one receive per few batches, and the service holds up to that many leases
+    beyond the trainer's. While the trainer keeps batches (:meth:`Batch.keep`) nothing is
+    asked for ahead. Each batch reply carries the state that resumes after it, so
+    :meth:`state_dict` needs no request.
 
     Attributes:
         info: What the service said at open (stream id, batches per epoch, epochs, memory).
@@ -366,6 +373,9 @@ class Stream(_StreamBase[Batch]):
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and a
         #: release sent behind a waiting request would wait with it).
         self._kept_leases: set[int] = set()
+        #: Leases of batches the trainer is done with (auto-released) whose release rides on
+        #: the next request: sent while more answers to the one in flight are still coming.
+        self._pending: list[int] = []
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
@@ -499,6 +509,8 @@ class Stream(_StreamBase[Batch]):
                 raise self._timeout(timeout)
             op, msg = reply
             if op == "next":
+                if msg.get("more"):
+                    self._inflight.appendleft("next")  # the same request answers again
                 break
             if msg["op"] != "released":
                 raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
@@ -516,7 +528,9 @@ class Stream(_StreamBase[Batch]):
                     raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume, self._resume_raw = dict(msg["state"]), None
             self._auto = b
-            if not self._kept_leases:
+            if "next" in self._inflight:
+                self._defer_release(prev)  # more answers are on their way: no request yet
+            elif not self._kept_leases:
                 self._send_next(prev)  # ahead of time; `prev` is the trainer's no more
             elif prev is not None and not prev._kept and not prev._released:
                 self._gpu_done()  # no request ahead to carry its release: release it now
@@ -525,11 +539,13 @@ class Stream(_StreamBase[Batch]):
             return b
         if kind == "end":
             self._ended = True
-            if prev is not None and not prev._kept and not prev._released:
-                # The last batch: nothing follows it to carry its release.
+            self._defer_release(prev)
+            if self._pending:
+                # The last batches: nothing follows them to carry their release.
                 self._gpu_done()
-                prev._released = True
-                self._reply({"op": "release", "lease": prev.lease}, "released")
+                for lease in self._pending:
+                    self._reply({"op": "release", "lease": lease}, "released")
+                self._pending.clear()
             return None
         self._auto = prev  # still the trainer's
         if kind == "timeout":
@@ -538,15 +554,21 @@ class Stream(_StreamBase[Batch]):
             raise _service_error(msg)
         raise ProtocolError(f"unexpected answer to next: {msg!r}")
 
-    def _send_next(self, prev: Batch | None) -> None:
-        """Asks for the next batch, releasing `prev` in the same request unless it was kept."""
-        release: tuple[int, ...] = ()
+    def _defer_release(self, prev: Batch | None) -> None:
+        """Marks `prev` released unless it was kept; its lease goes with the next request."""
         if prev is not None and not prev._kept and not prev._released:
-            if self._cuda is not None:
-                self._gpu_done()
             prev._released = True
-            release = (prev.lease,)
-        self._send(_NEXT, _wire.encode_next(release))
+            self._pending.append(prev.lease)
+
+    def _send_next(self, prev: Batch | None) -> None:
+        """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
+        whose release waited for a request, in the same request."""
+        self._defer_release(prev)
+        if self._pending and self._cuda is not None:
+            self._gpu_done()
+        count = 1 if self._kept_leases else _NEXT_COUNT
+        self._send(_NEXT, _wire.encode_next(self._pending, count))
+        self._pending.clear()
 
     def _release(self, batch: Batch) -> None:
         with self._lock:
@@ -597,6 +619,7 @@ class Stream(_StreamBase[Batch]):
         # Closing the connection is what tells the service (when it is still there).
         self._auto = None
         self._inflight.clear()
+        self._pending.clear()
         self._conn.close()
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.

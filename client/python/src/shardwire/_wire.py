@@ -43,12 +43,18 @@ def encode(msg: Message) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def encode_next(release: Sequence[int]) -> bytes:
-    """A ``next`` request releasing `release`: the bytes :func:`encode` writes, without the
-    generic encoder (one per batch on the training loop's path)."""
-    if not release:
+def encode_next(release: Sequence[int], count: int = 1) -> bytes:
+    """A ``next`` request releasing `release` and asking for up to `count` batches (those
+    ready at once after the first): the bytes :func:`encode` writes, without the generic
+    encoder (one per batch or fewer on the training loop's path)."""
+    if not release and count == 1:
         return _NEXT_ALONE
-    body = b'{"op":"next","release":[%s]}' % b",".join(b"%d" % int(x) for x in release)
+    body = b'{"op":"next"'
+    if release:
+        body += b',"release":[%s]' % b",".join(b"%d" % int(x) for x in release)
+    if count != 1:
+        body += b',"count":%d' % int(count)
+    body += b"}"
     return _LEN.pack(len(body)) + body
 
 
