@@ -9,6 +9,7 @@ resume state stays JSON bytes until a checkpoint asks for it.
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any
 
@@ -30,6 +31,17 @@ _DESCS: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
 #: is safe). Bounded likewise.
 _VIEWS: dict[tuple[bytes, int, int], tuple[TensorView, np.dtype[Any]]] = {}
 _MAX_DESCS = 1024
+
+
+def decode_state(raw: bytes) -> dict[str, Any]:
+    """The resume state a binary ``batch`` carried as JSON bytes (``state_raw``)."""
+    try:
+        state = json.loads(raw)
+    except ValueError as e:
+        raise ProtocolError(f"malformed state in a binary batch reply: {e}: {raw!r}") from e
+    if not isinstance(state, dict):
+        raise ProtocolError(f"the state in a binary batch reply is not an object: {raw!r}")
+    return state
 
 
 def _desc(raw: bytes, k: int) -> tuple[str, str, tuple[int, ...]]:

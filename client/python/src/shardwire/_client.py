@@ -8,7 +8,6 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import select
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from . import _device, _wire
+from . import _binary, _device, _wire
 from ._arrow import ArrowExport
 from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
@@ -593,14 +592,13 @@ class Stream(_StreamBase[Batch]):
         # The state after the last batch handed to the trainer (or the one attach started
         # from), as the batch replies carry it: no request.
         if self._resume_raw is not None:
-            try:
-                state = json.loads(self._resume_raw)
-            except ValueError as e:
-                raise ProtocolError(f"malformed state in a binary batch reply: {e}: {self._resume_raw!r}") from e
-            if not isinstance(state, dict):
-                raise ProtocolError(f"the state in a binary batch reply is not an object: {self._resume_raw!r}")
-            self._resume, self._resume_raw = state, None
+            self._resume, self._resume_raw = _binary.decode_state(self._resume_raw), None
         return dict(self._resume)
+
+    def _state_snapshot(self) -> dict[str, Any] | bytes:
+        # The state's JSON bytes while they are not decoded yet: a copy of a position, kept
+        # per batch by shardwire.torch, decoded only when a checkpoint asks for it.
+        return self._resume_raw if self._resume_raw is not None else dict(self._resume)
 
     @property
     def region(self) -> Any:

@@ -270,6 +270,17 @@ class _StreamBase(Generic[_BatchT]):
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _snapshot(self) -> dict[str, Any] | bytes:
+        """What :meth:`state_dict` would return now, as cheaply as the transport holds it: the
+        dict, or its JSON bytes not decoded yet (``_binary.decode_state``). For code that keeps
+        the position after every batch but reads it only at a checkpoint (``shardwire.torch``)."""
+        with self._lock:
+            self._check_open()
+            return self._state_snapshot()
+
+    def _state_snapshot(self) -> dict[str, Any] | bytes:
+        return self._state()
+
     @property
     def closed(self) -> bool:
         """True after :meth:`close`."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _binary
 from ._client import Client, Stream, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
@@ -168,8 +169,9 @@ class _DatasetMixin:
         self.timeout = timeout
         self.options = StreamOptions.of(options, "IterableDataset", DATASET_REFUSED)
         self.epoch = 0
-        # The stream state after the last item yielded (batch mode), and one to resume from.
-        self._stream_state: dict[str, Any] | None = None
+        # The stream state after the last item yielded (its JSON bytes until a checkpoint
+        # decodes them), and one to resume from.
+        self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -187,6 +189,8 @@ class _DatasetMixin:
         epoch the iteration started at and the stream state after the last item this process
         (main process or DataLoader worker) yielded (None before the first). Small and
         JSON-serialisable."""
+        if isinstance(self._stream_state, bytes):
+            self._stream_state = _binary.decode_state(self._stream_state)
         return {"epoch": self.epoch, "stream": self._stream_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -206,7 +210,7 @@ class _DatasetMixin:
                 return
             # The position after this item, before it is yielded: a state taken while the
             # item is in use resumes after it.
-            self._stream_state = stream.state_dict()
+            self._stream_state = stream._snapshot()
             if self.copy:
                 item = {k: _copy(v) for k, v in batch.items()}  # writable copies
                 batch.release()  # free the region at once
