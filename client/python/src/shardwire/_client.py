@@ -347,7 +347,9 @@ class Stream(_StreamBase[Batch]):
     request and one receive per few batches, and the service holds up to that many leases
     beyond the trainer's. While the trainer keeps batches (:meth:`Batch.keep`) nothing is
     asked for ahead. Each batch reply carries the state that resumes after it, so
-    :meth:`state_dict` needs no request.
+    :meth:`state_dict` needs no request. If the connection is lost, the batches whose
+    answers had already arrived are still handed out; the :meth:`next` after them raises
+    ConnectionClosed.
 
     Attributes:
         info: What the service said at open (stream id, batches per epoch, epochs, memory).
