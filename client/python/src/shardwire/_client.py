@@ -483,8 +483,8 @@ class Stream(_StreamBase[Batch]):
     def next(self, timeout: float | None = None) -> Batch | None:
         """The next batch in plan order, or None when every epoch was delivered.
 
-        Releases the previous batch unless it was kept (see :class:`Batch`), in the same
-        request that asks for the batch after this one (see "Ahead of time" above).
+        Releases the previous batch unless it was kept (see :class:`Batch`), in the next
+        request that asks for batches ahead (see "Ahead of time" above).
 
         Args:
             timeout: Seconds to wait for the batch (None: wait as long as it takes).
