@@ -333,24 +333,24 @@ impl Conn<'_> {
     fn send_with_ready(
         &mut self,
         s: &Stream,
-        mut first: Response,
+        first: Response,
         count: u32,
     ) -> Result<(), FrameIoError> {
         self.frame.clear();
-        let mut taken = 1;
-        while taken < count && matches!(first, Response::Batch { .. }) {
+        // The answer not yet encoded: it is marked `more` once another batch follows it.
+        let mut held = first;
+        for _ in 1..count {
+            let Response::Batch { more, .. } = &mut held else {
+                break;
+            };
             let Next::Batch(b) = s.next(Some(Duration::ZERO)) else {
                 break;
             };
-            let next = next_response(Next::Batch(b), self.batch_state.then_some(s));
-            if let Response::Batch { more, .. } = &mut first {
-                *more = true;
-            }
-            first.encode_as(self.batch_encoding, &mut self.frame);
-            first = next;
-            taken += 1;
+            *more = true;
+            held.encode_as(self.batch_encoding, &mut self.frame);
+            held = next_response(Next::Batch(b), self.batch_state.then_some(s));
         }
-        first.encode_as(self.batch_encoding, &mut self.frame);
+        held.encode_as(self.batch_encoding, &mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])
     }
 
