@@ -30,7 +30,10 @@ Windows (per loader, per round, in its process):
   batches (default 300), whichever ends later; not timed.
 - steady state: then at least --seconds (default 3 s) of wall time AND at least --measure batches
   (default 0); samples/s = samples / that time. The loop's time waiting for the next batch and
-  the model step's time are split (loader wait share).
+  the model step's time are split (loader wait share); the step's on-CPU time
+  (`time.thread_time`), the training thread's preemptions (RUSAGE_THREAD involuntary switches)
+  and the host's CPU time outside the training process over the window (/proc/stat busy minus
+  `time.process_time`: the node's processes, DataLoader workers) are reported per batch.
 - first batch, resumed: after the window the loader's position is saved, the loader closed, and
   a new one opened at that position, timed from the open to its first batch:
   shardwire `open_stream(state=stream.state_dict())` (over a new connection); shardwire-torch
@@ -69,8 +72,9 @@ Loaders:
   WebLoader with --workers persistent workers.
 
 The summary names the fastest local loader (median steady-state samples/s) and gives shardwire's
-ratio to it per round and median, the time-to-first-batch table (fresh and resumed), and the
-CPU model and flags.
+ratio to it per round and median, where the time went per batch, the time-to-first-batch table
+(fresh and resumed), and the CPU model and flags. --node-cpus / --trainer-cpus pin the node's
+processes and each loader's process with `taskset -c` (default: unpinned, the CPUs shared).
 
 --tokens: one Megatron dataset (.bin/.idx written by megatron-core's IndexedDatasetBuilder,
 uint16, documents of 200..3000 random tokens < 50000 each ending in EOD 0), read as windows
@@ -302,13 +306,17 @@ def train_loop(batches, a: argparse.Namespace, to_x, step, t_open: float, check=
         warm += 1
     t_warm = perf() - t_first
     samples = n = 0
-    wait = stepped = 0.0
+    wait = stepped = step_cpu = 0.0
+    cpu = time.thread_time
+    (busy0, steal0), ivcsw0, own0 = host_cpu_s(), thread_ivcsw(), time.process_time()
     t0 = c = perf()
     while True:
         b0 = c
         x = take()
         b1 = perf()
+        s0 = cpu()
         step(x)
+        step_cpu += cpu() - s0
         c = perf()
         wait += b1 - b0
         stepped += c - b1
@@ -317,8 +325,27 @@ def train_loop(batches, a: argparse.Namespace, to_x, step, t_open: float, check=
         if n >= a.measure and c - t0 >= a.seconds:
             break
     el = c - t0
+    (busy, steal), ivcsw, own = host_cpu_s(), thread_ivcsw(), time.process_time()
+    busy, steal, ivcsw, own = busy - busy0, steal - steal0, ivcsw - ivcsw0, own - own0
     return {"samples": samples, "batches": n, "seconds": el, "samples_per_s": samples / el, "wait_s": wait, "step_s": stepped,
+            "step_cpu_s": step_cpu, "host_busy_s": busy, "host_steal_s": steal, "process_cpu_s": own,
+            "involuntary_switches": ivcsw,
             "first_batch_s": t_first - t_open, "warmup_batches": warm, "warmup_s": t_warm}
+
+
+def host_cpu_s() -> tuple[float, float]:
+    """Seconds all CPUs of this host spent busy so far (/proc/stat: user, nice, system, irq,
+    softirq) and stolen by the hypervisor (steal)."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / hz, f[7] / hz
+
+
+def thread_ivcsw() -> int:
+    """Times the calling thread was preempted so far (involuntary context switches)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
 class Epochs:
@@ -858,13 +885,19 @@ class Child:
         self._err.close()
 
 
+#: `taskset -c CPUS` prefixes of the node's processes and of each loader's process
+#: (`--node-cpus`, `--trainer-cpus`; empty: unpinned, the default).
+PIN: dict[str, list[str]] = {"node": [], "trainer": []}
+
+
 def start_node(data: pathlib.Path, tmp: pathlib.Path, children: list[Child], stream_memory: int = 256 << 20, spec: str | None = None) -> tuple[str, str]:
     import http.client
 
-    src = Child([str(BIN), "source", "--listen", "127.0.0.1:0", "--dataset", spec or f"{DATASET}={data / 'arrow'}"], tmp / "source.log")
+    pin = PIN["node"]
+    src = Child([*pin, str(BIN), "source", "--listen", "127.0.0.1:0", "--dataset", spec or f"{DATASET}={data / 'arrow'}"], tmp / "source.log")
     children.append(src)
     addr = src.wait(SOURCE_READY).group(1)
-    serve = Child([str(BIN), "serve", "--source", addr, "--socket", str(tmp / "sw.sock"), "--data-listen", "127.0.0.1:0",
+    serve = Child([*pin, str(BIN), "serve", "--source", addr, "--socket", str(tmp / "sw.sock"), "--data-listen", "127.0.0.1:0",
                    "--admin", "127.0.0.1:0", "--pool-size", str(4 * stream_memory), "--stream-memory", str(stream_memory)], tmp / "serve.log")
     children.append(serve)
     m = serve.wait(SERVE_READY)
@@ -886,7 +919,8 @@ def start_node(data: pathlib.Path, tmp: pathlib.Path, children: list[Child], str
 
 def run_one(py: pathlib.Path, loader: str, args: list[str]) -> dict:
     """One loader in its own process (`--one LOADER`); its last JSON line."""
-    r = subprocess.run([str(py), __file__, "--one", loader, *args], capture_output=True, text=True, timeout=600)
+    pin = PIN["trainer"]
+    r = subprocess.run([*pin, str(py), __file__, "--one", loader, *args], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"{loader} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
     return json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
@@ -1027,7 +1061,8 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
             res["round"] = rnd + 1
             results[l].append(res)
             print(f"round {rnd + 1} {l:22s} {res['samples_per_s']:10.0f} samples/s over {res['seconds']:.1f} s ({res['batches']} batches; "
-                  f"loader wait {res['wait_s']:.2f} s, model {res['step_s']:.2f} s; warm-up {res['warmup_batches']} batches "
+                  f"loader wait {res['wait_s']:.2f} s, model {res['step_s']:.2f} s ({res['step_cpu_s']:.2f} s on CPU, "
+                  f"{res['involuntary_switches']} preemptions); host busy {res['host_busy_s']:.2f} s, steal {res['host_steal_s']:.2f} s; warm-up {res['warmup_batches']} batches "
                   f"{res['warmup_s']:.1f} s); first batch {ms(res['first_batch_s'])} ms fresh, {ms(res['resume_first_batch_s'])} ms resumed; "
                   f"process {res['total_s']:.1f} s", file=sys.stderr, flush=True)
     R = a.rounds
@@ -1052,6 +1087,20 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
         share = statistics.median(r["wait_s"] / (r["wait_s"] + r["step_s"]) for r in v)
         ratio = f"{med[l] / med[best]:.3f}" if best else "-"
         print(f"| {l} | " + " | ".join(f"{r['samples_per_s']:.0f}" for r in v) + f" | {med[l]:.0f} | {share:.0%} | {ratio} |")
+    print("\nwhere the time went, per batch (medians of the rounds): the loop's wait for the batch and the model step (wall and "
+          "on-CPU), the training thread's preemptions, and CPU spent outside the training process (the node's processes, "
+          "DataLoader workers, anything else on the host)")
+    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for l in loaders:
+        v = results[l]
+
+        def per(f):
+            return statistics.median(f(r) / r["batches"] for r in v)
+
+        print(f"| {l} | {per(lambda r: r['wait_s']) * 1e6:.0f} | {per(lambda r: r['step_s']) * 1e6:.0f} | "
+              f"{per(lambda r: r['step_cpu_s']) * 1e6:.0f} | {per(lambda r: r['involuntary_switches']):.2f} | "
+              f"{per(lambda r: r['host_busy_s'] - r['process_cpu_s']) * 1e6:.0f} |")
     print("\ntime to the first batch, ms (fresh: open/attach -> first batch in a new process; resumed: re-opened at the position "
           "saved after the window -> first batch)")
     print("| loader | " + " | ".join(f"fresh r{i + 1}" for i in range(R)) + " | median fresh | "
@@ -1115,6 +1164,8 @@ def main() -> None:
     p.add_argument("--tokens", action="store_true", help="token mode: megatron GPTDataset vs shardwire token stream")
     p.add_argument("--tok-tokens", type=int, default=32_000_000)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--node-cpus", help="run the node's processes on these CPUs (taskset -c list; default: unpinned)")
+    p.add_argument("--trainer-cpus", help="run each loader's process on these CPUs (taskset -c list; default: unpinned)")
     p.add_argument("--first", help=argparse.SUPPRESS)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
@@ -1124,6 +1175,8 @@ def main() -> None:
     for k, samples_mode, tokens_mode in (("warmup", 300, 20), ("warmup_seconds", 1.0, 0.0), ("measure", 0, 300), ("seconds", 3.0, 0.0)):
         if getattr(a, k) is None:
             setattr(a, k, tokens_mode if a.tokens else samples_mode)
+    PIN["node"] = ["taskset", "-c", a.node_cpus] if a.node_cpus else []
+    PIN["trainer"] = ["taskset", "-c", a.trainer_cpus] if a.trainer_cpus else []
     if a.write_mds:
         write_mds(pathlib.Path(a.write_mds), a.shard_rows)
         return

@@ -6,7 +6,11 @@ counters prove it), with 0 and with 2 workers."""
 from __future__ import annotations
 
 import collections
+import mmap
+import socket
+import struct
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -60,6 +64,49 @@ def test_batches_are_read_only_arrays_of_batch_size(node, data):
         client.open_stream("b", shuffle="none")
     with pytest.raises(shardwire.ServiceError, match="does not fit partitions"):
         client.open_stream("b", batch_size=4, world_size=3, partitions=2)
+
+
+def test_a_roomy_region_keeps_eight_batches_ready_for_one_next(node, data):
+    """Batch mode keeps up to 8 assembled batches waiting where the region has room (here 16
+    MiB for batches of a few hundred bytes), so one `next` with `count` 8, sent after a pause,
+    is answered with 8 batches in one write, each but the last marked `more`, in plan order."""
+    from shardwire import _wire
+
+    with shardwire.connect(node.socket).open_stream("b", batch_size=8, seed=6) as s:
+        want = [b["id"].copy() for _, b in zip(range(9), s)]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(node.socket)
+    conn = _wire.Conn(sock)
+    try:
+        conn.send({"op": "attach", "version": 1, "dataset": "b", "batch_size": 8, "seed": 6, "batch_encoding": "binary"})
+        msg, fds = conn.recv(want_fds=True)
+        assert msg["op"] == "attached", msg
+        region = np.frombuffer(mmap.mmap(fds[0], msg["region_size"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), np.uint8)
+        _wire._close_fds(fds)
+        conn.send_bytes(_wire.encode_next(()))
+        first = conn.recv_reply()
+        assert first["op"] == "batch" and not first["more"], first
+
+        def ids(m):
+            (v,) = [v for v in m["views"] if v.name == "id"]
+            return region[v.offset : v.offset + v.length].view(np.int64).tolist()
+
+        got = [ids(first)]  # before its release: then the node may reuse its bytes
+        time.sleep(1)  # the node fills its ready-ahead queue meanwhile
+        conn.send_bytes(_wire.encode_next((first["lease"],), 8))
+        group = [conn.recv_reply()]
+        while group[-1]["more"]:
+            group.append(conn.recv_reply())
+        assert len(group) == 8, [m["index"] for m in group]
+        assert [m["index"] for m in group] == list(range(1, 9))
+        got += [ids(m) for m in group]
+        assert got == [w.tolist() for w in want]
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            struct.unpack("<I", sock.recv(4))  # nothing beyond the count came
+    finally:
+        conn.close()
 
 
 def test_a_state_from_any_rank_resumes_every_rank(node, data):

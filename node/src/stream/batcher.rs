@@ -4,15 +4,16 @@
 //! The rank's plan names, per epoch, the *units* it reads (a block of a partition, or the
 //! epoch's tail), each with the first and last rank-local sample that needs it, in the order
 //! of first use. The task fetches units in that order: those the next batch needs always,
-//! later ones (prefetch) only while the region keeps room for [`READY_AHEAD`] batch slabs. A
+//! later ones (prefetch) only while the region keeps room for the ready-ahead batch slabs. A
 //! shard is fetched once while any live unit holds it (its slab is reference-counted by
 //! units) and freed when the last unit holding it is past. A batch is assembled when every
 //! shard its samples come from has arrived: each tensor becomes one contiguous
 //! `[batch_size, ...]` array in a fresh slab, by memcpy of runs of consecutive rows (host
 //! memory) or by one gather-kernel launch for the whole batch (CUDA memory), as planned by
-//! `assemble` (ragged tensors as values and offsets). At most
-//! [`READY_AHEAD`] assembled batches wait for the trainer, so memory stays within the region
-//! whatever the trainer does.
+//! `assemble` (ragged tensors as values and offsets). At most the stream's ready-ahead depth
+//! of assembled batches wait for the trainer (2 to 8, as its region allows:
+//! [`super::supply::ready_ahead`]), so memory stays within the region whatever the
+//! trainer does.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -25,7 +26,7 @@ use shardwire_protocol::samples::{EpochOrder, Unit};
 use super::error::CloseReason;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::mix::{self, MixSample};
-use super::supply::{Fetches, Issue, Links, Pending, READY_AHEAD, room_for_prefetch};
+use super::supply::{Fetches, Issue, Links, Pending, room_for_prefetch};
 use super::{Ready, Stream};
 use super::{assemble, tokens};
 use crate::fetch::Completion;
@@ -259,7 +260,9 @@ impl Driver {
                 continue;
             }
             let len = supply.manifest().shards[shard as usize].length as usize;
-            if !needed_now && !room_for_prefetch(supply.pool(), len, self.m.batch_bytes) {
+            if !needed_now
+                && !room_for_prefetch(supply.pool(), len, self.m.batch_bytes, self.m.ready_ahead)
+            {
                 return Ok(false);
             }
             let Some(slab) = self.fetches.alloc(len) else {
@@ -289,7 +292,10 @@ impl Driver {
 
     /// Closes the stream when the shards the next batch needs (those of the live units it
     /// reads and of `unit`) cannot fit the region beside the batch slabs: waiting would never
-    /// end (a Megatron-order batch may read a shard per window).
+    /// end (a Megatron-order batch may read a shard per window). The batch slabs counted are
+    /// the held one and the guaranteed [`READY_AHEAD`](super::supply::READY_AHEAD): ready
+    /// batches beyond those drain as the trainer takes them, and no more are assembled while
+    /// the next batch's shards are missing.
     fn refuse_if_it_cannot_fit(&self, unit: &Unit) -> Result<(), CloseReason> {
         let upto = self.last_index(self.pos);
         let mut shards: Vec<u32> = self
@@ -304,8 +310,8 @@ impl Driver {
         let m = self.s.supply().manifest();
         let class = |s: u32| SlabPool::class_size(m.shards[s as usize].length as usize) as u64;
         let need: u64 = shards.iter().map(|&s| class(s)).sum();
-        let reserve =
-            (READY_AHEAD as u64 + 1) * SlabPool::class_size(self.m.batch_bytes as usize) as u64;
+        let reserve = (super::supply::READY_AHEAD as u64 + 1)
+            * SlabPool::class_size(self.m.batch_bytes as usize) as u64;
         let capacity = self.s.supply().pool().capacity() as u64;
         if need + reserve > capacity {
             let why = CloseReason::DoesNotFit {
@@ -334,7 +340,7 @@ impl Driver {
 
     /// Assembles the next batch if its shards are resident and there is room; true if it did.
     fn try_assemble(&mut self) -> Result<bool, CloseReason> {
-        if self.pos >= self.end || self.s.ready_count() >= READY_AHEAD {
+        if self.pos >= self.end || self.s.ready_count() >= self.m.ready_ahead {
             return Ok(false);
         }
         let (epoch, step) = self.s.kind().split(self.pos);

@@ -41,6 +41,9 @@ pub struct BatchMode {
     pub num_workers: u32,
     /// Token mode: samples are token windows.
     pub tokens: Option<TokenMode>,
+    /// Assembled batches kept waiting for the trainer (`supply::ready_ahead`; set when the
+    /// stream opens, from what its region holds besides the shards it reads).
+    pub ready_ahead: usize,
 }
 
 impl BatchMode {
@@ -67,6 +70,7 @@ impl BatchMode {
             worker: r.worker,
             num_workers: r.num_workers,
             tokens,
+            ready_ahead: super::supply::READY_AHEAD,
         }
     }
 

@@ -17,7 +17,7 @@ use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::order::Order;
-use super::supply::READY_AHEAD;
+use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
 /// Checks the request's own fields.
@@ -201,11 +201,11 @@ pub fn batch_mode(
     .map_err(|e| bad(e.to_string()))?;
     let fingerprint = plan.fingerprint(&m.digest_bytes());
     let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
-    let mode = BatchMode::new(Sampler::One(plan), r, layout, tokens);
+    let mut mode = BatchMode::new(Sampler::One(plan), r, layout, tokens);
     let Sampler::One(plan) = &mode.sampler else {
         unreachable!("just made")
     };
-    check_window(m, plan, mode.batch_bytes, region_bytes)?;
+    mode.ready_ahead = check_window(m, plan, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
 
@@ -310,13 +310,14 @@ fn resume_batches(
 }
 
 /// Checks that the region holds what the rank reads at once: the current block of each
-/// partition it reads, plus the batch its trainer holds and [`READY_AHEAD`] assembled ones.
+/// partition it reads, plus the batch its trainer holds and [`READY_AHEAD`] assembled ones;
+/// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
 fn check_window(
     m: &Manifest,
     plan: &BatchPlan,
     batch_bytes: u64,
     region_bytes: u64,
-) -> Result<(), OpenError> {
+) -> Result<usize, OpenError> {
     let o = &plan.order;
     let (c, w) = (o.partitions, plan.world_size);
     let concurrent = u64::from(if c % w == 0 { c / w } else { 1 });
@@ -324,9 +325,10 @@ fn check_window(
     let min_rows = min_rows(o);
     let per_block = block_shards(o).min(m.shards.len() as u64);
     let blocks = concurrent * per_block * max_class;
-    let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
+    let class = SlabPool::class_size(batch_bytes as usize) as u64;
+    let batches = (READY_AHEAD as u64 + 1) * class;
     if blocks + batches <= region_bytes {
-        return Ok(());
+        return Ok(ready_ahead(region_bytes, blocks, class));
     }
     let room = region_bytes.saturating_sub(batches) / (concurrent * max_class).max(1);
     let hint = match o.shuffle {

@@ -17,7 +17,7 @@ use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::mix::{MixPart, Mixture, Point};
 use super::open::{block_shards, check_workers, max_class, sample_order};
-use super::supply::READY_AHEAD;
+use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
 fn bad(code: ErrorCode, msg: String) -> OpenError {
@@ -98,11 +98,11 @@ pub fn mix_mode(
     }
     let fingerprint = fingerprint(&mix, parts);
     let start = resume_position(r, &mix, &fingerprint)?;
-    let mode = BatchMode::new(Sampler::Mix(Box::new(mix)), r, layout, tokens);
+    let mut mode = BatchMode::new(Sampler::Mix(Box::new(mix)), r, layout, tokens);
     let Sampler::Mix(mix) = &mode.sampler else {
         unreachable!("just made")
     };
-    check_window(combined, mix, mode.batch_bytes, region_bytes)?;
+    mode.ready_ahead = check_window(combined, mix, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
 
@@ -237,13 +237,14 @@ fn part_fields(name: &str, o: &SampleOrder, m: &Manifest) -> String {
 }
 
 /// Checks that the region holds every dataset's current blocks (all partitions: every rank
-/// of a mixture reads them all), the batch the trainer holds and [`READY_AHEAD`] more.
+/// of a mixture reads them all), the batch the trainer holds and [`READY_AHEAD`] more;
+/// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
 fn check_window(
     m: &Manifest,
     mix: &Mixture,
     batch_bytes: u64,
     region_bytes: u64,
-) -> Result<(), OpenError> {
+) -> Result<usize, OpenError> {
     let max_class = max_class(m);
     let shards: u64 = mix
         .parts
@@ -253,10 +254,10 @@ fn check_window(
                 .min(p.order.shard_samples().len() as u64)
         })
         .sum();
-    let batches = (READY_AHEAD as u64 + 1) * SlabPool::class_size(batch_bytes as usize) as u64;
-    let need = shards * max_class + batches;
+    let class = SlabPool::class_size(batch_bytes as usize) as u64;
+    let need = shards * max_class + (READY_AHEAD as u64 + 1) * class;
     if need <= region_bytes {
-        return Ok(());
+        return Ok(ready_ahead(region_bytes, shards * max_class, class));
     }
     Err(bad(
         ErrorCode::NoMemory,

@@ -27,9 +27,29 @@ use crate::counters::Counters;
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
 use crate::link::{SendError, SourceLink};
 
-/// Assembled batches that may wait for their trainer; the region keeps room for them (and the
-/// one the trainer holds) beside the shards it reads.
+/// Assembled batches that may always wait for their trainer; the region keeps room for them
+/// (and the one the trainer holds) beside the shards it reads.
 pub const READY_AHEAD: usize = 2;
+
+/// The most assembled batches a batch-mode stream keeps waiting for its trainer ([`ready_ahead`]).
+pub const READY_AHEAD_MAX: usize = 8;
+
+/// The ready batches beyond [`READY_AHEAD`] take at most this fraction (1 / N) of the region.
+const AHEAD_SHARE: u64 = 16;
+
+/// How many assembled batches a batch-mode stream keeps waiting for its trainer: at least
+/// [`READY_AHEAD`], and up to [`READY_AHEAD_MAX`] while their slabs (`batch_class` bytes each)
+/// take at most 1/16 of the region (`capacity` bytes) and fit beside the shards it reads at
+/// once (`window` bytes) and the batch the trainer holds. A deeper queue lets one `next` with
+/// `count` answer several batches in one write, so a trainer pays one request and one receive
+/// per several batches; where the region is tight it stays at [`READY_AHEAD`], as before.
+pub fn ready_ahead(capacity: u64, window: u64, batch_class: u64) -> usize {
+    let class = batch_class.max(1);
+    let by_share = capacity / AHEAD_SHARE / class;
+    let by_room = (capacity.saturating_sub(window) / class).saturating_sub(1);
+    let depth = usize::try_from(by_share.min(by_room)).unwrap_or(READY_AHEAD_MAX);
+    depth.clamp(READY_AHEAD, READY_AHEAD_MAX)
+}
 
 /// The shards `[first, first + shards)` of a stream's manifest: shards `0..` of `dataset`,
 /// version `digest`, served by the sources whose manifest of it has that digest
@@ -445,9 +465,33 @@ impl Fetches {
     }
 }
 
-/// Whether the region keeps room for the ready-ahead batches after a prefetch of `len`.
-pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64) -> bool {
-    let reserve = READY_AHEAD * SlabPool::class_size(batch_bytes as usize);
+/// Whether the region keeps room for `ahead` ready batches after a prefetch of `len`.
+pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64, ahead: usize) -> bool {
+    let reserve = ahead * SlabPool::class_size(batch_bytes as usize);
     let free = pool.capacity() - pool.used();
     free >= reserve + SlabPool::class_size(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_ready_ahead_depth_grows_with_room_and_stays_at_two_where_the_region_is_tight() {
+        // 256 MiB, 256 KiB batches, a 64 MiB window: 1/16 of the region holds 64, capped at 8.
+        assert_eq!(ready_ahead(256 * MIB, 64 * MIB, 256 << 10), READY_AHEAD_MAX);
+        // 1/16 of 64 MiB holds four 1 MiB batches.
+        assert_eq!(ready_ahead(64 * MIB, 8 * MIB, MIB), 4);
+        // The window leaves room for the held batch and 4 more: 4, whatever the share allows.
+        assert_eq!(ready_ahead(1024 * MIB, 1019 * MIB, MIB), 4);
+        // Tight: the window and three batch slabs fill the region (the least that opens).
+        assert_eq!(ready_ahead(64 * MIB, 61 * MIB, MIB), READY_AHEAD);
+        // A window larger than the region (refused by the caller) or batches larger than the
+        // share: the minimum, never less.
+        assert_eq!(ready_ahead(64 * MIB, 100 * MIB, MIB), READY_AHEAD);
+        assert_eq!(ready_ahead(64 * MIB, 0, 32 * MIB), READY_AHEAD);
+        assert_eq!(ready_ahead(0, 0, 0), READY_AHEAD);
+    }
 }

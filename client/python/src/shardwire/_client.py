@@ -164,9 +164,10 @@ def _tensor(region: memoryview | CudaRegion, v: TensorView, dt: np.dtype[Any] | 
 #: The request :meth:`Stream._send_next` records as in flight (its bytes are encoded apart).
 _NEXT = {"op": "next"}
 #: Batches one ``next`` asks for: the service answers with the first and those ready at once
-#: after it (it keeps two assembled ahead in batch mode), so a loop pays one request and one
-#: receive per two batches; each lease beyond the trainer's waits for the next request.
-_NEXT_COUNT = 2
+#: after it (in batch mode it keeps 2 to 8 assembled ahead, as the stream's memory allows), so
+#: a loop pays one request and one receive per several batches; the leases of the batches
+#: handed out meanwhile go with the next request.
+_NEXT_COUNT = 8
 
 
 class Batch(_BatchBase):
