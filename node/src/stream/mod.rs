@@ -102,6 +102,10 @@ pub struct StreamInfo {
     pub total: u64,
     /// Batches received and waiting for the trainer.
     pub ready: usize,
+    /// Batch mode: the most assembled batches kept waiting for the trainer (2 to 8, as the
+    /// region allows: `supply::ready_ahead`); absent in shard mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ready_ahead: Option<usize>,
     /// Batches leased to the trainer.
     pub leased: usize,
     /// Region size.
@@ -343,6 +347,10 @@ impl Stream {
             delivered: next,
             total: self.total,
             ready,
+            ready_ahead: match &self.kind {
+                Kind::Batches(m) => Some(m.ready_ahead),
+                Kind::Shards(_) => None,
+            },
             leased,
             region_bytes: self.pool.capacity(),
             region_used: self.pool.used(),
