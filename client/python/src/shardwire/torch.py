@@ -212,8 +212,9 @@ class _DatasetMixin:
             # item is in use resumes after it.
             self._stream_state = stream._snapshot()
             if self.copy:
-                item = {k: _copy(v) for k, v in batch.items()}  # writable copies
-                batch.release()  # free the region at once
+                # Writable copies. The batch is released by the next `next` (its lease rides
+                # on the stream's next request; an explicit release would cost a send per item).
+                item = {k: _copy(v) for k, v in batch.items()}
             else:
                 item = dict(batch)  # views: valid until the next item is taken
             yield item
@@ -317,8 +318,8 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
         rank, world_size: default from ``torch.distributed`` if initialised, else 0 of 1.
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
-            ``memory = "cuda"``, a torch tensor cloned on the GPU) and release the batch
-            at once; needed whenever several items are alive together (``batch_size`` not None,
+            ``memory = "cuda"``, a torch tensor cloned on the GPU); the batch's region is
+            released with the stream's next request; needed whenever several items are alive together (``batch_size`` not None,
             prefetching, ``num_workers > 0``, where the DataLoader pickles items across
             processes anyway). False: yield the read-only zero-copy views themselves; each is
             valid only until the next item is taken (auto-release), so use it only with
