@@ -318,10 +318,10 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
         rank, world_size: default from ``torch.distributed`` if initialised, else 0 of 1.
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
-            ``memory = "cuda"``, a torch tensor cloned on the GPU); the batch's region is
-            released with the stream's next request; needed whenever several items are alive together (``batch_size`` not None,
-            prefetching, ``num_workers > 0``, where the DataLoader pickles items across
-            processes anyway). False: yield the read-only zero-copy views themselves; each is
+            ``memory = "cuda"``, a torch tensor cloned on the GPU), the batch released with
+            the stream's next request; needed whenever several items are alive together
+            (``batch_size`` not None, prefetching, ``num_workers > 0``, where the DataLoader
+            pickles items across processes anyway). False: yield the read-only zero-copy views themselves; each is
             valid only until the next item is taken (auto-release), so use it only with
             ``num_workers=0, batch_size=None`` and consume each item before the next. torch
             warns about read-only arrays when it converts them.
