@@ -72,7 +72,8 @@ Loaders:
   WebLoader with --workers persistent workers.
 
 The summary names the fastest local loader (median steady-state samples/s) and gives shardwire's
-ratio to it per round and median, where the time went per batch, the time-to-first-batch table
+ratio to it per round and median (and of the loop's wait per batch), where the time went per
+batch, the time-to-first-batch table
 (fresh and resumed), and the CPU model and flags. --node-cpus / --trainer-cpus pin the node's
 processes and each loader's process with `taskset -c` (default: unpinned, the CPUs shared).
 
@@ -1125,6 +1126,11 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
             print(f"{l} / {best} steady state per round: {', '.join(f'{x:.3f}' for x in rr)} (median {statistics.median(rr):.3f}; "
                   f"ratio of medians {med[l] / med[best]:.3f}); against each round's fastest local: "
                   + ", ".join(f"{x:.3f} ({f})" for x, f in zip(rf, fastest)))
+            wait = [results[l][i]["wait_s"] / results[l][i]["batches"] / (results[best][i]["wait_s"] / results[best][i]["batches"])
+                    for i in range(R)]
+            summary[l]["wait_per_batch_vs_best"] = wait
+            print(f"{l} / {best} loader wait per batch, per round: {', '.join(f'{x:.2f}' for x in wait)} "
+                  f"(median {statistics.median(wait):.2f}; below 1: the trainer waited less for {l})")
             print(f"{l} first batch: {ms(med_of(l, 'first_batch_s'))} ms fresh, {ms(med_of(l, 'resume_first_batch_s'))} ms resumed "
                   f"(medians; {best}: {ms(med_of(best, 'first_batch_s'))} ms fresh, {ms(med_of(best, 'resume_first_batch_s'))} ms resumed)")
     print(json.dumps({"bench": "loaders", "cpu": cpu_model(), "cpu_line": cpu_line(), "versions": vers,
