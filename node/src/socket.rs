@@ -328,8 +328,9 @@ impl Conn<'_> {
     }
 
     /// Sends `first` (the answer to a `next`) and, when it is a batch, up to `count - 1`
-    /// batches after it that are ready now (none is waited for), each but the last marked
-    /// `more`, all in one write.
+    /// batches after it that are ready now (none is waited for) while the stream's leases
+    /// leave room ([`Stream::leases_leave_room`]), each but the last marked `more`, all in
+    /// one write.
     fn send_with_ready(
         &mut self,
         s: &Stream,
@@ -343,6 +344,9 @@ impl Conn<'_> {
             let Response::Batch { more, .. } = &mut held else {
                 break;
             };
+            if !s.leases_leave_room() {
+                break;
+            }
             let Next::Batch(b) = s.next(Some(Duration::ZERO)) else {
                 break;
             };

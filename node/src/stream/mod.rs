@@ -130,6 +130,10 @@ pub struct Ready {
 /// `shard` of a batch that holds samples of many shards (batch mode).
 pub const NO_SHARD: u32 = u32::MAX;
 
+/// Leased slabs may take up to 1/N of a stream's region before a `next` with `count` stops
+/// adding ready batches to its answer ([`Stream::leases_leave_room`]).
+pub const ANSWER_LEASE_SHARE: usize = 4;
+
 struct Inner {
     /// Ready batches by slot.
     reorder: Reorder<Ready>,
@@ -297,6 +301,16 @@ impl Stream {
     /// Ready batches not yet taken.
     pub(crate) fn ready_count(&self) -> usize {
         self.lock().reorder.held()
+    }
+
+    /// Whether the slabs leased to the trainer take at most 1/[`ANSWER_LEASE_SHARE`] of the
+    /// region. A `next` with `count` adds ready batches to its answer only while they do: the
+    /// trainer keeps an answer's batches leased until its next request, and in shard mode a few
+    /// large shards would otherwise hold the region and stop the fetch-ahead (batch mode's
+    /// ready-ahead batches take at most 1/16 of it: never limited by this).
+    pub fn leases_leave_room(&self) -> bool {
+        let leased: usize = self.lock().leases.values().map(Slab::capacity).sum();
+        leased <= self.pool.capacity() / ANSWER_LEASE_SHARE
     }
 
     /// Every source link of the node.

@@ -1,0 +1,73 @@
+"""`next` with `count` against the real node, shard mode with shards that are a large part of
+the stream's region: the answer adds ready shards after the one asked for only while the
+stream's leases take at most a quarter of the region. A trainer keeps an answer's batches
+leased until its next request, so without that bound one answer could hold the whole region
+and stop the fetch-ahead (docs/TRAINER_API.md, "Several batches per `next`").
+
+    shardwire index DIR -> shardwire source -> shardwire serve -> a raw trainer connection
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import numpy as np
+
+from conftest import REPO, index_dataset, wait_for, wait_ready, write_npy_dataset
+
+sys.path.insert(0, str(REPO / "client" / "python" / "src"))
+
+from shardwire import _wire  # noqa: E402
+
+SHARDS = 16
+MiB = 1 << 20
+
+
+def answer(conn: _wire.Conn) -> list[dict]:
+    """Every batch of one answer: up to the first without `more`."""
+    group = [conn.recv_reply()]
+    while group[-1]["op"] == "batch" and group[-1].get("more"):
+        group.append(conn.recv_reply())
+    return group
+
+
+def test_an_answer_stops_adding_shards_once_leases_take_a_quarter_of_the_region(sw, tmp_path):
+    d = tmp_path / "big"
+    # Shards of 900 KiB: slabs of 1 MiB, eight of them fill the 8 MiB region.
+    write_npy_dataset(d, {f"s{i:02d}": np.full(900 * 1024, i, np.uint8) for i in range(SHARDS)})
+    index_dataset(d)
+    node = sw.serve([sw.source({"big": d})], "--pool-size", "64MiB", "--stream-memory", "8MiB")
+    wait_ready(node)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(node.socket))
+    conn = _wire.Conn(s)
+    try:
+        conn.send({"op": "attach", "version": 1, "dataset": "big", "epochs": 1})
+        msg, fds = conn.recv(want_fds=True)
+        _wire._close_fds(fds)
+        assert msg["op"] == "attached", msg
+        seen, release = [], ()
+        while True:
+            # Let the fetch-ahead fill the region before each request (all that is left, or
+            # the 7 slabs beside the one leased).
+            left = SHARDS - len(seen)
+            wait_for(lambda: node.status()["streams"][0]["ready"] >= min(left, 5), "the fetch-ahead to fill the region",
+                     diag=sw.logs_of_all)
+            conn.send_bytes(_wire.encode_next(release, 8))
+            group = answer(conn)
+            if group[-1]["op"] == "end":
+                assert len(group) == 1, group
+                break
+            assert all(m["op"] == "batch" for m in group), group
+            # The first, then more while the leased slabs take at most 2 MiB of 8: three at
+            # most (the third is added at 2 MiB leased).
+            assert 1 <= len(group) <= 3, [m["shard"] for m in group]
+            if left >= 3:
+                assert len(group) == 3, [m["shard"] for m in group]
+            seen += [m["shard"] for m in group]
+            release = tuple(m["lease"] for m in group)
+        assert sorted(seen) == list(range(SHARDS))
+    finally:
+        conn.close()
