@@ -21,7 +21,6 @@ sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 from shardwire import _wire  # noqa: E402
 
 SHARDS = 16
-MiB = 1 << 20
 
 
 def answer(conn: _wire.Conn) -> list[dict]:
@@ -50,8 +49,9 @@ def test_an_answer_stops_adding_shards_once_leases_take_a_quarter_of_the_region(
         assert msg["op"] == "attached", msg
         seen, release = [], ()
         while True:
-            # Let the fetch-ahead fill the region before each request (all that is left, or
-            # the 7 slabs beside the one leased).
+            # Let the fetch-ahead fill the region before each request: the next 5 shards in
+            # plan order (the region's 8 slabs less the 3 the last answer still leases), or
+            # all that are left.
             left = SHARDS - len(seen)
             wait_for(lambda: node.status()["streams"][0]["ready"] >= min(left, 5), "the fetch-ahead to fill the region",
                      diag=sw.logs_of_all)
