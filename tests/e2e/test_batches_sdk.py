@@ -10,7 +10,6 @@ import mmap
 import socket
 import struct
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -93,7 +92,11 @@ def test_a_roomy_region_keeps_eight_batches_ready_for_one_next(node, data):
             return region[v.offset : v.offset + v.length].view(np.int64).tolist()
 
         got = [ids(first)]  # before its release: then the node may reuse its bytes
-        time.sleep(1)  # the node fills its ready-ahead queue meanwhile
+
+        def ready() -> int:
+            return next(x["ready"] for x in node.status()["streams"] if x["id"] == msg["stream"])
+
+        wait_for(lambda: ready() == 8, "the node to fill its ready-ahead queue")
         conn.send_bytes(_wire.encode_next((first["lease"],), 8))
         group = [conn.recv_reply()]
         while group[-1]["more"]:

@@ -49,12 +49,13 @@ def test_an_answer_stops_adding_shards_once_leases_take_a_quarter_of_the_region(
         assert msg["op"] == "attached", msg
         seen, release = [], ()
         while True:
-            # Let the fetch-ahead fill the region before each request: the next 5 shards in
-            # plan order (the region's 8 slabs less the 3 the last answer still leases), or
-            # all that are left.
+            # Let the fetch-ahead fill the region before each request: every slab the last
+            # answer does not still lease (8 less 3), or all the shards that are left. Once
+            # the region is full nothing is in flight, so the ready shards are the next ones
+            # in plan order.
             left = SHARDS - len(seen)
-            wait_for(lambda: node.status()["streams"][0]["ready"] >= min(left, 5), "the fetch-ahead to fill the region",
-                     diag=sw.logs_of_all)
+            wait_for(lambda: node.status()["streams"][0]["ready"] >= min(left, 8 - len(release)),
+                     "the fetch-ahead to fill the region", diag=sw.logs_of_all)
             conn.send_bytes(_wire.encode_next(release, 8))
             group = answer(conn)
             if group[-1]["op"] == "end":

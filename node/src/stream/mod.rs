@@ -307,7 +307,9 @@ impl Stream {
     /// region. A `next` with `count` adds ready batches to its answer only while they do: the
     /// trainer keeps an answer's batches leased until its next request, and in shard mode a few
     /// large shards would otherwise hold the region and stop the fetch-ahead (batch mode's
-    /// ready-ahead batches take at most 1/16 of it: never limited by this).
+    /// ready-ahead batches take at most 1/16 of it when there are more than 2, so this rarely
+    /// limits batch mode: only batches over 1/8 of the region each, or ones assembled while
+    /// the answer is written).
     pub fn leases_leave_room(&self) -> bool {
         let leased: usize = self.lock().leases.values().map(Slab::capacity).sum();
         leased <= self.pool.capacity() / ANSWER_LEASE_SHARE

@@ -34,7 +34,8 @@ pub const READY_AHEAD: usize = 2;
 /// The most assembled batches a batch-mode stream keeps waiting for its trainer ([`ready_ahead`]).
 pub const READY_AHEAD_MAX: usize = 8;
 
-/// The ready batches beyond [`READY_AHEAD`] take at most this fraction (1 / N) of the region.
+/// A ready-ahead depth above [`READY_AHEAD`] keeps all its batches' slabs within this fraction
+/// (1 / N) of the region.
 const AHEAD_SHARE: u64 = 16;
 
 /// How many assembled batches a batch-mode stream keeps waiting for its trainer: at least
