@@ -321,10 +321,11 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             ``memory = "cuda"``, a torch tensor cloned on the GPU), the batch released with
             the stream's next request; needed whenever several items are alive together
             (``batch_size`` not None, prefetching, ``num_workers > 0``, where the DataLoader
-            pickles items across processes anyway). False: yield the read-only zero-copy views themselves; each is
-            valid only until the next item is taken (auto-release), so use it only with
-            ``num_workers=0, batch_size=None`` and consume each item before the next. torch
-            warns about read-only arrays when it converts them.
+            pickles items across processes anyway). False: yield the read-only zero-copy
+            views themselves; each is valid only until the next item is taken
+            (auto-release), so use it only with ``num_workers=0, batch_size=None`` and
+            consume each item before the next. torch warns about read-only arrays when it
+            converts them.
         timeout: seconds per ``next`` (raises ``shardwire.Timeout``); None waits.
         <stream keywords>
 
