@@ -4,12 +4,13 @@
 //!
 //! ```sh
 //! cargo run --release -p shardwire-client --example handoff -- SOCKET DATASET N \
-//!     [--warmup W] [--http HOST:PORT] [--settle-ms MS] [--cases LIST]
+//!     [--warmup W] [--http HOST:PORT] [--settle-ms MS] [--cases LIST] [--work-us US]
 //! ```
 //!
 //! `--cases` picks measurements (comma-separated, default all): `pingpong` (the floor: a bare
 //! Unix-socket ping-pong of 32 bytes between two threads, no shardwire code), `next` (`next` +
-//! `release`), `next_after`, `http`.
+//! `release`), `next_after` (back to back, and with `--work-us` also after that much CPU work
+//! per batch, a stand-in for a training step, with only `next_after` timed), `http`.
 //!
 //! The stream is opened with enough epochs for `W + N` batches; the example then waits until
 //! the node has them all ready (polling the admin API's `/v1/streams` when `--http` names it,
@@ -34,6 +35,7 @@ struct Args {
     http: Option<String>,
     settle: Duration,
     cases: Vec<String>,
+    work: Duration,
 }
 
 impl Args {
@@ -45,14 +47,14 @@ impl Args {
 fn usage() -> ! {
     eprintln!(
         "usage: handoff SOCKET DATASET N [--warmup W] [--http HOST:PORT] [--settle-ms MS] \
-         [--cases pingpong,next,next_after,http]"
+         [--cases pingpong,next,next_after,http] [--work-us US]"
     );
     std::process::exit(2)
 }
 
 fn args() -> Args {
     let mut pos = Vec::new();
-    let (mut warmup, mut http, mut settle) = (200, None, 2000);
+    let (mut warmup, mut http, mut settle, mut work_us) = (200, None, 2000, 0);
     let mut cases = vec!["all".to_string()];
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -78,6 +80,12 @@ fn args() -> Args {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or_else(|| usage())
             }
+            "--work-us" => {
+                work_us = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| usage())
+            }
             "-h" | "--help" => usage(),
             _ => pos.push(a),
         }
@@ -91,6 +99,7 @@ fn args() -> Args {
         http,
         settle: Duration::from_millis(settle),
         cases,
+        work: Duration::from_micros(work_us),
     }
 }
 
@@ -183,6 +192,14 @@ fn pingpong(a: &Args) -> Result<(), Error> {
     Ok(())
 }
 
+/// Spins on this CPU for `d` (a stand-in for a training step).
+fn busy(d: Duration) {
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        std::hint::spin_loop();
+    }
+}
+
 fn main() -> Result<(), Error> {
     let a = args();
     let total = (a.warmup + a.n) as u64;
@@ -210,20 +227,28 @@ fn main() -> Result<(), Error> {
         report("socket next+release", times);
     }
 
-    // The training-loop form: release the previous batch on the `next` request itself.
+    // The training-loop form: release the previous batch on the `next` request itself; the
+    // stream asks for the following batches ahead of time.
     if a.case("next_after") {
-        let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
-        settle(&a, s.info.stream, total)?;
-        let mut times = Vec::with_capacity(a.n);
-        let mut prev = s.next()?.ok_or("the stream ended early")?;
-        for i in 1..a.warmup + a.n {
-            let t = Instant::now();
-            prev = s.next_after(prev)?.ok_or("the stream ended early")?;
-            if i >= a.warmup {
-                times.push(t.elapsed());
+        let works = [Duration::ZERO, a.work];
+        for work in works.iter().take(if a.work.is_zero() { 1 } else { 2 }) {
+            let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
+            settle(&a, s.info.stream, total)?;
+            let mut times = Vec::with_capacity(a.n);
+            let mut prev = s.next()?.ok_or("the stream ended early")?;
+            for i in 1..a.warmup + a.n {
+                busy(*work);
+                let t = Instant::now();
+                prev = s.next_after(prev)?.ok_or("the stream ended early")?;
+                if i >= a.warmup {
+                    times.push(t.elapsed());
+                }
+            }
+            match work.as_micros() {
+                0 => report("socket next_after (release rides on next)", times),
+                us => report(&format!("socket next_after after {us} us work"), times),
             }
         }
-        report("socket next_after (release rides on next)", times);
     }
 
     if let Some(admin) = a.http.as_ref().filter(|_| a.case("http")) {

@@ -1,33 +1,42 @@
 //! Rust trainer SDK: open a stream on the node service's Unix socket and iterate batches of
 //! named tensors that are zero-copy views into the stream's region (mapped read-only).
 //!
+//! The training loop gives each batch back on the request for the next ones
+//! ([`Stream::next_after`]), which the stream sends ahead of time, while the batch in hand is
+//! used:
+//!
 //! ```no_run
 //! let mut s = shardwire_client::Stream::open("/run/shardwire/trainer.sock",
 //!     shardwire_client::StreamOptions::new("imagenet"))?;
-//! while let Some(batch) = s.next()? {
+//! let mut next = s.next()?;
+//! while let Some(batch) = next {
 //!     for t in batch.tensors() {
 //!         let bytes: &[u8] = batch.bytes(t);
 //!         println!("{} {} {:?} {}", t.name, t.dtype, t.shape, bytes.len());
 //!     }
-//!     s.release(batch)?;
+//!     next = s.next_after(batch)?;
 //! }
+//! let resume_at = s.state()?; // after the last batch handed out
 //! # Ok::<(), shardwire_client::ClientError>(())
 //! ```
+//!
+//! [`Stream::next`] + [`Stream::release`] take one batch per request and ask for nothing
+//! ahead (a caller that keeps batches leases no more than it takes).
 
 pub use shardwire_protocol::fdpass;
 pub mod http;
+mod stream;
 
 use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use http::{HttpBatch, HttpStream};
 use rustix::mm::{MapFlags, ProtFlags};
-use shardwire_protocol::trainer::{self, ErrorCode, MemoryKind, Request, Response, StreamRequest};
+use shardwire_protocol::trainer::{ErrorCode, StreamRequest};
 pub use shardwire_protocol::trainer::{StreamState, TensorView};
+pub use stream::{NEXT_COUNT, Stream};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +94,7 @@ pub enum ClientError {
 pub type StreamOptions = StreamRequest;
 
 /// The stream region, mapped read-only.
-struct Mapping {
+pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -96,7 +105,7 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn new(fd: &OwnedFd, len: u64) -> Result<Self, ClientError> {
+    pub(crate) fn new(fd: &OwnedFd, len: u64) -> Result<Self, ClientError> {
         let err = |source: std::io::Error| ClientError::Map { len, source };
         // SAFETY: a fresh read-only shared mapping of the region fd the service sent; it
         // aliases nothing in this process and lives until Drop.
@@ -144,8 +153,8 @@ pub struct Batch {
     pub index: u64,
     /// Shard index.
     pub shard: u32,
-    tensors: Vec<TensorView>,
-    region: Arc<Mapping>,
+    pub(crate) tensors: Vec<TensorView>,
+    pub(crate) region: Arc<Mapping>,
 }
 
 impl Batch {
@@ -176,174 +185,4 @@ pub struct StreamInfo {
     pub memory: String,
     /// State it started from.
     pub state: StreamState,
-}
-
-/// An open stream.
-pub struct Stream {
-    sock: UnixStream,
-    region: Arc<Mapping>,
-    reader: fdpass::FrameReader,
-    frame: Vec<u8>,
-    /// Open-time information.
-    pub info: StreamInfo,
-}
-
-impl Stream {
-    /// Connects to the node's trainer socket and opens a stream.
-    pub fn open(path: impl AsRef<Path>, o: StreamOptions) -> Result<Self, ClientError> {
-        let path = path.as_ref();
-        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let req = Request::Attach(Box::new(o));
-        let mut frame = Vec::new();
-        trainer::encode(&req, &mut frame);
-        // A node that refuses this trainer (peer allowlist) answers and closes; if the close
-        // wins the race with our write, the write fails (EPIPE) but the refusal is still
-        // there to read, and it is the better error.
-        let sent = fdpass::send_frame(&sock, &frame, &[]);
-        let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        let body = match (reader.read(&sock, &mut fds), sent) {
-            (Ok(body), _) => body,
-            (Err(_), Err(send_error)) => return Err(send_error.into()),
-            (Err(read_error), Ok(())) => return Err(read_error.into()),
-        };
-        let answer = trainer::decode::<Response>(body).map_err(fdpass::FrameIoError::from)?;
-        match answer {
-            Response::Attached {
-                stream,
-                region_size,
-                batches_per_epoch,
-                epochs,
-                memory,
-                gpu,
-                state,
-            } => {
-                if memory != MemoryKind::Host {
-                    return Err(ClientError::UnsupportedMemory {
-                        memory: memory.to_string(),
-                        device: gpu
-                            .map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
-                    });
-                }
-                let fd = fds
-                    .pop()
-                    .ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;
-                let region = Arc::new(Mapping::new(&fd, region_size)?);
-                Ok(Self {
-                    sock,
-                    region,
-                    reader,
-                    frame: Vec::with_capacity(256),
-                    info: StreamInfo {
-                        stream,
-                        batches_per_epoch,
-                        epochs,
-                        memory: memory.to_string(),
-                        state,
-                    },
-                })
-            }
-            Response::Error { code, message } => Err(ClientError::Service { code, message }),
-            other => Err(ClientError::Protocol(format!(
-                "unexpected answer to attach: {other:?}"
-            ))),
-        }
-    }
-
-    /// Sends one request frame, written by `encode` into the reused frame buffer.
-    fn send(&mut self, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), ClientError> {
-        self.frame.clear();
-        encode(&mut self.frame);
-        fdpass::send_frame(&self.sock, &self.frame, &[])?;
-        Ok(())
-    }
-
-    /// Reads the answer to the request just sent (no fd rides on any answer but `attached`).
-    fn answer(&mut self) -> Result<Response, ClientError> {
-        let body = self.reader.read_data(&self.sock)?;
-        match Response::decode(body).map_err(fdpass::FrameIoError::from)? {
-            Response::Error { code, message } => Err(ClientError::Service { code, message }),
-            r => Ok(r),
-        }
-    }
-
-    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
-        self.send(|frame| req.encode(frame))?;
-        self.answer()
-    }
-
-    /// The next batch in plan order, or `None` when every epoch was delivered.
-    #[allow(clippy::should_implement_trait)] // fallible: an Iterator would have to hide errors
-    pub fn next(&mut self) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(None, None)
-    }
-
-    /// Like [`Stream::next`], failing with [`ClientError::Timeout`] after `timeout`.
-    pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(Some(timeout), None)
-    }
-
-    /// Releases `done` and takes the next batch in one round trip (the usual training loop).
-    pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
-        self.next_inner(None, Some(done))
-    }
-
-    fn next_inner(
-        &mut self,
-        timeout: Option<Duration>,
-        done: Option<Batch>,
-    ) -> Result<Option<Batch>, ClientError> {
-        let timeout_ms = timeout.map(|t| t.as_millis() as u64);
-        let release = done.as_ref().map(|b| b.lease);
-        self.send(|frame| trainer::encode_next(timeout_ms, release.as_slice(), 1, frame))?;
-        // Freed while the node works on the answer instead of after it.
-        drop(done);
-        match self.answer()? {
-            Response::Batch {
-                lease,
-                epoch,
-                index,
-                shard,
-                tensors,
-                ..
-            } => Ok(Some(Batch {
-                lease,
-                epoch,
-                index,
-                shard,
-                tensors,
-                region: Arc::clone(&self.region),
-            })),
-            Response::End => Ok(None),
-            Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
-            other => Err(ClientError::Protocol(format!(
-                "unexpected answer to next: {other:?}"
-            ))),
-        }
-    }
-
-    /// Gives a batch's memory back to the service.
-    pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
-        let req = Request::Release { lease: batch.lease };
-        self.send(|frame| req.encode(frame))?;
-        drop(batch); // freed while the node works on the answer
-        match self.answer()? {
-            Response::Released => Ok(()),
-            other => Err(ClientError::Protocol(format!(
-                "unexpected answer to release: {other:?}"
-            ))),
-        }
-    }
-
-    /// The state to resume from (the next batch not yet taken).
-    pub fn state(&mut self) -> Result<StreamState, ClientError> {
-        match self.call(&Request::State)? {
-            Response::State { state } => Ok(state),
-            other => Err(ClientError::Protocol(format!(
-                "unexpected answer to state: {other:?}"
-            ))),
-        }
-    }
 }

@@ -324,18 +324,23 @@ type Window = (
     std::collections::BTreeMap<&'static str, (f64, f64)>,
 );
 
-/// Reads and releases batches from `s` for `seconds` on a thread named `bench-trainer`.
+/// Reads and gives back batches from `s` for `seconds` on a thread named `bench-trainer`.
 fn trainer_window(mut s: Stream, seconds: u64) -> anyhow::Result<Window> {
     let t0 = Instant::now();
     std::thread::scope(|sc| {
         std::thread::Builder::new()
             .name("bench-trainer".into())
             .spawn_scoped(sc, move || -> anyhow::Result<_> {
+                // A training loop: each batch given back on the request for the next ones,
+                // which the stream sends ahead of time.
                 let mut delivered = 0u64;
-                while t0.elapsed() < Duration::from_secs(seconds) {
-                    let Some(b) = s.next()? else { break };
+                let mut next = s.next()?;
+                while let Some(b) = next {
                     delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-                    s.release(b)?;
+                    if t0.elapsed() >= Duration::from_secs(seconds) {
+                        break; // its lease goes with the stream
+                    }
+                    next = s.next_after(b)?;
                 }
                 let secs = t0.elapsed().as_secs_f64();
                 Ok((s, delivered, secs, cpu::cpu_times(), cpu::thread_times()))

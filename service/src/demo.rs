@@ -244,7 +244,10 @@ fn consume_and_check(
     let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
     let mut bytes = 0u64;
     let mut files = BTreeMap::new();
-    while let Some(b) = s.next()? {
+    // The training loop: each batch is given back on the request for the next ones, which
+    // the stream sends ahead of time.
+    let mut next = s.next()?;
+    while let Some(b) = next {
         let entry = &m.shards[b.shard as usize];
         let f = match files.get(&entry.file) {
             Some(f) => f,
@@ -266,7 +269,7 @@ fn consume_and_check(
             bytes += t.length;
         }
         *seen.entry(b.shard).or_default() += 1;
-        s.release(b)?;
+        next = s.next_after(b)?;
     }
     if seen.len() != m.shards.len() || seen.values().any(|&c| c != 1) {
         bail!("expected every shard exactly once, got {seen:?}");

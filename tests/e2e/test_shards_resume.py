@@ -79,8 +79,12 @@ def test_open_stream_resumes_at_the_saved_shard(node):
         assert delivered(node) - before == len(full) - k, "nothing was replayed"
 
 
-torch = pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
-stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is installed by scripts/test")
+@pytest.fixture
+def stateful() -> Any:
+    """torchdata's `stateful_dataloader` module; the tests that need it (and torch) skip, with
+    the reason, where they are missing. The tests above need neither."""
+    pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
+    return pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is installed by scripts/test")
 
 
 def dataset_states(sd: Any) -> list[dict]:
@@ -102,7 +106,7 @@ CASES = {"mid-epoch": (0, 1, 5), "second-epoch": (1, 2, SHARDS + 3), "end": (0, 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_resumes_shard_mode_exactly_without_replay(node, workers, case):
+def test_stateful_dataloader_resumes_shard_mode_exactly_without_replay(node, workers, case, stateful):
     from shardwire.torch import IterableDataset
 
     start, epochs, k = CASES[case]
@@ -156,7 +160,7 @@ def test_stateful_dataloader_resumes_shard_mode_exactly_without_replay(node, wor
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_shard_state_of_another_world_size_is_refused(node, workers):
+def test_a_shard_state_of_another_world_size_is_refused(node, workers, stateful):
     """A checkpoint of world size 1 resumed on world size 2: the node refuses the saved
     stream state with `state_mismatch`, naming `world_size`; the loader does not start over."""
     from shardwire.torch import IterableDataset
@@ -186,7 +190,7 @@ def test_a_shard_state_of_another_world_size_is_refused(node, workers):
     assert delivered(node) == before, "nothing was delivered"
 
 
-def test_a_worker_state_resumes_only_its_own_stream(node):
+def test_a_worker_state_resumes_only_its_own_stream(node, stateful):
     """A worker's state (stream rank 1 of 2) loaded in the main process (stream rank 0 of 1)
     is refused, naming the field; loaded in the same worker slot it resumes exactly."""
     from shardwire.torch import IterableDataset
@@ -212,7 +216,7 @@ def test_a_worker_state_resumes_only_its_own_stream(node):
         assert [ids(b) for b in s] == want
 
 
-def test_a_checkpoint_after_set_epoch_starts_that_epoch(node):
+def test_a_checkpoint_after_set_epoch_starts_that_epoch(node, stateful):
     """`set_epoch` forgets the finished iteration's position: with 0 workers (the dataset of
     the main process lives on), a checkpoint taken after epoch 0 ended and `set_epoch(2)`
     resumes at the start of epoch 2, not at the end of epoch 0's stream."""
@@ -234,7 +238,7 @@ def test_a_checkpoint_after_set_epoch_starts_that_epoch(node):
     assert [ids(item) for item in dl2] == want
 
 
-def test_a_batch_mode_checkpoint_after_the_last_batch_resumes_to_nothing(node):
+def test_a_batch_mode_checkpoint_after_the_last_batch_resumes_to_nothing(node, stateful):
     """Batch mode, for contrast: a StatefulDataLoader checkpoint taken after the last batch of
     the stream's epochs resumes to an empty stream (it once replayed a whole extra epoch)."""
     from shardwire.torch import IterableDataset

@@ -147,7 +147,8 @@ impl Default for Checksum {
 }
 
 /// The one piece callback of every host-visible path: each piece that lands is checksummed
-/// right away (while it is in cache), the time that takes is summed (the node's assembly
+/// right away (in cache for a `recv` piece; an io_uring completion of several MiB may have
+/// left L2, docs/ARCHITECTURE.md §12), the time that takes is summed (the node's assembly
 /// counter), and the flow counts its bytes.
 #[derive(Debug)]
 pub struct Tally<'a> {

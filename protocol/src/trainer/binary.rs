@@ -176,6 +176,20 @@ impl<'a> Reader<'a> {
 
 /// Decodes a binary `batch` body (the inverse of [`encode_batch`]).
 pub fn decode_batch(body: &[u8]) -> Result<Response, BinaryBatchError> {
+    let (mut batch, raw) = decode_batch_raw_state(body)?;
+    if let (Response::Batch { state, .. }, Some(raw)) = (&mut batch, raw) {
+        *state = Some(
+            serde_json::from_slice::<StreamState>(raw)
+                .map_err(|e| BinaryBatchError::State(e.to_string()))?,
+        );
+    }
+    Ok(batch)
+}
+
+/// Decodes a binary `batch` body but leaves its state as the JSON bytes it came as (`None`:
+/// the batch carried none): a trainer that asks for a state now and then decodes only those,
+/// not one per batch. The returned batch's `state` is `None`.
+pub fn decode_batch_raw_state(body: &[u8]) -> Result<(Response, Option<&[u8]>), BinaryBatchError> {
     let mut r = Reader { b: body, i: 0 };
     let tag = r.u8("tag")?;
     if tag != BINARY_BATCH_TAG {
@@ -197,23 +211,21 @@ pub fn decode_batch(body: &[u8]) -> Result<Response, BinaryBatchError> {
         .collect::<Result<Vec<_>, _>>()?;
     let state = match state_len {
         0 => None,
-        n => Some(
-            serde_json::from_slice::<StreamState>(r.take(n, "state")?)
-                .map_err(|e| BinaryBatchError::State(e.to_string()))?,
-        ),
+        n => Some(r.take(n, "state")?),
     };
     if r.i != body.len() {
         return Err(BinaryBatchError::Trailing(body.len() - r.i));
     }
-    Ok(Response::Batch {
+    let batch = Response::Batch {
         lease,
         epoch,
         index,
         shard,
         tensors,
-        state,
+        state: None,
         more: flags & FLAG_MORE != 0,
-    })
+    };
+    Ok((batch, state))
 }
 
 fn read_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorView, BinaryBatchError> {

@@ -196,7 +196,17 @@ proptest! {
         let len = check_len(buf[..4].try_into().unwrap()).unwrap();
         prop_assert_eq!(len, buf.len() - 4);
         prop_assert_eq!(buf[4], binary::BINARY_BATCH_TAG);
-        prop_assert_eq!(Response::decode(&buf[4..]).unwrap(), b);
+        prop_assert_eq!(Response::decode(&buf[4..]).unwrap(), b.clone());
+        // The same batch with its state left as JSON bytes: those bytes are the state.
+        let (raw_batch, raw_state) = binary::decode_batch_raw_state(&buf[4..]).unwrap();
+        let Response::Batch { state, .. } = &b else { unreachable!("batches() makes batches") };
+        let parsed = raw_state.map(|j| serde_json::from_slice::<StreamState>(j).unwrap());
+        prop_assert_eq!(&parsed, state);
+        let mut without = b.clone();
+        if let Response::Batch { state, .. } = &mut without {
+            *state = None;
+        }
+        prop_assert_eq!(raw_batch, without);
         let (mut bin, mut json) = (Vec::new(), Vec::new());
         Response::Released.encode_as(BatchEncoding::Binary, &mut bin);
         Response::Released.encode(&mut json);

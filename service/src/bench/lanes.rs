@@ -79,10 +79,13 @@ fn drive(streams: Vec<(u32, Stream)>, seconds: u64) -> anyhow::Result<(Vec<(u32,
                     .name(format!("bench-trainer-{lane}"))
                     .spawn_scoped(sc, move || -> anyhow::Result<(u32, u64)> {
                         let mut delivered = 0u64;
-                        while t0.elapsed() < Duration::from_secs(seconds) {
-                            let Some(b) = s.next()? else { break };
+                        let mut next = s.next()?;
+                        while let Some(b) = next {
                             delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-                            s.release(b)?;
+                            if t0.elapsed() >= Duration::from_secs(seconds) {
+                                break; // its lease goes with the stream
+                            }
+                            next = s.next_after(b)?;
                         }
                         Ok((lane, delivered))
                     })

@@ -1,0 +1,310 @@
+//! [`Stream`]: a stream on the node's trainer socket. One request at a time is written and its
+//! answers are read in order; `next_after` asks for the following batches ahead of time (up to
+//! [`NEXT_COUNT`] per request), so a training loop that releases as it goes finds its next batch
+//! already read or on its way (docs/TRAINER_API.md, "Several batches per `next`").
+
+use std::collections::VecDeque;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
+use shardwire_protocol::trainer::{
+    self, BatchEncoding, MemoryKind, Request, Response, StreamState, binary,
+};
+
+use crate::{Batch, ClientError, Mapping, StreamInfo, StreamOptions};
+
+/// Batches a `next` sent ahead of time asks for: the node answers with the first and, in the
+/// same write, those already assembled after it, up to this many (it never waits for them).
+pub const NEXT_COUNT: u32 = 8;
+
+/// Longest time from an answer's first byte to its last (the node writes each answer whole).
+const FRAME_LIMIT: Duration = Duration::from_secs(60);
+
+/// A request whose answers are still to be read; the node answers in request order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Awaited {
+    /// A `next`: one `batch` (or `end`, `error`) per answer, the last without `more`.
+    Next,
+    /// A `release` sent behind a `next` in flight.
+    Release,
+}
+
+/// An open stream.
+pub struct Stream {
+    sock: UnixStream,
+    region: Arc<Mapping>,
+    reader: fdpass::FrameReader,
+    frame: Vec<u8>,
+    /// Requests whose answers are still to be read, oldest first.
+    awaited: VecDeque<Awaited>,
+    /// Leases given back through `next_after` while a `next` was in flight: they ride on the
+    /// next request.
+    deferred: Vec<u64>,
+    /// The state JSON the last batch handed out carried (empty: none handed out yet).
+    resume: Vec<u8>,
+    /// Open-time information.
+    pub info: StreamInfo,
+}
+
+impl Stream {
+    /// Connects to the node's trainer socket and opens a stream. Every batch reply carries
+    /// its resume state (`batch_state`), in the binary encoding, whatever `o` says about
+    /// those two: [`Stream::state`] reads it from there.
+    pub fn open(path: impl AsRef<Path>, mut o: StreamOptions) -> Result<Self, ClientError> {
+        let path = path.as_ref();
+        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        o.batch_state = true;
+        o.batch_encoding = BatchEncoding::Binary;
+        let req = Request::Attach(Box::new(o));
+        let mut frame = Vec::new();
+        trainer::encode(&req, &mut frame);
+        // A node that refuses this trainer (peer allowlist) answers and closes; if the close
+        // wins the race with our write, the write fails (EPIPE) but the refusal is still
+        // there to read, and it is the better error.
+        let sent = fdpass::send_frame(&sock, &frame, &[]);
+        let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
+        let body = match (reader.read(&sock, &mut fds), sent) {
+            (Ok(body), _) => body,
+            (Err(_), Err(send_error)) => return Err(send_error.into()),
+            (Err(read_error), Ok(())) => return Err(read_error.into()),
+        };
+        let answer = trainer::decode::<Response>(body).map_err(FrameIoError::from)?;
+        let Response::Attached {
+            stream,
+            region_size,
+            batches_per_epoch,
+            epochs,
+            memory,
+            gpu,
+            state,
+        } = answer
+        else {
+            return Err(match answer {
+                Response::Error { code, message } => ClientError::Service { code, message },
+                other => ClientError::Protocol(format!("unexpected answer to attach: {other:?}")),
+            });
+        };
+        if memory != MemoryKind::Host {
+            return Err(ClientError::UnsupportedMemory {
+                memory: memory.to_string(),
+                device: gpu.map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
+            });
+        }
+        let fd = fds
+            .pop()
+            .ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;
+        let region = Arc::new(Mapping::new(&fd, region_size)?);
+        Ok(Self {
+            sock,
+            region,
+            reader,
+            frame: Vec::with_capacity(256),
+            awaited: VecDeque::new(),
+            deferred: Vec::new(),
+            resume: Vec::new(),
+            info: StreamInfo {
+                stream,
+                batches_per_epoch,
+                epochs,
+                memory: memory.to_string(),
+                state,
+            },
+        })
+    }
+
+    /// The next batch in plan order, or `None` when every epoch was delivered. Asks for one
+    /// batch and nothing ahead (a caller that keeps batches leases no more than it takes),
+    /// unless answers asked for ahead of time by [`Stream::next_after`] are still to come:
+    /// then it takes the next of those.
+    #[allow(clippy::should_implement_trait)] // fallible: an Iterator would have to hide errors
+    pub fn next(&mut self) -> Result<Option<Batch>, ClientError> {
+        self.take(None, false)
+    }
+
+    /// Like [`Stream::next`], failing with [`ClientError::Timeout`] when no batch came within
+    /// `timeout`. The request stays in flight: a later call takes its answer.
+    pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Batch>, ClientError> {
+        self.take(Some(timeout), false)
+    }
+
+    /// Gives `done` back and takes the next batch: the usual training loop. Asks ahead of
+    /// time: once the batches already asked for are handed out, it sends the next request
+    /// (for up to [`NEXT_COUNT`] batches, carrying the leases given back since the last one)
+    /// before returning, so the node answers while the caller works on the batch. Besides the
+    /// batch in hand, the node then holds up to `NEXT_COUNT` leases for this stream; closing
+    /// the stream (dropping it) releases them.
+    pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
+        self.deferred.push(done.lease);
+        // The mapping stays alive through the stream's own Arc; this is only the view.
+        drop(done);
+        self.take(None, true)
+    }
+
+    /// Gives a batch's memory back to the service. With a request in flight (asked ahead of
+    /// time) the release is sent behind it and its answer read later.
+    pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
+        let lease = batch.lease;
+        drop(batch);
+        self.settle()?;
+        self.send(&Request::Release { lease })?;
+        if self.awaited.contains(&Awaited::Next) {
+            self.awaited.push_back(Awaited::Release);
+            return Ok(());
+        }
+        match self.answer(None)? {
+            Response::Released => Ok(()),
+            other => Err(unexpected("release", &other)),
+        }
+    }
+
+    /// The state to resume from: right after the last batch handed out (or the state the
+    /// stream opened at), as the batch replies carry it: no request, and batches asked for
+    /// ahead of time but not handed out are not counted.
+    pub fn state(&mut self) -> Result<StreamState, ClientError> {
+        if self.resume.is_empty() {
+            return Ok(self.info.state.clone());
+        }
+        serde_json::from_slice(&self.resume)
+            .map_err(|e| ClientError::Protocol(format!("a batch's resume state: {e}")))
+    }
+
+    /// One batch for the caller: from answers still to come, or from a new request (`ahead`:
+    /// for up to NEXT_COUNT, and the next request goes out as soon as these are handed out).
+    fn take(
+        &mut self,
+        timeout: Option<Duration>,
+        ahead: bool,
+    ) -> Result<Option<Batch>, ClientError> {
+        self.settle()?;
+        if self.awaited.front() != Some(&Awaited::Next) {
+            self.send_next(if ahead { NEXT_COUNT } else { 1 })?;
+        }
+        let answer = match self.answer(timeout) {
+            Ok(a) => a,
+            Err(e) => {
+                if matches!(e, ClientError::Service { .. }) {
+                    self.awaited.pop_front(); // an error is a request's last answer
+                }
+                return Err(e);
+            }
+        };
+        let more = matches!(answer, Response::Batch { more: true, .. });
+        if !more {
+            self.awaited.pop_front();
+        }
+        match answer {
+            Response::Batch {
+                lease,
+                epoch,
+                index,
+                shard,
+                tensors,
+                ..
+            } => {
+                let b = Batch {
+                    lease,
+                    epoch,
+                    index,
+                    shard,
+                    tensors,
+                    region: Arc::clone(&self.region),
+                };
+                if ahead && !more {
+                    self.settle()?;
+                    self.send_next(NEXT_COUNT)?; // ahead of time
+                }
+                Ok(Some(b))
+            }
+            Response::End => {
+                // Nothing follows to carry the deferred releases: one request each.
+                self.settle()?;
+                for lease in std::mem::take(&mut self.deferred) {
+                    self.send(&Request::Release { lease })?;
+                    match self.answer(None)? {
+                        Response::Released => {}
+                        other => return Err(unexpected("release", &other)),
+                    }
+                }
+                Ok(None)
+            }
+            other => Err(unexpected("next", &other)),
+        }
+    }
+
+    /// Sends a `next` for up to `count` batches, carrying the deferred releases.
+    fn send_next(&mut self, count: u32) -> Result<(), ClientError> {
+        self.frame.clear();
+        trainer::encode_next(None, &self.deferred, count, &mut self.frame);
+        fdpass::send_frame(&self.sock, &self.frame, &[])?;
+        self.deferred.clear();
+        self.awaited.push_back(Awaited::Next);
+        Ok(())
+    }
+
+    /// Sends one request frame.
+    fn send(&mut self, req: &Request) -> Result<(), ClientError> {
+        self.frame.clear();
+        req.encode(&mut self.frame);
+        fdpass::send_frame(&self.sock, &self.frame, &[])?;
+        Ok(())
+    }
+
+    /// Reads the answers of releases at the head of the awaited requests (an error among them
+    /// is returned). Stops at a `next` still in flight.
+    fn settle(&mut self) -> Result<(), ClientError> {
+        while self.awaited.front() == Some(&Awaited::Release) {
+            let answer = self.answer(None);
+            self.awaited.pop_front();
+            match answer? {
+                Response::Released => {}
+                other => return Err(unexpected("release", &other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one answer within `timeout` (None: as long as it takes); a batch's state JSON is
+    /// kept as [`Stream::state`]'s, undecoded; an `error` answer is returned as the error.
+    fn answer(&mut self, timeout: Option<Duration>) -> Result<Response, ClientError> {
+        let limits = ReadLimits {
+            idle: timeout,
+            frame: FRAME_LIMIT,
+        };
+        let body = match self.reader.read_data_timed(&self.sock, limits) {
+            Ok(body) => body,
+            Err(FrameIoError::Timeout {
+                phase: ReadPhase::Idle,
+                ..
+            }) => return Err(ClientError::Timeout(timeout.unwrap_or_default())),
+            Err(e) => return Err(e.into()),
+        };
+        let answer = if body.first() == Some(&binary::BINARY_BATCH_TAG) {
+            let (batch, state) = binary::decode_batch_raw_state(body)
+                .map_err(|e| ClientError::Protocol(format!("a binary batch: {e}")))?;
+            let state = state.ok_or_else(|| {
+                ClientError::Protocol(
+                    "a batch without its state: the node service is older than this client".into(),
+                )
+            })?;
+            self.resume.clear();
+            self.resume.extend_from_slice(state);
+            batch
+        } else {
+            Response::decode(body).map_err(FrameIoError::from)?
+        };
+        match answer {
+            Response::Error { code, message } => Err(ClientError::Service { code, message }),
+            r => Ok(r),
+        }
+    }
+}
+
+fn unexpected(op: &str, answer: &Response) -> ClientError {
+    ClientError::Protocol(format!("unexpected answer to {op}: {answer:?}"))
+}
