@@ -23,6 +23,9 @@ pub const NEXT_COUNT: u32 = 8;
 /// Longest time from an answer's first byte to its last (the node writes each answer whole).
 const FRAME_LIMIT: Duration = Duration::from_secs(60);
 
+/// How much longer than a `next` timeout the client waits for the node's own `timeout` answer.
+const NODE_TIMEOUT_SLACK: Duration = Duration::from_secs(5);
+
 /// A request whose answers are still to be read; the node answers in request order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Awaited {
@@ -45,6 +48,9 @@ pub struct Stream {
     deferred: Vec<u64>,
     /// The state JSON the last batch handed out carried (empty: none handed out yet).
     resume: Vec<u8>,
+    /// Batches handed out and not given back (`next_after`, `release`): while the caller
+    /// holds any besides the one just handed out, nothing is asked for ahead.
+    held: usize,
     /// Open-time information.
     pub info: StreamInfo,
 }
@@ -108,6 +114,7 @@ impl Stream {
             awaited: VecDeque::new(),
             deferred: Vec::new(),
             resume: Vec::new(),
+            held: 0,
             info: StreamInfo {
                 stream,
                 batches_per_epoch,
@@ -128,7 +135,9 @@ impl Stream {
     }
 
     /// Like [`Stream::next`], failing with [`ClientError::Timeout`] when no batch came within
-    /// `timeout`. The request stays in flight: a later call takes its answer.
+    /// `timeout`. A request sent by this call carries the timeout, so the node ends it and
+    /// nothing stays in flight; when a request sent ahead of time is in flight, this waits
+    /// `timeout` for its answer, and a later call takes it.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Batch>, ClientError> {
         self.take(Some(timeout), false)
     }
@@ -138,8 +147,12 @@ impl Stream {
     /// (for up to [`NEXT_COUNT`] batches, carrying the leases given back since the last one)
     /// before returning, so the node answers while the caller works on the batch. Besides the
     /// batch in hand, the node then holds up to `NEXT_COUNT` leases for this stream; closing
-    /// the stream (dropping it) releases them.
+    /// the stream (dropping it) releases them, also while that request waits for data (the
+    /// node looks for a closed connection every second while it waits). Nothing is asked for ahead while the caller
+    /// holds other batches (taken with [`Stream::next`] and not released): they may fill the
+    /// stream's memory, and a release sent behind a waiting request would wait with it.
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
+        self.held = self.held.saturating_sub(1);
         self.deferred.push(done.lease);
         // The mapping stays alive through the stream's own Arc; this is only the view.
         drop(done);
@@ -151,6 +164,7 @@ impl Stream {
     pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
         let lease = batch.lease;
         drop(batch);
+        self.held = self.held.saturating_sub(1);
         self.settle()?;
         self.send(&Request::Release { lease })?;
         if self.awaited.contains(&Awaited::Next) {
@@ -182,10 +196,19 @@ impl Stream {
         ahead: bool,
     ) -> Result<Option<Batch>, ClientError> {
         self.settle()?;
-        if self.awaited.front() != Some(&Awaited::Next) {
-            self.send_next(if ahead { NEXT_COUNT } else { 1 })?;
+        let ahead = ahead && self.held == 0;
+        let sent_now = self.awaited.front() != Some(&Awaited::Next);
+        if sent_now {
+            // It carries the caller's timeout: the node ends it, so nothing stays in flight.
+            self.send_next(if ahead { NEXT_COUNT } else { 1 }, timeout)?;
         }
-        let answer = match self.answer(timeout) {
+        // The node's own `timeout` answer ends a request sent now; the read waits a little
+        // longer for it (if even that passes, the request stays in flight like one sent ahead).
+        let wait = match sent_now {
+            true => timeout.map(|t| t + NODE_TIMEOUT_SLACK),
+            false => timeout,
+        };
+        let answer = match self.answer(wait) {
             Ok(a) => a,
             Err(e) => {
                 if matches!(e, ClientError::Service { .. }) {
@@ -215,9 +238,11 @@ impl Stream {
                     tensors,
                     region: Arc::clone(&self.region),
                 };
+                self.held += 1;
                 if ahead && !more {
-                    self.settle()?;
-                    self.send_next(NEXT_COUNT)?; // ahead of time
+                    // Ahead of time. Answers to releases sent behind the one just finished
+                    // are read, in order, before this one's.
+                    self.send_next(NEXT_COUNT, None)?;
                 }
                 Ok(Some(b))
             }
@@ -233,14 +258,17 @@ impl Stream {
                 }
                 Ok(None)
             }
+            Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             other => Err(unexpected("next", &other)),
         }
     }
 
-    /// Sends a `next` for up to `count` batches, carrying the deferred releases.
-    fn send_next(&mut self, count: u32) -> Result<(), ClientError> {
+    /// Sends a `next` for up to `count` batches that the node ends after `timeout` (None:
+    /// waits as long as it takes), carrying the deferred releases.
+    fn send_next(&mut self, count: u32, timeout: Option<Duration>) -> Result<(), ClientError> {
         self.frame.clear();
-        trainer::encode_next(None, &self.deferred, count, &mut self.frame);
+        let timeout_ms = timeout.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+        trainer::encode_next(timeout_ms, &self.deferred, count, &mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])?;
         self.deferred.clear();
         self.awaited.push_back(Awaited::Next);
@@ -284,19 +312,26 @@ impl Stream {
             }) => return Err(ClientError::Timeout(timeout.unwrap_or_default())),
             Err(e) => return Err(e.into()),
         };
+        let older = || {
+            ClientError::Protocol(
+                "a batch without its state: the node service is older than this client".into(),
+            )
+        };
         let answer = if body.first() == Some(&binary::BINARY_BATCH_TAG) {
             let (batch, state) = binary::decode_batch_raw_state(body)
                 .map_err(|e| ClientError::Protocol(format!("a binary batch: {e}")))?;
-            let state = state.ok_or_else(|| {
-                ClientError::Protocol(
-                    "a batch without its state: the node service is older than this client".into(),
-                )
-            })?;
             self.resume.clear();
-            self.resume.extend_from_slice(state);
+            self.resume.extend_from_slice(state.ok_or_else(older)?);
             batch
         } else {
-            Response::decode(body).map_err(FrameIoError::from)?
+            // JSON: every other answer, and a batch that does not fit the binary form.
+            let mut answer = Response::decode(body).map_err(FrameIoError::from)?;
+            if let Response::Batch { state, .. } = &mut answer {
+                let state = state.take().ok_or_else(older)?;
+                self.resume.clear();
+                serde_json::to_writer(&mut self.resume, &state).expect("a stream state serialises");
+            }
+            answer
         };
         match answer {
             Response::Error { code, message } => Err(ClientError::Service { code, message }),

@@ -1,7 +1,8 @@
 //! The trainer Unix socket (docs/TRAINER_API.md): one thread per trainer connection, one
 //! stream per connection. `attach` opens the stream and passes its region fd with
 //! SCM_RIGHTS; `next` leases the next batch in plan order; `release` ends a lease. A
-//! disconnect closes the stream and releases every lease. A malformed frame gets an error
+//! disconnect closes the stream and releases every lease, also while a `next` waits
+//! ([`wait`]). A malformed frame gets an error
 //! reply and drops that connection only. This front uses the node's stream interface alone.
 
 use std::os::fd::{AsFd, BorrowedFd};
@@ -21,6 +22,8 @@ use tokio::sync::watch;
 
 use crate::node::Node;
 use crate::stream::{CloseReason, Next, Stream};
+
+mod wait;
 
 /// Binds the socket (replacing a stale file) and starts the accept thread.
 pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
@@ -148,7 +151,8 @@ struct Conn<'a> {
     frame: Vec<u8>,
     stream: Option<Arc<Stream>>,
     /// Slabs of released leases: freed after the answer is out (freeing takes the region's
-    /// locks, and the trainer is busy with the answer by then).
+    /// locks, and the trainer is busy with the answer by then), or before a `next` that has
+    /// to wait ([`wait::next_batch`]).
     released: Vec<Slab>,
     /// The attach asked for `state` in every batch reply.
     batch_state: bool,
@@ -256,7 +260,12 @@ impl Conn<'_> {
                         ),
                     },
                     Ok(()) => {
-                        let n = s.next(timeout_ms.map(Duration::from_millis));
+                        let timeout = timeout_ms.map(Duration::from_millis);
+                        let Some(n) = wait::next_batch(&s, &self.sock, timeout, &mut self.released)
+                        else {
+                            // The trainer hung up while its request waited: close the stream.
+                            return Err(FrameIoError::Closed);
+                        };
                         let first = next_response(n, self.batch_state.then_some(&*s));
                         return self.send_with_ready(&s, first, count);
                     }

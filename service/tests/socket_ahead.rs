@@ -4,15 +4,22 @@
 //! `state` is the position after the last batch handed out (not after those asked for ahead),
 //! a resume from it is exact by the node's `batches_delivered` counter, and a `next_timeout`
 //! or a `release` while a request is in flight (the source stopped) leave the stream usable.
+//! The node's side: in a region of two slabs the loop still runs (a waiting `next` frees the
+//! slabs it released first), a timed-out request holding every slab lets a release through,
+//! and a trainer that hangs up while its request waits has its stream closed.
 
 mod common;
 
 use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
 use std::process::Command;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{Cluster, TempDir, WAIT, dataset, json, raw};
 use shardwire_client::{Batch, ClientError, NEXT_COUNT, Stream, StreamOptions};
+use shardwire_protocol::fdpass;
+use shardwire_protocol::trainer::{self, Request, Response};
 
 fn opts(seed: u64, epochs: u32) -> StreamOptions {
     let mut o = StreamOptions::new("d");
@@ -54,13 +61,26 @@ fn delivered(c: &Cluster) -> u64 {
     status(c)["counters"]["batches_delivered"].as_u64().unwrap()
 }
 
-/// Leases of the one open stream (None: no stream open).
-fn leased(c: &Cluster) -> Option<u64> {
+/// Leases of stream `id` (None: it is not open).
+fn leased(c: &Cluster, id: u64) -> Option<u64> {
     let (code, body) = raw(&c.admin, "GET", "/v1/streams", "");
     assert_eq!(code, 200, "{body}");
     let v = json(&body);
     let streams = v["streams"].as_array().expect("a streams array").clone();
-    streams.first().map(|s| s["leased"].as_u64().unwrap())
+    streams
+        .iter()
+        .find(|s| s["id"].as_u64() == Some(id))
+        .map(|s| s["leased"].as_u64().unwrap())
+}
+
+/// Runs `f` on a thread and fails the test if it has not returned within `limit` (a hang).
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|e| panic!("no result within {limit:?} ({e}): a hang"))
 }
 
 fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
@@ -83,6 +103,7 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
 
     let before = delivered(&c);
     let mut s = Stream::open(&c.socket, opts(7, 2)).unwrap();
+    let id = s.info.stream;
     let mut got = Vec::new();
     let mut b = s.next().unwrap().expect("a batch");
     check_bytes(&b, &files);
@@ -94,7 +115,7 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
         check_bytes(&b, &files);
         got.push(pos(&b));
         // The request for the next batches is in flight (or answered) while this one is held.
-        most_leased = most_leased.max(leased(&c).unwrap());
+        most_leased = most_leased.max(leased(&c, id).unwrap());
     }
     assert!(
         most_leased > 1,
@@ -104,7 +125,7 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
     // Holding the k-th batch and calling nothing, the stream still gets leases: a request was
     // sent ahead of time.
     wait_for("the request sent ahead to be answered", || {
-        leased(&c).unwrap() > 1
+        leased(&c, id).unwrap() > 1
     });
     let state = s.state().unwrap();
     // The state is the position after the k-th batch handed out, not after those asked ahead.
@@ -115,13 +136,14 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
         "state after {k} batches"
     );
     drop(s);
-    wait_for("the stream to close", || leased(&c).is_none());
+    wait_for("the stream to close", || leased(&c, id).is_none());
     let first = delivered(&c) - before;
     assert!(first >= k as u64, "{first}");
 
     let mut o = opts(7, 2);
     o.state = Some(state);
     let mut s = Stream::open(&c.socket, o).unwrap();
+    let id = s.info.stream;
     let mut next = s.next().unwrap();
     while let Some(b) = next {
         check_bytes(&b, &files);
@@ -136,7 +158,7 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
         "the state after the last batch"
     );
     drop(s);
-    wait_for("the stream to close", || leased(&c).is_none());
+    wait_for("the stream to close", || leased(&c, id).is_none());
     let resumed = delivered(&c) - before - first;
     assert_eq!(
         resumed,
@@ -166,6 +188,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
     let want = one_at_a_time(&c, opts(3, 1));
 
     let mut s = Stream::open(&c.socket, opts(3, 1)).unwrap();
+    let id = s.info.stream;
     let mut got = Vec::new();
     let mut b = s.next().unwrap().expect("a batch");
     for _ in 0..3 {
@@ -212,5 +235,110 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
         "the same plan through a timeout and a release in flight"
     );
     // Every lease went back: the release read behind the answers, the last ones at the end.
-    wait_for("the stream's leases to go back", || leased(&c) == Some(0));
+    wait_for("the stream's leases to go back", || {
+        leased(&c, id) == Some(0)
+    });
+}
+
+#[test]
+fn a_region_of_two_slabs_runs_the_ahead_loop_to_the_end() {
+    let tmp = TempDir::new("twoslabs");
+    let dir = tmp.0.join("ds");
+    let files = dataset(&dir, &[256 << 10; 10]);
+    let c = Cluster::start(&dir, &tmp.0, "512KiB");
+    let want = one_at_a_time(&c, opts(5, 1));
+    let socket = c.socket.clone();
+    // The trainer holds one slab and the request sent ahead waits for the other, which the
+    // request released: the node frees it before waiting (else this loop never ends).
+    let got = within(WAIT, move || {
+        let mut s = Stream::open(&socket, opts(5, 1)).unwrap();
+        let mut got = Vec::new();
+        let mut next = s.next().unwrap();
+        while let Some(b) = next {
+            check_bytes(&b, &files);
+            got.push(pos(&b));
+            next = s.next_after(b).unwrap();
+        }
+        got
+    });
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_timeout_with_every_slab_held_lets_the_release_through() {
+    let tmp = TempDir::new("fullregion");
+    let dir = tmp.0.join("ds");
+    let files = dataset(&dir, &[256 << 10; 6]);
+    let c = Cluster::start(&dir, &tmp.0, "512KiB");
+    let want = one_at_a_time(&c, opts(2, 1));
+    let mut s = Stream::open(&c.socket, opts(2, 1)).unwrap();
+    let b0 = s.next().unwrap().expect("a batch");
+    let b1 = s.next().unwrap().expect("a batch");
+    // Both slabs are held: the next batch has nowhere to land.
+    match s.next_timeout(Duration::from_millis(300)) {
+        Err(ClientError::Timeout(t)) => assert_eq!(t, Duration::from_millis(300)),
+        other => panic!(
+            "expected a timeout, got {:?}",
+            other.map(|b| b.map(|b| pos(&b)))
+        ),
+    }
+    // The timed-out request ended on the node, so this release is answered now, not queued
+    // behind a request that waits for the memory it frees.
+    s.release(b0).unwrap();
+    let b2 = s
+        .next_timeout(Duration::from_secs(20))
+        .unwrap()
+        .expect("a batch");
+    check_bytes(&b2, &files);
+    assert_eq!([pos(&b1), pos(&b2)], [want[1], want[2]]);
+}
+
+#[test]
+fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
+    let tmp = TempDir::new("hangup");
+    let dir = tmp.0.join("ds");
+    // More than the 1 MiB region holds: with the source stopped the stream runs dry.
+    dataset(&dir, &[64 << 10; 40]);
+    let c = Cluster::start(&dir, &tmp.0, "1MiB");
+    let sock = UnixStream::connect(&c.socket).unwrap();
+    let (mut frame, mut reader, mut fds) = (Vec::new(), fdpass::FrameReader::new(), Vec::new());
+    trainer::encode(&Request::Attach(Box::new(opts(1, 1))), &mut frame);
+    fdpass::send_frame(&sock, &frame, &[]).unwrap();
+    let answer = trainer::decode::<Response>(reader.read(&sock, &mut fds).unwrap()).unwrap();
+    let Response::Attached { stream: id, .. } = answer else {
+        panic!("not attached: {answer:?}");
+    };
+    signal("-STOP", c.source_pid());
+    // Take what the node has until a `next` of 200 ms times out.
+    let mut release = Vec::new();
+    loop {
+        frame.clear();
+        trainer::encode_next(Some(200), &release, 1, &mut frame);
+        fdpass::send_frame(&sock, &frame, &[]).unwrap();
+        match Response::decode(reader.read_data(&sock).unwrap()).unwrap() {
+            Response::Batch { lease, .. } => release = vec![lease],
+            Response::Timeout => break,
+            other => panic!("unexpected answer: {other:?}"),
+        }
+    }
+    // A `next` that waits (a request sent ahead of time looks like this), then a hang-up.
+    frame.clear();
+    trainer::encode_next(None, &[], 1, &mut frame);
+    fdpass::send_frame(&sock, &frame, &[]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        leased(&c, id),
+        Some(0),
+        "the stream is open and its next waits"
+    );
+    drop((sock, fds));
+    let t = Instant::now();
+    while leased(&c, id).is_some() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the stream of a trainer that hung up stayed open"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal("-CONT", c.source_pid());
 }

@@ -72,11 +72,12 @@ class Procs(Children):
             args += ["--dataset", f"{name}={d}"]
         return self.start("source", args + list(extra)).wait_line(SOURCE_READY).group(1)
 
-    def serve(self, source: str, socket: pathlib.Path, *extra: str) -> Serve:
-        """`shardwire serve` on ephemeral loopback ports; waits for the ready line and /readyz."""
+    def serve(self, source: str, socket: pathlib.Path, *extra: str, opts: tuple[str, ...] = SERVE_OPTS) -> Serve:
+        """`shardwire serve` on ephemeral loopback ports (with `opts`, the pool and stream
+        memory by default, then `extra`); waits for the ready line and /readyz."""
         p = self.start("serve", [
             require_bin(), "serve", "--source", source, "--socket", socket,
-            "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *SERVE_OPTS, *extra,
+            "--data-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *opts, *extra,
         ])
         m = p.wait_line(SERVE_READY)
         s = Serve(p, m.group(1), m.group(2))

@@ -375,6 +375,30 @@ def test_next_times_out_when_the_source_stalls(procs: Procs, tmp_path: pathlib.P
         assert s.state_dict()["index"] == 0
 
 
+def test_a_timeout_with_every_slab_kept_lets_a_release_through(procs: Procs, tmp_path: pathlib.Path):
+    """Two kept batches fill a region of two slabs, so `next(timeout=...)` times out; the
+    request it sent ends on the node with it, so releasing a kept batch is answered at once
+    (not queued behind a request that waits for the memory the release frees) and the next
+    batch comes."""
+    d = tmp_path / "two"
+    d.mkdir()
+    for i in range(4):
+        np.save(d / f"s{i}.npy", np.full((256 << 10) - 128, i, dtype=np.uint8))  # 256 KiB files
+    index(d)
+    size = max(f.stat().st_size for f in d.glob("*.npy"))
+    serve = procs.serve(procs.source({"two": d}), tmp_path / "two.sock", opts=("--pool-size", "1GiB", "--stream-memory", str(2 * size)))
+    with shardwire.connect(serve.socket).open_stream("two") as s:
+        b0 = s.next(timeout=WAIT).keep()
+        b1 = s.next(timeout=WAIT).keep()
+        with pytest.raises(shardwire.Timeout):
+            s.next(timeout=0.3)
+        t0 = time.monotonic()
+        b0.release()
+        assert time.monotonic() - t0 < 5
+        b2 = s.next(timeout=20)
+        assert b2 is not None and (b1.index, b2.index) == (1, 2)
+
+
 # --- 6. DLPack ------------------------------------------------------------------------------
 
 

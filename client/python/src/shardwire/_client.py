@@ -8,6 +8,7 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import select
@@ -168,6 +169,8 @@ _NEXT = {"op": "next"}
 #: a loop pays one request and one receive per several batches; the leases of the batches
 #: handed out meanwhile go with the next request.
 _NEXT_COUNT = 8
+#: How much longer than a `next` timeout the SDK waits for the node's own `timeout` answer.
+_NODE_TIMEOUT_SLACK = 5.0
 
 
 class Batch(_BatchBase):
@@ -491,8 +494,9 @@ class Stream(_StreamBase[Batch]):
             timeout: Seconds to wait for the batch (None: wait as long as it takes).
 
         Raises:
-            Timeout: no batch within `timeout` (the stream stays usable: the request stays in
-                flight and a later ``next`` takes its answer).
+            Timeout: no batch within `timeout`. The stream stays usable: a request this call
+                sent is ended by the service; one the stream had sent ahead of time stays in
+                flight, and a later ``next`` takes its answer.
             ServiceError: e.g. code ``"closed"`` if the service closed the stream.
             ConnectionClosed: the service went away.
         """
@@ -501,11 +505,16 @@ class Stream(_StreamBase[Batch]):
     def _take(self, timeout: float | None) -> Batch | None:
         if self._inflight and self._inflight[0] == "release":
             self._settle()
+        wait = timeout
         if "next" not in self._inflight:
-            self._send_next(self._auto)
+            # A request sent now carries the timeout: the node ends it, so nothing stays in
+            # flight (a release after a timeout is then answered at once, not queued behind a
+            # request that may wait for the memory it frees). The read waits a little longer.
+            self._send_next(self._auto, timeout)
+            wait = None if timeout is None else timeout + _NODE_TIMEOUT_SLACK
         prev, self._auto = self._auto, None
         while True:
-            reply = self._read(timeout)
+            reply = self._read(wait)
             if reply is None:
                 self._auto = prev  # still this trainer's: released with a later request
                 raise self._timeout(timeout)
@@ -562,14 +571,16 @@ class Stream(_StreamBase[Batch]):
             prev._released = True
             self._pending.append(prev.lease)
 
-    def _send_next(self, prev: Batch | None) -> None:
+    def _send_next(self, prev: Batch | None, timeout: float | None = None) -> None:
         """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
-        whose release waited for a request, in the same request."""
+        whose release waited for a request, in the same request, which the node ends after
+        `timeout` seconds (None: it waits as long as it takes)."""
         self._defer_release(prev)
         if self._pending and self._cuda is not None:
             self._gpu_done()
         count = 1 if self._kept_leases else _NEXT_COUNT
-        self._send(_NEXT, _wire.encode_next(self._pending, count))
+        timeout_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        self._send(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
         self._pending.clear()
 
     def _release(self, batch: Batch) -> None:

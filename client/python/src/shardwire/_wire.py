@@ -43,13 +43,16 @@ def encode(msg: Message) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def encode_next(release: Sequence[int], count: int = 1) -> bytes:
+def encode_next(release: Sequence[int], count: int = 1, timeout_ms: int | None = None) -> bytes:
     """A ``next`` request releasing `release` and asking for up to `count` batches (those
-    ready at once after the first): the bytes :func:`encode` writes, without the generic
-    encoder (one per batch or fewer on the training loop's path)."""
-    if not release and count == 1:
+    ready at once after the first), which the node ends after `timeout_ms` (None: it waits as
+    long as it takes): the bytes :func:`encode` writes, without the generic encoder (one per
+    batch or fewer on the training loop's path)."""
+    if not release and count == 1 and timeout_ms is None:
         return _NEXT_ALONE
     body = b'{"op":"next"'
+    if timeout_ms is not None:
+        body += b',"timeout_ms":%d' % int(timeout_ms)
     if release:
         body += b',"release":[%s]' % b",".join(b"%d" % int(x) for x in release)
     if count != 1:
