@@ -1,0 +1,63 @@
+"""scripts/bench_loaders.py, where the issue's loader figures come from: the local baseline's
+two-level block shuffle resumes at a batch (`block_batches(skip=k)` is the tail of the whole
+epoch, so its time to the first batch resumed is measured at the right place), and a short run
+of shardwire against numpy-mmap-gather completes and reports the steady-state ratio and the
+times to the first batch, fresh and resumed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, require_bin
+
+SCRIPT = REPO / "scripts" / "bench_loaders.py"
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location("bench_loaders", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+@pytest.mark.parametrize("skip", [0, 1, 5, 17])
+def test_the_local_block_shuffle_resumes_at_a_batch(skip):
+    pytest.importorskip("numpy", reason="numpy is installed by scripts/test")
+    m = bench_module()
+    rows = [37, 64, 5, 128, 90, 64, 1, 33]  # uneven shards; blocks close at a shard end past S
+    n, batch = sum(rows), 16
+    full = [b.tolist() for b in m.block_batches(rows, 4, 2, 100, batch)]
+    assert len(full) == n // batch, "batches run across block edges, the last partial one dropped"
+    flat = [x for b in full for x in b]
+    assert len(set(flat)) == len(flat) and all(0 <= x < n for x in flat)
+    assert full != [b.tolist() for b in m.block_batches(rows, 5, 2, 100, batch)], "the seed matters"
+    tail = [b.tolist() for b in m.block_batches(rows, 4, 2, 100, batch, skip=skip)]
+    assert tail == full[skip:]
+
+
+def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
+    pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
+    pytest.importorskip("pyarrow", reason="pyarrow is installed by scripts/test")
+    env = dict(os.environ, SHARDWIRE_BIN=str(require_bin()))
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rounds", "1", "--samples", "16384", "--shard-rows", "1024",
+         "--files", "2", "--shuffle-block", "4096", "--warmup", "20", "--warmup-seconds", "0.2",
+         "--seconds", "0.3", "--loaders", "shardwire,numpy-mmap-gather", "--data", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    report = json.loads(next(line for line in r.stdout.splitlines() if line.startswith('{"bench": "loaders"')))
+    assert report["fastest_local"] == "numpy-mmap-gather"
+    ratio = report["shardwire_vs_fastest_local"]["shardwire"]
+    assert len(ratio["per_round"]) == 1 and ratio["per_round"][0] > 0
+    assert 0 < ratio["first_batch_s"] < 60 and 0 < ratio["resume_first_batch_s"] < 60
+    run = report["runs"]["shardwire"][0]
+    assert run["seconds"] >= 0.3 and run["batches"] > 0 and run["warmup_batches"] >= 20
+    assert "numpy-mmap-gather" in r.stdout and "first batch" in r.stdout
