@@ -205,7 +205,7 @@ impl Stream {
         // The node's own `timeout` answer ends a request sent now; the read waits a little
         // longer for it (if even that passes, the request stays in flight like one sent ahead).
         let wait = match sent_now {
-            true => timeout.map(|t| t + NODE_TIMEOUT_SLACK),
+            true => timeout.map(|t| t.saturating_add(NODE_TIMEOUT_SLACK)),
             false => timeout,
         };
         let answer = match self.answer(wait) {
@@ -258,6 +258,9 @@ impl Stream {
                 }
                 Ok(None)
             }
+            // The node's late answer to a timed request an earlier call gave up waiting for:
+            // this call asks again, with its own timeout.
+            Response::Timeout if !sent_now => self.take(timeout, ahead),
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             other => Err(unexpected("next", &other)),
         }

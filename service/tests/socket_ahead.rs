@@ -6,7 +6,9 @@
 //! or a `release` while a request is in flight (the source stopped) leave the stream usable.
 //! The node's side: in a region of two slabs the loop still runs (a waiting `next` frees the
 //! slabs it released first), a timed-out request holding every slab lets a release through,
-//! and a trainer that hangs up while its request waits has its stream closed.
+//! and a trainer that closes its connection while its request waits has its stream closed; a
+//! late `timeout` answer (the node stopped while a timed `next` waited) does not fail a later
+//! `next`.
 
 mod common;
 
@@ -29,13 +31,14 @@ fn opts(seed: u64, epochs: u32) -> StreamOptions {
 }
 
 type Pos = (u32, u64, u32);
+type Files = HashMap<String, Vec<u8>>;
 
 fn pos(b: &Batch) -> Pos {
     (b.epoch, b.index, b.shard)
 }
 
 /// The batch's one tensor equals its file.
-fn check_bytes(b: &Batch, files: &HashMap<String, Vec<u8>>) {
+fn check_bytes(b: &Batch, files: &Files) {
     let t = &b.tensors()[0];
     assert_eq!(b.bytes(t), files[&t.name], "tensor {} differs", t.name);
 }
@@ -61,8 +64,8 @@ fn delivered(c: &Cluster) -> u64 {
     status(c)["counters"]["batches_delivered"].as_u64().unwrap()
 }
 
-/// Leases of stream `id` (None: it is not open).
-fn leased(c: &Cluster, id: u64) -> Option<u64> {
+/// Field `field` of stream `id` in `/v1/streams` (None: the stream is not open).
+fn stream_field(c: &Cluster, id: u64, field: &str) -> Option<u64> {
     let (code, body) = raw(&c.admin, "GET", "/v1/streams", "");
     assert_eq!(code, 200, "{body}");
     let v = json(&body);
@@ -70,7 +73,28 @@ fn leased(c: &Cluster, id: u64) -> Option<u64> {
     streams
         .iter()
         .find(|s| s["id"].as_u64() == Some(id))
-        .map(|s| s["leased"].as_u64().unwrap())
+        .map(|s| s[field].as_u64().unwrap())
+}
+
+/// Leases of stream `id` (None: it is not open).
+fn leased(c: &Cluster, id: u64) -> Option<u64> {
+    stream_field(c, id, "leased")
+}
+
+/// Batches of stream `id` received and waiting for the trainer (0: not open).
+fn ready(c: &Cluster, id: u64) -> u64 {
+    stream_field(c, id, "ready").unwrap_or(0)
+}
+
+/// A node with a region of two slabs over `shards` shards of 256 KiB, and the plan order of a
+/// stream with `seed`.
+fn two_slabs(tag: &str, shards: usize, seed: u64) -> (TempDir, Cluster, Files, Vec<Pos>) {
+    let tmp = TempDir::new(tag);
+    let dir = tmp.0.join("ds");
+    let files = dataset(&dir, &vec![256 << 10; shards]);
+    let c = Cluster::start(&dir, &tmp.0, "512KiB");
+    let want = one_at_a_time(&c, opts(seed, 1));
+    (tmp, c, files, want)
 }
 
 /// Runs `f` on a thread and fails the test if it has not returned within `limit` (a hang).
@@ -178,52 +202,41 @@ fn signal(sig: &str, pid: u32) {
 
 #[test]
 fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
-    let tmp = TempDir::new("inflight");
-    let dir = tmp.0.join("ds");
-    // 24 shards of 192 KiB in a 1 MiB region: the node holds at most a few ahead, so with the
-    // source stopped the stream runs dry.
-    let sizes = vec![192 << 10; 24];
-    let files = dataset(&dir, &sizes);
-    let c = Cluster::start(&dir, &tmp.0, "1MiB");
-    let want = one_at_a_time(&c, opts(3, 1));
+    // A region of two slabs: with one batch leased and the next one ready, the node can fetch
+    // nothing more until the trainer gives one back.
+    let (_tmp, c, files, want) = two_slabs("inflight", 8, 3);
 
     let mut s = Stream::open(&c.socket, opts(3, 1)).unwrap();
     let id = s.info.stream;
-    let mut got = Vec::new();
-    let mut b = s.next().unwrap().expect("a batch");
-    for _ in 0..3 {
-        check_bytes(&b, &files);
-        got.push(pos(&b));
-        b = s.next_after(b).unwrap().expect("a batch");
-    }
+    let b0 = s.next().unwrap().expect("a batch");
+    check_bytes(&b0, &files);
+    let mut got = vec![pos(&b0)];
+    wait_for("the second batch to be ready", || ready(&c, id) == 1);
     signal("-STOP", c.source_pid());
-    // Hold `b`; take what the node has ready until a request waits for the stopped source.
-    let held = b;
-    check_bytes(&held, &files);
-    got.push(pos(&held));
-    let timed_out = loop {
-        match s.next_timeout(Duration::from_millis(300)) {
-            Ok(Some(b)) => {
-                check_bytes(&b, &files);
-                got.push(pos(&b));
-                s.release(b).unwrap();
-            }
-            Ok(None) => panic!("the stream ended with its source stopped"),
-            Err(ClientError::Timeout(t)) => break t,
-            Err(e) => panic!("{e}"),
-        }
-        assert!(
-            got.len() < want.len(),
-            "every batch came with the source stopped"
-        );
-    };
-    assert_eq!(timed_out, Duration::from_millis(300));
-    // A release behind the request in flight returns without waiting for that request.
+    // The release of b0 rides on this request, which b1 answers; the request sent ahead
+    // then waits for b2, which the stopped source cannot send.
+    let b1 = s.next_after(b0).unwrap().expect("a batch");
+    check_bytes(&b1, &files);
+    got.push(pos(&b1));
+    match s.next_timeout(Duration::from_millis(300)) {
+        Err(ClientError::Timeout(t)) => assert_eq!(t, Duration::from_millis(300)),
+        other => panic!(
+            "expected a timeout, got {:?}",
+            other.map(|b| b.map(|b| pos(&b)))
+        ),
+    }
+    // A release behind that request returns at once; its answer is read after the request's.
     let t = Instant::now();
-    s.release(held).unwrap();
+    s.release(b1).unwrap();
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // Queued behind the waiting request, the release has not been read yet: b1 is still leased.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        leased(&c, id),
+        Some(1),
+        "the release waits behind the request in flight"
+    );
     signal("-CONT", c.source_pid());
-    // The request in flight answers now; then the usual loop to the end.
     let mut next = s.next_timeout(WAIT).unwrap();
     while let Some(b) = next {
         check_bytes(&b, &files);
@@ -234,7 +247,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
         got, want,
         "the same plan through a timeout and a release in flight"
     );
-    // Every lease went back: the release read behind the answers, the last ones at the end.
+    // Every lease went back: the release read behind the answer, the last ones at the end.
     wait_for("the stream's leases to go back", || {
         leased(&c, id) == Some(0)
     });
@@ -242,11 +255,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
 
 #[test]
 fn a_region_of_two_slabs_runs_the_ahead_loop_to_the_end() {
-    let tmp = TempDir::new("twoslabs");
-    let dir = tmp.0.join("ds");
-    let files = dataset(&dir, &[256 << 10; 10]);
-    let c = Cluster::start(&dir, &tmp.0, "512KiB");
-    let want = one_at_a_time(&c, opts(5, 1));
+    let (_tmp, c, files, want) = two_slabs("twoslabs", 10, 5);
     let socket = c.socket.clone();
     // The trainer holds one slab and the request sent ahead waits for the other, which the
     // request released: the node frees it before waiting (else this loop never ends).
@@ -266,11 +275,7 @@ fn a_region_of_two_slabs_runs_the_ahead_loop_to_the_end() {
 
 #[test]
 fn a_timeout_with_every_slab_held_lets_the_release_through() {
-    let tmp = TempDir::new("fullregion");
-    let dir = tmp.0.join("ds");
-    let files = dataset(&dir, &[256 << 10; 6]);
-    let c = Cluster::start(&dir, &tmp.0, "512KiB");
-    let want = one_at_a_time(&c, opts(2, 1));
+    let (_tmp, c, files, want) = two_slabs("fullregion", 6, 2);
     let mut s = Stream::open(&c.socket, opts(2, 1)).unwrap();
     let b0 = s.next().unwrap().expect("a batch");
     let b1 = s.next().unwrap().expect("a batch");
@@ -341,4 +346,32 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
         std::thread::sleep(Duration::from_millis(50));
     }
     signal("-CONT", c.source_pid());
+}
+
+#[test]
+fn a_late_timeout_answer_does_not_fail_a_later_next() {
+    let (_tmp, c, files, want) = two_slabs("late", 4, 4);
+    let mut s = Stream::open(&c.socket, opts(4, 1)).unwrap();
+    let b0 = s.next().unwrap().expect("a batch");
+    let b1 = s.next().unwrap().expect("a batch"); // both slabs held: a next waits
+    // The node is stopped, so its own `timeout` answer comes after the client gave up.
+    signal("-STOP", c.serve_pid());
+    let t = Instant::now();
+    let e = s.next_timeout(Duration::from_millis(100));
+    signal("-CONT", c.serve_pid());
+    assert!(
+        matches!(e, Err(ClientError::Timeout(_))),
+        "{:?}",
+        e.map(|b| b.map(|b| pos(&b)))
+    );
+    assert!(
+        t.elapsed() >= Duration::from_secs(5),
+        "waited {:?} for the node",
+        t.elapsed()
+    );
+    s.release(b0).unwrap();
+    // The late `timeout` answers the request that call sent; this call asks again.
+    let b2 = s.next().unwrap().expect("a batch");
+    check_bytes(&b2, &files);
+    assert_eq!([pos(&b1), pos(&b2)], [want[1], want[2]]);
 }

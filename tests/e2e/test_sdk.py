@@ -392,10 +392,37 @@ def test_a_timeout_with_every_slab_kept_lets_a_release_through(procs: Procs, tmp
         b1 = s.next(timeout=WAIT).keep()
         with pytest.raises(shardwire.Timeout):
             s.next(timeout=0.3)
+        assert "next" not in s._inflight, "the node ended the request with its timeout"
         t0 = time.monotonic()
         b0.release()
         assert time.monotonic() - t0 < 5
         b2 = s.next(timeout=20)
+        assert b2 is not None and (b1.index, b2.index) == (1, 2)
+
+
+def test_a_late_timeout_answer_does_not_fail_a_later_next(procs: Procs, tmp_path: pathlib.Path):
+    """The node is stopped while `next(timeout=0.1)` waits, so its `timeout` answer comes after
+    the SDK gave up (timeout + slack): a later `next()` without a timeout reads that late
+    answer, asks again, and gets its batch instead of a Timeout."""
+    d = tmp_path / "late"
+    d.mkdir()
+    for i in range(4):
+        np.save(d / f"s{i}.npy", np.full((256 << 10) - 128, i, dtype=np.uint8))
+    index(d)
+    size = max(f.stat().st_size for f in d.glob("*.npy"))
+    serve = procs.serve(procs.source({"late": d}), tmp_path / "late.sock", opts=("--pool-size", "1GiB", "--stream-memory", str(2 * size)))
+    with shardwire.connect(serve.socket).open_stream("late") as s:
+        b0 = s.next(timeout=WAIT).keep()
+        b1 = s.next(timeout=WAIT).keep()  # both slabs held: a next waits
+        serve.proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(shardwire.Timeout):
+                s.next(timeout=0.1)
+        finally:
+            serve.proc.popen.send_signal(signal.SIGCONT)
+        assert "next" in s._inflight, "the SDK gave up before the stopped node answered"
+        b0.release()
+        b2 = s.next()
         assert b2 is not None and (b1.index, b2.index) == (1, 2)
 
 

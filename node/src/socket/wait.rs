@@ -1,6 +1,6 @@
 //! Waiting for a socket trainer's next batch: the slabs its request released are freed before
-//! the wait (the batch may need their memory), and a trainer that hangs up while its request
-//! waits is noticed within [`HANGUP_CHECK`], so its stream closes then and not when a batch
+//! the wait (the batch may need their memory), and a trainer that closes its connection while
+//! its request waits is noticed within [`HANGUP_CHECK`], so its stream closes then and not when a batch
 //! finally comes (a request sent ahead of time may wait for a stalled source indefinitely).
 
 use std::os::fd::AsRawFd;
@@ -48,17 +48,18 @@ pub fn next_batch(
 }
 
 /// True when the peer closed its end of `sock` (or the socket failed), even with requests of
-/// its still unread: `poll` with `POLLRDHUP`, which a Unix stream socket reports once the peer
-/// shut down or closed.
+/// its still unread: `poll` reports `POLLHUP` on a Unix stream socket once the peer closed it
+/// (the kernel then shuts down both directions of this end). A peer that only shut down its
+/// writing (`POLLRDHUP` alone) still reads, so it still gets its answer.
 fn hung_up(sock: &UnixStream) -> bool {
     let mut p = libc::pollfd {
         fd: sock.as_raw_fd(),
-        events: libc::POLLRDHUP,
+        events: 0, // POLLHUP and POLLERR are always reported
         revents: 0,
     };
     // SAFETY: one live pollfd for a socket this function borrows; a timeout of 0 only asks.
     let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    r > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
 #[cfg(test)]
@@ -73,6 +74,11 @@ mod tests {
         assert!(!hung_up(&a));
         (&b).write_all(b"a release behind the request").unwrap();
         assert!(!hung_up(&a), "unread bytes are not a hang-up");
+        b.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(
+            !hung_up(&a),
+            "a peer that only stopped writing still reads its answer"
+        );
         drop(b);
         assert!(hung_up(&a));
     }

@@ -92,7 +92,7 @@ impl Drop for Proc {
 
 /// A source serving dataset `d` from `dir`, and a node service using it.
 pub struct Cluster {
-    _serve: Proc, // dropped (killed) before its source
+    serve: Proc, // dropped (killed) before its source
     source: Proc,
     /// The node's trainer socket.
     pub socket: PathBuf,
@@ -104,6 +104,11 @@ impl Cluster {
     /// The source process's pid (to stop and continue it).
     pub fn source_pid(&self) -> u32 {
         self.source.child.id()
+    }
+
+    /// The node service's pid (to stop and continue it).
+    pub fn serve_pid(&self) -> u32 {
+        self.serve.child.id()
     }
 
     pub fn start(dir: &Path, tmp: &Path, stream_memory: &str) -> Self {
@@ -137,7 +142,7 @@ impl Cluster {
         assert_eq!(Path::new(sock), socket);
         let c = Self {
             source,
-            _serve: serve,
+            serve,
             socket,
             admin: admin.to_string(),
         };

@@ -506,7 +506,8 @@ class Stream(_StreamBase[Batch]):
         if self._inflight and self._inflight[0] == "release":
             self._settle()
         wait = timeout
-        if "next" not in self._inflight:
+        sent_now = "next" not in self._inflight
+        if sent_now:
             # A request sent now carries the timeout: the node ends it, so nothing stays in
             # flight (a release after a timeout is then answered at once, not queued behind a
             # request that may wait for the memory it frees). The read waits a little longer.
@@ -558,8 +559,12 @@ class Stream(_StreamBase[Batch]):
                     self._reply({"op": "release", "lease": lease}, "released")
                 self._pending.clear()
             return None
-        self._auto = prev  # still the trainer's
+        self._auto = prev  # the trainer's, or released with the request just answered
         if kind == "timeout":
+            if not sent_now:
+                # The node's late answer to a timed request an earlier call gave up waiting
+                # for: this call asks again, with its own timeout.
+                return self._take(timeout)
             raise self._timeout(timeout)
         if kind == "error":
             raise _service_error(msg)
