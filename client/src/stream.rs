@@ -148,9 +148,10 @@ impl Stream {
     /// before returning, so the node answers while the caller works on the batch. Besides the
     /// batch in hand, the node then holds up to `NEXT_COUNT` leases for this stream; closing
     /// the stream (dropping it) releases them, also while that request waits for data (the
-    /// node looks for a closed connection every second while it waits). Nothing is asked for ahead while the caller
-    /// holds other batches (taken with [`Stream::next`] and not released): they may fill the
-    /// stream's memory, and a release sent behind a waiting request would wait with it.
+    /// node looks for a closed connection every second while it waits). Nothing is asked for
+    /// ahead while the caller holds other batches (taken with [`Stream::next`] and not
+    /// released): they may fill the stream's memory, and a release sent behind a waiting
+    /// request would wait with it.
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
         self.held = self.held.saturating_sub(1);
         self.deferred.push(done.lease);
@@ -210,6 +211,9 @@ impl Stream {
         };
         let answer = match self.answer(wait) {
             Ok(a) => a,
+            Err(ClientError::Timeout(_)) => {
+                return Err(ClientError::Timeout(timeout.unwrap_or_default()));
+            }
             Err(e) => {
                 if matches!(e, ClientError::Service { .. }) {
                     self.awaited.pop_front(); // an error is a request's last answer
@@ -247,15 +251,7 @@ impl Stream {
                 Ok(Some(b))
             }
             Response::End => {
-                // Nothing follows to carry the deferred releases: one request each.
-                self.settle()?;
-                for lease in std::mem::take(&mut self.deferred) {
-                    self.send(&Request::Release { lease })?;
-                    match self.answer(None)? {
-                        Response::Released => {}
-                        other => return Err(unexpected("release", &other)),
-                    }
-                }
+                self.release_deferred()?;
                 Ok(None)
             }
             // The node's late answer to a timed request an earlier call gave up waiting for:
@@ -264,6 +260,20 @@ impl Stream {
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             other => Err(unexpected("next", &other)),
         }
+    }
+
+    /// At the end of the stream: nothing follows to carry the deferred releases, so one
+    /// request each (at most NEXT_COUNT, once per stream).
+    fn release_deferred(&mut self) -> Result<(), ClientError> {
+        self.settle()?;
+        for lease in std::mem::take(&mut self.deferred) {
+            self.send(&Request::Release { lease })?;
+            match self.answer(None)? {
+                Response::Released => {}
+                other => return Err(unexpected("release", &other)),
+            }
+        }
+        Ok(())
     }
 
     /// Sends a `next` for up to `count` batches that the node ends after `timeout` (None:
