@@ -292,3 +292,20 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
     }
     assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
 }
+
+#[test]
+fn shard_indexes_hash_apart_and_spread_over_buckets() {
+    use std::hash::BuildHasher;
+    let b = BuildHasherDefault::<ShardHasher>::default();
+    let hashes: Vec<u64> = (0..100_000u32).map(|i| b.hash_one(i)).collect();
+    let distinct: std::collections::HashSet<_> = hashes.iter().collect();
+    assert_eq!(distinct.len(), hashes.len(), "one multiply is a bijection");
+    // The top 7 bits (hashbrown's control byte) take every value over dense indexes.
+    let tops: std::collections::HashSet<_> = hashes.iter().map(|h| h >> 57).collect();
+    assert_eq!(tops.len(), 128);
+    let mut m = ShardMap::default();
+    for i in 0..1000u32 {
+        m.insert(i * 3, i);
+    }
+    assert!((0..1000u32).all(|i| m[&(i * 3)] == i) && !m.contains_key(&1));
+}
