@@ -14,11 +14,11 @@ mod common;
 
 use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
-use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{Cluster, TempDir, WAIT, dataset, json, raw};
+use rustix::process::{Pid, Signal, kill_process};
 use shardwire_client::{Batch, ClientError, NEXT_COUNT, Stream, StreamOptions};
 use shardwire_protocol::fdpass;
 use shardwire_protocol::trainer::{self, Request, Response};
@@ -191,13 +191,10 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
     );
 }
 
-/// Runs `kill -SIG pid`.
-fn signal(sig: &str, pid: u32) {
-    let st = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(st.success(), "kill {sig} {pid}");
+/// Sends `sig` (stop or continue) to process `pid`.
+fn signal(sig: Signal, pid: u32) {
+    let p = Pid::from_raw(i32::try_from(pid).unwrap()).expect("a child's pid is not 0");
+    kill_process(p, sig).unwrap_or_else(|e| panic!("signal {sig:?} to {pid}: {e}"));
 }
 
 #[test]
@@ -212,7 +209,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
     check_bytes(&b0, &files);
     let mut got = vec![pos(&b0)];
     wait_for("the second batch to be ready", || ready(&c, id) == 1);
-    signal("-STOP", c.source_pid());
+    signal(Signal::STOP, c.source_pid());
     // The release of b0 rides on this request, which b1 answers; the request sent ahead
     // then waits for b2, which the stopped source cannot send.
     let b1 = s.next_after(b0).unwrap().expect("a batch");
@@ -236,7 +233,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
         Some(1),
         "the release waits behind the request in flight"
     );
-    signal("-CONT", c.source_pid());
+    signal(Signal::CONT, c.source_pid());
     let mut next = s.next_timeout(WAIT).unwrap();
     while let Some(b) = next {
         check_bytes(&b, &files);
@@ -313,7 +310,7 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
     let Response::Attached { stream: id, .. } = answer else {
         panic!("not attached: {answer:?}");
     };
-    signal("-STOP", c.source_pid());
+    signal(Signal::STOP, c.source_pid());
     // Take what the node has until a `next` of 200 ms times out.
     let mut release = Vec::new();
     loop {
@@ -345,7 +342,7 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    signal("-CONT", c.source_pid());
+    signal(Signal::CONT, c.source_pid());
 }
 
 #[test]
@@ -355,10 +352,10 @@ fn a_late_timeout_answer_does_not_fail_a_later_next() {
     let b0 = s.next().unwrap().expect("a batch");
     let b1 = s.next().unwrap().expect("a batch"); // both slabs held: a next waits
     // The node is stopped, so its own `timeout` answer comes after the client gave up.
-    signal("-STOP", c.serve_pid());
+    signal(Signal::STOP, c.serve_pid());
     let t = Instant::now();
     let e = s.next_timeout(Duration::from_millis(100));
-    signal("-CONT", c.serve_pid());
+    signal(Signal::CONT, c.serve_pid());
     assert!(
         matches!(e, Err(ClientError::Timeout(t)) if t == Duration::from_millis(100)),
         "{:?}",
