@@ -192,6 +192,32 @@ fn pingpong(a: &Args) -> Result<(), Error> {
     Ok(())
 }
 
+/// The training-loop form: the previous batch is released on the `next` request itself, and
+/// the stream asks for the following batches ahead of time. Back to back, and with
+/// `--work-us` also after that much CPU work per batch (only `next_after` timed).
+fn next_after(a: &Args, per_epoch: u64, total: u64) -> Result<(), Error> {
+    let works = [Duration::ZERO, a.work];
+    for work in works.iter().take(if a.work.is_zero() { 1 } else { 2 }) {
+        let mut s = Stream::open(&a.socket, options(a, per_epoch))?;
+        settle(a, s.info.stream, total)?;
+        let mut times = Vec::with_capacity(a.n);
+        let mut prev = s.next()?.ok_or("the stream ended early")?;
+        for i in 1..a.warmup + a.n {
+            busy(*work);
+            let t = Instant::now();
+            prev = s.next_after(prev)?.ok_or("the stream ended early")?;
+            if i >= a.warmup {
+                times.push(t.elapsed());
+            }
+        }
+        match work.as_micros() {
+            0 => report("socket next_after (release rides on next)", times),
+            us => report(&format!("socket next_after after {us} us work"), times),
+        }
+    }
+    Ok(())
+}
+
 /// Spins on this CPU for `d` (a stand-in for a training step).
 fn busy(d: Duration) {
     let end = Instant::now() + d;
@@ -227,28 +253,8 @@ fn main() -> Result<(), Error> {
         report("socket next+release", times);
     }
 
-    // The training-loop form: release the previous batch on the `next` request itself; the
-    // stream asks for the following batches ahead of time.
     if a.case("next_after") {
-        let works = [Duration::ZERO, a.work];
-        for work in works.iter().take(if a.work.is_zero() { 1 } else { 2 }) {
-            let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
-            settle(&a, s.info.stream, total)?;
-            let mut times = Vec::with_capacity(a.n);
-            let mut prev = s.next()?.ok_or("the stream ended early")?;
-            for i in 1..a.warmup + a.n {
-                busy(*work);
-                let t = Instant::now();
-                prev = s.next_after(prev)?.ok_or("the stream ended early")?;
-                if i >= a.warmup {
-                    times.push(t.elapsed());
-                }
-            }
-            match work.as_micros() {
-                0 => report("socket next_after (release rides on next)", times),
-                us => report(&format!("socket next_after after {us} us work"), times),
-            }
-        }
+        next_after(&a, per_epoch, total)?;
     }
 
     if let Some(admin) = a.http.as_ref().filter(|_| a.case("http")) {

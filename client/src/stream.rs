@@ -172,10 +172,7 @@ impl Stream {
             self.awaited.push_back(Awaited::Release);
             return Ok(());
         }
-        match self.answer(None)? {
-            Response::Released => Ok(()),
-            other => Err(unexpected("release", &other)),
-        }
+        released(self.answer(None))
     }
 
     /// The state to resume from: right after the last batch handed out (or the state the
@@ -268,10 +265,7 @@ impl Stream {
         self.settle()?;
         for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
-            match self.answer(None)? {
-                Response::Released => {}
-                other => return Err(unexpected("release", &other)),
-            }
+            released(self.answer(None))?;
         }
         Ok(())
     }
@@ -302,10 +296,7 @@ impl Stream {
         while self.awaited.front() == Some(&Awaited::Release) {
             let answer = self.answer(None);
             self.awaited.pop_front();
-            match answer? {
-                Response::Released => {}
-                other => return Err(unexpected("release", &other)),
-            }
+            released(answer)?;
         }
         Ok(())
     }
@@ -350,6 +341,14 @@ impl Stream {
             Response::Error { code, message } => Err(ClientError::Service { code, message }),
             r => Ok(r),
         }
+    }
+}
+
+/// The answer to a `release`: `released`, or the error it is.
+fn released(answer: Result<Response, ClientError>) -> Result<(), ClientError> {
+    match answer? {
+        Response::Released => Ok(()),
+        other => Err(unexpected("release", &other)),
     }
 }
 
