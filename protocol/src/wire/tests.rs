@@ -1,0 +1,361 @@
+//! Round trips and refusals of every message kind, over real encoded bytes.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn samples() -> Vec<Message> {
+    vec![
+        Message::Hello {
+            node_id: "gpu-7".into(),
+            nonce: [9; 32],
+            lanes: vec![
+                LaneAddr {
+                    data_addr: "127.0.0.1:7401".parse().unwrap(),
+                    flows: 4,
+                },
+                LaneAddr {
+                    data_addr: "[fd00::2]:7401".parse().unwrap(),
+                    flows: 1,
+                },
+            ],
+        },
+        Message::Challenge {
+            nonce: [3; 32],
+            auth_required: true,
+        },
+        Message::Auth { mac: [1; 32] },
+        Message::Welcome {
+            mac: [2; 32],
+            idle_timeout_s: 60,
+        },
+        Message::ManifestRequest {
+            req: 5,
+            dataset: "imagenet".into(),
+        },
+        Message::Manifest {
+            req: 5,
+            dataset: "d".into(),
+            json: b"{}".to_vec(),
+        },
+        Message::DataConn {
+            lane: 1,
+            conn: 3,
+            addr: "[::1]:40000".parse().unwrap(),
+        },
+        Message::Fetch {
+            req: 77,
+            dataset: "d".into(),
+            shard: 12,
+            lane: 2,
+        },
+        Message::Shard {
+            req: 77,
+            shard: 12,
+            length: 1 << 33,
+            crc32c: 0xdead_beef,
+            conn: 1,
+            seq: 5,
+        },
+        Message::Error {
+            req: 0,
+            code: ErrorCode::AuthFailed,
+            retry_after_ms: 0,
+            message: "nope".into(),
+        },
+        Message::Error {
+            req: 9,
+            code: ErrorCode::Throttled,
+            retry_after_ms: 1500,
+            message: "s3://b/k bytes 0..8: SlowDown".into(),
+        },
+        Message::Error {
+            req: 0,
+            code: ErrorCode::Draining,
+            retry_after_ms: 0,
+            message: "draining".into(),
+        },
+        Message::Cancel { req: 9 },
+        Message::Ping,
+        Message::DataReady { conn: 77 },
+        Message::Hint {
+            stream: 4,
+            dataset: "d".into(),
+            shards: vec![3, 1, 4, 1, 5],
+        },
+        Message::Hint {
+            stream: 5,
+            dataset: "d".into(),
+            shards: (0..MAX_HINT_SHARDS as u32).collect(),
+        },
+    ]
+}
+
+#[test]
+fn round_trip_every_kind() {
+    for m in samples() {
+        let mut buf = Vec::new();
+        encode(&m, &mut buf).unwrap();
+        assert_eq!(
+            decode(&buf).unwrap(),
+            Decoded::Message(m.clone(), buf.len())
+        );
+        // Every strict prefix asks for more bytes instead of failing.
+        for cut in 0..buf.len() {
+            assert!(matches!(decode(&buf[..cut]).unwrap(), Decoded::NeedMore(n) if n > 0));
+        }
+    }
+}
+
+#[test]
+fn rejects_bad_headers() {
+    assert_eq!(decode(&[0, 0, 0, 1, 1]), Err(DecodeError::FrameLength(1)));
+    assert_eq!(
+        decode(&[0xff, 0xff, 0xff, 0xff]),
+        Err(DecodeError::FrameLength(u32::MAX as usize))
+    );
+    assert_eq!(decode(&[0, 0, 0, 2, 9, 1]), Err(DecodeError::Version(9)));
+    assert_eq!(
+        decode(&[0, 0, 0, 2, VERSION, 99]),
+        Err(DecodeError::UnknownKind(99))
+    );
+}
+
+#[test]
+fn rejects_trailing_and_truncated_fields() {
+    let mut buf = Vec::new();
+    encode(&Message::Auth { mac: [0; 32] }, &mut buf).unwrap();
+    buf.push(0);
+    let len = (buf.len() - 4) as u32;
+    buf[..4].copy_from_slice(&len.to_be_bytes());
+    assert_eq!(
+        decode(&buf),
+        Err(DecodeError::Trailing {
+            kind: K_AUTH,
+            extra: 1
+        })
+    );
+    assert_eq!(
+        decode(&[0, 0, 0, 4, VERSION, K_AUTH, 0, 0]),
+        Err(DecodeError::Truncated {
+            kind: K_AUTH,
+            field: "mac"
+        })
+    );
+}
+
+#[test]
+fn rejects_oversized_strings_and_zero_flows() {
+    let mut body = vec![VERSION, K_MANIFEST_REQUEST];
+    body.extend_from_slice(&1u64.to_be_bytes());
+    body.extend_from_slice(&300u16.to_be_bytes());
+    body.extend_from_slice(&[b'a'; 300]);
+    assert_eq!(
+        decode_frame(&body),
+        Err(DecodeError::FieldTooLong {
+            field: "dataset",
+            len: 300,
+            max: MAX_DATASET_NAME
+        })
+    );
+    let lane = |flows| LaneAddr {
+        data_addr: "127.0.0.1:1".parse().unwrap(),
+        flows,
+    };
+    let hello = |lanes| Message::Hello {
+        node_id: String::new(),
+        nonce: [0; 32],
+        lanes,
+    };
+    let mut buf = Vec::new();
+    encode(&hello(vec![lane(1), lane(0)]), &mut buf).unwrap();
+    assert_eq!(
+        decode(&buf),
+        Err(DecodeError::Range {
+            field: "flows",
+            value: 0
+        })
+    );
+    // No lanes, or more than MAX_LANES: refused on both sides.
+    assert!(encode(&hello(vec![]), &mut Vec::new()).is_err());
+    assert!(encode(&hello(vec![lane(1); 65]), &mut Vec::new()).is_err());
+    let mut buf = Vec::new();
+    encode(&hello(vec![lane(1)]), &mut buf).unwrap();
+    let count_at = buf.len() - (1 + 4 + 2) - 2 - 2; // lanes u16 before one v4 lane
+    for (n, want) in [
+        (
+            0u16,
+            Err(DecodeError::Range {
+                field: "lanes",
+                value: 0,
+            }),
+        ),
+        (
+            65,
+            Err(DecodeError::Range {
+                field: "lanes",
+                value: 65,
+            }),
+        ),
+        (
+            2,
+            Err(DecodeError::Truncated {
+                kind: K_HELLO,
+                field: "data_addr",
+            }),
+        ),
+    ] {
+        buf[count_at..count_at + 2].copy_from_slice(&n.to_be_bytes());
+        assert_eq!(decode(&buf), want, "lanes = {n}");
+    }
+}
+
+#[test]
+fn connections_are_numbered_across_lanes() {
+    let l = |flows| LaneAddr {
+        data_addr: "127.0.0.1:1".parse().unwrap(),
+        flows,
+    };
+    assert_eq!(conn_lanes(&[l(2), l(1), l(3)]), [0, 0, 1, 2, 2, 2]);
+    assert_eq!(conn_lanes(&[]), [] as [u16; 0]);
+}
+
+#[test]
+fn an_older_peer_is_refused_in_its_own_version() {
+    let frame = version_error_frame(2, "source");
+    assert_eq!(frame[4], 2, "written with the peer's version byte");
+    // Read as a version 2 peer reads it: len, version, kind, req, code, message.
+    let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+    assert_eq!(len, frame.len() - 4, "the length covers the body");
+    assert_eq!(frame[5], K_ERROR);
+    let req = u64::from_be_bytes(frame[6..14].try_into().unwrap());
+    let code = u16::from_be_bytes(frame[14..16].try_into().unwrap());
+    let n = u16::from_be_bytes(frame[16..18].try_into().unwrap()) as usize;
+    assert_eq!(18 + n, frame.len(), "nothing after the message");
+    let message = std::str::from_utf8(&frame[18..]).unwrap();
+    assert_eq!((req, code), (0, ErrorCode::UnsupportedVersion as u16));
+    assert!(
+        message.contains("version 3") && message.contains("sent version 2"),
+        "{message}"
+    );
+    assert_eq!(decode(&frame), Err(DecodeError::Version(2)));
+}
+
+#[test]
+fn dataset_names_are_checked_with_the_reason() {
+    assert_eq!(check_dataset_name("web-2024.v1_a"), Ok(()));
+    assert_eq!(check_dataset_name(""), Err(DatasetNameError::Empty));
+    let long = "x".repeat(256);
+    let e = check_dataset_name(&long).unwrap_err();
+    assert_eq!(e, DatasetNameError::TooLong { len: 256 });
+    assert_eq!(
+        e.to_string(),
+        "field `dataset` is 256 bytes long; the limit is 255"
+    );
+    assert!(check_dataset_name(&"y".repeat(255)).is_ok());
+    assert_eq!(
+        check_dataset_name("a/b"),
+        Err(DatasetNameError::BadChar {
+            name: "a/b".into(),
+            ch: '/'
+        })
+    );
+}
+
+#[test]
+fn hints_over_the_limit_are_refused_before_allocating() {
+    let mut body = vec![VERSION, K_HINT];
+    body.extend_from_slice(&1u64.to_be_bytes());
+    body.extend_from_slice(&1u16.to_be_bytes());
+    body.push(b'd');
+    body.extend_from_slice(&u16::MAX.to_be_bytes());
+    assert_eq!(
+        decode_frame(&body),
+        Err(DecodeError::FieldTooLong {
+            field: "shards",
+            len: u16::MAX as usize,
+            max: MAX_HINT_SHARDS
+        })
+    );
+    let m = Message::Hint {
+        stream: 1,
+        dataset: "d".into(),
+        shards: vec![0; MAX_HINT_SHARDS + 1],
+    };
+    assert!(matches!(
+        encode(&m, &mut Vec::new()),
+        Err(EncodeError::FieldTooLong {
+            field: "shards",
+            ..
+        })
+    ));
+    // The largest hint with the longest name stays a small frame.
+    let mut buf = Vec::new();
+    let big = Message::Hint {
+        stream: u64::MAX,
+        dataset: "x".repeat(MAX_DATASET_NAME),
+        shards: vec![u32::MAX; MAX_HINT_SHARDS],
+    };
+    encode(&big, &mut buf).unwrap();
+    assert!(buf.len() <= MAX_SMALL_FRAME, "{}", buf.len());
+}
+
+#[test]
+fn a_peer_of_the_previous_version_is_refused_naming_both() {
+    let e = decode(&[0, 0, 0, 2, 2, K_PING]).unwrap_err();
+    assert_eq!(e, DecodeError::Version(2));
+    assert_eq!(
+        e.to_string(),
+        "unsupported protocol version 2 (this build speaks 3)"
+    );
+}
+
+#[test]
+fn encode_refuses_long_dataset_names() {
+    let m = Message::ManifestRequest {
+        req: 1,
+        dataset: "x".repeat(256),
+    };
+    assert!(matches!(
+        encode(&m, &mut Vec::new()),
+        Err(EncodeError::FieldTooLong {
+            field: "dataset",
+            ..
+        })
+    ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4000))]
+
+    /// Any byte string decodes to a message, a request for more bytes or a typed error.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode(&bytes);
+    }
+
+    /// Same, with a plausible header so the body parsers are exercised.
+    #[test]
+    fn arbitrary_bodies_never_panic(kind in 0u8..15, body in proptest::collection::vec(any::<u8>(), 0..128)) {
+        let mut frame = vec![VERSION, kind];
+        frame.extend_from_slice(&body);
+        if let Ok(m) = decode_frame(&frame) {
+            // Whatever decodes re-encodes to the same bytes.
+            let mut buf = Vec::new();
+            encode(&m, &mut buf).unwrap();
+            prop_assert_eq!(&buf[4..], &frame[..]);
+        }
+    }
+
+    #[test]
+    fn fetch_and_shard_round_trip(req in any::<u64>(), shard in any::<u32>(), length in any::<u64>(),
+                                  crc in any::<u32>(), conn in any::<u16>(), seq in any::<u64>(),
+                                  ds in "[a-z0-9_-]{0,40}") {
+        for m in [Message::Fetch { req, dataset: ds.clone(), shard, lane: conn },
+                  Message::Shard { req, shard, length, crc32c: crc, conn, seq }] {
+            let mut buf = Vec::new();
+            encode(&m, &mut buf).unwrap();
+            prop_assert_eq!(decode(&buf).unwrap(), Decoded::Message(m, buf.len()));
+        }
+    }
+}
