@@ -21,24 +21,23 @@
 //! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
 //! the stream is dropped) or after its idle timeout without requests.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
 use shardwire_protocol::trainer::ErrorCode;
-use shardwire_protocol::trainer::http::{
-    BatchBody, ErrorBody, NextBody, OpenStream, Opened, TensorMeta,
-};
+use shardwire_protocol::trainer::http::{BatchBody, NextBody, OpenStream, Opened, TensorMeta};
 
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
+
+mod reply;
+
+use reply::{Fail, Reply, read_reply};
 
 /// `next` without a timeout polls in waits of this length.
 const POLL_MS: u64 = 30_000;
 /// Read timeout of requests that do not wait on the stream.
 const IO_TIMEOUT: Duration = Duration::from_secs(120);
-/// Largest response head.
-const MAX_HEAD: usize = 64 << 10;
 
 /// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
 pub type HttpTensor = TensorMeta;
@@ -79,42 +78,6 @@ impl From<BatchBody> for HttpBatch {
             index: b.index,
             shard: b.shard,
             tensors: b.tensors,
-        }
-    }
-}
-
-/// A response: status, lower-case headers, body.
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-    /// The body as the API's type for this answer.
-    fn json<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
-        serde_json::from_slice(&self.body).map_err(|e| {
-            ClientError::Protocol(format!(
-                "HTTP {}: the body is not the expected JSON ({e}): {}",
-                self.status,
-                String::from_utf8_lossy(&self.body[..self.body.len().min(200)])
-            ))
-        })
-    }
-    /// The service's `{code, message}` as an error.
-    fn error(&self) -> ClientError {
-        match self.json::<ErrorBody>() {
-            Ok(e) => ClientError::Service {
-                code: e.code,
-                message: e.message,
-            },
-            Err(e) => e,
         }
     }
 }
@@ -206,114 +169,6 @@ impl Conn {
         }
         unreachable!("the second attempt returns")
     }
-}
-
-enum Fail {
-    /// Nothing of a response arrived (a stale kept-alive connection, if it was reused).
-    Unanswered(std::io::Error),
-    Io(std::io::Error),
-    Protocol(String),
-}
-
-/// Reads one response; the flag says whether the connection may be used again.
-fn read_reply(r: &mut BufReader<TcpStream>, head_only: bool) -> Result<(Reply, bool), Fail> {
-    let mut line = String::new();
-    match r.read_line(&mut line) {
-        Ok(0) => {
-            return Err(Fail::Unanswered(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the server closed the connection",
-            )));
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-            return Err(Fail::Unanswered(e));
-        }
-        Err(e) => return Err(Fail::Io(e)),
-    }
-    let status_line = line.trim_end().to_string();
-    let mut parts = status_line.splitn(3, ' ');
-    let (Some(version), Some(code)) = (parts.next(), parts.next()) else {
-        return Err(Fail::Protocol(format!(
-            "bad HTTP status line {status_line:?}"
-        )));
-    };
-    let status: u16 = code
-        .parse()
-        .map_err(|_| Fail::Protocol(format!("bad HTTP status line {status_line:?}")))?;
-    let mut headers = Vec::new();
-    let mut head = line.len();
-    loop {
-        line.clear();
-        let n = r.read_line(&mut line).map_err(Fail::Io)?;
-        head += n;
-        if n == 0 || head > MAX_HEAD {
-            return Err(Fail::Protocol("truncated or oversized HTTP head".into()));
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        let Some((k, v)) = l.split_once(':') else {
-            return Err(Fail::Protocol(format!("bad HTTP header {l:?}")));
-        };
-        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
-    }
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    };
-    let mut keep = version == "HTTP/1.1"
-        && !get("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
-    let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
-    let length = get("content-length")
-        .map(|v| {
-            v.parse::<usize>()
-                .map_err(|_| Fail::Protocol(format!("bad Content-Length {v:?}")))
-        })
-        .transpose()?;
-    let mut body = Vec::new();
-    if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
-    } else if chunked {
-        loop {
-            line.clear();
-            r.read_line(&mut line).map_err(Fail::Io)?;
-            let size = line.trim_end().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size.trim(), 16)
-                .map_err(|_| Fail::Protocol(format!("bad chunk size {line:?}")))?;
-            if size == 0 {
-                loop {
-                    line.clear();
-                    if r.read_line(&mut line).map_err(Fail::Io)? == 0 || line.trim_end().is_empty()
-                    {
-                        break;
-                    }
-                }
-                break;
-            }
-            let start = body.len();
-            body.resize(start + size, 0);
-            r.read_exact(&mut body[start..]).map_err(Fail::Io)?;
-            line.clear();
-            r.read_line(&mut line).map_err(Fail::Io)?;
-        }
-    } else if let Some(n) = length {
-        body.resize(n, 0);
-        r.read_exact(&mut body).map_err(Fail::Io)?;
-    } else {
-        r.read_to_end(&mut body).map_err(Fail::Io)?;
-        keep = false;
-    }
-    Ok((
-        Reply {
-            status,
-            headers,
-            body,
-        },
-        keep,
-    ))
 }
 
 /// A stream opened over the node service's HTTP API.

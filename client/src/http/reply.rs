@@ -1,0 +1,312 @@
+//! Reading one HTTP/1.1 response off the kept-alive connection: status line, headers (at most
+//! [`MAX_HEAD`] bytes), then the body as `Content-Length`, chunked transfer coding or the rest
+//! of the connection says. A body grows as its bytes arrive: a length the server claims is
+//! never allocated ahead of them.
+
+use std::io::{BufRead, BufReader, ErrorKind, Read};
+use std::net::TcpStream;
+
+use serde::de::DeserializeOwned;
+use shardwire_protocol::trainer::http::ErrorBody;
+
+use crate::ClientError;
+
+/// Largest response head.
+const MAX_HEAD: usize = 64 << 10;
+/// Largest chunk-size line or trailer line of a chunked body.
+const MAX_CHUNK_LINE: usize = 4 << 10;
+
+/// A response: status, lower-case headers, body.
+pub(super) struct Reply {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, String)>,
+    pub(super) body: Vec<u8>,
+}
+
+impl Reply {
+    pub(super) fn header(&self, name: &str) -> Option<&str> {
+        header(&self.headers, name)
+    }
+    /// The body as the API's type for this answer.
+    pub(super) fn json<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
+        serde_json::from_slice(&self.body).map_err(|e| {
+            ClientError::Protocol(format!(
+                "HTTP {}: the body is not the expected JSON ({e}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body[..self.body.len().min(200)])
+            ))
+        })
+    }
+    /// The service's `{code, message}` as an error.
+    pub(super) fn error(&self) -> ClientError {
+        match self.json::<ErrorBody>() {
+            Ok(e) => ClientError::Service {
+                code: e.code,
+                message: e.message,
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+/// Why no response was read.
+pub(super) enum Fail {
+    /// Nothing of a response arrived (a stale kept-alive connection, if it was reused).
+    Unanswered(std::io::Error),
+    Io(std::io::Error),
+    Protocol(String),
+}
+
+/// Reads one response; the flag says whether the connection may be used again.
+pub(super) fn read_reply(
+    r: &mut BufReader<TcpStream>,
+    head_only: bool,
+) -> Result<(Reply, bool), Fail> {
+    let (version, status, head) = read_status(r)?;
+    let headers = read_headers(r, head)?;
+    let get = |name: &str| header(&headers, name);
+    let mut keep = version == "HTTP/1.1"
+        && !get("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
+    let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
+    let length = get("content-length")
+        .map(|v| {
+            v.parse::<u64>()
+                .map_err(|_| Fail::Protocol(format!("bad Content-Length {v:?}")))
+        })
+        .transpose()?;
+    let mut body = Vec::new();
+    if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
+    } else if chunked {
+        read_chunked(r, &mut body)?;
+    } else if let Some(n) = length {
+        read_exactly(r, n, &mut body)?;
+    } else {
+        r.read_to_end(&mut body).map_err(Fail::Io)?;
+        keep = false;
+    }
+    let reply = Reply {
+        status,
+        headers,
+        body,
+    };
+    Ok((reply, keep))
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// The status line: HTTP version, status code, and the line's length in bytes.
+fn read_status(r: &mut BufReader<TcpStream>) -> Result<(String, u16, usize), Fail> {
+    let mut line = String::new();
+    match r.by_ref().take(MAX_HEAD as u64).read_line(&mut line) {
+        Ok(0) => {
+            return Err(Fail::Unanswered(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "the server closed the connection",
+            )));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => return Err(Fail::Unanswered(e)),
+        Err(e) => return Err(Fail::Io(e)),
+    }
+    let bad = || Fail::Protocol(format!("bad HTTP status line {:?}", line.trim_end()));
+    let mut parts = line.trim_end().splitn(3, ' ');
+    let (Some(version), Some(code)) = (parts.next(), parts.next()) else {
+        return Err(bad());
+    };
+    let status = code.parse().map_err(|_| bad())?;
+    Ok((version.to_string(), status, line.len()))
+}
+
+/// Header lines up to the blank line, names lower-cased; `head` bytes were read before them.
+fn read_headers(
+    r: &mut BufReader<TcpStream>,
+    mut head: usize,
+) -> Result<Vec<(String, String)>, Fail> {
+    let mut headers = Vec::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let left = MAX_HEAD.saturating_sub(head) as u64 + 1;
+        let n = r
+            .by_ref()
+            .take(left)
+            .read_line(&mut line)
+            .map_err(Fail::Io)?;
+        head += n;
+        if n == 0 || head > MAX_HEAD {
+            return Err(Fail::Protocol(format!(
+                "truncated or oversized HTTP head (the limit is {MAX_HEAD} bytes)"
+            )));
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            return Ok(headers);
+        }
+        let Some((k, v)) = l.split_once(':') else {
+            return Err(Fail::Protocol(format!("bad HTTP header {l:?}")));
+        };
+        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+    }
+}
+
+/// A chunked body (RFC 9112 §7.1): chunks until the zero-size one, then trailers (ignored).
+fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>) -> Result<(), Fail> {
+    let mut line = String::new();
+    loop {
+        read_chunk_line(r, &mut line)?;
+        let size = line.trim_end().split(';').next().unwrap_or("").trim();
+        let size = u64::from_str_radix(size, 16)
+            .map_err(|_| Fail::Protocol(format!("bad chunk size {:?}", line.trim_end())))?;
+        if size == 0 {
+            while read_chunk_line(r, &mut line)? > 0 && !line.trim_end().is_empty() {}
+            return Ok(());
+        }
+        read_exactly(r, size, body)?;
+        read_chunk_line(r, &mut line)?; // the CRLF after the chunk
+    }
+}
+
+/// One line of a chunked body's framing into `line` (cleared first); its length in bytes.
+fn read_chunk_line(r: &mut BufReader<TcpStream>, line: &mut String) -> Result<usize, Fail> {
+    line.clear();
+    let n = r
+        .by_ref()
+        .take(MAX_CHUNK_LINE as u64)
+        .read_line(line)
+        .map_err(Fail::Io)?;
+    if n == MAX_CHUNK_LINE && !line.ends_with('\n') {
+        return Err(Fail::Protocol(format!(
+            "a chunked body's size or trailer line is over {MAX_CHUNK_LINE} bytes"
+        )));
+    }
+    Ok(n)
+}
+
+/// Appends exactly `n` bytes to `body`, growing it as they arrive.
+fn read_exactly(r: &mut BufReader<TcpStream>, n: u64, body: &mut Vec<u8>) -> Result<(), Fail> {
+    let got = r.by_ref().take(n).read_to_end(body).map_err(Fail::Io)?;
+    if (got as u64) < n {
+        return Err(Fail::Io(std::io::Error::new(
+            ErrorKind::UnexpectedEof,
+            format!("the server closed the connection after {got} of {n} body bytes"),
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// `read_reply` over a real connection from a server that writes `raw` and closes.
+    fn reply_to(raw: &'static [u8], head_only: bool) -> Result<(Reply, bool), Fail> {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let _ = s.write_all(raw);
+        });
+        let mut r = BufReader::new(TcpStream::connect(addr).unwrap());
+        let out = read_reply(&mut r, head_only);
+        server.join().unwrap();
+        out
+    }
+
+    fn protocol_error(r: Result<(Reply, bool), Fail>) -> String {
+        match r {
+            Err(Fail::Protocol(m)) => m,
+            Err(Fail::Io(e) | Fail::Unanswered(e)) => panic!("expected a protocol error, got {e}"),
+            Ok((reply, _)) => panic!("expected a protocol error, got HTTP {}", reply.status),
+        }
+    }
+
+    #[test]
+    fn a_length_body_and_keep_alive() {
+        let (reply, keep) = reply_to(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", false)
+            .unwrap_or_else(|_| panic!("a plain reply"));
+        assert_eq!(
+            (reply.status, reply.body.as_slice(), keep),
+            (200, &b"hello"[..], true)
+        );
+        let (_, keep) = reply_to(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap_or_else(|_| panic!("a plain reply"));
+        assert!(!keep, "Connection: close is honoured");
+    }
+
+    #[test]
+    fn a_chunked_body_with_extensions_and_trailers() {
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n";
+        let (reply, _) = reply_to(raw, false).unwrap_or_else(|_| panic!("a chunked reply"));
+        assert_eq!(reply.body, b"abcde");
+    }
+
+    #[test]
+    fn a_claimed_length_is_not_allocated_before_its_bytes() {
+        // 1 TiB claimed, 4 bytes sent: the read fails at the end of the connection instead of
+        // reserving the claim.
+        match reply_to(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\nabcd",
+            false,
+        ) {
+            Err(Fail::Io(e)) => {
+                assert_eq!(e.kind(), ErrorKind::UnexpectedEof);
+                assert!(e.to_string().contains("4 of 1099511627776"), "{e}");
+            }
+            _ => panic!("a short body must fail"),
+        }
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\nab";
+        assert!(matches!(reply_to(chunked, false), Err(Fail::Io(_))));
+    }
+
+    #[test]
+    fn bad_heads_and_chunk_lines_are_named() {
+        let m = protocol_error(reply_to(b"HTTP/1.1 abc OK\r\n\r\n", false));
+        assert!(
+            m.contains("bad HTTP status line \"HTTP/1.1 abc OK\""),
+            "{m}"
+        );
+        let m = protocol_error(reply_to(b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", false));
+        assert!(m.contains("bad HTTP header \"no colon\""), "{m}");
+        let m = protocol_error(reply_to(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            false,
+        ));
+        assert!(m.contains("bad chunk size \"zz\""), "{m}");
+        let long: &'static [u8] = Box::leak(
+            [
+                &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+                &[b'1'; 5000],
+            ]
+            .concat()
+            .into_boxed_slice(),
+        );
+        let m = protocol_error(reply_to(long, false));
+        assert!(m.contains("over 4096 bytes"), "{m}");
+        let huge: &'static [u8] = Box::leak(
+            [&b"HTTP/1.1 200 OK\r\nX: "[..], &[b'a'; 70_000], b"\r\n\r\n"]
+                .concat()
+                .into_boxed_slice(),
+        );
+        let m = protocol_error(reply_to(huge, false));
+        assert!(m.contains("oversized HTTP head"), "{m}");
+    }
+
+    #[test]
+    fn a_closed_connection_is_unanswered() {
+        assert!(matches!(reply_to(b"", false), Err(Fail::Unanswered(_))));
+        let (reply, _) = reply_to(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", true)
+            .unwrap_or_else(|_| panic!("a HEAD reply"));
+        assert!(reply.body.is_empty(), "HEAD reads no body");
+    }
+}
