@@ -230,3 +230,56 @@ def test_raw_api_codes_headers_and_limits(world: World):
     st, v = http_json(a, "POST", f"/v1/streams/{sid}/next")
     assert (st, v["code"]) == (404, "not_found")
     wait_for(lambda: listed(a, sid) is None, f"stream {sid} gone after close")
+
+
+def _answer_once(raw: bytes) -> tuple[int, Any]:
+    """A one-shot TCP server on 127.0.0.1 that reads a request head, writes `raw` and closes:
+    a service that answers badly, for the SDK's response reader."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        with c:
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                got = c.recv(4096)
+                if not got:
+                    return
+                buf += got
+            c.sendall(raw)
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv.getsockname()[1], t
+
+
+def test_tensor_download_refuses_a_length_the_batch_does_not_say():
+    """A tensor answer's Content-Length must equal the batch's tensor length; a huge claim is
+    refused before anything is allocated, and a short body fails as incomplete."""
+    import http.client
+
+    from shardwire import _http
+
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\nabcdefgh")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises(shardwire.ProtocolError, match="Content-Length is 1099511627776, the batch says 8 bytes"):
+        _http._call(conn, "GET", "/v1/leases/1/tensors/x", None, 10, into=8)
+    t.join(10)
+
+    # 3 MiB said and sent in full: read into a bytearray that grew from 1 MiB as bytes came.
+    body = bytes(range(256)) * (3 << 12)
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    r = _http._call(conn, "GET", "/v1/leases/1/tensors/x", None, 10, into=len(body))
+    assert isinstance(r.body, bytearray) and r.body == body
+    t.join(10)
+
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nabc")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises(http.client.IncompleteRead):
+        _http._call(conn, "GET", "/v1/leases/1/tensors/x", None, 10, into=8)
+    t.join(10)

@@ -230,7 +230,7 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, timeout: float, body: bytes | None = None, into: bool = False) -> _Reply:
+    def _request(self, method: str, path: str, timeout: float, body: bytes | None = None, into: int | None = None) -> _Reply:
         """One request on the stream's connection (lock held). A failure to reach the service
         closes the stream locally (ConnectionClosed); the service closes it after its idle
         timeout."""
@@ -290,7 +290,7 @@ class HttpStream(_StreamBase[HttpBatch]):
                 if math.prod(tv.shape) * dt.itemsize != tv.length:
                     raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
                 path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
-                r = self._request("GET", path, IO_TIMEOUT, into=True)
+                r = self._request("GET", path, IO_TIMEOUT, into=tv.length)
                 if r.status != 200:
                     raise r.error()
                 if len(r.body) != tv.length:
@@ -334,11 +334,31 @@ class HttpStream(_StreamBase[HttpBatch]):
         return f" {self._client.url}"
 
 
+#: The first allocation of a body read with `_read_exactly`; it doubles as bytes arrive.
+_FIRST_READ = 1 << 20
+
+
+def _read_exactly(r: http.client.HTTPResponse, n: int) -> bytearray:
+    """The `n` bytes of `r`'s body in a writable bytearray that grows as they arrive (at most
+    twice what arrived so far): a length the service claims is not allocated ahead of its bytes."""
+    data = bytearray(min(n, _FIRST_READ))
+    got = 0
+    while got < n:
+        if got == len(data):
+            data.extend(bytes(min(len(data), n - len(data))))
+        k = r.readinto(memoryview(data)[got:])
+        if not k:
+            raise http.client.IncompleteRead(bytes(data[:got]), n - got)
+        got += k
+    return data
+
+
 def _call(
-    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, timeout: float, retry: bool = True, into: bool = False
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, timeout: float, retry: bool = True, into: int | None = None
 ) -> _Reply:
-    """Sends a request on `conn` and reads the whole answer (into a writable bytearray when
-    `into`). A kept-alive connection found closed is reopened and the request sent once more."""
+    """Sends a request on `conn` and reads the whole answer (with `into`, a successful answer
+    must be that many bytes, read into a writable bytearray). A kept-alive connection found
+    closed is reopened and the request sent once more."""
     for attempt in (0, 1):
         reused = conn.sock is not None
         try:
@@ -354,17 +374,13 @@ def _call(
             if retry and reused and attempt == 0:
                 continue
             raise
-        n = r.getheader("Content-Length")
         data: bytes | bytearray
-        if into and n is not None:
-            data = bytearray(int(n))
-            view = memoryview(data)
-            got = 0
-            while got < len(data):
-                k = r.readinto(view[got:])
-                if not k:
-                    raise http.client.IncompleteRead(bytes(view[:got]), len(data) - got)
-                got += k
+        if into is not None and r.status == 200:
+            n = r.getheader("Content-Length")
+            if n != str(into):
+                conn.close()  # the rest of this answer is not read: the connection is spent
+                raise ProtocolError(f"{method} {path}: the answer's Content-Length is {n}, the batch says {into} bytes")
+            data = _read_exactly(r, into)
             r.read()  # completes the response so the connection can be reused
         else:
             data = r.read()
