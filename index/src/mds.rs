@@ -135,92 +135,115 @@ fn read_index(
     base: &str,
     shards: Vec<Value>,
 ) -> Result<Vec<(String, ShardPlan)>, IndexError> {
+    let mut out: Vec<(String, ShardPlan)> = Vec::with_capacity(shards.len());
+    for (i, s) in shards.iter().enumerate() {
+        check_uncompressed_mds(dir, path, rel, base, i, s)?;
+        let (basename, plan) = read_shard(path, rel, i, s)?;
+        if let Some((_, first)) = out.first()
+            && first.columns != plan.columns
+        {
+            return Err(IndexError::Malformed {
+                file: path.to_path_buf(),
+                reason: format!("shard {i} has other columns than shard 0; every shard must agree"),
+                value: format!("{:?} vs {:?}", plan.columns, first.columns),
+            });
+        }
+        out.push((join(base, basename), plan));
+    }
+    Ok(out)
+}
+
+/// Shard `i` of the index at `path` is an MDS shard stored raw: one that can be fetched by
+/// byte range.
+fn check_uncompressed_mds(
+    dir: &Path,
+    path: &Path,
+    rel: &str,
+    base: &str,
+    i: usize,
+    s: &Value,
+) -> Result<(), IndexError> {
+    let field = |k: &str| s.get(k).unwrap_or(&Value::Null);
+    if field("format").as_str() != Some("mds") {
+        return Err(IndexError::Unsupported {
+            file: path.to_path_buf(),
+            reason: format!(
+                "shard {i} is not in MDS format; only MosaicML Streaming MDS shards can be \
+                 served (write with MDSWriter)"
+            ),
+            value: field("format").to_string(),
+        });
+    }
+    let (raw, zip, compression) = (field("raw_data"), field("zip_data"), field("compression"));
+    if !compression.is_null() || (raw.is_null() && !zip.is_null()) {
+        let file = [zip, raw]
+            .iter()
+            .find_map(|d| d.get("basename").and_then(Value::as_str))
+            .unwrap_or("?");
+        return Err(IndexError::Unsupported {
+            file: dir.join(join(base, file)),
+            reason: format!(
+                "MDS shard is compressed (listed in {rel}); compressed shards cannot be \
+                 fetched by byte range: re-write the dataset with \
+                 MDSWriter(compression=None)"
+            ),
+            value: format!("compression {compression}"),
+        });
+    }
+    Ok(())
+}
+
+/// Shard `i` of the index at `path`: its file's name relative to the index, and its plan.
+fn read_shard<'a>(
+    path: &Path,
+    rel: &str,
+    i: usize,
+    s: &'a Value,
+) -> Result<(&'a str, ShardPlan), IndexError> {
     let bad = |reason: String, value: String| IndexError::Malformed {
         file: path.to_path_buf(),
         reason,
         value,
     };
-    let mut out: Vec<(String, ShardPlan)> = Vec::with_capacity(shards.len());
-    for (i, s) in shards.iter().enumerate() {
-        let field = |k: &str| s.get(k).unwrap_or(&Value::Null);
-        let what = |k: &str| format!("shard {i}: `{k}`");
-        let format = field("format").as_str().unwrap_or("");
-        if format != "mds" {
-            return Err(IndexError::Unsupported {
-                file: path.to_path_buf(),
-                reason: format!(
-                    "shard {i} is not in MDS format; only MosaicML Streaming MDS shards can be \
-                     served (write with MDSWriter)"
-                ),
-                value: field("format").to_string(),
-            });
-        }
-        let raw = field("raw_data");
-        let zip = field("zip_data");
-        let compression = field("compression");
-        if !compression.is_null() || (raw.is_null() && !zip.is_null()) {
-            let file = [zip, raw]
-                .iter()
-                .find_map(|d| d.get("basename").and_then(Value::as_str))
-                .unwrap_or("?");
-            return Err(IndexError::Unsupported {
-                file: dir.join(join(base, file)),
-                reason: format!(
-                    "MDS shard is compressed (listed in {rel}); compressed shards cannot be \
-                     fetched by byte range: re-write the dataset with \
-                     MDSWriter(compression=None)"
-                ),
-                value: format!("compression {compression}"),
-            });
-        }
-        let basename = raw.get("basename").and_then(Value::as_str);
-        let bytes = raw.get("bytes").and_then(Value::as_u64);
-        let (Some(basename), Some(bytes)) = (basename, bytes) else {
-            return Err(bad(
-                format!(
-                    "{} must have a `basename` string and `bytes` count",
-                    what("raw_data")
-                ),
-                raw.to_string(),
-            ));
-        };
-        if basename.is_empty()
-            || basename.starts_with('/')
-            || basename
-                .split('/')
-                .any(|c| c == ".." || c == "." || c.is_empty())
-        {
-            return Err(bad(
-                format!(
-                    "{}: must be a relative path below the index",
-                    what("basename")
-                ),
-                basename.to_owned(),
-            ));
-        }
-        let samples = field("samples")
-            .as_u64()
-            .ok_or_else(|| bad(what("samples"), field("samples").to_string()))?;
-        let columns = read_columns(s).map_err(|(k, v)| bad(what(k), v))?;
-        if let Some((_, first)) = out.first()
-            && first.columns != columns
-        {
-            return Err(bad(
-                format!("shard {i} has other columns than shard 0; every shard must agree"),
-                format!("{:?} vs {:?}", columns, first.columns),
-            ));
-        }
-        out.push((
-            join(base, basename),
-            ShardPlan {
-                index: rel.to_owned(),
-                columns,
-                samples,
-                bytes,
-            },
+    let field = |k: &str| s.get(k).unwrap_or(&Value::Null);
+    let what = |k: &str| format!("shard {i}: `{k}`");
+    let raw = field("raw_data");
+    let basename = raw.get("basename").and_then(Value::as_str);
+    let bytes = raw.get("bytes").and_then(Value::as_u64);
+    let (Some(basename), Some(bytes)) = (basename, bytes) else {
+        return Err(bad(
+            format!(
+                "{} must have a `basename` string and `bytes` count",
+                what("raw_data")
+            ),
+            raw.to_string(),
+        ));
+    };
+    if basename.is_empty()
+        || basename.starts_with('/')
+        || basename
+            .split('/')
+            .any(|c| c == ".." || c == "." || c.is_empty())
+    {
+        return Err(bad(
+            format!(
+                "{}: must be a relative path below the index",
+                what("basename")
+            ),
+            basename.to_owned(),
         ));
     }
-    Ok(out)
+    let samples = field("samples")
+        .as_u64()
+        .ok_or_else(|| bad(what("samples"), field("samples").to_string()))?;
+    let columns = read_columns(s).map_err(|(k, v)| bad(what(k), v))?;
+    let plan = ShardPlan {
+        index: rel.to_owned(),
+        columns,
+        samples,
+        bytes,
+    };
+    Ok((basename, plan))
 }
 
 /// The columns of one shard entry, or the offending `(key, value)`.
@@ -318,13 +341,30 @@ pub(crate) fn index(
     if n == 0 {
         return Ok(Vec::new());
     }
+    let rows = sample_rows(src, &plan.columns, n)?;
+    let tensors = plan
+        .columns
+        .iter()
+        .zip(rows)
+        .map(|(c, rows)| tensor(c, rows))
+        .collect();
+    let len = src.len;
+    Ok(vec![src.shard(0, len, tensors)?])
+}
+
+/// Each column's `[offset, size]` per sample of the `n` samples of an MDS file, read from its
+/// offset table and per-sample size headers, every range checked against the file.
+fn sample_rows(
+    src: &mut Source,
+    cols: &[Column],
+    n: u64,
+) -> Result<Vec<Vec<[u64; 2]>>, IndexError> {
     let table_len = (n + 1) * 4;
     let table = src.read_at("MDS sample offsets", 4, table_len)?;
     let offsets: Vec<u64> = table
         .chunks_exact(4)
         .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
         .collect();
-    let cols = &plan.columns;
     let var = cols.iter().filter(|c| c.size.is_none()).count() as u64;
     let mut rows: Vec<Vec<[u64; 2]>> = vec![Vec::with_capacity(n as usize); cols.len()];
     let mut sizes = Vec::with_capacity(cols.len());
@@ -366,13 +406,7 @@ pub(crate) fn index(
             ));
         }
     }
-    let tensors = cols
-        .iter()
-        .zip(rows)
-        .map(|(c, rows)| tensor(c, rows))
-        .collect();
-    let len = src.len;
-    Ok(vec![src.shard(0, len, tensors)?])
+    Ok(rows)
 }
 
 /// The tensor of one column over its rows.
