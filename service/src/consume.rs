@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use serde_json::json;
-use shardwire_client::{Stream, StreamOptions};
+use shardwire_client::{Batch, Stream, StreamOptions};
 use shardwire_protocol::crc::crc32c;
 use shardwire_protocol::plan::Uneven;
 use shardwire_protocol::samples::Shuffle;
@@ -186,6 +186,47 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
+    let socket = a.socket.clone();
+    let (jsonl, print_state) = (a.jsonl, a.print_state);
+    let (limit, hold_secs) = (a.limit, a.hold_secs);
+    let print_values = a.print_values.clone();
+    let mut s = Stream::open(&socket, options(a)?)
+        .with_context(|| format!("opening a stream on {}", socket.display()))?;
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let (mut n, mut bytes) = (0u64, 0u64);
+    let started = std::time::Instant::now();
+    let mut kept = Vec::new();
+    while let Some(b) = s.next()? {
+        let tensors = describe(&b, &print_values, &mut bytes);
+        print_batch(&mut out, &b, &tensors, jsonl)?;
+        n += 1;
+        if limit.is_some_and(|l| n >= l) {
+            kept.push(b);
+            out.flush()?;
+            std::thread::sleep(std::time::Duration::from_secs(hold_secs));
+            break;
+        }
+        s.release(b)?;
+    }
+    if print_state {
+        writeln!(out, "{}", json!({ "state": s.state()? }))?;
+    }
+    drop(kept);
+    if !jsonl {
+        let secs = started.elapsed().as_secs_f64();
+        writeln!(
+            out,
+            "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)",
+            bytes as f64 * 8.0 / secs / 1e9
+        )?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The stream options the arguments ask for (`--state` parsed: a state, or an object with one
+/// under `state`, as `--print-state` prints it).
+fn options(a: ConsumeArgs) -> anyhow::Result<StreamOptions> {
     let state: Option<StreamState> = match &a.state {
         None => None,
         Some(s) => {
@@ -194,7 +235,7 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
             Some(serde_json::from_value(inner).context("--state is not a stream state")?)
         }
     };
-    let opts = StreamOptions {
+    Ok(StreamOptions {
         seed: a.seed,
         rank: a.rank,
         world_size: a.world_size,
@@ -214,64 +255,47 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         mix: a.mix.map(|m| m.0),
         device: a.device,
         ..StreamOptions::new(a.dataset.unwrap_or_default())
-    };
-    let mut s = Stream::open(&a.socket, opts)
-        .with_context(|| format!("opening a stream on {}", a.socket.display()))?;
-    let out = std::io::stdout();
-    let mut out = out.lock();
-    let (mut n, mut bytes) = (0u64, 0u64);
-    let started = std::time::Instant::now();
-    let mut kept = Vec::new();
-    while let Some(b) = s.next()? {
-        let tensors: Vec<_> = b
-            .tensors()
-            .iter()
-            .map(|t| {
-                bytes += t.length;
-                let mut v = json!({"name": t.name, "dtype": t.dtype, "shape": t.shape, "crc32c": crc32c(b.bytes(t))});
-                if a.print_values.contains(&t.name) {
-                    v["values"] = json!(values(t, b.bytes(t)));
-                }
-                v
-            })
-            .collect();
-        let shard = (b.shard != u32::MAX).then_some(b.shard);
-        if a.jsonl {
-            writeln!(
-                out,
-                "{}",
-                json!({"epoch": b.epoch, "index": b.index, "shard": shard, "tensors": tensors})
-            )?;
-        } else {
-            let shard = shard.map_or("-".to_string(), |s| s.to_string());
-            writeln!(
-                out,
-                "epoch {} batch {} shard {shard}: {} tensors",
-                b.epoch,
-                b.index,
-                tensors.len()
-            )?;
-        }
-        n += 1;
-        if a.limit.is_some_and(|l| n >= l) {
-            kept.push(b);
-            out.flush()?;
-            std::thread::sleep(std::time::Duration::from_secs(a.hold_secs));
-            break;
-        }
-        s.release(b)?;
-    }
-    if a.print_state {
-        writeln!(out, "{}", json!({ "state": s.state()? }))?;
-    }
-    drop(kept);
-    if !a.jsonl {
-        let secs = started.elapsed().as_secs_f64();
+    })
+}
+
+/// Each tensor of `b` as JSON (name, dtype, shape, CRC-32C; its values when asked for), adding
+/// their lengths to `bytes`.
+fn describe(b: &Batch, print_values: &[String], bytes: &mut u64) -> Vec<serde_json::Value> {
+    b.tensors()
+        .iter()
+        .map(|t| {
+            *bytes += t.length;
+            let mut v = json!({"name": t.name, "dtype": t.dtype, "shape": t.shape, "crc32c": crc32c(b.bytes(t))});
+            if print_values.contains(&t.name) {
+                v["values"] = json!(values(t, b.bytes(t)));
+            }
+            v
+        })
+        .collect()
+}
+
+/// One line for batch `b`: JSON (`--jsonl`) or a summary.
+fn print_batch(
+    out: &mut impl Write,
+    b: &Batch,
+    tensors: &[serde_json::Value],
+    jsonl: bool,
+) -> std::io::Result<()> {
+    let shard = (b.shard != u32::MAX).then_some(b.shard);
+    if jsonl {
         writeln!(
             out,
-            "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)",
-            bytes as f64 * 8.0 / secs / 1e9
-        )?;
+            "{}",
+            json!({"epoch": b.epoch, "index": b.index, "shard": shard, "tensors": tensors})
+        )
+    } else {
+        let shard = shard.map_or("-".to_string(), |s| s.to_string());
+        writeln!(
+            out,
+            "epoch {} batch {} shard {shard}: {} tensors",
+            b.epoch,
+            b.index,
+            tensors.len()
+        )
     }
-    Ok(ExitCode::SUCCESS)
 }
