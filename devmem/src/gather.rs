@@ -188,44 +188,10 @@ pub fn gather(
         }
     }
     if s.linear_frags > 0 {
-        // (iov position, stream position, len) of each linear piece; a rare, error-path
-        // case, so one small allocation per batch is fine.
-        let mut moves = Vec::with_capacity(s.linear_frags);
-        let (mut iov_pos, mut pos) = (0usize, 0usize);
-        for f in batch.frags() {
-            match f {
-                Frag::Linear { size } => {
-                    moves.push((iov_pos, pos, size as usize));
-                    iov_pos += size as usize;
-                    pos += size as usize;
-                }
-                Frag::Dmabuf { size, .. } => pos += size as usize,
-            }
-        }
-        for &(from, to, len) in moves.iter().rev() {
-            dst.copy_within(from..from + len, to);
-        }
+        place_linear(batch, dst, s.linear_frags);
     }
     if s.dmabuf_frags > 0 {
-        mem.begin_cpu_read()
-            .map_err(|e| GatherError::Sync(e.to_string()))?;
-        let mut pos = 0usize;
-        let mut result = Ok(());
-        for f in batch.frags() {
-            match f {
-                Frag::Linear { size } => pos += size as usize,
-                Frag::Dmabuf { offset, size, .. } => {
-                    let end = pos + size as usize;
-                    if let Err(e) = mem.copy_out(offset, &mut dst[pos..end]) {
-                        result = Err(e);
-                        break;
-                    }
-                    pos = end;
-                }
-            }
-        }
-        let _ = mem.end_cpu_read();
-        result?;
+        copy_dmabuf(batch, dst, mem)?;
     }
     Ok(Gathered {
         bytes,
@@ -234,4 +200,50 @@ pub fn gather(
         linear_bytes: s.linear_bytes,
         plain_bytes: 0,
     })
+}
+
+/// Moves the linear pieces of `batch` (packed at the front of `dst`, where the kernel wrote
+/// them) to their stream positions, last first so none overwrites one not yet moved.
+fn place_linear(batch: &RecvBatch<'_>, dst: &mut [u8], linear_frags: usize) {
+    // (iov position, stream position, len) of each linear piece; a rare, error-path case, so
+    // one small allocation per batch is fine.
+    let mut moves = Vec::with_capacity(linear_frags);
+    let (mut iov_pos, mut pos) = (0usize, 0usize);
+    for f in batch.frags() {
+        match f {
+            Frag::Linear { size } => {
+                moves.push((iov_pos, pos, size as usize));
+                iov_pos += size as usize;
+                pos += size as usize;
+            }
+            Frag::Dmabuf { size, .. } => pos += size as usize,
+        }
+    }
+    for &(from, to, len) in moves.iter().rev() {
+        dst.copy_within(from..from + len, to);
+    }
+}
+
+/// Copies each dma-buf frag of `batch` out of `mem` to its stream position in `dst`, inside
+/// one CPU-access window of the dma-buf.
+fn copy_dmabuf(batch: &RecvBatch<'_>, dst: &mut [u8], mem: &DmabufMem) -> Result<(), GatherError> {
+    mem.begin_cpu_read()
+        .map_err(|e| GatherError::Sync(e.to_string()))?;
+    let mut pos = 0usize;
+    let mut result = Ok(());
+    for f in batch.frags() {
+        match f {
+            Frag::Linear { size } => pos += size as usize,
+            Frag::Dmabuf { offset, size, .. } => {
+                let end = pos + size as usize;
+                if let Err(e) = mem.copy_out(offset, &mut dst[pos..end]) {
+                    result = Err(e);
+                    break;
+                }
+                pos = end;
+            }
+        }
+    }
+    let _ = mem.end_cpu_read();
+    Ok(result?)
 }

@@ -110,24 +110,7 @@ fn probe_one(
         .ok()
         .and_then(|s| u32::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok())
         .is_some_and(|f| f & libc::IFF_UP as u32 != 0);
-    let (mut rx_queues, mut tx_queues, mut bound_rx_queues) = (0, 0, Vec::new());
-    if let Some(c) = client {
-        for q in c.queue_get_dump(ifindex).unwrap_or_default() {
-            match q.kind {
-                QueueType::Rx => {
-                    rx_queues += 1;
-                    if let Some(b) = q.dmabuf {
-                        bound_rx_queues.push((q.id, b));
-                    }
-                }
-                QueueType::Tx => tx_queues += 1,
-                QueueType::Other(_) => {}
-            }
-        }
-    }
-    if rx_queues == 0 && tx_queues == 0 {
-        (rx_queues, tx_queues) = sysfs_queue_counts(&sys);
-    }
+    let (rx_queues, tx_queues, bound_rx_queues) = queues(ifindex, client, &sys);
     let (header_split, hds_thresh) = ethtool
         .and_then(|(family, sock)| rings(sock, *family, ifindex))
         .unwrap_or_else(|| ("unknown".to_string(), None));
@@ -146,20 +129,7 @@ fn probe_one(
         None => trial_bind(ifindex),
     };
     let reason = if passed {
-        let mut r = String::from("the kernel's devmem device checks passed");
-        if !DEVMEM_DRIVERS.contains(&driver.as_str()) {
-            r.push_str(&format!(
-                "; driver {driver} is not on the known list ({}), a real bind may still fail",
-                DEVMEM_DRIVERS.join(", ")
-            ));
-        }
-        match (header_split.as_str(), hds_thresh) {
-            ("enabled", Some(0)) => {}
-            ("enabled", _) => r.push_str("; hds-thresh must be 0 (ethtool -G <if> hds-thresh 0)"),
-            _ => r.push_str("; header split must be on (ethtool -G <if> tcp-data-split on)"),
-        }
-        r.push_str("; flows must be steered to the bound queues (ethtool -N/-X)");
-        r
+        passed_reason(&driver, &header_split, hds_thresh)
     } else {
         trial_bind.reason.clone()
     };
@@ -177,6 +147,53 @@ fn probe_one(
         devmem_capable: passed,
         reason,
     }
+}
+
+/// The NIC's rx and tx queue counts and its rx queues bound to a dma-buf (`(queue, dmabuf
+/// id)`), from netdev's queue dump; the counts from sysfs where the dump has none.
+fn queues(
+    ifindex: u32,
+    client: Option<&mut NetdevClient>,
+    sys: &Path,
+) -> (u32, u32, Vec<(u32, u32)>) {
+    let (mut rx_queues, mut tx_queues, mut bound_rx_queues) = (0, 0, Vec::new());
+    if let Some(c) = client {
+        for q in c.queue_get_dump(ifindex).unwrap_or_default() {
+            match q.kind {
+                QueueType::Rx => {
+                    rx_queues += 1;
+                    if let Some(b) = q.dmabuf {
+                        bound_rx_queues.push((q.id, b));
+                    }
+                }
+                QueueType::Tx => tx_queues += 1,
+                QueueType::Other(_) => {}
+            }
+        }
+    }
+    if rx_queues == 0 && tx_queues == 0 {
+        (rx_queues, tx_queues) = sysfs_queue_counts(sys);
+    }
+    (rx_queues, tx_queues, bound_rx_queues)
+}
+
+/// What a NIC whose trial bind passed still needs: a known driver, header split with
+/// hds-thresh 0, flows steered to the bound queues.
+fn passed_reason(driver: &str, header_split: &str, hds_thresh: Option<u32>) -> String {
+    let mut r = String::from("the kernel's devmem device checks passed");
+    if !DEVMEM_DRIVERS.contains(&driver) {
+        r.push_str(&format!(
+            "; driver {driver} is not on the known list ({}), a real bind may still fail",
+            DEVMEM_DRIVERS.join(", ")
+        ));
+    }
+    match (header_split, hds_thresh) {
+        ("enabled", Some(0)) => {}
+        ("enabled", _) => r.push_str("; hds-thresh must be 0 (ethtool -G <if> hds-thresh 0)"),
+        _ => r.push_str("; header split must be on (ethtool -G <if> tcp-data-split on)"),
+    }
+    r.push_str("; flows must be steered to the bound queues (ethtool -N/-X)");
+    r
 }
 
 /// Trial bind-rx with fd -1 on rx queue 0, on its own socket (closed on return).
@@ -322,6 +339,22 @@ mod tests {
             ),
             "{e:?}"
         );
+    }
+
+    /// A NIC that passed the trial bind is told what it still needs, and only that.
+    #[test]
+    fn a_passed_bind_still_names_what_the_nic_lacks() {
+        let ready = passed_reason("mlx5_core", "enabled", Some(0));
+        assert_eq!(
+            ready,
+            "the kernel's devmem device checks passed; flows must be steered to the bound \
+             queues (ethtool -N/-X)"
+        );
+        let r = passed_reason("e1000e", "disabled", None);
+        assert!(r.contains("driver e1000e is not on the known list"), "{r}");
+        assert!(r.contains("tcp-data-split on"), "{r}");
+        let r = passed_reason("gve", "enabled", Some(256));
+        assert!(r.contains("hds-thresh must be 0"), "{r}");
     }
 
     /// Real kernel, root: `lo` is listed, virtual, and fails the trial with EOPNOTSUPP.
