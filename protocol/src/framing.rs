@@ -10,6 +10,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// A reused frame buffer above this capacity is given back after its frame.
 const KEEP_CAPACITY: usize = 1 << 20;
+/// The least room a frame's buffer grows by.
+const MIN_ROOM: usize = 4 << 10;
 
 /// Why a control frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -44,33 +46,59 @@ pub enum FrameError {
     Encode(#[from] EncodeError),
 }
 
-/// Reads one message of at most `max` frame bytes; `buf` is reused between calls.
+/// Reads one message of at most `max` frame bytes.
+///
+/// `buf` holds the bytes of the frame read so far, and must be the same buffer on every call
+/// on one connection: a read dropped mid-frame (a `select!` branch that lost, a timeout)
+/// leaves them there and the next call goes on from them, so this is cancel-safe. Only whole
+/// frames leave `buf`, and no more than a frame is ever read from `r`.
 pub async fn read_message<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<u8>,
     max: usize,
 ) -> Result<Message, FrameError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
-        Err(e) => return Err(e.into()),
+    loop {
+        let want = match frame_len(buf, max)? {
+            None => 4 - buf.len(),
+            Some(len) if buf.len() == 4 + len => break,
+            Some(len) => 4 + len - buf.len(),
+        };
+        // The buffer grows with the bytes that arrived (at most doubling them, plus a
+        // little), never to the length the prefix claims.
+        let room = want.min(buf.len().max(MIN_ROOM));
+        if buf.capacity() - buf.len() < room {
+            buf.reserve_exact(room);
+        }
+        // Cancel-safe: dropped while pending, `read_buf` has appended nothing.
+        if r.take(room as u64).read_buf(buf).await? == 0 {
+            return Err(match frame_len(buf, max)? {
+                None => FrameError::Closed,
+                Some(len) => FrameError::Truncated {
+                    got: buf.len() - 4,
+                    len,
+                },
+            });
+        }
     }
-    let len = wire::check_frame_len(u32::from_be_bytes(len))?;
-    if len > max {
-        return Err(FrameError::TooLong { len, max });
-    }
+    let msg = wire::decode_frame(&buf[4..]);
+    buf.clear();
     if buf.capacity() > KEEP_CAPACITY {
         *buf = Vec::new();
     }
-    buf.clear();
-    // `read_to_end` grows the buffer as bytes arrive (doubling), so memory follows what the
-    // peer really sent, not what its length prefix claims.
-    let got = r.take(len as u64).read_to_end(buf).await?;
-    if got < len {
-        return Err(FrameError::Truncated { got, len });
+    Ok(msg?)
+}
+
+/// The length of the frame whose first bytes are `buf`, once its 4-byte prefix is there,
+/// checked against `max`.
+fn frame_len(buf: &[u8], max: usize) -> Result<Option<usize>, FrameError> {
+    let Some(prefix) = buf.first_chunk::<4>() else {
+        return Ok(None);
+    };
+    let len = wire::check_frame_len(u32::from_be_bytes(*prefix))?;
+    if len > max {
+        return Err(FrameError::TooLong { len, max });
     }
-    Ok(wire::decode_frame(buf)?)
+    Ok(Some(len))
 }
 
 /// Encodes one message as a whole frame.
@@ -105,7 +133,11 @@ mod tests {
             matches!(e, FrameError::Truncated { got: 10, len } if len == 64 << 20),
             "{e}"
         );
-        assert!(buf.capacity() < 4096, "capacity {}", buf.capacity());
+        assert!(
+            buf.capacity() <= 2 * MIN_ROOM,
+            "capacity {}",
+            buf.capacity()
+        );
     }
 
     #[tokio::test]
@@ -117,6 +149,46 @@ mod tests {
         assert!(
             matches!(e, FrameError::TooLong { len: 9000, max } if max == wire::MAX_SMALL_FRAME)
         );
+    }
+
+    /// A read dropped mid-frame, as a `select!` drops the branch that lost, loses no byte:
+    /// the next read with the same buffer returns the whole message, wherever the cut was.
+    #[tokio::test]
+    async fn a_read_dropped_mid_frame_loses_nothing() {
+        use tokio::io::AsyncWriteExt;
+        let msg = Message::Fetch {
+            req: 7,
+            dataset: "imagenet".into(),
+            shard: 3,
+            lane: 1,
+        };
+        let frame = encode_frame(&msg).unwrap();
+        let (mut tx, mut rx) = tokio::io::duplex(4096);
+        let mut buf = Vec::new();
+        for cut in [1, 2, 4, 5, frame.len() - 1] {
+            tx.write_all(&frame[..cut]).await.unwrap();
+            let read = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME);
+            let waited = tokio::time::timeout(std::time::Duration::from_millis(20), read).await;
+            assert!(
+                waited.is_err(),
+                "a partial frame (cut at {cut}) is not a message"
+            );
+            tx.write_all(&frame[cut..]).await.unwrap();
+            let m = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME).await;
+            assert_eq!(m.unwrap(), msg, "cut at {cut}");
+            assert!(buf.is_empty());
+        }
+        // Two frames in one write: the first read takes only the first.
+        tx.write_all(&[frame.clone(), encode_frame(&Message::Ping).unwrap()].concat())
+            .await
+            .unwrap();
+        let m = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME).await;
+        assert_eq!(m.unwrap(), msg);
+        let m = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME).await;
+        assert_eq!(m.unwrap(), Message::Ping);
+        drop(tx);
+        let e = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME).await;
+        assert!(matches!(e, Err(FrameError::Closed)));
     }
 
     #[tokio::test]
