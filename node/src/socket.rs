@@ -11,7 +11,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardwire_gpu::Slab;
 use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
@@ -22,6 +22,9 @@ use tokio::sync::watch;
 
 use crate::node::Node;
 use crate::stream::{CloseReason, Next, Stream};
+
+/// How long a refused trainer's connection is kept open, in all, so it reads the refusal.
+const LINGER: Duration = Duration::from_secs(2);
 
 mod wait;
 
@@ -105,14 +108,23 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Response {
 }
 
 /// After refusing a trainer: stop writing and read (and drop) what it sends until it closes,
-/// for up to 2 s. Closing at once would make the trainer's first write fail with EPIPE
-/// before it reads the refusal; this way it reads the error frame.
+/// for up to [`LINGER`] in all (a peer that trickles bytes does not keep the connection).
+/// Closing at once would make the trainer's first write fail with EPIPE before it reads the
+/// refusal; this way it reads the error frame.
 fn linger_for_the_request(sock: &UnixStream) {
     use std::io::Read;
     let _ = sock.shutdown(std::net::Shutdown::Write);
-    let _ = sock.set_read_timeout(Some(Duration::from_secs(2)));
+    let deadline = Instant::now() + LINGER;
     let mut sink = [0u8; 4096];
-    while matches!((&*sock).read(&mut sink), Ok(n) if n > 0) {}
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || sock.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        if !matches!((&*sock).read(&mut sink), Ok(n) if n > 0) {
+            return;
+        }
+    }
 }
 
 /// Whether the peer's uid/gid may use the node (`allowed_uids`, `allowed_gids`); a refused
@@ -171,6 +183,13 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     let request = Duration::from_secs(cfg.trainer_request_timeout_secs);
     let idle = (cfg.trainer_idle_timeout_secs > 0)
         .then(|| Duration::from_secs(cfg.trainer_idle_timeout_secs));
+    // A trainer reads every answer it asks for: one that stops reading while the node writes
+    // (its socket buffer full) has its connection and stream closed after the request timeout,
+    // instead of holding this thread, its stream's memory and a connection slot.
+    if let Err(e) = sock.set_write_timeout(Some(request)) {
+        tracing::warn!(error = %e, "cannot set the trainer socket's write timeout");
+        return;
+    }
     let mut reader = fdpass::FrameReader::new();
     let mut c = Conn {
         node,
@@ -205,7 +224,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
                 break;
             }
         };
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         let is_next = matches!(req, Request::Next { .. });
         let sent = c.handle(req);
         c.released.clear();
@@ -213,7 +232,17 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             next_latency.record(t.elapsed().as_secs_f64());
         }
         if let Err(e) = sent {
-            tracing::debug!(error = %e, "trainer went away while we replied");
+            if matches!(&e, FrameIoError::Io(io) if is_timeout(io)) {
+                metrics::counter!("shardwire_trainer_timeouts_total", "phase" => "write")
+                    .increment(1);
+                tracing::warn!(
+                    timeout = ?request,
+                    "closing a trainer connection: it stopped reading the node's answers \
+                     (trainer_request_timeout_secs)"
+                );
+            } else {
+                tracing::debug!(error = %e, "trainer went away while we replied");
+            }
             break;
         }
     }
@@ -391,6 +420,14 @@ impl Conn<'_> {
             );
         }
     }
+}
+
+/// A blocking socket call that ran out its `SO_SNDTIMEO`/`SO_RCVTIMEO`.
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 /// The reply to `next`; with `states`, a batch carries the state that resumes after it.

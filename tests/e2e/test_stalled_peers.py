@@ -1,0 +1,88 @@
+"""Peers that stop reading, or trickle bytes, against real `shardwire source` / `serve`
+processes: every connection state has a timeout, so none of them keeps a thread, a stream's
+memory or a connection slot.
+
+- a trainer that sends requests and never reads the answers: once its socket buffer is full,
+  the node's write times out (trainer_request_timeout_secs), the connection and its stream
+  are closed, and its slot (trainer_max_connections = 1 here) serves the next trainer;
+- a refused trainer (uid not allowed) that keeps trickling bytes: its connection closes about
+  2 s after the refusal however often it writes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import faults as F
+from conftest import index_dataset, wait_for, wait_ready, write_uint8_shards
+
+#: The node's trainer request timeout in these tests (seconds).
+REQUEST_TIMEOUT = 2
+
+
+def _dataset(tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 4096, seed=9)
+    index_dataset(d)
+    return d
+
+
+def test_a_trainer_that_stops_reading_loses_its_connection_not_the_slot(sw, tmp_path):
+    src = sw.source({"f": _dataset(tmp_path)})
+    env = {"SHARDWIRE_TRAINER_REQUEST_TIMEOUT_SECS": str(REQUEST_TIMEOUT), "SHARDWIRE_TRAINER_MAX_CONNECTIONS": "1"}
+    node = sw.serve([src], env=env)
+    wait_ready(node)
+
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(str(node.socket))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # `info` answers (a few hundred bytes each) fill the socket's buffers long before 4000
+    # of them are out; the requests themselves (under 100 KiB) fit in ours.
+    stalled.sendall(F.trainer_frame({"op": "info"}) * 4000)
+    t0 = time.monotonic()
+
+    def slot_free():
+        out = F.trainer_exchange(str(node.socket), [{"op": "info"}], wait=1.0)
+        frames = F.parse_trainer_frames(out.reply)
+        return frames if frames and isinstance(frames[0], dict) and frames[0].get("op") == "info" else None
+
+    frames = wait_for(slot_free, "the stalled trainer's slot to serve another trainer", timeout=REQUEST_TIMEOUT + 10, interval=0.5,
+                      diag=lambda: node.stderr_text()[-3000:])
+    waited = time.monotonic() - t0
+    assert waited >= REQUEST_TIMEOUT - 0.5, f"the slot was free after {waited:.1f} s: the stalled trainer was not holding it?"
+    log = node.stderr_text()
+    assert "it stopped reading the node's answers" in log, log[-3000:]
+    # The stalled connection itself was closed: reading it drains the answers, then EOF.
+    out = F.read_until_closed(stalled, wait=5.0)
+    assert out.closed_by_peer, out
+    stalled.close()
+    assert frames[0]["memory"], frames
+
+
+def test_a_refused_trainer_that_trickles_bytes_is_closed_on_time(sw, tmp_path):
+    src = sw.source({"f": _dataset(tmp_path)})
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("allowed_uids = [12345]\n")  # root, running this test, is refused
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(node.socket))
+    t0 = time.monotonic()
+    s.settimeout(5.0)
+    refusal = F.parse_trainer_frames(s.recv(65536))
+    assert refusal and refusal[0].get("code") == "forbidden", refusal
+    # The node stopped writing (EOF on our side) but reads what we send until it closes:
+    # a byte every 0.3 s, until a write finds the connection closed.
+    closed_after = None
+    while time.monotonic() - t0 < 10.0:
+        try:
+            s.send(b"x")
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - t0
+            break
+        time.sleep(0.3)
+    s.close()
+    assert closed_after is not None and closed_after < 4.0, (
+        f"a refused trainer writing every 0.3 s kept its connection for {closed_after or '10+'} s"
+    )
