@@ -110,6 +110,10 @@ pub(crate) async fn dial(
             let local = s.local_addr().map_err(data_err)?;
             let std = s.into_std().map_err(data_err)?;
             std.set_nonblocking(false).map_err(data_err)?;
+            // A node that reads nothing of a payload for the idle timeout is gone: the send
+            // fails (the session ends) instead of holding the sender thread and its file.
+            std.set_write_timeout(Some(shared.cfg.idle_timeout))
+                .map_err(data_err)?;
             let conn = out.senders.len() as u16;
             let lane = lane as u16;
             ctl.send(&Message::DataConn {

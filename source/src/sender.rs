@@ -111,7 +111,18 @@ impl Sender {
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
                 if let Err(e) = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate)) {
-                    tracing::warn!(conn, error = %e, "data connection failed");
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) {
+                        tracing::warn!(
+                            conn,
+                            "data connection failed: the node read nothing of the payload for \
+                             the idle timeout (idle_timeout_secs)"
+                        );
+                    } else {
+                        tracing::warn!(conn, error = %e, "data connection failed");
+                    }
                     failed.notify_one();
                 }
                 let _ = stream.shutdown(std::net::Shutdown::Both);

@@ -33,7 +33,7 @@ Target = Union[str, tuple]  # "HOST:PORT", (host, port) or a Unix socket path ("
 KEEP = 64 * 1024
 PROTOCOL_VERSION = 3
 #: Control message kinds (docs/PROTOCOL.md, "Messages").
-HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING, HINT = range(1, 14)
+HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING, HINT, DATA_READY = range(1, 15)
 
 
 # --- connections -----------------------------------------------------------------------------

@@ -6,12 +6,16 @@ memory or a connection slot.
   the node's write times out (trainer_request_timeout_secs), the connection and its stream
   are closed, and its slot (trainer_max_connections = 1 here) serves the next trainer;
 - a refused trainer (uid not allowed) that keeps trickling bytes: its connection closes about
-  2 s after the refusal however often it writes.
+  2 s after the refusal however often it writes;
+- a node (played by this test over a real handshake) that asks a source for a shard, keeps its
+  control session alive and never reads the data connection: the source's send times out
+  after its idle timeout and the session ends, instead of a sender thread blocked for good.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import time
 
 import faults as F
@@ -86,3 +90,42 @@ def test_a_refused_trainer_that_trickles_bytes_is_closed_on_time(sw, tmp_path):
     assert closed_after is not None and closed_after < 4.0, (
         f"a refused trainer writing every 0.3 s kept its connection for {closed_after or '10+'} s"
     )
+
+
+def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw, tmp_path):
+    d = tmp_path / "big"
+    write_uint8_shards(d, 1, 32 << 20, seed=3)
+    index_dataset(d)
+    idle = 3
+    src = sw.source({"f": d}, "--idle-timeout-secs", str(idle))
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the data connection
+    lst.settimeout(5.0)
+    ctl = F.connect(src.addr)
+    data = None
+    try:
+        ctl.sendall(F.hello(node_id="stalled-node", data_addr=lst.getsockname(), flows=1))
+        assert F.read_control(ctl, 5.0)[0] == F.CHALLENGE
+        ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
+        assert F.read_control(ctl, 5.0)[0] == F.WELCOME
+        data, _ = lst.accept()
+        assert F.read_control(ctl, 5.0)[0] == F.DATA_CONN
+        ctl.sendall(F.control_frame(F.DATA_READY, struct.pack(">H", 0)) + F.fetch(1, "f", 0))
+        t0 = time.monotonic()
+        ended = None
+        # Keep the session alive (a Ping a second, under the idle timeout) and read the
+        # control connection only; the data connection is never read.
+        while time.monotonic() - t0 < 4 * idle + 6:
+            ctl.sendall(F.control_frame(F.PING))
+            r = F.read_control(ctl, 1.0)
+            if r in ("eof", "reset"):
+                ended = time.monotonic() - t0
+                break
+        assert ended is not None, f"the source kept a session whose data connection was not read for {4 * idle + 6} s"
+        assert ended >= idle - 0.5, f"the session ended after {ended:.1f} s, before the idle timeout ({idle} s)"
+        assert "the node read nothing of the payload for the idle timeout" in src.stderr_text(), src.stderr_text()[-3000:]
+    finally:
+        ctl.close()
+        if data is not None:
+            data.close()
+        lst.close()
