@@ -283,3 +283,30 @@ def test_tensor_download_refuses_a_length_the_batch_does_not_say():
     with pytest.raises(http.client.IncompleteRead):
         _http._call(conn, "GET", "/v1/leases/1/tensors/x", None, 10, into=8)
     t.join(10)
+
+
+def test_json_answers_grow_with_their_bytes_not_their_claims():
+    """Any other answer is read in pieces: a Content-Length over the limit is refused before
+    reading, a chunk size of 1 TiB followed by 3 bytes fails as incomplete (no 1 TiB
+    allocation), and a normal chunked answer is read whole."""
+    import http.client
+
+    from shardwire import _http
+
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n{}")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises(shardwire.ProtocolError, match="Content-Length is 1099511627776"):
+        _http._call(conn, "GET", "/v1/streams/1/state", None, 10)
+    assert conn.sock is None, "the spent connection is closed"
+    t.join(10)
+
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\nabc")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises(http.client.IncompleteRead):
+        _http._call(conn, "GET", "/v1/streams/1/state", None, 10)
+    t.join(10)
+
+    port, t = _answer_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    assert _http._call(conn, "GET", "/v1/streams/1/state", None, 10).json() == {"a": 1}
+    t.join(10)

@@ -68,7 +68,7 @@ def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
     try:
         conn.request("GET", "/healthz")
         r = conn.getresponse()
-        r.read()
+        _read_body(r, "GET /healthz")
         if r.status != 200:
             raise ConnectError(base, f"GET /healthz answered HTTP {r.status}: is this a shardwire node's admin address?")
     except OSError as e:
@@ -353,6 +353,27 @@ def _read_exactly(r: http.client.HTTPResponse, n: int) -> bytearray:
     return data
 
 
+#: The largest answer other than a tensor's bytes (JSON, an error, the metrics text).
+_MAX_REPLY = 64 << 20
+
+
+def _read_body(r: http.client.HTTPResponse, what: str) -> bytes:
+    """`r`'s whole body (at most `_MAX_REPLY` bytes) read in pieces of at most 64 KiB, so
+    memory follows the bytes that arrive (``r.read()`` would first allocate what the
+    Content-Length or a chunk size claims)."""
+    n = r.getheader("Content-Length")
+    if n is not None and n.isdigit() and int(n) > _MAX_REPLY:
+        r.close()
+        raise ProtocolError(f"{what}: the answer's Content-Length is {n}; at most {_MAX_REPLY} bytes are expected")
+    body = bytearray()
+    while piece := r.read(1 << 16):
+        body += piece
+        if len(body) > _MAX_REPLY:
+            r.close()
+            raise ProtocolError(f"{what}: the answer is over {_MAX_REPLY} bytes")
+    return bytes(body)
+
+
 def _call(
     conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, timeout: float, retry: bool = True, into: int | None = None
 ) -> _Reply:
@@ -383,7 +404,11 @@ def _call(
             data = _read_exactly(r, into)
             r.read()  # completes the response so the connection can be reused
         else:
-            data = r.read()
+            try:
+                data = _read_body(r, f"{method} {path}")
+            except ProtocolError:
+                conn.close()  # the rest of this answer is not read: the connection is spent
+                raise
         if r.will_close:
             conn.close()
         return _Reply(r.status, r.headers, data)
