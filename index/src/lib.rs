@@ -148,15 +148,19 @@ impl Dataset {
     /// returns where it went.
     pub fn write_manifest(&self, m: &Manifest, out: Option<&Path>) -> Result<String, IndexError> {
         Self::check_output(&self.location().to_string_lossy(), out)?;
+        let json = manifest_json(m, &self.location())?;
         if let Some(out) = out {
-            write_file(out, &m.to_json())?;
+            write_file(out, &json)?;
             return Ok(out.display().to_string());
         }
         match &self.root {
-            Root::Local(dir) => Ok(write_manifest(dir, m)?.display().to_string()),
+            Root::Local(dir) => {
+                let path = dir.join(MANIFEST_FILE);
+                write_file(&path, &json)?;
+                Ok(path.display().to_string())
+            }
             Root::Remote(r) => {
-                r.store()
-                    .put(MANIFEST_FILE, bytes::Bytes::from(m.to_json()))?;
+                r.store().put(MANIFEST_FILE, bytes::Bytes::from(json))?;
                 Ok(r.display(MANIFEST_FILE).display().to_string())
             }
         }
@@ -428,8 +432,19 @@ fn checked_manifest(
 /// and returns the path.
 pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<PathBuf, IndexError> {
     let path = dir.join(MANIFEST_FILE);
-    write_file(&path, &m.to_json())?;
+    write_file(&path, &manifest_json(m, dir)?)?;
     Ok(path)
+}
+
+/// The manifest file's bytes, refused when no source could send them to a node
+/// ([`Manifest::check_size`]): better at indexing than when the source starts.
+fn manifest_json(m: &Manifest, dir: &Path) -> Result<Vec<u8>, IndexError> {
+    let json = m.to_json();
+    Manifest::check_size(json.len() as u64).map_err(|source| IndexError::Manifest {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    Ok(json)
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file beside it, fsync, rename, and a

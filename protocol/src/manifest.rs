@@ -23,6 +23,8 @@ pub const MANIFEST_FILE: &str = "shardwire.manifest.json";
 pub const FORMAT: u32 = 1;
 /// Hard limits a manifest must respect (it comes from the network).
 pub const MAX_SHARDS: usize = 10_000_000;
+/// Largest manifest file: it travels to nodes in one `Manifest` frame.
+pub const MAX_MANIFEST_BYTES: usize = crate::wire::MAX_FRAME - 512;
 /// At most this many tensors per shard.
 pub const MAX_TENSORS_PER_SHARD: usize = 4096;
 /// At most this many dimensions per tensor.
@@ -250,6 +252,15 @@ pub enum ManifestError {
     /// No shards at all.
     #[error("manifest has no shards")]
     Empty,
+    /// The manifest file is larger than a node can be sent.
+    #[error(
+        "manifest is {len} bytes; at most {MAX_MANIFEST_BYTES} can be sent to nodes (split the \
+         dataset into several, or use larger shards)"
+    )]
+    TooLarge {
+        /// The file's length in bytes.
+        len: u64,
+    },
     /// The object list is inconsistent.
     #[error("manifest objects: {0}")]
     Objects(String),
@@ -346,9 +357,18 @@ impl Manifest {
 
     /// Parses and fully validates manifest JSON (it may come from the network).
     pub fn from_json(bytes: &[u8]) -> Result<Self, ManifestError> {
+        Self::check_size(bytes.len() as u64)?;
         let m: Manifest = serde_json::from_slice(bytes)?;
         m.validate()?;
         Ok(m)
+    }
+
+    /// A manifest file of `len` bytes can be sent to nodes (checked before it is read).
+    pub fn check_size(len: u64) -> Result<(), ManifestError> {
+        if len > MAX_MANIFEST_BYTES as u64 {
+            return Err(ManifestError::TooLarge { len });
+        }
+        Ok(())
     }
 
     /// JSON for the manifest file: compact (one line), since row tables would make a
@@ -559,6 +579,29 @@ fn check_rows(t: &TensorEntry, shard_len: u64) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_manifest_too_large_for_its_frame_is_refused_naming_its_size() {
+        assert!(Manifest::check_size(MAX_MANIFEST_BYTES as u64).is_ok());
+        let e = Manifest::check_size(MAX_MANIFEST_BYTES as u64 + 1).unwrap_err();
+        assert!(
+            matches!(e, ManifestError::TooLarge { len } if len == MAX_MANIFEST_BYTES as u64 + 1)
+        );
+        assert!(
+            e.to_string()
+                .contains(&format!("{} bytes", MAX_MANIFEST_BYTES + 1)),
+            "{e}"
+        );
+        // The largest manifest file still fits in a Manifest frame.
+        let msg = crate::wire::Message::Manifest {
+            req: 1,
+            dataset: "d".repeat(crate::wire::MAX_DATASET_NAME),
+            json: vec![b' '; MAX_MANIFEST_BYTES],
+        };
+        let mut frame = Vec::new();
+        crate::wire::encode(&msg, &mut frame).expect("the largest manifest is sendable");
+        assert!(frame.len() - 4 <= crate::wire::MAX_FRAME);
+    }
 
     fn sample() -> Manifest {
         Manifest::new(vec![ShardEntry {

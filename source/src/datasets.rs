@@ -158,11 +158,17 @@ impl Datasets {
     pub fn add(&mut self, name: &str, dir: &Path) -> Result<(), DatasetError> {
         self.check_new(name)?;
         let path = dir.join(MANIFEST_FILE);
-        let manifest_json = std::fs::read(&path).map_err(|source| DatasetError::Read {
+        let read_err = |source| DatasetError::Read {
             path: path.clone(),
             dir: dir.display().to_string(),
             source,
+        };
+        let len = std::fs::metadata(&path).map_err(read_err)?.len();
+        Manifest::check_size(len).map_err(|source| DatasetError::Manifest {
+            path: path.clone(),
+            source,
         })?;
+        let manifest_json = std::fs::read(&path).map_err(read_err)?;
         let manifest =
             Manifest::from_json(&manifest_json).map_err(|source| DatasetError::Manifest {
                 path: path.clone(),

@@ -494,3 +494,16 @@ def test_pool_size_alone_derives_stream_memory(sw, tmp_path):
     )
     assert r.returncode != 0
     assert "`pool_size`" in r.stderr and "stream_memory (256MiB)" in r.stderr, r.stderr
+
+
+def test_a_manifest_too_large_to_send_is_refused_before_it_is_read(sw, tmp_path):
+    """A manifest no node could be sent (one frame of 64 MiB) stops the source at start-up,
+    naming its size, before any of it is read: the file here is sparse, 65 MiB of holes."""
+    d = tmp_path / "huge"
+    d.mkdir()
+    with open(d / "shardwire.manifest.json", "wb") as f:
+        f.truncate(65 << 20)
+    r = subprocess.run([str(sw.bin), "source", "--listen", "127.0.0.1:0", "--dataset", f"h={d}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert f"manifest is {65 << 20} bytes; at most" in r.stderr, r.stderr[-2000:]

@@ -64,8 +64,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.kind(K_MANIFEST);
             w.u64(*req);
             w.string("dataset", dataset, MAX_DATASET_NAME)?;
-            // Room for the other fields: the whole frame stays within MAX_FRAME.
-            w.blob("json", json, MAX_FRAME - 512)?;
+            w.blob("json", json, crate::manifest::MAX_MANIFEST_BYTES)?;
         }
         Message::DataConn { lane, conn, addr } => {
             w.kind(K_DATA_CONN);

@@ -105,15 +105,17 @@ pub(super) async fn open(
     let head = patiently(|| store.head(MANIFEST_FILE))
         .await
         .map_err(store_err)?;
+    let manifest_err = |source| OpenError::Manifest {
+        dataset: name.into(),
+        url: url.to_string(),
+        source,
+    };
+    Manifest::check_size(head.size).map_err(manifest_err)?;
     let json = patiently(|| store.read(MANIFEST_FILE, 0..head.size, head.etag.as_deref()))
         .await
         .map_err(store_err)?
         .to_vec();
-    let manifest = Manifest::from_json(&json).map_err(|source| OpenError::Manifest {
-        dataset: name.into(),
-        url: url.to_string(),
-        source,
-    })?;
+    let manifest = Manifest::from_json(&json).map_err(manifest_err)?;
     let listed = patiently(|| store.list()).await.map_err(store_err)?;
     let (objects, shards) = pin_objects(name, url, &manifest, &listed)?;
     let cache = open_cache(name, opts, &manifest, &objects, &shards)?;
