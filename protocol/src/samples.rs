@@ -59,11 +59,24 @@ impl Shuffle {
     }
 }
 
+/// Most canonical partitions a plan has: an epoch's order holds a few words per partition,
+/// and a trainer's request must not size the node's memory (world sizes beyond this give
+/// fewer `partitions`, which the world size is then a multiple of).
+pub const MAX_PARTITIONS: u32 = 1 << 20;
+
+/// `partitions` is 1..=min(`samples`, [`MAX_PARTITIONS`]).
+fn partitions_ok(partitions: u32, samples: u64) -> bool {
+    (1..=MAX_PARTITIONS).contains(&partitions) && u64::from(partitions) <= samples
+}
+
 /// Why a sample plan cannot be made; each names the field and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SampleError {
-    /// `partitions` is 0, or more than there are samples.
-    #[error("partitions is {partitions}; it must be between 1 and the dataset's {samples} samples")]
+    /// `partitions` is 0, more than there are samples, or over [`MAX_PARTITIONS`].
+    #[error(
+        "partitions is {partitions}; it must be between 1 and the dataset's {samples} samples, \
+         and at most {MAX_PARTITIONS}"
+    )]
     Partitions {
         /// Requested.
         partitions: u32,
@@ -225,7 +238,7 @@ impl SampleOrder {
             return Err(SampleError::TooManyShards(shard_samples.len()));
         }
         let total: u64 = shard_samples.iter().sum();
-        if partitions == 0 || u64::from(partitions) > total {
+        if !partitions_ok(partitions, total) {
             return Err(SampleError::Partitions {
                 partitions,
                 samples: total,
@@ -258,7 +271,7 @@ impl SampleOrder {
         let docs = spec.doc_tokens.iter().map(|d| d.len() as u64).collect();
         let n = spec.check()?;
         let mut o = Self::new(digest, docs, seed, shuffle, shuffle_block, 1)?;
-        if partitions == 0 || u64::from(partitions) > n {
+        if !partitions_ok(partitions, n) {
             return Err(SampleError::Partitions {
                 partitions,
                 samples: n,

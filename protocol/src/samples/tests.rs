@@ -203,3 +203,34 @@ fn a_billion_samples_over_a_million_shards_plan_in_little_memory() {
     assert_eq!(a, ep.sample(p.position(step * 512)));
     assert!(u64::from(a.shard) < 1_000_000 && a.row < 1000);
 }
+
+#[test]
+fn partitions_are_capped_whatever_the_dataset_holds() {
+    // 2^31 samples in one shard: the sample count alone would allow 2^31 partitions.
+    let ok = SampleOrder::new(
+        [1; 32],
+        vec![1 << 31],
+        0,
+        Shuffle::Block,
+        1 << 20,
+        MAX_PARTITIONS,
+    );
+    assert!(ok.is_ok());
+    let e = SampleOrder::new(
+        [1; 32],
+        vec![1 << 31],
+        0,
+        Shuffle::Block,
+        1 << 20,
+        MAX_PARTITIONS + 1,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e,
+        SampleError::Partitions {
+            partitions: MAX_PARTITIONS + 1,
+            samples: 1 << 31
+        }
+    );
+    assert!(e.to_string().contains("at most 1048576"), "{e}");
+}
