@@ -161,7 +161,22 @@ pub enum MegatronError {
     /// would record the offset -1, which has no meaning.
     #[error("the data ends in an empty sequence, which Megatron cannot index without drop_last")]
     EmptyFinalSequence,
+    /// The three indices would take more than [`MAX_INDEX_BYTES`] (or more than this host
+    /// can allocate): a request must not size the node's memory past that.
+    #[error(
+        "the Megatron index of {samples} samples needs {bytes} bytes, over the limit of \
+         {MAX_INDEX_BYTES} or this host's memory (a longer seq_len makes fewer samples)"
+    )]
+    IndexTooLarge {
+        /// Samples in the index.
+        samples: u64,
+        /// Bytes its three arrays take.
+        bytes: u64,
+    },
 }
+
+/// Most bytes the three indices of one split may take (the node holds them per stream).
+pub const MAX_INDEX_BYTES: u64 = 8 << 30;
 
 /// The three indices of a Megatron `GPTDataset` split.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -239,7 +254,12 @@ fn sample_index(
     n: u64,
 ) -> Result<Vec<(u64, u32)>, MegatronError> {
     let cap = usize::try_from(n).map_err(|_| MegatronError::Overflow)?;
-    let mut out = Vec::with_capacity(cap.saturating_add(1));
+    let mut out = Vec::new();
+    out.try_reserve_exact(cap.saturating_add(1))
+        .map_err(|_| MegatronError::IndexTooLarge {
+            samples: n,
+            bytes: (n + 1).saturating_mul(16),
+        })?;
     out.push((0u64, 0u32));
     let size = |di: usize| i64::from(lengths[doc[di] as usize]);
     let last = doc.len() - 1;
@@ -308,10 +328,16 @@ impl MegatronIndex {
                 need,
             });
         }
-        u64::from(num_epochs)
+        let docs = u64::from(num_epochs)
             .checked_mul(u64::from(count))
-            .and_then(|len| usize::try_from(len).ok())
+            .filter(|&len| usize::try_from(len).is_ok())
             .ok_or(MegatronError::Overflow)?;
+        // document index u32s, sample index (u64, u32) pairs, shuffle index u64s.
+        let bytes = u128::from(docs) * 4 + (u128::from(n) + 1) * 16 + u128::from(n) * 8;
+        if bytes > u128::from(MAX_INDEX_BYTES) {
+            let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
+            return Err(MegatronError::IndexTooLarge { samples: n, bytes });
+        }
         let mut rs = RandomState::new(spec.seed);
         let document_index = document_index(count, num_epochs, separate, &mut rs);
         let sample_index = sample_index(sequence_lengths, &document_index, spec.seq_len, x, n)?;
@@ -637,6 +663,16 @@ mod tests {
             MegatronIndex::build(&[5], &zero),
             Err(MegatronError::SeqLen(0))
         );
+        // seq_len 1 over 2^31 tokens: an index of 2^31 samples (48 GiB) is refused, not built.
+        let one = MegatronSpec { seq_len: 1, ..spec };
+        let huge = vec![u32::MAX / 2 + 1; 1];
+        match MegatronIndex::build(&huge, &one) {
+            Err(MegatronError::IndexTooLarge { samples, bytes }) => {
+                assert_eq!(samples, (1 << 31) - 1);
+                assert!(bytes > MAX_INDEX_BYTES, "{bytes}");
+            }
+            other => panic!("expected IndexTooLarge, got {other:?}"),
+        }
         // drop_last = false, x = 1, data ending in an empty sequence: Megatron's offset -1.
         for seed in 0..8 {
             let nodrop = MegatronSpec {
