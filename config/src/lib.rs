@@ -186,6 +186,8 @@ pub struct ServeConfig {
     pub http_header_timeout_secs: u64,
     /// Seconds an HTTP client has to send a request's body.
     pub http_body_timeout_secs: u64,
+    /// Seconds a write of an HTTP answer may wait for the client to read, with no progress.
+    pub http_write_timeout_secs: u64,
     /// Trainer socket connections served at once; more are refused with an error frame.
     pub trainer_max_connections: usize,
     /// Seconds a trainer connection may wait before its `attach`, and may take to finish a
@@ -230,6 +232,7 @@ impl Default for ServeConfig {
             http_max_connections: 256,
             http_header_timeout_secs: 10,
             http_body_timeout_secs: 10,
+            http_write_timeout_secs: 30,
             trainer_max_connections: 256,
             trainer_request_timeout_secs: 10,
             trainer_idle_timeout_secs: 3600,
@@ -396,6 +399,7 @@ impl ServeConfig {
         for (key, v) in [
             ("http_header_timeout_secs", self.http_header_timeout_secs),
             ("http_body_timeout_secs", self.http_body_timeout_secs),
+            ("http_write_timeout_secs", self.http_write_timeout_secs),
             (
                 "trainer_request_timeout_secs",
                 self.trainer_request_timeout_secs,

@@ -47,6 +47,7 @@ pub async fn serve(
         max_connections: 64,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(10),
+        write_timeout: Duration::from_secs(30),
     };
     server::serve(listener, app, limits, shutdown).await;
 }

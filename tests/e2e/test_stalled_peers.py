@@ -7,6 +7,9 @@ memory or a connection slot.
   are closed, and its slot (trainer_max_connections = 1 here) serves the next trainer;
 - a refused trainer (uid not allowed) that keeps trickling bytes: its connection closes about
   2 s after the refusal however often it writes;
+- an HTTP client that pipelines requests and never reads the answers: once the write has
+  made no progress for http_write_timeout_secs the connection is closed and its slot
+  (http_max_connections = 1 here) serves the next client;
 - a node (played by this test over a real handshake) that asks a source for a shard, keeps its
   control session alive and never reads the data connection: the source's send times out
   after its idle timeout and the session ends, instead of a sender thread blocked for good.
@@ -129,3 +132,38 @@ def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw
         if data is not None:
             data.close()
         lst.close()
+
+
+def test_an_http_client_that_stops_reading_loses_its_connection_not_the_slot(sw, tmp_path):
+    src = sw.source({"f": _dataset(tmp_path)})
+    env = {"SHARDWIRE_HTTP_WRITE_TIMEOUT_SECS": "2", "SHARDWIRE_HTTP_MAX_CONNECTIONS": "1"}
+    node = sw.serve([src], env=env)
+    wait_ready(node)
+    host, port = node.admin.rsplit(":", 1)
+    stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((host, int(port)))
+    # Pipelined: the node answers them one after another into a client that reads nothing.
+    stalled.settimeout(10.0)
+    stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+    t0 = time.monotonic()
+
+    def healthy():
+        try:
+            c = socket.create_connection((host, int(port)), timeout=1.0)
+        except OSError:
+            return None
+        with c:
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            out = F.read_until_closed(c, wait=1.0)
+        return out if out.reply.startswith(b"HTTP/1.1 200") else None
+
+    wait_for(healthy, "the stalled client's slot to serve another client", timeout=20, interval=0.2,
+             diag=lambda: node.stderr_text()[-3000:])
+    waited = time.monotonic() - t0
+    assert waited >= 1.5, f"another client was served after {waited:.1f} s: the stalled one was not holding the slot?"
+    assert "the client stopped reading its answer" in node.stderr_text(), node.stderr_text()[-3000:]
+    stalled.close()
+    m = [l for l in F.http_request(node.admin, "GET", "/metrics").body.decode().splitlines()
+         if l.startswith('shardwire_http_timeouts_total{phase="write"}')]
+    assert m and float(m[0].split()[-1]) >= 1, m

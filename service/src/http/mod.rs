@@ -8,6 +8,7 @@ pub mod bindings;
 pub mod error;
 pub mod prom;
 pub mod server;
+mod stall;
 pub mod trainer;
 
 use std::sync::Arc;

@@ -1,8 +1,10 @@
 //! The HTTP server under the admin and trainer APIs, with a bound on every connection state:
 //! at most `http_max_connections` connections are served at once (more wait in the kernel's
 //! backlog), a request head must arrive within `http_header_timeout_secs` (this also ends an
-//! idle keep-alive connection; hyper's header-read timer), and a request body within
-//! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]).
+//! idle keep-alive connection; hyper's header-read timer), a request body within
+//! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]), and a
+//! write of the answer may wait for the client at most `http_write_timeout_secs` without
+//! progress ([`super::stall`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +23,7 @@ use tokio::sync::{Semaphore, watch};
 use shardwire_protocol::trainer::ErrorCode;
 
 use super::error::ApiError;
+use super::stall::{WriteStall, is_stall};
 
 /// Largest request body on any route.
 pub const BODY_LIMIT: usize = 64 << 10;
@@ -34,6 +37,8 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Time for a request body.
     pub body_timeout: Duration,
+    /// Time a write of an answer may make no progress (a client that stopped reading).
+    pub write_timeout: Duration,
 }
 
 impl Limits {
@@ -43,6 +48,7 @@ impl Limits {
             max_connections: cfg.http_max_connections,
             header_timeout: Duration::from_secs(cfg.http_header_timeout_secs),
             body_timeout: Duration::from_secs(cfg.http_body_timeout_secs),
+            write_timeout: Duration::from_secs(cfg.http_write_timeout_secs),
         }
     }
 }
@@ -83,7 +89,10 @@ pub async fn serve(
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_timeout)
-                .serve_connection(TokioIo::new(stream), svc);
+                .serve_connection(
+                    TokioIo::new(WriteStall::new(stream, limits.write_timeout)),
+                    svc,
+                );
             tokio::pin!(conn);
             let done = tokio::select! {
                 r = conn.as_mut() => r,
@@ -97,6 +106,10 @@ pub async fn serve(
                     metrics::counter!("shardwire_http_timeouts_total", "phase" => "header")
                         .increment(1);
                     tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
+                } else if is_stall(&e) {
+                    metrics::counter!("shardwire_http_timeouts_total", "phase" => "write")
+                        .increment(1);
+                    tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer");
                 } else {
                     tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
                 }
