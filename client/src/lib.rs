@@ -107,6 +107,15 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     pub(crate) fn new(fd: &OwnedFd, len: u64) -> Result<Self, ClientError> {
         let err = |source: std::io::Error| ClientError::Map { len, source };
+        // A region shorter than the node says would fault (SIGBUS) on the first read past
+        // its end: refuse it here, as an error.
+        let size = rustix::fs::fstat(fd).map_err(|e| err(e.into()))?.st_size;
+        if u64::try_from(size).map_or(true, |size| size < len) {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the region the node sent is {size} bytes, shorter than it said"),
+            )));
+        }
         // SAFETY: a fresh read-only shared mapping of the region fd the service sent; it
         // aliases nothing in this process and lives until Drop.
         let raw = unsafe {
@@ -185,4 +194,26 @@ pub struct StreamInfo {
     pub memory: String,
     /// State it started from.
     pub state: StreamState,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A region file shorter than the length the node states is refused, not mapped (a read
+    /// past its end would be SIGBUS).
+    #[test]
+    fn a_region_shorter_than_stated_is_an_error() {
+        let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        let e = Mapping::new(&fd, 8192)
+            .err()
+            .expect("a short region is refused");
+        assert!(
+            matches!(&e, ClientError::Map { len: 8192, source } if source.to_string().contains("4096 bytes")),
+            "{e}"
+        );
+        let m = Mapping::new(&fd, 4096).expect("a region of the stated size maps");
+        assert_eq!(m.slice(0, 4096), &[0u8; 4096][..]);
+    }
 }
