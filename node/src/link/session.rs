@@ -87,9 +87,15 @@ pub async fn connect_and_serve(
         addr: link.addr.clone(),
         source,
     };
-    let stream = tokio::net::TcpStream::connect(&link.addr)
-        .await
-        .map_err(connect_err)?;
+    // Bounded like the handshake: a source address that drops SYNs fails in seconds, not
+    // after the kernel's minutes of retries, and the link backs off and tries again.
+    let stream = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        tokio::net::TcpStream::connect(&link.addr),
+    )
+    .await
+    .map_err(|_| connect_err(std::io::ErrorKind::TimedOut.into()))?
+    .map_err(connect_err)?;
     let _ = stream.set_nodelay(true);
     let local_ip = stream.local_addr().map_err(connect_err)?.ip();
     let lanes = advertised(&link.cfg.lanes, local_ip);
