@@ -17,18 +17,29 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<
     if dma_buf {
         drop(src.export_dmabuf()?);
     }
-    let len = 1 << 20;
+    let pattern = test_pattern(1 << 20);
+    check_staging(dev, &src, &pattern)?;
+    check_crc(engines, &src, &pattern)?;
+    check_gather(engines, &src, &dst)
+}
+
+/// `len` bytes of xorshift noise.
+fn test_pattern(len: usize) -> Vec<u8> {
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let pattern: Vec<u8> = (0..len)
+    (0..len)
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state as u8
         })
-        .collect();
+        .collect()
+}
 
-    // H2D staging, in pieces smaller than a slot, as a socket delivers them.
+/// H2D staging of `pattern` into `src` at 4096, in pieces smaller than a slot, as a socket
+/// delivers them; the bytes read back must be the pattern.
+fn check_staging(dev: &Arc<Device>, src: &VmmRegion, pattern: &[u8]) -> Result<(), GpuError> {
+    let len = pattern.len();
     let mut stager = H2dStager::new(dev, 256 << 10, 2)?;
     let mut at = 0;
     stager
@@ -40,7 +51,7 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<
                 Ok(n)
             },
             &mut |_| {},
-            &src,
+            src,
             4096,
             len,
         )
@@ -50,8 +61,12 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<
     if back != pattern {
         return Err(mismatch("H2D staging: bytes read back differ".into()));
     }
+    Ok(())
+}
 
-    // CRC-32C on the device against the CPU reference.
+/// CRC-32C on the device over `pattern` (at 4096 in `src`) against the CPU reference.
+fn check_crc(engines: &Engines, src: &VmmRegion, pattern: &[u8]) -> Result<(), GpuError> {
+    let len = pattern.len();
     let spans = [
         Span {
             off: 4096,
@@ -64,16 +79,20 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<
         Span { off: 0, len: 0 },
     ];
     let mut host = vec![0; 4096 + len];
-    host[4096..].copy_from_slice(&pattern);
+    host[4096..].copy_from_slice(pattern);
     let want = reference::crc32c_spans(&host, &spans, crate::kernels::CRC_CHUNK);
-    let got = engines.crc32c(&src, &spans)?;
+    let got = engines.crc32c(src, &spans)?;
     if got != want {
         return Err(mismatch(format!(
             "CRC kernel gave {got:08x?}, the CPU {want:08x?}"
         )));
     }
+    Ok(())
+}
 
-    // Gather: unaligned frags, one launch.
+/// The gather kernel over unaligned frags of `src` into `dst`, one launch, against the CPU
+/// reference.
+fn check_gather(engines: &Engines, src: &VmmRegion, dst: &VmmRegion) -> Result<(), GpuError> {
     let frags = [
         Frag {
             src_off: 4096,
@@ -91,7 +110,7 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<
             len: 70_001,
         },
     ];
-    engines.gather(&src, &dst, &frags)?.wait()?;
+    engines.gather(src, dst, &frags)?.wait()?;
     let mut want = vec![0u8; 4097 + 70_001];
     let mut host_src = vec![0u8; src.len()];
     src.read(0, &mut host_src)?;
