@@ -16,6 +16,9 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A control write that cannot finish within this time (the node stopped reading) ends the
 /// session.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Time to dial all of a node's data connections (each connect also has
+/// [`HANDSHAKE_TIMEOUT`]).
+pub const DIAL_DEADLINE: Duration = Duration::from_secs(60);
 /// FETCHes a session holds before the node must wait for payloads to go out; a node that
 /// sends more is broken and is dropped.
 pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
@@ -32,6 +35,9 @@ pub enum SessionError {
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),
+    /// Dialling the node's data connections took too long (in all).
+    #[error("dialling the node's data connections took over {0:?}")]
+    DialTimeout(Duration),
     /// The node sent nothing for the idle timeout.
     #[error("the node sent nothing for {0:?} (idle timeout)")]
     Idle(Duration),

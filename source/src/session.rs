@@ -34,7 +34,9 @@ use tokio::time::Instant;
 
 use crate::Shared;
 use crate::control::{Control, kind};
-pub use crate::control::{HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT};
+pub use crate::control::{
+    DIAL_DEADLINE, HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT,
+};
 use crate::datasets::Backend;
 use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
@@ -67,8 +69,12 @@ pub(crate) async fn run(
     tracing::info!(%peer, node = %node_id, lanes = %addrs.join(" "), "node authenticated");
     let failed = Arc::new(Notify::new());
     let progress = Arc::new(Notify::new());
-    let DataConns { senders, lane_of } =
-        dial(&mut ctl, &shared, &lanes, &failed, &progress).await?;
+    // Each connect has its own limit; all of them together (up to MAX_LANES * MAX_FLOWS)
+    // have this one, so a node cannot hold the session in dialling for hours.
+    let dialled = dial(&mut ctl, &shared, &lanes, &failed, &progress);
+    let DataConns { senders, lane_of } = tokio::time::timeout(DIAL_DEADLINE, dialled)
+        .await
+        .map_err(|_| SessionError::DialTimeout(DIAL_DEADLINE))??;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
     let draining = shared.draining.subscribe();

@@ -8,6 +8,11 @@ use std::collections::HashMap;
 /// A hint's owner: (node session, the node's stream id).
 pub type StreamKey = (u64, u64);
 
+/// Most streams of one node session with a standing hint per dataset (a node has a stream per
+/// trainer; each hint costs a rerank over all of them): past it, a new stream's hint is
+/// refused and the stream is fetched for without one.
+pub const MAX_HINTED_STREAMS: usize = 1024;
+
 /// The standing hints of one dataset.
 #[derive(Debug, Default)]
 pub struct Hints {
@@ -17,14 +22,22 @@ pub struct Hints {
 }
 
 impl Hints {
-    /// Replaces `key`'s hint (an empty list withdraws it).
-    pub fn set(&mut self, key: StreamKey, shards: Vec<u32>) {
+    /// Replaces `key`'s hint (an empty list withdraws it). A new stream of a session that
+    /// already has [`MAX_HINTED_STREAMS`] hints is refused: `Err` with that count.
+    pub fn set(&mut self, key: StreamKey, shards: Vec<u32>) -> Result<(), usize> {
         if shards.is_empty() {
             self.lists.remove(&key);
         } else {
+            if !self.lists.contains_key(&key) {
+                let of_session = self.lists.keys().filter(|(s, _)| *s == key.0).count();
+                if of_session >= MAX_HINTED_STREAMS {
+                    return Err(of_session);
+                }
+            }
             self.lists.insert(key, shards);
         }
         self.rerank();
+        Ok(())
     }
 
     fn rerank(&mut self) {
@@ -116,8 +129,8 @@ mod tests {
     #[test]
     fn next_use_is_the_soonest_position_over_all_streams() {
         let mut h = Hints::default();
-        h.set((1, 1), vec![5, 6, 7]);
-        h.set((1, 2), vec![7, 8]);
+        h.set((1, 1), vec![5, 6, 7]).unwrap();
+        h.set((1, 2), vec![7, 8]).unwrap();
         assert_eq!(h.next_use(5), Some(0));
         assert_eq!(h.next_use(7), Some(0));
         assert_eq!(h.next_use(6), Some(1));
@@ -128,27 +141,41 @@ mod tests {
     #[test]
     fn a_new_hint_replaces_the_old_and_an_empty_one_withdraws_it() {
         let mut h = Hints::default();
-        h.set((1, 1), vec![1, 2]);
-        h.set((1, 1), vec![3]);
+        h.set((1, 1), vec![1, 2]).unwrap();
+        h.set((1, 1), vec![3]).unwrap();
         assert_eq!(h.next_use(1), None);
         assert_eq!(h.order(), vec![3]);
-        h.set((1, 1), vec![]);
+        h.set((1, 1), vec![]).unwrap();
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn a_session_hints_for_a_bounded_number_of_streams() {
+        let mut h = Hints::default();
+        for stream in 0..MAX_HINTED_STREAMS as u64 {
+            h.set((1, stream), vec![1]).unwrap();
+        }
+        assert_eq!(h.set((1, 1 << 40), vec![2]), Err(MAX_HINTED_STREAMS));
+        assert_eq!(h.next_use(2), None, "the refused hint left no trace");
+        // Its streams may still replace their hints, and other sessions are not limited by it.
+        h.set((1, 0), vec![3]).unwrap();
+        h.set((2, 0), vec![4]).unwrap();
+        assert_eq!((h.next_use(3), h.next_use(4)), (Some(0), Some(0)));
     }
 
     #[test]
     fn fetches_use_up_the_hint_and_sessions_are_forgotten_whole() {
         let mut h = Hints::default();
-        h.set((1, 1), vec![1, 2, 3]);
-        h.set((2, 1), vec![9]);
+        h.set((1, 1), vec![1, 2, 3]).unwrap();
+        h.set((2, 1), vec![9]).unwrap();
         h.consumed((1, 1), 2);
         assert_eq!(h.order(), vec![3, 9]);
         h.consumed((1, 1), 42); // not hinted: nothing changes
         assert_eq!(h.next_use(3), Some(0));
         h.forget_session(1);
         assert_eq!(h.order(), vec![9]);
-        h.set((3, 1), vec![4, 5]);
-        h.set((3, 2), vec![5, 6]);
+        h.set((3, 1), vec![4, 5]).unwrap();
+        h.set((3, 2), vec![5, 6]).unwrap();
         h.consumed_by_session(3, 5);
         assert_eq!(h.order(), vec![9, 6]);
         assert_eq!(h.streams(), 2);

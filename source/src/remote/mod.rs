@@ -117,7 +117,17 @@ impl RemoteDataset {
     pub fn hint(&self, session: u64, stream: u64, shards: Vec<u32>) {
         let n = self.shards.len() as u32;
         let shards: Vec<u32> = shards.into_iter().filter(|&s| s < n).collect();
-        self.state().hints.set((session, stream), shards);
+        if let Err(streams) = self.state().hints.set((session, stream), shards) {
+            tracing::warn!(
+                dataset = %self.name,
+                session,
+                stream,
+                streams,
+                "hint refused: this node session already hints for {streams} streams \
+                 (MAX_HINTED_STREAMS); the stream is served without prefetch"
+            );
+            return;
+        }
         self.wake.notify_one();
     }
 
