@@ -63,12 +63,14 @@ pub async fn read_message<R: AsyncRead + Unpin>(
             Some(len) if buf.len() == 4 + len => break,
             Some(len) => 4 + len - buf.len(),
         };
-        // The buffer grows with the bytes that arrived (at most doubling them, plus a
-        // little), never to the length the prefix claims.
-        let room = want.min(buf.len().max(MIN_ROOM));
-        if buf.capacity() - buf.len() < room {
-            buf.reserve_exact(room);
+        // The buffer grows, when full, by as much as it holds (at least MIN_ROOM): memory
+        // follows the bytes that arrived, never the length the prefix claims, and a large
+        // frame is copied O(log n) times.
+        let grow = growth(buf.len(), buf.capacity(), want);
+        if grow > 0 {
+            buf.reserve_exact(grow);
         }
+        let room = want.min(buf.capacity() - buf.len());
         // Cancel-safe: dropped while pending, `read_buf` has appended nothing.
         if r.take(room as u64).read_buf(buf).await? == 0 {
             return Err(match frame_len(buf, max)? {
@@ -86,6 +88,17 @@ pub async fn read_message<R: AsyncRead + Unpin>(
         *buf = Vec::new();
     }
     Ok(msg?)
+}
+
+/// How many bytes a frame buffer of `len` bytes (of `capacity`) grows by before the next
+/// read, `want` bytes of the frame still to come: none while it has room, else as much as it
+/// holds (at least [`MIN_ROOM`], at most `want`).
+fn growth(len: usize, capacity: usize, want: usize) -> usize {
+    if capacity > len {
+        0
+    } else {
+        want.min(len.max(MIN_ROOM))
+    }
 }
 
 /// The length of the frame whose first bytes are `buf`, once its 4-byte prefix is there,
@@ -189,6 +202,31 @@ mod tests {
         drop(tx);
         let e = read_message(&mut rx, &mut buf, wire::MAX_SMALL_FRAME).await;
         assert!(matches!(e, Err(FrameError::Closed)));
+    }
+
+    /// A frame of 64 MiB arriving in 16 KiB pieces: its buffer is reallocated a logarithmic
+    /// number of times, never holds more than twice what arrived (plus MIN_ROOM), and each
+    /// read asks for no more than the frame still needs.
+    #[test]
+    fn a_large_frame_in_small_pieces_grows_its_buffer_by_doubling() {
+        let (frame, piece) = (64usize << 20, 16usize << 10);
+        let (mut len, mut cap, mut reallocs) = (0usize, 0usize, 0);
+        while len < frame {
+            let want = frame - len;
+            let g = growth(len, cap, want);
+            if g > 0 {
+                cap = len + g;
+                reallocs += 1;
+            }
+            let room = want.min(cap - len);
+            assert!(room > 0 && room <= want);
+            len += room.min(piece);
+            assert!(
+                cap <= 2 * len + MIN_ROOM,
+                "{cap} bytes held for {len} arrived"
+            );
+        }
+        assert!(reallocs <= 16, "{reallocs} reallocations");
     }
 
     #[tokio::test]

@@ -111,18 +111,20 @@ impl Sender {
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
                 if let Err(e) = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate)) {
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) {
+                    if is_send_timeout(&e) {
                         tracing::warn!(
                             conn,
+                            error = %e,
                             "data connection failed: the node read nothing of the payload for \
                              the idle timeout (idle_timeout_secs)"
                         );
                     } else {
                         tracing::warn!(conn, error = %e, "data connection failed");
                     }
+                    // Closed with a reset: the kernel drops what is still queued instead of
+                    // sending it (from a devmem TX slot that is free again) to a peer that
+                    // may read it later.
+                    let _ = rustix::net::sockopt::set_socket_linger(&stream, Some(Duration::ZERO));
                     failed.notify_one();
                 }
                 let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -254,6 +256,19 @@ impl SendPath<'_> {
     }
 }
 
+/// Whether a send failed because its socket's send timeout ran out (`SO_SNDTIMEO`: EAGAIN
+/// on a blocking socket), on the `sendfile` path or inside a devmem TX error.
+fn is_send_timeout(e: &std::io::Error) -> bool {
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        return true;
+    }
+    matches!(
+        e.get_ref().and_then(|inner| inner.downcast_ref::<shardwire_devmem::tx::TxError>()),
+        Some(shardwire_devmem::tx::TxError::Syscall { source, .. })
+            if source.kind() == std::io::ErrorKind::WouldBlock
+    )
+}
+
 /// Sends queued payloads back to back, paced to `rate` bytes/s (0: unlimited).
 fn send_loop(
     mut path: SendPath<'_>,
@@ -307,4 +322,30 @@ fn send_loop(
         progress.sent(job.len);
     }
     path.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use shardwire_devmem::tx::TxError;
+
+    use super::is_send_timeout;
+
+    #[test]
+    fn send_timeouts_are_told_apart_from_other_failures() {
+        assert!(is_send_timeout(&io::ErrorKind::WouldBlock.into()));
+        let devmem = TxError::Syscall {
+            call: "sendmsg",
+            source: io::ErrorKind::WouldBlock.into(),
+            hint: "",
+        };
+        assert!(is_send_timeout(&io::Error::other(devmem)));
+        // A completion wait that ran out is its own failure, not the node's silence.
+        assert!(!is_send_timeout(&io::Error::new(
+            io::ErrorKind::TimedOut,
+            "no zerocopy completion"
+        )));
+        assert!(!is_send_timeout(&io::ErrorKind::BrokenPipe.into()));
+    }
 }

@@ -170,7 +170,7 @@ pub enum MegatronError {
     IndexTooLarge {
         /// Samples in the index.
         samples: u64,
-        /// Bytes its three arrays take.
+        /// Bytes its three arrays take (or, when an allocation failed, that array's).
         bytes: u64,
     },
 }

@@ -17,13 +17,16 @@ pub const MAX_HINTED_STREAMS: usize = 1024;
 #[derive(Debug, Default)]
 pub struct Hints {
     lists: HashMap<StreamKey, Vec<u32>>,
+    /// Streams whose hint was refused ([`MAX_HINTED_STREAMS`]), so it is reported once.
+    refused: std::collections::HashSet<StreamKey>,
     /// Each hinted shard's smallest position, kept in step with `lists`.
     rank: HashMap<u32, usize>,
 }
 
 impl Hints {
     /// Replaces `key`'s hint (an empty list withdraws it). A new stream of a session that
-    /// already has [`MAX_HINTED_STREAMS`] hints is refused: `Err` with that count.
+    /// already has [`MAX_HINTED_STREAMS`] hints is refused: `Err` with that count the first
+    /// time, `Ok` (and nothing done) after.
     pub fn set(&mut self, key: StreamKey, shards: Vec<u32>) -> Result<(), usize> {
         if shards.is_empty() {
             self.lists.remove(&key);
@@ -31,7 +34,11 @@ impl Hints {
             if !self.lists.contains_key(&key) {
                 let of_session = self.lists.keys().filter(|(s, _)| *s == key.0).count();
                 if of_session >= MAX_HINTED_STREAMS {
-                    return Err(of_session);
+                    return if self.refused.insert(key) {
+                        Err(of_session)
+                    } else {
+                        Ok(())
+                    };
                 }
             }
             self.lists.insert(key, shards);
@@ -53,6 +60,7 @@ impl Hints {
     /// Drops every hint of node session `session` (it ended).
     pub fn forget_session(&mut self, session: u64) {
         self.lists.retain(|(s, _), _| *s != session);
+        self.refused.retain(|(s, _)| *s != session);
         self.rerank();
     }
 
@@ -156,7 +164,9 @@ mod tests {
             h.set((1, stream), vec![1]).unwrap();
         }
         assert_eq!(h.set((1, 1 << 40), vec![2]), Err(MAX_HINTED_STREAMS));
+        assert_eq!(h.set((1, 1 << 40), vec![3]), Ok(()), "reported once");
         assert_eq!(h.next_use(2), None, "the refused hint left no trace");
+        assert_eq!(h.next_use(3), None);
         // Its streams may still replace their hints, and other sessions are not limited by it.
         h.set((1, 0), vec![3]).unwrap();
         h.set((2, 0), vec![4]).unwrap();

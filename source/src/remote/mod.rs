@@ -124,7 +124,8 @@ impl RemoteDataset {
                 stream,
                 streams,
                 "hint refused: this node session already hints for {streams} streams \
-                 (MAX_HINTED_STREAMS); the stream is served without prefetch"
+                 (MAX_HINTED_STREAMS); the stream is served without prefetch (said once per \
+                 stream)"
             );
             return;
         }

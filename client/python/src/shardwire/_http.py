@@ -75,6 +75,8 @@ def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
         raise ConnectError(base, f"{e.strerror or e} (is `shardwire serve` running with --admin {host}:{port}?)") from e
     except http.client.HTTPException as e:
         raise ConnectError(base, f"not an HTTP server: {e!r}") from e
+    except ProtocolError as e:
+        raise ConnectError(base, f"GET /healthz: {e}") from e
     finally:
         conn.close()
     return HttpClient(base)
@@ -346,7 +348,8 @@ def _read_exactly(r: http.client.HTTPResponse, n: int) -> bytearray:
     while got < n:
         if got == len(data):
             data.extend(bytes(min(len(data), n - len(data))))
-        k = r.readinto(memoryview(data)[got:])
+        with memoryview(data) as whole, whole[got:] as rest:  # released before `data` grows
+            k = r.readinto(rest)
         if not k:
             raise http.client.IncompleteRead(bytes(data[:got]), n - got)
         got += k
