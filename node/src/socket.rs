@@ -184,9 +184,12 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
     let idle = (cfg.trainer_idle_timeout_secs > 0)
         .then(|| Duration::from_secs(cfg.trainer_idle_timeout_secs));
     // A trainer reads every answer it asks for: one that stops reading while the node writes
-    // (its socket buffer full) has its connection and stream closed after the request timeout,
-    // instead of holding this thread, its stream's memory and a connection slot.
-    if let Err(e) = sock.set_write_timeout(Some(request)) {
+    // (its socket buffer full) has its connection and stream closed, instead of holding this
+    // thread, its stream's memory and a connection slot. Before `attach` after the request
+    // timeout; attached, after the idle timeout (a long step may leave the answers asked
+    // ahead unread for a while).
+    let mut write_limit = Some(request);
+    if let Err(e) = sock.set_write_timeout(write_limit) {
         tracing::warn!(error = %e, "cannot set the trainer socket's write timeout");
         return;
     }
@@ -232,18 +235,14 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             next_latency.record(t.elapsed().as_secs_f64());
         }
         if let Err(e) = sent {
-            if matches!(&e, FrameIoError::Io(io) if is_timeout(io)) {
-                metrics::counter!("shardwire_trainer_timeouts_total", "phase" => "write")
-                    .increment(1);
-                tracing::warn!(
-                    timeout = ?request,
-                    "closing a trainer connection: it stopped reading the node's answers \
-                     (trainer_request_timeout_secs)"
-                );
-            } else {
-                tracing::debug!(error = %e, "trainer went away while we replied");
-            }
+            c.write_failed(&e, write_limit);
             break;
+        }
+        if c.stream.is_some() && write_limit != idle {
+            write_limit = idle;
+            if c.sock.set_write_timeout(write_limit).is_err() {
+                break;
+            }
         }
     }
     if let Some(s) = c.stream.take() {
@@ -394,6 +393,25 @@ impl Conn<'_> {
         }
         held.encode_as(self.batch_encoding, &mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])
+    }
+
+    /// A write of an answer that failed: a timeout (the trainer stopped reading for `limit`)
+    /// is counted and logged; anything else is a trainer that went away.
+    fn write_failed(&self, e: &FrameIoError, limit: Option<Duration>) {
+        if !matches!(e, FrameIoError::Io(io) if is_timeout(io)) {
+            tracing::debug!(error = %e, "trainer went away while we replied");
+            return;
+        }
+        metrics::counter!("shardwire_trainer_timeouts_total", "phase" => "write").increment(1);
+        let key = if self.stream.is_some() {
+            "trainer_idle_timeout_secs"
+        } else {
+            "trainer_request_timeout_secs"
+        };
+        tracing::warn!(
+            timeout = ?limit,
+            "closing a trainer connection: it stopped reading the node's answers ({key})"
+        );
     }
 
     /// A read that failed: a timeout is counted and answered, anything else answered.

@@ -3,8 +3,9 @@ processes: every connection state has a timeout, so none of them keeps a thread,
 memory or a connection slot.
 
 - a trainer that sends requests and never reads the answers: once its socket buffer is full,
-  the node's write times out (trainer_request_timeout_secs), the connection and its stream
-  are closed, and its slot (trainer_max_connections = 1 here) serves the next trainer;
+  the node's write times out (trainer_request_timeout_secs; attached, the idle timeout, so a
+  long training step may read late), the connection and its stream are closed, and its slot
+  (trainer_max_connections = 1 here) serves the next trainer;
 - a refused trainer (uid not allowed) that keeps trickling bytes: its connection closes about
   2 s after the refusal however often it writes;
 - an HTTP client that pipelines requests and never reads the answers: once the write has
@@ -167,3 +168,29 @@ def test_an_http_client_that_stops_reading_loses_its_connection_not_the_slot(sw,
     m = [l for l in F.http_request(node.admin, "GET", "/metrics").body.decode().splitlines()
          if l.startswith('shardwire_http_timeouts_total{phase="write"}')]
     assert m and float(m[0].split()[-1]) >= 1, m
+
+
+def test_an_attached_trainer_may_read_late_until_its_idle_timeout(sw, tmp_path):
+    """Attached, a trainer's unread answers are bounded by the idle timeout, not the request
+    timeout: a long training step may leave the answers it asked ahead unread for a while."""
+    src = sw.source({"f": _dataset(tmp_path)})
+    env = {"SHARDWIRE_TRAINER_REQUEST_TIMEOUT_SECS": "1", "SHARDWIRE_TRAINER_IDLE_TIMEOUT_SECS": "5"}
+    node = sw.serve([src], env=env)
+    wait_ready(node)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(node.socket))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(F.trainer_frame(F.attach()))
+    s.settimeout(5.0)
+    first = s.recv(65536)  # the `attached` answer (its region fd is dropped with the message)
+    assert F.parse_trainer_frames(first)[0].get("op") == "attached", first[:200]
+    s.sendall(F.trainer_frame({"op": "state"}) * 4000)
+    t0 = time.monotonic()
+    time.sleep(2.5)  # past the request timeout: the attached stream must still be open
+    streams = node.status()["streams"]
+    assert streams, "an attached trainer reading late was dropped at the request timeout"
+    wait_for(lambda: not node.status()["streams"], "the stream to close at the idle timeout", timeout=15, interval=0.5)
+    waited = time.monotonic() - t0
+    assert waited >= 4.5, f"closed after {waited:.1f} s, before the idle timeout (5 s)"
+    assert "it stopped reading the node's answers (trainer_idle_timeout_secs)" in node.stderr_text(), node.stderr_text()[-3000:]
+    s.close()
