@@ -212,3 +212,30 @@ def test_http_takes_worker_and_num_workers_like_the_socket(node, data):
         with shardwire.connect(node.socket).open_stream("b", **opts, worker=w, num_workers=3) as s:
             assert [b["id"].tolist() for b in s] == got
         assert got == want[w::3], f"worker {w}"
+
+
+def test_a_program_that_exits_mid_epoch_exits_quietly(node, data):
+    """A training script that stops early and exits, its DataLoader iterator and a stream's
+    iterator unfinished: the streams are closed by generators finalised at interpreter exit,
+    after the SDK modules' globals are gone. Nothing may be printed (an earlier SDK printed
+    "Exception ignored in: <generator ...> AttributeError ... SHUT_RDWR")."""
+    import subprocess
+
+    from conftest import REPO
+
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO / "client" / "python" / "src")!r})
+import torch
+import shardwire
+from shardwire.torch import IterableDataset
+it = iter(torch.utils.data.DataLoader(IterableDataset("b", socket={str(node.socket)!r}, batch_size=8, epochs=3), batch_size=None))
+for _ in range(3):
+    next(it)
+g = iter(shardwire.connect({str(node.socket)!r}).open_stream("b", batch_size=8, epochs=3))
+next(g)
+print("stopping early")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "stopping early", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stderr == "", r.stderr[-3000:]

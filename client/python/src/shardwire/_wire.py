@@ -184,10 +184,12 @@ class Conn:
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
 
-    def close(self) -> None:
-        """Closes the socket (the service then closes the stream and releases its leases)."""
+    def close(self, _how: int = socket.SHUT_RDWR) -> None:
+        """Closes the socket (the service then closes the stream and releases its leases).
+        (`_how` is bound when the module loads: a stream closed by a generator finalised at
+        interpreter exit runs after this module's globals are gone.)"""
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(_how)
         except OSError:
             pass
         self.sock.close()
