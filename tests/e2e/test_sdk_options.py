@@ -370,3 +370,37 @@ def test_the_torch_class_takes_the_same_keywords():
         cls("d", bogus=1)
     doc = inspect.getdoc(cls) or ""
     assert all(f"\n    {name} (" in doc for name in DATASET_NAMES) and _options.MARK not in doc
+
+
+def test_a_reply_cut_short_by_a_stalled_node_fails_within_the_frame_limit(monkeypatch):
+    """The rest of a reply whose first bytes came is waited for at most FRAME_LIMIT seconds
+    (the Rust SDK's limit too): a node stopped mid-write fails the call, never hangs it, even
+    for a ``next`` without a timeout. A reply split across writes still arrives whole."""
+    import json
+    import socket
+    import struct
+    import threading
+    import time
+
+    from shardwire import _wire
+
+    monkeypatch.setattr(_wire, "FRAME_LIMIT", 0.5)
+    a, b = socket.socketpair()
+    with a, b:
+        conn = _wire.Conn(a)
+        body = json.dumps({"op": "state", "state": {}}).encode()
+        frame = struct.pack("<I", len(body)) + body
+        b.sendall(frame[:6])
+        t0 = time.monotonic()
+        with pytest.raises(shardwire.ConnectionClosed, match="part of a reply and nothing more for 0.5 s"):
+            conn.recv_reply()
+        assert time.monotonic() - t0 < 5.0
+
+    a, b = socket.socketpair()
+    with a, b:
+        conn = _wire.Conn(a)
+        b.sendall(frame[:3])
+        later = threading.Timer(0.2, lambda: b.sendall(frame[3:]))
+        later.start()
+        assert conn.recv_reply() == {"op": "state", "state": {}}
+        later.join()

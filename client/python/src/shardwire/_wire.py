@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -28,6 +29,10 @@ _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 # EPIPE instead of SIGPIPE when the service is gone, even in hosts that do not ignore SIGPIPE.
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 #: How a binary `batch` body starts (see :mod:`shardwire._binary`).
+#: Longest wait for the rest of a reply whose first bytes came (the Rust SDK's limit too): a
+#: node stopped in the middle of a write fails the call instead of hanging it.
+FRAME_LIMIT = 60.0
+
 _BINARY_TAG = bytes([_binary.TAG])
 _LEN = struct.Struct("<I")
 _NEXT_ALONE = _LEN.pack(13) + b'{"op":"next"}'
@@ -136,6 +141,7 @@ class Conn:
             view = memoryview(body)
             got_bytes = 0
             while got_bytes < n:
+                self._wait_rest()
                 k = self.sock.recv_into(view[got_bytes:])
                 if k == 0:
                     raise ConnectionClosed("the node service closed the connection in the middle of a reply")
@@ -175,7 +181,7 @@ class Conn:
                         body = bytes(self._buf[4 : 4 + n])
                         del self._buf[: 4 + n]
                         return _decode(body)
-                data = self.sock.recv(1 << 16)
+                data = self._recv_rest()
                 if not data:
                     raise ConnectionClosed(
                         "the node service closed the connection" + (" in the middle of a reply" if self._buf else "")
@@ -183,6 +189,16 @@ class Conn:
                 self._buf += data
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
+
+    def _wait_rest(self) -> None:
+        """Waits, at most FRAME_LIMIT s, for more bytes of a reply that has begun."""
+        if not select.select([self.sock], [], [], FRAME_LIMIT)[0]:
+            raise ConnectionClosed(f"the node service sent part of a reply and nothing more for {FRAME_LIMIT:g} s")
+
+    def _recv_rest(self) -> bytes:
+        """More bytes of a reply that has begun (or of the next ones)."""
+        self._wait_rest()
+        return self.sock.recv(1 << 16)
 
     def close(self, _how: int = socket.SHUT_RDWR) -> None:
         """Closes the socket (the service then closes the stream and releases its leases).
