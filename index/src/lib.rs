@@ -148,18 +148,14 @@ impl Dataset {
     /// returns where it went.
     pub fn write_manifest(&self, m: &Manifest, out: Option<&Path>) -> Result<String, IndexError> {
         Self::check_output(&self.location().to_string_lossy(), out)?;
-        let json = manifest_json(m, &self.location())?;
         if let Some(out) = out {
-            write_file(out, &json)?;
+            write_file(out, &manifest_json(m, &self.location())?)?;
             return Ok(out.display().to_string());
         }
         match &self.root {
-            Root::Local(dir) => {
-                let path = dir.join(MANIFEST_FILE);
-                write_file(&path, &json)?;
-                Ok(path.display().to_string())
-            }
+            Root::Local(dir) => Ok(write_manifest(dir, m)?.display().to_string()),
             Root::Remote(r) => {
+                let json = manifest_json(m, &self.location())?;
                 r.store().put(MANIFEST_FILE, bytes::Bytes::from(json))?;
                 Ok(r.display(MANIFEST_FILE).display().to_string())
             }

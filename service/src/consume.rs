@@ -186,34 +186,30 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
-    let socket = a.socket.clone();
-    let (jsonl, print_state) = (a.jsonl, a.print_state);
-    let (limit, hold_secs) = (a.limit, a.hold_secs);
-    let print_values = a.print_values.clone();
-    let mut s = Stream::open(&socket, options(a)?)
-        .with_context(|| format!("opening a stream on {}", socket.display()))?;
+    let mut s = Stream::open(&a.socket, options(&a)?)
+        .with_context(|| format!("opening a stream on {}", a.socket.display()))?;
     let out = std::io::stdout();
     let mut out = out.lock();
     let (mut n, mut bytes) = (0u64, 0u64);
     let started = std::time::Instant::now();
     let mut kept = Vec::new();
     while let Some(b) = s.next()? {
-        let tensors = describe(&b, &print_values, &mut bytes);
-        print_batch(&mut out, &b, &tensors, jsonl)?;
+        let tensors = describe(&b, &a.print_values, &mut bytes);
+        print_batch(&mut out, &b, &tensors, a.jsonl)?;
         n += 1;
-        if limit.is_some_and(|l| n >= l) {
+        if a.limit.is_some_and(|l| n >= l) {
             kept.push(b);
             out.flush()?;
-            std::thread::sleep(std::time::Duration::from_secs(hold_secs));
+            std::thread::sleep(std::time::Duration::from_secs(a.hold_secs));
             break;
         }
         s.release(b)?;
     }
-    if print_state {
+    if a.print_state {
         writeln!(out, "{}", json!({ "state": s.state()? }))?;
     }
     drop(kept);
-    if !jsonl {
+    if !a.jsonl {
         let secs = started.elapsed().as_secs_f64();
         writeln!(
             out,
@@ -226,7 +222,7 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
 
 /// The stream options the arguments ask for (`--state` parsed: a state, or an object with one
 /// under `state`, as `--print-state` prints it).
-fn options(a: ConsumeArgs) -> anyhow::Result<StreamOptions> {
+fn options(a: &ConsumeArgs) -> anyhow::Result<StreamOptions> {
     let state: Option<StreamState> = match &a.state {
         None => None,
         Some(s) => {
@@ -248,13 +244,13 @@ fn options(a: ConsumeArgs) -> anyhow::Result<StreamOptions> {
         drop_last: a.drop_last,
         state,
         seq_len: a.seq_len,
-        tokens_column: a.tokens_column,
+        tokens_column: a.tokens_column.clone(),
         token_dtype: a.token_dtype,
         boundaries: a.boundaries,
         order: a.order,
-        mix: a.mix.map(|m| m.0),
-        device: a.device,
-        ..StreamOptions::new(a.dataset.unwrap_or_default())
+        mix: a.mix.as_ref().map(|m| m.0.clone()),
+        device: a.device.clone(),
+        ..StreamOptions::new(a.dataset.clone().unwrap_or_default())
     })
 }
 
