@@ -51,9 +51,11 @@ pub use start::{NodeHandle, StartError, read_secret, start};
 pub use status::{BindingStatus, LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 pub use stream::{Batch, CloseReason, Next, OpenError, Stream, StreamInfo};
 
-/// The receive primitives `shardwire bench` measures the node's own reader with.
+/// The receive primitives `shardwire bench` measures the node's own reader with, and the
+/// gather's prefetch (`examples/gather_speed.rs`).
 pub mod bench {
     pub use crate::rx::copy::copy_nt;
     pub use crate::rx::recv::Plain;
     pub use crate::rx::shared::{CHUNK, PayloadRead, RCVLOWAT, lowat_for};
+    pub use crate::stream::prefetch::{AHEAD as PREFETCH_AHEAD, prefetch};
 }

@@ -18,6 +18,7 @@ use shardwire_protocol::{DType, Manifest};
 
 use super::error::AssembleError;
 use super::layout::TENSOR_ALIGN;
+use super::prefetch;
 
 /// Bytes `[src, src + len)` of shard `shard`'s payload go to `[dst, dst + len)` of the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,7 +218,7 @@ pub enum Filled {
 }
 
 /// Fills `out` as `plan` says, reading the shards' slabs from `shard_slab`. Host memory:
-/// memcpy per piece; CUDA memory: the pieces as frags of one gather launch on `gpu` (the
+/// memcpy per piece, the rows [`prefetch::AHEAD`] pieces on asked for meanwhile; CUDA memory: the pieces as frags of one gather launch on `gpu` (the
 /// shards and `out` lie in one region), then the offsets written from the host.
 pub fn execute<'a>(
     plan: &Plan,
@@ -226,7 +227,13 @@ pub fn execute<'a>(
     gpu: Option<&shardwire_gpu::cuda::CudaMemory>,
 ) -> Result<Filled, AssembleError> {
     if let Some(to) = out.host_slice_mut() {
-        for p in &plan.pieces {
+        for (i, p) in plan.pieces.iter().enumerate() {
+            if let Some(ahead) = plan.pieces.get(i + prefetch::AHEAD) {
+                let rows = shard_slab(ahead.shard).host_slice().and_then(|from| {
+                    from.get(ahead.src as usize..(ahead.src + ahead.len) as usize)
+                });
+                prefetch::prefetch(rows.unwrap_or_default());
+            }
             let from = shard_slab(p.shard)
                 .host_slice()
                 .ok_or(AssembleError::MixedMemory)?;

@@ -23,6 +23,7 @@ pub(crate) mod open;
 pub(crate) mod open_mix;
 pub(crate) mod order;
 pub(crate) mod placement;
+pub(crate) mod prefetch;
 pub(crate) mod reorder;
 pub(crate) mod route;
 pub(crate) mod supply;
