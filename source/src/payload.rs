@@ -1,5 +1,6 @@
-//! A FETCH's payload while it waits in its session's queue: ready (a local file's range) or
-//! still being read from object storage by a task that fills it in and wakes the session.
+//! A FETCH's payload while it waits in its session's queue: ready (a local file's range),
+//! still being read from object storage by a task that fills it in and wakes the session, or
+//! not started yet (its session's reads already hold as many bytes as it may: `session.rs`).
 
 use std::sync::{Arc, Mutex};
 
@@ -17,6 +18,8 @@ pub(crate) enum Payload {
     Ready(Body),
     /// Being read; the slot is filled when done.
     Reading(Slot),
+    /// To be read from this dataset once the session's bound on reads allows.
+    Later(Arc<RemoteDataset>),
 }
 
 /// What a queued payload can do now.
@@ -71,6 +74,7 @@ impl Payload {
                     None => Now::Wait(Payload::Reading(slot)),
                 }
             }
+            later @ Payload::Later(_) => Now::Wait(later),
         }
     }
 
@@ -79,6 +83,7 @@ impl Payload {
         match self {
             Payload::Ready(_) => true,
             Payload::Reading(slot) => slot.lock().expect("poisoned").is_some(),
+            Payload::Later(_) => false,
         }
     }
 }

@@ -8,7 +8,9 @@
 //! (`Shard`) and handed to that connection's sender. A
 //! lane's shards travel only on its own connections (its NIC, its GPU's memory on the node).
 //! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
-//! node gave up on stops costing the source bandwidth.
+//! node gave up on stops costing the source bandwidth. Object-storage reads for queued
+//! FETCHes start in queue order while what the session has read and not sent stays within the
+//! dataset's memory budget ([`Reads`]): queued FETCHes cost no memory until then.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in version 2's layout of `Error`), naming both versions, and dropped.
@@ -88,6 +90,7 @@ pub(crate) async fn run(
         lane_of,
         waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
         queued: 0,
+        reads: Reads::default(),
         failed,
         progress,
         draining,
@@ -176,10 +179,47 @@ struct Head {
     crc32c: u32,
 }
 
+/// A session's object-storage reads: bytes of those it started and has not handed to a data
+/// connection yet, and how many FETCHes wait for theirs to start. A read starts only while
+/// those bytes stay within its dataset's memory budget (or none is under way), so a node that
+/// queues many FETCHes cannot make the source hold more than that in memory for it.
+#[derive(Default)]
+struct Reads {
+    bytes: u64,
+    later: usize,
+}
+
+impl Reads {
+    /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and there is room; false
+    /// if it still waits.
+    fn start(&mut self, q: &mut Queued, session: u64, progress: &Arc<Notify>) -> bool {
+        let Payload::Later(r) = &q.payload else {
+            return true;
+        };
+        if self.bytes > 0 && self.bytes + q.head.len > r.memory_budget() {
+            return false;
+        }
+        let r = Arc::clone(r);
+        q.payload = Payload::read(r, session, q.head.shard, Arc::clone(progress));
+        q.held = q.head.len;
+        self.bytes += q.held;
+        self.later -= 1;
+        true
+    }
+
+    /// `q` left the queue without being sent (cancelled).
+    fn drop_queued(&mut self, q: &Queued) {
+        self.bytes -= q.held;
+        self.later -= usize::from(matches!(q.payload, Payload::Later(_)));
+    }
+}
+
 /// A FETCH waiting for its bytes (object storage) and a data connection with room.
 struct Queued {
     head: Head,
     payload: Payload,
+    /// Bytes its object-storage read counts in [`Reads`] (0: a local file, or not started).
+    held: u64,
 }
 
 struct Session {
@@ -199,6 +239,8 @@ struct Session {
     waiting: Vec<VecDeque<Queued>>,
     /// FETCHes waiting in all lanes.
     queued: usize,
+    /// Its object-storage reads under way or not sent yet.
+    reads: Reads,
     failed: Arc<Notify>,
     progress: Arc<Notify>,
     /// The source's drain flag ([`crate::Source::serve`]).
@@ -327,8 +369,9 @@ impl Session {
             let at = w.iter().position(|q| q.head.req == req)?;
             w.remove(at)
         });
-        if found.is_some() {
+        if let Some(q) = found {
             self.queued -= 1;
+            self.reads.drop_queued(&q);
             tracing::debug!(req, "FETCH cancelled before it was sent");
             metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
             let why = "cancelled by the node before it was sent".to_string();
@@ -383,10 +426,11 @@ impl Session {
                 offset: entry.offset,
             }),
             Backend::Remote(r) => {
-                Payload::read(Arc::clone(r), self.id, shard, Arc::clone(&self.progress))
+                self.reads.later += 1;
+                Payload::Later(Arc::clone(r))
             }
         };
-        self.waiting[usize::from(lane)].push_back(Queued {
+        let mut q = Queued {
             head: Head {
                 req,
                 len: entry.length,
@@ -395,9 +439,27 @@ impl Session {
                 crc32c: entry.crc32c,
             },
             payload,
-        });
+            held: 0,
+        };
+        self.start(&mut q);
+        self.waiting[usize::from(lane)].push_back(q);
         self.queued += 1;
         Ok(())
+    }
+
+    /// Starts `q`'s object-storage read if it waits for one and the session's reads leave
+    /// room for it.
+    fn start(&mut self, q: &mut Queued) {
+        self.reads.start(q, self.id, &self.progress);
+    }
+
+    /// Starts the reads of queued FETCHes, in queue order, while there is room.
+    fn start_later(&mut self) {
+        for q in self.waiting.iter_mut().flat_map(|w| w.iter_mut()) {
+            if self.reads.later == 0 || !self.reads.start(q, self.id, &self.progress) {
+                return;
+            }
+        }
     }
 
     /// Dispatches every lane's queue (see [`Session::dispatch_lane`]).
@@ -405,6 +467,7 @@ impl Session {
         for lane in 0..self.waiting.len() {
             self.dispatch_lane(lane).await?;
         }
+        self.start_later();
         Ok(())
     }
 
@@ -419,11 +482,16 @@ impl Session {
                 continue;
             }
             let room = self.room_in(lane);
-            let Queued { head: q, payload } = self.waiting[lane].remove(at).expect("in range");
+            let Queued {
+                head: q,
+                payload,
+                held,
+            } = self.waiting[lane].remove(at).expect("in range");
             self.queued -= 1;
             let body = match payload.now() {
                 Now::Send(body) => body,
                 Now::Fail(f) => {
+                    self.reads.bytes -= held;
                     self.ctl
                         .send(&Message::Error {
                             req: q.req,
@@ -435,24 +503,30 @@ impl Session {
                     continue;
                 }
                 Now::Wait(payload) => {
-                    self.requeue(lane, at, Queued { head: q, payload });
+                    self.requeue(lane, at, (q, payload, held));
                     at += 1;
                     continue;
                 }
             };
             let Some(conn) = room else {
                 // Settled but no room: back in its place, with its bytes.
-                let payload = Payload::Ready(body);
-                self.requeue(lane, at, Queued { head: q, payload });
+                self.requeue(lane, at, (q, Payload::Ready(body), held));
                 return Ok(());
             };
+            self.reads.bytes -= held;
             self.announce(conn, q, body).await?;
         }
         Ok(())
     }
 
-    /// Puts `q` back at position `at` of `lane`'s queue.
-    fn requeue(&mut self, lane: usize, at: usize, q: Queued) {
+    /// Puts a FETCH (its head, payload and held bytes) back at position `at` of `lane`'s
+    /// queue.
+    fn requeue(&mut self, lane: usize, at: usize, (head, payload, held): (Head, Payload, u64)) {
+        let q = Queued {
+            head,
+            payload,
+            held,
+        };
         self.waiting[lane].insert(at, q);
         self.queued += 1;
     }

@@ -295,6 +295,47 @@ def fetch(req: int, dataset: Union[str, bytes], shard: int, lane: int = 0) -> by
     return control_frame(FETCH, struct.pack(">Q", req) + wire_str(dataset) + struct.pack(">IH", shard, lane))
 
 
+def read_control_frame(s: socket.socket) -> tuple[int, bytes]:
+    """One control frame from `s` (blocking, within its timeout): (kind, body)."""
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = s.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    (n,) = struct.unpack(">I", exact(4))
+    frame = exact(n)
+    assert frame[0] == PROTOCOL_VERSION, frame[:2]
+    return frame[1], frame[2:]
+
+
+def next_non_ping(ctl: socket.socket) -> tuple[int, bytes]:
+    """The next control frame that is not a Ping."""
+    while True:
+        kind, body = read_control_frame(ctl)
+        if kind != PING:
+            return kind, body
+
+
+def handshake_to_data_conn(addr, data: socket.socket) -> tuple[socket.socket, socket.socket, bytes]:
+    """A loopback node's control connection through Welcome (no secret), the source's data
+    connection (accepted on `data`) after its DataConn announcement, and the Welcome's body."""
+    ctl = socket.create_connection(addr, timeout=10)
+    ctl.sendall(hello("test-node", data.getsockname(), nonce=b"\x00" * 32))
+    kind, _ = read_control_frame(ctl)
+    assert kind == CHALLENGE, kind
+    ctl.sendall(control_frame(AUTH, b"\x00" * 32))  # no secret: zeros
+    kind, welcome = read_control_frame(ctl)
+    assert kind == WELCOME, kind
+    conn, _ = data.accept()  # the source dials the data port
+    kind, _ = read_control_frame(ctl)
+    assert kind == DATA_CONN, kind
+    return ctl, conn, welcome
+
+
 def manifest_request(req: int, dataset: Union[str, bytes]) -> bytes:
     return control_frame(MANIFEST_REQUEST, struct.pack(">Q", req) + wire_str(dataset))
 

@@ -43,6 +43,7 @@ from conftest import (
     wait_ready,
     write_uint8_shards,
 )
+from faults import handshake_to_data_conn, next_non_ping, read_control_frame
 
 WIRE_VERSION = 3
 
@@ -113,30 +114,6 @@ def closed_within(s: socket.socket, timeout: float) -> float | None:
 
 def control_frame(kind: int, body: bytes = b"") -> bytes:
     return struct.pack(">IBB", 2 + len(body), WIRE_VERSION, kind) + body
-
-
-def read_control_frame(s: socket.socket) -> tuple[int, bytes]:
-    def exact(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = s.recv(n - len(out))
-            if not chunk:
-                raise ConnectionError("closed")
-            out += chunk
-        return out
-
-    (n,) = struct.unpack(">I", exact(4))
-    frame = exact(n)
-    assert frame[0] == WIRE_VERSION, frame[:2]
-    return frame[1], frame[2:]
-
-
-def hello(data_addr: tuple[str, int], flows: int = 1) -> bytes:
-    node_id = b"test-node"
-    ip = socket.inet_aton(data_addr[0])
-    lane = b"\x04" + ip + struct.pack(">HH", data_addr[1], flows)
-    body = struct.pack(">H", len(node_id)) + node_id + b"\x00" * 32 + struct.pack(">H", 1) + lane
-    return control_frame(1, body)
 
 
 def tiny_dataset(tmp_path, name="tiny", shards=4, size=64 * 1024, seed=1):
@@ -270,29 +247,6 @@ def test_source_drops_idle_sessions(sw, tmp_path):
              diag=lambda: src.stderr_text()[-2000:])
     for s in (ctl, conn, data):
         s.close()
-
-
-def handshake_to_data_conn(addr, data: socket.socket) -> tuple[socket.socket, socket.socket, bytes]:
-    """A loopback node's control connection through Welcome, the source's data connection
-    (accepted on `data`) after its DataConn announcement, and the Welcome's body."""
-    ctl = socket.create_connection(addr, timeout=10)
-    ctl.sendall(hello(data.getsockname()))
-    kind, _ = read_control_frame(ctl)
-    assert kind == 2, kind  # Challenge
-    ctl.sendall(control_frame(3, b"\x00" * 32))  # Auth (no secret: zeros)
-    kind, welcome = read_control_frame(ctl)
-    assert kind == 4, kind  # Welcome
-    conn, _ = data.accept()  # the source dials the data port
-    kind, _ = read_control_frame(ctl)
-    assert kind == 7, kind  # DataConn
-    return ctl, conn, welcome
-
-
-def next_non_ping(ctl: socket.socket) -> tuple[int, bytes]:
-    while True:
-        kind, body = read_control_frame(ctl)
-        if kind != 12:
-            return kind, body
 
 
 def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_path):

@@ -6,7 +6,8 @@ checked byte for byte against the local files the dataset was uploaded from.
 What is asserted here: planned ranged GETs pinned to the ETag (`If-Match`), parallel parts for
 shards larger than the request size, read-ahead by the node's hints, a disk cache that serves
 a second epoch without a GET and survives a restart, eviction by the plan on a cache smaller
-than the dataset, and the failures (throttling absorbed, a reset or stalled body read again,
+than the dataset, memory bounds (read-ahead the cache does not admit, and the reads a node's
+queued FETCHes start, each within the dataset's budget), and the failures (throttling absorbed, a reset or stalled body read again,
 a changed object and a flipped byte never delivered, bad credentials refused by name).
 """
 
@@ -15,10 +16,16 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import socket
+import struct
+import time
 from collections import Counter
 
+import crc32c
 import pytest
 
+import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
+import shardwire  # noqa: E402
 from conftest import (
     Source,
     assert_byte_exact,
@@ -26,10 +33,12 @@ from conftest import (
     expected_crcs,
     http_get,
     index_dataset,
+    load_manifest,
     wait_for,
     wait_ready,
     write_uint8_shards,
 )
+from faults import DATA_READY, SHARD, control_frame, fetch, handshake_to_data_conn, host_port, next_non_ping
 
 ADMIN = re.compile(r"source admin on http://(\S+)")
 
@@ -254,6 +263,76 @@ def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, 
     assert len(again) <= retried(src), [(e.path, e.range) for e in again]
     per_shard = Counter(e.path for e in data if e not in again)
     assert len(per_shard) == 40 and set(per_shard.values()) == {1}, per_shard
+
+
+def test_read_ahead_the_cache_does_not_admit_stays_within_the_memory_budget(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 40, 256 * 1024, seed=11)
+    url = upload(s3, s3_bucket, d)
+    # A cache of 4 shards: read-ahead past them is needed later than all it holds, so the
+    # cache refuses it and it stays in memory, which must then keep to the budget:
+    # 2 x max_inflight x request_size = 1 MiB (the source once held 7 MiB of them).
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", "--cache-dir", tmp_path / "cache", "--cache-size", "1MiB",
+                    "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
+    node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "2MiB")
+    wait_ready(node)
+    with shardwire.connect(node.socket).open_stream("ds") as s:
+        assert s.next(timeout=30) is not None
+        # The node's region is full and its hints name the other shards: the source reads
+        # ahead as far as its budget lets it, then waits.
+        peak, deadline = 0, time.monotonic() + 4
+        while time.monotonic() < deadline:
+            st = source_status(src)["datasets"][0]["object_store"]
+            peak = max(peak, st["prefetched_bytes"])
+            time.sleep(0.1)
+        assert 0 < peak <= 1 << 20, st
+    batches = sw.consume(node, "ds", shuffle="shards", seed=5)
+    assert_exactly_once(batches, 40)
+    assert_byte_exact(batches, expected_crcs(d))
+
+
+def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_ahead(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 24, 256 * 1024, seed=12)
+    url = upload(s3, s3_bucket, d)
+    # Budget: 2 x max_inflight x request_size = 1 MiB, four of these shards.
+    src = sw.source({"ds": url}, "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2",
+                    env=s3_proxy.env())
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    s3_proxy.reset_log()
+    # A raw node queues a FETCH for every shard and reads nothing yet (no DataReady): the
+    # source once read all 24 into memory for it; now it reads 4 and the rest wait, queued.
+    for shard in range(24):
+        ctl.sendall(fetch(shard + 1, "ds", shard))
+
+    def read_shards():
+        return {e.path for e in gets(s3_proxy, s3_bucket)}
+
+    wait_for(lambda: len(read_shards()) >= 3, "the first reads", 10)
+    time.sleep(2)
+    assert len(read_shards()) <= 4, sorted(read_shards())
+    # Once payloads go out, the waiting reads start: every shard arrives, byte exact.
+    ctl.sendall(control_frame(DATA_READY, struct.pack(">H", 0)))
+    want, got = [sh["crc32c"] for sh in load_manifest(d)["shards"]], {}
+    conn.settimeout(30)
+    ctl.settimeout(30)
+    while len(got) < 24:
+        kind, body = next_non_ping(ctl)
+        assert kind == SHARD, (kind, body[:200])
+        req, shard, length, crc = struct.unpack(">QIQI", body[:24])
+        payload = bytearray()
+        while len(payload) < length:
+            chunk = conn.recv(length - len(payload))
+            assert chunk, "data connection closed early"
+            payload += chunk
+        assert crc32c.crc32c(bytes(payload)) == crc == want[shard] and req == shard + 1
+        got[shard] = crc
+    assert sorted(got) == list(range(24))
+    for sock in (ctl, conn, data):
+        sock.close()
 
 
 def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):

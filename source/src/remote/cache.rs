@@ -7,8 +7,9 @@
 //!
 //! Entries are named by what they hold (shard, and a hash of its object key, ETag, range and
 //! CRC), so after a restart an entry is kept only if the manifest still names the same bytes
-//! and its size matches; the rest are deleted and named in the log. A kept entry is checked
-//! against its CRC the first time it is served again.
+//! and its size matches; the rest are deleted and named in the log, and so are kept entries
+//! beyond a `cache_size` lowered since. A kept entry is checked against its CRC the first
+//! time it is served again.
 //!
 //! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room,
 //! the caller writes [`Reservation::temp`], then [`DiskCache::commit`] (or `abort`).
@@ -98,6 +99,9 @@ pub struct Loaded {
     pub kept_bytes: u64,
     /// Files deleted (names the manifest no longer has, wrong sizes, partial writes).
     pub removed: Vec<String>,
+    /// Entries the manifest still names, deleted because they no longer fit `cache_size`
+    /// (lowered since they were written).
+    pub over_size: Vec<String>,
 }
 
 /// Room made for one shard; write [`Self::temp`], then commit or abort.
@@ -184,8 +188,26 @@ impl DiskCache {
                 }
             }
         }
+        cache.shrink_to_capacity(&mut loaded).map_err(io)?;
         cache.check_room()?;
         Ok((cache, loaded))
+    }
+
+    /// Deletes kept entries, highest shard first (no hint says yet what is needed soonest),
+    /// until they fit the capacity: a restart with a lower `cache_size` honours it.
+    fn shrink_to_capacity(&mut self, loaded: &mut Loaded) -> std::io::Result<()> {
+        let mut shards: Vec<u32> = self.entries.keys().copied().collect();
+        shards.sort_unstable();
+        while self.used > self.capacity {
+            let Some(s) = shards.pop() else { break };
+            let e = self.entries.remove(&s).expect("listed");
+            std::fs::remove_file(self.dir.join(&e.name))?;
+            self.used -= e.len;
+            loaded.kept -= 1;
+            loaded.kept_bytes -= e.len;
+            loaded.over_size.push(e.name);
+        }
+        Ok(())
     }
 
     /// Refuses a capacity the file system cannot hold.
@@ -206,15 +228,24 @@ impl DiskCache {
         Ok(())
     }
 
-    /// The cached entry of `shard`, opened.
-    pub fn get(&self, shard: u32) -> Option<Hit> {
+    /// The cached entry of `shard`, opened. An entry whose file cannot be opened (deleted
+    /// behind the source's back) leaves the index, named in the log, so the shard is read
+    /// and cached again instead of passing through uncached for good.
+    pub fn get(&mut self, shard: u32) -> Option<Hit> {
         let e = self.entries.get(&shard)?;
-        let file = File::open(self.dir.join(&e.name)).ok()?;
-        Some(Hit {
-            file,
-            len: e.len,
-            verified: e.verified,
-        })
+        match File::open(self.dir.join(&e.name)) {
+            Ok(file) => Some(Hit {
+                file,
+                len: e.len,
+                verified: e.verified,
+            }),
+            Err(err) => {
+                tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
+                    "a cache entry's file cannot be opened; dropped from the cache, the shard is read again");
+                self.remove(shard);
+                None
+            }
+        }
     }
 
     /// Whether `shard` is cached or being written.
@@ -229,8 +260,16 @@ impl DiskCache {
         }
     }
 
-    /// Deletes `shard`'s entry (it failed its check).
-    pub fn remove(&mut self, shard: u32) {
+    /// Deletes `shard`'s entry if it is still one not checked since a restart (it failed
+    /// its check; an entry written since, verified, stays).
+    pub fn remove_unverified(&mut self, shard: u32) {
+        if self.entries.get(&shard).is_some_and(|e| !e.verified) {
+            self.remove(shard);
+        }
+    }
+
+    /// Deletes `shard`'s entry.
+    fn remove(&mut self, shard: u32) {
         if let Some(e) = self.entries.remove(&shard) {
             self.used -= e.len;
             let _ = std::fs::remove_file(self.dir.join(&e.name));

@@ -113,6 +113,12 @@ impl RemoteDataset {
         &self.store
     }
 
+    /// Bytes of shards read ahead it may hold in memory; also what one node session's
+    /// FETCHes may have read, or be reading, and not yet sent (`session.rs`).
+    pub(crate) fn memory_budget(&self) -> u64 {
+        self.budget
+    }
+
     /// Replaces stream `(session, stream)`'s hint; wakes the prefetch task.
     pub fn hint(&self, session: u64, stream: u64, shards: Vec<u32>) {
         let n = self.shards.len() as u32;
@@ -169,16 +175,27 @@ impl RemoteDataset {
                 // evicted: read it again.
                 tracing::debug!(dataset = %self.name, shard, "the shard went before this FETCH took it");
             }
-            let rx = self.loading(shard);
             waited = true;
-            match rx {
-                Some(rx) => wait(rx).await?,
-                None => {
-                    let reading = self.begin(vec![shard], false);
-                    self.load(reading).await?
-                }
+            match self.claim(shard) {
+                Claim::Wait(rx) => wait(rx).await?,
+                Claim::Read(reading) => self.load(reading).await?,
+                Claim::Again => {}
             }
         }
+    }
+
+    /// Under one lock: whether `shard` is being read (wait for it), landed in memory since
+    /// this FETCH looked (take it), or is to be read by this FETCH (registered here, so
+    /// neither the prefetch task nor another FETCH starts a second read of it).
+    fn claim(&self, shard: u32) -> Claim {
+        let mut st = self.state();
+        if let Some(rx) = st.loading.get(&shard) {
+            return Claim::Wait(rx.clone());
+        }
+        if st.ready.contains_key(&shard) {
+            return Claim::Again;
+        }
+        Claim::Read(self.begin(&mut st, vec![shard], false))
     }
 
     /// A prefetched shard, taken out of memory.
@@ -189,11 +206,6 @@ impl RemoteDataset {
         drop(st);
         self.wake.notify_one();
         Some(parts)
-    }
-
-    /// Where shard `shard` is being read, if it is.
-    fn loading(&self, shard: u32) -> Option<watch::Receiver<Outcome>> {
-        self.state().loading.get(&shard).cloned()
     }
 
     /// The cached entry of `shard` as a payload; an entry kept over a restart is checked
@@ -210,7 +222,7 @@ impl RemoteDataset {
             let mut c = cache.lock().expect("poisoned");
             if !ok {
                 tracing::warn!(dataset = %self.name, shard, "a cache entry kept over a restart failed its CRC check; deleted, reading the shard again");
-                c.remove(shard);
+                c.remove_unverified(shard);
                 return None;
             }
             c.verified(shard);
@@ -221,16 +233,17 @@ impl RemoteDataset {
         })
     }
 
-    /// Registers a read of `shards` (so nobody starts another), before it runs.
-    fn begin(&self, shards: Vec<u32>, prefetch: bool) -> Reading {
+    /// Registers a read of `shards` (none of them being read: the caller checked under the
+    /// same lock, `st`), so nobody starts another, before it runs.
+    fn begin(&self, st: &mut State, shards: Vec<u32>, prefetch: bool) -> Reading {
         let wants: Vec<Want> = shards
             .iter()
             .map(|&s| self.shards[s as usize].clone())
             .collect();
         let bytes: u64 = wants.iter().map(|w| w.range.end - w.range.start).sum();
         let mut senders = Vec::with_capacity(shards.len());
-        let mut st = self.state();
         for &s in &shards {
+            debug_assert!(!st.loading.contains_key(&s), "shard {s} registered twice");
             let (tx, rx) = watch::channel(None);
             st.loading.insert(s, rx);
             senders.push(tx);
@@ -256,9 +269,14 @@ impl RemoteDataset {
             bytes,
             prefetch,
         } = r;
+        let mut registered = Registered {
+            dataset: self,
+            pending: wants.iter().map(|w| w.shard).zip(senders).collect(),
+            prefetching: if prefetch { bytes } else { 0 },
+        };
         let reads = read_shards(&self.store, &self.objects, &wants).await;
         let mut first = None;
-        for ((shard, got), tx) in reads.into_iter().zip(senders) {
+        for (shard, got) in reads {
             let outcome = match got {
                 Ok(parts) => {
                     metrics::counter!("shardwire_source_store_shard_bytes_total")
@@ -271,14 +289,10 @@ impl RemoteDataset {
                     Err(f)
                 }
             };
-            self.state().loading.remove(&shard);
             first.get_or_insert_with(|| outcome.clone());
-            let _ = tx.send(Some(outcome));
+            registered.settle(shard, outcome);
         }
-        if prefetch {
-            self.state().prefetching -= bytes;
-        }
-        self.wake.notify_one();
+        drop(registered);
         first.expect("at least one shard")
     }
 
@@ -320,7 +334,10 @@ impl RemoteDataset {
         }
         let mut st = self.state();
         st.ready_bytes += len;
-        st.ready.insert(shard, parts);
+        if let Some(old) = st.ready.insert(shard, parts) {
+            // Not expected (one read per shard at a time), but the count stays true.
+            st.ready_bytes -= old.iter().map(|p| p.len() as u64).sum::<u64>();
+        }
     }
 
     /// Status for the source's admin endpoint.
@@ -349,8 +366,53 @@ impl RemoteDataset {
 async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
     match rx.wait_for(Option::is_some).await {
         Ok(v) => v.clone().expect("is some"),
-        // The reader went away without an outcome (cancelled at shutdown): read again.
+        // The reader went away without an outcome (its task dropped or panicked; its
+        // `Registered` took the shard out of `loading`): read again.
         Err(_) => Ok(()),
+    }
+}
+
+/// What [`RemoteDataset::claim`] found.
+enum Claim {
+    /// Another read of the shard is under way.
+    Wait(watch::Receiver<Outcome>),
+    /// This FETCH reads it (registered).
+    Read(Reading),
+    /// It is in memory now: take it.
+    Again,
+}
+
+/// A load's shards still registered in `loading`, with where their outcomes go (and its
+/// prefetch bytes): whatever way the load ends, even dropped or panicking half way, they are
+/// taken out of `loading` before their waiters learn the read is gone (the senders drop after
+/// [`Drop::drop`]), so a waiter reads the shard again instead of waiting on a read nobody
+/// finishes.
+struct Registered<'a> {
+    dataset: &'a RemoteDataset,
+    pending: Vec<(u32, watch::Sender<Outcome>)>,
+    prefetching: u64,
+}
+
+impl Registered<'_> {
+    /// `shard`'s outcome (placed or failed): it is no longer being read; its waiters get it.
+    fn settle(&mut self, shard: u32, outcome: Result<(), Failure>) {
+        self.dataset.state().loading.remove(&shard);
+        if let Some(at) = self.pending.iter().position(|(s, _)| *s == shard) {
+            let (_, tx) = self.pending.swap_remove(at);
+            let _ = tx.send(Some(outcome));
+        }
+    }
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
+        for (s, _) in &self.pending {
+            st.loading.remove(s);
+        }
+        st.prefetching -= self.prefetching;
+        drop(st);
+        self.dataset.wake.notify_one();
     }
 }
 

@@ -132,6 +132,10 @@ pub(super) async fn open(
 /// Attempts at each start-up read while the store throttles or is unavailable.
 const START_ATTEMPTS: u32 = 6;
 
+/// Longest pause between them, whatever `Retry-After` says: a start-up read gives up within
+/// about 5 minutes (the store's own retries aside), not after hours of a server's say-so.
+const MAX_START_PAUSE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Runs a start-up read again (after 0.5 s, doubling, or the store's `Retry-After`) while the
 /// store throttles or is unavailable, [`START_ATTEMPTS`] times at most: a source that starts
 /// during a burst of 503s waits it out instead of exiting.
@@ -150,7 +154,11 @@ where
                         StoreErrorKind::Throttled | StoreErrorKind::Unavailable
                     ) =>
             {
-                let pause = e.retry_after().unwrap_or(wait).max(wait);
+                let pause = e
+                    .retry_after()
+                    .unwrap_or(wait)
+                    .max(wait)
+                    .min(MAX_START_PAUSE);
                 tracing::warn!(error = %e, attempt, ?pause, "object store not ready at start; trying again");
                 tokio::time::sleep(pause).await;
                 wait *= 2;
@@ -290,9 +298,13 @@ fn open_cache(
     let (cache, loaded) =
         DiskCache::open(&root.join(name), opts.cache_size, expect).map_err(cache_err)?;
     tracing::info!(dataset = %name, dir = %root.join(name).display(), kept = loaded.kept,
-        kept_bytes = loaded.kept_bytes, removed = loaded.removed.len(), "disk cache opened");
+        kept_bytes = loaded.kept_bytes, removed = loaded.removed.len() + loaded.over_size.len(), "disk cache opened");
     for f in &loaded.removed {
         tracing::info!(dataset = %name, file = %f, "removed a cache entry the manifest no longer names");
+    }
+    for f in &loaded.over_size {
+        tracing::info!(dataset = %name, file = %f, cache_size = opts.cache_size,
+            "removed a cache entry beyond cache_size (lowered since it was written)");
     }
     Ok(Some(cache))
 }

@@ -1,14 +1,15 @@
 //! The prefetch task of a [`RemoteDataset`]: reads the shards the nodes' hints name, soonest
 //! first, before their FETCHes come; consecutive ones in hint order go in one group, so
 //! adjacent small shards of one object merge into one GET. It stops at the in-flight cap
-//! (the window's ceiling times the request size) and, for shards held in memory, at the
-//! memory budget; shards held in memory that no hint names any more are dropped when memory
-//! runs short (counted as wasted).
+//! (the window's ceiling times the request size) and at the memory budget for shards held
+//! in memory (with a cache too: a shard it does not admit stays in memory); shards held in
+//! memory that no hint names any more are dropped when memory runs short (counted as
+//! wasted).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{RemoteDataset, State};
+use super::{Reading, RemoteDataset, State};
 
 impl RemoteDataset {
     /// The prefetch task: reads hinted shards ahead, soonest first, while the memory budget
@@ -16,16 +17,13 @@ impl RemoteDataset {
     pub async fn prefetch(self: Arc<Self>) {
         let cap = self.store.options().request_size * self.store.options().max_inflight as u64;
         loop {
-            let group = self.next_group(cap);
-            if group.is_empty() {
+            let Some(reading) = self.next_group(cap) else {
                 tokio::select! {
                     _ = self.wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
                 continue;
-            }
-            // Registered before the task runs, so the next group does not take these again.
-            let reading = self.begin(group, true);
+            };
             let me = Arc::clone(&self);
             tokio::spawn(async move {
                 let _ = me.load(reading).await;
@@ -33,10 +31,11 @@ impl RemoteDataset {
         }
     }
 
-    /// The next shards to prefetch (consecutive in hint order, so adjacent ones merge), or
-    /// none when the budget, the cap or the hints say so. Shards in memory that no hint names
-    /// any more are dropped first (counted as wasted).
-    fn next_group(&self, cap: u64) -> Vec<u32> {
+    /// The next shards to prefetch (consecutive in hint order, so adjacent ones merge),
+    /// registered as being read under the lock they were chosen under (so no FETCH starts a
+    /// read of them meanwhile), or none when the budget, the cap or the hints say so. Shards
+    /// in memory that no hint names any more are dropped first (counted as wasted).
+    fn next_group(&self, cap: u64) -> Option<Reading> {
         let mut st = self.state();
         self.drop_unhinted(&mut st);
         let held = |s: u32| {
@@ -56,15 +55,17 @@ impl RemoteDataset {
             let w = &self.shards[s as usize];
             let len = w.range.end - w.range.start;
             let in_memory = st.ready_bytes + st.prefetching + bytes + len;
-            let room = st.prefetching + bytes + len <= cap.max(len)
-                && (self.cache.is_some() || in_memory <= self.budget.max(len));
+            // The memory budget holds with a cache too: a shard the cache does not admit
+            // (needed later than what it holds, or a failed write) stays in memory.
+            let room =
+                st.prefetching + bytes + len <= cap.max(len) && in_memory <= self.budget.max(len);
             if !room || bytes + len > self.store.options().request_size.max(len) {
                 break;
             }
             group.push(s);
             bytes += len;
         }
-        group
+        (!group.is_empty()).then(|| self.begin(&mut st, group, true))
     }
 
     /// Drops shards held in memory that no hint names (their stream went away).

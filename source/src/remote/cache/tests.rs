@@ -126,7 +126,7 @@ fn a_restart_keeps_entries_the_manifest_still_names() {
         )),
         s => Some((name(s), 100)),
     };
-    let (c, loaded) = DiskCache::open(dir.path(), 1000, expect).unwrap();
+    let (mut c, loaded) = DiskCache::open(dir.path(), 1000, expect).unwrap();
     assert_eq!(loaded.kept, 1);
     assert_eq!(loaded.kept_bytes, 100);
     assert_eq!(loaded.removed.len(), 3, "{:?}", loaded.removed);
@@ -134,6 +134,54 @@ fn a_restart_keeps_entries_the_manifest_still_names() {
     assert!(!hit.verified, "a kept entry is checked on its first serve");
     assert!(c.get(1).is_none() && c.get(2).is_none());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn a_restart_with_a_lower_cache_size_deletes_down_to_it() {
+    let dir = tempdir();
+    {
+        let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+        for s in 0..5 {
+            put(&mut c, s, &HashMap::new()).unwrap();
+        }
+    }
+    let (mut c, loaded) = DiskCache::open(dir.path(), 250, |s| Some((name(s), 100))).unwrap();
+    assert_eq!((loaded.kept, loaded.kept_bytes, c.used()), (2, 200, 200));
+    assert_eq!(loaded.over_size, vec![name(4), name(3), name(2)]);
+    assert!(loaded.removed.is_empty(), "{:?}", loaded.removed);
+    assert!(c.get(0).is_some() && c.get(1).is_some() && c.get(2).is_none());
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+}
+
+#[test]
+fn an_entry_whose_file_went_leaves_the_index_and_its_room() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+    put(&mut c, 3, &HashMap::new()).unwrap();
+    std::fs::remove_file(dir.path().join(name(3))).unwrap();
+    assert!(c.get(3).is_none());
+    assert!(!c.holds(3), "the shard can be cached again");
+    assert_eq!((c.used(), c.len()), (0, 0));
+    put(&mut c, 3, &HashMap::new()).expect("admitted again");
+    assert!(c.get(3).is_some());
+}
+
+#[test]
+fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
+    let dir = tempdir();
+    {
+        let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+        put(&mut c, 0, &HashMap::new()).unwrap();
+    }
+    let (mut c, _) = DiskCache::open(dir.path(), 1000, |s| Some((name(s), 100))).unwrap();
+    put(&mut c, 1, &HashMap::new()).unwrap();
+    c.remove_unverified(1);
+    assert!(
+        c.get(1).is_some(),
+        "written since the restart: verified, kept"
+    );
+    c.remove_unverified(0);
+    assert!(c.get(0).is_none() && !dir.path().join(name(0)).exists());
 }
 
 #[test]
