@@ -11,8 +11,10 @@
 //! beyond a `cache_size` lowered since. A kept entry is checked against its CRC the first
 //! time it is served again.
 //!
-//! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room,
-//! the caller writes [`Reservation::temp`], then [`DiskCache::commit`] (or `abort`).
+//! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room
+//! (evicted files renamed aside), the caller deletes those and writes [`Reservation::temp`]
+//! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`). Names that
+//! start with `.` (partial writes, evicted files) are deleted at the next start.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -117,6 +119,24 @@ pub struct Reservation {
     pub temp: PathBuf,
     /// Entries evicted to make room (already out of the index).
     pub evicted: Vec<u32>,
+    /// Their files, renamed out of the way under the lock: delete them with
+    /// [`Reservation::discard_evicted`] outside it (unlinking a large file can take a while).
+    pub doomed: Vec<PathBuf>,
+}
+
+impl Reservation {
+    /// Deletes the evicted entries' files (call it outside the cache's lock); a file already
+    /// gone is no error, any other failure is logged (a restart deletes what is left).
+    pub fn discard_evicted(doomed: &[PathBuf]) {
+        for p in doomed {
+            match std::fs::remove_file(p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(file = %p.display(), error = %e,
+                    "an evicted cache entry could not be deleted; the next start deletes it"),
+            }
+        }
+    }
 }
 
 /// A served entry: its open file and whether it was checked since it was loaded.
@@ -323,10 +343,8 @@ impl DiskCache {
             if freed < need {
                 return None;
             }
-            for s in &evicted {
-                self.remove(*s);
-            }
         }
+        let doomed = evicted.iter().filter_map(|&s| self.evict(s)).collect();
         self.used += len;
         self.reserved.insert(shard, len);
         Some(Reservation {
@@ -335,7 +353,19 @@ impl DiskCache {
             name,
             len,
             evicted,
+            doomed,
         })
+    }
+
+    /// Takes `shard`'s entry out of the index and renames its file out of the way (a rename
+    /// is quick; the unlink waits for [`Reservation::discard_evicted`]), so the name is free
+    /// for a new entry at once; returns the file's new path (`None` if it was already gone).
+    fn evict(&mut self, shard: u32) -> Option<PathBuf> {
+        let e = self.entries.remove(&shard)?;
+        self.used -= e.len;
+        let doomed = self.dir.join(format!(".{}.evicted", e.name));
+        std::fs::rename(self.dir.join(&e.name), &doomed).ok()?;
+        Some(doomed)
     }
 
     /// The reserved entry was written to its temp file: it becomes an entry (verified: its

@@ -21,7 +21,7 @@ use shardwire_protocol::Manifest;
 use shardwire_store::{Store, StoreUrl};
 use tokio::sync::{Notify, watch};
 
-use self::cache::DiskCache;
+use self::cache::{DiskCache, Reservation};
 use self::hints::Hints;
 pub use self::open::{OpenError, RemoteOptions};
 use self::read::{Failure, Object, Want, read_shards};
@@ -311,8 +311,12 @@ impl RemoteDataset {
             if let Some(r) = reserved {
                 metrics::counter!("shardwire_source_cache_evictions_total")
                     .increment(r.evicted.len() as u64);
-                let (temp, write) = (r.temp.clone(), parts.clone());
-                let wrote = tokio::task::spawn_blocking(move || write_parts(&temp, &write)).await;
+                let (temp, write, doomed) = (r.temp.clone(), parts.clone(), r.doomed.clone());
+                let wrote = tokio::task::spawn_blocking(move || {
+                    Reservation::discard_evicted(&doomed);
+                    write_parts(&temp, &write)
+                })
+                .await;
                 let mut c = cache.lock().expect("poisoned");
                 match wrote {
                     Ok(Ok(())) => match c.commit(r) {

@@ -38,6 +38,7 @@ fn name(shard: u32) -> String {
 /// Stores `shard` (100 bytes) if the cache admits it; returns the evicted shards.
 fn put(c: &mut DiskCache, shard: u32, uses: &HashMap<u32, usize>) -> Option<Vec<u32>> {
     let r = c.reserve(shard, name(shard), 100, |s| uses.get(&s).copied())?;
+    Reservation::discard_evicted(&r.doomed);
     std::fs::write(&r.temp, [shard as u8; 100]).unwrap();
     let evicted = r.evicted.clone();
     c.commit(r).unwrap();
@@ -182,6 +183,33 @@ fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
     );
     c.remove_unverified(0);
     assert!(c.get(0).is_none() && !dir.path().join(name(0)).exists());
+}
+
+#[test]
+fn an_evicted_file_is_renamed_aside_under_the_lock_and_deleted_after() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 200, |_| None).unwrap();
+    put(&mut c, 0, &HashMap::new()).unwrap();
+    put(&mut c, 1, &HashMap::new()).unwrap();
+    let uses = HashMap::from([(0, 5), (1, 9), (2, 1)]);
+    let r = c
+        .reserve(2, name(2), 100, |s| uses.get(&s).copied())
+        .unwrap();
+    assert_eq!(r.evicted, vec![1]);
+    assert!(
+        !dir.path().join(name(1)).exists(),
+        "its name is free at once"
+    );
+    assert_eq!(r.doomed.len(), 1);
+    assert!(r.doomed[0].exists(), "the unlink waits for discard_evicted");
+    Reservation::discard_evicted(&r.doomed);
+    assert!(!r.doomed[0].exists());
+    Reservation::discard_evicted(&r.doomed); // already gone: no error
+    std::fs::write(&r.temp, [2u8; 100]).unwrap();
+    c.commit(r).unwrap();
+    assert_eq!(c.used(), 200);
+    let (_, loaded) = DiskCache::open(dir.path(), 200, |s| Some((name(s), 100))).unwrap();
+    assert_eq!(loaded.kept, 2);
 }
 
 #[test]
