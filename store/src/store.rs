@@ -43,6 +43,8 @@ const PUT_PARTS_IN_FLIGHT: usize = 2;
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<Inner>,
+    /// Its requests go before other waiters for the bucket's window ([`Store::urgent`]).
+    urgent: bool,
 }
 
 #[derive(Debug)]
@@ -80,6 +82,7 @@ impl Store {
                 described,
                 window,
             }),
+            urgent: false,
         }
     }
 
@@ -113,8 +116,17 @@ impl Store {
         Ok((full, path))
     }
 
+    /// The same store, whose requests take the bucket's next free slot before those of other
+    /// handles waiting (a read someone waits for now, against reads ahead).
+    pub fn urgent(&self) -> Store {
+        Store {
+            inner: Arc::clone(&self.inner),
+            urgent: true,
+        }
+    }
+
     async fn begin(&self, op: &'static str) -> (Permit, Arc<Call>) {
-        let permit = self.inner.window.acquire().await;
+        let permit = self.inner.window.acquire(self.urgent).await;
         let call = Call::new(op, Arc::clone(&self.inner.window), permit.epoch());
         (permit, call)
     }

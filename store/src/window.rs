@@ -4,10 +4,11 @@
 //! requests already in flight when it was halved report their throttles without halving it
 //! again); a window's worth of successes (as many as the limit) raises it by one, up to the
 //! ceiling (`max_inflight`). [`Aimd`] is the pure rule; [`Window`] hands out [`Permit`]s
-//! under it. One window per bucket per process ([`for_bucket`]), so every dataset and store
+//! under it, urgent requests (reads a FETCH waits for) before the rest (reads ahead). One window per bucket per process ([`for_bucket`]), so every dataset and store
 //! handle on one bucket shares it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Notify;
@@ -105,12 +106,34 @@ impl Aimd {
     }
 }
 
-/// A bucket's window: [`Aimd`] behind a lock, with waiting for a slot.
+/// A bucket's window: [`Aimd`] behind a lock, with waiting for a slot. An urgent request (a
+/// read someone waits for now, not a read ahead) goes first: while one waits, the others
+/// leave free slots to it.
 #[derive(Debug)]
 pub(crate) struct Window {
     bucket: String,
     state: Mutex<Aimd>,
     freed: Notify,
+    /// Urgent requests waiting for a slot.
+    urgent_waiting: AtomicUsize,
+}
+
+/// An urgent request waiting for a slot (counted while it waits, however the wait ends; one
+/// that gives up wakes the others, which may have left a free slot to it).
+struct UrgentWait<'a>(&'a Window);
+
+impl<'a> UrgentWait<'a> {
+    fn new(w: &'a Window) -> Self {
+        w.urgent_waiting.fetch_add(1, Ordering::SeqCst);
+        Self(w)
+    }
+}
+
+impl Drop for UrgentWait<'_> {
+    fn drop(&mut self) {
+        self.0.urgent_waiting.fetch_sub(1, Ordering::SeqCst);
+        self.0.freed.notify_waiters();
+    }
 }
 
 impl Window {
@@ -119,6 +142,7 @@ impl Window {
             bucket: bucket.to_owned(),
             state: Mutex::new(Aimd::new(ceiling)),
             freed: Notify::new(),
+            urgent_waiting: AtomicUsize::new(0),
         };
         w.publish(&w.lock());
         w
@@ -136,15 +160,17 @@ impl Window {
         metrics::gauge!(m::INFLIGHT, "bucket" => b).set(st.in_flight as f64);
     }
 
-    /// Waits for a slot.
-    pub async fn acquire(self: &Arc<Self>) -> Permit {
+    /// Waits for a slot; an `urgent` request goes before the others waiting.
+    pub async fn acquire(self: &Arc<Self>, urgent: bool) -> Permit {
+        let _waiting = urgent.then(|| UrgentWait::new(self));
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
             {
                 let mut s = self.lock();
-                if let Some(epoch) = s.try_acquire() {
+                let yields = !urgent && self.urgent_waiting.load(Ordering::SeqCst) > 0;
+                if !yields && let Some(epoch) = s.try_acquire() {
                     self.publish(&s);
                     return Permit {
                         window: Arc::clone(self),
@@ -283,14 +309,59 @@ mod tests {
         assert_eq!(w.status().ceiling, 4);
     }
 
+    /// Spawns an acquire of `w` (urgent or not) and lets it reach its wait.
+    async fn waiter(w: &Arc<Window>, urgent: bool) -> tokio::task::JoinHandle<Permit> {
+        let w = Arc::clone(w);
+        let t = tokio::spawn(async move { w.acquire(urgent).await });
+        tokio::task::yield_now().await;
+        t
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_urgent_request_takes_the_next_slot_before_earlier_waiters() {
+        let w = Arc::new(Window::new("test://urgent", 1));
+        let held = w.acquire(false).await;
+        let ahead = waiter(&w, false).await;
+        let urgent = waiter(&w, true).await;
+        drop(held);
+        let permit = tokio::time::timeout(std::time::Duration::from_secs(5), urgent)
+            .await
+            .expect("the urgent request gets the freed slot")
+            .unwrap();
+        tokio::task::yield_now().await;
+        assert!(
+            !ahead.is_finished(),
+            "the read ahead waits for the urgent one"
+        );
+        drop(permit);
+        let _ = ahead.await.unwrap();
+        assert_eq!(w.status().in_flight, 0);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_urgent_request_that_gives_up_leaves_the_slot_to_the_others() {
+        let w = Arc::new(Window::new("test://urgent-gone", 1));
+        let held = w.acquire(false).await;
+        let ahead = waiter(&w, false).await;
+        let urgent = waiter(&w, true).await;
+        drop(held);
+        urgent.abort();
+        let permit = tokio::time::timeout(std::time::Duration::from_secs(5), ahead)
+            .await
+            .expect("the read ahead is not left waiting")
+            .unwrap();
+        drop(permit);
+        assert_eq!(w.urgent_waiting.load(Ordering::SeqCst), 0);
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn permits_wait_for_a_free_slot() {
         let w = Arc::new(Window::new("test://permits", 2));
-        let a = w.acquire().await;
-        let mut b = w.acquire().await;
+        let a = w.acquire(false).await;
+        let mut b = w.acquire(false).await;
         assert_eq!(w.status().in_flight, 2);
         let w2 = Arc::clone(&w);
-        let waiter = tokio::spawn(async move { w2.acquire().await.epoch() });
+        let waiter = tokio::spawn(async move { w2.acquire(false).await.epoch() });
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         b.succeeded();

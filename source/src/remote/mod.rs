@@ -274,7 +274,13 @@ impl RemoteDataset {
             pending: wants.iter().map(|w| w.shard).zip(senders).collect(),
             prefetching: if prefetch { bytes } else { 0 },
         };
-        let reads = read_shards(&self.store, &self.objects, &wants).await;
+        // A FETCH waits for this read now: its GETs go before the reads ahead.
+        let store = if prefetch {
+            self.store.clone()
+        } else {
+            self.store.urgent()
+        };
+        let reads = read_shards(&store, &self.objects, &wants).await;
         let mut first = None;
         for (shard, got) in reads {
             let outcome = match got {
