@@ -53,10 +53,11 @@ pub fn plan_requests(pieces: &[Piece], request_size: u64) -> Vec<Request> {
         if p.len > size {
             let count = p.len.div_ceil(size) as usize;
             out.extend((0..count).map(|k| {
-                let start = p.offset + k as u64 * size;
+                // Saturating like `end`: a piece at the very top of u64 cannot wrap around.
+                let start = p.offset.saturating_add(k as u64 * size);
                 Request {
                     object: p.object,
-                    range: start..(start + size).min(end),
+                    range: start..start.saturating_add(size).min(end),
                     pieces: i..i + 1,
                     part: Some((k, count)),
                 }

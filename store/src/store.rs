@@ -291,6 +291,17 @@ impl Store {
             };
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
             let res = self.inner.os.get_opts(&path, opts).await.map_err(os_err)?;
+            // A store that ignored `If-Match` still names the object it read: another one's
+            // bytes are refused, never passed on as the ones asked for.
+            if let (Some(asked), Some(sent)) = (etag, res.meta.e_tag.as_deref())
+                && asked != sent
+            {
+                return Err(StoreError::Changed {
+                    bucket: at.bucket.to_owned(),
+                    key: full.clone(),
+                    etag: asked.to_owned(),
+                });
+            }
             // What the store says it sends must be what was asked (a suffix: at most `n`).
             let sent = res.range.clone();
             let expect = match &want {

@@ -76,6 +76,17 @@ impl StoreUrl {
         };
         let scheme = Scheme::of(name)
             .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
+        let authority = rest.split('/').next().unwrap_or("");
+        if let Some((_, host)) = authority.rsplit_once('@') {
+            // Named without them: the URL goes into logs, errors and metric labels.
+            return Err(StoreError::Url {
+                url: format!("{name}://***@{host}{}", &rest[authority.len()..]),
+                reason: "credentials in the URL (`user:secret@`) are not accepted: they would \
+                         show in logs, errors and metrics; give them in the environment \
+                         (docs/CONFIGURATION.md, object storage)"
+                    .into(),
+            });
+        }
         if let Some(c) = rest
             .chars()
             .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
@@ -228,6 +239,23 @@ mod tests {
         assert!(err("s3://b/a/../c").contains("segment `..`"));
         assert!(err("s3://b/p?versionId=1").contains("'?' is not allowed"));
         assert!(err("file://rel/dir").contains("absolute path"));
+    }
+
+    #[test]
+    fn credentials_in_a_url_are_refused_without_being_repeated() {
+        for url in [
+            "https://user:tok3n@host/ds",
+            "s3://key:tok3n@bkt/p",
+            "http://tok3n@h:80",
+        ] {
+            let e = err(url);
+            assert!(e.contains("credentials in the URL"), "{e}");
+            assert!(e.contains("***@") && !e.contains("tok3n"), "{e}");
+        }
+        assert!(
+            StoreUrl::parse("s3://bkt/a@b").is_ok(),
+            "an @ in a key is no userinfo"
+        );
     }
 
     #[test]

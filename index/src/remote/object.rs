@@ -40,9 +40,11 @@ impl Object {
         self.store.read(&self.key, r, self.etag.as_deref())
     }
 
-    /// One suffix GET of the last `n` bytes.
+    /// The last `n` bytes of the listed length: one ranged GET, checked like any other (the
+    /// store sends exactly that range, or the read fails), so an object that changed size
+    /// cannot put a footer at the wrong offset.
     pub fn read_suffix(&self, n: u64) -> Result<Bytes, StoreError> {
-        self.store.read_suffix(&self.key, n, self.etag.as_deref())
+        self.read(self.len.saturating_sub(n)..self.len)
     }
 
     /// Reads `pieces` with planned GETs (adjacent small pieces merged, large ones split),

@@ -171,3 +171,103 @@ fn http_locations_are_read_only() {
     assert_eq!(e.kind(), StoreErrorKind::Config);
     assert!(e.to_string().contains("read-only"), "{e}");
 }
+
+/// `InMemory` as an S3-compatible server that ignores `If-Match` (some do): it reads whatever
+/// object is there now, and says so in the ETag it returns.
+#[derive(Debug)]
+struct IgnoresIfMatch(InMemory);
+
+impl std::fmt::Display for IgnoresIfMatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IgnoresIfMatch")
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for IgnoresIfMatch {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.0.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.0.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        let options = GetOptions {
+            if_match: None,
+            ..options
+        };
+        self.0.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures_util::stream::BoxStream<'static, object_store::Result<Path>>,
+    ) -> futures_util::stream::BoxStream<'static, object_store::Result<Path>> {
+        self.0.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&Path>,
+    ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+    {
+        self.0.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.0.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.0.copy_opts(from, to, options).await
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
+    let os = Arc::new(IgnoresIfMatch(InMemory::new()));
+    let url = StoreUrl::parse("s3://unit-ignores-if-match/pre").unwrap();
+    let s = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
+    os.put(&Path::from("pre/a.bin"), data(100).into())
+        .await
+        .unwrap();
+    let pinned = s.head("a.bin").await.unwrap().etag;
+    assert_eq!(
+        s.read("a.bin", 0..10, pinned.as_deref()).await.unwrap(),
+        data(100).slice(0..10)
+    );
+    // The object is replaced; the server serves the new one despite If-Match.
+    os.put(&Path::from("pre/a.bin"), Bytes::from(vec![9u8; 100]).into())
+        .await
+        .unwrap();
+    let e = s.read("a.bin", 0..10, pinned.as_deref()).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
+    let e = s
+        .read_suffix("a.bin", 10, pinned.as_deref())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
+}
