@@ -107,6 +107,22 @@ pub enum StoreError {
         /// Full key.
         key: String,
     },
+    /// A listing that ran past [`crate::store::MAX_LIST_OBJECTS`] objects or
+    /// [`crate::store::LIST_DEADLINE`].
+    #[error(
+        "bucket {bucket}, prefix {prefix:?}: the listing stopped after {objects} objects: {why}; \
+         point the dataset at a narrower prefix (one dataset per prefix)"
+    )]
+    ListTooLong {
+        /// Bucket.
+        bucket: String,
+        /// The prefix listed.
+        prefix: String,
+        /// Objects listed before it stopped.
+        objects: usize,
+        /// Which bound it hit.
+        why: String,
+    },
     /// 412 on `If-Match`.
     #[error(
         "bucket {bucket}, key {key}: dataset changed: the object's ETag is no longer {etag}; \
@@ -167,7 +183,7 @@ impl StoreError {
     pub fn kind(&self) -> StoreErrorKind {
         match self {
             Self::Url { .. } => StoreErrorKind::Url,
-            Self::Config { .. } => StoreErrorKind::Config,
+            Self::Config { .. } | Self::ListTooLong { .. } => StoreErrorKind::Config,
             Self::Throttled { .. } => StoreErrorKind::Throttled,
             Self::Unavailable { .. } => StoreErrorKind::Unavailable,
             Self::Credentials { .. } => StoreErrorKind::Credentials,

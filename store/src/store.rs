@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::path::Path as FsPath;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt, TryStreamExt};
@@ -33,6 +33,15 @@ pub struct ObjectMeta {
     /// ETag as the store reports it (S3: with its double quotes).
     pub etag: Option<String>,
 }
+
+/// Most objects one listing returns (about 1.5 GB of metadata): a prefix with more is not one
+/// dataset ([`StoreError::ListTooLong`]).
+pub const MAX_LIST_OBJECTS: usize = 10_000_000;
+/// Longest one listing may take (10 million objects at 1000 per page and 100 ms per page take
+/// about 17 minutes).
+pub const LIST_DEADLINE: Duration = Duration::from_secs(30 * 60);
+/// A listing logs its progress every this many objects.
+const LIST_PROGRESS: usize = 100_000;
 
 /// Smallest part of a multipart upload S3 accepts.
 const MIN_PART: u64 = 5 << 20;
@@ -140,16 +149,51 @@ impl Store {
         }
     }
 
-    /// Every object under the prefix, keys relative to it, in the store's order.
+    /// Every object under the prefix, keys relative to it, in the store's order; at most
+    /// [`MAX_LIST_OBJECTS`] of them, within [`LIST_DEADLINE`].
     pub async fn list(&self) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.list_within(MAX_LIST_OBJECTS, LIST_DEADLINE).await
+    }
+
+    async fn list_within(
+        &self,
+        max_objects: usize,
+        deadline: Duration,
+    ) -> Result<Vec<ObjectMeta>, StoreError> {
         let prefix = self.inner.url.prefix();
         let (_, path) = self.path("")?;
         let (mut permit, call) = self.begin("list").await;
         let t0 = Instant::now();
         let base = (!prefix.is_empty()).then_some(&path);
-        let listed: Result<Vec<_>, _> = call.run(self.inner.os.list(base).try_collect()).await;
-        let listed =
-            listed.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?;
+        let mut listed = Vec::new();
+        let pages = async {
+            let mut objects = self.inner.os.list(base);
+            while let Some(o) = objects.try_next().await? {
+                if listed.len() == max_objects {
+                    return Ok(Some(format!("more than {max_objects} objects")));
+                }
+                listed.push(o);
+                if listed.len() % LIST_PROGRESS == 0 {
+                    tracing::info!(bucket = %self.inner.url.bucket(), prefix, objects = listed.len(), "listing");
+                }
+            }
+            Ok(None)
+        };
+        let ended = call.run(tokio::time::timeout(deadline, pages)).await;
+        let stopped = match ended {
+            Err(_) => Some(format!("it took longer than {deadline:?}")),
+            Ok(r) => {
+                r.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?
+            }
+        };
+        if let Some(why) = stopped {
+            return Err(StoreError::ListTooLong {
+                bucket: self.inner.url.bucket().to_owned(),
+                prefix: prefix.to_owned(),
+                objects: listed.len(),
+                why,
+            });
+        }
         metrics::histogram!(m::REQUEST_SECONDS, "op" => "list").record(t0.elapsed().as_secs_f64());
         permit.succeeded();
         let strip = if prefix.is_empty() {

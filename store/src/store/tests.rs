@@ -271,3 +271,22 @@ async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
         .unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_listing_past_its_object_bound_stops_and_says_so() {
+    let (s, mem) = store("unit-list-bound");
+    for i in 0..5 {
+        mem.put(&Path::from(format!("pre/{i}.bin")), data(1).into())
+            .await
+            .unwrap();
+    }
+    let day = std::time::Duration::from_secs(86_400);
+    assert_eq!(s.list_within(5, day).await.unwrap().len(), 5);
+    let e = s.list_within(3, day).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Config);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("after 3 objects: more than 3 objects") && msg.contains("narrower prefix"),
+        "{msg}"
+    );
+}
