@@ -45,6 +45,14 @@ const LIST_PROGRESS: usize = 100_000;
 
 /// Smallest part of a multipart upload S3 accepts.
 const MIN_PART: u64 = 5 << 20;
+/// Most parts of one multipart upload S3 accepts.
+const MAX_PARTS: u64 = 10_000;
+
+/// The part size of a multipart upload of `size` bytes: the request size, at least S3's
+/// smallest part, and larger where [`MAX_PARTS`] parts would not hold the file.
+fn part_size(request_size: u64, size: u64) -> u64 {
+    request_size.max(MIN_PART).max(size.div_ceil(MAX_PARTS))
+}
 /// Parts of one `put_file` in flight at once.
 const PUT_PARTS_IN_FLIGHT: usize = 2;
 
@@ -408,7 +416,7 @@ impl Store {
             source,
         };
         let size = std::fs::metadata(src).map_err(sink_err)?.len();
-        let part = self.inner.opts.request_size.max(MIN_PART);
+        let part = part_size(self.inner.opts.request_size, size);
         if size <= part {
             let body = tokio::fs::read(src).await.map_err(sink_err)?;
             self.put(key, Bytes::from(body)).await?;
@@ -419,21 +427,32 @@ impl Store {
         let upload = async {
             use tokio::io::AsyncReadExt;
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
+            let mut f = tokio::fs::File::open(src).await.map_err(sink_err)?;
             let up = self.inner.os.put_multipart(&path).await.map_err(os_err)?;
             let mut w = WriteMultipart::new_with_chunk_size(up, part as usize);
-            let mut f = tokio::fs::File::open(src).await.map_err(sink_err)?;
             let mut buf = vec![0u8; part as usize];
-            loop {
-                let n = f.read(&mut buf).await.map_err(sink_err)?;
-                if n == 0 {
-                    break;
+            let parts = async {
+                loop {
+                    let n = f.read(&mut buf).await.map_err(sink_err)?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    w.wait_for_capacity(PUT_PARTS_IN_FLIGHT)
+                        .await
+                        .map_err(os_err)?;
+                    w.write(&buf[..n]);
                 }
-                w.wait_for_capacity(PUT_PARTS_IN_FLIGHT)
-                    .await
-                    .map_err(os_err)?;
-                w.write(&buf[..n]);
+            };
+            match parts.await {
+                Ok(()) => w.finish().await.map_err(os_err),
+                Err(e) => {
+                    // The store keeps (and bills) the parts of an upload never completed.
+                    if let Err(a) = w.abort().await {
+                        tracing::warn!(key = %full, error = %a, "aborting a failed multipart upload failed; the bucket keeps its parts until a lifecycle rule removes them");
+                    }
+                    Err(e)
+                }
             }
-            w.finish().await.map_err(os_err)
         };
         call.run(upload).await?;
         permit.succeeded();

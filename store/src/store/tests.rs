@@ -290,3 +290,20 @@ async fn a_listing_past_its_object_bound_stops_and_says_so() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_file_of_any_size_fits_the_part_count() {
+    assert_eq!(part_size(8 << 20, 1 << 30), 8 << 20);
+    assert_eq!(
+        part_size(64 << 10, 1 << 30),
+        MIN_PART,
+        "at least S3's smallest part"
+    );
+    for size in [78u64 << 30, 100 << 30, 5 << 40] {
+        let part = part_size(8 << 20, size);
+        assert!(
+            size.div_ceil(part) <= MAX_PARTS,
+            "{size} bytes in parts of {part}"
+        );
+    }
+}
