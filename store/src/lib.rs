@@ -18,6 +18,7 @@
 
 mod backend;
 mod blocking;
+mod capped;
 mod error;
 pub mod metrics;
 mod options;

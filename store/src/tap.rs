@@ -17,6 +17,7 @@ use object_store::client::{
     HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
 };
 
+use crate::capped::Capped;
 use crate::error::Attempt;
 use crate::metrics as m;
 use crate::window::Window;
@@ -91,7 +92,8 @@ impl HttpService for Tap {
         let call = CALL.try_with(Arc::clone).ok();
         let op = call.as_ref().map_or("other", |c| c.op);
         let t0 = Instant::now();
-        let res = self.inner.execute(req).await;
+        // The body's size hint capped: object_store sizes some buffers by it.
+        let res = self.inner.execute(req).await.map(|r| r.map(Capped::wrap));
         if let Some(c) = &call
             && c.attempts.fetch_add(1, Ordering::Relaxed) > 0
         {
