@@ -262,18 +262,59 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
     }
 }
 
-/// The error's message, at most 600 characters (S3 error bodies can be long).
+/// The error's message, an S3 XML error body in it cut to its code and message (a
+/// `SignatureDoesNotMatch` body also carries the access key id, the string to sign and the
+/// canonical request, none of which belongs in logs), at most 600 characters.
 fn short(e: &object_store::Error) -> String {
-    let s = e.to_string();
+    let s = s3_error_summary(&e.to_string());
     match s.char_indices().nth(600) {
         Some((i, _)) => format!("{}...", &s[..i]),
         None => s,
     }
 }
 
+/// `s` with an S3 `<Error>...</Error>` body in it replaced by `S3 error CODE: MESSAGE`.
+fn s3_error_summary(s: &str) -> String {
+    let (Some(start), Some(end)) = (s.find("<Error>"), s.find("</Error>")) else {
+        return s.to_owned();
+    };
+    if end < start {
+        return s.to_owned();
+    }
+    let body = &s[start..end];
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let from = body.find(&open)? + open.len();
+        let to = body[from..].find(&format!("</{name}>"))? + from;
+        Some(body[from..to].to_owned())
+    };
+    let code = tag("Code").unwrap_or_else(|| "?".into());
+    let message = tag("Message").unwrap_or_default();
+    let rest = &s[end + "</Error>".len()..];
+    let head = &s[..start];
+    let head = head.rfind("<?xml").map_or(head, |i| &head[..i]);
+    format!("{head}S3 error {code}: {message}{rest}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_s3_error_body_is_cut_to_its_code_and_message() {
+        let body = "Server returned non-2xx status code: 403 Forbidden: <?xml version=\"1.0\"?>\
+                    <Error><Code>SignatureDoesNotMatch</Code><Message>The request signature we \
+                    calculated does not match</Message><AWSAccessKeyId>AKIAEXAMPLEKEY</AWSAccessKeyId>\
+                    <StringToSign>AWS4-HMAC-SHA256 secretish</StringToSign></Error> (retried)";
+        let got = s3_error_summary(body);
+        assert_eq!(
+            got,
+            "Server returned non-2xx status code: 403 Forbidden: S3 error SignatureDoesNotMatch: \
+             The request signature we calculated does not match (retried)"
+        );
+        assert!(!got.contains("AKIA") && !got.contains("StringToSign"));
+        assert_eq!(s3_error_summary("connection reset"), "connection reset");
+    }
 
     fn at() -> At<'static> {
         At {
