@@ -74,8 +74,10 @@ impl RemoteChunks {
             offset: start,
             len: length as u64,
         };
-        // Checked against the listed size above; the parts are checked as they arrive.
-        let mut out = BytesMut::with_capacity(length);
+        // Checked against the listed size above; the parts are checked as they arrive, and
+        // the buffer grows with them past its first request's worth (the listed size is the
+        // store's claim, not bytes that came).
+        let mut out = BytesMut::with_capacity(length.min(self.obj.request_size() as usize));
         self.obj
             .read_planned(&[piece], |_, b| out.extend_from_slice(&b))
             .map_err(Self::err)?;
