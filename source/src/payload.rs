@@ -16,8 +16,9 @@ type Slot = Arc<Mutex<Option<Result<Body, Failure>>>>;
 pub(crate) enum Payload {
     /// Ready to send.
     Ready(Body),
-    /// Being read; the slot is filled when done.
-    Reading(Slot),
+    /// Being read; the slot is filled when done. Dropping it (the FETCH was cancelled, or
+    /// its session ended) stops the read.
+    Reading(Slot, ReadTask),
     /// To be read from this dataset once the session's bound on reads allows.
     Later(Arc<RemoteDataset>),
 }
@@ -38,7 +39,7 @@ impl Payload {
     pub fn read(d: Arc<RemoteDataset>, session: u64, shard: u32, progress: Arc<Notify>) -> Self {
         let slot: Slot = Arc::default();
         let out = Arc::clone(&slot);
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let started = std::time::Instant::now();
             let got = d.get(session, shard).await;
             let outcome = match got {
@@ -59,19 +60,19 @@ impl Payload {
             *out.lock().expect("poisoned") = Some(outcome);
             progress.notify_one();
         });
-        Payload::Reading(slot)
+        Payload::Reading(slot, ReadTask(task.abort_handle()))
     }
 
     /// Whether it can be sent, failed, or must wait.
     pub fn now(self) -> Now {
         match self {
             Payload::Ready(b) => Now::Send(b),
-            Payload::Reading(slot) => {
+            Payload::Reading(slot, task) => {
                 let taken = slot.lock().expect("poisoned").take();
                 match taken {
                     Some(Ok(b)) => Now::Send(b),
                     Some(Err(f)) => Now::Fail(f),
-                    None => Now::Wait(Payload::Reading(slot)),
+                    None => Now::Wait(Payload::Reading(slot, task)),
                 }
             }
             later @ Payload::Later(_) => Now::Wait(later),
@@ -82,8 +83,19 @@ impl Payload {
     pub fn settled(&self) -> bool {
         match self {
             Payload::Ready(_) => true,
-            Payload::Reading(slot) => slot.lock().expect("poisoned").is_some(),
+            Payload::Reading(slot, _) => slot.lock().expect("poisoned").is_some(),
             Payload::Later(_) => false,
         }
+    }
+}
+
+/// The task reading a queued FETCH's shard: aborted when the FETCH no longer needs it (a
+/// finished task is unaffected), so a node that cancels or leaves stops costing the store
+/// requests. A read other FETCHes wait on is then read again by one of them.
+pub(crate) struct ReadTask(tokio::task::AbortHandle);
+
+impl Drop for ReadTask {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

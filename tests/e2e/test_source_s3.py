@@ -335,6 +335,32 @@ def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_a
         sock.close()
 
 
+def test_reads_for_a_node_that_leaves_are_stopped(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 8, 256 * 1024, seed=13)
+    url = upload(s3, s3_bucket, d)
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", "--object-store-request-size", "256KiB",
+                    "--object-store-max-inflight", "2", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    # Every GET stalls after 10 KB (30 s; object_store's read timeout is 10 s, then it retries).
+    s3_proxy.stall(n=100, after=10_000, seconds=30, key="/ds/s")
+    for shard in range(8):
+        ctl.sendall(fetch(shard + 1, "ds", shard))
+
+    def reading():
+        return source_status(src)["datasets"][0]["object_store"]["reading_shards"]
+
+    wait_for(lambda: reading() > 0, "the reads to start", 10)
+    # The node leaves: its queued FETCHes' reads are stopped, not left to run their course.
+    for sock in (ctl, conn, data):
+        sock.close()
+    wait_for(lambda: reading() == 0, "the reads to stop", 5)
+    s3_proxy.clear()
+
+
 def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):
     import subprocess
 

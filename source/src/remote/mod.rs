@@ -287,7 +287,10 @@ impl RemoteDataset {
                 Ok(parts) => {
                     metrics::counter!("shardwire_source_store_shard_bytes_total")
                         .increment(parts.iter().map(|p| p.len() as u64).sum());
-                    self.place(shard, parts).await;
+                    // Placed by a task of its own: a load dropped half way (its FETCH was
+                    // cancelled) cannot cut a cache write short and leak its reservation.
+                    let me = Arc::clone(self);
+                    let _ = tokio::spawn(async move { me.place(shard, parts).await }).await;
                     Ok(())
                 }
                 Err(f) => {
