@@ -4,10 +4,12 @@
 //! and throttles, tells the bucket's window about a 503/429 at once (so the window reacts
 //! before object_store's retry budget is spent) and keeps the last status and `Retry-After`
 //! for [`crate::error::classify`]. The request it belongs to is found through a task-local
-//! [`Call`], set by [`Call::run`] around each store operation.
+//! [`Call`], set by [`Call::run`] around each store operation. A retry is the same request
+//! again (a listing's next page is not one), and requests to credential services (instance
+//! metadata, STS, OAuth token endpoints), which object_store sends through the same client,
+//! are not attributed to the store's call.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,7 +34,8 @@ pub(crate) struct Call {
     op: &'static str,
     window: Arc<Window>,
     epoch: u64,
-    attempts: AtomicUsize,
+    /// The last request sent for it (method and URI): the same again is a retry.
+    sent: Mutex<Option<String>>,
     last: Mutex<Option<Attempt>>,
 }
 
@@ -42,9 +45,17 @@ impl Call {
             op,
             window,
             epoch,
-            attempts: AtomicUsize::new(0),
+            sent: Mutex::new(None),
             last: Mutex::new(None),
         })
+    }
+
+    /// Notes a request about to be sent; true when it repeats the one sent before (a
+    /// retry), not when it is the call's next step (a listing's next page, an upload's next
+    /// part).
+    fn repeats(&self, request: String) -> bool {
+        let mut sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
+        sent.replace(request.clone()) == Some(request)
     }
 
     /// Runs `f` with this call current, so the tap attributes its attempts to it.
@@ -89,14 +100,20 @@ struct Tap {
 #[async_trait]
 impl HttpService for Tap {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
-        let call = CALL.try_with(Arc::clone).ok();
+        // A credential service's answers are not the bucket's: they neither throttle its
+        // window nor name a store request's failure.
+        let call = CALL
+            .try_with(Arc::clone)
+            .ok()
+            .filter(|_| !credential_host(req.uri().host().unwrap_or("")));
         let op = call.as_ref().map_or("other", |c| c.op);
+        let again = call
+            .as_ref()
+            .is_some_and(|c| c.repeats(format!("{} {}", req.method(), req.uri())));
         let t0 = Instant::now();
         // The body's size hint capped: object_store sizes some buffers by it.
         let res = self.inner.execute(req).await.map(|r| r.map(Capped::wrap));
-        if let Some(c) = &call
-            && c.attempts.fetch_add(1, Ordering::Relaxed) > 0
-        {
+        if again {
             metrics::counter!(m::RETRIES, "op" => op).increment(1);
         }
         match &res {
@@ -125,6 +142,21 @@ impl HttpService for Tap {
     }
 }
 
+/// Whether `host` is a credential service (instance metadata, STS, OAuth token endpoints)
+/// rather than the store: object_store fetches credentials through the same HTTP client.
+fn credential_host(host: &str) -> bool {
+    const EXACT: [&str; 7] = [
+        "169.254.169.254",
+        "[fd00:ec2::254]",
+        "169.254.170.2",
+        "metadata.google.internal",
+        "oauth2.googleapis.com",
+        "login.microsoftonline.com",
+        "sts.amazonaws.com",
+    ];
+    EXACT.contains(&host) || (host.starts_with("sts.") && host.ends_with(".amazonaws.com"))
+}
+
 /// Longest `Retry-After` taken at its word.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 
@@ -143,6 +175,43 @@ pub(crate) fn retry_after(v: &str, now: chrono::DateTime<chrono::Utc>) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn call() -> Arc<Call> {
+        Call::new("list", Arc::new(Window::new("test://tap", 4)), 0)
+    }
+
+    #[test]
+    fn only_the_same_request_again_is_a_retry() {
+        let c = call();
+        assert!(!c.repeats("GET http://s3/b?list-type=2".into()));
+        assert!(
+            !c.repeats("GET http://s3/b?list-type=2&continuation-token=x".into()),
+            "the next page"
+        );
+        assert!(
+            c.repeats("GET http://s3/b?list-type=2&continuation-token=x".into()),
+            "that page again"
+        );
+    }
+
+    #[test]
+    fn credential_services_are_not_the_store() {
+        for h in [
+            "169.254.169.254",
+            "sts.us-east-1.amazonaws.com",
+            "metadata.google.internal",
+        ] {
+            assert!(credential_host(h), "{h}");
+        }
+        for h in [
+            "s3.us-east-1.amazonaws.com",
+            "bkt.s3.amazonaws.com",
+            "127.0.0.1",
+            "storage.googleapis.com",
+        ] {
+            assert!(!credential_host(h), "{h}");
+        }
+    }
 
     #[test]
     fn retry_after_in_seconds_or_as_a_date() {
