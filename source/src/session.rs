@@ -10,7 +10,7 @@
 //! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
 //! node gave up on stops costing the source bandwidth. Object-storage reads for queued
 //! FETCHes start in queue order while what the session has read and not sent stays within the
-//! dataset's memory budget ([`Reads`]): queued FETCHes cost no memory until then.
+//! dataset's memory budget (`Reads`): queued FETCHes cost no memory until then.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in version 2's layout of `Error`), naming both versions, and dropped.

@@ -107,8 +107,7 @@ pub enum StoreError {
         /// Full key.
         key: String,
     },
-    /// A listing that ran past [`crate::store::MAX_LIST_OBJECTS`] objects or
-    /// [`crate::store::LIST_DEADLINE`].
+    /// A listing that ran past its bound on objects (10 million) or time (30 minutes).
     #[error(
         "bucket {bucket}, prefix {prefix:?}: the listing stopped after {objects} objects: {why}; \
          point the dataset at a narrower prefix (one dataset per prefix)"

@@ -158,7 +158,7 @@ impl Store {
     }
 
     /// Every object under the prefix, keys relative to it, in the store's order; at most
-    /// [`MAX_LIST_OBJECTS`] of them, within [`LIST_DEADLINE`].
+    /// `MAX_LIST_OBJECTS` of them, within `LIST_DEADLINE`.
     pub async fn list(&self) -> Result<Vec<ObjectMeta>, StoreError> {
         self.list_within(MAX_LIST_OBJECTS, LIST_DEADLINE).await
     }
@@ -406,7 +406,7 @@ impl Store {
 
     /// Uploads the local file `src` to `key` (a multipart upload in request-size parts when
     /// larger than one, or larger parts where S3's part count needs them; memory: about four
-    /// parts: [`PUT_PARTS_IN_FLIGHT`] uploading, the one being filled and the read buffer),
+    /// parts: two uploading, the one being filled and the read buffer),
     /// then returns its size and ETag (one HEAD).
     pub async fn put_file(&self, key: &str, src: &FsPath) -> Result<ObjectMeta, StoreError> {
         let (full, path) = self.path(key)?;

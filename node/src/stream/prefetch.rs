@@ -14,7 +14,7 @@ const MAX_BYTES: usize = 4096;
 /// The cache line the hint goes by.
 const LINE: usize = 64;
 
-/// Asks the CPU to bring the first [`MAX_BYTES`] of `bytes` into its caches.
+/// Asks the CPU to bring the first `MAX_BYTES` of `bytes` into its caches.
 pub fn prefetch(bytes: &[u8]) {
     let bytes = &bytes[..bytes.len().min(MAX_BYTES)];
     #[cfg(target_arch = "x86_64")]
