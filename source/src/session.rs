@@ -180,13 +180,12 @@ struct Head {
 }
 
 /// A session's object-storage reads: bytes of those it started and has not handed to a data
-/// connection yet, and how many FETCHes wait for theirs to start. A read starts only while
-/// those bytes stay within its dataset's memory budget (or none is under way), so a node that
-/// queues many FETCHes cannot make the source hold more than that in memory for it.
+/// connection yet. A read starts only while those bytes stay within its dataset's memory
+/// budget (or none is under way), so a node that queues many FETCHes cannot make the source
+/// hold more than that in memory for it.
 #[derive(Default)]
 struct Reads {
     bytes: u64,
-    later: usize,
 }
 
 impl Reads {
@@ -203,14 +202,7 @@ impl Reads {
         q.payload = Payload::read(r, session, q.head.shard, Arc::clone(progress));
         q.held = q.head.len;
         self.bytes += q.held;
-        self.later -= 1;
         true
-    }
-
-    /// `q` left the queue without being sent (cancelled).
-    fn drop_queued(&mut self, q: &Queued) {
-        self.bytes -= q.held;
-        self.later -= usize::from(matches!(q.payload, Payload::Later(_)));
     }
 }
 
@@ -371,7 +363,7 @@ impl Session {
         });
         if let Some(q) = found {
             self.queued -= 1;
-            self.reads.drop_queued(&q);
+            self.reads.bytes -= q.held;
             tracing::debug!(req, "FETCH cancelled before it was sent");
             metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
             let why = "cancelled by the node before it was sent".to_string();
@@ -425,10 +417,7 @@ impl Session {
                 file: Arc::clone(&files[shard as usize]),
                 offset: entry.offset,
             }),
-            Backend::Remote(r) => {
-                self.reads.later += 1;
-                Payload::Later(Arc::clone(r))
-            }
+            Backend::Remote(r) => Payload::Later(Arc::clone(r)),
         };
         let mut q = Queued {
             head: Head {
@@ -441,22 +430,16 @@ impl Session {
             payload,
             held: 0,
         };
-        self.start(&mut q);
+        self.reads.start(&mut q, self.id, &self.progress);
         self.waiting[usize::from(lane)].push_back(q);
         self.queued += 1;
         Ok(())
     }
 
-    /// Starts `q`'s object-storage read if it waits for one and the session's reads leave
-    /// room for it.
-    fn start(&mut self, q: &mut Queued) {
-        self.reads.start(q, self.id, &self.progress);
-    }
-
     /// Starts the reads of queued FETCHes, in queue order, while there is room.
     fn start_later(&mut self) {
         for q in self.waiting.iter_mut().flat_map(|w| w.iter_mut()) {
-            if self.reads.later == 0 || !self.reads.start(q, self.id, &self.progress) {
+            if !self.reads.start(q, self.id, &self.progress) {
                 return;
             }
         }

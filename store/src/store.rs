@@ -406,8 +406,8 @@ impl Store {
 
     /// Uploads the local file `src` to `key` (a multipart upload in request-size parts when
     /// larger than one, or larger parts where S3's part count needs them; memory: about four
-    /// parts: two uploading, the one being filled and the read buffer),
-    /// then returns its size and ETag (one HEAD).
+    /// parts: two uploading, the one being filled and the read buffer), then returns its size
+    /// and ETag (one HEAD).
     pub async fn put_file(&self, key: &str, src: &FsPath) -> Result<ObjectMeta, StoreError> {
         let (full, path) = self.path(key)?;
         self.writable(&full)?;

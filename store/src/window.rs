@@ -4,8 +4,9 @@
 //! requests already in flight when it was halved report their throttles without halving it
 //! again); a window's worth of successes (as many as the limit) raises it by one, up to the
 //! ceiling (`max_inflight`). [`Aimd`] is the pure rule; [`Window`] hands out [`Permit`]s
-//! under it, urgent requests (reads a FETCH waits for) before the rest (reads ahead). One window per bucket per process ([`for_bucket`]), so every dataset and store
-//! handle on one bucket shares it.
+//! under it, urgent requests (reads a FETCH waits for) before the rest (reads ahead). One
+//! window per bucket per process ([`for_bucket`]), so every dataset and store handle on one
+//! bucket shares it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

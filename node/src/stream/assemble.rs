@@ -218,8 +218,9 @@ pub enum Filled {
 }
 
 /// Fills `out` as `plan` says, reading the shards' slabs from `shard_slab`. Host memory:
-/// memcpy per piece, the rows [`prefetch::AHEAD`] pieces on asked for meanwhile; CUDA memory: the pieces as frags of one gather launch on `gpu` (the
-/// shards and `out` lie in one region), then the offsets written from the host.
+/// memcpy per piece, the rows [`prefetch::AHEAD`] pieces on asked for meanwhile; CUDA
+/// memory: the pieces as frags of one gather launch on `gpu` (the shards and `out` lie in one
+/// region), then the offsets written from the host.
 pub fn execute<'a>(
     plan: &Plan,
     shard_slab: impl Fn(u32) -> &'a Slab,
