@@ -110,9 +110,18 @@ pub async fn run(s: Arc<Stream>, start: u64) {
         if d.s.is_closed() {
             return;
         }
-        if let Err(why) = d.step() {
-            d.s.close(why);
-            return;
+        match d.step() {
+            Err(why) => {
+                d.s.close(why);
+                return;
+            }
+            Ok(true) => {
+                // Another batch may be ready to assemble: give the runtime's other tasks
+                // their turn first (a gather runs on this worker, tens of microseconds).
+                tokio::task::yield_now().await;
+                continue;
+            }
+            Ok(false) => {}
         }
         let s = Arc::clone(&d.s);
         let supply = Arc::clone(s.supply());
@@ -157,16 +166,16 @@ impl Driver {
         }
     }
 
-    /// Issues what waits and what memory allows, then assembles every batch it can.
-    fn step(&mut self) -> Result<(), CloseReason> {
+    /// Issues what waits and what memory allows, then assembles the next batch if it can;
+    /// true if it did (the next one may be ready too).
+    fn step(&mut self) -> Result<bool, CloseReason> {
         self.fetches.reissue()?;
         self.issue_units()?;
         if self.fetches.hint_due() {
             let upcoming = self.upcoming();
             self.fetches.hint(upcoming.into_iter());
         }
-        while self.try_assemble()? {}
-        Ok(())
+        self.try_assemble()
     }
 
     /// The shards this worker will fetch next, in first-use order: those of the loaded
@@ -385,8 +394,10 @@ impl Driver {
         let resident = &self.resident;
         let slab_of = |shard: u32| resident[&shard].slab.as_ref().expect("checked resident");
         let gpu = self.s.gpu();
-        let filled =
-            tokio::task::block_in_place(|| assemble::execute(&plan, slab_of, &mut out, gpu));
+        // On this worker: a host gather of a batch takes tens of microseconds, a CUDA one
+        // queues one launch; handing the worker's core to another thread for it (tokio's
+        // `block_in_place`) cost more CPU in wake-ups than the copy (docs/BENCHMARKS.md).
+        let filled = assemble::execute(&plan, slab_of, &mut out, gpu);
         let c = self.s.supply().counters();
         match filled {
             Ok(how) => {

@@ -1,11 +1,14 @@
 //! A software prefetch for the host batch gather ([`super::assemble::execute`]): a batch's
 //! rows are scattered over a block of tens of MiB that is no longer in cache, so each row's
 //! copy waits on memory; asking for the rows a few pieces ahead lets those loads overlap the
-//! copy in hand (docs/BENCHMARKS.md, "The gather's prefetch": 15-20 % off a stand-alone
-//! gather of 1 KiB rows). A hint only: it never faults and changes no result.
+//! copy in hand. The hint asks for the lines into L2 (`prefetcht1`), not L1: a 1 KiB row is
+//! 16 lines, and with several rows ahead L1's few miss buffers fill, so an L1 hint stalls
+//! the gather on the prefetch itself (docs/BENCHMARKS.md, "The gather's prefetch, into L2":
+//! a third off a gather of 1 KiB rows from a block out of cache). A hint only: it never
+//! faults and changes no result.
 
-/// How many pieces ahead of the one being copied the gather asks for (2-16 measured alike).
-pub const AHEAD: usize = 4;
+/// How many pieces ahead of the one being copied the gather asks for (8-16 measured best).
+pub const AHEAD: usize = 8;
 
 /// At most this many bytes of a piece are asked for: a longer piece is consecutive, and the
 /// CPU's own prefetcher follows it once its copy starts.
@@ -14,15 +17,15 @@ const MAX_BYTES: usize = 4096;
 /// The cache line the hint goes by.
 const LINE: usize = 64;
 
-/// Asks the CPU to bring the first `MAX_BYTES` of `bytes` into its caches.
+/// Asks the CPU to bring the first `MAX_BYTES` of `bytes` into its L2 cache.
 pub fn prefetch(bytes: &[u8]) {
     let bytes = &bytes[..bytes.len().min(MAX_BYTES)];
     #[cfg(target_arch = "x86_64")]
     for line in bytes.chunks(LINE) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // SAFETY: `prefetcht0` (SSE, in the x86_64 baseline) reads nothing architecturally and
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: `prefetcht1` (SSE, in the x86_64 baseline) reads nothing architecturally and
         // never faults; the pointer is the start of a live slice besides.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;

@@ -136,12 +136,13 @@ fn answer(mut f: InFlight) {
     f.verified(crc(&bytes));
 }
 
-/// Hands every outcome that arrived to the driver.
+/// Hands every outcome that arrived to the driver, then steps it until it assembles no more.
 fn settle(d: &mut Driver) -> Result<(), CloseReason> {
     while let Some(c) = d.fetches.try_completed() {
         d.completed(c)?;
     }
-    d.step()
+    while d.step()? {}
+    Ok(())
 }
 
 /// The rows (as `(shard, row)`) of the batch `b` of stream `s`.
