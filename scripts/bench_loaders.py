@@ -73,7 +73,9 @@ Loaders:
 
 The summary names the fastest local loader (median steady-state samples/s) and gives shardwire's
 ratio to it per round and median (and of the loop's wait per batch), where the time went per
-batch, the time-to-first-batch table
+batch (for shardwire also the node's own gather time per batch it assembled, from its metrics
+`shardwire_stall_seconds_total{cause="assembly"}` and `shardwire_batches_assembled_total`,
+read before and after each loader's process), the time-to-first-batch table
 (fresh and resumed), and the CPU model and flags. --node-cpus / --trainer-cpus pin the node's
 processes and each loader's process with `taskset -c` (default: unpinned, the CPUs shared).
 
@@ -1042,11 +1044,36 @@ def ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
+def node_gather(admin: str) -> tuple[float, int]:
+    """The node's assembly time so far (`shardwire_stall_seconds_total{cause="assembly"}`: the
+    batch gathers, seconds) and its batches assembled, from its metrics."""
+    import http.client
+
+    c = http.client.HTTPConnection(admin, timeout=10)
+    c.request("GET", "/metrics")
+    body = c.getresponse().read().decode()
+    c.close()
+    secs, batches = 0.0, 0
+    for line in body.splitlines():
+        if line.startswith("shardwire_stall_seconds_total") and 'cause="assembly"' in line:
+            secs += float(line.split()[-1])
+        elif line.startswith("shardwire_batches_assembled_total"):
+            batches += int(float(line.split()[-1]))
+    return secs, batches
+
+
+def gather_us(v: list[dict]) -> str:
+    """The median over rounds of the node's gather time per batch it assembled while a loader
+    ran (its whole process: warm-up and first batches too), microseconds; "-" for a local one."""
+    g = [r["node_gather_s_per_batch"] for r in v if r.get("node_gather_s_per_batch") is not None]
+    return f"{statistics.median(g) * 1e6:.0f}" if g else "-"
+
+
 def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]) -> None:
     """The loaders, each in its own process per round; per-round lines on stderr, the summary
     (steady state, time to the first batch, shardwire against the fastest local loader) and one
     JSON line on stdout."""
-    sock, _ = start_node(pathlib.Path(a.data), tmp, children)
+    sock, admin = start_node(pathlib.Path(a.data), tmp, children)
     loaders = a.loaders.split(",")
     unknown = [l for l in loaders if l not in LOADER_CLASSES]
     if unknown:
@@ -1058,8 +1085,12 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
     print(cpu_line(), file=sys.stderr, flush=True)
     for rnd in range(a.rounds):
         for l in (loaders if rnd % 2 == 0 else loaders[::-1]):
+            before = node_gather(admin)
             res = run_one(STREAMING_PY if l == "streaming" else MAIN_PY, l, common)
             res["round"] = rnd + 1
+            after = node_gather(admin)
+            batches = after[1] - before[1]
+            res["node_gather_s_per_batch"] = (after[0] - before[0]) / batches if l.startswith("shardwire") and batches else None
             results[l].append(res)
             print(f"round {rnd + 1} {l:22s} {res['samples_per_s']:10.0f} samples/s over {res['seconds']:.1f} s ({res['batches']} batches; "
                   f"loader wait {res['wait_s']:.2f} s, model {res['step_s']:.2f} s ({res['step_cpu_s']:.2f} s on CPU, "
@@ -1091,8 +1122,8 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
     print("\nwhere the time went, per batch (medians of the rounds): the loop's wait for the batch and the model step (wall and "
           "on-CPU), the training thread's preemptions, and CPU spent outside the training process (the node's processes, "
           "DataLoader workers, anything else on the host)")
-    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us | the node's gather, us |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for l in loaders:
         v = results[l]
 
@@ -1101,7 +1132,7 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
 
         print(f"| {l} | {per(lambda r: r['wait_s']) * 1e6:.0f} | {per(lambda r: r['step_s']) * 1e6:.0f} | "
               f"{per(lambda r: r['step_cpu_s']) * 1e6:.0f} | {per(lambda r: r['involuntary_switches']):.2f} | "
-              f"{per(lambda r: r['host_busy_s'] - r['process_cpu_s']) * 1e6:.0f} |")
+              f"{per(lambda r: r['host_busy_s'] - r['process_cpu_s']) * 1e6:.0f} | {gather_us(v)} |")
     print("\ntime to the first batch, ms (fresh: open/attach -> first batch in a new process; resumed: re-opened at the position "
           "saved after the window -> first batch)")
     print("| loader | " + " | ".join(f"fresh r{i + 1}" for i in range(R)) + " | median fresh | "

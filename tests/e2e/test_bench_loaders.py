@@ -60,4 +60,6 @@ def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
     assert 0 < ratio["first_batch_s"] < 60 and 0 < ratio["resume_first_batch_s"] < 60
     run = report["runs"]["shardwire"][0]
     assert run["seconds"] >= 0.3 and run["batches"] > 0 and run["warmup_batches"] >= 20
+    assert 0 < run["node_gather_s_per_batch"] < 1, "the node's gather time per batch, from its metrics"
+    assert report["runs"]["numpy-mmap-gather"][0]["node_gather_s_per_batch"] is None
     assert "numpy-mmap-gather" in r.stdout and "first batch" in r.stdout

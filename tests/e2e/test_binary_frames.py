@@ -137,11 +137,12 @@ def test_next_with_count_answers_the_ready_batches_in_one_write(sock: str, encod
         conn.close()
 
 
-def documented_body() -> bytes:
-    """One tensor `x` float32 [4, 8] at 4096 and a state, packed as the docs' table says."""
-    state = b'{"epoch":0,"index":2,"seed":1,"fingerprint":"f"}'
+def documented_body(lease: int = 77, index: int = 1, offset: int = 4096, flags: int = 0) -> bytes:
+    """One tensor `x` float32 [4, 8] at `offset` (4096) and a state, packed as the docs' table
+    says."""
+    state = b'{"epoch":0,"index":%d,"seed":1,"fingerprint":"f"}' % (index + 1)
     desc = struct.pack("<H", 1) + b"x" + bytes([7]) + b"float32" + bytes([2]) + struct.pack("<2Q", 4, 8)
-    return struct.pack("<BBHIQQII", 1, 0, 1, len(state), 77, 1, 0, 9) + struct.pack("<QQH", 4096, 128, len(desc)) + desc + state
+    return struct.pack("<BBHIQQII", 1, flags, 1, len(state), lease, index, 0, 9) + struct.pack("<QQH", offset, 128, len(desc)) + desc + state
 
 
 def test_the_documented_layout_is_what_the_sdk_reads():
@@ -172,15 +173,13 @@ def test_malformed_binary_replies_name_what_is_wrong(cut: Any, why: str):
         _binary.decode(cut(body))
 
 
-def test_a_malformed_binary_reply_fails_the_stream_not_the_trainer(tmp_path: pathlib.Path):
-    """A fake service that attaches and then answers `next` with a truncated binary batch: the
-    SDK raises ProtocolError from `next` (the trainer's process goes on)."""
+def fake_service(path: str, answer: bytes):
+    """A fake node service at `path` for one connection: it attaches a stream (a 64 KiB region)
+    and answers the first request after attach with `answer`'s bytes, then waits for the
+    client to close. Returns the listening socket and the serving thread (join, then close)."""
     import os
     import threading
 
-    import shardwire
-
-    path = str(tmp_path / "fake.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
@@ -194,19 +193,78 @@ def test_a_malformed_binary_reply_fails_the_stream_not_the_trainer(tmp_path: pat
         assert req["op"] == "attach", req
         fd = os.memfd_create("region")
         os.ftruncate(fd, 1 << 16)
-        attached = {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 1, "epochs": 1, "memory": "host",
+        attached = {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 3, "epochs": 1, "memory": "host",
                     "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
-        body = _wire.encode(attached)
-        socket.send_fds(c, [body], [fd])
+        socket.send_fds(c, [_wire.encode(attached)], [fd])
         os.close(fd)
         conn.recv()
-        c.sendall(struct.pack("<I", 33) + struct.pack("<BBHIQQII", 1, 0, 1, 0, 1, 0, 0, 0) + b"\0")
+        c.sendall(answer)
         c.recv(1)  # until the client closes
         c.close()
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
+    return srv, t
+
+
+def test_a_malformed_binary_reply_fails_the_stream_not_the_trainer(tmp_path: pathlib.Path):
+    """A fake service that attaches and then answers `next` with a truncated binary batch: the
+    SDK raises ProtocolError from `next` (the trainer's process goes on)."""
+    import shardwire
+
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, struct.pack("<I", 33) + struct.pack("<BBHIQQII", 1, 0, 1, 0, 1, 0, 0, 0) + b"\0")
     with shardwire.connect(path).open_stream("d") as s:
+        with pytest.raises(ProtocolError, match="ends inside tensor 0"):
+            s.next(timeout=10)
+    t.join(10)
+    srv.close()
+
+def framed(body: bytes) -> bytes:
+    return struct.pack("<I", len(body)) + body
+
+
+def test_replies_that_arrive_together_are_read_in_turn_and_a_bad_one_raises_in_its_turn():
+    """Several replies in one receive (a `next` with `count` is answered in one write): the
+    Conn decodes them together and hands them out one per call, in order; a malformed one
+    raises ProtocolError when its turn comes, not before the good ones ahead of it."""
+    a, b = socket.socketpair()
+    try:
+        conn = _wire.Conn(a)
+        b.sendall(framed(documented_body(lease=1)) + framed(b'{"op":"released"}') + framed(documented_body()[:40])
+                  + framed(documented_body(lease=3)))
+        assert conn.recv_reply()["lease"] == 1
+        assert conn.pending()
+        assert conn.recv_reply() == {"op": "released"}
+        with pytest.raises(ProtocolError, match="ends inside tensor 0"):
+            conn.recv_reply()
+        assert conn.recv_reply()["lease"] == 3, "the reply after the malformed one is still read"
+        assert not conn.pending()
+        b.sendall(framed(b'{"op":"released"}') + struct.pack("<I", _wire.MAX_FRAME + 1))
+        assert conn.recv_reply() == {"op": "released"}
+        with pytest.raises(ProtocolError, match="exceeds the frame limit"):
+            conn.recv_reply()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_bad_batch_in_a_group_raises_in_its_turn_after_the_good_ones(tmp_path: pathlib.Path):
+    """A fake service answers one `next` with three binary batches in one write: a good one, one
+    whose tensor lies outside the region, and a truncated one. The SDK builds the batches of a
+    group together, but hands out the good one first, then raises for each bad one in its turn."""
+    import shardwire
+
+    more = _binary.FLAG_MORE
+    group = (framed(documented_body(lease=1, index=0, flags=more)) + framed(documented_body(lease=2, index=1, offset=1 << 16, flags=more))
+             + framed(documented_body(lease=3, index=2)[:40]))
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, group)
+    with shardwire.connect(path).open_stream("d") as s:
+        first = s.next(timeout=10)
+        assert (first.lease, first.index, first["x"].shape) == (1, 0, (4, 8))
+        with pytest.raises(ProtocolError, match="outside the region"):
+            s.next(timeout=10)
         with pytest.raises(ProtocolError, match="ends inside tensor 0"):
             s.next(timeout=10)
     t.join(10)

@@ -4,7 +4,7 @@
 //! copy in hand. The hint asks for the lines into L2 (`prefetcht1`), not L1: a 1 KiB row is
 //! 16 lines, and with several rows ahead L1's few miss buffers fill, so an L1 hint stalls
 //! the gather on the prefetch itself (docs/BENCHMARKS.md, "The gather's prefetch, into L2":
-//! a third off a gather of 1 KiB rows from a block out of cache). A hint only: it never
+//! a quarter off a gather of 1 KiB rows from a block out of cache). A hint only: it never
 //! faults and changes no result.
 
 /// How many pieces ahead of the one being copied the gather asks for (8-16 measured best).

@@ -529,7 +529,10 @@ class Stream(_StreamBase[Batch]):
         kind = msg["op"]
         if kind == "batch":
             if "dtypes" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
-                b = Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._region, msg["dtypes"])
+                b = msg.get("batch")
+                if b is None:  # the first of the replies that came together: build them all
+                    b = self._binary_batch(msg)
+                    self._build_ahead()
                 if msg["state_raw"] is None:
                     raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume_raw = msg["state_raw"]
@@ -569,6 +572,20 @@ class Stream(_StreamBase[Batch]):
         if kind == "error":
             raise _service_error(msg)
         raise ProtocolError(f"unexpected answer to next: {msg!r}")
+
+    def _binary_batch(self, msg: dict[str, Any]) -> Batch:
+        return Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._region, msg["dtypes"])
+
+    def _build_ahead(self) -> None:
+        """Builds the Batch of each binary batch reply already decoded behind this one (see
+        ``_wire.Conn.recv_reply``), now, while this code is in the CPU's caches: the calls that
+        hand them out come each after a model step, and then only take them."""
+        for msg in self._conn.ready():
+            if msg.get("op") == "batch" and "dtypes" in msg:
+                try:
+                    msg["batch"] = self._binary_batch(msg)
+                except ProtocolError:
+                    return  # raised in its turn, by the call that takes it
 
     def _defer_release(self, prev: Batch | None) -> None:
         """Marks `prev` released unless it was kept; its lease goes with the next request."""

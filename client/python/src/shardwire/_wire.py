@@ -12,6 +12,7 @@ import os
 import select
 import socket
 import struct
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,9 @@ class Conn:
         self.sock = sock
         #: Bytes received past the last reply read (replies come back to back).
         self._buf = bytearray()
+        #: Replies that came whole in the same receive as an earlier one, decoded then (or the
+        #: ProtocolError decoding one raised, raised when its turn comes): see `recv_reply`.
+        self._ready: deque[Message | ProtocolError] = deque()
 
     def send(self, *msgs: Message) -> None:
         """Sends one or more requests in one write (the service answers them in order)."""
@@ -111,14 +115,14 @@ class Conn:
 
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""
-        return bool(self._buf)
+        return bool(self._ready or self._buf)
 
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
         the caller owns and must close them)."""
         if not want_fds:
             return self.recv_reply(), []
-        if self._buf:
+        if self._buf or self._ready:
             raise ProtocolError("a reply with file descriptors after buffered bytes")
         fds: list[int] = []
         try:
@@ -160,9 +164,17 @@ class Conn:
 
     def recv_reply(self) -> Message:
         """Reads one reply that carries no file descriptors (every reply but ``attached``),
-        reading as much as has arrived per call (usually the whole reply in one `recv`, and
-        the next one too when it has come). A binary ``batch`` body (see
-        :mod:`shardwire._binary`) comes back as the same kind of dict."""
+        reading as much as has arrived per call (usually the whole reply in one `recv`, or
+        several: a ``next`` with ``count`` is answered in one write). A binary ``batch`` body
+        (see :mod:`shardwire._binary`) comes back as the same kind of dict.
+
+        Replies that arrive together are decoded together, the later ones kept for the next
+        calls: in a training loop each call comes right after a model step, which has pushed
+        this code out of the CPU's caches, and decoding eight replies in one warm pass costs
+        less than eight cold ones (docs/BENCHMARKS.md, "The SDK decodes a reply group at
+        once")."""
+        if self._ready:
+            return self._take_ready()
         try:
             if not self._buf:
                 # The usual case on a training loop's path: one recv is exactly one reply.
@@ -172,15 +184,7 @@ class Conn:
                 if not data:
                     raise ConnectionClosed("the node service closed the connection")
                 self._buf += data
-            while True:
-                if len(self._buf) >= 4:
-                    (n,) = _LEN.unpack_from(self._buf)
-                    if n > MAX_FRAME:
-                        raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
-                    if len(self._buf) >= 4 + n:
-                        body = bytes(self._buf[4 : 4 + n])
-                        del self._buf[: 4 + n]
-                        return _decode(body)
+            while not self._split():
                 data = self._recv_rest()
                 if not data:
                     raise ConnectionClosed(
@@ -189,6 +193,39 @@ class Conn:
                 self._buf += data
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
+        return self._take_ready()
+
+    def _split(self) -> bool:
+        """Decodes every whole reply at the head of the buffer into ``_ready`` (a malformed
+        one as its ProtocolError, ending the split); True if there was at least one."""
+        buf, at, end = self._buf, 0, len(self._buf)
+        while end - at >= 4:
+            (n,) = _LEN.unpack_from(buf, at)
+            if n > MAX_FRAME:
+                if not self._ready:
+                    raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
+                break  # raised once the replies before it are taken
+            if end - at < 4 + n:
+                break
+            try:
+                self._ready.append(_decode(bytes(buf[at + 4 : at + 4 + n])))
+            except ProtocolError as e:
+                self._ready.append(e)
+                at += 4 + n
+                break
+            at += 4 + n
+        del buf[:at]
+        return bool(self._ready)
+
+    def ready(self) -> list[Message]:
+        """The replies already decoded and not yet read, in order (see `recv_reply`)."""
+        return [m for m in self._ready if not isinstance(m, ProtocolError)]
+
+    def _take_ready(self) -> Message:
+        msg = self._ready.popleft()
+        if isinstance(msg, ProtocolError):
+            raise msg
+        return msg
 
     def _wait_rest(self) -> None:
         """Waits, at most FRAME_LIMIT s, for more bytes of a reply that has begun."""
