@@ -269,3 +269,47 @@ def test_a_bad_batch_in_a_group_raises_in_its_turn_after_the_good_ones(tmp_path:
             s.next(timeout=10)
     t.join(10)
     srv.close()
+
+
+def test_closing_a_stream_unmaps_its_region_with_batches_built_ahead(tmp_path: pathlib.Path):
+    """A group of three batches: the first is handed out, the other two are built ahead. Once
+    the trainer drops the first and closes the stream, the region is unmapped: nothing the SDK
+    built ahead keeps it mapped."""
+    import shardwire
+
+    more = _binary.FLAG_MORE
+    group = b"".join(framed(documented_body(lease=k + 1, index=k, offset=k * 4096, flags=more if k < 2 else 0)) for k in range(3))
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, group)
+    s = shardwire.connect(path).open_stream("d")
+    first = s.next(timeout=10)
+    assert first.index == 0 and s._conn.pending(), "two more replies came with it"
+    del first
+    s.close()
+    assert s._mmap.closed, "the region is unmapped"
+    t.join(10)
+    srv.close()
+
+
+def test_a_tensor_kept_past_close_stays_readable(tmp_path: pathlib.Path):
+    """The SDK's promise (Stream.close): arrays of its batches stay mapped until they are
+    garbage-collected. A trainer keeps a tensor, closes the stream, then reads the tensor: it
+    reads the region's bytes, it does not crash on an unmapped page. In a child process, so a
+    crash fails this test instead of the test run."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path[:0] = [{str(pathlib.Path(__file__).parent)!r}]
+import test_binary_frames as T
+import shardwire
+srv, t = T.fake_service({str(tmp_path / "fake.sock")!r}, T.framed(T.documented_body(lease=1, index=0, offset=0)))
+s = shardwire.connect({str(tmp_path / "fake.sock")!r}).open_stream("d")
+x = s.next(timeout=10)["x"]
+s.close()
+print("sum", float(x.sum()), "writeable", x.flags.writeable, flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"rc {r.returncode} (a negative rc is a signal: -11 is SIGSEGV)\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert "sum 0.0 writeable False" in r.stdout, r.stdout

@@ -35,6 +35,10 @@ use crate::fetch::Completion;
 /// How often fetches that found no live source try again.
 const RETRY: Duration = Duration::from_millis(100);
 
+/// The largest host batch gathered on the stream's tokio worker itself (bytes); a larger one
+/// runs under `block_in_place` (about 0.1-0.3 ms of copying at this size).
+const INLINE_GATHER: u64 = 1 << 20;
+
 /// A shard held for live units: its slab once it has arrived.
 struct Resident {
     slab: Option<Slab>,
@@ -394,10 +398,16 @@ impl Driver {
         let resident = &self.resident;
         let slab_of = |shard: u32| resident[&shard].slab.as_ref().expect("checked resident");
         let gpu = self.s.gpu();
-        // On this worker: a host gather of a batch takes tens of microseconds, a CUDA one
-        // queues one launch; handing the worker's core to another thread for it (tokio's
-        // `block_in_place`) cost more CPU in wake-ups than the copy (docs/BENCHMARKS.md).
-        let filled = assemble::execute(&plan, slab_of, &mut out, gpu);
+        // A host gather of a batch of at most INLINE_GATHER bytes runs on this worker (tens
+        // of microseconds: handing the worker's core to another thread for it, tokio's
+        // `block_in_place`, cost more CPU in wake-ups than the copy, docs/BENCHMARKS.md); a
+        // larger one, or a CUDA gather (it waits for its launch, and for the engine a shard's
+        // CRC may hold), still hands the worker off.
+        let filled = if out.host_slice().is_some() && plan.bytes <= INLINE_GATHER {
+            assemble::execute(&plan, slab_of, &mut out, gpu)
+        } else {
+            tokio::task::block_in_place(|| assemble::execute(&plan, slab_of, &mut out, gpu))
+        };
         let c = self.s.supply().counters();
         match filled {
             Ok(how) => {

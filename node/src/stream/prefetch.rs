@@ -1,13 +1,14 @@
 //! A software prefetch for the host batch gather ([`super::assemble::execute`]): a batch's
 //! rows are scattered over a block of tens of MiB that is no longer in cache, so each row's
 //! copy waits on memory; asking for the rows a few pieces ahead lets those loads overlap the
-//! copy in hand. The hint asks for the lines into L2 (`prefetcht1`), not L1: a 1 KiB row is
-//! 16 lines, and with several rows ahead L1's few miss buffers fill, so an L1 hint stalls
-//! the gather on the prefetch itself (docs/BENCHMARKS.md, "The gather's prefetch, into L2":
-//! a quarter off a gather of 1 KiB rows from a block out of cache). A hint only: it never
-//! faults and changes no result.
+//! copy in hand. The hint is `prefetcht1` (Intel documents it as "into L2 and outward"; what
+//! a CPU does with it is its own choice), not `prefetcht0` (into L1): a 1 KiB row is 16
+//! lines, and with several rows ahead L1's few miss buffers fill, so the L1 hint stalled the
+//! gather on the prefetch instructions themselves (docs/BENCHMARKS.md, "The gather's prefetch
+//! into L2, ...": a quarter off a gather of 1 KiB rows from a block out of cache, on the AMD
+//! kind). A hint only: it never faults and changes no result.
 
-/// How many pieces ahead of the one being copied the gather asks for (8-16 measured best).
+/// How many pieces ahead of the one being copied the gather asks for (4-16 measured alike).
 pub const AHEAD: usize = 8;
 
 /// At most this many bytes of a piece are asked for: a longer piece is consecutive, and the
@@ -17,7 +18,7 @@ const MAX_BYTES: usize = 4096;
 /// The cache line the hint goes by.
 const LINE: usize = 64;
 
-/// Asks the CPU to bring the first `MAX_BYTES` of `bytes` into its L2 cache.
+/// Asks the CPU to bring the first `MAX_BYTES` of `bytes` into its caches (`prefetcht1`).
 pub fn prefetch(bytes: &[u8]) {
     let bytes = &bytes[..bytes.len().min(MAX_BYTES)];
     #[cfg(target_arch = "x86_64")]

@@ -149,16 +149,19 @@ class Client:
             conn.close()
 
 
-def _tensor(region: memoryview | CudaRegion, v: TensorView, dt: np.dtype[Any] | None = None) -> Any:
-    """A read-only numpy view of tensor `v` in `region` (no copy); a CudaTensor for a CUDA
-    region. `dt`: `v`'s dtype already checked against its length (see ``_sized_dtype``)."""
+def _tensor(region: np.ndarray | CudaRegion, v: TensorView, dt: np.dtype[Any] | None = None) -> Any:
+    """A read-only numpy view of tensor `v` in `region` (the stream's region as one byte array,
+    no copy); a CudaTensor for a CUDA region. `dt`: `v`'s dtype already checked against its
+    length (see ``_sized_dtype``)."""
     if dt is None:
         dt = _sized_dtype(v)
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
     if isinstance(region, CudaRegion):
         return region.tensor(v.offset, v.length, dt, v.shape)
-    # One constructor call: read-only because the region's buffer is.
+    # One constructor call: read-only because the region's buffer is. Its base is the byte
+    # array, which holds the mapping's buffer export (numpy does not hold one for an array
+    # made this way): while the tensor lives, the stream cannot unmap the region under it.
     return Tensor(v.shape, dt, buffer=region, offset=v.offset)
 
 
@@ -216,7 +219,7 @@ class Batch(_BatchBase):
     _NAME = "Batch"
 
     def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView],
-                 region: memoryview | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
+                 region: np.ndarray | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
         self._stream = stream
         self._released = False
         if dtypes is None:
@@ -367,6 +370,9 @@ class Stream(_StreamBase[Batch]):
         self._mmap = region if isinstance(region, mmap.mmap) else None
         self._cuda = region if isinstance(region, CudaRegion) else None
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
+        #: What batch tensors are views of: the host region as one byte array (it holds the
+        #: buffer export that keeps the mapping while any tensor lives), or the CudaRegion.
+        self._base: np.ndarray | CudaRegion | None = self._cuda if self._cuda is not None else np.frombuffer(self._region, np.uint8)
         self._auto: Batch | None = None
         #: Requests sent whose replies are not read yet ("next" asked ahead, "release"), in order.
         self._inflight: deque[str] = deque()
@@ -529,20 +535,21 @@ class Stream(_StreamBase[Batch]):
         kind = msg["op"]
         if kind == "batch":
             if "dtypes" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
-                b = msg.get("batch")
-                if b is None:  # the first of the replies that came together: build them all
+                b = msg.get("batch")  # built ahead (`_build_ahead`), or now
+                if b is None:
                     b = self._binary_batch(msg)
-                    self._build_ahead()
                 if msg["state_raw"] is None:
                     raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume_raw = msg["state_raw"]
             else:
                 views = [_tensor_view(t) for t in msg["tensors"]]
-                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._region)
+                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._base)
                 if "state" not in msg:
                     raise ProtocolError("a batch without its state: the node service is older than this SDK")
                 self._resume, self._resume_raw = dict(msg["state"]), None
             self._auto = b
+            if "batch" not in msg:  # the first of the replies that came together: build the rest
+                self._build_ahead()
             if "next" in self._inflight:
                 self._defer_release(prev)  # more answers are on their way: no request yet
             elif not self._kept_leases:
@@ -574,18 +581,19 @@ class Stream(_StreamBase[Batch]):
         raise ProtocolError(f"unexpected answer to next: {msg!r}")
 
     def _binary_batch(self, msg: dict[str, Any]) -> Batch:
-        return Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._region, msg["dtypes"])
+        return Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
 
     def _build_ahead(self) -> None:
         """Builds the Batch of each binary batch reply already decoded behind this one (see
         ``_wire.Conn.recv_reply``), now, while this code is in the CPU's caches: the calls that
-        hand them out come each after a model step, and then only take them."""
+        hand them out come each after a model step, and then only take them. Only an
+        optimisation: a batch that cannot be built now is built (or raises) in its turn."""
         for msg in self._conn.ready():
             if msg.get("op") == "batch" and "dtypes" in msg:
                 try:
                     msg["batch"] = self._binary_batch(msg)
-                except ProtocolError:
-                    return  # raised in its turn, by the call that takes it
+                except Exception:
+                    return
 
     def _defer_release(self, prev: Batch | None) -> None:
         """Marks `prev` released unless it was kept; its lease goes with the next request."""
@@ -657,9 +665,10 @@ class Stream(_StreamBase[Batch]):
         self._conn.close()
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.
-            self._cuda = self._region = None
+            self._cuda = self._region = self._base = None
             return
         assert isinstance(self._region, memoryview) and self._mmap is not None
+        self._base = None  # the byte array goes now unless a batch tensor still holds it
         try:
             self._region.release()
             self._mmap.close()

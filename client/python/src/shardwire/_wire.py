@@ -171,8 +171,8 @@ class Conn:
         Replies that arrive together are decoded together, the later ones kept for the next
         calls: in a training loop each call comes right after a model step, which has pushed
         this code out of the CPU's caches, and decoding eight replies in one warm pass costs
-        less than eight cold ones (docs/BENCHMARKS.md, "The SDK decodes a reply group at
-        once")."""
+        less than eight cold ones (docs/BENCHMARKS.md, "The gather's prefetch into L2, the
+        batcher without `block_in_place`, the SDK's reply groups")."""
         if self._ready:
             return self._take_ready()
         try:
@@ -199,22 +199,25 @@ class Conn:
         """Decodes every whole reply at the head of the buffer into ``_ready`` (a malformed
         one as its ProtocolError, ending the split); True if there was at least one."""
         buf, at, end = self._buf, 0, len(self._buf)
-        while end - at >= 4:
-            (n,) = _LEN.unpack_from(buf, at)
-            if n > MAX_FRAME:
-                if not self._ready:
-                    raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
-                break  # raised once the replies before it are taken
-            if end - at < 4 + n:
-                break
-            try:
-                self._ready.append(_decode(bytes(buf[at + 4 : at + 4 + n])))
-            except ProtocolError as e:
-                self._ready.append(e)
+        try:
+            while end - at >= 4:
+                (n,) = _LEN.unpack_from(buf, at)
+                if n > MAX_FRAME:
+                    if not self._ready:
+                        raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
+                    break  # raised once the replies before it are taken
+                if end - at < 4 + n:
+                    break
+                try:
+                    msg: Message | ProtocolError = _decode(bytes(buf[at + 4 : at + 4 + n]))
+                except ProtocolError as e:
+                    msg = e
+                self._ready.append(msg)
                 at += 4 + n
-                break
-            at += 4 + n
-        del buf[:at]
+                if isinstance(msg, ProtocolError):
+                    break
+        finally:
+            del buf[:at]  # what is in `_ready` (even if something else interrupted the split)
         return bool(self._ready)
 
     def ready(self) -> list[Message]:
@@ -241,6 +244,8 @@ class Conn:
         """Closes the socket (the service then closes the stream and releases its leases).
         (`_how` is bound when the module loads: a stream closed by a generator finalised at
         interpreter exit runs after this module's globals are gone.)"""
+        self._ready.clear()  # their Batches (if built) would keep the region mapped
+        self._buf.clear()
         try:
             self.sock.shutdown(_how)
         except OSError:
