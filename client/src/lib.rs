@@ -87,6 +87,19 @@ pub enum ClientError {
     /// `next` with a timeout got nothing.
     #[error("no batch within {0:?}")]
     Timeout(Duration),
+    /// The node service did not answer a request it answers at once (or `attach`, within
+    /// its generous limit); the stream's connection is closed, since a late answer would be
+    /// read as the answer to the next request.
+    #[error(
+        "the node service did not answer {request} within {after:?} (is it stopped or \
+         overloaded? see its log and its admin /v1/status); the connection is closed"
+    )]
+    NoAnswer {
+        /// The request: `attach` or `release`.
+        request: &'static str,
+        /// The limit it waited.
+        after: Duration,
+    },
 }
 
 /// What to open: the attach fields, defined once in the protocol crate

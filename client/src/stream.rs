@@ -26,6 +26,20 @@ const FRAME_LIMIT: Duration = Duration::from_secs(60);
 /// How much longer than a `next` timeout the client waits for the node's own `timeout` answer.
 const NODE_TIMEOUT_SLACK: Duration = Duration::from_secs(5);
 
+/// Longest wait for the answer to a `release` (the node answers at once).
+#[cfg(not(test))]
+const REPLY_LIMIT: Duration = Duration::from_secs(60);
+#[cfg(test)]
+const REPLY_LIMIT: Duration = Duration::from_millis(300);
+
+/// Longest wait for the answer to `attach`: the node may first wait for its sources (5 s for
+/// one to connect, 1 s for the rest), ask each for the manifest (15 s at most per source) and
+/// plan the stream, so this is generous; beyond it the node is stuck.
+#[cfg(not(test))]
+const ATTACH_LIMIT: Duration = Duration::from_secs(600);
+#[cfg(test)]
+const ATTACH_LIMIT: Duration = Duration::from_millis(300);
+
 /// A request whose answers are still to be read; the node answers in request order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Awaited {
@@ -75,11 +89,22 @@ impl Stream {
         // there to read, and it is the better error.
         let sent = fdpass::send_frame(&sock, &frame, &[]);
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        let body = match (reader.read(&sock, &mut fds), sent) {
+        sock.set_read_timeout(Some(ATTACH_LIMIT))
+            .map_err(FrameIoError::from)?;
+        let read = reader.read(&sock, &mut fds);
+        let body = match (read, sent) {
             (Ok(body), _) => body,
+            (Err(FrameIoError::Io(e)), Ok(())) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(ClientError::NoAnswer {
+                    request: "attach",
+                    after: ATTACH_LIMIT,
+                });
+            }
             (Err(_), Err(send_error)) => return Err(send_error.into()),
             (Err(read_error), Ok(())) => return Err(read_error.into()),
         };
+        // Later reads set their own limits (`FrameReader::read_data_timed`).
+        sock.set_read_timeout(None).map_err(FrameIoError::from)?;
         let answer = trainer::decode::<Response>(body).map_err(FrameIoError::from)?;
         let Response::Attached {
             stream,
@@ -172,7 +197,7 @@ impl Stream {
             self.awaited.push_back(Awaited::Release);
             return Ok(());
         }
-        released(self.answer(None))
+        released(self.answer_at_once("release"))
     }
 
     /// The state to resume from: right after the last batch handed out (or the state the
@@ -265,7 +290,7 @@ impl Stream {
         self.settle()?;
         for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
-            released(self.answer(None))?;
+            released(self.answer_at_once("release"))?;
         }
         Ok(())
     }
@@ -294,11 +319,27 @@ impl Stream {
     /// is returned). Stops at a `next` still in flight.
     fn settle(&mut self) -> Result<(), ClientError> {
         while self.awaited.front() == Some(&Awaited::Release) {
-            let answer = self.answer(None);
+            let answer = self.answer_at_once("release");
             self.awaited.pop_front();
             released(answer)?;
         }
         Ok(())
+    }
+
+    /// The answer to a request the node answers at once (`request`), within [`REPLY_LIMIT`];
+    /// none in time: [`ClientError::NoAnswer`], and the connection is shut down, so that a
+    /// late answer is never read as the answer to a later request.
+    fn answer_at_once(&mut self, request: &'static str) -> Result<Response, ClientError> {
+        match self.answer(Some(REPLY_LIMIT)) {
+            Err(ClientError::Timeout(_)) => {
+                let _ = self.sock.shutdown(std::net::Shutdown::Both);
+                Err(ClientError::NoAnswer {
+                    request,
+                    after: REPLY_LIMIT,
+                })
+            }
+            other => other,
+        }
     }
 
     /// Reads one answer within `timeout` (None: as long as it takes); a batch's state JSON is
@@ -355,3 +396,6 @@ fn released(answer: Result<Response, ClientError>) -> Result<(), ClientError> {
 fn unexpected(op: &str, answer: &Response) -> ClientError {
     ClientError::Protocol(format!("unexpected answer to {op}: {answer:?}"))
 }
+
+#[cfg(test)]
+mod tests;

@@ -173,10 +173,12 @@ def test_malformed_binary_replies_name_what_is_wrong(cut: Any, why: str):
         _binary.decode(cut(body))
 
 
-def fake_service(path: str, answer: bytes):
+def fake_service(path: str, answer: bytes | Any, attach: bool = True):
     """A fake node service at `path` for one connection: it attaches a stream (a 64 KiB region)
-    and answers the first request after attach with `answer`'s bytes, then waits for the
-    client to close. Returns the listening socket and the serving thread (join, then close)."""
+    and answers the first request after attach with `answer`'s bytes (or, if `answer` is a
+    function, calls it with the connected socket and its Conn instead), then waits for the
+    client to close. With `attach=False` it never answers the attach. Returns the listening
+    socket and the serving thread (join, then close)."""
     import os
     import threading
 
@@ -191,14 +193,21 @@ def fake_service(path: str, answer: bytes):
         while (req := conn.recv()[0])["op"] == "info":
             conn.send_bytes(_wire.encode({"op": "info", "memory": "host", "lanes": []}))
         assert req["op"] == "attach", req
+        if not attach:
+            c.recv(1)  # until the client closes
+            c.close()
+            return
         fd = os.memfd_create("region")
         os.ftruncate(fd, 1 << 16)
         attached = {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 3, "epochs": 1, "memory": "host",
                     "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
         socket.send_fds(c, [_wire.encode(attached)], [fd])
         os.close(fd)
-        conn.recv()
-        c.sendall(answer)
+        if callable(answer):
+            answer(c, conn)
+        else:
+            conn.recv()
+            c.sendall(answer)
         c.recv(1)  # until the client closes
         c.close()
 

@@ -308,6 +308,7 @@ def _connect(path: str) -> socket.socket:
 def _info(conn: _wire.Conn) -> dict[str, Any]:
     """The node's ``info`` answer on `conn` (ServiceError if it refuses)."""
     conn.send({"op": "info"})
+    conn.await_reply(_wire.REPLY_LIMIT, "info")
     msg, _ = conn.recv()
     if msg.get("op") == "error":
         raise _service_error(msg)
@@ -398,6 +399,7 @@ class Stream(_StreamBase[Batch]):
                 if device is not None:
                     req = {**req, "device": device}
             conn.send(req)
+            conn.await_reply(_wire.ATTACH_LIMIT, "attach")
             msg, fds = conn.recv(want_fds=True)
             op = msg["op"]
             if op == "error":
@@ -437,10 +439,18 @@ class Stream(_StreamBase[Batch]):
 
     def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
         """Sends `req` and receives its answer (lock held; nothing in flight). A lost
-        connection ends the stream (see ``_broken``) and raises ConnectionClosed."""
+        connection, or no answer within ``_wire.REPLY_LIMIT``, ends the stream (see
+        ``_broken``) and raises ConnectionClosed."""
         self._send(req)
-        reply = self._read(None)
-        assert reply is not None, "a read without a timeout answers"
+        return self._answer(req["op"])
+
+    def _answer(self, op: str) -> dict[str, Any]:
+        """The next answer, to a request `op` the node answers at once (see `_exchange`)."""
+        reply = self._read(_wire.REPLY_LIMIT)
+        if reply is None:
+            why = f"the node service did not answer {op} within {_wire.REPLY_LIMIT:g} s"
+            self._broken(why)
+            raise ConnectionClosed(why)
         return reply[1]
 
     def _send(self, req: dict[str, Any], data: bytes | None = None) -> None:
@@ -485,10 +495,9 @@ class Stream(_StreamBase[Batch]):
         """Reads the answers of releases sent while a `next` was in flight (an error among
         them raises). Stops at a `next` still in flight."""
         while self._inflight and self._inflight[0] == "release":
-            reply = self._read(None)
-            assert reply is not None
-            if reply[1]["op"] != "released":
-                raise _service_error(reply[1]) if reply[1]["op"] == "error" else ProtocolError(f"unexpected answer to release: {reply[1]!r}")
+            msg = self._answer("release")
+            if msg["op"] != "released":
+                raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
 
     def next(self, timeout: float | None = None) -> Batch | None:
         """The next batch in plan order, or None when every epoch was delivered.

@@ -33,6 +33,13 @@ _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 #: Longest wait for the rest of a reply whose first bytes came (the Rust SDK's limit too): a
 #: node stopped in the middle of a write fails the call instead of hanging it.
 FRAME_LIMIT = 60.0
+#: Longest wait for the answer to a request the node answers at once (``info``, a ``release``
+#: with nothing ahead of it): a node that stopped answering fails the call, not hangs it.
+REPLY_LIMIT = 60.0
+#: Longest wait for the answer to ``attach``: the node may first wait for its sources (5 s for
+#: one to connect, 1 s for the rest), ask each for the dataset's manifest (15 s at most per
+#: source) and plan the stream, so this is generous; beyond it the node is stuck.
+ATTACH_LIMIT = 600.0
 
 _BINARY_TAG = bytes([_binary.TAG])
 _LEN = struct.Struct("<I")
@@ -116,6 +123,14 @@ class Conn:
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""
         return bool(self._ready or self._buf)
+
+    def await_reply(self, limit: float, what: str) -> None:
+        """Waits up to `limit` seconds for the first bytes of the answer to `what` (at once if
+        they have come); ConnectionClosed, naming `what` and the limit, if none came."""
+        if self.pending() or select.select([self.sock], [], [], limit)[0]:
+            return
+        raise ConnectionClosed(f"the node service did not answer {what} within {limit:g} s "
+                               "(is it stopped or overloaded? see its log and its admin /v1/status)")
 
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;

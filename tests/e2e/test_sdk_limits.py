@@ -1,0 +1,62 @@
+"""The Python SDK's waits for answers the node gives at once are bounded: a node that accepted
+the connection and then stopped answering fails the call with ConnectionClosed naming the
+request and the limit, instead of hanging the trainer (`_wire.ATTACH_LIMIT` for attach,
+`_wire.REPLY_LIMIT` for release and info; `next` waits as its `timeout` says). Against fake
+services that answer some requests and then go silent (the limits lowered for the test).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import pytest
+
+import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
+from shardwire import _wire  # noqa: E402
+from shardwire._errors import ConnectionClosed  # noqa: E402
+from test_binary_frames import documented_body, fake_service, framed  # noqa: E402
+
+
+def test_an_attach_the_node_never_answers_fails_after_the_limit(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    import shardwire
+
+    monkeypatch.setattr(_wire, "ATTACH_LIMIT", 0.5)
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, b"", attach=False)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionClosed, match="did not answer attach within 0.5 s"):
+        shardwire.connect(path).open_stream("d")
+    assert time.monotonic() - t0 < 10
+    t.join(10)
+    srv.close()
+
+
+def test_a_release_the_node_never_answers_fails_after_the_limit(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """Two batches, one per `next`; the release the trainer sent behind the second `next` is
+    never answered: the `next` that must first read that answer fails after REPLY_LIMIT, and
+    the stream is closed saying why."""
+    import shardwire
+
+    monkeypatch.setattr(_wire, "REPLY_LIMIT", 0.5)
+
+    def answer(c, conn) -> None:
+        for k in range(2):
+            assert conn.recv()[0]["op"] == "next"
+            c.sendall(framed(documented_body(lease=k + 1, index=k, offset=k * 4096)))
+        while c.recv(1 << 16):  # reads the release and what follows, answers nothing
+            pass
+
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, answer)
+    s = shardwire.connect(path).open_stream("d")
+    first = s.next(timeout=10)
+    first.release()  # behind the `next` the SDK sent ahead: answered after it
+    assert s.next(timeout=10).index == 1
+    with pytest.raises(ConnectionClosed, match="did not answer release within 0.5 s"):
+        s.next(timeout=10)
+    with pytest.raises(shardwire.ShardwireError, match="did not answer release"):
+        s.next(timeout=10)
+    s.close()
+    t.join(10)
+    srv.close()
