@@ -550,3 +550,35 @@ def test_gpu_region_close_and_unknown_bus_id(exported_region):
         CudaRegion(fd, size, pci_bus_id="0000:ff:1f.7", granularity=gran)
     assert ei.value.call == "cuDeviceGetByPCIBusId"
     assert "0000:ff:1f.7" in str(ei.value) and "CUDA_VISIBLE_DEVICES" in str(ei.value) and bus in str(ei.value)
+
+
+def test_a_consumer_tensor_alive_at_interpreter_exit_exits_cleanly():
+    """A torch tensor imported from one of the SDK's capsules, still alive when the interpreter
+    exits (a module global, as `x = batch["x"].to_torch()` at top level would be): torch frees
+    it after CPython has cleared the SDK's modules, and its deleter must still find the
+    SDK's callback and table alive (it crashed the exit with SIGSEGV before). In child
+    processes (a crash fails the test, not the run); three times, as the crash depended on
+    what the freed memory held."""
+    pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
+    import subprocess
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(REPO / "client" / "python" / "src")!r})
+import numpy as np, torch
+from shardwire import _cuda
+src = np.arange(8, dtype=np.int64)
+class W:
+    def __init__(s, c): s.c = c
+    def __dlpack__(s, **k): return s.c
+    def __dlpack_device__(s): return (1, 0)
+def main():
+    global last
+    for i in range(3):
+        last = torch.from_dlpack(W(_cuda._capsule(src.ctypes.data, (8,), src.dtype, (1, 0), src, versioned=True)))
+    print("read", int(last.sum()), flush=True)
+main()
+"""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "read 28" in r.stdout, f"rc {r.returncode} (-11: SIGSEGV)\n{r.stdout}\n{r.stderr[-2000:]}"

@@ -183,6 +183,9 @@ class Batch(_BatchBase):
     (``arr.flags.writeable`` is False; assigning raises ``ValueError``), of type
     :class:`shardwire.Tensor` (an ``ndarray`` subclass) so that DLPack works for every consumer
     without a copy: ``np.from_dlpack``, ``torch.from_dlpack``, ``jax.dlpack.from_dlpack``.
+    torch has no read-only tensors: an in-place write through a tensor made from one of these
+    arrays without a copy kills the process (SIGSEGV; the mapping is read-only): ``.clone()``
+    first.
 
     **Lifetime (auto-release policy).** A batch holds a lease on its bytes in the region. When
     the trainer takes the next batch from the stream (``next`` or the next loop iteration), the
@@ -511,7 +514,9 @@ class Stream(_StreamBase[Batch]):
         Raises:
             Timeout: no batch within `timeout`. The stream stays usable: a request this call
                 sent is ended by the service; one the stream had sent ahead of time stays in
-                flight, and a later ``next`` takes its answer.
+                flight, and a later ``next`` takes its answer. A request this call sent carried
+                the previous batch's release, so that batch is released even though no batch
+                came (``keep()`` it first to go on using it).
             ServiceError: e.g. code ``"closed"`` if the service closed the stream.
             ConnectionClosed: the service went away.
         """
@@ -532,7 +537,9 @@ class Stream(_StreamBase[Batch]):
         while True:
             reply = self._read(wait)
             if reply is None:
-                self._auto = prev  # still this trainer's: released with a later request
+                # Still the trainer's; released with a later request, or (sent_now) already
+                # by the one in flight.
+                self._auto = prev
                 raise self._timeout(timeout)
             op, msg = reply
             if op == "next":

@@ -484,9 +484,11 @@ _NAME_VERSIONED = ctypes.create_string_buffer(b"dltensor_versioned")
 _LIVE: dict[int, tuple[Any, ...]] = {}
 
 
-def _delete(addr: int | None) -> None:
+def _delete(addr: int | None, _pop: Any = _LIVE.pop) -> None:
+    # `_pop` is bound now: a consumer may call this deleter at interpreter exit, after this
+    # module's globals were cleared.
     if addr is not None:
-        _LIVE.pop(addr, None)
+        _pop(addr, None)
 
 
 # ctypes callbacks take the GIL themselves, so consumers may call the deleter from any thread.
@@ -505,16 +507,25 @@ _capsule_pointer.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _capsule_pointer.restype = ctypes.c_void_p
 
 
-def _destroy(capsule: int | None) -> None:
+def _destroy(capsule: int | None, _names: Any = (_NAME, _NAME_VERSIONED), _valid: Any = _capsule_is_valid,
+             _pointer: Any = _capsule_pointer, _address: Any = ctypes.addressof, _del: Any = _delete) -> None:
     """Capsule destructor: a capsule still named ``dltensor[_versioned]`` was never consumed,
     so its deleter is ours to run. (The capsule is being freed: it is passed as a raw pointer,
-    never as a Python object.)"""
-    for name in (_NAME, _NAME_VERSIONED):
-        if _capsule_is_valid(capsule, ctypes.addressof(name)):
-            _delete(_capsule_pointer(capsule, ctypes.addressof(name)))
+    never as a Python object. What it calls is bound now, as in `_delete`.)"""
+    for name in _names:
+        if _valid(capsule, _address(name)):
+            _del(_pointer(capsule, _address(name)))
 
 
 _destructor = _Destructor(_destroy)
+
+# A consumer (torch, JAX) may free an imported tensor at interpreter exit, after CPython has
+# cleared this module: its deleter then calls through `_deleter` into `_delete`, which pops
+# `_LIVE`, and an unconsumed capsule's destructor reads the names. Freed by then, those would
+# be freed memory called into (SIGSEGV at exit). They live as long as the process instead.
+for _o in (_LIVE, _deleter, _destructor, _NAME, _NAME_VERSIONED):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_o))
+del _o
 
 
 def _capsule(ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], device: tuple[int, int], owner: Any, *,

@@ -324,8 +324,11 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             pickles items across processes anyway). False: yield the read-only zero-copy
             views themselves; each is valid only until the next item is taken
             (auto-release), so use it only with ``num_workers=0, batch_size=None`` and
-            consume each item before the next. torch warns about read-only arrays when it
-            converts them.
+            consume each item before the next. The DataLoader passes these views through
+            as numpy arrays (``shardwire.Tensor``; it converts only plain ``ndarray``).
+            ``torch.from_numpy`` shares their memory, and torch has no read-only tensors:
+            an in-place write through one kills the process (SIGSEGV, the mapping is
+            read-only); ``.clone()`` a tensor you will write to.
         timeout: seconds per ``next`` (raises ``shardwire.Timeout``); None waits.
         <stream keywords>
 
