@@ -194,6 +194,9 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     );
     let (node, control) = Node::new(info, Arc::clone(&plane), counters);
     tracing::info!(receive = %node.receive(), reason = %node.info().mode_reason(), "memory and receive mode chosen");
+    if node.info().memory == shardwire_protocol::trainer::MemoryKind::Host {
+        log_region_pages();
+    }
     let cfg = &node.info().cfg;
     tracing::info!(pool_size = %cfg.pool_size, lanes = lanes.all().len(), "{} (pool_size is per lane)", cfg.stream_memory_origin());
     let (shutdown, watch) = watch::channel(false);
@@ -382,4 +385,18 @@ fn emulate_every_lane(
         each.join("; ")
     );
     Ok((bound, reason))
+}
+
+/// Says which page size host stream regions get (docs/OPERATIONS.md, "Sizing memory").
+fn log_region_pages() {
+    match shardwire_gpu::region::region_huge_pages() {
+        (true, mode) => tracing::info!(
+            shmem_enabled = %mode,
+            "host stream regions get 2 MiB pages where the kernel has them"
+        ),
+        (false, mode) => tracing::info!(
+            shmem_enabled = %mode,
+            "host stream regions get 4 KiB pages; set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise for 2 MiB pages (a faster host batch gather)"
+        ),
+    }
 }

@@ -74,6 +74,16 @@ def consume_ranks(sw, serve, dataset: str, world: int, seed: int) -> list[list[d
 # --- a. two sources, three ranks, determinism ----------------------------------------------
 
 
+def region_pages() -> str:
+    """The page size this host gives host stream regions, by the kernel's shmem setting."""
+    try:
+        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "4 KiB"
+    mode = text[text.index("[") + 1 : text.index("]")]
+    return "2 MiB" if mode in ("always", "within_size", "advise", "force") else "4 KiB"
+
+
 def test_one_epoch_two_sources_three_ranks(sw, tmp_path):
     d = tmp_path / "ds"
     shards = 12
@@ -98,6 +108,7 @@ def test_one_epoch_two_sources_three_ranks(sw, tmp_path):
 
     st = node.status()
     assert st["counters"]["crc_failures"] == 0
+    assert f"host stream regions get {region_pages()} pages" in node.stderr_text(), "the node says which pages regions get"
     assert st["counters"]["batches_delivered"] >= shards
     for s in st["sources"]:
         assert s["up"], st["sources"]
