@@ -152,17 +152,25 @@ impl std::fmt::Debug for HostRegion {
     }
 }
 
-/// Where the kernel says whether shared memory (a memfd region) gets 2 MiB pages.
+/// Where the kernel says whether shared memory (a memfd region) gets 2 MiB pages: the
+/// top-level setting, and (kernels with per-size settings) the 2 MiB size's own, which may
+/// `inherit` the top-level one.
 const SHMEM_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+const SHMEM_ENABLED_2M: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled";
 
 /// Whether host regions get 2 MiB pages on this host, and the kernel's setting that says so
-/// (`shmem_enabled`, its selected value; "unknown" where the file is absent): `always`,
-/// `within_size`, `advise` (the node asks for them) and `force` give them; `never` and `deny`
-/// do not.
+/// (the selected value; "unknown" where the file is absent): `always`, `within_size`,
+/// `advise` (the node asks for them) and `force` give them; `never` and `deny` do not. A 2 MiB
+/// setting other than `inherit` decides for that size.
 pub fn region_huge_pages() -> (bool, String) {
-    let text = std::fs::read_to_string(SHMEM_ENABLED).unwrap_or_default();
-    let mode = selected(&text).unwrap_or("unknown").to_owned();
-    let huge = matches!(mode.as_str(), "always" | "within_size" | "advise" | "force");
+    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
+    let (top, size) = (read(SHMEM_ENABLED), read(SHMEM_ENABLED_2M));
+    let mode = match selected(&size) {
+        Some(m) if m != "inherit" => format!("{m} (2 MiB size)"),
+        _ => selected(&top).unwrap_or("unknown").to_owned(),
+    };
+    let word = mode.split(' ').next().unwrap_or_default();
+    let huge = matches!(word, "always" | "within_size" | "advise" | "force");
     (huge, mode)
 }
 

@@ -194,9 +194,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     );
     let (node, control) = Node::new(info, Arc::clone(&plane), counters);
     tracing::info!(receive = %node.receive(), reason = %node.info().mode_reason(), "memory and receive mode chosen");
-    if node.info().memory == shardwire_protocol::trainer::MemoryKind::Host {
-        log_region_pages();
-    }
+    log_region_pages();
     let cfg = &node.info().cfg;
     tracing::info!(pool_size = %cfg.pool_size, lanes = lanes.all().len(), "{} (pool_size is per lane)", cfg.stream_memory_origin());
     let (shutdown, watch) = watch::channel(false);
@@ -387,7 +385,8 @@ fn emulate_every_lane(
     Ok((bound, reason))
 }
 
-/// Says which page size host stream regions get (docs/OPERATIONS.md, "Sizing memory").
+/// Says which page size host stream regions get (docs/OPERATIONS.md, "Sizing memory"); a
+/// node whose lanes all have GPUs makes none.
 fn log_region_pages() {
     match shardwire_gpu::region::region_huge_pages() {
         (true, mode) => tracing::info!(

@@ -75,12 +75,18 @@ def consume_ranks(sw, serve, dataset: str, world: int, seed: int) -> list[list[d
 
 
 def region_pages() -> str:
-    """The page size this host gives host stream regions, by the kernel's shmem setting."""
-    try:
-        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    except OSError:
-        return "4 KiB"
-    mode = text[text.index("[") + 1 : text.index("]")]
+    """The page size this host gives host stream regions, by the kernel's shmem settings (the
+    2 MiB size's own, unless it inherits the top-level one)."""
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage")
+    mode = "unknown"
+    for f in (thp / "hugepages-2048kB" / "shmem_enabled", thp / "shmem_enabled"):
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        mode = text[text.index("[") + 1 : text.index("]")]
+        if mode != "inherit":
+            break
     return "2 MiB" if mode in ("always", "within_size", "advise", "force") else "4 KiB"
 
 

@@ -60,3 +60,37 @@ def test_a_release_the_node_never_answers_fails_after_the_limit(tmp_path: pathli
     s.close()
     t.join(10)
     srv.close()
+
+
+def test_an_info_the_node_never_answers_is_not_taken_for_an_old_node(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """`device="auto"` asks `info` first; a node too old for it closes the connection, and the
+    SDK then attaches without a device. A node that does not answer at all is stuck, not old:
+    the SDK raises instead of falling back (it would attach without the device it wanted)."""
+    import socket as socketlib
+    import threading
+
+    import shardwire
+
+    monkeypatch.setattr(_wire, "REPLY_LIMIT", 0.5)
+    monkeypatch.setattr(_wire, "ATTACH_LIMIT", 0.5)  # a fallback would fail on attach instead
+    path = str(tmp_path / "fake.sock")
+    srv = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+    srv.settimeout(30)
+    accepted: list[str] = []
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        accepted.append(_wire.Conn(c).recv()[0]["op"])
+        while c.recv(1 << 16):  # answers nothing
+            pass
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with pytest.raises(ConnectionClosed, match="did not answer info within 0.5 s"):
+        shardwire.connect(path).open_stream("d", device="auto")
+    t.join(10)
+    srv.close()
+    assert accepted == ["info"], "one connection, no second attempt without the device"

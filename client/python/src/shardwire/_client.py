@@ -326,6 +326,9 @@ def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
     new one, and no device."""
     try:
         info = _info(conn)
+    except _wire.NoAnswer:
+        conn.close()
+        raise  # a stuck node, not an old one: no fallback
     except (ServiceError, ConnectionClosed):
         conn.close()
         return _wire.Conn(_connect(path)), None

@@ -38,8 +38,15 @@ FRAME_LIMIT = 60.0
 REPLY_LIMIT = 60.0
 #: Longest wait for the answer to ``attach``: the node may first wait for its sources (5 s for
 #: one to connect, 1 s for the rest), ask each for the dataset's manifest (15 s at most per
-#: source) and plan the stream, so this is generous; beyond it the node is stuck.
+#: source, in turn) and plan the stream, so this is generous; beyond it the node is stuck (or
+#: has some 40 sources that all stopped answering).
 ATTACH_LIMIT = 600.0
+
+
+class NoAnswer(ConnectionClosed):
+    """The node did not answer a request within its limit (`Conn.await_reply`). Not a sign of
+    an old node (which closes the connection on a request it does not know): nothing falls
+    back on it."""
 
 _BINARY_TAG = bytes([_binary.TAG])
 _LEN = struct.Struct("<I")
@@ -129,8 +136,8 @@ class Conn:
         they have come); ConnectionClosed, naming `what` and the limit, if none came."""
         if self.pending() or select.select([self.sock], [], [], limit)[0]:
             return
-        raise ConnectionClosed(f"the node service did not answer {what} within {limit:g} s "
-                               "(is it stopped or overloaded? see its log and its admin /v1/status)")
+        raise NoAnswer(f"the node service did not answer {what} within {limit:g} s "
+                       "(is it stopped or overloaded? see its log and its admin /v1/status)")
 
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
