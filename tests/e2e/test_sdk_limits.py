@@ -94,3 +94,32 @@ def test_an_info_the_node_never_answers_is_not_taken_for_an_old_node(tmp_path: p
     t.join(10)
     srv.close()
     assert accepted == ["info"], "one connection, no second attempt without the device"
+
+
+def test_a_socket_above_fd_1023_is_waited_on(tmp_path: pathlib.Path):
+    """A trainer process with many open files (a DataLoader's) may get its stream's socket at an
+    fd above 1023, which `select` cannot watch (ValueError): the SDK waits with `poll`."""
+    import os
+    import resource
+
+    import shardwire
+    from test_binary_frames import documented_body, fake_service, framed
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048: cannot open a socket above fd 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        path = str(tmp_path / "fake.sock")
+        srv, t = fake_service(path, framed(documented_body(lease=1, index=0, offset=0)))
+        with shardwire.connect(path).open_stream("d") as s:
+            assert s._conn.sock.fileno() > 1023
+            b = s.next(timeout=10)  # sent now, with a timeout: the SDK waits on the socket
+            assert (b.lease, b.index) == (1, 0)
+        t.join(10)
+        srv.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

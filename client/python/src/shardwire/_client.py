@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import select
 import socket
 import stat
 from collections import deque
@@ -474,7 +473,7 @@ class Stream(_StreamBase[Batch]):
         `timeout` (None: wait as long as it takes)."""
         try:
             ready = timeout is None or self._conn.pending()
-            if not ready and not select.select([self._conn.sock], [], [], timeout)[0]:
+            if not ready and not _wire.readable(self._conn.sock, timeout):
                 return None
             msg = self._conn.recv_reply()
         except ConnectionClosed:

@@ -8,6 +8,7 @@ attached to the frame's first byte, so the prefix is read with ``socket.recv_fds
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import socket
@@ -53,6 +54,16 @@ _LEN = struct.Struct("<I")
 _NEXT_ALONE = _LEN.pack(13) + b'{"op":"next"}'
 
 Message = dict[str, Any]
+
+
+def readable(sock: socket.socket, timeout: float | None) -> bool:
+    """True once `sock` has bytes to read (or is closed), False after `timeout` seconds (None:
+    waits as long as it takes). `poll`, not `select`: a process with many open files (a
+    DataLoader's) may hold this socket at an fd above 1023, which `select` cannot watch."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+    return bool(p.poll(ms))
 
 
 def encode(msg: Message) -> bytes:
@@ -134,7 +145,7 @@ class Conn:
     def await_reply(self, limit: float, what: str) -> None:
         """Waits up to `limit` seconds for the first bytes of the answer to `what` (at once if
         they have come); ConnectionClosed, naming `what` and the limit, if none came."""
-        if self.pending() or select.select([self.sock], [], [], limit)[0]:
+        if self.pending() or readable(self.sock, limit):
             return
         raise NoAnswer(f"the node service did not answer {what} within {limit:g} s "
                        "(is it stopped or overloaded? see its log and its admin /v1/status)")
@@ -254,7 +265,7 @@ class Conn:
 
     def _wait_rest(self) -> None:
         """Waits, at most FRAME_LIMIT s, for more bytes of a reply that has begun."""
-        if not select.select([self.sock], [], [], FRAME_LIMIT)[0]:
+        if not readable(self.sock, FRAME_LIMIT):
             raise ConnectionClosed(f"the node service sent part of a reply and nothing more for {FRAME_LIMIT:g} s")
 
     def _recv_rest(self) -> bytes:
