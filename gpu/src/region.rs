@@ -165,13 +165,12 @@ const SHMEM_ENABLED_2M: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-20
 pub fn region_huge_pages() -> (bool, String) {
     let read = |path| std::fs::read_to_string(path).unwrap_or_default();
     let (top, size) = (read(SHMEM_ENABLED), read(SHMEM_ENABLED_2M));
-    let mode = match selected(&size) {
-        Some(m) if m != "inherit" => format!("{m} (2 MiB size)"),
-        _ => selected(&top).unwrap_or("unknown").to_owned(),
+    let (mode, which) = match selected(&size) {
+        Some(m) if m != "inherit" => (m, " (2 MiB size)"),
+        _ => (selected(&top).unwrap_or("unknown"), ""),
     };
-    let word = mode.split(' ').next().unwrap_or_default();
-    let huge = matches!(word, "always" | "within_size" | "advise" | "force");
-    (huge, mode)
+    let huge = matches!(mode, "always" | "within_size" | "advise" | "force");
+    (huge, format!("{mode}{which}"))
 }
 
 /// The selected value of a sysfs choice list (`a [b] c` -> `b`).
@@ -311,17 +310,17 @@ impl Drop for HostRegion {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn the_selected_shmem_mode_is_read() {
         assert_eq!(
-            super::selected("always within_size advise [never] deny force\n"),
+            selected("always within_size advise [never] deny force\n"),
             Some("never")
         );
-        assert_eq!(super::selected("[advise] never"), Some("advise"));
-        assert_eq!(super::selected(""), None);
+        assert_eq!(selected("[advise] never"), Some("advise"));
+        assert_eq!(selected(""), None);
     }
-
-    use super::*;
 
     #[test]
     fn map_write_and_seals() {
