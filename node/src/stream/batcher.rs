@@ -445,8 +445,10 @@ impl Driver {
             (Sampler::One(plan), Some(ep)) => {
                 let b = plan.batch_size;
                 match self.m.tokens {
-                    None => (0..b)
-                        .map(|j| MixSample::Row(plan.sample(ep, step, j)))
+                    None => plan
+                        .batch_samples(ep, step)
+                        .into_iter()
+                        .map(MixSample::Row)
                         .collect(),
                     Some(_) => (0..b)
                         .map(|j| MixSample::Window(plan.window(ep, step, j)))

@@ -88,6 +88,26 @@ proptest! {
         prop_assert_eq!(g, all_samples(&sizes));
     }
 
+    /// A batch's samples computed together are each sample computed alone, for every mode,
+    /// partition count, world size, rank and step (the last step wrapping without drop_last).
+    #[test]
+    fn batch_samples_are_each_sample(sizes in proptest::collection::vec(1u64..300, 1..30),
+                                     c in 1u32..5, world_mul in 1u32..3, block in 1u64..400,
+                                     mode in 0u8..3, batch in 1u32..300, drop_last in any::<bool>()) {
+        let shuffle = [Shuffle::None, Shuffle::Shards, Shuffle::Block][mode as usize];
+        let o = order(&sizes, shuffle, block, c);
+        let w = c * world_mul;
+        prop_assume!(o.total() >= u64::from(w * batch));
+        let ep = o.epoch(2);
+        for rank in [0, w - 1] {
+            let plan = BatchPlan::new(Arc::clone(&o), batch, w, rank, drop_last).unwrap();
+            for step in [0, plan.steps() / 2, plan.steps() - 1] {
+                let each: Vec<SampleRef> = (0..batch).map(|j| plan.sample(&ep, step, j)).collect();
+                prop_assert_eq!(plan.batch_samples(&ep, step), each, "rank {} step {}", rank, step);
+            }
+        }
+    }
+
     /// A global step's set of samples is the same for every world size that fits, and every
     /// rank gets the same number of batches; the units a rank is given cover its samples.
     #[test]
