@@ -243,3 +243,25 @@ impl Datasets {
         self.0.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn dot_names_are_refused_before_any_directory_is_touched() {
+        for spec in ["..=s3://bucket/prefix", ".=/nonexistent"] {
+            let opts = RemoteOptions {
+                request_size: 8 << 20,
+                max_inflight: 4,
+                cache_dir: None,
+                cache_size: 0,
+            };
+            let e = Datasets::open(&[spec], &opts).await.err().expect("refused");
+            assert!(
+                matches!(e, DatasetError::Name(DatasetNameError::DotName { .. })),
+                "{spec}: {e}"
+            );
+        }
+    }
+}

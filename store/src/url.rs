@@ -87,13 +87,26 @@ impl StoreUrl {
                     .into(),
             });
         }
-        if let Some(c) = rest
-            .chars()
-            .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
+        if let Some((at, c)) = rest
+            .char_indices()
+            .find(|(_, c)| matches!(c, '?' | '#') || c.is_whitespace())
         {
-            return Err(bad(format!(
-                "{c:?} is not allowed in a dataset URL (no query, fragment or spaces)"
-            )));
+            let (url, note) = if c.is_whitespace() {
+                (s.to_owned(), "")
+            } else {
+                // What follows may be a signature (an Azure SAS token, a presigned URL's),
+                // and the URL goes into logs and errors: not repeated.
+                let cut = s.len() - rest.len() + at;
+                let note = "; what follows it is not repeated here (it may be a signature): give \
+                            credentials in the environment (docs/CONFIGURATION.md, object storage)";
+                (format!("{}{c}...", &s[..cut]), note)
+            };
+            return Err(StoreError::Url {
+                url,
+                reason: format!(
+                    "{c:?} is not allowed in a dataset URL (no query, fragment or spaces){note}"
+                ),
+            });
         }
         if scheme == Scheme::File {
             return Self::parse_file(rest).map_err(bad);
@@ -255,6 +268,19 @@ mod tests {
         assert!(
             StoreUrl::parse("s3://bkt/a@b").is_ok(),
             "an @ in a key is no userinfo"
+        );
+        // A query (an Azure SAS token) or a fragment: refused, and not repeated.
+        for url in [
+            "https://acct.blob.example/c/p?sv=2024&sig=tok3n",
+            "az://c/p#sig=tok3n",
+        ] {
+            let e = err(url);
+            assert!(e.contains("is not allowed") && !e.contains("tok3n"), "{e}");
+            assert!(e.contains("/c/p?...") || e.contains("/c/p#..."), "{e}");
+        }
+        assert!(
+            err("s3://b/p q").contains("s3://b/p q"),
+            "spaces: the URL as given"
         );
     }
 

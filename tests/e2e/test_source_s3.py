@@ -361,6 +361,34 @@ def test_reads_for_a_node_that_leaves_are_stopped(sw, s3, s3_bucket, s3_proxy, t
     s3_proxy.clear()
 
 
+def test_a_hinted_shard_the_store_refuses_is_not_read_again_and_again_ahead_of_its_fetch(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 30, 256 * 1024, seed=14)
+    url = upload(s3, s3_bucket, d)
+    # Budget 2 x 4 x 256 KiB = 2 MiB: the prefetch reads about 8 shards past what the node holds.
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", "--object-store-request-size", "256KiB",
+                    "--object-store-max-inflight", "4", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
+    node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "2MiB")
+    wait_ready(node)
+    with shardwire.connect(node.socket).open_stream("ds", seed=3) as s:
+        order = [b.shard for b in s]
+    assert sorted(order) == list(range(30)), order
+    # The shard 12th in the plan's order changes after the source pinned its ETag: every GET
+    # of it is refused (412, If-Match).
+    name = f"ds/s{order[12]:03d}.npy"
+    s3.put(s3_bucket, name, b"\x93NUMPY" + b"x" * 1000)
+    with shardwire.connect(node.socket).open_stream("ds", seed=3) as s:
+        assert s.next(timeout=30) is not None
+        # The trainer pauses: the node's hints name the shard ahead of its FETCH; the
+        # prefetch tries it and is refused. It may try again later, not back to back (the
+        # source once sent hundreds of GETs a second for it).
+        time.sleep(6)
+        tries = s3_proxy.requests("GET", f"/{name}", status=412)
+        assert 1 <= len(tries) <= 5, len(tries)
+    assert f"shard={order[12]}" in src.stderr_text()
+
+
 def test_a_dataset_indexed_from_s3_is_served_and_an_object_changed_since_is_refused_at_start(sw, s3, s3_bucket, s3_proxy, tmp_path):
     import subprocess
 

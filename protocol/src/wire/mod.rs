@@ -82,15 +82,27 @@ pub enum DatasetNameError {
         /// The first character not allowed.
         ch: char,
     },
+    /// `.` or `..`: names of directories (a source keeps a dataset's cache in a directory of
+    /// its name).
+    #[error(
+        "field `dataset` is `{name}`, which names a directory; use a name with a letter or digit"
+    )]
+    DotName {
+        /// The name.
+        name: String,
+    },
 }
 
-/// Checks a dataset name: 1..=[`MAX_DATASET_NAME`] bytes of `[A-Za-z0-9._-]`.
+/// Checks a dataset name: 1..=[`MAX_DATASET_NAME`] bytes of `[A-Za-z0-9._-]`, not `.` or `..`.
 pub fn check_dataset_name(name: &str) -> Result<(), DatasetNameError> {
     if name.is_empty() {
         return Err(DatasetNameError::Empty);
     }
     if name.len() > MAX_DATASET_NAME {
         return Err(DatasetNameError::TooLong { len: name.len() });
+    }
+    if name == "." || name == ".." {
+        return Err(DatasetNameError::DotName { name: name.into() });
     }
     match name
         .chars()

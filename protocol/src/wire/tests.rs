@@ -245,6 +245,12 @@ fn an_older_peer_is_refused_in_its_own_version() {
 fn dataset_names_are_checked_with_the_reason() {
     assert_eq!(check_dataset_name("web-2024.v1_a"), Ok(()));
     assert_eq!(check_dataset_name(""), Err(DatasetNameError::Empty));
+    for dots in [".", ".."] {
+        let e = check_dataset_name(dots).unwrap_err();
+        assert_eq!(e, DatasetNameError::DotName { name: dots.into() });
+        assert!(e.to_string().contains("names a directory"), "{e}");
+    }
+    assert_eq!(check_dataset_name("..a"), Ok(()));
     let long = "x".repeat(256);
     let e = check_dataset_name(&long).unwrap_err();
     assert_eq!(e, DatasetNameError::TooLong { len: 256 });

@@ -129,13 +129,19 @@ impl Reservation {
     /// gone is no error, any other failure is logged (a restart deletes what is left).
     pub fn discard_evicted(doomed: &[PathBuf]) {
         for p in doomed {
-            match std::fs::remove_file(p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(file = %p.display(), error = %e,
-                    "an evicted cache entry could not be deleted; the next start deletes it"),
-            }
+            unlink_or_say(p);
         }
+    }
+}
+
+/// Deletes the cache file `p`; a file already gone is no error, any other failure is logged
+/// (the next start deletes what the index does not name).
+fn unlink_or_say(p: &std::path::Path) {
+    match std::fs::remove_file(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(file = %p.display(), error = %e,
+            "a cache file could not be deleted; the next start deletes it"),
     }
 }
 
@@ -292,7 +298,7 @@ impl DiskCache {
     fn remove(&mut self, shard: u32) {
         if let Some(e) = self.entries.remove(&shard) {
             self.used -= e.len;
-            let _ = std::fs::remove_file(self.dir.join(&e.name));
+            unlink_or_say(&self.dir.join(&e.name));
         }
     }
 
@@ -363,9 +369,21 @@ impl DiskCache {
     fn evict(&mut self, shard: u32) -> Option<PathBuf> {
         let e = self.entries.remove(&shard)?;
         self.used -= e.len;
-        let doomed = self.dir.join(format!(".{}.evicted", e.name));
-        std::fs::rename(self.dir.join(&e.name), &doomed).ok()?;
-        Some(doomed)
+        let (live, doomed) = (
+            self.dir.join(&e.name),
+            self.dir.join(format!(".{}.evicted", e.name)),
+        );
+        match std::fs::rename(&live, &doomed) {
+            Ok(()) => Some(doomed),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
+            Err(err) => {
+                // Deleted now instead (the file would outlive its index entry and the size
+                // bound), or named.
+                tracing::warn!(file = %live.display(), error = %err, "evicting a cache entry: rename failed; deleting it in place");
+                unlink_or_say(&live);
+                None
+            }
+        }
     }
 
     /// The reserved entry was written to its temp file: it becomes an entry (verified: its
@@ -374,7 +392,7 @@ impl DiskCache {
         self.reserved.remove(&r.shard);
         if let Err(e) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
             self.used -= r.len;
-            let _ = std::fs::remove_file(&r.temp);
+            unlink_or_say(&r.temp);
             return Err(e);
         }
         self.entries.insert(

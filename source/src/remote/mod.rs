@@ -15,6 +15,7 @@ pub mod read;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
@@ -49,6 +50,8 @@ struct State {
     loading: HashMap<u32, watch::Receiver<Outcome>>,
     /// Bytes the prefetch task is reading.
     prefetching: u64,
+    /// Shards not to be read ahead again yet: their last read failed.
+    backoff: prefetch::Backoff,
 }
 
 /// One dataset served from object storage.
@@ -216,12 +219,15 @@ impl RemoteDataset {
         if !hit.verified {
             let want = self.shards[shard as usize].crc32c;
             let file = hit.file.try_clone().ok()?;
-            let ok = tokio::task::spawn_blocking(move || file_crc(&file) == Some(want))
+            let got = tokio::task::spawn_blocking(move || file_crc(&file))
                 .await
-                .unwrap_or(false);
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
             let mut c = cache.lock().expect("poisoned");
-            if !ok {
-                tracing::warn!(dataset = %self.name, shard, "a cache entry kept over a restart failed its CRC check; deleted, reading the shard again");
+            if got.as_ref().ok() != Some(&want) {
+                let found =
+                    got.map_or_else(|e| format!("unreadable: {e}"), |crc| format!("{crc:#010x}"));
+                tracing::warn!(dataset = %self.name, shard, want = format_args!("{want:#010x}"), %found,
+                    "a cache entry kept over a restart failed its CRC check; deleted, reading the shard again");
                 c.remove_unverified(shard);
                 return None;
             }
@@ -285,6 +291,7 @@ impl RemoteDataset {
         for (shard, got) in reads {
             let outcome = match got {
                 Ok(parts) => {
+                    self.state().backoff.succeeded(shard);
                     metrics::counter!("shardwire_source_store_shard_bytes_total")
                         .increment(parts.iter().map(|p| p.len() as u64).sum());
                     // Placed by a task of its own: a load dropped half way (its FETCH was
@@ -294,7 +301,9 @@ impl RemoteDataset {
                     Ok(())
                 }
                 Err(f) => {
-                    tracing::warn!(dataset = %self.name, shard, code = ?f.code, failure = %f.message, prefetch, "reading a shard from the store failed");
+                    let pause = self.state().backoff.failed(shard, &f, Instant::now());
+                    tracing::warn!(dataset = %self.name, shard, code = ?f.code, failure = %f.message, prefetch,
+                        read_ahead_again_in = ?pause, "reading a shard from the store failed");
                     Err(f)
                 }
             };
@@ -429,17 +438,16 @@ impl Drop for Registered<'_> {
     }
 }
 
-/// CRC-32C of a whole file, `None` if it cannot be read.
-fn file_crc(file: &std::fs::File) -> Option<u32> {
+/// CRC-32C of a whole file.
+fn file_crc(file: &std::fs::File) -> std::io::Result<u32> {
     use std::io::Read;
     let mut crc = shardwire_protocol::crc::Crc32c::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut r = file;
     loop {
-        match r.read(&mut buf) {
-            Ok(0) => return Some(crc.finish()),
-            Ok(n) => crc.update(&buf[..n]),
-            Err(_) => return None,
+        match r.read(&mut buf)? {
+            0 => return Ok(crc.finish()),
+            n => crc.update(&buf[..n]),
         }
     }
 }
