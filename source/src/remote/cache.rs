@@ -104,6 +104,28 @@ pub struct Loaded {
     /// Entries the manifest still names, deleted because they no longer fit `cache_size`
     /// (lowered since they were written).
     pub over_size: Vec<String>,
+    /// Names that are not this cache's files (another program's, a directory): left alone.
+    pub foreign: Vec<String>,
+}
+
+/// True for the names this cache writes: entries ([`entry_name`]:
+/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
+/// (`.<entry>.partial`, `.<entry>.evicted`).
+fn is_cache_file(name: &str) -> bool {
+    let entry = name
+        .strip_prefix('.')
+        .and_then(|n| {
+            n.strip_suffix(".partial")
+                .or_else(|| n.strip_suffix(".evicted"))
+        })
+        .unwrap_or(name);
+    let Some((shard, hash)) = entry.strip_suffix(".shard").and_then(|s| s.split_once('-')) else {
+        return false;
+    };
+    shard.len() >= 8
+        && shard.bytes().all(|b| b.is_ascii_digit())
+        && hash.len() == 16
+        && hash.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Room made for one shard; write [`Self::temp`], then commit or abort.
@@ -191,7 +213,12 @@ impl DiskCache {
         for e in std::fs::read_dir(dir).map_err(io)? {
             let e = e.map_err(io)?;
             let name = e.file_name().to_string_lossy().into_owned();
-            let len = e.metadata().map_err(io)?.len();
+            let meta = e.metadata().map_err(io)?;
+            if !meta.is_file() || !is_cache_file(&name) {
+                loaded.foreign.push(name); // a cache never deletes what it did not write
+                continue;
+            }
+            let len = meta.len();
             let shard = name.get(..8).and_then(|s| s.parse::<u32>().ok());
             let keep = shard.and_then(|s| expect(s).map(|want| (s, want)));
             match keep {

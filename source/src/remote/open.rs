@@ -302,6 +302,10 @@ fn open_cache(
     for f in &loaded.removed {
         tracing::info!(dataset = %name, file = %f, "removed a cache entry the manifest no longer names");
     }
+    for f in &loaded.foreign {
+        tracing::warn!(dataset = %name, dir = %root.join(name).display(), file = %f,
+            "not a cache file (left alone): give each dataset's cache a directory of its own");
+    }
     for f in &loaded.over_size {
         tracing::info!(dataset = %name, file = %f, cache_size = opts.cache_size,
             "removed a cache entry beyond cache_size (lowered since it was written)");

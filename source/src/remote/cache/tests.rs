@@ -117,7 +117,7 @@ fn a_restart_keeps_entries_the_manifest_still_names() {
             put(&mut c, s, &HashMap::new()).unwrap();
         }
     }
-    std::fs::write(dir.path().join(".00000009-x.shard.partial"), b"half").unwrap();
+    std::fs::write(dir.path().join(format!(".{}.partial", name(9))), b"half").unwrap();
     // Shard 1's object changed (another name); shard 2's file was truncated.
     std::fs::write(dir.path().join(name(2)), b"short").unwrap();
     let expect = |s: u32| match s {
@@ -135,6 +135,44 @@ fn a_restart_keeps_entries_the_manifest_still_names() {
     assert!(!hit.verified, "a kept entry is checked on its first serve");
     assert!(c.get(1).is_none() && c.get(2).is_none());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn files_the_cache_did_not_write_are_named_and_left_alone() {
+    let dir = tempdir();
+    let foreign = [
+        "s000.npy",
+        "00000001-notahexhash00.shard",
+        "notes.txt",
+        ".hidden",
+    ];
+    std::fs::create_dir_all(dir.path()).unwrap();
+    for f in foreign {
+        std::fs::write(dir.path().join(f), b"user data").unwrap();
+    }
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    std::fs::write(dir.path().join(format!(".{}.evicted", name(4))), b"old").unwrap();
+    let (_, loaded) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+    let mut named = loaded.foreign.clone();
+    named.sort();
+    assert_eq!(
+        named,
+        [
+            ".hidden",
+            "00000001-notahexhash00.shard",
+            "notes.txt",
+            "s000.npy",
+            "sub"
+        ]
+    );
+    assert_eq!(loaded.removed, [format!(".{}.evicted", name(4))]);
+    for f in foreign {
+        assert_eq!(
+            std::fs::read(dir.path().join(f)).unwrap(),
+            b"user data",
+            "{f}"
+        );
+    }
 }
 
 #[test]
