@@ -153,6 +153,33 @@ def test_a_second_epoch_is_served_from_the_cache_without_a_get_and_so_is_a_resta
     assert sorted(p.name for p in (cache / "ds").iterdir()) == entries
 
 
+def test_a_cache_entry_corrupted_on_disk_is_checked_when_the_node_asks_again_and_read_anew(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 6, 256 * 1024, seed=15)
+    url = upload(s3, s3_bucket, d)
+    cache = tmp_path / "cache"
+    src, node, batches = run_epochs(sw, url, s3_proxy.env(), "--cache-dir", cache, "--cache-size", "64MiB")
+    assert_exactly_once(batches, 6)
+    entries = sorted((cache / "ds").iterdir())
+    assert len(entries) == 6, entries
+    # A bit flips on the cache's disk after the entry was written and checked.
+    bad = entries[2]
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    bad.write_bytes(raw)
+    s3_proxy.reset_log()
+    # The node gets the corrupt bytes, finds the CRC wrong and asks again; the source checks
+    # the entry then, deletes it and reads the shard from the store (it served the same
+    # corrupt file again and again before: the epoch never ended).
+    batches = sw.consume(node, "ds", seed=2)
+    assert_exactly_once(batches, 6)
+    assert_byte_exact(batches, expected_crcs(d))
+    shard = int(bad.name[:8])
+    again = [e.path for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
+    assert again == [f"/{s3_bucket}/ds/s{shard:03d}.npy"], again
+    assert "failed its CRC check" in src.stderr_text()
+
+
 def test_a_cache_smaller_than_the_dataset_keeps_a_stable_slice_instead_of_churning(sw, s3, s3_bucket, s3_proxy, tmp_path):
     d = tmp_path / "ds"
     write_uint8_shards(d, 10, 1024 * 1024, seed=4)

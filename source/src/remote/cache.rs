@@ -313,8 +313,16 @@ impl DiskCache {
         }
     }
 
-    /// Deletes `shard`'s entry if it is still one not checked since a restart (it failed
-    /// its check; an entry written since, verified, stays).
+    /// `shard`'s entry is to be checked against its CRC again before its next serve (a node
+    /// asked for it again soon after it was served: it may have found it corrupt).
+    pub fn recheck(&mut self, shard: u32) {
+        if let Some(e) = self.entries.get_mut(&shard) {
+            e.verified = false;
+        }
+    }
+
+    /// Deletes `shard`'s entry if it is still one not checked since a restart or a
+    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays).
     pub fn remove_unverified(&mut self, shard: u32) {
         if self.entries.get(&shard).is_some_and(|e| !e.verified) {
             self.remove(shard);

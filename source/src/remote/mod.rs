@@ -15,7 +15,7 @@ pub mod read;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
@@ -52,7 +52,15 @@ struct State {
     prefetching: u64,
     /// Shards not to be read ahead again yet: their last read failed.
     backoff: prefetch::Backoff,
+    /// When each shard was last served from the disk cache, and to which node session.
+    cache_served: HashMap<u32, (u64, Instant)>,
 }
+
+/// A FETCH of a shard the same node session was served from the disk cache less than this
+/// long ago checks the entry's CRC again first: the node asks again when the bytes it got
+/// failed its CRC check, and a cache file corrupted on disk would otherwise be served again
+/// and again (the node refetching each time).
+const RECHECK_WITHIN: Duration = Duration::from_secs(30);
 
 /// One dataset served from object storage.
 pub struct RemoteDataset {
@@ -159,6 +167,7 @@ impl RemoteDataset {
         shard: u32,
     ) -> Result<(Body, Served), Failure> {
         self.state().hints.consumed_by_session(session, shard);
+        self.recheck_if_asked_again(session, shard);
         let mut waited = false;
         loop {
             if let Some(parts) = self.take_ready(shard) {
@@ -171,6 +180,11 @@ impl RemoteDataset {
             }
             if let Some(body) = self.cached(shard).await {
                 let how = if waited { Served::Read } else { Served::Cached };
+                let mut st = self.state();
+                let now = Instant::now();
+                st.cache_served
+                    .retain(|_, (_, at)| now - *at < RECHECK_WITHIN);
+                st.cache_served.insert(shard, (session, now));
                 return Ok((body, how));
             }
             if waited {
@@ -184,6 +198,20 @@ impl RemoteDataset {
                 Claim::Read(reading) => self.load(reading).await?,
                 Claim::Again => {}
             }
+        }
+    }
+
+    /// Marks `shard`'s cache entry to be checked again when node session `session` was
+    /// served it from the cache within [`RECHECK_WITHIN`] (see there).
+    fn recheck_if_asked_again(&self, session: u64, shard: u32) {
+        let (Some(cache), Some(&(to, at))) = (&self.cache, self.state().cache_served.get(&shard))
+        else {
+            return;
+        };
+        if to == session && at.elapsed() < RECHECK_WITHIN {
+            tracing::debug!(dataset = %self.name, shard, session,
+                "a node asked again for a shard it was just served from the cache; checking the entry's CRC");
+            cache.lock().expect("poisoned").recheck(shard);
         }
     }
 
@@ -211,8 +239,9 @@ impl RemoteDataset {
         Some(parts)
     }
 
-    /// The cached entry of `shard` as a payload; an entry kept over a restart is checked
-    /// against its CRC first (and deleted if it fails).
+    /// The cached entry of `shard` as a payload; an entry kept over a restart, or marked by
+    /// [`Self::recheck_if_asked_again`], is checked against its CRC first (and deleted if it
+    /// fails).
     async fn cached(&self, shard: u32) -> Option<Body> {
         let cache = self.cache.as_ref()?;
         let hit = cache.lock().expect("poisoned").get(shard)?;
@@ -227,7 +256,7 @@ impl RemoteDataset {
                 let found =
                     got.map_or_else(|e| format!("unreadable: {e}"), |crc| format!("{crc:#010x}"));
                 tracing::warn!(dataset = %self.name, shard, want = format_args!("{want:#010x}"), %found,
-                    "a cache entry kept over a restart failed its CRC check; deleted, reading the shard again");
+                    "a cache entry failed its CRC check (kept over a restart, or asked for again); deleted, reading the shard again");
                 c.remove_unverified(shard);
                 return None;
             }
