@@ -290,6 +290,27 @@ def test_corrupted_payloads_are_refetched(sw, tmp_path):
     assert node.status()["counters"]["crc_failures"] == 3
 
 
+def test_a_shard_whose_stored_bytes_differ_from_the_manifest_closes_the_stream_naming_it(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 64 * 1024, seed=6)
+    m = index_dataset(d)
+    # One byte of shard 2's file changes after indexing (same size): every copy the source
+    # sends fails the node's CRC check. The node fetched it again forever before, and the
+    # trainer waited without a word; now the stream closes after a few tries, naming it.
+    f = d / m["shards"][2]["file"]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01
+    f.write_bytes(raw)
+    src = sw.source({"c": d})
+    node = sw.serve([src], "--stream-memory", "16MiB", "--pool-size", "64MiB")
+    wait_ready(node)
+    c = sw.start_consume(node, "c", seed=4)
+    assert c.wait(timeout=60) != 0
+    text = c.describe()
+    assert "shard 2 of dataset c failed its CRC-32C check 5 times in a row" in text, text[-3000:]
+    assert node.status()["counters"]["crc_failures"] == 5
+
+
 # --- e. a trainer that stops reading: memory stays bounded ----------------------------------
 
 

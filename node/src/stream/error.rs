@@ -126,10 +126,34 @@ pub enum CloseReason {
         /// The failure.
         failure: FetchFailure,
     },
+    /// A shard's bytes failed their CRC check [`MAX_CRC_MISMATCHES`] times in a row: what
+    /// the sources hold differs from the manifest.
+    #[error(
+        "shard {shard} of dataset {dataset} failed its CRC-32C check {times} times in a row \
+         (last: {got:08x}, the manifest says {want:08x}): the sources' bytes differ from the \
+         manifest; re-run `shardwire index` if the data changed, else check the sources' disks"
+    )]
+    Corrupt {
+        /// The dataset.
+        dataset: String,
+        /// The shard's index in it.
+        shard: u32,
+        /// Mismatches in a row.
+        times: u32,
+        /// The last CRC received.
+        got: u32,
+        /// The manifest's CRC.
+        want: u32,
+    },
     /// A bug or an unexpected failure in the node.
     #[error("{0}")]
     Internal(String),
 }
+
+/// CRC mismatches in a row of one shard after which its stream closes ([`CloseReason::Corrupt`]):
+/// a payload damaged on the way is fetched again (from another source where one is up), but
+/// bytes that are wrong where they are stored would be fetched again forever.
+pub const MAX_CRC_MISMATCHES: u32 = 5;
 
 impl CloseReason {
     /// The code a trainer waiting on the stream gets.
@@ -139,7 +163,7 @@ impl CloseReason {
             Self::HttpIdle { .. } => ErrorCode::Timeout,
             Self::Shutdown => ErrorCode::Draining,
             Self::CannotShare(_) | Self::DoesNotFit { .. } => ErrorCode::NoMemory,
-            Self::ShardFailed { .. } => ErrorCode::DataUnavailable,
+            Self::ShardFailed { .. } | Self::Corrupt { .. } => ErrorCode::DataUnavailable,
             Self::Assembly { .. } | Self::Internal(_) => ErrorCode::Internal,
         }
     }

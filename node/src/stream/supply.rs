@@ -11,7 +11,7 @@
 //! will not change (an unknown shard or dataset, a bad request) ends the stream with the
 //! source's reason.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
@@ -20,7 +20,7 @@ use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use tokio::sync::{Notify, mpsc};
 
-use super::error::CloseReason;
+use super::error::{CloseReason, MAX_CRC_MISMATCHES};
 use super::hints::{HintTarget, Hints};
 use super::route::{self, Routing, Version};
 use crate::counters::Counters;
@@ -317,6 +317,8 @@ pub struct Fetches {
     rx: mpsc::UnboundedReceiver<Completion>,
     starved_since: Option<Instant>,
     hints: Hints,
+    /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
+    crc_streak: HashMap<u32, u32>,
 }
 
 impl Drop for Fetches {
@@ -337,6 +339,7 @@ impl Fetches {
             rx,
             starved_since: None,
             hints: Hints::default(),
+            crc_streak: HashMap::new(),
         }
     }
 
@@ -430,10 +433,27 @@ impl Fetches {
             Ok(()) => {
                 metrics::histogram!("shardwire_fetch_duration_seconds")
                     .record(c.issued.elapsed().as_secs_f64());
+                self.crc_streak.remove(&c.shard);
                 return Ok(Some(c.slab));
             }
             Err(f) => f,
         };
+        if let FetchFailure::Crc { got, want } = f {
+            let times = self.crc_streak.entry(c.shard).or_default();
+            *times += 1;
+            if *times >= MAX_CRC_MISMATCHES {
+                let (d, shard) = self.supply.source_of(c.shard);
+                let why = CloseReason::Corrupt {
+                    dataset: d.dataset.clone(),
+                    shard,
+                    times: *times,
+                    got,
+                    want,
+                };
+                tracing::error!(%why, "closing the stream");
+                return Err(why);
+            }
+        }
         if f.retry_class() == RetryClass::Fail {
             let (d, shard) = self.supply.source_of(c.shard);
             tracing::error!(dataset = %d.dataset, shard, failure = %f, "a fetch failed for good; closing the stream");
