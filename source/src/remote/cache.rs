@@ -1,9 +1,12 @@
 //! The source's disk cache of verified shards (`cache_dir`, bounded by `cache_size`): one
-//! file per shard, served with `sendfile` like a local dataset's files. Space goes to what the
-//! nodes' hints say is needed soonest: a shard is admitted if it fits, or if entries needed
-//! later than it (or never, as far as the hints say) can make room, and those go; otherwise it
-//! passes through uncached. So an epoch larger than the cache keeps the same cached slice
-//! from epoch to epoch instead of churning (an LRU cache would re-download all of it).
+//! file per shard, served with `sendfile` like a local dataset's files. A shard is admitted if it fits, or if cold entries can make room, and those go; otherwise
+//! it passes through uncached. An entry is cold when no node's hint names it and it was not
+//! served for a few times the dataset's shards in accesses ([`DiskCache::set_cold_after`]):
+//! an entry no hint names may still be needed beyond the hints' horizon (a few hundred shards
+//! ahead), later this epoch or the next, and evicting it would cost a GET then, while the
+//! shard it would make room for was read already. So an epoch larger than the cache keeps the
+//! same cached slice from epoch to epoch instead of churning (an LRU cache would re-download
+//! all of it), and the entries of shards nobody reads any more make way in time.
 //!
 //! Entries are named by what they hold (shard, and a hash of its object key, ETag, range and
 //! CRC), so after a restart an entry is kept only if the manifest still names the same bytes
@@ -90,6 +93,8 @@ struct Entry {
     len: u64,
     /// Checked against its CRC since it was written or loaded.
     verified: bool,
+    /// The cache's clock when it was last written or served.
+    last: u64,
 }
 
 /// What [`DiskCache::open`] found.
@@ -187,6 +192,10 @@ pub struct DiskCache {
     used: u64,
     entries: HashMap<u32, Entry>,
     reserved: HashMap<u32, u64>,
+    /// Accesses so far (every lookup and every reservation): the cache's clock.
+    clock: u64,
+    /// An entry no hint names and not served for more accesses than this is cold: it may go.
+    cold_after: u64,
 }
 
 impl DiskCache {
@@ -208,6 +217,8 @@ impl DiskCache {
             used: 0,
             entries: HashMap::new(),
             reserved: HashMap::new(),
+            clock: 0,
+            cold_after: u64::MAX,
         };
         let mut loaded = Loaded::default();
         for e in std::fs::read_dir(dir).map_err(io)? {
@@ -230,6 +241,7 @@ impl DiskCache {
                             name,
                             len,
                             verified: false,
+                            last: 0,
                         },
                     );
                     loaded.kept += 1;
@@ -285,7 +297,9 @@ impl DiskCache {
     /// behind the source's back) leaves the index, named in the log, so the shard is read
     /// and cached again instead of passing through uncached for good.
     pub fn get(&mut self, shard: u32) -> Option<Hit> {
-        let e = self.entries.get(&shard)?;
+        self.clock += 1;
+        let e = self.entries.get_mut(&shard)?;
+        e.last = self.clock;
         match File::open(self.dir.join(&e.name)) {
             Ok(file) => Some(Hit {
                 file,
@@ -299,6 +313,14 @@ impl DiskCache {
                 None
             }
         }
+    }
+
+    /// Entries no hint names become cold, and may be evicted, once they were not served for
+    /// `accesses` lookups and reservations (a few times the dataset's shards: an epoch serves
+    /// every shard once, so a cached shard of a dataset still trained on is never cold; the
+    /// entries of shards nobody reads any more are).
+    pub fn set_cold_after(&mut self, accesses: u64) {
+        self.cold_after = accesses;
     }
 
     /// Whether `shard` is cached or being written.
@@ -337,9 +359,11 @@ impl DiskCache {
         }
     }
 
-    /// Makes room for `shard` (`len` bytes, entry `name`), needed next at `next_use(shard)`
-    /// (`None`: no hint names it): evicts, latest next use first, only entries needed later
-    /// than it. `None` when it should pass through uncached.
+    /// Makes room for `shard` (`len` bytes, entry `name`): admits it if it fits, or if cold
+    /// entries (see [`Self::set_cold_after`]; no hint in `next_use` names them) can make room,
+    /// which go, least recently served first. `None` when it should pass through uncached:
+    /// evicting an entry that is still read would cost a GET when its turn comes, and this
+    /// shard was read already.
     pub fn reserve(
         &mut self,
         shard: u32,
@@ -347,31 +371,20 @@ impl DiskCache {
         len: u64,
         next_use: impl Fn(u32) -> Option<usize>,
     ) -> Option<Reservation> {
+        self.clock += 1;
         if self.holds(shard) || len > self.capacity {
             return None;
         }
-        let later = |a: Option<usize>, b: Option<usize>| match (a, b) {
-            (None, None) => false,
-            (None, Some(_)) => true,
-            (Some(_), None) => false,
-            (Some(x), Some(y)) => x > y,
-        };
-        let mine = next_use(shard);
         let mut evicted = Vec::new();
         if self.used + len > self.capacity {
-            let mut victims: Vec<(Option<usize>, u32, u64)> = self
+            let clock = self.clock;
+            let mut victims: Vec<(u64, u32, u64)> = self
                 .entries
                 .iter()
-                .map(|(&s, e)| (next_use(s), s, e.len))
-                .filter(|(u, _, _)| later(*u, mine))
+                .filter(|&(&s, e)| clock - e.last > self.cold_after && next_use(s).is_none())
+                .map(|(&s, e)| (e.last, s, e.len))
                 .collect();
-            // Latest next use first (no hint = latest of all).
-            victims.sort_by(|a, b| match (a.0, b.0) {
-                (None, None) => a.1.cmp(&b.1),
-                (None, Some(_)) => std::cmp::Ordering::Less,
-                (Some(_), None) => std::cmp::Ordering::Greater,
-                (Some(x), Some(y)) => y.cmp(&x),
-            });
+            victims.sort_unstable();
             let mut freed = 0;
             let need = self.used + len - self.capacity;
             for (_, s, l) in &victims {
@@ -436,6 +449,7 @@ impl DiskCache {
                 name: r.name,
                 len: r.len,
                 verified: true,
+                last: self.clock,
             },
         );
         Ok(())

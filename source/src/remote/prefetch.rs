@@ -96,7 +96,7 @@ impl RemoteDataset {
             let len = w.range.end - w.range.start;
             let in_memory = st.ready_bytes + st.prefetching + bytes + len;
             // The memory budget holds with a cache too: a shard the cache does not admit
-            // (needed later than what it holds, or a failed write) stays in memory.
+            // (the cache is full of entries still read, or a failed write) stays in memory.
             let room =
                 st.prefetching + bytes + len <= cap.max(len) && in_memory <= self.budget.max(len);
             if !room || bytes + len > self.store.options().request_size.max(len) {

@@ -46,36 +46,77 @@ fn put(c: &mut DiskCache, shard: u32, uses: &HashMap<u32, usize>) -> Option<Vec<
 }
 
 #[test]
-fn entries_needed_later_go_first_and_the_unhinted_before_them() {
+fn entries_still_read_stay_and_cold_ones_make_way_least_recently_served_first() {
     let dir = tempdir();
     let (mut c, _) = DiskCache::open(dir.path(), 300, |_| None).unwrap();
+    c.set_cold_after(10);
     let mut uses = HashMap::new();
     for s in 0..3 {
         assert_eq!(put(&mut c, s, &uses), Some(vec![]));
     }
-    // 0 is needed soon, 1 later, 2 never (as far as the hints say).
-    uses.extend([(0, 1), (1, 50), (3, 10)]);
+    // Full: a newcomer passes through, hinted or not, while nothing is cold.
+    uses.extend([(3, 1), (1, 50)]);
+    assert_eq!(put(&mut c, 3, &uses), None, "no entry is cold yet");
+    // 0 and 2 are served now and then; 1 is not, but a hint names it.
+    for _ in 0..12 {
+        c.get(0).unwrap();
+        c.get(2).unwrap();
+        assert!(c.get(9).is_none());
+    }
     assert_eq!(
         put(&mut c, 3, &uses),
-        Some(vec![2]),
-        "the unhinted entry goes first"
+        None,
+        "1 is hinted, 0 and 2 were just served"
     );
+    uses.remove(&1);
+    assert_eq!(put(&mut c, 3, &uses), Some(vec![1]), "1 is cold now");
+    for _ in 0..12 {
+        c.get(9);
+    }
+    c.get(2).unwrap();
     assert_eq!(
         put(&mut c, 4, &uses),
-        None,
-        "unhinted: passes through, evicts nothing"
+        Some(vec![0]),
+        "least recently served first"
     );
-    uses.insert(5, 5);
-    assert_eq!(
-        put(&mut c, 5, &uses),
-        Some(vec![1]),
-        "then the one needed latest"
-    );
-    assert!(c.holds(0) && c.holds(3) && c.holds(5) && !c.holds(1));
+    assert!(c.holds(2) && c.holds(3) && c.holds(4) && !c.holds(0) && !c.holds(1));
     assert_eq!(c.used(), 300);
-    let hit = c.get(5).unwrap();
+    let hit = c.get(4).unwrap();
     assert!(hit.verified);
     assert_eq!(hit.len, 100);
+}
+
+#[test]
+fn a_cache_larger_than_the_hints_horizon_keeps_its_slice_over_epochs() {
+    // 40 shards through a cache of 20, the hints naming only the next 4: the entries of the
+    // first epoch are beyond the horizon when the next epoch's reads come, and stay.
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 2000, |_| None).unwrap();
+    c.set_cold_after(8 * 40);
+    let mut hits = 0;
+    for epoch in 0..4u32 {
+        for i in 0..40u32 {
+            let s = (i * 7 + epoch * 13) % 40; // another order each epoch
+            let uses: HashMap<u32, usize> =
+                (0..4).map(|k| ((s + k * 7) % 40, k as usize)).collect();
+            if c.get(s).is_some() {
+                hits += u32::from(epoch > 0);
+            } else {
+                let _ = put(&mut c, s, &uses);
+            }
+        }
+    }
+    assert_eq!(hits, 60, "epochs 2 to 4 each hit the 20 cached shards");
+    // Then a job reads only shards 40..60 (another part of the dataset): the old entries go
+    // cold and make way.
+    for _ in 0..20 {
+        for s in 40..60u32 {
+            if c.get(s).is_none() {
+                let _ = put(&mut c, s, &HashMap::from([(s, 0)]));
+            }
+        }
+    }
+    assert!((40..60).all(|s| c.holds(s)), "the new part is cached");
 }
 
 #[test]
@@ -227,9 +268,10 @@ fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
 fn an_evicted_file_is_renamed_aside_under_the_lock_and_deleted_after() {
     let dir = tempdir();
     let (mut c, _) = DiskCache::open(dir.path(), 200, |_| None).unwrap();
-    put(&mut c, 0, &HashMap::new()).unwrap();
+    c.set_cold_after(0);
     put(&mut c, 1, &HashMap::new()).unwrap();
-    let uses = HashMap::from([(0, 5), (1, 9), (2, 1)]);
+    put(&mut c, 0, &HashMap::new()).unwrap();
+    let uses = HashMap::from([(2, 1)]);
     let r = c
         .reserve(2, name(2), 100, |s| uses.get(&s).copied())
         .unwrap();
