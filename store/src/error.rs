@@ -209,6 +209,10 @@ pub(crate) struct Attempt {
     pub status: Option<u16>,
     /// The parsed `Retry-After`.
     pub retry_after: Option<Duration>,
+    /// The response came from a credential service (instance metadata, STS, an OAuth token
+    /// endpoint), which object_store asked before the store: its refusal is a credentials
+    /// failure, though object_store reports it without a status.
+    pub credential: bool,
 }
 
 /// Where a request went: for the error's fields.
@@ -240,6 +244,13 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             key,
             reason: short(&e),
         },
+        (_, Some(400 | 401 | 403)) if last.is_some_and(|a| a.credential) => {
+            StoreError::Credentials {
+                bucket,
+                key,
+                reason: short(&e),
+            }
+        }
         (_, Some(429 | 503)) => StoreError::Throttled {
             bucket,
             key,
@@ -335,7 +346,29 @@ mod tests {
         Attempt {
             status: Some(status),
             retry_after,
+            credential: false,
         }
+    }
+
+    #[test]
+    fn a_credential_service_that_refuses_is_a_credentials_failure_not_an_outage() {
+        let from_sts = |status| Attempt {
+            status,
+            retry_after: None,
+            credential: true,
+        };
+        for status in [400, 401, 403] {
+            let e = classify(generic(), Some(&from_sts(Some(status))), at());
+            assert_eq!(e.kind(), StoreErrorKind::Credentials, "{status}: {e}");
+        }
+        // Not reached, or failing itself: may pass; the node asks again.
+        for status in [None, Some(500)] {
+            let e = classify(generic(), Some(&from_sts(status)), at());
+            assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{status:?}: {e}");
+        }
+        // The same 400 from the store itself is no credentials failure.
+        let e = classify(generic(), Some(&with(400, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
     }
 
     #[test]

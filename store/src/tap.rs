@@ -76,6 +76,18 @@ impl Call {
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(Attempt {
             status,
             retry_after,
+            credential: false,
+        });
+    }
+
+    /// Notes a credential service's answer to a request made for this call: it neither
+    /// throttles the bucket's window nor counts as the store's, but a refusal names the
+    /// call's failure ([`Attempt::credential`]).
+    fn record_credential(&self, status: Option<u16>) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(Attempt {
+            status,
+            retry_after: None,
+            credential: true,
         });
     }
 }
@@ -101,11 +113,19 @@ struct Tap {
 impl HttpService for Tap {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         // A credential service's answers are not the bucket's: they neither throttle its
-        // window nor name a store request's failure.
-        let call = CALL
-            .try_with(Arc::clone)
-            .ok()
-            .filter(|_| !credential_host(req.uri().host().unwrap_or("")));
+        // window nor count as the store's; only a refusal names the call's failure.
+        let current = CALL.try_with(Arc::clone).ok();
+        if credential_host(req.uri().host().unwrap_or("")) {
+            let res = self.inner.execute(req).await.map(|r| r.map(Capped::wrap));
+            let status = res.as_ref().ok().map(|r| r.status().as_u16());
+            let label = status.map_or_else(|| "error".to_owned(), |s| s.to_string());
+            metrics::counter!(m::REQUESTS, "op" => "credentials", "status" => label).increment(1);
+            if let Some(c) = &current {
+                c.record_credential(status);
+            }
+            return res;
+        }
+        let call = current;
         let op = call.as_ref().map_or("other", |c| c.op);
         let again = call
             .as_ref()
