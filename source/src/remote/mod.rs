@@ -54,6 +54,9 @@ struct State {
     backoff: prefetch::Backoff,
     /// When each shard was last served from the disk cache, and to which node session.
     cache_served: HashMap<u32, (u64, Instant)>,
+    /// FETCHes under way per shard: a shard read for one is not dropped from memory as
+    /// unhinted (its hint was consumed when the FETCH came) before the FETCH takes it.
+    wanted: HashMap<u32, usize>,
 }
 
 /// A FETCH of a shard the same node session was served from the disk cache less than this
@@ -166,7 +169,15 @@ impl RemoteDataset {
         session: u64,
         shard: u32,
     ) -> Result<(Body, Served), Failure> {
-        self.state().hints.consumed_by_session(session, shard);
+        {
+            let mut st = self.state();
+            st.hints.consumed_by_session(session, shard);
+            *st.wanted.entry(shard).or_default() += 1;
+        }
+        let _wanted = Wanted {
+            dataset: self,
+            shard,
+        };
         self.recheck_if_asked_again(session, shard);
         let mut waited = false;
         loop {
@@ -420,6 +431,24 @@ async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
         // The reader went away without an outcome (its task dropped or panicked; its
         // `Registered` took the shard out of `loading`): read again.
         Err(_) => Ok(()),
+    }
+}
+
+/// A FETCH of `shard` under way ([`State::wanted`]), counted until it ends however it ends.
+struct Wanted<'a> {
+    dataset: &'a RemoteDataset,
+    shard: u32,
+}
+
+impl Drop for Wanted<'_> {
+    fn drop(&mut self) {
+        let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = st.wanted.get_mut(&self.shard) {
+            *n -= 1;
+            if *n == 0 {
+                st.wanted.remove(&self.shard);
+            }
+        }
     }
 }
 

@@ -108,13 +108,14 @@ impl RemoteDataset {
         (!group.is_empty()).then(|| self.begin(&mut st, group, true))
     }
 
-    /// Drops shards held in memory that no hint names (their stream went away).
+    /// Drops shards held in memory that no hint names (their stream went away) and no FETCH
+    /// under way waits for.
     fn drop_unhinted(&self, st: &mut State) {
         let stale: Vec<u32> = st
             .ready
             .keys()
             .copied()
-            .filter(|&s| st.hints.next_use(s).is_none())
+            .filter(|&s| st.hints.next_use(s).is_none() && !st.wanted.contains_key(&s))
             .collect();
         for s in stale {
             if st.ready_bytes > self.budget / 2 {
