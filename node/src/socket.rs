@@ -275,19 +275,28 @@ impl Conn<'_> {
                 timeout_ms,
                 count,
             } => {
-                match release.iter().try_for_each(|l| {
-                    s.take_lease(*l)
-                        .map(|slab| self.released.push(slab))
-                        .ok_or(*l)
-                }) {
-                    Err(l) => match s.closed_reason() {
+                // Every lease held is released, whatever else the list holds: the trainer
+                // has let go of all of them.
+                let unknown: Vec<u64> = release
+                    .iter()
+                    .filter(|&&l| match s.take_lease(l) {
+                        Some(slab) => {
+                            self.released.push(slab);
+                            false
+                        }
+                        None => true,
+                    })
+                    .copied()
+                    .collect();
+                match unknown.first() {
+                    Some(_) => match s.closed_reason() {
                         Some(why) => error(why.code(), why.to_string()),
                         None => error(
                             ErrorCode::UnknownLease,
-                            format!("lease {l} (in {release:?}) is not held by this stream"),
+                            unknown_leases(&unknown, release.len()),
                         ),
                     },
-                    Ok(()) => {
+                    None => {
                         let timeout = timeout_ms.map(Duration::from_millis);
                         let Some(n) = wait::next_batch(&s, &self.sock, timeout, &mut self.released)
                         else {
@@ -438,6 +447,20 @@ impl Conn<'_> {
             );
         }
     }
+}
+
+/// The message for `unknown` leases of a release list of `of` (at most 8 named: the list may
+/// be long, and the answer must fit a frame).
+fn unknown_leases(unknown: &[u64], of: usize) -> String {
+    let named = &unknown[..unknown.len().min(8)];
+    let more = match unknown.len() - named.len() {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    format!(
+        "lease(s) {named:?}{more} are not held by this stream; the other {} of the {of} released were released",
+        of - unknown.len()
+    )
 }
 
 /// A blocking socket call that ran out its `SO_SNDTIMEO`/`SO_RCVTIMEO`.

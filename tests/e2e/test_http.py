@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -170,6 +171,16 @@ def test_next_times_out_when_the_source_stalls(procs: Procs, tmp_path: pathlib.P
         # the raw API answers 204 No Content on a timeout
         st, body, _ = http(serve.admin, "POST", f"/v1/streams/{s.info.stream}/next?timeout_ms=0", b"")
         assert (st, body) == (204, b"")
+        # A `next` behind another one of the same stream keeps its own timeout: it waited out
+        # the whole wait of the one in front before.
+        path = f"/v1/streams/{s.info.stream}/next"
+        front = threading.Thread(target=http, args=(serve.admin, "POST", path + "?timeout_ms=8000", b""), daemon=True)
+        front.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        st, body, _ = http(serve.admin, "POST", path + "?timeout_ms=500", b"")
+        assert (st, body) == (204, b"") and time.monotonic() - t0 < 3, time.monotonic() - t0
+        front.join(15)
 
 
 # --- the raw API -----------------------------------------------------------------------------

@@ -230,3 +230,20 @@ def test_stateful_dataloader_resumes_a_token_mixture_exactly(sw, tmp_path, worke
     dl2 = loader()
     dl2.load_state_dict(sd)
     assert head + [firsts(b) for b in dl2] == full
+
+
+def test_a_mixture_naming_too_many_or_the_same_dataset_twice_is_refused_before_any_manifest_is_fetched(node):
+    from sdk_harness import http_json
+
+    # 300 entries fit the 64 KiB HTTP body; the node once fetched a manifest per entry,
+    # one after another, holding them all (about 37,000 fit a socket frame).
+    for mix, says in (
+        ([{"dataset": "web", "weight": 1}] * 300, "mix names 300 datasets; at most 256"),
+        ([{"dataset": "web", "weight": 1}, {"dataset": "web", "weight": 2}], 'mix names "web" twice'),
+        ([{"dataset": "web", "weight": 0}], 'mix weight 0 of "web" must be a positive number'),
+    ):
+        st, v = http_json(node.admin, "POST", "/v1/streams", {"mix": mix, "batch_size": 8})
+        assert st == 400 and v["code"] == "bad_request" and says in v["message"], (st, v)
+    # The node serves on.
+    with shardwire.connect(node.socket).open_stream({"web": 0.5, "code": 0.5}, batch_size=8) as s:
+        assert s.next(timeout=30) is not None

@@ -23,6 +23,19 @@ from shardwire import _wire  # noqa: E402
 SHARDS = 16
 
 
+def attach(node, dataset: str) -> _wire.Conn:
+    """A raw trainer connection attached to a shard-mode stream of `dataset` (one epoch)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(node.socket))
+    conn = _wire.Conn(s)
+    conn.send({"op": "attach", "version": 1, "dataset": dataset, "epochs": 1})
+    msg, fds = conn.recv(want_fds=True)
+    _wire._close_fds(fds)
+    assert msg["op"] == "attached", msg
+    return conn
+
+
 def answer(conn: _wire.Conn) -> list[dict]:
     """Every batch of one answer: up to the first without `more`."""
     group = [conn.recv_reply()]
@@ -38,15 +51,8 @@ def test_an_answer_stops_adding_shards_once_leases_take_a_quarter_of_the_region(
     index_dataset(d)
     node = sw.serve([sw.source({"big": d})], "--pool-size", "64MiB", "--stream-memory", "8MiB")
     wait_ready(node)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(str(node.socket))
-    conn = _wire.Conn(s)
+    conn = attach(node, "big")
     try:
-        conn.send({"op": "attach", "version": 1, "dataset": "big", "epochs": 1})
-        msg, fds = conn.recv(want_fds=True)
-        _wire._close_fds(fds)
-        assert msg["op"] == "attached", msg
         seen, release = [], ()
         while True:
             # Let the fetch-ahead fill the region before each request: every slab the last
@@ -70,5 +76,29 @@ def test_an_answer_stops_adding_shards_once_leases_take_a_quarter_of_the_region(
             seen += [m["shard"] for m in group]
             release = tuple(m["lease"] for m in group)
         assert sorted(seen) == list(range(SHARDS))
+    finally:
+        conn.close()
+
+
+def test_a_release_list_with_an_unknown_lease_releases_every_held_one_and_names_the_unknown(sw, tmp_path):
+    d = tmp_path / "small"
+    write_npy_dataset(d, {f"s{i:02d}": np.full(1000, i, np.uint8) for i in range(6)})
+    index_dataset(d)
+    node = sw.serve([sw.source({"small": d})], "--pool-size", "64MiB", "--stream-memory", "8MiB")
+    wait_ready(node)
+    conn = attach(node, "small")
+    try:
+        wait_for(lambda: node.status()["streams"][0]["ready"] >= 3, "three shards ready", diag=sw.logs_of_all)
+        conn.send_bytes(_wire.encode_next((), 3))
+        group = answer(conn)
+        held = [m["lease"] for m in group]
+        assert len(held) == 3, group
+        # The node once stopped at the unknown lease: the ones after it stayed leased while
+        # the trainer took them for released, and the answer echoed the whole list.
+        conn.send_bytes(_wire.encode_next((held[0], 999_999, held[1], held[2]), 1))
+        err = conn.recv_reply()
+        assert err["op"] == "error" and err["code"] == "unknown_lease", err
+        assert "[999999] are not held by this stream; the other 3 of the 4 released were released" in err["message"], err
+        wait_for(lambda: node.status()["streams"][0]["leased"] == 0, "every held lease released", diag=sw.logs_of_all)
     finally:
         conn.close()

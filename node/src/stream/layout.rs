@@ -120,17 +120,18 @@ impl Layout {
     }
 
     /// The most bytes a batch of `batch` samples takes (exact without ragged tensors; with
-    /// them, as if every row were the longest, plus the offsets).
+    /// them, as if every row were the longest, plus the offsets); `u64::MAX` where that overflows (no region holds it).
     pub fn max_batch_bytes(&self, batch: u32) -> u64 {
         let b = u64::from(batch);
-        let bytes = self.tensors.iter().fold(0u64, |off, t| {
-            let values = (off + t.row_bytes * b).next_multiple_of(TENSOR_ALIGN);
+        let aligned = |x: Option<u64>| x?.checked_next_multiple_of(TENSOR_ALIGN);
+        let bytes = self.tensors.iter().try_fold(0u64, |off, t| {
+            let values = aligned(t.row_bytes.checked_mul(b)?.checked_add(off))?;
             match t.ragged {
-                true => (values + (b + 1) * 8).next_multiple_of(TENSOR_ALIGN),
-                false => values,
+                true => aligned(values.checked_add((b + 1) * 8)),
+                false => Some(values),
             }
         });
-        bytes.max(1)
+        bytes.map_or(u64::MAX, |n| n.max(1))
     }
 
     /// Bytes of one sample (all tensors).
@@ -168,6 +169,13 @@ mod tests {
         assert_eq!(l.shard_rows, vec![10, 4]);
         assert_eq!((l.tensors[1].row_bytes, l.sample_bytes()), (12, 20));
         assert_eq!(l.max_batch_bytes(5), 128);
+        let mut wide = l.clone();
+        wide.tensors[1].row_bytes = u64::MAX / 2;
+        assert_eq!(
+            wide.max_batch_bytes(4),
+            u64::MAX,
+            "overflow: as large as can be"
+        );
     }
 
     #[test]

@@ -75,6 +75,11 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             shardwire_protocol::wire::check_dataset_name(&e.dataset)
                 .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))?;
         }
+        // Count, duplicates and weights before any manifest is fetched.
+        let names: Vec<&str> = mix.iter().map(|e| e.dataset.as_str()).collect();
+        let weights: Vec<f64> = mix.iter().map(|e| e.weight).collect();
+        shardwire_protocol::samples::mix::fixed_weights(&names, &weights)
+            .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))?;
         return Ok(());
     }
     // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
@@ -309,6 +314,24 @@ fn resume_batches(
     Ok(u64::from(st.epoch) * steps + st.index)
 }
 
+/// Refuses a batch larger than the region before its slab class is computed (a batch of
+/// `u64::MAX` bytes is one whose size overflowed: `batch_size` times the sample).
+pub(super) fn check_batch_fits(batch_bytes: u64, region_bytes: u64) -> Result<(), OpenError> {
+    if batch_bytes <= region_bytes {
+        return Ok(());
+    }
+    let size = match batch_bytes {
+        u64::MAX => "more than 2^64 bytes".to_owned(),
+        n => format!("{n} bytes"),
+    };
+    Err(OpenError::new(
+        ErrorCode::NoMemory,
+        format!(
+            "one batch takes {size}, more than the stream's whole region (stream_memory {region_bytes} bytes); lower batch_size (or seq_len), or raise stream_memory"
+        ),
+    ))
+}
+
 /// Checks that the region holds what the rank reads at once: the current block of each
 /// partition it reads, plus the batch its trainer holds and [`READY_AHEAD`] assembled ones;
 /// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
@@ -318,6 +341,7 @@ fn check_window(
     batch_bytes: u64,
     region_bytes: u64,
 ) -> Result<usize, OpenError> {
+    check_batch_fits(batch_bytes, region_bytes)?;
     let o = &plan.order;
     let (c, w) = (o.partitions, plan.world_size);
     let concurrent = u64::from(if c % w == 0 { c / w } else { 1 });

@@ -245,6 +245,7 @@ fn check_window(
     batch_bytes: u64,
     region_bytes: u64,
 ) -> Result<usize, OpenError> {
+    super::open::check_batch_fits(batch_bytes, region_bytes)?;
     let max_class = max_class(m);
     let shards: u64 = mix
         .parts

@@ -104,14 +104,19 @@ impl TokenMode {
         self.seq_len + 1
     }
 
-    /// Bytes of a batch of `b` windows.
+    /// Bytes of a batch of `b` windows (`u64::MAX` where that overflows: no region holds
+    /// it, and the stream is refused as too large).
     pub fn batch_bytes(&self, b: u32) -> u64 {
-        let cells = u64::from(b) * self.width();
-        let tokens = (cells * self.out.size()).next_multiple_of(TENSOR_ALIGN);
-        match self.boundaries {
-            true => tokens + (cells * 4).next_multiple_of(TENSOR_ALIGN),
-            false => tokens,
-        }
+        let aligned = |x: Option<u64>| x?.checked_next_multiple_of(TENSOR_ALIGN);
+        let bytes = || {
+            let cells = u64::from(b).checked_mul(self.width())?;
+            let tokens = aligned(cells.checked_mul(self.out.size()))?;
+            match self.boundaries {
+                true => tokens.checked_add(aligned(cells.checked_mul(4))?),
+                false => Some(tokens),
+            }
+        };
+        bytes().unwrap_or(u64::MAX)
     }
 }
 

@@ -35,10 +35,20 @@ pub enum MixError {
     Datasets(String),
 }
 
+/// Most datasets one mixture names: each is a manifest the node fetches and holds while the
+/// stream opens.
+pub const MAX_MIX_DATASETS: usize = 256;
+
 /// Normalised fixed-point weights (sum exactly [`ONE`]) of positive `weights`.
 pub fn fixed_weights(names: &[&str], weights: &[f64]) -> Result<Vec<i128>, MixError> {
     if names.is_empty() {
         return Err(MixError::Datasets("mix names no dataset".into()));
+    }
+    if names.len() > MAX_MIX_DATASETS {
+        return Err(MixError::Datasets(format!(
+            "mix names {} datasets; at most {MAX_MIX_DATASETS}",
+            names.len()
+        )));
     }
     for (i, n) in names.iter().enumerate() {
         if names[..i].contains(n) {
@@ -168,6 +178,11 @@ mod tests {
                 .contains("twice")
         );
         assert!(fixed_weights(&[], &[]).is_err());
+        let many: Vec<String> = (0..=MAX_MIX_DATASETS).map(|i| format!("d{i}")).collect();
+        let names: Vec<&str> = many.iter().map(String::as_str).collect();
+        let e = fixed_weights(&names, &vec![1.0; names.len()]).unwrap_err();
+        assert_eq!(e.to_string(), "mix names 257 datasets; at most 256");
+        assert!(fixed_weights(&names[1..], &vec![1.0; names.len() - 1]).is_ok());
         // Huge weights keep their proportions.
         let q = fixed_weights(&["a", "b"], &[1e308, 1e308]).unwrap();
         assert_eq!(q, vec![ONE / 2, ONE / 2]);

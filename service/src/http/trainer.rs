@@ -315,7 +315,14 @@ async fn next(
     let s = api.stream(id)?;
     let busy = Busy::new(&s);
     let t = Instant::now();
-    let mut slot = Arc::clone(&s.slot).lock_owned().await;
+    // Behind another `next` of the stream for at most this one's own timeout (then 204, as
+    // any wait that runs out): not for the whole wait of the one in front.
+    let wait_turn = Duration::from_millis(timeout);
+    let Ok(mut slot) = tokio::time::timeout(wait_turn, Arc::clone(&s.slot).lock_owned()).await
+    else {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    };
+    let timeout = timeout.saturating_sub(t.elapsed().as_millis() as u64);
     let outcome = match slot.take() {
         Some(b) => Outcome::Batch(b),
         // A ready batch is taken right here; only a wait goes to a blocking thread.

@@ -188,3 +188,23 @@ fn widening_extends_sign_and_zero() {
     widen_into(w, &[0xff, 0xff], &mut out);
     assert_eq!(i32::from_le_bytes(out), 65535);
 }
+
+#[test]
+fn a_batch_whose_size_overflows_is_as_large_as_can_be_and_refused() {
+    let m = manifest(vec![shard(&[("ids", DType::Int32, &[3, 4])])]);
+    let (_, mode) = TokenMode::of(&m, &request(2), 2).unwrap();
+    assert_eq!(
+        mode.batch_bytes(2),
+        64,
+        "2 windows of 3 int32 tokens, aligned"
+    );
+    let (_, huge) = TokenMode::of(&m, &request(2), (1 << 62) - 1).unwrap();
+    // (2^62 tokens) x 4 bytes wrapped to 0 before: a tiny slab passed the memory check.
+    assert_eq!(huge.batch_bytes(u32::MAX), u64::MAX);
+    let e = crate::stream::open::check_batch_fits(u64::MAX, 64 << 20).unwrap_err();
+    assert!(
+        e.message.contains("more than 2^64 bytes") && e.message.contains("lower batch_size"),
+        "{e}"
+    );
+    assert!(crate::stream::open::check_batch_fits(64, 64).is_ok());
+}
