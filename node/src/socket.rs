@@ -63,7 +63,9 @@ fn accept_loop(node: &Arc<Node>, listener: &UnixListener, shutdown: &watch::Rece
         let s = match conn {
             Ok(s) => s,
             Err(e) => {
+                // Out of fds, say: a pause, not a spin (as the HTTP server does).
                 tracing::warn!(error = %e, "trainer accept failed");
+                std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
@@ -81,16 +83,23 @@ fn accept_loop(node: &Arc<Node>, listener: &UnixListener, shutdown: &watch::Rece
             let _ = reply(&s, &error(ErrorCode::TooManyConnections, msg), &[]);
             continue; // dropping `s` closes it; the trainer reads the refusal first
         }
-        let (node, active) = (Arc::clone(node), Arc::clone(&active));
+        // Given back however the thread ends (or if it cannot start).
+        let (node, slot) = (Arc::clone(node), Slot(Arc::clone(&active)));
         let spawned = std::thread::Builder::new()
             .name("sw-trainer".into())
-            .spawn(move || {
-                serve(&node, s);
-                active.fetch_sub(1, Ordering::AcqRel);
-            });
+            .spawn(move || serve(&node, s, slot));
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start a trainer thread");
         }
+    }
+}
+
+/// One of the `trainer_max_connections` slots, taken by a connection until it is dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -128,19 +137,21 @@ fn linger_for_the_request(sock: &UnixStream) {
 }
 
 /// Whether the peer's uid/gid may use the node (`allowed_uids`, `allowed_gids`); a refused
-/// peer gets the reason before the connection closes.
-fn peer_allowed(node: &Node, sock: &UnixStream) -> bool {
+/// peer gives its connection slot back, then gets the reason before the connection closes
+/// (so peers refused in a loop cannot crowd out allowed trainers).
+fn peer_allowed(node: &Node, sock: &UnixStream, slot: Slot) -> Option<Slot> {
     let cred = match rustix::net::sockopt::socket_peercred(sock) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "SO_PEERCRED failed; refusing the trainer");
-            return false;
+            return None;
         }
     };
     let (uid, gid) = (cred.uid.as_raw(), cred.gid.as_raw());
     if node.info().cfg.peer_allowed(uid, gid) {
-        return true;
+        return Some(slot);
     }
+    drop(slot);
     tracing::warn!(
         uid,
         gid,
@@ -153,7 +164,7 @@ fn peer_allowed(node: &Node, sock: &UnixStream) -> bool {
     let _ = reply(sock, &error(ErrorCode::Forbidden, msg), &[]);
     metrics::counter!("shardwire_trainer_refused_total", "reason" => "peer").increment(1);
     linger_for_the_request(sock);
-    false
+    None
 }
 
 /// One trainer connection.
@@ -172,10 +183,10 @@ struct Conn<'a> {
     batch_encoding: BatchEncoding,
 }
 
-fn serve(node: &Arc<Node>, sock: UnixStream) {
-    if !peer_allowed(node, &sock) {
+fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
+    let Some(_slot) = peer_allowed(node, &sock, slot) else {
         return;
-    }
+    };
     // Registered once per connection: recording on a handle is a few atomic adds.
     let next_latency =
         metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "socket");
@@ -245,8 +256,16 @@ fn serve(node: &Arc<Node>, sock: UnixStream) {
             }
         }
     }
-    if let Some(s) = c.stream.take() {
-        node.close_stream(s.id(), CloseReason::TrainerDisconnected);
+}
+
+impl Drop for Conn<'_> {
+    /// The connection's stream closes with it, however it ends (a panic included): its
+    /// memory and leases go back.
+    fn drop(&mut self) {
+        if let Some(s) = self.stream.take() {
+            self.node
+                .close_stream(s.id(), CloseReason::TrainerDisconnected);
+        }
     }
 }
 

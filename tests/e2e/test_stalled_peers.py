@@ -96,6 +96,28 @@ def test_a_refused_trainer_that_trickles_bytes_is_closed_on_time(sw, tmp_path):
     )
 
 
+def test_refused_trainers_do_not_take_the_connection_slots_of_allowed_ones(sw, tmp_path):
+    src = sw.source({"f": _dataset(tmp_path)})
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("allowed_uids = [12345]\ntrainer_max_connections = 2\n")  # root is refused
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    held = []
+    try:
+        # Refused peers that stay connected (the node lingers up to 2 s reading each): they
+        # once kept their slots meanwhile, so a third connection was refused as one too many.
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5.0)
+            s.connect(str(node.socket))
+            held.append(s)
+            refusal = F.parse_trainer_frames(s.recv(65536))
+            assert refusal and refusal[0].get("code") == "forbidden", refusal
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw, tmp_path):
     d = tmp_path / "big"
     write_uint8_shards(d, 1, 32 << 20, seed=3)
