@@ -176,7 +176,7 @@ struct Conn<'a> {
     /// Slabs of released leases: freed after the answer is out (freeing takes the region's
     /// locks, and the trainer is busy with the answer by then), or before a `next` that has
     /// to wait ([`wait::next_batch`]).
-    released: Vec<Slab>,
+    released: Vec<Arc<Slab>>,
     /// The attach asked for `state` in every batch reply.
     batch_state: bool,
     /// How the attach asked for batch replies to be encoded.

@@ -5,6 +5,7 @@
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shardwire_gpu::Slab;
@@ -23,7 +24,7 @@ pub fn next_batch(
     s: &Stream,
     sock: &UnixStream,
     timeout: Option<Duration>,
-    released: &mut Vec<Slab>,
+    released: &mut Vec<Arc<Slab>>,
 ) -> Option<Next> {
     let n = s.next(Some(Duration::ZERO));
     if !matches!(n, Next::Timeout) || timeout == Some(Duration::ZERO) {

@@ -138,7 +138,9 @@ pub const ANSWER_LEASE_SHARE: usize = 4;
 struct Inner {
     /// Ready batches by slot.
     reorder: Reorder<Ready>,
-    leases: HashMap<u64, Slab>,
+    /// Shared with an HTTP tensor copy in progress ([`Stream::read_leased`]): a release
+    /// during it frees the memory when the copy ends.
+    leases: HashMap<u64, Arc<Slab>>,
     closed: Option<CloseReason>,
 }
 
@@ -312,7 +314,7 @@ impl Stream {
     /// limits batch mode: only batches over 1/8 of the region each, or ones assembled while
     /// the answer is written).
     pub fn leases_leave_room(&self) -> bool {
-        let leased: usize = self.lock().leases.values().map(Slab::capacity).sum();
+        let leased: usize = self.lock().leases.values().map(|s| s.capacity()).sum();
         leased <= self.pool.capacity() / ANSWER_LEASE_SHARE
     }
 
@@ -439,7 +441,7 @@ impl Stream {
             if let Some((slot, ready)) = i.reorder.take() {
                 account(waited_since);
                 let batch = self.lease(self.kind.position(slot), &ready);
-                i.leases.insert(batch.lease, ready.slab);
+                i.leases.insert(batch.lease, Arc::new(ready.slab));
                 if matches!(self.kind, Kind::Batches(_)) {
                     self.taken.notify_one();
                 }
@@ -513,11 +515,11 @@ impl Stream {
 
     /// A copy of `length` bytes at region offset `offset`, read from leased batch `lease`;
     /// None if this stream does not hold that lease or the range is not inside its slab.
-    /// (The HTTP trainer API serves tensor bytes with this; the lock keeps the lease, and so
-    /// the bytes, from being released while they are copied.)
+    /// (The HTTP trainer API serves tensor bytes with this. The copy runs outside the
+    /// stream's lock, which the node's runtime threads take: it holds the slab itself, so
+    /// a release meanwhile frees the memory only when the copy is done.)
     pub fn read_leased(&self, lease: u64, offset: u64, length: u64) -> Option<Vec<u8>> {
-        let i = self.lock();
-        let slab = i.leases.get(&lease)?;
+        let slab = Arc::clone(self.lock().leases.get(&lease)?);
         let start = usize::try_from(offset).ok()?.checked_sub(slab.offset())?;
         slab.read(start, usize::try_from(length).ok()?).ok()
     }
@@ -529,7 +531,7 @@ impl Stream {
 
     /// Ends a lease and hands back its slab, whose memory returns to the region when the
     /// caller drops it (the trainer socket does that after it has answered); None if unknown.
-    pub fn take_lease(&self, lease: u64) -> Option<Slab> {
+    pub fn take_lease(&self, lease: u64) -> Option<Arc<Slab>> {
         self.lock().leases.remove(&lease)
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod bindings;
+mod copies;
 pub mod error;
 pub mod prom;
 pub mod server;

@@ -34,6 +34,7 @@ use shardwire_protocol::trainer::http::{
 use shardwire_protocol::trainer::{ErrorCode, StreamState, TensorView};
 use tokio::sync::oneshot;
 
+use super::copies::{COPY_BUDGET, COPY_WAIT, Copies, CopyBody};
 use super::error::ApiError;
 /// An HTTP stream with no request for this long is closed (overridable per stream).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -52,6 +53,7 @@ pub fn router(node: Arc<Node>) -> Router {
         node,
         streams: Mutex::new(HashMap::new()),
         leases: Mutex::new(HashMap::new()),
+        copies: Copies::new(),
     });
     spawn_reaper(&api);
     Router::new()
@@ -85,6 +87,8 @@ struct Api {
     streams: Mutex<HashMap<u64, Arc<HttpStream>>>,
     /// Leases handed out over HTTP: lease -> (stream, tensors).
     leases: Mutex<HashMap<u64, Lease>>,
+    /// Room for tensor copies in flight.
+    copies: Copies,
 }
 
 struct Lease {
@@ -394,6 +398,15 @@ async fn tensor(
     };
     let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
     let _busy = Busy::new(&s);
+    let Some(room) = api.copies.room(t.length, COPY_WAIT).await else {
+        return Err(ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "tensor `{name}` of lease {lease} ({} bytes): the node's tensor copies in flight took its budget of {COPY_BUDGET} bytes for {COPY_WAIT:?} (clients reading slowly); try again",
+                t.length
+            ),
+        ));
+    };
     let bytes = if t.length <= INLINE_COPY {
         s.shared.read_leased(lease, t.offset, t.length)
     } else {
@@ -416,7 +429,7 @@ async fn tensor(
                 shape.join(","),
             ),
         ],
-        bytes,
+        axum::body::Body::new(CopyBody::new(bytes, room)),
     )
         .into_response())
 }

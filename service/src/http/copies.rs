@@ -1,0 +1,153 @@
+//! The memory bound on tensor copies the trainer HTTP API has in flight: each
+//! `GET /v1/leases/{l}/tensors/{n}` copies the tensor out of the region into its answer, and
+//! the copy lives until the client has read it, so a client reading slowly (or many at once)
+//! would otherwise hold any amount of memory. A copy takes its bytes from a budget before it
+//! is made and gives them back when its answer's body is gone (sent, or the client left).
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Bytes of tensor copies in flight at most, node-wide.
+pub const COPY_BUDGET: u64 = 1 << 30;
+
+/// The budget is counted in units of this many bytes (a semaphore counts in `u32`s).
+const UNIT: u64 = 1 << 10;
+
+/// How long a download waits for room in the budget before it is refused.
+pub const COPY_WAIT: Duration = Duration::from_secs(10);
+
+/// The pieces an answer's bytes are handed to the server in.
+const CHUNK: usize = 1 << 20;
+
+/// Room for copies, shared by every stream.
+#[derive(Debug)]
+pub struct Copies(Arc<Semaphore>);
+
+impl Copies {
+    /// A budget of [`COPY_BUDGET`].
+    pub fn new() -> Self {
+        Self(Arc::new(Semaphore::new((COPY_BUDGET / UNIT) as usize)))
+    }
+
+    /// Room for a copy of `len` bytes (a copy above the whole budget takes all of it), or
+    /// `None` if none came within `wait`.
+    pub async fn room(&self, len: u64, wait: Duration) -> Option<Room> {
+        let units = len.div_ceil(UNIT).clamp(1, COPY_BUDGET / UNIT) as u32;
+        let permit = Arc::clone(&self.0).acquire_many_owned(units);
+        match tokio::time::timeout(wait, permit).await {
+            Ok(Ok(p)) => Some(Room { _permit: p }),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the budget in use now.
+    #[cfg(test)]
+    fn used(&self) -> u64 {
+        COPY_BUDGET - self.0.available_permits() as u64 * UNIT
+    }
+}
+
+/// Room taken in the budget; given back when dropped (the permit is held, never read).
+#[derive(Debug)]
+pub struct Room {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// An answer's body holding a copy and its room: the room goes back when the body is dropped.
+#[derive(Debug)]
+pub struct CopyBody {
+    chunks: VecDeque<Bytes>,
+    _room: Room,
+}
+
+impl CopyBody {
+    /// `bytes` as a body that holds `room` until it is gone.
+    pub fn new(bytes: Vec<u8>, room: Room) -> Self {
+        let mut all = Bytes::from(bytes);
+        let mut chunks = VecDeque::with_capacity(all.len().div_ceil(CHUNK));
+        while !all.is_empty() {
+            chunks.push_back(all.split_to(all.len().min(CHUNK)));
+        }
+        Self {
+            chunks,
+            _room: room,
+        }
+    }
+}
+
+impl Body for CopyBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Poll::Ready(self.chunks.pop_front().map(|c| Ok(Frame::data(c))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn copies_take_room_until_their_body_is_gone_and_wait_for_it_when_full() {
+        let c = Copies::new();
+        let half = c.room(COPY_BUDGET / 2, COPY_WAIT).await.unwrap();
+        let body = CopyBody::new(vec![7u8; 3 * CHUNK + 5], half);
+        assert_eq!(body.size_hint().exact(), Some(3 * CHUNK as u64 + 5));
+        assert_eq!(c.used(), COPY_BUDGET / 2);
+        // One larger than the budget takes all of it: it waits for the first to go.
+        assert!(
+            c.room(2 * COPY_BUDGET, Duration::from_millis(50))
+                .await
+                .is_none()
+        );
+        drop(body);
+        assert_eq!(c.used(), 0, "the body gave its room back");
+        let all = c
+            .room(2 * COPY_BUDGET, Duration::from_millis(50))
+            .await
+            .unwrap();
+        assert_eq!(c.used(), COPY_BUDGET);
+        drop(all);
+        // A small copy still takes one unit.
+        let tiny = c.room(1, COPY_WAIT).await.unwrap();
+        assert_eq!(c.used(), UNIT);
+        drop(tiny);
+    }
+
+    #[tokio::test]
+    async fn a_body_hands_its_bytes_over_in_order_in_pieces() {
+        let c = Copies::new();
+        let bytes: Vec<u8> = (0..(2 * CHUNK + 10)).map(|i| i as u8).collect();
+        let mut body = CopyBody::new(
+            bytes.clone(),
+            c.room(bytes.len() as u64, COPY_WAIT).await.unwrap(),
+        );
+        let mut got = Vec::new();
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        while let Poll::Ready(Some(Ok(f))) = Pin::new(&mut body).poll_frame(&mut cx) {
+            got.extend_from_slice(&f.into_data().unwrap());
+        }
+        assert!(body.is_end_stream());
+        assert_eq!(got, bytes);
+    }
+}
