@@ -3,7 +3,13 @@
 and with 2 workers, mid-epoch, inside the second epoch of a `set_epoch` + `epochs` stream and
 after the last shard. The node's `batches_delivered` counter proves that the resumed run was
 handed only the shards not yet yielded. A state of another world size or worker count is
-refused with `state_mismatch`, naming the field."""
+refused with `state_mismatch`, naming the field.
+
+In both modes (shard and batch), through `StatefulDataLoader` with 0 and 2 workers: a
+checkpoint saved after an epoch ended and resumed with `set_epoch(e + 1)` delivers that epoch
+in full; a checkpoint taken right after a resume, before its first item, keeps the loaded
+position; a batch-mode checkpoint at the last batch (each worker's position at the start of
+the next epoch, at its own index there) resumes to nothing."""
 
 from __future__ import annotations
 
@@ -255,4 +261,113 @@ def test_a_batch_mode_checkpoint_after_the_last_batch_resumes_to_nothing(node, s
     dl2 = loader()
     dl2.load_state_dict(sd)
     assert [ids(item) for item in dl2] == []
+    assert delivered(node) == before, "nothing is handed out again"
+
+
+# The IterableDataset keywords of each mode: one shard per item, or batches of 4 samples.
+MODES = {"shard": {}, "batch": {"batch_size": 4}}
+
+
+def mode_loader(node, stateful, mode: str, workers: int, epoch: int | None = None) -> tuple[Any, Any]:
+    """(dataset, StatefulDataLoader) of dataset `s` in `mode`, `set_epoch(epoch)` if given."""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **MODES[mode])
+    if epoch is not None:
+        ds.set_epoch(epoch)
+    return ds, stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_after_the_epoch_ended_resumes_at_the_next_epoch_in_full(node, stateful, mode, workers):
+    """The usual loop: `set_epoch(e)`, iterate the loader to its end, save a checkpoint; after a
+    restart, `load_state_dict` and `set_epoch(e + 1)`. The saved stream lies at the end of its
+    iteration ({epoch: 1, index: 0}), so the epoch `set_epoch` names wins and is delivered in
+    full (with 0 workers StatefulDataLoader loads the dataset's state after `set_epoch`; it
+    once reset the epoch to 0 and resumed epoch 0's finished stream: nothing). Resumed with
+    `set_epoch(0)`, the saved epoch itself, the finished epoch is not replayed (0 workers:
+    the dataset sees the state; with workers StatefulDataLoader drops a finished iteration's
+    state, so that case is left out)."""
+    want = [ids(item) for item in mode_loader(node, stateful, mode, workers, epoch=1)[1]]
+    if mode == "batch":
+        assert want and all(len(x) == 4 for x in want)
+    else:
+        assert len(want) == SHARDS
+    _, dl = mode_loader(node, stateful, mode, workers, epoch=0)
+    epoch0 = [ids(item) for item in dl]
+    assert epoch0 and epoch0 != want
+    sd = copy.deepcopy(dl.state_dict())
+    del dl
+    if workers == 0:
+        (state,) = dataset_states(sd)
+        assert state["epoch"] == 0 and (state["stream"]["epoch"], state["stream"]["index"]) == (1, 0), state
+
+    before = delivered(node)
+    ds2, dl2 = mode_loader(node, stateful, mode, workers)
+    dl2.load_state_dict(sd)
+    ds2.set_epoch(1)
+    assert [ids(item) for item in dl2] == want
+    del dl2
+    resumed = delivered(node) - before
+    if workers:
+        # StatefulDataLoader starts a set of workers with the saved states and drops them
+        # unused (the saved iteration had ended), after it gave each its prefetch of indices
+        # (2): each may have opened its stream of epoch 1 and fetched up to 2 items, its
+        # stream asking the node for up to _NEXT_COUNT batches ahead of them.
+        assert len(want) <= resumed <= len(want) + workers * (2 + _NEXT_COUNT), resumed
+    else:
+        assert resumed == len(want), "epoch 1 once, nothing of epoch 0 again"
+        ds3, dl3 = mode_loader(node, stateful, mode, workers)
+        dl3.load_state_dict(sd)
+        ds3.set_epoch(0)
+        assert [ids(item) for item in dl3] == [], "the finished epoch 0 is not replayed"
+        ds3.set_epoch(1)
+        assert [ids(item) for item in dl3] == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_taken_before_the_first_item_of_a_resumed_loader_keeps_the_position(node, stateful, mode, workers):
+    """A checkpoint saved right after resuming (`load_state_dict`, `iter`), before the first
+    item, holds the loaded position (it once held `stream: None`, and resuming from it
+    restarted the epoch): resumed from it, the loader continues after the first run's items."""
+    full = [ids(item) for item in mode_loader(node, stateful, mode, workers)[1]]
+    k = 5
+    _, dl = mode_loader(node, stateful, mode, workers)
+    it = iter(dl)
+    head = [ids(next(it)) for _ in range(k)]
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    _, dl2 = mode_loader(node, stateful, mode, workers)
+    dl2.load_state_dict(sd)
+    it2 = iter(dl2)
+    sd2 = copy.deepcopy(dl2.state_dict())
+    del it2, dl2
+    assert dataset_states(sd2) == dataset_states(sd)
+    _, dl3 = mode_loader(node, stateful, mode, workers)
+    dl3.load_state_dict(sd2)
+    assert head + [ids(item) for item in dl3] == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_mode_checkpoint_at_the_last_batch_resumes_to_nothing(node, stateful, workers):
+    """A batch-mode checkpoint taken while the last batch is in use (the loader has not seen its
+    end yet) resumes to nothing. With 2 workers, worker `w` takes the rank's batches `w, w + 2,
+    ...`, so after the epoch its position is the start of the next epoch at index `w`: worker
+    1's (index 1) was once taken for a position inside that epoch and resumed a whole epoch's
+    share of extra batches."""
+    full = [ids(item) for item in mode_loader(node, stateful, "batch", workers)[1]]
+    _, dl = mode_loader(node, stateful, "batch", workers)
+    it = iter(dl)
+    assert [ids(next(it)) for _ in range(len(full))] == full
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    ends = sorted((s["stream"]["epoch"], s["stream"]["index"]) for s in dataset_states(sd))
+    assert ends == [(1, w) for w in range(max(workers, 1))], ends
+    before = delivered(node)
+    _, dl2 = mode_loader(node, stateful, "batch", workers)
+    dl2.load_state_dict(sd)
+    assert [ids(item) for item in dl2] == []
+    del dl2
     assert delivered(node) == before, "nothing is handed out again"

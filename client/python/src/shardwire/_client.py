@@ -173,6 +173,8 @@ _NEXT = {"op": "next"}
 _NEXT_COUNT = 8
 #: How much longer than a `next` timeout the SDK waits for the node's own `timeout` answer.
 _NODE_TIMEOUT_SLACK = 5.0
+#: Why a stream whose connection was lost is closed (later calls raise ``closed`` saying so).
+_LOST = "the connection to the node service was lost"
 
 
 class Batch(_BatchBase):
@@ -393,6 +395,9 @@ class Stream(_StreamBase[Batch]):
         #: Leases of batches the trainer is done with (auto-released) whose release rides on
         #: the next request: sent while more answers to the one in flight are still coming.
         self._pending: list[int] = []
+        #: The connection loss that the request sent ahead of time after the last batch of an
+        #: answer met: that batch was handed out; the next call raises this (see `_ask_ahead`).
+        self._lost: ConnectionClosed | None = None
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
@@ -460,12 +465,18 @@ class Stream(_StreamBase[Batch]):
 
     def _send(self, req: dict[str, Any], data: bytes | None = None) -> None:
         """Sends `req` (already encoded as `data`, if given); its answer is read, in order,
-        by :meth:`_read`."""
+        by :meth:`_read`. A lost connection ends the stream (see ``_broken``) and raises
+        ConnectionClosed."""
         try:
-            self._conn.send_bytes(data if data is not None else _wire.encode(req))
+            self._post(req, data)
         except ConnectionClosed:
-            self._broken("the connection to the node service was lost")
+            self._broken(_LOST)
             raise
+
+    def _post(self, req: dict[str, Any], data: bytes | None = None) -> None:
+        """`_send` without ending the stream when the connection is lost (ConnectionClosed
+        raises all the same): for a caller that ends it later (see `_ask_ahead`)."""
+        self._conn.send_bytes(data if data is not None else _wire.encode(req))
         self._inflight.append(req["op"])
 
     def _read(self, timeout: float | None) -> tuple[str, dict[str, Any]] | None:
@@ -477,14 +488,27 @@ class Stream(_StreamBase[Batch]):
                 return None
             msg = self._conn.recv_reply()
         except ConnectionClosed:
-            self._broken("the connection to the node service was lost")
+            self._broken(_LOST)
             raise
         except OSError as e:
             self._broken(f"the connection to the node service failed: {e}")
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
+        except ProtocolError as e:
+            self._malformed(e)
+            raise
         if not self._inflight:
-            raise ProtocolError(f"an answer to no request: {msg!r}")
+            stray = ProtocolError(f"an answer to no request: {msg!r}")
+            self._malformed(stray)
+            raise stray
         return self._inflight.popleft(), msg
+
+    def _malformed(self, e: ProtocolError) -> None:
+        """A reply this SDK cannot read (`e`): which request the replies after it answer can no
+        longer be told, so the stream ends here; closing the connection releases every lease
+        it holds on the node (the batch in the trainer's hands too). Later calls raise
+        ``closed`` naming `e`. Call with the lock held."""
+        if not self._closed:
+            self._broken(f"a malformed reply from the node service closed it ({e.message})")
 
     def _reply(self, req: dict[str, Any], expect: str) -> dict[str, Any]:
         """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError)."""
@@ -520,11 +544,36 @@ class Stream(_StreamBase[Batch]):
                 the previous batch's release, so that batch is released even though no batch
                 came (``keep()`` it first to go on using it).
             ServiceError: e.g. code ``"closed"`` if the service closed the stream.
-            ConnectionClosed: the service went away.
+            ConnectionClosed: the service went away. Batches whose answers had arrived before
+                are handed out first (each with its state); the call after the last of them
+                raises, and the stream is closed.
+            ProtocolError: a reply this SDK cannot read. The stream is closed: its connection
+                is, which releases every lease it held on the node (the previous batch's
+                too); later calls raise code ``"closed"`` naming the reply's fault.
+
+        A KeyboardInterrupt (or another exception raised into the wait, e.g. by a signal
+        handler) consumes nothing: the stream stays usable, the previous batch stays the
+        trainer's (released with a later request), and a request already sent stays in flight
+        for a later ``next`` to take its answer.
         """
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> Batch | None:
+        if self._lost is not None:
+            # The request ahead of time after the batch handed out last could not be sent.
+            lost, self._lost = self._lost, None
+            self._broken(_LOST)
+            raise lost
+        try:
+            return self._take_answer(timeout)
+        except ProtocolError as e:
+            self._malformed(e)
+            raise
+
+    def _take_answer(self, timeout: float | None) -> Batch | None:
+        """`_take` on a healthy connection. The previous batch (``_auto``) stays the trainer's
+        until a batch is handed out or the stream ends: whatever raises before that (a timeout,
+        an error answer, an interrupt while waiting) leaves it to a later call."""
         if self._inflight and self._inflight[0] == "release":
             self._settle()
         wait = timeout
@@ -533,70 +582,96 @@ class Stream(_StreamBase[Batch]):
             # A request sent now carries the timeout: the node ends it, so nothing stays in
             # flight (a release after a timeout is then answered at once, not queued behind a
             # request that may wait for the memory it frees). The read waits a little longer.
+            # It carries the previous batch's release too (unless kept).
             self._send_next(self._auto, timeout)
             wait = None if timeout is None else timeout + _NODE_TIMEOUT_SLACK
-        prev, self._auto = self._auto, None
+        msg = self._next_answer(wait, timeout)
+        kind = msg["op"]
+        if kind == "batch":
+            return self._hand_out(msg)
+        if kind == "end":
+            self._end()
+            return None
+        if kind == "timeout":
+            if not sent_now:
+                # The node's late answer to a timed request an earlier call gave up waiting
+                # for: this call asks again, with its own timeout.
+                return self._take_answer(timeout)
+            raise self._timeout(timeout)
+        if kind == "error":
+            raise _service_error(msg)
+        raise ProtocolError(f"unexpected answer to next: {msg!r}")
+
+    def _next_answer(self, wait: float | None, timeout: float | None) -> dict[str, Any]:
+        """The next answer to the `next` in flight, after those to the releases sent before
+        it; Timeout (naming `timeout`) if none came within `wait` (it stays in flight)."""
         while True:
             reply = self._read(wait)
             if reply is None:
-                # Still the trainer's; released with a later request, or (sent_now) already
-                # by the one in flight.
-                self._auto = prev
                 raise self._timeout(timeout)
             op, msg = reply
             if op == "next":
                 if msg.get("more"):
                     self._inflight.appendleft("next")  # the same request answers again
-                break
+                return msg
             if msg["op"] != "released":
                 raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
-        kind = msg["op"]
-        if kind == "batch":
-            if "dtypes" in msg:  # binary (see shardwire._binary): fields are ints, dtypes checked
-                b = msg.get("batch")  # built ahead (`_build_ahead`), or now
-                if b is None:
-                    b = self._binary_batch(msg)
-                if msg["state_raw"] is None:
-                    raise ProtocolError("a batch without its state: the node service is older than this SDK")
-                self._resume_raw = msg["state_raw"]
-            else:
-                views = [_tensor_view(t) for t in msg["tensors"]]
-                b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._base)
-                if "state" not in msg:
-                    raise ProtocolError("a batch without its state: the node service is older than this SDK")
-                self._resume, self._resume_raw = dict(msg["state"]), None
-            self._auto = b
-            if "batch" not in msg:  # the first of the replies that came together: build the rest
-                self._build_ahead()
-            if "next" in self._inflight:
-                self._defer_release(prev)  # more answers are on their way: no request yet
-            elif not self._kept_leases:
-                self._send_next(prev)  # ahead of time; `prev` is the trainer's no more
-            elif prev is not None and not prev._kept and not prev._released:
-                self._gpu_done()  # no request ahead to carry its release: release it now
-                prev._released = True
-                self._reply({"op": "release", "lease": prev.lease}, "released")
-            return b
-        if kind == "end":
-            self._ended = True
-            self._defer_release(prev)
-            if self._pending:
-                # The last batches: nothing follows them to carry their release.
-                self._gpu_done()
-                for lease in self._pending:
-                    self._reply({"op": "release", "lease": lease}, "released")
-                self._pending.clear()
-            return None
-        self._auto = prev  # the trainer's, or released with the request just answered
-        if kind == "timeout":
-            if not sent_now:
-                # The node's late answer to a timed request an earlier call gave up waiting
-                # for: this call asks again, with its own timeout.
-                return self._take(timeout)
-            raise self._timeout(timeout)
-        if kind == "error":
-            raise _service_error(msg)
-        raise ProtocolError(f"unexpected answer to next: {msg!r}")
+
+    def _hand_out(self, msg: dict[str, Any]) -> Batch:
+        """The batch of answer `msg`, now the trainer's; the previous one is released (unless
+        kept) with the next request, or now when none goes ahead of time."""
+        prev, b = self._auto, self._batch(msg)
+        self._auto = b
+        if "batch" not in msg:  # the first of the replies that came together: build the rest
+            self._build_ahead()
+        if "next" in self._inflight:
+            self._defer_release(prev)  # more answers are on their way: no request yet
+        elif not self._kept_leases:
+            self._ask_ahead(prev)
+        elif prev is not None and not prev._kept and not prev._released:
+            self._gpu_done()  # no request ahead to carry its release: release it now
+            prev._released = True
+            self._reply({"op": "release", "lease": prev.lease}, "released")
+        return b
+
+    def _batch(self, msg: dict[str, Any]) -> Batch:
+        """The Batch of a `batch` answer; the state that resumes after it becomes the stream's."""
+        if "dtypes" not in msg:
+            return self._json_batch(msg)
+        b = msg.get("batch")  # binary (see shardwire._binary): built ahead (`_build_ahead`), or now
+        if b is None:
+            b = self._binary_batch(msg)
+        if msg["state_raw"] is None:
+            raise ProtocolError("a batch without its state: the node service is older than this SDK")
+        self._resume_raw = msg["state_raw"]
+        return b
+
+    def _json_batch(self, msg: dict[str, Any]) -> Batch:
+        """The Batch of a JSON `batch` answer (the node sends one where the binary form cannot
+        hold it); a field missing or of the wrong type is a ProtocolError naming it."""
+        if "state" not in msg:
+            raise ProtocolError("a batch without its state: the node service is older than this SDK")
+        try:
+            views = [_tensor_view(t) for t in msg["tensors"]]
+            b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._base)
+            self._resume, self._resume_raw = dict(msg["state"]), None
+        except KeyError as e:
+            raise ProtocolError(f"a batch answer without the field {e}: {msg!r}") from e
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"a batch answer with a field this SDK cannot read ({e}): {msg!r}") from e
+        return b
+
+    def _end(self) -> None:
+        """The `end` answer: the previous batch and those whose release waited go now (nothing
+        follows to carry them)."""
+        self._ended = True
+        prev, self._auto = self._auto, None
+        self._defer_release(prev)
+        if self._pending:
+            self._gpu_done()
+            for lease in self._pending:
+                self._reply({"op": "release", "lease": lease}, "released")
+            self._pending.clear()
 
     def _binary_batch(self, msg: dict[str, Any]) -> Batch:
         return Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
@@ -619,17 +694,29 @@ class Stream(_StreamBase[Batch]):
             prev._released = True
             self._pending.append(prev.lease)
 
-    def _send_next(self, prev: Batch | None, timeout: float | None = None) -> None:
+    def _send_next(self, prev: Batch | None, timeout: float | None = None, *, ahead: bool = False) -> None:
         """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
         whose release waited for a request, in the same request, which the node ends after
-        `timeout` seconds (None: it waits as long as it takes)."""
+        `timeout` seconds (None: it waits as long as it takes). `ahead`: a lost connection
+        raises without ending the stream (see `_ask_ahead`)."""
         self._defer_release(prev)
         if self._pending and self._cuda is not None:
             self._gpu_done()
         count = 1 if self._kept_leases else _NEXT_COUNT
         timeout_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        self._send(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
+        (self._post if ahead else self._send)(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
         self._pending.clear()
+
+    def _ask_ahead(self, prev: Batch | None) -> None:
+        """Sends the next request ahead of time (`_send_next`; `prev` is then the trainer's no
+        more), once the last answer to the one before has been taken. A connection lost by
+        then does not cost the batch just taken: it came whole and is handed out, like the
+        batches that arrived before the loss (its state too: ``state_dict`` names the position
+        after it); the next call raises the ConnectionClosed and ends the stream."""
+        try:
+            self._send_next(prev, ahead=True)
+        except ConnectionClosed as e:
+            self._lost = e
 
     def _release(self, batch: Batch) -> None:
         with self._lock:

@@ -74,7 +74,10 @@ class ConnectError(ShardwireError):
 
 class ProtocolError(ShardwireError):
     """The service said something this SDK does not understand (code ``"protocol"``): a
-    version mismatch between SDK and service, or a bug."""
+    version mismatch between SDK and service, or a bug. A socket stream that reads such a reply
+    is closed (which request the replies after it answer can no longer be told): closing its
+    connection releases its leases on the service, and later calls raise code ``"closed"``
+    naming the fault."""
 
     def __init__(self, message: str) -> None:
         super().__init__("protocol", message)

@@ -20,7 +20,9 @@ Each item is one service batch as a dict of arrays (batch mode: ``batch_size`` s
 mode, without ``batch_size``: one shard); use ``batch_size=None`` in the DataLoader so it does
 not stack batches. Both modes resume through ``StatefulDataLoader`` (any ``num_workers``)
 exactly: each process's ``state_dict()`` holds its stream's position after the last item it
-yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed.
+yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed (a
+checkpoint saved after an epoch ended, resumed with ``set_epoch(epoch + 1)``, starts that
+epoch in full).
 """
 
 from __future__ import annotations
@@ -179,16 +181,19 @@ class _DatasetMixin:
         ``DistributedSampler.set_epoch``. Call it before iterating the loader each epoch.
 
         It forgets the position of the previous iteration, so a ``state_dict()`` taken before
-        the next item resumes at the start of `epoch` (a state loaded with
-        ``load_state_dict`` is kept: ``StatefulDataLoader`` loads it after ``set_epoch``)."""
+        the next item resumes at the start of `epoch`. ``StatefulDataLoader`` loads a saved
+        state after ``set_epoch`` (with ``num_workers=0``, even the state of an iteration that
+        had ended): see :meth:`load_state_dict` for which of the two the next iteration
+        follows."""
         self.epoch = int(epoch)
         self._stream_state = None
 
     def state_dict(self) -> dict[str, Any]:
         """torchdata's Stateful protocol (batch and shard mode): ``{"epoch", "stream"}``, the
         epoch the iteration started at and the stream state after the last item this process
-        (main process or DataLoader worker) yielded (None before the first). Small and
-        JSON-serialisable."""
+        (main process or DataLoader worker) yielded; before the first, the state
+        :meth:`load_state_dict` loaded for the next iteration, else None (the start of
+        ``epoch``). Small and JSON-serialisable."""
         if isinstance(self._stream_state, bytes):
             self._stream_state = _binary.decode_state(self._stream_state)
         return {"epoch": self.epoch, "stream": self._stream_state}
@@ -196,12 +201,38 @@ class _DatasetMixin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration right after the last item of `state` (a
         :meth:`state_dict`): the stream opens with ``state=`` that position and the node starts
-        there; nothing is replayed or skipped here. In shard mode the saved stream is this
-        process's own (one rank of ``world_size * num_workers``): resume with the same world
-        size and ``num_workers``, or the node refuses (``ServiceError`` ``state_mismatch``,
-        naming the field) when the next iteration opens the stream."""
-        self.epoch = int(state["epoch"])
-        self._resume = state.get("stream")
+        there; nothing is replayed or skipped here. A state saved after the last item of its
+        iteration resumes to nothing (its epochs are done), unless :meth:`set_epoch` has named
+        a later epoch: then that epoch wins and is delivered in full (the usual loop saves
+        after an epoch ends and resumes with ``set_epoch(e + 1)``). Until the next item,
+        :meth:`state_dict` returns the position loaded here. In shard mode the saved stream is
+        this process's own (one rank of ``world_size * num_workers``): resume with the same
+        world size and ``num_workers``, or the node refuses (``ServiceError``
+        ``state_mismatch``, naming the field) when the next iteration opens the stream."""
+        epoch, stream = int(state["epoch"]), state.get("stream")
+        if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
+            # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
+            # after `set_epoch` named the next one: that epoch starts whole.
+            self._resume = self._stream_state = None
+            return
+        self.epoch = epoch
+        self._resume = self._stream_state = stream
+
+    def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
+        """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
+        its end: at (or past) the start of the epoch after its ``epochs``, none of that epoch
+        taken."""
+        after, at = epoch + self.options.epochs, int(stream["epoch"])
+        return at > after or (at == after and not self._inside(stream))
+
+    def _inside(self, stream: dict[str, Any]) -> bool:
+        """True if this process's stream has taken some of the batches of the epoch that
+        position `stream` lies in. A batch-mode DataLoader worker ``w`` of ``n`` takes the
+        rank's batches ``w, w + n, ...``, so its position at an epoch's start is an index below
+        ``n`` (0 in the main process, ``n = 1``); in shard mode every process's stream starts
+        each epoch at 0."""
+        first = _worker()[1] if self.options.batch_size is not None else 1
+        return int(stream.get("index", 0)) >= first
 
     def _items(self, stream: Stream) -> Iterator[dict[str, np.ndarray]]:
         while True:
@@ -276,10 +307,10 @@ class _DatasetMixin:
             state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
         if state is not None:
             # The stream must reach the saved position: its epoch, and past it when the
-            # position lies inside that epoch. A state at the end of the last epoch
-            # (index 0 of the epoch after) resumes to nothing rather than another epoch.
-            inside = int(state.get("index", 0)) > 0
-            end = max(end, int(state["epoch"]) + inside)
+            # position lies inside that epoch. A state at the end of the last epoch (the
+            # start of the epoch after: index 0, or a worker's first index there) resumes to
+            # nothing rather than another epoch.
+            end = max(end, int(state["epoch"]) + self._inside(state))
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
 
 

@@ -1,0 +1,203 @@
+"""What a Python socket stream does when a `next` fails part way, against a fake node on a
+socketpair (the test plays the node: it reads the requests and writes the replies):
+
+- a malformed reply (one decoded together with the batch before it, or a batch whose tensor
+  lies outside the region) raises ProtocolError once and closes the stream: the node sees the
+  connection close, which releases every lease (the previous batch's too), and later calls
+  raise `closed` at once instead of waiting for an answer that was already read, or raising
+  Timeout forever without sending a request;
+- a KeyboardInterrupt while `next` waits consumes nothing: the stream stays usable, the
+  previous batch is still the trainer's and its lease goes with the next request;
+- a connection lost when the stream sends its request ahead of time, after the last batch of a
+  group arrived, does not cost that batch: it is handed out (with its resume state), and the
+  call after it raises ConnectionClosed.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
+import shardwire  # noqa: E402
+from shardwire import _binary, _client, _wire  # noqa: E402
+from shardwire._errors import ConnectionClosed, ProtocolError  # noqa: E402
+from shardwire._types import StreamInfo  # noqa: E402
+from test_binary_frames import documented_body, framed  # noqa: E402
+
+REGION = 1 << 16
+MORE = _binary.FLAG_MORE
+
+
+def batch(k: int, flags: int = 0, **kw: Any) -> bytes:
+    """The framed binary reply of batch `k` (lease k + 1, index k, its own 4 KiB of the region)."""
+    return framed(documented_body(**{"lease": k + 1, "index": k, "offset": k * 4096, "flags": flags, **kw}))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[_client.Stream, socket.socket]]:
+    """A stream attached (as `Stream._open` leaves it) to a socketpair whose other end the test
+    plays the node on; the region is a 64 KiB memfd."""
+    a, node = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.memfd_create("region")
+    os.ftruncate(fd, REGION)
+    region = mmap.mmap(fd, REGION, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    info = StreamInfo(stream=1, region_size=REGION, batches_per_epoch=10, epochs=1, memory="host",
+                      state={"epoch": 0, "index": 0, "seed": 1, "fingerprint": "f"})
+    s = _client.Stream(_wire.Conn(a), region, info)
+    yield s, node
+    s.close()
+    node.close()
+
+
+def requests(node: socket.socket, wait: float = 0.2) -> list[dict[str, Any]] | None:
+    """The requests the stream sent, in order, that arrived within `wait` s; None once the
+    stream has closed the connection (after the requests before that)."""
+    data, closed = b"", False
+    while _wire.readable(node, wait):
+        got = node.recv(1 << 16)
+        if not got:
+            closed = True
+            break
+        data += got
+    out, at = [], 0
+    while at < len(data):
+        (n,) = struct.unpack_from("<I", data, at)
+        out.append(json.loads(data[at + 4 : at + 4 + n]))
+        at += 4 + n
+    assert not (closed and out), f"requests {out} before the close"
+    return None if closed else out
+
+
+def first_batch(s: _client.Stream, node: socket.socket) -> shardwire.Batch:
+    """Batch 0, taken with the request `next` sends now; the stream then asks ahead (nothing
+    to release yet)."""
+    node.sendall(batch(0))
+    b0 = s.next()
+    assert b0.lease == 1
+    assert requests(node) == [{"op": "next", "count": 8}, {"op": "next", "count": 8}]
+    return b0
+
+
+BAD = {
+    # Decoded in the same receive as the good batch before it, kept for its turn.
+    "decoded-with-the-group": lambda: batch(1, MORE) + framed(documented_body(lease=3, index=2)[:40]),
+    # Decoded fine, but its tensor lies outside the region: the Batch cannot be built.
+    "outside-the-region": lambda: batch(1, offset=REGION),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_malformed_reply_closes_the_stream_and_its_connection(pair, case):
+    s, node = pair
+    b0 = first_batch(s, node)
+    node.sendall(BAD[case]())
+    if case == "decoded-with-the-group":
+        assert s.next(timeout=10).lease == 2, "the good batch before the malformed one is handed out"
+    with pytest.raises(ProtocolError):
+        s.next(timeout=10)
+    assert s.closed, "a stream whose replies cannot be trusted is closed"
+    # Closing the connection is what releases every lease on the node (b0's included).
+    assert requests(node, wait=5) is None, "the node sees the connection close"
+    assert b0.released
+    for call in (lambda: s.next(timeout=0.5), lambda: s.next(), lambda: next(s), s.state_dict):
+        with pytest.raises(shardwire.ShardwireError) as e:
+            call()
+        assert e.value.code == "closed" and "malformed reply" in e.value.message, e.value
+
+
+def test_a_json_batch_without_its_fields_is_a_protocol_error(pair):
+    """A JSON `batch` reply that lacks a field the SDK reads raises ProtocolError naming it
+    (not a KeyError), and closes the stream like any malformed reply."""
+    s, node = pair
+    first_batch(s, node)
+    node.sendall(framed(b'{"op":"batch","lease":2,"epoch":0,"index":1,"shard":0,"state":{}}'))
+    with pytest.raises(ProtocolError, match="tensors"):
+        s.next(timeout=10)
+    assert s.closed and requests(node, wait=5) is None
+
+
+@pytest.fixture
+def interrupt() -> Iterator[Any]:
+    """`arm(t)`: a KeyboardInterrupt in the main thread after `t` s (as Ctrl-C would raise it
+    in a trainer waiting in `next`)."""
+
+    def raise_interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt("interrupted in the test")
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    yield lambda t: signal.setitimer(signal.ITIMER_REAL, t)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_an_interrupt_while_waiting_leaves_the_stream_usable(pair, interrupt, timeout):
+    s, node = pair
+    b0 = first_batch(s, node)
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout)
+    assert not s.closed and not b0.released, "nothing was consumed: the previous batch is still the trainer's"
+    assert requests(node) == [], "the request sent ahead stays in flight; nothing more is sent"
+    node.sendall(batch(1))
+    b1 = s.next(timeout)
+    assert (b1.lease, b1.index) == (2, 1) and b0.released
+    assert requests(node) == [{"op": "next", "release": [1], "count": 8}], "b0's lease rides on the next request"
+    node.sendall(batch(2))
+    assert s.next(timeout).lease == 3
+    assert requests(node) == [{"op": "next", "release": [2], "count": 8}]
+
+
+def test_an_interrupt_before_a_request_sent_now_is_answered(pair, interrupt):
+    """While batches are kept nothing is asked ahead: `next` sends its request now (carrying the
+    previous batch's release). Interrupted while it waits, the request stays in flight and the
+    next call takes its answer without asking again."""
+    s, node = pair
+    b0 = first_batch(s, node)
+    b0.keep()
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10)
+    assert requests(node) == []
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=30)
+    assert requests(node) == [{"op": "next", "timeout_ms": 30000, "release": [2]}]
+    assert b1.released and not s.closed
+    node.sendall(batch(2))
+    assert s.next(timeout=30).lease == 3
+    assert requests(node) == [], "the answer was the one in flight: nothing asked again"
+    node.sendall(framed(b'{"op":"released"}'))  # read once the release is sent
+    b0.release()
+    assert requests(node) == [{"op": "release", "lease": 1}]
+
+
+def test_the_last_batch_of_a_group_is_handed_out_when_the_connection_is_lost(pair):
+    """The node answers the request sent ahead with a group of three and goes away. The
+    stream hands out all three (the last one too: its request ahead of time fails with EPIPE
+    after it arrived), with the state after each, then raises ConnectionClosed and `closed`."""
+    s, node = pair
+    first_batch(s, node)
+    node.sendall(batch(1, MORE) + batch(2, MORE) + batch(3))
+    node.close()
+    got = []
+    for _ in range(3):
+        b = s.next(timeout=10)
+        got.append((b.lease, s.state_dict()["index"]))
+    assert got == [(2, 2), (3, 3), (4, 4)]
+    assert not b.released, "the last batch is the trainer's until the next call"
+    with pytest.raises(ConnectionClosed):
+        s.next(timeout=10)
+    assert s.closed and b.released
+    with pytest.raises(shardwire.ShardwireError) as e:
+        s.next(timeout=10)
+    assert e.value.code == "closed" and "lost" in e.value.message
