@@ -66,6 +66,9 @@ pub struct Stream {
     /// Batches handed out and not given back (`next_after`, `release`): while the caller
     /// holds any besides the one just handed out, nothing is asked for ahead.
     held: usize,
+    /// The failure of the request sent ahead of time after the batch handed out last: that
+    /// batch had come whole and was handed out; the next call returns this.
+    lost: Option<ClientError>,
     /// Open-time information.
     pub info: StreamInfo,
 }
@@ -141,6 +144,7 @@ impl Stream {
             deferred: Vec::new(),
             resume: Vec::new(),
             held: 0,
+            lost: None,
             info: StreamInfo {
                 stream,
                 batches_per_epoch,
@@ -219,6 +223,9 @@ impl Stream {
         timeout: Option<Duration>,
         ahead: bool,
     ) -> Result<Option<Batch>, ClientError> {
+        if let Some(e) = self.lost.take() {
+            return Err(e);
+        }
         self.settle()?;
         let ahead = ahead && self.held == 0;
         let sent_now = self.awaited.front() != Some(&Awaited::Next);
@@ -268,8 +275,11 @@ impl Stream {
                 self.held += 1;
                 if ahead && !more {
                     // Ahead of time. Answers to releases sent behind the one just finished
-                    // are read, in order, before this one's.
-                    self.send_next(NEXT_COUNT, None)?;
+                    // are read, in order, before this one's. A connection lost by now does
+                    // not cost this batch, which came whole: the next call returns the error.
+                    if let Err(e) = self.send_next(NEXT_COUNT, None) {
+                        self.lost = Some(e);
+                    }
                 }
                 Ok(Some(b))
             }

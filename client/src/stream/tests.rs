@@ -44,6 +44,41 @@ fn state() -> StreamState {
     serde_json::from_str(r#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f"}"#).unwrap()
 }
 
+/// The fake node's side of an attach: reads it, answers with a 64 KiB host region.
+fn answer_attach(c: &mut UnixStream) {
+    assert_eq!(request(c)["op"], "attach");
+    let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
+    let attached = Response::Attached {
+        stream: 1,
+        region_size: 1 << 16,
+        batches_per_epoch: 2,
+        epochs: 1,
+        memory: MemoryKind::Host,
+        gpu: None,
+        state: state(),
+    };
+    let mut frame = Vec::new();
+    attached.encode(&mut frame);
+    fdpass::send_frame(c, &frame, &[fd.as_fd()]).unwrap();
+}
+
+/// Sends an empty batch of lease `lease` (the last answer to its request).
+fn send_batch(c: &mut UnixStream, lease: u64) {
+    let batch = Response::Batch {
+        lease,
+        epoch: 0,
+        index: lease,
+        shard: 0,
+        tensors: Vec::new(),
+        state: Some(state()),
+        more: false,
+    };
+    let mut frame = Vec::new();
+    batch.encode(&mut frame);
+    fdpass::send_frame(c, &frame, &[]).unwrap();
+}
+
 #[test]
 fn an_attach_the_node_never_answers_fails_after_the_limit() {
     let at = path("attach");
@@ -66,34 +101,9 @@ fn an_attach_the_node_never_answers_fails_after_the_limit() {
 fn a_release_the_node_never_answers_fails_after_the_limit_and_closes_the_stream() {
     let at = path("release");
     let node = fake(&at, |c| {
-        assert_eq!(request(c)["op"], "attach");
-        let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
-        let attached = Response::Attached {
-            stream: 1,
-            region_size: 1 << 16,
-            batches_per_epoch: 2,
-            epochs: 1,
-            memory: MemoryKind::Host,
-            gpu: None,
-            state: state(),
-        };
-        let mut frame = Vec::new();
-        attached.encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[fd.as_fd()]).unwrap();
+        answer_attach(c);
         assert_eq!(request(c)["op"], "next");
-        let batch = Response::Batch {
-            lease: 7,
-            epoch: 0,
-            index: 0,
-            shard: 0,
-            tensors: Vec::new(),
-            state: Some(state()),
-            more: false,
-        };
-        frame.clear();
-        batch.encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[]).unwrap();
+        send_batch(c, 7);
         assert_eq!(request(c)["op"], "release", "then silence");
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
@@ -108,6 +118,34 @@ fn a_release_the_node_never_answers_fails_after_the_limit_and_closes_the_stream(
         s.next().is_err(),
         "the connection is closed: a late answer is never read as another's"
     );
+    drop(s);
+    node.join().unwrap();
+    let _ = std::fs::remove_file(&at);
+}
+
+#[test]
+fn a_batch_that_came_whole_is_handed_out_though_the_request_after_it_finds_the_node_gone() {
+    let at = path("gone");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        // The loop's `next_after`: read it, stop reading (a write to this socket now fails
+        // with EPIPE), then answer it; the request the client sends ahead after it fails.
+        assert_eq!(request(c)["op"], "next");
+        c.shutdown(std::net::Shutdown::Read).unwrap();
+        send_batch(c, 8);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    // Before, the failed request sent ahead of time after it cost the batch itself.
+    let b = s
+        .next_after(b)
+        .expect("the batch that came")
+        .expect("not the end");
+    assert_eq!(b.lease, 8);
+    assert!(s.lost.is_some(), "the request sent ahead after it failed");
+    assert!(s.next_after(b).is_err(), "then the lost connection");
     drop(s);
     node.join().unwrap();
     let _ = std::fs::remove_file(&at);
