@@ -9,7 +9,8 @@ use crate::source::Source;
 /// Indexes a `.bin` file.
 pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
     if src.len == 0 {
-        return Err(src.unsupported("the file is empty; a shard cannot be empty", "0 bytes"));
+        // Named with the other files that hold no rows, as in every format.
+        return Ok(Vec::new());
     }
     let tensor = TensorEntry::dense(src.stem(), DType::Uint8, vec![src.len], 0, src.len);
     Ok(vec![src.shard(0, src.len, vec![tensor])?])
@@ -50,13 +51,16 @@ mod tests {
     }
 
     #[test]
-    fn empty_bin_is_rejected() {
+    fn a_directory_of_only_an_empty_bin_is_refused() {
         let dir = temp_dir("bin-empty");
         std::fs::write(dir.join("e.bin"), b"").unwrap();
         let err = index_dir(&dir, &IndexOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("e.bin") && err.contains("empty"), "{err}");
+        assert!(
+            err.contains("found 1 data files but none holds any rows"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

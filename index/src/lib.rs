@@ -373,6 +373,14 @@ fn index_files(
         if shards.is_empty() {
             out.empty.push(f.rel.clone());
         }
+        // Names that clash (fields or columns, with the `.offsets` a ragged one brings) are
+        // the file's to fix, said here rather than as an invalid manifest.
+        for s in &shards {
+            shardwire_protocol::manifest::check_names(&s.tensors).map_err(|reason| {
+                let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+                src.unsupported(reason, names.join(", "))
+            })?;
+        }
         src.checksum(&mut shards)?;
         out.shards.extend(shards);
         progress.file_done(f.size);

@@ -103,7 +103,41 @@ pub(crate) fn plan(
         }
         _ => true,
     });
+    check_listed_found(dir, &plan, files)?;
     Ok(plan)
+}
+
+/// Refuses a plan whose indexes list a shard that is not among the `.mds` files found (a
+/// missing file, one under a hidden directory, one not named `.mds`): its samples would be
+/// left out of the dataset without a word.
+fn check_listed_found(dir: &Path, plan: &Plan, files: &[Candidate]) -> Result<(), IndexError> {
+    let found: std::collections::HashSet<&str> = files
+        .iter()
+        .filter(|f| f.kind == Kind::Mds)
+        .map(|f| f.rel.as_str())
+        .collect();
+    let mut missing: Vec<(&String, &ShardPlan)> = plan
+        .iter()
+        .filter(|(rel, _)| !found.contains(rel.as_str()))
+        .collect();
+    missing.sort_by(|a, b| a.0.cmp(b.0));
+    let Some((rel, shard)) = missing.first() else {
+        return Ok(());
+    };
+    Err(IndexError::Malformed {
+        file: dir.join(&shard.index),
+        reason: format!(
+            "lists {} shard(s) that are not .mds files under the dataset directory (missing, \
+             hidden, or named otherwise), the first {rel}: restore them or rewrite the index",
+            missing.len()
+        ),
+        value: missing
+            .iter()
+            .take(8)
+            .map(|m| m.0.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
 }
 
 /// The `shards` list of a Streaming index, or `None` when `text` is not one.
@@ -394,14 +428,15 @@ fn sample_rows(
         let mut pos = begin + var * 4;
         for (col, &size) in rows.iter_mut().zip(&sizes) {
             col.push([pos, size]);
-            pos += size;
+            // Past the sample's end (or overflowing): the check below names it.
+            pos = pos.saturating_add(size);
         }
         if pos != end {
             return Err(src.malformed(
                 format!("sample {i}: its columns' sizes do not add up to the sample's bytes"),
                 format!(
                     "{} bytes of columns, {sample_len} bytes of sample",
-                    pos - begin - var * 4
+                    sizes.iter().fold(0u64, |a, &b| a.saturating_add(b))
                 ),
             ));
         }

@@ -250,7 +250,9 @@ fn index_with_cap(
     let mut start = 0usize;
     let mut bytes = 0u64;
     for (i, &[_, len]) in seqs.iter().enumerate() {
-        if i > start && bytes + len > cap && bytes > 0 {
+        // An empty sequence never starts a shard (a shard of only empty ones would hold no
+        // bytes): it stays with the one before.
+        if i > start && len > 0 && bytes + len > cap && bytes > 0 {
             shards.push(shard(src, dtype, &seqs[start..i], bytes)?);
             (start, bytes) = (i, 0);
         }
@@ -395,6 +397,27 @@ mod tests {
         assert!(shards.iter().all(|s| s.tensors[0].dtype == DType::Int32));
         let m = shardwire_protocol::manifest::Manifest::new(shards);
         check_manifest(&dir, &m, &[("tokens", bin)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn empty_sequences_after_a_full_shard_stay_with_it() {
+        let dir = temp_dir("megatron-empty-tail");
+        let seq = |v: i32, n: usize| le_bytes(&vec![v; n], i32::to_le_bytes);
+        // 20 tokens (80 bytes) pass the 40-byte cap alone; the empty ones after it made a
+        // shard of 0 bytes (an invalid manifest).
+        let docs = vec![vec![seq(1, 20)], vec![seq(2, 0), seq(3, 0)]];
+        write(&dir, "d", 4, 4, &docs);
+        let mut src = Source::open(&dir.join("d.bin"), "d.bin").unwrap();
+        let idx = (dir.join("d.idx"), "d.idx".to_owned());
+        let root = Root::Local(dir.clone());
+        let shards = index_with_cap(&root, &mut src, &idx, 40).unwrap();
+        assert_eq!(shards.len(), 1);
+        assert_eq!(shards[0].length, 80);
+        assert_eq!(
+            shards[0].tensors[0].rows.as_deref().unwrap(),
+            [[0, 80], [80, 0], [80, 0]]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

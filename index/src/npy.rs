@@ -42,10 +42,8 @@ pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
         ));
     }
     if have == 0 {
-        return Err(src.unsupported(
-            "the array has no elements; a shard cannot be empty",
-            shape_str(&h.shape),
-        ));
+        // No elements: named with the other files that hold no rows, as in every format.
+        return Ok(Vec::new());
     }
     let tensor = TensorEntry::dense(src.stem(), h.dtype, h.shape, h.data_offset, have);
     Ok(vec![src.shard(h.data_offset, have, vec![tensor])?])

@@ -181,6 +181,11 @@ fn read_samples(src: &mut Source) -> Result<Vec<Sample>, IndexError> {
         let Some((key, field)) = split_name(name) else {
             continue;
         };
+        if field.is_empty() {
+            let why =
+                "has a member whose field (the name after its key's first `.`) is empty; rename it";
+            return Err(sample_err(src, key, why, name));
+        }
         let row = m.row;
         src.check_range(&format!("tar member `{name}`"), row[0], row[1])?;
         let field = field.to_lowercase();

@@ -506,8 +506,9 @@ fn check_tensor(t: &TensorEntry, s: &ShardEntry) -> Result<(), String> {
     Ok(())
 }
 
-/// Tensor names are unique in a shard, also counting the `c.offsets` a ragged `c` brings.
-fn check_names(tensors: &[TensorEntry]) -> Result<(), String> {
+/// Tensor names are unique in a shard, also counting the `c.offsets` a ragged `c` brings;
+/// the error says which name clashes and what to do.
+pub fn check_names(tensors: &[TensorEntry]) -> Result<(), String> {
     let mut seen = std::collections::HashSet::new();
     let offsets = tensors
         .iter()

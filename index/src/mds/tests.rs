@@ -288,3 +288,38 @@ fn other_json_is_unused_and_disagreeing_columns_are_refused() {
     assert!(err.contains("other columns than shard 0"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_listed_shard_that_is_not_found_is_refused_naming_it() {
+    let dir = temp_dir("mds-missing");
+    write_dataset(&dir, 3, 2);
+    std::fs::remove_file(dir.join("sub/shard.00001.mds")).unwrap();
+    // Before, the two found were indexed and the missing one left out without a word.
+    let err = index_err(&dir);
+    assert!(
+        err.contains("sub/index.json")
+            && err.contains("lists 1 shard(s) that are not .mds files")
+            && err.contains("sub/shard.00001.mds"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn fixed_column_sizes_that_overflow_are_refused_as_malformed() {
+    let dir = temp_dir("mds-overflow");
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let cols: [Col; 2] = [("a", "bytes", Some(u64::MAX)), ("b", "bytes", Some(9))];
+    let file = mds_file(&cols, &[vec![vec![1u8; 4], vec![2u8; 4]]]);
+    std::fs::write(sub.join("s.mds"), &file).unwrap();
+    let entry = shard_json(&cols, "s.mds", file.len(), 1);
+    std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
+    // It overflowed (a panic with overflow checks on, an invalid manifest without).
+    let err = index_err(&dir);
+    assert!(
+        err.contains("malformed") && err.contains("do not add up"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -157,11 +157,6 @@ fn rejections() {
         &["does not match", "24 bytes", "(2, 2)"],
     );
     expect_err(
-        "z.npy",
-        &npy(1, &hdr("'<f4'", "False", "(0, 3)"), &[]),
-        &["no elements", "(0, 3)"],
-    );
-    expect_err(
         "k.npy",
         &npy(
             1,
@@ -183,4 +178,43 @@ fn rejections() {
     let mut trunc = npy(1, &hdr("'<f4'", "False", "(6,)"), &d24);
     trunc[8] = 0xff; // header length beyond the file
     expect_err("t.npy", &trunc, &["beyond the end"]);
+}
+
+#[test]
+fn files_with_no_elements_are_named_as_holding_no_rows_beside_the_others() {
+    let dir = crate::testutil::temp_dir("npy-empty");
+    let data: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    std::fs::write(
+        dir.join("a.npy"),
+        npy(
+            1,
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (6,), }",
+            &data,
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("z.npy"),
+        npy(
+            1,
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (0, 3), }",
+            &[],
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.join("e.bin"), b"").unwrap();
+    // Before, either stopped the whole index (other formats named theirs and went on).
+    let r = crate::index_report(&dir, &crate::IndexOptions::default()).unwrap();
+    assert_eq!(r.manifest.shards.len(), 1);
+    let mut unused: Vec<(&str, &str)> = r
+        .unused
+        .iter()
+        .map(|u| (u.file.as_str(), u.reason.as_str()))
+        .collect();
+    unused.sort();
+    assert_eq!(
+        unused,
+        [("e.bin", "holds no rows"), ("z.npy", "holds no rows")]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

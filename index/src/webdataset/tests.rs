@@ -274,3 +274,41 @@ fn npy_fields_take_one_form_over_the_dataset() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_member_with_an_empty_field_name_is_refused_naming_it() {
+    let dir = temp_dir("wds-empty-field");
+    let bytes = tar_of(&[("0001.txt", b"a".to_vec()), ("0001.", b"b".to_vec())]);
+    std::fs::write(dir.join("e.tar"), &bytes).unwrap();
+    // Before, it became a tensor named "" (with offsets named `.offsets`).
+    let err = index_err(&dir);
+    assert!(
+        err.contains("e.tar")
+            && err.contains("sample `0001`")
+            && err.contains("field")
+            && err.contains("(found: 0001.)"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_field_that_clashes_with_another_fields_offsets_is_refused_naming_the_file() {
+    let dir = temp_dir("wds-offsets-clash");
+    let bytes = tar_of(&[
+        ("0001.txt", b"ab".to_vec()),
+        ("0001.txt.offsets", b"cd".to_vec()),
+        ("0002.txt", b"e".to_vec()),
+        ("0002.txt.offsets", b"f".to_vec()),
+    ]);
+    std::fs::write(dir.join("c.tar"), &bytes).unwrap();
+    // Before: "internal error, the built manifest is invalid".
+    let err = index_err(&dir);
+    assert!(
+        err.contains("c.tar")
+            && err.contains("two tensors are named `txt.offsets`")
+            && !err.contains("internal"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
