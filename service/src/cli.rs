@@ -442,6 +442,7 @@ fn index(
 fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
     let cfg = SourceConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
+    crate::limits::raise_open_files(); // every file of its datasets stays open
     let remote = shardwire_source::RemoteOptions {
         request_size: cfg.object_store_request_size.0,
         max_inflight: cfg.object_store_max_inflight,
@@ -498,6 +499,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
 fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     let cfg = ServeConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
+    crate::limits::raise_open_files(); // a socket per trainer, source link and data connection
     runtime()?.block_on(async {
         let s = crate::serve::start(cfg).await?;
         let h = &s.handle;

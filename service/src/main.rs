@@ -5,6 +5,7 @@ mod cli;
 mod consume;
 mod demo;
 mod http;
+mod limits;
 mod logging;
 mod serve;
 mod source_admin;

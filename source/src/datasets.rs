@@ -174,6 +174,12 @@ impl Datasets {
                 path: path.clone(),
                 source,
             })?;
+        // The bytes each file must hold: the end of its last shard (one pass over the shards).
+        let mut ends: BTreeMap<&str, u64> = BTreeMap::new();
+        for s in &manifest.shards {
+            let end = ends.entry(s.file.as_str()).or_default();
+            *end = (*end).max(s.offset + s.length);
+        }
         let mut open: BTreeMap<&str, Arc<File>> = BTreeMap::new();
         let mut files = Vec::with_capacity(manifest.shards.len());
         for s in &manifest.shards {
@@ -186,15 +192,9 @@ impl Datasets {
                         path: p.clone(),
                         reason,
                     };
-                    let f = File::open(&p).map_err(|e| bad(e.to_string()))?;
+                    let f = File::open(&p).map_err(|e| bad(open_failed(&e, ends.len())))?;
                     let len = f.metadata().map_err(|e| bad(e.to_string()))?.len();
-                    let need = manifest
-                        .shards
-                        .iter()
-                        .filter(|x| x.file == s.file)
-                        .map(|x| x.offset + x.length)
-                        .max()
-                        .unwrap_or(0);
+                    let need = ends[s.file.as_str()];
                     if len < need {
                         return Err(bad(format!(
                             "is {len} bytes, the manifest needs {need} (re-run `shardwire index`)"
@@ -241,6 +241,18 @@ impl Datasets {
     /// True with no datasets.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+}
+
+/// Why a shard file did not open; running out of file descriptors says what to raise (the
+/// source keeps each of a dataset's files open).
+fn open_failed(e: &std::io::Error, files: usize) -> String {
+    if e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
+        format!(
+            "{e}: the source keeps each of the dataset's {files} files open; raise the open-file limit (`ulimit -n`, LimitNOFILE) above the files of every dataset it serves"
+        )
+    } else {
+        e.to_string()
     }
 }
 

@@ -311,6 +311,33 @@ def test_a_shard_whose_stored_bytes_differ_from_the_manifest_closes_the_stream_n
     assert node.status()["counters"]["crc_failures"] == 5
 
 
+def test_a_source_with_more_files_than_the_soft_open_file_limit_starts(tmp_path):
+    import resource
+    import subprocess
+
+    from conftest import child_env, require_bin
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1024: no room above a soft limit of 64")
+    d = tmp_path / "many"
+    write_npy_dataset(d, {f"f{i:03d}": np.full(16, i % 256, np.uint8) for i in range(300)})
+    index_dataset(d)
+    # The source keeps every file open: under a soft limit of 64 it stopped at start with
+    # "Too many open files"; it now raises its soft limit to the hard one.
+    p = subprocess.Popen(
+        [str(require_bin()), "source", "--listen", "127.0.0.1:0", "--dataset", f"many={d}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)),
+    )
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("source listening on"), (line, p.stderr.read() if p.poll() is not None else "")
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+
+
 # --- e. a trainer that stops reading: memory stays bounded ----------------------------------
 
 
