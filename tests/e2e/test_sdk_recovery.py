@@ -10,7 +10,8 @@ socketpair (the test plays the node: it reads the requests and writes the replie
   previous batch is still the trainer's and its lease goes with the next request;
 - a connection lost when the stream sends its request ahead of time, after the last batch of a
   group arrived, does not cost that batch: it is handed out (with its resume state), and the
-  call after it raises ConnectionClosed.
+  call after it raises ConnectionClosed;
+- `close()` from another thread wakes a `next` that waits and makes it raise `closed`.
 """
 
 from __future__ import annotations
@@ -201,3 +202,36 @@ def test_the_last_batch_of_a_group_is_handed_out_when_the_connection_is_lost(pai
     with pytest.raises(shardwire.ShardwireError) as e:
         s.next(timeout=10)
     assert e.value.code == "closed" and "lost" in e.value.message
+
+
+def test_close_from_another_thread_wakes_a_waiting_next_which_raises_closed(pair):
+    import threading
+    import time
+
+    s, node = pair
+    got: list[BaseException | object] = []
+
+    def wait() -> None:
+        try:
+            got.append(s.next())  # the node never answers
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            got.append(e)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    # A watchdog's close: it waited for the `next` holding the stream's lock before, forever.
+    closer = threading.Thread(target=s.close, daemon=True)
+    t0 = time.monotonic()
+    closer.start()
+    closer.join(5)
+    t.join(5)
+    assert not closer.is_alive(), "close() waited for the next() holding the lock"
+    assert time.monotonic() - t0 < 2, time.monotonic() - t0
+    assert not t.is_alive() and len(got) == 1, got
+    e = got[0]
+    assert isinstance(e, shardwire.ShardwireError) and e.code == "closed", repr(e)
+    assert "closed by close() from another thread" in str(e), e
+    assert s.closed
+    node.settimeout(5)
+    assert node.recv(65536) is not None  # the request came; then the connection closed

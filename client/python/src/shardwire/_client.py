@@ -487,10 +487,14 @@ class Stream(_StreamBase[Batch]):
             if not ready and not _wire.readable(self._conn.sock, timeout):
                 return None
             msg = self._conn.recv_reply()
-        except ConnectionClosed:
+        except ConnectionClosed as e:
+            if self._interrupted:
+                raise self._closed_meanwhile() from e
             self._broken(_LOST)
             raise
         except OSError as e:
+            if self._interrupted:
+                raise self._closed_meanwhile() from e
             self._broken(f"the connection to the node service failed: {e}")
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
         except ProtocolError as e:
@@ -501,6 +505,20 @@ class Stream(_StreamBase[Batch]):
             self._malformed(stray)
             raise stray
         return self._inflight.popleft(), msg
+
+    def _interrupt(self) -> None:
+        # A call waiting on the socket sees it end at once (shutdown wakes a blocked recv).
+        try:
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _closed_meanwhile(self) -> ShardwireError:
+        """The error of a call woken by :meth:`close` from another thread (the stream is
+        closed here too)."""
+        why = "closed by close() from another thread"
+        self._broken(why)
+        return ShardwireError("closed", f"stream {self.info.stream}: {why}")
 
     def _malformed(self, e: ProtocolError) -> None:
         """A reply this SDK cannot read (`e`): which request the replies after it answer can no

@@ -219,6 +219,8 @@ class _StreamBase(Generic[_BatchT]):
 
     def __init__(self, info: StreamInfo) -> None:
         self._lock = threading.Lock()
+        #: Set by a :meth:`close` from another thread while a call held the lock.
+        self._interrupted = False
         self._closed = False
         self._closed_why = "the stream was closed"
         self._ended = False
@@ -287,9 +289,21 @@ class _StreamBase(Generic[_BatchT]):
         return self._closed
 
     def close(self) -> None:
-        """Closes the stream on the service. Idempotent."""
-        with self._lock:
+        """Closes the stream on the service. Idempotent. Safe from another thread while a call
+        waits on the stream (a watchdog's close): on the socket that call is woken at once and
+        raises ``closed``; over HTTP it ends with its own wait."""
+        if not self._lock.acquire(blocking=False):
+            self._interrupted = True
+            self._interrupt()
+            self._lock.acquire()
+        try:
             self._close_locked()
+        finally:
+            self._lock.release()
+
+    def _interrupt(self) -> None:
+        """Wakes a call that waits on the transport, from another thread (see :meth:`close`).
+        Nothing by default."""
 
     def _close_locked(self, notify: bool = True) -> None:
         if self._closed:
