@@ -11,7 +11,8 @@ socketpair (the test plays the node: it reads the requests and writes the replie
 - a connection lost when the stream sends its request ahead of time, after the last batch of a
   group arrived, does not cost that batch: it is handed out (with its resume state), and the
   call after it raises ConnectionClosed;
-- `close()` from another thread wakes a `next` that waits and makes it raise `closed`.
+- `close()` from another thread wakes a `next` that waits and makes it raise `closed`;
+- a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused.
 """
 
 from __future__ import annotations
@@ -235,3 +236,16 @@ def test_close_from_another_thread_wakes_a_waiting_next_which_raises_closed(pair
     assert s.closed
     node.settimeout(5)
     assert node.recv(65536) is not None  # the request came; then the connection closed
+
+
+def test_very_long_and_infinite_timeouts_wait_and_nan_is_refused(pair):
+    s, node = pair
+    with pytest.raises(ValueError):
+        s.next(timeout=float("nan"))
+    node.sendall(batch(0))
+    # Beyond what one poll() takes (2^31 - 1 ms): OverflowError before, after the request
+    # had gone; `inf` failed in the request's own encoding.
+    assert s.next(timeout=3e6).lease == 1
+    node.sendall(batch(1))
+    assert s.next(timeout=float("inf")).lease == 2
+    assert not s.closed

@@ -244,8 +244,10 @@ class _StreamBase(Generic[_BatchT]):
 
     def next(self, timeout: float | None = None) -> _BatchT | None:
         """The next batch in plan order, or None when every epoch was delivered."""
-        if timeout is not None and timeout < 0:
+        if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be >= 0, not {timeout!r}")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None  # waits as long as it takes
         with self._lock:
             self._check_open()
             if self._ended:

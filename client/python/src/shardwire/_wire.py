@@ -13,6 +13,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -62,8 +63,20 @@ def readable(sock: socket.socket, timeout: float | None) -> bool:
     DataLoader's) may hold this socket at an fd above 1023, which `select` cannot watch."""
     p = select.poll()
     p.register(sock, select.POLLIN)
-    ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-    return bool(p.poll(ms))
+    if timeout is None or math.isinf(timeout):
+        return bool(p.poll(None))
+    # poll takes at most 2^31 - 1 ms (about 24.8 days) at a time.
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        if p.poll(min(_POLL_MAX_MS, math.ceil(left * 1000))):
+            return True
+        if left <= _POLL_MAX_MS / 1000:
+            return False
+
+
+#: The longest wait one `poll` call takes (its argument is a C int of milliseconds).
+_POLL_MAX_MS = 2**31 - 1
 
 
 def encode(msg: Message) -> bytes:
