@@ -265,17 +265,15 @@ class Batch(_BatchBase):
         """Exempts this batch from auto-release: it stays leased (its bytes valid) until
         :meth:`release`. Returns the batch. Kept batches occupy stream memory: a trainer that
         keeps too many stalls its stream (the service fetches ahead only into free memory)."""
-        if self.released:
-            raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
-        self._stream._kept_leases.add(self.lease)
-        return super().keep()
+        with self._stream._lock:  # not while another thread's `next` releases it
+            if self.released:
+                raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
+            self._stream._kept_leases.add(self.lease)
+            return super().keep()
 
     def release(self) -> None:
-        """Gives the batch's memory back to the service. A no-op if already released."""
-        if self._released:
-            return
-        self._released = True
-        self._stream._kept_leases.discard(self.lease)
+        """Gives the batch's memory back to the service. A no-op if already released (also
+        when another thread's ``next`` released it automatically at the same time)."""
         self._stream._release(self)
 
 
@@ -738,6 +736,12 @@ class Stream(_StreamBase[Batch]):
 
     def _release(self, batch: Batch) -> None:
         with self._lock:
+            # Checked and marked under the lock: a `next` in another thread may be releasing
+            # it automatically (a lease released twice would be refused as unknown).
+            if batch._released:
+                return
+            batch._released = True
+            self._kept_leases.discard(batch.lease)
             if self._closed:
                 return  # closing the connection released it
             if self._auto is batch:
