@@ -296,35 +296,30 @@ impl Conn<'_> {
             } => {
                 // Every lease held is released, whatever else the list holds: the trainer
                 // has let go of all of them.
-                let unknown: Vec<u64> = release
-                    .iter()
-                    .filter(|&&l| match s.take_lease(l) {
-                        Some(slab) => {
-                            self.released.push(slab);
-                            false
-                        }
-                        None => true,
-                    })
-                    .copied()
-                    .collect();
-                match unknown.first() {
-                    Some(_) => match s.closed_reason() {
+                let mut unknown = Vec::new();
+                for &l in &release {
+                    match s.take_lease(l) {
+                        Some(slab) => self.released.push(slab),
+                        None => unknown.push(l),
+                    }
+                }
+                if !unknown.is_empty() {
+                    match s.closed_reason() {
                         Some(why) => error(why.code(), why.to_string()),
                         None => error(
                             ErrorCode::UnknownLease,
                             unknown_leases(&unknown, release.len()),
                         ),
-                    },
-                    None => {
-                        let timeout = timeout_ms.map(Duration::from_millis);
-                        let Some(n) = wait::next_batch(&s, &self.sock, timeout, &mut self.released)
-                        else {
-                            // The trainer hung up while its request waited: close the stream.
-                            return Err(FrameIoError::Closed);
-                        };
-                        let first = next_response(n, self.batch_state.then_some(&*s));
-                        return self.send_with_ready(&s, first, count);
                     }
+                } else {
+                    let timeout = timeout_ms.map(Duration::from_millis);
+                    let Some(n) = wait::next_batch(&s, &self.sock, timeout, &mut self.released)
+                    else {
+                        // The trainer hung up while its request waited: close the stream.
+                        return Err(FrameIoError::Closed);
+                    };
+                    let first = next_response(n, self.batch_state.then_some(&*s));
+                    return self.send_with_ready(&s, first, count);
                 }
             }
             Request::Release { lease } => match s.take_lease(lease) {

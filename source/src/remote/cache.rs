@@ -1,6 +1,7 @@
 //! The source's disk cache of verified shards (`cache_dir`, bounded by `cache_size`): one
-//! file per shard, served with `sendfile` like a local dataset's files. A shard is admitted if it fits, or if cold entries can make room, and those go; otherwise
-//! it passes through uncached. An entry is cold when no node's hint names it and it was not
+//! file per shard, served with `sendfile` like a local dataset's files. A shard is admitted
+//! if it fits, or if cold entries can make room, and those go; otherwise it passes through
+//! uncached. An entry is cold when no node's hint names it and it was not
 //! served for a few times the dataset's shards in accesses ([`DiskCache::set_cold_after`]):
 //! an entry no hint names may still be needed beyond the hints' horizon (a few hundred shards
 //! ahead), later this epoch or the next, and evicting it would cost a GET then, while the
@@ -459,7 +460,7 @@ impl DiskCache {
     pub fn abort(&mut self, r: Reservation) {
         self.reserved.remove(&r.shard);
         self.used -= r.len;
-        let _ = std::fs::remove_file(&r.temp);
+        unlink_or_say(&r.temp);
     }
 
     /// Bytes held (entries and reservations).
