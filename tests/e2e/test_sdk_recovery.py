@@ -12,11 +12,15 @@ socketpair (the test plays the node: it reads the requests and writes the replie
   group arrived, does not cost that batch: it is handed out (with its resume state), and the
   call after it raises ConnectionClosed;
 - `close()` from another thread wakes a `next` that waits and makes it raise `closed`;
-- a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused.
+- a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused;
+- a stream the trainer drops without `close()` closes its connection at once (no reference
+  cycle waits for the garbage collector), unless a batch it handed out is still alive; a batch
+  the trainer dropped is still released.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import os
@@ -44,8 +48,7 @@ def batch(k: int, flags: int = 0, **kw: Any) -> bytes:
     return framed(documented_body(**{"lease": k + 1, "index": k, "offset": k * 4096, "flags": flags, **kw}))
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[_client.Stream, socket.socket]]:
+def attached() -> tuple[_client.Stream, socket.socket]:
     """A stream attached (as `Stream._open` leaves it) to a socketpair whose other end the test
     plays the node on; the region is a 64 KiB memfd."""
     a, node = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -55,7 +58,13 @@ def pair() -> Iterator[tuple[_client.Stream, socket.socket]]:
     os.close(fd)
     info = StreamInfo(stream=1, region_size=REGION, batches_per_epoch=10, epochs=1, memory="host",
                       state={"epoch": 0, "index": 0, "seed": 1, "fingerprint": "f"})
-    s = _client.Stream(_wire.Conn(a), region, info)
+    return _client.Stream(_wire.Conn(a), region, info), node
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[_client.Stream, socket.socket]]:
+    """An :func:`attached` stream and the node's end, both closed after the test."""
+    s, node = attached()
     yield s, node
     s.close()
     node.close()
@@ -249,3 +258,39 @@ def test_very_long_and_infinite_timeouts_wait_and_nan_is_refused(pair):
     node.sendall(batch(1))
     assert s.next(timeout=float("inf")).lease == 2
     assert not s.closed
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for the test: only reference counts free objects."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_a_dropped_stream_closes_its_connection_without_the_garbage_collector(no_gc):
+    """The stream is dropped with batches built ahead of their turn and the last one handed
+    out: the node sees the connection close at once (before, the stream and its batches held
+    each other, and the connection, the node's leases and its stream memory waited for the
+    garbage collector). A batch still alive keeps its stream (it is a lease on it)."""
+    s, node = attached()
+    with node:
+        first_batch(s, node)
+        node.sendall(batch(1, MORE) + batch(2, MORE) + batch(3))
+        b1 = s.next(timeout=10)
+        assert b1.lease == 2 and not b1.released
+        del s
+        assert requests(node) == [], "the batch in the trainer's hands keeps its stream open"
+        assert not b1.released and list(b1) == ["x"]
+        del b1
+        assert requests(node) is None, "the connection stayed open after the stream was dropped"
+
+
+def test_a_batch_the_trainer_dropped_is_released_with_the_next_request(pair, no_gc):
+    s, node = pair
+    first_batch(s, node)  # batch 0 (lease 1) is dropped at once
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10)
+    assert b1.lease == 2
+    assert requests(node) == [{"op": "next", "release": [1], "count": 8}]

@@ -13,6 +13,7 @@ import mmap
 import os
 import socket
 import stat
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, overload
@@ -222,9 +223,13 @@ class Batch(_BatchBase):
 
     _NAME = "Batch"
 
-    def __init__(self, stream: Stream, lease: int, epoch: int, index: int, shard: int, views: list[TensorView],
+    #: The stream that handed this batch out; None while it is built ahead of its turn (a
+    #: batch the stream still holds must not hold the stream: see ``Stream._held``).
+    _stream: Stream
+
+    def __init__(self, stream: Stream | None, lease: int, epoch: int, index: int, shard: int, views: list[TensorView],
                  region: np.ndarray | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
-        self._stream = stream
+        self._stream = stream  # type: ignore[assignment]  # set at hand-out when None
         self._released = False
         if dtypes is None:
             tensors = {v.name: _tensor(region, v) for v in views}
@@ -339,11 +344,28 @@ def _service_error(msg: Mapping[str, Any]) -> ServiceError:
     return ServiceError(str(msg.get("code")), str(msg.get("message")))
 
 
+class _Held:
+    """The batch a stream handed out last, until it is released: its lease, and the batch held
+    weakly. A batch holds its stream (its bytes are a lease on it), so a stream holding its
+    batches back would make a reference cycle, and a stream the trainer dropped without
+    ``close()`` would keep its connection (and with it the node's leases and stream memory)
+    until the garbage collector found the cycle. The lease is kept apart: a batch the trainer
+    dropped is still released."""
+
+    __slots__ = ("ref", "lease")
+
+    def __init__(self, b: Batch) -> None:
+        self.ref = weakref.ref(b)
+        self.lease = b.lease
+
+
 class Stream(_StreamBase[Batch]):
     """An open stream: iterate it for :class:`Batch` objects in plan order.
 
     Create with :meth:`Client.open_stream`. One stream is one Unix connection; closing it (or
-    the process exiting) closes the stream on the service and releases all its leases.
+    the process exiting, or dropping the last reference to it and to the batches it handed
+    out: a batch keeps its stream open) closes the stream on the service and releases all its
+    leases.
 
     Iterating (``for batch in stream``) calls :meth:`next` until the stream ends. Taking a
     batch releases the previous one unless it was kept (see :class:`Batch`). Methods are
@@ -379,7 +401,8 @@ class Stream(_StreamBase[Batch]):
         #: What batch tensors are views of: the host region as one byte array (it holds the
         #: buffer export that keeps the mapping while any tensor lives), or the CudaRegion.
         self._base: np.ndarray | CudaRegion | None = self._cuda if self._cuda is not None else np.frombuffer(self._region, np.uint8)
-        self._auto: Batch | None = None
+        #: The batch handed out last, until it is released (see `_Held`).
+        self._held: _Held | None = None
         #: Requests sent whose replies are not read yet ("next" asked ahead, "release"), in order.
         self._inflight: deque[str] = deque()
         #: The state that resumes after the last batch handed to the trainer; while
@@ -587,7 +610,7 @@ class Stream(_StreamBase[Batch]):
             raise
 
     def _take_answer(self, timeout: float | None) -> Batch | None:
-        """`_take` on a healthy connection. The previous batch (``_auto``) stays the trainer's
+        """`_take` on a healthy connection. The previous batch (``_held``) stays the trainer's
         until a batch is handed out or the stream ends: whatever raises before that (a timeout,
         an error answer, an interrupt while waiting) leaves it to a later call."""
         if self._inflight and self._inflight[0] == "release":
@@ -599,7 +622,7 @@ class Stream(_StreamBase[Batch]):
             # flight (a release after a timeout is then answered at once, not queued behind a
             # request that may wait for the memory it frees). The read waits a little longer.
             # It carries the previous batch's release too (unless kept).
-            self._send_next(self._auto, timeout)
+            self._send_next(self._held, timeout)
             wait = None if timeout is None else timeout + _NODE_TIMEOUT_SLACK
         msg = self._next_answer(wait, timeout)
         kind = msg["op"]
@@ -636,18 +659,17 @@ class Stream(_StreamBase[Batch]):
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
         kept) with the next request, or now when none goes ahead of time."""
-        prev, b = self._auto, self._batch(msg)
-        self._auto = b
+        prev, b = self._held, self._batch(msg)
+        self._held = _Held(b)
         if "batch" not in msg:  # the first of the replies that came together: build the rest
             self._build_ahead()
         if "next" in self._inflight:
             self._defer_release(prev)  # more answers are on their way: no request yet
         elif not self._kept_leases:
             self._ask_ahead(prev)
-        elif prev is not None and not prev._kept and not prev._released:
+        elif (lease := self._claim(prev)) is not None:
             self._gpu_done()  # no request ahead to carry its release: release it now
-            prev._released = True
-            self._reply({"op": "release", "lease": prev.lease}, "released")
+            self._reply({"op": "release", "lease": lease}, "released")
         return b
 
     def _batch(self, msg: dict[str, Any]) -> Batch:
@@ -657,6 +679,8 @@ class Stream(_StreamBase[Batch]):
         b = msg.get("batch")  # binary (see shardwire._binary): built ahead (`_build_ahead`), or now
         if b is None:
             b = self._binary_batch(msg)
+        else:
+            b._stream = self  # handed out: from now on the batch holds the stream
         if msg["state_raw"] is None:
             raise ProtocolError("a batch without its state: the node service is older than this SDK")
         self._resume_raw = msg["state_raw"]
@@ -681,7 +705,7 @@ class Stream(_StreamBase[Batch]):
         """The `end` answer: the previous batch and those whose release waited go now (nothing
         follows to carry them)."""
         self._ended = True
-        prev, self._auto = self._auto, None
+        prev, self._held = self._held, None
         self._defer_release(prev)
         if self._pending:
             self._gpu_done()
@@ -689,8 +713,10 @@ class Stream(_StreamBase[Batch]):
                 self._reply({"op": "release", "lease": lease}, "released")
             self._pending.clear()
 
-    def _binary_batch(self, msg: dict[str, Any]) -> Batch:
-        return Batch(self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
+    def _binary_batch(self, msg: dict[str, Any], ahead: bool = False) -> Batch:
+        """The Batch of a decoded binary reply; `ahead`: built before its turn, without its
+        stream (see `_Held`), which `_batch` sets when it is handed out."""
+        return Batch(None if ahead else self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
 
     def _build_ahead(self) -> None:
         """Builds the Batch of each binary batch reply already decoded behind this one (see
@@ -700,17 +726,29 @@ class Stream(_StreamBase[Batch]):
         for msg in self._conn.ready():
             if msg.get("op") == "batch" and "dtypes" in msg:
                 try:
-                    msg["batch"] = self._binary_batch(msg)
+                    msg["batch"] = self._binary_batch(msg, ahead=True)
                 except Exception:
                     return
 
-    def _defer_release(self, prev: Batch | None) -> None:
+    def _defer_release(self, prev: _Held | None) -> None:
         """Marks `prev` released unless it was kept; its lease goes with the next request."""
-        if prev is not None and not prev._kept and not prev._released:
-            prev._released = True
-            self._pending.append(prev.lease)
+        if (lease := self._claim(prev)) is not None:
+            self._pending.append(lease)
 
-    def _send_next(self, prev: Batch | None, timeout: float | None = None, *, ahead: bool = False) -> None:
+    def _claim(self, held: _Held | None) -> int | None:
+        """The lease of `held` to release now, its batch marked released; None when it was
+        kept or released already. A batch the trainer dropped is released unless it was kept."""
+        if held is None:
+            return None
+        b = held.ref()
+        if b is None:
+            return None if held.lease in self._kept_leases else held.lease
+        if b._kept or b._released:
+            return None
+        b._released = True
+        return b.lease
+
+    def _send_next(self, prev: _Held | None, timeout: float | None = None, *, ahead: bool = False) -> None:
         """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
         whose release waited for a request, in the same request, which the node ends after
         `timeout` seconds (None: it waits as long as it takes). `ahead`: a lost connection
@@ -723,7 +761,7 @@ class Stream(_StreamBase[Batch]):
         (self._post if ahead else self._send)(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
         self._pending.clear()
 
-    def _ask_ahead(self, prev: Batch | None) -> None:
+    def _ask_ahead(self, prev: _Held | None) -> None:
         """Sends the next request ahead of time (`_send_next`; `prev` is then the trainer's no
         more), once the last answer to the one before has been taken. A connection lost by
         then does not cost the batch just taken: it came whole and is handed out, like the
@@ -744,8 +782,8 @@ class Stream(_StreamBase[Batch]):
             self._kept_leases.discard(batch.lease)
             if self._closed:
                 return  # closing the connection released it
-            if self._auto is batch:
-                self._auto = None
+            if self._held is not None and self._held.ref() is batch:
+                self._held = None
             self._gpu_done()
             if "next" in self._inflight:
                 # Behind the request in flight: its answer is read when it comes.
@@ -786,7 +824,7 @@ class Stream(_StreamBase[Batch]):
 
     def _shutdown(self, notify: bool) -> None:
         # Closing the connection is what tells the service (when it is still there).
-        self._auto = None
+        self._held = None
         self._inflight.clear()
         self._pending.clear()
         self._conn.close()
