@@ -443,6 +443,9 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
     let cfg = SourceConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
     crate::limits::raise_open_files(); // every file of its datasets stays open
+    // Before any work: a metric recorded while no recorder is installed is lost without a
+    // word (a FETCH served before the admin task first ran went uncounted).
+    crate::http::prom::handle();
     let remote = shardwire_source::RemoteOptions {
         request_size: cfg.object_store_request_size.0,
         max_inflight: cfg.object_store_max_inflight,
@@ -500,6 +503,7 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     let cfg = ServeConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
     crate::limits::raise_open_files(); // a socket per trainer, source link and data connection
+    crate::http::prom::handle(); // before any work (see `source`)
     runtime()?.block_on(async {
         let s = crate::serve::start(cfg).await?;
         let h = &s.handle;
