@@ -6,7 +6,8 @@ SDK's HTTP transport (``shardwire.connect_http`` / ``connect(url=...)``), agains
   private writable copies; leases end as soon as a batch arrived;
 - the plan order is the socket's; resume states move between the two transports;
 - errors (unknown dataset, state mismatch, bad arguments, bad URLs, unreachable node), the
-  timeout of ``next`` while the source stalls, close and the idle timeout;
+  timeout of ``next`` while the source stalls, close and the idle timeout, close() from another
+  thread while ``next`` waits in a long poll;
 - the raw API: status codes and error bodies, unknown fields, the body limit, isolation from
   socket streams.
 
@@ -181,6 +182,40 @@ def test_next_times_out_when_the_source_stalls(procs: Procs, tmp_path: pathlib.P
         st, body, _ = http(serve.admin, "POST", path + "?timeout_ms=500", b"")
         assert (st, body) == (204, b"") and time.monotonic() - t0 < 3, time.monotonic() - t0
         front.join(15)
+
+
+def test_close_from_another_thread_wakes_a_long_poll(procs: Procs, tmp_path: pathlib.Path):
+    """A watchdog's close() while `next` waits in a long poll (30 s; the source stalls): the
+    waiting call raises `closed` at once, and the stream is closed on the service, not left
+    to its idle timeout. Before, close() waited for the long poll to end."""
+    big = tmp_path / "big"
+    big.mkdir()
+    np.save(big / "s0.npy", np.zeros(3 << 20, dtype=np.uint8))  # one 3 MiB shard
+    index(big)
+    src = procs.source({"big": big}, "--rate-limit", "64KiB")  # ~48 s for the shard
+    serve = procs.serve(src, tmp_path / "wake.sock")
+    s = shardwire.connect_http(serve.admin).open_stream("big")
+    sid = s.info.stream
+    got: list[BaseException | object] = []
+
+    def wait() -> None:
+        try:
+            got.append(s.next())
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            got.append(e)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 5, f"close() waited {time.monotonic() - t0:.1f} s for the long poll"
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1, got
+    e = got[0]
+    assert isinstance(e, shardwire.ShardwireError) and e.code == "closed", repr(e)
+    assert "closed by close() from another thread" in str(e), e
+    wait_for(lambda: listed(serve.admin, sid) is None, f"stream {sid} gone after close")  # not its 300 s idle timeout
 
 
 # --- the raw API -----------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -239,11 +240,16 @@ class HttpStream(_StreamBase[HttpBatch]):
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
         try:
-            return _call(self._conn, method, path, body, timeout, into=into)
+            # Not sent again on a fresh connection once close() from another thread ended it.
+            return _call(self._conn, method, path, body, timeout, retry=lambda: not self._interrupted, into=into)
         except (OSError, http.client.HTTPException) as e:
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
+            if self._interrupted:
+                # close() from another thread ended the connection to wake this call; it
+                # closes the stream on the service once this call lets go of the lock.
+                raise ShardwireError("closed", f"stream {self.info.stream}: closed by close() from another thread") from e
             self._broken(f"the connection to the node service failed: {e}")
             raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
 
@@ -265,6 +271,8 @@ class HttpStream(_StreamBase[HttpBatch]):
     def _take(self, timeout: float | None) -> HttpBatch | None:
         left = None if timeout is None else math.ceil(timeout * 1000)
         while True:
+            if self._interrupted:  # close() from another thread, between two long polls
+                raise ShardwireError("closed", f"stream {self.info.stream}: closed by close() from another thread")
             wait = POLL_MS if left is None else min(left, POLL_MS)
             r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
             if r.status == 204:
@@ -322,6 +330,17 @@ class HttpStream(_StreamBase[HttpBatch]):
         ignored: it closes the stream after its idle timeout."""
         super().close()
 
+    def _interrupt(self) -> None:
+        # A call waiting for an answer (a long poll of up to POLL_MS) sees its connection end
+        # at once and raises `closed`; close() then tells the service on a new connection.
+        conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _shutdown(self, notify: bool) -> None:
         if notify:
             try:
@@ -378,11 +397,17 @@ def _read_body(r: http.client.HTTPResponse, what: str) -> bytes:
 
 
 def _call(
-    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, timeout: float, retry: bool = True, into: int | None = None
+    conn: http.client.HTTPConnection,
+    method: str,
+    path: str,
+    body: bytes | None,
+    timeout: float,
+    retry: bool | Callable[[], bool] = True,
+    into: int | None = None,
 ) -> _Reply:
     """Sends a request on `conn` and reads the whole answer (with `into`, a successful answer
     must be that many bytes, read into a writable bytearray). A kept-alive connection found
-    closed is reopened and the request sent once more."""
+    closed is reopened and the request sent once more, if `retry` (or what it returns) says so."""
     for attempt in (0, 1):
         reused = conn.sock is not None
         try:
@@ -395,7 +420,7 @@ def _call(
             r = conn.getresponse()
         except _STALE:
             conn.close()
-            if retry and reused and attempt == 0:
+            if reused and attempt == 0 and (retry() if callable(retry) else retry):
                 continue
             raise
         data: bytes | bytearray
