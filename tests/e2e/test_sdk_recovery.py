@@ -15,7 +15,7 @@ socketpair (the test plays the node: it reads the requests and writes the replie
 - a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused;
 - a stream the trainer drops without `close()` closes its connection at once (no reference
   cycle waits for the garbage collector), unless a batch it handed out is still alive; a batch
-  the trainer dropped is still released.
+  the trainer dropped is still released, a kept one too (with the next request).
 """
 
 from __future__ import annotations
@@ -294,3 +294,30 @@ def test_a_batch_the_trainer_dropped_is_released_with_the_next_request(pair, no_
     b1 = s.next(timeout=10)
     assert b1.lease == 2
     assert requests(node) == [{"op": "next", "release": [1], "count": 8}]
+
+
+def test_a_kept_batch_dropped_without_release_is_released_with_the_next_request(pair, no_gc):
+    """A kept batch holds its lease until release(); one the trainer drops (garbage) before
+    that went on holding it, and kept the stream from asking ahead, until the stream closed."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10)
+    assert b1.lease == 2
+    assert requests(node) == [], "nothing released or asked ahead while batch 0 is kept"
+    del b0
+    node.sendall(batch(2))
+    assert s.next(timeout=10).lease == 3
+    # Lease 1 (dropped) and lease 2 (taken over) go with the request sent now, which asks for
+    # a group again; then the request ahead of time.
+    assert requests(node) == [
+        {"op": "next", "timeout_ms": 10000, "release": [1, 2], "count": 8},
+        {"op": "next", "count": 8},
+    ]
+    # Kept, then released, then dropped: released once (its finalizer is detached).
+    node.sendall(batch(3))
+    b3 = s.next(timeout=10).keep()
+    b3.release()
+    del b3
+    assert requests(node) == [{"op": "next", "release": [3], "count": 8}, {"op": "release", "lease": 4}]
+    assert not s._dropped and not s._kept_leases

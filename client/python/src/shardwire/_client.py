@@ -219,7 +219,7 @@ class Batch(_BatchBase):
         views: Where each tensor lies in the region.
     """
 
-    __slots__ = ("_stream", "_released")
+    __slots__ = ("_stream", "_released", "_on_drop")
 
     _NAME = "Batch"
 
@@ -231,6 +231,8 @@ class Batch(_BatchBase):
                  region: np.ndarray | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
         self._stream = stream  # type: ignore[assignment]  # set at hand-out when None
         self._released = False
+        #: Once kept: releases the lease if the batch is garbage-collected before release().
+        self._on_drop: weakref.finalize | None = None
         if dtypes is None:
             tensors = {v.name: _tensor(region, v) for v in views}
         else:
@@ -269,11 +271,18 @@ class Batch(_BatchBase):
     def keep(self) -> Batch:
         """Exempts this batch from auto-release: it stays leased (its bytes valid) until
         :meth:`release`. Returns the batch. Kept batches occupy stream memory: a trainer that
-        keeps too many stalls its stream (the service fetches ahead only into free memory)."""
-        with self._stream._lock:  # not while another thread's `next` releases it
+        keeps too many stalls its stream (the service fetches ahead only into free memory). A
+        kept batch that is dropped (garbage-collected) without :meth:`release` is released with
+        the stream's next request."""
+        s = self._stream
+        with s._lock:  # not while another thread's `next` releases it
             if self.released:
                 raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
-            self._stream._kept_leases.add(self.lease)
+            if self.lease not in s._kept_leases:
+                s._kept_leases.add(self.lease)
+                # The callback holds the stream's queue only (not the stream, nor this batch):
+                # it may run anywhere, also inside the stream's own calls, so it only appends.
+                self._on_drop = weakref.finalize(self, s._dropped.append, self.lease)
             return super().keep()
 
     def release(self) -> None:
@@ -413,6 +422,9 @@ class Stream(_StreamBase[Batch]):
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and a
         #: release sent behind a waiting request would wait with it).
         self._kept_leases: set[int] = set()
+        #: Leases of kept batches garbage-collected before release() (appended by their
+        #: finalizers, at any moment): released with the next request (`_drain_dropped`).
+        self._dropped: deque[int] = deque()
         #: Leases of batches the trainer is done with (auto-released) whose release rides on
         #: the next request: sent while more answers to the one in flight are still coming.
         self._pending: list[int] = []
@@ -615,6 +627,7 @@ class Stream(_StreamBase[Batch]):
         an error answer, an interrupt while waiting) leaves it to a later call."""
         if self._inflight and self._inflight[0] == "release":
             self._settle()
+        self._drain_dropped()
         wait = timeout
         sent_now = "next" not in self._inflight
         if sent_now:
@@ -659,6 +672,7 @@ class Stream(_StreamBase[Batch]):
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
         kept) with the next request, or now when none goes ahead of time."""
+        self._drain_dropped()  # first: a kept batch dropped may be `prev`
         prev, b = self._held, self._batch(msg)
         self._held = _Held(b)
         if "batch" not in msg:  # the first of the replies that came together: build the rest
@@ -705,6 +719,7 @@ class Stream(_StreamBase[Batch]):
         """The `end` answer: the previous batch and those whose release waited go now (nothing
         follows to carry them)."""
         self._ended = True
+        self._drain_dropped()
         prev, self._held = self._held, None
         self._defer_release(prev)
         if self._pending:
@@ -733,6 +748,18 @@ class Stream(_StreamBase[Batch]):
     def _defer_release(self, prev: _Held | None) -> None:
         """Marks `prev` released unless it was kept; its lease goes with the next request."""
         if (lease := self._claim(prev)) is not None:
+            self._pending.append(lease)
+
+    def _drain_dropped(self) -> None:
+        """Kept batches garbage-collected before release(): their leases go with the next
+        request, and no longer keep the stream from asking ahead."""
+        while self._dropped:
+            lease = self._dropped.popleft()
+            if lease not in self._kept_leases:
+                continue  # released meanwhile (or the stream closed)
+            self._kept_leases.discard(lease)
+            if self._held is not None and self._held.lease == lease:
+                self._held = None  # its release is this one
             self._pending.append(lease)
 
     def _claim(self, held: _Held | None) -> int | None:
@@ -780,6 +807,8 @@ class Stream(_StreamBase[Batch]):
                 return
             batch._released = True
             self._kept_leases.discard(batch.lease)
+            if batch._on_drop is not None:
+                batch._on_drop.detach()
             if self._closed:
                 return  # closing the connection released it
             if self._held is not None and self._held.ref() is batch:
