@@ -188,6 +188,8 @@ def test_an_interrupt_before_a_request_sent_now_is_answered(pair, interrupt):
     assert s.next(timeout=30).lease == 3
     assert requests(node) == [], "the answer was the one in flight: nothing asked again"
     node.sendall(framed(b'{"op":"released"}'))  # read once the release is sent
+    released = b'{"op":"released"}'
+    node.sendall(struct.pack("<I", len(released)) + released)  # the answer to the release below
     b0.release()
     assert requests(node) == [{"op": "release", "lease": 1}]
 
@@ -321,3 +323,22 @@ def test_a_kept_batch_dropped_without_release_is_released_with_the_next_request(
     del b3
     assert requests(node) == [{"op": "next", "release": [3], "count": 8}, {"op": "release", "lease": 4}]
     assert not s._dropped and not s._kept_leases
+
+
+def test_a_dropped_batch_is_released_once_while_another_is_kept(pair, no_gc):
+    """Batch 1 is dropped at once while batch 0 is kept: the request sent for batch 2 carries
+    its lease, and handing batch 2 out must not release it a second time (the node refuses a
+    lease it no longer knows: `unknown_lease`, and the `next` failed)."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    assert s.next(timeout=10).lease == 2  # dropped at once
+    assert requests(node) == []
+    node.sendall(batch(2))
+    b2 = s.next(timeout=10)
+    assert b2.lease == 3
+    assert requests(node) == [{"op": "next", "timeout_ms": 10000, "release": [2]}]
+    released = b'{"op":"released"}'
+    node.sendall(struct.pack("<I", len(released)) + released)  # the answer to the release below
+    b0.release()
+    assert requests(node) == [{"op": "release", "lease": 1}]

@@ -359,13 +359,14 @@ class _Held:
     batches back would make a reference cycle, and a stream the trainer dropped without
     ``close()`` would keep its connection (and with it the node's leases and stream memory)
     until the garbage collector found the cycle. The lease is kept apart: a batch the trainer
-    dropped is still released."""
+    dropped is still released, once (`done`: a live batch says so itself, `Batch._released`)."""
 
-    __slots__ = ("ref", "lease")
+    __slots__ = ("ref", "lease", "done")
 
     def __init__(self, b: Batch) -> None:
         self.ref = weakref.ref(b)
         self.lease = b.lease
+        self.done = False
 
 
 class Stream(_StreamBase[Batch]):
@@ -765,15 +766,18 @@ class Stream(_StreamBase[Batch]):
     def _claim(self, held: _Held | None) -> int | None:
         """The lease of `held` to release now, its batch marked released; None when it was
         kept or released already. A batch the trainer dropped is released unless it was kept."""
-        if held is None:
+        if held is None or held.done:
             return None
         b = held.ref()
         if b is None:
-            return None if held.lease in self._kept_leases else held.lease
-        if b._kept or b._released:
+            if held.lease in self._kept_leases:
+                return None  # kept: its finalizer queues it (`_drain_dropped`)
+        elif b._kept or b._released:
             return None
-        b._released = True
-        return b.lease
+        else:
+            b._released = True
+        held.done = True
+        return held.lease
 
     def _send_next(self, prev: _Held | None, timeout: float | None = None, *, ahead: bool = False) -> None:
         """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
@@ -797,7 +801,7 @@ class Stream(_StreamBase[Batch]):
         try:
             self._send_next(prev, ahead=True)
         except ConnectionClosed as e:
-            self._lost = e
+            self._lost = e.with_traceback(None)  # its frames would hold this stream
 
     def _release(self, batch: Batch) -> None:
         with self._lock:

@@ -240,8 +240,8 @@ class HttpStream(_StreamBase[HttpBatch]):
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
         try:
-            # Not sent again on a fresh connection once close() from another thread ended it.
-            return _call(self._conn, method, path, body, timeout, retry=lambda: not self._interrupted, into=into)
+            # Not sent (again) once close() from another thread ended the connection.
+            return _call(self._conn, method, path, body, timeout, into=into, stop=lambda: self._interrupted)
         except (OSError, http.client.HTTPException) as e:
             if self._conn is not None:
                 self._conn.close()
@@ -342,6 +342,14 @@ class HttpStream(_StreamBase[HttpBatch]):
                 pass
 
     def _shutdown(self, notify: bool) -> None:
+        if self._interrupted:
+            # The call `_interrupt` woke has let go (this holds the lock): the close itself
+            # goes out, on a fresh connection (`_interrupt` may have shut this one down under
+            # a call that then ended without using it again).
+            self._interrupted = False
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
         if notify:
             try:
                 self._request("POST", f"/v1/streams/{self.info.stream}/close", 10.0)
@@ -402,17 +410,25 @@ def _call(
     path: str,
     body: bytes | None,
     timeout: float,
-    retry: bool | Callable[[], bool] = True,
+    retry: bool = True,
     into: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> _Reply:
     """Sends a request on `conn` and reads the whole answer (with `into`, a successful answer
     must be that many bytes, read into a writable bytearray). A kept-alive connection found
-    closed is reopened and the request sent once more, if `retry` (or what it returns) says so."""
+    closed is reopened and the request sent once more (if `retry`). Once `stop` returns true
+    (another thread ended the connection to wake this call) the request is not sent, nor sent
+    again: ConnectionAbortedError."""
     for attempt in (0, 1):
         reused = conn.sock is not None
         try:
             if conn.sock is None:
                 conn.connect()
+            if stop is not None and stop():
+                # Checked after the connection exists: whoever set it, then shut down the
+                # connection it found, either saw this one or is seen here.
+                conn.close()
+                raise ConnectionAbortedError("the request was stopped before it was sent")
             assert conn.sock is not None
             conn.sock.settimeout(timeout)
             headers = {"Content-Type": "application/json"} if body is not None or method == "POST" else {}
@@ -420,7 +436,7 @@ def _call(
             r = conn.getresponse()
         except _STALE:
             conn.close()
-            if reused and attempt == 0 and (retry() if callable(retry) else retry):
+            if retry and reused and attempt == 0 and not (stop is not None and stop()):
                 continue
             raise
         data: bytes | bytearray
