@@ -188,8 +188,6 @@ def test_an_interrupt_before_a_request_sent_now_is_answered(pair, interrupt):
     assert s.next(timeout=30).lease == 3
     assert requests(node) == [], "the answer was the one in flight: nothing asked again"
     node.sendall(framed(b'{"op":"released"}'))  # read once the release is sent
-    released = b'{"op":"released"}'
-    node.sendall(struct.pack("<I", len(released)) + released)  # the answer to the release below
     b0.release()
     assert requests(node) == [{"op": "release", "lease": 1}]
 
@@ -338,7 +336,6 @@ def test_a_dropped_batch_is_released_once_while_another_is_kept(pair, no_gc):
     b2 = s.next(timeout=10)
     assert b2.lease == 3
     assert requests(node) == [{"op": "next", "timeout_ms": 10000, "release": [2]}]
-    released = b'{"op":"released"}'
-    node.sendall(struct.pack("<I", len(released)) + released)  # the answer to the release below
+    node.sendall(framed(b'{"op":"released"}'))  # the answer to the release below
     b0.release()
     assert requests(node) == [{"op": "release", "lease": 1}]

@@ -682,9 +682,18 @@ class Stream(_StreamBase[Batch]):
             self._defer_release(prev)  # more answers are on their way: no request yet
         elif not self._kept_leases:
             self._ask_ahead(prev)
-        elif (lease := self._claim(prev)) is not None:
-            self._gpu_done()  # no request ahead to carry its release: release it now
-            self._reply({"op": "release", "lease": lease}, "released")
+        elif prev is not None:
+            # No request ahead to carry its release: release it now. The answers still due
+            # are read first, so that an error among them cannot leave the lease claimed and
+            # not sent; if the GPU's wait fails, the next request carries it.
+            self._settle()
+            if (lease := self._claim(prev)) is not None:
+                try:
+                    self._gpu_done()
+                except BaseException:
+                    self._pending.append(lease)
+                    raise
+                self._reply({"op": "release", "lease": lease}, "released")
         return b
 
     def _batch(self, msg: dict[str, Any]) -> Batch:
@@ -809,6 +818,12 @@ class Stream(_StreamBase[Batch]):
             # it automatically (a lease released twice would be refused as unknown).
             if batch._released:
                 return
+            if not self._closed:
+                # What can fail goes before the batch is marked: an error answer to an earlier
+                # release, the GPU's wait (it would leave the lease marked and never sent).
+                if "next" not in self._inflight:
+                    self._settle()
+                self._gpu_done()
             batch._released = True
             self._kept_leases.discard(batch.lease)
             if batch._on_drop is not None:
@@ -817,7 +832,6 @@ class Stream(_StreamBase[Batch]):
                 return  # closing the connection released it
             if self._held is not None and self._held.ref() is batch:
                 self._held = None
-            self._gpu_done()
             if "next" in self._inflight:
                 # Behind the request in flight: its answer is read when it comes.
                 self._send({"op": "release", "lease": batch.lease})

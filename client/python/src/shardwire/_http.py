@@ -342,22 +342,20 @@ class HttpStream(_StreamBase[HttpBatch]):
                 pass
 
     def _shutdown(self, notify: bool) -> None:
-        if self._interrupted:
-            # The call `_interrupt` woke has let go (this holds the lock): the close itself
-            # goes out, on a fresh connection (`_interrupt` may have shut this one down under
-            # a call that then ended without using it again).
-            self._interrupted = False
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-        if notify:
-            try:
-                self._request("POST", f"/v1/streams/{self.info.stream}/close", 10.0)
-            except ShardwireError:
-                pass
+        self._interrupted = False  # the call `_interrupt` woke has let go: this holds the lock
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if notify:
+            # On a connection of its own, which no `_interrupt` can shut down (another close()
+            # meanwhile), never stopped: the close must reach the service.
+            conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
+            try:
+                _call(conn, "POST", f"/v1/streams/{self.info.stream}/close", b"", 10.0, retry=False)
+            except (OSError, http.client.HTTPException, ShardwireError):
+                pass  # the service closes it after its idle timeout
+            finally:
+                conn.close()
 
     def _repr_where(self) -> str:
         return f" {self._client.url}"

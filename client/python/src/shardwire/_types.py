@@ -294,10 +294,16 @@ class _StreamBase(Generic[_BatchT]):
         """Closes the stream on the service. Idempotent. Safe from another thread while a call
         waits on the stream (a watchdog's close): on the socket that call is woken at once and
         raises ``closed``; over HTTP it ends with its own wait."""
+        if self._closed:
+            return  # idempotent; and a second close() must not interrupt the first's work
         if not self._lock.acquire(blocking=False):
             self._interrupted = True
             self._interrupt()
-            self._lock.acquire()
+            try:
+                self._lock.acquire()
+            except BaseException:
+                self._interrupted = False  # a KeyboardInterrupt while waiting: still open
+                raise
         try:
             self._close_locked()
         finally:
