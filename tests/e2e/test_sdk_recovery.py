@@ -339,3 +339,30 @@ def test_a_dropped_batch_is_released_once_while_another_is_kept(pair, no_gc):
     node.sendall(framed(b'{"op":"released"}'))  # the answer to the release below
     b0.release()
     assert requests(node) == [{"op": "release", "lease": 1}]
+
+
+def test_an_error_answer_to_an_earlier_release_loses_no_batch_and_no_lease(pair, interrupt):
+    """A release sent behind a request in flight is answered with an error (here: a lease the
+    node does not know). The error is raised by the call that reads it, and nothing is lost:
+    neither the batch handed out with it nor the release of a kept batch that follows (before,
+    `release()` marked the batch released, then raised on the earlier answer: its lease was
+    never sent)."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=30)  # its request stays in flight
+    b0.release()  # sent behind it
+    assert requests(node) == [{"op": "next", "timeout_ms": 30000}, {"op": "release", "lease": 1}]
+    node.sendall(batch(2) + framed(b'{"op":"error","code":"unknown_lease","message":"lease 1"}'))
+    b2 = s.next(timeout=10)
+    assert b2.lease == 3 and requests(node) == []
+    with pytest.raises(shardwire.ServiceError) as e:
+        b1.release()  # reads the error answer first
+    assert e.value.code == "unknown_lease"
+    assert not b1.released, "the error was not this release's: b1 is still the trainer's"
+    node.sendall(framed(b'{"op":"released"}'))
+    b1.release()
+    assert b1.released and requests(node) == [{"op": "release", "lease": 2}]

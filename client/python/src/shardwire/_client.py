@@ -682,16 +682,18 @@ class Stream(_StreamBase[Batch]):
             self._defer_release(prev)  # more answers are on their way: no request yet
         elif not self._kept_leases:
             self._ask_ahead(prev)
-        elif prev is not None:
-            # No request ahead to carry its release: release it now. The answers still due
-            # are read first, so that an error among them cannot leave the lease claimed and
-            # not sent; if the GPU's wait fails, the next request carries it.
-            self._settle()
-            if (lease := self._claim(prev)) is not None:
+        elif (lease := self._claim(prev)) is not None:
+            if self._inflight:
+                # Answers to releases sent behind the last request are still due: the next
+                # call reads them (and raises an error among them, not this hand-out, which
+                # would cost the batch just taken); this lease goes with its request.
+                self._pending.append(lease)
+            else:
+                # No request ahead to carry its release: release it now.
                 try:
                     self._gpu_done()
                 except BaseException:
-                    self._pending.append(lease)
+                    self._pending.append(lease)  # the next request carries it
                     raise
                 self._reply({"op": "release", "lease": lease}, "released")
         return b
