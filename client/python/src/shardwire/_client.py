@@ -26,7 +26,7 @@ from ._cuda import _ON_GPU, CudaRegion
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._options import StreamOptions, document
 from ._tensor import Tensor
-from ._types import StreamInfo, TensorView, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
+from ._types import _WOKEN, StreamInfo, TensorView, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
@@ -550,9 +550,8 @@ class Stream(_StreamBase[Batch]):
     def _closed_meanwhile(self) -> ShardwireError:
         """The error of a call woken by :meth:`close` from another thread (the stream is
         closed here too)."""
-        why = "closed by close() from another thread"
-        self._broken(why)
-        return ShardwireError("closed", f"stream {self.info.stream}: {why}")
+        self._broken(_WOKEN)
+        return self._woken()
 
     def _malformed(self, e: ProtocolError) -> None:
         """A reply this SDK cannot read (`e`): which request the replies after it answer can no

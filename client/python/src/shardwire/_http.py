@@ -249,7 +249,7 @@ class HttpStream(_StreamBase[HttpBatch]):
             if self._interrupted:
                 # close() from another thread ended the connection to wake this call; it
                 # closes the stream on the service once this call lets go of the lock.
-                raise ShardwireError("closed", f"stream {self.info.stream}: closed by close() from another thread") from e
+                raise self._woken() from e
             self._broken(f"the connection to the node service failed: {e}")
             raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
 
@@ -272,7 +272,7 @@ class HttpStream(_StreamBase[HttpBatch]):
         left = None if timeout is None else math.ceil(timeout * 1000)
         while True:
             if self._interrupted:  # close() from another thread, between two long polls
-                raise ShardwireError("closed", f"stream {self.info.stream}: closed by close() from another thread")
+                raise self._woken()
             wait = POLL_MS if left is None else min(left, POLL_MS)
             r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
             if r.status == 204:

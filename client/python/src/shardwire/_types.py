@@ -201,6 +201,10 @@ class _BatchBase(ArrowExport, Mapping[str, np.ndarray]):
         self.release()
 
 
+#: Why a call woken by close() from another thread ended (see `_StreamBase._woken`).
+_WOKEN = "closed by close() from another thread"
+
+
 class _StreamBase(Generic[_BatchT]):
     """A stream of either transport: iterate it for batches in plan order (see
     :class:`shardwire.Stream` and :class:`shardwire.HttpStream`).
@@ -312,6 +316,10 @@ class _StreamBase(Generic[_BatchT]):
     def _interrupt(self) -> None:
         """Wakes a call that waits on the transport, from another thread (see :meth:`close`).
         Nothing by default."""
+
+    def _woken(self) -> ShardwireError:
+        """The error a call raises when :meth:`close` from another thread woke it."""
+        return ShardwireError("closed", f"stream {self.info.stream}: {_WOKEN}")
 
     def _close_locked(self, notify: bool = True) -> None:
         if self._closed:
