@@ -191,10 +191,31 @@ fn next_after_asks_ahead_and_a_resume_from_its_state_is_exact() {
     );
 }
 
-/// Sends `sig` (stop or continue) to process `pid`.
+/// Sends `sig` to process `pid`.
 fn signal(sig: Signal, pid: u32) {
     let p = Pid::from_raw(i32::try_from(pid).unwrap()).expect("a child's pid is not 0");
     kill_process(p, sig).unwrap_or_else(|e| panic!("signal {sig:?} to {pid}: {e}"));
+}
+
+/// Stops process `pid` and returns once every thread of it is stopped. `kill` only queues
+/// SIGSTOP: the group stop begins when one thread dequeues it, and until then the others run
+/// on (on a loaded machine, long enough to answer a request sent after `kill` returned).
+fn stop(pid: u32) {
+    signal(Signal::STOP, pid);
+    wait_for("every thread of the stopped process to stop", || {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process's threads");
+        tasks.flatten().all(|t| {
+            // The state is the field after the command name, which ends at the last ')'.
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+            state.is_some_and(|s| s.starts_with('T') || s.starts_with('t'))
+        })
+    });
+}
+
+/// Continues process `pid` after [`stop`].
+fn cont(pid: u32) {
+    signal(Signal::CONT, pid);
 }
 
 #[test]
@@ -209,7 +230,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
     check_bytes(&b0, &files);
     let mut got = vec![pos(&b0)];
     wait_for("the second batch to be ready", || ready(&c, id) == 1);
-    signal(Signal::STOP, c.source_pid());
+    stop(c.source_pid());
     // The release of b0 rides on this request, which b1 answers; the request sent ahead
     // then waits for b2, which the stopped source cannot send.
     let b1 = s.next_after(b0).unwrap().expect("a batch");
@@ -233,7 +254,7 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
         Some(1),
         "the release waits behind the request in flight"
     );
-    signal(Signal::CONT, c.source_pid());
+    cont(c.source_pid());
     let mut next = s.next_timeout(WAIT).unwrap();
     while let Some(b) = next {
         check_bytes(&b, &files);
@@ -310,7 +331,7 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
     let Response::Attached { stream: id, .. } = answer else {
         panic!("not attached: {answer:?}");
     };
-    signal(Signal::STOP, c.source_pid());
+    stop(c.source_pid());
     // Take what the node has until a `next` of 200 ms times out.
     let mut release = Vec::new();
     loop {
@@ -342,7 +363,7 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    signal(Signal::CONT, c.source_pid());
+    cont(c.source_pid());
 }
 
 #[test]
@@ -352,10 +373,10 @@ fn a_late_timeout_answer_does_not_fail_a_later_next() {
     let b0 = s.next().unwrap().expect("a batch");
     let b1 = s.next().unwrap().expect("a batch"); // both slabs held: a next waits
     // The node is stopped, so its own `timeout` answer comes after the client gave up.
-    signal(Signal::STOP, c.serve_pid());
+    stop(c.serve_pid());
     let t = Instant::now();
     let e = s.next_timeout(Duration::from_millis(100));
-    signal(Signal::CONT, c.serve_pid());
+    cont(c.serve_pid());
     assert!(
         matches!(e, Err(ClientError::Timeout(t)) if t == Duration::from_millis(100)),
         "{:?}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -400,6 +401,26 @@ def test_a_timeout_with_every_slab_kept_lets_a_release_through(procs: Procs, tmp
         assert b2 is not None and (b1.index, b2.index) == (1, 2)
 
 
+def stop_process(pid: int) -> None:
+    """Stops process `pid` and returns once every thread of it is stopped: `kill` only queues
+    SIGSTOP, and until one thread dequeues it the others run on (on a loaded machine, long
+    enough to answer a request sent after `kill` returned)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT
+    while True:
+        states = []
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            try:
+                # The state follows the command name, which ends at the last ')'.
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, IndexError):
+                continue  # a thread that ended
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_late_timeout_answer_does_not_fail_a_later_next(procs: Procs, tmp_path: pathlib.Path):
     """The node is stopped while `next(timeout=0.1)` waits, so its `timeout` answer comes after
     the SDK gave up (timeout + slack): a later `next()` without a timeout reads that late
@@ -414,7 +435,7 @@ def test_a_late_timeout_answer_does_not_fail_a_later_next(procs: Procs, tmp_path
     with shardwire.connect(serve.socket).open_stream("late") as s:
         b0 = s.next(timeout=WAIT).keep()
         b1 = s.next(timeout=WAIT).keep()  # both slabs held: a next waits
-        serve.proc.popen.send_signal(signal.SIGSTOP)
+        stop_process(serve.proc.popen.pid)
         try:
             with pytest.raises(shardwire.Timeout):
                 s.next(timeout=0.1)
