@@ -318,19 +318,27 @@ fn http_long_poll_end_and_idle_timeout() {
     let path = format!("/v1/streams/{}/next?timeout_ms=20000", s.info.stream);
     let req = format!("POST {path} HTTP/1.1\r\nHost: {a}\r\nContent-Length: 0\r\n\r\n");
     gone.write_all(req.as_bytes()).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Time for the node to start the poll's wait, then to see its caller leave (nothing
+    // observable marks either: generous for a loaded machine).
+    std::thread::sleep(Duration::from_secs(1));
     drop(gone);
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_secs(1));
     s.release(b2).unwrap(); // room for index 3, which the abandoned poll takes
-    std::thread::sleep(Duration::from_millis(500));
     // The node did deliver index 3 (to the poll that was abandoned) ...
-    let (_, body) = raw(&a, "GET", "/v1/streams", "");
-    let listed = json(&body)["streams"][0].clone();
-    assert_eq!(
-        (listed["delivered"].as_u64(), listed["leased"].as_u64()),
-        (Some(4), Some(2)),
-        "{listed}"
-    );
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (_, body) = raw(&a, "GET", "/v1/streams", "");
+        let listed = json(&body)["streams"][0].clone();
+        let got = (listed["delivered"].as_u64(), listed["leased"].as_u64());
+        if got == (Some(4), Some(2)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "index 3 never delivered: {listed}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // ... yet the stream's state and its next `next` still name it.
     let state = s.state().unwrap();
     assert_eq!((state.epoch, state.index), (0, 3));
@@ -362,7 +370,22 @@ fn http_long_poll_end_and_idle_timeout() {
     assert_eq!(json(&body)["idle_timeout_s"], 1);
     let (st, _) = raw(&a, "GET", &format!("/v1/streams/{id}/state"), "");
     assert_eq!(st, 200);
-    std::thread::sleep(Duration::from_millis(2500));
+    // Closed 1 to 1.5 s after its last use (the reaper ticks every 500 ms); the listing
+    // does not count as a use.
+    let t = Instant::now();
+    while stream_listed(&a, id) {
+        assert!(
+            t.elapsed() < WAIT,
+            "stream {id} still open after {:?}",
+            t.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
     let (st, body) = raw(&a, "GET", &format!("/v1/streams/{id}/state"), "");
     assert_eq!(
         (st, json(&body)["code"].as_str()),
@@ -390,4 +413,15 @@ fn http_long_poll_end_and_idle_timeout() {
         (400, Some("bad_request")),
         "{body}"
     );
+}
+
+/// Whether stream `id` is in the node's `/v1/streams` listing.
+fn stream_listed(admin: &str, id: u64) -> bool {
+    let (st, body) = raw(admin, "GET", "/v1/streams", "");
+    assert_eq!(st, 200, "{body}");
+    json(&body)["streams"]
+        .as_array()
+        .expect("a streams array")
+        .iter()
+        .any(|s| s["id"].as_u64() == Some(id))
 }

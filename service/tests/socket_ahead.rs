@@ -332,11 +332,12 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
         panic!("not attached: {answer:?}");
     };
     stop(c.source_pid());
-    // Take what the node has until a `next` of 200 ms times out.
+    // Take what the node has until a `next` of 2 s times out (a shorter one could time out
+    // while a loaded node still checks shards the source wrote before it stopped).
     let mut release = Vec::new();
     loop {
         frame.clear();
-        trainer::encode_next(Some(200), &release, 1, &mut frame);
+        trainer::encode_next(Some(2000), &release, 1, &mut frame);
         fdpass::send_frame(&sock, &frame, &[]).unwrap();
         match Response::decode(reader.read_data(&sock).unwrap()).unwrap() {
             Response::Batch { lease, .. } => release = vec![lease],

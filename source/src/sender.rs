@@ -179,13 +179,52 @@ fn send_memory(
     Ok(())
 }
 
-/// Sleeps as needed so that `sent_total` bytes since `started` stay within `rate` bytes/s.
-pub(crate) fn pace(started: Instant, sent_total: u64, rate: u64) {
-    if rate > 0 {
-        let due = Duration::from_secs_f64(sent_total as f64 / rate as f64);
-        if let Some(wait) = due.checked_sub(started.elapsed()) {
+/// How far ahead of its line a paced sender may get after waiting for work: a connection idle
+/// for a while resumes at its rate, not with a burst of everything its idle time would allow.
+const BURST: Duration = Duration::from_millis(50);
+
+/// Paces a sender to `rate` bytes/s (0: unlimited): the bytes sent since the line's start stay
+/// within `rate`, and idle time banks at most [`BURST`] of credit.
+pub(crate) struct Pacer {
+    rate: u64,
+    start: Instant,
+    sent: u64,
+}
+
+impl Pacer {
+    /// A line starting now.
+    pub(crate) fn new(rate: u64) -> Self {
+        Self {
+            rate,
+            start: Instant::now(),
+            sent: 0,
+        }
+    }
+
+    /// Counts `n` bytes just sent, sleeping as long as they put the sender ahead of its line.
+    pub(crate) fn sent(&mut self, n: usize) {
+        if self.rate == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let due = self.due(self.sent);
+        if now.duration_since(self.start) > due + BURST {
+            // Idle: restart the line so that at most BURST of credit is left.
+            self.start = now.checked_sub(BURST).unwrap_or(now);
+            self.sent = 0;
+        }
+        self.sent += n as u64;
+        if let Some(wait) = self
+            .due(self.sent)
+            .checked_sub(now.duration_since(self.start))
+        {
             std::thread::sleep(wait);
         }
+    }
+
+    /// When `bytes` are due on the line, from its start.
+    fn due(&self, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.rate as f64)
     }
 }
 
@@ -277,14 +316,10 @@ fn send_loop(
     progress: &Progress,
     rate: u64,
 ) -> std::io::Result<()> {
-    let started = Instant::now();
-    let mut sent_total: u64 = 0;
+    let mut pacer = Pacer::new(rate);
     let piece = path.piece(rate);
     while let Ok(job) = rx.recv() {
-        let mut paced = |n: usize| {
-            sent_total += n as u64;
-            pace(started, sent_total, rate);
-        };
+        let mut paced = |n: usize| pacer.sent(n);
         match &job.body {
             Body::File { file, offset } => {
                 let (mut off, end) = (*offset, offset + job.len);
@@ -330,7 +365,32 @@ mod tests {
 
     use shardwire_devmem::tx::TxError;
 
-    use super::is_send_timeout;
+    use std::time::{Duration, Instant};
+
+    use super::{BURST, Pacer, is_send_timeout};
+
+    #[test]
+    fn idle_time_banks_at_most_a_burst_of_credit() {
+        // 1 MB/s; after 400 ms idle, 200 KB take at least 200 ms less the burst (without the
+        // cap the 400 ms idle would have let them all out at once). Only lower bounds: a
+        // loaded machine makes sleeps longer, never shorter.
+        let mut p = Pacer::new(1_000_000);
+        std::thread::sleep(Duration::from_millis(400));
+        let t = Instant::now();
+        for _ in 0..4 {
+            p.sent(50_000);
+        }
+        let least = Duration::from_millis(200) - BURST;
+        assert!(t.elapsed() >= least, "{:?} < {least:?}", t.elapsed());
+    }
+
+    #[test]
+    fn an_unlimited_pacer_never_sleeps() {
+        let mut p = Pacer::new(0);
+        let t = Instant::now();
+        p.sent(1 << 30);
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
 
     #[test]
     fn send_timeouts_are_told_apart_from_other_failures() {

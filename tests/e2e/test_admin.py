@@ -92,10 +92,11 @@ def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
     index_dataset(d)
     src = sw.source({"a": d})
     cfg = tmp_path / "serve.toml"
-    cfg.write_text("drain_timeout_secs = 3\n")
+    # Long enough for the refused consume below to start and connect on a loaded machine.
+    cfg.write_text("drain_timeout_secs = 10\n")
     node = sw.serve([src], "--config", str(cfg))
     wait_ready(node)
-    holder = sw.start_consume(node, "a", limit=1, hold_secs=20)
+    holder = sw.start_consume(node, "a", limit=1, hold_secs=60)
     wait_for(lambda: node.status()["streams"] or None, "a stream to open")
     node.popen.send_signal(signal.SIGTERM)
     wait_for(lambda: http_get(node.admin, "/readyz")[0] == 503 or None, "readiness to turn off")

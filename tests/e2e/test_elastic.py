@@ -146,9 +146,10 @@ def test_three_sources_scale_to_five_then_two_during_epochs(sw, dns, tmp_path):
     assert st["discovery"][0]["addresses"] == [tier.addr(i) for i in range(3)], st["discovery"]
     three = stable_epoch(sw, node, [tier.addr(i) for i in range(3)], lengths, seed=11)
 
-    # Up to five while four ranks read three epochs.
+    # Up to five while four ranks read three epochs: early in the first, so that the new
+    # sources (found within the 1 s re-resolve, then a handshake) have most of them to join.
     def grow(n):
-        if n >= 60 and not grow.done:
+        if n >= 20 and not grow.done:
             grow.done = True
             dns.set(IPS[:5])
     grow.done = False

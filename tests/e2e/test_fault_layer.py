@@ -207,12 +207,13 @@ def attack_http(admin: str, healthy: int) -> dict:
 
 def test_malformed_input_on_every_port(sw, tmp_path):
     d = tmp_path / "ds"
-    shards = 40
+    shards = 60
     write_uint8_shards(d, shards, 1 * MiB, seed=31)
     index_dataset(d)
     expected = expected_crcs(d)
 
-    # 40 MiB at 2 MiB/s: the healthy epoch takes ~20 s, longer than every attack below.
+    # 60 MiB at 2 MiB/s: the healthy epoch takes ~30 s, longer than every attack below (12 s on
+    # an idle 2-core host; a loaded one stretches them).
     src = sw.source({"f": d}, "--rate-limit", "2MiB", "--idle-timeout-secs", "5")
     node = sw.serve([src], "--stream-memory", "16MiB", "--pool-size", "128MiB", env=FAST_NODE)
     st = wait_ready(node)
@@ -401,7 +402,7 @@ def test_sources_killed_repeatedly_during_multirank_epochs(sw, tmp_path):
     index_dataset(d)
     expected = expected_crcs(d)
 
-    rate = ("--rate-limit", "3MiB")  # ~11 s for the epoch with both sources up
+    rate = ("--rate-limit", "2MiB")  # ~16 s for the epoch with both sources up: room for 6+ kills
     srcs = [sw.source({"k": d}, *rate), sw.source({"k": d}, *rate)]
     addrs = [s.addr for s in srcs]
     pool = 64 * MiB  # 4 streams of 16 MiB

@@ -226,10 +226,10 @@ def test_source_drops_idle_sessions(sw, tmp_path):
     # timeout the source announced in Welcome.
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
+    t0 = time.monotonic()  # before the handshake: the source's idle clock starts within it
     ctl, conn, welcome = handshake_to_data_conn(addr, data)
     (idle,) = struct.unpack(">H", welcome[32:34])
     assert idle == 2, idle
-    t0 = time.monotonic()
     pings = 0
     ctl.settimeout(10)
     try:
@@ -282,8 +282,8 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
     for s in (ctl, conn):
         s.close()
     # A session whose data connection the node never declares ready is dropped, saying why.
+    t0 = time.monotonic()  # before the handshake: the source's handshake clock starts within it
     ctl, conn, _ = handshake_to_data_conn(addr, data)
-    t0 = time.monotonic()
     ctl.settimeout(15)
     with pytest.raises((ConnectionError, ConnectionResetError)):
         while True:

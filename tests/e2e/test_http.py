@@ -145,11 +145,11 @@ def test_close_and_idle_timeout(world: World):
     s = c.open_stream("mix", seed=4, idle_timeout=1)
     assert s.idle_timeout == 1
     sid = s.info.stream
-    time.sleep(2.5)
+    # Closed 1 to 1.5 s after its last use (the reaper ticks every 500 ms); listing it is no use.
+    wait_for(lambda: listed(world.serve.admin, sid) is None, f"idle stream {sid} gone")
     with pytest.raises(shardwire.ServiceError) as ei:
         s.next()
     assert ei.value.code == "not_found", repr(ei.value)
-    wait_for(lambda: listed(world.serve.admin, sid) is None, f"idle stream {sid} gone")
     s.close()  # the service already closed it: still fine
 
 
@@ -206,7 +206,8 @@ def test_close_from_another_thread_wakes_a_long_poll(procs: Procs, tmp_path: pat
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
-    time.sleep(0.5)
+    wait_for(s._lock.locked, "next() to hold the stream's lock")
+    time.sleep(0.5)  # most likely in its long poll by now; a close before it is woken all the same
     t0 = time.monotonic()
     s.close()
     assert time.monotonic() - t0 < 5, f"close() waited {time.monotonic() - t0:.1f} s for the long poll"

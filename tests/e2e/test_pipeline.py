@@ -356,7 +356,7 @@ def test_stalled_trainer_memory_is_bounded(sw, tmp_path):
     baseline = vm_rss(node.pid)
     limit = baseline + 32 * MiB + 24 * MiB
 
-    consumer = sw.start_consume(node, "huge", seed=1, limit=1, hold_secs=8)
+    consumer = sw.start_consume(node, "huge", seed=1, limit=1, hold_secs=12)  # outlasts the sampling
     consumer.wait_line(re.compile(r"^\{"))
     t0 = time.monotonic()
     samples = []

@@ -24,6 +24,7 @@ import gc
 import json
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -33,6 +34,7 @@ from typing import Any
 import pytest
 
 import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
+from conftest import wait_for
 import shardwire  # noqa: E402
 from shardwire import _binary, _client, _wire  # noqa: E402
 from shardwire._errors import ConnectionClosed, ProtocolError  # noqa: E402
@@ -229,7 +231,10 @@ def test_close_from_another_thread_wakes_a_waiting_next_which_raises_closed(pair
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
-    time.sleep(0.3)
+    # The request came, so the `next` holds the lock and waits for its answer.
+    ready, _, _ = select.select([node], [], [], 30)
+    assert ready, "the next() sent no request"
+    wait_for(s._lock.locked, "next() to hold the stream's lock")
     # A watchdog's close: it waited for the `next` holding the stream's lock before, forever.
     closer = threading.Thread(target=s.close, daemon=True)
     t0 = time.monotonic()
