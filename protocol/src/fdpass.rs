@@ -332,8 +332,11 @@ mod tests {
         // keep trickling in.
         let mut frame = Vec::new();
         trainer::encode(&trainer::Request::State, &mut frame);
+        // The first byte goes now: the read starts in the frame phase however late the
+        // trickling thread first runs.
+        send_frame(&a, &frame[..1], &[]).unwrap();
         let trickle = std::thread::spawn(move || {
-            for byte in &frame[..frame.len() - 1] {
+            for byte in &frame[1..frame.len() - 1] {
                 send_frame(&a, &[*byte], &[]).unwrap();
                 std::thread::sleep(Duration::from_millis(20));
             }

@@ -346,11 +346,16 @@ fn pool_exhaustion_stalls_other_sockets_until_tokens_come_back() {
         );
         assert!(got == data_b);
     });
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        b.stats().exhausted_waits.load(Ordering::Relaxed) > 0,
-        "B waited for the pool"
-    );
+    // B waits for the pool (however late its thread first runs).
+    let t = std::time::Instant::now();
+    while b.stats().exhausted_waits.load(Ordering::Relaxed) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "B never waited for the pool"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100)); // and goes on waiting: it must not receive
     returned.store(true, Ordering::SeqCst);
     let all = libc::dmabuf_token {
         token_start: 1,

@@ -94,6 +94,7 @@ proptest! {
     fn batch_samples_are_each_sample(sizes in proptest::collection::vec(1u64..300, 1..30),
                                      c in 1u32..5, world_mul in 1u32..3, block in 1u64..400,
                                      mode in 0u8..3, batch in 1u32..300, drop_last in any::<bool>()) {
+        prop_assume!(u64::from(c) <= sizes.iter().sum::<u64>()); // a partition per sample at most
         let shuffle = [Shuffle::None, Shuffle::Shards, Shuffle::Block][mode as usize];
         let o = order(&sizes, shuffle, block, c);
         let w = c * world_mul;
