@@ -162,6 +162,11 @@ def test_datasets_whose_samples_differ_are_refused_naming_the_difference(node):
     with pytest.raises(shardwire.ServiceError) as e:
         client.open_stream("web", batch_size=4, state=state).next()
     assert e.value.code == "state_mismatch", e.value
+    # A carry no schedule has (it does not sum to 0) is refused, naming it, not scheduled.
+    bent = {**state, "mix": {**state["mix"], "carry": [-(1 << 42), -(1 << 42)]}}
+    with pytest.raises(shardwire.ServiceError) as e:
+        client.open_stream({"web": 0.5, "code": 0.5}, batch_size=4, state=bent).next()
+    assert e.value.code == "state_mismatch" and "carry" in str(e.value), e.value
 
 
 def test_token_windows_mix_in_exact_shares(sw, tmp_path):

@@ -9,7 +9,7 @@ use shardwire_gpu::SlabPool;
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::compare_fingerprints;
 use shardwire_protocol::samples::SampleOrder;
-use shardwire_protocol::samples::mix::fixed_weights;
+use shardwire_protocol::samples::mix::{carry_is_valid, fixed_weights};
 use shardwire_protocol::trainer::{ErrorCode, MixEntry, StreamRequest};
 
 use super::error::OpenError;
@@ -156,6 +156,15 @@ fn resume_point(r: &StreamRequest, q: &[i128], n: usize) -> Result<Point, OpenEr
             format!(
                 "the state's datasets are {:?}, the request's {names:?}; a mixture resumes with the same datasets in the same order (weights may change)",
                 ms.datasets
+            ),
+        ));
+    }
+    if !carry_is_valid(&ms.carry, n) {
+        return Err(bad(
+            ErrorCode::StateMismatch,
+            format!(
+                "the state's mix carry {:?} is not a schedule's (it sums to 0, each within 4 samples of 2^40 units); pass the state as the stream saved it",
+                ms.carry
             ),
         ));
     }
