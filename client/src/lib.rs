@@ -211,7 +211,51 @@ pub struct StreamInfo {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
     use super::*;
+
+    /// A frame sent to a peer that has gone (the node) fails with `EPIPE` and raises no
+    /// SIGPIPE, which would kill a host process that does not ignore it (std's socket writes
+    /// and `send_frame`'s `sendmsg` pass `MSG_NOSIGNAL`): with the
+    /// signal blocked in the sending thread, one raised would stay pending there (a blocked
+    /// signal is queued even while its action is to ignore it, as a Rust binary's is).
+    #[test]
+    fn a_peer_that_has_gone_is_an_error_not_a_signal() {
+        std::thread::spawn(|| {
+            // SAFETY: plain libc calls on a local signal set; only this thread's mask changes.
+            let pending = || unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigpending(&mut set);
+                libc::sigismember(&set, libc::SIGPIPE) == 1
+            };
+            // SAFETY: as above.
+            unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGPIPE);
+                assert_eq!(
+                    libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()),
+                    0
+                );
+            }
+            let file = std::fs::File::open("/proc/self/exe").unwrap();
+            for fds in [&[][..], &[file.as_fd()][..]] {
+                let (a, b) = UnixStream::pair().unwrap();
+                drop(b);
+                match fdpass::send_frame(&a, b"\x04\0\0\0abcd", fds) {
+                    Err(fdpass::FrameIoError::Io(e)) => {
+                        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}")
+                    }
+                    other => panic!("{other:?}"),
+                }
+                assert!(!pending(), "SIGPIPE raised ({} fds)", fds.len());
+            }
+        })
+        .join()
+        .unwrap();
+    }
 
     /// A region file shorter than the length the node states is refused, not mapped (a read
     /// past its end would be SIGBUS).

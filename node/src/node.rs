@@ -31,7 +31,7 @@ use crate::status::{LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::{
     CloseReason, DatasetSource, OpenError, Parts, Routing, Stream, batcher, fetcher, manifests,
-    open, open_mix,
+    open, open_mix, supervise,
 };
 
 /// A control message and where its answer goes.
@@ -177,6 +177,16 @@ impl Node {
         // while the sources are asked, and a drain that began meanwhile refuses the stream.
         let cuda = self.lane_memory(r.device.as_deref())?;
         let mut planned = self.plan_stream(&r, region_bytes, cuda).await?;
+        let per_epoch = planned.2.0.per_epoch();
+        if per_epoch.checked_mul(u64::from(r.epochs)).is_none() {
+            return Err(OpenError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "{} epochs of {per_epoch} positions do not fit a 64-bit position; ask for fewer epochs",
+                    r.epochs
+                ),
+            ));
+        }
         let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
         if lane.cuda.is_some() != cuda {
             // Lanes of both memory kinds and the least loaded is the other kind: plan for it.
@@ -211,7 +221,7 @@ impl Node {
         });
         reservation.commit(id, Arc::clone(&s));
         let span = tracing::info_span!("stream", id, dataset = %s.dataset(), rank, world_size);
-        match batches {
+        let task = match batches {
             false => self
                 .rt
                 .spawn(fetcher::run(Arc::clone(&s), start).instrument(span)),
@@ -219,6 +229,7 @@ impl Node {
                 .rt
                 .spawn(batcher::run(Arc::clone(&s), start).instrument(span)),
         };
+        self.rt.spawn(supervise::supervise(task, Arc::clone(&s)));
         tracing::info!(stream = id, lane = lane.id(), device = r.device.as_deref().unwrap_or("-"), dataset = %s.dataset(), seed, rank, world_size, epochs = r.epochs,
             batch_size = r.batch_size, start, "stream opened");
         Ok(s)

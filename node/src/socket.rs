@@ -285,17 +285,13 @@ impl Conn<'_> {
                 ErrorCode::AlreadyAttached,
                 "this connection already has a stream",
             ),
-            Request::Next { count, .. } if !(1..=MAX_NEXT_COUNT).contains(&count) => error(
-                ErrorCode::BadRequest,
-                format!("next asked for {count} batches; count is 1 to {MAX_NEXT_COUNT}"),
-            ),
             Request::Next {
                 release,
                 timeout_ms,
                 count,
             } => {
-                // Every lease held is released, whatever else the list holds: the trainer
-                // has let go of all of them.
+                // Every lease held is released, whatever else the list or the request holds:
+                // the trainer has let go of all of them.
                 let mut unknown = Vec::new();
                 for &l in &release {
                     match s.take_lease(l) {
@@ -303,7 +299,12 @@ impl Conn<'_> {
                         None => unknown.push(l),
                     }
                 }
-                if !unknown.is_empty() {
+                if !(1..=MAX_NEXT_COUNT).contains(&count) {
+                    error(
+                        ErrorCode::BadRequest,
+                        format!("next asked for {count} batches; count is 1 to {MAX_NEXT_COUNT}"),
+                    )
+                } else if !unknown.is_empty() {
                     match s.closed_reason() {
                         Some(why) => error(why.code(), why.to_string()),
                         None => error(

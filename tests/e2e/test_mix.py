@@ -167,6 +167,11 @@ def test_datasets_whose_samples_differ_are_refused_naming_the_difference(node):
     with pytest.raises(shardwire.ServiceError) as e:
         client.open_stream({"web": 0.5, "code": 0.5}, batch_size=4, state=bent).next()
     assert e.value.code == "state_mismatch" and "carry" in str(e.value), e.value
+    # A cursor past any schedule (its epoch beyond what is counted) likewise, naming it.
+    far = {**state, "mix": {**state["mix"], "cursors": [1 << 62, state["mix"]["cursors"][1]]}}
+    with pytest.raises(shardwire.ServiceError) as e:
+        client.open_stream({"web": 0.5, "code": 0.5}, batch_size=4, state=far).next()
+    assert e.value.code == "state_mismatch" and f"cursor {1 << 62}" in str(e.value), e.value
 
 
 def test_token_windows_mix_in_exact_shares(sw, tmp_path):

@@ -273,7 +273,12 @@ impl Driver {
                 (e.epoch, e.units[e.next].clone())
             };
             if !self.needed(epoch, &unit) {
-                self.epochs[ei].next += 1;
+                // A unit left half held (memory ran out) that the rank has since passed:
+                // its held shards go back, and the next unit starts holding from its first.
+                let e = &mut self.epochs[ei];
+                let held = std::mem::take(&mut e.held);
+                e.next += 1;
+                self.unref(&unit.shards[..held]);
                 continue;
             }
             let g = u64::from(epoch) * self.per_epoch;
@@ -486,14 +491,7 @@ impl Driver {
             .partition(|l| l.last <= index);
         self.live = live;
         for l in done {
-            for s in l.shards {
-                if let Some(r) = self.resident.get_mut(&s) {
-                    r.refs -= 1;
-                    if r.refs == 0 {
-                        self.resident.remove(&s); // the slab returns to the region
-                    }
-                }
-            }
+            self.unref(&l.shards);
         }
         // An epoch whose positions are all assembled is no longer needed.
         let (epoch, _) = self
@@ -507,6 +505,18 @@ impl Driver {
                 .is_some_and(|e| e.epoch < epoch && e.next >= e.units.len())
         {
             self.epochs.pop_front();
+        }
+    }
+
+    /// Drops one unit's hold on each of `shards`; a shard no unit holds leaves the region.
+    fn unref(&mut self, shards: &[u32]) {
+        for s in shards {
+            if let Some(r) = self.resident.get_mut(s) {
+                r.refs -= 1;
+                if r.refs == 0 {
+                    self.resident.remove(s); // the slab returns to the region
+                }
+            }
         }
     }
 }

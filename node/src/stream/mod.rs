@@ -26,6 +26,7 @@ pub(crate) mod placement;
 pub(crate) mod prefetch;
 pub(crate) mod reorder;
 pub(crate) mod route;
+pub(crate) mod supervise;
 pub(crate) mod supply;
 pub(crate) mod tokens;
 

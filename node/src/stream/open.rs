@@ -113,6 +113,12 @@ pub fn plan(manifest: &Manifest, r: &StreamRequest) -> Result<PlanSpec, OpenErro
     Ok(spec)
 }
 
+/// Whether a resume position (`epoch`, `index` within it) lies outside a stream of `epochs`
+/// epochs of `per_epoch` positions: its end (`epochs`, 0) is the last place inside.
+pub(super) fn outside(epoch: u32, index: u64, per_epoch: u64, epochs: u32) -> bool {
+    index >= per_epoch || epoch > epochs || (epoch == epochs && index > 0)
+}
+
 /// The stream position to start from: 0, or where `state` says, if it belongs to this plan.
 pub fn resume_position(
     spec: &PlanSpec,
@@ -128,7 +134,7 @@ pub fn resume_position(
             st.seed, spec.seed
         )));
     }
-    if st.index >= spec.per_rank() || st.epoch > epochs {
+    if outside(st.epoch, st.index, spec.per_rank(), epochs) {
         return Err(mismatch(format!(
             "state position epoch {} index {} is outside this stream ({epochs} epochs of {} batches)",
             st.epoch,
@@ -296,7 +302,7 @@ fn resume_batches(
     }
     compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
     let steps = plan.steps();
-    if st.index >= steps || st.epoch > epochs {
+    if outside(st.epoch, st.index, steps, epochs) {
         return Err(mismatch(format!(
             "state position epoch {} step {} is outside this stream ({epochs} epochs of {steps} steps)",
             st.epoch, st.index
@@ -501,6 +507,9 @@ mod tests {
         assert_eq!(e.code, ErrorCode::StateMismatch);
         assert!(e.message.contains("index 5 is outside"), "{e}");
         assert!(resume_position(&s, Some(&state(4, 0, &s)), 3).is_err());
+        // Past the end of the last epoch.
+        let e = resume_position(&s, Some(&state(3, 1, &s)), 3).unwrap_err();
+        assert!(e.message.contains("epoch 3 index 1 is outside"), "{e}");
         let mut other = s.clone();
         other.world_size = 4;
         let e = resume_position(&s, Some(&state(0, 0, &other)), 3).unwrap_err();

@@ -84,7 +84,8 @@ pub fn mix_mode(
         });
         first += m.shards.len() as u32;
     }
-    let base = resume_point(r, &q, parts.len())?;
+    let samples: Vec<u64> = orders.iter().map(|p| p.order.total()).collect();
+    let base = resume_point(r, &q, &samples)?;
     let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
     if mix.steps == 0 {
         let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
@@ -134,8 +135,9 @@ fn merge_tokens(
 }
 
 /// Where the schedule starts: step 0, or the resume state's point (its carry kept only if
-/// the weights are unchanged).
-fn resume_point(r: &StreamRequest, q: &[i128], n: usize) -> Result<Point, OpenError> {
+/// the weights are unchanged). `samples`: each dataset's samples per epoch.
+fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point, OpenError> {
+    let n = samples.len();
     let Some(st) = r.state.as_ref() else {
         return Ok(Point {
             step: 0,
@@ -168,6 +170,22 @@ fn resume_point(r: &StreamRequest, q: &[i128], n: usize) -> Result<Point, OpenEr
             ),
         ));
     }
+    if let Some((d, &c)) = ms
+        .cursors
+        .iter()
+        .enumerate()
+        .find(|&(d, &c)| !cursor_is_valid(c, samples[d]))
+    {
+        return Err(bad(
+            ErrorCode::StateMismatch,
+            format!(
+                "the state's mix cursor {c} of dataset {:?} ({} samples an epoch) is past any schedule's (epoch {}); pass the state as the stream saved it",
+                ms.datasets[d],
+                samples[d],
+                c / samples[d].max(1)
+            ),
+        ));
+    }
     let same = ms
         .weights
         .iter()
@@ -186,6 +204,16 @@ fn resume_point(r: &StreamRequest, q: &[i128], n: usize) -> Result<Point, OpenEr
     })
 }
 
+/// Whether a dataset's resumed cursor (samples it has given) is one a schedule can reach and
+/// go on from: its epoch fits the 32 bits epochs are counted in, and the cursor leaves room
+/// to count on (at most half of `u64`).
+fn cursor_is_valid(cursor: u64, samples: u64) -> bool {
+    let epochs_fit = samples
+        .checked_mul(u64::from(u32::MAX))
+        .is_none_or(|end| cursor < end);
+    epochs_fit && cursor <= u64::MAX / 2
+}
+
 /// The state's stream position, checked against the fingerprint and the schedule.
 fn resume_position(r: &StreamRequest, mix: &Mixture, fingerprint: &str) -> Result<u64, OpenError> {
     let Some(st) = r.state.as_ref() else {
@@ -193,7 +221,7 @@ fn resume_position(r: &StreamRequest, mix: &Mixture, fingerprint: &str) -> Resul
     };
     let mismatch = |m: String| bad(ErrorCode::StateMismatch, m);
     compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
-    if st.index >= mix.steps || st.epoch > r.epochs {
+    if super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
         return Err(mismatch(format!(
             "state position epoch {} step {} is outside this stream ({} epochs of {} steps)",
             st.epoch, st.index, r.epochs, mix.steps
@@ -277,4 +305,20 @@ fn check_window(
             SlabPool::class_size(batch_bytes as usize)
         ),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cursor_is_valid;
+
+    #[test]
+    fn cursors_past_the_last_countable_epoch_or_without_room_are_invalid() {
+        assert!(cursor_is_valid(0, 60));
+        assert!(cursor_is_valid(60 * u64::from(u32::MAX) - 1, 60));
+        // Its epoch would be 2^32 - 1, and counting on would wrap the epoch to 0.
+        assert!(!cursor_is_valid(60 * u64::from(u32::MAX), 60));
+        // Datasets so large that every epoch fits: the room to count on still bounds it.
+        assert!(cursor_is_valid(u64::MAX / 2, u64::MAX / 4));
+        assert!(!cursor_is_valid(u64::MAX / 2 + 1, u64::MAX / 4));
+    }
 }

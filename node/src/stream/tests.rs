@@ -28,7 +28,8 @@ fn manifest(shards: u32, len: u64) -> Arc<Manifest> {
     ))
 }
 
-fn stream(shards: u32, start: u64) -> Arc<Stream> {
+/// A shard-mode stream of `shards` shards (2 epochs) from position `start`.
+pub(super) fn stream(shards: u32, start: u64) -> Arc<Stream> {
     let m = manifest(shards, 4096);
     let spec = PlanSpec {
         digest: m.digest_bytes(),

@@ -57,11 +57,17 @@ fn crc(b: &[u8]) -> u32 {
 
 /// A batch-mode stream over [`manifest`] in a region of `region` bytes.
 fn stream(region: usize) -> Arc<Stream> {
+    stream_with(region, |_| {})
+}
+
+/// [`stream`] with the request changed by `change`.
+fn stream_with(region: usize, change: impl FnOnce(&mut StreamRequest)) -> Arc<Stream> {
     let m = manifest();
     let mut r = StreamRequest::new("d");
     r.batch_size = Some(BATCH);
     r.seed = 3;
     r.epochs = 2;
+    change(&mut r);
     let (kind, start, fingerprint) =
         open::batch_mode(&m, &r, BATCH, region as u64, false).expect("a valid plan");
     assert_eq!(start, 0);
@@ -292,6 +298,56 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
         other => panic!("{other:?}"),
     }
     assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
+}
+
+/// Every resident shard is held by exactly the live units that name it, and every live
+/// unit's shards are resident.
+fn assert_refs_match_live(d: &Driver) {
+    for (shard, r) in &d.resident {
+        let n = d.live.iter().filter(|l| l.shards.contains(shard)).count();
+        assert_eq!(r.refs as usize, n, "shard {shard}: refs against live units");
+    }
+    for l in &d.live {
+        for shard in &l.shards {
+            assert!(
+                d.resident.contains_key(shard),
+                "shard {shard} of a live unit"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_held_unit_the_rank_passed_gives_its_shards_back() {
+    // Blocks of two shards: three units an epoch.
+    let s = stream_with(1 << 20, |r| r.shuffle_block = Some(2 * ROWS));
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    d.load_epoch(0);
+    let units = d.epochs[0].units.clone();
+    let multi = units
+        .iter()
+        .position(|u| u.shards.len() >= 2)
+        .expect("a unit of several shards");
+    assert!(multi + 1 < units.len(), "a unit after it");
+    // The units before it are past; memory ran out after its first shard (what `hold`
+    // leaves behind)...
+    d.epochs[0].next = multi;
+    let first = units[multi].shards[0];
+    d.resident.insert(
+        first,
+        Resident {
+            slab: None,
+            refs: 1,
+        },
+    );
+    d.epochs[0].held = 1;
+    // ...and the rank has since passed its last sample (another worker's batches read it).
+    d.pos = units[multi].last / u64::from(BATCH) + 1;
+    d.issue_units().unwrap();
+    assert!(d.epochs[0].next > multi + 1, "the next units were issued");
+    assert!(!d.live.is_empty());
+    assert_refs_match_live(&d);
 }
 
 #[test]
