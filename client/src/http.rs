@@ -38,6 +38,11 @@ use reply::{Fail, Reply, read_reply};
 const POLL_MS: u64 = 30_000;
 /// Read timeout of requests that do not wait on the stream.
 const IO_TIMEOUT: Duration = Duration::from_secs(120);
+/// Largest body of an answer other than a tensor's bytes (as the Python SDK's): the node's
+/// JSON answers are far smaller; a server streaming more is not the node.
+const ANSWER_LIMIT: u64 = 64 << 20;
+/// Largest body of an error answer where a tensor's bytes were asked for.
+const ANSWER_LIMIT_ERROR: u64 = 1 << 20;
 
 /// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
 pub type HttpTensor = TensorMeta;
@@ -119,14 +124,27 @@ impl Conn {
         Ok(BufReader::with_capacity(64 << 10, s))
     }
 
-    /// Sends a request and reads the whole response. A kept-alive connection that the server
-    /// closed before answering is replaced and the request sent again once.
+    /// Sends a request and reads the whole response, of at most [`ANSWER_LIMIT`] bytes. A
+    /// kept-alive connection that the server closed before answering is replaced and the
+    /// request sent again once.
     fn call(
         &mut self,
         method: &str,
         path: &str,
         body: Option<&[u8]>,
         timeout: Duration,
+    ) -> Result<Reply, ClientError> {
+        self.call_at_most(method, path, body, timeout, ANSWER_LIMIT)
+    }
+
+    /// [`Conn::call`] for a response body of at most `max` bytes.
+    fn call_at_most(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: Option<&[u8]>,
+        timeout: Duration,
+        max: u64,
     ) -> Result<Reply, ClientError> {
         let body = String::from_utf8_lossy(body.unwrap_or_default());
         let mut req = format!(
@@ -152,7 +170,7 @@ impl Conn {
                 .map_err(io_error)?;
             let sent = sock.get_mut().write_all(req.as_bytes());
             let r = match sent {
-                Ok(()) => read_reply(&mut sock, method == "HEAD"),
+                Ok(()) => read_reply(&mut sock, method == "HEAD", max),
                 Err(e) => Err(Fail::Unanswered(e)),
             };
             match r {
@@ -291,7 +309,11 @@ impl HttpStream {
             batch.lease,
             encode_segment(name)
         );
-        let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
+        // The tensor's bytes, or an error answer.
+        let max = t.length.max(ANSWER_LIMIT_ERROR);
+        let r = self
+            .conn
+            .call_at_most("GET", &path, None, IO_TIMEOUT, max)?;
         if r.status != 200 {
             return Err(r.error());
         }

@@ -21,7 +21,13 @@
 //! ```
 //!
 //! [`Stream::next`] + [`Stream::release`] take one batch per request and ask for nothing
-//! ahead (a caller that keeps batches leases no more than it takes).
+//! ahead (a caller that keeps batches leases no more than it takes). A batch dropped without
+//! being given back is given back with the stream's next request.
+//!
+//! Every answer is checked as it arrives: a tensor whose bytes lie outside the region, or
+//! whose shape and dtype do not take its length, is an error, not a batch; after an answer
+//! that cannot be read the connection is closed and every later call says why
+//! ([`ClientError::Broken`]): open the stream again from its [`Stream::state`].
 
 pub use shardwire_protocol::fdpass;
 pub mod http;
@@ -87,6 +93,46 @@ pub enum ClientError {
     /// `next` with a timeout got nothing.
     #[error("no batch within {0:?}")]
     Timeout(Duration),
+    /// A batch names a tensor whose bytes lie outside the stream's region. The connection
+    /// is closed (the node then closes the stream).
+    #[error(
+        "tensor {name:?} of a batch lies outside the stream's region: bytes {offset}..+{length} of {region}; the connection is closed"
+    )]
+    TensorOutsideRegion {
+        /// The tensor.
+        name: String,
+        /// Its offset in the region.
+        offset: u64,
+        /// Its length.
+        length: u64,
+        /// The region's size.
+        region: u64,
+    },
+    /// A batch names a tensor whose shape and dtype do not take its length. The connection
+    /// is closed.
+    #[error(
+        "tensor {name:?} of a batch: shape {shape:?} of {dtype} does not take the {length} bytes the node says; the connection is closed"
+    )]
+    TensorLength {
+        /// The tensor.
+        name: String,
+        /// Its element type.
+        dtype: String,
+        /// Its shape.
+        shape: Vec<u64>,
+        /// The length the node gave it.
+        length: u64,
+    },
+    /// An earlier answer from the node could not be read (malformed, or cut off), so the
+    /// connection was closed: nothing after it could be matched to its request. Open the
+    /// stream again from its [`Stream::state`].
+    #[error(
+        "the stream's connection was closed after an answer it could not read ({cause}); open the stream again from its state"
+    )]
+    Broken {
+        /// What was wrong with that answer.
+        cause: String,
+    },
     /// The node service did not answer a request it answers at once (or `attach`, within
     /// its generous limit); the stream's connection is closed, since a late answer would be
     /// read as the answer to the next request.
@@ -147,6 +193,11 @@ impl Mapping {
             len: len as usize,
         })
     }
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> u64 {
+        self.len as u64
+    }
+
     fn slice(&self, off: u64, len: u64) -> &[u8] {
         let (off, len) = (off as usize, len as usize);
         assert!(
@@ -177,6 +228,22 @@ pub struct Batch {
     pub shard: u32,
     pub(crate) tensors: Vec<TensorView>,
     pub(crate) region: Arc<Mapping>,
+    /// Where the lease goes when the batch is dropped without being given back (`None`
+    /// once given back through [`Stream::release`] or [`Stream::next_after`]).
+    pub(crate) dropped: Option<Dropped>,
+}
+
+/// Leases of batches dropped without being given back: the stream gives them back with its
+/// next request (as the Python SDK's finalizer does), so a dropped batch never holds the
+/// stream's memory until it closes.
+pub(crate) type Dropped = Arc<std::sync::Mutex<Vec<u64>>>;
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Some(d) = self.dropped.take() {
+            d.lock().unwrap_or_else(|e| e.into_inner()).push(self.lease);
+        }
+    }
 }
 
 impl Batch {
@@ -188,10 +255,49 @@ impl Batch {
     pub fn tensor(&self, name: &str) -> Option<&TensorView> {
         self.tensors.iter().find(|t| t.name == name)
     }
-    /// The bytes of a tensor of this batch (zero-copy).
+    /// The bytes of a tensor of this batch (zero-copy). Every tensor the node names was
+    /// checked to lie inside the region when the batch arrived; `t` must be one of
+    /// [`Batch::tensors`] (another range outside the region panics).
     pub fn bytes(&self, t: &TensorView) -> &[u8] {
         self.region.slice(t.offset, t.length)
     }
+
+    /// The lease, to give back: the batch no longer gives it back when dropped.
+    pub(crate) fn into_lease(mut self) -> u64 {
+        self.dropped = None;
+        self.lease
+    }
+}
+
+/// Checks the tensors of a batch against a region of `region` bytes: each one's bytes lie
+/// inside it, and its shape and dtype take exactly its length.
+pub(crate) fn check_tensors(tensors: &[TensorView], region: u64) -> Result<(), ClientError> {
+    for t in tensors {
+        if t.offset
+            .checked_add(t.length)
+            .is_none_or(|end| end > region)
+        {
+            return Err(ClientError::TensorOutsideRegion {
+                name: t.name.clone(),
+                offset: t.offset,
+                length: t.length,
+                region,
+            });
+        }
+        let size = t
+            .shape
+            .iter()
+            .try_fold(t.dtype.size(), |n, &d| n.checked_mul(d));
+        if size != Some(t.length) {
+            return Err(ClientError::TensorLength {
+                name: t.name.clone(),
+                dtype: t.dtype.to_string(),
+                shape: t.shape.clone(),
+                length: t.length,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// What the service said when the stream opened.

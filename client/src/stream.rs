@@ -14,7 +14,7 @@ use shardwire_protocol::trainer::{
     self, BatchEncoding, MemoryKind, Request, Response, StreamState, binary,
 };
 
-use crate::{Batch, ClientError, Mapping, StreamInfo, StreamOptions};
+use crate::{Batch, ClientError, Dropped, Mapping, StreamInfo, StreamOptions, check_tensors};
 
 /// Batches a `next` sent ahead of time asks for: the node answers with the first and, in the
 /// same write, those already assembled after it, up to this many (it never waits for them).
@@ -71,6 +71,11 @@ pub struct Stream {
     /// The failure of the request sent ahead of time after the batch handed out last: that
     /// batch had come whole and was handed out; the next call returns this.
     lost: Option<ClientError>,
+    /// Why the connection was closed after an answer that could not be read: every later
+    /// call fails with it.
+    broken: Option<String>,
+    /// Leases of batches the caller dropped without giving them back.
+    dropped: Dropped,
     /// Open-time information.
     pub info: StreamInfo,
 }
@@ -147,6 +152,8 @@ impl Stream {
             resume: Vec::new(),
             held: 0,
             lost: None,
+            broken: None,
+            dropped: Dropped::default(),
             info: StreamInfo {
                 stream,
                 batches_per_epoch,
@@ -186,19 +193,20 @@ impl Stream {
     /// request would wait with it.
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
         self.held = self.held.saturating_sub(1);
-        self.deferred.push(done.lease);
-        // The mapping stays alive through the stream's own Arc; this is only the view.
-        drop(done);
+        self.deferred.push(done.into_lease());
         self.take(None, true)
     }
 
     /// Gives a batch's memory back to the service. With a request in flight (asked ahead of
     /// time) the release is sent behind it and its answer read later.
     pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
-        let lease = batch.lease;
-        drop(batch);
+        let lease = batch.into_lease();
         self.held = self.held.saturating_sub(1);
-        self.settle()?;
+        if let Err(e) = self.usable().and_then(|()| self.settle()) {
+            // Not sent: it rides on the next request, if there is one.
+            self.deferred.push(lease);
+            return Err(e);
+        }
         self.send(&Request::Release { lease })?;
         if self.awaited.contains(&Awaited::Next) {
             self.awaited.push_back(Awaited::Release);
@@ -228,7 +236,9 @@ impl Stream {
         if let Some(e) = self.lost.take() {
             return Err(e);
         }
+        self.usable()?;
         self.settle()?;
+        self.take_dropped();
         let ahead = ahead && self.held == 0;
         let sent_now = self.awaited.front() != Some(&Awaited::Next);
         if sent_now {
@@ -266,6 +276,9 @@ impl Stream {
                 tensors,
                 ..
             } => {
+                if let Err(e) = check_tensors(&tensors, self.region.len()) {
+                    return Err(self.broke(e));
+                }
                 let b = Batch {
                     lease,
                     epoch,
@@ -273,6 +286,7 @@ impl Stream {
                     shard,
                     tensors,
                     region: Arc::clone(&self.region),
+                    dropped: Some(Arc::clone(&self.dropped)),
                 };
                 self.held += 1;
                 if ahead && !more {
@@ -301,6 +315,7 @@ impl Stream {
     /// request each (at most NEXT_COUNT, once per stream).
     fn release_deferred(&mut self) -> Result<(), ClientError> {
         self.settle()?;
+        self.take_dropped();
         for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
             released(self.answer_at_once("release"))?;
@@ -318,6 +333,31 @@ impl Stream {
         self.deferred.clear();
         self.awaited.push_back(Awaited::Next);
         Ok(())
+    }
+
+    /// Gives back, with the next request, the leases of batches the caller dropped.
+    fn take_dropped(&mut self) {
+        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        self.held = self.held.saturating_sub(dropped.len());
+        self.deferred.extend(dropped);
+    }
+
+    /// Fails when an earlier answer could not be read ([`ClientError::Broken`]).
+    fn usable(&self) -> Result<(), ClientError> {
+        match &self.broken {
+            Some(cause) => Err(ClientError::Broken {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes the connection after an answer that could not be read (`e`), so that nothing
+    /// read later is taken for the answer to another request; returns `e`.
+    fn broke(&mut self, e: ClientError) -> ClientError {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        self.broken = Some(e.to_string());
+        e
     }
 
     /// Sends one request frame.
@@ -368,32 +408,40 @@ impl Stream {
                 phase: ReadPhase::Idle,
                 ..
             }) => return Err(ClientError::Timeout(timeout.unwrap_or_default())),
-            Err(e) => return Err(e.into()),
+            // Cut off, too large, or the connection gone: no answer after it can be matched.
+            Err(e) => return Err(self.broke(e.into())),
         };
+        match Self::decode(body, &mut self.resume) {
+            Ok(Response::Error { code, message }) => Err(ClientError::Service { code, message }),
+            Ok(r) => Ok(r),
+            Err(e) => Err(self.broke(e)),
+        }
+    }
+
+    /// Decodes one answer; a batch's state JSON goes to `resume`, undecoded (and only once
+    /// the whole answer has decoded).
+    fn decode(body: &[u8], resume: &mut Vec<u8>) -> Result<Response, ClientError> {
         let older = || {
             ClientError::Protocol(
                 "a batch without its state: the node service is older than this client".into(),
             )
         };
-        let answer = if body.first() == Some(&binary::BINARY_BATCH_TAG) {
+        if body.first() == Some(&binary::BINARY_BATCH_TAG) {
             let (batch, state) = binary::decode_batch_raw_state(body)
                 .map_err(|e| ClientError::Protocol(format!("a binary batch: {e}")))?;
-            self.resume.clear();
-            self.resume.extend_from_slice(state.ok_or_else(older)?);
-            batch
+            let state = state.ok_or_else(older)?;
+            resume.clear();
+            resume.extend_from_slice(state);
+            Ok(batch)
         } else {
             // JSON: every other answer, and a batch that does not fit the binary form.
             let mut answer = Response::decode(body).map_err(FrameIoError::from)?;
             if let Response::Batch { state, .. } = &mut answer {
                 let state = state.take().ok_or_else(older)?;
-                self.resume.clear();
-                serde_json::to_writer(&mut self.resume, &state).expect("a stream state serialises");
+                resume.clear();
+                serde_json::to_writer(&mut *resume, &state).expect("a stream state serialises");
             }
-            answer
-        };
-        match answer {
-            Response::Error { code, message } => Err(ClientError::Service { code, message }),
-            r => Ok(r),
+            Ok(answer)
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Reading one HTTP/1.1 response off the kept-alive connection: status line, headers (at most
 //! [`MAX_HEAD`] bytes), then the body as `Content-Length`, chunked transfer coding or the rest
 //! of the connection says. A body grows as its bytes arrive: a length the server claims is
-//! never allocated ahead of them.
+//! never allocated ahead of them, and none may exceed the limit of the answer asked for.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read};
 use std::net::TcpStream;
@@ -57,10 +57,12 @@ pub(super) enum Fail {
     Protocol(String),
 }
 
-/// Reads one response; the flag says whether the connection may be used again.
+/// Reads one response whose body is at most `max` bytes; the flag says whether the connection
+/// may be used again.
 pub(super) fn read_reply(
     r: &mut BufReader<TcpStream>,
     head_only: bool,
+    max: u64,
 ) -> Result<(Reply, bool), Fail> {
     let (version, status, head) = read_status(r)?;
     let headers = read_headers(r, head)?;
@@ -77,11 +79,20 @@ pub(super) fn read_reply(
     let mut body = Vec::new();
     if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
     } else if chunked {
-        read_chunked(r, &mut body)?;
+        read_chunked(r, &mut body, max)?;
     } else if let Some(n) = length {
+        if n > max {
+            return Err(over(n, max));
+        }
         read_exactly(r, n, &mut body)?;
     } else {
-        r.read_to_end(&mut body).map_err(Fail::Io)?;
+        r.by_ref()
+            .take(max.saturating_add(1))
+            .read_to_end(&mut body)
+            .map_err(Fail::Io)?;
+        if body.len() as u64 > max {
+            return Err(over(body.len() as u64, max));
+        }
         keep = false;
     }
     // Grown by doubling as bytes came: give back what a tensor's bytes did not fill.
@@ -94,6 +105,13 @@ pub(super) fn read_reply(
         body,
     };
     Ok((reply, keep))
+}
+
+/// A body of `n` bytes (or more) where at most `max` may come.
+fn over(n: u64, max: u64) -> Fail {
+    Fail::Protocol(format!(
+        "a response body of {n} bytes or more; this answer has at most {max} (is this the node's HTTP address?)"
+    ))
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -159,7 +177,7 @@ fn read_headers(
 }
 
 /// A chunked body (RFC 9112 §7.1): chunks until the zero-size one, then trailers (ignored).
-fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>) -> Result<(), Fail> {
+fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>, max: u64) -> Result<(), Fail> {
     let mut line = String::new();
     loop {
         read_chunk_line(r, &mut line)?;
@@ -169,6 +187,10 @@ fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>) -> Result<(), 
         if size == 0 {
             while read_chunk_line(r, &mut line)? > 0 && !line.trim_end().is_empty() {}
             return Ok(());
+        }
+        let total = (body.len() as u64).saturating_add(size);
+        if total > max {
+            return Err(over(total, max));
         }
         read_exactly(r, size, body)?;
         read_chunk_line(r, &mut line)?; // the CRLF after the chunk
@@ -212,6 +234,15 @@ mod tests {
 
     /// `read_reply` over a real connection from a server that writes `raw` and closes.
     fn reply_to(raw: &'static [u8], head_only: bool) -> Result<(Reply, bool), Fail> {
+        reply_to_at_most(raw, head_only, u64::MAX)
+    }
+
+    /// [`reply_to`] with a body limit.
+    fn reply_to_at_most(
+        raw: &'static [u8],
+        head_only: bool,
+        max: u64,
+    ) -> Result<(Reply, bool), Fail> {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let server = std::thread::spawn(move || {
@@ -219,7 +250,7 @@ mod tests {
             let _ = s.write_all(raw);
         });
         let mut r = BufReader::new(TcpStream::connect(addr).unwrap());
-        let out = read_reply(&mut r, head_only);
+        let out = read_reply(&mut r, head_only, max);
         server.join().unwrap();
         out
     }
@@ -290,6 +321,27 @@ mod tests {
         }
         let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\nab";
         assert!(matches!(reply_to(chunked, false), Err(Fail::Io(_))));
+    }
+
+    #[test]
+    fn a_body_over_the_answers_limit_is_refused_however_it_is_framed() {
+        let at_most = |raw| protocol_error(reply_to_at_most(raw, false, 4));
+        let m = at_most(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello");
+        assert!(
+            m.contains("5 bytes or more; this answer has at most 4"),
+            "{m}"
+        );
+        let m = at_most(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n");
+        assert!(m.contains("5 bytes or more"), "{m}");
+        let m = at_most(b"HTTP/1.0 200 OK\r\n\r\nhello world");
+        assert!(m.contains("5 bytes or more"), "{m}");
+        let (reply, _) = reply_to_at_most(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nabcd",
+            false,
+            4,
+        )
+        .unwrap_or_else(|_| panic!("a body at the limit"));
+        assert_eq!(reply.body, b"abcd");
     }
 
     #[test]

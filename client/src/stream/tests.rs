@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use shardwire_protocol::trainer::StreamState;
+use shardwire_protocol::trainer::{StreamState, TensorView};
 
 use super::*;
 
@@ -146,6 +146,153 @@ fn a_batch_that_came_whole_is_handed_out_though_the_request_after_it_finds_the_n
     assert_eq!(b.lease, 8);
     assert!(s.lost.is_some(), "the request sent ahead after it failed");
     assert!(s.next_after(b).is_err(), "then the lost connection");
+    drop(s);
+    node.join().unwrap();
+    let _ = std::fs::remove_file(&at);
+}
+
+/// Sends a batch of lease `lease` with these tensors and state.
+fn send_batch_with(
+    c: &mut UnixStream,
+    lease: u64,
+    tensors: Vec<TensorView>,
+    st: Option<StreamState>,
+) {
+    let batch = Response::Batch {
+        lease,
+        epoch: 0,
+        index: lease,
+        shard: 0,
+        tensors,
+        state: st,
+        more: false,
+    };
+    let mut frame = Vec::new();
+    batch.encode(&mut frame);
+    fdpass::send_frame(c, &frame, &[]).unwrap();
+}
+
+fn tensor(offset: u64, shape: Vec<u64>, length: u64) -> TensorView {
+    TensorView {
+        name: "x".into(),
+        dtype: shardwire_protocol::manifest::DType::Uint16,
+        shape,
+        offset,
+        length,
+    }
+}
+
+#[test]
+fn an_answer_that_cannot_be_read_closes_the_connection_and_every_later_call_says_so() {
+    let at = path("malformed");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        let body = br#"{"op":"batch","lease":1,"surprise":true}"#;
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(body);
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let e = s.next().err().expect("a malformed answer");
+    assert!(matches!(e, ClientError::Frame(_)), "{e}");
+    // Before, the next call waited forever for an answer to the request already answered.
+    let e = s
+        .next_timeout(Duration::from_secs(2))
+        .err()
+        .expect("broken");
+    assert!(
+        matches!(&e, ClientError::Broken { cause } if cause.contains("surprise")),
+        "{e}"
+    );
+    assert!(matches!(s.next(), Err(ClientError::Broken { .. })));
+    drop(s);
+    node.join().unwrap();
+    let _ = std::fs::remove_file(&at);
+}
+
+#[test]
+fn tensors_outside_the_region_or_of_the_wrong_length_are_refused_not_handed_out() {
+    let cases = [
+        // 64 KiB region: the last byte past its end.
+        (
+            tensor(65_001, vec![268], 536),
+            "outside the stream's region",
+        ),
+        // 3 x 2 u16 are 12 bytes, not 10.
+        (tensor(0, vec![3, 2], 10), "shape [3, 2] of uint16"),
+        // A shape whose size overflows.
+        (tensor(0, vec![u64::MAX, 2], 4), "does not take"),
+    ];
+    for (i, (t, want)) in cases.into_iter().enumerate() {
+        let at = path(&format!("tensor{i}"));
+        let node = fake(&at, move |c| {
+            answer_attach(c);
+            assert_eq!(request(c)["op"], "next");
+            send_batch_with(c, 3, vec![t], Some(state()));
+        });
+        let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+        let e = match s.next() {
+            Err(e) => e,
+            Ok(b) => panic!("case {i} handed out: {:?}", b.map(|b| b.tensors().to_vec())),
+        };
+        assert!(
+            matches!(
+                e,
+                ClientError::TensorOutsideRegion { .. } | ClientError::TensorLength { .. }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains(want), "{e}");
+        assert!(matches!(s.next(), Err(ClientError::Broken { .. })));
+        drop(s);
+        node.join().unwrap();
+        let _ = std::fs::remove_file(&at);
+    }
+}
+
+#[test]
+fn a_batch_without_its_state_leaves_the_last_state_as_it_was() {
+    let at = path("nostate");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        let mut st = state();
+        st.index = 1;
+        send_batch_with(c, 1, Vec::new(), Some(st));
+        assert_eq!(request(c)["op"], "next");
+        send_batch_with(c, 2, Vec::new(), None);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    assert_eq!(s.state().unwrap().index, 1);
+    drop(b);
+    assert!(s.next().is_err(), "a batch without its state");
+    // Before, the state went back to where the stream opened (index 0).
+    assert_eq!(s.state().unwrap().index, 1);
+    drop(s);
+    node.join().unwrap();
+    let _ = std::fs::remove_file(&at);
+}
+
+#[test]
+fn a_dropped_batch_is_given_back_with_the_next_request() {
+    let at = path("dropped");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        let next = request(c);
+        assert_eq!(next["op"], "next");
+        assert_eq!(next["release"], serde_json::json!([7]), "{next}");
+        send_batch(c, 8);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    drop(b);
+    let b = s.next().expect("a batch").expect("not the end");
+    assert_eq!(b.lease, 8);
+    assert_eq!(s.held, 1, "the dropped batch is no longer counted as held");
     drop(s);
     node.join().unwrap();
     let _ = std::fs::remove_file(&at);
