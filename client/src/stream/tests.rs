@@ -40,6 +40,13 @@ fn fake(at: &PathBuf, then: impl FnOnce(&mut UnixStream) + Send + 'static) -> Jo
     })
 }
 
+/// Closes the client's stream, waits for the fake node to see it go and removes its socket.
+fn close(s: Stream, node: JoinHandle<()>, at: &PathBuf) {
+    drop(s);
+    node.join().unwrap();
+    let _ = std::fs::remove_file(at);
+}
+
 fn state() -> StreamState {
     serde_json::from_str(r#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f"}"#).unwrap()
 }
@@ -118,9 +125,7 @@ fn a_release_the_node_never_answers_fails_after_the_limit_and_closes_the_stream(
         s.next().is_err(),
         "the connection is closed: a late answer is never read as another's"
     );
-    drop(s);
-    node.join().unwrap();
-    let _ = std::fs::remove_file(&at);
+    close(s, node, &at);
 }
 
 #[test]
@@ -146,9 +151,7 @@ fn a_batch_that_came_whole_is_handed_out_though_the_request_after_it_finds_the_n
     assert_eq!(b.lease, 8);
     assert!(s.lost.is_some(), "the request sent ahead after it failed");
     assert!(s.next_after(b).is_err(), "then the lost connection");
-    drop(s);
-    node.join().unwrap();
-    let _ = std::fs::remove_file(&at);
+    close(s, node, &at);
 }
 
 /// Sends a batch of lease `lease` with these tensors and state.
@@ -206,9 +209,7 @@ fn an_answer_that_cannot_be_read_closes_the_connection_and_every_later_call_says
         "{e}"
     );
     assert!(matches!(s.next(), Err(ClientError::Broken { .. })));
-    drop(s);
-    node.join().unwrap();
-    let _ = std::fs::remove_file(&at);
+    close(s, node, &at);
 }
 
 #[test]
@@ -245,9 +246,7 @@ fn tensors_outside_the_region_or_of_the_wrong_length_are_refused_not_handed_out(
         );
         assert!(e.to_string().contains(want), "{e}");
         assert!(matches!(s.next(), Err(ClientError::Broken { .. })));
-        drop(s);
-        node.join().unwrap();
-        let _ = std::fs::remove_file(&at);
+        close(s, node, &at);
     }
 }
 
@@ -270,9 +269,7 @@ fn a_batch_without_its_state_leaves_the_last_state_as_it_was() {
     assert!(s.next().is_err(), "a batch without its state");
     // Before, the state went back to where the stream opened (index 0).
     assert_eq!(s.state().unwrap().index, 1);
-    drop(s);
-    node.join().unwrap();
-    let _ = std::fs::remove_file(&at);
+    close(s, node, &at);
 }
 
 #[test]
@@ -293,7 +290,5 @@ fn a_dropped_batch_is_given_back_with_the_next_request() {
     let b = s.next().expect("a batch").expect("not the end");
     assert_eq!(b.lease, 8);
     assert_eq!(s.held, 1, "the dropped batch is no longer counted as held");
-    drop(s);
-    node.join().unwrap();
-    let _ = std::fs::remove_file(&at);
+    close(s, node, &at);
 }
