@@ -257,10 +257,19 @@ fn describe_azure(b: &MicrosoftAzureBuilder) -> Described {
         "managed identity".to_owned()
     };
     let account = get(AzKey::AccountName).unwrap_or_else(|| "ACCOUNT".into());
+    // The emulator's address, as object_store finds it (its account is always the emulator's).
+    let emulator = get(AzKey::UseEmulator)
+        .is_some_and(|v| v == "true")
+        .then(|| {
+            let url = std::env::var("AZURITE_BLOB_STORAGE_URL")
+                .unwrap_or_else(|_| "http://127.0.0.1:10000".into());
+            format!("{}/devstoreaccount1", url.trim_end_matches('/'))
+        });
     Described {
         backend: "azure",
         credentials,
         endpoint: get(AzKey::Endpoint)
+            .or(emulator)
             .unwrap_or_else(|| format!("https://{account}.blob.core.windows.net")),
         region: None,
         addressing: None,

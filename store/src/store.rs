@@ -17,6 +17,7 @@ use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload
 
 use crate::backend::{self, Described};
 use crate::error::{At, StoreError, classify};
+use crate::etag::{quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
 use crate::tap::Call;
@@ -216,7 +217,7 @@ impl Store {
                 Some(ObjectMeta {
                     key,
                     size: o.size,
-                    etag: o.e_tag,
+                    etag: o.e_tag.as_deref().map(quoted_etag),
                 })
             })
             .collect())
@@ -235,7 +236,7 @@ impl Store {
         Ok(ObjectMeta {
             key: key.to_owned(),
             size: meta.size,
-            etag: meta.e_tag,
+            etag: meta.e_tag.as_deref().map(quoted_etag),
         })
     }
 
@@ -338,15 +339,20 @@ impl Store {
         let body = async {
             let opts = GetOptions {
                 range: Some(get_range),
-                if_match: etag.map(str::to_owned),
+                if_match: etag.map(quoted_etag),
                 ..Default::default()
             };
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
             let res = self.inner.os.get_opts(&path, opts).await.map_err(os_err)?;
             // A store that ignored `If-Match` still names the object it read: another one's
-            // bytes are refused, never passed on as the ones asked for.
-            if let (Some(asked), Some(sent)) = (etag, res.meta.e_tag.as_deref())
-                && asked != sent
+            // bytes (or bytes it names no version of) are refused, never passed on as the
+            // ones asked for.
+            if let Some(asked) = etag
+                && !res
+                    .meta
+                    .e_tag
+                    .as_deref()
+                    .is_some_and(|sent| same_etag(asked, sent))
             {
                 return Err(StoreError::Changed {
                     bucket: at.bucket.to_owned(),

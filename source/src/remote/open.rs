@@ -262,7 +262,7 @@ fn check_indexed(
         ));
     }
     match &o.etag {
-        Some(want) if want != etag => Err(format!(
+        Some(want) if !shardwire_store::same_etag(want, etag) => Err(format!(
             "changed since it was indexed: ETag {etag}, the manifest says {want}"
         )),
         _ => Ok(()),

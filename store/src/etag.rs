@@ -1,0 +1,40 @@
+//! ETags in one form. Azure lists blobs with their ETags unquoted (`0x8D...`) but sends them
+//! quoted (`"0x8D..."`) on GET and HEAD, as HTTP writes an entity tag; an ETag pinned from a
+//! listing would then never equal the one a read returns, and every read of the dataset
+//! would be refused as changed. So every ETag the store hands out, sends (`If-Match`) or
+//! compares is in its quoted form.
+
+/// `etag` in its quoted form: a quoted (`"..."`) or weak (`W/"..."`) tag as it is, a bare one
+/// quoted.
+pub fn quoted_etag(etag: &str) -> String {
+    let t = etag.trim();
+    if t.starts_with('"') || t.starts_with("W/") {
+        t.to_owned()
+    } else {
+        format!("\"{t}\"")
+    }
+}
+
+/// Whether two ETags name the same version (compared in their quoted forms).
+pub fn same_etag(a: &str, b: &str) -> bool {
+    quoted_etag(a) == quoted_etag(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listed_azure_etag_equals_the_one_a_read_returns() {
+        assert_eq!(quoted_etag("0x8DC2DFC9E520378"), "\"0x8DC2DFC9E520378\"");
+        assert!(same_etag("0x8DC2DFC9E520378", "\"0x8DC2DFC9E520378\""));
+        // S3 and HTTP tags are quoted already, weak ones kept weak.
+        assert_eq!(quoted_etag("\"d41d8cd9\""), "\"d41d8cd9\"");
+        assert_eq!(quoted_etag("W/\"abc\""), "W/\"abc\"");
+        assert!(
+            !same_etag("W/\"abc\"", "\"abc\""),
+            "a weak tag is not a strong one"
+        );
+        assert!(!same_etag("0x1", "\"0x2\""));
+    }
+}
