@@ -229,6 +229,23 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
     use object_store::Error as E;
     let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
     let status = last.and_then(|a| a.status);
+    // The last answer came from a credential service, not the store: whatever its status
+    // would mean from the store (404 not found, 503 slow down), it is about credentials.
+    if last.is_some_and(|a| a.credential) {
+        return match status {
+            Some(400..=499) => StoreError::Credentials {
+                bucket,
+                key,
+                reason: short(&e),
+            },
+            _ => StoreError::Unavailable {
+                bucket,
+                key,
+                range: at.range,
+                reason: format!("the credential service: {}", short(&e)),
+            },
+        };
+    }
     match (&e, status) {
         (E::NotFound { .. }, _) | (E::Generic { .. }, Some(404)) => {
             StoreError::NotFound { bucket, key }
@@ -244,13 +261,6 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             key,
             reason: short(&e),
         },
-        (_, Some(400 | 401 | 403)) if last.is_some_and(|a| a.credential) => {
-            StoreError::Credentials {
-                bucket,
-                key,
-                reason: short(&e),
-            }
-        }
         (_, Some(429 | 503)) => StoreError::Throttled {
             bucket,
             key,
@@ -357,12 +367,14 @@ mod tests {
             retry_after: None,
             credential: true,
         };
-        for status in [400, 401, 403] {
+        // 404: an instance without a role (IMDS); a store's 404 would be "not found".
+        for status in [400, 401, 403, 404] {
             let e = classify(generic(), Some(&from_sts(Some(status))), at());
             assert_eq!(e.kind(), StoreErrorKind::Credentials, "{status}: {e}");
         }
-        // Not reached, or failing itself: may pass; the node asks again.
-        for status in [None, Some(500)] {
+        // Not reached, or failing itself: may pass; the node asks again (a 503 from it does
+        // not throttle the bucket).
+        for status in [None, Some(500), Some(503)] {
             let e = classify(generic(), Some(&from_sts(status)), at());
             assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{status:?}: {e}");
         }

@@ -165,10 +165,13 @@ impl HttpService for Tap {
 /// Whether `host` is a credential service (instance metadata, STS, OAuth token endpoints)
 /// rather than the store: object_store fetches credentials through the same HTTP client.
 fn credential_host(host: &str) -> bool {
-    const EXACT: [&str; 7] = [
+    const EXACT: [&str; 9] = [
         "169.254.169.254",
         "[fd00:ec2::254]",
         "169.254.170.2",
+        // EKS Pod Identity's agent.
+        "169.254.170.23",
+        "[fd00:ec2::23]",
         "metadata.google.internal",
         "oauth2.googleapis.com",
         "login.microsoftonline.com",
@@ -218,6 +221,7 @@ mod tests {
     fn credential_services_are_not_the_store() {
         for h in [
             "169.254.169.254",
+            "169.254.170.23",
             "sts.us-east-1.amazonaws.com",
             "metadata.google.internal",
         ] {

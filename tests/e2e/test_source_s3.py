@@ -204,9 +204,13 @@ def test_throttling_resets_and_stalls_lose_nothing(sw, s3, s3_bucket, s3_proxy, 
     d = tmp_path / "ds"
     write_uint8_shards(d, 8, 600 * 1024, seed=5)
     url = upload(s3, s3_bucket, d)
-    # A burst at start (the manifest read) is waited out.
+    # A burst at start (the manifest read) is waited out; then the manifest changes between
+    # its HEAD and its GET (as while `shardwire index` rewrites it): it is read again.
     s3_proxy.slowdown(n=3, retry_after=0.2)
+    s3_proxy.status(1, 412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold", key="/ds/shardwire.manifest.json")
     src = sw.source({"ds": url}, env=s3_proxy.env())
+    assert "the manifest changed while it was read" in src.stderr_text()
+    assert s3_proxy.count("GET", status=412) == 1
     node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "16MiB")
     wait_ready(node)
     # Then on the shards: SlowDown, bodies reset half way, a body that stalls.

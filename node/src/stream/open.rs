@@ -114,9 +114,11 @@ pub fn plan(manifest: &Manifest, r: &StreamRequest) -> Result<PlanSpec, OpenErro
 }
 
 /// Whether a resume position (`epoch`, `index` within it) lies outside a stream of `epochs`
-/// epochs of `per_epoch` positions: its end (`epochs`, 0) is the last place inside.
+/// epochs of `per_epoch` positions. Positions in the last epoch's "next" (`epochs`, k) are
+/// inside: a DataLoader worker's state after the last batch names its next slot there
+/// (nothing is left to deliver from it).
 pub(super) fn outside(epoch: u32, index: u64, per_epoch: u64, epochs: u32) -> bool {
-    index >= per_epoch || epoch > epochs || (epoch == epochs && index > 0)
+    index >= per_epoch || epoch > epochs
 }
 
 /// The stream position to start from: 0, or where `state` says, if it belongs to this plan.
@@ -507,9 +509,8 @@ mod tests {
         assert_eq!(e.code, ErrorCode::StateMismatch);
         assert!(e.message.contains("index 5 is outside"), "{e}");
         assert!(resume_position(&s, Some(&state(4, 0, &s)), 3).is_err());
-        // Past the end of the last epoch.
-        let e = resume_position(&s, Some(&state(3, 1, &s)), 3).unwrap_err();
-        assert!(e.message.contains("epoch 3 index 1 is outside"), "{e}");
+        // A worker's next slot after the end: inside, nothing left.
+        assert_eq!(resume_position(&s, Some(&state(3, 1, &s)), 3).unwrap(), 16);
         let mut other = s.clone();
         other.world_size = 4;
         let e = resume_position(&s, Some(&state(0, 0, &other)), 3).unwrap_err();

@@ -102,19 +102,28 @@ pub(super) async fn open(
         source,
     };
     let store = Store::open(url, so).map_err(store_err)?;
-    let head = patiently(|| store.head(MANIFEST_FILE))
-        .await
-        .map_err(store_err)?;
     let manifest_err = |source| OpenError::Manifest {
         dataset: name.into(),
         url: url.to_string(),
         source,
     };
-    Manifest::check_size(head.size).map_err(manifest_err)?;
-    let json = patiently(|| store.read(MANIFEST_FILE, 0..head.size, head.etag.as_deref()))
-        .await
-        .map_err(store_err)?
-        .to_vec();
+    // HEAD, then a GET pinned to its ETag; a manifest rewritten between the two (`shardwire
+    // index` writing it now) is read again.
+    let mut attempt = 0;
+    let json = loop {
+        attempt += 1;
+        let head = patiently(|| store.head(MANIFEST_FILE))
+            .await
+            .map_err(store_err)?;
+        Manifest::check_size(head.size).map_err(manifest_err)?;
+        match patiently(|| store.read(MANIFEST_FILE, 0..head.size, head.etag.as_deref())).await {
+            Err(e) if e.kind() == StoreErrorKind::Changed && attempt < START_ATTEMPTS => {
+                tracing::warn!(error = %e, attempt, "the manifest changed while it was read (is `shardwire index` writing it?); reading it again");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            read => break read.map_err(store_err)?.to_vec(),
+        }
+    };
     let manifest = Manifest::from_json(&json).map_err(manifest_err)?;
     let listed = patiently(|| store.list()).await.map_err(store_err)?;
     let (objects, shards) = pin_objects(name, url, &manifest, &listed)?;
