@@ -21,6 +21,7 @@ The binary is ``$SHARDWIRE_BIN`` or ``<repo>/target/debug/shardwire``.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pathlib
@@ -435,6 +436,19 @@ class Harness(Children):
     def consume(self, serve: Serve | str, dataset: str, timeout: float = WAIT * 2, **opts) -> list[dict]:
         """Runs `consume` to completion; returns its JSON lines."""
         return self.start_consume(serve, dataset, **opts).result(timeout)
+
+
+# A test still running after this long is hung (the slowest take about 75 s): every thread's
+# stack is written to stderr and the run ends, rather than a hung run saying nothing until
+# CI's own limit.
+HANG_LIMIT = 600
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    faulthandler.dump_traceback_later(HANG_LIMIT, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
