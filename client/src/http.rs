@@ -265,8 +265,7 @@ impl HttpStream {
 
     /// Like [`HttpStream::next`], failing with [`ClientError::Timeout`] after `timeout`.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<HttpBatch>, ClientError> {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let mut left = ms;
+        let mut left = crate::timeout_ms(timeout);
         loop {
             let wait = left.min(POLL_MS);
             if let Some(r) = self.poll(wait)? {

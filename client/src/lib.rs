@@ -315,12 +315,27 @@ pub struct StreamInfo {
     pub state: StreamState,
 }
 
+/// A wait as the node takes it, in whole milliseconds rounded up: a wait of 0.5 ms is 1 ms,
+/// not 0 (which would ask for an answer at once).
+pub(crate) fn timeout_ms(t: Duration) -> u64 {
+    u64::try_from(t.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
 
     use super::*;
+
+    #[test]
+    fn a_wait_rounds_up_to_whole_milliseconds() {
+        assert_eq!(timeout_ms(Duration::ZERO), 0);
+        assert_eq!(timeout_ms(Duration::from_micros(500)), 1);
+        assert_eq!(timeout_ms(Duration::from_millis(2)), 2);
+        assert_eq!(timeout_ms(Duration::from_nanos(2_000_001)), 3);
+        assert_eq!(timeout_ms(Duration::MAX), u64::MAX);
+    }
 
     /// A frame sent to a peer that has gone (the node) fails with `EPIPE` and raises no
     /// SIGPIPE, which would kill a host process that does not ignore it (std's socket writes

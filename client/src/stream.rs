@@ -138,9 +138,14 @@ impl Stream {
                 device: gpu.map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
             });
         }
-        let fd = fds
-            .pop()
-            .ok_or_else(|| ClientError::Protocol("attached without a region fd".into()))?;
+        // Exactly the region's fd; any others close when `fds` drops.
+        if fds.len() != 1 {
+            return Err(ClientError::Protocol(format!(
+                "attached came with {} file descriptors, expected the region's one",
+                fds.len()
+            )));
+        }
+        let fd = fds.pop().expect("one fd");
         let region = Arc::new(Mapping::new(&fd, region_size)?);
         Ok(Self {
             sock,
@@ -327,7 +332,7 @@ impl Stream {
     /// waits as long as it takes), carrying the deferred releases.
     fn send_next(&mut self, count: u32, timeout: Option<Duration>) -> Result<(), ClientError> {
         self.frame.clear();
-        let timeout_ms = timeout.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+        let timeout_ms = timeout.map(crate::timeout_ms);
         trainer::encode_next(timeout_ms, &self.deferred, count, &mut self.frame);
         fdpass::send_frame(&self.sock, &self.frame, &[])?;
         self.deferred.clear();

@@ -53,6 +53,11 @@ fn state() -> StreamState {
 
 /// The fake node's side of an attach: reads it, answers with a 64 KiB host region.
 fn answer_attach(c: &mut UnixStream) {
+    answer_attach_with(c, 1);
+}
+
+/// [`answer_attach`] with the region's fd sent `copies` times.
+fn answer_attach_with(c: &mut UnixStream, copies: usize) {
     assert_eq!(request(c)["op"], "attach");
     let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
     rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
@@ -67,7 +72,24 @@ fn answer_attach(c: &mut UnixStream) {
     };
     let mut frame = Vec::new();
     attached.encode(&mut frame);
-    fdpass::send_frame(c, &frame, &[fd.as_fd()]).unwrap();
+    fdpass::send_frame(c, &frame, &vec![fd.as_fd(); copies]).unwrap();
+}
+
+#[test]
+fn an_attach_answered_with_other_than_one_fd_is_refused() {
+    for copies in [0, 2] {
+        let at = path(&format!("fds-{copies}"));
+        let node = fake(&at, move |c| answer_attach_with(c, copies));
+        let e = Stream::open(&at, StreamOptions::new("d"))
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(&e, ClientError::Protocol(m) if m.contains(&format!("came with {copies} file descriptors"))),
+            "{e}"
+        );
+        node.join().unwrap();
+        let _ = std::fs::remove_file(&at);
+    }
 }
 
 /// Sends an empty batch of lease `lease` (the last answer to its request).
