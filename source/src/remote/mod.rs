@@ -12,6 +12,8 @@ pub mod hints;
 mod open;
 mod prefetch;
 pub mod read;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
+use shardwire_protocol::wire::ErrorCode;
 use shardwire_store::{Store, StoreUrl};
 use tokio::sync::{Notify, watch};
 
@@ -55,8 +58,9 @@ struct State {
     /// When each shard was last served from the disk cache, and to which node session.
     cache_served: HashMap<u32, (u64, Instant)>,
     /// FETCHes under way per shard: a shard read for one is not dropped from memory as
-    /// unhinted (its hint was consumed when the FETCH came) before the FETCH takes it.
-    wanted: HashMap<u32, usize>,
+    /// unhinted (its hint was consumed when the FETCH came) before the FETCH takes it, nor
+    /// taken out of memory by one FETCH while others wait for the same bytes.
+    wanted: HashMap<u32, Wanting>,
 }
 
 /// A FETCH of a shard the same node session was served from the disk cache less than this
@@ -172,16 +176,17 @@ impl RemoteDataset {
         {
             let mut st = self.state();
             st.hints.consumed_by_session(session, shard);
-            *st.wanted.entry(shard).or_default() += 1;
+            st.wanted.entry(shard).or_default().fetches += 1;
         }
-        let _wanted = Wanted {
+        let mut wanted = Wanted {
             dataset: self,
             shard,
+            took: false,
         };
         self.recheck_if_asked_again(session, shard);
         let mut waited = false;
         loop {
-            if let Some(parts) = self.take_ready(shard) {
+            if let Some(parts) = self.take_ready(&mut wanted) {
                 let how = if waited {
                     Served::Read
                 } else {
@@ -238,13 +243,25 @@ impl RemoteDataset {
         Claim::Read(self.begin(&mut st, vec![shard], false))
     }
 
-    /// A prefetched shard, taken out of memory.
-    fn take_ready(&self, shard: u32) -> Option<Vec<Bytes>> {
+    /// A shard in memory (prefetched, or read for a FETCH), for the FETCH `w`: shared while
+    /// other FETCHes of it are under way and have not taken it (they waited on the same read),
+    /// taken out of memory by the last of them.
+    fn take_ready(&self, w: &mut Wanted<'_>) -> Option<Vec<Bytes>> {
         let mut st = self.state();
-        let parts = st.ready.remove(&shard)?;
-        st.ready_bytes -= parts.iter().map(|p| p.len() as u64).sum::<u64>();
-        drop(st);
-        self.wake.notify_one();
+        let wanting = st.wanted.get(&w.shard).copied().unwrap_or_default();
+        let others = wanting.fetches.saturating_sub(wanting.took + 1);
+        let parts = if others > 0 {
+            st.ready.get(&w.shard)?.clone()
+        } else {
+            let parts = st.ready.remove(&w.shard)?;
+            st.ready_bytes -= parts.iter().map(|p| p.len() as u64).sum::<u64>();
+            self.wake.notify_one();
+            parts
+        };
+        if let Some(n) = st.wanted.get_mut(&w.shard) {
+            n.took += 1;
+            w.took = true;
+        }
         Some(parts)
     }
 
@@ -313,8 +330,8 @@ impl RemoteDataset {
             bytes,
             prefetch,
         } = r;
-        let mut registered = Registered {
-            dataset: self,
+        let registered = Registered {
+            dataset: Arc::clone(self),
             pending: wants.iter().map(|w| w.shard).zip(senders).collect(),
             prefetching: if prefetch { bytes } else { 0 },
         };
@@ -325,6 +342,29 @@ impl RemoteDataset {
             self.store.urgent()
         };
         let reads = read_shards(&store, &self.objects, &wants).await;
+        // The bytes are here: a task of its own places them and tells their waiters, so a
+        // load dropped now (its FETCH cancelled: the node went away) neither cuts a cache
+        // write short and leaks its reservation, nor leaves another FETCH waiting on this
+        // read to read the shard again.
+        let me = Arc::clone(self);
+        let settled = tokio::spawn(async move { me.settle(reads, prefetch, registered).await });
+        settled.await.unwrap_or_else(|e| {
+            Err(Failure {
+                code: ErrorCode::Internal,
+                retry_after_ms: 0,
+                message: format!("placing shards read from the store failed: {e}"),
+            })
+        })
+    }
+
+    /// Places each shard read (or logs its failure), hands every outcome to its waiters and
+    /// returns the first.
+    async fn settle(
+        self: Arc<Self>,
+        reads: Vec<read::Read>,
+        prefetch: bool,
+        mut registered: Registered,
+    ) -> Result<(), Failure> {
         let mut first = None;
         for (shard, got) in reads {
             let outcome = match got {
@@ -332,10 +372,7 @@ impl RemoteDataset {
                     self.state().backoff.succeeded(shard);
                     metrics::counter!("shardwire_source_store_shard_bytes_total")
                         .increment(parts.iter().map(|p| p.len() as u64).sum());
-                    // Placed by a task of its own: a load dropped half way (its FETCH was
-                    // cancelled) cannot cut a cache write short and leak its reservation.
-                    let me = Arc::clone(self);
-                    let _ = tokio::spawn(async move { me.place(shard, parts).await }).await;
+                    self.place(shard, parts).await;
                     Ok(())
                 }
                 Err(f) => {
@@ -432,18 +469,30 @@ async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
     }
 }
 
+/// FETCHes of one shard under way ([`State::wanted`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct Wanting {
+    /// FETCHes under way.
+    fetches: usize,
+    /// Of those, the ones that took the shard's bytes from memory.
+    took: usize,
+}
+
 /// A FETCH of `shard` under way ([`State::wanted`]), counted until it ends however it ends.
 struct Wanted<'a> {
     dataset: &'a RemoteDataset,
     shard: u32,
+    /// It took the shard from memory ([`RemoteDataset::take_ready`]).
+    took: bool,
 }
 
 impl Drop for Wanted<'_> {
     fn drop(&mut self) {
         let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = st.wanted.get_mut(&self.shard) {
-            *n -= 1;
-            if *n == 0 {
+            n.fetches -= 1;
+            n.took -= usize::from(self.took);
+            if n.fetches == 0 {
                 st.wanted.remove(&self.shard);
             }
         }
@@ -465,13 +514,13 @@ enum Claim {
 /// taken out of `loading` before their waiters learn the read is gone (the senders drop after
 /// [`Drop::drop`]), so a waiter reads the shard again instead of waiting on a read nobody
 /// finishes.
-struct Registered<'a> {
-    dataset: &'a RemoteDataset,
+struct Registered {
+    dataset: Arc<RemoteDataset>,
     pending: Vec<(u32, watch::Sender<Outcome>)>,
     prefetching: u64,
 }
 
-impl Registered<'_> {
+impl Registered {
     /// `shard`'s outcome (placed or failed): it is no longer being read; its waiters get it.
     fn settle(&mut self, shard: u32, outcome: Result<(), Failure>) {
         self.dataset.state().loading.remove(&shard);
@@ -482,7 +531,7 @@ impl Registered<'_> {
     }
 }
 
-impl Drop for Registered<'_> {
+impl Drop for Registered {
     fn drop(&mut self) {
         let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
         for (s, _) in &self.pending {

@@ -1,0 +1,284 @@
+//! FETCHes of one shard that meet: over an in-memory object store that counts the GETs it
+//! answers and can hold them back, so a test can start a FETCH, let another wait on its read
+//! and cancel the first at a chosen point. A shard's bytes are read from the store once,
+//! however the FETCHes that want it meet or end.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures_util::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use shardwire_protocol::crc::Crc32c;
+use shardwire_store::{Described, StoreOptions};
+use tokio::sync::Semaphore;
+
+use super::*;
+
+/// `InMemory` that counts the ranged GETs it was asked for and the ones it answered, and
+/// answers none while its gate is shut.
+#[derive(Debug)]
+struct Gated {
+    inner: InMemory,
+    gate: Semaphore,
+    asked: AtomicUsize,
+    answered: AtomicUsize,
+}
+
+impl Gated {
+    fn new() -> Self {
+        Gated {
+            inner: InMemory::new(),
+            gate: Semaphore::new(0),
+            asked: AtomicUsize::new(0),
+            answered: AtomicUsize::new(0),
+        }
+    }
+
+    fn open(&self) {
+        self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+}
+
+impl std::fmt::Display for Gated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gated")
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for Gated {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        if options.range.is_some() {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            let _pass = self.gate.acquire().await.expect("never closed");
+        }
+        let ranged = options.range.is_some();
+        let got = self.inner.get_opts(location, options).await;
+        if ranged {
+            self.answered.fetch_add(1, Ordering::SeqCst);
+        }
+        got
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+/// Bytes of each of the dataset's shards: enough that writing one to the cache takes a while.
+const SHARD: u64 = 16 << 20;
+
+/// A dataset of 4 shards in one object of `os` under a bucket of the test's own, with a disk
+/// cache in `cache` if given.
+async fn dataset(
+    test: &str,
+    os: &Arc<Gated>,
+    cache: Option<&std::path::Path>,
+) -> Arc<RemoteDataset> {
+    let url = StoreUrl::parse(&format!("s3://unit-remote-{test}/pre")).unwrap();
+    let store = Store::with_object_store(
+        &url,
+        StoreOptions {
+            request_size: 4 * SHARD, // one GET per shard
+            ..StoreOptions::default()
+        },
+        Arc::clone(os) as Arc<dyn ObjectStore>,
+        Described::plain("memory", "in-memory"),
+    );
+    let data: Vec<u8> = (0..4 * SHARD).map(|i| (i * 7 % 251) as u8).collect();
+    os.put(&Path::from("pre/d.bin"), data.clone().into())
+        .await
+        .unwrap();
+    let etag = store
+        .head("d.bin")
+        .await
+        .unwrap()
+        .etag
+        .expect("InMemory has ETags");
+    let shards: Vec<Want> = (0..4u32)
+        .map(|s| {
+            let range = u64::from(s) * SHARD..u64::from(s + 1) * SHARD;
+            let mut crc = Crc32c::new();
+            crc.update(&data[range.start as usize..range.end as usize]);
+            Want {
+                shard: s,
+                object: 0,
+                range,
+                crc32c: crc.finish(),
+            }
+        })
+        .collect();
+    let cache =
+        cache.map(|dir| Mutex::new(DiskCache::open(dir, 1 << 30, |_| None).expect("cache").0));
+    Arc::new(RemoteDataset {
+        name: test.into(),
+        store,
+        objects: vec![Object {
+            key: "d.bin".into(),
+            size: 4 * SHARD,
+            etag,
+        }],
+        shards,
+        cache,
+        state: Mutex::new(State::default()),
+        budget: 1 << 30,
+        wake: Notify::new(),
+    })
+}
+
+/// A FETCH of `shard` by node session `session`, as a task.
+fn fetch(
+    d: &Arc<RemoteDataset>,
+    session: u64,
+    shard: u32,
+) -> tokio::task::JoinHandle<Result<(Body, Served), Failure>> {
+    let d = Arc::clone(d);
+    tokio::spawn(async move { d.get(session, shard).await })
+}
+
+/// Lets the runtime's other tasks run until `done` holds (at most 10 s), a step at a time.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: not after 10 s"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+/// FETCHes under way for `shard`.
+fn fetches(d: &RemoteDataset, shard: u32) -> usize {
+    d.state().wanted.get(&shard).map_or(0, |w| w.fetches)
+}
+
+/// The bytes a FETCH was answered with.
+fn bytes_of(body: &Body) -> Vec<u8> {
+    match body {
+        Body::Memory(parts) => parts.concat(),
+        Body::File { file, offset } => {
+            use std::os::unix::fs::FileExt;
+            let mut b = vec![0u8; SHARD as usize];
+            file.read_exact_at(&mut b, *offset).unwrap();
+            b
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn two_fetches_that_meet_on_one_read_are_both_served_from_it_without_a_cache() {
+    let os = Arc::new(Gated::new());
+    let d = dataset("meet", &os, None).await;
+    let a = fetch(&d, 1, 2);
+    until("the first FETCH's GET", || {
+        os.asked.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let b = fetch(&d, 2, 2);
+    until("the second FETCH waiting", || fetches(&d, 2) == 2).await;
+    os.open();
+    let (a, _) = a.await.unwrap().expect("served");
+    let (b, how) = b.await.unwrap().expect("served");
+    assert_eq!(bytes_of(&a), bytes_of(&b));
+    assert_eq!(how, Served::Read);
+    // Before, the first FETCH took the shard out of memory and the second read it again.
+    assert_eq!(
+        os.asked.load(Ordering::SeqCst),
+        1,
+        "GETs for the two FETCHes"
+    );
+    let st = d.state();
+    assert!(
+        st.ready.is_empty() && st.ready_bytes == 0,
+        "memory held after both took it"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_fetch_cancelled_while_its_shard_is_placed_leaves_it_to_the_fetch_waiting_on_it() {
+    let dir = std::env::temp_dir().join(format!("shardwire-remote-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = Arc::new(Gated::new());
+    let d = dataset("cancelled", &os, Some(&dir)).await;
+    let a = fetch(&d, 1, 1);
+    until("the first FETCH's GET", || {
+        os.asked.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let b = fetch(&d, 2, 1);
+    until("the second FETCH waiting", || fetches(&d, 1) == 2).await;
+    os.open();
+    // The read is answered; the shard is being written to the cache (a blocking write and
+    // fsync) when the first FETCH's node goes away.
+    until("the GET answered", || {
+        os.answered.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert!(
+        !a.is_finished(),
+        "the first FETCH ended before it could be cancelled mid-placement"
+    );
+    a.abort();
+    let (b, _) = b.await.unwrap().expect("served");
+    assert_eq!(bytes_of(&b).len() as u64, SHARD);
+    // Before, the cancelled FETCH's read was forgotten before its shard was placed, and the
+    // waiting FETCH read it again.
+    assert_eq!(
+        os.asked.load(Ordering::SeqCst),
+        1,
+        "GETs for the two FETCHes"
+    );
+    let cached = d.cache.as_ref().unwrap().lock().unwrap().holds(1);
+    assert!(
+        cached,
+        "the shard read for the cancelled FETCH is in the cache"
+    );
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
