@@ -171,12 +171,11 @@ async fn dataset(
     })
 }
 
+/// A FETCH as a task.
+type Fetch = tokio::task::JoinHandle<Result<(Body, Served), Failure>>;
+
 /// A FETCH of `shard` by node session `session`, as a task.
-fn fetch(
-    d: &Arc<RemoteDataset>,
-    session: u64,
-    shard: u32,
-) -> tokio::task::JoinHandle<Result<(Body, Served), Failure>> {
+fn fetch(d: &Arc<RemoteDataset>, session: u64, shard: u32) -> Fetch {
     let d = Arc::clone(d);
     tokio::spawn(async move { d.get(session, shard).await })
 }
@@ -191,6 +190,19 @@ async fn until(what: &str, done: impl Fn() -> bool) {
         );
         tokio::task::yield_now().await;
     }
+}
+
+/// Two FETCHes of `shard` (node sessions 1 and 2), the second waiting on the first's GET,
+/// which the shut gate holds back.
+async fn meet(d: &Arc<RemoteDataset>, os: &Gated, shard: u32) -> (Fetch, Fetch) {
+    let a = fetch(d, 1, shard);
+    until("the first FETCH's GET", || {
+        os.asked.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let b = fetch(d, 2, shard);
+    until("the second FETCH waiting", || fetches(d, shard) == 2).await;
+    (a, b)
 }
 
 /// FETCHes under way for `shard`.
@@ -215,13 +227,7 @@ fn bytes_of(body: &Body) -> Vec<u8> {
 async fn two_fetches_that_meet_on_one_read_are_both_served_from_it_without_a_cache() {
     let os = Arc::new(Gated::new());
     let d = dataset("meet", &os, None).await;
-    let a = fetch(&d, 1, 2);
-    until("the first FETCH's GET", || {
-        os.asked.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    let b = fetch(&d, 2, 2);
-    until("the second FETCH waiting", || fetches(&d, 2) == 2).await;
+    let (a, b) = meet(&d, &os, 2).await;
     os.open();
     let (a, _) = a.await.unwrap().expect("served");
     let (b, how) = b.await.unwrap().expect("served");
@@ -246,13 +252,7 @@ async fn a_fetch_cancelled_while_its_shard_is_placed_leaves_it_to_the_fetch_wait
     let _ = std::fs::remove_dir_all(&dir);
     let os = Arc::new(Gated::new());
     let d = dataset("cancelled", &os, Some(&dir)).await;
-    let a = fetch(&d, 1, 1);
-    until("the first FETCH's GET", || {
-        os.asked.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    let b = fetch(&d, 2, 1);
-    until("the second FETCH waiting", || fetches(&d, 1) == 2).await;
+    let (a, b) = meet(&d, &os, 1).await;
     os.open();
     // The read is answered; the shard is being written to the cache (a blocking write and
     // fsync) when the first FETCH's node goes away.
