@@ -37,4 +37,4 @@ pub use crate::options::{DEFAULT_REQUEST_SIZE, StoreOptions};
 pub use crate::plan::{Piece, Request, plan_requests};
 pub use crate::store::{ObjectMeta, Store};
 pub use crate::url::{Scheme, StoreUrl};
-pub use crate::window::WindowStatus;
+pub use crate::window::{Urgency, WindowStatus};

@@ -22,7 +22,7 @@ use crate::metrics as m;
 use crate::options::StoreOptions;
 use crate::tap::Call;
 use crate::url::StoreUrl;
-use crate::window::{self, Permit, Window, WindowStatus};
+use crate::window::{self, Permit, Urgency, Window, WindowStatus};
 
 /// An object under the prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,8 +61,9 @@ const PUT_PARTS_IN_FLIGHT: usize = 2;
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<Inner>,
-    /// Its requests go before other waiters for the bucket's window ([`Store::urgent`]).
-    urgent: bool,
+    /// Whether its requests go before other waiters for the bucket's window
+    /// ([`Store::urgent`], [`Store::with_urgency`]).
+    urgency: Urgency,
 }
 
 #[derive(Debug)]
@@ -100,7 +101,7 @@ impl Store {
                 described,
                 window,
             }),
-            urgent: false,
+            urgency: Urgency::new(false),
         }
     }
 
@@ -137,14 +138,26 @@ impl Store {
     /// The same store, whose requests take the bucket's next free slot before those of other
     /// handles waiting (a read someone waits for now, against reads ahead).
     pub fn urgent(&self) -> Store {
+        self.with_urgency(Urgency::new(true))
+    }
+
+    /// The same store, whose requests are urgent while `urgency` is: a read ahead that
+    /// someone may come to wait for ([`Store::raise`]).
+    pub fn with_urgency(&self, urgency: Urgency) -> Store {
         Store {
             inner: Arc::clone(&self.inner),
-            urgent: true,
+            urgency,
         }
     }
 
+    /// Makes `urgency` urgent: the requests of a store with it that are still waiting for a
+    /// slot in the bucket's window go first from now on.
+    pub fn raise(&self, urgency: &Urgency) {
+        self.inner.window.raise(urgency);
+    }
+
     async fn begin(&self, op: &'static str) -> (Permit, Arc<Call>) {
-        let permit = self.inner.window.acquire(self.urgent).await;
+        let permit = self.inner.window.acquire(&self.urgency).await;
         let call = Call::new(op, Arc::clone(&self.inner.window), permit.epoch());
         (permit, call)
     }

@@ -9,7 +9,7 @@
 //! bucket shares it.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Notify;
@@ -107,6 +107,24 @@ impl Aimd {
     }
 }
 
+/// Whether a request goes before reads ahead for a slot: set for a read someone waits for
+/// now; a read ahead's is raised when someone comes to wait for it ([`Window::raise`]), and
+/// those of its requests still waiting for a slot then go first too. Clones share it.
+#[derive(Clone, Debug, Default)]
+pub struct Urgency(Arc<AtomicBool>);
+
+impl Urgency {
+    /// An urgency of its own, urgent or not.
+    pub fn new(urgent: bool) -> Self {
+        Self(Arc::new(AtomicBool::new(urgent)))
+    }
+
+    /// Urgent now.
+    pub fn is_urgent(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
 /// A bucket's window: [`Aimd`] behind a lock, with waiting for a slot. An urgent request (a
 /// read someone waits for now, not a read ahead) goes first: while one waits, the others
 /// leave free slots to it.
@@ -161,13 +179,19 @@ impl Window {
         metrics::gauge!(m::INFLIGHT, "bucket" => b).set(st.in_flight as f64);
     }
 
-    /// Waits for a slot; an `urgent` request goes before the others waiting.
-    pub async fn acquire(self: &Arc<Self>, urgent: bool) -> Permit {
-        let _waiting = urgent.then(|| UrgentWait::new(self));
+    /// Waits for a slot; an urgent request goes before the others waiting, also one whose
+    /// `urgency` is raised while it waits.
+    pub async fn acquire(self: &Arc<Self>, urgency: &Urgency) -> Permit {
+        let mut waiting = None;
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
+            // Read after `enable`: a raise from now on wakes this wait.
+            let urgent = urgency.is_urgent();
+            if urgent && waiting.is_none() {
+                waiting = Some(UrgentWait::new(self));
+            }
             {
                 let mut s = self.lock();
                 let yields = !urgent && self.urgent_waiting.load(Ordering::SeqCst) > 0;
@@ -181,6 +205,14 @@ impl Window {
                 }
             }
             freed.await;
+        }
+    }
+
+    /// Makes `urgency` urgent and wakes the waiters, so its requests waiting for a slot go
+    /// first from now on.
+    pub fn raise(&self, urgency: &Urgency) {
+        if !urgency.0.swap(true, Ordering::SeqCst) {
+            self.freed.notify_waiters();
         }
     }
 
@@ -312,16 +344,53 @@ mod tests {
 
     /// Spawns an acquire of `w` (urgent or not) and lets it reach its wait.
     async fn waiter(w: &Arc<Window>, urgent: bool) -> tokio::task::JoinHandle<Permit> {
+        waiter_with(w, Urgency::new(urgent)).await
+    }
+
+    /// Spawns an acquire of `w` with `urgency` and lets it reach its wait.
+    async fn waiter_with(w: &Arc<Window>, urgency: Urgency) -> tokio::task::JoinHandle<Permit> {
         let w = Arc::clone(w);
-        let t = tokio::spawn(async move { w.acquire(urgent).await });
+        let t = tokio::spawn(async move { w.acquire(&urgency).await });
         tokio::task::yield_now().await;
         t
     }
 
     #[tokio::test(flavor = "current_thread")]
+    async fn a_read_ahead_raised_while_it_waits_takes_the_next_slot_before_the_others() {
+        for _ in 0..20 {
+            let w = Arc::new(Window::new("test://raised", 1));
+            let held = w.acquire(&Urgency::new(false)).await;
+            let ahead = waiter(&w, false).await;
+            let wanted = Urgency::new(false);
+            let raised = waiter_with(&w, wanted.clone()).await;
+            let later = waiter(&w, false).await;
+            w.raise(&wanted);
+            tokio::task::yield_now().await;
+            assert_eq!(w.urgent_waiting.load(Ordering::SeqCst), 1);
+            drop(held);
+            let permit = tokio::time::timeout(std::time::Duration::from_secs(5), raised)
+                .await
+                .expect("the raised request gets the freed slot")
+                .unwrap();
+            tokio::task::yield_now().await;
+            assert!(
+                !ahead.is_finished() && !later.is_finished(),
+                "the others wait"
+            );
+            assert_eq!(w.urgent_waiting.load(Ordering::SeqCst), 0);
+            drop(permit);
+            // Done: the others' permits (whoever got the slot) go with their tasks.
+            ahead.abort();
+            later.abort();
+            let _ = (ahead.await, later.await);
+            assert_eq!(w.status().in_flight, 0);
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn an_urgent_request_takes_the_next_slot_before_earlier_waiters() {
         let w = Arc::new(Window::new("test://urgent", 1));
-        let held = w.acquire(false).await;
+        let held = w.acquire(&Urgency::new(false)).await;
         let ahead = waiter(&w, false).await;
         let urgent = waiter(&w, true).await;
         drop(held);
@@ -342,7 +411,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn an_urgent_request_that_gives_up_leaves_the_slot_to_the_others() {
         let w = Arc::new(Window::new("test://urgent-gone", 1));
-        let held = w.acquire(false).await;
+        let held = w.acquire(&Urgency::new(false)).await;
         let ahead = waiter(&w, false).await;
         let urgent = waiter(&w, true).await;
         drop(held);
@@ -358,11 +427,11 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn permits_wait_for_a_free_slot() {
         let w = Arc::new(Window::new("test://permits", 2));
-        let a = w.acquire(false).await;
-        let mut b = w.acquire(false).await;
+        let a = w.acquire(&Urgency::new(false)).await;
+        let mut b = w.acquire(&Urgency::new(false)).await;
         assert_eq!(w.status().in_flight, 2);
         let w2 = Arc::clone(&w);
-        let waiter = tokio::spawn(async move { w2.acquire(false).await.epoch() });
+        let waiter = tokio::spawn(async move { w2.acquire(&Urgency::new(false)).await.epoch() });
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         b.succeeded();

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
 use shardwire_protocol::wire::ErrorCode;
-use shardwire_store::{Store, StoreUrl};
+use shardwire_store::{Store, StoreUrl, Urgency};
 use tokio::sync::{Notify, watch};
 
 use self::cache::{DiskCache, Reservation};
@@ -40,6 +40,17 @@ struct Reading {
     senders: Vec<watch::Sender<Outcome>>,
     bytes: u64,
     prefetch: bool,
+    /// Its GETs' place in the bucket's window: urgent for a FETCH's read; for a read ahead,
+    /// raised when a FETCH comes to wait for it.
+    urgency: Urgency,
+}
+
+/// A shard being read ([`State::loading`]).
+struct Loading {
+    /// Its outcome, when it comes.
+    outcome: watch::Receiver<Outcome>,
+    /// Its read's urgency (raised by a FETCH that waits for it).
+    urgency: Urgency,
 }
 
 /// What a dataset holds outside the store, under one lock.
@@ -50,7 +61,7 @@ struct State {
     ready: HashMap<u32, Vec<Bytes>>,
     ready_bytes: u64,
     /// Shards being read, with where their outcome goes.
-    loading: HashMap<u32, watch::Receiver<Outcome>>,
+    loading: HashMap<u32, Loading>,
     /// Bytes the prefetch task is reading.
     prefetching: u64,
     /// Shards not to be read ahead again yet: their last read failed.
@@ -234,8 +245,11 @@ impl RemoteDataset {
     /// neither the prefetch task nor another FETCH starts a second read of it).
     fn claim(&self, shard: u32) -> Claim {
         let mut st = self.state();
-        if let Some(rx) = st.loading.get(&shard) {
-            return Claim::Wait(rx.clone());
+        if let Some(l) = st.loading.get(&shard) {
+            // A read ahead a FETCH now waits for: its GETs still waiting for a slot in the
+            // bucket's window go before the other reads ahead from now on.
+            self.store.raise(&l.urgency);
+            return Claim::Wait(l.outcome.clone());
         }
         if st.ready.contains_key(&shard) {
             return Claim::Again;
@@ -303,10 +317,12 @@ impl RemoteDataset {
             .collect();
         let bytes: u64 = wants.iter().map(|w| w.range.end - w.range.start).sum();
         let mut senders = Vec::with_capacity(shards.len());
+        let urgency = Urgency::new(!prefetch);
         for &s in &shards {
             debug_assert!(!st.loading.contains_key(&s), "shard {s} registered twice");
-            let (tx, rx) = watch::channel(None);
-            st.loading.insert(s, rx);
+            let (tx, outcome) = watch::channel(None);
+            let urgency = urgency.clone();
+            st.loading.insert(s, Loading { outcome, urgency });
             senders.push(tx);
         }
         if prefetch {
@@ -317,6 +333,7 @@ impl RemoteDataset {
             senders,
             bytes,
             prefetch,
+            urgency,
         }
     }
 
@@ -329,18 +346,15 @@ impl RemoteDataset {
             senders,
             bytes,
             prefetch,
+            urgency,
         } = r;
         let registered = Registered {
             dataset: Arc::clone(self),
             pending: wants.iter().map(|w| w.shard).zip(senders).collect(),
             prefetching: if prefetch { bytes } else { 0 },
         };
-        // A FETCH waits for this read now: its GETs go before the reads ahead.
-        let store = if prefetch {
-            self.store.clone()
-        } else {
-            self.store.urgent()
-        };
+        // A FETCH's read, or one a FETCH comes to wait for, goes before the reads ahead.
+        let store = self.store.with_urgency(urgency);
         let reads = read_shards(&store, &self.objects, &wants).await;
         // The bytes are here: a task of its own places them and tells their waiters, so a
         // load dropped now (its FETCH cancelled: the node went away) neither cuts a cache

@@ -282,3 +282,31 @@ async fn a_fetch_cancelled_while_its_shard_is_placed_leaves_it_to_the_fetch_wait
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_fetch_that_waits_for_a_read_ahead_makes_it_urgent() {
+    let os = Arc::new(Gated::new());
+    let d = dataset("raised", &os, None).await;
+    let ahead = {
+        let mut st = d.state();
+        d.begin(&mut st, vec![3], true)
+    };
+    let urgency = |d: &RemoteDataset| d.state().loading[&3].urgency.is_urgent();
+    assert!(!urgency(&d), "a read ahead waits behind the FETCHes' reads");
+    let me = Arc::clone(&d);
+    let ahead = tokio::spawn(async move { me.load(ahead).await });
+    until("the read ahead's GET", || {
+        os.asked.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let b = fetch(&d, 1, 3);
+    until("the FETCH waiting", || fetches(&d, 3) == 1).await;
+    tokio::task::yield_now().await;
+    assert!(urgency(&d), "the read ahead a FETCH waits for goes first");
+    os.open();
+    ahead.await.unwrap().expect("read");
+    let (b, how) = b.await.unwrap().expect("served");
+    assert_eq!(bytes_of(&b).len() as u64, SHARD);
+    assert_eq!(how, Served::Read);
+    assert_eq!(os.asked.load(Ordering::SeqCst), 1, "GETs");
+}
