@@ -20,7 +20,7 @@ use crate::error::{At, StoreError, classify};
 use crate::etag::{quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
-use crate::tap::Call;
+use crate::tap::{Call, Tracked};
 use crate::url::StoreUrl;
 use crate::window::{self, Permit, Urgency, Window, WindowStatus};
 
@@ -450,6 +450,10 @@ impl Store {
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
             let mut f = tokio::fs::File::open(src).await.map_err(sink_err)?;
             let up = self.inner.os.put_multipart(&path).await.map_err(os_err)?;
+            let up = Box::new(Tracked {
+                inner: up,
+                call: Arc::clone(&call),
+            });
             let mut w = WriteMultipart::new_with_chunk_size(up, part as usize);
             let mut buf = vec![0u8; part as usize];
             let parts = async {

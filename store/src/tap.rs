@@ -14,10 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use object_store::ClientOptions;
 use object_store::client::{
     HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
 };
+use object_store::{ClientOptions, MultipartUpload, PutPayload, PutResult, UploadPart};
 
 use crate::capped::Capped;
 use crate::error::Attempt;
@@ -89,6 +89,32 @@ impl Call {
             retry_after: None,
             credential: true,
         });
+    }
+}
+
+/// A multipart upload whose requests belong to `call`: its parts too, which object_store's
+/// `WriteMultipart` runs as tasks of their own, where the task-local set by [`Call::run`] is
+/// not (without this, a part's throttle never reached the bucket's window and a failed part
+/// was reported without its status).
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    pub inner: Box<dyn MultipartUpload>,
+    pub call: Arc<Call>,
+}
+
+#[async_trait]
+impl MultipartUpload for Tracked {
+    fn put_part(&mut self, data: PutPayload) -> UploadPart {
+        Box::pin(CALL.scope(Arc::clone(&self.call), self.inner.put_part(data)))
+    }
+
+    async fn complete(&mut self) -> object_store::Result<PutResult> {
+        CALL.scope(Arc::clone(&self.call), self.inner.complete())
+            .await
+    }
+
+    async fn abort(&mut self) -> object_store::Result<()> {
+        CALL.scope(Arc::clone(&self.call), self.inner.abort()).await
     }
 }
 
@@ -198,6 +224,50 @@ pub(crate) fn retry_after(v: &str, now: chrono::DateTime<chrono::Utc>) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An upload whose parts note the call they run under.
+    #[derive(Debug, Default)]
+    struct Notes(Arc<Mutex<Vec<Option<&'static str>>>>);
+
+    #[async_trait]
+    impl MultipartUpload for Notes {
+        fn put_part(&mut self, _data: PutPayload) -> UploadPart {
+            let notes = Arc::clone(&self.0);
+            Box::pin(async move {
+                notes.lock().unwrap().push(CALL.try_with(|c| c.op).ok());
+                Ok(())
+            })
+        }
+
+        async fn complete(&mut self) -> object_store::Result<PutResult> {
+            self.0.lock().unwrap().push(CALL.try_with(|c| c.op).ok());
+            Ok(PutResult {
+                e_tag: None,
+                version: None,
+                extensions: Default::default(),
+            })
+        }
+
+        async fn abort(&mut self) -> object_store::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_uploads_parts_run_as_tasks_of_their_own_belong_to_its_call() {
+        let notes = Notes::default();
+        let seen = Arc::clone(&notes.0);
+        let call = Call::new("put", Arc::new(Window::new("test://parts", 4)), 0);
+        let mut up = Tracked {
+            inner: Box::new(notes),
+            call: Arc::clone(&call),
+        };
+        // As `WriteMultipart` does: each part spawned.
+        let part = tokio::spawn(up.put_part(PutPayload::from_static(b"part")));
+        part.await.unwrap().unwrap();
+        up.complete().await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), [Some("put"), Some("put")]);
+    }
 
     fn call() -> Arc<Call> {
         Call::new("list", Arc::new(Window::new("test://tap", 4)), 0)
