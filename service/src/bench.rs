@@ -50,8 +50,8 @@ pub struct BenchArgs {
     #[arg(long)]
     compare_uring: bool,
     /// Also measure where the CRC-32C of received bytes is computed, each way into the
-    /// stream-sized region with every shard checked: in place after reads of 1 MiB (the
-    /// node's recv path) and 256 KiB; the node's io_uring queue with whole payloads (its
+    /// stream-sized region with every shard checked: in place after reads of the rest of the
+    /// slot (the node's recv path), of 1 MiB and of 256 KiB; the node's io_uring queue with whole payloads (its
     /// path) and with pieces of 128 KiB / 256 KiB handed over a bounded window ahead;
     /// io_uring completions uncapped; through a 256 KiB bounce buffer copied on with
     /// non-temporal stores or `memcpy`; through a 64 KiB one with CRC and copy fused per

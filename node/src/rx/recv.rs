@@ -1,13 +1,13 @@
 //! The `recv` path: a plain-TCP data connection read with `recv` straight into each shard's
-//! slab in host memory, each piece checksummed right after it lands, with `SO_RCVLOWAT`
-//! raised so that a shard costs a few large reads. [`Host`] places payloads from any
+//! slab in host memory, each read asking for the rest of the payload and checksummed right
+//! after it lands, with `SO_RCVLOWAT` raised so that a shard costs a few large reads. [`Host`] places payloads from any
 //! [`PayloadRead`] into host memory: this socket, or the devmem path's host gather.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
 
 use super::error::RxError;
-use super::shared::{CHUNK, Checksum, PayloadRead, Place, Tally, lowat_for};
+use super::shared::{Checksum, PayloadRead, Place, Tally, lowat_for};
 use crate::fetch::InFlight;
 
 impl PayloadRead for TcpStream {
@@ -59,9 +59,14 @@ impl<R: PayloadRead> Place for Host<R> {
     }
 }
 
-/// Fills `dst` from `r`, returning the CRC-32C of what arrived. Each read takes whatever the
-/// source holds (up to [`CHUNK`]), and that piece is checksummed right away, while it is
-/// still in cache.
+/// Fills `dst` from `r`, returning the CRC-32C of what arrived. Each read asks for the rest
+/// of the payload and takes whatever has arrived (at least the socket's low-water mark), and
+/// that piece is checksummed right away. Reads of the whole rest, not of at most an
+/// L2-sized [`super::shared::CHUNK`]: a reader that stays in `recv` keeps the socket owned
+/// while the next segments arrive, so the kernel queues them to the socket's backlog for
+/// this thread to process instead of processing each one where it arrives and waking the
+/// reader; on loopback that halved the senders' CPU per GB and raised this path's goodput by
+/// a third, more than the CRC of pieces no longer in L2 costs (docs/BENCHMARKS.md, 2026-12-04).
 pub fn recv_payload<R: PayloadRead>(
     r: &mut R,
     dst: &mut [u8],
@@ -70,8 +75,7 @@ pub fn recv_payload<R: PayloadRead>(
     let mut sum = Checksum::new();
     let mut off = 0;
     while off < dst.len() {
-        let end = (off + CHUNK).min(dst.len());
-        let n = match r.read_some(&mut dst[off..end]) {
+        let n = match r.read_some(&mut dst[off..]) {
             Ok(0) => {
                 return Err(RxError::Closed {
                     got: off as u64,
@@ -148,7 +152,7 @@ pub(crate) mod tests {
         let mut got = vec![0u8; 3 * RCVLOWAT as usize + 7];
         let mut off = 0;
         while off < got.len() {
-            let end = (off + CHUNK).min(got.len());
+            let end = (off + crate::rx::shared::CHUNK).min(got.len());
             off += rx.read_some(&mut got[off..end]).unwrap();
         }
         assert_eq!(got, writer.join().unwrap().unwrap());

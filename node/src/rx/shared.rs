@@ -18,11 +18,13 @@ use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::link::SourceLink;
 
-/// Largest single read: large enough to amortise the syscall, small enough that the bytes
-/// are still in L2 when they are checksummed.
+/// Largest single read of the paths that read through a buffer of their own (the devmem
+/// path's host gather, the staged path's host buffers): large enough to amortise the
+/// syscall, small enough that the bytes are still in L2 when they are checksummed. The
+/// `recv` path reads the rest of each payload instead (`recv.rs`).
 pub const CHUNK: usize = 1 << 20;
 
-/// `SO_RCVLOWAT` of plain-TCP data connections (a quarter of a [`CHUNK`]; see
+/// `SO_RCVLOWAT` of plain-TCP data connections (see
 /// [`lowat_for`] for the smaller marks near a payload's end). Measured with `bench` on
 /// loopback (docs/BENCHMARKS.md): 256 KiB and 512 KiB raised goodput by about a quarter over
 /// the default of 1 byte at a lower CPU per GB; 1 MiB (with 2 MiB reads) was worse than both.

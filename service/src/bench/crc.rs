@@ -1,8 +1,8 @@
 //! `--compare-crc`: where the CRC-32C of received bytes is computed, measured side by side
 //! on the same flows into the stream-sized region. Every way checksums every shard and
 //! checks it against the file's CRC (a mismatch is counted), so the figures are for verified
-//! bytes. The ways ([`Way`]): straight into the slot with reads of at most a piece and the
-//! CRC right after each read (the node's `recv` path, with its read size); through a small
+//! bytes. The ways ([`Way`]): straight into the slot with reads of the rest of the slot (the
+//! node's `recv` path) or of at most a piece, and the CRC right after each read; through a small
 //! cache-hot bounce buffer, checksummed there and then copied into the slot with
 //! non-temporal stores; io_uring placing bytes in the slot with each completion capped; the
 //! node's io_uring queue handing whole payloads to the kernel (its path until now) or pieces
@@ -26,9 +26,10 @@ use shardwire_protocol::crc::Crc32c;
 /// Where received bytes are checksummed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Way {
-    /// `recv` straight into the slot, reads of at most `piece` bytes, CRC after each read.
+    /// `recv` straight into the slot, reads of at most `piece` bytes (0: the rest of the
+    /// slot, the node's `recv` path), CRC after each read.
     InPlace {
-        /// Largest read.
+        /// Largest read (0: no limit).
         piece: usize,
     },
     /// `recv` into a `bounce`-byte buffer, CRC there, then copied into the slot as `copy`
@@ -83,6 +84,7 @@ impl Way {
     /// The name of a run with this way.
     pub fn label(self) -> String {
         match self {
+            Self::InPlace { piece: 0 } => "crc-inplace-whole".to_string(),
             Self::InPlace { piece } => format!("crc-inplace-{}", kib(piece)),
             Self::Bounce { bounce, copy } => {
                 let how = match copy {
@@ -230,7 +232,10 @@ fn in_place(
 ) -> std::io::Result<bool> {
     let mut at = 0;
     while at < slot.len() {
-        let end = (at + piece).min(slot.len());
+        let end = match piece {
+            0 => slot.len(),
+            piece => (at + piece).min(slot.len()),
+        };
         let n = r.read_some(&mut slot[at..end])?;
         if n == 0 {
             return Ok(false);

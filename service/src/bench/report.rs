@@ -205,9 +205,10 @@ pub(super) fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
 
 /// The ways `--compare-crc` measures, the node's `recv` path first (the reference) and its
 /// io_uring path second.
-pub(super) const CRC_RUNS: [Way; 9] = [
-    Way::InPlace { piece: 1 << 20 },
+pub(super) const CRC_RUNS: [Way; 10] = [
+    Way::InPlace { piece: 0 },
     Way::Queue { piece: 0, ahead: 0 },
+    Way::InPlace { piece: 1 << 20 },
     Way::InPlace { piece: 256 << 10 },
     Way::Queue {
         piece: 128 << 10,

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use shardwire_devmem::uring::bench::{Buffers, MultishotRecv, Received, RecvInto};
-use shardwire_node::bench::{CHUNK, PayloadRead, Plain, RCVLOWAT};
+use shardwire_node::bench::{PayloadRead, Plain, RCVLOWAT};
 
 /// How a plain-TCP receiver takes its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,8 +25,8 @@ pub enum Recv {
     Read,
     /// `recv` of the rest of the slot with `SO_RCVLOWAT` at [`RCVLOWAT`].
     ReadLowat,
-    /// The node's data-connection reader ([`Plain`]): `recv` of up to a [`CHUNK`] with its
-    /// `SO_RCVLOWAT` rule: the current receive path.
+    /// The node's data-connection reader ([`Plain`]): `recv` of the rest of the slot with
+    /// its `SO_RCVLOWAT` rule, as the node's `recv` path reads the rest of a payload.
     Node,
     /// io_uring multishot receive into 64 KiB provided buffers, each copied into the slot
     /// (`lowat`: with `SO_RCVLOWAT` at [`RCVLOWAT`]).
@@ -160,16 +160,7 @@ fn receiver(
         }
         Recv::Node => {
             let mut conn = Plain::new(conn);
-            read_loop(
-                |b| {
-                    let n = b.len().min(CHUNK);
-                    conn.read_some(&mut b[..n])
-                },
-                r.shard,
-                slots,
-                &stop,
-                &received,
-            )
+            read_loop(|b| conn.read_some(b), r.shard, slots, &stop, &received)
         }
         Recv::UringCopy { lowat } => {
             let mut rx = uring(
