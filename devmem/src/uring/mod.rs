@@ -6,9 +6,9 @@
 //! [`RecvQueue`] is the node's form: the caller's buffers (shards' slabs) are the provided
 //! buffers, one payload each, consumed incrementally (`IOU_PBUF_RING_INC`, Linux 6.12+), so the
 //! bytes land where they belong with no copy, and each completed piece is handed over (to be
-//! checksummed) in order. It owns up to [`QUEUE_DEPTH`] posted payloads, so the next one is
-//! ready when the current one fills (the kernel moves on to the next buffer without ending the
-//! receive). [`bench`] holds the receivers `shardwire bench --compare-uring` measures it
+//! checksummed) in order. It owns up to [`QUEUE_DEPTH`] posted payloads (with more than one,
+//! the kernel moves on to the next buffer without ending the receive; with one, which
+//! measures best, a full buffer ends it and the next post re-arms it). [`bench`] holds the receivers `shardwire bench --compare-uring` measures it
 //! against (buffers the receiver owns and copies out of; one payload at a time).
 //!
 //! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`, so the receives normally run inside
@@ -293,8 +293,11 @@ impl Drop for Core {
     }
 }
 
-/// Payloads a [`RecvQueue`] holds posted at once.
-pub const QUEUE_DEPTH: u16 = 8;
+/// Payloads a [`RecvQueue`] holds posted at once: one. Measured on loopback (Intel kind,
+/// docs/BENCHMARKS.md, 2026-12-04): the node delivered 35.4-40.3 Gbit/s with one payload
+/// posted, 33.9-38.3 with two and 31.8-35.1 with eight (alternating runs); a full buffer
+/// ends the receive (`ENOBUFS`) and the next payload's post re-arms it.
+pub const QUEUE_DEPTH: u16 = 1;
 
 /// Buffer ring entries of a [`RecvQueue`]: the pieces of its payloads handed to the kernel.
 const RING_ENTRIES: u16 = 64;

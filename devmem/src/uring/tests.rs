@@ -23,7 +23,11 @@ fn send_over_loopback(data: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>)
                 break;
             }
             let n = (1000 + k * 7919 % 200_000).min(data.len() - at);
-            tx.write_all(&data[at..at + n]).unwrap();
+            // A receiver that shut its socket down (a test of a failed receive) ends the
+            // sending; a test that needs every byte checks what it got.
+            if tx.write_all(&data[at..at + n]).is_err() {
+                break;
+            }
             at += n;
         }
     });
@@ -258,9 +262,18 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     }
     let (back, e) = q.post(Heap(vec![0; 4])).unwrap_err();
     assert_eq!(back.0.len(), 4);
-    assert!(e.to_string().contains("8 payloads are posted"), "{e}");
-    let mut completed = 0;
+    assert!(
+        e.to_string()
+            .contains(&format!("{QUEUE_DEPTH} payloads are posted")),
+        "{e}"
+    );
+    // Three payloads of 4 in all, each posted when there is room (as the node does).
+    let (mut posted, mut completed) = (usize::from(QUEUE_DEPTH), 0);
     let err = loop {
+        while posted < 3 && !q.is_full() {
+            q.post(Heap(vec![0; 4])).map_err(|(_, e)| e).unwrap();
+            posted += 1;
+        }
         match q.wait(Duration::from_secs(10), |_, _, _| {}, |_| completed += 1) {
             Ok(()) => continue,
             Err(e) => break e,
@@ -272,7 +285,7 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
     assert!(err.to_string().contains("after 2 of 4"), "{err}");
     let back = q.abandon();
-    assert_eq!(back.len(), 6, "every posted buffer comes back");
+    assert_eq!(back.len(), posted - 2, "every posted buffer comes back");
     assert!(q.post(Heap(vec![0; 4])).is_err());
 }
 
