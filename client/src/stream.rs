@@ -4,6 +4,7 @@
 //! already read or on its way (docs/TRAINER_API.md, "Several batches per `next`").
 
 use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
@@ -138,14 +139,7 @@ impl Stream {
                 device: gpu.map_or_else(String::new, |g| format!(" on GPU {}", g.pci_bus_id)),
             });
         }
-        // Exactly the region's fd; any others close when `fds` drops.
-        if fds.len() != 1 {
-            return Err(ClientError::Protocol(format!(
-                "attached came with {} file descriptors, expected the region's one",
-                fds.len()
-            )));
-        }
-        let fd = fds.pop().expect("one fd");
+        let fd = region_fd(fds)?;
         let region = Arc::new(Mapping::new(&fd, region_size)?);
         Ok(Self {
             sock,
@@ -452,6 +446,18 @@ impl Stream {
 }
 
 /// The answer to a `release`: `released`, or the error it is.
+/// The region's fd from an `attached` answer, which carries exactly that one (any others
+/// close when `fds` drops).
+fn region_fd(mut fds: Vec<OwnedFd>) -> Result<OwnedFd, ClientError> {
+    match (fds.pop(), fds.is_empty()) {
+        (Some(fd), true) => Ok(fd),
+        (last, _) => Err(ClientError::Protocol(format!(
+            "attached came with {} file descriptors, expected the region's one",
+            fds.len() + usize::from(last.is_some())
+        ))),
+    }
+}
+
 fn released(answer: Result<Response, ClientError>) -> Result<(), ClientError> {
     match answer? {
         Response::Released => Ok(()),

@@ -62,7 +62,7 @@ const PUT_PARTS_IN_FLIGHT: usize = 2;
 pub struct Store {
     inner: Arc<Inner>,
     /// Whether its requests go before other waiters for the bucket's window
-    /// ([`Store::urgent`], [`Store::with_urgency`]).
+    /// ([`Store::with_urgency`]).
     urgency: Urgency,
 }
 
@@ -135,14 +135,9 @@ impl Store {
         Ok((full, path))
     }
 
-    /// The same store, whose requests take the bucket's next free slot before those of other
-    /// handles waiting (a read someone waits for now, against reads ahead).
-    pub fn urgent(&self) -> Store {
-        self.with_urgency(Urgency::new(true))
-    }
-
-    /// The same store, whose requests are urgent while `urgency` is: a read ahead that
-    /// someone may come to wait for ([`Store::raise`]).
+    /// The same store, whose requests are urgent while `urgency` is: they take the bucket's
+    /// next free slot before those of other handles waiting (a read someone waits for now,
+    /// against reads ahead), also once raised while they wait ([`Store::raise`]).
     pub fn with_urgency(&self, urgency: Urgency) -> Store {
         Store {
             inner: Arc::clone(&self.inner),

@@ -110,7 +110,7 @@ impl Aimd {
 /// Whether a request goes before reads ahead for a slot: set for a read someone waits for
 /// now; a read ahead's is raised when someone comes to wait for it ([`Window::raise`]), and
 /// those of its requests still waiting for a slot then go first too. Clones share it.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Urgency(Arc<AtomicBool>);
 
 impl Urgency {

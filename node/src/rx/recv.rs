@@ -1,7 +1,8 @@
 //! The `recv` path: a plain-TCP data connection read with `recv` straight into each shard's
 //! slab in host memory, each read asking for the rest of the payload and checksummed right
-//! after it lands, with `SO_RCVLOWAT` raised so that a shard costs a few large reads. [`Host`] places payloads from any
-//! [`PayloadRead`] into host memory: this socket, or the devmem path's host gather.
+//! after it lands, with `SO_RCVLOWAT` raised so that a shard costs a few large reads.
+//! [`Host`] places payloads from any [`PayloadRead`] into host memory: this socket, or the
+//! devmem path's host gather.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
