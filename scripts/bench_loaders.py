@@ -1044,22 +1044,25 @@ def ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
-def node_gather(admin: str) -> tuple[float, int]:
+def node_gather(admin: str) -> tuple[float, int, float]:
     """The node's assembly time so far (`shardwire_stall_seconds_total{cause="assembly"}`: the
-    batch gathers, seconds) and its batches assembled, from its metrics."""
+    batch gathers, seconds), its batches assembled and the bytes it received from sources
+    (`shardwire_bytes_received_total`), from its metrics."""
     import http.client
 
     c = http.client.HTTPConnection(admin, timeout=10)
     c.request("GET", "/metrics")
     body = c.getresponse().read().decode()
     c.close()
-    secs, batches = 0.0, 0
+    secs, batches, received = 0.0, 0, 0.0
     for line in body.splitlines():
         if line.startswith("shardwire_stall_seconds_total") and 'cause="assembly"' in line:
             secs += float(line.split()[-1])
         elif line.startswith("shardwire_batches_assembled_total"):
             batches += int(float(line.split()[-1]))
-    return secs, batches
+        elif line.startswith("shardwire_bytes_received_total"):
+            received += float(line.split()[-1])
+    return secs, batches, received
 
 
 def gather_us(v: list[dict]) -> str:
@@ -1069,11 +1072,18 @@ def gather_us(v: list[dict]) -> str:
     return f"{statistics.median(g) * 1e6:.0f}" if g else "-"
 
 
+def received_ratio(v: list[dict]) -> str:
+    """The median over rounds of the bytes the node received per byte of the batches it
+    assembled while a loader ran; "-" for a local one."""
+    g = [r["node_received_per_assembled"] for r in v if r.get("node_received_per_assembled") is not None]
+    return f"{statistics.median(g):.2f}" if g else "-"
+
+
 def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]) -> None:
     """The loaders, each in its own process per round; per-round lines on stderr, the summary
     (steady state, time to the first batch, shardwire against the fastest local loader) and one
     JSON line on stdout."""
-    sock, admin = start_node(pathlib.Path(a.data), tmp, children)
+    sock, admin = start_node(pathlib.Path(a.data), tmp, children, stream_memory=a.stream_memory << 20)
     loaders = a.loaders.split(",")
     unknown = [l for l in loaders if l not in LOADER_CLASSES]
     if unknown:
@@ -1091,6 +1101,10 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
             after = node_gather(admin)
             batches = after[1] - before[1]
             res["node_gather_s_per_batch"] = (after[0] - before[0]) / batches if l.startswith("shardwire") and batches else None
+            # Bytes the node received per byte of the batches it assembled (1 KiB rows, float32):
+            # near 1 when every epoch fetches the rows again, near 0 once they stay resident.
+            assembled = batches * a.batch * DIM * 4
+            res["node_received_per_assembled"] = (after[2] - before[2]) / assembled if l.startswith("shardwire") and batches else None
             results[l].append(res)
             print(f"round {rnd + 1} {l:22s} {res['samples_per_s']:10.0f} samples/s over {res['seconds']:.1f} s ({res['batches']} batches; "
                   f"loader wait {res['wait_s']:.2f} s, model {res['step_s']:.2f} s ({res['step_cpu_s']:.2f} s on CPU, "
@@ -1122,8 +1136,9 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
     print("\nwhere the time went, per batch (medians of the rounds): the loop's wait for the batch and the model step (wall and "
           "on-CPU), the training thread's preemptions, and CPU spent outside the training process (the node's processes, "
           "DataLoader workers, anything else on the host)")
-    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us | the node's gather, us |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us | the node's gather, us "
+          "| bytes the node received / assembled |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for l in loaders:
         v = results[l]
 
@@ -1132,7 +1147,7 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
 
         print(f"| {l} | {per(lambda r: r['wait_s']) * 1e6:.0f} | {per(lambda r: r['step_s']) * 1e6:.0f} | "
               f"{per(lambda r: r['step_cpu_s']) * 1e6:.0f} | {per(lambda r: r['involuntary_switches']):.2f} | "
-              f"{per(lambda r: r['host_busy_s'] - r['process_cpu_s']) * 1e6:.0f} | {gather_us(v)} |")
+              f"{per(lambda r: r['host_busy_s'] - r['process_cpu_s']) * 1e6:.0f} | {gather_us(v)} | {received_ratio(v)} |")
     print("\ntime to the first batch, ms (fresh: open/attach -> first batch in a new process; resumed: re-opened at the position "
           "saved after the window -> first batch)")
     print("| loader | " + " | ".join(f"fresh r{i + 1}" for i in range(R)) + " | median fresh | "
@@ -1201,6 +1216,8 @@ def main() -> None:
     p.add_argument("--tokens", action="store_true", help="token mode: megatron GPTDataset vs shardwire token stream")
     p.add_argument("--tok-tokens", type=int, default=32_000_000)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--stream-memory", type=int, default=256, help="the shardwire stream's region, MiB (default 256, the "
+                   "dataset's size: rows that do not stay resident are fetched again each epoch)")
     p.add_argument("--node-cpus", help="run the node's processes on these CPUs (taskset -c list; default: unpinned)")
     p.add_argument("--trainer-cpus", help="run each loader's process on these CPUs (taskset -c list; default: unpinned)")
     p.add_argument("--first", help=argparse.SUPPRESS)

@@ -62,4 +62,8 @@ def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
     assert run["seconds"] >= 0.3 and run["batches"] > 0 and run["warmup_batches"] >= 20
     assert 0 < run["node_gather_s_per_batch"] < 1, "the node's gather time per batch, from its metrics"
     assert report["runs"]["numpy-mmap-gather"][0]["node_gather_s_per_batch"] is None
+    # The node received rows for what it assembled: the first epoch is always fetched; this
+    # 16 MiB dataset then stays resident in the 256 MiB region, so later epochs fetch nothing.
+    assert 0 < run["node_received_per_assembled"] < 1, "bytes received per byte assembled, from its metrics"
+    assert report["runs"]["numpy-mmap-gather"][0]["node_received_per_assembled"] is None
     assert "numpy-mmap-gather" in r.stdout and "first batch" in r.stdout
