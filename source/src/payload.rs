@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use crate::remote::read::Failure;
-use crate::remote::{RemoteDataset, Served};
+use crate::remote::{Served, Wanted};
 use crate::sender::Body;
 
 type Slot = Arc<Mutex<Option<Result<Body, Failure>>>>;
@@ -19,8 +19,9 @@ pub(crate) enum Payload {
     /// Being read; the slot is filled when done. Dropping it (the FETCH was cancelled, or
     /// its session ended) stops the read.
     Reading(Slot, ReadTask),
-    /// To be read from this dataset once the session's bound on reads allows.
-    Later(Arc<RemoteDataset>),
+    /// To be read from its dataset once the session's bound on reads allows (the FETCH
+    /// counts as wanted meanwhile).
+    Later(Wanted),
 }
 
 /// What a queued payload can do now.
@@ -34,14 +35,15 @@ pub(crate) enum Now {
 }
 
 impl Payload {
-    /// Starts reading shard `shard` of `d` for node session `session`; `progress` is
+    /// Starts reading the shard of FETCH `wanted` for node session `session`; `progress` is
     /// notified when it is done.
-    pub fn read(d: Arc<RemoteDataset>, session: u64, shard: u32, progress: Arc<Notify>) -> Self {
+    pub fn read(wanted: Wanted, session: u64, progress: Arc<Notify>) -> Self {
         let slot: Slot = Arc::default();
         let out = Arc::clone(&slot);
         let task = tokio::spawn(async move {
             let started = std::time::Instant::now();
-            let got = d.get(session, shard).await;
+            let d = Arc::clone(wanted.dataset());
+            let got = d.get(session, wanted).await;
             let outcome = match got {
                 Ok((body, served)) => {
                     let how = match served {

@@ -192,14 +192,18 @@ impl Reads {
     /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and there is room; false
     /// if it still waits.
     fn start(&mut self, q: &mut Queued, session: u64, progress: &Arc<Notify>) -> bool {
-        let Payload::Later(r) = &q.payload else {
+        let Payload::Later(w) = &q.payload else {
             return true;
         };
-        if self.bytes > 0 && self.bytes + q.head.len > r.memory_budget() {
+        if self.bytes > 0 && self.bytes + q.head.len > w.dataset().memory_budget() {
             return false;
         }
-        let r = Arc::clone(r);
-        q.payload = Payload::read(r, session, q.head.shard, Arc::clone(progress));
+        // Moved out for a moment (an empty body stands in; it is replaced at once).
+        let later = std::mem::replace(&mut q.payload, Payload::Ready(Body::Memory(Vec::new())));
+        q.payload = match later {
+            Payload::Later(w) => Payload::read(w, session, Arc::clone(progress)),
+            other => other,
+        };
         q.held = q.head.len;
         self.bytes += q.held;
         true
@@ -417,7 +421,7 @@ impl Session {
                 file: Arc::clone(&files[shard as usize]),
                 offset: entry.offset,
             }),
-            Backend::Remote(r) => Payload::Later(Arc::clone(r)),
+            Backend::Remote(r) => Payload::Later(r.want(self.id, shard)),
         };
         let mut q = Queued {
             head: Head {

@@ -294,9 +294,11 @@ impl DiskCache {
         Ok(())
     }
 
-    /// The cached entry of `shard`, opened. An entry whose file cannot be opened (deleted
-    /// behind the source's back) leaves the index, named in the log, so the shard is read
-    /// and cached again instead of passing through uncached for good.
+    /// The cached entry of `shard`, opened. An entry whose file is gone (deleted behind the
+    /// source's back) leaves the index, named in the log, so the shard is read and cached
+    /// again instead of passing through uncached for good; one that cannot be opened for
+    /// another reason (out of file descriptors or memory, permissions) stays, and this
+    /// FETCH reads the shard from the store.
     pub fn get(&mut self, shard: u32) -> Option<Hit> {
         self.clock += 1;
         let e = self.entries.get_mut(&shard)?;
@@ -307,10 +309,15 @@ impl DiskCache {
                 len: e.len,
                 verified: e.verified,
             }),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
+                    "a cache entry's file is gone; dropped from the cache, the shard is read again");
+                self.remove(shard);
+                None
+            }
             Err(err) => {
                 tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
-                    "a cache entry's file cannot be opened; dropped from the cache, the shard is read again");
-                self.remove(shard);
+                    "a cache entry's file cannot be opened; kept, the shard is read from the store this time");
                 None
             }
         }

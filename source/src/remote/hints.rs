@@ -34,11 +34,14 @@ impl Hints {
             if !self.lists.contains_key(&key) {
                 let of_session = self.lists.keys().filter(|(s, _)| *s == key.0).count();
                 if of_session >= MAX_HINTED_STREAMS {
-                    return if self.refused.insert(key) {
-                        Err(of_session)
-                    } else {
-                        Ok(())
-                    };
+                    // Each refused stream is reported once, up to as many as may hold a
+                    // hint; past that the session's new streams are refused silently, so a
+                    // node naming ever new stream ids does not grow this set.
+                    let of_session_refused =
+                        self.refused.iter().filter(|(s, _)| *s == key.0).count();
+                    let report =
+                        of_session_refused < MAX_HINTED_STREAMS && self.refused.insert(key);
+                    return if report { Err(of_session) } else { Ok(()) };
                 }
             }
             self.lists.insert(key, shards);
@@ -171,6 +174,15 @@ mod tests {
         h.set((1, 0), vec![3]).unwrap();
         h.set((2, 0), vec![4]).unwrap();
         assert_eq!((h.next_use(3), h.next_use(4)), (Some(0), Some(0)));
+        // Ever new stream ids: reported up to the bound, then refused silently, and the
+        // record of them stops growing.
+        let base = 1u64 << 41;
+        let reported = (0..3 * MAX_HINTED_STREAMS as u64)
+            .filter(|&k| h.set((1, base + k), vec![5]).is_err())
+            .count();
+        assert_eq!(reported, MAX_HINTED_STREAMS - 1, "one was reported above");
+        assert_eq!(h.refused.len(), MAX_HINTED_STREAMS);
+        assert_eq!(h.next_use(5), None);
     }
 
     #[test]

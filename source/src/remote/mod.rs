@@ -177,23 +177,33 @@ impl RemoteDataset {
         self.state.lock().expect("poisoned")
     }
 
-    /// The verified bytes of `shard` (in range: the session checked it), asked for by node
-    /// session `session`.
+    /// A FETCH of `shard` (in range: the session checked it) by node session `session`, from
+    /// its arrival: the node's hints count it as consumed, and the shard counts as wanted
+    /// until the FETCH ends, so bytes read ahead for it stay in memory while it waits in its
+    /// session's queue (no hint names a shard its node has already asked for).
+    pub(crate) fn want(self: &Arc<Self>, session: u64, shard: u32) -> Wanted {
+        let mut st = self.state();
+        st.hints.consumed_by_session(session, shard);
+        st.wanted.entry(shard).or_default().fetches += 1;
+        Wanted {
+            dataset: Arc::clone(self),
+            shard,
+            took: false,
+        }
+    }
+
+    /// The verified bytes of the shard `wanted` (from [`Self::want`] on this dataset) names,
+    /// for node session `session`.
     pub(crate) async fn get(
         self: &Arc<Self>,
         session: u64,
-        shard: u32,
+        mut wanted: Wanted,
     ) -> Result<(Body, Served), Failure> {
-        {
-            let mut st = self.state();
-            st.hints.consumed_by_session(session, shard);
-            st.wanted.entry(shard).or_default().fetches += 1;
-        }
-        let mut wanted = Wanted {
-            dataset: self,
-            shard,
-            took: false,
-        };
+        debug_assert!(
+            Arc::ptr_eq(self, &wanted.dataset),
+            "a FETCH of another dataset"
+        );
+        let shard = wanted.shard;
         self.recheck_if_asked_again(session, shard);
         let mut waited = false;
         loop {
@@ -217,8 +227,11 @@ impl RemoteDataset {
                 // evicted: read it again.
                 tracing::debug!(dataset = %self.name, shard, "the shard went before this FETCH took it");
             }
+            // A cache entry committed since `cached` looked is taken on the next turn (once:
+            // an entry that cannot be opened is read from the store instead).
+            let look_in_cache = !waited;
             waited = true;
-            match self.claim(shard) {
+            match self.claim(shard, look_in_cache) {
                 Claim::Wait(rx) => wait(rx).await?,
                 Claim::Read(reading) => self.load(reading).await?,
                 Claim::Again => {}
@@ -240,10 +253,11 @@ impl RemoteDataset {
         }
     }
 
-    /// Under one lock: whether `shard` is being read (wait for it), landed in memory since
-    /// this FETCH looked (take it), or is to be read by this FETCH (registered here, so
-    /// neither the prefetch task nor another FETCH starts a second read of it).
-    fn claim(&self, shard: u32) -> Claim {
+    /// Under one lock: whether `shard` is being read (wait for it), landed in memory (or,
+    /// with `look_in_cache`, in the cache) since this FETCH looked (take it), or is to be
+    /// read by this FETCH (registered here, so neither the prefetch task nor another FETCH
+    /// starts a second read of it).
+    fn claim(&self, shard: u32, look_in_cache: bool) -> Claim {
         let mut st = self.state();
         if let Some(l) = st.loading.get(&shard) {
             // A read ahead a FETCH now waits for: its GETs still waiting for a slot in the
@@ -251,7 +265,12 @@ impl RemoteDataset {
             self.store.raise(&l.urgency);
             return Claim::Wait(l.outcome.clone());
         }
-        if st.ready.contains_key(&shard) {
+        // Locks in the order `place` and `next_group` take them: state, then cache.
+        let cached = || {
+            let c = self.cache.as_ref();
+            c.is_some_and(|c| c.lock().expect("poisoned").holds(shard))
+        };
+        if st.ready.contains_key(&shard) || (look_in_cache && cached()) {
             return Claim::Again;
         }
         Claim::Read(self.begin(&mut st, vec![shard], false))
@@ -260,7 +279,7 @@ impl RemoteDataset {
     /// A shard in memory (prefetched, or read for a FETCH), for the FETCH `w`: shared while
     /// other FETCHes of it are under way and have not taken it (they waited on the same read),
     /// taken out of memory by the last of them.
-    fn take_ready(&self, w: &mut Wanted<'_>) -> Option<Vec<Bytes>> {
+    fn take_ready(&self, w: &mut Wanted) -> Option<Vec<Bytes>> {
         let mut st = self.state();
         let wanting = st.wanted.get(&w.shard).copied().unwrap_or_default();
         let others = wanting.fetches.saturating_sub(wanting.took + 1);
@@ -492,15 +511,23 @@ struct Wanting {
     took: usize,
 }
 
-/// A FETCH of `shard` under way ([`State::wanted`]), counted until it ends however it ends.
-struct Wanted<'a> {
-    dataset: &'a RemoteDataset,
+/// A FETCH of `shard` from its arrival ([`RemoteDataset::want`]: queued in its session, then
+/// read), counted in [`State::wanted`] until it ends however it ends.
+pub(crate) struct Wanted {
+    dataset: Arc<RemoteDataset>,
     shard: u32,
     /// It took the shard from memory ([`RemoteDataset::take_ready`]).
     took: bool,
 }
 
-impl Drop for Wanted<'_> {
+impl Wanted {
+    /// The dataset the FETCH reads.
+    pub(crate) fn dataset(&self) -> &Arc<RemoteDataset> {
+        &self.dataset
+    }
+}
+
+impl Drop for Wanted {
     fn drop(&mut self) {
         let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = st.wanted.get_mut(&self.shard) {

@@ -110,7 +110,7 @@ impl RemoteDataset {
 
     /// Drops shards held in memory that no hint names (their stream went away) and no FETCH
     /// under way waits for.
-    fn drop_unhinted(&self, st: &mut State) {
+    pub(super) fn drop_unhinted(&self, st: &mut State) {
         let stale: Vec<u32> = st
             .ready
             .keys()

@@ -177,7 +177,10 @@ type Fetch = tokio::task::JoinHandle<Result<(Body, Served), Failure>>;
 /// A FETCH of `shard` by node session `session`, as a task.
 fn fetch(d: &Arc<RemoteDataset>, session: u64, shard: u32) -> Fetch {
     let d = Arc::clone(d);
-    tokio::spawn(async move { d.get(session, shard).await })
+    tokio::spawn(async move {
+        let w = d.want(session, shard);
+        d.get(session, w).await
+    })
 }
 
 /// Lets the runtime's other tasks run until `done` holds (at most 10 s), a step at a time.
@@ -309,4 +312,62 @@ async fn a_fetch_that_waits_for_a_read_ahead_makes_it_urgent() {
     assert_eq!(bytes_of(&b).len() as u64, SHARD);
     assert_eq!(how, Served::Read);
     assert_eq!(os.asked.load(Ordering::SeqCst), 1, "GETs");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn bytes_read_ahead_for_a_fetch_still_queued_stay_when_a_new_hint_leaves_it_out() {
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("queued", &os, None).await;
+    // A budget of one shard: two in memory are past half of it, so unhinted ones go.
+    Arc::get_mut(&mut d).expect("only reference").budget = SHARD;
+    d.hint(1, 7, vec![0, 1, 2]);
+    {
+        let mut st = d.state();
+        for s in [0, 1] {
+            st.ready
+                .insert(s, vec![Bytes::from(vec![s as u8; SHARD as usize])]);
+            st.ready_bytes += SHARD;
+        }
+    }
+    // FETCHes of 0 and 1 arrive; 1's waits in its session's queue (its reads are at the
+    // memory budget), and 0's ends (its node went away). The node's next hint names only
+    // what comes after.
+    drop(d.want(1, 0));
+    let queued = d.want(1, 1);
+    d.hint(1, 7, vec![2, 3]);
+    d.drop_unhinted(&mut d.state());
+    {
+        let st = d.state();
+        assert!(
+            !st.ready.contains_key(&0),
+            "no FETCH wants shard 0: dropped"
+        );
+        assert!(st.ready.contains_key(&1), "the queued FETCH's shard stays");
+        assert_eq!(st.ready_bytes, SHARD);
+    }
+    let (body, how) = d.get(1, queued).await.expect("served");
+    assert_eq!(how, Served::Prefetched);
+    assert_eq!(bytes_of(&body), vec![1u8; SHARD as usize]);
+    assert_eq!(os.asked.load(Ordering::SeqCst), 0, "no GET");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_fetch_that_missed_the_cache_takes_an_entry_committed_since() {
+    let dir = std::env::temp_dir().join(format!(
+        "shardwire-remote-test-committed-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = Arc::new(Gated::new());
+    let d = dataset("committed", &os, Some(&dir)).await;
+    // The entry lands (a read for another FETCH, settled) after this FETCH's cache lookup.
+    d.place(2, vec![Bytes::from(vec![2u8; SHARD as usize])])
+        .await;
+    assert!(
+        matches!(d.claim(2, true), Claim::Again),
+        "taken from the cache"
+    );
+    // Once only: an entry it still cannot use is read from the store.
+    assert!(matches!(d.claim(2, false), Claim::Read(_)));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -247,6 +247,22 @@ fn an_entry_whose_file_went_leaves_the_index_and_its_room() {
 }
 
 #[test]
+fn an_entry_that_cannot_be_opened_for_another_reason_stays() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+    put(&mut c, 3, &HashMap::new()).unwrap();
+    // A file that is there but cannot be opened (as when the source is out of file
+    // descriptors): a symbolic link to itself, which open(2) refuses with ELOOP.
+    let path = dir.path().join(name(3));
+    std::fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&path, &path).unwrap();
+    assert!(c.get(3).is_none(), "not served");
+    assert!(c.holds(3), "the entry stays in the index");
+    assert_eq!((c.used(), c.len()), (100, 1));
+    assert!(std::fs::symlink_metadata(&path).is_ok(), "and on disk");
+}
+
+#[test]
 fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
     let dir = tempdir();
     {
