@@ -60,6 +60,10 @@ pub enum FetchFailure {
     Cancelled,
 }
 
+/// The longest pause a source's `retry_after_ms` sets before a fetch is tried again (a
+/// source pauses a throttled store's reads for at most a minute itself).
+pub const MAX_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// What to do about a failed fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryClass {
@@ -72,12 +76,13 @@ pub enum RetryClass {
 }
 
 impl FetchFailure {
-    /// How long the source asked to wait before the next attempt (a throttled store).
+    /// How long the source asked to wait before the next attempt (a throttled store), at
+    /// most [`MAX_RETRY_AFTER`]: the wire allows 49 days.
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self {
-            Self::Refused { retry_after_ms, .. } if *retry_after_ms > 0 => {
-                Some(std::time::Duration::from_millis(u64::from(*retry_after_ms)))
-            }
+            Self::Refused { retry_after_ms, .. } if *retry_after_ms > 0 => Some(
+                std::time::Duration::from_millis(u64::from(*retry_after_ms)).min(MAX_RETRY_AFTER),
+            ),
             _ => None,
         }
     }

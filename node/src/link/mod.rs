@@ -314,23 +314,27 @@ impl SourceLink {
             shard,
             lane: f.lane,
         };
+        if st.ctl.is_none() {
+            return Err(Box::new((f, SendError::Down(self.addr.clone()))));
+        }
         f.req = req;
         f.wire_shard = shard;
         f.held = Some(Held::new(&self.outstanding));
         // Pending before the send, so an answer can never come for an unknown request.
         self.pending.lock().expect("poisoned").insert(req, f);
-        match self.send(&st, &msg) {
-            Ok(()) => {
-                self.fetches.fetch_add(1, Ordering::Relaxed);
-                Ok(())
+        let Err(e) = self.send(&st, &msg) else {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        };
+        match self.pending.lock().expect("poisoned").remove(&req) {
+            Some(mut f) => {
+                f.held = None;
+                Err(Box::new((f, e)))
             }
-            Err(e) => {
-                let mut f = self.pending.lock().expect("poisoned").remove(&req);
-                if let Some(f) = &mut f {
-                    f.held = None;
-                }
-                Err(Box::new((f.expect("just inserted"), e)))
-            }
+            // Not expected while the state lock is held (`go_down` clears `ctl` under it
+            // before it empties `pending`), but never a panic: a fetch that left `pending`
+            // was finished as `LinkDown`, and its stream fetches it again from that failure.
+            None => Ok(()),
         }
     }
 

@@ -315,7 +315,7 @@ impl Driver {
             }
             let Some(slab) = self.fetches.alloc(len) else {
                 if needed_now {
-                    self.refuse_if_it_cannot_fit(unit)?;
+                    self.refuse_if_it_cannot_fit(Some(unit))?;
                 }
                 return Ok(false);
             };
@@ -340,18 +340,20 @@ impl Driver {
 
     /// Closes the stream when the shards the next batch needs (those of the live units it
     /// reads and of `unit`) cannot fit the region beside the batch slabs: waiting would never
-    /// end (a Megatron-order batch may read a shard per window). The batch slabs counted are
-    /// the held one and the guaranteed [`READY_AHEAD`](super::supply::READY_AHEAD): ready
-    /// batches beyond those drain as the trainer takes them, and no more are assembled while
-    /// the next batch's shards are missing.
-    fn refuse_if_it_cannot_fit(&self, unit: &Unit) -> Result<(), CloseReason> {
+    /// end (a Megatron-order batch may read a shard per window; a batch may cross from one
+    /// block into the next, in an epoch whose blocks fall otherwise than the first's). The
+    /// batch slabs counted are the held one and the guaranteed
+    /// [`READY_AHEAD`](super::supply::READY_AHEAD): ready batches beyond those drain as the
+    /// trainer takes them, and no more are assembled while the next batch's shards are
+    /// missing.
+    fn refuse_if_it_cannot_fit(&self, unit: Option<&Unit>) -> Result<(), CloseReason> {
         let upto = self.last_index(self.pos);
         let mut shards: Vec<u32> = self
             .live
             .iter()
             .filter(|l| l.first <= upto)
             .flat_map(|l| l.shards.iter().copied())
-            .chain(unit.shards.iter().copied())
+            .chain(unit.iter().flat_map(|u| u.shards.iter().copied()))
             .collect();
         shards.sort_unstable();
         shards.dedup();
@@ -397,6 +399,11 @@ impl Driver {
             return Ok(false);
         };
         let Some(mut out) = self.s.supply().try_alloc(plan.bytes as usize) else {
+            // With no assembled batch waiting, only the trainer's held batch can come back,
+            // and a trainer that waits for this one may hold it until then.
+            if self.s.ready_count() == 0 {
+                self.refuse_if_it_cannot_fit(None)?;
+            }
             return Ok(false);
         };
         let t = Instant::now();
@@ -438,8 +445,12 @@ impl Driver {
                 tensors: Some(plan.views),
             },
         );
-        self.release_through(self.last_index(self.pos));
         self.pos += u64::from(self.m.num_workers);
+        // Units that end before this worker's next batch are done with: the positions in
+        // between are other workers' (a DataLoader worker's stream assembles every
+        // `num_workers`-th batch), so holding them one batch longer would only take room
+        // the next unit needs.
+        self.release_through((self.pos * u64::from(self.m.batch_size())).saturating_sub(1));
         Ok(true)
     }
 

@@ -22,6 +22,7 @@ pub(crate) mod mix;
 pub(crate) mod open;
 pub(crate) mod open_mix;
 pub(crate) mod order;
+pub(crate) mod peak;
 pub(crate) mod placement;
 pub(crate) mod prefetch;
 pub(crate) mod reorder;

@@ -17,6 +17,7 @@ use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::order::Order;
+use super::peak;
 use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
@@ -341,8 +342,10 @@ pub(super) fn check_batch_fits(batch_bytes: u64, region_bytes: u64) -> Result<()
 }
 
 /// Checks that the region holds what the rank reads at once: the current block of each
-/// partition it reads, plus the batch its trainer holds and [`READY_AHEAD`] assembled ones;
-/// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
+/// partition it reads, or, where more, the blocks one batch of the first epoch reads
+/// together ([`peak`]: a batch across a block edge needs both), plus the batch its trainer
+/// holds and [`READY_AHEAD`] assembled ones; returns how many assembled batches the stream
+/// keeps ready ([`ready_ahead`]).
 fn check_window(
     m: &Manifest,
     plan: &BatchPlan,
@@ -356,11 +359,27 @@ fn check_window(
     let max_class = max_class(m);
     let min_rows = min_rows(o);
     let per_block = block_shards(o).min(m.shards.len() as u64);
-    let blocks = concurrent * per_block * max_class;
+    let across = peak::peak(m, &plan.units(&o.epoch(0)), u64::from(plan.batch_size));
+    let blocks = (concurrent * per_block * max_class).max(across.bytes);
     let class = SlabPool::class_size(batch_bytes as usize) as u64;
     let batches = (READY_AHEAD as u64 + 1) * class;
     if blocks + batches <= region_bytes {
         return Ok(ready_ahead(region_bytes, blocks, class));
+    }
+    if across.bytes > concurrent * per_block * max_class {
+        return Err(OpenError::new(
+            ErrorCode::NoMemory,
+            format!(
+                "batch mode needs stream_memory of at least {} bytes: one batch of {} samples reads {} units (blocks of shuffle_block {} samples, or the epoch's tail) at once, {} shards of {} slab bytes, as it crosses from one into the next, plus {} batch slabs of {class} bytes; stream_memory is {region_bytes}; raise stream_memory, or lower batch_size or shuffle_block",
+                blocks + batches,
+                plan.batch_size,
+                across.units,
+                o.shuffle_block,
+                across.shards,
+                across.bytes,
+                READY_AHEAD + 1,
+            ),
+        ));
     }
     let room = region_bytes.saturating_sub(batches) / (concurrent * max_class).max(1);
     let hint = match o.shuffle {

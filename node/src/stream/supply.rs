@@ -387,31 +387,46 @@ impl Fetches {
         }
     }
 
-    /// Issues the waiting fetches in order until one finds no source or is not due yet.
+    /// Issues the waiting fetches in order until one finds no source; one not due yet (its
+    /// source asked for a pause) keeps its place, and those behind it go.
     pub fn reissue(&mut self) -> Result<(), CloseReason> {
+        let now = Instant::now();
+        let mut later = VecDeque::new();
+        let mut out = Ok(());
         while let Some(p) = self.waiting.pop_front() {
-            if p.not_before.is_some_and(|t| Instant::now() < t) {
-                self.waiting.push_front(p);
-                return Ok(());
+            if p.not_before.is_some_and(|t| now < t) {
+                later.push_back(p);
+                continue;
             }
             match self.issuer.issue(&self.supply, p, &self.tx) {
                 Ok(()) => {}
                 Err(IssueError::NoSource(p)) => {
                     self.waiting.push_front(p);
-                    return Ok(());
+                    break;
                 }
                 Err(IssueError::Fatal(p, why)) => {
                     self.waiting.push_front(p);
-                    return Err(CloseReason::Internal(format!("cannot send a FETCH: {why}")));
+                    out = Err(CloseReason::Internal(format!("cannot send a FETCH: {why}")));
+                    break;
                 }
             }
         }
-        Ok(())
+        // The paused ones go back ahead of what was not tried, in their order.
+        while let Some(p) = later.pop_back() {
+            self.waiting.push_front(p);
+        }
+        out
     }
 
     /// True while fetches wait for a source to come up (the task then retries on a timer).
     pub fn has_waiting(&self) -> bool {
         !self.waiting.is_empty()
+    }
+
+    /// The earliest time a waiting fetch's source said to try again at.
+    #[cfg(test)]
+    pub fn next_due(&self) -> Option<Instant> {
+        self.waiting.iter().filter_map(|p| p.not_before).min()
     }
 
     /// The next outcome of a fetch.

@@ -253,6 +253,24 @@ async fn cancels_go_out_for_one_stream_and_a_confirmation_ends_the_fetch() {
 }
 
 #[tokio::test]
+async fn a_fetch_on_a_link_with_no_session_is_handed_back_and_nothing_stays_pending() {
+    // No session yet, as after `go_down` cleared it: the fetch comes back to be routed
+    // elsewhere, and no answer can be waited for.
+    let l = link();
+    let p = pool(1 << 20);
+    let (f, _done) = in_flight(&p, 0, 4096, 5);
+    let back = l.fetch(11, "tiny", f.shard, f).expect_err("not sent");
+    let (f, e) = *back;
+    assert!(
+        matches!(e, crate::link::SendError::Down(ref a) if a == "source-a:7500"),
+        "{e}"
+    );
+    assert_eq!((f.pos, f.crc32c), (0, 5), "the same fetch");
+    assert!(f.held.is_none(), "counts in no source's outstanding bytes");
+    assert_eq!(l.in_flight(), 0);
+}
+
+#[tokio::test]
 async fn announcements_reach_the_data_plane_and_shards_their_queue() {
     let (l, mut src, sink, task) = start();
     src.handshake(60).await;

@@ -62,6 +62,16 @@ fn stream(region: usize) -> Arc<Stream> {
 
 /// [`stream`] with the request changed by `change`.
 fn stream_with(region: usize, change: impl FnOnce(&mut StreamRequest)) -> Arc<Stream> {
+    stream_checked_for(region, region, change)
+}
+
+/// [`stream_with`] in a region of `region` bytes opened as if it had `checked` (the open
+/// check's view: an epoch it did not foresee needs more than it counted).
+fn stream_checked_for(
+    checked: usize,
+    region: usize,
+    change: impl FnOnce(&mut StreamRequest),
+) -> Arc<Stream> {
     let m = manifest();
     let mut r = StreamRequest::new("d");
     r.batch_size = Some(BATCH);
@@ -69,7 +79,8 @@ fn stream_with(region: usize, change: impl FnOnce(&mut StreamRequest)) -> Arc<St
     r.epochs = 2;
     change(&mut r);
     let (kind, start, fingerprint) =
-        open::batch_mode(&m, &r, BATCH, region as u64, false).expect("a valid plan");
+        open::batch_mode(&m, &r, r.batch_size.unwrap_or(BATCH), checked as u64, false)
+            .expect("a valid plan");
     assert_eq!(start, 0);
     Stream::new(Parts {
         id: 1,
@@ -298,6 +309,194 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
         other => panic!("{other:?}"),
     }
     assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fetch_its_source_paused_waits_alone_and_those_behind_it_go() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let mut issued = fake.take();
+    issued.reverse(); // in order of issue
+    assert!(issued.len() >= 2, "{} fetches", issued.len());
+    let mut it = issued.into_iter();
+    let (paused, _) = it.next().unwrap();
+    let (lost, _) = it.next().unwrap();
+    let (paused_shard, lost_shard) = (paused.shard, lost.shard);
+    // A source asks for a pause of 46 days (the wire's u32 allows 49): at most a minute is kept.
+    paused.finish(Err(FetchFailure::Refused {
+        code: wire::ErrorCode::Throttled,
+        retry_after_ms: 4_000_000_000,
+        message: "SlowDown".into(),
+    }));
+    lost.finish(Err(FetchFailure::LinkDown {
+        source_addr: "a:1".into(),
+        reason: "reset".into(),
+    }));
+    settle(&mut d).unwrap();
+    let again: Vec<u32> = fake.take().iter().map(|(f, _)| f.shard).collect();
+    assert_eq!(
+        again,
+        vec![lost_shard],
+        "the fetch behind the paused one went at once"
+    );
+    assert!(d.fetches.has_waiting(), "the paused one waits");
+    let wait = d
+        .fetches
+        .next_due()
+        .expect("a pause")
+        .saturating_duration_since(Instant::now());
+    assert!(
+        wait <= crate::fetch::MAX_RETRY_AFTER && wait > Duration::from_secs(50),
+        "{wait:?} for shard {paused_shard}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dataloader_worker_lets_go_of_units_that_end_before_its_next_batch() {
+    // Worker 0 of 2: it assembles the rank's batches 0, 2, 4, ...
+    let s = stream_with(1 << 20, |r| {
+        r.num_workers = 2;
+        r.worker = 0;
+    });
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    let b = u64::from(BATCH);
+    let mut batches = 0;
+    for _ in 0..1000 {
+        settle(&mut d).unwrap();
+        for (f, _) in fake.take() {
+            answer(f);
+        }
+        settle(&mut d).unwrap();
+        // Nothing this worker will never read again is held.
+        let next_first = d.pos * b;
+        for l in &d.live {
+            assert!(
+                l.last >= next_first,
+                "a unit ending at sample {} is held with the next batch at {next_first}",
+                l.last
+            );
+        }
+        assert_refs_match_live(&d);
+        match s.next(Some(Duration::ZERO)) {
+            Next::Batch(batch) => {
+                batches += 1;
+                assert!(s.release(batch.lease));
+            }
+            Next::End => break,
+            Next::Timeout => {}
+            Next::Closed(why) => panic!("closed: {why}"),
+        }
+    }
+    // Half of 2 epochs of 12 batches.
+    assert_eq!(batches, 12);
+}
+
+/// Runs stream `s` to its end with a trainer that holds each batch until it has the next
+/// (the open check counts that slab and the ready-ahead ones beside the window); the number
+/// of batches, or why the stream closed.
+fn run_holding(s: &Arc<Stream>) -> Result<usize, String> {
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(s), 0, Box::new(fake.clone()));
+    let (mut held, mut batches) = (None, 0);
+    for _ in 0..10_000 {
+        settle(&mut d).map_err(|why| format!("closed after {batches} batches: {why}"))?;
+        for (f, _) in fake.take() {
+            answer(f);
+        }
+        settle(&mut d).map_err(|why| format!("closed after {batches} batches: {why}"))?;
+        match s.next(Some(Duration::ZERO)) {
+            Next::Batch(b) => {
+                batches += 1;
+                if let Some(old) = held.replace(b.lease) {
+                    assert!(s.release(old));
+                }
+            }
+            Next::End => return Ok(batches),
+            Next::Timeout => {}
+            Next::Closed(why) => return Err(format!("closed: {why}")),
+        }
+    }
+    Err(format!(
+        "did not end: {batches} batches, pos {}, live {:?}, resident {:?}, pool used {} of {}, waiting {}",
+        d.pos,
+        d.live
+            .iter()
+            .map(|l| (l.first, l.last, l.shards.clone()))
+            .collect::<Vec<_>>(),
+        d.resident
+            .iter()
+            .map(|(k, r)| (*k, r.refs, r.slab.is_some()))
+            .collect::<Vec<_>>(),
+        s.supply().pool().used(),
+        s.supply().pool().capacity(),
+        d.fetches.has_waiting(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_least_region_an_open_accepts_runs_batches_across_unit_edges() {
+    use shardwire_protocol::trainer::Shuffle as S;
+    // (shuffle, shuffle_block, batch_size, drop_last): shards of 8 rows, 48 samples an epoch.
+    let cases = [
+        (S::Block, 16, 4, true),
+        (S::Block, 16, 6, true),
+        (S::Block, 16, 6, false),
+        (S::Block, 12, 8, true),
+        (S::Block, 16, 20, true),
+        (S::Shards, 0, 6, true),
+        (S::Shards, 0, 20, false),
+        (S::None, 0, 6, true),
+        (S::None, 0, 20, true),
+    ];
+    let mut failed = Vec::new();
+    for (shuffle, block, batch, drop_last) in cases {
+        let change = |r: &mut StreamRequest| {
+            r.batch_size = Some(batch);
+            r.shuffle = Some(shuffle);
+            r.shuffle_block = (block > 0).then_some(block);
+            r.drop_last = drop_last;
+        };
+        let m = manifest();
+        let mut req = StreamRequest::new("d");
+        req.seed = 3;
+        req.epochs = 2;
+        change(&mut req);
+        let accepts = |region: u64| open::batch_mode(&m, &req, batch, region, false).is_ok();
+        let least = (1u64..=1 << 12)
+            .map(|k| k * 1024)
+            .find(|&r| accepts(r))
+            .expect("some region fits");
+        let s = stream_with(least as usize, change);
+        let steps = if drop_last {
+            48 / batch
+        } else {
+            48u32.div_ceil(batch)
+        };
+        match run_holding(&s) {
+            Ok(n) if n == 2 * steps as usize => {}
+            other => failed.push(format!(
+                "{shuffle:?} block {block} batch {batch} drop_last {drop_last}, {least} bytes: {other:?}"
+            )),
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_shards_and_slabs_cannot_fit_closes_the_stream_instead_of_waiting() {
+    // Batches of 20 read 3 or 4 shards of 8 rows; the region holds 4 slabs, one of them the
+    // batch the trainer keeps until it has the next.
+    let s = stream_checked_for(1 << 20, 4 * 4096, |r| {
+        r.batch_size = Some(20);
+        r.shuffle = Some(shardwire_protocol::trainer::Shuffle::None);
+        r.drop_last = true;
+    });
+    let why = run_holding(&s).expect_err("cannot fit");
+    assert!(why.starts_with("closed after 1 batches"), "{why}");
+    assert!(why.contains("raise stream_memory"), "{why}");
 }
 
 /// Every resident shard is held by exactly the live units that name it, and every live
