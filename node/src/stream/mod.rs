@@ -338,9 +338,12 @@ impl Stream {
         self.state_at(self.kind.position(slot + 1))
     }
 
-    /// The state that resumes at stream position `pos`.
+    /// The state that resumes at stream position `pos`; a position past the last epoch (a
+    /// DataLoader worker's next slot when an epoch has fewer batches than workers) is the
+    /// end, which resumes to the end.
     pub fn state_at(&self, pos: u64) -> StreamState {
-        self.kind.state_at(pos, &self.fingerprint)
+        let end = self.kind.per_epoch() * u64::from(self.epochs);
+        self.kind.state_at(pos.min(end), &self.fingerprint)
     }
 
     /// The stream position of (epoch, index).

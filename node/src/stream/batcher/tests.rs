@@ -499,6 +499,28 @@ async fn a_batch_whose_shards_and_slabs_cannot_fit_closes_the_stream_instead_of_
     assert!(why.contains("raise stream_memory"), "{why}");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workers_state_past_the_last_epoch_names_the_end_and_resumes_to_it() {
+    // 48 samples in batches of 16: 3 steps an epoch, 2 epochs, 8 workers. Worker 5 reads
+    // position 5 only; its next slot would be position 13, epoch 4.
+    let change = |r: &mut StreamRequest| {
+        r.batch_size = Some(16);
+        r.num_workers = 8;
+        r.worker = 5;
+        r.drop_last = true;
+    };
+    let s = stream_with(1 << 20, change);
+    let st = s.state_after(1, 2);
+    assert_eq!((st.epoch, st.index), (2, 0), "the end");
+    let mut r = StreamRequest::new("d");
+    r.seed = 3;
+    r.epochs = 2;
+    change(&mut r);
+    r.state = Some(st);
+    let (_, start, _) = open::batch_mode(&manifest(), &r, 16, 1 << 20, false).expect("resumes");
+    assert_eq!(start, 6, "at the end: nothing more to deliver");
+}
+
 /// Every resident shard is held by exactly the live units that name it, and every live
 /// unit's shards are resident.
 fn assert_refs_match_live(d: &Driver) {
