@@ -2,7 +2,11 @@
 //! address of each data connection on its authenticated control connection ("expected"), and
 //! the node matches the peer address of the connections accepted on its data ports. Either can
 //! come first. Connections nobody announces within [`UNMATCHED_TIMEOUT`] are dropped, and at
-//! most [`MAX_UNMATCHED`] are held.
+//! most [`MAX_UNMATCHED`] are held: when the table is full the oldest goes, and one peer
+//! address holds at most [`MAX_UNMATCHED_PER_IP`], so a host that opens connections and never
+//! has them announced cannot keep a source's connections out. Addresses are compared in
+//! canonical form (an IPv4-mapped IPv6 address as IPv4: a dual-stack listener reports
+//! peers so, while sources announce plain IPv4).
 //!
 //! Each announcement names its lane, whose data address the node advertised (`want`); a
 //! connection must have arrived on exactly that address (its `getsockname`, `local`), else it
@@ -21,6 +25,9 @@ use std::time::{Duration, Instant};
 pub const UNMATCHED_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most this many unidentified connections are held at once.
 pub const MAX_UNMATCHED: usize = 1024;
+/// At most this many of them from one peer address (a source host's data connections to
+/// one node: a flow per lane and connection, a few dozen).
+pub const MAX_UNMATCHED_PER_IP: usize = 256;
 
 /// A source announced a connection for one lane, but it arrived on another address.
 #[derive(Debug)]
@@ -40,9 +47,10 @@ pub struct WrongLane<S, E> {
 pub enum Accepted<S, E> {
     /// A source had announced it: start its receiver.
     Matched(S, E),
-    /// Held until a source announces it (or it times out).
-    Held,
-    /// Too many unidentified connections: dropped.
+    /// Held until a source announces it (or it times out); the oldest held connection,
+    /// from the address given, if it made room for it (drop it).
+    Held(Option<(SocketAddr, S)>),
+    /// Too many unidentified connections from its peer's address: dropped.
     Refused(S),
     /// Announced for a lane whose address it did not arrive on: refuse it.
     WrongLane(WrongLane<S, E>),
@@ -86,7 +94,7 @@ impl<S, E> Matcher<S, E> {
     /// A source announced a data connection from `addr` for a lane at `want`: the connection,
     /// if it was accepted already (on `want`, or refused as the wrong lane).
     pub fn expect(&mut self, addr: SocketAddr, want: SocketAddr, e: E) -> Announced<S, E> {
-        let want = canonical(want);
+        let (addr, want) = (canonical(addr), canonical(want));
         match self.accepted.remove(&addr) {
             Some((sock, local, _)) if local == want => Announced::Matched(sock, e),
             Some((sock, local, _)) => Announced::WrongLane(WrongLane {
@@ -110,7 +118,7 @@ impl<S, E> Matcher<S, E> {
         sock: S,
         now: Instant,
     ) -> Accepted<S, E> {
-        let local = canonical(local);
+        let (peer, local) = (canonical(peer), canonical(local));
         if let Some((want, e)) = self.expected.remove(&peer) {
             if want == local {
                 return Accepted::Matched(sock, e);
@@ -122,11 +130,28 @@ impl<S, E> Matcher<S, E> {
                 want,
             });
         }
-        if self.accepted.len() >= MAX_UNMATCHED {
+        let same_ip = self.accepted.keys().filter(|a| a.ip() == peer.ip()).count();
+        if same_ip >= MAX_UNMATCHED_PER_IP {
             return Accepted::Refused(sock);
         }
-        self.accepted.insert(peer, (sock, local, now));
-        Accepted::Held
+        let evicted = match self.accepted.len() >= MAX_UNMATCHED {
+            true => self
+                .oldest()
+                .and_then(|a| self.accepted.remove(&a).map(|(s, _, _)| (a, s))),
+            false => None,
+        };
+        if let Some((old, _, _)) = self.accepted.insert(peer, (sock, local, now)) {
+            drop(old); // the same peer address again: its earlier connection is gone
+        }
+        Accepted::Held(evicted)
+    }
+
+    /// The peer address of the connection held longest.
+    fn oldest(&self) -> Option<SocketAddr> {
+        self.accepted
+            .iter()
+            .min_by_key(|(_, (_, _, t))| *t)
+            .map(|(a, _)| *a)
     }
 
     /// Removes the announcements `gone` selects (their link went down) and returns them.
@@ -187,7 +212,7 @@ mod tests {
         let now = Instant::now();
         assert!(matches!(
             m.accepted(addr(2), lane0(), "stranger", now),
-            Accepted::Held
+            Accepted::Held(None)
         ));
         assert!(matches!(
             m.accepted(addr(1), lane0(), "sock", now),
@@ -201,7 +226,7 @@ mod tests {
         let mut m: Matcher<&str, u16> = Matcher::default();
         assert!(matches!(
             m.accepted(addr(1), lane1(), "sock", Instant::now()),
-            Accepted::Held
+            Accepted::Held(None)
         ));
         assert!(matches!(
             m.expect(addr(1), lane1(), 3),
@@ -227,7 +252,7 @@ mod tests {
         // Arrived first, announced second.
         assert!(matches!(
             m.accepted(addr(2), lane0(), "late", Instant::now()),
-            Accepted::Held
+            Accepted::Held(None)
         ));
         match m.expect(addr(2), lane1(), 6) {
             Announced::WrongLane(w) => {
@@ -245,23 +270,73 @@ mod tests {
         ));
     }
 
+    /// Port `i` of host `h` (10.9.h.x).
+    fn host(h: u8, i: usize) -> SocketAddr {
+        SocketAddr::from(([10, 9, h, (i / 60000) as u8], (i % 60000) as u16 + 1))
+    }
+
     #[test]
-    fn unannounced_connections_time_out_and_are_bounded() {
+    fn unannounced_connections_time_out_and_one_host_cannot_fill_the_table() {
         let mut m: Matcher<u32, u16> = Matcher::default();
         let t0 = Instant::now();
-        for i in 0..MAX_UNMATCHED {
+        for i in 0..MAX_UNMATCHED_PER_IP {
+            let t = t0 + Duration::from_micros(i as u64);
             assert!(matches!(
-                m.accepted(addr(i as u16 + 1), lane0(), i as u32, t0),
-                Accepted::Held
+                m.accepted(addr(i as u16 + 1), lane0(), i as u32, t),
+                Accepted::Held(None)
             ));
         }
+        // The flooding host's next one is refused; another host's is held.
         assert!(matches!(
             m.accepted(addr(60000), lane0(), 9, t0),
             Accepted::Refused(9)
         ));
+        // Other hosts fill the table; then the oldest connection goes for each new one, so
+        // a source's connection is held (and matched) whoever holds the rest.
+        let others = MAX_UNMATCHED - MAX_UNMATCHED_PER_IP;
+        for i in 0..others {
+            let h = 1 + (i / MAX_UNMATCHED_PER_IP) as u8;
+            let t = t0 + Duration::from_millis(1 + i as u64);
+            assert!(matches!(
+                m.accepted(host(h, i), lane0(), 1000 + i as u32, t),
+                Accepted::Held(None)
+            ));
+        }
+        let source = SocketAddr::from(([10, 8, 0, 1], 40000));
+        match m.accepted(source, lane0(), 7, t0 + Duration::from_secs(1)) {
+            Accepted::Held(Some((old, 0))) => assert_eq!(old, addr(1), "the oldest"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            m.expect(source, lane0(), 3),
+            Announced::Matched(7, 3)
+        ));
         assert!(m.sweep(t0 + UNMATCHED_TIMEOUT / 2).is_empty());
-        assert_eq!(m.sweep(t0 + UNMATCHED_TIMEOUT).len(), MAX_UNMATCHED);
+        assert_eq!(
+            m.sweep(t0 + UNMATCHED_TIMEOUT + Duration::from_secs(2))
+                .len(),
+            MAX_UNMATCHED - 1
+        );
         assert_eq!(m.waiting(), (0, 0));
+    }
+
+    #[test]
+    fn an_ipv4_mapped_peer_matches_its_plain_ipv4_announcement_either_way_round() {
+        let mut m: Matcher<&str, u16> = Matcher::default();
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:5".parse().unwrap();
+        assert!(matches!(
+            m.accepted(mapped, lane0(), "first", Instant::now()),
+            Accepted::Held(None)
+        ));
+        assert!(matches!(
+            m.expect(addr(5), lane0(), 1),
+            Announced::Matched("first", 1)
+        ));
+        assert!(matches!(m.expect(mapped, lane0(), 2), Announced::Waiting));
+        assert!(matches!(
+            m.accepted(addr(5), lane0(), "second", Instant::now()),
+            Accepted::Matched("second", 2)
+        ));
     }
 
     #[test]

@@ -439,18 +439,13 @@ impl Node {
 impl Node {
     /// Every lane's status.
     fn lane_statuses(&self) -> Vec<LaneStatus> {
-        let flows = self.plane.flows();
         self.plane
             .lanes
             .all()
             .iter()
             .map(|l| {
                 let (streams, pool_reserved, pool_size) = self.admission.lane_usage(l.id());
-                let bytes = flows
-                    .iter()
-                    .filter(|f| f.lane == l.id())
-                    .map(|f| f.stats.bytes.load(Ordering::Relaxed))
-                    .sum();
+                let bytes = self.plane.lane_bytes(l.id());
                 let spec = &l.spec;
                 LaneStatus {
                     lane: l.id(),

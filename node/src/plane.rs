@@ -64,7 +64,10 @@ pub struct DataPlane {
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
+    /// The data connections identified and still receiving (pruned as new ones come).
     flows: Mutex<Vec<Flow>>,
+    /// Bytes received by data connections that have ended, by lane.
+    ended_bytes: Mutex<BTreeMap<u32, u64>>,
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
     io_uring: bool,
@@ -89,6 +92,7 @@ impl DataPlane {
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
+            ended_bytes: Mutex::default(),
             counters,
             io_uring,
             fault_misplace: Default::default(),
@@ -158,9 +162,33 @@ impl DataPlane {
         }
     }
 
-    /// Every data connection identified so far.
+    /// The data connections identified and receiving (or ended since the last one came).
     pub fn flows(&self) -> Vec<Flow> {
         self.flows.lock().expect("poisoned").clone()
+    }
+
+    /// Bytes received on lane `lane`'s data connections, ended ones included.
+    pub fn lane_bytes(&self, lane: u32) -> u64 {
+        let live: u64 = (self.flows.lock().expect("poisoned").iter())
+            .filter(|f| f.lane == lane)
+            .map(|f| f.stats.bytes.load(Ordering::Relaxed))
+            .sum();
+        live + self
+            .ended_bytes
+            .lock()
+            .expect("poisoned")
+            .get(&lane)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Adds `flow` to the list, first moving the bytes of connections that have ended (their
+    /// receiver let go of its counters) into the lanes' totals, so a source that reconnects
+    /// again and again does not grow the list.
+    fn add_flow(&self, flow: Flow) {
+        let mut flows = self.flows.lock().expect("poisoned");
+        prune_ended(&mut flows, &mut self.ended_bytes.lock().expect("poisoned"));
+        flows.push(flow);
     }
 
     /// Makes every link reconnect (its data connections come back on the current path).
@@ -179,9 +207,14 @@ impl DataPlane {
                 .accepted(peer, local, sock, Instant::now());
         match got {
             Accepted::Matched(sock, e) => self.start(sock, peer, e),
-            Accepted::Held => {}
+            Accepted::Held(None) => {}
+            Accepted::Held(Some((old, _))) => {
+                tracing::warn!(%peer, dropped = %old, limit = crate::matcher::MAX_UNMATCHED,
+                    "too many unidentified data connections; dropped the oldest to hold this one")
+            }
             Accepted::Refused(_) => {
-                tracing::warn!(%peer, limit = crate::matcher::MAX_UNMATCHED, "too many unidentified data connections; refusing this one")
+                tracing::warn!(%peer, limit = crate::matcher::MAX_UNMATCHED_PER_IP,
+                    "too many unidentified data connections from this address; refusing this one")
             }
             Accepted::WrongLane(w) => self.wrong_lane(peer, w),
         }
@@ -233,7 +266,7 @@ impl DataPlane {
         tracing::debug!(%peer, source = %link.addr, lane = e.lane, conn = e.conn, "data connection identified");
         lane.stats.data_connections.fetch_add(1, Ordering::Relaxed);
         let flow = Arc::new(FlowStats::default());
-        self.flows.lock().expect("poisoned").push(Flow {
+        self.add_flow(Flow {
             source: link.addr.clone(),
             lane: lane.id(),
             conn: e.conn,
@@ -341,5 +374,54 @@ pub async fn accept_loop(
                 }
             }
         }
+    }
+}
+
+/// Moves the flows whose receiver has ended (nothing but `flows` holds their counters) out of
+/// `flows`, adding their bytes to `ended` by lane.
+fn prune_ended(flows: &mut Vec<Flow>, ended: &mut BTreeMap<u32, u64>) {
+    flows.retain(|f| {
+        let live = Arc::strong_count(&f.stats) > 1;
+        if !live {
+            *ended.entry(f.lane).or_default() += f.stats.bytes.load(Ordering::Relaxed);
+        }
+        live
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flow(lane: u32, bytes: u64) -> (Flow, Arc<FlowStats>) {
+        let stats = Arc::new(FlowStats::default());
+        stats.bytes.store(bytes, Ordering::Relaxed);
+        let f = Flow {
+            source: "a:1".into(),
+            lane,
+            conn: 0,
+            stats: Arc::clone(&stats),
+        };
+        (f, stats)
+    }
+
+    #[test]
+    fn ended_flows_leave_the_list_and_keep_their_bytes_in_their_lanes_total() {
+        let (a, a_rx) = flow(0, 10);
+        let (b, b_rx) = flow(1, 20);
+        let (c, c_rx) = flow(0, 5);
+        let mut flows = vec![a, b, c];
+        let mut ended = BTreeMap::new();
+        prune_ended(&mut flows, &mut ended);
+        assert_eq!(flows.len(), 3, "every receiver still runs");
+        drop((a_rx, c_rx));
+        prune_ended(&mut flows, &mut ended);
+        assert_eq!(flows.len(), 1);
+        assert_eq!(flows[0].lane, 1);
+        assert_eq!(ended.get(&0), Some(&15));
+        drop(b_rx);
+        prune_ended(&mut flows, &mut ended);
+        assert!(flows.is_empty());
+        assert_eq!((ended.get(&0), ended.get(&1)), (Some(&15), Some(&20)));
     }
 }

@@ -214,13 +214,22 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
         batch_state: false,
         batch_encoding: BatchEncoding::Json,
     };
+    // The request timeout from connect to `attach`, whatever comes before it (an `info`, or
+    // requests answered `not_attached`, do not extend it).
+    let attach_by = Instant::now() + request;
     loop {
-        // Before `attach` a trainer has the request timeout; attached, the idle timeout.
+        // Before `attach` what is left of that time; attached, the idle timeout.
         let limits = ReadLimits {
-            idle: if c.stream.is_some() {
-                idle
-            } else {
-                Some(request)
+            idle: match c.stream {
+                Some(_) => idle,
+                None => {
+                    let left = attach_by.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        c.attach_late(request);
+                        break;
+                    }
+                    Some(left)
+                }
             },
             frame: request,
         };
@@ -270,6 +279,19 @@ impl Drop for Conn<'_> {
 }
 
 impl Conn<'_> {
+    /// Closes a connection that has not attached within the request timeout, saying so.
+    fn attach_late(&self, request: Duration) {
+        metrics::counter!("shardwire_trainer_timeouts_total", "phase" => "request").increment(1);
+        tracing::warn!(
+            "closing a trainer connection that did not attach in time (trainer_request_timeout_secs)"
+        );
+        let message = format!(
+            "no attach within {} s of connecting (trainer_request_timeout_secs)",
+            request.as_secs()
+        );
+        let _ = reply(&self.sock, &error(ErrorCode::Timeout, message), &[]);
+    }
+
     /// Answers one request.
     fn handle(&mut self, req: Request) -> Result<(), FrameIoError> {
         let Some(s) = self.stream.clone() else {

@@ -6,6 +6,8 @@ memory or a connection slot.
   the node's write times out (trainer_request_timeout_secs; attached, the idle timeout, so a
   long training step may read late), the connection and its stream are closed, and its slot
   (trainer_max_connections = 1 here) serves the next trainer;
+- a trainer that keeps asking (`info`) and never attaches: closed with `timeout` once the
+  request timeout has passed since it connected;
 - a refused trainer (uid not allowed) that keeps trickling bytes: its connection closes about
   2 s after the refusal however often it writes;
 - an HTTP client that pipelines requests and never reads the answers: once the write has
@@ -66,6 +68,46 @@ def test_a_trainer_that_stops_reading_loses_its_connection_not_the_slot(sw, tmp_
     assert out.closed_by_peer, out
     stalled.close()
     assert frames[0]["memory"], frames
+
+
+def test_a_trainer_that_never_attaches_is_closed_however_often_it_asks(sw, tmp_path):
+    src = sw.source({"f": _dataset(tmp_path)})
+    node = sw.serve([src], env={"SHARDWIRE_TRAINER_REQUEST_TIMEOUT_SECS": str(REQUEST_TIMEOUT)})
+    wait_ready(node)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(node.socket))
+    t0 = time.monotonic()
+    got = bytearray()
+    s.settimeout(0.2)
+    closed = False
+    # An `info` every 0.3 s: each is answered, and none extends the time to attach.
+    while time.monotonic() - t0 < REQUEST_TIMEOUT + 8 and not closed:
+        try:
+            s.sendall(F.trainer_frame({"op": "info"}))
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    waited = time.monotonic() - t0
+    s.close()
+    assert closed, f"still open after {waited:.1f} s"
+    assert REQUEST_TIMEOUT - 0.5 <= waited <= REQUEST_TIMEOUT + 3, waited
+    frames = F.parse_trainer_frames(bytes(got))
+    assert any(isinstance(f, dict) and f.get("op") == "info" for f in frames), frames[:3]
+    last = frames[-1]
+    assert isinstance(last, dict) and last.get("code") == "timeout" and "no attach within" in last.get("message", ""), last
 
 
 def test_a_refused_trainer_that_trickles_bytes_is_closed_on_time(sw, tmp_path):
