@@ -163,13 +163,19 @@ impl Api {
             Next::Batch(b) => {
                 let (lease, epoch, index, shard) = (b.lease, b.epoch, b.index, b.shard);
                 let tensors: Arc<[TensorView]> = b.tensors.into();
-                self.leases.lock().expect("poisoned").insert(
-                    lease,
-                    Lease {
-                        stream: s.id,
-                        tensors: Arc::clone(&tensors),
-                    },
-                );
+                // Registered only while the stream is (under its lock): a `close` that ran
+                // meanwhile has purged the stream's leases, and would not see this one.
+                let streams = self.streams.lock().expect("poisoned");
+                if streams.contains_key(&s.id) {
+                    self.leases.lock().expect("poisoned").insert(
+                        lease,
+                        Lease {
+                            stream: s.id,
+                            tensors: Arc::clone(&tensors),
+                        },
+                    );
+                }
+                drop(streams);
                 Outcome::Batch(Delivered {
                     lease,
                     epoch,
