@@ -96,19 +96,37 @@ enum RxPath {
 
 /// Starts the receiver thread of an identified connection; it pins itself to its lane's CPUs
 /// and chooses its path first.
+/// A thread that cannot be made (out of threads or memory, a container's `pids.max`) fails
+/// the connection's payloads and ends its link's session, as a broken connection does: the
+/// fetches go elsewhere or wait for the next session, and the node goes on.
 pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
     let name = format!("sw-recv-{}-{}-{}", c.lane, c.link.index, c.conn);
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || {
-            if !setup.cpus.is_empty()
-                && let Err(e) = crate::lanes::affinity::pin_current(&setup.cpus)
-            {
-                tracing::warn!(lane = c.lane, conn = c.conn, error = %e, "cannot pin the receiver to its lane's CPUs; it runs anywhere");
+    // The connection goes to the thread once it runs, so a failed spawn still has it.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Conn, TcpStream, Setup)>(1);
+    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        let Ok((c, sock, setup)) = rx.recv() else {
+            return;
+        };
+        if !setup.cpus.is_empty()
+            && let Err(e) = crate::lanes::affinity::pin_current(&setup.cpus)
+        {
+            tracing::warn!(lane = c.lane, conn = c.conn, error = %e, "cannot pin the receiver to its lane's CPUs; it runs anywhere");
+        }
+        run_conn(sock, &setup, &c);
+    });
+    match spawned {
+        Ok(_) => {
+            if tx.send((c, sock, setup)).is_err() {
+                tracing::error!("a receiver thread ended before it was given its connection");
             }
-            run_conn(sock, &setup, &c);
-        })
-        .expect("spawn receiver thread");
+        }
+        Err(e) => {
+            let cause = RxError::io("spawning the receiver thread", &e);
+            tracing::error!(source = %c.link.addr, conn = c.conn, %cause, "cannot start a data connection's receiver; dropping it");
+            drop(sock);
+            broken([], &c.queue, &c.link, c.at(), cause);
+        }
+    }
 }
 
 /// A receiver thread's body: the path for its connection, then its payloads.
