@@ -173,6 +173,17 @@ def test_a_gpu_the_node_does_not_serve_is_refused_naming_it(sw, tmp_path, datase
     assert info["memory"] == "host" and [l["lane"] for l in info["lanes"]] == [0, 1], info
     with client.open_stream("ds") as s:
         assert s.next(60) is not None
+    # The torch dataset passes `device` on in shard mode too (it was dropped: the stream
+    # opened on "auto"), at epoch 0 and at a later epoch (through the probe).
+    pytest.importorskip("torch", reason="torch is installed by scripts/test")
+    from shardwire.torch import IterableDataset
+
+    for epoch in (0, 1):
+        ds = IterableDataset("ds", socket=node.socket, device="0000:99:00.0")
+        ds.set_epoch(epoch)
+        with pytest.raises(shardwire.ServiceError) as e:
+            next(iter(ds))
+        assert e.value.code == "unknown_device", (epoch, e.value)
 
 
 def test_a_version_2_node_is_refused_naming_both_versions(sw, dataset):

@@ -208,6 +208,30 @@ def test_http_mixture_equals_the_socket_and_states_cross(node):
         assert _batches(s, 4) == want[6:]
 
 
+def test_a_mixture_dataset_set_to_a_later_epoch_reads_that_epoch(node):
+    """shardwire.torch.IterableDataset over a mixture after set_epoch(1): the SDK moves a
+    probe's state (the schedule's start) to epoch 1, and the node plays the schedule to it,
+    so the batches are the second epoch of a two-epoch stream."""
+    pytest.importorskip("torch", reason="torch is installed by scripts/test")
+    from shardwire.torch import IterableDataset
+
+    mix = {"web": 0.7, "code": 0.3}
+    with shardwire.connect(node.socket).open_stream(mix, batch_size=8, seed=1, epochs=2) as s:
+        both = _batches(s)
+    per = (400 + 60) // 8
+    assert len(both) == 2 * per
+    ds = IterableDataset(mix, socket=node.socket, seed=1, batch_size=8)
+    ds.set_epoch(1)
+    got = [[int(i) for i in b["id"]] for b in ds]
+    assert got == both[per:]
+    # A state from the schedule's start moved past the stream is still refused.
+    with shardwire.connect(node.socket).open_stream(mix, batch_size=8, seed=1) as s:
+        st = s.state_dict()
+    with pytest.raises(shardwire.ServiceError) as e:
+        shardwire.connect(node.socket).open_stream(mix, batch_size=8, seed=1, epochs=2, state={**st, "epoch": 3, "index": 0})
+    assert e.value.code == "state_mismatch", e.value
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_a_token_mixture_exactly(sw, tmp_path, workers):
     """shardwire.torch.IterableDataset over a token-window mixture in torchdata's

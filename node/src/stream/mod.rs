@@ -338,12 +338,15 @@ impl Stream {
         self.state_at(self.kind.position(slot + 1))
     }
 
-    /// The state that resumes at stream position `pos`; a position past the last epoch (a
-    /// DataLoader worker's next slot when an epoch has fewer batches than workers) is the
-    /// end, which resumes to the end.
+    /// The state that resumes at stream position `pos`. After the last batch a DataLoader
+    /// worker's state names its first index in the epoch after (`epochs`, `worker`), which
+    /// resumes to nothing; where an epoch has fewer batches than workers that index would lie
+    /// past the epoch (or the next slot several epochs on), so the state names the epoch's
+    /// last index instead, which resumes to nothing just the same.
     pub fn state_at(&self, pos: u64) -> StreamState {
-        let end = self.kind.per_epoch() * u64::from(self.epochs);
-        self.kind.state_at(pos.min(end), &self.fingerprint)
+        let per = self.kind.per_epoch();
+        let last = (per * u64::from(self.epochs) + per).saturating_sub(1);
+        self.kind.state_at(pos.min(last), &self.fingerprint)
     }
 
     /// The stream position of (epoch, index).

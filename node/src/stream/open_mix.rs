@@ -87,6 +87,7 @@ pub fn mix_mode(
     let samples: Vec<u64> = orders.iter().map(|p| p.order.total()).collect();
     let base = resume_point(r, &q, &samples)?;
     let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
+    let mix = from_the_start(mix, r);
     if mix.steps == 0 {
         let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
         return Err(bad(
@@ -202,6 +203,34 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
             false => vec![0; n],
         },
     })
+}
+
+/// `mix` based at the state's position when the state's mixture point is the schedule's
+/// start while its position is later: the state of a stream that has delivered nothing (a
+/// probe's), moved to another epoch (`{epoch: e, index: 0}`, as the SDK's `set_epoch` and
+/// `open_at_epoch` do). The schedule from the start is played to that step (its weights are
+/// the state's: the same as a stream run from the start would have had).
+fn from_the_start(mix: Mixture, r: &StreamRequest) -> Mixture {
+    let Some(st) = r.state.as_ref() else {
+        return mix;
+    };
+    let at_start = mix.base.step == 0
+        && mix.base.cursors.iter().all(|&c| c == 0)
+        && mix.base.carry.iter().all(|&c| c == 0);
+    let pos = u64::from(st.epoch)
+        .saturating_mul(mix.steps)
+        .saturating_add(st.index);
+    // A position past the stream is refused by `resume_position` with the numbers.
+    if !at_start || pos == 0 || super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
+        return mix;
+    }
+    let point = mix.point(pos);
+    Mixture::new(
+        mix.parts,
+        mix.q,
+        (mix.batch_size, mix.world_size, mix.rank),
+        point,
+    )
 }
 
 /// Whether a dataset's resumed cursor (samples it has given) is one a schedule can reach and

@@ -157,12 +157,15 @@ def _tensor(region: np.ndarray | CudaRegion, v: TensorView, dt: np.dtype[Any] | 
         dt = _sized_dtype(v)
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
-    if isinstance(region, CudaRegion):
-        return region.tensor(v.offset, v.length, dt, v.shape)
-    # One constructor call: read-only because the region's buffer is. Its base is the byte
-    # array, which holds the mapping's buffer export (numpy does not hold one for an array
-    # made this way): while the tensor lives, the stream cannot unmap the region under it.
-    return Tensor(v.shape, dt, buffer=region, offset=v.offset)
+    try:
+        if isinstance(region, CudaRegion):
+            return region.tensor(v.offset, v.length, dt, v.shape)
+        # One constructor call: read-only because the region's buffer is. Its base is the
+        # byte array, which holds the mapping's buffer export (numpy does not hold one for an
+        # array made this way): while the tensor lives, the stream cannot unmap the region.
+        return Tensor(v.shape, dt, buffer=region, offset=v.offset)
+    except ValueError as e:  # a shape numpy cannot make (more than 64 dims, too big)
+        raise ProtocolError(f"tensor {v.name!r}: shape {list(v.shape)} of {dt} cannot be viewed: {e}") from e
 
 
 #: The request :meth:`Stream._send_next` records as in flight (its bytes are encoded apart).
@@ -887,3 +890,6 @@ class Stream(_StreamBase[Batch]):
             self._mmap.close()
         except BufferError:
             pass  # numpy views are alive: the mapping goes when the last one does
+        # Not kept by this object either way: a closed stream that stays referenced does not
+        # keep the mapping once its last view is gone.
+        self._region = self._mmap = None

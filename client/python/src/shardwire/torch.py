@@ -76,6 +76,7 @@ def open_at_epoch(
     rank: int = 0,
     world_size: int = 1,
     uneven: Uneven = "pad",
+    device: str | int | None = "auto",
 ) -> Stream:
     """Opens a stream that delivers epochs ``start_epoch .. start_epoch + epochs - 1``.
 
@@ -84,7 +85,7 @@ def open_at_epoch(
     short-lived probe stream to learn the plan's fingerprint, closes it, and resumes at
     ``{epoch: start_epoch, index: 0}``; the probe costs one attach and a little fetch-ahead.
     """
-    opts: dict[str, Any] = {"seed": seed, "rank": rank, "world_size": world_size, "uneven": uneven}
+    opts: dict[str, Any] = {"seed": seed, "rank": rank, "world_size": world_size, "uneven": uneven, "device": device}
     if start_epoch < 0:
         raise ValueError(f"start_epoch must be >= 0, not {start_epoch}")
     if start_epoch == 0:
@@ -270,14 +271,14 @@ class _DatasetMixin:
         if state is None:
             return open_at_epoch(
                 client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
-                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven,
+                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven, device=o.device,
             )
         # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's does; a
         # state saved after its last item (epoch + epochs, index 0) resumes to an empty stream.
         try:
             return client.open_stream(
                 self.dataset, epochs=self.epoch + o.epochs, seed=o.seed, rank=rank,
-                world_size=world, uneven=o.uneven, state=state,
+                world_size=world, uneven=o.uneven, state=state, device=o.device,
             )
         except ServiceError as e:
             if e.code != "state_mismatch":
