@@ -306,9 +306,11 @@ def test_closing_a_stream_unmaps_its_region_with_batches_built_ahead(tmp_path: p
     s = shardwire.connect(path).open_stream("d")
     first = s.next(timeout=10)
     assert first.index == 0 and s._conn.pending(), "two more replies came with it"
+    mapping = s._mmap
     del first
     s.close()
-    assert s._mmap.closed, "the region is unmapped"
+    assert mapping.closed, "the region is unmapped"
+    assert s._mmap is None and s.region is None, "and the stream keeps no reference to it"
     t.join(10)
     srv.close()
 

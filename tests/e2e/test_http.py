@@ -357,3 +357,73 @@ def test_json_answers_grow_with_their_bytes_not_their_claims():
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     assert _http._call(conn, "GET", "/v1/streams/1/state", None, 10).json() == {"a": 1}
     t.join(10)
+
+
+def test_a_tensor_download_refused_for_a_full_copy_budget_is_tried_again():
+    """A node whose copy budget stays full answers a tensor download `503` `unavailable` after
+    waiting for room: the SDK asks again (the node has moved past the batch, so failing it
+    would lose it), and gives up with that error only after COPY_ATTEMPTS. Against a small
+    HTTP server playing the node."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from shardwire import _http
+
+    def serve(refusals: int):
+        seen: list[str] = []
+
+        class Node(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def answer(self, status: int, body: bytes, kind: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                seen.append(f"POST {self.path.split('?')[0]}")
+                if self.path == "/v1/streams":
+                    v = {"stream": 1, "batches_per_epoch": 1, "epochs": 1, "state": {}, "idle_timeout_s": 300}
+                    return self.answer(201, json.dumps(v).encode())
+                if self.path.startswith("/v1/streams/1/next"):
+                    v = {"lease": 7, "epoch": 0, "index": 0, "shard": 0,
+                         "tensors": [{"name": "x", "dtype": "uint8", "shape": [4], "offset": 0, "length": 4}]}
+                    return self.answer(200, json.dumps(v).encode())
+                if self.path == "/v1/leases/7/release":
+                    return self.answer(200, b'{"released": true}')
+                return self.answer(200, b"{}")
+
+            def do_GET(self):
+                if self.path == "/healthz":
+                    return self.answer(200, b"ok", "text/plain")
+                seen.append(f"GET {self.path}")
+                if sum(s.startswith("GET ") for s in seen) <= refusals:
+                    return self.answer(503, b'{"code": "unavailable", "message": "the copy budget stayed full for 10 s"}')
+                return self.answer(200, b"\x01\x02\x03\x04", "application/octet-stream")
+
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), Node)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv, seen
+
+    srv, seen = serve(refusals=2)
+    try:
+        s = shardwire.connect_http(f"http://127.0.0.1:{srv.server_address[1]}").open_stream("d")
+        b = s.next(timeout=10)
+        assert b is not None and list(b["x"]) == [1, 2, 3, 4]
+        assert seen.count("GET /v1/leases/7/tensors/x") == 3 and seen.count("POST /v1/leases/7/release") == 1, seen
+    finally:
+        srv.shutdown()
+    srv, seen = serve(refusals=1000)
+    try:
+        s = shardwire.connect_http(f"http://127.0.0.1:{srv.server_address[1]}").open_stream("d")
+        with pytest.raises(shardwire.ServiceError) as e:
+            s.next(timeout=10)
+        assert e.value.code == "unavailable", e.value
+        assert seen.count("GET /v1/leases/7/tensors/x") == _http.COPY_ATTEMPTS, seen
+    finally:
+        srv.shutdown()

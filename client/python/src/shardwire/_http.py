@@ -33,6 +33,8 @@ __all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
 POLL_MS = 30_000
 #: Socket timeout of requests that do not wait on the stream, in seconds.
 IO_TIMEOUT = 120.0
+#: Downloads of one tensor while the node's copy budget stays full (each waits 10 s there).
+COPY_ATTEMPTS = 6
 
 # A kept-alive connection the server closed while idle fails the next request with one of
 # these before any answer; the request is then sent again on a fresh connection.
@@ -300,7 +302,7 @@ class HttpStream(_StreamBase[HttpBatch]):
                 if math.prod(tv.shape) * dt.itemsize != tv.length:
                     raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
                 path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
-                r = self._request("GET", path, IO_TIMEOUT, into=tv.length)
+                r = self._get_tensor(path, tv.length)
                 if r.status != 200:
                     raise r.error()
                 if len(r.body) != tv.length:
@@ -317,6 +319,20 @@ class HttpStream(_StreamBase[HttpBatch]):
         if r.status != 200:
             raise r.error()
         return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
+
+    def _get_tensor(self, path: str, length: int) -> Any:
+        """A tensor's download. The node's copy budget full (`503` `unavailable`, after it
+        waited 10 s for room: other clients read slowly) is tried again, up to
+        COPY_ATTEMPTS times in all: failing the batch would lose it, since the node has
+        moved past it."""
+        for _ in range(COPY_ATTEMPTS - 1):
+            r = self._request("GET", path, IO_TIMEOUT, into=length)
+            if r.status != 503:
+                return r
+            e = r.error()
+            if not isinstance(e, ServiceError) or e.code != "unavailable":
+                return r
+        return self._request("GET", path, IO_TIMEOUT, into=length)
 
     def _state(self) -> dict[str, Any]:
         r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT)
