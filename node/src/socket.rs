@@ -242,6 +242,14 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
                 break;
             }
             Err(FrameIoError::Closed) => break,
+            // Unattached, the wait for a request ends at the attach deadline.
+            Err(FrameIoError::Timeout {
+                phase: ReadPhase::Idle,
+                ..
+            }) if c.stream.is_none() => {
+                c.attach_late(request);
+                break;
+            }
             Err(e) => {
                 c.read_failed(&e);
                 break;

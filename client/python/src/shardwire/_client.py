@@ -606,9 +606,11 @@ class Stream(_StreamBase[Batch]):
                 too); later calls raise code ``"closed"`` naming the reply's fault.
 
         A KeyboardInterrupt (or another exception raised into the wait, e.g. by a signal
-        handler) consumes nothing: the stream stays usable, the previous batch stays the
-        trainer's (released with a later request), and a request already sent stays in flight
-        for a later ``next`` to take its answer.
+        handler) consumes nothing: the stream stays usable and a request already sent stays in
+        flight for a later ``next`` to take its answer. The previous batch stays the trainer's
+        (released with a later request) unless this call sent a request of its own (the first
+        call, one after a timeout, or while batches are kept), which carried its release, as
+        for a timeout: ``keep()`` it first to go on using it.
         """
         return super().next(timeout)
 
