@@ -275,27 +275,7 @@ impl Stream {
                 tensors,
                 ..
             } => {
-                if let Err(e) = check_tensors(&tensors, self.region.len()) {
-                    return Err(self.broke(e));
-                }
-                let b = Batch {
-                    lease,
-                    epoch,
-                    index,
-                    shard,
-                    tensors,
-                    region: Arc::clone(&self.region),
-                    dropped: Some(Arc::clone(&self.dropped)),
-                };
-                self.held += 1;
-                if ahead && !more {
-                    // Ahead of time. Answers to releases sent behind the one just finished
-                    // are read, in order, before this one's. A connection lost by now does
-                    // not cost this batch, which came whole: the next call returns the error.
-                    if let Err(e) = self.send_next(NEXT_COUNT, None) {
-                        self.lost = Some(e);
-                    }
-                }
+                let b = self.hand_out((lease, epoch, index, shard), tensors, ahead && !more)?;
                 Ok(Some(b))
             }
             Response::End => {
@@ -308,6 +288,36 @@ impl Stream {
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             other => Err(unexpected("next", &other)),
         }
+    }
+
+    /// The batch of an answer (lease, epoch, index, shard) for the caller, its tensors checked
+    /// against the region; `ask_ahead`: the next request goes out now, ahead of time.
+    fn hand_out(
+        &mut self,
+        (lease, epoch, index, shard): (u64, u32, u64, u32),
+        tensors: Vec<trainer::TensorView>,
+        ask_ahead: bool,
+    ) -> Result<Batch, ClientError> {
+        if let Err(e) = check_tensors(&tensors, self.region.len()) {
+            return Err(self.broke(e));
+        }
+        let b = Batch {
+            lease,
+            epoch,
+            index,
+            shard,
+            tensors,
+            region: Arc::clone(&self.region),
+            dropped: Some(Arc::clone(&self.dropped)),
+        };
+        self.held += 1;
+        // Answers to releases sent behind the request just finished are read, in order,
+        // before the next one's. A connection lost by now does not cost this batch, which
+        // came whole: the next call returns the error.
+        if ask_ahead && let Err(e) = self.send_next(NEXT_COUNT, None) {
+            self.lost = Some(e);
+        }
+        Ok(b)
     }
 
     /// At the end of the stream: nothing follows to carry the deferred releases, so one

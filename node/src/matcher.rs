@@ -140,9 +140,8 @@ impl<S, E> Matcher<S, E> {
                 .and_then(|a| self.accepted.remove(&a).map(|(s, _, _)| (a, s))),
             false => None,
         };
-        if let Some((old, _, _)) = self.accepted.insert(peer, (sock, local, now)) {
-            drop(old); // the same peer address again: its earlier connection is gone
-        }
+        // The same peer address again: its earlier connection is gone, and closes here.
+        self.accepted.insert(peer, (sock, local, now));
         Accepted::Held(evicted)
     }
 

@@ -216,45 +216,12 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
     };
     // The request timeout from connect to `attach`, whatever comes before it (an `info`, or
     // requests answered `not_attached`, do not extend it).
-    let attach_by = Instant::now() + request;
-    loop {
-        // Before `attach` what is left of that time; attached, the idle timeout.
-        let limits = ReadLimits {
-            idle: match c.stream {
-                Some(_) => idle,
-                None => {
-                    let left = attach_by.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        c.attach_late(request);
-                        break;
-                    }
-                    Some(left)
-                }
-            },
-            frame: request,
-        };
-        // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
-        let req = match reader.read_data_timed(&c.sock, limits).map(Request::decode) {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
-                let _ = reply(&c.sock, &error(ErrorCode::BadRequest, e.to_string()), &[]);
-                break;
-            }
-            Err(FrameIoError::Closed) => break,
-            // Unattached, the wait for a request ends at the attach deadline.
-            Err(FrameIoError::Timeout {
-                phase: ReadPhase::Idle,
-                ..
-            }) if c.stream.is_none() => {
-                c.attach_late(request);
-                break;
-            }
-            Err(e) => {
-                c.read_failed(&e);
-                break;
-            }
-        };
+    let waits = Waits {
+        request,
+        idle,
+        attach_by: Instant::now() + request,
+    };
+    while let Some(req) = c.read_request(&mut reader, &waits) {
         let t = Instant::now();
         let is_next = matches!(req, Request::Next { .. });
         let sent = c.handle(req);
@@ -286,7 +253,66 @@ impl Drop for Conn<'_> {
     }
 }
 
+/// How long a trainer connection's reads may wait.
+struct Waits {
+    /// For a request frame once started, and from connect to `attach`.
+    request: Duration,
+    /// For the next request once attached (None: no limit).
+    idle: Option<Duration>,
+    /// When an unattached connection is closed.
+    attach_by: Instant,
+}
+
 impl Conn<'_> {
+    /// The trainer's next request; None when the connection ends (closed, malformed, or out
+    /// of time: answered with the reason where there is one). Before `attach` the wait ends
+    /// at the attach deadline; attached, after the idle timeout.
+    fn read_request(&mut self, reader: &mut fdpass::FrameReader, w: &Waits) -> Option<Request> {
+        let idle = match self.stream {
+            Some(_) => w.idle,
+            None => {
+                let left = w.attach_by.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    self.attach_late(w.request);
+                    return None;
+                }
+                Some(left)
+            }
+        };
+        let limits = ReadLimits {
+            idle,
+            frame: w.request,
+        };
+        // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
+        match reader
+            .read_data_timed(&self.sock, limits)
+            .map(Request::decode)
+        {
+            Ok(Ok(r)) => Some(r),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
+                let _ = reply(
+                    &self.sock,
+                    &error(ErrorCode::BadRequest, e.to_string()),
+                    &[],
+                );
+                None
+            }
+            Err(FrameIoError::Closed) => None,
+            Err(FrameIoError::Timeout {
+                phase: ReadPhase::Idle,
+                ..
+            }) if self.stream.is_none() => {
+                self.attach_late(w.request);
+                None
+            }
+            Err(e) => {
+                self.read_failed(&e);
+                None
+            }
+        }
+    }
+
     /// Closes a connection that has not attached within the request timeout, saying so.
     fn attach_late(&self, request: Duration) {
         metrics::counter!("shardwire_trainer_timeouts_total", "phase" => "request").increment(1);

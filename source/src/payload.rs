@@ -42,8 +42,7 @@ impl Payload {
         let out = Arc::clone(&slot);
         let task = tokio::spawn(async move {
             let started = std::time::Instant::now();
-            let d = Arc::clone(wanted.dataset());
-            let got = d.get(session, wanted).await;
+            let got = wanted.get(session).await;
             let outcome = match got {
                 Ok((body, served)) => {
                     let how = match served {

@@ -368,18 +368,7 @@ impl Store {
                     etag: asked.to_owned(),
                 });
             }
-            // What the store says it sends must be what was asked (a suffix: at most `n`).
-            let sent = res.range.clone();
-            let expect = match &want {
-                Want::Range(r) if sent != *r => {
-                    return Err(short(r.clone(), sent.end - sent.start));
-                }
-                Want::Range(r) => r.clone(),
-                Want::Suffix(n) if sent.end - sent.start > *n => {
-                    return Err(short(sent.clone(), sent.end - sent.start));
-                }
-                Want::Suffix(_) => sent,
-            };
+            let expect = expected(&want, res.range.clone()).map_err(|(r, got)| short(r, got))?;
             let len = expect.end - expect.start;
             let mut stream = res.into_stream();
             let mut got = 0u64;
@@ -495,6 +484,19 @@ impl Store {
 enum Want {
     Range(Range<u64>),
     Suffix(u64),
+}
+
+/// The range a GET of `want` must deliver, from the range the store says it sends: exactly
+/// the range asked, or for a suffix at most `n` bytes. Err: (the range, the bytes said) for
+/// a short or wrong answer.
+fn expected(want: &Want, sent: Range<u64>) -> Result<Range<u64>, (Range<u64>, u64)> {
+    let said = sent.end - sent.start;
+    match want {
+        Want::Range(r) if sent != *r => Err((r.clone(), said)),
+        Want::Range(r) => Ok(r.clone()),
+        Want::Suffix(n) if said > *n => Err((sent, said)),
+        Want::Suffix(_) => Ok(sent),
+    }
 }
 
 /// The chunks of one body as one buffer (no copy when it came in one chunk).

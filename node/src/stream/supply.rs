@@ -412,9 +412,8 @@ impl Fetches {
             }
         }
         // The paused ones go back ahead of what was not tried, in their order.
-        while let Some(p) = later.pop_back() {
-            self.waiting.push_front(p);
-        }
+        later.append(&mut self.waiting);
+        self.waiting = later;
         out
     }
 

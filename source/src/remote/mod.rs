@@ -192,22 +192,18 @@ impl RemoteDataset {
         }
     }
 
-    /// The verified bytes of the shard `wanted` (from [`Self::want`] on this dataset) names,
-    /// for node session `session`.
-    pub(crate) async fn get(
+    /// The verified bytes of the shard FETCH `wanted` (of this dataset: [`Wanted::get`])
+    /// names, for node session `session`.
+    async fn get(
         self: &Arc<Self>,
         session: u64,
-        mut wanted: Wanted,
+        wanted: &mut Wanted,
     ) -> Result<(Body, Served), Failure> {
-        debug_assert!(
-            Arc::ptr_eq(self, &wanted.dataset),
-            "a FETCH of another dataset"
-        );
         let shard = wanted.shard;
         self.recheck_if_asked_again(session, shard);
         let mut waited = false;
         loop {
-            if let Some(parts) = self.take_ready(&mut wanted) {
+            if let Some(parts) = self.take_ready(wanted) {
                 let how = if waited {
                     Served::Read
                 } else {
@@ -524,6 +520,12 @@ impl Wanted {
     /// The dataset the FETCH reads.
     pub(crate) fn dataset(&self) -> &Arc<RemoteDataset> {
         &self.dataset
+    }
+
+    /// The verified bytes of the FETCH's shard, for node session `session`.
+    pub(crate) async fn get(mut self, session: u64) -> Result<(Body, Served), Failure> {
+        let d = Arc::clone(&self.dataset);
+        d.get(session, &mut self).await
     }
 }
 

@@ -179,7 +179,7 @@ fn fetch(d: &Arc<RemoteDataset>, session: u64, shard: u32) -> Fetch {
     let d = Arc::clone(d);
     tokio::spawn(async move {
         let w = d.want(session, shard);
-        d.get(session, w).await
+        w.get(session).await
     })
 }
 
@@ -345,7 +345,7 @@ async fn bytes_read_ahead_for_a_fetch_still_queued_stay_when_a_new_hint_leaves_i
         assert!(st.ready.contains_key(&1), "the queued FETCH's shard stays");
         assert_eq!(st.ready_bytes, SHARD);
     }
-    let (body, how) = d.get(1, queued).await.expect("served");
+    let (body, how) = queued.get(1).await.expect("served");
     assert_eq!(how, Served::Prefetched);
     assert_eq!(bytes_of(&body), vec![1u8; SHARD as usize]);
     assert_eq!(os.asked.load(Ordering::SeqCst), 0, "no GET");
