@@ -186,10 +186,10 @@ impl Stream {
     /// before returning, so the node answers while the caller works on the batch. Besides the
     /// batch in hand, the node then holds up to `NEXT_COUNT` leases for this stream; closing
     /// the stream (dropping it) releases them, also while that request waits for data (the
-    /// node looks for a closed connection every second while it waits). Nothing is asked for
-    /// ahead while the caller holds other batches (taken with [`Stream::next`] and not
-    /// released): they may fill the stream's memory, and a release sent behind a waiting
-    /// request would wait with it.
+    /// node looks at the connection about every 100 ms while it waits, and applies releases
+    /// sent behind the request then). Nothing is asked for ahead while the caller holds other
+    /// batches (taken with [`Stream::next`] and not released): they may fill the stream's
+    /// memory, and the batches asked for would then wait for the caller's releases.
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
         self.held = self.held.saturating_sub(1);
         self.deferred.push(done.into_lease());

@@ -181,6 +181,15 @@ struct Conn<'a> {
     batch_state: bool,
     /// How the attach asked for batch replies to be encoded.
     batch_encoding: BatchEncoding,
+    reader: fdpass::FrameReader,
+    waits: Waits,
+    /// A request read while a `next` waited (anything but a release): handled next.
+    ahead: Option<Request>,
+    /// Answers to releases applied while a `next` waited: sent after its answer, in order.
+    after: Vec<Response>,
+    /// The trainer shut down its writing while a `next` waited: nothing more to read (it still
+    /// gets its answers).
+    eof: bool,
 }
 
 fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
@@ -204,7 +213,6 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
         tracing::warn!(error = %e, "cannot set the trainer socket's write timeout");
         return;
     }
-    let mut reader = fdpass::FrameReader::new();
     let mut c = Conn {
         node,
         sock,
@@ -213,15 +221,19 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
         released: Vec::new(),
         batch_state: false,
         batch_encoding: BatchEncoding::Json,
+        reader: fdpass::FrameReader::new(),
+        // The request timeout from connect to `attach`, whatever comes before it (an `info`,
+        // or requests answered `not_attached`, do not extend it).
+        waits: Waits {
+            request,
+            idle,
+            attach_by: Instant::now() + request,
+        },
+        ahead: None,
+        after: Vec::new(),
+        eof: false,
     };
-    // The request timeout from connect to `attach`, whatever comes before it (an `info`, or
-    // requests answered `not_attached`, do not extend it).
-    let waits = Waits {
-        request,
-        idle,
-        attach_by: Instant::now() + request,
-    };
-    while let Some(req) = c.read_request(&mut reader, &waits) {
+    while let Some(req) = c.read_request() {
         let t = Instant::now();
         let is_next = matches!(req, Request::Next { .. });
         let sent = c.handle(req);
@@ -267,28 +279,42 @@ impl Conn<'_> {
     /// The trainer's next request; None when the connection ends (closed, malformed, or out
     /// of time: answered with the reason where there is one). Before `attach` the wait ends
     /// at the attach deadline; attached, after the idle timeout.
-    fn read_request(&mut self, reader: &mut fdpass::FrameReader, w: &Waits) -> Option<Request> {
+    fn read_request(&mut self) -> Option<Request> {
+        if let Some(r) = self.ahead.take() {
+            return Some(r);
+        }
         let idle = match self.stream {
-            Some(_) => w.idle,
+            Some(_) => self.waits.idle,
             None => {
-                let left = w.attach_by.saturating_duration_since(Instant::now());
+                let left = self
+                    .waits
+                    .attach_by
+                    .saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    self.attach_late(w.request);
+                    self.attach_late(self.waits.request);
                     return None;
                 }
                 Some(left)
             }
         };
+        self.read_frame(idle).ok()
+    }
+
+    /// Reads one request, waiting up to `idle` for it to start. Err(Ended::Eof): the trainer
+    /// closed its connection (or its writing); Err(Ended::Failed): malformed or out of time,
+    /// answered with the reason.
+    fn read_frame(&mut self, idle: Option<Duration>) -> Result<Request, Ended> {
         let limits = ReadLimits {
             idle,
-            frame: w.request,
+            frame: self.waits.request,
         };
         // Trainers send no fds: a plain recv (the kernel closes any that come anyway).
-        match reader
+        match self
+            .reader
             .read_data_timed(&self.sock, limits)
             .map(Request::decode)
         {
-            Ok(Ok(r)) => Some(r),
+            Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "malformed trainer request; dropping the connection");
                 let _ = reply(
@@ -296,21 +322,49 @@ impl Conn<'_> {
                     &error(ErrorCode::BadRequest, e.to_string()),
                     &[],
                 );
-                None
+                Err(Ended::Failed)
             }
-            Err(FrameIoError::Closed) => None,
+            Err(FrameIoError::Closed) => Err(Ended::Eof),
             Err(FrameIoError::Timeout {
                 phase: ReadPhase::Idle,
                 ..
             }) if self.stream.is_none() => {
-                self.attach_late(w.request);
-                None
+                self.attach_late(self.waits.request);
+                Err(Ended::Failed)
             }
             Err(e) => {
                 self.read_failed(&e);
-                None
+                Err(Ended::Failed)
             }
         }
+    }
+
+    /// While a `next` of stream `s` waits ([`wait::next_batch`]): a trainer that closed its
+    /// connection, or sent a malformed request, ends it; releases that came behind it are
+    /// applied now (their slabs freed: the batch may be waiting for that memory), their answers
+    /// sent after its own; the first other request is kept for its turn, and nothing after it
+    /// is read until then.
+    fn look(&mut self, s: &Stream) -> wait::Peer {
+        if wait::hung_up(&self.sock) {
+            return wait::Peer::Gone;
+        }
+        while !self.eof
+            && self.ahead.is_none()
+            && (self.reader.has_frame() || wait::readable(&self.sock))
+        {
+            match self.read_frame(Some(self.waits.request)) {
+                Ok(Request::Release { lease }) => {
+                    let (answer, slab) = release(s, lease);
+                    drop(slab);
+                    self.after.push(answer);
+                }
+                Ok(other) => self.ahead = Some(other),
+                // It still reads: it gets its answers, then the connection ends.
+                Err(Ended::Eof) => self.eof = true,
+                Err(Ended::Failed) => return wait::Peer::Gone,
+            }
+        }
+        wait::Peer::Here
     }
 
     /// Closes a connection that has not attached within the request timeout, saying so.
@@ -370,28 +424,23 @@ impl Conn<'_> {
                     }
                 } else {
                     let timeout = timeout_ms.map(Duration::from_millis);
-                    let Some(n) = wait::next_batch(&s, &self.sock, timeout, &mut self.released)
-                    else {
+                    let mut released = std::mem::take(&mut self.released);
+                    let n = wait::next_batch(&s, timeout, &mut released, || self.look(&s));
+                    self.released = released;
+                    let Some(n) = n else {
                         // The trainer hung up while its request waited: close the stream.
                         return Err(FrameIoError::Closed);
                     };
                     let first = next_response(n, self.batch_state.then_some(&*s));
-                    return self.send_with_ready(&s, first, count);
+                    self.send_with_ready(&s, first, count)?;
+                    return self.send_after();
                 }
             }
-            Request::Release { lease } => match s.take_lease(lease) {
-                Some(slab) => {
-                    self.released.push(slab);
-                    Response::Released
-                }
-                None => match s.closed_reason() {
-                    Some(why) => error(why.code(), why.to_string()),
-                    None => error(
-                        ErrorCode::UnknownLease,
-                        format!("lease {lease} is not held by this stream"),
-                    ),
-                },
-            },
+            Request::Release { lease } => {
+                let (answer, slab) = release(&s, lease);
+                self.released.extend(slab);
+                answer
+            }
             Request::State => Response::State { state: s.state() },
         };
         self.send(&r)
@@ -438,6 +487,18 @@ impl Conn<'_> {
     }
 
     /// Encodes `r` into the connection's frame buffer and sends it in one write.
+    /// Sends the answers of the releases applied while the last `next` waited.
+    fn send_after(&mut self) -> Result<(), FrameIoError> {
+        if self.after.is_empty() {
+            return Ok(());
+        }
+        self.frame.clear();
+        for r in self.after.drain(..) {
+            r.encode_as(self.batch_encoding, &mut self.frame);
+        }
+        fdpass::send_frame(&self.sock, &self.frame, &[])
+    }
+
     fn send(&mut self, r: &Response) -> Result<(), FrameIoError> {
         self.frame.clear();
         r.encode_as(self.batch_encoding, &mut self.frame);
@@ -532,6 +593,33 @@ fn unknown_leases(unknown: &[u64], of: usize) -> String {
         "lease(s) {named:?}{more} are not held by this stream; the other {} of the {of} released were released",
         of - unknown.len()
     )
+}
+
+/// How reading a trainer's request ended without one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// The trainer closed its connection (or its writing).
+    Eof,
+    /// A malformed request, or one out of time: answered with the reason.
+    Failed,
+}
+
+/// The answer to a release of `lease` of stream `s`, and the slab it frees (the caller decides
+/// when: freeing takes the region's locks).
+fn release(s: &Stream, lease: u64) -> (Response, Option<Arc<Slab>>) {
+    match s.take_lease(lease) {
+        Some(slab) => (Response::Released, Some(slab)),
+        None => match s.closed_reason() {
+            Some(why) => (error(why.code(), why.to_string()), None),
+            None => (
+                error(
+                    ErrorCode::UnknownLease,
+                    format!("lease {lease} is not held by this stream"),
+                ),
+                None,
+            ),
+        },
+    }
 }
 
 /// A blocking socket call that ran out its `SO_SNDTIMEO`/`SO_RCVTIMEO`.

@@ -115,6 +115,19 @@ impl FrameReader {
         Self::default()
     }
 
+    /// True when a whole frame (or a length prefix the next read refuses) is buffered: the
+    /// next read returns without a syscall, whether the socket is readable or not.
+    pub fn has_frame(&self) -> bool {
+        let avail = self.end - self.start;
+        avail >= 4
+            && trainer::check_len(
+                self.buf[self.start..self.start + 4]
+                    .try_into()
+                    .expect("4 bytes"),
+            )
+            .map_or(true, |len| avail >= 4 + len)
+    }
+
     /// The next frame's body (valid until the next call); fds that came with it are pushed.
     pub fn read<'a>(
         &'a mut self,
@@ -292,6 +305,30 @@ mod tests {
         );
         drop(writer.join().unwrap().unwrap());
         assert!(matches!(r.read(&b, &mut fds), Err(FrameIoError::Closed)));
+    }
+
+    #[test]
+    fn has_frame_says_whether_a_whole_frame_is_buffered() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut frame = Vec::new();
+        trainer::encode(&trainer::Request::State, &mut frame);
+        let mut r = FrameReader::new();
+        assert!(!r.has_frame());
+        // Two frames in one write: the first read buffers both.
+        let two = [frame.clone(), frame.clone()].concat();
+        (&a).write_all(&two).unwrap();
+        r.read_data(&b).unwrap();
+        assert!(r.has_frame(), "the second frame came with the first");
+        r.read_data(&b).unwrap();
+        assert!(!r.has_frame());
+        // A frame and most of the next: the rest of it is not a frame yet.
+        let (head, tail) = frame.split_at(frame.len() - 1);
+        (&a).write_all(&[frame.as_slice(), head].concat()).unwrap();
+        r.read_data(&b).unwrap();
+        assert!(!r.has_frame(), "part of a frame is buffered");
+        (&a).write_all(tail).unwrap();
+        r.read_data(&b).unwrap();
+        assert!(!r.has_frame());
     }
 
     #[test]

@@ -13,6 +13,8 @@ import mmap
 import os
 import socket
 import stat
+import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -177,6 +179,9 @@ _NEXT = {"op": "next"}
 _NEXT_COUNT = 8
 #: How much longer than a `next` timeout the SDK waits for the node's own `timeout` answer.
 _NODE_TIMEOUT_SLACK = 5.0
+#: How often a `next` that waits while batches are kept sends the releases other threads
+#: handed it (see `Stream._release`), and how often such a release looks for that wait.
+_HANDOFF_POLL = 0.1
 #: Why a stream whose connection was lost is closed (later calls raise ``closed`` saying so).
 _LOST = "the connection to the node service was lost"
 
@@ -383,7 +388,10 @@ class Stream(_StreamBase[Batch]):
     Iterating (``for batch in stream``) calls :meth:`next` until the stream ends. Taking a
     batch releases the previous one unless it was kept (see :class:`Batch`). Methods are
     thread-safe (one request at a time on the connection), but batches come in one order:
-    iterate from one thread.
+    iterate from one thread. A kept batch may be released from another thread while
+    :meth:`next` waits (for instance for the memory that batch holds): the waiting call sends
+    the release behind its request at once, and the service applies it while the request
+    waits.
 
     **Ahead of time.** As soon as :meth:`next` returns a batch, the stream asks the service for
     the following one (releasing the previous batch in the same request), so the service
@@ -423,9 +431,17 @@ class Stream(_StreamBase[Batch]):
         self._resume: dict[str, Any] = dict(info.state)
         self._resume_raw: bytes | None = None
         #: Leases of kept batches not yet released: while there are any, no batch is asked
-        #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and a
-        #: release sent behind a waiting request would wait with it).
+        #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and
+        #: the batches asked for would wait for its releases).
         self._kept_leases: set[int] = set()
+        #: Leases of kept batches another thread released while a `next` of this stream waited
+        #: (`_release`): that call sends them behind its request, or the next request carries
+        #: them (`_drain_dropped`).
+        self._released_elsewhere: deque[int] = deque()
+        #: True while a `next` waits with batches kept (`_next_answer_polling`).
+        self._waiting = False
+        #: Marks a batch released once, whichever thread releases it.
+        self._mark = threading.Lock()
         #: Leases of kept batches garbage-collected before release() (appended by their
         #: finalizers, at any moment): released with the next request (`_drain_dropped`).
         self._dropped: deque[int] = deque()
@@ -662,17 +678,57 @@ class Stream(_StreamBase[Batch]):
     def _next_answer(self, wait: float | None, timeout: float | None) -> dict[str, Any]:
         """The next answer to the `next` in flight, after those to the releases sent before
         it; Timeout (naming `timeout`) if none came within `wait` (it stays in flight)."""
+        if self._kept_leases:
+            return self._next_answer_polling(wait, timeout)
         while True:
             reply = self._read(wait)
             if reply is None:
                 raise self._timeout(timeout)
-            op, msg = reply
-            if op == "next":
-                if msg.get("more"):
-                    self._inflight.appendleft("next")  # the same request answers again
+            if (msg := self._next_reply(reply)) is not None:
                 return msg
-            if msg["op"] != "released":
-                raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
+
+    def _next_answer_polling(self, wait: float | None, timeout: float | None) -> dict[str, Any]:
+        """`_next_answer` while batches are kept: another thread may release one, and the
+        request may be waiting for the memory it holds. Every ``_HANDOFF_POLL`` s the releases
+        handed over meanwhile (`_release`) are sent behind the request; the service applies
+        them while the request waits."""
+        deadline = None if wait is None else time.monotonic() + wait
+        self._waiting = True
+        try:
+            while True:
+                if self._released_elsewhere:
+                    self._drain_dropped()
+                    self._send_pending()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._timeout(timeout)
+                reply = self._read(_HANDOFF_POLL if left is None else min(left, _HANDOFF_POLL))
+                if reply is not None and (msg := self._next_reply(reply)) is not None:
+                    return msg
+        finally:
+            self._waiting = False
+
+    def _next_reply(self, reply: tuple[str, dict[str, Any]]) -> dict[str, Any] | None:
+        """The answer `reply` if it answers the `next` in flight; None for the answer to a
+        release sent before it (an error among those raises)."""
+        op, msg = reply
+        if op == "next":
+            if msg.get("more"):
+                self._inflight.appendleft("next")  # the same request answers again
+            return msg
+        if msg["op"] != "released":
+            raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
+        return None
+
+    def _send_pending(self) -> None:
+        """Sends the releases that wait for a request as requests of their own, behind the
+        `next` in flight (their answers come after its own)."""
+        if not self._pending:
+            return
+        self._gpu_done()
+        for lease in self._pending:
+            self._send({"op": "release", "lease": lease})
+        self._pending.clear()
 
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
@@ -767,8 +823,15 @@ class Stream(_StreamBase[Batch]):
             self._pending.append(lease)
 
     def _drain_dropped(self) -> None:
-        """Kept batches garbage-collected before release(): their leases go with the next
-        request, and no longer keep the stream from asking ahead."""
+        """Kept batches garbage-collected before release(), or released from another thread
+        while this stream was busy: their leases go with the next request, and no longer keep
+        the stream from asking ahead."""
+        while self._released_elsewhere:
+            lease = self._released_elsewhere.popleft()
+            self._kept_leases.discard(lease)
+            if self._held is not None and self._held.lease == lease:
+                self._held = None  # its release is this one
+            self._pending.append(lease)
         while self._dropped:
             lease = self._dropped.popleft()
             if lease not in self._kept_leases:
@@ -819,30 +882,56 @@ class Stream(_StreamBase[Batch]):
             self._lost = e.with_traceback(None)  # its frames would hold this stream
 
     def _release(self, batch: Batch) -> None:
-        with self._lock:
-            # Checked and marked under the lock: a `next` in another thread may be releasing
-            # it automatically (a lease released twice would be refused as unknown).
+        # A `next` in another thread may wait, holding the stream, for the memory a kept batch
+        # holds: while it does, it takes the release over (`_next_answer_polling`).
+        while not self._lock.acquire(timeout=_HANDOFF_POLL):
+            if batch._kept and self._waiting:
+                self._hand_over(batch)
+                return
+        try:
+            self._release_locked(batch)
+        finally:
+            self._lock.release()
+
+    def _hand_over(self, batch: Batch) -> None:
+        """Releases kept `batch` through the `next` that waits in another thread (it sends the
+        release, after the GPU work queued so far, see `_send_pending`)."""
+        with self._mark:
             if batch._released:
                 return
-            if not self._closed:
-                # What can fail goes before the batch is marked: an error answer to an earlier
-                # release, the GPU's wait (it would leave the lease marked and never sent).
-                if "next" not in self._inflight:
-                    self._settle()
-                self._gpu_done()
             batch._released = True
-            self._kept_leases.discard(batch.lease)
-            if batch._on_drop is not None:
-                batch._on_drop.detach()
-            if self._closed:
-                return  # closing the connection released it
-            if self._held is not None and self._held.ref() is batch:
-                self._held = None
-            if "next" in self._inflight:
-                # Behind the request in flight: its answer is read when it comes.
-                self._send({"op": "release", "lease": batch.lease})
+        if batch._on_drop is not None:
+            batch._on_drop.detach()
+        self._released_elsewhere.append(batch.lease)
+
+    def _release_locked(self, batch: Batch) -> None:
+        if batch._released:
+            return
+        if not self._closed:
+            # What can fail goes before the batch is marked: an error answer to an earlier
+            # release, the GPU's wait (it would leave the lease marked and never sent).
+            if "next" not in self._inflight:
+                self._settle()
+            self._gpu_done()
+        with self._mark:
+            # Checked and marked here: a `next` in another thread may be releasing it
+            # automatically, or may have taken it over (a lease released twice would be
+            # refused as unknown).
+            if batch._released:
                 return
-            self._reply({"op": "release", "lease": batch.lease}, "released")
+            batch._released = True
+        self._kept_leases.discard(batch.lease)
+        if batch._on_drop is not None:
+            batch._on_drop.detach()
+        if self._closed:
+            return  # closing the connection released it
+        if self._held is not None and self._held.ref() is batch:
+            self._held = None
+        if "next" in self._inflight:
+            # Behind the request in flight: its answer is read when it comes.
+            self._send({"op": "release", "lease": batch.lease})
+            return
+        self._reply({"op": "release", "lease": batch.lease}, "released")
 
     def _gpu_done(self) -> None:
         """Before a CUDA batch is released: wait for the GPU work queued so far, which may
@@ -880,6 +969,7 @@ class Stream(_StreamBase[Batch]):
         self._held = None
         self._inflight.clear()
         self._pending.clear()
+        self._released_elsewhere.clear()
         self._conn.close()
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.
