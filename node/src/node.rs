@@ -309,19 +309,44 @@ impl Node {
         self.admission.list().into_iter().map(|(_, s)| s).collect()
     }
 
-    /// Closes stream `id`: its leases end, its memory budget returns, and the fetches it has
-    /// queued at sources are cancelled. False if it was not open (closing twice is harmless).
+    /// Closes stream `id`: its leases end and the fetches it has queued at sources are
+    /// cancelled. Its memory budget returns now, unless a trainer maps its region (the
+    /// socket's): that memory is the trainer's until it goes, so the stream stays listed,
+    /// closed, and holds its budget until [`Node::trainer_left`]. False if it is not listed
+    /// (closing twice is harmless).
     pub fn close_stream(&self, id: u64, reason: CloseReason) -> bool {
-        let Some(s) = self.admission.remove(id) else {
+        let Some(s) = self.admission.get(id) else {
             return false;
         };
+        if !s.mapped() {
+            if self.admission.remove(id).is_none() {
+                return false; // closed meanwhile
+            }
+        } else if s.is_closed() {
+            return true;
+        }
+        self.end(&s, reason);
+        true
+    }
+
+    /// The trainer that mapped stream `id`'s region went: the stream closes, if it was still
+    /// open, and its memory budget returns.
+    pub fn trainer_left(&self, id: u64) {
+        if let Some(s) = self.admission.remove(id)
+            && !s.is_closed()
+        {
+            self.end(&s, CloseReason::TrainerDisconnected);
+        }
+    }
+
+    /// Closes `s` and cancels its fetches.
+    fn end(&self, s: &Stream, reason: CloseReason) {
         let why = reason.to_string();
         s.close(reason);
         // Fetches not yet on the wire are dropped at the source; the ones already announced
         // arrive and are discarded.
-        let cancelled: usize = s.links().iter().map(|l| l.cancel_stream(id)).sum();
-        tracing::info!(stream = id, reason = %why, cancelled, "stream closed");
-        true
+        let cancelled: usize = s.links().iter().map(|l| l.cancel_stream(s.id())).sum();
+        tracing::info!(stream = s.id(), reason = %why, cancelled, "stream closed");
     }
 
     /// Closes every stream (shutdown).

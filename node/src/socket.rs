@@ -259,8 +259,7 @@ impl Drop for Conn<'_> {
     /// memory and leases go back.
     fn drop(&mut self) {
         if let Some(s) = self.stream.take() {
-            self.node
-                .close_stream(s.id(), CloseReason::TrainerDisconnected);
+            self.node.trainer_left(s.id());
         }
     }
 }
@@ -480,13 +479,14 @@ impl Conn<'_> {
             gpu: self.node.gpu_ref(&s, region),
             state: s.state(),
         };
+        // From here the stream is this connection's, which ends it (`trainer_left`).
+        s.mark_mapped();
         self.stream = Some(Arc::clone(&s));
         self.batch_state = batch_state;
         self.batch_encoding = batch_encoding;
         reply(&self.sock, &attached, &[fd.as_fd()])
     }
 
-    /// Encodes `r` into the connection's frame buffer and sends it in one write.
     /// Sends the answers of the releases applied while the last `next` waited.
     fn send_after(&mut self) -> Result<(), FrameIoError> {
         if self.after.is_empty() {
@@ -499,6 +499,7 @@ impl Conn<'_> {
         fdpass::send_frame(&self.sock, &self.frame, &[])
     }
 
+    /// Encodes `r` into the connection's frame buffer and sends it in one write.
     fn send(&mut self, r: &Response) -> Result<(), FrameIoError> {
         self.frame.clear();
         r.encode_as(self.batch_encoding, &mut self.frame);

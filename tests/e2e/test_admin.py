@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from conftest import (
+    MiB,
     admin_request,
     consume_args,
     http_get,
@@ -50,10 +51,23 @@ def test_auth_inspect_close_and_drain(sw, tmp_path):
     assert code == 200 and body["id"] == sid and body["dataset"] == "a", body
     code, body = request(node2.admin, "GET", "/v1/streams/999999")
     assert code == 404 and body["code"] == "not_found", body
+    assert node2.status()["pool"]["reserved"] == 4 * MiB
+    # The trainer holds its batch (it would otherwise exit on the close, while it waits).
+    wait_for(lambda: node2.status()["streams"][0]["leased"] >= 1, "the trainer to take its batch", timeout=60)
     code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}", token="s3cret-token")
     assert code == 200 and body["closed"] == sid, body
-    assert node2.status()["streams"] == []
+    # Its trainer still maps the region: the stream stays listed, closed, and holds its memory
+    # budget until the trainer goes (a new stream would otherwise be given memory in use).
+    (listed,) = node2.status()["streams"]
+    assert listed["id"] == sid and listed["closed"] == "closed by an operator over the admin API", listed
+    assert node2.status()["pool"]["reserved"] == 4 * MiB
+    code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}", token="s3cret-token")
+    assert code == 200 and body["closed"] == sid, "closing a listed stream again is harmless"
     consumer.kill(signal.SIGKILL)
+    wait_for(lambda: node2.status()["streams"] == [], "the closed stream to go with its trainer")
+    assert node2.status()["pool"]["reserved"] == 0
+    code, body = request(node2.admin, "DELETE", f"/v1/streams/{sid}", token="s3cret-token")
+    assert code == 404 and body["code"] == "not_found", body
 
     code, body = request(node2.admin, "GET", "/v1/nics")
     lo = next(n for n in body["nics"] if n["name"] == "lo")

@@ -32,7 +32,7 @@ pub(crate) mod supply;
 pub(crate) mod tokens;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -117,6 +117,10 @@ pub struct StreamInfo {
     pub region_used: usize,
     /// Where it would resume.
     pub state: StreamState,
+    /// Why it was closed, once it was: a closed stream whose trainer maps its region stays
+    /// listed (and holds its memory budget) until that trainer disconnects.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub closed: Option<String>,
 }
 
 /// A batch ready for its trainer: its slab, and (batch mode, and shard mode for shards
@@ -198,6 +202,9 @@ pub struct Stream {
     closed_notify: Notify,
     /// Woken when the trainer takes a batch (a batch-mode task may assemble the next).
     taken: Notify,
+    /// A trainer maps the region (the socket passed it its fd): the region's memory is in use
+    /// until that trainer goes, closed or not.
+    mapped: AtomicBool,
 }
 
 impl Stream {
@@ -236,6 +243,7 @@ impl Stream {
             cv: Condvar::new(),
             closed_notify: Notify::new(),
             taken: Notify::new(),
+            mapped: AtomicBool::new(false),
         })
     }
 
@@ -356,9 +364,10 @@ impl Stream {
 
     /// What the admin API shows.
     pub fn info(&self) -> StreamInfo {
-        let (ready, leased, next) = {
+        let (ready, leased, next, closed) = {
             let i = self.lock();
-            (i.reorder.held(), i.leases.len(), i.reorder.next())
+            let closed = i.closed.as_ref().map(ToString::to_string);
+            (i.reorder.held(), i.leases.len(), i.reorder.next(), closed)
         };
         let (rank, world_size, seed) = self.kind.who();
         let next = self.kind.position(next);
@@ -382,6 +391,7 @@ impl Stream {
             region_bytes: self.pool.capacity(),
             region_used: self.pool.used(),
             state: self.state_at(next),
+            closed,
         }
     }
 
@@ -398,6 +408,17 @@ impl Stream {
         drop((ready, leases));
         self.cv.notify_all();
         self.closed_notify.notify_one();
+    }
+
+    /// Records that a trainer maps the region from now on (see [`Stream::mapped`]).
+    pub fn mark_mapped(&self) {
+        self.mapped.store(true, Ordering::Release);
+    }
+
+    /// True once a trainer maps the region: its memory is that trainer's until it goes, so
+    /// closing the stream does not return its budget ([`crate::Node::close_stream`]).
+    pub fn mapped(&self) -> bool {
+        self.mapped.load(Ordering::Acquire)
     }
 
     /// True once closed.
