@@ -249,9 +249,10 @@ fn a_timeout_or_a_release_with_a_request_in_flight_leave_the_stream_usable() {
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     // Behind the waiting request, the release is read and applied while it waits (the batch
     // it waits for may need that memory): b1's lease goes now, not when b2 comes.
-    wait_for("the release behind the waiting request to be applied", || {
-        leased(&c, id) == Some(0)
-    });
+    wait_for(
+        "the release behind the waiting request to be applied",
+        || leased(&c, id) == Some(0),
+    );
     cont(c.source_pid());
     let mut next = s.next_timeout(WAIT).unwrap();
     while let Some(b) = next {
