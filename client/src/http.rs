@@ -43,6 +43,9 @@ const IO_TIMEOUT: Duration = Duration::from_secs(120);
 const ANSWER_LIMIT: u64 = 64 << 20;
 /// Largest body of an error answer where a tensor's bytes were asked for.
 const ANSWER_LIMIT_ERROR: u64 = 1 << 20;
+/// Downloads of one tensor while the node's copy budget stays full (`503` `unavailable`,
+/// each after the node waited 10 s for room), as the Python SDK's.
+const COPY_ATTEMPTS: usize = 6;
 
 /// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
 pub type HttpTensor = TensorMeta;
@@ -308,14 +311,27 @@ impl HttpStream {
             batch.lease,
             encode_segment(name)
         );
-        // The tensor's bytes, or an error answer.
+        crate::check_length(&t.name, t.dtype, &t.shape, t.length)?;
+        // The tensor's bytes, or an error answer. The node's copy budget full is tried again:
+        // failing would lose the batch, since the stream has moved past it.
         let max = t.length.max(ANSWER_LIMIT_ERROR);
-        let r = self
-            .conn
-            .call_at_most("GET", &path, None, IO_TIMEOUT, max)?;
-        if r.status != 200 {
-            return Err(r.error());
-        }
+        let mut attempt = 1;
+        let r = loop {
+            let r = self
+                .conn
+                .call_at_most("GET", &path, None, IO_TIMEOUT, max)?;
+            if r.status == 200 {
+                break r;
+            }
+            let e = r.error();
+            match e {
+                ClientError::Service {
+                    code: ErrorCode::Unavailable,
+                    ..
+                } if attempt < COPY_ATTEMPTS => attempt += 1,
+                e => return Err(e),
+            }
+        };
         if r.body.len() as u64 != t.length {
             return Err(bad(format!(
                 "tensor `{name}`: {} bytes arrived, the batch says {}",
@@ -385,6 +401,109 @@ impl Drop for HttpStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fake node's HTTP side for one connection: answers each request with `answer(method
+    /// and path)` (status, extra headers, body); returns the requests it saw.
+    fn fake_node(
+        answer: impl Fn(&str) -> (u16, &'static str, Vec<u8>) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        use std::io::{BufRead, Read};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut w = s;
+            let mut seen = Vec::new();
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 {
+                    return seen;
+                }
+                let target = line.split(' ').take(2).collect::<Vec<_>>().join(" ");
+                let mut length = 0;
+                loop {
+                    let mut h = String::new();
+                    r.read_line(&mut h).unwrap();
+                    if h == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                r.by_ref()
+                    .take(length)
+                    .read_to_end(&mut Vec::new())
+                    .unwrap();
+                let (status, headers, body) = answer(&target);
+                seen.push(target);
+                let head = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Length: {}\r\n{headers}\r\n",
+                    body.len()
+                );
+                w.write_all(head.as_bytes()).unwrap();
+                w.write_all(&body).unwrap();
+            }
+        });
+        (addr, t)
+    }
+
+    const OPENED: &str = r#"{"stream":1,"batches_per_epoch":1,"epochs":1,"idle_timeout_s":300,
+        "state":{"epoch":0,"index":0,"seed":0,"fingerprint":"f"}}"#;
+
+    fn batch(shape: &str) -> Vec<u8> {
+        format!(
+            r#"{{"lease":5,"epoch":0,"index":0,"shard":0,
+            "tensors":[{{"name":"x","dtype":"uint8","shape":{shape},"length":4}}]}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_full_copy_budget_is_tried_again_and_the_tensor_arrives() {
+        let busy = std::sync::atomic::AtomicUsize::new(0);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[4]")),
+            "GET /v1/leases/5/tensors/x" => {
+                if busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
+                    let e = br#"{"code":"unavailable","message":"copies in flight"}"#;
+                    (503, "", e.to_vec())
+                } else {
+                    (200, "x-shardwire-dtype: uint8\r\n", b"abcd".to_vec())
+                }
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        // Before, the first 503 was returned and the batch lost (the stream moved past it).
+        assert_eq!(s.tensor_bytes(&b, "x").unwrap(), b"abcd");
+        drop(s);
+        let seen = node.join().unwrap();
+        let gets = seen.iter().filter(|t| t.starts_with("GET")).count();
+        assert_eq!(gets, 3, "{seen:?}");
+    }
+
+    #[test]
+    fn a_tensor_whose_shape_does_not_take_its_length_is_refused() {
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[3]")),
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        let e = s.tensor_bytes(&b, "x").unwrap_err();
+        assert!(
+            matches!(e, ClientError::TensorLength { length: 4, .. }),
+            "{e}"
+        );
+        drop(s);
+        let seen = node.join().unwrap();
+        assert!(!seen.iter().any(|t| t.starts_with("GET")), "{seen:?}");
+    }
 
     #[test]
     fn path_segments_are_percent_encoded() {

@@ -40,6 +40,7 @@ use std::time::Duration;
 
 pub use http::{HttpBatch, HttpStream};
 use rustix::mm::{MapFlags, ProtFlags};
+use shardwire_protocol::manifest::DType;
 use shardwire_protocol::trainer::{ErrorCode, StreamRequest};
 pub use shardwire_protocol::trainer::{StreamState, TensorView};
 pub use stream::{NEXT_COUNT, Stream};
@@ -284,18 +285,28 @@ pub(crate) fn check_tensors(tensors: &[TensorView], region: u64) -> Result<(), C
                 region,
             });
         }
-        let size = t
-            .shape
-            .iter()
-            .try_fold(t.dtype.size(), |n, &d| n.checked_mul(d));
-        if size != Some(t.length) {
-            return Err(ClientError::TensorLength {
-                name: t.name.clone(),
-                dtype: t.dtype.to_string(),
-                shape: t.shape.clone(),
-                length: t.length,
-            });
-        }
+        check_length(&t.name, t.dtype, &t.shape, t.length)?;
+    }
+    Ok(())
+}
+
+/// Checks that a tensor's shape and dtype take exactly its `length` bytes.
+pub(crate) fn check_length(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    length: u64,
+) -> Result<(), ClientError> {
+    let size = shape
+        .iter()
+        .try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+    if size != Some(length) {
+        return Err(ClientError::TensorLength {
+            name: name.to_string(),
+            dtype: dtype.to_string(),
+            shape: shape.to_vec(),
+            length,
+        });
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
 use shardwire_protocol::trainer::{
@@ -26,6 +26,11 @@ const FRAME_LIMIT: Duration = Duration::from_secs(60);
 
 /// How much longer than a `next` timeout the client waits for the node's own `timeout` answer.
 const NODE_TIMEOUT_SLACK: Duration = Duration::from_secs(5);
+
+/// How often a `next` that waits while the caller holds batches sends the leases of those
+/// dropped meanwhile (on other threads) behind its request: the node applies them while the
+/// request waits, which may be for their memory.
+const HANDOFF_POLL: Duration = Duration::from_millis(100);
 
 /// Longest wait for the answer to a `release` (the node answers at once).
 #[cfg(not(test))]
@@ -66,6 +71,9 @@ pub struct Stream {
     deferred: Vec<u64>,
     /// The state JSON the last batch handed out carried (empty: none handed out yet).
     resume: Vec<u8>,
+    /// The state JSON of the batch answer read last, which becomes `resume` once that batch
+    /// is handed out (a batch refused by its checks does not move the state past it).
+    incoming: Vec<u8>,
     /// Batches handed out and not given back (`next_after`, `release`): while the caller
     /// holds any besides the one just handed out, nothing is asked for ahead.
     held: usize,
@@ -149,6 +157,7 @@ impl Stream {
             awaited: VecDeque::new(),
             deferred: Vec::new(),
             resume: Vec::new(),
+            incoming: Vec::new(),
             held: 0,
             lost: None,
             broken: None,
@@ -211,7 +220,8 @@ impl Stream {
             self.awaited.push_back(Awaited::Release);
             return Ok(());
         }
-        released(self.answer_at_once("release"))
+        let answer = self.answer_at_once("release");
+        self.released(answer)
     }
 
     /// The state to resume from: right after the last batch handed out (or the state the
@@ -233,7 +243,8 @@ impl Stream {
         ahead: bool,
     ) -> Result<Option<Batch>, ClientError> {
         if let Some(e) = self.lost.take() {
-            return Err(e);
+            // The connection is gone: every later call fails with it too.
+            return Err(self.broke(e));
         }
         self.usable()?;
         self.settle()?;
@@ -250,7 +261,7 @@ impl Stream {
             true => timeout.map(|t| t.saturating_add(NODE_TIMEOUT_SLACK)),
             false => timeout,
         };
-        let answer = match self.answer(wait) {
+        let answer = match self.next_answer(wait) {
             Ok(a) => a,
             Err(ClientError::Timeout(_)) => {
                 return Err(ClientError::Timeout(timeout.unwrap_or_default()));
@@ -286,8 +297,43 @@ impl Stream {
             // this call asks again, with its own timeout.
             Response::Timeout if !sent_now => self.take(timeout, ahead),
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
-            other => Err(unexpected("next", &other)),
+            // Which request the answers after it answer can no longer be told.
+            other => Err(self.broke(unexpected("next", &other))),
         }
+    }
+
+    /// The next answer to the `next` in flight, within `wait` (None: as long as it takes).
+    /// While the caller holds batches, another thread may drop one, and the request may wait
+    /// for its memory: every [`HANDOFF_POLL`] the leases dropped meanwhile are sent behind the
+    /// request, and the node applies them while it waits.
+    fn next_answer(&mut self, wait: Option<Duration>) -> Result<Response, ClientError> {
+        if self.held == 0 {
+            return self.answer(wait);
+        }
+        let deadline = wait.map(|w| Instant::now() + w);
+        loop {
+            self.release_dropped_behind()?;
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Err(ClientError::Timeout(wait.unwrap_or_default()));
+            }
+            match self.answer(Some(left.map_or(HANDOFF_POLL, |l| l.min(HANDOFF_POLL)))) {
+                Err(ClientError::Timeout(_)) => continue,
+                other => return other,
+            }
+        }
+    }
+
+    /// Sends the leases of batches dropped since the last request as releases of their own,
+    /// behind the `next` in flight (their answers come after its own).
+    fn release_dropped_behind(&mut self) -> Result<(), ClientError> {
+        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        self.held = self.held.saturating_sub(dropped.len());
+        for lease in dropped {
+            self.send(&Request::Release { lease })?;
+            self.awaited.push_back(Awaited::Release);
+        }
+        Ok(())
     }
 
     /// The batch of an answer (lease, epoch, index, shard) for the caller, its tensors checked
@@ -301,6 +347,8 @@ impl Stream {
         if let Err(e) = check_tensors(&tensors, self.region.len()) {
             return Err(self.broke(e));
         }
+        // Handed out: the state now resumes after it.
+        std::mem::swap(&mut self.resume, &mut self.incoming);
         let b = Batch {
             lease,
             epoch,
@@ -327,7 +375,8 @@ impl Stream {
         self.take_dropped();
         for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
-            released(self.answer_at_once("release"))?;
+            let answer = self.answer_at_once("release");
+            self.released(answer)?;
         }
         Ok(())
     }
@@ -383,7 +432,7 @@ impl Stream {
         while self.awaited.front() == Some(&Awaited::Release) {
             let answer = self.answer_at_once("release");
             self.awaited.pop_front();
-            released(answer)?;
+            self.released(answer)?;
         }
         Ok(())
     }
@@ -393,19 +442,26 @@ impl Stream {
     /// late answer is never read as the answer to a later request.
     fn answer_at_once(&mut self, request: &'static str) -> Result<Response, ClientError> {
         match self.answer(Some(REPLY_LIMIT)) {
-            Err(ClientError::Timeout(_)) => {
-                let _ = self.sock.shutdown(std::net::Shutdown::Both);
-                Err(ClientError::NoAnswer {
-                    request,
-                    after: REPLY_LIMIT,
-                })
-            }
+            Err(ClientError::Timeout(_)) => Err(self.broke(ClientError::NoAnswer {
+                request,
+                after: REPLY_LIMIT,
+            })),
             other => other,
         }
     }
 
+    /// The answer to a `release`: `released`, or the error it is; anything else closes the
+    /// connection (which request the answers after it answer can no longer be told).
+    fn released(&mut self, answer: Result<Response, ClientError>) -> Result<(), ClientError> {
+        match answer? {
+            Response::Released => Ok(()),
+            other => Err(self.broke(unexpected("release", &other))),
+        }
+    }
+
     /// Reads one answer within `timeout` (None: as long as it takes); a batch's state JSON is
-    /// kept as [`Stream::state`]'s, undecoded; an `error` answer is returned as the error.
+    /// kept undecoded, for [`Stream::state`] once that batch is handed out; an `error` answer
+    /// is returned as the error.
     fn answer(&mut self, timeout: Option<Duration>) -> Result<Response, ClientError> {
         let limits = ReadLimits {
             idle: timeout,
@@ -420,7 +476,7 @@ impl Stream {
             // Cut off, too large, or the connection gone: no answer after it can be matched.
             Err(e) => return Err(self.broke(e.into())),
         };
-        match Self::decode(body, &mut self.resume) {
+        match Self::decode(body, &mut self.incoming) {
             Ok(Response::Error { code, message }) => Err(ClientError::Service { code, message }),
             Ok(r) => Ok(r),
             Err(e) => Err(self.broke(e)),
@@ -465,13 +521,6 @@ fn region_fd(mut fds: Vec<OwnedFd>) -> Result<OwnedFd, ClientError> {
             "attached came with {} file descriptors, expected the region's one",
             fds.len() + usize::from(last.is_some())
         ))),
-    }
-}
-
-fn released(answer: Result<Response, ClientError>) -> Result<(), ClientError> {
-    match answer? {
-        Response::Released => Ok(()),
-        other => Err(unexpected("release", &other)),
     }
 }
 

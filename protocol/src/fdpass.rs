@@ -186,7 +186,9 @@ impl FrameReader {
                 Some(Duration::from_millis(left.as_millis() as u64 + 1))
             } else {
                 phase = ReadPhase::Idle;
-                limits.idle
+                // A zero receive timeout is "forever" to the kernel (and refused by rustix):
+                // a zero limit waits the shortest time there is, one clock tick.
+                limits.idle.map(|d| d.max(Duration::from_micros(1)))
             };
             if current != Some(want) {
                 rustix::net::sockopt::set_socket_timeout(
@@ -305,6 +307,33 @@ mod tests {
         );
         drop(writer.join().unwrap().unwrap());
         assert!(matches!(r.read(&b, &mut fds), Err(FrameIoError::Closed)));
+    }
+
+    #[test]
+    fn a_zero_idle_limit_times_out_at_once() {
+        let (_a, b) = UnixStream::pair().unwrap();
+        let mut r = FrameReader::new();
+        let limits = ReadLimits {
+            idle: Some(Duration::ZERO),
+            frame: Duration::from_secs(1),
+        };
+        let t = Instant::now();
+        let e = r.read_data_timed(&b, limits).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FrameIoError::Timeout {
+                    phase: ReadPhase::Idle,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]

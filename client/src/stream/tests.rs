@@ -314,3 +314,91 @@ fn a_dropped_batch_is_given_back_with_the_next_request() {
     assert_eq!(s.held, 1, "the dropped batch is no longer counted as held");
     close(s, node, &at);
 }
+
+#[test]
+fn a_batch_refused_by_its_checks_does_not_move_the_state_past_it() {
+    let at = path("refusedstate");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        let mut st = state();
+        st.index = 1;
+        send_batch_with(c, 1, Vec::new(), Some(st.clone()));
+        assert_eq!(request(c)["op"], "next");
+        st.index = 2;
+        send_batch_with(c, 2, vec![tensor(0, vec![3, 2], 10)], Some(st));
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    drop(b);
+    let e = s.next().err().expect("a refused batch");
+    assert!(matches!(e, ClientError::TensorLength { .. }), "{e}");
+    // Its error says to open the stream again from its state: that must name the refused
+    // batch, not the one after it (before, it named index 2 and the batch was skipped).
+    assert_eq!(s.state().unwrap().index, 1);
+    close(s, node, &at);
+}
+
+#[test]
+fn a_zero_timeout_with_a_request_in_flight_is_a_timeout_not_a_broken_stream() {
+    let at = path("zerowait");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 1);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 2);
+        assert_eq!(request(c)["op"], "next"); // asked ahead: never answered
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let b = s.next_after(b).expect("a batch").expect("not the end");
+    assert_eq!(b.lease, 2);
+    for wait in [Duration::ZERO, Duration::from_millis(50)] {
+        match s.next_timeout(wait) {
+            Err(ClientError::Timeout(t)) => assert_eq!(t, wait),
+            other => panic!("{wait:?}: {:?}", other.map(|b| b.map(|b| b.lease))),
+        }
+    }
+    assert!(s.broken.is_none(), "{:?}", s.broken);
+    close(s, node, &at);
+}
+
+#[test]
+fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
+    let at = path("handoff");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        let next = request(c);
+        assert_eq!(next["op"], "next");
+        assert!(next.get("release").is_none(), "7 is still held: {next}");
+        // As the node does now: the memory batch 8 needs comes with the release behind the
+        // waiting request; the release's answer follows the batch.
+        let release = request(c);
+        assert_eq!(release, serde_json::json!({"op": "release", "lease": 7}));
+        send_batch(c, 8);
+        let mut frame = Vec::new();
+        Response::Released.encode(&mut frame);
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let dropper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        drop(b);
+    });
+    let t = Instant::now();
+    let b = s
+        .next_timeout(Duration::from_secs(10))
+        .expect("a batch")
+        .expect("not the end");
+    assert_eq!(b.lease, 8);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    dropper.join().unwrap();
+    assert_eq!(s.held, 1, "batch 8 only");
+    s.settle().expect("the release's answer");
+    assert!(s.awaited.is_empty());
+    close(s, node, &at);
+}
