@@ -16,6 +16,8 @@
 //!   over it, it ties with physical NICs at SYS, and it is chosen alone when no physical
 //!   NIC exists. Naming a physical NIC there changes nothing.
 
+use std::collections::HashMap;
+
 use serde::{Serialize, Serializer};
 
 use crate::distance::{Classified, Distance, classify};
@@ -157,7 +159,8 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
 
 fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
     let why = if opts.include_virtual.is_empty() {
-        "no physical NIC (virtual NICs are used only when named in include_virtual)"
+        "no physical NIC (virtual NICs are not paired with GPUs; name one in the lanes table's \
+         `interface` to use it)"
     } else {
         "no physical NIC, and no NIC named in include_virtual exists"
     };
@@ -207,20 +210,29 @@ fn best_candidates(gpu: &Gpu, nics: &[Nic], opts: &PairOptions) -> Vec<Candidate
 }
 
 /// The NIC (index into `nics`) of each GPU: GPUs with the fewest candidates choose first,
-/// each the candidate with the fewest GPUs so far, then physical before virtual, then the
-/// lowest PCI address, then the name. `best` is in GPU PCI order.
+/// each the candidate with the fewest GPUs so far, then on the adapter with the fewest (the
+/// ports and functions of one PCI device share its link and its engine: as NCCL, which merges
+/// the functions of a device, two GPUs under one switch with a dual-port NIC and a second NIC
+/// get one adapter each), then physical before virtual, then the lowest PCI address, then the
+/// name. `best` is in GPU PCI order.
 fn assign(best: &[Vec<Candidate>], nics: &[Nic]) -> Vec<Option<usize>> {
     let mut order: Vec<usize> = (0..best.len()).filter(|&i| !best[i].is_empty()).collect();
     order.sort_by_key(|&i| (best[i].len(), i));
     let mut load = vec![0usize; nics.len()];
+    let adapter = |k: usize| nics[k].pci.map(|p| (p.domain, p.bus, p.device));
+    let mut adapter_load: HashMap<(u32, u8, u8), usize> = HashMap::new();
     let mut chosen = vec![None; best.len()];
     for i in order {
         let pick = best[i].iter().map(|c| c.nic).min_by_key(|&k| {
             let nic = &nics[k];
-            (load[k], nic.is_virtual, nic.pci, &nic.interface)
+            let on_adapter = adapter(k).map_or(0, |a| adapter_load.get(&a).copied().unwrap_or(0));
+            (load[k], on_adapter, nic.is_virtual, nic.pci, &nic.interface)
         });
         if let Some(k) = pick {
             load[k] += 1;
+            if let Some(a) = adapter(k) {
+                *adapter_load.entry(a).or_default() += 1;
+            }
             chosen[i] = Some(k);
         }
     }
@@ -394,6 +406,58 @@ mod tests {
             ..Tree::default()
         };
         assert_eq!(pair(&tree, &PairOptions::default()), vec![]);
+    }
+
+    #[test]
+    fn two_gpus_take_two_adapters_before_the_second_port_of_one() {
+        // One switch holds GPUs 10:00.0 and 11:00.0, a dual-port NIC (1a:00.0 and 1a:00.1:
+        // one adapter, one link) and a second NIC 1b:00.0, all PIX to both GPUs. By PCI
+        // address alone GPU 11 would get 1a:00.1, sharing the first adapter.
+        let under = |down: &str, dev: &str| under_switch("0000:01:00.0", down, dev);
+        let gpus = vec![
+            gpu(
+                Some(0),
+                "pci0000:00",
+                &chain(&under("0000:02:00.0", "0000:10:00.0")),
+            ),
+            gpu(
+                Some(0),
+                "pci0000:00",
+                &chain(&under("0000:02:01.0", "0000:11:00.0")),
+            ),
+        ];
+        let nics = vec![
+            nic(
+                "p0",
+                Some(0),
+                16,
+                "pci0000:00",
+                &chain(&under("0000:02:02.0", "0000:1a:00.0")),
+            ),
+            nic(
+                "p1",
+                Some(0),
+                16,
+                "pci0000:00",
+                &chain(&under("0000:02:02.0", "0000:1a:00.1")),
+            ),
+            nic(
+                "q0",
+                Some(0),
+                16,
+                "pci0000:00",
+                &chain(&under("0000:02:03.0", "0000:1b:00.0")),
+            ),
+        ];
+        let tree = Tree {
+            gpus,
+            nics,
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        let got: Vec<_> = lanes.iter().map(|l| l.nic.as_deref()).collect();
+        assert_eq!(got, [Some("p0"), Some("q0")], "{lanes:#?}");
+        assert!(lanes.iter().all(|l| l.distance == Some(Distance::Pix)));
     }
 
     #[test]

@@ -271,13 +271,27 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
         .map(|(i, c)| {
             let p = plan_of(c.gpu.pci);
             let nic = p.and_then(|p| p.nic.clone());
-            let (data_listen, addr_why) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
+            let (data_listen, mut addr_why) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
                 .unwrap_or_else(|e| {
                     (
                         inp.data_listen,
                         format!("data address {} ({e})", inp.data_listen),
                     )
                 });
+            // Sources dial the lane at data_listen, not at the paired NIC's own address: its
+            // traffic enters through whichever NIC holds that address (one for every lane).
+            let elsewhere = nic.as_deref().is_some_and(|n| {
+                data_listen == inp.data_listen
+                    && ipv4(n).ok().flatten().map(IpAddr::V4) != Some(data_listen.ip())
+            });
+            if let Some(n) = nic.as_deref().filter(|_| elsewhere) {
+                addr_why.push_str(&format!(
+                    "; not an address of {n}: its traffic arrives on whichever NIC holds it \
+                     (set data_listen to a wildcard such as 0.0.0.0:{}, give {n} an IPv4 \
+                     address, or name each lane's data_listen in a lanes table)",
+                    inp.data_listen.port()
+                ));
+            }
             let numa_node = p.and_then(LanePlan::numa_node);
             let pairing = p.map_or_else(
                 || "not in the sysfs tree: no NIC pairing".to_owned(),
@@ -296,7 +310,7 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
                 data_listen,
                 devmem_memory: inp.devmem_memory,
                 why: format!("{pairing}; {addr_why}"),
-                warn: p.is_none_or(|p| p.warn),
+                warn: p.is_none_or(|p| p.warn) || elsewhere,
             }
         })
         .collect()

@@ -139,13 +139,26 @@ fn eight_gpus_get_eight_lanes_on_their_switch_nics() {
     }
     let nics: std::collections::BTreeSet<_> = lanes.iter().map(|l| l.nic.clone()).collect();
     assert_eq!(nics.len(), 8, "one NIC each");
-    // A fixed data_listen is every lane's address.
+    // A fixed data_listen is every lane's address: their traffic all arrives on the NIC that
+    // holds it, not on each lane's own, which every lane says (a warning, not silence).
     let fixed = plan(&inputs(&Lanes::Auto, "10.9.9.9:7401", &t, &[]), &addrs).unwrap();
-    assert!(
-        fixed
-            .iter()
-            .all(|l| l.data_listen.to_string() == "10.9.9.9:7401")
-    );
+    for l in &fixed {
+        assert_eq!(l.data_listen.to_string(), "10.9.9.9:7401");
+        assert!(
+            l.warn && l.why.contains("not an address of eth"),
+            "{}",
+            l.why
+        );
+    }
+    // Where data_listen is one NIC's own address, that lane alone is where it says.
+    let on_eth3 = plan(&inputs(&Lanes::Auto, "10.0.3.5:7401", &t, &[]), &addrs).unwrap();
+    let warned: Vec<_> = on_eth3
+        .iter()
+        .filter(|l| l.warn)
+        .map(|l| l.nic.as_deref())
+        .collect();
+    assert_eq!(warned.len(), 7, "{warned:?}");
+    assert!(!warned.contains(&Some("eth3")));
 }
 
 #[test]
