@@ -83,6 +83,15 @@ fn tx_path(shared: &Shared, addr: SocketAddr) -> Option<Arc<TxPath>> {
     }
 }
 
+/// A session's rate limit (bytes/s, 0: unlimited) shared by its `flows` connections: at least
+/// 1 byte/s each, so a limit below the flow count does not read as unlimited (0).
+fn per_flow_rate(limit: u64, flows: u64) -> u64 {
+    match limit {
+        0 => 0,
+        r => (r / flows.max(1)).max(1),
+    }
+}
+
 /// Dials every lane `flows` times, reporting each connection on the control connection.
 pub(crate) async fn dial(
     ctl: &mut Control,
@@ -92,7 +101,7 @@ pub(crate) async fn dial(
     progress: &Arc<Notify>,
 ) -> Result<DataConns, SessionError> {
     let total: u64 = lanes.iter().map(|l| u64::from(l.flows)).sum();
-    let per_flow_rate = shared.cfg.rate_limit / total.max(1);
+    let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
     let mut out = DataConns {
         senders: Vec::with_capacity(total as usize),
         lane_of: Vec::with_capacity(total as usize),
@@ -135,4 +144,17 @@ pub(crate) async fn dial(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_limit_below_the_flow_count_stays_a_limit() {
+        assert_eq!(per_flow_rate(0, 8), 0, "unlimited");
+        assert_eq!(per_flow_rate(800, 8), 100);
+        assert_eq!(per_flow_rate(5, 8), 1, "not 0, which is unlimited");
+        assert_eq!(per_flow_rate(5, 0), 5);
+    }
 }

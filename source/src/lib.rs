@@ -35,7 +35,8 @@ pub struct SourceConfig {
     pub listen: SocketAddr,
     /// Shared secret; `None` = accept loopback peers only.
     pub secret: Option<Vec<u8>>,
-    /// Per-source send rate limit in bytes/s (0 = unlimited), shared over its data connections.
+    /// Send rate limit of each node session in bytes/s (0 = unlimited), shared over that
+    /// session's data connections.
     pub rate_limit: u64,
     /// Fault injection for tests: flip one byte in each of the first N payloads sent.
     pub fault_corrupt: u32,

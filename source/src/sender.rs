@@ -325,7 +325,13 @@ fn send_loop(
                 let (mut off, end) = (*offset, offset + job.len);
                 let mut flip = job.corrupt.then_some(offset + job.len / 2);
                 while off < end {
-                    let n = path.send(file, off, (end - off).min(piece), &mut flip)?;
+                    let n = match path.send(file, off, (end - off).min(piece), &mut flip) {
+                        Ok(n) => n,
+                        // A send on a socket with a send timeout is not restarted after a
+                        // signal (SIGSTOP/SIGCONT of the process, signal(7)): send again.
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(e),
+                    };
                     if n == 0 {
                         return Err(std::io::Error::new(
                             std::io::ErrorKind::UnexpectedEof,

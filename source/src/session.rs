@@ -49,7 +49,8 @@ pub(crate) async fn run(
     peer: SocketAddr,
     shared: Arc<Shared>,
 ) -> Result<(), SessionError> {
-    if shared.cfg.secret.is_none() && !peer.ip().is_loopback() {
+    // Canonical: a loopback peer on a `[::]` listener arrives as ::ffff:127.0.0.1.
+    if shared.cfg.secret.is_none() && !peer.ip().to_canonical().is_loopback() {
         return Err(SessionError::NotLoopback(peer));
     }
     let _ = stream.set_nodelay(true);
