@@ -78,9 +78,55 @@ pub enum Backend {
         dir: PathBuf,
         /// Open file per shard.
         files: Vec<Arc<File>>,
+        /// What each shard's file was when it was opened (shards of one file share it).
+        opened: Vec<Arc<Opened>>,
     },
     /// Objects in object storage.
     Remote(Arc<RemoteDataset>),
+}
+
+/// A local shard file as the source opened it: a file rewritten in place or cut short later
+/// is refused ([`Opened::check`]), not sent (a file replaced by a rename keeps serving the
+/// bytes it had, through the open file).
+#[derive(Debug)]
+pub struct Opened {
+    /// Its path in the dataset's directory.
+    pub name: String,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl Opened {
+    fn new(name: &str, meta: &std::fs::Metadata) -> Self {
+        Self {
+            name: name.to_owned(),
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        }
+    }
+
+    /// Whether `file` (this one, open) still holds what it held at open, up to byte `need`;
+    /// the error says what changed.
+    pub fn check(&self, file: &File, need: u64) -> Result<(), String> {
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("shard file {}: {e}", self.name))?;
+        if meta.len() < need {
+            return Err(format!(
+                "shard file {} changed since the source opened it: {} bytes, {need} needed (it had {})",
+                self.name,
+                meta.len(),
+                self.len
+            ));
+        }
+        if meta.modified().ok() != self.modified {
+            return Err(format!(
+                "shard file {} changed since the source opened it (modified again)",
+                self.name
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// One served dataset.
@@ -180,11 +226,12 @@ impl Datasets {
             let end = ends.entry(s.file.as_str()).or_default();
             *end = (*end).max(s.offset + s.length);
         }
-        let mut open: BTreeMap<&str, Arc<File>> = BTreeMap::new();
+        let mut open: BTreeMap<&str, (Arc<File>, Arc<Opened>)> = BTreeMap::new();
         let mut files = Vec::with_capacity(manifest.shards.len());
+        let mut opened = Vec::with_capacity(manifest.shards.len());
         for s in &manifest.shards {
-            let f = match open.get(s.file.as_str()) {
-                Some(f) => Arc::clone(f),
+            let (f, o) = match open.get(s.file.as_str()) {
+                Some((f, o)) => (Arc::clone(f), Arc::clone(o)),
                 None => {
                     let p = dir.join(&s.file);
                     let bad = |reason: String| DatasetError::ShardFile {
@@ -193,19 +240,21 @@ impl Datasets {
                         reason,
                     };
                     let f = File::open(&p).map_err(|e| bad(open_failed(&e, ends.len())))?;
-                    let len = f.metadata().map_err(|e| bad(e.to_string()))?.len();
+                    let meta = f.metadata().map_err(|e| bad(e.to_string()))?;
+                    let len = meta.len();
                     let need = ends[s.file.as_str()];
                     if len < need {
                         return Err(bad(format!(
                             "is {len} bytes, the manifest needs {need} (re-run `shardwire index`)"
                         )));
                     }
-                    let f = Arc::new(f);
-                    open.insert(&s.file, Arc::clone(&f));
-                    f
+                    let (f, o) = (Arc::new(f), Arc::new(Opened::new(&s.file, &meta)));
+                    open.insert(&s.file, (Arc::clone(&f), Arc::clone(&o)));
+                    (f, o)
                 }
             };
             files.push(f);
+            opened.push(o);
         }
         drop(open);
         self.0.insert(
@@ -217,6 +266,7 @@ impl Datasets {
                 backend: Backend::Local {
                     dir: dir.into(),
                     files,
+                    opened,
                 },
             },
         );

@@ -71,6 +71,8 @@ pub(crate) const DEPTH: u64 = 2;
 /// The control task's handle on a sender thread.
 pub(crate) struct Sender {
     tx: mpsc::Sender<Job>,
+    /// The connection, to end it when the session ends ([`Drop`]).
+    conn: Option<TcpStream>,
     /// Its queue, shared with the thread.
     pub progress: Arc<Progress>,
     /// Next announcement sequence number on this connection.
@@ -91,6 +93,7 @@ impl Sender {
     ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let q = Arc::clone(&progress);
+        let conn_end = stream.try_clone().ok();
         let ifname: Arc<str> = devmem.map_or("".into(), |p| p.ifname.as_str().into());
         let slot = devmem.and_then(|p| {
             let s = p.buffer.slot();
@@ -132,6 +135,7 @@ impl Sender {
             .expect("spawn sender thread");
         Self {
             tx,
+            conn: conn_end,
             progress,
             seq: 0,
         }
@@ -147,6 +151,19 @@ impl Sender {
         self.progress.bytes.fetch_add(job.len, Ordering::Relaxed);
         self.progress.jobs.fetch_add(1, Ordering::Release);
         self.tx.send(job).is_ok()
+    }
+}
+
+impl Drop for Sender {
+    /// The session ended: its queued payloads are not sent, and one being sent stops (with a
+    /// reset, so nothing queued in the kernel goes either). Otherwise a node that closed its
+    /// control connection and reads its data connections slowly would hold this thread, the
+    /// socket and the payload past the session (and its `max_connections` slot).
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            let _ = rustix::net::sockopt::set_socket_linger(&c, Some(Duration::ZERO));
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 

@@ -418,10 +418,23 @@ impl Session {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
         let payload = match &d.backend {
-            Backend::Local { files, .. } => Payload::Ready(Body::File {
-                file: Arc::clone(&files[shard as usize]),
-                offset: entry.offset,
-            }),
+            Backend::Local { files, opened, .. } => {
+                let file = &files[shard as usize];
+                if let Err(why) = opened[shard as usize].check(file, entry.offset + entry.length) {
+                    tracing::warn!(dataset, shard, "{why}; FETCH refused");
+                    let message = format!(
+                        "dataset `{dataset}`: {why} (re-run `shardwire index` and restart the source)"
+                    );
+                    return self
+                        .ctl
+                        .error(req, ErrorCode::DatasetChanged, message)
+                        .await;
+                }
+                Payload::Ready(Body::File {
+                    file: Arc::clone(file),
+                    offset: entry.offset,
+                })
+            }
             Backend::Remote(r) => Payload::Later(r.want(self.id, shard)),
         };
         let mut q = Queued {

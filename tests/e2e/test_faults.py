@@ -461,3 +461,70 @@ def test_a_manifest_too_large_to_send_is_refused_before_it_is_read(sw, tmp_path)
                        capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
     assert f"manifest is {65 << 20} bytes; at most" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_shard_file_changed_in_place_after_start_is_refused_naming_it(sw, tmp_path):
+    """A local shard file rewritten in place (same size, other bytes) or cut short after the
+    source opened it: each FETCH of its shards is refused as `dataset_changed` naming the file,
+    the stream fails saying so, and the source's session lives on for the other streams;
+    before, the bytes were sent and failed the node's CRC again and again (rewritten), or
+    the short read reset the whole session on every refetch (cut short)."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 100_000, seed=11)
+    index_dataset(d)
+    src = sw.source({"ds": d})
+    node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "16MiB")
+    wait_ready(node)
+    assert sw.consume(node, "ds"), "the untouched dataset is served"
+    changed = d / "s001.npy"
+    data = bytearray(changed.read_bytes())
+    data[-1] ^= 0xFF
+    time.sleep(0.05)  # a modification time the source can tell apart
+    changed.write_bytes(bytes(data))  # in place: the same inode, the same size
+    c = sw.start_consume(node, "ds")
+    assert c.wait(timeout=120) != 0
+    text = c.describe()
+    assert "changed" in text.lower() and "s001.npy" in text, text[-3000:]
+    assert node.status()["counters"]["crc_failures"] == 0, "refused at the source, not sent"
+    # Cut short: refused the same way.
+    with open(d / "s002.npy", "r+b") as f:
+        f.truncate(50_000)
+    c = sw.start_consume(node, "ds")
+    assert c.wait(timeout=120) != 0
+    assert "s00" in c.describe() and "changed" in c.describe().lower()
+    assert wait_ready(node)["sources"][0]["up"], "the source's session is still up"
+
+
+def test_a_session_that_ends_stops_its_sends(sw, tmp_path):
+    """A node that closes its control connection with payloads queued and reads its data
+    connection slowly: the source resets the data connection when the session ends, instead
+    of sending on (and holding a thread, the socket and the payload past the session and its
+    max_connections slot)."""
+    from faults import fetch
+
+    d = tmp_path / "big"
+    size = 32 * MiB
+    write_uint8_shards(d, 2, size, seed=12)
+    index_dataset(d)
+    src = sw.source({"big": d})
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
+    ctl.sendall(fetch(1, "big", 0) + fetch(2, "big", 1))
+    kind, _ = next_non_ping(ctl)
+    assert kind == 9, kind  # Shard: the first payload is on its way
+    ctl.close()  # the session ends; nothing of the data connection read yet
+    time.sleep(1)
+    got, ended = 0, None
+    conn.settimeout(10)
+    try:
+        while chunk := conn.recv(1 << 20):
+            got += len(chunk)
+        ended = "closed"
+    except ConnectionResetError:
+        ended = "reset"
+    # Before, both payloads came whole (64 MiB), then the end.
+    assert ended == "reset" and got < 2 * size, (ended, got)
+    for s in (conn, data):
+        s.close()
