@@ -23,6 +23,10 @@ pub const DIAL_DEADLINE: Duration = Duration::from_secs(60);
 /// sends more is broken and is dropped.
 pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
 
+/// Data connections a source dials for one node session (each is a sender thread and a
+/// socket): 8 lanes of 32 flows. The protocol allows 64 x 64; a node asking for more is refused.
+pub const MAX_SESSION_FLOWS: u64 = 256;
+
 /// Why a node session ended abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -68,6 +72,19 @@ pub enum SessionError {
     #[error("a data connection failed; closing the session")]
     DataFailed,
     /// The node queued more FETCHes than any node legitimately does.
+    /// The node asked for more data connections than a source dials for one session.
+    #[error(
+        "the node asked for {0} data connections (lanes x flows in its Hello); a source dials at most {MAX_SESSION_FLOWS} per node"
+    )]
+    TooManyFlows(u64),
+    /// No thread for a data connection (a process or pid limit).
+    #[error("cannot start a sender thread for data connection {conn}: {source}")]
+    SpawnSender {
+        /// The connection.
+        conn: u16,
+        /// Why.
+        source: std::io::Error,
+    },
     #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
     TooManyFetches(usize),
     /// Data connections the node never said were ready (`DataReady`) within the time limit.

@@ -222,7 +222,7 @@ mod tests {
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut peer, _) = l.accept().unwrap();
         let failed = Arc::new(Notify::new());
-        let s = Sender::spawn(out, 0, 0, failed, Some(&path), Default::default());
+        let s = Sender::spawn(out, 0, 0, failed, Some(&path), Default::default()).unwrap();
         assert!(
             path.buffer.slot().is_some(),
             "one of two slots is still free"

@@ -16,12 +16,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use shardwire_protocol::wire::{LaneAddr, Message};
+use shardwire_protocol::wire::{ErrorCode, LaneAddr, Message};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
 
 use crate::Shared;
-use crate::control::{Control, HANDSHAKE_TIMEOUT, SessionError};
+use crate::control::{Control, HANDSHAKE_TIMEOUT, MAX_SESSION_FLOWS, SessionError};
 use crate::devmem_tx::TxPath;
 use crate::sender::{Progress, Sender};
 use crate::tx_nics::TxRoute;
@@ -101,6 +101,11 @@ pub(crate) async fn dial(
     progress: &Arc<Notify>,
 ) -> Result<DataConns, SessionError> {
     let total: u64 = lanes.iter().map(|l| u64::from(l.flows)).sum();
+    if total > MAX_SESSION_FLOWS {
+        let e = SessionError::TooManyFlows(total);
+        let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
+        return Err(e);
+    }
     let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
     let mut out = DataConns {
         senders: Vec::with_capacity(total as usize),
@@ -132,14 +137,16 @@ pub(crate) async fn dial(
             })
             .await?;
             let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
-            out.senders.push(Sender::spawn(
+            let sender = Sender::spawn(
                 std,
                 conn,
                 per_flow_rate,
                 Arc::clone(failed),
                 tx.as_deref(),
                 p,
-            ));
+            )
+            .map_err(|source| SessionError::SpawnSender { conn, source })?;
+            out.senders.push(sender);
             out.lane_of.push(lane);
         }
     }

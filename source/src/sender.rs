@@ -82,7 +82,8 @@ pub(crate) struct Sender {
 impl Sender {
     /// Starts the thread for data connection `conn`. `failed` is notified if it dies. With
     /// `devmem` it sends from a slot of that NIC's TX buffer (devmem TX); without a free slot
-    /// it says so and uses `sendfile`.
+    /// it says so and uses `sendfile`. Fails when no thread can be started (a process or pid
+    /// limit): the session ends, the source goes on.
     pub fn spawn(
         stream: TcpStream,
         conn: u16,
@@ -90,7 +91,7 @@ impl Sender {
         failed: Arc<Notify>,
         devmem: Option<&crate::devmem_tx::TxPath>,
         progress: Arc<Progress>,
-    ) -> Self {
+    ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let q = Arc::clone(&progress);
         let conn_end = stream.try_clone().ok();
@@ -131,14 +132,13 @@ impl Sender {
                     failed.notify_one();
                 }
                 let _ = stream.shutdown(std::net::Shutdown::Both);
-            })
-            .expect("spawn sender thread");
-        Self {
+            })?;
+        Ok(Self {
             tx,
             conn: conn_end,
             progress,
             seq: 0,
-        }
+        })
     }
 
     /// Whether the connection can take another payload now.

@@ -528,3 +528,30 @@ def test_a_session_that_ends_stops_its_sends(sw, tmp_path):
     assert ended == "reset" and got < 2 * size, (ended, got)
     for s in (conn, data):
         s.close()
+
+
+def test_a_hello_asking_for_more_data_connections_than_a_source_dials_is_refused(sw, tmp_path):
+    """64 lanes x 64 flows (what the protocol allows): 4096 sender threads and sockets for one
+    node. The source refuses the session naming the count and its limit, dials nothing, and
+    serves the next node."""
+    import faults as F
+
+    src = sw.source({"tiny": tiny_dataset(tmp_path)})
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(2)
+    ctl = socket.create_connection(host_port(src.addr), timeout=10)
+    ctl.sendall(F.hello("greedy-node", data.getsockname(), flows=64, lanes=64, nonce=b"\x00" * 32))
+    assert F.read_control_frame(ctl)[0] == F.CHALLENGE
+    ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
+    assert F.read_control_frame(ctl)[0] == F.WELCOME
+    kind, body = F.next_non_ping(ctl)
+    assert kind == F.ERROR, kind
+    _, code, message = F.error_code(body)
+    assert code == 5 and "4096 data connections" in message and "at most 256" in message, (code, message)
+    with pytest.raises(socket.timeout):
+        data.accept()  # nothing was dialled
+    ctl.close()
+    # The next node is served.
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    for s in (ctl, conn, data):
+        s.close()
