@@ -185,6 +185,11 @@ fn best_candidates(gpu: &Gpu, nics: &[Nic], opts: &PairOptions) -> Vec<Candidate
         .iter()
         .enumerate()
         .filter_map(|(k, nic)| {
+            if nic.unusable.is_some() && !nic.is_virtual {
+                // Named by the caller ([`Nic::unusable`]); a virtual NIC is used only where
+                // it is named anyway.
+                return None;
+            }
             let class = match &nic.path {
                 Some(path) if !nic.is_virtual => {
                     classify(&gpu.path, gpu.numa_node, path, nic.numa_node)
@@ -329,6 +334,7 @@ mod tests {
             device: Some(0x1021),
             local_cpulist: Vec::new(),
             path: Some(path),
+            unusable: None,
         }
     }
 
@@ -344,6 +350,7 @@ mod tests {
             device: None,
             local_cpulist: Vec::new(),
             path: None,
+            unusable: None,
         }
     }
 

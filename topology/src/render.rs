@@ -112,6 +112,11 @@ pub fn render_text(topo: &Topology) -> String {
         };
         table(&mut out, header, &nics);
     }
+    for n in topo.nics.iter().filter(|n| !n.is_virtual) {
+        if let Some(why) = &n.unusable {
+            let _ = writeln!(out, "  {} is not paired with any GPU: {why}", n.interface);
+        }
+    }
     render_lanes(&mut out, topo);
     out
 }
@@ -215,6 +220,7 @@ mod tests {
                 "0000:02:01.0",
                 "0000:04:00.0",
             ])),
+            unusable: None,
         };
         let lo = Nic {
             interface: "lo".to_owned(),
@@ -227,6 +233,7 @@ mod tests {
             device: None,
             local_cpulist: Vec::new(),
             path: None,
+            unusable: None,
         };
         let nics = if with_nic { vec![eth, lo] } else { vec![lo] };
         let tree = Tree {

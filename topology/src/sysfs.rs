@@ -97,6 +97,11 @@ pub struct Nic {
     pub local_cpulist: Vec<u32>,
     /// Its place in the PCI tree; `None` when virtual.
     pub path: Option<PciPath>,
+    /// Why it cannot carry a lane, whatever its distance (never paired with a GPU): not
+    /// Ethernet (an InfiniBand port), or a port of a bond, team or bridge, which carries
+    /// its traffic instead. `None`: usable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unusable: Option<String>,
 }
 
 /// What a sysfs tree says about a host.
@@ -235,6 +240,23 @@ fn pci_device(root: &Path, entry: &Path) -> Option<(PciAddr, PathBuf)> {
     Some((pci, dev))
 }
 
+/// Why the interface at `entry` (`class/net/NAME`) cannot carry a lane, if it cannot: its
+/// `type` (ARPHRD) is not Ethernet (1), or it has a `master` (a bond, team or bridge).
+fn unusable(entry: &Path) -> Option<String> {
+    let arp_type = read_text(&entry.join("type")).and_then(|t| t.trim().parse::<u16>().ok());
+    if let Some(t) = arp_type.filter(|&t| t != 1) {
+        let what = if t == 32 { " (InfiniBand)" } else { "" };
+        return Some(format!(
+            "not an Ethernet interface: ARPHRD type {t}{what}; lanes and devmem TCP need Ethernet"
+        ));
+    }
+    let master = fs::read_link(entry.join("master")).ok()?;
+    let master = master.file_name()?.to_string_lossy().into_owned();
+    Some(format!(
+        "a port of {master} (a bond, team or bridge), which carries its traffic"
+    ))
+}
+
 fn count_rx_queues(queues: &Path) -> u32 {
     let n = entries(queues)
         .iter()
@@ -255,6 +277,7 @@ fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
         device: None,
         local_cpulist: Vec::new(),
         path: None,
+        unusable: unusable(entry),
     };
     if let Some((pci, dev)) = pci_device(root, entry) {
         nic.pci = Some(pci);

@@ -565,3 +565,54 @@ fn text_report_of_a_fixture() {
     );
     assert!(text.contains("! 1 lane(s) cross a CPU"), "{text}");
 }
+
+#[test]
+fn an_infiniband_port_and_a_bond_slave_are_never_paired_and_say_why() {
+    // The A3 tree with eth1 an InfiniBand port (ARPHRD 32, as a ConnectX in IB mode) and eth2
+    // a slave of bond0: before, each was paired with its switch's GPU like any NIC, and the
+    // lane's traffic went elsewhere (IB carries no TCP; a bond slave's goes through the bond).
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("topology-unusable-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    copy_tree(&fixture("a3-8gpu-8nic"), &dir);
+    let net = dir.join("class/net");
+    fs::write(net.join("eth1/type"), "32\n").unwrap();
+    fs::write(net.join("eth2/type"), "1\n").unwrap();
+    std::os::unix::fs::symlink("../../../../../virtual/net/bond0", net.join("eth2/master"))
+        .unwrap();
+    let tree = Tree::read(&dir).expect("read the copy");
+    let _ = fs::remove_dir_all(&dir);
+    let why = |name: &str| {
+        tree.nics
+            .iter()
+            .find(|n| n.interface == name)
+            .and_then(|n| n.unusable.clone())
+    };
+    assert!(
+        why("eth1").is_some_and(|w| w.contains("ARPHRD type 32 (InfiniBand)")),
+        "{:?}",
+        why("eth1")
+    );
+    assert!(
+        why("eth2").is_some_and(|w| w.contains("a port of bond0")),
+        "{:?}",
+        why("eth2")
+    );
+    assert_eq!(why("eth3"), None);
+    let plans = pair(&tree, &PairOptions::default());
+    assert_eq!(plans.len(), 8);
+    for p in &plans {
+        assert!(
+            !matches!(p.nic.as_deref(), Some("eth1" | "eth2")),
+            "{} paired with {:?}",
+            p.gpu,
+            p.nic
+        );
+    }
+    // The other six GPUs keep their own switch's NIC.
+    let own = plans
+        .iter()
+        .filter(|p| p.distance == Some(Distance::Pix))
+        .count();
+    assert_eq!(own, 6, "{plans:#?}");
+}

@@ -110,6 +110,11 @@ async fn plan_and_open(
     let tree = tokio::task::spawn_blocking(move || read_tree(&root))
         .await
         .expect("reading sysfs does not panic")?;
+    for n in tree.nics.iter().filter(|n| !n.is_virtual) {
+        if let Some(why) = &n.unusable {
+            tracing::warn!(nic = %n.interface, "NIC not paired with any GPU: {why}");
+        }
+    }
     let cuda = cuda_devices(cfg.memory, probe)?;
     let specs = plan::plan(
         &Inputs::of(cfg, &tree, &cuda),
