@@ -38,6 +38,9 @@ use reply::{Fail, Reply, read_reply};
 const POLL_MS: u64 = 30_000;
 /// Read timeout of requests that do not wait on the stream.
 const IO_TIMEOUT: Duration = Duration::from_secs(120);
+/// Longest wait for a TCP connection to the node (and, when a stream is dropped, for the
+/// answer to its best-effort close: the idle timeout covers one that does not come).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest body of an answer other than a tensor's bytes (as the Python SDK's): the node's
 /// JSON answers are far smaller; a server streaming more is not the node.
 const ANSWER_LIMIT: u64 = 64 << 20;
@@ -119,10 +122,24 @@ struct Conn {
 
 impl Conn {
     fn connect(&self) -> Result<BufReader<TcpStream>, ClientError> {
-        let s = TcpStream::connect(&self.addr).map_err(|source| ClientError::Connect {
+        let err = |source| ClientError::Connect {
             path: format!("http://{}", self.addr),
             source,
-        })?;
+        };
+        // Each address the name resolves to, each within CONNECT_TIMEOUT (a plain connect
+        // waits for the kernel's SYN retries, minutes, on an address that drops packets).
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+        let mut connected = None;
+        for a in std::net::ToSocketAddrs::to_socket_addrs(&self.addr).map_err(err)? {
+            match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+                Ok(s) => {
+                    connected = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let s = connected.ok_or(last).map_err(err)?;
         s.set_nodelay(true).map_err(io_error)?;
         Ok(BufReader::with_capacity(64 << 10, s))
     }
@@ -374,16 +391,16 @@ impl HttpStream {
 
     /// Closes the stream on the service (every lease it holds ends).
     pub fn close(mut self) -> Result<(), ClientError> {
-        self.close_inner()
+        self.close_inner(IO_TIMEOUT)
     }
 
-    fn close_inner(&mut self) -> Result<(), ClientError> {
+    fn close_inner(&mut self, wait: Duration) -> Result<(), ClientError> {
         if self.closed {
             return Ok(());
         }
         self.closed = true;
         let path = format!("/v1/streams/{}/close", self.info.stream);
-        let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
+        let r = self.conn.call("POST", &path, None, wait)?;
         self.conn.sock = None;
         match r.status {
             200 => Ok(()),
@@ -394,7 +411,8 @@ impl HttpStream {
 
 impl Drop for HttpStream {
     fn drop(&mut self) {
-        let _ = self.close_inner(); // best effort; the idle timeout covers a failure
+        // Best effort, briefly: the idle timeout covers a close that does not arrive.
+        let _ = self.close_inner(CONNECT_TIMEOUT);
     }
 }
 

@@ -60,6 +60,17 @@ pub enum ClientError {
     /// Frame I/O.
     #[error(transparent)]
     Frame(#[from] fdpass::FrameIoError),
+    /// A batch given back to a stream that did not hand it out (its own stream gives it back
+    /// when it is dropped).
+    #[error(
+        "batch of lease {lease} was handed out by another stream, not stream {stream}: give it back to its own"
+    )]
+    NotThisStream {
+        /// The batch's lease.
+        lease: u64,
+        /// The stream it was given to.
+        stream: u64,
+    },
     /// The service answered with an error.
     #[error("service error {code}: {message}")]
     Service {

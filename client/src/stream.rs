@@ -200,6 +200,7 @@ impl Stream {
     /// batches (taken with [`Stream::next`] and not released): they may fill the stream's
     /// memory, and the batches asked for would then wait for the caller's releases.
     pub fn next_after(&mut self, done: Batch) -> Result<Option<Batch>, ClientError> {
+        self.own(&done)?;
         self.held = self.held.saturating_sub(1);
         self.deferred.push(done.into_lease());
         self.take(None, true)
@@ -208,6 +209,7 @@ impl Stream {
     /// Gives a batch's memory back to the service. With a request in flight (asked ahead of
     /// time) the release is sent behind it and its answer read later.
     pub fn release(&mut self, batch: Batch) -> Result<(), ClientError> {
+        self.own(&batch)?;
         let lease = batch.into_lease();
         self.held = self.held.saturating_sub(1);
         if let Err(e) = self.usable().and_then(|()| self.settle()) {
@@ -398,6 +400,19 @@ impl Stream {
         let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
         self.held = self.held.saturating_sub(dropped.len());
         self.deferred.extend(dropped);
+    }
+
+    /// Fails for a batch another stream handed out (the node would refuse its lease as
+    /// unknown, and its own stream would never give it back); it goes back to its own stream
+    /// when dropped.
+    fn own(&self, batch: &Batch) -> Result<(), ClientError> {
+        match Arc::ptr_eq(&batch.region, &self.region) {
+            true => Ok(()),
+            false => Err(ClientError::NotThisStream {
+                lease: batch.lease,
+                stream: self.info.stream,
+            }),
+        }
     }
 
     /// Fails when an earlier answer could not be read ([`ClientError::Broken`]).

@@ -402,3 +402,38 @@ fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
     assert!(s.awaited.is_empty());
     close(s, node, &at);
 }
+
+#[test]
+fn a_batch_given_back_to_another_stream_is_refused_and_goes_back_to_its_own() {
+    let (at_a, at_b) = (path("own-a"), path("own-b"));
+    let node_a = fake(&at_a, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        let next = request(c);
+        assert_eq!(
+            next["release"],
+            serde_json::json!([7]),
+            "its own stream gives it back: {next}"
+        );
+        send_batch(c, 8);
+    });
+    let node_b = fake(&at_b, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 1);
+    });
+    let mut a = Stream::open(&at_a, StreamOptions::new("d")).expect("attached");
+    let mut b = Stream::open(&at_b, StreamOptions::new("d")).expect("attached");
+    let from_a = a.next().expect("a batch").expect("not the end");
+    let e = b.release(from_a).expect_err("not b's batch");
+    assert!(
+        matches!(e, ClientError::NotThisStream { lease: 7, .. }),
+        "{e}"
+    );
+    let own = b.next().expect("a batch").expect("not the end");
+    assert_eq!((own.lease, b.held), (1, 1));
+    assert_eq!(a.next().expect("a batch").expect("not the end").lease, 8);
+    close(b, node_b, &at_b);
+    close(a, node_a, &at_a);
+}

@@ -101,6 +101,23 @@ pub enum PlanError {
         /// The name given.
         gpu: String,
     },
+    /// Two lanes name one GPU, spelled differently (a bus id with and without its domain, or a
+    /// bus id and the same GPU's UUID).
+    #[error(
+        "lanes[{first}] and lanes[{lane}] both name GPU {gpu} (as {first_name:?} and {name:?}): one lane per GPU"
+    )]
+    DuplicateGpu {
+        /// The earlier lane.
+        first: usize,
+        /// Its name for the GPU.
+        first_name: String,
+        /// The later lane.
+        lane: usize,
+        /// Its name for the GPU.
+        name: String,
+        /// The GPU's PCI address.
+        gpu: PciAddr,
+    },
     /// The interface does not exist or its address cannot be read.
     #[error("lanes[{lane}].interface: {source}")]
     Interface {
@@ -245,12 +262,38 @@ fn addr_for(
 pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, PlanError> {
     match inp.lanes {
         Lanes::Auto => Ok(auto(inp, ipv4)),
-        Lanes::Table(t) => t
-            .iter()
-            .enumerate()
-            .map(|(i, lc)| table_lane(inp, i, lc, ipv4))
-            .collect(),
+        Lanes::Table(t) => {
+            let lanes: Vec<LaneSpec> = t
+                .iter()
+                .enumerate()
+                .map(|(i, lc)| table_lane(inp, i, lc, ipv4))
+                .collect::<Result<_, _>>()?;
+            one_lane_per_gpu(t, &lanes)?;
+            Ok(lanes)
+        }
     }
+}
+
+/// Refuses a table whose lanes name one GPU twice, spelled differently (the configuration's
+/// own check compares the strings).
+fn one_lane_per_gpu(t: &[LaneConfig], lanes: &[LaneSpec]) -> Result<(), PlanError> {
+    for (i, l) in lanes.iter().enumerate() {
+        let Some(g) = &l.gpu else { continue };
+        if let Some(first) = lanes[..i]
+            .iter()
+            .position(|e| e.gpu.as_ref().is_some_and(|e| e.pci == g.pci))
+        {
+            let name = |k: usize| t[k].gpu.clone().unwrap_or_default();
+            return Err(PlanError::DuplicateGpu {
+                first,
+                first_name: name(first),
+                lane: i,
+                name: name(i),
+                gpu: g.pci,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `lanes = "auto"`.

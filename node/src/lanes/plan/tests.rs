@@ -357,3 +357,34 @@ fn tables_naming_what_is_not_there_are_refused_with_the_lane() {
     assert_eq!(got[0].gpu.as_ref().unwrap().pci.to_string(), "0000:03:00.0");
     assert_eq!(got[0].nic.as_deref(), Some("eth1"));
 }
+
+#[test]
+fn a_table_naming_one_gpu_twice_in_two_spellings_is_refused_naming_both() {
+    let t = tree("8gpu-4nic");
+    let lanes = table(vec![
+        LaneConfig {
+            gpu: Some("0000:05:00.0".into()),
+            ..LaneConfig::default()
+        },
+        LaneConfig {
+            gpu: Some("05:00.0".into()), // the same GPU, without its domain
+            ..LaneConfig::default()
+        },
+    ]);
+    let e = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            PlanError::DuplicateGpu {
+                first: 0,
+                lane: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("\"0000:05:00.0\" and \"05:00.0\""),
+        "{e}"
+    );
+}
