@@ -240,6 +240,7 @@ mod tests {
                 },
                 len,
                 corrupt,
+                held: Default::default(),
             }));
         }
         let mut got = vec![0u8; data.len()];

@@ -32,6 +32,34 @@ pub(crate) struct Job {
     pub len: u64,
     /// Fault injection: flip a byte of this payload.
     pub corrupt: bool,
+    /// Its bytes in its session's read budget (object storage), given back once sent.
+    pub held: Held,
+}
+
+/// Bytes of a session's read budget that a payload holds until it is sent (or dropped, when
+/// the session ends): a node that reads its data connections slowly cannot make the source
+/// hold more than the budget in memory for it, whatever it has queued.
+#[derive(Debug, Default)]
+pub(crate) struct Held(Option<(Arc<AtomicU64>, u64)>);
+
+impl Held {
+    /// `n` bytes counted in `budget` (already added there).
+    pub fn new(budget: &Arc<AtomicU64>, n: u64) -> Self {
+        Self((n > 0).then(|| (Arc::clone(budget), n)))
+    }
+
+    /// Gives the bytes back now (once).
+    pub fn release(&mut self) {
+        if let Some((budget, n)) = self.0.take() {
+            budget.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// What a sender thread has left to do, shared with the control task, which hands it a new
@@ -335,7 +363,7 @@ fn send_loop(
 ) -> std::io::Result<()> {
     let mut pacer = Pacer::new(rate);
     let piece = path.piece(rate);
-    while let Ok(job) = rx.recv() {
+    while let Ok(mut job) = rx.recv() {
         let mut paced = |n: usize| pacer.sent(n);
         match &job.body {
             Body::File { file, offset } => {
@@ -377,6 +405,8 @@ fn send_loop(
             metrics::counter!("shardwire_source_devmem_tx_bytes_total", "interface" => interface)
                 .increment(job.len);
         }
+        // Before the session hears of it: it may start a read with these bytes.
+        job.held.release();
         progress.sent(job.len);
     }
     path.finish()
@@ -390,7 +420,72 @@ mod tests {
 
     use std::time::{Duration, Instant};
 
+    use super::{Arc, AtomicU64, Body, Held, Job, Notify, Ordering, Progress, Sender, TcpStream};
     use super::{BURST, Pacer, is_send_timeout};
+
+    #[test]
+    fn a_payloads_bytes_stay_in_the_budget_until_it_is_sent_or_dropped() {
+        let budget = Arc::new(AtomicU64::new(300));
+        let mut sent = Held::new(&budget, 100);
+        let dropped = Held::new(&budget, 200);
+        assert_eq!(
+            budget.load(Ordering::Acquire),
+            300,
+            "handed over: still held"
+        );
+        sent.release();
+        sent.release(); // once
+        assert_eq!(budget.load(Ordering::Acquire), 200);
+        drop(sent);
+        assert_eq!(budget.load(Ordering::Acquire), 200);
+        drop(dropped); // a queued payload of a session that ended
+        assert_eq!(budget.load(Ordering::Acquire), 0);
+        drop(Held::new(&budget, 0));
+        assert_eq!(budget.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_sender_gives_its_payloads_bytes_back_once_it_has_sent_them() {
+        use std::io::Read;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let done = Arc::new(Notify::new());
+        let progress = Arc::new(Progress::with_notify(Arc::clone(&done)));
+        let s = Sender::spawn(
+            out,
+            0,
+            0,
+            Arc::new(Notify::new()),
+            None,
+            Arc::clone(&progress),
+        )
+        .unwrap();
+        let budget = Arc::new(AtomicU64::new(16 << 20));
+        let body = Body::Memory(vec![bytes::Bytes::from(vec![7u8; 16 << 20])]);
+        let held = Held::new(&budget, 16 << 20);
+        assert!(s.push(Job {
+            body,
+            len: 16 << 20,
+            corrupt: false,
+            held,
+        }));
+        // Nothing read yet: the payload is queued or partly sent, its bytes still held.
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(budget.load(Ordering::Acquire), 16 << 20);
+        let mut got = vec![0u8; 16 << 20];
+        peer.read_exact(&mut got).unwrap();
+        let t = Instant::now();
+        while progress.jobs.load(Ordering::Acquire) > 0 {
+            assert!(t.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            budget.load(Ordering::Acquire),
+            0,
+            "given back before the session hears"
+        );
+    }
 
     #[test]
     fn idle_time_banks_at_most_a_burst_of_credit() {

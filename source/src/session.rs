@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
@@ -42,7 +42,7 @@ pub use crate::control::{
 use crate::datasets::Backend;
 use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
-use crate::sender::{Body, Job, Sender};
+use crate::sender::{Body, Held, Job, Sender};
 
 pub(crate) async fn run(
     stream: TcpStream,
@@ -180,23 +180,32 @@ struct Head {
     crc32c: u32,
 }
 
-/// A session's object-storage reads: bytes of those it started and has not handed to a data
-/// connection yet. A read starts only while those bytes stay within its dataset's memory
-/// budget (or none is under way), so a node that queues many FETCHes cannot make the source
-/// hold more than that in memory for it.
+/// A session's object-storage reads: bytes of those it started and whose payloads are not
+/// sent yet (queued, read, handed to a data connection or being sent). A read starts only
+/// while those bytes stay within its dataset's memory budget (or none is under way), so a node
+/// that queues many FETCHes, or reads its data connections slowly, cannot make the source hold
+/// more than that in memory for it.
 #[derive(Default)]
 struct Reads {
-    bytes: u64,
+    /// Bytes read (or being read) from object storage and not yet sent; shared with the
+    /// sender threads, whose payloads return theirs once sent ([`Held`]).
+    bytes: Arc<AtomicU64>,
 }
 
 impl Reads {
+    /// Returns `n` bytes of a FETCH that will not be sent (failed or cancelled).
+    fn release(&self, n: u64) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
+    }
+
     /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and there is room; false
     /// if it still waits.
     fn start(&mut self, q: &mut Queued, session: u64, progress: &Arc<Notify>) -> bool {
         let Payload::Later(w) = &q.payload else {
             return true;
         };
-        if self.bytes > 0 && self.bytes + q.head.len > w.dataset().memory_budget() {
+        let bytes = self.bytes.load(Ordering::Acquire);
+        if bytes > 0 && bytes + q.head.len > w.dataset().memory_budget() {
             return false;
         }
         // Moved out for a moment (an empty body stands in; it is replaced at once).
@@ -206,7 +215,7 @@ impl Reads {
             other => other,
         };
         q.held = q.head.len;
-        self.bytes += q.held;
+        self.bytes.fetch_add(q.held, Ordering::AcqRel);
         true
     }
 }
@@ -368,7 +377,7 @@ impl Session {
         });
         if let Some(q) = found {
             self.queued -= 1;
-            self.reads.bytes -= q.held;
+            self.reads.release(q.held);
             tracing::debug!(req, "FETCH cancelled before it was sent");
             metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
             let why = "cancelled by the node before it was sent".to_string();
@@ -492,7 +501,7 @@ impl Session {
             let body = match payload.now() {
                 Now::Send(body) => body,
                 Now::Fail(f) => {
-                    self.reads.bytes -= held;
+                    self.reads.release(held);
                     self.ctl
                         .send(&Message::Error {
                             req: q.req,
@@ -514,8 +523,16 @@ impl Session {
                 self.requeue(lane, at, (q, Payload::Ready(body), held));
                 return Ok(());
             };
-            self.reads.bytes -= held;
-            self.announce(conn, q, body).await?;
+            // Bytes in memory stay counted until its sender has sent them; a payload read
+            // from a file (the cache) holds no memory once handed over.
+            let held = match body {
+                Body::Memory(_) => Held::new(&self.reads.bytes, held),
+                Body::File { .. } => {
+                    self.reads.release(held);
+                    Held::default()
+                }
+            };
+            self.announce(conn, q, body, held).await?;
         }
         Ok(())
     }
@@ -545,7 +562,13 @@ impl Session {
     }
 
     /// Announces `q` on data connection `conn` and hands its bytes to that connection.
-    async fn announce(&mut self, conn: usize, q: Head, body: Body) -> Result<(), SessionError> {
+    async fn announce(
+        &mut self,
+        conn: usize,
+        q: Head,
+        body: Body,
+        held: Held,
+    ) -> Result<(), SessionError> {
         let seq = self.senders[conn].seq;
         self.senders[conn].seq += 1;
         self.ctl
@@ -562,6 +585,7 @@ impl Session {
             body,
             len: q.len,
             corrupt: q.corrupt,
+            held,
         };
         if !self.senders[conn].push(job) {
             return Err(SessionError::DataFailed);
