@@ -326,12 +326,12 @@ impl Stream {
         }
     }
 
-    /// Sends the leases of batches dropped since the last request as releases of their own,
-    /// behind the `next` in flight (their answers come after its own).
+    /// Sends the leases of batches dropped since the last request (and any others waiting for
+    /// one) as releases of their own, behind the `next` in flight (their answers come after
+    /// its own).
     fn release_dropped_behind(&mut self) -> Result<(), ClientError> {
-        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
-        self.held = self.held.saturating_sub(dropped.len());
-        for lease in dropped {
+        self.take_dropped();
+        for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
             self.awaited.push_back(Awaited::Release);
         }

@@ -233,27 +233,35 @@ fn cpus_for(tree: &Tree, nic: Option<&str>, numa: Option<u32>) -> Vec<u32> {
 }
 
 /// Where sources dial a lane on `nic`: its IPv4 address with `listen`'s port when `listen` is
-/// a wildcard and the NIC has one, else `listen`; with the reason.
+/// a wildcard and the NIC has one, else `listen`; with the reason, and whether that address
+/// is not one of `nic`'s own (its traffic then arrives on whichever NIC holds it).
 fn addr_for(
     nic: Option<&str>,
     listen: SocketAddr,
     ipv4: Ipv4Lookup<'_>,
-) -> Result<(SocketAddr, String), IfAddrError> {
+) -> Result<(SocketAddr, String, bool), IfAddrError> {
     let Some(nic) = nic else {
-        return Ok((listen, format!("data address {listen} (data_listen)")));
+        return Ok((
+            listen,
+            format!("data address {listen} (data_listen)"),
+            false,
+        ));
     };
     match ipv4(nic)? {
         Some(ip) if listen.ip().is_unspecified() => Ok((
             SocketAddr::new(IpAddr::V4(ip), listen.port()),
             format!("data address {ip}:{} ({nic}'s IPv4)", listen.port()),
+            false,
         )),
-        Some(_) => Ok((
+        Some(ip) => Ok((
             listen,
             format!("data address {listen} (data_listen is not a wildcard)"),
+            listen.ip() != IpAddr::V4(ip),
         )),
         None => Ok((
             listen,
             format!("data address {listen} ({nic} has no IPv4 address)"),
+            true,
         )),
     }
 }
@@ -314,19 +322,13 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
         .map(|(i, c)| {
             let p = plan_of(c.gpu.pci);
             let nic = p.and_then(|p| p.nic.clone());
-            let (data_listen, mut addr_why) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
-                .unwrap_or_else(|e| {
-                    (
-                        inp.data_listen,
-                        format!("data address {} ({e})", inp.data_listen),
-                    )
+            let (data_listen, mut addr_why, elsewhere) =
+                addr_for(nic.as_deref(), inp.data_listen, ipv4).unwrap_or_else(|e| {
+                    let why = format!("data address {} ({e})", inp.data_listen);
+                    (inp.data_listen, why, nic.is_some())
                 });
             // Sources dial the lane at data_listen, not at the paired NIC's own address: its
             // traffic enters through whichever NIC holds that address (one for every lane).
-            let elsewhere = nic.as_deref().is_some_and(|n| {
-                data_listen == inp.data_listen
-                    && ipv4(n).ok().flatten().map(IpAddr::V4) != Some(data_listen.ip())
-            });
             if let Some(n) = nic.as_deref().filter(|_| elsewhere) {
                 addr_why.push_str(&format!(
                     "; not an address of {n}: its traffic arrives on whichever NIC holds it \
@@ -460,8 +462,11 @@ fn table_lane(
         .or_else(|| p.and_then(|p| p.nic.clone()));
     let (data_listen, addr_why) = match lc.data_listen {
         Some(a) => (a, format!("data address {a} (configured)")),
-        None => addr_for(nic.as_deref(), inp.data_listen, ipv4)
-            .map_err(|source| PlanError::Interface { lane: i, source })?,
+        None => {
+            let (a, why, _) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
+                .map_err(|source| PlanError::Interface { lane: i, source })?;
+            (a, why)
+        }
     };
     if lc.data_listen.is_some()
         && let Some(n) = lc.interface.as_deref()

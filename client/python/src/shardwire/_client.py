@@ -434,16 +434,14 @@ class Stream(_StreamBase[Batch]):
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and
         #: the batches asked for would wait for its releases).
         self._kept_leases: set[int] = set()
-        #: Leases of kept batches another thread released while a `next` of this stream waited
-        #: (`_release`): that call sends them behind its request, or the next request carries
-        #: them (`_drain_dropped`).
-        self._released_elsewhere: deque[int] = deque()
         #: True while a `next` waits with batches kept (`_next_answer_polling`).
         self._waiting = False
         #: Marks a batch released once, whichever thread releases it.
         self._mark = threading.Lock()
         #: Leases of kept batches garbage-collected before release() (appended by their
-        #: finalizers, at any moment): released with the next request (`_drain_dropped`).
+        #: finalizers, at any moment), or released from another thread while a `next` waited
+        #: (`_hand_over`): released with the next request, or sent behind the waiting one
+        #: (`_drain_dropped`).
         self._dropped: deque[int] = deque()
         #: Leases of batches the trainer is done with (auto-released) whose release rides on
         #: the next request: sent while more answers to the one in flight are still coming.
@@ -696,7 +694,7 @@ class Stream(_StreamBase[Batch]):
         self._waiting = True
         try:
             while True:
-                if self._released_elsewhere:
+                if self._dropped:
                     self._drain_dropped()
                     self._send_pending()
                 left = None if deadline is None else deadline - time.monotonic()
@@ -826,12 +824,6 @@ class Stream(_StreamBase[Batch]):
         """Kept batches garbage-collected before release(), or released from another thread
         while this stream was busy: their leases go with the next request, and no longer keep
         the stream from asking ahead."""
-        while self._released_elsewhere:
-            lease = self._released_elsewhere.popleft()
-            self._kept_leases.discard(lease)
-            if self._held is not None and self._held.lease == lease:
-                self._held = None  # its release is this one
-            self._pending.append(lease)
         while self._dropped:
             lease = self._dropped.popleft()
             if lease not in self._kept_leases:
@@ -902,7 +894,7 @@ class Stream(_StreamBase[Batch]):
             batch._released = True
         if batch._on_drop is not None:
             batch._on_drop.detach()
-        self._released_elsewhere.append(batch.lease)
+        self._dropped.append(batch.lease)  # still kept: `_drain_dropped` releases it
 
     def _release_locked(self, batch: Batch) -> None:
         if batch._released:
@@ -969,7 +961,6 @@ class Stream(_StreamBase[Batch]):
         self._held = None
         self._inflight.clear()
         self._pending.clear()
-        self._released_elsewhere.clear()
         self._conn.close()
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.
