@@ -40,6 +40,15 @@ pub(crate) struct ShardPlan {
     bytes: u64,
 }
 
+impl ShardPlan {
+    /// Whether two indexes say the same of one `.mds` file (Streaming's `merge_index`
+    /// writes a top `index.json` listing `0/shard.00000.mds` beside `0/index.json` listing
+    /// `shard.00000.mds`: both are indexes of the same shard).
+    fn agrees(&self, other: &ShardPlan) -> bool {
+        (&self.columns, self.samples, self.bytes) == (&other.columns, other.samples, other.bytes)
+    }
+}
+
 /// The `.mds` files listed by the dataset's `index.json` files, by relative path.
 pub(crate) type Plan = HashMap<String, ShardPlan>;
 
@@ -58,18 +67,39 @@ pub(crate) fn plan(
     for f in files.iter().filter(|f| f.kind == Kind::MdsIndex) {
         let mut src = root.open(&f.rel)?;
         let text = src.read_at("index.json", 0, src.len)?;
-        let Some(shards) = streaming_shards(&text) else {
-            unused.push(Unused {
-                file: f.rel.clone(),
-                reason: "not a MosaicML Streaming index (no `shards` list)".into(),
-            });
-            continue;
-        };
         let base = parent(&f.rel);
+        let shards = match streaming_shards(&text) {
+            Ok(Some(shards)) => shards,
+            Ok(None) => {
+                unused.push(Unused {
+                    file: f.rel.clone(),
+                    reason: "not a MosaicML Streaming index (no `shards` list)".into(),
+                });
+                continue;
+            }
+            Err(e) => {
+                let beside = |c: &Candidate| c.kind == Kind::Mds && parent(&c.rel) == base;
+                if files.iter().any(beside) {
+                    return Err(IndexError::Malformed {
+                        file: f.path.clone(),
+                        reason: "is not valid JSON, and MDS shards lie next to it (a \
+                                 truncated upload?): write it again (MDSWriter, or \
+                                 streaming.base.util.merge_index)"
+                            .into(),
+                        value: e.to_string(),
+                    });
+                }
+                unused.push(Unused {
+                    file: f.rel.clone(),
+                    reason: format!("not valid JSON ({e})"),
+                });
+                continue;
+            }
+        };
         index_dirs.push(base.to_owned());
         for (rel, shard) in read_index(dir, &f.path, &f.rel, base, shards)? {
             match plan.get(&rel) {
-                Some(old) if *old != shard => {
+                Some(old) if !old.agrees(&shard) => {
                     return Err(IndexError::Malformed {
                         file: dir.join(&rel),
                         reason: format!(
@@ -140,12 +170,15 @@ fn check_listed_found(dir: &Path, plan: &Plan, files: &[Candidate]) -> Result<()
     })
 }
 
-/// The `shards` list of a Streaming index, or `None` when `text` is not one.
-fn streaming_shards(text: &[u8]) -> Option<Vec<Value>> {
-    let v: Value = serde_json::from_slice(text).ok()?;
-    let obj = v.as_object()?;
-    obj.get("version")?;
-    obj.get("shards")?.as_array().cloned()
+/// The `shards` list of a Streaming index, `None` when `text` is JSON but not one, or the
+/// parse error when it is not JSON.
+fn streaming_shards(text: &[u8]) -> Result<Option<Vec<Value>>, serde_json::Error> {
+    let v: Value = serde_json::from_slice(text)?;
+    let shards = v.as_object().and_then(|obj| {
+        obj.get("version")?;
+        obj.get("shards")?.as_array().cloned()
+    });
+    Ok(shards)
 }
 
 /// The '/'-separated parent of a relative path (`""` at the top).

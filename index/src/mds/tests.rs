@@ -323,3 +323,54 @@ fn fixed_column_sizes_that_overflow_are_refused_as_malformed() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_merged_top_index_and_the_sub_index_list_one_shard_once() {
+    // Streaming's merge_index: `index.json` lists `sub/shard.00000.mds` beside `sub/index.json`
+    // listing `shard.00000.mds`. Before, the two plans differed in their `index` field and
+    // the dataset was refused as "listed differently".
+    let dir = temp_dir("mds-merged");
+    let all = write_dataset(&dir, 2, 3);
+    let sub = std::fs::read_to_string(dir.join("sub/index.json")).unwrap();
+    let top = sub.replace("\"basename\": \"shard.", "\"basename\": \"sub/shard.");
+    assert_ne!(top, sub);
+    std::fs::write(dir.join("index.json"), &top).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(m.shards.len(), 2);
+    let rows: usize = (0..2)
+        .map(|s| tensor(&m, s, "id").rows.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(rows, all.len());
+    // The two still must agree: another sample count is refused, naming both indexes.
+    let wrong = top.replacen("\"samples\": 3", "\"samples\": 2", 1);
+    std::fs::write(dir.join("index.json"), wrong).unwrap();
+    let err = index_err(&dir);
+    assert!(
+        err.contains("listed differently by") && err.contains("sub/index.json"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_truncated_index_beside_its_shards_is_an_error_with_the_parse_position() {
+    let dir = temp_dir("mds-truncated");
+    write_dataset(&dir, 1, 2);
+    let text = std::fs::read(dir.join("sub/index.json")).unwrap();
+    std::fs::write(dir.join("sub/index.json"), &text[..text.len() / 2]).unwrap();
+    // Before: the index "not a Streaming index" and its shard "with no index.json next to
+    // it", both unused, and the error "no data files found".
+    let err = index_err(&dir);
+    assert!(
+        err.contains("sub/index.json") && err.contains("not valid JSON") && err.contains("line"),
+        "{err}"
+    );
+    // Broken JSON with no shards beside it is only named unused, with the parse error.
+    std::fs::write(dir.join("index.json"), b"{\"version\": ").unwrap();
+    std::fs::write(dir.join("sub/index.json"), &text).unwrap();
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(r.unused.len(), 1, "{:?}", r.unused);
+    assert_eq!(r.unused[0].file, "index.json");
+    assert!(r.unused[0].reason.starts_with("not valid JSON ("), "{:?}", r.unused);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
