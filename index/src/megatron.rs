@@ -40,18 +40,19 @@ pub(crate) type Plan = HashMap<String, (PathBuf, String)>;
 /// Takes the `.idx` files out of `files`, pairing each with the `.bin` of the same stem in
 /// the same directory; an `.idx` with no such `.bin` goes to `unused`, with the reason.
 pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan {
-    let bins: std::collections::HashSet<&str> = files
+    let stem = |rel: &'_ str| -> String { rel.rsplit_once('.').map_or(rel, |(s, _)| s).to_owned() };
+    // By stem: the extension's case does not matter (`Kind::of` ignores it too).
+    let bins: HashMap<String, &str> = files
         .iter()
         .filter(|f| f.kind == Kind::Bin)
-        .map(|f| f.rel.as_str())
+        .map(|f| (stem(&f.rel), f.rel.as_str()))
         .collect();
     let mut plan = Plan::new();
     for f in files.iter().filter(|f| f.kind == Kind::MegatronIdx) {
-        let stem = f.rel.rsplit_once('.').map_or(f.rel.as_str(), |(s, _)| s);
-        let bin = format!("{stem}.bin");
-        if bins.contains(bin.as_str()) {
-            plan.insert(bin, (f.path.clone(), f.rel.clone()));
+        if let Some(bin) = bins.get(&stem(&f.rel)) {
+            plan.insert((*bin).to_owned(), (f.path.clone(), f.rel.clone()));
         } else {
+            let bin = format!("{}.bin", stem(&f.rel));
             let name = bin.rsplit('/').next().unwrap_or(&bin).to_owned();
             unused.push(Unused {
                 file: f.rel.clone(),
@@ -360,6 +361,21 @@ mod tests {
             [[0, 10], [10, 4], [14, 14], [28, 0], [28, 8]]
         );
         check_manifest(&dir, &m, &[("tokens", bin)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn upper_case_extensions_pair_by_stem() {
+        // Before, `D.IDX` looked for `D.bin`: noted unused, and `D.BIN` indexed as raw bytes.
+        let dir = temp_dir("megatron-case");
+        write(&dir, "d", 8, 2, &[vec![u16s(0, 5)], vec![u16s(9, 2)]]);
+        std::fs::rename(dir.join("d.bin"), dir.join("D.BIN")).unwrap();
+        std::fs::rename(dir.join("d.idx"), dir.join("D.IDX")).unwrap();
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        assert!(r.unused.is_empty(), "{:?}", r.unused);
+        let t = &r.manifest.shards[0].tensors[0];
+        assert_eq!((t.name.as_str(), t.ragged), ("tokens", true));
+        assert_eq!(t.rows.as_deref().unwrap(), [[0, 10], [10, 4]]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

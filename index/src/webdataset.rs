@@ -296,8 +296,12 @@ fn npy_tensor(
     for &[pos, size] in rows {
         let h = match npy::read_header_at(src, pos, size) {
             Ok(h) => h,
-            Err(e @ IndexError::Io { .. }) => return Err(e),
-            Err(_) => return Ok(None),
+            // Content that is not a usable `.npy`: the field stays raw bytes. Anything else
+            // (a local read or a GET failing) is an error, never a silent change of dtype.
+            Err(IndexError::Malformed { .. } | IndexError::Unsupported { .. }) => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
         };
         let elems = h.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let need = elems.and_then(|e| e.checked_mul(h.dtype.size()));

@@ -397,3 +397,37 @@ fn the_report_lists_every_unused_file_with_its_reason() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn nested_fixed_size_lists_whose_element_size_overflows_are_refused() {
+    // list<fixed_size_list<fixed_size_list<fixed_size_list<int32>[2^31]>[2^31]>[2^31]>, two
+    // empty rows: before, the element size (2^93 x 4 bytes) was multiplied unchecked (a
+    // panic in debug builds, a wrapped size in release).
+    let big = 1u64 << 31;
+    let plan = vec![Slot::Column(ColumnPlan {
+        name: "seq".into(),
+        dtype: DType::Int32,
+        lists: vec![ListLevel {
+            large: false,
+            bytes: false,
+        }],
+        levels: vec![big; 3],
+        dims: vec![big; 3],
+    })];
+    let mut body = le_bytes(&[0i32, 0, 0], i32::to_le_bytes);
+    body.resize(16, 0);
+    let layout = BatchLayout {
+        rows: 2,
+        nodes: vec![(2, 0), (0, 0), (0, 0), (0, 0), (0, 0)],
+        buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 0), (16, 0), (16, 0)],
+    };
+    let mut read =
+        |_: &str, off: u64, len: u64| Ok(body[off as usize..(off + len) as usize].to_vec());
+    match batch_tensors(&plan, &layout, 1000, 16, &mut read) {
+        Err(BatchFail::Layout((Some(c), reason, _))) => {
+            assert_eq!(c, "seq");
+            assert!(reason.contains("overflows"), "{reason}");
+        }
+        other => panic!("an overflowing element size was accepted: {other:?}"),
+    }
+}

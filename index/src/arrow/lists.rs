@@ -46,7 +46,6 @@ pub(crate) fn list_tensor(
     read: &mut ReadBody<'_>,
 ) -> Result<TensorEntry, BatchFail> {
     let (levels, values_off, hi) = read_levels(p, w, rows, read)?;
-    let fp: u64 = p.levels.iter().product();
     let hi = fixed_part(p, w, hi)?;
     let values_off = match values_off {
         Some(off) => off,
@@ -61,7 +60,17 @@ pub(crate) fn list_tensor(
         }
     };
     // Bytes per element of the innermost list (all checked against the values buffer).
-    let unit = fp * p.dtype.size();
+    // Checked: a schema of nested fixed-size lists can claim more than 2^64 bytes per
+    // element even where the batch holds none.
+    let unit = p
+        .levels
+        .iter()
+        .try_fold(p.dtype.size(), |a, &k| a.checked_mul(k))
+        .ok_or_else(|| {
+            let what = format!("{:?} x {} bytes", p.levels, p.dtype.size());
+            let why = "fixed-size list element size overflows".to_string();
+            BatchFail::Layout((Some(p.name.clone()), why, what))
+        })?;
     if levels.len() >= 2
         && let Some(inner) = uniform(&levels)
     {

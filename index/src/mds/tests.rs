@@ -371,6 +371,10 @@ fn a_truncated_index_beside_its_shards_is_an_error_with_the_parse_position() {
     let r = index_report(&dir, &IndexOptions::default()).unwrap();
     assert_eq!(r.unused.len(), 1, "{:?}", r.unused);
     assert_eq!(r.unused[0].file, "index.json");
-    assert!(r.unused[0].reason.starts_with("not valid JSON ("), "{:?}", r.unused);
+    assert!(
+        r.unused[0].reason.starts_with("not valid JSON ("),
+        "{:?}",
+        r.unused
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

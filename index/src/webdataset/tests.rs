@@ -312,3 +312,37 @@ fn a_field_that_clashes_with_another_fields_offsets_is_refused_naming_the_file()
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A blob whose reads fail as a GET does after its retries.
+struct Unreachable;
+
+impl crate::blob::Blob for Unreachable {
+    fn read_at(&mut self, _: u64, _: &mut [u8]) -> Result<(), IndexError> {
+        Err(IndexError::Store(
+            shardwire_store::StoreError::Unavailable {
+                bucket: "b".into(),
+                key: "ds/0.tar".into(),
+                range: Some(0..10),
+                reason: "connection reset".into(),
+            },
+        ))
+    }
+
+    fn crc32c(&mut self, _: &[(u64, u64)]) -> Result<Vec<u32>, IndexError> {
+        unreachable!("not checksummed")
+    }
+}
+
+#[test]
+fn a_failed_read_of_an_npy_member_is_an_error_not_raw_bytes() {
+    // Before, every error but a local I/O one made the field raw uint8 (and, harmonised,
+    // raw in every tar): a GET that failed changed the manifest's dtype.
+    let mut src = crate::source::Source::new(
+        "s3://b/ds/0.tar".into(),
+        "0.tar",
+        4096,
+        Box::new(Unreachable),
+    );
+    let got = super::npy_tensor(&mut src, "img", &[[512, 128]]);
+    assert!(matches!(got, Err(IndexError::Store(_))), "{got:?}");
+}
