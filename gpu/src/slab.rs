@@ -112,9 +112,13 @@ impl SlabPool {
         *self.on_free.lock().expect("poisoned") = Some(f);
     }
 
-    /// The slab size (class) a request of `len` bytes takes.
+    /// The slab size (class) a request of `len` bytes takes; the largest power of two for
+    /// a request above it (which no pool can serve: [`SlabPool::alloc`] refuses it).
     pub fn class_size(len: usize) -> usize {
-        len.max(1).next_power_of_two().max(MIN_BLOCK)
+        len.max(1)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << (usize::BITS - 1))
+            .max(MIN_BLOCK)
     }
 
     /// The largest request this pool can ever serve.
@@ -140,10 +144,11 @@ impl SlabPool {
 
     /// A slab of at least `len` bytes, or None when no block is free right now.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slab> {
-        let want =
-            Self::class_size(len).trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
+        let class = Self::class_size(len);
+        let want = class.trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
         let mut inner = self.inner.lock().expect("poisoned");
-        if want >= inner.classes.len() {
+        // `len > class`: a request past the largest power of two (a peer's claimed length).
+        if len > class || want >= inner.classes.len() {
             return None;
         }
         let (mut k, mut idx) =
@@ -155,6 +160,10 @@ impl SlabPool {
             inner.classes[k].push(idx + 1);
         }
         inner.used += MIN_BLOCK << want;
+        debug_assert!(
+            len <= MIN_BLOCK << want,
+            "a slab's bytes lie inside its block"
+        );
         Some(Slab {
             pool: Arc::clone(self),
             offset: idx * (MIN_BLOCK << want),
@@ -278,6 +287,19 @@ mod tests {
 
     fn pool(len: usize) -> Arc<SlabPool> {
         SlabPool::new(crate::HostRegion::new("slab-test", len).unwrap())
+    }
+
+    #[test]
+    fn a_request_past_the_largest_power_of_two_is_refused() {
+        // Before, `next_power_of_two` wrapped to 0 in release builds: a 4 KiB block handed
+        // out as a slab of 2^63 + 1 bytes (a source's claimed shard length).
+        let p = pool(1 << 20);
+        for len in [(1usize << 63) + 1, usize::MAX] {
+            assert_eq!(SlabPool::class_size(len), 1 << 63);
+            assert!(p.alloc(len).is_none(), "{len}");
+        }
+        assert!(p.alloc((1 << 20) + 1).is_none());
+        assert_eq!(p.alloc(1 << 20).unwrap().capacity(), 1 << 20);
     }
 
     #[test]

@@ -27,6 +27,10 @@ pub const MAX_SHARDS: usize = 10_000_000;
 pub const MAX_MANIFEST_BYTES: usize = crate::wire::MAX_FRAME - 512;
 /// At most this many tensors per shard.
 pub const MAX_TENSORS_PER_SHARD: usize = 4096;
+/// Most bytes one shard's payload may have: it is received whole into one slab of a
+/// stream's memory, which no host or GPU has this much of; the bound keeps every size
+/// computed from shard lengths far from overflowing.
+pub const MAX_SHARD_LENGTH: u64 = 1 << 40;
 /// At most this many dimensions per tensor.
 pub const MAX_DIMS: usize = 32;
 /// Suffix of the offsets tensor delivered with a ragged tensor.
@@ -276,7 +280,8 @@ impl Manifest {
     /// (sorted here by file), the digest covering both.
     pub fn with_objects(shards: Vec<ShardEntry>, mut objects: Vec<ObjectEntry>) -> Self {
         objects.sort_by(|a, b| a.file.cmp(&b.file));
-        let total_bytes = shards.iter().map(|s| s.length).sum();
+        // Saturating: a sum past 2^64 fails `validate`, not this.
+        let total_bytes = shards.iter().fold(0u64, |a, s| a.saturating_add(s.length));
         let digest = Self::compute_digest_of(&shards, &objects);
         Self {
             format: FORMAT,
@@ -404,6 +409,13 @@ impl Manifest {
             if s.length == 0 {
                 return Err(bad("payload length is 0".into()));
             }
+            if s.length > MAX_SHARD_LENGTH {
+                return Err(bad(format!(
+                    "payload length {} is over the limit of {MAX_SHARD_LENGTH} bytes (1 TiB): \
+                     index the dataset with smaller shards",
+                    s.length
+                )));
+            }
             // Checked here, so `check_tensor` may add them.
             s.offset
                 .checked_add(s.length)
@@ -427,13 +439,19 @@ impl Manifest {
                 computed,
             });
         }
-        let total: u64 = self.shards.iter().map(|s| s.length).sum();
-        if total != self.total_bytes {
+        // Checked: a peer's lengths can sum past 2^64 (a panic in debug builds, a wrapped
+        // total that might match in release).
+        let total = self
+            .shards
+            .iter()
+            .try_fold(0u64, |a, s| a.checked_add(s.length));
+        if total != Some(self.total_bytes) {
+            let sum = total.map_or("more than 2^64".into(), |t| t.to_string());
             return Err(ManifestError::Shard {
                 shard: 0,
                 file: String::new(),
                 reason: format!(
-                    "total_bytes {} != sum of shard lengths {total}",
+                    "total_bytes {} != sum of shard lengths {sum}",
                     self.total_bytes
                 ),
             });
@@ -791,6 +809,31 @@ mod tests {
         let m = Manifest::with_objects(sample().shards, vec![object("a.npy", 152, "e")]);
         let mix = Manifest::mixture(&[("one", &m), ("two", &sample())]);
         assert_eq!(mix.objects, [object("one/a.npy", 152, "e")]);
+    }
+
+    #[test]
+    fn huge_shard_lengths_are_refused() {
+        // Before, a length of 2^63 passed (a slab class that wrapped to 4 KiB in release)
+        // and the sum overflowed: a panic in debug builds, a wrapped total in release.
+        let huge = |file: &str| ShardEntry {
+            file: file.into(),
+            offset: 0,
+            length: 1 << 63,
+            crc32c: 1,
+            tensors: vec![TensorEntry::dense(
+                "a".into(),
+                DType::Uint8,
+                vec![1 << 63],
+                0,
+                1 << 63,
+            )],
+        };
+        let mut m = Manifest::new(vec![huge("a"), huge("b")]);
+        assert_eq!(m.total_bytes, u64::MAX);
+        let e = m.validate().unwrap_err().to_string();
+        assert!(e.contains("over the limit of 1099511627776 bytes"), "{e}");
+        m.total_bytes = 0; // what a wrapped sum gave
+        assert!(m.validate().is_err());
     }
 
     #[test]

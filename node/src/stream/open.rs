@@ -159,7 +159,7 @@ pub fn check_region(manifest: &Manifest, region_bytes: u64) -> Result<(), OpenEr
         .max()
         .unwrap_or(0) as usize;
     let class = SlabPool::class_size(largest) as u64;
-    if class * 2 > region_bytes {
+    if class.saturating_mul(2) > region_bytes {
         return Err(OpenError::new(
             ErrorCode::NoMemory,
             format!(
@@ -360,10 +360,14 @@ fn check_window(
     let min_rows = min_rows(o);
     let per_block = block_shards(o).min(m.shards.len() as u64);
     let across = peak::peak(m, &plan.units(&o.epoch(0)), u64::from(plan.batch_size));
-    let blocks = (concurrent * per_block * max_class).max(across.bytes);
+    // Saturating: a count of blocks times a large class must not wrap into "fits".
+    let blocks = concurrent
+        .saturating_mul(per_block)
+        .saturating_mul(max_class)
+        .max(across.bytes);
     let class = SlabPool::class_size(batch_bytes as usize) as u64;
-    let batches = (READY_AHEAD as u64 + 1) * class;
-    if blocks + batches <= region_bytes {
+    let batches = (READY_AHEAD as u64 + 1).saturating_mul(class);
+    if blocks.saturating_add(batches) <= region_bytes {
         return Ok(ready_ahead(region_bytes, blocks, class));
     }
     if across.bytes > concurrent * per_block * max_class {
