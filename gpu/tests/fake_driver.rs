@@ -235,6 +235,16 @@ fn regions_dropped_on_other_threads_are_unmapped() {
 }
 
 #[test]
+fn a_staged_copy_that_fails_lands_nothing_afterwards() {
+    let child = run_child("child::a_failed_staged_copy", 1, &[]);
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
 fn the_fake_enforces_contexts_bounds_and_stream_order() {
     let child = run_child("child::fake_checks", 1, &[]);
     let lines = child.fake_lines();
@@ -570,6 +580,47 @@ mod child {
         std::thread::spawn(move || drop(region)).join().unwrap();
         assert_eq!(vmm_mappings(), 0, "the region's mapping outlived it");
         // The fake logs any failed call or leak to stderr; the parent checks there are none.
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn a_failed_staged_copy_lands_nothing_afterwards() {
+        if !in_child() {
+            return;
+        }
+        // The fake runs queued copies only when the host waits: before, a copy that failed
+        // after two buffers left them queued, and they landed over what was written next
+        // (the slab refetched into the same memory) when the stager next waited.
+        let dev = Device::open(0).unwrap();
+        let region = VmmRegion::new(&dev, 4 << 20).unwrap();
+        let mut stager = H2dStager::new(&dev, 4096, 4).unwrap();
+        let mut calls = 0;
+        let failed = stager.copy_from(
+            &mut |buf: &mut [u8]| {
+                calls += 1;
+                match calls {
+                    1 | 2 => {
+                        buf.fill(0xAA);
+                        Ok(buf.len())
+                    }
+                    _ => Err(std::io::Error::other("connection reset")),
+                }
+            },
+            &mut |_| {},
+            &region,
+            0,
+            4 * 4096,
+        );
+        assert!(failed.is_err());
+        region.write(0, &[0x55; 8192]).unwrap();
+        drop(stager); // waits for anything still queued
+        let mut back = vec![0; 8192];
+        region.read(0, &mut back).unwrap();
+        let stale = back.iter().filter(|&&b| b != 0x55).count();
+        assert_eq!(
+            stale, 0,
+            "bytes of the failed copy landed after it returned"
+        );
     }
 
     /// The fake's own checks, with raw driver calls (what the crate must never do).

@@ -138,8 +138,24 @@ impl H2dStager {
 
     /// Reads exactly `len` bytes from `src` into `dst` at `offset` through the buffers,
     /// calling `seen` on each piece while it is in host memory (for the CRC), and waits
-    /// for the copies. Returns the bytes read.
+    /// for the copies, also when it fails: nothing it queued lands in `dst` after it
+    /// returns (the caller may hand that memory out again at once).
     pub fn copy_from(
+        &mut self,
+        src: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>,
+        seen: &mut dyn FnMut(&[u8]),
+        dst: &VmmRegion,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), StageError> {
+        let copied = self.queue_from(src, seen, dst, offset, len);
+        let flushed = self.flush();
+        copied?;
+        Ok(flushed?)
+    }
+
+    /// [`Self::copy_from`] without the final wait.
+    fn queue_from(
         &mut self,
         src: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>,
         seen: &mut dyn FnMut(&[u8]),
@@ -175,7 +191,6 @@ impl H2dStager {
             self.submit(want, dst, offset + done)?;
             done += want;
         }
-        self.flush()?;
         Ok(())
     }
 }
