@@ -1,6 +1,6 @@
 //! Memory regions that slabs live in and trainers share: [`Region`] is host memory (an
 //! anonymous memfd, sized once (grow/shrink sealed), mapped shared; trainers map the fd
-//! read-only) or, with the `cuda` feature, a CUDA VMM region (trainers import its POSIX fd).
+//! read-only, and only the node's own mapping may write it: future writes sealed) or, with the `cuda` feature, a CUDA VMM region (trainers import its POSIX fd).
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -197,9 +197,6 @@ impl HostRegion {
         let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
             .map_err(sys("memfd_create"))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(sys("ftruncate"))?;
-        // Trainers map this fd: its size must never change under them.
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(sys("fcntl(F_ADD_SEALS)"))?;
         // SAFETY: a fresh shared mapping of `len` bytes of our own memfd; no existing memory
         // is aliased, and the mapping lives until Drop unmaps it.
         let raw = unsafe {
@@ -214,6 +211,16 @@ impl HostRegion {
         }
         .map_err(sys("mmap"))?;
         let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap never returns NULL on success");
+        // Trainers map this fd: its size must never change under them, and only this
+        // mapping (made above) may write it: a trainer's shared mapping or `write` of the fd
+        // it was handed is refused (EPERM), so no trainer can change bytes the node is
+        // still checking or assembling. A failure here drops `fd`; the mapping is unmapped.
+        let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
+        if let Err(e) = rustix::fs::fcntl_add_seals(&fd, seals) {
+            // SAFETY: exactly the mapping made above, not yet shared with anything.
+            let _ = unsafe { rustix::mm::munmap(raw, len) };
+            return Err(sys("fcntl(F_ADD_SEALS)")(e));
+        }
         // 2 MiB pages where the host allows them for shared memory on request
         // (`shmem_enabled` = advise; `always` gives them anyway, `never` ignores this): a batch
         // gather reads rows scattered over tens of MiB, a TLB miss per row with 4 KiB pages
@@ -333,6 +340,29 @@ mod tests {
         assert_eq!(b[0], 7);
         // Size is sealed.
         assert!(rustix::fs::ftruncate(r.fd(), 10).is_err());
+        // Only the node's own mapping writes: a trainer's writable shared mapping of the fd
+        // it is handed, or a write to it, is refused; a read-only mapping is not.
+        let shared = Region::Host(HostRegion::new("t2", 1 << 20).unwrap());
+        let fd = shared.share_fd().unwrap();
+        let map = |prot| {
+            // SAFETY: a fresh mapping of the fd, unmapped below before anything uses it.
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), 4096, prot, MapFlags::SHARED, &fd, 0) }
+        };
+        assert_eq!(
+            map(ProtFlags::READ | ProtFlags::WRITE).unwrap_err(),
+            rustix::io::Errno::PERM
+        );
+        let ro = map(ProtFlags::READ).unwrap();
+        // SAFETY: the read-only mapping just made, used by nothing else.
+        unsafe { rustix::mm::munmap(ro, 4096).unwrap() };
+        assert_eq!(
+            rustix::io::pwrite(&fd, b"x", 0).unwrap_err(),
+            rustix::io::Errno::PERM
+        );
+        // SAFETY: inside the node's own mapping, no other user in this test.
+        unsafe { shared.host().unwrap().base().write(9) };
+        rustix::io::pread(&fd, &mut b, 0).unwrap();
+        assert_eq!(b[0], 9);
         assert!(r.resident_bytes() >= 4096);
         assert!(matches!(HostRegion::new("t", 0), Err(RegionError::Empty)));
     }
