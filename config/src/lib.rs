@@ -332,6 +332,32 @@ fn keys<T: Serialize + Default>() -> Vec<String> {
     }
 }
 
+/// `SHARDWIRE_*` variables of the project's own tools and tests, not settings.
+const TOOL_VARIABLES: [&str; 5] = ["BIN", "VENV", "STREAMING_VENV", "SKIP_", "HW_"];
+
+/// The `SHARDWIRE_*` variables among `vars` that are no key of `serve` or `source` (nor a
+/// variable of the project's tools): each is ignored by both, most likely misspelled
+/// (`SHARDWIRE_CACHEDIR`), and deserves a warning naming it.
+pub fn unknown_env(vars: impl IntoIterator<Item = (String, String)>) -> Vec<String> {
+    let known: Vec<String> = keys::<ServeConfig>()
+        .into_iter()
+        .chain(keys::<SourceConfig>())
+        .collect();
+    let mut out: Vec<String> = vars
+        .into_iter()
+        .filter_map(|(name, _)| {
+            let key = name.strip_prefix("SHARDWIRE_")?;
+            let setting = known.iter().any(|k| key.eq_ignore_ascii_case(k));
+            let tool = TOOL_VARIABLES
+                .iter()
+                .any(|t| key == *t || (t.ends_with('_') && key.starts_with(t)));
+            (!setting && !tool).then_some(name)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 fn load<T>(file: Option<&Path>, flags: &impl Serialize) -> Result<T, ConfigError>
 where
     T: Serialize + Default + for<'de> Deserialize<'de>,
@@ -558,6 +584,14 @@ impl SourceConfig {
                 "set cache_size (e.g. 500GiB) when cache_dir is set",
             ));
         }
+        if self.cache_dir.is_none() && self.cache_size.0 > 0 {
+            return Err(invalid(
+                "cache_size",
+                self.cache_size.0,
+                "cache_size without cache_dir caches nothing: set cache_dir (a local \
+                 directory, e.g. /nvme/shardwire-cache) or drop cache_size",
+            ));
+        }
         Ok(())
     }
 }
@@ -607,6 +641,15 @@ mod tests {
             e.contains("`object_store_request_size`") && e.contains("64KiB"),
             "{e}"
         );
+        // The reverse: a size without a directory cached nothing, without a word.
+        let p = write("datasets = [\"web=s3://bucket/web\"]\ncache_size = \"1GiB\"\n");
+        let e = SourceConfig::load(Some(&p), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`cache_size`") && e.contains("set cache_dir"),
+            "{e}"
+        );
         let d = SourceConfig::default();
         assert_eq!(d.object_store_request_size.0, 8 << 20);
         assert_eq!(d.cache_dir, None);
@@ -631,6 +674,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("flowz"), "{e}");
+    }
+
+    #[test]
+    fn misspelled_environment_variables_are_named() {
+        let vars = [
+            ("SHARDWIRE_CACHEDIR", "/nvme"),
+            ("SHARDWIRE_CACHE_SIZE", "500GiB"),
+            ("SHARDWIRE_POOL_SIZE", "8GiB"),
+            ("SHARDWIRE_socket", "/run/sw.sock"),
+            ("SHARDWIRE_OBJECT_STORE_REQUEST_SIZ", "16MiB"),
+            ("SHARDWIRE_BIN", "target/debug/shardwire"),
+            ("SHARDWIRE_HW_IFNAME", "eth1"),
+            ("SHARDWIRE_SKIP_LINT", "1"),
+            ("PATH", "/usr/bin"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        assert_eq!(
+            unknown_env(vars),
+            ["SHARDWIRE_CACHEDIR", "SHARDWIRE_OBJECT_STORE_REQUEST_SIZ"]
+        );
     }
 
     #[test]

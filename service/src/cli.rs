@@ -439,9 +439,24 @@ fn index(
     Ok(ExitCode::SUCCESS)
 }
 
+/// Warns, naming each, of the `SHARDWIRE_*` variables that neither `serve` nor `source`
+/// reads (most likely misspelled: both ignore them).
+fn warn_unknown_env() {
+    let vars = std::env::vars_os().map(|(k, v)| {
+        (
+            k.to_string_lossy().into_owned(),
+            v.to_string_lossy().into_owned(),
+        )
+    });
+    for name in shardwire_config::unknown_env(vars) {
+        tracing::warn!(variable = %name, "this SHARDWIRE_* variable is no setting of `serve` or `source` and is ignored: misspelled? (docs/CONFIGURATION.md lists the keys)");
+    }
+}
+
 fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
     let cfg = SourceConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
+    warn_unknown_env();
     crate::limits::raise_open_files(); // every file of its datasets stays open
     // Before any work: a metric recorded while no recorder is installed is lost without a
     // word (a FETCH served before the admin task first ran went uncounted).
@@ -502,6 +517,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
 fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     let cfg = ServeConfig::load(f.config.as_deref(), f)?;
     logging::init(cfg.log_format);
+    warn_unknown_env();
     crate::limits::raise_open_files(); // a socket per trainer, source link and data connection
     crate::http::prom::handle(); // before any work (see `source`)
     runtime()?.block_on(async {

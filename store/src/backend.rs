@@ -198,9 +198,14 @@ fn describe_s3(b: &AmazonS3Builder) -> Described {
     } else {
         "instance metadata (IMDSv2)".to_owned()
     };
+    // As object_store's `build` chooses: AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL.
     let endpoint = b
-        .get_config_value(&S3Key::Endpoint)
-        .unwrap_or_else(|| format!("https://s3.{region}.amazonaws.com"));
+        .get_config_value(&S3Key::S3Endpoint)
+        .or_else(|| b.get_config_value(&S3Key::Endpoint))
+        .map_or_else(
+            || format!("https://s3.{region}.amazonaws.com"),
+            |e| without_userinfo(&e),
+        );
     let virtual_hosted = truthy(&S3Key::VirtualHostedStyleRequest);
     Described {
         backend: "s3",
@@ -212,6 +217,18 @@ fn describe_s3(b: &AmazonS3Builder) -> Described {
         } else {
             "path-style"
         }),
+    }
+}
+
+/// `url` with any `user:secret@` before its host replaced by `***@` (it is logged).
+fn without_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority = rest.split('/').next().unwrap_or("");
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority.len()..]),
+        None => url.to_owned(),
     }
 }
 
@@ -273,5 +290,27 @@ fn describe_azure(b: &MicrosoftAzureBuilder) -> Described {
             .unwrap_or_else(|| format!("https://{account}.blob.core.windows.net")),
         region: None,
         addressing: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_s3_endpoint_logged_is_the_one_requests_go_to() {
+        let b = AmazonS3Builder::new()
+            .with_region("eu-west-1")
+            .with_config(S3Key::Endpoint, "http://general:9000")
+            .with_config(S3Key::S3Endpoint, "http://user:secret@minio:9000/");
+        // Before, the log named AWS_ENDPOINT_URL while object_store used AWS_ENDPOINT_URL_S3.
+        assert_eq!(describe_s3(&b).endpoint, "http://***@minio:9000/");
+        let b = AmazonS3Builder::new().with_config(S3Key::Endpoint, "http://general:9000");
+        assert_eq!(describe_s3(&b).endpoint, "http://general:9000");
+        let b = AmazonS3Builder::new().with_region("eu-west-1");
+        assert_eq!(
+            describe_s3(&b).endpoint,
+            "https://s3.eu-west-1.amazonaws.com"
+        );
     }
 }

@@ -20,6 +20,9 @@ pub enum StoreErrorKind {
     Throttled,
     /// 5xx, timeouts, connection errors after retries, or an unexpected answer.
     Unavailable,
+    /// Another 3xx/4xx answer, an invalid key or an operation the store does not support:
+    /// not transient, asking again gets the same answer.
+    Rejected,
     /// 401/403: credentials refused.
     Credentials,
     /// 404: no such object (or bucket): a stale manifest or a wrong prefix.
@@ -81,6 +84,21 @@ pub enum StoreError {
         /// Byte range asked for.
         range: Option<Range<u64>>,
         /// What happened (status and the store's message, or the transport error).
+        reason: String,
+    },
+    /// The store refused the request for good (another 3xx/4xx: a wrong region or
+    /// endpoint, a range it cannot serve), the operation is not supported, or a key under
+    /// the prefix is not a valid object path.
+    #[error(
+        "bucket {bucket}, key {key}: refused by the store{reason}; this is not transient \
+         (check the dataset URL, AWS_REGION and the endpoint)"
+    )]
+    Rejected {
+        /// Bucket.
+        bucket: String,
+        /// Full key (or the prefix, for a listing).
+        key: String,
+        /// The HTTP status, when the store answered, and its answer: ` (HTTP 400): ...`.
         reason: String,
     },
     /// 401/403.
@@ -185,6 +203,7 @@ impl StoreError {
             Self::Config { .. } | Self::ListTooLong { .. } => StoreErrorKind::Config,
             Self::Throttled { .. } => StoreErrorKind::Throttled,
             Self::Unavailable { .. } => StoreErrorKind::Unavailable,
+            Self::Rejected { .. } => StoreErrorKind::Rejected,
             Self::Credentials { .. } => StoreErrorKind::Credentials,
             Self::NotFound { .. } => StoreErrorKind::NotFound,
             Self::Changed { .. } => StoreErrorKind::Changed,
@@ -267,12 +286,32 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             range: at.range,
             retry_after: last.and_then(|a| a.retry_after),
         },
-        (E::NotSupported { .. } | E::NotImplemented { .. }, _) => StoreError::Unavailable {
+        (E::NotSupported { .. } | E::NotImplemented { .. }, _) => StoreError::Rejected {
             bucket,
             key,
-            range: at.range,
-            reason: format!("not supported by this store: {}", short(&e)),
+            reason: format!(
+                "{}: not supported by this store: {}",
+                http(status),
+                short(&e)
+            ),
         },
+        (E::InvalidPath { .. }, _) => StoreError::Rejected {
+            bucket,
+            key,
+            reason: format!(
+                ": a key under it is not a valid object path (`//`, a `.` or `..` segment, or a \
+                 control character): rename that object or point the dataset at a narrower \
+                 prefix ({})",
+                short(&e)
+            ),
+        },
+        (E::Generic { .. }, Some(code @ 300..=499)) if !transient(code, &e) => {
+            StoreError::Rejected {
+                bucket,
+                key,
+                reason: format!("{}: {}", http(status), short(&e)),
+            }
+        }
         _ => StoreError::Unavailable {
             bucket,
             key,
@@ -280,6 +319,25 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             reason: short(&e),
         },
     }
+}
+
+/// ` (HTTP 400)`, or nothing without a status.
+fn http(status: Option<u16>) -> String {
+    status.map(|s| format!(" (HTTP {s})")).unwrap_or_default()
+}
+
+/// Whether a 3xx/4xx answer may pass if asked again: 408 Request Timeout, 409 Conflict,
+/// 425 Too Early, and S3's `400 RequestTimeout` (the connection idled, a slow network).
+fn transient(status: u16, e: &object_store::Error) -> bool {
+    matches!(status, 408 | 409 | 425)
+        || (status == 400 && s3_error_code(&e.to_string()).as_deref() == Some("RequestTimeout"))
+}
+
+/// The `<Code>` of an S3 XML error body in `s`.
+fn s3_error_code(s: &str) -> Option<String> {
+    let from = s.find("<Code>")? + "<Code>".len();
+    let to = s[from..].find("</Code>")? + from;
+    Some(s[from..to].to_owned())
 }
 
 /// The error's message, an S3 XML error body in it cut to its code and message (a
@@ -380,7 +438,52 @@ mod tests {
         }
         // The same 400 from the store itself is no credentials failure.
         let e = classify(generic(), Some(&with(400, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+    }
+
+    #[test]
+    fn permanent_refusals_are_rejected_not_an_outage() {
+        // Before, all of these were `Unavailable`: retried at start and sent to nodes as
+        // StorageUnavailable, so a wrong region looked like an outage.
+        for status in [301, 400, 405, 416] {
+            let e = classify(generic(), Some(&with(status, None)), at());
+            assert_eq!(e.kind(), StoreErrorKind::Rejected, "{status}: {e}");
+            assert!(e.to_string().contains(&format!("(HTTP {status})")), "{e}");
+            assert!(e.to_string().contains("not transient"), "{e}");
+        }
+        let region = object_store::Error::Generic {
+            store: "S3",
+            source: "400 Bad Request: <Error><Code>AuthorizationHeaderMalformed</Code>\
+                     <Message>the region 'us-east-1' is wrong</Message></Error>"
+                .into(),
+        };
+        let e = classify(region, Some(&with(400, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        assert!(
+            e.to_string().contains("AuthorizationHeaderMalformed"),
+            "{e}"
+        );
+        // Transient 4xx stay `Unavailable`.
+        let idle = object_store::Error::Generic {
+            store: "S3",
+            source: "400: <Error><Code>RequestTimeout</Code><Message>idle</Message></Error>".into(),
+        };
+        let e = classify(idle, Some(&with(400, None)), at());
         assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+        for status in [408, 409, 500] {
+            let e = classify(generic(), Some(&with(status, None)), at());
+            assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{status}: {e}");
+        }
+        // A key object_store cannot parse in a listing names the fix.
+        let bad = object_store::Error::InvalidPath {
+            source: object_store::path::Error::EmptySegment {
+                path: "ds/logs//run.txt".into(),
+            },
+        };
+        let e = classify(bad, None, at());
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        assert!(e.to_string().contains("narrower prefix"), "{e}");
+        assert!(e.to_string().contains("ds/logs//run.txt"), "{e}");
     }
 
     #[test]

@@ -15,6 +15,15 @@ pub fn quoted_etag(etag: &str) -> String {
     }
 }
 
+/// The `If-Match` to send for a pinned `etag`: none for a weak tag (`W/"..."`), which
+/// `If-Match`'s strong comparison never matches (RFC 9110 §13.1.1: every read would be
+/// refused with 412, as if the dataset had changed); the tag of the answer is still compared
+/// with it, and the bytes with their CRC-32C.
+pub fn if_match(etag: Option<&str>) -> Option<String> {
+    etag.filter(|e| !e.trim().starts_with("W/"))
+        .map(quoted_etag)
+}
+
 /// Whether two ETags name the same version (compared in their quoted forms).
 pub fn same_etag(a: &str, b: &str) -> bool {
     quoted_etag(a) == quoted_etag(b)
@@ -36,5 +45,13 @@ mod tests {
             "a weak tag is not a strong one"
         );
         assert!(!same_etag("0x1", "\"0x2\""));
+    }
+
+    #[test]
+    fn a_weak_tag_is_compared_but_never_sent_as_if_match() {
+        assert_eq!(if_match(Some("W/\"abc\"")), None);
+        assert_eq!(if_match(Some("0x8D")), Some("\"0x8D\"".into()));
+        assert_eq!(if_match(Some("\"d41d\"")), Some("\"d41d\"".into()));
+        assert_eq!(if_match(None), None);
     }
 }

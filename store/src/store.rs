@@ -17,7 +17,7 @@ use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload
 
 use crate::backend::{self, Described};
 use crate::error::{At, StoreError, classify};
-use crate::etag::{quoted_etag, same_etag};
+use crate::etag::{if_match, quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
 use crate::tap::{Call, Tracked};
@@ -347,7 +347,7 @@ impl Store {
         let body = async {
             let opts = GetOptions {
                 range: Some(get_range),
-                if_match: etag.map(quoted_etag),
+                if_match: if_match(etag),
                 ..Default::default()
             };
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());

@@ -33,9 +33,10 @@ impl From<&StoreError> for Failure {
             StoreErrorKind::NotFound => ErrorCode::ObjectNotFound,
             StoreErrorKind::Changed => ErrorCode::DatasetChanged,
             StoreErrorKind::Unavailable | StoreErrorKind::Short => ErrorCode::StorageUnavailable,
-            StoreErrorKind::Url | StoreErrorKind::Config | StoreErrorKind::Sink => {
-                ErrorCode::ReadFailed
-            }
+            StoreErrorKind::Url
+            | StoreErrorKind::Config
+            | StoreErrorKind::Sink
+            | StoreErrorKind::Rejected => ErrorCode::ReadFailed,
         };
         let retry_after_ms = e
             .retry_after()
