@@ -30,7 +30,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSliceMut, Read};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -183,8 +183,9 @@ impl EmuBinding {
         self.lock().unbound
     }
 
-    /// Unbind: fills fail from now on (the queues went back to ordinary pages). Frags
-    /// already handed out stay valid until their tokens come back, as in the kernel.
+    /// Unbind: no more net_iovs are handed out (the queues went back to ordinary pages:
+    /// sockets read what arrives from now on as ordinary TCP, without cmsgs). Frags already
+    /// handed out stay valid until their tokens come back, as in the kernel.
     pub fn unbind(&self) {
         self.lock().unbound = true;
         self.freed.notify_all();
@@ -442,6 +443,15 @@ impl EmuSocket {
         }
         let (mut done, mut iov_used, mut ctl) = (0usize, 0usize, 0usize);
         while done < len {
+            if self.queue.is_empty() && self.binding.is_unbound() {
+                // The queues restarted with ordinary pages (devmem.md §4 step 6): what
+                // arrives now is ordinary TCP, copied into the iov without a cmsg, and one
+                // recvmsg never mixes it with devmem frags (§4 step 4).
+                if done > 0 {
+                    break;
+                }
+                return self.recv_plain(iov);
+            }
             if self.queue.is_empty() {
                 let wait = done == 0;
                 match self.fill(len - done, wait) {
@@ -490,6 +500,22 @@ impl EmuSocket {
             }
         }
         Ok((done, ctl))
+    }
+
+    /// An ordinary `recv` into `iov` (after unbind): (bytes, no control).
+    fn recv_plain(&mut self, iov: &mut [u8]) -> Result<(usize, usize), DevmemError> {
+        loop {
+            match self.sock.read(iov) {
+                Ok(n) => return Ok((n, 0)),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(DevmemError::Syscall {
+                        call: "recvmsg(MSG_SOCK_DEVMEM) [emulated, unbound]",
+                        source,
+                    });
+                }
+            }
+        }
     }
 
     /// The emulated `setsockopt(SO_DEVMEM_DONTNEED)`, with the kernel's checks and return

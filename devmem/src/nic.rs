@@ -488,7 +488,11 @@ impl Journal {
             client.set_ntuple(&ifname, true)?;
         }
         let location = client.insert_tcp4_rule(&ifname, dst_port, queue)?;
-        self.record(Change::Rule { location })?;
+        if let Err(e) = self.record(Change::Rule { location }) {
+            // Not journaled: not left on the NIC either (as `add_flow`).
+            let _ = client.delete_rule(&ifname, location);
+            return Err(e);
+        }
         Ok(location)
     }
 

@@ -14,9 +14,15 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::mem::DmabufMem;
 use crate::tx::Completion;
+
+/// How long a slot dropped with sends not completed stays out of use: its connection's
+/// socket is reset by then (the sender resets a failed connection, linger 0), so neither the
+/// socket's retransmit queue nor the NIC reads its bytes any more.
+pub const QUARANTINE: Duration = Duration::from_secs(10);
 
 /// A TX dma-buf split into per-connection slots.
 #[derive(Debug)]
@@ -24,6 +30,8 @@ pub struct TxBuffer {
     mem: DmabufMem,
     slot_len: usize,
     free: Mutex<Vec<usize>>,
+    /// Slots dropped with bytes in flight, and when they may be used again.
+    quarantined: Mutex<Vec<(usize, Instant)>>,
     /// The TX binding id; 0 means "no binding": iovec bases are then addresses (the kernel's
     /// ordinary MSG_ZEROCOPY path, which tests use on loopback).
     id: std::sync::atomic::AtomicU32,
@@ -56,6 +64,7 @@ impl TxBuffer {
             mem,
             slot_len,
             free: Mutex::new((0..slots).rev().collect()),
+            quarantined: Mutex::new(Vec::new()),
             id: std::sync::atomic::AtomicU32::new(0),
         }))
     }
@@ -80,9 +89,25 @@ impl TxBuffer {
         self.slot_len
     }
 
-    /// Take a free slot; `None` when every slot is in use.
+    /// Take a free slot; `None` when every slot is in use (or quarantined: [`QUARANTINE`]).
     pub fn slot(self: &Arc<Self>) -> Option<TxSlot> {
-        let i = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        self.slot_at(Instant::now())
+    }
+
+    /// [`TxBuffer::slot`] at time `now`.
+    fn slot_at(self: &Arc<Self>, now: Instant) -> Option<TxSlot> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        self.quarantined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|&(i, until)| {
+                let over = until <= now;
+                if over {
+                    free.push(i);
+                }
+                !over
+            });
+        let i = free.pop()?;
         Some(TxSlot {
             buf: Arc::clone(self),
             index: i,
@@ -179,8 +204,20 @@ impl TxSlot {
 
 impl Drop for TxSlot {
     fn drop(&mut self) {
-        // The owner drains completions before dropping a slot of a healthy connection; a
-        // failed connection's socket is shut down, and the kernel drops its unsent data.
+        // The owner drains completions before dropping a slot of a healthy connection. One
+        // dropped with sends not completed (a failed connection, a drain that timed out) may
+        // still be read by its socket's retransmit queue or the NIC: rewriting it for
+        // another connection would send that one's bytes in this one's stream, so it waits.
+        if self.in_flight() > 0 {
+            let until = Instant::now() + QUARANTINE;
+            let mut q = self
+                .buf
+                .quarantined
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            q.push((self.index, until));
+            return;
+        }
         self.buf
             .free
             .lock()
@@ -232,6 +269,29 @@ mod tests {
         assert_eq!(s.in_flight(), 0);
         drop(s);
         assert!(b.slot().is_some(), "a dropped slot is free again");
+    }
+
+    #[test]
+    fn a_slot_dropped_with_sends_in_flight_is_not_handed_out_until_its_quarantine_ends() {
+        // Before, it was free at once: the next connection's bytes were written where the
+        // old socket's unacknowledged sends still pointed.
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        s.reserve(100).unwrap().1.fill(3);
+        s.sent(100);
+        drop(s);
+        let now = Instant::now();
+        assert!(b.slot_at(now).is_none(), "quarantined");
+        assert!(b.slot_at(now + QUARANTINE / 2).is_none());
+        let again = b.slot_at(now + QUARANTINE + Duration::from_millis(1));
+        assert!(again.is_some(), "free once its quarantine is over");
+        // Drained first: free at once.
+        let mut s = again.unwrap();
+        s.reserve(100).unwrap();
+        s.sent(100);
+        s.complete(c(0, 0));
+        drop(s);
+        assert!(b.slot_at(now).is_some());
     }
 
     #[test]

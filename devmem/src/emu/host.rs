@@ -7,7 +7,7 @@
 //! * [`EmuHost::add_nic`]: a NIC with `rx_queues` RX queues.
 //! * [`EmuHost::bind`]: `bind-rx` of a fresh dma-buf to a queue set of one NIC. The binding
 //!   id is host-unique, allocated cyclically from 1 as the kernel's `xa_alloc_cyclic` does for
-//!   netdev bindings; a queue already bound (`EBUSY`) or past the NIC's count (`ERANGE`) is
+//!   netdev bindings; a queue already bound (`EEXIST`, as the kernel) or past the NIC's count (`ERANGE`) is
 //!   refused. One dma-buf is never bound to two NICs: each `bind` makes its own.
 //! * [`EmuHost::insert_rule`]: an ntuple rule (`flow-type tcp4 src-ip dst-ip src-port
 //!   dst-port action QUEUE`) placing a connection's packets on one queue of one NIC; a queue
@@ -77,9 +77,10 @@ pub enum HostError {
         /// The NIC's queue count.
         rx_queues: u32,
     },
-    /// A queue already has a binding.
-    #[error("{nic} RX queue {queue} is already bound to binding {binding} (EBUSY)")]
-    Busy {
+    /// A queue already has a binding: the kernel's `EEXIST` "designated queue already
+    /// memory provider bound" (its `EBUSY` means a queue in use by AF_XDP).
+    #[error("{nic} RX queue {queue} is already bound to binding {binding} (EEXIST)")]
+    AlreadyBound {
         /// The NIC.
         nic: String,
         /// The queue.
@@ -187,7 +188,7 @@ impl EmuHost {
                 .and_then(Weak::upgrade)
                 .filter(|b| !b.is_unbound())
             {
-                return Err(HostError::Busy {
+                return Err(HostError::AlreadyBound {
                     nic: nic.into(),
                     queue: q,
                     binding: b.id(),
@@ -413,7 +414,7 @@ mod tests {
         assert_ne!(a.id(), b.id());
         assert_eq!(
             host.bind("eth1", &[11, 12], MIB).unwrap_err(),
-            HostError::Busy {
+            HostError::AlreadyBound {
                 nic: "eth1".into(),
                 queue: 11,
                 binding: b.id()

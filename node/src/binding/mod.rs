@@ -176,7 +176,7 @@ pub fn probe_summary(nics: &[NicReport]) -> String {
 
 /// The emulated NIC and queues of lane `lane`'s binding: the lane's own NIC `emu{lane}` and
 /// the upper half of its queues, or, when the lane names queues, those queues of the lane's
-/// NIC (two lanes sharing a NIC name disjoint queue sets; an overlap is refused as `EBUSY`).
+/// NIC (two lanes sharing a NIC name disjoint queue sets; an overlap is refused as `EEXIST`).
 pub fn emulated_nic(lane: u32, nic: Option<&str>, queues: &[u32]) -> (String, Vec<u32>) {
     match (nic, queues.is_empty()) {
         (Some(nic), false) => (format!("emu-{nic}"), queues.to_vec()),
