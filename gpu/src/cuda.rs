@@ -17,7 +17,7 @@ pub mod vmm;
 
 pub use crate::error::StageError;
 pub use device::{Device, DeviceBuffer, Event, PinnedBuffer, Stream};
-pub use engine::Engines;
+pub use engine::{Engines, Launched};
 pub use hostmap::{DeviceRange, HostMapped};
 pub use memory::{CudaMemory, open_for_service};
 pub use selftest::self_test;

@@ -54,6 +54,17 @@ impl Event {
     }
 }
 
+/// A launch in flight (never made in this build).
+#[derive(Debug)]
+pub struct Launched<'a>(Never, std::marker::PhantomData<&'a ()>);
+
+impl Launched<'_> {
+    /// Unreachable.
+    pub fn wait(&self) -> Result<(), GpuError> {
+        match self.0 {}
+    }
+}
+
 /// A VMM allocation (never made in this build).
 #[derive(Debug)]
 pub struct VmmRegion(Never);
@@ -106,7 +117,11 @@ impl VmmRegion {
 }
 
 /// A span of device-visible memory a kernel may read.
-pub trait DeviceRange {
+///
+/// # Safety
+///
+/// As in the CUDA build: the range is live device-visible memory while borrowed.
+pub unsafe trait DeviceRange {
     /// Device address of byte 0.
     fn device_ptr(&self) -> u64;
     /// Length in bytes.
@@ -117,7 +132,8 @@ pub trait DeviceRange {
     }
 }
 
-impl DeviceRange for VmmRegion {
+// SAFETY: never made in this build.
+unsafe impl DeviceRange for VmmRegion {
     fn device_ptr(&self) -> u64 {
         match self.0 {}
     }
@@ -141,7 +157,8 @@ impl HostMapped {
     }
 }
 
-impl DeviceRange for HostMapped {
+// SAFETY: never made in this build.
+unsafe impl DeviceRange for HostMapped {
     fn device_ptr(&self) -> u64 {
         match self.0 {}
     }
@@ -156,12 +173,12 @@ pub struct Engines(Never);
 
 impl Engines {
     /// Unreachable.
-    pub fn gather(
+    pub fn gather<'a>(
         &self,
-        _src: &dyn DeviceRange,
-        _dst: &VmmRegion,
+        _src: &'a dyn DeviceRange,
+        _dst: &'a VmmRegion,
         _frags: &[Frag],
-    ) -> Result<Arc<Event>, GpuError> {
+    ) -> Result<Launched<'a>, GpuError> {
         match self.0 {}
     }
 

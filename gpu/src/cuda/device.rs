@@ -338,20 +338,31 @@ impl Drop for PinnedBuffer {
 }
 
 /// Synchronous H2D copy (tests, setup; hot paths use streams).
-pub fn copy_to_device(dev: &Device, dst: u64, src: &[u8]) -> Result<(), GpuError> {
+///
+/// # Safety
+///
+/// `dst..dst + src.len()` must be device memory of `dev` the caller owns and nothing else
+/// reads or writes meanwhile (with unified addressing a device address can also name host
+/// memory: this writes it).
+pub unsafe fn copy_to_device(dev: &Device, dst: u64, src: &[u8]) -> Result<(), GpuError> {
     dev.bind()?;
     // SAFETY: `src` is a live host slice; the caller names a device range of at least
-    // `src.len()` bytes it owns.
+    // `src.len()` bytes it owns (this function's contract).
     check("cuMemcpyHtoD_v2", unsafe {
         sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
     })
 }
 
 /// Synchronous D2H copy.
-pub fn copy_to_host(dev: &Device, dst: &mut [u8], src: u64) -> Result<(), GpuError> {
+///
+/// # Safety
+///
+/// `src..src + dst.len()` must be live device memory of `dev` that nothing writes
+/// meanwhile.
+pub unsafe fn copy_to_host(dev: &Device, dst: &mut [u8], src: u64) -> Result<(), GpuError> {
     dev.bind()?;
     // SAFETY: `dst` is a live, uniquely borrowed host slice; the caller names a device
-    // range of at least `dst.len()` bytes.
+    // range of at least `dst.len()` bytes (this function's contract).
     check("cuMemcpyDtoH_v2", unsafe {
         sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
     })

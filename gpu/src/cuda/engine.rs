@@ -2,8 +2,10 @@
 //! [`crate::kernels`]) loaded into a module and launched on one stream.
 //!
 //! - [`Engines::gather`] copies a batch of frags into a region with one launch and returns
-//!   the [`Event`] that says when the source bytes have been read (the devmem receiver
-//!   returns its tokens to the kernel only after it).
+//!   a [`Launched`] that says when the source bytes have been read (the devmem receiver
+//!   returns its tokens to the kernel only after it). It borrows the memory the launch reads
+//!   and writes, so neither can be dropped (unmapped) while the launch may run, and dropping
+//!   it waits for the launch.
 //! - [`Engines::crc32c`] computes the CRC-32C of spans of a region on the device, equal bit
 //!   for bit to the CPU's (the kernels' math is checked on the CPU in CI:
 //!   `gpu/tests/kernels_on_cpu.rs`).
@@ -12,6 +14,7 @@
 //! turn, so staging batch N+1 never waits for batch N's kernel.
 
 use std::ffi::{CString, c_uint, c_void};
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
@@ -22,6 +25,41 @@ use super::hostmap::DeviceRange;
 use super::vmm::VmmRegion;
 use crate::error::GpuError;
 use crate::kernels::{self, Frag, Span};
+
+/// A launch (or async copy) in flight on the engines' stream. It borrows the memory the
+/// launch reads and writes for `'a`, so that memory outlives it; dropping it waits for the
+/// launch to finish (so the memory is never unmapped under a running kernel).
+#[must_use = "dropping it waits for the launch"]
+#[derive(Debug)]
+pub struct Launched<'a> {
+    event: Arc<Event>,
+    _memory: PhantomData<&'a ()>,
+}
+
+impl Launched<'_> {
+    fn new(event: Arc<Event>) -> Self {
+        Self {
+            event,
+            _memory: PhantomData,
+        }
+    }
+
+    /// Waits until the launch has finished.
+    pub fn wait(&self) -> Result<(), GpuError> {
+        self.event.wait()
+    }
+
+    /// Whether the launch has finished.
+    pub fn is_done(&self) -> Result<bool, GpuError> {
+        self.event.is_done()
+    }
+}
+
+impl Drop for Launched<'_> {
+    fn drop(&mut self) {
+        let _ = self.event.wait();
+    }
+}
 
 struct Module(sys::CUmodule);
 impl Drop for Module {
@@ -126,16 +164,16 @@ impl Engines {
         &self.stream
     }
 
-    /// Copies every frag from `src` into `dst` with one kernel launch. Returns the event
-    /// recorded after the launch: once it is done, `src` may be reused. `src` and `dst` may
-    /// be the same region (batches assembled from resident shards) when no frag reads bytes
-    /// that a frag writes.
-    pub fn gather(
+    /// Copies every frag from `src` into `dst` with one kernel launch. Returns the launch,
+    /// borrowing both: once it is done, `src` may be reused. `src` and `dst` may be the same
+    /// region (batches assembled from resident shards) when no frag reads bytes that a frag
+    /// writes.
+    pub fn gather<'a>(
         &self,
-        src: &dyn DeviceRange,
-        dst: &VmmRegion,
+        src: &'a dyn DeviceRange,
+        dst: &'a VmmRegion,
         frags: &[Frag],
-    ) -> Result<Arc<Event>, GpuError> {
+    ) -> Result<Launched<'a>, GpuError> {
         kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
         let (s0, d0) = (src.device_ptr(), dst.device_ptr());
         if s0 < d0 + dst.len() as u64 && d0 < s0 + src.len() as u64 {
@@ -160,19 +198,19 @@ impl Engines {
                 &mut params,
             )?;
         }
-        self.finish_slot(&mut scratch)
+        self.finish_slot(&mut scratch).map(Launched::new)
     }
 
     /// Device-to-device copy on the engines' stream (the baseline the gather is measured
-    /// against).
-    pub fn copy(
+    /// against); the copy borrows both regions, as [`Engines::gather`].
+    pub fn copy<'a>(
         &self,
-        src: &VmmRegion,
+        src: &'a VmmRegion,
         src_off: usize,
-        dst: &VmmRegion,
+        dst: &'a VmmRegion,
         dst_off: usize,
         len: usize,
-    ) -> Result<Event, GpuError> {
+    ) -> Result<Launched<'a>, GpuError> {
         src.range(src_off, len)?;
         dst.range(dst_off, len)?;
         self.dev.bind()?;
@@ -185,7 +223,7 @@ impl Engines {
                 self.stream.raw(),
             )
         })?;
-        self.stream.record()
+        Ok(Launched::new(Arc::new(self.stream.record()?)))
     }
 
     /// CRC-32C of each span of `region`, computed on the device (blocks until done).

@@ -13,7 +13,12 @@ use super::device::Device;
 use crate::error::GpuError;
 
 /// A span of device-visible memory a kernel may read: its device address and length.
-pub trait DeviceRange {
+///
+/// # Safety
+///
+/// Kernels read `device_ptr()..device_ptr() + len()` trusting it: an implementor promises
+/// that this range is live device-visible memory for as long as the value is borrowed.
+pub unsafe trait DeviceRange {
     /// Device address of byte 0.
     fn device_ptr(&self) -> u64;
     /// Length in bytes.
@@ -24,7 +29,8 @@ pub trait DeviceRange {
     }
 }
 
-impl DeviceRange for super::VmmRegion {
+// SAFETY: the region's own mapping, live while it is borrowed (unmapped on Drop).
+unsafe impl DeviceRange for super::VmmRegion {
     fn device_ptr(&self) -> u64 {
         super::VmmRegion::device_ptr(self)
     }
@@ -80,7 +86,8 @@ impl HostMapped {
     }
 }
 
-impl DeviceRange for HostMapped {
+// SAFETY: the registration's device address and length, live until Drop unregisters it.
+unsafe impl DeviceRange for HostMapped {
     fn device_ptr(&self) -> u64 {
         self.device_ptr
     }

@@ -94,8 +94,10 @@ impl H2dStager {
     }
 
     /// Queues the copy of the first `len` bytes of the current buffer to `dst` at
-    /// `offset`, and moves to the next buffer.
-    pub fn submit(&mut self, len: usize, dst: &VmmRegion, offset: usize) -> Result<(), GpuError> {
+    /// `offset`, and moves to the next buffer. Internal: nothing ties the queued copy to
+    /// `dst`'s lifetime, so only [`Self::copy_from`], which waits for its copies on every
+    /// exit, queues them.
+    fn submit(&mut self, len: usize, dst: &VmmRegion, offset: usize) -> Result<(), GpuError> {
         dst.range(offset, len)?;
         let slot_len = self.slot_len();
         if len > slot_len {
@@ -148,6 +150,7 @@ impl H2dStager {
         offset: usize,
         len: usize,
     ) -> Result<(), StageError> {
+        dst.range(offset, len)?; // refused before anything is queued (nothing to wait for)
         let copied = self.queue_from(src, seen, dst, offset, len);
         let flushed = self.flush();
         copied?;
@@ -163,7 +166,6 @@ impl H2dStager {
         offset: usize,
         len: usize,
     ) -> Result<(), StageError> {
-        dst.range(offset, len)?;
         let mut done = 0;
         while done < len {
             let want = (len - done).min(self.slot_len());

@@ -240,13 +240,15 @@ impl VmmRegion {
     /// Copies `bytes` to `offset` (synchronous; setup and tests).
     pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
         self.range(offset, bytes.len())?;
-        copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes)
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`.
+        unsafe { copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes) }
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronous; tests and the CPU check).
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
         self.range(offset, out.len())?;
-        copy_to_host(&self.dev, out, self.device_ptr() + offset as u64)
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`.
+        unsafe { copy_to_host(&self.dev, out, self.device_ptr() + offset as u64) }
     }
 
     /// Checks that `[offset, offset + len)` lies inside the region.
