@@ -135,8 +135,10 @@ pub enum IndexError {
         /// How to do without.
         fix: String,
     },
-    /// The manifest built from the files failed its own validation (a bug guard).
-    #[error("{}: internal error, the built manifest is invalid: {source}", .dir.display())]
+    /// The manifest built from the files cannot be used: a limit the files pass (a shard
+    /// over 1 TiB or with more than 4096 tensors, more shards than a manifest holds, a
+    /// manifest file too large to send to nodes), or a bug (validation is also its guard).
+    #[error("{}: the manifest built from its files cannot be used: {source}", .dir.display())]
     Manifest {
         /// The dataset directory.
         dir: PathBuf,

@@ -64,6 +64,12 @@ pub struct StoreUrl {
 const SCHEMES_HINT: &str = "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
                             file:///DIR or http(s)://HOST/PATH";
 
+/// Whether `c` may appear in an S3, GCS or Azure bucket (container) name: the union of
+/// their rules (lowercase letters, digits, `.`, `-`; `_` in GCS).
+fn bucket_char(c: char) -> bool {
+    c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '-' | '_')
+}
+
 impl StoreUrl {
     /// Parses `s`; the error names `s` and says what to write instead.
     pub fn parse(s: &str) -> Result<StoreUrl, StoreError> {
@@ -122,6 +128,16 @@ impl StoreUrl {
                 "no {what}; write {}://{}/PREFIX",
                 scheme.as_str(),
                 what.to_uppercase()
+            )));
+        }
+        let named = matches!(scheme, Scheme::S3 | Scheme::Gcs | Scheme::Azure);
+        if named && let Some(c) = bucket.chars().find(|c| !bucket_char(*c)) {
+            // `s3://minio:9000/bkt/ds`: a host where the bucket goes.
+            return Err(bad(format!(
+                "`{bucket}` is not a bucket name ({c:?} is not allowed: lowercase letters, \
+                 digits, `.`, `-` and `_`); a server's address goes in the environment \
+                 (AWS_ENDPOINT_URL=http://HOST:PORT for MinIO or another S3 server), the \
+                 URL names the bucket: s3://BUCKET/PREFIX"
             )));
         }
         let prefix = clean_prefix(path).map_err(bad)?;
@@ -208,6 +224,21 @@ mod tests {
 
     fn err(s: &str) -> String {
         StoreUrl::parse(s).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_server_address_where_the_bucket_goes_is_refused_naming_the_fix() {
+        // Before: bucket `minio:9000`, and a confusing store error later.
+        let e = err("s3://minio:9000/bkt/ds");
+        assert!(
+            e.contains("`minio:9000` is not a bucket name") && e.contains("AWS_ENDPOINT_URL"),
+            "{e}"
+        );
+        assert!(err("gs://My_Bucket/x").contains("'M' is not allowed"));
+        assert!(StoreUrl::parse("s3://my-bucket.v2/x").is_ok());
+        assert!(StoreUrl::parse("gs://my_bucket/x").is_ok());
+        // A host of an HTTP URL is not a bucket.
+        assert!(StoreUrl::parse("http://127.0.0.1:9000/d").is_ok());
     }
 
     #[test]

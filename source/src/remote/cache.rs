@@ -20,6 +20,8 @@
 //! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`). Names that
 //! start with `.` (partial writes, evicted files) are deleted at the next start.
 
+mod claims;
+
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -36,9 +38,11 @@ pub enum CacheError {
         #[source]
         source: std::io::Error,
     },
-    /// The file system has less room than `cache_size` asks for.
+    /// The file system has less room than `cache_size` asks for, with what this process's
+    /// other caches on it claim.
     #[error(
-        "cache_dir {dir} has {free} bytes free (plus {held} in cache entries), less than cache_size {size}: lower cache_size or free space"
+        "cache_dir {dir} has {free} bytes free (plus {held} in cache entries), less than cache_size {size}{}: lower cache_size or free space",
+        others_text(others)
     )]
     NoRoom {
         /// The directory.
@@ -49,6 +53,9 @@ pub enum CacheError {
         held: u64,
         /// The configured size.
         size: u64,
+        /// The other caches of this source on the same file system: (directory, bytes each
+        /// may still take).
+        others: Vec<(PathBuf, u64)>,
     },
     /// The cache cannot hold even the largest shard.
     #[error(
@@ -117,6 +124,22 @@ pub struct Loaded {
 /// True for the names this cache writes: entries ([`entry_name`]:
 /// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
 /// (`.<entry>.partial`, `.<entry>.evicted`).
+/// `` with the other caches' claims `` in a [`CacheError::NoRoom`] message.
+fn others_text(others: &[(PathBuf, u64)]) -> String {
+    if others.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = others
+        .iter()
+        .map(|(d, b)| format!("{} {b}", d.display()))
+        .collect();
+    format!(
+        " with the other caches of this source on that file system (each dataset has its own \
+         cache of cache_size), which may still take: {}",
+        each.join(", ")
+    )
+}
+
 fn is_cache_file(name: &str) -> bool {
     let entry = name
         .strip_prefix('.')
@@ -197,6 +220,9 @@ pub struct DiskCache {
     clock: u64,
     /// An entry no hint names and not served for more accesses than this is cold: it may go.
     cold_after: u64,
+    /// The room it may still take on its file system, claimed in this process (`None` until
+    /// [`DiskCache::check_room`]).
+    claim: Option<claims::Claim>,
 }
 
 impl DiskCache {
@@ -220,6 +246,7 @@ impl DiskCache {
             reserved: HashMap::new(),
             clock: 0,
             cold_after: u64::MAX,
+            claim: None,
         };
         let mut loaded = Loaded::default();
         for e in std::fs::read_dir(dir).map_err(io)? {
@@ -276,22 +303,31 @@ impl DiskCache {
         Ok(())
     }
 
-    /// Refuses a capacity the file system cannot hold.
-    fn check_room(&self) -> Result<(), CacheError> {
-        let st = rustix::fs::statvfs(&self.dir).map_err(|e| CacheError::Io {
+    /// Refuses a capacity the file system cannot hold, with what this process's other caches
+    /// there claim; else claims the room it may still take.
+    fn check_room(&mut self) -> Result<(), CacheError> {
+        let io = |e: rustix::io::Errno| CacheError::Io {
             dir: self.dir.clone(),
             source: e.into(),
-        })?;
+        };
+        let st = rustix::fs::statvfs(&self.dir).map_err(io)?;
+        let fs = rustix::fs::stat(&self.dir).map_err(io)?.st_dev;
         let free = st.f_bavail.saturating_mul(st.f_frsize);
-        if free + self.used < self.capacity {
-            return Err(CacheError::NoRoom {
+        let grow = self.capacity.saturating_sub(self.used);
+        let claimed = claims::claim(fs, &self.dir, grow, free);
+        match claimed {
+            Ok(c) => {
+                self.claim = Some(c);
+                Ok(())
+            }
+            Err(others) => Err(CacheError::NoRoom {
                 dir: self.dir.clone(),
                 free,
                 held: self.used,
                 size: self.capacity,
-            });
+                others,
+            }),
         }
-        Ok(())
     }
 
     /// The cached entry of `shard`, opened. An entry whose file is gone (deleted behind the

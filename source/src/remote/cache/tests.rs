@@ -325,6 +325,27 @@ fn an_aborted_write_gives_its_room_back() {
 }
 
 #[test]
+fn caches_that_fit_the_disk_each_but_not_together_are_refused_naming_the_others() {
+    // Two datasets' caches on one file system: before, each was checked alone, both opened,
+    // and the disk filled up later.
+    let (a, b) = (tempdir(), tempdir());
+    let st = rustix::fs::statvfs(std::env::temp_dir()).unwrap();
+    let free = st.f_bavail * st.f_frsize;
+    let size = free / 10 * 6;
+    let first = DiskCache::open(a.path(), size, |_| None).unwrap();
+    let e = DiskCache::open(b.path(), size, |_| None).unwrap_err();
+    assert!(matches!(e, CacheError::NoRoom { .. }), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("other caches of this source")
+            && text.contains(&a.path().display().to_string()),
+        "{text}"
+    );
+    drop(first);
+    assert!(DiskCache::open(b.path(), size, |_| None).is_ok());
+}
+
+#[test]
 fn a_cache_larger_than_the_disk_is_refused_at_open() {
     let dir = tempdir();
     let e = DiskCache::open(dir.path(), u64::MAX / 2, |_| None).unwrap_err();
