@@ -224,6 +224,13 @@ pub struct EpochOrder {
     megatron: Option<windows::MegatronEpoch>,
 }
 
+/// Where partition `i` of `c` starts in `total` items: `total * i / c`, computed in 128 bits
+/// (`total * i` passes 2^64 for a large dataset cut into many partitions: partitions would
+/// overlap).
+pub(crate) fn cut_at(total: u64, i: u64, c: u64) -> u64 {
+    (u128::from(total) * u128::from(i) / u128::from(c.max(1))) as u64
+}
+
 impl SampleOrder {
     /// The order of a dataset whose shards hold `shard_samples` samples.
     pub fn new(
@@ -393,7 +400,7 @@ impl SampleOrder {
         let mut blocks = Vec::new();
         let mut k = 0usize; // permuted shard containing the partition start
         for i in 0..c {
-            let (ps, pe) = (total * i / c, total * (i + 1) / c);
+            let (ps, pe) = (cut_at(total, i, c), cut_at(total, i + 1, c));
             let first_block = blocks.len() as u32;
             let mut start = ps;
             while start < pe {

@@ -156,6 +156,19 @@ def test_elastic_resume_4_to_2_and_4_to_8(sw, node, data):
                 check_bytes(b, rows)
 
 
+def test_a_state_resumes_without_repeating_shuffle_block_in_every_order(sw, node, data):
+    # shuffle_block is part of every order's fingerprint; the state saved it only for
+    # "block", so a "shards" stream opened with shuffle_block=50 could not be resumed from
+    # its own state without repeating it ("fingerprint differs in shuffle_block").
+    opts = dict(batch_size=8, seed=4, shuffle="shards", print_values="id")
+    full = batches_of(sw.start_consume(node, "b", shuffle_block=50, limit=6, **opts).result(timeout=120))
+    out = sw.start_consume(node, "b", shuffle_block=50, limit=3, print_state=True, **opts).result(timeout=120)
+    st = next(l["state"] for l in out if "state" in l)
+    assert st["shuffle_block"] == 50, st
+    rest = batches_of(sw.start_consume(node, "b", limit=3, state=json.dumps(st), **opts).result(timeout=120))
+    assert [ids(b) for b in rest] == [ids(b) for b in full[3:6]]
+
+
 def test_refusals_name_the_field_and_the_rule(sw, node, data, tmp_path):
     def refused(**opts) -> str:
         p = sw.start_consume(node, "b", batch_size=8, **opts)

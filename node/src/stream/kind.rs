@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use shardwire_protocol::samples::{BatchPlan, Shuffle};
+use shardwire_protocol::samples::BatchPlan;
 use shardwire_protocol::trainer::{StreamRequest, StreamState};
 
 use super::layout::Layout;
@@ -185,7 +185,9 @@ impl Kind {
                 Sampler::One(p) => {
                     let o = &p.order;
                     st.partitions = Some(o.partitions);
-                    st.shuffle_block = (o.shuffle == Shuffle::Block).then_some(o.shuffle_block);
+                    // Saved in every order: it is in the fingerprint in every order, and a
+                    // state without it resumed only with the default.
+                    st.shuffle_block = Some(o.shuffle_block);
                 }
                 Sampler::Mix(m) => st.mix = Some(m.state(pos)),
             }

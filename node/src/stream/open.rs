@@ -50,6 +50,21 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             format!("{name} is a token-mode field: it needs seq_len (and batch_size)"),
         ));
     }
+    // Epoch e of GPTDataset's order is seeded seed + e (numpy's 32-bit RandomState): past
+    // 2^32 - 1 it wrapped to another stream's epoch (and Megatron refuses such a seed).
+    let last_seed = r.seed.saturating_add(u64::from(r.epochs) - 1);
+    if r.order == Some(WindowOrder::Megatron) && last_seed > u64::from(u32::MAX) {
+        return Err(OpenError::new(
+            ErrorCode::BadPlan,
+            format!(
+                "order megatron seeds epoch e with seed + e (a 32-bit RandomState seed): seed {} \
+                 with {} epochs passes {}; lower seed",
+                r.seed,
+                r.epochs,
+                u32::MAX
+            ),
+        ));
+    }
     if r.seq_len.is_some() && r.batch_size.is_none() {
         return Err(OpenError::new(
             ErrorCode::BadRequest,
@@ -508,6 +523,15 @@ mod tests {
         r = StreamRequest::new("web");
         r.epochs = 0;
         assert!(check_request(&r).unwrap_err().message.contains("epochs"));
+        // Megatron's epoch seeds must stay 32-bit (they wrapped into another stream's order).
+        r = StreamRequest::new("web");
+        (r.seq_len, r.batch_size, r.order) = (Some(8), Some(2), Some(WindowOrder::Megatron));
+        (r.seed, r.epochs) = (u64::from(u32::MAX), 2);
+        let e = check_request(&r).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadPlan);
+        assert!(e.message.contains("lower seed"), "{e}");
+        r.epochs = 1;
+        assert!(check_request(&r).is_ok());
         let e = check_request(&StreamRequest::new("x".repeat(300))).unwrap_err();
         assert_eq!(e.code, ErrorCode::BadRequest);
         assert!(

@@ -175,6 +175,17 @@ pub enum MegatronError {
     },
 }
 
+/// What [`MegatronIndex::sizes`] found: sequences, epochs, the separate final epoch, tokens
+/// over all epochs and in one, and samples.
+struct Sizes {
+    count: u32,
+    num_epochs: u32,
+    separate: bool,
+    stream: u64,
+    tokens: u64,
+    n: u64,
+}
+
 /// Most bytes the three indices of one split may take (the node holds them per stream).
 pub const MAX_INDEX_BYTES: u64 = 8 << 30;
 
@@ -304,6 +315,43 @@ impl MegatronIndex {
     /// Builds the three indices of a split whose sequences (in split order, ids `0..S`) have
     /// `sequence_lengths` tokens, exactly as megatron-core's `GPTDataset` does.
     pub fn build(sequence_lengths: &[u32], spec: &MegatronSpec) -> Result<Self, MegatronError> {
+        let Sizes {
+            count,
+            num_epochs,
+            separate,
+            stream,
+            tokens,
+            n,
+        } = Self::sizes(sequence_lengths, spec)?;
+        let x = u64::from(spec.add_extra_token);
+        let mut rs = RandomState::new(spec.seed);
+        let document_index = document_index(count, num_epochs, separate, &mut rs);
+        let sample_index = sample_index(sequence_lengths, &document_index, spec.seq_len, x, n)?;
+        let shuffle_index = if separate {
+            let before = (stream - tokens).saturating_sub(x) / spec.seq_len;
+            shuffle_index(before, n, &mut rs)
+        } else {
+            shuffle_index(n, n, &mut rs)
+        };
+        Ok(Self {
+            num_epochs,
+            separate_final_epoch: separate,
+            add_extra_token: spec.add_extra_token,
+            document_index,
+            sample_index,
+            shuffle_index,
+        })
+    }
+
+    /// Whether [`MegatronIndex::build`] can build the index of `sequence_lengths` under
+    /// `spec` (every check it makes before it allocates: counts, tokens, and the indices'
+    /// size against [`MAX_INDEX_BYTES`]), without building it.
+    pub fn check(sequence_lengths: &[u32], spec: &MegatronSpec) -> Result<(), MegatronError> {
+        Self::sizes(sequence_lengths, spec).map(|_| ())
+    }
+
+    /// The index's sizes, checked.
+    fn sizes(sequence_lengths: &[u32], spec: &MegatronSpec) -> Result<Sizes, MegatronError> {
         let x = u64::from(spec.add_extra_token);
         if spec.seq_len == 0 || spec.seq_len + x > i32::MAX as u64 {
             return Err(MegatronError::SeqLen(spec.seq_len));
@@ -338,22 +386,13 @@ impl MegatronIndex {
             let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
             return Err(MegatronError::IndexTooLarge { samples: n, bytes });
         }
-        let mut rs = RandomState::new(spec.seed);
-        let document_index = document_index(count, num_epochs, separate, &mut rs);
-        let sample_index = sample_index(sequence_lengths, &document_index, spec.seq_len, x, n)?;
-        let shuffle_index = if separate {
-            let before = (stream - tokens).saturating_sub(x) / spec.seq_len;
-            shuffle_index(before, n, &mut rs)
-        } else {
-            shuffle_index(n, n, &mut rs)
-        };
-        Ok(Self {
+        Ok(Sizes {
+            count,
             num_epochs,
-            separate_final_epoch: separate,
-            add_extra_token: spec.add_extra_token,
-            document_index,
-            sample_index,
-            shuffle_index,
+            separate,
+            stream,
+            tokens,
+            n,
         })
     }
 

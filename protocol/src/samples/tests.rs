@@ -255,3 +255,13 @@ fn partitions_are_capped_whatever_the_dataset_holds() {
     );
     assert!(e.to_string().contains("at most 1048576"), "{e}");
 }
+
+#[test]
+fn partition_cuts_of_a_huge_dataset_do_not_wrap() {
+    // total * i passed 2^64: partition starts wrapped (overlapping partitions, samples twice).
+    let (total, c) = (u64::MAX / 2, 1u64 << 20);
+    let starts: Vec<u64> = (0..=c).map(|i| super::cut_at(total, i, c)).collect();
+    assert!(starts.windows(2).all(|w| w[0] <= w[1]));
+    assert_eq!((starts[0], starts[c as usize]), (0, total));
+    assert_eq!(super::cut_at(10, 3, 4), 7);
+}

@@ -97,6 +97,13 @@ impl WindowSpec {
                 i32::MAX
             )));
         }
+        if self.megatron {
+            // Every check the index's build makes before it allocates (its size above all),
+            // so an epoch's build cannot fail later (it panicked there).
+            let lengths: Vec<u32> = self.doc_tokens.iter().flatten().copied().collect();
+            MegatronIndex::check(&lengths, &megatron_spec(self, 0))
+                .map_err(|e| SampleError::MegatronLimit(e.to_string()))?;
+        }
         match self.windows() {
             0 => Err(SampleError::TooFewTokens {
                 tokens: self.tokens(),
@@ -144,7 +151,7 @@ impl WindowSpec {
         let mut blocks = Vec::new();
         let mut k = 0usize;
         for i in 0..c {
-            let (ws, we) = (n * i / c, n * (i + 1) / c);
+            let (ws, we) = (super::cut_at(n, i, c), super::cut_at(n, i + 1, c));
             let first_block = blocks.len() as u32;
             let mut w = ws;
             while w < we {
@@ -174,6 +181,18 @@ impl WindowSpec {
     }
 }
 
+/// GPTDataset's settings for one epoch of `spec` under `seed`: one pass, the extra token,
+/// whole samples only.
+fn megatron_spec(spec: &WindowSpec, seed: u32) -> MegatronSpec {
+    MegatronSpec {
+        seed,
+        seq_len: spec.seq_len,
+        add_extra_token: true,
+        num_samples: None,
+        drop_last: true,
+    }
+}
+
 impl MegatronEpoch {
     /// GPTDataset's indices for `seed` (num_samples None: one epoch, drop_last) and the
     /// window-space partition and units over them.
@@ -184,13 +203,7 @@ impl MegatronEpoch {
         for d in &spec.doc_tokens {
             starts.push(starts.last().copied().unwrap_or(0) + d.len() as u64);
         }
-        let ms = MegatronSpec {
-            seed,
-            seq_len: spec.seq_len,
-            add_extra_token: true,
-            num_samples: None,
-            drop_last: true,
-        };
+        let ms = megatron_spec(spec, seed);
         let index = MegatronIndex::build(&lengths, &ms).expect("checked by WindowSpec::check");
         let mut m = Self {
             index,

@@ -249,3 +249,16 @@ fn megatron_order_reads_gptdataset_items_and_refuses_what_it_cannot_reproduce() 
     let e = SampleOrder::windows([3; 32], s, 1 << 33, Shuffle::Block, 1, 1).unwrap_err();
     assert!(e.to_string().contains("32-bit seed"), "{e}");
 }
+
+#[test]
+fn a_megatron_index_over_its_size_limit_is_refused_at_open_not_at_its_first_epoch() {
+    // 32 documents of 2^32 - 1 tokens, seq_len 1: 1.4e11 windows, an index of terabytes.
+    // Before, the order was made and its first epoch panicked ("checked by ...").
+    let mut s = spec(&[vec![u32::MAX; 32]], 1);
+    s.megatron = true;
+    let e = SampleOrder::windows([0; 32], s, 1, Shuffle::Block, 1, 1).unwrap_err();
+    assert!(
+        matches!(e, SampleError::MegatronLimit(_)) && e.to_string().contains("over the limit"),
+        "{e}"
+    );
+}
