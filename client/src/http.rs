@@ -213,6 +213,10 @@ impl Conn {
 pub struct HttpStream {
     conn: Conn,
     closed: bool,
+    /// The lease of the last batch received (0: none yet), sent with every `next` as
+    /// `after`: a batch the node answered with that never arrived (a broken connection, a
+    /// timeout as it came) is answered again, not skipped.
+    received: u64,
     /// Open-time information.
     pub info: HttpStreamInfo,
 }
@@ -259,6 +263,7 @@ impl HttpStream {
         Ok(Self {
             conn,
             closed: false,
+            received: 0,
             info,
         })
     }
@@ -301,14 +306,20 @@ impl HttpStream {
     /// One long poll: Some(answer), or None on timeout.
     fn poll(&mut self, ms: u64) -> Result<Option<Option<HttpBatch>>, ClientError> {
         self.check_open()?;
-        let path = format!("/v1/streams/{}/next?timeout_ms={ms}", self.info.stream);
+        let path = format!(
+            "/v1/streams/{}/next?timeout_ms={ms}&after={}",
+            self.info.stream, self.received
+        );
         let r = self
             .conn
             .call("POST", &path, None, Duration::from_millis(ms) + IO_TIMEOUT)?;
         match r.status {
             204 => Ok(None),
             200 => match r.json::<NextBody>()? {
-                NextBody::Batch(b) => Ok(Some(Some(b.into()))),
+                NextBody::Batch(b) => {
+                    self.received = b.lease;
+                    Ok(Some(Some(b.into())))
+                }
                 NextBody::End(_) => Ok(Some(None)),
             },
             _ => Err(r.error()),
@@ -521,6 +532,23 @@ mod tests {
         drop(s);
         let seen = node.join().unwrap();
         assert!(!seen.iter().any(|t| t.starts_with("GET")), "{seen:?}");
+    }
+
+    #[test]
+    fn every_next_names_the_last_batch_received() {
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[4]")),
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        s.next().unwrap().expect("a batch");
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen = node.join().unwrap();
+        let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
+        assert!(nexts[0].ends_with("&after=0"), "{seen:?}");
+        assert!(nexts[1].ends_with("&after=5"), "{seen:?}");
     }
 
     #[test]

@@ -90,6 +90,7 @@ pub(crate) async fn run(
         senders,
         lane_of,
         waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
+        later: vec![0; lanes.len()],
         queued: 0,
         reads: Reads::default(),
         failed,
@@ -243,6 +244,11 @@ struct Session {
     lane_of: Vec<u16>,
     /// FETCHes waiting, per lane.
     waiting: Vec<VecDeque<Queued>>,
+    /// Per lane: how many of them wait for their read to start ([`Payload::Later`]): the
+    /// walks over the queues skip what cannot change ([`Session::start_later`] when there
+    /// are none, [`Session::dispatch_lane`] past the last that can be sent), so a long queue
+    /// does not cost every message a walk over all of it.
+    later: Vec<usize>,
     /// FETCHes waiting in all lanes.
     queued: usize,
     /// Its object-storage reads under way or not sent yet.
@@ -371,12 +377,15 @@ impl Session {
 
     /// Drops FETCH `req` if it is still queued (not on the wire yet) and says so.
     async fn cancel(&mut self, req: u64) -> Result<(), SessionError> {
-        let found = self.waiting.iter_mut().find_map(|w| {
+        let found = self.waiting.iter_mut().enumerate().find_map(|(lane, w)| {
             let at = w.iter().position(|q| q.head.req == req)?;
-            w.remove(at)
+            w.remove(at).map(|q| (lane, q))
         });
-        if let Some(q) = found {
+        if let Some((lane, q)) = found {
             self.queued -= 1;
+            if matches!(q.payload, Payload::Later(_)) {
+                self.later[lane] -= 1;
+            }
             self.reads.release(q.held);
             tracing::debug!(req, "FETCH cancelled before it was sent");
             metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
@@ -458,6 +467,9 @@ impl Session {
             held: 0,
         };
         self.reads.start(&mut q, self.id, &self.progress);
+        if matches!(q.payload, Payload::Later(_)) {
+            self.later[usize::from(lane)] += 1;
+        }
         self.waiting[usize::from(lane)].push_back(q);
         self.queued += 1;
         Ok(())
@@ -465,9 +477,21 @@ impl Session {
 
     /// Starts the reads of queued FETCHes, in queue order, while there is room.
     fn start_later(&mut self) {
-        for q in self.waiting.iter_mut().flat_map(|w| w.iter_mut()) {
-            if !self.reads.start(q, self.id, &self.progress) {
-                return;
+        for (lane, w) in self.waiting.iter_mut().enumerate() {
+            if self.later[lane] == 0 {
+                continue; // nothing to start here (a local dataset's FETCHes, or all started)
+            }
+            for q in w.iter_mut() {
+                let later = matches!(q.payload, Payload::Later(_));
+                if !self.reads.start(q, self.id, &self.progress) {
+                    return;
+                }
+                if later {
+                    self.later[lane] -= 1;
+                    if self.later[lane] == 0 {
+                        break;
+                    }
+                }
             }
         }
     }
@@ -478,16 +502,37 @@ impl Session {
             self.dispatch_lane(lane).await?;
         }
         self.start_later();
+        debug_assert!(self.later_counts_hold(), "later counts {:?}", self.later);
         Ok(())
+    }
+
+    /// Whether [`Session::later`] counts each lane's [`Payload::Later`] entries (checked in
+    /// debug builds: every test run checks the walks' bookkeeping).
+    fn later_counts_hold(&self) -> bool {
+        let later = |w: &VecDeque<Queued>| {
+            w.iter()
+                .filter(|q| matches!(q.payload, Payload::Later(_)))
+                .count()
+        };
+        self.waiting
+            .iter()
+            .zip(&self.later)
+            .all(|(w, &n)| later(w) == n)
     }
 
     /// Answers `lane`'s queued FETCHes whose reads failed, then announces and hands out the
     /// first settled ones, in queue order, while a data connection of the lane has room (the
     /// least loaded).
     async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
-        let mut at = 0;
-        while at < self.waiting[lane].len() {
+        let (mut at, mut later_passed) = (0, 0);
+        // Past the last entry that is not waiting for its read to start, nothing can be sent.
+        while at < self.waiting[lane].len()
+            && self.waiting[lane].len() - at > self.later[lane] - later_passed
+        {
             if !self.waiting[lane][at].payload.settled() {
+                if matches!(self.waiting[lane][at].payload, Payload::Later(_)) {
+                    later_passed += 1;
+                }
                 at += 1;
                 continue;
             }

@@ -279,6 +279,30 @@ def test_raw_api_codes_headers_and_limits(world: World):
     wait_for(lambda: listed(a, sid) is None, f"stream {sid} gone after close")
 
 
+def test_a_batch_whose_answer_never_arrived_is_answered_again(world: World):
+    # A `next` answered with a batch whose answer the caller never got (the connection broke
+    # as it came) skipped that batch: the stream had moved on. With `after` (the lease of the
+    # last batch received), the node answers with it again.
+    a = world.serve.admin
+    st, v = http_json(a, "POST", "/v1/streams", {"dataset": "mix", "seed": 4})
+    assert st == 201, v
+    sid = v["stream"]
+    nxt = lambda after: http_json(a, "POST", f"/v1/streams/{sid}/next?timeout_ms=10000&after={after}")[1]
+    first = nxt(0)
+    assert nxt(0) == first, "not received: the same batch again"
+    second = nxt(first["lease"])
+    assert second["lease"] != first["lease"] and second["index"] == first["index"] + 1, second
+    assert nxt(first["lease"]) == second
+    # Released, it is not answered again (the caller had it).
+    assert http_json(a, "POST", f"/v1/leases/{second['lease']}/release")[0] == 200
+    third = nxt(first["lease"])
+    assert third["index"] == second["index"] + 1, third
+    # Without `after` (older clients) nothing is answered twice.
+    fourth = http_json(a, "POST", f"/v1/streams/{sid}/next?timeout_ms=10000")[1]
+    assert fourth["index"] == third["index"] + 1, fourth
+    assert http_json(a, "POST", f"/v1/streams/{sid}/close")[0] == 200
+
+
 def _answer_once(raw: bytes) -> tuple[int, Any]:
     """A one-shot TCP server on 127.0.0.1 that reads a request head, writes `raw` and closes:
     a service that answers badly, for the SDK's response reader."""
@@ -425,5 +449,60 @@ def test_a_tensor_download_refused_for_a_full_copy_budget_is_tried_again():
             s.next(timeout=10)
         assert e.value.code == "unavailable", e.value
         assert seen.count("GET /v1/leases/7/tensors/x") == _http.COPY_ATTEMPTS, seen
+    finally:
+        srv.shutdown()
+
+
+def test_a_next_whose_answer_is_lost_is_asked_again_naming_the_last_batch_received():
+    """The node's answer to a `next` never arrives (the connection breaks as it would come):
+    the SDK asks once more on a new connection, with `after` naming the last batch it received,
+    so the node answers with the same batch (the raw behaviour is checked above) and none is
+    skipped. Against a small HTTP server playing the node."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    nexts: list[str] = []
+
+    class Node(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def answer(self, status: int, body: bytes, kind: str = "application/json"):
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/v1/streams":
+                v = {"stream": 1, "batches_per_epoch": 2, "epochs": 1, "state": {}, "idle_timeout_s": 300}
+                return self.answer(201, json.dumps(v).encode())
+            if self.path.startswith("/v1/streams/1/next"):
+                nexts.append(self.path.split("&", 1)[1])
+                if len(nexts) == 1:
+                    self.close_connection = True  # the answer is lost
+                    self.connection.shutdown(2)
+                    return
+                lease = 7 if nexts[-1] == "after=0" else 8
+                v = {"lease": lease, "epoch": 0, "index": lease - 7, "shard": 0,
+                     "tensors": [{"name": "x", "dtype": "uint8", "shape": [1], "offset": 0, "length": 1}]}
+                return self.answer(200, json.dumps(v).encode())
+            return self.answer(200, b'{"released": true}')
+
+        def do_GET(self):
+            return self.answer(200, b"\x05", "application/octet-stream")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Node)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        s = shardwire.connect_http(f"http://127.0.0.1:{srv.server_address[1]}").open_stream("d")
+        b = s.next(timeout=10)
+        assert b is not None and b.lease == 7 and not s.closed
+        assert nexts == ["after=0", "after=0"], "asked again, naming no batch received"
+        assert s.next(timeout=10).lease == 8
+        assert nexts[2] == "after=7", nexts
     finally:
         srv.shutdown()

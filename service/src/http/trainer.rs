@@ -97,6 +97,7 @@ struct Lease {
 }
 
 /// A batch taken from the stream for an HTTP caller.
+#[derive(Clone)]
 struct Delivered {
     lease: u64,
     epoch: u32,
@@ -122,6 +123,10 @@ struct HttpStream {
     /// Serialises `next`, and holds a batch whose answer never reached its caller (the
     /// client went away while waiting): the next `next` delivers it, so no batch is lost.
     slot: Arc<tokio::sync::Mutex<Option<Delivered>>>,
+    /// The batch the last `next` answered with: answered again to a `next` whose `after`
+    /// names an earlier lease (its caller never got that answer: a connection that broke
+    /// while the answer was on its way, a client timeout that fired as it came).
+    last: Mutex<Option<Delivered>>,
 }
 
 /// Marks a stream in use while alive.
@@ -188,6 +193,19 @@ impl Api {
             Next::Timeout => Outcome::Timeout,
             Next::Closed(why) => Outcome::Closed(why),
         }
+    }
+
+    /// The batch `s` last answered with, when the caller says it received an earlier one
+    /// (`after`, a lease; 0: none) and the batch's lease is still held (not released, the
+    /// stream not closed): that answer never reached the caller.
+    fn unreceived(&self, s: &HttpStream, after: u64) -> Option<Delivered> {
+        let last = s.last.lock().expect("poisoned").clone()?;
+        let held = self
+            .leases
+            .lock()
+            .expect("poisoned")
+            .contains_key(&last.lease);
+        (last.lease != after && held).then_some(last)
     }
 
     /// Closes an HTTP stream: its leases end, its memory budget returns to the pool.
@@ -268,6 +286,7 @@ async fn open(
         last_used: Mutex::new(Instant::now()),
         busy: AtomicUsize::new(0),
         slot: Arc::new(tokio::sync::Mutex::new(None)),
+        last: Mutex::new(None),
     });
     api.streams.lock().expect("poisoned").insert(id, s);
     tracing::info!(
@@ -297,6 +316,9 @@ async fn close(
 #[serde(deny_unknown_fields)]
 struct NextQuery {
     timeout_ms: Option<u64>,
+    /// The lease of the last batch the caller received (0: none yet). Without it, a batch
+    /// answered to a caller that never got the answer is skipped.
+    after: Option<u64>,
 }
 
 fn batch_body(b: &Delivered) -> NextBody {
@@ -333,7 +355,8 @@ async fn next(
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let timeout = timeout.saturating_sub(t.elapsed().as_millis() as u64);
-    let outcome = match slot.take() {
+    let again = q.after.and_then(|after| api.unreceived(&s, after));
+    let outcome = match again.or_else(|| slot.take()) {
         Some(b) => Outcome::Batch(b),
         // A ready batch is taken right here; only a wait goes to a blocking thread.
         None => match api.take(&s, Duration::ZERO) {
@@ -355,6 +378,9 @@ async fn next(
     };
     metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "http")
         .record(t.elapsed().as_secs_f64());
+    if let Outcome::Batch(b) = &outcome {
+        *s.last.lock().expect("poisoned") = Some(b.clone());
+    }
     Ok(match outcome {
         Outcome::Batch(b) => Json(batch_body(&b)).into_response(),
         Outcome::End => Json(NextBody::End(EndBody { end: true })).into_response(),

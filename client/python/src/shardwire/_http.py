@@ -210,6 +210,9 @@ class HttpStream(_StreamBase[HttpBatch]):
         self._client = client
         self._conn: http.client.HTTPConnection | None = conn
         self.idle_timeout = idle_timeout
+        # The lease of the last batch received (0: none yet), sent with every `next` as
+        # `after`: a batch the node answered with that never arrived is answered again.
+        self._received = 0
 
     @classmethod
     def _open(cls, client: HttpClient, body: dict[str, Any]) -> HttpStream:
@@ -235,25 +238,32 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, timeout: float, body: bytes | None = None, into: int | None = None) -> _Reply:
+    def _request(
+        self, method: str, path: str, timeout: float, body: bytes | None = None, into: int | None = None, again: bool = False
+    ) -> _Reply:
         """One request on the stream's connection (lock held). A failure to reach the service
         closes the stream locally (ConnectionClosed); the service closes it after its idle
-        timeout."""
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
-        try:
-            # Not sent (again) once close() from another thread ended the connection.
-            return _call(self._conn, method, path, body, timeout, into=into, stop=lambda: self._interrupted)
-        except (OSError, http.client.HTTPException) as e:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
-            if self._interrupted:
-                # close() from another thread ended the connection to wake this call; it
-                # closes the stream on the service once this call lets go of the lock.
-                raise self._woken() from e
-            self._broken(f"the connection to the node service failed: {e}")
-            raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
+        timeout. `again`: a request whose answer may be asked for twice (a `next` naming the
+        last batch received) is sent once more on a new connection first."""
+        for attempt in (0, 1):
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
+            try:
+                # Not sent (again) once close() from another thread ended the connection.
+                return _call(self._conn, method, path, body, timeout, into=into, stop=lambda: self._interrupted)
+            except (OSError, http.client.HTTPException) as e:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                if self._interrupted:
+                    # close() from another thread ended the connection to wake this call; it
+                    # closes the stream on the service once this call lets go of the lock.
+                    raise self._woken() from e
+                if again and attempt == 0:
+                    continue
+                self._broken(f"the connection to the node service failed: {e}")
+                raise ConnectionClosed(f"{self._client.url}: {e!r} ({method} {path})") from e
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def next(self, timeout: float | None = None) -> HttpBatch | None:
         """The next batch in plan order (its tensors downloaded), or None when every epoch was
@@ -276,7 +286,9 @@ class HttpStream(_StreamBase[HttpBatch]):
             if self._interrupted:  # close() from another thread, between two long polls
                 raise self._woken()
             wait = POLL_MS if left is None else min(left, POLL_MS)
-            r = self._request("POST", f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}", wait / 1000 + IO_TIMEOUT)
+            path = f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}&after={self._received}"
+            # Sent again once if the answer is lost: `after` gets the same batch back.
+            r = self._request("POST", path, wait / 1000 + IO_TIMEOUT, again=True)
             if r.status == 204:
                 if left is not None:
                     left -= wait
@@ -293,6 +305,7 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     def _download(self, v: dict[str, Any]) -> HttpBatch:
         lease = int(v["lease"])
+        self._received = lease
         views = [_tensor_view(t, offset=-1) for t in v["tensors"]]
         tensors: dict[str, np.ndarray] = {}
         release = f"/v1/leases/{lease}/release"
