@@ -21,6 +21,7 @@ import json
 import pathlib
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -383,31 +384,33 @@ def test_json_answers_grow_with_their_bytes_not_their_claims():
     t.join(10)
 
 
+class _FakeNode(BaseHTTPRequestHandler):
+    """A small HTTP server's handler playing the node (subclasses answer the requests)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def answer(self, status: int, body: bytes, kind: str = "application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 def test_a_tensor_download_refused_for_a_full_copy_budget_is_tried_again():
     """A node whose copy budget stays full answers a tensor download `503` `unavailable` after
     waiting for room: the SDK asks again (the node has moved past the batch, so failing it
     would lose it), and gives up with that error only after COPY_ATTEMPTS. Against a small
     HTTP server playing the node."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from shardwire import _http
 
     def serve(refusals: int):
         seen: list[str] = []
 
-        class Node(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def answer(self, status: int, body: bytes, kind: str = "application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Node(_FakeNode):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 seen.append(f"POST {self.path.split('?')[0]}")
@@ -458,23 +461,9 @@ def test_a_next_whose_answer_is_lost_is_asked_again_naming_the_last_batch_receiv
     the SDK asks once more on a new connection, with `after` naming the last batch it received,
     so the node answers with the same batch (the raw behaviour is checked above) and none is
     skipped. Against a small HTTP server playing the node."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     nexts: list[str] = []
 
-    class Node(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def answer(self, status: int, body: bytes, kind: str = "application/json"):
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Node(_FakeNode):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.path == "/v1/streams":
