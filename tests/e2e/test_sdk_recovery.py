@@ -7,7 +7,8 @@ socketpair (the test plays the node: it reads the requests and writes the replie
   raise `closed` at once instead of waiting for an answer that was already read, or raising
   Timeout forever without sending a request;
 - a KeyboardInterrupt while `next` waits consumes nothing: the stream stays usable, the
-  previous batch is still the trainer's and its lease goes with the next request;
+  previous batch is still the trainer's and its lease goes with the next request; one while a
+  hand-out releases the previous batch loses no batch (the next call hands it out);
 - a connection lost when the stream sends its request ahead of time, after the last batch of a
   group arrived, does not cost that batch: it is handed out (with its resume state), and the
   call after it raises ConnectionClosed;
@@ -371,3 +372,27 @@ def test_an_error_answer_to_an_earlier_release_loses_no_batch_and_no_lease(pair,
     node.sendall(framed(b'{"op":"released"}'))
     b1.release()
     assert b1.released and requests(node) == [{"op": "release", "lease": 2}]
+
+
+def test_an_interrupt_while_a_hand_out_releases_the_previous_batch_loses_no_batch(pair, interrupt):
+    """While batches are kept, handing out the last batch of a group releases the previous
+    one at once (no request goes ahead to carry it) and waits for its answer. Interrupted
+    there, the batch taken was lost (the stream had moved past it, its state too): now the
+    state names it as not taken and the next call hands it out."""
+    s, node = pair
+    first_batch(s, node)  # asks ahead for 8
+    node.sendall(batch(1, MORE) + batch(2, MORE) + batch(3))
+    b1 = s.next(timeout=10).keep()  # lease 2 kept: nothing is asked ahead any more
+    assert s.next(timeout=10).lease == 3
+    assert requests(node) == []
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)  # batch 3 taken; the release of batch 2 waits for its answer
+    assert requests(node) == [{"op": "release", "lease": 3}]
+    assert s.state_dict()["index"] == 3, "batch 3 is not taken yet"
+    b3 = s.next(timeout=10)
+    assert (b3.lease, b3.index) == (4, 3) and s.state_dict()["index"] == 4
+    assert requests(node) == [], "handed out without asking again"
+    node.sendall(framed(b'{"op":"released"}') + batch(4))
+    assert s.next(timeout=10).lease == 5
+    assert b1.kept and not b1.released

@@ -449,6 +449,10 @@ class Stream(_StreamBase[Batch]):
         #: The connection loss that the request sent ahead of time after the last batch of an
         #: answer met: that batch was handed out; the next call raises this (see `_ask_ahead`).
         self._lost: ConnectionClosed | None = None
+        #: A batch taken and not handed out: an interrupt (or an error) struck while the
+        #: release that goes with handing it out was sent; the next call hands it out, with
+        #: the state after it (until then the state names it as not taken).
+        self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None]] | None = None
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
@@ -629,6 +633,10 @@ class Stream(_StreamBase[Batch]):
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> Batch | None:
+        if self._unclaimed is not None:
+            (b, state), self._unclaimed = self._unclaimed, None
+            self._resume, self._resume_raw = state
+            return b
         if self._lost is not None:
             # The request ahead of time after the batch handed out last could not be sent.
             lost, self._lost = self._lost, None
@@ -732,8 +740,22 @@ class Stream(_StreamBase[Batch]):
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
         kept) with the next request, or now when none goes ahead of time."""
         self._drain_dropped()  # first: a kept batch dropped may be `prev`
+        before = (self._resume, self._resume_raw)
         prev, b = self._held, self._batch(msg)
         self._held = _Held(b)
+        try:
+            self._after_take(msg, prev)
+        except BaseException:
+            # `b` is the stream's already: whatever struck here (an interrupt while a release
+            # was answered, or the answer's error) must not cost it.
+            self._unclaimed = (b, (self._resume, self._resume_raw))
+            self._resume, self._resume_raw = before
+            raise
+        return b
+
+    def _after_take(self, msg: dict[str, Any], prev: _Held | None) -> None:
+        """What handing out the batch of `msg` sets off: the rest of its group built, and
+        `prev` released (unless kept) with the next request, or now when none goes ahead."""
         if "batch" not in msg:  # the first of the replies that came together: build the rest
             self._build_ahead()
         if "next" in self._inflight:
@@ -754,7 +776,6 @@ class Stream(_StreamBase[Batch]):
                     self._pending.append(lease)  # the next request carries it
                     raise
                 self._reply({"op": "release", "lease": lease}, "released")
-        return b
 
     def _batch(self, msg: dict[str, Any]) -> Batch:
         """The Batch of a `batch` answer; the state that resumes after it becomes the stream's."""
