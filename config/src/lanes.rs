@@ -148,7 +148,8 @@ impl Lanes {
             ));
         }
         let mut gpus: BTreeMap<String, usize> = BTreeMap::new();
-        let mut queues: BTreeMap<(&str, u32), usize> = BTreeMap::new();
+        // (interface, or the lane itself without one, queue) -> lane.
+        let mut queues: BTreeMap<(Option<&str>, usize, u32), usize> = BTreeMap::new();
         for (i, lane) in t.iter().enumerate() {
             if let Some(g) = &lane.gpu {
                 if !is_gpu_name(g) {
@@ -175,15 +176,18 @@ impl Lanes {
                     "must be at least 1MiB",
                 ));
             }
-            let ifname = lane.interface.as_deref().unwrap_or("");
+            // Lanes without an `interface` are paired with their NICs later, maybe different
+            // ones: their queues are compared within the lane only here (the node refuses an
+            // overlap on one NIC when it binds).
+            let ifname = lane.interface.as_deref();
+            let owner = if ifname.is_some() { usize::MAX } else { i };
             for &q in &lane.queues {
-                if let Some(j) = queues.insert((ifname, q), i) {
+                if let Some(j) = queues.insert((ifname, owner, q), i) {
                     let what = match (j == i, ifname) {
-                        (true, _) => format!("lanes[{i}].queues lists queue {q} twice"),
-                        (false, "") => format!("lanes[{j}] and lanes[{i}] both list queue {q}"),
-                        (false, n) => {
+                        (false, Some(n)) => {
                             format!("lanes[{j}] and lanes[{i}] both list queue {q} of {n}")
                         }
+                        _ => format!("lanes[{i}].queues lists queue {q} twice"),
                     };
                     return Err(invalid(
                         "lanes",
@@ -260,6 +264,12 @@ mod tests {
             e.contains("lanes[0] and lanes[1] both list queue 8 of eth1"),
             "{e}"
         );
+        // Without `interface`, two lanes may list one queue number (they may pair with two
+        // NICs); one lane listing it twice is still refused.
+        let two = "lanes = [{ gpu = \"0000:19:00.0\", queues = [8] }, { gpu = \"0000:29:00.0\", queues = [8] }]";
+        assert!(table(two).is_ok());
+        let e = table("lanes = [{ queues = [8, 8] }]").unwrap_err();
+        assert!(e.contains("lanes[0].queues lists queue 8 twice"), "{e}");
         let e = table("lanes = [{ devmem_memory = \"4KiB\" }]").unwrap_err();
         assert!(e.contains("lanes[0].devmem_memory = 4KiB"), "{e}");
         let e = table("lanes = [{ gpus = \"0000:19:00.0\" }]").unwrap_err();

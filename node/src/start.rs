@@ -333,6 +333,10 @@ async fn bind_every_lane(
             cuda: l.cuda.clone(),
         })
         .collect();
+    let notes = binding::kernel::interface_notes(&reqs, cfg.devmem_interface.as_deref());
+    for n in &notes {
+        tracing::warn!("{n}");
+    }
     let plans = binding::kernel::plan(nics, &reqs, cfg.devmem_interface.as_deref())?;
     let base = cfg.nic_state_file.clone();
     let (bound, reqs) = tokio::task::spawn_blocking(move || {
@@ -345,6 +349,7 @@ async fn bind_every_lane(
         .iter()
         .zip(&reqs)
         .map(|((lane, region), r)| binding::describe(region, *lane, r.data_port))
+        .chain(notes)
         .collect();
     Ok((bound, why.join("; ")))
 }

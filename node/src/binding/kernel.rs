@@ -53,6 +53,29 @@ pub struct NicPlan {
     pub lanes: Vec<(usize, Vec<u32>)>,
 }
 
+/// What `devmem_interface` (`configured`) does to lanes `reqs` that deserves a word: with
+/// several lanes it is ignored (each lane binds its own NIC), and with one it may bind another
+/// NIC than the one the lane is paired with.
+pub fn interface_notes(reqs: &[LaneRequest], configured: Option<&str>) -> Vec<String> {
+    let Some(c) = configured else {
+        return Vec::new();
+    };
+    match reqs {
+        [one] => match one.nic.as_deref() {
+            Some(paired) if paired != c => vec![format!(
+                "lane {} is paired with {paired} but binds devmem_interface {c} as configured",
+                one.lane
+            )],
+            _ => Vec::new(),
+        },
+        _ => vec![format!(
+            "devmem_interface {c} is ignored: with {} lanes each binds the NIC it is paired with \
+             (lanes[i].interface chooses it)",
+            reqs.len()
+        )],
+    }
+}
+
 /// Groups `reqs` by NIC and gives each lane its queues: those it names, else an even share of
 /// the upper half of its NIC's RX queues among the NIC's lanes that name none. Every NIC must
 /// be able to do devmem (all refusals named at once), and two lanes on one NIC must not share
