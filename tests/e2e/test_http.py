@@ -298,9 +298,12 @@ def test_a_batch_whose_answer_never_arrived_is_answered_again(world: World):
     assert http_json(a, "POST", f"/v1/leases/{second['lease']}/release")[0] == 200
     third = nxt(first["lease"])
     assert third["index"] == second["index"] + 1, third
-    # Without `after` (older clients) nothing is answered twice.
-    fourth = http_json(a, "POST", f"/v1/streams/{sid}/next?timeout_ms=10000")[1]
+    # Another caller (naming another `after`) gets the following batch, not this one's.
+    fourth = nxt(third["lease"] + 1000)
     assert fourth["index"] == third["index"] + 1, fourth
+    # Without `after` (older clients) nothing is answered twice.
+    fifth = http_json(a, "POST", f"/v1/streams/{sid}/next?timeout_ms=10000")[1]
+    assert fifth["index"] == fourth["index"] + 1, fifth
     assert http_json(a, "POST", f"/v1/streams/{sid}/close")[0] == 200
 
 

@@ -123,10 +123,11 @@ struct HttpStream {
     /// Serialises `next`, and holds a batch whose answer never reached its caller (the
     /// client went away while waiting): the next `next` delivers it, so no batch is lost.
     slot: Arc<tokio::sync::Mutex<Option<Delivered>>>,
-    /// The batch the last `next` answered with: answered again to a `next` whose `after`
-    /// names an earlier lease (its caller never got that answer: a connection that broke
-    /// while the answer was on its way, a client timeout that fired as it came).
-    last: Mutex<Option<Delivered>>,
+    /// The batch the last `next` answered with, and the `after` that `next` named: answered
+    /// again to a `next` naming the same `after` (its caller never got that answer: a
+    /// connection that broke while it was on its way, a client timeout that fired as it
+    /// came). A `next` naming another `after`, or none, is another caller's (or a later one).
+    last: Mutex<Option<(Option<u64>, Delivered)>>,
 }
 
 /// Marks a stream in use while alive.
@@ -195,17 +196,18 @@ impl Api {
         }
     }
 
-    /// The batch `s` last answered with, when the caller says it received an earlier one
-    /// (`after`, a lease; 0: none) and the batch's lease is still held (not released, the
-    /// stream not closed): that answer never reached the caller.
+    /// The batch `s` last answered with, when this `next` names the same `after` (the lease
+    /// of the last batch its caller received; 0: none) as the one that got it, and the batch's
+    /// lease is still held (not released, the stream not closed): that answer never reached
+    /// the caller.
     fn unreceived(&self, s: &HttpStream, after: u64) -> Option<Delivered> {
-        let last = s.last.lock().expect("poisoned").clone()?;
+        let (asked, last) = s.last.lock().expect("poisoned").clone()?;
         let held = self
             .leases
             .lock()
             .expect("poisoned")
             .contains_key(&last.lease);
-        (last.lease != after && held).then_some(last)
+        (asked == Some(after) && held).then_some(last)
     }
 
     /// Closes an HTTP stream: its leases end, its memory budget returns to the pool.
@@ -379,7 +381,7 @@ async fn next(
     metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "http")
         .record(t.elapsed().as_secs_f64());
     if let Outcome::Batch(b) = &outcome {
-        *s.last.lock().expect("poisoned") = Some(b.clone());
+        *s.last.lock().expect("poisoned") = Some((q.after, b.clone()));
     }
     Ok(match outcome {
         Outcome::Batch(b) => Json(batch_body(&b)).into_response(),
