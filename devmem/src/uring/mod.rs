@@ -428,8 +428,9 @@ impl<B: StableBuf> RecvQueue<B> {
         self.posted.iter().map(|p| p.len - p.filled).sum()
     }
 
-    /// Posts `buf` as the next payload (its whole `bytes()`); gives it back with the reason
-    /// when the queue is full, failed earlier, or the payload is empty or over 4 GiB.
+    /// Posts `buf` as the next payload (its whole `bytes()`, handed to the kernel in pieces of
+    /// under 4 GiB); gives it back with the reason when the queue is full, failed earlier, or
+    /// the payload is empty.
     pub fn post(&mut self, mut buf: B) -> Result<(), (B, io::Error)> {
         let bytes = buf.bytes();
         let (at, len) = (bytes.as_mut_ptr(), bytes.len());
@@ -437,10 +438,8 @@ impl<B: StableBuf> RecvQueue<B> {
             Some("this io_uring receiver failed earlier and is not used again".to_string())
         } else if self.is_full() {
             Some(format!("{QUEUE_DEPTH} payloads are posted already"))
-        } else if len == 0 || u32::try_from(len).is_err() {
-            Some(format!(
-                "a payload of {len} bytes (1 byte to 4 GiB can be posted)"
-            ))
+        } else if len == 0 {
+            Some("an empty payload cannot be posted".to_string())
         } else {
             None
         };
@@ -466,6 +465,7 @@ impl<B: StableBuf> RecvQueue<B> {
         let mut pushed = false;
         for p in self.posted.iter_mut() {
             while p.handed < p.len && self.pieces.len() < usize::from(RING_ENTRIES) {
+                // At most `window.piece`, which fits a ring entry (`with_window` checks it).
                 let len = (p.len - p.handed).min(self.window.piece);
                 if !self.pieces.is_empty() && ahead + len > self.window.ahead {
                     break;

@@ -327,3 +327,53 @@ fn a_close_right_after_the_last_posted_payload_is_reported_by_the_next_one() {
     assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     assert!(e.to_string().contains("after 0 of 10"), "{e}");
 }
+
+/// A sparse private mapping: address space only until its pages are written.
+struct Sparse(*mut u8, usize);
+
+impl Sparse {
+    fn new(len: usize) -> Self {
+        // SAFETY: a fresh anonymous mapping, owned by the value and unmapped on Drop.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "{}", io::Error::last_os_error());
+        Self(p.cast(), len)
+    }
+}
+
+impl Drop for Sparse {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, no longer posted (the queue gave it back).
+        assert_eq!(unsafe { libc::munmap(self.0.cast(), self.1) }, 0);
+    }
+}
+
+// SAFETY: the mapping does not move with the value and lives until Drop.
+unsafe impl StableBuf for Sparse {
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the whole mapping, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
+    }
+}
+
+#[test]
+fn a_payload_over_4_gib_is_posted_in_pieces_a_ring_entry_holds() {
+    // Before, it was refused ("1 byte to 4 GiB"): the node broke the link and fetched the
+    // shard again, forever, though manifests allow shards up to 1 TiB.
+    let (rx, t) = send_over_loopback(pattern(10));
+    let mut q = RecvQueue::<Sparse>::new(rx).unwrap();
+    let len = u32::MAX as usize + 4097;
+    q.post(Sparse::new(len)).map_err(|(_, e)| e).unwrap();
+    let pieces: Vec<usize> = q.pieces.iter().map(|p| p.len).collect();
+    assert_eq!(pieces, [u32::MAX as usize, 4097]);
+    assert_eq!(q.abandon().len(), 1);
+    t.join().unwrap();
+}
