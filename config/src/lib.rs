@@ -154,6 +154,10 @@ pub struct ServeConfig {
     /// misplaced steering rule), so their frags name another binding; the node must count
     /// them (`steering_errors`), return their tokens and fetch their payloads again.
     pub fault_misplace: u32,
+    /// Fault injection for tests: the receiver threads of the first N data connections fail
+    /// to start, as when thread creation fails (EAGAIN under a pids limit); the node must
+    /// drop those connections, end their links' sessions and fetch the payloads again.
+    pub fault_spawn: u32,
     /// Size of the RX dma-buf bound to the NIC queues (devmem and devmem-sim): the net_iov
     /// pool frags land in before they are gathered into shard slabs.
     pub devmem_memory: ByteSize,
@@ -218,6 +222,7 @@ impl Default for ServeConfig {
             receive: ReceiveMode::Auto,
             io_uring: true,
             fault_misplace: 0,
+            fault_spawn: 0,
             devmem_memory: ByteSize(64 << 20),
             devmem_interface: None,
             devmem_queues: Vec::new(),

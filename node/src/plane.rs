@@ -73,6 +73,8 @@ pub struct DataPlane {
     io_uring: bool,
     /// Lane 0 devmem connections still to misplace onto lane 1's binding (`fault_misplace`).
     fault_misplace: std::sync::atomic::AtomicU32,
+    /// Data connections whose receiver thread is still to fail to start (`fault_spawn`).
+    fault_spawn: std::sync::atomic::AtomicU32,
 }
 
 impl DataPlane {
@@ -96,6 +98,7 @@ impl DataPlane {
             counters,
             io_uring,
             fault_misplace: Default::default(),
+            fault_spawn: Default::default(),
         }
     }
 
@@ -103,6 +106,12 @@ impl DataPlane {
     /// binding (`fault_misplace`).
     pub(crate) fn set_fault_misplace(&self, n: u32) {
         self.fault_misplace.store(n, Ordering::Relaxed);
+    }
+
+    /// Fault injection: the next `n` data connections' receiver threads fail to start
+    /// (`fault_spawn`).
+    pub(crate) fn set_fault_spawn(&self, n: u32) {
+        self.fault_spawn.store(n, Ordering::Relaxed);
     }
 
     /// Lane 1's binding when a lane 0 devmem connection is to be misplaced onto it.
@@ -249,6 +258,10 @@ impl DataPlane {
             io_uring: self.io_uring,
             cpus: lane.cpus.clone().into(),
             misplace: self.take_misplace(lane.id()),
+            fail_spawn: self
+                .fault_spawn
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok(),
         }
     }
 

@@ -184,6 +184,13 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         );
         plane.set_fault_misplace(cfg.fault_misplace);
     }
+    if cfg.fault_spawn > 0 {
+        tracing::warn!(
+            connections = cfg.fault_spawn,
+            "fault_spawn: the first data connections' receiver threads fail to start (fault injection for tests)"
+        );
+        plane.set_fault_spawn(cfg.fault_spawn);
+    }
     let info = Info::new(
         cfg,
         (secret, admin_token),

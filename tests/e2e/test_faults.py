@@ -556,3 +556,25 @@ def test_a_hello_asking_for_more_data_connections_than_a_source_dials_is_refused
     ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
     for s in (ctl, conn, data):
         s.close()
+
+
+def test_a_receiver_thread_that_cannot_start_costs_no_stream(sw, tmp_path):
+    """`fault_spawn = 3`: the receiver threads of the first three data connections fail to
+    start, as when thread creation fails (EAGAIN under a pids limit). The node drops those
+    connections and ends the link's session; the link comes back and the stream completes,
+    every shard once, byte-exact. Before, when the source announced a connection after it was
+    accepted, the failure waited, on the link's session task, for a queue only that task could
+    close: the source's every stream stalled for good."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 12, 60_000, seed=5)
+    index_dataset(d)
+    expected = expected_crcs(d)
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("fault_spawn = 3\n")
+    src = sw.source({"ds": d})
+    node = sw.serve([src], "--config", str(cfg), "--flows", "2", "--pool-size", "64MiB", "--stream-memory", "16MiB")
+    wait_ready(node)
+    batches = sw.consume(node, "ds", seed=1, timeout=120)
+    assert_exactly_once(batches, 12)
+    assert_byte_exact(batches, expected)
+    assert node.stderr_text().count("cannot start a data connection's receiver") == 3, node.stderr_text()[-3000:]

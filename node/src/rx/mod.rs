@@ -82,6 +82,8 @@ pub struct Setup {
     /// Fault injection (`fault_misplace`): the connection's packets land on this other
     /// lane's binding instead of its own.
     pub misplace: Option<Arc<RxRegion>>,
+    /// Fault injection (`fault_spawn`): its receiver thread fails to start.
+    pub fail_spawn: bool,
 }
 
 /// The path a connection's receiver runs.
@@ -103,7 +105,8 @@ pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
     let name = format!("sw-recv-{}-{}-{}", c.lane, c.link.index, c.conn);
     // The connection goes to the thread once it runs, so a failed spawn still has it.
     let (tx, rx) = std::sync::mpsc::sync_channel::<(Conn, TcpStream, Setup)>(1);
-    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+    let fail = setup.fail_spawn;
+    let body = move || {
         let Ok((c, sock, setup)) = rx.recv() else {
             return;
         };
@@ -113,7 +116,11 @@ pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
             tracing::warn!(lane = c.lane, conn = c.conn, error = %e, "cannot pin the receiver to its lane's CPUs; it runs anywhere");
         }
         run_conn(sock, &setup, &c);
-    });
+    };
+    let spawned = match fail {
+        true => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
+        false => std::thread::Builder::new().name(name).spawn(body),
+    };
     match spawned {
         Ok(_) => {
             if tx.send((c, sock, setup)).is_err() {
@@ -124,8 +131,27 @@ pub fn spawn(c: Conn, sock: TcpStream, setup: Setup) {
             let cause = RxError::io("spawning the receiver thread", &e);
             tracing::error!(source = %c.link.addr, conn = c.conn, %cause, "cannot start a data connection's receiver; dropping it");
             drop(sock);
-            broken([], &c.queue, &c.link, c.at(), cause);
+            // Not `broken`, which waits for the queue to close: this caller may be the link's
+            // session task, the only one that can close it (a deadlock, every stream of the
+            // source stalled). The queue is dropped instead: a payload announced on it later
+            // finds it gone, which ends the session.
+            abandon(c, cause);
         }
+    }
+}
+
+/// Fails the payloads queued on `c` now and drops its queue, without waiting; ends its link's
+/// session.
+fn abandon(c: Conn, cause: RxError) {
+    c.link.kick_if(
+        c.generation,
+        &format!(
+            "data connection {} from {} failed: {cause}",
+            c.conn, c.link.addr
+        ),
+    );
+    while let Ok(f) = c.queue.try_recv() {
+        f.finish(Err(shared::lost(&c.link, c.conn, cause.clone())));
     }
 }
 
