@@ -155,6 +155,21 @@ pub enum CloseReason {
 /// bytes that are wrong where they are stored would be fetched again forever.
 pub const MAX_CRC_MISMATCHES: u32 = 5;
 
+/// Refusals in a row of one shard (a source's error answer that may pass) after which its
+/// stream closes ([`CloseReason::ShardFailed`]), about 30 s of [`refusal_backoff`] in all: a
+/// source whose read of a shard fails for good (its store refuses the request, a local read
+/// error) would be asked again forever, at the control connection's round-trip rate. A store
+/// that throttles or is unavailable, or a source that drains, is waited out as long as it
+/// lasts (with the backoff): those answers say the shard is there.
+pub const MAX_REFUSALS: u32 = 10;
+
+/// The pause before fetch attempt `n + 1` of a shard refused `n` times in a row (n >= 1):
+/// 100 ms, doubling, at most 10 s.
+pub fn refusal_backoff(n: u32) -> std::time::Duration {
+    let ms = 100u64.saturating_mul(1 << n.saturating_sub(1).min(16));
+    std::time::Duration::from_millis(ms.min(10_000))
+}
+
 impl CloseReason {
     /// The code a trainer waiting on the stream gets.
     pub fn code(&self) -> ErrorCode {

@@ -14,13 +14,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use shardwire_gpu::{Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use tokio::sync::{Notify, mpsc};
 
-use super::error::{CloseReason, MAX_CRC_MISMATCHES};
+use super::error::{CloseReason, MAX_CRC_MISMATCHES, MAX_REFUSALS, refusal_backoff};
 use super::hints::{HintTarget, Hints};
 use super::route::{self, Routing, Version};
 use crate::counters::Counters;
@@ -319,6 +319,8 @@ pub struct Fetches {
     hints: Hints,
     /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
     crc_streak: HashMap<u32, u32>,
+    /// Per shard: error answers of its sources in a row ([`MAX_REFUSALS`]).
+    refused_streak: HashMap<u32, u32>,
 }
 
 impl Drop for Fetches {
@@ -340,6 +342,7 @@ impl Fetches {
             starved_since: None,
             hints: Hints::default(),
             crc_streak: HashMap::new(),
+            refused_streak: HashMap::new(),
         }
     }
 
@@ -428,6 +431,14 @@ impl Fetches {
         self.waiting.iter().filter_map(|p| p.not_before).min()
     }
 
+    /// Makes every waiting fetch due now (tests: the pauses are real time).
+    #[cfg(test)]
+    pub fn make_due(&mut self) {
+        for p in &mut self.waiting {
+            p.not_before = None;
+        }
+    }
+
     /// The next outcome of a fetch.
     pub async fn completed(&mut self) -> Option<Completion> {
         self.rx.recv().await
@@ -448,6 +459,7 @@ impl Fetches {
                 metrics::histogram!("shardwire_fetch_duration_seconds")
                     .record(c.issued.elapsed().as_secs_f64());
                 self.crc_streak.remove(&c.shard);
+                self.refused_streak.remove(&c.shard);
                 return Ok(Some(c.slab));
             }
             Err(f) => f,
@@ -477,6 +489,10 @@ impl Fetches {
                 failure: f,
             });
         }
+        let pause = match &f {
+            FetchFailure::Refused { .. } => Some(self.refused_again(c.shard, &f)?),
+            _ => f.retry_after(),
+        };
         self.supply
             .counters
             .refetches
@@ -494,9 +510,36 @@ impl Fetches {
             shard: c.shard,
             slab: c.slab,
             avoid: Some(c.source),
-            not_before: f.retry_after().map(|d| Instant::now() + d),
+            not_before: pause.map(|d| Instant::now() + d),
         });
         Ok(None)
+    }
+
+    /// Counts a refusal of `shard` (`f`) in a row: the pause before it is asked again (the
+    /// source's `retry_after`, else [`refusal_backoff`]), or, at [`MAX_REFUSALS`] of a kind
+    /// that may not pass, the stream's end.
+    fn refused_again(&mut self, shard: u32, f: &FetchFailure) -> Result<Duration, CloseReason> {
+        use shardwire_protocol::wire::ErrorCode as C;
+        let times = self.refused_streak.entry(shard).or_default();
+        *times += 1;
+        let times = *times;
+        let passing = matches!(
+            f,
+            FetchFailure::Refused {
+                code: C::Throttled | C::StorageUnavailable | C::Draining,
+                ..
+            }
+        );
+        if times >= MAX_REFUSALS && !passing {
+            let (d, shard) = self.supply.source_of(shard);
+            tracing::error!(dataset = %d.dataset, shard, times, failure = %f, "the sources refused a shard again and again; closing the stream");
+            return Err(CloseReason::ShardFailed {
+                dataset: d.dataset.clone(),
+                shard,
+                failure: f.clone(),
+            });
+        }
+        Ok(f.retry_after().unwrap_or_else(|| refusal_backoff(times)))
     }
 }
 

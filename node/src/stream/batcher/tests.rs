@@ -591,3 +591,71 @@ fn shard_indexes_hash_apart_and_spread_over_buckets() {
     }
     assert!((0..1000u32).all(|i| m[&(i * 3)] == i) && !m.contains_key(&1));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_refused_again_and_again_is_asked_again_later_each_time_then_ends_the_stream() {
+    // Before, a refusal that may pass (a read that failed at the source) was asked again at
+    // once, without end: a store that refuses a shard for good cost a FETCH per round trip.
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let (mut f, _) = fake.take().pop().expect("a fetch was issued");
+    let shard = f.shard;
+    let mut pauses = Vec::new();
+    let why = loop {
+        f.finish(Err(FetchFailure::Refused {
+            code: wire::ErrorCode::ReadFailed,
+            retry_after_ms: 0,
+            message: format!("GET of shard {shard}: 400"),
+        }));
+        if let Err(why) = settle(&mut d) {
+            break why;
+        }
+        let due = d.fetches.next_due().expect("it waits");
+        pauses.push(due.saturating_duration_since(Instant::now()));
+        d.fetches.make_due(); // as the task's timer would, later
+        f = loop {
+            settle(&mut d).unwrap();
+            if let Some((g, _)) = fake.take().into_iter().find(|(g, _)| g.shard == shard) {
+                break g;
+            }
+        };
+    };
+    assert_eq!(pauses.len() as u32, crate::stream::error::MAX_REFUSALS - 1);
+    assert!(pauses.windows(2).all(|w| w[1] >= w[0]), "{pauses:?}");
+    assert!(pauses[0] >= Duration::from_millis(80), "{pauses:?}");
+    assert!(
+        matches!(&why, CloseReason::ShardFailed { shard: s, .. } if *s == shard),
+        "{why:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_stays_unavailable_is_waited_out_with_backoff() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let (mut f, _) = fake.take().pop().expect("a fetch was issued");
+    let shard = f.shard;
+    for _ in 0..2 * crate::stream::error::MAX_REFUSALS {
+        f.finish(Err(FetchFailure::Refused {
+            code: wire::ErrorCode::StorageUnavailable,
+            retry_after_ms: 0,
+            message: "503 after retries".into(),
+        }));
+        settle(&mut d).expect("an outage does not end the stream");
+        let due = d.fetches.next_due().expect("it waits");
+        assert!(due > Instant::now(), "asked again later, not at once");
+        d.fetches.make_due();
+        f = loop {
+            settle(&mut d).unwrap();
+            if let Some((g, _)) = fake.take().into_iter().find(|(g, _)| g.shard == shard) {
+                break g;
+            }
+        };
+    }
+    answer(f);
+    settle(&mut d).unwrap();
+}
