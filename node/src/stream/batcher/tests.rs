@@ -614,13 +614,7 @@ async fn a_shard_refused_again_and_again_is_asked_again_later_each_time_then_end
         }
         let due = d.fetches.next_due().expect("it waits");
         pauses.push(due.saturating_duration_since(Instant::now()));
-        d.fetches.make_due(); // as the task's timer would, later
-        f = loop {
-            settle(&mut d).unwrap();
-            if let Some((g, _)) = fake.take().into_iter().find(|(g, _)| g.shard == shard) {
-                break g;
-            }
-        };
+        f = issued_again(&mut d, &fake, shard); // as the task's timer would, later
     };
     assert_eq!(pauses.len() as u32, crate::stream::error::MAX_REFUSALS - 1);
     assert!(pauses.windows(2).all(|w| w[1] >= w[0]), "{pauses:?}");
@@ -648,14 +642,19 @@ async fn a_store_that_stays_unavailable_is_waited_out_with_backoff() {
         settle(&mut d).expect("an outage does not end the stream");
         let due = d.fetches.next_due().expect("it waits");
         assert!(due > Instant::now(), "asked again later, not at once");
-        d.fetches.make_due();
-        f = loop {
-            settle(&mut d).unwrap();
-            if let Some((g, _)) = fake.take().into_iter().find(|(g, _)| g.shard == shard) {
-                break g;
-            }
-        };
+        f = issued_again(&mut d, &fake, shard);
     }
     answer(f);
     settle(&mut d).unwrap();
+}
+
+/// The fetch of `shard` issued again once every waiting fetch is made due.
+fn issued_again(d: &mut Driver, fake: &Fake, shard: u32) -> InFlight {
+    d.fetches.make_due();
+    loop {
+        settle(d).unwrap();
+        if let Some((g, _)) = fake.take().into_iter().find(|(g, _)| g.shard == shard) {
+            return g;
+        }
+    }
 }
