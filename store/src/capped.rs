@@ -3,25 +3,50 @@
 //! the body's size hint, which is the server's `Content-Length`. [`Capped`] passes the bytes
 //! through unchanged and reports no hint above [`MAX_HINT`], so a buffer grows with the bytes
 //! that arrive instead of being sized by a claim (a reply that says 1 TB and sends 2 bytes).
+//! An error reply, or the answer to another request than a GET (a credential service's),
+//! also fails past [`MAX_COLLECTED`] bytes: an error reply of gigabytes from a misbehaving
+//! proxy is not buffered until the request times out. (A successful GET's body is a ranged
+//! read streamed to its sink, bounded by the range, or a listing page.)
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use object_store::client::{HttpError, HttpResponseBody};
+use object_store::client::{HttpError, HttpErrorKind, HttpResponseBody};
 
 /// Largest size hint passed on (a listing page is well under 1 MiB).
 pub(crate) const MAX_HINT: u64 = 16 << 20;
 
-/// `body` with its size hint capped.
-pub(crate) struct Capped(pub HttpResponseBody);
+/// Most bytes of an error reply or a credential answer (both well under 1 MiB).
+pub(crate) const MAX_COLLECTED: u64 = 64 << 20;
+
+/// `body` with its size hint capped, and at most `limit` bytes of it passed on.
+pub(crate) struct Capped {
+    body: HttpResponseBody,
+    limit: Option<u64>,
+    seen: u64,
+}
 
 impl Capped {
-    /// `body`, wrapped.
-    pub fn wrap(body: HttpResponseBody) -> HttpResponseBody {
-        HttpResponseBody::new(Capped(body))
+    /// `body`, wrapped; with `collected` (an error reply, a credential answer) it fails past
+    /// [`MAX_COLLECTED`] bytes.
+    pub fn wrap(body: HttpResponseBody, collected: bool) -> HttpResponseBody {
+        HttpResponseBody::new(Capped {
+            body,
+            limit: collected.then_some(MAX_COLLECTED),
+            seen: 0,
+        })
     }
+}
+
+/// A collected body ran past [`MAX_COLLECTED`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the store's answer ran past {limit} bytes, more than any error reply or credential answer"
+)]
+struct TooLong {
+    limit: u64,
 }
 
 impl Body for Capped {
@@ -32,15 +57,25 @@ impl Body for Capped {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, HttpError>>> {
-        Pin::new(&mut self.0).poll_frame(cx)
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(f))) = &polled
+            && let Some(data) = f.data_ref()
+        {
+            self.seen += data.len() as u64;
+            if let Some(limit) = self.limit.filter(|&l| self.seen > l) {
+                let e = HttpError::new(HttpErrorKind::Decode, TooLong { limit });
+                return Poll::Ready(Some(Err(e)));
+            }
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.0.is_end_stream()
+        self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        let hint = self.0.size_hint();
+        let hint = self.body.size_hint();
         if hint.lower() > MAX_HINT {
             SizeHint::default()
         } else {
@@ -84,15 +119,32 @@ mod tests {
 
     #[test]
     fn a_claimed_length_past_the_cap_is_not_passed_on() {
-        assert_eq!(Capped(liar(1 << 40)).size_hint().lower(), 0);
-        assert_eq!(Capped(liar(1 << 40)).size_hint().upper(), None);
-        assert_eq!(Capped(liar(4)).size_hint().exact(), Some(4));
+        assert_eq!(Capped::wrap(liar(1 << 40), true).size_hint().lower(), 0);
+        assert_eq!(Capped::wrap(liar(1 << 40), true).size_hint().upper(), None);
+        assert_eq!(Capped::wrap(liar(4), true).size_hint().exact(), Some(4));
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn the_bytes_pass_through_unchanged() {
         // Uncapped, collecting this body would first reserve the terabyte it claims.
-        let got = Capped::wrap(liar(1 << 40)).bytes().await.unwrap();
+        let got = Capped::wrap(liar(1 << 40), true).bytes().await.unwrap();
         assert_eq!(&got[..], b"abcd");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_collected_body_fails_past_its_limit_a_streamed_one_does_not() {
+        // Before, an error reply of gigabytes was buffered until the request timed out.
+        let big = || {
+            let chunk = Bytes::from(vec![0u8; 1 << 20]);
+            let n = (MAX_COLLECTED >> 20) as usize + 1;
+            HttpResponseBody::new(Liar {
+                claim: 0,
+                chunks: std::iter::repeat_n(chunk, n).collect(),
+            })
+        };
+        let e = Capped::wrap(big(), true).bytes().await.unwrap_err();
+        assert!(e.to_string().contains("ran past"), "{e}");
+        let got = Capped::wrap(big(), false).bytes().await.unwrap();
+        assert_eq!(got.len() as u64, MAX_COLLECTED + (1 << 20));
     }
 }

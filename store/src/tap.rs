@@ -142,7 +142,11 @@ impl HttpService for Tap {
         // window nor count as the store's; only a refusal names the call's failure.
         let current = CALL.try_with(Arc::clone).ok();
         if credential_host(req.uri().host().unwrap_or("")) {
-            let res = self.inner.execute(req).await.map(|r| r.map(Capped::wrap));
+            let res = self
+                .inner
+                .execute(req)
+                .await
+                .map(|r| r.map(|b| Capped::wrap(b, true)));
             let status = res.as_ref().ok().map(|r| r.status().as_u16());
             let label = status.map_or_else(|| "error".to_owned(), |s| s.to_string());
             metrics::counter!(m::REQUESTS, "op" => "credentials", "status" => label).increment(1);
@@ -158,7 +162,13 @@ impl HttpService for Tap {
             .is_some_and(|c| c.repeats(format!("{} {}", req.method(), req.uri())));
         let t0 = Instant::now();
         // The body's size hint capped: object_store sizes some buffers by it.
-        let res = self.inner.execute(req).await.map(|r| r.map(Capped::wrap));
+        // A successful GET's body is a ranged read (streamed to its sink, bounded by its range
+        // check) or a listing page; an error reply or another request's answer is bounded.
+        let get = req.method() == http::Method::GET;
+        let res = self.inner.execute(req).await.map(|r| {
+            let collected = !(get && r.status().is_success());
+            r.map(|b| Capped::wrap(b, collected))
+        });
         if again {
             metrics::counter!(m::RETRIES, "op" => op).increment(1);
         }
