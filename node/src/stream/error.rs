@@ -155,12 +155,12 @@ pub enum CloseReason {
 /// bytes that are wrong where they are stored would be fetched again forever.
 pub const MAX_CRC_MISMATCHES: u32 = 5;
 
-/// Refusals in a row of one shard (a source's error answer that may pass) after which its
-/// stream closes ([`CloseReason::ShardFailed`]), about 30 s of [`refusal_backoff`] in all: a
-/// source whose read of a shard fails for good (its store refuses the request, a local read
-/// error) would be asked again forever, at the control connection's round-trip rate. A store
-/// that throttles or is unavailable, or a source that drains, is waited out as long as it
-/// lasts (with the backoff): those answers say the shard is there.
+/// Failed reads of one shard since it was last delivered (a source's error answer that may
+/// pass) after which its stream closes ([`CloseReason::ShardFailed`]), about 30 s of
+/// [`refusal_backoff`] in all: a source whose read of a shard fails for good (its store
+/// refuses the request, a local read error) would be asked again forever, at the control
+/// connection's round-trip rate. A store that throttles or is unavailable is waited out as long
+/// as it lasts (with the backoff, which grows with every answer): those answers do not count.
 pub const MAX_REFUSALS: u32 = 10;
 
 /// The pause before fetch attempt `n + 1` of a shard refused `n` times in a row (n >= 1):

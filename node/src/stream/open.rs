@@ -385,12 +385,16 @@ fn check_window(
     if blocks.saturating_add(batches) <= region_bytes {
         return Ok(ready_ahead(region_bytes, blocks, class));
     }
-    if across.bytes > concurrent * per_block * max_class {
+    if across.bytes
+        > concurrent
+            .saturating_mul(per_block)
+            .saturating_mul(max_class)
+    {
         return Err(OpenError::new(
             ErrorCode::NoMemory,
             format!(
                 "batch mode needs stream_memory of at least {} bytes: one batch of {} samples reads {} units (blocks of shuffle_block {} samples, or the epoch's tail) at once, {} shards of {} slab bytes, as it crosses from one into the next, plus {} batch slabs of {class} bytes; stream_memory is {region_bytes}; raise stream_memory, or lower batch_size or shuffle_block",
-                blocks + batches,
+                blocks.saturating_add(batches),
                 plan.batch_size,
                 across.units,
                 o.shuffle_block,
@@ -412,7 +416,7 @@ fn check_window(
         ErrorCode::NoMemory,
         format!(
             "batch mode needs stream_memory of at least {} bytes: {concurrent} partition(s) read at once, each with a block of up to {per_block} shards of slab class {max_class} (shuffle_block {} samples), plus {} batch slabs of {} bytes; stream_memory is {region_bytes}{hint}",
-            blocks + batches,
+            blocks.saturating_add(batches),
             o.shuffle_block,
             READY_AHEAD + 1,
             SlabPool::class_size(batch_bytes as usize)

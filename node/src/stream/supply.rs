@@ -319,8 +319,9 @@ pub struct Fetches {
     hints: Hints,
     /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
     crc_streak: HashMap<u32, u32>,
-    /// Per shard: error answers of its sources in a row ([`MAX_REFUSALS`]).
-    refused_streak: HashMap<u32, u32>,
+    /// Per shard, since its last delivery: its sources' error answers (the backoff grows
+    /// with them), and those of a kind that may not pass ([`MAX_REFUSALS`]).
+    refused_streak: HashMap<u32, (u32, u32)>,
 }
 
 impl Drop for Fetches {
@@ -520,17 +521,24 @@ impl Fetches {
     /// that may not pass, the stream's end.
     fn refused_again(&mut self, shard: u32, f: &FetchFailure) -> Result<Duration, CloseReason> {
         use shardwire_protocol::wire::ErrorCode as C;
-        let times = self.refused_streak.entry(shard).or_default();
-        *times += 1;
-        let times = *times;
-        let passing = matches!(
-            f,
-            FetchFailure::Refused {
-                code: C::Throttled | C::StorageUnavailable | C::Draining,
-                ..
-            }
-        );
-        if times >= MAX_REFUSALS && !passing {
+        let code = match f {
+            FetchFailure::Refused { code, .. } => *code,
+            _ => C::Internal,
+        };
+        // A draining source: another source may serve it now.
+        if code == C::Draining {
+            return Ok(Duration::ZERO);
+        }
+        // Only refusals that may not pass count; a throttled or unavailable store is waited
+        // out, with the backoff, however long it lasts.
+        let passing = matches!(code, C::Throttled | C::StorageUnavailable);
+        let (answers, failed) = self.refused_streak.entry(shard).or_default();
+        *answers += 1;
+        if !passing {
+            *failed += 1;
+        }
+        let (answers, times) = (*answers, *failed);
+        if times >= MAX_REFUSALS {
             let (d, shard) = self.supply.source_of(shard);
             tracing::error!(dataset = %d.dataset, shard, times, failure = %f, "the sources refused a shard again and again; closing the stream");
             return Err(CloseReason::ShardFailed {
@@ -539,7 +547,7 @@ impl Fetches {
                 failure: f.clone(),
             });
         }
-        Ok(f.retry_after().unwrap_or_else(|| refusal_backoff(times)))
+        Ok(f.retry_after().unwrap_or_else(|| refusal_backoff(answers)))
     }
 }
 

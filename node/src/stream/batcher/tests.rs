@@ -616,9 +616,19 @@ async fn a_shard_refused_again_and_again_is_asked_again_later_each_time_then_end
         pauses.push(due.saturating_duration_since(Instant::now()));
         f = issued_again(&mut d, &fake, shard); // as the task's timer would, later
     };
-    assert_eq!(pauses.len() as u32, crate::stream::error::MAX_REFUSALS - 1);
-    assert!(pauses.windows(2).all(|w| w[1] >= w[0]), "{pauses:?}");
-    assert!(pauses[0] >= Duration::from_millis(80), "{pauses:?}");
+    use crate::stream::error::{MAX_REFUSALS, refusal_backoff};
+    assert_eq!(pauses.len() as u32, MAX_REFUSALS - 1);
+    // Each pause is the backoff of its attempt, less the moments between the two clocks.
+    for (n, p) in (1..).zip(&pauses) {
+        let want = refusal_backoff(n);
+        assert!(
+            *p <= want && *p + Duration::from_secs(1) >= want,
+            "{n}: {pauses:?}"
+        );
+    }
+    assert!(
+        refusal_backoff(2) > refusal_backoff(1) && refusal_backoff(30) == Duration::from_secs(10)
+    );
     assert!(
         matches!(&why, CloseReason::ShardFailed { shard: s, .. } if *s == shard),
         "{why:?}"
@@ -644,7 +654,14 @@ async fn a_store_that_stays_unavailable_is_waited_out_with_backoff() {
         assert!(due > Instant::now(), "asked again later, not at once");
         f = issued_again(&mut d, &fake, shard);
     }
-    answer(f);
+    // A read that fails after all those is the first that counts: asked again, not closed.
+    f.finish(Err(FetchFailure::Refused {
+        code: wire::ErrorCode::ReadFailed,
+        retry_after_ms: 0,
+        message: "GET: connection reset".into(),
+    }));
+    settle(&mut d).expect("one failed read does not end the stream");
+    answer(issued_again(&mut d, &fake, shard));
     settle(&mut d).unwrap();
 }
 
