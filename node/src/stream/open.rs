@@ -404,7 +404,7 @@ fn check_window(
             ),
         ));
     }
-    let room = region_bytes.saturating_sub(batches) / (concurrent * max_class).max(1);
+    let room = region_bytes.saturating_sub(batches) / concurrent.saturating_mul(max_class).max(1);
     let hint = match o.shuffle {
         Shuffle::Block if room >= 2 => format!(
             "; lower shuffle_block to at most {} samples, or raise stream_memory",
