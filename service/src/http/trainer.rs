@@ -357,38 +357,60 @@ async fn next(
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let timeout = timeout.saturating_sub(t.elapsed().as_millis() as u64);
-    let again = q.after.and_then(|after| api.unreceived(&s, after));
-    let outcome = match again.or_else(|| slot.take()) {
-        Some(b) => Outcome::Batch(b),
-        // A ready batch is taken right here; only a wait goes to a blocking thread.
-        None => match api.take(&s, Duration::ZERO) {
-            Outcome::Timeout if timeout > 0 => {
-                let (tx, rx) = oneshot::channel();
-                let (api2, s2) = (Arc::clone(&api), Arc::clone(&s));
-                tokio::task::spawn_blocking(move || {
-                    let _busy = busy; // in use until `next` returns, even if the caller left
-                    let out = api2.take(&s2, Duration::from_millis(timeout));
-                    if let Err(Outcome::Batch(b)) = tx.send(out) {
-                        *slot = Some(b); // the caller went away: keep it for the next `next`
-                    }
-                });
-                rx.await
-                    .map_err(|_| ApiError::new(ErrorCode::Internal, "the waiting thread failed"))?
-            }
-            o => o,
+    let after = q.after;
+    // `last` is set while this `next`'s turn (the slot's lock) is held: the `next` after it,
+    // the same caller's asking again, must see it.
+    let outcome = match after.and_then(|a| api.unreceived(&s, a)) {
+        Some(b) => Outcome::Batch(b), // answered again: `last` already names it
+        None => match slot.take() {
+            Some(b) => remembered(&s, after, Outcome::Batch(b)),
+            // A ready batch is taken right here; only a wait goes to a blocking thread.
+            None => match api.take(&s, Duration::ZERO) {
+                Outcome::Timeout if timeout > 0 => {
+                    let (tx, rx) = oneshot::channel();
+                    let (api2, s2) = (Arc::clone(&api), Arc::clone(&s));
+                    tokio::task::spawn_blocking(move || {
+                        let _busy = busy; // in use until `next` returns, even if the caller left
+                        let out = api2.take(&s2, Duration::from_millis(timeout));
+                        let taken = match &out {
+                            Outcome::Batch(b) => Some(b.clone()),
+                            _ => None,
+                        };
+                        match tx.send(out) {
+                            Ok(()) => {
+                                if let Some(b) = taken {
+                                    *s2.last.lock().expect("poisoned") = Some((after, b));
+                                }
+                            }
+                            // The caller went away: keep it for the next `next`.
+                            Err(Outcome::Batch(b)) => *slot = Some(b),
+                            Err(_) => {}
+                        }
+                    });
+                    rx.await.map_err(|_| {
+                        ApiError::new(ErrorCode::Internal, "the waiting thread failed")
+                    })?
+                }
+                o => remembered(&s, after, o),
+            },
         },
     };
     metrics::histogram!("shardwire_trainer_next_duration_seconds", "api" => "http")
         .record(t.elapsed().as_secs_f64());
-    if let Outcome::Batch(b) = &outcome {
-        *s.last.lock().expect("poisoned") = Some((q.after, b.clone()));
-    }
     Ok(match outcome {
         Outcome::Batch(b) => Json(batch_body(&b)).into_response(),
         Outcome::End => Json(NextBody::End(EndBody { end: true })).into_response(),
         Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
         Outcome::Closed(why) => ApiError::new(why.code(), why.to_string()).into_response(),
     })
+}
+
+/// `o`, a batch of it kept as the one `s` last answered with, to a `next` naming `after`.
+fn remembered(s: &HttpStream, after: Option<u64>, o: Outcome) -> Outcome {
+    if let Outcome::Batch(b) = &o {
+        *s.last.lock().expect("poisoned") = Some((after, b.clone()));
+    }
+    o
 }
 
 async fn state(

@@ -428,6 +428,10 @@ def _read_body(r: http.client.HTTPResponse, what: str) -> bytes:
         if len(body) > _MAX_REPLY:
             r.close()
             raise ProtocolError(f"{what}: the answer is over {_MAX_REPLY} bytes")
+    if n is not None and n.isdigit() and len(body) < int(n):
+        # The connection ended inside the answer (http.client's read(amt) does not say so):
+        # a broken connection, not a malformed answer.
+        raise http.client.IncompleteRead(bytes(body), int(n) - len(body))
     return bytes(body)
 
 
