@@ -124,6 +124,16 @@ pub struct Loaded {
 /// True for the names this cache writes: entries ([`entry_name`]:
 /// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
 /// (`.<entry>.partial`, `.<entry>.evicted`).
+/// The id (`st_dev`) and free bytes of the file system holding a directory.
+type Room = dyn Fn(&Path) -> std::io::Result<(u64, u64)>;
+
+/// [`Room`] as the kernel reports it.
+fn measured_room(dir: &Path) -> std::io::Result<(u64, u64)> {
+    let st = rustix::fs::statvfs(dir)?;
+    let fs = rustix::fs::stat(dir)?.st_dev;
+    Ok((fs, st.f_bavail.saturating_mul(st.f_frsize)))
+}
+
 /// `` with the other caches' claims `` in a [`CacheError::NoRoom`] message.
 fn others_text(others: &[(PathBuf, u64)]) -> String {
     if others.is_empty() {
@@ -212,8 +222,8 @@ pub struct Hit {
 pub struct DiskCache {
     dir: PathBuf,
     capacity: u64,
-    /// Bytes of entries plus reservations.
-    used: u64,
+    /// Bytes of entries plus reservations (shared with its claim).
+    used: claims::Used,
     entries: HashMap<u32, Entry>,
     reserved: HashMap<u32, u64>,
     /// Accesses so far (every lookup and every reservation): the cache's clock.
@@ -233,6 +243,16 @@ impl DiskCache {
         capacity: u64,
         expect: impl Fn(u32) -> Option<(String, u64)>,
     ) -> Result<(DiskCache, Loaded), CacheError> {
+        Self::open_in(dir, capacity, expect, &measured_room)
+    }
+
+    /// [`DiskCache::open`], the file system's id and free bytes from `room`.
+    fn open_in(
+        dir: &Path,
+        capacity: u64,
+        expect: impl Fn(u32) -> Option<(String, u64)>,
+        room: &Room,
+    ) -> Result<(DiskCache, Loaded), CacheError> {
         let io = |source| CacheError::Io {
             dir: dir.to_path_buf(),
             source,
@@ -241,7 +261,7 @@ impl DiskCache {
         let mut cache = DiskCache {
             dir: dir.to_path_buf(),
             capacity,
-            used: 0,
+            used: claims::Used::default(),
             entries: HashMap::new(),
             reserved: HashMap::new(),
             clock: 0,
@@ -282,7 +302,7 @@ impl DiskCache {
             }
         }
         cache.shrink_to_capacity(&mut loaded).map_err(io)?;
-        cache.check_room()?;
+        cache.check_room(room)?;
         Ok((cache, loaded))
     }
 
@@ -291,7 +311,7 @@ impl DiskCache {
     fn shrink_to_capacity(&mut self, loaded: &mut Loaded) -> std::io::Result<()> {
         let mut shards: Vec<u32> = self.entries.keys().copied().collect();
         shards.sort_unstable();
-        while self.used > self.capacity {
+        while self.used.get() > self.capacity {
             let Some(s) = shards.pop() else { break };
             let e = self.entries.remove(&s).expect("listed");
             std::fs::remove_file(self.dir.join(&e.name))?;
@@ -303,18 +323,14 @@ impl DiskCache {
         Ok(())
     }
 
-    /// Refuses a capacity the file system cannot hold, with what this process's other caches
-    /// there claim; else claims the room it may still take.
-    fn check_room(&mut self) -> Result<(), CacheError> {
-        let io = |e: rustix::io::Errno| CacheError::Io {
+    /// Refuses a capacity the file system cannot hold (`room`: its id and free bytes), with
+    /// what this process's other caches there may still take; else claims what this one may.
+    fn check_room(&mut self, room: &Room) -> Result<(), CacheError> {
+        let (fs, free) = room(&self.dir).map_err(|source| CacheError::Io {
             dir: self.dir.clone(),
-            source: e.into(),
-        };
-        let st = rustix::fs::statvfs(&self.dir).map_err(io)?;
-        let fs = rustix::fs::stat(&self.dir).map_err(io)?.st_dev;
-        let free = st.f_bavail.saturating_mul(st.f_frsize);
-        let grow = self.capacity.saturating_sub(self.used);
-        let claimed = claims::claim(fs, &self.dir, grow, free);
+            source,
+        })?;
+        let claimed = claims::claim(fs, &self.dir, (self.capacity, &self.used), free);
         match claimed {
             Ok(c) => {
                 self.claim = Some(c);
@@ -323,7 +339,7 @@ impl DiskCache {
             Err(others) => Err(CacheError::NoRoom {
                 dir: self.dir.clone(),
                 free,
-                held: self.used,
+                held: self.used.get(),
                 size: self.capacity,
                 others,
             }),
@@ -420,7 +436,7 @@ impl DiskCache {
             return None;
         }
         let mut evicted = Vec::new();
-        if self.used + len > self.capacity {
+        if self.used.get() + len > self.capacity {
             let clock = self.clock;
             let mut victims: Vec<(u64, u32, u64)> = self
                 .entries
@@ -430,7 +446,7 @@ impl DiskCache {
                 .collect();
             victims.sort_unstable();
             let mut freed = 0;
-            let need = self.used + len - self.capacity;
+            let need = self.used.get() + len - self.capacity;
             for (_, s, l) in &victims {
                 if freed >= need {
                     break;
@@ -508,7 +524,7 @@ impl DiskCache {
 
     /// Bytes held (entries and reservations).
     pub fn used(&self) -> u64 {
-        self.used
+        self.used.get()
     }
 
     /// The configured size.

@@ -327,13 +327,14 @@ fn an_aborted_write_gives_its_room_back() {
 #[test]
 fn caches_that_fit_the_disk_each_but_not_together_are_refused_naming_the_others() {
     // Two datasets' caches on one file system: before, each was checked alone, both opened,
-    // and the disk filled up later.
+    // and the disk filled up later. A file system of the test's own (id and free bytes), so
+    // other tests' caches neither count here nor are refused for this one.
     let (a, b) = (tempdir(), tempdir());
-    let st = rustix::fs::statvfs(std::env::temp_dir()).unwrap();
-    let free = st.f_bavail * st.f_frsize;
-    let size = free / 10 * 6;
-    let first = DiskCache::open(a.path(), size, |_| None).unwrap();
-    let e = DiskCache::open(b.path(), size, |_| None).unwrap_err();
+    let room = |_: &Path| Ok((u64::MAX - 11, 1000u64));
+    let first = DiskCache::open_in(a.path(), 600, |_| None, &room)
+        .unwrap()
+        .0;
+    let e = DiskCache::open_in(b.path(), 600, |_| None, &room).unwrap_err();
     assert!(matches!(e, CacheError::NoRoom { .. }), "{e}");
     let text = e.to_string();
     assert!(
@@ -342,7 +343,7 @@ fn caches_that_fit_the_disk_each_but_not_together_are_refused_naming_the_others(
         "{text}"
     );
     drop(first);
-    assert!(DiskCache::open(b.path(), size, |_| None).is_ok());
+    assert!(DiskCache::open_in(b.path(), 600, |_| None, &room).is_ok());
 }
 
 #[test]
