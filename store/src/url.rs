@@ -64,10 +64,10 @@ pub struct StoreUrl {
 const SCHEMES_HINT: &str = "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
                             file:///DIR or http(s)://HOST/PATH";
 
-/// Whether `c` may appear in an S3, GCS or Azure bucket (container) name: the union of
-/// their rules (lowercase letters, digits, `.`, `-`; `_` in GCS).
-fn bucket_char(c: char) -> bool {
-    c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '-' | '_')
+/// Whether `c` marks a server's address (`host:port`, `[ipv6]`): no bucket or container
+/// name holds one (legacy S3 buckets may hold uppercase letters, so only these are refused).
+fn host_char(c: char) -> bool {
+    matches!(c, ':' | '[' | ']')
 }
 
 impl StoreUrl {
@@ -131,13 +131,12 @@ impl StoreUrl {
             )));
         }
         let named = matches!(scheme, Scheme::S3 | Scheme::Gcs | Scheme::Azure);
-        if named && let Some(c) = bucket.chars().find(|c| !bucket_char(*c)) {
-            // `s3://minio:9000/bkt/ds`: a host where the bucket goes.
+        if named && let Some(c) = bucket.chars().find(|c| host_char(*c)) {
+            // `s3://minio:9000/bkt/ds`: a server's address where the bucket goes.
             return Err(bad(format!(
-                "`{bucket}` is not a bucket name ({c:?} is not allowed: lowercase letters, \
-                 digits, `.`, `-` and `_`); a server's address goes in the environment \
-                 (AWS_ENDPOINT_URL=http://HOST:PORT for MinIO or another S3 server), the \
-                 URL names the bucket: s3://BUCKET/PREFIX"
+                "`{bucket}` is not a bucket name ({c:?} marks a server's address); a server's \
+                 address goes in the environment (AWS_ENDPOINT_URL=http://HOST:PORT for MinIO \
+                 or another S3 server), the URL names the bucket: s3://BUCKET/PREFIX"
             )));
         }
         let prefix = clean_prefix(path).map_err(bad)?;
@@ -234,7 +233,9 @@ mod tests {
             e.contains("`minio:9000` is not a bucket name") && e.contains("AWS_ENDPOINT_URL"),
             "{e}"
         );
-        assert!(err("gs://My_Bucket/x").contains("'M' is not allowed"));
+        assert!(err("s3://[fd00::1]:9000/b").contains("marks a server's address"));
+        // A legacy S3 bucket with uppercase letters is a bucket.
+        assert!(StoreUrl::parse("s3://MyLegacyBucket/x").is_ok());
         assert!(StoreUrl::parse("s3://my-bucket.v2/x").is_ok());
         assert!(StoreUrl::parse("gs://my_bucket/x").is_ok());
         // A host of an HTTP URL is not a bucket.
