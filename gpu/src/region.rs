@@ -180,6 +180,23 @@ fn selected(text: &str) -> Option<&str> {
     Some(&text[start..end])
 }
 
+/// Seals a host region's memfd: size fixed, future writes refused. A kernel older than 5.1
+/// (or a sandbox) without `F_SEAL_FUTURE_WRITE` answers EINVAL: the size is still sealed,
+/// and a warning says once that trainers could write the memory.
+fn add_seals(fd: &OwnedFd) -> Result<(), rustix::io::Errno> {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let size = SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+    match rustix::fs::fcntl_add_seals(fd, size | SealFlags::FUTURE_WRITE) {
+        Err(rustix::io::Errno::INVAL) => {
+            WARNED.call_once(|| {
+                tracing::warn!("this kernel cannot seal future writes of a memfd (F_SEAL_FUTURE_WRITE, Linux 5.1): trainers are handed host regions they could map writable");
+            });
+            rustix::fs::fcntl_add_seals(fd, size)
+        }
+        other => other,
+    }
+}
+
 impl HostRegion {
     /// Creates a `len`-byte region named `name` (visible in /proc/PID/fd as `memfd:NAME`).
     pub fn new(name: &str, len: usize) -> Result<Self, RegionError> {
@@ -215,8 +232,7 @@ impl HostRegion {
         // mapping (made above) may write it: a trainer's shared mapping or `write` of the fd
         // it was handed is refused (EPERM), so no trainer can change bytes the node is
         // still checking or assembling. A failure here drops `fd`; the mapping is unmapped.
-        let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
-        if let Err(e) = rustix::fs::fcntl_add_seals(&fd, seals) {
+        if let Err(e) = add_seals(&fd) {
             // SAFETY: exactly the mapping made above, not yet shared with anything.
             let _ = unsafe { rustix::mm::munmap(raw, len) };
             return Err(sys("fcntl(F_ADD_SEALS)")(e));

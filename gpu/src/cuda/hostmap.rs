@@ -99,8 +99,11 @@ unsafe impl DeviceRange for HostMapped {
 impl Drop for HostMapped {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
-            // SAFETY: unregisters the registration made in `new`; users synchronise their
-            // kernels (gather events) before the owner drops it.
+            // SAFETY: a plain driver call on the context just made current: work that may
+            // still read the registered memory (a forgotten `Launched`) finishes first.
+            let _ = unsafe { sys::cuCtxSynchronize() };
+            // SAFETY: unregisters the registration made in `new`; no queued work reads it
+            // any more (synchronised above).
             let _ = unsafe { sys::cuMemHostUnregister(self.host.cast()) };
         }
     }

@@ -65,7 +65,12 @@ impl Drop for VmmRegion {
         // The fields' Drops (unmap, free the range) need the device's context current on
         // this thread, which need not be the thread that made the region: a stream's region
         // goes with its last user (a tokio worker, a receiver thread).
-        let _ = self.dev.bind();
+        if self.dev.bind().is_ok() {
+            // Work that may still read or write the region finishes first: a `Launched`
+            // forgotten (`mem::forget`) ends its borrow without waiting for its kernel.
+            // SAFETY: a plain driver call on the context just made current.
+            let _ = unsafe { sys::cuCtxSynchronize() };
+        }
     }
 }
 
@@ -240,14 +245,18 @@ impl VmmRegion {
     /// Copies `bytes` to `offset` (synchronous; setup and tests).
     pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
         self.range(offset, bytes.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`.
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`; its
+        // bytes are the caller's (the region's users own disjoint slabs), so no queued work
+        // of another owner writes them.
         unsafe { copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes) }
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronous; tests and the CPU check).
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
         self.range(offset, out.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`.
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`; its
+        // bytes are the caller's (the region's users own disjoint slabs), so no queued work
+        // of another owner writes them.
         unsafe { copy_to_host(&self.dev, out, self.device_ptr() + offset as u64) }
     }
 
