@@ -20,7 +20,7 @@
 //! every write [`WRITE_TIMEOUT`]. A node can never make the source buffer a frame over
 //! [`shardwire_protocol::wire::MAX_SMALL_FRAME`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,6 +92,7 @@ pub(crate) async fn run(
         waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
         later: vec![0; lanes.len()],
         queued: 0,
+        queued_reqs: HashMap::new(),
         reads: Reads::default(),
         failed,
         progress,
@@ -251,6 +252,9 @@ struct Session {
     later: Vec<usize>,
     /// FETCHes waiting in all lanes.
     queued: usize,
+    /// Their request ids (with a count: a node may reuse one), so a `Cancel` of a FETCH on the
+    /// wire already (the common case) is answered without a walk over the queues.
+    queued_reqs: HashMap<u64, u32>,
     /// Its object-storage reads under way or not sent yet.
     reads: Reads,
     failed: Arc<Notify>,
@@ -377,12 +381,15 @@ impl Session {
 
     /// Drops FETCH `req` if it is still queued (not on the wire yet) and says so.
     async fn cancel(&mut self, req: u64) -> Result<(), SessionError> {
+        if !self.queued_reqs.contains_key(&req) {
+            return Ok(()); // on the wire already, or never queued: nothing to drop
+        }
         let found = self.waiting.iter_mut().enumerate().find_map(|(lane, w)| {
             let at = w.iter().position(|q| q.head.req == req)?;
             w.remove(at).map(|q| (lane, q))
         });
         if let Some((lane, q)) = found {
-            self.queued -= 1;
+            self.unqueued(req);
             if matches!(q.payload, Payload::Later(_)) {
                 self.later[lane] -= 1;
             }
@@ -471,7 +478,7 @@ impl Session {
             self.later[usize::from(lane)] += 1;
         }
         self.waiting[usize::from(lane)].push_back(q);
-        self.queued += 1;
+        self.enqueued(req);
         Ok(())
     }
 
@@ -502,22 +509,26 @@ impl Session {
             self.dispatch_lane(lane).await?;
         }
         self.start_later();
-        debug_assert!(self.later_counts_hold(), "later counts {:?}", self.later);
+        debug_assert!(self.counts_hold(), "later counts {:?}", self.later);
         Ok(())
     }
 
-    /// Whether [`Session::later`] counts each lane's [`Payload::Later`] entries (checked in
-    /// debug builds: every test run checks the walks' bookkeeping).
-    fn later_counts_hold(&self) -> bool {
+    /// Whether [`Session::later`] counts each lane's [`Payload::Later`] entries and
+    /// [`Session::queued_reqs`] the queued FETCHes (checked in debug builds: every test run
+    /// checks the bookkeeping).
+    fn counts_hold(&self) -> bool {
         let later = |w: &VecDeque<Queued>| {
             w.iter()
                 .filter(|q| matches!(q.payload, Payload::Later(_)))
                 .count()
         };
-        self.waiting
-            .iter()
-            .zip(&self.later)
-            .all(|(w, &n)| later(w) == n)
+        let reqs: usize = self.queued_reqs.values().map(|&n| n as usize).sum();
+        reqs == self.queued
+            && self
+                .waiting
+                .iter()
+                .zip(&self.later)
+                .all(|(w, &n)| later(w) == n)
     }
 
     /// Answers `lane`'s queued FETCHes whose reads failed, then announces and hands out the
@@ -542,7 +553,7 @@ impl Session {
                 payload,
                 held,
             } = self.waiting[lane].remove(at).expect("in range");
-            self.queued -= 1;
+            self.unqueued(q.req);
             let body = match payload.now() {
                 Now::Send(body) => body,
                 Now::Fail(f) => {
@@ -590,8 +601,26 @@ impl Session {
             payload,
             held,
         };
+        let req = q.head.req;
         self.waiting[lane].insert(at, q);
+        self.enqueued(req);
+    }
+
+    /// Counts FETCH `req` queued.
+    fn enqueued(&mut self, req: u64) {
         self.queued += 1;
+        *self.queued_reqs.entry(req).or_default() += 1;
+    }
+
+    /// Counts FETCH `req` out of the queue.
+    fn unqueued(&mut self, req: u64) {
+        self.queued -= 1;
+        if let Some(n) = self.queued_reqs.get_mut(&req) {
+            *n -= 1;
+            if *n == 0 {
+                self.queued_reqs.remove(&req);
+            }
+        }
     }
 
     /// The least loaded data connection of `lane` with room, if any.
