@@ -75,23 +75,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let crc_s = t.elapsed().as_secs_f64();
 
     let mut stager = H2dStager::new(&dev, 1 << 20, 4)?;
-    let t = Instant::now();
-    for _ in 0..ROUNDS / 4 {
-        let mut at = 0;
-        stager.copy_from(
-            &mut |buf: &mut [u8]| {
-                let n = buf.len().min(len - at);
-                buf[..n].copy_from_slice(&data[at..at + n]);
-                at += n;
-                Ok(n)
-            },
-            &mut |_| {},
-            &dst,
-            0,
-            len,
-        )?;
-    }
-    let h2d_s = t.elapsed().as_secs_f64();
+    let h2d_s = staged(&mut stager, &data, &dst)?;
     let h2d_bytes = (len * (ROUNDS / 4)) as f64;
     let gbps = |b: f64, s: f64| b / s / 1e9;
     println!(
@@ -109,4 +93,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
     );
     Ok(())
+}
+
+/// Seconds to stage `data` into `dst` through `stager` `ROUNDS / 4` times.
+fn staged(
+    stager: &mut H2dStager,
+    data: &[u8],
+    dst: &VmmRegion,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let t = Instant::now();
+    for _ in 0..ROUNDS / 4 {
+        let mut at = 0;
+        stager.copy_from(
+            &mut |buf: &mut [u8]| {
+                let n = buf.len().min(data.len() - at);
+                buf[..n].copy_from_slice(&data[at..at + n]);
+                at += n;
+                Ok(n)
+            },
+            &mut |_| {},
+            dst,
+            0,
+            data.len(),
+        )?;
+    }
+    Ok(t.elapsed().as_secs_f64())
 }

@@ -65,37 +65,10 @@ pub(crate) fn plan(
     let mut plan = Plan::new();
     let mut index_dirs = Vec::new();
     for f in files.iter().filter(|f| f.kind == Kind::MdsIndex) {
-        let mut src = root.open(&f.rel)?;
-        let text = src.read_at("index.json", 0, src.len)?;
-        let base = parent(&f.rel);
-        let shards = match streaming_shards(&text) {
-            Ok(Some(shards)) => shards,
-            Ok(None) => {
-                unused.push(Unused {
-                    file: f.rel.clone(),
-                    reason: "not a MosaicML Streaming index (no `shards` list)".into(),
-                });
-                continue;
-            }
-            Err(e) => {
-                let beside = |c: &Candidate| c.kind == Kind::Mds && parent(&c.rel) == base;
-                if files.iter().any(beside) {
-                    return Err(IndexError::Malformed {
-                        file: f.path.clone(),
-                        reason: "is not valid JSON, and MDS shards lie next to it (a \
-                                 truncated upload?): write it again (MDSWriter, or \
-                                 streaming.base.util.merge_index)"
-                            .into(),
-                        value: e.to_string(),
-                    });
-                }
-                unused.push(Unused {
-                    file: f.rel.clone(),
-                    reason: format!("not valid JSON ({e})"),
-                });
-                continue;
-            }
+        let Some(shards) = index_shards(root, f, files, unused)? else {
+            continue;
         };
+        let base = parent(&f.rel);
         index_dirs.push(base.to_owned());
         for (rel, shard) in read_index(dir, &f.path, &f.rel, base, shards)? {
             match plan.get(&rel) {
@@ -135,6 +108,43 @@ pub(crate) fn plan(
     });
     check_listed_found(dir, &plan, files)?;
     Ok(plan)
+}
+
+/// The `shards` list of the `index.json` `f`; `None` (and `f` in `unused`, with the reason)
+/// when it is not a Streaming index. JSON that does not parse is an error where MDS shards
+/// lie next to it (their index, cut short), else merely unused.
+fn index_shards(
+    root: &Root,
+    f: &Candidate,
+    files: &[Candidate],
+    unused: &mut Vec<Unused>,
+) -> Result<Option<Vec<Value>>, IndexError> {
+    let mut src = root.open(&f.rel)?;
+    let text = src.read_at("index.json", 0, src.len)?;
+    let reason = match streaming_shards(&text) {
+        Ok(Some(shards)) => return Ok(Some(shards)),
+        Ok(None) => "not a MosaicML Streaming index (no `shards` list)".to_owned(),
+        Err(e) => {
+            let base = parent(&f.rel);
+            let beside = |c: &Candidate| c.kind == Kind::Mds && parent(&c.rel) == base;
+            if files.iter().any(beside) {
+                return Err(IndexError::Malformed {
+                    file: f.path.clone(),
+                    reason: "is not valid JSON, and MDS shards lie next to it (a truncated \
+                             upload?): write it again (MDSWriter, or \
+                             streaming.base.util.merge_index)"
+                        .into(),
+                    value: e.to_string(),
+                });
+            }
+            format!("not valid JSON ({e})")
+        }
+    };
+    unused.push(Unused {
+        file: f.rel.clone(),
+        reason,
+    });
+    Ok(None)
 }
 
 /// Refuses a plan whose indexes list a shard that is not among the `.mds` files found (a

@@ -177,20 +177,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         Arc::clone(&counters),
         cfg.io_uring,
     ));
-    if cfg.fault_misplace > 0 {
-        tracing::warn!(
-            connections = cfg.fault_misplace,
-            "fault_misplace: lane 0's first devmem data connections land on lane 1's binding (fault injection for tests)"
-        );
-        plane.set_fault_misplace(cfg.fault_misplace);
-    }
-    if cfg.fault_spawn > 0 {
-        tracing::warn!(
-            connections = cfg.fault_spawn,
-            "fault_spawn: the first data connections' receiver threads fail to start (fault injection for tests)"
-        );
-        plane.set_fault_spawn(cfg.fault_spawn);
-    }
+    inject_faults(&cfg, &plane);
     let info = Info::new(
         cfg,
         (secret, admin_token),
@@ -283,6 +270,24 @@ async fn restore_nic_state(state: &Path) {
             }
             Err(e) => tracing::error!(error = %e, "NIC restore task failed"),
         }
+    }
+}
+
+/// The fault injection the configuration asks for (tests), each said in the log.
+fn inject_faults(cfg: &ServeConfig, plane: &DataPlane) {
+    if cfg.fault_misplace > 0 {
+        tracing::warn!(
+            connections = cfg.fault_misplace,
+            "fault_misplace: lane 0's first devmem data connections land on lane 1's binding (fault injection for tests)"
+        );
+        plane.set_fault_misplace(cfg.fault_misplace);
+    }
+    if cfg.fault_spawn > 0 {
+        tracing::warn!(
+            connections = cfg.fault_spawn,
+            "fault_spawn: the first data connections' receiver threads fail to start (fault injection for tests)"
+        );
+        plane.set_fault_spawn(cfg.fault_spawn);
     }
 }
 

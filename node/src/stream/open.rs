@@ -21,6 +21,25 @@ use super::peak;
 use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
+/// Epoch e of GPTDataset's order is seeded seed + e (numpy's 32-bit RandomState): past
+/// 2^32 - 1 it wrapped to another stream's epoch (and Megatron refuses such a seed).
+fn check_megatron_seeds(r: &StreamRequest) -> Result<(), OpenError> {
+    let last_seed = r.seed.saturating_add(u64::from(r.epochs) - 1);
+    if r.order != Some(WindowOrder::Megatron) || last_seed <= u64::from(u32::MAX) {
+        return Ok(());
+    }
+    Err(OpenError::new(
+        ErrorCode::BadPlan,
+        format!(
+            "order megatron seeds epoch e with seed + e (a 32-bit RandomState seed): seed {} with \
+             {} epochs passes {}; lower seed",
+            r.seed,
+            r.epochs,
+            u32::MAX
+        ),
+    ))
+}
+
 /// Checks the request's own fields.
 pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
     if r.version != TRAINER_VERSION {
@@ -50,21 +69,7 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             format!("{name} is a token-mode field: it needs seq_len (and batch_size)"),
         ));
     }
-    // Epoch e of GPTDataset's order is seeded seed + e (numpy's 32-bit RandomState): past
-    // 2^32 - 1 it wrapped to another stream's epoch (and Megatron refuses such a seed).
-    let last_seed = r.seed.saturating_add(u64::from(r.epochs) - 1);
-    if r.order == Some(WindowOrder::Megatron) && last_seed > u64::from(u32::MAX) {
-        return Err(OpenError::new(
-            ErrorCode::BadPlan,
-            format!(
-                "order megatron seeds epoch e with seed + e (a 32-bit RandomState seed): seed {} \
-                 with {} epochs passes {}; lower seed",
-                r.seed,
-                r.epochs,
-                u32::MAX
-            ),
-        ));
-    }
+    check_megatron_seeds(r)?;
     if r.seq_len.is_some() && r.batch_size.is_none() {
         return Err(OpenError::new(
             ErrorCode::BadRequest,

@@ -379,7 +379,7 @@ async fn next(
                         match tx.send(out) {
                             Ok(()) => {
                                 if let Some(b) = taken {
-                                    *s2.last.lock().expect("poisoned") = Some((after, b));
+                                    s2.remember(after, b);
                                 }
                             }
                             // The caller went away: keep it for the next `next`.
@@ -408,9 +408,16 @@ async fn next(
 /// `o`, a batch of it kept as the one `s` last answered with, to a `next` naming `after`.
 fn remembered(s: &HttpStream, after: Option<u64>, o: Outcome) -> Outcome {
     if let Outcome::Batch(b) = &o {
-        *s.last.lock().expect("poisoned") = Some((after, b.clone()));
+        s.remember(after, b.clone());
     }
     o
+}
+
+impl HttpStream {
+    /// Keeps `b` as the batch this stream last answered with, to a `next` naming `after`.
+    fn remember(&self, after: Option<u64>, b: Delivered) {
+        *self.last.lock().expect("poisoned") = Some((after, b));
+    }
 }
 
 async fn state(

@@ -285,11 +285,11 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
     settle(&mut d).unwrap();
     let (f, _) = fake.take().pop().expect("a fetch was issued");
     let shard = f.shard;
-    f.finish(Err(FetchFailure::Refused {
-        code: wire::ErrorCode::UnknownShard,
-        retry_after_ms: 0,
-        message: format!("no shard {shard}"),
-    }));
+    refuse(
+        f,
+        wire::ErrorCode::UnknownShard,
+        &format!("no shard {shard}"),
+    );
     let why = settle(&mut d).unwrap_err();
     assert!(
         matches!(&why, CloseReason::ShardFailed { shard: s, .. } if *s == shard),
@@ -604,11 +604,11 @@ async fn a_shard_refused_again_and_again_is_asked_again_later_each_time_then_end
     let shard = f.shard;
     let mut pauses = Vec::new();
     let why = loop {
-        f.finish(Err(FetchFailure::Refused {
-            code: wire::ErrorCode::ReadFailed,
-            retry_after_ms: 0,
-            message: format!("GET of shard {shard}: 400"),
-        }));
+        refuse(
+            f,
+            wire::ErrorCode::ReadFailed,
+            &format!("GET of shard {shard}: 400"),
+        );
         if let Err(why) = settle(&mut d) {
             break why;
         }
@@ -644,22 +644,14 @@ async fn a_store_that_stays_unavailable_is_waited_out_with_backoff() {
     let (mut f, _) = fake.take().pop().expect("a fetch was issued");
     let shard = f.shard;
     for _ in 0..2 * crate::stream::error::MAX_REFUSALS {
-        f.finish(Err(FetchFailure::Refused {
-            code: wire::ErrorCode::StorageUnavailable,
-            retry_after_ms: 0,
-            message: "503 after retries".into(),
-        }));
+        refuse(f, wire::ErrorCode::StorageUnavailable, "503 after retries");
         settle(&mut d).expect("an outage does not end the stream");
         let due = d.fetches.next_due().expect("it waits");
         assert!(due > Instant::now(), "asked again later, not at once");
         f = issued_again(&mut d, &fake, shard);
     }
     // A read that fails after all those is the first that counts: asked again, not closed.
-    f.finish(Err(FetchFailure::Refused {
-        code: wire::ErrorCode::ReadFailed,
-        retry_after_ms: 0,
-        message: "GET: connection reset".into(),
-    }));
+    refuse(f, wire::ErrorCode::ReadFailed, "GET: connection reset");
     settle(&mut d).expect("one failed read does not end the stream");
     answer(issued_again(&mut d, &fake, shard));
     settle(&mut d).unwrap();
@@ -674,4 +666,13 @@ fn issued_again(d: &mut Driver, fake: &Fake, shard: u32) -> InFlight {
             return g;
         }
     }
+}
+
+/// Ends fetch `f` with the source's refusal `code` (no `retry_after`) saying `message`.
+fn refuse(f: InFlight, code: wire::ErrorCode, message: &str) {
+    f.finish(Err(FetchFailure::Refused {
+        code,
+        retry_after_ms: 0,
+        message: message.into(),
+    }));
 }
