@@ -5,7 +5,13 @@
 #
 #   scripts/gpu-check.sh [BENCH_MIB]        # ~3-4 minutes on an H200 from a warm cargo cache
 #
-# Steps (each prints PASS/FAIL; stops at the first failure):
+# A GPU host without Rust or the venv (a lent machine that reaches no registry): build here with
+# `scripts/gpu-check-pack.sh` (it puts the binaries and a crc32c wheel in .gpucheck/), copy the
+# checkout with .gpucheck/ there, and run `GPU_CHECK_BIN=.gpucheck GPU_CHECK_PYTHON=python3
+# scripts/gpu-check.sh`: the python named needs numpy, pytest, torch (CUDA) and cuda-bindings.
+#
+# Steps (each prints PASS/FAIL; every step runs, the exit status is 1 if any failed, so one run
+# on a scarce machine says all it can):
 #   1. shardwire gpus: the probe lists a usable device and `auto` chooses CUDA memory.
 #   2. cargo test -p shardwire-gpu -- --ignored: VMM region + fd/dma-buf export, the CRC
 #      kernel against crc-fast, the gather kernel against the CPU reference (between regions,
@@ -23,51 +29,93 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${1:-256}
-OUT=${CARGO_TARGET_DIR:-target}/gpu-check
-mkdir -p "$OUT"
+LOGS=${CARGO_TARGET_DIR:-target}/gpu-check
+mkdir -p "$LOGS"
+FAILED=0
 pass() { echo "PASS $*"; }
-fail() { echo "FAIL $*"; exit 1; }
+fail() { echo "FAIL $*"; FAILED=1; }
 START=$SECONDS
+PY=${GPU_CHECK_PYTHON:-.venv/bin/python}
 
-cargo build -q --release -p shardwire -p shardwire-gpu --examples --bin shardwire
-BIN=${CARGO_TARGET_DIR:-target}/release/shardwire
-"$BIN" gpus --json | tee "$OUT/gpus.json"
-grep -q '"memory": "cuda"' "$OUT/gpus.json" && pass "1 probe: auto chooses CUDA memory" \
-    || fail "1 probe: auto did not choose CUDA memory (see $OUT/gpus.json)"
-
-# --lib and cuda_gpu only: fake_driver.rs compiles the same suite in for its fake-libcuda child.
-cargo test -q --release -p shardwire-gpu --lib --test cuda_gpu -- --ignored --test-threads=1 \
-    >"$OUT/tests.log" 2>&1 || { cat "$OUT/tests.log"; fail "2 GPU tests (see $OUT/tests.log)"; }
-grep 'test result' "$OUT/tests.log"
-grep -q 'test result: ok. 6 passed' "$OUT/tests.log" && pass "2 GPU tests" || fail "2 GPU tests (expected 6 passed)"
-
-cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB" >"$OUT/bench.json" \
-    || fail "3 GPU benchmark"
-cat "$OUT/bench.json"
-pass "3 GPU benchmark: $OUT/bench.json"
-
-if [ -x .venv/bin/python ]; then
-    SHARDWIRE_BIN="$PWD/target/release/shardwire" .venv/bin/python -m pytest -q -rs \
-        tests/e2e/test_cuda_sdk.py tests/e2e/test_cuda_e2e.py >"$OUT/pytest.log" 2>&1 \
-        || { cat "$OUT/pytest.log"; fail "4 SDK and node GPU tests (see $OUT/pytest.log)"; }
-    tail -3 "$OUT/pytest.log"
-    # Tests for hosts without a driver skip here by design; the GPU ones must not.
-    grep -q 'needs CUDA GPU' "$OUT/pytest.log" && fail "4 SDK and node GPU tests skipped (see $OUT/pytest.log)"
-    pass "4 SDK and node GPU tests"
+if [ -n "${GPU_CHECK_BIN:-}" ]; then
+    # Prebuilt (scripts/gpu-check-pack.sh): the binaries, and the wheels the python lacks.
+    BIN="$GPU_CHECK_BIN/shardwire"
+    if [ -d "$GPU_CHECK_BIN/whl" ] && ! "$PY" -c 'import crc32c' 2>/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --target "$GPU_CHECK_BIN/site" "$GPU_CHECK_BIN"/whl/*.whl \
+            || echo "warning: the wheels in $GPU_CHECK_BIN/whl did not install into $PY (step 4 needs crc32c)"
+        export PYTHONPATH="$PWD/$GPU_CHECK_BIN/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    run_gpu_tests() {
+        local rc=0 t
+        for t in "$GPU_CHECK_BIN"/test-*; do "$t" --ignored --test-threads=1 || rc=1; done
+        return $rc
+    }
+    run_gpu_bench() { "$GPU_CHECK_BIN/gpu_bench" "$MIB"; }
 else
-    fail "4 no .venv: run scripts/test once (it makes the venv)"
+    cargo build -q --release -p shardwire -p shardwire-gpu --examples --bin shardwire
+    BIN=${CARGO_TARGET_DIR:-target}/release/shardwire
+    # --lib and cuda_gpu only: fake_driver.rs compiles the same suite in for its fake-libcuda child.
+    run_gpu_tests() { cargo test -q --release -p shardwire-gpu --lib --test cuda_gpu -- --ignored --test-threads=1; }
+    run_gpu_bench() { cargo run -q --release -p shardwire-gpu --example gpu_bench -- "$MIB"; }
 fi
-GPUS=$(grep -c '"pci_bus_id"' "$OUT/gpus.json" || true)
-"$BIN" topology >"$OUT/topology.txt" && "$BIN" topology --json >"$OUT/topology.json" \
-    || fail "5 lanes: shardwire topology (see $OUT)"
-cat "$OUT/topology.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv 2>&1 | tee "$LOGS/nvidia-smi.txt" || true
+BIN=$(realpath "$BIN")
+"$BIN" gpus --json | tee "$LOGS/gpus.json" || true
+grep -q '"memory": "cuda"' "$LOGS/gpus.json" && pass "1 probe: auto chooses CUDA memory" \
+    || fail "1 probe: auto did not choose CUDA memory (see $LOGS/gpus.json)"
+
+if run_gpu_tests >"$LOGS/tests.log" 2>&1; then
+    grep 'test result' "$LOGS/tests.log"
+    grep -q 'test result: ok. 6 passed' "$LOGS/tests.log" && pass "2 GPU tests" || fail "2 GPU tests (expected 6 passed)"
+else
+    cat "$LOGS/tests.log"
+    fail "2 GPU tests (see $LOGS/tests.log)"
+fi
+
+if run_gpu_bench >"$LOGS/bench.json" 2>"$LOGS/bench.err"; then
+    cat "$LOGS/bench.json"
+    pass "3 GPU benchmark: $LOGS/bench.json"
+else
+    cat "$LOGS/bench.json" "$LOGS/bench.err"
+    fail "3 GPU benchmark"
+fi
+
+if [ -x "$PY" ] || command -v "$PY" >/dev/null; then
+    if SHARDWIRE_BIN="$BIN" "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/e2e/test_cuda_sdk.py tests/e2e/test_cuda_e2e.py >"$LOGS/pytest.log" 2>&1; then
+        tail -3 "$LOGS/pytest.log"
+        # Tests for hosts without a driver skip here by design; the GPU ones must not.
+        if grep -q 'needs CUDA GPU' "$LOGS/pytest.log"; then
+            fail "4 SDK and node GPU tests skipped (see $LOGS/pytest.log)"
+        else
+            pass "4 SDK and node GPU tests"
+        fi
+    else
+        cat "$LOGS/pytest.log"
+        fail "4 SDK and node GPU tests (see $LOGS/pytest.log)"
+    fi
+else
+    fail "4 no $PY: run scripts/test once (it makes the venv) or set GPU_CHECK_PYTHON"
+fi
+GPUS=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["probe"]["devices"]))' "$LOGS/gpus.json" 2>/dev/null || echo 0)
+"$BIN" topology >"$LOGS/topology.txt" && "$BIN" topology --json >"$LOGS/topology.json" \
+    || fail "5 lanes: shardwire topology (see $LOGS)"
+cat "$LOGS/topology.txt"
 if [ "$GPUS" -ge 2 ]; then
-    SHARDWIRE_BIN="$PWD/target/release/shardwire" .venv/bin/python -m pytest -q -rs \
+    SHARDWIRE_BIN="$BIN" "$PY" -m pytest -q -rs -p no:cacheprovider \
         "tests/e2e/test_cuda_e2e.py::test_every_gpu_has_its_lane_and_a_stream_lands_on_its_trainers_gpu" \
-        >"$OUT/lanes.log" 2>&1 || { cat "$OUT/lanes.log"; fail "5 lanes: per-GPU lane test (see $OUT/lanes.log)"; }
-    grep -q 'needs 2 or more CUDA GPUs' "$OUT/lanes.log" && fail "5 lanes: the per-GPU lane test skipped with $GPUS GPUs"
-    pass "5 lanes: $GPUS GPUs, one lane each, every stream on its trainer's GPU"
+        >"$LOGS/lanes.log" 2>&1 || { cat "$LOGS/lanes.log"; fail "5 lanes: per-GPU lane test (see $LOGS/lanes.log)"; }
+    if grep -q 'needs 2 or more CUDA GPUs' "$LOGS/lanes.log"; then
+        fail "5 lanes: the per-GPU lane test skipped with $GPUS GPUs"
+    else
+        pass "5 lanes: $GPUS GPUs, one lane each, every stream on its trainer's GPU"
+    fi
 else
-    echo "SKIP 5 lanes: one GPU here (the per-GPU lane test needs 2 or more); topology in $OUT/topology.txt"
+    echo "SKIP 5 lanes: $GPUS GPU(s) here (the per-GPU lane test needs 2 or more); topology in $LOGS/topology.txt"
 fi
-echo "gpu-check: all passed in $((SECONDS - START)) s"
+if [ "$FAILED" = 0 ]; then
+    echo "gpu-check: all passed in $((SECONDS - START)) s"
+else
+    echo "gpu-check: FAILED (see the FAIL lines above) in $((SECONDS - START)) s"
+    exit 1
+fi

@@ -111,7 +111,10 @@
  *   cuMemGetHandleForAddressRange(DMA_BUF_FD): page-aligned range inside one mapping of an
  *   allocation made with gpuDirectRDMACapable (else CUDA_ERROR_NOT_SUPPORTED), flags 0 or
  *   CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE (FAKE_CUDA_NO_PCIE_FLAG=1 refuses that flag
- *   with INVALID_VALUE, as a driver without it does). The fd is a real dma-buf over exactly
+ *   with INVALID_VALUE, as a driver without it does; =2 with NOT_SUPPORTED, as driver 580 did
+ *   for an H200 under Firecracker, exporting without the flag; FAKE_CUDA_NO_DMABUF=1 refuses every
+ *   export with NOT_SUPPORTED, flag or not, while the device attribute still says supported,
+ *   as the driver of an H200 under Firecracker did). The fd is a real dma-buf over exactly
  *   those pages when /dev/udmabuf can be opened, else a dup of the allocation's memfd (good
  *   enough for code that only hands it on; its /proc link names "fakecuda").
  * - Host memory: cuMemHostAlloc (flags PORTABLE|DEVICEMAP|WRITECOMBINED), cuMemFreeHost;
@@ -364,6 +367,7 @@ static struct {
     int log;
     int ndev;
     int no_pcie;
+    int no_dmabuf;
     int version;
     unsigned long long total_mem;
     int inited;
@@ -566,7 +570,8 @@ __attribute__((constructor)) static void fake_init(void)
     const char *log_path = getenv("FAKE_CUDA_ALLOC_LOG");
     g.ndev = env_int("FAKE_CUDA_DEVICES", 0, MAX_DEV, listed > 0 ? listed : 1);
     g.alloc_log = log_path && *log_path ? open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644) : -1;
-    g.no_pcie = env_int("FAKE_CUDA_NO_PCIE_FLAG", 0, 1, 0);
+    g.no_pcie = env_int("FAKE_CUDA_NO_PCIE_FLAG", 0, 2, 0);
+    g.no_dmabuf = env_int("FAKE_CUDA_NO_DMABUF", 0, 1, 0);
     g.version = env_int("FAKE_CUDA_DRIVER_VERSION", 1000, 99990, 12080);
     g.total_mem = mem && *mem ? strtoull(mem, NULL, 10) : 16ull << 30;
     if (g.total_mem == 0)
@@ -2671,9 +2676,14 @@ CUAPI CUresult cuMemGetHandleForAddressRange(void *out, CUdeviceptr ptr, size_t 
         LEAVE("cuMemGetHandleForAddressRange", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer or handle type %d", type));
     if (flags & ~CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE)
         LEAVE("cuMemGetHandleForAddressRange", fail(CUDA_ERROR_INVALID_VALUE, "unknown flags 0x%llx", flags));
-    if ((flags & CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE) && g.no_pcie)
+    if (g.no_dmabuf)
+        LEAVE("cuMemGetHandleForAddressRange", fail(CUDA_ERROR_NOT_SUPPORTED, "dma-buf export refused (FAKE_CUDA_NO_DMABUF=1)"));
+    if ((flags & CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE) && g.no_pcie == 1)
         LEAVE("cuMemGetHandleForAddressRange",
               fail(CUDA_ERROR_INVALID_VALUE, "CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused (FAKE_CUDA_NO_PCIE_FLAG=1)"));
+    if ((flags & CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE) && g.no_pcie == 2)
+        LEAVE("cuMemGetHandleForAddressRange",
+              fail(CUDA_ERROR_NOT_SUPPORTED, "CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused (FAKE_CUDA_NO_PCIE_FLAG=2)"));
     if (size == 0 || ptr % PAGE || size % PAGE)
         LEAVE("cuMemGetHandleForAddressRange",
               fail(CUDA_ERROR_INVALID_VALUE, "[0x%llx, +%zu) is not page aligned", ptr, size));

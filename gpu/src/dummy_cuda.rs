@@ -230,6 +230,8 @@ pub struct CudaMemory {
     pub engines: Engines,
     /// The probe's report.
     pub info: GpuDevice,
+    /// Why its memory cannot be exported as a dma-buf, if it cannot.
+    pub dma_buf_refused: Option<String>,
 }
 
 /// Always [`GpuError::NotBuilt`].

@@ -252,6 +252,30 @@ def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(s
     assert lines and all(refused in line for line in lines), lines
 
 
+def test_a_gpu_that_refuses_the_dmabuf_export_still_serves_streams_and_says_so(sw, tmp_path):
+    """A driver whose device attribute says dma-buf is supported but which refuses every export
+    (seen on an H200 under Firecracker; FAKE_CUDA_NO_DMABUF=1 here): `auto` still chooses CUDA
+    memory, says that no devmem receive can bind it, warns once, and a trainer gets every shard
+    byte-exact through pinned staging."""
+    d = tmp_path / "ds"
+    _dataset(d)
+    expected = expected_crcs(d)
+    env = {**fake_env(), "FAKE_CUDA_NO_DMABUF": "1"}
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "auto", "--pool-size", "1GiB", "--stream-memory", "64MiB",
+                     env=env)
+    mode = get_status(serve.admin)["mode"]
+    assert mode["memory"] == "cuda", mode
+    assert f"memory=cuda: auto: GPU 0 ({FAKE_NAME}, {FAKE_BUS}) (no dma-buf export, so no devmem receive into it: " \
+           "the driver refused the dma-buf export: cuMemGetHandleForAddressRange failed: CUDA_ERROR_NOT_SUPPORTED) " \
+           "has VMM support" in mode["reason"], mode
+    err = serve.stderr_text()
+    assert "the GPU's memory does not export as a dma-buf" in err and 'receive = "devmem" cannot bind it' in err, err
+    # The check's two exports (with the PCIe flag, then without) are the only failed calls.
+    lines = fake_lines(err)
+    assert len(lines) == 2 and all("dma-buf export refused (FAKE_CUDA_NO_DMABUF=1)" in line for line in lines), lines
+    _run_trainer(serve, expected)
+
+
 # --- the trainer child ---------------------------------------------------------------------------
 
 

@@ -1,8 +1,10 @@
 //! A GPU opened for the service: its device (primary context), its loaded kernels and what
-//! the probe said of it, after [`super::self_test`] passed.
+//! the probe said of it, after [`super::self_test`] passed, and whether its memory exports as
+//! a dma-buf ([`super::selftest::check_dma_buf`]).
 
 use std::sync::Arc;
 
+use super::selftest::check_dma_buf;
 use super::{Device, Engines, self_test};
 use crate::error::GpuError;
 use crate::report::GpuDevice;
@@ -16,16 +18,21 @@ pub struct CudaMemory {
     pub engines: Engines,
     /// The probe's report for it.
     pub info: GpuDevice,
+    /// Why its memory cannot be exported as a dma-buf, if it cannot: then streams still land
+    /// in it (pinned staging, a mapped host dma-buf), but no NIC queue can be bound to it.
+    pub dma_buf_refused: Option<String>,
 }
 
-/// Opens `info`'s device, loads the kernels and runs [`self_test`].
+/// Opens `info`'s device, loads the kernels, runs [`self_test`] and tries a dma-buf export.
 pub fn open_for_service(info: &GpuDevice) -> Result<CudaMemory, GpuError> {
     let device = Device::open(info.ordinal)?;
     let engines = Engines::new(&device)?;
-    self_test(&device, &engines, info.dma_buf_supported)?;
+    self_test(&device, &engines)?;
+    let dma_buf_refused = check_dma_buf(&device, info.dma_buf_supported)?;
     Ok(CudaMemory {
         device,
         engines,
         info: info.clone(),
+        dma_buf_refused,
     })
 }

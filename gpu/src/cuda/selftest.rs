@@ -9,18 +9,38 @@ use super::{Device, Engines, H2dStager, VmmRegion};
 use crate::error::GpuError;
 use crate::kernels::{Frag, Span, reference};
 
-/// Runs each path once on a 2 MiB region and compares with the CPU reference.
-pub fn self_test(dev: &Arc<Device>, engines: &Engines, dma_buf: bool) -> Result<(), GpuError> {
+/// Runs each path a stream needs once on a 2 MiB region and compares with the CPU
+/// reference. The dma-buf export, needed only to bind the GPU's memory to NIC queues, is
+/// [`check_dma_buf`]'s.
+pub fn self_test(dev: &Arc<Device>, engines: &Engines) -> Result<(), GpuError> {
     let src = VmmRegion::new(dev, 1)?;
     let dst = VmmRegion::new(dev, 1)?;
     drop(src.export_fd()?);
-    if dma_buf {
-        drop(src.export_dmabuf()?);
-    }
     let pattern = test_pattern(1 << 20);
     check_staging(dev, &src, &pattern)?;
     check_crc(engines, &src, &pattern)?;
     check_gather(engines, &src, &dst)
+}
+
+/// Whether a region of `dev` exports as a dma-buf (what binding GPU memory to NIC receive
+/// queues needs): `None` if it does, else why not. The device attribute is not enough: a
+/// driver in a VM has said "supported" and then refused the export (an H200 under
+/// Firecracker: `CUDA_ERROR_NOT_SUPPORTED`, with and without the PCIe mapping flag).
+pub fn check_dma_buf(dev: &Arc<Device>, attribute: bool) -> Result<Option<String>, GpuError> {
+    if !attribute {
+        return Ok(Some(
+            "the driver reports no dma-buf support (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0)"
+                .into(),
+        ));
+    }
+    let region = VmmRegion::new(dev, 1)?;
+    Ok(match region.export_dmabuf() {
+        Ok(fd) => {
+            drop(fd);
+            None
+        }
+        Err(e) => Some(format!("the driver refused the dma-buf export: {e}")),
+    })
 }
 
 /// `len` bytes of xorshift noise.

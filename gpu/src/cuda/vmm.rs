@@ -212,13 +212,16 @@ impl VmmRegion {
 
     /// A dma-buf fd over the whole region, for binding to NIC receive queues. Asks for the
     /// PCIe mapping type (what devmem NICs need) and falls back to the default mapping on a
-    /// driver that refuses the flag.
+    /// driver that refuses the flag (`CUDA_ERROR_INVALID_VALUE` from a driver that predates
+    /// it, `CUDA_ERROR_NOT_SUPPORTED` from one on a platform without it); when that is
+    /// refused too, the second error is returned.
     pub fn export_dmabuf(&self) -> Result<OwnedFd, GpuError> {
         self.dev.bind()?;
         let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
         match self.dmabuf_with(pcie) {
             Err(GpuError::Driver {
-                result: sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                result:
+                    sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
                 ..
             }) => self.dmabuf_with(0),
             other => other,

@@ -182,6 +182,16 @@ pub enum BindError {
     /// The emulated host refused the NIC or the bind.
     #[error("the emulated NIC: {0}")]
     EmulatedNic(#[from] HostError),
+    /// The lane's GPU memory does not export as a dma-buf (its self-test found so).
+    #[error(
+        "GPU {gpu} cannot bind its memory to NIC queues: {why}; use receive = \"host\" (pinned staging into the GPU) or memory = \"host\" with devmem"
+    )]
+    NoDmaBuf {
+        /// The GPU.
+        gpu: String,
+        /// Why its export failed.
+        why: String,
+    },
     /// The emulator's memory could not be registered with CUDA.
     #[error("registering the emulator's dma-buf with CUDA: {0}")]
     GpuRegister(shardwire_gpu::GpuError),
@@ -256,6 +266,12 @@ impl RxRegion {
                 None,
             ),
             Some(cuda) => {
+                if let Some(why) = &cuda.dma_buf_refused {
+                    return Err(BindError::NoDmaBuf {
+                        gpu: shardwire_gpu::probe::device_text(&cuda.info),
+                        why: why.clone(),
+                    });
+                }
                 let region = VmmRegion::new(&cuda.device, bytes).map_err(BindError::Gpu)?;
                 let fd = region.export_dmabuf().map_err(BindError::Gpu)?;
                 let gpu = GpuGather { cuda, mapped: None };

@@ -133,7 +133,13 @@ async fn plan_and_open(
                 .await
                 .expect("opening the GPU does not panic");
         match opened {
-            Ok(m) => kept.push((spec, Some(Arc::new(m)))),
+            Ok(m) => {
+                if let Some(why) = &m.dma_buf_refused {
+                    let what = shardwire_gpu::probe::device_text(device);
+                    tracing::warn!(lane = spec.id, gpu = %what, "the GPU's memory does not export as a dma-buf ({why}): streams land in it through pinned staging (receive = \"host\") or a mapped host dma-buf (\"devmem-sim\"), but receive = \"devmem\" cannot bind it to NIC queues");
+                }
+                kept.push((spec, Some(Arc::new(m))))
+            }
             Err(e) => {
                 let what = shardwire_gpu::probe::device_text(device);
                 tracing::error!(lane = spec.id, gpu = %what, error = %e, "the lane's GPU failed to open or its self-test failed: the lane is left out");
@@ -196,9 +202,18 @@ fn memory_decision(
         };
         return Ok((MemoryKind::Host, why));
     }
-    let text = |m: &CudaMemory| shardwire_gpu::probe::device_text(&m.info);
+    let text = |m: &CudaMemory| match &m.dma_buf_refused {
+        None => shardwire_gpu::probe::device_text(&m.info),
+        Some(why) => format!(
+            "{} (no dma-buf export, so no devmem receive into it: {why})",
+            shardwire_gpu::probe::device_text(&m.info)
+        ),
+    };
     let reason = match (opened.as_slice(), cfg.memory) {
         ([one], MemoryMode::Cuda) => format!("{how}: {}", text(one)),
+        ([one], _) if one.dma_buf_refused.is_some() => {
+            format!("{how}: {} has VMM support", text(one))
+        }
         ([one], _) => format!("{how}: {} has dma-buf and VMM support", text(one)),
         (all, _) => {
             let names: Vec<String> = all.iter().map(|m| text(m)).collect();

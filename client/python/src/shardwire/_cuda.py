@@ -334,7 +334,8 @@ class CudaTensor:
 
     Import it with any CUDA array library: ``torch.from_dlpack(t)`` (or :meth:`to_torch`),
     ``cupy.from_dlpack(t)`` / ``cupy.asarray(t)`` (``__cuda_array_interface__``),
-    ``jax.dlpack.from_dlpack(t)``, ``numba.cuda.as_cuda_array(t)``. The result shares the
+    ``jax.dlpack.from_dlpack(t)``, ``numba.cuda.as_cuda_array(t)`` (not
+    ``torch.as_tensor(t)``: torch refuses a read-only CUDA Array Interface). The result shares the
     region's memory; **do not write to it** (see the module docstring). numpy conversion
     raises TypeError: the bytes are not in host memory.
 
