@@ -26,6 +26,7 @@ use crate::stream::{CloseReason, Next, Stream};
 /// How long a refused trainer's connection is kept open, in all, so it reads the refusal.
 const LINGER: Duration = Duration::from_secs(2);
 
+mod peer;
 mod wait;
 
 /// Binds the socket (replacing a stale file) and starts the accept thread.
@@ -140,14 +141,14 @@ fn linger_for_the_request(sock: &UnixStream) {
 /// peer gives its connection slot back, then gets the reason before the connection closes
 /// (so peers refused in a loop cannot crowd out allowed trainers).
 fn peer_allowed(node: &Node, sock: &UnixStream, slot: Slot) -> Option<Slot> {
-    let cred = match rustix::net::sockopt::socket_peercred(sock) {
+    let cred = match peer::peer_cred(sock) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "SO_PEERCRED failed; refusing the trainer");
             return None;
         }
     };
-    let (uid, gid) = (cred.uid.as_raw(), cred.gid.as_raw());
+    let (uid, gid) = (cred.uid, cred.gid);
     if node.info().cfg.peer_allowed(uid, gid) {
         return Some(slot);
     }
@@ -155,7 +156,10 @@ fn peer_allowed(node: &Node, sock: &UnixStream, slot: Slot) -> Option<Slot> {
     tracing::warn!(
         uid,
         gid,
-        pid = cred.pid.as_raw_nonzero().get(),
+        pid = cred.pid.map_or_else(
+            || "not visible in this pid namespace".to_string(),
+            |p| p.to_string()
+        ),
         "trainer refused: uid/gid not in allowed_uids/allowed_gids"
     );
     let msg = format!(

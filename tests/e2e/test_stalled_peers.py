@@ -20,9 +20,13 @@ memory or a connection slot.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import struct
+import subprocess
 import time
+
+import pytest
 
 import faults as F
 from conftest import index_dataset, wait_for, wait_ready, write_uint8_shards
@@ -258,3 +262,42 @@ def test_an_attached_trainer_may_read_late_until_its_idle_timeout(sw, tmp_path):
     assert waited >= 4.5, f"closed after {waited:.1f} s, before the idle timeout (5 s)"
     assert "it stopped reading the node's answers (trainer_idle_timeout_secs)" in node.stderr_text(), node.stderr_text()[-3000:]
     s.close()
+
+
+def _node_in_its_own_pid_namespace(sw, tmp_path) -> None:
+    """Runs the harness's `serve` in a new pid namespace (`unshare --pid --fork`), as a node
+    DaemonSet pod beside trainer pods: the trainers' pids are not visible to it, and the
+    kernel's SO_PEERCRED gives it pid 0 for them."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    wrapper = tmp_path / "shardwire-in-pidns"
+    wrapper.write_text(f'#!/bin/sh\nexec unshare --pid --fork --kill-child -- "{sw.bin}" "$@"\n')
+    wrapper.chmod(0o755)
+    probe = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.strip()}")
+    sw.bin = wrapper
+
+
+def test_a_node_in_another_pid_namespace_serves_and_refuses_trainers_by_uid(sw, tmp_path):
+    """A trainer whose pid the node cannot see (pid 0 from SO_PEERCRED) is served as any other
+    (once read through a type that forbids pid 0), and one whose uid is not allowed gets the
+    `forbidden` reply, not a closed connection."""
+    src = sw.source({"f": _dataset(tmp_path)})
+    _node_in_its_own_pid_namespace(sw, tmp_path)
+    node = sw.serve([src])
+    wait_ready(node)
+    rows = sw.consume(node, "f")
+    assert rows, node.stderr_text()
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("allowed_uids = [12345]\n")  # root, running this test, is refused
+    refusing = sw.serve([src], "--config", str(cfg))
+    wait_ready(refusing)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5.0)
+    s.connect(str(refusing.socket))
+    refusal = F.parse_trainer_frames(s.recv(65536))
+    s.close()
+    assert refusal and refusal[0].get("code") == "forbidden", (refusal, refusing.stderr_text())
+    wait_for(lambda: "not visible in this pid namespace" in refusing.stderr_text(), "the refusal's log line",
+             diag=refusing.describe)
