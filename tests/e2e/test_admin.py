@@ -147,3 +147,31 @@ def test_trainer_peer_allowlist_and_socket_mode(sw, tmp_path):
     node2 = sw.serve([src], "--config", str(cfg2))
     wait_ready(node2)
     assert len(sw.consume(node2, "a")) == 3
+
+
+def test_an_http_stream_closed_by_an_operator_frees_its_memory_and_answers_404_with_why(sw, tmp_path):
+    """`DELETE /v1/streams/{id}` on a stream opened over HTTP: the node stops counting its
+    memory at once, so the HTTP API must let the region go too (it kept it until the stream's
+    idle timeout, up to a day, while new streams were given that memory), and the id answers
+    404 saying why."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 64 * 1024, seed=5)
+    index_dataset(d)
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret-token\n")
+    node = sw.serve([sw.source({"a": d})], "--stream-memory", "4MiB", "--pool-size", "16MiB",
+                    "--config", write_cfg(tmp_path, token))
+    wait_ready(node)
+    code, body = admin_request(node.admin, "POST", "/v1/streams", body={"dataset": "a", "idle_timeout_s": 3600})
+    assert code == 201, body
+    sid = body["stream"]
+    regions = lambda: [p for p in (os.readlink(f"/proc/{node.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{node.pid}/fd"))
+                       if f"memfd:shardwire-stream-{sid} " in p]
+    assert regions(), "the stream's region is open in the node"
+    code, body = request(node.admin, "DELETE", f"/v1/streams/{sid}", token="s3cret-token")
+    assert code == 200 and body["closed"] == sid, body
+    wait_for(lambda: not regions(), "the closed HTTP stream's region to be freed", timeout=10)
+    code, body = request(node.admin, "GET", f"/v1/streams/{sid}/state")
+    assert code == 404 and body["code"] == "not_found", body
+    assert "was closed: closed by an operator over the admin API" in body["message"], body
+    assert node.status()["pool"]["reserved"] == 0

@@ -13,7 +13,7 @@
 //! (`DELETE /v1/streams/{id}` is the admin API's operator close, behind the admin token; a
 //! trainer closes its own HTTP stream with `POST /v1/streams/{id}/close`.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -53,6 +53,7 @@ pub fn router(node: Arc<Node>) -> Router {
         node,
         streams: Mutex::new(HashMap::new()),
         leases: Mutex::new(HashMap::new()),
+        gone: Mutex::new(VecDeque::new()),
         copies: Copies::new(),
     });
     spawn_reaper(&api);
@@ -87,9 +88,14 @@ struct Api {
     streams: Mutex<HashMap<u64, Arc<HttpStream>>>,
     /// Leases handed out over HTTP: lease -> (stream, tensors).
     leases: Mutex<HashMap<u64, Lease>>,
+    /// The last [`GONE_KEPT`] streams closed, with why: their ids answer with the reason.
+    gone: Mutex<VecDeque<(u64, CloseReason)>>,
     /// Room for tensor copies in flight.
     copies: Copies,
 }
+
+/// How many closed HTTP streams' reasons are kept for the 404 that their ids answer.
+const GONE_KEPT: usize = 256;
 
 struct Lease {
     stream: u64,
@@ -150,17 +156,44 @@ impl Drop for Busy {
 
 impl Api {
     fn stream(&self, id: u64) -> Result<Arc<HttpStream>, ApiError> {
-        self.streams
+        if let Some(s) = self.streams.lock().expect("poisoned").get(&id) {
+            return Ok(s.clone());
+        }
+        let gone = self.gone.lock().expect("poisoned");
+        Err(match gone.iter().find(|(g, _)| *g == id) {
+            // Closed by a trainer, an operator or the idle timeout: gone (404), as documented;
+            // closed by a failure: that failure's code (`data_unavailable`, ...).
+            Some((_, why)) => {
+                let message = format!("HTTP stream {id} was closed: {why}");
+                match why.code() {
+                    ErrorCode::Closed | ErrorCode::Timeout => {
+                        ApiError::new(ErrorCode::NotFound, message)
+                    }
+                    code => ApiError::new(code, message),
+                }
+            }
+            None => ApiError::new(
+                ErrorCode::NotFound,
+                format!(
+                    "no HTTP stream {id} on this node (closed, idle for too long, or opened on the Unix socket)"
+                ),
+            ),
+        })
+    }
+
+    /// Drops stream `id` and its leases from the API (its memory goes with the last
+    /// reference: handlers still running hold theirs) and keeps why for its later answers.
+    fn forget(&self, id: u64, why: CloseReason) {
+        self.streams.lock().expect("poisoned").remove(&id);
+        self.leases
             .lock()
             .expect("poisoned")
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| {
-                ApiError::new(
-                    ErrorCode::NotFound,
-                    format!("no HTTP stream {id} on this node (closed, idle for too long, or opened on the Unix socket)"),
-                )
-            })
+            .retain(|_, l| l.stream != id);
+        let mut gone = self.gone.lock().expect("poisoned");
+        if gone.len() == GONE_KEPT {
+            gone.pop_front();
+        }
+        gone.push_back((id, why));
     }
 
     /// Takes the next batch of `s` (waiting up to `timeout`) and registers its lease.
@@ -212,12 +245,8 @@ impl Api {
 
     /// Closes an HTTP stream: its leases end, its memory budget returns to the pool.
     fn close(&self, s: &HttpStream, reason: CloseReason) {
-        self.streams.lock().expect("poisoned").remove(&s.id);
-        self.leases
-            .lock()
-            .expect("poisoned")
-            .retain(|_, l| l.stream != s.id);
         let why = reason.to_string();
+        self.forget(s.id, reason.clone());
         self.node.close_stream(s.id, reason);
         tracing::info!(stream = s.id, reason = %why, "HTTP stream closed");
     }
@@ -231,6 +260,7 @@ fn spawn_reaper(api: &Arc<Api>) {
         loop {
             tick.tick().await;
             let Some(api) = weak.upgrade() else { return };
+            forget_closed(&api);
             let idle: Vec<_> = api
                 .streams
                 .lock()
@@ -250,6 +280,23 @@ fn spawn_reaper(api: &Arc<Api>) {
             }
         }
     });
+}
+
+/// Forgets the HTTP streams the node closed on its own (an operator's `DELETE`, a drain, a
+/// failure), so that their memory is freed now, not at their idle timeout, and their ids
+/// answer 404 with the reason.
+fn forget_closed(api: &Api) {
+    let closed: Vec<(u64, CloseReason)> = api
+        .streams
+        .lock()
+        .expect("poisoned")
+        .values()
+        .filter_map(|s| Some((s.id, s.shared.closed_reason()?)))
+        .collect();
+    for (id, why) in closed {
+        tracing::info!(stream = id, reason = %why, "HTTP stream closed by the node");
+        api.forget(id, why);
+    }
 }
 
 // --- open ------------------------------------------------------------------------------------
