@@ -29,6 +29,12 @@ const LINGER: Duration = Duration::from_secs(2);
 mod peer;
 mod wait;
 
+/// Failed releases (unknown leases) a trainer may send behind one waiting `next`; one more
+/// ends the connection. Releases that succeed need no bound (each gives back a lease the
+/// trainer held), but without this one a trainer sending `release` frames without end while
+/// its `next` waited grew the node's queued answers without end (45 MB in 3 s).
+pub const MAX_FAILED_BEHIND: usize = 1024;
+
 /// Binds the socket (replacing a stale file) and starts the accept thread.
 pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
@@ -191,6 +197,8 @@ struct Conn<'a> {
     ahead: Option<Request>,
     /// Answers to releases applied while a `next` waited: sent after its answer, in order.
     after: Vec<Response>,
+    /// How many of `after` are failures (at most [`MAX_FAILED_BEHIND`]).
+    failed_behind: usize,
     /// The trainer shut down its writing while a `next` waited: nothing more to read (it still
     /// gets its answers).
     eof: bool,
@@ -235,6 +243,7 @@ fn serve(node: &Arc<Node>, sock: UnixStream, slot: Slot) {
         },
         ahead: None,
         after: Vec::new(),
+        failed_behind: 0,
         eof: false,
     };
     while let Some(req) = c.read_request() {
@@ -346,7 +355,7 @@ impl Conn<'_> {
     /// connection, or sent a malformed request, ends it; releases that came behind it are
     /// applied now (their slabs freed: the batch may be waiting for that memory), their answers
     /// sent after its own; the first other request is kept for its turn, and nothing after it
-    /// is read until then.
+    /// is read until then. More than [`MAX_FAILED_BEHIND`] failed releases end the connection.
     fn look(&mut self, s: &Stream) -> wait::Peer {
         if wait::hung_up(&self.sock) {
             return wait::Peer::Gone;
@@ -358,7 +367,11 @@ impl Conn<'_> {
             match self.read_frame(Some(self.waits.request)) {
                 Ok(Request::Release { lease }) => {
                     let (answer, slab) = release(s, lease);
+                    self.failed_behind += usize::from(slab.is_none());
                     drop(slab);
+                    if self.failed_behind > MAX_FAILED_BEHIND {
+                        return self.too_many_failed(&answer);
+                    }
                     self.after.push(answer);
                 }
                 Ok(other) => self.ahead = Some(other),
@@ -491,8 +504,20 @@ impl Conn<'_> {
         reply(&self.sock, &attached, &[fd.as_fd()])
     }
 
+    /// Ends a connection that sent more than [`MAX_FAILED_BEHIND`] failed releases behind a
+    /// waiting `next`, saying so (the last failure: `last`).
+    fn too_many_failed(&mut self, last: &Response) -> wait::Peer {
+        let why = format!(
+            "more than {MAX_FAILED_BEHIND} releases failed while a next waited (the last: {last:?}); the connection ends"
+        );
+        tracing::warn!("{why}");
+        let _ = reply(&self.sock, &error(ErrorCode::BadRequest, why), &[]);
+        wait::Peer::Gone
+    }
+
     /// Sends the answers of the releases applied while the last `next` waited.
     fn send_after(&mut self) -> Result<(), FrameIoError> {
+        self.failed_behind = 0;
         if self.after.is_empty() {
             return Ok(());
         }

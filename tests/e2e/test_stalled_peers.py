@@ -301,3 +301,47 @@ def test_a_node_in_another_pid_namespace_serves_and_refuses_trainers_by_uid(sw, 
     assert refusal and refusal[0].get("code") == "forbidden", (refusal, refusing.stderr_text())
     wait_for(lambda: "not visible in this pid namespace" in refusing.stderr_text(), "the refusal's log line",
              diag=refusing.describe)
+
+
+def test_failed_releases_sent_while_a_next_waits_end_the_connection_past_a_bound(sw, tmp_path):
+    """A trainer that sends `release` frames for a lease it does not hold, without end, while
+    its `next` waits (the source sends 1 KiB/s, a shard is 256 KiB): the node applies releases
+    that come behind a waiting `next` and queues their answers until the `next` is answered;
+    failures past a bound end the connection with `bad_request`, where once every frame grew
+    the node's queued answers (45 MB of frames read in 3 s)."""
+    d = tmp_path / "slow"
+    write_uint8_shards(d, 2, 256 << 10, seed=9)
+    index_dataset(d)
+    node = sw.serve([sw.source({"f": d}, "--rate-limit", "1KiB")])
+    wait_ready(node)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10.0)
+    s.connect(str(node.socket))
+    s.sendall(F.trainer_frame(F.attach("f")))
+    attached = F.parse_trainer_frames(s.recv(65536))
+    assert attached and attached[0].get("op") == "attached", attached
+    s.sendall(F.trainer_frame({"op": "next"}))
+    chunk = F.trainer_frame({"op": "release", "lease": 1}) * 1024
+    s.setblocking(False)
+    accepted, ended, t0 = 0, False, time.monotonic()
+    while time.monotonic() - t0 < 3.0 and accepted < (64 << 20):
+        try:
+            accepted += s.send(chunk)
+        except BlockingIOError:
+            time.sleep(0.01)
+        except (BrokenPipeError, ConnectionResetError):
+            ended = True
+            break
+    s.setblocking(True)
+    got = b""
+    try:
+        while chunk_in := s.recv(65536):
+            got += chunk_in
+    except (ConnectionResetError, TimeoutError):
+        pass
+    s.close()
+    assert ended, f"the node read {accepted} bytes of failed releases while a next waited"
+    last = F.parse_trainer_frames(got)[-1]
+    assert last.get("code") == "bad_request" and "more than 1024 releases failed" in last.get("message", ""), last
+    assert accepted < (4 << 20), accepted
+    wait_for(lambda: node.status()["streams"] == [], "the stream to close with its connection")
