@@ -26,6 +26,14 @@ use crate::stream::{CloseReason, Next, Stream};
 /// How long a refused trainer's connection is kept open, in all, so it reads the refusal.
 const LINGER: Duration = Duration::from_secs(2);
 
+/// Refused peers kept open for [`LINGER`] at once; past this one is closed right after its
+/// refusal (its trainer may then see EPIPE before the reason). A refused peer gives its
+/// connection slot back, so without this bound peers refused in a loop held a thread each.
+const MAX_LINGERING: usize = 64;
+
+/// Refused peers lingering now (bounded by [`MAX_LINGERING`]).
+static LINGERING: AtomicUsize = AtomicUsize::new(0);
+
 mod peer;
 mod wait;
 
@@ -124,12 +132,23 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Response {
 }
 
 /// After refusing a trainer: stop writing and read (and drop) what it sends until it closes,
-/// for up to [`LINGER`] in all (a peer that trickles bytes does not keep the connection).
+/// for up to [`LINGER`] in all (a peer that trickles bytes does not keep the connection),
+/// at most [`MAX_LINGERING`] peers at once.
 /// Closing at once would make the trainer's first write fail with EPIPE before it reads the
 /// refusal; this way it reads the error frame.
 fn linger_for_the_request(sock: &UnixStream) {
     use std::io::Read;
+    struct Lingering;
+    impl Drop for Lingering {
+        fn drop(&mut self) {
+            LINGERING.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
     let _ = sock.shutdown(std::net::Shutdown::Write);
+    let _lingering = Lingering;
+    if LINGERING.fetch_add(1, Ordering::AcqRel) >= MAX_LINGERING {
+        return;
+    }
     let deadline = Instant::now() + LINGER;
     let mut sink = [0u8; 4096];
     loop {

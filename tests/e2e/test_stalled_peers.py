@@ -345,3 +345,35 @@ def test_failed_releases_sent_while_a_next_waits_end_the_connection_past_a_bound
     assert last.get("code") == "bad_request" and "more than 1024 releases failed" in last.get("message", ""), last
     assert accepted < (4 << 20), accepted
     wait_for(lambda: node.status()["streams"] == [], "the stream to close with its connection")
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_refused_peers_held_open_in_a_crowd_do_not_each_keep_a_thread(sw, tmp_path):
+    """Peers refused by uid give their connection slot back and are kept open up to 2 s so
+    they read the reason; 400 of them held open at once once held 400 node threads. Now at
+    most 64 linger; the rest are closed right after their refusal."""
+    src = sw.source({"f": _dataset(tmp_path)})
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("allowed_uids = [12345]\n")  # root, running this test, is refused
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    base = _threads(node.pid)
+    held, most = [], base
+    try:
+        for _ in range(400):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(node.socket))
+            held.append(s)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            most = max(most, _threads(node.pid))
+            time.sleep(0.02)
+    finally:
+        for s in held:
+            s.close()
+    # 64 lingering, plus threads between their accept and their refusal.
+    assert most - base <= 150, f"{most - base} threads more than before the crowd"
