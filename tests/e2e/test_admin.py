@@ -175,3 +175,42 @@ def test_an_http_stream_closed_by_an_operator_frees_its_memory_and_answers_404_w
     assert code == 404 and body["code"] == "not_found", body
     assert "was closed: closed by an operator over the admin API" in body["message"], body
     assert node.status()["pool"]["reserved"] == 0
+
+
+def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path):
+    """With every one of `http_max_connections` held by a `next` waiting for a batch (the source
+    sends 1 KiB/s), `/healthz` and the admin API are still served (on a reserve connection,
+    where a trainer route answers `503 unavailable`); once a probe got no answer at all."""
+    import threading
+    import urllib.request
+
+    d = tmp_path / "slow"
+    write_uint8_shards(d, 2, 256 * 1024, seed=5)
+    index_dataset(d)
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("http_max_connections = 2\n")
+    node = sw.serve([sw.source({"a": d}, "--rate-limit", "1KiB")], "--config", str(cfg))
+    wait_ready(node)
+    code, body = admin_request(node.admin, "POST", "/v1/streams", body={"dataset": "a"})
+    assert code == 201, body
+    sid = body["stream"]
+    answers = []
+
+    def long_poll():
+        answers.append(admin_request(node.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=8000")[0])
+
+    polls = [threading.Thread(target=long_poll) for _ in range(2)]
+    for t in polls:
+        t.start()
+    time.sleep(1.0)  # both connections taken, both polls waiting
+    try:
+        with urllib.request.urlopen(f"http://{node.admin}/healthz", timeout=3) as r:
+            assert r.status == 200
+        code, body = request(node.admin, "GET", "/v1/status")
+        assert code == 200 and body["streams"], body
+        code, body = admin_request(node.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=0")
+        assert code == 503 and body["code"] == "unavailable" and "http_max_connections" in body["message"], body
+    finally:
+        for t in polls:
+            t.join(timeout=30)
+    assert answers == [204, 204], answers  # the polls ran out their own timeouts

@@ -1,6 +1,7 @@
 //! The HTTP server under the admin and trainer APIs, with a bound on every connection state:
-//! at most `http_max_connections` connections are served at once (more wait in the kernel's
-//! backlog), a request head must arrive within `http_header_timeout_secs` (this also ends an
+//! at most `http_max_connections` connections are served at once, and [`RESERVE`] more
+//! that answer only the admin and probe routes (so trainers' long polls cannot starve
+//! `/healthz`, `/metrics` or `/v1/drain`; more wait in the kernel's backlog), a request head must arrive within `http_header_timeout_secs` (this also ends an
 //! idle keep-alive connection; hyper's header-read timer), a request body within
 //! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]), and a
 //! write of the answer may wait for the client at most `http_write_timeout_secs` without
@@ -27,6 +28,14 @@ use super::stall::{WriteStall, is_stall};
 
 /// Largest request body on any route.
 pub const BODY_LIMIT: usize = 64 << 10;
+
+/// Connections served beyond `http_max_connections` while those are all in use, for the
+/// admin and probe routes only: a trainer route there answers `503 unavailable`.
+pub const RESERVE: usize = 8;
+
+/// Marks the requests of a connection served on a [`RESERVE`] slot.
+#[derive(Clone, Copy, Debug)]
+struct OnReserve;
 
 /// The bounds the server enforces.
 #[derive(Clone, Copy, Debug)]
@@ -65,11 +74,16 @@ pub async fn serve(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let app = app.layer(axum::middleware::from_fn_with_state(limits, bounded_body));
+    let app = app
+        .layer(axum::middleware::from_fn(reserve_for_admin))
+        .layer(axum::middleware::from_fn_with_state(limits, bounded_body));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let reserve = Arc::new(Semaphore::new(RESERVE));
     loop {
-        let permit = tokio::select! {
-            p = Arc::clone(&slots).acquire_owned() => p.expect("never closed"),
+        let (mut permit, mut reserved) = tokio::select! {
+            biased;
+            p = Arc::clone(&slots).acquire_owned() => (p.expect("never closed"), false),
+            p = Arc::clone(&reserve).acquire_owned() => (p.expect("never closed"), true),
             _ = shutdown.changed() => break,
         };
         let (stream, peer) = tokio::select! {
@@ -83,7 +97,14 @@ pub async fn serve(
             },
             _ = shutdown.changed() => break,
         };
-        let svc = TowerToHyperService::new(app.clone());
+        // A slot may have come free while this one waited for its connection.
+        if reserved && let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
+            (permit, reserved) = (p, false);
+        }
+        let svc = match reserved {
+            true => TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve))),
+            false => TowerToHyperService::new(app.clone()),
+        };
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             let conn = hyper::server::conn::http1::Builder::new()
@@ -119,7 +140,28 @@ pub async fn serve(
     }
     // Every connection holds a permit until it ends.
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let _ = tokio::time::timeout(SHUTDOWN_GRACE, slots.acquire_many(all)).await;
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        let _ = slots.acquire_many(all).await;
+        let _ = reserve.acquire_many(RESERVE as u32).await;
+    })
+    .await;
+}
+
+/// On a [`RESERVE`] connection, the trainer routes answer `503 unavailable`; the admin and
+/// probe routes are served as on any other.
+async fn reserve_for_admin(req: Request, next: Next) -> Response {
+    let trainer = ["/v1/streams", "/v1/leases"]
+        .iter()
+        .any(|p| req.uri().path().starts_with(p));
+    // `/v1/streams` GET and `/v1/streams/{id}` GET/DELETE are the admin's.
+    let admin = req.method() != axum::http::Method::POST
+        && req.uri().path().starts_with("/v1/streams")
+        && !req.uri().path().ends_with("/state");
+    if req.extensions().get::<OnReserve>().is_some() && trainer && !admin {
+        let msg = "every HTTP connection for trainers is in use (http_max_connections); this one serves the admin and probe routes only: try again later";
+        return ApiError::new(ErrorCode::Unavailable, msg).into_response();
+    }
+    next.run(req).await
 }
 
 /// Reads the whole request body within the body timeout (and [`BODY_LIMIT`]) before the
