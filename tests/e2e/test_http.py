@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import faults as F
 from sdk_harness import (  # noqa: E402 - the shared harness; puts the SDK on sys.path
     procs,  # noqa: F401 - a fixture
     world,  # noqa: F401 - a fixture
@@ -233,6 +234,15 @@ def test_raw_api_codes_headers_and_limits(world: World):
     assert st == 413 and json.loads(body)["code"] == "bad_request", body
     st, v = http_json(a, "POST", "/v1/streams", {"dataset": "nope"})
     assert (st, v["code"]) == (404, "unknown_dataset")
+    # What a web page can send cross-origin without a preflight: refused, nothing opened.
+    body = b'{"dataset": "mix"}'
+    web = F.http_raw(a, b"POST /v1/streams HTTP/1.1\r\nHost: n\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert web.status == 415 and b"application/json" in web.body, web
+    web = F.http_request(a, "POST", "/v1/streams", {"dataset": "mix"}, headers={"Origin": "http://evil.example"})
+    assert web.status == 403 and b"evil.example" in web.body, web
+    web = F.http_request(a, "POST", "/v1/streams/1/close", headers={"Origin": "null"})
+    assert web.status == 403, web
 
     st, v = http_json(a, "POST", "/v1/streams", {"dataset": "mix", "seed": 9})
     assert st == 201 and set(v) == {"stream", "batches_per_epoch", "epochs", "state", "idle_timeout_s"}, v

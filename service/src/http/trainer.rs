@@ -64,7 +64,35 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/streams/{id}/state", get(state))
         .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
         .route("/v1/leases/{lease}/release", post(release))
+        .layer(axum::middleware::from_fn(refuse_web_pages))
         .with_state(api)
+}
+
+/// The trainer routes take no token, so a web page the operator's browser shows could reach
+/// a node on loopback with "simple" cross-origin POSTs (no preflight: text/plain bodies, no
+/// body), and close or open streams. Browsers name the page in `Origin` on every such
+/// request; trainers (both SDKs, curl) send none. So a request with `Origin` is refused.
+async fn refuse_web_pages(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match req.headers().get(header::ORIGIN) {
+        Some(origin) => ApiError::new(
+            ErrorCode::Forbidden,
+            format!(
+                "requests from web pages (Origin: {}) are refused on the trainer routes",
+                String::from_utf8_lossy(origin.as_bytes())
+            ),
+        )
+        .into_response(),
+        None => next.run(req).await,
+    }
+}
+
+/// Whether `headers` say the body is JSON (`application/json`, any parameters).
+fn says_json(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
 }
 
 // --- errors ----------------------------------------------------------------------------------
@@ -303,9 +331,17 @@ fn forget_closed(api: &Api) {
 
 async fn open(
     State(api): State<Arc<Api>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Opened>), ApiError> {
     let body = body.map_err(|e| ApiError::bad_request(e.body_text()).with_status(e.status()))?;
+    if !body.is_empty() && !says_json(&headers) {
+        return Err(ApiError::bad_request(format!(
+            "the body must be JSON with Content-Type: application/json (got {:?})",
+            headers.get(header::CONTENT_TYPE)
+        ))
+        .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE));
+    }
     let OpenStream {
         stream,
         idle_timeout_s,
