@@ -243,6 +243,13 @@ def test_raw_api_codes_headers_and_limits(world: World):
     assert web.status == 403 and b"evil.example" in web.body, web
     web = F.http_request(a, "POST", "/v1/streams/1/close", headers={"Origin": "null"})
     assert web.status == 403, web
+    # A chunked body that is not well-formed is a bad request, not one too large; one that
+    # grows past 64 KiB is too large.
+    head = b"POST /v1/streams HTTP/1.1\r\nHost: n\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    bad = F.http_raw(a, head + b"zz\r\n{}\r\n0\r\n\r\n")
+    assert bad.status == 400 and b"bad_request" in bad.body, bad
+    big = F.http_raw(a, head + b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(9)) + b"0\r\n\r\n")
+    assert big.status == 413, big
 
     st, v = http_json(a, "POST", "/v1/streams", {"dataset": "mix", "seed": 9})
     assert st == 201 and set(v) == {"stream", "batches_per_epoch", "epochs", "state", "idle_timeout_s"}, v

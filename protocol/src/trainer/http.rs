@@ -33,7 +33,7 @@ impl OpenStream {
     /// Parses a body: [`StreamRequest`] refuses unknown fields, so `idle_timeout_s` is taken
     /// out first.
     pub fn from_json(body: &[u8]) -> Result<Self, OpenBodyError> {
-        let mut fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)?;
+        let UniqueKeys(mut fields) = serde_json::from_slice(body)?;
         let idle_timeout_s = match fields.remove("idle_timeout_s") {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => Some(v.as_u64().ok_or(OpenBodyError::IdleTimeout(v))?),
@@ -52,6 +52,39 @@ impl OpenStream {
             map.insert("idle_timeout_s".into(), t.into());
         }
         serde_json::to_vec(&v).expect("JSON serialises")
+    }
+}
+
+/// A JSON object whose keys are all different: a `serde_json::Map` keeps the last of a
+/// repeated key, where the socket's `attach` (derived, `deny_unknown_fields`) refuses it, so
+/// `{"dataset": "a", "dataset": "b"}` would open `b` over HTTP only.
+struct UniqueKeys(serde_json::Map<String, serde_json::Value>);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut map = serde_json::Map::new();
+                while let Some((k, v)) = a.next_entry::<String, serde_json::Value>()? {
+                    if map.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "duplicate field `{k}`"
+                        )));
+                    }
+                    map.insert(k, v);
+                }
+                Ok(UniqueKeys(map))
+            }
+        }
+        d.deserialize_map(Visit)
     }
 }
 
@@ -170,6 +203,15 @@ mod tests {
         assert!(matches!(e, OpenBodyError::IdleTimeout(_)), "{e}");
         let none = OpenStream::from_json(br#"{"dataset":"d","idle_timeout_s":null}"#).unwrap();
         assert_eq!(none.idle_timeout_s, None);
+        // A repeated key is refused, as the socket's attach refuses it (not the last one kept).
+        for body in [
+            &br#"{"dataset":"a","dataset":"b"}"#[..],
+            br#"{"dataset":"a","idle_timeout_s":5,"idle_timeout_s":9}"#,
+        ] {
+            let e = OpenStream::from_json(body).unwrap_err();
+            assert!(e.to_string().contains("duplicate field"), "{e}");
+        }
+        assert!(OpenStream::from_json(b"[1]").is_err());
     }
 
     #[test]

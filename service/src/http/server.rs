@@ -185,11 +185,23 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
             next.run(Request::from_parts(parts, Body::from(bytes)))
                 .await
         }
-        Ok(Err(e)) => ApiError::bad_request(format!(
-            "cannot read the request body (at most {BODY_LIMIT} bytes): {e}"
-        ))
-        .with_status(StatusCode::PAYLOAD_TOO_LARGE)
-        .into_response(),
+        Ok(Err(e)) => {
+            // Over the limit (a chunked body says its length only as it comes): 413; a body
+            // that is not well-formed HTTP (a bad chunk header): 400.
+            let e = e.into_inner();
+            let too_large = e
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some();
+            let status = match too_large {
+                true => StatusCode::PAYLOAD_TOO_LARGE,
+                false => StatusCode::BAD_REQUEST,
+            };
+            ApiError::bad_request(format!(
+                "cannot read the request body (at most {BODY_LIMIT} bytes): {e}"
+            ))
+            .with_status(status)
+            .into_response()
+        }
         Err(_) => {
             metrics::counter!("shardwire_http_timeouts_total", "phase" => "body").increment(1);
             let msg = format!(
