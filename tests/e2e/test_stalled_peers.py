@@ -12,7 +12,8 @@ memory or a connection slot.
   2 s after the refusal however often it writes;
 - an HTTP client that pipelines requests and never reads the answers: once the write has
   made no progress for http_write_timeout_secs the connection is closed and its slot
-  (http_max_connections = 1 here) serves the next client;
+  (http_max_connections = 1 here) serves the next client (meanwhile probes are served on a
+  reserve connection, trainer routes there answer 503);
 - a node (played by this test over a real handshake) that asks a source for a shard, keeps its
   control session alive and never reads the data connection: the source's send times out
   after its idle timeout and the session ends, instead of a sender thread blocked for good.
@@ -217,17 +218,22 @@ def test_an_http_client_that_stops_reading_loses_its_connection_not_the_slot(sw,
     stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
     t0 = time.monotonic()
 
-    def healthy():
+    def ask(path: str) -> bytes:
         try:
             c = socket.create_connection((host, int(port)), timeout=1.0)
         except OSError:
-            return None
+            return b""
         with c:
-            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            out = F.read_until_closed(c, wait=1.0)
-        return out if out.reply.startswith(b"HTTP/1.1 200") else None
+            c.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+            return F.read_until_closed(c, wait=1.0).reply
 
-    wait_for(healthy, "the stalled client's slot to serve another client", timeout=20, interval=0.2,
+    # The one slot is taken: probes are served on a reserve connection, trainer routes not.
+    time.sleep(0.3)
+    assert ask("/healthz").startswith(b"HTTP/1.1 200")
+    assert ask("/v1/streams/1/state").startswith(b"HTTP/1.1 503")
+    # A trainer route served (404: no such stream) is one on the slot the stalled client held.
+    wait_for(lambda: ask("/v1/streams/1/state").startswith(b"HTTP/1.1 404") or None,
+             "the stalled client's slot to serve another client", timeout=20, interval=0.2,
              diag=lambda: node.stderr_text()[-3000:])
     waited = time.monotonic() - t0
     assert waited >= 1.5, f"another client was served after {waited:.1f} s: the stalled one was not holding the slot?"
@@ -376,4 +382,4 @@ def test_refused_peers_held_open_in_a_crowd_do_not_each_keep_a_thread(sw, tmp_pa
         for s in held:
             s.close()
     # 64 lingering, plus threads between their accept and their refusal.
-    assert most - base <= 150, f"{most - base} threads more than before the crowd"
+    assert most - base <= 200, f"{most - base} threads more than before the crowd"
