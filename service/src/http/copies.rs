@@ -3,12 +3,15 @@
 //! the copy lives until the client has read it, so a client reading slowly (or many at once)
 //! would otherwise hold any amount of memory. A copy takes its bytes from a budget before it
 //! is made and gives them back when its answer's body is gone (sent, or the client left).
+//! A client that reads, but slower than [`MIN_RATE`] after [`GRACE`], loses the answer (the
+//! connection ends): the per-write stall timeout alone let a client that read a little every
+//! few seconds hold its share of the budget for days.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -25,6 +28,24 @@ pub const COPY_WAIT: Duration = Duration::from_secs(10);
 
 /// The pieces an answer's bytes are handed to the server in.
 const CHUNK: usize = 1 << 20;
+
+/// The slowest a download may be read, in bytes per second, after [`GRACE`].
+pub const MIN_RATE: u64 = 1 << 20;
+
+/// Time every download has before [`MIN_RATE`] counts.
+pub const GRACE: Duration = Duration::from_secs(30);
+
+/// A download not read within its time ([`GRACE`] plus its length at [`MIN_RATE`]).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "a tensor download of {len} bytes was not read within {limit:?} (at least 1 MiB/s after 30 s): the answer is given up"
+)]
+pub struct TooSlow {
+    /// The answer's length.
+    pub len: u64,
+    /// The time it had.
+    pub limit: Duration,
+}
 
 /// Room for copies, shared by every stream.
 #[derive(Debug)]
@@ -64,12 +85,22 @@ pub struct Room {
 #[derive(Debug)]
 pub struct CopyBody {
     chunks: VecDeque<Bytes>,
+    len: u64,
+    limit: Duration,
+    deadline: Instant,
     _room: Room,
 }
 
 impl CopyBody {
-    /// `bytes` as a body that holds `room` until it is gone.
+    /// `bytes` as a body that holds `room` until it is gone, to be read within [`GRACE`] plus
+    /// its length at [`MIN_RATE`].
     pub fn new(bytes: Vec<u8>, room: Room) -> Self {
+        let limit = GRACE + Duration::from_secs(bytes.len() as u64 / MIN_RATE);
+        Self::within(bytes, room, limit)
+    }
+
+    fn within(bytes: Vec<u8>, room: Room, limit: Duration) -> Self {
+        let len = bytes.len() as u64;
         let mut all = Bytes::from(bytes);
         let mut chunks = VecDeque::with_capacity(all.len().div_ceil(CHUNK));
         while !all.is_empty() {
@@ -77,6 +108,9 @@ impl CopyBody {
         }
         Self {
             chunks,
+            len,
+            limit,
+            deadline: Instant::now() + limit,
             _room: room,
         }
     }
@@ -84,12 +118,23 @@ impl CopyBody {
 
 impl Body for CopyBody {
     type Data = Bytes;
-    type Error = std::convert::Infallible;
+    type Error = TooSlow;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if !self.chunks.is_empty() && Instant::now() > self.deadline {
+            // The server ends the connection and drops the body: the room goes back.
+            let e = TooSlow {
+                len: self.len,
+                limit: self.limit,
+            };
+            metrics::counter!("shardwire_http_timeouts_total", "phase" => "download").increment(1);
+            tracing::warn!(error = %e, "HTTP tensor download given up");
+            self.chunks.clear();
+            return Poll::Ready(Some(Err(e)));
+        }
         Poll::Ready(self.chunks.pop_front().map(|c| Ok(Frame::data(c))))
     }
 
@@ -149,5 +194,29 @@ mod tests {
         }
         assert!(body.is_end_stream());
         assert_eq!(got, bytes);
+    }
+
+    #[tokio::test]
+    async fn a_body_not_read_in_its_time_is_given_up_and_gives_its_room_back() {
+        let c = Copies::new();
+        assert_eq!(
+            CopyBody::new(vec![0; 64 << 20], c.room(1, COPY_WAIT).await.unwrap()).limit,
+            GRACE + Duration::from_secs(64),
+            "64 MiB at 1 MiB/s after the grace"
+        );
+        let room = c.room(3 * CHUNK as u64, COPY_WAIT).await.unwrap();
+        let mut body = CopyBody::within(vec![1u8; 3 * CHUNK], room, Duration::from_millis(30));
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let first = Pin::new(&mut body).poll_frame(&mut cx);
+        assert!(matches!(first, Poll::Ready(Some(Ok(_)))), "read in time");
+        std::thread::sleep(Duration::from_millis(40));
+        match Pin::new(&mut body).poll_frame(&mut cx) {
+            Poll::Ready(Some(Err(e))) => assert_eq!(e.len, 3 * CHUNK as u64),
+            other => panic!("{other:?}"),
+        }
+        assert!(body.is_end_stream(), "nothing more after the error");
+        drop(body);
+        assert_eq!(c.used(), 0, "the room went back with the body");
     }
 }
