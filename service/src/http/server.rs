@@ -148,8 +148,21 @@ pub async fn serve(
 }
 
 /// On a [`RESERVE`] connection, the trainer routes answer `503 unavailable`; the admin and
-/// probe routes are served as on any other.
+/// probe routes are served as on any other. Every answer there closes the connection, so a
+/// keep-alive client does not hold a reserve slot.
 async fn reserve_for_admin(req: Request, next: Next) -> Response {
+    let reserved = req.extensions().get::<OnReserve>().is_some();
+    let mut answer = reserve_route(req, next).await;
+    if reserved {
+        answer.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    answer
+}
+
+async fn reserve_route(req: Request, next: Next) -> Response {
     let trainer = ["/v1/streams", "/v1/leases"]
         .iter()
         .any(|p| req.uri().path().starts_with(p));
