@@ -1,8 +1,9 @@
 //! The HTTP server under the admin and trainer APIs, with a bound on every connection state:
 //! at most `http_max_connections` connections are served at once, and [`RESERVE`] more
 //! that answer only the admin and probe routes (so trainers' long polls cannot starve
-//! `/healthz`, `/metrics` or `/v1/drain`; more wait in the kernel's backlog), a request head must arrive within `http_header_timeout_secs` (this also ends an
-//! idle keep-alive connection; hyper's header-read timer), a request body within
+//! `/healthz`, `/metrics` or `/v1/drain`; more wait in the kernel's backlog), a request head
+//! must arrive within `http_header_timeout_secs` (this also ends an idle keep-alive
+//! connection; hyper's header-read timer), a request body within
 //! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]), and a
 //! write of the answer may wait for the client at most `http_write_timeout_secs` without
 //! progress ([`super::stall`]).
@@ -33,9 +34,10 @@ pub const BODY_LIMIT: usize = 64 << 10;
 /// admin and probe routes only: a trainer route there answers `503 unavailable`.
 pub const RESERVE: usize = 8;
 
-/// Marks the requests of a connection served on a [`RESERVE`] slot.
+/// Marks the requests of a connection served on a [`RESERVE`] slot (the trainer router
+/// refuses them).
 #[derive(Clone, Copy, Debug)]
-struct OnReserve;
+pub struct OnReserve;
 
 /// The bounds the server enforces.
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +77,7 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let app = app
-        .layer(axum::middleware::from_fn(reserve_for_admin))
+        .layer(axum::middleware::from_fn(close_reserve_connections))
         .layer(axum::middleware::from_fn_with_state(limits, bounded_body));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let reserve = Arc::new(Semaphore::new(RESERVE));
@@ -147,12 +149,11 @@ pub async fn serve(
     .await;
 }
 
-/// On a [`RESERVE`] connection, the trainer routes answer `503 unavailable`; the admin and
-/// probe routes are served as on any other. Every answer there closes the connection, so a
-/// keep-alive client does not hold a reserve slot.
-async fn reserve_for_admin(req: Request, next: Next) -> Response {
+/// Every answer on a [`RESERVE`] connection closes it, so a keep-alive client does not hold a
+/// reserve slot. (The trainer routes refuse such requests: `trainer::refuse_on_reserve`.)
+async fn close_reserve_connections(req: Request, next: Next) -> Response {
     let reserved = req.extensions().get::<OnReserve>().is_some();
-    let mut answer = reserve_route(req, next).await;
+    let mut answer = next.run(req).await;
     if reserved {
         answer.headers_mut().insert(
             axum::http::header::CONNECTION,
@@ -160,21 +161,6 @@ async fn reserve_for_admin(req: Request, next: Next) -> Response {
         );
     }
     answer
-}
-
-async fn reserve_route(req: Request, next: Next) -> Response {
-    let trainer = ["/v1/streams", "/v1/leases"]
-        .iter()
-        .any(|p| req.uri().path().starts_with(p));
-    // `/v1/streams` GET and `/v1/streams/{id}` GET/DELETE are the admin's.
-    let admin = req.method() != axum::http::Method::POST
-        && req.uri().path().starts_with("/v1/streams")
-        && !req.uri().path().ends_with("/state");
-    if req.extensions().get::<OnReserve>().is_some() && trainer && !admin {
-        let msg = "every HTTP connection for trainers is in use (http_max_connections); this one serves the admin and probe routes only: try again later";
-        return ApiError::new(ErrorCode::Unavailable, msg).into_response();
-    }
-    next.run(req).await
 }
 
 /// Reads the whole request body within the body timeout (and [`BODY_LIMIT`]) before the

@@ -36,6 +36,7 @@ use tokio::sync::oneshot;
 
 use super::copies::{COPY_BUDGET, COPY_WAIT, Copies, CopyBody};
 use super::error::ApiError;
+use super::server::OnReserve;
 /// An HTTP stream with no request for this long is closed (overridable per stream).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// Largest `idle_timeout_s` a stream may ask for.
@@ -65,7 +66,19 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
         .route("/v1/leases/{lease}/release", post(release))
         .layer(axum::middleware::from_fn(refuse_web_pages))
+        .layer(axum::middleware::from_fn(refuse_on_reserve))
         .with_state(api)
+}
+
+/// A request on one of the server's reserve connections ([`OnReserve`]: every
+/// `http_max_connections` slot is in use) answers `503 unavailable`: those serve the admin
+/// and probe routes only, so trainers' long polls cannot take them too.
+async fn refuse_on_reserve(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if req.extensions().get::<OnReserve>().is_some() {
+        let msg = "every HTTP connection for trainers is in use (http_max_connections); this one serves the admin and probe routes only: try again later";
+        return ApiError::new(ErrorCode::Unavailable, msg).into_response();
+    }
+    next.run(req).await
 }
 
 /// The trainer routes take no token, so a web page the operator's browser shows could reach
