@@ -4,8 +4,12 @@
 //! FETCH until the source announces it (`Shard`), then the receiver of the announced data
 //! connection until the payload is in. Whoever holds it ends it with [`InFlight::finish`],
 //! which hands the slab back to the stream's fetcher with a typed outcome. So a slab is never
-//! re-issued while a receiver may still write into it, and every failure has one shape.
+//! re-issued while a receiver may still write into it, and every failure has one shape. A
+//! fetch dropped without an outcome (a receiver thread that panicked, a path that forgot it)
+//! still hands its slab back, as [`FetchFailure::Abandoned`]: its stream fetches it again
+//! instead of waiting for that position forever.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -58,6 +62,13 @@ pub enum FetchFailure {
     /// The source dropped it on the node's request (its stream closed).
     #[error("cancelled: its stream closed")]
     Cancelled,
+    /// Whoever held it let go without an outcome (a node bug: a receiver that panicked);
+    /// the bytes in its slab are not trusted and it is fetched again.
+    #[error("abandoned without an outcome by the node's {holder}")]
+    Abandoned {
+        /// Who held it last, as far as the fetch knows.
+        holder: &'static str,
+    },
 }
 
 /// The longest pause a source's `retry_after_ms` sets before a fetch is tried again (a
@@ -106,7 +117,8 @@ impl FetchFailure {
             | Self::Crc { .. }
             | Self::Refused { .. }
             | Self::ConnectionLost { .. }
-            | Self::Cancelled => RetryClass::Refetch,
+            | Self::Cancelled
+            | Self::Abandoned { .. } => RetryClass::Refetch,
         }
     }
 }
@@ -131,11 +143,12 @@ pub struct Completion {
 /// Where a stream's fetch outcomes go.
 pub type Completions = mpsc::UnboundedSender<Completion>;
 
-/// A shard fetch in flight.
+/// A shard fetch in flight. Dropping it ends it: with the outcome given to
+/// [`InFlight::finish`], else as [`FetchFailure::Abandoned`].
 #[derive(Debug)]
 pub struct InFlight {
-    /// Destination slab (exactly `length` bytes).
-    pub slab: Slab,
+    /// Destination slab (exactly `length` bytes); taken out only when the fetch ends.
+    slab: ManuallyDrop<Slab>,
     /// Stream position it is for.
     pub pos: u64,
     /// Shard index in the stream's manifest.
@@ -160,6 +173,18 @@ pub struct InFlight {
     /// Counts it among its link's outstanding fetches until it ends.
     pub held: Option<Held>,
     done: Completions,
+    end: End,
+}
+
+/// How far an [`InFlight`] got to its end.
+#[derive(Debug)]
+enum End {
+    /// Not ended: dropping it now abandons it.
+    Open,
+    /// Ended with this outcome (sent when it drops).
+    Finished(Result<(), FetchFailure>),
+    /// Its slab went back to the caller unsent ([`InFlight::unsent`]): nothing to report.
+    Unsent,
 }
 
 /// One fetch counted among a link's outstanding ones (a retiring link waits for none to be
@@ -204,7 +229,7 @@ impl InFlight {
     /// A fetch of `r` from link `source`, reporting to `done`.
     pub fn new(r: FetchRequest, source: usize, done: Completions) -> Self {
         Self {
-            slab: r.slab,
+            slab: ManuallyDrop::new(r.slab),
             pos: r.pos,
             shard: r.shard,
             wire_shard: r.shard,
@@ -217,20 +242,34 @@ impl InFlight {
             issued: Instant::now(),
             held: None,
             done,
+            end: End::Open,
         }
+    }
+
+    /// The destination slab.
+    pub fn slab(&self) -> &Slab {
+        &self.slab
+    }
+
+    /// The destination slab, to write the payload into.
+    pub fn slab_mut(&mut self) -> &mut Slab {
+        &mut self.slab
     }
 
     /// Ends the fetch: the slab and the outcome go back to the stream's fetcher (which may be
     /// gone, when its stream closed: then the slab is simply freed).
-    pub fn finish(self, result: Result<(), FetchFailure>) {
-        let _ = self.done.send(Completion {
-            pos: self.pos,
-            shard: self.shard,
-            slab: self.slab,
-            source: self.source,
-            issued: self.issued,
-            result,
-        });
+    pub fn finish(mut self, result: Result<(), FetchFailure>) {
+        self.end = End::Finished(result);
+    }
+
+    /// Takes the slab back for a FETCH that was never sent (its caller issues it again):
+    /// nothing is reported.
+    pub fn unsent(mut self) -> Slab {
+        // SAFETY: `slab` is taken at most once: `end` becomes `Unsent` right after, and
+        // `drop` takes it only while `end` is not `Unsent`.
+        let slab = unsafe { ManuallyDrop::take(&mut self.slab) };
+        self.end = End::Unsent;
+        slab
     }
 
     /// Checks the payload's CRC-32C against the manifest's and ends the fetch with the result.
@@ -242,6 +281,40 @@ impl InFlight {
             Err(FetchFailure::Crc { got, want })
         };
         self.finish(r);
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let result = match std::mem::replace(&mut self.end, End::Unsent) {
+            End::Unsent => return,
+            End::Finished(result) => result,
+            End::Open => {
+                let holder = if self.req == 0 {
+                    "fetcher"
+                } else {
+                    "link or receiver"
+                };
+                tracing::error!(
+                    req = self.req,
+                    shard = self.shard,
+                    holder,
+                    "a fetch was dropped without an outcome; fetching it again"
+                );
+                Err(FetchFailure::Abandoned { holder })
+            }
+        };
+        // SAFETY: `end` was not `Unsent`, so `unsent` never took the slab, and this is the
+        // only other place that takes it (once: `end` is `Unsent` now).
+        let slab = unsafe { ManuallyDrop::take(&mut self.slab) };
+        let _ = self.done.send(Completion {
+            pos: self.pos,
+            shard: self.shard,
+            slab,
+            source: self.source,
+            issued: self.issued,
+            result,
+        });
     }
 }
 
@@ -341,6 +414,50 @@ pub(crate) mod tests {
         assert_eq!(count.load(Ordering::Acquire), 1);
         f.finish(Err(FetchFailure::Cancelled));
         assert_eq!(count.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_fetch_dropped_without_an_outcome_comes_back_abandoned_with_its_slab() {
+        let p = pool(1 << 20);
+        let count = Arc::new(AtomicUsize::new(0));
+        let (mut f, mut rx) = in_flight(&p, 5, 4096, 1);
+        f.req = 9;
+        f.held = Some(Held::new(&count));
+        // A receiver thread that panics drops the fetch it was placing.
+        let r = std::thread::spawn(move || {
+            let _f = f;
+            panic!("test: a receiver panicked");
+        })
+        .join();
+        assert!(r.is_err());
+        let c = rx.try_recv().expect("an outcome came back");
+        assert_eq!(c.pos, 5);
+        assert_eq!(
+            c.result,
+            Err(FetchFailure::Abandoned {
+                holder: "link or receiver"
+            })
+        );
+        assert_eq!(c.result.unwrap_err().retry_class(), RetryClass::Refetch);
+        assert_eq!(
+            c.slab.len(),
+            4096,
+            "the slab came back to be fetched into again"
+        );
+        assert_eq!(count.load(Ordering::Acquire), 0, "no longer outstanding");
+        drop(c.slab);
+        assert_eq!(p.used(), 0);
+    }
+
+    #[test]
+    fn an_unsent_fetch_gives_its_slab_back_and_reports_nothing() {
+        let p = pool(1 << 20);
+        let (f, mut rx) = in_flight(&p, 2, 4096, 1);
+        let slab = f.unsent();
+        assert!(rx.try_recv().is_err(), "no outcome for a FETCH never sent");
+        assert_eq!(slab.len(), 4096);
+        drop(slab);
+        assert_eq!(p.used(), 0);
     }
 
     #[test]

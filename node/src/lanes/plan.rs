@@ -23,6 +23,7 @@ use shardwire_devmem::ifaddr::IfAddrError;
 use shardwire_gpu::GpuDevice;
 use shardwire_topology::{
     Distance, GpuName, GpuNameError, GpuUuid, LanePlan, PairOptions, PciAddr, Tree, classify, pair,
+    split_queues,
 };
 
 /// The GPU of a lane.
@@ -271,13 +272,43 @@ pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, Pla
     match inp.lanes {
         Lanes::Auto => Ok(auto(inp, ipv4)),
         Lanes::Table(t) => {
-            let lanes: Vec<LaneSpec> = t
+            let mut lanes: Vec<LaneSpec> = t
                 .iter()
                 .enumerate()
                 .map(|(i, lc)| table_lane(inp, i, lc, ipv4))
                 .collect::<Result<_, _>>()?;
             one_lane_per_gpu(t, &lanes)?;
+            split_table_queues(inp.tree, t, &mut lanes);
             Ok(lanes)
+        }
+    }
+}
+
+/// The devmem queues of the table lanes that name none, once every lane's NIC is settled
+/// (named in the table or paired): the upper half of a NIC's queues split among its lanes in
+/// lane order ([`split_queues`]) where none of them names queues; else none, and the binding
+/// shares out what the named ones leave. The NIC's queues are never given twice: the auto
+/// pairing's split cannot be used, since it does not know which NIC the table names.
+fn split_table_queues(tree: &Tree, t: &[LaneConfig], lanes: &mut [LaneSpec]) {
+    let nics: std::collections::BTreeSet<String> =
+        lanes.iter().filter_map(|l| l.nic.clone()).collect();
+    for nic in nics {
+        let on: Vec<usize> = (0..lanes.len())
+            .filter(|&i| lanes[i].nic.as_deref() == Some(nic.as_str()))
+            .collect();
+        let rx = tree
+            .nics
+            .iter()
+            .find(|n| n.interface == nic)
+            .map(|n| n.rx_queues);
+        let split = match rx {
+            Some(rx) if on.iter().all(|&i| t[i].queues.is_empty()) => split_queues(rx, on.len()),
+            _ => vec![Vec::new(); on.len()],
+        };
+        for (&i, q) in on.iter().zip(split) {
+            if t[i].queues.is_empty() {
+                lanes[i].queues = q;
+            }
         }
     }
 }
@@ -474,7 +505,6 @@ fn table_lane(
         // The interface must exist even when its address is not used.
         ipv4(n).map_err(|source| PlanError::Interface { lane: i, source })?;
     }
-    let paired = p.filter(|p| p.nic == nic);
     let (distance, dist_why) =
         match distance_of(inp.tree, gpu.as_ref().map(|g| g.pci), nic.as_deref()) {
             Some((d, why)) => (Some(d), why),
@@ -493,10 +523,7 @@ fn table_lane(
     let numa_node = tree_nic
         .and_then(|n| n.numa_node)
         .or_else(|| tree_gpu.and_then(|g| g.numa_node));
-    let queues = match (&lc.queues[..], paired) {
-        ([], Some(p)) => p.queues.clone(),
-        (q, _) => q.to_vec(),
-    };
+    let queues = lc.queues.clone(); // those it names none of: `split_table_queues`
     Ok(LaneSpec {
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),

@@ -9,18 +9,20 @@
 
 pub mod served;
 pub mod session;
+pub mod stall;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardwire_protocol::framing::encode_frame;
 use shardwire_protocol::wire::{self, EncodeError, LaneAddr, Message};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use self::served::Served;
+use self::stall::{Stall, Waiting};
 use crate::fetch::{FetchFailure, Held, InFlight};
 
 /// How long a manifest request may wait for its answer.
@@ -169,6 +171,8 @@ pub struct SourceLink {
     retiring: AtomicBool,
     /// Fetches sent on it and not ended yet.
     outstanding: Arc<AtomicUsize>,
+    /// When the source last answered a fetch (or the session began): see [`stall`].
+    answered: Mutex<Instant>,
 }
 
 impl std::fmt::Debug for SourceLink {
@@ -202,6 +206,7 @@ impl SourceLink {
             draining: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
             outstanding: Arc::default(),
+            answered: Mutex::new(Instant::now()),
         })
     }
 
@@ -453,7 +458,26 @@ impl SourceLink {
         self.draining.store(false, Ordering::Release);
         self.up.store(true, Ordering::Release);
         *self.last_error.lock().expect("poisoned") = None;
+        self.fetch_answered();
         st.generation
+    }
+
+    /// Notes that the source answered a fetch (or a session began).
+    fn fetch_answered(&self) {
+        *self.answered.lock().expect("poisoned") = tokio::time::Instant::now().into_std();
+    }
+
+    /// Whether the source of this session stopped answering the fetches waiting on it, at
+    /// `now` (see [`stall`]).
+    pub fn stalled(&self, now: Instant) -> Option<Stall> {
+        let answered = *self.answered.lock().expect("poisoned");
+        let pending = self.pending.lock().expect("poisoned");
+        let waiting = pending.values().map(|f| Waiting {
+            req: f.req,
+            issued: f.issued,
+            length: f.length,
+        });
+        stall::check(now, answered, waiting)
     }
 
     /// Ends the current session: receivers are unblocked, and every fetch and manifest

@@ -2,7 +2,8 @@
 //! source over an in-memory pipe: the handshake (with the frame cap of an unauthenticated
 //! peer), the writer (frames queued by [`SourceLink`]'s API, each within [`WRITE_TIMEOUT`],
 //! and a `Ping` after a third of the idle timeout), and the reader, which hands each message to
-//! [`handle`] and ends the session when the source is silent for its idle timeout.
+//! [`handle`] and ends the session when the source is silent for its idle timeout, or when
+//! it keeps the session alive but stops answering the FETCHes that wait on it ([`stall`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::stall::{self, Stall};
 use super::{Announcement, DataConns, ManifestError, SourceLink};
 use crate::fetch::FetchFailure;
 
@@ -73,6 +75,9 @@ pub enum LinkError {
         /// The source's version.
         theirs: u8,
     },
+    /// The source keeps the session alive but stopped answering FETCHes.
+    #[error("{0}")]
+    Stalled(#[from] Stall),
     /// The source closed the connection before answering `Hello`.
     #[error("the source closed the connection after this node's Hello without answering: a source of another protocol version does that (this node speaks version {ours}; see the source's log), or it refused this node", ours = wire::VERSION)]
     ClosedAfterHello,
@@ -152,12 +157,13 @@ where
         authenticated = link.cfg.secret.is_some(), ?idle, "source link up");
     let writer = write_frames(wr, ctl_rx, idle);
     tokio::pin!(writer);
+    let mut stall_check = tokio::time::interval(stall::CHECK_EVERY);
+    let mut heard_by = Instant::now() + idle;
     loop {
         // A kick while this task was busy (not waiting below) is not lost: its reason stays.
         if let Some(reason) = link.abort_reason.lock().expect("poisoned").take() {
             return Err(LinkError::DataFailed { reason });
         }
-        let heard_by = Instant::now() + idle;
         let msg = tokio::select! {
             m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,
             w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
@@ -166,7 +172,12 @@ where
                 return Err(LinkError::DataFailed { reason: reason.unwrap_or_default() });
             }
             _ = tokio::time::sleep_until(heard_by) => return Err(LinkError::Idle(idle)),
+            _ = stall_check.tick() => match link.stalled(Instant::now().into_std()) {
+                Some(stall) => return Err(LinkError::Stalled(stall)),
+                None => continue,
+            },
         };
+        heard_by = Instant::now() + idle;
         handle(link, conns, generation, msg)?;
     }
 }
@@ -367,6 +378,7 @@ fn announced(
         .expect("poisoned")
         .remove(&req)
         .ok_or_else(|| LinkError::Protocol(format!("SHARD for unknown request {req}")))?;
+    link.fetch_answered();
     let down = |reason: String| FetchFailure::LinkDown {
         source_addr: link.addr.clone(),
         reason,
@@ -418,6 +430,7 @@ fn error_for(
         return;
     }
     if let Some(f) = link.pending.lock().expect("poisoned").remove(&req) {
+        link.fetch_answered();
         if code == ErrorCode::Cancelled {
             link.cancels.confirmed.fetch_add(1, Ordering::Relaxed);
             f.finish(Err(FetchFailure::Cancelled));

@@ -250,7 +250,7 @@ impl Place for GpuDirect {
     /// so the bytes never enter host memory; the CRC-32C is computed at the end by the CRC
     /// kernel of the slab's GPU.
     fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
-        let slab = &f.slab;
+        let slab = f.slab();
         let region = slab.region().cuda().ok_or(RxError::WrongMemory {
             path: "GPU-direct",
             found: "host",

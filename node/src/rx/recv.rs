@@ -52,7 +52,7 @@ pub struct Host<R>(pub R);
 
 impl<R: PayloadRead> Place for Host<R> {
     fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
-        let dst = f.slab.host_slice_mut().ok_or(RxError::WrongMemory {
+        let dst = f.slab_mut().host_slice_mut().ok_or(RxError::WrongMemory {
             path: "host",
             found: "CUDA",
         })?;

@@ -41,7 +41,7 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
     /// returning the CRC-32C computed while each piece was in host memory. The copies have
     /// landed when this returns.
     fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
-        let slab = &f.slab;
+        let slab = f.slab();
         let region = slab.region().cuda().ok_or(RxError::WrongMemory {
             path: "staged",
             found: "host",

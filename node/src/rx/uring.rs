@@ -31,7 +31,7 @@ pub struct Job {
 // same span (an empty one for a slab outside host memory, which is never posted).
 unsafe impl StableBuf for Job {
     fn bytes(&mut self) -> &mut [u8] {
-        self.f.slab.host_slice_mut().unwrap_or(&mut [])
+        self.f.slab_mut().host_slice_mut().unwrap_or(&mut [])
     }
 }
 

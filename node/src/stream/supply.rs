@@ -292,10 +292,11 @@ impl Issue for Links {
         tracing::debug!(req = id, shard = p.shard, pos = p.pos, source = %link.addr, "FETCH");
         link.fetch(id, &source.dataset, shard, f).map_err(|failed| {
             let (f, e) = *failed;
+            let (pos, shard) = (f.pos, f.shard);
             let p = Pending {
-                pos: f.pos,
-                shard: f.shard,
-                slab: f.slab,
+                pos,
+                shard,
+                slab: f.unsent(),
                 avoid: p.avoid,
                 not_before: None,
             };

@@ -388,3 +388,29 @@ fn a_table_naming_one_gpu_twice_in_two_spellings_is_refused_naming_both() {
         "{e}"
     );
 }
+
+#[test]
+fn a_table_that_puts_two_gpus_on_one_nic_splits_its_queues_between_them() {
+    // GPUs 04:00.0 and 0a:00.0 sit under the switches of eth1 and eth2; the table puts both
+    // on eth1 (two GPUs per NIC). The pairing alone would give 04:00.0 all of eth1's devmem
+    // queues and leave none for the other lane, so the binding could not start.
+    let t = tree("8gpu-4nic");
+    let on_eth1 = |gpu: &str| LaneConfig {
+        gpu: Some(gpu.into()),
+        interface: Some("eth1".into()),
+        ..LaneConfig::default()
+    };
+    let lanes = table(vec![on_eth1("0000:04:00.0"), on_eth1("0000:0a:00.0")]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    let queues: Vec<Vec<u32>> = got.iter().map(|l| l.queues.clone()).collect();
+    assert_eq!(queues, [(8..12).collect::<Vec<_>>(), (12..16).collect()]);
+    // A lane of that NIC that names its queues leaves the others to the binding's share.
+    let mut named = on_eth1("0000:0a:00.0");
+    named.queues = vec![15];
+    let lanes = table(vec![on_eth1("0000:04:00.0"), named]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(
+        (got[0].queues.clone(), got[1].queues.clone()),
+        (vec![], vec![15])
+    );
+}

@@ -524,3 +524,62 @@ async fn a_source_that_refuses_the_handshake_says_why() {
         "{e}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_source_that_pings_but_answers_no_fetch_ends_the_session_and_the_fetch_comes_back() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let p = pool(1 << 20);
+    let (f, mut done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(11, "tiny", f.shard, f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 11, .. }
+    ));
+    // The source keeps the session alive (it pings within every idle timeout) and answers
+    // nothing: the session ends once the silence limit has passed, not before.
+    let (mut rd, mut wr, mut buf) = (src.rd, src.wr, src.buf);
+    let pinger = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            if write_message(&mut wr, &Message::Ping).await.is_err() {
+                return;
+            }
+        }
+    });
+    let drain = tokio::spawn(async move {
+        while read_message(&mut rd, &mut buf, wire::MAX_FRAME)
+            .await
+            .is_ok()
+        {}
+    });
+    let began = Instant::now();
+    let e = task.await.unwrap().unwrap_err();
+    let waited = began.elapsed();
+    assert!(
+        matches!(
+            e,
+            LinkError::Stalled(stall::Stall::Silent { fetches: 1, .. })
+        ),
+        "{e}"
+    );
+    assert!(
+        waited >= stall::SILENCE_LIMIT && waited <= stall::SILENCE_LIMIT + Duration::from_secs(10),
+        "{waited:?}"
+    );
+    assert!(
+        e.to_string().contains("answered none of the 1 FETCHes"),
+        "{e}"
+    );
+    l.go_down(sink.as_ref(), &e.to_string()); // as the link's reconnect loop does
+    let c = done.recv().await.expect("the fetch came back");
+    assert!(
+        matches!(c.result, Err(FetchFailure::LinkDown { .. })),
+        "{:?}",
+        c.result
+    );
+    assert_eq!(l.in_flight(), 0);
+    pinger.abort();
+    drain.abort();
+}

@@ -149,7 +149,10 @@ impl Fake {
 /// Fills the fetch's slab with its shard and ends it verified.
 fn answer(mut f: InFlight) {
     let bytes = shard_bytes(f.shard);
-    f.slab.host_slice_mut().unwrap().copy_from_slice(&bytes);
+    f.slab_mut()
+        .host_slice_mut()
+        .unwrap()
+        .copy_from_slice(&bytes);
     f.verified(crc(&bytes));
 }
 
@@ -264,7 +267,7 @@ async fn a_crc_failure_is_fetched_again_avoiding_the_source_and_never_delivered(
             }
             if failed.is_none() {
                 failed = Some(f.shard);
-                f.slab.host_slice_mut().unwrap().fill(0xee); // damaged bytes
+                f.slab_mut().host_slice_mut().unwrap().fill(0xee); // damaged bytes
                 f.verified(0);
             } else {
                 answer(f);
@@ -283,7 +286,9 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
     let fake = Fake::default();
     let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
     settle(&mut d).unwrap();
-    let (f, _) = fake.take().pop().expect("a fetch was issued");
+    // The others stay in flight (dropped, they would come back abandoned and be fetched again).
+    let mut issued = fake.take();
+    let (f, _) = issued.pop().expect("a fetch was issued");
     let shard = f.shard;
     refuse(
         f,
@@ -309,6 +314,7 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
         other => panic!("{other:?}"),
     }
     assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
+    drop(issued);
 }
 
 #[tokio::test(flavor = "multi_thread")]

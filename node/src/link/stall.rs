@@ -1,0 +1,200 @@
+//! When a source that is alive stops answering the FETCHes that wait on it.
+//!
+//! A source answers every FETCH with a `Shard` announcement or an `Error`. The session's idle
+//! timeout does not see a source that pings but answers nothing (a wedged session, a request
+//! it lost), and a pending fetch has no data connection yet, so no stall timeout of its own.
+//! So the session checks its pending fetches every [`CHECK_EVERY`] ([`check`]) and ends
+//! itself on a [`Stall`]: every fetch waiting on it fails as `LinkDown` and is fetched again
+//! (from another source when one is up), and the link reconnects.
+//!
+//! The limits are generous on purpose: a source reads a shard from object storage before it
+//! announces it, and waits for room on a data connection behind the fetches before it. Both
+//! grow by a second per [`ALLOWANCE_RATE`] bytes of the largest fetch concerned, so a shard
+//! of any size may be read at that rate.
+
+use std::time::{Duration, Instant};
+
+/// How often a session checks its pending fetches.
+pub const CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// A source that answers none of the fetches waiting on it for this long (plus the size
+/// allowance) is wedged.
+pub const SILENCE_LIMIT: Duration = Duration::from_secs(300);
+
+/// A fetch unanswered for this long (plus the size allowance) while the source answers
+/// others was lost by the source.
+pub const UNANSWERED_LIMIT: Duration = Duration::from_secs(1800);
+
+/// Bytes per second of allowance on top of both limits.
+pub const ALLOWANCE_RATE: u64 = 1 << 20;
+
+/// A pending fetch as the check sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Waiting {
+    /// Its request id.
+    pub req: u64,
+    /// When it was sent.
+    pub issued: Instant,
+    /// Its payload length.
+    pub length: u64,
+}
+
+/// Why a session gives up on its source.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Stall {
+    /// No fetch was answered for this long while some waited.
+    #[error(
+        "the source answered none of the {fetches} FETCHes waiting on it for {waited:?} (limit {limit:?}): it keeps the session alive but serves nothing"
+    )]
+    Silent {
+        /// How many waited.
+        fetches: usize,
+        /// How long nothing was answered.
+        waited: Duration,
+        /// The limit it passed.
+        limit: Duration,
+    },
+    /// One fetch waited past its limit while the source answered others.
+    #[error(
+        "the source has not answered FETCH {req} for {waited:?} (limit {limit:?}) while it answered later ones: it lost the request"
+    )]
+    Unanswered {
+        /// The request.
+        req: u64,
+        /// How long it waited.
+        waited: Duration,
+        /// The limit it passed.
+        limit: Duration,
+    },
+}
+
+/// `base` plus a second per [`ALLOWANCE_RATE`] bytes of `length`.
+fn limit(base: Duration, length: u64) -> Duration {
+    base + Duration::from_secs(length / ALLOWANCE_RATE)
+}
+
+/// Whether the fetches in `pending` show a stalled source at `now`, given the last time the
+/// source answered a fetch of this session (`answered`; the session's start if none yet).
+pub fn check(
+    now: Instant,
+    answered: Instant,
+    pending: impl IntoIterator<Item = Waiting>,
+) -> Option<Stall> {
+    let (mut fetches, mut oldest, mut largest) = (0, None::<Instant>, 0);
+    let mut lost: Option<Stall> = None;
+    for w in pending {
+        fetches += 1;
+        oldest = Some(oldest.map_or(w.issued, |o| o.min(w.issued)));
+        largest = largest.max(w.length);
+        let waited = now.saturating_duration_since(w.issued);
+        let limit = limit(UNANSWERED_LIMIT, w.length);
+        let older = match &lost {
+            Some(Stall::Unanswered { waited: w0, .. }) => waited > *w0,
+            _ => true,
+        };
+        if waited > limit && older {
+            lost = Some(Stall::Unanswered {
+                req: w.req,
+                waited,
+                limit,
+            });
+        }
+    }
+    let since = answered.max(oldest?);
+    let waited = now.saturating_duration_since(since);
+    let silence = limit(SILENCE_LIMIT, largest);
+    if waited > silence {
+        return Some(Stall::Silent {
+            fetches,
+            waited,
+            limit: silence,
+        });
+    }
+    lost
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn at(t0: Instant, secs: u64) -> Instant {
+        t0 + Duration::from_secs(secs)
+    }
+
+    fn waiting(req: u64, issued: Instant, length: u64) -> Waiting {
+        Waiting {
+            req,
+            issued,
+            length,
+        }
+    }
+
+    #[test]
+    fn nothing_pending_is_never_a_stall() {
+        let t0 = Instant::now();
+        assert_eq!(check(at(t0, 100_000), t0, []), None);
+    }
+
+    #[test]
+    fn a_source_that_answers_nothing_is_silent_past_the_limit_and_its_allowance() {
+        let t0 = Instant::now();
+        let p = [waiting(1, t0, 4 * MIB), waiting(2, at(t0, 10), 64 * MIB)];
+        // 300 s plus 64 s for the largest (64 MiB at 1 MiB/s).
+        assert_eq!(check(at(t0, 364), t0, p), None);
+        assert_eq!(
+            check(at(t0, 365), t0, p),
+            Some(Stall::Silent {
+                fetches: 2,
+                waited: Duration::from_secs(365),
+                limit: Duration::from_secs(364),
+            })
+        );
+    }
+
+    #[test]
+    fn answers_and_young_fetches_restart_the_silence() {
+        let t0 = Instant::now();
+        let p = [waiting(1, t0, MIB)];
+        // The source answered another fetch at 200 s: silent only from there.
+        assert_eq!(check(at(t0, 450), at(t0, 200), p), None);
+        assert!(check(at(t0, 502), at(t0, 200), p).is_some());
+        // A fetch sent long after the last answer counts from when it was sent.
+        let young = [waiting(2, at(t0, 1000), MIB)];
+        assert_eq!(check(at(t0, 1200), t0, young), None);
+    }
+
+    #[test]
+    fn one_fetch_left_behind_while_others_are_answered_is_lost() {
+        let t0 = Instant::now();
+        let p = [
+            waiting(7, t0, 2 * MIB),
+            waiting(8, at(t0, 100), 2 * MIB),
+            waiting(9, at(t0, 1790), MIB),
+        ];
+        let answered = at(t0, 1795);
+        assert_eq!(
+            check(at(t0, 1802), answered, p),
+            None,
+            "1800 s + 2 s allowed"
+        );
+        assert_eq!(
+            check(at(t0, 1903), answered, p),
+            Some(Stall::Unanswered {
+                req: 7,
+                waited: Duration::from_secs(1903),
+                limit: Duration::from_secs(1802),
+            }),
+            "the oldest one is named"
+        );
+    }
+
+    #[test]
+    fn a_huge_shard_gets_time_to_be_read_at_the_allowance_rate() {
+        let t0 = Instant::now();
+        let p = [waiting(1, t0, 100 << 30)]; // 100 GiB: 102 400 s of allowance
+        assert_eq!(check(at(t0, 100_000), t0, p), None);
+        assert!(check(at(t0, 102_701), t0, p).is_some());
+    }
+}
