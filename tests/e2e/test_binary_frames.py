@@ -184,12 +184,13 @@ def test_malformed_binary_replies_name_what_is_wrong(cut: Any, why: str):
         _binary.decode(cut(body))
 
 
-def fake_service(path: str, answer: bytes | Any, attach: bool = True):
-    """A fake node service at `path` for one connection: it attaches a stream (a 64 KiB region)
-    and answers the first request after attach with `answer`'s bytes (or, if `answer` is a
-    function, calls it with the connected socket and its Conn instead), then waits for the
-    client to close. With `attach=False` it never answers the attach. Returns the listening
-    socket and the serving thread (join, then close)."""
+def fake_service(path: str, answer: bytes | Any, attach: bool = True, attached: dict[str, Any] | None = None,
+                 fd_size: int = 1 << 16):
+    """A fake node service at `path` for one connection: it attaches a stream (a 64 KiB region,
+    or `attached` with a memfd of `fd_size` bytes) and answers the first request after attach
+    with `answer`'s bytes (or, if `answer` is a function, calls it with the connected socket and
+    its Conn instead), then waits for the client to close. With `attach=False` it never answers
+    the attach. Returns the listening socket and the serving thread (join, then close)."""
     import os
     import threading
 
@@ -209,10 +210,10 @@ def fake_service(path: str, answer: bytes | Any, attach: bool = True):
             c.close()
             return
         fd = os.memfd_create("region")
-        os.ftruncate(fd, 1 << 16)
-        attached = {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 3, "epochs": 1, "memory": "host",
-                    "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
-        socket.send_fds(c, [_wire.encode(attached)], [fd])
+        os.ftruncate(fd, fd_size)
+        reply = attached or {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 3, "epochs": 1,
+                             "memory": "host", "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
+        socket.send_fds(c, [_wire.encode(reply)], [fd])
         os.close(fd)
         if callable(answer):
             answer(c, conn)

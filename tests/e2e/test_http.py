@@ -436,6 +436,8 @@ def test_a_tensor_download_refused_for_a_full_copy_budget_is_tried_again():
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 seen.append(f"POST {self.path.split('?')[0]}")
+                if "after=" in self.path:
+                    seen.append(f"POST {self.path.split('?')[0]}?after={self.path.split('after=')[1]}")
                 if self.path == "/v1/streams":
                     v = {"stream": 1, "batches_per_epoch": 1, "epochs": 1, "state": {}, "idle_timeout_s": 300}
                     return self.answer(201, json.dumps(v).encode())
@@ -474,6 +476,21 @@ def test_a_tensor_download_refused_for_a_full_copy_budget_is_tried_again():
             s.next(timeout=10)
         assert e.value.code == "unavailable", e.value
         assert seen.count("GET /v1/leases/7/tensors/x") == _http.COPY_ATTEMPTS, seen
+        assert "POST /v1/leases/7/release" not in seen, "the batch not received keeps its lease"
+    finally:
+        srv.shutdown()
+    # Refused COPY_ATTEMPTS times, then served: the failed `next` took nothing, so the next
+    # one names the same `after` (0), which the node answers with that batch again.
+    srv, seen = serve(refusals=_http.COPY_ATTEMPTS)
+    try:
+        s = shardwire.connect_http(f"http://127.0.0.1:{srv.server_address[1]}").open_stream("d")
+        with pytest.raises(shardwire.ServiceError):
+            s.next(timeout=10)
+        b = s.next(timeout=10)
+        assert b is not None and b.lease == 7 and list(b["x"]) == [1, 2, 3, 4]
+        nexts = [p for p in seen if "after=" in p]
+        assert nexts == ["POST /v1/streams/1/next?after=0"] * 2, seen
+        assert seen.count("POST /v1/leases/7/release") == 1, seen
     finally:
         srv.shutdown()
 

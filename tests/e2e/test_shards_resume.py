@@ -371,3 +371,44 @@ def test_a_batch_mode_checkpoint_at_the_last_batch_resumes_to_nothing(node, stat
     assert [ids(item) for item in dl2] == []
     del dl2
     assert delivered(node) == before, "nothing is handed out again"
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_an_iteration_ended_by_an_error_is_continued_by_the_next_not_replayed(node, monkeypatch, batch_size):
+    """A training loop that catches a `Timeout` (or a lost node) and iterates the dataset
+    again gets the items after the last one it took, not the epoch from its start: the next
+    iteration opens where `state_dict` says it stopped. Before, the stream's position was
+    dropped with the stream, so the epoch's first items came a second time. Leaving the loop
+    early (`break`) still starts the epoch over on the next iteration."""
+    from shardwire import _client
+    from shardwire.torch import IterableDataset
+
+    kw = {} if batch_size is None else {"batch_size": batch_size}
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **kw)
+    with monkeypatch.context() as m:
+        real, calls = _client.Stream.next, {"n": 0}
+
+        def flaky(self, timeout=None):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise shardwire.Timeout("injected: no batch in time")
+            return real(self, timeout)
+
+        m.setattr(_client.Stream, "next", flaky)
+        got: list[list[int]] = []
+        with pytest.raises(shardwire.Timeout):
+            for item in ds:
+                got.append(ids(item))
+        assert len(got) == 3
+        saved = ds.state_dict()
+        got += [ids(item) for item in ds]  # the loop goes round again after the error
+    with shardwire.connect(node.socket).open_stream("s", seed=3, **kw) as s:
+        want = [ids(b) for b in s]
+    assert got == want, "each item once, in order"
+    assert saved["stream"] is not None
+    # `break` is not an error: the next iteration starts the epoch again.
+    for item in ds:
+        first = ids(item)
+        break
+    assert first == want[0]
+    assert [ids(item) for item in ds] == want

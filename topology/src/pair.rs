@@ -10,6 +10,11 @@
 //! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
 //!   as evenly as possible; with fewer queues than GPUs the later GPUs get none.
+//! - A usable NIC is passed over ([`passed_over`]) when its link is down while another's is
+//!   up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
+//!   NIC beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
+//!   An SR-IOV virtual function comes after every physical function at its distance, whatever
+//!   their load: a VF shares its PF's port, so it is no second NIC.
 //! - Virtual NICs (veth, lo) have no PCI path. They are never used unless named in
 //!   [`PairOptions::include_virtual`]; a named one is a candidate at [`Distance::Sys`]
 //!   (we cannot know which CPU it hangs off), so any physical NIC at PIX, PXB or PHB wins
@@ -107,13 +112,51 @@ struct Candidate {
     class: Classified,
 }
 
+/// A NIC whose link is this many times slower than the host's fastest is passed over.
+pub const SLOW_FACTOR: u32 = 8;
+
+/// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
+/// while that of another of the host's `nics` (usable) is not, or it runs [`SLOW_FACTOR`]
+/// times slower than the fastest of them whose link is not down. `None`: it is a candidate.
+pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
+    if nic.is_virtual || nic.unusable.is_some() {
+        return None;
+    }
+    let usable = || {
+        nics.iter()
+            .filter(|n| !n.is_virtual && n.unusable.is_none() && n.link_up != Some(false))
+    };
+    if nic.link_up == Some(false) {
+        let up = usable().next()?;
+        return Some(format!(
+            "its link is down (operstate), and {}'s is not",
+            up.interface
+        ));
+    }
+    let speed = nic.speed_mbps?;
+    let (fastest, name) = usable()
+        .filter_map(|n| Some((n.speed_mbps?, &n.interface)))
+        .max_by(|a, b| a.0.cmp(&b.0).then_with(|| b.1.cmp(a.1)))?;
+    (speed.saturating_mul(SLOW_FACTOR) <= fastest).then(|| {
+        format!(
+            "its link runs at {speed} Mb/s, 1/{} of {name}'s {fastest} Mb/s (a management NIC?)",
+            fastest / speed
+        )
+    })
+}
+
 /// Plans one lane per GPU (none when the tree has no GPU: the node keeps its host lane).
 pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
     let mut gpus: Vec<&Gpu> = tree.gpus.iter().collect();
     gpus.sort_by_key(|g| g.pci);
+    let skip: Vec<bool> = tree
+        .nics
+        .iter()
+        .map(|n| passed_over(&tree.nics, n).is_some())
+        .collect();
     let best: Vec<Vec<Candidate>> = gpus
         .iter()
-        .map(|g| best_candidates(g, &tree.nics, opts))
+        .map(|g| best_candidates(g, &tree.nics, &skip, opts))
         .collect();
     let chosen = assign(&best, &tree.nics);
     let mut queues: Vec<Vec<u32>> = vec![Vec::new(); gpus.len()];
@@ -179,13 +222,13 @@ fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
     }
 }
 
-/// The usable NICs at the GPU's smallest distance.
-fn best_candidates(gpu: &Gpu, nics: &[Nic], opts: &PairOptions) -> Vec<Candidate> {
+/// The usable NICs at the GPU's smallest distance, less those passed over (`skip`).
+fn best_candidates(gpu: &Gpu, nics: &[Nic], skip: &[bool], opts: &PairOptions) -> Vec<Candidate> {
     let all: Vec<Candidate> = nics
         .iter()
         .enumerate()
         .filter_map(|(k, nic)| {
-            if nic.unusable.is_some() && !nic.is_virtual {
+            if skip[k] || (nic.unusable.is_some() && !nic.is_virtual) {
                 // Named by the caller ([`Nic::unusable`]); a virtual NIC is used only where
                 // it is named anyway.
                 return None;
@@ -215,7 +258,8 @@ fn best_candidates(gpu: &Gpu, nics: &[Nic], opts: &PairOptions) -> Vec<Candidate
 }
 
 /// The NIC (index into `nics`) of each GPU: GPUs with the fewest candidates choose first,
-/// each the candidate with the fewest GPUs so far, then on the adapter with the fewest (the
+/// each a physical function before an SR-IOV virtual function, then the candidate with the
+/// fewest GPUs so far, then on the adapter with the fewest (the
 /// ports and functions of one PCI device share its link and its engine: as NCCL, which merges
 /// the functions of a device, two GPUs under one switch with a dual-port NIC and a second NIC
 /// get one adapter each), then physical before virtual, then the lowest PCI address, then the
@@ -231,7 +275,14 @@ fn assign(best: &[Vec<Candidate>], nics: &[Nic]) -> Vec<Option<usize>> {
         let pick = best[i].iter().map(|c| c.nic).min_by_key(|&k| {
             let nic = &nics[k];
             let on_adapter = adapter(k).map_or(0, |a| adapter_load.get(&a).copied().unwrap_or(0));
-            (load[k], on_adapter, nic.is_virtual, nic.pci, &nic.interface)
+            (
+                nic.sriov_vf,
+                load[k],
+                on_adapter,
+                nic.is_virtual,
+                nic.pci,
+                &nic.interface,
+            )
         });
         if let Some(k) = pick {
             load[k] += 1;
@@ -335,6 +386,9 @@ mod tests {
             local_cpulist: Vec::new(),
             path: Some(path),
             unusable: None,
+            speed_mbps: None,
+            link_up: None,
+            sriov_vf: false,
         }
     }
 
@@ -351,6 +405,9 @@ mod tests {
             local_cpulist: Vec::new(),
             path: None,
             unusable: None,
+            speed_mbps: None,
+            link_up: None,
+            sriov_vf: false,
         }
     }
 
@@ -823,5 +880,118 @@ mod tests {
         assert_eq!(json["nic"], serde_json::Value::Null);
         assert_eq!(json["numa_node"], 0);
         assert_eq!(json["gpu"], "0000:01:00.0");
+    }
+
+    /// Two GPUs and three NICs under one switch (PIX to both), built by `nics`.
+    fn one_switch(nics: impl Fn(&dyn Fn(&str, &str) -> Nic) -> Vec<Nic>) -> Tree {
+        let under = |down: &str, dev: &str| under_switch("0000:01:00.0", down, dev);
+        let g = |down: &str, dev: &str| gpu(Some(0), "pci0000:00", &chain(&under(down, dev)));
+        let n = |down: &str, name: &str| {
+            let dev = format!("0000:1{}:00.0", &down[9..10]);
+            nic(name, Some(0), 16, "pci0000:00", &chain(&under(down, &dev)))
+        };
+        Tree {
+            gpus: vec![
+                g("0000:02:00.0", "0000:10:00.0"),
+                g("0000:02:01.0", "0000:11:00.0"),
+            ],
+            nics: nics(&n),
+            ..Tree::default()
+        }
+    }
+
+    #[test]
+    fn a_management_nic_is_passed_over_for_a_fast_one_at_the_same_distance() {
+        // A 400 Gb/s NIC and a 1 Gb/s one, equally near both GPUs: spreading the tie gave the
+        // second GPU the management NIC.
+        let tree = one_switch(|n| {
+            let mut fast = n("0000:02:02.0", "ens1");
+            fast.speed_mbps = Some(400_000);
+            let mut slow = n("0000:02:03.0", "eno1");
+            slow.speed_mbps = Some(1_000);
+            vec![fast, slow]
+        });
+        let lanes = pair(&tree, &PairOptions::default());
+        let got: Vec<_> = lanes
+            .iter()
+            .map(|l| (l.nic.as_deref(), l.queues.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Some("ens1"), (8..12).collect()),
+                (Some("ens1"), (12..16).collect())
+            ],
+            "{lanes:#?}"
+        );
+        let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
+        assert!(
+            why.contains("1000 Mb/s, 1/400 of ens1's 400000 Mb/s"),
+            "{why}"
+        );
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+        // A NIC at a quarter of the fastest is no management NIC: the tie is spread.
+        let tree = one_switch(|n| {
+            let mut a = n("0000:02:02.0", "ens1");
+            a.speed_mbps = Some(400_000);
+            let mut b = n("0000:02:03.0", "ens2");
+            b.speed_mbps = Some(100_000);
+            vec![a, b]
+        });
+        let got: Vec<_> = pair(&tree, &PairOptions::default())
+            .into_iter()
+            .map(|l| l.nic)
+            .collect();
+        assert_eq!(got, [Some("ens1".into()), Some("ens2".into())]);
+    }
+
+    #[test]
+    fn a_port_whose_link_is_down_is_passed_over_while_another_is_up() {
+        // An uncabled second port (operstate down) took the second GPU, which then received
+        // nothing.
+        let tree = one_switch(|n| {
+            let mut up = n("0000:02:02.0", "ens1f0");
+            up.link_up = Some(true);
+            let mut down = n("0000:02:03.0", "ens1f1");
+            down.link_up = Some(false);
+            vec![up, down]
+        });
+        let got: Vec<_> = pair(&tree, &PairOptions::default())
+            .into_iter()
+            .map(|l| l.nic)
+            .collect();
+        assert_eq!(got, [Some("ens1f0".into()), Some("ens1f0".into())]);
+        let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
+        assert!(
+            why.contains("link is down (operstate), and ens1f0's is not"),
+            "{why}"
+        );
+        // Every link down (a host booting, say): none is passed over.
+        let tree = one_switch(|n| {
+            let mut a = n("0000:02:02.0", "ens1f0");
+            a.link_up = Some(false);
+            vec![a]
+        });
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+        assert!(
+            pair(&tree, &PairOptions::default())
+                .iter()
+                .all(|l| l.nic.is_some())
+        );
+    }
+
+    #[test]
+    fn a_virtual_function_comes_after_its_physical_function_however_loaded() {
+        let tree = one_switch(|n| {
+            let pf = n("0000:02:02.0", "ens1");
+            let mut vf = n("0000:02:03.0", "ens1v0");
+            vf.sriov_vf = true;
+            vec![vf, pf]
+        });
+        let got: Vec<_> = pair(&tree, &PairOptions::default())
+            .into_iter()
+            .map(|l| l.nic)
+            .collect();
+        assert_eq!(got, [Some("ens1".into()), Some("ens1".into())]);
     }
 }

@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::Topology;
+use crate::pair::passed_over;
 use crate::values::{format_ranges, hex16};
 
 /// `-` for a missing value.
@@ -115,6 +116,8 @@ pub fn render_text(topo: &Topology) -> String {
     for n in topo.nics.iter().filter(|n| !n.is_virtual) {
         if let Some(why) = &n.unusable {
             let _ = writeln!(out, "  {} is not paired with any GPU: {why}", n.interface);
+        } else if let Some(why) = passed_over(&topo.nics, n) {
+            let _ = writeln!(out, "  {} is passed over: {why}", n.interface);
         }
     }
     render_lanes(&mut out, topo);
@@ -221,6 +224,9 @@ mod tests {
                 "0000:04:00.0",
             ])),
             unusable: None,
+            speed_mbps: None,
+            link_up: None,
+            sriov_vf: false,
         };
         let lo = Nic {
             interface: "lo".to_owned(),
@@ -234,6 +240,9 @@ mod tests {
             local_cpulist: Vec::new(),
             path: None,
             unusable: None,
+            speed_mbps: None,
+            link_up: None,
+            sriov_vf: false,
         };
         let nics = if with_nic { vec![eth, lo] } else { vec![lo] };
         let tree = Tree {

@@ -102,6 +102,15 @@ pub struct Nic {
     /// its traffic instead. `None`: usable.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unusable: Option<String>,
+    /// Negotiated link speed in Mb/s (`speed`); `None` when unknown (the link down, a
+    /// virtual NIC, a driver that does not say).
+    pub speed_mbps: Option<u32>,
+    /// Whether its link is up (`operstate`): `None` when the kernel does not know
+    /// (`unknown`, `dormant`, `testing`, unreadable).
+    pub link_up: Option<bool>,
+    /// An SR-IOV virtual function (its PCI function has a `physfn` link): it shares the port
+    /// of its physical function.
+    pub sriov_vf: bool,
 }
 
 /// What a sysfs tree says about a host.
@@ -241,13 +250,23 @@ fn pci_device(root: &Path, entry: &Path) -> Option<(PciAddr, PathBuf)> {
 }
 
 /// Why the interface at `entry` (`class/net/NAME`) cannot carry a lane, if it cannot: its
-/// `type` (ARPHRD) is not Ethernet (1), or it has a `master` (a bond, team or bridge).
+/// `type` (ARPHRD) is not Ethernet (1), it is a switchdev representor of a virtual or
+/// sub-function (`phys_port_name` `pfNvfM`, `pfNsfM`), or it has a `master` (a bond, team or
+/// bridge).
 fn unusable(entry: &Path) -> Option<String> {
     let arp_type = read_text(&entry.join("type")).and_then(|t| t.trim().parse::<u16>().ok());
     if let Some(t) = arp_type.filter(|&t| t != 1) {
         let what = if t == 32 { " (InfiniBand)" } else { "" };
         return Some(format!(
             "not an Ethernet interface: ARPHRD type {t}{what}; lanes and devmem TCP need Ethernet"
+        ));
+    }
+    let port = read_text(&entry.join("phys_port_name")).unwrap_or_default();
+    if is_function_representor(port.trim()) {
+        return Some(format!(
+            "a switchdev representor (phys_port_name {}): it carries that function's traffic, \
+             not a port's",
+            port.trim()
         ));
     }
     let master = fs::read_link(entry.join("master")).ok()?;
@@ -257,12 +276,44 @@ fn unusable(entry: &Path) -> Option<String> {
     ))
 }
 
+/// Whether a `phys_port_name` names the representor of a virtual or sub-function (`pf0vf3`,
+/// `pf0sf1`, with a controller `c1pf0vf3`), not a physical port (`p0`) or its PF (`pf0`).
+fn is_function_representor(name: &str) -> bool {
+    let digits = |s: &str| -> Option<usize> {
+        let n = s.bytes().take_while(u8::is_ascii_digit).count();
+        (n > 0).then_some(n)
+    };
+    let rest = match name.strip_prefix('c') {
+        Some(r) => digits(r).map_or(name, |n| &r[n..]),
+        None => name,
+    };
+    let Some(rest) = rest.strip_prefix("pf") else {
+        return false;
+    };
+    let Some(n) = digits(rest) else { return false };
+    let rest = &rest[n..];
+    let Some(tail) = rest.strip_prefix("vf").or_else(|| rest.strip_prefix("sf")) else {
+        return false;
+    };
+    digits(tail) == Some(tail.len())
+}
+
 fn count_rx_queues(queues: &Path) -> u32 {
     let n = entries(queues)
         .iter()
         .filter(|(name, _)| name.starts_with("rx-"))
         .count();
     u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Whether an `operstate` value (RFC 2863) says the link is up; `None`: the kernel does not
+/// know.
+fn link_up(operstate: &str) -> Option<bool> {
+    match operstate {
+        "up" => Some(true),
+        "down" | "lowerlayerdown" | "notpresent" => Some(false),
+        _ => None,
+    }
 }
 
 fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
@@ -278,8 +329,15 @@ fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
         local_cpulist: Vec::new(),
         path: None,
         unusable: unusable(entry),
+        speed_mbps: read_text(&entry.join("speed"))
+            .and_then(|t| t.trim().parse::<i64>().ok())
+            .and_then(|s| u32::try_from(s).ok())
+            .filter(|&s| s > 0),
+        link_up: read_text(&entry.join("operstate")).and_then(|t| link_up(t.trim())),
+        sriov_vf: false,
     };
     if let Some((pci, dev)) = pci_device(root, entry) {
+        nic.sriov_vf = fs::symlink_metadata(dev.join("physfn")).is_ok();
         nic.pci = Some(pci);
         nic.numa_node = read_numa(&dev);
         nic.is_virtual = false;
@@ -294,6 +352,27 @@ fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn representors_of_functions_are_told_from_ports() {
+        for r in ["pf0vf3", "pf1sf12", "c1pf0vf0"] {
+            assert!(is_function_representor(r), "{r}");
+        }
+        for p in ["p0", "pf0", "", "pf0vf", "pfxvf1", "eth0", "c1pf0"] {
+            assert!(!is_function_representor(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn operstates_up_down_and_unknown() {
+        assert_eq!(link_up("up"), Some(true));
+        for s in ["down", "lowerlayerdown", "notpresent"] {
+            assert_eq!(link_up(s), Some(false), "{s}");
+        }
+        for s in ["unknown", "dormant", "testing", ""] {
+            assert_eq!(link_up(s), None, "{s}");
+        }
+    }
 
     #[test]
     fn missing_root_is_an_error_naming_it() {

@@ -515,6 +515,9 @@ fn json_has_exactly_the_documented_keys() {
         "device",
         "local_cpulist",
         "path",
+        "speed_mbps",
+        "link_up",
+        "sriov_vf",
     ];
     for n in json["nics"].as_array().expect("nics") {
         assert_eq!(keys(n), sorted(nic_keys.clone()));
@@ -540,9 +543,11 @@ fn json_has_exactly_the_documented_keys() {
         "eth1": {"interface": "eth1", "pci": "0000:04:00.0", "numa_node": 0, "virtual": false,
                  "rx_queues": 16, "devmem_capable": null, "vendor": "0x15b3", "device": "0x1021", "local_cpulist": "0-7",
                  "path": {"host_bridge": "pci0000:00",
-                          "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:01.0", "0000:04:00.0"]}},
+                          "chain": ["0000:00:01.0", "0000:01:00.0", "0000:02:01.0", "0000:04:00.0"]},
+                 "speed_mbps": null, "link_up": true, "sriov_vf": false},
         "lo": {"interface": "lo", "pci": null, "numa_node": null, "virtual": true, "rx_queues": 1,
-               "devmem_capable": null, "vendor": null, "device": null, "local_cpulist": "", "path": null},
+               "devmem_capable": null, "vendor": null, "device": null, "local_cpulist": "", "path": null,
+               "speed_mbps": null, "link_up": true, "sriov_vf": false},
         "lane": {"lane": 0, "gpu": "0000:03:00.0", "nic": "eth1", "nic_pci": "0000:04:00.0",
                  "distance": "PIX", "numa_node": 0, "queues": [8, 9, 10, 11, 12, 13, 14, 15],
                  "data_addr": null, "why": "same PCIe switch 0000:01:00.0", "warn": false},
@@ -615,4 +620,64 @@ fn an_infiniband_port_and_a_bond_slave_are_never_paired_and_say_why() {
         .filter(|p| p.distance == Some(Distance::Pix))
         .count();
     assert_eq!(own, 6, "{plans:#?}");
+}
+
+#[test]
+fn link_state_speed_virtual_functions_and_representors_are_read_and_used() {
+    // The A3 tree (8 GPUs, each with its own PIX NIC eth1..eth8) with, as the kernel writes
+    // them: eth1's link down (no carrier: uncabled), eth2 a virtual function (its device has a
+    // `physfn` link), eth3 a representor of a VF (phys_port_name pf0vf3), eth4 at 400 Gb/s,
+    // eth5 a speed of -1 (unknown), host NIC eth0 at 1 Gb/s.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("topology-links-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    copy_tree(&fixture("a3-8gpu-8nic"), &dir);
+    let net = dir.join("class/net");
+    fs::write(net.join("eth1/operstate"), "down\n").unwrap();
+    std::os::unix::fs::symlink("../0000:00:00.0", net.join("eth2/device/physfn")).unwrap();
+    fs::write(net.join("eth3/phys_port_name"), "pf0vf3\n").unwrap();
+    fs::write(net.join("eth4/speed"), "400000\n").unwrap();
+    fs::write(net.join("eth5/speed"), "-1\n").unwrap();
+    fs::write(net.join("eth0/speed"), "1000\n").unwrap();
+    let tree = Tree::read(&dir).expect("read the copy");
+    let _ = fs::remove_dir_all(&dir);
+    let nic = |name: &str| tree.nics.iter().find(|n| n.interface == name).unwrap();
+    assert_eq!(nic("eth1").link_up, Some(false));
+    assert_eq!(nic("eth6").link_up, Some(true));
+    assert!(nic("eth2").sriov_vf && !nic("eth6").sriov_vf);
+    assert!(
+        nic("eth3")
+            .unusable
+            .as_deref()
+            .is_some_and(|w| w.contains("representor (phys_port_name pf0vf3)")),
+        "{:?}",
+        nic("eth3").unusable
+    );
+    assert_eq!(
+        (nic("eth4").speed_mbps, nic("eth5").speed_mbps),
+        (Some(400_000), None)
+    );
+    let why = |name: &str| shardwire_topology::passed_over(&tree.nics, nic(name));
+    assert!(why("eth1").is_some_and(|w| w.contains("link is down")));
+    assert!(why("eth0").is_some_and(|w| w.contains("1000 Mb/s, 1/400 of eth4's")));
+    let plans = pair(&tree, &PairOptions::default());
+    for p in &plans {
+        assert!(
+            !matches!(p.nic.as_deref(), Some("eth0" | "eth1" | "eth3")),
+            "{} paired with {:?}",
+            p.gpu,
+            p.nic
+        );
+    }
+    // The text report names the NICs passed over and why.
+    let text =
+        shardwire_topology::render_text(&Topology::from_tree(&tree, &PairOptions::default()));
+    assert!(
+        text.contains("  eth1 is passed over: its link is down"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  eth3 is not paired with any GPU: a switchdev representor"),
+        "{text}"
+    );
 }

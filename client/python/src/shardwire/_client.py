@@ -329,6 +329,42 @@ def _connect(path: str) -> socket.socket:
     return sock
 
 
+def _attached_info(msg: dict[str, Any]) -> StreamInfo:
+    """The stream an ``attached`` reply describes; ProtocolError naming what is missing or
+    malformed (never a KeyError or a ValueError, which would read as a bad argument)."""
+    try:
+        info = StreamInfo(
+            stream=int(msg["stream"]),
+            region_size=int(msg["region_size"]),
+            batches_per_epoch=int(msg["batches_per_epoch"]),
+            epochs=int(msg["epochs"]),
+            memory=str(msg["memory"]),
+            state=dict(msg["state"]),
+            gpu=dict(msg["gpu"]) if msg.get("gpu") is not None else None,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"attached reply without a well-formed {e!s}: {msg!r}") from e
+    if info.region_size <= 0:
+        raise ProtocolError(f"attached with region_size {info.region_size}")
+    if info.memory not in ("host", "cuda"):
+        raise ProtocolError(f"attached with memory {info.memory!r}, neither 'host' nor 'cuda'")
+    return info
+
+
+def _map_host(fd: int, size: int) -> mmap.mmap:
+    """The host region the node passed (`fd`), `size` bytes, read-only."""
+    try:
+        have = os.fstat(fd).st_size
+    except OSError as e:
+        raise ShardwireError("map", f"cannot inspect the stream region's fd: {e}") from e
+    if have < size:
+        raise ProtocolError(f"attached with region_size {size}, but the region's fd holds {have} bytes")
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as e:
+        raise ShardwireError("map", f"cannot map the stream region ({size} bytes): {e}") from e
+
+
 def _info(conn: _wire.Conn) -> dict[str, Any]:
     """The node's ``info`` answer on `conn` (ServiceError if it refuses)."""
     conn.send({"op": "info"})
@@ -473,26 +509,12 @@ class Stream(_StreamBase[Batch]):
                 raise ProtocolError(f"unexpected answer to attach: {msg!r}")
             if len(fds) != 1:
                 raise ProtocolError(f"attached came with {len(fds)} file descriptors, expected the region's one")
-            size = int(msg["region_size"])
-            if size <= 0:
-                raise ProtocolError(f"attached with region_size {size}")
+            info = _attached_info(msg)
             region: mmap.mmap | CudaRegion
-            if msg["memory"] == "cuda":
-                region = _import_cuda(msg.get("gpu"), fds[0], size)
+            if info.memory == "cuda":
+                region = _import_cuda(info.gpu, fds[0], info.region_size)
             else:
-                try:
-                    region = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                except OSError as e:
-                    raise ShardwireError("map", f"cannot map the stream region ({size} bytes): {e}") from e
-            info = StreamInfo(
-                stream=int(msg["stream"]),
-                region_size=size,
-                batches_per_epoch=int(msg["batches_per_epoch"]),
-                epochs=int(msg["epochs"]),
-                memory=str(msg["memory"]),
-                state=dict(msg["state"]),
-                gpu=dict(msg["gpu"]) if msg.get("gpu") is not None else None,
-            )
+                region = _map_host(fds[0], info.region_size)
         except BaseException:
             conn.close()
             raise
@@ -898,8 +920,12 @@ class Stream(_StreamBase[Batch]):
         # A `next` in another thread may wait, holding the stream, for the memory a kept batch
         # holds: while it does, it takes the release over (`_next_answer_polling`).
         while not self._lock.acquire(timeout=_HANDOFF_POLL):
-            if batch._kept and self._waiting:
+            if batch._kept and (self._waiting or self._lock.held_here()):
                 self._hand_over(batch)
+                return
+            if self._lock.held_here():
+                # A signal handler that interrupted this thread's own call: a batch not kept
+                # is released with the next request anyway; waiting here would never end.
                 return
         try:
             self._release_locked(batch)

@@ -61,6 +61,10 @@ def _torch_cuda() -> Any:
 
 
 def _by_torch(cuda: Any, ordinal: int) -> str:
+    count = int(cuda.device_count())
+    if not 0 <= ordinal < count:
+        # torch itself raises AssertionError("Invalid device id") here.
+        raise ValueError(f"device cuda:{ordinal}: this process sees {count} CUDA device(s) (0..{count - 1}); check CUDA_VISIBLE_DEVICES")
     p = cuda.get_device_properties(ordinal)
     return _bdf(int(p.pci_domain_id), int(p.pci_bus_id), int(p.pci_device_id))
 

@@ -256,8 +256,10 @@ class HttpStream(_StreamBase[HttpBatch]):
                     self._conn.close()
                 self._conn = None
                 if self._interrupted:
-                    # close() from another thread ended the connection to wake this call; it
-                    # closes the stream on the service once this call lets go of the lock.
+                    # close() ended the connection to wake this call, which closes the stream
+                    # (on the service too) for it: a close() from a signal handler in this
+                    # thread has returned already; one in another thread then finds it closed.
+                    self._close_locked()
                     raise self._woken() from e
                 if again and attempt == 0:
                     continue
@@ -283,7 +285,8 @@ class HttpStream(_StreamBase[HttpBatch]):
     def _take(self, timeout: float | None) -> HttpBatch | None:
         left = None if timeout is None else math.ceil(timeout * 1000)
         while True:
-            if self._interrupted:  # close() from another thread, between two long polls
+            if self._interrupted:  # close() meanwhile, between two long polls
+                self._close_locked()
                 raise self._woken()
             wait = POLL_MS if left is None else min(left, POLL_MS)
             path = f"/v1/streams/{self.info.stream}/next?timeout_ms={wait}&after={self._received}"
@@ -305,32 +308,27 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     def _download(self, v: dict[str, Any]) -> HttpBatch:
         lease = int(v["lease"])
-        self._received = lease
         views = [_tensor_view(t, offset=-1) for t in v["tensors"]]
         tensors: dict[str, np.ndarray] = {}
         release = f"/v1/leases/{lease}/release"
-        try:
-            for tv in views:
-                dt = _dtype(tv)
-                if math.prod(tv.shape) * dt.itemsize != tv.length:
-                    raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
-                path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
-                r = self._get_tensor(path, tv.length)
-                if r.status != 200:
-                    raise r.error()
-                if len(r.body) != tv.length:
-                    raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
-                tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
-        except BaseException:
-            if not self._closed:
-                try:
-                    self._request("POST", release, IO_TIMEOUT)  # best effort; the first error wins
-                except ShardwireError:
-                    pass
-            raise
+        # Until its tensors are in and its lease released, the batch is not received: an error
+        # or an interrupt leaves the lease held and `after` naming the batch before it, so the
+        # next `next` gets this batch again and loses nothing (releasing it would skip it).
+        for tv in views:
+            dt = _dtype(tv)
+            if math.prod(tv.shape) * dt.itemsize != tv.length:
+                raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
+            path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
+            r = self._get_tensor(path, tv.length)
+            if r.status != 200:
+                raise r.error()
+            if len(r.body) != tv.length:
+                raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
+            tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
         r = self._request("POST", release, IO_TIMEOUT)
         if r.status != 200:
             raise r.error()
+        self._received = lease
         return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
 
     def _get_tensor(self, path: str, length: int) -> Any:

@@ -205,6 +205,43 @@ class _BatchBase(ArrowExport, Mapping[str, np.ndarray]):
 _WOKEN = "closed by close() from another thread"
 
 
+class _OwnedLock:
+    """A lock that knows which thread holds it. A signal handler runs in the thread it
+    interrupted, which may hold the stream's lock (waiting in ``next``): a ``close()`` or
+    ``release()`` there must not wait for a lock its own thread holds, which would never come
+    back (see :meth:`_StreamBase.close`)."""
+
+    __slots__ = ("_lock", "owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The ident of the thread that holds it; None when free.
+        self.owner: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self.owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def held_here(self) -> bool:
+        """True when the calling thread holds it."""
+        return self.owner == threading.get_ident()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
 class _StreamBase(Generic[_BatchT]):
     """A stream of either transport: iterate it for batches in plan order (see
     :class:`shardwire.Stream` and :class:`shardwire.HttpStream`).
@@ -222,8 +259,9 @@ class _StreamBase(Generic[_BatchT]):
     _NAME: ClassVar[str]
 
     def __init__(self, info: StreamInfo) -> None:
-        self._lock = threading.Lock()
-        #: Set by a :meth:`close` from another thread while a call held the lock.
+        self._lock = _OwnedLock()
+        #: Set by a :meth:`close` from another thread (or a signal handler) while a call held
+        #: the lock.
         self._interrupted = False
         self._closed = False
         self._closed_why = "the stream was closed"
@@ -296,13 +334,17 @@ class _StreamBase(Generic[_BatchT]):
 
     def close(self) -> None:
         """Closes the stream on the service. Idempotent. Safe from another thread while a call
-        waits on the stream (a watchdog's close): on the socket that call is woken at once and
-        raises ``closed``; over HTTP it ends with its own wait."""
+        waits on the stream (a watchdog's close): that call is woken at once and raises
+        ``closed``. From a signal handler that interrupted a call of this stream in its own
+        thread (a SIGTERM handler while ``next`` waits), it wakes that call and returns at once;
+        the woken call closes the stream and raises ``closed``."""
         if self._closed:
             return  # idempotent; and a second close() must not interrupt the first's work
         if not self._lock.acquire(blocking=False):
             self._interrupted = True
             self._interrupt()
+            if self._lock.held_here():
+                return  # waiting would never end: this thread's own call holds the lock
             try:
                 self._lock.acquire()
             except BaseException:

@@ -7,6 +7,7 @@ attached to the frame's first byte, so the prefix is read with ``socket.recv_fds
 
 from __future__ import annotations
 
+import array
 import json
 import math
 import os
@@ -174,13 +175,11 @@ class Conn:
         try:
             prefix = bytearray()
             while len(prefix) < 4:
-                if want_fds:
-                    data, got, flags, _ = socket.recv_fds(self.sock, 4 - len(prefix), _MAX_FDS, _CLOEXEC)
-                    fds.extend(got)
-                    if flags & _CTRUNC:
-                        raise ProtocolError("file descriptors were truncated on receipt (too many fds, or the fd limit is reached)")
-                else:
-                    data = self.sock.recv(4 - len(prefix))
+                if prefix:
+                    self._wait_rest()  # the rest of a length prefix that has begun
+                data, flags = _recv_fds(self.sock, 4 - len(prefix), fds)
+                if flags & _CTRUNC:
+                    raise ProtocolError("file descriptors were truncated on receipt (too many fds, or the fd limit is reached)")
                 if not data:
                     raise ConnectionClosed("the node service closed the connection")
                 prefix += data
@@ -204,7 +203,7 @@ class Conn:
             raise
         try:
             return _decode(bytes(body)), fds
-        except ProtocolError:
+        except BaseException:  # a ProtocolError, or a KeyboardInterrupt while decoding
             _close_fds(fds)
             raise
 
@@ -297,3 +296,17 @@ class Conn:
         except OSError:
             pass
         self.sock.close()
+
+
+def _recv_fds(sock: socket.socket, n: int, fds: list[int]) -> tuple[bytes, int]:
+    """Receives up to `n` bytes and the fds that come with them (appended to `fds`, which the
+    caller closes), close-on-exec from the moment they arrive: ``socket.recv_fds`` drops its
+    flags argument before Python 3.12.1 (gh-107898), so a child process spawned meanwhile
+    would inherit the region's fd. Returns the bytes and the message flags."""
+    data, ancdata, flags, _ = sock.recvmsg(n, socket.CMSG_SPACE(_MAX_FDS * 4), _CLOEXEC)
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+            fds.extend(got)
+    return data, flags

@@ -176,6 +176,8 @@ class _DatasetMixin:
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
+        # Whether the current iteration has yielded an item (see `__iter__`).
+        self._took = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
@@ -186,6 +188,8 @@ class _DatasetMixin:
         state after ``set_epoch`` (with ``num_workers=0``, even the state of an iteration that
         had ended): see :meth:`load_state_dict` for which of the two the next iteration
         follows."""
+        if int(epoch) != self.epoch:
+            self._resume = None  # a later epoch wins over where an earlier one stopped
         self.epoch = int(epoch)
         self._stream_state = None
 
@@ -243,6 +247,7 @@ class _DatasetMixin:
             # The position after this item, before it is yielded: a state taken while the
             # item is in use resumes after it.
             self._stream_state = stream._snapshot()
+            self._took = True
             if self.copy:
                 # Writable copies. The batch is released by the next `next` (its lease rides
                 # on the stream's next request; an explicit release would cost a send per item).
@@ -253,12 +258,22 @@ class _DatasetMixin:
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         client = connect(self.socket)
-        if self.options.batch_size is None:
-            with self._open_shards(client) as stream:
+        start = self._resume  # where this iteration starts (None: its epoch's start)
+        self._took = False
+        try:
+            opened = self._open_shards if self.options.batch_size is None else self._open_batches
+            with opened(client) as stream:
                 yield from self._items(stream)
-            return
-        with self._open_batches(client) as stream:
-            yield from self._items(stream)
+        except (Exception, KeyboardInterrupt):
+            # An iteration that ended in an error (a `Timeout`, a lost node) is continued by
+            # the next one, from the position `state_dict` names: after the last item it
+            # yielded, else where it started. Starting the epoch over would deliver its items
+            # again. (Leaving the loop early, `break`, ends the generator otherwise: the next
+            # iteration starts the epoch, as with any DataLoader.)
+            if self._took and isinstance(self._stream_state, bytes):
+                self._stream_state = _binary.decode_state(self._stream_state)
+            self._resume = self._stream_state if self._took else start
+            raise
 
     def _open_shards(self, client: Client) -> Stream:
         """The shard-mode stream of this process: stream rank ``effective_rank(rank,

@@ -1,0 +1,155 @@
+"""What the Python SDK does with the node's `attached` reply and the region fd that comes with
+it, against a fake node on a Unix socket (it passes a real memfd with SCM_RIGHTS):
+
+- the fd is close-on-exec from the moment it arrives (``socket.recv_fds`` ignores its flags
+  before Python 3.12.1, so a child spawned meanwhile inherited the region);
+- a malformed reply (a field missing, a region larger than its fd, an unknown memory kind) is a
+  ProtocolError that names it, never a KeyError or ValueError (which read as a bad argument),
+  and leaves no fd open;
+- ``close()`` from a signal handler while ``next`` waits in the same thread (a SIGTERM
+  handler) closes the stream at once: before, it waited for the lock its own thread held;
+- ``device=N`` for an ordinal the process does not see is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
+import shardwire  # noqa: E402
+from conftest import REPO  # noqa: E402
+from shardwire import _wire  # noqa: E402
+from shardwire._errors import ProtocolError  # noqa: E402
+from test_binary_frames import fake_service  # noqa: E402
+
+REGION = 1 << 16
+GOOD = {"op": "attached", "stream": 1, "region_size": REGION, "batches_per_epoch": 3, "epochs": 1,
+        "memory": "host", "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
+
+
+def attach_once(path: str, attached: dict[str, Any], fd_size: int = REGION) -> threading.Thread:
+    """A fake node at `path` that answers one attach with `attached` and a memfd of `fd_size`
+    bytes, then waits for the client to close."""
+    srv, t = fake_service(path, lambda c, conn: None, attached=attached, fd_size=fd_size)
+
+    def closing() -> None:
+        t.join(30)
+        srv.close()
+
+    closer = threading.Thread(target=closing, daemon=True)
+    closer.start()
+    return closer
+
+
+def open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def test_the_region_fd_is_close_on_exec_as_it_arrives(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    path = str(tmp_path / "node.sock")
+    t = attach_once(path, GOOD)
+    seen: list[bool] = []
+    close_fds = _wire._close_fds
+
+    def check_then_close(fds: list[int]) -> None:
+        seen.extend(bool(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC) for fd in fds)
+        close_fds(fds)
+
+    monkeypatch.setattr(_wire, "_close_fds", check_then_close)
+    s = shardwire.connect(path).open_stream("d")
+    s.close()
+    t.join(30)
+    assert seen == [True], seen
+
+
+MALFORMED = {
+    "no stream id": ({k: v for k, v in GOOD.items() if k != "stream"}, REGION, "stream"),
+    "region larger than its fd": (GOOD, REGION // 2, "the region's fd holds 32768 bytes"),
+    "unknown memory kind": ({**GOOD, "memory": "gpu"}, REGION, "memory 'gpu'"),
+    "state not an object": ({**GOOD, "state": 5}, REGION, "attached reply"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_attached_reply_is_a_protocol_error_naming_it(tmp_path: pathlib.Path, case: str):
+    attached, fd_size, names = MALFORMED[case]
+    path = str(tmp_path / "node.sock")
+    t = attach_once(path, attached, fd_size)
+    before = open_fds()
+    with pytest.raises(ProtocolError) as e:
+        shardwire.connect(path).open_stream("d")
+    assert names in str(e.value), e.value
+    t.join(30)
+    assert open_fds() <= before, "the region's fd and the connection were closed"
+
+
+SIGTERM_CLOSE = """
+import signal, socket, sys, threading
+sys.path.insert(0, sys.argv[1])
+import shardwire
+from shardwire import _wire
+
+path = sys.argv[2]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+
+def node():
+    import os
+    c, _ = srv.accept()
+    conn = _wire.Conn(c)
+    while (req := conn.recv()[0])["op"] == "info":
+        conn.send_bytes(_wire.encode({"op": "info", "memory": "host", "lanes": []}))
+    fd = os.memfd_create("region")
+    os.ftruncate(fd, 1 << 16)
+    socket.send_fds(c, [_wire.encode(%(attached)r)], [fd])
+    os.close(fd)
+    while c.recv(1 << 16):  # never answers `next`
+        pass
+
+threading.Thread(target=node, daemon=True).start()
+s = shardwire.connect(path).open_stream("d")
+signal.signal(signal.SIGALRM, lambda *_: s.close())  # a trainer's SIGTERM handler, say
+signal.setitimer(signal.ITIMER_REAL, 0.5)
+try:
+    s.next()
+except shardwire.ShardwireError as e:
+    print("raised", e.code, s.closed)
+"""
+
+
+def test_close_from_a_signal_handler_while_next_waits_closes_the_stream(tmp_path: pathlib.Path):
+    script = SIGTERM_CLOSE % {"attached": GOOD}
+    sdk = str(REPO / "client" / "python" / "src")
+    r = subprocess.run([sys.executable, "-c", script, sdk, str(tmp_path / "node.sock")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "raised closed True", (r.stdout, r.stderr)
+
+
+def test_a_cuda_ordinal_this_process_does_not_see_is_a_value_error_naming_it():
+    """``device=7`` on a host whose torch sees one GPU: torch's own check is an
+    ``AssertionError("Invalid device id")``; the SDK promises a ValueError naming the device.
+    This machine has no CUDA, so an object standing in for ``torch.cuda`` (its two calls, as
+    torch documents them) plays a one-GPU host."""
+    from shardwire import _device
+
+    class OneGpu:
+        def device_count(self) -> int:
+            return 1
+
+        def get_device_properties(self, ordinal: int) -> Any:
+            assert ordinal == 0, "torch raises AssertionError('Invalid device id') here"
+            return type("Props", (), {"pci_domain_id": 0, "pci_bus_id": 0x19, "pci_device_id": 0})()
+
+    assert _device._by_torch(OneGpu(), 0) == "0000:19:00.0"
+    with pytest.raises(ValueError, match=r"device cuda:7: this process sees 1 CUDA device\(s\)"):
+        _device._by_torch(OneGpu(), 7)
