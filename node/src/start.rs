@@ -345,7 +345,11 @@ async fn bind_every_lane(
             cuda: l.cuda.clone(),
         })
         .collect();
-    let notes = binding::kernel::interface_notes(&reqs, cfg.devmem_interface.as_deref());
+    let notes = binding::kernel::interface_notes(
+        &reqs,
+        cfg.devmem_interface.as_deref(),
+        &cfg.devmem_queues,
+    );
     for n in &notes {
         tracing::warn!("{n}");
     }

@@ -48,9 +48,12 @@ fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
     let tree = Tree::read(&cfg.sysfs_root)
         .with_context(|| format!("reading the sysfs tree at {}", cfg.sysfs_root.display()))?;
     let probe = shardwire_gpu::probe_gpus();
-    // As `serve` would: the usable CUDA devices (none with memory = "host", or without a
-    // usable driver: then the GPUs of the tree, as host-memory lanes).
-    let cuda = shardwire_node::cuda_devices(cfg.memory, &probe).unwrap_or_default();
+    // As `serve` would: the usable CUDA devices (none with memory = "host", or with "auto"
+    // and no usable driver: then the GPUs of the tree, as host-memory lanes). With "cuda" and
+    // no usable GPU, `serve` refuses to start: so does this, with its reason, instead of
+    // showing host lanes that would never run.
+    let cuda = shardwire_node::cuda_devices(cfg.memory, &probe)
+        .context("`serve` would refuse to start with this configuration")?;
     let inputs = LaneInputs::of(cfg, &tree, &cuda);
     let specs = shardwire_node::plan_lanes(&inputs, &shardwire_devmem::ifaddr::ipv4)?;
     let mut topo = Topology::from_tree(&tree, &PairOptions::default());

@@ -36,6 +36,17 @@ pub enum SessionError {
     /// No secret and the peer is not on loopback.
     #[error("peer {0} is not on loopback and this source has no secret configured")]
     NotLoopback(SocketAddr),
+    /// No secret and a lane's data address is not on loopback.
+    #[error(
+        "lane {lane}'s data address {addr} is not on loopback, and this source has no secret \
+         configured: without one it dials loopback only (give both sides --secret-file)"
+    )]
+    DataNotLoopback {
+        /// The lane.
+        lane: usize,
+        /// Its data address.
+        addr: SocketAddr,
+    },
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),

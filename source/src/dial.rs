@@ -106,6 +106,22 @@ pub(crate) async fn dial(
         let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
         return Err(e);
     }
+    // Without a secret only loopback peers are served (`session::run`), and only loopback
+    // data addresses are dialled: else any local process could have the source stream its
+    // datasets to any host it names.
+    if shared.cfg.secret.is_none()
+        && let Some((lane, l)) = lanes
+            .iter()
+            .enumerate()
+            .find(|(_, l)| !l.data_addr.ip().to_canonical().is_loopback())
+    {
+        let e = SessionError::DataNotLoopback {
+            lane,
+            addr: l.data_addr,
+        };
+        let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
+        return Err(e);
+    }
     let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
     let mut out = DataConns {
         senders: Vec::with_capacity(total as usize),

@@ -305,6 +305,11 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
                 short(&e)
             ),
         },
+        (E::Generic { .. }, Some(400)) if token_refused(&e) => StoreError::Credentials {
+            bucket,
+            key,
+            reason: short(&e),
+        },
         (E::Generic { .. }, Some(code @ 300..=499)) if !transient(code, &e) => {
             StoreError::Rejected {
                 bucket,
@@ -331,6 +336,15 @@ fn http(status: Option<u16>) -> String {
 fn transient(status: u16, e: &object_store::Error) -> bool {
     matches!(status, 408 | 409 | 425)
         || (status == 400 && s3_error_code(&e.to_string()).as_deref() == Some("RequestTimeout"))
+}
+
+/// Whether a `400` is S3 refusing the request's session token (`ExpiredToken`,
+/// `InvalidToken`, `TokenRefreshRequired`): a credentials failure, not a bad request.
+fn token_refused(e: &object_store::Error) -> bool {
+    matches!(
+        s3_error_code(&e.to_string()).as_deref(),
+        Some("ExpiredToken" | "InvalidToken" | "TokenRefreshRequired")
+    )
 }
 
 /// The `<Code>` of an S3 XML error body in `s`.
@@ -470,6 +484,16 @@ mod tests {
         };
         let e = classify(idle, Some(&with(400, None)), at());
         assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+        // An expired session token is S3's 400, and a credentials failure.
+        for code in ["ExpiredToken", "InvalidToken", "TokenRefreshRequired"] {
+            let expired = object_store::Error::Generic {
+                store: "S3",
+                source: format!("400: <Error><Code>{code}</Code><Message>m</Message></Error>")
+                    .into(),
+            };
+            let e = classify(expired, Some(&with(400, None)), at());
+            assert_eq!(e.kind(), StoreErrorKind::Credentials, "{code}: {e}");
+        }
         for status in [408, 409, 500] {
             let e = classify(generic(), Some(&with(status, None)), at());
             assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{status}: {e}");

@@ -578,3 +578,30 @@ def test_a_receiver_thread_that_cannot_start_costs_no_stream(sw, tmp_path):
     assert_exactly_once(batches, 12)
     assert_byte_exact(batches, expected)
     assert node.stderr_text().count("cannot start a data connection's receiver") == 3, node.stderr_text()[-3000:]
+
+
+def test_a_source_without_a_secret_dials_no_data_address_off_loopback(sw, tmp_path):
+    """A source without a secret serves loopback peers only; a local process could still name
+    any host as its lane's data address, and the source would stream the dataset there. It
+    refuses such a Hello, naming the lane and the address, dials nothing, and serves the next
+    node."""
+    import faults as F
+
+    src = sw.source({"tiny": tiny_dataset(tmp_path)})
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(2)
+    ctl = socket.create_connection(host_port(src.addr), timeout=10)
+    ctl.sendall(F.hello("far-node", ("192.0.2.7", data.getsockname()[1]), nonce=b"\x00" * 32))
+    assert F.read_control_frame(ctl)[0] == F.CHALLENGE
+    ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
+    assert F.read_control_frame(ctl)[0] == F.WELCOME
+    kind, body = F.next_non_ping(ctl)
+    assert kind == F.ERROR, kind
+    _, code, message = F.error_code(body)
+    assert code == 5 and "lane 0's data address 192.0.2.7:" in message and "not on loopback" in message, message
+    with pytest.raises(socket.timeout):
+        data.accept()
+    ctl.close()
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    for s in (ctl, conn, data):
+        s.close()

@@ -236,6 +236,14 @@ def test_topology_shows_the_lanes_of_the_fixture_trees():
     # The sysfs root from the environment, as serve takes it.
     doc = json.loads(topology("--json", env={"SHARDWIRE_SYSFS_ROOT": str(FIXTURES / "two-domains")}).stdout)
     assert [(l["gpu"], l["nic"]) for l in doc["lanes"]] == [("0001:17:00.0", "eth1")], doc["lanes"]
+    # memory = "cuda" on a host without a usable GPU: `serve` refuses to start, and so does
+    # the plan (it showed host lanes that would never run).
+    r = subprocess.run([str(shardwire_bin()), "topology", "--sysfs-root", str(FIXTURES / "8gpu-4nic")],
+                       capture_output=True, text=True, timeout=60, env=child_env({"SHARDWIRE_MEMORY": "cuda"}))
+    if r.returncode != 0:
+        assert "`serve` would refuse to start" in r.stderr and 'memory = "cuda"' in r.stderr, r.stderr
+    else:  # a host with a usable GPU (the GPU check): its lanes are planned
+        assert "Lanes:" in r.stdout, r.stdout
 
 
 def test_bench_lanes_reports_every_lane_and_the_total():

@@ -140,6 +140,20 @@ def test_a_json_batch_without_its_fields_is_a_protocol_error(pair):
     assert s.closed and requests(node, wait=5) is None
 
 
+def test_a_json_batch_with_a_negative_dimension_is_a_protocol_error(pair):
+    """A JSON shape of [-1, -4] over 16 bytes of float32 passes a product check (4 x 4 bytes)
+    but is no shape: numpy would infer the -1, DLPack would carry it to the consumer. The SDK
+    refuses it as malformed."""
+    s, node = pair
+    first_batch(s, node)
+    bad = {"op": "batch", "lease": 2, "epoch": 0, "index": 1, "shard": 0, "state": {},
+           "tensors": [{"name": "x", "dtype": "float32", "shape": [-1, -4], "offset": 4096, "length": 16}]}
+    node.sendall(framed(json.dumps(bad).encode()))
+    with pytest.raises(ProtocolError, match="outside 0..2"):
+        s.next(timeout=10)
+    assert s.closed
+
+
 @pytest.fixture
 def interrupt() -> Iterator[Any]:
     """`arm(t)`: a KeyboardInterrupt in the main thread after `t` s (as Ctrl-C would raise it

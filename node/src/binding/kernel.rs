@@ -53,14 +53,27 @@ pub struct NicPlan {
     pub lanes: Vec<(usize, Vec<u32>)>,
 }
 
-/// What `devmem_interface` (`configured`) does to lanes `reqs` that deserves a word: with
-/// several lanes it is ignored (each lane binds its own NIC), and with one it may bind another
-/// NIC than the one the lane is paired with.
-pub fn interface_notes(reqs: &[LaneRequest], configured: Option<&str>) -> Vec<String> {
+/// What `devmem_interface` (`configured`) and `devmem_queues` (`queues`) do to lanes `reqs`
+/// that deserves a word: with several lanes both are ignored (each lane binds its own NIC, and
+/// a share of its queues), and with one lane the interface may be another NIC than the one the
+/// lane is paired with.
+pub fn interface_notes(
+    reqs: &[LaneRequest],
+    configured: Option<&str>,
+    queues: &[u32],
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    if reqs.len() > 1 && !queues.is_empty() {
+        notes.push(format!(
+            "devmem_queues {queues:?} is ignored: with {} lanes each binds a share of its NIC's \
+             queues (lanes[i].queues chooses them)",
+            reqs.len()
+        ));
+    }
     let Some(c) = configured else {
-        return Vec::new();
+        return notes;
     };
-    match reqs {
+    notes.extend(match reqs {
         [one] => match one.nic.as_deref() {
             Some(paired) if paired != c => vec![format!(
                 "lane {} is paired with {paired} but binds devmem_interface {c} as configured",
@@ -73,7 +86,8 @@ pub fn interface_notes(reqs: &[LaneRequest], configured: Option<&str>) -> Vec<St
              (lanes[i].interface chooses it)",
             reqs.len()
         )],
-    }
+    });
+    notes
 }
 
 /// Groups `reqs` by NIC and gives each lane its queues: those it names, else an even share of

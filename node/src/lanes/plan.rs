@@ -529,7 +529,9 @@ fn table_lane(
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
         numa_bind: numa_node,
         nic_pci: tree_nic.and_then(|n| n.pci),
-        warn: distance.is_some_and(Distance::crosses_cpu),
+        // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known.
+        warn: distance.is_some_and(Distance::crosses_cpu)
+            || (gpu.is_some() && tree_nic.is_none_or(|n| n.is_virtual)),
         why: format!("configured (lanes[{i}]); {dist_why}; {addr_why}"),
         gpu,
         nic,

@@ -78,22 +78,26 @@ impl Hints {
         }
     }
 
-    /// A FETCH of `shard` came from node session `session`: its streams' hints are used up to
-    /// and including it (a FETCH does not name its stream).
+    /// A FETCH of `shard` came from node session `session`: the hint of the session's stream
+    /// that names it soonest (a FETCH does not name its stream; that one most likely sent it)
+    /// is used up to and including it. The session's other streams keep theirs: two trainers
+    /// of one node reading one dataset may both need the shard, and draining every hint up to
+    /// it dropped the other's nearer shards from the prefetch order and the cache's ranking.
     pub fn consumed_by_session(&mut self, session: u64, shard: u32) {
-        let mut changed = false;
-        for ((s, _), list) in self.lists.iter_mut() {
-            if *s == session
-                && let Some(at) = list.iter().position(|&x| x == shard)
-            {
-                list.drain(..=at);
-                changed = true;
+        let soonest = self
+            .lists
+            .iter()
+            .filter(|((s, _), _)| *s == session)
+            .filter_map(|(k, l)| Some((l.iter().position(|&x| x == shard)?, *k)))
+            .min();
+        let Some((at, key)) = soonest else { return };
+        if let Some(list) = self.lists.get_mut(&key) {
+            list.drain(..=at);
+            if list.is_empty() {
+                self.lists.remove(&key);
             }
         }
-        if changed {
-            self.lists.retain(|_, l| !l.is_empty());
-            self.rerank();
-        }
+        self.rerank();
     }
 
     /// Streams with a standing hint.
@@ -199,7 +203,28 @@ mod tests {
         h.set((3, 1), vec![4, 5]).unwrap();
         h.set((3, 2), vec![5, 6]).unwrap();
         h.consumed_by_session(3, 5);
-        assert_eq!(h.order(), vec![9, 6]);
-        assert_eq!(h.streams(), 2);
+        assert_eq!(
+            h.order(),
+            vec![9, 4, 6, 5],
+            "only (3, 2), which names 5 soonest"
+        );
+        assert_eq!(h.streams(), 3);
+    }
+
+    #[test]
+    fn a_fetch_of_one_stream_leaves_another_streams_nearer_shards_hinted() {
+        // Two trainers of one node read one dataset: A hints [10, 30], B [5, 6, 30, 40]. A's
+        // FETCH of 30 used to drain B's hint up to 30 as well, so 5 and 6 lost their prefetch
+        // and their cache ranking (and were read again when B fetched them).
+        let mut h = Hints::default();
+        h.set((7, 1), vec![10, 30]).unwrap();
+        h.set((7, 2), vec![5, 6, 30, 40]).unwrap();
+        h.consumed_by_session(7, 10);
+        h.consumed_by_session(7, 30);
+        assert_eq!(h.order(), vec![5, 6, 30, 40]);
+        assert_eq!((h.next_use(5), h.next_use(6)), (Some(0), Some(1)));
+        assert_eq!(h.streams(), 1, "A's hint is used up");
+        h.consumed_by_session(8, 5); // another session's FETCH: nothing changes
+        assert_eq!(h.next_use(5), Some(0));
     }
 }

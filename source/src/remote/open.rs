@@ -92,11 +92,7 @@ pub(super) async fn open(
     url: &StoreUrl,
     opts: &RemoteOptions,
 ) -> Result<Opened, OpenError> {
-    let so = StoreOptions {
-        request_size: opts.request_size,
-        max_inflight: opts.max_inflight,
-        ..StoreOptions::default()
-    };
+    let so = StoreOptions::sized(opts.request_size, opts.max_inflight);
     let store_err = |source| OpenError::Store {
         dataset: name.into(),
         source,

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._options import StreamOptions, document
-from ._types import StreamInfo, _BatchBase, _dtype, _StreamBase, _tensor_view
+from ._types import StreamInfo, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._options import StreamKeywords, Unpack
@@ -315,9 +315,7 @@ class HttpStream(_StreamBase[HttpBatch]):
         # or an interrupt leaves the lease held and `after` naming the batch before it, so the
         # next `next` gets this batch again and loses nothing (releasing it would skip it).
         for tv in views:
-            dt = _dtype(tv)
-            if math.prod(tv.shape) * dt.itemsize != tv.length:
-                raise ProtocolError(f"tensor {tv.name!r}: shape {tv.shape} of {tv.dtype} is not {tv.length} bytes")
+            dt = _sized_dtype(tv)
             path = f"/v1/leases/{lease}/tensors/{urllib.parse.quote(tv.name, safe='')}"
             r = self._get_tensor(path, tv.length)
             if r.status != 200:

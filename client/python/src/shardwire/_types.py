@@ -114,6 +114,10 @@ def _sized_dtype(v: TensorView) -> np.dtype[Any]:
     """The numpy dtype of `v`, checked against its length; ProtocolError if this SDK does not
     know it or its shape does not take `v.length` bytes."""
     dt = _dtype(v)
+    if any(not 0 <= d < 1 << 63 for d in v.shape):
+        # A JSON shape may say -1 (numpy would infer it, DLPack would carry it as is); a dim
+        # past int64 wraps negative in DLPack's int64_t.
+        raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} has a dimension outside 0..2**63")
     size = math.prod(v.shape) * dt.itemsize
     if size != v.length:
         raise ProtocolError(f"tensor {v.name!r}: shape {v.shape} of {v.dtype} is {size} bytes, the service says {v.length}")

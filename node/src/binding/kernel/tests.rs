@@ -207,17 +207,27 @@ fn each_nic_has_its_own_journal_beside_the_configured_one() {
 #[test]
 fn devmem_interface_is_named_where_it_binds_another_nic_or_is_ignored() {
     let one = [lane(0, Some("eth1"), &[])];
-    assert!(interface_notes(&one, None).is_empty());
-    assert!(interface_notes(&one, Some("eth1")).is_empty());
+    assert!(interface_notes(&one, None, &[]).is_empty());
+    assert!(interface_notes(&one, Some("eth1"), &[]).is_empty());
     assert_eq!(
-        interface_notes(&one, Some("eth2")),
+        interface_notes(&one, Some("eth2"), &[]),
         ["lane 0 is paired with eth1 but binds devmem_interface eth2 as configured"]
     );
     // Before, ignored without a word on a node of several lanes.
     let two = [lane(0, Some("eth1"), &[]), lane(1, Some("eth2"), &[])];
-    let notes = interface_notes(&two, Some("eth1"));
+    let notes = interface_notes(&two, Some("eth1"), &[]);
     assert!(
         notes.len() == 1 && notes[0].starts_with("devmem_interface eth1 is ignored: with 2 lanes"),
         "{notes:?}"
+    );
+    // devmem_queues too: one lane binds them, several lanes bind shares of their NICs.
+    assert!(interface_notes(&one, None, &[14, 15]).is_empty());
+    let notes = interface_notes(&two, None, &[14, 15]);
+    assert_eq!(
+        notes,
+        [
+            "devmem_queues [14, 15] is ignored: with 2 lanes each binds a share of its NIC's queues \
+          (lanes[i].queues chooses them)"
+        ]
     );
 }

@@ -413,4 +413,13 @@ fn a_table_that_puts_two_gpus_on_one_nic_splits_its_queues_between_them() {
         (got[0].queues.clone(), got[1].queues.clone()),
         (vec![], vec![15])
     );
+    assert!(!got[0].warn, "PIX: {}", got[0].why);
+    // A GPU lane on a virtual NIC warns, as it does in auto mode.
+    let lanes = table(vec![LaneConfig {
+        gpu: Some("0000:04:00.0".into()),
+        interface: Some("lo".into()),
+        ..LaneConfig::default()
+    }]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert!(got[0].warn, "{}", got[0].why);
 }
