@@ -538,17 +538,26 @@ def test_a_hello_asking_for_more_data_connections_than_a_source_dials_is_refused
     import faults as F
 
     src = sw.source({"tiny": tiny_dataset(tmp_path)})
+    code, message = refused_after_welcome(src, lambda data: F.hello("greedy-node", data, flows=64, lanes=64, nonce=b"\x00" * 32))
+    assert code == 5 and "4096 data connections" in message and "at most 256" in message, (code, message)
+
+
+def refused_after_welcome(src, hello) -> tuple[int, str]:
+    """Sends `hello(data_addr)` (no secret) to `src`, checks that the source answers Welcome
+    and then an Error, dials nothing, and serves the next node; returns the error's code and
+    message."""
+    import faults as F
+
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(2)
     ctl = socket.create_connection(host_port(src.addr), timeout=10)
-    ctl.sendall(F.hello("greedy-node", data.getsockname(), flows=64, lanes=64, nonce=b"\x00" * 32))
+    ctl.sendall(hello(data.getsockname()))
     assert F.read_control_frame(ctl)[0] == F.CHALLENGE
     ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
     assert F.read_control_frame(ctl)[0] == F.WELCOME
     kind, body = F.next_non_ping(ctl)
     assert kind == F.ERROR, kind
     _, code, message = F.error_code(body)
-    assert code == 5 and "4096 data connections" in message and "at most 256" in message, (code, message)
     with pytest.raises(socket.timeout):
         data.accept()  # nothing was dialled
     ctl.close()
@@ -556,6 +565,7 @@ def test_a_hello_asking_for_more_data_connections_than_a_source_dials_is_refused
     ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
     for s in (ctl, conn, data):
         s.close()
+    return code, message
 
 
 def test_a_receiver_thread_that_cannot_start_costs_no_stream(sw, tmp_path):
@@ -588,20 +598,5 @@ def test_a_source_without_a_secret_dials_no_data_address_off_loopback(sw, tmp_pa
     import faults as F
 
     src = sw.source({"tiny": tiny_dataset(tmp_path)})
-    data = socket.create_server(("127.0.0.1", 0))
-    data.settimeout(2)
-    ctl = socket.create_connection(host_port(src.addr), timeout=10)
-    ctl.sendall(F.hello("far-node", ("192.0.2.7", data.getsockname()[1]), nonce=b"\x00" * 32))
-    assert F.read_control_frame(ctl)[0] == F.CHALLENGE
-    ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
-    assert F.read_control_frame(ctl)[0] == F.WELCOME
-    kind, body = F.next_non_ping(ctl)
-    assert kind == F.ERROR, kind
-    _, code, message = F.error_code(body)
+    code, message = refused_after_welcome(src, lambda data: F.hello("far-node", ("192.0.2.7", data[1]), nonce=b"\x00" * 32))
     assert code == 5 and "lane 0's data address 192.0.2.7:" in message and "not on loopback" in message, message
-    with pytest.raises(socket.timeout):
-        data.accept()
-    ctl.close()
-    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
-    for s in (ctl, conn, data):
-        s.close()
