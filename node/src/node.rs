@@ -178,7 +178,9 @@ impl Node {
         let cuda = self.lane_memory(r.device.as_deref())?;
         let mut planned = self.plan_stream(&r, region_bytes, cuda).await?;
         let per_epoch = planned.2.0.per_epoch();
-        if per_epoch.checked_mul(u64::from(r.epochs)).is_none() {
+        // One epoch more than asked: a worker's state after the last batch names the epoch
+        // after (`Stream::state_at`).
+        if per_epoch.checked_mul(u64::from(r.epochs) + 1).is_none() {
             return Err(OpenError::new(
                 ErrorCode::BadRequest,
                 format!(

@@ -376,9 +376,16 @@ impl Driver {
         Ok(())
     }
 
-    /// A fetch ended: the shard is resident, or waits to be fetched again.
+    /// A fetch ended: the shard is resident, or waits to be fetched again. One no unit holds
+    /// any more (passed while its fetch was in flight) is dropped whatever its outcome: a
+    /// failure fetched again could only cost refusals, and end the stream over a shard it
+    /// does not need.
     fn completed(&mut self, c: Completion) -> Result<(), CloseReason> {
         let shard = c.shard;
+        if !self.resident.contains_key(&shard) {
+            self.fetches.forget(shard);
+            return Ok(()); // its slab goes back with `c`
+        }
         if let Some(slab) = self.fetches.sort(c)? {
             match self.resident.get_mut(&shard) {
                 Some(r) => r.slab = Some(slab),

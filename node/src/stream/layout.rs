@@ -42,9 +42,13 @@ impl Layout {
     /// The layout of `m`, or why its shards cannot be batched together.
     pub fn of(m: &Manifest) -> Result<Self, OpenError> {
         let bad = |msg: String| OpenError::new(ErrorCode::BadRequest, format!("batch mode: {msg}"));
+        // The row sizes come from the first shard that has rows: an empty shard 0 (a
+        // Parquet file of no rows, say) gave 0 bytes per row, and refused every other shard.
         let first = m
             .shards
-            .first()
+            .iter()
+            .find(|s| s.tensors.first().is_some_and(|t| t.row_count() > 0))
+            .or_else(|| m.shards.first())
             .ok_or_else(|| bad("the dataset has no shards".into()))?;
         let mut tensors: Vec<TensorLayout> = first
             .tensors
@@ -176,6 +180,14 @@ mod tests {
             u64::MAX,
             "overflow: as large as can be"
         );
+    }
+
+    #[test]
+    fn an_empty_first_shard_takes_its_row_sizes_from_the_next() {
+        let m = Manifest::new(vec![shard(0, "empty"), shard(10, "a"), shard(4, "b")]);
+        let l = Layout::of(&m).unwrap();
+        assert_eq!(l.shard_rows, vec![0, 10, 4]);
+        assert_eq!((l.tensors[1].row_bytes, l.sample_bytes()), (12, 20));
     }
 
     #[test]

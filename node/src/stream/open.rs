@@ -340,7 +340,15 @@ fn resume_batches(
             plan.global_batch()
         )));
     }
-    Ok(u64::from(st.epoch) * steps + st.index)
+    u64::from(st.epoch)
+        .checked_mul(steps)
+        .and_then(|p| p.checked_add(st.index))
+        .ok_or_else(|| {
+            mismatch(format!(
+                "state epoch {} index {} is past any 64-bit position",
+                st.epoch, st.index
+            ))
+        })
 }
 
 /// Refuses a batch larger than the region before its slab class is computed (a batch of
@@ -449,10 +457,11 @@ fn min_rows(o: &SampleOrder) -> u64 {
 }
 
 /// The most shards a block of `o` reads at once (a window block also reads into the shards
-/// its last window reaches: `seq_len + 1` tokens past its start).
+/// its last window reaches: `seq_len + 1` tokens past its start). Saturating: a
+/// `shuffle_block` near `u64::MAX` over shards of one row must not wrap into "a few shards".
 pub(super) fn block_shards(o: &SampleOrder) -> u64 {
     let per_block = match o.shuffle {
-        Shuffle::Block => o.shuffle_block.div_ceil(min_rows(o)) + 1,
+        Shuffle::Block => o.shuffle_block.div_ceil(min_rows(o)).saturating_add(1),
         _ => 1,
     };
     let reach = o.window_spec().map_or(0, |w| {
@@ -463,9 +472,12 @@ pub(super) fn block_shards(o: &SampleOrder) -> u64 {
             .filter(|&t| t > 0)
             .min()
             .unwrap_or(1);
-        (w.seq_len + 1).div_ceil(min_tokens) + 1
+        w.seq_len
+            .saturating_add(1)
+            .div_ceil(min_tokens)
+            .saturating_add(1)
     });
-    per_block + reach
+    per_block.saturating_add(reach)
 }
 
 /// The region of stream `id`: a memfd, or a VMM allocation on the GPU.
@@ -582,5 +594,16 @@ mod tests {
                 .message
                 .contains("`seed`")
         );
+    }
+
+    #[test]
+    fn a_huge_shuffle_block_saturates_instead_of_wrapping() {
+        use shardwire_protocol::samples::{SampleOrder, Shuffle};
+        // Shards of one row: the block spans u64::MAX shards; `+ 1` wrapped to 0 (release)
+        // or panicked the open task (debug).
+        let o = SampleOrder::new([1; 32], vec![1, 1, 1], 3, Shuffle::Block, u64::MAX, 1).unwrap();
+        assert_eq!(block_shards(&o), u64::MAX);
+        let o = SampleOrder::new([1; 32], vec![4, 4], 3, Shuffle::Block, 8, 1).unwrap();
+        assert_eq!(block_shards(&o), 3);
     }
 }

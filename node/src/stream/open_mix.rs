@@ -317,7 +317,8 @@ fn check_window(
         .parts
         .iter()
         .map(|p| {
-            (u64::from(p.order.partitions) * (block_shards(&p.order) + 1))
+            u64::from(p.order.partitions)
+                .saturating_mul(block_shards(&p.order).saturating_add(1))
                 .min(p.order.shard_samples().len() as u64)
         })
         .sum();

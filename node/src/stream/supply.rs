@@ -441,6 +441,12 @@ impl Fetches {
         }
     }
 
+    /// Forgets the failures counted against `shard` (the stream no longer needs it).
+    pub fn forget(&mut self, shard: u32) {
+        self.crc_streak.remove(&shard);
+        self.refused_streak.remove(&shard);
+    }
+
     /// The next outcome of a fetch.
     pub async fn completed(&mut self) -> Option<Completion> {
         self.rx.recv().await

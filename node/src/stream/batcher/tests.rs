@@ -318,6 +318,25 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_failed_fetch_of_a_shard_no_unit_holds_any_more_is_not_fetched_again() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let mut issued = fake.take();
+    let (f, _) = issued.pop().expect("a fetch was issued");
+    let shard = f.shard;
+    // The unit that held it was passed while the fetch was in flight.
+    d.resident.remove(&shard);
+    refuse(f, wire::ErrorCode::ReadFailed, "the store failed");
+    settle(&mut d).unwrap();
+    let again: Vec<u32> = fake.take().iter().map(|(f, _)| f.shard).collect();
+    assert!(!again.contains(&shard), "{again:?}");
+    assert_eq!(s.supply().counters().refetches.load(Ordering::Relaxed), 0);
+    drop(issued);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_fetch_its_source_paused_waits_alone_and_those_behind_it_go() {
     let s = stream(1 << 20);
     let fake = Fake::default();
