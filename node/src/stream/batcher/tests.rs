@@ -146,6 +146,24 @@ impl Fake {
     }
 }
 
+/// A stream over a `region`-byte region, its fake issuer and its task, settled (its first
+/// fetches issued).
+fn driver(region: usize) -> (Arc<Stream>, Fake, Driver) {
+    let s = stream(region);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    (s, fake, d)
+}
+
+/// One of the fetches issued, and the others, which stay in flight while the caller holds
+/// them (dropped, they would come back abandoned and be fetched again).
+fn one_fetch(fake: &Fake) -> (InFlight, Vec<Issued>) {
+    let mut issued = fake.take();
+    let (f, _) = issued.pop().expect("a fetch was issued");
+    (f, issued)
+}
+
 /// Fills the fetch's slab with its shard and ends it verified.
 fn answer(mut f: InFlight) {
     let bytes = shard_bytes(f.shard);
@@ -282,13 +300,8 @@ async fn a_crc_failure_is_fetched_again_avoiding_the_source_and_never_delivered(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_shard_ends_the_stream_with_the_reason() {
-    let s = stream(1 << 20);
-    let fake = Fake::default();
-    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
-    settle(&mut d).unwrap();
-    // The others stay in flight (dropped, they would come back abandoned and be fetched again).
-    let mut issued = fake.take();
-    let (f, _) = issued.pop().expect("a fetch was issued");
+    let (s, fake, mut d) = driver(1 << 20);
+    let (f, issued) = one_fetch(&fake);
     let shard = f.shard;
     refuse(
         f,
@@ -319,12 +332,8 @@ async fn a_refused_shard_ends_the_stream_with_the_reason() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_fetch_of_a_shard_no_unit_holds_any_more_is_not_fetched_again() {
-    let s = stream(1 << 20);
-    let fake = Fake::default();
-    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
-    settle(&mut d).unwrap();
-    let mut issued = fake.take();
-    let (f, _) = issued.pop().expect("a fetch was issued");
+    let (s, fake, mut d) = driver(1 << 20);
+    let (f, issued) = one_fetch(&fake);
     let shard = f.shard;
     // The unit that held it was passed while the fetch was in flight.
     d.resident.remove(&shard);
