@@ -47,6 +47,12 @@ pub enum SessionError {
         /// Its data address.
         addr: SocketAddr,
     },
+    /// Every session slot (`max_connections`) is taken.
+    #[error(
+        "this source serves {0} node sessions already (max_connections): try another source, \
+         or again later"
+    )]
+    TooManySessions(usize),
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),
@@ -174,6 +180,36 @@ impl Control {
                 Err(SessionError::Version { theirs })
             }
             r => Ok(r?),
+        }
+    }
+}
+
+/// How long a refused connection is given to take its `Error` (and to have what it sent read,
+/// so that closing it does not reset it before the peer reads the reason).
+const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+
+/// Tells a control connection the source will not serve why (`Error`, request 0, `Internal`),
+/// then closes it.
+pub(crate) async fn refuse(mut stream: tokio::net::TcpStream, why: String) {
+    use tokio::io::AsyncReadExt;
+    let msg = Message::Error {
+        req: 0,
+        code: ErrorCode::Internal,
+        retry_after_ms: 0,
+        message: why,
+    };
+    if tokio::time::timeout(REFUSAL_LINGER, write_message(&mut stream, &msg))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let deadline = Instant::now() + REFUSAL_LINGER;
+    while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, stream.read(&mut sink)).await {
+        if n == 0 {
+            break;
         }
     }
 }

@@ -8,6 +8,7 @@
 //! the announced data connection, sent with `sendfile` straight from the page cache.
 //! It never decides order: it sends what it is asked.
 
+mod admit;
 mod control;
 pub mod datasets;
 pub mod devmem_tx;
@@ -49,7 +50,9 @@ pub struct SourceConfig {
     /// An established session that hears nothing for this long is dropped; both sides send
     /// keepalives after a third of it (the node learns it in `Welcome`).
     pub idle_timeout: std::time::Duration,
-    /// Control connections served at once; more are closed at accept.
+    /// Node sessions (authenticated control connections) served at once; a node past it is
+    /// refused at the end of its handshake, with the reason. Handshakes have their own caps
+    /// ([`admit`]).
     pub max_connections: usize,
     /// On shutdown (SIGTERM) the source drains: it takes no new FETCH, finishes the queued
     /// ones and exits when its nodes have gone, or after this long.
@@ -134,11 +137,12 @@ impl Source {
         }
         tracing::info!(listen = %self.local_addr(), "source ready");
         let slots = Arc::new(tokio::sync::Semaphore::new(self.shared.cfg.max_connections));
+        let handshakes = Arc::new(admit::Handshakes::default());
         loop {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, peer)) => self.accepted(stream, peer, &slots),
+                    Ok((stream, peer)) => self.accepted(stream, peer, &handshakes, &slots),
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -151,25 +155,31 @@ impl Source {
         drain(&shared, &slots).await;
     }
 
-    /// Starts the session of an accepted control connection, if a slot is free.
+    /// Starts the handshake of an accepted control connection, if a handshake slot is free
+    /// (else tells the peer why and closes it); the session takes one of `slots` once the
+    /// peer has authenticated.
     fn accepted(
         &self,
         stream: tokio::net::TcpStream,
         peer: SocketAddr,
+        handshakes: &Arc<admit::Handshakes>,
         slots: &Arc<tokio::sync::Semaphore>,
     ) {
-        let Ok(slot) = Arc::clone(slots).try_acquire_owned() else {
-            tracing::warn!(%peer, limit = self.shared.cfg.max_connections,
-                "too many control connections (max_connections); closing this one");
-            return;
+        let handshake = match handshakes.enter(peer.ip()) {
+            Ok(h) => h,
+            Err(why) => {
+                tracing::warn!(%peer, "refusing a control connection: {why}");
+                tokio::spawn(control::refuse(stream, why));
+                return;
+            }
         };
         let shared = Arc::clone(&self.shared);
+        let slots = Arc::clone(slots);
         tokio::spawn(async move {
-            match session::run(stream, peer, shared).await {
+            match session::run(stream, peer, shared, handshake, slots).await {
                 Ok(()) => tracing::info!(%peer, "node disconnected"),
                 Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
             }
-            drop(slot);
         });
     }
 }

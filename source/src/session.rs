@@ -31,10 +31,11 @@ use shardwire_protocol::framing::FrameError;
 use shardwire_protocol::wire::{ErrorCode, LaneAddr, Message};
 use tokio::io::BufReader;
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::Shared;
+use crate::admit::HandshakeSlot;
 use crate::control::{Control, kind};
 pub use crate::control::{
     DIAL_DEADLINE, HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT,
@@ -48,6 +49,8 @@ pub(crate) async fn run(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
+    handshake_slot: HandshakeSlot,
+    slots: Arc<Semaphore>,
 ) -> Result<(), SessionError> {
     // Canonical: a loopback peer on a `[::]` listener arrives as ::ffff:127.0.0.1.
     if shared.cfg.secret.is_none() && !peer.ip().to_canonical().is_loopback() {
@@ -62,9 +65,11 @@ pub(crate) async fn run(
         idle: shared.cfg.idle_timeout,
         last_sent: Instant::now(),
     };
-    let (lanes, node_id) = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut ctl, &shared))
+    let hs = handshake(&mut ctl, &shared, slots);
+    let (lanes, node_id, _slot) = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
         .await
         .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
+    drop(handshake_slot); // a session slot now (`_slot`, until the session ends)
     let addrs: Vec<String> = lanes
         .iter()
         .map(|l| format!("{}x{}", l.data_addr, l.flows))
@@ -116,11 +121,14 @@ impl Drop for ForgetHints {
     }
 }
 
-/// Hello, Challenge, Auth, Welcome; returns the node's lanes and id.
+/// Hello, Challenge, Auth, Welcome; returns the node's lanes and id, and the session slot it
+/// took (one of `slots`, `max_connections`) once the node proved the secret. Without a free
+/// slot the node is answered with an `Error` naming the limit instead of `Welcome`.
 async fn handshake(
     ctl: &mut Control,
     shared: &Shared,
-) -> Result<(Vec<LaneAddr>, String), SessionError> {
+    slots: Arc<Semaphore>,
+) -> Result<(Vec<LaneAddr>, String, OwnedSemaphorePermit), SessionError> {
     let secret = shared.cfg.secret.as_deref();
     let (node_nonce, lanes, node_id) = match ctl.recv().await? {
         Message::Hello {
@@ -164,13 +172,18 @@ async fn handshake(
         }
         None => [0; 32],
     };
+    let Ok(slot) = slots.try_acquire_owned() else {
+        let e = SessionError::TooManySessions(shared.cfg.max_connections);
+        let _ = ctl.error(0, ErrorCode::Internal, e.to_string()).await;
+        return Err(e);
+    };
     let idle_timeout_s = ctl.idle.as_secs().clamp(1, u64::from(u16::MAX)) as u16;
     ctl.send(&Message::Welcome {
         mac: welcome,
         idle_timeout_s,
     })
     .await?;
-    Ok((lanes, node_id))
+    Ok((lanes, node_id, slot))
 }
 
 /// What a queued FETCH's announcement says.

@@ -600,3 +600,46 @@ def test_a_source_without_a_secret_dials_no_data_address_off_loopback(sw, tmp_pa
     src = sw.source({"tiny": tiny_dataset(tmp_path)})
     code, message = refused_after_welcome(src, lambda data: F.hello("far-node", ("192.0.2.7", data[1]), nonce=b"\x00" * 32))
     assert code == 5 and "lane 0's data address 192.0.2.7:" in message and "not on loopback" in message, message
+
+
+def test_idle_connections_hold_handshake_slots_not_the_sources_sessions(sw, tmp_path):
+    """A peer that connects and sends nothing holds a handshake slot, at most 8 per address,
+    for the handshake's 10 s; a session slot (`max_connections`) is taken only once a node has
+    authenticated. Before, every accepted connection took a session slot, so a few idle
+    connections, re-opened every 10 s by anyone who could reach the port, refused every node.
+    A peer refused either way is told why (an Error), not just closed."""
+    import faults as F
+
+    cfg = tmp_path / "source.toml"
+    cfg.write_text("max_connections = 2\n")
+    src = sw.source({"tiny": tiny_dataset(tmp_path)}, "--config", cfg)
+    addr = host_port(src.addr)
+
+    def from_address(ip: str) -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.bind((ip, 0))
+        s.connect(addr)
+        return s
+
+    idle = [from_address("127.0.0.2") for _ in range(8)]
+    ninth = from_address("127.0.0.2")
+    kind, body = F.read_control_frame(ninth)
+    assert kind == F.ERROR, kind
+    _, code, message = F.error_code(body)
+    assert code == 7 and "8 handshakes from 127.0.0.2" in message, message
+    # Nodes from another address are served while those 8 wait: 2 sessions (max_connections).
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    served = [handshake_to_data_conn(addr, data)[:2] for _ in range(2)]
+    # A third node is refused once it has authenticated, in place of Welcome, with the reason.
+    ctl = socket.create_connection(addr, timeout=10)
+    ctl.sendall(F.hello("third-node", data.getsockname(), nonce=b"\x00" * 32))
+    assert F.read_control_frame(ctl)[0] == F.CHALLENGE
+    ctl.sendall(F.control_frame(F.AUTH, b"\x00" * 32))
+    kind, body = F.read_control_frame(ctl)
+    assert kind == F.ERROR, kind
+    _, code, message = F.error_code(body)
+    assert code == 7 and "serves 2 node sessions already (max_connections)" in message, message
+    for s in [ninth, ctl, data, *idle, *(s for pair in served for s in pair)]:
+        s.close()
