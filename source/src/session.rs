@@ -40,7 +40,7 @@ use crate::control::{Control, kind};
 pub use crate::control::{
     DIAL_DEADLINE, HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT,
 };
-use crate::datasets::Backend;
+use crate::datasets::{Backend, Opened};
 use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
 use crate::sender::{Body, Held, Job, Sender};
@@ -193,6 +193,19 @@ struct Head {
     corrupt: bool,
     shard: u32,
     crc32c: u32,
+    /// A local shard file: what it was when the source opened it, checked again right before
+    /// the announcement (it may wait in the queue for a while).
+    file: Option<Arc<Opened>>,
+}
+
+/// Why a queued FETCH's local shard file no longer holds what the source opened (it was
+/// checked when the FETCH was queued, and may have waited behind others since), if it does
+/// not.
+fn changed_since_queued(q: &Head, body: &Body) -> Option<String> {
+    match (&q.file, body) {
+        (Some(opened), Body::File { file, offset }) => opened.check(file, offset + q.len).err(),
+        _ => None,
+    }
 }
 
 /// A session's object-storage reads: bytes of those it started and whose payloads are not
@@ -475,6 +488,10 @@ impl Session {
             }
             Backend::Remote(r) => Payload::Later(r.want(self.id, shard)),
         };
+        let opened = match &d.backend {
+            Backend::Local { opened, .. } => Some(Arc::clone(&opened[shard as usize])),
+            Backend::Remote(_) => None,
+        };
         let mut q = Queued {
             head: Head {
                 req,
@@ -482,6 +499,7 @@ impl Session {
                 corrupt,
                 shard,
                 crc32c: entry.crc32c,
+                file: opened,
             },
             payload,
             held: 0,
@@ -592,6 +610,15 @@ impl Session {
                 self.requeue(lane, at, (q, Payload::Ready(body), held));
                 return Ok(());
             };
+            if let Some(why) = changed_since_queued(&q, &body) {
+                tracing::warn!(shard = q.shard, "{why}; FETCH refused");
+                self.reads.release(held);
+                let message = format!("{why} (re-run `shardwire index` and restart the source)");
+                self.ctl
+                    .error(q.req, ErrorCode::DatasetChanged, message)
+                    .await?;
+                continue;
+            }
             // Bytes in memory stay counted until its sender has sent them; a payload read
             // from a file (the cache) holds no memory once handed over.
             let held = match body {

@@ -495,6 +495,21 @@ def test_a_shard_file_changed_in_place_after_start_is_refused_naming_it(sw, tmp_
     assert wait_ready(node)["sources"][0]["up"], "the source's session is still up"
 
 
+def fetching_node(sw, tmp_path, count: int, size: int, seed: int):
+    """A source of dataset "big" (`count` shards of `size` bytes) and a raw node session on
+    it whose one data connection is ready (DataReady) and not read: (dataset dir, control
+    connection, data connection, the data listener)."""
+    d = tmp_path / "big"
+    write_uint8_shards(d, count, size, seed=seed)
+    index_dataset(d)
+    src = sw.source({"big": d})
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
+    return d, ctl, conn, data
+
+
 def test_a_session_that_ends_stops_its_sends(sw, tmp_path):
     """A node that closes its control connection with payloads queued and reads its data
     connection slowly: the source resets the data connection when the session ends, instead
@@ -502,15 +517,8 @@ def test_a_session_that_ends_stops_its_sends(sw, tmp_path):
     max_connections slot)."""
     from faults import fetch
 
-    d = tmp_path / "big"
     size = 32 * MiB
-    write_uint8_shards(d, 2, size, seed=12)
-    index_dataset(d)
-    src = sw.source({"big": d})
-    data = socket.create_server(("127.0.0.1", 0))
-    data.settimeout(10)
-    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
-    ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
+    _, ctl, conn, data = fetching_node(sw, tmp_path, 2, size, seed=12)
     ctl.sendall(fetch(1, "big", 0) + fetch(2, "big", 1))
     kind, _ = next_non_ping(ctl)
     assert kind == 9, kind  # Shard: the first payload is on its way
@@ -642,4 +650,31 @@ def test_idle_connections_hold_handshake_slots_not_the_sources_sessions(sw, tmp_
     _, code, message = F.error_code(body)
     assert code == 7 and "serves 2 node sessions already (max_connections)" in message, message
     for s in [ninth, ctl, data, *idle, *(s for pair in served for s in pair)]:
+        s.close()
+
+
+def test_a_shard_file_changed_while_its_fetch_waits_is_refused_not_sent(sw, tmp_path):
+    """A FETCH is checked against its shard file when it is queued, then may wait behind
+    others (two payloads in flight per data connection). A file changed meanwhile was sent
+    all the same, under the manifest's CRC; now it is checked again right before it is
+    announced, and refused as `dataset_changed` naming the file."""
+    from faults import error_code, fetch
+
+    size = 16 * MiB
+    d, ctl, conn, data = fetching_node(sw, tmp_path, 3, size, seed=13)
+    ctl.sendall(fetch(1, "big", 0) + fetch(2, "big", 1) + fetch(3, "big", 2))
+    assert next_non_ping(ctl)[0] == 9 and next_non_ping(ctl)[0] == 9, "shards 0 and 1 announced"
+    # Shard 2 waits: the data connection is not read, so its two payloads stay in flight.
+    third = sorted(p for p in d.iterdir() if p.suffix == ".npy")[2]
+    time.sleep(0.05)
+    os.utime(third)  # modified again (same bytes, same size: only the source can tell)
+    conn.settimeout(30)
+    got = 0
+    while got < 2 * size:
+        got += len(conn.recv(1 << 20))
+    kind, body = next_non_ping(ctl)
+    assert kind == 10, f"shard 2 was announced: {kind}"  # Error
+    _, code, message = error_code(body)
+    assert code == 13 and third.name in message and "changed" in message, (code, message)
+    for s in (ctl, conn, data):
         s.close()
