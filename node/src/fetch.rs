@@ -7,7 +7,8 @@
 //! re-issued while a receiver may still write into it, and every failure has one shape. A
 //! fetch dropped without an outcome (a receiver thread that panicked, a path that forgot it)
 //! still hands its slab back, as [`FetchFailure::Abandoned`]: its stream fetches it again
-//! instead of waiting for that position forever.
+//! instead of waiting for that position forever (a stream already closed is not told: the
+//! slab goes back to the pool).
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -286,10 +287,19 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let result = match std::mem::replace(&mut self.end, End::Unsent) {
-            End::Unsent => return,
+        let end = std::mem::replace(&mut self.end, End::Unsent);
+        if matches!(end, End::Unsent) {
+            return; // `unsent` took the slab
+        }
+        // SAFETY: `end` was not `Unsent`, so `unsent` never took the slab, and this is the
+        // only other place that takes it (once: `end` is `Unsent` now).
+        let slab = unsafe { ManuallyDrop::take(&mut self.slab) };
+        let result = match end {
             End::Finished(result) => result,
-            End::Open => {
+            // Its stream is gone (closed, or the node shutting down): nobody waits for it,
+            // and the slab just goes back to the pool.
+            _ if self.done.is_closed() => return,
+            _ => {
                 let holder = if self.req == 0 {
                     "fetcher"
                 } else {
@@ -304,9 +314,6 @@ impl Drop for InFlight {
                 Err(FetchFailure::Abandoned { holder })
             }
         };
-        // SAFETY: `end` was not `Unsent`, so `unsent` never took the slab, and this is the
-        // only other place that takes it (once: `end` is `Unsent` now).
-        let slab = unsafe { ManuallyDrop::take(&mut self.slab) };
         let _ = self.done.send(Completion {
             pos: self.pos,
             shard: self.shard,
@@ -447,6 +454,15 @@ pub(crate) mod tests {
         assert_eq!(count.load(Ordering::Acquire), 0, "no longer outstanding");
         drop(c.slab);
         assert_eq!(p.used(), 0);
+    }
+
+    #[test]
+    fn a_fetch_dropped_after_its_stream_closed_frees_its_slab_quietly() {
+        let p = pool(1 << 20);
+        let (f, rx) = in_flight(&p, 1, 4096, 1);
+        drop(rx); // the stream closed (or the node is shutting down)
+        drop(f);
+        assert_eq!(p.used(), 0, "the slab went back to the pool");
     }
 
     #[test]
