@@ -137,6 +137,10 @@ counters! {
     /// FETCHes issued again after a failure.
     refetches => refetches: Count, "shardwire_refetches_total", Label::None,
         "FETCHes issued again after a failure";
+    /// Times a batch-mode stream gave back prefetched shards for lack of a free block for its
+    /// next batch.
+    prefetch_given_back => prefetch_given_back: Count, "shardwire_prefetch_given_back_total", Label::None,
+        "Times a batch-mode stream gave back shards it had prefetched because no free block of the region fit its next batch (the region was fragmented; they are fetched again; a larger stream_memory avoids it)";
     /// Batches handed to trainers.
     batches_delivered => batches_delivered: Count, "shardwire_batches_delivered_total", Label::None,
         "Batches handed to trainers";

@@ -61,6 +61,10 @@ struct Live {
     first: u64,
     last: u64,
     shards: Vec<u32>,
+    /// Its epoch, and its index among that epoch's units (to hold it again in turn when it is
+    /// given back: [`Driver::give_back_prefetch`]).
+    epoch: u32,
+    unit: usize,
 }
 
 struct Driver {
@@ -290,6 +294,8 @@ impl Driver {
                 first: g + unit.first,
                 last: g + unit.last,
                 shards: unit.shards,
+                epoch,
+                unit: self.epochs[ei].next,
             });
             let e = &mut self.epochs[ei];
             (e.next, e.held) = (e.next + 1, 0);
@@ -405,9 +411,17 @@ impl Driver {
         let Some(plan) = self.plan_batch(ep.as_deref(), epoch, step) else {
             return Ok(false);
         };
-        let Some(mut out) = self.s.supply().try_alloc(plan.bytes as usize) else {
+        let supply = Arc::clone(self.s.supply());
+        let alloc = || supply.try_alloc(plan.bytes as usize);
+        let out = match alloc() {
+            Some(out) => Some(out),
             // With no assembled batch waiting, only the trainer's held batch can come back,
-            // and a trainer that waits for this one may hold it until then.
+            // and a trainer that waits for this one may hold it until then: the prefetched
+            // shards go back first (their free bytes may be in blocks too small for a batch).
+            None if self.s.ready_count() == 0 && self.give_back_prefetch() => alloc(),
+            None => None,
+        };
+        let Some(mut out) = out else {
             if self.s.ready_count() == 0 {
                 self.refuse_if_it_cannot_fit(None)?;
             }
@@ -524,6 +538,47 @@ impl Driver {
         {
             self.epochs.pop_front();
         }
+    }
+
+    /// Gives back the shards held ahead that the next batch does not read: those of a unit
+    /// held halfway, then of the live units from the last while the next batch ends before
+    /// their first sample (their epochs' cursors go back, so they are held again in turn).
+    /// Room for prefetch is counted in bytes, and the slab pool is a buddy allocator: shards
+    /// of a smaller class than the batches can leave no free block of the batch's class while
+    /// nothing else can free one (no batch waiting, the trainer holding none), and the stream
+    /// waited forever. True if it gave any back.
+    fn give_back_prefetch(&mut self) -> bool {
+        let upto = self.last_index(self.pos);
+        let per_epoch = self.per_epoch;
+        let mut back: Vec<u32> = Vec::new();
+        for e in self.epochs.iter_mut().filter(|e| e.held > 0) {
+            let u = &e.units[e.next];
+            if u64::from(e.epoch) * per_epoch + u.first > upto {
+                back.extend_from_slice(&u.shards[..e.held]);
+                e.held = 0;
+            }
+        }
+        while self.live.last().is_some_and(|l| l.first > upto) {
+            let l = self.live.pop().expect("just seen");
+            if let Some(e) = self.epochs.iter_mut().find(|e| e.epoch == l.epoch) {
+                (e.next, e.held) = (e.next.min(l.unit), 0);
+            }
+            back.extend(l.shards);
+        }
+        if back.is_empty() {
+            return false;
+        }
+        tracing::debug!(
+            shards = back.len(),
+            "no free block for the next batch: prefetched shards given back"
+        );
+        self.s
+            .supply()
+            .counters()
+            .prefetch_given_back
+            .fetch_add(1, Ordering::Relaxed);
+        self.unref(&back);
+        true
     }
 
     /// Drops one unit's hold on each of `shards`; a shard no unit holds leaves the region.

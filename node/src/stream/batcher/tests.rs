@@ -710,3 +710,126 @@ fn refuse(f: InFlight, code: wire::ErrorCode, message: &str) {
         message: message.into(),
     }));
 }
+
+/// 24 shards of rows of `row` bytes, shard `i` holding `rows[i % len]` rows, every byte of
+/// shard `i` equal to `i`.
+fn mixed_manifest(rows: &[u64], row: u64) -> Arc<Manifest> {
+    Arc::new(Manifest::new(
+        (0..24u32)
+            .map(|i| {
+                let r = rows[i as usize % rows.len()];
+                ShardEntry {
+                    file: format!("s{i}.bin"),
+                    offset: 0,
+                    length: r * row,
+                    crc32c: crc(&vec![i as u8; (r * row) as usize]),
+                    tensors: vec![TensorEntry::dense(
+                        "x".into(),
+                        DType::Uint8,
+                        vec![r, row],
+                        0,
+                        r * row,
+                    )],
+                }
+            })
+            .collect(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_region_fragmented_by_prefetched_shards_gives_them_back_instead_of_waiting_forever() {
+    // Shards of 2.8 and 6 KiB (4 and 8 KiB slabs) and batches of 6000 bytes (8 KiB slabs) in
+    // 96 KiB: prefetch is counted in free bytes, and the 4 KiB shard slabs came to split
+    // every 8 KiB block while no batch was ready and the trainer held none. The stream waited
+    // forever after 33 batches; now it gives the prefetched shards back and goes on.
+    let m = mixed_manifest(&[700, 1500], 4);
+    let mut r = StreamRequest::new("d");
+    (r.batch_size, r.seed, r.epochs, r.shuffle_block) = (Some(1500), 1, 3, Some(2048));
+    let region = 96 << 10;
+    let (kind, _, fingerprint) = open::batch_mode(&m, &r, 1500, region as u64, false).unwrap();
+    let s = Stream::new(Parts {
+        id: 1,
+        dataset: "d".into(),
+        kind,
+        epochs: 3,
+        start: 0,
+        manifest: Arc::clone(&m),
+        pool: pool(region),
+        sources: vec![crate::stream::DatasetSource {
+            dataset: "d".into(),
+            first: 0,
+            shards: 0,
+            digest: String::new(),
+        }],
+        routing: crate::stream::route::tests::routing(),
+        fingerprint,
+        counters: Arc::new(Counters::default()),
+        ids: Arc::new(AtomicU64::new(0)),
+        gpu: None,
+        lane: 0,
+    });
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    let mut got: Vec<Vec<u8>> = Vec::new();
+    let mut idle = 0;
+    while idle < 50 {
+        settle(&mut d).unwrap();
+        for (mut f, _) in fake.take() {
+            let bytes = vec![f.shard as u8; f.slab().len()];
+            f.slab_mut()
+                .host_slice_mut()
+                .unwrap()
+                .copy_from_slice(&bytes);
+            f.verified(crc(&bytes));
+        }
+        settle(&mut d).unwrap();
+        match s.next(Some(Duration::ZERO)) {
+            Next::Batch(b) => {
+                let t = &b.tensors[0];
+                let bytes = s.read_leased(b.lease, t.offset, t.length).unwrap();
+                got.push(bytes.chunks(4).map(|row| row[0]).collect());
+                assert!(s.release(b.lease));
+                idle = 0;
+            }
+            Next::End => break,
+            Next::Timeout => idle += 1,
+            Next::Closed(why) => panic!("closed: {why}"),
+        }
+    }
+    let pool = s.supply().pool();
+    let Kind::Batches(bm) = s.kind() else {
+        unreachable!()
+    };
+    let Sampler::One(plan) = &bm.sampler else {
+        unreachable!()
+    };
+    assert!(
+        idle < 50,
+        "stuck after {} batches: {} of {} bytes used, none ready",
+        got.len(),
+        pool.used(),
+        pool.capacity()
+    );
+    let want: Vec<Vec<u8>> = (0..3u32)
+        .flat_map(|e| {
+            let ep = plan.order.epoch(e);
+            (0..plan.steps())
+                .map(|step| {
+                    (0..1500)
+                        .map(|j| plan.sample(&ep, step, j).shard as u8)
+                        .collect()
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        got == want,
+        "every batch holds its planned samples' shards, once"
+    );
+    let given_back = s
+        .supply()
+        .counters()
+        .prefetch_given_back
+        .load(Ordering::Relaxed);
+    assert!(given_back > 0, "the region did fragment");
+}
