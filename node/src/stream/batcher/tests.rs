@@ -72,21 +72,26 @@ fn stream_checked_for(
     region: usize,
     change: impl FnOnce(&mut StreamRequest),
 ) -> Arc<Stream> {
-    let m = manifest();
     let mut r = StreamRequest::new("d");
     r.batch_size = Some(BATCH);
     r.seed = 3;
     r.epochs = 2;
     change(&mut r);
+    stream_of(manifest(), &r, checked, region)
+}
+
+/// The batch-mode stream `r` asks for over `m`, opened as if its region had `checked` bytes,
+/// in a region of `region`.
+fn stream_of(m: Arc<Manifest>, r: &StreamRequest, checked: usize, region: usize) -> Arc<Stream> {
     let (kind, start, fingerprint) =
-        open::batch_mode(&m, &r, r.batch_size.unwrap_or(BATCH), checked as u64, false)
+        open::batch_mode(&m, r, r.batch_size.unwrap_or(BATCH), checked as u64, false)
             .expect("a valid plan");
     assert_eq!(start, 0);
     Stream::new(Parts {
         id: 1,
         dataset: "d".into(),
         kind,
-        epochs: 2,
+        epochs: r.epochs,
         start: 0,
         manifest: m,
         pool: pool(region),
@@ -746,28 +751,7 @@ async fn a_region_fragmented_by_prefetched_shards_gives_them_back_instead_of_wai
     let mut r = StreamRequest::new("d");
     (r.batch_size, r.seed, r.epochs, r.shuffle_block) = (Some(1500), 1, 3, Some(2048));
     let region = 96 << 10;
-    let (kind, _, fingerprint) = open::batch_mode(&m, &r, 1500, region as u64, false).unwrap();
-    let s = Stream::new(Parts {
-        id: 1,
-        dataset: "d".into(),
-        kind,
-        epochs: 3,
-        start: 0,
-        manifest: Arc::clone(&m),
-        pool: pool(region),
-        sources: vec![crate::stream::DatasetSource {
-            dataset: "d".into(),
-            first: 0,
-            shards: 0,
-            digest: String::new(),
-        }],
-        routing: crate::stream::route::tests::routing(),
-        fingerprint,
-        counters: Arc::new(Counters::default()),
-        ids: Arc::new(AtomicU64::new(0)),
-        gpu: None,
-        lane: 0,
-    });
+    let s = stream_of(m, &r, region, region);
     let fake = Fake::default();
     let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
     let mut got: Vec<Vec<u8>> = Vec::new();
