@@ -142,7 +142,8 @@ impl Sender {
                         .map(|d| SendPath::DevmemTx(Box::new(d))),
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
-                if let Err(e) = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate)) {
+                let sent = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate, MIN_SEND_RATE));
+                if let Err(e) = sent {
                     if is_send_timeout(&e) {
                         tracing::warn!(
                             conn,
@@ -198,11 +199,11 @@ impl Drop for Sender {
 /// Writes `parts` in order in pieces of at most `piece` bytes (flipping the byte at offset
 /// `flip` of the payload: fault injection), calling `paced` after each piece.
 fn send_memory(
-    mut stream: &TcpStream,
+    stream: &TcpStream,
     parts: &[bytes::Bytes],
     mut flip: Option<u64>,
     piece: usize,
-    paced: &mut impl FnMut(usize),
+    paced: &mut impl FnMut(usize) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     let mut at = 0u64;
     for part in parts {
@@ -213,15 +214,61 @@ fn send_memory(
                     let mut copy = chunk.to_vec();
                     copy[(f - at) as usize] ^= 0x5a;
                     flip = None;
-                    stream.write_all(&copy)?;
+                    write_paced(stream, &copy, paced)?;
                 }
-                None => stream.write_all(chunk)?,
+                None => write_paced(stream, chunk, paced)?,
             }
             at = end;
-            paced(chunk.len());
         }
     }
     Ok(())
+}
+
+/// Writes all of `bytes`, calling `paced` after each write (which may end the send).
+fn write_paced(
+    mut stream: &TcpStream,
+    mut bytes: &[u8],
+    paced: &mut impl FnMut(usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let n = match stream.write(bytes) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        bytes = &bytes[n..];
+        paced(n)?;
+    }
+    Ok(())
+}
+
+/// The slowest a payload may go out on average, after the idle timeout's grace (or half the
+/// session's rate limit, when that is lower): a node that reads a few bytes every few seconds
+/// kept each send within `SO_SNDTIMEO` and held the sender thread, its file or its memory, and
+/// its session's slot for days.
+pub(crate) const MIN_SEND_RATE: u64 = 1 << 20;
+
+/// How long a payload of `len` bytes may take: `idle`, plus `len` at the lower of `min_rate`
+/// and half of `rate` (0: unlimited).
+fn payload_limit(len: u64, idle: Duration, rate: u64, min_rate: u64) -> Duration {
+    let floor = match rate {
+        0 => min_rate,
+        r => min_rate.min(r / 2),
+    }
+    .max(1);
+    idle + Duration::from_secs_f64(len as f64 / floor as f64)
+}
+
+/// The error of a payload that went out slower than its limit.
+fn too_slow(len: u64, limit: Duration) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "the node took more than {limit:?} to read a payload of {len} bytes (it reads at a \
+             trickle, or not at all): the connection is given up"
+        ),
+    )
 }
 
 /// How far ahead of its line a paced sender may get after waiting for work: a connection idle
@@ -360,11 +407,26 @@ fn send_loop(
     rx: &mpsc::Receiver<Job>,
     progress: &Progress,
     rate: u64,
+    min_rate: u64,
 ) -> std::io::Result<()> {
     let mut pacer = Pacer::new(rate);
     let piece = path.piece(rate);
+    // `SO_SNDTIMEO`, set to the session's idle timeout when the connection was dialled.
+    let idle = stream
+        .write_timeout()
+        .ok()
+        .flatten()
+        .unwrap_or(Duration::from_secs(60));
     while let Ok(mut job) = rx.recv() {
-        let mut paced = |n: usize| pacer.sent(n);
+        let limit = payload_limit(job.len, idle, rate, min_rate);
+        let started = Instant::now();
+        let mut paced = |n: usize| {
+            pacer.sent(n);
+            match started.elapsed() > limit {
+                true => Err(too_slow(job.len, limit)),
+                false => Ok(()),
+            }
+        };
         match &job.body {
             Body::File { file, offset } => {
                 let (mut off, end) = (*offset, offset + job.len);
@@ -384,7 +446,7 @@ fn send_loop(
                         ));
                     }
                     off += n as u64;
-                    paced(n);
+                    paced(n)?;
                 }
             }
             Body::Memory(parts) => {
@@ -508,6 +570,73 @@ mod tests {
         let t = Instant::now();
         p.sent(1 << 30);
         assert!(t.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_payload_may_take_the_idle_timeout_plus_its_size_at_the_minimum_rate() {
+        use super::payload_limit;
+        let idle = Duration::from_secs(60);
+        assert_eq!(payload_limit(0, idle, 0, 1 << 20), idle);
+        assert_eq!(
+            payload_limit(8 << 20, idle, 0, 1 << 20),
+            idle + Duration::from_secs(8)
+        );
+        // A session paced below twice the minimum gets half its own rate.
+        assert_eq!(
+            payload_limit(1 << 20, idle, 1 << 20, 1 << 20),
+            idle + Duration::from_secs(2)
+        );
+    }
+
+    #[test]
+    fn a_node_that_reads_a_payload_at_a_trickle_loses_the_connection() {
+        use std::io::Read;
+        use std::sync::mpsc;
+
+        use super::{SendPath, send_loop};
+        use rustix::net::sockopt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        out.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        // Small buffers, so the kernel wakes the sender every few KiB the node reads.
+        sockopt::set_socket_send_buffer_size(&out, 64 << 10).unwrap();
+        sockopt::set_socket_recv_buffer_size(&peer, 64 << 10).unwrap();
+        // The node reads 4 KiB every 50 ms: every send makes progress within the idle
+        // timeout, so SO_SNDTIMEO never fires, but 4 MiB would take about a minute.
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = peer.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (tx, rx) = mpsc::channel();
+        let budget = Arc::new(AtomicU64::new(4 << 20));
+        tx.send(Job {
+            body: Body::Memory(vec![bytes::Bytes::from(vec![1u8; 4 << 20])]),
+            len: 4 << 20,
+            corrupt: false,
+            held: Held::new(&budget, 4 << 20),
+        })
+        .unwrap();
+        drop(tx);
+        let progress = Progress::with_notify(Arc::new(Notify::new()));
+        let t0 = Instant::now();
+        // A minimum of 2 MiB/s: 2 s + 2 s for the 4 MiB.
+        let e = send_loop(SendPath::Sendfile(&out), &out, &rx, &progress, 0, 2 << 20)
+            .expect_err("given up");
+        let took = t0.elapsed();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("reads at a trickle"), "{e}");
+        assert!(
+            took >= Duration::from_secs(4) && took < Duration::from_secs(15),
+            "{took:?}"
+        );
+        drop(out);
+        reader.join().unwrap();
     }
 
     #[test]
