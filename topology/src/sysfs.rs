@@ -149,13 +149,27 @@ impl Tree {
         nics.sort_by(|a, b| {
             (a.is_virtual, a.pci, &a.interface).cmp(&(b.is_virtual, b.pci, &b.interface))
         });
-        let nodes = entries(&root.join("devices/system/node"))
+        let nodes: BTreeMap<u32, Vec<u32>> = entries(&root.join("devices/system/node"))
             .iter()
             .filter_map(|(name, dir)| {
                 let n = name.strip_prefix("node")?.parse().ok()?;
                 Some((n, read_cpulist(&dir.join("cpulist"))))
             })
             .collect();
+        // Firmware without proximity information writes `numa_node` -1; on a host of one NUMA
+        // node every device is on it (otherwise every pair across host bridges read as SYS,
+        // "NUMA node unknown", with a cross-CPU warning).
+        if let [only] = nodes.keys().copied().collect::<Vec<_>>()[..] {
+            for g in gpus.iter_mut().filter(|g| g.numa_node.is_none()) {
+                g.numa_node = Some(only);
+            }
+            for n in nics
+                .iter_mut()
+                .filter(|n| n.numa_node.is_none() && !n.is_virtual)
+            {
+                n.numa_node = Some(only);
+            }
+        }
         Ok(Tree { gpus, nics, nodes })
     }
 

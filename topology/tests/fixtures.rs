@@ -681,3 +681,32 @@ fn link_state_speed_virtual_functions_and_representors_are_read_and_used() {
         "{text}"
     );
 }
+
+#[test]
+fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
+    // Firmware without proximity information writes numa_node -1. On the two-domains host
+    // (one NUMA node) the GPU and eth0 sit under different host bridges: with the node
+    // unknown that read as SYS ("NUMA node unknown") and warned of crossing a CPU.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("topology-numa-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    copy_tree(&fixture("two-domains"), &dir);
+    for dev in ["0001:17:00.0", "0000:18:00.0"] {
+        let numa = dir.join("bus/pci/devices").join(dev).join("numa_node");
+        fs::write(fs::canonicalize(&numa).unwrap(), "-1\n").unwrap();
+    }
+    let tree = Tree::read(&dir).expect("read the copy");
+    let _ = fs::remove_dir_all(&dir);
+    let gpu = &tree.gpus[0];
+    let eth0 = tree.nics.iter().find(|n| n.interface == "eth0").unwrap();
+    assert_eq!((gpu.numa_node, eth0.numa_node), (Some(0), Some(0)));
+    let c = shardwire_topology::classify(
+        &gpu.path,
+        gpu.numa_node,
+        eth0.path.as_ref().unwrap(),
+        eth0.numa_node,
+    );
+    assert_eq!(c.distance, Distance::Phb, "{}", c.why);
+    let lo = tree.nics.iter().find(|n| n.interface == "lo").unwrap();
+    assert_eq!(lo.numa_node, None, "a virtual NIC stays without one");
+}
