@@ -576,17 +576,13 @@ fn an_infiniband_port_and_a_bond_slave_are_never_paired_and_say_why() {
     // The A3 tree with eth1 an InfiniBand port (ARPHRD 32, as a ConnectX in IB mode) and eth2
     // a slave of bond0: before, each was paired with its switch's GPU like any NIC, and the
     // lane's traffic went elsewhere (IB carries no TCP; a bond slave's goes through the bond).
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("topology-unusable-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    copy_tree(&fixture("a3-8gpu-8nic"), &dir);
-    let net = dir.join("class/net");
-    fs::write(net.join("eth1/type"), "32\n").unwrap();
-    fs::write(net.join("eth2/type"), "1\n").unwrap();
-    std::os::unix::fs::symlink("../../../../../virtual/net/bond0", net.join("eth2/master"))
-        .unwrap();
-    let tree = Tree::read(&dir).expect("read the copy");
-    let _ = fs::remove_dir_all(&dir);
+    let tree = changed_tree("a3-8gpu-8nic", "unusable", |dir| {
+        let net = dir.join("class/net");
+        fs::write(net.join("eth1/type"), "32\n").unwrap();
+        fs::write(net.join("eth2/type"), "1\n").unwrap();
+        std::os::unix::fs::symlink("../../../../../virtual/net/bond0", net.join("eth2/master"))
+            .unwrap();
+    });
     let why = |name: &str| {
         tree.nics
             .iter()
@@ -628,19 +624,15 @@ fn link_state_speed_virtual_functions_and_representors_are_read_and_used() {
     // them: eth1's link down (no carrier: uncabled), eth2 a virtual function (its device has a
     // `physfn` link), eth3 a representor of a VF (phys_port_name pf0vf3), eth4 at 400 Gb/s,
     // eth5 a speed of -1 (unknown), host NIC eth0 at 1 Gb/s.
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("topology-links-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    copy_tree(&fixture("a3-8gpu-8nic"), &dir);
-    let net = dir.join("class/net");
-    fs::write(net.join("eth1/operstate"), "down\n").unwrap();
-    std::os::unix::fs::symlink("../0000:00:00.0", net.join("eth2/device/physfn")).unwrap();
-    fs::write(net.join("eth3/phys_port_name"), "pf0vf3\n").unwrap();
-    fs::write(net.join("eth4/speed"), "400000\n").unwrap();
-    fs::write(net.join("eth5/speed"), "-1\n").unwrap();
-    fs::write(net.join("eth0/speed"), "1000\n").unwrap();
-    let tree = Tree::read(&dir).expect("read the copy");
-    let _ = fs::remove_dir_all(&dir);
+    let tree = changed_tree("a3-8gpu-8nic", "links", |dir| {
+        let net = dir.join("class/net");
+        fs::write(net.join("eth1/operstate"), "down\n").unwrap();
+        std::os::unix::fs::symlink("../0000:00:00.0", net.join("eth2/device/physfn")).unwrap();
+        fs::write(net.join("eth3/phys_port_name"), "pf0vf3\n").unwrap();
+        fs::write(net.join("eth4/speed"), "400000\n").unwrap();
+        fs::write(net.join("eth5/speed"), "-1\n").unwrap();
+        fs::write(net.join("eth0/speed"), "1000\n").unwrap();
+    });
     let nic = |name: &str| tree.nics.iter().find(|n| n.interface == name).unwrap();
     assert_eq!(nic("eth1").link_up, Some(false));
     assert_eq!(nic("eth6").link_up, Some(true));
@@ -687,16 +679,12 @@ fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
     // Firmware without proximity information writes numa_node -1. On the two-domains host
     // (one NUMA node) the GPU and eth0 sit under different host bridges: with the node
     // unknown that read as SYS ("NUMA node unknown") and warned of crossing a CPU.
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("topology-numa-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    copy_tree(&fixture("two-domains"), &dir);
-    for dev in ["0001:17:00.0", "0000:18:00.0"] {
-        let numa = dir.join("bus/pci/devices").join(dev).join("numa_node");
-        fs::write(fs::canonicalize(&numa).unwrap(), "-1\n").unwrap();
-    }
-    let tree = Tree::read(&dir).expect("read the copy");
-    let _ = fs::remove_dir_all(&dir);
+    let tree = changed_tree("two-domains", "numa", |dir| {
+        for dev in ["0001:17:00.0", "0000:18:00.0"] {
+            let numa = dir.join("bus/pci/devices").join(dev).join("numa_node");
+            fs::write(fs::canonicalize(&numa).unwrap(), "-1\n").unwrap();
+        }
+    });
     let gpu = &tree.gpus[0];
     let eth0 = tree.nics.iter().find(|n| n.interface == "eth0").unwrap();
     assert_eq!((gpu.numa_node, eth0.numa_node), (Some(0), Some(0)));
@@ -709,4 +697,17 @@ fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
     assert_eq!(c.distance, Distance::Phb, "{}", c.why);
     let lo = tree.nics.iter().find(|n| n.interface == "lo").unwrap();
     assert_eq!(lo.numa_node, None, "a virtual NIC stays without one");
+}
+
+/// The tree of fixture `name` as read after `change` wrote to a copy of it (as the kernel
+/// would write those files), the copy removed again.
+fn changed_tree(name: &str, tag: &str, change: impl FnOnce(&Path)) -> Tree {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("topology-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    copy_tree(&fixture(name), &dir);
+    change(&dir);
+    let tree = Tree::read(&dir).expect("read the copy");
+    let _ = fs::remove_dir_all(&dir);
+    tree
 }
