@@ -71,6 +71,42 @@ pub enum MixSample {
     Window(Vec<TokenPiece>),
 }
 
+/// The checkpoints of a schedule, every [`CHECKPOINT`] steps from its base. A schedule from
+/// step 0 starts from those other streams of this node reached ([`super::schedules`]), and
+/// leaves its own there when it is dropped.
+#[derive(Debug)]
+struct Checkpoints {
+    /// The schedule, when it starts at step 0 (only then are its points another's).
+    shared: Option<super::schedules::Key>,
+    points: Mutex<Vec<Point>>,
+}
+
+impl Checkpoints {
+    fn from(base: &Point, q: &[i128], gb: u64) -> Self {
+        let at_start = base.step == 0
+            && base.cursors.iter().all(|&c| c == 0)
+            && base.carry.iter().all(|&c| c == 0);
+        let shared = at_start.then(|| (q.to_vec(), gb));
+        let points = shared
+            .as_ref()
+            .and_then(super::schedules::checkpoints)
+            .unwrap_or_else(|| vec![base.clone()]);
+        Self {
+            shared,
+            points: Mutex::new(points),
+        }
+    }
+}
+
+impl Drop for Checkpoints {
+    fn drop(&mut self) {
+        if let Some(key) = self.shared.take() {
+            let points = std::mem::take(self.points.get_mut().unwrap_or_else(|e| e.into_inner()));
+            super::schedules::keep(key, points);
+        }
+    }
+}
+
 /// A rank's view of a mixture.
 #[derive(Debug)]
 pub struct Mixture {
@@ -88,7 +124,7 @@ pub struct Mixture {
     pub steps: u64,
     /// Where the schedule starts (step 0, or the resume state's point).
     pub base: Point,
-    checkpoints: Mutex<Vec<Point>>,
+    checkpoints: Checkpoints,
     /// The last point asked for (the batcher asks in increasing order).
     last: Mutex<Point>,
     orders: Mutex<VecDeque<(usize, u32, Arc<EpochOrder>)>>,
@@ -105,6 +141,7 @@ impl Mixture {
     ) -> Self {
         let gb = u64::from(batch_size) * u64::from(world_size);
         let total: u64 = parts.iter().map(|p| p.order.total()).sum();
+        let checkpoints = Checkpoints::from(&base, &q, gb);
         Self {
             parts,
             q,
@@ -112,7 +149,7 @@ impl Mixture {
             world_size,
             rank,
             steps: total / gb,
-            checkpoints: Mutex::new(vec![base.clone()]),
+            checkpoints,
             last: Mutex::new(base.clone()),
             base,
             orders: Mutex::new(VecDeque::new()),
@@ -130,7 +167,11 @@ impl Mixture {
         if last.step == step {
             return last.clone();
         }
-        let mut cps = self.checkpoints.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cps = self
+            .checkpoints
+            .points
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let i = cps.partition_point(|c| c.step <= step).max(1) - 1;
         let mut p = match last.step <= step && last.step >= cps[i].step {
             true => last.clone(),
@@ -369,5 +410,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_schedule_from_step_0_starts_where_an_earlier_stream_of_it_got() {
+        // Weights and a global batch no other test uses: the cache is the process's.
+        let q = fixed_weights(&["web", "code"], &[0.61, 0.39]).unwrap();
+        let first = Mixture::new(parts(), q.clone(), (13, 7, 0), start());
+        let far = first.point(5000);
+        drop(first);
+        let second = Mixture::new(parts(), q.clone(), (13, 7, 1), start());
+        let reached = second
+            .checkpoints
+            .points
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .step;
+        assert_eq!(reached, 4096, "the first stream's checkpoints");
+        assert_eq!(
+            second.point(5000),
+            far,
+            "the same schedule, whatever the rank"
+        );
+        // A stream resumed elsewhere (another base) neither takes nor leaves any.
+        let resumed = Mixture::new(parts(), q, (13, 7, 0), far.clone());
+        assert_eq!(*resumed.checkpoints.points.lock().unwrap(), vec![far]);
     }
 }

@@ -27,6 +27,7 @@ pub(crate) mod placement;
 pub(crate) mod prefetch;
 pub(crate) mod reorder;
 pub(crate) mod route;
+pub(crate) mod schedules;
 pub(crate) mod supervise;
 pub(crate) mod supply;
 pub(crate) mod tokens;

@@ -224,7 +224,10 @@ fn from_the_start(mix: Mixture, r: &StreamRequest) -> Mixture {
     if !at_start || pos == 0 || super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
         return mix;
     }
-    let point = mix.point(pos);
+    // From the nearest checkpoint another stream of this node reached (`schedules`); a
+    // replay from step 0 still takes milliseconds per thousand steps: off the runtime's
+    // workers' other tasks.
+    let point = tokio::task::block_in_place(|| mix.point(pos));
     Mixture::new(
         mix.parts,
         mix.q,
