@@ -18,6 +18,10 @@ pub const MAX_HANDSHAKES: usize = 64;
 /// Handshakes under way at once from one IP address.
 pub const MAX_HANDSHAKES_PER_IP: usize = 8;
 
+/// Refused connections told why at once (each holds its socket for up to 2 s); past it a
+/// refused connection is closed without a word.
+pub const MAX_REFUSING: usize = 64;
+
 /// Handshakes under way: per peer IP, and in all.
 #[derive(Debug, Default)]
 pub(crate) struct Handshakes {

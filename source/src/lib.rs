@@ -138,11 +138,14 @@ impl Source {
         tracing::info!(listen = %self.local_addr(), "source ready");
         let slots = Arc::new(tokio::sync::Semaphore::new(self.shared.cfg.max_connections));
         let handshakes = Arc::new(admit::Handshakes::default());
+        let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
         loop {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, peer)) => self.accepted(stream, peer, &handshakes, &slots),
+                    Ok((stream, peer)) => {
+                        self.accepted(stream, peer, (&handshakes, &refusing), &slots);
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -162,14 +165,21 @@ impl Source {
         &self,
         stream: tokio::net::TcpStream,
         peer: SocketAddr,
-        handshakes: &Arc<admit::Handshakes>,
+        (handshakes, refusing): (&Arc<admit::Handshakes>, &Arc<tokio::sync::Semaphore>),
         slots: &Arc<tokio::sync::Semaphore>,
     ) {
         let handshake = match handshakes.enter(peer.ip()) {
             Ok(h) => h,
             Err(why) => {
                 tracing::warn!(%peer, "refusing a control connection: {why}");
-                tokio::spawn(control::refuse(stream, why));
+                // Told why while few are: each refusal holds its socket for a moment, and a
+                // flood must not hold the source's file descriptors.
+                if let Ok(permit) = Arc::clone(refusing).try_acquire_owned() {
+                    tokio::spawn(async move {
+                        control::refuse(stream, why).await;
+                        drop(permit);
+                    });
+                }
                 return;
             }
         };

@@ -39,16 +39,7 @@ pub struct MixPart {
     pub first_shard: u32,
 }
 
-/// Where the schedule stands before a global step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Point {
-    /// Global step (all epochs).
-    pub step: u64,
-    /// Samples each dataset has given.
-    pub cursors: Vec<u64>,
-    /// Rounding carry (2^-40 samples).
-    pub carry: Vec<i128>,
-}
+pub use super::schedules::Point;
 
 impl Point {
     /// The point after this step; returns the step's counts.

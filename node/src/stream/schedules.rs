@@ -11,7 +11,16 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use super::mix::Point;
+/// Where a mixture's schedule stands before a global step (`super::mix` moves it on).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Point {
+    /// Global step (all epochs).
+    pub step: u64,
+    /// Samples each dataset has given.
+    pub cursors: Vec<u64>,
+    /// Rounding carry (2^-40 samples).
+    pub carry: Vec<i128>,
+}
 
 /// Schedules kept at once; past it the cache starts over.
 const KEPT: usize = 16;
