@@ -468,10 +468,10 @@ impl Session {
             .corrupt_left
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
-        let payload = match &d.backend {
+        let (payload, opened) = match &d.backend {
             Backend::Local { files, opened, .. } => {
-                let file = &files[shard as usize];
-                if let Err(why) = opened[shard as usize].check(file, entry.offset + entry.length) {
+                let (file, opened) = (&files[shard as usize], &opened[shard as usize]);
+                if let Err(why) = opened.check(file, entry.offset + entry.length) {
                     tracing::warn!(dataset, shard, "{why}; FETCH refused");
                     let message = format!(
                         "dataset `{dataset}`: {why} (re-run `shardwire index` and restart the source)"
@@ -481,16 +481,13 @@ impl Session {
                         .error(req, ErrorCode::DatasetChanged, message)
                         .await;
                 }
-                Payload::Ready(Body::File {
+                let body = Body::File {
                     file: Arc::clone(file),
                     offset: entry.offset,
-                })
+                };
+                (Payload::Ready(body), Some(Arc::clone(opened)))
             }
-            Backend::Remote(r) => Payload::Later(r.want(self.id, shard)),
-        };
-        let opened = match &d.backend {
-            Backend::Local { opened, .. } => Some(Arc::clone(&opened[shard as usize])),
-            Backend::Remote(_) => None,
+            Backend::Remote(r) => (Payload::Later(r.want(self.id, shard)), None),
         };
         let mut q = Queued {
             head: Head {

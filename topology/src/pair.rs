@@ -882,7 +882,15 @@ mod tests {
         assert_eq!(json["gpu"], "0000:01:00.0");
     }
 
-    /// Two GPUs and three NICs under one switch (PIX to both), built by `nics`.
+    /// The NIC of each GPU's lane, in GPU order.
+    fn paired_nics(tree: &Tree) -> Vec<Option<String>> {
+        pair(tree, &PairOptions::default())
+            .into_iter()
+            .map(|l| l.nic)
+            .collect()
+    }
+
+    /// Two GPUs and the NICs `nics` builds under one switch (PIX to both).
     fn one_switch(nics: impl Fn(&dyn Fn(&str, &str) -> Nic) -> Vec<Nic>) -> Tree {
         let under = |down: &str, dev: &str| under_switch("0000:01:00.0", down, dev);
         let g = |down: &str, dev: &str| gpu(Some(0), "pci0000:00", &chain(&under(down, dev)));
@@ -938,11 +946,10 @@ mod tests {
             b.speed_mbps = Some(100_000);
             vec![a, b]
         });
-        let got: Vec<_> = pair(&tree, &PairOptions::default())
-            .into_iter()
-            .map(|l| l.nic)
-            .collect();
-        assert_eq!(got, [Some("ens1".into()), Some("ens2".into())]);
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens1".into()), Some("ens2".into())]
+        );
     }
 
     #[test]
@@ -956,11 +963,10 @@ mod tests {
             down.link_up = Some(false);
             vec![up, down]
         });
-        let got: Vec<_> = pair(&tree, &PairOptions::default())
-            .into_iter()
-            .map(|l| l.nic)
-            .collect();
-        assert_eq!(got, [Some("ens1f0".into()), Some("ens1f0".into())]);
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens1f0".into()), Some("ens1f0".into())]
+        );
         let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
         assert!(
             why.contains("link is down (operstate), and ens1f0's is not"),
@@ -988,10 +994,9 @@ mod tests {
             vf.sriov_vf = true;
             vec![vf, pf]
         });
-        let got: Vec<_> = pair(&tree, &PairOptions::default())
-            .into_iter()
-            .map(|l| l.nic)
-            .collect();
-        assert_eq!(got, [Some("ens1".into()), Some("ens1".into())]);
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens1".into()), Some("ens1".into())]
+        );
     }
 }

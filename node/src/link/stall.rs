@@ -80,37 +80,35 @@ pub fn check(
     answered: Instant,
     pending: impl IntoIterator<Item = Waiting>,
 ) -> Option<Stall> {
-    let (mut fetches, mut oldest, mut largest) = (0, None::<Instant>, 0);
-    let mut lost: Option<Stall> = None;
-    for w in pending {
-        fetches += 1;
-        oldest = Some(oldest.map_or(w.issued, |o| o.min(w.issued)));
-        largest = largest.max(w.length);
-        let waited = now.saturating_duration_since(w.issued);
-        let limit = limit(UNANSWERED_LIMIT, w.length);
-        let older = match &lost {
-            Some(Stall::Unanswered { waited: w0, .. }) => waited > *w0,
-            _ => true,
-        };
-        if waited > limit && older {
-            lost = Some(Stall::Unanswered {
-                req: w.req,
-                waited,
-                limit,
-            });
-        }
-    }
-    let since = answered.max(oldest?);
-    let waited = now.saturating_duration_since(since);
+    let pending: Vec<Waiting> = pending.into_iter().collect();
+    let oldest = pending.iter().map(|w| w.issued).min()?;
+    let largest = pending.iter().map(|w| w.length).max().unwrap_or(0);
+    let waited = now.saturating_duration_since(answered.max(oldest));
     let silence = limit(SILENCE_LIMIT, largest);
     if waited > silence {
         return Some(Stall::Silent {
-            fetches,
+            fetches: pending.len(),
             waited,
             limit: silence,
         });
     }
-    lost
+    // The oldest fetch past its own limit, if any.
+    pending
+        .iter()
+        .map(|w| {
+            (
+                w,
+                now.saturating_duration_since(w.issued),
+                limit(UNANSWERED_LIMIT, w.length),
+            )
+        })
+        .filter(|(_, waited, limit)| waited > limit)
+        .max_by_key(|(_, waited, _)| *waited)
+        .map(|(w, waited, limit)| Stall::Unanswered {
+            req: w.req,
+            waited,
+            limit,
+        })
 }
 
 #[cfg(test)]

@@ -411,16 +411,13 @@ impl Driver {
         let Some(plan) = self.plan_batch(ep.as_deref(), epoch, step) else {
             return Ok(false);
         };
-        let supply = Arc::clone(self.s.supply());
-        let alloc = || supply.try_alloc(plan.bytes as usize);
-        let out = match alloc() {
-            Some(out) => Some(out),
-            // With no assembled batch waiting, only the trainer's held batch can come back,
-            // and a trainer that waits for this one may hold it until then: the prefetched
-            // shards go back first (their free bytes may be in blocks too small for a batch).
-            None if self.s.ready_count() == 0 && self.give_back_prefetch() => alloc(),
-            None => None,
-        };
+        let mut out = self.s.supply().try_alloc(plan.bytes as usize);
+        // With no assembled batch waiting, only the trainer's held batch can come back, and a
+        // trainer that waits for this one may hold it until then: the prefetched shards go
+        // back first (their free bytes may be in blocks too small for a batch).
+        if out.is_none() && self.s.ready_count() == 0 && self.give_back_prefetch() {
+            out = self.s.supply().try_alloc(plan.bytes as usize);
+        }
         let Some(mut out) = out else {
             if self.s.ready_count() == 0 {
                 self.refuse_if_it_cannot_fit(None)?;

@@ -6,8 +6,8 @@
 //! JAX import such buffers without a copy).
 
 use shardwire_protocol::DType;
-use shardwire_protocol::Manifest;
 use shardwire_protocol::trainer::ErrorCode;
+use shardwire_protocol::{Manifest, TensorEntry};
 
 use super::error::OpenError;
 
@@ -38,6 +38,26 @@ pub struct Layout {
     pub shard_rows: Vec<u64>,
 }
 
+impl TensorLayout {
+    /// The per-row layout of tensor `t` as one shard holds it (a ragged tensor's row size is
+    /// the longest row's, found over all shards).
+    fn of(t: &TensorEntry) -> Self {
+        Self {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            row_shape: match t.ragged {
+                true => vec![],
+                false => t.shape.get(1..).unwrap_or_default().to_vec(),
+            },
+            row_bytes: match t.ragged {
+                true => 0,
+                false => t.length / t.row_count().max(1),
+            },
+            ragged: t.ragged,
+        }
+    }
+}
+
 impl Layout {
     /// The layout of `m`, or why its shards cannot be batched together.
     pub fn of(m: &Manifest) -> Result<Self, OpenError> {
@@ -50,23 +70,7 @@ impl Layout {
             .find(|s| s.tensors.first().is_some_and(|t| t.row_count() > 0))
             .or_else(|| m.shards.first())
             .ok_or_else(|| bad("the dataset has no shards".into()))?;
-        let mut tensors: Vec<TensorLayout> = first
-            .tensors
-            .iter()
-            .map(|t| TensorLayout {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                row_shape: match t.ragged {
-                    true => vec![],
-                    false => t.shape.get(1..).unwrap_or_default().to_vec(),
-                },
-                row_bytes: match t.ragged {
-                    true => 0,
-                    false => t.length / t.row_count().max(1),
-                },
-                ragged: t.ragged,
-            })
-            .collect();
+        let mut tensors: Vec<TensorLayout> = first.tensors.iter().map(TensorLayout::of).collect();
         let want: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
         let mut shard_rows = Vec::with_capacity(m.shards.len());
         for (i, s) in m.shards.iter().enumerate() {

@@ -73,7 +73,7 @@ struct Checkpoints {
 }
 
 impl Checkpoints {
-    fn from(base: &Point, q: &[i128], gb: u64) -> Self {
+    fn for_base(base: &Point, q: &[i128], gb: u64) -> Self {
         let at_start = base.step == 0
             && base.cursors.iter().all(|&c| c == 0)
             && base.carry.iter().all(|&c| c == 0);
@@ -132,7 +132,7 @@ impl Mixture {
     ) -> Self {
         let gb = u64::from(batch_size) * u64::from(world_size);
         let total: u64 = parts.iter().map(|p| p.order.total()).sum();
-        let checkpoints = Checkpoints::from(&base, &q, gb);
+        let checkpoints = Checkpoints::for_base(&base, &q, gb);
         Self {
             parts,
             q,

@@ -30,19 +30,29 @@ fn shard_bytes(s: u32) -> Vec<u8> {
 }
 
 fn manifest() -> Arc<Manifest> {
+    manifest_of(SHARDS, |_| ROWS, shard_bytes)
+}
+
+/// `shards` shards of one uint8 tensor of rows of [`ROW`] bytes: shard `i` holds `rows(i)`
+/// rows, its bytes `bytes(i)`.
+fn manifest_of(
+    shards: u32,
+    rows: impl Fn(u32) -> u64,
+    bytes: impl Fn(u32) -> Vec<u8>,
+) -> Arc<Manifest> {
     Arc::new(Manifest::new(
-        (0..SHARDS)
+        (0..shards)
             .map(|i| ShardEntry {
                 file: format!("s{i}.bin"),
                 offset: 0,
-                length: ROWS * ROW,
-                crc32c: crc(&shard_bytes(i)),
+                length: rows(i) * ROW,
+                crc32c: crc(&bytes(i)),
                 tensors: vec![TensorEntry::dense(
                     "x".into(),
                     DType::Uint8,
-                    vec![ROWS, ROW],
+                    vec![rows(i), ROW],
                     0,
-                    ROWS * ROW,
+                    rows(i) * ROW,
                 )],
             })
             .collect(),
@@ -716,38 +726,15 @@ fn refuse(f: InFlight, code: wire::ErrorCode, message: &str) {
     }));
 }
 
-/// 24 shards of rows of `row` bytes, shard `i` holding `rows[i % len]` rows, every byte of
-/// shard `i` equal to `i`.
-fn mixed_manifest(rows: &[u64], row: u64) -> Arc<Manifest> {
-    Arc::new(Manifest::new(
-        (0..24u32)
-            .map(|i| {
-                let r = rows[i as usize % rows.len()];
-                ShardEntry {
-                    file: format!("s{i}.bin"),
-                    offset: 0,
-                    length: r * row,
-                    crc32c: crc(&vec![i as u8; (r * row) as usize]),
-                    tensors: vec![TensorEntry::dense(
-                        "x".into(),
-                        DType::Uint8,
-                        vec![r, row],
-                        0,
-                        r * row,
-                    )],
-                }
-            })
-            .collect(),
-    ))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_region_fragmented_by_prefetched_shards_gives_them_back_instead_of_waiting_forever() {
     // Shards of 2.8 and 6 KiB (4 and 8 KiB slabs) and batches of 6000 bytes (8 KiB slabs) in
     // 96 KiB: prefetch is counted in free bytes, and the 4 KiB shard slabs came to split
     // every 8 KiB block while no batch was ready and the trainer held none. The stream waited
     // forever after 33 batches; now it gives the prefetched shards back and goes on.
-    let m = mixed_manifest(&[700, 1500], 4);
+    // 24 shards of 700 and 1500 rows in turn, every byte of shard `i` equal to `i`.
+    let rows = |i: u32| if i.is_multiple_of(2) { 700 } else { 1500 };
+    let m = manifest_of(24, rows, |i| vec![i as u8; (rows(i) * ROW) as usize]);
     let mut r = StreamRequest::new("d");
     (r.batch_size, r.seed, r.epochs, r.shuffle_block) = (Some(1500), 1, 3, Some(2048));
     let region = 96 << 10;
