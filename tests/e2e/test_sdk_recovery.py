@@ -16,7 +16,9 @@ socketpair (the test plays the node: it reads the requests and writes the replie
 - a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused;
 - a stream the trainer drops without `close()` closes its connection at once (no reference
   cycle waits for the garbage collector), unless a batch it handed out is still alive; a batch
-  the trainer dropped is still released, a kept one too (with the next request).
+  the trainer dropped is still released, a kept one too (with the next request);
+- at the end of the stream every release that waited is sent even if the node refuses one;
+  closing drops a batch an interrupt left taken, so the region is unmapped at close.
 """
 
 from __future__ import annotations
@@ -410,3 +412,40 @@ def test_an_interrupt_while_a_hand_out_releases_the_previous_batch_loses_no_batc
     node.sendall(framed(b'{"op":"released"}') + batch(4))
     assert s.next(timeout=10).lease == 5
     assert b1.kept and not b1.released
+
+
+def test_a_refused_release_at_the_end_does_not_keep_the_releases_after_it(pair):
+    """At the `end` answer the releases that waited for a request go on their own. One the
+    node refuses (here: a lease it does not know) raises, but only after the others were sent
+    and answered: before, the first refusal stopped the loop and the leases after it stayed
+    held on the node until the stream closed."""
+    s, node = pair
+    first_batch(s, node)  # asks ahead for 8
+    node.sendall(batch(1, MORE))
+    assert s.next(timeout=10).lease == 2  # more answers due: b0's release waits
+    unknown = framed(b'{"op":"error","code":"unknown_lease","message":"lease 1"}')
+    node.sendall(framed(b'{"op":"end"}') + unknown + framed(b'{"op":"released"}'))
+    with pytest.raises(shardwire.ServiceError) as e:
+        s.next(timeout=10)
+    assert e.value.code == "unknown_lease"
+    assert requests(node) == [{"op": "release", "lease": 1}, {"op": "release", "lease": 2}]
+    assert s.next(timeout=10) is None and not s.closed
+
+
+def test_closing_after_an_interrupted_hand_out_unmaps_the_region(pair, interrupt):
+    """The batch an interrupt left taken and not handed out holds views of the region; closing
+    the stream drops it, so the mapping goes at close, not when the stream object does."""
+    s, node = pair
+    first_batch(s, node)
+    node.sendall(batch(1, MORE) + batch(2, MORE) + batch(3))
+    b1 = s.next(timeout=10).keep()
+    assert s.next(timeout=10).lease == 3
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)  # batch 3 taken; the release of batch 2 waits for its answer
+    assert s._unclaimed is not None
+    del b1
+    gc.collect()
+    region = s._mmap
+    s.close()
+    assert region.closed, "the region is still mapped after close"

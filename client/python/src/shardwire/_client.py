@@ -830,16 +830,25 @@ class Stream(_StreamBase[Batch]):
 
     def _end(self) -> None:
         """The `end` answer: the previous batch and those whose release waited go now (nothing
-        follows to carry them)."""
+        follows to carry them), every one of them even if the node refuses one (the first
+        refusal raises after the last is answered)."""
         self._ended = True
         self._drain_dropped()
         prev, self._held = self._held, None
         self._defer_release(prev)
-        if self._pending:
-            self._gpu_done()
-            for lease in self._pending:
+        if not self._pending:
+            return
+        self._gpu_done()
+        leases, self._pending = self._pending, []
+        refused: ServiceError | None = None
+        for lease in leases:
+            # Each is sent even when one before it is refused: nothing follows to carry it.
+            try:
                 self._reply({"op": "release", "lease": lease}, "released")
-            self._pending.clear()
+            except ServiceError as e:
+                refused = refused or e
+        if refused is not None:
+            raise refused
 
     def _binary_batch(self, msg: dict[str, Any], ahead: bool = False) -> Batch:
         """The Batch of a decoded binary reply; `ahead`: built before its turn, without its
@@ -1006,6 +1015,9 @@ class Stream(_StreamBase[Batch]):
     def _shutdown(self, notify: bool) -> None:
         # Closing the connection is what tells the service (when it is still there).
         self._held = None
+        # A batch taken and not handed out holds views of the region: dropped, so that the
+        # mapping goes now (unless the trainer still holds batches of its own).
+        self._unclaimed = None
         self._inflight.clear()
         self._pending.clear()
         self._conn.close()
