@@ -22,6 +22,12 @@ pub enum FrameError {
     /// The peer closed the connection.
     #[error("peer closed the control connection")]
     Closed,
+    /// The peer closed the connection in the middle of a frame's 4-byte length prefix.
+    #[error("peer closed the control connection after {got} of the 4 bytes of a frame's length")]
+    TruncatedLength {
+        /// Bytes of the prefix that arrived (1..=3).
+        got: usize,
+    },
     /// The peer closed the connection in the middle of a frame.
     #[error("peer closed the control connection after {got} of {len} frame bytes")]
     Truncated {
@@ -74,7 +80,8 @@ pub async fn read_message<R: AsyncRead + Unpin>(
         // Cancel-safe: dropped while pending, `read_buf` has appended nothing.
         if r.take(room as u64).read_buf(buf).await? == 0 {
             return Err(match frame_len(buf, max)? {
-                None => FrameError::Closed,
+                None if buf.is_empty() => FrameError::Closed,
+                None => FrameError::TruncatedLength { got: buf.len() },
                 Some(len) => FrameError::Truncated {
                     got: buf.len() - 4,
                     len,
@@ -242,5 +249,18 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, FrameError::Closed));
+    }
+
+    #[tokio::test]
+    async fn a_close_inside_the_length_prefix_is_not_a_clean_close() {
+        let mut buf = Vec::new();
+        let e = read_message(&mut &[0u8, 0][..], &mut buf, wire::MAX_SMALL_FRAME)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FrameError::TruncatedLength { got: 2 }), "{e}");
+        let e = read_message(&mut &[][..], &mut Vec::new(), wire::MAX_SMALL_FRAME)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FrameError::Closed), "{e}");
     }
 }

@@ -186,9 +186,11 @@ pub struct ShardEntry {
 }
 
 impl ShardEntry {
-    /// Offset of `t` relative to the start of this shard's payload.
+    /// Offset of `t`, a dense tensor of this shard (one without a row table, which
+    /// [`Manifest::validate`] checks lies inside the shard), relative to the start of the
+    /// shard's payload; 0 for one that starts before it.
     pub fn relative_offset(&self, t: &TensorEntry) -> u64 {
-        t.offset - self.offset
+        t.offset.saturating_sub(self.offset)
     }
 }
 

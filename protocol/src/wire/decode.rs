@@ -18,12 +18,18 @@ pub enum DecodeError {
     #[error("unknown message kind {0}")]
     UnknownKind(u8),
     /// The body ended before a field did.
-    #[error("message kind {kind} is truncated: field `{field}` needs more bytes")]
+    #[error(
+        "message kind {kind} is truncated: field `{field}` needs {need} bytes, {left} are left"
+    )]
     Truncated {
         /// Message kind.
         kind: u8,
         /// The field being read.
         field: &'static str,
+        /// Bytes the field needs.
+        need: usize,
+        /// Bytes left in the body.
+        left: usize,
     },
     /// Bytes were left over after the last field.
     #[error("message kind {kind} has {extra} trailing bytes")]
@@ -44,11 +50,26 @@ pub enum DecodeError {
         max: usize,
     },
     /// A string is not UTF-8.
-    #[error("field `{0}` is not valid UTF-8")]
-    Utf8(&'static str),
+    #[error("field `{field}` is not valid UTF-8 after its first {valid_up_to} bytes")]
+    Utf8 {
+        /// The field.
+        field: &'static str,
+        /// How many bytes of it are valid UTF-8.
+        valid_up_to: usize,
+    },
     /// An address family byte is not 4 or 6.
-    #[error("address family {0} is not 4 or 6")]
-    AddressFamily(u8),
+    #[error("field `{field}` of message kind {kind} has address family {family}, not 4 or 6")]
+    AddressFamily {
+        /// Message kind.
+        kind: u8,
+        /// The field.
+        field: &'static str,
+        /// The family byte.
+        family: u8,
+    },
+    /// A dataset name no source serves (see [`check_dataset_name`]).
+    #[error("{0}")]
+    DatasetName(DatasetNameError),
     /// A boolean byte is not 0 or 1.
     #[error("field `{field}` has boolean byte {value}")]
     Bool {
@@ -140,12 +161,12 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         },
         K_MANIFEST_REQUEST => Message::ManifestRequest {
             req: r.u64("req")?,
-            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            dataset: r.dataset()?,
         },
         K_MANIFEST => Message::Manifest {
             req: r.u64("req")?,
-            dataset: r.string("dataset", MAX_DATASET_NAME)?,
-            json: r.blob("json", MAX_FRAME)?,
+            dataset: r.dataset()?,
+            json: r.blob("json", crate::manifest::MAX_MANIFEST_BYTES)?,
         },
         K_DATA_CONN => Message::DataConn {
             lane: r.u16("lane")?,
@@ -154,7 +175,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         },
         K_FETCH => Message::Fetch {
             req: r.u64("req")?,
-            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            dataset: r.dataset()?,
             shard: r.u32("shard")?,
             lane: r.u16("lane")?,
         },
@@ -176,7 +197,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Message, DecodeError> {
         K_PING => Message::Ping,
         K_HINT => Message::Hint {
             stream: r.u64("stream")?,
-            dataset: r.string("dataset", MAX_DATASET_NAME)?,
+            dataset: r.dataset()?,
             shards: r.u32_list("shards", MAX_HINT_SHARDS)?,
         },
         K_DATA_READY => Message::DataReady {
@@ -204,6 +225,8 @@ impl<'a> Reader<'a> {
             return Err(DecodeError::Truncated {
                 kind: self.kind,
                 field,
+                need: n,
+                left: self.buf.len(),
             });
         }
         let (head, tail) = self.buf.split_at(n);
@@ -252,7 +275,16 @@ impl<'a> Reader<'a> {
         let bytes = self.take(len, field)?;
         std::str::from_utf8(bytes)
             .map(str::to_owned)
-            .map_err(|_| DecodeError::Utf8(field))
+            .map_err(|e| DecodeError::Utf8 {
+                field,
+                valid_up_to: e.valid_up_to(),
+            })
+    }
+    /// A dataset name, checked as the source checks the names it serves.
+    fn dataset(&mut self) -> Result<String, DecodeError> {
+        let name = self.string("dataset", MAX_DATASET_NAME)?;
+        check_dataset_name(&name).map_err(DecodeError::DatasetName)?;
+        Ok(name)
     }
     fn blob(&mut self, field: &'static str, max: usize) -> Result<Vec<u8>, DecodeError> {
         let len = self.u32(field)? as usize;
@@ -262,8 +294,8 @@ impl<'a> Reader<'a> {
         Ok(self.take(len, field)?.to_vec())
     }
     /// A `Hello`'s lanes: a count (1..=[`MAX_LANES`]), then per lane an address and its
-    /// flows (1..=[`MAX_FLOWS`]). At most [`MAX_LANES`] entries are allocated, whatever the
-    /// bytes claim: a count past the bytes fails as truncated.
+    /// flows (1..=[`MAX_FLOWS`]). Room is made for the lanes as they decode, whatever the
+    /// count claims: a count past the bytes fails as truncated.
     fn lanes(&mut self) -> Result<Vec<LaneAddr>, DecodeError> {
         let n = self.u16("lanes")?;
         if n == 0 || n > MAX_LANES {
@@ -272,7 +304,8 @@ impl<'a> Reader<'a> {
                 value: n.into(),
             });
         }
-        let mut out = Vec::with_capacity(usize::from(n));
+        // Grows with the lanes decoded, not with the count claimed.
+        let mut out = Vec::new();
         for _ in 0..n {
             let data_addr = self.addr("data_addr")?;
             let flows = self.u16("flows")?;
@@ -291,7 +324,13 @@ impl<'a> Reader<'a> {
         let ip = match self.u8(field)? {
             4 => IpAddr::V4(Ipv4Addr::from(self.array::<4>(field)?)),
             6 => IpAddr::V6(Ipv6Addr::from(self.array::<16>(field)?)),
-            other => return Err(DecodeError::AddressFamily(other)),
+            family => {
+                return Err(DecodeError::AddressFamily {
+                    kind: self.kind,
+                    field,
+                    family,
+                });
+            }
         };
         Ok(SocketAddr::new(ip, self.u16(field)?))
     }

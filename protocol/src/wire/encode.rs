@@ -1,6 +1,6 @@
 //! Encoding control frames, refusing any field over the limit its decoder checks.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
 use super::*;
 
@@ -17,13 +17,47 @@ pub enum EncodeError {
         /// The limit.
         max: usize,
     },
+    /// A numeric field is outside the range its decoder accepts.
+    #[error("field `{field}` value {value} is outside {range}")]
+    Range {
+        /// The field.
+        field: &'static str,
+        /// The value.
+        value: u64,
+        /// The range the decoder accepts.
+        range: &'static str,
+    },
+    /// A dataset name no source serves (see [`check_dataset_name`]).
+    #[error("{0}")]
+    DatasetName(DatasetNameError),
+    /// An IPv6 address with a scope id (a link-local `fe80::1%eth0`): the wire carries no
+    /// scope, and a peer could not dial the address without one.
+    #[error(
+        "field `{field}` address {addr} has a scope id, which the protocol cannot carry: use an address a peer can dial without one (not link-local)"
+    )]
+    ScopedAddress {
+        /// The field.
+        field: &'static str,
+        /// The address.
+        addr: SocketAddr,
+    },
 }
 
-/// Appends the frame for `msg` to `out`.
+/// Appends the frame for `msg` to `out`; on an error `out` is left as it was.
 pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     let start = out.len();
     out.extend_from_slice(&[0, 0, 0, 0, VERSION]);
-    let mut w = Writer { out };
+    if let Err(e) = encode_body(msg, &mut Writer { out }) {
+        out.truncate(start);
+        return Err(e);
+    }
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+    Ok(())
+}
+
+/// Appends the kind and fields of `msg`.
+fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
     match msg {
         Message::Hello {
             node_id,
@@ -53,24 +87,31 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         } => {
             w.kind(K_WELCOME);
             w.bytes(mac);
+            if *idle_timeout_s == 0 {
+                return Err(EncodeError::Range {
+                    field: "idle_timeout_s",
+                    value: 0,
+                    range: "1..=65535",
+                });
+            }
             w.u16(*idle_timeout_s);
         }
         Message::ManifestRequest { req, dataset } => {
             w.kind(K_MANIFEST_REQUEST);
             w.u64(*req);
-            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            w.dataset(dataset)?;
         }
         Message::Manifest { req, dataset, json } => {
             w.kind(K_MANIFEST);
             w.u64(*req);
-            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            w.dataset(dataset)?;
             w.blob("json", json, crate::manifest::MAX_MANIFEST_BYTES)?;
         }
         Message::DataConn { lane, conn, addr } => {
             w.kind(K_DATA_CONN);
             w.u16(*lane);
             w.u16(*conn);
-            w.addr(addr);
+            w.addr("addr", addr)?;
         }
         Message::Fetch {
             req,
@@ -80,7 +121,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         } => {
             w.kind(K_FETCH);
             w.u64(*req);
-            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            w.dataset(dataset)?;
             w.u32(*shard);
             w.u16(*lane);
         }
@@ -125,7 +166,7 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         } => {
             w.kind(K_HINT);
             w.u64(*stream);
-            w.string("dataset", dataset, MAX_DATASET_NAME)?;
+            w.dataset(dataset)?;
             w.u32_list("shards", shards, MAX_HINT_SHARDS)?;
         }
         Message::DataReady { conn } => {
@@ -133,8 +174,6 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
             w.u16(*conn);
         }
     }
-    let len = (out.len() - start - 4) as u32;
-    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
     Ok(())
 }
 
@@ -192,6 +231,12 @@ impl Writer<'_> {
         self.bytes(s.as_bytes());
         Ok(())
     }
+    /// A dataset name, checked as the decoder checks it.
+    fn dataset(&mut self, name: &str) -> Result<(), EncodeError> {
+        check_len("dataset", name.len(), MAX_DATASET_NAME)?;
+        check_dataset_name(name).map_err(EncodeError::DatasetName)?;
+        self.string("dataset", name, MAX_DATASET_NAME)
+    }
     /// A `u32` length, then the bytes (at most `max`).
     fn blob(&mut self, field: &'static str, b: &[u8], max: usize) -> Result<(), EncodeError> {
         check_len(field, b.len(), max)?;
@@ -220,23 +265,34 @@ impl Writer<'_> {
         }
         self.u16(lanes.len() as u16);
         for l in lanes {
-            self.addr(&l.data_addr);
+            self.addr("data_addr", &l.data_addr)?;
+            if l.flows == 0 || l.flows > MAX_FLOWS {
+                return Err(EncodeError::Range {
+                    field: "flows",
+                    value: l.flows.into(),
+                    range: "1..=64 (MAX_FLOWS)",
+                });
+            }
             self.u16(l.flows);
         }
         Ok(())
     }
-    fn addr(&mut self, a: &SocketAddr) {
-        match a.ip() {
-            IpAddr::V4(ip) => {
+    fn addr(&mut self, field: &'static str, a: &SocketAddr) -> Result<(), EncodeError> {
+        match a {
+            SocketAddr::V4(v4) => {
                 self.out.push(4);
-                self.bytes(&ip.octets());
+                self.bytes(&v4.ip().octets());
             }
-            IpAddr::V6(ip) => {
+            SocketAddr::V6(v6) if v6.scope_id() != 0 => {
+                return Err(EncodeError::ScopedAddress { field, addr: *a });
+            }
+            SocketAddr::V6(v6) => {
                 self.out.push(6);
-                self.bytes(&ip.octets());
+                self.bytes(&v6.ip().octets());
             }
         }
         self.u16(a.port());
+        Ok(())
     }
 }
 

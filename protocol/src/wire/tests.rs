@@ -139,7 +139,9 @@ fn rejects_trailing_and_truncated_fields() {
         decode(&[0, 0, 0, 4, VERSION, K_AUTH, 0, 0]),
         Err(DecodeError::Truncated {
             kind: K_AUTH,
-            field: "mac"
+            field: "mac",
+            need: 32,
+            left: 2,
         })
     );
 }
@@ -167,8 +169,17 @@ fn rejects_oversized_strings_and_zero_flows() {
         nonce: [0; 32],
         lanes,
     };
+    // Flows outside 1..=64: the encoder refuses them as the decoder does.
+    for flows in [0, 65] {
+        assert!(matches!(
+            encode(&hello(vec![lane(1), lane(flows)]), &mut Vec::new()),
+            Err(EncodeError::Range { field: "flows", value, .. }) if value == u64::from(flows)
+        ));
+    }
     let mut buf = Vec::new();
-    encode(&hello(vec![lane(1), lane(0)]), &mut buf).unwrap();
+    encode(&hello(vec![lane(1), lane(1)]), &mut buf).unwrap();
+    let at = buf.len() - 2; // the last lane's flows
+    buf[at..].copy_from_slice(&0u16.to_be_bytes());
     assert_eq!(
         decode(&buf),
         Err(DecodeError::Range {
@@ -202,6 +213,8 @@ fn rejects_oversized_strings_and_zero_flows() {
             Err(DecodeError::Truncated {
                 kind: K_HELLO,
                 field: "data_addr",
+                need: 1,
+                left: 0,
             }),
         ),
     ] {
@@ -356,7 +369,7 @@ proptest! {
     #[test]
     fn fetch_and_shard_round_trip(req in any::<u64>(), shard in any::<u32>(), length in any::<u64>(),
                                   crc in any::<u32>(), conn in any::<u16>(), seq in any::<u64>(),
-                                  ds in "[a-z0-9_-]{0,40}") {
+                                  ds in "[a-z0-9_-]{1,40}") {
         for m in [Message::Fetch { req, dataset: ds.clone(), shard, lane: conn },
                   Message::Shard { req, shard, length, crc32c: crc, conn, seq }] {
             let mut buf = Vec::new();
@@ -364,4 +377,133 @@ proptest! {
             prop_assert_eq!(decode(&buf).unwrap(), Decoded::Message(m, buf.len()));
         }
     }
+}
+
+#[test]
+fn a_failed_encode_leaves_the_buffer_as_it_was() {
+    // Before, the header and the fields before the bad one stayed in `out`: a caller that
+    // batches frames and goes on after the error sent a frame of length 0.
+    let mut out = Vec::new();
+    encode(&Message::Ping, &mut out).unwrap();
+    let fetch = Message::Fetch {
+        req: 1,
+        dataset: "x".repeat(256),
+        shard: 0,
+        lane: 0,
+    };
+    assert!(matches!(
+        encode(&fetch, &mut out),
+        Err(EncodeError::FieldTooLong {
+            field: "dataset",
+            len: 256,
+            ..
+        })
+    ));
+    assert_eq!(out.len(), 6, "only the Ping frame: {out:?}");
+}
+
+#[test]
+fn the_encoder_refuses_what_the_decoder_refuses() {
+    let welcome = Message::Welcome {
+        mac: [0; 32],
+        idle_timeout_s: 0,
+    };
+    assert!(matches!(
+        encode(&welcome, &mut Vec::new()),
+        Err(EncodeError::Range {
+            field: "idle_timeout_s",
+            value: 0,
+            ..
+        })
+    ));
+    // A link-local IPv6 address with its scope: the wire has no room for the scope, and the
+    // peer could not dial the address without it.
+    let scoped: SocketAddr = "[fe80::1%2]:7401".parse().unwrap();
+    let hello = Message::Hello {
+        node_id: "n".into(),
+        nonce: [0; 32],
+        lanes: vec![LaneAddr {
+            data_addr: scoped,
+            flows: 1,
+        }],
+    };
+    let e = encode(&hello, &mut Vec::new()).unwrap_err();
+    assert_eq!(
+        e,
+        EncodeError::ScopedAddress {
+            field: "data_addr",
+            addr: scoped
+        }
+    );
+    assert!(e.to_string().contains("fe80::1%2"), "{e}");
+    for name in ["", "..", "a/b"] {
+        let req = Message::ManifestRequest {
+            req: 1,
+            dataset: name.into(),
+        };
+        assert!(
+            matches!(
+                encode(&req, &mut Vec::new()),
+                Err(EncodeError::DatasetName(_))
+            ),
+            "{name:?}"
+        );
+    }
+}
+
+#[test]
+fn the_decoder_refuses_dataset_names_no_source_serves() {
+    for name in ["", ".", "..", "a/b", "../etc"] {
+        let mut body = vec![VERSION, K_MANIFEST_REQUEST];
+        body.extend_from_slice(&1u64.to_be_bytes());
+        body.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        body.extend_from_slice(name.as_bytes());
+        assert!(
+            matches!(decode_frame(&body), Err(DecodeError::DatasetName(_))),
+            "{name:?}: {:?}",
+            decode_frame(&body)
+        );
+    }
+}
+
+#[test]
+fn a_manifest_over_the_manifest_limit_is_refused_as_the_encoder_refuses_it() {
+    let max = crate::manifest::MAX_MANIFEST_BYTES;
+    let mut body = vec![VERSION, K_MANIFEST];
+    body.extend_from_slice(&1u64.to_be_bytes());
+    body.extend_from_slice(&1u16.to_be_bytes());
+    body.push(b'd');
+    body.extend_from_slice(&((max + 1) as u32).to_be_bytes());
+    assert_eq!(
+        decode_frame(&body),
+        Err(DecodeError::FieldTooLong {
+            field: "json",
+            len: max + 1,
+            max
+        })
+    );
+}
+
+#[test]
+fn decode_errors_name_the_field_and_the_bad_bytes() {
+    let mut body = vec![VERSION, K_DATA_CONN, 0, 0, 0, 1, 5];
+    assert_eq!(
+        decode_frame(&body),
+        Err(DecodeError::AddressFamily {
+            kind: K_DATA_CONN,
+            field: "addr",
+            family: 5
+        })
+    );
+    body = vec![VERSION, K_MANIFEST_REQUEST];
+    body.extend_from_slice(&1u64.to_be_bytes());
+    body.extend_from_slice(&3u16.to_be_bytes());
+    body.extend_from_slice(&[b'a', 0xff, b'b']);
+    assert_eq!(
+        decode_frame(&body),
+        Err(DecodeError::Utf8 {
+            field: "dataset",
+            valid_up_to: 1
+        })
+    );
 }
