@@ -265,8 +265,8 @@ fn pci_device(root: &Path, entry: &Path) -> Option<(PciAddr, PathBuf)> {
 
 /// Why the interface at `entry` (`class/net/NAME`) cannot carry a lane, if it cannot: its
 /// `type` (ARPHRD) is not Ethernet (1), it is a switchdev representor of a virtual or
-/// sub-function (`phys_port_name` `pfNvfM`, `pfNsfM`), or it has a `master` (a bond, team or
-/// bridge).
+/// sub-function (`phys_port_name` `pfNvfM`, `pfNsfM`), or it has a `master`: a bond, team or
+/// bridge carries its traffic, a VRF routes it in a table the node's sockets are not in.
 fn unusable(entry: &Path) -> Option<String> {
     let arp_type = read_text(&entry.join("type")).and_then(|t| t.trim().parse::<u16>().ok());
     if let Some(t) = arp_type.filter(|&t| t != 1) {
@@ -283,11 +283,36 @@ fn unusable(entry: &Path) -> Option<String> {
             port.trim()
         ));
     }
-    let master = fs::read_link(entry.join("master")).ok()?;
-    let master = master.file_name()?.to_string_lossy().into_owned();
+    let link = fs::read_link(entry.join("master")).ok()?;
+    let master = link.file_name()?.to_string_lossy().into_owned();
+    if is_vrf(&entry.join("master")) {
+        return Some(format!(
+            "a port of VRF {master}: its addresses and routes are in that VRF's table, which \
+             the node's sockets do not join; take it out of the VRF, or run the node in it \
+             (`ip vrf exec {master}`)"
+        ));
+    }
+    let kind = if entry.join("brport").is_dir() {
+        "a bridge"
+    } else if entry.join("bonding_slave").is_dir() {
+        "a bond"
+    } else {
+        "a bond, team or bridge"
+    };
     Some(format!(
-        "a port of {master} (a bond, team or bridge), which carries its traffic"
+        "a port of {master} ({kind}), which carries its traffic"
     ))
+}
+
+/// Whether the interface at `master` is a VRF (an L3 master device): the kernel's VRF
+/// driver gives it `IFF_MASTER | IFF_NOARP` in `flags`, which no bond (ARP), team or bridge
+/// (not `IFF_MASTER`) has. Its ports carry their own traffic, routed in the VRF's table.
+fn is_vrf(master: &Path) -> bool {
+    const IFF_NOARP: u32 = 0x80;
+    const IFF_MASTER: u32 = 0x400;
+    let flags = read_text(&master.join("flags"))
+        .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok());
+    flags.is_some_and(|f| f & (IFF_MASTER | IFF_NOARP) == IFF_MASTER | IFF_NOARP)
 }
 
 /// Whether a `phys_port_name` names the representor of a virtual or sub-function (`pf0vf3`,

@@ -701,6 +701,48 @@ fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
 
 /// The tree of fixture `name` as read after `change` wrote to a copy of it (as the kernel
 /// would write those files), the copy removed again.
+#[test]
+fn a_vrf_port_and_a_bond_port_are_told_apart_by_their_master() {
+    // eth3 is a port of VRF vrf-red, eth4 a port of bond1, with their masters' `flags` as the
+    // kernel shows them (the VRF driver sets IFF_MASTER | IFF_NOARP; a bond IFF_MASTER and ARP)
+    // and a bond slave's `bonding_slave` directory. Before, both were "a port of X (a bond,
+    // team or bridge), which carries its traffic": false for a VRF, whose fix is different.
+    let tree = changed_tree("a3-8gpu-8nic", "masters", |dir| {
+        let net = dir.join("class/net");
+        for (nic, master, flags) in [("eth3", "vrf-red", "0x4c1"), ("eth4", "bond1", "0x1443")] {
+            let m = dir.join("devices/virtual/net").join(master);
+            fs::create_dir_all(&m).unwrap();
+            fs::write(m.join("flags"), format!("{flags}\n")).unwrap();
+            std::os::unix::fs::symlink(&m, net.join(nic).join("master")).unwrap();
+        }
+        fs::create_dir(net.join("eth4/bonding_slave")).unwrap();
+    });
+    let why = |name: &str| {
+        let nic = tree.nics.iter().find(|n| n.interface == name);
+        nic.and_then(|n| n.unusable.clone()).unwrap_or_default()
+    };
+    assert!(
+        why("eth3").starts_with("a port of VRF vrf-red: "),
+        "{}",
+        why("eth3")
+    );
+    assert!(
+        why("eth3").contains("ip vrf exec vrf-red"),
+        "{}",
+        why("eth3")
+    );
+    assert_eq!(
+        why("eth4"),
+        "a port of bond1 (a bond), which carries its traffic"
+    );
+    let plans = pair(&tree, &PairOptions::default());
+    assert!(
+        plans
+            .iter()
+            .all(|p| !matches!(p.nic.as_deref(), Some("eth3" | "eth4")))
+    );
+}
+
 fn changed_tree(name: &str, tag: &str, change: impl FnOnce(&Path)) -> Tree {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("topology-{tag}-{}", std::process::id()));
