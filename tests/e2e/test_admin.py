@@ -218,3 +218,32 @@ def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path
         for t in polls:
             t.join(timeout=30)
     assert answers == [204, 204], answers  # the polls ran out their own timeouts
+
+
+def test_unknown_routes_and_methods_answer_the_json_error(sw, tmp_path):
+    """A path no route serves, or a method a route does not take, is answered with the JSON
+    error body every other refusal has ({"code", "message"}, naming what was asked); a body
+    that is not JSON to POST /v1/bindings is 415, as to POST /v1/streams. Before: empty 404
+    and 405 bodies (the SDKs reported a parse failure instead), and 400 for the content type."""
+    import urllib.error
+    import urllib.request
+
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 2, 1024, seed=3)
+    index_dataset(d)
+    token = tmp_path / "admin.token"
+    token.write_text("tok\n")
+    node = sw.serve([sw.source({"a": d})], "--config", write_cfg(tmp_path, token))
+    wait_ready(node)
+    code, body = request(node.admin, "GET", "/v1/nope")
+    assert code == 404 and body["code"] == "not_found" and "GET /v1/nope" in body["message"], body
+    for method, path in [("PUT", "/v1/drain"), ("GET", "/v1/streams/1/close"), ("DELETE", "/v1/status")]:
+        code, body = request(node.admin, method, path)
+        assert code == 405 and body["code"] == "bad_request" and method in body["message"] and path in body["message"], body
+    req = urllib.request.Request(f"http://{node.admin}/v1/bindings", method="POST", data=b'{"interface": "emulator"}',
+                                 headers={"Content-Type": "text/plain", "Authorization": "Bearer tok"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("a text/plain body was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 415 and json.loads(e.read())["code"] == "bad_request"

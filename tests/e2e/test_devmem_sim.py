@@ -173,6 +173,9 @@ def test_bindings_are_created_and_deleted_over_the_admin_api(sw, tmp_path):
     assert code == 409 and body["code"] == "not_capable" and "EOPNOTSUPP" in body["message"], body
     code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "memory": "1KiB"})
     assert code == 400 and "1MiB" in body["message"], body
+    # Queues the emulator would not use are refused, not dropped (before: 201, queues ignored).
+    code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "queues": [6, 7]})
+    assert code == 400 and "queues [6, 7]" in body["message"], body
 
     # Create: the links reconnect and the next epoch arrives through the devmem path.
     code, body = _call(node.admin, "POST", "/v1/bindings", {"interface": "emulator", "memory": "2MiB"})

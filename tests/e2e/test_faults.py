@@ -678,3 +678,39 @@ def test_a_shard_file_changed_while_its_fetch_waits_is_refused_not_sent(sw, tmp_
     assert code == 13 and third.name in message and "changed" in message, (code, message)
     for s in (ctl, conn, data):
         s.close()
+
+
+def test_an_http_stream_that_fails_on_its_own_gives_its_memory_back(sw, tmp_path):
+    """An HTTP stream whose task closes it (a shard it cannot get: here a file changed in place
+    after the source opened it) gives its memory budget back to the pool before its `next`
+    answers the failure, or within half a second when nobody asks, as TRAINER_API.md says
+    ("whoever closed it"). Before, the
+    API dropped it and nothing told the node: its region and reservation stayed until an
+    operator's DELETE, and a few such failures left every open `no_memory`."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 100_000, seed=12)
+    index_dataset(d)
+    src = sw.source({"ds": d})
+    node = sw.serve([src], "--pool-size", "32MiB", "--stream-memory", "16MiB")
+    wait_ready(node)
+    for name in ("s000.npy", "s001.npy", "s002.npy", "s003.npy"):
+        data = bytearray((d / name).read_bytes())
+        data[-1] ^= 0xFF
+        time.sleep(0.05)
+        (d / name).write_bytes(bytes(data))  # in place: refused as dataset_changed
+    body = json.dumps({"dataset": "ds"}).encode()
+    for _ in range(3):  # room for two at a time: a third waits for the first two's memory
+        st, v = http_json(node.admin, "POST", "/v1/streams", body)
+        assert st == 201, v
+        sid = v["stream"]
+        st, v = http_json(node.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=60000", b"")
+        assert st >= 400 and "changed" in v["message"], v
+    # One nobody asks: its task fails on its own, and the API's reaper gives its memory back.
+    st, v = http_json(node.admin, "POST", "/v1/streams", body)
+    assert st == 201, v
+    deadline = time.monotonic() + 10
+    while node.status()["pool"]["reserved"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.status()["pool"]["reserved"] == 0, node.status()["pool"]
+    st, v = http_json(node.admin, "GET", "/v1/streams", None)
+    assert st == 200 and v["streams"] == [], v

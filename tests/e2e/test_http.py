@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -543,3 +544,35 @@ def test_a_next_whose_answer_is_lost_is_asked_again_naming_the_last_batch_receiv
         assert nexts[2] == "after=7", nexts
     finally:
         srv.shutdown()
+
+
+def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Procs, tmp_path: pathlib.Path):
+    """A stream is in use while a tensor of it downloads, not only while the handler that
+    started the download runs: a client reading a 48 MiB tensor slowly (here: not at all for
+    3 s, then all of it) on a stream of idle_timeout_s=1 keeps the stream, its lease and its
+    position. Before, the reaper closed it 1 to 1.5 s after the handler returned, mid-download:
+    the release after it answered `not_found` and the batch's position was lost."""
+    big = tmp_path / "big"
+    big.mkdir()
+    np.save(big / "s0.npy", np.arange(48 << 20, dtype=np.uint64).astype(np.uint8))
+    index(big)
+    src = procs.source({"big": big})
+    serve = procs.serve(src, tmp_path / "slow.sock", opts=("--pool-size", "1GiB", "--stream-memory", "128MiB"))
+    st, v = http_json(serve.admin, "POST", "/v1/streams", {"dataset": "big", "idle_timeout_s": 1})
+    assert st == 201, v
+    sid = v["stream"]
+    st, b = http_json(serve.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=30000")
+    assert st == 200, b
+    (t,) = b["tensors"]
+    head = f"GET /v1/leases/{b['lease']}/tensors/{t['name']} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n"
+    with F.connect(serve.admin, timeout=30) as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        c.sendall(head.encode())
+        time.sleep(3)  # reads nothing: the answer waits in the node
+        got = bytearray()
+        while chunk := c.recv(1 << 20):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and len(got) > 48 << 20, got[:200]
+    st, v = http_json(serve.admin, "POST", f"/v1/leases/{b['lease']}/release")
+    assert st == 200 and v == {"released": True}, v
+    assert listed(serve.admin, sid) is not None

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 
 use axum::Json;
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -56,10 +57,16 @@ pub async fn list(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
 pub async fn create(
     State(node): State<Arc<Node>>,
     headers: HeaderMap,
-    body: Result<Json<CreateBinding>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<CreateBinding>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     authorize(&node, &headers)?;
-    let Json(req) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let Json(req) = body.map_err(|e| {
+        let status = match e {
+            JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError::bad_request(e.body_text()).with_status(status)
+    })?;
     let bytes = match req.memory.as_deref().map(str::parse::<ByteSize>) {
         None => node.info().cfg.devmem_memory.0 as usize,
         Some(Ok(b)) if b.0 >= 1 << 20 => b.0 as usize,
@@ -71,6 +78,12 @@ pub async fn create(
         Some(Err(e)) => return Err(ApiError::bad_request(format!("memory: {e}"))),
     };
     let spec = if req.interface == EMULATOR {
+        if !req.queues.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "queues {:?}: the emulator binds its lane's configured queues; leave `queues` out",
+                req.queues
+            )));
+        }
         BindingSpec::Emulator {
             bytes,
             lane: req.lane,

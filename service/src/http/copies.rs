@@ -81,14 +81,25 @@ pub struct Room {
     _permit: OwnedSemaphorePermit,
 }
 
-/// An answer's body holding a copy and its room: the room goes back when the body is dropped.
-#[derive(Debug)]
+/// An answer's body holding a copy and its room: the room goes back when the body is dropped,
+/// and so does what it keeps (the stream marked in use while its tensor downloads).
 pub struct CopyBody {
     chunks: VecDeque<Bytes>,
     len: u64,
     limit: Duration,
     deadline: Instant,
     _room: Room,
+    _keep: Option<Box<dyn Send + Sync>>,
+}
+
+impl std::fmt::Debug for CopyBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyBody")
+            .field("len", &self.len)
+            .field("left", &self.chunks.iter().map(Bytes::len).sum::<usize>())
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
 }
 
 impl CopyBody {
@@ -97,6 +108,12 @@ impl CopyBody {
     pub fn new(bytes: Vec<u8>, room: Room) -> Self {
         let limit = GRACE + Duration::from_secs(bytes.len() as u64 / MIN_RATE);
         Self::within(bytes, room, limit)
+    }
+
+    /// Also keeps `keep` until the body is gone.
+    pub fn keeping(mut self, keep: impl Send + Sync + 'static) -> Self {
+        self._keep = Some(Box::new(keep));
+        self
     }
 
     fn within(bytes: Vec<u8>, room: Room, limit: Duration) -> Self {
@@ -112,6 +129,7 @@ impl CopyBody {
             limit,
             deadline: Instant::now() + limit,
             _room: room,
+            _keep: None,
         }
     }
 }

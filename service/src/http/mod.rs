@@ -14,8 +14,12 @@ pub mod trainer;
 
 use std::sync::Arc;
 
+use axum::http::{Method, StatusCode, Uri};
 use shardwire_node::Node;
+use shardwire_protocol::trainer::ErrorCode;
 use tokio::sync::watch;
+
+use error::ApiError;
 
 /// Serves the admin and trainer HTTP APIs on `listener` until `shutdown` turns true.
 pub async fn serve(
@@ -37,6 +41,29 @@ pub async fn serve(
             _ = stop.changed() => {}
         }
     });
-    let app = admin::router(Arc::clone(&node)).merge(trainer::router(node));
+    let app = admin::router(Arc::clone(&node))
+        .merge(trainer::router(node))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method);
     server::serve(listener, app, limits, shutdown).await;
+}
+
+/// The JSON error of a path no route serves (axum's own answer has an empty body).
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!(
+            "no route {method} {}: docs/OPERATIONS.md and docs/TRAINER_API.md list them",
+            uri.path()
+        ),
+    )
+}
+
+/// The JSON error of a method a route does not take.
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::bad_request(format!(
+        "{} does not take {method}: docs/OPERATIONS.md and docs/TRAINER_API.md list its methods",
+        uri.path()
+    ))
+    .with_status(StatusCode::METHOD_NOT_ALLOWED)
 }

@@ -223,9 +223,12 @@ impl Api {
     }
 
     /// Drops stream `id` and its leases from the API (its memory goes with the last
-    /// reference: handlers still running hold theirs) and keeps why for its later answers.
-    fn forget(&self, id: u64, why: CloseReason) {
-        self.streams.lock().expect("poisoned").remove(&id);
+    /// reference: handlers still running hold theirs) and keeps why for its later answers;
+    /// false (and nothing done) if it was forgotten already.
+    fn forget(&self, id: u64, why: CloseReason) -> bool {
+        if self.streams.lock().expect("poisoned").remove(&id).is_none() {
+            return false;
+        }
         self.leases
             .lock()
             .expect("poisoned")
@@ -235,6 +238,17 @@ impl Api {
             gone.pop_front();
         }
         gone.push_back((id, why));
+        true
+    }
+
+    /// Stream `id`, which the node closed on its own (a failure, an operator's `DELETE`, a
+    /// drain), leaves the API, and the node's table with it: nothing else would return its
+    /// memory budget, since no trainer connection ends for an HTTP stream.
+    fn closed_by_node(&self, id: u64, why: CloseReason) {
+        if self.forget(id, why.clone()) {
+            tracing::info!(stream = id, reason = %why, "HTTP stream closed by the node");
+            self.node.close_stream(id, why);
+        }
     }
 
     /// Takes the next batch of `s` (waiting up to `timeout`) and registers its lease.
@@ -325,7 +339,7 @@ fn spawn_reaper(api: &Arc<Api>) {
 
 /// Forgets the HTTP streams the node closed on its own (an operator's `DELETE`, a drain, a
 /// failure), so that their memory is freed now, not at their idle timeout, and their ids
-/// answer 404 with the reason.
+/// answer with the reason.
 fn forget_closed(api: &Api) {
     let closed: Vec<(u64, CloseReason)> = api
         .streams
@@ -335,8 +349,7 @@ fn forget_closed(api: &Api) {
         .filter_map(|s| Some((s.id, s.shared.closed_reason()?)))
         .collect();
     for (id, why) in closed {
-        tracing::info!(stream = id, reason = %why, "HTTP stream closed by the node");
-        api.forget(id, why);
+        api.closed_by_node(id, why);
     }
 }
 
@@ -497,7 +510,11 @@ async fn next(
         Outcome::Batch(b) => Json(batch_body(&b)).into_response(),
         Outcome::End => Json(NextBody::End(EndBody { end: true })).into_response(),
         Outcome::Timeout => StatusCode::NO_CONTENT.into_response(),
-        Outcome::Closed(why) => ApiError::new(why.code(), why.to_string()).into_response(),
+        Outcome::Closed(why) => {
+            // Its memory goes now, before the caller hears of it (a retry may open another).
+            api.closed_by_node(id, why.clone());
+            ApiError::new(why.code(), why.to_string()).into_response()
+        }
     })
 }
 
@@ -556,7 +573,9 @@ async fn tensor(
         ));
     };
     let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
-    let _busy = Busy::new(&s);
+    // In use until the answer's body is gone (the download read, or the client left): the
+    // idle reaper must not close the stream under a slow download.
+    let busy = Busy::new(&s);
     let Some(room) = api.copies.room(t.length, COPY_WAIT).await else {
         return Err(ApiError::new(
             ErrorCode::Unavailable,
@@ -566,13 +585,17 @@ async fn tensor(
             ),
         ));
     };
-    let bytes = if t.length <= INLINE_COPY {
-        s.shared.read_leased(lease, t.offset, t.length)
+    let (bytes, room) = if t.length <= INLINE_COPY {
+        (s.shared.read_leased(lease, t.offset, t.length), room)
     } else {
+        // The room goes with the copy: a client that leaves drops this handler, not the copy
+        // running on its blocking thread, which must hold its share of the budget until done.
         let s2 = Arc::clone(&s);
-        tokio::task::spawn_blocking(move || s2.shared.read_leased(lease, t.offset, t.length))
-            .await
-            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+        tokio::task::spawn_blocking(move || {
+            (s2.shared.read_leased(lease, t.offset, t.length), room)
+        })
+        .await
+        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
     };
     let bytes = bytes.ok_or_else(|| unknown_lease(lease))?;
     let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
@@ -588,7 +611,7 @@ async fn tensor(
                 shape.join(","),
             ),
         ],
-        axum::body::Body::new(CopyBody::new(bytes, room)),
+        axum::body::Body::new(CopyBody::new(bytes, room).keeping(busy)),
     )
         .into_response())
 }
