@@ -26,6 +26,7 @@ mod arrow;
 mod bin;
 mod blob;
 mod error;
+mod hf;
 mod mds;
 mod megatron;
 mod npy;
@@ -262,6 +263,7 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
 /// Indexes every data file of `root`.
 fn index_root(root: &mut Root, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
     let (mut files, mut unused) = root.collect()?;
+    hf::plan(root, &mut files, &mut unused)?;
     let mds = mds::plan(root, &mut files, &mut unused)?;
     let megatron = megatron::plan(&mut files, &mut unused);
     let mut progress = Progress::new(

@@ -192,11 +192,11 @@ fn streaming_shards(text: &[u8]) -> Result<Option<Vec<Value>>, serde_json::Error
 }
 
 /// The '/'-separated parent of a relative path (`""` at the top).
-fn parent(rel: &str) -> &str {
+pub(crate) fn parent(rel: &str) -> &str {
     rel.rsplit_once('/').map_or("", |(d, _)| d)
 }
 
-fn join(base: &str, name: &str) -> String {
+pub(crate) fn join(base: &str, name: &str) -> String {
     if base.is_empty() {
         name.to_owned()
     } else {

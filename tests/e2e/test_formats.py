@@ -98,3 +98,46 @@ def test_hf_dataset_in_batch_mode_byte_exact_once(node, hf):
             assert b["id"].shape == (16,) and b["text.offsets"].shape == (17,)
             _check(b, rows, seen)
     assert max(seen.values()) == 1 and N - len(seen) < 16
+
+
+def _index(d) -> subprocess.CompletedProcess:
+    return subprocess.run([str(require_bin()), "index", str(d)], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+
+
+def test_a_second_save_to_disk_into_the_same_folder_serves_only_its_own_files(sw, tmp_path):
+    """`save_to_disk` into a folder that holds an earlier save deletes nothing: with fewer
+    shards, the earlier save's Arrow files stay beside the new ones, and `load_from_disk` reads
+    only those its `state.json` lists. shardwire does the same and names the others unused;
+    before, it served both saves (old rows and new, the row count their sum)."""
+    feats = datasets.Features({"id": datasets.Value("int64")})
+    d = tmp_path / "ds"
+    datasets.Dataset.from_dict({"id": list(range(1000, 1400))}, features=feats).save_to_disk(str(d), num_shards=4)
+    new = datasets.Dataset.from_dict({"id": list(range(100))}, features=feats)
+    new.save_to_disk(str(d), num_shards=2)
+    assert len(list(d.glob("*.arrow"))) == 6, "the earlier save's files are still there"
+    assert len(datasets.load_from_disk(str(d))) == 100
+    r = _index(d)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "data-00000-of-00004.arrow" in out and "not listed in state.json" in out, out
+    node = serve_dataset(sw, "hf2", d)
+    with shardwire.connect(node.socket).open_stream("hf2") as s:
+        ids = sorted(i for b in s for i in b["id"].tolist())
+    assert ids == list(range(100))
+
+
+def test_a_dataset_dict_of_splits_is_refused_naming_a_split(tmp_path):
+    """A `DatasetDict` saved whole (one folder per split under `dataset_dict.json`): indexing
+    its top would merge `test` into `train`; refused, naming a split's folder to index."""
+    feats = datasets.Features({"id": datasets.Value("int64")})
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"id": list(range(50))}, features=feats),
+        "test": datasets.Dataset.from_dict({"id": list(range(10))}, features=feats),
+    })
+    d = tmp_path / "dd"
+    dd.save_to_disk(str(d))
+    r = _index(d)
+    assert r.returncode != 0 and "DatasetDict" in r.stderr and str(d / "train") in r.stderr, r.stderr
+    r = _index(d / "train")
+    assert r.returncode == 0, r.stdout + r.stderr
