@@ -179,12 +179,20 @@ fn convert_from<R: ChunkReader + 'static>(
         source,
     };
     let meta = ArrowReaderMetadata::load(&open()?, ArrowReaderOptions::new()).map_err(bad)?;
-    let groups: Vec<usize> = meta
+    let groups = meta
         .metadata()
         .row_groups()
         .iter()
-        .map(|g| usize::try_from(g.num_rows()).unwrap_or(0))
-        .collect();
+        .enumerate()
+        .map(|(i, g)| {
+            // A negative count was read as 0 and the row group skipped without a word.
+            usize::try_from(g.num_rows()).map_err(|_| IndexError::Malformed {
+                file: name.to_path_buf(),
+                reason: format!("row group {i} has a negative row count (a damaged footer?)"),
+                value: g.num_rows().to_string(),
+            })
+        })
+        .collect::<Result<Vec<usize>, _>>()?;
     let schema = meta.schema().clone();
     let size = atomic_write(dst, |w| {
         let arrow_err = |source| IndexError::ArrowWrite {

@@ -140,15 +140,16 @@ fn read_members(src: &mut Source) -> Result<Vec<Member>, IndexError> {
     };
     let mut reader = src.reader();
     let mut out = Vec::new();
-    let result = (|| {
+    let result: Result<(), IndexError> = (|| {
         let mut archive = tar::Archive::new(&mut reader);
         for entry in archive.entries_with_seek().map_err(bad)? {
-            let entry = entry.map_err(bad)?;
+            let mut entry = entry.map_err(bad)?;
             let kind = entry.header().entry_type();
+            let sparse = kind.is_gnu_sparse() || pax_sparse(&mut entry).map_err(bad)?;
             out.push(Member {
                 name: entry.path_bytes().into_owned(),
                 file: kind.is_file() || kind.is_contiguous(),
-                sparse: kind.is_gnu_sparse(),
+                sparse,
                 row: [entry.raw_file_position(), entry.size()],
             });
         }
@@ -156,9 +157,52 @@ fn read_members(src: &mut Source) -> Result<Vec<Member>, IndexError> {
     })();
     // A failed read of the file itself (a store error) is reported as it is.
     match (result, reader.error()) {
-        (Err(_), Some(e)) => Err(e),
-        (r, _) => r.map(|()| out),
+        (Err(_), Some(e)) => return Err(e),
+        (r, _) => r?,
     }
+    check_end(src, &out)?;
+    Ok(out)
+}
+
+/// Whether `entry` is a sparse file in the PAX format (`tar --sparse --format=posix`): a
+/// regular member whose data is the sparse map and the chunks that are not holes, named
+/// `GNUSparseFile.N/NAME`, with its real name and size in `GNU.sparse.*` PAX records, which
+/// the `tar` reader does not apply.
+fn pax_sparse<R: std::io::Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<bool> {
+    let Some(records) = entry.pax_extensions()? else {
+        return Ok(false);
+    };
+    for r in records {
+        if r?.key_bytes().starts_with(b"GNU.sparse.") {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Checks that the tar's end-of-archive block (512 zero bytes) follows its last member: the
+/// `tar` reader ends at the end of the file as at that block, so a tar cut short after a
+/// member (a partial copy, an interrupted upload) would lose its later samples without it.
+fn check_end(src: &mut Source, members: &[Member]) -> Result<(), IndexError> {
+    const BLOCK: u64 = 512;
+    let end = members
+        .last()
+        .map_or(0, |m| (m.row[0] + m.row[1]).next_multiple_of(BLOCK));
+    let left = src.len.saturating_sub(end);
+    if left < BLOCK {
+        return Err(src.malformed(
+            "the tar ends without its end-of-archive block: it was cut short (a partial copy or upload?); write or copy it again",
+            format!("{left} bytes after the last member's data at {end}"),
+        ));
+    }
+    let block = src.read_at("the end-of-archive block", end, BLOCK)?;
+    if block.iter().any(|&b| b != 0) {
+        return Err(src.malformed(
+            "a tar member header that cannot be read follows the last member (a cut or damaged tar?)",
+            format!("the block at {end}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Reads the tar's member headers and groups the members into samples.

@@ -229,8 +229,14 @@ fn plan_field(field: &Field) -> Result<ColumnPlan, Reject> {
     };
     let mut plan = match field.data_type() {
         DataType::FixedSizeList(child, k) => {
-            let k = u64::try_from(*k)
-                .map_err(|_| ("negative FixedSizeList size".to_string(), k.to_string()))?;
+            // Of size 0, its rows take no bytes: a record batch could claim any row count
+            // (2^40 samples) with nothing behind it.
+            let k = u64::try_from(*k).ok().filter(|&k| k > 0).ok_or_else(|| {
+                (
+                    "a FixedSizeList of size 0 or less is not supported".to_string(),
+                    k.to_string(),
+                )
+            })?;
             let mut plan = plan_field(child)?;
             if !plan.lists.is_empty() {
                 return Err((

@@ -155,12 +155,15 @@ fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexErr
     Ok((plans, shards))
 }
 
-/// The IPC stream format: a schema message, then record batches, up to an end marker or EOF.
+/// The IPC stream format: a schema message, then record batches, up to the end marker
+/// (every writer writes it when it closes the stream: one without it was cut short, and its
+/// later record batches lost).
 fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexError> {
     let mut pos = 0u64;
     let mut plans: Option<SchemaPlan> = None;
     let mut shards = Vec::new();
     let mut batch = 0usize;
+    let mut ended = false;
     while src.len - pos >= 4 {
         let mut word = src.read_at("message length", pos, 4)?;
         let mut prefix = 4;
@@ -170,7 +173,8 @@ fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexE
         }
         let meta_len = i32::from_le_bytes([word[0], word[1], word[2], word[3]]);
         if meta_len == 0 {
-            break; // end-of-stream marker
+            ended = true; // the end-of-stream marker
+            break;
         }
         let meta_len = u64::try_from(meta_len).map_err(|_| {
             src.malformed(format!("invalid metadata length at offset {pos}"), meta_len)
@@ -230,6 +234,12 @@ fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexE
             hex(&head),
         ));
     };
+    if !ended {
+        return Err(src.malformed(
+            "the stream ends without its end-of-stream marker: it was cut short (a writer that did not close it, a partial copy); write or copy it again",
+            format!("{} bytes after the last whole message, at {pos}", src.len - pos),
+        ));
+    }
     Ok((plans, shards))
 }
 

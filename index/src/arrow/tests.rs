@@ -7,7 +7,8 @@ use std::sync::Arc;
 use arrow_array::builder::{Int64Builder, ListBuilder, StructBuilder};
 use arrow_array::{
     Array, ArrayRef, BooleanArray, DictionaryArray, FixedSizeListArray, Float32Array, Float64Array,
-    Int16Array, Int32Array, Int64Array, RecordBatch, UInt8Array, UInt16Array, types::Int32Type,
+    Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, UInt8Array, UInt16Array,
+    types::Int32Type,
 };
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions, StreamWriter};
 use arrow_schema::{DataType, Field, Schema};
@@ -434,6 +435,50 @@ fn truncated_and_foreign_files_are_rejected() {
     std::fs::write(dir.join("j.feather"), b"FEA1\0\0\0\0").unwrap();
     let err = index(&dir).unwrap_err();
     assert!(err.contains("Feather V1"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_fixed_size_list_of_size_zero_is_refused() {
+    // Its rows take no bytes: a record batch of it could claim any row count (2^40) with
+    // nothing behind it, and the manifest would list that many samples.
+    let item = Arc::new(Field::new("item", DataType::Int8, false));
+    let empty: ArrayRef = Arc::new(Int8Array::from(Vec::<i8>::new()));
+    let v = FixedSizeListArray::try_new(item, 0, empty, None).unwrap();
+    let schema = Schema::new(vec![Field::new("z", v.data_type().clone(), false)]);
+    let batch = RecordBatch::try_new(Arc::new(schema), vec![Arc::new(v)]).unwrap();
+    let (dir, err) = rejected("arrow-fsl0", "z.arrow", &[batch]);
+    assert!(
+        err.contains("column `z`") && err.contains("size 0"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_stream_cut_between_record_batches_is_refused_not_read_as_fewer() {
+    // Three record batches, cut at the start of the third (a whole message boundary) or
+    // inside its length prefix: before, two shards and no word of the third.
+    let dir = temp_dir("arrow-cut-stream");
+    let p = dir.join("s.arrows");
+    let batches = [sample_batch(0, 4), sample_batch(4, 4), sample_batch(8, 4)];
+    write_stream(&p, &batches[..2]);
+    let two = std::fs::read(&p).unwrap();
+    write_stream(&p, &batches);
+    let three = std::fs::read(&p).unwrap();
+    // The first two batches' bytes are the same in both: the third starts where the EOS of
+    // the two-batch stream did (8 bytes before its end).
+    let third_at = two.len() - 8;
+    for cut in [third_at, third_at + 2] {
+        std::fs::write(&p, &three[..cut]).unwrap();
+        let err = index(&dir).unwrap_err();
+        assert!(
+            err.contains("s.arrows") && err.contains("end-of-stream marker"),
+            "cut at {cut}: {err}"
+        );
+    }
+    std::fs::write(&p, &three).unwrap();
+    assert_eq!(index(&dir).unwrap().shards.len(), 3);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

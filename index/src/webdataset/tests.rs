@@ -346,3 +346,63 @@ fn a_failed_read_of_an_npy_member_is_an_error_not_raw_bytes() {
     let got = super::npy_tensor(&mut src, "img", &[[512, 128]]);
     assert!(matches!(got, Err(IndexError::Store(_))), "{got:?}");
 }
+
+#[test]
+fn a_tar_cut_short_after_a_member_is_refused_not_read_as_fewer_samples() {
+    // Three 1-byte members: headers at 0, 1024 and 2048, each member's data in the block
+    // after its header. Cut at 2048 (right before the third header) or inside the padding
+    // after the second member, the tar reader ends quietly with two samples.
+    let dir = temp_dir("wds-cut");
+    let members = [
+        ("000.cls", vec![b'a']),
+        ("001.cls", vec![b'b']),
+        ("002.cls", vec![b'c']),
+    ];
+    let whole = tar_of(&members);
+    for cut in [2048, 1600, 2048 + 512 + 1] {
+        std::fs::write(dir.join("s.tar"), &whole[..cut]).unwrap();
+        let e = index_err(&dir);
+        assert!(
+            e.contains("s.tar") && e.contains("cut short"),
+            "cut at {cut}: {e}"
+        );
+    }
+    // A header damaged where the third member's is: refused too, naming the file.
+    let mut damaged = whole[..2048].to_vec();
+    damaged.extend([7u8; 1024]);
+    std::fs::write(dir.join("s.tar"), &damaged).unwrap();
+    assert!(index_err(&dir).contains("s.tar"));
+    std::fs::write(dir.join("s.tar"), &whole).unwrap();
+    assert_eq!(
+        index_dir(&dir, &IndexOptions::default()).unwrap().shards[0].tensors[0].shape,
+        [3]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_pax_sparse_member_is_refused_not_served_as_its_encoded_bytes() {
+    // `tar --sparse --format=posix`: a regular member named `GNUSparseFile.N/NAME` whose data
+    // is the sparse map and chunks, its real name in PAX records. Before, its encoded bytes
+    // were served under the key `GNUSparseFile.0/000`.
+    let dir = temp_dir("wds-pax-sparse");
+    let mut b = tar::Builder::new(Vec::new());
+    let records: [(&str, &[u8]); 4] = [
+        ("GNU.sparse.major", b"1"),
+        ("GNU.sparse.minor", b"0"),
+        ("GNU.sparse.name", b"000.npy"),
+        ("GNU.sparse.realsize", b"4096"),
+    ];
+    b.append_pax_extensions(records).unwrap();
+    let data = b"1\n0\n512\n".to_vec();
+    let mut h = tar::Header::new_ustar();
+    h.set_size(data.len() as u64);
+    h.set_mode(0o644);
+    h.set_cksum();
+    b.append_data(&mut h, "GNUSparseFile.0/000.npy", data.as_slice())
+        .unwrap();
+    std::fs::write(dir.join("s.tar"), b.into_inner().unwrap()).unwrap();
+    let e = index_err(&dir);
+    assert!(e.contains("s.tar") && e.contains("sparse"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
