@@ -217,6 +217,9 @@ pub struct HttpStream {
     /// `after`: a batch the node answered with that never arrived (a broken connection, a
     /// timeout as it came) is answered again, not skipped.
     received: u64,
+    /// The `after` of the `next` that answered `received`: a download of that batch that
+    /// fails sets `received` back to it, so that the next `next` answers the batch again.
+    received_after: u64,
     /// Open-time information.
     pub info: HttpStreamInfo,
 }
@@ -264,6 +267,7 @@ impl HttpStream {
             conn,
             closed: false,
             received: 0,
+            received_after: 0,
             info,
         })
     }
@@ -317,6 +321,7 @@ impl HttpStream {
             204 => Ok(None),
             200 => match r.json::<NextBody>()? {
                 NextBody::Batch(b) => {
+                    self.received_after = self.received;
                     self.received = b.lease;
                     Ok(Some(Some(b.into())))
                 }
@@ -327,19 +332,27 @@ impl HttpStream {
     }
 
     /// Downloads the bytes of tensor `name` of `batch` (a copy; the batch must still be
-    /// leased).
+    /// leased). A download of the batch [`HttpStream::next`] returned last that fails (the
+    /// connection, the node's answer) leaves that batch to the next `next`, which answers it
+    /// again while it is leased: dropped after the failure, it is not skipped.
     pub fn tensor_bytes(&mut self, batch: &HttpBatch, name: &str) -> Result<Vec<u8>, ClientError> {
         self.check_open()?;
         let t = batch.tensor(name).ok_or_else(|| ClientError::Service {
             code: ErrorCode::NotFound,
             message: format!("batch of lease {} has no tensor `{name}`", batch.lease),
         })?;
-        let path = format!(
-            "/v1/leases/{}/tensors/{}",
-            batch.lease,
-            encode_segment(name)
-        );
         crate::check_length(&t.name, t.dtype, &t.shape, t.length)?;
+        let r = self.download(batch.lease, t);
+        if r.is_err() && batch.lease == self.received {
+            self.received = self.received_after;
+        }
+        r
+    }
+
+    /// The bytes of tensor `t` of lease `lease`, checked against what the batch says.
+    fn download(&mut self, lease: u64, t: &HttpTensor) -> Result<Vec<u8>, ClientError> {
+        let name = &t.name;
+        let path = format!("/v1/leases/{lease}/tensors/{}", encode_segment(name));
         // The tensor's bytes, or an error answer. The node's copy budget full is tried again:
         // failing would lose the batch, since the stream has moved past it.
         let max = t.length.max(ANSWER_LIMIT_ERROR);
@@ -549,6 +562,32 @@ mod tests {
         let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
         assert!(nexts[0].ends_with("&after=0"), "{seen:?}");
         assert!(nexts[1].ends_with("&after=5"), "{seen:?}");
+    }
+
+    #[test]
+    fn a_batch_whose_download_failed_is_answered_again_by_the_next_next() {
+        // Before, the next `next` named the failed batch as received: the node answered the
+        // batch after it, and the failed one was skipped (its lease held until the close).
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[4]")),
+            "GET /v1/leases/5/tensors/x" => {
+                let e = br#"{"code":"data_unavailable","message":"cut"}"#;
+                (502, "", e.to_vec())
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        assert!(s.tensor_bytes(&b, "x").is_err());
+        // A caller's own mistake is no failed download: nothing moves back.
+        assert!(s.tensor_bytes(&b, "nope").is_err());
+        drop(b);
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen = node.join().unwrap();
+        let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
+        assert!(nexts[1].ends_with("&after=0"), "{seen:?}");
     }
 
     #[test]

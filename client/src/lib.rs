@@ -230,8 +230,9 @@ impl Drop for Mapping {
 
 /// One leased batch.
 pub struct Batch {
-    /// Lease id.
-    pub lease: u64,
+    /// Lease id: read-only ([`Batch::lease`]), since the stream gives back the lease the
+    /// batch names, and a changed one would free another batch's bytes under it.
+    lease: u64,
     /// Epoch.
     pub epoch: u32,
     /// Index within the epoch.
@@ -259,6 +260,10 @@ impl Drop for Batch {
 }
 
 impl Batch {
+    /// Lease id.
+    pub fn lease(&self) -> u64 {
+        self.lease
+    }
     /// Tensor descriptions.
     pub fn tensors(&self) -> &[TensorView] {
         &self.tensors
@@ -267,10 +272,22 @@ impl Batch {
     pub fn tensor(&self, name: &str) -> Option<&TensorView> {
         self.tensors.iter().find(|t| t.name == name)
     }
-    /// The bytes of a tensor of this batch (zero-copy). Every tensor the node names was
-    /// checked to lie inside the region when the batch arrived; `t` must be one of
-    /// [`Batch::tensors`] (another range outside the region panics).
+    /// The bytes of a tensor of this batch (zero-copy), which stay as they are while the
+    /// batch is held. Every tensor the node names was checked to lie inside the region when
+    /// the batch arrived.
+    ///
+    /// # Panics
+    /// If `t` is not one of [`Batch::tensors`]: other bytes of the region are not this
+    /// batch's, and the node may be writing them.
     pub fn bytes(&self, t: &TensorView) -> &[u8] {
+        assert!(
+            self.tensors.iter().any(|own| own == t),
+            "tensor `{}` at {}+{} is not one of this batch's (lease {})",
+            t.name,
+            t.offset,
+            t.length,
+            self.lease
+        );
         self.region.slice(t.offset, t.length)
     }
 
@@ -301,7 +318,8 @@ pub(crate) fn check_tensors(tensors: &[TensorView], region: u64) -> Result<(), C
     Ok(())
 }
 
-/// Checks that a tensor's shape and dtype take exactly its `length` bytes.
+/// Checks that a tensor's shape and dtype take exactly its `length` bytes, each dimension
+/// below 2^63.
 pub(crate) fn check_length(
     name: &str,
     dtype: DType,
@@ -311,7 +329,10 @@ pub(crate) fn check_length(
     let size = shape
         .iter()
         .try_fold(dtype.size(), |n, &d| n.checked_mul(d));
-    if size != Some(length) {
+    // A dimension past i64 is no array's (numpy, torch, the Python SDK refuse it), whatever
+    // the order: `[0, 2^64-1]` takes 0 bytes, as `[2^64-1, 0]` does.
+    let wild = shape.iter().any(|&d| i64::try_from(d).is_err());
+    if size != Some(length) || wild {
         return Err(ClientError::TensorLength {
             name: name.to_string(),
             dtype: dtype.to_string(),
@@ -398,6 +419,18 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn a_dimension_past_i64_is_refused_in_any_order() {
+        let big = 1u64 << 63;
+        for shape in [vec![0, big], vec![big, 0]] {
+            assert!(
+                check_length("x", DType::Uint8, &shape, 0).is_err(),
+                "{shape:?}"
+            );
+        }
+        assert!(check_length("x", DType::Uint8, &[0, big - 1], 0).is_ok());
     }
 
     /// A region file shorter than the length the node states is refused, not mapped (a read

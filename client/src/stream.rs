@@ -312,7 +312,8 @@ impl Stream {
         if self.held == 0 {
             return self.answer(wait);
         }
-        let deadline = wait.map(|w| Instant::now() + w);
+        // A wait past what the clock can hold (`Duration::MAX`) is a wait as long as it takes.
+        let deadline = wait.and_then(|w| Instant::now().checked_add(w));
         loop {
             self.release_dropped_behind()?;
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));

@@ -26,6 +26,12 @@ pub enum FrameIoError {
     /// Bad frame.
     #[error(transparent)]
     Decode(#[from] TrainerDecodeError),
+    /// File descriptors sent with a frame did not all fit (`MSG_CTRUNC`): the kernel
+    /// closed the rest, most often because this process is at its open-files limit.
+    #[error(
+        "file descriptors sent with a frame were cut off (MSG_CTRUNC): this process may be at its open-files limit (ulimit -n)"
+    )]
+    FdsTruncated,
     /// Nothing arrived within the time allowed.
     #[error("{phase}: nothing arrived within {limit:?}")]
     Timeout {
@@ -134,6 +140,7 @@ impl FrameReader {
         sock: &UnixStream,
         fds: &mut Vec<OwnedFd>,
     ) -> Result<&'a [u8], FrameIoError> {
+        let mut cut = false;
         let body = self.read_range(|buf, _| {
             let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
             let mut anc = RecvAncillaryBuffer::new(&mut space);
@@ -143,6 +150,7 @@ impl FrameReader {
                 &mut anc,
                 RecvFlags::CMSG_CLOEXEC,
             )?;
+            cut |= r.flags.contains(rustix::net::ReturnFlags::CTRUNC);
             for m in anc.drain() {
                 if let RecvAncillaryMessage::ScmRights(rights) = m {
                     fds.extend(rights);
@@ -150,6 +158,9 @@ impl FrameReader {
             }
             Ok(r.bytes)
         })?;
+        if cut {
+            return Err(FrameIoError::FdsTruncated);
+        }
         Ok(&self.buf[body])
     }
 
@@ -271,6 +282,25 @@ pub fn borrow<F: AsFd>(f: &F) -> BorrowedFd<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fds_cut_off_by_the_kernel_are_an_error_not_a_short_count() {
+        // More fds than the reader's control buffer holds: the kernel sets MSG_CTRUNC and
+        // closes the rest. Before, the frame came with 4 fds and no word of the others.
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        let mut frame = Vec::new();
+        trainer::encode(&trainer::Request::State, &mut frame);
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(8))];
+        let mut anc = SendAncillaryBuffer::new(&mut space);
+        let eight = [file.as_fd(); 8];
+        assert!(anc.push(SendAncillaryMessage::ScmRights(&eight)));
+        rustix::net::sendmsg(&a, &[IoSlice::new(&frame)], &mut anc, SendFlags::NOSIGNAL).unwrap();
+        let (mut r, mut fds) = (FrameReader::new(), Vec::new());
+        let e = r.read(&b, &mut fds).unwrap_err();
+        assert!(matches!(e, FrameIoError::FdsTruncated), "{e}");
+        assert!(e.to_string().contains("ulimit -n"), "{e}");
+    }
 
     #[test]
     fn frame_and_fd_cross_a_socketpair() {

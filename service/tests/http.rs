@@ -151,8 +151,8 @@ fn http_errors_limits_and_isolation_from_socket_streams() {
         );
     }
     for (m, p) in [
-        ("GET", format!("/v1/leases/{}/tensors/{name}", sb.lease)),
-        ("POST", format!("/v1/leases/{}/release", sb.lease)),
+        ("GET", format!("/v1/leases/{}/tensors/{name}", sb.lease())),
+        ("POST", format!("/v1/leases/{}/release", sb.lease())),
     ] {
         let (st, body) = raw(a, m, &p, "");
         assert_eq!(

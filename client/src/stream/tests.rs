@@ -437,3 +437,53 @@ fn a_batch_given_back_to_another_stream_is_refused_and_goes_back_to_its_own() {
     close(b, node_b, &at_b);
     close(a, node_a, &at_a);
 }
+
+#[test]
+fn a_timeout_past_what_the_clock_holds_waits_as_long_as_it_takes() {
+    // While a batch is held, the wait polls for batches dropped on other threads: its
+    // deadline was `now + timeout`, which panicked for `Duration::MAX` after the request was
+    // sent.
+    let at = path("forever");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        assert_eq!(request(c)["op"], "next");
+        std::thread::sleep(Duration::from_millis(300));
+        send_batch(c, 8);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let b2 = s
+        .next_timeout(Duration::MAX)
+        .expect("a batch")
+        .expect("not the end");
+    assert_eq!((b.lease, b2.lease), (7, 8));
+    drop((b, b2));
+    close(s, node, &at);
+}
+
+#[test]
+fn bytes_of_a_view_that_is_not_the_batchs_own_panics() {
+    // Before, any view inside the region was read: bytes of slabs leased to nobody (or to
+    // another batch, given back meanwhile) that the node may be writing.
+    let at = path("views");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch_with(c, 7, vec![tensor(0, vec![4], 8)], Some(state()));
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    assert_eq!(b.bytes(&b.tensors()[0]).len(), 8);
+    let other = tensor(4096, vec![4], 8);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.bytes(&other).len()));
+    let msg = r.expect_err("panics");
+    let msg = msg
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .unwrap_or("");
+    assert!(msg.contains("not one of this batch's (lease 7)"), "{msg}");
+    drop(b);
+    close(s, node, &at);
+}
