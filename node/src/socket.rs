@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use shardwire_gpu::Slab;
 use shardwire_protocol::fdpass::{self, FrameIoError, ReadLimits, ReadPhase};
 use shardwire_protocol::trainer::{
-    BatchEncoding, ErrorCode, MAX_NEXT_COUNT, Request, Response, StreamRequest,
+    BatchEncoding, ErrorCode, MAX_NEXT_COUNT, MAX_TRAINER_FRAME, Request, Response, StreamRequest,
 };
 use tokio::sync::watch;
 
@@ -43,27 +43,71 @@ mod wait;
 /// its `next` waited grew the node's queued answers without end (45 MB in 3 s).
 pub const MAX_FAILED_BEHIND: usize = 1024;
 
-/// Binds the socket (replacing a stale file) and starts the accept thread.
+/// Binds the socket (replacing a stale one) and starts the accept thread. The socket gets
+/// its mode before it has its name: no trainer can connect under the umask's mode first.
 pub fn start(node: Arc<Node>, path: &Path, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
         std::fs::create_dir_all(dir)?;
     }
-    match std::fs::remove_file(path) {
-        Ok(()) => tracing::info!(path = %path.display(), "removed a stale trainer socket"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let listener = UnixListener::bind(path)?;
+    clear_stale(path)?;
     let mode = node
         .info()
         .cfg
         .socket_mode_bits()
         .map_err(std::io::Error::other)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    let unnamed = dir
+        .unwrap_or(Path::new("."))
+        .join(format!(".sw-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&unnamed);
+    let listener = UnixListener::bind(&unnamed)?;
+    let named = std::fs::set_permissions(&unnamed, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::fs::rename(&unnamed, path));
+    if let Err(e) = named {
+        let _ = std::fs::remove_file(&unnamed);
+        return Err(e);
+    }
     std::thread::Builder::new()
         .name("sw-trainer-accept".into())
         .spawn(move || accept_loop(&node, &listener, &shutdown))?;
     Ok(())
+}
+
+/// Removes a socket at `path` that nobody listens on (a node's that stopped without removing
+/// it). Anything else there is refused, not removed: a file that is not a socket (a `socket`
+/// path set by mistake), or the socket of a node service that is running.
+fn clear_stale(path: &Path) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_socket() => {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!(
+                    "{} exists and is not a socket: set `socket` to another path, or remove the file",
+                    path.display()
+                ),
+            ));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(Error::new(
+            ErrorKind::AddrInUse,
+            format!(
+                "another node service listens on {}: stop it, or set `socket` to another path",
+                path.display()
+            ),
+        )),
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+            std::fs::remove_file(path)?;
+            tracing::info!(path = %path.display(), "removed a stale trainer socket");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// One thread per trainer connection, at most `trainer_max_connections` at once; a
@@ -578,11 +622,39 @@ impl Conn<'_> {
                 break;
             };
             *more = true;
-            held.encode_as(self.batch_encoding, &mut self.frame);
+            if !self.encode_fitting(s, &held) {
+                return fdpass::send_frame(&self.sock, &self.frame, &[]);
+            }
             held = next_response(Next::Batch(b), self.batch_state.then_some(s));
         }
-        held.encode_as(self.batch_encoding, &mut self.frame);
+        self.encode_fitting(s, &held);
         fdpass::send_frame(&self.sock, &self.frame, &[])
+    }
+
+    /// Appends the answer `r` of stream `s` to the frame, and true; an answer larger than a
+    /// trainer reads (which it would refuse, and then meet again at every resume) is replaced
+    /// by the error that closes `s` ([`CloseReason::AnswerTooLarge`]), and false.
+    fn encode_fitting(&mut self, s: &Stream, r: &Response) -> bool {
+        let start = self.frame.len();
+        r.encode_as(self.batch_encoding, &mut self.frame);
+        let bytes = self.frame.len() - start - 4;
+        if bytes <= MAX_TRAINER_FRAME {
+            return true;
+        }
+        self.frame.truncate(start);
+        let shard = match r {
+            Response::Batch { shard, .. } => *shard,
+            _ => 0,
+        };
+        let why = CloseReason::AnswerTooLarge {
+            shard,
+            bytes,
+            max: MAX_TRAINER_FRAME,
+        };
+        tracing::error!(stream = s.id(), reason = %why, "closing the stream");
+        self.node.close_stream(s.id(), why.clone());
+        error(why.code(), why.to_string()).encode_as(self.batch_encoding, &mut self.frame);
+        false
     }
 
     /// A write of an answer that failed: a timeout (the trainer stopped reading for `limit`)

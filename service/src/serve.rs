@@ -17,14 +17,16 @@ pub struct Service {
     pub http: tokio::task::JoinHandle<()>,
 }
 
-/// Starts the node, binds the admin address and serves the HTTP fronts on it.
+/// Binds the admin address, starts the node and serves the HTTP fronts on it. The address is
+/// bound first: one taken fails the start before the node has set anything up (NICs, the
+/// trainer socket, source links) that an exit would leave behind.
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<Service> {
     let admin = cfg.admin;
-    let handle = shardwire_node::start(cfg).await?;
     let listener = tokio::net::TcpListener::bind(admin)
         .await
         .with_context(|| format!("cannot bind the admin API on {admin}"))?;
     let admin_addr = listener.local_addr()?;
+    let handle = shardwire_node::start(cfg).await?;
     let node = std::sync::Arc::clone(&handle.node);
     let http = tokio::spawn(crate::http::serve(node, listener, handle.shutdown_signal()));
     tracing::info!(admin = %admin_addr, "node service ready");

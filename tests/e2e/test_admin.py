@@ -247,3 +247,49 @@ def test_unknown_routes_and_methods_answer_the_json_error(sw, tmp_path):
         raise AssertionError("a text/plain body was accepted")
     except urllib.error.HTTPError as e:
         assert e.code == 415 and json.loads(e.read())["code"] == "bad_request"
+
+
+def _serve_fails(sw, tmp_path, src, sock, admin="127.0.0.1:0") -> subprocess.CompletedProcess:
+    args = [str(require_bin()), "serve", "--source", src.addr, "--socket", str(sock), "--admin", admin,
+            "--data-listen", "127.0.0.1:0", "--pool-size", "16MiB", "--stream-memory", "4MiB"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stderr[-2000:]
+    return r
+
+
+def test_a_socket_path_in_use_or_not_a_socket_is_refused_not_removed(sw, tmp_path):
+    """The trainer socket replaces only a stale socket (one nobody listens on). A regular file
+    at the path, or the socket of a node that runs, is refused, naming the path; before, both
+    were removed ("a stale trainer socket"), the running node's trainers locked out. An admin
+    address that is taken fails the start before the node has made its socket."""
+    import socket as so
+
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 2, 64 * 1024, seed=5)
+    index_dataset(d)
+    src = sw.source({"a": d})
+    path = tmp_path / "trainer.sock"
+    path.write_text("my notes\n")
+    r = _serve_fails(sw, tmp_path, src, path)
+    assert "is not a socket" in r.stderr and str(path) in r.stderr, r.stderr[-2000:]
+    assert path.read_text() == "my notes\n"
+    path.unlink()
+    node = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "16MiB", socket=path)
+    wait_ready(node)
+    r = _serve_fails(sw, tmp_path, src, path)
+    assert "another node service listens" in r.stderr, r.stderr[-2000:]
+    assert sw.consume(node, "a"), "the running node's socket still works"
+    # A stale socket (bound, nobody listening) is replaced.
+    stale = tmp_path / "stale.sock"
+    s = so.socket(so.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    node2 = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "16MiB", socket=stale)
+    assert sw.consume(node2, "a")
+    # A taken admin address: refused before the node made its socket.
+    taken = so.create_server(("127.0.0.1", 0))
+    sock3 = tmp_path / "third.sock"
+    r = _serve_fails(sw, tmp_path, src, sock3, admin="127.0.0.1:%d" % taken.getsockname()[1])
+    taken.close()
+    assert "cannot bind the admin API" in r.stderr, r.stderr[-2000:]
+    assert not sock3.exists(), "the node started (and made its socket) before the admin bind failed"

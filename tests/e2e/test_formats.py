@@ -141,3 +141,26 @@ def test_a_dataset_dict_of_splits_is_refused_naming_a_split(tmp_path):
     assert r.returncode != 0 and "DatasetDict" in r.stderr and str(d / "train") in r.stderr, r.stderr
     r = _index(d / "train")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_batch_too_large_to_describe_in_one_answer_fails_its_stream_naming_why(sw, tmp_path):
+    """A shard of 4000 tensors with 250-character names: the answer that hands out its batch
+    is over the 1 MiB a trainer reads. The node closes the stream with `bad_plan` saying so
+    (and what to do); before, it sent the answer, which the SDK refused as a broken frame,
+    and a resume met the same batch again, without a word of why."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    d = tmp_path / "wide"
+    d.mkdir()
+    cols = {("c%04d_" % i) + "x" * 244: pa.array(np.arange(4, dtype=np.int8)) for i in range(4000)}
+    table = pa.table(cols)
+    with ipc.new_stream(d / "wide.arrow", table.schema) as w:
+        w.write_table(table)
+    r = _index(d)
+    assert r.returncode == 0, r.stderr[-2000:]
+    node = serve_dataset(sw, "wide", d)
+    with shardwire.connect(node.socket).open_stream("wide") as s:
+        with pytest.raises(shardwire.ServiceError) as e:
+            s.next(timeout=60)
+    assert e.value.code == "bad_plan" and "--columns" in str(e.value) and "shard 0" in str(e.value), e.value

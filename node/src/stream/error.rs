@@ -145,6 +145,22 @@ pub enum CloseReason {
         /// The manifest's CRC.
         want: u32,
     },
+    /// The answer that hands out a batch is larger than a trainer reads
+    /// ([`MAX_TRAINER_FRAME`](shardwire_protocol::trainer::MAX_TRAINER_FRAME)): its shard has
+    /// too many tensors, or names and shapes too long, to describe in one answer.
+    #[error(
+        "the answer handing out the batch of shard {shard} is {bytes} bytes, over the {max} a trainer reads: \
+         its shard has too many tensors (or names and shapes too long) to describe in one answer; \
+         index the dataset with fewer columns (`shardwire index --columns`)"
+    )]
+    AnswerTooLarge {
+        /// The batch's shard.
+        shard: u32,
+        /// The answer's length.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A bug or an unexpected failure in the node.
     #[error("{0}")]
     Internal(String),
@@ -179,6 +195,7 @@ impl CloseReason {
             Self::Shutdown => ErrorCode::Draining,
             Self::CannotShare(_) | Self::DoesNotFit { .. } => ErrorCode::NoMemory,
             Self::ShardFailed { .. } | Self::Corrupt { .. } => ErrorCode::DataUnavailable,
+            Self::AnswerTooLarge { .. } => ErrorCode::BadPlan,
             Self::Assembly { .. } | Self::Internal(_) => ErrorCode::Internal,
         }
     }

@@ -17,35 +17,63 @@ use shardwire_protocol::trainer::ErrorCode;
 
 use super::error::{ApiError, authorize};
 
-/// Admin requests must finish within this time (the trainer long-poll routes are separate).
+/// Admin reads must finish within this time (the trainer long-poll routes are separate).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Time a change (a binding made or deleted, a stream closed, a drain) has beyond
+/// `drain_timeout_secs`: a binding's delete waits that long for its readers, and the node
+/// applies changes one at a time, so a change may wait for the one before it.
+const CONTROL_SLACK: Duration = Duration::from_secs(30);
 
 /// The admin routes.
 pub fn router(node: Arc<Node>) -> Router {
-    Router::new()
+    let reads = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .route("/v1/streams", get(streams))
-        .route("/v1/streams/{id}", get(stream_one).delete(close_stream))
-        .route("/v1/drain", post(drain))
+        .route("/v1/streams/{id}", get(stream_one))
         .route("/v1/nics", get(nics))
-        .route(
-            "/v1/bindings",
-            get(super::bindings::list).post(super::bindings::create),
-        )
+        .route("/v1/bindings", get(super::bindings::list))
+        .layer(axum::middleware::from_fn(|req, next| {
+            within(ADMIN_TIMEOUT, req, next)
+        }));
+    let limit = Duration::from_secs(node.info().cfg.drain_timeout_secs) + CONTROL_SLACK;
+    let changes = Router::new()
+        .route("/v1/streams/{id}", delete(close_stream))
+        .route("/v1/drain", post(drain))
+        .route("/v1/bindings", post(super::bindings::create))
         .route("/v1/bindings/{id}", delete(super::bindings::delete))
-        .layer(axum::middleware::from_fn(admin_timeout))
-        .with_state(node)
+        .layer(axum::middleware::from_fn(move |req, next| {
+            within(limit, req, next)
+        }));
+    reads.merge(changes).with_state(node)
 }
 
-async fn admin_timeout(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    match tokio::time::timeout(ADMIN_TIMEOUT, next.run(req)).await {
+/// The answer of `next` for `req`, or `503 timeout` after `limit`. A change the node was
+/// asked for still happens after that: the answer says so.
+async fn within(
+    limit: Duration,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let change = req.method() != axum::http::Method::GET;
+    match tokio::time::timeout(limit, next.run(req)).await {
         Ok(r) => r,
-        Err(_) => ApiError::new(ErrorCode::Timeout, "the admin request took too long")
+        Err(_) => {
+            let also = if change {
+                ": the change may still be applied (look with GET before asking again)"
+            } else {
+                ""
+            };
+            ApiError::new(
+                ErrorCode::Timeout,
+                format!("the admin request took longer than {limit:?}{also}"),
+            )
             .with_status(StatusCode::SERVICE_UNAVAILABLE)
-            .into_response(),
+            .into_response()
+        }
     }
 }
 
