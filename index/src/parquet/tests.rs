@@ -183,3 +183,38 @@ fn utc_dates() {
     assert_eq!(utc(1_764_602_513_000_000_000), "2025-12-01T15:21:53Z");
     assert_eq!(utc(951_782_400_000_000_000), "2000-02-29T00:00:00Z");
 }
+
+#[test]
+fn a_row_group_with_a_negative_row_count_is_refused() {
+    // The footer rewritten with row group 1's `num_rows` = -1 (the data pages as written).
+    // Before, the count read as 0 and the row group was skipped without a word.
+    use ::parquet::file::metadata::{ParquetMetaDataReader, ParquetMetaDataWriter};
+    let dir = temp_dir("parquet-negative-rows");
+    let p = dir.join("t.parquet");
+    write_parquet(&p, &rows(20), 10, Compression::UNCOMPRESSED);
+    let bytes = std::fs::read(&p).unwrap();
+    let meta = ParquetMetaDataReader::new()
+        .parse_and_finish(&bytes::Bytes::from(bytes.clone()))
+        .unwrap();
+    let mut groups = meta.row_groups().to_vec();
+    assert_eq!(groups.len(), 2);
+    groups[1] = groups[1]
+        .clone()
+        .into_builder()
+        .set_num_rows(-1)
+        .build()
+        .unwrap();
+    let bad = meta.into_builder().set_row_groups(groups).build();
+    let footer_len =
+        u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+    let mut out = bytes[..bytes.len() - 8 - footer_len as usize].to_vec();
+    ParquetMetaDataWriter::new(&mut out, &bad).finish().unwrap();
+    std::fs::write(&p, &out).unwrap();
+    let e = index_report(&dir, &IndexOptions::default()).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("t.parquet") && text.contains("row group 1") && text.contains("negative"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
