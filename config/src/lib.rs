@@ -386,6 +386,37 @@ where
     fig.extract().map_err(|e| ConfigError::Load(Box::new(e)))
 }
 
+/// Longest time a `*_secs` key may give: a year. Waits beyond it are "never" in practice, and
+/// a value near `u64::MAX` overflows the clock (a panic at the first wait, not an error).
+pub const MAX_SECS: u64 = 365 * 86400;
+
+/// Most connections a `*max_connections` key may give (a semaphore counts at most 2^61).
+pub const MAX_CONNECTIONS: usize = 1_000_000;
+
+/// `v` seconds of `key` within `min..=`[`MAX_SECS`].
+fn check_secs(key: &'static str, v: u64, min: u64) -> Result<(), ConfigError> {
+    if (min..=MAX_SECS).contains(&v) {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        v,
+        format!("must be between {min} and {MAX_SECS} seconds (a year)"),
+    ))
+}
+
+/// `v` connections of `key` within `1..=`[`MAX_CONNECTIONS`].
+fn check_connections(key: &'static str, v: usize) -> Result<(), ConfigError> {
+    if (1..=MAX_CONNECTIONS).contains(&v) {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        v,
+        format!("must be between 1 and {MAX_CONNECTIONS}"),
+    ))
+}
+
 impl ServeConfig {
     /// Merges defaults < file < env < `flags` (a struct whose `None` fields are skipped).
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
@@ -423,9 +454,7 @@ impl ServeConfig {
             ("http_max_connections", self.http_max_connections),
             ("trainer_max_connections", self.trainer_max_connections),
         ] {
-            if v == 0 {
-                return Err(invalid(key, v, "must be at least 1"));
-            }
+            check_connections(key, v)?;
         }
         for (key, v) in [
             ("http_header_timeout_secs", self.http_header_timeout_secs),
@@ -436,10 +465,14 @@ impl ServeConfig {
                 self.trainer_request_timeout_secs,
             ),
         ] {
-            if v == 0 {
-                return Err(invalid(key, v, "must be at least 1 second"));
-            }
+            check_secs(key, v, 1)?;
         }
+        check_secs("drain_timeout_secs", self.drain_timeout_secs, 0)?;
+        check_secs(
+            "trainer_idle_timeout_secs",
+            self.trainer_idle_timeout_secs,
+            0,
+        )?;
         if self.devmem_memory.0 < 1 << 20 {
             return Err(invalid(
                 "devmem_memory",
@@ -539,18 +572,21 @@ impl SourceConfig {
                 "must be between 1 and 65535",
             ));
         }
-        if c.max_connections == 0 {
+        check_connections("max_connections", c.max_connections)?;
+        check_secs("drain_timeout_secs", c.drain_timeout_secs, 1)?;
+        let tx = c.devmem_tx_memory;
+        if !((64 << 10)..=(1 << 40)).contains(&tx.0) {
             return Err(invalid(
-                "max_connections",
-                c.max_connections,
-                "must be at least 1",
+                "devmem_tx_memory",
+                tx,
+                "must be between 64KiB (16 slots of 4KiB) and 1TiB",
             ));
         }
-        if c.drain_timeout_secs == 0 {
+        if c.devmem_tx.is_empty() && tx != SourceConfig::default().devmem_tx_memory {
             return Err(invalid(
-                "drain_timeout_secs",
-                c.drain_timeout_secs,
-                "must be at least 1 second",
+                "devmem_tx_memory",
+                tx,
+                "needs devmem_tx: the interfaces whose TX bindings it sizes",
             ));
         }
         c.check_object_store()?;
@@ -612,11 +648,10 @@ mod tests {
     }
 
     fn write(content: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!(
-            "sw-config-{}-{}.toml",
-            std::process::id(),
-            content.len()
-        ));
+        // One file per call: tests run in parallel, and two contents of one length collided.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("sw-config-{}-{n}.toml", std::process::id(),));
         std::fs::write(&p, content).unwrap();
         p
     }
@@ -658,6 +693,60 @@ mod tests {
         let d = SourceConfig::default();
         assert_eq!(d.object_store_request_size.0, 8 << 20);
         assert_eq!(d.cache_dir, None);
+    }
+
+    #[test]
+    fn waits_and_connection_limits_past_what_the_node_can_count_are_refused() {
+        // Before, `drain_timeout_secs = 9223372036854775807` ("forever") loaded, and the
+        // node panicked adding it to the clock; a connection limit past 2^61 panicked in
+        // the semaphore that counts connections.
+        for (toml, key) in [
+            (
+                "drain_timeout_secs = 9223372036854775807\n",
+                "drain_timeout_secs",
+            ),
+            (
+                "trainer_request_timeout_secs = 9223372036854775807\n",
+                "trainer_request_timeout_secs",
+            ),
+            (
+                "trainer_idle_timeout_secs = 31536001\n",
+                "trainer_idle_timeout_secs",
+            ),
+            (
+                "http_max_connections = 4611686018427387904\n",
+                "http_max_connections",
+            ),
+        ] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(key) && e.contains("must be between"),
+                "{toml}: {e}"
+            );
+        }
+        let ok = "drain_timeout_secs = 31536000\ntrainer_idle_timeout_secs = 0\n";
+        assert!(ServeConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+        let ds = "datasets = [\"d=/data\"]\n";
+        for (extra, key) in [
+            ("max_connections = 2305843009213693952\n", "max_connections"),
+            (
+                "drain_timeout_secs = 9223372036854775807\n",
+                "drain_timeout_secs",
+            ),
+            (
+                "devmem_tx = [\"eth1\"]\ndevmem_tx_memory = \"32KiB\"\n",
+                "devmem_tx_memory",
+            ),
+            ("devmem_tx_memory = \"128MiB\"\n", "devmem_tx_memory"),
+        ] {
+            let p = write(&format!("{ds}{extra}"));
+            let e = SourceConfig::load(Some(&p), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+        }
     }
 
     #[test]

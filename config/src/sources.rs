@@ -32,9 +32,19 @@ pub enum SourceEntryError {
         /// The port text.
         port: String,
     },
+    /// The host of a `HOST:PORT` entry is neither an IP address nor a host name.
+    #[error(
+        "`{entry}`: `{host}` is neither an IP address ([v6] in brackets) nor a host name; a DNS name standing for several sources is written dns:NAME:PORT"
+    )]
+    Host {
+        /// The entry.
+        entry: String,
+        /// The host text.
+        host: String,
+    },
     /// The DNS name has characters or labels a host name cannot have.
     #[error(
-        "`{entry}`: `{name}` is not a DNS name (labels of letters, digits and '-', 1-63 bytes each, 253 at most)"
+        "`{entry}`: `{name}` is not a DNS name (labels of letters, digits, '-' and '_', 1-63 bytes each, 253 at most)"
     )]
     Name {
         /// The entry.
@@ -57,7 +67,11 @@ impl SourceEntry {
                     entry: s.to_owned(),
                     port: port.to_owned(),
                 })?;
-        match host.strip_prefix("dns:") {
+        let dns = host
+            .get(..4)
+            .filter(|p| p.eq_ignore_ascii_case("dns:"))
+            .map(|_| &host[4..]);
+        match dns {
             Some(name) => {
                 let name = name.trim_end_matches('.');
                 if !is_dns_name(name) {
@@ -72,7 +86,11 @@ impl SourceEntry {
                 })
             }
             None if host.is_empty() => Err(shape()),
-            None => Ok(Self::Addr(s.to_owned())),
+            None if is_address_host(host) => Ok(Self::Addr(s.to_owned())),
+            None => Err(SourceEntryError::Host {
+                entry: s.to_owned(),
+                host: host.to_owned(),
+            }),
         }
     }
 
@@ -90,6 +108,17 @@ impl fmt::Display for SourceEntry {
         match self {
             Self::Addr(a) => f.write_str(a),
             Self::Dns { name, port } => write!(f, "dns:{name}:{port}"),
+        }
+    }
+}
+
+/// Whether `host` (of a `HOST:PORT` entry) is an IPv4 address, an IPv6 address in brackets,
+/// or a host name (a `dsn:` or `http://` typo, a space, is none of them).
+fn is_address_host(host: &str) -> bool {
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            host.parse::<std::net::Ipv4Addr>().is_ok() || is_dns_name(host.trim_end_matches('.'))
         }
     }
 }
@@ -174,5 +203,46 @@ mod tests {
         }
         let long = format!("dns:{}:1", "a".repeat(64));
         assert!(SourceEntry::parse(&long).is_err());
+    }
+
+    #[test]
+    fn typos_of_an_entry_are_refused_not_dialled_forever() {
+        // Before, each was a HOST:PORT whose host never resolves: the node retried it for
+        // ever and /readyz never turned 200, with no word naming the entry.
+        for bad in [
+            "dsn:src.ml.svc:7500",
+            "http://10.0.0.5:7500",
+            "10.0.0.5 :7500",
+            "[::1:7500",
+            "a/b:1",
+        ] {
+            let e = SourceEntry::parse(bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    SourceEntryError::Host { .. } | SourceEntryError::Shape(_)
+                ),
+                "{bad}: {e}"
+            );
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+        // `DNS:` is `dns:`.
+        assert_eq!(
+            SourceEntry::parse("DNS:src.ml.svc:7500")
+                .unwrap()
+                .to_string(),
+            "dns:src.ml.svc:7500"
+        );
+        for good in [
+            "src-0.src.ml.svc.cluster.local:7500",
+            "localhost:1",
+            "[fe80::1]:7500",
+            "host.:2",
+        ] {
+            assert!(
+                matches!(SourceEntry::parse(good), Ok(SourceEntry::Addr(_))),
+                "{good}"
+            );
+        }
     }
 }
