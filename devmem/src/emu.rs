@@ -458,6 +458,9 @@ impl EmuSocket {
                     Ok(true) => {}
                     Ok(false) => break,
                     Err(_) if done > 0 => break,
+                    // Unbound while this read waited for a free net_iov (nothing was read
+                    // from the socket): from now on ordinary TCP, as above.
+                    Err(e) if e.kind() == io::ErrorKind::NotConnected => continue,
                     Err(source) => {
                         return Err(DevmemError::Syscall {
                             call: "recvmsg(MSG_SOCK_DEVMEM) [emulated]",

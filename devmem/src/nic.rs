@@ -454,14 +454,14 @@ impl Journal {
     pub fn enable_header_split(&mut self, client: &mut EthtoolClient) -> Result<(), NicError> {
         let (ifindex, ifname) = (self.state.ifindex, self.state.ifname.clone());
         let old = client.rings(ifindex, &ifname)?;
-        if old.tcp_data_split == TCP_DATA_SPLIT_ENABLED && old.hds_thresh.unwrap_or(0) == 0 {
+        let Some(hds_thresh) = header_split_request(&old) else {
             return Ok(());
-        }
+        };
         self.record(Change::Rings {
             tcp_data_split: old.tcp_data_split,
             hds_thresh: old.hds_thresh,
         })?;
-        client.set_rings(ifindex, &ifname, TCP_DATA_SPLIT_ENABLED, Some(0))
+        client.set_rings(ifindex, &ifname, TCP_DATA_SPLIT_ENABLED, hds_thresh)
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue`: RSS over queues `0..rss_queues` only
@@ -558,17 +558,11 @@ fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
             Change::Channels { rx, tx, combined } => {
                 client.set_channels(ifindex, ifname, rx, tx, combined)
             }
+            // 0 (`unknown`) is set too: it is `tcp-data-split auto`, the driver's default.
             Change::Rings {
                 tcp_data_split,
                 hds_thresh,
-            } => {
-                // `unknown` (0) cannot be set: leave it as the driver has it.
-                if tcp_data_split == 0 {
-                    Ok(())
-                } else {
-                    client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh)
-                }
-            }
+            } => client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh),
         };
         if let Err(e) = r {
             tracing_like_warn(&e);
@@ -755,6 +749,18 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
 }
 
 pub mod steer;
+
+/// What `rings-set` turns header split on with, given the NIC's `rings-get` (`old`): `None`
+/// when it is on already with `hds-thresh` 0; else `Some(hds_thresh)`, the threshold to send
+/// with it: 0 where the driver reports one, none where it does not (gve and idpf have no
+/// `hds-thresh`, and the kernel refuses a `rings-set` that carries it with EOPNOTSUPP; their
+/// threshold is 0 already, which is what devmem needs).
+fn header_split_request(old: &Rings) -> Option<Option<u32>> {
+    if old.tcp_data_split == TCP_DATA_SPLIT_ENABLED && old.hds_thresh.unwrap_or(0) == 0 {
+        return None;
+    }
+    Some(old.hds_thresh.map(|_| 0))
+}
 
 #[cfg(test)]
 mod tests;

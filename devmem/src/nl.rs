@@ -151,10 +151,19 @@ fn walk(
             NLMSG_NOOP => {}
             NLMSG_OVERRUN => return Err(NlError::Malformed("NLMSG_OVERRUN".into())),
             NLMSG_ERROR | NLMSG_DONE => {
-                let errno = payload
-                    .get(..4)
-                    .map(|b| -i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-                    .unwrap_or(0);
+                // An error message always carries its (negative) errno; a dump's DONE may not.
+                let raw = match payload.get(..4) {
+                    Some(b) => i32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+                    None if ty == NLMSG_DONE => 0,
+                    None => {
+                        let n = payload.len();
+                        return Err(NlError::Malformed(format!("NLMSG_ERROR of {n} bytes")));
+                    }
+                };
+                let errno = raw
+                    .checked_neg()
+                    .filter(|e| *e >= 0)
+                    .ok_or_else(|| NlError::Malformed(format!("errno field {raw}")))?;
                 if errno == 0 {
                     return Ok(Some(()));
                 }
@@ -282,6 +291,28 @@ mod tests {
             v.push(0);
         }
         v
+    }
+
+    #[test]
+    fn an_error_message_without_its_errno_or_with_a_wild_one_is_malformed() {
+        // Before, a short NLMSG_ERROR read as an ACK (a failed set reported as done), and
+        // errno i32::MIN overflowed its negation.
+        let nop = &mut |_: &[u8]| Ok(());
+        let short = msg(NLMSG_ERROR, 0, 5, &[]);
+        assert!(matches!(walk(&short, 5, nop), Err(NlError::Malformed(_))));
+        for raw in [i32::MIN, 5] {
+            let wild = msg(NLMSG_ERROR, NLM_F_CAPPED, 5, &raw.to_ne_bytes());
+            assert!(
+                matches!(walk(&wild, 5, nop), Err(NlError::Malformed(_))),
+                "{raw}"
+            );
+        }
+        let ack = msg(NLMSG_ERROR, NLM_F_CAPPED, 5, &0i32.to_ne_bytes());
+        assert!(matches!(walk(&ack, 5, nop), Ok(Some(()))));
+        assert!(matches!(
+            walk(&msg(NLMSG_DONE, 0, 5, &[]), 5, nop),
+            Ok(Some(()))
+        ));
     }
 
     #[test]

@@ -124,11 +124,13 @@ impl<S: AsFd> DevmemSocket<S> {
         Self::with_control_len(sock, DEFAULT_CONTROL_LEN)
     }
 
-    /// Wrap `sock` with a control buffer of `len` bytes.
+    /// Wrap `sock` with a control buffer of `len` bytes, rounded down to a multiple of 8
+    /// (`CMSG_ALIGN`): the kernel cuts a cmsg that does not fit at the buffer's end, and one
+    /// cut at an unaligned length cannot be parsed (the frags before it would be lost).
     pub fn with_control_len(sock: S, len: usize) -> Self {
         Self {
             sock,
-            control: vec![0u8; len].into_boxed_slice(),
+            control: vec![0u8; len & !7].into_boxed_slice(),
         }
     }
 

@@ -366,6 +366,41 @@ fn pool_exhaustion_stalls_other_sockets_until_tokens_come_back() {
 }
 
 #[test]
+fn a_read_waiting_for_the_pool_when_the_binding_is_unbound_gets_its_bytes_as_plain_tcp() {
+    // As the kernel: the queues restart with ordinary pages. Before, the waiting read failed
+    // ("the emulated binding was unbound") and its payload with it.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let (sa, wa) = pair(pattern(MIN_NIOVS * NIOV_SIZE, 6));
+    let data_b = pattern(4 * NIOV_SIZE, 7);
+    let (sb, wb) = pair(data_b.clone());
+    wa.join().unwrap();
+    wb.join().unwrap();
+    let mut a = EmuSocket::new(sa, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; MIN_NIOVS * NIOV_SIZE];
+    let mut got = 0;
+    while got < buf.len() {
+        got += a.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    let bb = Arc::clone(&b);
+    let reader = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(sb, bb, EmuConfig::default()).unwrap();
+        drain(&mut sock, data_b.len(), data_b.len())
+    });
+    let t = std::time::Instant::now();
+    while b.stats().exhausted_waits.load(Ordering::Relaxed) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "B never waited for the pool"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    b.unbind();
+    let (got, sum) = reader.join().unwrap();
+    assert!(got == pattern(4 * NIOV_SIZE, 7));
+    assert_eq!(sum.dmabuf_frags, 0);
+}
+
+#[test]
 fn closing_a_socket_releases_its_outstanding_tokens() {
     let (s, w) = pair(pattern(8 * NIOV_SIZE, 8));
     w.join().unwrap();

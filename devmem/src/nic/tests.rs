@@ -255,3 +255,20 @@ fn a_refused_connection_rule_leaves_the_journal_as_it_was() {
     j.restore(&mut c).unwrap();
     assert!(!path.exists());
 }
+
+#[test]
+fn header_split_sends_hds_thresh_only_where_the_driver_reports_one() {
+    // gve and idpf report tcp-data-split but no hds-thresh; a rings-set carrying hds-thresh
+    // is refused by the kernel (EOPNOTSUPP "setting hds-thresh is not supported"). Before,
+    // it was always sent: devmem could not start on them.
+    let rings = |split, thresh| Rings {
+        tcp_data_split: split,
+        hds_thresh: thresh,
+    };
+    assert_eq!(header_split_request(&rings(1, None)), Some(None));
+    assert_eq!(header_split_request(&rings(0, None)), Some(None));
+    assert_eq!(header_split_request(&rings(1, Some(256))), Some(Some(0)));
+    assert_eq!(header_split_request(&rings(2, Some(256))), Some(Some(0)));
+    assert_eq!(header_split_request(&rings(2, Some(0))), None);
+    assert_eq!(header_split_request(&rings(2, None)), None);
+}
