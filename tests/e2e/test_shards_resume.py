@@ -412,3 +412,135 @@ def test_an_iteration_ended_by_an_error_is_continued_by_the_next_not_replayed(no
         break
     assert first == want[0]
     assert [ids(item) for item in ds] == want
+
+
+def test_a_copy_that_fails_leaves_the_position_before_its_item(node, monkeypatch):
+    """The position moves past an item only once its copy exists: a copy that fails (out of
+    memory, an interrupt) leaves it to the next iteration. Before, the position had moved
+    first, and the item was skipped by the continuation and by any checkpoint after it."""
+    from shardwire import torch as swt
+
+    ds = swt.IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    real, calls = swt._copy, {"n": 0}
+
+    def failing(view):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the 2nd item's copy (one tensor per item)
+            raise MemoryError("injected: no memory for the copy")
+        return real(view)
+
+    got: list[list[int]] = []
+    with monkeypatch.context() as m:
+        m.setattr(swt, "_copy", failing)
+        with pytest.raises(MemoryError):
+            for item in ds:
+                got.append(ids(item))
+    got += [ids(item) for item in ds]
+    with shardwire.connect(node.socket).open_stream("s", seed=3) as s:
+        want = [ids(b) for b in s]
+    assert got == want, "each item once, in order"
+
+
+def test_set_epoch_naming_the_same_epoch_keeps_the_resume_point_in_the_state(node, monkeypatch):
+    """After an error mid-epoch, `set_epoch` naming the same epoch keeps the resume point, and
+    `state_dict()` says so: before, it said the epoch's start while the next iteration went on
+    from the resume point, so a checkpoint then replayed the epoch's first items."""
+    from shardwire import _client
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    real, calls = _client.Stream.next, {"n": 0}
+
+    def flaky(self, timeout=None):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise shardwire.Timeout("injected")
+        return real(self, timeout)
+
+    with monkeypatch.context() as m:
+        m.setattr(_client.Stream, "next", flaky)
+        with pytest.raises(shardwire.Timeout):
+            for _ in ds:
+                pass
+    saved = ds.state_dict()["stream"]
+    assert saved is not None and saved["index"] == 3
+    ds.set_epoch(0)
+    assert ds.state_dict()["stream"] == saved
+    ds.set_epoch(1)
+    assert ds.state_dict()["stream"] is None
+
+
+def test_persistent_workers_follow_set_epoch(node):
+    """A persistent DataLoader worker keeps its copy of the dataset from one epoch to the next;
+    `set_epoch` in the main process reaches it (the epoch lives in shared memory). Before, the
+    worker delivered its first epoch again, in the same order, every epoch."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (tests/e2e/requirements-frameworks.txt)")
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True,
+                                         multiprocessing_context="fork")
+    epochs = []
+    for e in (0, 1):
+        ds.set_epoch(e)
+        epochs.append([ids(item) for item in loader])
+    del loader
+    client = shardwire.connect(node.socket)
+    for e, got in enumerate(epochs):
+        with swt_open_at(client, e) as s:
+            assert got == [ids(b) for b in s], f"epoch {e}"
+    assert epochs[0] != epochs[1]
+
+
+def swt_open_at(client, epoch):
+    from shardwire.torch import open_at_epoch
+
+    return open_at_epoch(client, "s", start_epoch=epoch, seed=3)
+
+
+def _rank_script(socket: str, rank: int | None, world: int | None, init: bool) -> str:
+    return f"""
+import json, os, sys
+sys.path.insert(0, {str(REPO / "client" / "python" / "src")!r})
+import torch, torch.distributed as dist
+from shardwire.torch import IterableDataset
+if {init!r}:
+    dist.init_process_group("gloo", rank={rank}, world_size={world})
+ds = IterableDataset("s", socket={socket!r}, seed=3, timeout=60)
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+print(json.dumps([[int(i) for i in item["id"]] for item in loader]))
+if {init!r}:
+    dist.destroy_process_group()
+"""
+
+
+def test_spawned_workers_take_their_ddp_rank_from_the_parent(node, tmp_path):
+    """Two DDP ranks (gloo, torch.distributed initialised) whose DataLoaders start 2 workers
+    with spawn, a fresh interpreter where torch.distributed is not initialised: each rank's
+    workers still open that rank's share, so the ranks' shards are disjoint and cover the
+    dataset. Before, every rank's workers opened rank 0 of 1: both ranks read every shard.
+    Without an initialised group, workers take RANK and WORLD_SIZE (as torchrun sets them)."""
+    pytest.importorskip("torch", reason="torch is not installed (tests/e2e/requirements-frameworks.txt)")
+    import json
+    import os
+    import socket as so
+    import subprocess
+
+    with so.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _rank_script(node.socket, r, 2, True)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    ranks = [{tuple(x) for x in json.loads(o[0])} for o in outs]
+    assert not ranks[0] & ranks[1], "the two ranks read the same shards"
+    assert len(ranks[0] | ranks[1]) == SHARDS
+    # torchrun's variables, no process group.
+    env1 = {**env, "RANK": "1", "WORLD_SIZE": "2"}
+    p = subprocess.run([sys.executable, "-c", _rank_script(node.socket, None, None, False)], env=env1,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert {tuple(x) for x in json.loads(p.stdout)} == ranks[1]

@@ -27,6 +27,9 @@ epoch in full).
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -98,31 +101,42 @@ def open_at_epoch(
 
 def _torch_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Effective (rank, world size) of the calling DataLoader worker (or main process)."""
-    import torch.distributed as dist
     from torch.utils.data import get_worker_info
 
-    if rank is None or world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-        else:
-            rank = 0 if rank is None else rank
-            world_size = 1 if world_size is None else world_size
+    rank, world_size = _ddp_ranks(rank, world_size)
     info = get_worker_info()
     worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return effective_rank(rank, world_size, worker_id, num_workers)
 
 
-def _ddp_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size) of this process from torch.distributed (or the given values)."""
+def _dist_ranks() -> tuple[int, int] | None:
+    """(rank, world size) of this process's DDP job: from ``torch.distributed`` when it is
+    initialised, else from ``RANK`` and ``WORLD_SIZE`` (which torchrun sets, and spawned
+    DataLoader workers inherit: ``torch.distributed`` is not initialised in them); None when
+    neither says."""
     import torch.distributed as dist
 
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        r, w = int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"RANK={rank!r} WORLD_SIZE={world!r}: not integers (torchrun sets them)") from None
+    if not 0 <= r < w:
+        raise ValueError(f"RANK={r} is not below WORLD_SIZE={w}")
+    return r, w
+
+
+def _ddp_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) of this process: the given values, else the DDP job's
+    (:func:`_dist_ranks`), else 0 of 1."""
     if rank is None or world_size is None:
-        initialised = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        if world_size is None:
-            world_size = dist.get_world_size() if initialised else 1
+        found = _dist_ranks() or (0, 1)
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
     return rank, world_size
 
 
@@ -171,13 +185,45 @@ class _DatasetMixin:
         self.copy = copy
         self.timeout = timeout
         self.options = StreamOptions.of(options, "IterableDataset", DATASET_REFUSED)
-        self.epoch = 0
+        # The epoch, in memory shared with the DataLoader's workers: a persistent worker keeps
+        # its copy of the dataset from one iteration to the next, and `set_epoch` in the main
+        # process must reach it (before, it delivered its first epoch again, silently).
+        self._epoch: Any = multiprocessing.RawValue("q", 0)
+        # The epoch `_resume` was saved in (a persistent worker's copy keeps it across a
+        # `set_epoch` of the main process, which a later epoch must win over, as there).
+        self._resume_epoch = 0
         # The stream state after the last item yielded (its JSON bytes until a checkpoint
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
         # Whether the current iteration has yielded an item (see `__iter__`).
         self._took = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration starts at (see :meth:`set_epoch`)."""
+        return int(self._epoch.value)
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch.value = int(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The dataset as a DataLoader sends it to a worker process: with its DDP rank and
+        world size filled in from this process when they were left to ``torch.distributed``
+        (a worker started with spawn or forkserver is a fresh interpreter where it is not
+        initialised: before, every rank's workers opened rank 0 of 1, the same data)."""
+        state = self.__dict__.copy()
+        if multiprocessing.context.get_spawning_popen() is None:
+            # Pickled other than to start a worker: the epoch as a plain value (shared memory
+            # travels only to a process being started).
+            state["_epoch"] = _Epoch(self.epoch)
+        if state["rank"] is None or state["world_size"] is None:
+            found = _dist_ranks()
+            if found is not None:
+                state["rank"] = found[0] if state["rank"] is None else state["rank"]
+                state["world_size"] = found[1] if state["world_size"] is None else state["world_size"]
+        return state
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
@@ -191,7 +237,9 @@ class _DatasetMixin:
         if int(epoch) != self.epoch:
             self._resume = None  # a later epoch wins over where an earlier one stopped
         self.epoch = int(epoch)
-        self._stream_state = None
+        # What `state_dict` says until the next item: where the next iteration starts (the
+        # same epoch named again keeps a resume point, which a checkpoint must name too).
+        self._stream_state = self._resume
 
     def state_dict(self) -> dict[str, Any]:
         """torchdata's Stateful protocol (batch and shard mode): ``{"epoch", "stream"}``, the
@@ -220,7 +268,7 @@ class _DatasetMixin:
             # after `set_epoch` named the next one: that epoch starts whole.
             self._resume = self._stream_state = None
             return
-        self.epoch = epoch
+        self.epoch = self._resume_epoch = epoch
         self._resume = self._stream_state = stream
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
@@ -244,20 +292,23 @@ class _DatasetMixin:
             batch = stream.next(self.timeout)
             if batch is None:
                 return
-            # The position after this item, before it is yielded: a state taken while the
-            # item is in use resumes after it.
-            self._stream_state = stream._snapshot()
-            self._took = True
             if self.copy:
                 # Writable copies. The batch is released by the next `next` (its lease rides
                 # on the stream's next request; an explicit release would cost a send per item).
                 item = {k: _copy(v) for k, v in batch.items()}
             else:
                 item = dict(batch)  # views: valid until the next item is taken
+            # The position after this item, once it exists (a copy that fails, out of memory,
+            # leaves the position before it) and before it is yielded: a state taken while
+            # the item is in use resumes after it.
+            self._stream_state = stream._snapshot()
+            self._took = True
             yield item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         client = connect(self.socket)
+        if self._resume is not None and self._resume_epoch != self.epoch:
+            self._resume = None  # saved before `set_epoch` named another epoch
         start = self._resume  # where this iteration starts (None: its epoch's start)
         self._took = False
         try:
@@ -273,6 +324,7 @@ class _DatasetMixin:
             if self._took and isinstance(self._stream_state, bytes):
                 self._stream_state = _binary.decode_state(self._stream_state)
             self._resume = self._stream_state if self._took else start
+            self._resume_epoch = self.epoch
             raise
 
     def _open_shards(self, client: Client) -> Stream:
@@ -330,6 +382,14 @@ class _DatasetMixin:
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
 
 
+class _Epoch:
+    """The epoch of a dataset pickled other than to start a DataLoader worker: a plain value
+    with the interface of the shared one (``.value``)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
 def _option(name: str) -> property:
     """The attribute `name` of the dataset: its stream keyword, in ``options``."""
 
@@ -363,7 +423,9 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
     Args:
         dataset: Dataset name (or a mixture, as in ``Client.open_stream``).
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
-        rank, world_size: default from ``torch.distributed`` if initialised, else 0 of 1.
+        rank, world_size: default from ``torch.distributed`` if initialised, else from
+            ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1; DataLoader workers started
+            with spawn or forkserver get those of the process that started them.
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
             ``memory = "cuda"``, a torch tensor cloned on the GPU), the batch released with
             the stream's next request; needed whenever several items are alive together
