@@ -29,6 +29,22 @@ pub enum GpuError {
         /// The buffer's size.
         size: u64,
     },
+    /// A region too large to round up to the allocation granularity.
+    #[error("a region of {len} bytes cannot be rounded up to the allocation granularity")]
+    TooLarge {
+        /// The length asked for.
+        len: u64,
+    },
+    /// A region of another GPU than the engines' (their launches would fault that GPU).
+    #[error("{what} is a region of GPU {region}; these engines run on GPU {engines}")]
+    WrongDevice {
+        /// Which argument.
+        what: &'static str,
+        /// The region's device ordinal.
+        region: i32,
+        /// The engines' device ordinal.
+        engines: i32,
+    },
     /// The GPU self-test at start found a wrong result.
     #[error("GPU self-test failed: {what}")]
     SelfTest {

@@ -184,7 +184,10 @@ impl SlabPool {
             }
             inner.classes[k].push(idx);
         }
-        if let Some(f) = self.on_free.lock().expect("poisoned").as_ref() {
+        // Called with the lock let go: a hook that frees a slab of this pool (or sets the
+        // hook) would otherwise wait for itself.
+        let hook = self.on_free.lock().expect("poisoned").clone();
+        if let Some(f) = hook {
             f();
         }
     }
@@ -361,6 +364,29 @@ mod tests {
         }));
         drop(p.alloc(1).unwrap());
         assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_hook_that_frees_a_slab_of_its_pool_does_not_wait_for_itself() {
+        // Before, the hook ran with its lock held: freeing a slab inside it locked it again
+        // on the same thread, and the drop never returned.
+        let p = pool(64 << 10);
+        let stash: Arc<std::sync::Mutex<Option<Slab>>> = Arc::default();
+        let s = Arc::clone(&stash);
+        p.set_on_free(Arc::new(move || {
+            let held = s.lock().unwrap().take();
+            drop(held);
+        }));
+        *stash.lock().unwrap() = Some(p.alloc(4096).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p2 = Arc::clone(&p);
+        std::thread::spawn(move || {
+            drop(p2.alloc(1).unwrap());
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the free returned");
+        assert!(stash.lock().unwrap().is_none());
     }
 
     proptest! {

@@ -146,23 +146,23 @@ fn several_devices_each_by_bus_id_uuid_and_memory() {
         lines[1]
     );
     // Every VMM allocation is logged on the device it was made on: the self-test of each
-    // device (2 regions of 2 MiB each), its dma-buf check (one more), and the 4 MiB region
-    // made on device 1.
+    // device (2 regions of 2 MiB each), its dma-buf check (one more), the 4 MiB region made
+    // on device 1 and the 2 MiB one on device 0 its engines gather from.
     let text = std::fs::read_to_string(&log).expect("the allocation log");
     let _ = std::fs::remove_file(&log);
     let creates: Vec<&str> = text
         .lines()
         .filter(|l| l.starts_with("cuMemCreate "))
         .collect();
-    for (dev, bus) in [
-        (0, "0000:03:00.0"),
-        (1, "0000:1A:00.0"),
-        (2, "0001:17:00.0"),
+    for (dev, bus, n) in [
+        (0, "0000:03:00.0", 4),
+        (1, "0000:1A:00.0", 3),
+        (2, "0001:17:00.0", 3),
     ] {
         let want = format!("dev={dev} pci={bus} size=2097152");
         assert_eq!(
             creates.iter().filter(|l| l.ends_with(&want)).count(),
-            3,
+            n,
             "{want} in:\n{text}"
         );
     }
@@ -463,6 +463,38 @@ mod child {
         let mut back = [0u8; 8];
         region.read(0, &mut back).unwrap();
         assert_eq!(&back, b"lane one");
+        // Device 0's engines refuse device 1's region before any driver call: a launch on it
+        // would fault device 0's context for good (before, nothing compared the devices).
+        let engines = Engines::new(&mems[0].device).unwrap();
+        let own = VmmRegion::new(&mems[0].device, 2 << 20).unwrap();
+        let frag = [Frag {
+            src_off: 0,
+            dst_off: 0,
+            len: 8,
+        }];
+        let Err(e) = engines.gather(&own, &region, &frag) else {
+            panic!("refused")
+        };
+        assert!(
+            matches!(
+                e,
+                GpuError::WrongDevice {
+                    region: 1,
+                    engines: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let Err(e) = engines.copy(&region, 0, &own, 0, 8) else {
+            panic!("refused")
+        };
+        assert!(matches!(e, GpuError::WrongDevice { .. }), "{e}");
+        let span = [Span { off: 0, len: 8 }];
+        let Err(e) = engines.crc32c(&region, &span) else {
+            panic!("refused")
+        };
+        assert!(matches!(e, GpuError::WrongDevice { .. }), "{e}");
     }
 
     #[test]

@@ -350,6 +350,16 @@ pub unsafe fn copy_to_device(dev: &Device, dst: u64, src: &[u8]) -> Result<(), G
     // `src.len()` bytes it owns (this function's contract).
     check("cuMemcpyHtoD_v2", unsafe {
         sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
+    })?;
+    // From pageable memory the call returns once the bytes are staged, "the DMA to final
+    // destination may not have completed" (the driver API's synchronization notes), and the
+    // engines' non-blocking stream is not ordered after it: wait for the legacy default
+    // stream, which ran the copy, so that a gather launched next reads (or overwrites) the
+    // bytes this wrote.
+    let legacy: sys::CUstream = std::ptr::without_provenance_mut(1); // CU_STREAM_LEGACY
+    // SAFETY: CU_STREAM_LEGACY is a handle every context accepts.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(legacy)
     })
 }
 

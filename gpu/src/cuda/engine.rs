@@ -174,6 +174,7 @@ impl Engines {
         dst: &'a VmmRegion,
         frags: &[Frag],
     ) -> Result<Launched<'a>, GpuError> {
+        self.same_device("the gather's destination", dst)?;
         kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
         let (s0, d0) = (src.device_ptr(), dst.device_ptr());
         if s0 < d0 + dst.len() as u64 && d0 < s0 + src.len() as u64 {
@@ -211,6 +212,8 @@ impl Engines {
         dst_off: usize,
         len: usize,
     ) -> Result<Launched<'a>, GpuError> {
+        self.same_device("the copy's source", src)?;
+        self.same_device("the copy's destination", dst)?;
         src.range(src_off, len)?;
         dst.range(dst_off, len)?;
         self.dev.bind()?;
@@ -228,6 +231,7 @@ impl Engines {
 
     /// CRC-32C of each span of `region`, computed on the device (blocks until done).
     pub fn crc32c(&self, region: &VmmRegion, spans: &[Span]) -> Result<Vec<u32>, GpuError> {
+        self.same_device("the checksummed region", region)?;
         kernels::check_spans(spans, region.len() as u64)?;
         if spans.is_empty() {
             return Ok(Vec::new());
@@ -241,10 +245,16 @@ impl Engines {
             scratch.partials = DeviceBuffer::new(&self.dev, partial_bytes)?;
         }
         let out_bytes = spans.len() * 4;
-        if scratch.out_dev.len() < out_bytes {
+        if scratch.out_dev.len() < out_bytes || scratch.out_host.as_slice().len() < out_bytes {
             self.stream.synchronize()?;
-            scratch.out_dev = DeviceBuffer::new(&self.dev, out_bytes)?;
-            scratch.out_host = PinnedBuffer::new(&self.dev, out_bytes)?;
+            // Both made before either is replaced: one that fails leaves the pair as it was
+            // (before, a failed host buffer left a larger device one, and the next copy ran
+            // past the smaller host buffer).
+            let (dev, host) = (
+                DeviceBuffer::new(&self.dev, out_bytes)?,
+                PinnedBuffer::new(&self.dev, out_bytes)?,
+            );
+            (scratch.out_dev, scratch.out_host) = (dev, host);
         }
         let args = self.stage(&mut scratch, as_bytes(spans))?;
         let (mut base, mut a, mut partials, mut out) = (
@@ -302,6 +312,20 @@ impl Engines {
             .collect())
     }
 
+    /// Refuses `region` of another GPU than these engines' (a launch on it would fault this
+    /// GPU's context for good: every stream of it would fail until a restart).
+    fn same_device(&self, what: &'static str, region: &VmmRegion) -> Result<(), GpuError> {
+        let (region, engines) = (region.device().ordinal(), self.dev.ordinal());
+        if region == engines {
+            return Ok(());
+        }
+        Err(GpuError::WrongDevice {
+            what,
+            region,
+            engines,
+        })
+    }
+
     /// Copies `bytes` into the next argument slot (growing it if needed) and queues its
     /// upload; returns the device address of the arguments.
     fn stage(&self, scratch: &mut Scratch, bytes: &[u8]) -> Result<u64, GpuError> {
@@ -310,10 +334,15 @@ impl Engines {
         if let Some(done) = slot.done.take() {
             done.wait()?; // the launch that last read this slot has finished
         }
-        if slot.host.as_slice().len() < bytes.len() {
+        if slot.host.as_slice().len() < bytes.len() || slot.dev.len() < bytes.len() {
             let len = bytes.len().next_power_of_two();
-            slot.host = PinnedBuffer::new(&self.dev, len)?;
-            slot.dev = DeviceBuffer::new(&self.dev, len)?;
+            // Both made before either is replaced (see `crc32c`): a device buffer that could
+            // not be made left a larger host one, and the next upload ran past the device one.
+            let (host, dev) = (
+                PinnedBuffer::new(&self.dev, len)?,
+                DeviceBuffer::new(&self.dev, len)?,
+            );
+            (slot.host, slot.dev) = (host, dev);
         }
         slot.host.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
         self.dev.bind()?;

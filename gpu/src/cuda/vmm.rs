@@ -97,16 +97,17 @@ fn allocation_prop(dev: &Device) -> sys::CUmemAllocationProp {
     prop
 }
 
-/// Rounds `len` up to a multiple of `granularity` and [`REGION_ALIGN`].
-pub fn region_size(len: usize, granularity: usize) -> usize {
+/// Rounds `len` up to a multiple of `granularity` and [`REGION_ALIGN`]; `None` past the
+/// address space.
+pub fn region_size(len: usize, granularity: usize) -> Option<usize> {
     let g = granularity.max(1);
     let unit = if REGION_ALIGN.is_multiple_of(g) {
         REGION_ALIGN
     } else {
         // Granularity is a power of two in practice; stay correct if it is not.
-        g * REGION_ALIGN / gcd(g, REGION_ALIGN)
+        (g / gcd(g, REGION_ALIGN)).checked_mul(REGION_ALIGN)?
     };
-    len.max(1).div_ceil(unit) * unit
+    len.max(1).div_ceil(unit).checked_mul(unit)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -127,7 +128,7 @@ impl VmmRegion {
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         })?;
-        let size = region_size(len, granularity);
+        let size = region_size(len, granularity).ok_or(GpuError::TooLarge { len: len as u64 })?;
 
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid prop, size a multiple of the granularity, out-pointer live.
@@ -282,11 +283,14 @@ mod tests {
 
     #[test]
     fn sizes_round_to_granularity_and_2mib() {
-        assert_eq!(region_size(1, 2 << 20), 2 << 20);
-        assert_eq!(region_size(0, 2 << 20), 2 << 20);
-        assert_eq!(region_size((2 << 20) + 1, 2 << 20), 4 << 20);
-        assert_eq!(region_size(5 << 20, 64 << 10), 6 << 20);
-        assert_eq!(region_size(1, 4 << 20), 4 << 20);
-        assert_eq!(region_size(1, 3 << 20), 6 << 20);
+        assert_eq!(region_size(1, 2 << 20), Some(2 << 20));
+        assert_eq!(region_size(0, 2 << 20), Some(2 << 20));
+        assert_eq!(region_size((2 << 20) + 1, 2 << 20), Some(4 << 20));
+        assert_eq!(region_size(5 << 20, 64 << 10), Some(6 << 20));
+        assert_eq!(region_size(1, 4 << 20), Some(4 << 20));
+        assert_eq!(region_size(1, 3 << 20), Some(6 << 20));
+        // Past the address space: refused, not wrapped (or a panic in debug builds).
+        assert_eq!(region_size(usize::MAX, 2 << 20), None);
+        assert_eq!(region_size(usize::MAX - (1 << 20), 3 << 20), None);
     }
 }
