@@ -85,6 +85,22 @@ pub enum NicError {
     /// The setup was restored already (the node is shutting down or the binding went).
     #[error("the NIC's devmem setup was already restored")]
     Restored,
+    /// A state file names an interface that is no longer the one it recorded (renamed,
+    /// reloaded, moved, or gone): nothing was undone, lest another NIC's settings be changed.
+    #[error(
+        "NIC state file {path} records {ifname} as interface index {recorded}, but {}: the NIC was renamed, reloaded or moved since; nothing was undone. Check its settings (ethtool -l/-g/-x/-n {ifname}) and remove the file",
+        .found.map_or_else(|| format!("no interface is named {ifname} now"), |f| format!("{ifname} is index {f} now"))
+    )]
+    StateMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The interface it names.
+        ifname: String,
+        /// Its index then.
+        recorded: u32,
+        /// Its index now (`None`: no interface of that name).
+        found: Option<u32>,
+    },
 }
 
 fn hint(errno: &i32, op: &str) -> &'static str {
@@ -365,8 +381,29 @@ pub struct StateFile {
     pub ifindex: u32,
     /// Network namespace file the interface lives in (`None`: the service's own).
     pub netns: Option<PathBuf>,
+    /// The kernel's boot id when the file was made (`/proc/sys/kernel/random/boot_id`;
+    /// `None` in files of earlier releases): after a reboot the NIC has its defaults again,
+    /// and undoing would only change settings someone made since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
     /// Changes in the order they were made.
     pub changes: Vec<Change>,
+}
+
+/// What [`restore_from`] did with a state file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restore {
+    /// Its changes were undone.
+    Undone(StateFile),
+    /// It was made before the last reboot: nothing to undo (the NIC came up with its
+    /// defaults), so it was removed.
+    Stale(StateFile),
+}
+
+/// The kernel's boot id, if it can be read.
+fn boot_id() -> Option<String> {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(id.trim().to_owned()).filter(|s| !s.is_empty())
 }
 
 /// The write-ahead record of NIC changes: each change is saved before it is made.
@@ -393,6 +430,7 @@ impl Journal {
                 ifname: ifname.into(),
                 ifindex,
                 netns,
+                boot_id: boot_id(),
                 changes: Vec::new(),
             },
         };
@@ -586,8 +624,11 @@ fn tracing_like_warn(e: &NicError) {
 }
 
 /// After a crash: undo what the state file at `path` records (entering its network
-/// namespace if it names one) and delete it. `Ok(None)` when there is no state file.
-pub fn restore_from(path: &Path) -> Result<Option<StateFile>, NicError> {
+/// namespace if it names one) and delete it. `Ok(None)` when there is no state file. A file
+/// made before the last reboot is removed without undoing anything ([`Restore::Stale`]); one
+/// whose interface name no longer has the index it recorded is left, and nothing undone
+/// ([`NicError::StateMismatch`]).
+pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     let raw = match std::fs::read(path) {
         Ok(r) => r,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -602,13 +643,37 @@ pub fn restore_from(path: &Path) -> Result<Option<StateFile>, NicError> {
         path: path.into(),
         reason: format!("not a shardwire NIC state file: {e}"),
     })?;
+    if let (Some(then), Some(now)) = (&state.boot_id, boot_id())
+        && *then != now
+    {
+        remove(path)?;
+        return Ok(Some(Restore::Stale(state)));
+    }
     let mut client = match &state.netns {
         Some(ns) => EthtoolClient::open_in_netns(ns)?,
         None => EthtoolClient::open()?,
     };
+    let found = match client.ifindex_of(&state.ifname) {
+        Ok(i) => Some(i),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(NicError::State {
+                path: path.into(),
+                reason: format!("looking up interface {}: {e}", state.ifname),
+            });
+        }
+    };
+    if found != Some(state.ifindex) {
+        return Err(NicError::StateMismatch {
+            path: path.into(),
+            ifname: state.ifname,
+            recorded: state.ifindex,
+            found,
+        });
+    }
     undo(&state, &mut client)?;
     remove(path)?;
-    Ok(Some(state))
+    Ok(Some(Restore::Undone(state)))
 }
 
 /// What to set up on one interface.

@@ -472,6 +472,25 @@ pub(crate) fn ipv4_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<Option<std
 
 /// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
 /// with the command struct `cmd` (read and written by the kernel in place).
+/// The index of interface `ifname` in the network namespace of socket `fd`
+/// (`SIOCGIFINDEX`); `NotFound` when no interface has that name there.
+pub(crate) fn ifindex_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<u32> {
+    let mut ifr = ifreq_for(ifname)?;
+    // SAFETY: `ifr` is a valid ifreq naming the interface; SIOCGIFINDEX writes only its
+    // ifru_ifindex member.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFINDEX, &mut ifr) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENODEV) => io::Error::new(io::ErrorKind::NotFound, e),
+            _ => e,
+        });
+    }
+    // SAFETY: on success the kernel filled the union's ifindex member.
+    let index = unsafe { ifr.ifr_ifru.ifru_ifindex };
+    u32::try_from(index).map_err(|_| io::Error::other(format!("ifindex {index}")))
+}
+
 pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
     let mut ifr = ifreq_for(ifname)?;
     ifr.ifr_ifru.ifru_data = cmd.as_mut_ptr().cast();

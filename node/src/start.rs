@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use shardwire_config::{ReceiveMode, ServeConfig};
 use shardwire_devmem::emu::host::EmuHost;
+use shardwire_devmem::nic::Restore;
 use shardwire_devmem::probe::NicReport;
 use shardwire_protocol::wire::LaneAddr;
 use tokio::sync::{mpsc, watch};
@@ -260,9 +261,13 @@ async fn restore_nic_state(state: &Path) {
         let path = file.clone();
         match tokio::task::spawn_blocking(move || shardwire_devmem::nic::restore_from(&path)).await
         {
-            Ok(Ok(Some(st))) => tracing::warn!(
+            Ok(Ok(Some(Restore::Undone(st)))) => tracing::warn!(
                 file = %file.display(), ifname = %st.ifname, changes = ?st.changes,
                 "restored NIC settings left by a previous run that did not shut down cleanly"
+            ),
+            Ok(Ok(Some(Restore::Stale(st)))) => tracing::warn!(
+                file = %file.display(), ifname = %st.ifname, changes = ?st.changes,
+                "removed NIC settings left by a run before the last reboot: the NIC came up with its defaults, nothing to undo"
             ),
             Ok(Ok(None)) => {}
             Ok(Err(e)) => {

@@ -35,6 +35,11 @@ fn get(buf: &[u8], at: usize) -> u32 {
 }
 
 impl EthtoolClient {
+    /// The index of interface `ifname` in this client's network namespace.
+    pub fn ifindex_of(&self, ifname: &str) -> std::io::Result<u32> {
+        crate::sys::ifindex_of(std::os::fd::AsFd::as_fd(&self.ioctl_sock), ifname)
+    }
+
     fn ioctl(&self, ifname: &str, op: &'static str, buf: &mut [u8]) -> Result<(), NicError> {
         crate::sys::ethtool_ioctl(std::os::fd::AsFd::as_fd(&self.ioctl_sock), ifname, buf).map_err(
             |e| match e.raw_os_error() {

@@ -146,7 +146,9 @@ fn changes_left_by_a_crash_are_restored_from_the_state_file() {
     let again = Journal::create(&state, "va", va, None).unwrap_err();
     assert!(matches!(again, NicError::StateExists(_)), "{again}");
 
-    let restored = restore_from(&state).unwrap().expect("a state file");
+    let Some(Restore::Undone(restored)) = restore_from(&state).unwrap() else {
+        panic!("a state file, undone")
+    };
     assert_eq!(
         restored.changes,
         [Change::Channels {
@@ -271,4 +273,69 @@ fn header_split_sends_hds_thresh_only_where_the_driver_reports_one() {
     assert_eq!(header_split_request(&rings(2, Some(256))), Some(Some(0)));
     assert_eq!(header_split_request(&rings(2, Some(0))), None);
     assert_eq!(header_split_request(&rings(2, None)), None);
+}
+
+#[test]
+fn a_state_file_whose_interface_changed_undoes_nothing_and_stays() {
+    // Before, channels and rings were restored by the recorded index, and RSS and rules by
+    // the recorded name, onto whatever NIC has them now.
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    let state = state_path("mismatch");
+    let _ = std::fs::remove_file(&state);
+    let mut j = Journal::create(&state, "va", va, Some(ns.path())).unwrap();
+    j.set_channels(&mut c, 2, before.tx, before.combined)
+        .unwrap();
+    drop(j);
+    // As if va had been reloaded since (a new index): the file's index is not va's.
+    let mut st: StateFile = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    st.ifindex = va + 100;
+    std::fs::write(&state, serde_json::to_vec(&st).unwrap()).unwrap();
+    let e = restore_from(&state).unwrap_err();
+    assert!(
+        matches!(&e, NicError::StateMismatch { recorded, found: Some(f), .. } if *recorded == va + 100 && *f == va),
+        "{e}"
+    );
+    assert!(state.exists(), "kept for the operator");
+    assert_eq!(c.channels(va, "va").unwrap().rx, 2, "nothing undone");
+    // Renamed: no interface has the recorded name.
+    let mut st: StateFile = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    st.ifindex = va;
+    std::fs::write(&state, serde_json::to_vec(&st).unwrap()).unwrap();
+    ns.ip(&["link", "set", "va", "name", "vz"]);
+    let e = restore_from(&state).unwrap_err();
+    assert!(
+        matches!(&e, NicError::StateMismatch { found: None, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no interface is named va"), "{e}");
+    std::fs::remove_file(&state).unwrap();
+}
+
+#[test]
+fn a_state_file_from_before_the_last_reboot_is_removed_without_undoing() {
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    let state = state_path("reboot");
+    let _ = std::fs::remove_file(&state);
+    let mut j = Journal::create(&state, "va", va, Some(ns.path())).unwrap();
+    assert!(j.state().boot_id.is_some(), "this kernel has a boot id");
+    j.set_channels(&mut c, 2, before.tx, before.combined)
+        .unwrap();
+    drop(j);
+    let mut st: StateFile = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    st.boot_id = Some("an earlier boot".into());
+    std::fs::write(&state, serde_json::to_vec(&st).unwrap()).unwrap();
+    assert!(matches!(
+        restore_from(&state).unwrap(),
+        Some(Restore::Stale(_))
+    ));
+    assert!(!state.exists());
+    assert_eq!(
+        c.channels(va, "va").unwrap().rx,
+        2,
+        "what was set since stays"
+    );
 }
