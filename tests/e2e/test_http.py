@@ -576,3 +576,39 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     st, v = http_json(serve.admin, "POST", f"/v1/leases/{b['lease']}/release")
     assert st == 200 and v == {"released": True}, v
     assert listed(serve.admin, sid) is not None
+
+
+def test_a_tensor_download_or_release_whose_answer_is_lost_is_asked_again(world: World, monkeypatch):
+    """A connection reset while a tensor's bytes arrive, or while the release's answer does:
+    each is asked once more on a new connection (the release's answer then `unknown_lease`,
+    the node having applied it: released), and the stream goes on with the same batch
+    sequence. Before, one lost answer closed the stream on this side (`closed` from then on,
+    `state_dict()` too) and left it open on the node until its idle timeout."""
+    from shardwire import _http
+
+    real_read, real_call, cut = _http._read_exactly, _http._call, {"read": 0, "release": 0}
+
+    def flaky_read(r, n):
+        cut["read"] += 1
+        if cut["read"] == 2:
+            raise ConnectionResetError("injected: reset while the body arrived")
+        return real_read(r, n)
+
+    def flaky_call(conn, method, path, *a, **kw):
+        out = real_call(conn, method, path, *a, **kw)
+        if path.endswith("/release"):
+            cut["release"] += 1
+            if cut["release"] == 2:
+                raise ConnectionResetError("injected: the release's answer was lost")
+        return out
+
+    monkeypatch.setattr(_http, "_read_exactly", flaky_read)
+    monkeypatch.setattr(_http, "_call", flaky_call)
+    got = []
+    with world.http().open_stream("mix", seed=4) as s:
+        for b in s:
+            got.append((b.epoch, b.index))
+        assert s.state_dict()["epoch"] == 1, "usable to the end: the state after the last batch"
+    with world.sock().open_stream("mix", seed=4) as s:
+        want = [(b.epoch, b.index) for b in s]
+    assert got == want and cut["read"] > 2 and cut["release"] > 2

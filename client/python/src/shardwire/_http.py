@@ -323,9 +323,13 @@ class HttpStream(_StreamBase[HttpBatch]):
             if len(r.body) != tv.length:
                 raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
             tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
-        r = self._request("POST", release, IO_TIMEOUT)
+        # Sent again once on a new connection if the answer is lost; a release the node
+        # applied before the connection failed then answers `unknown_lease`: it is released.
+        r = self._request("POST", release, IO_TIMEOUT, again=True)
         if r.status != 200:
-            raise r.error()
+            e = r.error()
+            if not (isinstance(e, ServiceError) and e.code == "unknown_lease"):
+                raise e
         self._received = lease
         return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
 
@@ -334,17 +338,19 @@ class HttpStream(_StreamBase[HttpBatch]):
         waited 10 s for room: other clients read slowly) is tried again, up to
         COPY_ATTEMPTS times in all: failing the batch would lose it, since the node has
         moved past it."""
+        # A GET is asked again once on a new connection when its answer is lost (a reset,
+        # a body cut off): before, one lost answer closed the stream here.
         for _ in range(COPY_ATTEMPTS - 1):
-            r = self._request("GET", path, IO_TIMEOUT, into=length)
+            r = self._request("GET", path, IO_TIMEOUT, into=length, again=True)
             if r.status != 503:
                 return r
             e = r.error()
             if not isinstance(e, ServiceError) or e.code != "unavailable":
                 return r
-        return self._request("GET", path, IO_TIMEOUT, into=length)
+        return self._request("GET", path, IO_TIMEOUT, into=length, again=True)
 
     def _state(self) -> dict[str, Any]:
-        r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT)
+        r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT, again=True)
         if r.status != 200:
             raise r.error()
         return dict(r.json())
