@@ -565,6 +565,23 @@ impl SourceConfig {
                 "give at least one --dataset NAME=DIR",
             ));
         }
+        let mut names = std::collections::HashSet::new();
+        for d in &c.datasets {
+            match d.split_once('=') {
+                Some((name, place)) if !name.is_empty() && !place.is_empty() => {
+                    if !names.insert(name) {
+                        return Err(invalid("datasets", d, format!("`{name}` is given twice")));
+                    }
+                }
+                _ => {
+                    return Err(invalid(
+                        "datasets",
+                        d,
+                        "each is NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)",
+                    ));
+                }
+            }
+        }
         if !(1..=u64::from(u16::MAX)).contains(&c.idle_timeout_secs) {
             return Err(invalid(
                 "idle_timeout_secs",
@@ -747,6 +764,22 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+    }
+
+    #[test]
+    fn datasets_are_name_equals_place_each_name_once() {
+        for (toml, want) in [
+            ("datasets = [\"example\"]\n", "NAME=DIR"),
+            ("datasets = [\"=/data\"]\n", "NAME=DIR"),
+            ("datasets = [\"a=/x\", \"a=/y\"]\n", "given twice"),
+        ] {
+            let e = SourceConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("datasets") && e.contains(want), "{toml}: {e}");
+        }
+        let ok = "datasets = [\"a=/x\", \"b=s3://bucket/b\"]\n";
+        assert!(SourceConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
     }
 
     #[test]

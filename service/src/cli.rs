@@ -617,7 +617,13 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
             if source_config {
                 SourceConfig::load(Some(&file), &NoFlags {})?;
             } else {
-                ServeConfig::load(Some(&file), &NoFlags {})?;
+                let c = ServeConfig::load(Some(&file), &NoFlags {})?;
+                // What `serve` refuses at start, refused here too.
+                anyhow::ensure!(
+                    !c.sources.is_empty(),
+                    "{}: `sources` is empty: serve needs at least one (HOST:PORT or dns:NAME:PORT)",
+                    file.display()
+                );
             }
             println!("{}: ok", file.display());
         }

@@ -10,7 +10,11 @@ use serde_json::Value;
 
 /// GET `path` from `admin` (HTTP/1.0, loopback admin API) and parse the JSON body.
 fn get_json(admin: &str, path: &str) -> anyhow::Result<Value> {
-    let mut s = TcpStream::connect(admin)
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(admin)
+        .with_context(|| format!("resolving the admin API address {admin}"))?
+        .next()
+        .with_context(|| format!("{admin} resolves to no address"))?;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
         .with_context(|| format!("connecting to the admin API at {admin}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(s, "GET {path} HTTP/1.0\r\nHost: {admin}\r\n\r\n")?;
@@ -34,31 +38,48 @@ pub fn run(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
     let st = get_json(admin, "/v1/status")?;
     if json {
         println!("{}", serde_json::to_string_pretty(&st)?);
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        print!("{}", render(&st, admin));
     }
-    println!(
-        "shardwire {} at {admin}",
-        st["version"].as_str().unwrap_or("?")
-    );
-    println!(
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The status `st` (`/v1/status`) as the table `shardwire status` prints.
+fn render(st: &Value, admin: &str) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let s = |v: &Value| v.as_str().unwrap_or("?").to_owned();
+    let _ = writeln!(o, "shardwire {} at {admin}", s(&st["version"]));
+    let _ = writeln!(
+        o,
         "mode      receive={} memory={}",
-        st["mode"]["receive"].as_str().unwrap_or("?"),
-        st["mode"]["memory"].as_str().unwrap_or("?")
+        s(&st["mode"]["receive"]),
+        s(&st["mode"]["memory"])
     );
-    println!("          {}", st["mode"]["reason"].as_str().unwrap_or(""));
-    println!(
+    let _ = writeln!(
+        o,
+        "          {}",
+        st["mode"]["reason"].as_str().unwrap_or("")
+    );
+    let _ = writeln!(
+        o,
         "data      {}   socket {}",
-        st["data_addr"].as_str().unwrap_or("?"),
-        st["socket"].as_str().unwrap_or("?")
+        s(&st["data_addr"]),
+        s(&st["socket"])
     );
-    println!(
-        "pool      {} reserved of {} (stream_memory {})",
+    let lanes = st["lanes"].as_array().map_or(0, Vec::len).max(1);
+    // `pool.size` is one lane's pool_size; `reserved` counts every lane's streams.
+    let _ = writeln!(
+        o,
+        "pool      {} reserved of {} ({lanes} lane(s) of {} each; stream_memory {})",
         gib(&st["pool"]["reserved"]),
+        gib_times(&st["pool"]["size"], lanes),
         gib(&st["pool"]["size"]),
         gib(&st["pool"]["stream_memory"])
     );
     let c = &st["counters"];
-    println!(
+    let _ = writeln!(
+        o,
         "counters  {} received in {} shards, {} batches delivered, {} CRC failures, {} refetches",
         gib(&c["bytes_received"]),
         c["shards_received"],
@@ -66,12 +87,48 @@ pub fn run(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
         c["crc_failures"],
         c["refetches"]
     );
-    println!(
+    lanes_table(&mut o, st);
+    sources_table(&mut o, st);
+    streams_table(&mut o, st);
+    o
+}
+
+fn gib_times(v: &Value, n: usize) -> String {
+    gib(&Value::from(v.as_f64().unwrap_or(0.0) * n as f64))
+}
+
+fn lanes_table(o: &mut String, st: &Value) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        o,
+        "\n{:<5} {:<14} {:<10} {:<22} {:>7} {:>24} {:>14}",
+        "LANE", "GPU", "NIC", "DATA", "STREAMS", "POOL RESERVED", "BYTES"
+    );
+    for l in st["lanes"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            o,
+            "{:<5} {:<14} {:<10} {:<22} {:>7} {:>24} {:>14}",
+            l["lane"],
+            l["gpu"].as_str().unwrap_or("-"),
+            l["nic"].as_str().unwrap_or("-"),
+            l["data_addr"].as_str().unwrap_or("?"),
+            l["streams"],
+            format!("{} of {}", gib(&l["pool_reserved"]), gib(&l["pool_size"])),
+            l["bytes_received"]
+        );
+    }
+}
+
+fn sources_table(o: &mut String, st: &Value) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        o,
         "\n{:<28} {:<5} {:>9} {:>14}  last error",
         "SOURCE", "UP", "IN FLIGHT", "BYTES"
     );
     for s in st["sources"].as_array().into_iter().flatten() {
-        println!(
+        let _ = writeln!(
+            o,
             "{:<28} {:<5} {:>9} {:>14}  {}",
             s["addr"].as_str().unwrap_or("?"),
             if s["up"].as_bool() == Some(true) {
@@ -84,12 +141,18 @@ pub fn run(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
             s["last_error"].as_str().unwrap_or("-")
         );
     }
-    println!(
+}
+
+fn streams_table(o: &mut String, st: &Value) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        o,
         "\n{:<6} {:<16} {:>9} {:>12} {:>6} {:>6} {:>16}",
         "STREAM", "DATASET", "RANK", "DELIVERED", "READY", "LEASED", "REGION USED"
     );
     for s in st["streams"].as_array().into_iter().flatten() {
-        println!(
+        let _ = writeln!(
+            o,
             "{:<6} {:<16} {:>9} {:>12} {:>6} {:>6} {:>16}",
             s["id"],
             s["dataset"].as_str().unwrap_or("?"),
@@ -100,5 +163,34 @@ pub fn run(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
             format!("{}/{}", s["region_used"], s["region_bytes"])
         );
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_line_counts_every_lane_and_each_lane_has_its_row() {
+        // Before: "2.50 GiB reserved of 2.00 GiB" on 8 lanes of 2 GiB (an over-committed
+        // pool, it read), and no lane at all.
+        let lane = |i: u32, reserved: u64| {
+            serde_json::json!({"lane": i, "gpu": format!("0000:0{i}:00.0"), "nic": format!("eth{i}"),
+                "data_addr": format!("10.0.{i}.1:7401"), "streams": 1, "pool_reserved": reserved,
+                "pool_size": 2u64 << 30, "bytes_received": 7})
+        };
+        let st = serde_json::json!({
+            "version": "x", "mode": {"receive": "host", "memory": "host", "reason": "r"},
+            "data_addr": "0.0.0.0:7401", "socket": "/s",
+            "pool": {"reserved": 5u64 << 29, "size": 2u64 << 30, "stream_memory": 1u64 << 29},
+            "counters": {}, "sources": [], "streams": [],
+            "lanes": (0..8).map(|i| lane(i, if i < 5 { 1 << 29 } else { 0 })).collect::<Vec<_>>(),
+        });
+        let text = render(&st, "127.0.0.1:7400");
+        assert!(
+            text.contains("pool      2.50 GiB reserved of 16.00 GiB (8 lane(s) of 2.00 GiB each"),
+            "{text}"
+        );
+        assert!(text.contains("eth7"), "{text}");
+        assert_eq!(text.matches("0.50 GiB of 2.00 GiB").count(), 5, "{text}");
+    }
 }
