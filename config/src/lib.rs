@@ -55,7 +55,7 @@ fn invalid(
 
 /// How shards are received.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
+#[serde(rename_all = "kebab-case", try_from = "String")]
 pub enum ReceiveMode {
     /// Devmem when a NIC can do it (the probe's trial bind), else host; the choice and its
     /// reason are logged and shown on `/v1/status`.
@@ -97,7 +97,7 @@ impl std::str::FromStr for ReceiveMode {
 
 /// Where shards are assembled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum MemoryMode {
     /// The best available, reported with the reason (CUDA when usable, else host).
     #[default]
@@ -110,13 +110,59 @@ pub enum MemoryMode {
 
 /// Log output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum LogFormat {
     /// Human-readable.
     #[default]
     Text,
     /// One JSON object per line.
     Json,
+}
+
+/// A string, or a non-negative integer taken as its decimal digits.
+fn octal_digits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Text(String),
+        Digits(u64),
+    }
+    Ok(match Either::deserialize(d)? {
+        Either::Text(s) => s,
+        Either::Digits(n) => format!("0{n}"),
+    })
+}
+
+// The choice keys are read from strings only: serde's derive also took an integer as the
+// variant's index, so `receive = 2` (or SHARDWIRE_RECEIVE=2) silently meant `devmem`.
+impl TryFrom<String> for ReceiveMode {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl TryFrom<String> for MemoryMode {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "auto" => Ok(Self::Auto),
+            "host" => Ok(Self::Host),
+            "cuda" => Ok(Self::Cuda),
+            other => Err(format!("`{other}` is not auto, host or cuda")),
+        }
+    }
+}
+
+impl TryFrom<String> for LogFormat {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "text" => Ok(Self::Text),
+            "json" => Ok(Self::Json),
+            other => Err(format!("`{other}` is not text or json")),
+        }
+    }
 }
 
 /// `shardwire serve` configuration.
@@ -177,7 +223,10 @@ pub struct ServeConfig {
     pub admin_token_file: Option<PathBuf>,
     /// Seconds a drain (SIGTERM or POST /v1/drain) waits for open streams before exiting.
     pub drain_timeout_secs: u64,
-    /// Permission bits of the trainer socket file, octal as a string (e.g. "0660").
+    /// Permission bits of the trainer socket file, octal as a string (e.g. "0660"); also
+    /// taken as a number whose digits are octal (`SHARDWIRE_SOCKET_MODE=0660` reaches here as
+    /// the integer 660).
+    #[serde(deserialize_with = "octal_digits")]
     pub socket_mode: String,
     /// Trainer peers (SO_PEERCRED) allowed by uid; empty = any uid the file mode lets in.
     pub allowed_uids: Vec<u32>,
@@ -764,6 +813,46 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+    }
+
+    #[test]
+    fn socket_mode_takes_the_environment_form() {
+        // figment reads SHARDWIRE_SOCKET_MODE=0660 as the integer 660, which a string key
+        // refused; only '"0660"' (quoted) worked, which no doc said.
+        let c = ServeConfig::load(Some(&write("socket_mode = 660\n")), &Flags::default()).unwrap();
+        assert_eq!(c.socket_mode_bits().unwrap(), 0o660);
+        let c =
+            ServeConfig::load(Some(&write("socket_mode = \"0600\"\n")), &Flags::default()).unwrap();
+        assert_eq!(c.socket_mode_bits().unwrap(), 0o600);
+        assert!(ServeConfig::load(Some(&write("socket_mode = 690\n")), &Flags::default()).is_err());
+    }
+
+    #[test]
+    fn choice_keys_take_their_names_not_integers() {
+        for toml in [
+            "receive = 2\n",
+            "memory = 2\n",
+            "log_format = 1\n",
+            "receive = \"fast\"\n",
+        ] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default());
+            assert!(
+                e.is_err(),
+                "{toml} loaded as {:?}",
+                e.map(|c| (c.receive, c.memory))
+            );
+        }
+        let c = ServeConfig::load(
+            Some(&write(
+                "receive = \"devmem-sim\"\nmemory = \"cuda\"\nlog_format = \"json\"\n",
+            )),
+            &Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.receive, c.memory, c.log_format),
+            (ReceiveMode::DevmemSim, MemoryMode::Cuda, LogFormat::Json)
+        );
     }
 
     #[test]
