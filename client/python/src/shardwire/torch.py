@@ -450,8 +450,10 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
     Batch mode: the global order depends only on (dataset, seed, epoch, shuffle,
     shuffle_block, partitions); each DDP rank takes its share of every global step, and its
     DataLoader workers split the rank's batches round robin (worker ``w`` of ``n`` takes
-    ``w, w + n, ...``, the order the DataLoader yields them in), so the sequence of items does
-    not depend on ``num_workers``. ``state_dict()`` / ``load_state_dict()`` follow torchdata's
+    ``w, w + n, ...`` counted from the first epoch's start, the order the DataLoader yields
+    them in), so the sequence of items does not depend on ``num_workers`` (after the first
+    epoch, only when the rank's batches per epoch are a multiple of ``num_workers``; else each
+    round of ``n`` comes in another order, nothing lost or repeated). ``state_dict()`` / ``load_state_dict()`` follow torchdata's
     Stateful protocol: ``StatefulDataLoader`` checkpoints and resumes the dataset in each
     worker (or in the main process with ``num_workers=0``) exactly, and the node starts at the
     saved position: nothing is replayed. Note that with ``n`` workers each worker's stream
