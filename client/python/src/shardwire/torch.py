@@ -453,7 +453,7 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
     ``w, w + n, ...`` counted from the first epoch's start, the order the DataLoader yields
     them in), so the sequence of items does not depend on ``num_workers`` (after the first
     epoch, only when the rank's batches per epoch are a multiple of ``num_workers``; else each
-    round of ``n`` comes in another order, nothing lost or repeated). ``state_dict()`` / ``load_state_dict()`` follow torchdata's
+    round of ``n`` comes rotated, nothing lost or repeated). ``state_dict()`` / ``load_state_dict()`` follow torchdata's
     Stateful protocol: ``StatefulDataLoader`` checkpoints and resumes the dataset in each
     worker (or in the main process with ``num_workers=0``) exactly, and the node starts at the
     saved position: nothing is replayed. Note that with ``n`` workers each worker's stream
