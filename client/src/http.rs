@@ -114,6 +114,28 @@ fn encode_segment(s: &str) -> String {
     out
 }
 
+/// `HOST:PORT` of the node's HTTP address `HOST:PORT` or `http://HOST:PORT[/]` (as the
+/// Python SDK's): another scheme, a path or no port is refused here, by name, rather than
+/// failing at the resolver.
+fn base_address(url: &str) -> Result<String, ClientError> {
+    let bad = || ClientError::Address(url.to_owned());
+    let rest = match url.split_once("://") {
+        Some(("http", rest)) => rest,
+        Some(_) => return Err(bad()),
+        None => url,
+    };
+    let hostport = rest.strip_suffix('/').unwrap_or(rest);
+    if hostport.contains(['/', '?', '#', '@', ' ']) {
+        return Err(bad());
+    }
+    let (host, port) = hostport.rsplit_once(':').ok_or_else(bad)?;
+    let bracketed = host.starts_with('[') && host.ends_with(']');
+    if host.is_empty() || (host.contains(':') && !bracketed) || port.parse::<u16>().is_err() {
+        return Err(bad());
+    }
+    Ok(hostport.to_owned())
+}
+
 /// A minimal HTTP/1.1 client on one kept-alive connection.
 struct Conn {
     addr: String,
@@ -248,11 +270,7 @@ impl HttpStream {
         o: StreamOptions,
         idle_timeout: Option<Duration>,
     ) -> Result<Self, ClientError> {
-        let addr = admin_addr
-            .strip_prefix("http://")
-            .unwrap_or(admin_addr)
-            .trim_end_matches('/')
-            .to_string();
+        let addr = base_address(admin_addr)?;
         let mut conn = Conn { addr, sock: None };
         let req = OpenStream {
             stream: o,
@@ -588,6 +606,32 @@ mod tests {
         let seen = node.join().unwrap();
         let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
         assert!(nexts[1].ends_with("&after=0"), "{seen:?}");
+    }
+
+    #[test]
+    fn the_base_address_is_host_port_or_an_http_url_of_one() {
+        for ok in [
+            "127.0.0.1:7400",
+            "http://node7:7400",
+            "http://node7:7400/",
+            "[::1]:7400",
+        ] {
+            assert!(base_address(ok).is_ok(), "{ok}");
+        }
+        assert_eq!(base_address("http://n:1/").unwrap(), "n:1");
+        // Before, each reached the resolver and failed with a confusing connect error.
+        for bad in [
+            "https://node7:7400",
+            "http://node7:7400/v1",
+            "node7",
+            "node7:http",
+            "::1:7400",
+        ] {
+            assert!(
+                matches!(base_address(bad), Err(ClientError::Address(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

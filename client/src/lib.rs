@@ -158,6 +158,11 @@ pub enum ClientError {
         /// The limit it waited.
         after: Duration,
     },
+    /// The node's HTTP address is not `HOST:PORT` or `http://HOST:PORT`.
+    #[error(
+        "the node's HTTP address must be HOST:PORT or http://HOST:PORT (its admin address), not `{0}`"
+    )]
+    Address(String),
 }
 
 /// What to open: the attach fields, defined once in the protocol crate

@@ -148,6 +148,12 @@ impl Stream {
             });
         }
         let fd = region_fd(fds)?;
+        if region_size == 0 {
+            // As the Python SDK: a reply the node never sends, named (mmap would say EINVAL).
+            return Err(ClientError::Protocol(
+                "attached with a region of 0 bytes".into(),
+            ));
+        }
         let region = Arc::new(Mapping::new(&fd, region_size)?);
         Ok(Self {
             sock,
