@@ -213,6 +213,10 @@ class HttpStream(_StreamBase[HttpBatch]):
         # The lease of the last batch received (0: none yet), sent with every `next` as
         # `after`: a batch the node answered with that never arrived is answered again.
         self._received = 0
+        #: A batch whose tensors are in but whose release an interrupt (or an error) struck:
+        #: the node may have applied the release, and would then not answer it again; the
+        #: next call releases it (again) and hands it out.
+        self._unclaimed: HttpBatch | None = None
 
     @classmethod
     def _open(cls, client: HttpClient, body: dict[str, Any]) -> HttpStream:
@@ -283,6 +287,8 @@ class HttpStream(_StreamBase[HttpBatch]):
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> HttpBatch | None:
+        if self._unclaimed is not None:
+            return self._claim(self._unclaimed)
         left = None if timeout is None else math.ceil(timeout * 1000)
         while True:
             if self._interrupted:  # close() meanwhile, between two long polls
@@ -310,7 +316,6 @@ class HttpStream(_StreamBase[HttpBatch]):
         lease = int(v["lease"])
         views = [_tensor_view(t, offset=-1) for t in v["tensors"]]
         tensors: dict[str, np.ndarray] = {}
-        release = f"/v1/leases/{lease}/release"
         # Until its tensors are in and its lease released, the batch is not received: an error
         # or an interrupt leaves the lease held and `after` naming the batch before it, so the
         # next `next` gets this batch again and loses nothing (releasing it would skip it).
@@ -323,15 +328,21 @@ class HttpStream(_StreamBase[HttpBatch]):
             if len(r.body) != tv.length:
                 raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
             tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
-        # Sent again once on a new connection if the answer is lost; a release the node
-        # applied before the connection failed then answers `unknown_lease`: it is released.
-        r = self._request("POST", release, IO_TIMEOUT, again=True)
+        self._unclaimed = HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
+        return self._claim(self._unclaimed)
+
+    def _claim(self, b: HttpBatch) -> HttpBatch:
+        """Releases the downloaded batch `b` and hands it out. Its release is sent again once
+        on a new connection if the answer is lost, and a release the node applied already (then,
+        or before an interrupt struck) answers `unknown_lease`: it is released. Until the
+        release is answered, `b` stays unclaimed for the next call."""
+        r = self._request("POST", f"/v1/leases/{b.lease}/release", IO_TIMEOUT, again=True)
         if r.status != 200:
             e = r.error()
             if not (isinstance(e, ServiceError) and e.code == "unknown_lease"):
                 raise e
-        self._received = lease
-        return HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
+        self._received, self._unclaimed = b.lease, None
+        return b
 
     def _get_tensor(self, path: str, length: int) -> Any:
         """A tensor's download. The node's copy budget full (`503` `unavailable`, after it
