@@ -423,7 +423,11 @@ impl HttpStream {
     /// The state to resume from (the next batch not yet taken).
     pub fn state(&mut self) -> Result<StreamState, ClientError> {
         self.check_open()?;
-        let path = format!("/v1/streams/{}/state", self.info.stream);
+        // `after`: a batch whose download failed is not counted as taken.
+        let path = format!(
+            "/v1/streams/{}/state?after={}",
+            self.info.stream, self.received
+        );
         let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
         match r.status {
             200 => r.json::<StreamState>(),

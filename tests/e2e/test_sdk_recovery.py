@@ -449,3 +449,26 @@ def test_closing_after_an_interrupted_hand_out_unmaps_the_region(pair, interrupt
     region = s._mmap
     s.close()
     assert region.closed, "the region is still mapped after close"
+
+
+def test_a_refused_release_in_flight_at_the_end_does_not_keep_the_releases_after_it(pair, interrupt, no_gc):
+    """A release sent behind the `next` that the node answers with `end` is refused (here: a
+    lease it does not know). The releases that waited for a request are still sent at the end,
+    and the refusal raises after them: before, the refusal, read first, stopped them."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
+    interrupt(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=30)  # its request stays in flight
+    b0.release()  # sent behind it
+    assert requests(node) == [{"op": "next", "timeout_ms": 30000}, {"op": "release", "lease": 1}]
+    del b1  # dropped while kept: its lease goes with the next request (there is none: at the end)
+    unknown = framed(b'{"op":"error","code":"unknown_lease","message":"lease 1"}')
+    node.sendall(framed(b'{"op":"end"}') + unknown + framed(b'{"op":"released"}'))
+    with pytest.raises(shardwire.ServiceError) as e:
+        s.next(timeout=10)
+    assert e.value.code == "unknown_lease"
+    assert requests(node) == [{"op": "release", "lease": 2}]
+    assert s.next(timeout=10) is None

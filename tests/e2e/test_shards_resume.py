@@ -544,3 +544,37 @@ def test_spawned_workers_take_their_ddp_rank_from_the_parent(node, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert {tuple(x) for x in json.loads(p.stdout)} == ranks[1]
+
+
+def test_a_persistent_workers_checkpoint_right_after_set_epoch_names_the_new_epochs_start(node, stateful):
+    """Epoch 0 cut short (`break`), `set_epoch(1)`, and a checkpoint before the first item of
+    epoch 1: with persistent workers torchdata reports each worker's state from when its
+    iteration began, and the worker's copy still held epoch 0's position while the shared epoch
+    already said 1. Before, that checkpoint paired epoch 1 with epoch 0's position, and the
+    resumed run delivered the rest of epoch 0, then epoch 1."""
+    from shardwire.torch import IterableDataset, open_at_epoch
+
+    def loader(ds):
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True,
+                                           multiprocessing_context="fork")
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    dl = loader(ds)
+    ds.set_epoch(0)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    del it  # the loop left early
+    ds.set_epoch(1)
+    it = iter(dl)
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    ds2 = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    dl2 = loader(ds2)
+    ds2.set_epoch(1)
+    dl2.load_state_dict(sd)
+    got = [ids(item) for item in dl2]
+    del dl2
+    with open_at_epoch(shardwire.connect(node.socket), "s", start_epoch=1, seed=3) as s:
+        want = [ids(b) for b in s]
+    assert got == want, "epoch 1 in full, nothing of epoch 0"

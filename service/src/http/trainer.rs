@@ -533,11 +533,21 @@ impl HttpStream {
     }
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StateQuery {
+    /// The lease of the last batch the caller holds as received (as `next`'s `after`): the
+    /// batch the node answered a `next` naming it with is not the caller's yet.
+    after: Option<u64>,
+}
+
 async fn state(
     State(api): State<Arc<Api>>,
     id: Result<Path<u64>, PathRejection>,
+    q: Result<Query<StateQuery>, QueryRejection>,
 ) -> Result<Json<StreamState>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let s = api.stream(id)?;
     let _busy = Busy::new(&s);
     // A batch kept back for its caller has not been delivered: resume at it.
@@ -545,6 +555,16 @@ async fn state(
         && let Some(b) = slot.as_ref()
     {
         let pos = s.shared.position(b.epoch, b.index);
+        return Ok(Json(s.shared.state_at(pos)));
+    }
+    // Nor has the batch last answered to a `next` naming `after`, when the caller still names
+    // `after` (its download failed, or an interrupt struck while it was released): the
+    // caller's next `next` takes it.
+    if let Some(after) = q.after
+        && let Some((asked, last)) = s.last.lock().expect("poisoned").clone()
+        && asked == Some(after)
+    {
+        let pos = s.shared.position(last.epoch, last.index);
         return Ok(Json(s.shared.state_at(pos)));
     }
     Ok(Json(s.shared.state()))

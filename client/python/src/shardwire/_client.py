@@ -841,6 +841,13 @@ class Stream(_StreamBase[Batch]):
         self._gpu_done()
         leases, self._pending = self._pending, []
         refused: ServiceError | None = None
+        # The answers of releases sent behind the request come first; one of them refused must
+        # not stop the releases below (`_reply` would raise it before sending its own).
+        while self._inflight and self._inflight[0] == "release":
+            try:
+                self._settle()
+            except ServiceError as e:
+                refused = refused or e
         for lease in leases:
             # Each is sent even when one before it is refused: nothing follows to carry it.
             try:

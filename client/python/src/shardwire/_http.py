@@ -361,7 +361,10 @@ class HttpStream(_StreamBase[HttpBatch]):
         return self._request("GET", path, IO_TIMEOUT, into=length, again=True)
 
     def _state(self) -> dict[str, Any]:
-        r = self._request("GET", f"/v1/streams/{self.info.stream}/state", IO_TIMEOUT, again=True)
+        # `after`: a batch answered but not yet handed out (its download failed, or an
+        # interrupt struck while it was released) is not counted as taken.
+        path = f"/v1/streams/{self.info.stream}/state?after={self._received}"
+        r = self._request("GET", path, IO_TIMEOUT, again=True)
         if r.status != 200:
             raise r.error()
         return dict(r.json())

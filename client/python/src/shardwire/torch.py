@@ -114,13 +114,18 @@ def _dist_ranks() -> tuple[int, int] | None:
     initialised, else from ``RANK`` and ``WORLD_SIZE`` (which torchrun sets, and spawned
     DataLoader workers inherit: ``torch.distributed`` is not initialised in them); None when
     neither says."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        dist = None  # type: ignore[assignment]
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if rank is None or world is None:
+    if rank is None and world is None:
         return None
+    if rank is None or world is None:
+        missing = "RANK" if rank is None else "WORLD_SIZE"
+        raise ValueError(f"{missing} is not set but {'WORLD_SIZE' if rank is None else 'RANK'} is: set both (torchrun does) or pass rank= and world_size=")
     try:
         r, w = int(rank), int(world)
     except ValueError:
@@ -190,8 +195,10 @@ class _DatasetMixin:
         # process must reach it (before, it delivered its first epoch again, silently).
         self._epoch: Any = multiprocessing.RawValue("q", 0)
         # The epoch `_resume` was saved in (a persistent worker's copy keeps it across a
-        # `set_epoch` of the main process, which a later epoch must win over, as there).
+        # `set_epoch` of the main process, which a later epoch must win over, as there), and
+        # the one `_stream_state` belongs to (the iteration's first epoch).
         self._resume_epoch = 0
+        self._state_epoch = 0
         # The stream state after the last item yielded (its JSON bytes until a checkpoint
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
@@ -215,15 +222,26 @@ class _DatasetMixin:
         initialised: before, every rank's workers opened rank 0 of 1, the same data)."""
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None:
-            # Pickled other than to start a worker: the epoch as a plain value (shared memory
-            # travels only to a process being started).
+            # Pickled other than to start a process (a copy, torch.save): the epoch as a plain
+            # value (shared memory travels only to a process being started; `__setstate__`
+            # makes it shared again), and the ranks left to the process that loads it.
             state["_epoch"] = _Epoch(self.epoch)
+            return state
         if state["rank"] is None or state["world_size"] is None:
-            found = _dist_ranks()
+            try:
+                found = _dist_ranks()
+            except ValueError:
+                found = None  # said by the worker's own `__iter__`
             if found is not None:
                 state["rank"] = found[0] if state["rank"] is None else state["rank"]
                 state["world_size"] = found[1] if state["world_size"] is None else state["world_size"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if isinstance(self._epoch, _Epoch):
+            epoch, self._epoch = self._epoch.value, multiprocessing.RawValue("q", 0)
+            self._epoch.value = epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
@@ -239,7 +257,7 @@ class _DatasetMixin:
         self.epoch = int(epoch)
         # What `state_dict` says until the next item: where the next iteration starts (the
         # same epoch named again keeps a resume point, which a checkpoint must name too).
-        self._stream_state = self._resume
+        self._stream_state, self._state_epoch = self._resume, self._resume_epoch
 
     def state_dict(self) -> dict[str, Any]:
         """torchdata's Stateful protocol (batch and shard mode): ``{"epoch", "stream"}``, the
@@ -249,7 +267,10 @@ class _DatasetMixin:
         ``epoch``). Small and JSON-serialisable."""
         if isinstance(self._stream_state, bytes):
             self._stream_state = _binary.decode_state(self._stream_state)
-        return {"epoch": self.epoch, "stream": self._stream_state}
+        # A persistent worker's copy keeps the position of its last iteration while the
+        # epoch (shared) is already the next one's: that position is not the next epoch's.
+        stream = self._stream_state if self._state_epoch == self.epoch else None
+        return {"epoch": self.epoch, "stream": stream}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration right after the last item of `state` (a
@@ -268,7 +289,7 @@ class _DatasetMixin:
             # after `set_epoch` named the next one: that epoch starts whole.
             self._resume = self._stream_state = None
             return
-        self.epoch = self._resume_epoch = epoch
+        self.epoch = self._resume_epoch = self._state_epoch = epoch
         self._resume = self._stream_state = stream
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
@@ -287,7 +308,8 @@ class _DatasetMixin:
         first = _worker()[1] if self.options.batch_size is not None else 1
         return int(stream.get("index", 0)) >= first
 
-    def _items(self, stream: Stream) -> Iterator[dict[str, np.ndarray]]:
+    def _items(self, stream: Stream, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        """The items of `stream`, an iteration that started at `epoch`."""
         while True:
             batch = stream.next(self.timeout)
             if batch is None:
@@ -301,7 +323,7 @@ class _DatasetMixin:
             # The position after this item, once it exists (a copy that fails, out of memory,
             # leaves the position before it) and before it is yielded: a state taken while
             # the item is in use resumes after it.
-            self._stream_state = stream._snapshot()
+            self._stream_state, self._state_epoch = stream._snapshot(), epoch
             self._took = True
             yield item
 
@@ -310,11 +332,12 @@ class _DatasetMixin:
         if self._resume is not None and self._resume_epoch != self.epoch:
             self._resume = None  # saved before `set_epoch` named another epoch
         start = self._resume  # where this iteration starts (None: its epoch's start)
+        epoch = self.epoch
         self._took = False
         try:
             opened = self._open_shards if self.options.batch_size is None else self._open_batches
             with opened(client) as stream:
-                yield from self._items(stream)
+                yield from self._items(stream, epoch)
         except (Exception, KeyboardInterrupt):
             # An iteration that ended in an error (a `Timeout`, a lost node) is continued by
             # the next one, from the position `state_dict` names: after the last item it
@@ -324,7 +347,7 @@ class _DatasetMixin:
             if self._took and isinstance(self._stream_state, bytes):
                 self._stream_state = _binary.decode_state(self._stream_state)
             self._resume = self._stream_state if self._took else start
-            self._resume_epoch = self.epoch
+            self._resume_epoch = epoch
             raise
 
     def _open_shards(self, client: Client) -> Stream:
