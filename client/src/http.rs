@@ -242,6 +242,9 @@ pub struct HttpStream {
     /// The `after` of the `next` that answered `received`: a download of that batch that
     /// fails sets `received` back to it, so that the next `next` answers the batch again.
     received_after: u64,
+    /// The batch whose failed download set `received` back: one of its downloads that then
+    /// succeeds (the caller tried again) sets it forward again.
+    rolled_back: Option<u64>,
     /// Open-time information.
     pub info: HttpStreamInfo,
 }
@@ -286,6 +289,7 @@ impl HttpStream {
             closed: false,
             received: 0,
             received_after: 0,
+            rolled_back: None,
             info,
         })
     }
@@ -341,6 +345,7 @@ impl HttpStream {
                 NextBody::Batch(b) => {
                     self.received_after = self.received;
                     self.received = b.lease;
+                    self.rolled_back = None;
                     Ok(Some(Some(b.into())))
                 }
                 NextBody::End(_) => Ok(Some(None)),
@@ -361,8 +366,16 @@ impl HttpStream {
         })?;
         crate::check_length(&t.name, t.dtype, &t.shape, t.length)?;
         let r = self.download(batch.lease, t);
-        if r.is_err() && batch.lease == self.received {
-            self.received = self.received_after;
+        match &r {
+            Err(_) if batch.lease == self.received => {
+                self.received = self.received_after;
+                self.rolled_back = Some(batch.lease);
+            }
+            Ok(_) if self.rolled_back == Some(batch.lease) => {
+                self.received = batch.lease;
+                self.rolled_back = None;
+            }
+            _ => {}
         }
         r
     }
@@ -636,6 +649,39 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn a_download_tried_again_that_succeeds_names_the_batch_received_again() {
+        // The first GET fails, the caller tries again and it succeeds: the batch is the
+        // caller's, so the next `next` names it (before, it stayed set back: the node answered
+        // the same batch again).
+        let gets = std::sync::atomic::AtomicUsize::new(0);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[4]")),
+            "GET /v1/leases/5/tensors/x" => {
+                if gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    (
+                        502,
+                        "",
+                        br#"{"code":"data_unavailable","message":"cut"}"#.to_vec(),
+                    )
+                } else {
+                    (200, "x-shardwire-dtype: uint8\r\n", b"abcd".to_vec())
+                }
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        assert!(s.tensor_bytes(&b, "x").is_err());
+        assert_eq!(s.tensor_bytes(&b, "x").unwrap(), b"abcd");
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen = node.join().unwrap();
+        let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
+        assert!(nexts[1].ends_with("&after=5"), "{seen:?}");
     }
 
     #[test]

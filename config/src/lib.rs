@@ -119,18 +119,21 @@ pub enum LogFormat {
     Json,
 }
 
-/// A string, or a non-negative integer taken as its decimal digits.
+/// A string only. A number is refused with the form to use: TOML reads `0o660` as 432 and
+/// the environment's `0660` as 660, and no digits can tell which was meant.
 fn octal_digits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Either {
         Text(String),
-        Digits(u64),
+        Number(i64),
     }
-    Ok(match Either::deserialize(d)? {
-        Either::Text(s) => s,
-        Either::Digits(n) => format!("0{n}"),
-    })
+    match Either::deserialize(d)? {
+        Either::Text(s) => Ok(s),
+        Either::Number(n) => Err(serde::de::Error::custom(format!(
+            "socket_mode is the number {n}: write it as a string of octal digits, \"0660\" (in the environment SHARDWIRE_SOCKET_MODE='\"0660\"')"
+        ))),
+    }
 }
 
 // The choice keys are read from strings only: serde's derive also took an integer as the
@@ -223,9 +226,8 @@ pub struct ServeConfig {
     pub admin_token_file: Option<PathBuf>,
     /// Seconds a drain (SIGTERM or POST /v1/drain) waits for open streams before exiting.
     pub drain_timeout_secs: u64,
-    /// Permission bits of the trainer socket file, octal as a string (e.g. "0660"); also
-    /// taken as a number whose digits are octal (`SHARDWIRE_SOCKET_MODE=0660` reaches here as
-    /// the integer 660).
+    /// Permission bits of the trainer socket file, octal as a string (e.g. "0660"); a number
+    /// is refused, naming the form to use.
     #[serde(deserialize_with = "octal_digits")]
     pub socket_mode: String,
     /// Trainer peers (SO_PEERCRED) allowed by uid; empty = any uid the file mode lets in.
@@ -816,15 +818,21 @@ mod tests {
     }
 
     #[test]
-    fn socket_mode_takes_the_environment_form() {
-        // figment reads SHARDWIRE_SOCKET_MODE=0660 as the integer 660, which a string key
-        // refused; only '"0660"' (quoted) worked, which no doc said.
-        let c = ServeConfig::load(Some(&write("socket_mode = 660\n")), &Flags::default()).unwrap();
-        assert_eq!(c.socket_mode_bits().unwrap(), 0o660);
+    fn socket_mode_as_a_number_is_refused_naming_the_form_to_use() {
+        // TOML reads 0o660 as 432 and the environment's 0660 as 660: neither can be read back
+        // as what was meant (0o432 would let every local user connect).
+        for toml in ["socket_mode = 0o660\n", "socket_mode = 660\n"] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("\"0660\"") && e.contains("SHARDWIRE_SOCKET_MODE"),
+                "{toml}: {e}"
+            );
+        }
         let c =
             ServeConfig::load(Some(&write("socket_mode = \"0600\"\n")), &Flags::default()).unwrap();
         assert_eq!(c.socket_mode_bits().unwrap(), 0o600);
-        assert!(ServeConfig::load(Some(&write("socket_mode = 690\n")), &Flags::default()).is_err());
     }
 
     #[test]

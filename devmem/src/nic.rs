@@ -596,11 +596,20 @@ fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
             Change::Channels { rx, tx, combined } => {
                 client.set_channels(ifindex, ifname, rx, tx, combined)
             }
-            // 0 (`unknown`) is set too: it is `tcp-data-split auto`, the driver's default.
+            // 0 (`unknown`) is set too: it is `tcp-data-split auto`, the driver's default. A
+            // driver without the attribute (its rings-get omitted it, read as 0) refuses any
+            // rings-set of it: then there is nothing to restore.
             Change::Rings {
                 tcp_data_split,
                 hds_thresh,
-            } => client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh),
+            } => match client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh) {
+                Err(NicError::Kernel { errno, .. })
+                    if tcp_data_split == 0 && errno == libc::EOPNOTSUPP =>
+                {
+                    Ok(())
+                }
+                other => other,
+            },
         };
         if let Err(e) = r {
             tracing_like_warn(&e);

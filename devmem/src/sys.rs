@@ -470,8 +470,6 @@ pub(crate) fn ipv4_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<Option<std
     ))))
 }
 
-/// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
-/// with the command struct `cmd` (read and written by the kernel in place).
 /// The index of interface `ifname` in the network namespace of socket `fd`
 /// (`SIOCGIFINDEX`); `NotFound` when no interface has that name there.
 pub(crate) fn ifindex_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<u32> {
@@ -491,6 +489,8 @@ pub(crate) fn ifindex_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<u32> {
     u32::try_from(index).map_err(|_| io::Error::other(format!("ifindex {index}")))
 }
 
+/// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
+/// with the command struct `cmd` (read and written by the kernel in place).
 pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
     let mut ifr = ifreq_for(ifname)?;
     ifr.ifr_ifru.ifru_data = cmd.as_mut_ptr().cast();

@@ -486,6 +486,19 @@ mod child {
             ),
             "{e}"
         );
+        let Err(e) = engines.gather(&region, &own, &frag) else {
+            panic!("refused")
+        };
+        assert!(
+            matches!(
+                e,
+                GpuError::WrongDevice {
+                    what: "the gather's source",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let Err(e) = engines.copy(&region, 0, &own, 0, 8) else {
             panic!("refused")
         };

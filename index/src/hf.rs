@@ -4,7 +4,8 @@
 //! earlier save stay beside the new ones. Only the listed files are indexed; any other Arrow
 //! file in that folder is named unused (never served as data), and a listed file that is
 //! missing is an error. A `dataset_dict.json` (a `DatasetDict`, one folder per split) above
-//! the files is refused: indexing it would merge its splits, `test` into `train`.
+//! the files is refused: indexing it would merge its splits, `test` into `train`. A file of
+//! those names that is not JSON, or has no `_data_files`, is another tool's: not read.
 
 use serde_json::Value;
 
@@ -43,7 +44,9 @@ pub(crate) fn plan(
         if rel.ends_with(STATE_FILE) && !arrow_beside {
             continue; // no Arrow files of its own to choose among
         }
-        let json = read_json(root, &rel)?;
+        let Some(json) = read_json(root, &rel)? else {
+            continue; // not JSON: another tool's file of that name, not an HF save
+        };
         if rel.ends_with(DICT_FILE) {
             refuse_splits(root, &rel, &json)?;
         } else if let Some(listed) = data_files(root, &rel, &json)? {
@@ -53,16 +56,12 @@ pub(crate) fn plan(
     Ok(())
 }
 
-/// The JSON of the metadata file `rel`; a file that does not parse is named.
-fn read_json(root: &Root, rel: &str) -> Result<Value, IndexError> {
+/// The JSON of the metadata file `rel`; `None` when it is not JSON (then it is not one HF
+/// `datasets` wrote, and stays named as unused).
+fn read_json(root: &Root, rel: &str) -> Result<Option<Value>, IndexError> {
     let mut src = root.open(rel)?;
     let text = src.read_at(rel, 0, src.len)?;
-    serde_json::from_slice(&text).map_err(|e| {
-        src.malformed(
-            format!("not JSON ({e}); HF datasets writes it with save_to_disk: save again"),
-            String::from_utf8_lossy(&text[..text.len().min(64)]),
-        )
-    })
+    Ok(serde_json::from_slice(&text).ok())
 }
 
 /// The `_data_files` file names of a `state.json`, or `None` when it has none (not one
@@ -211,19 +210,20 @@ mod tests {
     }
 
     #[test]
-    fn a_listed_file_that_is_missing_and_a_state_json_that_is_not_json_are_errors() {
+    fn a_listed_file_that_is_missing_is_an_error_and_a_state_json_not_json_is_not_read() {
         let e = planned(
             "hf-missing",
             &[("state.json", STATE_2), ("data-00000-of-00002.arrow", "")],
         )
         .unwrap_err();
         assert!(e.to_string().contains("data-00001-of-00002.arrow"), "{e}");
-        let e = planned(
+        // Not JSON: another tool's file, not read (the Arrow file beside it is indexed).
+        let (kept, _) = planned(
             "hf-bad",
             &[("state.json", "{\"_data_files\": ["), ("a.arrow", "")],
         )
-        .unwrap_err();
-        assert!(e.to_string().contains("not JSON"), "{e}");
+        .unwrap();
+        assert_eq!(kept, ["a.arrow"]);
         let e = planned(
             "hf-shape",
             &[

@@ -185,9 +185,16 @@ fn pax_sparse<R: std::io::Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Resul
 /// member (a partial copy, an interrupted upload) would lose its later samples without it.
 fn check_end(src: &mut Source, members: &[Member]) -> Result<(), IndexError> {
     const BLOCK: u64 = 512;
-    let end = members
-        .last()
-        .map_or(0, |m| (m.row[0] + m.row[1]).next_multiple_of(BLOCK));
+    if members.iter().any(|m| m.sparse) {
+        return Ok(()); // refused as sparse by the caller; its size is not its bytes in the tar
+    }
+    let end = match members.last() {
+        None => 0,
+        Some(m) => m.row[0]
+            .checked_add(m.row[1])
+            .and_then(|e| e.checked_next_multiple_of(BLOCK))
+            .ok_or_else(|| src.malformed("a tar member runs past 2^64 bytes", m.row[1]))?,
+    };
     let left = src.len.saturating_sub(end);
     if left < BLOCK {
         return Err(src.malformed(

@@ -10,11 +10,23 @@ use serde_json::Value;
 
 /// GET `path` from `admin` (HTTP/1.0, loopback admin API) and parse the JSON body.
 fn get_json(admin: &str, path: &str) -> anyhow::Result<Value> {
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(admin)
+    // Every address the name resolves to, each within 10 s (`localhost` may be ::1 first
+    // while the node listens on 127.0.0.1).
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    let mut found = None;
+    for addr in std::net::ToSocketAddrs::to_socket_addrs(admin)
         .with_context(|| format!("resolving the admin API address {admin}"))?
-        .next()
-        .with_context(|| format!("{admin} resolves to no address"))?;
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+    {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+            Ok(s) => {
+                found = Some(s);
+                break;
+            }
+            Err(e) => last = e,
+        }
+    }
+    let mut s = found
+        .ok_or(last)
         .with_context(|| format!("connecting to the admin API at {admin}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(s, "GET {path} HTTP/1.0\r\nHost: {admin}\r\n\r\n")?;

@@ -699,8 +699,6 @@ fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
     assert_eq!(lo.numa_node, None, "a virtual NIC stays without one");
 }
 
-/// The tree of fixture `name` as read after `change` wrote to a copy of it (as the kernel
-/// would write those files), the copy removed again.
 #[test]
 fn a_vrf_port_and_a_bond_port_are_told_apart_by_their_master() {
     // eth3 is a port of VRF vrf-red, eth4 a port of bond1, with their masters' `flags` as the
@@ -743,6 +741,8 @@ fn a_vrf_port_and_a_bond_port_are_told_apart_by_their_master() {
     );
 }
 
+/// The tree of fixture `name` as read after `change` wrote to a copy of it (as the kernel
+/// would write those files), the copy removed again.
 fn changed_tree(name: &str, tag: &str, change: impl FnOnce(&Path)) -> Tree {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("topology-{tag}-{}", std::process::id()));

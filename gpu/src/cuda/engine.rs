@@ -175,6 +175,15 @@ impl Engines {
         frags: &[Frag],
     ) -> Result<Launched<'a>, GpuError> {
         self.same_device("the gather's destination", dst)?;
+        if let Some(region) = src.device_ordinal()
+            && region != self.dev.ordinal()
+        {
+            return Err(GpuError::WrongDevice {
+                what: "the gather's source",
+                region,
+                engines: self.dev.ordinal(),
+            });
+        }
         kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
         let (s0, d0) = (src.device_ptr(), dst.device_ptr());
         if s0 < d0 + dst.len() as u64 && d0 < s0 + src.len() as u64 {

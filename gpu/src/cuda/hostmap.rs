@@ -27,6 +27,11 @@ pub unsafe trait DeviceRange {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The ordinal of the one GPU that may read it; `None` when every GPU of the process may
+    /// (a portable host registration).
+    fn device_ordinal(&self) -> Option<i32> {
+        None
+    }
 }
 
 // SAFETY: the region's own mapping, live while it is borrowed (unmapped on Drop).
@@ -36,6 +41,9 @@ unsafe impl DeviceRange for super::VmmRegion {
     }
     fn len(&self) -> usize {
         super::VmmRegion::len(self)
+    }
+    fn device_ordinal(&self) -> Option<i32> {
+        Some(self.device().ordinal())
     }
 }
 
