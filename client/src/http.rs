@@ -425,7 +425,10 @@ impl HttpStream {
     /// Gives a batch's memory back to the service.
     pub fn release(&mut self, batch: HttpBatch) -> Result<(), ClientError> {
         self.check_open()?;
-        let path = format!("/v1/leases/{}/release", batch.lease);
+        let path = format!(
+            "/v1/leases/{}/release?stream={}",
+            batch.lease, self.info.stream
+        );
         let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
         match r.status {
             200 => Ok(()),

@@ -636,17 +636,30 @@ async fn tensor(
         .into_response())
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseQuery {
+    /// The stream the caller holds the lease by: a lease of another stream is not released
+    /// (lease numbers start again at 1 when the node restarts, so a release sent again late,
+    /// after a restart, could name another trainer's).
+    stream: Option<u64>,
+}
+
 async fn release(
     State(api): State<Arc<Api>>,
     p: Result<Path<u64>, PathRejection>,
+    q: Result<Query<ReleaseQuery>, QueryRejection>,
 ) -> Result<Json<ReleasedBody>, ApiError> {
     let Path(lease) = p.map_err(path_error)?;
-    let l = api
-        .leases
-        .lock()
-        .expect("poisoned")
-        .remove(&lease)
-        .ok_or_else(|| unknown_lease(lease))?;
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let l = {
+        let mut leases = api.leases.lock().expect("poisoned");
+        match leases.get(&lease) {
+            Some(l) if q.stream.is_none_or(|s| s == l.stream) => leases.remove(&lease),
+            _ => None,
+        }
+    }
+    .ok_or_else(|| unknown_lease(lease))?;
     let s = api.stream(l.stream).map_err(|_| unknown_lease(lease))?;
     let _busy = Busy::new(&s);
     if s.shared.release(lease) {

@@ -336,7 +336,10 @@ class HttpStream(_StreamBase[HttpBatch]):
         on a new connection if the answer is lost, and a release the node applied already (then,
         or before an interrupt struck) answers `unknown_lease`: it is released. Until the
         release is answered, `b` stays unclaimed for the next call."""
-        r = self._request("POST", f"/v1/leases/{b.lease}/release", IO_TIMEOUT, again=True)
+        # `stream`: a release sent again late (after an interrupt, across a node restart, when
+        # lease numbers start again) never releases another stream's lease.
+        path = f"/v1/leases/{b.lease}/release?stream={self.info.stream}"
+        r = self._request("POST", path, IO_TIMEOUT, again=True)
         if r.status != 200:
             e = r.error()
             if not (isinstance(e, ServiceError) and e.code == "unknown_lease"):
