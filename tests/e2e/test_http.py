@@ -651,3 +651,32 @@ def test_an_interrupt_while_a_release_is_answered_loses_no_batch(world: World, m
     with world.sock().open_stream("mix", seed=4) as s:
         want = [(b.epoch, b.index) for b in s]
     assert got == want and hits["n"] > 3
+
+
+def test_an_open_answer_without_its_fields_is_a_protocol_error_and_the_stream_is_closed():
+    """A `201` whose body lacks a field (a node of another release, a proxy): ProtocolError
+    naming it, and the stream the node may have opened is closed. Before, a KeyError, and the
+    stream held its memory on the node until its idle timeout."""
+    closes: list[str] = []
+
+    class Node(_FakeNode):
+        def do_GET(self):
+            return self.answer(200, b"ok\n", "text/plain")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/v1/streams":
+                return self.answer(201, b'{"stream": 9, "epochs": 1}')
+            closes.append(self.path)
+            return self.answer(200, b'{"stream": 9, "closed": true}')
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Node)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = shardwire.connect_http(f"http://127.0.0.1:{srv.server_address[1]}")
+        with pytest.raises(shardwire.ProtocolError) as e:
+            c.open_stream("d")
+        assert "batches_per_epoch" in str(e.value)
+        assert closes == ["/v1/streams/9/close"]
+    finally:
+        srv.shutdown()

@@ -56,6 +56,14 @@ def _split(url: str) -> tuple[str, int, str]:
     return host, p.port, f"http://{netloc}"
 
 
+def _maybe_json(r: Any) -> Any:
+    """The JSON body of reply `r`, or None when it is not JSON."""
+    try:
+        return r.json()
+    except (ValueError, ProtocolError):
+        return None
+
+
 def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
     """An :class:`HttpClient` for the node service's HTTP API (its admin address,
     ``--admin``), e.g. ``connect_http("127.0.0.1:7400")`` or ``"http://node7:7400"``.
@@ -229,16 +237,27 @@ class HttpStream(_StreamBase[HttpBatch]):
         if r.status != 201:
             conn.close()
             raise r.error()
-        v = r.json()
-        info = StreamInfo(
-            stream=int(v["stream"]),
-            region_size=0,
-            batches_per_epoch=int(v["batches_per_epoch"]),
-            epochs=int(v["epochs"]),
-            memory="http",
-            state=dict(v["state"]),
-        )
-        return cls(client, info, int(v.get("idle_timeout_s", 300)), conn)
+        try:
+            v = r.json()
+            info = StreamInfo(
+                stream=int(v["stream"]),
+                region_size=0,
+                batches_per_epoch=int(v["batches_per_epoch"]),
+                epochs=int(v["epochs"]),
+                memory="http",
+                state=dict(v["state"]),
+            )
+            idle = int(v.get("idle_timeout_s", 300))
+        except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as e:
+            # A stream that opened, maybe: closed (best effort), as it cannot be used.
+            if isinstance(v := _maybe_json(r), dict) and isinstance(v.get("stream"), int):
+                try:
+                    _call(conn, "POST", f"/v1/streams/{v['stream']}/close", b"", 10.0, retry=False)
+                except (OSError, http.client.HTTPException, ShardwireError):
+                    pass
+            conn.close()
+            raise ProtocolError(f"an answer to open this SDK cannot read ({e!r}): {r.body[:200]!r}") from e
+        return cls(client, info, idle, conn)
 
     # --- requests ----------------------------------------------------------------------------
 
