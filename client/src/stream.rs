@@ -380,14 +380,22 @@ impl Stream {
     /// At the end of the stream: nothing follows to carry the deferred releases, so one
     /// request each (at most NEXT_COUNT, once per stream).
     fn release_deferred(&mut self) -> Result<(), ClientError> {
-        self.settle()?;
+        // Every release goes, even after one the node refuses (nothing follows to carry the
+        // rest); the first refusal is returned once the last is answered. A connection that
+        // fails ends it at once.
+        let mut refused = None;
+        while self.awaited.front() == Some(&Awaited::Release) {
+            let answer = self.answer_at_once("release");
+            self.awaited.pop_front();
+            first_refusal(self.released(answer), &mut refused)?;
+        }
         self.take_dropped();
         for lease in std::mem::take(&mut self.deferred) {
             self.send(&Request::Release { lease })?;
             let answer = self.answer_at_once("release");
-            self.released(answer)?;
+            first_refusal(self.released(answer), &mut refused)?;
         }
-        Ok(())
+        refused.map_or(Ok(()), Err)
     }
 
     /// Sends a `next` for up to `count` batches that the node ends after `timeout` (None:
@@ -543,6 +551,20 @@ fn region_fd(mut fds: Vec<OwnedFd>) -> Result<OwnedFd, ClientError> {
             "attached came with {} file descriptors, expected the region's one",
             fds.len() + usize::from(last.is_some())
         ))),
+    }
+}
+
+/// `r`, but a refusal by the node (`Service`) kept in `first` (the first one) instead.
+fn first_refusal(
+    r: Result<(), ClientError>,
+    first: &mut Option<ClientError>,
+) -> Result<(), ClientError> {
+    match r {
+        Err(e @ ClientError::Service { .. }) => {
+            first.get_or_insert(e);
+            Ok(())
+        }
+        other => other,
     }
 }
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use shardwire_protocol::trainer::{StreamState, TensorView};
+use shardwire_protocol::trainer::{ErrorCode, StreamState, TensorView};
 
 use super::*;
 
@@ -485,5 +485,72 @@ fn bytes_of_a_view_that_is_not_the_batchs_own_panics() {
         .unwrap_or("");
     assert!(msg.contains("not one of this batch's (lease 7)"), "{msg}");
     drop(b);
+    close(s, node, &at);
+}
+
+#[test]
+fn a_refused_release_at_the_end_does_not_keep_the_releases_after_it() {
+    // Batches 7 and 8 and the end answer one request; both batches are dropped before the end
+    // is read, so their releases go at the end. The node refuses the first: the second is
+    // still sent (before, the first refusal returned and lease 8 stayed held).
+    let at = path("end-refused");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        for lease in [7, 8] {
+            let batch = Response::Batch {
+                lease,
+                epoch: 0,
+                index: lease,
+                shard: 0,
+                tensors: Vec::new(),
+                state: Some(state()),
+                more: true,
+            };
+            let mut frame = Vec::new();
+            batch.encode(&mut frame);
+            fdpass::send_frame(c, &frame, &[]).unwrap();
+        }
+        let mut frame = Vec::new();
+        Response::End.encode(&mut frame);
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+        let first = request(c);
+        assert_eq!(
+            (first["op"].as_str(), first["lease"].as_u64()),
+            (Some("release"), Some(7))
+        );
+        let mut frame = Vec::new();
+        Response::Error {
+            code: ErrorCode::UnknownLease,
+            message: "lease 7".into(),
+        }
+        .encode(&mut frame);
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+        let second = request(c);
+        assert_eq!(
+            (second["op"].as_str(), second["lease"].as_u64()),
+            (Some("release"), Some(8))
+        );
+        let mut frame = Vec::new();
+        Response::Released.encode(&mut frame);
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b7 = s.next().expect("a batch").expect("not the end");
+    let b8 = s.next().expect("a batch").expect("not the end");
+    drop((b7, b8));
+    let Err(e) = s.next() else {
+        panic!("the refusal")
+    };
+    assert!(
+        matches!(
+            e,
+            ClientError::Service {
+                code: ErrorCode::UnknownLease,
+                ..
+            }
+        ),
+        "{e}"
+    );
     close(s, node, &at);
 }
