@@ -92,6 +92,13 @@ fn an_attach_answered_with_other_than_one_fd_is_refused() {
     }
 }
 
+/// Sends the answer `r` (one frame, no fds).
+fn send_response(c: &mut UnixStream, r: &Response) {
+    let mut frame = Vec::new();
+    r.encode(&mut frame);
+    fdpass::send_frame(c, &frame, &[]).unwrap();
+}
+
 /// Sends an empty batch of lease `lease` (the last answer to its request).
 fn send_batch(c: &mut UnixStream, lease: u64) {
     let batch = Response::Batch {
@@ -379,9 +386,7 @@ fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
         let release = request(c);
         assert_eq!(release, serde_json::json!({"op": "release", "lease": 7}));
         send_batch(c, 8);
-        let mut frame = Vec::new();
-        Response::Released.encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[]).unwrap();
+        send_response(c, &Response::Released);
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
     let b = s.next().expect("a batch").expect("not the end");
@@ -507,33 +512,25 @@ fn a_refused_release_at_the_end_does_not_keep_the_releases_after_it() {
                 state: Some(state()),
                 more: true,
             };
-            let mut frame = Vec::new();
-            batch.encode(&mut frame);
-            fdpass::send_frame(c, &frame, &[]).unwrap();
+            send_response(c, &batch);
         }
-        let mut frame = Vec::new();
-        Response::End.encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[]).unwrap();
+        send_response(c, &Response::End);
         let first = request(c);
         assert_eq!(
             (first["op"].as_str(), first["lease"].as_u64()),
             (Some("release"), Some(7))
         );
-        let mut frame = Vec::new();
-        Response::Error {
+        let refusal = Response::Error {
             code: ErrorCode::UnknownLease,
             message: "lease 7".into(),
-        }
-        .encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[]).unwrap();
+        };
+        send_response(c, &refusal);
         let second = request(c);
         assert_eq!(
             (second["op"].as_str(), second["lease"].as_u64()),
             (Some("release"), Some(8))
         );
-        let mut frame = Vec::new();
-        Response::Released.encode(&mut frame);
-        fdpass::send_frame(c, &frame, &[]).unwrap();
+        send_response(c, &Response::Released);
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
     let b7 = s.next().expect("a batch").expect("not the end");

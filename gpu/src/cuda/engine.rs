@@ -175,15 +175,7 @@ impl Engines {
         frags: &[Frag],
     ) -> Result<Launched<'a>, GpuError> {
         self.same_device("the gather's destination", dst)?;
-        if let Some(region) = src.device_ordinal()
-            && region != self.dev.ordinal()
-        {
-            return Err(GpuError::WrongDevice {
-                what: "the gather's source",
-                region,
-                engines: self.dev.ordinal(),
-            });
-        }
+        self.same_device("the gather's source", src)?;
         kernels::check_frags(frags, src.len() as u64, dst.len() as u64)?;
         let (s0, d0) = (src.device_ptr(), dst.device_ptr());
         if s0 < d0 + dst.len() as u64 && d0 < s0 + src.len() as u64 {
@@ -323,11 +315,11 @@ impl Engines {
 
     /// Refuses `region` of another GPU than these engines' (a launch on it would fault this
     /// GPU's context for good: every stream of it would fail until a restart).
-    fn same_device(&self, what: &'static str, region: &VmmRegion) -> Result<(), GpuError> {
-        let (region, engines) = (region.device().ordinal(), self.dev.ordinal());
-        if region == engines {
-            return Ok(());
-        }
+    fn same_device(&self, what: &'static str, range: &dyn DeviceRange) -> Result<(), GpuError> {
+        let engines = self.dev.ordinal();
+        let Some(region) = range.device_ordinal().filter(|&r| r != engines) else {
+            return Ok(()); // this GPU's, or readable by every GPU (a portable registration)
+        };
         Err(GpuError::WrongDevice {
             what,
             region,
