@@ -16,7 +16,7 @@ use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, RetryConfig};
 use crate::error::StoreError;
 use crate::options::StoreOptions;
 use crate::tap::TapConnector;
-use crate::url::{Scheme, StoreUrl};
+use crate::url::{Scheme, StoreUrl, redacted};
 
 /// What a store is and how it authenticates, for logs and status.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,10 +81,15 @@ pub(crate) fn build(
     let bucket = url.bucket();
     match url.scheme() {
         Scheme::S3 => {
-            let mut b = AmazonS3Builder::from_env()
+            let b = AmazonS3Builder::from_env();
+            let tap = TapConnector::with_credential_urls([
+                b.get_config_value(&S3Key::ContainerCredentialsFullUri),
+                b.get_config_value(&S3Key::StsEndpoint),
+            ]);
+            let mut b = b
                 .with_bucket_name(bucket)
                 .with_retry(retry(opts))
-                .with_http_connector(TapConnector);
+                .with_http_connector(tap);
             for (k, v) in client(opts) {
                 b = b.with_config(S3Key::Client(k), v);
             }
@@ -96,7 +101,7 @@ pub(crate) fn build(
             let mut b = GoogleCloudStorageBuilder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry(opts))
-                .with_http_connector(TapConnector);
+                .with_http_connector(TapConnector::default());
             for (k, v) in client(opts) {
                 b = b.with_config(GcsKey::Client(k), v);
             }
@@ -105,10 +110,15 @@ pub(crate) fn build(
             Ok((Arc::new(s), d))
         }
         Scheme::Azure => {
-            let mut b = MicrosoftAzureBuilder::from_env()
+            let b = MicrosoftAzureBuilder::from_env();
+            let tap = TapConnector::with_credential_urls([
+                b.get_config_value(&AzKey::MsiEndpoint),
+                b.get_config_value(&AzKey::AuthorityHost),
+            ]);
+            let mut b = b
                 .with_container_name(bucket)
                 .with_retry(retry(opts))
-                .with_http_connector(TapConnector);
+                .with_http_connector(tap);
             for (k, v) in client(opts) {
                 b = b.with_config(AzKey::Client(k), v);
             }
@@ -127,7 +137,7 @@ pub(crate) fn build(
             let mut b = HttpBuilder::new()
                 .with_url(base.clone())
                 .with_retry(retry(opts))
-                .with_http_connector(TapConnector);
+                .with_http_connector(TapConnector::default());
             for (k, v) in client(opts) {
                 b = b.with_config(k, v);
             }
@@ -204,7 +214,7 @@ fn describe_s3(b: &AmazonS3Builder) -> Described {
         .or_else(|| b.get_config_value(&S3Key::Endpoint))
         .map_or_else(
             || format!("https://s3.{region}.amazonaws.com"),
-            |e| without_userinfo(&e),
+            |e| redacted(&e),
         );
     let virtual_hosted = truthy(&S3Key::VirtualHostedStyleRequest);
     Described {
@@ -217,18 +227,6 @@ fn describe_s3(b: &AmazonS3Builder) -> Described {
         } else {
             "path-style"
         }),
-    }
-}
-
-/// `url` with any `user:secret@` before its host replaced by `***@` (it is logged).
-fn without_userinfo(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority = rest.split('/').next().unwrap_or("");
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority.len()..]),
-        None => url.to_owned(),
     }
 }
 
@@ -248,7 +246,8 @@ fn describe_gcs(b: &GoogleCloudStorageBuilder) -> Described {
     Described {
         backend: "gcs",
         credentials,
-        endpoint: get(GcsKey::BaseUrl).unwrap_or_else(|| "https://storage.googleapis.com".into()),
+        endpoint: get(GcsKey::BaseUrl)
+            .map_or_else(|| "https://storage.googleapis.com".into(), |e| redacted(&e)),
         region: None,
         addressing: None,
     }
@@ -286,6 +285,7 @@ fn describe_azure(b: &MicrosoftAzureBuilder) -> Described {
         backend: "azure",
         credentials,
         endpoint: get(AzKey::Endpoint)
+            .map(|e| redacted(&e))
             .or(emulator)
             .unwrap_or_else(|| format!("https://{account}.blob.core.windows.net")),
         region: None,
@@ -305,6 +305,13 @@ mod tests {
             .with_config(S3Key::S3Endpoint, "http://user:secret@minio:9000/");
         // Before, the log named AWS_ENDPOINT_URL while object_store used AWS_ENDPOINT_URL_S3.
         assert_eq!(describe_s3(&b).endpoint, "http://***@minio:9000/");
+        // Logged endpoints lose a userinfo and a query (a SAS token pasted into one).
+        let b = MicrosoftAzureBuilder::new()
+            .with_config(AzKey::Endpoint, "https://u:p@acct.example/?sv=1&sig=tok3n");
+        assert_eq!(describe_azure(&b).endpoint, "https://***@acct.example/?...");
+        let b = GoogleCloudStorageBuilder::new()
+            .with_config(GcsKey::BaseUrl, "https://gcs.example/?key=tok3n");
+        assert_eq!(describe_gcs(&b).endpoint, "https://gcs.example/?...");
         let b = AmazonS3Builder::new().with_config(S3Key::Endpoint, "http://general:9000");
         assert_eq!(describe_s3(&b).endpoint, "http://general:9000");
         let b = AmazonS3Builder::new().with_region("eu-west-1");

@@ -234,6 +234,12 @@ pub(crate) struct Attempt {
     pub credential: bool,
 }
 
+/// Whether the store's last answer to a ranged GET that failed was `200 OK`: the whole
+/// object, from a server that ignores `Range` (object_store refuses it as not partial).
+pub(crate) fn whole_object_answered(last: Option<&Attempt>) -> bool {
+    last.is_some_and(|a| a.status == Some(200) && !a.credential)
+}
+
 /// Where a request went: for the error's fields.
 #[derive(Clone, Debug)]
 pub(crate) struct At<'a> {

@@ -16,7 +16,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
 use crate::backend::{self, Described};
-use crate::error::{At, StoreError, classify};
+use crate::error::{At, StoreError, classify, whole_object_answered};
 use crate::etag::{if_match, quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
@@ -218,17 +218,28 @@ impl Store {
         } else {
             format!("{prefix}/")
         };
-        Ok(listed
+        listed
             .into_iter()
-            .filter_map(|o| {
-                let key = o.location.as_ref().strip_prefix(strip.as_str())?.to_owned();
-                Some(ObjectMeta {
-                    key,
+            .map(|o| {
+                // A store lists under the prefix only; a key outside it (a proxy that
+                // rewrites paths, a server's own encoding of them) is named, not skipped.
+                let Some(key) = o.location.as_ref().strip_prefix(strip.as_str()) else {
+                    return Err(StoreError::Rejected {
+                        bucket: self.inner.url.bucket().to_owned(),
+                        key: o.location.to_string(),
+                        reason: format!(
+                            " (the listing under prefix {prefix:?} returned this key outside \
+                             it: a proxy or server that rewrites paths?)"
+                        ),
+                    });
+                };
+                Ok(ObjectMeta {
+                    key: key.to_owned(),
                     size: o.size,
                     etag: o.e_tag.as_deref().map(quoted_etag),
                 })
             })
-            .collect())
+            .collect()
     }
 
     /// Size and ETag of `key`.
@@ -351,7 +362,21 @@ impl Store {
                 ..Default::default()
             };
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
-            let res = self.inner.os.get_opts(&path, opts).await.map_err(os_err)?;
+            let res = self.inner.os.get_opts(&path, opts).await.map_err(|e| {
+                // Every GET here asks for a range or a suffix: a `200` is the whole object,
+                // from a server that does not serve byte ranges. Asking again cannot help.
+                if whole_object_answered(call.last().as_ref()) {
+                    return StoreError::Rejected {
+                        bucket: at.bucket.to_owned(),
+                        key: full.clone(),
+                        reason: " (HTTP 200 to a range request: the server does not serve byte \
+                                 ranges, and shardwire reads shards by range; serve the dataset \
+                                 from a server that honours `Range`)"
+                            .into(),
+                    };
+                }
+                os_err(e)
+            })?;
             // A store that ignored `If-Match` still names the object it read: another one's
             // bytes (or bytes it names no version of) are refused, never passed on as the
             // ones asked for.

@@ -120,12 +120,36 @@ impl MultipartUpload for Tracked {
 
 /// Makes reqwest clients wrapped in [`Tap`].
 #[derive(Debug, Default)]
-pub(crate) struct TapConnector;
+pub(crate) struct TapConnector {
+    /// Hosts of the credential services this store was configured with (an Azure
+    /// `IDENTITY_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`, `AWS_ENDPOINT_URL_STS`):
+    /// credential services as much as the well-known ones.
+    credential_hosts: Arc<[String]>,
+}
+
+impl TapConnector {
+    /// A connector that also counts the hosts of `urls` (the configured credential
+    /// endpoints; `None` where one is not set) as credential services.
+    pub(crate) fn with_credential_urls(urls: impl IntoIterator<Item = Option<String>>) -> Self {
+        let credential_hosts = urls
+            .into_iter()
+            .flatten()
+            .filter_map(|u| {
+                let host = u.parse::<http::Uri>().ok()?.host()?.to_ascii_lowercase();
+                Some(host)
+            })
+            .collect();
+        TapConnector { credential_hosts }
+    }
+}
 
 impl HttpConnector for TapConnector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
         let inner = ReqwestConnector::default().connect(options)?;
-        Ok(HttpClient::new(Tap { inner }))
+        Ok(HttpClient::new(Tap {
+            inner,
+            credential_hosts: Arc::clone(&self.credential_hosts),
+        }))
     }
 }
 
@@ -133,6 +157,18 @@ impl HttpConnector for TapConnector {
 #[derive(Debug)]
 struct Tap {
     inner: HttpClient,
+    credential_hosts: Arc<[String]>,
+}
+
+impl Tap {
+    /// Whether `host` is a credential service rather than the store.
+    fn credential(&self, host: &str) -> bool {
+        credential_host(host)
+            || self
+                .credential_hosts
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(host))
+    }
 }
 
 #[async_trait]
@@ -141,7 +177,7 @@ impl HttpService for Tap {
         // A credential service's answers are not the bucket's: they neither throttle its
         // window nor count as the store's; only a refusal names the call's failure.
         let current = CALL.try_with(Arc::clone).ok();
-        if credential_host(req.uri().host().unwrap_or("")) {
+        if self.credential(req.uri().host().unwrap_or("")) {
             let res = self
                 .inner
                 .execute(req)
@@ -295,6 +331,30 @@ mod tests {
             c.repeats("GET http://s3/b?list-type=2&continuation-token=x".into()),
             "that page again"
         );
+    }
+
+    #[test]
+    fn configured_credential_endpoints_are_credential_services() {
+        // Before: an Azure `IDENTITY_ENDPOINT` on localhost answering 404 was counted as the
+        // store's own 404 (a `NotFound` naming the dataset, not a credentials failure).
+        let c = TapConnector::with_credential_urls([
+            Some("http://LOCALHOST:42356/msi/token".to_owned()),
+            None,
+            Some("https://vpce-1.sts.us-east-1.vpce.example".to_owned()),
+            Some("not a url".to_owned()),
+        ]);
+        let tap = Tap {
+            inner: ReqwestConnector::default()
+                .connect(&ClientOptions::default())
+                .unwrap(),
+            credential_hosts: Arc::clone(&c.credential_hosts),
+        };
+        assert!(tap.credential("localhost") && tap.credential("vpce-1.sts.us-east-1.vpce.example"));
+        assert!(
+            tap.credential("169.254.169.254"),
+            "the well-known ones still"
+        );
+        assert!(!tap.credential("127.0.0.1") && !tap.credential("bkt.s3.example"));
     }
 
     #[test]

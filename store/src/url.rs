@@ -73,8 +73,11 @@ fn host_char(c: char) -> bool {
 impl StoreUrl {
     /// Parses `s`; the error names `s` and says what to write instead.
     pub fn parse(s: &str) -> Result<StoreUrl, StoreError> {
+        // Every error repeats `s` without its userinfo, query or fragment: they may hold a
+        // key or a signature, and the error goes into logs, the CLI's output and the wire.
+        let shown = redacted(s);
         let bad = |reason: String| StoreError::Url {
-            url: s.to_owned(),
+            url: shown.clone(),
             reason,
         };
         let Some((name, rest)) = s.split_once("://") else {
@@ -83,36 +86,36 @@ impl StoreUrl {
         let scheme = Scheme::of(name)
             .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
         let authority = rest.split('/').next().unwrap_or("");
-        if let Some((_, host)) = authority.rsplit_once('@') {
-            // Named without them: the URL goes into logs, errors and metric labels.
-            return Err(StoreError::Url {
-                url: format!("{name}://***@{host}{}", &rest[authority.len()..]),
-                reason: "credentials in the URL (`user:secret@`) are not accepted: they would \
-                         show in logs, errors and metrics; give them in the environment \
-                         (docs/CONFIGURATION.md, object storage)"
+        if authority.contains('@') {
+            return Err(bad(
+                "credentials in the URL (`user:secret@`) are not accepted: they \
+                            would show in logs, errors and metrics; give them in the \
+                            environment (docs/CONFIGURATION.md, object storage)"
                     .into(),
-            });
+            ));
         }
-        if let Some((at, c)) = rest
-            .char_indices()
-            .find(|(_, c)| matches!(c, '?' | '#') || c.is_whitespace())
+        if let Some(c) = rest
+            .chars()
+            .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
         {
-            let (url, note) = if c.is_whitespace() {
-                (s.to_owned(), "")
+            let note = if c.is_whitespace() {
+                ""
             } else {
-                // What follows may be a signature (an Azure SAS token, a presigned URL's),
-                // and the URL goes into logs and errors: not repeated.
-                let cut = s.len() - rest.len() + at;
-                let note = "; what follows it is not repeated here (it may be a signature): give \
-                            credentials in the environment (docs/CONFIGURATION.md, object storage)";
-                (format!("{}{c}...", &s[..cut]), note)
+                "; what follows it is not repeated here (it may be a signature): give \
+                 credentials in the environment (docs/CONFIGURATION.md, object storage)"
             };
-            return Err(StoreError::Url {
-                url,
-                reason: format!(
-                    "{c:?} is not allowed in a dataset URL (no query, fragment or spaces){note}"
-                ),
-            });
+            return Err(bad(format!(
+                "{c:?} is not allowed in a dataset URL (no query, fragment or spaces){note}"
+            )));
+        }
+        if matches!(scheme, Scheme::Http | Scheme::Https) && rest.contains('%') {
+            // The client escapes the path itself: `my%20data` would be asked as
+            // `my%2520data`, a path the server does not have (an empty listing).
+            return Err(bad(
+                "a percent-escape (`%`) is not supported in an http(s) dataset \
+                            path: serve the dataset under a path of plain characters"
+                    .into(),
+            ));
         }
         if scheme == Scheme::File {
             return Self::parse_file(rest).map_err(bad);
@@ -194,6 +197,26 @@ impl StoreUrl {
             format!("{}/{key}", self.prefix)
         }
     }
+}
+
+/// `s` as an error may repeat it: a userinfo (`user:secret@`) becomes `***@`, and a query
+/// or fragment (a SAS token, a presigned URL's signature) becomes `?...` (`#...`).
+pub(crate) fn redacted(s: &str) -> String {
+    let (head, tail) = match s.find(['?', '#']) {
+        Some(at) => (&s[..at], &s[at..at + 1]),
+        None => (s, ""),
+    };
+    let (scheme, rest) = match head.split_once("://") {
+        Some((name, rest)) => (format!("{name}://"), rest),
+        None => (String::new(), head),
+    };
+    let end = rest.find('/').unwrap_or(rest.len());
+    let rest = match rest[..end].rsplit_once('@') {
+        Some((_, host)) => format!("***@{host}{}", &rest[end..]),
+        None => rest.to_owned(),
+    };
+    let dots = if tail.is_empty() { "" } else { "..." };
+    format!("{scheme}{rest}{tail}{dots}")
 }
 
 /// `a//b/` -> `a/b`; refuses `.` and `..` segments.
@@ -313,6 +336,34 @@ mod tests {
         assert!(
             err("s3://b/p q").contains("s3://b/p q"),
             "spaces: the URL as given"
+        );
+        // Before: these three repeated the secret (the scheme check ran before the
+        // redaction; the userinfo path put the query back; whitespace printed `s` whole).
+        for url in [
+            "s3a://AKIAEXAMPLE:tok3n@bkt/ds",
+            "ftp://u:tok3n@h/x",
+            "https://u:p@host/ds?sig=tok3n",
+            "https://host/my ds?sig=tok3n",
+            "AKIA:tok3n@bkt/ds",
+        ] {
+            let e = err(url);
+            assert!(!e.contains("tok3n"), "{e}");
+        }
+        assert!(err("https://u:p@host/ds?sig=tok3n").contains("https://***@host/ds?..."));
+        assert!(err("s3a://k:tok3n@b/d").contains("unsupported scheme `s3a`"));
+    }
+
+    #[test]
+    fn a_percent_escape_in_an_http_path_is_refused_naming_it() {
+        // Before: accepted, asked as `my%2520data`, and the listing came back empty.
+        let e = err("https://h/my%20data");
+        assert!(
+            e.contains("percent-escape") && e.contains("https://h/my%20data"),
+            "{e}"
+        );
+        assert!(
+            StoreUrl::parse("s3://b/100%/x").is_ok(),
+            "an S3 key is literal"
         );
     }
 

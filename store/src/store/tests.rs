@@ -172,26 +172,31 @@ fn http_locations_are_read_only() {
     assert!(e.to_string().contains("read-only"), "{e}");
 }
 
-/// `InMemory` as an S3-compatible server that ignores `If-Match` (some do): it reads whatever
-/// object is there now, and says so in the ETag it returns.
+/// `InMemory` as a server with a quirk: one that ignores `If-Match` (some S3-compatible
+/// servers do; it reads whatever object is there now, and says so in the ETag it returns),
+/// or one whose listing is not confined to the prefix (a proxy that rewrites paths).
 #[derive(Debug)]
-struct IgnoresIfMatch(InMemory);
+struct Quirky {
+    mem: InMemory,
+    ignores_if_match: bool,
+    lists_everything: bool,
+}
 
-impl std::fmt::Display for IgnoresIfMatch {
+impl std::fmt::Display for Quirky {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IgnoresIfMatch")
+        write!(f, "Quirky")
     }
 }
 
 #[async_trait::async_trait]
-impl ObjectStore for IgnoresIfMatch {
+impl ObjectStore for Quirky {
     async fn put_opts(
         &self,
         location: &Path,
         payload: PutPayload,
         opts: object_store::PutOptions,
     ) -> object_store::Result<object_store::PutResult> {
-        self.0.put_opts(location, payload, opts).await
+        self.mem.put_opts(location, payload, opts).await
     }
 
     async fn put_multipart_opts(
@@ -199,7 +204,7 @@ impl ObjectStore for IgnoresIfMatch {
         location: &Path,
         opts: object_store::PutMultipartOptions,
     ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.0.put_multipart_opts(location, opts).await
+        self.mem.put_multipart_opts(location, opts).await
     }
 
     async fn get_opts(
@@ -208,17 +213,17 @@ impl ObjectStore for IgnoresIfMatch {
         options: GetOptions,
     ) -> object_store::Result<object_store::GetResult> {
         let options = GetOptions {
-            if_match: None,
+            if_match: options.if_match.filter(|_| !self.ignores_if_match),
             ..options
         };
-        self.0.get_opts(location, options).await
+        self.mem.get_opts(location, options).await
     }
 
     fn delete_stream(
         &self,
         locations: futures_util::stream::BoxStream<'static, object_store::Result<Path>>,
     ) -> futures_util::stream::BoxStream<'static, object_store::Result<Path>> {
-        self.0.delete_stream(locations)
+        self.mem.delete_stream(locations)
     }
 
     fn list(
@@ -226,14 +231,14 @@ impl ObjectStore for IgnoresIfMatch {
         prefix: Option<&Path>,
     ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
     {
-        self.0.list(prefix)
+        self.mem.list(prefix.filter(|_| !self.lists_everything))
     }
 
     async fn list_with_delimiter(
         &self,
         prefix: Option<&Path>,
     ) -> object_store::Result<object_store::ListResult> {
-        self.0.list_with_delimiter(prefix).await
+        self.mem.list_with_delimiter(prefix).await
     }
 
     async fn copy_opts(
@@ -242,13 +247,17 @@ impl ObjectStore for IgnoresIfMatch {
         to: &Path,
         options: object_store::CopyOptions,
     ) -> object_store::Result<()> {
-        self.0.copy_opts(from, to, options).await
+        self.mem.copy_opts(from, to, options).await
     }
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
-    let os = Arc::new(IgnoresIfMatch(InMemory::new()));
+    let os = Arc::new(Quirky {
+        mem: InMemory::new(),
+        ignores_if_match: true,
+        lists_everything: false,
+    });
     let url = StoreUrl::parse("s3://unit-ignores-if-match/pre").unwrap();
     let s = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
     os.put(&Path::from("pre/a.bin"), data(100).into())
@@ -270,6 +279,32 @@ async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
         .await
         .unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_listed_key_outside_the_prefix_is_named_not_skipped() {
+    let os = Arc::new(Quirky {
+        mem: InMemory::new(),
+        ignores_if_match: false,
+        lists_everything: true,
+    });
+    let url = StoreUrl::parse("s3://unit-lists-everything/pre").unwrap();
+    let s = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
+    os.put(&Path::from("pre/a.bin"), data(1).into())
+        .await
+        .unwrap();
+    assert_eq!(s.list().await.unwrap().len(), 1);
+    // Before: `other/c.bin` was dropped without a word.
+    os.put(&Path::from("other/c.bin"), data(1).into())
+        .await
+        .unwrap();
+    let e = s.list().await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("other/c.bin") && msg.contains("outside"),
+        "{msg}"
+    );
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -306,4 +341,40 @@ fn a_file_of_any_size_fits_the_part_count() {
             "{size} bytes in parts of {part}"
         );
     }
+}
+
+/// A plain HTTP server on loopback that ignores `Range`: every request gets `200 OK` and the
+/// whole 10-byte object (as a static file server without range support would).
+fn serves_whole_objects_only() -> std::net::SocketAddr {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            while head.read_line(&mut line).is_ok_and(|n| n > 2) {
+                line.clear();
+            }
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nETag: \"v1\"\r\n\
+                  Connection: close\r\n\r\n0123456789",
+            );
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_server_that_ignores_range_is_refused_not_retried_as_unavailable() {
+    let addr = serves_whole_objects_only();
+    let url = StoreUrl::parse(&format!("http://{addr}/ds")).unwrap();
+    let s = Store::open(&url, StoreOptions::default()).unwrap();
+    // Before: `Unavailable` (transient), so every read of the dataset was retried.
+    let e = s.read("a.bin", 0..4, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+    assert!(e.to_string().contains("does not serve byte ranges"), "{e}");
+    let e = s.read_suffix("a.bin", 4, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
 }
