@@ -510,6 +510,12 @@ impl SourceLink {
     }
 }
 
+/// A session that lasted this long was healthy: the next dial after it waits the shortest
+/// time again. One that ends sooner (a lane that fails every session right after the
+/// handshake) keeps doubling the wait, so a fault that repeats does not redial 10 times a
+/// second, re-reading and dropping the same shards.
+const HEALTHY_SESSION: Duration = Duration::from_secs(10);
+
 /// Keeps the link connected until shutdown, reconnecting with backoff.
 pub async fn run(
     link: Arc<SourceLink>,
@@ -518,6 +524,7 @@ pub async fn run(
 ) {
     let mut backoff = Duration::from_millis(100);
     loop {
+        let began = tokio::time::Instant::now();
         let result = tokio::select! {
             r = session::connect_and_serve(&link, conns.as_ref()) => r,
             _ = shutdown.changed() => Ok(()),
@@ -532,8 +539,11 @@ pub async fn run(
             return;
         }
         if was_up {
-            tracing::warn!(source = %link.addr, error = %reason, "source link down; reconnecting");
-            backoff = Duration::from_millis(100);
+            let lived = began.elapsed();
+            tracing::warn!(source = %link.addr, error = %reason, ?lived, "source link down; reconnecting");
+            if lived >= HEALTHY_SESSION {
+                backoff = Duration::from_millis(100);
+            }
         } else {
             tracing::debug!(source = %link.addr, error = %reason, "source not reachable; retrying");
         }

@@ -42,6 +42,16 @@ pub enum RxError {
         /// The driver's words.
         message: String,
     },
+    /// Payloads in a row on one connection failed their CRC-32C: one was longer or shorter
+    /// than announced (a payload's bytes ran into the next), so every later one would fail.
+    #[error(
+        "{in_a_row} payloads in a row failed their CRC-32C: the connection has lost its framing \
+         (a payload longer or shorter than announced), so it is dropped"
+    )]
+    Misframed {
+        /// Mismatches in a row.
+        in_a_row: u32,
+    },
     /// An earlier payload on this connection failed, so this one cannot be placed.
     #[error("it failed earlier: {0}")]
     Earlier(Box<RxError>),

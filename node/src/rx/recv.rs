@@ -243,6 +243,51 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_payload_longer_than_announced_drops_the_connection_after_two_mismatches() {
+        // One stray byte after A: B and C are read one byte off. Before, the connection went
+        // on: B, C and every later payload failed their CRC (and were fetched again, onto
+        // the same connection, until the stream closed as `Corrupt`).
+        let (a, b, c, d) = (
+            vec![1u8; 4096],
+            vec![2u8; 4096],
+            vec![3u8; 4096],
+            vec![4u8; 10],
+        );
+        let wire = [a.clone(), vec![9], b.clone(), c.clone(), d.clone()].concat();
+        let p = pool(1 << 20);
+        let (fa, ra) = in_flight(&p, 0, a.len(), crc(&a));
+        let (fb, rb) = in_flight(&p, 1, b.len(), crc(&b));
+        let (fc, rc) = in_flight(&p, 2, c.len(), crc(&c));
+        let (fd, rd) = in_flight(&p, 3, d.len(), crc(&d));
+        let (tx, queue) = std::sync::mpsc::channel();
+        for f in [fa, fb, fc, fd] {
+            tx.send(f).unwrap();
+        }
+        drop(tx);
+        let counters = Counters::default();
+        run(
+            Host(&wire[..]),
+            &link(),
+            at(1),
+            &queue,
+            &FlowStats::default(),
+            &counters,
+        );
+        let out = outcomes(vec![ra, rb, rc, rd]);
+        assert!(out[0].result.is_ok());
+        assert!(matches!(out[1].result, Err(FetchFailure::Crc { .. })));
+        assert!(matches!(out[2].result, Err(FetchFailure::Crc { .. })));
+        match &out[3].result {
+            Err(FetchFailure::ConnectionLost { conn: 1, cause, .. }) => assert_eq!(
+                cause,
+                &RxError::Earlier(Box::new(RxError::Misframed { in_a_row: 2 }))
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(counters.crc_failures.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
     fn a_connection_that_breaks_fails_its_payload_and_every_later_one() {
         let wire = vec![3u8; 1000]; // the first payload needs 4096
         let p = pool(1 << 20);

@@ -112,6 +112,7 @@ pub fn run<P: Place>(
     flow: &FlowStats,
     c: &Counters,
 ) {
+    let mut misses = Mismatches::default();
     while let Ok(mut f) = queue.recv() {
         // One span per fetch: the receive and the verification happen inside it.
         let span = tracing::debug_span!("fetch", req = f.req, shard = f.shard, source = %link.addr);
@@ -120,9 +121,42 @@ pub fn run<P: Place>(
         let placed = path.place(&mut f, &mut tally);
         tally.flush(c);
         match placed {
-            Ok(got) => deliver(f, got, link, c),
+            Ok(got) => {
+                misses.note(deliver(f, got, link, c));
+                if let Err(cause) = misses.check() {
+                    return broken([], queue, link, at, cause);
+                }
+            }
             Err(cause) => return broken([f], queue, link, at, cause),
         }
+    }
+}
+
+/// CRC mismatches in a row on one connection: one is a damaged payload (fetched again),
+/// [`MAX_MISMATCHES_IN_A_ROW`] are a connection whose payloads no longer start where they
+/// were announced to, which is dropped before it fails every payload after them.
+#[derive(Debug, Default)]
+pub struct Mismatches {
+    in_a_row: u32,
+}
+
+/// Mismatches in a row that drop a connection.
+pub const MAX_MISMATCHES_IN_A_ROW: u32 = 2;
+
+impl Mismatches {
+    /// Notes a delivered payload: whether its CRC matched.
+    pub fn note(&mut self, matched: bool) {
+        self.in_a_row = if matched { 0 } else { self.in_a_row + 1 };
+    }
+
+    /// `Err` once the connection should be dropped.
+    pub fn check(&self) -> Result<(), RxError> {
+        if self.in_a_row >= MAX_MISMATCHES_IN_A_ROW {
+            return Err(RxError::Misframed {
+                in_a_row: self.in_a_row,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -205,9 +239,10 @@ pub fn lost(link: &SourceLink, conn: u16, cause: RxError) -> FetchFailure {
 }
 
 /// Ends a received fetch: counts it when its CRC-32C (`got`) matches, warns when not (the
-/// stream fetches it again).
-pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) {
-    if got == f.crc32c {
+/// stream fetches it again). Returns whether it matched.
+pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) -> bool {
+    let matched = got == f.crc32c;
+    if matched {
         c.bytes_received.fetch_add(f.length, Ordering::Relaxed);
         c.shards_received.fetch_add(1, Ordering::Relaxed);
         link.bytes.fetch_add(f.length, Ordering::Relaxed);
@@ -217,6 +252,7 @@ pub fn deliver(f: InFlight, got: u32, link: &SourceLink, c: &Counters) {
             "CRC-32C mismatch: the shard will be fetched again");
     }
     f.verified(got);
+    matched
 }
 
 /// A connection broke inside the payloads of `failed` (or before any): fails them, resets
@@ -255,6 +291,21 @@ pub fn fail_queued(queue: &Receiver<InFlight>, link: &SourceLink, conn: u16, cau
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_mismatches_in_a_row_drop_the_connection_one_does_not() {
+        let mut m = Mismatches::default();
+        m.note(false);
+        assert!(m.check().is_ok());
+        m.note(true);
+        m.note(false);
+        assert!(
+            m.check().is_ok(),
+            "a match in between starts the count again"
+        );
+        m.note(false);
+        assert!(matches!(m.check(), Err(RxError::Misframed { in_a_row: 2 })));
+    }
 
     #[test]
     fn the_mark_is_at_most_half_of_what_is_due() {

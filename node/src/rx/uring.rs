@@ -15,7 +15,9 @@ use std::sync::mpsc::Receiver;
 use shardwire_devmem::uring::{RecvQueue, StableBuf};
 
 use super::error::RxError;
-use super::shared::{Checksum, ConnAt, DATA_STALL_TIMEOUT, Tally, broken, deliver, lowat_for};
+use super::shared::{
+    Checksum, ConnAt, DATA_STALL_TIMEOUT, Mismatches, Tally, broken, deliver, lowat_for,
+};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::InFlight;
 use crate::link::SourceLink;
@@ -67,6 +69,7 @@ pub fn run(
     c: &Counters,
 ) {
     let mut lowat = 1;
+    let mut misses = Mismatches::default();
     loop {
         let mut r = Ok(());
         if q.is_empty() {
@@ -87,7 +90,7 @@ pub fn run(
         let r = r.and_then(|()| {
             set_lowat(&q, &mut lowat)
                 .map_err(|e| (None, RxError::io("setsockopt(SO_RCVLOWAT)", &e)))?;
-            receive(&mut q, flow, c, link).map_err(|e| (None, e))
+            receive(&mut q, flow, c, link, &mut misses).map_err(|e| (None, e))
         });
         if let Err((refused, cause)) = r {
             let jobs = refused.into_iter().map(|j| *j).chain(q.abandon());
@@ -134,21 +137,24 @@ fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// One wait: checksums each piece, delivers each complete payload.
+/// One wait: checksums each piece, delivers each complete payload; `Err` too when the
+/// connection lost its framing ([`Mismatches`]).
 fn receive(
     q: &mut RecvQueue<Job>,
     flow: &FlowStats,
     c: &Counters,
     link: &SourceLink,
+    misses: &mut Mismatches,
 ) -> Result<(), RxError> {
     let mut tally = Tally::new(flow);
     let r = q.wait(
         DATA_STALL_TIMEOUT,
         |job, _, piece| tally.piece(&mut job.sum, piece),
-        |job| deliver(job.f, job.sum.finish(), link, c),
+        |job| misses.note(deliver(job.f, job.sum.finish(), link, c)),
     );
     tally.flush(c);
-    r.map_err(|e| RxError::io("io_uring receive", &e))
+    r.map_err(|e| RxError::io("io_uring receive", &e))?;
+    misses.check()
 }
 
 #[cfg(test)]
@@ -235,6 +241,59 @@ mod tests {
         assert_eq!(
             c.shards_received.load(Ordering::Relaxed),
             sizes.len() as u64 - 1
+        );
+    }
+
+    /// A stray byte after the first payload: the next two fail their CRC, and then the
+    /// connection is dropped (before: every later payload failed its CRC too).
+    #[test]
+    fn two_mismatches_in_a_row_drop_the_connection() {
+        let payloads: Vec<Vec<u8>> = (0..6u8).map(|k| vec![k; 5000]).collect();
+        let mut wire = payloads[0].clone();
+        wire.push(0xee);
+        wire.extend(payloads[1..].concat());
+        let (sock, t) = socket_with(wire);
+        let p = pool(1 << 20);
+        let (tx, queue) = std::sync::mpsc::channel();
+        let mut rxs = Vec::new();
+        for (k, b) in payloads.iter().enumerate() {
+            let (f, r) = in_flight(&p, k as u64, b.len(), crc(b));
+            tx.send(f).unwrap();
+            rxs.push(r);
+        }
+        drop(tx);
+        let (l, c) = (link(), Counters::default());
+        let q = queue_for(&sock).expect("io_uring on this kernel");
+        let at = ConnAt {
+            conn: 4,
+            generation: 0,
+        };
+        run(q, &l, at, &queue, &FlowStats::default(), &c);
+        drop(sock);
+        t.join().unwrap();
+        let out = outcomes(rxs);
+        assert!(out[0].result.is_ok());
+        let crc_failed = |k: usize| matches!(out[k].result, Err(FetchFailure::Crc { .. }));
+        assert!(crc_failed(1) && crc_failed(2));
+        let misframed = |e: &RxError| match e {
+            RxError::Misframed { .. } => true,
+            RxError::Earlier(inner) => matches!(**inner, RxError::Misframed { .. }),
+            _ => false,
+        };
+        let lost = out[3..]
+            .iter()
+            .filter(|o| {
+                matches!(&o.result, Err(FetchFailure::ConnectionLost { conn: 4, cause, .. }) if misframed(cause))
+            })
+            .count();
+        assert!(
+            lost >= 1,
+            "{:?}",
+            out.iter().map(|o| &o.result).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            c.crc_failures.load(Ordering::Relaxed) as usize,
+            6 - 1 - lost
         );
     }
 

@@ -445,20 +445,24 @@ fn a_wildcard_lane_is_advertised_at_the_control_connections_address() {
     assert_eq!((got[0].flows, got[1].flows), (2, 1));
 }
 
-#[tokio::test]
-async fn a_shard_for_an_unknown_request_ends_the_session() {
-    let (l, mut src, _sink, task) = start();
-    src.handshake(60).await;
-    until_up(&l).await;
-    src.send(Message::Shard {
+/// A shard for a request the node never made: a protocol error that ends the session.
+fn unknown_shard() -> Message {
+    Message::Shard {
         req: 99,
         shard: 0,
         length: 1,
         crc32c: 0,
         conn: 0,
         seq: 0,
-    })
-    .await;
+    }
+}
+
+#[tokio::test]
+async fn a_shard_for_an_unknown_request_ends_the_session() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    src.send(unknown_shard()).await;
     let e = task.await.unwrap().unwrap_err();
     assert!(
         matches!(&e, LinkError::Protocol(m) if m.contains("unknown request 99")),
@@ -582,4 +586,85 @@ async fn a_source_that_pings_but_answers_no_fetch_ends_the_session_and_the_fetch
     assert_eq!(l.in_flight(), 0);
     pinger.abort();
     drain.abort();
+}
+
+#[tokio::test]
+async fn a_source_that_breaks_every_session_at_once_is_redialled_with_growing_waits() {
+    // A source on a real listener that completes the handshake and then sends a shard for
+    // a request the node never made (a protocol error: the session ends) every time.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&sessions);
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::Relaxed);
+            let (rd, wr) = tokio::io::split(sock);
+            let mut src = TcpSource {
+                rd,
+                wr,
+                buf: Vec::new(),
+            };
+            tokio::spawn(async move { src.break_after_handshake().await });
+        }
+    });
+    let l = SourceLink::new(
+        0,
+        addr.to_string(),
+        LinkConfig {
+            secret: None,
+            lanes: node_lanes(),
+        },
+    );
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(crate::link::run(l, Arc::new(Sink::default()), stop_rx));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop.send(true);
+    task.await.unwrap();
+    // Waits of 0.1, 0.2, 0.4, 0.8 s: five sessions in 2 s. Before, the wait went back to
+    // 0.1 s after every session that got past the handshake: about 18.
+    let n = sessions.load(Ordering::Relaxed);
+    assert!((2..=7).contains(&n), "{n} sessions in 2 s");
+}
+
+/// A source end over a real TCP connection.
+struct TcpSource {
+    rd: tokio::io::ReadHalf<tokio::net::TcpStream>,
+    wr: tokio::io::WriteHalf<tokio::net::TcpStream>,
+    buf: Vec<u8>,
+}
+
+impl TcpSource {
+    async fn recv(&mut self) -> Option<Message> {
+        read_message(&mut self.rd, &mut self.buf, wire::MAX_FRAME)
+            .await
+            .ok()
+    }
+
+    async fn send(&mut self, m: Message) -> Option<()> {
+        write_message(&mut self.wr, &m).await.ok()
+    }
+
+    /// Answers the handshake, then sends a shard for an unknown request.
+    async fn break_after_handshake(&mut self) -> Option<()> {
+        let Message::Hello { .. } = self.recv().await? else {
+            return None;
+        };
+        self.send(Message::Challenge {
+            nonce: [1; 32],
+            auth_required: false,
+        })
+        .await?;
+        let Message::Auth { .. } = self.recv().await? else {
+            return None;
+        };
+        self.send(Message::Welcome {
+            mac: [0; 32],
+            idle_timeout_s: 60,
+        })
+        .await?;
+        self.send(unknown_shard()).await?;
+        while self.recv().await.is_some() {}
+        Some(())
+    }
 }
