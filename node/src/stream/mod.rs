@@ -399,6 +399,9 @@ impl Stream {
     /// Closes the stream: drops ready batches and leases (freeing the region when the last
     /// in-flight slab returns), wakes everyone.
     pub(crate) fn close(&self, reason: CloseReason) {
+        // First: the stream's task, which may be allocating right now, gets none of the
+        // blocks the leases below give back (a mapped trainer may still read them).
+        self.supply().close();
         let (ready, leases) = {
             let mut i = self.lock();
             if i.closed.is_none() {

@@ -87,6 +87,13 @@ pub fn mix_mode(
     let samples: Vec<u64> = orders.iter().map(|p| p.order.total()).collect();
     let base = resume_point(r, &q, &samples)?;
     let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
+    // The fingerprint does not depend on the point the schedule is based at: a state of
+    // another plan is refused before any replay to its position (which could run for days).
+    let fingerprint = fingerprint(&mix, parts);
+    if let Some(st) = &r.state {
+        compare_fingerprints(&fingerprint, &st.fingerprint)
+            .map_err(|m| bad(ErrorCode::StateMismatch, m))?;
+    }
     let mix = from_the_start(mix, r);
     if mix.steps == 0 {
         let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
@@ -98,7 +105,6 @@ pub fn mix_mode(
             ),
         ));
     }
-    let fingerprint = fingerprint(&mix, parts);
     let start = resume_position(r, &mix, &fingerprint)?;
     let mut mode = BatchMode::new(Sampler::Mix(Box::new(mix)), r, layout, tokens);
     let Sampler::Mix(mix) = &mode.sampler else {
@@ -259,7 +265,15 @@ fn resume_position(r: &StreamRequest, mix: &Mixture, fingerprint: &str) -> Resul
             st.epoch, st.index, r.epochs, mix.steps
         )));
     }
-    let pos = u64::from(st.epoch) * mix.steps + st.index;
+    let pos = u64::from(st.epoch)
+        .checked_mul(mix.steps)
+        .and_then(|p| p.checked_add(st.index))
+        .ok_or_else(|| {
+            mismatch(format!(
+                "state position epoch {} step {} is past the last countable step",
+                st.epoch, st.index
+            ))
+        })?;
     if mix.base.step != pos {
         return Err(mismatch(format!(
             "the state's mixture point is step {}, its position epoch {} step {} is step {pos}",
@@ -342,7 +356,81 @@ fn check_window(
 
 #[cfg(test)]
 mod tests {
-    use super::cursor_is_valid;
+    use super::*;
+    use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+    use shardwire_protocol::trainer::{MixState, StreamState};
+
+    /// `shards` shards of 8 rows of 4 bytes.
+    fn manifest(shards: u32) -> Arc<Manifest> {
+        Arc::new(Manifest::new(
+            (0..shards)
+                .map(|i| ShardEntry {
+                    file: format!("s{i}.bin"),
+                    offset: 0,
+                    length: 32,
+                    crc32c: 0,
+                    tensors: vec![TensorEntry::dense(
+                        "x".into(),
+                        DType::Uint8,
+                        vec![8, 4],
+                        0,
+                        32,
+                    )],
+                })
+                .collect(),
+        ))
+    }
+
+    #[test]
+    fn a_state_of_another_plan_is_refused_before_any_replay_to_its_position() {
+        let (a, b) = (manifest(2), manifest(3));
+        let parts = vec![
+            ("a".to_owned(), Arc::clone(&a)),
+            ("b".to_owned(), Arc::clone(&b)),
+        ];
+        let combined = Manifest::mixture(&[("a", &a), ("b", &b)]);
+        let mut r = StreamRequest::new("mix");
+        r.mix = Some(vec![
+            MixEntry {
+                dataset: "a".into(),
+                weight: 0.5,
+            },
+            MixEntry {
+                dataset: "b".into(),
+                weight: 0.5,
+            },
+        ]);
+        r.batch_size = Some(4);
+        r.epochs = u32::MAX;
+        r.state = Some(StreamState {
+            epoch: u32::MAX - 1,
+            index: 0,
+            seed: 0,
+            fingerprint: "not this plan".into(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
+            mix: Some(MixState {
+                step: 0,
+                datasets: vec!["a".into(), "b".into()],
+                weights: vec![1 << 39, 1 << 39],
+                cursors: vec![0, 0],
+                carry: vec![0, 0],
+            }),
+        });
+        // Before: the schedule was played to step (2^32 - 2) x steps first (hours), and
+        // the fingerprint compared after.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let got = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).map(|_| ());
+            let _ = tx.send(got);
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("refused at once, not after a replay");
+        let e = got.unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+    }
 
     #[test]
     fn cursors_past_the_last_countable_epoch_or_without_room_are_invalid() {

@@ -120,6 +120,9 @@ pub struct Supply {
     /// Woken when a slab is freed while the task waits for memory.
     freed: Notify,
     wants_memory: AtomicBool,
+    /// Set when the stream closes, before its leases go back to the pool: from then on no
+    /// slab is handed out (a trainer may still read its last batch where it mapped it).
+    closed: AtomicBool,
 }
 
 impl Supply {
@@ -144,6 +147,7 @@ impl Supply {
             ids,
             freed: Notify::new(),
             wants_memory: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
         });
         let weak: Weak<Self> = Arc::downgrade(&s);
         s.pool.set_on_free(Arc::new(move || {
@@ -226,12 +230,25 @@ impl Supply {
     /// A slab of `bytes`, or `None` when the region is full; until one is found again, a
     /// freed slab wakes the task ([`Self::freed`]).
     pub fn try_alloc(&self, bytes: usize) -> Option<Slab> {
+        if self.closed.load(Ordering::SeqCst) {
+            return None;
+        }
         // Announce the need before trying, so a free between the failed try and the wait
         // leaves a permit instead of being missed.
         self.wants_memory.store(true, Ordering::SeqCst);
         let slab = self.pool.alloc(bytes)?;
         self.wants_memory.store(false, Ordering::SeqCst);
+        // A block that a close freed (a lease's) comes only after the flag was set: seen
+        // here, and given back before anything lands in it.
+        if self.closed.load(Ordering::SeqCst) {
+            return None;
+        }
         Some(slab)
+    }
+
+    /// No slab is handed out from now on ([`Self::try_alloc`] says no): the stream closed.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
     }
 
     /// A fresh request id.

@@ -149,6 +149,19 @@ fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
 }
 
 #[test]
+fn after_a_close_the_stream_allocates_nothing_so_a_leased_block_is_not_reused() {
+    let s = stream(3, 0);
+    arrive(&s, 0);
+    let leased = batch(s.next(None));
+    assert!(s.read_leased(leased.lease, 0, 1).is_some());
+    s.close(CloseReason::TrainerDisconnected);
+    // Before: the stream's task, still in its loop, got the lease's block back at once
+    // and fetched into it while the trainer could still read its last batch there.
+    assert!(s.supply().try_alloc(4096).is_none());
+    assert_eq!(s.pool.used(), 0);
+}
+
+#[test]
 fn a_resumed_stream_starts_at_its_position_and_ends() {
     let s = stream(3, 5);
     arrive(&s, 4); // before the resume point: not delivered
