@@ -154,6 +154,29 @@ impl Control {
         Ok(())
     }
 
+    /// Answers a `ManifestRequest` with `json` written from where it is kept (one small
+    /// head per request, not a copy of a manifest of up to 64 MiB).
+    pub(crate) async fn manifest(
+        &mut self,
+        req: u64,
+        dataset: &str,
+        json: &[u8],
+    ) -> Result<(), SessionError> {
+        let mut head = Vec::with_capacity(64 + dataset.len());
+        wire::encode_manifest_head(req, dataset, json.len(), &mut head)
+            .map_err(|e| SessionError::Frame(e.into()))?;
+        let write = async {
+            self.wr.write_all(&head).await?;
+            self.wr.write_all(json).await
+        };
+        tokio::time::timeout(WRITE_TIMEOUT, write)
+            .await
+            .map_err(|_| SessionError::WriteTimeout(WRITE_TIMEOUT))?
+            .map_err(|e| SessionError::Frame(e.into()))?;
+        self.last_sent = Instant::now();
+        Ok(())
+    }
+
     pub(crate) async fn error(
         &mut self,
         req: u64,

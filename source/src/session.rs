@@ -108,6 +108,9 @@ pub(crate) async fn run(
     .await
 }
 
+/// How long a session's last `Error` may take to write before the session ends anyway.
+const LAST_WORD: Duration = Duration::from_secs(1);
+
 /// Drops a session's read-ahead hints when it ends, however it ends.
 struct ForgetHints(Arc<Shared>, u64);
 
@@ -305,7 +308,9 @@ impl Session {
                     Err(SessionError::Frame(FrameError::Closed)) => return Ok(()),
                     Err(e) => return Err(e),
                 },
-                _ = self.failed.notified() => return Err(SessionError::DataFailed),
+                _ = self.failed.notified() => {
+                    return Err(self.last_word(ErrorCode::Internal, SessionError::DataFailed).await);
+                }
                 _ = self.progress.notified() => continue,
                 _ = async { self.draining.wait_for(|d| *d).await.is_ok() }, if !self.drained => {
                     self.tell_draining().await?;
@@ -318,12 +323,24 @@ impl Session {
                 _ = tokio::time::sleep_until(last_heard + idle) => return Err(SessionError::Idle(idle)),
                 _ = tokio::time::sleep_until(self.ready_by), if self.ready.contains(&false) => {
                     let conns = self.ready.iter().filter(|r| !**r).count();
-                    return Err(SessionError::NotReady { conns, waited: HANDSHAKE_TIMEOUT });
+                    let e = SessionError::NotReady { conns, waited: HANDSHAKE_TIMEOUT };
+                    return Err(self.last_word(ErrorCode::BadRequest, e).await);
                 }
             };
             last_heard = Instant::now();
             self.handle(msg).await?;
         }
+    }
+
+    /// Tells the node why the source ends this session (an `Error` about no request, which
+    /// the node logs), waiting at most [`LAST_WORD`] for a node that does not read; then
+    /// returns `e`.
+    async fn last_word(&mut self, code: ErrorCode, e: SessionError) -> SessionError {
+        let said = self
+            .ctl
+            .error(0, code, format!("the source ends this session: {e}"));
+        let _ = tokio::time::timeout(LAST_WORD, said).await;
+        e
     }
 
     /// Tells the node once that this source drains: it sends nothing new here, and the
@@ -344,22 +361,15 @@ impl Session {
 
     async fn handle(&mut self, msg: Message) -> Result<(), SessionError> {
         match msg {
-            Message::ManifestRequest { req, dataset } => {
-                let answer = match self.shared.datasets.get(&dataset) {
-                    Some(d) => Message::Manifest {
-                        req,
-                        dataset,
-                        json: d.manifest_json.clone(),
-                    },
-                    None => Message::Error {
-                        req,
-                        code: ErrorCode::UnknownDataset,
-                        retry_after_ms: 0,
-                        message: format!("dataset `{dataset}` is not served here"),
-                    },
-                };
-                self.ctl.send(&answer).await
-            }
+            Message::ManifestRequest { req, dataset } => match self.shared.datasets.get(&dataset) {
+                Some(d) => self.ctl.manifest(req, &dataset, &d.manifest_json).await,
+                None => {
+                    let message = format!("dataset `{dataset}` is not served here");
+                    self.ctl
+                        .error(req, ErrorCode::UnknownDataset, message)
+                        .await
+                }
+            },
             Message::Fetch {
                 req,
                 dataset,
@@ -461,7 +471,8 @@ impl Session {
             return self.ctl.error(req, ErrorCode::UnknownShard, message).await;
         };
         if self.queued >= MAX_QUEUED_FETCHES {
-            return Err(SessionError::TooManyFetches(self.queued));
+            let e = SessionError::TooManyFetches(self.queued);
+            return Err(self.last_word(ErrorCode::BadRequest, e).await);
         }
         let corrupt = self
             .shared
@@ -501,7 +512,11 @@ impl Session {
             payload,
             held: 0,
         };
-        self.reads.start(&mut q, self.id, &self.progress);
+        // In queue order: a read waiting for room is not passed by a newer (smaller) one,
+        // which could starve it for as long as small FETCHes keep coming.
+        if self.later.iter().all(|&n| n == 0) {
+            self.reads.start(&mut q, self.id, &self.progress);
+        }
         if matches!(q.payload, Payload::Later(_)) {
             self.later[usize::from(lane)] += 1;
         }

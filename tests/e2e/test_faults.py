@@ -43,7 +43,7 @@ from conftest import (
     wait_ready,
     write_uint8_shards,
 )
-from faults import handshake_to_data_conn, next_non_ping, read_control_frame
+from faults import ERROR, error_code, handshake_to_data_conn, next_non_ping, read_control_frame
 
 WIRE_VERSION = 3
 
@@ -285,11 +285,15 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
     t0 = time.monotonic()  # before the handshake: the source's handshake clock starts within it
     ctl, conn, _ = handshake_to_data_conn(addr, data)
     ctl.settimeout(15)
+    said = []
     with pytest.raises((ConnectionError, ConnectionResetError)):
         while True:
-            next_non_ping(ctl)
+            said.append(next_non_ping(ctl))
     took = time.monotonic() - t0
     assert 8 < took < 14, f"dropped after {took:.1f} s (limit: the 10 s handshake timeout)"
+    # The node is told why before the close (before: a bare EOF).
+    errors = [error_code(body) for kind, body in said if kind == ERROR]
+    assert any(req == 0 and "not ready (no DataReady from the node)" in m for req, _, m in errors), said
     wait_for(lambda: "not ready (no DataReady from the node)" in src.stderr_text(), "the source's log line", 10,
              diag=lambda: src.stderr_text()[-2000:])
     for s in (ctl, conn, data):

@@ -56,6 +56,42 @@ pub fn encode(msg: &Message, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     Ok(())
 }
 
+/// Appends the frame of [`Message::Manifest`] up to its `json` bytes, which follow it on the
+/// wire as they are (`json_len` of them): a manifest of tens of MiB is written from where it
+/// is kept, not copied into a new frame for every node that asks. On an error `out` is left
+/// as it was.
+pub fn encode_manifest_head(
+    req: u64,
+    dataset: &str,
+    json_len: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    let start = out.len();
+    out.extend_from_slice(&[0, 0, 0, 0, VERSION]);
+    if let Err(e) = manifest_head(req, dataset, json_len, &mut Writer { out }) {
+        out.truncate(start);
+        return Err(e);
+    }
+    let len = (out.len() - start - 4 + json_len) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+    Ok(())
+}
+
+/// The kind and fields of a `Manifest` up to the `json` blob's length.
+fn manifest_head(
+    req: u64,
+    dataset: &str,
+    json_len: usize,
+    w: &mut Writer<'_>,
+) -> Result<(), EncodeError> {
+    w.kind(K_MANIFEST);
+    w.u64(req);
+    w.dataset(dataset)?;
+    check_len("json", json_len, crate::manifest::MAX_MANIFEST_BYTES)?;
+    w.u32(json_len as u32);
+    Ok(())
+}
+
 /// Appends the kind and fields of `msg`.
 fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
     match msg {
@@ -102,10 +138,8 @@ fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
             w.dataset(dataset)?;
         }
         Message::Manifest { req, dataset, json } => {
-            w.kind(K_MANIFEST);
-            w.u64(*req);
-            w.dataset(dataset)?;
-            w.blob("json", json, crate::manifest::MAX_MANIFEST_BYTES)?;
+            manifest_head(*req, dataset, json.len(), w)?;
+            w.bytes(json);
         }
         Message::DataConn { lane, conn, addr } => {
             w.kind(K_DATA_CONN);
@@ -236,13 +270,6 @@ impl Writer<'_> {
         check_len("dataset", name.len(), MAX_DATASET_NAME)?;
         check_dataset_name(name).map_err(EncodeError::DatasetName)?;
         self.string("dataset", name, MAX_DATASET_NAME)
-    }
-    /// A `u32` length, then the bytes (at most `max`).
-    fn blob(&mut self, field: &'static str, b: &[u8], max: usize) -> Result<(), EncodeError> {
-        check_len(field, b.len(), max)?;
-        self.u32(b.len() as u32);
-        self.bytes(b);
-        Ok(())
     }
     /// A `u16` count (at most `max`), then the `u32`s.
     fn u32_list(&mut self, field: &'static str, xs: &[u32], max: usize) -> Result<(), EncodeError> {

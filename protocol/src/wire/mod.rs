@@ -15,7 +15,7 @@ mod encode;
 mod tests;
 
 pub use decode::{DecodeError, Decoded, check_frame_len, decode, decode_frame};
-pub use encode::{EncodeError, encode, version_error_frame};
+pub use encode::{EncodeError, encode, encode_manifest_head, version_error_frame};
 
 use crate::auth::NONCE_LEN;
 

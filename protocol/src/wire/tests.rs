@@ -108,6 +108,30 @@ fn round_trip_every_kind() {
 }
 
 #[test]
+fn a_manifest_head_and_its_json_are_the_manifest_frame() {
+    let json = br#"{"version":1,"shards":[]}"#.to_vec();
+    let mut head = vec![7u8]; // appended after what is there
+    encode_manifest_head(9, "imagenet", json.len(), &mut head).unwrap();
+    let mut whole = vec![7u8];
+    let m = Message::Manifest {
+        req: 9,
+        dataset: "imagenet".into(),
+        json: json.clone(),
+    };
+    encode(&m, &mut whole).unwrap();
+    head.extend_from_slice(&json);
+    assert_eq!(head, whole);
+    let mut out = vec![1u8];
+    let too_long = crate::manifest::MAX_MANIFEST_BYTES + 1;
+    assert!(matches!(
+        encode_manifest_head(9, "d", too_long, &mut out),
+        Err(EncodeError::FieldTooLong { field: "json", .. })
+    ));
+    assert!(encode_manifest_head(9, "../x", 1, &mut out).is_err());
+    assert_eq!(out, [1], "left as it was");
+}
+
+#[test]
 fn rejects_bad_headers() {
     assert_eq!(decode(&[0, 0, 0, 1, 1]), Err(DecodeError::FrameLength(1)));
     assert_eq!(

@@ -411,6 +411,18 @@ impl DiskCache {
         }
     }
 
+    /// Deletes `shard`'s entry if its file is no longer `len` bytes long (an entry written
+    /// anew since, whole, stays).
+    pub fn remove_if_not(&mut self, shard: u32, len: u64) {
+        let Some(e) = self.entries.get(&shard) else {
+            return;
+        };
+        let size = std::fs::metadata(self.dir.join(&e.name)).map(|m| m.len());
+        if size.ok() != Some(len) || e.len != len {
+            self.remove(shard);
+        }
+    }
+
     /// Deletes `shard`'s entry.
     fn remove(&mut self, shard: u32) {
         if let Some(e) = self.entries.remove(&shard) {

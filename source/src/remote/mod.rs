@@ -300,6 +300,19 @@ impl RemoteDataset {
     async fn cached(&self, shard: u32) -> Option<Body> {
         let cache = self.cache.as_ref()?;
         let hit = cache.lock().expect("poisoned").get(shard)?;
+        // A file cut short since it was written (a disk error, an operator) would end the
+        // node's whole session mid-payload, again on every session it is sent to.
+        let size = hit.file.metadata().map(|m| m.len());
+        if size.as_ref().ok() != Some(&hit.len) {
+            let found = size.map_or_else(|e| format!("unreadable: {e}"), |n| format!("{n} bytes"));
+            tracing::warn!(dataset = %self.name, shard, want = hit.len, %found,
+                "a cache entry is not the length it was written with; deleted, reading the shard again");
+            cache
+                .lock()
+                .expect("poisoned")
+                .remove_if_not(shard, hit.len);
+            return None;
+        }
         if !hit.verified {
             let want = self.shards[shard as usize].crc32c;
             let file = hit.file.try_clone().ok()?;

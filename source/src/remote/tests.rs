@@ -371,3 +371,47 @@ async fn a_fetch_that_missed_the_cache_takes_an_entry_committed_since() {
     assert!(matches!(d.claim(2, false), Claim::Read(_)));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_cache_entry_cut_short_is_deleted_and_read_again_not_sent() {
+    let dir = std::env::temp_dir().join(format!(
+        "shardwire-remote-test-short-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = Arc::new(Gated::new());
+    os.open();
+    let d = dataset("short", &os, Some(&dir)).await;
+    d.place(1, vec![Bytes::from(vec![1u8; SHARD as usize])])
+        .await;
+    assert!(d.cached(1).await.is_some(), "a whole entry is served");
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.metadata().is_ok_and(|m| m.len() == SHARD))
+        .collect();
+    assert_eq!(files.len(), 1, "one entry file");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(files[0].path())
+        .unwrap()
+        .set_len(SHARD / 2)
+        .unwrap();
+    // Before: served (verified when written), and the sender's `sendfile` ran out of bytes
+    // mid-payload: the node's whole session ended, again on every session it went to.
+    assert!(d.cached(1).await.is_none());
+    assert!(
+        !files[0].path().exists(),
+        "the short entry is deleted: the next FETCH reads the store"
+    );
+    let (body, _) = fetch(&d, 1, 1).await.unwrap().unwrap();
+    assert_eq!(bytes_of(&body), d_bytes(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Shard `s`'s bytes in [`dataset`]'s object.
+fn d_bytes(s: u64) -> Vec<u8> {
+    (s * SHARD..(s + 1) * SHARD)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect()
+}
