@@ -234,6 +234,10 @@ pub struct ServeConfig {
     pub allowed_uids: Vec<u32>,
     /// Trainer peers allowed by gid; a peer passes if its uid or its gid is listed.
     pub allowed_gids: Vec<u32>,
+    /// The trainer HTTP routes (`/v1/streams` open/next/close/state, `/v1/leases/...`) on
+    /// the admin address; false: they answer 403 (trainers use the socket), so an admin
+    /// address off loopback (Kubernetes' probes) does not serve the datasets to the network.
+    pub trainer_http: bool,
     /// Admin and trainer HTTP connections served at once; more wait in the kernel's backlog.
     pub http_max_connections: usize,
     /// Seconds an HTTP client has to send a request's headers (slowloris bound), also the
@@ -285,6 +289,7 @@ impl Default for ServeConfig {
             socket_mode: "0660".into(),
             allowed_uids: Vec::new(),
             allowed_gids: Vec::new(),
+            trainer_http: true,
             http_max_connections: 256,
             http_header_timeout_secs: 10,
             http_body_timeout_secs: 10,
@@ -333,7 +338,8 @@ pub struct SourceConfig {
     /// Seconds an established node session may be silent before it is dropped (nodes send
     /// keepalives after a third of it; they learn it in the handshake).
     pub idle_timeout_secs: u64,
-    /// Control connections served at once; more are closed at accept.
+    /// Node sessions (authenticated control connections) served at once; a node past it is
+    /// answered with an error in place of `Welcome`.
     pub max_connections: usize,
     /// Disk cache for object-storage datasets (`None`: none; shards read ahead are held in
     /// memory until sent).

@@ -25,8 +25,9 @@
 //!
 //! `unsafe` is denied crate-wide and allowed only in the private `sys` module, where each
 //! syscall sits behind a small safe function with a `// SAFETY:` comment, in [`mem`] (the
-//! mapping and its copies), at the one place the emulator writes a net_iov page, and where a
-//! TX slot hands out the free bytes it owns ([`txbuf`]).
+//! mapping and its copies), at the one place the emulator writes a net_iov page, where a
+//! TX slot hands out the free bytes it owns ([`txbuf`]), and in [`uring`] (the ring's shared
+//! memory and the buffers it lends the kernel).
 #![deny(unsafe_code)]
 
 pub mod cmsg;

@@ -60,7 +60,7 @@ pub struct BenchArgs {
     compare_crc: bool,
     /// With --compare-crc: only these ways (their labels as printed, e.g. `crc-queue`;
     /// repeatable). The first one named is the reference of the ratios.
-    #[arg(long = "crc-way")]
+    #[arg(long = "crc-way", requires = "compare_crc")]
     crc_ways: Vec<String>,
     /// The node's plain-TCP data connections receive with io_uring (the service default);
     /// `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
@@ -90,7 +90,7 @@ pub struct BenchArgs {
 
 /// Runs the benchmark.
 /// The checks of `bench`'s flags that need no dataset.
-fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
+pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.flows >= 1 && a.flows <= 64,
         "--flows must be 1..=64, got {}",
@@ -110,6 +110,13 @@ fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
         a.lanes == 1 || !(a.compare_tcp || a.compare_uring || a.compare_crc),
         "--lanes runs no comparisons: drop --compare-tcp, --compare-uring and --compare-crc"
     );
+    if let Some(g) = a.rate {
+        // Below about 1 byte/s (or not a number) the pacing rate would become 0: unlimited.
+        anyhow::ensure!(
+            g.is_finite() && g * 1e9 / 8.0 >= 1.0,
+            "--rate is a goodput in Gbit/s above 0, got {g}"
+        );
+    }
     Ok(())
 }
 
@@ -117,7 +124,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     crate::logging::init_filter("warn");
     check_args(&a)?;
     let shard = a.shard_size.0 as usize;
-    anyhow::ensure!(shard >= 4096, "--shard-size must be at least 4KiB");
+    anyhow::ensure!(
+        shard >= 4096,
+        "--shard-size must be at least 4KiB, got {shard} bytes"
+    );
     let count = ((256usize << 20) / shard).clamp(8, 64);
     let crc_ways = match a.compare_crc {
         true => crc_ways(&a.crc_ways)?,
@@ -256,11 +266,6 @@ fn run_shardwire(
         stream_memory,
         (a.mode, io_uring),
     )?;
-    println!(
-        "== Source {} (node data connections: {})",
-        lb.source_addr,
-        if io_uring { "io_uring" } else { "recv" }
-    );
     let node = &lb.node.handle.node;
     println!("== Target {}", node.info().data_addr);
     let mut s = Stream::open(
@@ -275,6 +280,20 @@ fn run_shardwire(
     if let Some(b) = s.next()? {
         s.release(b)?;
     }
+    // What the data connections do, as the node counted them (not the flag: where io_uring
+    // cannot be set up the node falls back to `recv`, and says so).
+    let counted = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let on_uring = counted(&node.counters().io_uring_connections);
+    let way = if on_uring > 0 { "io_uring" } else { "recv" };
+    println!(
+        "== Source {} (node data connections: {way})",
+        lb.source_addr
+    );
+    anyhow::ensure!(
+        !(io_uring && on_uring == 0 && a.compare_uring),
+        "--compare-uring: the node's data connections fell back to recv (io_uring cannot be \
+         set up here: see the node's warning), so there is nothing to compare"
+    );
     let flows0: Vec<u64> = node
         .flows()
         .iter()

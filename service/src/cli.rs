@@ -243,7 +243,7 @@ pub struct ServeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     admin: Option<std::net::SocketAddr>,
-    /// Memory for all streams together (e.g. 4GiB) [default: 1GiB].
+    /// Memory for all streams of a lane together (e.g. 4GiB; per lane) [default: 1GiB].
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pool_size: Option<ByteSize>,
@@ -268,7 +268,8 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     devmem_memory: Option<ByteSize>,
-    /// Interface for --receive devmem [default: the first devmem-capable NIC].
+    /// Interface for --receive devmem on a node of one lane [default: the lane's paired NIC,
+    /// else the first devmem-capable one].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     devmem_interface: Option<String>,
@@ -485,6 +486,9 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         drain_timeout: std::time::Duration::from_secs(cfg.drain_timeout_secs),
     };
     runtime()?.block_on(async {
+        // With or without an admin endpoint: the recorder keeps every histogram sample
+        // until upkeep folds it into buckets (a source without --admin grew without end).
+        tokio::spawn(crate::http::prom::upkeep());
         let datasets = shardwire_source::Datasets::open(&cfg.datasets, &remote).await?;
         let src = shardwire_source::Source::bind(scfg, datasets)
             .await
@@ -508,6 +512,10 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         tokio::spawn(async move {
             signalled().await;
             let _ = tx.send(true);
+            signalled().await;
+            // An operator who asks twice does not wait out the drain timeout.
+            tracing::warn!("a second signal: exiting now, without waiting for the drain");
+            std::process::exit(130);
         });
         src.serve(rx).await;
         Ok(ExitCode::SUCCESS)
@@ -535,7 +543,14 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
                 tracing::info!(?timeout, "drain requested over the admin API");
             }
         }
-        h.drain(timeout).await;
+        tokio::select! {
+            _ = h.drain(timeout) => {}
+            _ = signalled() => {
+                // An operator who asks again does not wait out the drain timeout.
+                tracing::warn!(open = h.node.streams().len(), "a second signal: closing the remaining streams now");
+                h.shutdown();
+            }
+        }
         // Let the HTTP fronts finish what they are answering (the drain request itself).
         let _ = s.http.await;
         Ok(ExitCode::SUCCESS)
@@ -640,4 +655,52 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Cli;
+
+    #[test]
+    fn flags_that_would_do_nothing_alone_are_refused() {
+        // Before: accepted, and ignored.
+        let hold = ["shardwire", "consume", "--dataset", "x", "--hold-secs", "5"];
+        let e = Cli::try_parse_from(hold).unwrap_err().to_string();
+        assert!(e.contains("--limit"), "{e}");
+        let with_limit = [
+            "shardwire",
+            "consume",
+            "--dataset",
+            "x",
+            "--limit",
+            "1",
+            "--hold-secs",
+            "5",
+        ];
+        assert!(Cli::try_parse_from(with_limit).is_ok());
+        let way = ["shardwire", "bench", "--crc-way", "crc-queue"];
+        let e = Cli::try_parse_from(way).unwrap_err().to_string();
+        assert!(e.contains("--compare-crc"), "{e}");
+    }
+
+    #[test]
+    fn a_bench_rate_that_would_pace_nothing_is_refused() {
+        // Before: -1, NaN or 1e-12 Gbit/s became a pacing rate of 0, which means unlimited.
+        for rate in ["-1", "NaN", "1e-12", "0"] {
+            let flag = format!("--rate={rate}");
+            let cli = Cli::try_parse_from(["shardwire", "bench", flag.as_str()]).unwrap();
+            let super::Cmd::Bench(a) = cli.cmd else {
+                panic!("bench")
+            };
+            let e = crate::bench::check_args(&a).unwrap_err().to_string();
+            assert!(e.contains("--rate"), "{rate}: {e}");
+        }
+        let cli = Cli::try_parse_from(["shardwire", "bench", "--rate", "2.5"]).unwrap();
+        let super::Cmd::Bench(a) = cli.cmd else {
+            panic!("bench")
+        };
+        assert!(crate::bench::check_args(&a).is_ok());
+    }
 }

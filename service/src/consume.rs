@@ -98,7 +98,7 @@ pub struct ConsumeArgs {
     #[arg(long)]
     limit: Option<u64>,
     /// Hold the stream open after `--limit` batches for this many seconds, without reading.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, requires = "limit")]
     hold_secs: u64,
 }
 

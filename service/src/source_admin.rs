@@ -38,7 +38,6 @@ pub async fn serve(
     if let Ok(a) = listener.local_addr() {
         tracing::info!(admin = %a, "source admin endpoint: /v1/status, /metrics");
     }
-    tokio::spawn(prom::upkeep());
     let app = Router::new()
         .route("/v1/status", get(status_json))
         .route("/metrics", get(metrics_text))

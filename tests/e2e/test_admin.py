@@ -100,20 +100,27 @@ def write_cfg(tmp_path, token) -> str:
     return str(cfg)
 
 
-def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
+def _draining_with_a_held_stream(sw, tmp_path, drain_secs: int):
+    """A node with one stream held open by a stalled trainer, sent SIGTERM and draining
+    (readiness off): (node, the trainer)."""
     d = tmp_path / "ds"
     write_uint8_shards(d, 6, 64 * 1024, seed=4)
     index_dataset(d)
     src = sw.source({"a": d})
     cfg = tmp_path / "serve.toml"
-    # Long enough for the refused consume below to start and connect on a loaded machine.
-    cfg.write_text("drain_timeout_secs = 10\n")
+    cfg.write_text(f"drain_timeout_secs = {drain_secs}\n")
     node = sw.serve([src], "--config", str(cfg))
     wait_ready(node)
-    holder = sw.start_consume(node, "a", limit=1, hold_secs=60)
+    holder = sw.start_consume(node, "a", limit=1, hold_secs=300)
     wait_for(lambda: node.status()["streams"] or None, "a stream to open")
     node.popen.send_signal(signal.SIGTERM)
     wait_for(lambda: http_get(node.admin, "/readyz")[0] == 503 or None, "readiness to turn off")
+    return node, holder
+
+
+def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
+    # Long enough for the refused consume below to start and connect on a loaded machine.
+    node, holder = _draining_with_a_held_stream(sw, tmp_path, 10)
     out = subprocess.run(
         [str(require_bin()), *consume_args(node.socket, "a")], capture_output=True, text=True, timeout=30
     )
@@ -124,6 +131,39 @@ def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
     assert "drain timeout" in node.stderr_text(), node.stderr_text()[-2000:]
     assert time.monotonic() - t < 25
     holder.kill(signal.SIGKILL)
+
+
+def test_a_second_signal_ends_a_drain_at_once(sw, tmp_path):
+    node, holder = _draining_with_a_held_stream(sw, tmp_path, 120)
+    # Before: the second signal was swallowed, and the node waited out the 120 s drain.
+    t = time.monotonic()
+    node.popen.send_signal(signal.SIGINT)
+    assert node.wait(timeout=30) == 0
+    assert time.monotonic() - t < 10
+    assert "a second signal: closing the remaining streams now" in node.stderr_text(), node.stderr_text()[-2000:]
+    holder.kill(signal.SIGKILL)
+
+
+def test_trainer_http_off_refuses_the_trainer_routes_and_keeps_the_admin_ones(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 2, 4096, seed=7)
+    index_dataset(d)
+    src = sw.source({"a": d})
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("trainer_http = false\n")
+    node = sw.serve([src], "--config", str(cfg))
+    wait_ready(node)
+    code, body = admin_request(node.admin, "POST", "/v1/streams", {"dataset": "a"})
+    assert code == 403 and body["code"] == "forbidden" and "trainer_http" in body["message"], body
+    code, body = admin_request(node.admin, "POST", "/v1/leases/1/release")
+    assert code == 403 and "trainer_http" in body["message"], body
+    # The admin routes and the socket are unchanged.
+    assert request(node.admin, "GET", "/v1/streams")[0] == 200
+    assert http_get(node.admin, "/v1/status")[0] == 200
+    out = subprocess.run(
+        [str(require_bin()), *consume_args(node.socket, "a"), "--limit", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
 
 
 def test_trainer_peer_allowlist_and_socket_mode(sw, tmp_path):

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -296,6 +297,26 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
     assert any(req == 0 and "not ready (no DataReady from the node)" in m for req, _, m in errors), said
     wait_for(lambda: "not ready (no DataReady from the node)" in src.stderr_text(), "the source's log line", 10,
              diag=lambda: src.stderr_text()[-2000:])
+    for s in (ctl, conn, data):
+        s.close()
+
+
+def test_a_second_signal_ends_a_sources_drain_at_once(sw, tmp_path):
+    d = tiny_dataset(tmp_path)
+    src = sw.source({"tiny": d}, "--drain-timeout-secs", "120")
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    # A node session that stays (a raw node, ready, that does not leave when told of the drain).
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
+    src.popen.send_signal(signal.SIGTERM)
+    wait_for(lambda: "draining: no new FETCHes" in src.stderr_text() or None, "the source to drain")
+    # Before: the second signal was swallowed, and the source waited out its 120 s drain.
+    t = time.monotonic()
+    src.popen.send_signal(signal.SIGINT)
+    rc = src.wait(timeout=30)
+    assert time.monotonic() - t < 10
+    assert rc == 130 and "a second signal: exiting now" in src.stderr_text(), (rc, src.stderr_text()[-2000:])
     for s in (ctl, conn, data):
         s.close()
 

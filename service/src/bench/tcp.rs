@@ -319,8 +319,34 @@ pub fn run(
     let secs = t0.elapsed().as_secs_f64();
     sample();
     stop.store(true, Ordering::Relaxed);
+    // A primitive that failed (io_uring under a seccomp policy, an older kernel) is an
+    // error naming it, not a measurement of 0 Gbit/s. A sender's broken pipe after the stop
+    // is the receivers closing, as they do.
+    let mut failed = None;
     for t in threads {
-        let _ = t.join();
+        let name = t.thread().name().unwrap_or("tcp thread").to_owned();
+        match t.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if name.starts_with("tcp-send") && closed_by_peer(&e) => {}
+            Ok(Err(e)) => failed = failed.or(Some(format!("{name}: {e}"))),
+            Err(_) => failed = failed.or(Some(format!("{name} panicked"))),
+        }
     }
+    if let Some(why) = failed {
+        anyhow::bail!("plain TCP ({:?}) failed: {why}", r.recv);
+    }
+    anyhow::ensure!(
+        bytes > 0,
+        "plain TCP ({:?}) received nothing in {secs:.1} s",
+        r.recv
+    );
     Ok(Measured { bytes, secs })
+}
+
+/// Whether `e` is what a sender sees once its receiver has closed the connection.
+fn closed_by_peer(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+    )
 }

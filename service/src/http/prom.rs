@@ -280,7 +280,8 @@ pub fn render(st: &Status) -> String {
         .filter_map(|l| l.binding.as_ref())
         .map(|d| d.lane.to_string())
         .collect();
-    render_text(&seconds, &bound)
+    let sources: Vec<String> = st.sources.iter().map(|s| s.addr.clone()).collect();
+    render_text(&seconds, &bound, &sources)
 }
 
 /// Sets one of the node's integer counters in the recorder.
@@ -358,7 +359,7 @@ fn record_binding(d: &BindingStatus) {
 /// label order; histogram series as the recorder keeps them, in registration order, each
 /// with its buckets in `le` order), then the node's counters in seconds, rendered here (the
 /// recorder's counters are integers).
-fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String]) -> String {
+fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String], sources: &[String]) -> String {
     let mut blocks: Vec<(String, String)> = handle()
         .render()
         .split("\n\n")
@@ -366,7 +367,9 @@ fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String]) -> String {
         .map(|b| (family_name(b), sorted_block(b)))
         .filter_map(|(name, b)| {
             if name.starts_with(DEVMEM) {
-                bound_only(&b, bound).map(|b| (name, b))
+                labelled_only(&b, "lane", bound).map(|b| (name, b))
+            } else if PER_SOURCE.contains(&name.as_str()) {
+                labelled_only(&b, "source", sources).map(|b| (name, b))
             } else {
                 Some((name, b))
             }
@@ -405,15 +408,23 @@ fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String]) -> String {
 /// The prefix of the per-lane binding families ([`record_binding`]).
 const DEVMEM: &str = "shardwire_devmem_";
 
-/// A devmem family's block without the series of lanes that have no binding now (the
-/// recorder keeps a deleted binding's last values; `DELETE /v1/bindings` must not leave them
-/// looking live), or None when no series is left.
-fn bound_only(block: &str, bound: &[String]) -> Option<String> {
-    let lane_of = |l: &str| {
-        let rest = l.split_once("lane=\"")?.1;
+/// The node's families labelled by `source`: only the sources of the roster now are shown
+/// (a source that left the DNS answer must not stay `up` for good, one series per rollout).
+const PER_SOURCE: [&str; 2] = [
+    "shardwire_source_up",
+    "shardwire_source_bytes_received_total",
+];
+
+/// A block without the series whose label `key` is not in `current` (the recorder keeps a
+/// gone series' last values: a deleted binding's lane, a retired source; they must not look
+/// live), or None when no series is left.
+fn labelled_only(block: &str, key: &str, current: &[String]) -> Option<String> {
+    let (open, next) = (format!("{{{key}=\""), format!(",{key}=\""));
+    let value_of = |l: &str| {
+        let rest = l.split_once(&open).or_else(|| l.split_once(&next))?.1;
         Some(rest[..rest.find('"')?].to_owned())
     };
-    let keep = |l: &&str| l.starts_with('#') || lane_of(l).is_some_and(|n| bound.contains(&n));
+    let keep = |l: &&str| l.starts_with('#') || value_of(l).is_some_and(|n| current.contains(&n));
     let lines: Vec<&str> = block.lines().filter(keep).collect();
     lines.iter().any(|l| !l.starts_with('#')).then(|| {
         let mut out = lines.join("\n");
@@ -472,15 +483,33 @@ mod tests {
     fn devmem_series_of_unbound_lanes_are_left_out() {
         let b = "# HELP shardwire_devmem_frags_total x\n# TYPE shardwire_devmem_frags_total counter\n\
                  shardwire_devmem_frags_total{lane=\"0\"} 5\nshardwire_devmem_frags_total{lane=\"1\"} 7\n";
-        let kept = bound_only(b, &["1".to_owned()]).unwrap();
+        let kept = labelled_only(b, "lane", &["1".to_owned()]).unwrap();
         assert!(
             kept.contains("{lane=\"1\"} 7") && !kept.contains("lane=\"0\""),
             "{kept}"
         );
         assert!(kept.starts_with("# HELP"), "{kept}");
-        assert_eq!(bound_only(b, &[]), None);
+        assert_eq!(labelled_only(b, "lane", &[]), None);
         // `lane="1"` is not `lane="10"`.
-        assert_eq!(bound_only(b, &["10".to_owned()]), None);
+        assert_eq!(labelled_only(b, "lane", &["10".to_owned()]), None);
+    }
+
+    #[test]
+    fn series_of_sources_that_left_the_roster_are_left_out() {
+        // Before: a source retired from the DNS answer stayed `up` 1 for good.
+        let b = "# TYPE shardwire_source_up gauge\n\
+                 shardwire_source_up{source=\"10.0.0.1:7500\"} 1\n\
+                 shardwire_source_up{source=\"10.0.0.2:7500\"} 1\n";
+        let kept = labelled_only(b, "source", &["10.0.0.2:7500".to_owned()]).unwrap();
+        assert!(
+            !kept.contains("10.0.0.1") && kept.contains("10.0.0.2:7500\"} 1"),
+            "{kept}"
+        );
+        let other = "x{mode=\"host\",lane=\"3\"} 1\n";
+        assert!(
+            labelled_only(other, "lane", &["3".to_owned()]).is_some(),
+            "a later label"
+        );
     }
 
     #[test]

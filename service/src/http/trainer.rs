@@ -50,6 +50,7 @@ const INLINE_COPY: u64 = 256 << 10;
 
 /// The trainer HTTP routes, merged into the admin server.
 pub fn router(node: Arc<Node>) -> Router {
+    let trainer_http = node.info().cfg.trainer_http;
     let api = Arc::new(Api {
         node,
         streams: Mutex::new(HashMap::new()),
@@ -66,6 +67,10 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
         .route("/v1/leases/{lease}/release", post(release))
         .layer(axum::middleware::from_fn(refuse_web_pages))
+        .layer(axum::middleware::from_fn_with_state(
+            trainer_http,
+            refuse_when_off,
+        ))
         .layer(axum::middleware::from_fn(refuse_on_reserve))
         .with_state(api)
 }
@@ -79,6 +84,21 @@ async fn refuse_on_reserve(req: axum::extract::Request, next: axum::middleware::
         return ApiError::new(ErrorCode::Unavailable, msg).into_response();
     }
     next.run(req).await
+}
+
+/// With `trainer_http = false` the trainer routes answer 403: trainers use the socket, and
+/// an admin address off loopback serves no dataset to whoever can reach it.
+async fn refuse_when_off(
+    State(on): State<bool>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if on {
+        return next.run(req).await;
+    }
+    let msg = "the trainer HTTP routes are off on this node (serve config `trainer_http = false`): \
+               use the trainer socket";
+    ApiError::new(ErrorCode::Forbidden, msg).into_response()
 }
 
 /// The trainer routes take no token, so a web page the operator's browser shows could reach
