@@ -13,6 +13,7 @@ mod report;
 mod tcp;
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -294,14 +295,10 @@ fn run_shardwire(
         "--compare-uring: the node's data connections fell back to recv (io_uring cannot be \
          set up here: see the node's warning), so there is nothing to compare"
     );
-    let flows0: Vec<u64> = node
-        .flows()
-        .iter()
-        .map(|f| f.stats.bytes.load(Ordering::Relaxed))
-        .collect();
+    let flows0 = flow_counts(&node.flows());
     let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
     let (s, delivered, secs, cpu1, threads1) = trainer_window(s, a.seconds)?;
-    let flows = flow_bytes_since(node, &flows0);
+    let flows = flow_bytes_since(&node.flows(), &flows0);
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
     let stats: Vec<_> = node.flows().into_iter().map(|f| f.stats).collect();
     print_crc_hotness(shardwire_node::FlowStats::median_crc_piece(
@@ -369,15 +366,35 @@ fn trainer_window(mut s: Stream, seconds: u64) -> anyhow::Result<Window> {
     })
 }
 
-/// Each data flow's (source, connection, bytes received since `before`, the counts then).
-fn flow_bytes_since(node: &shardwire_node::Node, before: &[u64]) -> Vec<(String, u16, u64)> {
-    node.flows()
+/// Each data flow's counters and the bytes received so far (the counters held, so that a
+/// later flow's cannot take their place; a flow's place in the list moves when an ended one
+/// is pruned).
+type FlowCounts = Vec<(Arc<shardwire_node::FlowStats>, u64)>;
+
+/// [`FlowCounts`] of `flows` now.
+fn flow_counts(flows: &[shardwire_node::Flow]) -> FlowCounts {
+    flows
         .iter()
-        .enumerate()
-        .map(|(i, f)| {
+        .map(|f| (Arc::clone(&f.stats), f.stats.bytes.load(Ordering::Relaxed)))
+        .collect()
+}
+
+/// Each data flow's (source, connection, bytes received since `before`; a flow that began
+/// since counts from 0).
+fn flow_bytes_since(
+    flows: &[shardwire_node::Flow],
+    before: &FlowCounts,
+) -> Vec<(String, u16, u64)> {
+    flows
+        .iter()
+        .map(|f| {
             let bytes = f.stats.bytes.load(Ordering::Relaxed);
-            let since = bytes - before.get(i).copied().unwrap_or(0);
-            (f.source.clone(), f.conn, since)
+            let then = before.iter().find(|(s, _)| Arc::ptr_eq(s, &f.stats));
+            (
+                f.source.clone(),
+                f.conn,
+                bytes.saturating_sub(then.map_or(0, |t| t.1)),
+            )
         })
         .collect()
 }
@@ -419,4 +436,32 @@ fn print_crc_hotness(median: Option<usize>) {
             None => "unknown",
         }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flow(conn: u16, bytes: u64) -> shardwire_node::Flow {
+        let stats = Arc::new(shardwire_node::FlowStats::default());
+        stats.bytes.store(bytes, Ordering::Relaxed);
+        shardwire_node::Flow {
+            source: "s".into(),
+            lane: 0,
+            conn,
+            stats,
+        }
+    }
+
+    #[test]
+    fn flows_are_paired_by_their_counters_not_their_place_in_the_list() {
+        let (a, b) = (flow(0, 100), flow(1, 50));
+        let before = flow_counts(&[a, b.clone()]);
+        // `a` ended and was pruned, `c` began: before, `b` was measured against `a`'s
+        // count (an underflow: a panic in a debug build, 1.8e19 bytes in a release one).
+        b.stats.bytes.store(60, Ordering::Relaxed);
+        let c = flow(2, 10);
+        let got = flow_bytes_since(&[b, c], &before);
+        assert_eq!(got, [("s".to_owned(), 1, 10), ("s".to_owned(), 2, 10)]);
+    }
 }
