@@ -25,6 +25,10 @@ use shardwire_protocol::samples::mix::{counts, interleave};
 use shardwire_protocol::samples::{EpochOrder, SampleOrder, SampleRef, TokenPiece, Unit};
 use shardwire_protocol::trainer::MixState;
 
+/// Points a mixture keeps of the steps last asked for ([`Mixture::point`]): more than the
+/// batches a stream keeps ready (at most 8) and those its trainer holds.
+const RECENT: usize = 64;
+
 /// Steps between checkpoints of the schedule.
 const CHECKPOINT: u64 = 1024;
 
@@ -116,8 +120,10 @@ pub struct Mixture {
     /// Where the schedule starts (step 0, or the resume state's point).
     pub base: Point,
     checkpoints: Checkpoints,
-    /// The last point asked for (the batcher asks in increasing order).
-    last: Mutex<Point>,
+    /// The last [`RECENT`] points asked for: the batcher asks in increasing order, and a
+    /// batch's state (a step the batcher passed a few batches ago) is one of them, not a
+    /// replay from the checkpoint before it (up to 1023 steps, under this lock).
+    recent: Mutex<VecDeque<Point>>,
     orders: Mutex<VecDeque<(usize, u32, Arc<EpochOrder>)>>,
 }
 
@@ -141,7 +147,7 @@ impl Mixture {
             rank,
             steps: total / gb,
             checkpoints,
-            last: Mutex::new(base.clone()),
+            recent: Mutex::new(VecDeque::from([base.clone()])),
             base,
             orders: Mutex::new(VecDeque::new()),
         }
@@ -154,9 +160,14 @@ impl Mixture {
 
     /// The schedule before global step `step` (at or after the base).
     pub fn point(&self, step: u64) -> Point {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.step == step {
-            return last.clone();
+        self.point_counted(step).0
+    }
+
+    /// [`Self::point`], and how many steps it played to get there.
+    fn point_counted(&self, step: u64) -> (Point, u64) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = recent.iter().find(|p| p.step == step) {
+            return (p.clone(), 0);
         }
         let mut cps = self
             .checkpoints
@@ -164,18 +175,26 @@ impl Mixture {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let i = cps.partition_point(|c| c.step <= step).max(1) - 1;
-        let mut p = match last.step <= step && last.step >= cps[i].step {
-            true => last.clone(),
-            false => cps[i].clone(),
+        let near = recent
+            .iter()
+            .filter(|p| p.step <= step)
+            .max_by_key(|p| p.step);
+        let mut p = match near {
+            Some(r) if r.step >= cps[i].step => r.clone(),
+            _ => cps[i].clone(),
         };
+        let from = p.step;
         while p.step < step {
             p.advance(&self.q, self.global_batch());
             if p.step.is_multiple_of(CHECKPOINT) && cps.last().is_some_and(|l| l.step < p.step) {
                 cps.push(p.clone());
             }
         }
-        *last = p.clone();
-        p
+        if recent.len() == RECENT {
+            recent.pop_front();
+        }
+        recent.push_back(p.clone());
+        (p, step - from)
     }
 
     /// This rank's slots at the step after `p`: (dataset, its cursor).
@@ -401,6 +420,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_recent_step_is_not_replayed_from_its_checkpoint() {
+        let q = fixed_weights(&["web", "code"], &[0.5, 0.5]).unwrap();
+        let m = Mixture::new(parts(), q, (4, 1, 0), start());
+        let (at, _) = m.point_counted(2000);
+        // The batcher a few steps ahead of the batch whose state is asked for.
+        for step in 2001..2009 {
+            assert_eq!(m.point_counted(step).1, 1, "one step from the last");
+        }
+        // Before: 2000 - 1024 = 976 steps replayed from the checkpoint at 1024, and the
+        // batcher's next step replayed again from there.
+        assert_eq!(m.point_counted(2000), (at, 0));
+        assert_eq!(m.point_counted(2009).1, 1);
+        assert_eq!(m.point_counted(2003).1, 0);
     }
 
     #[test]
