@@ -153,6 +153,11 @@ impl Mixture {
         }
     }
 
+    /// The epoch the stream starts in (its base's).
+    pub fn base_epoch(&self) -> u32 {
+        u32::try_from(self.base.step / self.steps.max(1)).unwrap_or(u32::MAX)
+    }
+
     /// Samples per global step.
     pub fn global_batch(&self) -> u64 {
         u64::from(self.batch_size) * u64::from(self.world_size)
@@ -264,9 +269,14 @@ impl Mixture {
     /// The units of mixture epoch `epoch`: one per step from the base on, holding the shards
     /// of this rank's samples (rank-local sample indexes within the epoch).
     pub fn units(&self, epoch: u32) -> Vec<Unit> {
+        self.units_within(epoch, u64::MAX)
+    }
+
+    /// [`Self::units`] of at most the first `steps` steps.
+    pub fn units_within(&self, epoch: u32, steps: u64) -> Vec<Unit> {
         let b = u64::from(self.batch_size);
         let first = (u64::from(epoch) * self.steps).max(self.base.step);
-        let end = u64::from(epoch + 1) * self.steps;
+        let end = (u64::from(epoch + 1) * self.steps).min(first.saturating_add(steps));
         let mut p = self.point(first);
         let mut out = Vec::with_capacity(end.saturating_sub(first) as usize);
         while p.step < end {

@@ -17,6 +17,7 @@ use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::mix::{MixPart, Mixture, Point};
 use super::open::{block_shards, check_workers, max_class, sample_order};
+use super::peak;
 use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
@@ -319,6 +320,9 @@ fn part_fields(name: &str, o: &SampleOrder, m: &Manifest) -> String {
     )
 }
 
+/// Steps of an epoch over which the open check measures the most one step reads at once.
+const PEAK_STEPS: u64 = 4096;
+
 /// Checks that the region holds every dataset's current blocks (all partitions: every rank
 /// of a mixture reads them all), the batch the trainer holds and [`READY_AHEAD`] more;
 /// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
@@ -340,9 +344,28 @@ fn check_window(
         })
         .sum();
     let class = SlabPool::class_size(batch_bytes as usize) as u64;
-    let need = shards * max_class + (READY_AHEAD as u64 + 1) * class;
+    // One step reads every shard its samples come from at once: with Megatron's order (its
+    // windows drawn from the whole dataset) or a dataset giving many samples per step, more
+    // than the blocks above. Measured over the epoch's first steps (the schedule's draws are
+    // alike across an epoch; a later step that needs more closes the stream `DoesNotFit`).
+    let units = tokio::task::block_in_place(|| mix.units_within(mix.base_epoch(), PEAK_STEPS));
+    let step = peak::peak(m, &units, u64::from(mix.batch_size));
+    let blocks = shards.saturating_mul(max_class).max(step.bytes);
+    let need = blocks.saturating_add((READY_AHEAD as u64 + 1) * class);
     if need <= region_bytes {
-        return Ok(ready_ahead(region_bytes, shards * max_class, class));
+        return Ok(ready_ahead(region_bytes, blocks, class));
+    }
+    if step.bytes > shards.saturating_mul(max_class) {
+        return Err(bad(
+            ErrorCode::NoMemory,
+            format!(
+                "needs stream_memory of at least {need} bytes: one step's {} samples read {} shards of {} slab bytes at once, plus {} batch slabs of {class} bytes; stream_memory is {region_bytes}; raise stream_memory or lower batch_size",
+                mix.batch_size,
+                step.shards,
+                step.bytes,
+                READY_AHEAD + 1,
+            ),
+        ));
     }
     Err(bad(
         ErrorCode::NoMemory,
@@ -381,9 +404,13 @@ mod tests {
         ))
     }
 
-    #[test]
-    fn a_state_of_another_plan_is_refused_before_any_replay_to_its_position() {
-        let (a, b) = (manifest(2), manifest(3));
+    /// Datasets `a` and `b` of `shards_a` and `shards_b` shards, and a request mixing them
+    /// half and half.
+    fn halves(
+        shards_a: u32,
+        shards_b: u32,
+    ) -> (Vec<(String, Arc<Manifest>)>, Manifest, StreamRequest) {
+        let (a, b) = (manifest(shards_a), manifest(shards_b));
         let parts = vec![
             ("a".to_owned(), Arc::clone(&a)),
             ("b".to_owned(), Arc::clone(&b)),
@@ -400,6 +427,57 @@ mod tests {
                 weight: 0.5,
             },
         ]);
+        (parts, combined, r)
+    }
+
+    #[test]
+    fn the_least_region_an_open_accepts_holds_what_one_step_reads() {
+        // Blocks of one shard (8 rows), and steps of 64 samples: each step reads about 4
+        // blocks of each dataset at once, more than the blocks the check counted before.
+        let (parts, combined, mut r) = halves(64, 64);
+        r.shuffle_block = Some(8);
+        let opens = |region: u64| mix_mode(&parts, &combined, &r, 64, region, false);
+        let (mut lo, mut hi) = (1u64, 1 << 30);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match opens(mid) {
+                Ok(_) => hi = mid,
+                Err(_) => lo = mid + 1,
+            }
+        }
+        let (Kind::Batches(mode), ..) = opens(lo).unwrap() else {
+            panic!("batch mode")
+        };
+        let Sampler::Mix(mix) = &mode.sampler else {
+            panic!("a mixture")
+        };
+        let class = SlabPool::class_size(32) as u64;
+        let most = mix
+            .units(0)
+            .iter()
+            .map(|u| u.shards.len() as u64)
+            .max()
+            .unwrap();
+        assert!(
+            most > 4,
+            "steps read {most} shards: the case this test is about"
+        );
+        let batch = SlabPool::class_size(mode.batch_bytes as usize) as u64;
+        assert!(
+            lo >= most * class + (READY_AHEAD as u64 + 1) * batch,
+            "accepted {lo} bytes, where one step reads {most} shards of {class}"
+        );
+        let e = opens(lo - 1).err().unwrap();
+        assert!(
+            e.message.contains("one step's 64 samples read"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_state_of_another_plan_is_refused_before_any_replay_to_its_position() {
+        let (parts, combined, mut r) = halves(2, 3);
         r.batch_size = Some(4);
         r.epochs = u32::MAX;
         r.state = Some(StreamState {
