@@ -160,6 +160,11 @@ where
     let mut stall_check = tokio::time::interval(stall::CHECK_EVERY);
     let mut heard_by = Instant::now() + idle;
     loop {
+        // Registered before the reason is looked at: a kick between the look and the wait
+        // below wakes it (`notify_waiters` keeps no permit for a waiter not yet registered).
+        let abort = link.abort.notified();
+        tokio::pin!(abort);
+        abort.as_mut().enable();
         // A kick while this task was busy (not waiting below) is not lost: its reason stays.
         if let Some(reason) = link.abort_reason.lock().expect("poisoned").take() {
             return Err(LinkError::DataFailed { reason });
@@ -167,7 +172,7 @@ where
         let msg = tokio::select! {
             m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,
             w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
-            _ = link.abort.notified() => {
+            _ = &mut abort => {
                 let reason = link.abort_reason.lock().expect("poisoned").take();
                 return Err(LinkError::DataFailed { reason: reason.unwrap_or_default() });
             }
