@@ -242,7 +242,9 @@ def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path
     polls = [threading.Thread(target=long_poll) for _ in range(2)]
     for t in polls:
         t.start()
-    time.sleep(1.0)  # both connections taken, both polls waiting
+    # Both connections taken, both polls waiting. Not probed: a third connection while a poll
+    # still connects could take the poll's place and send it to a reserve slot (503).
+    time.sleep(2.0)
     try:
         with urllib.request.urlopen(f"http://{node.admin}/healthz", timeout=3) as r:
             assert r.status == 200

@@ -9,14 +9,20 @@ where that install failed, these tests are skipped and say why.
 from __future__ import annotations
 
 import collections
+import importlib.util
+import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
+from conftest import child_env
 from sdk_harness import (
     SHARDS,
     World,
+    sdk_on_path,
     world,  # noqa: F401 - a fixture
 )
 
@@ -74,27 +80,45 @@ def test_torch_from_dlpack_is_zero_copy(world: World):
         assert n >= SHARDS
 
 
+# Run in a child: XLA starts threads, and a later test's fork() in this process (DataLoader
+# workers) could then deadlock on a lock one of them held.
+JAX_FROM_DLPACK = """
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import shardwire
+
+# Without x64 JAX narrows int64/float64 to 32 bits on import (a converting copy); the
+# dataset has both, so turn it on as a JAX user with such data would.
+jax.config.update("jax_enable_x64", True)
+copies = zero_copy = 0
+with shardwire.connect(sys.argv[1]).open_stream("mix", seed=3) as s:
+    for b in s:
+        for name, t in b.items():
+            y = jax.dlpack.from_dlpack(t)
+            assert y.shape == t.shape and y.dtype == jnp.dtype(t.dtype), f"shard {b.shard} {name}"
+            assert np.array_equal(np.asarray(y), t), f"shard {b.shard} {name}"
+            addr = t.__array_interface__["data"][0]
+            same = y.unsafe_buffer_pointer() == addr
+            # XLA on CPU imports in place only 64-byte aligned buffers (and copies others);
+            # pyarrow aligns IPC buffers to 8 bytes, numpy's .npy data to 64.
+            assert same == (addr % 64 == 0), f"shard {b.shard} {name}: address {addr:#x}, zero-copy {same}"
+            zero_copy += same
+            copies += not same
+print(f"jax: {zero_copy} tensors imported zero-copy, {copies} copied by XLA (not 64-byte aligned)")
+"""
+
+
 def test_jax_from_dlpack(world: World):
-    jax = _need("jax")
-    import jax.numpy as jnp
-
-    # Without x64 JAX narrows int64/float64 to 32 bits on import (a converting copy); the
-    # dataset has both, so turn it on as a JAX user with such data would.
-    jax.config.update("jax_enable_x64", True)
-
-    copies = zero_copy = 0
-    with world.sock().open_stream("mix", seed=3) as s:
-        for b in s:
-            for name, t in b.items():
-                y = jax.dlpack.from_dlpack(t)
-                assert y.shape == t.shape and y.dtype == jnp.dtype(t.dtype), f"shard {b.shard} {name}"
-                assert np.array_equal(np.asarray(y), t), f"shard {b.shard} {name}"
-                addr = t.__array_interface__["data"][0]
-                same = y.unsafe_buffer_pointer() == addr
-                # XLA on CPU imports in place only 64-byte aligned buffers (and copies others);
-                # pyarrow aligns IPC buffers to 8 bytes, numpy's .npy data to 64.
-                assert same == (addr % 64 == 0), f"shard {b.shard} {name}: address {addr:#x}, zero-copy {same}"
-                zero_copy += same
-                copies += not same
-    print(f"jax: {zero_copy} tensors imported zero-copy, {copies} copied by XLA (not 64-byte aligned)")
-    assert zero_copy >= 8, "the .npy tensors are 64-byte aligned and must be imported zero-copy"
+    if importlib.util.find_spec("jax") is None:  # not imported here (see above)
+        pytest.skip("jax is not installed (tests/e2e/requirements-frameworks.txt; scripts/test installs it)")
+    out = subprocess.run(
+        [sys.executable, "-c", JAX_FROM_DLPACK, world.serve.socket],
+        env=child_env(sdk_on_path()), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    m = re.search(r"jax: (\d+) tensors imported zero-copy, (\d+) copied", out.stdout)
+    assert m, out.stdout
+    print(m.group(0))
+    assert int(m.group(1)) >= 8, "the .npy tensors are 64-byte aligned and must be imported zero-copy"
