@@ -330,6 +330,9 @@ def test_the_torch_dataset_sends_what_it_sent_before(sent, monkeypatch: pytest.M
     ({"batch_size": 2, "worker": -1}, "worker must be an integer >= 0, not -1"),
     ({"batch_size": 2, "shuffle": "rows"}, "shuffle must be 'none', 'shards' or 'block', not 'rows'"),
     ({"shuffle": "none", "drop_last": True}, "shuffle, drop_last need batch_size (batch mode)"),
+    # Before: accepted, and ignored by the node: every worker got the rank's whole stream.
+    ({"worker": 1, "num_workers": 2}, "worker, num_workers need batch_size (batch mode); in shard mode give each "
+                                      "DataLoader worker its own rank (shardwire.torch.effective_rank)"),
     ({"batch_size": 2, "boundaries": True}, "boundaries need seq_len (token mode)"),
     ({"seq_len": 8}, "seq_len needs batch_size: token windows are delivered in batches"),
     ({"batch_size": 2, "seq_len": 8, "token_dtype": "int16"}, "token_dtype must be 'int32' or 'int64', not 'int16'"),

@@ -198,6 +198,18 @@ pub fn shard_mode(
     r: &StreamRequest,
     region_bytes: u64,
 ) -> Result<(Kind, u64, String), OpenError> {
+    if r.worker != 0 || r.num_workers != 1 {
+        // Ignored here before: every worker was given the rank's whole stream.
+        return Err(OpenError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "worker {} of num_workers {}: splitting a rank's stream among workers needs batch mode \
+                 (batch_size); in shard mode give each worker its own rank (rank * num_workers + \
+                 worker of world_size * num_workers)",
+                r.worker, r.num_workers
+            ),
+        ));
+    }
     let spec = plan(m, r)?;
     let start = resume_position(&spec, r.state.as_ref(), r.epochs)?;
     check_region(m, region_bytes)?;
@@ -530,6 +542,22 @@ mod tests {
             shuffle_block: None,
             mix: None,
         }
+    }
+
+    #[test]
+    fn shard_mode_refuses_workers_it_would_ignore() {
+        let m = Manifest::new(Vec::new());
+        let mut r = StreamRequest::new("web");
+        r.worker = 1;
+        r.num_workers = 2;
+        // Before: opened, and each worker was given the rank's whole stream.
+        let e = shard_mode(&m, &r, 1 << 20).err().unwrap();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(
+            e.message.contains("worker 1 of num_workers 2"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -280,9 +280,12 @@ class StreamOptions:
             if "batch_size" not in fields:
                 raise ValueError("a mixture (a mapping of datasets to weights) needs batch_size (batch mode)")
         if "batch_size" not in fields:
-            given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last") if k in fields]
+            given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last", "worker", "num_workers") if k in fields]
             if given:
-                raise ValueError(f"{', '.join(given)} need batch_size (batch mode)")
+                hint = ""
+                if "worker" in given or "num_workers" in given:
+                    hint = "; in shard mode give each DataLoader worker its own rank (shardwire.torch.effective_rank)"
+                raise ValueError(f"{', '.join(given)} need batch_size (batch mode){hint}")
         return fields
 
     def _token_fields(self, fields: dict[str, Any]) -> None:
