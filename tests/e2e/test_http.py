@@ -680,3 +680,34 @@ def test_an_open_answer_without_its_fields_is_a_protocol_error_and_the_stream_is
         assert closes == ["/v1/streams/9/close"]
     finally:
         srv.shutdown()
+
+
+def test_an_interrupt_while_a_socket_reply_is_decoded_loses_no_batch(world: World, monkeypatch):
+    """Ctrl-C (or a signal handler's exception) strikes while a reply that arrived whole is
+    decoded: the reply is taken by the next call. Before, its bytes were gone while the
+    request stayed waiting for them: the next call waited for an answer already read."""
+    from shardwire import _wire
+
+    real, hits = _wire._decode, {"n": 0}
+
+    def interrupted(body):
+        hits["n"] += 1
+        if hits["n"] % 3 == 0:
+            raise KeyboardInterrupt("injected while decoding a reply")
+        return real(body)
+
+    got = []
+    with world.sock().open_stream("mix", seed=5) as s:
+        monkeypatch.setattr(_wire, "_decode", interrupted)
+        while True:
+            try:
+                b = s.next(timeout=30)
+            except KeyboardInterrupt:
+                continue
+            if b is None:
+                break
+            got.append((b.epoch, b.index))
+    monkeypatch.setattr(_wire, "_decode", real)
+    with world.sock().open_stream("mix", seed=5) as s:
+        want = [(b.epoch, b.index) for b in s]
+    assert got == want and hits["n"] > 3

@@ -374,6 +374,8 @@ def _info(conn: _wire.Conn) -> dict[str, Any]:
         raise _service_error(msg)
     if msg.get("op") != "info":
         raise ProtocolError(f"unexpected answer to info: {msg!r}")
+    if "memory" not in msg:
+        raise ProtocolError(f"the node's info answer has no memory field: {msg!r}")
     return {"memory": str(msg["memory"]), "lanes": list(msg.get("lanes", []))}
 
 

@@ -225,7 +225,15 @@ class Conn:
                 # The usual case on a training loop's path: one recv is exactly one reply.
                 data = self.sock.recv(1 << 16)
                 if len(data) >= 4 and _LEN.unpack_from(data)[0] == len(data) - 4:
-                    return _decode(data[4:])
+                    try:
+                        return _decode(data[4:])
+                    except ProtocolError:
+                        raise
+                    except BaseException:
+                        # An interrupt while decoding (Ctrl-C, a signal handler that raises):
+                        # the reply stays to be taken by the next call, not lost.
+                        self._buf += data
+                        raise
                 if not data:
                     raise ConnectionClosed("the node service closed the connection")
                 self._buf += data
