@@ -63,11 +63,11 @@ impl std::fmt::Display for Described {
     }
 }
 
+/// A built client and its description.
+type Built = Result<(Arc<dyn ObjectStore>, Described), StoreError>;
+
 /// The client for `url`, and its description.
-pub(crate) fn build(
-    url: &StoreUrl,
-    opts: &StoreOptions,
-) -> Result<(Arc<dyn ObjectStore>, Described), StoreError> {
+pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
     static TLS: Once = Once::new();
     // reqwest is built without a bundled crypto provider (no aws-lc C build): install ring's
     // once. An error means another provider is installed already, which serves as well.
@@ -80,23 +80,7 @@ pub(crate) fn build(
     };
     let bucket = url.bucket();
     match url.scheme() {
-        Scheme::S3 => {
-            let b = AmazonS3Builder::from_env();
-            let tap = TapConnector::with_credential_urls([
-                b.get_config_value(&S3Key::ContainerCredentialsFullUri),
-                b.get_config_value(&S3Key::StsEndpoint),
-            ]);
-            let mut b = b
-                .with_bucket_name(bucket)
-                .with_retry(retry(opts))
-                .with_http_connector(tap);
-            for (k, v) in client(opts) {
-                b = b.with_config(S3Key::Client(k), v);
-            }
-            let d = describe_s3(&b);
-            let s = b.build().map_err(|e| config(e.to_string()))?;
-            Ok((Arc::new(s), d))
-        }
+        Scheme::S3 => s3(bucket, opts, config),
         Scheme::Gcs => {
             let mut b = GoogleCloudStorageBuilder::from_env()
                 .with_bucket_name(bucket)
@@ -109,23 +93,7 @@ pub(crate) fn build(
             let s = b.build().map_err(|e| config(e.to_string()))?;
             Ok((Arc::new(s), d))
         }
-        Scheme::Azure => {
-            let b = MicrosoftAzureBuilder::from_env();
-            let tap = TapConnector::with_credential_urls([
-                b.get_config_value(&AzKey::MsiEndpoint),
-                b.get_config_value(&AzKey::AuthorityHost),
-            ]);
-            let mut b = b
-                .with_container_name(bucket)
-                .with_retry(retry(opts))
-                .with_http_connector(tap);
-            for (k, v) in client(opts) {
-                b = b.with_config(AzKey::Client(k), v);
-            }
-            let d = describe_azure(&b);
-            let s = b.build().map_err(|e| config(e.to_string()))?;
-            Ok((Arc::new(s), d))
-        }
+        Scheme::Azure => azure(bucket, opts, config),
         Scheme::File => {
             let s = LocalFileSystem::new_with_prefix(bucket)
                 .map_err(|e| config(format!("cannot open the directory: {e}")))?;
@@ -149,6 +117,54 @@ pub(crate) fn build(
             Ok((Arc::new(s), d))
         }
     }
+}
+
+/// An S3 client of `bucket` from the environment; its configured credential endpoints are
+/// credential services to the tap, unless one is its own endpoint.
+fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
+    let b = AmazonS3Builder::from_env();
+    let tap = TapConnector::with_credential_urls(
+        [
+            b.get_config_value(&S3Key::ContainerCredentialsFullUri),
+            b.get_config_value(&S3Key::StsEndpoint),
+        ],
+        &[
+            b.get_config_value(&S3Key::Endpoint),
+            b.get_config_value(&S3Key::S3Endpoint),
+        ],
+    );
+    let mut b = b
+        .with_bucket_name(bucket)
+        .with_retry(retry(opts))
+        .with_http_connector(tap);
+    for (k, v) in client(opts) {
+        b = b.with_config(S3Key::Client(k), v);
+    }
+    let d = describe_s3(&b);
+    let s = b.build().map_err(|e| config(e.to_string()))?;
+    Ok((Arc::new(s), d))
+}
+
+/// An Azure client of `container` from the environment (as [`s3`]).
+fn azure(container: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
+    let b = MicrosoftAzureBuilder::from_env();
+    let tap = TapConnector::with_credential_urls(
+        [
+            b.get_config_value(&AzKey::MsiEndpoint),
+            b.get_config_value(&AzKey::AuthorityHost),
+        ],
+        &[b.get_config_value(&AzKey::Endpoint)],
+    );
+    let mut b = b
+        .with_container_name(container)
+        .with_retry(retry(opts))
+        .with_http_connector(tap);
+    for (k, v) in client(opts) {
+        b = b.with_config(AzKey::Client(k), v);
+    }
+    let d = describe_azure(&b);
+    let s = b.build().map_err(|e| config(e.to_string()))?;
+    Ok((Arc::new(s), d))
 }
 
 /// A small retry budget: the bucket's window reacts to throttling, not long backoffs.

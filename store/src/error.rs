@@ -234,10 +234,25 @@ pub(crate) struct Attempt {
     pub credential: bool,
 }
 
-/// Whether the store's last answer to a ranged GET that failed was `200 OK`: the whole
-/// object, from a server that ignores `Range` (object_store refuses it as not partial).
-pub(crate) fn whole_object_answered(last: Option<&Attempt>) -> bool {
-    last.is_some_and(|a| a.status == Some(200) && !a.credential)
+/// [`classify`] for a ranged GET (every GET of the store asks for a range or a suffix): a
+/// last answer of `200 OK` is the whole object, from a server that ignores `Range`
+/// (object_store refuses it as not partial), and asking again cannot help.
+pub(crate) fn classify_get(
+    e: object_store::Error,
+    last: Option<&Attempt>,
+    at: At<'_>,
+) -> StoreError {
+    if last.is_some_and(|a| a.status == Some(200) && !a.credential) {
+        return StoreError::Rejected {
+            bucket: at.bucket.to_owned(),
+            key: at.key.to_owned(),
+            reason: " (HTTP 200 to a range request: the server does not serve byte ranges, and \
+                     shardwire reads shards by range; serve the dataset from a server that \
+                     honours `Range`)"
+                .into(),
+        };
+    }
+    classify(e, last, at)
 }
 
 /// Where a request went: for the error's fields.

@@ -16,7 +16,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
 use crate::backend::{self, Described};
-use crate::error::{At, StoreError, classify, whole_object_answered};
+use crate::error::{At, StoreError, classify, classify_get};
 use crate::etag::{if_match, quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
@@ -220,6 +220,9 @@ impl Store {
         };
         listed
             .into_iter()
+            // The prefix's own folder marker (`pre/`, made by consoles, s3fs, rclone), which
+            // object_store names `pre`: no object of the dataset.
+            .filter(|o| prefix.is_empty() || o.location.as_ref() != prefix)
             .map(|o| {
                 // A store lists under the prefix only; a key outside it (a proxy that
                 // rewrites paths, a server's own encoding of them) is named, not skipped.
@@ -362,21 +365,8 @@ impl Store {
                 ..Default::default()
             };
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
-            let res = self.inner.os.get_opts(&path, opts).await.map_err(|e| {
-                // Every GET here asks for a range or a suffix: a `200` is the whole object,
-                // from a server that does not serve byte ranges. Asking again cannot help.
-                if whole_object_answered(call.last().as_ref()) {
-                    return StoreError::Rejected {
-                        bucket: at.bucket.to_owned(),
-                        key: full.clone(),
-                        reason: " (HTTP 200 to a range request: the server does not serve byte \
-                                 ranges, and shardwire reads shards by range; serve the dataset \
-                                 from a server that honours `Range`)"
-                            .into(),
-                    };
-                }
-                os_err(e)
-            })?;
+            let get_err = |e| classify_get(e, call.last().as_ref(), at.clone());
+            let res = self.inner.os.get_opts(&path, opts).await.map_err(get_err)?;
             // A store that ignored `If-Match` still names the object it read: another one's
             // bytes (or bytes it names no version of) are refused, never passed on as the
             // ones asked for.

@@ -121,26 +121,49 @@ impl MultipartUpload for Tracked {
 /// Makes reqwest clients wrapped in [`Tap`].
 #[derive(Debug, Default)]
 pub(crate) struct TapConnector {
-    /// Hosts of the credential services this store was configured with (an Azure
-    /// `IDENTITY_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`, `AWS_ENDPOINT_URL_STS`):
-    /// credential services as much as the well-known ones.
-    credential_hosts: Arc<[String]>,
+    /// Addresses (host, port) of the credential services this store was configured with (an
+    /// Azure `IDENTITY_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`,
+    /// `AWS_ENDPOINT_URL_STS`): credential services as much as the well-known ones.
+    credential_at: Arc<[(String, u16)]>,
 }
 
 impl TapConnector {
-    /// A connector that also counts the hosts of `urls` (the configured credential
-    /// endpoints; `None` where one is not set) as credential services.
-    pub(crate) fn with_credential_urls(urls: impl IntoIterator<Item = Option<String>>) -> Self {
-        let credential_hosts = urls
+    /// A connector that also counts the addresses of `urls` (the configured credential
+    /// endpoints; `None` where one is not set) as credential services, except one that is
+    /// also the store's own (`store`: its configured endpoints; MinIO and LocalStack serve
+    /// STS at the S3 endpoint, whose answers stay the store's).
+    pub(crate) fn with_credential_urls(
+        urls: impl IntoIterator<Item = Option<String>>,
+        store: &[Option<String>],
+    ) -> Self {
+        let own: Vec<(String, u16)> = store.iter().flatten().filter_map(|u| address(u)).collect();
+        let credential_at = urls
             .into_iter()
             .flatten()
-            .filter_map(|u| {
-                let host = u.parse::<http::Uri>().ok()?.host()?.to_ascii_lowercase();
-                Some(host)
-            })
+            .filter_map(|u| address(&u))
+            .filter(|a| !own.contains(a))
             .collect();
-        TapConnector { credential_hosts }
+        TapConnector { credential_at }
     }
+}
+
+/// The (lowercase host, port) a URL names; the scheme's port when it names none.
+fn address(url: &str) -> Option<(String, u16)> {
+    let uri = url.parse::<http::Uri>().ok()?;
+    address_of(&uri)
+}
+
+/// [`address`] of a request's URI.
+fn address_of(uri: &http::Uri) -> Option<(String, u16)> {
+    let host = uri.host()?.to_ascii_lowercase();
+    let port = uri
+        .port_u16()
+        .unwrap_or(if uri.scheme_str() == Some("http") {
+            80
+        } else {
+            443
+        });
+    Some((host, port))
 }
 
 impl HttpConnector for TapConnector {
@@ -148,7 +171,7 @@ impl HttpConnector for TapConnector {
         let inner = ReqwestConnector::default().connect(options)?;
         Ok(HttpClient::new(Tap {
             inner,
-            credential_hosts: Arc::clone(&self.credential_hosts),
+            credential_at: Arc::clone(&self.credential_at),
         }))
     }
 }
@@ -157,17 +180,14 @@ impl HttpConnector for TapConnector {
 #[derive(Debug)]
 struct Tap {
     inner: HttpClient,
-    credential_hosts: Arc<[String]>,
+    credential_at: Arc<[(String, u16)]>,
 }
 
 impl Tap {
-    /// Whether `host` is a credential service rather than the store.
-    fn credential(&self, host: &str) -> bool {
-        credential_host(host)
-            || self
-                .credential_hosts
-                .iter()
-                .any(|h| h.eq_ignore_ascii_case(host))
+    /// Whether a request to `uri` goes to a credential service rather than the store.
+    fn credential(&self, uri: &http::Uri) -> bool {
+        credential_host(uri.host().unwrap_or(""))
+            || address_of(uri).is_some_and(|a| self.credential_at.contains(&a))
     }
 }
 
@@ -177,7 +197,7 @@ impl HttpService for Tap {
         // A credential service's answers are not the bucket's: they neither throttle its
         // window nor count as the store's; only a refusal names the call's failure.
         let current = CALL.try_with(Arc::clone).ok();
-        if self.credential(req.uri().host().unwrap_or("")) {
+        if self.credential(req.uri()) {
             let res = self
                 .inner
                 .execute(req)
@@ -337,24 +357,39 @@ mod tests {
     fn configured_credential_endpoints_are_credential_services() {
         // Before: an Azure `IDENTITY_ENDPOINT` on localhost answering 404 was counted as the
         // store's own 404 (a `NotFound` naming the dataset, not a credentials failure).
-        let c = TapConnector::with_credential_urls([
-            Some("http://LOCALHOST:42356/msi/token".to_owned()),
-            None,
-            Some("https://vpce-1.sts.us-east-1.vpce.example".to_owned()),
-            Some("not a url".to_owned()),
-        ]);
+        let c = TapConnector::with_credential_urls(
+            [
+                Some("http://LOCALHOST:42356/msi/token".to_owned()),
+                None,
+                Some("https://vpce-1.sts.us-east-1.vpce.example".to_owned()),
+                Some("not a url".to_owned()),
+                // MinIO's STS is its S3 endpoint: the store's answers stay the store's.
+                Some("http://minio:9000".to_owned()),
+            ],
+            &[Some("http://minio:9000/".to_owned()), None],
+        );
         let tap = Tap {
             inner: ReqwestConnector::default()
                 .connect(&ClientOptions::default())
                 .unwrap(),
-            credential_hosts: Arc::clone(&c.credential_hosts),
+            credential_at: Arc::clone(&c.credential_at),
         };
-        assert!(tap.credential("localhost") && tap.credential("vpce-1.sts.us-east-1.vpce.example"));
+        let at = |u: &str| tap.credential(&u.parse().unwrap());
+        assert!(at("http://localhost:42356/msi/token?x=1"));
+        assert!(at("https://vpce-1.sts.us-east-1.vpce.example/"));
         assert!(
-            tap.credential("169.254.169.254"),
+            !at("http://localhost:9000/bucket/key"),
+            "another port of the host"
+        );
+        assert!(
+            !at("http://minio:9000/bucket/key"),
+            "the store's own endpoint"
+        );
+        assert!(
+            at("http://169.254.169.254/latest"),
             "the well-known ones still"
         );
-        assert!(!tap.credential("127.0.0.1") && !tap.credential("bkt.s3.example"));
+        assert!(!at("http://127.0.0.1/") && !at("https://bkt.s3.example/"));
     }
 
     #[test]

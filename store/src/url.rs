@@ -85,8 +85,8 @@ impl StoreUrl {
         };
         let scheme = Scheme::of(name)
             .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
-        let authority = rest.split('/').next().unwrap_or("");
-        if authority.contains('@') {
+        let before_query = rest.split(['?', '#']).next().unwrap_or("");
+        if userinfo_end(before_query).is_some() {
             return Err(bad(
                 "credentials in the URL (`user:secret@`) are not accepted: they \
                             would show in logs, errors and metrics; give them in the \
@@ -210,13 +210,22 @@ pub(crate) fn redacted(s: &str) -> String {
         Some((name, rest)) => (format!("{name}://"), rest),
         None => (String::new(), head),
     };
-    let end = rest.find('/').unwrap_or(rest.len());
-    let rest = match rest[..end].rsplit_once('@') {
-        Some((_, host)) => format!("***@{host}{}", &rest[end..]),
+    let rest = match userinfo_end(rest) {
+        Some(at) => format!("***@{}", &rest[at + 1..]),
         None => rest.to_owned(),
     };
     let dots = if tail.is_empty() { "" } else { "..." };
     format!("{scheme}{rest}{tail}{dots}")
+}
+
+/// Where the userinfo of `rest` (a URL after `scheme://`, before any query) ends: its last
+/// `@`, when the authority holds one or what precedes that `@` holds a `:` (`key:secret@`;
+/// a secret key may hold a `/`, so the authority alone would miss it). An `@` in a key
+/// (`bkt/a@b`) is none.
+fn userinfo_end(rest: &str) -> Option<usize> {
+    let at = rest.rfind('@')?;
+    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+    (authority.contains('@') || rest[..at].contains(':')).then_some(at)
 }
 
 /// `a//b/` -> `a/b`; refuses `.` and `..` segments.
@@ -345,6 +354,9 @@ mod tests {
             "https://u:p@host/ds?sig=tok3n",
             "https://host/my ds?sig=tok3n",
             "AKIA:tok3n@bkt/ds",
+            // A secret key may hold a `/`: the authority alone missed these.
+            "s3://AKIA:wJal/rXtok3n@bkt/ds",
+            "https://u:pa/sstok3n@host/ds",
         ] {
             let e = err(url);
             assert!(!e.contains("tok3n"), "{e}");

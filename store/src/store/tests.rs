@@ -294,6 +294,11 @@ async fn a_listed_key_outside_the_prefix_is_named_not_skipped() {
         .await
         .unwrap();
     assert_eq!(s.list().await.unwrap().len(), 1);
+    // The prefix's folder marker (`pre/`, listed as `pre`) is no object of the dataset.
+    os.put(&Path::from("pre"), Bytes::new().into())
+        .await
+        .unwrap();
+    assert_eq!(s.list().await.unwrap().len(), 1);
     // Before: `other/c.bin` was dropped without a word.
     os.put(&Path::from("other/c.bin"), data(1).into())
         .await
