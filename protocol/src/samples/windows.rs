@@ -24,7 +24,10 @@ use super::megatron::{MegatronIndex, MegatronSpec};
 use super::{Block, DocLevel, EpochOrder, Part, SampleError, SampleRef, Shuffle};
 use crate::bijection::{Bijection, mix};
 
-/// Shuffled blocks whose token prefix is kept.
+/// Shuffled blocks whose token prefix is kept, at least; an order of more partitions keeps
+/// two per partition ([`EpochOrder::cached_blocks`]): a rank's consecutive windows rotate
+/// through the partitions it reads, each in its own block, and a cache smaller than that
+/// rotation missed on every window (rebuilding a block's table, one bijection per document).
 const CACHED_BLOCKS: usize = 16;
 
 /// Salt of the key that shuffles documents inside a block (windows use the epoch's key).
@@ -318,6 +321,13 @@ impl EpochOrder {
         self.at_x(b.start + off)
     }
 
+    /// How many blocks' token prefixes [`Self::block_table`] keeps: two per partition (a
+    /// partition's current block and the next one, which a window across the edge reads), and
+    /// at least [`CACHED_BLOCKS`].
+    fn cached_blocks(&self) -> usize {
+        (2 * self.order.partitions as usize).max(CACHED_BLOCKS)
+    }
+
     /// Token prefix of block `k`'s documents in shuffled order (`len = documents + 1`).
     fn block_table(&self, d: &DocLevel, k: u32) -> Arc<Vec<u64>> {
         let mut cache = d.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -334,7 +344,7 @@ impl EpochOrder {
             t.push(acc);
         }
         let t = Arc::new(t);
-        if cache.len() == CACHED_BLOCKS {
+        if cache.len() >= self.cached_blocks() {
             cache.pop_front();
         }
         cache.push_back((k, Arc::clone(&t)));

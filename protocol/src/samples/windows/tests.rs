@@ -176,6 +176,22 @@ proptest! {
 }
 
 #[test]
+fn a_rank_reading_many_partitions_keeps_a_block_table_for_each() {
+    // 64 shards of 4 documents of 7 tokens, blocks of 4 documents, 32 partitions: a rank of
+    // one reads them all, its windows rotating through 32 blocks at a time.
+    let docs = vec![vec![7u32; 4]; 64];
+    let o = order(&docs, 6, Shuffle::Block, 4, 32);
+    let ep = o.epoch(0);
+    for t in 0..o.total() {
+        ep.window(t);
+    }
+    let d = ep.docs.as_ref().expect("window mode");
+    // Before: 16, fewer than the rotation, so every window rebuilt its block's table.
+    assert_eq!(d.cache.lock().unwrap().len(), 64.min(d.blocks.len()));
+    assert!(d.blocks.len() >= 64, "{} blocks", d.blocks.len());
+}
+
+#[test]
 fn block_mode_shuffles_documents_and_windows_within_bounded_blocks() {
     // 40 shards of 10 documents of 7 tokens; blocks of 20 documents = 2 shards.
     let docs = vec![vec![7u32; 10]; 40];
