@@ -42,11 +42,12 @@ pub enum RxError {
         /// The driver's words.
         message: String,
     },
-    /// Payloads in a row on one connection failed their CRC-32C: one was longer or shorter
-    /// than announced (a payload's bytes ran into the next), so every later one would fail.
+    /// Payloads of different shards in a row on one connection failed their CRC-32C: one
+    /// was longer or shorter than announced (its bytes ran into the next), so every later one
+    /// would fail.
     #[error(
-        "{in_a_row} payloads in a row failed their CRC-32C: the connection has lost its framing \
-         (a payload longer or shorter than announced), so it is dropped"
+        "{in_a_row} payloads of different shards in a row failed their CRC-32C: the connection \
+         has lost its framing (a payload longer or shorter than announced), so it is dropped"
     )]
     Misframed {
         /// Mismatches in a row.

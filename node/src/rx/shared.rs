@@ -122,7 +122,8 @@ pub fn run<P: Place>(
         tally.flush(c);
         match placed {
             Ok(got) => {
-                misses.note(deliver(f, got, link, c));
+                let shard = f.shard;
+                misses.note(shard, deliver(f, got, link, c));
                 if let Err(cause) = misses.check() {
                     return broken([], queue, link, at, cause);
                 }
@@ -132,21 +133,29 @@ pub fn run<P: Place>(
     }
 }
 
-/// CRC mismatches in a row on one connection: one is a damaged payload (fetched again),
-/// [`MAX_MISMATCHES_IN_A_ROW`] are a connection whose payloads no longer start where they
-/// were announced to, which is dropped before it fails every payload after them.
+/// CRC mismatches in a row on one connection, of different shards: one is a damaged payload
+/// (fetched again), [`MAX_MISMATCHES_IN_A_ROW`] are a connection whose payloads no longer
+/// start where they were announced to, which is dropped before it fails every payload after
+/// them. A shard whose stored bytes are bad fails again and again, on whatever connection:
+/// its mismatches in a row count once (the stream closes it `Corrupt` after its own limit).
 #[derive(Debug, Default)]
 pub struct Mismatches {
     in_a_row: u32,
+    /// The shard of the last mismatch, while the run lasts.
+    last: Option<u32>,
 }
 
 /// Mismatches in a row that drop a connection.
 pub const MAX_MISMATCHES_IN_A_ROW: u32 = 2;
 
 impl Mismatches {
-    /// Notes a delivered payload: whether its CRC matched.
-    pub fn note(&mut self, matched: bool) {
-        self.in_a_row = if matched { 0 } else { self.in_a_row + 1 };
+    /// Notes a delivered payload of `shard`: whether its CRC matched.
+    pub fn note(&mut self, shard: u32, matched: bool) {
+        if matched {
+            (self.in_a_row, self.last) = (0, None);
+        } else if self.last != Some(shard) {
+            (self.in_a_row, self.last) = (self.in_a_row + 1, Some(shard));
+        }
     }
 
     /// `Err` once the connection should be dropped.
@@ -295,15 +304,21 @@ mod tests {
     #[test]
     fn two_mismatches_in_a_row_drop_the_connection_one_does_not() {
         let mut m = Mismatches::default();
-        m.note(false);
+        m.note(1, false);
         assert!(m.check().is_ok());
-        m.note(true);
-        m.note(false);
+        m.note(2, true);
+        m.note(3, false);
         assert!(
             m.check().is_ok(),
             "a match in between starts the count again"
         );
-        m.note(false);
+        m.note(3, false);
+        m.note(3, false);
+        assert!(
+            m.check().is_ok(),
+            "one bad shard fetched again is no framing loss"
+        );
+        m.note(4, false);
         assert!(matches!(m.check(), Err(RxError::Misframed { in_a_row: 2 })));
     }
 

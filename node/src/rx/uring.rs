@@ -112,6 +112,7 @@ fn post(
     c: &Counters,
 ) -> Result<(), Refused> {
     if f.length == 0 {
+        // Not noted in the connection's mismatches: no byte of it came over the connection.
         deliver(f, Checksum::new().finish(), link, c);
         return Ok(());
     }
@@ -150,7 +151,10 @@ fn receive(
     let r = q.wait(
         DATA_STALL_TIMEOUT,
         |job, _, piece| tally.piece(&mut job.sum, piece),
-        |job| misses.note(deliver(job.f, job.sum.finish(), link, c)),
+        |job| {
+            let shard = job.f.shard;
+            misses.note(shard, deliver(job.f, job.sum.finish(), link, c));
+        },
     );
     tally.flush(c);
     r.map_err(|e| RxError::io("io_uring receive", &e))?;

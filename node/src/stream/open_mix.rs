@@ -85,27 +85,7 @@ pub fn mix_mode(
         });
         first += m.shards.len() as u32;
     }
-    let samples: Vec<u64> = orders.iter().map(|p| p.order.total()).collect();
-    let base = resume_point(r, &q, &samples)?;
-    let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
-    // The fingerprint does not depend on the point the schedule is based at: a state of
-    // another plan is refused before any replay to its position (which could run for days).
-    let fingerprint = fingerprint(&mix, parts);
-    if let Some(st) = &r.state {
-        compare_fingerprints(&fingerprint, &st.fingerprint)
-            .map_err(|m| bad(ErrorCode::StateMismatch, m))?;
-    }
-    let mix = from_the_start(mix, r);
-    if mix.steps == 0 {
-        let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
-        return Err(bad(
-            ErrorCode::BadPlan,
-            format!(
-                "the datasets' {total} samples make no global batch of {} (batch_size x world_size)",
-                mix.global_batch()
-            ),
-        ));
-    }
+    let (mix, fingerprint) = schedule(orders, q, r, batch_size, parts)?;
     let start = resume_position(r, &mix, &fingerprint)?;
     let mut mode = BatchMode::new(Sampler::Mix(Box::new(mix)), r, layout, tokens);
     let Sampler::Mix(mix) = &mode.sampler else {
@@ -210,6 +190,39 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
             false => vec![0; n],
         },
     })
+}
+
+/// The mixture's schedule, based where the request's state says (played there when the
+/// state is at the schedule's start), and its fingerprint; a state of another plan is refused
+/// before any replay (the fingerprint does not depend on the point the schedule is based at;
+/// a replay to a far position could run for days).
+fn schedule(
+    orders: Vec<MixPart>,
+    q: Vec<i128>,
+    r: &StreamRequest,
+    batch_size: u32,
+    parts: &[(String, Arc<Manifest>)],
+) -> Result<(Mixture, String), OpenError> {
+    let samples: Vec<u64> = orders.iter().map(|p| p.order.total()).collect();
+    let base = resume_point(r, &q, &samples)?;
+    let mix = Mixture::new(orders, q, (batch_size, r.world_size, r.rank), base);
+    let fingerprint = fingerprint(&mix, parts);
+    if let Some(st) = &r.state {
+        compare_fingerprints(&fingerprint, &st.fingerprint)
+            .map_err(|m| bad(ErrorCode::StateMismatch, m))?;
+    }
+    let mix = from_the_start(mix, r);
+    if mix.steps == 0 {
+        let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
+        return Err(bad(
+            ErrorCode::BadPlan,
+            format!(
+                "the datasets' {total} samples make no global batch of {} (batch_size x world_size)",
+                mix.global_batch()
+            ),
+        ));
+    }
+    Ok((mix, fingerprint))
 }
 
 /// `mix` based at the state's position when the state's mixture point is the schedule's
@@ -320,7 +333,8 @@ fn part_fields(name: &str, o: &SampleOrder, m: &Manifest) -> String {
     )
 }
 
-/// Steps of an epoch over which the open check measures the most one step reads at once.
+/// Steps, from where a mixture stream starts, over which the open check measures the most
+/// one step reads at once.
 const PEAK_STEPS: u64 = 4096;
 
 /// Checks that the region holds every dataset's current blocks (all partitions: every rank
@@ -346,8 +360,9 @@ fn check_window(
     let class = SlabPool::class_size(batch_bytes as usize) as u64;
     // One step reads every shard its samples come from at once: with Megatron's order (its
     // windows drawn from the whole dataset) or a dataset giving many samples per step, more
-    // than the blocks above. Measured over the epoch's first steps (the schedule's draws are
-    // alike across an epoch; a later step that needs more closes the stream `DoesNotFit`).
+    // than the blocks above. Measured over the steps from where the stream starts (the
+    // schedule's draws are alike across an epoch; a later step that needs more closes the
+    // stream `DoesNotFit`).
     let units = tokio::task::block_in_place(|| mix.units_within(mix.base_epoch(), PEAK_STEPS));
     let step = peak::peak(m, &units, u64::from(mix.batch_size));
     let blocks = shards.saturating_mul(max_class).max(step.bytes);
