@@ -500,29 +500,36 @@ impl Session {
             }
             Backend::Remote(r) => (Payload::Later(r.want(self.id, shard)), None),
         };
+        let head = Head {
+            req,
+            len: entry.length,
+            corrupt,
+            shard,
+            crc32c: entry.crc32c,
+            file: opened,
+        };
+        self.push(usize::from(lane), head, payload);
+        Ok(())
+    }
+
+    /// Queues a FETCH at the end of `lane`'s queue; its read starts now if no read waits for
+    /// room before it (in queue order: a read waiting for room is not passed by a newer,
+    /// smaller one, which could starve it for as long as small FETCHes keep coming).
+    fn push(&mut self, lane: usize, head: Head, payload: Payload) {
+        let req = head.req;
         let mut q = Queued {
-            head: Head {
-                req,
-                len: entry.length,
-                corrupt,
-                shard,
-                crc32c: entry.crc32c,
-                file: opened,
-            },
+            head,
             payload,
             held: 0,
         };
-        // In queue order: a read waiting for room is not passed by a newer (smaller) one,
-        // which could starve it for as long as small FETCHes keep coming.
         if self.later.iter().all(|&n| n == 0) {
             self.reads.start(&mut q, self.id, &self.progress);
         }
         if matches!(q.payload, Payload::Later(_)) {
-            self.later[usize::from(lane)] += 1;
+            self.later[lane] += 1;
         }
-        self.waiting[usize::from(lane)].push_back(q);
+        self.waiting[lane].push_back(q);
         self.enqueued(req);
-        Ok(())
     }
 
     /// Starts the reads of queued FETCHes, in queue order, while there is room.
