@@ -336,13 +336,13 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-/// Waits for SIGINT or SIGTERM.
-async fn signalled() {
+/// Waits for SIGINT or SIGTERM; returns its number.
+async fn signalled() -> i32 {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => libc::SIGINT,
+        _ = term.recv() => libc::SIGTERM,
     }
 }
 
@@ -512,10 +512,13 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         tokio::spawn(async move {
             signalled().await;
             let _ = tx.send(true);
-            signalled().await;
+            let sig = signalled().await;
             // An operator who asks twice does not wait out the drain timeout.
-            tracing::warn!("a second signal: exiting now, without waiting for the drain");
-            std::process::exit(130);
+            tracing::warn!(
+                signal = sig,
+                "a second signal: exiting now, without waiting for the drain"
+            );
+            std::process::exit(128 + sig);
         });
         src.serve(rx).await;
         Ok(ExitCode::SUCCESS)
@@ -537,15 +540,28 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
             s.admin_addr
         );
         let timeout = std::time::Duration::from_secs(h.node.info().cfg.drain_timeout_secs);
-        tokio::select! {
-            _ = signalled() => tracing::info!(?timeout, "signal received; draining"),
+        let by_signal = tokio::select! {
+            _ = signalled() => {
+                tracing::info!(?timeout, "signal received; draining");
+                true
+            }
             _ = h.node.drain_requested().notified() => {
                 tracing::info!(?timeout, "drain requested over the admin API");
+                false
             }
-        }
+        };
+        // A signal during a drain the API began is the first (it drains, as it always does);
+        // one after a signal ends the drain at once.
+        let again = async {
+            if !by_signal {
+                signalled().await;
+                tracing::info!("signal received; draining already (another one closes the remaining streams now)");
+            }
+            signalled().await
+        };
         tokio::select! {
             _ = h.drain(timeout) => {}
-            _ = signalled() => {
+            _ = again => {
                 // An operator who asks again does not wait out the drain timeout.
                 tracing::warn!(open = h.node.streams().len(), "a second signal: closing the remaining streams now");
                 h.shutdown();

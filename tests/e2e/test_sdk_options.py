@@ -322,6 +322,11 @@ def test_the_torch_dataset_sends_what_it_sent_before(sent, monkeypatch: pytest.M
 # --- values are checked as before -----------------------------------------------------------
 
 
+def test_one_worker_of_one_needs_no_batch_mode(sent):
+    # Values that split nothing are accepted in shard mode, as the node accepts them.
+    assert "num_workers" in shardwire.StreamOptions(worker=0, num_workers=1).attach_fields("d")
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"uneven": "spread"}, "uneven must be 'pad' or 'drop', not 'spread'"),
     ({"seed": -1}, "seed must be an integer >= 0, not -1"),

@@ -369,7 +369,9 @@ fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String], sources: &[Stri
             if name.starts_with(DEVMEM) {
                 labelled_only(&b, "lane", bound).map(|b| (name, b))
             } else if PER_SOURCE.contains(&name.as_str()) {
-                labelled_only(&b, "source", sources).map(|b| (name, b))
+                // The family stays (its HELP and TYPE) while no source is known yet.
+                let kept = labelled_only(&b, "source", sources);
+                Some((name, kept.unwrap_or_else(|| headers_of(&b))))
             } else {
                 Some((name, b))
             }
@@ -431,6 +433,17 @@ fn labelled_only(block: &str, key: &str, current: &[String]) -> Option<String> {
         out.push('\n');
         out
     })
+}
+
+/// A block's `# HELP` and `# TYPE` lines alone.
+fn headers_of(block: &str) -> String {
+    let mut out: String = block
+        .lines()
+        .filter(|l| l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    out.push('\n');
+    out
 }
 
 /// The family a block describes: the name on its `# TYPE` line (or its first sample's).
@@ -504,6 +517,11 @@ mod tests {
         assert!(
             !kept.contains("10.0.0.1") && kept.contains("10.0.0.2:7500\"} 1"),
             "{kept}"
+        );
+        assert_eq!(
+            headers_of(b),
+            "# TYPE shardwire_source_up gauge\n",
+            "a family of no known source keeps its headers"
         );
         let other = "x{mode=\"host\",lane=\"3\"} 1\n";
         assert!(

@@ -280,7 +280,9 @@ class StreamOptions:
             if "batch_size" not in fields:
                 raise ValueError("a mixture (a mapping of datasets to weights) needs batch_size (batch mode)")
         if "batch_size" not in fields:
-            given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last", "worker", "num_workers") if k in fields]
+            # `worker=0` and `num_workers=1` ask for nothing more than one stream: as the node.
+            split = [k for k, alone in (("worker", 0), ("num_workers", 1)) if fields.get(k, alone) != alone]
+            given = [k for k in ("shuffle", "shuffle_block", "partitions", "drop_last") if k in fields] + split
             if given:
                 hint = ""
                 if "worker" in given or "num_workers" in given:
