@@ -472,3 +472,58 @@ def test_a_refused_release_in_flight_at_the_end_does_not_keep_the_releases_after
     assert e.value.code == "unknown_lease"
     assert requests(node) == [{"op": "release", "lease": 2}]
     assert s.next(timeout=10) is None
+
+
+def test_an_interrupt_while_a_group_is_built_releases_the_previous_batch_later(pair, monkeypatch):
+    """Ctrl-C strikes while the batches that came with the one taken are built: the batch
+    taken is handed out by the next call, and the batch before it is still released (with the
+    next request). Before, that one stayed leased until the stream closed."""
+    s, node = pair
+    first_batch(s, node)  # batch 0 (lease 1) held; a next for 8 in flight
+    real, hits = _client.Stream._build_ahead, {"n": 0}
+
+    def interrupted(self):
+        hits["n"] += 1
+        if hits["n"] == 1:
+            raise KeyboardInterrupt("injected while the group is built")
+        return real(self)
+
+    monkeypatch.setattr(_client.Stream, "_build_ahead", interrupted)
+    node.sendall(batch(1, MORE) + batch(2))
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)
+    assert s.next(timeout=10).lease == 2, "the batch taken is handed out"
+    assert s.next(timeout=10).lease == 3
+    node.sendall(batch(3))
+    assert s.next(timeout=10).lease == 4
+    sent = requests(node)
+    released = [r["lease"] for r in sent if r.get("op") == "release"] + [
+        lease for r in sent if r.get("op") == "next" for lease in r.get("release", [])
+    ]
+    assert 1 in released and 2 in released, sent
+
+
+def test_a_stream_used_in_a_forked_child_refuses_naming_both_processes(pair):
+    """A child forked after the open shares the stream's connection: its `next` would read
+    answers the parent asked for (and the parent lose them). It is refused, naming both
+    processes; the parent goes on."""
+    s, node = pair
+    first_batch(s, node)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(r)
+        try:
+            s.next(timeout=1)
+            os.write(w, b"served")
+        except shardwire.ShardwireError as e:
+            os.write(w, f"{e.code}: {e.message}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    said = os.read(r, 4096).decode()
+    os.close(r)
+    assert said.startswith("forked: ") and f"process {os.getpid()}" in said, said
+    node.sendall(batch(1))
+    assert s.next(timeout=10).lease == 2, "the parent's stream goes on"

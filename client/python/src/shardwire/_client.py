@@ -454,6 +454,9 @@ class Stream(_StreamBase[Batch]):
     def __init__(self, conn: _wire.Conn, region: mmap.mmap | CudaRegion, info: StreamInfo) -> None:
         super().__init__(info)
         self._conn = conn
+        #: The process that opened it: a child forked since shares its connection, which
+        #: answers one process's requests only (see `_take`).
+        self._pid = os.getpid()
         self._mmap = region if isinstance(region, mmap.mmap) else None
         self._cuda = region if isinstance(region, CudaRegion) else None
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
@@ -657,6 +660,14 @@ class Stream(_StreamBase[Batch]):
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> Batch | None:
+        if os.getpid() != self._pid:
+            # Both processes would read and write one connection: answers to one process's
+            # requests would reach the other (batches twice or never, leases unknown).
+            raise ShardwireError("forked", (
+                f"this stream was opened in process {self._pid} and is used in its forked child "
+                f"{os.getpid()}: open a stream in the child (shardwire.torch.IterableDataset opens "
+                "one in each DataLoader worker)"
+            ))
         if self._unclaimed is not None:
             (b, state), self._unclaimed = self._unclaimed, None
             self._resume, self._resume_raw = state
@@ -771,9 +782,12 @@ class Stream(_StreamBase[Batch]):
             self._after_take(msg, prev)
         except BaseException:
             # `b` is the stream's already: whatever struck here (an interrupt while a release
-            # was answered, or the answer's error) must not cost it.
+            # was answered, or the answer's error) must not cost it. Nor `prev`: struck before
+            # it was claimed (while the group was built), its lease goes with the next request
+            # (claimed already, it is done and this adds nothing).
             self._unclaimed = (b, (self._resume, self._resume_raw))
             self._resume, self._resume_raw = before
+            self._defer_release(prev)
             raise
         return b
 
