@@ -128,10 +128,9 @@ fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) 
             b.get_config_value(&S3Key::ContainerCredentialsFullUri),
             b.get_config_value(&S3Key::StsEndpoint),
         ],
-        &[
-            b.get_config_value(&S3Key::Endpoint),
-            b.get_config_value(&S3Key::S3Endpoint),
-        ],
+        // The endpoint S3 requests go to (as `describe_s3` names it).
+        &[b.get_config_value(&S3Key::S3Endpoint)
+            .or_else(|| b.get_config_value(&S3Key::Endpoint))],
     );
     let mut b = b
         .with_bucket_name(bucket)

@@ -184,10 +184,15 @@ struct Tap {
 }
 
 impl Tap {
-    /// Whether a request to `uri` goes to a credential service rather than the store.
+    /// Whether a request to `uri` goes to a credential service rather than the store: a
+    /// well-known one, a configured one, or an STS call (`Action=AssumeRole...`) wherever it
+    /// goes (MinIO and LocalStack serve STS at their S3 endpoint).
     fn credential(&self, uri: &http::Uri) -> bool {
         credential_host(uri.host().unwrap_or(""))
             || address_of(uri).is_some_and(|a| self.credential_at.contains(&a))
+            || uri
+                .query()
+                .is_some_and(|q| q.split('&').any(|kv| kv.starts_with("Action=AssumeRole")))
     }
 }
 
@@ -384,6 +389,10 @@ mod tests {
         assert!(
             !at("http://minio:9000/bucket/key"),
             "the store's own endpoint"
+        );
+        assert!(
+            at("http://minio:9000/?Action=AssumeRoleWithWebIdentity&DurationSeconds=3600"),
+            "an STS call at the store's endpoint"
         );
         assert!(
             at("http://169.254.169.254/latest"),

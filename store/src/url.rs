@@ -218,14 +218,25 @@ pub(crate) fn redacted(s: &str) -> String {
     format!("{scheme}{rest}{tail}{dots}")
 }
 
-/// Where the userinfo of `rest` (a URL after `scheme://`, before any query) ends: its last
-/// `@`, when the authority holds one or what precedes that `@` holds a `:` (`key:secret@`;
-/// a secret key may hold a `/`, so the authority alone would miss it). An `@` in a key
-/// (`bkt/a@b`) is none.
+/// Where the userinfo of `rest` (a URL after `scheme://`, before any query) ends: the last
+/// `@` of its first segment (`user:secret@host`); or, when that segment holds a `:` that is
+/// not a numeric port's (`key:se/cret@bucket/...`: an AWS secret key may hold a `/`), the
+/// first `@` after it. An `@` in a key (`bkt/dir:v1@x`) or after a port (`h:8443/a@b`,
+/// `[::1]:9000/p@q`) is none.
 fn userinfo_end(rest: &str) -> Option<usize> {
-    let at = rest.rfind('@')?;
-    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-    (authority.contains('@') || rest[..at].contains(':')).then_some(at)
+    let end = rest.find('/').unwrap_or(rest.len());
+    let first = &rest[..end];
+    if let Some(at) = first.rfind('@') {
+        return Some(at);
+    }
+    // An IPv6 host's own colons are inside its brackets.
+    let host = first.rsplit_once(']').map_or(first, |(_, after)| after);
+    let (_, after) = host.split_once(':')?;
+    let port = !after.is_empty() && after.bytes().all(|b| b.is_ascii_digit());
+    if port {
+        return None;
+    }
+    rest[end..].find('@').map(|i| end + i)
 }
 
 /// `a//b/` -> `a/b`; refuses `.` and `..` segments.
@@ -332,6 +343,18 @@ mod tests {
         assert!(
             StoreUrl::parse("s3://bkt/a@b").is_ok(),
             "an @ in a key is no userinfo"
+        );
+        for url in [
+            "s3://bucket/dir:v1@x",
+            "https://host:8443/a@b",
+            "http://[::1]:9000/p@q",
+        ] {
+            assert!(StoreUrl::parse(url).is_ok(), "{url}: no userinfo");
+        }
+        let e = err("https://u:p@host/ds@x");
+        assert!(
+            e.contains("https://***@host/ds@x"),
+            "the host stays named: {e}"
         );
         // A query (an Azure SAS token) or a fragment: refused, and not repeated.
         for url in [

@@ -479,7 +479,7 @@ def test_an_interrupt_while_a_group_is_built_releases_the_previous_batch_later(p
     taken is handed out by the next call, and the batch before it is still released (with the
     next request). Before, that one stayed leased until the stream closed."""
     s, node = pair
-    first_batch(s, node)  # batch 0 (lease 1) held; a next for 8 in flight
+    b0 = first_batch(s, node)  # batch 0 (lease 1) held; a next for 8 in flight
     real, hits = _client.Stream._build_ahead, {"n": 0}
 
     def interrupted(self):
@@ -492,6 +492,7 @@ def test_an_interrupt_while_a_group_is_built_releases_the_previous_batch_later(p
     node.sendall(batch(1, MORE) + batch(2))
     with pytest.raises(KeyboardInterrupt):
         s.next(timeout=10)
+    assert not b0.released, "the batch before stays the trainer's until the next hand-out"
     assert s.next(timeout=10).lease == 2, "the batch taken is handed out"
     assert s.next(timeout=10).lease == 3
     node.sendall(batch(3))
@@ -519,6 +520,9 @@ def test_a_stream_used_in_a_forked_child_refuses_naming_both_processes(pair):
         except shardwire.ShardwireError as e:
             os.write(w, f"{e.code}: {e.message}".encode())
         finally:
+            # What a `with` block's exit does: closes the child's copy only (a shutdown of
+            # the shared connection would end the parent's stream).
+            s.close()
             os._exit(0)
     os.close(w)
     os.waitpid(pid, 0)

@@ -122,8 +122,8 @@ pub fn run<P: Place>(
         tally.flush(c);
         match placed {
             Ok(got) => {
-                let shard = f.shard;
-                misses.note(shard, deliver(f, got, link, c));
+                let payload = (f.shard, f.crc32c);
+                misses.note(payload, deliver(f, got, link, c));
                 if let Err(cause) = misses.check() {
                     return broken([], queue, link, at, cause);
                 }
@@ -141,20 +141,22 @@ pub fn run<P: Place>(
 #[derive(Debug, Default)]
 pub struct Mismatches {
     in_a_row: u32,
-    /// The shard of the last mismatch, while the run lasts.
-    last: Option<u32>,
+    /// The payload (shard, CRC-32C) of the last mismatch, while the run lasts: streams of
+    /// several datasets share a connection, and their shard numbers are their own.
+    last: Option<(u32, u32)>,
 }
 
 /// Mismatches in a row that drop a connection.
 pub const MAX_MISMATCHES_IN_A_ROW: u32 = 2;
 
 impl Mismatches {
-    /// Notes a delivered payload of `shard`: whether its CRC matched.
-    pub fn note(&mut self, shard: u32, matched: bool) {
+    /// Notes a delivered payload (its shard and the CRC-32C it should have): whether its
+    /// CRC matched.
+    pub fn note(&mut self, payload: (u32, u32), matched: bool) {
         if matched {
             (self.in_a_row, self.last) = (0, None);
-        } else if self.last != Some(shard) {
-            (self.in_a_row, self.last) = (self.in_a_row + 1, Some(shard));
+        } else if self.last != Some(payload) {
+            (self.in_a_row, self.last) = (self.in_a_row + 1, Some(payload));
         }
     }
 
@@ -304,21 +306,26 @@ mod tests {
     #[test]
     fn two_mismatches_in_a_row_drop_the_connection_one_does_not() {
         let mut m = Mismatches::default();
-        m.note(1, false);
+        m.note((1, 11), false);
         assert!(m.check().is_ok());
-        m.note(2, true);
-        m.note(3, false);
+        m.note((2, 22), true);
+        m.note((3, 33), false);
         assert!(
             m.check().is_ok(),
             "a match in between starts the count again"
         );
-        m.note(3, false);
-        m.note(3, false);
+        m.note((3, 33), false);
+        m.note((3, 33), false);
         assert!(
             m.check().is_ok(),
             "one bad shard fetched again is no framing loss"
         );
-        m.note(4, false);
+        m.note((4, 44), false);
+        assert!(matches!(m.check(), Err(RxError::Misframed { in_a_row: 2 })));
+        // Shard 3 of another dataset on the connection (another CRC) is another payload.
+        let mut m = Mismatches::default();
+        m.note((3, 33), false);
+        m.note((3, 99), false);
         assert!(matches!(m.check(), Err(RxError::Misframed { in_a_row: 2 })));
     }
 

@@ -152,8 +152,8 @@ fn receive(
         DATA_STALL_TIMEOUT,
         |job, _, piece| tally.piece(&mut job.sum, piece),
         |job| {
-            let shard = job.f.shard;
-            misses.note(shard, deliver(job.f, job.sum.finish(), link, c));
+            let payload = (job.f.shard, job.f.crc32c);
+            misses.note(payload, deliver(job.f, job.sum.finish(), link, c));
         },
     );
     tally.flush(c);

@@ -231,6 +231,7 @@ fn schedule(
 /// is seeded `seed + e` (a 32-bit RandomState seed). Bounded by every slot of every step the
 /// stream covers going to it: past `u32::MAX` its epochs would wrap into seed 0's order.
 fn check_megatron_seeds(mix: &Mixture, r: &StreamRequest) -> Result<(), OpenError> {
+    // `r` for its epochs; each order carries the seed it was built with.
     let slots = u64::from(r.epochs)
         .saturating_mul(mix.steps)
         .saturating_mul(mix.global_batch());
@@ -239,14 +240,15 @@ fn check_megatron_seeds(mix: &Mixture, r: &StreamRequest) -> Result<(), OpenErro
             continue;
         }
         let passes = slots.div_ceil(p.order.total().max(1));
-        if r.seed.saturating_add(passes.saturating_sub(1)) > u64::from(u32::MAX) {
+        let seed = p.order.seed; // the request's, as the order was built with it
+        if seed.saturating_add(passes.saturating_sub(1)) > u64::from(u32::MAX) {
             return Err(bad(
                 ErrorCode::BadPlan,
                 format!(
                     "dataset {:?} (order megatron) may go through {passes} epochs of its own in \
-                     this stream, seeded seed + epoch: seed {} passes {}; lower seed",
+                     this stream, seeded seed + epoch: seed {seed} + {} passes {}; lower seed",
                     p.name,
-                    r.seed,
+                    passes - 1,
                     u32::MAX
                 ),
             ));
@@ -523,49 +525,46 @@ mod tests {
     #[test]
     fn a_megatron_dataset_whose_own_epochs_would_wrap_the_seed_is_refused() {
         use shardwire_protocol::samples::{Shuffle, WindowSpec};
-        // A big dataset of rows and a small Megatron one (10 windows) at half each: the
+        // A big dataset of rows and a small Megatron one (a few windows) at half each: the
         // small one goes through many epochs of its own per mixture epoch.
-        let big = SampleOrder::new([1; 32], vec![1000], 0, Shuffle::Block, 100, 1).unwrap();
-        let spec = WindowSpec {
-            seq_len: 4,
-            column: "tokens".into(),
-            doc_tokens: vec![vec![9; 5]],
-            megatron: true,
+        let mixture = |seed: u64| {
+            let big = SampleOrder::new([1; 32], vec![1000], seed, Shuffle::Block, 100, 1);
+            let spec = WindowSpec {
+                seq_len: 4,
+                column: "tokens".into(),
+                doc_tokens: vec![vec![9; 5]],
+                megatron: true,
+            };
+            let small = SampleOrder::windows([2; 32], spec, seed, Shuffle::Block, 1, 1).unwrap();
+            assert!(small.total() < 20, "{} windows", small.total());
+            let parts = vec![
+                MixPart {
+                    name: "big".into(),
+                    order: Arc::new(big.unwrap()),
+                    first_shard: 0,
+                },
+                MixPart {
+                    name: "small".into(),
+                    order: Arc::new(small),
+                    first_shard: 1,
+                },
+            ];
+            let q = fixed_weights(&["big", "small"], &[0.5, 0.5]).unwrap();
+            let base = Point {
+                step: 0,
+                cursors: vec![0, 0],
+                carry: vec![0, 0],
+            };
+            Mixture::new(parts, q, (10, 1, 0), base)
         };
-        let small = SampleOrder::windows([2; 32], spec, u64::from(u32::MAX), Shuffle::Block, 1, 1);
-        let small = small.unwrap();
-        assert!(small.total() < 20, "{} windows", small.total());
-        let parts = vec![
-            MixPart {
-                name: "big".into(),
-                order: Arc::new(big),
-                first_shard: 0,
-            },
-            MixPart {
-                name: "small".into(),
-                order: Arc::new(small),
-                first_shard: 1,
-            },
-        ];
-        let q = fixed_weights(&["big", "small"], &[0.5, 0.5]).unwrap();
-        let base = Point {
-            step: 0,
-            cursors: vec![0, 0],
-            carry: vec![0, 0],
-        };
-        let mix = Mixture::new(parts, q, (10, 1, 0), base);
-        let mut r = StreamRequest::new("mix");
-        r.seed = u64::from(u32::MAX);
+        let r = StreamRequest::new("mix");
         // Before: accepted (the check bounded only seed + epochs - 1 = u32::MAX), and the
         // small dataset's second pass was seed 0's order.
-        let e = check_megatron_seeds(&mix, &r).unwrap_err();
-        assert!(
-            e.message.contains("dataset \"small\" (order megatron)"),
-            "{}",
-            e.message
-        );
-        r.seed = 7;
-        assert!(check_megatron_seeds(&mix, &r).is_ok());
+        let e = check_megatron_seeds(&mixture(u64::from(u32::MAX)), &r).unwrap_err();
+        let m = &e.message;
+        assert!(m.contains("dataset \"small\" (order megatron)"), "{m}");
+        assert!(m.contains("seed 4294967295 + "), "{m}");
+        assert!(check_megatron_seeds(&mixture(7), &r).is_ok());
     }
 
     #[test]

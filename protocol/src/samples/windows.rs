@@ -25,10 +25,15 @@ use super::{Block, DocLevel, EpochOrder, Part, SampleError, SampleRef, Shuffle};
 use crate::bijection::{Bijection, mix};
 
 /// Shuffled blocks whose token prefix is kept, at least; an order of more partitions keeps
-/// two per partition ([`EpochOrder::cached_blocks`]): a rank's consecutive windows rotate
-/// through the partitions it reads, each in its own block, and a cache smaller than that
-/// rotation missed on every window (rebuilding a block's table, one bijection per document).
+/// two per partition ([`EpochOrder::cached_blocks`]), up to [`MAX_CACHED_BLOCKS`]: a rank's
+/// consecutive windows rotate through the partitions it reads, each in its own block, and a
+/// cache smaller than that rotation missed on every window (rebuilding a block's table, one
+/// bijection per document).
 const CACHED_BLOCKS: usize = 16;
+
+/// The most block tables kept (a table is 8 bytes per document of its block: about 3 MiB at
+/// the default block; the cache is scanned on every window).
+const MAX_CACHED_BLOCKS: usize = 64;
 
 /// Salt of the key that shuffles documents inside a block (windows use the epoch's key).
 const DOC_SALT: u64 = 0x646f_6375_6d65_6e74;
@@ -322,10 +327,11 @@ impl EpochOrder {
     }
 
     /// How many blocks' token prefixes [`Self::block_table`] keeps: two per partition (a
-    /// partition's current block and the next one, which a window across the edge reads), and
-    /// at least [`CACHED_BLOCKS`].
+    /// partition's current block and the next one, which a window across the edge reads),
+    /// within [`CACHED_BLOCKS`]..=[`MAX_CACHED_BLOCKS`] (a rank reading more than 32 partitions
+    /// rebuilds tables again, each in its turn).
     fn cached_blocks(&self) -> usize {
-        (2 * self.order.partitions as usize).max(CACHED_BLOCKS)
+        (2 * self.order.partitions as usize).clamp(CACHED_BLOCKS, MAX_CACHED_BLOCKS)
     }
 
     /// Token prefix of block `k`'s documents in shuffled order (`len = documents + 1`).

@@ -492,8 +492,9 @@ class Stream(_StreamBase[Batch]):
         self._lost: ConnectionClosed | None = None
         #: A batch taken and not handed out: an interrupt (or an error) struck while the
         #: release that goes with handing it out was sent; the next call hands it out, with
-        #: the state after it (until then the state names it as not taken).
-        self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None]] | None = None
+        #: the state after it (until then the state names it as not taken), and the batch
+        #: before it, the trainer's until then (released with that hand-out unless it was).
+        self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None], _Held | None] | None = None
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
@@ -657,20 +658,30 @@ class Stream(_StreamBase[Batch]):
         call, one after a timeout, or while batches are kept), which carried its release, as
         for a timeout: ``keep()`` it first to go on using it.
         """
+        self._check_process()
         return super().next(timeout)
 
-    def _take(self, timeout: float | None) -> Batch | None:
+    def _check_process(self) -> None:
+        """Refuses a use from a process forked after the open: both processes would read and
+        write one connection, and answers to one's requests would reach the other (batches
+        twice or never, leases unknown). Checked before the lock, which a thread of the parent
+        may have held when the child was forked."""
         if os.getpid() != self._pid:
-            # Both processes would read and write one connection: answers to one process's
-            # requests would reach the other (batches twice or never, leases unknown).
             raise ShardwireError("forked", (
                 f"this stream was opened in process {self._pid} and is used in its forked child "
                 f"{os.getpid()}: open a stream in the child (shardwire.torch.IterableDataset opens "
                 "one in each DataLoader worker)"
             ))
+
+    def __next__(self) -> Batch:
+        self._check_process()
+        return super().__next__()
+
+    def _take(self, timeout: float | None) -> Batch | None:
         if self._unclaimed is not None:
-            (b, state), self._unclaimed = self._unclaimed, None
+            (b, state, prev), self._unclaimed = self._unclaimed, None
             self._resume, self._resume_raw = state
+            self._defer_release(prev)  # the batch before `b`, unless it was released already
             return b
         if self._lost is not None:
             # The request ahead of time after the batch handed out last could not be sent.
@@ -783,11 +794,10 @@ class Stream(_StreamBase[Batch]):
         except BaseException:
             # `b` is the stream's already: whatever struck here (an interrupt while a release
             # was answered, or the answer's error) must not cost it. Nor `prev`: struck before
-            # it was claimed (while the group was built), its lease goes with the next request
-            # (claimed already, it is done and this adds nothing).
-            self._unclaimed = (b, (self._resume, self._resume_raw))
+            # it was claimed (while the group was built), it stays the trainer's until `b` is
+            # handed out, and is released then (claimed already, it is done: nothing more).
+            self._unclaimed = (b, (self._resume, self._resume_raw), prev)
             self._resume, self._resume_raw = before
-            self._defer_release(prev)
             raise
         return b
 
@@ -949,6 +959,7 @@ class Stream(_StreamBase[Batch]):
             self._lost = e.with_traceback(None)  # its frames would hold this stream
 
     def _release(self, batch: Batch) -> None:
+        self._check_process()
         # A `next` in another thread may wait, holding the stream, for the memory a kept batch
         # holds: while it does, it takes the release over (`_next_answer_polling`).
         while not self._lock.acquire(timeout=_HANDOFF_POLL):
@@ -1032,7 +1043,12 @@ class Stream(_StreamBase[Batch]):
     def close(self) -> None:
         """Closes the stream: the service releases every lease it holds. Arrays of its batches
         stay mapped (memory-safe) until they are garbage-collected, but their contents are no
-        longer guaranteed. Idempotent."""
+        longer guaranteed. Idempotent. In a process forked after the open it closes only this
+        process's copy of the connection (a shutdown would end the parent's stream)."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            self._conn.sock.close()
+            return
         super().close()
 
     def _shutdown(self, notify: bool) -> None:
