@@ -144,6 +144,31 @@ def test_a_second_signal_ends_a_drain_at_once(sw, tmp_path):
     holder.kill(signal.SIGKILL)
 
 
+def test_a_signal_during_a_drain_the_api_began_is_the_first(sw, tmp_path):
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 64 * 1024, seed=9)
+    index_dataset(d)
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret-token\n")
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'admin_token_file = "{token}"\ndrain_timeout_secs = 120\n')
+    node = sw.serve([sw.source({"a": d})], "--config", str(cfg))
+    wait_ready(node)
+    holder = sw.start_consume(node, "a", limit=1, hold_secs=300)
+    wait_for(lambda: node.status()["streams"] or None, "a stream to open")
+    code, body = request(node.admin, "POST", "/v1/drain", token="s3cret-token")
+    assert code == 202, body
+    # A rollout's SIGTERM during that drain drains on (before the fix: closed every stream).
+    node.popen.send_signal(signal.SIGTERM)
+    wait_for(lambda: "another one closes the remaining streams now" in node.stderr_text() or None, "the first signal's line")
+    assert node.popen.poll() is None and node.status()["streams"], "still draining"
+    t = time.monotonic()
+    node.popen.send_signal(signal.SIGINT)
+    assert node.wait(timeout=30) == 0 and time.monotonic() - t < 10
+    assert "a second signal: closing the remaining streams now" in node.stderr_text(), node.stderr_text()[-2000:]
+    holder.kill(signal.SIGKILL)
+
+
 def test_trainer_http_off_refuses_the_trainer_routes_and_keeps_the_admin_ones(sw, tmp_path):
     d = tmp_path / "ds"
     write_uint8_shards(d, 2, 4096, seed=7)
