@@ -152,6 +152,9 @@ def test_different_leading_dimensions_and_0d_tensors_are_refused():
         _arrow.column("t", np.zeros((4, 4))[:, ::2])
     rb = _arrow.record_batch({"a": np.zeros((2, 2, 2), np.float16), "b": np.ones(2, np.uint8)})
     assert rb.num_rows == 2 and rb.schema.field("a").type == pa.fixed_shape_tensor(pa.float16(), [2, 2])
+    # Rows of no values (an .npy of shape (n, 0)): before, Arrow's own error naming nothing.
+    with pytest.raises(ValueError, match=r"tensor 'e' of shape \(3, 0\): its rows hold 0 values"):
+        _arrow.column("e", np.zeros((3, 0), np.float32))
 
 
 def test_pyarrow_is_optional():

@@ -60,7 +60,15 @@ def column(name: str, arr: np.ndarray) -> pa.Array:
     if arr.ndim == 1:
         return values
     rest = [int(d) for d in arr.shape[1:]]
-    storage = pa.FixedSizeListArray.from_arrays(values, math.prod(rest))
+    row = math.prod(rest)
+    if not 0 < row < 2**31:
+        # Arrow's fixed-size lists hold 1 .. 2^31 - 1 values each (a size of 0 is refused, or
+        # crashes pyarrow when given as a type).
+        raise ValueError(
+            f"tensor {name!r} of shape {tuple(arr.shape)}: its rows hold {row} values, and an Arrow "
+            "fixed-shape tensor column needs 1 .. 2^31 - 1; read it as numpy (batch[name])"
+        )
+    storage = pa.FixedSizeListArray.from_arrays(values, row)
     return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, rest), storage)
 
 
