@@ -27,8 +27,11 @@ import os
 import pathlib
 import queue
 import re
+import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -442,6 +445,50 @@ class Harness(Children):
 # stack is written to stderr and the run ends, rather than a hung run saying nothing until
 # CI's own limit.
 HANG_LIMIT = 600
+
+
+#: Where tests/e2e/test_uring.py notes `kernel.io_uring_disabled`'s value while it has set it to
+#: 2 (removed when it restores it): a run killed in between is undone by the next.
+IO_URING_NOTE = pathlib.Path("/run/shardwire-e2e-io_uring_disabled")
+
+
+def remove_leftovers() -> list[str]:
+    """Undoes what a run killed before its tests' clean-up left on the machine (the hang guard
+    exits without teardown; a session's processes may be killed): the netns tests' namespaces
+    and veths (their addresses shadow this run's routes), an impairment's NFQUEUE rule in the
+    root namespace (it has no bypass: it drops the traffic it matches), and
+    `kernel.io_uring_disabled` left at 2. Returns what it undid."""
+    done = []
+    run = lambda *a: subprocess.run(list(a), capture_output=True, text=True, timeout=30)  # noqa: E731
+    if shutil.which("ip"):
+        for line in run("ip", "netns", "list").stdout.splitlines():
+            name = (line.split() or [""])[0]
+            if re.fullmatch(r"swsrc-[0-9a-f]{6}", name):
+                run("ip", "netns", "del", name)
+                done.append(f"namespace {name}")
+        for name in re.findall(r"^\d+: (swn[0-9a-f]{6})[@:]", run("ip", "-o", "link", "show").stdout, re.M):
+            run("ip", "link", "del", name)
+            done.append(f"link {name}")
+    if shutil.which("iptables"):
+        for rule in run("iptables", "-w", "5", "-S").stdout.splitlines():
+            if rule.startswith("-A ") and "NFQUEUE" in rule and "0x1e5eed" in rule.lower():
+                run("iptables", "-w", "5", "-D", *shlex.split(rule)[1:])
+                done.append(f"iptables rule {rule}")
+    if IO_URING_NOTE.exists():
+        before = IO_URING_NOTE.read_text().strip()
+        pathlib.Path("/proc/sys/kernel/io_uring_disabled").write_text(before)
+        IO_URING_NOTE.unlink()
+        done.append(f"kernel.io_uring_disabled back to {before}")
+    return done
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leftovers_of_a_killed_run():
+    """:func:`remove_leftovers`, once before the first test (as root; said on stderr)."""
+    if os.geteuid() == 0:
+        for what in remove_leftovers():
+            print(f"e2e: removed a killed run's leftover: {what}", file=sys.stderr)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ node, a shared secret admits it, and the node's wildcard data port is advertised
 address the source can reach (its local address of the control connection)."""
 
 import os
+import pathlib
 import shutil
 import subprocess
 import uuid
@@ -11,6 +12,7 @@ import uuid
 import pytest
 
 from conftest import (
+    IO_URING_NOTE,
     SERVE_READY,
     SOURCE_READY,
     Serve,
@@ -19,6 +21,7 @@ from conftest import (
     assert_exactly_once,
     expected_crcs,
     index_dataset,
+    remove_leftovers,
     wait_for,
     wait_ready,
     write_uint8_shards,
@@ -108,3 +111,27 @@ def test_non_loopback_needs_a_secret_and_data_crosses_the_veth(sw, tmp_path, net
     assert st["sources"][0]["bytes_received"] == 9 * 512 * 1024, st["sources"]
     # The wildcard data port was advertised as NODE_IP (what the source could reach).
     assert f"lanes={NODE_IP}:" in node.stderr_text(), node.stderr_text()[-2000:]
+
+
+def test_a_killed_runs_leftovers_are_removed():
+    """What a run killed before its clean-up leaves (a namespace and veth of the fixture above,
+    an impairment's NFQUEUE rule, the io_uring sysctl note) is removed by the next run's first
+    step, and nothing else."""
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"swsrc-{tag}", f"swn{tag}", f"sws{tag}"
+    ip("netns", "add", ns)
+    ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+    # Matches nothing this suite sends (an address no test uses).
+    rule = ["INPUT", "-p", "tcp", "-s", "10.213.99.99", "-m", "mark", "!", "--mark", "0x1e5eed",
+            "-j", "NFQUEUE", "--queue-num", "777"]
+    if shutil.which("iptables"):
+        subprocess.run(["iptables", "-w", "5", "-I", *rule], check=True, capture_output=True, timeout=30)
+    sysctl = pathlib.Path("/proc/sys/kernel/io_uring_disabled")
+    IO_URING_NOTE.write_text(sysctl.read_text())  # the value now: restoring it changes nothing
+    done = remove_leftovers()
+    assert f"namespace {ns}" in done and not IO_URING_NOTE.exists(), done
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    assert host_if not in links, links
+    if shutil.which("iptables"):
+        rules = subprocess.run(["iptables", "-w", "5", "-S"], capture_output=True, text=True, timeout=30).stdout
+        assert "10.213.99.99" not in rules, rules

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from conftest import (
+    IO_URING_NOTE,
     assert_byte_exact,
     assert_exactly_once,
     expected_crcs,
@@ -74,6 +75,7 @@ def io_uring_disabled_by_the_kernel():
     """`kernel.io_uring_disabled = 2` (io_uring_setup fails with EPERM) for one test."""
     try:
         before = SYSCTL.read_text()
+        IO_URING_NOTE.write_text(before)  # a run killed before the restore: undone by the next
         SYSCTL.write_text("2")
     except OSError as e:
         pytest.skip(f"cannot set {SYSCTL} (needs root and Linux 6.6+): {e}")
@@ -81,6 +83,7 @@ def io_uring_disabled_by_the_kernel():
         yield
     finally:
         SYSCTL.write_text(before)
+        IO_URING_NOTE.unlink(missing_ok=True)
 
 
 def test_a_kernel_that_refuses_io_uring_falls_back_to_recv_and_says_so(sw, tmp_path, io_uring_disabled_by_the_kernel):
