@@ -454,9 +454,6 @@ class Stream(_StreamBase[Batch]):
     def __init__(self, conn: _wire.Conn, region: mmap.mmap | CudaRegion, info: StreamInfo) -> None:
         super().__init__(info)
         self._conn = conn
-        #: The process that opened it: a child forked since shares its connection, which
-        #: answers one process's requests only (see `_take`).
-        self._pid = os.getpid()
         self._mmap = region if isinstance(region, mmap.mmap) else None
         self._cuda = region if isinstance(region, CudaRegion) else None
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
@@ -658,24 +655,7 @@ class Stream(_StreamBase[Batch]):
         call, one after a timeout, or while batches are kept), which carried its release, as
         for a timeout: ``keep()`` it first to go on using it.
         """
-        self._check_process()
         return super().next(timeout)
-
-    def _check_process(self) -> None:
-        """Refuses a use from a process forked after the open: both processes would read and
-        write one connection, and answers to one's requests would reach the other (batches
-        twice or never, leases unknown). Checked before the lock, which a thread of the parent
-        may have held when the child was forked."""
-        if os.getpid() != self._pid:
-            raise ShardwireError("forked", (
-                f"this stream was opened in process {self._pid} and is used in its forked child "
-                f"{os.getpid()}: open a stream in the child (shardwire.torch.IterableDataset opens "
-                "one in each DataLoader worker)"
-            ))
-
-    def __next__(self) -> Batch:
-        self._check_process()
-        return super().__next__()
 
     def _take(self, timeout: float | None) -> Batch | None:
         if self._unclaimed is not None:
@@ -1045,11 +1025,10 @@ class Stream(_StreamBase[Batch]):
         stay mapped (memory-safe) until they are garbage-collected, but their contents are no
         longer guaranteed. Idempotent. In a process forked after the open it closes only this
         process's copy of the connection (a shutdown would end the parent's stream)."""
-        if os.getpid() != self._pid:
-            self._closed = True
-            self._conn.sock.close()
-            return
         super().close()
+
+    def _drop_in_child(self) -> None:
+        self._conn.sock.close()  # no shutdown: the parent's connection stays
 
     def _shutdown(self, notify: bool) -> None:
         # Closing the connection is what tells the service (when it is still there).

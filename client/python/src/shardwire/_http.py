@@ -397,6 +397,11 @@ class HttpStream(_StreamBase[HttpBatch]):
         ignored: it closes the stream after its idle timeout."""
         super().close()
 
+    def _drop_in_child(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # this process's socket only; the service is not told
+            self._conn = None
+
     def _interrupt(self) -> None:
         # A call waiting for an answer (a long poll of up to POLL_MS) sees its connection end
         # at once and raises `closed`; close() then tells the service on a new connection.

@@ -13,6 +13,7 @@ a transport adds what releasing it means.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -271,8 +272,22 @@ class _StreamBase(Generic[_BatchT]):
         self._closed_why = "the stream was closed"
         self._ended = False
         self.info = info
+        #: The process that opened it (see `_check_process`).
+        self._pid = os.getpid()
 
     # --- requests ----------------------------------------------------------------------------
+
+    def _check_process(self) -> None:
+        """Refuses a use from a process forked after the open: the child would take the
+        parent's batches (the socket's answers, or the service's HTTP stream state) and both
+        would miss some. Checked before the lock, which a thread of the parent may have held
+        when the child was forked."""
+        if os.getpid() != self._pid:
+            raise ShardwireError("forked", (
+                f"this stream was opened in process {self._pid} and is used in its forked child "
+                f"{os.getpid()}: open a stream in the child (shardwire.torch.IterableDataset opens "
+                "one in each DataLoader worker)"
+            ))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -294,6 +309,7 @@ class _StreamBase(Generic[_BatchT]):
             raise ValueError(f"timeout must be >= 0, not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None  # waits as long as it takes
+        self._check_process()
         with self._lock:
             self._check_open()
             if self._ended:
@@ -341,9 +357,15 @@ class _StreamBase(Generic[_BatchT]):
         waits on the stream (a watchdog's close): that call is woken at once and raises
         ``closed``. From a signal handler that interrupted a call of this stream in its own
         thread (a SIGTERM handler while ``next`` waits), it wakes that call and returns at once;
-        the woken call closes the stream and raises ``closed``."""
+        the woken call closes the stream and raises ``closed``. In a process forked after the
+        open it lets go of this process's copy of the connection only: telling the service
+        would end the parent's stream."""
         if self._closed:
             return  # idempotent; and a second close() must not interrupt the first's work
+        if os.getpid() != self._pid:
+            self._closed = True
+            self._drop_in_child()
+            return
         if not self._lock.acquire(blocking=False):
             self._interrupted = True
             self._interrupt()
@@ -358,6 +380,11 @@ class _StreamBase(Generic[_BatchT]):
             self._close_locked()
         finally:
             self._lock.release()
+
+    def _drop_in_child(self) -> None:
+        """Closes this (forked) process's copy of the connection, telling the service nothing
+        (see :meth:`close`)."""
+        raise NotImplementedError
 
     def _interrupt(self) -> None:
         """Wakes a call that waits on the transport, from another thread (see :meth:`close`).
@@ -385,6 +412,7 @@ class _StreamBase(Generic[_BatchT]):
 
     def __next__(self) -> _BatchT:
         # `next()` without its argument check: once per step of a training loop.
+        self._check_process()
         with self._lock:
             self._check_open()
             b = None if self._ended else self._take(None)
