@@ -491,6 +491,29 @@ def _leftovers_of_a_killed_run():
     yield
 
 
+def next_in_forked_child(stream) -> str:
+    """In a child forked now: `stream.next(timeout=1)`, then `stream.close()` (as a `with`
+    block's exit would); returns what the child saw: ``served``, or the error's
+    ``code: message``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test
+        os.close(r)
+        try:
+            stream.next(timeout=1)
+            os.write(w, b"served")
+        except Exception as e:  # noqa: BLE001 - reported to the parent, whatever it is
+            os.write(w, f"{getattr(e, 'code', type(e).__name__)}: {getattr(e, 'message', e)}".encode())
+        finally:
+            stream.close()
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    said = os.read(r, 4096).decode()
+    os.close(r)
+    return said
+
+
 @pytest.fixture(autouse=True)
 def _hang_guard():
     faulthandler.dump_traceback_later(HANG_LIMIT, exit=True)

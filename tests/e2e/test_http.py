@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import faults as F
+from conftest import next_in_forked_child
 from sdk_harness import (  # noqa: E402 - the shared harness; puts the SDK on sys.path
     procs,  # noqa: F401 - a fixture
     world,  # noqa: F401 - a fixture
@@ -716,27 +717,10 @@ def test_an_interrupt_while_a_socket_reply_is_decoded_loses_no_batch(world: Worl
 def test_an_http_stream_used_in_a_forked_child_refuses_and_its_close_leaves_the_parents(world: World):
     """The fork check of both transports: over HTTP the child would take the parent's batches
     from the service's stream, and its close() would close that stream on the service."""
-    import os
-
     with world.http().open_stream("mix", seed=6) as s:
         first = s.next(timeout=30)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child
-            os.close(r)
-            try:
-                s.next(timeout=1)
-                os.write(w, b"served")
-            except shardwire.ShardwireError as e:
-                os.write(w, e.code.encode())
-            finally:
-                s.close()
-                os._exit(0)
-        os.close(w)
-        os.waitpid(pid, 0)
-        said = os.read(r, 100).decode()
-        os.close(r)
-        assert said == "forked", said
+        said = next_in_forked_child(s)
+        assert said.startswith("forked: "), said
         rest = [(b.epoch, b.index) for b in s]
     with world.sock().open_stream("mix", seed=6) as t:
         want = [(b.epoch, b.index) for b in t]

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 import sdk_harness  # noqa: F401  (puts the SDK on sys.path)
-from conftest import wait_for
+from conftest import next_in_forked_child, wait_for
 import shardwire  # noqa: E402
 from shardwire import _binary, _client, _wire  # noqa: E402
 from shardwire._errors import ConnectionClosed, ProtocolError  # noqa: E402
@@ -510,24 +510,9 @@ def test_a_stream_used_in_a_forked_child_refuses_naming_both_processes(pair):
     processes; the parent goes on."""
     s, node = pair
     first_batch(s, node)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        os.close(r)
-        try:
-            s.next(timeout=1)
-            os.write(w, b"served")
-        except shardwire.ShardwireError as e:
-            os.write(w, f"{e.code}: {e.message}".encode())
-        finally:
-            # What a `with` block's exit does: closes the child's copy only (a shutdown of
-            # the shared connection would end the parent's stream).
-            s.close()
-            os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    said = os.read(r, 4096).decode()
-    os.close(r)
+    # The child's close() lets go of its copy only (a shutdown of the shared connection
+    # would end the parent's stream).
+    said = next_in_forked_child(s)
     assert said.startswith("forked: ") and f"process {os.getpid()}" in said, said
     node.sendall(batch(1))
     assert s.next(timeout=10).lease == 2, "the parent's stream goes on"
