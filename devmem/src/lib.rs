@@ -97,6 +97,7 @@ pub fn errno_label(errno: i32) -> String {
         libc::EBUSY => "EBUSY",
         libc::EEXIST => "EEXIST",
         libc::ENODEV => "ENODEV",
+        libc::ENOSPC => "ENOSPC",
         libc::EINVAL => "EINVAL",
         libc::ERANGE => "ERANGE",
         libc::ENODATA => "ENODATA",

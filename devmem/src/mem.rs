@@ -107,24 +107,29 @@ impl DmabufMem {
                     format!("/dev/udmabuf: {e} (load the udmabuf module, or use memory=cuda)"),
                 )
             })?;
+        // The failing step, with the errno, names what to look at.
+        let failed = |step: &str| {
+            let e = io::Error::last_os_error();
+            io::Error::new(e.kind(), format!("udmabuf of {len} bytes: {step}: {e}"))
+        };
         let name = c"shardwire-rx";
         // SAFETY: `name` is a valid NUL-terminated string.
         let raw = unsafe {
             libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
         };
         if raw < 0 {
-            return Err(io::Error::last_os_error());
+            return Err(failed("memfd_create"));
         }
         // SAFETY: memfd_create returned a fresh fd that nothing else owns.
         let memfd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: `memfd` is live; ftruncate only sets its size.
         if unsafe { libc::ftruncate(memfd.as_raw_fd(), len as libc::off_t) } < 0 {
-            return Err(io::Error::last_os_error());
+            return Err(failed("ftruncate"));
         }
         // udmabuf requires F_SEAL_SHRINK (the pages must not go away under the device).
         // SAFETY: fcntl(F_ADD_SEALS) on a live memfd with an int argument.
         if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
-            return Err(io::Error::last_os_error());
+            return Err(failed("fcntl(F_ADD_SEALS)"));
         }
         #[repr(C)]
         struct UdmabufCreate {
@@ -146,7 +151,10 @@ impl DmabufMem {
         // `&arg`, alive across the call; the returned value is a new dma-buf fd.
         let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
         if fd < 0 {
-            return Err(io::Error::last_os_error());
+            return Err(failed(
+                "UDMABUF_CREATE (EINVAL: above the module's limit, \
+                 /sys/module/udmabuf/parameters/size_limit_mb, 64 MiB by default)",
+            ));
         }
         // SAFETY: the ioctl returned a fresh fd that nothing else owns.
         let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };

@@ -107,7 +107,13 @@ fn hint(errno: &i32, op: &str) -> &'static str {
     match (*errno, op) {
         (
             libc::EOPNOTSUPP,
-            "ntuple-get" | "ntuple-set" | "ntuple-rule-insert" | "ntuple-rule-delete",
+            "ntuple-get"
+            | "ntuple-set"
+            | "ntuple-rule-count"
+            | "ntuple-rule-list"
+            | "ntuple-rule-insert"
+            | "ntuple-flow-rule-insert"
+            | "ntuple-rule-delete",
         ) => {
             ": the driver has no ntuple filters, so the data port cannot be steered to the devmem queues"
         }
@@ -116,6 +122,9 @@ fn hint(errno: &i32, op: &str) -> &'static str {
         }
         (libc::EOPNOTSUPP, "rings-get" | "rings-set") => {
             ": the driver has no ring parameters, so header split cannot be turned on (devmem needs gve, bnxt, mlx5, fbnic or idpf)"
+        }
+        (libc::ENOSPC, _) => {
+            ": the NIC's ntuple rule table is full (`ethtool -n IFACE` lists the rules, `ethtool -N IFACE delete LOC` removes one)"
         }
         (libc::EOPNOTSUPP, _) => ": the driver does not support this",
         (libc::EINVAL, "channels-set") => {
@@ -367,7 +376,7 @@ pub enum Change {
     },
     /// The RSS indirection table was replaced; this was the old one.
     Rss {
-        /// Old table.
+        /// Old table; empty: it was the driver's default ([`steer::table_to_restore`]).
         table: Vec<u32>,
     },
 }
@@ -451,7 +460,10 @@ impl Journal {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir).map_err(bad)?;
         }
-        let tmp = self.path.with_extension("tmp");
+        // `nic-state.eth1.tmp`: `with_extension` would give each NIC's journal the same one.
+        let mut tmp = self.path.clone().into_os_string();
+        tmp.push(".tmp");
+        let tmp = std::path::PathBuf::from(tmp);
         let mut f = File::create(&tmp).map_err(bad)?;
         let body = serde_json::to_vec_pretty(&self.state).expect("serializable");
         f.write_all(&body).map_err(bad)?;
@@ -517,7 +529,9 @@ impl Journal {
             let old = client.rss_indir(&ifname)?;
             let new = steer::equal_table(old.len(), rss_queues);
             if new != old {
-                self.record(Change::Rss { table: old })?;
+                let rx = client.channels(self.state.ifindex, &ifname)?.rx_queues();
+                let table = steer::table_to_restore(old, rx);
+                self.record(Change::Rss { table })?;
                 client.set_rss_indir(&ifname, &new)?;
             }
         }

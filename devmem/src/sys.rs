@@ -489,18 +489,83 @@ pub(crate) fn ifindex_of(fd: BorrowedFd<'_>, ifname: &str) -> io::Result<u32> {
     u32::try_from(index).map_err(|_| io::Error::other(format!("ifindex {index}")))
 }
 
+/// The bytes the kernel reads and writes for the ethtool command encoded in `cmd` (its
+/// first word, and the counts inside it), for the commands this crate sends; `None` for
+/// any other command. include/uapi/linux/ethtool.h: `ethtool_value` is 8 bytes,
+/// `ethtool_rxfh_indir` 8 plus 4 per entry, `ethtool_rxnfc` 192 (`ETHTOOL_GRXCLSRLALL`:
+/// and 4 per listed rule from offset 188).
+fn ethtool_len(cmd: &[u8]) -> Option<usize> {
+    let word = |at: usize| Some(u32::from_ne_bytes(cmd.get(at..at + 4)?.try_into().ok()?));
+    let len = match word(0)? {
+        0x25 | 0x26 => 8,                                 // G/SFLAGS
+        0x38 | 0x39 => 8 + 4 * word(4)? as usize,         // G/SRXFHINDIR
+        0x2e | 0x31 | 0x32 => 192,                        // GRXCLSRLCNT, SRXCLSRLDEL/INS
+        0x30 => (188 + 4 * word(184)? as usize).max(192), // GRXCLSRLALL
+        _ => return None,
+    };
+    Some(len)
+}
+
 /// `ioctl(fd, SIOCETHTOOL, {ifr_name: ifname, ifr_data: cmd})`: the legacy ethtool ioctl
-/// with the command struct `cmd` (read and written by the kernel in place).
+/// with the command struct `cmd` (read and written by the kernel in place). `InvalidInput`
+/// when `cmd` is not a command [`ethtool_len`] knows or is shorter than its struct.
 pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
+    match ethtool_len(cmd) {
+        Some(len) if len <= cmd.len() => {}
+        need => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("an ethtool command of {} bytes (needs {need:?})", cmd.len()),
+            ));
+        }
+    }
     let mut ifr = ifreq_for(ifname)?;
     ifr.ifr_ifru.ifru_data = cmd.as_mut_ptr().cast();
     // SAFETY: `ifr` is a valid ifreq whose ifr_data points at `cmd`, which lives across the
-    // call and is as large as the ethtool command struct the caller encoded in it (the
-    // kernel reads/writes only that struct, sized by its cmd field and counts inside it).
+    // call and holds at least the bytes the kernel reads and writes for the command encoded
+    // in it (checked above: `ethtool_len` of its cmd word and counts).
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCETHTOOL, &mut ifr) };
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+
+    fn cmd(words: &[(usize, u32)], len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        for &(at, v) in words {
+            b[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn an_ethtool_command_shorter_than_what_the_kernel_writes_is_refused_before_the_call() {
+        // Before, the length was the caller's word: a rule list asking for 100 locations in
+        // a 192-byte buffer let the kernel write 212 bytes past its end.
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut list = cmd(&[(0, 0x30), (184, 100)], 192);
+        let e = ethtool_ioctl(sock.as_fd(), "lo", &mut list).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains("needs Some(588)"), "{e}");
+        let mut indir = cmd(&[(0, 0x38), (4, 64)], 8);
+        assert!(ethtool_ioctl(sock.as_fd(), "lo", &mut indir).is_err());
+        let mut unknown = cmd(&[(0, 0x1)], 4096);
+        let e = ethtool_ioctl(sock.as_fd(), "lo", &mut unknown).unwrap_err();
+        assert!(e.to_string().contains("needs None"), "{e}");
+        assert_eq!(ethtool_len(&cmd(&[(0, 0x30)], 192)), Some(192));
+        assert_eq!(ethtool_len(&cmd(&[(0, 0x25)], 8)), Some(8));
+        assert_eq!(
+            ethtool_len(&[0x25, 0]),
+            None,
+            "too short to hold its cmd word"
+        );
     }
 }

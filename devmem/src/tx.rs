@@ -126,7 +126,8 @@ pub struct DevmemTx<S: AsFd = TcpStream> {
     dmabuf_id: u32,
     /// Zerocopy sends made (the kernel numbers them from 0).
     sent: u32,
-    /// Sends known complete.
+    /// Sends known complete (counted, not the highest number seen: completions may come
+    /// out of order on retransmission and teardown, msg_zerocopy.rst).
     completed: u32,
     control: [u8; 128],
 }
@@ -180,6 +181,12 @@ impl<S: AsFd> DevmemTx<S> {
         self.sent.wrapping_sub(self.completed)
     }
 
+    /// Counts the sends of completion `c` (`lo..=hi`, wrapping) complete.
+    fn count(&mut self, c: &Completion) {
+        let n = c.hi.wrapping_sub(c.lo).wrapping_add(1);
+        self.completed = self.completed.wrapping_add(n);
+    }
+
     /// Drain the error queue without blocking; returns the completions read.
     pub fn poll_completions(&mut self) -> Result<Vec<Completion>, TxError> {
         let mut out = Vec::new();
@@ -196,7 +203,7 @@ impl<S: AsFd> DevmemTx<S> {
                 }
             };
             if let Some(c) = parse_completion(&self.control[..n])? {
-                self.completed = self.completed.max(c.hi.wrapping_add(1));
+                self.count(&c);
                 out.push(c);
             }
         }

@@ -5,8 +5,11 @@
 //!
 //! [`TxSlot::reserve`] hands out the next free contiguous bytes at the ring's head for
 //! filling; [`TxSlot::sent`] records that the next zerocopy send (numbered by the kernel from
-//! 0 per socket) used `n` of them; [`TxSlot::complete`] frees everything up to the end of
-//! the completed range. The slot owns its range of the buffer exclusively (a slot is handed
+//! 0 per socket) used `n` of them; [`TxSlot::complete`] marks the completed range's sends
+//! done and frees the bytes of the oldest sends while they are done: completions are in send
+//! order as a rule, not always (the kernel's msg_zerocopy.rst: "Notifications may arrive out
+//! of order on retransmission and socket teardown"), so a later send's completion never
+//! frees an earlier send's bytes. The slot owns its range of the buffer exclusively (a slot is handed
 //! out once until dropped), which is what makes the mutable access sound.
 #![allow(unsafe_code)] // one mutable slice into the mapping per reserve: SAFETY below
 
@@ -116,6 +119,7 @@ impl TxBuffer {
             freed: 0,
             pending: VecDeque::new(),
             next_send: 0,
+            reserved: 0,
         })
     }
 }
@@ -130,9 +134,11 @@ pub struct TxSlot {
     written: u64,
     /// Bytes whose sends completed, ever.
     freed: u64,
-    /// (send number, `written` after it), oldest first.
-    pending: VecDeque<(u32, u64)>,
+    /// (send number, `written` after it, completed), oldest first.
+    pending: VecDeque<(u32, u64, bool)>,
     next_send: u32,
+    /// Bytes of the last reservation ([`TxSlot::reserve`]): what the next send may use.
+    reserved: u64,
 }
 
 impl TxSlot {
@@ -163,6 +169,7 @@ impl TxSlot {
         let pos = self.written % len;
         let room = (len - self.in_flight()).min(len - pos);
         let n = room.min(want as u64) as usize;
+        self.reserved = n as u64;
         if n == 0 {
             return None;
         }
@@ -181,22 +188,37 @@ impl TxSlot {
         Some((iov, bytes))
     }
 
-    /// The next zerocopy send used `n` bytes at the head (from the last reservation).
+    /// The next zerocopy send used `n` bytes at the head, of the last reservation.
+    ///
+    /// # Panics
+    /// If `n` is more than the last reservation left (a send reports at most the bytes it
+    /// was given): counting more would hand out bytes a send still uses.
     pub fn sent(&mut self, n: usize) {
-        self.written += n as u64;
-        self.pending.push_back((self.next_send, self.written));
+        let n = n as u64;
+        assert!(
+            n <= self.reserved,
+            "TxSlot::sent({n}) after a reservation of {} bytes",
+            self.reserved
+        );
+        self.reserved -= n;
+        self.written += n;
+        self.pending
+            .push_back((self.next_send, self.written, false));
         self.next_send = self.next_send.wrapping_add(1);
     }
 
-    /// Sends `c.lo..=c.hi` completed: their bytes are free again. TCP reports zerocopy
-    /// completions in send order, so every pending send numbered up to `c.hi` (in wrapping
-    /// order) is done.
+    /// Sends `c.lo..=c.hi` (in wrapping order) completed; the bytes of the oldest sends are
+    /// free again while they are done (a send's bytes are freed only with every earlier
+    /// send's: the ring frees from its tail).
     pub fn complete(&mut self, c: Completion) {
-        while let Some(&(seq, end)) = self.pending.front() {
-            if c.hi.wrapping_sub(seq) > u32::MAX / 2 {
-                break; // seq is after hi
+        let span = c.hi.wrapping_sub(c.lo);
+        for (seq, _, done) in self.pending.iter_mut() {
+            if seq.wrapping_sub(c.lo) <= span {
+                *done = true;
             }
-            self.freed = self.freed.max(end);
+        }
+        while let Some(&(_, end, true)) = self.pending.front() {
+            self.freed = end;
             self.pending.pop_front();
         }
     }
@@ -292,6 +314,38 @@ mod tests {
         s.complete(c(0, 0));
         drop(s);
         assert!(b.slot_at(now).is_some());
+    }
+
+    #[test]
+    fn a_completion_out_of_order_frees_nothing_before_the_earlier_sends_complete() {
+        // Before, completing send 2 first freed sends 0 and 1 too, while a retransmit could
+        // still read them: the next reservation handed their bytes out to be rewritten.
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        for _ in 0..3 {
+            s.reserve(1000).unwrap();
+            s.sent(1000);
+        }
+        s.complete(c(2, 2));
+        assert_eq!(s.in_flight(), 3000, "0 and 1 are not complete");
+        s.complete(c(0, 0));
+        assert_eq!(
+            s.in_flight(),
+            2000,
+            "send 0 is free; 1 holds 2's bytes back"
+        );
+        s.complete(c(1, 1));
+        assert_eq!(s.in_flight(), 0);
+        assert_eq!(s.reserve(8192).unwrap().0, b.mem.addr() + 3000);
+    }
+
+    #[test]
+    #[should_panic(expected = "after a reservation of 100 bytes")]
+    fn a_send_larger_than_its_reservation_is_refused() {
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        s.reserve(100).unwrap();
+        s.sent(10_000);
     }
 
     #[test]

@@ -553,8 +553,9 @@ def test_a_next_whose_answer_is_lost_is_asked_again_naming_the_last_batch_receiv
 def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Procs, tmp_path: pathlib.Path):
     """A stream is in use while a tensor of it downloads, not only while the handler that
     started the download runs: a client reading a 48 MiB tensor slowly (here: not at all for
-    3 s, then all of it) on a stream of idle_timeout_s=1 keeps the stream, its lease and its
-    position. Before, the reaper closed it 1 to 1.5 s after the handler returned, mid-download:
+    5 s, then all of it) on a stream of idle_timeout_s=2 keeps the stream, its lease and its
+    position. Before, the reaper closed it 1 to 1.5 s (idle_timeout_s=1) after the handler
+    returned, mid-download:
     the release after it answered `not_found` and the batch's position was lost."""
     big = tmp_path / "big"
     big.mkdir()
@@ -562,7 +563,9 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     index(big)
     src = procs.source({"big": big})
     serve = procs.serve(src, tmp_path / "slow.sock", opts=("--pool-size", "1GiB", "--stream-memory", "128MiB"))
-    st, v = http_json(serve.admin, "POST", "/v1/streams", {"dataset": "big", "idle_timeout_s": 1})
+    # 2 s (not 1): the release and the listing after the download must reach the node within
+    # it on a loaded machine; the 5 s without a read still outlast it and the reaper's tick.
+    st, v = http_json(serve.admin, "POST", "/v1/streams", {"dataset": "big", "idle_timeout_s": 2})
     assert st == 201, v
     sid = v["stream"]
     st, b = http_json(serve.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=30000")
@@ -572,7 +575,7 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     with F.connect(serve.admin, timeout=30) as c:
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         c.sendall(head.encode())
-        time.sleep(3)  # reads nothing: the answer waits in the node
+        time.sleep(5)  # reads nothing: the answer waits in the node
         got = bytearray()
         while chunk := c.recv(1 << 20):
             got += chunk

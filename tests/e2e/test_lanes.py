@@ -139,7 +139,9 @@ def test_a_connection_dialled_to_the_other_lane_is_refused_and_counted(sw, tmp_p
     node = two_lane_node(sw, tmp_path, src)
     wait_for(lambda: node.status()["lanes"][0]["data_connections_refused"] == 1, "the misdialled connection to be refused",
              diag=node.describe)
-    assert "refusing a data connection that arrived on another address than its lane's" in node.stderr_text()
+    # Counted before it is logged: the line may come a moment after the count.
+    wait_for(lambda: "refusing a data connection that arrived on another address than its lane's"
+             in node.stderr_text(), "the refusal to be logged", diag=lambda: node.stderr_text()[-3000:])
     # The session starts over and the next one dials correctly: data flows, byte-exact.
     lanes_up(node)
     batches = sw.consume(node, "ds", seed=2)

@@ -12,7 +12,8 @@
 //!   (`"0-51,104-155"`), `path` {`host_bridge`, `chain[]`}.
 //! - `nics[]`: `interface`, `pci`, `numa_node`, `virtual`, `rx_queues`, `devmem_capable`
 //!   (when the caller probed it), `vendor`, `device`,
-//!   `local_cpulist`, `path` (null when virtual).
+//!   `local_cpulist`, `path` (null when virtual), `speed_mbps`, `link_up`, `sriov_vf`, and
+//!   `unusable` (why no lane may use it; absent when it may).
 //! - `lanes[]`: `lane`, `gpu`, `nic`, `nic_pci`, `distance` (`"PIX"`...), `numa_node` (the
 //!   NIC's, else the GPU's), `queues`, `data_addr` (when the caller knows it), `why`, `warn`.
 //!

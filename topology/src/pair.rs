@@ -9,7 +9,8 @@
 //!   get 2 per NIC, and a GPU with one PIX NIC is not crowded out by one with two.
 //! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
-//!   as evenly as possible; with fewer queues than GPUs the later GPUs get none.
+//!   as evenly as possible; with fewer queues than GPUs the later GPUs get none. A physical
+//!   NIC of one queue has none for devmem.
 //! - A usable NIC is passed over ([`passed_over`]) when its link is down while another's is
 //!   up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
 //!   NIC beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
@@ -164,7 +165,7 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
     for (k, nic) in tree.nics.iter().enumerate() {
         // GPUs of this NIC, in PCI order (gpus is sorted).
         let users: Vec<usize> = (0..gpus.len()).filter(|&i| chosen[i] == Some(k)).collect();
-        let split = split_queues(nic.rx_queues, users.len());
+        let split = split_queues(devmem_rx_queues(nic), users.len());
         for (slot, (&i, q)) in users.iter().zip(split).enumerate() {
             shares[i] = share_note(nic, users.len(), slot, &q);
             queues[i] = q;
@@ -318,10 +319,21 @@ pub fn split_queues(rx_queues: u32, gpus: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// The RX queue count [`split_queues`] splits for `nic`: none of a physical NIC with one
+/// queue (binding its only queue, RSS's too, would make every other flow on it unreadable,
+/// the node's control connections too). A virtual NIC's one queue is the emulator's.
+fn devmem_rx_queues(nic: &Nic) -> u32 {
+    if !nic.is_virtual && nic.rx_queues == 1 {
+        0
+    } else {
+        nic.rx_queues
+    }
+}
+
 /// How a NIC's queues were shared, for a lane's `why` (empty when it has the NIC alone
 /// and queues).
 fn share_note(nic: &Nic, users: usize, slot: usize, queues: &[u32]) -> String {
-    let all = split_queues(nic.rx_queues, 1).concat();
+    let all = split_queues(devmem_rx_queues(nic), 1).concat();
     let name = &nic.interface;
     if all.is_empty() {
         return format!("; {name} has no rx queues for devmem");
@@ -735,6 +747,34 @@ mod tests {
         assert_eq!(
             lanes[0].why,
             "same PCIe switch 0000:01:00.0; eth1 shared by 3 GPUs: queues 2 of 2-3"
+        );
+    }
+
+    #[test]
+    fn a_physical_nic_of_one_queue_gives_none_to_devmem() {
+        // Before, its queue 0 (RSS's, the only one) was the lane's devmem queue.
+        let g = gpu(
+            Some(0),
+            "pci0000:00",
+            &chain(&under_switch(
+                "0000:01:00.0",
+                "0000:02:00.0",
+                "0000:03:00.0",
+            )),
+        );
+        let c = under_switch("0000:01:00.0", "0000:02:08.0", "0000:20:00.0");
+        let tree = Tree {
+            gpus: vec![g],
+            nics: vec![nic("eth1", Some(0), 1, "pci0000:00", &chain(&c))],
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        assert_eq!(lanes[0].nic.as_deref(), Some("eth1"));
+        assert!(lanes[0].queues.is_empty(), "{:?}", lanes[0].queues);
+        assert!(
+            lanes[0].why.ends_with("; eth1 has no rx queues for devmem"),
+            "{}",
+            lanes[0].why
         );
     }
 

@@ -3,8 +3,8 @@
 //! table (what `ethtool -K ntuple on`, `ethtool -N ... action Q` and `ethtool -X equal N` do).
 //!
 //! Layouts from include/uapi/linux/ethtool.h, checked with `offsetof` on this machine:
-//! `struct ethtool_rxnfc` is 192 bytes with `fs` at 16; inside `fs` (168 bytes) `h_u` is at
-//! 4, `m_u` at 76, `ring_cookie` at 152 and `location` at 160; in `ethtool_tcpip4_spec`
+//! `struct ethtool_rxnfc` is 192 bytes with `fs` at 16 and `rule_cnt` at 184, `rule_locs[]`
+//! following at 188; inside `fs` (168 bytes) `h_u` is at 4, `m_u` at 76, `ring_cookie` at 152 and `location` at 160; in `ethtool_tcpip4_spec`
 //! `ip4src` is at 0, `ip4dst` at 4, `psrc` at 8 and `pdst` at 10. `struct ethtool_rxfh_indir`
 //! is `{cmd, size, ring_index[size]}`.
 
@@ -15,14 +15,23 @@ use super::{EthtoolClient, NicError};
 const ETHTOOL_GFLAGS: u32 = 0x25;
 const ETHTOOL_SFLAGS: u32 = 0x26;
 const ETH_FLAG_NTUPLE: u32 = 1 << 27;
+const ETHTOOL_GRXCLSRLCNT: u32 = 0x2e;
+const ETHTOOL_GRXCLSRLALL: u32 = 0x30;
 const ETHTOOL_SRXCLSRLDEL: u32 = 0x31;
 const ETHTOOL_SRXCLSRLINS: u32 = 0x32;
 const ETHTOOL_GRXFHINDIR: u32 = 0x38;
 const ETHTOOL_SRXFHINDIR: u32 = 0x39;
 const TCP_V4_FLOW: u32 = 1;
 const RX_CLS_LOC_ANY: u32 = 0xffff_ffff;
+/// Set in `ETHTOOL_GRXCLSRLCNT`'s `data` by a driver that picks a rule's location itself.
+const RX_CLS_LOC_SPECIAL: u64 = 0x8000_0000;
 const RXNFC_LEN: usize = 192;
 const FS: usize = 16;
+/// `rule_cnt` and `rule_locs[]` in `struct ethtool_rxnfc`.
+const RULE_CNT: usize = FS + 168;
+const RULE_LOCS: usize = RULE_CNT + 4;
+/// Most rule locations we accept a driver's table to have (real ones: 128..8192).
+const MAX_RULES: u32 = 1 << 16;
 /// Most RSS table entries we accept from a driver (real ones have 64..512).
 const MAX_INDIR: u32 = 1 << 16;
 
@@ -91,10 +100,12 @@ impl EthtoolClient {
         dst_port: u16,
         queue: u32,
     ) -> Result<u32, NicError> {
-        let mut r = tcp4_rule(&Tcp4Match {
+        let location = self.rule_location(ifname)?;
+        let m = Tcp4Match {
             dst_port: Some(dst_port),
             ..Tcp4Match::default()
-        });
+        };
+        let mut r = tcp4_rule(&m, location);
         set_queue(&mut r, queue);
         self.ioctl(ifname, "ntuple-rule-insert", &mut r)?;
         Ok(get(&r, FS + 160))
@@ -109,10 +120,46 @@ impl EthtoolClient {
         flow: Tcp4Flow,
         queue: u32,
     ) -> Result<u32, NicError> {
-        let mut r = tcp4_rule(&Tcp4Match::flow(flow));
+        let location = self.rule_location(ifname)?;
+        let mut r = tcp4_rule(&Tcp4Match::flow(flow), location);
         set_queue(&mut r, queue);
         self.ioctl(ifname, "ntuple-flow-rule-insert", &mut r)?;
         Ok(get(&r, FS + 160))
+    }
+
+    /// Where a new rule goes, as `ethtool -N` chooses: `RX_CLS_LOC_ANY` where the driver
+    /// picks (it sets `RX_CLS_LOC_SPECIAL` in `ETHTOOL_GRXCLSRLCNT`); else the highest free
+    /// location of the driver's rule table (`ETHTOOL_GRXCLSRLALL` lists the used ones).
+    /// Drivers that do not pick refuse `RX_CLS_LOC_ANY` itself: mlx5 with ENOSPC.
+    fn rule_location(&self, ifname: &str) -> Result<u32, NicError> {
+        let mut c = [0u8; RXNFC_LEN];
+        put(&mut c, 0, ETHTOOL_GRXCLSRLCNT);
+        self.ioctl(ifname, "ntuple-rule-count", &mut c)?;
+        let data = u64::from_ne_bytes(c[8..16].try_into().expect("8 bytes"));
+        if data & RX_CLS_LOC_SPECIAL != 0 {
+            return Ok(RX_CLS_LOC_ANY);
+        }
+        let (size, count) = (data as u32, get(&c, RULE_CNT));
+        if size == 0 || size > MAX_RULES || count > size {
+            return Err(NicError::Netlink {
+                ifname: ifname.into(),
+                op: "ntuple-rule-count",
+                reason: format!("a rule table of {size} locations holding {count} rules"),
+            });
+        }
+        let mut all = vec![0u8; RXNFC_LEN + 4 * count as usize];
+        put(&mut all, 0, ETHTOOL_GRXCLSRLALL);
+        put(&mut all, RULE_CNT, count);
+        self.ioctl(ifname, "ntuple-rule-list", &mut all)?;
+        let listed = get(&all, RULE_CNT).min(count) as usize;
+        let used: Vec<u32> = (0..listed).map(|i| get(&all, RULE_LOCS + 4 * i)).collect();
+        free_location(size, &used).ok_or_else(|| NicError::Kernel {
+            ifname: ifname.into(),
+            op: "ntuple-rule-insert",
+            errno: libc::ENOSPC,
+            errno_name: crate::errno_label(libc::ENOSPC),
+            msg: Some(format!("all {size} rule locations are used")),
+        })
     }
 
     /// Delete the ntuple rule at `location`.
@@ -195,9 +242,16 @@ const PDST: usize = 10;
 const H_U: usize = FS + 4;
 const M_U: usize = FS + 76;
 
-/// An `ETHTOOL_SRXCLSRLINS` request for `m` (fields big-endian, as on the wire), at any
-/// location.
-fn tcp4_rule(m: &Tcp4Match) -> [u8; RXNFC_LEN] {
+/// The highest location below `size` not in `used` (rules at higher locations have lower
+/// priority: ours go last, as `ethtool -N`'s do); `None` when the table is full.
+fn free_location(size: u32, used: &[u32]) -> Option<u32> {
+    let used: std::collections::HashSet<u32> = used.iter().copied().collect();
+    (0..size).rev().find(|l| !used.contains(l))
+}
+
+/// An `ETHTOOL_SRXCLSRLINS` request for `m` (fields big-endian, as on the wire) at
+/// `location` ([`EthtoolClient::rule_location`]).
+fn tcp4_rule(m: &Tcp4Match, location: u32) -> [u8; RXNFC_LEN] {
     let mut r = [0u8; RXNFC_LEN];
     put(&mut r, 0, ETHTOOL_SRXCLSRLINS);
     put(&mut r, 4, TCP_V4_FLOW);
@@ -224,7 +278,7 @@ fn tcp4_rule(m: &Tcp4Match) -> [u8; RXNFC_LEN] {
         PDST,
         m.dst_port.map(u16::to_be_bytes).as_ref().map(|o| &o[..]),
     );
-    put(&mut r, FS + 160, RX_CLS_LOC_ANY);
+    put(&mut r, FS + 160, location);
     r
 }
 
@@ -238,6 +292,19 @@ pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
     (0..entries).map(|i| i as u32 % n.max(1)).collect()
 }
 
+/// What undoing a change of RSS table `old` sets, on a NIC with `rx_queues` RX queues:
+/// an empty table (the driver's default, `ethtool -X IFACE default`) where `old` is the
+/// default spread over them (`i % rx_queues`, ethtool_rxfh_indir_default), else `old`.
+/// Setting the default's entries instead would mark the table user-set, and the kernel then
+/// refuses to lower the channel count below its highest queue (the undo lowers it next).
+pub fn table_to_restore(old: Vec<u32>, rx_queues: u32) -> Vec<u32> {
+    if rx_queues > 0 && old == equal_table(old.len(), rx_queues) {
+        Vec::new()
+    } else {
+        old
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,7 +315,7 @@ mod tests {
             src: "10.1.2.3:40000".parse().unwrap(),
             dst: "10.9.8.7:7401".parse().unwrap(),
         };
-        let mut r = tcp4_rule(&Tcp4Match::flow(flow));
+        let mut r = tcp4_rule(&Tcp4Match::flow(flow), 1021);
         set_queue(&mut r, 12);
         assert_eq!(get(&r, 0), ETHTOOL_SRXCLSRLINS);
         assert_eq!(get(&r, FS), TCP_V4_FLOW);
@@ -263,15 +330,33 @@ mod tests {
             u64::from_ne_bytes(r[FS + 152..FS + 160].try_into().unwrap()),
             12
         );
-        assert_eq!(get(&r, FS + 160), RX_CLS_LOC_ANY);
+        assert_eq!(get(&r, FS + 160), 1021);
+    }
+
+    #[test]
+    fn a_rule_goes_to_the_highest_free_location_as_ethtool_puts_it() {
+        // Before, every rule asked for RX_CLS_LOC_ANY, which mlx5 refuses (ENOSPC: it has
+        // no location > 1023) as every driver that does not pick locations itself does.
+        assert_eq!(free_location(1024, &[]), Some(1023));
+        assert_eq!(free_location(1024, &[1023, 1022, 5]), Some(1021));
+        assert_eq!(free_location(4, &[0, 1, 3]), Some(2));
+        assert_eq!(free_location(3, &[0, 1, 2]), None, "full");
+        assert_eq!(
+            free_location(2, &[7, 1]),
+            Some(0),
+            "a location past the table is ignored"
+        );
     }
 
     #[test]
     fn a_port_rule_matches_the_destination_port_only() {
-        let r = tcp4_rule(&Tcp4Match {
-            dst_port: Some(7401),
-            ..Tcp4Match::default()
-        });
+        let r = tcp4_rule(
+            &Tcp4Match {
+                dst_port: Some(7401),
+                ..Tcp4Match::default()
+            },
+            RX_CLS_LOC_ANY,
+        );
         assert_eq!(
             &r[H_U..H_U + 12],
             &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x1c, 0xe9]
@@ -280,6 +365,14 @@ mod tests {
             &r[M_U..M_U + 12],
             &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]
         );
+    }
+
+    #[test]
+    fn a_default_table_is_restored_as_the_default_not_as_its_entries() {
+        assert_eq!(table_to_restore(equal_table(8, 4), 4), Vec::<u32>::new());
+        // `ethtool -X equal 2` on 4 queues is the user's table: kept.
+        assert_eq!(table_to_restore(equal_table(8, 2), 4), equal_table(8, 2));
+        assert_eq!(table_to_restore(vec![3, 3, 0, 1], 4), vec![3, 3, 0, 1]);
     }
 
     #[test]

@@ -111,3 +111,30 @@ fn completion_parser_on_synthetic_buffers() {
     lying[0] = 200;
     assert!(parse_completion(&lying).is_err());
 }
+
+#[test]
+fn completions_out_of_order_and_across_the_wrap_are_counted_not_maxed() {
+    // Before, `pending` was `sent - (highest hi + 1)`: a completion of 5 arriving before
+    // 3..=4 said nothing was pending, and past 2^32 sends `max` stuck at the wrap.
+    let (c, _s) = pair();
+    let mut tx = DevmemTx::new(c, 0).unwrap();
+    let done = |lo, hi| Completion {
+        lo,
+        hi,
+        copied: false,
+    };
+    tx.sent = 6;
+    tx.count(&done(0, 2));
+    tx.count(&done(5, 5));
+    assert_eq!(tx.pending(), 2, "3 and 4 are not complete");
+    tx.count(&done(3, 4));
+    assert_eq!(tx.pending(), 0);
+    tx.sent = 2;
+    tx.completed = u32::MAX;
+    tx.count(&done(u32::MAX, 1));
+    assert_eq!(
+        tx.pending(),
+        0,
+        "the range across the wrap completes all three"
+    );
+}
