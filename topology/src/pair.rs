@@ -750,18 +750,16 @@ mod tests {
         );
     }
 
+    /// GPU 0000:03:00.0 under PCIe switch 0000:01:00.0.
+    fn gpu_under_switch() -> Gpu {
+        let c = under_switch("0000:01:00.0", "0000:02:00.0", "0000:03:00.0");
+        gpu(Some(0), "pci0000:00", &chain(&c))
+    }
+
     #[test]
     fn a_physical_nic_of_one_queue_gives_none_to_devmem() {
         // Before, its queue 0 (RSS's, the only one) was the lane's devmem queue.
-        let g = gpu(
-            Some(0),
-            "pci0000:00",
-            &chain(&under_switch(
-                "0000:01:00.0",
-                "0000:02:00.0",
-                "0000:03:00.0",
-            )),
-        );
+        let g = gpu_under_switch();
         let c = under_switch("0000:01:00.0", "0000:02:08.0", "0000:20:00.0");
         let tree = Tree {
             gpus: vec![g],
@@ -780,15 +778,7 @@ mod tests {
 
     #[test]
     fn virtual_nics_only_when_named() {
-        let g = gpu(
-            Some(0),
-            "pci0000:00",
-            &chain(&under_switch(
-                "0000:01:00.0",
-                "0000:02:00.0",
-                "0000:03:00.0",
-            )),
-        );
+        let g = gpu_under_switch();
         let alone = Tree {
             gpus: vec![g.clone()],
             nics: vec![veth("lo"), veth("veth0")],
