@@ -232,6 +232,8 @@ pub struct CudaMemory {
     pub info: GpuDevice,
     /// Why its memory cannot be exported as a dma-buf, if it cannot.
     pub dma_buf_refused: Option<String>,
+    /// Every region on it is a multiple of these bytes.
+    pub region_unit: u64,
 }
 
 /// Always [`GpuError::NotBuilt`].

@@ -15,7 +15,7 @@ pub enum AdmitError {
     Draining,
     /// Not enough of the lane's pool left.
     #[error(
-        "lane {lane}'s pool is exhausted: {reserved} of pool_size {pool} bytes reserved by its open streams; a stream needs stream_memory {need}"
+        "lane {lane}'s pool is exhausted: {reserved} of pool_size {pool} bytes reserved by its open streams; a stream needs {need} (stream_memory, rounded up to the lane's memory's allocation unit)"
     )]
     Exhausted {
         /// The lane.
@@ -41,6 +41,9 @@ struct Inner<S> {
 pub struct Admission<S> {
     /// Each lane's pool.
     pools: Vec<u64>,
+    /// Each lane's region unit: a stream there takes its bytes rounded up to a multiple of it
+    /// (a CUDA region is made of 2 MiB pages; host memory: 1).
+    units: Vec<u64>,
     inner: Mutex<Inner<S>>,
 }
 
@@ -62,8 +65,17 @@ impl<S> Admission<S> {
                 reserved: vec![0; pools.len()],
                 draining: false,
             }),
+            units: vec![1; pools.len()],
             pools,
         }
+    }
+
+    /// Lane `i`'s streams take their bytes rounded up to a multiple of `units[i]` (what its
+    /// memory allocates: a CUDA region of 64 KiB takes 2 MiB of the GPU).
+    pub fn with_units(mut self, units: Vec<u64>) -> Self {
+        debug_assert_eq!(units.len(), self.pools.len());
+        self.units = units.into_iter().map(|u| u.max(1)).collect();
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner<S>> {
@@ -95,7 +107,9 @@ impl<S> Admission<S> {
             return Err(AdmitError::Draining);
         }
         let l = lane as usize;
-        if i.reserved[l] + bytes > self.pools[l] {
+        let unit = self.units[l];
+        let bytes = bytes.div_ceil(unit).saturating_mul(unit);
+        if i.reserved[l].saturating_add(bytes) > self.pools[l] {
             return Err(AdmitError::Exhausted {
                 lane,
                 reserved: i.reserved[l],
@@ -233,6 +247,28 @@ mod tests {
         a.reserve(0, 40).unwrap().commit(2, Arc::new("two"));
         assert_eq!(a.usage(), (2, 100));
         assert!(a.reserve(0, 1).is_err());
+    }
+
+    #[test]
+    fn a_lane_of_cuda_memory_reserves_whole_region_units() {
+        // Before, a 64 KiB stream_memory reserved 64 KiB of a CUDA lane's pool while its
+        // region took 2 MiB of the GPU: a 4 MiB pool admitted 64 streams, 128 MiB of GPU.
+        let mib = 1 << 20;
+        let a: Admission<u8> = Admission::new(vec![4 * mib, 4 * mib]).with_units(vec![2 * mib, 1]);
+        a.reserve(0, 64 << 10).unwrap().commit(1, Arc::new(0));
+        a.reserve(0, 64 << 10).unwrap().commit(2, Arc::new(0));
+        let e = a.reserve(0, 64 << 10).err().unwrap();
+        assert!(
+            matches!(e, AdmitError::Exhausted { reserved, need, .. } if reserved == 4 * mib && need == 2 * mib),
+            "{e}"
+        );
+        for id in 3..=66 {
+            a.reserve(1, 64 << 10).unwrap().commit(id, Arc::new(1));
+        }
+        assert!(
+            a.reserve(1, 1).is_err(),
+            "host lane: 64 streams of 64 KiB fill 4 MiB"
+        );
     }
 
     #[test]

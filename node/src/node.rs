@@ -59,8 +59,10 @@ impl Node {
     ) -> (Arc<Self>, mpsc::UnboundedReceiver<ControlRequest>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let pools = vec![info.cfg.pool_size.0; plane.lanes.all().len()];
+        let units = plane.lanes.all().iter();
+        let units = units.map(|l| l.cuda.as_ref().map_or(1, |c| c.region_unit));
         let node = Arc::new(Self {
-            admission: Admission::new(pools),
+            admission: Admission::new(pools).with_units(units.collect()),
             info,
             routing: Routing::new(Arc::clone(&plane.roster)),
             plane,

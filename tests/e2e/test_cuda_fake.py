@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MiB, REPO, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_id_dataset, write_npy_dataset, write_uint8_shards, write_tokens
+from conftest import MiB, REPO, admin_request, crc32c, expected_crcs, get_status, http_get, index_dataset, shardwire_bin, wait_for, write_id_dataset, write_npy_dataset, write_uint8_shards, write_tokens
 
 FAKE_NAME = "shardwire fake CUDA device (host memory)"
 FAKE_BUS = "0000:fa:00.0"
@@ -341,3 +341,22 @@ def _consume(socket: str, dataset: str, limit: int | None = None, **batch) -> No
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "consume":
     _consume(sys.argv[2], sys.argv[3], **json.loads(sys.argv[4]))
+
+
+def test_a_cuda_lane_counts_each_stream_as_its_whole_region_against_pool_size(sw, tmp_path):
+    """A CUDA region is made of 2 MiB pages: a stream_memory of 64 KiB takes 2 MiB of the GPU.
+    The pool counts what the regions take, so pool_size 4 MiB admits two such streams, and the
+    third is refused `no_memory` naming the 2 MiB. Before, it counted 64 KiB a stream and
+    admitted 64 of them (128 MiB of GPU memory under a 4 MiB pool)."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 2, 4096, seed=2)
+    index_dataset(d)
+    serve = sw.serve([sw.source({"ds": d})], "--memory", "cuda", "--pool-size", "4MiB", "--stream-memory", "64KiB",
+                     env=fake_env())
+    opened = [admin_request(serve.admin, "POST", "/v1/streams", {"dataset": "ds"}) for _ in range(3)]
+    assert [code for code, _ in opened[:2]] == [201, 201], opened
+    code, body = opened[2]
+    assert code != 201 and body.get("code") == "no_memory", opened[2]
+    assert "needs 2097152" in body.get("message", ""), body
+    lane = get_status(serve.admin)["lanes"][0]
+    assert lane["pool_reserved"] == 4 * MiB, lane

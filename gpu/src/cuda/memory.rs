@@ -21,6 +21,10 @@ pub struct CudaMemory {
     /// Why its memory cannot be exported as a dma-buf, if it cannot: then streams still land
     /// in it (pinned staging, a mapped host dma-buf), but no NIC queue can be bound to it.
     pub dma_buf_refused: Option<String>,
+    /// Every region on it is a multiple of these bytes ([`super::vmm::region_unit`]: 2 MiB,
+    /// or the driver's granularity where larger): a stream's region takes its
+    /// `stream_memory` rounded up to it.
+    pub region_unit: u64,
 }
 
 /// Opens `info`'s device, loads the kernels, runs [`self_test`] and tries a dma-buf export.
@@ -29,10 +33,12 @@ pub fn open_for_service(info: &GpuDevice) -> Result<CudaMemory, GpuError> {
     let engines = Engines::new(&device)?;
     self_test(&device, &engines)?;
     let dma_buf_refused = check_dma_buf(&device, info.dma_buf_supported)?;
+    let region_unit = super::vmm::region_unit(&device)? as u64;
     Ok(CudaMemory {
         device,
         engines,
         info: info.clone(),
         dma_buf_refused,
+        region_unit,
     })
 }

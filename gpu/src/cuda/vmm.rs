@@ -114,20 +114,34 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
+/// The driver's minimum allocation granularity for regions on `dev` (bound by the caller).
+fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize, GpuError> {
+    let mut granularity = 0usize;
+    // SAFETY: `prop` is a valid, fully initialised property struct; out-pointer live.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok(granularity)
+}
+
+/// What every region on `dev` is a multiple of: [`region_size`] of 1 byte, the bytes a
+/// region of up to that many takes (the node reserves its pools in these).
+pub fn region_unit(dev: &Arc<Device>) -> Result<usize, GpuError> {
+    dev.bind()?;
+    let g = granularity(&allocation_prop(dev))?;
+    region_size(1, g).ok_or(GpuError::TooLarge { len: g as u64 })
+}
+
 impl VmmRegion {
     /// Allocates at least `len` bytes on `dev`, mapped read-write for this device.
     pub fn new(dev: &Arc<Device>, len: usize) -> Result<Self, GpuError> {
         dev.bind()?;
         let prop = allocation_prop(dev);
-        let mut granularity = 0usize;
-        // SAFETY: `prop` is a valid, fully initialised property struct; out-pointer live.
-        check("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut granularity,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
+        let granularity = granularity(&prop)?;
         let size = region_size(len, granularity).ok_or(GpuError::TooLarge { len: len as u64 })?;
 
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
