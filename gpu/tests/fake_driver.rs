@@ -581,9 +581,16 @@ mod child {
         // And the service's self-test and dma-buf check still pass.
         let engines = Engines::new(&dev).unwrap();
         shardwire_gpu::cuda::self_test(&dev, &engines).unwrap();
-        assert_eq!(
-            shardwire_gpu::cuda::selftest::check_dma_buf(&dev, true).unwrap(),
-            None
+        // Said, not silent: before, the check answered "exports" and nothing more.
+        let check = shardwire_gpu::cuda::selftest::check_dma_buf(&dev, true).unwrap();
+        assert_eq!(check.refused, None);
+        let why = check
+            .default_mapping
+            .expect("the default mapping is reported");
+        let refusal = std::env::var("CHILD_EXPECT_REFUSAL").unwrap();
+        assert!(
+            why.contains("refused the PCIe mapping type") && why.contains(&refusal),
+            "{why}"
         );
     }
 

@@ -232,7 +232,7 @@ def test_token_windows_widen_in_the_batch_gather_launch(sw, tmp_path):
 def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(sw, tmp_path):
     """`shardwire gpus` and `serve --memory auto` see the fake as a usable GPU; with a driver that
     refuses the dma-buf PCIe mapping flag (FAKE_CUDA_NO_PCIE_FLAG=1) the node's self-test
-    exports the dma-buf without it and starts on CUDA memory."""
+    exports the dma-buf without it, starts on CUDA memory, and says so (reason and log)."""
     env = {**fake_env(), "FAKE_CUDA_NO_PCIE_FLAG": "1"}
     r = subprocess.run([str(shardwire_bin()), "gpus", "--json"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, **env})
@@ -246,7 +246,10 @@ def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(s
     serve = sw.serve([sw.source({"ds": d})], "--memory", "auto", env=env)
     mode = get_status(serve.admin)["mode"]
     assert mode["memory"] == "cuda", mode
-    assert f"memory=cuda: auto: GPU 0 ({FAKE_NAME}, {FAKE_BUS}) has dma-buf and VMM support" in mode["reason"], mode
+    # Said in the reason and the log, not silent (before: "has dma-buf and VMM support" only).
+    assert f"memory=cuda: auto: GPU 0 ({FAKE_NAME}, {FAKE_BUS}) (dma-buf with the driver's default mapping:" in mode["reason"], mode
+    assert "has dma-buf and VMM support" in mode["reason"], mode
+    assert "refused the PCIe mapping type for a dma-buf of GPU memory" in serve.stderr_text(), serve.stderr_text()[-3000:]
     refused = "cuMemGetHandleForAddressRange -> CUDA_ERROR_INVALID_VALUE: CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused"
     lines = fake_lines(serve.stderr_text())
     assert lines and all(refused in line for line in lines), lines

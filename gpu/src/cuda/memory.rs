@@ -21,6 +21,9 @@ pub struct CudaMemory {
     /// Why its memory cannot be exported as a dma-buf, if it cannot: then streams still land
     /// in it (pinned staging, a mapped host dma-buf), but no NIC queue can be bound to it.
     pub dma_buf_refused: Option<String>,
+    /// Why its dma-bufs have the driver's default mapping, not the PCIe one a NIC reads
+    /// through, if so (the driver refused the PCIe mapping type).
+    pub dma_buf_default_mapping: Option<String>,
     /// Every region on it is a multiple of these bytes ([`super::vmm::region_unit`]: 2 MiB,
     /// or the driver's granularity where larger): a stream's region takes its
     /// `stream_memory` rounded up to it.
@@ -32,13 +35,14 @@ pub fn open_for_service(info: &GpuDevice) -> Result<CudaMemory, GpuError> {
     let device = Device::open(info.ordinal)?;
     let engines = Engines::new(&device)?;
     self_test(&device, &engines)?;
-    let dma_buf_refused = check_dma_buf(&device, info.dma_buf_supported)?;
+    let dma_buf = check_dma_buf(&device, info.dma_buf_supported)?;
     let region_unit = super::vmm::region_unit(&device)? as u64;
     Ok(CudaMemory {
         device,
         engines,
         info: info.clone(),
-        dma_buf_refused,
+        dma_buf_refused: dma_buf.refused,
+        dma_buf_default_mapping: dma_buf.default_mapping,
         region_unit,
     })
 }

@@ -22,24 +22,41 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines) -> Result<(), GpuError> {
     check_gather(engines, &src, &dst)
 }
 
+/// What [`check_dma_buf`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DmaBufCheck {
+    /// Why a region does not export as a dma-buf, if it does not.
+    pub refused: Option<String>,
+    /// Why it exports with the driver's default mapping, not the PCIe one, if so.
+    pub default_mapping: Option<String>,
+}
+
 /// Whether a region of `dev` exports as a dma-buf (what binding GPU memory to NIC receive
-/// queues needs): `None` if it does, else why not. The device attribute is not enough: a
-/// driver in a VM has said "supported" and then refused the export (an H200 under
-/// Firecracker: `CUDA_ERROR_NOT_SUPPORTED`, with and without the PCIe mapping flag).
-pub fn check_dma_buf(dev: &Arc<Device>, attribute: bool) -> Result<Option<String>, GpuError> {
+/// queues needs), and with which mapping. The device attribute is not enough: a driver in a
+/// VM has said "supported" and then refused the export (an H200 under Firecracker:
+/// `CUDA_ERROR_NOT_SUPPORTED`, with and without the PCIe mapping flag).
+pub fn check_dma_buf(dev: &Arc<Device>, attribute: bool) -> Result<DmaBufCheck, GpuError> {
     if !attribute {
-        return Ok(Some(
-            "the driver reports no dma-buf support (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0)"
-                .into(),
-        ));
+        let why =
+            "the driver reports no dma-buf support (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0)";
+        return Ok(DmaBufCheck {
+            refused: Some(why.into()),
+            default_mapping: None,
+        });
     }
     let region = VmmRegion::new(dev, 1)?;
-    Ok(match region.export_dmabuf() {
-        Ok(fd) => {
+    Ok(match region.export_dmabuf_noting() {
+        Ok((fd, default_mapping)) => {
             drop(fd);
-            None
+            DmaBufCheck {
+                refused: None,
+                default_mapping,
+            }
         }
-        Err(e) => Some(format!("the driver refused the dma-buf export: {e}")),
+        Err(e) => DmaBufCheck {
+            refused: Some(format!("the driver refused the dma-buf export: {e}")),
+            default_mapping: None,
+        },
     })
 }
 

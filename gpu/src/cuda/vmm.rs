@@ -230,16 +230,38 @@ impl VmmRegion {
     /// driver that refuses the flag (`CUDA_ERROR_INVALID_VALUE` from a driver that predates
     /// it, `CUDA_ERROR_NOT_SUPPORTED` from one on a platform without it); when that is
     /// refused too, the second error is returned.
+    /// The fallback is logged (a warning naming the refusal): on a platform whose default
+    /// mapping is not PCIe (Grace Hopper, Grace Blackwell: C2C) a NIC may not reach it.
     pub fn export_dmabuf(&self) -> Result<OwnedFd, GpuError> {
+        let (fd, refused) = self.export_dmabuf_noting()?;
+        if let Some(why) = refused {
+            tracing::warn!("{why}");
+        }
+        Ok(fd)
+    }
+
+    /// [`VmmRegion::export_dmabuf`], without the warning: the fd, and why it has the
+    /// driver's default mapping where the PCIe mapping type was refused.
+    pub fn export_dmabuf_noting(&self) -> Result<(OwnedFd, Option<String>), GpuError> {
         self.dev.bind()?;
         let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
         match self.dmabuf_with(pcie) {
-            Err(GpuError::Driver {
-                result:
-                    sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
-                ..
-            }) => self.dmabuf_with(0),
-            other => other,
+            Err(
+                e @ GpuError::Driver {
+                    result:
+                        sys::CUresult::CUDA_ERROR_INVALID_VALUE
+                        | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                    ..
+                },
+            ) => {
+                let why = format!(
+                    "the driver refused the PCIe mapping type for a dma-buf of GPU memory ({e}): \
+                     exported with its default mapping, which a NIC may not reach where that \
+                     is not PCIe (Grace Hopper and Blackwell: C2C)"
+                );
+                Ok((self.dmabuf_with(0)?, Some(why)))
+            }
+            other => Ok((other?, None)),
         }
     }
 

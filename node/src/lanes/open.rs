@@ -134,6 +134,10 @@ async fn plan_and_open(
                 .expect("opening the GPU does not panic");
         match opened {
             Ok(m) => {
+                if let Some(why) = &m.dma_buf_default_mapping {
+                    let what = shardwire_gpu::probe::device_text(device);
+                    tracing::warn!(lane = spec.id, gpu = %what, "{why}");
+                }
                 if let Some(why) = &m.dma_buf_refused {
                     let what = shardwire_gpu::probe::device_text(device);
                     tracing::warn!(lane = spec.id, gpu = %what, "the GPU's memory does not export as a dma-buf ({why}): streams land in it through pinned staging (receive = \"host\") or a mapped host dma-buf (\"devmem-sim\"), but receive = \"devmem\" cannot bind it to NIC queues");
@@ -202,10 +206,14 @@ fn memory_decision(
         };
         return Ok((MemoryKind::Host, why));
     }
-    let text = |m: &CudaMemory| match &m.dma_buf_refused {
-        None => shardwire_gpu::probe::device_text(&m.info),
-        Some(why) => format!(
+    let text = |m: &CudaMemory| match (&m.dma_buf_refused, &m.dma_buf_default_mapping) {
+        (None, None) => shardwire_gpu::probe::device_text(&m.info),
+        (Some(why), _) => format!(
             "{} (no dma-buf export, so no devmem receive into it: {why})",
+            shardwire_gpu::probe::device_text(&m.info)
+        ),
+        (None, Some(why)) => format!(
+            "{} (dma-buf with the driver's default mapping: {why})",
             shardwire_gpu::probe::device_text(&m.info)
         ),
     };
