@@ -19,10 +19,13 @@
 //! ```
 //!
 //! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
-//! the stream is dropped) or after its idle timeout without requests.
+//! the stream is dropped) or after its idle timeout without requests. A batch dropped (every
+//! clone of it) without [`HttpStream::release`] is released before the stream's next `next`,
+//! as [`crate::Stream`] gives its dropped batches back.
 
 use std::io::{BufReader, Write};
 use std::net::TcpStream;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use shardwire_protocol::trainer::ErrorCode;
@@ -65,6 +68,8 @@ pub struct HttpBatch {
     /// Shard index.
     pub shard: u32,
     tensors: Vec<HttpTensor>,
+    /// Alive while a copy of the batch is: the stream releases the lease once none is.
+    held: Arc<()>,
 }
 
 impl HttpBatch {
@@ -89,6 +94,7 @@ impl From<BatchBody> for HttpBatch {
             index: b.index,
             shard: b.shard,
             tensors: b.tensors,
+            held: Arc::new(()),
         }
     }
 }
@@ -245,6 +251,9 @@ pub struct HttpStream {
     /// The batch whose failed download set `received` back: one of its downloads that then
     /// succeeds (the caller tried again) sets it forward again.
     rolled_back: Option<u64>,
+    /// Leases handed out and not released, each with a handle that dies when the caller has
+    /// dropped every copy of its batch ([`HttpStream::release_dropped`]).
+    leased: Vec<(u64, Weak<()>)>,
     /// Open-time information.
     pub info: HttpStreamInfo,
 }
@@ -290,6 +299,7 @@ impl HttpStream {
             received: 0,
             received_after: 0,
             rolled_back: None,
+            leased: Vec::new(),
             info,
         })
     }
@@ -329,9 +339,35 @@ impl HttpStream {
         }
     }
 
+    /// Releases the leases of batches the caller dropped, all of them: `unknown_lease` (the
+    /// lease ended already) counts as released; the first other error is returned. The batch
+    /// a failed download set back stays leased: the next `next` answers it again.
+    fn release_dropped(&mut self) -> Result<(), ClientError> {
+        let again = self.rolled_back;
+        let (dropped, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.leased)
+            .into_iter()
+            .partition(|(lease, h)| h.strong_count() == 0 && Some(*lease) != again);
+        self.leased = held;
+        let mut first = None;
+        for (lease, _) in dropped {
+            match self.release_lease(lease) {
+                Ok(())
+                | Err(ClientError::Service {
+                    code: ErrorCode::UnknownLease,
+                    ..
+                }) => {}
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     /// One long poll: Some(answer), or None on timeout.
     fn poll(&mut self, ms: u64) -> Result<Option<Option<HttpBatch>>, ClientError> {
         self.check_open()?;
+        self.release_dropped()?;
         let path = format!(
             "/v1/streams/{}/next?timeout_ms={ms}&after={}",
             self.info.stream, self.received
@@ -346,7 +382,10 @@ impl HttpStream {
                     self.received_after = self.received;
                     self.received = b.lease;
                     self.rolled_back = None;
-                    Ok(Some(Some(b.into())))
+                    let b = HttpBatch::from(b);
+                    self.leased.retain(|(lease, _)| *lease != b.lease);
+                    self.leased.push((b.lease, Arc::downgrade(&b.held)));
+                    Ok(Some(Some(b)))
                 }
                 NextBody::End(_) => Ok(Some(None)),
             },
@@ -425,10 +464,12 @@ impl HttpStream {
     /// Gives a batch's memory back to the service.
     pub fn release(&mut self, batch: HttpBatch) -> Result<(), ClientError> {
         self.check_open()?;
-        let path = format!(
-            "/v1/leases/{}/release?stream={}",
-            batch.lease, self.info.stream
-        );
+        self.leased.retain(|(lease, _)| *lease != batch.lease);
+        self.release_lease(batch.lease)
+    }
+
+    fn release_lease(&mut self, lease: u64) -> Result<(), ClientError> {
+        let path = format!("/v1/leases/{lease}/release?stream={}", self.info.stream);
         let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
         match r.status {
             200 => Ok(()),
@@ -626,6 +667,46 @@ mod tests {
         let seen = node.join().unwrap();
         let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
         assert!(nexts[1].ends_with("&after=0"), "{seen:?}");
+    }
+
+    #[test]
+    fn a_batch_dropped_unreleased_is_released_before_the_next_next() {
+        // Before, a dropped HttpBatch kept its lease on the node until the close or the
+        // idle timeout: the region filled and `next` waited forever.
+        let leases = std::sync::atomic::AtomicU64::new(4);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                let n = leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                let b = String::from_utf8(batch("[4]")).unwrap();
+                (
+                    200,
+                    "",
+                    b.replace("\"lease\":5", &format!("\"lease\":{n}"))
+                        .into_bytes(),
+                )
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b5 = s.next().unwrap().expect("a batch");
+        let kept = b5.clone();
+        drop(b5);
+        let b6 = s.next().unwrap().expect("a batch");
+        drop(b6);
+        drop(kept);
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen: Vec<String> = node.join().unwrap().into_iter().skip(1).collect();
+        let want = [
+            "POST /v1/streams/1/next?timeout_ms=30000&after=0",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=5",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/leases/6/release?stream=1",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=6",
+            "POST /v1/streams/1/close",
+        ];
+        assert_eq!(seen, want, "a clone kept lease 5 until it was dropped");
     }
 
     #[test]
