@@ -151,6 +151,23 @@ fn read_header(idx: &mut Source) -> Result<(DType, u64, u64), IndexError> {
             format!("sequence_count {s}, document_count {d}"),
         ));
     }
+    // Megatron-core writes exactly this; a multimodal dataset has one int8 sequence mode per
+    // sequence after the document indices, which a text loader would silently drop.
+    let need = need.unwrap_or(0);
+    if idx.len != need {
+        let extra = idx.len - need;
+        return Err(if extra == s {
+            idx.unsupported(
+                "a multimodal index (an int8 sequence mode per sequence after the document indices) is not supported: shardwire serves text token datasets",
+                format!("{extra} bytes of sequence modes"),
+            )
+        } else {
+            idx.malformed(
+                format!("{s} sequences and {d} document indices take {need} bytes"),
+                format!("{} bytes ({extra} after them)", idx.len),
+            )
+        });
+    }
     Ok((dtype, s, d))
 }
 
@@ -506,6 +523,21 @@ mod tests {
         bad[18..26].copy_from_slice(&u64::MAX.to_le_bytes());
         let e = refused("megatron-huge", bad, &bin);
         assert!(e.contains("too many"), "{e}");
+        // Before, bytes after the document indices were ignored: a multimodal dataset's
+        // sequence modes dropped without a word.
+        let mut modes = good();
+        modes.extend_from_slice(&[0, 1]);
+        let e = refused("megatron-multimodal", modes, &bin);
+        assert!(
+            e.contains("x.idx")
+                && e.contains("multimodal")
+                && e.contains("2 bytes of sequence modes"),
+            "{e}"
+        );
+        let mut trailing = good();
+        trailing.extend_from_slice(&[0; 5]);
+        let e = refused("megatron-trailing", trailing, &bin);
+        assert!(e.contains("(5 after them)"), "{e}");
     }
 
     #[test]

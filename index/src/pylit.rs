@@ -107,7 +107,7 @@ impl Parser<'_> {
         match self.peek() {
             None => Err("unexpected end of header".into()),
             Some(b'\'' | b'"') => self.string(),
-            Some(b'(') => self.seq(b')', depth).map(Lit::Tuple),
+            Some(b'(') => self.paren(depth),
             Some(b'[') => self.seq(b']', depth).map(Lit::List),
             Some(b'{') => self.dict(depth),
             Some(c) if c.is_ascii_digit() => self.int(),
@@ -183,6 +183,20 @@ impl Parser<'_> {
     }
 
     /// Comma-separated values up to `close`; a trailing comma is allowed.
+    /// A tuple, or a parenthesised value: Python's `(3)` is the int 3, a one-element tuple
+    /// is `(3,)` (numpy refuses a header whose shape is `(3)`).
+    fn paren(&mut self, depth: usize) -> Result<Lit, String> {
+        let mut items = self.seq(b')', depth)?;
+        let before_close = self.s[..self.i - 1]
+            .iter()
+            .rev()
+            .find(|c| !c.is_ascii_whitespace());
+        if items.len() == 1 && before_close != Some(&b',') {
+            return Ok(items.remove(0));
+        }
+        Ok(Lit::Tuple(items))
+    }
+
     fn seq(&mut self, close: u8, depth: usize) -> Result<Vec<Lit>, String> {
         self.i += 1;
         let mut items = Vec::new();
@@ -243,6 +257,10 @@ mod tests {
         assert_eq!(items[1].1, Lit::Bool(false));
         assert_eq!(items[2].1, Lit::Tuple(vec![Lit::Int(3), Lit::Int(4)]));
         assert_eq!(parse("(5,)").unwrap(), Lit::Tuple(vec![Lit::Int(5)]));
+        assert_eq!(parse("( 5 , )").unwrap(), Lit::Tuple(vec![Lit::Int(5)]));
+        // Before, `(5)` was the tuple `(5,)`: a header numpy refuses was indexed.
+        assert_eq!(parse("(5)").unwrap(), Lit::Int(5));
+        assert_eq!(parse("('a,')").unwrap(), Lit::Str("a,".into()));
         assert_eq!(parse("()").unwrap(), Lit::Tuple(vec![]));
         assert_eq!(
             parse("(2L, 3L)").unwrap(),

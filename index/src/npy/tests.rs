@@ -122,6 +122,12 @@ fn rejections() {
         &npy(1, &hdr("'<f4'", "True", "(2, 3)"), &d24),
         &["Fortran-order", "np.ascontiguousarray", "True"],
     );
+    // `(3)` is the int 3 in Python, and numpy refuses the file: before, it was indexed.
+    expect_err(
+        "paren.npy",
+        &npy(1, &hdr("'|u1'", "False", "(3)"), &d24[..3]),
+        &["'shape' is not a tuple", "3"],
+    );
     expect_err(
         "o.npy",
         &npy(1, &hdr("'|O'", "False", "(3,)"), &d24),
