@@ -292,7 +292,22 @@ impl HttpStream {
         if r.status != 201 {
             return Err(r.error());
         }
-        let info: Opened = r.json()?;
+        let info: Opened = match r.json() {
+            Ok(info) => info,
+            Err(e) => {
+                // Opened on the node all the same: closed there, best effort, if its id can
+                // be read, so its memory is not held until the idle timeout.
+                #[derive(serde::Deserialize)]
+                struct Id {
+                    stream: u64,
+                }
+                if let Ok(Id { stream }) = serde_json::from_slice::<Id>(&r.body) {
+                    let path = format!("/v1/streams/{stream}/close");
+                    let _ = conn.call("POST", &path, None, CONNECT_TIMEOUT);
+                }
+                return Err(e);
+            }
+        };
         Ok(Self {
             conn,
             closed: false,
@@ -707,6 +722,19 @@ mod tests {
             "POST /v1/streams/1/close",
         ];
         assert_eq!(seen, want, "a clone kept lease 5 until it was dropped");
+    }
+
+    #[test]
+    fn an_open_answer_that_cannot_be_read_closes_the_stream_it_opened() {
+        // Before, the stream stayed open on the node, its memory held until the idle timeout.
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", br#"{"stream":7}"#.to_vec()),
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let e = HttpStream::open(&addr, StreamOptions::new("d")).unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e}");
+        let seen = node.join().unwrap();
+        assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/7/close"]);
     }
 
     #[test]

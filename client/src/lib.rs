@@ -331,9 +331,15 @@ pub(crate) fn check_length(
     shape: &[u64],
     length: u64,
 ) -> Result<(), ClientError> {
-    let size = shape
-        .iter()
-        .try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+    // A zero dimension makes 0 bytes whatever the others (the product overflowing before it
+    // reaches the 0 must not matter: `[2^62, 4, 0]` is 0 bytes, as Python's exact product).
+    let size = if shape.contains(&0) {
+        Some(0)
+    } else {
+        shape
+            .iter()
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+    };
     // A dimension past i64 is no array's (numpy, torch, the Python SDK refuse it), whatever
     // the order: `[0, 2^64-1]` takes 0 bytes, as `[2^64-1, 0]` does.
     let wild = shape.iter().any(|&d| i64::try_from(d).is_err());
@@ -436,6 +442,9 @@ mod tests {
             );
         }
         assert!(check_length("x", DType::Uint8, &[0, big - 1], 0).is_ok());
+        // Before, a product overflowing before the 0 was refused: [2^62, 4, 0] is 0 bytes.
+        assert!(check_length("x", DType::Uint8, &[1 << 62, 4, 0], 0).is_ok());
+        assert!(check_length("x", DType::Uint8, &[1 << 62, 4, 0], 1).is_err());
     }
 
     /// A region file shorter than the length the node states is refused, not mapped (a read
