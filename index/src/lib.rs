@@ -7,8 +7,8 @@
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
 //! section, a whole `.tar` or MDS `.mds` file, a whole raw `.bin`, or a run of whole sequences
-//! of at most 64 MiB, or one longer one, of a Megatron or `--tokens` `.bin`) with its CRC-32C; its tensors are byte ranges inside it,
-//! with absolute file offsets. Files are visited in sorted relative-path order, so the same
+//! of at most 64 MiB, or one longer one, of a Megatron or `--tokens` `.bin`) with its
+//! CRC-32C; its tensors are byte ranges inside it, with absolute file offsets. Files are visited in sorted relative-path order, so the same
 //! directory always yields the same manifest and digest.
 //!
 //! A dataset in object storage is read with ranged GETs only: listing replaces the directory
