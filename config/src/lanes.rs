@@ -168,12 +168,15 @@ impl Lanes {
                 }
             }
             if let Some(m) = lane.devmem_memory
-                && m.0 < 1 << 20
+                && !(1 << 20..=crate::MAX_SIZE).contains(&m.0)
             {
                 return Err(invalid(
                     "lanes",
                     format!("lanes[{i}].devmem_memory = {m}"),
-                    "must be at least 1MiB",
+                    format!(
+                        "must be at least 1MiB and at most {}",
+                        ByteSize(crate::MAX_SIZE)
+                    ),
                 ));
             }
             // Lanes without an `interface` are paired with their NICs later, maybe different

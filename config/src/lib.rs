@@ -41,6 +41,22 @@ pub enum ConfigError {
     },
 }
 
+/// Largest size a size key takes: 64 TiB, past any host's or GPU's memory (and far from
+/// the overflow of rounding it up to pages).
+pub const MAX_SIZE: u64 = 1 << 46;
+
+/// `v` of size key `key` is at most [`MAX_SIZE`].
+fn check_size(key: &'static str, v: ByteSize) -> Result<(), ConfigError> {
+    if v.0 > MAX_SIZE {
+        return Err(invalid(
+            key,
+            v,
+            format!("must be at most {}", ByteSize(MAX_SIZE)),
+        ));
+    }
+    Ok(())
+}
+
 fn invalid(
     key: &'static str,
     value: impl std::fmt::Display,
@@ -537,6 +553,21 @@ impl ServeConfig {
                 "must be at least 1MiB",
             ));
         }
+        for (key, v) in [
+            ("pool_size", self.pool_size),
+            ("stream_memory", ByteSize(stream_memory)),
+            ("devmem_memory", self.devmem_memory),
+        ] {
+            check_size(key, v)?;
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(q) = self.devmem_queues.iter().find(|q| !seen.insert(**q)) {
+            return Err(invalid(
+                "devmem_queues",
+                format!("{:?}", self.devmem_queues),
+                format!("lists queue {q} twice: each RX queue is bound once"),
+            ));
+        }
         self.socket_mode_bits()?;
         self.lanes.validate()?;
         self.source_entries()?;
@@ -1002,6 +1033,37 @@ mod tests {
         assert!(e.contains("`source_resolve_secs`"), "{e}");
         assert_eq!(ServeConfig::default().source_resolve_secs, 10);
         assert_eq!(SourceConfig::default().drain_timeout_secs, 30);
+    }
+
+    #[test]
+    fn sizes_past_any_memory_and_a_queue_listed_twice_are_refused_naming_the_key() {
+        // Before, each loaded: u64::MAX overflowed rounding it up to pages (a panic, or a
+        // wrap to 0 and the kernel's EINVAL naming no key); the queue failed at the bind.
+        for (toml, key, allowed) in [
+            (
+                "devmem_memory = \"18446744073709551615\"\n",
+                "devmem_memory",
+                "at most 64TiB",
+            ),
+            ("pool_size = \"128TiB\"\n", "pool_size", "at most 64TiB"),
+            (
+                "lanes = [{ devmem_memory = \"128TiB\" }]\n",
+                "lanes[0].devmem_memory",
+                "at most 64TiB",
+            ),
+            (
+                "devmem_queues = [8, 9, 8]\n",
+                "devmem_queues",
+                "queue 8 twice",
+            ),
+        ] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains(allowed), "{toml}: {e}");
+        }
+        let ok = "pool_size = \"64TiB\"\nstream_memory = \"1GiB\"\ndevmem_queues = [8, 9]\n";
+        assert!(ServeConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
     }
 
     #[test]
