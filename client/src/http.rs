@@ -254,6 +254,9 @@ pub struct HttpStream {
     /// Leases handed out and not released, each with a handle that dies when the caller has
     /// dropped every copy of its batch ([`HttpStream::release_dropped`]).
     leased: Vec<(u64, Weak<()>)>,
+    /// The process that opened it: a child forked from it may not use it (its drop closes
+    /// nothing on the node).
+    pid: u32,
     /// Open-time information.
     pub info: HttpStreamInfo,
 }
@@ -315,11 +318,13 @@ impl HttpStream {
             received_after: 0,
             rolled_back: None,
             leased: Vec::new(),
+            pid: std::process::id(),
             info,
         })
     }
 
     fn check_open(&self) -> Result<(), ClientError> {
+        crate::same_process(self.pid)?;
         if self.closed {
             return Err(ClientError::Service {
                 code: ErrorCode::Closed,
@@ -354,29 +359,34 @@ impl HttpStream {
         }
     }
 
-    /// Releases the leases of batches the caller dropped, all of them: `unknown_lease` (the
-    /// lease ended already) counts as released; the first other error is returned. The batch
-    /// a failed download set back stays leased: the next `next` answers it again.
+    /// Releases the leases of batches the caller dropped: `unknown_lease` (the lease ended
+    /// already) counts as released; a lease the node refuses otherwise is kept, to be tried
+    /// again before the next `next`; an error of the connection itself is returned (the
+    /// leases not tried yet are kept too). The batch a failed download set back stays
+    /// leased: the next `next` answers it again.
     fn release_dropped(&mut self) -> Result<(), ClientError> {
         let again = self.rolled_back;
         let (dropped, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.leased)
             .into_iter()
             .partition(|(lease, h)| h.strong_count() == 0 && Some(*lease) != again);
         self.leased = held;
-        let mut first = None;
-        for (lease, _) in dropped {
+        let mut dropped = dropped.into_iter();
+        while let Some((lease, handle)) = dropped.next() {
             match self.release_lease(lease) {
                 Ok(())
                 | Err(ClientError::Service {
                     code: ErrorCode::UnknownLease,
                     ..
                 }) => {}
+                Err(ClientError::Service { .. }) => self.leased.push((lease, handle)),
                 Err(e) => {
-                    first.get_or_insert(e);
+                    self.leased.push((lease, handle));
+                    self.leased.extend(dropped);
+                    return Err(e);
                 }
             }
         }
-        first.map_or(Ok(()), Err)
+        Ok(())
     }
 
     /// One long poll: Some(answer), or None on timeout.
@@ -516,6 +526,7 @@ impl HttpStream {
         if self.closed {
             return Ok(());
         }
+        crate::same_process(self.pid)?;
         self.closed = true;
         let path = format!("/v1/streams/{}/close", self.info.stream);
         let r = self.conn.call("POST", &path, None, wait)?;
@@ -735,6 +746,41 @@ mod tests {
         assert!(matches!(e, ClientError::Protocol(_)), "{e}");
         let seen = node.join().unwrap();
         assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/7/close"]);
+    }
+
+    #[test]
+    fn a_stream_dropped_in_a_forked_child_is_not_closed_on_the_node() {
+        // Before, the child's drop sent the close on the parent's connection: the parent's
+        // stream ended on the node.
+        let state = br#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f"}"#;
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.contains("/state") => (200, "", state.to_vec()),
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        // SAFETY: the child only drops the stream (its own copy of the socket) and exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            let refused = matches!(s.state(), Err(ClientError::Forked { .. }));
+            drop(s);
+            // SAFETY: _exit ends the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(if refused { 0 } else { 3 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child's use was not refused"
+        );
+        s.state().unwrap();
+        drop(s);
+        let seen = node.join().unwrap();
+        let closes = seen.iter().filter(|t| t.ends_with("/close")).count();
+        assert_eq!(closes, 1, "the parent's close only: {seen:?}");
     }
 
     #[test]

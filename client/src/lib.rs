@@ -71,6 +71,18 @@ pub enum ClientError {
         /// The stream it was given to.
         stream: u64,
     },
+    /// A stream used in a process forked after it was opened: the child shares its
+    /// connection, so it would take answers meant for the parent (and a close would end
+    /// the parent's stream). Open a stream in the child instead.
+    #[error(
+        "this stream was opened in process {opened} and is used in process {now}, forked from it: open a stream in the child instead"
+    )]
+    Forked {
+        /// The process that opened it.
+        opened: u32,
+        /// The process using it.
+        now: u32,
+    },
     /// The service answered with an error.
     #[error("service error {code}: {message}")]
     Service {
@@ -319,6 +331,15 @@ pub(crate) fn check_tensors(tensors: &[TensorView], region: u64) -> Result<(), C
             });
         }
         check_length(&t.name, t.dtype, &t.shape, t.length)?;
+    }
+    Ok(())
+}
+
+/// [`ClientError::Forked`] when this is not process `opened`.
+pub(crate) fn same_process(opened: u32) -> Result<(), ClientError> {
+    let now = std::process::id();
+    if now != opened {
+        return Err(ClientError::Forked { opened, now });
     }
     Ok(())
 }

@@ -85,6 +85,8 @@ pub struct Stream {
     broken: Option<String>,
     /// Leases of batches the caller dropped without giving them back.
     dropped: Dropped,
+    /// The process that opened it: a child forked from it may not use it.
+    pid: u32,
     /// Open-time information.
     pub info: StreamInfo,
 }
@@ -168,6 +170,7 @@ impl Stream {
             lost: None,
             broken: None,
             dropped: Dropped::default(),
+            pid: std::process::id(),
             info: StreamInfo {
                 stream,
                 batches_per_epoch,
@@ -430,8 +433,10 @@ impl Stream {
         }
     }
 
-    /// Fails when an earlier answer could not be read ([`ClientError::Broken`]).
+    /// Fails in a process forked after the open ([`ClientError::Forked`]) and when an
+    /// earlier answer could not be read ([`ClientError::Broken`]).
     fn usable(&self) -> Result<(), ClientError> {
+        crate::same_process(self.pid)?;
         match &self.broken {
             Some(cause) => Err(ClientError::Broken {
                 cause: cause.clone(),
@@ -443,6 +448,9 @@ impl Stream {
     /// Closes the connection after an answer that could not be read (`e`), so that nothing
     /// read later is taken for the answer to another request; returns `e`.
     fn broke(&mut self, e: ClientError) -> ClientError {
+        if crate::same_process(self.pid).is_err() {
+            return e; // the connection is the parent's too: a child must not shut it
+        }
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
         self.broken = Some(e.to_string());
         e

@@ -151,10 +151,15 @@ impl DmabufMem {
         // `&arg`, alive across the call; the returned value is a new dma-buf fd.
         let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
         if fd < 0 {
-            return Err(failed(
-                "UDMABUF_CREATE (EINVAL: above the module's limit, \
-                 /sys/module/udmabuf/parameters/size_limit_mb, 64 MiB by default)",
-            ));
+            let limit = io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL);
+            return Err(failed(if limit {
+                "UDMABUF_CREATE (EINVAL: more than the udmabuf module's size_limit_mb, 64 MiB \
+                 unless raised: write a larger one to \
+                 /sys/module/udmabuf/parameters/size_limit_mb, or lower devmem_memory or \
+                 devmem_tx_memory)"
+            } else {
+                "UDMABUF_CREATE"
+            }));
         }
         // SAFETY: the ioctl returned a fresh fd that nothing else owns.
         let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };

@@ -123,7 +123,7 @@ fn hint(errno: &i32, op: &str) -> &'static str {
         (libc::EOPNOTSUPP, "rings-get" | "rings-set") => {
             ": the driver has no ring parameters, so header split cannot be turned on (devmem needs gve, bnxt, mlx5, fbnic or idpf)"
         }
-        (libc::ENOSPC, _) => {
+        (libc::ENOSPC, "ntuple-rule-insert" | "ntuple-flow-rule-insert") => {
             ": the NIC's ntuple rule table is full (`ethtool -n IFACE` lists the rules, `ethtool -N IFACE delete LOC` removes one)"
         }
         (libc::EOPNOTSUPP, _) => ": the driver does not support this",
@@ -460,10 +460,7 @@ impl Journal {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir).map_err(bad)?;
         }
-        // `nic-state.eth1.tmp`: `with_extension` would give each NIC's journal the same one.
-        let mut tmp = self.path.clone().into_os_string();
-        tmp.push(".tmp");
-        let tmp = std::path::PathBuf::from(tmp);
+        let tmp = tmp_path(&self.path);
         let mut f = File::create(&tmp).map_err(bad)?;
         let body = serde_json::to_vec_pretty(&self.state).expect("serializable");
         f.write_all(&body).map_err(bad)?;
@@ -529,8 +526,12 @@ impl Journal {
             let old = client.rss_indir(&ifname)?;
             let new = steer::equal_table(old.len(), rss_queues);
             if new != old {
-                let rx = client.channels(self.state.ifindex, &ifname)?.rx_queues();
-                let table = steer::table_to_restore(old, rx);
+                // The kernel's default spreads over `ETHTOOL_GRXRINGS` rings; where that
+                // cannot be read, the table is restored as it was.
+                let table = match client.rx_rings(&ifname) {
+                    Ok(rings) => steer::table_to_restore(old, rings),
+                    Err(_) => old,
+                };
                 self.record(Change::Rss { table })?;
                 client.set_rss_indir(&ifname, &new)?;
             }
@@ -590,6 +591,15 @@ impl Journal {
         remove(&self.path)?;
         Ok(self.state.changes)
     }
+}
+
+/// A journal's temporary file: its name and `.tmp` (`nic-state.eth1.json.tmp`). Replacing
+/// the extension instead gave the journals of a base without one (`bare.eth0`, `bare.eth1`)
+/// one temporary file, `bare.tmp`, that two NICs' setups could write at once.
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    PathBuf::from(tmp)
 }
 
 fn remove(path: &Path) -> Result<(), NicError> {

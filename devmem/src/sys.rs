@@ -499,7 +499,7 @@ fn ethtool_len(cmd: &[u8]) -> Option<usize> {
     let len = match word(0)? {
         0x25 | 0x26 => 8,                                 // G/SFLAGS
         0x38 | 0x39 => 8 + 4 * word(4)? as usize,         // G/SRXFHINDIR
-        0x2e | 0x31 | 0x32 => 192,                        // GRXCLSRLCNT, SRXCLSRLDEL/INS
+        0x2d | 0x2e | 0x31 | 0x32 => 192,                 // GRXRINGS, GRXCLSRLCNT, SRXCLSRLDEL/INS
         0x30 => (188 + 4 * word(184)? as usize).max(192), // GRXCLSRLALL
         _ => return None,
     };
@@ -510,12 +510,22 @@ fn ethtool_len(cmd: &[u8]) -> Option<usize> {
 /// with the command struct `cmd` (read and written by the kernel in place). `InvalidInput`
 /// when `cmd` is not a command [`ethtool_len`] knows or is shorter than its struct.
 pub(crate) fn ethtool_ioctl(fd: BorrowedFd<'_>, ifname: &str, cmd: &mut [u8]) -> io::Result<()> {
+    let refused = |what: String| Err(io::Error::new(io::ErrorKind::InvalidInput, what));
     match ethtool_len(cmd) {
         Some(len) if len <= cmd.len() => {}
-        need => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("an ethtool command of {} bytes (needs {need:?})", cmd.len()),
+        Some(len) => {
+            return refused(format!(
+                "an ethtool command of {} bytes, its struct needs {len}",
+                cmd.len()
+            ));
+        }
+        None => {
+            let head = cmd
+                .get(..4)
+                .map(|w| u32::from_ne_bytes(w.try_into().expect("4")));
+            return refused(format!(
+                "ethtool command {} is not one this crate sends",
+                head.map_or("(none: under 4 bytes)".into(), |c| format!("{c:#x}"))
             ));
         }
     }
@@ -554,12 +564,12 @@ mod tests {
         let mut list = cmd(&[(0, 0x30), (184, 100)], 192);
         let e = ethtool_ioctl(sock.as_fd(), "lo", &mut list).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
-        assert!(e.to_string().contains("needs Some(588)"), "{e}");
+        assert!(e.to_string().contains("its struct needs 588"), "{e}");
         let mut indir = cmd(&[(0, 0x38), (4, 64)], 8);
         assert!(ethtool_ioctl(sock.as_fd(), "lo", &mut indir).is_err());
         let mut unknown = cmd(&[(0, 0x1)], 4096);
         let e = ethtool_ioctl(sock.as_fd(), "lo", &mut unknown).unwrap_err();
-        assert!(e.to_string().contains("needs None"), "{e}");
+        assert!(e.to_string().contains("command 0x1 is not one"), "{e}");
         assert_eq!(ethtool_len(&cmd(&[(0, 0x30)], 192)), Some(192));
         assert_eq!(ethtool_len(&cmd(&[(0, 0x25)], 8)), Some(8));
         assert_eq!(

@@ -106,6 +106,11 @@ impl VmmRegion {
     }
 
     /// Unreachable.
+    pub fn export_dmabuf_noting(&self) -> Result<(OwnedFd, Option<String>), GpuError> {
+        match self.0 {}
+    }
+
+    /// Unreachable.
     pub fn write(&self, _offset: usize, _bytes: &[u8]) -> Result<(), GpuError> {
         match self.0 {}
     }

@@ -182,7 +182,6 @@ impl Parser<'_> {
         }
     }
 
-    /// Comma-separated values up to `close`; a trailing comma is allowed.
     /// A tuple, or a parenthesised value: Python's `(3)` is the int 3, a one-element tuple
     /// is `(3,)` (numpy refuses a header whose shape is `(3)`).
     fn paren(&mut self, depth: usize) -> Result<Lit, String> {
@@ -197,6 +196,7 @@ impl Parser<'_> {
         Ok(Lit::Tuple(items))
     }
 
+    /// Comma-separated values up to `close`; a trailing comma is allowed.
     fn seq(&mut self, close: u8, depth: usize) -> Result<Vec<Lit>, String> {
         self.i += 1;
         let mut items = Vec::new();

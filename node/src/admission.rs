@@ -93,8 +93,14 @@ impl<S> Admission<S> {
     /// reserving under one lock: streams opened at the same moment spread over the lanes.
     pub fn reserve_least_loaded(&self, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
         let mut i = self.lock();
-        let lane = self.least_loaded_in(&i);
+        let lane = self.least_loaded_in(&i, bytes);
         self.reserve_in(&mut i, lane, bytes)
+    }
+
+    /// `bytes` rounded up to lane `l`'s unit: what a stream of them takes there.
+    fn need(&self, l: usize, bytes: u64) -> u64 {
+        let unit = self.units[l];
+        bytes.div_ceil(unit).saturating_mul(unit)
     }
 
     fn reserve_in(
@@ -107,8 +113,7 @@ impl<S> Admission<S> {
             return Err(AdmitError::Draining);
         }
         let l = lane as usize;
-        let unit = self.units[l];
-        let bytes = bytes.div_ceil(unit).saturating_mul(unit);
+        let bytes = self.need(l, bytes);
         if i.reserved[l].saturating_add(bytes) > self.pools[l] {
             return Err(AdmitError::Exhausted {
                 lane,
@@ -130,15 +135,22 @@ impl<S> Admission<S> {
     /// streams still opening count), then the fewest streams, then the lowest id.
     pub fn least_loaded(&self) -> u32 {
         let i = self.lock();
-        self.least_loaded_in(&i)
+        self.least_loaded_in(&i, 1)
     }
 
-    fn least_loaded_in(&self, i: &Inner<S>) -> u32 {
+    /// First the lanes a stream of `bytes` fits (rounded up to each lane's unit), then the
+    /// most bytes free, the fewest streams, the lowest id.
+    fn least_loaded_in(&self, i: &Inner<S>, bytes: u64) -> u32 {
         let streams = |lane: usize| i.streams.values().filter(|v| v.2 as usize == lane).count();
         (0..self.pools.len())
             .min_by_key(|&l| {
                 let free = self.pools[l].saturating_sub(i.reserved[l]);
-                (std::cmp::Reverse(free), streams(l), l)
+                (
+                    self.need(l, bytes) > free,
+                    std::cmp::Reverse(free),
+                    streams(l),
+                    l,
+                )
             })
             .unwrap_or(0) as u32
     }
@@ -269,6 +281,24 @@ mod tests {
             a.reserve(1, 1).is_err(),
             "host lane: 64 streams of 64 KiB fill 4 MiB"
         );
+        // A stream without a device goes where it fits.
+        let a: Admission<u8> =
+            Admission::new(vec![4 * mib, 3 * mib / 2]).with_units(vec![2 * mib, 1]);
+        a.reserve(0, 64 << 10).unwrap().commit(1, Arc::new(0));
+        assert_eq!(
+            a.reserve_least_loaded(64 << 10).unwrap().lane(),
+            0,
+            "2 MiB free"
+        );
+        // 1.75 MiB free on the CUDA lane, under its unit; 1 MiB on the host lane: before, the
+        // CUDA lane (more free) was chosen and the stream refused.
+        let a: Admission<u8> = Admission::new(vec![15 * mib / 4, mib]).with_units(vec![2 * mib, 1]);
+        a.reserve(0, 64 << 10).unwrap().commit(1, Arc::new(0));
+        assert!(
+            a.reserve(0, 1).is_err(),
+            "1.75 MiB free: under the 2 MiB unit"
+        );
+        assert_eq!(a.reserve_least_loaded(64 << 10).unwrap().lane(), 1);
     }
 
     #[test]

@@ -61,6 +61,11 @@ impl Node {
         let pools = vec![info.cfg.pool_size.0; plane.lanes.all().len()];
         let units = plane.lanes.all().iter();
         let units = units.map(|l| l.cuda.as_ref().map_or(1, |c| c.region_unit));
+        for (lane, unit) in units.clone().enumerate() {
+            if unit > info.cfg.pool_size.0 {
+                tracing::warn!(lane, pool_size = %info.cfg.pool_size, "lane {lane}'s GPU memory comes in units of {unit} bytes, more than pool_size: it admits no stream; raise pool_size to at least {unit}");
+            }
+        }
         let node = Arc::new(Self {
             admission: Admission::new(pools).with_units(units.collect()),
             info,

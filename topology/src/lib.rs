@@ -35,7 +35,9 @@ use serde::Serialize;
 
 pub use device::{GpuName, GpuNameError, GpuUuid};
 pub use distance::{Classified, Distance, classify};
-pub use pair::{LanePlan, PairOptions, SLOW_FACTOR, pair, passed_over, split_queues};
+pub use pair::{
+    LanePlan, PairOptions, SLOW_FACTOR, devmem_rx_queues, pair, passed_over, split_queues,
+};
 pub use path::PciPath;
 pub use pci::{PciAddr, PciAddrError};
 pub use render::render_text;

@@ -11,8 +11,8 @@
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
 //!   as evenly as possible; with fewer queues than GPUs the later GPUs get none. A physical
 //!   NIC of one queue has none for devmem.
-//! - A usable NIC is passed over ([`passed_over`]) when its link is down while another's is
-//!   up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
+//! - A usable NIC is passed over ([`passed_over`]) when its link is down while another of its
+//!   model is up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
 //!   NIC beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
 //!   An SR-IOV virtual function comes after every physical function at its distance, whatever
 //!   their load: a VF shares its PF's port, so it is no second NIC.
@@ -117,8 +117,12 @@ struct Candidate {
 pub const SLOW_FACTOR: u32 = 8;
 
 /// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
-/// while that of another of the host's `nics` (usable) is not, or it runs [`SLOW_FACTOR`]
-/// times slower than the fastest of them whose link is not down. `None`: it is a candidate.
+/// while that of another of the host's `nics` (usable) of the same model (PCI vendor and
+/// device id) is not, or it runs [`SLOW_FACTOR`] times slower than the fastest of them whose
+/// link is not down. `None`: it is a candidate. Only a NIC of its own model counts for a
+/// down link: an uncabled second port is passed over for the cabled ones, but GPU NICs whose
+/// links are still training at boot are not all passed over for the management NIC, a
+/// different model that is up (the plan is made once, at start).
 pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     if nic.is_virtual || nic.unusable.is_some() {
         return None;
@@ -128,9 +132,10 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
             .filter(|n| !n.is_virtual && n.unusable.is_none() && n.link_up != Some(false))
     };
     if nic.link_up == Some(false) {
-        let up = usable().next()?;
+        let model = |n: &Nic| (n.vendor, n.device);
+        let up = usable().find(|n| model(n) == model(nic))?;
         return Some(format!(
-            "its link is down (operstate), and {}'s is not",
+            "its link is down (operstate), and {}'s (the same model) is not",
             up.interface
         ));
     }
@@ -322,7 +327,7 @@ pub fn split_queues(rx_queues: u32, gpus: usize) -> Vec<Vec<u32>> {
 /// The RX queue count [`split_queues`] splits for `nic`: none of a physical NIC with one
 /// queue (binding its only queue, RSS's too, would make every other flow on it unreadable,
 /// the node's control connections too). A virtual NIC's one queue is the emulator's.
-fn devmem_rx_queues(nic: &Nic) -> u32 {
+pub fn devmem_rx_queues(nic: &Nic) -> u32 {
     if !nic.is_virtual && nic.rx_queues == 1 {
         0
     } else {
@@ -999,9 +1004,20 @@ mod tests {
         );
         let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
         assert!(
-            why.contains("link is down (operstate), and ens1f0's is not"),
+            why.contains("link is down (operstate), and ens1f0's (the same model) is not"),
             "{why}"
         );
+        // GPU NICs still down at boot beside an up management NIC of another model: they
+        // stay candidates (before, every GPU was paired with the management NIC).
+        let tree = one_switch(|n| {
+            let mut gpu_nic = n("0000:02:02.0", "ens1f0");
+            gpu_nic.link_up = Some(false);
+            let mut mgmt = n("0000:02:03.0", "eno1");
+            (mgmt.vendor, mgmt.device) = (Some(0x8086), Some(0x1521));
+            (mgmt.link_up, mgmt.speed_mbps) = (Some(true), Some(1_000));
+            vec![gpu_nic, mgmt]
+        });
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
         // Every link down (a host booting, say): none is passed over.
         let tree = one_switch(|n| {
             let mut a = n("0000:02:02.0", "ens1f0");

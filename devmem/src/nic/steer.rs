@@ -15,6 +15,7 @@ use super::{EthtoolClient, NicError};
 const ETHTOOL_GFLAGS: u32 = 0x25;
 const ETHTOOL_SFLAGS: u32 = 0x26;
 const ETH_FLAG_NTUPLE: u32 = 1 << 27;
+const ETHTOOL_GRXRINGS: u32 = 0x2d;
 const ETHTOOL_GRXCLSRLCNT: u32 = 0x2e;
 const ETHTOOL_GRXCLSRLALL: u32 = 0x30;
 const ETHTOOL_SRXCLSRLDEL: u32 = 0x31;
@@ -132,34 +133,48 @@ impl EthtoolClient {
     /// location of the driver's rule table (`ETHTOOL_GRXCLSRLALL` lists the used ones).
     /// Drivers that do not pick refuse `RX_CLS_LOC_ANY` itself: mlx5 with ENOSPC.
     fn rule_location(&self, ifname: &str) -> Result<u32, NicError> {
-        let mut c = [0u8; RXNFC_LEN];
-        put(&mut c, 0, ETHTOOL_GRXCLSRLCNT);
-        self.ioctl(ifname, "ntuple-rule-count", &mut c)?;
-        let data = u64::from_ne_bytes(c[8..16].try_into().expect("8 bytes"));
-        if data & RX_CLS_LOC_SPECIAL != 0 {
-            return Ok(RX_CLS_LOC_ANY);
-        }
-        let (size, count) = (data as u32, get(&c, RULE_CNT));
-        if size == 0 || size > MAX_RULES || count > size {
-            return Err(NicError::Netlink {
-                ifname: ifname.into(),
-                op: "ntuple-rule-count",
-                reason: format!("a rule table of {size} locations holding {count} rules"),
+        let mut attempt = 0;
+        loop {
+            let mut c = [0u8; RXNFC_LEN];
+            put(&mut c, 0, ETHTOOL_GRXCLSRLCNT);
+            self.ioctl(ifname, "ntuple-rule-count", &mut c)?;
+            let (size, count) = match rule_table(&c) {
+                Ok(None) => return Ok(RX_CLS_LOC_ANY),
+                Ok(Some(table)) => table,
+                Err(reason) => {
+                    let op = "ntuple-rule-count";
+                    return Err(NicError::Netlink {
+                        ifname: ifname.into(),
+                        op,
+                        reason,
+                    });
+                }
+            };
+            let mut all = vec![0u8; RXNFC_LEN + 4 * count as usize];
+            if count > 0 {
+                put(&mut all, 0, ETHTOOL_GRXCLSRLALL);
+                put(&mut all, RULE_CNT, count);
+                match self.ioctl(ifname, "ntuple-rule-list", &mut all) {
+                    // A rule added since the count (ixgbe, i40e): count again, once.
+                    Err(NicError::Kernel { errno, .. })
+                        if errno == libc::EMSGSIZE && attempt == 0 =>
+                    {
+                        attempt += 1;
+                        continue;
+                    }
+                    r => r?,
+                }
+            }
+            return free_location(size, &listed_locations(&all, count)).ok_or_else(|| {
+                NicError::Kernel {
+                    ifname: ifname.into(),
+                    op: "ntuple-rule-insert",
+                    errno: libc::ENOSPC,
+                    errno_name: crate::errno_label(libc::ENOSPC),
+                    msg: Some(format!("all {size} rule locations are used")),
+                }
             });
         }
-        let mut all = vec![0u8; RXNFC_LEN + 4 * count as usize];
-        put(&mut all, 0, ETHTOOL_GRXCLSRLALL);
-        put(&mut all, RULE_CNT, count);
-        self.ioctl(ifname, "ntuple-rule-list", &mut all)?;
-        let listed = get(&all, RULE_CNT).min(count) as usize;
-        let used: Vec<u32> = (0..listed).map(|i| get(&all, RULE_LOCS + 4 * i)).collect();
-        free_location(size, &used).ok_or_else(|| NicError::Kernel {
-            ifname: ifname.into(),
-            op: "ntuple-rule-insert",
-            errno: libc::ENOSPC,
-            errno_name: crate::errno_label(libc::ENOSPC),
-            msg: Some(format!("all {size} rule locations are used")),
-        })
     }
 
     /// Delete the ntuple rule at `location`.
@@ -168,6 +183,20 @@ impl EthtoolClient {
         put(&mut r, 0, ETHTOOL_SRXCLSRLDEL);
         put(&mut r, FS + 160, location);
         self.ioctl(ifname, "ntuple-rule-delete", &mut r)
+    }
+
+    /// The RX rings RSS spreads over (`ETHTOOL_GRXRINGS`): what the kernel's default
+    /// indirection table is made of (`ethtool_rxfh_indir_default`).
+    pub fn rx_rings(&self, ifname: &str) -> Result<u32, NicError> {
+        let mut c = [0u8; RXNFC_LEN];
+        put(&mut c, 0, ETHTOOL_GRXRINGS);
+        self.ioctl(ifname, "rx-rings-get", &mut c)?;
+        let rings = u64::from_ne_bytes(c[8..16].try_into().expect("8 bytes"));
+        u32::try_from(rings).map_err(|_| NicError::Netlink {
+            ifname: ifname.into(),
+            op: "rx-rings-get",
+            reason: format!("{rings} RX rings"),
+        })
     }
 
     /// The RSS indirection table (`ETHTOOL_GRXFHINDIR`): queue per hash bucket.
@@ -242,6 +271,35 @@ const PDST: usize = 10;
 const H_U: usize = FS + 4;
 const M_U: usize = FS + 76;
 
+/// What an `ETHTOOL_GRXCLSRLCNT` answer says: `None` where the driver picks a rule's
+/// location (`RX_CLS_LOC_SPECIAL` in `data`), else the table's size (`data`) and the rules in
+/// it (`rule_cnt`); an error for a table this code does not take.
+fn rule_table(answer: &[u8]) -> Result<Option<(u32, u32)>, String> {
+    let data = u64::from_ne_bytes(answer[8..16].try_into().expect("8 bytes"));
+    if data & RX_CLS_LOC_SPECIAL != 0 {
+        return Ok(None);
+    }
+    let (size, count) = (data as u32, get(answer, RULE_CNT));
+    if size == 0 || size > MAX_RULES || count > size {
+        return Err(format!(
+            "a rule table of {size} locations holding {count} rules"
+        ));
+    }
+    Ok(Some((size, count)))
+}
+
+/// The locations an `ETHTOOL_GRXCLSRLALL` answer lists (`rule_locs`, as many as its
+/// `rule_cnt` says, at most the `asked` the buffer holds).
+fn listed_locations(answer: &[u8], asked: u32) -> Vec<u32> {
+    if asked == 0 {
+        return Vec::new();
+    }
+    let listed = get(answer, RULE_CNT).min(asked) as usize;
+    (0..listed)
+        .map(|i| get(answer, RULE_LOCS + 4 * i))
+        .collect()
+}
+
 /// The highest location below `size` not in `used` (rules at higher locations have lower
 /// priority: ours go last, as `ethtool -N`'s do); `None` when the table is full.
 fn free_location(size: u32, used: &[u32]) -> Option<u32> {
@@ -292,9 +350,11 @@ pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
     (0..entries).map(|i| i as u32 % n.max(1)).collect()
 }
 
-/// What undoing a change of RSS table `old` sets, on a NIC with `rx_queues` RX queues:
-/// an empty table (the driver's default, `ethtool -X IFACE default`) where `old` is the
-/// default spread over them (`i % rx_queues`, ethtool_rxfh_indir_default), else `old`.
+/// What undoing a change of RSS table `old` sets, on a NIC with `rx_queues` RX rings
+/// (`ETHTOOL_GRXRINGS`): an empty table (the driver's default, `ethtool -X IFACE default`)
+/// where `old` is the default spread over them (`i % rx_queues`,
+/// ethtool_rxfh_indir_default), else `old`. (A table the user set equal to the default is
+/// restored as the default: the same spread, no longer marked user-set.)
 /// Setting the default's entries instead would mark the table user-set, and the kernel then
 /// refuses to lower the channel count below its highest queue (the undo lowers it next).
 pub fn table_to_restore(old: Vec<u32>, rx_queues: u32) -> Vec<u32> {
@@ -365,6 +425,35 @@ mod tests {
             &r[M_U..M_U + 12],
             &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]
         );
+    }
+
+    #[test]
+    fn the_rule_count_and_list_answers_are_read_at_their_offsets() {
+        let mut count = [0u8; RXNFC_LEN];
+        count[8..16].copy_from_slice(&1024u64.to_ne_bytes());
+        put(&mut count, RULE_CNT, 2);
+        assert_eq!(rule_table(&count), Ok(Some((1024, 2))));
+        count[8..16].copy_from_slice(&(RX_CLS_LOC_SPECIAL | 2048).to_ne_bytes());
+        assert_eq!(rule_table(&count), Ok(None), "the driver picks");
+        count[8..16].copy_from_slice(&4u64.to_ne_bytes());
+        put(&mut count, RULE_CNT, 5);
+        assert!(
+            rule_table(&count)
+                .unwrap_err()
+                .contains("4 locations holding 5")
+        );
+        let mut list = vec![0u8; RXNFC_LEN + 8];
+        put(&mut list, RULE_CNT, 2);
+        put(&mut list, RULE_LOCS, 1023);
+        put(&mut list, RULE_LOCS + 4, 7);
+        assert_eq!(listed_locations(&list, 2), [1023, 7]);
+        put(&mut list, RULE_CNT, 9);
+        assert_eq!(
+            listed_locations(&list, 2),
+            [1023, 7],
+            "no more than the buffer holds"
+        );
+        assert_eq!(free_location(1024, &listed_locations(&list, 2)), Some(1022));
     }
 
     #[test]

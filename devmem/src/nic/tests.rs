@@ -339,3 +339,14 @@ fn a_state_file_from_before_the_last_reboot_is_removed_without_undoing() {
         "what was set since stays"
     );
 }
+
+#[test]
+fn each_journal_has_its_own_temporary_file() {
+    // Before, `bare.eth0` and `bare.eth1` (a base without an extension) shared `bare.tmp`.
+    let (a, b) = (Path::new("/x/bare.eth0"), Path::new("/x/bare.eth1"));
+    assert_ne!(tmp_path(a), tmp_path(b));
+    assert_eq!(
+        tmp_path(Path::new("/x/nic-state.eth1.json")),
+        Path::new("/x/nic-state.eth1.json.tmp")
+    );
+}

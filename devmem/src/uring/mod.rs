@@ -308,10 +308,17 @@ const RING_ENTRIES: u16 = 64;
 ///
 /// `bytes` returns the same memory on every call, and moving the value does not move or
 /// free that memory (the bytes live elsewhere: a pool, a heap allocation), so the kernel
-/// may write it through its address until the queue hands the value back.
+/// may write it through its address until the queue hands the value back. `tally` returns
+/// memory disjoint from those bytes: the piece callback holds it mutably while it reads a
+/// piece of them.
 pub unsafe trait StableBuf {
+    /// What the piece callback of [`RecvQueue::wait`] updates as pieces land (a running
+    /// checksum): never the bytes themselves.
+    type Tally;
     /// The bytes a payload is received into.
     fn bytes(&mut self) -> &mut [u8];
+    /// The payload's tally.
+    fn tally(&mut self) -> &mut Self::Tally;
 }
 
 /// A payload in the queue: where its bytes go, how many arrived, how many were handed to
@@ -493,12 +500,14 @@ impl<B: StableBuf> RecvQueue<B> {
     }
 
     /// Waits (up to `stall`) for the posted payloads' next bytes: each completed piece goes
-    /// to `piece` with its buffer and offset, in order, and each payload that is complete
-    /// goes to `done`. After an error, call [`Self::abandon`] to get the posted buffers back.
+    /// to `piece` with its payload's tally and offset, in order (the tally only: a `&mut`
+    /// to the buffer could reach the bytes the piece borrows), and each payload that is
+    /// complete goes to `done`. After an error, call [`Self::abandon`] to get the posted
+    /// buffers back.
     pub fn wait(
         &mut self,
         stall: Duration,
-        mut piece: impl FnMut(&mut B, usize, &[u8]),
+        mut piece: impl FnMut(&mut B::Tally, usize, &[u8]),
         mut done: impl FnMut(B),
     ) -> io::Result<()> {
         if self.poisoned || self.posted.is_empty() {
@@ -545,7 +554,7 @@ impl<B: StableBuf> RecvQueue<B> {
     fn wait_once(
         &mut self,
         timeout: Duration,
-        piece: &mut impl FnMut(&mut B, usize, &[u8]),
+        piece: &mut impl FnMut(&mut B::Tally, usize, &[u8]),
         done: &mut impl FnMut(B),
     ) -> io::Result<bool> {
         let (posted, pieces, mut closed) = (&mut self.posted, &mut self.pieces, false);
@@ -571,7 +580,7 @@ impl<B: StableBuf> RecvQueue<B> {
             // is here; the front piece starts at the payload's first unfilled byte), and the
             // kernel consumes a buffer's bytes once, in order: it does not write them again.
             let bytes = unsafe { std::slice::from_raw_parts(p.at.add(filled), n) };
-            piece(&mut p.buf, filled, bytes);
+            piece(p.buf.tally(), filled, bytes);
             (p.filled, q.filled) = (filled + n, q.filled + n);
             if q.filled == q.len {
                 pieces.pop_front();

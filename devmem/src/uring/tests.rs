@@ -198,14 +198,24 @@ fn recv_into_times_out_when_a_payload_stalls() {
     assert_eq!(tx.read(&mut [0u8; 1]).unwrap(), 0);
 }
 
-/// A heap buffer: its bytes do not move with the `Vec` value.
-struct Heap(Vec<u8>);
+/// A heap buffer: its bytes do not move with the `Vec` value; its tally, the bytes landed.
+struct Heap(Vec<u8>, usize);
+
+impl Heap {
+    fn new(len: usize) -> Self {
+        Self(vec![0; len], 0)
+    }
+}
 
 // SAFETY: a Vec's heap allocation does not move when the Vec is moved, and it is not
-// resized while posted.
+// resized while posted; the tally is a field of its own, not the bytes.
 unsafe impl StableBuf for Heap {
+    type Tally = usize;
     fn bytes(&mut self) -> &mut [u8] {
         &mut self.0
+    }
+    fn tally(&mut self) -> &mut usize {
+        &mut self.1
     }
 }
 
@@ -229,19 +239,25 @@ fn a_queue_receives_posted_payloads_in_order_and_hands_them_back_whole() {
     let (mut next, mut done, mut pieces) = (0usize, Vec::new(), 0);
     while done.len() < sizes.len() {
         while !q.is_full() && next < sizes.len() {
-            q.post(Heap(vec![0; sizes[next]]))
-                .map_err(|(_, e)| e)
-                .unwrap();
+            q.post(Heap::new(sizes[next])).map_err(|(_, e)| e).unwrap();
             next += 1;
         }
         assert!(q.remaining() > 0);
         q.wait(
             Duration::from_secs(10),
-            |b, off, p| {
-                assert!(off + p.len() <= b.0.len());
+            |landed, off, p| {
+                assert_eq!(off, *landed, "pieces land in order");
+                *landed += p.len();
                 pieces += 1;
             },
-            |b| done.push(b.0),
+            |b| {
+                assert_eq!(
+                    b.1,
+                    b.0.len(),
+                    "every byte of a payload landed before it is done"
+                );
+                done.push(b.0)
+            },
         )
         .unwrap();
     }
@@ -258,9 +274,9 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     let (rx, t) = send_over_loopback(pattern(10));
     let mut q = RecvQueue::<Heap>::new(rx).unwrap();
     for _ in 0..QUEUE_DEPTH {
-        q.post(Heap(vec![0; 4])).map_err(|(_, e)| e).unwrap();
+        q.post(Heap::new(4)).map_err(|(_, e)| e).unwrap();
     }
-    let (back, e) = q.post(Heap(vec![0; 4])).unwrap_err();
+    let (back, e) = q.post(Heap::new(4)).unwrap_err();
     assert_eq!(back.0.len(), 4);
     assert!(
         e.to_string()
@@ -271,7 +287,7 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     let (mut posted, mut completed) = (usize::from(QUEUE_DEPTH), 0);
     let err = loop {
         while posted < 3 && !q.is_full() {
-            q.post(Heap(vec![0; 4])).map_err(|(_, e)| e).unwrap();
+            q.post(Heap::new(4)).map_err(|(_, e)| e).unwrap();
             posted += 1;
         }
         match q.wait(Duration::from_secs(10), |_, _, _| {}, |_| completed += 1) {
@@ -286,7 +302,7 @@ fn a_queue_refuses_posts_past_its_depth_and_gives_buffers_back_on_failure() {
     assert!(err.to_string().contains("after 2 of 4"), "{err}");
     let back = q.abandon();
     assert_eq!(back.len(), posted - 2, "every posted buffer comes back");
-    assert!(q.post(Heap(vec![0; 4])).is_err());
+    assert!(q.post(Heap::new(4)).is_err());
 }
 
 #[test]
@@ -312,14 +328,14 @@ fn a_close_right_after_the_last_posted_payload_is_reported_by_the_next_one() {
     let (rx, t) = send_over_loopback(pattern(4096));
     t.join().unwrap(); // all sent and closed: the close can come with the last bytes
     let mut q = RecvQueue::<Heap>::new(rx).unwrap();
-    q.post(Heap(vec![0; 4096])).map_err(|(_, e)| e).unwrap();
+    q.post(Heap::new(4096)).map_err(|(_, e)| e).unwrap();
     let mut done = Vec::new();
     while done.is_empty() {
         q.wait(Duration::from_secs(10), |_, _, _| {}, |b| done.push(b))
             .unwrap();
     }
     assert!(done[0].0 == pattern(4096));
-    q.post(Heap(vec![0; 10])).map_err(|(_, e)| e).unwrap();
+    q.post(Heap::new(10)).map_err(|(_, e)| e).unwrap();
     let e = q
         .wait(Duration::from_secs(10), |_, _, _| {}, |_| {})
         .and_then(|()| q.wait(Duration::from_secs(10), |_, _, _| {}, |_| {}))
@@ -356,8 +372,13 @@ impl Drop for Sparse {
     }
 }
 
-// SAFETY: the mapping does not move with the value and lives until Drop.
+// SAFETY: the mapping does not move with the value and lives until Drop; the tally is
+// no memory at all.
 unsafe impl StableBuf for Sparse {
+    type Tally = ();
+    fn tally(&mut self) -> &mut () {
+        Box::leak(Box::new(())) // a zero-sized box allocates nothing
+    }
     fn bytes(&mut self) -> &mut [u8] {
         // SAFETY: the whole mapping, borrowed mutably through `self`.
         unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }

@@ -177,8 +177,10 @@ fn share_queues(
 }
 
 /// The upper half of `nic`'s RX queues (the lower half is left to other traffic) less `taken`.
+/// Queue 0 is never in it: a NIC of one queue has none to bind (its only queue, RSS's, bound
+/// would make every other flow on it unreadable).
 pub fn upper_half_except(nic: &NicReport, taken: &[u32]) -> Vec<u32> {
-    (nic.rx_queues / 2..nic.rx_queues)
+    ((nic.rx_queues / 2).max(1)..nic.rx_queues)
         .filter(|q| !taken.contains(q))
         .collect()
 }

@@ -108,7 +108,7 @@ pub enum BindingError {
     },
     /// The NIC's upper half of RX queues cannot give each of its lanes one.
     #[error(
-        "{nic}: {lanes} lanes need RX queues but only {free:?} are free in its upper half; name each lane's queues, or raise the NIC's channels"
+        "{nic}: {lanes} lane(s) need RX queues but only {free:?} are free in its upper half (queue 0 always stays with RSS); name each lane's queues, or raise the NIC's channels"
     )]
     TooFewQueues {
         /// The NIC.
@@ -262,7 +262,15 @@ pub async fn nic(
     let nic = pick_interface(nics, r.name.as_deref(), r.configured)?.clone();
     let queues: Vec<u32> = if r.queues.is_empty() {
         // Less the queues other lanes have bound on this NIC.
-        kernel::upper_half_except(&nic, &kernel::in_use(&nic.name))
+        let free = kernel::upper_half_except(&nic, &kernel::in_use(&nic.name));
+        if free.is_empty() {
+            return Err(BindingError::TooFewQueues {
+                nic: nic.name.clone(),
+                lanes: 1,
+                free,
+            });
+        }
+        free
     } else {
         r.queues.clone()
     };

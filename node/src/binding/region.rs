@@ -273,7 +273,9 @@ impl RxRegion {
                     });
                 }
                 let region = VmmRegion::new(&cuda.device, bytes).map_err(BindError::Gpu)?;
-                let fd = region.export_dmabuf().map_err(BindError::Gpu)?;
+                // A default mapping was said once, when the lane opened the GPU
+                // (`CudaMemory::dma_buf_default_mapping`), not at every bind.
+                let (fd, _) = region.export_dmabuf_noting().map_err(BindError::Gpu)?;
                 let gpu = GpuGather { cuda, mapped: None };
                 (KernelMem::Gpu(region, fd), Some(gpu))
             }

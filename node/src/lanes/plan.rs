@@ -300,7 +300,7 @@ fn split_table_queues(tree: &Tree, t: &[LaneConfig], lanes: &mut [LaneSpec]) {
             .nics
             .iter()
             .find(|n| n.interface == nic)
-            .map(|n| n.rx_queues);
+            .map(shardwire_topology::devmem_rx_queues);
         let split = match rx {
             Some(rx) if on.iter().all(|&i| t[i].queues.is_empty()) => split_queues(rx, on.len()),
             _ => vec![Vec::new(); on.len()],

@@ -30,10 +30,15 @@ pub struct Job {
 
 // SAFETY: the bytes are the slab's span of its pool's region, which neither moves nor is
 // freed while the `InFlight` (and so this `Job`) holds the slab; every call returns that
-// same span (an empty one for a slab outside host memory, which is never posted).
+// same span (an empty one for a slab outside host memory, which is never posted). The tally
+// is the job's own checksum field, not the region.
 unsafe impl StableBuf for Job {
+    type Tally = Checksum;
     fn bytes(&mut self) -> &mut [u8] {
         self.f.slab_mut().host_slice_mut().unwrap_or(&mut [])
+    }
+    fn tally(&mut self) -> &mut Checksum {
+        &mut self.sum
     }
 }
 
@@ -150,7 +155,7 @@ fn receive(
     let mut tally = Tally::new(flow);
     let r = q.wait(
         DATA_STALL_TIMEOUT,
-        |job, _, piece| tally.piece(&mut job.sum, piece),
+        |sum, _, piece| tally.piece(sum, piece),
         |job| {
             let payload = (job.f.shard, job.f.crc32c);
             misses.note(payload, deliver(job.f, job.sum.finish(), link, c));

@@ -299,12 +299,16 @@ struct Slot {
 
 // SAFETY: the bytes are a slot of the receiver's region, which is neither moved nor freed
 // while the queue holds slots (the queue is dropped before it, in `queued`); every call
-// returns the same span.
+// returns the same span. The tally is the slot's own CRC field, not the region.
 unsafe impl StableBuf for Slot {
+    type Tally = Crc32c;
     fn bytes(&mut self) -> &mut [u8] {
         // SAFETY: `at..at + len` is a slot of the live region; the queue is the only user
         // of it while it is posted.
         unsafe { std::slice::from_raw_parts_mut(self.at, self.len) }
+    }
+    fn tally(&mut self) -> &mut Crc32c {
+        &mut self.crc
     }
 }
 
@@ -342,8 +346,8 @@ fn queued(
             }
             let waited = q.wait(
                 Duration::from_secs(60),
-                |s, _, p| {
-                    s.crc.update(p);
+                |crc, _, p| {
+                    crc.update(p);
                     tally(p.len(), &mut local);
                     received.fetch_add(p.len() as u64, Ordering::Relaxed);
                 },

@@ -123,6 +123,23 @@ fn too_few_queues_for_the_lanes_of_a_nic_is_refused() {
 }
 
 #[test]
+fn a_nic_of_one_queue_has_none_to_bind_not_its_rss_queue() {
+    // Before, the upper half of one queue was [0]: RSS's only queue, bound for devmem.
+    let nics = [nic("eth0", 1, true)];
+    assert!(upper_half_except(&nics[0], &[]).is_empty());
+    assert_eq!(upper_half_except(&nic("eth0", 2, true), &[]), [1]);
+    let e = plan(&nics, &[lane(0, Some("eth0"), &[])], None).unwrap_err();
+    assert!(
+        matches!(e, BindingError::TooFewQueues { lanes: 1, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("queue 0 always stays with RSS"),
+        "{e}"
+    );
+}
+
+#[test]
 fn every_lane_whose_nic_cannot_is_named_at_once() {
     let nics = [
         nic("va0", 4, false),
@@ -183,7 +200,7 @@ fn each_nic_has_its_own_journal_beside_the_configured_one() {
     for f in [
         "nic-state.eth1.json",
         "nic-state.eth0.json",
-        "nic-state.eth0.tmp",
+        "nic-state.eth0.json.tmp",
         "other.json",
     ] {
         std::fs::write(dir.join(f), "{}").unwrap();
