@@ -54,23 +54,54 @@ impl Serialize for ByteSize {
     }
 }
 
+/// Reads a size from a non-negative integer or a string; anything else is an error that
+/// names the value and the forms a size takes (an untagged enum said only "data did not
+/// match any variant of untagged enum Raw").
+struct SizeVisitor;
+
+/// How a size is written, for errors.
+const SIZE_FORMS: &str = "a size is a number of bytes (a non-negative integer) or a string with a unit, such as \"64MiB\"";
+
+impl serde::de::Visitor<'_> for SizeVisitor {
+    type Value = ByteSize;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(SIZE_FORMS)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteSize, E> {
+        Ok(ByteSize(n))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ByteSize, E> {
+        u64::try_from(n)
+            .map(ByteSize)
+            .map_err(|_| E::custom(format!("{n} is not a size: {SIZE_FORMS}")))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<ByteSize, E> {
+        Err(E::custom(format!("{n} is not a size: {SIZE_FORMS}")))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<ByteSize, E> {
+        Err(E::custom(format!("{b} is not a size: {SIZE_FORMS}")))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ByteSize, E> {
+        s.parse().map_err(E::custom)
+    }
+}
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(ByteSize(n)),
-            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(SizeVisitor)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use figment::providers::{Format, Toml};
+
     use super::*;
 
     #[test]
@@ -85,6 +116,24 @@ mod tests {
                 .contains("parsecs")
         );
         assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
+        // Before: "data did not match any variant of untagged enum Raw", naming nothing.
+        for (toml, bad) in [("s = -1", "-1"), ("s = 1.5", "1.5"), ("s = true", "true")] {
+            #[derive(Debug, Deserialize)]
+            struct T {
+                #[allow(dead_code)] // read by the deserializer only
+                s: ByteSize,
+            }
+            let e = figment::Figment::from(Toml::string(toml))
+                .extract::<T>()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad) && e.contains("\"64MiB\""), "{toml}: {e}");
+        }
+        let t: std::collections::BTreeMap<String, ByteSize> =
+            figment::Figment::from(Toml::string("a = 4096\nb = \"2MiB\""))
+                .extract()
+                .unwrap();
+        assert_eq!((t["a"], t["b"]), (ByteSize(4096), ByteSize(2 << 20)));
         assert_eq!(ByteSize(1000).to_string(), "1000");
     }
 }

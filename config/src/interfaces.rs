@@ -2,26 +2,40 @@
 //! (`devmem_tx = "eth1"`, as before) or a list (`devmem_tx = ["eth1", "eth2"]`, one TX binding
 //! per NIC), and the checks on those names.
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserializer;
 
 use crate::{ConfigError, invalid};
 
 /// Longest interface name Linux accepts (`IFNAMSIZ` - 1).
 const MAX_IFNAME: usize = 15;
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
+/// Reads one interface name or a list of them; anything else is an error naming the
+/// value (an untagged enum said only "data did not match any variant").
+struct OneOrMany;
+
+impl<'de> serde::de::Visitor<'de> for OneOrMany {
+    type Value = Vec<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an interface name, \"eth1\", or a list of them, [\"eth1\", \"eth2\"]")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Vec<String>, E> {
+        Ok(vec![s.to_owned()])
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+        let mut names = Vec::new();
+        while let Some(n) = seq.next_element::<String>()? {
+            names.push(n);
+        }
+        Ok(names)
+    }
 }
 
 /// Reads one interface name or a list of them.
 pub(crate) fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    Ok(match OneOrMany::deserialize(d)? {
-        OneOrMany::One(s) => vec![s],
-        OneOrMany::Many(v) => v,
-    })
+    d.deserialize_any(OneOrMany)
 }
 
 /// Each name is a possible interface name and none is named twice (a NIC gets one TX
@@ -48,6 +62,8 @@ pub(crate) fn check(key: &'static str, names: &[String]) -> Result<(), ConfigErr
 
 #[cfg(test)]
 mod tests {
+    use serde::Deserialize;
+
     use super::*;
 
     #[derive(Deserialize)]
@@ -68,6 +84,14 @@ mod tests {
         let t = parse(r#"devmem_tx = ["eth1", "eth2"]"#).unwrap();
         assert_eq!(t.devmem_tx, ["eth1", "eth2"]);
         assert!(parse("devmem_tx = 3").is_none());
+        // The error names the value and the forms the key takes.
+        use figment::providers::Format;
+        let e = figment::Figment::from(figment::providers::Toml::string("devmem_tx = 3"))
+            .extract::<T>()
+            .err()
+            .expect("a number is refused")
+            .to_string();
+        assert!(e.contains('3') && e.contains("an interface name"), "{e}");
     }
 
     #[test]

@@ -138,18 +138,34 @@ pub enum LogFormat {
 /// A string only. A number is refused with the form to use: TOML reads `0o660` as 432 and
 /// the environment's `0660` as 660, and no digits can tell which was meant.
 fn octal_digits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Either {
-        Text(String),
-        Number(i64),
+    struct Octal;
+    fn refused<E: serde::de::Error>(what: impl std::fmt::Display) -> E {
+        E::custom(format!(
+            "socket_mode is {what}: write it as a string of octal digits, \"0660\" (in the environment SHARDWIRE_SOCKET_MODE='\"0660\"')"
+        ))
     }
-    match Either::deserialize(d)? {
-        Either::Text(s) => Ok(s),
-        Either::Number(n) => Err(serde::de::Error::custom(format!(
-            "socket_mode is the number {n}: write it as a string of octal digits, \"0660\" (in the environment SHARDWIRE_SOCKET_MODE='\"0660\"')"
-        ))),
+    impl serde::de::Visitor<'_> for Octal {
+        type Value = String;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a string of octal digits, \"0660\"")
+        }
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<String, E> {
+            Ok(s.to_owned())
+        }
+        fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<String, E> {
+            Err(refused(format_args!("the number {n}")))
+        }
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<String, E> {
+            Err(refused(format_args!("the number {n}")))
+        }
+        fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<String, E> {
+            Err(refused(format_args!("the number {n}")))
+        }
+        fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<String, E> {
+            Err(refused(b))
+        }
     }
+    d.deserialize_any(Octal)
 }
 
 // The choice keys are read from strings only: serde's derive also took an integer as the
@@ -858,7 +874,12 @@ mod tests {
     fn socket_mode_as_a_number_is_refused_naming_the_form_to_use() {
         // TOML reads 0o660 as 432 and the environment's 0660 as 660: neither can be read back
         // as what was meant (0o432 would let every local user connect).
-        for toml in ["socket_mode = 0o660\n", "socket_mode = 660\n"] {
+        // `true`: before, "data did not match any variant of untagged enum Either".
+        for toml in [
+            "socket_mode = 0o660\n",
+            "socket_mode = 660\n",
+            "socket_mode = true\n",
+        ] {
             let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
                 .unwrap_err()
                 .to_string();
