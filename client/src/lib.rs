@@ -204,6 +204,16 @@ impl Mapping {
                 format!("the region the node sent is {size} bytes, shorter than it said"),
             )));
         }
+        // One that could shrink later would fault the same way: the node's regions are
+        // memfds sealed against it (F_SEAL_SHRINK).
+        let sealed = rustix::fs::fcntl_get_seals(fd)
+            .is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK));
+        if !sealed {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the region the node sent is not sealed against shrinking (F_SEAL_SHRINK): a read after it shrank would crash this process (SIGBUS); the node seals its regions, so this peer is not a shardwire node",
+            )));
+        }
         // SAFETY: a fresh read-only shared mapping of the region fd the service sent; it
         // aliases nothing in this process and lives until Drop.
         let raw = unsafe {
@@ -472,8 +482,16 @@ mod tests {
     /// past its end would be SIGBUS).
     #[test]
     fn a_region_shorter_than_stated_is_an_error() {
-        let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+        let fd = rustix::fs::memfd_create("region", flags).unwrap();
         rustix::fs::ftruncate(&fd, 4096).unwrap();
+        // Before, a region that could shrink after the check was mapped: a read after it
+        // shrank was SIGBUS.
+        let e = Mapping::new(&fd, 4096)
+            .err()
+            .expect("an unsealed region is refused");
+        assert!(e.to_string().contains("F_SEAL_SHRINK"), "{e}");
+        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
         let e = Mapping::new(&fd, 8192)
             .err()
             .expect("a short region is refused");

@@ -191,6 +191,7 @@ def fake_service(path: str, answer: bytes | Any, attach: bool = True, attached: 
     with `answer`'s bytes (or, if `answer` is a function, calls it with the connected socket and
     its Conn instead), then waits for the client to close. With `attach=False` it never answers
     the attach. Returns the listening socket and the serving thread (join, then close)."""
+    import fcntl
     import os
     import threading
 
@@ -209,8 +210,9 @@ def fake_service(path: str, answer: bytes | Any, attach: bool = True, attached: 
             c.recv(1)  # until the client closes
             c.close()
             return
-        fd = os.memfd_create("region")
+        fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, fd_size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
         reply = attached or {"op": "attached", "stream": 1, "region_size": 1 << 16, "batches_per_epoch": 3, "epochs": 1,
                              "memory": "host", "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
         socket.send_fds(c, [_wire.encode(reply)], [fd])

@@ -18,6 +18,7 @@ No Rust binary and no GPU needed for most of it:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -315,8 +316,9 @@ def test_versioned_capsule_is_read_only_for_numpy():
 
 
 def _memfd(size: int) -> int:
-    fd = os.memfd_create("not-cuda")
+    fd = os.memfd_create("not-cuda", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
     return fd
 
 

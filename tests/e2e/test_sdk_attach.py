@@ -103,13 +103,15 @@ srv.bind(path)
 srv.listen(1)
 
 def node():
+    import fcntl
     import os
     c, _ = srv.accept()
     conn = _wire.Conn(c)
     while (req := conn.recv()[0])["op"] == "info":
         conn.send_bytes(_wire.encode({"op": "info", "memory": "host", "lanes": []}))
-    fd = os.memfd_create("region")
+    fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 1 << 16)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
     socket.send_fds(c, [_wire.encode(%(attached)r)], [fd])
     os.close(fd)
     while c.recv(1 << 16):  # never answers `next`
@@ -153,3 +155,22 @@ def test_a_cuda_ordinal_this_process_does_not_see_is_a_value_error_naming_it():
     assert _device._by_torch(OneGpu(), 0) == "0000:19:00.0"
     with pytest.raises(ValueError, match=r"device cuda:7: this process sees 1 CUDA device\(s\)"):
         _device._by_torch(OneGpu(), 7)
+
+
+def test_a_region_that_could_shrink_is_refused_not_mapped():
+    """A region fd not sealed against shrinking: a read after a peer shrank it would kill the
+    trainer with SIGBUS. Before, it was mapped; now it is a ProtocolError naming the seal (the
+    node seals every region it sends)."""
+    from shardwire._client import _map_host
+
+    fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        with pytest.raises(ProtocolError, match="F_SEAL_SHRINK"):
+            _map_host(fd, 1 << 16)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        region = _map_host(fd, 1 << 16)
+        assert len(region) == 1 << 16
+        region.close()
+    finally:
+        os.close(fd)

@@ -59,8 +59,15 @@ fn answer_attach(c: &mut UnixStream) {
 /// [`answer_attach`] with the region's fd sent `copies` times.
 fn answer_attach_with(c: &mut UnixStream, copies: usize) {
     assert_eq!(request(c)["op"], "attach");
-    let fd = rustix::fs::memfd_create("region", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+    let fd = rustix::fs::memfd_create("region", flags).unwrap();
     rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
+    // Sealed as the node seals its regions (the client refuses one that could shrink).
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW,
+    )
+    .unwrap();
     let attached = Response::Attached {
         stream: 1,
         region_size: 1 << 16,

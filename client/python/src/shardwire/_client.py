@@ -8,6 +8,7 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
@@ -359,6 +360,16 @@ def _map_host(fd: int, size: int) -> mmap.mmap:
         raise ShardwireError("map", f"cannot inspect the stream region's fd: {e}") from e
     if have < size:
         raise ProtocolError(f"attached with region_size {size}, but the region's fd holds {have} bytes")
+    # One that could shrink later would crash this process (SIGBUS) at a read past its new end:
+    # the node's regions are memfds sealed against it.
+    try:
+        sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        sealed = False
+    if not sealed:
+        raise ProtocolError("the region the node sent is not sealed against shrinking (F_SEAL_SHRINK): a read "
+                            "after it shrank would crash this process (SIGBUS); the node seals its regions, so "
+                            "this peer is not a shardwire node")
     try:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     except OSError as e:
