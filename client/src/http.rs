@@ -19,7 +19,8 @@
 //! ```
 //!
 //! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
-//! the stream is dropped) or after its idle timeout without requests. A batch dropped (every
+//! the stream is dropped; in a process forked after the open, neither sends anything) or
+//! after its idle timeout without requests. A batch dropped (every
 //! clone of it) without [`HttpStream::release`] is released before the stream's next `next`,
 //! as [`crate::Stream`] gives its dropped batches back.
 
@@ -526,7 +527,12 @@ impl HttpStream {
         if self.closed {
             return Ok(());
         }
-        crate::same_process(self.pid)?;
+        if crate::same_process(self.pid).is_err() {
+            // A child's copy: let go of its socket only; the stream is the parent's.
+            self.closed = true;
+            self.conn.sock = None;
+            return Ok(());
+        }
         self.closed = true;
         let path = format!("/v1/streams/{}/close", self.info.stream);
         let r = self.conn.call("POST", &path, None, wait)?;

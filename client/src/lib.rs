@@ -195,23 +195,24 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     pub(crate) fn new(fd: &OwnedFd, len: u64) -> Result<Self, ClientError> {
         let err = |source: std::io::Error| ClientError::Map { len, source };
-        // A region shorter than the node says would fault (SIGBUS) on the first read past
-        // its end: refuse it here, as an error.
-        let size = rustix::fs::fstat(fd).map_err(|e| err(e.into()))?.st_size;
-        if u64::try_from(size).map_or(true, |size| size < len) {
-            return Err(err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("the region the node sent is {size} bytes, shorter than it said"),
-            )));
-        }
-        // One that could shrink later would fault the same way: the node's regions are
-        // memfds sealed against it (F_SEAL_SHRINK).
+        // A region that could shrink later would fault (SIGBUS) at a read past its new end:
+        // the node's regions are memfds sealed against it (F_SEAL_SHRINK). Checked first: a
+        // seal is never taken off, so the size read next stays true.
         let sealed = rustix::fs::fcntl_get_seals(fd)
             .is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK));
         if !sealed {
             return Err(err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 "the region the node sent is not sealed against shrinking (F_SEAL_SHRINK): a read after it shrank would crash this process (SIGBUS); the node seals its regions, so this peer is not a shardwire node",
+            )));
+        }
+        // One shorter than the node says would fault the same way on the first read past
+        // its end: refuse it here, as an error.
+        let size = rustix::fs::fstat(fd).map_err(|e| err(e.into()))?.st_size;
+        if u64::try_from(size).map_or(true, |size| size < len) {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the region the node sent is {size} bytes, shorter than it said"),
             )));
         }
         // SAFETY: a fresh read-only shared mapping of the region fd the service sent; it
@@ -271,6 +272,9 @@ pub struct Batch {
     /// Where the lease goes when the batch is dropped without being given back (`None`
     /// once given back through [`Stream::release`] or [`Stream::next_after`]).
     pub(crate) dropped: Option<Dropped>,
+    /// The process of its stream: dropped in a child forked from it, it touches nothing
+    /// (the parent may have held the `dropped` lock at the fork: locking it would hang).
+    pub(crate) pid: u32,
 }
 
 /// Leases of batches dropped without being given back: the stream gives them back with its
@@ -280,6 +284,9 @@ pub(crate) type Dropped = Arc<std::sync::Mutex<Vec<u64>>>;
 
 impl Drop for Batch {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            return;
+        }
         if let Some(d) = self.dropped.take() {
             d.lock().unwrap_or_else(|e| e.into_inner()).push(self.lease);
         }

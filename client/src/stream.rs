@@ -253,6 +253,7 @@ impl Stream {
         timeout: Option<Duration>,
         ahead: bool,
     ) -> Result<Option<Batch>, ClientError> {
+        crate::same_process(self.pid)?;
         if let Some(e) = self.lost.take() {
             // The connection is gone: every later call fails with it too.
             return Err(self.broke(e));
@@ -369,6 +370,7 @@ impl Stream {
             tensors,
             region: Arc::clone(&self.region),
             dropped: Some(Arc::clone(&self.dropped)),
+            pid: self.pid,
         };
         self.held += 1;
         // Answers to releases sent behind the request just finished are read, in order,

@@ -66,7 +66,7 @@ impl serde::de::Visitor<'_> for SizeVisitor {
     type Value = ByteSize;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(SIZE_FORMS)
+        f.write_str("a number of bytes or a string with a unit, such as \"64MiB\"")
     }
 
     fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteSize, E> {

@@ -88,9 +88,10 @@ impl<S> Admission<S> {
         self.reserve_in(&mut i, lane, bytes)
     }
 
-    /// Sets `bytes` aside on the least loaded lane (the most bytes free, reservations of
-    /// streams still opening included, then the fewest streams, then the lowest id), choosing and
-    /// reserving under one lock: streams opened at the same moment spread over the lanes.
+    /// Sets `bytes` aside on the least loaded lane (first the lanes where `bytes` fit, rounded
+    /// up to each lane's unit; then the most bytes free, reservations of streams still opening
+    /// included; then the fewest streams, then the lowest id), choosing and reserving under
+    /// one lock: streams opened at the same moment spread over the lanes.
     pub fn reserve_least_loaded(&self, bytes: u64) -> Result<Reservation<'_, S>, AdmitError> {
         let mut i = self.lock();
         let lane = self.least_loaded_in(&i, bytes);
@@ -132,7 +133,9 @@ impl<S> Admission<S> {
     }
 
     /// The lane a stream without a device goes to: the most bytes free (reservations of
-    /// streams still opening count), then the fewest streams, then the lowest id.
+    /// streams still opening count), then the fewest streams, then the lowest id (where a
+    /// stream's size is known, [`Admission::reserve_least_loaded`] puts the lanes it fits
+    /// first).
     pub fn least_loaded(&self) -> u32 {
         let i = self.lock();
         self.least_loaded_in(&i, 1)

@@ -61,9 +61,11 @@ impl Node {
         let pools = vec![info.cfg.pool_size.0; plane.lanes.all().len()];
         let units = plane.lanes.all().iter();
         let units = units.map(|l| l.cuda.as_ref().map_or(1, |c| c.region_unit));
+        let (pool, stream) = (info.cfg.pool_size.0, info.cfg.stream_memory());
         for (lane, unit) in units.clone().enumerate() {
-            if unit > info.cfg.pool_size.0 {
-                tracing::warn!(lane, pool_size = %info.cfg.pool_size, "lane {lane}'s GPU memory comes in units of {unit} bytes, more than pool_size: it admits no stream; raise pool_size to at least {unit}");
+            let need = stream.div_ceil(unit).saturating_mul(unit);
+            if need > pool {
+                tracing::warn!(lane, pool_size = %info.cfg.pool_size, "lane {lane}'s GPU memory comes in units of {unit} bytes: a stream's {stream} bytes (stream_memory) take {need}, more than pool_size, so it admits no stream; make pool_size a multiple of {unit} of at least {need}");
             }
         }
         let node = Arc::new(Self {

@@ -132,8 +132,9 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
             .filter(|n| !n.is_virtual && n.unusable.is_none() && n.link_up != Some(false))
     };
     if nic.link_up == Some(false) {
-        let model = |n: &Nic| (n.vendor, n.device);
-        let up = usable().find(|n| model(n) == model(nic))?;
+        // Known ids only: a NIC whose ids could not be read stays a candidate.
+        let model = |n: &Nic| n.vendor.zip(n.device);
+        let up = usable().find(|n| model(n).is_some() && model(n) == model(nic))?;
         return Some(format!(
             "its link is down (operstate), and {}'s (the same model) is not",
             up.interface
@@ -1030,6 +1031,15 @@ mod tests {
                 .iter()
                 .all(|l| l.nic.is_some())
         );
+        // Ids that could not be read tell no model: the down NIC stays a candidate.
+        let tree = one_switch(|n| {
+            let mut down = n("0000:02:02.0", "ens1f0");
+            let mut up = n("0000:02:03.0", "ens1f1");
+            (down.vendor, down.device, down.link_up) = (None, None, Some(false));
+            (up.vendor, up.device, up.link_up) = (None, None, Some(true));
+            vec![down, up]
+        });
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
     }
 
     #[test]

@@ -354,14 +354,9 @@ def _attached_info(msg: dict[str, Any]) -> StreamInfo:
 
 def _map_host(fd: int, size: int) -> mmap.mmap:
     """The host region the node passed (`fd`), `size` bytes, read-only."""
-    try:
-        have = os.fstat(fd).st_size
-    except OSError as e:
-        raise ShardwireError("map", f"cannot inspect the stream region's fd: {e}") from e
-    if have < size:
-        raise ProtocolError(f"attached with region_size {size}, but the region's fd holds {have} bytes")
     # One that could shrink later would crash this process (SIGBUS) at a read past its new end:
-    # the node's regions are memfds sealed against it.
+    # the node's regions are memfds sealed against it. Checked first: a seal is never taken
+    # off, so the size read next stays true.
     try:
         sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
     except OSError:
@@ -370,6 +365,12 @@ def _map_host(fd: int, size: int) -> mmap.mmap:
         raise ProtocolError("the region the node sent is not sealed against shrinking (F_SEAL_SHRINK): a read "
                             "after it shrank would crash this process (SIGBUS); the node seals its regions, so "
                             "this peer is not a shardwire node")
+    try:
+        have = os.fstat(fd).st_size
+    except OSError as e:
+        raise ShardwireError("map", f"cannot inspect the stream region's fd: {e}") from e
+    if have < size:
+        raise ProtocolError(f"attached with region_size {size}, but the region's fd holds {have} bytes")
     try:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     except OSError as e:
