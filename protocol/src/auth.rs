@@ -1,9 +1,14 @@
 //! Shared-secret challenge-response for control connections.
 //!
-//! Both sides send a random 32-byte nonce. The node proves knowledge of the secret with
-//! `HMAC-SHA256(secret, "shardwire-node" || node_nonce || source_nonce)` and the source
-//! answers with the same construction under the label `"shardwire-source"`, so the
-//! authentication is mutual and the secret never crosses the wire.
+//! Both sides send a random 32-byte nonce (the node's in its `Hello`, the source's in its
+//! `Challenge`). Each proof is an HMAC-SHA256 under the secret over the handshake's
+//! [`transcript`] (a hash of the `Hello` and the `Challenge` as encoded: both nonces, the
+//! node's lanes and id, `auth_required`): the node's under the label `"shardwire-node"`, the
+//! source's under `"shardwire-source"` with the `Welcome`'s `idle_timeout_s`. So the
+//! authentication is mutual, the secret never crosses the wire, and a relay between a node and
+//! a source cannot change what either said (before protocol version 4 only the nonces were
+//! covered: a relay could rewrite the `Hello`'s lanes and have the source send a dataset to its
+//! own data addresses with the node's valid proof).
 
 use sha2::{Digest, Sha256};
 
@@ -40,18 +45,28 @@ pub fn hmac_sha256(key: &[u8], msg: &[&[u8]]) -> [u8; 32] {
     outer.finalize().into()
 }
 
-/// The proof `role` sends for this pair of nonces.
-pub fn proof(
-    secret: &[u8],
-    role: Role,
-    node_nonce: &[u8; NONCE_LEN],
-    source_nonce: &[u8; NONCE_LEN],
-) -> [u8; 32] {
-    let label: &[u8] = match role {
-        Role::Node => b"shardwire-node",
-        Role::Source => b"shardwire-source",
-    };
-    hmac_sha256(secret, &[label, node_nonce, source_nonce])
+/// The handshake's transcript: SHA-256 over a label and the `Hello` and `Challenge` frames as
+/// encoded (`wire::encode`, length-prefixed here), which both proofs cover.
+pub fn transcript(hello: &[u8], challenge: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"shardwire-handshake-v4");
+    for frame in [hello, challenge] {
+        h.update((frame.len() as u64).to_be_bytes());
+        h.update(frame);
+    }
+    h.finalize().into()
+}
+
+/// The proof `role` sends for handshake `transcript`; the source's covers the `Welcome`'s
+/// `idle_timeout_s` too (`idle` is ignored for the node's).
+pub fn proof(secret: &[u8], role: Role, transcript: &[u8; 32], idle: u16) -> [u8; 32] {
+    match role {
+        Role::Node => hmac_sha256(secret, &[b"shardwire-node", transcript]),
+        Role::Source => hmac_sha256(
+            secret,
+            &[b"shardwire-source", transcript, &idle.to_be_bytes()],
+        ),
+    }
 }
 
 /// Constant-time equality for MACs and tokens.
@@ -99,13 +114,28 @@ mod tests {
     }
 
     #[test]
-    fn roles_and_nonces_matter() {
-        let (a, b) = ([1u8; 32], [2u8; 32]);
-        let p = proof(b"s", Role::Node, &a, &b);
-        assert_ne!(p, proof(b"s", Role::Source, &a, &b));
-        assert_ne!(p, proof(b"s", Role::Node, &b, &a));
-        assert_ne!(p, proof(b"t", Role::Node, &a, &b));
-        assert!(ct_eq(&p, &proof(b"s", Role::Node, &a, &b)));
+    fn roles_transcripts_and_the_idle_timeout_matter() {
+        let (hello, challenge) = (b"hello-frame".as_slice(), b"challenge-frame".as_slice());
+        let t = transcript(hello, challenge);
+        let p = proof(b"s", Role::Node, &t, 0);
+        assert_ne!(p, proof(b"s", Role::Source, &t, 0));
+        assert_ne!(p, proof(b"t", Role::Node, &t, 0));
+        assert!(
+            ct_eq(&p, &proof(b"s", Role::Node, &t, 9)),
+            "the node's ignores idle"
+        );
+        // Before, only the nonces were covered: a Hello with other lanes and the same nonce
+        // had the same proof.
+        let relayed = transcript(b"hello-frame with other lanes", challenge);
+        assert_ne!(p, proof(b"s", Role::Node, &relayed, 0));
+        // The frames are delimited: moving bytes between them changes the transcript.
+        assert_ne!(t, transcript(b"hello-framec", b"hallenge-frame"));
+        let w = proof(b"s", Role::Source, &t, 300);
+        assert_ne!(
+            w,
+            proof(b"s", Role::Source, &t, 1),
+            "the Welcome's idle timeout"
+        );
     }
 
     #[test]

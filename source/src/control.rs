@@ -66,7 +66,7 @@ pub enum SessionError {
     #[error("a control write did not finish within {0:?} (the node stopped reading)")]
     WriteTimeout(Duration),
     /// Wrong proof of the secret.
-    #[error("authentication failed: wrong secret")]
+    #[error("authentication failed: wrong secret (or the handshake was changed on its way)")]
     AuthFailed,
     /// A message out of order.
     #[error("expected {expected}, got {got}")]

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use shardwire_protocol::auth::{self, NONCE_LEN, Role};
 use shardwire_protocol::framing::FrameError;
-use shardwire_protocol::wire::{ErrorCode, LaneAddr, Message};
+use shardwire_protocol::wire::{self, ErrorCode, LaneAddr, Message};
 use tokio::io::BufReader;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -133,12 +133,10 @@ async fn handshake(
     slots: Arc<Semaphore>,
 ) -> Result<(Vec<LaneAddr>, String, OwnedSemaphorePermit), SessionError> {
     let secret = shared.cfg.secret.as_deref();
-    let (node_nonce, lanes, node_id) = match ctl.recv().await? {
-        Message::Hello {
-            node_id,
-            nonce,
-            lanes,
-        } => (nonce, lanes, node_id),
+    let hello = ctl.recv().await?;
+    let hello_frame = encoded(&hello)?;
+    let (lanes, node_id) = match hello {
+        Message::Hello { node_id, lanes, .. } => (lanes, node_id),
         other => {
             return Err(SessionError::Unexpected {
                 expected: "Hello",
@@ -149,11 +147,13 @@ async fn handshake(
     let mut src_nonce = [0u8; NONCE_LEN];
     rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
         .map_err(|e| FrameError::Io(e.into()))?;
-    ctl.send(&Message::Challenge {
+    let challenge = Message::Challenge {
         nonce: src_nonce,
         auth_required: secret.is_some(),
-    })
-    .await?;
+    };
+    ctl.send(&challenge).await?;
+    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
+    let transcript = auth::transcript(&hello_frame, &encoded(&challenge)?);
     let mac = match ctl.recv().await? {
         Message::Auth { mac } => mac,
         other => {
@@ -163,30 +163,38 @@ async fn handshake(
             });
         }
     };
-    let welcome = match secret {
-        Some(s) => {
-            if !auth::ct_eq(&mac, &auth::proof(s, Role::Node, &node_nonce, &src_nonce)) {
-                let _ = ctl
-                    .error(0, ErrorCode::AuthFailed, "wrong secret".into())
-                    .await;
-                return Err(SessionError::AuthFailed);
-            }
-            auth::proof(s, Role::Source, &node_nonce, &src_nonce)
-        }
-        None => [0; 32],
-    };
+    if let Some(s) = secret
+        && !auth::ct_eq(&mac, &auth::proof(s, Role::Node, &transcript, 0))
+    {
+        let why = "wrong secret (or the handshake was changed on its way)";
+        let _ = ctl.error(0, ErrorCode::AuthFailed, why.into()).await;
+        return Err(SessionError::AuthFailed);
+    }
     let Ok(slot) = slots.try_acquire_owned() else {
         let e = SessionError::TooManySessions(shared.cfg.max_connections);
         let _ = ctl.error(0, ErrorCode::Internal, e.to_string()).await;
         return Err(e);
     };
     let idle_timeout_s = ctl.idle.as_secs().clamp(1, u64::from(u16::MAX)) as u16;
+    let welcome = secret.map_or([0; 32], |s| {
+        auth::proof(s, Role::Source, &transcript, idle_timeout_s)
+    });
     ctl.send(&Message::Welcome {
         mac: welcome,
         idle_timeout_s,
     })
     .await?;
     Ok((lanes, node_id, slot))
+}
+
+/// `msg` as it goes on the wire (what the handshake's transcript covers).
+fn encoded(msg: &Message) -> Result<Vec<u8>, SessionError> {
+    let mut out = Vec::new();
+    wire::encode(msg, &mut out).map_err(|e| SessionError::Unexpected {
+        expected: "a handshake message that encodes",
+        got: e.to_string(),
+    })?;
+    Ok(out)
 }
 
 /// What a queued FETCH's announcement says.

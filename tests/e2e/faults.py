@@ -31,7 +31,7 @@ Target = Union[str, tuple]  # "HOST:PORT", (host, port) or a Unix socket path ("
 
 #: What an outcome keeps of the bytes the peer sent back.
 KEEP = 64 * 1024
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Control message kinds (docs/PROTOCOL.md, "Messages").
 HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING, HINT, DATA_READY = range(1, 15)
 
@@ -284,7 +284,7 @@ def wire_addr(host: str, port: int, family: int = 4) -> bytes:
 
 def hello(node_id: Union[str, bytes] = "fault-node", data_addr: tuple = ("127.0.0.1", 9), flows: int = 1,
           nonce: bytes = b"\x01" * 32, family: int = 4, lanes: int = 1) -> bytes:
-    """A version 3 Hello: the node id, the nonce, then `lanes` lanes (u16 count), each the
+    """A Hello (version 3 layout, unchanged in 4): the node id, the nonce, then `lanes` lanes (u16 count), each the
     data address and its flows."""
     lane = wire_addr(data_addr[0], data_addr[1], family) + struct.pack(">H", flows)
     body = wire_str(node_id) + nonce + struct.pack(">H", lanes) + lane * lanes
@@ -348,11 +348,11 @@ def control_malformed(seed: int = 0) -> dict[str, bytes]:
     return {
         "random 4 KiB": random_bytes(4096, seed),
         "http request": b"GET / HTTP/1.1\r\nHost: shardwire\r\n\r\n",
-        "length 0xFFFFFFFF": b"\xff\xff\xff\xff\x03\x01" + b"\x00" * 64,
-        "length 64 MiB": struct.pack(">I", 64 << 20) + b"\x03\x01" + b"\x00" * 64,
-        "length just over 8 KiB": struct.pack(">I", 8 * 1024 + 1) + b"\x03\x01" + b"\x00" * 64,
+        "length 0xFFFFFFFF": b"\xff\xff\xff\xff" + bytes([PROTOCOL_VERSION]) + b"\x01" + b"\x00" * 64,
+        "length 64 MiB": struct.pack(">I", 64 << 20) + bytes([PROTOCOL_VERSION, 1]) + b"\x00" * 64,
+        "length just over 8 KiB": struct.pack(">I", 8 * 1024 + 1) + bytes([PROTOCOL_VERSION, 1]) + b"\x00" * 64,
         "length 0": b"\x00\x00\x00\x00",
-        "length 1": b"\x00\x00\x00\x01\x03",
+        "length 1": b"\x00\x00\x00\x01" + bytes([PROTOCOL_VERSION]),
         "bad version 1": control_frame(HELLO, good[6:], version=1),
         "bad version 255": control_frame(HELLO, good[6:], version=255),
         "unknown kind 200": control_frame(200, b"\x00" * 16),
@@ -463,7 +463,7 @@ def control_session_attack(source: Target, wait: float = 5.0) -> dict:
                     r = read_control(s, wait)
                 out["replies"].append((what, error_code(r[1]) if isinstance(r, tuple) and r[0] == ERROR else r))
             # Over the 8 KiB limit after authentication: the source drops the session.
-            s.sendall(b"\x7f\xff\xff\xff\x03\x08" + b"\x00" * 32)
+            s.sendall(b"\x7f\xff\xff\xff" + bytes([PROTOCOL_VERSION, 8]) + b"\x00" * 32)
             t0 = time.monotonic()
             o = read_until_closed(s, wait, t0)
             out["final"] = o.closed

@@ -221,17 +221,16 @@ where
         lanes: lanes.to_vec(),
     };
     write_message(wr, &hello).await?;
+    let hello_frame = encoded(&hello)?;
     // Until the source has proved the secret, it gets no more than a small frame.
     let small = wire::MAX_SMALL_FRAME;
     let first = match read_message(rd, buf, small).await {
         Err(FrameError::Closed) => return Err(LinkError::ClosedAfterHello),
         r => r.map_err(from_frame)?,
     };
-    let (src_nonce, auth_required) = match first {
-        Message::Challenge {
-            nonce,
-            auth_required,
-        } => (nonce, auth_required),
+    let challenge_frame = encoded(&first)?;
+    let auth_required = match first {
+        Message::Challenge { auth_required, .. } => auth_required,
         other => return Err(unexpected("Challenge", other)),
     };
     if secret.is_some() && !auth_required {
@@ -239,15 +238,18 @@ where
             "the source does not check a secret but this node has one; configure the same secret file on the source",
         ));
     }
-    let mac = secret.map_or([0; 32], |s| auth::proof(s, Role::Node, &nonce, &src_nonce));
+    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
+    let transcript = auth::transcript(&hello_frame, &challenge_frame);
+    let mac = secret.map_or([0; 32], |s| auth::proof(s, Role::Node, &transcript, 0));
     write_message(wr, &Message::Auth { mac }).await?;
     match read_message(rd, buf, small).await.map_err(from_frame)? {
         Message::Welcome {
             mac,
             idle_timeout_s,
         } => {
+            let theirs = |s| auth::proof(s, Role::Source, &transcript, idle_timeout_s);
             if let Some(s) = secret
-                && !auth::ct_eq(&mac, &auth::proof(s, Role::Source, &nonce, &src_nonce))
+                && !auth::ct_eq(&mac, &theirs(s))
             {
                 return Err(LinkError::Auth(
                     "the source's proof is wrong (different secret?)",
@@ -257,6 +259,14 @@ where
         }
         other => Err(unexpected("Welcome", other)),
     }
+}
+
+/// `msg` as it goes on the wire (what the handshake's transcript covers).
+fn encoded(msg: &Message) -> Result<Vec<u8>, LinkError> {
+    let mut out = Vec::new();
+    wire::encode(msg, &mut out)
+        .map_err(|e| LinkError::Protocol(format!("encoding {msg:?}: {e}")))?;
+    Ok(out)
 }
 
 /// The error for a handshake message other than the one expected.

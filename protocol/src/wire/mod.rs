@@ -22,8 +22,9 @@ use crate::auth::NONCE_LEN;
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel
 /// and Ping. 3: `Hint`, the object-storage error codes, `Draining` and `Error::retry_after_ms`;
 /// lanes: `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane;
-/// `DataReady`).
-pub const VERSION: u8 = 3;
+/// `DataReady`. 4: the handshake's proofs cover the `Hello`, the `Challenge` and the
+/// `Welcome`'s idle timeout, not only the nonces: [`crate::auth::transcript`]).
+pub const VERSION: u8 = 4;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
 /// Largest frame a node ever sends, and the largest a source accepts: a `Hello` with the
