@@ -505,7 +505,18 @@ fn check_tensor(t: &TensorEntry, s: &ShardEntry) -> Result<(), String> {
             t.shape.len()
         ));
     }
-    let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    // As both SDKs read a shape: no dimension past i64 (numpy's and torch's), and a zero
+    // dimension makes 0 elements whatever the others.
+    if let Some(d) = t.shape.iter().find(|&&d| i64::try_from(d).is_err()) {
+        return Err(format!(
+            "tensor `{}`: dimension {d} of shape {:?} is past 2^63 - 1, which no array library takes",
+            t.name, t.shape
+        ));
+    }
+    let elems = match t.shape.contains(&0) {
+        true => Some(0),
+        false => t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)),
+    };
     let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
     if expect != Some(t.length) {
         return Err(format!(
@@ -691,6 +702,22 @@ mod tests {
         assert!(err(Manifest::new(m.shards.clone())).contains("two tensors are named `a.offsets`"));
         m.shards[0].tensors[1].name = "a".into();
         assert!(err(Manifest::new(m.shards)).contains("two tensors are named `a`"));
+    }
+
+    #[test]
+    fn shapes_are_read_as_the_sdks_read_them() {
+        // Before, [0, 2^63] was accepted (both SDKs refuse every batch carrying it) and
+        // [2^62, 4, 0] refused (its product overflowed before the 0).
+        let shaped = |shape: Vec<u64>, length: u64| {
+            let mut m = sample();
+            let t = &mut m.shards[0].tensors[0];
+            (t.shape, t.length) = (shape, length);
+            Manifest::new(m.shards).validate()
+        };
+        let e = shaped(vec![0, 1 << 63], 0).unwrap_err().to_string();
+        assert!(e.contains("past 2^63 - 1"), "{e}");
+        shaped(vec![1 << 62, 4, 0], 0).unwrap();
+        assert!(shaped(vec![1 << 62, 4, 0], 4).is_err());
     }
 
     #[test]
