@@ -13,7 +13,7 @@
 //! dataset's memory budget (`Reads`): queued FETCHes cost no memory until then.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
-//! version (in version 2's layout of `Error`), naming both versions, and dropped.
+//! version (in the layout of `Error` that version reads), naming both versions, and dropped.
 //!
 //! Every state has a time limit: the handshake [`HANDSHAKE_TIMEOUT`], an established session
 //! the idle timeout (both sides send `Ping` after a third of it without other traffic), and

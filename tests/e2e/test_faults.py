@@ -44,9 +44,9 @@ from conftest import (
     wait_ready,
     write_uint8_shards,
 )
-from faults import ERROR, error_code, handshake_to_data_conn, next_non_ping, read_control_frame
+from faults import ERROR, PROTOCOL_VERSION, error_code, handshake_to_data_conn, next_non_ping, read_control_frame
 
-WIRE_VERSION = 3
+WIRE_VERSION = PROTOCOL_VERSION
 
 
 # --- raw peers ------------------------------------------------------------------------------

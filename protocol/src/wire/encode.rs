@@ -213,8 +213,9 @@ fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
 
 /// The frame that refuses a peer speaking protocol version `theirs`: an `Error{0,
 /// UnsupportedVersion}` that names both versions, written with the peer's version byte and in
-/// version 2's layout of `Error` (`req`, `code`, `message`; version 3 added `retry_after_ms`
-/// after `code`), the layout every version reads a refusal in, so the peer can read it.
+/// the layout of `Error` that version reads: version 2's (`req`, `code`, `message`) for 2 and
+/// older, with `retry_after_ms` after `code` for 3 and later (version 4 changed no message's
+/// layout), so the peer can read it.
 pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
     let message = format!(
         "this {who} speaks shardwire protocol version {VERSION}; the peer sent version {theirs}: run the same release on nodes and sources"
@@ -232,7 +233,9 @@ pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
     .expect("an error message is truncated to fit");
     // len u32, version u8, kind u8, req u64, code u16, then the 4 bytes of retry_after_ms.
     const RETRY_AT: usize = 4 + 1 + 1 + 8 + 2;
-    out.drain(RETRY_AT..RETRY_AT + 4);
+    if theirs <= 2 {
+        out.drain(RETRY_AT..RETRY_AT + 4);
+    }
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_be_bytes());
     out[4] = theirs;

@@ -272,10 +272,29 @@ fn an_older_peer_is_refused_in_its_own_version() {
     let message = std::str::from_utf8(&frame[18..]).unwrap();
     assert_eq!((req, code), (0, ErrorCode::UnsupportedVersion as u16));
     assert!(
-        message.contains("version 3") && message.contains("sent version 2"),
+        message.contains(&format!("version {VERSION}")) && message.contains("sent version 2"),
         "{message}"
     );
     assert_eq!(decode(&frame), Err(DecodeError::Version(2)));
+    // A version 3 peer reads `Error` with `retry_after_ms`: its refusal has it (before, it
+    // was left out for every version, and a version 3 peer misread the message's length).
+    let mut v3 = version_error_frame(3, "source");
+    assert_eq!(v3[4], 3);
+    v3[4] = VERSION; // read in this build's layout, the one version 3 shares
+    match decode(&v3).unwrap() {
+        Decoded::Message(
+            Message::Error {
+                req: 0,
+                code: ErrorCode::UnsupportedVersion,
+                retry_after_ms: 0,
+                message,
+            },
+            _,
+        ) => {
+            assert!(message.contains("sent version 3"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -345,11 +364,11 @@ fn hints_over_the_limit_are_refused_before_allocating() {
 
 #[test]
 fn a_peer_of_the_previous_version_is_refused_naming_both() {
-    let e = decode(&[0, 0, 0, 2, 2, K_PING]).unwrap_err();
-    assert_eq!(e, DecodeError::Version(2));
+    let e = decode(&[0, 0, 0, 2, 3, K_PING]).unwrap_err();
+    assert_eq!(e, DecodeError::Version(3));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 2 (this build speaks 3)"
+        "unsupported protocol version 3 (this build speaks 4)"
     );
 }
 

@@ -122,6 +122,65 @@ fn link() -> Arc<SourceLink> {
 /// The session task of a test.
 type Session = tokio::task::JoinHandle<Result<(), LinkError>>;
 
+#[tokio::test]
+async fn the_node_checks_the_sources_proof_over_the_transcript_and_idle_timeout() {
+    // A source's proof made for another idle timeout (a relay that rewrote the Welcome's) is
+    // refused; the true one is accepted. Before protocol 4 the proof covered the nonces only.
+    for (proved, sent, ok) in [(30u16, 30u16, true), (30, 1, false)] {
+        let secret = b"s3cret".to_vec();
+        let l = SourceLink::new(
+            0,
+            "source-a:7500".into(),
+            LinkConfig {
+                secret: Some(secret.clone()),
+                lanes: node_lanes(),
+            },
+        );
+        let (node_end, source_end) = tokio::io::duplex(1 << 16);
+        let (nrd, nwr) = tokio::io::split(node_end);
+        let (srd, swr) = tokio::io::split(source_end);
+        let (l2, sink) = (Arc::clone(&l), Arc::new(Sink::default()));
+        let task =
+            tokio::spawn(async move { serve(&l2, sink.as_ref(), nrd, nwr, &node_lanes()).await });
+        let mut src = FakeSource {
+            rd: srd,
+            wr: swr,
+            buf: Vec::new(),
+        };
+        let hello = src.recv().await;
+        let challenge = Message::Challenge {
+            nonce: [7; 32],
+            auth_required: true,
+        };
+        let frame = |m: &Message| {
+            let mut out = Vec::new();
+            wire::encode(m, &mut out).unwrap();
+            out
+        };
+        let t = auth::transcript(&frame(&hello), &frame(&challenge));
+        src.send(challenge).await;
+        let Message::Auth { mac } = src.recv().await else {
+            panic!("expected Auth");
+        };
+        assert!(auth::ct_eq(
+            &mac,
+            &auth::proof(&secret, auth::Role::Node, &t, 0)
+        ));
+        let mac = auth::proof(&secret, auth::Role::Source, &t, proved);
+        src.send(Message::Welcome {
+            mac,
+            idle_timeout_s: sent,
+        })
+        .await;
+        if ok {
+            until_up(&l).await;
+        } else {
+            let e = task.await.unwrap().unwrap_err();
+            assert!(matches!(e, LinkError::Auth(_)), "{e}");
+        }
+    }
+}
+
 /// A link serving a session over a pipe; returns the link, the source end, the sink and the
 /// session task.
 fn start() -> (Arc<SourceLink>, FakeSource, Arc<Sink>, Session) {
@@ -419,6 +478,22 @@ async fn a_source_of_another_version_is_named_with_both_versions() {
             .contains(&format!("version 2, this node version {}", wire::VERSION)),
         "{e}"
     );
+    // A version 3 source refuses a later Hello in version 2's layout of `Error` (no
+    // `retry_after_ms`), with this node's version byte: unreadable here, and said so.
+    let (_l, mut src, _sink, task) = start();
+    assert!(matches!(src.recv().await, Message::Hello { .. }));
+    let message = b"this source speaks shardwire protocol version 3; the peer sent version 4";
+    let mut body = vec![wire::VERSION, 10]; // kind Error
+    body.extend_from_slice(&0u64.to_be_bytes());
+    body.extend_from_slice(&1u16.to_be_bytes()); // UnsupportedVersion
+    body.extend_from_slice(&(message.len() as u16).to_be_bytes());
+    body.extend_from_slice(message);
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    src.wr.write_all(&frame).await.unwrap();
+    let e = task.await.unwrap().unwrap_err();
+    assert!(matches!(e, LinkError::UnreadableAnswer(_)), "{e}");
+    assert!(e.to_string().contains("run the same release"), "{e}");
     // ... or closes without a word.
     let (_l, mut src, _sink, task) = start();
     assert!(matches!(src.recv().await, Message::Hello { .. }));
