@@ -5,7 +5,7 @@
 //! Python-literal dict with `descr`, `fortran_order` and `shape`, padded with spaces and a
 //! newline; the raw C-order array data follows.
 
-use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry, shape_elements};
 
 use crate::error::IndexError;
 use crate::pylit::{self, Lit};
@@ -27,7 +27,7 @@ pub(crate) struct Header {
 /// Indexes a `.npy` file.
 pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
     let h = read_header(src)?;
-    let elems = h.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    let elems = shape_elements(&h.shape);
     let need = elems.and_then(|e| e.checked_mul(h.dtype.size()));
     let have = src.len - h.data_offset;
     if need != Some(have) {

@@ -10,7 +10,7 @@
 //! sections; every other field is a ragged `uint8` tensor of the members' raw bytes.
 //! Gzipped tars are refused: a gzip stream cannot be fetched by byte range.
 
-use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry, shape_elements};
 
 use crate::error::IndexError;
 use crate::npy;
@@ -354,7 +354,7 @@ fn npy_tensor(
             }
             Err(e) => return Err(e),
         };
-        let elems = h.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let elems = shape_elements(&h.shape);
         let need = elems.and_then(|e| e.checked_mul(h.dtype.size()));
         if need != Some(pos + size - h.data_offset) {
             return Ok(None);

@@ -494,6 +494,19 @@ fn check_objects(objects: &[ObjectEntry], shards: &[ShardEntry]) -> Result<(), M
     Ok(())
 }
 
+/// The elements of `shape` as both SDKs count them: `None` for a dimension past 2^63 - 1
+/// (numpy's and torch's limit) or a product past `u64`; a zero dimension makes 0 whatever
+/// the others (a product that would overflow before reaching it included).
+pub fn shape_elements(shape: &[u64]) -> Option<u64> {
+    if shape.iter().any(|&d| i64::try_from(d).is_err()) {
+        return None;
+    }
+    if shape.contains(&0) {
+        return Some(0);
+    }
+    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
+
 /// Checks one tensor of shard `s`: its row table, dims, length against shape x dtype, and a
 /// dense tensor's range inside the shard.
 fn check_tensor(t: &TensorEntry, s: &ShardEntry) -> Result<(), String> {
@@ -505,19 +518,13 @@ fn check_tensor(t: &TensorEntry, s: &ShardEntry) -> Result<(), String> {
             t.shape.len()
         ));
     }
-    // As both SDKs read a shape: no dimension past i64 (numpy's and torch's), and a zero
-    // dimension makes 0 elements whatever the others.
     if let Some(d) = t.shape.iter().find(|&&d| i64::try_from(d).is_err()) {
         return Err(format!(
             "tensor `{}`: dimension {d} of shape {:?} is past 2^63 - 1, which no array library takes",
             t.name, t.shape
         ));
     }
-    let elems = match t.shape.contains(&0) {
-        true => Some(0),
-        false => t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)),
-    };
-    let expect = elems.and_then(|e| e.checked_mul(t.dtype.size()));
+    let expect = shape_elements(&t.shape).and_then(|e| e.checked_mul(t.dtype.size()));
     if expect != Some(t.length) {
         return Err(format!(
             "tensor `{}`: length {} != shape {:?} x {} bytes",

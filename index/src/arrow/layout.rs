@@ -323,7 +323,7 @@ fn tensor_shape(meta: Option<&String>, levels: &[u64]) -> Result<Vec<u64>, Rejec
             "storage must be a FixedSizeList of a fixed-width integer or float type",
         ));
     };
-    let prod = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    let prod = shardwire_protocol::manifest::shape_elements(&shape);
     if prod != Some(*k) {
         return Err(bad(&format!(
             "the product of \"shape\" does not match the storage list size {k}"

@@ -208,6 +208,17 @@ fn files_with_no_elements_are_named_as_holding_no_rows_beside_the_others() {
         ),
     )
     .unwrap();
+    // A zero dimension after ones whose product overflows: still no elements (before, the
+    // product was refused as malformed before it reached the 0).
+    std::fs::write(
+        dir.join("zz.npy"),
+        npy(
+            1,
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (4611686018427387904, 4, 0), }",
+            &[],
+        ),
+    )
+    .unwrap();
     std::fs::write(dir.join("e.bin"), b"").unwrap();
     // Before, either stopped the whole index (other formats named theirs and went on).
     let r = crate::index_report(&dir, &crate::IndexOptions::default()).unwrap();
@@ -220,7 +231,11 @@ fn files_with_no_elements_are_named_as_holding_no_rows_beside_the_others() {
     unused.sort();
     assert_eq!(
         unused,
-        [("e.bin", "holds no rows"), ("z.npy", "holds no rows")]
+        [
+            ("e.bin", "holds no rows"),
+            ("z.npy", "holds no rows"),
+            ("zz.npy", "holds no rows")
+        ]
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
