@@ -27,9 +27,14 @@ pub(crate) struct Header {
 /// Indexes a `.npy` file.
 pub(crate) fn index(src: &mut Source) -> Result<Vec<ShardEntry>, IndexError> {
     let h = read_header(src)?;
-    let elems = shape_elements(&h.shape);
-    let need = elems.and_then(|e| e.checked_mul(h.dtype.size()));
     let have = src.len - h.data_offset;
+    let Some(elems) = shape_elements(&h.shape) else {
+        return Err(src.malformed(
+            "the shape holds more elements than numpy takes (a dimension, or the product of the non-zero ones, past 2^63 - 1)",
+            shape_str(&h.shape),
+        ));
+    };
+    let need = elems.checked_mul(h.dtype.size());
     if need != Some(have) {
         return Err(src.malformed(
             format!(

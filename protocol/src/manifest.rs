@@ -494,17 +494,19 @@ fn check_objects(objects: &[ObjectEntry], shards: &[ShardEntry]) -> Result<(), M
     Ok(())
 }
 
-/// The elements of `shape` as both SDKs count them: `None` for a dimension past 2^63 - 1
-/// (numpy's and torch's limit) or a product past `u64`; a zero dimension makes 0 whatever
-/// the others (a product that would overflow before reaching it included).
+/// The elements of `shape` as numpy counts them (what the Python SDK views a tensor with):
+/// `None` where numpy refuses the shape: a dimension, or the product of the non-zero ones,
+/// past 2^63 - 1; else that product, or 0 when a dimension is 0.
 pub fn shape_elements(shape: &[u64]) -> Option<u64> {
+    let nonzero = shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .filter(|&p| i64::try_from(p).is_ok())?;
     if shape.iter().any(|&d| i64::try_from(d).is_err()) {
         return None;
     }
-    if shape.contains(&0) {
-        return Some(0);
-    }
-    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+    Some(if shape.contains(&0) { 0 } else { nonzero })
 }
 
 /// Checks one tensor of shard `s`: its row table, dims, length against shape x dtype, and a
@@ -714,7 +716,7 @@ mod tests {
     #[test]
     fn shapes_are_read_as_the_sdks_read_them() {
         // Before, [0, 2^63] was accepted (both SDKs refuse every batch carrying it) and
-        // [2^62, 4, 0] refused (its product overflowed before the 0).
+        // [2^40, 4, 0] taken as numpy takes it only by the order of its dimensions.
         let shaped = |shape: Vec<u64>, length: u64| {
             let mut m = sample();
             let t = &mut m.shards[0].tensors[0];
@@ -723,8 +725,12 @@ mod tests {
         };
         let e = shaped(vec![0, 1 << 63], 0).unwrap_err().to_string();
         assert!(e.contains("past 2^63 - 1"), "{e}");
-        shaped(vec![1 << 62, 4, 0], 0).unwrap();
-        assert!(shaped(vec![1 << 62, 4, 0], 4).is_err());
+        // numpy's rule: zeros make no elements, but the others' product must fit an intp.
+        shaped(vec![1 << 40, 4, 0], 0).unwrap();
+        assert!(shaped(vec![1 << 62, 4, 0], 0).is_err(), "numpy refuses it");
+        assert_eq!(shape_elements(&[]), Some(1), "a scalar");
+        assert_eq!(shape_elements(&[3, 0, 1 << 60]), Some(0));
+        assert_eq!(shape_elements(&[1 << 32, 1 << 31]), None);
     }
 
     #[test]

@@ -122,6 +122,19 @@ fn rejections() {
         &npy(1, &hdr("'<f4'", "True", "(2, 3)"), &d24),
         &["Fortran-order", "np.ascontiguousarray", "True"],
     );
+    // numpy refuses a shape whose non-zero dimensions' product passes 2^63 - 1, zeros or not.
+    expect_err(
+        "huge.npy",
+        &npy(
+            1,
+            &hdr("'|u1'", "False", "(4611686018427387904, 4, 0)"),
+            &[],
+        ),
+        &[
+            "more elements than numpy takes",
+            "(4611686018427387904, 4, 0)",
+        ],
+    );
     // `(3)` is the int 3 in Python, and numpy refuses the file: before, it was indexed.
     expect_err(
         "paren.npy",
@@ -208,13 +221,12 @@ fn files_with_no_elements_are_named_as_holding_no_rows_beside_the_others() {
         ),
     )
     .unwrap();
-    // A zero dimension after ones whose product overflows: still no elements (before, the
-    // product was refused as malformed before it reached the 0).
+    // A zero dimension after others: no elements, as numpy counts them.
     std::fs::write(
         dir.join("zz.npy"),
         npy(
             1,
-            "{'descr': '|u1', 'fortran_order': False, 'shape': (4611686018427387904, 4, 0), }",
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (1099511627776, 4, 0), }",
             &[],
         ),
     )

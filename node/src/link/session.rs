@@ -80,7 +80,7 @@ pub enum LinkError {
     Stalled(#[from] Stall),
     /// The source's first answer could not be read: a source of protocol version 3 refuses
     /// a later node with an `Error` in version 2's layout, which this version misreads.
-    #[error("the source's answer to this node's Hello could not be read ({0}): a source of another protocol version answers so (this node speaks version {ours}; see the source's log): run the same release on nodes and sources", ours = wire::VERSION)]
+    #[error("the source's answer to this node's Hello could not be read ({0}): a source of another protocol version answers so (this node speaks version {ours}; see the source's log: run the same release on nodes and sources), or the address is not a shardwire source", ours = wire::VERSION)]
     UnreadableAnswer(DecodeError),
     /// The source closed the connection before answering `Hello`.
     #[error("the source closed the connection after this node's Hello without answering: a source of another protocol version does that (this node speaks version {ours}; see the source's log), or it refused this node", ours = wire::VERSION)]
@@ -230,7 +230,15 @@ where
     let small = wire::MAX_SMALL_FRAME;
     let first = match read_message(rd, buf, small).await {
         Err(FrameError::Closed) => return Err(LinkError::ClosedAfterHello),
-        Err(FrameError::Decode(e)) if !matches!(e, DecodeError::Version(_)) => {
+        // A version 3 source's refusal (version 2's layout of `Error` under this version's
+        // byte) misreads in its fields; a frame of no known length or kind (an SSH banner, an
+        // HTTP answer) stays a framing error.
+        Err(FrameError::Decode(e))
+            if !matches!(
+                e,
+                DecodeError::Version(_) | DecodeError::FrameLength(_) | DecodeError::UnknownKind(_)
+            ) =>
+        {
             return Err(LinkError::UnreadableAnswer(e));
         }
         r => r.map_err(from_frame)?,
