@@ -514,6 +514,27 @@ impl ServeConfig {
         Ok(c)
     }
 
+    /// `devmem_memory` between 1 MiB and [`MAX_SIZE`]; no queue twice in `devmem_queues`.
+    fn validate_devmem(&self) -> Result<(), ConfigError> {
+        if self.devmem_memory.0 < 1 << 20 {
+            return Err(invalid(
+                "devmem_memory",
+                self.devmem_memory,
+                "must be at least 1MiB",
+            ));
+        }
+        check_size("devmem_memory", self.devmem_memory)?;
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(q) = self.devmem_queues.iter().find(|q| !seen.insert(**q)) {
+            return Err(invalid(
+                "devmem_queues",
+                format!("{:?}", self.devmem_queues),
+                format!("lists queue {q} twice: each RX queue is bound once"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks ranges and relations between keys.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.flows == 0 || self.flows > 64 {
@@ -562,28 +583,9 @@ impl ServeConfig {
             self.trainer_idle_timeout_secs,
             0,
         )?;
-        if self.devmem_memory.0 < 1 << 20 {
-            return Err(invalid(
-                "devmem_memory",
-                self.devmem_memory,
-                "must be at least 1MiB",
-            ));
-        }
-        for (key, v) in [
-            ("pool_size", self.pool_size),
-            ("stream_memory", ByteSize(stream_memory)),
-            ("devmem_memory", self.devmem_memory),
-        ] {
-            check_size(key, v)?;
-        }
-        let mut seen = std::collections::BTreeSet::new();
-        if let Some(q) = self.devmem_queues.iter().find(|q| !seen.insert(**q)) {
-            return Err(invalid(
-                "devmem_queues",
-                format!("{:?}", self.devmem_queues),
-                format!("lists queue {q} twice: each RX queue is bound once"),
-            ));
-        }
+        check_size("pool_size", self.pool_size)?;
+        check_size("stream_memory", ByteSize(stream_memory))?;
+        self.validate_devmem()?;
         self.socket_mode_bits()?;
         self.lanes.validate()?;
         self.source_entries()?;

@@ -78,6 +78,14 @@ impl<S> Admission<S> {
         self
     }
 
+    /// The lanes where a stream of `bytes` never fits, however empty: its rounded need passes
+    /// the lane's whole pool.
+    pub fn never_fits(&self, bytes: u64) -> impl Iterator<Item = (usize, u64)> + '_ {
+        (0..self.pools.len())
+            .map(move |l| (l, self.need(l, bytes)))
+            .filter(|&(l, need)| need > self.pools[l])
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner<S>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -302,6 +310,10 @@ mod tests {
             "1.75 MiB free: under the 2 MiB unit"
         );
         assert_eq!(a.reserve_least_loaded(64 << 10).unwrap().lane(), 1);
+        // A 3 MiB stream takes 4 MiB of the CUDA lane: it never fits a pool of 3.75 MiB.
+        let never: Vec<_> = a.never_fits(3 * mib).collect();
+        assert_eq!(never, [(0, 4 * mib), (1, 3 * mib)]);
+        assert_eq!(a.never_fits(mib / 2).count(), 0);
     }
 
     #[test]

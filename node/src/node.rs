@@ -61,15 +61,13 @@ impl Node {
         let pools = vec![info.cfg.pool_size.0; plane.lanes.all().len()];
         let units = plane.lanes.all().iter();
         let units = units.map(|l| l.cuda.as_ref().map_or(1, |c| c.region_unit));
-        let (pool, stream) = (info.cfg.pool_size.0, info.cfg.stream_memory());
-        for (lane, unit) in units.clone().enumerate() {
-            let need = stream.div_ceil(unit).saturating_mul(unit);
-            if need > pool {
-                tracing::warn!(lane, pool_size = %info.cfg.pool_size, "lane {lane}'s GPU memory comes in units of {unit} bytes: a stream's {stream} bytes (stream_memory) take {need}, more than pool_size, so it admits no stream; make pool_size a multiple of {unit} of at least {need}");
-            }
+        let admission = Admission::new(pools).with_units(units.collect());
+        let stream = info.cfg.stream_memory();
+        for (lane, need) in admission.never_fits(stream) {
+            tracing::warn!(lane, pool_size = %info.cfg.pool_size, "lane {lane}'s GPU memory comes in allocation units: a stream's {stream} bytes (stream_memory) take {need}, more than pool_size, so it admits no stream; make pool_size a multiple of the unit of at least {need}");
         }
         let node = Arc::new(Self {
-            admission: Admission::new(pools).with_units(units.collect()),
+            admission,
             info,
             routing: Routing::new(Arc::clone(&plane.roster)),
             plane,

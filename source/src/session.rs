@@ -134,7 +134,15 @@ async fn handshake(
 ) -> Result<(Vec<LaneAddr>, String, OwnedSemaphorePermit), SessionError> {
     let secret = shared.cfg.secret.as_deref();
     let hello = ctl.recv().await?;
-    let hello_frame = encoded(&hello)?;
+    let mut src_nonce = [0u8; NONCE_LEN];
+    rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| FrameError::Io(e.into()))?;
+    let challenge = Message::Challenge {
+        nonce: src_nonce,
+        auth_required: secret.is_some(),
+    };
+    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
+    let transcript = wire::handshake_transcript(&hello, &challenge).map_err(FrameError::Encode)?;
     let (lanes, node_id) = match hello {
         Message::Hello { node_id, lanes, .. } => (lanes, node_id),
         other => {
@@ -144,16 +152,7 @@ async fn handshake(
             });
         }
     };
-    let mut src_nonce = [0u8; NONCE_LEN];
-    rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
-        .map_err(|e| FrameError::Io(e.into()))?;
-    let challenge = Message::Challenge {
-        nonce: src_nonce,
-        auth_required: secret.is_some(),
-    };
     ctl.send(&challenge).await?;
-    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
-    let transcript = auth::transcript(&hello_frame, &encoded(&challenge)?);
     let mac = match ctl.recv().await? {
         Message::Auth { mac } => mac,
         other => {
@@ -185,16 +184,6 @@ async fn handshake(
     })
     .await?;
     Ok((lanes, node_id, slot))
-}
-
-/// `msg` as it goes on the wire (what the handshake's transcript covers).
-fn encoded(msg: &Message) -> Result<Vec<u8>, SessionError> {
-    let mut out = Vec::new();
-    wire::encode(msg, &mut out).map_err(|e| SessionError::Unexpected {
-        expected: "a handshake message that encodes",
-        got: e.to_string(),
-    })?;
-    Ok(out)
 }
 
 /// What a queued FETCH's announcement says.

@@ -44,6 +44,11 @@ fn get(buf: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"))
 }
 
+/// `struct ethtool_rxnfc`'s `data` (a u64 at 8).
+fn rxnfc_data(buf: &[u8]) -> u64 {
+    u64::from_ne_bytes(buf[8..16].try_into().expect("8 bytes"))
+}
+
 impl EthtoolClient {
     /// The index of interface `ifname` in this client's network namespace.
     pub fn ifindex_of(&self, ifname: &str) -> std::io::Result<u32> {
@@ -191,7 +196,7 @@ impl EthtoolClient {
         let mut c = [0u8; RXNFC_LEN];
         put(&mut c, 0, ETHTOOL_GRXRINGS);
         self.ioctl(ifname, "rx-rings-get", &mut c)?;
-        let rings = u64::from_ne_bytes(c[8..16].try_into().expect("8 bytes"));
+        let rings = rxnfc_data(&c);
         u32::try_from(rings).map_err(|_| NicError::Netlink {
             ifname: ifname.into(),
             op: "rx-rings-get",
@@ -275,7 +280,7 @@ const M_U: usize = FS + 76;
 /// location (`RX_CLS_LOC_SPECIAL` in `data`), else the table's size (`data`) and the rules in
 /// it (`rule_cnt`); an error for a table this code does not take.
 fn rule_table(answer: &[u8]) -> Result<Option<(u32, u32)>, String> {
-    let data = u64::from_ne_bytes(answer[8..16].try_into().expect("8 bytes"));
+    let data = rxnfc_data(answer);
     if data & RX_CLS_LOC_SPECIAL != 0 {
         return Ok(None);
     }

@@ -225,7 +225,6 @@ where
         lanes: lanes.to_vec(),
     };
     write_message(wr, &hello).await?;
-    let hello_frame = encoded(&hello)?;
     // Until the source has proved the secret, it gets no more than a small frame.
     let small = wire::MAX_SMALL_FRAME;
     let first = match read_message(rd, buf, small).await {
@@ -243,7 +242,8 @@ where
         }
         r => r.map_err(from_frame)?,
     };
-    let challenge_frame = encoded(&first)?;
+    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
+    let transcript = wire::handshake_transcript(&hello, &first).map_err(FrameError::Encode)?;
     let auth_required = match first {
         Message::Challenge { auth_required, .. } => auth_required,
         other => return Err(unexpected("Challenge", other)),
@@ -253,8 +253,6 @@ where
             "the source does not check a secret but this node has one; configure the same secret file on the source",
         ));
     }
-    // Both proofs cover what each side said, not only the nonces: a relay cannot rewrite it.
-    let transcript = auth::transcript(&hello_frame, &challenge_frame);
     let mac = secret.map_or([0; 32], |s| auth::proof(s, Role::Node, &transcript, 0));
     write_message(wr, &Message::Auth { mac }).await?;
     match read_message(rd, buf, small).await.map_err(from_frame)? {
@@ -274,14 +272,6 @@ where
         }
         other => Err(unexpected("Welcome", other)),
     }
-}
-
-/// `msg` as it goes on the wire (what the handshake's transcript covers).
-fn encoded(msg: &Message) -> Result<Vec<u8>, LinkError> {
-    let mut out = Vec::new();
-    wire::encode(msg, &mut out)
-        .map_err(|e| LinkError::Protocol(format!("encoding {msg:?}: {e}")))?;
-    Ok(out)
 }
 
 /// The error for a handshake message other than the one expected.

@@ -17,6 +17,16 @@ mod tests;
 pub use decode::{DecodeError, Decoded, check_frame_len, decode, decode_frame};
 pub use encode::{EncodeError, encode, encode_manifest_head, version_error_frame};
 
+/// The handshake's transcript ([`crate::auth::transcript`]) of a `Hello` and a `Challenge`
+/// as they go on the wire: each side encodes both (the one it sent and the one it received;
+/// decoding is strict, so both encode to the bytes that were sent).
+pub fn handshake_transcript(hello: &Message, challenge: &Message) -> Result<[u8; 32], EncodeError> {
+    let (mut h, mut c) = (Vec::new(), Vec::new());
+    encode(hello, &mut h)?;
+    encode(challenge, &mut c)?;
+    Ok(crate::auth::transcript(&h, &c))
+}
+
 use crate::auth::NONCE_LEN;
 
 /// The protocol version this build speaks (2: manifest requests carry a request id; Cancel

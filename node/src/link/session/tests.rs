@@ -152,12 +152,7 @@ async fn the_node_checks_the_sources_proof_over_the_transcript_and_idle_timeout(
             nonce: [7; 32],
             auth_required: true,
         };
-        let frame = |m: &Message| {
-            let mut out = Vec::new();
-            wire::encode(m, &mut out).unwrap();
-            out
-        };
-        let t = auth::transcript(&frame(&hello), &frame(&challenge));
+        let t = wire::handshake_transcript(&hello, &challenge).unwrap();
         src.send(challenge).await;
         let Message::Auth { mac } = src.recv().await else {
             panic!("expected Auth");
