@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use shardwire_protocol::wire::{ErrorCode, LaneAddr, Message};
+use shardwire_protocol::wire::{self, ErrorCode, LaneAddr, Message};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
 
@@ -92,6 +92,12 @@ fn per_flow_rate(limit: u64, flows: u64) -> u64 {
     }
 }
 
+/// Whether a connection paced at `rate` bytes/s (0: unlimited) stays under the floor a node
+/// holds its data connections to.
+fn below_pace(rate: u64) -> bool {
+    rate != 0 && rate.saturating_mul(wire::DATA_PACE_WINDOW.as_secs()) < wire::DATA_PACE_FLOOR
+}
+
 /// Dials every lane `flows` times, reporting each connection on the control connection.
 pub(crate) async fn dial(
     ctl: &mut Control,
@@ -123,6 +129,16 @@ pub(crate) async fn dial(
         return Err(e);
     }
     let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
+    if below_pace(per_flow_rate) {
+        tracing::warn!(
+            rate_limit = shared.cfg.rate_limit,
+            connections = total,
+            per_connection = per_flow_rate,
+            "rate_limit leaves each data connection of this node less than the {} bytes every {:?} a node needs to keep it: the node will drop them as a trickle; raise rate_limit",
+            wire::DATA_PACE_FLOOR,
+            wire::DATA_PACE_WINDOW
+        );
+    }
     let mut out = DataConns {
         senders: Vec::with_capacity(total as usize),
         lane_of: Vec::with_capacity(total as usize),
@@ -179,5 +195,15 @@ mod tests {
         assert_eq!(per_flow_rate(800, 8), 100);
         assert_eq!(per_flow_rate(5, 8), 1, "not 0, which is unlimited");
         assert_eq!(per_flow_rate(5, 0), 5);
+    }
+
+    #[test]
+    fn a_share_under_the_nodes_floor_is_warned_of() {
+        assert!(!below_pace(0), "unlimited");
+        let floor_rate = wire::DATA_PACE_FLOOR.div_ceil(wire::DATA_PACE_WINDOW.as_secs());
+        assert!(!below_pace(floor_rate));
+        assert!(below_pace(floor_rate - 1));
+        assert!(below_pace(per_flow_rate(100 << 10, 8)), "100 KiB/s over 8");
+        assert!(!below_pace(per_flow_rate(10 << 20, 64)));
     }
 }

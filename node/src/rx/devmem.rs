@@ -28,7 +28,7 @@ use shardwire_gpu::cuda::{CudaMemory, DeviceRange, VmmRegion};
 use shardwire_gpu::kernels::Frag;
 
 use super::error::RxError;
-use super::shared::{CHUNK, Gpus, PayloadRead, Place, Tally};
+use super::shared::{CHUNK, Gpus, Pace, PayloadRead, Place, Tally};
 use crate::binding::{FlowRule, RxRegion};
 use crate::fetch::InFlight;
 
@@ -249,7 +249,12 @@ impl Place for GpuDirect {
     /// Each `recvmsg`'s frags are gathered on the GPU (see [`DevmemReader::read_into_gpu`]),
     /// so the bytes never enter host memory; the CRC-32C is computed at the end by the CRC
     /// kernel of the slab's GPU.
-    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
+    fn place(
+        &mut self,
+        f: &mut InFlight,
+        tally: &mut Tally<'_>,
+        pace: &mut Pace,
+    ) -> Result<u32, RxError> {
         let slab = f.slab();
         let region = slab.region().cuda().ok_or(RxError::WrongMemory {
             path: "GPU-direct",
@@ -283,6 +288,7 @@ impl Place for GpuDirect {
             };
             off += n;
             tally.unseen(n);
+            pace.landed_now(n)?;
         }
         let t = Instant::now();
         let span = shardwire_gpu::kernels::Span {

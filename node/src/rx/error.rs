@@ -53,6 +53,25 @@ pub enum RxError {
         /// Mismatches in a row.
         in_a_row: u32,
     },
+    /// Payload bytes were due but fewer than the floor landed in a window
+    /// (`shared::PaceRule`): the source, or the path to it, sends at a trickle.
+    #[error(
+        "only {got} payload bytes landed in {took:?} while {due} more were due (the floor is \
+         {floor} bytes every {window:?}): the source or the network path to it has slowed to \
+         a trickle, so the connection is dropped and its fetches go again"
+    )]
+    TooSlow {
+        /// Bytes that landed in the window.
+        got: u64,
+        /// How long the window lasted.
+        took: std::time::Duration,
+        /// Bytes still due.
+        due: u64,
+        /// The floor.
+        floor: u64,
+        /// The window the floor is for.
+        window: std::time::Duration,
+    },
     /// An earlier payload on this connection failed, so this one cannot be placed.
     #[error("it failed earlier: {0}")]
     Earlier(Box<RxError>),

@@ -33,7 +33,7 @@ use std::sync::mpsc::Receiver;
 use self::devmem::{DevmemReader, GpuDirect};
 use self::error::RxError;
 use self::recv::{Host, Plain};
-use self::shared::{ConnAt, DATA_STALL_TIMEOUT, Gpus, broken, run};
+use self::shared::{ConnAt, DATA_STALL_TIMEOUT, Gpus, PaceRule, broken, run};
 use self::staged::Staged;
 use crate::binding::RxRegion;
 use crate::counters::{Counters, FlowStats};
@@ -211,12 +211,13 @@ fn choose(sock: TcpStream, setup: &Setup, c: &Counters) -> Result<RxPath, RxErro
 /// Runs `path` until the connection's queue closes.
 fn receive(path: RxPath, c: &Conn) {
     let (link, conn, q, flow, n) = (&*c.link, c.at(), &c.queue, &*c.flow, &*c.counters);
+    let rule = PaceRule::DEFAULT;
     match path {
-        RxPath::Uring(ring) => uring::run(*ring, link, conn, q, flow, n),
-        RxPath::Recv(p) => run(Host(p), link, conn, q, flow, n),
-        RxPath::Devmem(r) => run(Host(r), link, conn, q, flow, n),
-        RxPath::StagedPlain(p) => run(Staged::new(p, n), link, conn, q, flow, n),
-        RxPath::StagedDevmem(r) => run(Staged::new(r, n), link, conn, q, flow, n),
-        RxPath::GpuDirect(g) => run(g, link, conn, q, flow, n),
+        RxPath::Uring(ring) => uring::run(*ring, link, conn, q, flow, n, rule),
+        RxPath::Recv(p) => run(Host(p), link, conn, q, flow, n, rule),
+        RxPath::Devmem(r) => run(Host(r), link, conn, q, flow, n, rule),
+        RxPath::StagedPlain(p) => run(Staged::new(p, n), link, conn, q, flow, n, rule),
+        RxPath::StagedDevmem(r) => run(Staged::new(r, n), link, conn, q, flow, n, rule),
+        RxPath::GpuDirect(g) => run(g, link, conn, q, flow, n, rule),
     }
 }

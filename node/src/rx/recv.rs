@@ -8,7 +8,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 
 use super::error::RxError;
-use super::shared::{Checksum, PayloadRead, Place, Tally, lowat_for};
+use super::shared::{Checksum, Pace, PayloadRead, Place, Tally, lowat_for};
 use crate::fetch::InFlight;
 
 impl PayloadRead for TcpStream {
@@ -51,18 +51,23 @@ impl PayloadRead for Plain {
 pub struct Host<R>(pub R);
 
 impl<R: PayloadRead> Place for Host<R> {
-    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
+    fn place(
+        &mut self,
+        f: &mut InFlight,
+        tally: &mut Tally<'_>,
+        pace: &mut Pace,
+    ) -> Result<u32, RxError> {
         let dst = f.slab_mut().host_slice_mut().ok_or(RxError::WrongMemory {
             path: "host",
             found: "CUDA",
         })?;
-        recv_payload(&mut self.0, dst, tally)
+        recv_payload(&mut self.0, dst, tally, pace)
     }
 }
 
 /// Fills `dst` from `r`, returning the CRC-32C of what arrived. Each read asks for the rest
 /// of the payload and takes whatever has arrived (at least the socket's low-water mark), and
-/// that piece is checksummed right away. Reads of the whole rest, not of at most an
+/// that piece is checksummed right away and kept to `pace`. Reads of the whole rest, not of at most an
 /// L2-sized [`super::shared::CHUNK`]: a reader that stays in `recv` keeps the socket owned
 /// while the next segments arrive, so the kernel queues them to the socket's backlog for
 /// this thread to process instead of processing each one where it arrives and waking the
@@ -72,6 +77,7 @@ pub fn recv_payload<R: PayloadRead>(
     r: &mut R,
     dst: &mut [u8],
     tally: &mut Tally<'_>,
+    pace: &mut Pace,
 ) -> Result<u32, RxError> {
     let mut sum = Checksum::new();
     let mut off = 0;
@@ -89,6 +95,7 @@ pub fn recv_payload<R: PayloadRead>(
         };
         tally.piece(&mut sum, &dst[off..off + n]);
         off += n;
+        pace.landed_now(n)?;
     }
     Ok(sum.finish())
 }
@@ -104,7 +111,7 @@ pub(crate) mod tests {
     use crate::fetch::tests::{in_flight, pool};
     use crate::fetch::{Completion, FetchFailure};
     use crate::link::{LinkConfig, SourceLink};
-    use crate::rx::shared::{ConnAt, RCVLOWAT, run};
+    use crate::rx::shared::{ConnAt, PaceRule, RCVLOWAT, run};
 
     /// Over a real loopback socket: a small payload arrives at once (the mark is at most
     /// half the read's length: the kernel wakes a blocked reader only at the socket's mark),
@@ -159,6 +166,118 @@ pub(crate) mod tests {
         assert_eq!(got, writer.join().unwrap().unwrap());
     }
 
+    /// A connected pair whose far end a thread writes `wire` to, `piece` bytes every
+    /// `every`, until it is done or the near end is closed.
+    pub(crate) fn trickle(
+        wire: Vec<u8>,
+        piece: usize,
+        every: Duration,
+    ) -> (TcpStream, std::thread::JoinHandle<()>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (sock, _) = l.accept().unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let w = std::thread::spawn(move || {
+            for c in wire.chunks(piece) {
+                if std::io::Write::write_all(&mut tx, c).is_err() {
+                    return; // the receiver dropped the connection
+                }
+                std::thread::sleep(every);
+            }
+        });
+        (sock, w)
+    }
+
+    /// A byte every 20 ms never trips the per-read stall timeout (the whole payload would
+    /// take 80 s); the pace floor drops the connection after one window: the payload and
+    /// the one behind it fail, naming the trickle.
+    #[test]
+    fn a_payload_that_trickles_in_is_dropped_after_one_window() {
+        let rule = PaceRule {
+            window: Duration::from_millis(300),
+            floor: 1000,
+        };
+        let (sock, w) = trickle(vec![5; 4106], 1, Duration::from_millis(20));
+        let p = pool(1 << 20);
+        let (fa, ra) = in_flight(&p, 0, 4096, 0);
+        let (fb, rb) = in_flight(&p, 1, 10, 0);
+        let (tx, queue) = std::sync::mpsc::channel();
+        tx.send(fa).unwrap();
+        tx.send(fb).unwrap();
+        drop(tx);
+        let t = std::time::Instant::now();
+        let (flow, c) = (FlowStats::default(), Counters::default());
+        run(
+            Host(Plain::new(sock)),
+            &link(),
+            at(4),
+            &queue,
+            &flow,
+            &c,
+            rule,
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        w.join().unwrap();
+        let out = outcomes(vec![ra, rb]);
+        let slow = match &out[0].result {
+            Err(FetchFailure::ConnectionLost { conn: 4, cause, .. }) => cause.clone(),
+            other => panic!("{other:?}"),
+        };
+        match &slow {
+            RxError::TooSlow { got, due, took, .. } => {
+                assert!(*got < 1000 && got + due == 4096, "{slow}");
+                assert!(*took >= rule.window, "{slow}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(slow.to_string().contains("slowed to a trickle"), "{slow}");
+        match &out[1].result {
+            Err(FetchFailure::ConnectionLost { cause, .. }) => {
+                assert_eq!(cause, &RxError::Earlier(Box::new(slow)))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A slow link that keeps to the floor is no trickle: payloads that take several
+    /// windows arrive whole.
+    #[test]
+    fn a_slow_payload_that_keeps_to_the_floor_arrives() {
+        let rule = PaceRule {
+            window: Duration::from_millis(150),
+            floor: 64,
+        };
+        let (a, b): (Vec<u8>, Vec<u8>) = ((0..6000u32).map(|i| i as u8).collect(), vec![9; 3000]);
+        let (sock, w) = trickle(
+            [a.clone(), b.clone()].concat(),
+            300,
+            Duration::from_millis(10),
+        );
+        let p = pool(1 << 20);
+        let (fa, ra) = in_flight(&p, 0, a.len(), crc(&a));
+        let (fb, rb) = in_flight(&p, 1, b.len(), crc(&b));
+        let (tx, queue) = std::sync::mpsc::channel();
+        tx.send(fa).unwrap();
+        tx.send(fb).unwrap();
+        drop(tx);
+        let (flow, c) = (FlowStats::default(), Counters::default());
+        run(
+            Host(Plain::new(sock)),
+            &link(),
+            at(5),
+            &queue,
+            &flow,
+            &c,
+            rule,
+        );
+        w.join().unwrap();
+        let out = outcomes(vec![ra, rb]);
+        assert!(out.iter().all(|o| o.result.is_ok()), "{:?}", out[0].result);
+        assert_eq!(out[0].slab.host_slice().unwrap(), &a[..]);
+        assert_eq!(out[1].slab.host_slice().unwrap(), &b[..]);
+    }
+
     /// Connection `conn` of the link's first session.
     fn at(conn: u16) -> ConnAt {
         ConnAt {
@@ -205,7 +324,15 @@ pub(crate) mod tests {
         tx.send(fb).unwrap();
         drop(tx);
         let (l, flow, c) = (link(), FlowStats::default(), Counters::default());
-        run(Host(&wire[..]), &l, at(0), &queue, &flow, &c);
+        run(
+            Host(&wire[..]),
+            &l,
+            at(0),
+            &queue,
+            &flow,
+            &c,
+            PaceRule::DEFAULT,
+        );
         let out = outcomes(vec![ra, rb]);
         assert!(out.iter().all(|o| o.result.is_ok()));
         assert_eq!(out[0].slab.host_slice().unwrap(), &a[..]);
@@ -234,6 +361,7 @@ pub(crate) mod tests {
             &queue,
             &FlowStats::default(),
             &c,
+            PaceRule::DEFAULT,
         );
         let out = outcomes(vec![ra, rb]);
         assert!(matches!(out[0].result, Err(FetchFailure::Crc { .. })));
@@ -272,6 +400,7 @@ pub(crate) mod tests {
             &queue,
             &FlowStats::default(),
             &counters,
+            PaceRule::DEFAULT,
         );
         let out = outcomes(vec![ra, rb, rc, rd]);
         assert!(out[0].result.is_ok());
@@ -304,6 +433,7 @@ pub(crate) mod tests {
             &queue,
             &FlowStats::default(),
             &Counters::default(),
+            PaceRule::DEFAULT,
         );
         let out = outcomes(vec![ra, rb]);
         let closed = RxError::Closed {

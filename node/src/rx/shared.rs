@@ -1,5 +1,5 @@
-//! What every receive path shares: the read sizes and the low-water rule, the stall timeout,
-//! what payload bytes are read from ([`PayloadRead`]), the loop of the paths that place one
+//! What every receive path shares: the read sizes and the low-water rule, the stall timeout
+//! and the progress floor ([`Pace`]), what payload bytes are read from ([`PayloadRead`]), the loop of the paths that place one
 //! payload at a time ([`Place`], [`run`]), the one piece callback (CRC-32C while the bytes are in cache,
 //! the time it took, the flow's byte count), and the three ways a fetch ends on a data
 //! connection ([`deliver`], [`lost`], [`fail_queued`]). A leaf: it uses no other path.
@@ -37,6 +37,95 @@ const MIN_LOWAT: usize = 16 << 10;
 /// A payload that stops arriving for this long (a source that is alive on its control
 /// connection but stalls a data connection) fails the fetch and resets the link.
 pub const DATA_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The least progress a data connection must make while payload bytes are due on it: in
+/// every `window`, `floor` bytes, or all that was due if less ([`Pace`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PaceRule {
+    /// The window.
+    pub window: Duration,
+    /// Bytes per window.
+    pub floor: u64,
+}
+
+impl PaceRule {
+    /// 1 MiB a minute (17 KiB/s): far below any link a node reads from (a source's
+    /// `rate_limit` gives each connection its share, and the source warns below this), far
+    /// above a source that sends a byte just inside every [`DATA_STALL_TIMEOUT`].
+    pub const DEFAULT: Self = Self {
+        window: shardwire_protocol::wire::DATA_PACE_WINDOW,
+        floor: shardwire_protocol::wire::DATA_PACE_FLOOR,
+    };
+}
+
+/// A data connection's progress over the payloads due on it, judged by a [`PaceRule`]. The
+/// stall timeout is per read: alone, it lets a source that sends a byte every 59 s hold a
+/// receiver, and every fetch announced on its connection, for ever. A connection below the
+/// floor is broken: its fetches are fetched again and its link session reset.
+#[derive(Clone, Debug)]
+pub struct Pace {
+    rule: PaceRule,
+    /// The current window's start.
+    start: Instant,
+    /// Bytes landed in it.
+    got: u64,
+    /// Bytes still due.
+    due: u64,
+}
+
+impl Pace {
+    /// An idle connection judged by `rule`.
+    pub fn new(rule: PaceRule) -> Self {
+        Self {
+            rule,
+            start: Instant::now(),
+            got: 0,
+            due: 0,
+        }
+    }
+
+    /// `n` more bytes became due at `now` (a payload begun, or posted behind others); on an
+    /// idle connection the first window starts now.
+    pub fn due(&mut self, now: Instant, n: u64) {
+        if self.due == 0 {
+            (self.start, self.got) = (now, 0);
+        }
+        self.due += n;
+    }
+
+    /// `n` bytes landed.
+    pub fn landed(&mut self, n: u64) {
+        self.got += n;
+        self.due = self.due.saturating_sub(n);
+    }
+
+    /// Whether the connection kept to the floor, judged at `now`: once a window has passed,
+    /// the bytes that landed in it must reach the floor unless nothing is due any more; then
+    /// the next window starts.
+    pub fn check(&mut self, now: Instant) -> Result<(), RxError> {
+        let took = now.saturating_duration_since(self.start);
+        if took < self.rule.window {
+            return Ok(());
+        }
+        if self.got < self.rule.floor && self.due > 0 {
+            return Err(RxError::TooSlow {
+                got: self.got,
+                took,
+                due: self.due,
+                floor: self.rule.floor,
+                window: self.rule.window,
+            });
+        }
+        (self.start, self.got) = (now, 0);
+        Ok(())
+    }
+
+    /// [`Self::landed`], then [`Self::check`] now.
+    pub fn landed_now(&mut self, n: usize) -> Result<(), RxError> {
+        self.landed(n as u64);
+        self.check(Instant::now())
+    }
+}
 
 /// The `SO_RCVLOWAT` for a read that may take `len` more bytes of a payload: [`RCVLOWAT`],
 /// or half of `len` if that is less (1 below [`MIN_LOWAT`]). The kernel wakes a blocked
@@ -88,8 +177,14 @@ impl PayloadRead for &[u8] {
 
 /// Puts one payload into its slab and returns the CRC-32C of what arrived.
 pub trait Place {
-    /// Receives `f`'s payload into `f.slab`; an error means the connection is broken.
-    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError>;
+    /// Receives `f`'s payload into `f.slab`, noting each read's bytes in `pace` and keeping
+    /// to it; an error means the connection is broken.
+    fn place(
+        &mut self,
+        f: &mut InFlight,
+        tally: &mut Tally<'_>,
+        pace: &mut Pace,
+    ) -> Result<u32, RxError>;
 }
 
 /// Which data connection a receive loop serves: its number, and the link session that
@@ -103,7 +198,8 @@ pub struct ConnAt {
 }
 
 /// Receives the payloads announced for one connection, one at a time, until its queue
-/// closes; a broken connection fails its payload and every later one.
+/// closes, each at `rule`'s pace or better; a broken connection fails its payload and every
+/// later one.
 pub fn run<P: Place>(
     mut path: P,
     link: &SourceLink,
@@ -111,14 +207,17 @@ pub fn run<P: Place>(
     queue: &Receiver<InFlight>,
     flow: &FlowStats,
     c: &Counters,
+    rule: PaceRule,
 ) {
     let mut misses = Mismatches::default();
+    let mut pace = Pace::new(rule);
     while let Ok(mut f) = queue.recv() {
         // One span per fetch: the receive and the verification happen inside it.
         let span = tracing::debug_span!("fetch", req = f.req, shard = f.shard, source = %link.addr);
         let _entered = span.enter();
         let mut tally = Tally::new(flow);
-        let placed = path.place(&mut f, &mut tally);
+        pace.due(Instant::now(), f.length);
+        let placed = path.place(&mut f, &mut tally, &mut pace);
         tally.flush(c);
         match placed {
             Ok(got) => {
@@ -327,6 +426,65 @@ mod tests {
         m.note((3, 33), false);
         m.note((3, 99), false);
         assert!(matches!(m.check(), Err(RxError::Misframed { in_a_row: 2 })));
+    }
+
+    /// The floor is judged once a window has passed, on what landed in it, while bytes are
+    /// due; an idle connection starts its next window when a payload begins.
+    #[test]
+    fn a_window_below_the_floor_while_bytes_are_due_is_too_slow() {
+        let rule = PaceRule {
+            window: Duration::from_secs(60),
+            floor: 1000,
+        };
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut p = Pace::new(rule);
+        p.due(at(0), 5000);
+        p.landed(999);
+        assert!(p.check(at(59)).is_ok(), "the window has not passed");
+        match p.check(at(61)) {
+            Err(RxError::TooSlow {
+                got: 999,
+                due: 4001,
+                floor: 1000,
+                took,
+                ..
+            }) => assert_eq!(took, Duration::from_secs(61)),
+            other => panic!("{other:?}"),
+        }
+        // At the floor, the next window starts where the check was made.
+        let mut p = Pace::new(rule);
+        p.due(at(0), 5000);
+        p.landed(1000);
+        assert!(p.check(at(61)).is_ok());
+        p.landed(10);
+        assert!(p.check(at(120)).is_ok(), "the second window runs to 121 s");
+        assert!(matches!(
+            p.check(at(122)),
+            Err(RxError::TooSlow { got: 10, .. })
+        ));
+        // The last bytes of a payload may come slowly: nothing is due after them.
+        let mut p = Pace::new(rule);
+        p.due(at(0), 500);
+        p.landed(500);
+        assert!(p.check(at(300)).is_ok());
+        // Idle for hours, then a payload: its window starts when it is due.
+        p.due(at(10_000), 2000);
+        assert!(p.check(at(10_030)).is_ok());
+        p.landed(2000);
+        // Posted behind others: more becomes due in the same window.
+        let mut p = Pace::new(rule);
+        p.due(at(0), 100);
+        p.due(at(30), 100_000);
+        p.landed(900);
+        assert!(matches!(
+            p.check(at(60)),
+            Err(RxError::TooSlow {
+                got: 900,
+                due: 99_200,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -4,12 +4,13 @@
 //! (`shardwire_gpu::cuda::H2dStager`). Each slab is written through buffers of its own GPU:
 //! the stagers are made on first use per device.
 
+use std::io;
 use std::sync::atomic::Ordering;
 
 use shardwire_gpu::cuda::H2dStager;
 
 use super::error::RxError;
-use super::shared::{CHUNK, Checksum, PayloadRead, Place, Tally};
+use super::shared::{CHUNK, Checksum, Pace, PayloadRead, Place, Tally};
 use crate::counters::Counters;
 use crate::fetch::InFlight;
 
@@ -40,7 +41,12 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
     /// Receives a payload into its slab through the pinned buffers of the slab's GPU,
     /// returning the CRC-32C computed while each piece was in host memory. The copies have
     /// landed when this returns.
-    fn place(&mut self, f: &mut InFlight, tally: &mut Tally<'_>) -> Result<u32, RxError> {
+    fn place(
+        &mut self,
+        f: &mut InFlight,
+        tally: &mut Tally<'_>,
+        pace: &mut Pace,
+    ) -> Result<u32, RxError> {
         let slab = f.slab();
         let region = slab.region().cuda().ok_or(RxError::WrongMemory {
             path: "staged",
@@ -64,8 +70,18 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
         let stalls = stager.stalls();
         let mut sum = Checksum::new();
         let src = &mut self.src;
+        // A read below the pace ends the copy (as a read error the stager passes on); the
+        // typed cause is kept here.
+        let mut slow = None;
         let copied = stager.copy_from(
-            &mut |buf| src.read_some(buf),
+            &mut |buf| {
+                let n = src.read_some(buf)?;
+                if let Err(e) = pace.landed_now(n) {
+                    slow = Some(e);
+                    return Err(io::Error::from(io::ErrorKind::TimedOut));
+                }
+                Ok(n)
+            },
             &mut |piece| tally.piece(&mut sum, piece),
             region,
             slab.offset(),
@@ -74,6 +90,9 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
         self.counters
             .staging_stalls
             .fetch_add(stager.stalls() - stalls, Ordering::Relaxed);
+        if let Some(e) = slow {
+            return Err(e);
+        }
         copied.map_err(|e| match e {
             shardwire_gpu::cuda::StageError::Io(e) => RxError::io("recv", &e),
             shardwire_gpu::cuda::StageError::Gpu(e) => RxError::gpu("the H2D copy", e),

@@ -11,12 +11,14 @@ use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Once;
 use std::sync::mpsc::Receiver;
+use std::time::Instant;
 
 use shardwire_devmem::uring::{RecvQueue, StableBuf};
 
 use super::error::RxError;
 use super::shared::{
-    Checksum, ConnAt, DATA_STALL_TIMEOUT, Mismatches, Tally, broken, deliver, lowat_for,
+    Checksum, ConnAt, DATA_STALL_TIMEOUT, Mismatches, Pace, PaceRule, Tally, broken, deliver,
+    lowat_for,
 };
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::InFlight;
@@ -63,8 +65,9 @@ pub fn queue_for(sock: &TcpStream) -> Option<RecvQueue<Job>> {
     made.ok()
 }
 
-/// Receives the payloads announced for one connection until its queue closes (the io_uring
-/// form of [`super::shared::run`], with the same outcomes and counters).
+/// Receives the payloads announced for one connection until its queue closes, at `rule`'s
+/// pace or better over all the posted ones (the io_uring form of [`super::shared::run`],
+/// with the same outcomes and counters).
 pub fn run(
     mut q: RecvQueue<Job>,
     link: &SourceLink,
@@ -72,20 +75,22 @@ pub fn run(
     queue: &Receiver<InFlight>,
     flow: &FlowStats,
     c: &Counters,
+    rule: PaceRule,
 ) {
     let mut lowat = 1;
     let mut misses = Mismatches::default();
+    let mut pace = Pace::new(rule);
     loop {
         let mut r = Ok(());
         if q.is_empty() {
             match queue.recv() {
-                Ok(f) => r = post(&mut q, f, link, c),
+                Ok(f) => r = post(&mut q, f, link, c, &mut pace),
                 Err(_) => return, // the link is gone
             }
         }
         while r.is_ok() && !q.is_full() {
             match queue.try_recv() {
-                Ok(f) => r = post(&mut q, f, link, c),
+                Ok(f) => r = post(&mut q, f, link, c, &mut pace),
                 Err(_) => break,
             }
         }
@@ -95,7 +100,7 @@ pub fn run(
         let r = r.and_then(|()| {
             set_lowat(&q, &mut lowat)
                 .map_err(|e| (None, RxError::io("setsockopt(SO_RCVLOWAT)", &e)))?;
-            receive(&mut q, flow, c, link, &mut misses).map_err(|e| (None, e))
+            receive(&mut q, (flow, c), link, &mut misses, &mut pace).map_err(|e| (None, e))
         });
         if let Err((refused, cause)) = r {
             let jobs = refused.into_iter().map(|j| *j).chain(q.abandon());
@@ -107,20 +112,22 @@ pub fn run(
 /// A payload that could not be posted, and why.
 type Refused = (Option<Box<Job>>, RxError);
 
-/// Posts `f`'s slab (an empty payload is complete at once). A payload that cannot be posted
-/// (only a slab outside host memory could be refused) breaks the connection: its bytes are
-/// on their way and would land in the next slab.
+/// Posts `f`'s slab (an empty payload is complete at once), its bytes due in `pace`. A
+/// payload that cannot be posted (only a slab outside host memory could be refused) breaks
+/// the connection: its bytes are on their way and would land in the next slab.
 fn post(
     q: &mut RecvQueue<Job>,
     f: InFlight,
     link: &SourceLink,
     c: &Counters,
+    pace: &mut Pace,
 ) -> Result<(), Refused> {
     if f.length == 0 {
         // Not noted in the connection's mismatches: no byte of it came over the connection.
         deliver(f, Checksum::new().finish(), link, c);
         return Ok(());
     }
+    pace.due(Instant::now(), f.length);
     let job = Job {
         f,
         sum: Checksum::new(),
@@ -143,19 +150,22 @@ fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// One wait: checksums each piece, delivers each complete payload; `Err` too when the
-/// connection lost its framing ([`Mismatches`]).
+/// One wait: checksums each piece and notes it in `pace`, delivers each complete payload;
+/// `Err` too when the connection lost its framing ([`Mismatches`]) or fell below its pace.
 fn receive(
     q: &mut RecvQueue<Job>,
-    flow: &FlowStats,
-    c: &Counters,
+    (flow, c): (&FlowStats, &Counters),
     link: &SourceLink,
     misses: &mut Mismatches,
+    pace: &mut Pace,
 ) -> Result<(), RxError> {
     let mut tally = Tally::new(flow);
     let r = q.wait(
         DATA_STALL_TIMEOUT,
-        |sum, _, piece| tally.piece(sum, piece),
+        |sum, _, piece| {
+            tally.piece(sum, piece);
+            pace.landed(piece.len() as u64);
+        },
         |job| {
             let payload = (job.f.shard, job.f.crc32c);
             misses.note(payload, deliver(job.f, job.sum.finish(), link, c));
@@ -163,7 +173,8 @@ fn receive(
     );
     tally.flush(c);
     r.map_err(|e| RxError::io("io_uring receive", &e))?;
-    misses.check()
+    misses.check()?;
+    pace.check(Instant::now())
 }
 
 #[cfg(test)]
@@ -176,7 +187,9 @@ mod tests {
     use super::*;
     use crate::fetch::FetchFailure;
     use crate::fetch::tests::{in_flight, pool};
-    use crate::rx::recv::tests::{crc, link, outcomes};
+    use std::time::Duration;
+
+    use crate::rx::recv::tests::{crc, link, outcomes, trickle};
 
     /// A connected pair; a thread writes `wire` to the far end, then closes it.
     fn socket_with(wire: Vec<u8>) -> (TcpStream, std::thread::JoinHandle<()>) {
@@ -231,7 +244,7 @@ mod tests {
             conn: 0,
             generation: 0,
         };
-        run(q, &l, at, &queue, &flow, &c);
+        run(q, &l, at, &queue, &flow, &c, PaceRule::DEFAULT);
         t.join().unwrap();
         let out = outcomes(rxs);
         for (k, o) in out.iter().enumerate() {
@@ -277,7 +290,15 @@ mod tests {
             conn: 4,
             generation: 0,
         };
-        run(q, &l, at, &queue, &FlowStats::default(), &c);
+        run(
+            q,
+            &l,
+            at,
+            &queue,
+            &FlowStats::default(),
+            &c,
+            PaceRule::DEFAULT,
+        );
         drop(sock);
         t.join().unwrap();
         let out = outcomes(rxs);
@@ -304,6 +325,54 @@ mod tests {
             c.crc_failures.load(Ordering::Relaxed) as usize,
             6 - 1 - lost
         );
+    }
+
+    /// A trickle over the posted payloads (a byte every 20 ms: each wait ends well inside
+    /// the stall timeout) drops the connection after one window: every payload, posted or
+    /// queued, fails, naming the trickle.
+    #[test]
+    fn a_trickle_over_the_posted_payloads_is_dropped_after_one_window() {
+        let rule = PaceRule {
+            window: Duration::from_millis(300),
+            floor: 1000,
+        };
+        let (sock, w) = trickle(vec![5; 4106], 1, Duration::from_millis(20));
+        let p = pool(1 << 20);
+        let (tx, queue) = std::sync::mpsc::channel();
+        let mut rxs = Vec::new();
+        for (k, len) in [4096, 10].into_iter().enumerate() {
+            let (f, r) = in_flight(&p, k as u64, len, 0);
+            tx.send(f).unwrap();
+            rxs.push(r);
+        }
+        drop(tx);
+        let q = queue_for(&sock).expect("io_uring on this kernel");
+        let at = ConnAt {
+            conn: 6,
+            generation: 0,
+        };
+        let t = std::time::Instant::now();
+        let (flow, c) = (FlowStats::default(), Counters::default());
+        run(q, &link(), at, &queue, &flow, &c, rule);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        w.join().unwrap();
+        let out = outcomes(rxs);
+        let slow = match &out[0].result {
+            Err(FetchFailure::ConnectionLost { conn: 6, cause, .. }) => cause.clone(),
+            other => panic!("{other:?}"),
+        };
+        match &slow {
+            // Due: the posted payloads (QUEUE_DEPTH of them) not yet received.
+            RxError::TooSlow { got, due, .. } => assert!(*got < 1000 && got + due >= 4096),
+            other => panic!("{other:?}"),
+        }
+        match &out[1].result {
+            Err(FetchFailure::ConnectionLost { conn: 6, cause, .. }) => assert!(
+                cause == &slow || cause == &RxError::Earlier(Box::new(slow.clone())),
+                "{cause}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The connection closes inside the second payload: it and every later one (posted or
@@ -335,6 +404,7 @@ mod tests {
             &queue,
             &FlowStats::default(),
             &Counters::default(),
+            PaceRule::DEFAULT,
         );
         t.join().unwrap();
         let out = outcomes(rxs);

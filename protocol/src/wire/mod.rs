@@ -53,6 +53,13 @@ pub const MAX_HINT_SHARDS: usize = 1024;
 /// them, at most `MAX_LANES * MAX_FLOWS`).
 pub const MAX_LANES: u16 = 64;
 
+/// The least a data connection carries while payload bytes are due on it: a node drops one
+/// that brings fewer than this many bytes in a [`DATA_PACE_WINDOW`] (a source sending at a
+/// trickle), and a source warns when its `rate_limit` leaves a connection less.
+pub const DATA_PACE_FLOOR: u64 = 1 << 20;
+/// The window [`DATA_PACE_FLOOR`] is for.
+pub const DATA_PACE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// One lane of a node as its `Hello` lists it: where the source dials it, and how often.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaneAddr {
