@@ -95,8 +95,11 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
         }
         Scheme::Azure => azure(bucket, opts, config),
         Scheme::File => {
+            // fsync before the rename: a manifest or converted file is never visible under
+            // its name before its bytes are on disk (object_store's default is off).
             let s = LocalFileSystem::new_with_prefix(bucket)
-                .map_err(|e| config(format!("cannot open the directory: {e}")))?;
+                .map_err(|e| config(format!("cannot open the directory: {e}")))?
+                .with_fsync(true);
             let d = Described::plain("file", bucket);
             Ok((Arc::new(s), d))
         }
@@ -311,6 +314,20 @@ fn describe_azure(b: &MicrosoftAzureBuilder) -> Described {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A local dataset's manifest and converted files are synced before they are renamed
+    /// into place (object_store's default leaves them to the page cache).
+    #[test]
+    fn a_local_store_syncs_what_it_writes() {
+        let dir = std::env::temp_dir().join(format!("sw-fsync-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = StoreUrl::parse(&format!("file://{}", dir.display())).unwrap();
+        let built = build(&url, &StoreOptions::default());
+        let _ = std::fs::remove_dir_all(&dir);
+        let (os, _) = built.unwrap();
+        let shown = format!("{os:?}");
+        assert!(shown.contains("fsync: true"), "{shown}");
+    }
 
     #[test]
     fn the_s3_endpoint_logged_is_the_one_requests_go_to() {

@@ -140,10 +140,20 @@ pub enum StoreError {
         /// Which bound it hit.
         why: String,
     },
-    /// 412 on `If-Match`.
+    /// 412 on `If-Match`, or an answer naming another version of the object.
     #[error(
-        "bucket {bucket}, key {key}: dataset changed: the object's ETag is no longer {etag}; \
-         re-run `shardwire index`"
+        "bucket {bucket}, key {key}: dataset changed: the object's ETag is no longer {etag} \
+         ({}); re-run `shardwire index`{}",
+        match sent {
+            None => "the store refused If-Match".to_owned(),
+            Some(None) => "the store's answer named no ETag".to_owned(),
+            Some(Some(t)) => format!("the store's answer named ETag {t}"),
+        },
+        match sent {
+            Some(_) => " (if the bytes are the same, something between the store and this \
+                        host rewrites ETags, e.g. a compressing proxy)",
+            None => "",
+        }
     )]
     Changed {
         /// Bucket.
@@ -152,6 +162,25 @@ pub enum StoreError {
         key: String,
         /// The ETag the manifest recorded (sent as `If-Match`).
         etag: String,
+        /// What the store answered instead: `None` when it refused the `If-Match` (412),
+        /// else the ETag its answer named (`Some(None)`: none).
+        sent: Option<Option<String>>,
+    },
+    /// A read of a range that ends before it starts (a corrupt offset in a manifest or a
+    /// file's header): nothing is asked of the store, and no empty bytes are passed on.
+    #[error(
+        "bucket {bucket}, key {key}: range {start}..{end} ends before it starts (a corrupt \
+         offset or length in the manifest or the file's header)"
+    )]
+    BadRange {
+        /// Bucket.
+        bucket: String,
+        /// Full key.
+        key: String,
+        /// The range's start.
+        start: u64,
+        /// Its end.
+        end: u64,
     },
     /// The body did not have the length of the range asked for.
     #[error(
@@ -207,6 +236,7 @@ impl StoreError {
             Self::Credentials { .. } => StoreErrorKind::Credentials,
             Self::NotFound { .. } => StoreErrorKind::NotFound,
             Self::Changed { .. } => StoreErrorKind::Changed,
+            Self::BadRange { .. } => StoreErrorKind::Rejected,
             Self::Short { .. } => StoreErrorKind::Short,
             Self::Sink { .. } => StoreErrorKind::Sink,
         }
@@ -294,6 +324,7 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             bucket,
             key,
             etag: at.etag.unwrap_or("").to_owned(),
+            sent: None,
         },
         (E::PermissionDenied { .. } | E::Unauthenticated { .. }, _)
         | (E::Generic { .. }, Some(401 | 403)) => StoreError::Credentials {
@@ -378,7 +409,7 @@ fn s3_error_code(s: &str) -> Option<String> {
 /// The error's message, an S3 XML error body in it cut to its code and message (a
 /// `SignatureDoesNotMatch` body also carries the access key id, the string to sign and the
 /// canonical request, none of which belongs in logs), at most 600 characters.
-fn short(e: &object_store::Error) -> String {
+pub(crate) fn short(e: &object_store::Error) -> String {
     let s = s3_error_summary(&e.to_string());
     match s.char_indices().nth(600) {
         Some((i, _)) => format!("{}...", &s[..i]),

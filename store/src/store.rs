@@ -344,6 +344,14 @@ impl Store {
     ) -> Result<u64, StoreError> {
         let (full, path) = self.path(key)?;
         let (asked, get_range) = match &want {
+            Want::Range(r) if r.start > r.end => {
+                return Err(StoreError::BadRange {
+                    bucket: self.inner.url.bucket().to_owned(),
+                    key: full,
+                    start: r.start,
+                    end: r.end,
+                });
+            }
             Want::Range(r) if r.is_empty() => return Ok(0),
             Want::Range(r) => (Some(r.clone()), GetRange::Bounded(r.clone())),
             Want::Suffix(0) => return Ok(0),
@@ -381,6 +389,7 @@ impl Store {
                     bucket: at.bucket.to_owned(),
                     key: full.clone(),
                     etag: asked.to_owned(),
+                    sent: Some(res.meta.e_tag.clone()),
                 });
             }
             let expect = expected(&want, res.range.clone()).map_err(|(r, got)| short(r, got))?;
@@ -472,7 +481,7 @@ impl Store {
                 Err(e) => {
                     // The store keeps (and bills) the parts of an upload never completed.
                     if let Err(a) = w.abort().await {
-                        tracing::warn!(key = %full, error = %a, "aborting a failed multipart upload failed; the bucket keeps its parts until a lifecycle rule removes them");
+                        tracing::warn!(key = %full, error = %crate::error::short(&a), "aborting a failed multipart upload failed; the bucket keeps its parts until a lifecycle rule removes them");
                     }
                     Err(e)
                 }

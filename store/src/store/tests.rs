@@ -274,11 +274,37 @@ async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
         .unwrap();
     let e = s.read("a.bin", 0..10, pinned.as_deref()).await.unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
+    // The error names the ETag the answer carried: a proxy that rewrites ETags of the same
+    // bytes is told apart from a changed object.
+    let now = os.head(&Path::from("pre/a.bin")).await.unwrap().e_tag;
+    let now = now.expect("InMemory names an ETag");
+    assert!(
+        e.to_string().contains(&format!("answer named ETag {now}")),
+        "{e}"
+    );
     let e = s
         .read_suffix("a.bin", 10, pinned.as_deref())
         .await
         .unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
+}
+
+/// A range that ends before it starts (a corrupt offset) is an error naming it, not an
+/// empty read passed on as the bytes.
+#[tokio::test(flavor = "current_thread")]
+async fn a_reversed_range_is_refused_not_read_as_empty() {
+    let (s, mem) = store("unit-reversed");
+    mem.put(&Path::from("pre/a.bin"), data(100).into())
+        .await
+        .unwrap();
+    #[allow(clippy::reversed_empty_ranges)]
+    let e = s.read("a.bin", 30..10, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Rejected);
+    assert!(
+        e.to_string().contains("range 30..10 ends before it starts"),
+        "{e}"
+    );
+    assert!(s.read("a.bin", 30..30, None).await.unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "current_thread")]
