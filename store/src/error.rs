@@ -35,6 +35,20 @@ pub enum StoreErrorKind {
     Sink,
 }
 
+/// How a store answered a read pinned to an ETag that no longer matched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EtagAnswer {
+    /// It refused the `If-Match` (412).
+    #[error("the store refused If-Match")]
+    Refused,
+    /// It sent the bytes of an object with this ETag.
+    #[error("the store's answer named ETag {0}")]
+    Named(String),
+    /// It sent bytes and named no ETag.
+    #[error("the store's answer named no ETag")]
+    Unnamed,
+}
+
 /// Why an object-storage operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -143,16 +157,11 @@ pub enum StoreError {
     /// 412 on `If-Match`, or an answer naming another version of the object.
     #[error(
         "bucket {bucket}, key {key}: dataset changed: the object's ETag is no longer {etag} \
-         ({}); re-run `shardwire index`{}",
-        match sent {
-            None => "the store refused If-Match".to_owned(),
-            Some(None) => "the store's answer named no ETag".to_owned(),
-            Some(Some(t)) => format!("the store's answer named ETag {t}"),
-        },
-        match sent {
-            Some(_) => " (if the bytes are the same, something between the store and this \
-                        host rewrites ETags, e.g. a compressing proxy)",
-            None => "",
+         ({sent}); re-run `shardwire index`{}",
+        match **sent {
+            EtagAnswer::Refused => "",
+            _ => " (if the bytes are the same, something between the store and this host \
+                   rewrites ETags, e.g. a compressing proxy)",
         }
     )]
     Changed {
@@ -162,9 +171,8 @@ pub enum StoreError {
         key: String,
         /// The ETag the manifest recorded (sent as `If-Match`).
         etag: String,
-        /// What the store answered instead: `None` when it refused the `If-Match` (412),
-        /// else the ETag its answer named (`Some(None)`: none).
-        sent: Option<Option<String>>,
+        /// What the store answered instead (boxed: the error stays small).
+        sent: Box<EtagAnswer>,
     },
     /// A read of a range that ends before it starts (a corrupt offset in a manifest or a
     /// file's header): nothing is asked of the store, and no empty bytes are passed on.
@@ -324,7 +332,7 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             bucket,
             key,
             etag: at.etag.unwrap_or("").to_owned(),
-            sent: None,
+            sent: Box::new(EtagAnswer::Refused),
         },
         (E::PermissionDenied { .. } | E::Unauthenticated { .. }, _)
         | (E::Generic { .. }, Some(401 | 403)) => StoreError::Credentials {

@@ -31,7 +31,7 @@ mod window;
 
 pub use crate::backend::Described;
 pub use crate::blocking::Blocking;
-pub use crate::error::{StoreError, StoreErrorKind};
+pub use crate::error::{EtagAnswer, StoreError, StoreErrorKind};
 pub use crate::etag::{quoted_etag, same_etag};
 pub use crate::options::{DEFAULT_REQUEST_SIZE, StoreOptions};
 pub use crate::plan::{Piece, Request, plan_requests};

@@ -16,7 +16,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
 use crate::backend::{self, Described};
-use crate::error::{At, StoreError, classify, classify_get};
+use crate::error::{At, EtagAnswer, StoreError, classify, classify_get};
 use crate::etag::{if_match, quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
@@ -389,7 +389,10 @@ impl Store {
                     bucket: at.bucket.to_owned(),
                     key: full.clone(),
                     etag: asked.to_owned(),
-                    sent: Some(res.meta.e_tag.clone()),
+                    sent: Box::new(match res.meta.e_tag.clone() {
+                        Some(t) => EtagAnswer::Named(t),
+                        None => EtagAnswer::Unnamed,
+                    }),
                 });
             }
             let expect = expected(&want, res.range.clone()).map_err(|(r, got)| short(r, got))?;

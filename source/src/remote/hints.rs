@@ -2,79 +2,135 @@
 //! prefetches in, and each shard's next use, by which its cache evicts (what is needed
 //! furthest in the future goes first; what no hint names is needed "never" as far as the
 //! source knows).
+//!
+//! Every operation costs what it touches, never all standing hints: a `Hint` the length of
+//! its list, a FETCH the hints naming its shard and the entries it uses up, the prefetch
+//! order what it reads of it. Each hint keeps how many of its entries are used up (`base`),
+//! so an entry's position is its index less that, and using entries up moves nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// A hint's owner: (node session, the node's stream id).
 pub type StreamKey = (u64, u64);
 
 /// Most streams of one node session with a standing hint per dataset (a node has a stream per
-/// trainer; each hint costs a rerank over all of them): past it, a new stream's hint is
-/// refused and the stream is fetched for without one.
+/// trainer): past it, a new stream's hint is refused and the stream is fetched for without
+/// one.
 pub const MAX_HINTED_STREAMS: usize = 1024;
+
+/// Most hinted entries one node session holds per dataset, over all its streams (memory: the
+/// source keeps about 40 bytes per entry): a hint past it keeps its soonest entries only (the
+/// prefetch never reads that far ahead of so many streams).
+pub const MAX_HINTED_PER_SESSION: usize = 64 << 10;
+
+/// One stream's hint: the shards it names, soonest first, after the `base` used up.
+#[derive(Debug)]
+struct Hint {
+    base: usize,
+    shards: VecDeque<u32>,
+}
 
 /// The standing hints of one dataset.
 #[derive(Debug, Default)]
 pub struct Hints {
-    lists: HashMap<StreamKey, Vec<u32>>,
+    lists: HashMap<StreamKey, Hint>,
     /// Streams whose hint was refused ([`MAX_HINTED_STREAMS`]), so it is reported once.
-    refused: std::collections::HashSet<StreamKey>,
-    /// Each hinted shard's smallest position, kept in step with `lists`.
-    rank: HashMap<u32, usize>,
+    refused: HashSet<StreamKey>,
+    /// Each hinted shard's entries: (stream, index counted from the hint's start, `base`
+    /// included), kept in step with `lists`.
+    naming: HashMap<u32, Vec<(StreamKey, usize)>>,
+    /// Entries per node session.
+    per_session: HashMap<u64, usize>,
 }
 
 impl Hints {
-    /// Replaces `key`'s hint (an empty list withdraws it). A new stream of a session that
+    /// Replaces `key`'s hint (an empty list withdraws it; one past the session's
+    /// [`MAX_HINTED_PER_SESSION`] keeps its soonest entries). A new stream of a session that
     /// already has [`MAX_HINTED_STREAMS`] hints is refused: `Err` with that count the first
     /// time, `Ok` (and nothing done) after.
-    pub fn set(&mut self, key: StreamKey, shards: Vec<u32>) -> Result<(), usize> {
-        if shards.is_empty() {
-            self.lists.remove(&key);
-        } else {
-            if !self.lists.contains_key(&key) {
-                let of_session = self.lists.keys().filter(|(s, _)| *s == key.0).count();
-                if of_session >= MAX_HINTED_STREAMS {
-                    // Each refused stream is reported once, up to as many as may hold a
-                    // hint; past that the session's new streams are refused silently, so a
-                    // node naming ever new stream ids does not grow this set.
-                    let of_session_refused =
-                        self.refused.iter().filter(|(s, _)| *s == key.0).count();
-                    let report =
-                        of_session_refused < MAX_HINTED_STREAMS && self.refused.insert(key);
-                    return if report { Err(of_session) } else { Ok(()) };
-                }
+    pub fn set(&mut self, key: StreamKey, mut shards: Vec<u32>) -> Result<(), usize> {
+        if !shards.is_empty() && !self.lists.contains_key(&key) {
+            let of_session = self.lists.keys().filter(|(s, _)| *s == key.0).count();
+            if of_session >= MAX_HINTED_STREAMS {
+                // Each refused stream is reported once, up to as many as may hold a hint;
+                // past that the session's new streams are refused silently, so a node naming
+                // ever new stream ids does not grow this set.
+                let of_session_refused = self.refused.iter().filter(|(s, _)| *s == key.0).count();
+                let report = of_session_refused < MAX_HINTED_STREAMS && self.refused.insert(key);
+                return if report { Err(of_session) } else { Ok(()) };
             }
-            self.lists.insert(key, shards);
         }
-        self.rerank();
+        self.remove(key);
+        let held = self.per_session.get(&key.0).copied().unwrap_or(0);
+        shards.truncate(MAX_HINTED_PER_SESSION.saturating_sub(held));
+        if shards.is_empty() {
+            return Ok(());
+        }
+        for (i, &s) in shards.iter().enumerate() {
+            self.naming.entry(s).or_default().push((key, i));
+        }
+        *self.per_session.entry(key.0).or_default() += shards.len();
+        let shards = shards.into();
+        self.lists.insert(key, Hint { base: 0, shards });
         Ok(())
     }
 
-    fn rerank(&mut self) {
-        self.rank.clear();
-        for l in self.lists.values() {
-            for (i, &s) in l.iter().enumerate() {
-                let r = self.rank.entry(s).or_insert(i);
-                *r = (*r).min(i);
+    /// Drops `key`'s hint, if any.
+    fn remove(&mut self, key: StreamKey) {
+        let Some(h) = self.lists.remove(&key) else {
+            return;
+        };
+        for (i, &s) in h.shards.iter().enumerate() {
+            unname(&mut self.naming, s, (key, h.base + i));
+        }
+        self.count_off(key.0, h.shards.len());
+    }
+
+    /// `n` entries of `session` are gone.
+    fn count_off(&mut self, session: u64, n: usize) {
+        if let Some(c) = self.per_session.get_mut(&session) {
+            *c -= n.min(*c);
+            if *c == 0 {
+                self.per_session.remove(&session);
             }
         }
+    }
+
+    /// Uses up `key`'s entries up to and including position `at`; a hint used up goes.
+    fn use_up(&mut self, key: StreamKey, at: usize) {
+        let Some(h) = self.lists.get_mut(&key) else {
+            return;
+        };
+        let n = (at + 1).min(h.shards.len());
+        for s in h.shards.drain(..n) {
+            unname(&mut self.naming, s, (key, h.base));
+            h.base += 1;
+        }
+        if h.shards.is_empty() {
+            self.lists.remove(&key);
+        }
+        self.count_off(key.0, n);
     }
 
     /// Drops every hint of node session `session` (it ended).
     pub fn forget_session(&mut self, session: u64) {
-        self.lists.retain(|(s, _), _| *s != session);
+        let keys: Vec<StreamKey> = self
+            .lists
+            .keys()
+            .filter(|(s, _)| *s == session)
+            .copied()
+            .collect();
+        for k in keys {
+            self.remove(k);
+        }
         self.refused.retain(|(s, _)| *s != session);
-        self.rerank();
     }
 
     /// A FETCH of `shard` came for stream `key`: the hint's entries up to and including it
     /// are used up (the stream is past them).
     pub fn consumed(&mut self, key: StreamKey, shard: u32) {
-        if let Some(list) = self.lists.get_mut(&key)
-            && let Some(at) = list.iter().position(|&s| s == shard)
-        {
-            list.drain(..=at);
-            self.rerank();
+        if let Some(at) = self.position(shard, |k| k == key) {
+            self.use_up(key, at.0);
         }
     }
 
@@ -84,20 +140,19 @@ impl Hints {
     /// of one node reading one dataset may both need the shard, and draining every hint up to
     /// it dropped the other's nearer shards from the prefetch order and the cache's ranking.
     pub fn consumed_by_session(&mut self, session: u64, shard: u32) {
-        let soonest = self
-            .lists
-            .iter()
-            .filter(|((s, _), _)| *s == session)
-            .filter_map(|(k, l)| Some((l.iter().position(|&x| x == shard)?, *k)))
-            .min();
-        let Some((at, key)) = soonest else { return };
-        if let Some(list) = self.lists.get_mut(&key) {
-            list.drain(..=at);
-            if list.is_empty() {
-                self.lists.remove(&key);
-            }
+        if let Some((at, key)) = self.position(shard, |k| k.0 == session) {
+            self.use_up(key, at);
         }
-        self.rerank();
+    }
+
+    /// `shard`'s soonest position in the hints of the streams `of` picks, and that stream.
+    fn position(&self, shard: u32, of: impl Fn(StreamKey) -> bool) -> Option<(usize, StreamKey)> {
+        self.naming
+            .get(&shard)?
+            .iter()
+            .filter(|(k, _)| of(*k))
+            .map(|&(k, i)| (i - self.lists[&k].base, k))
+            .min()
     }
 
     /// Streams with a standing hint.
@@ -108,27 +163,22 @@ impl Hints {
     /// How soon `shard` is needed: its smallest position in any hint (0 = next), `None`
     /// when no hint names it.
     pub fn next_use(&self, shard: u32) -> Option<usize> {
-        self.rank.get(&shard).copied()
+        self.position(shard, |_| true).map(|(at, _)| at)
     }
 
     /// Every hinted shard once, soonest first: position 0 of each hint, then position 1, ...
-    /// (ties in stream order, so one stream does not starve another).
-    pub fn order(&self) -> Vec<u32> {
+    /// (ties in stream order, so one stream does not starve another). Lazy: the prefetch
+    /// reads only as far as its budget goes.
+    pub fn order(&self) -> impl Iterator<Item = u32> + '_ {
         let mut keys: Vec<&StreamKey> = self.lists.keys().collect();
         keys.sort();
-        let longest = self.lists.values().map(Vec::len).max().unwrap_or(0);
-        let mut seen = std::collections::HashSet::new();
-        let mut out = Vec::new();
-        for i in 0..longest {
-            for k in &keys {
-                if let Some(&s) = self.lists[*k].get(i)
-                    && seen.insert(s)
-                {
-                    out.push(s);
-                }
-            }
-        }
-        out
+        let lists: Vec<&VecDeque<u32>> = keys.iter().map(|k| &self.lists[*k].shards).collect();
+        let n = lists.len().max(1);
+        let longest = lists.iter().map(|l| l.len()).max().unwrap_or(0);
+        let mut seen = HashSet::new();
+        (0..longest * n)
+            .filter_map(move |j| lists.get(j % n)?.get(j / n).copied())
+            .filter(move |&s| seen.insert(s))
     }
 
     /// True when no hint stands.
@@ -137,9 +187,29 @@ impl Hints {
     }
 }
 
+/// Removes entry `entry` of `shard` from `naming`.
+fn unname(
+    naming: &mut HashMap<u32, Vec<(StreamKey, usize)>>,
+    shard: u32,
+    entry: (StreamKey, usize),
+) {
+    if let Some(v) = naming.get_mut(&shard) {
+        if let Some(p) = v.iter().position(|e| *e == entry) {
+            v.swap_remove(p);
+        }
+        if v.is_empty() {
+            naming.remove(&shard);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn order(h: &Hints) -> Vec<u32> {
+        h.order().collect()
+    }
 
     #[test]
     fn next_use_is_the_soonest_position_over_all_streams() {
@@ -150,7 +220,7 @@ mod tests {
         assert_eq!(h.next_use(7), Some(0));
         assert_eq!(h.next_use(6), Some(1));
         assert_eq!(h.next_use(9), None);
-        assert_eq!(h.order(), vec![5, 7, 6, 8]);
+        assert_eq!(order(&h), vec![5, 7, 6, 8]);
     }
 
     #[test]
@@ -159,7 +229,7 @@ mod tests {
         h.set((1, 1), vec![1, 2]).unwrap();
         h.set((1, 1), vec![3]).unwrap();
         assert_eq!(h.next_use(1), None);
-        assert_eq!(h.order(), vec![3]);
+        assert_eq!(order(&h), vec![3]);
         h.set((1, 1), vec![]).unwrap();
         assert!(h.is_empty());
     }
@@ -195,16 +265,16 @@ mod tests {
         h.set((1, 1), vec![1, 2, 3]).unwrap();
         h.set((2, 1), vec![9]).unwrap();
         h.consumed((1, 1), 2);
-        assert_eq!(h.order(), vec![3, 9]);
+        assert_eq!(order(&h), vec![3, 9]);
         h.consumed((1, 1), 42); // not hinted: nothing changes
         assert_eq!(h.next_use(3), Some(0));
         h.forget_session(1);
-        assert_eq!(h.order(), vec![9]);
+        assert_eq!(order(&h), vec![9]);
         h.set((3, 1), vec![4, 5]).unwrap();
         h.set((3, 2), vec![5, 6]).unwrap();
         h.consumed_by_session(3, 5);
         assert_eq!(
-            h.order(),
+            order(&h),
             vec![9, 4, 6, 5],
             "only (3, 2), which names 5 soonest"
         );
@@ -221,10 +291,93 @@ mod tests {
         h.set((7, 2), vec![5, 6, 30, 40]).unwrap();
         h.consumed_by_session(7, 10);
         h.consumed_by_session(7, 30);
-        assert_eq!(h.order(), vec![5, 6, 30, 40]);
+        assert_eq!(order(&h), vec![5, 6, 30, 40]);
         assert_eq!((h.next_use(5), h.next_use(6)), (Some(0), Some(1)));
         assert_eq!(h.streams(), 1, "A's hint is used up");
         h.consumed_by_session(8, 5); // another session's FETCH: nothing changes
         assert_eq!(h.next_use(5), Some(0));
+    }
+
+    #[test]
+    fn a_session_holds_a_bounded_number_of_entries() {
+        let mut h = Hints::default();
+        let long: Vec<u32> = (0..1024).collect();
+        for stream in 0..(MAX_HINTED_PER_SESSION / 1024) as u64 {
+            h.set((1, stream), long.clone()).unwrap();
+        }
+        // Full: another stream's hint keeps nothing, a replaced one what it had room for.
+        h.set((1, 1 << 20), vec![5000]).unwrap();
+        assert_eq!(h.next_use(5000), None);
+        h.set((1, 0), (2000..3000).collect()).unwrap();
+        assert_eq!(h.next_use(2999), Some(999));
+        // Used up or withdrawn entries make room again; other sessions are not limited.
+        h.consumed_by_session(1, 2499);
+        h.set((1, 1 << 20), vec![5000, 5001]).unwrap();
+        assert_eq!(h.next_use(5001), Some(1));
+        h.set((2, 0), vec![6000]).unwrap();
+        assert_eq!(h.next_use(6000), Some(0));
+        h.forget_session(1);
+        assert_eq!(h.per_session.get(&1), None);
+        assert_eq!((h.streams(), h.naming.len()), (1, 1));
+    }
+
+    /// The positions kept up to date as entries are used up agree with positions counted
+    /// from scratch over every hint (the old rerank), under random hints and fetches.
+    #[test]
+    fn positions_agree_with_a_recount_from_scratch() {
+        let mut h = Hints::default();
+        let mut model: HashMap<StreamKey, Vec<u32>> = HashMap::new();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for _ in 0..4000 {
+            let key = (next(3), next(4));
+            match next(4) {
+                0 => {
+                    let list: Vec<u32> = (0..next(12)).map(|_| next(20) as u32).collect();
+                    h.set(key, list.clone()).unwrap();
+                    model.remove(&key);
+                    if !list.is_empty() {
+                        model.insert(key, list);
+                    }
+                }
+                1 | 2 => {
+                    let shard = next(20) as u32;
+                    h.consumed_by_session(key.0, shard);
+                    let soonest = model
+                        .iter()
+                        .filter(|((s, _), _)| *s == key.0)
+                        .filter_map(|(k, l)| Some((l.iter().position(|&x| x == shard)?, *k)))
+                        .min();
+                    if let Some((at, k)) = soonest {
+                        let l = model.get_mut(&k).unwrap();
+                        l.drain(..=at);
+                        if l.is_empty() {
+                            model.remove(&k);
+                        }
+                    }
+                }
+                _ if next(10) == 0 => {
+                    h.forget_session(key.0);
+                    model.retain(|(s, _), _| *s != key.0);
+                }
+                _ => {}
+            }
+            for shard in 0..20 {
+                let want = model
+                    .values()
+                    .filter_map(|l| l.iter().position(|&x| x == shard))
+                    .min();
+                assert_eq!(h.next_use(shard), want, "shard {shard}");
+            }
+            assert_eq!(h.streams(), model.len());
+        }
+        let entries: usize = model.values().map(Vec::len).sum();
+        assert_eq!(h.per_session.values().sum::<usize>(), entries);
+        assert_eq!(h.naming.values().map(Vec::len).sum::<usize>(), entries);
     }
 }
