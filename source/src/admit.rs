@@ -2,84 +2,133 @@
 //! and node sessions (authenticated) by `max_connections`.
 //!
 //! A peer that connects and sends nothing holds only a handshake slot, for at most the
-//! handshake's 10 s, and one IP holds at most [`MAX_HANDSHAKES_PER_IP`] of them: before, every
-//! accepted connection took a session slot, so 256 idle connections, re-opened every 10 s by
-//! anyone who could reach the port, refused every node, secret or not. A refused peer is told
-//! why (an `Error` frame) instead of seeing its connection closed, which a node read as a
-//! source of another protocol version.
+//! handshake's 10 s, and one peer (an IPv4 address, an IPv6 /64: what one host has) holds at
+//! most [`MAX_HANDSHAKES_PER_IP`] of them: before, every accepted connection took a session
+//! slot, so 256 idle connections, re-opened every 10 s by anyone who could reach the port,
+//! refused every node, secret or not. When all [`MAX_HANDSHAKES`] are taken, a newcomer
+//! evicts the oldest handshake instead of being refused: a node's handshake takes a few round
+//! trips, so the oldest is almost always a peer that holds its slot on purpose, and eight
+//! such peers no longer lock every node out. A refused peer is told why (an `Error` frame)
+//! instead of seeing its connection closed, which a node read as a source of another protocol
+//! version.
 
-use std::collections::HashMap;
-use std::net::IpAddr;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
 
 /// Handshakes under way at once, from all peers.
 pub const MAX_HANDSHAKES: usize = 64;
 
-/// Handshakes under way at once from one IP address.
+/// Handshakes under way at once from one peer (an IPv4 address, an IPv6 /64).
 pub const MAX_HANDSHAKES_PER_IP: usize = 8;
 
 /// Refused connections told why at once (each holds its socket for up to 2 s); past it a
 /// refused connection is closed without a word.
 pub const MAX_REFUSING: usize = 64;
 
-/// Handshakes under way: per peer IP, and in all.
+/// Handshakes under way: per peer, and in the order they began.
 #[derive(Debug, Default)]
 pub(crate) struct Handshakes {
-    by_ip: Mutex<(HashMap<IpAddr, usize>, usize)>,
+    table: Mutex<Table>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    by_peer: HashMap<IpAddr, usize>,
+    /// Each handshake under way by when it began: its peer and its eviction notice.
+    began: BTreeMap<u64, (IpAddr, Arc<Notify>)>,
+    next: u64,
+}
+
+impl Table {
+    /// Takes handshake `seq` out of the table; false if it was not in it (evicted).
+    fn take(&mut self, seq: u64) -> Option<Arc<Notify>> {
+        let (peer, evict) = self.began.remove(&seq)?;
+        if let Some(n) = self.by_peer.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_peer.remove(&peer);
+            }
+        }
+        Some(evict)
+    }
 }
 
 /// One handshake under way; its slot is given back when it drops.
 #[derive(Debug)]
 pub(crate) struct HandshakeSlot {
     of: Arc<Handshakes>,
-    ip: IpAddr,
+    seq: u64,
+    evict: Arc<Notify>,
+}
+
+/// The peer `ip` counts as: the address itself (IPv4-mapped IPv6 as IPv4), or its IPv6 /64.
+fn peer_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        v4 => v4,
+    }
+}
+
+/// `peer` as a message names it.
+fn named(peer: IpAddr) -> String {
+    match peer {
+        IpAddr::V6(_) => format!("{peer}/64"),
+        v4 => v4.to_string(),
+    }
 }
 
 impl Handshakes {
-    /// A slot for a handshake with `ip`, or why there is none.
+    /// A slot for a handshake with `ip`, or why there is none. With every slot taken, the
+    /// oldest handshake is evicted ([`HandshakeSlot::evicted`]) for this one.
     pub fn enter(self: &Arc<Self>, ip: IpAddr) -> Result<HandshakeSlot, String> {
-        let ip = ip.to_canonical();
-        let mut g = self.by_ip.lock().expect("poisoned");
-        let (by_ip, total) = &mut *g;
-        let here = by_ip.get(&ip).copied().unwrap_or(0);
+        let peer = peer_of(ip);
+        let mut t = self.table.lock().expect("poisoned");
+        let here = t.by_peer.get(&peer).copied().unwrap_or(0);
         if here >= MAX_HANDSHAKES_PER_IP {
             return Err(format!(
-                "{here} handshakes from {ip} are under way already (at most \
-                 {MAX_HANDSHAKES_PER_IP} per address): try again when one has ended"
+                "{here} handshakes from {} are under way already (at most \
+                 {MAX_HANDSHAKES_PER_IP} per address): try again when one has ended",
+                named(peer)
             ));
         }
-        if *total >= MAX_HANDSHAKES {
-            return Err(format!(
-                "{total} handshakes are under way already (at most {MAX_HANDSHAKES}): try \
-                 again in a few seconds"
-            ));
+        if t.began.len() >= MAX_HANDSHAKES {
+            let oldest = *t.began.keys().next().expect("full");
+            if let Some(evict) = t.take(oldest) {
+                evict.notify_one();
+            }
         }
-        by_ip.insert(ip, here + 1);
-        *total += 1;
+        let (seq, evict) = (t.next, Arc::new(Notify::new()));
+        t.next += 1;
+        t.began.insert(seq, (peer, Arc::clone(&evict)));
+        *t.by_peer.entry(peer).or_default() += 1;
         Ok(HandshakeSlot {
             of: Arc::clone(self),
-            ip,
+            seq,
+            evict,
         })
     }
 
     /// Handshakes under way.
     #[cfg(test)]
     fn under_way(&self) -> usize {
-        self.by_ip.lock().expect("poisoned").1
+        self.table.lock().expect("poisoned").began.len()
+    }
+}
+
+impl HandshakeSlot {
+    /// Completes once this handshake was evicted for a newer one (every slot was taken and it
+    /// was the oldest): the handshake must end.
+    pub async fn evicted(&self) {
+        self.evict.notified().await
     }
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        let mut g = self.of.by_ip.lock().expect("poisoned");
-        let (by_ip, total) = &mut *g;
-        *total -= 1;
-        if let Some(n) = by_ip.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                by_ip.remove(&self.ip);
-            }
-        }
+        self.of.table.lock().expect("poisoned").take(self.seq);
     }
 }
 
@@ -88,7 +137,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_address_holds_at_most_its_share_and_all_at_most_the_cap() {
+    fn one_peer_holds_at_most_its_share() {
         let h = Arc::new(Handshakes::default());
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let held: Vec<_> = (0..MAX_HANDSHAKES_PER_IP)
@@ -98,19 +147,52 @@ mod tests {
         assert!(e.contains("8 handshakes from 10.0.0.1"), "{e}");
         // The same address written as IPv4-mapped IPv6 is the same peer.
         assert!(h.enter("::ffff:10.0.0.1".parse().unwrap()).is_err());
-        let others: Vec<_> = (0..MAX_HANDSHAKES - MAX_HANDSHAKES_PER_IP)
-            .map(|i| h.enter(IpAddr::from([10, 0, 1, i as u8])).unwrap())
+        // One IPv6 host has a /64: its addresses are one peer.
+        let v6: Vec<_> = (0..MAX_HANDSHAKES_PER_IP)
+            .map(|i| {
+                h.enter(IpAddr::from([0x2001, 0xdb8, 0, 7, 0, 0, 0, i as u16]))
+                    .unwrap()
+            })
             .collect();
-        let e = h.enter("10.0.2.1".parse().unwrap()).unwrap_err();
-        assert!(e.contains("at most 64"), "{e}");
-        drop(held);
-        assert_eq!(h.under_way(), MAX_HANDSHAKES - MAX_HANDSHAKES_PER_IP);
-        assert!(h.enter(a).is_ok());
-        drop(others);
+        let e = h
+            .enter("2001:db8:0:7:ffff::1".parse().unwrap())
+            .unwrap_err();
+        assert!(e.contains("from 2001:db8:0:7::/64"), "{e}");
+        assert!(h.enter("2001:db8:0:8::1".parse().unwrap()).is_ok());
+        drop((held, v6));
         assert_eq!(h.under_way(), 0);
+        assert!(h.enter(a).is_ok());
+    }
+
+    /// Every slot taken by silent peers (eight addresses, eight each): a newcomer evicts the
+    /// oldest instead of being refused, and the evicted slot is given back once only.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_full_table_evicts_its_oldest_handshake_for_a_newcomer() {
+        let h = Arc::new(Handshakes::default());
+        let squatters: Vec<_> = (0..MAX_HANDSHAKES)
+            .map(|i| {
+                let ip = IpAddr::from([10, 0, (i / MAX_HANDSHAKES_PER_IP) as u8, 1]);
+                h.enter(ip).unwrap()
+            })
+            .collect();
+        let node = h
+            .enter("10.9.9.9".parse().unwrap())
+            .expect("a slot by eviction");
+        assert_eq!(h.under_way(), MAX_HANDSHAKES);
+        tokio::time::timeout(std::time::Duration::from_secs(1), squatters[0].evicted())
+            .await
+            .expect("the oldest is told");
+        let second = tokio::time::timeout(std::time::Duration::ZERO, squatters[1].evicted());
+        assert!(second.await.is_err(), "only the oldest");
+        // The evicted one's peer has room for another handshake again.
+        let again = h.enter("10.0.0.1".parse().unwrap()).unwrap();
+        drop(squatters);
+        assert_eq!(h.under_way(), 2, "the newcomer and the re-entered one");
+        drop((node, again));
+        let t = h.table.lock().unwrap();
         assert!(
-            h.by_ip.lock().unwrap().0.is_empty(),
-            "no address left behind"
+            t.by_peer.is_empty() && t.began.is_empty(),
+            "nothing left behind"
         );
     }
 }

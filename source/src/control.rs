@@ -56,6 +56,13 @@ pub enum SessionError {
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),
+    /// Every handshake slot was taken and this was the oldest handshake under way: it made
+    /// room for a newer one (`admit`).
+    #[error(
+        "handshake evicted: all {} handshake slots were taken and this was the oldest",
+        crate::admit::MAX_HANDSHAKES
+    )]
+    Evicted,
     /// Dialling the node's data connections took too long (in all).
     #[error("dialling the node's data connections took over {0:?}")]
     DialTimeout(Duration),

@@ -66,9 +66,12 @@ pub(crate) async fn run(
         last_sent: Instant::now(),
     };
     let hs = handshake(&mut ctl, &shared, slots);
-    let (lanes, node_id, _slot) = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs)
-        .await
-        .map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??;
+    let (lanes, node_id, _slot) = tokio::select! {
+        done = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs) => {
+            done.map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??
+        }
+        () = handshake_slot.evicted() => return Err(SessionError::Evicted),
+    };
     drop(handshake_slot); // a session slot now (`_slot`, until the session ends)
     let addrs: Vec<String> = lanes
         .iter()

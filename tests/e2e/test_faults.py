@@ -683,6 +683,42 @@ def test_idle_connections_hold_handshake_slots_not_the_sources_sessions(sw, tmp_
         s.close()
 
 
+def test_a_full_handshake_table_evicts_its_oldest_for_a_node(sw, tmp_path):
+    """Eight addresses holding eight silent handshakes each fill all 64 handshake slots.
+    Before, every node was then refused until they left (and they came back every 10 s); now a
+    newcomer evicts the oldest handshake under way: a node's handshake goes through, and the
+    oldest silent connection is closed."""
+    import faults as F
+
+    src = sw.source({"tiny": tiny_dataset(tmp_path)})
+    addr = host_port(src.addr)
+    idle = []
+    for i in range(64):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.bind((f"127.0.0.{2 + i // 8}", 0))
+        s.connect(addr)
+        idle.append(s)
+        time.sleep(0.005)  # accepted in this order: idle[0] is the oldest
+    # Every slot is taken once the source has accepted them all: a 65th from a full
+    # address is refused by the per-address cap, which is checked first.
+    extra = socket.create_connection(addr, timeout=10, source_address=("127.0.0.9", 0))
+    kind, body = F.read_control_frame(extra)
+    assert kind == F.ERROR and "8 handshakes from 127.0.0.9" in F.error_code(body)[2]
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = F.handshake_to_data_conn(addr, data)
+    try:
+        gone = idle[0].recv(1)
+    except ConnectionResetError:
+        gone = b""
+    assert gone == b"", "the oldest handshake was evicted"
+    wait_for(lambda: "handshake evicted: all 64 handshake slots were taken" in src.stderr_text(),
+             "the source's eviction log line", 10, diag=lambda: src.stderr_text()[-2000:])
+    for s in [extra, ctl, conn, data, *idle]:
+        s.close()
+
+
 def test_a_shard_file_changed_while_its_fetch_waits_is_refused_not_sent(sw, tmp_path):
     """A FETCH is checked against its shard file when it is queued, then may wait behind
     others (two payloads in flight per data connection). A file changed meanwhile was sent
