@@ -2,7 +2,10 @@
 //! `GET /v1/leases/{l}/tensors/{n}` copies the tensor out of the region into its answer, and
 //! the copy lives until the client has read it, so a client reading slowly (or many at once)
 //! would otherwise hold any amount of memory. A copy takes its bytes from a budget before it
-//! is made and gives them back when its answer's body is gone (sent, or the client left).
+//! is made and gives them back when its bytes are freed: the pieces the body hands the server
+//! share the copy's allocation, and the server may hold the last ones after the body is gone,
+//! so the room goes with the last piece, not with the body. Waiting for room is not a queue:
+//! a copy larger than the room free does not hold back smaller ones behind it.
 //! A client that reads, but slower than [`MIN_RATE`] after [`GRACE`], loses the answer (the
 //! connection ends): the per-write stall timeout alone let a client that read a little every
 //! few seconds hold its share of the budget for days.
@@ -15,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// Bytes of tensor copies in flight at most, node-wide.
 pub const COPY_BUDGET: u64 = 1 << 30;
@@ -49,47 +52,85 @@ pub struct TooSlow {
 
 /// Room for copies, shared by every stream.
 #[derive(Debug)]
-pub struct Copies(Arc<Semaphore>);
+pub struct Copies {
+    units: Arc<Semaphore>,
+    /// Told whenever room is given back.
+    freed: Arc<Notify>,
+}
 
 impl Copies {
     /// A budget of [`COPY_BUDGET`].
     pub fn new() -> Self {
-        Self(Arc::new(Semaphore::new((COPY_BUDGET / UNIT) as usize)))
+        Self {
+            units: Arc::new(Semaphore::new((COPY_BUDGET / UNIT) as usize)),
+            freed: Arc::new(Notify::new()),
+        }
     }
 
     /// Room for a copy of `len` bytes (a copy above the whole budget takes all of it), or
-    /// `None` if none came within `wait`.
+    /// `None` if none came within `wait`. Not first come, first served: tokio's semaphore
+    /// queues waiters in order, so one copy of more than the room free held back every
+    /// smaller one behind it (each timing out with room to spare); here each waiter tries
+    /// again whenever room is given back.
     pub async fn room(&self, len: u64, wait: Duration) -> Option<Room> {
         let units = len.div_ceil(UNIT).clamp(1, COPY_BUDGET / UNIT) as u32;
-        let permit = Arc::clone(&self.0).acquire_many_owned(units);
-        match tokio::time::timeout(wait, permit).await {
-            Ok(Ok(p)) => Some(Room { _permit: p }),
-            _ => None,
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Ok(p) = Arc::clone(&self.units).try_acquire_many_owned(units) {
+                return Some(Room {
+                    permit: Some(p),
+                    freed: Arc::clone(&self.freed),
+                });
+            }
+            tokio::time::timeout_at(deadline, freed).await.ok()?;
         }
     }
 
     /// Bytes of the budget in use now.
     #[cfg(test)]
     fn used(&self) -> u64 {
-        COPY_BUDGET - self.0.available_permits() as u64 * UNIT
+        COPY_BUDGET - self.units.available_permits() as u64 * UNIT
     }
 }
 
-/// Room taken in the budget; given back when dropped (the permit is held, never read).
+/// Room taken in the budget; given back when dropped, and the waiters told.
 #[derive(Debug)]
 pub struct Room {
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
+    freed: Arc<Notify>,
 }
 
-/// An answer's body holding a copy and its room: the room goes back when the body is dropped,
-/// and so does what it keeps (the stream marked in use while its tensor downloads).
+impl Drop for Room {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.freed.notify_waiters();
+    }
+}
+
+/// A copy's bytes and what lives as long as they do: its room, and what the answer keeps
+/// (the stream marked in use while its tensor downloads).
+struct Owned {
+    bytes: Vec<u8>,
+    _room: Room,
+    _keep: Box<dyn Send + Sync>,
+}
+
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// An answer's body: a copy in pieces that share its allocation (with its room and what it
+/// keeps, [`Owned`]), to be read within its time.
 pub struct CopyBody {
     chunks: VecDeque<Bytes>,
     len: u64,
     limit: Duration,
     deadline: Instant,
-    _room: Room,
-    _keep: Option<Box<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for CopyBody {
@@ -103,22 +144,25 @@ impl std::fmt::Debug for CopyBody {
 }
 
 impl CopyBody {
-    /// `bytes` as a body that holds `room` until it is gone, to be read within [`GRACE`] plus
-    /// its length at [`MIN_RATE`].
-    pub fn new(bytes: Vec<u8>, room: Room) -> Self {
+    /// `bytes` as a body whose pieces hold `room` and `keep` until the last of them is gone,
+    /// to be read within [`GRACE`] plus its length at [`MIN_RATE`].
+    pub fn new(bytes: Vec<u8>, room: Room, keep: impl Send + Sync + 'static) -> Self {
         let limit = GRACE + Duration::from_secs(bytes.len() as u64 / MIN_RATE);
-        Self::within(bytes, room, limit)
+        Self::within(bytes, room, keep, limit)
     }
 
-    /// Also keeps `keep` until the body is gone.
-    pub fn keeping(mut self, keep: impl Send + Sync + 'static) -> Self {
-        self._keep = Some(Box::new(keep));
-        self
-    }
-
-    fn within(bytes: Vec<u8>, room: Room, limit: Duration) -> Self {
+    fn within(
+        bytes: Vec<u8>,
+        room: Room,
+        keep: impl Send + Sync + 'static,
+        limit: Duration,
+    ) -> Self {
         let len = bytes.len() as u64;
-        let mut all = Bytes::from(bytes);
+        let mut all = Bytes::from_owner(Owned {
+            bytes,
+            _room: room,
+            _keep: Box::new(keep),
+        });
         let mut chunks = VecDeque::with_capacity(all.len().div_ceil(CHUNK));
         while !all.is_empty() {
             chunks.push_back(all.split_to(all.len().min(CHUNK)));
@@ -128,8 +172,6 @@ impl CopyBody {
             len,
             limit,
             deadline: Instant::now() + limit,
-            _room: room,
-            _keep: None,
         }
     }
 }
@@ -173,7 +215,7 @@ mod tests {
     async fn copies_take_room_until_their_body_is_gone_and_wait_for_it_when_full() {
         let c = Copies::new();
         let half = c.room(COPY_BUDGET / 2, COPY_WAIT).await.unwrap();
-        let body = CopyBody::new(vec![7u8; 3 * CHUNK + 5], half);
+        let body = CopyBody::new(vec![7u8; 3 * CHUNK + 5], half, ());
         assert_eq!(body.size_hint().exact(), Some(3 * CHUNK as u64 + 5));
         assert_eq!(c.used(), COPY_BUDGET / 2);
         // One larger than the budget takes all of it: it waits for the first to go.
@@ -203,6 +245,7 @@ mod tests {
         let mut body = CopyBody::new(
             bytes.clone(),
             c.room(bytes.len() as u64, COPY_WAIT).await.unwrap(),
+            (),
         );
         let mut got = Vec::new();
         let waker = std::task::Waker::noop();
@@ -218,12 +261,12 @@ mod tests {
     async fn a_body_not_read_in_its_time_is_given_up_and_gives_its_room_back() {
         let c = Copies::new();
         assert_eq!(
-            CopyBody::new(vec![0; 64 << 20], c.room(1, COPY_WAIT).await.unwrap()).limit,
+            CopyBody::new(vec![0; 64 << 20], c.room(1, COPY_WAIT).await.unwrap(), ()).limit,
             GRACE + Duration::from_secs(64),
             "64 MiB at 1 MiB/s after the grace"
         );
         let room = c.room(3 * CHUNK as u64, COPY_WAIT).await.unwrap();
-        let mut body = CopyBody::within(vec![1u8; 3 * CHUNK], room, Duration::from_millis(30));
+        let mut body = CopyBody::within(vec![1u8; 3 * CHUNK], room, (), Duration::from_millis(30));
         let waker = std::task::Waker::noop();
         let mut cx = Context::from_waker(waker);
         let first = Pin::new(&mut body).poll_frame(&mut cx);
@@ -234,7 +277,57 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(body.is_end_stream(), "nothing more after the error");
+        drop((body, first));
+        assert_eq!(c.used(), 0, "the room went back with the body and its piece");
+    }
+
+    /// The server may hold the last pieces after the body is gone (it drops a body once it
+    /// has handed out its end): the room and what the answer keeps go with the last piece.
+    #[tokio::test]
+    async fn the_room_lasts_as_long_as_any_piece_of_the_copy() {
+        let c = Copies::new();
+        let kept = Arc::new(());
+        let room = c.room(2 * CHUNK as u64, COPY_WAIT).await.unwrap();
+        let mut body = CopyBody::new(vec![5u8; 2 * CHUNK], room, Arc::clone(&kept));
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut pieces = Vec::new();
+        while let Poll::Ready(Some(Ok(f))) = Pin::new(&mut body).poll_frame(&mut cx) {
+            pieces.push(f.into_data().unwrap());
+        }
         drop(body);
-        assert_eq!(c.used(), 0, "the room went back with the body");
+        let last = pieces.pop().unwrap();
+        drop(pieces);
+        assert_eq!(
+            c.used(),
+            2 * CHUNK as u64,
+            "the last piece still holds the copy"
+        );
+        assert_eq!(Arc::strong_count(&kept), 2, "and what the answer keeps");
+        drop(last);
+        assert_eq!(c.used(), 0);
+        assert_eq!(Arc::strong_count(&kept), 1);
+    }
+
+    /// A copy waiting for more room than is free does not hold back a smaller one that fits
+    /// (tokio's semaphore is a queue: the small one waited behind it and timed out).
+    #[tokio::test]
+    async fn a_large_copy_waiting_does_not_hold_back_a_small_one() {
+        let c = Arc::new(Copies::new());
+        let half = c.room(COPY_BUDGET / 2, COPY_WAIT).await.unwrap();
+        let big = {
+            let c = Arc::clone(&c);
+            tokio::spawn(async move { c.room(COPY_BUDGET, Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let small = c.room(1024, Duration::from_millis(200)).await;
+        assert!(small.is_some(), "room was free for it");
+        drop((small, half));
+        let big = big.await.unwrap();
+        assert!(
+            big.is_some(),
+            "the large one gets its room once it is given back"
+        );
+        assert_eq!(c.used(), COPY_BUDGET);
     }
 }

@@ -67,7 +67,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "counter",
         "shardwire_http_timeouts_total",
-        "HTTP connections or requests ended by a timeout, by phase (header: the request head did not arrive in time; body: the body did not)",
+        "HTTP connections or requests ended by a timeout, by phase (header: the request head did not arrive in time; body: the body did not; write: the client read nothing of its answer for the write timeout; download: it read a tensor download, or a backed-up answer, under the minimum rate)",
     ),
     (
         "counter",
@@ -256,7 +256,7 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
     };
     match name {
         "shardwire_admin_auth_fails_total" => one("reason", &["missing", "wrong"]),
-        "shardwire_http_timeouts_total" => one("phase", &["header", "body"]),
+        "shardwire_http_timeouts_total" => one("phase", &["header", "body", "write", "download"]),
         "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle"]),
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         // Per lane: a series appears with its lane's binding.

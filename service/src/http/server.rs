@@ -24,8 +24,16 @@ use tokio::sync::{Semaphore, watch};
 
 use shardwire_protocol::trainer::ErrorCode;
 
+use super::copies::{GRACE, MIN_RATE};
 use super::error::ApiError;
-use super::stall::{WriteStall, is_stall};
+use super::stall::{Floor, WriteStall, stall_phase};
+
+/// The floor under a backed-up connection: half a download's rate after its grace, over
+/// windows of the grace (so it never ends a download the download's own deadline allows).
+const FLOOR: Floor = Floor {
+    window: GRACE,
+    bytes: MIN_RATE * GRACE.as_secs() / 2,
+};
 
 /// Largest request body on any route.
 pub const BODY_LIMIT: usize = 64 << 10;
@@ -113,7 +121,7 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_timeout)
                 .serve_connection(
-                    TokioIo::new(WriteStall::new(stream, limits.write_timeout)),
+                    TokioIo::new(WriteStall::new(stream, limits.write_timeout).with_floor(FLOOR)),
                     svc,
                 );
             tokio::pin!(conn);
@@ -129,10 +137,10 @@ pub async fn serve(
                     metrics::counter!("shardwire_http_timeouts_total", "phase" => "header")
                         .increment(1);
                     tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
-                } else if is_stall(&e) {
-                    metrics::counter!("shardwire_http_timeouts_total", "phase" => "write")
+                } else if let Some(phase) = stall_phase(&e) {
+                    metrics::counter!("shardwire_http_timeouts_total", "phase" => phase)
                         .increment(1);
-                    tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer");
+                    tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer, or read it at a trickle");
                 } else {
                     tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
                 }

@@ -1,23 +1,41 @@
 //! A connection whose writes may not stall: a client that reads nothing of an answer for the
 //! write timeout (`http_write_timeout_secs`) gets an error on the write, so hyper ends the
 //! connection and its slot is free again. hyper bounds the request head and axum's middleware
-//! the body; neither bounds a write.
+//! the body; neither bounds a write. Nor may a client read at a trickle while the connection
+//! is backed up ([`Floor`]): reading a few KiB inside every write timeout kept the last
+//! pieces of a download (and the tensor copy they share) for hours, past the download's own
+//! deadline, which only counts while the body still has pieces to hand to the server.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
-/// `S` with a limit on how long a write, flush or shutdown may make no progress.
+/// The least a backed-up connection must take: from the first write that finds it full, at
+/// least `bytes` in every `window`, until the server's buffer has drained (a flush).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Floor {
+    /// The window.
+    pub window: Duration,
+    /// Bytes per window.
+    pub bytes: u64,
+}
+
+/// `S` with a limit on how long a write, flush or shutdown may make no progress, and a
+/// [`Floor`] under its progress while it is backed up.
 pub struct WriteStall<S> {
     inner: S,
     limit: Duration,
+    floor: Option<Floor>,
     /// Armed when a write first finds the connection full; cleared by any progress.
     deadline: Option<Pin<Box<Sleep>>>,
+    /// The current window of the floor (its start, bytes taken in it): begun by a write that
+    /// found the connection full, ended by a flush.
+    window: Option<(Instant, u64)>,
 }
 
 impl<S> WriteStall<S> {
@@ -26,8 +44,16 @@ impl<S> WriteStall<S> {
         Self {
             inner,
             limit,
+            floor: None,
             deadline: None,
+            window: None,
         }
+    }
+
+    /// Also holds the connection to `floor` while it is backed up.
+    pub fn with_floor(mut self, floor: Floor) -> Self {
+        self.floor = Some(floor);
+        self
     }
 
     /// `r` as the caller sees it: pending until the deadline, then the timeout error.
@@ -45,34 +71,82 @@ impl<S> WriteStall<S> {
             Poll::Pending => Poll::Pending,
         }
     }
+
+    /// A write's outcome judged by the floor: a full connection begins a window; bytes taken
+    /// count in it; once it has passed, too few bytes fail the write, enough end it.
+    fn paced(&mut self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        let Some(floor) = self.floor else {
+            return r;
+        };
+        let now = Instant::now();
+        match (&r, &mut self.window) {
+            (Poll::Pending, None) => self.window = Some((now, 0)),
+            (Poll::Ready(Ok(n)), Some((start, taken))) => {
+                *taken += *n as u64;
+                let took = now.saturating_duration_since(*start);
+                if took >= floor.window {
+                    let taken = *taken;
+                    self.window = None;
+                    if taken < floor.bytes {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            Stalled::Slow { taken, took, floor },
+                        )));
+                    }
+                }
+            }
+            _ => {}
+        }
+        r
+    }
 }
 
-/// What a write that made no progress for the limit fails with (inside an `io::Error` of
-/// kind `TimedOut`): its own type, so a kernel `ETIMEDOUT` is not taken for it.
+/// What a write that made no progress for the limit, or too little for the floor, fails with
+/// (inside an `io::Error` of kind `TimedOut`): its own type, so a kernel `ETIMEDOUT` is not
+/// taken for it.
 #[derive(Debug, thiserror::Error)]
-#[error("the client read nothing of the answer for {0:?} (http_write_timeout_secs)")]
-struct Stalled(Duration);
+enum Stalled {
+    #[error("the client read nothing of the answer for {0:?} (http_write_timeout_secs)")]
+    Silent(Duration),
+    #[error(
+        "the client read {taken} bytes in {took:?} while its answer waited (at least {} bytes \
+         every {:?})", floor.bytes, floor.window
+    )]
+    Slow {
+        taken: u64,
+        took: Duration,
+        floor: Floor,
+    },
+}
 
 /// The error of a write that made no progress for `limit`.
 fn stalled(limit: Duration) -> io::Error {
-    io::Error::new(io::ErrorKind::TimedOut, Stalled(limit))
+    io::Error::new(io::ErrorKind::TimedOut, Stalled::Silent(limit))
 }
 
-/// Whether `e` (as hyper reports a connection's end) is a write that stalled.
-pub fn is_stall(e: &(dyn std::error::Error + 'static)) -> bool {
+/// Which limit ended a connection (as hyper reports its end), if one of ours did:
+/// `"write"` (nothing read for the write timeout) or `"download"` (read under the floor).
+pub fn stall_phase(e: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
     let mut cur = Some(e);
     while let Some(err) = cur {
-        let ours = err.is::<Stalled>()
-            || err
-                .downcast_ref::<io::Error>()
+        let ours = err.downcast_ref::<Stalled>().or_else(|| {
+            err.downcast_ref::<io::Error>()
                 .and_then(io::Error::get_ref)
-                .is_some_and(|inner| inner.is::<Stalled>());
-        if ours {
-            return true;
+                .and_then(|inner| inner.downcast_ref::<Stalled>())
+        });
+        match ours {
+            Some(Stalled::Silent(_)) => return Some("write"),
+            Some(Stalled::Slow { .. }) => return Some("download"),
+            None => cur = err.source(),
         }
-        cur = err.source();
     }
-    false
+    None
+}
+
+/// Whether `e` is a write that stalled or fell under the floor.
+#[cfg(test)]
+fn is_stall(e: &(dyn std::error::Error + 'static)) -> bool {
+    stall_phase(e).is_some()
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for WriteStall<S> {
@@ -92,6 +166,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        let r = self.paced(r);
         self.bounded(cx, r)
     }
 
@@ -101,6 +176,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        let r = self.paced(r);
         self.bounded(cx, r)
     }
 
@@ -110,6 +186,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let r = Pin::new(&mut self.inner).poll_flush(cx);
+        if r.is_ready() {
+            self.window = None; // the server's buffer drained: the connection caught up
+        }
         self.bounded(cx, r)
     }
 
@@ -157,6 +236,66 @@ mod tests {
         w.write_all(&[3; 8192])
             .await
             .expect("a slow reader is not a stall");
+        reader.await.unwrap();
+    }
+
+    /// A client that reads a little inside every write timeout, while its answer waits,
+    /// falls under the floor once a window has passed; one that keeps up, or whose answer
+    /// was all taken (a flush), is never judged.
+    #[tokio::test]
+    async fn a_reader_at_a_trickle_falls_under_the_floor() {
+        let floor = Floor {
+            window: Duration::from_millis(200),
+            bytes: 4096,
+        };
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            loop {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                if matches!(b.read(&mut buf).await, Ok(0) | Err(_)) {
+                    return;
+                }
+            }
+        });
+        let t = std::time::Instant::now();
+        let e = w.write_all(&[1; 1 << 20]).await.unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(stall_phase(&e), Some("download"), "{e}");
+        assert!(
+            e.to_string().contains("at least 4096 bytes every 200ms"),
+            "{e}"
+        );
+        drop(w);
+        reader.await.unwrap();
+        // Fast enough: 64 KiB read in 16 KiB pieces at once.
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
+        let reader = tokio::spawn(async move {
+            let mut got = 0;
+            let mut buf = [0u8; 16 << 10];
+            while got < 64 << 10 {
+                got += b.read(&mut buf).await.unwrap();
+            }
+        });
+        w.write_all(&[2; 64 << 10]).await.unwrap();
+        reader.await.unwrap();
+        // A small answer that backed up and was all read, then idle past a window: the flush
+        // ended the window, so the next answer is not judged by the bytes of the last.
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 4096];
+            let mut got = 0;
+            while got < 2100 {
+                got += b.read(&mut buf).await.unwrap();
+            }
+        });
+        w.write_all(&[3; 2000]).await.unwrap();
+        w.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        w.write_all(&[4; 100]).await.expect("not judged");
         reader.await.unwrap();
     }
 }

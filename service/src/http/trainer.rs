@@ -651,7 +651,7 @@ async fn tensor(
                 shape.join(","),
             ),
         ],
-        axum::body::Body::new(CopyBody::new(bytes, room).keeping(busy)),
+        axum::body::Body::new(CopyBody::new(bytes, room, busy)),
     )
         .into_response())
 }
