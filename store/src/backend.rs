@@ -66,14 +66,19 @@ impl std::fmt::Display for Described {
 /// A built client and its description.
 type Built = Result<(Arc<dyn ObjectStore>, Described), StoreError>;
 
-/// The client for `url`, and its description.
-pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
+/// reqwest is built without a bundled crypto provider (no aws-lc C build): installs ring's,
+/// once, before any client is made. An error means another provider is installed already,
+/// which serves as well.
+pub(crate) fn install_tls() {
     static TLS: Once = Once::new();
-    // reqwest is built without a bundled crypto provider (no aws-lc C build): install ring's
-    // once. An error means another provider is installed already, which serves as well.
     TLS.call_once(|| {
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
+}
+
+/// The client for `url`, and its description.
+pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
+    install_tls();
     let config = |reason: String| StoreError::Config {
         url: url.to_string(),
         reason,

@@ -5,8 +5,9 @@
 //! that arrive instead of being sized by a claim (a reply that says 1 TB and sends 2 bytes).
 //! An error reply, or the answer to another request than a GET (a credential service's),
 //! also fails past [`MAX_COLLECTED`] bytes: an error reply of gigabytes from a misbehaving
-//! proxy is not buffered until the request times out. (A successful GET's body is a ranged
-//! read streamed to its sink, bounded by the range, or a listing page.)
+//! proxy is not buffered until the request times out. A WebDAV listing (one `PROPFIND` of the
+//! whole tree, which object_store collects) fails past [`MAX_LISTING`]. (A successful GET's
+//! body is a ranged read streamed to its sink, bounded by the range, or a listing page.)
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -18,8 +19,13 @@ use object_store::client::{HttpError, HttpErrorKind, HttpResponseBody};
 /// Largest size hint passed on (a listing page is well under 1 MiB).
 pub(crate) const MAX_HINT: u64 = 16 << 20;
 
-/// Most bytes of an error reply or a credential answer (both well under 1 MiB).
-pub(crate) const MAX_COLLECTED: u64 = 64 << 20;
+/// Most bytes of an error reply or a credential answer (both well under 1 MiB); smaller in
+/// unit tests, which send past it.
+pub(crate) const MAX_COLLECTED: u64 = if cfg!(test) { 1 << 20 } else { 64 << 20 };
+
+/// Most bytes of a WebDAV listing (0.4-1 KB per file: over a million files); smaller in unit
+/// tests.
+pub(crate) const MAX_LISTING: u64 = if cfg!(test) { 4 << 20 } else { 1 << 30 };
 
 /// `body` with its size hint capped, and at most `limit` bytes of it passed on.
 pub(crate) struct Capped {
@@ -32,9 +38,14 @@ impl Capped {
     /// `body`, wrapped; with `collected` (an error reply, a credential answer) it fails past
     /// [`MAX_COLLECTED`] bytes.
     pub fn wrap(body: HttpResponseBody, collected: bool) -> HttpResponseBody {
+        Self::wrap_within(body, collected.then_some(MAX_COLLECTED))
+    }
+
+    /// `body`, wrapped, failing past `limit` bytes (none: never).
+    pub fn wrap_within(body: HttpResponseBody, limit: Option<u64>) -> HttpResponseBody {
         HttpResponseBody::new(Capped {
             body,
-            limit: collected.then_some(MAX_COLLECTED),
+            limit,
             seen: 0,
         })
     }
@@ -43,10 +54,23 @@ impl Capped {
 /// A collected body ran past [`MAX_COLLECTED`].
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "the store's answer ran past {limit} bytes, more than any error reply or credential answer"
+    "the store's answer ran past {limit} bytes, more than any error reply, credential \
+         answer or listing"
 )]
-struct TooLong {
-    limit: u64,
+pub(crate) struct TooLong {
+    pub limit: u64,
+}
+
+/// Whether `e` (or an error it wraps) is a body that ran past its limit.
+pub(crate) fn too_long(e: &(dyn std::error::Error + 'static)) -> Option<u64> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(t) = err.downcast_ref::<TooLong>() {
+            return Some(t.limit);
+        }
+        cur = err.source();
+    }
+    None
 }
 
 impl Body for Capped {

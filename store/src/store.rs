@@ -199,6 +199,11 @@ impl Store {
         let ended = call.run(tokio::time::timeout(deadline, pages)).await;
         let stopped = match ended {
             Err(_) => Some(format!("it took longer than {deadline:?}")),
+            // A WebDAV server answers the whole tree in one reply, collected in memory.
+            Ok(Err(e)) if let Some(limit) = crate::capped::too_long(&e) => Some(format!(
+                "the server's listing answer ran past {limit} bytes (a WebDAV PROPFIND \
+                 answers the whole tree at once)"
+            )),
             Ok(r) => {
                 r.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?
             }
@@ -218,12 +223,28 @@ impl Store {
         } else {
             format!("{prefix}/")
         };
+        // Folder markers (`pre/`, `pre/sub/`: empty objects made by consoles, s3fs, rclone),
+        // which object_store names without their slash (`pre`, `pre/sub`): no objects of the
+        // dataset. The prefix's own, and any empty one that other keys lie under, go.
+        let dirs: std::collections::BTreeSet<&str> =
+            listed.iter().map(|o| o.location.as_ref()).collect();
+        let is_marker = |o: &object_store::ObjectMeta| {
+            let loc = o.location.as_ref();
+            let under = format!("{loc}/");
+            (!prefix.is_empty() && loc == prefix)
+                || (o.size == 0
+                    && dirs
+                        .range(under.as_str()..)
+                        .next()
+                        .is_some_and(|k| k.starts_with(&under)))
+        };
+        let markers: Vec<bool> = listed.iter().map(is_marker).collect();
+        drop(dirs);
         listed
             .into_iter()
-            // The prefix's own folder marker (`pre/`, made by consoles, s3fs, rclone), which
-            // object_store names `pre`: no object of the dataset.
-            .filter(|o| prefix.is_empty() || o.location.as_ref() != prefix)
-            .map(|o| {
+            .zip(markers)
+            .filter(|(_, marker)| !marker)
+            .map(|(o, _)| {
                 // A store lists under the prefix only; a key outside it (a proxy that
                 // rewrites paths, a server's own encoding of them) is named, not skipped.
                 let Some(key) = o.location.as_ref().strip_prefix(strip.as_str()) else {

@@ -19,7 +19,7 @@ use object_store::client::{
 };
 use object_store::{ClientOptions, MultipartUpload, PutPayload, PutResult, UploadPart};
 
-use crate::capped::Capped;
+use crate::capped::{Capped, MAX_COLLECTED, MAX_LISTING};
 use crate::error::Attempt;
 use crate::metrics as m;
 use crate::window::Window;
@@ -224,11 +224,17 @@ impl HttpService for Tap {
         let t0 = Instant::now();
         // The body's size hint capped: object_store sizes some buffers by it.
         // A successful GET's body is a ranged read (streamed to its sink, bounded by its range
-        // check) or a listing page; an error reply or another request's answer is bounded.
-        let get = req.method() == http::Method::GET;
+        // check) or a listing page; a WebDAV listing (a PROPFIND answered 207) is collected
+        // whole, so bounded by its own cap; an error reply or another answer by a small one.
+        let method = req.method().clone();
         let res = self.inner.execute(req).await.map(|r| {
-            let collected = !(get && r.status().is_success());
-            r.map(|b| Capped::wrap(b, collected))
+            let ok = r.status().is_success();
+            let limit = match method.as_str() {
+                "GET" if ok => None,
+                "PROPFIND" if ok => Some(MAX_LISTING),
+                _ => Some(MAX_COLLECTED),
+            };
+            r.map(|b| Capped::wrap_within(b, limit))
         });
         if again {
             metrics::counter!(m::RETRIES, "op" => op).increment(1);
@@ -262,7 +268,7 @@ impl HttpService for Tap {
 /// Whether `host` is a credential service (instance metadata, STS, OAuth token endpoints)
 /// rather than the store: object_store fetches credentials through the same HTTP client.
 fn credential_host(host: &str) -> bool {
-    const EXACT: [&str; 9] = [
+    const EXACT: [&str; 10] = [
         "169.254.169.254",
         "[fd00:ec2::254]",
         "169.254.170.2",
@@ -271,6 +277,8 @@ fn credential_host(host: &str) -> bool {
         "[fd00:ec2::23]",
         "metadata.google.internal",
         "oauth2.googleapis.com",
+        // ADC user credentials (`gcloud auth application-default login`) refresh here.
+        "accounts.google.com",
         "login.microsoftonline.com",
         "sts.amazonaws.com",
     ];
@@ -360,6 +368,7 @@ mod tests {
 
     #[test]
     fn configured_credential_endpoints_are_credential_services() {
+        crate::backend::install_tls(); // a client is made below, whichever test runs first
         // Before: an Azure `IDENTITY_ENDPOINT` on localhost answering 404 was counted as the
         // store's own 404 (a `NotFound` naming the dataset, not a credentials failure).
         let c = TapConnector::with_credential_urls(
@@ -408,6 +417,7 @@ mod tests {
             "169.254.170.23",
             "sts.us-east-1.amazonaws.com",
             "metadata.google.internal",
+            "accounts.google.com",
         ] {
             assert!(credential_host(h), "{h}");
         }

@@ -278,7 +278,11 @@ mod tests {
         }
         assert!(body.is_end_stream(), "nothing more after the error");
         drop((body, first));
-        assert_eq!(c.used(), 0, "the room went back with the body and its piece");
+        assert_eq!(
+            c.used(),
+            0,
+            "the room went back with the body and its piece"
+        );
     }
 
     /// The server may hold the last pieces after the body is gone (it drops a body once it

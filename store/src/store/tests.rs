@@ -289,6 +289,38 @@ async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
 }
 
+/// Folder markers below the prefix (`pre/sub/`, listed by object_store as `pre/sub`, an
+/// empty object) are no objects of the dataset when keys lie under them: listed, they were a
+/// 0-byte `sub` that no read could find. An empty object with nothing under it stays listed.
+#[tokio::test(flavor = "current_thread")]
+async fn folder_markers_with_keys_under_them_are_not_objects() {
+    let (s, mem) = store("unit-markers");
+    for (key, n) in [
+        ("pre", 0),
+        ("pre/a.bin", 100),
+        ("pre/sub", 0),
+        ("pre/sub/b.bin", 10),
+        ("pre/sub/deeper", 0),
+        ("pre/sub/deeper/c.bin", 3),
+        ("pre/empty.bin", 0),
+        ("pre/subway.bin", 4),
+    ] {
+        mem.put(&Path::from(key), data(n).into()).await.unwrap();
+    }
+    let mut keys: Vec<String> = s.list().await.unwrap().into_iter().map(|o| o.key).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "a.bin",
+            "empty.bin",
+            "sub/b.bin",
+            "sub/deeper/c.bin",
+            "subway.bin"
+        ]
+    );
+}
+
 /// A range that ends before it starts (a corrupt offset) is an error naming it, not an
 /// empty read passed on as the bytes.
 #[tokio::test(flavor = "current_thread")]
@@ -395,6 +427,63 @@ fn serves_whole_objects_only() -> std::net::SocketAddr {
         }
     });
     addr
+}
+
+/// A WebDAV server on loopback that answers every request with a `207` listing of `files`
+/// files under `/ds` (one PROPFIND of the whole tree, as nginx and Apache answer it).
+fn webdav_listing(files: usize) -> std::net::SocketAddr {
+    use std::io::{BufRead, BufReader, Write};
+    let mut body = String::from(r#"<?xml version="1.0"?><D:multistatus xmlns:D="DAV:">"#);
+    for i in 0..files {
+        body.push_str(&format!(
+            "<D:response><D:href>/ds/shard-{i:08}.bin</D:href><D:propstat><D:prop>\
+             <D:getlastmodified>Mon, 01 Jan 2024 00:00:00 GMT</D:getlastmodified>\
+             <D:getcontentlength>10</D:getcontentlength><D:resourcetype/>\
+             <D:getetag>\"e{i}\"</D:getetag></D:prop><D:status>HTTP/1.1 200 OK</D:status>\
+             </D:propstat></D:response>"
+        ));
+    }
+    body.push_str("</D:multistatus>");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            while head.read_line(&mut line).is_ok_and(|n| n > 2) {
+                line.clear();
+            }
+            let _ = conn.write_all(
+                format!(
+                    "HTTP/1.1 207 Multi-Status\r\nContent-Type: application/xml\r\n\
+                     Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .as_bytes(),
+            );
+        }
+    });
+    addr
+}
+
+/// A WebDAV listing is one answer of the whole tree: it was capped as if it were an error
+/// reply, so a dataset of more files than fit (64 MiB: 65k-170k files) failed to list, as
+/// `Unavailable`, retried. Now it has a cap of its own, and past it the listing is too long.
+#[tokio::test(flavor = "current_thread")]
+async fn a_webdav_listing_is_capped_as_a_listing_not_as_an_error_reply() {
+    let files = (2 * crate::capped::MAX_COLLECTED / 280) as usize;
+    let url = StoreUrl::parse(&format!("http://{}/ds", webdav_listing(files))).unwrap();
+    let s = Store::open(&url, StoreOptions::default()).unwrap();
+    let listed = s.list().await.unwrap();
+    assert_eq!(listed.len(), files);
+    assert_eq!(listed[7].key, "shard-00000007.bin");
+    let files = (crate::capped::MAX_LISTING / 280) as usize + 1000;
+    let url = StoreUrl::parse(&format!("http://{}/ds", webdav_listing(files))).unwrap();
+    let s = Store::open(&url, StoreOptions::default()).unwrap();
+    let e = s.list().await.unwrap_err();
+    assert!(matches!(e, StoreError::ListTooLong { .. }), "{e}");
+    assert!(e.to_string().contains("WebDAV PROPFIND"), "{e}");
 }
 
 #[tokio::test(flavor = "current_thread")]
