@@ -76,6 +76,8 @@ pub(crate) struct Shared {
     pub sessions: std::sync::atomic::AtomicU64,
     /// Turns true when the source starts draining ([`Source::serve`]).
     pub draining: watch::Sender<bool>,
+    /// Bytes of object-storage reads of all sessions not yet sent (`session.rs`).
+    pub session_reads: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A bound, not yet serving, source.
@@ -99,6 +101,7 @@ impl Source {
                 wrong_lane_left,
                 sessions: std::sync::atomic::AtomicU64::new(0),
                 draining: watch::Sender::new(false),
+                session_reads: Arc::default(),
             }),
         })
     }

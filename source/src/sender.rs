@@ -40,18 +40,20 @@ pub(crate) struct Job {
 /// the session ends): a node that reads its data connections slowly cannot make the source
 /// hold more than the budget in memory for it, whatever it has queued.
 #[derive(Debug, Default)]
-pub(crate) struct Held(Option<(Arc<AtomicU64>, u64)>);
+pub(crate) struct Held(Option<(Vec<Arc<AtomicU64>>, u64)>);
 
 impl Held {
-    /// `n` bytes counted in `budget` (already added there).
-    pub fn new(budget: &Arc<AtomicU64>, n: u64) -> Self {
-        Self((n > 0).then(|| (Arc::clone(budget), n)))
+    /// `n` bytes counted in each of `budgets` (already added there).
+    pub fn new(budgets: &[&Arc<AtomicU64>], n: u64) -> Self {
+        Self((n > 0).then(|| (budgets.iter().map(|b| Arc::clone(b)).collect(), n)))
     }
 
     /// Gives the bytes back now (once).
     pub fn release(&mut self) {
-        if let Some((budget, n)) = self.0.take() {
-            budget.fetch_sub(n, Ordering::AcqRel);
+        if let Some((budgets, n)) = self.0.take() {
+            for b in budgets {
+                b.fetch_sub(n, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -488,8 +490,8 @@ mod tests {
     #[test]
     fn a_payloads_bytes_stay_in_the_budget_until_it_is_sent_or_dropped() {
         let budget = Arc::new(AtomicU64::new(300));
-        let mut sent = Held::new(&budget, 100);
-        let dropped = Held::new(&budget, 200);
+        let mut sent = Held::new(&[&budget], 100);
+        let dropped = Held::new(&[&budget], 200);
         assert_eq!(
             budget.load(Ordering::Acquire),
             300,
@@ -502,7 +504,7 @@ mod tests {
         assert_eq!(budget.load(Ordering::Acquire), 200);
         drop(dropped); // a queued payload of a session that ended
         assert_eq!(budget.load(Ordering::Acquire), 0);
-        drop(Held::new(&budget, 0));
+        drop(Held::new(&[&budget], 0));
         assert_eq!(budget.load(Ordering::Acquire), 0);
     }
 
@@ -525,7 +527,7 @@ mod tests {
         .unwrap();
         let budget = Arc::new(AtomicU64::new(16 << 20));
         let body = Body::Memory(vec![bytes::Bytes::from(vec![7u8; 16 << 20])]);
-        let held = Held::new(&budget, 16 << 20);
+        let held = Held::new(&[&budget], 16 << 20);
         assert!(s.push(Job {
             body,
             len: 16 << 20,
@@ -619,7 +621,7 @@ mod tests {
             body: Body::Memory(vec![bytes::Bytes::from(vec![1u8; 4 << 20])]),
             len: 4 << 20,
             corrupt: false,
-            held: Held::new(&budget, 4 << 20),
+            held: Held::new(&[&budget], 4 << 20),
         })
         .unwrap();
         drop(tx);

@@ -89,6 +89,7 @@ pub(crate) async fn run(
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
     let draining = shared.draining.subscribe();
+    let reads = Reads::new(&shared.session_reads);
     Session {
         id,
         ctl,
@@ -101,7 +102,7 @@ pub(crate) async fn run(
         later: vec![0; lanes.len()],
         queued: 0,
         queued_reqs: HashMap::new(),
-        reads: Reads::default(),
+        reads,
         failed,
         progress,
         draining,
@@ -215,18 +216,45 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<String> {
 /// sent yet (queued, read, handed to a data connection or being sent). A read starts only
 /// while those bytes stay within its dataset's memory budget (or none is under way), so a node
 /// that queues many FETCHes, or reads its data connections slowly, cannot make the source hold
-/// more than that in memory for it.
-#[derive(Default)]
+/// more than that in memory for it; and only while the reads of all sessions stay within
+/// [`SOURCE_READ_BUDGETS`] budgets (or none is under way), so many such nodes cannot either.
 struct Reads {
     /// Bytes read (or being read) from object storage and not yet sent; shared with the
     /// sender threads, whose payloads return theirs once sent ([`Held`]).
     bytes: Arc<AtomicU64>,
+    /// The same, over every session of the source.
+    source: Arc<AtomicU64>,
+    /// A read waits for room in the source's budget: other sessions give it back without
+    /// telling this one, so the session looks again shortly.
+    starved: bool,
 }
 
+/// How soon a session whose read waits for room in the source's budget looks again.
+const STARVED_RECHECK: Duration = Duration::from_millis(50);
+
+/// Memory budgets (of the dataset read) that the object-storage reads of all sessions
+/// together may hold.
+pub(crate) const SOURCE_READ_BUDGETS: u64 = 4;
+
 impl Reads {
+    /// No reads yet; all sessions' counted in `source`.
+    fn new(source: &Arc<AtomicU64>) -> Self {
+        Self {
+            bytes: Arc::default(),
+            source: Arc::clone(source),
+            starved: false,
+        }
+    }
+
     /// Returns `n` bytes of a FETCH that will not be sent (failed or cancelled).
     fn release(&self, n: u64) {
         self.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.source.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// A payload's hold on `n` bytes of both budgets, given back once it is sent.
+    fn held(&self, n: u64) -> Held {
+        Held::new(&[&self.bytes, &self.source], n)
     }
 
     /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and there is room; false
@@ -235,8 +263,14 @@ impl Reads {
         let Payload::Later(w) = &q.payload else {
             return true;
         };
-        let bytes = self.bytes.load(Ordering::Acquire);
-        if bytes > 0 && bytes + q.head.len > w.dataset().memory_budget() {
+        let budget = w.dataset().memory_budget();
+        let mine = self.bytes.load(Ordering::Acquire);
+        if mine > 0 && mine + q.head.len > budget {
+            return false;
+        }
+        let all = self.source.load(Ordering::Acquire);
+        self.starved = all > 0 && all + q.head.len > SOURCE_READ_BUDGETS * budget;
+        if self.starved {
             return false;
         }
         // Moved out for a moment (an empty body stands in; it is replaced at once).
@@ -247,6 +281,7 @@ impl Reads {
         };
         q.held = q.head.len;
         self.bytes.fetch_add(q.held, Ordering::AcqRel);
+        self.source.fetch_add(q.held, Ordering::AcqRel);
         true
     }
 }
@@ -312,6 +347,7 @@ impl Session {
                     return Err(self.last_word(ErrorCode::Internal, SessionError::DataFailed).await);
                 }
                 _ = self.progress.notified() => continue,
+                _ = tokio::time::sleep(STARVED_RECHECK), if self.reads.starved => continue,
                 _ = async { self.draining.wait_for(|d| *d).await.is_ok() }, if !self.drained => {
                     self.tell_draining().await?;
                     continue;
@@ -641,7 +677,7 @@ impl Session {
             // Bytes in memory stay counted until its sender has sent them; a payload read
             // from a file (the cache) holds no memory once handed over.
             let held = match body {
-                Body::Memory(_) => Held::new(&self.reads.bytes, held),
+                Body::Memory(_) => self.reads.held(held),
                 Body::File { .. } => {
                     self.reads.release(held);
                     Held::default()

@@ -366,6 +366,57 @@ def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_a
         sock.close()
 
 
+def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets_ahead(
+        sw, s3, s3_bucket, s3_proxy, tmp_path):
+    """Each session's reads keep to the dataset's memory budget; six sessions held six
+    budgets, so enough nodes that queue FETCHes and read slowly ran the source out of memory.
+    Now all sessions together hold at most four budgets (SOURCE_READ_BUDGETS)."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 24, 256 * 1024, seed=14)
+    url = upload(s3, s3_bucket, d)
+    # Budget: 2 x max_inflight x request_size = 1 MiB, four of these shards; four budgets: 16.
+    src = sw.source({"ds": url}, "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2",
+                    env=s3_proxy.env())
+    nodes = []
+    for _ in range(6):
+        data = socket.create_server(("127.0.0.1", 0))
+        data.settimeout(10)
+        ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+        nodes.append((ctl, conn, data))
+    s3_proxy.reset_log()
+    # Each raw node queues FETCHes for four shards of its own and reads nothing yet.
+    for k, (ctl, _, _) in enumerate(nodes):
+        for shard in range(4 * k, 4 * k + 4):
+            ctl.sendall(fetch(shard + 1, "ds", shard))
+
+    def read_shards():
+        return {e.path for e in gets(s3_proxy, s3_bucket)}
+
+    wait_for(lambda: len(read_shards()) >= 12, "the first reads", 10)
+    time.sleep(2)
+    assert len(read_shards()) <= 16, sorted(read_shards())
+    # Once payloads go out, the waiting reads start: every shard arrives, byte exact.
+    want = [sh["crc32c"] for sh in load_manifest(d)["shards"]]
+    for ctl, _, _ in nodes:
+        ctl.sendall(control_frame(DATA_READY, struct.pack(">H", 0)))
+    for k, (ctl, conn, _) in enumerate(nodes):
+        conn.settimeout(30)
+        ctl.settimeout(30)
+        for _ in range(4):
+            kind, body = next_non_ping(ctl)
+            assert kind == SHARD, (kind, body[:200])
+            req, shard, length, crc = struct.unpack(">QIQI", body[:24])
+            payload = bytearray()
+            while len(payload) < length:
+                chunk = conn.recv(length - len(payload))
+                assert chunk, "data connection closed early"
+                payload += chunk
+            assert crc32c.crc32c(bytes(payload)) == crc == want[shard] and shard // 4 == k
+    for node in nodes:
+        for sock in node:
+            sock.close()
+
+
 def test_reads_for_a_node_that_leaves_are_stopped(sw, s3, s3_bucket, s3_proxy, tmp_path):
     d = tmp_path / "ds"
     write_uint8_shards(d, 8, 256 * 1024, seed=13)
