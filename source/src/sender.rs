@@ -139,6 +139,7 @@ impl Sender {
         std::thread::Builder::new()
             .name(format!("sw-send-{conn}"))
             .spawn(move || {
+                let _told = TellOnPanic(Arc::clone(&failed), conn);
                 let path = match slot {
                     Some(slot) => crate::devmem_tx::DevmemSend::new(&stream, slot, ifname)
                         .map(|d| SendPath::DevmemTx(Box::new(d))),
@@ -182,6 +183,20 @@ impl Sender {
         self.progress.bytes.fetch_add(job.len, Ordering::Relaxed);
         self.progress.jobs.fetch_add(1, Ordering::Release);
         self.tx.send(job).is_ok()
+    }
+}
+
+/// Tells the session that its data connection failed if the sender thread ends in a panic:
+/// otherwise the session learnt of it only at its next payload for the connection (never,
+/// when none came), and the lane stalled.
+struct TellOnPanic(Arc<Notify>, u16);
+
+impl Drop for TellOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!(conn = self.1, "a sender thread panicked: its session ends");
+            self.0.notify_one();
+        }
     }
 }
 
@@ -485,7 +500,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Arc, AtomicU64, Body, Held, Job, Notify, Ordering, Progress, Sender, TcpStream};
-    use super::{BURST, Pacer, is_send_timeout};
+    use super::{BURST, Pacer, TellOnPanic, is_send_timeout};
 
     #[test]
     fn a_payloads_bytes_stay_in_the_budget_until_it_is_sent_or_dropped() {
@@ -656,5 +671,28 @@ mod tests {
             "no zerocopy completion"
         )));
         assert!(!is_send_timeout(&io::ErrorKind::BrokenPipe.into()));
+    }
+
+    #[test]
+    fn a_sender_thread_that_panics_tells_its_session() {
+        let failed = Arc::new(Notify::new());
+        let told = TellOnPanic(Arc::clone(&failed), 3);
+        let t = std::thread::spawn(move || {
+            let _told = told;
+            panic!("a bug in the sender");
+        });
+        assert!(t.join().is_err());
+        let notified = failed.notified();
+        tokio::pin!(notified);
+        assert!(
+            notified.as_mut().enable(),
+            "the session is told (a permit is stored for it)"
+        );
+        // A thread that ends without a panic says nothing.
+        let quiet = Arc::new(Notify::new());
+        drop(TellOnPanic(Arc::clone(&quiet), 4));
+        let notified = quiet.notified();
+        tokio::pin!(notified);
+        assert!(!notified.as_mut().enable());
     }
 }

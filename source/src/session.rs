@@ -617,9 +617,9 @@ impl Session {
                 .all(|(w, &n)| later(w) == n)
     }
 
-    /// Answers `lane`'s queued FETCHes whose reads failed, then announces and hands out the
-    /// first settled ones, in queue order, while a data connection of the lane has room (the
-    /// least loaded).
+    /// Answers `lane`'s queued FETCHes whose reads failed (all of them, whether or not a
+    /// connection has room), and announces and hands out the settled ones, in queue order,
+    /// while a data connection of the lane has room (the least loaded).
     async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
         let (mut at, mut later_passed) = (0, 0);
         // Past the last entry that is not waiting for its read to start, nothing can be sent.
@@ -661,9 +661,12 @@ impl Session {
                 }
             };
             let Some(conn) = room else {
-                // Settled but no room: back in its place, with its bytes.
+                // Settled but no room: back in its place, with its bytes; the entries behind
+                // it are still looked at, so a failed read is answered now, not once a
+                // connection has room (only started reads are looked at: a few budgets).
                 self.requeue(lane, at, (q, Payload::Ready(body), held));
-                return Ok(());
+                at += 1;
+                continue;
             };
             if let Some(why) = changed_since_queued(&q, &body) {
                 tracing::warn!(shard = q.shard, "{why}; FETCH refused");

@@ -417,6 +417,38 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
             sock.close()
 
 
+def test_a_failed_read_is_answered_while_its_lane_has_no_room(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    """A FETCH whose read failed waited, unanswered, behind a read that had finished but had
+    no data connection with room (here: the node has not said DataReady), until one had
+    room. It is answered at once now; the finished one still waits for room."""
+    import faults as F
+
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 4, 64 * 1024, seed=15)
+    url = upload(s3, s3_bucket, d)
+    src = sw.source({"ds": url}, env=s3_proxy.env())
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    s3_proxy.reset_log()
+    s3_proxy.status(n=20, code=404, s3_code="NoSuchKey", key="/ds/s001.npy")
+    ctl.sendall(fetch(1, "ds", 0))
+    wait_for(lambda: any("s000" in e.path for e in gets(s3_proxy, s3_bucket)), "shard 0's read", 10)
+    time.sleep(0.5)  # read and settled, waiting for room
+    ctl.sendall(fetch(2, "ds", 1))
+    ctl.settimeout(10)
+    kind, body = next_non_ping(ctl)
+    assert kind == F.ERROR, (kind, body[:200])
+    req, _, message = F.error_code(body)
+    assert req == 2, (req, message)
+    # The node says its connection is ready: shard 0 goes out.
+    ctl.sendall(control_frame(DATA_READY, struct.pack(">H", 0)))
+    kind, body = next_non_ping(ctl)
+    assert kind == SHARD and struct.unpack(">Q", body[:8])[0] == 1, (kind, body[:40])
+    for sock in (ctl, conn, data):
+        sock.close()
+
+
 def test_reads_for_a_node_that_leaves_are_stopped(sw, s3, s3_bucket, s3_proxy, tmp_path):
     d = tmp_path / "ds"
     write_uint8_shards(d, 8, 256 * 1024, seed=13)
