@@ -27,13 +27,28 @@ pub enum OpenBodyError {
     /// `idle_timeout_s` is not a whole number of seconds.
     #[error("idle_timeout_s is {0}; it must be a whole number of seconds")]
     IdleTimeout(serde_json::Value),
+    /// A field of the socket's `attach` that HTTP does not serve.
+    #[error(
+        "`{0}` is a socket-only field (the HTTP API answers in JSON and has `GET \
+         /v1/streams/{{id}}/state`): leave it out"
+    )]
+    SocketOnly(&'static str),
 }
+
+/// Fields of the socket's `attach` that mean nothing over HTTP: taken silently, a trainer
+/// would not get what it asked for.
+const SOCKET_ONLY: [&str; 2] = ["batch_state", "batch_encoding"];
 
 impl OpenStream {
     /// Parses a body: [`StreamRequest`] refuses unknown fields, so `idle_timeout_s` is taken
     /// out first.
     pub fn from_json(body: &[u8]) -> Result<Self, OpenBodyError> {
-        let UniqueKeys(mut fields) = serde_json::from_slice(body)?;
+        serde_json::from_slice::<NoRepeatedKeys>(body)?;
+        let mut fields: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(body)?;
+        if let Some(f) = SOCKET_ONLY.iter().find(|f| fields.contains_key(**f)) {
+            return Err(OpenBodyError::SocketOnly(f));
+        }
         let idle_timeout_s = match fields.remove("idle_timeout_s") {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => Some(v.as_u64().ok_or(OpenBodyError::IdleTimeout(v))?),
@@ -55,36 +70,62 @@ impl OpenStream {
     }
 }
 
-/// A JSON object whose keys are all different: a `serde_json::Map` keeps the last of a
-/// repeated key, where the socket's `attach` (derived, `deny_unknown_fields`) refuses it, so
-/// `{"dataset": "a", "dataset": "b"}` would open `b` over HTTP only.
-struct UniqueKeys(serde_json::Map<String, serde_json::Value>);
+/// A JSON value none of whose objects, at any depth, repeats a key: a `serde_json::Map`
+/// keeps the last of a repeated key, where the socket's `attach` (derived,
+/// `deny_unknown_fields`) refuses it, so `{"dataset": "a", "dataset": "b"}`, or a repeated
+/// `epoch` inside `state`, would be taken over HTTP only. Checked before the body is parsed.
+struct NoRepeatedKeys;
 
-impl<'de> Deserialize<'de> for UniqueKeys {
+impl<'de> Deserialize<'de> for NoRepeatedKeys {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct Visit;
         impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = UniqueKeys;
+            type Value = NoRepeatedKeys;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
+                f.write_str("a JSON value")
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut a: A,
-            ) -> Result<UniqueKeys, A::Error> {
-                let mut map = serde_json::Map::new();
-                while let Some((k, v)) = a.next_entry::<String, serde_json::Value>()? {
-                    if map.contains_key(&k) {
+            ) -> Result<NoRepeatedKeys, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                while let Some(k) = a.next_key::<String>()? {
+                    a.next_value::<NoRepeatedKeys>()?;
+                    if !seen.insert(k.clone()) {
                         return Err(serde::de::Error::custom(format_args!(
                             "duplicate field `{k}`"
                         )));
                     }
-                    map.insert(k, v);
                 }
-                Ok(UniqueKeys(map))
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<NoRepeatedKeys, A::Error> {
+                while a.next_element::<NoRepeatedKeys>()?.is_some() {}
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
+            }
+            fn visit_unit<E>(self) -> Result<NoRepeatedKeys, E> {
+                Ok(NoRepeatedKeys)
             }
         }
-        d.deserialize_map(Visit)
+        d.deserialize_any(Visit)
     }
 }
 
@@ -207,11 +248,20 @@ mod tests {
         for body in [
             &br#"{"dataset":"a","dataset":"b"}"#[..],
             br#"{"dataset":"a","idle_timeout_s":5,"idle_timeout_s":9}"#,
+            // Inside nested objects too, at any depth.
+            br#"{"dataset":"d","state":{"epoch":0,"epoch":5,"index":0,"seed":0}}"#,
+            br#"{"mix":[{"dataset":"a","weight":1,"weight":9}],"batch_size":8}"#,
         ] {
             let e = OpenStream::from_json(body).unwrap_err();
             assert!(e.to_string().contains("duplicate field"), "{e}");
         }
         assert!(OpenStream::from_json(b"[1]").is_err());
+        // Socket-only fields are refused by name, not taken and ignored.
+        for f in ["batch_state", "batch_encoding"] {
+            let body = format!(r#"{{"dataset":"d","{f}":true}}"#);
+            let e = OpenStream::from_json(body.as_bytes()).unwrap_err();
+            assert!(matches!(e, OpenBodyError::SocketOnly(g) if g == f), "{e}");
+        }
     }
 
     #[test]
