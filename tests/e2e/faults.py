@@ -606,7 +606,7 @@ def http_request(admin: Target, method: str, path: str, body: Union[bytes, dict,
         body = json.dumps(body).encode()
     body = body or b""
     n = len(body) if content_length is None else content_length
-    lines = [f"{method} {path} HTTP/1.1", "Host: shardwire", "Connection: close", f"Content-Length: {n}"]
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", f"Content-Length: {n}"]
     if body:
         lines.append("Content-Type: application/json")
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
@@ -617,7 +617,7 @@ def http_request(admin: Target, method: str, path: str, body: Union[bytes, dict,
 def http_streamed_body(admin: Target, path: str, content_length: int, send: int, wait: float = 5.0) -> HttpOutcome:
     """A POST that claims `content_length` bytes and streams `send` bytes of body as fast as
     the server takes them (the server may answer and close before all went out)."""
-    head = f"POST {path} HTTP/1.1\r\nHost: shardwire\r\nConnection: close\r\nContent-Length: {content_length}\r\n\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {content_length}\r\n\r\n"
     t0 = time.monotonic()
     try:
         s = connect(admin)
@@ -640,11 +640,11 @@ def http_streamed_body(admin: Target, path: str, content_length: int, send: int,
 
 def http_head_drip(admin: Target, interval: float = 1.0, limit: float = 10.0) -> Drip:
     """Slowloris on the request head: 1 byte per `interval` of a never-ending header."""
-    return slowloris(admin, b"GET /v1/status HTTP/1.1\r\nHost: shardwire\r\nX-Slow: " + b"a" * 4096, interval, limit)
+    return slowloris(admin, b"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 4096, interval, limit)
 
 
 def http_body_drip(admin: Target, interval: float = 0.5, limit: float = 10.0) -> Drip:
     """Slowloris on a request body: a complete head promising 1000 bytes at once, then the
     body 1 byte per `interval`."""
-    head = b"POST /v1/streams HTTP/1.1\r\nHost: shardwire\r\nContent-Length: 1000\r\n\r\n"
+    head = b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n"
     return slowloris(admin, b"{" * 1000, interval, limit, head=head)

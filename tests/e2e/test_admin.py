@@ -279,7 +279,7 @@ def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path
         assert code == 503 and body["code"] == "unavailable" and "http_max_connections" in body["message"], body
         # A keep-alive client is not kept on a reserve connection: the answer closes it.
         import faults as F
-        out = F.http_raw(node.admin, b"GET /healthz HTTP/1.1\r\nHost: n\r\n\r\n", wait=3.0)
+        out = F.http_raw(node.admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", wait=3.0)
         assert out.status == 200 and out.headers.get("connection") == "close" and out.closed_by_peer, out
     finally:
         for t in polls:

@@ -181,7 +181,7 @@ def attack_http(admin: str, healthy: int) -> dict:
     for what, c in http_cases(healthy).items():
         out["cases"][what] = F.http_request(admin, c.method, c.path, c.body, headers=c.headers)
     out["garbage"] = F.http_raw(admin, F.random_bytes(2048, seed=3))
-    out["content-length -1"] = F.http_raw(admin, b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    out["content-length -1"] = F.http_raw(admin, b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n")
     out["body over 64 KiB"] = F.http_streamed_body(admin, "/v1/streams", 70_000, 70_000)
     # Promises more than it sends: 408 after the body timeout (one below the body limit, one
     # far above it, one on a trainer route).

@@ -334,7 +334,7 @@ def test_admin_http_bounds_header_and_body_time(sw, tmp_path):
     addr = host_port(node.admin)
     lorises = [socket.create_connection(addr, timeout=10) for _ in range(10)]
     stop = time.monotonic() + 8
-    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100
 
     def drip(s: socket.socket) -> None:
         for b in head:
@@ -358,7 +358,7 @@ def test_admin_http_bounds_header_and_body_time(sw, tmp_path):
 
     # A body shorter than its Content-Length: 408 within about the body timeout.
     with socket.create_connection(addr, timeout=10) as s:
-        s.sendall(b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"dataset\":")
         t0 = time.monotonic()
         s.settimeout(8)

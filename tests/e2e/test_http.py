@@ -238,16 +238,22 @@ def test_raw_api_codes_headers_and_limits(world: World):
     assert (st, v["code"]) == (404, "unknown_dataset")
     # What a web page can send cross-origin without a preflight: refused, nothing opened.
     body = b'{"dataset": "mix"}'
-    web = F.http_raw(a, b"POST /v1/streams HTTP/1.1\r\nHost: n\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+    web = F.http_raw(a, b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: text/plain\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     assert web.status == 415 and b"application/json" in web.body, web
     web = F.http_request(a, "POST", "/v1/streams", {"dataset": "mix"}, headers={"Origin": "http://evil.example"})
     assert web.status == 403 and b"evil.example" in web.body, web
     web = F.http_request(a, "POST", "/v1/streams/1/close", headers={"Origin": "null"})
     assert web.status == 403, web
+    # A page whose name an attacker rebinds to 127.0.0.1 is same-origin to the browser (no
+    # Origin on its GETs): on loopback, only requests addressed to localhost or an IP are served.
+    rebound = F.http_raw(a, b"GET /v1/status HTTP/1.1\r\nHost: evil.example:80\r\nConnection: close\r\n\r\n")
+    assert rebound.status == 403 and b"evil.example" in rebound.body, rebound
+    local = F.http_raw(a, b"GET /v1/status HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    assert local.status == 200, local
     # A chunked body that is not well-formed is a bad request, not one too large; one that
     # grows past 64 KiB is too large.
-    head = b"POST /v1/streams HTTP/1.1\r\nHost: n\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     bad = F.http_raw(a, head + b"zz\r\n{}\r\n0\r\n\r\n")
     assert bad.status == 400 and b"bad_request" in bad.body, bad
     big = F.http_raw(a, head + b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(9)) + b"0\r\n\r\n")
@@ -571,7 +577,7 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     st, b = http_json(serve.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=30000")
     assert st == 200, b
     (t,) = b["tensors"]
-    head = f"GET /v1/leases/{b['lease']}/tensors/{t['name']} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n"
+    head = f"GET /v1/leases/{b['lease']}/tensors/{t['name']} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     with F.connect(serve.admin, timeout=30) as c:
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         c.sendall(head.encode())

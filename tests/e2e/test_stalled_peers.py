@@ -226,7 +226,7 @@ def test_an_http_client_that_stops_reading_loses_its_connection_not_the_slot(sw,
     stalled.connect((host, int(port)))
     # Pipelined: the node answers them one after another into a client that reads nothing.
     stalled.settimeout(10.0)
-    stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+    stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 2000)
     t0 = time.monotonic()
 
     def ask(path: str) -> bytes:
@@ -235,7 +235,7 @@ def test_an_http_client_that_stops_reading_loses_its_connection_not_the_slot(sw,
         except OSError:
             return b""
         with c:
-            c.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+            c.sendall(b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % path.encode())
             return F.read_until_closed(c, wait=5.0).reply
 
     # The one slot is taken: probes are served on a reserve connection, trainer routes not.

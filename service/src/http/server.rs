@@ -72,6 +72,53 @@ impl Limits {
     }
 }
 
+/// On a node listening on loopback, a request must name this host in `Host`: `localhost` or
+/// an IP address. A web page whose name an attacker rebinds to 127.0.0.1 (DNS rebinding) is
+/// same-origin to the browser, which then sends no `Origin` on its GETs and lets it read the
+/// answers (tensor bytes, the node's status); its requests name that name.
+async fn addressed_to_this_host(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let host = req
+        .headers()
+        .get(axum::http::header::HOST)
+        .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
+    match host {
+        Some(h) if !local_host_name(&h) => ApiError::new(
+            ErrorCode::Forbidden,
+            format!(
+                "Host `{h}`: a node listening on loopback answers requests addressed to \
+                 localhost or an IP address only (a web page whose name resolves to this host \
+                 must not read it)"
+            ),
+        )
+        .into_response(),
+        _ => next.run(req).await,
+    }
+}
+
+/// Whether `host` (a `Host` header: name or address, with or without a port) is `localhost`
+/// (or a name under it) or an IP address.
+fn local_host_name(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => {
+            return v6
+                .split(']')
+                .next()
+                .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok());
+        }
+        None => host
+            .rsplit_once(':')
+            .map_or(host, |(n, port)| match port.parse::<u16>() {
+                Ok(_) => n,
+                Err(_) => host,
+            }),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name == "localhost" || name.ends_with(".localhost") || name.parse::<std::net::IpAddr>().is_ok()
+}
+
 /// How long a shutdown waits for connections to finish their current request.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -84,9 +131,12 @@ pub async fn serve(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let app = app
+    let mut app = app
         .layer(axum::middleware::from_fn(close_reserve_connections))
         .layer(axum::middleware::from_fn_with_state(limits, bounded_body));
+    if listener.local_addr().is_ok_and(|a| a.ip().is_loopback()) {
+        app = app.layer(axum::middleware::from_fn(addressed_to_this_host));
+    }
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let reserve = Arc::new(Semaphore::new(RESERVE));
     loop {
@@ -216,6 +266,37 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
                 limits.body_timeout
             );
             ApiError::new(ErrorCode::Timeout, msg).into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_answers_localhost_and_addresses_not_other_names() {
+        for ok in [
+            "localhost",
+            "localhost:7400",
+            "LocalHost.:7400",
+            "node.localhost:1",
+            "127.0.0.1:7400",
+            "10.0.0.5",
+            "[::1]:7400",
+            "[::1]",
+        ] {
+            assert!(local_host_name(ok), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "evil.example:7400",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io:7400",
+            "[evil]:1",
+            "",
+        ] {
+            assert!(!local_host_name(bad), "{bad}");
         }
     }
 }
