@@ -21,6 +21,7 @@ mod blocking;
 mod capped;
 mod error;
 mod etag;
+mod local;
 pub mod metrics;
 mod options;
 mod plan;

@@ -218,6 +218,9 @@ impl Store {
         }
         metrics::histogram!(m::REQUEST_SECONDS, "op" => "list").record(t0.elapsed().as_secs_f64());
         permit.succeeded();
+        if self.inner.url.scheme() == crate::url::Scheme::File {
+            self.name_dangling_links().await;
+        }
         let strip = if prefix.is_empty() {
             String::new()
         } else {
@@ -264,6 +267,21 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Warns of the dangling symbolic links under a `file://` dataset, which its listing
+    /// passes over without a word.
+    async fn name_dangling_links(&self) {
+        let root = std::path::PathBuf::from(self.inner.url.bucket());
+        let found = tokio::task::spawn_blocking(move || crate::local::dangling_links(&root))
+            .await
+            .unwrap_or_default();
+        if !found.is_empty() {
+            let shown: Vec<&str> = found.iter().take(20).map(String::as_str).collect();
+            tracing::warn!(dir = %self.inner.url.bucket(), links = found.len(),
+                "symbolic links whose targets are missing are not in the dataset (an unmounted volume?): {}{}",
+                shown.join(", "), if found.len() > shown.len() { ", ..." } else { "" });
+        }
     }
 
     /// Size and ETag of `key`.
