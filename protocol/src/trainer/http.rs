@@ -44,8 +44,7 @@ impl OpenStream {
     /// out first.
     pub fn from_json(body: &[u8]) -> Result<Self, OpenBodyError> {
         serde_json::from_slice::<NoRepeatedKeys>(body)?;
-        let mut fields: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(body)?;
+        let mut fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)?;
         if let Some(f) = SOCKET_ONLY.iter().find(|f| fields.contains_key(**f)) {
             return Err(OpenBodyError::SocketOnly(f));
         }
