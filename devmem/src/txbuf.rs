@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::mem::DmabufMem;
@@ -34,7 +34,9 @@ pub struct TxBuffer {
     slot_len: usize,
     free: Mutex<Vec<usize>>,
     /// Slots dropped with bytes in flight, and when they may be used again.
-    quarantined: Mutex<Vec<(usize, Instant)>>,
+    /// Slots dropped with sends not completed: free again once both the time has passed and
+    /// the socket they were tied to ([`TxSlot::tie`]) is closed.
+    quarantined: Mutex<Vec<(usize, Instant, Option<Weak<dyn Send + Sync>>)>>,
     /// The TX binding id; 0 means "no binding": iovec bases are then addresses (the kernel's
     /// ordinary MSG_ZEROCOPY path, which tests use on loopback).
     id: std::sync::atomic::AtomicU32,
@@ -103,10 +105,10 @@ impl TxBuffer {
         self.quarantined
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|&(i, until)| {
-                let over = until <= now;
+            .retain(|(i, until, socket)| {
+                let over = *until <= now && socket.as_ref().is_none_or(|w| w.strong_count() == 0);
                 if over {
-                    free.push(i);
+                    free.push(*i);
                 }
                 !over
             });
@@ -120,6 +122,7 @@ impl TxBuffer {
             pending: VecDeque::new(),
             next_send: 0,
             reserved: 0,
+            socket: None,
         })
     }
 }
@@ -139,11 +142,22 @@ pub struct TxSlot {
     next_send: u32,
     /// Bytes of the last reservation ([`TxSlot::reserve`]): what the next send may use.
     reserved: u64,
+    /// Alive while the socket that sends from this slot is open ([`TxSlot::tie`]).
+    socket: Option<Weak<dyn Send + Sync>>,
 }
 
 impl TxSlot {
     fn len(&self) -> u64 {
         self.buf.slot_len as u64
+    }
+
+    /// Ties the slot to a socket: `alive` has a strong reference wherever a descriptor of the
+    /// socket is open. A slot dropped with sends not completed is reused only once the socket
+    /// is closed too, not merely after [`QUARANTINE`]: a socket still open (a second
+    /// descriptor, held by a task busy elsewhere) keeps its unsent bytes queued, and the
+    /// kernel sends them from the slot's pages when its peer reads again.
+    pub fn tie(&mut self, alive: Weak<dyn Send + Sync>) {
+        self.socket = Some(alive);
     }
 
     /// Bytes sent and not yet completed.
@@ -237,7 +251,7 @@ impl Drop for TxSlot {
                 .quarantined
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            q.push((self.index, until));
+            q.push((self.index, until, self.socket.take()));
             return;
         }
         self.buf
@@ -291,6 +305,23 @@ mod tests {
         assert_eq!(s.in_flight(), 0);
         drop(s);
         assert!(b.slot().is_some(), "a dropped slot is free again");
+    }
+
+    /// A slot tied to a socket that is still open after the quarantine (a second descriptor
+    /// held elsewhere) stays out of use until the socket is closed.
+    #[test]
+    fn a_slot_tied_to_an_open_socket_waits_for_it_to_close() {
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        let socket: Arc<dyn Send + Sync> = Arc::new(());
+        s.tie(Arc::downgrade(&socket));
+        s.reserve(100).unwrap().1.fill(3);
+        s.sent(100);
+        drop(s);
+        let later = Instant::now() + QUARANTINE + Duration::from_secs(1);
+        assert!(b.slot_at(later).is_none(), "its socket is still open");
+        drop(socket);
+        assert!(b.slot_at(later).is_some(), "closed and past the quarantine");
     }
 
     #[test]

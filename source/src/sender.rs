@@ -107,6 +107,9 @@ pub(crate) struct Sender {
     pub progress: Arc<Progress>,
     /// Next announcement sequence number on this connection.
     pub seq: u64,
+    /// Held while `conn` is open (dropped after it, [`Drop`] closing `conn` first): see
+    /// `TxSlot::tie`.
+    _open: Arc<dyn Send + Sync>,
 }
 
 impl Sender {
@@ -126,13 +129,19 @@ impl Sender {
         let q = Arc::clone(&progress);
         let conn_end = stream.try_clone().ok();
         let ifname: Arc<str> = devmem.map_or("".into(), |p| p.ifname.as_str().into());
+        // Held wherever a descriptor of the socket is open (this thread's, the session's):
+        // a devmem TX slot dropped with sends not completed is reused only once both are
+        // closed, since an open socket still sends its queued bytes from the slot's pages.
+        let alive: Arc<dyn Send + Sync> = Arc::new(());
+        let open_here = Arc::clone(&alive);
         let slot = devmem.and_then(|p| {
-            let s = p.buffer.slot();
-            if s.is_none() {
-                tracing::warn!(
+            let mut s = p.buffer.slot();
+            match &mut s {
+                Some(s) => s.tie(Arc::downgrade(&alive)),
+                None => tracing::warn!(
                     conn,
                     "every devmem TX slot is in use: this data connection sends with sendfile"
-                );
+                ),
             }
             s
         });
@@ -164,12 +173,15 @@ impl Sender {
                     failed.notify_one();
                 }
                 let _ = stream.shutdown(std::net::Shutdown::Both);
+                drop(stream);
+                drop(open_here);
             })?;
         Ok(Self {
             tx,
             conn: conn_end,
             progress,
             seq: 0,
+            _open: alive,
         })
     }
 
