@@ -27,16 +27,18 @@ use crate::tx::Completion;
 /// socket's retransmit queue nor the NIC reads its bytes any more.
 pub const QUARANTINE: Duration = Duration::from_secs(10);
 
+/// A quarantined slot: its index, the end of its quarantine, and its socket's liveness.
+type Quarantined = (usize, Instant, Option<Weak<dyn Send + Sync>>);
+
 /// A TX dma-buf split into per-connection slots.
 #[derive(Debug)]
 pub struct TxBuffer {
     mem: DmabufMem,
     slot_len: usize,
     free: Mutex<Vec<usize>>,
-    /// Slots dropped with bytes in flight, and when they may be used again.
     /// Slots dropped with sends not completed: free again once both the time has passed and
     /// the socket they were tied to ([`TxSlot::tie`]) is closed.
-    quarantined: Mutex<Vec<(usize, Instant, Option<Weak<dyn Send + Sync>>)>>,
+    quarantined: Mutex<Vec<Quarantined>>,
     /// The TX binding id; 0 means "no binding": iovec bases are then addresses (the kernel's
     /// ordinary MSG_ZEROCOPY path, which tests use on loopback).
     id: std::sync::atomic::AtomicU32,
