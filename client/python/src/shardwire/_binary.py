@@ -9,14 +9,13 @@ resume state stays JSON bytes until a checkpoint asks for it.
 
 from __future__ import annotations
 
-import json
 import struct
 from typing import Any
 
 import numpy as np
 
 from ._errors import ProtocolError
-from ._types import TensorView, _sized_dtype
+from ._types import TensorView, _loads, _sized_dtype
 
 #: First byte of a binary ``batch`` body (a JSON body starts with ``{``).
 TAG = 0x01
@@ -35,10 +34,7 @@ _MAX_DESCS = 1024
 
 def decode_state(raw: bytes) -> dict[str, Any]:
     """The resume state a binary ``batch`` carried as JSON bytes (``state_raw``)."""
-    try:
-        state = json.loads(raw)
-    except ValueError as e:
-        raise ProtocolError(f"malformed state in a binary batch reply: {e}: {raw!r}") from e
+    state = _loads(raw, f"state in a binary batch reply {raw[:200]!r}")
     if not isinstance(state, dict):
         raise ProtocolError(f"the state in a binary batch reply is not an object: {raw!r}")
     return state

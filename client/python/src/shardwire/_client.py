@@ -9,7 +9,6 @@ tensors are :class:`shardwire.CudaTensor` views in GPU memory.
 from __future__ import annotations
 
 import fcntl
-import math
 import mmap
 import os
 import socket
@@ -25,11 +24,11 @@ import numpy as np
 
 from . import _binary, _device, _wire
 from ._arrow import ArrowExport
-from ._cuda import _ON_GPU, CudaRegion
+from ._cuda import _ON_GPU, CudaRegion, CudaTensor
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._options import StreamOptions, document
-from ._tensor import Tensor
-from ._types import _WOKEN, StreamInfo, TensorView, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
+from ._tensor import RegionBytes, Tensor
+from ._types import _WOKEN, StreamInfo, TensorView, _BatchBase, _int, _sized_dtype, _StreamBase, _tensor_view, _timeout_ms
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._http import HttpClient
@@ -152,23 +151,45 @@ class Client:
             conn.close()
 
 
-def _tensor(region: np.ndarray | CudaRegion, v: TensorView, dt: np.dtype[Any] | None = None) -> Any:
+class _Hold:
+    """What holds a kept batch's lease: the batch and each of its tensors refer to it, so a
+    tensor kept after its batch is dropped (``x = stream.next().keep()["x"]``) still holds the
+    lease its bytes lie in. A kept batch's lease is released (with the stream's next request)
+    when this is collected: once the batch and the last of its tensors (and views of them,
+    DLPack imports included) are gone. While the batch is kept it holds the stream too: a
+    tensor, like its batch, keeps the stream, whose connection holds the lease, open. Nothing
+    refers back to it, so no reference cycle waits for the garbage collector."""
+
+    __slots__ = ("stream", "__weakref__")
+
+    def __init__(self) -> None:
+        #: The stream, from keep() to release().
+        self.stream: Stream | None = None
+
+
+def _tensor(region: np.ndarray | CudaRegion, v: TensorView, dt: np.dtype[Any] | None = None, hold: _Hold | None = None) -> Any:
     """A read-only numpy view of tensor `v` in `region` (the stream's region as one byte array,
     no copy); a CudaTensor for a CUDA region. `dt`: `v`'s dtype already checked against its
-    length (see ``_sized_dtype``)."""
+    length (see ``_sized_dtype``). `hold`: what holds the lease of the tensor's batch, kept by
+    the tensor (see `_Hold`)."""
     if dt is None:
         dt = _sized_dtype(v)
     if v.offset < 0 or v.offset + v.length > len(region):
         raise ProtocolError(f"tensor {v.name!r}: bytes {v.offset}..{v.offset + v.length} lie outside the region of {len(region)} bytes")
+    t: Tensor | CudaTensor
     try:
         if isinstance(region, CudaRegion):
-            return region.tensor(v.offset, v.length, dt, v.shape)
-        # One constructor call: read-only because the region's buffer is. Its base is the
-        # byte array, which holds the mapping's buffer export (numpy does not hold one for an
-        # array made this way): while the tensor lives, the stream cannot unmap the region.
-        return Tensor(v.shape, dt, buffer=region, offset=v.offset)
+            t = region.tensor(v.offset, v.length, dt, v.shape)
+        else:
+            # One constructor call: read-only because the region's buffer is. Its base is the
+            # byte array, which holds the mapping's buffer export (numpy does not hold one for
+            # an array made this way): while the tensor lives, the stream cannot unmap the
+            # region. (A RegionBytes: see there why not a plain ndarray.)
+            t = Tensor(v.shape, dt, buffer=region, offset=v.offset)
     except ValueError as e:  # a shape numpy cannot make (more than 64 dims, too big)
         raise ProtocolError(f"tensor {v.name!r}: shape {list(v.shape)} of {dt} cannot be viewed: {e}") from e
+    t._hold = hold
+    return t
 
 
 #: The request :meth:`Stream._send_next` records as in flight (its bytes are encoded apart).
@@ -228,7 +249,7 @@ class Batch(_BatchBase):
         views: Where each tensor lies in the region.
     """
 
-    __slots__ = ("_stream", "_released", "_on_drop")
+    __slots__ = ("_stream", "_released", "_on_drop", "_hold")
 
     _NAME = "Batch"
 
@@ -240,12 +261,15 @@ class Batch(_BatchBase):
                  region: np.ndarray | CudaRegion, dtypes: list[np.dtype[Any]] | None = None) -> None:
         self._stream = stream  # type: ignore[assignment]  # set at hand-out when None
         self._released = False
-        #: Once kept: releases the lease if the batch is garbage-collected before release().
+        #: Once kept: releases the lease when the batch and its tensors are all garbage-collected
+        #: before release() (a finalizer of `_hold`).
         self._on_drop: weakref.finalize | None = None
+        #: What holds the lease once kept, with every tensor (see `_Hold`).
+        self._hold = hold = _Hold()
         if dtypes is None:
-            tensors = {v.name: _tensor(region, v) for v in views}
+            tensors = {v.name: _tensor(region, v, None, hold) for v in views}
         else:
-            tensors = {v.name: _tensor(region, v, dt) for v, dt in zip(views, dtypes)}
+            tensors = {v.name: _tensor(region, v, dt, hold) for v, dt in zip(views, dtypes)}
         super().__init__(lease, epoch, index, shard, views, tensors)
 
     def _repr_state(self) -> str:
@@ -275,24 +299,47 @@ class Batch(_BatchBase):
     @property
     def released(self) -> bool:
         """True once released (explicitly, automatically, or because the stream closed)."""
-        return self._released or self._stream.closed
+        # (A batch built ahead of its turn has no stream yet: not released.)
+        return self._released or (self._stream is not None and self._stream.closed)
 
     def keep(self) -> Batch:
         """Exempts this batch from auto-release: it stays leased (its bytes valid) until
         :meth:`release`. Returns the batch. Kept batches occupy stream memory: a trainer that
         keeps too many stalls its stream (the service fetches ahead only into free memory). A
         kept batch that is dropped (garbage-collected) without :meth:`release` is released with
-        the stream's next request."""
+        the stream's next request, once its tensors (and the views and DLPack imports of them)
+        are gone too: a tensor keeps its batch's lease.
+
+        Safe from a signal handler that interrupted this stream's own ``next`` in the same
+        thread (``keep()`` a batch you read in a handler): that call does not release it then."""
         s = self._stream
+        s._check_process()
+        if s._in_handler():
+            # The lock would never come (this thread's own call holds it). Marking the batch
+            # without it is safe: the call claims the batch for release by checking `_kept`
+            # both before and after it marks it released (see `Stream._claim`).
+            return self._keep()
         with s._lock:  # not while another thread's `next` releases it
-            if self.released:
-                raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
-            if self.lease not in s._kept_leases:
-                s._kept_leases.add(self.lease)
-                # The callback holds the stream's queue only (not the stream, nor this batch):
-                # it may run anywhere, also inside the stream's own calls, so it only appends.
-                self._on_drop = weakref.finalize(self, s._dropped.append, self.lease)
-            return super().keep()
+            return self._keep()
+
+    def _keep(self) -> Batch:
+        s = self._stream
+        if self.released:
+            raise ShardwireError("released", f"batch {self.epoch}/{self.index} (lease {self.lease}) was already released; keep() must come before the next batch is taken")
+        if self.lease not in s._kept_leases:
+            s._kept_leases.add(self.lease)
+            # The callback holds the stream's queue only (not the stream, nor this batch): it
+            # may run anywhere, also inside the stream's own calls, so it only appends.
+            self._on_drop = weakref.finalize(self._hold, s._dropped.append, self.lease)
+            self._hold.stream = s
+        return super().keep()
+
+    def _let_go(self) -> None:
+        """Once a kept batch is released: neither its finalizer nor its tensors' hold on the
+        stream is needed any more."""
+        if self._on_drop is not None:
+            self._on_drop.detach()
+        self._hold.stream = None
 
     def release(self) -> None:
         """Gives the batch's memory back to the service. A no-op if already released (also
@@ -305,9 +352,13 @@ def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
     if not isinstance(gpu, Mapping):
         raise ProtocolError(f"attached with memory \"cuda\" but gpu = {gpu!r}")
     try:
-        return CudaRegion(fd, size, pci_bus_id=str(gpu["pci_bus_id"]), granularity=int(gpu["granularity"]))
-    except (KeyError, ValueError) as e:
-        raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {e}") from e
+        bus_id, granularity = gpu["pci_bus_id"], _int(gpu["granularity"], "gpu.granularity")
+        if not isinstance(bus_id, str):
+            raise ProtocolError(f"the field gpu.pci_bus_id is {bus_id!r}, not a string")
+        return CudaRegion(fd, size, pci_bus_id=bus_id, granularity=granularity)
+    except (KeyError, ValueError, ProtocolError) as e:
+        why = e.message if isinstance(e, ProtocolError) else f"{type(e).__name__}: {e}"
+        raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {why}") from e
 
 
 def _connect(path: str) -> socket.socket:
@@ -335,10 +386,10 @@ def _attached_info(msg: dict[str, Any]) -> StreamInfo:
     malformed (never a KeyError or a ValueError, which would read as a bad argument)."""
     try:
         info = StreamInfo(
-            stream=int(msg["stream"]),
-            region_size=int(msg["region_size"]),
-            batches_per_epoch=int(msg["batches_per_epoch"]),
-            epochs=int(msg["epochs"]),
+            stream=_int(msg["stream"], "stream"),
+            region_size=_int(msg["region_size"], "region_size"),
+            batches_per_epoch=_int(msg["batches_per_epoch"], "batches_per_epoch"),
+            epochs=_int(msg["epochs"], "epochs"),
             memory=str(msg["memory"]),
             state=dict(msg["state"]),
             gpu=dict(msg["gpu"]) if msg.get("gpu") is not None else None,
@@ -471,7 +522,9 @@ class Stream(_StreamBase[Batch]):
         self._region: memoryview | CudaRegion | None = region if self._cuda is not None else memoryview(region)
         #: What batch tensors are views of: the host region as one byte array (it holds the
         #: buffer export that keeps the mapping while any tensor lives), or the CudaRegion.
-        self._base: np.ndarray | CudaRegion | None = self._cuda if self._cuda is not None else np.frombuffer(self._region, np.uint8)
+        self._base: np.ndarray | CudaRegion | None = (
+            self._cuda if self._cuda is not None else np.frombuffer(self._region, np.uint8).view(RegionBytes)
+        )
         #: The batch handed out last, until it is released (see `_Held`).
         self._held: _Held | None = None
         #: Requests sent whose replies are not read yet ("next" asked ahead, "release"), in order.
@@ -480,6 +533,9 @@ class Stream(_StreamBase[Batch]):
         #: `_resume_raw` is set, that state is its JSON, decoded when asked for.
         self._resume: dict[str, Any] = dict(info.state)
         self._resume_raw: bytes | None = None
+        #: While a call takes a batch (`_take`): (`_resume`, `_resume_raw`) as they were before
+        #: it, the trainer's state until it returns (see `_state_in_handler`).
+        self._given: tuple[dict[str, Any], bytes | None] | None = None
         #: Leases of kept batches not yet released: while there are any, no batch is asked
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and
         #: the batches asked for would wait for its releases).
@@ -620,22 +676,35 @@ class Stream(_StreamBase[Batch]):
             self._broken(f"a malformed reply from the node service closed it ({e.message})")
 
     def _reply(self, req: dict[str, Any], expect: str) -> dict[str, Any]:
-        """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError)."""
+        """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError;
+        anything else closes the stream, see `_unexpected`)."""
         self._settle()
         msg = self._exchange(req)
         if msg["op"] == "error":
             raise _service_error(msg)
         if msg["op"] != expect:
-            raise ProtocolError(f"unexpected answer to {req['op']}: {msg!r}")
+            raise self._unexpected(req["op"], msg)
         return msg
 
     def _settle(self) -> None:
         """Reads the answers of releases sent while a `next` was in flight (an error among
         them raises). Stops at a `next` still in flight."""
         while self._inflight and self._inflight[0] == "release":
-            msg = self._answer("release")
-            if msg["op"] != "released":
-                raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
+            self._check_released(self._answer("release"))
+
+    def _check_released(self, msg: dict[str, Any]) -> None:
+        """Checks the answer `msg` to a ``release``: ``released``; an ``error`` raises
+        ServiceError; anything else closes the stream (see `_unexpected`)."""
+        if msg["op"] != "released":
+            raise _service_error(msg) if msg["op"] == "error" else self._unexpected("release", msg)
+
+    def _unexpected(self, op: str, msg: dict[str, Any]) -> ProtocolError:
+        """The error of an answer `msg` that the request `op` never has. Which request the
+        answers after it answer can no longer be told, so the stream is closed first (as for a
+        reply that cannot be read, `_malformed`; the Rust SDK's ``broke``)."""
+        e = ProtocolError(f"unexpected answer to {op}: {msg!r}")
+        self._malformed(e)
+        return e
 
     def next(self, timeout: float | None = None) -> Batch | None:
         """The next batch in plan order, or None when every epoch was delivered.
@@ -670,6 +739,16 @@ class Stream(_StreamBase[Batch]):
         return super().next(timeout)
 
     def _take(self, timeout: float | None) -> Batch | None:
+        # Until this call returns, the trainer's state is the one before it: a signal handler
+        # that asks for it meanwhile gets that one (see `_state_in_handler`).
+        self._given = (self._resume, self._resume_raw)
+        try:
+            return self._take_batch(timeout)
+        finally:
+            self._given = None
+
+    def _take_batch(self, timeout: float | None) -> Batch | None:
+        """`_take`, on an open stream that has not ended (lock held)."""
         if self._unclaimed is not None:
             (b, state, prev), self._unclaimed = self._unclaimed, None
             self._resume, self._resume_raw = state
@@ -717,7 +796,7 @@ class Stream(_StreamBase[Batch]):
             raise self._timeout(timeout)
         if kind == "error":
             raise _service_error(msg)
-        raise ProtocolError(f"unexpected answer to next: {msg!r}")
+        raise self._unexpected("next", msg)
 
     def _next_answer(self, wait: float | None, timeout: float | None) -> dict[str, Any]:
         """The next answer to the `next` in flight, after those to the releases sent before
@@ -760,8 +839,7 @@ class Stream(_StreamBase[Batch]):
             if msg.get("more"):
                 self._inflight.appendleft("next")  # the same request answers again
             return msg
-        if msg["op"] != "released":
-            raise _service_error(msg) if msg["op"] == "error" else ProtocolError(f"unexpected answer to release: {msg!r}")
+        self._check_released(msg)
         return None
 
     def _send_pending(self) -> None:
@@ -838,7 +916,8 @@ class Stream(_StreamBase[Batch]):
             raise ProtocolError("a batch without its state: the node service is older than this SDK")
         try:
             views = [_tensor_view(t) for t in msg["tensors"]]
-            b = Batch(self, int(msg["lease"]), int(msg["epoch"]), int(msg["index"]), int(msg["shard"]), views, self._base)
+            lease, epoch, index, shard = (_int(msg[k], k) for k in ("lease", "epoch", "index", "shard"))
+            b = Batch(self, lease, epoch, index, shard, views, self._base)
             self._resume, self._resume_raw = dict(msg["state"]), None
         except KeyError as e:
             raise ProtocolError(f"a batch answer without the field {e}: {msg!r}") from e
@@ -923,6 +1002,11 @@ class Stream(_StreamBase[Batch]):
             return None
         else:
             b._released = True
+            if b._kept:
+                # keep() from a signal handler that interrupted this call (it takes no lock)
+                # between the check and the mark: the batch is kept after all.
+                b._released = False
+                return None
         held.done = True
         return held.lease
 
@@ -935,7 +1019,7 @@ class Stream(_StreamBase[Batch]):
         if self._pending and self._cuda is not None:
             self._gpu_done()
         count = 1 if self._kept_leases else _NEXT_COUNT
-        timeout_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        timeout_ms = None if timeout is None else _timeout_ms(timeout)
         (self._post if ahead else self._send)(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
         self._pending.clear()
 
@@ -974,8 +1058,7 @@ class Stream(_StreamBase[Batch]):
             if batch._released:
                 return
             batch._released = True
-        if batch._on_drop is not None:
-            batch._on_drop.detach()
+        batch._let_go()
         self._dropped.append(batch.lease)  # still kept: `_drain_dropped` releases it
 
     def _release_locked(self, batch: Batch) -> None:
@@ -995,8 +1078,7 @@ class Stream(_StreamBase[Batch]):
                 return
             batch._released = True
         self._kept_leases.discard(batch.lease)
-        if batch._on_drop is not None:
-            batch._on_drop.detach()
+        batch._let_go()
         if self._closed:
             return  # closing the connection released it
         if self._held is not None and self._held.ref() is batch:
@@ -1024,6 +1106,22 @@ class Stream(_StreamBase[Batch]):
         # The state's JSON bytes while they are not decoded yet: a copy of a position, kept
         # per batch by shardwire.torch, decoded only when a checkpoint asks for it.
         return self._resume_raw if self._resume_raw is not None else dict(self._resume)
+
+    def _state_in_handler(self) -> dict[str, Any]:
+        # No request: the state is here. Decoded without storing it (the interrupted call may
+        # be setting it), and the trainer's: the one before the batch that call is taking.
+        resume, raw = self._trainer_state()
+        return _binary.decode_state(raw) if raw is not None else dict(resume)
+
+    def _snapshot_in_handler(self) -> dict[str, Any] | bytes:
+        resume, raw = self._trainer_state()
+        return raw if raw is not None else dict(resume)
+
+    def _trainer_state(self) -> tuple[dict[str, Any], bytes | None]:
+        """(`_resume`, `_resume_raw`) of the last batch handed to the trainer: while a call
+        takes the next one, as they were before it (`_given`)."""
+        given = self._given
+        return given if given is not None else (self._resume, self._resume_raw)
 
     @property
     def region(self) -> Any:

@@ -339,10 +339,11 @@ class CudaTensor:
     region's memory; **do not write to it** (see the module docstring). numpy conversion
     raises TypeError: the bytes are not in host memory.
 
-    The tensor keeps its owner (the :class:`CudaRegion`) alive, and every DLPack capsule keeps
-    the tensor alive until its consumer calls the capsule's deleter (e.g. when the torch tensor
-    is freed). The batch lifetime rules still apply: after the batch is released the service
-    reuses the bytes.
+    The tensor keeps its owner (the :class:`CudaRegion`) alive, and the lease of its batch (a
+    kept batch is not released while the tensor lives, even if the batch was dropped); every
+    DLPack capsule keeps the tensor alive until its consumer calls the capsule's deleter (e.g.
+    when the torch tensor is freed). The batch lifetime rules still apply: after the batch is
+    released the service reuses the bytes.
 
     Attributes:
         ptr: Device pointer of the first element.
@@ -352,7 +353,7 @@ class CudaTensor:
         device: CUDA ordinal in this process.
     """
 
-    __slots__ = ("ptr", "shape", "dtype", "nbytes", "device", "_owner", "__weakref__")
+    __slots__ = ("ptr", "shape", "dtype", "nbytes", "device", "_owner", "_hold", "__weakref__")
 
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype: Any, device: int, owner: Any = None) -> None:
         self.ptr = int(ptr)
@@ -361,6 +362,9 @@ class CudaTensor:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.device = int(device)
         self._owner = owner
+        #: What holds its batch's lease (``shardwire._client._Hold``), set by the stream: a
+        #: kept batch stays leased while this tensor (or a DLPack import of it) lives.
+        self._hold: Any = None
 
     @property
     def ndim(self) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._errors import ConnectError, ConnectionClosed, ProtocolError, ServiceError, ShardwireError
 from ._options import StreamOptions, document
-from ._types import StreamInfo, _BatchBase, _sized_dtype, _StreamBase, _tensor_view
+from ._types import StreamInfo, TensorView, _BatchBase, _int, _loads, _sized_dtype, _StreamBase, _tensor_view, _timeout_ms
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._options import StreamKeywords, Unpack
@@ -184,16 +184,13 @@ class _Reply:
         self.body = body
 
     def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            raise ProtocolError(f"HTTP {self.status}: expected JSON, got {bytes(self.body[:200])!r}") from None
+        return _loads(self.body, f"HTTP {self.status} answer {bytes(self.body[:200])!r} (expected JSON)")
 
     def error(self) -> ShardwireError:
         try:
-            v = json.loads(self.body)
+            v = _loads(self.body, "error")
             return ServiceError(str(v["code"]), str(v["message"]))
-        except (ValueError, KeyError, TypeError):
+        except (ProtocolError, KeyError, TypeError):
             return ProtocolError(f"HTTP {self.status}: {bytes(self.body[:200])!r}")
 
 
@@ -240,14 +237,14 @@ class HttpStream(_StreamBase[HttpBatch]):
         try:
             v = r.json()
             info = StreamInfo(
-                stream=int(v["stream"]),
+                stream=_int(v["stream"], "stream"),
                 region_size=0,
-                batches_per_epoch=int(v["batches_per_epoch"]),
-                epochs=int(v["epochs"]),
+                batches_per_epoch=_int(v["batches_per_epoch"], "batches_per_epoch"),
+                epochs=_int(v["epochs"], "epochs"),
                 memory="http",
                 state=dict(v["state"]),
             )
-            idle = int(v.get("idle_timeout_s", 300))
+            idle = _int(v.get("idle_timeout_s", 300), "idle_timeout_s")
         except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as e:
             # A stream that opened, maybe: closed (best effort), as it cannot be used.
             if isinstance(v := _maybe_json(r), dict) and isinstance(v.get("stream"), int):
@@ -308,7 +305,7 @@ class HttpStream(_StreamBase[HttpBatch]):
     def _take(self, timeout: float | None) -> HttpBatch | None:
         if self._unclaimed is not None:
             return self._claim(self._unclaimed)
-        left = None if timeout is None else math.ceil(timeout * 1000)
+        left = None if timeout is None else _timeout_ms(timeout)
         while True:
             if self._interrupted:  # close() meanwhile, between two long polls
                 self._close_locked()
@@ -326,14 +323,15 @@ class HttpStream(_StreamBase[HttpBatch]):
             if r.status != 200:
                 raise r.error()
             v = r.json()
+            if not isinstance(v, dict):
+                raise ProtocolError(f"an answer to next that is not an object: {r.body[:200]!r}")
             if v.get("end"):
                 self._ended = True
                 return None
             return self._download(v)
 
     def _download(self, v: dict[str, Any]) -> HttpBatch:
-        lease = int(v["lease"])
-        views = [_tensor_view(t, offset=-1) for t in v["tensors"]]
+        lease, epoch, index, shard, views = _batch_fields(v)
         tensors: dict[str, np.ndarray] = {}
         # Until its tensors are in and its lease released, the batch is not received: an error
         # or an interrupt leaves the lease held and `after` naming the batch before it, so the
@@ -347,7 +345,7 @@ class HttpStream(_StreamBase[HttpBatch]):
             if len(r.body) != tv.length:
                 raise ProtocolError(f"tensor {tv.name!r}: {len(r.body)} bytes arrived, the batch says {tv.length}")
             tensors[tv.name] = np.frombuffer(r.body, dtype=dt).reshape(tv.shape)
-        self._unclaimed = HttpBatch(lease, int(v["epoch"]), int(v["index"]), int(v["shard"]), views, tensors)
+        self._unclaimed = HttpBatch(lease, epoch, index, shard, views, tensors)
         return self._claim(self._unclaimed)
 
     def _claim(self, b: HttpBatch) -> HttpBatch:
@@ -431,6 +429,21 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     def _repr_where(self) -> str:
         return f" {self._client.url}"
+
+
+def _batch_fields(v: dict[str, Any]) -> tuple[int, int, int, int, list[TensorView]]:
+    """(lease, epoch, index, shard, views) of a batch answer `v`, read before any download; a
+    field missing or of the wrong type is a ProtocolError naming it (as on the socket)."""
+    try:
+        lease, epoch, index, shard = (_int(v[k], k) for k in ("lease", "epoch", "index", "shard"))
+        tensors = v["tensors"]
+        if not isinstance(tensors, list):
+            raise ProtocolError(f"the field tensors is {tensors!r}, not a list")
+        return lease, epoch, index, shard, [_tensor_view(t, offset=-1) for t in tensors]
+    except KeyError as e:
+        raise ProtocolError(f"a batch answer without the field {e}: {v!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"a batch answer with a field this SDK cannot read ({e}): {v!r}") from e
 
 
 #: The first allocation of a body read with `_read_exactly`; it doubles as bytes arrive.

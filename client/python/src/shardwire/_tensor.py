@@ -28,8 +28,24 @@ class _Alias(np.ndarray):
     _owner: Any = None
 
 
+class RegionBytes(np.ndarray):
+    """The stream's region as one byte array, the buffer every :class:`Tensor` views. Not a
+    plain ``ndarray``: numpy collapses a view's base to the first array of the view's own type
+    that owns its data or views a non-array, so a plain-ndarray view of a tensor
+    (``np.asarray(t)``, what ``__dlpack__`` exports) would skip past a tensor whose base were a
+    plain ndarray, and with it the lease the tensor holds. A base of another type stops the
+    collapse at the tensor, which the view then keeps alive."""
+
+
 class Tensor(np.ndarray):
-    """A read-only, zero-copy view of a tensor in the stream's region (a ``numpy.ndarray``)."""
+    """A read-only, zero-copy view of a tensor in the stream's region (a ``numpy.ndarray``).
+
+    It holds the lease of its batch (``_hold``): while it, or any view or DLPack import of it,
+    is alive, a kept batch is not released even if the batch itself was dropped."""
+
+    #: What holds its batch's lease (``shardwire._client._Hold``); None for arrays numpy
+    #: derives from it (slices, results), which keep it alive through their base instead.
+    _hold: Any = None
 
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: Any = None, copy: bool | None = None) -> Any:

@@ -12,6 +12,7 @@ a transport adds what releasing it means.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -95,12 +96,55 @@ NO_SHARD = 0xFFFF_FFFF
 Shuffle = Literal["none", "shards", "block"]
 
 
+def _loads(raw: bytes | bytearray, what: str) -> Any:
+    """`raw` decoded as JSON; ProtocolError naming `what` if it is not JSON, or is nested too
+    deeply to decode (``json`` raises RecursionError, which must not escape as a bug of the
+    caller)."""
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ProtocolError(f"malformed {what}: {e}") from e
+    except RecursionError as e:
+        raise ProtocolError(f"malformed {what}: nested too deeply to decode ({len(raw)} bytes)") from e
+
+
+def _int(value: Any, field: str) -> int:
+    """`value`, a JSON integer field of the service's named `field`; ProtocolError naming both
+    if it is anything else (``int()`` would take ``true`` as 1, ``2.5`` as 2, ``"7"`` as 7)."""
+    if type(value) is not int:
+        raise ProtocolError(f"the field {field} is {value!r}, not an integer")
+    return value
+
+
 def _tensor_view(t: Mapping[str, Any], offset: int | None = None) -> TensorView:
     """The :class:`TensorView` of one entry of a batch's ``tensors``; `offset` replaces the
     entry's own (HTTP batches have no region)."""
+    if not isinstance(t, Mapping):
+        raise ProtocolError(f"an entry of tensors is {t!r}, not an object")
+    shape = t["shape"]
+    if not isinstance(shape, list):
+        raise ProtocolError(f"the field shape of tensor {t.get('name')!r} is {shape!r}, not a list")
     return TensorView(
-        str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"]) if offset is None else offset, int(t["length"])
+        str(t["name"]),
+        str(t["dtype"]),
+        tuple(_int(d, "shape") for d in shape),
+        _int(t["offset"], "offset") if offset is None else offset,
+        _int(t["length"], "length"),
     )
+
+
+#: The largest wait a request may name: ``timeout_ms`` is a u64 on the wire.
+_U64_MAX = 2**64 - 1
+
+
+def _timeout_ms(timeout: float) -> int:
+    """`timeout` seconds (>= 0, maybe infinite) in whole milliseconds rounded up, as the node
+    takes a wait (0.5 ms is 1 ms, not 0, which would ask for an answer at once); saturated at
+    u64::MAX, like the Rust SDK's ``timeout_ms`` (``sys.maxsize`` s or ``1e306`` s wait as
+    long as it takes instead of being refused or overflowing)."""
+    if timeout >= _U64_MAX / 1000:
+        return _U64_MAX
+    return min(_U64_MAX, max(0, math.ceil(timeout * 1000)))
 
 
 def _dtype(v: TensorView) -> np.dtype[Any]:
@@ -289,6 +333,21 @@ class _StreamBase(Generic[_BatchT]):
                 "one in each DataLoader worker)"
             ))
 
+    def _in_handler(self) -> bool:
+        """True when this thread holds the stream's lock: a signal handler that interrupted
+        this stream's own call in this thread (a SIGTERM handler while ``next`` waits). Waiting
+        for the lock there would never end (see :meth:`close`)."""
+        return self._lock.held_here()
+
+    def _refuse_in_handler(self, what: str) -> ShardwireError:
+        """The error of `what`, which cannot run from a signal handler that interrupted this
+        stream's own call (see `_in_handler`)."""
+        return ShardwireError("reentrant", (
+            f"stream {self.info.stream}: {what} was called from a signal handler that interrupted this "
+            "stream's own call in the same thread; it needs the connection that call is using. Call it "
+            "after that call returns (e.g. set a flag in the handler and save the checkpoint in the loop)"
+        ))
+
     def _check_open(self) -> None:
         if self._closed:
             raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
@@ -328,7 +387,17 @@ class _StreamBase(Generic[_BatchT]):
 
         Batches already taken count as consumed: save the state after you have finished
         with them (e.g. after the optimizer step), not while they are still to be trained on.
+
+        From a signal handler that interrupted this stream's own call in the same thread (a
+        SIGTERM handler while ``next`` waits), a socket stream returns the state at once: the
+        position after the last batch ``next`` returned (not one the interrupted call is
+        taking). An HTTP stream, whose state takes a request, raises ``ShardwireError`` code
+        ``reentrant`` instead of waiting for ever for that call.
         """
+        self._check_process()
+        if self._in_handler():
+            self._check_open()
+            return self._state_in_handler()
         with self._lock:
             self._check_open()
             return self._state()
@@ -336,16 +405,30 @@ class _StreamBase(Generic[_BatchT]):
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _state_in_handler(self) -> dict[str, Any]:
+        """:meth:`state_dict` from a signal handler that interrupted this stream's own call
+        (see `_in_handler`), without the lock: ``reentrant`` unless the transport holds the
+        state without a request."""
+        raise self._refuse_in_handler("state_dict()")
+
     def _snapshot(self) -> dict[str, Any] | bytes:
         """What :meth:`state_dict` would return now, as cheaply as the transport holds it: the
         dict, or its JSON bytes not decoded yet (``_binary.decode_state``). For code that keeps
         the position after every batch but reads it only at a checkpoint (``shardwire.torch``)."""
+        self._check_process()
+        if self._in_handler():
+            self._check_open()
+            return self._snapshot_in_handler()
         with self._lock:
             self._check_open()
             return self._state_snapshot()
 
     def _state_snapshot(self) -> dict[str, Any] | bytes:
         return self._state()
+
+    def _snapshot_in_handler(self) -> dict[str, Any] | bytes:
+        """`_snapshot` from a signal handler (see `_state_in_handler`)."""
+        return self._state_in_handler()
 
     @property
     def closed(self) -> bool:

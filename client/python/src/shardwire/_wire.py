@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _binary
 from ._errors import ConnectionClosed, ProtocolError
+from ._types import _loads
 
 #: Protocol version this SDK speaks (``TRAINER_VERSION``).
 VERSION = 1
@@ -33,8 +34,9 @@ _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 # EPIPE instead of SIGPIPE when the service is gone, even in hosts that do not ignore SIGPIPE.
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 #: How a binary `batch` body starts (see :mod:`shardwire._binary`).
-#: Longest wait for the rest of a reply whose first bytes came (the Rust SDK's limit too): a
-#: node stopped in the middle of a write fails the call instead of hanging it.
+#: Longest wait for the rest of a reply whose first bytes came, from its first bytes to its
+#: last (the Rust SDK's limit too, one deadline per frame): a node stopped in the middle of a
+#: write, or trickling one, fails the call instead of hanging it.
 FRAME_LIMIT = 60.0
 #: Longest wait for the answer to a request the node answers at once (``info``, a ``release``
 #: with nothing ahead of it): a node that stopped answering fails the call, not hangs it.
@@ -70,7 +72,8 @@ def readable(sock: socket.socket, timeout: float | None) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         left = max(0.0, deadline - time.monotonic())
-        if p.poll(min(_POLL_MAX_MS, math.ceil(left * 1000))):
+        # `left` bounded first: a wait of 1e306 s is inf ms, which ceil() cannot take.
+        if p.poll(min(_POLL_MAX_MS, math.ceil(min(left, _POLL_MAX_MS / 1000) * 1000))):
             return True
         if left <= _POLL_MAX_MS / 1000:
             return False
@@ -110,10 +113,7 @@ def _decode(body: bytes) -> Message:
     """A reply body: JSON, or a binary ``batch`` (see :mod:`shardwire._binary`)."""
     if body[:1] == _BINARY_TAG:
         return _binary.decode(body)
-    try:
-        msg = json.loads(body)
-    except ValueError as e:
-        raise ProtocolError(f"malformed reply from the node service: {e}") from e
+    msg = _loads(body, "reply from the node service")
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError(f"reply without an op: {msg!r}")
     return msg
@@ -172,17 +172,19 @@ class Conn:
         if self._buf or self._ready:
             raise ProtocolError("a reply with file descriptors after buffered bytes")
         fds: list[int] = []
+        deadline = math.inf  # FRAME_LIMIT after the frame's first bytes (see `_wait_rest`)
         try:
             prefix = bytearray()
             while len(prefix) < 4:
                 if prefix:
-                    self._wait_rest()  # the rest of a length prefix that has begun
+                    self._wait_rest(deadline)  # the rest of a length prefix that has begun
                 data, flags = _recv_fds(self.sock, 4 - len(prefix), fds)
                 if flags & _CTRUNC:
                     raise ProtocolError("file descriptors were truncated on receipt (too many fds, or the fd limit is reached)")
                 if not data:
                     raise ConnectionClosed("the node service closed the connection")
                 prefix += data
+                deadline = min(deadline, time.monotonic() + FRAME_LIMIT)
             (n,) = struct.unpack("<I", prefix)
             if n > MAX_FRAME:
                 raise ProtocolError(f"reply of {n} bytes exceeds the frame limit {MAX_FRAME}")
@@ -190,7 +192,7 @@ class Conn:
             view = memoryview(body)
             got_bytes = 0
             while got_bytes < n:
-                self._wait_rest()
+                self._wait_rest(deadline)
                 k = self.sock.recv_into(view[got_bytes:])
                 if k == 0:
                     raise ConnectionClosed("the node service closed the connection in the middle of a reply")
@@ -237,8 +239,11 @@ class Conn:
                 if not data:
                     raise ConnectionClosed("the node service closed the connection")
                 self._buf += data
+            deadline = None  # FRAME_LIMIT after the first wait for the rest of a reply begun
             while not self._split():
-                data = self._recv_rest()
+                if deadline is None:
+                    deadline = time.monotonic() + FRAME_LIMIT
+                data = self._recv_rest(deadline)
                 if not data:
                     raise ConnectionClosed(
                         "the node service closed the connection" + (" in the middle of a reply" if self._buf else "")
@@ -283,14 +288,16 @@ class Conn:
             raise msg
         return msg
 
-    def _wait_rest(self) -> None:
-        """Waits, at most FRAME_LIMIT s, for more bytes of a reply that has begun."""
-        if not readable(self.sock, FRAME_LIMIT):
-            raise ConnectionClosed(f"the node service sent part of a reply and nothing more for {FRAME_LIMIT:g} s")
+    def _wait_rest(self, deadline: float) -> None:
+        """Waits, until `deadline` (``time.monotonic()``, FRAME_LIMIT s after the reply began),
+        for more bytes of a reply that has begun: one deadline per frame, so a node that
+        trickles a reply fails the call as one that stopped does."""
+        if not readable(self.sock, max(0.0, deadline - time.monotonic())):
+            raise ConnectionClosed(f"the node service sent part of a reply and not the rest within {FRAME_LIMIT:g} s")
 
-    def _recv_rest(self) -> bytes:
-        """More bytes of a reply that has begun (or of the next ones)."""
-        self._wait_rest()
+    def _recv_rest(self, deadline: float) -> bytes:
+        """More bytes of a reply that has begun (or of the next ones), by `deadline`."""
+        self._wait_rest(deadline)
         return self.sock.recv(1 << 16)
 
     def close(self, _how: int = socket.SHUT_RDWR) -> None:
