@@ -65,6 +65,9 @@ pub enum Announced<S, E> {
     Waiting,
     /// The connection had been accepted on another address than its lane's: refuse it.
     WrongLane(WrongLane<S, E>),
+    /// Another announcement already expects a connection from this address (of another
+    /// link, or the same one twice): this one is refused, the first kept.
+    Duplicate(E),
 }
 
 /// The matcher table: announced addresses and accepted connections waiting for each other.
@@ -92,7 +95,9 @@ impl<S, E> Default for Matcher<S, E> {
 
 impl<S, E> Matcher<S, E> {
     /// A source announced a data connection from `addr` for a lane at `want`: the connection,
-    /// if it was accepted already (on `want`, or refused as the wrong lane).
+    /// if it was accepted already (on `want`, or refused as the wrong lane). An address that
+    /// an announcement expects already is refused: overwritten, the first announcement was
+    /// lost without a word and its link's connection matched the other's.
     pub fn expect(&mut self, addr: SocketAddr, want: SocketAddr, e: E) -> Announced<S, E> {
         let (addr, want) = (canonical(addr), canonical(want));
         match self.accepted.remove(&addr) {
@@ -103,6 +108,7 @@ impl<S, E> Matcher<S, E> {
                 local,
                 want,
             }),
+            None if self.expected.contains_key(&addr) => Announced::Duplicate(e),
             None => {
                 self.expected.insert(addr, (want, e));
                 Announced::Waiting
@@ -218,6 +224,22 @@ mod tests {
             Accepted::Matched("sock", 7)
         ));
         assert_eq!(m.waiting(), (0, 1));
+    }
+
+    /// A second announcement of an address already expected is refused and the first kept:
+    /// it replaced the first, whose link then never got its connection (nor a word why).
+    #[test]
+    fn a_second_announcement_of_an_expected_address_is_refused() {
+        let mut m: Matcher<&str, u16> = Matcher::default();
+        assert!(matches!(m.expect(addr(1), lane0(), 1), Announced::Waiting));
+        assert!(matches!(
+            m.expect(addr(1), lane0(), 2),
+            Announced::Duplicate(2)
+        ));
+        assert!(matches!(
+            m.accepted(addr(1), lane0(), "sock", Instant::now()),
+            Accepted::Matched("sock", 1)
+        ));
     }
 
     #[test]

@@ -328,6 +328,14 @@ impl DataConns for DataPlane {
             Announced::Matched(sock, e) => self.start(sock, a.addr, e),
             Announced::Waiting => {}
             Announced::WrongLane(w) => self.wrong_lane(a.addr, w),
+            Announced::Duplicate(e) => {
+                let why = format!(
+                    "source {} announced a data connection from {}, which another announcement expects already: its session ends",
+                    e.link.addr, a.addr
+                );
+                tracing::error!("{why}");
+                e.link.kick_if(e.generation, &why);
+            }
         }
     }
 

@@ -683,6 +683,30 @@ def test_idle_connections_hold_handshake_slots_not_the_sources_sessions(sw, tmp_
         s.close()
 
 
+def test_a_stream_its_sources_no_longer_serve_is_closed_naming_them(sw, tmp_path):
+    """A stream whose only source came back serving another version of its dataset (indexed
+    again) waited for ever without a word: every fetch found no source, retried every 100 ms.
+    Now, once every source is up and has answered, the stream is closed `data_unavailable`,
+    naming what each source serves."""
+    d = tiny_dataset(tmp_path, "v1", shards=4, seed=1)
+    src = sw.source({"ds": d})
+    node = sw.serve([src], "--stream-memory", "4MiB", "--pool-size", "64MiB")
+    wait_ready(node)
+    consumer = sw.start_consume(node, "ds", epochs=1000000)
+    wait_for(lambda: len(consumer.batches()) >= 4, "the first batches", 30, diag=sw.logs_of_all)
+    addr = src.addr
+    src.stop()
+    again = tiny_dataset(tmp_path, "v2", shards=4, seed=2)
+    sw.source({"ds": again}, listen=addr)
+    try:
+        rc = consumer.wait(90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the stream was not closed\n{consumer.describe()}") from None
+    err = consumer.stderr_text()
+    assert rc != 0 and "data_unavailable" in err, consumer.describe()
+    assert f"{addr} serves version" in err and "no source serves version" in err, err[-2000:]
+
+
 def test_a_full_handshake_table_evicts_its_oldest_for_a_node(sw, tmp_path):
     """Eight addresses holding eight silent handshakes each fill all 64 handshake slots.
     Before, every node was then refused until they left (and they came back every 10 s); now a

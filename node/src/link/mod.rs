@@ -283,8 +283,13 @@ impl SourceLink {
     /// [`SourceLink::kick`], only while session `generation` is the current one: a
     /// connection of an older session that fails late must not end its successor.
     pub fn kick_if(&self, generation: u64, reason: &str) {
-        if self.generation() == generation {
-            self.kick(reason);
+        // Under the state lock, as `establish` bumps the generation and clears the reason
+        // under it: a reason set between a check and the set would end the new session.
+        let st = self.state.lock().expect("poisoned");
+        if st.generation == generation {
+            *self.abort_reason.lock().expect("poisoned") = Some(reason.to_owned());
+            drop(st);
+            self.abort.notify_waiters();
         } else {
             tracing::debug!(source = %self.addr, generation, reason, "not ending the link's newer session for a connection of an older one");
         }

@@ -1,8 +1,10 @@
 //! What a link's source serves: for each dataset the node asked about, the digest of the
 //! version it serves (or that it does not serve it), and in which session that was learnt.
 //! A source found while streams run (DNS) joins a stream's dataset only once its manifest's
-//! digest is known to match; a reconnected source keeps its answer while it is asked again
-//! (a restarted source may serve another version).
+//! digest is known to match; a reconnected source takes no fetch until it has answered again
+//! (a restarted source may serve another version: a fetch sent to it under its old answer was
+//! announced with the other version's length and CRC, a protocol violation that ended the
+//! session, again at every reconnect).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -42,11 +44,13 @@ impl Served {
         let (serves, stale) = match answers.get(dataset) {
             None => (Serves::Unknown, true),
             Some(e) => {
+                let stale = e.generation < generation;
                 let s = match &e.digest {
+                    _ if stale => Serves::Unknown,
                     Some(d) if d == digest => Serves::Yes,
                     _ => Serves::No,
                 };
-                (s, e.generation < generation)
+                (s, stale)
             }
         };
         let ask = stale && !asking.iter().any(|d| d == dataset);
@@ -54,6 +58,15 @@ impl Served {
             asking.push(dataset.to_owned());
         }
         (serves, ask)
+    }
+
+    /// The answer about `dataset` from session `generation` (or a later one), if there is
+    /// one: the digest it serves (`None`: not the dataset). Asks nothing.
+    pub fn answer(&self, dataset: &str, generation: u64) -> Option<Option<String>> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.get(dataset)
+            .filter(|e| e.generation >= generation)
+            .map(|e| e.digest.clone())
     }
 
     /// Records the answer of session `generation`: the digest served, or `None`.
@@ -87,10 +100,16 @@ mod tests {
         s.record("web", Some("d1".into()), 1);
         assert_eq!(s.check("web", "d1", 1), (Serves::Yes, false));
         assert_eq!(s.check("web", "d2", 1), (Serves::No, false));
-        // A new session keeps the answer while it is asked again.
-        assert_eq!(s.check("web", "d1", 2), (Serves::Yes, true));
+        // A new session's source takes no fetch until it has answered again (a restarted
+        // source may serve another version).
+        assert_eq!(s.check("web", "d1", 2), (Serves::Unknown, true));
+        assert_eq!(
+            s.check("web", "d1", 2),
+            (Serves::Unknown, false),
+            "asked already"
+        );
         s.gave_up("web");
-        assert_eq!(s.check("web", "d1", 2), (Serves::Yes, true));
+        assert_eq!(s.check("web", "d1", 2), (Serves::Unknown, true));
         s.record("web", None, 2);
         assert_eq!(s.check("web", "d1", 2), (Serves::No, false));
         assert_eq!(s.check("code", "d9", 2), (Serves::Unknown, true));

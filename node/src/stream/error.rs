@@ -116,6 +116,20 @@ pub enum CloseReason {
         /// The region's size.
         capacity: u64,
     },
+    /// Every source is up and serves another version of the stream's dataset, or none.
+    #[error(
+        "no source serves version {digest} of dataset {dataset} any more ({answers}): reopen \
+         the stream to read the version they serve (a resume state names the version it was \
+         taken from, so it resumes only where that version is served)"
+    )]
+    Unserved {
+        /// The dataset.
+        dataset: String,
+        /// The version the stream reads.
+        digest: String,
+        /// What each source answered.
+        answers: String,
+    },
     /// A shard's fetch failed in a way another attempt cannot change (the source refused it).
     #[error("shard {shard} of dataset {dataset} cannot be fetched: {failure}")]
     ShardFailed {
@@ -194,7 +208,9 @@ impl CloseReason {
             Self::HttpIdle { .. } => ErrorCode::Timeout,
             Self::Shutdown => ErrorCode::Draining,
             Self::CannotShare(_) | Self::DoesNotFit { .. } => ErrorCode::NoMemory,
-            Self::ShardFailed { .. } | Self::Corrupt { .. } => ErrorCode::DataUnavailable,
+            Self::ShardFailed { .. } | Self::Corrupt { .. } | Self::Unserved { .. } => {
+                ErrorCode::DataUnavailable
+            }
             Self::AnswerTooLarge { .. } => ErrorCode::BadPlan,
             Self::Assembly { .. } | Self::Internal(_) => ErrorCode::Internal,
         }

@@ -20,6 +20,9 @@ pub const FIRST_UP: Duration = Duration::from_secs(5);
 /// How long it then waits for the other known sources to be up.
 pub const ALL_UP: Duration = Duration::from_secs(1);
 
+/// A link's answer to a manifest request, and the session it asked in.
+type Answer = (u64, Result<Vec<u8>, ManifestError>);
+
 /// The manifest of `dataset` from the sources of `roster` (request ids from `next_id`).
 pub async fn manifest_of(
     roster: &Roster,
@@ -28,11 +31,32 @@ pub async fn manifest_of(
 ) -> Result<Arc<Manifest>, OpenError> {
     wait_for_links(roster).await;
     let links: Vec<Arc<SourceLink>> = roster.links().into_iter().filter(|l| l.is_up()).collect();
+    // Asked all at once: one source that keeps its session up but never answers costs an
+    // open one MANIFEST_TIMEOUT, not one per source asked after it.
+    let mut asked = tokio::task::JoinSet::new();
+    for (i, l) in links.iter().enumerate() {
+        let (l, req, dataset) = (Arc::clone(l), next_id(), dataset.to_owned());
+        asked.spawn(async move {
+            let generation = l.generation();
+            (i, generation, l.request_manifest(req, &dataset).await)
+        });
+    }
+    let mut answers: Vec<Option<Answer>> = links.iter().map(|_| None).collect();
+    while let Some(done) = asked.join_next().await {
+        if let Ok((i, generation, got)) = done {
+            answers[i] = Some((generation, got));
+        }
+    }
     let mut errors = Vec::new();
     let mut chosen: Option<Arc<Manifest>> = None;
-    for l in &links {
-        let generation = l.generation();
-        let got = l.request_manifest(next_id(), dataset).await;
+    // Negative answers are recorded only when some source serves the dataset: recorded for a
+    // name no source serves (any name a trainer tries), they grew every link's table for ever.
+    let mut refused = Vec::new();
+    for (l, answer) in links.iter().zip(answers) {
+        let Some((generation, got)) = answer else {
+            errors.push(format!("{}: the request was lost", l.addr));
+            continue;
+        };
         match got.map(|json| Manifest::from_json(&json)) {
             Ok(Ok(m)) => {
                 l.served.record(dataset, Some(m.digest.clone()), generation);
@@ -45,15 +69,20 @@ pub async fn manifest_of(
                 }
             }
             Ok(Err(e)) => {
-                l.served.record(dataset, None, generation);
+                refused.push((l, generation));
                 errors.push(format!("{}: {e}", l.addr));
             }
             Err(e) => {
                 if matches!(e, ManifestError::Refused { .. }) {
-                    l.served.record(dataset, None, generation);
+                    refused.push((l, generation));
                 }
                 errors.push(format!("{}: {e}", l.addr));
             }
+        }
+    }
+    if chosen.is_some() {
+        for (l, generation) in refused {
+            l.served.record(dataset, None, generation);
         }
     }
     match chosen {

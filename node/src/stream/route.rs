@@ -81,6 +81,25 @@ pub fn members(roster: &Roster, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Ve
     out
 }
 
+/// Why no source of `roster` can serve `v` again: every one is up and answered, in its
+/// current session, with another version or none. `None` while any may yet serve it (one
+/// is down, connecting, not asked yet, or serves it).
+pub fn unserved(roster: &Roster, v: Version<'_>) -> Option<String> {
+    let links = roster.links();
+    let mut said = Vec::with_capacity(links.len());
+    for l in &links {
+        if !l.is_up() {
+            return None;
+        }
+        match l.served.answer(v.dataset, l.generation())? {
+            Some(d) if d == v.digest => return None,
+            Some(d) => said.push(format!("{} serves version {d}", l.addr)),
+            None => said.push(format!("{} does not serve it", l.addr)),
+        }
+    }
+    (!said.is_empty()).then(|| said.join(", "))
+}
+
 /// The link for shard `shard` of `v` among `members` (sorted): the placement's source when
 /// it is up and not `avoid` (a link id), else the next live one in the shard's ranking.
 /// `sizes` gives the dataset's shard sizes when the placement must be computed.
@@ -168,6 +187,34 @@ pub(crate) mod tests {
         dataset: "web",
         digest: "d1",
     };
+
+    /// A stream waited for ever, without a word, once its sources served another version:
+    /// it is unserved once every source is up and answered so; not while one may yet serve
+    /// it.
+    #[test]
+    fn unserved_once_every_source_is_up_and_serves_another_version_or_none() {
+        let (r, l) = roster(&["10.0.0.2:1", "10.0.0.3:1"]);
+        assert_eq!(unserved(&r, V), None, "down: they may come back serving it");
+        l[0].force_up(true);
+        l[1].force_up(true);
+        assert_eq!(unserved(&r, V), None, "not asked yet");
+        l[0].served.record("web", Some("d2".into()), 0);
+        assert_eq!(unserved(&r, V), None, "one not asked yet");
+        l[1].served.record("web", None, 0);
+        assert_eq!(
+            unserved(&r, V).as_deref(),
+            Some("10.0.0.2:1 serves version d2, 10.0.0.3:1 does not serve it")
+        );
+        l[1].served.record("web", Some("d1".into()), 0);
+        assert_eq!(unserved(&r, V), None, "one serves it");
+        l[1].force_up(false);
+        assert_eq!(unserved(&r, V), None);
+        assert_eq!(
+            unserved(&roster(&[]).0, V),
+            None,
+            "no sources: nothing was answered"
+        );
+    }
 
     #[test]
     fn members_serve_the_version_and_take_new_fetches_sorted_by_name() {

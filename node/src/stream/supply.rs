@@ -38,6 +38,10 @@ pub const READY_AHEAD_MAX: usize = 8;
 /// (1 / N) of the region.
 const AHEAD_SHARE: u64 = 16;
 
+/// How long the fetches may find no source before the stream asks whether any ever will
+/// ([`route::unserved`]): a source that just reconnected has its answer recorded by then.
+pub const UNSERVED_GRACE: Duration = Duration::from_secs(10);
+
 /// How many assembled batches a batch-mode stream keeps waiting for its trainer: at least
 /// [`READY_AHEAD`], and up to [`READY_AHEAD_MAX`] while their slabs (`batch_class` bytes each)
 /// take at most 1/16 of the region (`capacity` bytes) and fit beside the shards it reads at
@@ -195,6 +199,11 @@ impl Supply {
         (i, d, shard - d.first)
     }
 
+    /// Why no source will serve `source` again, if none will ([`route::unserved`]).
+    pub fn unserved(&self, source: &DatasetSource) -> Option<String> {
+        route::unserved(self.routing.roster(), source.version())
+    }
+
     /// The link to fetch `source`'s shard `wire_shard` from now: its placement's source when
     /// that one is up and not `avoid` (a link id), else the next live one in the shard's
     /// rendezvous ranking ([`route::choose`]).
@@ -334,6 +343,8 @@ pub struct Fetches {
     tx: Completions,
     rx: mpsc::UnboundedReceiver<Completion>,
     starved_since: Option<Instant>,
+    /// Since when the fetches waiting have found no source ([`UNSERVED_GRACE`]).
+    no_source_since: Option<Instant>,
     hints: Hints,
     /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
     crc_streak: HashMap<u32, u32>,
@@ -359,6 +370,7 @@ impl Fetches {
             tx,
             rx,
             starved_since: None,
+            no_source_since: None,
             hints: Hints::default(),
             crc_streak: HashMap::new(),
             refused_streak: HashMap::new(),
@@ -400,6 +412,7 @@ impl Fetches {
             Ok(()) => Ok(()),
             Err(IssueError::NoSource(p)) => {
                 self.waiting.push_back(p);
+                self.no_source_since.get_or_insert_with(Instant::now);
                 Ok(())
             }
             Err(IssueError::Fatal(p, why)) => {
@@ -421,8 +434,14 @@ impl Fetches {
                 continue;
             }
             match self.issuer.issue(&self.supply, p, &self.tx) {
-                Ok(()) => {}
+                Ok(()) => self.no_source_since = None,
                 Err(IssueError::NoSource(p)) => {
+                    let since = *self.no_source_since.get_or_insert(now);
+                    if now.duration_since(since) >= UNSERVED_GRACE
+                        && let Some(why) = self.unserved(&p)
+                    {
+                        out = Err(why);
+                    }
                     self.waiting.push_front(p);
                     break;
                 }
@@ -437,6 +456,17 @@ impl Fetches {
         later.append(&mut self.waiting);
         self.waiting = later;
         out
+    }
+
+    /// The close of a stream whose waiting fetch `p` no source will serve again.
+    fn unserved(&self, p: &Pending) -> Option<CloseReason> {
+        let (source, _) = self.supply.source_of(p.shard);
+        let answers = self.supply.unserved(source)?;
+        Some(CloseReason::Unserved {
+            dataset: source.dataset.clone(),
+            digest: source.digest.clone(),
+            answers,
+        })
     }
 
     /// True while fetches wait for a source to come up (the task then retries on a timer).
