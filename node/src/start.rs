@@ -77,14 +77,26 @@ pub enum StartError {
     NoSources,
 }
 
-/// Reads a secret file.
+/// Reads a secret file; one every user may read is taken, with a warning.
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, StartError> {
     let raw = std::fs::read(path).map_err(|source| StartError::SecretUnreadable {
         path: path.into(),
         source,
     })?;
+    if let Some(mode) = open_to_others(path) {
+        tracing::warn!(path = %path.display(), mode = format!("{mode:o}"),
+            "a secret file every user of this host may read: any local process can authenticate with it; chmod o-rwx");
+    }
     shardwire_protocol::auth::parse_secret(&raw)
         .ok_or_else(|| StartError::SecretEmpty { path: path.into() })
+}
+
+/// The permission bits of `path` (its target, for a link) when users other than its owner
+/// and group have any access.
+fn open_to_others(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
+    (mode & 0o007 != 0).then_some(mode)
 }
 
 /// A started node; dropping it does not stop it, call [`NodeHandle::shutdown`].
@@ -423,5 +435,27 @@ fn log_region_pages() {
             shmem_enabled = %mode,
             "host stream regions get 4 KiB pages; set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise for 2 MiB pages (a faster host batch gather)"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_secret_every_user_may_read_is_noticed() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("sw-secret-{}", std::process::id()));
+        std::fs::write(&path, b"s3cret\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(open_to_others(&path), Some(0o644));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o440)).unwrap();
+        assert_eq!(
+            open_to_others(&path),
+            None,
+            "owner and group only (a Kubernetes Secret)"
+        );
+        assert_eq!(read_secret(&path).unwrap(), b"s3cret");
+        std::fs::remove_file(&path).unwrap();
     }
 }

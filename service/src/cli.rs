@@ -62,8 +62,10 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Show a node's state (read from its admin API).
     Status {
-        /// Admin address of the node.
-        #[arg(long, default_value = "127.0.0.1:7400", env = "SHARDWIRE_ADMIN")]
+        /// Admin address of the node (not read from `SHARDWIRE_ADMIN`: that is the address
+        /// `serve` and `source` listen on, and one exported for this command made a source
+        /// started after it bind the node's port).
+        #[arg(long, default_value = "127.0.0.1:7400")]
         admin: String,
         /// Print the raw JSON.
         #[arg(long)]
@@ -336,13 +338,31 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-/// Waits for SIGINT or SIGTERM; returns its number.
-async fn signalled() -> i32 {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => libc::SIGINT,
-        _ = term.recv() => libc::SIGTERM,
+/// SIGINT and SIGTERM, caught from the moment this is made: made before a process says it is
+/// ready, so a signal sent right after the ready line drains instead of killing it (the
+/// default action, until a handler is installed), and kept for the process's life, so one
+/// between the first signal and the next wait is not lost.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers (inside the runtime).
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    /// Waits for the next SIGINT or SIGTERM; returns its number.
+    async fn recv(&mut self) -> i32 {
+        tokio::select! {
+            _ = self.int.recv() => libc::SIGINT,
+            _ = self.term.recv() => libc::SIGTERM,
+        }
     }
 }
 
@@ -493,6 +513,7 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         let src = shardwire_source::Source::bind(scfg, datasets)
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
+        let mut signals = Signals::new()?;
         println!("source listening on {}", src.local_addr());
         let (tx, rx) = tokio::sync::watch::channel(false);
         match cfg.admin {
@@ -510,9 +531,9 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
             }
         }
         tokio::spawn(async move {
-            signalled().await;
+            signals.recv().await;
             let _ = tx.send(true);
-            let sig = signalled().await;
+            let sig = signals.recv().await;
             // An operator who asks twice does not wait out the drain timeout.
             tracing::warn!(
                 signal = sig,
@@ -532,6 +553,7 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     crate::limits::raise_open_files(); // a socket per trainer, source link and data connection
     crate::http::prom::handle(); // before any work (see `source`)
     runtime()?.block_on(async {
+        let mut signals = Signals::new()?;
         let s = crate::serve::start(cfg).await?;
         let h = &s.handle;
         println!(
@@ -541,7 +563,7 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
         );
         let timeout = std::time::Duration::from_secs(h.node.info().cfg.drain_timeout_secs);
         let by_signal = tokio::select! {
-            _ = signalled() => {
+            _ = signals.recv() => {
                 tracing::info!(?timeout, "signal received; draining");
                 true
             }
@@ -554,10 +576,10 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
         // one after a signal ends the drain at once.
         let again = async {
             if !by_signal {
-                signalled().await;
+                signals.recv().await;
                 tracing::info!("signal received; draining already (another one closes the remaining streams now)");
             }
-            signalled().await
+            signals.recv().await
         };
         tokio::select! {
             _ = h.drain(timeout) => {}

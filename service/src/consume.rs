@@ -94,8 +94,9 @@ pub struct ConsumeArgs {
     /// At the end print `{"state": ...}`, the state that resumes after the last batch taken.
     #[arg(long)]
     print_state: bool,
-    /// Stop after this many batches (without releasing the last ones: a stalled trainer).
-    #[arg(long)]
+    /// Stop after this many batches (without releasing the last ones: a stalled trainer); at
+    /// least 1.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     limit: Option<u64>,
     /// Hold the stream open after `--limit` batches for this many seconds, without reading.
     #[arg(long, default_value_t = 0, requires = "limit")]

@@ -78,6 +78,9 @@ impl Loopback {
         let source_addr = src.local_addr();
         let (stop_source, rx) = tokio::sync::watch::channel(false);
         rt.spawn(src.serve(rx));
+        let socket_dir = socket
+            .parent()
+            .map_or_else(|| dir.to_path_buf(), std::path::Path::to_path_buf);
         let cfg = ServeConfig {
             sources: vec![source_addr.to_string()],
             socket,
@@ -99,6 +102,9 @@ impl Loopback {
             // The demo and bench consume with the Rust client, which maps host regions only;
             // on a GPU host `auto` would pick CUDA memory (scripts/gpu-check.sh covers that).
             memory: shardwire_config::MemoryMode::Host,
+            // Its own journal: the default is a running node's, which a start restores (undoing
+            // that node's NIC setup under it).
+            nic_state_file: socket_dir.join("nic-state.json"),
             ..ServeConfig::default()
         };
         cfg.validate()?;
@@ -122,18 +128,34 @@ impl Loopback {
 /// Runs the demo.
 pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
     crate::logging::init_filter(if a.verbose { "info" } else { "warn" });
-    let dir = synth::scratch_dir("demo")?;
     anyhow::ensure!(
-        a.receive != ReceiveMode::Devmem,
-        "the demo runs on loopback, which cannot carry devmem; use --receive host or devmem-sim"
+        matches!(a.receive, ReceiveMode::Host | ReceiveMode::DevmemSim),
+        "the demo runs on loopback, which cannot carry devmem (--receive {}); use --receive host or devmem-sim",
+        a.receive
     );
-    let result = demo(&dir, a.receive, a.lanes);
-    if a.keep {
-        println!("kept {}", dir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&dir);
+    let scratch = Scratch {
+        dir: synth::scratch_dir("demo")?,
+        keep: a.keep,
+    };
+    demo(&scratch.dir, a.receive, a.lanes)
+}
+
+/// The demo's scratch directory, removed when the demo ends, however it ends (a panic
+/// included), unless `--keep`.
+struct Scratch {
+    dir: std::path::PathBuf,
+    keep: bool,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        match self.keep {
+            true => println!("kept {}", self.dir.display()),
+            false => {
+                let _ = std::fs::remove_dir_all(&self.dir);
+            }
+        }
     }
-    result
 }
 
 fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Result<ExitCode> {
@@ -248,7 +270,22 @@ fn consume_and_check(
     // the stream sends ahead of time.
     let mut next = s.next()?;
     while let Some(b) = next {
-        let entry = &m.shards[b.shard as usize];
+        let Some(entry) = m.shards.get(b.shard as usize) else {
+            bail!(
+                "batch {} names shard {}, which the manifest does not have",
+                b.index,
+                b.shard
+            );
+        };
+        if entry.tensors.len() != b.tensors().len() {
+            bail!(
+                "batch {} (shard {}) has {} tensors; the manifest says {}",
+                b.index,
+                b.shard,
+                b.tensors().len(),
+                entry.tensors.len()
+            );
+        }
         let f = match files.get(&entry.file) {
             Some(f) => f,
             None => files

@@ -118,6 +118,24 @@ def _draining_with_a_held_stream(sw, tmp_path, drain_secs: int):
     return node, holder
 
 
+def test_sigterm_right_after_the_ready_line_drains(sw, tmp_path):
+    """The signal handlers were installed after the ready lines were printed: a SIGTERM sent
+    as soon as a harness (or the kubelet) saw `source listening` or `node service ready`
+    could kill the process by the signal's default action (143) instead of draining (0)."""
+    d = tmp_path / "a"
+    write_uint8_shards(d, 2, 4096)
+    index_dataset(d)
+    for _ in range(15):
+        src = sw.source({"a": d})
+        src.kill(signal.SIGTERM)
+        assert src.wait(30) == 0, src.describe()
+    src = sw.source({"a": d})
+    for _ in range(10):
+        node = sw.serve([src])
+        node.kill(signal.SIGTERM)
+        assert node.wait(30) == 0, node.describe()
+
+
 def test_sigterm_drains_and_refuses_new_streams(sw, tmp_path):
     # Long enough for the refused consume below to start and connect on a loaded machine.
     node, holder = _draining_with_a_held_stream(sw, tmp_path, 10)
