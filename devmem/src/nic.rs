@@ -82,6 +82,13 @@ pub enum NicError {
         "NIC state file {0} exists (a previous run did not restore its NIC changes): restore it first"
     )]
     StateExists(PathBuf),
+    /// A state file whose lock a running process holds: that process's live setup, not a
+    /// crash's leftover; left alone.
+    #[error(
+        "NIC state file {0} is in use by a running node (its lock is held): its setup is live, \
+         so it is left alone; give this process another nic_state_file"
+    )]
+    StateInUse(PathBuf),
     /// The setup was restored already (the node is shutting down or the binding went).
     #[error("the NIC's devmem setup was already restored")]
     Restored,
@@ -415,12 +422,57 @@ fn boot_id() -> Option<String> {
     Some(id.trim().to_owned()).filter(|s| !s.is_empty())
 }
 
-/// The write-ahead record of NIC changes: each change is saved before it is made.
+/// The write-ahead record of NIC changes: each change is saved before it is made. It holds
+/// its lock file while it lives ([`lock`]), so another process that starts meanwhile (a
+/// second node, `shardwire demo` on the same host) does not take the live setup for a
+/// crash's leftover and undo it under the running node.
 #[derive(Debug)]
 pub struct Journal {
     path: PathBuf,
     state: StateFile,
+    _lock: File,
 }
+
+/// The lock file of the journal at `path`: its name and `.lock` (kept, never removed: a
+/// lock file removed while another process waits on it would let two hold "the" lock).
+pub fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+/// Takes the lock of the journal at `path` (made if missing), or says it is held.
+fn lock(path: &Path) -> Result<File, NicError> {
+    let lp = lock_path(path);
+    let bad = |e: io::Error| NicError::State {
+        path: lp.clone(),
+        reason: e.to_string(),
+    };
+    if let Some(dir) = lp.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(bad)?;
+    }
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lp)
+        .map_err(bad)?;
+    // A lock held for a moment is not a running node's: a thread of this process that forks
+    // a child holds a copy of every descriptor until the child's exec closes it.
+    for _ in 0..LOCK_TRIES {
+        match f.try_lock() {
+            Ok(()) => return Ok(f),
+            Err(std::fs::TryLockError::WouldBlock) => std::thread::sleep(LOCK_RETRY),
+            Err(std::fs::TryLockError::Error(e)) => return Err(bad(e)),
+        }
+    }
+    Err(NicError::StateInUse(path.into()))
+}
+
+/// Tries, and the pause between them, before a journal's lock counts as held by a running
+/// process (half a second in all).
+const LOCK_TRIES: u32 = 50;
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl Journal {
     /// Start a journal at `path` for one interface; refuses if a state file exists.
@@ -430,10 +482,12 @@ impl Journal {
         ifindex: u32,
         netns: Option<PathBuf>,
     ) -> Result<Self, NicError> {
+        let lock = lock(path)?;
         if path.exists() {
             return Err(NicError::StateExists(path.into()));
         }
         let j = Self {
+            _lock: lock,
             path: path.into(),
             state: StateFile {
                 ifname: ifname.into(),
@@ -657,11 +711,17 @@ fn tracing_like_warn(e: &NicError) {
 }
 
 /// After a crash: undo what the state file at `path` records (entering its network
-/// namespace if it names one) and delete it. `Ok(None)` when there is no state file. A file
+/// namespace if it names one) and delete it. `Ok(None)` when there is no state file;
+/// [`NicError::StateInUse`] when a running process holds its lock (its live setup). A file
 /// made before the last reboot is removed without undoing anything ([`Restore::Stale`]); one
 /// whose interface name no longer has the index it recorded is left, and nothing undone
 /// ([`NicError::StateMismatch`]).
 pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    // Held until this returns: the file is a leftover only if no running process holds it.
+    let _lock = lock(path)?;
     let raw = match std::fs::read(path) {
         Ok(r) => r,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),

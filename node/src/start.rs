@@ -282,6 +282,9 @@ async fn restore_nic_state(state: &Path) {
                 "removed NIC settings left by a run before the last reboot: the NIC came up with its defaults, nothing to undo"
             ),
             Ok(Ok(None)) => {}
+            Ok(Err(e @ shardwire_devmem::nic::NicError::StateInUse(_))) => {
+                tracing::warn!(file = %file.display(), error = %e, "a running node's NIC journal: left alone")
+            }
             Ok(Err(e)) => {
                 tracing::error!(file = %file.display(), error = %e, "could not restore NIC settings left by a previous run; the NIC may still be altered")
             }

@@ -140,6 +140,14 @@ fn changes_left_by_a_crash_are_restored_from_the_state_file() {
     j.set_channels(&mut c, 2, before.tx, before.combined)
         .unwrap();
     assert_eq!(c.channels(va, "va").unwrap().rx, 2);
+    // While the journal lives (its process runs), another process's restore leaves it alone.
+    let live = restore_from(&state).unwrap_err();
+    assert!(matches!(live, NicError::StateInUse(_)), "{live}");
+    assert_eq!(
+        c.channels(va, "va").unwrap().rx,
+        2,
+        "the live setup is untouched"
+    );
     // The process "dies" here: nothing restores, only the file remains.
     drop(j);
     assert!(state.exists());

@@ -219,9 +219,9 @@ pub fn state_files(base: &Path) -> Vec<PathBuf> {
         .map(|e| e.path())
         .filter(|p| {
             // `STEM.IF.EXT` (or `STEM.IF` for a base without extension), never a journal's
-            // temporary file.
+            // temporary file or lock file.
             let name = p.file_name().unwrap_or_default().to_string_lossy();
-            let tmp = p.extension().is_some_and(|e| e == "tmp");
+            let tmp = p.extension().is_some_and(|e| e == "tmp" || e == "lock");
             name.starts_with(&prefix) && !tmp && p.file_name() != base.file_name()
         })
         .collect();

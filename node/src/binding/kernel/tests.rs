@@ -201,6 +201,8 @@ fn each_nic_has_its_own_journal_beside_the_configured_one() {
         "nic-state.eth1.json",
         "nic-state.eth0.json",
         "nic-state.eth0.json.tmp",
+        "nic-state.eth0.json.lock",
+        "nic-state.json.lock",
         "other.json",
     ] {
         std::fs::write(dir.join(f), "{}").unwrap();
