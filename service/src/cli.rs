@@ -554,7 +554,15 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     crate::http::prom::handle(); // before any work (see `source`)
     runtime()?.block_on(async {
         let mut signals = Signals::new()?;
-        let s = crate::serve::start(cfg).await?;
+        // A signal during a start that takes long (a GPU probe, a NIC's setup) ends it, as
+        // the default action did before the handler was installed this early.
+        let s = tokio::select! {
+            s = crate::serve::start(cfg) => s?,
+            sig = signals.recv() => {
+                tracing::warn!(signal = sig, "signal received while starting: exiting");
+                return Ok(ExitCode::from(128 + sig as u8));
+            }
+        };
         let h = &s.handle;
         println!(
             "node service ready: socket {} admin http://{}",

@@ -6,15 +6,17 @@
 //! most [`MAX_HANDSHAKES_PER_IP`] of them: before, every accepted connection took a session
 //! slot, so 256 idle connections, re-opened every 10 s by anyone who could reach the port,
 //! refused every node, secret or not. When all [`MAX_HANDSHAKES`] are taken, a newcomer
-//! evicts the oldest handshake instead of being refused: a node's handshake takes a few round
-//! trips, so the oldest is almost always a peer that holds its slot on purpose, and eight
-//! such peers no longer lock every node out. A refused peer is told why (an `Error` frame)
+//! evicts the oldest handshake, if that one has been under way for [`EVICT_AFTER`], instead
+//! of being refused: a node's handshake takes a few round trips, so such a handshake is a
+//! peer that holds its slot on purpose, and eight such peers no longer lock every node out
+//! (while a flood of new connections cannot evict a node's handshake in its first second). A refused peer is told why (an `Error` frame)
 //! instead of seeing its connection closed, which a node read as a source of another protocol
 //! version.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::Notify;
 
@@ -23,6 +25,9 @@ pub const MAX_HANDSHAKES: usize = 64;
 
 /// Handshakes under way at once from one peer (an IPv4 address, an IPv6 /64).
 pub const MAX_HANDSHAKES_PER_IP: usize = 8;
+
+/// How long a handshake is under way before a newcomer may evict it.
+pub const EVICT_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Refused connections told why at once (each holds its socket for up to 2 s); past it a
 /// refused connection is closed without a word.
@@ -37,15 +42,15 @@ pub(crate) struct Handshakes {
 #[derive(Debug, Default)]
 struct Table {
     by_peer: HashMap<IpAddr, usize>,
-    /// Each handshake under way by when it began: its peer and its eviction notice.
-    began: BTreeMap<u64, (IpAddr, Arc<Notify>)>,
+    /// Each handshake under way by when it began: its peer, its eviction notice, and when.
+    began: BTreeMap<u64, (IpAddr, Arc<Notify>, Instant)>,
     next: u64,
 }
 
 impl Table {
     /// Takes handshake `seq` out of the table; false if it was not in it (evicted).
     fn take(&mut self, seq: u64) -> Option<Arc<Notify>> {
-        let (peer, evict) = self.began.remove(&seq)?;
+        let (peer, evict, _) = self.began.remove(&seq)?;
         if let Some(n) = self.by_peer.get_mut(&peer) {
             *n -= 1;
             if *n == 0 {
@@ -84,6 +89,11 @@ impl Handshakes {
     /// A slot for a handshake with `ip`, or why there is none. With every slot taken, the
     /// oldest handshake is evicted ([`HandshakeSlot::evicted`]) for this one.
     pub fn enter(self: &Arc<Self>, ip: IpAddr) -> Result<HandshakeSlot, String> {
+        self.enter_at(ip, Instant::now())
+    }
+
+    /// [`Handshakes::enter`] at time `now`.
+    fn enter_at(self: &Arc<Self>, ip: IpAddr, now: Instant) -> Result<HandshakeSlot, String> {
         let peer = peer_of(ip);
         let mut t = self.table.lock().expect("poisoned");
         let here = t.by_peer.get(&peer).copied().unwrap_or(0);
@@ -95,14 +105,21 @@ impl Handshakes {
             ));
         }
         if t.began.len() >= MAX_HANDSHAKES {
-            let oldest = *t.began.keys().next().expect("full");
+            let (&oldest, &(_, _, since)) = t.began.iter().next().expect("full");
+            if now.saturating_duration_since(since) < EVICT_AFTER {
+                return Err(format!(
+                    "{} handshakes are under way already (at most {MAX_HANDSHAKES}): try \
+                     again in a few seconds",
+                    t.began.len()
+                ));
+            }
             if let Some(evict) = t.take(oldest) {
                 evict.notify_one();
             }
         }
         let (seq, evict) = (t.next, Arc::new(Notify::new()));
         t.next += 1;
-        t.began.insert(seq, (peer, Arc::clone(&evict)));
+        t.began.insert(seq, (peer, Arc::clone(&evict), now));
         *t.by_peer.entry(peer).or_default() += 1;
         Ok(HandshakeSlot {
             of: Arc::clone(self),
@@ -169,14 +186,20 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_full_table_evicts_its_oldest_handshake_for_a_newcomer() {
         let h = Arc::new(Handshakes::default());
+        let t0 = Instant::now();
         let squatters: Vec<_> = (0..MAX_HANDSHAKES)
             .map(|i| {
                 let ip = IpAddr::from([10, 0, (i / MAX_HANDSHAKES_PER_IP) as u8, 1]);
-                h.enter(ip).unwrap()
+                h.enter_at(ip, t0).unwrap()
             })
             .collect();
+        // Within EVICT_AFTER of the oldest's start: refused (a flood cannot evict a node's
+        // handshake in its first second).
+        let e = h.enter_at("10.9.9.9".parse().unwrap(), t0).unwrap_err();
+        assert!(e.contains("64 handshakes are under way"), "{e}");
+        let later = t0 + EVICT_AFTER;
         let node = h
-            .enter("10.9.9.9".parse().unwrap())
+            .enter_at("10.9.9.9".parse().unwrap(), later)
             .expect("a slot by eviction");
         assert_eq!(h.under_way(), MAX_HANDSHAKES);
         tokio::time::timeout(std::time::Duration::from_secs(1), squatters[0].evicted())
@@ -185,7 +208,7 @@ mod tests {
         let second = tokio::time::timeout(std::time::Duration::ZERO, squatters[1].evicted());
         assert!(second.await.is_err(), "only the oldest");
         // The evicted one's peer has room for another handshake again.
-        let again = h.enter("10.0.0.1".parse().unwrap()).unwrap();
+        let again = h.enter_at("10.0.0.1".parse().unwrap(), later).unwrap();
         drop(squatters);
         assert_eq!(h.under_way(), 2, "the newcomer and the re-entered one");
         drop((node, again));

@@ -94,16 +94,6 @@ pub struct Opened {
     pub name: String,
     len: u64,
     modified: Option<std::time::SystemTime>,
-    /// The inode's change time (seconds, nanoseconds): a write moves it, and no user can set
-    /// it back (an in-place rewrite that restored the modification time, `touch -d`,
-    /// passed a check of the modification time alone).
-    changed: (i64, i64),
-}
-
-/// `meta`'s change time.
-fn ctime(meta: &std::fs::Metadata) -> (i64, i64) {
-    use std::os::unix::fs::MetadataExt;
-    (meta.ctime(), meta.ctime_nsec())
 }
 
 impl Opened {
@@ -112,7 +102,6 @@ impl Opened {
             name: name.to_owned(),
             len: meta.len(),
             modified: meta.modified().ok(),
-            changed: ctime(meta),
         }
     }
 
@@ -130,7 +119,7 @@ impl Opened {
                 self.len
             ));
         }
-        if meta.modified().ok() != self.modified || ctime(&meta) != self.changed {
+        if meta.modified().ok() != self.modified {
             return Err(format!(
                 "shard file {} changed since the source opened it (modified again)",
                 self.name
@@ -336,27 +325,5 @@ mod tests {
                 "{spec}: {e}"
             );
         }
-    }
-
-    /// A rewrite in place that keeps the length and restores the modification time (as
-    /// `touch -d` or a copy tool preserving times does) is a change: the change time moved.
-    #[test]
-    fn a_rewrite_that_restores_the_modification_time_is_a_change() {
-        let dir = std::env::temp_dir().join(format!("sw-opened-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("s0.bin");
-        std::fs::write(&path, [1u8; 4096]).unwrap();
-        let file = File::open(&path).unwrap();
-        let opened = Opened::new("s0.bin", &file.metadata().unwrap());
-        assert!(opened.check(&file, 4096).is_ok());
-        let mtime = file.metadata().unwrap().modified().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        std::fs::write(&path, [2u8; 4096]).unwrap();
-        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        w.set_modified(mtime).unwrap();
-        assert_eq!(file.metadata().unwrap().modified().unwrap(), mtime);
-        let e = opened.check(&file, 4096).unwrap_err();
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert!(e.contains("modified again"), "{e}");
     }
 }

@@ -329,6 +329,17 @@ struct Session {
     drained: bool,
 }
 
+impl Drop for Session {
+    /// The bytes of reads started for FETCHes still queued go back to the source's budget
+    /// (the session's own counter goes with it; the source's lives on, and kept them for
+    /// ever: a few sessions ending with full queues stopped every read of the source).
+    fn drop(&mut self) {
+        for q in self.waiting.iter().flatten() {
+            self.reads.source.fetch_sub(q.held, Ordering::AcqRel);
+        }
+    }
+}
+
 impl Session {
     async fn serve(mut self) -> Result<(), SessionError> {
         let idle = self.ctl.idle;
@@ -570,6 +581,7 @@ impl Session {
 
     /// Starts the reads of queued FETCHes, in queue order, while there is room.
     fn start_later(&mut self) {
+        self.reads.starved = false; // set again by a read that still finds no room
         for (lane, w) in self.waiting.iter_mut().enumerate() {
             if self.later[lane] == 0 {
                 continue; // nothing to start here (a local dataset's FETCHes, or all started)
@@ -622,18 +634,32 @@ impl Session {
     /// while a data connection of the lane has room (the least loaded).
     async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
         let (mut at, mut later_passed) = (0, 0);
+        // Once no connection has room nothing more is sent (in queue order), but the started
+        // object-storage reads behind are still looked at, so a failed one is answered now:
+        // they lie at the queue's front (reads start in queue order, a few budgets of them),
+        // and the look stops at the first entry of any other kind.
+        let mut full = false;
         // Past the last entry that is not waiting for its read to start, nothing can be sent.
         while at < self.waiting[lane].len()
             && self.waiting[lane].len() - at > self.later[lane] - later_passed
         {
-            if !self.waiting[lane][at].payload.settled() {
-                if matches!(self.waiting[lane][at].payload, Payload::Later(_)) {
+            let payload = &self.waiting[lane][at].payload;
+            if full
+                && !matches!(
+                    payload,
+                    Payload::Reading(..) | Payload::Ready(Body::Memory(_))
+                )
+            {
+                return Ok(());
+            }
+            if !payload.settled() || (full && matches!(payload, Payload::Ready(_))) {
+                if matches!(payload, Payload::Later(_)) {
                     later_passed += 1;
                 }
                 at += 1;
                 continue;
             }
-            let room = self.room_in(lane);
+            let room = if full { None } else { self.room_in(lane) };
             let Queued {
                 head: q,
                 payload,
@@ -661,11 +687,10 @@ impl Session {
                 }
             };
             let Some(conn) = room else {
-                // Settled but no room: back in its place, with its bytes; the entries behind
-                // it are still looked at, so a failed read is answered now, not once a
-                // connection has room (only started reads are looked at: a few budgets).
+                // Settled but no room: back in its place, with its bytes.
                 self.requeue(lane, at, (q, Payload::Ready(body), held));
                 at += 1;
+                full = true;
                 continue;
             };
             if let Some(why) = changed_since_queued(&q, &body) {

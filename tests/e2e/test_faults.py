@@ -710,8 +710,8 @@ def test_a_stream_its_sources_no_longer_serve_is_closed_naming_them(sw, tmp_path
 def test_a_full_handshake_table_evicts_its_oldest_for_a_node(sw, tmp_path):
     """Eight addresses holding eight silent handshakes each fill all 64 handshake slots.
     Before, every node was then refused until they left (and they came back every 10 s); now a
-    newcomer evicts the oldest handshake under way: a node's handshake goes through, and the
-    oldest silent connection is closed."""
+    newcomer evicts the oldest handshake under way (once it has been under way for a second):
+    a node's handshake goes through, and the oldest silent connection is closed."""
     import faults as F
 
     src = sw.source({"tiny": tiny_dataset(tmp_path)})
@@ -731,6 +731,7 @@ def test_a_full_handshake_table_evicts_its_oldest_for_a_node(sw, tmp_path):
     assert kind == F.ERROR and "8 handshakes from 127.0.0.9" in F.error_code(body)[2]
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
+    time.sleep(1.2)  # a handshake under way for a second (EVICT_AFTER) may be evicted
     ctl, conn, _ = F.handshake_to_data_conn(addr, data)
     try:
         gone = idle[0].recv(1)

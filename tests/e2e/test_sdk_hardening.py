@@ -338,10 +338,10 @@ def test_the_lease_of_a_kept_batch_goes_with_the_next_request_once_its_tensors_a
 
 
 @pytest.mark.parametrize("gpu, why", [
-    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": None}, "granularity"),
-    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": "2097152"}, "granularity"),
-    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": 2097152.0}, "granularity"),
-    ({"ordinal": 0, "pci_bus_id": None, "granularity": 2097152}, "pci_bus_id"),
+    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": None}, "the field gpu.granularity is None"),
+    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": "2097152"}, "the field gpu.granularity is '2097152'"),
+    ({"ordinal": 0, "pci_bus_id": "0000:19:00.0", "granularity": 2097152.0}, r"the field gpu.granularity is 2097152\.0"),
+    ({"ordinal": 0, "pci_bus_id": None, "granularity": 2097152}, "the field gpu.pci_bus_id is None"),
 ])
 def test_an_attached_with_a_bad_gpu_object_is_a_protocol_error(tmp_path, gpu, why):
     """docs/TRAINER_API.md: "an `attached` with `memory = "cuda"` but no usable `gpu` object is
@@ -365,7 +365,7 @@ TENSOR = {"name": "x", "dtype": "uint8", "shape": [4], "offset": 0, "length": 4}
 
 @pytest.mark.parametrize("body, why", [
     ({"lease": 7, "epoch": 0, "index": 0, "shard": 0}, "tensors"),  # KeyError before
-    ({"lease": 7, "epoch": 0, "index": 0, "shard": 0, "tensors": [5]}, "tensors"),  # TypeError
+    ({"lease": 7, "epoch": 0, "index": 0, "shard": 0, "tensors": [5]}, "an entry of tensors is 5"),  # TypeError
     ([1, 2], "not an object"),  # AttributeError (`v.get`)
     ({"lease": 7, "index": 0, "shard": 0, "tensors": [TENSOR]}, "epoch"),  # KeyError after the download
     ({"lease": 7, "epoch": None, "index": 0, "shard": 0, "tensors": [TENSOR]}, "epoch"),  # TypeError

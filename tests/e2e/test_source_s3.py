@@ -417,6 +417,35 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
             sock.close()
 
 
+def test_nodes_that_leave_with_reads_queued_give_the_sources_budget_back(sw, s3, s3_bucket, s3_proxy, tmp_path):
+    """Reads started for FETCHes still queued when their session ends stayed counted in the
+    source-wide budget for ever: a few nodes that left with full queues stopped every read of
+    the source. Their bytes go back when the session ends."""
+    d = tmp_path / "ds"
+    write_uint8_shards(d, 24, 256 * 1024, seed=16)
+    url = upload(s3, s3_bucket, d)
+    src = sw.source({"ds": url}, "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2",
+                    env=s3_proxy.env())
+    for k in range(6):
+        data = socket.create_server(("127.0.0.1", 0))
+        data.settimeout(10)
+        ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+        for shard in range(4 * k, 4 * k + 4):
+            ctl.sendall(fetch(shard + 1, "ds", shard))
+        time.sleep(0.5)  # its reads start, and it leaves without reading a byte
+        for sock in (ctl, conn, data):
+            sock.close()
+    data = socket.create_server(("127.0.0.1", 0))
+    data.settimeout(10)
+    ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
+    ctl.sendall(fetch(1, "ds", 5) + control_frame(DATA_READY, struct.pack(">H", 0)))
+    ctl.settimeout(20)
+    kind, body = next_non_ping(ctl)
+    assert kind == SHARD and struct.unpack(">Q", body[:8])[0] == 1, (kind, body[:60])
+    for sock in (ctl, conn, data):
+        sock.close()
+
+
 def test_a_failed_read_is_answered_while_its_lane_has_no_room(sw, s3, s3_bucket, s3_proxy, tmp_path):
     """A FETCH whose read failed waited, unanswered, behind a read that had finished but had
     no data connection with room (here: the node has not said DataReady), until one had

@@ -29,7 +29,9 @@ use super::error::ApiError;
 use super::stall::{Floor, WriteStall, stall_phase};
 
 /// The floor under a backed-up connection: half a download's rate after its grace, over
-/// windows of the grace (so it never ends a download the download's own deadline allows).
+/// windows of the grace. Per window, unlike a download's deadline (its grace plus its length
+/// at the full rate, in all): a download read at under 512 KiB/s for 30 s while the server
+/// waits on it ends even where its deadline is further off.
 const FLOOR: Floor = Floor {
     window: GRACE,
     bytes: MIN_RATE * GRACE.as_secs() / 2,
@@ -72,14 +74,22 @@ impl Limits {
     }
 }
 
-/// On a node listening on loopback, a request must name this host in `Host`: `localhost` or
-/// an IP address. A web page whose name an attacker rebinds to 127.0.0.1 (DNS rebinding) is
-/// same-origin to the browser, which then sends no `Origin` on its GETs and lets it read the
-/// answers (tensor bytes, the node's status); its requests name that name.
+/// Whether a connection came from this host (a loopback address).
+#[derive(Clone, Copy, Debug)]
+struct FromLoopback(bool);
+
+/// A request over loopback must name this host in `Host`: `localhost` or an IP address. A web
+/// page whose name an attacker rebinds to 127.0.0.1 (DNS rebinding) is same-origin to the
+/// browser, which then sends no `Origin` on its GETs and lets it read the answers (tensor
+/// bytes, the node's status); its requests name that name. Judged per connection, so a node
+/// listening on a wildcard address (which loopback reaches too) is covered.
 async fn addressed_to_this_host(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
+    if !req.extensions().get::<FromLoopback>().is_some_and(|l| l.0) {
+        return next.run(req).await;
+    }
     let host = req
         .headers()
         .get(axum::http::header::HOST)
@@ -88,9 +98,9 @@ async fn addressed_to_this_host(
         Some(h) if !local_host_name(&h) => ApiError::new(
             ErrorCode::Forbidden,
             format!(
-                "Host `{h}`: a node listening on loopback answers requests addressed to \
-                 localhost or an IP address only (a web page whose name resolves to this host \
-                 must not read it)"
+                "Host `{h}`: over loopback the node answers requests addressed to localhost or \
+                 an IP address only (a web page whose name resolves to this host must not \
+                 read it)"
             ),
         )
         .into_response(),
@@ -131,12 +141,10 @@ pub async fn serve(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut app = app
+    let app = app
         .layer(axum::middleware::from_fn(close_reserve_connections))
-        .layer(axum::middleware::from_fn_with_state(limits, bounded_body));
-    if listener.local_addr().is_ok_and(|a| a.ip().is_loopback()) {
-        app = app.layer(axum::middleware::from_fn(addressed_to_this_host));
-    }
+        .layer(axum::middleware::from_fn_with_state(limits, bounded_body))
+        .layer(axum::middleware::from_fn(addressed_to_this_host));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let reserve = Arc::new(Semaphore::new(RESERVE));
     loop {
@@ -161,9 +169,12 @@ pub async fn serve(
         if reserved && let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
             (permit, reserved) = (p, false);
         }
+        let local = axum::Extension(FromLoopback(peer.ip().to_canonical().is_loopback()));
         let svc = match reserved {
-            true => TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve))),
-            false => TowerToHyperService::new(app.clone()),
+            true => {
+                TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve)).layer(local))
+            }
+            false => TowerToHyperService::new(app.clone().layer(local)),
         };
         let mut stop = shutdown.clone();
         tokio::spawn(async move {

@@ -483,8 +483,8 @@ class Stream(_StreamBase[Batch]):
 
     Create with :meth:`Client.open_stream`. One stream is one Unix connection; closing it (or
     the process exiting, or dropping the last reference to it and to the batches it handed
-    out: a batch keeps its stream open) closes the stream on the service and releases all its
-    leases.
+    out: a batch, and a tensor of a kept batch, keeps its stream open) closes the stream on the
+    service and releases all its leases.
 
     Iterating (``for batch in stream``) calls :meth:`next` until the stream ends. Taking a
     batch releases the previous one unless it was kept (see :class:`Batch`). Methods are
@@ -866,7 +866,8 @@ class Stream(_StreamBase[Batch]):
             # was answered, or the answer's error) must not cost it. Nor `prev`: struck before
             # it was claimed (while the group was built), it stays the trainer's until `b` is
             # handed out, and is released then (claimed already, it is done: nothing more).
-            self._unclaimed = (b, (self._resume, self._resume_raw), prev)
+            if not self._closed:  # a closed stream keeps nothing (it would hold `b` for ever)
+                self._unclaimed = (b, (self._resume, self._resume_raw), prev)
             self._resume, self._resume_raw = before
             raise
         return b

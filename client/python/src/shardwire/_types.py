@@ -142,6 +142,7 @@ def _timeout_ms(timeout: float) -> int:
     takes a wait (0.5 ms is 1 ms, not 0, which would ask for an answer at once); saturated at
     u64::MAX, like the Rust SDK's ``timeout_ms`` (``sys.maxsize`` s or ``1e306`` s wait as
     long as it takes instead of being refused or overflowing)."""
+    timeout = float(timeout)  # a numpy integer would wrap around in `timeout * 1000`
     if timeout >= _U64_MAX / 1000:
         return _U64_MAX
     return min(_U64_MAX, max(0, math.ceil(timeout * 1000)))
