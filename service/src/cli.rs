@@ -516,15 +516,19 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         let mut signals = Signals::new()?;
         println!("source listening on {}", src.local_addr());
         let (tx, rx) = tokio::sync::watch::channel(false);
+        // The admin endpoint serves through the drain (its /metrics and /v1/status show it)
+        // and stops once the source has.
+        let (admin_stop, admin_rx) = tokio::sync::watch::channel(false);
+        let mut admin = None;
         match cfg.admin {
             Some(addr) => {
                 let listener = crate::source_admin::bind(addr).await?;
                 println!("source admin on http://{}", listener.local_addr()?);
-                tokio::spawn(crate::source_admin::serve(
+                admin = Some(tokio::spawn(crate::source_admin::serve(
                     listener,
                     src.status(),
-                    rx.clone(),
-                ));
+                    admin_rx,
+                )));
             }
             None => {
                 tokio::spawn(crate::source_admin::log_status(src.status()));
@@ -542,6 +546,10 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
             std::process::exit(128 + sig);
         });
         src.serve(rx).await;
+        let _ = admin_stop.send(true);
+        if let Some(a) = admin {
+            let _ = a.await;
+        }
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -303,7 +303,8 @@ def test_the_source_sends_no_payload_on_a_connection_before_data_ready(sw, tmp_p
 
 def test_a_second_signal_ends_a_sources_drain_at_once(sw, tmp_path):
     d = tiny_dataset(tmp_path)
-    src = sw.source({"tiny": d}, "--drain-timeout-secs", "120")
+    src = sw.source({"tiny": d}, "--drain-timeout-secs", "120", "--admin", "127.0.0.1:0")
+    src.admin = src.wait_line(re.compile(r"source admin on http://(\S+)")).group(1)
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
     # A node session that stays (a raw node, ready, that does not leave when told of the drain).
@@ -311,6 +312,9 @@ def test_a_second_signal_ends_a_sources_drain_at_once(sw, tmp_path):
     ctl.sendall(control_frame(14, struct.pack(">H", 0)))  # DataReady{conn 0}
     src.popen.send_signal(signal.SIGTERM)
     wait_for(lambda: "draining: no new FETCHes" in src.stderr_text() or None, "the source to drain")
+    # The admin endpoint serves through the drain (it stopped at the first signal before).
+    code, text = http_get(src.admin, "/v1/status")
+    assert code == 200 and "tiny" in text, (code, text[:300])
     # Before: the second signal was swallowed, and the source waited out its 120 s drain.
     t = time.monotonic()
     src.popen.send_signal(signal.SIGTERM)
