@@ -163,6 +163,9 @@ where
     tokio::pin!(writer);
     let mut stall_check = tokio::time::interval(stall::CHECK_EVERY);
     let mut heard_by = Instant::now() + idle;
+    // Bytes of a frame under way when the source was last heard: a frame that takes longer
+    // than the idle timeout to arrive (a large manifest on a slow path) is not silence.
+    let mut heard_len = buf.len();
     loop {
         // Registered before the reason is looked at: a kick between the look and the wait
         // below wakes it (`notify_waiters` keeps no permit for a waiter not yet registered).
@@ -180,13 +183,19 @@ where
                 let reason = link.abort_reason.lock().expect("poisoned").take();
                 return Err(LinkError::DataFailed { reason: reason.unwrap_or_default() });
             }
-            _ = tokio::time::sleep_until(heard_by) => return Err(LinkError::Idle(idle)),
+            _ = tokio::time::sleep_until(heard_by) => {
+                if buf.len() == heard_len {
+                    return Err(LinkError::Idle(idle));
+                }
+                (heard_by, heard_len) = (Instant::now() + idle, buf.len());
+                continue;
+            }
             _ = stall_check.tick() => match link.stalled(Instant::now().into_std()) {
                 Some(stall) => return Err(LinkError::Stalled(stall)),
                 None => continue,
             },
         };
-        heard_by = Instant::now() + idle;
+        (heard_by, heard_len) = (Instant::now() + idle, buf.len());
         handle(link, conns, generation, msg)?;
     }
 }

@@ -556,6 +556,40 @@ async fn a_silent_source_gets_keepalives_and_then_times_out() {
     );
 }
 
+/// A frame that takes longer than the idle timeout to arrive (a large manifest on a slow
+/// path) is not silence: bytes of it count as hearing from the source. Before, the session
+/// ended as idle in the middle of the frame.
+#[tokio::test]
+async fn a_frame_slower_than_the_idle_timeout_is_not_silence() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(1).await;
+    until_up(&l).await;
+    let l2 = Arc::clone(&l);
+    let asked = tokio::spawn(async move { l2.request_manifest(9, "big").await });
+    assert!(matches!(
+        src.recv_work().await,
+        Message::ManifestRequest { req: 9, .. }
+    ));
+    let json = vec![b' '; 60 << 10];
+    let mut frame = Vec::new();
+    wire::encode(
+        &Message::Manifest {
+            req: 9,
+            dataset: "big".into(),
+            json: json.clone(),
+        },
+        &mut frame,
+    )
+    .unwrap();
+    // 2.5 s for the frame, in pieces 0.5 s apart: over twice the idle timeout.
+    for piece in frame.chunks(frame.len().div_ceil(6)) {
+        src.wr.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(asked.await.unwrap().unwrap(), json);
+    assert!(!task.is_finished(), "the session goes on");
+}
+
 #[tokio::test]
 async fn going_down_fails_what_waits_with_the_reason() {
     let (l, mut src, sink, _task) = start();
