@@ -351,6 +351,9 @@ pub struct Fetches {
     /// Per shard, since its last delivery: its sources' error answers (the backoff grows
     /// with them), and those of a kind that may not pass ([`MAX_REFUSALS`]).
     refused_streak: HashMap<u32, (u32, u32)>,
+    /// Per shard, since its last delivery: its fetches lost with their link or connection
+    /// (the second and later are asked again after [`refusal_backoff`]).
+    lost_streak: HashMap<u32, u32>,
 }
 
 impl Drop for Fetches {
@@ -374,6 +377,7 @@ impl Fetches {
             hints: Hints::default(),
             crc_streak: HashMap::new(),
             refused_streak: HashMap::new(),
+            lost_streak: HashMap::new(),
         }
     }
 
@@ -492,6 +496,7 @@ impl Fetches {
     pub fn forget(&mut self, shard: u32) {
         self.crc_streak.remove(&shard);
         self.refused_streak.remove(&shard);
+        self.lost_streak.remove(&shard);
     }
 
     /// The next outcome of a fetch.
@@ -513,8 +518,7 @@ impl Fetches {
             Ok(()) => {
                 metrics::histogram!("shardwire_fetch_duration_seconds")
                     .record(c.issued.elapsed().as_secs_f64());
-                self.crc_streak.remove(&c.shard);
-                self.refused_streak.remove(&c.shard);
+                self.forget(c.shard);
                 return Ok(Some(c.slab));
             }
             Err(f) => f,
@@ -546,6 +550,14 @@ impl Fetches {
         }
         let pause = match &f {
             FetchFailure::Refused { .. } => Some(self.refused_again(c.shard, &f)?),
+            // The first goes again at once (another source, or the link's next session); a
+            // shard whose fetches keep breaking their link or connection (a source that
+            // fails on it every time) waits longer each time, not a round trip.
+            FetchFailure::LinkDown { .. } | FetchFailure::ConnectionLost { .. } => {
+                let n = self.lost_streak.entry(c.shard).or_default();
+                *n += 1;
+                (*n > 1).then(|| refusal_backoff(*n - 1))
+            }
             _ => f.retry_after(),
         };
         self.supply

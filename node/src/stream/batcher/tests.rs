@@ -706,6 +706,41 @@ async fn a_store_that_stays_unavailable_is_waited_out_with_backoff() {
     settle(&mut d).unwrap();
 }
 
+/// A shard whose fetch breaks its link every time was fetched again at once, without end:
+/// the second and later go again after a growing pause (the stream waits for the sources, it
+/// does not close: an outage may be long).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_whose_fetch_keeps_losing_its_link_is_asked_again_later_each_time() {
+    let s = stream(1 << 20);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let (mut f, _) = fake.take().pop().expect("a fetch was issued");
+    let shard = f.shard;
+    let mut pauses = Vec::new();
+    for _ in 0..5 {
+        f.finish(Err(FetchFailure::LinkDown {
+            source_addr: "src:1".into(),
+            reason: "protocol violation".into(),
+        }));
+        settle(&mut d).expect("a lost link does not end the stream");
+        let due = d.fetches.next_due();
+        pauses.push(due.map(|t| t.saturating_duration_since(Instant::now())));
+        f = issued_again(&mut d, &fake, shard);
+    }
+    use crate::stream::error::refusal_backoff;
+    assert_eq!(pauses[0], None, "the first goes again at once");
+    for (n, p) in (1..).zip(&pauses[1..]) {
+        let (p, want) = (p.expect("waits"), refusal_backoff(n));
+        assert!(
+            p <= want && p + Duration::from_secs(1) >= want,
+            "{n}: {pauses:?}"
+        );
+    }
+    answer(f);
+    settle(&mut d).unwrap();
+}
+
 /// The fetch of `shard` issued again once every waiting fetch is made due.
 fn issued_again(d: &mut Driver, fake: &Fake, shard: u32) -> InFlight {
     d.fetches.make_due();
