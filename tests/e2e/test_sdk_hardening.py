@@ -159,6 +159,7 @@ class _Node(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     NEXT: bytes = json.dumps({"lease": 7, "epoch": 0, "index": 0, "shard": 0, "tensors": [
         {"name": "x", "dtype": "uint8", "shape": [4], "offset": 0, "length": 4}]}).encode()
+    STATE_BODY: bytes = json.dumps(STATE).encode()
     seen: list[str]
 
     def log_message(self, *a: Any) -> None:
@@ -176,7 +177,7 @@ class _Node(BaseHTTPRequestHandler):
             return self.answer(200, b"ok", "text/plain")
         self.seen.append(f"GET {self.path}")
         if self.path.startswith("/v1/streams/1/state"):
-            return self.answer(200, json.dumps(STATE).encode())
+            return self.answer(200, self.STATE_BODY)
         return self.answer(200, b"\x01\x02\x03\x04", "application/octet-stream")
 
     def do_POST(self) -> None:
@@ -191,12 +192,15 @@ class _Node(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def http_node(next_body: bytes | None = None) -> Iterator[tuple[shardwire.HttpStream, list[str]]]:
+def http_node(next_body: bytes | None = None,
+              state_body: bytes | None = None) -> Iterator[tuple[shardwire.HttpStream, list[str]]]:
     """An HttpStream opened on a fake node (see `_Node`), and the requests the node saw."""
     seen: list[str] = []
     attrs: dict[str, Any] = {"seen": seen}
     if next_body is not None:
         attrs["NEXT"] = next_body
+    if state_body is not None:
+        attrs["STATE_BODY"] = state_body
     srv = ThreadingHTTPServer(("127.0.0.1", 0), type("Node", (_Node,), attrs))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -206,6 +210,14 @@ def http_node(next_body: bytes | None = None) -> Iterator[tuple[shardwire.HttpSt
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"state"', b"7"])
+def test_an_http_state_that_is_not_an_object_is_a_protocol_error(body):
+    """Before, `dict(r.json())` raised a bare TypeError or ValueError."""
+    with http_node(state_body=body) as (s, _):
+        with pytest.raises(ProtocolError, match="not a JSON object"):
+            s.state_dict()
 
 
 def test_an_http_state_dict_from_a_handler_that_interrupted_the_stream_raises_reentrant():

@@ -387,7 +387,10 @@ class HttpStream(_StreamBase[HttpBatch]):
         r = self._request("GET", path, IO_TIMEOUT, again=True)
         if r.status != 200:
             raise r.error()
-        return dict(r.json())
+        state = r.json()
+        if not isinstance(state, dict):
+            raise ProtocolError(f"the stream's state is {state!r}, not a JSON object")
+        return state
 
     def close(self) -> None:
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
