@@ -68,12 +68,27 @@ pub async fn resolve(lookup: &str) -> Result<BTreeSet<String>, ResolveError> {
             name: name.clone(),
             source,
         })?;
-    let set = identities(found);
+    let mut set = identities(found);
     if set.is_empty() {
         return Err(ResolveError::Empty { name });
     }
+    if set.len() > MAX_ADDRESSES_PER_NAME {
+        tracing::warn!(%name, addresses = set.len(), kept = MAX_ADDRESSES_PER_NAME,
+            "the name resolves to more addresses than a node links to; the rest are not used");
+        set = at_most(set, MAX_ADDRESSES_PER_NAME);
+    }
     Ok(set)
 }
+
+/// The first `n` of `set` in sorted order: the same on every node that gets the same answer.
+fn at_most(set: BTreeSet<String>, n: usize) -> BTreeSet<String> {
+    set.into_iter().take(n).collect()
+}
+
+/// Most addresses one `dns:` name gives links (each a control connection, its data
+/// connections and two tasks): a wildcard or misconfigured record cannot make a node dial
+/// thousands of them.
+pub const MAX_ADDRESSES_PER_NAME: usize = 1024;
 
 /// A source's identity from a resolved address: `IP:PORT` (`[IPv6]:PORT`), the same string
 /// on every node that gets the same answer.
@@ -231,6 +246,21 @@ async fn retire(roster: Arc<Roster>, m: Member) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_with_too_many_addresses_keeps_the_same_first_ones_everywhere() {
+        let a: BTreeSet<String> = (0..2000u32)
+            .rev()
+            .map(|i| format!("10.{}.{}.1:7500", i / 256, i % 256))
+            .collect();
+        let kept = at_most(a.clone(), MAX_ADDRESSES_PER_NAME);
+        assert_eq!(kept.len(), MAX_ADDRESSES_PER_NAME);
+        assert_eq!(kept.first(), a.first());
+        assert_eq!(
+            kept,
+            at_most(a.into_iter().rev().collect(), MAX_ADDRESSES_PER_NAME)
+        );
+    }
 
     #[test]
     fn identities_are_ip_and_port_sorted_and_unique() {
