@@ -54,9 +54,17 @@ pub struct TooSlow {
 #[derive(Debug)]
 pub struct Copies {
     units: Arc<Semaphore>,
-    /// Told whenever room is given back.
+    /// Told whenever room is given back, or a waiter stops waiting.
     freed: Arc<Notify>,
+    /// The copies waiting for room, by ticket, with when they began to wait.
+    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, std::time::Instant>>,
+    next_ticket: std::sync::atomic::AtomicU64,
 }
+
+/// How long a copy waits for room before the copies that came after it let it go first: long
+/// enough that a large copy does not hold back small ones that fit meanwhile, short enough
+/// that a steady stream of small ones cannot starve it.
+pub const PRIORITY_AFTER: Duration = Duration::from_secs(1);
 
 impl Copies {
     /// A budget of [`COPY_BUDGET`].
@@ -64,6 +72,8 @@ impl Copies {
         Self {
             units: Arc::new(Semaphore::new((COPY_BUDGET / UNIT) as usize)),
             freed: Arc::new(Notify::new()),
+            waiting: std::sync::Mutex::default(),
+            next_ticket: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -71,15 +81,19 @@ impl Copies {
     /// `None` if none came within `wait`. Not first come, first served: tokio's semaphore
     /// queues waiters in order, so one copy of more than the room free held back every
     /// smaller one behind it (each timing out with room to spare); here each waiter tries
-    /// again whenever room is given back.
+    /// again whenever room is given back, except that once the oldest waiter has waited
+    /// [`PRIORITY_AFTER`], the others let it go first.
     pub async fn room(&self, len: u64, wait: Duration) -> Option<Room> {
         let units = len.div_ceil(UNIT).clamp(1, COPY_BUDGET / UNIT) as u32;
         let deadline = tokio::time::Instant::now() + wait;
+        let ticket = Ticket::new(self);
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if let Ok(p) = Arc::clone(&self.units).try_acquire_many_owned(units) {
+            if !self.behind_an_older(ticket.0)
+                && let Ok(p) = Arc::clone(&self.units).try_acquire_many_owned(units)
+            {
                 return Some(Room {
                     permit: Some(p),
                     freed: Arc::clone(&self.freed),
@@ -89,10 +103,41 @@ impl Copies {
         }
     }
 
+    /// Whether the oldest waiter is another one that has waited [`PRIORITY_AFTER`].
+    fn behind_an_older(&self, ticket: u64) -> bool {
+        let w = self.waiting.lock().expect("poisoned");
+        w.first_key_value()
+            .is_some_and(|(&t, since)| t != ticket && since.elapsed() >= PRIORITY_AFTER)
+    }
+
     /// Bytes of the budget in use now.
     #[cfg(test)]
     fn used(&self) -> u64 {
         COPY_BUDGET - self.units.available_permits() as u64 * UNIT
+    }
+}
+
+/// A copy's place among the waiters ([`Copies::room`]); it leaves when dropped (room taken,
+/// or given up), and the others are told.
+struct Ticket<'a>(u64, &'a Copies);
+
+impl<'a> Ticket<'a> {
+    fn new(c: &'a Copies) -> Self {
+        let t = c
+            .next_ticket
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        c.waiting
+            .lock()
+            .expect("poisoned")
+            .insert(t, std::time::Instant::now());
+        Self(t, c)
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.1.waiting.lock().expect("poisoned").remove(&self.0);
+        self.1.freed.notify_waiters();
     }
 }
 
@@ -333,5 +378,31 @@ mod tests {
             "the large one gets its room once it is given back"
         );
         assert_eq!(c.used(), COPY_BUDGET);
+    }
+
+    /// Once a large copy has waited PRIORITY_AFTER, smaller ones that came after it let it
+    /// go first (else a steady stream of them starved it until it gave up with a 503).
+    #[tokio::test]
+    async fn a_copy_that_has_waited_long_goes_first() {
+        let c = Arc::new(Copies::new());
+        let half = c.room(COPY_BUDGET / 2, COPY_WAIT).await.unwrap();
+        let big = {
+            let c = Arc::clone(&c);
+            tokio::spawn(async move { c.room(COPY_BUDGET, Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(PRIORITY_AFTER + Duration::from_millis(100)).await;
+        assert!(
+            c.room(1024, Duration::from_millis(200)).await.is_none(),
+            "room was free, but the big copy has waited long enough to go first"
+        );
+        drop(half);
+        let big = big.await.unwrap().expect("it gets the whole budget");
+        assert_eq!(c.used(), COPY_BUDGET);
+        drop(big);
+        assert!(c.room(1024, Duration::from_millis(200)).await.is_some());
+        assert!(
+            c.waiting.lock().unwrap().is_empty(),
+            "no waiter left behind"
+        );
     }
 }
