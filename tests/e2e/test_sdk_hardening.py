@@ -621,3 +621,24 @@ def test_state_dict_snapshot_and_keep_in_a_forked_child_refuse(pair):
         assert said.startswith("forked: ") and f"process {os.getpid()}" in said, (call, said)
     node.sendall(batch(1))
     assert s.next(timeout=10).lease == 2 and s.state_dict()["index"] == 2, "the parent's stream goes on"
+
+
+def test_the_stream_locks_owner_is_known_the_moment_it_is_taken():
+    """A signal handler that runs right after the stream's lock was taken (between the acquire
+    and the next bytecode) must see that its own thread holds it: with the owner kept beside
+    a plain lock, set a few bytecodes later, its state_dict()/keep()/close() waited for ever."""
+    from shardwire._types import _OwnedLock
+
+    lock = _OwnedLock()
+    lock._lock.acquire()  # the acquire itself, as a handler that runs right after it sees it
+    assert lock.held_here() and lock.locked()
+    assert lock.acquire(blocking=False) is False, "a second try fails, as on a plain lock"
+    with pytest.raises(RuntimeError, match="taken twice"):
+        lock.acquire()  # a second wait would never end
+    lock.release()
+    assert not lock.locked()
+    seen = []
+    t = threading.Thread(target=lambda: seen.append((lock.acquire(), lock.held_here(), lock.release())))
+    t.start()
+    t.join(5)
+    assert seen == [(True, True, None)] and not lock.held_here()

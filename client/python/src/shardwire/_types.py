@@ -259,31 +259,43 @@ class _OwnedLock:
     """A lock that knows which thread holds it. A signal handler runs in the thread it
     interrupted, which may hold the stream's lock (waiting in ``next``): a ``close()`` or
     ``release()`` there must not wait for a lock its own thread holds, which would never come
-    back (see :meth:`_StreamBase.close`)."""
+    back (see :meth:`_StreamBase.close`).
 
-    __slots__ = ("_lock", "owner")
+    An ``RLock`` for its owner, which CPython records inside the acquire itself: an owner
+    kept beside a plain lock was set a few bytecodes after the acquire returned, and a
+    handler that ran in between waited for ever. It is never taken twice by one thread: a
+    second try there fails as a plain lock's would, and a second wait, which hung on a plain
+    lock, is refused."""
+
+    __slots__ = ("_lock",)
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: The ident of the thread that holds it; None when free.
-        self.owner: int | None = None
+        self._lock = threading.RLock()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if not self._lock.acquire(blocking, timeout):
-            return False
-        self.owner = threading.get_ident()
-        return True
+        if self.held_here():
+            # Not taken, as a plain lock its own thread holds is not; a wait for it would
+            # never end, so that is refused.
+            if not blocking or timeout >= 0:
+                return False
+            raise RuntimeError("the stream's lock is taken twice by one thread")
+        return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
-        self.owner = None
         self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
 
     def held_here(self) -> bool:
         """True when the calling thread holds it."""
-        return self.owner == threading.get_ident()
+        return self._lock._is_owned()  # type: ignore[attr-defined]
+
+    def locked(self) -> bool:
+        """True when any thread holds it."""
+        if self.held_here():
+            return True
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
 
     def __enter__(self) -> bool:
         return self.acquire()
