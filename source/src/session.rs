@@ -335,7 +335,7 @@ impl Drop for Session {
     /// ever: a few sessions ending with full queues stopped every read of the source).
     fn drop(&mut self) {
         for q in self.waiting.iter().flatten() {
-            self.reads.source.fetch_sub(q.held, Ordering::AcqRel);
+            self.reads.release(q.held);
         }
     }
 }

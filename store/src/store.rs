@@ -226,23 +226,7 @@ impl Store {
         } else {
             format!("{prefix}/")
         };
-        // Folder markers (`pre/`, `pre/sub/`: empty objects made by consoles, s3fs, rclone),
-        // which object_store names without their slash (`pre`, `pre/sub`): no objects of the
-        // dataset. The prefix's own, and any empty one that other keys lie under, go.
-        let dirs: std::collections::BTreeSet<&str> =
-            listed.iter().map(|o| o.location.as_ref()).collect();
-        let is_marker = |o: &object_store::ObjectMeta| {
-            let loc = o.location.as_ref();
-            let under = format!("{loc}/");
-            (!prefix.is_empty() && loc == prefix)
-                || (o.size == 0
-                    && dirs
-                        .range(under.as_str()..)
-                        .next()
-                        .is_some_and(|k| k.starts_with(&under)))
-        };
-        let markers: Vec<bool> = listed.iter().map(is_marker).collect();
-        drop(dirs);
+        let markers = folder_markers(&listed, prefix);
         listed
             .into_iter()
             .zip(markers)
@@ -550,6 +534,25 @@ impl Store {
 enum Want {
     Range(Range<u64>),
     Suffix(u64),
+}
+
+/// Which of `listed` are folder markers (`pre/`, `pre/sub/`: empty objects made by consoles,
+/// s3fs, rclone), which object_store names without their slash (`pre`, `pre/sub`): no objects
+/// of the dataset. The prefix's own, and any empty one that other keys lie under.
+fn folder_markers(listed: &[object_store::ObjectMeta], prefix: &str) -> Vec<bool> {
+    let dirs: std::collections::BTreeSet<&str> =
+        listed.iter().map(|o| o.location.as_ref()).collect();
+    let is_marker = |o: &object_store::ObjectMeta| {
+        let loc = o.location.as_ref();
+        let under = format!("{loc}/");
+        (!prefix.is_empty() && loc == prefix)
+            || (o.size == 0
+                && dirs
+                    .range(under.as_str()..)
+                    .next()
+                    .is_some_and(|k| k.starts_with(&under)))
+    };
+    listed.iter().map(is_marker).collect()
 }
 
 /// The range a GET of `want` must deliver, from the range the store says it sends: exactly

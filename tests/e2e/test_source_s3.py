@@ -77,6 +77,20 @@ def gets(proxy, bucket: str) -> list:
     return [e for e in proxy.requests("GET", f"/{bucket}/") if e.range]
 
 
+def next_payload(ctl, conn) -> tuple[int, int, int, bytes]:
+    """The next SHARD announcement on `ctl` and its payload read from `conn`: (req, shard,
+    announced CRC-32C, bytes)."""
+    kind, body = next_non_ping(ctl)
+    assert kind == SHARD, (kind, body[:200])
+    req, shard, length, crc = struct.unpack(">QIQI", body[:24])
+    payload = bytearray()
+    while len(payload) < length:
+        chunk = conn.recv(length - len(payload))
+        assert chunk, "data connection closed early"
+        payload += chunk
+    return req, shard, crc, bytes(payload)
+
+
 def retried(src) -> int:
     """GETs object_store sent again after a transport error (a read timeout when moto stalls):
     the source logs each retry, and each may read its range a second time."""
@@ -351,15 +365,8 @@ def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_a
     conn.settimeout(30)
     ctl.settimeout(30)
     while len(got) < 24:
-        kind, body = next_non_ping(ctl)
-        assert kind == SHARD, (kind, body[:200])
-        req, shard, length, crc = struct.unpack(">QIQI", body[:24])
-        payload = bytearray()
-        while len(payload) < length:
-            chunk = conn.recv(length - len(payload))
-            assert chunk, "data connection closed early"
-            payload += chunk
-        assert crc32c.crc32c(bytes(payload)) == crc == want[shard] and req == shard + 1
+        req, shard, crc, payload = next_payload(ctl, conn)
+        assert crc32c.crc32c(payload) == crc == want[shard] and req == shard + 1
         got[shard] = crc
     assert sorted(got) == list(range(24))
     for sock in (ctl, conn, data):
@@ -403,15 +410,8 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
         conn.settimeout(30)
         ctl.settimeout(30)
         for _ in range(4):
-            kind, body = next_non_ping(ctl)
-            assert kind == SHARD, (kind, body[:200])
-            req, shard, length, crc = struct.unpack(">QIQI", body[:24])
-            payload = bytearray()
-            while len(payload) < length:
-                chunk = conn.recv(length - len(payload))
-                assert chunk, "data connection closed early"
-                payload += chunk
-            assert crc32c.crc32c(bytes(payload)) == crc == want[shard] and shard // 4 == k
+            _, shard, crc, payload = next_payload(ctl, conn)
+            assert crc32c.crc32c(payload) == crc == want[shard] and shard // 4 == k
     for node in nodes:
         for sock in node:
             sock.close()

@@ -406,9 +406,9 @@ fn a_file_of_any_size_fits_the_part_count() {
     }
 }
 
-/// A plain HTTP server on loopback that ignores `Range`: every request gets `200 OK` and the
-/// whole 10-byte object (as a static file server without range support would).
-fn serves_whole_objects_only() -> std::net::SocketAddr {
+/// A plain HTTP server on loopback that answers every request, whatever it asks, with
+/// `answer` (its head read and dropped, the connection closed after).
+fn answers_every_request_with(answer: Vec<u8>) -> std::net::SocketAddr {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -420,19 +420,25 @@ fn serves_whole_objects_only() -> std::net::SocketAddr {
             while head.read_line(&mut line).is_ok_and(|n| n > 2) {
                 line.clear();
             }
-            let _ = conn.write_all(
-                b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nETag: \"v1\"\r\n\
-                  Connection: close\r\n\r\n0123456789",
-            );
+            let _ = conn.write_all(&answer);
         }
     });
     addr
 }
 
+/// A plain HTTP server on loopback that ignores `Range`: every request gets `200 OK` and the
+/// whole 10-byte object (as a static file server without range support would).
+fn serves_whole_objects_only() -> std::net::SocketAddr {
+    answers_every_request_with(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nETag: \"v1\"\r\n\
+          Connection: close\r\n\r\n0123456789"
+            .to_vec(),
+    )
+}
+
 /// A WebDAV server on loopback that answers every request with a `207` listing of `files`
 /// files under `/ds` (one PROPFIND of the whole tree, as nginx and Apache answer it).
 fn webdav_listing(files: usize) -> std::net::SocketAddr {
-    use std::io::{BufRead, BufReader, Write};
     let mut body = String::from(r#"<?xml version="1.0"?><D:multistatus xmlns:D="DAV:">"#);
     for i in 0..files {
         body.push_str(&format!(
@@ -444,27 +450,14 @@ fn webdav_listing(files: usize) -> std::net::SocketAddr {
         ));
     }
     body.push_str("</D:multistatus>");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { return };
-            let mut head = BufReader::new(conn.try_clone().unwrap());
-            let mut line = String::new();
-            while head.read_line(&mut line).is_ok_and(|n| n > 2) {
-                line.clear();
-            }
-            let _ = conn.write_all(
-                format!(
-                    "HTTP/1.1 207 Multi-Status\r\nContent-Type: application/xml\r\n\
-                     Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                )
-                .as_bytes(),
-            );
-        }
-    });
-    addr
+    answers_every_request_with(
+        format!(
+            "HTTP/1.1 207 Multi-Status\r\nContent-Type: application/xml\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
+    )
 }
 
 /// A WebDAV listing is one answer of the whole tree: it was capped as if it were an error
