@@ -32,6 +32,9 @@ pub enum FrameIoError {
         "file descriptors sent with a frame were cut off (MSG_CTRUNC): this process may be at its open-files limit (ulimit -n)"
     )]
     FdsTruncated,
+    /// More fds were given to [`send_frame`] than one frame carries.
+    #[error("a frame carries at most {MAX_FDS} file descriptors; {0} were given")]
+    TooManyFds(usize),
     /// Nothing arrived within the time allowed.
     #[error("{phase}: nothing arrived within {limit:?}")]
     Timeout {
@@ -60,6 +63,9 @@ impl std::fmt::Display for ReadPhase {
     }
 }
 
+/// The most fds one frame carries (what a reader's control buffer holds).
+pub const MAX_FDS: usize = 4;
+
 /// Time limits of [`FrameReader::read_data_timed`].
 #[derive(Clone, Copy, Debug)]
 pub struct ReadLimits {
@@ -79,12 +85,17 @@ pub fn send_frame(
         (&*sock).write_all(frame)?;
         return Ok(());
     }
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut anc = SendAncillaryBuffer::new(&mut space);
-    let ok = anc.push(SendAncillaryMessage::ScmRights(fds));
-    assert!(ok, "ancillary buffer sized for 4 fds");
-    let n = rustix::net::sendmsg(sock, &[IoSlice::new(frame)], &mut anc, SendFlags::NOSIGNAL)
-        .map_err(std::io::Error::from)?;
+    if fds.len() > MAX_FDS || !anc.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(FrameIoError::TooManyFds(fds.len()));
+    }
+    let n = loop {
+        match rustix::net::sendmsg(sock, &[IoSlice::new(frame)], &mut anc, SendFlags::NOSIGNAL) {
+            Err(rustix::io::Errno::INTR) => continue,
+            r => break r.map_err(std::io::Error::from)?,
+        }
+    };
     // The fds went with the first byte; the rest is plain data.
     (&*sock).write_all(&frame[n..])?;
     Ok(())
@@ -135,14 +146,18 @@ impl FrameReader {
     }
 
     /// The next frame's body (valid until the next call); fds that came with it are pushed.
+    ///
+    /// Reads no byte past the frame: one `recvmsg` would return a later frame's bytes and its
+    /// fds with this one's (the kernel merges plain bytes before a message that carries fds),
+    /// and those fds would be handed out with the wrong frame.
     pub fn read<'a>(
         &'a mut self,
         sock: &UnixStream,
         fds: &mut Vec<OwnedFd>,
     ) -> Result<&'a [u8], FrameIoError> {
         let mut cut = false;
-        let body = self.read_range(|buf, _| {
-            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let body = self.read_range(Ahead::No, |buf, _| {
+            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
             let mut anc = RecvAncillaryBuffer::new(&mut space);
             let r = rustix::net::recvmsg(
                 sock,
@@ -167,7 +182,7 @@ impl FrameReader {
     /// Like [`FrameReader::read`] for a peer that sends no fds: a plain `recv` without a
     /// control buffer (any fd that came anyway is closed by the kernel, unseen).
     pub fn read_data<'a>(&'a mut self, sock: &UnixStream) -> Result<&'a [u8], FrameIoError> {
-        let body = self.read_range(|buf, _| {
+        let body = self.read_range(Ahead::Yes, |buf, _| {
             rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n)
         })?;
         Ok(&self.buf[body])
@@ -184,7 +199,7 @@ impl FrameReader {
         let mut started: Option<Instant> = None;
         let mut current = self.rcvtimeo;
         let mut phase = ReadPhase::Idle;
-        let r = self.read_range(|buf, buffered| {
+        let r = self.read_range(Ahead::Yes, |buf, buffered| {
             let want = if buffered {
                 phase = ReadPhase::Frame;
                 let t0 = *started.get_or_insert_with(Instant::now);
@@ -228,9 +243,11 @@ impl FrameReader {
     /// The next frame's place in the buffer, filling it with `recv` (given the free space and
     /// whether bytes of the frame are already buffered; returns bytes received, 0 at end of
     /// stream). The buffer grows only when it is full of a frame's real bytes (doubling), never
-    /// to the length a prefix claims.
+    /// to the length a prefix claims. With [`Ahead::No`], `recv` is given room for no byte past
+    /// the frame (its prefix first, then the rest of its body).
     fn read_range(
         &mut self,
+        ahead: Ahead,
         mut recv: impl FnMut(&mut [u8], bool) -> rustix::io::Result<usize>,
     ) -> Result<std::ops::Range<usize>, FrameIoError> {
         loop {
@@ -261,7 +278,11 @@ impl FrameReader {
                 self.buf.resize(grown, 0);
             }
             let buffered = self.end > self.start;
-            let n = match recv(&mut self.buf[self.end..], buffered) {
+            let room = match ahead {
+                Ahead::Yes => self.buf.len(),
+                Ahead::No => self.buf.len().min(self.start + need),
+            };
+            let n = match recv(&mut self.buf[self.end..room], buffered) {
                 Ok(n) => n,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(std::io::Error::from(e).into()),
@@ -272,6 +293,15 @@ impl FrameReader {
             self.end += n;
         }
     }
+}
+
+/// Whether a read may take bytes past the frame it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ahead {
+    /// As many as there are room for (fewer syscalls; only for peers that send no fds).
+    Yes,
+    /// None: later frames, and the fds that came with them, stay in the socket.
+    No,
 }
 
 /// Convenience: borrowed fd of anything that has one.
@@ -300,6 +330,30 @@ mod tests {
         let e = r.read(&b, &mut fds).unwrap_err();
         assert!(matches!(e, FrameIoError::FdsTruncated), "{e}");
         assert!(e.to_string().contains("ulimit -n"), "{e}");
+    }
+
+    /// Frame A without fds, then frame B with one, both queued before the first read: one
+    /// `recvmsg` would return both frames' bytes and B's fd, which was then handed out with A.
+    #[test]
+    fn fds_stay_with_their_frame_when_frames_queue_up() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        let (mut first, mut second) = (Vec::new(), Vec::new());
+        trainer::encode(&trainer::Request::State, &mut first);
+        trainer::encode(&trainer::Request::Info, &mut second);
+        send_frame(&a, &first, &[]).unwrap();
+        send_frame(&a, &second, &[file.as_fd()]).unwrap();
+        let (mut r, mut fds) = (FrameReader::new(), Vec::new());
+        let body = r.read(&b, &mut fds).unwrap().to_vec();
+        assert_eq!(body, first[4..]);
+        assert!(
+            fds.is_empty(),
+            "the first frame came with {} fds",
+            fds.len()
+        );
+        let body = r.read(&b, &mut fds).unwrap().to_vec();
+        assert_eq!(body, second[4..]);
+        assert_eq!(fds.len(), 1, "the second frame's fd");
     }
 
     #[test]

@@ -346,7 +346,9 @@ impl Manifest {
         Manifest {
             format: FORMAT,
             digest: h.finalize().iter().map(|b| format!("{b:02x}")).collect(),
-            total_bytes: parts.iter().map(|(_, m)| m.total_bytes).sum(),
+            total_bytes: parts
+                .iter()
+                .fold(0u64, |a, (_, m)| a.saturating_add(m.total_bytes)),
             shards,
             objects,
         }

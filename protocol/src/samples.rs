@@ -137,6 +137,15 @@ pub enum SampleError {
     /// A shard with more samples than the plan can index.
     #[error("the dataset has {0} shards; at most {max}", max = u32::MAX)]
     TooManyShards(usize),
+    /// The shards' sample counts add up past 2^64 - 1 (a manifest's tensors of zero-byte rows
+    /// can claim any row count).
+    #[error(
+        "the dataset's {shards} shards hold more than 2^64 - 1 samples together; a shard's row count (its tensors' first dimension) is wrong"
+    )]
+    TooManySamples {
+        /// Shards in the dataset.
+        shards: usize,
+    },
 }
 
 /// One sample: a row of a shard.
@@ -244,7 +253,12 @@ impl SampleOrder {
         if u32::try_from(shard_samples.len()).is_err() {
             return Err(SampleError::TooManyShards(shard_samples.len()));
         }
-        let total: u64 = shard_samples.iter().sum();
+        let total = shard_samples
+            .iter()
+            .try_fold(0u64, |a, &n| a.checked_add(n))
+            .ok_or(SampleError::TooManySamples {
+                shards: shard_samples.len(),
+            })?;
         if !partitions_ok(partitions, total) {
             return Err(SampleError::Partitions {
                 partitions,

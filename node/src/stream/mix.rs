@@ -137,7 +137,9 @@ impl Mixture {
         base: Point,
     ) -> Self {
         let gb = u64::from(batch_size) * u64::from(world_size);
-        let total: u64 = parts.iter().map(|p| p.order.total()).sum();
+        let total = parts
+            .iter()
+            .fold(0u64, |a, p| a.saturating_add(p.order.total()));
         let checkpoints = Checkpoints::for_base(&base, &q, gb);
         Self {
             parts,

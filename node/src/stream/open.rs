@@ -283,7 +283,7 @@ pub(super) fn sample_order(
     let bad = |e: String| OpenError::new(ErrorCode::BadPlan, e);
     let avg = shard_rows
         .iter()
-        .sum::<u64>()
+        .fold(0u64, |a, &n| a.saturating_add(n))
         .div_ceil(shard_rows.len().max(1) as u64);
     let shuffle = r.shuffle.unwrap_or_default();
     let partitions = r

@@ -214,7 +214,10 @@ fn schedule(
     }
     let mix = from_the_start(mix, r);
     if mix.steps == 0 {
-        let total: u64 = mix.parts.iter().map(|p| p.order.total()).sum();
+        let total = mix
+            .parts
+            .iter()
+            .fold(0u64, |a, p| a.saturating_add(p.order.total()));
         return Err(bad(
             ErrorCode::BadPlan,
             format!(

@@ -265,3 +265,19 @@ fn partition_cuts_of_a_huge_dataset_do_not_wrap() {
     assert_eq!((starts[0], starts[c as usize]), (0, total));
     assert_eq!(super::cut_at(10, 3, 4), 7);
 }
+
+/// Sample counts that add up past 2^64 - 1 (zero-byte rows let a manifest claim any count) are
+/// refused, not summed with a wrap that leaves an unsorted prefix table.
+#[test]
+fn sample_counts_past_u64_are_refused() {
+    let huge = [1u64 << 62; 4];
+    let sizes: Vec<u64> = huge.iter().copied().chain([5]).collect();
+    let e = SampleOrder::new([5; 32], sizes, 7, Shuffle::Block, 64, 1).unwrap_err();
+    assert!(
+        matches!(e, SampleError::TooManySamples { shards: 5 }),
+        "{e}"
+    );
+    // Just below the limit is fine.
+    let ok = vec![u64::MAX / 2, u64::MAX / 2];
+    assert!(SampleOrder::new([5; 32], ok, 7, Shuffle::Block, 64, 1).is_ok());
+}
