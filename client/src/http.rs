@@ -143,6 +143,31 @@ fn base_address(url: &str) -> Result<String, ClientError> {
     Ok(hostport.to_owned())
 }
 
+/// The idle timeout asked for, in whole seconds: rounded up (as the Python SDK's), at least 1.
+fn idle_timeout_s(t: Duration) -> u64 {
+    let s = t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0));
+    s.max(1)
+}
+
+/// Whether a release's outcome lets go of the lease here: it was released, or had ended
+/// already (`unknown_lease`). Any other failure leaves it to be tried again.
+fn lease_gone(r: &Result<(), ClientError>) -> bool {
+    matches!(
+        r,
+        Ok(())
+            | Err(ClientError::Service {
+                code: ErrorCode::UnknownLease,
+                ..
+            })
+    )
+}
+
+/// Whether an error is one of the connection itself (it could not be reached, or the
+/// request or its answer was lost on it), rather than an answer that was read.
+fn transport_error(e: &ClientError) -> bool {
+    matches!(e, ClientError::Frame(_) | ClientError::Connect { .. })
+}
+
 /// A minimal HTTP/1.1 client on one kept-alive connection.
 struct Conn {
     addr: String,
@@ -246,11 +271,15 @@ pub struct HttpStream {
     /// `after`: a batch the node answered with that never arrived (a broken connection, a
     /// timeout as it came) is answered again, not skipped.
     received: u64,
-    /// The `after` of the `next` that answered `received`: a download of that batch that
+    /// The lease of the batch the last `next` answered with (0: none yet). Only a failed
+    /// download of that batch sets `received` back: an older batch's is none of the node's
+    /// "answer again" (it answers the batch after `after`, the one it answered last).
+    last_answered: u64,
+    /// The `after` of the `next` that answered `last_answered`: a download of that batch that
     /// fails sets `received` back to it, so that the next `next` answers the batch again.
     received_after: u64,
-    /// The batch whose failed download set `received` back: one of its downloads that then
-    /// succeeds (the caller tried again) sets it forward again.
+    /// The batch whose failed download set `received` back (always `last_answered`): one of
+    /// its downloads that then succeeds (the caller tried again) sets it forward again.
     rolled_back: Option<u64>,
     /// Leases handed out and not released, each with a handle that dies when the caller has
     /// dropped every copy of its batch ([`HttpStream::release_dropped`]).
@@ -290,7 +319,7 @@ impl HttpStream {
         let mut conn = Conn { addr, sock: None };
         let req = OpenStream {
             stream: o,
-            idle_timeout_s: idle_timeout.map(|t| t.as_secs().max(1)),
+            idle_timeout_s: idle_timeout.map(idle_timeout_s),
         };
         let r = conn.call("POST", "/v1/streams", Some(&req.to_json()), IO_TIMEOUT)?;
         if r.status != 201 {
@@ -316,6 +345,7 @@ impl HttpStream {
             conn,
             closed: false,
             received: 0,
+            last_answered: 0,
             received_after: 0,
             rolled_back: None,
             leased: Vec::new(),
@@ -360,11 +390,12 @@ impl HttpStream {
         }
     }
 
-    /// Releases the leases of batches the caller dropped: `unknown_lease` (the lease ended
-    /// already) counts as released; a lease the node refuses otherwise is kept, to be tried
-    /// again before the next `next`; an error of the connection itself is returned (the
-    /// leases not tried yet are kept too). The batch a failed download set back stays
-    /// leased: the next `next` answers it again.
+    /// Releases the leases of batches the caller dropped (best effort): `unknown_lease` (the
+    /// lease ended already) counts as released; a lease whose release failed otherwise (the
+    /// node refused it, or its answer was not the node's, e.g. a proxy's HTML page) is kept,
+    /// to be tried again before the next `next`. Only an error of the connection itself is
+    /// returned (the leases not tried yet are kept too). The batch a failed download set back
+    /// stays leased: the next `next` answers it again.
     fn release_dropped(&mut self) -> Result<(), ClientError> {
         let again = self.rolled_back;
         let (dropped, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.leased)
@@ -373,18 +404,16 @@ impl HttpStream {
         self.leased = held;
         let mut dropped = dropped.into_iter();
         while let Some((lease, handle)) = dropped.next() {
-            match self.release_lease(lease) {
-                Ok(())
-                | Err(ClientError::Service {
-                    code: ErrorCode::UnknownLease,
-                    ..
-                }) => {}
-                Err(ClientError::Service { .. }) => self.leased.push((lease, handle)),
-                Err(e) => {
-                    self.leased.push((lease, handle));
-                    self.leased.extend(dropped);
-                    return Err(e);
-                }
+            let r = self.release_lease(lease);
+            if lease_gone(&r) {
+                continue;
+            }
+            self.leased.push((lease, handle));
+            if let Err(e) = r
+                && transport_error(&e)
+            {
+                self.leased.extend(dropped);
+                return Err(e);
             }
         }
         Ok(())
@@ -407,6 +436,7 @@ impl HttpStream {
                 NextBody::Batch(b) => {
                     self.received_after = self.received;
                     self.received = b.lease;
+                    self.last_answered = b.lease;
                     self.rolled_back = None;
                     let b = HttpBatch::from(b);
                     self.leased.retain(|(lease, _)| *lease != b.lease);
@@ -422,7 +452,9 @@ impl HttpStream {
     /// Downloads the bytes of tensor `name` of `batch` (a copy; the batch must still be
     /// leased). A download of the batch [`HttpStream::next`] returned last that fails (the
     /// connection, the node's answer) leaves that batch to the next `next`, which answers it
-    /// again while it is leased: dropped after the failure, it is not skipped.
+    /// again while it is leased: dropped after the failure, it is not skipped. A failed
+    /// download of an older batch moves nothing (the node answers again only the batch it
+    /// answered last).
     pub fn tensor_bytes(&mut self, batch: &HttpBatch, name: &str) -> Result<Vec<u8>, ClientError> {
         self.check_open()?;
         let t = batch.tensor(name).ok_or_else(|| ClientError::Service {
@@ -432,7 +464,7 @@ impl HttpStream {
         crate::check_length(&t.name, t.dtype, &t.shape, t.length)?;
         let r = self.download(batch.lease, t);
         match &r {
-            Err(_) if batch.lease == self.received => {
+            Err(_) if batch.lease == self.last_answered && self.rolled_back.is_none() => {
                 self.received = self.received_after;
                 self.rolled_back = Some(batch.lease);
             }
@@ -454,9 +486,7 @@ impl HttpStream {
         let max = t.length.max(ANSWER_LIMIT_ERROR);
         let mut attempt = 1;
         let r = loop {
-            let r = self
-                .conn
-                .call_at_most("GET", &path, None, IO_TIMEOUT, max)?;
+            let r = self.get_asking_again(&path, max)?;
             if r.status == 200 {
                 break r;
             }
@@ -487,11 +517,31 @@ impl HttpStream {
         Ok(r.body)
     }
 
-    /// Gives a batch's memory back to the service.
+    /// A GET of at most `max` bytes, asked once more on a new connection when its answer is
+    /// lost on the way (the connection reset, the body cut off, a timeout): a GET changes
+    /// nothing on the node, so asking again is safe (as the Python SDK's `_get_tensor`).
+    fn get_asking_again(&mut self, path: &str, max: u64) -> Result<Reply, ClientError> {
+        match self.conn.call_at_most("GET", path, None, IO_TIMEOUT, max) {
+            Err(ClientError::Frame(FrameIoError::Io(_))) => {
+                // The failed call dropped its connection already: this one starts afresh.
+                self.conn.sock = None;
+                self.conn.call_at_most("GET", path, None, IO_TIMEOUT, max)
+            }
+            r => r,
+        }
+    }
+
+    /// Gives a batch's memory back to the service. A release that fails other than with
+    /// `unknown_lease` (the lease ended already) is tried again before the next `next`.
     pub fn release(&mut self, batch: HttpBatch) -> Result<(), ClientError> {
         self.check_open()?;
-        self.leased.retain(|(lease, _)| *lease != batch.lease);
-        self.release_lease(batch.lease)
+        let r = self.release_lease(batch.lease);
+        if lease_gone(&r) {
+            self.leased.retain(|(lease, _)| *lease != batch.lease);
+        }
+        // Otherwise its entry stays: `batch` ends here, so (its clones gone too) the next
+        // `next` finds it dropped and sends its release again.
+        r
     }
 
     fn release_lease(&mut self, lease: u64) -> Result<(), ClientError> {
@@ -555,12 +605,38 @@ impl Drop for HttpStream {
 mod tests {
     use super::*;
 
+    /// One request read off a fake node's connection (its body skipped): its method and
+    /// path, or None at the end of the connection.
+    fn read_request(r: &mut BufReader<TcpStream>) -> Option<String> {
+        use std::io::{BufRead, Read};
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            return None;
+        }
+        let target = line.split(' ').take(2).collect::<Vec<_>>().join(" ");
+        let mut length = 0;
+        loop {
+            let mut h = String::new();
+            r.read_line(&mut h).unwrap();
+            if h == "\r\n" {
+                break;
+            }
+            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        r.by_ref()
+            .take(length)
+            .read_to_end(&mut Vec::new())
+            .unwrap();
+        Some(target)
+    }
+
     /// A fake node's HTTP side for one connection: answers each request with `answer(method
     /// and path)` (status, extra headers, body); returns the requests it saw.
     fn fake_node(
         answer: impl Fn(&str) -> (u16, &'static str, Vec<u8>) + Send + 'static,
     ) -> (String, std::thread::JoinHandle<Vec<String>>) {
-        use std::io::{BufRead, Read};
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let t = std::thread::spawn(move || {
@@ -569,26 +645,9 @@ mod tests {
             let mut w = s;
             let mut seen = Vec::new();
             loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 {
+                let Some(target) = read_request(&mut r) else {
                     return seen;
-                }
-                let target = line.split(' ').take(2).collect::<Vec<_>>().join(" ");
-                let mut length = 0;
-                loop {
-                    let mut h = String::new();
-                    r.read_line(&mut h).unwrap();
-                    if h == "\r\n" {
-                        break;
-                    }
-                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                        length = v.trim().parse().unwrap();
-                    }
-                }
-                r.by_ref()
-                    .take(length)
-                    .read_to_end(&mut Vec::new())
-                    .unwrap();
+                };
                 let (status, headers, body) = answer(&target);
                 seen.push(target);
                 let head = format!(
@@ -846,6 +905,228 @@ mod tests {
         let seen = node.join().unwrap();
         let nexts: Vec<&String> = seen.iter().filter(|t| t.contains("/next")).collect();
         assert!(nexts[1].ends_with("&after=5"), "{seen:?}");
+    }
+
+    /// A fake node's HTTP side over any number of connections, one after the other: answers
+    /// each request with `answer(method and path)` (the raw response, and whether to close
+    /// the connection after it); returns the requests it saw once it answered a `/close`.
+    fn fake_node_raw(
+        answer: impl Fn(&str) -> (Vec<u8>, bool) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            loop {
+                let (s, _) = l.accept().unwrap();
+                let mut r = BufReader::new(s.try_clone().unwrap());
+                let mut w = s;
+                while let Some(target) = read_request(&mut r) {
+                    let (raw, close) = answer(&target);
+                    let _ = w.write_all(&raw);
+                    let last = target.ends_with("/close");
+                    seen.push(target);
+                    if last {
+                        return seen;
+                    }
+                    if close {
+                        break;
+                    }
+                }
+            }
+        });
+        (addr, t)
+    }
+
+    /// A whole response of `status` with `headers` (each ending in CRLF) and `body`.
+    fn raw_answer(status: u16, headers: &str, body: &[u8]) -> Vec<u8> {
+        let head = format!(
+            "HTTP/1.1 {status} X\r\nContent-Length: {}\r\n{headers}\r\n",
+            body.len()
+        );
+        [head.as_bytes(), body].concat()
+    }
+
+    /// A `next` answer with lease `n` (one tensor `x` of 4 bytes).
+    fn batch_of_lease(n: u64) -> Vec<u8> {
+        String::from_utf8(batch("[4]"))
+            .unwrap()
+            .replace("\"lease\":5", &format!("\"lease\":{n}"))
+            .into_bytes()
+    }
+
+    #[test]
+    fn a_tensor_whose_answer_was_cut_off_is_asked_again_on_a_new_connection() {
+        // Before, the body cut off failed the download (as Python's `_get_tensor` does not).
+        let gets = std::sync::atomic::AtomicUsize::new(0);
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                (raw_answer(200, "", &batch("[4]")), false)
+            }
+            "GET /v1/leases/5/tensors/x" => {
+                if gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    let cut = b"HTTP/1.1 200 X\r\nContent-Length: 4\r\n\r\nab";
+                    (cut.to_vec(), true)
+                } else {
+                    let dtype = "x-shardwire-dtype: uint8\r\n";
+                    (raw_answer(200, dtype, b"abcd"), false)
+                }
+            }
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        assert_eq!(s.tensor_bytes(&b, "x").unwrap(), b"abcd");
+        drop(s);
+        let seen = node.join().unwrap();
+        let gets = seen.iter().filter(|t| t.starts_with("GET")).count();
+        assert_eq!(gets, 2, "{seen:?}");
+    }
+
+    #[test]
+    fn a_failed_download_of_an_older_batch_leaves_the_set_back_batch_leased() {
+        // B5, B6 taken; B6's download fails (set back: `after` names B5); then B5's fails.
+        // Before, the second failure set back to B5 in B6's place: B6 was released with the
+        // dropped batches and the node's answer to `after=5` skipped it.
+        let leases = std::sync::atomic::AtomicU64::new(4);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                let n = leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                (200, "", batch_of_lease(n))
+            }
+            t if t.starts_with("GET") => {
+                let e = br#"{"code":"data_unavailable","message":"cut"}"#;
+                (502, "", e.to_vec())
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b5 = s.next().unwrap().expect("a batch");
+        let b6 = s.next().unwrap().expect("a batch");
+        assert!(s.tensor_bytes(&b6, "x").is_err());
+        assert!(s.tensor_bytes(&b5, "x").is_err());
+        drop((b5, b6));
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen: Vec<String> = node.join().unwrap().into_iter().skip(1).collect();
+        let want = [
+            "POST /v1/streams/1/next?timeout_ms=30000&after=0",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=5",
+            "GET /v1/leases/6/tensors/x",
+            "GET /v1/leases/5/tensors/x",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=5",
+            "POST /v1/streams/1/close",
+        ];
+        assert_eq!(seen, want, "B6 stays leased, to be answered again");
+    }
+
+    #[test]
+    fn a_release_that_failed_is_sent_again_before_the_next_next() {
+        // Before, the lease was forgotten before its release was sent: a failed release left
+        // it held on the node until the close or the idle timeout.
+        let releases = std::sync::atomic::AtomicUsize::new(0);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => (200, "", batch("[4]")),
+            "POST /v1/leases/5/release?stream=1" => {
+                if releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    let e = br#"{"code":"unavailable","message":"busy"}"#;
+                    (503, "", e.to_vec())
+                } else {
+                    (200, "", br#"{"released":true}"#.to_vec())
+                }
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let b = s.next().unwrap().expect("a batch");
+        assert!(s.release(b).is_err());
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen: Vec<String> = node.join().unwrap().into_iter().skip(1).collect();
+        let want = [
+            "POST /v1/streams/1/next?timeout_ms=30000&after=0",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=5",
+            "POST /v1/streams/1/close",
+        ];
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn a_dropped_batch_whose_release_gets_no_node_answer_does_not_block_next() {
+        // A proxy's HTML 502 is no `{code, message}` (a protocol error). Before, it failed
+        // `next` before the `next` was sent, and every later `next` the same way.
+        let releases = std::sync::atomic::AtomicUsize::new(0);
+        let leases = std::sync::atomic::AtomicU64::new(4);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                let n = leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                (200, "", batch_of_lease(n))
+            }
+            "POST /v1/leases/5/release?stream=1" => {
+                if releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    (502, "", b"<html>Bad Gateway</html>".to_vec())
+                } else {
+                    (200, "", br#"{"released":true}"#.to_vec())
+                }
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        drop(s.next().unwrap().expect("a batch"));
+        let b6 = s
+            .next()
+            .unwrap()
+            .expect("the release of lease 5 failing is no error");
+        assert_eq!(b6.lease, 6);
+        drop(b6);
+        s.next().unwrap().expect("a batch");
+        drop(s);
+        let seen: Vec<String> = node.join().unwrap().into_iter().skip(1).collect();
+        let want = [
+            "POST /v1/streams/1/next?timeout_ms=30000&after=0",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=5",
+            "POST /v1/leases/5/release?stream=1",
+            "POST /v1/leases/6/release?stream=1",
+            "POST /v1/streams/1/next?timeout_ms=30000&after=6",
+            "POST /v1/streams/1/close",
+        ];
+        assert_eq!(
+            seen, want,
+            "lease 5 is released again before the next `next`"
+        );
+    }
+
+    #[test]
+    fn an_end_that_is_false_is_a_protocol_error_not_the_end() {
+        // Before, `{"end": false}` was taken as the end: `next` returned None early.
+        let (addr, _node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", OPENED.into()),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                (200, "", br#"{"end":false}"#.to_vec())
+            }
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let e = s.next().unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e}");
+    }
+
+    #[test]
+    fn the_idle_timeout_is_rounded_up_to_whole_seconds() {
+        // Before, 1.5 s was sent as 1 (rounded down); the Python SDK sends ceil.
+        assert_eq!(idle_timeout_s(Duration::from_millis(1500)), 2);
+        assert_eq!(idle_timeout_s(Duration::from_millis(1)), 1);
+        assert_eq!(idle_timeout_s(Duration::ZERO), 1);
+        assert_eq!(idle_timeout_s(Duration::from_secs(7)), 7);
+        assert_eq!(idle_timeout_s(Duration::MAX), u64::MAX);
     }
 
     #[test]

@@ -64,10 +64,11 @@ pub(super) fn read_reply(
     head_only: bool,
     max: u64,
 ) -> Result<(Reply, bool), Fail> {
-    let (version, status, head) = read_status(r)?;
-    let headers = read_headers(r, head)?;
+    let (version, status, headers) = read_final_head(r)?;
     let get = |name: &str| header(&headers, name);
+    // After `101 Switching Protocols` the connection no longer speaks HTTP/1.1.
     let mut keep = version == "HTTP/1.1"
+        && status != 101
         && !get("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
     let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
     let length = get("content-length")
@@ -76,6 +77,11 @@ pub(super) fn read_reply(
                 .map_err(|_| Fail::Protocol(format!("bad Content-Length {v:?}")))
         })
         .transpose()?;
+    // Both framings: the chunked one is read, and the connection is not used again (RFC 9112
+    // §6.3: a sender of both may be smuggling a request; what follows is not to be trusted).
+    if chunked && length.is_some() {
+        keep = false;
+    }
     let mut body = Vec::new();
     if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
     } else if chunked {
@@ -121,18 +127,57 @@ fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-/// The status line: HTTP version, status code, and the line's length in bytes.
-fn read_status(r: &mut BufReader<TcpStream>) -> Result<(String, u16, usize), Fail> {
+/// A response's HTTP version, status code and headers.
+type Head = (String, u16, Vec<(String, String)>);
+
+/// The final response's HTTP version, status code and headers: interim `1xx` responses
+/// before it (`100 Continue`, `103 Early Hints`) are read and set aside, their heads counted
+/// against [`MAX_HEAD`] with the final one's. `101 Switching Protocols` is final.
+fn read_final_head(r: &mut BufReader<TcpStream>) -> Result<Head, Fail> {
+    let mut head = 0;
+    loop {
+        let (version, status, line) = read_status(r, head)?;
+        head += line;
+        let headers = read_headers(r, &mut head)?;
+        if !(100..200).contains(&status) || status == 101 {
+            return Ok((version, status, headers));
+        }
+        if head >= MAX_HEAD {
+            return Err(oversized_head());
+        }
+    }
+}
+
+/// The error of a head over [`MAX_HEAD`] bytes, or one the connection cut short.
+fn oversized_head() -> Fail {
+    Fail::Protocol(format!(
+        "truncated or oversized HTTP head (the limit is {MAX_HEAD} bytes)"
+    ))
+}
+
+/// The status line, after `head` bytes of interim responses: HTTP version, status code, and
+/// the line's length in bytes. Nothing at all arriving is [`Fail::Unanswered`]; the connection
+/// ending after an interim response is [`Fail::Io`] (the server had the request).
+fn read_status(r: &mut BufReader<TcpStream>, head: usize) -> Result<(String, u16, usize), Fail> {
     let mut line = String::new();
-    match r.by_ref().take(MAX_HEAD as u64).read_line(&mut line) {
-        Ok(0) => {
+    let left = MAX_HEAD.saturating_sub(head) as u64;
+    match r.by_ref().take(left).read_line(&mut line) {
+        Ok(0) if head == 0 => {
             return Err(Fail::Unanswered(std::io::Error::new(
                 ErrorKind::UnexpectedEof,
                 "the server closed the connection",
             )));
         }
+        Ok(0) => {
+            return Err(Fail::Io(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "the server closed the connection after an interim (1xx) response",
+            )));
+        }
         Ok(_) => {}
-        Err(e) if e.kind() == ErrorKind::ConnectionReset => return Err(Fail::Unanswered(e)),
+        Err(e) if head == 0 && e.kind() == ErrorKind::ConnectionReset => {
+            return Err(Fail::Unanswered(e));
+        }
         Err(e) => return Err(Fail::Io(e)),
     }
     let bad = || Fail::Protocol(format!("bad HTTP status line {:?}", line.trim_end()));
@@ -144,26 +189,25 @@ fn read_status(r: &mut BufReader<TcpStream>) -> Result<(String, u16, usize), Fai
     Ok((version.to_string(), status, line.len()))
 }
 
-/// Header lines up to the blank line, names lower-cased; `head` bytes were read before them.
+/// Header lines up to the blank line, names lower-cased; `head` bytes were read before them,
+/// and counts the bytes of these too.
 fn read_headers(
     r: &mut BufReader<TcpStream>,
-    mut head: usize,
+    head: &mut usize,
 ) -> Result<Vec<(String, String)>, Fail> {
     let mut headers = Vec::new();
     let mut line = String::new();
     loop {
         line.clear();
-        let left = MAX_HEAD.saturating_sub(head) as u64 + 1;
+        let left = MAX_HEAD.saturating_sub(*head) as u64 + 1;
         let n = r
             .by_ref()
             .take(left)
             .read_line(&mut line)
             .map_err(Fail::Io)?;
-        head += n;
-        if n == 0 || head > MAX_HEAD {
-            return Err(Fail::Protocol(format!(
-                "truncated or oversized HTTP head (the limit is {MAX_HEAD} bytes)"
-            )));
+        *head += n;
+        if n == 0 || *head > MAX_HEAD {
+            return Err(oversized_head());
         }
         let l = line.trim_end();
         if l.is_empty() {
@@ -193,7 +237,20 @@ fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>, max: u64) -> R
             return Err(over(total, max));
         }
         read_exactly(r, size, body)?;
-        read_chunk_line(r, &mut line)?; // the CRLF after the chunk
+        // The CRLF after the chunk's data, and nothing else: more data than the size said is
+        // a framing error (what follows it would be taken for the next chunk's size).
+        if read_chunk_line(r, &mut line)? == 0 {
+            return Err(Fail::Io(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "the server closed the connection inside a chunked body",
+            )));
+        }
+        if line != "\r\n" && line != "\n" {
+            let what: String = line.chars().take(64).collect();
+            return Err(Fail::Protocol(format!(
+                "a chunk of {size} bytes is followed by {what:?}, not CRLF"
+            )));
+        }
     }
 }
 
@@ -375,6 +432,54 @@ mod tests {
         );
         let m = protocol_error(reply_to(huge, false));
         assert!(m.contains("oversized HTTP head"), "{m}");
+    }
+
+    #[test]
+    fn interim_responses_are_set_aside_for_the_final_one() {
+        // Before, `100 Continue` was taken as the answer: its empty body returned, and the
+        // final response left on the connection to be read as the next request's answer.
+        let raw = b"HTTP/1.1 100 Continue\r\n\r\n\
+            HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n\
+            HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello";
+        let (reply, keep) = reply_to(raw, false).unwrap_or_else(|_| panic!("a final reply"));
+        assert_eq!(
+            (reply.status, reply.body.as_slice(), keep),
+            (200, &b"hello"[..], true)
+        );
+        assert_eq!(
+            reply.header("link"),
+            None,
+            "the interim headers are not the answer's"
+        );
+        // The connection ending after an interim response: the server had the request.
+        let cut = reply_to(b"HTTP/1.1 100 Continue\r\n\r\n", false);
+        assert!(matches!(cut, Err(Fail::Io(_))));
+        let (reply, keep) = reply_to(b"HTTP/1.1 101 Switching Protocols\r\n\r\n", false)
+            .unwrap_or_else(|_| panic!("a 101 reply"));
+        assert_eq!((reply.status, keep), (101, false));
+    }
+
+    #[test]
+    fn a_chunk_followed_by_more_than_crlf_is_refused() {
+        // Before, "XY" after the 3 bytes the size said was skipped as if it were the CRLF.
+        let m = protocol_error(reply_to(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY\r\n0\r\n\r\n",
+            false,
+        ));
+        assert!(m.contains("not CRLF"), "{m}");
+        let cut = reply_to(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc",
+            false,
+        );
+        assert!(matches!(cut, Err(Fail::Io(_))));
+    }
+
+    #[test]
+    fn a_chunked_body_with_a_content_length_closes_the_connection() {
+        // Before, the connection was used again (RFC 9112 §6.3: it must be closed).
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+        let (reply, keep) = reply_to(raw, false).unwrap_or_else(|_| panic!("a chunked reply"));
+        assert_eq!((reply.body.as_slice(), keep), (&b"abc"[..], false));
     }
 
     #[test]

@@ -185,8 +185,21 @@ pub struct BatchBody {
 /// The answer to `next` when the stream has delivered every epoch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndBody {
-    /// Always true.
+    /// Always true: `{"end": false}` does not parse (it is no end, and no batch either; the
+    /// Python SDK refuses it too), so a [`NextBody`] never takes it for the end.
+    #[serde(deserialize_with = "only_true")]
     pub end: bool,
+}
+
+/// A `true`, and nothing else.
+fn only_true<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    if bool::deserialize(d)? {
+        Ok(true)
+    } else {
+        Err(serde::de::Error::custom(
+            "`end` is false: only `true` ends a stream",
+        ))
+    }
 }
 
 /// `200` answer to `next`: a batch, or the end (a timeout is `204` without a body).
@@ -273,5 +286,13 @@ mod tests {
         let e: NextBody = serde_json::from_str(r#"{"end":true}"#).unwrap();
         assert_eq!(e, NextBody::End(EndBody { end: true }));
         assert_eq!(serde_json::to_string(&e).unwrap(), r#"{"end":true}"#);
+    }
+
+    #[test]
+    fn an_end_that_is_false_is_no_next_body() {
+        // Before, `{"end": false}` parsed as the end: the client's `next` ended early.
+        assert!(serde_json::from_str::<NextBody>(r#"{"end":false}"#).is_err());
+        assert!(serde_json::from_str::<EndBody>(r#"{"end":false}"#).is_err());
+        assert!(serde_json::from_str::<NextBody>(r#"{"end":1}"#).is_err());
     }
 }
