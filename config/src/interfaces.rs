@@ -38,16 +38,31 @@ pub(crate) fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>
     d.deserialize_any(OneOrMany)
 }
 
+/// What a Linux interface name is, for errors (the kernel's `dev_valid_name`).
+pub(crate) const NAME_RULES: &str = "is not an interface name: Linux takes 1 to 15 bytes, \
+     not \".\" or \"..\", with no '/', ':', whitespace or NUL (write it as `ip link` shows it)";
+
+/// True if Linux would accept `n` as an interface name: what the kernel's `dev_valid_name`
+/// accepts (1 to `IFNAMSIZ` - 1 bytes, not `.` or `..`, no `/`, `:` or whitespace), and no
+/// NUL, which no name can carry.
+pub(crate) fn is_valid_name(n: &str) -> bool {
+    // The kernel's `isspace`: space, \t \n \v \f \r, and 0xa0 (its ctype table is Latin-1),
+    // byte by byte.
+    let refused = |b: u8| {
+        matches!(
+            b,
+            b'/' | b':' | b'\0' | b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | 0xa0
+        )
+    };
+    !n.is_empty() && n.len() <= MAX_IFNAME && n != "." && n != ".." && !n.bytes().any(refused)
+}
+
 /// Each name is a possible interface name and none is named twice (a NIC gets one TX
 /// binding).
 pub(crate) fn check(key: &'static str, names: &[String]) -> Result<(), ConfigError> {
     for (i, n) in names.iter().enumerate() {
-        if n.is_empty() || n.len() > MAX_IFNAME || n.contains(['/', ' ', ':']) {
-            return Err(invalid(
-                key,
-                n,
-                "is not an interface name (1 to 15 characters, no '/', ' ' or ':')",
-            ));
+        if !is_valid_name(n) {
+            return Err(invalid(key, format!("{n:?}"), NAME_RULES));
         }
         if names[..i].contains(n) {
             return Err(invalid(
@@ -105,5 +120,45 @@ mod tests {
         let e = check("devmem_tx", &["a-very-long-interface".into()]).unwrap_err();
         assert!(e.to_string().contains("a-very-long-interface"), "{e}");
         assert!(check("devmem_tx", &[String::new()]).is_err());
+    }
+
+    #[test]
+    fn names_linux_refuses_are_refused_and_those_it_takes_pass() {
+        // Before, a tab, a newline, "." and ".." passed: the kernel refuses each
+        // (`dev_valid_name`), so the bind failed at start naming no key.
+        for bad in [
+            "",
+            ".",
+            "..",
+            "eth1 ",
+            "eth\t1",
+            "eth1\n",
+            "eth\u{b}1",
+            "eth/1",
+            "eth:1",
+            "eth\u{0}1",
+            "eth\u{a0}1",
+            "sixteen-bytes-xx",
+        ] {
+            let e = check("devmem_tx", &[bad.to_owned()])
+                .expect_err(bad)
+                .to_string();
+            let named = e.contains(&format!("{bad:?}"));
+            assert!(
+                e.contains("devmem_tx") && e.contains("1 to 15 bytes") && named,
+                "{bad:?}: {e}"
+            );
+        }
+        for ok in [
+            "eth1",
+            "enp25s0f1np1",
+            "fifteen-bytes-x",
+            "...",
+            "lo",
+            "ib0.8001",
+            "vlan@x",
+        ] {
+            assert!(is_valid_name(ok), "{ok}");
+        }
     }
 }

@@ -456,8 +456,30 @@ fn load<T>(file: Option<&Path>, flags: &impl Serialize) -> Result<T, ConfigError
 where
     T: Serialize + Default + for<'de> Deserialize<'de>,
 {
+    let defaults = Figment::from(Serialized::defaults(T::default()));
+    layered::<T>(defaults, file, flags)?
+        .extract()
+        .map_err(|e| ConfigError::Load(Box::new(e)))
+}
+
+/// Whether `key` of `T` is given by the file, the environment or `flags`, whatever its value
+/// (a key left to its built-in default is not).
+fn given<T: Serialize + Default>(
+    key: &str,
+    file: Option<&Path>,
+    flags: &impl Serialize,
+) -> Result<bool, ConfigError> {
+    Ok(layered::<T>(Figment::new(), file, flags)?.contains(key))
+}
+
+/// `base` < the TOML file < the `SHARDWIRE_*` variables that are keys of `T` < `flags`.
+fn layered<T: Serialize + Default>(
+    base: Figment,
+    file: Option<&Path>,
+    flags: &impl Serialize,
+) -> Result<Figment, ConfigError> {
     let known = keys::<T>();
-    let mut fig = Figment::from(Serialized::defaults(T::default()));
+    let mut fig = base;
     if let Some(f) = file {
         if !f.exists() {
             return Err(invalid(
@@ -471,8 +493,7 @@ where
     let env = Env::prefixed("SHARDWIRE_")
         .filter(move |k| known.iter().any(|x| k.as_str().eq_ignore_ascii_case(x)))
         .split("__");
-    fig = fig.merge(env).merge(Serialized::defaults(flags));
-    fig.extract().map_err(|e| ConfigError::Load(Box::new(e)))
+    Ok(fig.merge(env).merge(Serialized::defaults(flags)))
 }
 
 /// Longest time a `*_secs` key may give: a year. Waits beyond it are "never" in practice, and
@@ -514,8 +535,12 @@ impl ServeConfig {
         Ok(c)
     }
 
-    /// `devmem_memory` between 1 MiB and [`MAX_SIZE`]; no queue twice in `devmem_queues`.
+    /// `devmem_memory` between 1 MiB and [`MAX_SIZE`]; no queue twice in `devmem_queues`;
+    /// `devmem_interface` a name Linux takes.
     fn validate_devmem(&self) -> Result<(), ConfigError> {
+        if let Some(n) = &self.devmem_interface {
+            interfaces::check("devmem_interface", std::slice::from_ref(n))?;
+        }
         if self.devmem_memory.0 < 1 << 20 {
             return Err(invalid(
                 "devmem_memory",
@@ -530,6 +555,37 @@ impl ServeConfig {
                 "devmem_queues",
                 format!("{:?}", self.devmem_queues),
                 format!("lists queue {q} twice: each RX queue is bound once"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// With `lanes` a table each lane names its own NIC and queues: the node-wide
+    /// `devmem_queues` would be ignored (a table's lane binds `lanes[i].queues` only) and
+    /// `devmem_interface` would take the place of the lane's own `interface`, so both are
+    /// refused, naming the lane key to use instead. With `lanes = "auto"` they stay (the node
+    /// uses them with one lane, and warns that it ignores them with several).
+    fn validate_lane_table(&self) -> Result<(), ConfigError> {
+        if !matches!(self.lanes, Lanes::Table(_)) {
+            return Ok(());
+        }
+        if !self.devmem_queues.is_empty() {
+            return Err(invalid(
+                "devmem_queues",
+                format!("{:?}", self.devmem_queues),
+                "is not used when `lanes` is a table: list each lane's RX queues in its table, \
+                 lanes[i].queues (e.g. lanes = [{ queues = [8, 9] }]), and drop devmem_queues",
+            ));
+        }
+        if let Some(n) = &self.devmem_interface {
+            return Err(invalid(
+                "devmem_interface",
+                format!("{n:?}"),
+                format!(
+                    "would override the lanes' own `interface` when `lanes` is a table: name \
+                     each lane's NIC in its table, lanes[i].interface (e.g. lanes = [{{ \
+                     interface = {n:?} }}]), and drop devmem_interface"
+                ),
             ));
         }
         Ok(())
@@ -588,6 +644,7 @@ impl ServeConfig {
         self.validate_devmem()?;
         self.socket_mode_bits()?;
         self.lanes.validate()?;
+        self.validate_lane_table()?;
         self.source_entries()?;
         if !(1..=3600).contains(&self.source_resolve_secs) {
             return Err(invalid(
@@ -638,18 +695,26 @@ impl ServeConfig {
             .collect()
     }
 
-    /// `socket_mode` as permission bits.
+    /// `socket_mode` as permission bits: an optional `0o`, once, then 1 to 4 octal digits
+    /// (`"0660"`, `"660"`, `"0o660"`), at most `0777`; no sign, no space, no second prefix.
     pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
-        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
-            .ok()
-            .filter(|m| *m <= 0o777)
-            .ok_or_else(|| {
-                invalid(
-                    "socket_mode",
-                    &self.socket_mode,
-                    "must be octal permission bits like \"0660\"",
-                )
-            })
+        let m = self.socket_mode.as_str();
+        let digits = m.strip_prefix("0o").unwrap_or(m);
+        let octal =
+            (1..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+        let bits = if octal {
+            u32::from_str_radix(digits, 8).ok()
+        } else {
+            None
+        };
+        bits.filter(|b| *b <= 0o777).ok_or_else(|| {
+            invalid(
+                "socket_mode",
+                format!("{m:?}"),
+                "must be permission bits in octal, at most \"0777\": 1 to 4 digits 0-7, \
+                     optionally after one \"0o\" (e.g. \"0660\" or \"0o660\"; no sign)",
+            )
+        })
     }
 
     /// Whether a trainer with these credentials may use the socket.
@@ -705,11 +770,13 @@ impl SourceConfig {
                 "must be between 64KiB (16 slots of 4KiB) and 1TiB",
             ));
         }
-        if c.devmem_tx.is_empty() && tx != SourceConfig::default().devmem_tx_memory {
+        // Any value given, the default's too: a key that is read and then ignored misleads.
+        if c.devmem_tx.is_empty() && given::<Self>("devmem_tx_memory", file, flags)? {
             return Err(invalid(
                 "devmem_tx_memory",
                 tx,
-                "needs devmem_tx: the interfaces whose TX bindings it sizes",
+                "needs devmem_tx: the interfaces whose TX bindings it sizes; set devmem_tx or \
+                 drop devmem_tx_memory",
             ));
         }
         c.check_object_store()?;
@@ -1087,6 +1154,152 @@ mod tests {
         }
         let ok = "pool_size = \"64TiB\"\nstream_memory = \"1GiB\"\ndevmem_queues = [8, 9]\n";
         assert!(ServeConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn devmem_queues_and_devmem_interface_are_refused_beside_a_lane_table() {
+        // Before, both loaded: a table's lane binds only lanes[i].queues (devmem_queues was
+        // dropped without a word) and devmem_interface took the place of lanes[0].interface.
+        for (toml, key, fix) in [
+            (
+                "lanes = [{}]\ndevmem_queues = [8, 9]\n",
+                "`devmem_queues` = [8, 9]",
+                "lanes[i].queues",
+            ),
+            (
+                "lanes = [{ interface = \"eth1\" }]\ndevmem_interface = \"eth2\"\n",
+                "`devmem_interface` = \"eth2\"",
+                "lanes[i].interface",
+            ),
+            (
+                concat!(
+                    "lanes = [{ data_listen = \"127.0.0.1:0\" }, { data_listen = \"127.0.0.2:0\" }]\n",
+                    "devmem_interface = \"eth1\"\n"
+                ),
+                "`devmem_interface`",
+                "lanes[i].interface",
+            ),
+        ] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains(fix), "{toml}: {e}");
+        }
+        // The Kubernetes hosts' one plain lane, and both keys with lanes auto, still load.
+        for ok in [
+            "lanes = [{}]\n",
+            "lanes = [{ interface = \"eth1\", queues = [8, 9] }]\n",
+            "devmem_interface = \"eth1\"\ndevmem_queues = [8, 9]\n",
+            "lanes = \"auto\"\ndevmem_interface = \"eth1\"\ndevmem_queues = [8, 9]\n",
+        ] {
+            let c = ServeConfig::load(Some(&write(ok)), &Flags::default());
+            assert!(c.is_ok(), "{ok}: {:?}", c.err().map(|e| e.to_string()));
+        }
+    }
+
+    #[test]
+    fn devmem_interface_is_a_name_linux_takes() {
+        // Before, each loaded and failed at start (or matched no NIC) naming no key.
+        for name in [
+            "",
+            "eth1 ",
+            "eth\t1",
+            ".",
+            "..",
+            "eth1:0",
+            "a-very-long-interface",
+        ] {
+            let toml = format!("devmem_interface = {name:?}\n");
+            let e = ServeConfig::load(Some(&write(&toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("`devmem_interface`")
+                    && e.contains(&format!("{name:?}"))
+                    && e.contains("not an interface name"),
+                "{toml}: {e}"
+            );
+        }
+        let c = ServeConfig::load(
+            Some(&write("devmem_interface = \"enp25s0f1np1\"\n")),
+            &Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(c.devmem_interface.as_deref(), Some("enp25s0f1np1"));
+    }
+
+    #[derive(Serialize, Default)]
+    struct TxFlags {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        devmem_tx_memory: Option<ByteSize>,
+    }
+
+    #[test]
+    fn devmem_tx_memory_without_devmem_tx_is_refused_even_at_its_default() {
+        // Before, only a value other than the default was refused: `devmem_tx_memory =
+        // "64MiB"` alone loaded and was ignored.
+        let ds = "datasets = [\"d=/data\"]\n";
+        let file = write(&format!("{ds}devmem_tx_memory = \"64MiB\"\n"));
+        let e = SourceConfig::load(Some(&file), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`devmem_tx_memory` = 64MiB") && e.contains("needs devmem_tx"),
+            "{e}"
+        );
+        let flag = TxFlags {
+            devmem_tx_memory: Some(ByteSize(64 << 20)),
+        };
+        let e = SourceConfig::load(Some(&write(ds)), &flag)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`devmem_tx_memory`"), "{e}");
+        // Left unset it is the default, with or without devmem_tx; set, it is taken with it.
+        let c = SourceConfig::load(Some(&write(ds)), &TxFlags::default()).unwrap();
+        assert_eq!(c.devmem_tx_memory, ByteSize(64 << 20));
+        let with = write(&format!("{ds}devmem_tx = \"eth1\"\n"));
+        let c = SourceConfig::load(Some(&with), &flag).unwrap();
+        assert_eq!(c.devmem_tx_memory, ByteSize(64 << 20));
+        let c = SourceConfig::load(Some(&with), &TxFlags::default()).unwrap();
+        assert_eq!(c.devmem_tx_memory, SourceConfig::default().devmem_tx_memory);
+    }
+
+    #[test]
+    fn socket_mode_is_one_optional_0o_then_octal_digits() {
+        // Before, "+660" and "0o0o660" were read as 0o660 (from_str_radix takes a sign, and
+        // trim_start_matches removed every "0o").
+        let bits = |m: &str| {
+            ServeConfig {
+                socket_mode: m.to_owned(),
+                ..ServeConfig::default()
+            }
+            .socket_mode_bits()
+        };
+        for bad in [
+            "+660", "-660", "0o0o660", "0o+660", "", "0o", " 0660", "0660 ", "0x1b4", "8", "0o8",
+            "1777", "00660", "0O660",
+        ] {
+            let e = bits(bad).expect_err(bad).to_string();
+            let named = e.contains(&format!("{bad:?}"));
+            assert!(
+                e.contains("`socket_mode`") && named && e.contains("0o"),
+                "{bad:?}: {e}"
+            );
+        }
+        for (ok, want) in [
+            ("0660", 0o660),
+            ("660", 0o660),
+            ("0o660", 0o660),
+            ("0o0660", 0o660),
+            ("0777", 0o777),
+            ("0", 0),
+        ] {
+            assert_eq!(bits(ok).ok(), Some(want), "{ok}");
+        }
+        let e = ServeConfig::load(Some(&write("socket_mode = \"+660\"\n")), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`socket_mode` = \"+660\""), "{e}");
     }
 
     #[test]
