@@ -7,7 +7,10 @@
 //!
 //! * one `SCM_DEVMEM_DMABUF` cmsg per frag (offset, size, token, dmabuf id), written in the
 //!   kernel's layout into the caller's control buffer, never truncated: when the buffer is
-//!   full the call returns short, and `ETOOSMALL` (525) when not even one cmsg fits;
+//!   full the call returns short, and `ETOOSMALL` (525) when not even one cmsg fits and a
+//!   frag would be handed out (ordinary data after unbind, and EOF, need no cmsg);
+//! * a socket error met after bytes were handed out ends the call short, and the next call
+//!   returns it (as `tcp_recvmsg` does; the emulator's own `recv` consumed `sk_err`);
 //! * the request length caps devmem bytes too; a frag cut by it continues in the next call
 //!   with a new token (each token holds its own reference on the net_iov);
 //! * tokens are per socket, allocated lowest-free from 1 (an `XA_FLAGS_ALLOC1` xarray), so
@@ -158,7 +161,9 @@ impl EmuBinding {
         self.id
     }
 
-    /// The memory frags point into (for the gather).
+    /// The memory frags point into (for the gather). The emulator writes its pages while
+    /// they are free, so reading it directly is `unsafe` ([`DmabufMem::copy_out`]);
+    /// [`crate::gather::gather`] reads only the frags of a batch from this binding.
     pub fn mem(&self) -> &DmabufMem {
         &self.mem
     }
@@ -311,6 +316,8 @@ pub struct EmuSocket {
     tokens: Tokens,
     packets: u64,
     scratch: Vec<u32>,
+    /// A socket error met after a call had handed out bytes: the next call returns it.
+    deferred: Option<io::Error>,
 }
 
 impl EmuSocket {
@@ -342,6 +349,7 @@ impl EmuSocket {
             tokens: Tokens::default(),
             packets: 0,
             scratch: Vec::with_capacity(FILL_BURST),
+            deferred: None,
         })
     }
 
@@ -405,10 +413,13 @@ impl EmuSocket {
                 self.cfg.linear_every > 0 && self.packets.is_multiple_of(self.cfg.linear_every);
             if linear {
                 let mut bytes = vec![0; len];
-                self.binding
-                    .mem
-                    .copy_out((niov as usize * NIOV_SIZE) as u64, &mut bytes)
-                    .expect("net_iov inside the binding");
+                let offset = (niov as usize * NIOV_SIZE) as u64;
+                #[allow(unsafe_code)] // copy_out: this fill owns the page (SAFETY below)
+                // SAFETY: net_iov `niov` left the freelist for this fill and is in no packet
+                // or token yet, so nothing else writes or reads its page; the `page_mut`
+                // slices above were dropped with `bufs`.
+                let copied = unsafe { self.binding.mem.copy_out(offset, &mut bytes) };
+                copied.expect("net_iov inside the binding");
                 self.binding.put_all([niov]);
                 self.queue.push_back(Packet {
                     niov: None,
@@ -434,13 +445,12 @@ impl EmuSocket {
     /// copied to the front of `iov`, devmem frags are described in the control buffer.
     /// Returns (bytes, control length).
     fn recvmsg(&mut self, iov: &mut [u8]) -> Result<(usize, usize), DevmemError> {
-        let len = iov.len();
-        if len > 0 && self.control.len() < CMSG_SPACE {
-            // Checked before any byte is taken, so the data stays queued (as in the kernel).
-            return Err(DevmemError::ControlBufferTooSmall {
-                capacity: self.control.len(),
-            });
+        if let Some(source) = self.deferred.take() {
+            // The error the previous call met after handing out bytes (the queue was empty
+            // then, and nothing was read since).
+            return Err(syscall_error(source));
         }
+        let len = iov.len();
         let (mut done, mut iov_used, mut ctl) = (0usize, 0usize, 0usize);
         while done < len {
             if self.queue.is_empty() && self.binding.is_unbound() {
@@ -452,57 +462,111 @@ impl EmuSocket {
                 }
                 return self.recv_plain(iov);
             }
+            let room = ctl + CMSG_SPACE <= self.control.len();
             if self.queue.is_empty() {
-                let wait = done == 0;
-                match self.fill(len - done, wait) {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(_) if done > 0 => break,
-                    // Unbound while this read waited for a free net_iov (nothing was read
-                    // from the socket): from now on ordinary TCP, as above.
-                    Err(e) if e.kind() == io::ErrorKind::NotConnected => continue,
-                    Err(source) => {
-                        return Err(DevmemError::Syscall {
-                            call: "recvmsg(MSG_SOCK_DEVMEM) [emulated]",
-                            source,
-                        });
-                    }
+                match self.refill(len - done, done, room)? {
+                    Refill::Filled | Refill::Unbound => continue,
+                    Refill::Stop => break,
                 }
-                continue;
             }
-            if ctl + CMSG_SPACE > self.control.len() {
+            if !room {
+                if done == 0 {
+                    // A frag is due and not one cmsg fits: nothing is taken (as in the kernel).
+                    return Err(self.too_small());
+                }
                 break;
             }
-            let pkt = self.queue.front_mut().expect("not empty");
-            let piece = (pkt.len - pkt.consumed).min(len - done);
-            let cmsg = match pkt.niov {
-                None => {
-                    iov[iov_used..iov_used + piece]
-                        .copy_from_slice(&pkt.linear[pkt.consumed..pkt.consumed + piece]);
-                    iov_used += piece;
-                    (SO_DEVMEM_LINEAR, synth::dmabuf_cmsg(0, piece as u32, 0, 0))
-                }
-                Some(niov) => {
-                    let token = self.tokens.alloc(niov);
-                    self.binding.get(&mut self.binding.lock(), niov);
-                    let offset = (niov as usize * NIOV_SIZE + pkt.consumed) as u64;
-                    let d = synth::dmabuf_cmsg(offset, piece as u32, token, self.binding.id);
-                    (SO_DEVMEM_DMABUF, d)
-                }
-            };
-            write_cmsg(&mut self.control[ctl..ctl + CMSG_SPACE], cmsg.0, &cmsg.1);
+            let piece = self.hand_out(iov, len - done, &mut iov_used, ctl);
             ctl += CMSG_SPACE;
-            self.binding.stats.frags.fetch_add(1, Ordering::Relaxed);
-            pkt.consumed += piece;
             done += piece;
-            if pkt.consumed == pkt.len {
-                let pkt = self.queue.pop_front().expect("not empty");
-                if let Some(niov) = pkt.niov {
-                    self.binding.put_all([niov]);
-                }
-            }
         }
         Ok((done, ctl))
+    }
+
+    /// Let the "NIC" land more bytes for a call that has handed out `done` bytes and wants
+    /// `want` more, its queue empty; `room`: whether a cmsg still fits.
+    fn refill(&mut self, want: usize, done: usize, room: bool) -> Result<Refill, DevmemError> {
+        if !room {
+            if done > 0 {
+                return Ok(Refill::Stop);
+            }
+            // No cmsg fits: ETOOSMALL only if bytes wait, which would land as frags; at EOF
+            // the call returns 0. The bytes stay in the socket either way.
+            if !self.data_waiting().map_err(syscall_error)? {
+                return Ok(Refill::Stop);
+            }
+            if self.binding.is_unbound() {
+                return Ok(Refill::Unbound);
+            }
+            return Err(self.too_small());
+        }
+        match self.fill(want, done == 0) {
+            Ok(true) => Ok(Refill::Filled),
+            Ok(false) => Ok(Refill::Stop),
+            // Unbound (not a socket error): ordinary TCP from now on, in the next call if
+            // this one handed out frags already.
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(if done > 0 {
+                Refill::Stop
+            } else {
+                Refill::Unbound
+            }),
+            Err(e) if done > 0 => {
+                // The short read now, the error in the next call.
+                self.deferred = Some(e);
+                Ok(Refill::Stop)
+            }
+            Err(source) => Err(syscall_error(source)),
+        }
+    }
+
+    /// Whether bytes (not EOF) wait on the socket; blocks until one of them does.
+    fn data_waiting(&self) -> io::Result<bool> {
+        let mut one = [0u8; 1];
+        loop {
+            match self.sock.peek(&mut one) {
+                Ok(n) => return Ok(n > 0),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn too_small(&self) -> DevmemError {
+        DevmemError::ControlBufferTooSmall {
+            capacity: self.control.len(),
+        }
+    }
+
+    /// Hand out up to `max` bytes of the first queued packet as one frag: linear bytes into
+    /// `iov` at `iov_used`, its cmsg at `ctl` of the control buffer. Returns the bytes.
+    fn hand_out(&mut self, iov: &mut [u8], max: usize, iov_used: &mut usize, ctl: usize) -> usize {
+        let pkt = self.queue.front_mut().expect("not empty");
+        let piece = (pkt.len - pkt.consumed).min(max);
+        let cmsg = match pkt.niov {
+            None => {
+                iov[*iov_used..*iov_used + piece]
+                    .copy_from_slice(&pkt.linear[pkt.consumed..pkt.consumed + piece]);
+                *iov_used += piece;
+                (SO_DEVMEM_LINEAR, synth::dmabuf_cmsg(0, piece as u32, 0, 0))
+            }
+            Some(niov) => {
+                let token = self.tokens.alloc(niov);
+                self.binding.get(&mut self.binding.lock(), niov);
+                let offset = (niov as usize * NIOV_SIZE + pkt.consumed) as u64;
+                let d = synth::dmabuf_cmsg(offset, piece as u32, token, self.binding.id);
+                (SO_DEVMEM_DMABUF, d)
+            }
+        };
+        write_cmsg(&mut self.control[ctl..ctl + CMSG_SPACE], cmsg.0, &cmsg.1);
+        self.binding.stats.frags.fetch_add(1, Ordering::Relaxed);
+        pkt.consumed += piece;
+        if pkt.consumed == pkt.len {
+            let pkt = self.queue.pop_front().expect("not empty");
+            if let Some(niov) = pkt.niov {
+                self.binding.put_all([niov]);
+            }
+        }
+        piece
     }
 
     /// An ordinary `recv` into `iov` (after unbind): (bytes, no control).
@@ -546,10 +610,31 @@ impl EmuSocket {
     }
 }
 
+/// What [`EmuSocket::refill`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refill {
+    /// Packets were queued.
+    Filled,
+    /// The binding is unbound and this call handed out nothing: read ordinary TCP.
+    Unbound,
+    /// End the call with what it has (EOF, nothing more now, or an error kept for the next).
+    Stop,
+}
+
+/// A failed `recv` of the emulated `recvmsg`.
+fn syscall_error(source: io::Error) -> DevmemError {
+    DevmemError::Syscall {
+        call: "recvmsg(MSG_SOCK_DEVMEM) [emulated]",
+        source,
+    }
+}
+
 impl DevmemRecv for EmuSocket {
     fn recv_frags(&mut self, iov_buf: &mut [u8]) -> Result<RecvBatch<'_>, DevmemError> {
         let (bytes, ctl) = self.recvmsg(iov_buf)?;
-        RecvBatch::parse(bytes, &self.control[..ctl], false)
+        let batch = RecvBatch::parse(bytes, &self.control[..ctl], false)?;
+        // Its frags lie in this binding's memory: the one the gather may read them from.
+        Ok(batch.in_mem(self.binding.mem.addr()))
     }
 
     fn return_tokens(&mut self, batcher: &mut TokenBatcher) -> Result<usize, DevmemError> {

@@ -64,6 +64,27 @@ pub enum GatherError {
     /// Starting a CPU read of the dma-buf failed.
     #[error("DMA_BUF_IOCTL_SYNC: {0}")]
     Sync(String),
+    /// The memory given is one this process writes (the emulator's), and not the memory the
+    /// batch's frags lie in: reading it could race with its writer, so it is not read.
+    #[error(
+        "the batch's frags lie in {}, not in the memory at {given:#x} given to the gather",
+        frags_home(.batch)
+    )]
+    ForeignMemory {
+        /// The address of the emulated memory the batch's frags lie in (`None`: a kernel
+        /// socket's batch).
+        batch: Option<u64>,
+        /// The address of the memory given.
+        given: u64,
+    },
+}
+
+/// Where a batch's frags lie, in words ([`GatherError::ForeignMemory`]).
+fn frags_home(emulated: &Option<u64>) -> String {
+    match emulated {
+        Some(addr) => format!("the emulated dma-buf at {addr:#x}"),
+        None => "a kernel binding's dma-buf".to_string(),
+    }
 }
 
 /// Where each byte of one batch belongs, for a gather that does not run on the CPU (the
@@ -227,6 +248,14 @@ fn place_linear(batch: &RecvBatch<'_>, dst: &mut [u8], linear_frags: usize) {
 /// Copies each dma-buf frag of `batch` out of `mem` to its stream position in `dst`, inside
 /// one CPU-access window of the dma-buf.
 fn copy_dmabuf(batch: &RecvBatch<'_>, dst: &mut [u8], mem: &DmabufMem) -> Result<(), GatherError> {
+    // Memory this process writes (the emulator's) is read only for frags of its own batches:
+    // the emulator writes no page a frag of a live batch points into, but any other.
+    if mem.written_here() && batch.mem_addr() != Some(mem.addr()) {
+        return Err(GatherError::ForeignMemory {
+            batch: batch.mem_addr(),
+            given: mem.addr(),
+        });
+    }
     mem.begin_cpu_read()
         .map_err(|e| GatherError::Sync(e.to_string()))?;
     let mut pos = 0usize;
@@ -236,7 +265,14 @@ fn copy_dmabuf(batch: &RecvBatch<'_>, dst: &mut [u8], mem: &DmabufMem) -> Result
             Frag::Linear { size } => pos += size as usize,
             Frag::Dmabuf { offset, size, .. } => {
                 let end = pos + size as usize;
-                if let Err(e) = mem.copy_out(offset, &mut dst[pos..end]) {
+                #[allow(unsafe_code)] // copy_out: the frag's token is held (SAFETY below)
+                // SAFETY: the frag came with `batch`, which borrows the socket that holds
+                // its token (queued in `tokens` by `gather`, returned only after this), so
+                // neither the NIC nor the emulator writes those bytes now; `mem` is the
+                // memory the frag lies in: the emulator's own (checked above), or memory no
+                // thread of this process writes.
+                let copied = unsafe { mem.copy_out(offset, &mut dst[pos..end]) };
+                if let Err(e) = copied {
                     result = Err(e);
                     break;
                 }

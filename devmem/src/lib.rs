@@ -25,9 +25,10 @@
 //!
 //! `unsafe` is denied crate-wide and allowed only in the private `sys` module, where each
 //! syscall sits behind a small safe function with a `// SAFETY:` comment, in [`mem`] (the
-//! mapping and its copies), at the one place the emulator writes a net_iov page, where a
-//! TX slot hands out the free bytes it owns ([`txbuf`]), and in [`uring`] (the ring's shared
-//! memory and the buffers it lends the kernel).
+//! mapping and its copies), where the emulator writes a net_iov page or copies a linear one
+//! out, where the gather copies a held frag out ([`gather`]), where a TX slot hands out the
+//! free bytes it owns ([`txbuf`]), and in [`uring`] (the ring's shared memory and the
+//! buffers it lends the kernel).
 #![deny(unsafe_code)]
 
 pub mod cmsg;

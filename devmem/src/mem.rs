@@ -4,7 +4,10 @@
 //!
 //! Frag bytes are copied out with [`DmabufMem::copy_out`] while their token is held (the
 //! kernel does not reuse a net_iov before its token comes back), so no Rust reference into
-//! device-written memory ever outlives a copy. For a real dma-buf the copy is bracketed with
+//! device-written memory ever outlives a copy. Nothing in this type can check that rule, so
+//! `copy_out` is `unsafe`: the emulator writes the pages of its memory from other threads,
+//! and a copy of one of them then is a data race. [`crate::gather::gather`] is the safe way
+//! to read a received batch's frags. For a real dma-buf the copy is bracketed with
 //! `DMA_BUF_IOCTL_SYNC` (include/uapi/linux/dma-buf.h) so the exporter can make CPU reads
 //! coherent; a memfd has no such ioctl and needs none.
 //!
@@ -56,8 +59,8 @@ pub struct DmabufMem {
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; all access goes through
-// `copy_out` (copies under the caller's token discipline) or the `unsafe` `page_mut`, whose
-// contract makes writers exclusive per page.
+// the `unsafe` `copy_out` (whose contract rules out a concurrent writer of the bytes read)
+// or the `unsafe` `page_mut`, whose contract makes writers exclusive per page.
 unsafe impl Send for DmabufMem {}
 // SAFETY: see `Send`; `&self` methods never hand out references that outlive a copy.
 unsafe impl Sync for DmabufMem {}
@@ -238,13 +241,25 @@ impl DmabufMem {
         }
     }
 
-    /// Copy `dst.len()` bytes at `offset` into `dst`. The caller holds the token of the frag
-    /// those bytes belong to (so neither the NIC nor the emulator writes them meanwhile).
-    pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), OutOfRange> {
+    /// Copy `dst.len()` bytes at `offset` into `dst` (an offset past the mapping is
+    /// refused, never read).
+    ///
+    /// # Safety
+    /// No thread of this process may write those bytes during the copy: no `page_mut` slice
+    /// over them may be alive. For frags this holds while the caller holds the token of the
+    /// frag they belong to (neither the NIC nor the emulator writes a net_iov before its
+    /// token comes back), for bytes of this binding's own frags only.
+    ///
+    /// ```compile_fail,E0133
+    /// let m = shardwire_devmem::mem::DmabufMem::memfd("t", 4096).unwrap();
+    /// let mut b = [0u8; 1];
+    /// m.copy_out(0, &mut b).unwrap(); // safe code cannot read racing memory
+    /// ```
+    pub unsafe fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), OutOfRange> {
         let start = self.check(offset, dst.len())?;
         // SAFETY: `start..start + dst.len()` lies inside the live mapping (checked above);
         // `dst` is a distinct Rust slice, so the ranges do not overlap; the bytes are not
-        // written concurrently because their frag's token is held (module docs).
+        // written concurrently (the caller's contract above).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.base.as_ptr().add(start),
@@ -253,6 +268,12 @@ impl DmabufMem {
             );
         }
         Ok(())
+    }
+
+    /// Whether this process writes the mapping (the emulator's memfd, a writable TX
+    /// buffer): reading it needs that writer's exclusivity, not only the kernel's.
+    pub(crate) fn written_here(&self) -> bool {
+        self.kind == Kind::Memfd || self.writable
     }
 
     /// Start a CPU read of a real dma-buf (no-op for a memfd). Pair with
@@ -326,17 +347,23 @@ mod tests {
         // SAFETY: single-threaded test; nothing else touches the page.
         unsafe { m.page_mut(4096, 4).copy_from_slice(b"abcd") };
         let mut out = [0u8; 4];
-        m.copy_out(4096, &mut out).unwrap();
+        // SAFETY: single-threaded test; no `page_mut` slice is alive.
+        let read = unsafe { m.copy_out(4096, &mut out) };
+        read.unwrap();
         assert_eq!(&out, b"abcd");
+        // SAFETY: as above.
+        let past = unsafe { m.copy_out(8190, &mut out) };
         assert_eq!(
-            m.copy_out(8190, &mut out),
+            past,
             Err(OutOfRange {
                 offset: 8190,
                 len: 4,
                 size: 8192
             })
         );
-        assert!(m.copy_out(u64::MAX, &mut out).is_err());
+        // SAFETY: as above.
+        let wrapped = unsafe { m.copy_out(u64::MAX, &mut out) };
+        assert!(wrapped.is_err());
         m.begin_cpu_read().unwrap();
         m.end_cpu_read().unwrap();
     }

@@ -5,7 +5,11 @@
 //! off the bound queues (RSS) and the data port steered to them (ntuple). Every change is
 //! written to a state file *before* it is made ([`Journal`]), so it can be undone in reverse
 //! order on shutdown ([`NicSetup::restore`], also on drop) and, after a crash, at the next
-//! start ([`restore_from`]): a NIC is never left altered.
+//! start ([`restore_from`]): a NIC is never left altered. An ntuple rule is journaled before
+//! its insertion too: by its location where that is chosen first, else (the driver picks it)
+//! as a [`Change::PendingRule`] marker holding its match, resolved to the location once the
+//! rule is in. Each change undone is dropped from the file at once, so a restore that failed
+//! part way is retried only for what failed.
 //!
 //! Channels and header split go over ethtool netlink; RSS and ntuple steering over the
 //! `SIOCETHTOOL` ioctl ([`steer`]), since the netlink RSS/ntuple commands are newer than the
@@ -108,6 +112,18 @@ pub enum NicError {
         /// Its index now (`None`: no interface of that name).
         found: Option<u32>,
     },
+    /// A rule journaled before the driver picked its location ([`Change::PendingRule`]) is
+    /// matched by several rules: which one this process added cannot be told, so none was
+    /// deleted and the entry stays in the state file.
+    #[error(
+        "{ifname}: an ntuple rule journaled without its location (the process stopped while adding it) matches the rules at locations {locations:?}: none was deleted. Delete the one shardwire added (ethtool -n {ifname}; ethtool -N {ifname} delete LOC), then remove the NIC state file"
+    )]
+    AmbiguousRule {
+        /// Interface.
+        ifname: String,
+        /// The matching rules' locations.
+        locations: Vec<u32>,
+    },
 }
 
 fn hint(errno: &i32, op: &str) -> &'static str {
@@ -118,6 +134,7 @@ fn hint(errno: &i32, op: &str) -> &'static str {
             | "ntuple-set"
             | "ntuple-rule-count"
             | "ntuple-rule-list"
+            | "ntuple-rule-get"
             | "ntuple-rule-insert"
             | "ntuple-flow-rule-insert"
             | "ntuple-rule-delete",
@@ -381,6 +398,16 @@ pub enum Change {
         /// The rule's location.
         location: u32,
     },
+    /// An ntuple rule is being inserted where the driver picks the location: saved before
+    /// the insertion and replaced by [`Change::Rule`] once the location is known. Left in a
+    /// state file by a process stopped in between, its undo deletes the rule that matches
+    /// `rule` onto `queue` ([`EthtoolClient::find_rules`]), if there is one.
+    PendingRule {
+        /// What the rule matches.
+        rule: steer::Tcp4Match,
+        /// The queue it steers to.
+        queue: u32,
+    },
     /// The RSS indirection table was replaced; this was the old one.
     Rss {
         /// Old table; empty: it was the driver's default ([`steer::table_to_restore`]).
@@ -507,19 +534,17 @@ impl Journal {
     }
 
     fn save(&self) -> Result<(), NicError> {
-        let bad = |e: io::Error| NicError::State {
-            path: self.path.clone(),
-            reason: e.to_string(),
-        };
-        if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(bad)?;
+        write_state(&self.path, &self.state)
+    }
+
+    /// Drop entry `at` (a change not made after all) and save. A failed save is only
+    /// reported: the entry left on disk undoes nothing that exists (a rule not there is
+    /// `ENOENT`, done; a pending marker finds no rule).
+    fn forget(&mut self, at: usize) {
+        self.state.changes.remove(at);
+        if let Err(e) = self.save() {
+            tracing_like_warn(&e);
         }
-        let tmp = tmp_path(&self.path);
-        let mut f = File::create(&tmp).map_err(bad)?;
-        let body = serde_json::to_vec_pretty(&self.state).expect("serializable");
-        f.write_all(&body).map_err(bad)?;
-        f.sync_all().map_err(bad)?;
-        std::fs::rename(&tmp, &self.path).map_err(bad)
     }
 
     /// Record `change` durably; call before making it.
@@ -594,13 +619,8 @@ impl Journal {
             self.record(Change::NtupleOn)?;
             client.set_ntuple(&ifname, true)?;
         }
-        let location = client.insert_tcp4_rule(&ifname, dst_port, queue)?;
-        if let Err(e) = self.record(Change::Rule { location }) {
-            // Not journaled: not left on the NIC either (as `add_flow`).
-            let _ = client.delete_rule(&ifname, location);
-            return Err(e);
-        }
-        Ok(location)
+        let m = steer::Tcp4Match::port(dst_port);
+        self.insert_rule(client, "ntuple-rule-insert", m, queue)
     }
 
     /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple
@@ -611,11 +631,66 @@ impl Journal {
         flow: steer::Tcp4Flow,
         queue: u32,
     ) -> Result<u32, NicError> {
-        let location = client.insert_tcp4_flow_rule(&self.state.ifname, flow, queue)?;
-        if let Err(e) = self.record(Change::Rule { location }) {
-            // Not journaled: not left on the NIC either.
-            let _ = client.delete_rule(&self.state.ifname, location);
-            return Err(e);
+        let m = steer::Tcp4Match::flow(flow);
+        self.insert_rule(client, "ntuple-flow-rule-insert", m, queue)
+    }
+
+    /// Insert an ntuple rule steering what `m` matches onto `queue`, journaled before it is
+    /// made ([`Journal::insert_journaled`]). `op` names the request in errors.
+    fn insert_rule(
+        &mut self,
+        client: &mut EthtoolClient,
+        op: &'static str,
+        m: steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<u32, NicError> {
+        let ifname = self.state.ifname.clone();
+        let client: &EthtoolClient = client;
+        let at = client.next_rule_location(&ifname)?;
+        self.insert_journaled(
+            at,
+            m,
+            queue,
+            |at| client.insert_rule(&ifname, op, &m, queue, at),
+            |location| {
+                let _ = client.delete_rule(&ifname, location);
+            },
+        )
+    }
+
+    /// Journal one rule insertion, then make it with `insert`: `Rule { location }` is saved
+    /// first where the location `at` is chosen before, else a [`Change::PendingRule`] marker,
+    /// resolved to the location `insert` returns. A refused insertion drops the entry again;
+    /// a resolution that cannot be saved deletes the rule (`delete`) and drops it too.
+    fn insert_journaled(
+        &mut self,
+        at: Option<u32>,
+        rule: steer::Tcp4Match,
+        queue: u32,
+        insert: impl FnOnce(Option<u32>) -> Result<u32, NicError>,
+        delete: impl FnOnce(u32),
+    ) -> Result<u32, NicError> {
+        self.record(match at {
+            Some(location) => Change::Rule { location },
+            None => Change::PendingRule { rule, queue },
+        })?;
+        let entry = self.state.changes.len() - 1;
+        let location = match insert(at) {
+            Ok(location) => location,
+            Err(e) => {
+                // Not made: not journaled either.
+                self.forget(entry);
+                return Err(e);
+            }
+        };
+        if at != Some(location) {
+            self.state.changes[entry] = Change::Rule { location };
+            if let Err(e) = self.save() {
+                // Not journaled by its location: not left on the NIC either.
+                delete(location);
+                self.forget(entry);
+                return Err(e);
+            }
         }
         Ok(location)
     }
@@ -639,11 +714,13 @@ impl Journal {
         self.save()
     }
 
-    /// Undo every change in reverse order and delete the state file.
-    pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
-        undo(&self.state, client)?;
+    /// Undo every change in reverse order and delete the state file. On an error the file
+    /// keeps only the changes whose undo failed.
+    pub fn restore(mut self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
+        let changes = self.state.changes.clone();
+        undo(&self.path, &mut self.state, client)?;
         remove(&self.path)?;
-        Ok(self.state.changes)
+        Ok(changes)
     }
 }
 
@@ -656,6 +733,23 @@ fn tmp_path(path: &Path) -> PathBuf {
     PathBuf::from(tmp)
 }
 
+/// Write `state` to `path` durably: a temporary file, synced, renamed over it.
+fn write_state(path: &Path, state: &StateFile) -> Result<(), NicError> {
+    let bad = |e: io::Error| NicError::State {
+        path: path.into(),
+        reason: e.to_string(),
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(bad)?;
+    }
+    let tmp = tmp_path(path);
+    let mut f = File::create(&tmp).map_err(bad)?;
+    let body = serde_json::to_vec_pretty(state).expect("serializable");
+    f.write_all(&body).map_err(bad)?;
+    f.sync_all().map_err(bad)?;
+    std::fs::rename(&tmp, path).map_err(bad)
+}
+
 fn remove(path: &Path) -> Result<(), NicError> {
     std::fs::remove_file(path).map_err(|e| NicError::State {
         path: path.into(),
@@ -663,38 +757,76 @@ fn remove(path: &Path) -> Result<(), NicError> {
     })
 }
 
-fn undo(state: &StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
-    let (ifindex, ifname) = (state.ifindex, state.ifname.as_str());
+/// Undo `state`'s changes, last first, each tried whatever the others did. Each one undone
+/// is dropped from `state` and the file at `path` right away, so the file keeps only those
+/// not undone: a retry (the next start) redoes no finished step (a rule deleted twice could
+/// be someone else's by then; ntuple turned off twice would flush the operator's rules).
+/// Returns the first error.
+fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
     let mut first_err = None;
-    for c in state.changes.iter().rev() {
-        let r = match *c {
-            Change::NtupleOn => client.set_ntuple(ifname, false),
-            Change::Rule { location } => gone_is_done(client.delete_rule(ifname, location)),
-            Change::Rss { ref table } => client.set_rss_indir(ifname, table),
-            Change::Channels { rx, tx, combined } => {
-                client.set_channels(ifindex, ifname, rx, tx, combined)
-            }
-            // 0 (`unknown`) is set too: it is `tcp-data-split auto`, the driver's default. A
-            // driver without the attribute (its rings-get omitted it, read as 0) refuses any
-            // rings-set of it: then there is nothing to restore.
-            Change::Rings {
-                tcp_data_split,
-                hds_thresh,
-            } => match client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh) {
-                Err(NicError::Kernel { errno, .. })
-                    if tcp_data_split == 0 && errno == libc::EOPNOTSUPP =>
-                {
-                    Ok(())
-                }
-                other => other,
-            },
-        };
+    for i in (0..state.changes.len()).rev() {
+        let r = undo_one(client, state.ifindex, &state.ifname, &state.changes[i]);
+        let r = r.and_then(|()| {
+            state.changes.remove(i);
+            write_state(path, state)
+        });
         if let Err(e) = r {
             tracing_like_warn(&e);
             first_err.get_or_insert(e);
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+/// Undo one change on interface `ifname` (index `ifindex`).
+fn undo_one(
+    client: &mut EthtoolClient,
+    ifindex: u32,
+    ifname: &str,
+    c: &Change,
+) -> Result<(), NicError> {
+    match *c {
+        Change::NtupleOn => client.set_ntuple(ifname, false),
+        Change::Rule { location } => gone_is_done(client.delete_rule(ifname, location)),
+        Change::PendingRule { ref rule, queue } => undo_pending_rule(client, ifname, rule, queue),
+        Change::Rss { ref table } => client.set_rss_indir(ifname, table),
+        Change::Channels { rx, tx, combined } => {
+            client.set_channels(ifindex, ifname, rx, tx, combined)
+        }
+        // 0 (`unknown`) is set too: it is `tcp-data-split auto`, the driver's default. A
+        // driver without the attribute (its rings-get omitted it, read as 0) refuses any
+        // rings-set of it: then there is nothing to restore.
+        Change::Rings {
+            tcp_data_split,
+            hds_thresh,
+        } => match client.set_rings(ifindex, ifname, tcp_data_split, hds_thresh) {
+            Err(NicError::Kernel { errno, .. })
+                if tcp_data_split == 0 && errno == libc::EOPNOTSUPP =>
+            {
+                Ok(())
+            }
+            other => other,
+        },
+    }
+}
+
+/// Undo a [`Change::PendingRule`]: the insertion may or may not have happened, at a
+/// location nobody recorded. No rule matching it: nothing to do; one: delete it; more than
+/// one: which is ours cannot be told, so none is deleted ([`NicError::AmbiguousRule`]).
+fn undo_pending_rule(
+    client: &EthtoolClient,
+    ifname: &str,
+    rule: &steer::Tcp4Match,
+    queue: u32,
+) -> Result<(), NicError> {
+    match client.find_rules(ifname, rule, queue)?.as_slice() {
+        [] => Ok(()),
+        [location] => gone_is_done(client.delete_rule(ifname, *location)),
+        locations => Err(NicError::AmbiguousRule {
+            ifname: ifname.into(),
+            locations: locations.to_vec(),
+        }),
+    }
 }
 
 /// A rule deletion the kernel answers with ENOENT: the rule is not there, which is what the
@@ -732,7 +864,7 @@ pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
             });
         }
     };
-    let state: StateFile = serde_json::from_slice(&raw).map_err(|e| NicError::State {
+    let mut state: StateFile = serde_json::from_slice(&raw).map_err(|e| NicError::State {
         path: path.into(),
         reason: format!("not a shardwire NIC state file: {e}"),
     })?;
@@ -764,9 +896,11 @@ pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
             found,
         });
     }
-    undo(&state, &mut client)?;
+    // What the file held: `undo` drops each change from it (and `state`) once undone.
+    let recorded = state.clone();
+    undo(path, &mut state, &mut client)?;
     remove(path)?;
-    Ok(Some(Restore::Undone(state)))
+    Ok(Some(Restore::Undone(recorded)))
 }
 
 /// What to set up on one interface.

@@ -194,6 +194,9 @@ pub struct RecvBatch<'a> {
     control: &'a [u8],
     summary: CmsgSummary,
     ctrunc: bool,
+    /// The address of the emulator's memory its frags lie in ([`RecvBatch::in_mem`]);
+    /// `None` for the kernel's.
+    mem: Option<u64>,
 }
 
 impl<'a> RecvBatch<'a> {
@@ -209,7 +212,23 @@ impl<'a> RecvBatch<'a> {
             control,
             summary,
             ctrunc,
+            mem: None,
         })
+    }
+
+    /// This batch's frags lie in the emulator's memory mapped at `addr`
+    /// ([`crate::mem::DmabufMem::addr`]): the only memory the gather reads them from, since
+    /// the emulator writes any other page of it meanwhile.
+    pub(crate) fn in_mem(self, addr: u64) -> Self {
+        Self {
+            mem: Some(addr),
+            ..self
+        }
+    }
+
+    /// See [`RecvBatch::in_mem`].
+    pub(crate) fn mem_addr(&self) -> Option<u64> {
+        self.mem
     }
 
     /// The return value of `recvmsg`: linear + ordinary + devmem bytes.

@@ -130,6 +130,9 @@ pub struct DevmemTx<S: AsFd = TcpStream> {
     /// out of order on retransmission and teardown, msg_zerocopy.rst).
     completed: u32,
     control: [u8; 128],
+    /// An error met after completions were read in the same poll: returned by the next one,
+    /// so those completions reach the caller first.
+    deferred: Option<TxError>,
 }
 
 impl<S: AsFd> DevmemTx<S> {
@@ -146,6 +149,7 @@ impl<S: AsFd> DevmemTx<S> {
             sent: 0,
             completed: 0,
             control: [0; 128],
+            deferred: None,
         })
     }
 
@@ -187,24 +191,46 @@ impl<S: AsFd> DevmemTx<S> {
         self.completed = self.completed.wrapping_add(n);
     }
 
-    /// Drain the error queue without blocking; returns the completions read.
+    /// Drain the error queue without blocking; returns the completions read. A message
+    /// that is not a completion (or a failed read) ends the poll: with completions read
+    /// before it, those are returned and the error comes from the next poll, so the caller
+    /// frees their bytes first; the message itself is consumed.
     pub fn poll_completions(&mut self) -> Result<Vec<Completion>, TxError> {
+        self.drain(|sock, control| sys::recv_errqueue(sock.as_fd(), control))
+    }
+
+    /// [`DevmemTx::poll_completions`] over `recv`, which reads one error-queue message of
+    /// the socket, its control bytes into the buffer it is given, and returns their length.
+    fn drain(
+        &mut self,
+        mut recv: impl FnMut(&S, &mut [u8]) -> io::Result<usize>,
+    ) -> Result<Vec<Completion>, TxError> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
         let mut out = Vec::new();
         loop {
-            let n = match sys::recv_errqueue(self.sock.as_fd(), &mut self.control) {
-                Ok(n) => n,
+            let parsed = match recv(&self.sock, &mut self.control) {
+                Ok(n) => parse_completion(&self.control[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(out),
-                Err(source) => {
-                    return Err(TxError::Syscall {
-                        call: "recvmsg(MSG_ERRQUEUE)",
-                        hint: "",
-                        source,
-                    });
-                }
+                Err(source) => Err(TxError::Syscall {
+                    call: "recvmsg(MSG_ERRQUEUE)",
+                    hint: "",
+                    source,
+                }),
             };
-            if let Some(c) = parse_completion(&self.control[..n])? {
-                self.count(&c);
-                out.push(c);
+            match parsed {
+                Ok(Some(c)) => {
+                    self.count(&c);
+                    out.push(c);
+                }
+                Ok(None) => {}
+                Err(e) if out.is_empty() => return Err(e),
+                Err(e) => {
+                    // Counted already: the caller must get them, or their bytes stay in use.
+                    self.deferred = Some(e);
+                    return Ok(out);
+                }
             }
         }
     }

@@ -37,7 +37,12 @@ fn apply_plan(p: &GatherPlan, iov: &[u8], mem: &crate::mem::DmabufMem) -> Vec<u8
     }
     mem.begin_cpu_read().unwrap();
     for &(offset, to, len) in &p.dmabuf {
-        mem.copy_out(offset, &mut dst[to..to + len]).unwrap();
+        #[allow(unsafe_code)] // copy_out of a frag whose token is held (SAFETY below)
+        // SAFETY: the plan's frags are those of the batch just received into `mem` (its
+        // binding's memory), whose tokens the caller returns only after this: the emulator
+        // writes none of their pages meanwhile.
+        let copied = unsafe { mem.copy_out(offset, &mut dst[to..to + len]) };
+        copied.unwrap();
     }
     mem.end_cpu_read().unwrap();
     dst
@@ -454,4 +459,107 @@ fn eof_and_unbind() {
         EmuBinding::new(1, 1000),
         Err(EmuError::TooSmall { .. })
     ));
+}
+
+#[test]
+fn a_control_buffer_too_small_for_a_cmsg_fails_only_when_a_frag_is_due() {
+    // Before, ETOOSMALL came before anything was looked at: at EOF and for ordinary TCP
+    // after unbind too, where the kernel writes no cmsg and so needs no room for one.
+    let (s, w) = pair(Vec::new());
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut tiny = EmuSocket::with_control_len(s, b, EmuConfig::default(), 39).unwrap();
+    let mut buf = vec![0u8; 100];
+    assert!(
+        tiny.recv_frags(&mut buf).unwrap().is_eof(),
+        "EOF needs no cmsg"
+    );
+
+    let data = pattern(2 * NIOV_SIZE, 6);
+    let (s, w) = pair(data.clone());
+    w.join().unwrap();
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut tiny =
+        EmuSocket::with_control_len(s, Arc::clone(&b), EmuConfig::default(), 39).unwrap();
+    let mut buf = vec![0u8; 2 * NIOV_SIZE];
+    let e = tiny.recv_frags(&mut buf).unwrap_err();
+    assert_eq!(
+        e.errno(),
+        Some(crate::socket::ETOOSMALL),
+        "a frag is due: {e}"
+    );
+    b.unbind();
+    // The bytes stayed in the socket; now they arrive as ordinary TCP, without a cmsg.
+    let mut got = Vec::new();
+    loop {
+        let batch = tiny.recv_frags(&mut buf).unwrap();
+        if batch.is_eof() {
+            break;
+        }
+        assert_eq!(batch.summary().dmabuf_frags, 0);
+        let n = batch.bytes();
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        got == data,
+        "{} of {} bytes, or other bytes",
+        got.len(),
+        data.len()
+    );
+}
+
+#[test]
+fn a_reset_after_a_short_read_is_returned_by_the_next_call() {
+    // Before, the error the emulator's recv met after handing out bytes was dropped (that
+    // recv consumed it from the socket): a reset read as a short read, then a clean EOF.
+    let data = pattern(3 * NIOV_SIZE, 7);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    // Bytes the writer never reads make its close a reset (RST), behind its data.
+    (&s).write_all(b"unread").unwrap();
+    w.write_all(&data).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    drop(w);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let b = EmuBinding::new(1, 16 * NIOV_SIZE).unwrap();
+    let mut sock = EmuSocket::new(s, b, EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 16 * NIOV_SIZE];
+    let mut got = 0;
+    let e = loop {
+        match sock.recv_frags(&mut buf) {
+            Ok(batch) => {
+                assert!(!batch.is_eof(), "the reset after {got} bytes read as EOF");
+                got += batch.bytes();
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(got, data.len(), "every byte before the reset");
+    assert_eq!(e.errno(), Some(libc::ECONNRESET), "{e}");
+}
+
+#[test]
+fn the_gather_reads_emulated_memory_only_for_its_own_frags() {
+    // Before, a batch gathered from another emulated binding's memory (the same id, or a
+    // caller's mix-up) was read from pages that binding's emulator writes: a data race.
+    let data = pattern(2 * NIOV_SIZE, 8);
+    let (s, w) = pair(data.clone());
+    w.join().unwrap();
+    let (a, other) = (
+        EmuBinding::new(1, 16 * NIOV_SIZE).unwrap(),
+        EmuBinding::new(1, 16 * NIOV_SIZE).unwrap(),
+    );
+    let mut sock = EmuSocket::new(s, Arc::clone(&a), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 2 * NIOV_SIZE];
+    let mut tokens = TokenBatcher::new();
+    let batch = sock.recv_frags(&mut buf).unwrap();
+    assert!(batch.summary().dmabuf_frags > 0);
+    let e = gather(&batch, &mut buf, other.mem(), 1, &mut tokens).unwrap_err();
+    assert!(
+        matches!(e, crate::gather::GatherError::ForeignMemory { .. }),
+        "{e}"
+    );
+    let g = gather(&batch, &mut buf, a.mem(), 1, &mut tokens).unwrap();
+    assert_eq!(&buf[..g.bytes], &data[..g.bytes]);
 }

@@ -10,6 +10,8 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
+use serde::{Deserialize, Serialize};
+
 use super::{EthtoolClient, NicError};
 
 const ETHTOOL_GFLAGS: u32 = 0x25;
@@ -17,6 +19,7 @@ const ETHTOOL_SFLAGS: u32 = 0x26;
 const ETH_FLAG_NTUPLE: u32 = 1 << 27;
 const ETHTOOL_GRXRINGS: u32 = 0x2d;
 const ETHTOOL_GRXCLSRLCNT: u32 = 0x2e;
+const ETHTOOL_GRXCLSRULE: u32 = 0x2f;
 const ETHTOOL_GRXCLSRLALL: u32 = 0x30;
 const ETHTOOL_SRXCLSRLDEL: u32 = 0x31;
 const ETHTOOL_SRXCLSRLINS: u32 = 0x32;
@@ -26,6 +29,10 @@ const TCP_V4_FLOW: u32 = 1;
 const RX_CLS_LOC_ANY: u32 = 0xffff_ffff;
 /// Set in `ETHTOOL_GRXCLSRLCNT`'s `data` by a driver that picks a rule's location itself.
 const RX_CLS_LOC_SPECIAL: u64 = 0x8000_0000;
+/// Flags a driver may set in a rule's `flow_type`: `FLOW_EXT`, `FLOW_MAC_EXT`, `FLOW_RSS`.
+const FLOW_TYPE_FLAGS: u32 = 0x8000_0000 | 0x4000_0000 | 0x2000_0000;
+/// `ETHTOOL_RX_FLOW_SPEC_RING`: the queue's bits of `ring_cookie`.
+const FLOW_SPEC_RING: u64 = 0xffff_ffff;
 const RXNFC_LEN: usize = 192;
 const FS: usize = 16;
 /// `rule_cnt` and `rule_locs[]` in `struct ethtool_rxnfc`.
@@ -106,15 +113,9 @@ impl EthtoolClient {
         dst_port: u16,
         queue: u32,
     ) -> Result<u32, NicError> {
-        let location = self.rule_location(ifname)?;
-        let m = Tcp4Match {
-            dst_port: Some(dst_port),
-            ..Tcp4Match::default()
-        };
-        let mut r = tcp4_rule(&m, location);
-        set_queue(&mut r, queue);
-        self.ioctl(ifname, "ntuple-rule-insert", &mut r)?;
-        Ok(get(&r, FS + 160))
+        let at = self.next_rule_location(ifname)?;
+        let m = Tcp4Match::port(dst_port);
+        self.insert_rule(ifname, "ntuple-rule-insert", &m, queue, at)
     }
 
     /// Insert a rule steering one TCP/IPv4 connection, by its 5-tuple as its packets arrive
@@ -126,11 +127,62 @@ impl EthtoolClient {
         flow: Tcp4Flow,
         queue: u32,
     ) -> Result<u32, NicError> {
+        let at = self.next_rule_location(ifname)?;
+        let m = Tcp4Match::flow(flow);
+        self.insert_rule(ifname, "ntuple-flow-rule-insert", &m, queue, at)
+    }
+
+    /// Where the next rule goes, as `ethtool -N` chooses it: `None` where the driver picks
+    /// the location itself (known only once the rule is in), else the highest free one.
+    pub fn next_rule_location(&self, ifname: &str) -> Result<Option<u32>, NicError> {
         let location = self.rule_location(ifname)?;
-        let mut r = tcp4_rule(&Tcp4Match::flow(flow), location);
+        Ok((location != RX_CLS_LOC_ANY).then_some(location))
+    }
+
+    /// Insert a rule steering what `m` matches onto RX queue `queue`, at `location` (`None`:
+    /// where the driver picks, [`EthtoolClient::next_rule_location`]); returns the rule's
+    /// location. `op` names the request in errors.
+    pub fn insert_rule(
+        &self,
+        ifname: &str,
+        op: &'static str,
+        m: &Tcp4Match,
+        queue: u32,
+        location: Option<u32>,
+    ) -> Result<u32, NicError> {
+        let mut r = tcp4_rule(m, location.unwrap_or(RX_CLS_LOC_ANY));
         set_queue(&mut r, queue);
-        self.ioctl(ifname, "ntuple-flow-rule-insert", &mut r)?;
+        self.ioctl(ifname, op, &mut r)?;
         Ok(get(&r, FS + 160))
+    }
+
+    /// The locations of the rules that steer exactly what `m` matches onto `queue`
+    /// (`ETHTOOL_GRXCLSRLALL`, then `ETHTOOL_GRXCLSRULE` for each): how an insertion whose
+    /// location the driver picked is found again when that location was never recorded.
+    pub fn find_rules(
+        &self,
+        ifname: &str,
+        m: &Tcp4Match,
+        queue: u32,
+    ) -> Result<Vec<u32>, NicError> {
+        let (_, used) = self.rule_locations(ifname, true)?;
+        let mut want = tcp4_rule(m, 0);
+        set_queue(&mut want, queue);
+        let mut found = Vec::new();
+        for location in used {
+            let mut r = [0u8; RXNFC_LEN];
+            put(&mut r, 0, ETHTOOL_GRXCLSRULE);
+            put(&mut r, FS + 160, location);
+            match self.ioctl(ifname, "ntuple-rule-get", &mut r) {
+                // Deleted since the listing.
+                Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => continue,
+                res => res?,
+            }
+            if rule_matches(&r, &want) {
+                found.push(location);
+            }
+        }
+        Ok(found)
     }
 
     /// Where a new rule goes, as `ethtool -N` chooses: `RX_CLS_LOC_ANY` where the driver
@@ -138,47 +190,65 @@ impl EthtoolClient {
     /// location of the driver's rule table (`ETHTOOL_GRXCLSRLALL` lists the used ones).
     /// Drivers that do not pick refuse `RX_CLS_LOC_ANY` itself: mlx5 with ENOSPC.
     fn rule_location(&self, ifname: &str) -> Result<u32, NicError> {
+        let (size, used) = self.rule_locations(ifname, false)?;
+        let Some(size) = size else {
+            return Ok(RX_CLS_LOC_ANY);
+        };
+        free_location(size, &used).ok_or_else(|| NicError::Kernel {
+            ifname: ifname.into(),
+            op: "ntuple-rule-insert",
+            errno: libc::ENOSPC,
+            errno_name: crate::errno_label(libc::ENOSPC),
+            msg: Some(format!("all {size} rule locations are used")),
+        })
+    }
+
+    /// `ETHTOOL_GRXCLSRLCNT`: the rule table's size (`None` where the driver picks rule
+    /// locations itself) and the number of rules in it.
+    fn rule_count(&self, ifname: &str) -> Result<(Option<u32>, u32), NicError> {
+        let mut c = [0u8; RXNFC_LEN];
+        put(&mut c, 0, ETHTOOL_GRXCLSRLCNT);
+        self.ioctl(ifname, "ntuple-rule-count", &mut c)?;
+        let bad = |reason: String| NicError::Netlink {
+            ifname: ifname.into(),
+            op: "ntuple-rule-count",
+            reason,
+        };
+        match rule_table(&c).map_err(&bad)? {
+            Some((size, count)) => Ok((Some(size), count)),
+            None => match get(&c, RULE_CNT) {
+                count if count > MAX_RULES => Err(bad(format!("{count} rules"))),
+                count => Ok((None, count)),
+            },
+        }
+    }
+
+    /// The rule table's size ([`EthtoolClient::rule_count`]) and the locations of its rules
+    /// (`ETHTOOL_GRXCLSRLALL`); those of a driver that picks locations itself only with
+    /// `list_picked` (else none).
+    fn rule_locations(
+        &self,
+        ifname: &str,
+        list_picked: bool,
+    ) -> Result<(Option<u32>, Vec<u32>), NicError> {
         let mut attempt = 0;
         loop {
-            let mut c = [0u8; RXNFC_LEN];
-            put(&mut c, 0, ETHTOOL_GRXCLSRLCNT);
-            self.ioctl(ifname, "ntuple-rule-count", &mut c)?;
-            let (size, count) = match rule_table(&c) {
-                Ok(None) => return Ok(RX_CLS_LOC_ANY),
-                Ok(Some(table)) => table,
-                Err(reason) => {
-                    let op = "ntuple-rule-count";
-                    return Err(NicError::Netlink {
-                        ifname: ifname.into(),
-                        op,
-                        reason,
-                    });
-                }
-            };
-            let mut all = vec![0u8; RXNFC_LEN + 4 * count as usize];
-            if count > 0 {
-                put(&mut all, 0, ETHTOOL_GRXCLSRLALL);
-                put(&mut all, RULE_CNT, count);
-                match self.ioctl(ifname, "ntuple-rule-list", &mut all) {
-                    // A rule added since the count (ixgbe, i40e): count again, once.
-                    Err(NicError::Kernel { errno, .. })
-                        if errno == libc::EMSGSIZE && attempt == 0 =>
-                    {
-                        attempt += 1;
-                        continue;
-                    }
-                    r => r?,
-                }
+            let (size, count) = self.rule_count(ifname)?;
+            if count == 0 || (size.is_none() && !list_picked) {
+                return Ok((size, Vec::new()));
             }
-            return free_location(size, &listed_locations(&all, count)).ok_or_else(|| {
-                NicError::Kernel {
-                    ifname: ifname.into(),
-                    op: "ntuple-rule-insert",
-                    errno: libc::ENOSPC,
-                    errno_name: crate::errno_label(libc::ENOSPC),
-                    msg: Some(format!("all {size} rule locations are used")),
+            let mut all = vec![0u8; RXNFC_LEN + 4 * count as usize];
+            put(&mut all, 0, ETHTOOL_GRXCLSRLALL);
+            put(&mut all, RULE_CNT, count);
+            match self.ioctl(ifname, "ntuple-rule-list", &mut all) {
+                // A rule added since the count (ixgbe, i40e): count again, once.
+                Err(NicError::Kernel { errno, .. }) if errno == libc::EMSGSIZE && attempt == 0 => {
+                    attempt += 1;
+                    continue;
                 }
-            });
+                r => r?,
+            }
+            return Ok((size, listed_locations(&all, count)));
         }
     }
 
@@ -247,22 +317,36 @@ pub struct Tcp4Flow {
     pub dst: SocketAddrV4,
 }
 
-/// The fields a TCP/IPv4 ntuple rule matches exactly (`None`: any).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct Tcp4Match {
-    src_ip: Option<Ipv4Addr>,
-    dst_ip: Option<Ipv4Addr>,
-    src_port: Option<u16>,
-    dst_port: Option<u16>,
+/// The fields a TCP/IPv4 ntuple rule matches exactly (`None`: any). Journaled with a rule
+/// whose location the driver picks ([`super::Change::PendingRule`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tcp4Match {
+    /// Source address (the peer).
+    pub src_ip: Option<Ipv4Addr>,
+    /// Destination address (this host).
+    pub dst_ip: Option<Ipv4Addr>,
+    /// Source port.
+    pub src_port: Option<u16>,
+    /// Destination port.
+    pub dst_port: Option<u16>,
 }
 
 impl Tcp4Match {
-    fn flow(f: Tcp4Flow) -> Self {
+    /// One connection's 5-tuple ([`EthtoolClient::insert_tcp4_flow_rule`]).
+    pub fn flow(f: Tcp4Flow) -> Self {
         Self {
             src_ip: Some(*f.src.ip()),
             dst_ip: Some(*f.dst.ip()),
             src_port: Some(f.src.port()),
             dst_port: Some(f.dst.port()),
+        }
+    }
+
+    /// Every connection to `dst_port` ([`EthtoolClient::insert_tcp4_rule`]).
+    pub fn port(dst_port: u16) -> Self {
+        Self {
+            dst_port: Some(dst_port),
+            ..Self::default()
         }
     }
 }
@@ -275,6 +359,11 @@ const PDST: usize = 10;
 /// `fs.h_u` (the values) and `fs.m_u` (their masks: all ones where matched) in the request.
 const H_U: usize = FS + 4;
 const M_U: usize = FS + 76;
+/// Bytes of `struct ethtool_tcpip4_spec` a rule can match: the addresses, ports and `tos`.
+const TCP4_SPEC_LEN: usize = 13;
+/// `fs.m_ext` (`struct ethtool_flow_ext` masks: VLAN, user data, destination MAC).
+const M_EXT: usize = FS + 128;
+const FLOW_EXT_LEN: usize = 20;
 
 /// What an `ETHTOOL_GRXCLSRLCNT` answer says: `None` where the driver picks a rule's
 /// location (`RX_CLS_LOC_SPECIAL` in `data`), else the table's size (`data`) and the rules in
@@ -348,6 +437,24 @@ fn tcp4_rule(m: &Tcp4Match, location: u32) -> [u8; RXNFC_LEN] {
 /// The rule's action: deliver to RX queue `queue` (`fs.ring_cookie`).
 fn set_queue(r: &mut [u8; RXNFC_LEN], queue: u32) {
     r[FS + 152..FS + 160].copy_from_slice(&u64::from(queue).to_ne_bytes());
+}
+
+/// Whether `got` (an `ETHTOOL_GRXCLSRULE` answer) is the rule `want` (a [`tcp4_rule`] with
+/// its queue set): a TCP/IPv4 rule (the driver's `FLOW_*` flags aside) matching the same
+/// fields (masks) with the same values under them, no extension fields, the same queue.
+fn rule_matches(got: &[u8; RXNFC_LEN], want: &[u8; RXNFC_LEN]) -> bool {
+    if get(got, FS) & !FLOW_TYPE_FLAGS != get(want, FS) {
+        return false;
+    }
+    let same_fields = (0..TCP4_SPEC_LEN).all(|i| {
+        let (mask, want_mask) = (got[M_U + i], want[M_U + i]);
+        mask == want_mask && got[H_U + i] & mask == want[H_U + i] & mask
+    });
+    let no_ext = got[M_EXT..M_EXT + FLOW_EXT_LEN].iter().all(|&b| b == 0);
+    let ring = |r: &[u8; RXNFC_LEN]| {
+        u64::from_ne_bytes(r[FS + 152..FS + 160].try_into().expect("8 bytes")) & FLOW_SPEC_RING
+    };
+    same_fields && no_ext && ring(got) == ring(want)
 }
 
 /// `ethtool -X equal n`: `entries` buckets spread over queues `0..n`.
@@ -467,6 +574,46 @@ mod tests {
         // `ethtool -X equal 2` on 4 queues is the user's table: kept.
         assert_eq!(table_to_restore(equal_table(8, 2), 4), equal_table(8, 2));
         assert_eq!(table_to_restore(vec![3, 3, 0, 1], 4), vec![3, 3, 0, 1]);
+    }
+
+    #[test]
+    fn a_listed_rule_is_recognised_by_its_match_and_queue() {
+        // What finds a rule the driver placed when only its match was journaled.
+        let flow = Tcp4Flow {
+            src: "10.1.2.3:40000".parse().unwrap(),
+            dst: "10.9.8.7:7401".parse().unwrap(),
+        };
+        let m = Tcp4Match::flow(flow);
+        let mut want = tcp4_rule(&m, 0);
+        set_queue(&mut want, 3);
+        let mut got = tcp4_rule(&m, 1021);
+        set_queue(&mut got, 3);
+        put(&mut got, 0, ETHTOOL_GRXCLSRULE);
+        assert!(rule_matches(&got, &want));
+        put(&mut got, FS, TCP_V4_FLOW | 0x8000_0000);
+        got[H_U + 12] = 0x10; // tos, under a zero mask: not matched, so ignored
+        assert!(
+            rule_matches(&got, &want),
+            "FLOW_EXT without extension masks"
+        );
+        let mut other = got;
+        set_queue(&mut other, 4);
+        assert!(!rule_matches(&other, &want), "another queue");
+        let mut other = got;
+        other[H_U + PSRC + 1] ^= 1;
+        assert!(!rule_matches(&other, &want), "another source port");
+        let mut other = got;
+        other[M_EXT + 10] = 0xff;
+        assert!(!rule_matches(&other, &want), "a VLAN match too");
+        let mut port = tcp4_rule(&Tcp4Match::port(7401), 5);
+        set_queue(&mut port, 3);
+        assert!(
+            !rule_matches(&port, &want),
+            "a port rule is not the 5-tuple rule"
+        );
+        let mut port_want = tcp4_rule(&Tcp4Match::port(7401), 0);
+        set_queue(&mut port_want, 3);
+        assert!(rule_matches(&port, &port_want));
     }
 
     #[test]

@@ -358,3 +358,105 @@ fn each_journal_has_its_own_temporary_file() {
         Path::new("/x/nic-state.eth1.json.tmp")
     );
 }
+
+/// The changes the state file at `path` holds now.
+fn on_disk(path: &Path) -> Vec<Change> {
+    let st: StateFile = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    st.changes
+}
+
+#[test]
+fn a_rule_is_journaled_before_it_is_inserted() {
+    // Before, the rule was inserted first and journaled after: a kill in between left a
+    // rule no restore knew of (once per data connection).
+    let path = state_path("rule-first");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40002".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let known = Change::Rule { location: 1021 };
+    let l = j
+        .insert_journaled(
+            Some(1021),
+            m,
+            2,
+            |at| {
+                assert_eq!(
+                    on_disk(&path),
+                    std::slice::from_ref(&known),
+                    "saved before the insert"
+                );
+                Ok(at.unwrap())
+            },
+            |_| panic!("nothing to delete"),
+        )
+        .unwrap();
+    assert_eq!(l, 1021);
+    // The driver picks the location: a marker with the rule's match first, then resolved.
+    let pending = Change::PendingRule { rule: m, queue: 3 };
+    let l = j
+        .insert_journaled(
+            None,
+            m,
+            3,
+            |at| {
+                assert_eq!(at, None);
+                assert_eq!(on_disk(&path), [known.clone(), pending.clone()]);
+                Ok(7)
+            },
+            |_| panic!("nothing to delete"),
+        )
+        .unwrap();
+    assert_eq!(l, 7);
+    let both = [known.clone(), Change::Rule { location: 7 }];
+    assert_eq!(on_disk(&path), both);
+    // A refused insertion leaves no entry, on disk or in memory.
+    for at in [None, Some(9)] {
+        let e = j
+            .insert_journaled(at, m, 3, |_| Err(NicError::Restored), |_| panic!("not in"))
+            .unwrap_err();
+        assert!(matches!(e, NicError::Restored), "{e}");
+        assert_eq!(on_disk(&path), both);
+        assert_eq!(j.state().changes, both);
+    }
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_partly_failed_restore_keeps_only_the_steps_that_failed() {
+    // Before, a restore with one failed step kept the whole journal, and the next start
+    // undid the finished steps again (channels set since were overwritten, a deleted rule's
+    // reused location deleted again).
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    let state = state_path("partial");
+    let _ = std::fs::remove_file(&state);
+    let mut j = Journal::create(&state, "va", va, Some(ns.path())).unwrap();
+    j.set_channels(&mut c, 2, before.tx, before.combined)
+        .unwrap();
+    // veth has no ntuple rules: undoing these fails (EOPNOTSUPP).
+    let rule = Change::Rule { location: 5 };
+    let pending = Change::PendingRule {
+        rule: steer::Tcp4Match::port(7401),
+        queue: 1,
+    };
+    j.record(rule.clone()).unwrap();
+    j.record(pending.clone()).unwrap();
+    let e = j.restore(&mut c).unwrap_err();
+    assert!(e.to_string().contains("va: ethtool ntuple-rule"), "{e}");
+    assert_eq!(c.channels(va, "va").unwrap(), before, "channels put back");
+    let failed = [rule, pending];
+    assert_eq!(on_disk(&state), failed, "only the failed steps are left");
+    // The retry at the next start redoes only those: channels set since stay.
+    c.set_channels(va, "va", 3, before.tx, before.combined)
+        .unwrap();
+    let e = restore_from(&state).unwrap_err();
+    assert!(e.to_string().contains("ntuple-rule"), "{e}");
+    assert_eq!(c.channels(va, "va").unwrap().rx, 3, "not undone twice");
+    assert_eq!(on_disk(&state), failed);
+    std::fs::remove_file(&state).unwrap();
+}

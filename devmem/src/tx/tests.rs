@@ -138,3 +138,42 @@ fn completions_out_of_order_and_across_the_wrap_are_counted_not_maxed() {
         "the range across the wrap completes all three"
     );
 }
+
+#[test]
+fn a_bad_error_queue_message_after_completions_returns_them_then_the_error() {
+    // Before, the `?` on the bad message dropped the completions read before it in the same
+    // poll (counted, never returned): the caller never freed their bytes.
+    let (c, _s) = pair();
+    let mut tx = DevmemTx::new(c, 0).unwrap();
+    tx.sent = 3;
+    let mut queue = vec![
+        cmsg(libc::SOL_IP, libc::IP_RECVERR, &ee(0, 5, 0, 0, 1)),
+        cmsg(
+            libc::SOL_IP,
+            libc::IP_RECVERR,
+            &ee(libc::EMSGSIZE as u32, 2, 0, 0, 0),
+        ),
+        cmsg(libc::SOL_IP, libc::IP_RECVERR, &ee(0, 5, 0, 2, 2)),
+    ]
+    .into_iter();
+    let mut recv = |_: &TcpStream, control: &mut [u8]| match queue.next() {
+        Some(m) => {
+            control[..m.len()].copy_from_slice(&m);
+            Ok(m.len())
+        }
+        None => Err(io::Error::from(io::ErrorKind::WouldBlock)),
+    };
+    let done = |lo, hi| Completion {
+        lo,
+        hi,
+        copied: false,
+    };
+    assert_eq!(tx.drain(&mut recv).unwrap(), [done(0, 1)]);
+    assert_eq!(tx.pending(), 1);
+    let e = tx.drain(&mut recv).unwrap_err();
+    assert!(matches!(e, TxError::Completion(_)), "{e}");
+    // The poll after it goes on past the bad message.
+    assert_eq!(tx.drain(&mut recv).unwrap(), [done(2, 2)]);
+    assert_eq!(tx.pending(), 0);
+    assert!(tx.drain(&mut recv).unwrap().is_empty());
+}
