@@ -16,10 +16,12 @@
  *
  * SEMANTICS (the CUDA driver API reference; errors where the real driver errors):
  * - Init/probe: every call but cuDriverGetVersion, cuGetErrorName/String and cuGetProcAddress
- *   returns CUDA_ERROR_NOT_INITIALIZED before cuInit(0). cuInit(flags != 0): INVALID_VALUE.
- *   cuDriverGetVersion: 12080. cuDeviceGetCount: 1 (FAKE_CUDA_DEVICES=N, 0..8; with 0, cuInit
- *   returns CUDA_ERROR_NO_DEVICE as the real driver does and cuDeviceGetCount says 0; with
- *   FAKE_CUDA_PCI_BUS_IDS=BDF,BDF,... and no FAKE_CUDA_DEVICES, one device per bus id).
+ *   returns CUDA_ERROR_NOT_INITIALIZED before a cuInit(0) that succeeded. cuInit(flags != 0):
+ *   INVALID_VALUE. cuDriverGetVersion: 12080. cuDeviceGetCount: 1 (FAKE_CUDA_DEVICES=N, 0..8;
+ *   with 0, cuInit returns CUDA_ERROR_NO_DEVICE as the real driver does and the driver stays
+ *   uninitialised: every later call, cuDeviceGetCount included, answers
+ *   CUDA_ERROR_NOT_INITIALIZED; with FAKE_CUDA_PCI_BUS_IDS=BDF,BDF,... and no
+ *   FAKE_CUDA_DEVICES, one device per bus id).
  * - Device identity: device N's PCI bus id is the N-th of FAKE_CUDA_PCI_BUS_IDS, else 0000:FA:NN.0;
  *   cuDeviceGetPCIBusId prints it as the driver does, "%04X:%02X:%02X.%X" (upper-case hex);
  *   cuDeviceGetByPCIBusId takes any case, with or without the domain; PCI_BUS_ID,
@@ -62,8 +64,12 @@
  *   launches, event records) runs only when the host waits for it: cuStreamSynchronize,
  *   cuEventSynchronize, cuEventQuery (which answers CUDA_ERROR_NOT_READY once for pending work
  *   and runs it, so polling loops progress), cuCtxSynchronize, an async copy to pageable host
- *   memory (synchronous, as documented), and the implicit synchronisation of freeing or
- *   unmapping memory, cuModuleUnload and cuStreamDestroy. So a host that reads results before
+ *   memory (synchronous, as documented), cuModuleUnload and cuStreamDestroy, and the implicit
+ *   synchronisation of freeing memory, which is per device: cuMemFree, cuMemFreeHost and
+ *   cuMemHostUnregister run the work of the device whose context allocated or registered the
+ *   memory, never another device's. cuMemUnmap documents no implicit synchronisation and runs
+ *   nothing: work still queued that touches an unmapped (or freed) range faults with
+ *   CUDA_ERROR_ILLEGAL_ADDRESS when it runs, as on a GPU. So a host that reads results before
  *   waiting sees stale bytes, and a host that rewrites a pinned source before the copy's
  *   event has completed has its new bytes copied: the ordering bugs a GPU shows only
  *   sometimes show here every time. An async H2D copy from pageable (unpinned) memory is
@@ -130,6 +136,12 @@
  * from their C source; scripts/gen-ptx --check keeps the PTX in step), timing, concurrency
  * between host and device (deferred work runs on the waiting thread, and all calls are
  * serialised by one lock), peer access, and anything device-specific (warps, caches).
+ *
+ * FAILURE INJECTION: FAKE_CUDA_FAIL_CALL=<entry point>:<n> makes the n-th call (from 1, counted
+ *   from process start, after its arguments were checked) of cuLaunchKernel (which then answers
+ *   CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES) or cuEventCreate (CUDA_ERROR_OUT_OF_MEMORY) fail without
+ *   effect, as a driver may refuse one: documented errors of those calls, not sticky (the
+ *   context stays usable). For tests of error paths; other entry points are not counted.
  *
  * DEBUGGING: FAKE_CUDA_LOG=1 prints every failed call with its reason to stderr, and leaks
  * (objects alive when a primary context is destroyed, VMM objects alive at exit);
@@ -216,6 +228,7 @@ enum {
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_UNKNOWN = 999,
@@ -326,6 +339,7 @@ struct op {
     uintptr_t dst, src; /* OP_COPY, OP_MEMSET (dst) */
     size_t n;
     int dst_dev, src_dev; /* which side is device memory (checked again when run) */
+    int pinned_host;      /* the host side was pinned memory at the call (checked again when run) */
     void *staging;        /* a pageable source captured at the call */
     unsigned char value;  /* OP_MEMSET */
     const struct kernel *k; /* OP_LAUNCH */
@@ -371,6 +385,9 @@ static struct {
     int version;
     unsigned long long total_mem;
     int inited;
+    char fail_call[64];             /* FAKE_CUDA_FAIL_CALL: the entry point, or "" */
+    unsigned long long fail_nth;    /* ... the call of it that fails (from 1) */
+    unsigned long long fail_seen;   /* ... its calls so far */
     unsigned pci[MAX_DEV][4]; /* domain, bus, device, function */
     int alloc_log;            /* FAKE_CUDA_ALLOC_LOG fd, or -1 */
     struct fc_ctx ctx[MAX_DEV];
@@ -562,6 +579,32 @@ static void log_alloc(const char *call, int dev, size_t size)
         fprintf(stderr, "fake libcuda: FAKE_CUDA_ALLOC_LOG write: %s\n", strerror(errno));
 }
 
+/* FAKE_CUDA_FAIL_CALL=<entry point>:<n> (n >= 1) -> g.fail_call, g.fail_nth. */
+static void parse_fail_call(const char *spec)
+{
+    char name[64];
+    unsigned long long n;
+    int end = -1;
+    if (!spec || !*spec)
+        return;
+    if (sscanf(spec, "%63[A-Za-z_0-9]:%llu%n", name, &n, &end) != 2 || end < 0 || spec[end] != '\0' || n == 0 ||
+        (strcmp(name, "cuLaunchKernel") && strcmp(name, "cuEventCreate"))) {
+        fprintf(stderr, "fake libcuda: ignoring FAKE_CUDA_FAIL_CALL=%s (want cuLaunchKernel:N or cuEventCreate:N, N >= 1)\n",
+                spec);
+        return;
+    }
+    snprintf(g.fail_call, sizeof g.fail_call, "%s", name);
+    g.fail_nth = n;
+}
+
+/* True when this call of `name` is the one FAKE_CUDA_FAIL_CALL names (counts every call of it). */
+static int injected_failure(const char *name)
+{
+    if (!g.fail_nth || strcmp(name, g.fail_call))
+        return 0;
+    return ++g.fail_seen == g.fail_nth;
+}
+
 __attribute__((constructor)) static void fake_init(void)
 {
     const char *mem = getenv("FAKE_CUDA_MEMORY");
@@ -573,6 +616,7 @@ __attribute__((constructor)) static void fake_init(void)
     g.no_pcie = env_int("FAKE_CUDA_NO_PCIE_FLAG", 0, 2, 0);
     g.no_dmabuf = env_int("FAKE_CUDA_NO_DMABUF", 0, 1, 0);
     g.version = env_int("FAKE_CUDA_DRIVER_VERSION", 1000, 99990, 12080);
+    parse_fail_call(getenv("FAKE_CUDA_FAIL_CALL"));
     g.total_mem = mem && *mem ? strtoull(mem, NULL, 10) : 16ull << 30;
     if (g.total_mem == 0)
         g.total_mem = 16ull << 30;
@@ -772,6 +816,13 @@ static void exec_op(struct fc_ctx *c, struct op *o)
             fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, why);
             return;
         }
+        if (o->pinned_host && !host_pinned((const void *)(o->dst_dev ? o->src : o->dst), o->n)) {
+            /* Freed by another device's context, which did not wait for this stream. */
+            snprintf(why, sizeof why, "copy %s: pinned host memory [0x%lx, +%zu) was freed before the copy ran",
+                     o->dst_dev ? "source" : "destination", (unsigned long)(o->dst_dev ? o->src : o->dst), o->n);
+            fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, why);
+            return;
+        }
         memmove((void *)o->dst, o->staging ? o->staging : (const void *)o->src, o->n);
         break;
     case OP_MEMSET:
@@ -833,12 +884,13 @@ static void run_ctx(struct fc_ctx *c)
     }
 }
 
-/* Implicit device synchronisation (before memory is freed, unmapped or unregistered). */
-static void run_all(void)
+/* The implicit synchronisation of freeing memory: the work of device `dev` (its primary
+ * context, while alive), never another device's. */
+static void run_dev(int dev)
 {
     for (size_t i = 0; i < g.streams.n; i++) {
         struct fc_stream *s = g.streams.v[i];
-        if (s->ctx->refs > 0)
+        if (s->ctx->dev == dev && s->ctx->refs > 0)
             run_stream(s, NULL);
     }
 }
@@ -1452,9 +1504,10 @@ CUAPI CUresult cuInit(unsigned int flags)
     ENTER();
     if (flags != 0)
         LEAVE("cuInit", fail(CUDA_ERROR_INVALID_VALUE, "flags must be 0, not %u", flags));
-    g.inited = 1;
+    /* A failed cuInit leaves the driver uninitialised: later calls answer NOT_INITIALIZED. */
     if (g.ndev == 0)
         LEAVE("cuInit", fail(CUDA_ERROR_NO_DEVICE, "FAKE_CUDA_DEVICES=0"));
+    g.inited = 1;
     LEAVE("cuInit", CUDA_SUCCESS);
 }
 
@@ -1874,7 +1927,7 @@ CUAPI CUresult cuMemFree_v2(CUdeviceptr dptr)
     r = find_range((uintptr_t)dptr);
     if (!r || r->kind != R_ALLOC || r->base != dptr)
         LEAVE("cuMemFree_v2", fail(CUDA_ERROR_INVALID_VALUE, "0x%llx is not the start of a cuMemAlloc block", dptr));
-    run_all();
+    run_dev(r->ctx->dev);
     free_range(r);
     LEAVE("cuMemFree_v2", CUDA_SUCCESS);
 }
@@ -1913,7 +1966,7 @@ CUAPI CUresult cuMemFreeHost(void *p)
     r = find_range((uintptr_t)p);
     if (!r || r->kind != R_HOSTALLOC || r->base != (uintptr_t)p)
         LEAVE("cuMemFreeHost", fail(CUDA_ERROR_INVALID_VALUE, "%p is not the start of a cuMemHostAlloc allocation", p));
-    run_all();
+    run_dev(r->ctx->dev);
     free_range(r);
     LEAVE("cuMemFreeHost", CUDA_SUCCESS);
 }
@@ -1982,7 +2035,7 @@ CUAPI CUresult cuMemHostUnregister(void *p)
     if (!r || r->kind != R_HOSTREG || r->base != (uintptr_t)p)
         LEAVE("cuMemHostUnregister",
               fail(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "%p is not the start of a host registration", p));
-    run_all();
+    run_dev(r->ctx->dev);
     free_range(r);
     LEAVE("cuMemHostUnregister", CUDA_SUCCESS);
 }
@@ -2067,6 +2120,7 @@ static CUresult copy_async(const char *what, uintptr_t dst, int dst_dev, uintptr
     }
     if (!dst_dev && !host_pinned((const void *)dst, n))
         sync_after = 1; /* pageable destination: the call returns when the copy is done */
+    o->pinned_host = (!src_dev && !o->staging) || (!dst_dev && !sync_after);
     if ((r = enqueue(c, s, o)))
         return r;
     if (sync_after && s) {
@@ -2160,6 +2214,8 @@ CUAPI CUresult cuEventCreate(CUevent *ph, unsigned int flags)
     if (!ph || (flags & ~(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)) ||
         ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING)))
         LEAVE("cuEventCreate", fail(CUDA_ERROR_INVALID_VALUE, "NULL pointer or bad flags 0x%x", flags));
+    if (injected_failure("cuEventCreate"))
+        LEAVE("cuEventCreate", fail(CUDA_ERROR_OUT_OF_MEMORY, "injected (FAKE_CUDA_FAIL_CALL=cuEventCreate:%llu)", g.fail_nth));
     e = calloc(1, sizeof *e);
     e->ctx = c, e->flags = flags;
     vpush(&g.events, e);
@@ -2340,6 +2396,9 @@ CUAPI CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
     for (int i = 0; i < fn->k->nparams; i++)
         if (!params[i])
             LEAVE("cuLaunchKernel", fail(CUDA_ERROR_INVALID_VALUE, "kernelParams[%d] is NULL", i));
+    if (injected_failure("cuLaunchKernel"))
+        LEAVE("cuLaunchKernel", fail(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "injected (FAKE_CUDA_FAIL_CALL=cuLaunchKernel:%llu)",
+                                     g.fail_nth));
     o = new_op(OP_LAUNCH);
     o->k = fn->k;
     o->grid[0] = gx, o->grid[1] = gy, o->grid[2] = gz;
@@ -2548,7 +2607,8 @@ CUAPI CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         LEAVE("cuMemUnmap", r);
     if ((n = tile_mappings((uintptr_t)ptr, size, tiles, MAX_TILES)) < 0)
         LEAVE("cuMemUnmap", fail(CUDA_ERROR_INVALID_VALUE, "[0x%llx, +%zu) is not exactly whole mappings", ptr, size));
-    run_all();
+    /* No implicit synchronisation (none is documented): queued work that touches the range
+     * faults when it runs (its spans are checked then). */
     for (int i = 0; i < n; i++) {
         struct range *m = tiles[i];
         struct alloc *a = m->alloc;

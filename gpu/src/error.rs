@@ -30,20 +30,65 @@ pub enum GpuError {
         size: u64,
     },
     /// A region too large to round up to the allocation granularity.
-    #[error("a region of {len} bytes cannot be rounded up to the allocation granularity")]
+    #[error(
+        "a region of {len} bytes cannot be rounded up to the allocation granularity \
+         ({granularity} bytes) and 2 MiB"
+    )]
     TooLarge {
         /// The length asked for.
         len: u64,
+        /// The driver's allocation granularity.
+        granularity: u64,
     },
-    /// A region of another GPU than the engines' (their launches would fault that GPU).
-    #[error("{what} is a region of GPU {region}; these engines run on GPU {engines}")]
+    /// A region of another GPU than the engines' or the stager's (their work would fault
+    /// that GPU, or be refused).
+    #[error("{what} is a region of GPU {region}; this work runs on GPU {engines}")]
     WrongDevice {
         /// Which argument.
         what: &'static str,
         /// The region's device ordinal.
         region: i32,
-        /// The engines' device ordinal.
+        /// The device ordinal of the engines (or the stager) asked.
         engines: i32,
+    },
+    /// A device-to-device copy whose source and destination bytes overlap in one region
+    /// (`cuMemcpy*` on overlapping ranges is undefined).
+    #[error(
+        "copy source bytes {src_off}..{src_off}+{len} overlap destination bytes \
+         {dst_off}..{dst_off}+{len} of the same region"
+    )]
+    OverlappingCopy {
+        /// Start of the source range in the region.
+        src_off: u64,
+        /// Start of the destination range in the region.
+        dst_off: u64,
+        /// Bytes to copy.
+        len: u64,
+    },
+    /// A staged piece longer than one pinned staging buffer.
+    #[error(
+        "a staged copy of {len} bytes (to offset {offset}) exceeds the {slot_len}-byte \
+         staging buffer"
+    )]
+    ExceedsSlot {
+        /// Where in the destination region the piece was to land.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Bytes per staging buffer.
+        slot_len: u64,
+    },
+    /// The dma-buf export was refused with the PCIe mapping type and again with the
+    /// driver's default mapping: both refusals.
+    #[error(
+        "the dma-buf export was refused with the PCIe mapping type ({pcie}) and with the \
+         default mapping ({fallback})"
+    )]
+    DmaBufRefused {
+        /// The refusal with the PCIe mapping type.
+        pcie: Box<GpuError>,
+        /// The refusal of the fallback, without the flag.
+        fallback: Box<GpuError>,
     },
     /// The GPU self-test at start found a wrong result.
     #[error("GPU self-test failed: {what}")]

@@ -70,6 +70,16 @@ pub const CRC_CHUNK: u32 = 16 * 1024;
 /// Most blocks one launch may have in grid y (and most CRC spans per call).
 pub const MAX_GRID_Y: u32 = 65_535;
 
+/// Most frags one gather takes. `sw_gather` counts frags in a 32-bit `unsigned int` and steps
+/// by the grid (up to 65535 blocks): with more than `u32::MAX - 65535` frags the counter wraps
+/// and the kernel never ends. A round bound well below that.
+pub const MAX_FRAGS: usize = 1 << 31;
+
+/// Most chunks of [`CRC_CHUNK`] bytes in one CRC span. `sw_crc32c_chunks` numbers chunks in a
+/// 32-bit `unsigned int` (`blockIdx.x * blockDim.x + threadIdx.x`, up to `max_chunks + 127`),
+/// which wraps near `u32::MAX`. A round bound well below that.
+pub const MAX_CRC_CHUNKS: u32 = 1 << 31;
+
 // The layouts `sw_frag` and `sw_span` of shardwire.cu.
 const _: () = assert!(size_of::<Frag>() == 24 && align_of::<Frag>() == 8);
 const _: () = assert!(size_of::<Span>() == 16 && align_of::<Span>() == 8);
@@ -114,8 +124,8 @@ impl std::fmt::Display for Side {
 /// Kernel arguments the device would read or write out of bounds with, or race on.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum KernelArgError {
-    /// More frags than the kernel's `unsigned int` count.
-    #[error("{count} gather frags in one call; at most {}", u32::MAX)]
+    /// More frags than the kernel's 32-bit frag loop can count ([`MAX_FRAGS`]).
+    #[error("{count} gather frags in one call; at most {MAX_FRAGS}")]
     TooManyFrags {
         /// How many were given.
         count: usize,
@@ -198,6 +208,22 @@ pub enum KernelArgError {
         /// The length.
         len: u64,
     },
+    /// A span of more chunks than the CRC kernel's 32-bit chunk index can count
+    /// ([`MAX_CRC_CHUNKS`]).
+    #[error(
+        "CRC span {index}: {len} bytes are {chunks} chunks of {chunk} bytes; \
+         at most {MAX_CRC_CHUNKS}"
+    )]
+    TooManyChunks {
+        /// Index of the span.
+        index: usize,
+        /// Its length.
+        len: u64,
+        /// The chunk size.
+        chunk: u32,
+        /// How many chunks it has.
+        chunks: u64,
+    },
     /// A span reaches past the end of the buffer.
     #[error("CRC span {index}: bytes [{off}, {off} + {len}) are past the buffer's {buf_len}")]
     SpanOutOfBounds {
@@ -216,9 +242,7 @@ pub enum KernelArgError {
 /// and no two frags writing the same destination byte (empty frags never overlap).
 /// Sources may overlap. The check sorts a copy of the non-empty frags: O(n log n).
 pub fn check_frags(frags: &[Frag], src_len: u64, dst_len: u64) -> Result<(), KernelArgError> {
-    if u32::try_from(frags.len()).is_err() {
-        return Err(KernelArgError::TooManyFrags { count: frags.len() });
-    }
+    check_frag_count(frags.len())?;
     for (index, f) in frags.iter().enumerate() {
         for (side, off, buf_len) in [
             (Side::Src, f.src_off, src_len),
@@ -261,6 +285,14 @@ pub fn check_frags(frags: &[Frag], src_len: u64, dst_len: u64) -> Result<(), Ker
     Ok(())
 }
 
+/// At most [`MAX_FRAGS`] frags (the kernel's loop counter is 32-bit).
+fn check_frag_count(count: usize) -> Result<(), KernelArgError> {
+    if count > MAX_FRAGS {
+        return Err(KernelArgError::TooManyFrags { count });
+    }
+    Ok(())
+}
+
 /// Checks a gather whose source and destination are one buffer (or overlap): no byte any
 /// frag reads is written by any frag, so every read sees the bytes as they were before the
 /// launch, whatever the schedule, and the kernel's read-only loads stay coherent. `src` and
@@ -287,8 +319,7 @@ pub fn check_reads_unwritten(frags: &[Frag], src: u64, dst: u64) -> Result<(), K
 }
 
 /// Checks CRC kernel arguments: at most [`MAX_GRID_Y`] spans, each inside the buffer of
-/// `base_len` bytes. (With [`CRC_CHUNK`] no buffer that fits in memory has more chunks
-/// than a u32 counts.)
+/// `base_len` bytes. The chunk count is [`check_crc_chunks`]'s.
 pub fn check_spans(spans: &[Span], base_len: u64) -> Result<(), KernelArgError> {
     if spans.len() > MAX_GRID_Y as usize {
         return Err(KernelArgError::TooManySpans { count: spans.len() });
@@ -308,6 +339,25 @@ pub fn check_spans(spans: &[Span], base_len: u64) -> Result<(), KernelArgError> 
         }
     }
     Ok(())
+}
+
+/// The `max_chunks` argument of both CRC kernels ([`crc_max_chunks`]), refusing a span of
+/// more than [`MAX_CRC_CHUNKS`] chunks of `chunk` bytes (a zero `chunk` counts as 1), where
+/// the kernels' 32-bit chunk index would wrap.
+pub fn check_crc_chunks(spans: &[Span], chunk: u32) -> Result<u32, KernelArgError> {
+    let size = chunk.max(1);
+    for (index, s) in spans.iter().enumerate() {
+        let chunks = s.len.div_ceil(u64::from(size));
+        if chunks > u64::from(MAX_CRC_CHUNKS) {
+            return Err(KernelArgError::TooManyChunks {
+                index,
+                len: s.len,
+                chunk: size,
+                chunks,
+            });
+        }
+    }
+    Ok(crc_max_chunks(spans, chunk))
 }
 
 /// The kernels' algorithms on the CPU, step for step: the same raw per-chunk CRCs and the
@@ -670,6 +720,52 @@ mod tests {
             check_reads_unwritten(&[frag(0, 0, 0), frag(0, 8, 4)], 0, 0),
             Ok(())
         );
+    }
+
+    #[test]
+    fn counts_stay_below_the_kernels_32_bit_loops() {
+        // sw_gather's `f += gridDim.x` wraps past u32::MAX - 65535 frags: refused well before.
+        const { assert!(MAX_FRAGS as u64 <= u32::MAX as u64 - 65_536) };
+        assert_eq!(check_frag_count(MAX_FRAGS), Ok(()));
+        let err = check_frag_count(MAX_FRAGS + 1).unwrap_err();
+        assert_eq!(
+            err,
+            KernelArgError::TooManyFrags {
+                count: MAX_FRAGS + 1
+            }
+        );
+        assert!(err.to_string().contains(&(MAX_FRAGS + 1).to_string()));
+        // Before, only counts past u32::MAX were refused.
+        assert!(check_frag_count(u32::MAX as usize - 1000).is_err());
+        // sw_crc32c_chunks numbers chunks in 32 bits: a span of too many chunks is refused.
+        const { assert!(MAX_CRC_CHUNKS <= u32::MAX - 65_536) };
+        let chunk = u64::from(CRC_CHUNK);
+        let most = u64::from(MAX_CRC_CHUNKS) * chunk;
+        let fine = [Span { off: 0, len: 5 }, Span { off: 0, len: most }];
+        assert_eq!(check_crc_chunks(&fine, CRC_CHUNK), Ok(MAX_CRC_CHUNKS));
+        let over = [
+            Span { off: 0, len: 5 },
+            Span {
+                off: 0,
+                len: most + 1,
+            },
+        ];
+        assert_eq!(
+            check_crc_chunks(&over, CRC_CHUNK),
+            Err(KernelArgError::TooManyChunks {
+                index: 1,
+                len: most + 1,
+                chunk: CRC_CHUNK,
+                chunks: u64::from(MAX_CRC_CHUNKS) + 1,
+            })
+        );
+        // A zero chunk counts as 1 byte per chunk, as in crc_max_chunks.
+        let zero = [Span {
+            off: 0,
+            len: u64::from(MAX_CRC_CHUNKS) + 1,
+        }];
+        assert!(check_crc_chunks(&zero, 0).is_err());
+        assert_eq!(check_crc_chunks(&[], CRC_CHUNK), Ok(1));
     }
 
     #[test]

@@ -8,8 +8,10 @@
 //! - the whole GPU suite of `cuda_gpu.rs` (compiled in below, unchanged: on a real GPU
 //!   `scripts/gpu-check.sh` runs it), with no driver call failing, nothing leaked;
 //! - the `child` tests below: the probe, the dma-buf fallback, the crate refusing bad ranges
-//!   before any driver call, regions dropped on threads without a context, and the fake's
-//!   own checks (missing contexts, out-of-bounds copies and kernels, deferred streams).
+//!   and other GPUs' memory before any driver call, regions dropped on threads without a
+//!   context, engine calls failing midway (`FAKE_CUDA_FAIL_CALL`), and the fake's own checks
+//!   (missing contexts, out-of-bounds copies and kernels, deferred streams, per-device
+//!   synchronisation on free).
 //!
 //! The `child` tests do nothing unless `SHARDWIRE_FAKE_CUDA_CHILD` is set (so `--ignored`
 //! on a GPU host, as in `scripts/gpu-check.sh`, passes over them).
@@ -55,7 +57,8 @@ fn run_child(filter: &str, tests: usize, env: &[(&str, &str)]) -> Child {
         .env_remove("FAKE_CUDA_DEVICES")
         .env_remove("FAKE_CUDA_PCI_BUS_IDS")
         .env_remove("FAKE_CUDA_ALLOC_LOG")
-        .env_remove("FAKE_CUDA_DRIVER_VERSION");
+        .env_remove("FAKE_CUDA_DRIVER_VERSION")
+        .env_remove("FAKE_CUDA_FAIL_CALL");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -105,6 +108,15 @@ fn probe_explains_an_old_driver_and_no_devices() {
     );
     assert!(
         child.stderr.contains("cuInit -> CUDA_ERROR_NO_DEVICE"),
+        "{}",
+        child.stderr
+    );
+    // A failed cuInit leaves the driver uninitialised, as the real one does (before, the fake
+    // counted it as initialised and answered later calls).
+    assert!(
+        child
+            .stderr
+            .contains("cuDeviceGetCount -> CUDA_ERROR_NOT_INITIALIZED"),
         "{}",
         child.stderr
     );
@@ -214,9 +226,10 @@ fn a_refused_dmabuf_export_leaves_the_gpu_usable_and_says_why() {
         1,
         &[("FAKE_CUDA_NO_DMABUF", "1")],
     );
-    // Two exports asked (with the PCIe flag, then without it), both refused; nothing else.
+    // Two exports asked by the check and two by the child (each with the PCIe flag, then
+    // without it), all refused; nothing else.
     let lines = child.fake_lines();
-    assert_eq!(lines.len(), 2, "{}", lines.join("\n"));
+    assert_eq!(lines.len(), 4, "{}", lines.join("\n"));
     assert!(
         lines.iter().all(|l| l.contains(
             "cuMemGetHandleForAddressRange -> CUDA_ERROR_NOT_SUPPORTED: dma-buf export refused"
@@ -277,6 +290,57 @@ fn a_staged_copy_that_fails_lands_nothing_afterwards() {
 }
 
 #[test]
+fn a_failed_engine_call_leaves_nothing_queued() {
+    // The second launch of the first CRC-32C (its combine) is refused; then the first event
+    // of a gather (its slot's). Each time the upload of the call's arguments, and a kernel,
+    // were already queued.
+    for (filter, fail, line) in [
+        (
+            "child::a_failed_crc_waits_for_its_kernels",
+            "cuLaunchKernel:2",
+            "cuLaunchKernel -> CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: injected",
+        ),
+        (
+            "child::a_failed_gather_lands_nothing_afterwards",
+            "cuEventCreate:1",
+            "cuEventCreate -> CUDA_ERROR_OUT_OF_MEMORY: injected",
+        ),
+    ] {
+        let child = run_child(filter, 1, &[("FAKE_CUDA_FAIL_CALL", fail)]);
+        // The injected refusal is the only failed call: no kernel faulted afterwards.
+        let lines = child.fake_lines();
+        assert_eq!(lines.len(), 1, "{}", lines.join("\n"));
+        assert!(lines[0].contains(line), "{}", lines[0]);
+    }
+}
+
+#[test]
+fn another_gpus_registration_and_region_are_refused() {
+    // A registration read by another GPU's engines; a region written by another GPU's stager.
+    let child = run_child("child::other_gpus_", 2, &[("FAKE_CUDA_DEVICES", "2")]);
+    // Refused by the crate, before any driver call.
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
+fn the_fake_synchronises_on_free_per_device_and_not_on_unmap() {
+    let child = run_child(
+        "child::fake_drains_only_the_freeing_device",
+        1,
+        &[("FAKE_CUDA_DEVICES", "2")],
+    );
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
 fn the_fake_enforces_contexts_bounds_and_stream_order() {
     let child = run_child("child::fake_checks", 1, &[]);
     let lines = child.fake_lines();
@@ -325,7 +389,8 @@ mod child {
     use cudarc::driver::sys;
     use shardwire_gpu::cuda::device::{copy_to_device, copy_to_host};
     use shardwire_gpu::cuda::{
-        Device, DeviceBuffer, Engines, H2dStager, PinnedBuffer, VmmRegion, open_for_service,
+        Device, DeviceBuffer, DeviceRange, Engines, H2dStager, HostMapped, PinnedBuffer,
+        StageError, VmmRegion, open_for_service,
     };
     use shardwire_gpu::kernels::{self, Frag, Span};
     use shardwire_gpu::{GpuError, MemoryChoice, choose_memory, probe_gpus};
@@ -547,6 +612,21 @@ mod child {
             "{}",
             d.reason
         );
+        // cuInit failed, so the driver is not initialised: it answers NOT_INITIALIZED, not a
+        // count of 0 (the probe loaded libcuda).
+        let mut count = -1;
+        // SAFETY: libcuda is loaded; the out-pointer is a live local.
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        assert_eq!(r, sys::CUresult::CUDA_ERROR_NOT_INITIALIZED);
+        assert_eq!(count, -1);
+        // Opening a device says why: cuInit's own error, again.
+        assert!(matches!(
+            Device::open(0),
+            Err(GpuError::Driver {
+                call: "cuInit",
+                result: sys::CUresult::CUDA_ERROR_NO_DEVICE
+            })
+        ));
     }
 
     #[test]
@@ -611,6 +691,24 @@ mod child {
                 && why.contains("CUDA_ERROR_NOT_SUPPORTED"),
             "{why}"
         );
+        // Both refusals are kept: with the PCIe mapping type, and without it (before, only
+        // the second).
+        let region = VmmRegion::new(&mem.device, 1).unwrap();
+        let Err(GpuError::DmaBufRefused { pcie, fallback }) = region.export_dmabuf() else {
+            panic!("both exports are refused");
+        };
+        for e in [*pcie, *fallback] {
+            assert!(
+                matches!(
+                    e,
+                    GpuError::Driver {
+                        call: "cuMemGetHandleForAddressRange",
+                        result: sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                    }
+                ),
+                "{e}"
+            );
+        }
     }
 
     #[test]
@@ -659,6 +757,23 @@ mod child {
             engines.copy(&r, len - 1, &other, 0, 2),
             Err(GpuError::OutOfRange { .. })
         ));
+        // Overlapping bytes of one region (cuMemcpy on them is undefined), either way round.
+        assert!(matches!(
+            engines.copy(&r, 0, &r, 100, 200),
+            Err(GpuError::OverlappingCopy {
+                src_off: 0,
+                dst_off: 100,
+                len: 200
+            })
+        ));
+        assert!(matches!(
+            engines.copy(&r, 300, &r, 100, 201),
+            Err(GpuError::OverlappingCopy {
+                src_off: 300,
+                dst_off: 100,
+                len: 201
+            })
+        ));
         let mut fill = |b: &mut [u8]| Ok(b.len());
         assert!(
             stager
@@ -671,6 +786,11 @@ mod child {
         let mut back = [0; 11];
         r.read(len - 11, &mut back).unwrap();
         assert_eq!(back, [7; 11]);
+        // Adjacent ranges of one region do not overlap: copied.
+        r.write(0, b"hello world").unwrap();
+        engines.copy(&r, 0, &r, 11, 11).unwrap().wait().unwrap();
+        r.read(11, &mut back).unwrap();
+        assert_eq!(&back, b"hello world");
     }
 
     #[test]
@@ -1010,5 +1130,269 @@ mod child {
             ok("cuMemHostUnregister", sys::cuMemHostUnregister(ro));
             rustix::mm::munmap(ro, len).unwrap();
         }
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn a_failed_crc_waits_for_its_kernels() {
+        if !in_child() {
+            return;
+        }
+        // The parent makes the second launch fail: this CRC's combine, after its spans were
+        // uploaded from argument slot 0 and its chunks kernel queued.
+        let dev = Device::open(0).unwrap();
+        let engines = Engines::new(&dev).unwrap();
+        let src = VmmRegion::new(&dev, 2 << 20).unwrap();
+        let dst = VmmRegion::new(&dev, 4 << 20).unwrap();
+        let end = src.len() as u64;
+        src.write(0, &[1; 4096]).unwrap();
+        src.write(src.len() - 16, b"the last sixteen").unwrap();
+        let spans = [Span { off: 0, len: 4096 }];
+        let Err(e) = engines.crc32c(&src, &spans) else {
+            panic!("the combine launch is refused");
+        };
+        assert!(
+            matches!(
+                e,
+                GpuError::Driver {
+                    call: "cuLaunchKernel",
+                    result: sys::CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+                }
+            ),
+            "{e}"
+        );
+        // The next call stages into the same slot. Before, the failed call's upload and
+        // chunks kernel were still queued and read this gather's frag as their span
+        // ({off: end - 16, len: 1 MiB}): a read past `src`, which faulted the context.
+        let frag = [Frag {
+            src_off: end - 16,
+            dst_off: 1 << 20,
+            len: 16,
+        }];
+        engines.gather(&src, &dst, &frag).unwrap().wait().unwrap();
+        let mut back = [0u8; 16];
+        dst.read(1 << 20, &mut back).unwrap();
+        assert_eq!(&back, b"the last sixteen");
+        // And the CRC works again.
+        let crc = engines.crc32c(&src, &spans).unwrap();
+        assert_eq!(
+            crc,
+            [crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, &[1; 4096]) as u32]
+        );
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn a_failed_gather_lands_nothing_afterwards() {
+        if !in_child() {
+            return;
+        }
+        // The parent makes the first cuEventCreate fail: the gather's slot event, after its
+        // kernel was queued.
+        let dev = Device::open(0).unwrap();
+        let engines = Engines::new(&dev).unwrap();
+        let src = VmmRegion::new(&dev, 1).unwrap();
+        let dst = VmmRegion::new(&dev, 1).unwrap();
+        src.write(0, &[0xAA; 4096]).unwrap();
+        let frag = [Frag {
+            src_off: 0,
+            dst_off: 0,
+            len: 4096,
+        }];
+        let Err(e) = engines.gather(&src, &dst, &frag) else {
+            panic!("the slot's event is refused");
+        };
+        assert!(
+            matches!(
+                e,
+                GpuError::Driver {
+                    call: "cuEventCreate",
+                    result: sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+                }
+            ),
+            "{e}"
+        );
+        // The caller owns `dst` again and rewrites it. Before, the failed gather was still
+        // queued and landed over these bytes when the stream next ran.
+        dst.write(0, &[0x55; 4096]).unwrap();
+        engines.stream().synchronize().unwrap();
+        let mut back = vec![0u8; 4096];
+        dst.read(0, &mut back).unwrap();
+        let stale = back.iter().filter(|&&b| b != 0x55).count();
+        assert_eq!(
+            stale, 0,
+            "bytes of the failed gather landed after it returned"
+        );
+        // The slots are usable: the same gather goes through now.
+        engines.gather(&src, &dst, &frag).unwrap().wait().unwrap();
+        dst.read(0, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 0xAA));
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn other_gpus_registration_is_refused() {
+        if !in_child() {
+            return;
+        }
+        let (dev0, dev1) = (Device::open(0).unwrap(), Device::open(1).unwrap());
+        let len = 1 << 16;
+        // SAFETY: a fresh private anonymous mapping, unmapped at the end after the
+        // registration over it is dropped.
+        let host = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .unwrap();
+        // SAFETY: `host` is the live, page-aligned mapping of `len` bytes just made; nothing
+        // else uses it.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0x3C, len) };
+        // SAFETY: as above; it stays mapped until after `mapped` is dropped.
+        let mapped = unsafe { HostMapped::new(&dev0, host.cast(), len) }.unwrap();
+        // The registration names the GPU that registered it: only its engines read it,
+        // since its Drop waits for that GPU alone (before: `None`, any GPU's engines).
+        assert_eq!(mapped.device_ordinal(), Some(0));
+        let frag = [Frag {
+            src_off: 0,
+            dst_off: 0,
+            len: 64,
+        }];
+        let engines1 = Engines::new(&dev1).unwrap();
+        let dst1 = VmmRegion::new(&dev1, 1).unwrap();
+        let Err(e) = engines1.gather(&mapped, &dst1, &frag) else {
+            panic!("GPU 1's engines refuse GPU 0's registration");
+        };
+        assert!(
+            matches!(
+                e,
+                GpuError::WrongDevice {
+                    what: "the gather's source",
+                    region: 0,
+                    engines: 1
+                }
+            ),
+            "{e}"
+        );
+        let engines0 = Engines::new(&dev0).unwrap();
+        let dst0 = VmmRegion::new(&dev0, 1).unwrap();
+        engines0
+            .gather(&mapped, &dst0, &frag)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let mut back = [0u8; 64];
+        dst0.read(0, &mut back).unwrap();
+        assert_eq!(back, [0x3C; 64]);
+        drop(mapped);
+        // SAFETY: the mapping made above; its registration is gone.
+        unsafe { rustix::mm::munmap(host, len) }.unwrap();
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn other_gpus_region_is_refused_by_a_stager() {
+        if !in_child() {
+            return;
+        }
+        let (dev0, dev1) = (Device::open(0).unwrap(), Device::open(1).unwrap());
+        let dst1 = VmmRegion::new(&dev1, 1).unwrap();
+        // A stager of GPU 0 refuses GPU 1's region before it reads a byte of the source
+        // (before, its copy reached the driver, which refused it).
+        let mut stager = H2dStager::new(&dev0, 4096, 2).unwrap();
+        let mut reads = 0;
+        let refused = stager.copy_from(
+            &mut |buf: &mut [u8]| {
+                reads += 1;
+                Ok(buf.len())
+            },
+            &mut |_| {},
+            &dst1,
+            0,
+            100,
+        );
+        assert!(
+            matches!(
+                refused,
+                Err(StageError::Gpu(GpuError::WrongDevice {
+                    what: "the staged copy's destination",
+                    region: 1,
+                    engines: 0
+                }))
+            ),
+            "{refused:?}"
+        );
+        assert_eq!(reads, 0);
+    }
+
+    /// The fake's implicit synchronisation, with raw driver calls: freeing memory runs the
+    /// queued work of the memory's device only, unmapping runs none.
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_drains_only_the_freeing_device() {
+        if !in_child() {
+            return;
+        }
+        const G: usize = 2 << 20;
+        let (dev0, dev1) = (Device::open(0).unwrap(), Device::open(1).unwrap());
+        let buf = DeviceBuffer::new(&dev0, 4096).unwrap();
+        // SAFETY: the test's own live device buffer, which nothing else uses.
+        unsafe { copy_to_device(&dev0, buf.ptr(), &[0; 4096]).unwrap() };
+        let mut pinned = PinnedBuffer::new(&dev0, 4096).unwrap();
+        pinned.as_mut_slice().fill(9);
+        let landed = || {
+            let mut back = vec![0u8; 4096];
+            // SAFETY: the test's own live device buffer; the pending copy is on a
+            // non-blocking stream, which this synchronous copy does not wait for.
+            unsafe { copy_to_host(&dev0, &mut back, buf.ptr()).unwrap() };
+            back.iter().all(|&b| b == 9)
+        };
+        dev0.bind().unwrap();
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: every call below gets valid arguments and live out-pointers, with the
+        // context of the device named current.
+        unsafe {
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1));
+            ok(
+                "cuMemcpyHtoDAsync_v2",
+                sys::cuMemcpyHtoDAsync_v2(
+                    buf.ptr(),
+                    pinned.as_slice().as_ptr().cast(),
+                    4096,
+                    stream,
+                ),
+            );
+            // Unmapping a VMM range of device 0 runs nothing (none is documented).
+            let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            let mut ptr: sys::CUdeviceptr = 0;
+            ok("cuMemCreate", sys::cuMemCreate(&mut h, G, &prop, 0));
+            ok(
+                "cuMemAddressReserve",
+                sys::cuMemAddressReserve(&mut ptr, G, G, 0, 0),
+            );
+            ok("cuMemMap", sys::cuMemMap(ptr, G, 0, h, 0));
+            ok("cuMemUnmap", sys::cuMemUnmap(ptr, G));
+            ok("cuMemAddressFree", sys::cuMemAddressFree(ptr, G));
+            ok("cuMemRelease", sys::cuMemRelease(h));
+        }
+        assert!(!landed(), "cuMemUnmap ran queued work");
+        // Freeing device 1's memory runs device 1's work, not device 0's.
+        drop(DeviceBuffer::new(&dev1, 16).unwrap());
+        drop(PinnedBuffer::new(&dev1, 16).unwrap());
+        assert!(!landed(), "freeing device 1's memory ran device 0's work");
+        // Freeing device 0's memory runs it.
+        drop(DeviceBuffer::new(&dev0, 16).unwrap());
+        assert!(landed(), "freeing device 0's memory did not run its work");
+        dev0.bind().unwrap();
+        // SAFETY: the live stream made above, of the current context; its work has run.
+        ok("cuStreamDestroy_v2", unsafe {
+            sys::cuStreamDestroy_v2(stream)
+        });
     }
 }

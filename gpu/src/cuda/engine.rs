@@ -167,7 +167,8 @@ impl Engines {
     /// Copies every frag from `src` into `dst` with one kernel launch. Returns the launch,
     /// borrowing both: once it is done, `src` may be reused. `src` and `dst` may be the same
     /// region (batches assembled from resident shards) when no frag reads bytes that a frag
-    /// writes.
+    /// writes. An error after work was queued waits for it first: nothing the failed call
+    /// queued runs after it returns.
     pub fn gather<'a>(
         &self,
         src: &'a dyn DeviceRange,
@@ -183,6 +184,8 @@ impl Engines {
         }
         let mut scratch = self.scratch.lock().expect("engine scratch poisoned");
         let args = self.stage(&mut scratch, as_bytes(frags))?;
+        // The upload is queued: until the slot's event is recorded, every exit waits for it.
+        let queued = Queued::new(&self.stream);
         if !frags.is_empty() {
             let (mut s, mut d, mut a) = (src.device_ptr(), dst.device_ptr(), args);
             let mut n = frags.len() as c_uint;
@@ -200,11 +203,15 @@ impl Engines {
                 &mut params,
             )?;
         }
-        self.finish_slot(&mut scratch).map(Launched::new)
+        let event = self.finish_slot(&mut scratch)?;
+        queued.recorded();
+        Ok(Launched::new(event))
     }
 
     /// Device-to-device copy on the engines' stream (the baseline the gather is measured
-    /// against); the copy borrows both regions, as [`Engines::gather`].
+    /// against); the copy borrows both regions, as [`Engines::gather`]. Source and
+    /// destination bytes must not overlap (`cuMemcpy*` on overlapping ranges is undefined):
+    /// [`GpuError::OverlappingCopy`].
     pub fn copy<'a>(
         &self,
         src: &'a VmmRegion,
@@ -217,35 +224,78 @@ impl Engines {
         self.same_device("the copy's destination", dst)?;
         src.range(src_off, len)?;
         dst.range(dst_off, len)?;
+        let (from, to) = (
+            src.device_ptr() + src_off as u64,
+            dst.device_ptr() + dst_off as u64,
+        );
+        // Regions never share addresses, so only ranges of one region can overlap.
+        if len > 0 && from < to + len as u64 && to < from + len as u64 {
+            return Err(GpuError::OverlappingCopy {
+                src_off: src_off as u64,
+                dst_off: dst_off as u64,
+                len: len as u64,
+            });
+        }
         self.dev.bind()?;
-        // SAFETY: both ranges were checked to lie inside live regions of this device.
+        // SAFETY: both ranges were checked to lie inside live regions of this device, and
+        // not to overlap.
         check("cuMemcpyDtoDAsync_v2", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(
-                dst.device_ptr() + dst_off as u64,
-                src.device_ptr() + src_off as u64,
-                len,
-                self.stream.raw(),
-            )
+            sys::cuMemcpyDtoDAsync_v2(to, from, len, self.stream.raw())
         })?;
-        Ok(Launched::new(Arc::new(self.stream.record()?)))
+        // Queued: an exit without its event waits for it (it borrows the regions no longer).
+        let queued = Queued::new(&self.stream);
+        let event = Arc::new(self.stream.record()?);
+        queued.recorded();
+        Ok(Launched::new(event))
     }
 
-    /// CRC-32C of each span of `region`, computed on the device (blocks until done).
+    /// CRC-32C of each span of `region`, computed on the device (blocks until done, also
+    /// when it fails: no kernel reads `region` after it returns).
     pub fn crc32c(&self, region: &VmmRegion, spans: &[Span]) -> Result<Vec<u32>, GpuError> {
         self.same_device("the checksummed region", region)?;
         kernels::check_spans(spans, region.len() as u64)?;
         if spans.is_empty() {
             return Ok(Vec::new());
         }
-        let chunk = kernels::CRC_CHUNK;
-        let max_chunks = kernels::crc_max_chunks(spans, chunk).max(1);
+        let max_chunks = kernels::check_crc_chunks(spans, kernels::CRC_CHUNK)?;
         let mut scratch = self.scratch.lock().expect("engine scratch poisoned");
-        let partial_bytes = spans.len() * max_chunks as usize * 4;
+        let out_bytes = spans.len() * 4;
+        self.reserve_crc(
+            &mut scratch,
+            spans.len() * max_chunks as usize * 4,
+            out_bytes,
+        )?;
+        let args = self.stage(&mut scratch, as_bytes(spans))?;
+        // The upload is queued: every exit from here waits for the stream.
+        let queued = Queued::new(&self.stream);
+        let geometry = CrcGeometry {
+            base: region.device_ptr(),
+            args,
+            spans: spans.len() as c_uint,
+            max_chunks,
+        };
+        self.queue_crc(&mut scratch, &geometry, out_bytes)?;
+        self.finish_slot(&mut scratch)?;
+        self.stream.synchronize()?;
+        queued.recorded();
+        Ok(scratch.out_host.as_slice()[..out_bytes]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect())
+    }
+
+    /// Grows the CRC scratch buffers to `partial_bytes` of partials and `out_bytes` of
+    /// results (after the stream is idle: queued kernels may still use the old ones).
+    fn reserve_crc(
+        &self,
+        scratch: &mut Scratch,
+        partial_bytes: usize,
+        out_bytes: usize,
+    ) -> Result<(), GpuError> {
         if scratch.partials.len() < partial_bytes {
             self.stream.synchronize()?;
             scratch.partials = DeviceBuffer::new(&self.dev, partial_bytes)?;
         }
-        let out_bytes = spans.len() * 4;
         if scratch.out_dev.len() < out_bytes || scratch.out_host.as_slice().len() < out_bytes {
             self.stream.synchronize()?;
             // Both made before either is replaced: one that fails leaves the pair as it was
@@ -257,14 +307,24 @@ impl Engines {
             );
             (scratch.out_dev, scratch.out_host) = (dev, host);
         }
-        let args = self.stage(&mut scratch, as_bytes(spans))?;
+        Ok(())
+    }
+
+    /// Queues both CRC kernels over the staged spans and the copy of the `out_bytes` of
+    /// results to the pinned output buffer (sized by [`Engines::reserve_crc`]).
+    fn queue_crc(
+        &self,
+        scratch: &mut Scratch,
+        g: &CrcGeometry,
+        out_bytes: usize,
+    ) -> Result<(), GpuError> {
         let (mut base, mut a, mut partials, mut out) = (
-            region.device_ptr(),
-            args,
+            g.base,
+            g.args,
             scratch.partials.ptr(),
             scratch.out_dev.ptr(),
         );
-        let (mut n, mut c, mut m) = (spans.len() as c_uint, chunk as c_uint, max_chunks as c_uint);
+        let (mut n, mut c, mut m) = (g.spans, kernels::CRC_CHUNK as c_uint, g.max_chunks);
         let mut chunk_params = [
             (&mut base as *mut u64).cast::<c_void>(),
             (&mut a as *mut u64).cast(),
@@ -273,7 +333,7 @@ impl Engines {
             (&mut partials as *mut u64).cast(),
             (&mut m as *mut c_uint).cast(),
         ];
-        let grid_x = max_chunks.div_ceil(kernels::CRC_BLOCK);
+        let grid_x = m.div_ceil(kernels::CRC_BLOCK);
         self.launch(
             self.crc_chunks_fn,
             (grid_x, n),
@@ -295,8 +355,8 @@ impl Engines {
             kernels::CRC_BLOCK,
             &mut combine_params,
         )?;
-        // SAFETY: the pinned buffer holds at least `out_bytes`; the device buffer too; the
-        // stream is synchronised below before the host reads it.
+        // SAFETY: the pinned buffer and the device buffer hold at least `out_bytes`
+        // (`reserve_crc`); the caller synchronises the stream before the host reads it.
         check("cuMemcpyDtoHAsync_v2", unsafe {
             sys::cuMemcpyDtoHAsync_v2(
                 scratch.out_host.as_mut_slice().as_mut_ptr().cast(),
@@ -304,13 +364,7 @@ impl Engines {
                 out_bytes,
                 self.stream.raw(),
             )
-        })?;
-        self.finish_slot(&mut scratch)?;
-        self.stream.synchronize()?;
-        Ok(scratch.out_host.as_slice()[..out_bytes]
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect())
+        })
     }
 
     /// Refuses `region` of another GPU than these engines' (a launch on it would fault this
@@ -318,7 +372,7 @@ impl Engines {
     fn same_device(&self, what: &'static str, range: &dyn DeviceRange) -> Result<(), GpuError> {
         let engines = self.dev.ordinal();
         let Some(region) = range.device_ordinal().filter(|&r| r != engines) else {
-            return Ok(()); // this GPU's, or readable by every GPU (a portable registration)
+            return Ok(()); // this GPU's, or a range that names no GPU
         };
         Err(GpuError::WrongDevice {
             what,
@@ -332,13 +386,16 @@ impl Engines {
     fn stage(&self, scratch: &mut Scratch, bytes: &[u8]) -> Result<u64, GpuError> {
         let i = scratch.next;
         let slot = &mut scratch.slots[i];
-        if let Some(done) = slot.done.take() {
+        if let Some(done) = &slot.done {
             done.wait()?; // the launch that last read this slot has finished
         }
+        // Forgotten only once seen complete: a failed wait keeps it for the next user.
+        slot.done = None;
         if slot.host.as_slice().len() < bytes.len() || slot.dev.len() < bytes.len() {
             let len = bytes.len().next_power_of_two();
-            // Both made before either is replaced (see `crc32c`): a device buffer that could
-            // not be made left a larger host one, and the next upload ran past the device one.
+            // Both made before either is replaced (see `reserve_crc`): a device buffer that
+            // could not be made left a larger host one, and the next upload ran past the
+            // device one.
             let (host, dev) = (
                 PinnedBuffer::new(&self.dev, len)?,
                 DeviceBuffer::new(&self.dev, len)?,
@@ -403,6 +460,51 @@ impl Drop for Engines {
     fn drop(&mut self) {
         // Nothing may still read the scratch buffers or run module code when they go.
         let _ = self.stream.synchronize();
+    }
+}
+
+/// The arguments of one CRC-32C call's kernels (besides the scratch buffers).
+struct CrcGeometry {
+    /// Device address of the checksummed region.
+    base: u64,
+    /// Device address of the staged spans.
+    args: u64,
+    /// How many spans.
+    spans: c_uint,
+    /// Most chunks of any span ([`kernels::check_crc_chunks`]).
+    max_chunks: c_uint,
+}
+
+/// Work queued on the engines' stream that reads an argument slot and the caller's regions,
+/// before the event that tracks it is recorded. Dropped without [`Queued::recorded`] (an
+/// error after the work was queued), it waits for the stream: the slot is then free for its
+/// next user, and nothing the failed call queued still runs when it returns.
+struct Queued<'a> {
+    stream: &'a Stream,
+    armed: bool,
+}
+
+impl<'a> Queued<'a> {
+    fn new(stream: &'a Stream) -> Self {
+        Self {
+            stream,
+            armed: true,
+        }
+    }
+
+    /// The slot's event is recorded (or the stream waited for): nothing to wait for here.
+    fn recorded(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            // An error already goes back to the caller; a stream that cannot be waited for
+            // is one whose context faulted, which runs nothing more.
+            let _ = self.stream.synchronize();
+        }
     }
 }
 

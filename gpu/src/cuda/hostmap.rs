@@ -27,8 +27,9 @@ pub unsafe trait DeviceRange {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The ordinal of the one GPU that may read it; `None` when every GPU of the process may
-    /// (a portable host registration).
+    /// The ordinal of the one GPU that may read it: engines of another GPU refuse it
+    /// ([`GpuError::WrongDevice`]). `None` only for a range whose owner waits for every GPU
+    /// of the process before it goes away.
     fn device_ordinal(&self) -> Option<i32> {
         None
     }
@@ -48,6 +49,10 @@ unsafe impl DeviceRange for super::VmmRegion {
 }
 
 /// A registration of host memory with the GPU; unregistered on Drop.
+///
+/// Only the registering GPU's engines read it ([`DeviceRange::device_ordinal`] names that
+/// GPU): Drop waits for that GPU's work alone before unregistering, so a kernel of another GPU
+/// could still be reading the memory then.
 #[derive(Debug)]
 pub struct HostMapped {
     host: *mut u8,
@@ -102,13 +107,19 @@ unsafe impl DeviceRange for HostMapped {
     fn len(&self) -> usize {
         self.len
     }
+    fn device_ordinal(&self) -> Option<i32> {
+        // The registering GPU alone: Drop synchronises only its context (before, `None` let
+        // every GPU's engines read it, and one of them could still be reading at Drop).
+        Some(self.dev.ordinal())
+    }
 }
 
 impl Drop for HostMapped {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
             // SAFETY: a plain driver call on the context just made current: work that may
-            // still read the registered memory (a forgotten `Launched`) finishes first.
+            // still read the registered memory (a forgotten `Launched`) finishes first. Only
+            // this device's engines read it (`device_ordinal`), so no other GPU's work does.
             let _ = unsafe { sys::cuCtxSynchronize() };
             // SAFETY: unregisters the registration made in `new`; no queued work reads it
             // any more (synchronised above).

@@ -54,10 +54,21 @@ pub fn check_dma_buf(dev: &Arc<Device>, attribute: bool) -> Result<DmaBufCheck, 
             }
         }
         Err(e) => DmaBufCheck {
-            refused: Some(format!("the driver refused the dma-buf export: {e}")),
+            refused: Some(refusal_text(&e)),
             default_mapping: None,
         },
     })
+}
+
+/// Why the export failed, for the operator: both refusals where the PCIe mapping type and
+/// the default mapping were refused differently, one where alike.
+fn refusal_text(e: &GpuError) -> String {
+    match e {
+        GpuError::DmaBufRefused { pcie, fallback } if pcie.to_string() == fallback.to_string() => {
+            format!("the driver refused the dma-buf export: {fallback}")
+        }
+        e => format!("the driver refused the dma-buf export: {e}"),
+    }
 }
 
 /// `len` bytes of xorshift noise.

@@ -98,23 +98,17 @@ impl H2dStager {
     /// `dst`'s lifetime, so only [`Self::copy_from`], which waits for its copies on every
     /// exit, queues them.
     fn submit(&mut self, len: usize, dst: &VmmRegion, offset: usize) -> Result<(), GpuError> {
+        self.same_device(dst)?;
         dst.range(offset, len)?;
-        let slot_len = self.slot_len();
-        if len > slot_len {
-            return Err(GpuError::OutOfRange {
-                offset: 0,
-                len: len as u64,
-                size: slot_len as u64,
-            });
-        }
+        fits_slot(offset, len, self.slot_len())?;
         let slot = &mut self.slots[self.next];
         if std::mem::take(&mut slot.pending) {
             slot.copied.wait()?; // submit without buffer(): still never overwrite a busy buffer
         }
         self.stream.device().bind()?;
         // SAFETY: the destination range was checked to lie in a live region of this
-        // device; the pinned source holds `len` bytes and is not handed out again until
-        // the event recorded below completes.
+        // device (`same_device`, `range`); the pinned source holds `len` bytes and is not
+        // handed out again until the event recorded below completes.
         check("cuMemcpyHtoDAsync_v2", unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dst.device_ptr() + offset as u64,
@@ -126,6 +120,20 @@ impl H2dStager {
         slot.copied.record(&self.stream)?;
         slot.pending = true;
         self.next = (self.next + 1) % self.slots.len();
+        Ok(())
+    }
+
+    /// Refuses a region of another GPU than the stager's: its copies run in this GPU's
+    /// context, which may not write another GPU's region (as [`super::Engines`] refuse it).
+    fn same_device(&self, dst: &VmmRegion) -> Result<(), GpuError> {
+        let (region, stager) = (dst.device().ordinal(), self.device().ordinal());
+        if region != stager {
+            return Err(GpuError::WrongDevice {
+                what: "the staged copy's destination",
+                region,
+                engines: stager,
+            });
+        }
         Ok(())
     }
 
@@ -150,7 +158,9 @@ impl H2dStager {
         offset: usize,
         len: usize,
     ) -> Result<(), StageError> {
-        dst.range(offset, len)?; // refused before anything is queued (nothing to wait for)
+        // Refused before anything is queued (nothing to wait for).
+        self.same_device(dst)?;
+        dst.range(offset, len)?;
         let copied = self.queue_from(src, seen, dst, offset, len);
         let flushed = self.flush();
         copied?;
@@ -200,5 +210,42 @@ impl H2dStager {
 impl Drop for H2dStager {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
+    }
+}
+
+/// A copy of `len` bytes (to `offset` in the destination) must fit one staging buffer of
+/// `slot_len` bytes.
+fn fits_slot(offset: usize, len: usize, slot_len: usize) -> Result<(), GpuError> {
+    if len > slot_len {
+        return Err(GpuError::ExceedsSlot {
+            offset: offset as u64,
+            len: len as u64,
+            slot_len: slot_len as u64,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_oversized_piece_names_its_destination_offset() {
+        assert!(fits_slot(12_345, 4096, 4096).is_ok());
+        let e = fits_slot(12_345, 4097, 4096).unwrap_err();
+        // Before, the offset was reported as 0 whatever the destination.
+        assert!(
+            matches!(
+                e,
+                GpuError::ExceedsSlot {
+                    offset: 12_345,
+                    len: 4097,
+                    slot_len: 4096
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("12345"), "{e}");
     }
 }

@@ -132,8 +132,16 @@ fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize, GpuError> {
 /// region of up to that many takes (the node reserves its pools in these).
 pub fn region_unit(dev: &Arc<Device>) -> Result<usize, GpuError> {
     dev.bind()?;
-    let g = granularity(&allocation_prop(dev))?;
-    region_size(1, g).ok_or(GpuError::TooLarge { len: g as u64 })
+    unit_for(granularity(&allocation_prop(dev))?)
+}
+
+/// [`region_size`] of 1 byte at `granularity`; [`GpuError::TooLarge`] names the byte asked
+/// for and the granularity that made it too large.
+fn unit_for(granularity: usize) -> Result<usize, GpuError> {
+    region_size(1, granularity).ok_or(GpuError::TooLarge {
+        len: 1,
+        granularity: granularity as u64,
+    })
 }
 
 impl VmmRegion {
@@ -142,7 +150,10 @@ impl VmmRegion {
         dev.bind()?;
         let prop = allocation_prop(dev);
         let granularity = granularity(&prop)?;
-        let size = region_size(len, granularity).ok_or(GpuError::TooLarge { len: len as u64 })?;
+        let size = region_size(len, granularity).ok_or(GpuError::TooLarge {
+            len: len as u64,
+            granularity: granularity as u64,
+        })?;
 
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid prop, size a multiple of the granularity, out-pointer live.
@@ -229,7 +240,7 @@ impl VmmRegion {
     /// PCIe mapping type (what devmem NICs need) and falls back to the default mapping on a
     /// driver that refuses the flag (`CUDA_ERROR_INVALID_VALUE` from a driver that predates
     /// it, `CUDA_ERROR_NOT_SUPPORTED` from one on a platform without it); when that is
-    /// refused too, the second error is returned.
+    /// refused too, [`GpuError::DmaBufRefused`] carries both refusals.
     /// The fallback is logged (a warning naming the refusal): on a platform whose default
     /// mapping is not PCIe (Grace Hopper, Grace Blackwell: C2C) a NIC may not reach it.
     pub fn export_dmabuf(&self) -> Result<OwnedFd, GpuError> {
@@ -259,7 +270,13 @@ impl VmmRegion {
                      exported with its default mapping, which a NIC may not reach where that \
                      is not PCIe (Grace Hopper and Blackwell: C2C)"
                 );
-                Ok((self.dmabuf_with(0)?, Some(why)))
+                match self.dmabuf_with(0) {
+                    Ok(fd) => Ok((fd, Some(why))),
+                    Err(fallback) => Err(GpuError::DmaBufRefused {
+                        pcie: Box::new(e),
+                        fallback: Box::new(fallback),
+                    }),
+                }
             }
             other => Ok((other?, None)),
         }
@@ -316,6 +333,23 @@ impl VmmRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_unit_too_large_names_the_length_asked_and_the_granularity() {
+        assert_eq!(unit_for(2 << 20).unwrap(), 2 << 20);
+        let e = unit_for(usize::MAX).unwrap_err();
+        // Before, the granularity was reported as the region's length.
+        assert!(
+            matches!(
+                e,
+                GpuError::TooLarge {
+                    len: 1,
+                    granularity: g
+                } if g == usize::MAX as u64
+            ),
+            "{e}"
+        );
+    }
 
     #[test]
     fn sizes_round_to_granularity_and_2mib() {
