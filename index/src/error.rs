@@ -135,9 +135,36 @@ pub enum IndexError {
         /// How to do without.
         fix: String,
     },
+    /// The manifest would be larger than can be sent to nodes: too many rows in its row
+    /// tables (each an `[offset, length]` pair in the JSON), or too many shards. Checked on a
+    /// lower bound of its size as each file is planned, before its data is read, and on the
+    /// manifest itself when it is written.
+    #[error(
+        "{}: the manifest would be at least {bytes} bytes{at}, more than the {limit} bytes that \
+         can be sent to nodes: it lists {shards} shards and {rows} rows (each row an [offset, \
+         length] pair); {fix}",
+        .dir.display()
+    )]
+    ManifestTooLarge {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Bytes of the manifest, or a lower bound of them.
+        bytes: u64,
+        /// Where it was found (` (counted up to FILE, ...)`), or empty.
+        at: String,
+        /// The most bytes a manifest may have.
+        limit: u64,
+        /// Shards counted.
+        shards: u64,
+        /// Rows counted in the row tables.
+        rows: u64,
+        /// What to do about it.
+        fix: String,
+    },
     /// The manifest built from the files cannot be used: a limit the files pass (a shard
-    /// over 1 TiB or with more than 4096 tensors, more shards than a manifest holds, a
-    /// manifest file too large to send to nodes), or a bug (validation is also its guard).
+    /// over 1 TiB or with more than 4096 tensors, more shards than a manifest holds; a
+    /// manifest file too large to send is [`IndexError::ManifestTooLarge`]), or a bug
+    /// (validation is also its guard).
     #[error("{}: the manifest built from its files cannot be used: {source}", .dir.display())]
     Manifest {
         /// The dataset directory.

@@ -6,6 +6,15 @@
 //! missing is an error. A `dataset_dict.json` (a `DatasetDict`, one folder per split) above
 //! the files is refused: indexing it would merge its splits, `test` into `train`. A file of
 //! those names that is not JSON, or has no `_data_files`, is another tool's: not read.
+//!
+//! A `load_dataset` cache folder (no `state.json`) holds every split the builder made
+//! (`json-train.arrow`, `json-test-00000-of-00002.arrow`, ...) beside a `dataset_info.json`
+//! listing them, and the `cache-<fingerprint>.arrow` files `.map()` and `.filter()` write
+//! there. Such a cache file (in any folder with a `dataset_info.json`) is named unused, and a
+//! folder with the files of two or more of the splits `dataset_info.json` lists is refused:
+//! it would merge them into one dataset.
+
+use std::collections::BTreeMap;
 
 use serde_json::Value;
 
@@ -18,42 +27,155 @@ use crate::walk::{Candidate, Kind, Unused};
 const STATE_FILE: &str = "state.json";
 /// The file `DatasetDict.save_to_disk` writes above its splits' folders.
 const DICT_FILE: &str = "dataset_dict.json";
+/// The file `datasets` writes beside the Arrow files of a dataset it built or saved.
+const INFO_FILE: &str = "dataset_info.json";
+/// How `datasets` names the files `.map()` and `.filter()` write beside a dataset's Arrow
+/// files (`cache-<fingerprint>.arrow`).
+const CACHE_PREFIX: &str = "cache-";
+/// The reason given for those files.
+const CACHE_REASON: &str = "a datasets .map()/.filter() cache file";
+
+/// The file name of the relative path `rel`.
+fn base(rel: &str) -> &str {
+    rel.rsplit('/').next().unwrap_or(rel)
+}
 
 /// Keeps, in `files`, only the Arrow files each `state.json` (among the `unused` files) lists
-/// in its folder; moves the others to `unused`, naming the `state.json`. Refuses a
-/// `DatasetDict` of several splits.
+/// in its folder; moves the others to `unused`, naming the `state.json`; then moves the
+/// `.map()`/`.filter()` cache files beside a `dataset_info.json` to `unused`. Refuses a
+/// `DatasetDict` of several splits, and a `load_dataset` cache folder of several.
 pub(crate) fn plan(
     root: &Root,
     files: &mut Vec<Candidate>,
     unused: &mut Vec<Unused>,
 ) -> Result<(), IndexError> {
-    let meta: Vec<String> = unused
-        .iter()
-        .filter(|u| u.file.rsplit('/').next() == Some(DICT_FILE))
-        .chain(
-            unused
-                .iter()
-                .filter(|u| u.file.rsplit('/').next() == Some(STATE_FILE)),
-        )
+    let listed: &[Unused] = unused;
+    let meta: Vec<String> = [DICT_FILE, STATE_FILE, INFO_FILE]
+        .into_iter()
+        .flat_map(|name| listed.iter().filter(move |u| base(&u.file) == name))
         .map(|u| u.file.clone())
         .collect();
+    // Folders whose `state.json` chose the files: its list is the save's, whatever the names.
+    let mut saved: Vec<String> = Vec::new();
     for rel in meta {
         let arrow_beside = files
             .iter()
             .any(|f| f.kind == Kind::Arrow && parent(&f.rel) == parent(&rel));
-        if rel.ends_with(STATE_FILE) && !arrow_beside {
+        if base(&rel) != DICT_FILE && !arrow_beside {
             continue; // no Arrow files of its own to choose among
         }
         let Some(json) = read_json(root, &rel)? else {
             continue; // not JSON: another tool's file of that name, not an HF save
         };
-        if rel.ends_with(DICT_FILE) {
-            refuse_splits(root, &rel, &json)?;
-        } else if let Some(listed) = data_files(root, &rel, &json)? {
-            keep_listed(root, &rel, &listed, files, unused)?;
+        match base(&rel) {
+            DICT_FILE => refuse_splits(root, &rel, &json)?,
+            STATE_FILE => {
+                if let Some(listed) = data_files(root, &rel, &json)? {
+                    keep_listed(root, &rel, &listed, files, unused)?;
+                    saved.push(parent(&rel).to_owned());
+                }
+            }
+            _ => {
+                if !saved.iter().any(|d| d == parent(&rel)) {
+                    drop_caches(&rel, files, unused);
+                }
+                refuse_builder_splits(root, &rel, &json, files)?;
+            }
         }
     }
     Ok(())
+}
+
+/// Moves the `cache-*.arrow` files beside the `dataset_info.json` `info` to `unused`.
+fn drop_caches(info: &str, files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) {
+    let dir = parent(info);
+    files.retain(|f| {
+        let name = base(&f.rel);
+        let cache = f.kind == Kind::Arrow
+            && parent(&f.rel) == dir
+            && name.starts_with(CACHE_PREFIX)
+            && name.ends_with(".arrow");
+        if cache {
+            unused.push(Unused {
+                file: f.rel.clone(),
+                reason: CACHE_REASON.into(),
+            });
+        }
+        !cache
+    });
+}
+
+/// The split names a `dataset_info.json` lists (`"splits": {"train": {...}, ...}`; older
+/// versions: a list of `{"name": ...}`).
+fn info_splits(json: &Value) -> Vec<String> {
+    match json.get("splits") {
+        Some(Value::Object(m)) => m.keys().cloned().collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|s| s.get("name")?.as_str().map(str::to_owned))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The split among `splits` of an Arrow file a `datasets` builder wrote: `BUILDER-SPLIT.arrow`
+/// or `BUILDER-SPLIT-NNNNN-of-NNNNN.arrow`.
+fn file_split<'a>(name: &str, splits: &'a [String]) -> Option<&'a str> {
+    let stem = name.strip_suffix(".arrow")?;
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let mut parts = stem.rsplitn(4, '-');
+    let stem = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(n), Some("of"), Some(i), Some(rest)) if number(n) && number(i) => rest,
+        _ => stem,
+    };
+    splits
+        .iter()
+        .find(|s| {
+            stem.strip_suffix(s.as_str())
+                .is_some_and(|p| p.ends_with('-'))
+        })
+        .map(String::as_str)
+}
+
+/// Refuses the folder of the `dataset_info.json` `info` when its Arrow files belong to two
+/// or more of the splits it lists (a `load_dataset` cache: indexing it would merge them).
+fn refuse_builder_splits(
+    root: &Root,
+    info: &str,
+    json: &Value,
+    files: &[Candidate],
+) -> Result<(), IndexError> {
+    let splits = info_splits(json);
+    let dir = parent(info);
+    let mut found: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for f in files
+        .iter()
+        .filter(|f| f.kind == Kind::Arrow && parent(&f.rel) == dir)
+    {
+        if let Some(split) = file_split(base(&f.rel), &splits) {
+            found.entry(split).or_default().push(base(&f.rel));
+        }
+    }
+    if found.len() < 2 {
+        return Ok(());
+    }
+    let names: Vec<&str> = found.keys().copied().collect();
+    let reason = format!(
+        "a datasets load_dataset cache folder holding the splits {}: indexing it would merge \
+         them into one dataset; index one split: `load_dataset(...)[\"{}\"].save_to_disk(DIR)` \
+         and index DIR, or point at a folder holding only that split's files",
+        names.join(", "),
+        names[0]
+    );
+    let value: Vec<String> = found
+        .iter()
+        .map(|(split, files)| format!("{split}: {}", files.join(", ")))
+        .collect();
+    Err(IndexError::Unsupported {
+        file: root.path().join(info),
+        reason,
+        value: value.join("; "),
+    })
 }
 
 /// The JSON of the metadata file `rel`; `None` when it is not JSON (then it is not one HF
@@ -245,6 +367,84 @@ mod tests {
         // Not JSON, but no Arrow files of its own: some other tool's state, not read.
         let (kept, _) = planned("hf-other", &[("state.json", "x"), ("d/a.arrow", "")]).unwrap();
         assert_eq!(kept, ["d/a.arrow"]);
+    }
+
+    const INFO_2: &str = r#"{"builder_name": "json", "splits": {
+        "train": {"name": "train", "num_examples": 3, "dataset_name": "json"},
+        "test": {"name": "test", "num_examples": 1, "dataset_name": "json"}}}"#;
+
+    #[test]
+    fn a_load_dataset_cache_of_several_splits_is_refused() {
+        // Before, every Arrow file was indexed: test merged into train, and the .map()
+        // output's rows served twice.
+        let cache = [
+            ("dataset_info.json", INFO_2),
+            ("json-train.arrow", ""),
+            ("json-test.arrow", ""),
+            ("cache-0123abcd.arrow", ""),
+        ];
+        let e = planned("hf-cache", &cache).unwrap_err().to_string();
+        for want in [
+            "test, train",
+            "json-test.arrow",
+            "json-train.arrow",
+            "save_to_disk",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let sharded = [
+            ("dataset_info.json", INFO_2),
+            ("parquet-train-00000-of-00002.arrow", ""),
+            ("parquet-train-00001-of-00002.arrow", ""),
+            ("parquet-test-00000-of-00001.arrow", ""),
+        ];
+        let e = planned("hf-cache-sharded", &sharded)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("test, train") && e.contains("parquet-train-00001-of-00002.arrow"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn map_caches_are_unused_and_one_split_or_a_save_is_indexed() {
+        // One split's files: indexed; the .map() cache named unused.
+        let one = [
+            ("dataset_info.json", INFO_2),
+            ("json-train.arrow", ""),
+            ("cache-0123abcd.arrow", ""),
+        ];
+        let (kept, unused) = planned("hf-cache-one", &one).unwrap();
+        assert_eq!(kept, ["json-train.arrow"]);
+        let cache = unused.iter().find(|u| u.file == "cache-0123abcd.arrow");
+        assert_eq!(cache.map(|u| u.reason.as_str()), Some(CACHE_REASON));
+        // A save_to_disk folder's dataset_info.json lists the builder's splits too: its
+        // data-*.arrow files are one split.
+        let saved = [
+            ("dataset_info.json", INFO_2),
+            ("state.json", STATE_2),
+            ("data-00000-of-00002.arrow", ""),
+            ("data-00001-of-00002.arrow", ""),
+        ];
+        assert_eq!(
+            planned("hf-saved-info", &saved).unwrap().0,
+            ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+        );
+        // A save whose state.json lists a file named like a cache (old `save_to_disk` copies
+        // kept `.map()` outputs' names): the list is the save's, the file is data.
+        let listed = [
+            ("dataset_info.json", INFO_2),
+            (
+                "state.json",
+                r#"{"_data_files": [{"filename": "cache-0123abcd.arrow"}]}"#,
+            ),
+            ("cache-0123abcd.arrow", ""),
+        ];
+        assert_eq!(
+            planned("hf-saved-cache", &listed).unwrap().0,
+            ["cache-0123abcd.arrow"]
+        );
     }
 
     #[test]

@@ -6,10 +6,16 @@
 //! (`.parquet`, converted once to Arrow IPC in a hidden cache: [`ParquetNote`]).
 //!
 //! Each shard is one contiguous byte range of one file (a record batch body, a `.npy` data
-//! section, a whole `.tar` or MDS `.mds` file, a whole raw `.bin`, or a run of whole sequences
-//! of at most 64 MiB, or one longer one, of a Megatron or `--tokens` `.bin`) with its
-//! CRC-32C; its tensors are byte ranges inside it, with absolute file offsets. Files are visited in sorted relative-path order, so the same
-//! directory always yields the same manifest and digest.
+//! section, a whole `.tar` or MDS `.mds` file, a whole raw `.bin`, a run of whole sequences
+//! of a Megatron `.bin` of at most 64 MiB (or one longer sequence alone), or a run of whole
+//! documents of a `--tokens` `.bin` of at most 64 MiB, a longer document being cut into rows
+//! of 64 MiB) with its CRC-32C; its tensors are byte ranges inside it, with absolute file
+//! offsets. Files are visited in sorted relative-path order, so the same directory always
+//! yields the same manifest and digest.
+//!
+//! Every row of a row table is an `[offset, length]` pair in the manifest, which travels to
+//! nodes in one frame: a lower bound of its size is counted as each file is planned
+//! (`budget.rs`), so a dataset of too many rows is refused before its data is read.
 //!
 //! A dataset in object storage is read with ranged GETs only: listing replaces the directory
 //! walk (same rules), structure reads (headers, footers, index files) cost a few requests,
@@ -19,13 +25,15 @@
 //!
 //! Nothing is left out silently: [`index_report`] also lists the files not used (with the
 //! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
-//! files and the manifest itself are the only files skipped without a word.
+//! files, the empty directory markers of an object store (`dir/`) and the manifest itself
+//! are the only files skipped without a word.
 
 #![forbid(unsafe_code)]
 
 mod arrow;
 mod bin;
 mod blob;
+mod budget;
 mod error;
 mod hf;
 mod mds;
@@ -49,6 +57,7 @@ use std::path::{Path, PathBuf};
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ObjectEntry, ShardEntry};
 pub use shardwire_store::{Described, StoreOptions, StoreUrl};
 
+use crate::budget::{Budget, RowKind};
 pub use crate::error::IndexError;
 pub use crate::parquet::ParquetNote;
 use crate::remote::Remote;
@@ -263,6 +272,16 @@ pub fn index_report(dir: &Path, opts: &IndexOptions) -> Result<IndexReport, Inde
 
 /// Indexes every data file of `root`.
 fn index_root(root: &mut Root, opts: &IndexOptions) -> Result<IndexReport, IndexError> {
+    index_root_within(root, opts, budget::LIMIT)
+}
+
+/// Indexes every data file of `root`, refusing a manifest that would be over `limit` bytes
+/// before the file that takes it over is read.
+fn index_root_within(
+    root: &mut Root,
+    opts: &IndexOptions,
+    limit: u64,
+) -> Result<IndexReport, IndexError> {
     let (mut files, mut unused) = root.collect()?;
     hf::plan(root, &mut files, &mut unused)?;
     let mds = mds::plan(root, &mut files, &mut unused)?;
@@ -275,7 +294,8 @@ fn index_root(root: &mut Root, opts: &IndexOptions) -> Result<IndexReport, Index
         mds: &mds,
         megatron: &megatron,
     };
-    let found = index_files(root, &files, plans, opts, &mut progress);
+    let mut budget = Budget::new(limit);
+    let found = index_files(root, &files, plans, opts, &mut progress, &mut budget);
     progress.finish();
     let Found {
         mut shards,
@@ -323,18 +343,21 @@ struct Plans<'a> {
     megatron: &'a megatron::Plan,
 }
 
-/// Indexes `files` in order.
+/// Indexes `files` in order; each file's shards are counted in `budget` before its data is
+/// read (checksummed).
 fn index_files(
     root: &mut Root,
     files: &[Candidate],
     plans: Plans<'_>,
     opts: &IndexOptions,
     progress: &mut Progress,
+    budget: &mut Budget,
 ) -> Result<Found, IndexError> {
     let choice = arrow::Choice {
         columns: opts.columns.as_deref(),
         skip_unsupported: opts.skip_unsupported,
     };
+    let dir = root.path();
     let mut out = Found::default();
     for f in files {
         let mut src = match f.kind {
@@ -376,19 +399,34 @@ fn index_files(
         if shards.is_empty() {
             out.empty.push(f.rel.clone());
         }
-        // Names that clash (fields or columns, with the `.offsets` a ragged one brings) are
-        // the file's to fix, said here rather than as an invalid manifest.
-        for s in &shards {
-            shardwire_protocol::manifest::check_names(&s.tensors).map_err(|reason| {
-                let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
-                src.unsupported(reason, names.join(", "))
-            })?;
-        }
+        check_names(&src, &shards)?;
+        budget.add(&shards, row_kind(f, plans, opts), &dir, &f.rel)?;
         src.checksum(&mut shards)?;
         out.shards.extend(shards);
         progress.file_done(f.size);
     }
     Ok(out)
+}
+
+/// Refuses names that clash (fields or columns, with the `.offsets` a ragged one brings):
+/// the file's to fix, said here rather than as an invalid manifest.
+fn check_names(src: &source::Source, shards: &[ShardEntry]) -> Result<(), IndexError> {
+    for s in shards {
+        shardwire_protocol::manifest::check_names(&s.tensors).map_err(|reason| {
+            let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+            src.unsupported(reason, names.join(", "))
+        })?;
+    }
+    Ok(())
+}
+
+/// What the rows of the file `f` are, for the advice when there are too many.
+fn row_kind(f: &Candidate, plans: Plans<'_>, opts: &IndexOptions) -> RowKind {
+    match f.kind {
+        Kind::Bin if plans.megatron.contains_key(&f.rel) => RowKind::Megatron,
+        Kind::Bin if opts.tokens.is_some() => RowKind::Tokens,
+        _ => RowKind::Samples,
+    }
 }
 
 /// Records a skipped column, merging files that skip the same (column, type).
@@ -444,13 +482,12 @@ pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<PathBuf, IndexError> {
 }
 
 /// The manifest file's bytes, refused when no source could send them to a node
-/// ([`Manifest::check_size`]): better at indexing than when the source starts.
+/// ([`Manifest::check_size`]): better at indexing than when the source starts. The error
+/// names the rows, most often the cause.
 fn manifest_json(m: &Manifest, dir: &Path) -> Result<Vec<u8>, IndexError> {
     let json = m.to_json();
-    Manifest::check_size(json.len() as u64).map_err(|source| IndexError::Manifest {
-        dir: dir.to_path_buf(),
-        source,
-    })?;
+    let len = json.len() as u64;
+    Manifest::check_size(len).map_err(|_| budget::too_large(dir, &m.shards, len))?;
     Ok(json)
 }
 
@@ -575,6 +612,47 @@ mod tests {
             err.contains("nope") && err.contains("not a directory"),
             "{err}"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn too_many_rows_are_refused_while_planning_naming_rows_and_fix() {
+        // Before, only the written manifest's size was checked, after every file was read
+        // and checksummed, with the advice "use larger shards".
+        let dir = temp_dir("lib-rows");
+        // 3000 one-token documents: each token is the end-of-document id 0.
+        std::fs::write(dir.join("t.bin"), vec![0u8; 6000]).unwrap();
+        let eos = RawTokens::new(shardwire_protocol::DType::Uint16, Some(0)).unwrap();
+        let opts = IndexOptions {
+            tokens: Some(eos),
+            ..IndexOptions::default()
+        };
+        let mut root = Root::Local(dir.clone());
+        let e = index_root_within(&mut root, &opts, 20_000).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                IndexError::ManifestTooLarge {
+                    rows: 3000,
+                    limit: 20_000,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        for want in [
+            "t.bin",
+            "3000 rows",
+            "20000 bytes",
+            "before its data was read",
+            "--eos",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+        // Under the real limit it is indexed; the manifest is larger than the 20000 bytes.
+        let m = index_dir(&dir, &opts).unwrap();
+        assert!(m.to_json().len() > 20_000);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -10,6 +10,10 @@
 //! `[rows, *SHAPE]` tensor; every other column (`bytes`, `str`, `jpeg`, `pkl`, `json`,
 //! `ndarray` without a fixed dtype and shape, ...) a ragged `uint8` tensor of the stored
 //! bytes. Compressed shards are refused: they cannot be fetched by byte range.
+//!
+//! An `index.json` of LitData's `optimize()` (an object with `chunks` and `config`) is
+//! refused: its `chunk-*.bin` files are item headers and serialized items, which would
+//! otherwise be indexed as raw `.bin` data (or, with `--tokens`, read as tokens).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -123,7 +127,12 @@ fn index_shards(
     let text = src.read_at("index.json", 0, src.len)?;
     let reason = match streaming_shards(&text) {
         Ok(Some(shards)) => return Ok(Some(shards)),
-        Ok(None) => "not a MosaicML Streaming index (no `shards` list)".to_owned(),
+        Ok(None) => {
+            if let Some(e) = refuse_litdata(&text, f) {
+                return Err(e);
+            }
+            "not a MosaicML Streaming index (no `shards` list)".to_owned()
+        }
         Err(e) => {
             let base = parent(&f.rel);
             let beside = |c: &Candidate| c.kind == Kind::Mds && parent(&c.rel) == base;
@@ -189,6 +198,37 @@ fn streaming_shards(text: &[u8]) -> Result<Option<Vec<Value>>, serde_json::Error
         obj.get("shards")?.as_array().cloned()
     });
     Ok(shards)
+}
+
+/// The error for a LitData `optimize()` index (`index.json`, an object with `chunks` and
+/// `config`), `None` for other JSON. Its `chunk-*.bin` files hold a `u32` item count `n`,
+/// `n + 1` `u32` offsets, then the serialized items: never raw data or tokens, so the
+/// folder is refused rather than its chunks indexed as `.bin` files.
+fn refuse_litdata(text: &[u8], f: &Candidate) -> Option<IndexError> {
+    let v: Value = serde_json::from_slice(text).ok()?;
+    let obj = v.as_object()?;
+    if !(obj.contains_key("chunks") && obj.contains_key("config")) {
+        return None;
+    }
+    let chunks = obj.get("chunks").and_then(Value::as_array);
+    let names: Vec<&str> = chunks
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("filename")?.as_str())
+        .collect();
+    let mut value = format!("{} chunk file(s)", names.len());
+    if !names.is_empty() {
+        let more = if names.len() > 3 { ", ..." } else { "" };
+        value = format!("{value}: {}{more}", names[..names.len().min(3)].join(", "));
+    }
+    Some(IndexError::Unsupported {
+        file: f.path.clone(),
+        reason: "LitData optimize() output is not supported (its chunk files hold item \
+                 headers and serialized items, not raw data or tokens): index the data it \
+                 was made from"
+            .into(),
+        value,
+    })
 }
 
 /// The '/'-separated parent of a relative path (`""` at the top).

@@ -38,7 +38,9 @@ const HEADER: u64 = 34;
 pub(crate) type Plan = HashMap<String, (PathBuf, String)>;
 
 /// Takes the `.idx` files out of `files`, pairing each with the `.bin` of the same stem in
-/// the same directory; an `.idx` with no such `.bin` goes to `unused`, with the reason.
+/// the same directory; an `.idx` with no such `.bin` goes to `unused`, with the reason, and
+/// so does a second `.idx` of one `.bin` (`d.idx` and `d.IDX`: the one whose extension has
+/// the case of the `.bin`'s is used, else the first by name).
 pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan {
     let stem = |rel: &'_ str| -> String { rel.rsplit_once('.').map_or(rel, |(s, _)| s).to_owned() };
     // By stem: the extension's case does not matter (`Kind::of` ignores it too).
@@ -50,7 +52,15 @@ pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan
     let mut plan = Plan::new();
     for f in files.iter().filter(|f| f.kind == Kind::MegatronIdx) {
         if let Some(bin) = bins.get(&stem(&f.rel)) {
-            plan.insert((*bin).to_owned(), (f.path.clone(), f.rel.clone()));
+            let mine = (f.path.clone(), f.rel.clone());
+            let Some(used) = plan.get_mut(*bin) else {
+                plan.insert((*bin).to_owned(), mine);
+                continue;
+            };
+            if same_case(bin, &f.rel) && !same_case(bin, &used.1) {
+                // This one takes the place of the one chosen so far.
+                *used = mine;
+            }
         } else {
             let bin = format!("{}.bin", stem(&f.rel));
             let name = bin.rsplit('/').next().unwrap_or(&bin).to_owned();
@@ -60,8 +70,48 @@ pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan
             });
         }
     }
+    // Every index of a `.bin` but the one chosen, named with the chosen one.
+    let chosen: Vec<(&str, &str)> = plan
+        .iter()
+        .map(|(bin, (_, rel))| (bin.as_str(), rel.as_str()))
+        .collect();
+    for (bin, rel) in files
+        .iter()
+        .filter(|f| f.kind == Kind::MegatronIdx)
+        .filter_map(|f| bins.get(&stem(&f.rel)).map(|bin| (*bin, f.rel.as_str())))
+    {
+        let used = chosen.iter().find(|(b, _)| *b == bin).map(|(_, r)| *r);
+        if let Some(used) = used.filter(|&u| u != rel) {
+            unused.push(second_index(bin, rel, used));
+        }
+    }
     files.retain(|f| f.kind != Kind::MegatronIdx);
     plan
+}
+
+/// Whether the `.idx` `idx` has its extension in the case of the `.bin` `bin`'s
+/// (`d.bin` and `d.idx`, `D.BIN` and `D.IDX`).
+fn same_case(bin: &str, idx: &str) -> bool {
+    let ext = |rel: &str| rel.rsplit_once('.').map_or("", |(_, e)| e).to_owned();
+    let want = match ext(bin).as_str() {
+        "bin" => "idx",
+        "BIN" => "IDX",
+        _ => return false,
+    };
+    ext(idx) == want
+}
+
+/// The note for `extra`, a second `.idx` of the `.bin` `bin`, whose index is `used`.
+fn second_index(bin: &str, extra: &str, used: &str) -> Unused {
+    let name = |rel: &str| rel.rsplit('/').next().unwrap_or(rel).to_owned();
+    Unused {
+        file: extra.to_owned(),
+        reason: format!(
+            "a second Megatron index of {} ({} is the one used); remove the stale one",
+            name(bin),
+            name(used)
+        ),
+    }
 }
 
 /// The dtype of a Megatron dtype code.
@@ -393,6 +443,46 @@ mod tests {
         let t = &r.manifest.shards[0].tensors[0];
         assert_eq!((t.name.as_str(), t.ragged), ("tokens", true));
         assert_eq!(t.rows.as_deref().unwrap(), [[0, 10], [10, 4]]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_second_idx_of_one_bin_is_named_unused() {
+        // Before, `d.IDX` and `d.idx` both paired with `d.bin`: the later won, and the other
+        // was neither used nor named.
+        let dir = temp_dir("megatron-two-idx");
+        write(&dir, "d", 8, 2, &[vec![u16s(0, 5)], vec![u16s(9, 2)]]);
+        std::fs::copy(dir.join("d.idx"), dir.join("d.IDX")).unwrap();
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        assert_eq!(r.unused.len(), 1, "{:?}", r.unused);
+        assert_eq!(r.unused[0].file, "d.IDX");
+        assert!(
+            r.unused[0]
+                .reason
+                .contains("second Megatron index of d.bin")
+                && r.unused[0].reason.contains("d.idx is the one used"),
+            "{}",
+            r.unused[0].reason
+        );
+        let t = &r.manifest.shards[0].tensors[0];
+        assert_eq!(t.rows.as_deref().unwrap(), [[0, 10], [10, 4]]);
+        // Three: each of the others names the one really used (before, a note could name one
+        // that a later index then displaced).
+        std::fs::copy(dir.join("d.idx"), dir.join("d.Idx")).unwrap();
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        let mut notes: Vec<(&str, bool)> = r
+            .unused
+            .iter()
+            .map(|u| (u.file.as_str(), u.reason.contains("d.idx is the one used")))
+            .collect();
+        notes.sort_unstable();
+        assert_eq!(notes, [("d.IDX", true), ("d.Idx", true)]);
+        std::fs::remove_file(dir.join("d.Idx")).unwrap();
+        // Without one of the .bin's case, the first by name is used.
+        std::fs::rename(dir.join("d.idx"), dir.join("d.Idx")).unwrap();
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        let unused: Vec<&str> = r.unused.iter().map(|u| u.file.as_str()).collect();
+        assert_eq!(unused, ["d.Idx"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

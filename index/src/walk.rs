@@ -1,8 +1,9 @@
 //! Finds the data files of a dataset directory ([`collect`]) or of an object-store listing
-//! ([`from_listing`]): deterministic (sorted by relative path), skipping hidden entries and
-//! the manifest itself silently. Every other file that is not read (unknown extension, HF
-//! `datasets` metadata, links to directories, dangling links) is listed as [`Unused`] with
-//! the reason, so that nothing is left out unseen. Both apply the same rules.
+//! ([`from_listing`]): deterministic (sorted by relative path), skipping hidden entries, empty
+//! directory markers of object stores and the manifest itself silently. Every other file
+//! that is not read (unknown extension, HF `datasets` metadata, megatron-core's index cache,
+//! a name that is not UTF-8, links to directories, dangling links) is listed as [`Unused`]
+//! with the reason, so that nothing is left out unseen. Both apply the same rules.
 
 use std::path::{Path, PathBuf};
 
@@ -95,6 +96,53 @@ fn unused_reason(name: &str) -> String {
     }
 }
 
+/// The reason given for the files of megatron-core's dataset index cache.
+pub(crate) const MEGATRON_CACHE: &str = "megatron-core's dataset index cache";
+
+/// The last `-`-separated part of the names megatron-core gives the files of its dataset
+/// index cache (`<hash>-GPTDataset-<split>-document_index.npy`; `BlendedDataset` writes
+/// `dataset_index` and `dataset_sample_index`).
+const MEGATRON_CACHE_FILES: [&str; 6] = [
+    "document_index.npy",
+    "sample_index.npy",
+    "shuffle_index.npy",
+    "dataset_index.npy",
+    "dataset_sample_index.npy",
+    "description.txt",
+];
+
+/// Whether `rel` is a file megatron-core's `GPTDataset` (or another of its datasets) wrote
+/// in its index cache: `cache/<Class>_indices/<hash>-...-{document,sample,shuffle}_index.npy`,
+/// which it puts next to the `.bin` it indexes when `path_to_cache` is not set.
+fn megatron_cache(rel: &str) -> bool {
+    let mut parts = rel.rsplit('/');
+    let (Some(name), Some(dir), Some(cache)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    cache == "cache"
+        && dir.ends_with("_indices")
+        && name
+            .rsplit_once('-')
+            .is_some_and(|(_, last)| MEGATRON_CACHE_FILES.contains(&last))
+}
+
+/// How the regular file `rel` (named `name`) is read, or why it is not.
+fn classify(rel: &str, name: &str) -> Result<Kind, String> {
+    if megatron_cache(rel) {
+        return Err(MEGATRON_CACHE.into());
+    }
+    Kind::of(name).ok_or_else(|| unused_reason(name))
+}
+
+/// `prefix/name`, or `name` at the top.
+fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{prefix}/{name}")
+    }
+}
+
 /// Whether the entry `name` (at the top of the dataset when `top`) is skipped without a word:
 /// hidden entries and the manifest.
 fn skipped(name: &str, top: bool) -> bool {
@@ -113,25 +161,37 @@ pub(crate) fn from_listing<'a>(
     for (rel, size) in objects {
         let parts: Vec<&str> = rel.split('/').collect();
         let name = parts.last().copied().unwrap_or("");
-        // Directory markers (`a/`) and hidden entries at any depth are not files to read.
-        if name.is_empty()
-            || parts
-                .iter()
-                .enumerate()
-                .any(|(i, p)| skipped(p, i == 0 && parts.len() == 1))
+        // Hidden entries at any depth are not files to read.
+        if parts
+            .iter()
+            .enumerate()
+            .any(|(i, p)| skipped(p, i == 0 && parts.len() == 1))
         {
             continue;
         }
-        match Kind::of(name) {
-            Some(kind) => out.push(Candidate {
+        if name.is_empty() {
+            // `a/`: an empty one is a directory marker; one with bytes is named.
+            if size > 0 {
+                unused.push(Unused {
+                    file: rel.to_owned(),
+                    reason: format!(
+                        "object key ends in '/' but holds {size} bytes (not an empty directory \
+                         marker): copy it to a key without the trailing '/' if it is data"
+                    ),
+                });
+            }
+            continue;
+        }
+        match classify(rel, name) {
+            Ok(kind) => out.push(Candidate {
                 path: display(rel),
                 rel: rel.to_owned(),
                 kind,
                 size,
             }),
-            None => unused.push(Unused {
+            Err(reason) => unused.push(Unused {
                 file: rel.to_owned(),
-                reason: unused_reason(name),
+                reason,
             }),
         }
     }
@@ -154,16 +214,13 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
             let full = entry.path();
             let name = entry.file_name();
             let Some(name) = name.to_str() else {
-                return Err(IndexError::NonUtf8Name { file: full });
+                unused.extend(non_utf8(&entry, &prefix)?);
+                continue;
             };
             if skipped(name, prefix.is_empty()) {
                 continue;
             }
-            let rel = if prefix.is_empty() {
-                name.to_owned()
-            } else {
-                format!("{prefix}/{name}")
-            };
+            let rel = join(&prefix, name);
             let ftype = entry.file_type().map_err(|e| IndexError::io(&full, e))?;
             if ftype.is_dir() {
                 stack.push((full, rel));
@@ -177,11 +234,9 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
                 Err(_) if ftype.is_symlink() => Err("dangling symbolic link"),
                 Err(e) => return Err(IndexError::io(&full, e)),
             };
-            let found = meta.map_err(String::from).and_then(|m| {
-                Kind::of(name)
-                    .map(|k| (k, m))
-                    .ok_or_else(|| unused_reason(name))
-            });
+            let found = meta
+                .map_err(String::from)
+                .and_then(|m| classify(&rel, name).map(|k| (k, m)));
             let (kind, meta) = match found {
                 Ok(found) => found,
                 Err(reason) => {
@@ -200,6 +255,26 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
     Ok((out, unused))
+}
+
+/// The entry `entry` of the folder `prefix`, whose name is not UTF-8 (so cannot be written
+/// into the manifest): skipped when hidden, an error when it could be data (a directory, or
+/// a data file's extension), else named unused by its lossy name.
+fn non_utf8(entry: &std::fs::DirEntry, prefix: &str) -> Result<Option<Unused>, IndexError> {
+    let full = entry.path();
+    let lossy = entry.file_name().to_string_lossy().into_owned();
+    if skipped(&lossy, prefix.is_empty()) {
+        return Ok(None);
+    }
+    let ftype = entry.file_type().map_err(|e| IndexError::io(&full, e))?;
+    if ftype.is_dir() || Kind::of(&lossy).is_some() {
+        return Err(IndexError::NonUtf8Name { file: full });
+    }
+    Ok(Some(Unused {
+        file: join(prefix, &lossy),
+        reason: "file name is not valid UTF-8 (shown with U+FFFD for the bytes that are not)"
+            .into(),
+    }))
 }
 
 #[cfg(test)]
@@ -286,6 +361,7 @@ mod tests {
             ("notes.txt", 1),
             ("sub/state.json", 1),
             ("dir/", 0),
+            ("odd/", 5),
             ("README", 1),
             (MANIFEST_FILE, 1),
             ("sub/shardwire.manifest.json", 1),
@@ -304,15 +380,83 @@ mod tests {
             ]
         );
         assert_eq!(found[0].path, PathBuf::from("s3://b/a.npy"));
-        let unused: Vec<&str> = unused.iter().map(|u| u.file.as_str()).collect();
+        let names: Vec<&str> = unused.iter().map(|u| u.file.as_str()).collect();
         assert_eq!(
-            unused,
+            names,
             [
                 "README",
                 "notes.txt",
+                "odd/",
                 "sub/shardwire.manifest.json",
                 "sub/state.json"
             ]
         );
+        // Before, a key ending in '/' was skipped as a directory marker whatever it held.
+        assert!(
+            unused[2].reason.contains("ends in '/'") && unused[2].reason.contains("5 bytes"),
+            "{:?}",
+            unused[2]
+        );
+    }
+
+    #[test]
+    fn megatron_core_index_cache_is_named_unused() {
+        // Written next to corpus.bin by GPTDataset when path_to_cache is not set.
+        let cache = "corpus/cache/GPTDataset_indices";
+        let dir = crate::testutil::temp_dir("walk-mcore-cache");
+        std::fs::create_dir_all(dir.join(cache)).unwrap();
+        let names = [
+            "corpus.bin".to_owned(),
+            "corpus.idx".to_owned(),
+            format!("{cache}/0a1b-GPTDataset-train-document_index.npy"),
+            format!("{cache}/0a1b-GPTDataset-train-sample_index.npy"),
+            format!("{cache}/0a1b-GPTDataset-train-shuffle_index.npy"),
+            format!("{cache}/0a1b-GPTDataset-train-description.txt"),
+            // Not a name megatron-core writes: still data.
+            format!("{cache}/features.npy"),
+        ];
+        for f in &names {
+            std::fs::write(dir.join(f), b"x").unwrap();
+        }
+        let (found, unused) = collect(&dir).unwrap();
+        let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
+        let data = format!("{cache}/features.npy");
+        assert_eq!(rels, ["corpus.bin", "corpus.idx", data.as_str()]);
+        assert_eq!(unused.len(), 4, "{unused:?}");
+        assert!(
+            unused.iter().all(|u| u.reason == MEGATRON_CACHE),
+            "{unused:?}"
+        );
+        // An object-store listing follows the same rule.
+        let listing = names.iter().map(|n| (n.as_str(), 1));
+        let (found, unused) = from_listing(listing, |r| PathBuf::from(format!("s3://b/{r}")));
+        assert_eq!(found.len(), 3);
+        assert!(
+            unused.iter().all(|u| u.reason == MEGATRON_CACHE),
+            "{unused:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_non_utf8_name_is_skipped_when_hidden_named_when_not_data_else_refused() {
+        use std::ffi::OsStr;
+        use std::os::unix::ffi::OsStrExt;
+        // Before, any name that is not UTF-8 aborted the walk, even a hidden one.
+        let dir = crate::testutil::temp_dir("walk-utf8");
+        std::fs::write(dir.join("a.bin"), b"x").unwrap();
+        std::fs::write(dir.join(OsStr::from_bytes(b".lock\xff")), b"x").unwrap();
+        std::fs::write(dir.join(OsStr::from_bytes(b"notes\xff.txt")), b"x").unwrap();
+        let (found, unused) = collect(&dir).unwrap();
+        let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
+        assert_eq!(rels, ["a.bin"]);
+        assert_eq!(unused.len(), 1, "{unused:?}");
+        assert_eq!(unused[0].file, "notes\u{FFFD}.txt");
+        assert!(unused[0].reason.contains("not valid UTF-8"), "{unused:?}");
+        // One that would be data is still an error naming it.
+        std::fs::write(dir.join(OsStr::from_bytes(b"data\xff.bin")), b"x").unwrap();
+        let e = collect(&dir).unwrap_err();
+        assert!(matches!(e, IndexError::NonUtf8Name { .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

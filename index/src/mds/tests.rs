@@ -378,3 +378,50 @@ fn a_truncated_index_beside_its_shards_is_an_error_with_the_parse_position() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A LitData chunk as `litdata.streaming.writer.BinaryWriter` writes it: a `u32` item count
+/// `n`, `n + 1` `u32` offsets from the file start, then the items' bytes.
+fn litdata_chunk(items: &[&[u8]]) -> Vec<u8> {
+    let n = items.len() as u32;
+    let mut at = 4 * (n + 2);
+    let mut out = n.to_le_bytes().to_vec();
+    out.extend(at.to_le_bytes());
+    for item in items {
+        at += item.len() as u32;
+        out.extend(at.to_le_bytes());
+    }
+    for item in items {
+        out.extend_from_slice(item);
+    }
+    out
+}
+
+#[test]
+fn litdata_optimize_output_is_refused_not_read_as_raw_bin() {
+    // Before, index.json was named unused and chunk-0-0.bin indexed as raw bytes (with
+    // --tokens, its header read as tokens).
+    let dir = temp_dir("mds-litdata");
+    let index = r#"{"chunks": [{"chunk_bytes": 12, "chunk_size": 2, "dim": null,
+        "filename": "chunk-0-0.bin"}], "config": {"chunk_bytes": 67108864, "chunk_size": null,
+        "compression": null, "data_format": ["bytes"], "data_spec": "[1, {}]",
+        "encryption": null, "item_loader": "PyTreeLoader"}, "updated_at": "1700000000.0"}"#;
+    std::fs::write(dir.join("index.json"), index).unwrap();
+    let chunk = litdata_chunk(&[&b"hello!"[..], &b"world!"[..]]);
+    std::fs::write(dir.join("chunk-0-0.bin"), chunk).unwrap();
+    let err = index_err(&dir);
+    for want in [
+        "index.json",
+        "LitData optimize()",
+        "chunk-0-0.bin",
+        "the data it was made from",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let tokens = IndexOptions {
+        tokens: Some(crate::RawTokens::new(DType::Uint16, None).unwrap()),
+        ..IndexOptions::default()
+    };
+    let err = index_dir(&dir, &tokens).unwrap_err().to_string();
+    assert!(err.contains("LitData"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
