@@ -65,7 +65,10 @@ pub struct Classified {
 /// crosses one switch), else PXB. Without: PHB when both hang off one CPU (same host
 /// bridge, or host bridges on the same known NUMA node), else SYS (different NUMA nodes,
 /// or different host bridges with a NUMA node unknown). Switch addresses carry their PCI
-/// domain, so devices in different domains never share a switch.
+/// domain, so devices in different domains never share a switch. Behind an Intel VMD
+/// endpoint the paths start below the nested host bridge and keep the outer one
+/// ([`PciPath::from_real_path`]): two devices in a VMD domain without a switch in common are
+/// PHB through that outer bridge, never PIX or PXB through the VMD endpoint.
 pub fn classify(
     gpu: &PciPath,
     gpu_numa: Option<u32>,
@@ -328,6 +331,32 @@ mod tests {
             (c.distance, c.why.as_str()),
             (Distance::Sys, "host bridges ? and ?, NUMA node unknown")
         );
+    }
+
+    #[test]
+    fn devices_behind_vmd_meet_at_the_host_bridge_not_the_vmd_endpoint() {
+        // Before, the VMD endpoint 0000:00:0e.0 above the nested host bridge pci10000:00 was
+        // taken for a PCIe switch: PIX for two devices under different VMD root ports, PXB
+        // for one of them and a device behind a switch inside VMD.
+        let real = |p: &str| PciPath::from_real_path(std::path::Path::new(p));
+        let vmd = "pci0000:00/0000:00:0e.0/pci10000:00";
+        let g = real(&format!("{vmd}/10000:00:02.0/10000:01:00.0"));
+        let nic = real(&format!("{vmd}/10000:00:03.0/10000:02:00.0"));
+        let behind_switch = real(&format!(
+            "{vmd}/10000:00:04.0/10000:03:00.0/10000:04:00.0/10000:05:00.0"
+        ));
+        let phb = (
+            Distance::Phb,
+            "through host bridge pci0000:00 (NUMA 0)".to_owned(),
+        );
+        for other in [&nic, &behind_switch] {
+            let c = classify(&g, Some(0), other, Some(0));
+            assert_eq!((c.distance, c.why), phb, "{other}");
+        }
+        // A device outside the VMD domain, on the same root complex: PHB too.
+        let outside = path("pci0000:00", &["0000:00:01.0", "0000:01:00.0"]);
+        let c = classify(&behind_switch, Some(0), &outside, Some(0));
+        assert_eq!((c.distance, c.why), phb);
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! - A usable NIC is passed over ([`passed_over`]) when its link is down while another of its
 //!   model is up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
 //!   NIC beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
+//!   A lane whose NIC is farther than a NIC passed over for its link being down names that
+//!   NIC in its `why`; a lane without a NIC names each physical NIC left out and why.
 //!   An SR-IOV virtual function comes after every physical function at its distance, whatever
 //!   their load: a VF shares its PF's port, so it is no second NIC.
 //! - Virtual NICs (veth, lo) have no PCI path. They are never used unless named in
@@ -166,6 +168,7 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
         .map(|g| best_candidates(g, &tree.nics, &skip, opts))
         .collect();
     let chosen = assign(&best, &tree.nics);
+    let excluded = excluded_nics(&tree.nics);
     let mut queues: Vec<Vec<u32>> = vec![Vec::new(); gpus.len()];
     let mut shares: Vec<String> = vec![String::new(); gpus.len()];
     for (k, nic) in tree.nics.iter().enumerate() {
@@ -183,13 +186,14 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
             let lane = u32::try_from(i).unwrap_or(u32::MAX);
             let pick = chosen[i].and_then(|k| best[i].iter().find(|c| c.nic == k));
             let Some(pick) = pick else {
-                return no_nic_lane(lane, gpu, opts);
+                return no_nic_lane(lane, gpu, opts, &excluded);
             };
             let nic = &tree.nics[pick.nic];
             let spread = match best[i].len() {
                 1 => String::new(),
                 n => format!("; 1 of {n} NICs at {}, spread", pick.class.distance),
             };
+            let down = nearer_down_note(gpu, &tree.nics, &skip, pick.class.distance);
             LanePlan {
                 lane,
                 gpu: gpu.pci,
@@ -200,19 +204,64 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
                 distance: Some(pick.class.distance),
                 queues: std::mem::take(&mut queues[i]),
                 data_addr: None,
-                why: format!("{}{spread}{}", pick.class.why, shares[i]),
+                why: format!("{}{spread}{}{down}", pick.class.why, shares[i]),
                 warn: pick.class.distance.crosses_cpu(),
             }
         })
         .collect()
 }
 
-fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
-    let why = if opts.include_virtual.is_empty() {
-        "no physical NIC (virtual NICs are not paired with GPUs; name one in the lanes table's \
-         `interface` to use it)"
-    } else {
-        "no physical NIC, and no NIC named in include_virtual exists"
+/// Each physical NIC of `nics` that is no candidate for any GPU, as `NAME (why)`: the
+/// reason it is [`Nic::unusable`] (a bond or bridge port, an InfiniBand port...) or
+/// [`passed_over`] (its link down, a management NIC).
+fn excluded_nics(nics: &[Nic]) -> Vec<String> {
+    nics.iter()
+        .filter(|n| !n.is_virtual)
+        .filter_map(|n| {
+            let why = n.unusable.clone().or_else(|| passed_over(nics, n))?;
+            Some(format!("{} ({why})", n.interface))
+        })
+        .collect()
+}
+
+/// For a lane whose NIC is at `distance` from `gpu`: a note naming the NICs nearer to the
+/// GPU that were passed over (`skip`) because their link was down at start, so the plan
+/// shows the nearer NIC it would have had; empty when there is none.
+fn nearer_down_note(gpu: &Gpu, nics: &[Nic], skip: &[bool], distance: Distance) -> String {
+    let nearer: Vec<String> = nics
+        .iter()
+        .zip(skip)
+        .filter(|(n, skipped)| **skipped && !n.is_virtual && n.link_up == Some(false))
+        .filter_map(|(n, _)| {
+            let c = classify(&gpu.path, gpu.numa_node, n.path.as_ref()?, n.numa_node);
+            (c.distance < distance).then(|| format!("{} ({})", n.interface, c.distance))
+        })
+        .collect();
+    match nearer.len() {
+        0 => String::new(),
+        1 => format!(
+            "; {} is nearer but was passed over: its link was down at start",
+            nearer[0]
+        ),
+        _ => format!(
+            "; {} are nearer but were passed over: their links were down at start",
+            nearer.join(", ")
+        ),
+    }
+}
+
+/// The lane of a GPU no NIC is paired with; `excluded` lists the physical NICs that are no
+/// candidates and why ([`excluded_nics`]).
+fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions, excluded: &[String]) -> LanePlan {
+    const VIRTUAL: &str = "virtual NICs are not paired with GPUs; name one in the lanes \
+                           table's `interface` to use it";
+    const NAMED: &str = "no NIC named in include_virtual exists";
+    let list = excluded.join("; ");
+    let why = match (list.is_empty(), opts.include_virtual.is_empty()) {
+        (true, true) => format!("no physical NIC ({VIRTUAL})"),
+        (true, false) => format!("no physical NIC, and {NAMED}"),
+        (false, true) => format!("no usable physical NIC: {list} ({VIRTUAL})"),
+        (false, false) => format!("no usable physical NIC: {list}; and {NAMED}"),
     };
     LanePlan {
         lane,
@@ -224,7 +273,7 @@ fn no_nic_lane(lane: u32, gpu: &Gpu, opts: &PairOptions) -> LanePlan {
         distance: None,
         queues: Vec::new(),
         data_addr: None,
-        why: why.to_owned(),
+        why,
         warn: true,
     }
 }

@@ -15,10 +15,15 @@ use crate::pci::{PciAddr, parse_sysfs_name};
 /// device.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PciPath {
-    /// The `pciDDDD:BB` component (the host bridge, one per root complex); empty when the
-    /// real path has none (a device outside `ROOT/devices/pci*`).
+    /// The outermost `pciDDDD:BB` component (the host bridge, one per root complex: it
+    /// names the CPU side the device hangs off); empty when the real path has none (a device
+    /// outside `ROOT/devices/pci*`). Below an Intel VMD endpoint a second host bridge is
+    /// nested (`pci0000:00/0000:00:0e.0/pci10000:00/...`); it is not kept here, so devices
+    /// inside and outside the VMD domain of one root complex share this bridge.
     pub host_bridge: String,
-    /// Every BDF-shaped component after the host bridge, ending with the device itself.
+    /// Every BDF-shaped component below the innermost host bridge, ending with the device
+    /// itself (for VMD: from the root port in domain `10000` down; the VMD endpoint above the
+    /// nested bridge is no switch of the device's).
     pub chain: Vec<PciAddr>,
 }
 
@@ -36,16 +41,21 @@ fn is_host_bridge(name: &str) -> bool {
 impl PciPath {
     /// From a device's real path, relative to `ROOT/devices` (or absolute when it lies
     /// elsewhere): the first `pciDDDD:BB` component is the host bridge, the BDF-shaped
-    /// components after it are the chain. Without a host bridge the chain is every
-    /// BDF-shaped component and `host_bridge` is empty.
+    /// components below the last such component are the chain. A nested host bridge (Intel
+    /// VMD) starts the chain afresh: as in NCCL's walk, where a component that is not
+    /// BDF-shaped is a CPU node, nothing above it is a PCIe switch of the device. Without a
+    /// host bridge the chain is every BDF-shaped component and `host_bridge` is empty.
     pub fn from_real_path(rel: &Path) -> PciPath {
         let mut path = PciPath::default();
         for part in rel.components() {
             let Some(name) = part.as_os_str().to_str() else {
                 continue;
             };
-            if path.host_bridge.is_empty() && path.chain.is_empty() && is_host_bridge(name) {
-                path.host_bridge = name.to_owned();
+            if is_host_bridge(name) {
+                if path.host_bridge.is_empty() {
+                    path.host_bridge = name.to_owned();
+                }
+                path.chain.clear();
             } else if let Some(addr) = parse_sysfs_name(name) {
                 path.chain.push(addr);
             }
@@ -139,17 +149,36 @@ mod tests {
 
     #[test]
     fn vmd_and_odd_paths() {
-        // VMD: a second host bridge nested below the first; the outer one names the CPU.
+        // VMD: a second host bridge nested below the first; the outer one names the CPU,
+        // the chain starts below the inner one (the VMD endpoint 0000:00:0e.0 is no switch).
         let p = PciPath::from_real_path(Path::new(
             "pci0000:00/0000:00:0e.0/pci10000:00/10000:00:02.0/10000:01:00.0",
         ));
         assert_eq!(p.host_bridge, "pci0000:00");
-        assert_eq!(p.chain.len(), 3);
+        assert_eq!(p.chain, addrs(&["10000:00:02.0", "10000:01:00.0"]));
+        assert_eq!(p.switches(), vec![]);
         let none = PciPath::from_real_path(Path::new("/elsewhere/0000:05:00.0"));
         assert_eq!(none.host_bridge, "");
         assert_eq!(none.to_string(), "?/0000:05:00.0");
         assert!(!is_host_bridge("pci0000"));
         assert!(!is_host_bridge("pci000:00"));
         assert!(is_host_bridge("pci0001:80"));
+    }
+
+    #[test]
+    fn a_switch_inside_vmd_is_kept_and_the_vmd_endpoint_is_not_one() {
+        // Root port 10000:00:04.0 > switch 10000:03:00.0 > port 10000:04:00.0 > device.
+        // Before, the chain began at the VMD endpoint 0000:00:0e.0, which came out as a
+        // second, outer switch shared with every device in the VMD domain.
+        let p = PciPath::from_real_path(Path::new(
+            "pci0000:00/0000:00:0e.0/pci10000:00/10000:00:04.0/10000:03:00.0/10000:04:00.0/\
+             10000:05:00.0/net/eth9",
+        ));
+        assert_eq!(p.host_bridge, "pci0000:00");
+        assert_eq!(p.switches(), addrs(&["10000:03:00.0"]));
+        assert_eq!(
+            p.to_string(),
+            "pci0000:00/10000:00:04.0/10000:03:00.0/10000:04:00.0/10000:05:00.0"
+        );
     }
 }

@@ -142,8 +142,11 @@ impl Tree {
             .filter_map(|(name, entry)| read_gpu(root, name, entry))
             .collect();
         gpus.sort_by_key(|g| g.pci);
+        // Interfaces only: `class/net` also holds files, e.g. `bonding_masters` once the
+        // bonding module is loaded.
         let mut nics: Vec<Nic> = entries(&root.join("class/net"))
             .iter()
+            .filter(|(_, entry)| entry.is_dir())
             .map(|(name, entry)| read_nic(root, name, entry))
             .collect();
         nics.sort_by(|a, b| {

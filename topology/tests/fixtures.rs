@@ -753,3 +753,168 @@ fn changed_tree(name: &str, tag: &str, change: impl FnOnce(&Path)) -> Tree {
     let _ = fs::remove_dir_all(&dir);
     tree
 }
+
+/// Adds PCI function `rel` (its path under `devices/`, ending with its BDF) to the tree at
+/// `dir` as the generator writes one: ids, class, NUMA node 0, its `subsystem` link and its
+/// `bus/pci/devices` link; the directories above it are created bare. Returns its directory.
+fn add_function(dir: &Path, rel: &str, ids: (&str, &str), class: &str) -> PathBuf {
+    let dev = dir.join("devices").join(rel);
+    fs::create_dir_all(&dev).unwrap();
+    let files = [
+        ("vendor", ids.0),
+        ("device", ids.1),
+        ("class", class),
+        ("numa_node", "0"),
+    ];
+    for (file, text) in files {
+        fs::write(dev.join(file), format!("{text}\n")).unwrap();
+    }
+    std::os::unix::fs::symlink(dir.join("bus/pci"), dev.join("subsystem")).unwrap();
+    let name = dev.file_name().expect("a BDF").to_owned();
+    std::os::unix::fs::symlink(&dev, dir.join("bus/pci/devices").join(name)).unwrap();
+    dev
+}
+
+/// Adds NIC `name` (a ConnectX-7 with 16 rx queues, link up) at PCI function `rel` (see
+/// [`add_function`]), with its `class/net` link.
+fn add_nic(dir: &Path, rel: &str, name: &str) {
+    let dev = add_function(dir, rel, ("0x15b3", "0x1021"), "0x020000");
+    let net = dev.join("net").join(name);
+    for q in 0..16 {
+        fs::create_dir_all(net.join(format!("queues/rx-{q}"))).unwrap();
+    }
+    fs::write(net.join("operstate"), "up\n").unwrap();
+    std::os::unix::fs::symlink(&dev, net.join("device")).unwrap();
+    std::os::unix::fs::symlink(&net, dir.join("class/net").join(name)).unwrap();
+}
+
+#[test]
+fn devices_behind_an_intel_vmd_hang_off_the_host_bridge() {
+    // The phb tree (GPU 0000:03:00.0 under a switch, eth1 under root port 00:02.0) with an
+    // Intel VMD endpoint 0000:00:0e.0 whose domain 10000 (host bridge pci10000:00, nested
+    // below the endpoint) holds GPU 10000:01:00.0 and NIC vmd0 10000:02:00.0 under root
+    // ports 02.0 and 03.0, and GPU 10000:05:00.0 behind switch 10000:03:00.0 under root
+    // port 04.0. Before, the VMD endpoint was taken for a PCIe switch: the first GPU and
+    // vmd0 were PIX ("same PCIe switch 0000:00:0e.0"), the second GPU and vmd0 PXB.
+    let vmd = "pci0000:00/0000:00:0e.0";
+    let tree = changed_tree("phb", "vmd", |dir| {
+        add_function(dir, vmd, ("0x8086", "0x28c0"), "0x010400");
+        let h100 = ("0x10de", "0x2330");
+        let inner = format!("{vmd}/pci10000:00");
+        let gpu = format!("{inner}/10000:00:02.0/10000:01:00.0");
+        add_function(dir, &gpu, h100, "0x030200");
+        add_nic(dir, &format!("{inner}/10000:00:03.0/10000:02:00.0"), "vmd0");
+        let switch = "10000:00:04.0/10000:03:00.0/10000:04:00.0";
+        add_function(
+            dir,
+            &format!("{inner}/{switch}/10000:05:00.0"),
+            h100,
+            "0x030200",
+        );
+    });
+    let gpu = |pci: &str| {
+        let g = tree.gpus.iter().find(|g| g.pci.to_string() == pci);
+        g.unwrap_or_else(|| panic!("no GPU {pci}: {:#?}", tree.gpus))
+    };
+    let first = gpu("10000:01:00.0");
+    assert_eq!(
+        first.path.to_string(),
+        "pci0000:00/10000:00:02.0/10000:01:00.0"
+    );
+    let class = |g: &shardwire_topology::Gpu, name: &str| {
+        let n = tree.nics.iter().find(|n| n.interface == name).expect("nic");
+        let c = classify(
+            &g.path,
+            g.numa_node,
+            n.path.as_ref().expect("physical"),
+            n.numa_node,
+        );
+        (c.distance, c.why)
+    };
+    let phb = (
+        Distance::Phb,
+        "through host bridge pci0000:00 (NUMA 0)".to_owned(),
+    );
+    assert_eq!(class(first, "vmd0"), phb);
+    assert_eq!(class(gpu("10000:05:00.0"), "vmd0"), phb, "not PXB");
+    assert_eq!(class(gpu("0000:03:00.0"), "vmd0"), phb);
+    assert_eq!(class(first, "eth1"), phb);
+    let plans = pair(&tree, &PairOptions::default());
+    assert_eq!(plans.len(), 3);
+    assert!(
+        plans.iter().all(|l| l.distance == Some(Distance::Phb)),
+        "{plans:#?}"
+    );
+}
+
+#[test]
+fn bonding_masters_in_class_net_is_no_nic() {
+    // With the bonding module loaded, class/net holds the regular file bonding_masters:
+    // before, it was read as a virtual NIC named bonding_masters.
+    let tree = changed_tree("veth", "bonding-masters", |dir| {
+        fs::write(dir.join("class/net/bonding_masters"), "bond0\n").unwrap();
+    });
+    let names: Vec<&str> = tree.nics.iter().map(|n| n.interface.as_str()).collect();
+    assert_eq!(names, ["eth1", "lo", "veth0"]);
+    assert_eq!(tree, read("veth"));
+}
+
+#[test]
+fn a_lane_without_a_nic_names_the_physical_nics_left_out_and_why() {
+    // The veth tree (GPU 03:00.0, eth1 in its switch, lo, veth0) with eth1 an InfiniBand
+    // port, then a slave of bond0: before, the lane said "no physical NIC".
+    let ib = changed_tree("veth", "no-nic-ib", |dir| {
+        fs::write(dir.join("class/net/eth1/type"), "32\n").unwrap();
+    });
+    let plan = &pair(&ib, &PairOptions::default())[0];
+    assert_eq!((plan.nic.as_deref(), plan.warn), (None, true));
+    assert_eq!(
+        plan.why,
+        "no usable physical NIC: eth1 (not an Ethernet interface: ARPHRD type 32 \
+         (InfiniBand); lanes and devmem TCP need Ethernet) (virtual NICs are not paired with \
+         GPUs; name one in the lanes table's `interface` to use it)"
+    );
+    let bonded = changed_tree("veth", "no-nic-bond", |dir| {
+        let master = dir.join("devices/virtual/net/bond0");
+        fs::create_dir_all(&master).unwrap();
+        fs::write(master.join("flags"), "0x1443\n").unwrap();
+        let eth1 = dir.join("class/net/eth1");
+        std::os::unix::fs::symlink(&master, eth1.join("master")).unwrap();
+        fs::create_dir(eth1.join("bonding_slave")).unwrap();
+    });
+    // bond0 named but not in class/net.
+    let plan = &pair(&bonded, &opts(&["bond0"]))[0];
+    assert_eq!(plan.nic, None);
+    assert_eq!(
+        plan.why,
+        "no usable physical NIC: eth1 (a port of bond0 (a bond), which carries its traffic); \
+         and no NIC named in include_virtual exists"
+    );
+}
+
+#[test]
+fn a_lane_farther_than_a_nic_down_at_start_names_it() {
+    // The A3 tree with eth1, the PIX NIC of GPU 05:00.0, down at start while eth2 (the same
+    // model) is up: eth1 is passed over and the GPU gets eth2 at PXB. Before, its lane did
+    // not say that a nearer NIC was left out.
+    let tree = changed_tree("a3-8gpu-8nic", "down-at-start", |dir| {
+        fs::write(dir.join("class/net/eth1/operstate"), "down\n").unwrap();
+    });
+    let plans = pair(&tree, &PairOptions::default());
+    assert_eq!(
+        (plans[0].nic.as_deref(), plans[0].distance),
+        (Some("eth2"), Some(Distance::Pxb)),
+        "{plans:#?}"
+    );
+    assert!(
+        plans[0]
+            .why
+            .ends_with("; eth1 (PIX) is nearer but was passed over: its link was down at start"),
+        "{}",
+        plans[0].why
+    );
+    // eth1 is no nearer to the other GPUs than their own NICs.
+    for p in &plans[1..] {
+        assert!(!p.why.contains("passed over"), "{}: {}", p.gpu, p.why);
+    }
+}
