@@ -128,7 +128,16 @@ fn probe_one(
         ),
         None => trial_bind(ifindex),
     };
-    let reason = if passed {
+    // uname -r: the kernel this process runs on.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|r| r.trim().to_string())
+        .unwrap_or_default();
+    let unsure =
+        passed && !DEVMEM_DRIVERS.contains(&driver.as_str()) && !checks_device_first(&release);
+    let passed = passed && !unsure;
+    let reason = if unsure {
+        unsure_reason(&driver, &release)
+    } else if passed {
         passed_reason(&driver, &header_split, hds_thresh)
     } else {
         trial_bind.reason.clone()
@@ -194,6 +203,28 @@ fn passed_reason(driver: &str, header_split: &str, hds_thresh: Option<u32>) -> S
     }
     r.push_str("; flows must be steered to the bound queues (ethtool -N/-X)");
     r
+}
+
+/// Whether kernel `release` (uname -r) checks the device (its queue management ops: the
+/// netdev instance lock) before the dma-buf fd in bind-rx, so that a trial bind's EBADF
+/// means the device checks passed: 6.15 and later. Before, bind-rx took the fd first, and
+/// every present device answered EBADF.
+fn checks_device_first(release: &str) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next().and_then(|p| p.parse::<u32>().ok());
+    let minor = parts.next().and_then(|p| p.parse::<u32>().ok());
+    match (major, minor) {
+        (Some(major), Some(minor)) => (major, minor) >= (6, 15),
+        _ => true, // not a Linux version string: judge by the answer, as on a current kernel
+    }
+}
+
+/// Why a trial bind's EBADF proves nothing on kernel `release` for a driver off the list.
+fn unsure_reason(driver: &str, release: &str) -> String {
+    format!(
+        "cannot tell: kernel {release} (before 6.15) checks the dma-buf fd before the device in bind-rx, so the trial bind's EBADF says nothing, and driver {driver} is not on the known list ({}); name the interface to try a real bind",
+        DEVMEM_DRIVERS.join(", ")
+    )
 }
 
 /// Trial bind-rx with fd -1 on rx queue 0, on its own socket (closed on return).
@@ -355,6 +386,24 @@ mod tests {
         assert!(r.contains("tcp-data-split on"), "{r}");
         let r = passed_reason("gve", "enabled", Some(256));
         assert!(r.contains("hds-thresh must be 0"), "{r}");
+    }
+
+    #[test]
+    fn ebadf_proves_the_device_checks_only_from_6_15() {
+        for (release, first) in [
+            ("6.12.117-amd64", false),
+            ("6.14.0", false),
+            ("6.15.0-rc1", true),
+            ("6.18.0-1-cloud-amd64", true),
+            ("7.0.0", true),
+            ("5.15.0-generic", false),
+            ("weird", true),
+        ] {
+            assert_eq!(checks_device_first(release), first, "{release}");
+        }
+        let r = unsure_reason("virtio_net", "6.12.117-amd64");
+        assert!(r.starts_with("cannot tell: kernel 6.12.117-amd64"), "{r}");
+        assert!(r.contains("virtio_net") && r.contains("mlx5_core"), "{r}");
     }
 
     /// Real kernel, root: `lo` is listed, virtual, and fails the trial with EOPNOTSUPP.
