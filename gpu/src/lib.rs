@@ -30,4 +30,4 @@ pub use probe::{
     GpuDevice, GpuError, GpuProbe, MemoryChoice, MemoryDecision, choose_memory, probe_gpus,
 };
 pub use region::{HostRegion, Region, RegionError};
-pub use slab::{Slab, SlabPool};
+pub use slab::{Part, Slab, SlabPool};

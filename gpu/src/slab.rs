@@ -4,9 +4,13 @@
 //! Alloc and free are O(number of classes) (at most ~30), with no walk over allocations:
 //! each class keeps a stack of free blocks plus a bitmap that says which of them are really
 //! free (stale stack entries left behind by coalescing are skipped lazily). Coalescing
-//! guarantees that a region with nothing leased can always serve its largest class again,
-//! so mixed shard sizes cannot wedge a stream. Internal fragmentation is at most 2x per
-//! shard; size stream regions with that in mind (docs/OPERATIONS.md).
+//! guarantees that a region with nothing live can always serve its largest class again, but
+//! not that live slabs of mixed sizes leave a free block of the class a request needs,
+//! though their bytes would allow it: a batch-mode stream sets its batch slabs apart
+//! ([`SlabPool::set_apart`]) and, where its shards alone leave no block, gives them back and
+//! takes them again largest first, which a buddy allocator always fits when their sizes fit
+//! (the node's `stream::batcher`). Internal fragmentation is at most 2x per shard; size
+//! stream regions with that in mind (docs/OPERATIONS.md).
 
 use std::sync::{Arc, Mutex};
 
@@ -55,9 +59,85 @@ impl Class {
     }
 }
 
-struct Inner {
+/// A buddy allocator over `[base, base + len)` of the region: its blocks are aligned
+/// relative to `base`, so they tile its length as the binary digits of `len / MIN_BLOCK` do.
+struct Arena {
+    base: usize,
+    len: usize,
     classes: Vec<Class>, // classes[k] holds blocks of MIN_BLOCK << k
     used: usize,
+}
+
+impl Arena {
+    /// An arena of `len` bytes (a multiple of [`MIN_BLOCK`]) at `base`, all free.
+    fn new(base: usize, len: usize) -> Self {
+        let mut classes = Vec::new();
+        let mut size = MIN_BLOCK;
+        while size <= len {
+            classes.push(Class::new(len / size));
+            size <<= 1;
+        }
+        // Seed with the largest aligned blocks that tile [0, len).
+        let mut off = 0;
+        while off < len {
+            let mut k = classes.len() - 1;
+            while off % (MIN_BLOCK << k) != 0 || off + (MIN_BLOCK << k) > len {
+                k -= 1;
+            }
+            classes[k].push(off / (MIN_BLOCK << k));
+            off += MIN_BLOCK << k;
+        }
+        Self {
+            base,
+            len,
+            classes,
+            used: 0,
+        }
+    }
+
+    /// The offset (in the region) of a free block of class `want`, now taken.
+    fn alloc(&mut self, want: usize) -> Option<usize> {
+        if want >= self.classes.len() {
+            return None;
+        }
+        let (mut k, mut idx) =
+            (want..self.classes.len()).find_map(|k| self.classes[k].pop().map(|i| (k, i)))?;
+        while k > want {
+            // Split: keep the lower half, free the upper half one class down.
+            k -= 1;
+            idx *= 2;
+            self.classes[k].push(idx + 1);
+        }
+        self.used += MIN_BLOCK << want;
+        Some(self.base + idx * (MIN_BLOCK << want))
+    }
+
+    /// Frees the block of class `class` at `offset` (in the region), coalescing buddies.
+    fn free(&mut self, offset: usize, class: usize) {
+        self.used -= MIN_BLOCK << class;
+        let (mut k, mut idx) = (class, (offset - self.base) / (MIN_BLOCK << class));
+        while k + 1 < self.classes.len() && self.classes[k].is_free(idx ^ 1) {
+            self.classes[k].set(idx ^ 1, false);
+            idx /= 2;
+            k += 1;
+        }
+        self.classes[k].push(idx);
+    }
+}
+
+struct Inner {
+    /// `[shards]`, or `[shards, batches]` once [`SlabPool::set_apart`] split the region.
+    arenas: Vec<Arena>,
+}
+
+/// Which part of a pool a slab comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// The region, or its lower part where [`SlabPool::set_apart`] split it.
+    Main,
+    /// The part [`SlabPool::set_apart`] set apart at the top (the whole region where it
+    /// was not split).
+    Apart,
 }
 
 /// Hook run after every free (wakes whoever waits for memory).
@@ -84,27 +164,30 @@ impl SlabPool {
     pub fn new(region: impl Into<Region>) -> Arc<Self> {
         let region = region.into();
         let usable = region.len() / MIN_BLOCK * MIN_BLOCK;
-        let mut classes = Vec::new();
-        let mut size = MIN_BLOCK;
-        while size <= usable {
-            classes.push(Class::new(usable / size));
-            size <<= 1;
-        }
-        // Seed with the largest aligned blocks that tile [0, usable).
-        let mut off = 0;
-        while off < usable {
-            let mut k = classes.len() - 1;
-            while off % (MIN_BLOCK << k) != 0 || off + (MIN_BLOCK << k) > usable {
-                k -= 1;
-            }
-            classes[k].push(off / (MIN_BLOCK << k));
-            off += MIN_BLOCK << k;
-        }
         Arc::new(Self {
             region,
-            inner: Mutex::new(Inner { classes, used: 0 }),
+            inner: Mutex::new(Inner {
+                arenas: vec![Arena::new(0, usable)],
+            }),
             on_free: Mutex::new(None),
         })
+    }
+
+    /// Sets the top `bytes` of the region apart (rounded up to [`MIN_BLOCK`]): slabs of
+    /// [`Part::Apart`] come from there, the others from below, and no block crosses between
+    /// them. Slabs of one size that come and go (a stream's batches) then never split the
+    /// blocks that slabs of mixed sizes (its shards) need. False, and no change, while any
+    /// slab is live, when already split, or when `bytes` is 0 or not less than the region.
+    pub fn set_apart(&self, bytes: usize) -> bool {
+        let mut inner = self.inner.lock().expect("poisoned");
+        let usable = inner.arenas[0].len;
+        let top = bytes.div_ceil(MIN_BLOCK) * MIN_BLOCK;
+        if inner.arenas.len() != 1 || inner.arenas[0].used != 0 || top == 0 || top >= usable {
+            return false;
+        }
+        let split = usable - top;
+        inner.arenas = vec![Arena::new(0, split), Arena::new(split, top)];
+        true
     }
 
     /// Sets the hook run after each free.
@@ -121,15 +204,16 @@ impl SlabPool {
             .max(MIN_BLOCK)
     }
 
-    /// The largest request this pool can ever serve.
+    /// The largest request this pool can ever serve (from [`Part::Main`]).
     pub fn max_alloc(&self) -> usize {
-        let n = self.inner.lock().expect("poisoned").classes.len();
+        let n = self.inner.lock().expect("poisoned").arenas[0].classes.len();
         if n == 0 { 0 } else { MIN_BLOCK << (n - 1) }
     }
 
     /// Bytes held by live slabs (class sizes).
     pub fn used(&self) -> usize {
-        self.inner.lock().expect("poisoned").used
+        let inner = self.inner.lock().expect("poisoned");
+        inner.arenas.iter().map(|a| a.used).sum()
     }
 
     /// Usable bytes.
@@ -137,53 +221,61 @@ impl SlabPool {
         self.region.len() / MIN_BLOCK * MIN_BLOCK
     }
 
+    /// Usable bytes of `part`, and those live slabs hold there.
+    pub fn part(&self, part: Part) -> (usize, usize) {
+        let inner = self.inner.lock().expect("poisoned");
+        let a = Self::arena(&inner, part);
+        (a.len, a.used)
+    }
+
+    /// The arena of `part`: the last for [`Part::Apart`] (the only one where not split).
+    fn arena(inner: &Inner, part: Part) -> &Arena {
+        match part {
+            Part::Main => &inner.arenas[0],
+            Part::Apart => inner.arenas.last().expect("one arena at least"),
+        }
+    }
+
     /// The region (its kind, size and shareable fd).
     pub fn region(&self) -> &Region {
         &self.region
     }
 
-    /// A slab of at least `len` bytes, or None when no block is free right now.
+    /// A slab of at least `len` bytes from [`Part::Main`], or None when no block is free
+    /// right now.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slab> {
+        self.alloc_in(Part::Main, len)
+    }
+
+    /// A slab of at least `len` bytes from `part`, or None when no block is free there now.
+    pub fn alloc_in(self: &Arc<Self>, part: Part, len: usize) -> Option<Slab> {
         let class = Self::class_size(len);
         let want = class.trailing_zeros() as usize - MIN_BLOCK.trailing_zeros() as usize;
-        let mut inner = self.inner.lock().expect("poisoned");
         // `len > class`: a request past the largest power of two (a peer's claimed length).
-        if len > class || want >= inner.classes.len() {
+        if len > class {
             return None;
         }
-        let (mut k, mut idx) =
-            (want..inner.classes.len()).find_map(|k| inner.classes[k].pop().map(|i| (k, i)))?;
-        while k > want {
-            // Split: keep the lower half, free the upper half one class down.
-            k -= 1;
-            idx *= 2;
-            inner.classes[k].push(idx + 1);
-        }
-        inner.used += MIN_BLOCK << want;
+        let mut inner = self.inner.lock().expect("poisoned");
+        let arena = match part {
+            Part::Main => 0,
+            Part::Apart => inner.arenas.len() - 1,
+        };
+        let offset = inner.arenas[arena].alloc(want)?;
         debug_assert!(
             len <= MIN_BLOCK << want,
             "a slab's bytes lie inside its block"
         );
         Some(Slab {
             pool: Arc::clone(self),
-            offset: idx * (MIN_BLOCK << want),
+            offset,
             class: want,
+            arena,
             len,
         })
     }
 
-    fn free(&self, offset: usize, class: usize) {
-        {
-            let mut inner = self.inner.lock().expect("poisoned");
-            inner.used -= MIN_BLOCK << class;
-            let (mut k, mut idx) = (class, offset / (MIN_BLOCK << class));
-            while k + 1 < inner.classes.len() && inner.classes[k].is_free(idx ^ 1) {
-                inner.classes[k].set(idx ^ 1, false);
-                idx /= 2;
-                k += 1;
-            }
-            inner.classes[k].push(idx);
-        }
+    fn free(&self, offset: usize, class: usize, arena: usize) {
+        self.inner.lock().expect("poisoned").arenas[arena].free(offset, class);
         // Called with the lock let go: a hook that frees a slab of this pool (or sets the
         // hook) would otherwise wait for itself.
         let hook = self.on_free.lock().expect("poisoned").clone();
@@ -198,6 +290,8 @@ pub struct Slab {
     pool: Arc<SlabPool>,
     offset: usize,
     class: usize,
+    /// The arena of the pool it came from.
+    arena: usize,
     len: usize,
 }
 
@@ -278,7 +372,7 @@ impl Slab {
 
 impl Drop for Slab {
     fn drop(&mut self) {
-        self.pool.free(self.offset, self.class);
+        self.pool.free(self.offset, self.class, self.arena);
     }
 }
 
@@ -389,7 +483,66 @@ mod tests {
         assert!(stash.lock().unwrap().is_none());
     }
 
+    #[test]
+    fn a_part_set_apart_serves_its_slabs_and_no_block_crosses_into_it() {
+        let p = pool((172 << 10) + 100); // 172 KiB usable: 128 + 32 + 8 + 4
+        let held = p.alloc(1).unwrap();
+        assert!(!p.set_apart(48 << 10), "refused while a slab is live");
+        drop(held);
+        assert!(!p.set_apart(0) && !p.set_apart(172 << 10));
+        assert!(p.set_apart(48 << 10));
+        assert!(!p.set_apart(16 << 10), "split once");
+        assert_eq!(p.part(Part::Main), (124 << 10, 0));
+        assert_eq!(p.part(Part::Apart), (48 << 10, 0));
+        // Three 16 KiB batch slabs fill the part set apart, whatever the shards do.
+        let batches: Vec<Slab> = (0..3)
+            .map(|_| p.alloc_in(Part::Apart, 16 << 10).unwrap())
+            .collect();
+        assert!(p.alloc_in(Part::Apart, 1).is_none());
+        assert!(batches.iter().all(|b| b.offset() >= 124 << 10));
+        // The main part still holds its 64 + 32 + 16 + 8 + 4 KiB blocks.
+        let shards: Vec<Slab> = [64, 32, 16, 8, 4].map(|k| p.alloc(k << 10).unwrap()).into();
+        assert!(
+            shards
+                .iter()
+                .all(|s| s.offset() + s.capacity() <= 124 << 10)
+        );
+        assert_eq!(p.used(), (48 + 124) << 10);
+        drop(batches);
+        drop(shards);
+        assert_eq!(p.used(), 0);
+        assert!(
+            p.alloc(65 << 10).is_none(),
+            "no block of the main part grows past it"
+        );
+    }
+
     proptest! {
+        /// Slabs whose classes add up to at most a part's bytes all fit it when taken largest
+        /// first (each part's blocks tile its length as binary digits, and classes divide
+        /// each other): what the batcher's repacking relies on.
+        #[test]
+        fn classes_that_fit_in_bytes_fit_largest_first(
+            main_pages in 1usize..200,
+            sizes in proptest::collection::vec(1usize..200_000, 1..40),
+        ) {
+            let p = pool((main_pages + 5) * MIN_BLOCK);
+            prop_assert!(p.set_apart(5 * MIN_BLOCK));
+            let (cap, _) = p.part(Part::Main);
+            let mut classes: Vec<usize> = sizes.iter().map(|&n| SlabPool::class_size(n)).collect();
+            classes.sort_unstable_by(|a, b| b.cmp(a));
+            let mut total = 0;
+            classes.retain(|&c| {
+                let keep = total + c <= cap;
+                total += if keep { c } else { 0 };
+                keep
+            });
+            let live: Vec<Slab> = classes.iter().map(|&c| p.alloc(c)).collect::<Option<_>>()
+                .expect("every class fits largest first");
+            prop_assert_eq!(p.part(Part::Main).1, total);
+            drop(live);
+        }
+
         /// Random alloc/free sequences never overlap, never exceed capacity, and end empty.
         #[test]
         fn random_workload(ops in proptest::collection::vec((any::<bool>(), 1usize..70_000), 1..200)) {

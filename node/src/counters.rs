@@ -138,9 +138,13 @@ counters! {
     refetches => refetches: Count, "shardwire_refetches_total", Label::None,
         "FETCHes issued again after a failure";
     /// Times a batch-mode stream gave back prefetched shards for lack of a free block for its
-    /// next batch.
+    /// next batch or its shards.
     prefetch_given_back => prefetch_given_back: Count, "shardwire_prefetch_given_back_total", Label::None,
-        "Times a batch-mode stream gave back shards it had prefetched because no free block of the region fit its next batch (the region was fragmented; they are fetched again; a larger stream_memory avoids it)";
+        "Times a batch-mode stream gave back shards it had prefetched because no free block of the region fit its next batch or the shards it reads (the region was fragmented; they are fetched again; a larger stream_memory avoids it)";
+    /// Shards a batch-mode stream gave back and fetched again to take their slabs largest
+    /// first.
+    shards_repacked => shards_repacked: Count, "shardwire_shards_repacked_total", Label::None,
+        "Shards a batch-mode stream gave back and fetched again to take the slabs of what its next batch reads largest first (the resident shards left no free block of a needed shard's class; a larger stream_memory avoids it)";
     /// Batches handed to trainers.
     batches_delivered => batches_delivered: Count, "shardwire_batches_delivered_total", Label::None,
         "Batches handed to trainers";

@@ -4,7 +4,8 @@
 //! The rank's plan names, per epoch, the *units* it reads (a block of a partition, or the
 //! epoch's tail), each with the first and last rank-local sample that needs it, in the order
 //! of first use. The task fetches units in that order: those the next batch needs always,
-//! later ones (prefetch) only while the region keeps room for the ready-ahead batch slabs. A
+//! later ones (prefetch) only while free blocks remain among the shards (batch slabs have a
+//! part of the region of their own: `batcher/repack.rs`). A
 //! shard is fetched once while any live unit holds it (its slab is reference-counted by
 //! units) and freed when the last unit holding it is past. A batch is assembled when every
 //! shard its samples come from has arrived: each tensor becomes one contiguous
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use shardwire_gpu::{Slab, SlabPool};
+use shardwire_gpu::{Part, Slab, SlabPool};
 use shardwire_protocol::samples::{EpochOrder, Unit};
 
 use super::error::CloseReason;
@@ -79,6 +80,12 @@ struct Driver {
     epochs: VecDeque<EpochUnits>,
     live: Vec<Live>,
     resident: ShardMap<Resident>,
+    /// Slabs taken by [`Driver::repack`] for shards the next batch reads that no unit holds
+    /// yet: [`Driver::hold`] fetches into them.
+    reserved: ShardMap<Slab>,
+    /// A shard the next batch reads found no free block though its bytes fit: the step
+    /// repacks ([`Driver::repack`]).
+    stuck: bool,
     fetches: Fetches,
 }
 
@@ -170,6 +177,8 @@ impl Driver {
             epochs: VecDeque::new(),
             live: Vec::new(),
             resident: ShardMap::default(),
+            reserved: ShardMap::default(),
+            stuck: false,
             fetches,
         }
     }
@@ -179,6 +188,9 @@ impl Driver {
     fn step(&mut self) -> Result<bool, CloseReason> {
         self.fetches.reissue()?;
         self.issue_units()?;
+        if std::mem::take(&mut self.stuck) && self.repack()? {
+            self.issue_units()?;
+        }
         if self.fetches.hint_due() {
             let upcoming = self.upcoming();
             self.fetches.hint(upcoming.into_iter());
@@ -311,17 +323,28 @@ impl Driver {
             if let Some(r) = self.resident.get_mut(&shard) {
                 r.refs += 1;
                 self.epochs[ei].held += 1;
+                self.reserved.remove(&shard);
                 continue;
             }
             let len = supply.manifest().shards[shard as usize].length as usize;
-            if !needed_now
-                && !room_for_prefetch(supply.pool(), len, self.m.batch_bytes, self.m.ready_ahead)
-            {
-                return Ok(false);
-            }
-            let Some(slab) = self.fetches.alloc(len) else {
+            let slab = match self.reserved.remove(&shard) {
+                Some(slab) => Some(slab),
+                None if !needed_now
+                    && !room_for_prefetch(
+                        supply.pool(),
+                        len,
+                        self.m.batch_bytes,
+                        self.m.ready_ahead,
+                    ) =>
+                {
+                    return Ok(false);
+                }
+                None => self.fetches.alloc(len),
+            };
+            let Some(slab) = slab else {
                 if needed_now {
                     self.refuse_if_it_cannot_fit(Some(unit))?;
+                    self.stuck = true;
                 }
                 return Ok(false);
             };
@@ -333,13 +356,7 @@ impl Driver {
                 },
             );
             self.epochs[ei].held += 1;
-            self.fetches.fetch(Pending {
-                pos: u64::from(shard),
-                shard,
-                slab,
-                avoid: None,
-                not_before: None,
-            })?;
+            self.fetches.fetch(Pending::of_shard(shard, slab))?;
         }
         Ok(true)
     }
@@ -366,9 +383,16 @@ impl Driver {
         let m = self.s.supply().manifest();
         let class = |s: u32| SlabPool::class_size(m.shards[s as usize].length as usize) as u64;
         let need: u64 = shards.iter().map(|&s| class(s)).sum();
-        let reserve = (super::supply::READY_AHEAD as u64 + 1)
-            * SlabPool::class_size(self.m.batch_bytes as usize) as u64;
-        let capacity = self.s.supply().pool().capacity() as u64;
+        let capacity_all = self.s.supply().pool().capacity() as u64;
+        let (reserve, capacity) = match self.shard_part() {
+            // Batch slabs have a part of their own: the rest is the shards'.
+            Some(main) => (capacity_all - main as u64, capacity_all),
+            None => (
+                (super::supply::READY_AHEAD as u64 + 1)
+                    * SlabPool::class_size(self.m.batch_bytes as usize) as u64,
+                capacity_all,
+            ),
+        };
         if need + reserve > capacity {
             let why = CloseReason::DoesNotFit {
                 shards: shards.len(),
@@ -411,12 +435,18 @@ impl Driver {
         let Some(plan) = self.plan_batch(ep.as_deref(), epoch, step) else {
             return Ok(false);
         };
-        let mut out = self.s.supply().try_alloc(plan.bytes as usize);
-        // With no assembled batch waiting, only the trainer's held batch can come back, and a
-        // trainer that waits for this one may hold it until then: the prefetched shards go
-        // back first (their free bytes may be in blocks too small for a batch).
-        if out.is_none() && self.s.ready_count() == 0 && self.give_back_prefetch() {
-            out = self.s.supply().try_alloc(plan.bytes as usize);
+        let supply = Arc::clone(self.s.supply());
+        let mut out = supply.try_alloc_in(Part::Apart, plan.bytes as usize);
+        // Where batch slabs share the region with the shards (it could not be split): with no
+        // assembled batch waiting, only the trainer's held batch can come back, and a trainer
+        // that waits for this one may hold it until then: the prefetched shards go back first
+        // (their free bytes may be in blocks too small for a batch).
+        if out.is_none()
+            && self.shard_part().is_none()
+            && self.s.ready_count() == 0
+            && self.give_back_prefetch()
+        {
+            out = supply.try_alloc_in(Part::Apart, plan.bytes as usize);
         }
         let Some(mut out) = out else {
             if self.s.ready_count() == 0 {
@@ -591,5 +621,6 @@ impl Driver {
     }
 }
 
+mod repack;
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use shardwire_gpu::{Slab, SlabPool};
+use shardwire_gpu::{Part, Slab, SlabPool};
 use shardwire_protocol::Manifest;
 use tokio::sync::{Notify, mpsc};
 
@@ -93,6 +93,20 @@ pub struct Pending {
     pub avoid: Option<usize>,
     /// Not before this (a throttled source asked the node to wait).
     pub not_before: Option<Instant>,
+}
+
+impl Pending {
+    /// A batch-mode stream's first fetch of `shard` into `slab` (its position is the shard;
+    /// no link to avoid, due now).
+    pub fn of_shard(shard: u32, slab: Slab) -> Self {
+        Self {
+            pos: u64::from(shard),
+            shard,
+            slab,
+            avoid: None,
+            not_before: None,
+        }
+    }
 }
 
 /// Why a fetch was not issued.
@@ -236,16 +250,21 @@ impl Supply {
         self.freed.notified().await;
     }
 
-    /// A slab of `bytes`, or `None` when the region is full; until one is found again, a
-    /// freed slab wakes the task ([`Self::freed`]).
+    /// A slab of `bytes` for a shard, or `None` when the region is full; until one is found
+    /// again, a freed slab wakes the task ([`Self::freed`]).
     pub fn try_alloc(&self, bytes: usize) -> Option<Slab> {
+        self.try_alloc_in(Part::Main, bytes)
+    }
+
+    /// [`Self::try_alloc`] from `part` of the region (batch slabs: [`Part::Apart`]).
+    pub fn try_alloc_in(&self, part: Part, bytes: usize) -> Option<Slab> {
         if self.closed.load(Ordering::SeqCst) {
             return None;
         }
         // Announce the need before trying, so a free between the failed try and the wait
         // leaves a permit instead of being missed.
         self.wants_memory.store(true, Ordering::SeqCst);
-        let slab = self.pool.alloc(bytes)?;
+        let slab = self.pool.alloc_in(part, bytes)?;
         self.wants_memory.store(false, Ordering::SeqCst);
         // A block that a close freed (a lease's) comes only after the flag was set: seen
         // here, and given back before anything lands in it.
@@ -354,6 +373,8 @@ pub struct Fetches {
     /// Per shard, since its last delivery: its fetches lost with their link or connection
     /// (the second and later are asked again after [`refusal_backoff`]).
     lost_streak: HashMap<u32, u32>,
+    /// Fetches issued whose outcome has not come back (each holds its slab until it does).
+    in_flight: usize,
 }
 
 impl Drop for Fetches {
@@ -378,6 +399,7 @@ impl Fetches {
             crc_streak: HashMap::new(),
             refused_streak: HashMap::new(),
             lost_streak: HashMap::new(),
+            in_flight: 0,
         }
     }
 
@@ -413,7 +435,10 @@ impl Fetches {
     pub fn fetch(&mut self, p: Pending) -> Result<(), CloseReason> {
         self.hints.fetched();
         match self.issuer.issue(&self.supply, p, &self.tx) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.in_flight += 1;
+                Ok(())
+            }
             Err(IssueError::NoSource(p)) => {
                 self.waiting.push_back(p);
                 self.no_source_since.get_or_insert_with(Instant::now);
@@ -438,7 +463,10 @@ impl Fetches {
                 continue;
             }
             match self.issuer.issue(&self.supply, p, &self.tx) {
-                Ok(()) => self.no_source_since = None,
+                Ok(()) => {
+                    self.in_flight += 1;
+                    self.no_source_since = None;
+                }
                 Err(IssueError::NoSource(p)) => {
                     let since = *self.no_source_since.get_or_insert(now);
                     if now.duration_since(since) >= UNSERVED_GRACE
@@ -478,6 +506,16 @@ impl Fetches {
         !self.waiting.is_empty()
     }
 
+    /// True while any fetch holds a slab: issued and not back, or waiting to be issued.
+    pub fn busy(&self) -> bool {
+        self.in_flight > 0 || !self.waiting.is_empty()
+    }
+
+    /// Drops the waiting fetches of shards `held` says no longer (their slabs go back).
+    pub fn drop_waiting(&mut self, held: impl Fn(u32) -> bool) {
+        self.waiting.retain(|p| held(p.shard));
+    }
+
     /// The earliest time a waiting fetch's source said to try again at.
     #[cfg(test)]
     pub fn next_due(&self) -> Option<Instant> {
@@ -501,13 +539,17 @@ impl Fetches {
 
     /// The next outcome of a fetch.
     pub async fn completed(&mut self) -> Option<Completion> {
-        self.rx.recv().await
+        let c = self.rx.recv().await;
+        self.in_flight = self.in_flight.saturating_sub(usize::from(c.is_some()));
+        c
     }
 
     /// An outcome already here, without waiting.
     #[cfg(test)]
     pub fn try_completed(&mut self) -> Option<Completion> {
-        self.rx.try_recv().ok()
+        let c = self.rx.try_recv().ok();
+        self.in_flight = self.in_flight.saturating_sub(usize::from(c.is_some()));
+        c
     }
 
     /// Sorts an outcome: `Ok(Some(slab))` holds a verified shard; `Ok(None)` means it waits
@@ -619,9 +661,27 @@ impl Fetches {
 
 /// Whether the region keeps room for `ahead` ready batches after a prefetch of `len`.
 pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64, ahead: usize) -> bool {
-    let reserve = ahead * SlabPool::class_size(batch_bytes as usize);
-    let free = pool.capacity() - pool.used();
-    free >= reserve + SlabPool::class_size(len)
+    let (main, used) = pool.part(Part::Main);
+    // Batch slabs set apart ([`SlabPool::set_apart`]) need no room among the shards.
+    let apart = main < pool.capacity();
+    let reserve = if apart {
+        0
+    } else {
+        ahead * SlabPool::class_size(batch_bytes as usize)
+    };
+    main - used >= reserve + SlabPool::class_size(len)
+}
+
+/// How many batch slabs a batch-mode stream sets apart at the top of its region
+/// ([`SlabPool::set_apart`]): its `ahead` ready batches, as many leased (a trainer keeps an
+/// answer's batches until its next request) and the one it uses, as the region (`capacity`
+/// bytes) holds beside the shards it reads at once (`window` bytes, what the open check
+/// measured); never fewer than `ahead + 1`. A trainer that keeps more waits for its own
+/// releases.
+pub fn batch_slots(capacity: u64, window: u64, batch_class: u64, ahead: usize) -> usize {
+    let room = capacity.saturating_sub(window) / batch_class.max(1);
+    let room = usize::try_from(room).unwrap_or(usize::MAX);
+    room.min(2 * ahead + 1).max(ahead + 1)
 }
 
 #[cfg(test)]
@@ -645,5 +705,19 @@ mod tests {
         assert_eq!(ready_ahead(64 * MIB, 100 * MIB, MIB), READY_AHEAD);
         assert_eq!(ready_ahead(64 * MIB, 0, 32 * MIB), READY_AHEAD);
         assert_eq!(ready_ahead(0, 0, 0), READY_AHEAD);
+    }
+
+    #[test]
+    fn batch_slots_hold_the_ready_batches_as_many_leased_and_the_one_in_use() {
+        // Roomy: 8 ready, 8 leased, 1 in use.
+        assert_eq!(batch_slots(256 * MIB, 64 * MIB, 256 << 10, 8), 17);
+        // The window leaves room for 5: the 4 ready ones and the one in use.
+        assert_eq!(batch_slots(64 * MIB, 59 * MIB, MIB, 4), 5);
+        // Less room than that (the window check keeps it from happening): never fewer than
+        // the ready ones + 1.
+        assert_eq!(batch_slots(64 * MIB, 63 * MIB, MIB, 4), 5);
+        // The least depth: 5 where the region holds them, 3 where only those fit.
+        assert_eq!(batch_slots(64 * MIB, 10 * MIB, MIB, READY_AHEAD), 5);
+        assert_eq!(batch_slots(64 * MIB, 61 * MIB, MIB, READY_AHEAD), 3);
     }
 }
