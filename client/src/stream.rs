@@ -22,7 +22,11 @@ use crate::{Batch, ClientError, Dropped, Mapping, StreamInfo, StreamOptions, che
 pub const NEXT_COUNT: u32 = 8;
 
 /// Longest time from an answer's first byte to its last (the node writes each answer whole).
+#[cfg(not(test))]
 const FRAME_LIMIT: Duration = Duration::from_secs(60);
+/// Under test: a fake node writes each frame whole too.
+#[cfg(test)]
+const FRAME_LIMIT: Duration = Duration::from_secs(1);
 
 /// How much longer than a `next` timeout the client waits for the node's own `timeout` answer.
 const NODE_TIMEOUT_SLACK: Duration = Duration::from_secs(5);
@@ -111,12 +115,23 @@ impl Stream {
         // there to read, and it is the better error.
         let sent = fdpass::send_frame(&sock, &frame, &[]);
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        sock.set_read_timeout(Some(ATTACH_LIMIT))
-            .map_err(FrameIoError::from)?;
-        let read = reader.read(&sock, &mut fds);
+        // The answer may wait for the dataset's manifests (ATTACH_LIMIT); once it starts, it
+        // arrives whole within FRAME_LIMIT, as every later frame (a node that stalls halfway
+        // is not waited for ten minutes, or for ever a byte at a time).
+        let limits = ReadLimits {
+            idle: Some(ATTACH_LIMIT),
+            frame: FRAME_LIMIT,
+        };
+        let read = reader.read_timed(&sock, &mut fds, limits);
         let body = match (read, sent) {
             (Ok(body), _) => body,
-            (Err(FrameIoError::Io(e)), Ok(())) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            (
+                Err(FrameIoError::Timeout {
+                    phase: ReadPhase::Idle,
+                    ..
+                }),
+                Ok(()),
+            ) => {
                 return Err(ClientError::NoAnswer {
                     request: "attach",
                     after: ATTACH_LIMIT,
@@ -125,8 +140,6 @@ impl Stream {
             (Err(_), Err(send_error)) => return Err(send_error.into()),
             (Err(read_error), Ok(())) => return Err(read_error.into()),
         };
-        // Later reads set their own limits (`FrameReader::read_data_timed`).
-        sock.set_read_timeout(None).map_err(FrameIoError::from)?;
         let answer = trainer::decode::<Response>(body).map_err(FrameIoError::from)?;
         let Response::Attached {
             stream,

@@ -156,22 +156,23 @@ impl FrameReader {
         fds: &mut Vec<OwnedFd>,
     ) -> Result<&'a [u8], FrameIoError> {
         let mut cut = false;
-        let body = self.read_range(Ahead::No, |buf, _| {
-            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-            let mut anc = RecvAncillaryBuffer::new(&mut space);
-            let r = rustix::net::recvmsg(
-                sock,
-                &mut [IoSliceMut::new(buf)],
-                &mut anc,
-                RecvFlags::CMSG_CLOEXEC,
-            )?;
-            cut |= r.flags.contains(rustix::net::ReturnFlags::CTRUNC);
-            for m in anc.drain() {
-                if let RecvAncillaryMessage::ScmRights(rights) = m {
-                    fds.extend(rights);
-                }
-            }
-            Ok(r.bytes)
+        let body = self.read_range(Ahead::No, |buf, _| recv_with_fds(sock, buf, fds, &mut cut))?;
+        if cut {
+            return Err(FrameIoError::FdsTruncated);
+        }
+        Ok(&self.buf[body])
+    }
+
+    /// Like [`FrameReader::read`] with the time limits of [`FrameReader::read_data_timed`].
+    pub fn read_timed<'a>(
+        &'a mut self,
+        sock: &UnixStream,
+        fds: &mut Vec<OwnedFd>,
+        limits: ReadLimits,
+    ) -> Result<&'a [u8], FrameIoError> {
+        let mut cut = false;
+        let body = self.timed_range(sock, limits, Ahead::No, |buf| {
+            recv_with_fds(sock, buf, fds, &mut cut)
         })?;
         if cut {
             return Err(FrameIoError::FdsTruncated);
@@ -196,10 +197,24 @@ impl FrameReader {
         sock: &UnixStream,
         limits: ReadLimits,
     ) -> Result<&'a [u8], FrameIoError> {
+        let body = self.timed_range(sock, limits, Ahead::Yes, |buf| {
+            rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n)
+        })?;
+        Ok(&self.buf[body])
+    }
+
+    /// [`Self::read_range`] with `recv` under the socket receive timeouts `limits` asks for.
+    fn timed_range(
+        &mut self,
+        sock: &UnixStream,
+        limits: ReadLimits,
+        ahead: Ahead,
+        mut recv: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
+    ) -> Result<std::ops::Range<usize>, FrameIoError> {
         let mut started: Option<Instant> = None;
         let mut current = self.rcvtimeo;
         let mut phase = ReadPhase::Idle;
-        let r = self.read_range(Ahead::Yes, |buf, buffered| {
+        let r = self.read_range(ahead, |buf, buffered| {
             let want = if buffered {
                 phase = ReadPhase::Frame;
                 let t0 = *started.get_or_insert_with(Instant::now);
@@ -224,11 +239,10 @@ impl FrameReader {
                 )?;
                 current = Some(want);
             }
-            rustix::net::recv(sock, buf, RecvFlags::empty()).map(|(n, _)| n)
+            recv(buf)
         });
         self.rcvtimeo = current;
         match r {
-            Ok(body) => Ok(&self.buf[body]),
             Err(FrameIoError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 let limit = match phase {
                     ReadPhase::Idle => limits.idle.unwrap_or_default(),
@@ -236,7 +250,7 @@ impl FrameReader {
                 };
                 Err(FrameIoError::Timeout { phase, limit })
             }
-            Err(e) => Err(e),
+            r => r,
         }
     }
 
@@ -293,6 +307,31 @@ impl FrameReader {
             self.end += n;
         }
     }
+}
+
+/// One `recvmsg` into `buf`, its fds pushed onto `fds` and `cut` set when the kernel cut
+/// them off (`MSG_CTRUNC`).
+fn recv_with_fds(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    cut: &mut bool,
+) -> rustix::io::Result<usize> {
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let r = rustix::net::recvmsg(
+        sock,
+        &mut [IoSliceMut::new(buf)],
+        &mut anc,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    *cut |= r.flags.contains(rustix::net::ReturnFlags::CTRUNC);
+    for m in anc.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    Ok(r.bytes)
 }
 
 /// Whether a read may take bytes past the frame it reads.

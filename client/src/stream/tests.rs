@@ -1,7 +1,7 @@
 //! The stream's bounded waits, against a fake node on a real Unix socket that answers some
 //! requests and then goes silent (the limits are milliseconds in tests).
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -136,6 +136,41 @@ fn an_attach_the_node_never_answers_fails_after_the_limit() {
     );
     assert!(e.to_string().contains("did not answer attach"), "{e}");
     assert!(t0.elapsed() < ATTACH_LIMIT * 20, "{:?}", t0.elapsed());
+    node.join().unwrap();
+    let _ = std::fs::remove_file(&at);
+}
+
+/// An `attached` answer that starts and then comes a byte at a time: the attach fails once
+/// the frame has taken FRAME_LIMIT. Before, each read waited up to ATTACH_LIMIT, so a node
+/// trickling bytes held `open` for ever.
+#[test]
+fn an_attach_answer_that_trickles_fails_after_the_frame_limit() {
+    let at = path("attach-trickle");
+    let node = fake(&at, |c| {
+        assert_eq!(request(c)["op"], "attach");
+        let _ = c.write_all(&100u32.to_le_bytes());
+        for _ in 0..20 {
+            std::thread::sleep(ATTACH_LIMIT / 3);
+            if c.write_all(b"{").is_err() {
+                return;
+            }
+        }
+    });
+    let t0 = Instant::now();
+    let e = Stream::open(&at, StreamOptions::new("d"))
+        .err()
+        .expect("a frame that never ends is an error");
+    assert!(
+        matches!(
+            e,
+            ClientError::Frame(FrameIoError::Timeout {
+                phase: ReadPhase::Frame,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert!(t0.elapsed() < FRAME_LIMIT * 4, "{:?}", t0.elapsed());
     node.join().unwrap();
     let _ = std::fs::remove_file(&at);
 }
