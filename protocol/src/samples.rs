@@ -174,6 +174,42 @@ pub struct SampleOrder {
     pub shuffle_block: u64,
     /// Canonical partitions.
     pub partitions: u32,
+    /// How a `block` shuffle keys each block's permutation.
+    pub block_keys: BlockKeys,
+}
+
+/// How a `block` shuffle keys the permutation of each block's samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BlockKeys {
+    /// By the block's index in the epoch: every block's own permutation.
+    #[default]
+    Global,
+    /// By its partition's first block plus its offset in samples (orders saved before
+    /// `block_keys` was in the fingerprint): blocks of different partitions could share one,
+    /// and a state saved then resumes with it ([`BlockKeys::of_state`]).
+    Legacy,
+}
+
+impl BlockKeys {
+    /// The fingerprint field that names [`BlockKeys::Global`] (a fingerprint without it was
+    /// saved with [`BlockKeys::Legacy`]).
+    pub const FIELD: &'static str = "block_keys=global";
+
+    /// The keys a resume state's fingerprint was saved with: legacy where its order shuffled
+    /// blocks (`shuffle=block`, a field that ends with it) and it names no keys. `prefix`
+    /// scopes both fields (a mixture's dataset: `NAME.`).
+    pub fn of_state(fingerprint: &str, prefix: &str) -> Self {
+        let has = |field: &str| {
+            fingerprint
+                .split(';')
+                .any(|kv| kv.strip_prefix(prefix) == Some(field))
+        };
+        if has("shuffle=block") && !has(Self::FIELD) {
+            Self::Legacy
+        } else {
+            Self::Global
+        }
+    }
 }
 
 /// A block: a contiguous range of X inside one partition.
@@ -277,7 +313,16 @@ impl SampleOrder {
             shuffle,
             shuffle_block,
             partitions,
+            block_keys: BlockKeys::Global,
         })
+    }
+
+    /// Whether a fingerprint of this order names its block keys: only a `block` shuffle has
+    /// them (and not Megatron's order, which keeps GPTDataset's).
+    pub fn names_block_keys(&self) -> bool {
+        self.shuffle == Shuffle::Block
+            && self.block_keys == BlockKeys::Global
+            && !self.windows.as_ref().is_some_and(|w| w.megatron)
     }
 
     /// The order of token windows over the documents of `spec` (see [`windows`]).
@@ -504,7 +549,10 @@ impl EpochOrder {
             return None;
         }
         let (p, b) = (self.parts[c as usize], self.blocks[k]);
-        let bi = u64::from(p.first_block) + (b.start - p.start);
+        let bi = match self.order.block_keys {
+            BlockKeys::Global => k as u64,
+            BlockKeys::Legacy => u64::from(p.first_block) + (b.start - p.start),
+        };
         Some(Bijection::new(b.len, mix(self.key ^ mix(bi))))
     }
 
@@ -830,6 +878,10 @@ impl BatchPlan {
             Some(w) if w.megatron => format!(";windows={}:{}:megatron", w.column, w.seq_len),
             Some(w) => format!(";windows={}:{}", w.column, w.seq_len),
             None => String::new(),
+        } + &if o.names_block_keys() {
+            format!(";{}", BlockKeys::FIELD)
+        } else {
+            String::new()
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use shardwire_gpu::{HostRegion, Region, SlabPool};
 use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
-use shardwire_protocol::samples::{BatchPlan, SampleOrder, Shuffle};
+use shardwire_protocol::samples::{BatchPlan, BlockKeys, SampleOrder, Shuffle};
 use shardwire_protocol::trainer::{
     DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION, WindowOrder,
 };
@@ -318,7 +318,12 @@ pub(super) fn sample_order(
             (o, Some(mode))
         }
     };
-    Ok((order.map_err(|e| bad(e.to_string()))?, tokens))
+    let mut order = order.map_err(|e| bad(e.to_string()))?;
+    if let Some(st) = st {
+        // A state saved before the fingerprint named the block keys resumes with those.
+        order.block_keys = BlockKeys::of_state(&st.fingerprint, "");
+    }
+    Ok((order, tokens))
 }
 
 /// The batch-mode position to start from: 0, or the global step `state` names.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use shardwire_gpu::SlabPool;
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::compare_fingerprints;
-use shardwire_protocol::samples::SampleOrder;
 use shardwire_protocol::samples::mix::{carry_is_valid, fixed_weights};
+use shardwire_protocol::samples::{BlockKeys, SampleOrder};
 use shardwire_protocol::trainer::{ErrorCode, MixEntry, StreamRequest};
 
 use super::error::OpenError;
@@ -73,8 +73,12 @@ pub fn mix_mode(
     let mut first = 0u32;
     for (name, m) in parts {
         let rows = &layout.shard_rows[first as usize..first as usize + m.shards.len()];
-        let (order, t) = sample_order(m, r, rows, 1, cuda)
+        let (mut order, t) = sample_order(m, r, rows, 1, cuda)
             .map_err(|e| bad(e.code, format!("dataset {name:?}: {}", e.message)))?;
+        if let Some(st) = &r.state {
+            // A state saved before the fingerprint named the block keys resumes with those.
+            order.block_keys = BlockKeys::of_state(&st.fingerprint, &format!("{name}."));
+        }
         if let Some(t) = t {
             tokens = Some(merge_tokens(tokens, t, name, first)?);
         }
@@ -359,8 +363,13 @@ fn part_fields(name: &str, o: &SampleOrder, m: &Manifest) -> String {
         ),
         None => "rows".into(),
     };
+    let keys = if o.names_block_keys() {
+        format!(";{name}.{}", BlockKeys::FIELD)
+    } else {
+        String::new()
+    };
     format!(
-        ";{name}.digest={};{name}.samples={};{name}.shuffle={};{name}.shuffle_block={};{name}.partitions={};{name}.windows={windows}",
+        ";{name}.digest={};{name}.samples={};{name}.shuffle={};{name}.shuffle_block={};{name}.partitions={};{name}.windows={windows}{keys}",
         m.digest.get(..16).unwrap_or(&m.digest),
         o.total(),
         o.shuffle.as_str(),

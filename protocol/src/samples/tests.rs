@@ -281,3 +281,72 @@ fn sample_counts_past_u64_are_refused() {
     let ok = vec![u64::MAX / 2, u64::MAX / 2];
     assert!(SampleOrder::new([5; 32], ok, 7, Shuffle::Block, 64, 1).is_ok());
 }
+
+/// The row order each block (here: each shard, blocks and shards of 16 rows) gets, over every
+/// partition of epoch 0 under `keys`.
+fn block_orders(keys: BlockKeys) -> Vec<Vec<u64>> {
+    let mut o = SampleOrder::new([5; 32], vec![16; 32], 77, Shuffle::Block, 16, 4).unwrap();
+    o.block_keys = keys;
+    let o = Arc::new(o);
+    let ep = o.epoch(0);
+    let mut rows: Vec<Vec<u64>> = vec![Vec::new(); 32];
+    for t in 0..o.total() {
+        let r = ep.sample(t);
+        rows[r.shard as usize].push(r.row);
+    }
+    rows
+}
+
+/// Every block is shuffled by a permutation of its own. Before, a block's key was its
+/// partition's first block plus its offset in samples: blocks of different partitions shared
+/// keys, and so the same row order.
+#[test]
+fn blocks_of_different_partitions_get_permutations_of_their_own() {
+    let distinct = |v: &[Vec<u64>]| v.iter().collect::<HashSet<_>>().len();
+    let legacy = block_orders(BlockKeys::Legacy);
+    assert!(
+        distinct(&legacy) <= 24,
+        "the old keys collide: {}",
+        distinct(&legacy)
+    );
+    let global = block_orders(BlockKeys::Global);
+    assert_eq!(distinct(&global), 32, "one permutation per block");
+    for rows in &global {
+        let mut sorted = rows.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..16).collect::<Vec<_>>(), "each row once");
+    }
+}
+
+/// A `block` order's fingerprint names its keys; a state saved without them resumes with the
+/// legacy keys (same order as when it was saved), and a mixture's dataset is read by its name.
+#[test]
+fn the_fingerprint_names_the_block_keys_and_old_states_keep_theirs() {
+    let o = Arc::new(SampleOrder::new([5; 32], vec![16; 8], 1, Shuffle::Block, 16, 2).unwrap());
+    let plan = BatchPlan::new(Arc::clone(&o), 4, 1, 0, false).unwrap();
+    let f = plan.fingerprint(&[5; 32]);
+    assert!(f.ends_with(";block_keys=global"), "{f}");
+    assert_eq!(BlockKeys::of_state(&f, ""), BlockKeys::Global);
+    let old = f.trim_end_matches(";block_keys=global");
+    assert_eq!(BlockKeys::of_state(old, ""), BlockKeys::Legacy);
+    let mut legacy = SampleOrder::new([5; 32], vec![16; 8], 1, Shuffle::Block, 16, 2).unwrap();
+    legacy.block_keys = BlockKeys::Legacy;
+    let legacy = BatchPlan::new(Arc::new(legacy), 4, 1, 0, false).unwrap();
+    assert_eq!(
+        legacy.fingerprint(&[5; 32]),
+        old,
+        "the old state's fingerprint matches"
+    );
+    // Orders without block permutations name no keys.
+    let shards =
+        Arc::new(SampleOrder::new([5; 32], vec![16; 8], 1, Shuffle::Shards, 16, 2).unwrap());
+    let f = BatchPlan::new(shards, 4, 1, 0, false)
+        .unwrap()
+        .fingerprint(&[5; 32]);
+    assert!(!f.contains("block_keys"), "{f}");
+    assert_eq!(BlockKeys::of_state(&f, ""), BlockKeys::Global);
+    // A mixture's fields carry the dataset's name.
+    let mix = "v2;mix=a+b;a.shuffle=block;a.block_keys=global;b.shuffle=block";
+    assert_eq!(BlockKeys::of_state(mix, "a."), BlockKeys::Global);
+    assert_eq!(BlockKeys::of_state(mix, "b."), BlockKeys::Legacy);
+}
