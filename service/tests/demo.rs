@@ -180,6 +180,10 @@ fn demo_runs_on_the_devmem_emulator_and_says_so() {
 #[test]
 fn serve_restores_nic_changes_left_by_a_crashed_run() {
     use shardwire_devmem::nic::{EthtoolClient, Journal};
+    if !is_root() {
+        eprintln!("skipped: needs root (a network namespace and a veth of its own)");
+        return;
+    }
     let ns = format!("swserve-{}", std::process::id());
     let ip = |args: &[&str]| {
         let st = Command::new("ip").args(args).status().expect("run ip");
@@ -245,20 +249,54 @@ fn serve_restores_nic_changes_left_by_a_crashed_run() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut log = String::new();
-    let mut line = String::new();
-    while std::io::BufRead::read_line(&mut err, &mut line).unwrap_or(0) > 0 {
-        log.push_str(&line);
-        if line.contains("node service ready") {
-            break;
+    // Its log lines arrive on a channel: a serve that never says it is ready fails the test
+    // after a minute instead of hanging it, and is killed either way.
+    let err = child.stderr.take().unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
         }
-        line.clear();
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    let serve = Kill(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufRead::lines(std::io::BufReader::new(err)) {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                log.push_str(&line);
+                log.push('\n');
+                if line.contains("node service ready") {
+                    break;
+                }
+            }
+            Err(e) => panic!("serve did not get ready ({e}): {log}"),
+        }
+    }
+    drop(serve);
     assert!(log.contains("restored NIC settings"), "{log}");
     assert!(!state.exists(), "state file removed");
     assert_eq!(c.channels(ifindex, "va").unwrap(), before, "{log}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Whether this test runs as root (`ip netns` and ethtool changes need it).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            == Some("0")
+    })
 }

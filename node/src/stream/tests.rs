@@ -124,17 +124,28 @@ fn closing_drops_leases_and_ready_batches_and_wakes_the_trainer() {
     arrive(&s, 1);
     let leased = batch(s.next(None));
     assert_eq!(s.closed_reason(), None);
-    let waiting = {
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
         let s = Arc::clone(&s);
         std::thread::spawn(move || {
             s.next(None); // takes 1
-            s.next(None) // waits for 2 until the close
-        })
-    };
-    std::thread::sleep(Duration::from_millis(50));
+            let _ = tx.send(s.next(None)); // waits for 2 until the close
+        });
+    }
+    // Batch 1 taken: the thread is on its way into the second wait (a close that came first
+    // would be seen without waiting, and the test would show less).
+    let t0 = std::time::Instant::now();
+    while s.ready_count() > 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
     s.close(CloseReason::TrainerDisconnected);
+    // A close that failed to wake the waiter fails here instead of hanging the test binary.
+    let woke = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the close woke the waiting trainer");
     assert!(matches!(
-        waiting.join().unwrap(),
+        woke,
         Next::Closed(CloseReason::TrainerDisconnected)
     ));
     assert_eq!(s.pool.used(), 0, "every lease and ready slab went back");

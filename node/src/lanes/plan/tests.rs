@@ -113,6 +113,12 @@ fn one_gpu_is_one_lane_on_data_listen_with_its_nic_shown() {
         "{}",
         lanes[0].why
     );
+    // The far lane says why it warns (before, this checked `lanes` again).
+    let why = &far_lanes[0].why;
+    assert!(
+        why.starts_with("one GPU: one lane (its nearest NIC is") && why.contains("across sockets"),
+        "{why}"
+    );
 }
 
 #[test]
