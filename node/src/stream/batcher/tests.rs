@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use shardwire_protocol::manifest::{DType, Manifest, ShardEntry, TensorEntry};
+use shardwire_protocol::samples::BlockKeys;
 use shardwire_protocol::trainer::{ErrorCode, StreamRequest};
 use shardwire_protocol::wire;
 
@@ -579,6 +580,45 @@ async fn a_workers_state_past_the_last_epoch_names_the_end_and_resumes_to_it() {
     r.state = Some(st);
     let (_, start, _) = open::batch_mode(&manifest(), &r, 16, 1 << 20, false).expect("resumes");
     assert!(start >= 6, "at the end: nothing more to deliver ({start})");
+}
+
+/// A state saved before the fingerprint named the block keys resumes (its fingerprint
+/// matches) and continues the order it was saved from: the old keys', not the new.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_state_saved_before_block_keys_resumes_its_own_order() {
+    let s = stream(1 << 20);
+    let mut st = s.state_after(0, 3);
+    assert!(
+        st.fingerprint.ends_with(";block_keys=global"),
+        "{}",
+        st.fingerprint
+    );
+    st.fingerprint = st.fingerprint.replace(";block_keys=global", "");
+    let mut r = StreamRequest::new("d");
+    (r.batch_size, r.seed, r.epochs, r.state) = (Some(BATCH), 3, 2, Some(st.clone()));
+    let (kind, _, fingerprint) =
+        open::batch_mode(&manifest(), &r, BATCH, 1 << 20, false).expect("the old state resumes");
+    assert_eq!(
+        fingerprint, st.fingerprint,
+        "the resumed stream keeps the old fingerprint"
+    );
+    let Kind::Batches(m) = &kind else {
+        unreachable!()
+    };
+    let Sampler::One(plan) = &m.sampler else {
+        unreachable!()
+    };
+    assert_eq!(plan.order.block_keys, BlockKeys::Legacy);
+    // A state that names them resumes with them.
+    r.state = Some(s.state_after(0, 3));
+    let (kind, _, _) = open::batch_mode(&manifest(), &r, BATCH, 1 << 20, false).unwrap();
+    let Kind::Batches(m) = &kind else {
+        unreachable!()
+    };
+    let Sampler::One(plan) = &m.sampler else {
+        unreachable!()
+    };
+    assert_eq!(plan.order.block_keys, BlockKeys::Global);
 }
 
 /// Every resident shard is held by exactly the live units that name it, and every live
