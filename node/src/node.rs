@@ -185,17 +185,12 @@ impl Node {
         let cuda = self.lane_memory(r.device.as_deref())?;
         let mut planned = self.plan_stream(&r, region_bytes, cuda).await?;
         let per_epoch = planned.2.0.per_epoch();
-        // One epoch more than asked: a worker's state after the last batch names the epoch
-        // after (`Stream::state_at`).
-        if per_epoch.checked_mul(u64::from(r.epochs) + 1).is_none() {
-            return Err(OpenError::new(
-                ErrorCode::BadRequest,
-                format!(
-                    "{} epochs of {per_epoch} positions do not fit a 64-bit position; ask for fewer epochs",
-                    r.epochs
-                ),
-            ));
-        }
+        // A batch-mode stream indexes the rank's samples too (position x batch_size).
+        let per_position = match &planned.2.0 {
+            Kind::Batches(m) => u64::from(m.batch_size()),
+            Kind::Shards(_) => 1,
+        };
+        open::check_index_fits(per_epoch, per_position, r.epochs)?;
         let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
         if lane.cuda.is_some() != cuda {
             // Lanes of both memory kinds and the least loaded is the other kind: plan for it.

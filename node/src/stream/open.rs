@@ -326,6 +326,25 @@ pub(super) fn sample_order(
     Ok((order, tokens))
 }
 
+/// Refuses `epochs` of `per_epoch` positions of `per_position` samples (a batch-mode stream
+/// indexes the rank's samples: position x batch_size) that pass a 64-bit index, counting one
+/// epoch more than asked (a worker's state after the last batch names the epoch after,
+/// `Stream::state_at`). Past it, sample indexes wrapped.
+pub fn check_index_fits(per_epoch: u64, per_position: u64, epochs: u32) -> Result<(), OpenError> {
+    let fits = per_epoch
+        .checked_mul(u64::from(epochs) + 1)
+        .and_then(|p| p.checked_mul(per_position));
+    if fits.is_some() {
+        return Ok(());
+    }
+    Err(OpenError::new(
+        ErrorCode::BadRequest,
+        format!(
+            "{epochs} epochs of {per_epoch} positions of {per_position} samples do not fit a 64-bit index; ask for fewer epochs"
+        ),
+    ))
+}
+
 /// The batch-mode position to start from: 0, or the global step `state` names.
 fn resume_batches(
     plan: &BatchPlan,
@@ -593,6 +612,16 @@ mod tests {
             e.message.contains("300 bytes long; the limit is 255"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn epochs_whose_sample_index_passes_64_bits_are_refused() {
+        // 2^32 epochs of 2^20 batches of 2^12 samples: the positions fit, the samples not.
+        assert!(check_index_fits(1 << 20, 1, u32::MAX).is_ok());
+        let e = check_index_fits(1 << 20, 1 << 12, u32::MAX).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("ask for fewer epochs"), "{}", e.message);
+        assert!(check_index_fits(1 << 20, 1 << 12, 1000).is_ok());
     }
 
     #[test]
