@@ -81,7 +81,9 @@ impl GenlSocket {
     }
 
     /// Send one request and feed each reply payload (without nlmsghdr) to `on_reply` until
-    /// the ack (do) or `NLMSG_DONE` (dump).
+    /// the ack (do) or `NLMSG_DONE` (dump). A reply `on_reply` refuses fails the request, but
+    /// only once the kernel has ended it: a dump left running on the socket answered the
+    /// next dump request on it with EBUSY.
     pub(crate) fn request(
         &mut self,
         msg_type: u16,
@@ -107,6 +109,15 @@ impl GenlSocket {
                 msg.len()
             )));
         }
+        let mut refused: Option<String> = None;
+        let mut each = |p: &[u8]| {
+            if refused.is_none()
+                && let Err(e) = on_reply(p)
+            {
+                refused = Some(e);
+            }
+            Ok(())
+        };
         loop {
             let n = sys::recv_trunc(self.fd.as_fd(), &mut self.buf).map_err(NlError::Io)?;
             if n > self.buf.len() {
@@ -115,10 +126,11 @@ impl GenlSocket {
                     self.buf.len()
                 )));
             }
-            if let Some(()) = walk(&self.buf[..n], seq, on_reply)? {
-                return Ok(());
+            if let Some(()) = walk(&self.buf[..n], seq, &mut each)? {
+                break;
             }
         }
+        refused.map_or(Ok(()), |e| Err(NlError::Malformed(e)))
     }
 }
 
@@ -291,6 +303,43 @@ mod tests {
             v.push(0);
         }
         v
+    }
+
+    /// A reply refused halfway through a dump fails that request, and the next dump on the
+    /// same socket runs: the rest of the first was read off first. Before, the request
+    /// returned at the refused reply, and the kernel's dump, still running on the socket,
+    /// got the next dump request EBUSY (or its stale replies).
+    #[test]
+    fn a_refused_reply_in_a_dump_leaves_the_socket_usable() {
+        use netlink_bindings::nlctrl;
+        use netlink_bindings::traits::NetlinkRequest;
+        let mut sock = GenlSocket::open().expect("generic netlink socket");
+        // A page-sized buffer: the kernel sizes a dump's datagrams by the largest buffer
+        // read with, and the ethtool family's policies take many.
+        sock.buf = vec![0; 4096];
+        let mut req = nlctrl::Request::new().op_getpolicy_dump();
+        req.encode().push_family_name_bytes(b"ethtool");
+        let mut seen = 0;
+        let first = sock.request(GENL_ID_CTRL, req.flags(), req.payload(), &mut |_| {
+            seen += 1;
+            Err("refused".to_string())
+        });
+        assert!(
+            matches!(first, Err(NlError::Malformed(ref e)) if e == "refused"),
+            "{first:?}"
+        );
+        assert_eq!(
+            seen, 1,
+            "the replies after the refused one are not handed on"
+        );
+        let req = nlctrl::Request::new().op_getfamily_dump();
+        let mut families = 0;
+        let second = sock.request(GENL_ID_CTRL, req.flags(), req.payload(), &mut |_| {
+            families += 1;
+            Ok(())
+        });
+        assert!(second.is_ok(), "{second:?}");
+        assert!(families >= 2, "nlctrl and more: {families}");
     }
 
     #[test]
