@@ -43,9 +43,8 @@ const REPLY_LIMIT: Duration = Duration::from_secs(60);
 const REPLY_LIMIT: Duration = Duration::from_millis(300);
 
 /// Longest wait for the answer to `attach`: the node may first wait for its sources (5 s for
-/// one to connect, 1 s for the rest), ask each for the manifest (15 s at most per source, in
-/// turn) and plan the stream, so this is generous; beyond it the node is stuck (or has some
-/// 40 sources that all stopped answering).
+/// one to connect, 1 s for the rest), ask them all at once for the manifest (15 s at most)
+/// and plan the stream, so this is generous; beyond it the node is stuck.
 #[cfg(not(test))]
 const ATTACH_LIMIT: Duration = Duration::from_secs(600);
 /// Under test: long enough for a fake node's thread on a loaded machine, short for the test

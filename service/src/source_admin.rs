@@ -85,6 +85,10 @@ fn describe() {
             "FETCHes nodes cancelled before they were sent",
         ),
         (
+            "shardwire_source_fetches_refused_draining_total",
+            "FETCHes refused because the source is draining",
+        ),
+        (
             "shardwire_source_remote_fetches_total",
             "FETCHes of object-storage shards, by how they were served (prefetched: from memory read ahead; cached: from the disk cache; read: read from the store for the FETCH)",
         ),

@@ -257,7 +257,7 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
     match name {
         "shardwire_admin_auth_fails_total" => one("reason", &["missing", "wrong"]),
         "shardwire_http_timeouts_total" => one("phase", &["header", "body", "write", "download"]),
-        "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle"]),
+        "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle", "write"]),
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         // Per lane: a series appears with its lane's binding.
         n if n.starts_with(DEVMEM) => vec![],

@@ -42,9 +42,8 @@ FRAME_LIMIT = 60.0
 #: with nothing ahead of it): a node that stopped answering fails the call, not hangs it.
 REPLY_LIMIT = 60.0
 #: Longest wait for the answer to ``attach``: the node may first wait for its sources (5 s for
-#: one to connect, 1 s for the rest), ask each for the dataset's manifest (15 s at most per
-#: source, in turn) and plan the stream, so this is generous; beyond it the node is stuck (or
-#: has some 40 sources that all stopped answering).
+#: one to connect, 1 s for the rest), ask them all at once for the dataset's manifest (15 s
+#: at most) and plan the stream, so this is generous; beyond it the node is stuck.
 ATTACH_LIMIT = 600.0
 
 
