@@ -40,6 +40,8 @@ from typing import Callable, Iterable
 
 import pytest
 
+from pdeathsig import die_with_parent
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MANIFEST = "shardwire.manifest.json"
 #: Default timeout of every wait, in seconds (generous: CI machines are slow).
@@ -250,7 +252,7 @@ class Proc:
         self._q: queue.Queue = queue.Queue()
         self.popen = subprocess.Popen(
             self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err,
-            env=child_env(env), text=True, bufsize=1,
+            env=child_env(env), text=True, bufsize=1, preexec_fn=die_with_parent,
         )
         self.pid = self.popen.pid
         self._reader = threading.Thread(target=self._read, name=f"stdout-{name}", daemon=True)
@@ -443,7 +445,8 @@ class Harness(Children):
 
 # A test still running after this long is hung (the slowest take about 75 s): every thread's
 # stack is written to stderr and the run ends, rather than a hung run saying nothing until
-# CI's own limit.
+# CI's own limit. It ends with `_exit`, without teardown: the children die with it all the same
+# (each long-running one is started with `preexec_fn=die_with_parent`, pdeathsig.py).
 HANG_LIMIT = 600
 
 

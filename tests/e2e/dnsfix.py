@@ -26,6 +26,8 @@ import time
 
 import pytest
 
+from pdeathsig import die_with_parent
+
 NAME = "sources.shardwire.test"
 
 
@@ -63,22 +65,28 @@ class Dns:
         self.resolv = tmp / "resolv.conf"
         self.resolv.write_text(f"nameserver {self.addr}\noptions timeout:1 attempts:2\n")
         self.log = open(tmp / "dnsmasq.log", "wb")
+        # `--group=root` too: its default group (dip) would change its gid, which clears the
+        # parent-death signal (die_with_parent).
         self.proc = subprocess.Popen(
             ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
              f"--addn-hosts={self.hosts}", f"--listen-address={self.addr}", "--bind-interfaces",
-             "--port=53", "--local-ttl=0", "--no-negcache", "--user=root", "--pid-file=",
+             "--port=53", "--local-ttl=0", "--no-negcache", "--user=root", "--group=root", "--pid-file=",
              "--log-facility=-"],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, preexec_fn=die_with_parent,
         )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                query_a(self.addr, NAME, timeout=0.2)
-                break
-            except OSError:
-                assert self.proc.poll() is None, f"dnsmasq exited: {(tmp / 'dnsmasq.log').read_text()}"
-                assert time.monotonic() < deadline, "dnsmasq did not answer within 10 s"
-                time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    query_a(self.addr, NAME, timeout=0.2)
+                    break
+                except OSError:
+                    assert self.proc.poll() is None, f"dnsmasq exited: {(tmp / 'dnsmasq.log').read_text()}"
+                    assert time.monotonic() < deadline, f"dnsmasq did not answer within 10 s: {(tmp / 'dnsmasq.log').read_text()}"
+                    time.sleep(0.05)
+        except BaseException:
+            self.close()  # the fixture never gets it: stop dnsmasq here
+            raise
 
     def set(self, ips: list[str], name: str = NAME) -> None:
         """Makes `name` resolve to `ips` (SIGHUP re-reads the file) and waits for the answer."""

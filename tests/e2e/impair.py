@@ -75,6 +75,8 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
+from pdeathsig import die_with_parent
+
 __all__ = ["Impairment", "ImpairmentError", "iptables_available"]
 
 # --- netlink / nfnetlink_queue constants (linux/netlink.h, linux/netfilter/nfnetlink*.h) ---
@@ -670,6 +672,7 @@ class Impairment:
         self._stderr = tempfile.TemporaryFile()
         self.popen = subprocess.Popen(
             self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1,
+            preexec_fn=die_with_parent,
         )
         self._reader = threading.Thread(target=self._read, name="impair-stdout", daemon=True)
         self._reader.start()

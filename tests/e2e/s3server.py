@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any, Mapping
 
+from pdeathsig import die_with_parent
+
 #: Default bound of every wait, in seconds (the suite's conftest.WAIT).
 WAIT = 60.0
 REGION = "us-east-1"
@@ -158,7 +160,7 @@ class S3Server:
         with open(self.stderr_path, "ab") as err:
             self.popen = subprocess.Popen(
                 [str(moto_server_bin()), "-H", "127.0.0.1", "-p", str(self.port)],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, preexec_fn=die_with_parent,
             )
 
     def _wait_ready(self) -> bool:

@@ -24,6 +24,28 @@ def request(admin: str, method: str, path: str, token: str | None = None) -> tup
     return admin_request(admin, method, path, token=token)
 
 
+def tcp_queues(addr: str) -> tuple[list[int], list[int]]:
+    """The established TCP connections to `addr` (IPv4 HOST:PORT), from /proc/net/tcp: (the
+    receive queue of each end on `addr`, the send queue of each peer's end). An end on `addr`
+    that has a request on its way in and a receive queue of 0 was accepted and read."""
+    ip, port = addr.rsplit(":", 1)
+    a, b, c, d = (int(x) for x in ip.split("."))
+    want = f"{d:02X}{c:02X}{b:02X}{a:02X}:{int(port):04X}"
+    ours, peers = [], []
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if cols[3] != "01":  # ESTABLISHED
+                continue
+            tx, rx = (int(x, 16) for x in cols[4].split(":"))
+            if cols[1] == want:
+                ours.append(rx)
+            elif cols[2] == want:
+                peers.append(tx)
+    return ours, peers
+
+
 def test_auth_inspect_close_and_drain(sw, tmp_path):
     d = tmp_path / "ds"
     write_uint8_shards(d, 12, 256 * 1024, seed=3)
@@ -264,6 +286,7 @@ def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path
     """With every one of `http_max_connections` held by a `next` waiting for a batch (the source
     sends 1 KiB/s), `/healthz` and the admin API are still served (on a reserve connection,
     where a trainer route answers `503 unavailable`); once a probe got no answer at all."""
+    import http.client
     import threading
     import urllib.request
 
@@ -278,17 +301,32 @@ def test_trainers_long_polls_cannot_starve_the_probes_and_the_admin(sw, tmp_path
     assert code == 201, body
     sid = body["stream"]
     answers = []
+    sent = []
 
     def long_poll():
-        answers.append(admin_request(node.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=8000")[0])
+        host, port = node.admin.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", f"/v1/streams/{sid}/next?timeout_ms=8000")
+            sent.append(True)
+            answers.append(conn.getresponse().status)
+        finally:
+            conn.close()
 
     polls = [threading.Thread(target=long_poll) for _ in range(2)]
     for t in polls:
         t.start()
-    # Both connections taken, both polls waiting. Not probed: a third connection while a poll
-    # still connects could take the poll's place and send it to a reserve slot (503).
-    time.sleep(2.0)
+    # Both connections taken, both polls waiting. Not probed over HTTP: a third connection
+    # while a poll still connects could take the poll's place and send it to a reserve slot
+    # (503). Seen from the kernel instead: both requests sent, and read by the node, so it
+    # accepted both connections (taking a connection slot for each).
+    def both_taken():
+        ours, peers = tcp_queues(node.admin)
+        return len(sent) == 2 and len(ours) == len(peers) == 2 and not any(ours) and not any(peers)
+
     try:
+        wait_for(both_taken, "the node to accept and read both long polls", timeout=6,
+                 diag=lambda: f"sent {len(sent)}, queues {tcp_queues(node.admin)}\n{node.describe()}")
         with urllib.request.urlopen(f"http://{node.admin}/healthz", timeout=3) as r:
             assert r.status == 200
         code, body = request(node.admin, "GET", "/v1/status")

@@ -26,7 +26,7 @@ from conftest import (
     wait_for,
     write_uint8_shards,
 )
-from test_lanes import lanes_toml, lanes_up, two_lane_node
+from test_lanes import lanes_opened, lanes_toml, lanes_up, two_lane_node
 
 SHARDS, SIZE = 12, 700_001  # not a multiple of 4 KiB: frags end mid-page
 
@@ -83,7 +83,9 @@ def test_devmem_sim_on_two_lanes_each_lane_its_own_binding(sw, tmp_path, dataset
     held.kill()
     wait_for(lambda: not node.status()["streams"], "the held stream to close", diag=node.describe)
     third = sw.consume(node, "ds", seed=8)
+    assert_exactly_once(third, SHARDS)
     assert_byte_exact(third, expected)
+    assert lanes_opened(node, 8) == [0], node.stderr_text()[-3000:]  # both lanes idle: the lowest id
 
     lanes = settled_lanes(node)
     st = node.status()

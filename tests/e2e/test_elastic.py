@@ -30,10 +30,21 @@ NODE_LOG = {"RUST_LOG": "info,shardwire_node::stream::supply=debug"}
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.2 (the sources all take it, each on its own address)."""
-    with socket.socket() as s:
-        s.bind((IPS[0], 0))
-        return s.getsockname()[1]
+    """A port free on every one of IPS (the sources all take it, each on its own address):
+    one free on 127.0.0.2, bound briefly on each of the others too; another is tried where
+    one of them has it taken."""
+    for _ in range(10):
+        with socket.socket() as s:
+            s.bind((IPS[0], 0))
+            port = s.getsockname()[1]
+        try:
+            for ip in IPS:
+                with socket.socket() as s:
+                    s.bind((ip, port))
+        except OSError:
+            continue
+        return port
+    raise AssertionError(f"no port free on all of {IPS} in 10 tries")
 
 
 def write_dataset(d, seed: int = 7) -> list[int]:

@@ -181,10 +181,26 @@ def test_next_times_out_when_the_source_stalls(procs: Procs, tmp_path: pathlib.P
         path = f"/v1/streams/{s.info.stream}/next"
         front = threading.Thread(target=http, args=(serve.admin, "POST", path + "?timeout_ms=8000", b""), daemon=True)
         front.start()
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        st, body, _ = http(serve.admin, "POST", path + "?timeout_ms=500", b"")
-        assert (st, body) == (204, b"") and time.monotonic() - t0 < 3, time.monotonic() - t0
+
+        def stalled() -> float:
+            st, v = http_json(serve.admin, "GET", "/v1/status")
+            assert st == 200, v
+            return v["counters"]["stall_network_seconds"]
+
+        def queued() -> bool:
+            # A `next` that had the stream's turn waited its 500 ms for a batch, which the
+            # node counts as a network stall when it ends; one queued behind the front one
+            # (which counts its wait only at its own end) never waited for a batch. So the
+            # stall counter tells whether the front one had reached the node: until it has,
+            # this is tried again.
+            before = stalled()
+            t0 = time.monotonic()
+            st, body, _ = http(serve.admin, "POST", path + "?timeout_ms=500", b"")
+            took = time.monotonic() - t0
+            assert (st, body) == (204, b"") and took < 3, took
+            return stalled() - before < 0.25
+
+        wait_for(queued, "a `next` queued behind the front one (its turn held by it)", timeout=6)
         front.join(15)
 
 

@@ -21,6 +21,7 @@ import uuid
 import pytest
 
 from impair import Impairment, ImpairmentError
+from pdeathsig import die_with_parent
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces and iptables rules"),
@@ -108,7 +109,7 @@ def transfer(a: str, b: str, data: bytes, tmp_path, timeout: float = TRANSFER_TI
     path = tmp_path / "payload.bin"
     path.write_bytes(data)
     rx = subprocess.Popen(in_ns(b, sys.executable, "-c", RECEIVER, B_IP, str(timeout)),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     try:
         first = rx.stdout.readline()
         assert first, f"receiver exited before listening: {rx.stderr.read()}"

@@ -117,7 +117,9 @@ def test_a_kept_batch_released_from_another_thread_frees_a_waiting_next(node):
 
         a = threading.Thread(target=trainer)
         a.start()
-        time.sleep(0.5)  # the `next` waits for memory the kept batches hold
+        # The `next` is sent and waits (for memory the kept batches hold): the SDK marks it
+        # waiting, and a release from another thread is then handed over to it.
+        wait_for(lambda: s._waiting, "the other thread's `next` to wait", timeout=10)
         t = time.monotonic()
         kept[0].release()
         released_in = time.monotonic() - t

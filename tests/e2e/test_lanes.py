@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -59,6 +60,12 @@ def metric(admin: str, name: str) -> float:
     lines = [line for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
     assert lines, f"no {name} in /metrics"
     return float(lines[0].split()[-1])
+
+
+def lanes_opened(node, seed: int) -> list[int]:
+    """The lanes of the streams the node logged as opened with `seed` (its "stream opened"
+    lines: `lane=N device="-" dataset=ds seed=S rank=...`)."""
+    return [int(n) for n in re.findall(rf'\blane=(\d+) device="-" dataset=ds seed={seed} rank=', node.stderr_text())]
 
 
 @pytest.fixture
@@ -112,7 +119,10 @@ def test_two_host_lanes_on_loopback_each_carry_their_own_streams(sw, tmp_path, d
     held.kill()
     wait_for(lambda: not node.status()["streams"], "the held stream to close", diag=node.describe)
     third = sw.consume(node, "ds", seed=8)
+    assert_exactly_once(third, SHARDS)
     assert_byte_exact(third, expected)
+    # Both lanes idle again: the third goes to the lowest id.
+    assert lanes_opened(node, 8) == [0], node.stderr_text()[-3000:]
 
     lanes = node.status()["lanes"]
     total = SHARDS * (SIZE + 128)  # .npy header of a 1-D uint8 array

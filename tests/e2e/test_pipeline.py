@@ -279,7 +279,13 @@ def test_corrupted_payloads_are_refetched(sw, tmp_path):
     assert_byte_exact(batches, expected)
 
     st = node.status()
-    assert st["counters"]["crc_failures"] == 3, st["counters"]
+    crc = st["counters"]["crc_failures"]
+    # The first 3 FETCHes are corrupted. Where two of them follow each other on one data
+    # connection, the node takes two mismatches of different shards in a row for a lost
+    # framing and drops the connection: the third corrupted payload then never arrives whole
+    # to be checked (it is fetched again all the same).
+    framing = "lost its framing" in node.stderr_text()
+    assert crc == 3 or (crc == 2 and framing), (st["counters"], framing)
     assert st["counters"]["refetches"] >= 3, st["counters"]
     assert src.stderr_text().count("fault injection") == 3, src.stderr_text()[-3000:]
 
@@ -287,7 +293,7 @@ def test_corrupted_payloads_are_refetched(sw, tmp_path):
     batches = sw.consume(node, "c", seed=5)
     assert_exactly_once(batches, n)
     assert_byte_exact(batches, expected)
-    assert node.status()["counters"]["crc_failures"] == 3
+    assert node.status()["counters"]["crc_failures"] == crc
 
 
 def test_a_shard_whose_stored_bytes_differ_from_the_manifest_closes_the_stream_naming_it(sw, tmp_path):
@@ -315,7 +321,7 @@ def test_a_source_with_more_files_than_the_soft_open_file_limit_starts(tmp_path)
     import resource
     import subprocess
 
-    from conftest import child_env, require_bin
+    from conftest import child_env, die_with_parent, require_bin
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1024:
@@ -328,7 +334,7 @@ def test_a_source_with_more_files_than_the_soft_open_file_limit_starts(tmp_path)
     p = subprocess.Popen(
         [str(require_bin()), "source", "--listen", "127.0.0.1:0", "--dataset", f"many={d}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)),
+        preexec_fn=lambda: (die_with_parent(), resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))),
     )
     try:
         line = p.stdout.readline()

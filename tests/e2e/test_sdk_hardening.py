@@ -560,7 +560,9 @@ def test_a_reply_trickled_piece_by_piece_fails_after_the_frame_limit(pair, monke
     t0 = time.monotonic()
     with pytest.raises(ConnectionClosed, match="not the rest within 1 s"):
         s.next(timeout=30)
-    assert time.monotonic() - t0 < 2.5
+    # (the trickle itself ends after 2.75 s: a batch handed out then fails the raises above;
+    # this bound is loose for a loaded machine, and still far under the 30 s timeout)
+    assert time.monotonic() - t0 < 10
     assert s.closed
     t.join(10)
 
@@ -585,7 +587,7 @@ def test_an_attached_trickled_piece_by_piece_fails_after_the_frame_limit(tmp_pat
     t0 = time.monotonic()
     with pytest.raises(ConnectionClosed, match="not the rest within 1 s"):
         shardwire.connect(path).open_stream("d")
-    assert time.monotonic() - t0 < 2.5
+    assert time.monotonic() - t0 < 10  # loose, for a loaded machine: the raises above is the check
     t.join(30)
     srv.close()
 

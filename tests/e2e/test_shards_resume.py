@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, serve_dataset, wait_for, write_id_dataset
+from conftest import REPO, die_with_parent, serve_dataset, wait_for, write_id_dataset
 
 sys.path.insert(0, str(REPO / "client" / "python" / "src"))
 
@@ -532,7 +532,8 @@ def test_spawned_workers_take_their_ddp_rank_from_the_parent(node, tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     procs = [subprocess.Popen([sys.executable, "-c", _rank_script(node.socket, r, 2, True)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+             for r in (0, 1)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:

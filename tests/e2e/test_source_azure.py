@@ -29,6 +29,7 @@ from conftest import (
     wait_ready,
     write_uint8_shards,
 )
+from pdeathsig import die_with_parent
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 AZURITE = ROOT / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
@@ -43,6 +44,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(p: subprocess.Popen, port: int, log: pathlib.Path) -> bool:
+    """True once 127.0.0.1:PORT accepts a connection and `p` is still running after it (a
+    connection to another process that took the port first is followed by Azurite's exit);
+    False if `p` exited; fails after WAIT seconds."""
+    deadline = time.monotonic() + WAIT
+    while p.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            assert time.monotonic() < deadline, f"Azurite did not listen on {port} within {WAIT}s:\n{log.read_text()}"
+            time.sleep(0.1)
+            continue
+        time.sleep(0.2)  # (time for a bind that failed to end the process)
+        return p.poll() is None
+    return False
+
+
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory):
     """Azurite's blob service on a free loopback port: (its URL, the environment that points
@@ -50,34 +68,33 @@ def azurite(tmp_path_factory):
     if not AZURITE.exists():
         pytest.skip(f"Azurite is not installed at {AZURITE} (scripts/test installs it with npm)")
     pytest.importorskip("azure.storage.blob", reason="azure-storage-blob (tests/e2e/requirements.txt)")
-    port = free_port()
     data = tmp_path_factory.mktemp("azurite")
-    log = open(data / "azurite.log", "w")
-    p = subprocess.Popen(
-        [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data), "--silent", "--skipApiVersionCheck", "--loose"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + WAIT
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert p.poll() is None, (data / "azurite.log").read_text()
-            assert time.monotonic() < deadline, "Azurite did not listen"
-            time.sleep(0.1)
-    env = {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT, "AZURITE_BLOB_STORAGE_URL": url, "AZURE_ALLOW_HTTP": "true"}
+    log_path = data / "azurite.log"
+    log = open(log_path, "w")
+    p = None
     try:
+        for attempt in range(3):  # the free port can be taken between probe and bind
+            port = free_port()
+            p = subprocess.Popen(
+                [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data), "--silent", "--skipApiVersionCheck", "--loose"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
+            if listening(p, port, log_path):
+                break
+            assert attempt < 2 and "EADDRINUSE" in log_path.read_text(), f"Azurite exited before listening:\n{log_path.read_text()}"
+        url = f"http://127.0.0.1:{port}"
+        env = {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT, "AZURITE_BLOB_STORAGE_URL": url, "AZURE_ALLOW_HTTP": "true"}
         yield url, env
     finally:
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
         log.close()
 
 

@@ -66,6 +66,11 @@ def source_status(src) -> dict:
     return json.loads(body)
 
 
+def reading_shards(src) -> int:
+    """Shards the source is reading now (started, not yet in memory)."""
+    return source_status(src)["datasets"][0]["object_store"]["reading_shards"]
+
+
 def served_counts(src) -> dict:
     """{prefetched|cached|read: n} from the source's /metrics."""
     code, text = http_get(src.admin, "/metrics")
@@ -326,12 +331,15 @@ def test_read_ahead_the_cache_does_not_admit_stays_within_the_memory_budget(sw, 
         assert s.next(timeout=30) is not None
         # The node's region is full and its hints name the other shards: the source reads
         # ahead as far as its budget lets it, then waits.
-        peak, deadline = 0, time.monotonic() + 4
+        def prefetched() -> int:
+            return source_status(src)["datasets"][0]["object_store"]["prefetched_bytes"]
+
+        peak = wait_for(prefetched, "the source to read ahead", 30)
+        deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
-            st = source_status(src)["datasets"][0]["object_store"]
-            peak = max(peak, st["prefetched_bytes"])
+            peak = max(peak, prefetched())
             time.sleep(0.1)
-        assert 0 < peak <= 1 << 20, st
+        assert peak <= 1 << 20, peak
     batches = sw.consume(node, "ds", shuffle="shards", seed=5)
     assert_exactly_once(batches, 40)
     assert_byte_exact(batches, expected_crcs(d))
@@ -342,8 +350,9 @@ def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_a
     write_uint8_shards(d, 24, 256 * 1024, seed=12)
     url = upload(s3, s3_bucket, d)
     # Budget: 2 x max_inflight x request_size = 1 MiB, four of these shards.
-    src = sw.source({"ds": url}, "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2",
-                    env=s3_proxy.env())
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", "--object-store-request-size", "256KiB",
+                    "--object-store-max-inflight", "2", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
     data = socket.create_server(("127.0.0.1", 0))
     data.settimeout(10)
     ctl, conn, _ = handshake_to_data_conn(host_port(src.addr), data)
@@ -357,7 +366,9 @@ def test_a_node_that_queues_many_fetches_makes_the_source_read_only_its_budget_a
         return {e.path for e in gets(s3_proxy, s3_bucket)}
 
     wait_for(lambda: len(read_shards()) >= 3, "the first reads", 10)
-    time.sleep(2)
+    # The reads the budget lets start have ended; the rest wait (a read over the budget would
+    # have started with them: every FETCH was queued at once).
+    wait_for(lambda: reading_shards(src) == 0, "the reads within the budget to end", 30)
     assert len(read_shards()) <= 4, sorted(read_shards())
     # Once payloads go out, the waiting reads start: every shard arrives, byte exact.
     ctl.sendall(control_frame(DATA_READY, struct.pack(">H", 0)))
@@ -382,8 +393,9 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
     write_uint8_shards(d, 24, 256 * 1024, seed=14)
     url = upload(s3, s3_bucket, d)
     # Budget: 2 x max_inflight x request_size = 1 MiB, four of these shards; four budgets: 16.
-    src = sw.source({"ds": url}, "--object-store-request-size", "256KiB", "--object-store-max-inflight", "2",
-                    env=s3_proxy.env())
+    src = sw.source({"ds": url}, "--admin", "127.0.0.1:0", "--object-store-request-size", "256KiB",
+                    "--object-store-max-inflight", "2", env=s3_proxy.env())
+    src.admin = src.wait_line(ADMIN).group(1)
     nodes = []
     for _ in range(6):
         data = socket.create_server(("127.0.0.1", 0))
@@ -400,7 +412,9 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
         return {e.path for e in gets(s3_proxy, s3_bucket)}
 
     wait_for(lambda: len(read_shards()) >= 12, "the first reads", 10)
-    time.sleep(2)
+    # The reads the budgets let start have ended; the rest wait (a read over them would have
+    # started with them: every FETCH was queued at once).
+    wait_for(lambda: reading_shards(src) == 0, "the reads within the budgets to end", 30)
     assert len(read_shards()) <= 16, sorted(read_shards())
     # Once payloads go out, the waiting reads start: every shard arrives, byte exact.
     want = [sh["crc32c"] for sh in load_manifest(d)["shards"]]
@@ -527,9 +541,12 @@ def test_a_hinted_shard_the_store_refuses_is_not_read_again_and_again_ahead_of_i
         # The trainer pauses: the node's hints name the shard ahead of its FETCH; the
         # prefetch tries it and is refused. It may try again later, not back to back (the
         # source once sent hundreds of GETs a second for it).
-        time.sleep(6)
-        tries = s3_proxy.requests("GET", f"/{name}", status=412)
-        assert 1 <= len(tries) <= 5, len(tries)
+        def tries():
+            return s3_proxy.requests("GET", f"/{name}", status=412)
+
+        wait_for(tries, "the prefetch's first try of the changed shard", 30)
+        time.sleep(5)  # retried after 1 and 3 s (the pause doubles), next after 7 s
+        assert len(tries()) <= 5, len(tries())
     assert f"shard={order[12]}" in src.stderr_text()
 
 

@@ -141,8 +141,8 @@ def test_a_refused_trainer_that_trickles_bytes_is_closed_on_time(sw, tmp_path):
             break
         time.sleep(0.3)
     s.close()
-    # Its linger is 2 s; 3 s more for a loaded machine (the bug held it for 10 s and more).
-    assert closed_after is not None and closed_after < 5.0, (
+    # Its linger is 2 s; 6 s more for a loaded machine (the bug held it for 10 s and more).
+    assert closed_after is not None and closed_after < 8.0, (
         f"a refused trainer writing every 0.3 s kept its connection for {closed_after or '10+'} s"
     )
 
