@@ -3,10 +3,13 @@
 //!
 //! Rules:
 //! - Each GPU gets a NIC at the smallest [`Distance`] it has to any usable NIC.
-//! - Ties are spread: GPUs with the fewest best candidates choose first (then in PCI
-//!   order), each taking the candidate with the fewest GPUs so far (then the lowest PCI
-//!   address; virtual NICs after physical ones, by name). 8 GPUs on 4 equidistant NICs
-//!   get 2 per NIC, and a GPU with one PIX NIC is not crowded out by one with two.
+//! - Ties are spread so that the most GPUs on any one NIC is as few as it can be (each GPU
+//!   still at its own smallest distance): 8 GPUs on 4 equidistant NICs get 2 per NIC, a GPU
+//!   with one PIX NIC is not crowded out by one with two, and GPUs whose best NICs are
+//!   {A, B}, {B, C} and {A, B} get one NIC each. Among such spreads, GPUs with the fewest best
+//!   candidates choose first (then in PCI order), each taking the candidate with the fewest
+//!   GPUs so far (then the lowest PCI address; virtual NICs after physical ones, by name)
+//!   that still lets the GPUs after it keep that spread.
 //! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
 //!   as evenly as possible; with fewer queues than GPUs the later GPUs get none. A physical
@@ -313,42 +316,166 @@ fn best_candidates(gpu: &Gpu, nics: &[Nic], skip: &[bool], opts: &PairOptions) -
         .collect()
 }
 
-/// The NIC (index into `nics`) of each GPU: GPUs with the fewest candidates choose first,
-/// each a physical function before an SR-IOV virtual function, then the candidate with the
-/// fewest GPUs so far, then on the adapter with the fewest (the
-/// ports and functions of one PCI device share its link and its engine: as NCCL, which merges
-/// the functions of a device, two GPUs under one switch with a dual-port NIC and a second NIC
-/// get one adapter each), then physical before virtual, then the lowest PCI address, then the
-/// name. `best` is in GPU PCI order.
+/// The NIC (index into `nics`) of each GPU. First the least cap on GPUs per NIC that lets
+/// every GPU have one of its candidates ([`Matching::least_cap`]); then GPUs with the fewest
+/// candidates choose first, each the first of its candidates, in this order, that keeps the
+/// cap for the GPUs still to choose ([`Matching::fix`]): a physical function before an
+/// SR-IOV virtual function ([`choosable`]), then the candidate with the fewest GPUs so far,
+/// then on the adapter with the fewest (the ports and functions of one PCI device share its
+/// link and its engine: as NCCL, which merges the functions of a device, two GPUs under one
+/// switch with a dual-port NIC and a second NIC get one adapter each), then physical before
+/// virtual, then the lowest PCI address, then the name. Where choosing greedily in that
+/// order already kept the least cap, the result is the greedy one. `best` is in GPU PCI
+/// order.
 fn assign(best: &[Vec<Candidate>], nics: &[Nic]) -> Vec<Option<usize>> {
+    let cands: Vec<Vec<usize>> = best.iter().map(|b| choosable(b, nics)).collect();
+    let mut matching = Matching::least_cap(&cands, nics.len());
     let mut order: Vec<usize> = (0..best.len()).filter(|&i| !best[i].is_empty()).collect();
     order.sort_by_key(|&i| (best[i].len(), i));
     let mut load = vec![0usize; nics.len()];
     let adapter = |k: usize| nics[k].pci.map(|p| (p.domain, p.bus, p.device));
     let mut adapter_load: HashMap<(u32, u8, u8), usize> = HashMap::new();
-    let mut chosen = vec![None; best.len()];
     for i in order {
-        let pick = best[i].iter().map(|c| c.nic).min_by_key(|&k| {
+        let mut ranked = cands[i].clone();
+        ranked.sort_by_key(|&k| {
             let nic = &nics[k];
             let on_adapter = adapter(k).map_or(0, |a| adapter_load.get(&a).copied().unwrap_or(0));
-            (
-                nic.sriov_vf,
-                load[k],
-                on_adapter,
-                nic.is_virtual,
-                nic.pci,
-                &nic.interface,
-            )
+            (load[k], on_adapter, nic.is_virtual, nic.pci, &nic.interface)
         });
-        if let Some(k) = pick {
+        // The GPU's NIC in the matching is among them and always fits: some NIC is found.
+        if let Some(k) = ranked.into_iter().find(|&k| matching.fix(i, k)) {
             load[k] += 1;
             if let Some(a) = adapter(k) {
                 *adapter_load.entry(a).or_default() += 1;
             }
-            chosen[i] = Some(k);
         }
     }
-    chosen
+    matching.nic_of
+}
+
+/// The NICs of a GPU's `best` it may be given: its physical functions, or its SR-IOV virtual
+/// functions when it has none there (a VF shares its PF's port, so it is no second NIC: it
+/// comes after every PF at its distance, whatever their load).
+fn choosable(best: &[Candidate], nics: &[Nic]) -> Vec<usize> {
+    let physical: Vec<usize> = best
+        .iter()
+        .map(|c| c.nic)
+        .filter(|&k| !nics[k].sriov_vf)
+        .collect();
+    if physical.is_empty() {
+        best.iter().map(|c| c.nic).collect()
+    } else {
+        physical
+    }
+}
+
+/// GPUs placed on NICs (a bipartite b-matching): each GPU on one of its candidates, each
+/// NIC with at most `cap` GPUs. A GPU that is `fixed` is never moved again; the others may
+/// be moved along augmenting paths (Kuhn's algorithm, with a capacity per NIC) to make room.
+struct Matching<'a> {
+    /// Candidate NICs (indices into `Tree::nics`) of each GPU, in GPU PCI order.
+    cands: &'a [Vec<usize>],
+    /// The most GPUs a NIC may take.
+    cap: usize,
+    /// The NIC of each GPU; `None` while unplaced, or for a GPU without candidates.
+    nic_of: Vec<Option<usize>>,
+    /// GPUs on each NIC.
+    count: Vec<usize>,
+    /// GPUs whose NIC is chosen for good.
+    fixed: Vec<bool>,
+}
+
+impl<'a> Matching<'a> {
+    /// A matching of every GPU that has candidates, under the least cap that allows one
+    /// (tried 1, 2, ...; at the number of GPUs any placement fits).
+    fn least_cap(cands: &'a [Vec<usize>], nics: usize) -> Self {
+        let mut cap = 1;
+        loop {
+            let mut m = Matching {
+                cands,
+                cap,
+                nic_of: vec![None; cands.len()],
+                count: vec![0; nics],
+                fixed: vec![false; cands.len()],
+            };
+            if (0..cands.len()).all(|i| m.place(i)) || cap >= cands.len() {
+                return m;
+            }
+            cap += 1;
+        }
+    }
+
+    /// Places unplaced GPU `i` on the first of its candidates that has or can be given room;
+    /// false when none can (true for a GPU without candidates: nothing to place).
+    fn place(&mut self, i: usize) -> bool {
+        let cands = self.cands;
+        let mut seen = vec![false; self.count.len()];
+        for &c in &cands[i] {
+            if self.make_room(c, &mut seen) {
+                self.move_to(i, c);
+                return true;
+            }
+        }
+        cands[i].is_empty()
+    }
+
+    /// Puts GPU `i` (placed) on its candidate `nic` for good, if the GPUs not fixed can make
+    /// room there within the cap; else leaves the matching as it was and returns false.
+    fn fix(&mut self, i: usize, nic: usize) -> bool {
+        let was = self.nic_of[i];
+        if was != Some(nic) {
+            self.unplace(i);
+            let mut seen = vec![false; self.count.len()];
+            if !self.make_room(nic, &mut seen) {
+                if let Some(old) = was {
+                    self.move_to(i, old);
+                }
+                return false;
+            }
+            self.move_to(i, nic);
+        }
+        self.fixed[i] = true;
+        true
+    }
+
+    /// Whether `nic` has room for one more GPU, after moving a placed GPU that is not fixed
+    /// from it to another of its candidates (recursively making room there) if need be.
+    /// `seen`: the full NICs already searched for this placement. Changes nothing when false.
+    fn make_room(&mut self, nic: usize, seen: &mut [bool]) -> bool {
+        if self.count[nic] < self.cap {
+            return true;
+        }
+        if std::mem::replace(&mut seen[nic], true) {
+            return false;
+        }
+        let cands = self.cands;
+        for (j, its) in cands.iter().enumerate().take(self.nic_of.len()) {
+            if self.fixed[j] || self.nic_of[j] != Some(nic) {
+                continue;
+            }
+            for &other in its {
+                if other != nic && self.make_room(other, seen) {
+                    self.move_to(j, other);
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Takes GPU `i` off its NIC, if any.
+    fn unplace(&mut self, i: usize) {
+        if let Some(old) = self.nic_of[i].take() {
+            self.count[old] -= 1;
+        }
+    }
+
+    /// Puts GPU `i` on `nic` (off its NIC before, if any).
+    fn move_to(&mut self, i: usize, nic: usize) {
+        self.unplace(i);
+        self.nic_of[i] = Some(nic);
+        self.count[nic] += 1;
+    }
 }
 
 /// The devmem queues `[rx/2, rx)` of a NIC split among `gpus` GPUs: contiguous, disjoint,
@@ -754,6 +881,87 @@ mod tests {
         );
         assert_eq!(lanes[1].why, "through host bridge pci0000:40 (NUMA 0)");
         assert_eq!(lanes[1].numa_node(), Some(0));
+    }
+
+    #[test]
+    fn overlapping_ties_get_one_gpu_per_nic() {
+        // Best NICs G0 {A, B}, G1 {B, C}, G2 {A, B}. Greedy by load, then PCI address, gave
+        // G0 A, G1 B, G2 A: A twice while C idled.
+        let nics: Vec<Nic> = (1..=3)
+            .map(|i| {
+                let port = format!("0000:00:0{i}.0");
+                let dev = format!("0000:0{}:00.0", 4 + i);
+                let chain = [port.as_str(), dev.as_str()];
+                nic(&format!("eth{i}"), Some(0), 16, "pci0000:00", &chain)
+            })
+            .collect();
+        let best = vec![
+            vec![cand(0), cand(1)],
+            vec![cand(1), cand(2)],
+            vec![cand(0), cand(1)],
+        ];
+        assert_eq!(assign(&best, &nics), vec![Some(0), Some(2), Some(1)]);
+    }
+
+    #[test]
+    fn overlapping_ties_on_a_tree_get_one_gpu_per_nic() {
+        // Socket 0 with host bridges 00, 40 and 60 (NUMA 0), some numa_node files -1 (None):
+        // GPU 01:00.0 (NUMA 0) reaches eth1 (bridge 00) and eth2 (bridge 40, NUMA 0) by PHB
+        // and eth3 (NUMA unknown) by SYS; GPU 41:00.0 (NUMA unknown, bridge 40) reaches eth2
+        // and eth3 by PHB (same bridge), eth1 by SYS; GPU 61:00.0 (NUMA 0) is as the first.
+        let gpus = vec![
+            gpu(Some(0), "pci0000:00", &["0000:00:01.0", "0000:01:00.0"]),
+            gpu(None, "pci0000:40", &["0000:40:01.0", "0000:41:00.0"]),
+            gpu(Some(0), "pci0000:60", &["0000:60:01.0", "0000:61:00.0"]),
+        ];
+        let nics = vec![
+            nic(
+                "eth1",
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:02.0", "0000:05:00.0"],
+            ),
+            nic(
+                "eth2",
+                Some(0),
+                16,
+                "pci0000:40",
+                &["0000:40:02.0", "0000:42:00.0"],
+            ),
+            nic(
+                "eth3",
+                None,
+                16,
+                "pci0000:40",
+                &["0000:40:03.0", "0000:43:00.0"],
+            ),
+        ];
+        let tree = Tree {
+            gpus,
+            nics,
+            ..Tree::default()
+        };
+        let lanes = pair(&tree, &PairOptions::default());
+        let got: Vec<_> = lanes
+            .iter()
+            .map(|l| (l.nic.as_deref(), l.distance, l.queues.clone()))
+            .collect();
+        let q: Vec<u32> = (8..16).collect();
+        let phb = Some(Distance::Phb);
+        assert_eq!(
+            got,
+            [
+                (Some("eth1"), phb, q.clone()),
+                (Some("eth3"), phb, q.clone()),
+                (Some("eth2"), phb, q)
+            ],
+            "{lanes:#?}"
+        );
+        assert_eq!(
+            lanes[1].why,
+            "through host bridge pci0000:40; 1 of 2 NICs at PHB, spread"
+        );
     }
 
     #[test]
