@@ -560,31 +560,39 @@ impl ServeConfig {
         Ok(())
     }
 
-    /// With `lanes` a table each lane names its own NIC and queues: the node-wide
-    /// `devmem_queues` would be ignored (a table's lane binds `lanes[i].queues` only) and
-    /// `devmem_interface` would take the place of the lane's own `interface`, so both are
-    /// refused, naming the lane key to use instead. With `lanes = "auto"` they stay (the node
-    /// uses them with one lane, and warns that it ignores them with several).
+    /// `devmem_queues` and `devmem_interface` beside a `lanes` table: a table of one lane
+    /// takes them as its own (as a node of one lane always has) unless the lane names other
+    /// ones (which would be overridden or dropped); a table of several lanes does not use
+    /// them (each lane binds its own NIC and queues), so they are refused naming the keys
+    /// that do.
     fn validate_lane_table(&self) -> Result<(), ConfigError> {
-        if !matches!(self.lanes, Lanes::Table(_)) {
+        let Lanes::Table(t) = &self.lanes else {
             return Ok(());
-        }
-        if !self.devmem_queues.is_empty() {
+        };
+        let one = (t.len() == 1).then(|| &t[0]);
+        let queues_clash =
+            one.is_none_or(|l| !l.queues.is_empty() && l.queues != self.devmem_queues);
+        if !self.devmem_queues.is_empty() && queues_clash {
             return Err(invalid(
                 "devmem_queues",
                 format!("{:?}", self.devmem_queues),
-                "is not used when `lanes` is a table: list each lane's RX queues in its table, \
-                 lanes[i].queues (e.g. lanes = [{ queues = [8, 9] }]), and drop devmem_queues",
+                "is not used beside a `lanes` table of several lanes, or of one lane with \
+                 queues of its own: list each lane's RX queues in its table, lanes[i].queues \
+                 (e.g. lanes = [{ queues = [8, 9] }]), and drop devmem_queues",
             ));
         }
-        if let Some(n) = &self.devmem_interface {
+        let Some(n) = &self.devmem_interface else {
+            return Ok(());
+        };
+        if one.is_none_or(|l| l.interface.as_ref().is_some_and(|i| i != n)) {
             return Err(invalid(
                 "devmem_interface",
                 format!("{n:?}"),
                 format!(
-                    "would override the lanes' own `interface` when `lanes` is a table: name \
-                     each lane's NIC in its table, lanes[i].interface (e.g. lanes = [{{ \
-                     interface = {n:?} }}]), and drop devmem_interface"
+                    "is not used beside a `lanes` table of several lanes, and would override \
+                     the interface of a lane that names another: name each lane's NIC in its \
+                     table, lanes[i].interface (e.g. lanes = [{{ interface = {n:?} }}]), and \
+                     drop devmem_interface"
                 ),
             ));
         }
@@ -1162,7 +1170,12 @@ mod tests {
         // dropped without a word) and devmem_interface took the place of lanes[0].interface.
         for (toml, key, fix) in [
             (
-                "lanes = [{}]\ndevmem_queues = [8, 9]\n",
+                "lanes = [{ queues = [10] }]\ndevmem_queues = [8, 9]\n",
+                "`devmem_queues` = [8, 9]",
+                "lanes[i].queues",
+            ),
+            (
+                "lanes = [{}, {}]\ndevmem_queues = [8, 9]\n",
                 "`devmem_queues` = [8, 9]",
                 "lanes[i].queues",
             ),
@@ -1185,9 +1198,12 @@ mod tests {
                 .to_string();
             assert!(e.contains(key) && e.contains(fix), "{toml}: {e}");
         }
-        // The Kubernetes hosts' one plain lane, and both keys with lanes auto, still load.
+        // The Kubernetes hosts' one plain lane, with or without the node-wide keys (they are
+        // its own, as for any node of one lane), and both keys with lanes auto, still load.
         for ok in [
             "lanes = [{}]\n",
+            "lanes = [{}]\ndevmem_interface = \"eth1\"\ndevmem_queues = [8, 9]\n",
+            "lanes = [{ interface = \"eth1\" }]\ndevmem_interface = \"eth1\"\n",
             "lanes = [{ interface = \"eth1\", queues = [8, 9] }]\n",
             "devmem_interface = \"eth1\"\ndevmem_queues = [8, 9]\n",
             "lanes = \"auto\"\ndevmem_interface = \"eth1\"\ndevmem_queues = [8, 9]\n",

@@ -523,7 +523,13 @@ fn table_lane(
     let numa_node = tree_nic
         .and_then(|n| n.numa_node)
         .or_else(|| tree_gpu.and_then(|g| g.numa_node));
-    let queues = lc.queues.clone(); // those it names none of: `split_table_queues`
+    // The lane's own, else, the one lane of a table, the node's `devmem_queues` (as any node
+    // of one lane; the configuration refuses both at once); those it names none of:
+    // `split_table_queues`.
+    let queues = match inp.lanes {
+        Lanes::Table(t) if t.len() == 1 && lc.queues.is_empty() => inp.devmem_queues.to_vec(),
+        _ => lc.queues.clone(),
+    };
     Ok(LaneSpec {
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),

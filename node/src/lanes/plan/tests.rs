@@ -429,3 +429,19 @@ fn a_table_that_puts_two_gpus_on_one_nic_splits_its_queues_between_them() {
     let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
     assert!(got[0].warn, "{}", got[0].why);
 }
+
+#[test]
+fn a_table_of_one_lane_takes_devmem_queues_when_it_names_none() {
+    // Before, a table's lane bound only lanes[i].queues: devmem_queues was dropped without a
+    // word on a node of one lane (the Kubernetes hosts' `lanes = [{}]`).
+    let t = tree("veth");
+    let lanes = table(vec![LaneConfig::default()]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(got[0].queues, [6, 7], "the node's devmem_queues");
+    let lanes = table(vec![LaneConfig {
+        queues: vec![3],
+        ..LaneConfig::default()
+    }]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(got[0].queues, [3], "the lane's own");
+}
