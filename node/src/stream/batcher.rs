@@ -436,17 +436,20 @@ impl Driver {
             return Ok(false);
         };
         let supply = Arc::clone(self.s.supply());
-        let mut out = supply.try_alloc_in(Part::Apart, plan.bytes as usize);
-        // Where batch slabs share the region with the shards (it could not be split): with no
-        // assembled batch waiting, only the trainer's held batch can come back, and a trainer
-        // that waits for this one may hold it until then: the prefetched shards go back first
-        // (their free bytes may be in blocks too small for a batch).
-        if out.is_none()
-            && self.shard_part().is_none()
-            && self.s.ready_count() == 0
-            && self.give_back_prefetch()
-        {
-            out = supply.try_alloc_in(Part::Apart, plan.bytes as usize);
+        let bytes = plan.bytes as usize;
+        // The batches' own part first; a batch past its slots (the trainer keeps several)
+        // takes a free block among the shards, as before the parts.
+        let batch_slab = || {
+            supply
+                .try_alloc_in(Part::Apart, bytes)
+                .or_else(|| supply.try_alloc_in(Part::Main, bytes))
+        };
+        let mut out = batch_slab();
+        // With no assembled batch waiting, only the trainer's held batches can come back, and
+        // a trainer that waits for this one may hold them until then: the prefetched shards
+        // go back first (their free bytes may be in blocks too small for a batch).
+        if out.is_none() && self.s.ready_count() == 0 && self.give_back_prefetch() {
+            out = batch_slab();
         }
         let Some(mut out) = out else {
             if self.s.ready_count() == 0 {

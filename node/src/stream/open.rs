@@ -433,7 +433,7 @@ fn check_window(
     let batches = (READY_AHEAD as u64 + 1).saturating_mul(class);
     if blocks.saturating_add(batches) <= region_bytes {
         let ahead = ready_ahead(region_bytes, blocks, class);
-        return Ok((ahead, batch_slots(region_bytes, blocks, class, ahead)));
+        return Ok((ahead, batch_slots(ahead)));
     }
     if across.bytes
         > concurrent

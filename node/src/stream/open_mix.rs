@@ -415,7 +415,7 @@ fn check_window(
     let need = blocks.saturating_add((READY_AHEAD as u64 + 1) * class);
     if need <= region_bytes {
         let ahead = ready_ahead(region_bytes, blocks, class);
-        return Ok((ahead, batch_slots(region_bytes, blocks, class, ahead)));
+        return Ok((ahead, batch_slots(ahead)));
     }
     if step.bytes > shards.saturating_mul(max_class) {
         return Err(bad(

@@ -673,15 +673,12 @@ pub fn room_for_prefetch(pool: &SlabPool, len: usize, batch_bytes: u64, ahead: u
 }
 
 /// How many batch slabs a batch-mode stream sets apart at the top of its region
-/// ([`SlabPool::set_apart`]): its `ahead` ready batches, as many leased (a trainer keeps an
-/// answer's batches until its next request) and the one it uses, as the region (`capacity`
-/// bytes) holds beside the shards it reads at once (`window` bytes, what the open check
-/// measured); never fewer than `ahead + 1`. A trainer that keeps more waits for its own
-/// releases.
-pub fn batch_slots(capacity: u64, window: u64, batch_class: u64, ahead: usize) -> usize {
-    let room = capacity.saturating_sub(window) / batch_class.max(1);
-    let room = usize::try_from(room).unwrap_or(usize::MAX);
-    room.min(2 * ahead + 1).max(ahead + 1)
+/// ([`SlabPool::set_apart`]): its `ahead` ready batches and the one its trainer uses, what its
+/// open check counted beside the shards (so the shards keep all the room they had). A batch
+/// past those (a trainer that keeps several, or answers of several batches) takes a block
+/// among the shards where one is free, as before the parts.
+pub fn batch_slots(ahead: usize) -> usize {
+    ahead + 1
 }
 
 #[cfg(test)]
@@ -708,16 +705,8 @@ mod tests {
     }
 
     #[test]
-    fn batch_slots_hold_the_ready_batches_as_many_leased_and_the_one_in_use() {
-        // Roomy: 8 ready, 8 leased, 1 in use.
-        assert_eq!(batch_slots(256 * MIB, 64 * MIB, 256 << 10, 8), 17);
-        // The window leaves room for 5: the 4 ready ones and the one in use.
-        assert_eq!(batch_slots(64 * MIB, 59 * MIB, MIB, 4), 5);
-        // Less room than that (the window check keeps it from happening): never fewer than
-        // the ready ones + 1.
-        assert_eq!(batch_slots(64 * MIB, 63 * MIB, MIB, 4), 5);
-        // The least depth: 5 where the region holds them, 3 where only those fit.
-        assert_eq!(batch_slots(64 * MIB, 10 * MIB, MIB, READY_AHEAD), 5);
-        assert_eq!(batch_slots(64 * MIB, 61 * MIB, MIB, READY_AHEAD), 3);
+    fn batch_slots_hold_the_ready_batches_and_the_one_in_use() {
+        assert_eq!(batch_slots(READY_AHEAD), 3, "what the open check counts");
+        assert_eq!(batch_slots(READY_AHEAD_MAX), 9);
     }
 }

@@ -9,7 +9,9 @@
 //! own ([`shardwire_gpu::SlabPool::set_apart`]), so the shards' part then holds only shards:
 //! empty, it tiles its length as binary digits, and slabs whose classes (powers of two) add up
 //! to at most its bytes always fit it when taken largest first. A repack that does not fit is
-//! a batch that never will: the stream closes [`CloseReason::DoesNotFit`], never waits.
+//! a batch that never will: the stream closes [`CloseReason::DoesNotFit`], never waits. (A
+//! batch past the batches' own slots takes a block among the shards; while one is there, the
+//! repack waits for its trainer to let go of it.)
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -51,6 +53,12 @@ impl Driver {
             self.reserved.extend(slabs);
             return Ok(true);
         }
+        // A batch among the shards (one past the batches' own slots) goes back when its
+        // trainer lets go of it: until then the shards' part is not theirs alone, and
+        // largest first need not fit it.
+        if self.batches_among_shards() {
+            return Ok(false);
+        }
         self.give_back_prefetch();
         let held: HashSet<u32> = self.resident.keys().copied().collect();
         let mut wanted: Vec<u32> = held.iter().copied().chain(fresh).collect();
@@ -88,6 +96,20 @@ impl Driver {
             }
         }
         Ok(true)
+    }
+
+    /// Whether a batch slab lies in the shards' part: its bytes in use are more than the
+    /// shards' and the reserved slabs' (with no fetch out, those are all the shards hold).
+    fn batches_among_shards(&self) -> bool {
+        let (_, used) = self.s.supply().pool().part(Part::Main);
+        let shards: usize = self
+            .resident
+            .values()
+            .filter_map(|r| r.slab.as_ref())
+            .chain(self.reserved.values())
+            .map(Slab::capacity)
+            .sum();
+        used > shards
     }
 
     /// Slabs for `shards` (sorted and deduplicated here), taken largest class first; None,
