@@ -707,9 +707,13 @@ impl ServeConfig {
     /// (`"0660"`, `"660"`, `"0o660"`), at most `0777`; no sign, no space, no second prefix.
     pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
         let m = self.socket_mode.as_str();
-        let digits = m.strip_prefix("0o").unwrap_or(m);
+        let digits = m
+            .strip_prefix("0o")
+            .or_else(|| m.strip_prefix("0O"))
+            .unwrap_or(m);
+        // Leading zeros are only zeros ("00660" loaded before, as chmod takes it).
         let octal =
-            (1..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+            (1..=12).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
         let bits = if octal {
             u32::from_str_radix(digits, 8).ok()
         } else {
@@ -719,7 +723,7 @@ impl ServeConfig {
             invalid(
                 "socket_mode",
                 format!("{m:?}"),
-                "must be permission bits in octal, at most \"0777\": 1 to 4 digits 0-7, \
+                "must be permission bits in octal, at most \"0777\": digits 0-7, \
                      optionally after one \"0o\" (e.g. \"0660\" or \"0o660\"; no sign)",
             )
         })
@@ -1292,8 +1296,20 @@ mod tests {
             .socket_mode_bits()
         };
         for bad in [
-            "+660", "-660", "0o0o660", "0o+660", "", "0o", " 0660", "0660 ", "0x1b4", "8", "0o8",
-            "1777", "00660", "0O660",
+            "+660",
+            "-660",
+            "0o0o660",
+            "0o+660",
+            "",
+            "0o",
+            " 0660",
+            "0660 ",
+            "0x1b4",
+            "8",
+            "0o8",
+            "1777",
+            "0o0o0",
+            "0000000000000",
         ] {
             let e = bits(bad).expect_err(bad).to_string();
             let named = e.contains(&format!("{bad:?}"));
@@ -1309,6 +1325,8 @@ mod tests {
             ("0o0660", 0o660),
             ("0777", 0o777),
             ("0", 0),
+            ("00660", 0o660),
+            ("0O660", 0o660),
         ] {
             assert_eq!(bits(ok).ok(), Some(want), "{ok}");
         }

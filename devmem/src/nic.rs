@@ -393,10 +393,18 @@ pub enum Change {
     },
     /// The ntuple feature was turned on (it was off).
     NtupleOn,
-    /// An ntuple rule was inserted at this location.
+    /// An ntuple rule was inserted at this location (journaled before the insertion: a
+    /// process stopped in between leaves an entry whose location another rule may take
+    /// later, so its undo deletes only a rule there that steers `rule` onto `queue`).
     Rule {
         /// The rule's location.
         location: u32,
+        /// What it matches (absent in state files of earlier releases: deleted unchecked).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<steer::Tcp4Match>,
+        /// The queue it steers to (with `rule`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue: Option<u32>,
     },
     /// An ntuple rule is being inserted where the driver picks the location: saved before
     /// the insertion and replaced by [`Change::Rule`] once the location is known. Left in a
@@ -670,8 +678,13 @@ impl Journal {
         insert: impl FnOnce(Option<u32>) -> Result<u32, NicError>,
         delete: impl FnOnce(u32),
     ) -> Result<u32, NicError> {
+        let placed = |location| Change::Rule {
+            location,
+            rule: Some(rule),
+            queue: Some(queue),
+        };
         self.record(match at {
-            Some(location) => Change::Rule { location },
+            Some(location) => placed(location),
             None => Change::PendingRule { rule, queue },
         })?;
         let entry = self.state.changes.len() - 1;
@@ -684,7 +697,7 @@ impl Journal {
             }
         };
         if at != Some(location) {
-            self.state.changes[entry] = Change::Rule { location };
+            self.state.changes[entry] = placed(location);
             if let Err(e) = self.save() {
                 // Not journaled by its location: not left on the NIC either.
                 delete(location);
@@ -707,7 +720,7 @@ impl Journal {
             .state
             .changes
             .iter()
-            .rposition(|c| matches!(c, Change::Rule { location: l } if *l == location));
+            .rposition(|c| matches!(c, Change::Rule { location: l, .. } if *l == location));
         if let Some(at) = at {
             self.state.changes.remove(at);
         }
@@ -764,16 +777,28 @@ fn remove(path: &Path) -> Result<(), NicError> {
 /// Returns the first error.
 fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
     let mut first_err = None;
+    let mut note = |e: NicError| {
+        tracing_like_warn(&e);
+        first_err.get_or_insert(e);
+    };
     for i in (0..state.changes.len()).rev() {
-        let r = undo_one(client, state.ifindex, &state.ifname, &state.changes[i]);
-        let r = r.and_then(|()| {
-            state.changes.remove(i);
-            write_state(path, state)
-        });
-        if let Err(e) = r {
-            tracing_like_warn(&e);
-            first_err.get_or_insert(e);
+        match undo_one(client, state.ifindex, &state.ifname, &state.changes[i]) {
+            Ok(()) => {
+                // Saved after each setting put back (a retry must not put it back again over
+                // what changed since); rule deletions, one per data connection and checked
+                // when redone, are saved with the rest at the end.
+                let c = state.changes.remove(i);
+                if !matches!(c, Change::Rule { .. } | Change::PendingRule { .. })
+                    && let Err(e) = write_state(path, state)
+                {
+                    note(e);
+                }
+            }
+            Err(e) => note(e),
         }
+    }
+    if let Err(e) = write_state(path, state) {
+        note(e);
     }
     first_err.map_or(Ok(()), Err)
 }
@@ -787,7 +812,11 @@ fn undo_one(
 ) -> Result<(), NicError> {
     match *c {
         Change::NtupleOn => client.set_ntuple(ifname, false),
-        Change::Rule { location } => gone_is_done(client.delete_rule(ifname, location)),
+        Change::Rule {
+            location,
+            ref rule,
+            queue,
+        } => undo_rule(client, ifname, location, rule.as_ref().zip(queue)),
         Change::PendingRule { ref rule, queue } => undo_pending_rule(client, ifname, rule, queue),
         Change::Rss { ref table } => client.set_rss_indir(ifname, table),
         Change::Channels { rx, tx, combined } => {
@@ -808,6 +837,31 @@ fn undo_one(
             other => other,
         },
     }
+}
+
+/// Undo a [`Change::Rule`]: delete the rule at `location`, where it is the one journaled
+/// (`what`: its match and queue; an entry of an earlier release has none and is deleted
+/// unchecked). Another rule there (the insertion never happened, and the location was taken
+/// since, e.g. by `ethtool -N`) is left, with a warning.
+fn undo_rule(
+    client: &EthtoolClient,
+    ifname: &str,
+    location: u32,
+    what: Option<(&steer::Tcp4Match, u32)>,
+) -> Result<(), NicError> {
+    if let Some((rule, queue)) = what {
+        match client.rule_at_is(ifname, location, rule, queue)? {
+            None => return Ok(()),
+            Some(false) => {
+                eprintln!(
+                    "warning: restoring NIC settings: {ifname}: the rule at location {location} is not the one shardwire journaled there; left as it is"
+                );
+                return Ok(());
+            }
+            Some(true) => {}
+        }
+    }
+    gone_is_done(client.delete_rule(ifname, location))
 }
 
 /// Undo a [`Change::PendingRule`]: the insertion may or may not have happened, at a

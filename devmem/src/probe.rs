@@ -77,6 +77,15 @@ pub struct NicReport {
     pub reason: String,
 }
 
+impl NicReport {
+    /// Whether a real bind is worth trying when the NIC is named: capable, or "cannot tell"
+    /// because the trial bind's EBADF proves nothing on this kernel (before 6.15) for a
+    /// driver off the known list.
+    pub fn worth_a_bind(&self) -> bool {
+        self.devmem_capable || self.trial_bind.errno == Some(libc::EBADF)
+    }
+}
+
 /// Probe every netdev of the caller's network namespace. Never fails: problems end up in
 /// the reports' `reason` (an empty list only if no interface can be listed at all).
 pub fn probe_nics() -> Vec<NicReport> {

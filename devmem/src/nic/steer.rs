@@ -185,6 +185,26 @@ impl EthtoolClient {
         Ok(found)
     }
 
+    /// Whether the rule at `location` steers exactly what `m` matches onto `queue`: `None`
+    /// when no rule is there (`ETHTOOL_GRXCLSRULE` answers ENOENT).
+    pub fn rule_at_is(
+        &self,
+        ifname: &str,
+        location: u32,
+        m: &Tcp4Match,
+        queue: u32,
+    ) -> Result<Option<bool>, NicError> {
+        let mut want = tcp4_rule(m, 0);
+        set_queue(&mut want, queue);
+        let mut r = [0u8; RXNFC_LEN];
+        put(&mut r, 0, ETHTOOL_GRXCLSRULE);
+        put(&mut r, FS + 160, location);
+        match self.ioctl(ifname, "ntuple-rule-get", &mut r) {
+            Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(None),
+            res => res.map(|()| Some(rule_matches(&r, &want))),
+        }
+    }
+
     /// Where a new rule goes, as `ethtool -N` chooses: `RX_CLS_LOC_ANY` where the driver
     /// picks (it sets `RX_CLS_LOC_SPECIAL` in `ETHTOOL_GRXCLSRLCNT`); else the highest free
     /// location of the driver's rule table (`ETHTOOL_GRXCLSRLALL` lists the used ones).

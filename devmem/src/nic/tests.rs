@@ -376,7 +376,12 @@ fn a_rule_is_journaled_before_it_is_inserted() {
         src: "10.0.0.2:40002".parse().unwrap(),
         dst: "10.0.0.1:7401".parse().unwrap(),
     });
-    let known = Change::Rule { location: 1021 };
+    let rule_at = |location| Change::Rule {
+        location,
+        rule: Some(m),
+        queue: Some(if location == 1021 { 2 } else { 3 }),
+    };
+    let known = rule_at(1021);
     let l = j
         .insert_journaled(
             Some(1021),
@@ -410,7 +415,7 @@ fn a_rule_is_journaled_before_it_is_inserted() {
         )
         .unwrap();
     assert_eq!(l, 7);
-    let both = [known.clone(), Change::Rule { location: 7 }];
+    let both = [known.clone(), rule_at(7)];
     assert_eq!(on_disk(&path), both);
     // A refused insertion leaves no entry, on disk or in memory.
     for at in [None, Some(9)] {
@@ -439,7 +444,11 @@ fn a_partly_failed_restore_keeps_only_the_steps_that_failed() {
     j.set_channels(&mut c, 2, before.tx, before.combined)
         .unwrap();
     // veth has no ntuple rules: undoing these fails (EOPNOTSUPP).
-    let rule = Change::Rule { location: 5 };
+    let rule = Change::Rule {
+        location: 5,
+        rule: None,
+        queue: None,
+    };
     let pending = Change::PendingRule {
         rule: steer::Tcp4Match::port(7401),
         queue: 1,
@@ -459,4 +468,30 @@ fn a_partly_failed_restore_keeps_only_the_steps_that_failed() {
     assert_eq!(c.channels(va, "va").unwrap().rx, 3, "not undone twice");
     assert_eq!(on_disk(&state), failed);
     std::fs::remove_file(&state).unwrap();
+}
+
+/// A rule entry names what it steers (its undo deletes only that rule at its location); a
+/// state file of an earlier release, without it, still reads.
+#[test]
+fn rule_entries_carry_their_match_and_old_ones_still_read() {
+    let old: Change = serde_json::from_str(r#"{"step":"rule","location":5}"#).unwrap();
+    assert_eq!(
+        old,
+        Change::Rule {
+            location: 5,
+            rule: None,
+            queue: None
+        }
+    );
+    let new = Change::Rule {
+        location: 7,
+        rule: Some(steer::Tcp4Match::port(7401)),
+        queue: Some(3),
+    };
+    let json = serde_json::to_string(&new).unwrap();
+    assert!(
+        json.contains("\"queue\":3") && json.contains("7401"),
+        "{json}"
+    );
+    assert_eq!(serde_json::from_str::<Change>(&json).unwrap(), new);
 }

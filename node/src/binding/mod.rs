@@ -243,7 +243,10 @@ pub fn pick_interface<'a>(
             .find(|n| n.devmem_capable)
             .ok_or(BindingError::NoneCapable { probe })?,
     };
-    if !nic.devmem_capable {
+    // A NIC named in the configuration whose probe could not tell (an older kernel) gets a
+    // real bind, as the probe's reason says: the bind answers.
+    let tried = nic.devmem_capable || (name.is_some() && nic.worth_a_bind());
+    if !tried {
         return Err(BindingError::NotCapable {
             name: nic.name.clone(),
             reason: nic.reason.clone(),
