@@ -59,7 +59,8 @@
  *   direction (a cuMemAlloc block of this context, pinned host memory, a DEVICEMAP host
  *   registration (read-only with CU_MEMHOSTREGISTER_READ_ONLY), a VMM mapping with the
  *   access cuMemSetAccess granted): else CUDA_ERROR_INVALID_VALUE. This is the
- *   out-of-bounds check.
+ *   out-of-bounds check. Pinned host memory and registrations count only for the context
+ *   that made them unless made PORTABLE (see Host memory).
  * - Streams are DEFERRED, not synchronous: work queued on a stream (async copies, memset,
  *   launches, event records) runs only when the host waits for it: cuStreamSynchronize,
  *   cuEventSynchronize, cuEventQuery (which answers CUDA_ERROR_NOT_READY once for pending work
@@ -78,6 +79,24 @@
  *   blocking streams (created with flags 0), never CU_STREAM_NON_BLOCKING ones. A queued
  *   operation that faults (see launches) makes the context's error sticky, as on a GPU:
  *   every later call in the context returns it and queued work is dropped.
+ * - Synchronous copies (the driver API's "API synchronization behavior"): cuMemcpyHtoD from
+ *   PAGEABLE host memory (memory not pinned for the current context) performs the legacy
+ *   stream's sync first, copies the host bytes to staging memory (a buffer of the fake) and
+ *   returns: "the DMA to final destination may not have completed". The staged copy is
+ *   pending work of the legacy default stream and lands only when that stream is waited for:
+ *   cuStreamSynchronize(0 / CU_STREAM_LEGACY / CU_STREAM_PER_THREAD), cuCtxSynchronize,
+ *   before any later legacy-stream work or synchronous copy of the context runs, before a
+ *   BLOCKING stream of the context runs work (the legacy stream's implicit synchronisation),
+ *   and on the implicit synchronisation of frees (cuMemFree, cuMemFreeHost,
+ *   cuMemHostUnregister of that device; cuModuleUnload). NOT before a CU_STREAM_NON_BLOCKING
+ *   stream's work: a kernel or async copy there reads the OLD destination bytes unless the
+ *   host synchronised the legacy stream first, which the real driver allows (when the host
+ *   waits for everything, cuCtxSynchronize or a free, the fake runs the non-blocking streams
+ *   first, so they never see such a copy). A staged copy whose destination was unmapped
+ *   (cuMemUnmap runs nothing) faults when it lands, like other queued work (sticky
+ *   CUDA_ERROR_ILLEGAL_ADDRESS); one left when the context is destroyed is dropped.
+ *   cuMemcpyHtoD from pinned memory, and cuMemcpyDtoH (pageable or pinned destination),
+ *   return with the bytes copied, after the legacy stream's pending copies.
  * - Events record a timestamp when the stream reaches them; never-recorded events are
  *   complete; cuEventElapsedTime needs two recorded, completed events created without
  *   CU_EVENT_DISABLE_TIMING (else CUDA_ERROR_INVALID_HANDLE; CUDA_ERROR_NOT_READY if pending).
@@ -128,6 +147,12 @@
  *   unless CU_MEMHOSTREGISTER_READ_ONLY) and overlaps (HOST_MEMORY_ALREADY_REGISTERED);
  *   cuMemHostGetDevicePointer_v2 (flags 0) answers the host address for DEVICEMAP memory;
  *   cuMemHostUnregister needs the registered base (else HOST_MEMORY_NOT_REGISTERED).
+ *   Without CU_MEMHOSTALLOC_PORTABLE / CU_MEMHOSTREGISTER_PORTABLE the memory is pinned and
+ *   mapped for the context that allocated or registered it only: every other context (here,
+ *   every other device's primary context) sees pageable memory (its async H2D copies stage
+ *   it, its D2H copies into it are synchronous), and as a device address it is no
+ *   allocation of that context: copies naming it are CUDA_ERROR_INVALID_VALUE, kernels
+ *   reading it fault, cuMemHostGetDevicePointer_v2 answers CUDA_ERROR_INVALID_VALUE.
  * - cuGetProcAddress(_v2): base names ("cuMemAlloc") resolve to the version the caller's
  *   CUDA version selects ("cuMemAlloc_v2" from 3.2); per-thread-default-stream requests get
  *   the same functions (see the default stream above). Unknown: CUDA_ERROR_NOT_FOUND.
@@ -290,10 +315,15 @@ struct vec {
     size_t n, cap;
 };
 
+struct op;
+
 struct fc_ctx {
     int dev;
     int refs;     /* 0: not active (never retained, or destroyed by the last release) */
     CUresult sticky; /* the error that made the context unusable */
+    /* The legacy default stream's pending work: synchronous H2D copies from pageable memory,
+     * staged at the call, whose "DMA to final destination" has not happened yet. */
+    struct op *lhead, *ltail;
 };
 
 /* A physical VMM allocation (cuMemCreate or an import). */
@@ -700,6 +730,15 @@ static const char *range_kind(const struct range *r)
     }
 }
 
+/* Pinned host memory (cuMemHostAlloc, cuMemHostRegister) is pinned and mapped for the context
+ * that made it only, unless made PORTABLE (CU_MEMHOSTALLOC_PORTABLE ==
+ * CU_MEMHOSTREGISTER_PORTABLE): to every other context it is pageable memory. With one primary
+ * context per device, the context of device `dev` is g.ctx[dev]. */
+static int host_for_dev(const struct range *r, int dev)
+{
+    return (r->flags & CU_MEMHOSTREGISTER_PORTABLE) || r->ctx->dev == dev;
+}
+
 /* What device `dev` may do with a range: 1 read, 2 write. */
 static int range_perm(const struct range *r, int dev)
 {
@@ -707,9 +746,10 @@ static int range_perm(const struct range *r, int dev)
     case R_ALLOC:
         return r->ctx->dev == dev ? 3 : 0;
     case R_HOSTALLOC:
-        return 3; /* unified addressing: pinned host memory is device-accessible */
+        /* unified addressing: pinned host memory is device-accessible (for its contexts) */
+        return host_for_dev(r, dev) ? 3 : 0;
     case R_HOSTREG:
-        if (!(r->flags & CU_MEMHOSTREGISTER_DEVICEMAP))
+        if (!(r->flags & CU_MEMHOSTREGISTER_DEVICEMAP) || !host_for_dev(r, dev))
             return 0;
         return (r->flags & CU_MEMHOSTREGISTER_READ_ONLY) ? 1 : 3;
     default:
@@ -742,7 +782,9 @@ static int span_bad(int dev, uintptr_t addr, size_t len, int need, const char *w
     if ((range_perm(r, dev) & need) != need) {
         snprintf(why, whylen, "%s [0x%lx, +%zu): device %d may not %s this %s%s", what, (unsigned long)addr,
                  len, dev, need & 2 ? "write" : "read", range_kind(r),
-                 r->kind == R_MAP ? " (cuMemSetAccess did not grant it)" : "");
+                 r->kind == R_MAP ? " (cuMemSetAccess did not grant it)"
+                 : r->kind != R_ALLOC && !host_for_dev(r, dev) ? " (made without PORTABLE by another device's context)"
+                 : "");
         return 1;
     }
     return 0;
@@ -756,11 +798,12 @@ static CUresult dev_span(int dev, uintptr_t addr, size_t len, int need, const ch
     return CUDA_SUCCESS;
 }
 
-/* True if [p, p + n) is pinned (page-locked) host memory. */
-static int host_pinned(const void *p, size_t n)
+/* True if [p, p + n) is pinned (page-locked) host memory for the context of device `dev`. */
+static int host_pinned(int dev, const void *p, size_t n)
 {
     struct range *r = find_range((uintptr_t)p);
-    return r && (r->kind == R_HOSTALLOC || r->kind == R_HOSTREG) && n <= r->size - ((uintptr_t)p - r->base);
+    return r && (r->kind == R_HOSTALLOC || r->kind == R_HOSTREG) && host_for_dev(r, dev) &&
+           n <= r->size - ((uintptr_t)p - r->base);
 }
 
 static void free_range(struct range *r)
@@ -791,12 +834,23 @@ static void discard_ops(struct fc_stream *s)
     s->tail = NULL;
 }
 
+static void discard_legacy(struct fc_ctx *c)
+{
+    while (c->lhead) {
+        struct op *o = c->lhead;
+        c->lhead = o->next;
+        free_op(o);
+    }
+    c->ltail = NULL;
+}
+
 static void fault(struct fc_ctx *c, CUresult r, const char *what)
 {
     fprintf(stderr,
             "fake libcuda[%d]: FAULT on device %d: %s: %s (the context is now unusable, as after a GPU fault)\n",
             (int)getpid(), c->dev, what, err_name(r));
     c->sticky = r;
+    discard_legacy(c);
     for (size_t i = 0; i < g.streams.n; i++) {
         struct fc_stream *s = g.streams.v[i];
         if (s->ctx == c)
@@ -816,7 +870,7 @@ static void exec_op(struct fc_ctx *c, struct op *o)
             fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, why);
             return;
         }
-        if (o->pinned_host && !host_pinned((const void *)(o->dst_dev ? o->src : o->dst), o->n)) {
+        if (o->pinned_host && !host_pinned(c->dev, (const void *)(o->dst_dev ? o->src : o->dst), o->n)) {
             /* Freed by another device's context, which did not wait for this stream. */
             snprintf(why, sizeof why, "copy %s: pinned host memory [0x%lx, +%zu) was freed before the copy ran",
                      o->dst_dev ? "source" : "destination", (unsigned long)(o->dst_dev ? o->src : o->dst), o->n);
@@ -844,9 +898,30 @@ static void exec_op(struct fc_ctx *c, struct op *o)
     }
 }
 
-/* Runs the stream's queued work in order, through `stop` (NULL: all of it). */
+/* Completes the legacy default stream's pending work (staged pageable H2D copies) in order. A
+ * copy whose destination went meanwhile (unmapped, freed by another device's context) faults
+ * like any queued work. */
+static void run_legacy(struct fc_ctx *c)
+{
+    while (c->lhead) {
+        struct op *o = c->lhead;
+        c->lhead = o->next;
+        if (!c->lhead)
+            c->ltail = NULL;
+        if (!c->sticky)
+            exec_op(c, o); /* a fault discards the rest */
+        free_op(o);
+    }
+}
+
+/* Runs the stream's queued work in order, through `stop` (NULL: all of it). A blocking stream
+ * (flags 0) synchronises with the legacy default stream: the legacy work queued before its own
+ * (every pending staged copy: a legacy call first runs the blocking streams' work) completes
+ * first. A CU_STREAM_NON_BLOCKING stream waits for none of it. */
 static void run_stream(struct fc_stream *s, const struct op *stop)
 {
+    if (s->head && !(s->flags & CU_STREAM_NON_BLOCKING))
+        run_legacy(s->ctx);
     while (s->head) {
         struct op *o = s->head;
         int last = o == stop;
@@ -865,37 +940,42 @@ static void run_stream(struct fc_stream *s, const struct op *stop)
     }
 }
 
-/* The legacy default stream's implicit synchronisation: runs every blocking stream of `c`. */
-static void flush_blocking(struct fc_ctx *c)
+/* Waiting for the legacy default stream (before legacy work runs, or the host waits for it):
+ * its pending staged copies complete, then, by its implicit synchronisation, every blocking
+ * stream of `c` runs (their work was queued after those copies). Never a non-blocking one. */
+static void sync_legacy(struct fc_ctx *c)
 {
-    for (size_t i = 0; i < g.streams.n; i++) {
+    run_legacy(c);
+    for (size_t i = 0; i < g.streams.n && !c->sticky; i++) {
         struct fc_stream *s = g.streams.v[i];
         if (s->ctx == c && !(s->flags & CU_STREAM_NON_BLOCKING))
             run_stream(s, NULL);
     }
 }
 
+/* All of `c`'s work: the non-blocking streams first (they wait for nothing on the legacy
+ * stream, so they never see a staged copy they did not wait for), then the legacy stream and
+ * the blocking streams. */
 static void run_ctx(struct fc_ctx *c)
 {
     for (size_t i = 0; i < g.streams.n; i++) {
         struct fc_stream *s = g.streams.v[i];
-        if (s->ctx == c)
+        if (s->ctx == c && (s->flags & CU_STREAM_NON_BLOCKING))
             run_stream(s, NULL);
     }
+    sync_legacy(c);
 }
 
 /* The implicit synchronisation of freeing memory: the work of device `dev` (its primary
  * context, while alive), never another device's. */
 static void run_dev(int dev)
 {
-    for (size_t i = 0; i < g.streams.n; i++) {
-        struct fc_stream *s = g.streams.v[i];
-        if (s->ctx->dev == dev && s->ctx->refs > 0)
-            run_stream(s, NULL);
-    }
+    if (g.ctx[dev].refs > 0)
+        run_ctx(&g.ctx[dev]);
 }
 
-/* Queues `o` on `s`, or for the default stream (NULL) runs it now after the blocking streams. */
+/* Queues `o` on `s`, or for the default stream (NULL) runs it now, after the legacy stream's
+ * pending copies and the blocking streams. */
 static CUresult enqueue(struct fc_ctx *c, struct fc_stream *s, struct op *o)
 {
     if (s) {
@@ -906,7 +986,7 @@ static CUresult enqueue(struct fc_ctx *c, struct fc_stream *s, struct op *o)
         s->tail = o;
         return CUDA_SUCCESS;
     }
-    flush_blocking(c);
+    sync_legacy(c);
     if (!c->sticky)
         exec_op(c, o);
     free_op(o);
@@ -1719,6 +1799,7 @@ static void destroy_ctx(struct fc_ctx *c)
 {
     unsigned streams = 0, events = 0, modules = 0, allocs = 0, hostallocs = 0, regs = 0;
     unsigned long long alloc_bytes = 0;
+    discard_legacy(c); /* staged copies never landed: abandoned with the context */
     for (size_t i = g.streams.n; i-- > 0;) {
         struct fc_stream *s = g.streams.v[i];
         if (s->ctx == c) {
@@ -2020,6 +2101,11 @@ CUAPI CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dptr, void *p, unsigned
         !(r->flags & (r->kind == R_HOSTREG ? CU_MEMHOSTREGISTER_DEVICEMAP : CU_MEMHOSTALLOC_DEVICEMAP)))
         LEAVE("cuMemHostGetDevicePointer_v2",
               fail(CUDA_ERROR_INVALID_VALUE, "%p is not in host memory registered or allocated with DEVICEMAP", p));
+    if (!host_for_dev(r, c->dev))
+        LEAVE("cuMemHostGetDevicePointer_v2",
+              fail(CUDA_ERROR_INVALID_VALUE,
+                   "%p: the %s was made without PORTABLE by device %d's context, not the current one (device %d)", p,
+                   range_kind(r), r->ctx->dev, c->dev));
     *dptr = (CUdeviceptr)(uintptr_t)p;
     LEAVE("cuMemHostGetDevicePointer_v2", CUDA_SUCCESS);
 }
@@ -2042,10 +2128,16 @@ CUAPI CUresult cuMemHostUnregister(void *p)
 
 /* ---- the API: copies ------------------------------------------------------------------------------------------ */
 
-/* A synchronous copy on the legacy default stream. */
+/* A synchronous copy on the legacy default stream. Earlier legacy work (staged copies) and the
+ * blocking streams run first ("a stream sync is performed before the copy is initiated").
+ * From pageable host memory to the device, the call returns once the bytes are staged and the
+ * copy lands later, in legacy-stream order (see sync_legacy, run_stream): "the DMA to final
+ * destination may not have completed". From pinned memory, and to the host, it is done when
+ * the call returns. */
 static CUresult copy_now(const char *what, uintptr_t dst, int dst_dev, uintptr_t src, int src_dev, size_t n)
 {
     struct fc_ctx *c;
+    struct op *o;
     CUresult r;
     if ((r = need_ctx(&c)))
         return r;
@@ -2056,10 +2148,23 @@ static CUresult copy_now(const char *what, uintptr_t dst, int dst_dev, uintptr_t
     if ((dst_dev && (r = dev_span(c->dev, dst, n, 2, "destination"))) ||
         (src_dev && (r = dev_span(c->dev, src, n, 1, "source"))))
         return r;
-    flush_blocking(c);
+    sync_legacy(c);
     if (c->sticky)
         return c->sticky;
-    memmove((void *)dst, (const void *)src, n);
+    if (!dst_dev || src_dev || host_pinned(c->dev, (const void *)src, n)) {
+        memmove((void *)dst, (const void *)src, n);
+        return CUDA_SUCCESS;
+    }
+    o = new_op(OP_COPY);
+    o->dst = dst, o->src = src, o->n = n, o->dst_dev = 1;
+    if (!(o->staging = malloc(n)))
+        abort();
+    memcpy(o->staging, (const void *)src, n); /* the host buffer may be reused at once */
+    if (c->ltail)
+        c->ltail->next = o;
+    else
+        c->lhead = o;
+    c->ltail = o;
     return CUDA_SUCCESS;
 }
 
@@ -2112,13 +2217,13 @@ static CUresult copy_async(const char *what, uintptr_t dst, int dst_dev, uintptr
         return CUDA_SUCCESS;
     o = new_op(OP_COPY);
     o->dst = dst, o->src = src, o->n = n, o->dst_dev = dst_dev, o->src_dev = src_dev;
-    if (!src_dev && !host_pinned((const void *)src, n)) {
+    if (!src_dev && !host_pinned(c->dev, (const void *)src, n)) {
         o->staging = malloc(n); /* pageable source: staged before the call returns */
         if (!o->staging)
             abort();
         memcpy(o->staging, (const void *)src, n);
     }
-    if (!dst_dev && !host_pinned((const void *)dst, n))
+    if (!dst_dev && !host_pinned(c->dev, (const void *)dst, n))
         sync_after = 1; /* pageable destination: the call returns when the copy is done */
     o->pinned_host = (!src_dev && !o->staging) || (!dst_dev && !sync_after);
     if ((r = enqueue(c, s, o)))
@@ -2199,7 +2304,7 @@ CUAPI CUresult cuStreamSynchronize(CUstream h)
     if (s)
         run_stream(s, NULL);
     else
-        flush_blocking(c);
+        sync_legacy(c);
     LEAVE("cuStreamSynchronize", c->sticky);
 }
 

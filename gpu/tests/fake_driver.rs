@@ -11,7 +11,8 @@
 //!   and other GPUs' memory before any driver call, regions dropped on threads without a
 //!   context, engine calls failing midway (`FAKE_CUDA_FAIL_CALL`), and the fake's own checks
 //!   (missing contexts, out-of-bounds copies and kernels, deferred streams, per-device
-//!   synchronisation on free).
+//!   synchronisation on free, synchronous H2D copies from pageable memory landing in legacy
+//!   stream order, host registrations without PORTABLE pinned for their context only).
 //!
 //! The `child` tests do nothing unless `SHARDWIRE_FAKE_CUDA_CHILD` is set (so `--ignored`
 //! on a GPU host, as in `scripts/gpu-check.sh`, passes over them).
@@ -379,6 +380,69 @@ fn the_fake_enforces_vmm_event_and_registration_rules() {
             lines.join("\n")
         );
     }
+}
+
+#[test]
+fn a_pageable_htod_lands_in_legacy_stream_order() {
+    // The child asserts what each stream reads; no driver call fails, nothing leaks.
+    let child = run_child("child::fake_stages_pageable_htod", 1, &[]);
+    assert!(
+        child.fake_lines().is_empty(),
+        "the fake logged:\n{}",
+        child.fake_lines().join("\n")
+    );
+}
+
+#[test]
+fn a_staged_htod_to_unmapped_memory_faults() {
+    let child = run_child(
+        "child::fake_faults_a_staged_htod_to_unmapped_memory",
+        1,
+        &[],
+    );
+    let lines = child.fake_lines();
+    for want in [
+        "FAULT on device 0: copy destination",
+        "cuStreamSynchronize -> CUDA_ERROR_ILLEGAL_ADDRESS",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.contains(want)),
+            "no `{want}` in:\n{}",
+            lines.join("\n")
+        );
+    }
+    // The copy itself and the unmap succeeded: the fault came when the copy landed.
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.contains("cuMemcpyHtoD_v2 ->") || l.contains("cuMemUnmap ->")),
+        "{}",
+        lines.join("\n")
+    );
+}
+
+#[test]
+fn a_registration_without_portable_is_pinned_for_its_context_only() {
+    let child = run_child(
+        "child::fake_non_portable_registration",
+        1,
+        &[("FAKE_CUDA_DEVICES", "2")],
+    );
+    // The two refusals asked for (device 1 naming device 0's registration), nothing else.
+    let lines = child.fake_lines();
+    assert_eq!(lines.len(), 2, "{}", lines.join("\n"));
+    assert!(
+        lines[0].contains("cuMemHostGetDevicePointer_v2 -> CUDA_ERROR_INVALID_VALUE")
+            && lines[0].contains("without PORTABLE"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains("cuMemcpyDtoH_v2 -> CUDA_ERROR_INVALID_VALUE: source")
+            && lines[1].contains("device 1 may not read this host registration"),
+        "{}",
+        lines[1]
+    );
 }
 
 /// The tests the parents above run in a child process with the fake libcuda loaded.
@@ -1394,5 +1458,294 @@ mod child {
         ok("cuStreamDestroy_v2", unsafe {
             sys::cuStreamDestroy_v2(stream)
         });
+    }
+
+    /// CU_STREAM_LEGACY, a handle every context accepts.
+    fn legacy_stream() -> sys::CUstream {
+        std::ptr::without_provenance_mut(1)
+    }
+
+    /// A synchronous H2D copy from pageable memory, with raw driver calls: the driver's
+    /// "API synchronization behavior" notes say it returns once the bytes are staged, "but the
+    /// DMA to final destination may not have completed". The copy is legacy-stream work: a
+    /// blocking stream, a legacy-stream sync or a synchronous copy waits for it, a
+    /// CU_STREAM_NON_BLOCKING stream (the engines') does not, and may read the OLD bytes (the
+    /// real driver allows it; the fake does it every time). So the crate's `copy_to_device`
+    /// synchronises the legacy stream after the copy.
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_stages_pageable_htod() {
+        if !in_child() {
+            return;
+        }
+        const N: usize = 4096;
+        let dev = Device::open(0).unwrap();
+        let engines = Engines::new(&dev).unwrap();
+        let src = VmmRegion::new(&dev, 1).unwrap();
+        let dst = VmmRegion::new(&dev, 1).unwrap();
+        let frag = [Frag {
+            src_off: 0,
+            dst_off: 0,
+            len: N as u64,
+        }];
+        // The gather (a kernel) writes dst[0..N), the copy (cuMemcpyDtoDAsync) dst[N..2N),
+        // both on the engines' non-blocking stream; then the host reads what they read.
+        let engines_read = || -> [Vec<u8>; 2] {
+            engines.gather(&src, &dst, &frag).unwrap().wait().unwrap();
+            engines.copy(&src, 0, &dst, N, N).unwrap().wait().unwrap();
+            let (mut a, mut b) = (vec![0u8; N], vec![0u8; N]);
+            dst.read(0, &mut a).unwrap();
+            dst.read(N, &mut b).unwrap();
+            [a, b]
+        };
+        fn all(bytes: &[u8], v: u8) -> bool {
+            bytes.iter().all(|&b| b == v)
+        }
+        src.write(0, &[1; N]).unwrap();
+        dst.write(0, &[0; 2 * N]).unwrap();
+        let mut host = vec![2u8; N];
+
+        // (a) No legacy sync: the non-blocking stream reads the old bytes.
+        dev.bind().unwrap();
+        // SAFETY: N pageable bytes into the test's own live region of the current context.
+        ok("cuMemcpyHtoD_v2", unsafe {
+            sys::cuMemcpyHtoD_v2(src.device_ptr(), host.as_ptr().cast(), N)
+        });
+        host.fill(0xEE); // staged at the call: the host buffer is the caller's again
+        for (what, bytes) in ["gather", "async copy"].iter().zip(engines_read()) {
+            assert!(
+                all(&bytes, 1),
+                "the {what} on a non-blocking stream saw the unsynchronised H2D copy"
+            );
+        }
+        // The synchronous D2H copies above waited for the legacy stream: the staged bytes
+        // landed (the ones of the call, not the host buffer's later ones).
+        let mut back = vec![0u8; N];
+        src.read(0, &mut back).unwrap();
+        assert!(
+            all(&back, 2),
+            "the staged copy did not land at a legacy sync"
+        );
+
+        // With cuStreamSynchronize(CU_STREAM_LEGACY) in between: the new bytes.
+        host.fill(3);
+        dev.bind().unwrap();
+        // SAFETY: as above.
+        ok("cuMemcpyHtoD_v2", unsafe {
+            sys::cuMemcpyHtoD_v2(src.device_ptr(), host.as_ptr().cast(), N)
+        });
+        host.fill(0xEE);
+        // SAFETY: the legacy stream of the current context.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(legacy_stream())
+        });
+        for (what, bytes) in ["gather", "async copy"].iter().zip(engines_read()) {
+            assert!(
+                all(&bytes, 3),
+                "the {what} missed the synchronised H2D copy"
+            );
+        }
+
+        // A blocking stream (flags 0) synchronises with the legacy stream implicitly.
+        host.fill(4);
+        dev.bind().unwrap();
+        let mut blocking: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: valid arguments and live out-pointers; the context is current; both ranges
+        // lie inside the test's own regions.
+        unsafe {
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut blocking, 0));
+            ok(
+                "cuMemcpyHtoD_v2",
+                sys::cuMemcpyHtoD_v2(src.device_ptr(), host.as_ptr().cast(), N),
+            );
+            ok(
+                "cuMemcpyDtoDAsync_v2",
+                sys::cuMemcpyDtoDAsync_v2(dst.device_ptr(), src.device_ptr(), N, blocking),
+            );
+            ok("cuStreamSynchronize", sys::cuStreamSynchronize(blocking));
+            ok("cuStreamDestroy_v2", sys::cuStreamDestroy_v2(blocking));
+        }
+        dst.read(0, &mut back).unwrap();
+        assert!(
+            all(&back, 4),
+            "a blocking stream ran before the legacy stream's copy"
+        );
+
+        // (b) The crate's copy_to_device, then the engines: the new bytes (it synchronises
+        // the legacy stream).
+        // SAFETY: inside the test's own live region, which nothing else uses meanwhile.
+        unsafe { copy_to_device(&dev, src.device_ptr(), &[5; N]) }.unwrap();
+        for (what, bytes) in ["gather", "async copy"].iter().zip(engines_read()) {
+            assert!(all(&bytes, 5), "the {what} missed copy_to_device's bytes");
+        }
+    }
+
+    /// A staged H2D copy whose destination is unmapped before it lands faults when it lands
+    /// (cuMemUnmap documents no synchronisation), like any queued work.
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_faults_a_staged_htod_to_unmapped_memory() {
+        if !in_child() {
+            return;
+        }
+        const G: usize = 2 << 20;
+        let _dev = Device::open(0).unwrap(); // its context is current here until the end
+        let bytes = [7u8; 64];
+        // SAFETY: every call below gets valid arguments and live out-pointers, and the
+        // context is current on this thread.
+        unsafe {
+            let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            let mut ptr: sys::CUdeviceptr = 0;
+            ok("cuMemCreate", sys::cuMemCreate(&mut h, G, &prop, 0));
+            ok(
+                "cuMemAddressReserve",
+                sys::cuMemAddressReserve(&mut ptr, G, G, 0, 0),
+            );
+            ok("cuMemMap", sys::cuMemMap(ptr, G, 0, h, 0));
+            let access = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ok("cuMemSetAccess", sys::cuMemSetAccess(ptr, G, &access, 1));
+            ok(
+                "cuMemcpyHtoD_v2",
+                sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), bytes.len()),
+            );
+            ok("cuMemUnmap", sys::cuMemUnmap(ptr, G));
+            assert_eq!(
+                sys::cuStreamSynchronize(legacy_stream()),
+                sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
+            );
+            // The context is unusable now (sticky); the handle goes without one.
+            let _ = sys::cuMemAddressFree(ptr, G);
+            ok("cuMemRelease", sys::cuMemRelease(h));
+        }
+    }
+
+    /// A host registration without CU_MEMHOSTREGISTER_PORTABLE is pinned and mapped for the
+    /// registering context only (the crate always passes PORTABLE), with raw driver calls.
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn fake_non_portable_registration() {
+        if !in_child() {
+            return;
+        }
+        use sys::CUresult::CUDA_ERROR_INVALID_VALUE;
+        const N: usize = 4096;
+        let (dev0, dev1) = (Device::open(0).unwrap(), Device::open(1).unwrap());
+        let (buf0, buf1) = (
+            DeviceBuffer::new(&dev0, N).unwrap(),
+            DeviceBuffer::new(&dev1, N).unwrap(),
+        );
+        let len = 1 << 16;
+        // SAFETY: a fresh private anonymous mapping, unmapped at the end after its
+        // registrations are gone.
+        let host = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .unwrap();
+        let fill = |v: u8| {
+            // SAFETY: `host` is the live mapping of `len` >= N bytes made above; the driver
+            // reads it only while a stream the test then waits for runs.
+            unsafe { std::ptr::write_bytes(host.cast::<u8>(), v, N) }
+        };
+        let mut back = vec![0u8; N];
+        let (mut s0, mut s1): (sys::CUstream, sys::CUstream) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
+        let mut dptr: sys::CUdeviceptr = 0;
+        dev0.bind().unwrap();
+        // SAFETY: here and in the blocks below, valid arguments and live out-pointers, with
+        // the context of the device named current; device ranges inside the test's buffers.
+        unsafe {
+            ok(
+                "cuMemHostRegister_v2",
+                sys::cuMemHostRegister_v2(host, len, sys::CU_MEMHOSTREGISTER_DEVICEMAP),
+            );
+            ok(
+                "cuMemHostGetDevicePointer_v2",
+                sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0),
+            );
+            assert_eq!(dptr, host as u64);
+            // Pinned for device 0's context: its async copy reads the host bytes when the
+            // stream runs (the rewrite before the wait is what lands).
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut s0, 1));
+            fill(0x3C);
+            ok(
+                "cuMemcpyHtoDAsync_v2",
+                sys::cuMemcpyHtoDAsync_v2(buf0.ptr(), host, N, s0),
+            );
+            fill(0x3D);
+            ok("cuStreamSynchronize", sys::cuStreamSynchronize(s0));
+            ok("cuStreamDestroy_v2", sys::cuStreamDestroy_v2(s0));
+        }
+        // SAFETY: the test's own buffer; its copy has completed.
+        unsafe { copy_to_host(&dev0, &mut back, buf0.ptr()) }.unwrap();
+        assert!(back.iter().all(|&b| b == 0x3D), "pinned memory was staged");
+        dev1.bind().unwrap();
+        // SAFETY: as above.
+        unsafe {
+            // To device 1's context it is neither mapped nor pinned.
+            assert_eq!(
+                sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            assert_eq!(
+                sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), host as u64, N),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            // Pageable: the async copy stages the bytes at the call.
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut s1, 1));
+            fill(0x3C);
+            ok(
+                "cuMemcpyHtoDAsync_v2",
+                sys::cuMemcpyHtoDAsync_v2(buf1.ptr(), host, N, s1),
+            );
+            fill(0x3D);
+            ok("cuStreamSynchronize", sys::cuStreamSynchronize(s1));
+            ok("cuStreamDestroy_v2", sys::cuStreamDestroy_v2(s1));
+        }
+        // SAFETY: the test's own buffer; its copy has completed.
+        unsafe { copy_to_host(&dev1, &mut back, buf1.ptr()) }.unwrap();
+        assert!(
+            back.iter().all(|&b| b == 0x3C),
+            "another context's registration was pinned"
+        );
+        dev0.bind().unwrap();
+        // SAFETY: as above.
+        unsafe {
+            ok("cuMemHostUnregister", sys::cuMemHostUnregister(host));
+            // PORTABLE: pinned and mapped for every context.
+            ok(
+                "cuMemHostRegister_v2",
+                sys::cuMemHostRegister_v2(
+                    host,
+                    len,
+                    sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+                ),
+            );
+        }
+        dev1.bind().unwrap();
+        // SAFETY: as above.
+        unsafe {
+            ok(
+                "cuMemHostGetDevicePointer_v2",
+                sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0),
+            );
+            ok(
+                "cuMemcpyDtoH_v2",
+                sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), host as u64, N),
+            );
+            ok("cuMemHostUnregister", sys::cuMemHostUnregister(host));
+            rustix::mm::munmap(host, len).unwrap();
+        }
+        assert!(back.iter().all(|&b| b == 0x3D));
     }
 }
