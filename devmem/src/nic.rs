@@ -786,11 +786,14 @@ fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Resul
             Ok(()) => {
                 // Saved after each setting put back (a retry must not put it back again over
                 // what changed since); rule deletions, one per data connection and checked
-                // when redone, are saved with the rest at the end.
+                // when redone (a rule entry of an earlier release is not: saved at once),
+                // are saved with the rest at the end.
                 let c = state.changes.remove(i);
-                if !matches!(c, Change::Rule { .. } | Change::PendingRule { .. })
-                    && let Err(e) = write_state(path, state)
-                {
+                let checked = matches!(
+                    c,
+                    Change::Rule { rule: Some(_), .. } | Change::PendingRule { .. }
+                );
+                if !checked && let Err(e) = write_state(path, state) {
                     note(e);
                 }
             }

@@ -194,12 +194,18 @@ impl EthtoolClient {
         m: &Tcp4Match,
         queue: u32,
     ) -> Result<Option<bool>, NicError> {
+        // Listed first: drivers answer a get of an empty location with ENOENT or EINVAL.
+        let (_, used) = self.rule_locations(ifname, true)?;
+        if !used.contains(&location) {
+            return Ok(None);
+        }
         let mut want = tcp4_rule(m, 0);
         set_queue(&mut want, queue);
         let mut r = [0u8; RXNFC_LEN];
         put(&mut r, 0, ETHTOOL_GRXCLSRULE);
         put(&mut r, FS + 160, location);
         match self.ioctl(ifname, "ntuple-rule-get", &mut r) {
+            // Deleted since the listing.
             Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(None),
             res => res.map(|()| Some(rule_matches(&r, &want))),
         }

@@ -105,8 +105,8 @@ pub fn plan(
         let nic = match (r.nic.as_deref(), reqs.len()) {
             // One lane: `devmem_interface` when configured (as before lanes), else the lane's
             // NIC, else the first capable one.
-            (n, 1) => super::pick_interface(nics, configured.or(n), true),
-            (Some(n), _) => super::pick_interface(nics, Some(n), true),
+            (n, 1) => super::pick_interface(nics, configured.or(n), true, configured.is_some()),
+            (Some(n), _) => super::pick_interface(nics, Some(n), true, false),
             (None, _) => return Err(BindingError::LaneWithoutNic { lane: r.lane }),
         };
         match nic {

@@ -218,11 +218,14 @@ pub struct NicRequest {
 }
 
 /// The interface a binding request names, or the first devmem-capable one; it must be able to
-/// do devmem.
+/// do devmem, or be `named` by the operator (`devmem_interface`, the admin API) with a probe
+/// that could not tell ([`NicReport::worth_a_bind`]): a NIC the topology paired is never
+/// reconfigured on a guess.
 pub fn pick_interface<'a>(
     nics: &'a [NicReport],
     name: Option<&str>,
     configured: bool,
+    named: bool,
 ) -> Result<&'a NicReport, BindingError> {
     let probe = probe_summary(nics);
     let nic = match name {
@@ -243,9 +246,9 @@ pub fn pick_interface<'a>(
             .find(|n| n.devmem_capable)
             .ok_or(BindingError::NoneCapable { probe })?,
     };
-    // A NIC named in the configuration whose probe could not tell (an older kernel) gets a
-    // real bind, as the probe's reason says: the bind answers.
-    let tried = nic.devmem_capable || (name.is_some() && nic.worth_a_bind());
+    // A NIC the operator named whose probe could not tell (an older kernel) gets a real bind,
+    // as the probe's reason says: the bind answers.
+    let tried = nic.devmem_capable || (named && nic.worth_a_bind());
     if !tried {
         return Err(BindingError::NotCapable {
             name: nic.name.clone(),
@@ -262,7 +265,8 @@ pub async fn nic(
     r: NicRequest,
     (lane, cuda): (u32, Option<Arc<CudaMemory>>),
 ) -> Result<(Arc<RxRegion>, String), BindingError> {
-    let nic = pick_interface(nics, r.name.as_deref(), r.configured)?.clone();
+    let named = r.name.is_some();
+    let nic = pick_interface(nics, r.name.as_deref(), r.configured, named)?.clone();
     let queues: Vec<u32> = if r.queues.is_empty() {
         // Less the queues other lanes have bound on this NIC.
         let free = kernel::upper_half_except(&nic, &kernel::in_use(&nic.name));

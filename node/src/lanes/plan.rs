@@ -301,12 +301,15 @@ fn split_table_queues(tree: &Tree, t: &[LaneConfig], lanes: &mut [LaneSpec]) {
             .iter()
             .find(|n| n.interface == nic)
             .map(shardwire_topology::devmem_rx_queues);
+        // A lane's queues are its own, or (the one lane of a table) the node's devmem_queues.
+        let named =
+            |i: usize, lanes: &[LaneSpec]| !t[i].queues.is_empty() || !lanes[i].queues.is_empty();
         let split = match rx {
-            Some(rx) if on.iter().all(|&i| t[i].queues.is_empty()) => split_queues(rx, on.len()),
+            Some(rx) if on.iter().all(|&i| !named(i, lanes)) => split_queues(rx, on.len()),
             _ => vec![Vec::new(); on.len()],
         };
         for (&i, q) in on.iter().zip(split) {
-            if t[i].queues.is_empty() {
+            if !named(i, lanes) {
                 lanes[i].queues = q;
             }
         }

@@ -252,23 +252,28 @@ fn devmem_interface_is_named_where_it_binds_another_nic_or_is_ignored() {
 }
 
 /// A NIC the probe could not judge (its EBADF proves nothing before Linux 6.15, its driver off
-/// the known list) gets a real bind when the configuration names it, as the probe's reason
-/// says; the first capable NIC is never picked from among such.
+/// the known list) gets a real bind when the operator names it, as the probe's reason says;
+/// never one the topology paired, nor the first capable NIC from among such.
 #[test]
 fn a_named_nic_the_probe_could_not_judge_is_tried() {
     let mut unsure = nic("eth1", 16, false);
     unsure.trial_bind.errno = Some(9); // EBADF
     unsure.reason = "cannot tell: kernel 6.12.117 (before 6.15) ...".into();
     let nics = [nic("eth0", 8, false), unsure];
-    let picked = super::super::pick_interface(&nics, Some("eth1"), true).expect("tried");
+    let picked = super::super::pick_interface(&nics, Some("eth1"), true, true).expect("tried");
     assert_eq!(picked.name, "eth1");
     assert!(matches!(
-        super::super::pick_interface(&nics, None, true),
+        super::super::pick_interface(&nics, None, true, false),
         Err(BindingError::NoneCapable { .. })
+    ));
+    // Paired by the topology, not named: not reconfigured on a guess.
+    assert!(matches!(
+        super::super::pick_interface(&nics, Some("eth1"), true, false),
+        Err(BindingError::NotCapable { .. })
     ));
     // One whose trial bind failed for a reason of its own is still refused when named.
     assert!(matches!(
-        super::super::pick_interface(&nics, Some("eth0"), true),
+        super::super::pick_interface(&nics, Some("eth0"), true, true),
         Err(BindingError::NotCapable { .. })
     ));
 }

@@ -444,4 +444,12 @@ fn a_table_of_one_lane_takes_devmem_queues_when_it_names_none() {
     }]);
     let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
     assert_eq!(got[0].queues, [3], "the lane's own");
+    // A lane whose NIC is in the tree: the node's queues, not the NIC's upper-half share.
+    let lanes = table(vec![LaneConfig {
+        interface: Some("eth1".into()),
+        ..LaneConfig::default()
+    }]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(got[0].nic.as_deref(), Some("eth1"));
+    assert_eq!(got[0].queues, [6, 7], "the node's devmem_queues");
 }
