@@ -791,7 +791,11 @@ fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Resul
                 let c = state.changes.remove(i);
                 let checked = matches!(
                     c,
-                    Change::Rule { rule: Some(_), .. } | Change::PendingRule { .. }
+                    Change::Rule {
+                        rule: Some(_),
+                        queue: Some(_),
+                        ..
+                    } | Change::PendingRule { .. }
                 );
                 if !checked && let Err(e) = write_state(path, state) {
                     note(e);

@@ -359,6 +359,7 @@ async fn bind_every_lane(
         .map(|l| LaneRequest {
             lane: l.id(),
             nic: l.spec.nic.clone(),
+            named: l.spec.nic_named,
             queues: l.spec.queues.clone(),
             bytes: l.spec.devmem_memory as usize,
             data_port: l.data_addr.port(),

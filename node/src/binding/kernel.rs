@@ -24,6 +24,8 @@ pub struct LaneRequest {
     pub lane: u32,
     /// Its NIC (`None`: only for a node of one lane, the interface configured or found).
     pub nic: Option<String>,
+    /// The configuration named it (`lanes[i].interface`), not the pairing.
+    pub named: bool,
     /// Its RX queues (empty: its share of the upper half of the NIC's).
     pub queues: Vec<u32>,
     /// Dma-buf bytes.
@@ -105,8 +107,13 @@ pub fn plan(
         let nic = match (r.nic.as_deref(), reqs.len()) {
             // One lane: `devmem_interface` when configured (as before lanes), else the lane's
             // NIC, else the first capable one.
-            (n, 1) => super::pick_interface(nics, configured.or(n), true, configured.is_some()),
-            (Some(n), _) => super::pick_interface(nics, Some(n), true, false),
+            (n, 1) => super::pick_interface(
+                nics,
+                configured.or(n),
+                true,
+                configured.is_some() || r.named,
+            ),
+            (Some(n), _) => super::pick_interface(nics, Some(n), true, r.named),
             (None, _) => return Err(BindingError::LaneWithoutNic { lane: r.lane }),
         };
         match nic {

@@ -182,6 +182,7 @@ mod tests {
                     ordinal: Some(id as i32),
                 }),
                 nic: None,
+                nic_named: false,
                 nic_pci: None,
                 distance: None,
                 numa_node: None,

@@ -46,6 +46,9 @@ pub struct LaneSpec {
     pub gpu: Option<LaneGpu>,
     /// Its NIC (interface name).
     pub nic: Option<String>,
+    /// The configuration named the NIC (`lanes[i].interface`), not the pairing: one its
+    /// probe could not judge gets a real bind ([`crate::binding::pick_interface`]).
+    pub nic_named: bool,
     /// The NIC's PCI bus id.
     pub nic_pci: Option<PciAddr>,
     /// GPU to NIC PCIe distance, when both are in the sysfs tree.
@@ -379,6 +382,7 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
             LaneSpec {
                 id: i as u32,
                 gpu: Some(c.gpu.clone()),
+                nic_named: false,
                 nic_pci: p.and_then(|p| p.nic_pci),
                 distance: p.and_then(|p| p.distance),
                 cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
@@ -409,6 +413,7 @@ fn single(inp: &Inputs<'_>, gpu: Option<&Candidate>, p: Option<&LanePlan>) -> La
         id: 0,
         gpu: gpu.map(|c| c.gpu.clone()),
         nic: p.and_then(|p| p.nic.clone()),
+        nic_named: false,
         nic_pci: p.and_then(|p| p.nic_pci),
         distance: p.and_then(|p| p.distance),
         numa_node: p.and_then(LanePlan::numa_node),
@@ -537,6 +542,7 @@ fn table_lane(
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
         numa_bind: numa_node,
+        nic_named: lc.interface.is_some(),
         nic_pci: tree_nic.and_then(|n| n.pci),
         // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known.
         warn: distance.is_some_and(Distance::crosses_cpu)

@@ -34,6 +34,7 @@ fn lane(lane: u32, nic: Option<&str>, queues: &[u32]) -> LaneRequest {
     LaneRequest {
         lane,
         nic: nic.map(Into::into),
+        named: false,
         queues: queues.to_vec(),
         bytes: 1 << 20,
         data_port: 7400 + lane as u16,
@@ -276,4 +277,13 @@ fn a_named_nic_the_probe_could_not_judge_is_tried() {
         super::super::pick_interface(&nics, Some("eth0"), true, true),
         Err(BindingError::NotCapable { .. })
     ));
+    // Lanes: one whose table names the NIC (lanes[i].interface) is tried, a paired one not.
+    let mut named = lane(0, Some("eth1"), &[]);
+    named.named = true;
+    let reqs = [named, lane(1, Some("eth1"), &[])];
+    let e = plan(&nics, &reqs, None).unwrap_err();
+    assert!(e.to_string().contains("eth1"), "{e}");
+    let mut one = lane(0, Some("eth1"), &[]);
+    one.named = true;
+    assert!(plan(&nics, &[one], None).is_ok(), "a named lane is tried");
 }
