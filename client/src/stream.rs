@@ -94,6 +94,43 @@ pub struct Stream {
     pub info: StreamInfo,
 }
 
+/// Sends the attach request `o` on `sock` and reads the answer's body (its fds pushed onto
+/// `fds`). The answer may wait for the dataset's manifests (ATTACH_LIMIT); once it starts, it
+/// arrives whole within FRAME_LIMIT, as every later frame (a node that stalls halfway is not
+/// waited for ten minutes, or for ever a byte at a time).
+fn attach<'a>(
+    sock: &UnixStream,
+    o: StreamOptions,
+    reader: &'a mut fdpass::FrameReader,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<&'a [u8], ClientError> {
+    let mut frame = Vec::new();
+    trainer::encode(&Request::Attach(Box::new(o)), &mut frame);
+    // A node that refuses this trainer (peer allowlist) answers and closes; if the close wins
+    // the race with our write, the write fails (EPIPE) but the refusal is still there to
+    // read, and it is the better error.
+    let sent = fdpass::send_frame(sock, &frame, &[]);
+    let limits = ReadLimits {
+        idle: Some(ATTACH_LIMIT),
+        frame: FRAME_LIMIT,
+    };
+    match (reader.read_timed(sock, fds, limits), sent) {
+        (Ok(body), _) => Ok(body),
+        (
+            Err(FrameIoError::Timeout {
+                phase: ReadPhase::Idle,
+                ..
+            }),
+            Ok(()),
+        ) => Err(ClientError::NoAnswer {
+            request: "attach",
+            after: ATTACH_LIMIT,
+        }),
+        (Err(_), Err(send_error)) => Err(send_error.into()),
+        (Err(read_error), Ok(())) => Err(read_error.into()),
+    }
+}
+
 impl Stream {
     /// Connects to the node's trainer socket and opens a stream. Every batch reply carries
     /// its resume state (`batch_state`), in the binary encoding, whatever `o` says about
@@ -106,39 +143,8 @@ impl Stream {
         })?;
         o.batch_state = true;
         o.batch_encoding = BatchEncoding::Binary;
-        let req = Request::Attach(Box::new(o));
-        let mut frame = Vec::new();
-        trainer::encode(&req, &mut frame);
-        // A node that refuses this trainer (peer allowlist) answers and closes; if the close
-        // wins the race with our write, the write fails (EPIPE) but the refusal is still
-        // there to read, and it is the better error.
-        let sent = fdpass::send_frame(&sock, &frame, &[]);
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        // The answer may wait for the dataset's manifests (ATTACH_LIMIT); once it starts, it
-        // arrives whole within FRAME_LIMIT, as every later frame (a node that stalls halfway
-        // is not waited for ten minutes, or for ever a byte at a time).
-        let limits = ReadLimits {
-            idle: Some(ATTACH_LIMIT),
-            frame: FRAME_LIMIT,
-        };
-        let read = reader.read_timed(&sock, &mut fds, limits);
-        let body = match (read, sent) {
-            (Ok(body), _) => body,
-            (
-                Err(FrameIoError::Timeout {
-                    phase: ReadPhase::Idle,
-                    ..
-                }),
-                Ok(()),
-            ) => {
-                return Err(ClientError::NoAnswer {
-                    request: "attach",
-                    after: ATTACH_LIMIT,
-                });
-            }
-            (Err(_), Err(send_error)) => return Err(send_error.into()),
-            (Err(read_error), Ok(())) => return Err(read_error.into()),
-        };
+        let body = attach(&sock, o, &mut reader, &mut fds)?;
         let answer = trainer::decode::<Response>(body).map_err(FrameIoError::from)?;
         let Response::Attached {
             stream,

@@ -137,15 +137,12 @@ fn probe_one(
         ),
         None => trial_bind(ifindex),
     };
-    // uname -r: the kernel this process runs on.
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|r| r.trim().to_string())
-        .unwrap_or_default();
-    let unsure =
-        passed && !DEVMEM_DRIVERS.contains(&driver.as_str()) && !checks_device_first(&release);
-    let passed = passed && !unsure;
-    let reason = if unsure {
-        unsure_reason(&driver, &release)
+    // The kernel's version matters only for a pass of a driver off the known list.
+    let release = (passed && !DEVMEM_DRIVERS.contains(&driver.as_str())).then(kernel_release);
+    let unsure = release.as_deref().filter(|r| !checks_device_first(r));
+    let passed = passed && unsure.is_none();
+    let reason = if let Some(release) = unsure {
+        unsure_reason(&driver, release)
     } else if passed {
         passed_reason(&driver, &header_split, hds_thresh)
     } else {
@@ -212,6 +209,13 @@ fn passed_reason(driver: &str, header_split: &str, hds_thresh: Option<u32>) -> S
     }
     r.push_str("; flows must be steered to the bound queues (ethtool -N/-X)");
     r
+}
+
+/// `uname -r`: the kernel this process runs on (empty where it cannot be read).
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|r| r.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Whether kernel `release` (uname -r) checks the device (its queue management ops: the

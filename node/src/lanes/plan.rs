@@ -281,7 +281,7 @@ pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, Pla
                 .map(|(i, lc)| table_lane(inp, i, lc, ipv4))
                 .collect::<Result<_, _>>()?;
             one_lane_per_gpu(t, &lanes)?;
-            split_table_queues(inp.tree, t, &mut lanes);
+            split_table_queues(inp.tree, &mut lanes);
             Ok(lanes)
         }
     }
@@ -292,9 +292,12 @@ pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, Pla
 /// lane order ([`split_queues`]) where none of them names queues; else none, and the binding
 /// shares out what the named ones leave. The NIC's queues are never given twice: the auto
 /// pairing's split cannot be used, since it does not know which NIC the table names.
-fn split_table_queues(tree: &Tree, t: &[LaneConfig], lanes: &mut [LaneSpec]) {
+fn split_table_queues(tree: &Tree, lanes: &mut [LaneSpec]) {
     let nics: std::collections::BTreeSet<String> =
         lanes.iter().filter_map(|l| l.nic.clone()).collect();
+    // A lane's queues so far are its own, or (the one lane of a table) the node's
+    // devmem_queues ([`table_queues`]).
+    let named: Vec<bool> = lanes.iter().map(|l| !l.queues.is_empty()).collect();
     for nic in nics {
         let on: Vec<usize> = (0..lanes.len())
             .filter(|&i| lanes[i].nic.as_deref() == Some(nic.as_str()))
@@ -304,15 +307,12 @@ fn split_table_queues(tree: &Tree, t: &[LaneConfig], lanes: &mut [LaneSpec]) {
             .iter()
             .find(|n| n.interface == nic)
             .map(shardwire_topology::devmem_rx_queues);
-        // A lane's queues are its own, or (the one lane of a table) the node's devmem_queues.
-        let named =
-            |i: usize, lanes: &[LaneSpec]| !t[i].queues.is_empty() || !lanes[i].queues.is_empty();
         let split = match rx {
-            Some(rx) if on.iter().all(|&i| !named(i, lanes)) => split_queues(rx, on.len()),
+            Some(rx) if on.iter().all(|&i| !named[i]) => split_queues(rx, on.len()),
             _ => vec![Vec::new(); on.len()],
         };
         for (&i, q) in on.iter().zip(split) {
-            if !named(i, lanes) {
+            if !named[i] {
                 lanes[i].queues = q;
             }
         }
@@ -471,6 +471,16 @@ fn distance_of(tree: &Tree, gpu: Option<PciAddr>, nic: Option<&str>) -> Option<(
     Some((c.distance, c.why))
 }
 
+/// The queues of table lane `lc`: its own, else, the one lane of a table, the node's
+/// `devmem_queues` (as any node of one lane; the configuration refuses both at once); a lane
+/// left with none gets its share in `split_table_queues`.
+fn table_queues(inp: &Inputs<'_>, lc: &LaneConfig) -> Vec<u32> {
+    match inp.lanes {
+        Lanes::Table(t) if t.len() == 1 && lc.queues.is_empty() => inp.devmem_queues.to_vec(),
+        _ => lc.queues.clone(),
+    }
+}
+
 /// Lane `i` of a table.
 fn table_lane(
     inp: &Inputs<'_>,
@@ -531,13 +541,7 @@ fn table_lane(
     let numa_node = tree_nic
         .and_then(|n| n.numa_node)
         .or_else(|| tree_gpu.and_then(|g| g.numa_node));
-    // The lane's own, else, the one lane of a table, the node's `devmem_queues` (as any node
-    // of one lane; the configuration refuses both at once); those it names none of:
-    // `split_table_queues`.
-    let queues = match inp.lanes {
-        Lanes::Table(t) if t.len() == 1 && lc.queues.is_empty() => inp.devmem_queues.to_vec(),
-        _ => lc.queues.clone(),
-    };
+    let queues = table_queues(inp, lc);
     Ok(LaneSpec {
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),

@@ -203,23 +203,35 @@ impl Driver {
     /// [`super::hints::HINT_AHEAD`]).
     fn upcoming(&self) -> Vec<u32> {
         let mut out = Vec::new();
-        for e in &self.epochs {
-            for (k, u) in e.units.iter().enumerate().skip(e.next) {
-                if !self.needed(e.epoch, u) {
-                    continue;
-                }
-                let from = if k == e.next { e.held } else { 0 };
-                for &shard in &u.shards[from.min(u.shards.len())..] {
-                    if !self.resident.contains_key(&shard) && !out.contains(&shard) {
-                        out.push(shard);
-                        if out.len() == super::hints::HINT_AHEAD {
-                            return out;
-                        }
+        for (_, shards) in self.not_held() {
+            for &shard in shards {
+                if !self.resident.contains_key(&shard) && !out.contains(&shard) {
+                    out.push(shard);
+                    if out.len() == super::hints::HINT_AHEAD {
+                        return out;
                     }
                 }
             }
         }
         out
+    }
+
+    /// The units this worker needs that are not held yet, in first-use order from the loaded
+    /// epochs' cursors: each unit's first rank-local sample (over all epochs) and its shards
+    /// not held (those of a unit held halfway that are still to hold).
+    fn not_held(&self) -> impl Iterator<Item = (u64, &[u32])> + '_ {
+        self.epochs.iter().flat_map(move |e| {
+            let g = u64::from(e.epoch) * self.per_epoch;
+            e.units
+                .iter()
+                .enumerate()
+                .skip(e.next)
+                .filter(move |(_, u)| self.needed(e.epoch, u))
+                .map(move |(k, u)| {
+                    let from = if k == e.next { e.held } else { 0 };
+                    (g + u.first, &u.shards[from.min(u.shards.len())..])
+                })
+        })
     }
 
     /// The rank-local index (over all epochs) of the last sample of the batch at `pos`.

@@ -44,9 +44,6 @@ pub struct BatchMode {
     /// Assembled batches kept waiting for the trainer (`supply::ready_ahead`; set when the
     /// stream opens, from what its region holds besides the shards it reads).
     pub ready_ahead: usize,
-    /// Batch slabs set apart at the top of the region (`supply::batch_slots`; set with
-    /// `ready_ahead`).
-    pub batch_slots: usize,
 }
 
 impl BatchMode {
@@ -74,7 +71,6 @@ impl BatchMode {
             num_workers: r.num_workers,
             tokens,
             ready_ahead: super::supply::READY_AHEAD,
-            batch_slots: super::supply::READY_AHEAD + 1,
         }
     }
 

@@ -215,7 +215,8 @@ impl Stream {
             // Batch slabs in a part of their own: coming and going, they never split the
             // blocks the shards need (the pool is new: nothing is allocated yet).
             let class = SlabPool::class_size(m.batch_bytes as usize);
-            p.pool.set_apart(m.batch_slots.saturating_mul(class));
+            p.pool
+                .set_apart(supply::batch_slots(m.ready_ahead).saturating_mul(class));
         }
         let total = p.kind.per_epoch() * u64::from(p.epochs);
         let (first, slots) = (p.kind.slot_at(p.start), p.kind.slot_at(total));

@@ -18,7 +18,7 @@ use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::order::Order;
 use super::peak;
-use super::supply::{READY_AHEAD, batch_slots, ready_ahead};
+use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
 /// Epoch e of GPTDataset's order is seeded seed + e (numpy's 32-bit RandomState): past
@@ -251,7 +251,7 @@ pub fn batch_mode(
     let Sampler::One(plan) = &mode.sampler else {
         unreachable!("just made")
     };
-    (mode.ready_ahead, mode.batch_slots) = check_window(m, plan, mode.batch_bytes, region_bytes)?;
+    mode.ready_ahead = check_window(m, plan, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
 
@@ -409,13 +409,13 @@ pub(super) fn check_batch_fits(batch_bytes: u64, region_bytes: u64) -> Result<()
 /// partition it reads, or, where more, the blocks one batch of the first epoch reads
 /// together ([`peak`]: a batch across a block edge needs both), plus the batch its trainer
 /// holds and [`READY_AHEAD`] assembled ones; returns how many assembled batches the stream
-/// keeps ready ([`ready_ahead`]) and the batch slabs it sets apart ([`batch_slots`]).
+/// keeps ready ([`ready_ahead`]).
 fn check_window(
     m: &Manifest,
     plan: &BatchPlan,
     batch_bytes: u64,
     region_bytes: u64,
-) -> Result<(usize, usize), OpenError> {
+) -> Result<usize, OpenError> {
     check_batch_fits(batch_bytes, region_bytes)?;
     let o = &plan.order;
     let (c, w) = (o.partitions, plan.world_size);
@@ -432,8 +432,7 @@ fn check_window(
     let class = SlabPool::class_size(batch_bytes as usize) as u64;
     let batches = (READY_AHEAD as u64 + 1).saturating_mul(class);
     if blocks.saturating_add(batches) <= region_bytes {
-        let ahead = ready_ahead(region_bytes, blocks, class);
-        return Ok((ahead, batch_slots(ahead)));
+        return Ok(ready_ahead(region_bytes, blocks, class));
     }
     if across.bytes
         > concurrent

@@ -18,7 +18,7 @@ use super::layout::Layout;
 use super::mix::{MixPart, Mixture, Point};
 use super::open::{block_shards, check_workers, max_class, sample_order};
 use super::peak;
-use super::supply::{READY_AHEAD, batch_slots, ready_ahead};
+use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
 
 fn bad(code: ErrorCode, msg: String) -> OpenError {
@@ -96,8 +96,7 @@ pub fn mix_mode(
     let Sampler::Mix(mix) = &mode.sampler else {
         unreachable!("just made")
     };
-    (mode.ready_ahead, mode.batch_slots) =
-        check_window(combined, mix, mode.batch_bytes, region_bytes)?;
+    mode.ready_ahead = check_window(combined, mix, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
 }
 
@@ -384,14 +383,13 @@ const PEAK_STEPS: u64 = 4096;
 
 /// Checks that the region holds every dataset's current blocks (all partitions: every rank
 /// of a mixture reads them all), the batch the trainer holds and [`READY_AHEAD`] more;
-/// returns how many assembled batches the stream keeps ready ([`ready_ahead`]) and the batch
-/// slabs it sets apart ([`batch_slots`]).
+/// returns how many assembled batches the stream keeps ready ([`ready_ahead`]).
 fn check_window(
     m: &Manifest,
     mix: &Mixture,
     batch_bytes: u64,
     region_bytes: u64,
-) -> Result<(usize, usize), OpenError> {
+) -> Result<usize, OpenError> {
     super::open::check_batch_fits(batch_bytes, region_bytes)?;
     let max_class = max_class(m);
     let shards: u64 = mix
@@ -414,8 +412,7 @@ fn check_window(
     let blocks = shards.saturating_mul(max_class).max(step.bytes);
     let need = blocks.saturating_add((READY_AHEAD as u64 + 1) * class);
     if need <= region_bytes {
-        let ahead = ready_ahead(region_bytes, blocks, class);
-        return Ok((ahead, batch_slots(ahead)));
+        return Ok(ready_ahead(region_bytes, blocks, class));
     }
     if step.bytes > shards.saturating_mul(max_class) {
         return Err(bad(

@@ -130,20 +130,9 @@ impl Driver {
     /// batch reads.
     fn to_hold_for_next_batch(&self) -> Vec<u32> {
         let upto = self.last_index(self.pos);
-        let mut out = Vec::new();
-        for e in &self.epochs {
-            let g = u64::from(e.epoch) * self.per_epoch;
-            for (k, u) in e.units.iter().enumerate().skip(e.next) {
-                if g + u.first > upto {
-                    break;
-                }
-                if !self.needed(e.epoch, u) {
-                    continue;
-                }
-                let from = if k == e.next { e.held } else { 0 };
-                out.extend_from_slice(&u.shards[from.min(u.shards.len())..]);
-            }
-        }
-        out
+        self.not_held()
+            .take_while(|&(first, _)| first <= upto)
+            .flat_map(|(_, shards)| shards.iter().copied())
+            .collect()
     }
 }
