@@ -30,6 +30,18 @@ pub enum EncodeError {
     /// A dataset name no source serves (see [`check_dataset_name`]).
     #[error("{0}")]
     DatasetName(DatasetNameError),
+    /// A text field holds a control character, which the decoder refuses.
+    #[error(
+        "field `{field}` has the control character U+{code:04X} at byte {at}: the protocol carries printable text only"
+    )]
+    ControlChar {
+        /// The field.
+        field: &'static str,
+        /// The character's code point.
+        code: u32,
+        /// Its byte offset in the field.
+        at: usize,
+    },
     /// An IPv6 address with a scope id (a link-local `fe80::1%eth0`): the wire carries no
     /// scope, and a peer could not dial the address without one.
     #[error(
@@ -185,8 +197,9 @@ fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
             w.u64(*req);
             w.u16(*code as u16);
             w.u32(*retry_after_ms);
-            // Truncated rather than refused: an error report must always go out.
-            w.string("message", truncated(message, MAX_STR), MAX_STR)?;
+            // Escaped and truncated rather than refused: an error report must always go out.
+            let message = printable(message);
+            w.string("message", truncated(&message, MAX_STR), MAX_STR)?;
         }
         Message::Cancel { req } => {
             w.kind(K_CANCEL);
@@ -264,6 +277,13 @@ impl Writer<'_> {
     }
     fn string(&mut self, field: &'static str, s: &str, max: usize) -> Result<(), EncodeError> {
         check_len(field, s.len(), max)?;
+        if let Some((at, c)) = first_control(s) {
+            return Err(EncodeError::ControlChar {
+                field,
+                code: c.into(),
+                at,
+            });
+        }
         self.u16(s.len() as u16);
         self.bytes(s.as_bytes());
         Ok(())

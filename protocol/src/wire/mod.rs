@@ -134,6 +134,27 @@ pub fn check_dataset_name(name: &str) -> Result<(), DatasetNameError> {
     }
 }
 
+/// The first control character of `text` (a newline, an escape, a DEL) and its byte offset:
+/// the wire's text fields (`node_id`, `message`) carry printable text only.
+pub(crate) fn first_control(text: &str) -> Option<(usize, char)> {
+    text.char_indices().find(|(_, c)| c.is_control())
+}
+
+/// `text` with each control character written as its Rust escape (`\n`, `\u{1b}`), so an
+/// error report that quotes a file name or a peer's bytes still goes out, as printable text.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if first_control(text).is_none() {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_default().to_string(),
+            false => c.to_string(),
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// Error codes carried by [`Message::Error`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]

@@ -550,3 +550,48 @@ fn decode_errors_name_the_field_and_the_bad_bytes() {
         })
     );
 }
+
+#[test]
+fn text_fields_carry_printable_text_only() {
+    let hello = |node_id: &str| Message::Hello {
+        node_id: node_id.into(),
+        nonce: [0; 32],
+        lanes: vec![LaneAddr {
+            data_addr: "127.0.0.1:1".parse().unwrap(),
+            flows: 1,
+        }],
+    };
+    // A node id that would forge a log line: the encoder refuses it, naming the character.
+    let mut out = vec![7];
+    assert_eq!(
+        encode(&hello("gpu-7\nsource=evil"), &mut out),
+        Err(EncodeError::ControlChar {
+            field: "node_id",
+            code: 0x0a,
+            at: 5
+        })
+    );
+    assert_eq!(out, [7], "the buffer is left as it was");
+    // A peer that sends one anyway: the decoder refuses it too.
+    encode(&hello("gpu-7xsource=evil"), &mut out).unwrap();
+    let at = out.iter().position(|&b| b == b'x').unwrap();
+    out[at] = 0x1b;
+    assert_eq!(
+        decode_frame(&out[5..]),
+        Err(DecodeError::ControlChar {
+            field: "node_id",
+            code: 0x1b,
+            at: 5
+        })
+    );
+    // An error report always goes out: its control characters are escaped, not refused.
+    let mut out = Vec::new();
+    let error = |message: &str| Message::Error {
+        req: 3,
+        code: ErrorCode::Internal,
+        retry_after_ms: 0,
+        message: message.into(),
+    };
+    encode(&error("bad file a\nb\u{7f}"), &mut out).unwrap();
+    assert_eq!(decode_frame(&out[4..]), Ok(error("bad file a\\nb\\u{7f}")));
+}
