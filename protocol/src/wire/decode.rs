@@ -57,19 +57,9 @@ pub enum DecodeError {
         /// How many bytes of it are valid UTF-8.
         valid_up_to: usize,
     },
-    /// A text field holds a control character (a newline, an escape): a peer's text is logged
-    /// and shown to operators, where such a character could forge a line or a terminal command.
-    #[error(
-        "field `{field}` has the control character U+{code:04X} at byte {at}: the protocol carries printable text only"
-    )]
-    ControlChar {
-        /// The field.
-        field: &'static str,
-        /// The character's code point.
-        code: u32,
-        /// Its byte offset in the field.
-        at: usize,
-    },
+    /// A text field holds a control character (see [`ControlCharError`]).
+    #[error("{0}")]
+    ControlChar(ControlCharError),
     /// An address family byte is not 4 or 6.
     #[error("field `{field}` of message kind {kind} has address family {family}, not 4 or 6")]
     AddressFamily {
@@ -290,13 +280,7 @@ impl<'a> Reader<'a> {
             field,
             valid_up_to: e.valid_up_to(),
         })?;
-        if let Some((at, c)) = first_control(text) {
-            return Err(DecodeError::ControlChar {
-                field,
-                code: c.into(),
-                at,
-            });
-        }
+        check_printable(field, text).map_err(DecodeError::ControlChar)?;
         Ok(text.to_owned())
     }
     /// A dataset name, checked as the source checks the names it serves.

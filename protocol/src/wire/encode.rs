@@ -31,17 +31,8 @@ pub enum EncodeError {
     #[error("{0}")]
     DatasetName(DatasetNameError),
     /// A text field holds a control character, which the decoder refuses.
-    #[error(
-        "field `{field}` has the control character U+{code:04X} at byte {at}: the protocol carries printable text only"
-    )]
-    ControlChar {
-        /// The field.
-        field: &'static str,
-        /// The character's code point.
-        code: u32,
-        /// Its byte offset in the field.
-        at: usize,
-    },
+    #[error("{0}")]
+    ControlChar(ControlCharError),
     /// An IPv6 address with a scope id (a link-local `fe80::1%eth0`): the wire carries no
     /// scope, and a peer could not dial the address without one.
     #[error(
@@ -277,13 +268,7 @@ impl Writer<'_> {
     }
     fn string(&mut self, field: &'static str, s: &str, max: usize) -> Result<(), EncodeError> {
         check_len(field, s.len(), max)?;
-        if let Some((at, c)) = first_control(s) {
-            return Err(EncodeError::ControlChar {
-                field,
-                code: c.into(),
-                at,
-            });
-        }
+        check_printable(field, s).map_err(EncodeError::ControlChar)?;
         self.u16(s.len() as u16);
         self.bytes(s.as_bytes());
         Ok(())

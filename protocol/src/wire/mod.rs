@@ -134,10 +134,36 @@ pub fn check_dataset_name(name: &str) -> Result<(), DatasetNameError> {
     }
 }
 
-/// The first control character of `text` (a newline, an escape, a DEL) and its byte offset:
-/// the wire's text fields (`node_id`, `message`) carry printable text only.
-pub(crate) fn first_control(text: &str) -> Option<(usize, char)> {
+/// A text field (`node_id`, `message`) holds a control character (a newline, an escape, a
+/// DEL): a peer's text is logged and shown to operators, where such a character could forge a
+/// line or a terminal command, so the wire carries printable text only.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "field `{field}` has the control character U+{code:04X} at byte {at}: the protocol carries printable text only"
+)]
+pub struct ControlCharError {
+    /// The field.
+    pub field: &'static str,
+    /// The character's code point.
+    pub code: u32,
+    /// Its byte offset in the field.
+    pub at: usize,
+}
+
+fn first_control(text: &str) -> Option<(usize, char)> {
     text.char_indices().find(|(_, c)| c.is_control())
+}
+
+/// Checks that `text`, the value of `field`, holds no control character.
+pub(crate) fn check_printable(field: &'static str, text: &str) -> Result<(), ControlCharError> {
+    match first_control(text) {
+        Some((at, c)) => Err(ControlCharError {
+            field,
+            code: c.into(),
+            at,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// `text` with each control character written as its Rust escape (`\n`, `\u{1b}`), so an

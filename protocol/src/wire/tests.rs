@@ -565,11 +565,11 @@ fn text_fields_carry_printable_text_only() {
     let mut out = vec![7];
     assert_eq!(
         encode(&hello("gpu-7\nsource=evil"), &mut out),
-        Err(EncodeError::ControlChar {
+        Err(EncodeError::ControlChar(ControlCharError {
             field: "node_id",
             code: 0x0a,
             at: 5
-        })
+        }))
     );
     assert_eq!(out, [7], "the buffer is left as it was");
     // A peer that sends one anyway: the decoder refuses it too.
@@ -578,11 +578,11 @@ fn text_fields_carry_printable_text_only() {
     out[at] = 0x1b;
     assert_eq!(
         decode_frame(&out[5..]),
-        Err(DecodeError::ControlChar {
+        Err(DecodeError::ControlChar(ControlCharError {
             field: "node_id",
             code: 0x1b,
             at: 5
-        })
+        }))
     );
     // An error report always goes out: its control characters are escaped, not refused.
     let mut out = Vec::new();
