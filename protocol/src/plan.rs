@@ -51,6 +51,11 @@ pub enum PlanError {
         /// The world size given.
         world_size: u32,
     },
+    /// The manifest has no shards: no plan, whatever `uneven`.
+    #[error(
+        "the dataset's manifest lists 0 shards; a stream needs at least 1 (re-index the dataset, or check that its source serves the right directory)"
+    )]
+    NoShards,
     /// With `drop`, fewer shards than ranks leaves nothing.
     #[error(
         "uneven=drop with {shards} shards and world_size {world_size} gives every rank 0 shards"
@@ -74,6 +79,10 @@ impl PlanSpec {
                 rank: self.rank,
                 world_size: self.world_size,
             });
+        }
+        // Before `per_rank`: with no shards `pad` gives 0 too, and "uneven=drop" misleads.
+        if self.shards == 0 {
+            return Err(PlanError::NoShards);
         }
         if self.per_rank() == 0 {
             return Err(PlanError::NothingLeft {
@@ -250,6 +259,15 @@ mod tests {
         );
         assert!(spec(2, 0, 3, Uneven::Drop).validate().is_err());
         assert!(spec(2, 0, 3, Uneven::Pad).validate().is_ok());
+    }
+
+    #[test]
+    fn an_empty_manifest_is_refused_as_empty_whatever_uneven() {
+        // Before: the default `pad` was refused as "uneven=drop with 0 shards".
+        for uneven in [Uneven::Pad, Uneven::Drop] {
+            assert_eq!(spec(0, 0, 1, uneven).validate(), Err(PlanError::NoShards));
+        }
+        assert!(PlanError::NoShards.to_string().contains("0 shards"));
     }
 
     proptest! {

@@ -60,8 +60,9 @@ impl Shuffle {
 }
 
 /// Most canonical partitions a plan has: an epoch's order holds a few words per partition,
-/// and a trainer's request must not size the node's memory (world sizes beyond this give
-/// fewer `partitions`, which the world size is then a multiple of).
+/// and a trainer's request must not size the node's memory (a request that names no
+/// `partitions` on a world size beyond this, or beyond the samples, gets the world size's
+/// largest divisor within both: the node's `default_partitions`).
 pub const MAX_PARTITIONS: u32 = 1 << 20;
 
 /// `partitions` is 1..=min(`samples`, [`MAX_PARTITIONS`]).
@@ -117,9 +118,15 @@ pub enum SampleError {
         /// Global batch.
         global_batch: u64,
     },
-    /// `seq_len` is 0.
-    #[error("seq_len must be at least 1 token")]
-    SeqLen,
+    /// `seq_len` is 0, or too long for a window's int32 token positions.
+    #[error(
+        "seq_len is {seq_len}; it must be at least 1 and below {max} (a window's token positions are int32); pick a seq_len in that range",
+        max = i32::MAX
+    )]
+    SeqLen {
+        /// Requested.
+        seq_len: u64,
+    },
     /// Not one window of `seq_len + 1` tokens in the dataset.
     #[error(
         "the dataset's {tokens} tokens hold no window of seq_len + 1 = {} tokens; lower seq_len",

@@ -95,7 +95,6 @@ pub enum SessionError {
     /// A data connection died.
     #[error("a data connection failed; closing the session")]
     DataFailed,
-    /// The node queued more FETCHes than any node legitimately does.
     /// The node asked for more data connections than a source dials for one session.
     #[error(
         "the node asked for {0} data connections (lanes x flows in its Hello); a source dials at most {MAX_SESSION_FLOWS} per node"
@@ -109,6 +108,7 @@ pub enum SessionError {
         /// Why.
         source: std::io::Error,
     },
+    /// The node queued more FETCHes than any node legitimately does (the count queued).
     #[error("the node has {0} FETCHes queued (limit {MAX_QUEUED_FETCHES})")]
     TooManyFetches(usize),
     /// Data connections the node never said were ready (`DataReady`) within the time limit.

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -94,6 +95,81 @@ pub struct Opened {
     pub name: String,
     len: u64,
     modified: Option<std::time::SystemTime>,
+    changed: Ctime,
+}
+
+/// A file's inode change time (`st_ctime`, to the nanosecond). Every write moves it, and unlike
+/// the modification time it cannot be set back from user space, so a rewrite of the same
+/// length whose modification time was restored (`cp -p`, `rsync --inplace -t`, `touch -r`)
+/// still shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ctime {
+    secs: i64,
+    nsec: i64,
+}
+
+impl Ctime {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        Self {
+            secs: meta.ctime(),
+            nsec: meta.ctime_nsec(),
+        }
+    }
+}
+
+impl std::fmt::Display for Ctime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{:09}", self.secs, self.nsec)
+    }
+}
+
+/// Why a local shard file no longer holds what the source opened ([`Opened::check`]). Each
+/// names the file; the caller adds the fix (re-index the dataset, restart the source).
+#[derive(Debug, thiserror::Error)]
+pub enum ShardChanged {
+    /// The open file could not be examined.
+    #[error("shard file {name}: cannot stat it: {source}")]
+    Stat {
+        /// The file.
+        name: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Cut short.
+    #[error(
+        "shard file {name} changed since the source opened it: {len} bytes, {need} needed (it had {had})"
+    )]
+    Shorter {
+        /// The file.
+        name: String,
+        /// Its length now.
+        len: u64,
+        /// The bytes the payload needs.
+        need: u64,
+        /// Its length when opened.
+        had: u64,
+    },
+    /// Its modification time moved.
+    #[error("shard file {name} changed since the source opened it (modified again)")]
+    Modified {
+        /// The file.
+        name: String,
+    },
+    /// Its inode change time moved while its modification time did not.
+    #[error(
+        "shard file {name} changed since the source opened it: its inode change time moved \
+         from {was} to {now} (written in place with its modification time put back, or its \
+         mode, owner or links changed)"
+    )]
+    Status {
+        /// The file.
+        name: String,
+        /// The change time when opened.
+        was: Ctime,
+        /// The change time now.
+        now: Ctime,
+    },
 }
 
 impl Opened {
@@ -102,28 +178,40 @@ impl Opened {
             name: name.to_owned(),
             len: meta.len(),
             modified: meta.modified().ok(),
+            changed: Ctime::of(meta),
         }
     }
 
     /// Whether `file` (this one, open) still holds what it held at open, up to byte `need`;
-    /// the error says what changed.
-    pub fn check(&self, file: &File, need: u64) -> Result<(), String> {
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("shard file {}: {e}", self.name))?;
+    /// the error says what changed. Its inode and device need no check: `fstat` of the open
+    /// file always names the inode it opened.
+    pub fn check(&self, file: &File, need: u64) -> Result<(), ShardChanged> {
+        let name = || self.name.clone();
+        let meta = file.metadata().map_err(|source| ShardChanged::Stat {
+            name: name(),
+            source,
+        })?;
         if meta.len() < need {
-            return Err(format!(
-                "shard file {} changed since the source opened it: {} bytes, {need} needed (it had {})",
-                self.name,
-                meta.len(),
-                self.len
-            ));
+            return Err(ShardChanged::Shorter {
+                name: name(),
+                len: meta.len(),
+                need,
+                had: self.len,
+            });
         }
         if meta.modified().ok() != self.modified {
-            return Err(format!(
-                "shard file {} changed since the source opened it (modified again)",
-                self.name
-            ));
+            return Err(ShardChanged::Modified { name: name() });
+        }
+        // An unlinked file (the old one of a replacement by rename) had its change time moved
+        // by the unlink alone, and nobody can write it through its path any more: it keeps
+        // serving the bytes it had.
+        let now = Ctime::of(&meta);
+        if meta.nlink() > 0 && now != self.changed {
+            return Err(ShardChanged::Status {
+                name: name(),
+                was: self.changed,
+                now,
+            });
         }
         Ok(())
     }
@@ -308,7 +396,54 @@ fn open_failed(e: &std::io::Error, files: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+    use std::time::Duration;
+
     use super::*;
+
+    /// A scratch file of `bytes`, unique to this test process and `tag`.
+    fn scratch(tag: &str, bytes: &[u8]) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("sw-opened-{tag}-{}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_same_length_rewrite_with_its_mtime_put_back_is_refused() {
+        let path = scratch("rewrite", &[1u8; 4096]);
+        let file = File::open(&path).unwrap();
+        let opened = Opened::new("s0.bin", &file.metadata().unwrap());
+        opened.check(&file, 4096).expect("unchanged");
+        let mtime = file.metadata().unwrap().modified().unwrap();
+        // Past the kernel's coarse clock tick, so the rewrite's change time differs.
+        std::thread::sleep(Duration::from_millis(50));
+        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        (&w).write_all(&[2u8; 4096]).unwrap();
+        w.set_modified(mtime).unwrap(); // `touch -r`, `cp -p`
+        drop(w);
+        let now = file.metadata().unwrap();
+        assert_eq!(now.modified().unwrap(), mtime, "length and mtime as opened");
+        assert_eq!(now.len(), 4096);
+        let e = opened.check(&file, 4096).expect_err("refused");
+        std::fs::remove_file(&path).unwrap();
+        assert!(
+            matches!(&e, ShardChanged::Status { name, was, now } if name == "s0.bin" && was != now),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_file_replaced_by_a_rename_keeps_serving_what_it_had() {
+        let path = scratch("renamed", &[1u8; 4096]);
+        let file = File::open(&path).unwrap();
+        let opened = Opened::new("s0.bin", &file.metadata().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        let new = scratch("renamed-new", &[2u8; 4096]);
+        std::fs::rename(&new, &path).unwrap();
+        let kept = opened.check(&file, 4096);
+        std::fs::remove_file(&path).unwrap();
+        kept.expect("the open file still holds its bytes");
+    }
 
     #[tokio::test]
     async fn dot_names_are_refused_before_any_directory_is_touched() {

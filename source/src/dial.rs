@@ -106,6 +106,59 @@ pub(crate) async fn dial(
     failed: &Arc<Notify>,
     progress: &Arc<Notify>,
 ) -> Result<DataConns, SessionError> {
+    let total = check_lanes(ctl, shared, lanes).await?;
+    let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
+    if below_pace(per_flow_rate) {
+        tracing::warn!(
+            rate_limit = shared.cfg.rate_limit,
+            connections = total,
+            per_connection = per_flow_rate,
+            "rate_limit leaves each data connection of this node less than the {} bytes every {:?} a node needs to keep it: the node will drop them as a trickle; raise rate_limit",
+            wire::DATA_PACE_FLOOR,
+            wire::DATA_PACE_WINDOW
+        );
+    }
+    let mut out = DataConns {
+        senders: Vec::with_capacity(total as usize),
+        lane_of: Vec::with_capacity(total as usize),
+    };
+    for (lane, l) in lanes.iter().enumerate() {
+        for _ in 0..l.flows {
+            let addr = target(shared, lanes, lane);
+            let dialled = open_data_conn(shared, addr).await?;
+            let conn = out.senders.len() as u16;
+            let lane = lane as u16;
+            ctl.send(&Message::DataConn {
+                lane,
+                conn,
+                addr: dialled.local,
+            })
+            .await?;
+            let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
+            let sender = Sender::spawn(
+                dialled.stream,
+                conn,
+                per_flow_rate,
+                Arc::clone(failed),
+                dialled.tx.as_deref(),
+                p,
+            )
+            .map_err(|source| SessionError::SpawnSender { conn, source })?;
+            out.senders.push(sender);
+            out.lane_of.push(lane);
+        }
+    }
+    Ok(out)
+}
+
+/// Refuses, on the control connection, lanes the source must not dial: more connections in
+/// all than a session may have, or (without a secret) a data address that is not loopback.
+/// Returns the connections to dial.
+async fn check_lanes(
+    ctl: &mut Control,
+    shared: &Shared,
+    lanes: &[LaneAddr],
+) -> Result<u64, SessionError> {
     let total: u64 = lanes.iter().map(|l| u64::from(l.flows)).sum();
     if total > MAX_SESSION_FLOWS {
         let e = SessionError::TooManyFlows(total);
@@ -128,61 +181,41 @@ pub(crate) async fn dial(
         let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
         return Err(e);
     }
-    let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
-    if below_pace(per_flow_rate) {
-        tracing::warn!(
-            rate_limit = shared.cfg.rate_limit,
-            connections = total,
-            per_connection = per_flow_rate,
-            "rate_limit leaves each data connection of this node less than the {} bytes every {:?} a node needs to keep it: the node will drop them as a trickle; raise rate_limit",
-            wire::DATA_PACE_FLOOR,
-            wire::DATA_PACE_WINDOW
-        );
-    }
-    let mut out = DataConns {
-        senders: Vec::with_capacity(total as usize),
-        lane_of: Vec::with_capacity(total as usize),
-    };
-    for (lane, l) in lanes.iter().enumerate() {
-        for _ in 0..l.flows {
-            let addr = target(shared, lanes, lane);
-            let data_err = |source| SessionError::DataConnect { addr, source };
-            let tx = tx_path(shared, addr);
-            let device = tx.as_ref().map(|p| p.ifname.as_str());
-            let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr, device))
-                .await
-                .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
-                .map_err(data_err)?;
-            let local = s.local_addr().map_err(data_err)?;
-            let std = s.into_std().map_err(data_err)?;
-            std.set_nonblocking(false).map_err(data_err)?;
-            // A node that reads nothing of a payload for the idle timeout is gone: the send
-            // fails (the session ends) instead of holding the sender thread and its file.
-            std.set_write_timeout(Some(shared.cfg.idle_timeout))
-                .map_err(data_err)?;
-            let conn = out.senders.len() as u16;
-            let lane = lane as u16;
-            ctl.send(&Message::DataConn {
-                lane,
-                conn,
-                addr: local,
-            })
-            .await?;
-            let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
-            let sender = Sender::spawn(
-                std,
-                conn,
-                per_flow_rate,
-                Arc::clone(failed),
-                tx.as_deref(),
-                p,
-            )
-            .map_err(|source| SessionError::SpawnSender { conn, source })?;
-            out.senders.push(sender);
-            out.lane_of.push(lane);
-        }
-    }
-    Ok(out)
+    Ok(total)
+}
+
+/// A data connection dialled and ready for its sender thread.
+struct Dialled {
+    /// The socket: blocking, with the idle timeout as its send timeout.
+    stream: std::net::TcpStream,
+    /// Its local address: the node's name for it.
+    local: SocketAddr,
+    /// The devmem TX binding it sends from, if any.
+    tx: Option<Arc<TxPath>>,
+}
+
+/// Dials one data connection to `addr` within the handshake timeout and readies it for its
+/// sender thread.
+async fn open_data_conn(shared: &Shared, addr: SocketAddr) -> Result<Dialled, SessionError> {
+    let data_err = |source| SessionError::DataConnect { addr, source };
+    let tx = tx_path(shared, addr);
+    let device = tx.as_ref().map(|p| p.ifname.as_str());
+    let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr, device))
+        .await
+        .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
+        .map_err(data_err)?;
+    let local = s.local_addr().map_err(data_err)?;
+    let std = s.into_std().map_err(data_err)?;
+    std.set_nonblocking(false).map_err(data_err)?;
+    // A node that reads nothing of a payload for the idle timeout is gone: the send fails
+    // (the session ends) instead of holding the sender thread and its file.
+    std.set_write_timeout(Some(shared.cfg.idle_timeout))
+        .map_err(data_err)?;
+    Ok(Dialled {
+        stream: std,
+        local,
+        tx,
+    })
 }
 
 #[cfg(test)]

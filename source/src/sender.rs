@@ -429,6 +429,77 @@ fn is_send_timeout(e: &std::io::Error) -> bool {
     )
 }
 
+/// Sends bytes `range` of `file` in pieces of at most `piece` bytes (flipping the byte at
+/// `flip`: fault injection), calling `paced` after each. Never past `range.end`, so a file
+/// that grew sends what was announced.
+///
+/// A file that ends before `range.end` (cut short after its FETCH was last checked, while the
+/// payload waited in this queue) is warned of and the rest sent as zeros: the connection keeps
+/// its framing, the node's CRC check fails and it fetches the shard again, and the source
+/// refuses that FETCH as `DatasetChanged`. Failing the send instead ended the node's whole
+/// session, every lane and stream of it, over one file.
+fn send_file(
+    path: &mut SendPath<'_>,
+    stream: &TcpStream,
+    file: &File,
+    range: std::ops::Range<u64>,
+    mut flip: Option<u64>,
+    piece: u64,
+    paced: &mut impl FnMut(usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let (mut off, end) = (range.start, range.end);
+    while off < end {
+        let n = match path.send(file, off, (end - off).min(piece), &mut flip) {
+            Ok(n) => n,
+            // A send on a socket with a send timeout is not restarted after a signal
+            // (SIGSTOP/SIGCONT of the process, signal(7)): send again.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            tracing::warn!(
+                file = %file_name(file),
+                offset = off,
+                announced_end = end,
+                "a shard file (or cache entry) ended before its announced length: the rest is \
+                 sent as zeros, so the node's CRC check fails and it fetches the shard again \
+                 (a local dataset's file changed since the source opened it: re-run \
+                 `shardwire index` and restart the source)"
+            );
+            return send_zeros(stream, end - off, paced);
+        }
+        off += n as u64;
+        paced(n)?;
+    }
+    Ok(())
+}
+
+/// The path of an open file, for a log line (the fd's number if `/proc` cannot tell).
+fn file_name(file: &File) -> String {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map_or_else(|_| format!("fd {fd}"), |p| p.display().to_string())
+}
+
+/// Zeros sent in place of a file's missing tail ([`send_zeros`]): one fixed buffer, however
+/// long the tail.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+/// Writes `len` zero bytes, calling `paced` after each write.
+fn send_zeros(
+    stream: &TcpStream,
+    mut len: u64,
+    paced: &mut impl FnMut(usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    while len > 0 {
+        let n = len.min(ZEROS.len() as u64) as usize;
+        write_paced(stream, &ZEROS[..n], paced)?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
 /// Sends queued payloads back to back, paced to `rate` bytes/s (0: unlimited).
 fn send_loop(
     mut path: SendPath<'_>,
@@ -458,25 +529,9 @@ fn send_loop(
         };
         match &job.body {
             Body::File { file, offset } => {
-                let (mut off, end) = (*offset, offset + job.len);
-                let mut flip = job.corrupt.then_some(offset + job.len / 2);
-                while off < end {
-                    let n = match path.send(file, off, (end - off).min(piece), &mut flip) {
-                        Ok(n) => n,
-                        // A send on a socket with a send timeout is not restarted after a
-                        // signal (SIGSTOP/SIGCONT of the process, signal(7)): send again.
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                        Err(e) => return Err(e),
-                    };
-                    if n == 0 {
-                        return Err(std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            format!("shard file ended at offset {off}, expected data up to {end}"),
-                        ));
-                    }
-                    off += n as u64;
-                    paced(n)?;
-                }
+                let flip = job.corrupt.then_some(offset + job.len / 2);
+                let range = *offset..offset + job.len;
+                send_file(&mut path, stream, file, range, flip, piece, &mut paced)?;
             }
             Body::Memory(parts) => {
                 let flip = job.corrupt.then_some(job.len / 2);
@@ -575,6 +630,66 @@ mod tests {
             budget.load(Ordering::Acquire),
             0,
             "given back before the session hears"
+        );
+    }
+
+    #[test]
+    fn a_file_cut_short_in_the_queue_is_padded_and_the_connection_goes_on() {
+        use std::io::Read;
+
+        use rustix::net::sockopt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        // Small buffers: the first payload holds the sender until the node reads it.
+        sockopt::set_socket_send_buffer_size(&out, 64 << 10).unwrap();
+        sockopt::set_socket_recv_buffer_size(&peer, 64 << 10).unwrap();
+        let failed = Arc::new(Notify::new());
+        let progress = Arc::new(Progress::with_notify(Arc::new(Notify::new())));
+        let s = Sender::spawn(out, 0, 0, Arc::clone(&failed), None, Arc::clone(&progress)).unwrap();
+        let memory = |byte: u8, len: usize| Job {
+            body: Body::Memory(vec![bytes::Bytes::from(vec![byte; len])]),
+            len: len as u64,
+            corrupt: false,
+            held: Held::default(),
+        };
+        let path = std::env::temp_dir().join(format!("sw-sender-short-{}", std::process::id()));
+        std::fs::write(&path, vec![0xabu8; 1 << 20]).unwrap();
+        let file = Arc::new(std::fs::File::open(&path).unwrap());
+        let (offset, len, kept) = (4096u64, 512usize << 10, 100_000usize);
+        assert!(s.push(memory(1, 4 << 20)));
+        assert!(s.push(Job {
+            body: Body::File { file, offset },
+            len: len as u64,
+            corrupt: false,
+            held: Held::default(),
+        }));
+        // Cut short while its payload waits behind the first.
+        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        w.set_len(offset + kept as u64).unwrap();
+        let mut first = vec![0u8; 4 << 20];
+        peer.read_exact(&mut first).unwrap();
+        let mut got = vec![0u8; len];
+        peer.read_exact(&mut got)
+            .expect("the announced length arrives");
+        std::fs::remove_file(&path).unwrap();
+        assert!(got[..kept].iter().all(|&b| b == 0xab), "the file's bytes");
+        assert!(got[kept..].iter().all(|&b| b == 0), "then zeros");
+        // The connection (and the session) goes on.
+        assert!(s.push(memory(9, 1000)));
+        let mut next = vec![0u8; 1000];
+        peer.read_exact(&mut next).unwrap();
+        assert!(next.iter().all(|&b| b == 9));
+        let t = Instant::now();
+        while progress.jobs.load(Ordering::Acquire) > 0 {
+            assert!(t.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let notified = failed.notified();
+        tokio::pin!(notified);
+        assert!(
+            !notified.as_mut().enable(),
+            "the session was not told of a failure"
         );
     }
 

@@ -1,5 +1,6 @@
 //! One node's control connection: handshake, data-connection setup (`dial.rs`), the
-//! FETCH queues, read-ahead hints and cancellation.
+//! FETCH queues, read-ahead hints, cancellation, and the node's reports of payloads that
+//! failed their CRC-32C check.
 //!
 //! FETCHes wait in their lane's queue until their bytes are settled (object storage) and a
 //! data connection of that lane is ready (the node said `DataReady`: on a devmem lane its flow
@@ -9,8 +10,14 @@
 //! lane's shards travel only on its own connections (its NIC, its GPU's memory on the node).
 //! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
 //! node gave up on stops costing the source bandwidth. Object-storage reads for queued
-//! FETCHes start in queue order while what the session has read and not sent stays within the
-//! dataset's memory budget (`Reads`): queued FETCHes cost no memory until then.
+//! FETCHes start in the order the FETCHes arrived, over all lanes, while what the session has
+//! read and not sent stays within the dataset's memory budget (`Reads`): queued FETCHes cost
+//! no memory until then. A FETCH of a shard already in memory or in the disk cache needs no
+//! read from the store, so it starts at once, ahead of the reads that wait for room.
+//!
+//! An `Error` from the node ends nothing: a `ChecksumMismatch` about a FETCH the session
+//! announced lately (it keeps the last [`ANNOUNCED_KEPT`]) has that shard's cache entry
+//! checked against its CRC before it is served again; any other is logged.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in the layout of `Error` that version reads), naming both versions, and dropped.
@@ -40,9 +47,10 @@ use crate::control::{Control, kind};
 pub use crate::control::{
     DIAL_DEADLINE, HANDSHAKE_TIMEOUT, MAX_QUEUED_FETCHES, SessionError, WRITE_TIMEOUT,
 };
-use crate::datasets::{Backend, Opened};
+use crate::datasets::{Backend, Opened, ShardChanged};
 use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
+use crate::remote::read::Failure;
 use crate::sender::{Body, Held, Job, Sender};
 
 pub(crate) async fn run(
@@ -83,33 +91,14 @@ pub(crate) async fn run(
     // Each connect has its own limit; all of them together (up to MAX_LANES * MAX_FLOWS)
     // have this one, so a node cannot hold the session in dialling for hours.
     let dialled = dial(&mut ctl, &shared, &lanes, &failed, &progress);
-    let DataConns { senders, lane_of } = tokio::time::timeout(DIAL_DEADLINE, dialled)
+    let conns = tokio::time::timeout(DIAL_DEADLINE, dialled)
         .await
         .map_err(|_| SessionError::DialTimeout(DIAL_DEADLINE))??;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
-    let draining = shared.draining.subscribe();
-    let reads = Reads::new(&shared.session_reads);
-    Session {
-        id,
-        ctl,
-        shared,
-        ready: vec![false; senders.len()],
-        ready_by: Instant::now() + HANDSHAKE_TIMEOUT,
-        senders,
-        lane_of,
-        waiting: (0..lanes.len()).map(|_| VecDeque::new()).collect(),
-        later: vec![0; lanes.len()],
-        queued: 0,
-        queued_reqs: HashMap::new(),
-        reads,
-        failed,
-        progress,
-        draining,
-        drained: false,
-    }
-    .serve()
-    .await
+    Session::new(id, ctl, shared, conns, lanes.len(), failed, progress)
+        .serve()
+        .await
 }
 
 /// How long a session's last `Error` may take to write before the session ends anyway.
@@ -200,12 +189,14 @@ struct Head {
     /// A local shard file: what it was when the source opened it, checked again right before
     /// the announcement (it may wait in the queue for a while).
     file: Option<Arc<Opened>>,
+    /// The dataset's name (shared: [`Names`]), kept once announced ([`Announced`]).
+    dataset: Arc<str>,
 }
 
 /// Why a queued FETCH's local shard file no longer holds what the source opened (it was
 /// checked when the FETCH was queued, and may have waited behind others since), if it does
 /// not.
-fn changed_since_queued(q: &Head, body: &Body) -> Option<String> {
+fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
     match (&q.file, body) {
         (Some(opened), Body::File { file, offset }) => opened.check(file, offset + q.len).err(),
         _ => None,
@@ -217,7 +208,8 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<String> {
 /// while those bytes stay within its dataset's memory budget (or none is under way), so a node
 /// that queues many FETCHes, or reads its data connections slowly, cannot make the source hold
 /// more than that in memory for it; and only while the reads of all sessions stay within
-/// [`SOURCE_READ_BUDGETS`] budgets (or none is under way), so many such nodes cannot either.
+/// [`SOURCE_READ_BUDGETS`] budgets (or none is under way, or it waited [`STARVED_PATIENCE`]),
+/// so many such nodes cannot either.
 struct Reads {
     /// Bytes read (or being read) from object storage and not yet sent; shared with the
     /// sender threads, whose payloads return theirs once sent ([`Held`]).
@@ -227,10 +219,19 @@ struct Reads {
     /// A read waits for room in the source's budget: other sessions give it back without
     /// telling this one, so the session looks again shortly.
     starved: bool,
+    /// Since when a read of this session has waited for room in the source's budget.
+    starved_since: Option<Instant>,
 }
 
 /// How soon a session whose read waits for room in the source's budget looks again.
 const STARVED_RECHECK: Duration = Duration::from_millis(50);
+
+/// How long a read waits for room in the source's budget before it starts anyway, once its
+/// session holds no other read. Other sessions' reads can keep that budget full for as long
+/// as they keep coming (each starts as soon as it fits, and a small one fits sooner), and a
+/// shard larger than the budget would start only when no session read anything: under
+/// steady load, never. So the source holds at most one shard per session beyond its budget.
+const STARVED_PATIENCE: Duration = Duration::from_secs(1);
 
 /// Memory budgets (of the dataset read) that the object-storage reads of all sessions
 /// together may hold.
@@ -243,6 +244,7 @@ impl Reads {
             bytes: Arc::default(),
             source: Arc::clone(source),
             starved: false,
+            starved_since: None,
         }
     }
 
@@ -257,20 +259,23 @@ impl Reads {
         Held::new(&[&self.bytes, &self.source], n)
     }
 
-    /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and there is room; false
-    /// if it still waits.
-    fn start(&mut self, q: &mut Queued, session: u64, progress: &Arc<Notify>) -> bool {
+    /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and may start now; false if
+    /// it still waits: behind an older read that waits (`behind`), or for room
+    /// ([`Reads::room`]). A shard already in memory or in the disk cache needs no read from
+    /// the store, so its FETCH starts at once and never waits behind the store's reads; its
+    /// bytes count all the same until sent.
+    fn start(
+        &mut self,
+        q: &mut Queued,
+        session: u64,
+        progress: &Arc<Notify>,
+        behind: bool,
+    ) -> bool {
         let Payload::Later(w) = &q.payload else {
             return true;
         };
-        let budget = w.dataset().memory_budget();
-        let mine = self.bytes.load(Ordering::Acquire);
-        if mine > 0 && mine + q.head.len > budget {
-            return false;
-        }
-        let all = self.source.load(Ordering::Acquire);
-        self.starved = all > 0 && all + q.head.len > SOURCE_READ_BUDGETS * budget;
-        if self.starved {
+        let (held, budget) = (w.dataset().holds(q.head.shard), w.dataset().memory_budget());
+        if !held && (behind || !self.room(q.head.len, budget)) {
             return false;
         }
         // Moved out for a moment (an empty body stands in; it is replaced at once).
@@ -284,6 +289,33 @@ impl Reads {
         self.source.fetch_add(q.held, Ordering::AcqRel);
         true
     }
+
+    /// Whether a read of `len` bytes has room: this session's reads stay within `budget` (or
+    /// none is under way), and all sessions' within [`SOURCE_READ_BUDGETS`] budgets (or none
+    /// is under way, or it has waited [`STARVED_PATIENCE`] and this session holds no read).
+    fn room(&mut self, len: u64, budget: u64) -> bool {
+        let mine = self.bytes.load(Ordering::Acquire);
+        if mine > 0 && mine + len > budget {
+            return false;
+        }
+        let all = self.source.load(Ordering::Acquire);
+        if all == 0 || all + len <= SOURCE_READ_BUDGETS * budget {
+            self.starved_since = None;
+            return true;
+        }
+        let since = *self.starved_since.get_or_insert_with(Instant::now);
+        if mine == 0 && since.elapsed() >= STARVED_PATIENCE {
+            tracing::debug!(
+                len,
+                all,
+                "a read waited past its patience for room in the source's read budget; starting it"
+            );
+            self.starved_since = None;
+            return true;
+        }
+        self.starved = true;
+        false
+    }
 }
 
 /// A FETCH waiting for its bytes (object storage) and a data connection with room.
@@ -292,6 +324,320 @@ struct Queued {
     payload: Payload,
     /// Bytes its object-storage read counts in [`Reads`] (0: a local file, or not started).
     held: u64,
+    /// Its arrival number in its session: reads start in this order, over all lanes.
+    seq: u64,
+}
+
+/// What a lane's dispatch does with a queued FETCH ([`look`]).
+enum Look {
+    /// Nothing more of this lane now.
+    Stop,
+    /// It stays (not settled, or nothing is sent now); on to the next.
+    Pass,
+    /// Its read failed: answer it.
+    Failed(Failure),
+    /// Its bytes are ready: send it if a connection of the lane has room.
+    Ready,
+}
+
+/// What a lane's dispatch does with `q`, whose finished read becomes its bytes (`Ready`) in
+/// place. `full`: no connection of the lane has room, so nothing more is sent (in queue
+/// order), but the started object-storage reads are still looked at, so a failed one is
+/// answered now: the look stops at the first entry of any other kind (reads mostly start in
+/// queue order, so the started ones lie at the queue's front).
+fn look(q: &mut Queued, full: bool) -> Look {
+    if full
+        && !matches!(
+            q.payload,
+            Payload::Reading(..) | Payload::Ready(Body::Memory(_))
+        )
+    {
+        return Look::Stop;
+    }
+    if matches!(q.payload, Payload::Reading(..)) && q.payload.settled() {
+        // Moved out for a moment (an empty body stands in; it is replaced, or `q` leaves).
+        let done = std::mem::replace(&mut q.payload, Payload::Ready(Body::Memory(Vec::new())));
+        match done.now() {
+            Now::Send(body) => q.payload = Payload::Ready(body),
+            Now::Fail(f) => return Look::Failed(f),
+            Now::Wait(p) => q.payload = p,
+        }
+    }
+    match q.payload {
+        Payload::Ready(_) if !full => Look::Ready,
+        _ => Look::Pass,
+    }
+}
+
+/// Where the latest queued FETCH of a request id waits, and how many of that id are queued.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    lane: usize,
+    seq: u64,
+    n: u32,
+}
+
+/// A session's queued FETCHes, per lane, and their object-storage reads.
+struct Queues {
+    /// The node session they are for (it scopes their reads).
+    session: u64,
+    /// Notified when one of their reads ends.
+    progress: Arc<Notify>,
+    /// FETCHes waiting, per lane, each lane's in arrival order.
+    waiting: Vec<VecDeque<Queued>>,
+    /// Per lane: how many of them wait for their read to start ([`Payload::Later`]): the
+    /// walks over the queues skip what cannot change ([`Queues::start_later`] a lane with
+    /// none, [`Session::dispatch_lane`] past the last that can be sent), so a long queue does
+    /// not cost every message a walk over all of it.
+    later: Vec<usize>,
+    /// FETCHes waiting in all lanes.
+    queued: usize,
+    /// Their request ids, each with where its latest FETCH waits and how many wait (a node
+    /// may reuse one): a `Cancel` of a FETCH on the wire already (the common case) is
+    /// answered without a look at the queues, and one still queued is found by a binary
+    /// search, not a walk (a closing stream cancels thousands).
+    queued_reqs: HashMap<u64, Place>,
+    /// Their object-storage reads under way or not sent yet.
+    reads: Reads,
+    /// The arrival number of the next FETCH.
+    next_seq: u64,
+}
+
+impl Drop for Queues {
+    /// The bytes of reads started for FETCHes still queued go back to the source's budget
+    /// (the session's own counter goes with it; the source's lives on, and kept them for
+    /// ever: a few sessions ending with full queues stopped every read of the source).
+    fn drop(&mut self) {
+        for q in self.waiting.iter().flatten() {
+            self.reads.release(q.held);
+        }
+    }
+}
+
+impl Queues {
+    /// Empty queues of `lanes` lanes for node session `session`, its reads counted in
+    /// `source` (all sessions') and telling `progress` when they end.
+    fn new(session: u64, lanes: usize, progress: Arc<Notify>, source: &Arc<AtomicU64>) -> Self {
+        Self {
+            session,
+            progress,
+            waiting: (0..lanes).map(|_| VecDeque::new()).collect(),
+            later: vec![0; lanes],
+            queued: 0,
+            queued_reqs: HashMap::new(),
+            reads: Reads::new(source),
+            next_seq: 0,
+        }
+    }
+
+    /// Queues a FETCH at the end of `lane`'s queue; its read starts now if no read waits for
+    /// room before it, in any lane (in arrival order: a read waiting for room is not passed
+    /// by a newer, smaller one, which could starve it for as long as small FETCHes keep
+    /// coming), or if its shard needs no read from the store ([`Reads::start`]).
+    fn push(&mut self, lane: usize, head: Head, payload: Payload) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let mut q = Queued {
+            head,
+            payload,
+            held: 0,
+            seq,
+        };
+        let behind = self.later.iter().any(|&n| n > 0);
+        self.reads
+            .start(&mut q, self.session, &self.progress, behind);
+        if matches!(q.payload, Payload::Later(_)) {
+            self.later[lane] += 1;
+        }
+        let req = q.head.req;
+        self.waiting[lane].push_back(q);
+        self.enqueued(req, lane, seq);
+    }
+
+    /// Starts the reads of queued FETCHes in the order the FETCHes arrived, over all lanes,
+    /// while there is room: one lane's backlog does not hold back another lane's older
+    /// FETCHes.
+    fn start_later(&mut self) {
+        self.reads.starved = false; // set again by a read that still finds no room
+        let mut from = vec![0; self.waiting.len()];
+        while let Some((lane, at)) = self.oldest_later(&mut from) {
+            let q = &mut self.waiting[lane][at];
+            if !self.reads.start(q, self.session, &self.progress, false) {
+                return;
+            }
+            self.later[lane] -= 1;
+            from[lane] = at + 1;
+        }
+    }
+
+    /// The oldest FETCH that waits for its read to start, over all lanes, as (lane, place).
+    /// `from` holds where the look in each lane starts (nothing before waits), and moves on
+    /// past what it passes.
+    fn oldest_later(&self, from: &mut [usize]) -> Option<(usize, usize)> {
+        let mut oldest: Option<(u64, usize, usize)> = None;
+        for (lane, w) in self.waiting.iter().enumerate() {
+            if self.later[lane] == 0 {
+                continue; // nothing to start here (a local dataset's FETCHes, or all started)
+            }
+            let at = &mut from[lane];
+            while w
+                .get(*at)
+                .is_some_and(|q| !matches!(q.payload, Payload::Later(_)))
+            {
+                *at += 1;
+            }
+            if let Some(q) = w.get(*at)
+                && oldest.is_none_or(|(seq, ..)| q.seq < seq)
+            {
+                oldest = Some((q.seq, lane, *at));
+            }
+        }
+        oldest.map(|(_, lane, at)| (lane, at))
+    }
+
+    /// Takes the FETCH at `at` of `lane`'s queue out (its bytes stay counted: the caller
+    /// sends or releases them).
+    fn remove_at(&mut self, lane: usize, at: usize) -> Queued {
+        let q = self.waiting[lane].remove(at).expect("a place in the queue");
+        if matches!(q.payload, Payload::Later(_)) {
+            self.later[lane] -= 1;
+        }
+        self.unqueued(q.head.req);
+        q
+    }
+
+    /// Takes the FETCH at `at` of `lane`'s queue out if its bytes are ready: its head, its
+    /// bytes and the bytes it holds in [`Reads`].
+    fn take_ready(&mut self, lane: usize, at: usize) -> Option<(Head, Body, u64)> {
+        if !matches!(self.waiting[lane].get(at)?.payload, Payload::Ready(_)) {
+            return None;
+        }
+        let q = self.remove_at(lane, at);
+        match q.payload {
+            Payload::Ready(body) => Some((q.head, body, q.held)),
+            _ => None, // checked above
+        }
+    }
+
+    /// Takes FETCH `req` out of the queues if it waits there; its bytes go back to the
+    /// budgets (dropping it stops its read).
+    fn take(&mut self, req: u64) -> Option<Queued> {
+        let place = *self.queued_reqs.get(&req)?;
+        let (lane, at) = self.find(req, place)?;
+        let q = self.remove_at(lane, at);
+        self.reads.release(q.held);
+        Some(q)
+    }
+
+    /// Where FETCH `req` waits: at `place`, found by its arrival number (each lane's queue is
+    /// in arrival order), or, where that FETCH has left and another of the same id waits (a
+    /// node that reuses ids), wherever a walk finds it.
+    fn find(&self, req: u64, place: Place) -> Option<(usize, usize)> {
+        let w = &self.waiting[place.lane];
+        if let Ok(at) = w.binary_search_by_key(&place.seq, |q| q.seq)
+            && w[at].head.req == req
+        {
+            return Some((place.lane, at));
+        }
+        self.waiting.iter().enumerate().find_map(|(lane, w)| {
+            let at = w.iter().position(|q| q.head.req == req)?;
+            Some((lane, at))
+        })
+    }
+
+    /// Counts FETCH `req` queued, the latest of its id at arrival number `seq` of `lane`.
+    fn enqueued(&mut self, req: u64, lane: usize, seq: u64) {
+        self.queued += 1;
+        let p = self
+            .queued_reqs
+            .entry(req)
+            .or_insert(Place { lane, seq, n: 0 });
+        *p = Place {
+            lane,
+            seq,
+            n: p.n + 1,
+        };
+    }
+
+    /// Counts FETCH `req` out of the queue.
+    fn unqueued(&mut self, req: u64) {
+        self.queued -= 1;
+        if let Some(p) = self.queued_reqs.get_mut(&req) {
+            p.n -= 1;
+            if p.n == 0 {
+                self.queued_reqs.remove(&req);
+            }
+        }
+    }
+
+    /// Whether [`Queues::later`] counts each lane's [`Payload::Later`] entries,
+    /// [`Queues::queued_reqs`] the queued FETCHes, and each lane is in arrival order (checked
+    /// in debug builds: every test run checks the bookkeeping).
+    fn counts_hold(&self) -> bool {
+        let later = |w: &VecDeque<Queued>| {
+            w.iter()
+                .filter(|q| matches!(q.payload, Payload::Later(_)))
+                .count()
+        };
+        let in_order =
+            |w: &VecDeque<Queued>| w.iter().zip(w.iter().skip(1)).all(|(a, b)| a.seq < b.seq);
+        let reqs: usize = self.queued_reqs.values().map(|p| p.n as usize).sum();
+        let all: usize = self.waiting.iter().map(VecDeque::len).sum();
+        reqs == self.queued
+            && all == self.queued
+            && self.waiting.iter().all(in_order)
+            && self
+                .waiting
+                .iter()
+                .zip(&self.later)
+                .all(|(w, &n)| later(w) == n)
+    }
+}
+
+/// FETCHes announced that a node's report of a payload that failed its CRC-32C check (by the
+/// FETCH's `req`, after the payload arrived) may name: the payloads on their way and checked
+/// are a few per data connection, so a report names one of the last few hundred.
+const ANNOUNCED_KEPT: usize = 4096;
+
+/// The dataset and shard of the last [`ANNOUNCED_KEPT`] FETCHes a session announced, by
+/// request id, oldest first.
+#[derive(Default)]
+struct Announced(VecDeque<(u64, Arc<str>, u32)>);
+
+impl Announced {
+    /// FETCH `req` of `shard` of `dataset` was announced (the oldest kept goes past the limit).
+    fn record(&mut self, req: u64, dataset: Arc<str>, shard: u32) {
+        if self.0.len() == ANNOUNCED_KEPT {
+            self.0.pop_front();
+        }
+        self.0.push_back((req, dataset, shard));
+    }
+
+    /// The dataset and shard of the latest FETCH `req` announced, if it is still kept.
+    fn find(&self, req: u64) -> Option<(&Arc<str>, u32)> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(r, ..)| *r == req)
+            .map(|(_, dataset, shard)| (dataset, *shard))
+    }
+}
+
+/// The names of the datasets a session's FETCHes named, each allocated once and shared by
+/// their heads and [`Announced`] (only names of datasets served here come: a few).
+#[derive(Default)]
+struct Names(Vec<Arc<str>>);
+
+impl Names {
+    /// `name`, shared.
+    fn get(&mut self, name: &str) -> Arc<str> {
+        if let Some(n) = self.0.iter().find(|n| ***n == *name) {
+            return Arc::clone(n);
+        }
+        let n: Arc<str> = Arc::from(name);
+        self.0.push(Arc::clone(&n));
+        n
+    }
 }
 
 struct Session {
@@ -307,20 +653,12 @@ struct Session {
     ready_by: Instant,
     /// The lane of each data connection.
     lane_of: Vec<u16>,
-    /// FETCHes waiting, per lane.
-    waiting: Vec<VecDeque<Queued>>,
-    /// Per lane: how many of them wait for their read to start ([`Payload::Later`]): the
-    /// walks over the queues skip what cannot change ([`Session::start_later`] when there
-    /// are none, [`Session::dispatch_lane`] past the last that can be sent), so a long queue
-    /// does not cost every message a walk over all of it.
-    later: Vec<usize>,
-    /// FETCHes waiting in all lanes.
-    queued: usize,
-    /// Their request ids (with a count: a node may reuse one), so a `Cancel` of a FETCH on the
-    /// wire already (the common case) is answered without a walk over the queues.
-    queued_reqs: HashMap<u64, u32>,
-    /// Its object-storage reads under way or not sent yet.
-    reads: Reads,
+    /// The FETCHes waiting, and their reads.
+    queues: Queues,
+    /// The FETCHes announced last, which the node's reports name.
+    announced: Announced,
+    /// The names of the datasets its FETCHes named.
+    names: Names,
     failed: Arc<Notify>,
     progress: Arc<Notify>,
     /// The source's drain flag ([`crate::Source::serve`]).
@@ -329,18 +667,40 @@ struct Session {
     drained: bool,
 }
 
-impl Drop for Session {
-    /// The bytes of reads started for FETCHes still queued go back to the source's budget
-    /// (the session's own counter goes with it; the source's lives on, and kept them for
-    /// ever: a few sessions ending with full queues stopped every read of the source).
-    fn drop(&mut self) {
-        for q in self.waiting.iter().flatten() {
-            self.reads.release(q.held);
+impl Session {
+    /// Session `id` over control connection `ctl` and data connections `conns`, for a node
+    /// of `lanes` lanes; its senders notify `failed` when one fails and `progress` as they
+    /// send.
+    fn new(
+        id: u64,
+        ctl: Control,
+        shared: Arc<Shared>,
+        conns: DataConns,
+        lanes: usize,
+        failed: Arc<Notify>,
+        progress: Arc<Notify>,
+    ) -> Self {
+        let DataConns { senders, lane_of } = conns;
+        let queues = Queues::new(id, lanes, Arc::clone(&progress), &shared.session_reads);
+        let draining = shared.draining.subscribe();
+        Session {
+            id,
+            ctl,
+            shared,
+            ready: vec![false; senders.len()],
+            ready_by: Instant::now() + HANDSHAKE_TIMEOUT,
+            senders,
+            lane_of,
+            queues,
+            announced: Announced::default(),
+            names: Names::default(),
+            failed,
+            progress,
+            draining,
+            drained: false,
         }
     }
-}
 
-impl Session {
     async fn serve(mut self) -> Result<(), SessionError> {
         let idle = self.ctl.idle;
         let keepalive = (idle / 3).max(Duration::from_millis(300));
@@ -358,7 +718,7 @@ impl Session {
                     return Err(self.last_word(ErrorCode::Internal, SessionError::DataFailed).await);
                 }
                 _ = self.progress.notified() => continue,
-                _ = tokio::time::sleep(STARVED_RECHECK), if self.reads.starved => continue,
+                _ = tokio::time::sleep(STARVED_RECHECK), if self.queues.reads.starved => continue,
                 _ = async { self.draining.wait_for(|d| *d).await.is_ok() }, if !self.drained => {
                     self.tell_draining().await?;
                     continue;
@@ -394,7 +754,7 @@ impl Session {
     /// queued FETCHes are still sent.
     async fn tell_draining(&mut self) -> Result<(), SessionError> {
         self.drained = true;
-        let queued = self.queued;
+        let queued = self.queues.queued;
         tracing::info!(
             session = self.id,
             queued,
@@ -451,38 +811,66 @@ impl Session {
                 }
                 Ok(())
             }
+            Message::Error {
+                req, code, message, ..
+            } => {
+                self.node_error(req, code, &message);
+                Ok(())
+            }
             other => {
                 let message = format!("unexpected {} after the handshake", kind(&other));
                 let _ = self.ctl.error(0, ErrorCode::BadRequest, message).await;
                 Err(SessionError::Unexpected {
-                    expected: "ManifestRequest, Fetch, Cancel, Hint, DataReady or Ping",
+                    expected: "ManifestRequest, Fetch, Cancel, Hint, DataReady, Error or Ping",
                     got: kind(&other),
                 })
             }
         }
     }
 
+    /// An `Error` from the node. `ChecksumMismatch` about a FETCH this session announced: the
+    /// payload failed the node's CRC-32C check (the node fetches it again, elsewhere when it
+    /// can), so that shard's cache entry is checked against its CRC before it is served again
+    /// (a local file is checked against its size and times at every FETCH already). Any
+    /// other is only logged: an `Error` about a request fails that request, and one about
+    /// none (`req` 0) is news.
+    fn node_error(&self, req: u64, code: ErrorCode, message: &str) {
+        let session = self.id;
+        match (code, self.announced.find(req)) {
+            (ErrorCode::ChecksumMismatch, Some((dataset, shard))) => {
+                tracing::warn!(session, %dataset, shard, req, node_message = message,
+                    "the node reports that a payload this source sent failed its CRC-32C check");
+                if let Some(Backend::Remote(r)) =
+                    self.shared.datasets.get(dataset).map(|d| &d.backend)
+                {
+                    r.corrupt_reported(session, shard);
+                }
+            }
+            (ErrorCode::ChecksumMismatch, None) => tracing::warn!(
+                session,
+                req,
+                node_message = message,
+                "the node reports a payload that failed its CRC-32C check, for a FETCH not among the last {ANNOUNCED_KEPT} this session announced"
+            ),
+            _ => tracing::debug!(
+                session,
+                req,
+                ?code,
+                node_message = message,
+                "the node sent an error"
+            ),
+        }
+    }
+
     /// Drops FETCH `req` if it is still queued (not on the wire yet) and says so.
     async fn cancel(&mut self, req: u64) -> Result<(), SessionError> {
-        if !self.queued_reqs.contains_key(&req) {
+        if self.queues.take(req).is_none() {
             return Ok(()); // on the wire already, or never queued: nothing to drop
         }
-        let found = self.waiting.iter_mut().enumerate().find_map(|(lane, w)| {
-            let at = w.iter().position(|q| q.head.req == req)?;
-            w.remove(at).map(|q| (lane, q))
-        });
-        if let Some((lane, q)) = found {
-            self.unqueued(req);
-            if matches!(q.payload, Payload::Later(_)) {
-                self.later[lane] -= 1;
-            }
-            self.reads.release(q.held);
-            tracing::debug!(req, "FETCH cancelled before it was sent");
-            metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
-            let why = "cancelled by the node before it was sent".to_string();
-            self.ctl.error(req, ErrorCode::Cancelled, why).await?;
-        }
-        Ok(())
+        tracing::debug!(req, "FETCH cancelled before it was sent");
+        metrics::counter!("shardwire_source_fetches_cancelled_total").increment(1);
+        let why = "cancelled by the node before it was sent".to_string();
+        self.ctl.error(req, ErrorCode::Cancelled, why).await
     }
 
     /// Checks a FETCH and queues it in its lane (or answers it with an error).
@@ -493,7 +881,7 @@ impl Session {
         shard: u32,
         lane: u16,
     ) -> Result<(), SessionError> {
-        let lanes = self.waiting.len();
+        let lanes = self.queues.waiting.len();
         if usize::from(lane) >= lanes {
             let message = format!("lane {lane} is not one of the node's {lanes} lanes (its Hello)");
             return self.ctl.error(req, ErrorCode::BadRequest, message).await;
@@ -517,8 +905,8 @@ impl Session {
             );
             return self.ctl.error(req, ErrorCode::UnknownShard, message).await;
         };
-        if self.queued >= MAX_QUEUED_FETCHES {
-            let e = SessionError::TooManyFetches(self.queued);
+        if self.queues.queued >= MAX_QUEUED_FETCHES {
+            let e = SessionError::TooManyFetches(self.queues.queued);
             return Err(self.last_word(ErrorCode::BadRequest, e).await);
         }
         let corrupt = self
@@ -554,196 +942,107 @@ impl Session {
             shard,
             crc32c: entry.crc32c,
             file: opened,
+            dataset: self.names.get(dataset),
         };
-        self.push(usize::from(lane), head, payload);
+        self.queues.push(usize::from(lane), head, payload);
         Ok(())
     }
 
-    /// Queues a FETCH at the end of `lane`'s queue; its read starts now if no read waits for
-    /// room before it (in queue order: a read waiting for room is not passed by a newer,
-    /// smaller one, which could starve it for as long as small FETCHes keep coming).
-    fn push(&mut self, lane: usize, head: Head, payload: Payload) {
-        let req = head.req;
-        let mut q = Queued {
-            head,
-            payload,
-            held: 0,
-        };
-        if self.later.iter().all(|&n| n == 0) {
-            self.reads.start(&mut q, self.id, &self.progress);
-        }
-        if matches!(q.payload, Payload::Later(_)) {
-            self.later[lane] += 1;
-        }
-        self.waiting[lane].push_back(q);
-        self.enqueued(req);
-    }
-
-    /// Starts the reads of queued FETCHes, in queue order, while there is room.
-    fn start_later(&mut self) {
-        self.reads.starved = false; // set again by a read that still finds no room
-        for (lane, w) in self.waiting.iter_mut().enumerate() {
-            if self.later[lane] == 0 {
-                continue; // nothing to start here (a local dataset's FETCHes, or all started)
-            }
-            for q in w.iter_mut() {
-                let later = matches!(q.payload, Payload::Later(_));
-                if !self.reads.start(q, self.id, &self.progress) {
-                    return;
-                }
-                if later {
-                    self.later[lane] -= 1;
-                    if self.later[lane] == 0 {
-                        break;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Dispatches every lane's queue (see [`Session::dispatch_lane`]).
+    /// Dispatches every lane's queue (see [`Session::dispatch_lane`]), then starts the reads
+    /// that now have room.
     async fn dispatch(&mut self) -> Result<(), SessionError> {
-        for lane in 0..self.waiting.len() {
+        for lane in 0..self.queues.waiting.len() {
             self.dispatch_lane(lane).await?;
         }
-        self.start_later();
-        debug_assert!(self.counts_hold(), "later counts {:?}", self.later);
+        self.queues.start_later();
+        debug_assert!(
+            self.queues.counts_hold(),
+            "later counts {:?}",
+            self.queues.later
+        );
         Ok(())
     }
 
-    /// Whether [`Session::later`] counts each lane's [`Payload::Later`] entries and
-    /// [`Session::queued_reqs`] the queued FETCHes (checked in debug builds: every test run
-    /// checks the bookkeeping).
-    fn counts_hold(&self) -> bool {
-        let later = |w: &VecDeque<Queued>| {
-            w.iter()
-                .filter(|q| matches!(q.payload, Payload::Later(_)))
-                .count()
-        };
-        let reqs: usize = self.queued_reqs.values().map(|&n| n as usize).sum();
-        reqs == self.queued
-            && self
-                .waiting
-                .iter()
-                .zip(&self.later)
-                .all(|(w, &n)| later(w) == n)
-    }
-
-    /// Answers `lane`'s queued FETCHes whose reads failed (all of them, whether or not a
-    /// connection has room), and announces and hands out the settled ones, in queue order,
-    /// while a data connection of the lane has room (the least loaded).
+    /// Answers `lane`'s queued FETCHes whose reads failed, and announces and hands out the
+    /// settled ones, in queue order, while a data connection of the lane has room (the least
+    /// loaded); once none has room, only the started reads at the front are looked at
+    /// ([`look`]).
     async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
-        let (mut at, mut later_passed) = (0, 0);
-        // Once no connection has room nothing more is sent (in queue order), but the started
-        // object-storage reads behind are still looked at, so a failed one is answered now:
-        // they lie at the queue's front (reads start in queue order, a few budgets of them),
-        // and the look stops at the first entry of any other kind.
-        let mut full = false;
+        let (mut at, mut later_passed, mut full) = (0, 0, false);
         // Past the last entry that is not waiting for its read to start, nothing can be sent.
-        while at < self.waiting[lane].len()
-            && self.waiting[lane].len() - at > self.later[lane] - later_passed
-        {
-            let payload = &self.waiting[lane][at].payload;
-            if full
-                && !matches!(
-                    payload,
-                    Payload::Reading(..) | Payload::Ready(Body::Memory(_))
-                )
-            {
-                return Ok(());
-            }
-            if !payload.settled() || (full && matches!(payload, Payload::Ready(_))) {
-                if matches!(payload, Payload::Later(_)) {
-                    later_passed += 1;
-                }
-                at += 1;
-                continue;
-            }
-            let room = if full { None } else { self.room_in(lane) };
-            let Queued {
-                head: q,
-                payload,
-                held,
-            } = self.waiting[lane].remove(at).expect("in range");
-            self.unqueued(q.req);
-            let body = match payload.now() {
-                Now::Send(body) => body,
-                Now::Fail(f) => {
-                    self.reads.release(held);
-                    self.ctl
-                        .send(&Message::Error {
-                            req: q.req,
-                            code: f.code,
-                            retry_after_ms: f.retry_after_ms,
-                            message: f.message,
-                        })
-                        .await?;
-                    continue;
-                }
-                Now::Wait(payload) => {
-                    self.requeue(lane, at, (q, payload, held));
+        while self.queues.waiting[lane].len() - at > self.queues.later[lane] - later_passed {
+            let q = &mut self.queues.waiting[lane][at];
+            let later = matches!(q.payload, Payload::Later(_));
+            match look(q, full) {
+                Look::Stop => break,
+                Look::Pass => {
+                    later_passed += usize::from(later);
                     at += 1;
-                    continue;
                 }
-            };
-            let Some(conn) = room else {
-                // Settled but no room: back in its place, with its bytes.
-                self.requeue(lane, at, (q, Payload::Ready(body), held));
-                at += 1;
-                full = true;
-                continue;
-            };
-            if let Some(why) = changed_since_queued(&q, &body) {
-                tracing::warn!(shard = q.shard, "{why}; FETCH refused");
-                self.reads.release(held);
-                let message = format!("{why} (re-run `shardwire index` and restart the source)");
-                self.ctl
-                    .error(q.req, ErrorCode::DatasetChanged, message)
-                    .await?;
-                continue;
+                Look::Failed(f) => {
+                    let q = self.queues.remove_at(lane, at);
+                    self.answer_failed(q, f).await?;
+                }
+                Look::Ready => match self.room_in(lane) {
+                    // Settled but no room: it stays in its place, with its bytes.
+                    None => {
+                        full = true;
+                        at += 1;
+                    }
+                    Some(conn) => match self.queues.take_ready(lane, at) {
+                        Some((head, body, held)) => self.send_out(conn, head, body, held).await?,
+                        None => at += 1,
+                    },
+                },
             }
-            // Bytes in memory stay counted until its sender has sent them; a payload read
-            // from a file (the cache) holds no memory once handed over.
-            let held = match body {
-                Body::Memory(_) => self.reads.held(held),
-                Body::File { .. } => {
-                    self.reads.release(held);
-                    Held::default()
-                }
-            };
-            self.announce(conn, q, body, held).await?;
         }
         Ok(())
     }
 
-    /// Puts a FETCH (its head, payload and held bytes) back at position `at` of `lane`'s
-    /// queue.
-    fn requeue(&mut self, lane: usize, at: usize, (head, payload, held): (Head, Payload, u64)) {
-        let q = Queued {
-            head,
-            payload,
-            held,
-        };
-        let req = q.head.req;
-        self.waiting[lane].insert(at, q);
-        self.enqueued(req);
+    /// Answers FETCH `q`, whose read failed, with the store's error; its bytes go back to
+    /// the budgets.
+    async fn answer_failed(&mut self, q: Queued, f: Failure) -> Result<(), SessionError> {
+        self.queues.reads.release(q.held);
+        self.ctl
+            .send(&Message::Error {
+                req: q.head.req,
+                code: f.code,
+                retry_after_ms: f.retry_after_ms,
+                message: f.message,
+            })
+            .await
     }
 
-    /// Counts FETCH `req` queued.
-    fn enqueued(&mut self, req: u64) {
-        self.queued += 1;
-        *self.queued_reqs.entry(req).or_default() += 1;
-    }
-
-    /// Counts FETCH `req` out of the queue.
-    fn unqueued(&mut self, req: u64) {
-        self.queued -= 1;
-        if let Some(n) = self.queued_reqs.get_mut(&req) {
-            *n -= 1;
-            if *n == 0 {
-                self.queued_reqs.remove(&req);
-            }
+    /// Announces FETCH `q` on data connection `conn` with its bytes `body` (`held` of them
+    /// counted in [`Reads`]), unless its local shard file changed since it was queued: that
+    /// FETCH is refused.
+    async fn send_out(
+        &mut self,
+        conn: usize,
+        q: Head,
+        body: Body,
+        held: u64,
+    ) -> Result<(), SessionError> {
+        let reads = &self.queues.reads;
+        if let Some(why) = changed_since_queued(&q, &body) {
+            tracing::warn!(shard = q.shard, "{why}; FETCH refused");
+            reads.release(held);
+            let message = format!("{why} (re-run `shardwire index` and restart the source)");
+            return self
+                .ctl
+                .error(q.req, ErrorCode::DatasetChanged, message)
+                .await;
         }
+        // Bytes in memory stay counted until its sender has sent them; a payload read from a
+        // file (the cache) holds no memory once handed over.
+        let held = match body {
+            Body::Memory(_) => reads.held(held),
+            Body::File { .. } => {
+                reads.release(held);
+                Held::default()
+            }
+        };
+        self.announce(conn, q, body, held).await
     }
 
     /// The least loaded data connection of `lane` with room, if any.
@@ -778,6 +1077,8 @@ impl Session {
                 seq,
             })
             .await?;
+        // A node names a payload that failed its CRC-32C check by its FETCH's `req`.
+        self.announced.record(q.req, q.dataset, q.shard);
         let job = Job {
             body,
             len: q.len,
@@ -792,12 +1093,4 @@ impl Session {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn messages_are_named_by_kind() {
-        assert_eq!(kind(&Message::Ping), "Ping");
-        assert_eq!(kind(&Message::Cancel { req: 3 }), "Cancel");
-    }
-}
+mod tests;

@@ -96,7 +96,9 @@ impl WindowSpec {
     /// Checks the spec: `seq_len` at least 1 and at least one whole window.
     pub fn check(&self) -> Result<u64, SampleError> {
         if self.seq_len == 0 || self.seq_len >= i32::MAX as u64 {
-            return Err(SampleError::SeqLen);
+            return Err(SampleError::SeqLen {
+                seq_len: self.seq_len,
+            });
         }
         let docs: usize = self.doc_tokens.iter().map(Vec::len).sum();
         if self.megatron && docs > i32::MAX as usize {

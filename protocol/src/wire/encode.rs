@@ -218,7 +218,7 @@ fn encode_body(msg: &Message, w: &mut Writer<'_>) -> Result<(), EncodeError> {
 /// The frame that refuses a peer speaking protocol version `theirs`: an `Error{0,
 /// UnsupportedVersion}` that names both versions, written with the peer's version byte and in
 /// the layout of `Error` that version reads: version 2's (`req`, `code`, `message`) for 2 and
-/// older, with `retry_after_ms` after `code` for 3 and later (version 4 changed no message's
+/// older, with `retry_after_ms` after `code` for 3 and later (versions 4 and 5 changed no message's
 /// layout), so the peer can read it.
 pub fn version_error_frame(theirs: u8, who: &str) -> Vec<u8> {
     let message = format!(

@@ -33,8 +33,10 @@ use crate::auth::NONCE_LEN;
 /// and Ping. 3: `Hint`, the object-storage error codes, `Draining` and `Error::retry_after_ms`;
 /// lanes: `Hello` lists every lane's data address and flows, `DataConn` and `Fetch` name the lane;
 /// `DataReady`. 4: the handshake's proofs cover the `Hello`, the `Challenge` and the
-/// `Welcome`'s idle timeout, not only the nonces: [`crate::auth::transcript`]).
-pub const VERSION: u8 = 4;
+/// `Welcome`'s idle timeout, not only the nonces: [`crate::auth::transcript`]. 5: a node reports a
+/// payload that failed its CRC-32C to the source that sent it, an `Error` with the FETCH's
+/// `req` and `ChecksumMismatch`, and the source checks what it served again).
+pub const VERSION: u8 = 5;
 /// Largest frame body (the manifest is the only large message).
 pub const MAX_FRAME: usize = 64 << 20;
 /// Largest frame a node ever sends, and the largest a source accepts: a `Hello` with the

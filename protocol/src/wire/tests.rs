@@ -364,11 +364,14 @@ fn hints_over_the_limit_are_refused_before_allocating() {
 
 #[test]
 fn a_peer_of_the_previous_version_is_refused_naming_both() {
-    let e = decode(&[0, 0, 0, 2, 3, K_PING]).unwrap_err();
-    assert_eq!(e, DecodeError::Version(3));
+    let e = decode(&[0, 0, 0, 2, VERSION - 1, K_PING]).unwrap_err();
+    assert_eq!(e, DecodeError::Version(VERSION - 1));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 3 (this build speaks 4)"
+        format!(
+            "unsupported protocol version {} (this build speaks {VERSION})",
+            VERSION - 1
+        )
     );
 }
 

@@ -44,8 +44,9 @@ pub struct Hints {
 }
 
 impl Hints {
-    /// Replaces `key`'s hint (an empty list withdraws it; one past the session's
-    /// [`MAX_HINTED_PER_SESSION`] keeps its soonest entries). A new stream of a session that
+    /// Replaces `key`'s hint (an empty list withdraws it; a shard named twice counts at its
+    /// first place; one past the session's [`MAX_HINTED_PER_SESSION`] keeps its soonest
+    /// entries). A new stream of a session that
     /// already has [`MAX_HINTED_STREAMS`] hints is refused: `Err` with that count the first
     /// time, `Ok` (and nothing done) after.
     pub fn set(&mut self, key: StreamKey, mut shards: Vec<u32>) -> Result<(), usize> {
@@ -61,6 +62,11 @@ impl Hints {
             }
         }
         self.remove(key);
+        // A shard's next use is its first place; a hint naming it again (a node's bug, or
+        // `[5; 1024]`) would add an entry to `naming` per repeat, and every later change to
+        // the hint would walk them all under the dataset's lock.
+        let mut seen = HashSet::with_capacity(shards.len());
+        shards.retain(|&s| seen.insert(s));
         let held = self.per_session.get(&key.0).copied().unwrap_or(0);
         shards.truncate(MAX_HINTED_PER_SESSION.saturating_sub(held));
         if shards.is_empty() {
@@ -235,6 +241,20 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_named_twice_in_a_hint_counts_once_at_its_first_place() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![5; 1024]).unwrap();
+        assert_eq!(h.naming[&5].len(), 1, "entries naming shard 5");
+        assert_eq!(h.per_session[&1], 1);
+        h.set((1, 2), vec![6, 7, 6, 8, 7]).unwrap();
+        assert_eq!(order(&h), vec![5, 6, 7, 8]);
+        assert_eq!((h.next_use(6), h.next_use(8)), (Some(0), Some(2)));
+        h.consumed((1, 2), 6);
+        assert_eq!(h.next_use(6), None, "its only entry is used up");
+        assert_eq!(h.next_use(8), Some(1));
+    }
+
+    #[test]
     fn a_session_hints_for_a_bounded_number_of_streams() {
         let mut h = Hints::default();
         for stream in 0..MAX_HINTED_STREAMS as u64 {
@@ -338,8 +358,11 @@ mod tests {
             let key = (next(3), next(4));
             match next(4) {
                 0 => {
-                    let list: Vec<u32> = (0..next(12)).map(|_| next(20) as u32).collect();
+                    let mut list: Vec<u32> = (0..next(12)).map(|_| next(20) as u32).collect();
                     h.set(key, list.clone()).unwrap();
+                    // A shard named again counts at its first place only.
+                    let mut seen = HashSet::new();
+                    list.retain(|&s| seen.insert(s));
                     model.remove(&key);
                     if !list.is_empty() {
                         model.insert(key, list);

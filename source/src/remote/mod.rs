@@ -70,7 +70,8 @@ struct State {
     cache_served: HashMap<u32, (u64, Instant)>,
     /// FETCHes under way per shard: a shard read for one is not dropped from memory as
     /// unhinted (its hint was consumed when the FETCH came) before the FETCH takes it, nor
-    /// taken out of memory by one FETCH while others wait for the same bytes.
+    /// taken out of memory by one FETCH while others that are reading it wait for the same
+    /// bytes.
     wanted: HashMap<u32, Wanting>,
 }
 
@@ -180,7 +181,8 @@ impl RemoteDataset {
     /// A FETCH of `shard` (in range: the session checked it) by node session `session`, from
     /// its arrival: the node's hints count it as consumed, and the shard counts as wanted
     /// until the FETCH ends, so bytes read ahead for it stay in memory while it waits in its
-    /// session's queue (no hint names a shard its node has already asked for).
+    /// session's queue (no hint names a shard its node has already asked for), unless a FETCH
+    /// out of its queue takes them first ([`Self::take_ready`]).
     pub(crate) fn want(self: &Arc<Self>, session: u64, shard: u32) -> Wanted {
         let mut st = self.state();
         st.hints.consumed_by_session(session, shard);
@@ -188,8 +190,50 @@ impl RemoteDataset {
         Wanted {
             dataset: Arc::clone(self),
             shard,
+            reading: false,
             took: false,
         }
+    }
+
+    /// True when `shard` is in memory or in the cache (committed, or being written by the
+    /// read under way): a FETCH of it starts no new read, so its session need not hold it
+    /// back behind its read budget.
+    pub(crate) fn holds(&self, shard: u32) -> bool {
+        let in_memory = self.state().ready.contains_key(&shard);
+        in_memory
+            || self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.lock().expect("poisoned").holds(shard))
+    }
+
+    /// Node session `session` reported that the bytes of `shard` it was sent failed its CRC
+    /// check (wire `Error{req, ChecksumMismatch}`, protocol version 5), and fetches them from
+    /// another source: the shard's cache entry is checked against its CRC before it is served
+    /// again (deleted if it fails), and a copy in memory goes, so the next FETCH reads it anew
+    /// instead of sending the same bytes again.
+    pub(crate) fn corrupt_reported(&self, session: u64, shard: u32) {
+        // Acted on whoever the shard was served to: `cache_served` keeps only the last session
+        // per shard, so a report would be missed once another node was served it since, and
+        // a report costs one CRC read of one entry at most.
+        let dropped = {
+            let mut st = self.state();
+            let parts = st.ready.remove(&shard).unwrap_or_default();
+            let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            st.ready_bytes -= n;
+            n
+        };
+        if dropped > 0 {
+            self.wake.notify_one();
+        }
+        let cached = self.cache.as_ref().is_some_and(|c| {
+            let mut c = c.lock().expect("poisoned");
+            c.recheck(shard);
+            c.holds(shard)
+        });
+        tracing::warn!(dataset = %self.name, session, shard, cached, dropped_from_memory = dropped,
+            "a node reported that a shard's bytes failed its CRC check; its cache entry is checked \
+             against its CRC before it is served again, its copy in memory dropped");
     }
 
     /// The verified bytes of the shard FETCH `wanted` (of this dataset: [`Wanted::get`])
@@ -201,6 +245,7 @@ impl RemoteDataset {
     ) -> Result<(Body, Served), Failure> {
         let shard = wanted.shard;
         self.recheck_if_asked_again(session, shard);
+        self.start_reading(wanted);
         let mut waited = false;
         loop {
             if let Some(parts) = self.take_ready(wanted) {
@@ -249,6 +294,19 @@ impl RemoteDataset {
         }
     }
 
+    /// FETCH `w` leaves its session's queue: from now on it reads its shard, waits on a read
+    /// of it or takes it from memory, and a FETCH that takes the shard before it leaves it in
+    /// memory for it ([`Self::take_ready`]).
+    fn start_reading(&self, w: &mut Wanted) {
+        if w.reading {
+            return;
+        }
+        if let Some(n) = self.state().wanted.get_mut(&w.shard) {
+            n.reading += 1;
+            w.reading = true;
+        }
+    }
+
     /// Under one lock: whether `shard` is being read (wait for it), landed in memory (or,
     /// with `look_in_cache`, in the cache) since this FETCH looked (take it), or is to be
     /// read by this FETCH (registered here, so neither the prefetch task nor another FETCH
@@ -273,12 +331,14 @@ impl RemoteDataset {
     }
 
     /// A shard in memory (prefetched, or read for a FETCH), for the FETCH `w`: shared while
-    /// other FETCHes of it are under way and have not taken it (they waited on the same read),
-    /// taken out of memory by the last of them.
+    /// other FETCHes of it are reading it and have not taken it (they waited on the same
+    /// read), taken out of memory by the last of them. FETCHes still queued in their sessions
+    /// do not keep it: a slow node's queue would hold shards in memory past any budget (and
+    /// stop the read ahead); a queued FETCH reads its shard again when its turn comes.
     fn take_ready(&self, w: &mut Wanted) -> Option<Vec<Bytes>> {
         let mut st = self.state();
         let wanting = st.wanted.get(&w.shard).copied().unwrap_or_default();
-        let others = wanting.fetches.saturating_sub(wanting.took + 1);
+        let others = wanting.reading.saturating_sub(wanting.took + 1);
         let parts = if others > 0 {
             st.ready.get(&w.shard)?.clone()
         } else {
@@ -516,6 +576,8 @@ async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
 struct Wanting {
     /// FETCHes under way.
     fetches: usize,
+    /// Of those, the ones out of their sessions' queues ([`RemoteDataset::start_reading`]).
+    reading: usize,
     /// Of those, the ones that took the shard's bytes from memory.
     took: usize,
 }
@@ -525,6 +587,8 @@ struct Wanting {
 pub(crate) struct Wanted {
     dataset: Arc<RemoteDataset>,
     shard: u32,
+    /// It left its session's queue ([`RemoteDataset::start_reading`]).
+    reading: bool,
     /// It took the shard from memory ([`RemoteDataset::take_ready`]).
     took: bool,
 }
@@ -547,6 +611,7 @@ impl Drop for Wanted {
         let mut st = self.dataset.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = st.wanted.get_mut(&self.shard) {
             n.fetches -= 1;
+            n.reading -= usize::from(self.reading);
             n.took -= usize::from(self.took);
             if n.fetches == 0 {
                 st.wanted.remove(&self.shard);

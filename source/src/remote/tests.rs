@@ -415,3 +415,103 @@ fn d_bytes(s: u64) -> Vec<u8> {
         .map(|i| (i * 7 % 251) as u8)
         .collect()
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn shards_read_for_one_session_are_not_kept_for_another_sessions_queued_fetches() {
+    let os = Arc::new(Gated::new());
+    os.open();
+    let mut d = dataset("queued-elsewhere", &os, None).await;
+    Arc::get_mut(&mut d).expect("only reference").budget = 2 * SHARD;
+    // A slow node session's FETCHes of every shard wait in its queue.
+    let queued: Vec<Wanted> = (0..4).map(|s| d.want(2, s)).collect();
+    for s in 0..4u32 {
+        let (body, _) = fetch(&d, 1, s).await.unwrap().expect("served");
+        assert_eq!(bytes_of(&body), d_bytes(u64::from(s)));
+    }
+    // Before, each shard read for session 1 stayed in memory for session 2's queued FETCH:
+    // four shards held past a budget of two, and the read ahead stopped.
+    let held = d.state().ready_bytes;
+    assert!(held <= d.budget, "{held} bytes held in memory");
+    // The queued FETCHes are served all the same when their turn comes.
+    for (s, w) in queued.into_iter().enumerate() {
+        let (body, _) = w.get(2).await.expect("served");
+        assert_eq!(bytes_of(&body), d_bytes(s as u64));
+    }
+    assert_eq!(d.state().ready_bytes, 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
+    let dir = std::env::temp_dir().join(format!(
+        "shardwire-remote-test-reported-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = Arc::new(Gated::new());
+    os.open();
+    let d = dataset("reported", &os, Some(&dir)).await;
+    d.place(1, vec![Bytes::from(d_bytes(1))]).await;
+    assert!(d.holds(1) && !d.holds(2), "held: the cached shard only");
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "shard"))
+        .collect();
+    assert_eq!(files.len(), 1, "one entry file");
+    // The entry goes bad on disk after it was written (and verified).
+    {
+        use std::os::unix::fs::FileExt;
+        let rot = [d_bytes(1)[100] ^ 0xff];
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&files[0])
+            .unwrap();
+        f.write_all_at(&rot, 100).unwrap();
+    }
+    assert!(d.cached(1).await.is_some(), "verified when written: served");
+    // A session the cache never served it to (as far as `cache_served` knows) reports it.
+    d.corrupt_reported(3, 1);
+    assert!(
+        d.cached(1).await.is_none(),
+        "checked against its CRC: failed"
+    );
+    assert!(
+        !files[0].exists() && !d.holds(1),
+        "the bad entry is deleted"
+    );
+    let (body, how) = fetch(&d, 3, 1).await.unwrap().expect("served");
+    assert_eq!(bytes_of(&body), d_bytes(1));
+    assert_eq!(how, Served::Read);
+    assert_eq!(
+        os.asked.load(Ordering::SeqCst),
+        1,
+        "read anew from the store"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_shard_in_memory_a_node_reports_corrupt_is_dropped() {
+    let os = Arc::new(Gated::new());
+    let d = dataset("reported-memory", &os, None).await;
+    assert!(!d.holds(0), "nothing in memory, no cache");
+    {
+        let mut st = d.state();
+        st.ready.insert(0, vec![Bytes::from(d_bytes(0))]);
+        st.ready_bytes += SHARD;
+    }
+    assert!(d.holds(0) && !d.holds(1), "held: the shard in memory only");
+    d.corrupt_reported(1, 0);
+    {
+        let st = d.state();
+        assert!(
+            !st.ready.contains_key(&0),
+            "dropped: the next FETCH reads it anew"
+        );
+        assert_eq!(st.ready_bytes, 0);
+    }
+    assert!(!d.holds(0));
+    d.corrupt_reported(1, 2); // neither in memory nor cached: nothing to do
+    assert_eq!(d.state().ready_bytes, 0);
+}

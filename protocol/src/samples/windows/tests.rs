@@ -60,7 +60,17 @@ fn bad_specs_are_refused_naming_the_rule() {
             .contains("4 tokens hold no window of seq_len + 1 = 5")
     );
     let e = SampleOrder::windows([0; 32], spec(&[vec![4]], 0), 0, Shuffle::None, 1, 1);
-    assert_eq!(e.unwrap_err(), SampleError::SeqLen);
+    assert_eq!(e.unwrap_err(), SampleError::SeqLen { seq_len: 0 });
+    // Before: refused as "at least 1 token", naming neither the value nor the limit.
+    let long = i32::MAX as u64;
+    let e = SampleOrder::windows([0; 32], spec(&[vec![4]], long), 0, Shuffle::None, 1, 1);
+    let e = e.unwrap_err();
+    assert_eq!(e, SampleError::SeqLen { seq_len: long });
+    assert!(
+        e.to_string().contains("seq_len is 2147483647")
+            && e.to_string().contains("below 2147483647"),
+        "{e}"
+    );
     let e = SampleOrder::windows([0; 32], spec(&[vec![9]], 2), 0, Shuffle::None, 1, 5);
     assert!(matches!(
         e.unwrap_err(),
