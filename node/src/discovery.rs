@@ -16,7 +16,7 @@ use std::time::Duration;
 use shardwire_config::SourceEntry;
 use tokio::sync::watch;
 
-use crate::link::{DataConns, SourceLink};
+use crate::link::{DataConns, Kick, SourceLink};
 use crate::plane::DataPlane;
 use crate::roster::{Member, Resolution, Roster};
 
@@ -166,7 +166,11 @@ async fn tend(
             let Some(lookup) = entry.lookup() else {
                 continue;
             };
-            let answer = resolve(&lookup).await;
+            // Each name may take up to RESOLVE_TIMEOUT: a shutdown does not wait for them all.
+            let answer = tokio::select! {
+                a = resolve(&lookup) => a,
+                _ = shutdown.wait_for(|s| *s) => return,
+            };
             apply(&plane, &names, i, answer, &shutdown);
         }
     }
@@ -179,7 +183,7 @@ fn end_drained(roster: &Roster) {
     for l in roster.links() {
         if l.is_draining() && l.is_up() && l.outstanding() == 0 {
             tracing::info!(source = %l.addr, fetches = l.fetches.load(std::sync::atomic::Ordering::Relaxed), "draining source has nothing outstanding; closing its session");
-            l.kick("the source drained");
+            l.kick(Kick::Drained);
         }
     }
 }

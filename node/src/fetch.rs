@@ -8,7 +8,8 @@
 //! fetch dropped without an outcome (a receiver thread that panicked, a path that forgot it)
 //! still hands its slab back, as [`FetchFailure::Abandoned`]: its stream fetches it again
 //! instead of waiting for that position forever (a stream already closed is not told: the
-//! slab goes back to the pool).
+//! slab goes back to the pool). A payload that fails its CRC-32C is also reported to the source
+//! that sent it, on the control connection of the session that sent its FETCH ([`Held`]).
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -16,7 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use shardwire_gpu::Slab;
-use shardwire_protocol::wire;
+use shardwire_protocol::framing::encode_frame;
+use shardwire_protocol::wire::{self, Message};
 use tokio::sync::mpsc;
 
 use crate::rx::error::RxError;
@@ -171,7 +173,8 @@ pub struct InFlight {
     pub req: u64,
     /// When the FETCH was issued (for the fetch latency histogram).
     pub issued: Instant,
-    /// Counts it among its link's outstanding fetches until it ends.
+    /// Counts it among its link's outstanding fetches until it ends, and reaches the session
+    /// that sent its FETCH.
     pub held: Option<Held>,
     done: Completions,
     end: End,
@@ -189,21 +192,35 @@ enum End {
 }
 
 /// One fetch counted among a link's outstanding ones (a retiring link waits for none to be
-/// left); the count goes down when it is dropped, however the fetch ends.
+/// left); the count goes down when it is dropped, however the fetch ends. It also holds the
+/// control writer of the session that sent the FETCH, to report a payload that failed its
+/// CRC-32C to the source that sent it.
 #[derive(Debug)]
-pub struct Held(Arc<AtomicUsize>);
+pub struct Held {
+    count: Arc<AtomicUsize>,
+    /// Weak, so a report for a session that has ended is dropped: never sent on its
+    /// successor, whose request ids it does not know.
+    report: Option<mpsc::WeakUnboundedSender<Vec<u8>>>,
+}
 
 impl Held {
-    /// Counts one more fetch on `count`.
-    pub fn new(count: &Arc<AtomicUsize>) -> Self {
+    /// Counts one more fetch on `count`; a CRC failure is reported on `report` (encoded
+    /// frames for a session's writer), if given.
+    pub fn new(
+        count: &Arc<AtomicUsize>,
+        report: Option<mpsc::WeakUnboundedSender<Vec<u8>>>,
+    ) -> Self {
         count.fetch_add(1, Ordering::AcqRel);
-        Self(Arc::clone(count))
+        Self {
+            count: Arc::clone(count),
+            report,
+        }
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.count.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -273,15 +290,41 @@ impl InFlight {
         slab
     }
 
-    /// Checks the payload's CRC-32C against the manifest's and ends the fetch with the result.
+    /// Checks the payload's CRC-32C against the manifest's and ends the fetch with the result;
+    /// a mismatch is also reported to the source that sent it.
     pub fn verified(self, got: u32) {
         let want = self.crc32c;
-        let r = if got == want {
-            Ok(())
-        } else {
-            Err(FetchFailure::Crc { got, want })
+        if got == want {
+            return self.finish(Ok(()));
+        }
+        self.report_crc(got, want);
+        self.finish(Err(FetchFailure::Crc { got, want }));
+    }
+
+    /// Tells the source of a payload that failed its CRC-32C (`Error{req, ChecksumMismatch}`,
+    /// protocol 5), so it checks what it served. Best effort and never blocking (receive
+    /// threads call this): dropped when the session that sent the FETCH has ended.
+    fn report_crc(&self, got: u32, want: u32) {
+        let report = self.held.as_ref().and_then(|h| h.report.as_ref());
+        let Some(ctl) = report.and_then(mpsc::WeakUnboundedSender::upgrade) else {
+            return;
         };
-        self.finish(r);
+        let (req, wire_shard) = (self.req, self.wire_shard);
+        let msg = Message::Error {
+            req,
+            code: wire::ErrorCode::ChecksumMismatch,
+            retry_after_ms: 0,
+            message: format!(
+                "the payload of shard {wire_shard} (FETCH {req}) has CRC-32C {got:#010x}, the manifest says {want:#010x}"
+            ),
+        };
+        match encode_frame(&msg) {
+            // An unbounded queue: never full; a writer that is gone drops it.
+            Ok(frame) => {
+                let _ = ctl.send(frame);
+            }
+            Err(e) => tracing::debug!(req, error = %e, "CRC report not encoded; not sent"),
+        }
     }
 }
 
@@ -417,7 +460,7 @@ pub(crate) mod tests {
         let p = pool(1 << 20);
         let count = Arc::new(AtomicUsize::new(0));
         let (mut f, _rx) = in_flight(&p, 0, 4096, 1);
-        f.held = Some(Held::new(&count));
+        f.held = Some(Held::new(&count, None));
         assert_eq!(count.load(Ordering::Acquire), 1);
         f.finish(Err(FetchFailure::Cancelled));
         assert_eq!(count.load(Ordering::Acquire), 0);
@@ -429,7 +472,7 @@ pub(crate) mod tests {
         let count = Arc::new(AtomicUsize::new(0));
         let (mut f, mut rx) = in_flight(&p, 5, 4096, 1);
         f.req = 9;
-        f.held = Some(Held::new(&count));
+        f.held = Some(Held::new(&count, None));
         // A receiver thread that panics drops the fetch it was placing.
         let r = std::thread::spawn(move || {
             let _f = f;
@@ -474,6 +517,47 @@ pub(crate) mod tests {
         assert_eq!(slab.len(), 4096);
         drop(slab);
         assert_eq!(p.used(), 0);
+    }
+
+    /// A payload that fails its CRC-32C is reported on the control writer of the session that
+    /// sent its FETCH (`Error{req, ChecksumMismatch}`); a good one is not, and a session that
+    /// has ended gets nothing (and nothing blocks). Before, the source never heard of it.
+    #[test]
+    fn a_payload_that_fails_its_crc_is_reported_to_the_session_that_fetched_it() {
+        let p = pool(1 << 20);
+        let count = Arc::new(AtomicUsize::new(0));
+        let (ctl, mut frames) = mpsc::unbounded_channel::<Vec<u8>>();
+        let fetch = |pos, crc| {
+            let (mut f, rx) = in_flight(&p, pos, 4096, crc);
+            (f.req, f.wire_shard) = (9 + pos, 3);
+            f.held = Some(Held::new(&count, Some(ctl.downgrade())));
+            (f, rx)
+        };
+        let (good, _rx) = fetch(0, 7);
+        good.verified(7);
+        assert!(frames.try_recv().is_err(), "a good payload is not reported");
+        let (bad, _rx) = fetch(1, 7);
+        bad.verified(8);
+        let frame = frames.try_recv().expect("a report");
+        match wire::decode_frame(&frame[4..]).unwrap() {
+            Message::Error {
+                req, code, message, ..
+            } => {
+                assert_eq!((req, code), (10, wire::ErrorCode::ChecksumMismatch));
+                assert_eq!(
+                    message,
+                    "the payload of shard 3 (FETCH 10) has CRC-32C 0x00000008, the manifest says 0x00000007"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let (late, _rx) = fetch(2, 7);
+        drop(ctl); // the session ended
+        late.verified(8);
+        assert!(
+            frames.try_recv().is_err(),
+            "nothing for a session that ended"
+        );
     }
 
     #[test]

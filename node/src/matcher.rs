@@ -1,10 +1,12 @@
 //! Identifies data connections without in-band bytes (DESIGN §2): a source reports the local
 //! address of each data connection on its authenticated control connection ("expected"), and
 //! the node matches the peer address of the connections accepted on its data ports. Either can
-//! come first. Connections nobody announces within [`UNMATCHED_TIMEOUT`] are dropped, and at
-//! most [`MAX_UNMATCHED`] are held: when the table is full the oldest goes, and one peer
-//! address holds at most [`MAX_UNMATCHED_PER_IP`], so a host that opens connections and never
-//! has them announced cannot keep a source's connections out. Addresses are compared in
+//! come first. Connections nobody announces within [`UNMATCHED_TIMEOUT`] are dropped, and so
+//! are announcements whose connection does not arrive within it (their link's session cannot
+//! use that connection; the data plane ends it). At most [`MAX_UNMATCHED`] are held: when the
+//! table is full the oldest goes, and one peer address holds at most [`MAX_UNMATCHED_PER_IP`],
+//! so a host that opens connections and never has them announced cannot keep a source's
+//! connections out. Addresses are compared in
 //! canonical form (an IPv4-mapped IPv6 address as IPv4: a dual-stack listener reports
 //! peers so, while sources announce plain IPv4).
 //!
@@ -21,7 +23,8 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-/// How long an accepted, unannounced data connection is kept.
+/// How long an accepted, unannounced data connection is kept, and how long an announced one
+/// is waited for (a source announces a connection once it has dialled it: it arrives at once).
 pub const UNMATCHED_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most this many unidentified connections are held at once.
 pub const MAX_UNMATCHED: usize = 1024;
@@ -70,11 +73,20 @@ pub enum Announced<S, E> {
     Duplicate(E),
 }
 
+/// What [`Matcher::sweep`] dropped.
+#[derive(Debug)]
+pub struct Swept<S, E> {
+    /// Accepted connections nobody announced in time, by peer address (close them).
+    pub accepted: Vec<(SocketAddr, S)>,
+    /// Announcements whose connection did not arrive in time, by the address announced.
+    pub expected: Vec<(SocketAddr, E)>,
+}
+
 /// The matcher table: announced addresses and accepted connections waiting for each other.
 #[derive(Debug)]
 pub struct Matcher<S, E> {
-    /// Peer address -> (the lane's address, the announcement).
-    expected: HashMap<SocketAddr, (SocketAddr, E)>,
+    /// Peer address -> (the lane's address, the announcement, when it came).
+    expected: HashMap<SocketAddr, (SocketAddr, E, Instant)>,
     /// Peer address -> (the socket, where it arrived, when).
     accepted: HashMap<SocketAddr, (S, SocketAddr, Instant)>,
 }
@@ -94,11 +106,17 @@ impl<S, E> Default for Matcher<S, E> {
 }
 
 impl<S, E> Matcher<S, E> {
-    /// A source announced a data connection from `addr` for a lane at `want`: the connection,
-    /// if it was accepted already (on `want`, or refused as the wrong lane). An address that
-    /// an announcement expects already is refused: overwritten, the first announcement was
-    /// lost without a word and its link's connection matched the other's.
-    pub fn expect(&mut self, addr: SocketAddr, want: SocketAddr, e: E) -> Announced<S, E> {
+    /// A source announced a data connection from `addr` for a lane at `want`, at `now`: the
+    /// connection, if it was accepted already (on `want`, or refused as the wrong lane). An
+    /// address that an announcement expects already is refused: overwritten, the first
+    /// announcement was lost without a word and its link's connection matched the other's.
+    pub fn expect(
+        &mut self,
+        addr: SocketAddr,
+        want: SocketAddr,
+        e: E,
+        now: Instant,
+    ) -> Announced<S, E> {
         let (addr, want) = (canonical(addr), canonical(want));
         match self.accepted.remove(&addr) {
             Some((sock, local, _)) if local == want => Announced::Matched(sock, e),
@@ -110,7 +128,7 @@ impl<S, E> Matcher<S, E> {
             }),
             None if self.expected.contains_key(&addr) => Announced::Duplicate(e),
             None => {
-                self.expected.insert(addr, (want, e));
+                self.expected.insert(addr, (want, e, now));
                 Announced::Waiting
             }
         }
@@ -125,7 +143,7 @@ impl<S, E> Matcher<S, E> {
         now: Instant,
     ) -> Accepted<S, E> {
         let (peer, local) = (canonical(peer), canonical(local));
-        if let Some((want, e)) = self.expected.remove(&peer) {
+        if let Some((want, e, _)) = self.expected.remove(&peer) {
             if want == local {
                 return Accepted::Matched(sock, e);
             }
@@ -164,25 +182,35 @@ impl<S, E> Matcher<S, E> {
         let keys: Vec<SocketAddr> = self
             .expected
             .iter()
-            .filter(|(_, (_, e))| gone(e))
+            .filter(|(_, (_, e, _))| gone(e))
             .map(|(k, _)| *k)
             .collect();
         keys.iter()
-            .filter_map(|k| self.expected.remove(k).map(|(_, e)| e))
+            .filter_map(|k| self.expected.remove(k).map(|(_, e, _)| e))
             .collect()
     }
 
-    /// Removes accepted connections nobody announced within [`UNMATCHED_TIMEOUT`] of `now`.
-    pub fn sweep(&mut self, now: Instant) -> Vec<(SocketAddr, S)> {
-        let old: Vec<SocketAddr> = self
-            .accepted
-            .iter()
-            .filter(|(_, (_, _, t))| now.duration_since(*t) >= UNMATCHED_TIMEOUT)
+    /// Removes accepted connections nobody announced, and announcements whose connection did
+    /// not arrive, within [`UNMATCHED_TIMEOUT`] of `now`. Without the second, a fetch queued
+    /// on a connection that never came waited for ever (its source's pings kept the session
+    /// alive).
+    pub fn sweep(&mut self, now: Instant) -> Swept<S, E> {
+        let late = |t: &Instant| now.duration_since(*t) >= UNMATCHED_TIMEOUT;
+        let old: Vec<SocketAddr> = (self.accepted.iter())
+            .filter(|(_, (_, _, t))| late(t))
             .map(|(a, _)| *a)
             .collect();
-        old.into_iter()
+        let accepted = (old.into_iter())
             .filter_map(|a| self.accepted.remove(&a).map(|(s, _, _)| (a, s)))
-            .collect()
+            .collect();
+        let unmet: Vec<SocketAddr> = (self.expected.iter())
+            .filter(|(_, (_, _, t))| late(t))
+            .map(|(a, _)| *a)
+            .collect();
+        let expected = (unmet.into_iter())
+            .filter_map(|a| self.expected.remove(&a).map(|(_, e, _)| (a, e)))
+            .collect();
+        Swept { accepted, expected }
     }
 
     /// (announced and waiting, accepted and waiting).
@@ -213,7 +241,10 @@ mod tests {
     #[test]
     fn announcement_first_then_accept() {
         let mut m: Matcher<&str, u16> = Matcher::default();
-        assert!(matches!(m.expect(addr(1), lane0(), 7), Announced::Waiting));
+        assert!(matches!(
+            m.expect(addr(1), lane0(), 7, Instant::now()),
+            Announced::Waiting
+        ));
         let now = Instant::now();
         assert!(matches!(
             m.accepted(addr(2), lane0(), "stranger", now),
@@ -231,9 +262,12 @@ mod tests {
     #[test]
     fn a_second_announcement_of_an_expected_address_is_refused() {
         let mut m: Matcher<&str, u16> = Matcher::default();
-        assert!(matches!(m.expect(addr(1), lane0(), 1), Announced::Waiting));
         assert!(matches!(
-            m.expect(addr(1), lane0(), 2),
+            m.expect(addr(1), lane0(), 1, Instant::now()),
+            Announced::Waiting
+        ));
+        assert!(matches!(
+            m.expect(addr(1), lane0(), 2, Instant::now()),
             Announced::Duplicate(2)
         ));
         assert!(matches!(
@@ -250,7 +284,7 @@ mod tests {
             Accepted::Held(None)
         ));
         assert!(matches!(
-            m.expect(addr(1), lane1(), 3),
+            m.expect(addr(1), lane1(), 3, Instant::now()),
             Announced::Matched("sock", 3)
         ));
         assert_eq!(m.waiting(), (0, 0));
@@ -260,7 +294,10 @@ mod tests {
     fn a_connection_on_another_lane_is_refused_either_way_round() {
         let mut m: Matcher<&str, u16> = Matcher::default();
         // Announced for lane 1, arrived on lane 0's address.
-        assert!(matches!(m.expect(addr(1), lane1(), 5), Announced::Waiting));
+        assert!(matches!(
+            m.expect(addr(1), lane1(), 5, Instant::now()),
+            Announced::Waiting
+        ));
         match m.accepted(addr(1), lane0(), "sock", Instant::now()) {
             Accepted::WrongLane(w) => {
                 assert_eq!(
@@ -275,7 +312,7 @@ mod tests {
             m.accepted(addr(2), lane0(), "late", Instant::now()),
             Accepted::Held(None)
         ));
-        match m.expect(addr(2), lane1(), 6) {
+        match m.expect(addr(2), lane1(), 6, Instant::now()) {
             Announced::WrongLane(w) => {
                 assert_eq!((w.sock, w.local, w.want), ("late", lane0(), lane1()))
             }
@@ -284,7 +321,10 @@ mod tests {
         assert_eq!(m.waiting(), (0, 0));
         // A dual-stack listener's IPv4-mapped local address is the IPv4 one.
         let mapped: SocketAddr = "[::ffff:10.0.0.1]:7401".parse().unwrap();
-        assert!(matches!(m.expect(addr(3), lane0(), 7), Announced::Waiting));
+        assert!(matches!(
+            m.expect(addr(3), lane0(), 7, Instant::now()),
+            Announced::Waiting
+        ));
         assert!(matches!(
             m.accepted(addr(3), mapped, "v6", Instant::now()),
             Accepted::Matched("v6", 7)
@@ -329,16 +369,41 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            m.expect(source, lane0(), 3),
+            m.expect(source, lane0(), 3, Instant::now()),
             Announced::Matched(7, 3)
         ));
-        assert!(m.sweep(t0 + UNMATCHED_TIMEOUT / 2).is_empty());
+        assert!(m.sweep(t0 + UNMATCHED_TIMEOUT / 2).accepted.is_empty());
         assert_eq!(
             m.sweep(t0 + UNMATCHED_TIMEOUT + Duration::from_secs(2))
+                .accepted
                 .len(),
             MAX_UNMATCHED - 1
         );
         assert_eq!(m.waiting(), (0, 0));
+    }
+
+    /// An announcement whose connection never arrives goes after the timeout, handed back so
+    /// the fetches queued on it fail. Before, it stayed for ever, and so did they.
+    #[test]
+    fn an_announced_connection_that_never_arrives_times_out() {
+        let mut m: Matcher<&str, u16> = Matcher::default();
+        let t0 = Instant::now();
+        assert!(matches!(
+            m.expect(addr(1), lane0(), 7, t0),
+            Announced::Waiting
+        ));
+        let early = m.sweep(t0 + UNMATCHED_TIMEOUT / 2);
+        assert!(early.expected.is_empty() && early.accepted.is_empty());
+        assert_eq!(m.waiting(), (1, 0));
+        let swept = m.sweep(t0 + UNMATCHED_TIMEOUT * 100);
+        assert_eq!(swept.expected, vec![(addr(1), 7)]);
+        assert!(swept.accepted.is_empty());
+        assert_eq!(m.waiting(), (0, 0));
+        // Its connection, arriving after all, is only held as unannounced.
+        assert!(matches!(
+            m.accepted(addr(1), lane0(), "late", t0 + UNMATCHED_TIMEOUT * 100),
+            Accepted::Held(None)
+        ));
     }
 
     #[test]
@@ -350,10 +415,13 @@ mod tests {
             Accepted::Held(None)
         ));
         assert!(matches!(
-            m.expect(addr(5), lane0(), 1),
+            m.expect(addr(5), lane0(), 1, Instant::now()),
             Announced::Matched("first", 1)
         ));
-        assert!(matches!(m.expect(mapped, lane0(), 2), Announced::Waiting));
+        assert!(matches!(
+            m.expect(mapped, lane0(), 2, Instant::now()),
+            Announced::Waiting
+        ));
         assert!(matches!(
             m.accepted(addr(5), lane0(), "second", Instant::now()),
             Accepted::Matched("second", 2)
@@ -363,9 +431,9 @@ mod tests {
     #[test]
     fn a_link_going_down_forgets_only_its_announcements() {
         let mut m: Matcher<(), (usize, u64)> = Matcher::default();
-        m.expect(addr(1), lane0(), (0, 1));
-        m.expect(addr(2), lane0(), (0, 2));
-        m.expect(addr(3), lane1(), (1, 1));
+        m.expect(addr(1), lane0(), (0, 1), Instant::now());
+        m.expect(addr(2), lane0(), (0, 2), Instant::now());
+        m.expect(addr(3), lane1(), (1, 1), Instant::now());
         let mut gone = m.forget(|&(link, generation)| link == 0 && generation == 1);
         gone.sort();
         assert_eq!(gone, vec![(0, 1)]);

@@ -496,6 +496,7 @@ impl Node {
                     },
                     cpus: shardwire_topology::format_ranges(&l.cpus),
                     queues: spec.queues.clone(),
+                    devmem_memory: spec.devmem_memory,
                     devmem: self.plane.binding(l.id()).is_some(),
                     binding: self.binding_status(l.id()),
                     streams,

@@ -23,8 +23,8 @@ use crate::binding::{BindingKind, RxRegion};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::lanes::{Lane, Lanes};
-use crate::link::{Announcement, DataConns, SourceLink};
-use crate::matcher::{Accepted, Announced, Matcher, WrongLane};
+use crate::link::{Announcement, DataConns, Kick, SourceLink};
+use crate::matcher::{Accepted, Announced, Matcher, UNMATCHED_TIMEOUT, WrongLane};
 use crate::roster::Roster;
 use crate::rx::{self, Conn, Setup, shared::Gpus};
 
@@ -36,6 +36,19 @@ pub struct Expected {
     conn: u16,
     generation: u64,
     queue: std::sync::mpsc::Receiver<InFlight>,
+}
+
+impl Expected {
+    /// Fails the fetches queued on the connection (it will not be received from), with
+    /// `reason` as the link's.
+    fn fail_queued(&self, reason: &str) {
+        while let Ok(f) = self.queue.try_recv() {
+            f.finish(Err(FetchFailure::LinkDown {
+                source_addr: self.link.addr.clone(),
+                reason: reason.to_owned(),
+            }));
+        }
+    }
 }
 
 /// One identified data connection's counters, for `shardwire bench` and status.
@@ -200,10 +213,11 @@ impl DataPlane {
         flows.push(flow);
     }
 
-    /// Makes every link reconnect (its data connections come back on the current path).
+    /// Makes every link reconnect (its data connections come back on the current path):
+    /// the receive path changed, `reason` says how.
     pub fn reconnect_all(&self, reason: &str) {
         for l in self.roster.links() {
-            l.kick(reason);
+            l.kick(Kick::ReceiveChanged(reason.to_owned()));
         }
     }
 
@@ -240,13 +254,13 @@ impl DataPlane {
             arrived_on = %w.local, lane_address = %w.want,
             "refusing a data connection that arrived on another address than its lane's (another NIC)");
         let _ = w.sock.shutdown(std::net::Shutdown::Both);
-        w.e.link.kick_if(
-            w.e.generation,
-            &format!(
-                "data connection {} for lane {} arrived on {}, not on the lane's address {}",
-                w.e.conn, w.e.lane, w.local, w.want
-            ),
-        );
+        let why = Kick::WrongLane {
+            conn: w.e.conn,
+            lane: w.e.lane,
+            arrived_on: w.local,
+            lane_addr: w.want,
+        };
+        w.e.link.kick_session(w.e.generation, why);
     }
 
     /// The receive settings of a connection of `lane`: its own lane's binding, never
@@ -277,6 +291,8 @@ impl DataPlane {
             return;
         }
         tracing::debug!(%peer, source = %link.addr, lane = e.lane, conn = e.conn, "data connection identified");
+        // Counted up only (a Prometheus counter, `_total`): a session that starts over counts
+        // its connections again. The connections open now are the lane's live `flows`.
         lane.stats.data_connections.fetch_add(1, Ordering::Relaxed);
         let flow = Arc::new(FlowStats::default());
         self.add_flow(Flow {
@@ -298,9 +314,23 @@ impl DataPlane {
         rx::spawn(conn, sock, self.setup(lane));
     }
 
+    /// Drops the unannounced connections and the announcements that waited too long; the
+    /// session of an announcement whose connection never came ends (it cannot carry that
+    /// connection's payloads), and what was queued on it fails.
     fn sweep(&self) {
-        for (peer, _) in self.matcher.lock().expect("poisoned").sweep(Instant::now()) {
+        let swept = self.matcher.lock().expect("poisoned").sweep(Instant::now());
+        for (peer, _) in swept.accepted {
             tracing::warn!(%peer, "dropping a data connection that no authenticated source announced");
+        }
+        for (addr, e) in swept.expected {
+            let why = Kick::NeverArrived {
+                conn: e.conn,
+                addr,
+                after: UNMATCHED_TIMEOUT,
+            };
+            tracing::warn!(source = %e.link.addr, lane = e.lane, %why, "ending the session of a source whose data connection never arrived");
+            e.fail_queued(&why.to_string());
+            e.link.kick_session(e.generation, why);
         }
     }
 }
@@ -323,18 +353,15 @@ impl DataConns for DataPlane {
             .matcher
             .lock()
             .expect("poisoned")
-            .expect(a.addr, a.want, e);
+            .expect(a.addr, a.want, e, Instant::now());
         match got {
             Announced::Matched(sock, e) => self.start(sock, a.addr, e),
             Announced::Waiting => {}
             Announced::WrongLane(w) => self.wrong_lane(a.addr, w),
             Announced::Duplicate(e) => {
-                let why = format!(
-                    "source {} announced a data connection from {}, which another announcement expects already: its session ends",
-                    e.link.addr, a.addr
-                );
-                tracing::error!("{why}");
-                e.link.kick_if(e.generation, &why);
+                let why = Kick::DuplicateAnnouncement { addr: a.addr };
+                tracing::error!(source = %e.link.addr, %why, "ending the source's session");
+                e.link.kick_session(e.generation, why);
             }
         }
     }
@@ -346,17 +373,13 @@ impl DataConns for DataPlane {
             .expect("poisoned")
             .forget(|e| e.link.index == link && e.generation == generation);
         for e in gone {
-            while let Ok(f) = e.queue.try_recv() {
-                f.finish(Err(FetchFailure::LinkDown {
-                    source_addr: e.link.addr.clone(),
-                    reason: reason.to_owned(),
-                }));
-            }
+            e.fail_queued(reason);
         }
     }
 }
 
-/// Drops unannounced data connections that waited too long, every second until shutdown.
+/// Drops unannounced data connections and announcements whose connection never came, once
+/// they waited too long, every second until shutdown.
 pub async fn sweep_loop(plane: Arc<DataPlane>, mut shutdown: watch::Receiver<bool>) {
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
     loop {

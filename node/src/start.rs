@@ -140,13 +140,34 @@ impl NodeHandle {
 
     /// Asks every task to stop.
     pub fn shutdown(&self) {
-        for (_, region) in self.node.plane().bindings() {
-            region.unbind();
-        }
-        let _ = self.shutdown.send(true);
+        stop(&self.node, &self.shutdown);
         self.node.close_all(&CloseReason::Shutdown);
+        wake_accept(&self.socket);
         let _ = std::fs::remove_file(&self.socket);
     }
+}
+
+/// Wakes the trainer socket's accept thread, which looks at the shutdown signal only when a
+/// trainer connects, so that it ends and lets go of the node. Non-blocking: a listener whose
+/// backlog is full must not hold up the shutdown.
+fn wake_accept(path: &Path) {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let Ok(addr) = SocketAddrUnix::new(path) else {
+        return;
+    };
+    let flags = SocketFlags::NONBLOCK | SocketFlags::CLOEXEC;
+    if let Ok(fd) = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None) {
+        let _ = rustix::net::connect(&fd, &addr);
+    }
+}
+
+/// Releases the RX bindings (their NICs restored) and tells every task to stop: at shutdown,
+/// and when a start fails after the bindings were made and the tasks began.
+fn stop(node: &Node, shutdown: &watch::Sender<bool>) {
+    for (_, region) in node.plane().bindings() {
+        region.unbind();
+    }
+    let _ = shutdown.send(true);
 }
 
 /// Starts the node on the current tokio runtime.
@@ -207,11 +228,15 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let (shutdown, watch) = watch::channel(false);
     spawn_tasks(&node, started.listeners, control, (entries, &watch));
     let socket = cfg.socket.clone();
-    crate::socket::start(Arc::clone(&node), &socket, watch).map_err(|source| StartError::Bind {
-        what: "the trainer socket",
-        addr: socket.display().to_string(),
-        source,
-    })?;
+    if let Err(source) = crate::socket::start(Arc::clone(&node), &socket, watch) {
+        // Nothing of this node may stay behind: not its tasks, not its NIC bindings.
+        stop(&node, &shutdown);
+        return Err(StartError::Bind {
+            what: "the trainer socket",
+            addr: socket.display().to_string(),
+            source,
+        });
+    }
     let addrs: Vec<String> = lanes
         .all()
         .iter()
@@ -240,7 +265,9 @@ fn link_config(secret: Option<Vec<u8>>, lanes: &Lanes, flows: u16) -> LinkConfig
 }
 
 /// The data-port acceptors, the stale-connection sweep, source discovery (which starts the
-/// links) and the control task.
+/// links) and the control task. The control task holds the node weakly: the node holds the
+/// sender of its queue, so a strong hold would keep both alive for ever (and the node's
+/// lanes, plane and bindings with them) after the node is let go.
 fn spawn_tasks(
     node: &Arc<Node>,
     data: Vec<tokio::net::TcpListener>,
@@ -258,9 +285,12 @@ fn spawn_tasks(
     tokio::spawn(plane::sweep_loop(Arc::clone(&plane), watch.clone()));
     let every = Duration::from_secs(node.info().cfg.source_resolve_secs);
     crate::discovery::spawn(&plane, entries, every, watch);
-    let node = Arc::clone(node);
+    let node = Arc::downgrade(node);
     tokio::spawn(async move {
         while let Some((c, answer)) = control.recv().await {
+            let Some(node) = node.upgrade() else {
+                return; // the node went right after asking: nobody waits for the answer
+            };
             let _ = answer.send(node.apply(c).await);
         }
     });
@@ -461,5 +491,45 @@ mod tests {
         );
         assert_eq!(read_secret(&path).unwrap(), b"s3cret");
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A node shut down and let go is freed, and its lanes, plane and bindings with it. Before,
+    /// the control task held it (and it held that task's queue) and the trainer socket's
+    /// accept thread waited for a trainer while holding it: it never was.
+    #[tokio::test]
+    async fn a_node_shut_down_and_let_go_is_freed() {
+        let dir = std::env::temp_dir().join(format!("sw-start-{}", std::process::id()));
+        let bytes = shardwire_config::ByteSize(64 << 20);
+        let cfg = ServeConfig {
+            sources: vec!["127.0.0.1:9".into()],
+            socket: dir.join("trainer.sock"),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            pool_size: bytes,
+            stream_memory: Some(bytes),
+            lanes: shardwire_config::Lanes::Table(vec![shardwire_config::LaneConfig {
+                data_listen: Some("127.0.0.1:0".parse().unwrap()),
+                ..Default::default()
+            }]),
+            receive: ReceiveMode::Host,
+            io_uring: false,
+            memory: shardwire_config::MemoryMode::Host,
+            nic_state_file: dir.join("nic-state.json"),
+            ..ServeConfig::default()
+        };
+        let h = start(cfg).await.expect("a host-memory node starts");
+        let node = Arc::downgrade(&h.node);
+        h.shutdown();
+        drop(h);
+        for _ in 0..100 {
+            if node.upgrade().is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            node.upgrade().is_none(),
+            "the node is still held after its shutdown"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

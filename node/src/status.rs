@@ -129,6 +129,9 @@ pub struct LaneStatus {
     pub cpus: String,
     /// Its RX queues for devmem.
     pub queues: Vec<u32>,
+    /// Its RX dma-buf size for devmem, in bytes (`lanes[i].devmem_memory`, else
+    /// `devmem_memory`).
+    pub devmem_memory: u64,
     /// It has an RX binding.
     pub devmem: bool,
     /// Its RX binding (`null`: plain TCP).

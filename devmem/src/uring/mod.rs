@@ -14,8 +14,14 @@
 //! Rings are set up `SINGLE_ISSUER | DEFER_TASKRUN`, so the receives normally run inside
 //! this thread's `io_uring_enter`, where a completion is waited for. Soundness does not rest
 //! on that: the kernel consumes a buffer's bytes once and in order, so completed bytes are
-//! never written again, and a buffer goes back to its owner only after the receive has been
-//! cancelled (its last completion seen) and the buffer ring unregistered. A ring belongs to the thread that made it (the types are not
+//! never written again. A payload goes back to its owner (`done` of [`RecvQueue::wait`]) as
+//! soon as its last byte has completed, while the multishot receive stays armed: each of its
+//! ring entries is then fully consumed (its last completion came without
+//! `IORING_CQE_F_BUF_MORE`), so the ring's head has moved past it, and the kernel only takes
+//! entries between the head and the tail; a slot is used again only once it is written anew
+//! with another buffer. Payloads not fully received go back only after the receive has been
+//! cancelled (its last completion seen) and the buffer ring unregistered
+//! ([`RecvQueue::abandon`]). A ring belongs to the thread that made it (the types are not
 //! `Send`), so each receiver thread sets up its own.
 //!
 //! Kernel facts: io_uring_register_buf_ring(3), io_uring_prep_recv_multishot(3), and

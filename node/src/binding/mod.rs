@@ -14,8 +14,8 @@ use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 use shardwire_protocol::trainer::ErrorCode;
 
-pub(crate) use self::region::FlowRule;
 pub use self::region::{BindError, BindingKind, RxRegion};
+pub(crate) use self::region::{FlowRule, Reading};
 
 /// Why no binding was made.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,7 @@
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use shardwire_devmem::emu::host::{EmuHost, EmuRule, Flow, HostError};
@@ -140,6 +140,10 @@ pub struct RxRegion {
     // Field order: the CUDA registration of the emulator's memory goes before the memory.
     gpu: Option<GpuGather>,
     backing: Backing,
+    /// Data connections reading through the binding now ([`Reading`]). Counted apart from
+    /// the `Arc`'s references: one connection holds several (its receiver's settings, its
+    /// reader, its steering rule), and other lanes' connections hold it for fault injection.
+    readers: AtomicUsize,
     /// Counters.
     pub counters: DevmemCounters,
 }
@@ -245,6 +249,7 @@ impl RxRegion {
                 nic: nic.into(),
                 queues: queues.to_vec(),
             },
+            readers: AtomicUsize::new(0),
             counters: DevmemCounters::default(),
         }))
     }
@@ -296,6 +301,7 @@ impl RxRegion {
                 bound: Mutex::new(Some(Box::new((binding, setup)))),
                 steered: Mutex::new(vec![0; queues.len()]),
             },
+            readers: AtomicUsize::new(0),
             counters: DevmemCounters::default(),
         }))
     }
@@ -386,6 +392,18 @@ impl RxRegion {
             }
             Backing::Kernel { .. } => 0,
         }
+    }
+
+    /// Marks a data connection as reading through this binding until the guard is dropped
+    /// ([`Self::readers`]).
+    pub(crate) fn reading(self: &Arc<Self>) -> Reading {
+        self.readers.fetch_add(1, Ordering::AcqRel);
+        Reading(Arc::clone(self))
+    }
+
+    /// Data connections reading through this binding now (each counted once).
+    pub fn readers(&self) -> usize {
+        self.readers.load(Ordering::Acquire)
     }
 
     /// Stop handing out frags (shutdown). A kernel binding is unbound (its netlink socket
@@ -561,6 +579,17 @@ impl RxRegion {
 /// The index of the least-loaded queue (the first of equals).
 fn least_loaded(steered: &[usize]) -> usize {
     (0..steered.len()).min_by_key(|&i| steered[i]).unwrap_or(0)
+}
+
+/// One data connection reading through a binding, counted in [`RxRegion::readers`] while it
+/// lives.
+#[derive(Debug)]
+pub(crate) struct Reading(Arc<RxRegion>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.readers.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A data connection's steering rule; deleted from its NIC when dropped (the connection

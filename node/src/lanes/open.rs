@@ -270,12 +270,24 @@ async fn bind_listeners(
 }
 
 /// The CPUs a lane's receivers run on, and the NUMA node its host memory goes to, as this
-/// process and kernel allow; a note for each that is not possible.
-fn placement(spec: &LaneSpec, allowed: &[u32], host: bool) -> (Vec<u32>, Option<u32>, Vec<String>) {
+/// process and kernel allow (`allowed`: this process's CPUs, or why they could not be read);
+/// a note for each that is not possible.
+fn placement(
+    spec: &LaneSpec,
+    allowed: &Result<Vec<u32>, affinity::PinError>,
+    host: bool,
+) -> (Vec<u32>, Option<u32>, Vec<String>) {
     let mut notes = Vec::new();
-    let cpus = match spec.cpus.as_slice() {
-        [] => Vec::new(),
-        wanted => affinity::usable(wanted, allowed).unwrap_or_else(|e| {
+    let cpus = match (spec.cpus.as_slice(), allowed) {
+        ([], _) => Vec::new(),
+        // The call's error, not "none of the lane's CPUs is allowed (allowed: )".
+        (_, Err(e)) => {
+            notes.push(format!(
+                "receivers not pinned: this process's CPUs could not be read: {e}"
+            ));
+            Vec::new()
+        }
+        (wanted, Ok(allowed)) => affinity::usable(wanted, allowed).unwrap_or_else(|e| {
             notes.push(format!("receivers not pinned: {e}"));
             Vec::new()
         }),
@@ -308,7 +320,7 @@ pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneSt
         })
         .collect();
     let (listeners, addrs) = bind_listeners(&specs).await?;
-    let allowed = affinity::allowed().unwrap_or_default();
+    let allowed = affinity::allowed();
     let lanes: Vec<Arc<Lane>> = specs
         .into_iter()
         .zip(kept.into_iter().map(|(_, m)| m))
@@ -363,5 +375,41 @@ fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
     }
     for e in excluded {
         tracing::error!(gpu = %e.gpu, reason = %e.reason, "GPU left out: it serves no lane");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lane_says_why_when_this_process_cpus_cannot_be_read() {
+        let spec = LaneSpec {
+            id: 0,
+            gpu: None,
+            nic: None,
+            nic_named: false,
+            nic_pci: None,
+            distance: None,
+            numa_node: None,
+            cpus: vec![2, 3],
+            numa_bind: None,
+            queues: Vec::new(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            devmem_memory: 1 << 20,
+            why: String::new(),
+            warn: false,
+        };
+        let failed = Err(affinity::PinError::Syscall {
+            call: "sched_getaffinity",
+            errno: rustix::io::Errno::PERM,
+        });
+        // Before: the error was dropped, and the note said no CPU was allowed ("allowed: ").
+        let (cpus, _, notes) = placement(&spec, &failed, false);
+        assert!(cpus.is_empty());
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].contains("sched_getaffinity"), "{notes:?}");
+        let (cpus, _, notes) = placement(&spec, &Ok(vec![3, 4]), false);
+        assert_eq!((cpus, notes.len()), (vec![3], 0));
     }
 }

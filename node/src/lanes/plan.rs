@@ -14,7 +14,8 @@
 //!   address with `data_listen`'s port when `data_listen` is a wildcard, else `data_listen`.
 //!
 //! A table: lane `i` is the `i`-th entry; a field left out is filled as `auto` would (the
-//! NIC paired with the lane's GPU, its queue share, its address), else from the node's keys.
+//! NIC paired with the lane's GPU, preferring, at the same distance, one no other lane names;
+//! its queue share, its address), else from the node's keys.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -23,7 +24,7 @@ use shardwire_devmem::ifaddr::IfAddrError;
 use shardwire_gpu::GpuDevice;
 use shardwire_topology::{
     Distance, GpuName, GpuNameError, GpuUuid, LanePlan, PairOptions, PciAddr, Tree, classify, pair,
-    split_queues,
+    passed_over, split_queues,
 };
 
 /// The GPU of a lane.
@@ -208,8 +209,9 @@ fn candidates(inp: &Inputs<'_>) -> Vec<Candidate> {
     out
 }
 
-/// The pairing of `gpus` only (a GPU CUDA does not list takes no NIC share).
-fn pair_only(tree: &Tree, gpus: &[PciAddr]) -> Vec<LanePlan> {
+/// The pairing of `gpus` only (a GPU CUDA does not list takes no NIC share), over the NICs
+/// but those `without`.
+fn pair_only(tree: &Tree, gpus: &[PciAddr], without: &[&str]) -> Vec<LanePlan> {
     let sub = Tree {
         gpus: tree
             .gpus
@@ -217,10 +219,54 @@ fn pair_only(tree: &Tree, gpus: &[PciAddr]) -> Vec<LanePlan> {
             .filter(|g| gpus.contains(&g.pci))
             .cloned()
             .collect(),
-        nics: tree.nics.clone(),
+        nics: tree
+            .nics
+            .iter()
+            .filter(|n| !without.contains(&n.interface.as_str()))
+            .cloned()
+            .collect(),
         nodes: tree.nodes.clone(),
     };
     pair(&sub, &PairOptions::default())
+}
+
+/// The NIC of a table lane of GPU `gpu` that names none: the pairing's over the table's GPUs,
+/// as `auto` pairs them; but, where it gives as near a NIC no lane names, the pairing of the
+/// GPUs of the lanes that name none over those NICs. The NICs other lanes name are theirs: a
+/// switch's GPUs A, B and NICs X, Y with a table {A, interface Y}, {B} put B on Y too, X idle.
+fn paired_nic(inp: &Inputs<'_>, gpu: PciAddr) -> Option<String> {
+    let Lanes::Table(t) = inp.lanes else {
+        return None;
+    };
+    let gpus = |unnamed_only: bool| -> Vec<PciAddr> {
+        t.iter()
+            .enumerate()
+            .filter(|(_, l)| !unnamed_only || l.interface.is_none())
+            .filter_map(|(j, l)| named_gpu(inp, j, l.gpu.as_deref()?).ok().map(|g| g.pci))
+            .collect()
+    };
+    let all = pair_only(inp.tree, &gpus(false), &[]);
+    let p = all.iter().find(|p| p.gpu == gpu)?;
+    let named: Vec<&str> = t.iter().filter_map(|l| l.interface.as_deref()).collect();
+    if named.is_empty() {
+        return p.nic.clone();
+    }
+    let free = pair_only(inp.tree, &gpus(true), &named);
+    // One the pairing over every NIC could have given: without the named NICs, a slower
+    // one (a management NIC) may no longer be passed over.
+    let candidate = |nic: &str| {
+        inp.tree
+            .nics
+            .iter()
+            .find(|n| n.interface == nic)
+            .is_some_and(|n| passed_over(&inp.tree.nics, n).is_none())
+    };
+    match free.iter().find(|q| q.gpu == gpu) {
+        Some(q) if q.distance == p.distance && q.nic.as_deref().is_some_and(candidate) => {
+            q.nic.clone()
+        }
+        _ => p.nic.clone(),
+    }
 }
 
 /// The CPUs near a NIC (its `local_cpulist`), else those of the lane's NUMA node.
@@ -345,7 +391,7 @@ fn one_lane_per_gpu(t: &[LaneConfig], lanes: &[LaneSpec]) -> Result<(), PlanErro
 fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
     let gpus = candidates(inp);
     let pcis: Vec<PciAddr> = gpus.iter().map(|c| c.gpu.pci).collect();
-    let plans = pair_only(inp.tree, &pcis);
+    let plans = pair_only(inp.tree, &pcis, &[]);
     let plan_of = |pci: PciAddr| plans.iter().find(|p| p.gpu == pci);
     if gpus.len() <= 1 {
         return vec![single(
@@ -493,22 +539,10 @@ fn table_lane(
         .as_deref()
         .map(|g| named_gpu(inp, i, g))
         .transpose()?;
-    let table_gpus: Vec<PciAddr> = match inp.lanes {
-        Lanes::Table(t) => t
-            .iter()
-            .enumerate()
-            .filter_map(|(j, l)| named_gpu(inp, j, l.gpu.as_deref()?).ok().map(|g| g.pci))
-            .collect(),
-        Lanes::Auto => Vec::new(),
-    };
-    let plans = pair_only(inp.tree, &table_gpus);
-    let p = gpu
-        .as_ref()
-        .and_then(|g| plans.iter().find(|p| p.gpu == g.pci));
     let nic = lc
         .interface
         .clone()
-        .or_else(|| p.and_then(|p| p.nic.clone()));
+        .or_else(|| paired_nic(inp, gpu.as_ref()?.pci));
     let (data_listen, addr_why) = match lc.data_listen {
         Some(a) => (a, format!("data address {a} (configured)")),
         None => {

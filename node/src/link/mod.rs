@@ -6,6 +6,8 @@
 //! reports to a [`DataConns`] sink (the data plane's matcher) and forgets them there when it
 //! goes down. Ownership of a fetch: the pending table holds it from FETCH until the SHARD
 //! announcement, then the announced connection's queue and receiver (see [`crate::fetch`]).
+//! When the node ends a session itself (a data connection failed, the source drained, ...),
+//! it says why with a [`Kick`].
 
 pub mod served;
 pub mod session;
@@ -85,6 +87,57 @@ pub enum SendError {
     },
 }
 
+/// Why the node itself ends a link's session ([`SourceLink::kick`]): said in the session's
+/// error, the link's `last_error` and the failure of every fetch the session held, so an
+/// operator reads what happened (a drained source is not a broken data connection).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Kick {
+    /// A data connection failed (what its receiver saw).
+    #[error("a data connection from this source failed: {0}")]
+    DataFailed(String),
+    /// The source said it is draining and nothing of it is outstanding any more.
+    #[error("the source drained: nothing was outstanding on it, so the node closed its session")]
+    Drained,
+    /// An RX binding changed over the admin API: the data connections come back on the new
+    /// receive path.
+    #[error("the node's receive path changed ({0}): the session starts over on the new path")]
+    ReceiveChanged(String),
+    /// A data connection arrived on another address than its lane's (another NIC).
+    #[error(
+        "data connection {conn} for lane {lane} arrived on {arrived_on}, not on the lane's address {lane_addr}: check the routes to the lane's subnet"
+    )]
+    WrongLane {
+        /// The connection.
+        conn: u16,
+        /// Its lane.
+        lane: u16,
+        /// Where it arrived.
+        arrived_on: SocketAddr,
+        /// The lane's data address.
+        lane_addr: SocketAddr,
+    },
+    /// The source announced a data connection from an address another announcement expects.
+    #[error(
+        "the source announced a data connection from {addr}, which another announcement expects already"
+    )]
+    DuplicateAnnouncement {
+        /// The address announced twice.
+        addr: SocketAddr,
+    },
+    /// A data connection the source announced never reached the node.
+    #[error(
+        "data connection {conn} announced from {addr} did not arrive within {after:?}: check that the source can reach the lane's data address"
+    )]
+    NeverArrived {
+        /// The connection.
+        conn: u16,
+        /// The address the source announced it from.
+        addr: SocketAddr,
+        /// How long it was waited for.
+        after: Duration,
+    },
+}
+
 /// Why a manifest request failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ManifestError {
@@ -96,9 +149,27 @@ pub enum ManifestError {
         /// Why.
         reason: String,
     },
-    /// The request cannot be encoded.
-    #[error("{0}")]
-    Encode(String),
+    /// The request cannot be encoded (a dataset name over its wire limit, say).
+    #[error("cannot ask source {addr} for a manifest: {source}")]
+    Encode {
+        /// The source.
+        addr: String,
+        /// Which field and limit.
+        #[source]
+        source: EncodeError,
+    },
+    /// The source answered with the manifest of another dataset than the one asked for.
+    #[error(
+        "source {addr} answered the manifest request for dataset `{asked}` with dataset `{got}`'s"
+    )]
+    WrongDataset {
+        /// The source.
+        addr: String,
+        /// The dataset asked for.
+        asked: String,
+        /// The dataset of the answer.
+        got: String,
+    },
     /// The source answered with an error (e.g. it does not serve the dataset).
     #[error("{code:?}: {message}")]
     Refused {
@@ -125,12 +196,18 @@ struct LinkState {
     conns: Vec<Option<std::sync::mpsc::Sender<InFlight>>>,
     /// The lane of each data connection.
     conn_lane: Vec<u16>,
+    /// Whether the node sent `DataReady` for each data connection: no payload may be
+    /// announced on one before it.
+    ready: Vec<bool>,
+    /// The `seq` the next payload announced on each data connection must have.
+    next_seq: Vec<u64>,
     /// Each lane's data address as this session advertised it.
     advertised: Vec<SocketAddr>,
     data_socks: Vec<TcpStream>,
 }
 
-type ManifestWaiter = oneshot::Sender<Result<Vec<u8>, ManifestError>>;
+/// A manifest request waiting for its answer: the dataset asked for, and where the answer goes.
+type ManifestWaiter = (String, oneshot::Sender<Result<Vec<u8>, ManifestError>>);
 
 /// Cancels sent, and fetches the source confirmed it dropped.
 #[derive(Debug, Default)]
@@ -154,7 +231,7 @@ pub struct SourceLink {
     manifest_waiters: Mutex<HashMap<u64, ManifestWaiter>>,
     up: AtomicBool,
     abort: Notify,
-    abort_reason: Mutex<Option<String>>,
+    abort_reason: Mutex<Option<Kick>>,
     /// Payload bytes received from this source.
     pub bytes: AtomicU64,
     /// Last connection error, for status.
@@ -274,25 +351,31 @@ impl SourceLink {
         self.pending.lock().expect("poisoned").len()
     }
 
-    /// Asks the link to drop its current connection (a data connection failed: `reason`).
-    pub fn kick(&self, reason: &str) {
-        *self.abort_reason.lock().expect("poisoned") = Some(reason.to_owned());
+    /// Asks the link to drop its current session, for `why`.
+    pub fn kick(&self, why: Kick) {
+        *self.abort_reason.lock().expect("poisoned") = Some(why);
         self.abort.notify_waiters();
     }
 
     /// [`SourceLink::kick`], only while session `generation` is the current one: a
     /// connection of an older session that fails late must not end its successor.
-    pub fn kick_if(&self, generation: u64, reason: &str) {
+    pub fn kick_session(&self, generation: u64, why: Kick) {
         // Under the state lock, as `establish` bumps the generation and clears the reason
         // under it: a reason set between a check and the set would end the new session.
         let st = self.state.lock().expect("poisoned");
         if st.generation == generation {
-            *self.abort_reason.lock().expect("poisoned") = Some(reason.to_owned());
+            *self.abort_reason.lock().expect("poisoned") = Some(why);
             drop(st);
             self.abort.notify_waiters();
         } else {
-            tracing::debug!(source = %self.addr, generation, reason, "not ending the link's newer session for a connection of an older one");
+            tracing::debug!(source = %self.addr, generation, reason = %why, "not ending the link's newer session for a connection of an older one");
         }
+    }
+
+    /// A data connection of session `generation` failed (`reason`: what its receiver saw):
+    /// [`SourceLink::kick_session`] with [`Kick::DataFailed`].
+    pub fn kick_if(&self, generation: u64, reason: &str) {
+        self.kick_session(generation, Kick::DataFailed(reason.to_owned()));
     }
 
     /// Encodes `msg` and queues it for the session's writer. A message that cannot be
@@ -324,12 +407,13 @@ impl SourceLink {
             shard,
             lane: f.lane,
         };
-        if st.ctl.is_none() {
+        let Some(ctl) = st.ctl.as_ref() else {
             return Err(Box::new((f, SendError::Down(self.addr.clone()))));
-        }
+        };
         f.req = req;
         f.wire_shard = shard;
-        f.held = Some(Held::new(&self.outstanding));
+        // Weak: a CRC report for this FETCH goes to the session that sent it or nowhere.
+        f.held = Some(Held::new(&self.outstanding, Some(ctl.downgrade())));
         // Pending before the send, so an answer can never come for an unknown request.
         self.pending.lock().expect("poisoned").insert(req, f);
         let Err(e) = self.send(&st, &msg) else {
@@ -394,7 +478,7 @@ impl SourceLink {
             self.manifest_waiters
                 .lock()
                 .expect("poisoned")
-                .insert(req, tx);
+                .insert(req, (dataset.to_owned(), tx));
             let msg = Message::ManifestRequest {
                 req,
                 dataset: dataset.into(),
@@ -406,7 +490,7 @@ impl SourceLink {
                         addr,
                         reason: "no control connection".into(),
                     },
-                    e @ SendError::Encode { .. } => ManifestError::Encode(e.to_string()),
+                    SendError::Encode { addr, source } => ManifestError::Encode { addr, source },
                 });
             }
         }
@@ -441,9 +525,14 @@ impl SourceLink {
     /// Tells the source that data connection `conn` of session `generation` is identified
     /// and received from (`DataReady`): only then does it send payloads on it.
     pub fn data_ready(&self, generation: u64, conn: u16) {
-        let st = self.state.lock().expect("poisoned");
+        let mut st = self.state.lock().expect("poisoned");
         if st.generation != generation {
             return;
+        }
+        // Marked before the frame is queued (under the lock the session's `Shard` check
+        // takes): the source's first payload on it can only follow this.
+        if let Some(ready) = st.ready.get_mut(usize::from(conn)) {
+            *ready = true;
         }
         if let Err(e) = self.send(&st, &Message::DataReady { conn }) {
             tracing::debug!(source = %self.addr, conn, error = %e, "DataReady not sent: the session is gone");
@@ -458,6 +547,8 @@ impl SourceLink {
         st.ctl = Some(ctl);
         st.conn_lane = wire::conn_lanes(lanes);
         st.conns = st.conn_lane.iter().map(|_| None).collect();
+        st.ready = vec![false; st.conn_lane.len()];
+        st.next_seq = vec![0; st.conn_lane.len()];
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;
         self.draining.store(false, Ordering::Release);
@@ -506,7 +597,7 @@ impl SourceLink {
         for (_, f) in self.pending.lock().expect("poisoned").drain() {
             f.finish(Err(down()));
         }
-        for (_, w) in self.manifest_waiters.lock().expect("poisoned").drain() {
+        for (_, (_, w)) in self.manifest_waiters.lock().expect("poisoned").drain() {
             let _ = w.send(Err(ManifestError::Down {
                 addr: self.addr.clone(),
                 reason: reason.to_owned(),
@@ -520,6 +611,15 @@ impl SourceLink {
 /// handshake) keeps doubling the wait, so a fault that repeats does not redial 10 times a
 /// second, re-reading and dropping the same shards.
 const HEALTHY_SESSION: Duration = Duration::from_secs(10);
+
+/// Why a link's task was stopped: its source was retired (its address left DNS), or the
+/// node shuts down. The fetches it still held fail with this.
+fn stopped_reason(link: &SourceLink) -> &'static str {
+    match link.is_retiring() {
+        true => "the source was retired (its address left DNS); its fetches go to other sources",
+        false => "node shutting down",
+    }
+}
 
 /// Keeps the link connected until shutdown, reconnecting with backoff.
 pub async fn run(
@@ -535,7 +635,7 @@ pub async fn run(
             _ = shutdown.changed() => Ok(()),
         };
         let reason = match &result {
-            Ok(()) => "node shutting down".to_string(),
+            Ok(()) => stopped_reason(&link).to_owned(),
             Err(e) => format!("source {}: {e}", link.addr),
         };
         let was_up = link.is_up();

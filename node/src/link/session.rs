@@ -17,8 +17,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::stall::{self, Stall};
-use super::{Announcement, DataConns, ManifestError, SourceLink};
-use crate::fetch::FetchFailure;
+use super::{Announcement, DataConns, Kick, LinkState, ManifestError, SourceLink};
+use crate::fetch::{FetchFailure, InFlight};
 
 /// The handshake must be done within this time.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -57,12 +57,10 @@ pub enum LinkError {
     /// The source broke the protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),
-    /// A data connection failed.
-    #[error("a data connection from this source failed: {reason}")]
-    DataFailed {
-        /// What the receiver saw.
-        reason: String,
-    },
+    /// The node ended the session itself (a data connection failed, the source drained, the
+    /// receive path changed, ...).
+    #[error(transparent)]
+    Ended(#[from] Kick),
     /// The source sent nothing for its idle timeout.
     #[error("the source sent nothing for {0:?} (idle timeout)")]
     Idle(Duration),
@@ -173,15 +171,15 @@ where
         tokio::pin!(abort);
         abort.as_mut().enable();
         // A kick while this task was busy (not waiting below) is not lost: its reason stays.
-        if let Some(reason) = link.abort_reason.lock().expect("poisoned").take() {
-            return Err(LinkError::DataFailed { reason });
+        if let Some(why) = link.abort_reason.lock().expect("poisoned").take() {
+            return Err(LinkError::Ended(why));
         }
         let msg = tokio::select! {
             m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,
             w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
             _ = &mut abort => {
-                let reason = link.abort_reason.lock().expect("poisoned").take();
-                return Err(LinkError::DataFailed { reason: reason.unwrap_or_default() });
+                let why = link.abort_reason.lock().expect("poisoned").take();
+                return Err(LinkError::Ended(why.unwrap_or(Kick::DataFailed(String::new()))));
             }
             _ = tokio::time::sleep_until(heard_by) => {
                 if buf.len() == heard_len {
@@ -364,17 +362,7 @@ fn handle(
             conn,
             seq,
         } => announced(link, req, shard, length, crc32c, conn, seq),
-        Message::Manifest { req, dataset, json } => {
-            match link.manifest_waiters.lock().expect("poisoned").remove(&req) {
-                Some(w) => {
-                    let _ = w.send(Ok(json));
-                }
-                None => {
-                    tracing::debug!(source = %link.addr, req, %dataset, "manifest for a request that gave up")
-                }
-            }
-            Ok(())
-        }
+        Message::Manifest { req, dataset, json } => manifest(link, req, dataset, json),
         Message::Error {
             req,
             code,
@@ -389,6 +377,27 @@ fn handle(
             "unexpected message from source: {other:?}"
         ))),
     }
+}
+
+/// A `Manifest` answers the request `req` names; one of another dataset than that request's
+/// fails it and breaks the protocol.
+fn manifest(link: &SourceLink, req: u64, got: String, json: Vec<u8>) -> Result<(), LinkError> {
+    let Some((asked, w)) = link.manifest_waiters.lock().expect("poisoned").remove(&req) else {
+        tracing::debug!(source = %link.addr, req, dataset = %got, "manifest for a request that gave up");
+        return Ok(());
+    };
+    if asked == got {
+        let _ = w.send(Ok(json));
+        return Ok(());
+    }
+    let e = ManifestError::WrongDataset {
+        addr: link.addr.clone(),
+        asked,
+        got,
+    };
+    let msg = format!("manifest req {req}: {e}");
+    let _ = w.send(Err(e));
+    Err(LinkError::Protocol(msg))
 }
 
 /// A `Shard` announcement: the pending fetch moves to the queue of its data connection.
@@ -420,27 +429,62 @@ fn announced(
         f.finish(Err(down(msg.clone())));
         return Err(LinkError::Protocol(msg));
     }
-    let st = link.state.lock().expect("poisoned");
-    let Some(tx) = st.conns.get(conn as usize).and_then(Option::as_ref) else {
-        let msg = format!("SHARD on unannounced data connection {conn}");
-        f.finish(Err(down(msg.clone())));
-        return Err(LinkError::Protocol(msg));
+    let slot = payload_slot(
+        &mut link.state.lock().expect("poisoned"),
+        (req, f.lane),
+        conn,
+        seq,
+    );
+    let tx = match slot {
+        Ok(tx) => tx,
+        Err(msg) => {
+            f.finish(Err(down(msg.clone())));
+            return Err(LinkError::Protocol(msg));
+        }
     };
-    if st.conn_lane[conn as usize] != f.lane {
-        let msg = format!(
-            "SHARD req {req} on data connection {conn} of lane {}; its FETCH named lane {}",
-            st.conn_lane[conn as usize], f.lane
-        );
-        f.finish(Err(down(msg.clone())));
-        return Err(LinkError::Protocol(msg));
-    }
     tracing::debug!(req, shard, conn, seq, "SHARD announced");
     if let Err(e) = tx.send(f) {
         let reason = format!("the receiver of data connection {conn} is gone");
         e.0.finish(Err(down(reason.clone())));
-        return Err(LinkError::DataFailed { reason });
+        return Err(LinkError::Ended(Kick::DataFailed(reason)));
     }
     Ok(())
+}
+
+/// The queue of data connection `conn` for the payload of FETCH `req` (of lane `lane`),
+/// announced as the connection's `seq`th, with the connection's next `seq` counted; else
+/// how the announcement breaks the protocol: a connection never announced, of another lane,
+/// not ready yet (no payload before the node's `DataReady`: one could land before the
+/// connection's path is set up, and no receiver would ever read it), or out of sequence.
+fn payload_slot(
+    st: &mut LinkState,
+    (req, lane): (u64, u16),
+    conn: u16,
+    seq: u64,
+) -> Result<std::sync::mpsc::Sender<InFlight>, String> {
+    let c = usize::from(conn);
+    let Some(tx) = st.conns.get(c).cloned().flatten() else {
+        return Err(format!("SHARD on unannounced data connection {conn}"));
+    };
+    if st.conn_lane[c] != lane {
+        return Err(format!(
+            "SHARD req {req} on data connection {conn} of lane {}; its FETCH named lane {lane}",
+            st.conn_lane[c]
+        ));
+    }
+    if !st.ready[c] {
+        return Err(format!(
+            "SHARD req {req} on data connection {conn} before this node's DataReady for it: no payload may be announced on a connection before its DataReady"
+        ));
+    }
+    if st.next_seq[c] != seq {
+        return Err(format!(
+            "SHARD req {req} on data connection {conn} has seq {seq}; expected {}: payloads on a connection are numbered from 0 without gaps",
+            st.next_seq[c]
+        ));
+    }
+    st.next_seq[c] += 1;
+    Ok(tx)
 }
 
 /// An `Error` from the source fails the one request it names (a fetch or a manifest
@@ -473,7 +517,7 @@ fn error_for(
         return;
     }
     match link.manifest_waiters.lock().expect("poisoned").remove(&req) {
-        Some(w) => {
+        Some((_, w)) => {
             let _ = w.send(Err(ManifestError::Refused { code, message }));
         }
         None => {

@@ -130,13 +130,14 @@ impl Node {
         tracing::info!(receive = %self.receive(), lane, %reason, "receive path changed");
         self.info.set_mode_reason(reason);
         self.plane.reconnect_all("an RX binding was deleted");
-        // Wait until no data connection reads from the binding (ours is the last reference).
+        // Wait until no data connection reads from the binding. Counted by its readers, not
+        // its references: one connection holds several.
         let started = Instant::now();
         let limit = Duration::from_secs(self.info.cfg.drain_timeout_secs);
-        while Arc::strong_count(&region) > 1 && started.elapsed() < limit {
+        while region.readers() > 0 && started.elapsed() < limit {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let readers_left = Arc::strong_count(&region) - 1;
+        let readers_left = region.readers();
         let r = Arc::clone(&region);
         let _ = tokio::task::spawn_blocking(move || r.unbind()).await;
         let waited_ms = started.elapsed().as_millis() as u64;

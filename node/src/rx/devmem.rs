@@ -29,7 +29,7 @@ use shardwire_gpu::kernels::Frag;
 
 use super::error::RxError;
 use super::shared::{CHUNK, Gpus, Pace, PayloadRead, Place, Tally};
-use crate::binding::{FlowRule, RxRegion};
+use crate::binding::{FlowRule, Reading, RxRegion};
 use crate::fetch::InFlight;
 
 /// Payload reader of one data connection on the devmem path.
@@ -43,6 +43,9 @@ pub struct DevmemReader {
     warned: bool,
     /// This connection's steering rule (emulated or on the NIC), deleted when it closes.
     _rule: FlowRule,
+    /// Counts this connection once among the binding's readers while it lives. Last, so it
+    /// is dropped after the socket and the rule: a deleted binding waits for both to go.
+    _reading: Reading,
 }
 
 impl std::fmt::Debug for DevmemReader {
@@ -67,8 +70,11 @@ impl DevmemReader {
     /// A reader of data connection `sock` through `region`, its flow steered to one of the
     /// binding's queues before its first byte is read.
     pub fn new(region: &Arc<RxRegion>, sock: TcpStream) -> io::Result<Self> {
+        // Counted from before its flow is steered: a binding deleted meanwhile waits for it.
+        let reading = region.reading();
         let rule = region.steer(&sock)?;
         Ok(Self {
+            _reading: reading,
             _rule: rule,
             sock: region.recv_socket(sock)?,
             region: Arc::clone(region),
@@ -376,6 +382,28 @@ mod tests {
         assert_eq!(host.rules(), 0, "rules go when their connections close");
         wa.join().unwrap();
         wb.join().unwrap();
+    }
+
+    /// A connection counts once among its binding's readers, however many references to the
+    /// binding it holds, and not at all on another lane's binding.
+    #[test]
+    fn a_connection_counts_once_as_a_reader_of_its_binding() {
+        let host = EmuHost::new();
+        let (a, b) = (lane_binding(&host, 0), lane_binding(&host, 1));
+        let (s, w) = conn("127.0.0.1", pattern(MIB, 4));
+        // The receiver's settings hold the binding for the thread's life (`Setup::binding`).
+        let setup = Arc::clone(&a);
+        let r = DevmemReader::new(&a, s).unwrap();
+        assert!(
+            Arc::strong_count(&a) > 2,
+            "more references than connections"
+        );
+        assert_eq!(a.readers(), 1);
+        assert_eq!(b.readers(), 0);
+        drop(r);
+        assert_eq!(a.readers(), 0, "a closed connection reads no more");
+        drop(setup);
+        w.join().unwrap();
     }
 
     #[test]

@@ -69,19 +69,9 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
         let stager = &mut self.stagers[i];
         let stalls = stager.stalls();
         let mut sum = Checksum::new();
-        let src = &mut self.src;
-        // A read below the pace ends the copy (as a read error the stager passes on); the
-        // typed cause is kept here.
-        let mut slow = None;
+        let mut reads = PacedReads::new(&mut self.src, pace, slab.len());
         let copied = stager.copy_from(
-            &mut |buf| {
-                let n = src.read_some(buf)?;
-                if let Err(e) = pace.landed_now(n) {
-                    slow = Some(e);
-                    return Err(io::Error::from(io::ErrorKind::TimedOut));
-                }
-                Ok(n)
-            },
+            &mut |buf| reads.read(buf),
             &mut |piece| tally.piece(&mut sum, piece),
             region,
             slab.offset(),
@@ -90,7 +80,7 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
         self.counters
             .staging_stalls
             .fetch_add(stager.stalls() - stalls, Ordering::Relaxed);
-        if let Some(e) = slow {
+        if let Some(e) = reads.stop {
             return Err(e);
         }
         copied.map_err(|e| match e {
@@ -98,5 +88,108 @@ impl<R: PayloadRead> Place for Staged<'_, R> {
             shardwire_gpu::cuda::StageError::Gpu(e) => RxError::gpu("the H2D copy", e),
         })?;
         Ok(sum.finish())
+    }
+}
+
+/// The reads of one staged payload, kept to the pace. The stager passes a failed read on as
+/// an I/O error only, so the typed cause is kept in `stop`.
+struct PacedReads<'a, R> {
+    src: &'a mut R,
+    pace: &'a mut Pace,
+    /// Payload bytes read so far.
+    got: u64,
+    /// The payload's length.
+    want: u64,
+    /// Why the reads stopped early: the peer closed, or the pace was not kept.
+    stop: Option<RxError>,
+}
+
+impl<'a, R: PayloadRead> PacedReads<'a, R> {
+    fn new(src: &'a mut R, pace: &'a mut Pace, want: usize) -> Self {
+        Self {
+            src,
+            pace,
+            got: 0,
+            want: want as u64,
+            stop: None,
+        }
+    }
+
+    /// One read into `buf`. End of stream is checked before the pace, as on the `recv` and
+    /// devmem paths: a close mid-payload is `Closed`, never a trickle.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.src.read_some(buf)?;
+        let kept = match n {
+            0 => Err(RxError::Closed {
+                got: self.got,
+                want: self.want,
+            }),
+            n => {
+                self.got += n as u64;
+                self.pace.landed_now(n)
+            }
+        };
+        if let Err(e) = kept {
+            let kind = match e {
+                RxError::Closed { .. } => io::ErrorKind::UnexpectedEof,
+                _ => io::ErrorKind::TimedOut,
+            };
+            self.stop = Some(e);
+            return Err(io::Error::from(kind));
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::rx::shared::PaceRule;
+
+    /// A window already over on every read: the pace is judged each time.
+    fn strict_pace(due: u64) -> Pace {
+        let mut pace = Pace::new(PaceRule {
+            window: Duration::ZERO,
+            floor: 1000,
+        });
+        pace.due(Instant::now(), due);
+        pace
+    }
+
+    /// Before, the close ran the pace check with 0 bytes landed, which reported a trickle.
+    #[test]
+    fn a_close_mid_payload_is_a_close_not_a_trickle() {
+        let mut pace = strict_pace(4096);
+        let mut src: &[u8] = &[7; 1000];
+        let mut buf = [0u8; 4096];
+        let mut reads = PacedReads::new(&mut src, &mut pace, 4096);
+        assert_eq!(reads.read(&mut buf).unwrap(), 1000, "at the floor");
+        let e = reads.read(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(
+            reads.stop,
+            Some(RxError::Closed {
+                got: 1000,
+                want: 4096
+            })
+        );
+        // The pace alone would have called it too slow.
+        assert!(matches!(
+            pace.check(Instant::now()),
+            Err(RxError::TooSlow { got: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn a_read_below_the_floor_is_too_slow() {
+        let mut pace = strict_pace(4096);
+        let mut src: &[u8] = &[7; 10];
+        let mut buf = [0u8; 4096];
+        let mut reads = PacedReads::new(&mut src, &mut pace, 4096);
+        let e = reads.read(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(matches!(reads.stop, Some(RxError::TooSlow { got: 10, .. })));
     }
 }

@@ -7,7 +7,7 @@
 
 use shardwire_protocol::DType;
 use shardwire_protocol::trainer::ErrorCode;
-use shardwire_protocol::{Manifest, TensorEntry};
+use shardwire_protocol::{Manifest, ShardEntry, TensorEntry};
 
 use super::error::OpenError;
 
@@ -38,6 +38,55 @@ pub struct Layout {
     pub shard_rows: Vec<u64>,
 }
 
+/// A batch-mode refusal of the dataset.
+fn bad(msg: String) -> OpenError {
+    OpenError::new(ErrorCode::BadRequest, format!("batch mode: {msg}"))
+}
+
+/// Checks tensor `t` of shard `i` (`s`) against its layout `l` as the `template` shard holds
+/// it, and its row count against the shard's `rows` (those of its first tensor, `name`);
+/// widens a ragged tensor's row size to this shard's longest row.
+fn check_tensor(
+    (i, s): (usize, &ShardEntry),
+    t: &TensorEntry,
+    l: &mut TensorLayout,
+    (rows, name): (u64, &str),
+    template: &str,
+) -> Result<(), OpenError> {
+    let r = t.row_count();
+    let rest = match t.ragged {
+        true => &[][..],
+        false => t.shape.get(1..).unwrap_or_default(),
+    };
+    if t.ragged != l.ragged {
+        let kind = |ragged: bool| if ragged { "ragged" } else { "fixed-shape" };
+        return Err(bad(format!(
+            "shard {i} ({}): tensor `{}` is {} here and {} in {template}",
+            s.file,
+            t.name,
+            kind(t.ragged),
+            kind(l.ragged),
+        )));
+    }
+    if t.ragged {
+        let longest = t.rows.iter().flatten().map(|&[_, len]| len).max();
+        l.row_bytes = l.row_bytes.max(longest.unwrap_or(0));
+    }
+    if t.dtype != l.dtype || rest != l.row_shape.as_slice() {
+        return Err(bad(format!(
+            "shard {i} ({}): tensor `{}` is {} {:?} per row; {template} has {} {:?}",
+            s.file, t.name, t.dtype, rest, l.dtype, l.row_shape
+        )));
+    }
+    if r != rows || (!t.ragged && t.length != r * l.row_bytes) {
+        return Err(bad(format!(
+            "shard {i} ({}): tensor `{}` has {r} rows ({} bytes) but `{name}` has {rows}; a sample is one row of every tensor",
+            s.file, t.name, t.length
+        )));
+    }
+    Ok(())
+}
+
 impl TensorLayout {
     /// The per-row layout of tensor `t` as one shard holds it (a ragged tensor's row size is
     /// the longest row's, found over all shards).
@@ -61,15 +110,19 @@ impl TensorLayout {
 impl Layout {
     /// The layout of `m`, or why its shards cannot be batched together.
     pub fn of(m: &Manifest) -> Result<Self, OpenError> {
-        let bad = |msg: String| OpenError::new(ErrorCode::BadRequest, format!("batch mode: {msg}"));
         // The row sizes come from the first shard that has rows: an empty shard 0 (a
         // Parquet file of no rows, say) gave 0 bytes per row, and refused every other shard.
-        let first = m
+        let at = m
             .shards
             .iter()
-            .find(|s| s.tensors.first().is_some_and(|t| t.row_count() > 0))
-            .or_else(|| m.shards.first())
+            .position(|s| s.tensors.first().is_some_and(|t| t.row_count() > 0))
+            .unwrap_or(0);
+        let first = m
+            .shards
+            .get(at)
             .ok_or_else(|| bad("the dataset has no shards".into()))?;
+        // Named in every refusal: the shards are compared with it, not with shard 0.
+        let template = format!("shard {at} ({})", first.file);
         let mut tensors: Vec<TensorLayout> = first.tensors.iter().map(TensorLayout::of).collect();
         let want: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
         let mut shard_rows = Vec::with_capacity(m.shards.len());
@@ -77,42 +130,13 @@ impl Layout {
             let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
             if names != want {
                 return Err(bad(format!(
-                    "shard {i} ({}) has tensors {names:?}, shard 0 has {want:?}; every shard must hold the same tensors",
+                    "shard {i} ({}) has tensors {names:?}, {template} has {want:?}; every shard must hold the same tensors",
                     s.file
                 )));
             }
             let rows = s.tensors.first().map_or(0, |t| t.row_count());
             for (t, l) in s.tensors.iter().zip(tensors.iter_mut()) {
-                let r = t.row_count();
-                let rest = match t.ragged {
-                    true => &[][..],
-                    false => t.shape.get(1..).unwrap_or_default(),
-                };
-                if t.ragged != l.ragged {
-                    return Err(bad(format!(
-                        "shard {i} ({}): tensor `{}` is {} here and {} in shard 0",
-                        s.file,
-                        t.name,
-                        if t.ragged { "ragged" } else { "fixed-shape" },
-                        if l.ragged { "ragged" } else { "fixed-shape" },
-                    )));
-                }
-                if t.ragged {
-                    let longest = t.rows.iter().flatten().map(|&[_, len]| len).max();
-                    l.row_bytes = l.row_bytes.max(longest.unwrap_or(0));
-                }
-                if t.dtype != l.dtype || rest != l.row_shape.as_slice() {
-                    return Err(bad(format!(
-                        "shard {i} ({}): tensor `{}` is {} {:?} per row; shard 0 has {} {:?}",
-                        s.file, t.name, t.dtype, rest, l.dtype, l.row_shape
-                    )));
-                }
-                if r != rows || (!t.ragged && t.length != r * l.row_bytes) {
-                    return Err(bad(format!(
-                        "shard {i} ({}): tensor `{}` has {r} rows ({} bytes) but `{}` has {rows}; a sample is one row of every tensor",
-                        s.file, t.name, t.length, want[0]
-                    )));
-                }
+                check_tensor((i, s), t, l, (rows, want[0].as_str()), &template)?;
             }
             shard_rows.push(rows);
         }
@@ -192,6 +216,24 @@ mod tests {
         let l = Layout::of(&m).unwrap();
         assert_eq!(l.shard_rows, vec![0, 10, 4]);
         assert_eq!((l.tensors[1].row_bytes, l.sample_bytes()), (12, 20));
+    }
+
+    #[test]
+    fn a_mismatch_names_the_shard_the_others_are_compared_with() {
+        let mut b = shard(4, "b");
+        b.tensors[1].shape = vec![4, 2];
+        b.tensors[1].length = 4 * 2 * 4;
+        let m = Manifest::new(vec![shard(0, "empty"), shard(10, "a"), b]);
+        let e = Layout::of(&m).unwrap_err();
+        // Before: "shard 0 has float32 [3]", shard 0 being the empty one.
+        assert!(e.message.contains("; shard 1 (a) has float32 [3]"), "{e}");
+        let mut c = shard(4, "c");
+        c.tensors.pop();
+        let e = Layout::of(&Manifest::new(vec![shard(0, "empty"), shard(10, "a"), c])).unwrap_err();
+        assert!(
+            e.message.contains(", shard 1 (a) has [\"id\", \"x\"]"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -220,11 +220,16 @@ impl Mixture {
         out
     }
 
-    /// Dataset `d`'s order for its epoch `e` (the few in use are kept).
+    /// Dataset `d`'s order for its epoch `e` (the few in use are kept, least recently used
+    /// evicted first: a small dataset that starts an epoch every few steps must not push out
+    /// the order of a large one still read every other slot, each rebuild is O(shards)).
     fn order(&self, d: usize, e: u32) -> Arc<EpochOrder> {
         let mut o = self.orders.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, _, ep)) = o.iter().find(|(pd, pe, _)| *pd == d && *pe == e) {
-            return Arc::clone(ep);
+        if let Some(i) = o.iter().position(|(pd, pe, _)| *pd == d && *pe == e) {
+            let hit = o.remove(i).expect("the position was just found");
+            let ep = Arc::clone(&hit.2);
+            o.push_back(hit);
+            return ep;
         }
         let ep = Arc::new(self.parts[d].order.epoch(e));
         if o.len() >= 2 * self.parts.len() + 2 {
@@ -431,6 +436,21 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn an_order_in_use_stays_cached_while_another_dataset_runs_through_epochs() {
+        let m = mix(&[0.5, 0.5], 4, 1, 0, start());
+        let web = m.order(0, 0);
+        // "code" starts many epochs while "web" is still read every other slot: more
+        // distinct orders than the cache holds (2 * 2 + 2).
+        for e in 0..12 {
+            m.order(1, e);
+            assert!(
+                Arc::ptr_eq(&web, &m.order(0, 0)),
+                "web's order rebuilt after code's epoch {e}"
+            );
         }
     }
 

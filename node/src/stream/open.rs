@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use shardwire_gpu::{HostRegion, Region, SlabPool};
 use shardwire_protocol::plan::{PlanSpec, compare_fingerprints};
-use shardwire_protocol::samples::{BatchPlan, BlockKeys, SampleOrder, Shuffle};
+use shardwire_protocol::samples::{BatchPlan, BlockKeys, MAX_PARTITIONS, SampleOrder, Shuffle};
 use shardwire_protocol::trainer::{
     DEFAULT_BLOCK_SHARDS, ErrorCode, StreamRequest, StreamState, TRAINER_VERSION, WindowOrder,
 };
@@ -271,7 +271,7 @@ pub(super) fn check_workers(r: &StreamRequest) -> Result<(), OpenError> {
 
 /// The order of dataset `m` (whose shards hold `shard_rows` rows) for request `r`: rows, or
 /// token windows with `seq_len`; partitions and shuffle block from the request, else the
-/// resume state's, else `partitions` and the default block.
+/// resume state's, else [`default_partitions`] of `partitions` and the default block.
 pub(super) fn sample_order(
     m: &Manifest,
     r: &StreamRequest,
@@ -281,15 +281,10 @@ pub(super) fn sample_order(
 ) -> Result<(SampleOrder, Option<TokenMode>), OpenError> {
     let st = r.state.as_ref();
     let bad = |e: String| OpenError::new(ErrorCode::BadPlan, e);
-    let avg = shard_rows
-        .iter()
-        .fold(0u64, |a, &n| a.saturating_add(n))
-        .div_ceil(shard_rows.len().max(1) as u64);
+    let total = shard_rows.iter().fold(0u64, |a, &n| a.saturating_add(n));
+    let avg = total.div_ceil(shard_rows.len().max(1) as u64);
     let shuffle = r.shuffle.unwrap_or_default();
-    let partitions = r
-        .partitions
-        .or(st.and_then(|s| s.partitions))
-        .unwrap_or(partitions);
+    let named = r.partitions.or(st.and_then(|s| s.partitions));
     let shuffle_block = r
         .shuffle_block
         .or(st.and_then(|s| s.shuffle_block))
@@ -298,11 +293,14 @@ pub(super) fn sample_order(
     let (order, tokens) = match r.seq_len {
         None => {
             let rows = shard_rows.to_vec();
+            let partitions = named.unwrap_or_else(|| default_partitions(partitions, total));
             let o = SampleOrder::new(digest, rows, r.seed, shuffle, shuffle_block, partitions);
             (o, None)
         }
         Some(seq_len) => {
             let (spec, mode) = TokenMode::of(m, r, seq_len)?;
+            let partitions =
+                named.unwrap_or_else(|| default_partitions(partitions, spec.windows()));
             let unsigned = matches!(mode.src, DType::Uint8 | DType::Uint16 | DType::Uint32);
             if cuda && mode.out != mode.src && !unsigned {
                 return Err(OpenError::new(
@@ -324,6 +322,27 @@ pub(super) fn sample_order(
         order.block_keys = BlockKeys::of_state(&st.fingerprint, "");
     }
     Ok((order, tokens))
+}
+
+/// The partitions of a request that names none (nor does its state): `world_size`, or where
+/// that is over the dataset's `samples` or [`MAX_PARTITIONS`], its largest divisor within
+/// both, so the world size stays a multiple of it. The value goes into the state and the
+/// fingerprint: a resume reads it back, never derives it again from another world size.
+fn default_partitions(world_size: u32, samples: u64) -> u32 {
+    let limit = samples.min(u64::from(MAX_PARTITIONS)).max(1);
+    let w = u64::from(world_size);
+    if w <= limit {
+        return world_size;
+    }
+    // Divisors in pairs (d, w / d) up to the square root: 2^16 steps at most.
+    let best = (1u64..)
+        .take_while(|d| d * d <= w)
+        .filter(|&d| w.is_multiple_of(d))
+        .flat_map(|d| [d, w / d])
+        .filter(|&d| d <= limit)
+        .max()
+        .unwrap_or(1);
+    u32::try_from(best).unwrap_or(1)
 }
 
 /// Refuses `epochs` of `per_epoch` positions of `per_position` samples (a batch-mode stream
@@ -421,7 +440,6 @@ fn check_window(
     let (c, w) = (o.partitions, plan.world_size);
     let concurrent = u64::from(if c % w == 0 { c / w } else { 1 });
     let max_class = max_class(m);
-    let min_rows = min_rows(o);
     let per_block = block_shards(o).min(m.shards.len() as u64);
     let across = peak::peak(m, &plan.units(&o.epoch(0)), u64::from(plan.batch_size));
     // Saturating: a count of blocks times a large class must not wrap into "fits".
@@ -434,6 +452,11 @@ fn check_window(
     if blocks.saturating_add(batches) <= region_bytes {
         return Ok(ready_ahead(region_bytes, blocks, class));
     }
+    // A window order's blocks count documents, a row order's samples.
+    let unit = match o.window_spec() {
+        Some(_) => "documents",
+        None => "samples",
+    };
     if across.bytes
         > concurrent
             .saturating_mul(per_block)
@@ -442,7 +465,7 @@ fn check_window(
         return Err(OpenError::new(
             ErrorCode::NoMemory,
             format!(
-                "batch mode needs stream_memory of at least {} bytes: one batch of {} samples reads {} units (blocks of shuffle_block {} samples, or the epoch's tail) at once, {} shards of {} slab bytes, as it crosses from one into the next, plus {} batch slabs of {class} bytes; stream_memory is {region_bytes}; raise stream_memory, or lower batch_size or shuffle_block",
+                "batch mode needs stream_memory of at least {} bytes: one batch of {} samples reads {} units (blocks of shuffle_block {} {unit}, or the epoch's tail) at once, {} shards of {} slab bytes, as it crosses from one into the next, plus {} batch slabs of {class} bytes; stream_memory is {region_bytes}; raise stream_memory, or lower batch_size or shuffle_block",
                 blocks.saturating_add(batches),
                 plan.batch_size,
                 across.units,
@@ -454,17 +477,16 @@ fn check_window(
         ));
     }
     let room = region_bytes.saturating_sub(batches) / concurrent.saturating_mul(max_class).max(1);
-    let hint = match o.shuffle {
-        Shuffle::Block if room >= 2 => format!(
-            "; lower shuffle_block to at most {} samples, or raise stream_memory",
-            (room - 1) * min_rows
-        ),
+    let hint = match largest_block(o, room) {
+        Some(b) if o.shuffle == Shuffle::Block => {
+            format!("; lower shuffle_block to at most {b} {unit}, or raise stream_memory")
+        }
         _ => "; raise stream_memory".into(),
     };
     Err(OpenError::new(
         ErrorCode::NoMemory,
         format!(
-            "batch mode needs stream_memory of at least {} bytes: {concurrent} partition(s) read at once, each with a block of up to {per_block} shards of slab class {max_class} (shuffle_block {} samples), plus {} batch slabs of {} bytes; stream_memory is {region_bytes}{hint}",
+            "batch mode needs stream_memory of at least {} bytes: {concurrent} partition(s) read at once, each with a block of up to {per_block} shards of slab class {max_class} (shuffle_block {} {unit}), plus {} batch slabs of {} bytes; stream_memory is {region_bytes}{hint}",
             blocks.saturating_add(batches),
             o.shuffle_block,
             READY_AHEAD + 1,
@@ -493,14 +515,20 @@ fn min_rows(o: &SampleOrder) -> u64 {
 }
 
 /// The most shards a block of `o` reads at once (a window block also reads into the shards
-/// its last window reaches: `seq_len + 1` tokens past its start). Saturating: a
-/// `shuffle_block` near `u64::MAX` over shards of one row must not wrap into "a few shards".
+/// its last window reaches: [`window_reach`]). Saturating: a `shuffle_block` near
+/// `u64::MAX` over shards of one row must not wrap into "a few shards".
 pub(super) fn block_shards(o: &SampleOrder) -> u64 {
     let per_block = match o.shuffle {
         Shuffle::Block => o.shuffle_block.div_ceil(min_rows(o)).saturating_add(1),
         _ => 1,
     };
-    let reach = o.window_spec().map_or(0, |w| {
+    per_block.saturating_add(window_reach(o))
+}
+
+/// The shards past its document block a window block of `o` may read (its last window
+/// reaches `seq_len + 1` tokens past its start); 0 for rows.
+fn window_reach(o: &SampleOrder) -> u64 {
+    o.window_spec().map_or(0, |w| {
         let min_tokens = w
             .doc_tokens
             .iter()
@@ -512,8 +540,15 @@ pub(super) fn block_shards(o: &SampleOrder) -> u64 {
             .saturating_add(1)
             .div_ceil(min_tokens)
             .saturating_add(1)
-    });
-    per_block.saturating_add(reach)
+    })
+}
+
+/// The largest `shuffle_block` whose blocks ([`block_shards`]) fit `room` shards: the
+/// inverse of `ceil(b / min_rows) + 1 + reach <= room`; `None` where not even a block of
+/// one shard does.
+fn largest_block(o: &SampleOrder, room: u64) -> Option<u64> {
+    let shards = room.checked_sub(window_reach(o).saturating_add(1))?;
+    (shards > 0).then_some(shards.saturating_mul(min_rows(o)))
 }
 
 /// The region of stream `id`: a memfd, or a VMM allocation on the GPU.
@@ -656,6 +691,66 @@ mod tests {
                 .message
                 .contains("`seed`")
         );
+    }
+
+    /// 64 shards of 4 documents of 4 tokens (4096 bytes each), windows of 63 tokens (each
+    /// reaching up to 5 shards past its document block), blocks of `shuffle_block`
+    /// documents, batches of one window.
+    fn windows_of(shuffle_block: u64) -> (Manifest, BatchPlan) {
+        use shardwire_protocol::manifest::ShardEntry;
+        use shardwire_protocol::samples::WindowSpec;
+        let m = Manifest::new(
+            (0..64)
+                .map(|i| ShardEntry {
+                    file: format!("s{i}.bin"),
+                    offset: 0,
+                    length: 4096,
+                    crc32c: 0,
+                    tensors: Vec::new(),
+                })
+                .collect(),
+        );
+        let spec = WindowSpec {
+            seq_len: 63,
+            column: "tokens".into(),
+            doc_tokens: vec![vec![4; 4]; 64],
+            megatron: false,
+        };
+        let o = SampleOrder::windows([3; 32], spec, 5, Shuffle::Block, shuffle_block, 1).unwrap();
+        (m, BatchPlan::new(Arc::new(o), 1, 1, 0, false).unwrap())
+    }
+
+    #[test]
+    fn the_shuffle_block_a_token_mode_refusal_suggests_fits_its_blocks() {
+        // Room for 10 shards: a block of b documents reads ceil(b / 4) + 1 + 5 shards.
+        let (_, plan) = windows_of(64);
+        let suggested = largest_block(&plan.order, 10).unwrap();
+        // Before: 36 (room - 1 shards of 4 documents), whose blocks read 9 + 1 + 5 shards.
+        assert_eq!(suggested, 16);
+        let (_, fits) = windows_of(suggested);
+        assert_eq!(block_shards(&fits.order), 10);
+        let (_, over) = windows_of(suggested + 1);
+        assert_eq!(block_shards(&over.order), 11, "the largest");
+        // Not even a block of one shard: no suggestion.
+        assert_eq!(largest_block(&plan.order, 6), None);
+    }
+
+    #[test]
+    fn default_partitions_past_the_samples_or_the_limit_divide_the_world_size() {
+        // Before: 100 rows on 128 ranks was refused as "partitions is 128", a field the
+        // request never set.
+        let m = Manifest::new(Vec::new());
+        let mut r = StreamRequest::new("web");
+        (r.batch_size, r.world_size) = (Some(1), 128);
+        let (o, _) = sample_order(&m, &r, &[100], 128, false).unwrap();
+        assert_eq!(o.partitions, 64);
+        assert!(BatchPlan::new(Arc::new(o), 1, 128, 0, false).is_ok());
+        // Past 2^20 ranks (as TRAINER_API.md says): the largest divisor within it.
+        assert_eq!(default_partitions(3 << 20, u64::MAX), 1 << 20);
+        assert_eq!(default_partitions(8, 100), 8);
+        // Named, it is taken as given (and refused).
+        r.partitions = Some(128);
+        assert!(sample_order(&m, &r, &[100], 128, false).is_err());
     }
 
     #[test]

@@ -216,7 +216,7 @@ fn schedule(
         compare_fingerprints(&fingerprint, &st.fingerprint)
             .map_err(|m| bad(ErrorCode::StateMismatch, m))?;
     }
-    let mix = from_the_start(mix, r);
+    let mix = from_the_start(mix, r)?;
     if mix.steps == 0 {
         let total = mix
             .parts
@@ -264,14 +264,25 @@ fn check_megatron_seeds(mix: &Mixture, r: &StreamRequest) -> Result<(), OpenErro
     Ok(())
 }
 
+/// Most global steps, and most samples (steps x global batch), an open replays the schedule
+/// from its start ([`from_the_start`]): each slot costs a `counts` turn (about 6.5 us a step
+/// of 1024 samples over 2 datasets, more with more datasets), and every 1024 steps a kept
+/// checkpoint. 2^33 samples is about a minute over 2 datasets: a run of a million steps of
+/// 8192 samples; 2^26 steps keep 65536 checkpoints.
+const MAX_REPLAY_STEPS: u64 = 1 << 26;
+/// See [`MAX_REPLAY_STEPS`].
+const MAX_REPLAY_SAMPLES: u64 = 1 << 33;
+
 /// `mix` based at the state's position when the state's mixture point is the schedule's
 /// start while its position is later: the state of a stream that has delivered nothing (a
 /// probe's), moved to another epoch (`{epoch: e, index: 0}`, as the SDK's `set_epoch` and
 /// `open_at_epoch` do). The schedule from the start is played to that step (its weights are
-/// the state's: the same as a stream run from the start would have had).
-fn from_the_start(mix: Mixture, r: &StreamRequest) -> Mixture {
+/// the state's: the same as a stream run from the start would have had). A position whose
+/// index would not fit, or past what an open replays, is refused first: nothing else bounds
+/// the replay (a state may name epoch 2^32 - 2).
+fn from_the_start(mix: Mixture, r: &StreamRequest) -> Result<Mixture, OpenError> {
     let Some(st) = r.state.as_ref() else {
-        return mix;
+        return Ok(mix);
     };
     let at_start = mix.base.step == 0
         && mix.base.cursors.iter().all(|&c| c == 0)
@@ -281,18 +292,30 @@ fn from_the_start(mix: Mixture, r: &StreamRequest) -> Mixture {
         .saturating_add(st.index);
     // A position past the stream is refused by `resume_position` with the numbers.
     if !at_start || pos == 0 || super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
-        return mix;
+        return Ok(mix);
+    }
+    // The node checks it again after the open; before the replay, it bounds it.
+    super::open::check_index_fits(mix.steps, u64::from(mix.batch_size), r.epochs)?;
+    let samples = pos.saturating_mul(mix.global_batch());
+    if pos > MAX_REPLAY_STEPS || samples > MAX_REPLAY_SAMPLES {
+        return Err(bad(
+            ErrorCode::BadRequest,
+            format!(
+                "state position epoch {} step {} is global step {pos} ({samples} samples) of a schedule the state has at its start (a state made by set_epoch or open_at_epoch); an open replays the schedule from its start to at most step {MAX_REPLAY_STEPS} and {MAX_REPLAY_SAMPLES} samples; resume from a state a stream saved near that position, or open at an earlier epoch",
+                st.epoch, st.index
+            ),
+        ));
     }
     // From the nearest checkpoint another stream of this node reached (`schedules`); a
     // replay from step 0 still takes milliseconds per thousand steps: off the runtime's
     // workers' other tasks.
     let point = tokio::task::block_in_place(|| mix.point(pos));
-    Mixture::new(
+    Ok(Mixture::new(
         mix.parts,
         mix.q,
         (mix.batch_size, mix.world_size, mix.rank),
         point,
-    )
+    ))
 }
 
 /// Whether a dataset's resumed cursor (samples it has given) is one a schedule can reach and
@@ -612,6 +635,51 @@ mod tests {
             .expect("refused at once, not after a replay");
         let e = got.unwrap_err();
         assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+    }
+
+    #[test]
+    fn a_state_of_this_plan_at_a_far_epoch_is_refused_before_any_replay() {
+        let (parts, combined, mut r) = halves(2, 3);
+        r.batch_size = Some(4);
+        r.epochs = u32::MAX;
+        let (.., fingerprint) = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).unwrap();
+        let at_epoch = |epoch: u32| StreamState {
+            epoch,
+            index: 0,
+            seed: 0,
+            fingerprint: fingerprint.clone(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
+            mix: Some(MixState {
+                step: 0,
+                datasets: vec!["a".into(), "b".into()],
+                weights: vec![1 << 39, 1 << 39],
+                cursors: vec![0, 0],
+                carry: vec![0, 0],
+            }),
+        };
+        // A near epoch is still played to.
+        r.state = Some(at_epoch(3));
+        let (_, start, _) = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).unwrap();
+        assert_eq!(start, 3 * 10, "10 steps an epoch");
+        // Before: the schedule was played to step (2^32 - 2) x 10 (hours).
+        r.state = Some(at_epoch(u32::MAX - 1));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let got = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).map(|_| ());
+            let _ = tx.send(got);
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("refused at once, not after a replay");
+        let e = got.unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
+        assert!(
+            e.message.contains("epoch 4294967294 step 0"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -431,6 +431,53 @@ fn a_table_that_puts_two_gpus_on_one_nic_splits_its_queues_between_them() {
 }
 
 #[test]
+fn a_table_lane_without_a_nic_avoids_the_nic_another_lane_names() {
+    // The switch of GPUs 04:00.0 and 05:00.0 gets a second NIC (eth5, a function beside
+    // eth1): two GPUs, two NICs, all at PIX.
+    let mut t = tree("8gpu-4nic");
+    let mut second = t
+        .nics
+        .iter()
+        .find(|n| n.interface == "eth1")
+        .expect("eth1")
+        .clone();
+    let pci: PciAddr = "0000:06:00.1".parse().unwrap();
+    second.interface = "eth5".into();
+    second.pci = Some(pci);
+    let path = second.path.as_mut().expect("eth1 is in the tree");
+    *path.chain.last_mut().expect("the NIC itself") = pci;
+    t.nics.push(second);
+    let lane = |gpu: &str, nic: Option<&str>| LaneConfig {
+        gpu: Some(gpu.into()),
+        interface: nic.map(str::to_owned),
+        ..LaneConfig::default()
+    };
+    // The NIC the pairing gives 05:00.0, named for 04:00.0.
+    let auto = table(vec![lane("0000:04:00.0", None), lane("0000:05:00.0", None)]);
+    let paired = plan(&inputs(&auto, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    let theirs = paired[1].nic.clone().expect("a NIC");
+    assert_ne!(paired[0].nic.as_deref(), Some(theirs.as_str()), "spread");
+    let lanes = table(vec![
+        lane("0000:04:00.0", Some(theirs.as_str())),
+        lane("0000:05:00.0", None),
+    ]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    // Before: 05:00.0 took the same NIC, and the other sat idle.
+    let other = if theirs == "eth1" { "eth5" } else { "eth1" };
+    assert_eq!(got[1].nic.as_deref(), Some(other), "{}", got[1].why);
+    assert_eq!(got[1].distance, Some(Distance::Pix));
+    // Where no unnamed NIC is as near, the nearest one still, though named.
+    let far = table(vec![
+        lane("0000:04:00.0", Some("eth1")),
+        lane("0000:05:00.0", Some("eth5")),
+        lane("0000:0a:00.0", Some("eth2")),
+        lane("0000:0b:00.0", None),
+    ]);
+    let got = plan(&inputs(&far, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(got[3].nic.as_deref(), Some("eth2"), "{}", got[3].why);
+}
+
+#[test]
 fn a_table_of_one_lane_takes_devmem_queues_when_it_names_none() {
     // Before, a table's lane bound only lanes[i].queues: devmem_queues was dropped without a
     // word on a node of one lane (the Kubernetes hosts' `lanes = [{}]`).

@@ -199,6 +199,187 @@ async fn until_up(l: &SourceLink) {
     }
 }
 
+/// Waits until the sink has seen `n` announcements.
+async fn until_announced(sink: &Sink, n: usize) {
+    while sink.announced.lock().unwrap().len() < n {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A session with a fetch sent: the link, the source end, the sink, the session task, and
+/// where the fetch's outcome goes.
+type WithFetch = (
+    Arc<SourceLink>,
+    FakeSource,
+    Arc<Sink>,
+    Session,
+    tokio::sync::mpsc::UnboundedReceiver<crate::fetch::Completion>,
+);
+
+/// A session up with data connection 1 (lane 0) announced, and FETCH `req` of 4096 bytes
+/// with CRC 5 sent; `ready`: the node said `DataReady` for the connection.
+async fn with_a_fetch(req: u64, ready: bool) -> WithFetch {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    src.send(Message::DataConn {
+        lane: 0,
+        conn: 1,
+        addr: "127.0.0.1:40001".parse().unwrap(),
+    })
+    .await;
+    until_announced(&sink, 1).await;
+    if ready {
+        l.data_ready(1, 1);
+        assert_eq!(src.recv_work().await, Message::DataReady { conn: 1 });
+    }
+    let p = pool(1 << 20);
+    let (f, done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(req, "tiny", f.shard, f).unwrap();
+    assert!(matches!(src.recv_work().await, Message::Fetch { req: r, .. } if r == req));
+    (l, src, sink, task, done)
+}
+
+/// The source's `Shard` for FETCH `req` (shard 0, 4096 bytes, CRC 5) on connection 1.
+fn shard_on_conn_1(req: u64, seq: u64) -> Message {
+    Message::Shard {
+        req,
+        shard: 0,
+        length: 4096,
+        crc32c: 5,
+        conn: 1,
+        seq,
+    }
+}
+
+/// No payload before `DataReady`: a `Shard` on a connection the node has not said it is ready
+/// for breaks the protocol, naming the connection and the request, and its fetch comes back.
+/// Before, it was queued on a connection that might never arrive, and waited for ever.
+#[tokio::test(start_paused = true)]
+async fn a_shard_on_a_connection_before_its_data_ready_ends_the_session() {
+    let (_l, mut src, _sink, task, mut done) = with_a_fetch(7, false).await;
+    src.send(shard_on_conn_1(7, 0)).await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Protocol(m)
+            if m.contains("req 7 on data connection 1 before this node's DataReady")),
+        "{e}"
+    );
+    let c = done.recv().await.unwrap();
+    assert!(
+        matches!(c.result, Err(FetchFailure::LinkDown { .. })),
+        "{:?}",
+        c.result
+    );
+}
+
+/// Payloads on a connection are numbered from 0 without gaps: one out of sequence breaks the
+/// protocol, naming the connection, the seq expected and the one given. Before, seq was only
+/// logged.
+#[tokio::test]
+async fn a_shard_out_of_sequence_on_its_connection_ends_the_session() {
+    let (l, mut src, sink, task, _done) = with_a_fetch(7, true).await;
+    let p = pool(1 << 20);
+    let (f, mut second) = in_flight(&p, 0, 4096, 5);
+    l.fetch(8, "tiny", f.shard, f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 8, .. }
+    ));
+    src.send(shard_on_conn_1(7, 0)).await;
+    src.send(shard_on_conn_1(8, 5)).await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Protocol(m)
+            if m.contains("req 8 on data connection 1 has seq 5; expected 1")),
+        "{e}"
+    );
+    let first = sink.queues.lock().unwrap()[0]
+        .try_recv()
+        .expect("seq 0 was queued");
+    assert_eq!(first.req, 7);
+    let c = second.recv().await.unwrap();
+    assert!(matches!(c.result, Err(FetchFailure::LinkDown { .. })));
+}
+
+/// A payload that fails its CRC-32C (as its receiver finds) is reported to the source that
+/// sent it: `Error{req, ChecksumMismatch}` on the control connection (protocol 5).
+#[tokio::test]
+async fn a_payload_that_fails_its_crc_is_reported_to_its_source() {
+    let (_l, mut src, sink, task, mut done) = with_a_fetch(7, true).await;
+    src.send(shard_on_conn_1(7, 0)).await;
+    let f = loop {
+        if let Some(q) = sink.queues.lock().unwrap().first()
+            && let Ok(f) = q.try_recv()
+        {
+            break f;
+        }
+        tokio::task::yield_now().await;
+    };
+    f.verified(6); // what the receiver does with a payload whose CRC-32C is 6, not 5
+    match src.recv_work().await {
+        Message::Error {
+            req, code, message, ..
+        } => {
+            assert_eq!((req, code), (7, ErrorCode::ChecksumMismatch));
+            assert!(
+                message.contains("CRC-32C 0x00000006, the manifest says 0x00000005"),
+                "{message}"
+            );
+        }
+        other => panic!("expected the CRC report, got {other:?}"),
+    }
+    let c = done.recv().await.unwrap();
+    assert_eq!(c.result, Err(FetchFailure::Crc { got: 6, want: 5 }));
+    assert!(!task.is_finished(), "the session goes on");
+}
+
+/// The node's own reasons for ending a session say what happened: a drained source's is not
+/// a failed data connection. Before, every kick read "a data connection from this source
+/// failed".
+#[tokio::test]
+async fn a_drained_source_is_said_to_have_drained_not_to_have_failed() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    l.kick(Kick::Drained);
+    let e = task.await.unwrap().unwrap_err();
+    assert!(matches!(e, LinkError::Ended(Kick::Drained)), "{e}");
+    assert!(e.to_string().contains("drained"), "{e}");
+    assert!(!e.to_string().contains("data connection"), "{e}");
+}
+
+/// A manifest answered for another dataset than the one asked for fails its request, naming
+/// both, and breaks the protocol. Before, it was taken as the answer.
+#[tokio::test]
+async fn a_manifest_of_another_dataset_fails_its_request_and_the_session() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let l2 = Arc::clone(&l);
+    let asked = tokio::spawn(async move { l2.request_manifest(3, "tiny").await });
+    assert!(matches!(
+        src.recv_work().await,
+        Message::ManifestRequest { req: 3, .. }
+    ));
+    src.send(Message::Manifest {
+        req: 3,
+        dataset: "other".into(),
+        json: b"{}".to_vec(),
+    })
+    .await;
+    let e = asked.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, ManifestError::WrongDataset { asked, got, .. } if asked == "tiny" && got == "other"),
+        "{e}"
+    );
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Protocol(m) if m.contains("`tiny`") && m.contains("`other`")),
+        "{e}"
+    );
+}
+
 #[tokio::test]
 async fn an_error_fails_only_the_manifest_request_it_names() {
     let (l, mut src, _sink, _task) = start();
@@ -336,6 +517,10 @@ async fn announcements_reach_the_data_plane_and_shards_their_queue() {
         addr: from,
     })
     .await;
+    // The node matched the connection (the data plane's job, not the sink's) and is ready.
+    until_announced(&sink, 1).await;
+    l.data_ready(1, 1);
+    assert_eq!(src.recv_work().await, Message::DataReady { conn: 1 });
     let p = pool(1 << 20);
     let (f, _done) = in_flight(&p, 0, 4096, 5);
     l.fetch(7, "tiny", f.shard, f).unwrap();
@@ -773,4 +958,18 @@ impl TcpSource {
         while self.recv().await.is_some() {}
         Some(())
     }
+}
+
+/// A link stopped because its source was retired fails what it still holds saying so, not
+/// "node shutting down" (what every stop said before).
+#[test]
+fn a_link_stopped_for_its_retired_source_says_so() {
+    let l = link();
+    assert_eq!(crate::link::stopped_reason(&l), "node shutting down");
+    l.set_retiring(true);
+    let why = crate::link::stopped_reason(&l);
+    assert!(
+        why.contains("retired") && !why.contains("shutting down"),
+        "{why}"
+    );
 }
