@@ -198,51 +198,35 @@ fn client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
     ]
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+/// Whether a boolean setting is on, read as object_store reads it (its `config.rs`: `1`,
+/// `true`, `on`, `yes`, `y`, any case); unset or unreadable is off (object_store's `build`
+/// refuses an unreadable one, so no store is described with it).
+fn on(value: Option<String>) -> bool {
+    value.is_some_and(|v| {
+        matches!(
+            v.to_ascii_lowercase().as_str(),
+            "1" | "true" | "on" | "yes" | "y"
+        )
+    })
 }
 
 fn describe_s3(b: &AmazonS3Builder) -> Described {
-    let region = b
-        .get_config_value(&S3Key::Region)
-        .unwrap_or_else(|| "us-east-1".into());
-    let truthy = |k: &S3Key| b.get_config_value(k).is_some_and(|v| v == "true");
-    let credentials = if env("AWS_SKIP_SIGNATURE").is_some_and(|v| v == "true") {
-        "none (unsigned requests: AWS_SKIP_SIGNATURE)".to_owned()
-    } else if b.get_config_value(&S3Key::AccessKeyId).is_some() {
-        let token = b.get_config_value(&S3Key::Token).is_some();
-        format!(
-            "static keys from AWS_ACCESS_KEY_ID{}",
-            if token { " + AWS_SESSION_TOKEN" } else { "" }
-        )
-    } else if let (Some(_), Some(role)) = (env("AWS_WEB_IDENTITY_TOKEN_FILE"), env("AWS_ROLE_ARN"))
-    {
-        format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role {role})")
-    } else if b
-        .get_config_value(&S3Key::ContainerCredentialsRelativeUri)
-        .is_some()
-    {
-        "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI)".to_owned()
-    } else if b
-        .get_config_value(&S3Key::ContainerCredentialsFullUri)
-        .is_some()
-    {
-        "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI)".to_owned()
-    } else {
-        "instance metadata (IMDSv2)".to_owned()
+    let get = |k: S3Key| b.get_config_value(&k);
+    let region = get(S3Key::Region).unwrap_or_else(|| "us-east-1".into());
+    let virtual_hosted = on(get(S3Key::VirtualHostedStyleRequest));
+    // As object_store's `build` chooses: AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, used as
+    // given; without one, AWS's own endpoint in the addressing style asked for.
+    let endpoint = match get(S3Key::S3Endpoint).or_else(|| get(S3Key::Endpoint)) {
+        Some(e) => redacted(&e),
+        None if virtual_hosted => {
+            let bucket = get(S3Key::Bucket).unwrap_or_else(|| "BUCKET".into());
+            format!("https://{bucket}.s3.{region}.amazonaws.com")
+        }
+        None => format!("https://s3.{region}.amazonaws.com"),
     };
-    // As object_store's `build` chooses: AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL.
-    let endpoint = b
-        .get_config_value(&S3Key::S3Endpoint)
-        .or_else(|| b.get_config_value(&S3Key::Endpoint))
-        .map_or_else(
-            || format!("https://s3.{region}.amazonaws.com"),
-            |e| redacted(&e),
-        );
-    let virtual_hosted = truthy(&S3Key::VirtualHostedStyleRequest);
     Described {
         backend: "s3",
-        credentials,
+        credentials: s3_credentials(b),
         endpoint,
         region: Some(region),
         addressing: Some(if virtual_hosted {
@@ -253,16 +237,48 @@ fn describe_s3(b: &AmazonS3Builder) -> Described {
     }
 }
 
+/// Where an S3 client's credentials come from, in the order object_store's `build` tries
+/// them (from the builder's settings, which `from_env` filled from `AWS_*`).
+fn s3_credentials(b: &AmazonS3Builder) -> String {
+    let get = |k: S3Key| b.get_config_value(&k);
+    if on(get(S3Key::SkipSignature)) {
+        "none (unsigned requests: AWS_SKIP_SIGNATURE)".to_owned()
+    } else if get(S3Key::AccessKeyId).is_some() {
+        let token = get(S3Key::Token).is_some();
+        format!(
+            "static keys from AWS_ACCESS_KEY_ID{}",
+            if token { " + AWS_SESSION_TOKEN" } else { "" }
+        )
+    } else if let (Some(_), Some(role)) = (get(S3Key::WebIdentityTokenFile), get(S3Key::RoleArn)) {
+        format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role {role})")
+    } else if get(S3Key::ContainerCredentialsRelativeUri).is_some() {
+        "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI)".to_owned()
+    } else if get(S3Key::ContainerCredentialsFullUri).is_some() {
+        // object_store 0.14 uses the full URI only with a token file (EKS Pod Identity);
+        // without one it falls through to instance metadata.
+        if get(S3Key::ContainerAuthorizationTokenFile).is_some() {
+            "EKS Pod Identity (AWS_CONTAINER_CREDENTIALS_FULL_URI)".to_owned()
+        } else {
+            "instance metadata (IMDSv2; AWS_CONTAINER_CREDENTIALS_FULL_URI is not used without \
+             AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE)"
+                .to_owned()
+        }
+    } else {
+        "instance metadata (IMDSv2)".to_owned()
+    }
+}
+
 fn describe_gcs(b: &GoogleCloudStorageBuilder) -> Described {
     let get = |k: GcsKey| b.get_config_value(&k);
-    let credentials = if let Some(path) = get(GcsKey::ServiceAccount) {
+    // With SkipSignature object_store fetches no credentials at all, whatever is configured.
+    let credentials = if on(get(GcsKey::SkipSignature)) {
+        "none (unsigned requests)".to_owned()
+    } else if let Some(path) = get(GcsKey::ServiceAccount) {
         format!("service account file {path}")
     } else if get(GcsKey::ServiceAccountKey).is_some() {
         "service account key (GOOGLE_SERVICE_ACCOUNT_KEY)".to_owned()
     } else if let Some(path) = get(GcsKey::ApplicationCredentials) {
         format!("application credentials file {path}")
-    } else if get(GcsKey::SkipSignature).is_some_and(|v| v == "true") {
-        "none (unsigned requests)".to_owned()
     } else {
         "application default credentials or the GCE metadata server".to_owned()
     };
@@ -278,42 +294,57 @@ fn describe_gcs(b: &GoogleCloudStorageBuilder) -> Described {
 
 fn describe_azure(b: &MicrosoftAzureBuilder) -> Described {
     let get = |k: AzKey| b.get_config_value(&k);
-    let credentials = if get(AzKey::AccessKey).is_some() {
-        "account key (AZURE_STORAGE_ACCOUNT_KEY)".to_owned()
-    } else if get(AzKey::SasKey).is_some() {
-        "SAS token".to_owned()
-    } else if get(AzKey::Token).is_some() {
-        "bearer token".to_owned()
-    } else if get(AzKey::ClientSecret).is_some() {
-        "service principal (client secret)".to_owned()
-    } else if get(AzKey::FederatedTokenFile).is_some() {
-        "workload identity (federated token file)".to_owned()
-    } else if get(AzKey::UseAzureCli).is_some_and(|v| v == "true") {
-        "Azure CLI".to_owned()
-    } else if get(AzKey::UseEmulator).is_some_and(|v| v == "true") {
-        "the storage emulator's well-known key".to_owned()
+    let emulator = on(get(AzKey::UseEmulator));
+    let account = get(AzKey::AccountName);
+    // As object_store's `build` finds it: the emulator's address (and its account, unless
+    // one is named) wins over AZURE_STORAGE_ENDPOINT.
+    let endpoint = if emulator {
+        let url = std::env::var("AZURITE_BLOB_STORAGE_URL")
+            .unwrap_or_else(|_| "http://127.0.0.1:10000".into());
+        let account = account.as_deref().unwrap_or("devstoreaccount1");
+        format!("{}/{account}", redacted(url.trim_end_matches('/')))
     } else {
-        "managed identity".to_owned()
+        let account = account.as_deref().unwrap_or("ACCOUNT");
+        get(AzKey::Endpoint)
+            .map(|e| redacted(&e))
+            .unwrap_or_else(|| format!("https://{account}.blob.core.windows.net"))
     };
-    let account = get(AzKey::AccountName).unwrap_or_else(|| "ACCOUNT".into());
-    // The emulator's address, as object_store finds it (its account is always the emulator's).
-    let emulator = get(AzKey::UseEmulator)
-        .is_some_and(|v| v == "true")
-        .then(|| {
-            let url = std::env::var("AZURITE_BLOB_STORAGE_URL")
-                .unwrap_or_else(|_| "http://127.0.0.1:10000".into());
-            format!("{}/devstoreaccount1", url.trim_end_matches('/'))
-        });
     Described {
         backend: "azure",
-        credentials,
-        endpoint: get(AzKey::Endpoint)
-            .map(|e| redacted(&e))
-            .or(emulator)
-            .unwrap_or_else(|| format!("https://{account}.blob.core.windows.net")),
+        credentials: azure_credentials(b, emulator),
+        endpoint,
         region: None,
         addressing: None,
     }
+}
+
+/// Where an Azure client's credentials come from, in the order object_store's `build` (and
+/// its `resolve_credential_auto`) tries them.
+fn azure_credentials(b: &MicrosoftAzureBuilder, emulator: bool) -> String {
+    let has = |k: AzKey| b.get_config_value(&k).is_some();
+    let client = has(AzKey::ClientId) && has(AzKey::AuthorityId);
+    let found = if on(b.get_config_value(&AzKey::SkipSignature)) {
+        "none (unsigned requests)"
+    } else if emulator && has(AzKey::AccessKey) {
+        "account key (AZURE_STORAGE_ACCOUNT_KEY)"
+    } else if has(AzKey::Token) {
+        "bearer token"
+    } else if has(AzKey::AccessKey) {
+        "account key (AZURE_STORAGE_ACCOUNT_KEY)"
+    } else if !emulator && client && has(AzKey::FederatedTokenFile) {
+        "workload identity (federated token file)"
+    } else if !emulator && client && has(AzKey::ClientSecret) {
+        "service principal (client secret)"
+    } else if has(AzKey::SasKey) {
+        "SAS token"
+    } else if emulator {
+        "the storage emulator's well-known key"
+    } else if on(b.get_config_value(&AzKey::UseAzureCli)) {
+        "Azure CLI"
+    } else {
+        "managed identity"
+    };
+    found.to_owned()
 }
 
 #[cfg(test)]
@@ -332,6 +363,65 @@ mod tests {
         let (os, _) = built.unwrap();
         let shown = format!("{os:?}");
         assert!(shown.contains("fsync: true"), "{shown}");
+    }
+
+    /// object_store reads a boolean setting as `1`, `TRUE`, `yes`, `on`: the log said
+    /// path-style (and named credentials) for a store that was virtual-hosted (or unsigned).
+    #[test]
+    fn booleans_are_read_as_object_store_reads_them() {
+        let b = AmazonS3Builder::new()
+            .with_region("eu-west-1")
+            .with_bucket_name("bkt")
+            .with_config(S3Key::VirtualHostedStyleRequest, "TRUE");
+        let d = describe_s3(&b);
+        assert_eq!(d.addressing, Some("virtual-hosted"));
+        assert_eq!(d.endpoint, "https://bkt.s3.eu-west-1.amazonaws.com");
+        let b = AmazonS3Builder::new()
+            .with_config(S3Key::VirtualHostedStyleRequest, "0")
+            .with_config(S3Key::AccessKeyId, "AKIAX")
+            .with_config(S3Key::SkipSignature, "yes");
+        let d = describe_s3(&b);
+        assert_eq!(d.addressing, Some("path-style"));
+        assert!(d.credentials.starts_with("none"), "{d}");
+        let b = GoogleCloudStorageBuilder::new()
+            .with_config(GcsKey::ServiceAccount, "/sa.json")
+            .with_config(GcsKey::SkipSignature, "1");
+        assert!(describe_gcs(&b).credentials.starts_with("none"));
+        let b = MicrosoftAzureBuilder::new()
+            .with_config(AzKey::UseEmulator, "on")
+            .with_config(AzKey::Endpoint, "https://elsewhere.example");
+        let d = describe_azure(&b);
+        assert!(d.endpoint.ends_with("/devstoreaccount1"), "{d}");
+        assert_eq!(d.credentials, "the storage emulator's well-known key");
+        assert!(on(Some("Y".into())) && !on(Some("off".into())) && !on(None));
+    }
+
+    #[test]
+    fn a_full_container_uri_without_its_token_file_is_not_named_as_the_source() {
+        // object_store 0.14 uses AWS_CONTAINER_CREDENTIALS_FULL_URI only with a token file.
+        let b = AmazonS3Builder::new().with_config(
+            S3Key::ContainerCredentialsFullUri,
+            "http://169.254.170.23/v1",
+        );
+        assert!(
+            describe_s3(&b).credentials.starts_with("instance metadata"),
+            "{}",
+            describe_s3(&b)
+        );
+        let b = b.with_config(S3Key::ContainerAuthorizationTokenFile, "/var/run/token");
+        assert!(describe_s3(&b).credentials.starts_with("EKS Pod Identity"));
+    }
+
+    #[test]
+    fn an_endpoint_secret_holding_a_fragment_character_is_not_logged() {
+        // Before: cut at `#` first, and logged as `http://u:pa#...`.
+        let b = AmazonS3Builder::new().with_config(S3Key::Endpoint, "http://u:pa#ss@minio:9000");
+        let d = describe_s3(&b);
+        assert_eq!(d.endpoint, "http://***@minio:9000");
+        assert!(
+            !d.endpoint.contains("pa") && !d.to_string().contains("pa#ss"),
+            "{d}"
+        );
     }
 
     #[test]

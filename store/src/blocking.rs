@@ -1,14 +1,15 @@
 //! [`Blocking`]: the same operations as [`Store`], blocking, for synchronous callers (the
 //! indexer). It owns a small multi-thread tokio runtime, so connections make progress on its
-//! workers while the caller's thread handles the bytes (CRC) it is given. Never call it from
-//! inside an async runtime (it blocks on its own).
+//! workers while the caller's thread handles the bytes (CRC) it is given: the GETs of
+//! [`Blocking::read_ranges`] run as tasks there, not in a future the caller's thread polls
+//! between its callbacks. Never call it from inside an async runtime (it blocks on its own).
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 
 use crate::error::StoreError;
 use crate::options::StoreOptions;
@@ -106,7 +107,10 @@ impl Blocking {
     }
 
     /// [`Store::read_ranges`]: each range, in order, handed to `each(index, bytes)` on the
-    /// caller's thread while up to `parallel` later ones are being fetched.
+    /// caller's thread while up to `parallel` later ones are being fetched, as tasks on the
+    /// runtime's workers (so their bodies keep arriving while `each` runs). Memory: at most
+    /// `parallel` ranges in flight and the one `each` holds. On an error the GETs still in
+    /// flight are cancelled.
     pub fn read_ranges<F: FnMut(usize, Bytes) -> std::io::Result<()>>(
         &self,
         key: &str,
@@ -115,21 +119,53 @@ impl Blocking {
         parallel: usize,
         mut each: F,
     ) -> Result<(), StoreError> {
-        let all = ranges.clone();
-        self.rt.block_on(async {
-            let mut s = std::pin::pin!(self.store.read_ranges(key, ranges, etag, parallel));
-            let mut i = 0;
-            while let Some(b) = s.next().await {
-                each(i, b?).map_err(|source| StoreError::Sink {
-                    bucket: self.url().bucket().to_owned(),
-                    key: self.url().key(key),
-                    range: all[i].clone(),
-                    source,
-                })?;
-                i += 1;
+        let mut todo = ranges.into_iter();
+        let mut flight = InFlight(VecDeque::new());
+        for i in 0.. {
+            while flight.0.len() < parallel.max(1)
+                && let Some(r) = todo.next()
+            {
+                flight
+                    .0
+                    .push_back((r.clone(), self.spawn_read(key, r, etag)));
             }
-            Ok(())
-        })
+            let Some((range, task)) = flight.0.pop_front() else {
+                return Ok(());
+            };
+            // The next one starts now, not after `each`: `parallel` stay in flight.
+            if let Some(r) = todo.next() {
+                flight
+                    .0
+                    .push_back((r.clone(), self.spawn_read(key, r, etag)));
+            }
+            let bytes = match self.rt.block_on(task) {
+                Ok(read) => read?,
+                // A panic in the read is the caller's, as it was when the read ran here.
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => {
+                    return Err(StoreError::Unavailable {
+                        bucket: self.url().bucket().to_owned(),
+                        key: self.url().key(key),
+                        range: Some(range),
+                        reason: format!("the read's task was cancelled: {e}"),
+                    });
+                }
+            };
+            each(i, bytes).map_err(|source| StoreError::Sink {
+                bucket: self.url().bucket().to_owned(),
+                key: self.url().key(key),
+                range,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Store::read`] of `range` as a task on the runtime.
+    fn spawn_read(&self, key: &str, range: Range<u64>, etag: Option<&str>) -> Read {
+        let (store, key, etag) = (self.store.clone(), key.to_owned(), etag.map(str::to_owned));
+        self.rt
+            .spawn(async move { store.read(&key, range, etag.as_deref()).await })
     }
 
     /// See [`Store::put`].
@@ -143,6 +179,21 @@ impl Blocking {
     }
 }
 
+/// A read running as a task.
+type Read = tokio::task::JoinHandle<Result<Bytes, StoreError>>;
+
+/// The reads of one [`Blocking::read_ranges`] in flight, in order; cancelled when it returns
+/// early (a dropped `JoinHandle` would leave its task running, holding a window slot).
+struct InFlight(VecDeque<(Range<u64>, Read)>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for (_, task) in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 fn runtime(url: &StoreUrl) -> Result<tokio::runtime::Runtime, StoreError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
@@ -153,4 +204,86 @@ fn runtime(url: &StoreUrl) -> Result<tokio::runtime::Runtime, StoreError> {
             url: url.to_string(),
             reason: format!("cannot start the I/O runtime: {e}"),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::store::tests::{Quirky, data, memory};
+
+    /// Before, the GETs ran in a future the caller's thread polled between callbacks: while
+    /// `each` handled one range, no other GET made progress.
+    #[test]
+    fn later_gets_run_while_the_callback_handles_a_range() {
+        let done = Arc::new(AtomicUsize::new(0));
+        let os = Arc::new(Quirky {
+            slow_gets: Some(Arc::clone(&done)),
+            ..Default::default()
+        });
+        let url = StoreUrl::parse("s3://unit-blocking-ranges/pre").unwrap();
+        let store = Store::with_object_store(&url, StoreOptions::default(), os, memory());
+        let b = Blocking::new(store).unwrap();
+        b.put("a.bin", data(30)).unwrap();
+        let mut got = Vec::new();
+        let mut done_in_first = 0;
+        b.read_ranges("a.bin", vec![0..10, 10..20, 20..30], None, 3, |i, bytes| {
+            if i == 0 {
+                // The other two answer 20 and 40 ms after this one, if they run at all.
+                let t0 = Instant::now();
+                let waited = || t0.elapsed() > Duration::from_secs(5);
+                while done.load(Ordering::SeqCst) < 3 && !waited() {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                done_in_first = done.load(Ordering::SeqCst);
+            }
+            got.push((i, bytes));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            done_in_first, 3,
+            "the other GETs ran while the first was handled"
+        );
+        let all = data(30);
+        let want: Vec<(usize, Bytes)> = (0..3)
+            .map(|i| (i, all.slice(i * 10..i * 10 + 10)))
+            .collect();
+        assert_eq!(got, want, "in the order given");
+    }
+
+    #[test]
+    fn a_failed_range_ends_the_reads_and_names_it() {
+        let store = Store::with_object_store(
+            &StoreUrl::parse("s3://unit-blocking-fail/pre").unwrap(),
+            StoreOptions::default(),
+            Arc::new(Quirky::default()),
+            memory(),
+        );
+        let b = Blocking::new(store).unwrap();
+        b.put("a.bin", data(30)).unwrap();
+        let mut calls = 0;
+        let e = b
+            .read_ranges("a.bin", vec![0..10, 10..20, 20..30], None, 2, |i, _| {
+                calls += 1;
+                if i == 1 {
+                    return Err(std::io::Error::other("disk full"));
+                }
+                Ok(())
+            })
+            .unwrap_err();
+        assert_eq!(calls, 2);
+        assert!(
+            matches!(&e, StoreError::Sink { range, .. } if *range == (10..20)),
+            "{e}"
+        );
+        // The read left in flight is aborted (or done): its slot in the window comes back.
+        let t0 = Instant::now();
+        while b.window().in_flight > 0 && t0.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(b.window().in_flight, 0);
+    }
 }

@@ -3,11 +3,11 @@
 //! the body's size hint, which is the server's `Content-Length`. [`Capped`] passes the bytes
 //! through unchanged and reports no hint above [`MAX_HINT`], so a buffer grows with the bytes
 //! that arrive instead of being sized by a claim (a reply that says 1 TB and sends 2 bytes).
-//! An error reply, or the answer to another request than a GET (a credential service's),
-//! also fails past [`MAX_COLLECTED`] bytes: an error reply of gigabytes from a misbehaving
-//! proxy is not buffered until the request times out. A WebDAV listing (one `PROPFIND` of the
-//! whole tree, which object_store collects) fails past [`MAX_LISTING`]. (A successful GET's
-//! body is a ranged read streamed to its sink, bounded by the range, or a listing page.)
+//! A collected body also fails past its [`Cap`]: an error reply or a credential answer past
+//! [`MAX_COLLECTED`] bytes, a listing page (S3, GCS, Azure) past [`MAX_LIST_PAGE`], a WebDAV
+//! listing (one `PROPFIND` of the whole tree) past [`MAX_LISTING`]; so an endless answer from
+//! a misbehaving proxy is not buffered until the request times out. (A ranged read's body is
+//! streamed to its sink, bounded by its range, and has no cap here.)
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -16,6 +16,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use object_store::client::{HttpError, HttpErrorKind, HttpResponseBody};
 
+use crate::url::redacted;
+
 /// Largest size hint passed on (a listing page is well under 1 MiB).
 pub(crate) const MAX_HINT: u64 = 16 << 20;
 
@@ -23,50 +25,83 @@ pub(crate) const MAX_HINT: u64 = 16 << 20;
 /// unit tests, which send past it.
 pub(crate) const MAX_COLLECTED: u64 = if cfg!(test) { 1 << 20 } else { 64 << 20 };
 
+/// Most bytes of one page of an S3, GCS or Azure listing (1000 keys: well under 1 MiB);
+/// smaller in unit tests.
+pub(crate) const MAX_LIST_PAGE: u64 = if cfg!(test) { 2 << 20 } else { 64 << 20 };
+
 /// Most bytes of a WebDAV listing (0.4-1 KB per file: over a million files); smaller in unit
 /// tests.
 pub(crate) const MAX_LISTING: u64 = if cfg!(test) { 4 << 20 } else { 1 << 30 };
 
-/// `body` with its size hint capped, and at most `limit` bytes of it passed on.
+/// Which answer a body is, for its bound and for the error past it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cap {
+    /// An error reply or a credential service's answer: [`MAX_COLLECTED`].
+    Collected,
+    /// A page of an S3, GCS or Azure listing: [`MAX_LIST_PAGE`].
+    ListPage,
+    /// A WebDAV listing, the whole tree in one answer: [`MAX_LISTING`].
+    WebDav,
+}
+
+impl Cap {
+    /// The most bytes passed on.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Cap::Collected => MAX_COLLECTED,
+            Cap::ListPage => MAX_LIST_PAGE,
+            Cap::WebDav => MAX_LISTING,
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Cap::Collected => "an error reply or a credential answer (well under 1 MiB)",
+            Cap::ListPage => {
+                "a listing page (1000 keys: well under 1 MiB; a proxy or server that does \
+                 not end its answer?)"
+            }
+            Cap::WebDav => "the listing (one WebDAV PROPFIND answers the whole tree at once)",
+        }
+    }
+}
+
+/// `body` with its size hint capped, and at most its cap's bytes of it passed on.
 pub(crate) struct Capped {
     body: HttpResponseBody,
-    limit: Option<u64>,
+    /// The cap, and the request's URI for the error past it (unredacted: it is redacted only
+    /// when an error is made).
+    limit: Option<(Cap, http::Uri)>,
     seen: u64,
 }
 
 impl Capped {
-    /// `body`, wrapped; with `collected` (an error reply, a credential answer) it fails past
-    /// [`MAX_COLLECTED`] bytes.
-    pub fn wrap(body: HttpResponseBody, collected: bool) -> HttpResponseBody {
-        Self::wrap_within(body, collected.then_some(MAX_COLLECTED))
-    }
-
-    /// `body`, wrapped, failing past `limit` bytes (none: never).
-    pub fn wrap_within(body: HttpResponseBody, limit: Option<u64>) -> HttpResponseBody {
+    /// `body`, the answer to a request to `uri`, wrapped; failing past `cap` (none: never).
+    pub fn wrap(body: HttpResponseBody, cap: Option<Cap>, uri: &http::Uri) -> HttpResponseBody {
         HttpResponseBody::new(Capped {
             body,
-            limit,
+            limit: cap.map(|c| (c, uri.clone())),
             seen: 0,
         })
     }
 }
 
-/// A collected body ran past [`MAX_COLLECTED`].
+/// A collected body ran past its cap.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "the store's answer ran past {limit} bytes, more than any error reply, credential \
-         answer or listing"
-)]
+#[error("{} from {url} ran past {} bytes", cap.what(), cap.bytes())]
 pub(crate) struct TooLong {
-    pub limit: u64,
+    /// Which answer it was.
+    pub cap: Cap,
+    /// The request's URL, redacted (no userinfo, query or fragment: a SAS token).
+    pub url: String,
 }
 
-/// Whether `e` (or an error it wraps) is a body that ran past its limit.
-pub(crate) fn too_long(e: &(dyn std::error::Error + 'static)) -> Option<u64> {
+/// The [`TooLong`] that `e` is or wraps.
+pub(crate) fn too_long<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a TooLong> {
     let mut cur = Some(e);
     while let Some(err) = cur {
         if let Some(t) = err.downcast_ref::<TooLong>() {
-            return Some(t.limit);
+            return Some(t);
         }
         cur = err.source();
     }
@@ -86,8 +121,11 @@ impl Body for Capped {
             && let Some(data) = f.data_ref()
         {
             self.seen += data.len() as u64;
-            if let Some(limit) = self.limit.filter(|&l| self.seen > l) {
-                let e = HttpError::new(HttpErrorKind::Decode, TooLong { limit });
+            if let Some((cap, uri)) = &self.limit
+                && self.seen > cap.bytes()
+            {
+                let url = redacted(&uri.to_string());
+                let e = HttpError::new(HttpErrorKind::Decode, TooLong { cap: *cap, url });
                 return Poll::Ready(Some(Err(e)));
             }
         }
@@ -141,34 +179,76 @@ mod tests {
         HttpResponseBody::new(Liar { claim, chunks })
     }
 
+    fn uri() -> http::Uri {
+        "http://u:pw@store.example:9000/bkt?list-type=2&sig=tok3n"
+            .parse()
+            .unwrap()
+    }
+
+    fn capped(body: HttpResponseBody, cap: Option<Cap>) -> HttpResponseBody {
+        Capped::wrap(body, cap, &uri())
+    }
+
     #[test]
     fn a_claimed_length_past_the_cap_is_not_passed_on() {
-        assert_eq!(Capped::wrap(liar(1 << 40), true).size_hint().lower(), 0);
-        assert_eq!(Capped::wrap(liar(1 << 40), true).size_hint().upper(), None);
-        assert_eq!(Capped::wrap(liar(4), true).size_hint().exact(), Some(4));
+        let c = Some(Cap::Collected);
+        assert_eq!(capped(liar(1 << 40), c).size_hint().lower(), 0);
+        assert_eq!(capped(liar(1 << 40), c).size_hint().upper(), None);
+        assert_eq!(capped(liar(4), c).size_hint().exact(), Some(4));
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn the_bytes_pass_through_unchanged() {
         // Uncapped, collecting this body would first reserve the terabyte it claims.
-        let got = Capped::wrap(liar(1 << 40), true).bytes().await.unwrap();
+        let got = capped(liar(1 << 40), Some(Cap::Collected))
+            .bytes()
+            .await
+            .unwrap();
         assert_eq!(&got[..], b"abcd");
+    }
+
+    /// A body of `mib` chunks of 1 MiB that claims no length.
+    fn big(mib: u64) -> HttpResponseBody {
+        let chunk = Bytes::from(vec![0u8; 1 << 20]);
+        HttpResponseBody::new(Liar {
+            claim: 0,
+            chunks: std::iter::repeat_n(chunk, mib as usize).collect(),
+        })
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_collected_body_fails_past_its_limit_a_streamed_one_does_not() {
         // Before, an error reply of gigabytes was buffered until the request timed out.
-        let big = || {
-            let chunk = Bytes::from(vec![0u8; 1 << 20]);
-            let n = (MAX_COLLECTED >> 20) as usize + 1;
-            HttpResponseBody::new(Liar {
-                claim: 0,
-                chunks: std::iter::repeat_n(chunk, n).collect(),
-            })
-        };
-        let e = Capped::wrap(big(), true).bytes().await.unwrap_err();
+        let n = (MAX_COLLECTED >> 20) + 1;
+        let e = capped(big(n), Some(Cap::Collected))
+            .bytes()
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("ran past"), "{e}");
-        let got = Capped::wrap(big(), false).bytes().await.unwrap();
+        let got = capped(big(n), None).bytes().await.unwrap();
         assert_eq!(got.len() as u64, MAX_COLLECTED + (1 << 20));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_listing_page_past_its_cap_names_the_url_redacted_and_the_bound() {
+        // Before, a successful GET of a listing page had no cap at all.
+        let e = capped(big((MAX_LIST_PAGE >> 20) + 1), Some(Cap::ListPage))
+            .bytes()
+            .await
+            .unwrap_err();
+        let t = too_long(&e).expect("a TooLong under the HttpError");
+        assert_eq!(t.cap, Cap::ListPage);
+        let msg = t.to_string();
+        assert!(
+            msg.contains("listing page (") && msg.contains("from http://***@store.example:9000/bkt?...")
+                && msg.contains(&format!("ran past {MAX_LIST_PAGE} bytes")),
+            "{msg}"
+        );
+        assert!(!msg.contains("tok3n") && !msg.contains("pw"), "{msg}");
+        let got = capped(big(MAX_LIST_PAGE >> 20), Some(Cap::ListPage))
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(got.len() as u64, MAX_LIST_PAGE, "up to the cap passes");
     }
 }

@@ -302,14 +302,25 @@ pub(crate) struct At<'a> {
     pub etag: Option<&'a str>,
 }
 
+impl At<'_> {
+    /// A [`StoreError::Short`] here: `got` bytes came for `range`.
+    pub fn short(&self, range: Range<u64>, got: u64) -> StoreError {
+        StoreError::Short {
+            bucket: self.bucket.to_owned(),
+            key: self.key.to_owned(),
+            range,
+            got,
+        }
+    }
+}
+
 /// The [`StoreError`] for object_store's `e`, given the last attempt the tap saw.
 pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_>) -> StoreError {
-    use object_store::Error as E;
-    let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
     let status = last.and_then(|a| a.status);
     // The last answer came from a credential service, not the store: whatever its status
     // would mean from the store (404 not found, 503 slow down), it is about credentials.
     if last.is_some_and(|a| a.credential) {
+        let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
         return match status {
             Some(400..=499) => StoreError::Credentials {
                 bucket,
@@ -324,6 +335,19 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             },
         };
     }
+    from_store(e, status, last.and_then(|a| a.retry_after), at)
+}
+
+/// [`classify`] of an answer from the store itself (`status`: its last status, when one
+/// came; `retry_after`: its `Retry-After`).
+fn from_store(
+    e: object_store::Error,
+    status: Option<u16>,
+    retry_after: Option<Duration>,
+    at: At<'_>,
+) -> StoreError {
+    use object_store::Error as E;
+    let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
     match (&e, status) {
         (E::NotFound { .. }, _) | (E::Generic { .. }, Some(404)) => {
             StoreError::NotFound { bucket, key }
@@ -344,7 +368,7 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             bucket,
             key,
             range: at.range,
-            retry_after: last.and_then(|a| a.retry_after),
+            retry_after,
         },
         (E::NotSupported { .. } | E::NotImplemented { .. }, _) => StoreError::Rejected {
             bucket,

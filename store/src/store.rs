@@ -199,11 +199,9 @@ impl Store {
         let ended = call.run(tokio::time::timeout(deadline, pages)).await;
         let stopped = match ended {
             Err(_) => Some(format!("it took longer than {deadline:?}")),
-            // A WebDAV server answers the whole tree in one reply, collected in memory.
-            Ok(Err(e)) if let Some(limit) = crate::capped::too_long(&e) => Some(format!(
-                "the server's listing answer ran past {limit} bytes (a WebDAV PROPFIND \
-                 answers the whole tree at once)"
-            )),
+            // A listing's answer is collected in memory (a WebDAV server's, the whole tree),
+            // so it has a bound; past it, the error names the answer, its URL and the bound.
+            Ok(Err(ref e)) if let Some(t) = crate::capped::too_long(e) => Some(t.to_string()),
             Ok(r) => {
                 r.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?
             }
@@ -326,13 +324,23 @@ impl Store {
         .await
     }
 
-    /// The last `n` bytes of `key` (all of it when shorter): one suffix GET, for footers.
+    /// The last `n` bytes of `key` (all of it when shorter): one suffix GET, for footers. On
+    /// Azure, which serves no suffix ranges (object_store refuses one before sending it): a
+    /// HEAD, then one ranged GET pinned to the ETag given or else to the one the HEAD named
+    /// (an object replaced in between is [`StoreError::Changed`], not a wrong tail).
     pub async fn read_suffix(
         &self,
         key: &str,
         n: u64,
         etag: Option<&str>,
     ) -> Result<Bytes, StoreError> {
+        if n > 0 && self.inner.url.scheme() == crate::url::Scheme::Azure {
+            let meta = self.head(key).await?;
+            let pin = etag.or(meta.etag.as_deref());
+            return self
+                .read(key, meta.size.saturating_sub(n)..meta.size, pin)
+                .await;
+        }
         let mut parts: Vec<Bytes> = Vec::new();
         let got = self
             .fetch(key, Want::Suffix(n), etag, |b| {
@@ -363,7 +371,7 @@ impl Store {
         key: &str,
         want: Want,
         etag: Option<&str>,
-        mut on_chunk: impl FnMut(Bytes) -> Result<(), StoreError>,
+        on_chunk: impl FnMut(Bytes) -> Result<(), StoreError>,
     ) -> Result<u64, StoreError> {
         let (full, path) = self.path(key)?;
         let (asked, get_range) = match &want {
@@ -382,59 +390,18 @@ impl Store {
         };
         let (mut permit, call) = self.begin("get").await;
         let t0 = Instant::now();
-        let at = self.at(&full, asked.clone(), etag);
-        let short = |range: Range<u64>, got: u64| StoreError::Short {
-            bucket: at.bucket.to_owned(),
-            key: full.clone(),
-            range,
-            got,
+        let at = self.at(&full, asked, etag);
+        let opts = GetOptions {
+            range: Some(get_range),
+            if_match: if_match(etag),
+            ..Default::default()
         };
         let body = async {
-            let opts = GetOptions {
-                range: Some(get_range),
-                if_match: if_match(etag),
-                ..Default::default()
-            };
-            let os_err = |e| classify(e, call.last().as_ref(), at.clone());
-            let get_err = |e| classify_get(e, call.last().as_ref(), at.clone());
-            let res = self.inner.os.get_opts(&path, opts).await.map_err(get_err)?;
-            // A store that ignored `If-Match` still names the object it read: another one's
-            // bytes (or bytes it names no version of) are refused, never passed on as the
-            // ones asked for.
-            if let Some(asked) = etag
-                && !res
-                    .meta
-                    .e_tag
-                    .as_deref()
-                    .is_some_and(|sent| same_etag(asked, sent))
-            {
-                return Err(StoreError::Changed {
-                    bucket: at.bucket.to_owned(),
-                    key: full.clone(),
-                    etag: asked.to_owned(),
-                    sent: Box::new(match res.meta.e_tag.clone() {
-                        Some(t) => EtagAnswer::Named(t),
-                        None => EtagAnswer::Unnamed,
-                    }),
-                });
-            }
-            let expect = expected(&want, res.range.clone()).map_err(|(r, got)| short(r, got))?;
-            let len = expect.end - expect.start;
-            let mut stream = res.into_stream();
-            let mut got = 0u64;
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(os_err)?;
-                got += chunk.len() as u64;
-                if got > len {
-                    return Err(short(expect, got));
-                }
-                metrics::counter!(m::BYTES, "op" => "get").increment(chunk.len() as u64);
-                on_chunk(chunk)?;
-            }
-            if got != len {
-                return Err(short(expect, got));
-            }
-            Ok(got)
+            let res = self.inner.os.get_opts(&path, opts).await;
+            let res = res.map_err(|e| classify_get(e, call.last().as_ref(), at.clone()))?;
+            check_etag(&at, etag, res.meta.e_tag.as_deref())?;
+            let expect = expected(&want, res.range.clone()).map_err(|(r, got)| at.short(r, got))?;
+            receive(res, expect, &at, &call, on_chunk).await
         };
         let got = call.run(body).await?;
         metrics::histogram!(m::REQUEST_SECONDS, "op" => "get").record(t0.elapsed().as_secs_f64());
@@ -568,6 +535,54 @@ fn expected(want: &Want, sent: Range<u64>) -> Result<Range<u64>, (Range<u64>, u6
     }
 }
 
+/// Refuses the answer to a GET pinned to `asked` that names another ETag (`sent`) or none:
+/// a store that ignored `If-Match` still names the object it read, and another one's bytes
+/// (or bytes it names no version of) are never passed on as the ones asked for.
+fn check_etag(at: &At<'_>, asked: Option<&str>, sent: Option<&str>) -> Result<(), StoreError> {
+    let Some(asked) = asked else {
+        return Ok(());
+    };
+    if sent.is_some_and(|sent| same_etag(asked, sent)) {
+        return Ok(());
+    }
+    Err(StoreError::Changed {
+        bucket: at.bucket.to_owned(),
+        key: at.key.to_owned(),
+        etag: asked.to_owned(),
+        sent: Box::new(match sent {
+            Some(t) => EtagAnswer::Named(t.to_owned()),
+            None => EtagAnswer::Unnamed,
+        }),
+    })
+}
+
+/// The body of `res`, which must be exactly `expect`: each chunk to `on_chunk`, refused at
+/// the first byte past it or when it ends short; returns its length.
+async fn receive(
+    res: object_store::GetResult,
+    expect: Range<u64>,
+    at: &At<'_>,
+    call: &Call,
+    mut on_chunk: impl FnMut(Bytes) -> Result<(), StoreError>,
+) -> Result<u64, StoreError> {
+    let len = expect.end - expect.start;
+    let mut stream = res.into_stream();
+    let mut got = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| classify(e, call.last().as_ref(), at.clone()))?;
+        got += chunk.len() as u64;
+        if got > len {
+            return Err(at.short(expect, got));
+        }
+        metrics::counter!(m::BYTES, "op" => "get").increment(chunk.len() as u64);
+        on_chunk(chunk)?;
+    }
+    if got != len {
+        return Err(at.short(expect, got));
+    }
+    Ok(got)
+}
+
 /// The chunks of one body as one buffer (no copy when it came in one chunk).
 fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
     if parts.len() == 1 {
@@ -582,4 +597,4 @@ fn join(mut parts: Vec<Bytes>, len: u64) -> Bytes {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

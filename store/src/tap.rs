@@ -19,7 +19,7 @@ use object_store::client::{
 };
 use object_store::{ClientOptions, MultipartUpload, PutPayload, PutResult, UploadPart};
 
-use crate::capped::{Capped, MAX_COLLECTED, MAX_LISTING};
+use crate::capped::{Cap, Capped};
 use crate::error::Attempt;
 use crate::metrics as m;
 use crate::window::Window;
@@ -203,11 +203,12 @@ impl HttpService for Tap {
         // window nor count as the store's; only a refusal names the call's failure.
         let current = CALL.try_with(Arc::clone).ok();
         if self.credential(req.uri()) {
+            let uri = req.uri().clone();
             let res = self
                 .inner
                 .execute(req)
                 .await
-                .map(|r| r.map(|b| Capped::wrap(b, true)));
+                .map(|r| r.map(|b| Capped::wrap(b, Some(Cap::Collected), &uri)));
             let status = res.as_ref().ok().map(|r| r.status().as_u16());
             let label = status.map_or_else(|| "error".to_owned(), |s| s.to_string());
             metrics::counter!(m::REQUESTS, "op" => "credentials", "status" => label).increment(1);
@@ -222,19 +223,12 @@ impl HttpService for Tap {
             .as_ref()
             .is_some_and(|c| c.repeats(format!("{} {}", req.method(), req.uri())));
         let t0 = Instant::now();
-        // The body's size hint capped: object_store sizes some buffers by it.
-        // A successful GET's body is a ranged read (streamed to its sink, bounded by its range
-        // check) or a listing page; a WebDAV listing (a PROPFIND answered 207) is collected
-        // whole, so bounded by its own cap; an error reply or another answer by a small one.
-        let method = req.method().clone();
+        // Every body is wrapped: its size hint capped (object_store sizes some buffers by
+        // it), and a body object_store collects whole bounded ([`cap_of`]).
+        let (method, uri) = (req.method().clone(), req.uri().clone());
         let res = self.inner.execute(req).await.map(|r| {
-            let ok = r.status().is_success();
-            let limit = match method.as_str() {
-                "GET" if ok => None,
-                "PROPFIND" if ok => Some(MAX_LISTING),
-                _ => Some(MAX_COLLECTED),
-            };
-            r.map(|b| Capped::wrap_within(b, limit))
+            let cap = cap_of(&method, &uri, r.status().is_success());
+            r.map(|b| Capped::wrap(b, cap, &uri))
         });
         if again {
             metrics::counter!(m::RETRIES, "op" => op).increment(1);
@@ -262,6 +256,26 @@ impl HttpService for Tap {
             }
         }
         res
+    }
+}
+
+/// The cap on the body of the answer to `method uri` (`ok`: a 2xx), which object_store
+/// collects whole unless it is a ranged read: a listing page (S3 and GCS `list-type=2`, Azure
+/// `comp=list`) or a WebDAV listing (a PROPFIND) by a listing's cap; an error reply or any
+/// other answer but a GET's by a small one. A successful ranged GET is streamed to its sink
+/// and bounded by its range check: `None`.
+fn cap_of(method: &http::Method, uri: &http::Uri, ok: bool) -> Option<Cap> {
+    let listing = || {
+        uri.query().is_some_and(|q| {
+            q.split('&')
+                .any(|kv| kv == "list-type=2" || kv == "comp=list")
+        })
+    };
+    match method.as_str() {
+        "GET" if ok && listing() => Some(Cap::ListPage),
+        "GET" if ok => None,
+        "PROPFIND" if ok => Some(Cap::WebDav),
+        _ => Some(Cap::Collected),
     }
 }
 
@@ -408,6 +422,41 @@ mod tests {
             "the well-known ones still"
         );
         assert!(!at("http://127.0.0.1/") && !at("https://bkt.s3.example/"));
+    }
+
+    #[test]
+    fn listing_pages_are_capped_ranged_reads_are_not() {
+        let get = http::Method::GET;
+        let cap = |m: &http::Method, u: &str, ok| cap_of(m, &u.parse().unwrap(), ok);
+        // Before: every successful GET was uncapped, a listing page too.
+        for u in [
+            "https://s3.us-east-1.amazonaws.com/bkt?list-type=2&prefix=ds%2F",
+            "https://storage.googleapis.com/bkt?list-type=2&continuation-token=x",
+            "https://acct.blob.core.windows.net/c?restype=container&comp=list&sig=s",
+        ] {
+            assert_eq!(cap(&get, u, true), Some(Cap::ListPage), "{u}");
+        }
+        assert_eq!(cap(&get, "https://s3.example/bkt/ds/a.bin", true), None);
+        assert_eq!(
+            cap(&get, "https://s3.example/bkt/ds/list-type=2", true),
+            None,
+            "a key, not a query"
+        );
+        assert_eq!(
+            cap(&get, "https://h/c/b?comp=blocklist", true),
+            None,
+            "another Azure query"
+        );
+        assert_eq!(
+            cap(&get, "https://h/b?list-type=2", false),
+            Some(Cap::Collected)
+        );
+        let propfind = http::Method::from_bytes(b"PROPFIND").unwrap();
+        assert_eq!(cap(&propfind, "http://h/ds/", true), Some(Cap::WebDav));
+        assert_eq!(
+            cap(&http::Method::PUT, "https://h/b/k", true),
+            Some(Cap::Collected)
+        );
     }
 
     #[test]

@@ -75,9 +75,8 @@ impl StoreUrl {
     pub fn parse(s: &str) -> Result<StoreUrl, StoreError> {
         // Every error repeats `s` without its userinfo, query or fragment: they may hold a
         // key or a signature, and the error goes into logs, the CLI's output and the wire.
-        let shown = redacted(s);
         let bad = |reason: String| StoreError::Url {
-            url: shown.clone(),
+            url: redacted(s),
             reason,
         };
         let Some((name, rest)) = s.split_once("://") else {
@@ -85,41 +84,16 @@ impl StoreUrl {
         };
         let scheme = Scheme::of(name)
             .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
-        let before_query = rest.split(['?', '#']).next().unwrap_or("");
-        if userinfo_end(before_query).is_some() {
-            return Err(bad(
-                "credentials in the URL (`user:secret@`) are not accepted: they \
-                            would show in logs, errors and metrics; give them in the \
-                            environment (docs/CONFIGURATION.md, object storage)"
-                    .into(),
-            ));
-        }
-        if let Some(c) = rest
-            .chars()
-            .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
-        {
-            let note = if c.is_whitespace() {
-                ""
-            } else {
-                "; what follows it is not repeated here (it may be a signature): give \
-                 credentials in the environment (docs/CONFIGURATION.md, object storage)"
-            };
-            return Err(bad(format!(
-                "{c:?} is not allowed in a dataset URL (no query, fragment or spaces){note}"
-            )));
-        }
-        if matches!(scheme, Scheme::Http | Scheme::Https) && rest.contains('%') {
-            // The client escapes the path itself: `my%20data` would be asked as
-            // `my%2520data`, a path the server does not have (an empty listing).
-            return Err(bad(
-                "a percent-escape (`%`) is not supported in an http(s) dataset \
-                            path: serve the dataset under a path of plain characters"
-                    .into(),
-            ));
-        }
-        if scheme == Scheme::File {
-            return Self::parse_file(rest).map_err(bad);
-        }
+        refuse_characters(scheme, rest).map_err(bad)?;
+        let parsed = match scheme {
+            Scheme::File => Self::parse_file(rest),
+            _ => Self::parse_named(scheme, rest),
+        };
+        parsed.map_err(bad)
+    }
+
+    /// `BUCKET/PREFIX` (container, host) of every scheme but `file://`.
+    fn parse_named(scheme: Scheme, rest: &str) -> Result<StoreUrl, String> {
         let (bucket, path) = rest.split_once('/').unwrap_or((rest, ""));
         if bucket.is_empty() {
             let what = match scheme {
@@ -127,22 +101,25 @@ impl StoreUrl {
                 Scheme::Http | Scheme::Https => "host",
                 _ => "bucket",
             };
-            return Err(bad(format!(
+            return Err(format!(
                 "no {what}; write {}://{}/PREFIX",
                 scheme.as_str(),
                 what.to_uppercase()
-            )));
+            ));
         }
         let named = matches!(scheme, Scheme::S3 | Scheme::Gcs | Scheme::Azure);
         if named && let Some(c) = bucket.chars().find(|c| host_char(*c)) {
             // `s3://minio:9000/bkt/ds`: a server's address where the bucket goes.
-            return Err(bad(format!(
+            return Err(format!(
                 "`{bucket}` is not a bucket name ({c:?} marks a server's address); a server's \
                  address goes in the environment (AWS_ENDPOINT_URL=http://HOST:PORT for MinIO \
                  or another S3 server), the URL names the bucket: s3://BUCKET/PREFIX"
-            )));
+            ));
         }
-        let prefix = clean_prefix(path).map_err(bad)?;
+        if !named && let Some(fix) = cloud_endpoint(bucket, path) {
+            return Err(fix);
+        }
+        let prefix = clean_prefix(path)?;
         Ok(StoreUrl {
             scheme,
             bucket: bucket.to_owned(),
@@ -150,7 +127,8 @@ impl StoreUrl {
         })
     }
 
-    /// `file:///abs/dir`: the bucket is the directory, the prefix empty.
+    /// `file:///abs/dir`: the bucket is the directory, its percent-escapes decoded
+    /// (`file:///d/my%20set` is `/d/my set`); the prefix empty.
     fn parse_file(rest: &str) -> Result<StoreUrl, String> {
         let path = match rest.strip_prefix("localhost") {
             Some(p) => p,
@@ -159,7 +137,7 @@ impl StoreUrl {
         if !path.starts_with('/') {
             return Err("a file URL needs an absolute path: file:///DIR".into());
         }
-        let clean = clean_prefix(path)?;
+        let clean = clean_prefix(&percent_decode(path)?)?;
         Ok(StoreUrl {
             scheme: Scheme::File,
             bucket: format!("/{clean}"),
@@ -199,29 +177,179 @@ impl StoreUrl {
     }
 }
 
-/// `s` as an error may repeat it: a userinfo (`user:secret@`) becomes `***@`, and a query
-/// or fragment (a SAS token, a presigned URL's signature) becomes `?...` (`#...`).
-pub(crate) fn redacted(s: &str) -> String {
-    let (head, tail) = match s.find(['?', '#']) {
-        Some(at) => (&s[..at], &s[at..at + 1]),
-        None => (s, ""),
-    };
-    let (scheme, rest) = match head.split_once("://") {
-        Some((name, rest)) => (format!("{name}://"), rest),
-        None => (String::new(), head),
-    };
-    let rest = match userinfo_end(rest) {
-        Some(at) => format!("***@{}", &rest[at + 1..]),
-        None => rest.to_owned(),
-    };
-    let dots = if tail.is_empty() { "" } else { "..." };
-    format!("{scheme}{rest}{tail}{dots}")
+const CREDENTIALS: &str = "credentials in the URL (`user:secret@`) are not accepted: they \
+                           would show in logs, errors and metrics; give them in the \
+                           environment (docs/CONFIGURATION.md, object storage)";
+
+/// Refuses what no dataset URL may hold (`rest`: the URL after `scheme://`): credentials, a
+/// query or fragment, whitespace, and a percent-escape in an http(s) path.
+fn refuse_characters(scheme: Scheme, rest: &str) -> Result<(), String> {
+    // Looked for in the whole URL, before any cut at `?` or `#`: a secret may hold either
+    // (`user:pa#ss@host`), and cut there it would pass as no userinfo at all.
+    if userinfo_end(rest).is_some() {
+        return Err(CREDENTIALS.into());
+    }
+    if let Some(c) = rest
+        .chars()
+        .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
+    {
+        let note = match (c.is_whitespace(), scheme) {
+            (true, Scheme::File) => "; in a file URL write a space as %20",
+            (true, _) => "",
+            (false, Scheme::File) => "; in a file URL write `?` as %3F and `#` as %23",
+            (false, _) => {
+                "; what follows it is not repeated here (it may be a signature): give \
+                 credentials in the environment (docs/CONFIGURATION.md, object storage)"
+            }
+        };
+        return Err(format!(
+            "{c:?} is not allowed in a dataset URL (no query, fragment or spaces){note}"
+        ));
+    }
+    if matches!(scheme, Scheme::Http | Scheme::Https) && rest.contains('%') {
+        // The client escapes the path itself: `my%20data` would be asked as
+        // `my%2520data`, a path the server does not have (an empty listing).
+        return Err(
+            "a percent-escape (`%`) is not supported in an http(s) dataset \
+                    path: serve the dataset under a path of plain characters"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
-/// Where the userinfo of `rest` (a URL after `scheme://`, before any query) ends: the last
-/// `@` of its first segment (`user:secret@host`); or, when that segment holds a `:` that is
-/// not a numeric port's (`key:se/cret@bucket/...`: an AWS secret key may hold a `/`), the
-/// first `@` after it. An `@` in a key (`bkt/dir:v1@x`) or after a port (`h:8443/a@b`,
+/// The fix for an http(s) URL whose host is a cloud store's own endpoint
+/// (`https://BKT.s3.REGION.amazonaws.com/ds`): it serves no WebDAV listing, so the dataset
+/// would only fail later, as "refused (HTTP 405)". `None` for any other host.
+fn cloud_endpoint(host: &str, path: &str) -> Option<String> {
+    let lower = host.to_ascii_lowercase();
+    // Cloud endpoints are names, never `[ipv6]`: a `:` ends the name (a port).
+    let name = lower.split(':').next().unwrap_or("");
+    let path = path.trim_matches('/');
+    let (first, after) = path.split_once('/').unwrap_or((path, ""));
+    let url = |scheme: &str, bucket: &str, prefix: &str| match (bucket, prefix) {
+        ("", _) => format!("{scheme}://BUCKET/PREFIX"),
+        (b, "") => format!("{scheme}://{b}"),
+        (b, p) => format!("{scheme}://{b}/{p}"),
+    };
+    let (service, fix) = if let Some(stem) = name
+        .strip_suffix(".amazonaws.com")
+        .or_else(|| name.strip_suffix(".amazonaws.com.cn"))
+    {
+        let s3 = |bucket: &str, prefix: &str| {
+            let u = url("s3", bucket, prefix);
+            format!("{u} (with AWS_REGION; a public bucket: AWS_SKIP_SIGNATURE=true)")
+        };
+        if stem == "s3" || stem.starts_with("s3.") || stem.starts_with("s3-") {
+            ("Amazon S3", s3(first, after)) // path-style: s3.REGION.amazonaws.com/BKT/...
+        } else {
+            let at = stem.rfind(".s3.").or_else(|| stem.rfind(".s3-"));
+            let at = at.or_else(|| stem.strip_suffix(".s3").map(str::len))?;
+            ("Amazon S3", s3(&stem[..at], path)) // virtual-hosted: BKT.s3.REGION...
+        }
+    } else if name == "storage.googleapis.com" || name == "storage.cloud.google.com" {
+        ("Google Cloud Storage", url("gs", first, after))
+    } else if let Some(bucket) = name.strip_suffix(".storage.googleapis.com") {
+        ("Google Cloud Storage", url("gs", bucket, path))
+    } else if let Some(account) = name
+        .strip_suffix(".blob.core.windows.net")
+        .or_else(|| name.strip_suffix(".dfs.core.windows.net"))
+    {
+        let u = match first {
+            "" => "az://CONTAINER/PREFIX".to_owned(),
+            _ => url("az", first, after),
+        };
+        (
+            "Azure Blob Storage",
+            format!("{u} with AZURE_STORAGE_ACCOUNT_NAME={account}"),
+        )
+    } else {
+        return None;
+    };
+    Some(format!(
+        "`{host}` is {service}'s own endpoint, which serves no WebDAV listing (the dataset \
+         could not be listed); write {fix}"
+    ))
+}
+
+/// `path` of a file URL with each `%XX` decoded; refuses a `%` that starts no escape, and
+/// escapes that decode to a NUL or to no UTF-8.
+fn percent_decode(path: &str) -> Result<String, String> {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        // Two hex digits, no sign (`from_str_radix` would take `%+1`).
+        let byte = path
+            .get(i + 1..i + 3)
+            .filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match byte {
+            Some(0) | None => {
+                return Err(format!(
+                    "`{}` in the path is no percent-escape of a file URL (%20 is a space; \
+                     write a `%` as %25)",
+                    path.get(i..(i + 3).min(path.len())).unwrap_or("%")
+                ));
+            }
+            Some(b) => out.push(b),
+        }
+        i += 3;
+    }
+    String::from_utf8(out).map_err(|_| {
+        "the path's percent-escapes decode to no UTF-8 text; name the directory in UTF-8".into()
+    })
+}
+
+/// `path` as a file URL writes it: whitespace, control characters, `%`, `?` and `#`
+/// percent-escaped, so that [`StoreUrl::parse`] reads back the same directory.
+fn percent_encode(path: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(path.len());
+    for c in path.chars() {
+        if c.is_whitespace() || c.is_control() || matches!(c, '%' | '?' | '#') {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                let _ = write!(out, "%{b:02X}");
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `s` as an error may repeat it: a userinfo (`user:secret@`) becomes `***@`, and a query
+/// or fragment (a SAS token, a presigned URL's signature) becomes `?...` (`#...`). The
+/// userinfo is found before the cut at `?` or `#` (a secret may hold either), so no part of
+/// it is ever shown.
+pub(crate) fn redacted(s: &str) -> String {
+    let (scheme, rest) = match s.split_once("://") {
+        Some((name, rest)) => (&s[..name.len() + 3], rest),
+        None => ("", s),
+    };
+    let (user, rest) = match userinfo_end(rest) {
+        Some(at) => ("***@", &rest[at + 1..]),
+        None => ("", rest),
+    };
+    let (head, tail) = match rest.find(['?', '#']) {
+        Some(at) => (&rest[..at], &rest[at..at + 1]),
+        None => (rest, ""),
+    };
+    let dots = if tail.is_empty() { "" } else { "..." };
+    format!("{scheme}{user}{head}{tail}{dots}")
+}
+
+/// Where the userinfo of `rest` (a URL after `scheme://`, query and fragment included) ends:
+/// the last `@` before the first `/` (`user:secret@host`, `user:pa#ss@host`: whatever
+/// precedes it there is taken as userinfo); or, when that part holds a `:` that is not a
+/// numeric port's (`key:se/cret@bucket/...`: an AWS secret key may hold a `/`), the first
+/// `@` after it. An `@` in a key (`bkt/dir:v1@x`) or after a port (`h:8443/a@b`,
 /// `[::1]:9000/p@q`) is none.
 fn userinfo_end(rest: &str) -> Option<usize> {
     let end = rest.find('/').unwrap_or(rest.len());
@@ -253,7 +381,7 @@ fn clean_prefix(path: &str) -> Result<String, String> {
 impl std::fmt::Display for StoreUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.scheme {
-            Scheme::File => write!(f, "file://{}", self.bucket),
+            Scheme::File => write!(f, "file://{}", percent_encode(&self.bucket)),
             s if self.prefix.is_empty() => write!(f, "{}://{}", s.as_str(), self.bucket),
             s => write!(f, "{}://{}/{}", s.as_str(), self.bucket, self.prefix),
         }
@@ -386,6 +514,92 @@ mod tests {
         }
         assert!(err("https://u:p@host/ds?sig=tok3n").contains("https://***@host/ds?..."));
         assert!(err("s3a://k:tok3n@b/d").contains("unsupported scheme `s3a`"));
+    }
+
+    #[test]
+    fn a_secret_holding_a_query_or_fragment_character_is_never_repeated() {
+        // Before: cut at `#`/`?` first, `user:pa` passed as no userinfo, the URL was refused
+        // for its fragment instead, and the error read `https://user:pa#...`.
+        for url in [
+            "https://user:pa#ss@host/ds",
+            "https://user:pa?ss@host/ds",
+            "s3://AKIAX:se?cret@bkt/ds",
+        ] {
+            let e = err(url);
+            assert!(e.contains("credentials in the URL"), "{e}");
+            assert!(!e.contains("user:pa") && !e.contains("AKIAX:se"), "{e}");
+            assert!(e.contains("***@"), "{e}");
+        }
+        assert_eq!(
+            redacted("http://u:pa#ss@minio:9000"),
+            "http://***@minio:9000"
+        );
+        assert_eq!(redacted("s3://k:se?c@b/p?x=1"), "s3://***@b/p?...");
+    }
+
+    #[test]
+    fn a_cloud_stores_own_endpoint_is_refused_naming_the_url_to_write() {
+        // Before: accepted as a WebDAV server, and the listing failed as "(HTTP 405)".
+        for (url, fix) in [
+            (
+                "https://bkt.s3.us-east-1.amazonaws.com/ds",
+                "write s3://bkt/ds ",
+            ),
+            (
+                "https://bkt.s3-us-west-2.amazonaws.com/ds",
+                "write s3://bkt/ds ",
+            ),
+            (
+                "https://s3.us-east-1.amazonaws.com/bkt/ds/x",
+                "write s3://bkt/ds/x ",
+            ),
+            ("http://my.bkt.s3.amazonaws.com", "write s3://my.bkt "),
+            ("https://s3.amazonaws.com/", "write s3://BUCKET/PREFIX "),
+            ("https://storage.googleapis.com/bkt/p", "write gs://bkt/p"),
+            (
+                "https://bkt.storage.googleapis.com/p/q",
+                "write gs://bkt/p/q",
+            ),
+            (
+                "https://ACCT.blob.core.windows.net/cont/p",
+                "write az://cont/p with AZURE_STORAGE_ACCOUNT_NAME=acct",
+            ),
+        ] {
+            let e = err(url);
+            assert!(e.contains(fix) && e.contains("own endpoint"), "{url}: {e}");
+        }
+        for url in [
+            "https://example.com/ds",
+            "https://s3-proxy.internal/ds",
+            "https://ec2.us-east-1.amazonaws.com/ds",
+            "http://127.0.0.1:9000/d",
+        ] {
+            assert!(StoreUrl::parse(url).is_ok(), "{url}");
+        }
+    }
+
+    #[test]
+    fn a_file_url_is_percent_decoded_and_written_back_escaped() {
+        // Before: `my%20set` was taken literally, and a literal space was refused: a
+        // directory with a space could not be named.
+        let u = StoreUrl::parse("file:///d/my%20set").unwrap();
+        assert_eq!(u.bucket(), "/d/my set");
+        assert_eq!(u.to_string(), "file:///d/my%20set");
+        assert_eq!(StoreUrl::parse(&u.to_string()).unwrap(), u);
+        let u = StoreUrl::parse("file:///d/a%25b%3Fc%23d/%C3%A9").unwrap();
+        assert_eq!(u.bucket(), "/d/a%b?c#d/\u{e9}");
+        assert_eq!(StoreUrl::parse(&u.to_string()).unwrap(), u);
+        assert!(err("file:///d/my set").contains("write a space as %20"));
+        for bad in [
+            "file:///d/100%",
+            "file:///d/%zz",
+            "file:///d/%+1",
+            "file:///d/%00",
+        ] {
+            assert!(err(bad).contains("write a `%` as %25"), "{bad}");
+        }
+        assert!(err("file:///d/%FF").contains("no UTF-8"));
+        assert!(err("file:///d/%2E%2E/x").contains("segment `..`"));
     }
 
     #[test]

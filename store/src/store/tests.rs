@@ -2,6 +2,7 @@
 //! real S3 behaviour is tested end to end against moto (tests/e2e/test_index_s3.py).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures_util::TryStreamExt;
 use object_store::memory::InMemory;
@@ -9,7 +10,7 @@ use object_store::memory::InMemory;
 use super::*;
 use crate::error::StoreErrorKind;
 
-fn memory() -> Described {
+pub(crate) fn memory() -> Described {
     Described::plain("memory", "memory")
 }
 
@@ -24,7 +25,7 @@ fn store(bucket: &str) -> (Store, Arc<InMemory>) {
     (s, mem)
 }
 
-fn data(n: usize) -> Bytes {
+pub(crate) fn data(n: usize) -> Bytes {
     Bytes::from((0..n).map(|i| (i * 7 % 251) as u8).collect::<Vec<u8>>())
 }
 
@@ -174,12 +175,17 @@ fn http_locations_are_read_only() {
 
 /// `InMemory` as a server with a quirk: one that ignores `If-Match` (some S3-compatible
 /// servers do; it reads whatever object is there now, and says so in the ETag it returns),
-/// or one whose listing is not confined to the prefix (a proxy that rewrites paths).
-#[derive(Debug)]
-struct Quirky {
-    mem: InMemory,
-    ignores_if_match: bool,
-    lists_everything: bool,
+/// one whose listing is not confined to the prefix (a proxy that rewrites paths), one that
+/// refuses suffix ranges as object_store's Azure client does, or one whose GETs answer
+/// slowly (each 20 ms after the one started before it, counted in `slow_gets` when done).
+#[derive(Debug, Default)]
+pub(crate) struct Quirky {
+    pub(crate) mem: InMemory,
+    pub(crate) ignores_if_match: bool,
+    pub(crate) lists_everything: bool,
+    pub(crate) refuses_suffix: bool,
+    pub(crate) slow_gets: Option<Arc<AtomicUsize>>,
+    pub(crate) started: AtomicUsize,
 }
 
 impl std::fmt::Display for Quirky {
@@ -212,11 +218,23 @@ impl ObjectStore for Quirky {
         location: &Path,
         options: GetOptions,
     ) -> object_store::Result<object_store::GetResult> {
+        if self.refuses_suffix && matches!(options.range, Some(GetRange::Suffix(_))) {
+            return Err(object_store::Error::NotSupported {
+                source: "Azure does not support suffix range requests".into(),
+            });
+        }
         let options = GetOptions {
             if_match: options.if_match.filter(|_| !self.ignores_if_match),
             ..options
         };
-        self.mem.get_opts(location, options).await
+        let Some(done) = &self.slow_gets else {
+            return self.mem.get_opts(location, options).await;
+        };
+        let n = self.started.fetch_add(1, Ordering::SeqCst) as u64;
+        tokio::time::sleep(std::time::Duration::from_millis(20 * (n + 1))).await;
+        let got = self.mem.get_opts(location, options).await;
+        done.fetch_add(1, Ordering::SeqCst);
+        got
     }
 
     fn delete_stream(
@@ -254,9 +272,8 @@ impl ObjectStore for Quirky {
 #[tokio::test(flavor = "current_thread")]
 async fn a_store_that_ignores_if_match_cannot_pass_off_a_changed_object() {
     let os = Arc::new(Quirky {
-        mem: InMemory::new(),
         ignores_if_match: true,
-        lists_everything: false,
+        ..Default::default()
     });
     let url = StoreUrl::parse("s3://unit-ignores-if-match/pre").unwrap();
     let s = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
@@ -342,9 +359,8 @@ async fn a_reversed_range_is_refused_not_read_as_empty() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_listed_key_outside_the_prefix_is_named_not_skipped() {
     let os = Arc::new(Quirky {
-        mem: InMemory::new(),
-        ignores_if_match: false,
         lists_everything: true,
+        ..Default::default()
     });
     let url = StoreUrl::parse("s3://unit-lists-everything/pre").unwrap();
     let s = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
@@ -490,4 +506,76 @@ async fn a_server_that_ignores_range_is_refused_not_retried_as_unavailable() {
     assert!(e.to_string().contains("does not serve byte ranges"), "{e}");
     let e = s.read_suffix("a.bin", 4, None).await.unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+}
+
+/// A listing page that does not end (a proxy answering `?list-type=2` with a 200 and an
+/// endless body) was buffered until the attempt timed out: now it is cut at the page cap,
+/// and the error names the URL (redacted) and the bound.
+#[tokio::test(flavor = "current_thread")]
+async fn an_s3_listing_page_past_its_cap_is_refused_naming_the_url_and_the_bound() {
+    crate::backend::install_tls();
+    let cap = crate::capped::MAX_LIST_PAGE;
+    let page = cap as usize + (1 << 20);
+    let mut answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {page}\r\n\
+         Connection: close\r\n\r\n"
+    )
+    .into_bytes();
+    answer.resize(answer.len() + page, b' ');
+    let addr = answers_every_request_with(answer);
+    let os = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(format!("http://{addr}"))
+        .with_allow_http(true)
+        .with_bucket_name("unit-page")
+        .with_region("us-east-1")
+        .with_access_key_id("AKIAEXAMPLE")
+        .with_secret_access_key("secret")
+        .with_http_connector(crate::tap::TapConnector::default())
+        .build()
+        .unwrap();
+    let url = StoreUrl::parse("s3://unit-page/ds").unwrap();
+    let s = Store::with_object_store(&url, StoreOptions::default(), Arc::new(os), memory());
+    let e = s.list().await.unwrap_err();
+    assert!(matches!(e, StoreError::ListTooLong { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("listing page")
+            && msg.contains(&format!("http://{addr}/unit-page?..."))
+            && msg.contains(&format!("ran past {cap} bytes")),
+        "{msg}"
+    );
+}
+
+/// object_store's Azure client refuses a suffix range before sending it: `read_suffix` was
+/// `Rejected` there ("not supported by this store"). Now it is a HEAD and a ranged GET.
+#[tokio::test(flavor = "current_thread")]
+async fn a_suffix_read_on_azure_is_a_head_and_a_pinned_ranged_get() {
+    let os = Arc::new(Quirky {
+        refuses_suffix: true,
+        ..Default::default()
+    });
+    os.put(&Path::from("pre/a.bin"), data(100).into())
+        .await
+        .unwrap();
+    let url = StoreUrl::parse("az://unit-azure-suffix/pre").unwrap();
+    let az = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
+    let tail = az.read_suffix("a.bin", 8, None).await.unwrap();
+    assert_eq!(tail, data(100).slice(92..));
+    assert_eq!(az.read_suffix("a.bin", 500, None).await.unwrap(), data(100));
+    assert!(az.read_suffix("a.bin", 0, None).await.unwrap().is_empty());
+    // Elsewhere the suffix GET is still sent (and this server refuses it, as Azure's would).
+    let url = StoreUrl::parse("s3://unit-azure-suffix-s3/pre").unwrap();
+    let s3 = Store::with_object_store(&url, StoreOptions::default(), os.clone(), memory());
+    let e = s3.read_suffix("a.bin", 8, None).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+    // Pinned to the ETag given: an object replaced since is a change, not another tail.
+    let pinned = az.head("a.bin").await.unwrap().etag;
+    os.put(&Path::from("pre/a.bin"), Bytes::from(vec![9u8; 100]).into())
+        .await
+        .unwrap();
+    let e = az
+        .read_suffix("a.bin", 8, pinned.as_deref())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
 }
