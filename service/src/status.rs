@@ -1,44 +1,88 @@
 //! `shardwire status`: a readable table of a node's state, read from its admin API.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::Value;
+
+/// A non-2xx answer of the admin API, with the node's reason.
+#[derive(Debug, thiserror::Error)]
+#[error("{admin}{path} answered {status}: {message}")]
+struct Refused {
+    /// The admin address as given.
+    admin: String,
+    /// The path asked for.
+    path: String,
+    /// The status line (`HTTP/1.1 403 Forbidden`).
+    status: String,
+    /// The JSON error's `message` (it says what to change), else the start of the body.
+    message: String,
+}
+
+/// Most characters of a non-JSON error body shown.
+const BODY_SHOWN: usize = 512;
 
 /// GET `path` from `admin` (HTTP/1.0, loopback admin API) and parse the JSON body.
 fn get_json(admin: &str, path: &str) -> anyhow::Result<Value> {
-    // Every address the name resolves to, each within 10 s (`localhost` may be ::1 first
-    // while the node listens on 127.0.0.1).
-    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
-    let mut found = None;
-    for addr in std::net::ToSocketAddrs::to_socket_addrs(admin)
-        .with_context(|| format!("resolving the admin API address {admin}"))?
-    {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
-            Ok(s) => {
-                found = Some(s);
-                break;
-            }
-            Err(e) => last = e,
-        }
-    }
-    let mut s = found
-        .ok_or(last)
-        .with_context(|| format!("connecting to the admin API at {admin}"))?;
+    let (mut s, addr) = connect(admin)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {admin}\r\n\r\n")?;
+    // `Host` names the address connected to, not the name given: over loopback the node
+    // answers only requests addressed to localhost or an IP address (its guard against DNS
+    // rebinding), and `$(hostname):7400` is often 127.0.1.1.
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
     let (head, body) = resp
         .split_once("\r\n\r\n")
         .context("malformed HTTP response")?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        bail!("{admin}{path}: {}", head.lines().next().unwrap_or(""));
+    let status = head.lines().next().unwrap_or("");
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok());
+    if !code.is_some_and(|c| (200..300).contains(&c)) {
+        return Err(Refused {
+            admin: admin.to_owned(),
+            path: path.to_owned(),
+            status: status.to_owned(),
+            message: reason(body),
+        }
+        .into());
     }
     Ok(serde_json::from_str(body)?)
+}
+
+/// A connection to the first address `admin` resolves to that answers within 10 s each
+/// (`localhost` may be ::1 first while the node listens on 127.0.0.1), and that address.
+fn connect(admin: &str) -> anyhow::Result<(TcpStream, SocketAddr)> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    for addr in std::net::ToSocketAddrs::to_socket_addrs(admin)
+        .with_context(|| format!("resolving the admin API address {admin}"))?
+    {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+            Ok(s) => return Ok((s, addr)),
+            Err(e) => last = e,
+        }
+    }
+    Err(last).with_context(|| format!("connecting to the admin API at {admin}"))
+}
+
+/// What an error answer says: its JSON `message`, else the start of its body.
+fn reason(body: &str) -> String {
+    if let Ok(v) = serde_json::from_str::<Value>(body)
+        && let Some(m) = v["message"].as_str()
+    {
+        return m.to_owned();
+    }
+    let body = body.trim();
+    match body.char_indices().nth(BODY_SHOWN) {
+        Some((end, _)) => format!("{}...", &body[..end]),
+        None if body.is_empty() => "(no body)".to_owned(),
+        None => body.to_owned(),
+    }
 }
 
 fn gib(v: &Value) -> String {
@@ -180,6 +224,42 @@ fn streams_table(o: &mut String, st: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_answer_names_the_nodes_reason_and_host_is_the_address_connected() {
+        // Before: `Host: localhost:PORT` (the name given; `$(hostname)` is refused over
+        // loopback) and only "HTTP/1.1 403 Forbidden", the node's JSON reason dropped.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let node = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                c.read_exact(&mut b).unwrap();
+                head.push(b[0]);
+            }
+            let body = r#"{"code":"forbidden","message":"Host `x`: use an IP address"}"#;
+            let len = body.len();
+            write!(
+                c,
+                "HTTP/1.1 403 Forbidden\r\ncontent-length: {len}\r\n\r\n{body}"
+            )
+            .unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        let e = get_json(&format!("localhost:{port}"), "/v1/status").unwrap_err();
+        let head = node.join().unwrap();
+        assert!(
+            head.contains(&format!("\r\nHost: 127.0.0.1:{port}\r\n")),
+            "{head}"
+        );
+        let refused = e.downcast_ref::<Refused>().expect("a Refused");
+        assert_eq!(refused.status, "HTTP/1.1 403 Forbidden");
+        assert_eq!(refused.message, "Host `x`: use an IP address");
+        assert_eq!(reason("<html>nope</html>\n"), "<html>nope</html>");
+        assert_eq!(reason(&"x".repeat(2000)).len(), BODY_SHOWN + 3);
+    }
 
     #[test]
     fn the_pool_line_counts_every_lane_and_each_lane_has_its_row() {

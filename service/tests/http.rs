@@ -125,7 +125,7 @@ fn http_errors_limits_and_isolation_from_socket_streams() {
         (st, json(&body)["code"].as_str()),
         (400, Some("unsupported_version"))
     );
-    let big = format!(r#"{{"dataset":"{}"}}"#, "x".repeat(70_000));
+    let big = format!(r#"{{"dataset":"{}"}}"#, "x".repeat(1 << 20));
     let (st, body) = raw(a, "POST", "/v1/streams", &big);
     assert_eq!(
         (st, json(&body)["code"].as_str()),

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +16,7 @@ use serde_json::json;
 use shardwire_node::{CloseReason, Control, Node, Reply};
 use shardwire_protocol::trainer::ErrorCode;
 
-use super::error::{ApiError, authorize};
+use super::error::{ApiError, authorize, path_error};
 
 /// Admin reads must finish within this time (the trainer long-poll routes are separate).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -92,16 +93,18 @@ async fn drain(State(node): State<Arc<Node>>, headers: HeaderMap) -> Result<Resp
     }
 }
 
-fn stream_id(id: &str) -> Result<u64, ApiError> {
+/// The stream id a path names; a path that does not decode (`%FF`) is a JSON error too.
+fn stream_id(id: Result<Path<String>, PathRejection>) -> Result<u64, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
     id.parse()
         .map_err(|_| ApiError::bad_request(format!("stream id `{id}` is not a number")))
 }
 
 async fn stream_one(
     State(node): State<Arc<Node>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let n = stream_id(&id)?;
+    let n = stream_id(id)?;
     let s = node
         .stream(n)
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no open stream {n}")))?;
@@ -110,11 +113,11 @@ async fn stream_one(
 
 async fn close_stream(
     State(node): State<Arc<Node>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&node, &headers)?;
-    let id = stream_id(&id)?;
+    let id = stream_id(id)?;
     let reason = CloseReason::Operator;
     node.control(Control::CloseStream { id, reason }).await?;
     Ok(Json(json!({ "closed": id })).into_response())
@@ -151,10 +154,9 @@ async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(node): State<Arc<Node>>) -> impl IntoResponse {
-    let st = node.status();
     (
         [("content-type", "text/plain; version=0.0.4")],
-        super::prom::render(&st),
+        super::prom::render(&node),
     )
 }
 
@@ -165,4 +167,39 @@ async fn streams(State(node): State<Arc<Node>>) -> Json<serde_json::Value> {
 
 async fn status(State(node): State<Arc<Node>>) -> Json<shardwire_node::Status> {
     Json(node.status())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+
+    #[tokio::test]
+    async fn a_stream_id_that_does_not_decode_is_a_json_error() {
+        // Before: `Path<String>` answered `%FF` (not UTF-8) with axum's text/plain 400.
+        let app = Router::new().route(
+            "/v1/streams/{id}",
+            get(|id: Result<Path<String>, PathRejection>| async move {
+                stream_id(id).map(|n| n.to_string())
+            }),
+        );
+        for (path, status) in [
+            ("/v1/streams/%FF", 400),
+            ("/v1/streams/x", 400),
+            ("/v1/streams/7", 200),
+        ] {
+            let req = axum::http::Request::get(path).body(Body::empty()).unwrap();
+            let r = super::super::server::answer(app.clone(), req).await;
+            assert_eq!(r.status().as_u16(), status, "{path}");
+            let is_json = r.headers().get(axum::http::header::CONTENT_TYPE)
+                == Some(&axum::http::HeaderValue::from_static("application/json"));
+            let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+            if status == 400 {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                assert!(is_json && v["code"] == "bad_request", "{path}: {v}");
+            } else {
+                assert_eq!(&body[..], b"7");
+            }
+        }
+    }
 }

@@ -16,17 +16,17 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
-use shardwire_config::ByteSize;
-use shardwire_node::{BindingSpec, Control, Node, Reply};
+use shardwire_config::{ByteSize, ServeConfig};
+use shardwire_node::{BindingSpec, Control, LaneStatus, Node, Reply};
 use shardwire_protocol::trainer::ErrorCode;
 
-use super::error::{ApiError, authorize};
+use super::error::{ApiError, authorize, path_error};
 
 /// The interface name that asks for the emulator instead of a NIC.
 pub const EMULATOR: &str = "emulator";
@@ -37,10 +37,10 @@ pub const EMULATOR: &str = "emulator";
 pub struct CreateBinding {
     /// NIC name, or `"emulator"`.
     interface: String,
-    /// RX queues (default: the upper half of the NIC's RX queues).
+    /// RX queues (default: the lane's, as configured or paired: its share of the NIC's).
     #[serde(default)]
     queues: Vec<u32>,
-    /// Dma-buf size, e.g. `"64MiB"` (default: `devmem_memory`).
+    /// Dma-buf size, e.g. `"64MiB"` (default: the lane's `devmem_memory`).
     memory: Option<String>,
     /// The lane (default: the lane whose NIC `interface` is, else lane 0).
     lane: Option<u32>,
@@ -67,35 +67,7 @@ pub async fn create(
         };
         ApiError::bad_request(e.body_text()).with_status(status)
     })?;
-    let bytes = match req.memory.as_deref().map(str::parse::<ByteSize>) {
-        None => node.info().cfg.devmem_memory.0 as usize,
-        Some(Ok(b)) if b.0 >= 1 << 20 => b.0 as usize,
-        Some(Ok(b)) => {
-            return Err(ApiError::bad_request(format!(
-                "memory {b} is below the minimum of 1MiB"
-            )));
-        }
-        Some(Err(e)) => return Err(ApiError::bad_request(format!("memory: {e}"))),
-    };
-    let spec = if req.interface == EMULATOR {
-        if !req.queues.is_empty() {
-            return Err(ApiError::bad_request(format!(
-                "queues {:?}: the emulator binds its lane's configured queues; leave `queues` out",
-                req.queues
-            )));
-        }
-        BindingSpec::Emulator {
-            bytes,
-            lane: req.lane,
-        }
-    } else {
-        BindingSpec::Nic {
-            name: req.interface,
-            queues: req.queues,
-            bytes,
-            lane: req.lane,
-        }
-    };
+    let spec = spec_of(req, &node.status().lanes, &node.info().cfg)?;
     match node.control(Control::CreateBinding(spec)).await? {
         Reply::Binding(b) => Ok((StatusCode::CREATED, Json(b)).into_response()),
         other => Err(ApiError::new(
@@ -105,13 +77,80 @@ pub async fn create(
     }
 }
 
+/// The binding a request asks for, with what it leaves out taken from its lane's own
+/// configuration, as start-up binds that lane ([`lane_defaults`]).
+fn spec_of(
+    req: CreateBinding,
+    lanes: &[LaneStatus],
+    cfg: &ServeConfig,
+) -> Result<BindingSpec, ApiError> {
+    let (memory, queues) = lane_defaults(lanes, cfg, req.lane, &req.interface);
+    let bytes = match req.memory.as_deref().map(str::parse::<ByteSize>) {
+        None => memory as usize,
+        Some(Ok(b)) if b.0 >= 1 << 20 => b.0 as usize,
+        Some(Ok(b)) => {
+            return Err(ApiError::bad_request(format!(
+                "memory {b} is below the minimum of 1MiB"
+            )));
+        }
+        Some(Err(e)) => return Err(ApiError::bad_request(format!("memory: {e}"))),
+    };
+    if req.interface == EMULATOR {
+        if !req.queues.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "queues {:?}: the emulator binds its lane's configured queues; leave `queues` out",
+                req.queues
+            )));
+        }
+        return Ok(BindingSpec::Emulator {
+            bytes,
+            lane: req.lane,
+        });
+    }
+    Ok(BindingSpec::Nic {
+        name: req.interface,
+        queues: if req.queues.is_empty() {
+            queues
+        } else {
+            req.queues
+        },
+        bytes,
+        lane: req.lane,
+    })
+}
+
+/// The dma-buf size and RX queues of the lane a binding request is for, as start-up binds it:
+/// its `lanes[i].devmem_memory`, else `devmem_memory`; its queues as configured or paired
+/// (two lanes on one NIC each bind their own share; empty: the binding's default). The lane
+/// is found as the node finds it: the one named, else the one whose NIC `interface` is, else
+/// lane 0. A lane that does not exist gets the node's defaults (the node refuses it).
+fn lane_defaults(
+    lanes: &[LaneStatus],
+    cfg: &ServeConfig,
+    lane: Option<u32>,
+    interface: &str,
+) -> (u64, Vec<u32>) {
+    let found = match lane {
+        Some(n) => lanes.iter().find(|l| l.lane == n),
+        None => lanes
+            .iter()
+            .find(|l| interface != EMULATOR && l.nic.as_deref() == Some(interface))
+            .or(lanes.first()),
+    };
+    match found {
+        Some(l) => (l.devmem_memory, l.queues.clone()),
+        None => (cfg.devmem_memory.0, Vec::new()),
+    }
+}
+
 /// `DELETE /v1/bindings/{id}`.
 pub async fn delete(
     State(node): State<Arc<Node>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&node, &headers)?;
+    let Path(id) = id.map_err(path_error)?;
     match node.control(Control::DeleteBinding { id }).await? {
         Reply::Deleted {
             id,
@@ -125,5 +164,91 @@ pub async fn delete(
             ErrorCode::Internal,
             format!("delete answered {other:?}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardwire_config::{LaneConfig, Lanes};
+    use shardwire_protocol::trainer::MemoryKind;
+
+    fn lane_status(lane: u32, nic: &str, queues: Vec<u32>, devmem_memory: u64) -> LaneStatus {
+        LaneStatus {
+            lane,
+            gpu: None,
+            uuid: None,
+            nic: Some(nic.to_owned()),
+            nic_pci: None,
+            distance: None,
+            numa_node: None,
+            data_addr: format!("10.0.0.1:{}", 7401 + lane),
+            memory: MemoryKind::Host,
+            cpus: String::new(),
+            queues,
+            devmem_memory,
+            devmem: false,
+            binding: None,
+            streams: 0,
+            pool_reserved: 0,
+            pool_size: 1 << 30,
+            bytes_received: 0,
+            data_connections: 0,
+            data_connections_refused: 0,
+            why: String::new(),
+            warn: false,
+            notes: Vec::new(),
+        }
+    }
+
+    /// What `spec_of` makes of `body` on two lanes sharing eth0, lane 1 with its own memory:
+    /// (queues, bytes, lane) of a NIC binding, or (no queues, bytes, lane) of the emulator.
+    fn spec(body: serde_json::Value) -> (Vec<u32>, usize, Option<u32>) {
+        let cfg = ServeConfig {
+            lanes: Lanes::Table(vec![
+                LaneConfig {
+                    interface: Some("eth0".into()),
+                    ..LaneConfig::default()
+                },
+                LaneConfig {
+                    interface: Some("eth0".into()),
+                    devmem_memory: Some(ByteSize(8 << 20)),
+                    ..LaneConfig::default()
+                },
+            ]),
+            ..ServeConfig::default()
+        };
+        let lanes = [
+            lane_status(0, "eth0", vec![8, 9], cfg.devmem_memory.0),
+            lane_status(1, "eth0", vec![10, 11], 8 << 20),
+        ];
+        let req: CreateBinding = serde_json::from_value(body).unwrap();
+        match spec_of(req, &lanes, &cfg).unwrap() {
+            BindingSpec::Nic {
+                queues,
+                bytes,
+                lane,
+                ..
+            } => (queues, bytes, lane),
+            BindingSpec::Emulator { bytes, lane } => (Vec::new(), bytes, lane),
+        }
+    }
+
+    #[test]
+    fn a_binding_takes_its_lanes_memory_and_queues_where_the_request_names_none() {
+        // Before: the node's devmem_memory, and no queues (the upper half of all of eth0:
+        // the other lane's share too).
+        let node_memory = ServeConfig::default().devmem_memory.0 as usize;
+        let eth0 = |lane: u32| json!({ "interface": "eth0", "lane": lane });
+        assert_eq!(spec(eth0(1)), (vec![10, 11], 8 << 20, Some(1)));
+        assert_eq!(spec(eth0(0)), (vec![8, 9], node_memory, Some(0)));
+        // No lane named: the first lane on the interface, as the node picks it.
+        let first = spec(json!({ "interface": "eth0" }));
+        assert_eq!(first, (vec![8, 9], node_memory, None));
+        let emulator = spec(json!({ "interface": "emulator", "lane": 1 }));
+        assert_eq!(emulator, (vec![], 8 << 20, Some(1)));
+        // What the request names wins.
+        let named = json!({ "interface": "eth0", "lane": 1, "queues": [3], "memory": "2MiB" });
+        assert_eq!(spec(named), (vec![3], 2 << 20, Some(1)));
     }
 }

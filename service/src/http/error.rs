@@ -2,6 +2,7 @@
 //! is `{"code", "message"}` with the status its [`ErrorCode`] maps to.
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
@@ -62,6 +63,19 @@ impl From<ControlError> for ApiError {
     }
 }
 
+/// The JSON error of a path whose parameters do not decode (`%FF` is not UTF-8): routes take
+/// `Result<Path<_>, PathRejection>` and map the rejection here, since axum's own is text/plain.
+pub fn path_error(e: PathRejection) -> ApiError {
+    ApiError::bad_request(format!("bad path: {}", e.body_text()))
+}
+
+/// The credentials of an `Authorization` value in the `Bearer` scheme. Scheme names are
+/// case-insensitive (RFC 7235 section 2.1), so `bearer tok` is as good as `Bearer tok`.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 /// Checks `Authorization: Bearer <token>` for mutating endpoints (constant-time compare);
 /// each refusal is counted by reason.
 pub fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -74,7 +88,7 @@ pub fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), ApiError> {
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(bearer_token);
     match given {
         None => {
             metrics::counter!("shardwire_admin_auth_fails_total", "reason" => "missing")
@@ -88,6 +102,22 @@ pub fn authorize(node: &Node, headers: &HeaderMap) -> Result<(), ApiError> {
         Some(_) => {
             metrics::counter!("shardwire_admin_auth_fails_total", "reason" => "wrong").increment(1);
             Err(ApiError::new(ErrorCode::Forbidden, "wrong admin token"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        // Before: only `Bearer ` was taken, so `bearer tok` read as a missing token.
+        for ok in ["Bearer tok", "bearer tok", "BEARER tok", "bEaReR tok"] {
+            assert_eq!(bearer_token(ok), Some("tok"), "{ok}");
+        }
+        for bad in ["Basic tok", "Bearertok", "Bearer", "", "Bearers tok"] {
+            assert_eq!(bearer_token(bad), None, "{bad}");
         }
     }
 }

@@ -3,17 +3,20 @@
 //! series order is the same on every scrape (the exporter keeps them in hash maps).
 //!
 //! Hot-path counters live in atomics in the node and are copied from its [`Status`] into the
-//! recorder on each scrape; only the latency histograms are recorded as they happen, and
-//! [`upkeep`] folds their samples into buckets every few seconds so that memory stays flat
-//! whether or not anyone scrapes.
+//! recorder on each scrape, as what each grew by since the last one (`Totals`); only the
+//! latency histograms are recorded as they happen, and [`upkeep`] folds their samples into
+//! buckets every few seconds so that memory stays flat whether or not anyone scrapes.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use shardwire_node::{BindingStatus, COUNTERS, CounterDef, Label, Status, Unit};
+use shardwire_node::{
+    BindingStatus, COUNTERS, CounterDef, Label, Node, SourceStatus, Status, Unit,
+};
 
 /// How often histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -204,7 +207,7 @@ fn describe() {
 /// (labels: the receive mode, the configured sources, the lanes `0..lanes`).
 pub fn register_zero(mode: &str, sources: &[String], lanes: u32) {
     for d in COUNTERS.iter().filter(|d| d.unit == Unit::Count) {
-        record_counter(d, mode, 0);
+        counter_of(d, mode).absolute(0);
     }
     for &(kind, name, _) in FAMILIES {
         match (kind, name) {
@@ -265,9 +268,56 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
     }
 }
 
+/// What each of the node's counter figures grew by between scrapes. The recorder's counters
+/// add these up, so a series never goes down and never stops: its figure may start again
+/// from 0 (a source's new link, a lane's new binding) or leave a sum (a retired source's
+/// cancels), where the recorder's `absolute` would keep the old maximum until the figure
+/// passed it; and a `mode` counter gives each receive mode the bytes that came in under it.
+#[derive(Debug, Default)]
+struct Totals {
+    /// Per series: who its figure belongs to (a binding id; 0 where the figure lives as long
+    /// as its series), and the figure's value at the last scrape.
+    last: BTreeMap<String, (u64, u64)>,
+    /// The series this scrape has seen so far.
+    seen: BTreeSet<String>,
+}
+
+impl Totals {
+    /// How much a series' figure grew since the last scrape: the difference, or the whole
+    /// figure where it is new, has another owner, or went down (it started again from 0).
+    fn growth(&mut self, series: String, owner: u64, now: u64) -> u64 {
+        let before = self.last.insert(series.clone(), (owner, now));
+        self.seen.insert(series);
+        match before {
+            Some((was, last)) if was == owner && now >= last => now - last,
+            _ => now,
+        }
+    }
+
+    /// Forgets the series this scrape did not see: their figure is gone (a source that left,
+    /// a lane unbound), and one that comes back counts from 0.
+    fn end_scrape(&mut self) {
+        let seen = std::mem::take(&mut self.seen);
+        self.last.retain(|series, _| seen.contains(series));
+    }
+}
+
+/// The figures of the last scrape. Held across the node's snapshot and its recording, so an
+/// older snapshot is never compared with a newer one (it would read as a restart).
+static TOTALS: Mutex<Totals> = Mutex::new(Totals {
+    last: BTreeMap::new(),
+    seen: BTreeSet::new(),
+});
+
 /// Copies the node's figures into the recorder and renders the exposition text.
-pub fn render(st: &Status) -> String {
-    record(st);
+pub fn render(node: &Node) -> String {
+    let st = {
+        let mut totals = TOTALS.lock().unwrap_or_else(|p| p.into_inner());
+        let st = node.status();
+        record(&st, &mut totals);
+        totals.end_scrape();
+        st
+    };
     let seconds: Vec<(&CounterDef, f64)> = st
         .counters
         .values()
@@ -284,30 +334,34 @@ pub fn render(st: &Status) -> String {
     render_text(&seconds, &bound, &sources)
 }
 
-/// Sets one of the node's integer counters in the recorder.
-fn record_counter(d: &CounterDef, mode: &str, v: u64) {
+/// The recorder's series of one of the node's integer counters (a `mode` counter's: the one
+/// of the receive mode `mode`).
+fn counter_of(d: &CounterDef, mode: &str) -> metrics::Counter {
     match d.label {
-        Label::None => metrics::counter!(d.metric).absolute(v),
-        Label::Mode => metrics::counter!(d.metric, "mode" => mode.to_owned()).absolute(v),
-        Label::Fixed(k, value) => metrics::counter!(d.metric, k => value).absolute(v),
+        Label::None => metrics::counter!(d.metric),
+        Label::Mode => metrics::counter!(d.metric, "mode" => mode.to_owned()),
+        Label::Fixed(k, value) => metrics::counter!(d.metric, k => value),
     }
 }
 
+/// Adds what one of the node's integer counters grew by since the last scrape to its series;
+/// a `mode` counter's growth goes to the mode in effect now (`mode`), so that bytes received
+/// before a binding changed the mode stay with the mode they came in under.
+fn record_counter(totals: &mut Totals, d: &CounterDef, mode: &str, v: u64) {
+    let grew = totals.growth(d.status.to_owned(), 0, v);
+    counter_of(d, mode).increment(grew);
+}
+
 /// Sets every counter and gauge from the status.
-fn record(st: &Status) {
+fn record(st: &Status, totals: &mut Totals) {
     for (d, v) in st.counters.values() {
         if d.unit == Unit::Count {
-            record_counter(d, &st.mode.receive, v as u64);
+            record_counter(totals, d, &st.mode.receive, v as u64);
         }
     }
-    let cancelled = st.sources.iter().map(|s| s.cancelled).sum();
-    metrics::counter!("shardwire_fetches_cancelled_total").absolute(cancelled);
-    for s in &st.sources {
-        let labels = [("source", s.addr.clone())];
-        metrics::counter!("shardwire_source_bytes_received_total", &labels)
-            .absolute(s.bytes_received);
-        metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
-    }
+    record_sources(&st.sources, totals);
+    // The node keeps these per lane for its whole life (an ended connection's bytes move to
+    // the lane's total), so they never start again: the recorder keeps their maximum.
     for l in &st.lanes {
         let labels = [("lane", l.lane.to_string())];
         metrics::counter!("shardwire_lane_bytes_received_total", &labels)
@@ -328,31 +382,81 @@ fn record(st: &Status) {
     metrics::gauge!("shardwire_leases_outstanding").set(leases as f64);
     metrics::gauge!("shardwire_streams_open").set(st.streams.len() as f64);
     for d in st.lanes.iter().filter_map(|l| l.binding.as_ref()) {
-        record_binding(d);
+        record_binding(totals, d);
     }
 }
 
-/// One lane's binding figures, labelled with its lane.
-fn record_binding(d: &BindingStatus) {
+/// Each source's figures. A link's counters start at 0 (a source that left DNS and came back
+/// has a new link), and `shardwire_fetches_cancelled_total` adds up every source's growth,
+/// not their sum now: a retired source's cancels leaving that sum take nothing back.
+fn record_sources(sources: &[SourceStatus], totals: &mut Totals) {
+    let mut cancelled = 0;
+    for s in sources {
+        cancelled += totals.growth(format!("cancelled {}", s.addr), 0, s.cancelled);
+        let labels = [("source", s.addr.clone())];
+        let bytes = totals.growth(format!("bytes {}", s.addr), 0, s.bytes_received);
+        metrics::counter!("shardwire_source_bytes_received_total", &labels).increment(bytes);
+        metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
+    }
+    metrics::counter!("shardwire_fetches_cancelled_total").increment(cancelled);
+}
+
+/// A series' labels.
+type Labels = [(&'static str, String)];
+
+/// One lane's binding figures, labelled with its lane. A new binding's figures start at 0;
+/// its lane's series go on from the last binding's totals.
+fn record_binding(totals: &mut Totals, d: &BindingStatus) {
     let lane = [("lane", d.lane.to_string())];
     let with = |k: &'static str, v: &'static str| [lane[0].clone(), (k, v.to_owned())];
-    metrics::counter!("shardwire_devmem_frags_total", &lane).absolute(d.frags);
-    metrics::counter!("shardwire_devmem_bytes_total", &lane).absolute(d.dmabuf_bytes);
-    metrics::counter!("shardwire_devmem_tokens_returned_total", &lane).absolute(d.tokens_returned);
-    metrics::counter!("shardwire_devmem_steering_errors_total", &lane).absolute(d.steering_errors);
-    metrics::counter!("shardwire_devmem_host_bytes_total", &with("kind", "linear"))
-        .absolute(d.linear_bytes);
-    metrics::counter!("shardwire_devmem_host_bytes_total", &with("kind", "plain"))
-        .absolute(d.plain_bytes);
-    metrics::counter!("shardwire_devmem_pool_exhausted_total", &lane).absolute(d.pool_exhausted);
+    let (linear, plain) = (with("kind", "linear"), with("kind", "plain"));
+    let figures: [(&'static str, &Labels, u64); 8] = [
+        ("shardwire_devmem_frags_total", &lane, d.frags),
+        ("shardwire_devmem_bytes_total", &lane, d.dmabuf_bytes),
+        (
+            "shardwire_devmem_tokens_returned_total",
+            &lane,
+            d.tokens_returned,
+        ),
+        (
+            "shardwire_devmem_steering_errors_total",
+            &lane,
+            d.steering_errors,
+        ),
+        ("shardwire_devmem_host_bytes_total", &linear, d.linear_bytes),
+        ("shardwire_devmem_host_bytes_total", &plain, d.plain_bytes),
+        (
+            "shardwire_devmem_pool_exhausted_total",
+            &lane,
+            d.pool_exhausted,
+        ),
+        (
+            "shardwire_devmem_flow_rule_failures_total",
+            &lane,
+            d.flow_rule_failures,
+        ),
+    ];
+    for (name, labels, now) in figures {
+        grow(totals, u64::from(d.binding), name, labels, now);
+    }
     metrics::gauge!("shardwire_devmem_flow_rules", &lane).set(d.flow_rules as f64);
-    metrics::counter!("shardwire_devmem_flow_rule_failures_total", &lane)
-        .absolute(d.flow_rule_failures);
     if let Some(free) = d.niovs_free {
         metrics::gauge!("shardwire_devmem_niovs", &with("state", "free")).set(free as f64);
         metrics::gauge!("shardwire_devmem_niovs", &with("state", "in_use"))
             .set((d.niovs - free) as f64);
     }
+}
+
+/// Adds what the figure `now` of `owner` grew by to the series `name` `labels`.
+fn grow(
+    totals: &mut Totals,
+    owner: u64,
+    name: &'static str,
+    labels: &[(&'static str, String)],
+    now: u64,
+) {
+    let grew = totals.growth(format!("{name}{labels:?}"), owner, now);
+    metrics::counter!(name, labels).increment(grew);
 }
 
 /// The exposition text: the recorder's families in name order (counter and gauge series in
@@ -479,6 +583,122 @@ fn sorted_block(block: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardwire_node::BindingKind;
+
+    /// A series' value in the recorder now (0 where it has none yet).
+    fn value(series: &str) -> u64 {
+        handle()
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_mode_counter_gives_each_mode_what_came_in_under_it() {
+        // Before: the lifetime total went to the mode in effect at each scrape, so after
+        // host -> devmem-sim -> host the series read 180 and 150 (330 bytes of 180).
+        handle();
+        let d = CounterDef {
+            status: "test_mode_bytes",
+            metric: "shardwire_test_mode_bytes_total",
+            label: Label::Mode,
+            help: "test",
+            unit: Unit::Count,
+        };
+        let mut totals = Totals::default();
+        record_counter(&mut totals, &d, "host", 100);
+        record_counter(&mut totals, &d, "devmem-sim", 150);
+        record_counter(&mut totals, &d, "host", 180);
+        let host = value("shardwire_test_mode_bytes_total{mode=\"host\"}");
+        let sim = value("shardwire_test_mode_bytes_total{mode=\"devmem-sim\"}");
+        assert_eq!((host, sim), (130, 50));
+        assert_eq!(host + sim, 180);
+    }
+
+    fn binding(lane: u32, binding: u32, frags: u64) -> BindingStatus {
+        BindingStatus {
+            lane,
+            binding,
+            kind: BindingKind::Emulated,
+            bytes: 1 << 20,
+            interface: "emu0".into(),
+            queues: vec![0],
+            niovs: 256,
+            niovs_free: None,
+            pool_exhausted: 0,
+            frags,
+            dmabuf_bytes: 0,
+            tokens_returned: 0,
+            linear_bytes: 0,
+            plain_bytes: 0,
+            steering_errors: 0,
+            flow_rules: 0,
+            flow_rule_failures: 0,
+        }
+    }
+
+    #[test]
+    fn a_binding_series_goes_on_when_its_figure_starts_again() {
+        // Before: `absolute` (the maximum) froze the series at 1000 until a new binding's
+        // figure passed it.
+        handle();
+        let series = "shardwire_devmem_frags_total{lane=\"9001\"}";
+        let mut totals = Totals::default();
+        record_binding(&mut totals, &binding(9001, 7, 1000));
+        record_binding(&mut totals, &binding(9001, 7, 10)); // its figure went down: a restart
+        assert_eq!(value(series), 1010);
+        record_binding(&mut totals, &binding(9001, 8, 5)); // a new binding on the lane
+        record_binding(&mut totals, &binding(9001, 8, 25));
+        assert_eq!(value(series), 1035);
+    }
+
+    fn source(addr: &str, cancelled: u64, bytes_received: u64) -> SourceStatus {
+        SourceStatus {
+            addr: addr.into(),
+            found_by: "dns:sources.test:7500".into(),
+            up: true,
+            state: "active",
+            fetches: 0,
+            outstanding: 0,
+            in_flight: 0,
+            cancels_sent: cancelled,
+            cancelled,
+            bytes_received,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn a_retired_source_takes_nothing_back_and_a_returning_one_counts_from_0() {
+        // Cancels are added up per source, not taken from their sum: a retired source's
+        // cancels leaving the sum (8, then 4) are no restart of anything, and reading that
+        // drop as one would add all 4 again for a single new cancel. Before: the maximum of
+        // the sum, stuck at 8; and 100 bytes for a source that came back with 150.
+        handle();
+        let cancelled = || value("shardwire_fetches_cancelled_total");
+        let bytes = || value("shardwire_source_bytes_received_total{source=\"192.0.2.1:7500\"}");
+        let (c0, b0) = (cancelled(), bytes());
+        let mut totals = Totals::default();
+        let mut scrape = |sources: &[SourceStatus]| {
+            record_sources(sources, &mut totals);
+            totals.end_scrape();
+        };
+        scrape(&[
+            source("192.0.2.1:7500", 5, 100),
+            source("192.0.2.2:7500", 3, 0),
+        ]);
+        assert_eq!(cancelled() - c0, 8);
+        scrape(&[source("192.0.2.2:7500", 4, 0)]); // .1 left DNS
+        assert_eq!(cancelled() - c0, 9);
+        // .1 came back: a new link, counted from 0 though it passed the old one's figures.
+        scrape(&[
+            source("192.0.2.1:7500", 7, 150),
+            source("192.0.2.2:7500", 4, 0),
+        ]);
+        assert_eq!(cancelled() - c0, 16);
+        assert_eq!(bytes() - b0, 250);
+    }
 
     #[test]
     fn blocks_sort_their_samples_except_histograms() {

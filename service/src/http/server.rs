@@ -8,6 +8,7 @@
 //! write of the answer may wait for the client at most `http_write_timeout_secs` without
 //! progress ([`super::stall`]).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,9 +21,10 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use shardwire_config::ServeConfig;
-use tokio::sync::{Semaphore, watch};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
-use shardwire_protocol::trainer::ErrorCode;
+use shardwire_protocol::trainer::{ErrorCode, MAX_TRAINER_FRAME};
 
 use super::copies::{GRACE, MIN_RATE};
 use super::error::ApiError;
@@ -37,8 +39,10 @@ const FLOOR: Floor = Floor {
     bytes: MIN_RATE * GRACE.as_secs() / 2,
 };
 
-/// Largest request body on any route.
-pub const BODY_LIMIT: usize = 64 << 10;
+/// Largest request body on any route: the trainer socket's frame limit, so that every
+/// `attach` the socket takes opens over HTTP too (a resumed mixture of 256 datasets with
+/// 255-byte names is over 64 KiB).
+pub const BODY_LIMIT: usize = MAX_TRAINER_FRAME;
 
 /// Connections served beyond `http_max_connections` while those are all in use, for the
 /// admin and probe routes only: a trainer route there answers `503 unavailable`.
@@ -141,10 +145,7 @@ pub async fn serve(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let app = app
-        .layer(axum::middleware::from_fn(close_reserve_connections))
-        .layer(axum::middleware::from_fn_with_state(limits, bounded_body))
-        .layer(axum::middleware::from_fn(addressed_to_this_host));
+    let app = with_checks(app, limits);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let reserve = Arc::new(Semaphore::new(RESERVE));
     loop {
@@ -169,48 +170,85 @@ pub async fn serve(
         if reserved && let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
             (permit, reserved) = (p, false);
         }
-        let local = axum::Extension(FromLoopback(peer.ip().to_canonical().is_loopback()));
-        let svc = match reserved {
-            true => {
-                TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve)).layer(local))
-            }
-            false => TowerToHyperService::new(app.clone().layer(local)),
-        };
-        let mut stop = shutdown.clone();
-        tokio::spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_timeout)
-                .serve_connection(
-                    TokioIo::new(WriteStall::new(stream, limits.write_timeout).with_floor(FLOOR)),
-                    svc,
-                );
-            tokio::pin!(conn);
-            let done = tokio::select! {
-                r = conn.as_mut() => r,
-                _ = stop.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = done {
-                if e.is_timeout() {
-                    metrics::counter!("shardwire_http_timeouts_total", "phase" => "header")
-                        .increment(1);
-                    tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
-                } else if let Some(phase) = stall_phase(&e) {
-                    metrics::counter!("shardwire_http_timeouts_total", "phase" => phase)
-                        .increment(1);
-                    tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer, or read it at a trickle");
-                } else {
-                    tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
-                }
-            }
-            drop(permit);
-        });
+        let svc = connection_service(&app, reserved, peer);
+        let stop = shutdown.clone();
+        tokio::spawn(run_connection(stream, peer, svc, limits, stop, permit));
     }
-    // Every connection holds a permit until it ends.
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    wait_for_connections(&slots, &reserve, limits.max_connections).await;
+}
+
+/// `app` behind the server's checks, outermost first: the `Host` of a loopback request, the
+/// body read whole within its timeout, and a reserve connection closed after its answer.
+fn with_checks(app: Router, limits: Limits) -> Router {
+    app.layer(axum::middleware::from_fn(close_reserve_connections))
+        .layer(axum::middleware::from_fn_with_state(limits, bounded_body))
+        .layer(axum::middleware::from_fn(addressed_to_this_host))
+}
+
+/// The app for one connection from `peer`, marked when it came over loopback and when it
+/// holds a [`RESERVE`] slot.
+fn connection_service(
+    app: &Router,
+    reserved: bool,
+    peer: SocketAddr,
+) -> TowerToHyperService<Router> {
+    let local = axum::Extension(FromLoopback(peer.ip().to_canonical().is_loopback()));
+    match reserved {
+        true => {
+            TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve)).layer(local))
+        }
+        false => TowerToHyperService::new(app.clone().layer(local)),
+    }
+}
+
+/// Serves one connection until it ends (once `stop` turns, after its current request);
+/// `permit`, its slot, is given back then.
+async fn run_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    svc: TowerToHyperService<Router>,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+    permit: OwnedSemaphorePermit,
+) {
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .serve_connection(
+            TokioIo::new(WriteStall::new(stream, limits.write_timeout).with_floor(FLOOR)),
+            svc,
+        );
+    tokio::pin!(conn);
+    let done = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = done {
+        connection_failed(peer, &e);
+    }
+    drop(permit);
+}
+
+/// Counts a connection that a timeout ended, by phase, and logs why a connection ended.
+fn connection_failed(peer: SocketAddr, e: &hyper::Error) {
+    if e.is_timeout() {
+        metrics::counter!("shardwire_http_timeouts_total", "phase" => "header").increment(1);
+        tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
+    } else if let Some(phase) = stall_phase(e) {
+        metrics::counter!("shardwire_http_timeouts_total", "phase" => phase).increment(1);
+        tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer, or read it at a trickle");
+    } else {
+        tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+    }
+}
+
+/// Waits, at most [`SHUTDOWN_GRACE`], until every connection has ended: each holds a permit
+/// of `slots` or `reserve` until then.
+async fn wait_for_connections(slots: &Semaphore, reserve: &Semaphore, max_connections: usize) {
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
         let _ = slots.acquire_many(all).await;
         let _ = reserve.acquire_many(RESERVE as u32).await;
@@ -281,9 +319,77 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
     }
 }
 
+/// The answer of `app` to `req`, as a connection gets it (for the routes' tests).
+#[cfg(test)]
+pub(super) async fn answer(app: Router, req: Request) -> Response {
+    use hyper::service::Service as _;
+    match TowerToHyperService::new(app).call(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardwire_protocol::samples::mix::MAX_MIX_DATASETS;
+    use shardwire_protocol::trainer::http::OpenStream;
+    use shardwire_protocol::wire::MAX_DATASET_NAME;
+
+    /// The body of `POST /v1/streams` resuming the largest mixture the node takes: 256
+    /// datasets with 255-byte names, every number at its widest.
+    fn largest_resume() -> Vec<u8> {
+        let names: Vec<String> = (0..MAX_MIX_DATASETS)
+            .map(|i| format!("{i:03}{}", "d".repeat(MAX_DATASET_NAME - 3)))
+            .collect();
+        let n = names.len();
+        let weight = 1.0_f64 / 3.0;
+        let mix: Vec<serde_json::Value> = names
+            .iter()
+            .map(|name| serde_json::json!({ "dataset": name, "weight": weight }))
+            .collect();
+        let state = serde_json::json!({
+            "epoch": u32::MAX, "index": u64::MAX, "seed": u64::MAX, "fingerprint": "v2",
+            "mix": {
+                "step": u64::MAX, "datasets": names, "weights": vec![i64::MAX; n],
+                "cursors": vec![u64::MAX; n], "carry": vec![i64::MIN; n],
+            },
+        });
+        serde_json::to_vec(&serde_json::json!({ "mix": mix, "state": state })).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_largest_valid_open_is_read_and_a_larger_body_is_413() {
+        // Before: bodies over 64 KiB were refused, below this valid resume of a mixture.
+        let body = largest_resume();
+        OpenStream::from_json(&body).expect("a valid open request");
+        assert!(body.len() > 64 << 10, "{} bytes", body.len());
+        let limits = Limits {
+            max_connections: 1,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
+        let echo = axum::routing::post(|b: axum::body::Bytes| async move { b.len().to_string() });
+        let app = with_checks(Router::new().route("/v1/streams", echo), limits);
+        let post = |body: Vec<u8>| {
+            axum::http::Request::post("/v1/streams")
+                .header(axum::http::header::CONTENT_LENGTH, body.len())
+                .body(Body::from(body))
+                .unwrap()
+        };
+        let n = body.len();
+        let r = answer(app.clone(), post(body)).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let read = axum::body::to_bytes(r.into_body(), 64).await.unwrap();
+        assert_eq!(
+            read,
+            n.to_string().as_bytes(),
+            "the handler got the whole body"
+        );
+        let r = answer(app, post(vec![b' '; BODY_LIMIT + 1])).await;
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
 
     #[test]
     fn loopback_answers_localhost_and_addresses_not_other_names() {

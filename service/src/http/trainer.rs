@@ -35,7 +35,7 @@ use shardwire_protocol::trainer::{ErrorCode, StreamState, TensorView};
 use tokio::sync::oneshot;
 
 use super::copies::{COPY_BUDGET, COPY_WAIT, Copies, CopyBody};
-use super::error::ApiError;
+use super::error::{ApiError, path_error};
 use super::server::OnReserve;
 /// An HTTP stream with no request for this long is closed (overridable per stream).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -135,10 +135,6 @@ fn unknown_lease(lease: u64) -> ApiError {
         ErrorCode::UnknownLease,
         format!("lease {lease} is not held by an HTTP stream of this node"),
     )
-}
-
-fn path_error(e: PathRejection) -> ApiError {
-    ApiError::bad_request(format!("bad path: {}", e.body_text()))
 }
 
 // --- state -----------------------------------------------------------------------------------
