@@ -31,7 +31,7 @@ Target = Union[str, tuple]  # "HOST:PORT", (host, port) or a Unix socket path ("
 
 #: What an outcome keeps of the bytes the peer sent back.
 KEEP = 64 * 1024
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Control message kinds (docs/PROTOCOL.md, "Messages").
 HELLO, CHALLENGE, AUTH, WELCOME, MANIFEST_REQUEST, MANIFEST, DATA_CONN, FETCH, SHARD, ERROR, CANCEL, PING, HINT, DATA_READY = range(1, 15)
 
@@ -284,7 +284,7 @@ def wire_addr(host: str, port: int, family: int = 4) -> bytes:
 
 def hello(node_id: Union[str, bytes] = "fault-node", data_addr: tuple = ("127.0.0.1", 9), flows: int = 1,
           nonce: bytes = b"\x01" * 32, family: int = 4, lanes: int = 1) -> bytes:
-    """A Hello (version 3 layout, unchanged in 4): the node id, the nonce, then `lanes` lanes (u16 count), each the
+    """A Hello (version 3 layout, unchanged in 4 and 5): the node id, the nonce, then `lanes` lanes (u16 count), each the
     data address and its flows."""
     lane = wire_addr(data_addr[0], data_addr[1], family) + struct.pack(">H", flows)
     body = wire_str(node_id) + nonce + struct.pack(">H", lanes) + lane * lanes

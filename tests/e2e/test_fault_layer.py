@@ -182,7 +182,7 @@ def attack_http(admin: str, healthy: int) -> dict:
         out["cases"][what] = F.http_request(admin, c.method, c.path, c.body, headers=c.headers)
     out["garbage"] = F.http_raw(admin, F.random_bytes(2048, seed=3))
     out["content-length -1"] = F.http_raw(admin, b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n")
-    out["body over 64 KiB"] = F.http_streamed_body(admin, "/v1/streams", 70_000, 70_000)
+    out["body over 1 MiB"] = F.http_streamed_body(admin, "/v1/streams", 1_100_000, 1_100_000)
     # Promises more than it sends: 408 after the body timeout (one below the body limit, one
     # far above it, one on a trainer route).
     short = b'{"dataset":'
@@ -331,7 +331,7 @@ def test_malformed_input_on_every_port(sw, tmp_path):
     assert not wrong, f"HTTP answers differ from docs/TRAINER_API.md: {wrong}"
     assert h["garbage"].status in (400, None) and h["garbage"].closed_by_peer, h["garbage"]
     assert h["content-length -1"].status == 400, h["content-length -1"]
-    assert h["body over 64 KiB"].status == 413, h["body over 64 KiB"]
+    assert h["body over 1 MiB"].status == 413, h["body over 1 MiB"]
     for what in ("lying length 50000", "lying length on next"):
         o = h[what]
         assert o.status == 408 and (o.json() or {}).get("code") == "timeout", f"{what}: {o}"

@@ -214,8 +214,8 @@ def test_a_version_2_node_is_refused_naming_both_versions(sw, dataset):
     req, code, mlen = struct.unpack(">QHH", frame[2:14])
     message = frame[14:14 + mlen].decode()
     assert (req, code) == (0, 1), "UnsupportedVersion"
-    assert "speaks shardwire protocol version 4" in message and "sent version 2" in message, message
-    wait_for(lambda: "protocol version 2, this source 4" in src.stderr_text(), "the source to log both versions",
+    assert "speaks shardwire protocol version 5" in message and "sent version 2" in message, message
+    wait_for(lambda: "protocol version 2, this source 5" in src.stderr_text(), "the source to log both versions",
              diag=src.stderr_text)
 
 
