@@ -517,6 +517,7 @@ impl Node {
 fn source_status(m: &Member) -> SourceStatus {
     let l = &m.link;
     SourceStatus {
+        link: l.index,
         addr: l.addr.clone(),
         found_by: m.found_by.clone(),
         up: l.is_up(),

@@ -266,8 +266,10 @@ impl DataPlane {
     /// The receive settings of a connection of `lane`: its own lane's binding, never
     /// another's.
     fn setup(&self, lane: &Lane) -> Setup {
+        let binding = self.binding(lane.id());
         Setup {
-            binding: self.binding(lane.id()),
+            _reading: binding.as_ref().map(|b| b.reading()),
+            binding,
             gpus: Gpus::new(lane.cuda.iter().cloned().collect()),
             io_uring: self.io_uring,
             cpus: lane.cpus.clone().into(),

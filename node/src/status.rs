@@ -67,6 +67,9 @@ pub struct BindingStatus {
 /// One source link.
 #[derive(Debug, Clone, Serialize)]
 pub struct SourceStatus {
+    /// The link's id in this node: a source that left DNS and came back has a new link, whose
+    /// figures start at 0.
+    pub link: usize,
     /// HOST:PORT (a configured entry as written, a discovered one as `IP:PORT`).
     pub addr: String,
     /// How it was found: `config`, or the `dns:NAME:PORT` entry that resolved to it.

@@ -132,12 +132,6 @@ impl Blocking {
             let Some((range, task)) = flight.0.pop_front() else {
                 return Ok(());
             };
-            // The next one starts now, not after `each`: `parallel` stay in flight.
-            if let Some(r) = todo.next() {
-                flight
-                    .0
-                    .push_back((r.clone(), self.spawn_read(key, r, etag)));
-            }
             let bytes = match self.rt.block_on(task) {
                 Ok(read) => read?,
                 // A panic in the read is the caller's, as it was when the read ran here.
@@ -151,6 +145,13 @@ impl Blocking {
                     });
                 }
             };
+            // The next one starts now, not after `each`: `parallel` stay in flight while the
+            // callback runs (and `parallel` while a read is waited for).
+            if let Some(r) = todo.next() {
+                flight
+                    .0
+                    .push_back((r.clone(), self.spawn_read(key, r, etag)));
+            }
             each(i, bytes).map_err(|source| StoreError::Sink {
                 bucket: self.url().bucket().to_owned(),
                 key: self.url().key(key),

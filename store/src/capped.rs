@@ -240,7 +240,8 @@ mod tests {
         assert_eq!(t.cap, Cap::ListPage);
         let msg = t.to_string();
         assert!(
-            msg.contains("listing page (") && msg.contains("from http://***@store.example:9000/bkt?...")
+            msg.contains("listing page (")
+                && msg.contains("from http://***@store.example:9000/bkt?...")
                 && msg.contains(&format!("ran past {MAX_LIST_PAGE} bytes")),
             "{msg}"
         );

@@ -199,9 +199,20 @@ impl Store {
         let ended = call.run(tokio::time::timeout(deadline, pages)).await;
         let stopped = match ended {
             Err(_) => Some(format!("it took longer than {deadline:?}")),
-            // A listing's answer is collected in memory (a WebDAV server's, the whole tree),
-            // so it has a bound; past it, the error names the answer, its URL and the bound.
-            Ok(Err(ref e)) if let Some(t) = crate::capped::too_long(e) => Some(t.to_string()),
+            // A WebDAV server answers the whole tree at once, collected in memory: past its
+            // bound a narrower prefix is the fix. A page or an error reply past its bound is
+            // a server or proxy that does not end its answer: unavailable, asked again.
+            Ok(Err(ref e)) if let Some(t) = crate::capped::too_long(e) => match t.cap {
+                crate::capped::Cap::WebDav => Some(t.to_string()),
+                _ => {
+                    return Err(StoreError::Unavailable {
+                        bucket: self.inner.url.bucket().to_owned(),
+                        key: prefix.to_owned(),
+                        range: None,
+                        reason: t.to_string(),
+                    });
+                }
+            },
             Ok(r) => {
                 r.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?
             }

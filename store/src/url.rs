@@ -82,8 +82,10 @@ impl StoreUrl {
         let Some((name, rest)) = s.split_once("://") else {
             return Err(bad(format!("not a URL (no scheme://); {SCHEMES_HINT}")));
         };
-        let scheme = Scheme::of(name)
-            .ok_or_else(|| bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")))?;
+        let scheme = Scheme::of(name).ok_or_else(|| match is_scheme(name) {
+            true => bad(format!("unsupported scheme `{name}`; {SCHEMES_HINT}")),
+            false => bad(format!("not a URL (no scheme://); {SCHEMES_HINT}")),
+        })?;
         refuse_characters(scheme, rest).map_err(bad)?;
         let parsed = match scheme {
             Scheme::File => Self::parse_file(rest),
@@ -329,9 +331,10 @@ fn percent_encode(path: &str) -> String {
 /// userinfo is found before the cut at `?` or `#` (a secret may hold either), so no part of
 /// it is ever shown.
 pub(crate) fn redacted(s: &str) -> String {
+    // Only a real scheme name counts: `b/p?sig=S&r=https://x` has none, and its query goes.
     let (scheme, rest) = match s.split_once("://") {
-        Some((name, rest)) => (&s[..name.len() + 3], rest),
-        None => ("", s),
+        Some((name, rest)) if is_scheme(name) => (&s[..name.len() + 3], rest),
+        _ => ("", s),
     };
     let (user, rest) = match userinfo_end(rest) {
         Some(at) => ("***@", &rest[at + 1..]),
@@ -343,6 +346,14 @@ pub(crate) fn redacted(s: &str) -> String {
     };
     let dots = if tail.is_empty() { "" } else { "..." };
     format!("{scheme}{user}{head}{tail}{dots}")
+}
+
+/// Whether `name` is a URL scheme's name (RFC 3986: a letter, then letters, digits, `+`, `-`
+/// and `.`).
+fn is_scheme(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
 /// Where the userinfo of `rest` (a URL after `scheme://`, query and fragment included) ends:
@@ -535,6 +546,11 @@ mod tests {
             "http://***@minio:9000"
         );
         assert_eq!(redacted("s3://k:se?c@b/p?x=1"), "s3://***@b/p?...");
+        // No scheme of its own, only a URL inside its query: the query goes all the same.
+        let signed = "bkt/ds?X-Amz-Signature=S3CRET&r=https://x";
+        assert_eq!(redacted(signed), "bkt/ds?...");
+        let e = err(signed);
+        assert!(!e.contains("S3CRET") && e.contains("no scheme://"), "{e}");
     }
 
     #[test]

@@ -231,9 +231,10 @@ fn pair_only(tree: &Tree, gpus: &[PciAddr], without: &[&str]) -> Vec<LanePlan> {
 }
 
 /// The NIC of a table lane of GPU `gpu` that names none: the pairing's over the table's GPUs,
-/// as `auto` pairs them; but, where it gives as near a NIC no lane names, the pairing of the
-/// GPUs of the lanes that name none over those NICs. The NICs other lanes name are theirs: a
-/// switch's GPUs A, B and NICs X, Y with a table {A, interface Y}, {B} put B on Y too, X idle.
+/// as `auto` pairs them; but a lane that pairing puts on a NIC another lane names moves to as
+/// near a NIC no lane names where that evens the loads (the lanes on each NIC, named ones
+/// counted): a switch's GPUs A, B and NICs X, Y with a table {A, interface Y}, {B} put B on Y
+/// too, X idle; while 8 GPUs over two NICs, one named by a lane, keep 4 on each.
 fn paired_nic(inp: &Inputs<'_>, gpu: PciAddr) -> Option<String> {
     let Lanes::Table(t) = inp.lanes else {
         return None;
@@ -251,22 +252,56 @@ fn paired_nic(inp: &Inputs<'_>, gpu: PciAddr) -> Option<String> {
     if named.is_empty() {
         return p.nic.clone();
     }
-    let free = pair_only(inp.tree, &gpus(true), &named);
-    // One the pairing over every NIC could have given: without the named NICs, a slower
-    // one (a management NIC) may no longer be passed over.
-    let candidate = |nic: &str| {
-        inp.tree
-            .nics
-            .iter()
-            .find(|n| n.interface == nic)
-            .is_some_and(|n| passed_over(&inp.tree.nics, n).is_none())
-    };
-    match free.iter().find(|q| q.gpu == gpu) {
-        Some(q) if q.distance == p.distance && q.nic.as_deref().is_some_and(candidate) => {
-            q.nic.clone()
-        }
-        _ => p.nic.clone(),
+    let spread = spread_unnamed(inp.tree, &all, &gpus(true), &named);
+    spread
+        .into_iter()
+        .find(|(g, _)| *g == gpu)
+        .map_or_else(|| p.nic.clone(), |(_, nic)| nic)
+}
+
+/// The NICs of the `unnamed` lanes' GPUs: `all`'s pairing, with a lane on a NIC another lane
+/// names moved, in table order, to the NIC the pairing over the NICs no lane names gives it,
+/// where that NIC is as near, not passed over in the whole tree (without the named NICs a
+/// management NIC may no longer be), and carries at least two lanes fewer.
+fn spread_unnamed(
+    tree: &Tree,
+    all: &[LanePlan],
+    unnamed: &[PciAddr],
+    named: &[&str],
+) -> Vec<(PciAddr, Option<String>)> {
+    let free = pair_only(tree, unnamed, named);
+    let of = |plans: &[LanePlan], g: PciAddr| plans.iter().find(|p| p.gpu == g).cloned();
+    let mut nics: Vec<(PciAddr, Option<String>)> = unnamed
+        .iter()
+        .map(|&g| (g, of(all, g).and_then(|p| p.nic)))
+        .collect();
+    let mut load: std::collections::BTreeMap<String, usize> = Default::default();
+    let named_or_paired = named.iter().map(|n| n.to_string());
+    for n in named_or_paired.chain(nics.iter().filter_map(|(_, n)| n.clone())) {
+        *load.entry(n).or_default() += 1;
     }
+    let usable = |nic: &str| {
+        let n = tree.nics.iter().find(|n| n.interface == nic);
+        n.is_some_and(|n| passed_over(&tree.nics, n).is_none())
+    };
+    for (g, nic) in &mut nics {
+        let Some(from) = nic.clone().filter(|n| named.contains(&n.as_str())) else {
+            continue;
+        };
+        let (Some(p), Some(q)) = (of(all, *g), of(&free, *g)) else {
+            continue;
+        };
+        let Some(to) = q.nic.filter(|to| q.distance == p.distance && usable(to)) else {
+            continue;
+        };
+        let at = |n: &str| load.get(n).copied().unwrap_or(0);
+        if at(&to) + 1 < at(&from) {
+            *load.entry(from).or_default() -= 1;
+            *load.entry(to.clone()).or_default() += 1;
+            *nic = Some(to);
+        }
+    }
+    nics
 }
 
 /// The CPUs near a NIC (its `local_cpulist`), else those of the lane's NUMA node.

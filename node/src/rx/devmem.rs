@@ -29,7 +29,7 @@ use shardwire_gpu::kernels::Frag;
 
 use super::error::RxError;
 use super::shared::{CHUNK, Gpus, Pace, PayloadRead, Place, Tally};
-use crate::binding::{FlowRule, Reading, RxRegion};
+use crate::binding::{FlowRule, RxRegion};
 use crate::fetch::InFlight;
 
 /// Payload reader of one data connection on the devmem path.
@@ -43,9 +43,6 @@ pub struct DevmemReader {
     warned: bool,
     /// This connection's steering rule (emulated or on the NIC), deleted when it closes.
     _rule: FlowRule,
-    /// Counts this connection once among the binding's readers while it lives. Last, so it
-    /// is dropped after the socket and the rule: a deleted binding waits for both to go.
-    _reading: Reading,
 }
 
 impl std::fmt::Debug for DevmemReader {
@@ -70,11 +67,8 @@ impl DevmemReader {
     /// A reader of data connection `sock` through `region`, its flow steered to one of the
     /// binding's queues before its first byte is read.
     pub fn new(region: &Arc<RxRegion>, sock: TcpStream) -> io::Result<Self> {
-        // Counted from before its flow is steered: a binding deleted meanwhile waits for it.
-        let reading = region.reading();
         let rule = region.steer(&sock)?;
         Ok(Self {
-            _reading: reading,
             _rule: rule,
             sock: region.recv_socket(sock)?,
             region: Arc::clone(region),
@@ -391,8 +385,10 @@ mod tests {
         let host = EmuHost::new();
         let (a, b) = (lane_binding(&host, 0), lane_binding(&host, 1));
         let (s, w) = conn("127.0.0.1", pattern(MIB, 4));
-        // The receiver's settings hold the binding for the thread's life (`Setup::binding`).
-        let setup = Arc::clone(&a);
+        // The receiver's settings hold the binding and its reader count for the thread's life
+        // (`Setup::binding`, `Setup::reading`), taken before the flow is steered.
+        let setup = (Arc::clone(&a), a.reading());
+        assert_eq!(a.readers(), 1, "counted before it is steered");
         let r = DevmemReader::new(&a, s).unwrap();
         assert!(
             Arc::strong_count(&a) > 2,
@@ -401,8 +397,9 @@ mod tests {
         assert_eq!(a.readers(), 1);
         assert_eq!(b.readers(), 0);
         drop(r);
-        assert_eq!(a.readers(), 0, "a closed connection reads no more");
+        assert_eq!(a.readers(), 1, "until its receiver thread ends");
         drop(setup);
+        assert_eq!(a.readers(), 0, "a closed connection reads no more");
         w.join().unwrap();
     }
 

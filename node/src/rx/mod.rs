@@ -69,10 +69,14 @@ impl Conn {
 }
 
 /// The receive settings in effect when the connection was identified.
-#[derive(Clone, Default)]
+#[derive(Default)]
 pub struct Setup {
     /// The RX binding (`None`: plain TCP).
     pub binding: Option<Arc<RxRegion>>,
+    /// Counts this connection once among its binding's readers, from when the plane chose
+    /// its setup until its receiver thread ends (after its socket and steering rule are
+    /// gone): a binding deleted meanwhile waits for it, even before it is steered.
+    pub _reading: Option<crate::binding::Reading>,
     /// The node's GPUs (none: host memory).
     pub gpus: Gpus,
     /// Plain TCP into host memory tries io_uring.

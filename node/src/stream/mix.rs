@@ -170,6 +170,20 @@ impl Mixture {
         self.point_counted(step).0
     }
 
+    /// The step of the nearest point at or before `step` this schedule knows (a checkpoint
+    /// another stream reached, or a recent point): where [`Self::point`] would play from.
+    pub fn nearest_step(&self, step: u64) -> u64 {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let cps = self
+            .checkpoints
+            .points
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let i = cps.partition_point(|c| c.step <= step).max(1) - 1;
+        let near = recent.iter().map(|p| p.step).filter(|&s| s <= step).max();
+        near.unwrap_or(0).max(cps[i].step)
+    }
+
     /// [`Self::point`], and how many steps it played to get there.
     fn point_counted(&self, step: u64) -> (Point, u64) {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
@@ -361,6 +375,20 @@ mod tests {
     fn mix(w: &[f64], b: u32, world: u32, rank: u32, base: Point) -> Mixture {
         let q = fixed_weights(&["web", "code"], w).unwrap();
         Mixture::new(parts(), q, (b, world, rank), base)
+    }
+
+    #[test]
+    fn the_nearest_known_step_is_where_a_replay_starts() {
+        // Weights no other test uses: the schedule's checkpoints are shared per weights.
+        let m = mix(&[0.6875, 0.3125], 4, 1, 0, start());
+        m.point(3000);
+        assert_eq!(m.nearest_step(5000), 3000, "a recent point");
+        assert_eq!(
+            m.nearest_step(2500),
+            2 * CHECKPOINT,
+            "a checkpoint on the way"
+        );
+        assert_eq!(m.nearest_step(3000), 3000);
     }
 
     #[test]

@@ -296,12 +296,15 @@ fn from_the_start(mix: Mixture, r: &StreamRequest) -> Result<Mixture, OpenError>
     }
     // The node checks it again after the open; before the replay, it bounds it.
     super::open::check_index_fits(mix.steps, u64::from(mix.batch_size), r.epochs)?;
-    let samples = pos.saturating_mul(mix.global_batch());
-    if pos > MAX_REPLAY_STEPS || samples > MAX_REPLAY_SAMPLES {
+    // What is played is the way from the nearest checkpoint a stream of this schedule reached
+    // (the previous epoch's open left them up to its position), not from step 0.
+    let from = mix.nearest_step(pos);
+    let (steps, samples) = (pos - from, (pos - from).saturating_mul(mix.global_batch()));
+    if steps > MAX_REPLAY_STEPS || samples > MAX_REPLAY_SAMPLES {
         return Err(bad(
             ErrorCode::BadRequest,
             format!(
-                "state position epoch {} step {} is global step {pos} ({samples} samples) of a schedule the state has at its start (a state made by set_epoch or open_at_epoch); an open replays the schedule from its start to at most step {MAX_REPLAY_STEPS} and {MAX_REPLAY_SAMPLES} samples; resume from a state a stream saved near that position, or open at an earlier epoch",
+                "state position epoch {} step {} is global step {pos} of a schedule the state has at its start (a state made by set_epoch or open_at_epoch); the nearest point this node knows is step {from}, and an open replays at most {MAX_REPLAY_STEPS} steps and {MAX_REPLAY_SAMPLES} samples ({steps} steps, {samples} samples here); resume from a state a stream saved near that position, or open the epochs in turn",
                 st.epoch, st.index
             ),
         ));

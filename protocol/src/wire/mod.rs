@@ -153,7 +153,14 @@ pub struct ControlCharError {
 }
 
 fn first_control(text: &str) -> Option<(usize, char)> {
-    text.char_indices().find(|(_, c)| c.is_control())
+    text.char_indices().find(|&(_, c)| is_control(c))
+}
+
+/// A control character (C0, DEL, C1), a line or paragraph separator (U+2028, U+2029: line
+/// breaks to some log viewers) or a bidirectional override or isolate (U+202A-U+202E,
+/// U+2066-U+2069: they reorder what a terminal shows).
+fn is_control(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 /// Checks that `text`, the value of `field`, holds no control character.
@@ -175,7 +182,7 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
         return text.into();
     }
     text.chars()
-        .map(|c| match c.is_control() {
+        .map(|c| match is_control(c) {
             true => c.escape_default().to_string(),
             false => c.to_string(),
         })

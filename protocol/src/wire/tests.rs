@@ -595,6 +595,9 @@ fn text_fields_carry_printable_text_only() {
         retry_after_ms: 0,
         message: message.into(),
     };
-    encode(&error("bad file a\nb\u{7f}"), &mut out).unwrap();
-    assert_eq!(decode_frame(&out[4..]), Ok(error("bad file a\\nb\\u{7f}")));
+    encode(&error("bad file a\nb\u{7f}\u{202e}"), &mut out).unwrap();
+    assert_eq!(
+        decode_frame(&out[4..]),
+        Ok(error("bad file a\\nb\\u{7f}\\u{202e}"))
+    );
 }
