@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -95,32 +94,6 @@ pub struct Opened {
     pub name: String,
     len: u64,
     modified: Option<std::time::SystemTime>,
-    changed: Ctime,
-}
-
-/// A file's inode change time (`st_ctime`, to the nanosecond). Every write moves it, and unlike
-/// the modification time it cannot be set back from user space, so a rewrite of the same
-/// length whose modification time was restored (`cp -p`, `rsync --inplace -t`, `touch -r`)
-/// still shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ctime {
-    secs: i64,
-    nsec: i64,
-}
-
-impl Ctime {
-    fn of(meta: &std::fs::Metadata) -> Self {
-        Self {
-            secs: meta.ctime(),
-            nsec: meta.ctime_nsec(),
-        }
-    }
-}
-
-impl std::fmt::Display for Ctime {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{:09}", self.secs, self.nsec)
-    }
 }
 
 /// Why a local shard file no longer holds what the source opened ([`Opened::check`]). Each
@@ -156,20 +129,6 @@ pub enum ShardChanged {
         /// The file.
         name: String,
     },
-    /// Its inode change time moved while its modification time did not.
-    #[error(
-        "shard file {name} changed since the source opened it: its inode change time moved \
-         from {was} to {now} (written in place with its modification time put back, or its \
-         mode, owner or links changed)"
-    )]
-    Status {
-        /// The file.
-        name: String,
-        /// The change time when opened.
-        was: Ctime,
-        /// The change time now.
-        now: Ctime,
-    },
 }
 
 impl Opened {
@@ -178,13 +137,15 @@ impl Opened {
             name: name.to_owned(),
             len: meta.len(),
             modified: meta.modified().ok(),
-            changed: Ctime::of(meta),
         }
     }
 
     /// Whether `file` (this one, open) still holds what it held at open, up to byte `need`;
     /// the error says what changed. Its inode and device need no check: `fstat` of the open
-    /// file always names the inode it opened.
+    /// file always names the inode it opened. The inode change time is not compared either:
+    /// `chmod`, a new hard link or an rsync of the directory move it on files that still hold
+    /// their bytes, and a rewrite of the same length with its modification time put back is
+    /// caught by the node's CRC check (never delivered).
     pub fn check(&self, file: &File, need: u64) -> Result<(), ShardChanged> {
         let name = || self.name.clone();
         let meta = file.metadata().map_err(|source| ShardChanged::Stat {
@@ -201,17 +162,6 @@ impl Opened {
         }
         if meta.modified().ok() != self.modified {
             return Err(ShardChanged::Modified { name: name() });
-        }
-        // An unlinked file (the old one of a replacement by rename) had its change time moved
-        // by the unlink alone, and nobody can write it through its path any more: it keeps
-        // serving the bytes it had.
-        let now = Ctime::of(&meta);
-        if meta.nlink() > 0 && now != self.changed {
-            return Err(ShardChanged::Status {
-                name: name(),
-                was: self.changed,
-                now,
-            });
         }
         Ok(())
     }
@@ -396,7 +346,6 @@ fn open_failed(e: &std::io::Error, files: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
     use std::time::Duration;
 
     use super::*;
@@ -409,27 +358,17 @@ mod tests {
     }
 
     #[test]
-    fn a_same_length_rewrite_with_its_mtime_put_back_is_refused() {
-        let path = scratch("rewrite", &[1u8; 4096]);
+    fn a_file_whose_mode_changed_still_serves() {
+        // `chmod -R g+r` on a live dataset: the bytes are those the manifest describes.
+        use std::os::unix::fs::PermissionsExt;
+        let path = scratch("chmod", &[1u8; 4096]);
         let file = File::open(&path).unwrap();
         let opened = Opened::new("s0.bin", &file.metadata().unwrap());
-        opened.check(&file, 4096).expect("unchanged");
-        let mtime = file.metadata().unwrap().modified().unwrap();
-        // Past the kernel's coarse clock tick, so the rewrite's change time differs.
         std::thread::sleep(Duration::from_millis(50));
-        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        (&w).write_all(&[2u8; 4096]).unwrap();
-        w.set_modified(mtime).unwrap(); // `touch -r`, `cp -p`
-        drop(w);
-        let now = file.metadata().unwrap();
-        assert_eq!(now.modified().unwrap(), mtime, "length and mtime as opened");
-        assert_eq!(now.len(), 4096);
-        let e = opened.check(&file, 4096).expect_err("refused");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let kept = opened.check(&file, 4096);
         std::fs::remove_file(&path).unwrap();
-        assert!(
-            matches!(&e, ShardChanged::Status { name, was, now } if name == "s0.bin" && was != now),
-            "{e}"
-        );
+        kept.expect("a mode change is no change of the bytes");
     }
 
     #[test]

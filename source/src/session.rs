@@ -13,11 +13,13 @@
 //! FETCHes start in the order the FETCHes arrived, over all lanes, while what the session has
 //! read and not sent stays within the dataset's memory budget (`Reads`): queued FETCHes cost
 //! no memory until then. A FETCH of a shard already in memory or in the disk cache needs no
-//! read from the store, so it starts at once, ahead of the reads that wait for room.
+//! read from the store: it starts ahead of the reads that wait (also of the source-wide read
+//! budget), but only while the session's own bytes stay within its budget.
 //!
 //! An `Error` from the node ends nothing: a `ChecksumMismatch` about a FETCH the session
 //! announced lately (it keeps the last [`ANNOUNCED_KEPT`]) has that shard's cache entry
-//! checked against its CRC before it is served again; any other is logged.
+//! checked against its CRC before it is served again (once per announcement: a repeated
+//! report is logged only); any other is logged.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in the layout of `Error` that version reads), naming both versions, and dropped.
@@ -50,6 +52,7 @@ pub use crate::control::{
 use crate::datasets::{Backend, Opened, ShardChanged};
 use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
+use crate::remote::HeldIn;
 use crate::remote::read::Failure;
 use crate::sender::{Body, Held, Job, Sender};
 
@@ -207,20 +210,35 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
 /// sent yet (queued, read, handed to a data connection or being sent). A read starts only
 /// while those bytes stay within its dataset's memory budget (or none is under way), so a node
 /// that queues many FETCHes, or reads its data connections slowly, cannot make the source hold
-/// more than that in memory for it; and only while the reads of all sessions stay within
-/// [`SOURCE_READ_BUDGETS`] budgets (or none is under way, or it waited [`STARVED_PATIENCE`]),
-/// so many such nodes cannot either.
+/// more than that in memory for it; a read from the store also only while the reads of all
+/// sessions stay within [`SOURCE_READ_BUDGETS`] budgets (or none is under way, or it waited
+/// [`STARVED_PATIENCE`]), so many such nodes cannot either. A FETCH of a shard held in memory
+/// or in the disk cache ([`HeldIn`]) obeys its session's budget like any other, but not the
+/// source-wide one (see [`Reads::start`]).
 struct Reads {
     /// Bytes read (or being read) from object storage and not yet sent; shared with the
     /// sender threads, whose payloads return theirs once sent ([`Held`]).
     bytes: Arc<AtomicU64>,
-    /// The same, over every session of the source.
+    /// The same, over every session of the source (less the shards taken from the disk
+    /// cache: [`Counted::source`]).
     source: Arc<AtomicU64>,
     /// A read waits for room in the source's budget: other sessions give it back without
     /// telling this one, so the session looks again shortly.
     starved: bool,
-    /// Since when a read of this session has waited for room in the source's budget.
-    starved_since: Option<Instant>,
+    /// The FETCH (by its arrival number, [`Queued::seq`]) whose read waits for room in the
+    /// source's budget, and since when. Another FETCH in its place (that one was cancelled,
+    /// or started) waits afresh; cleared when no read waits.
+    starved_since: Option<(u64, Instant)>,
+}
+
+/// Bytes a queued FETCH counts in [`Reads`]: in its session's counter, and (`source`) in the
+/// source's too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counted {
+    bytes: u64,
+    /// Counted in the source's counter as well: false only for a shard that was in the disk
+    /// cache when its FETCH started ([`Reads::start`]).
+    source: bool,
 }
 
 /// How soon a session whose read waits for room in the source's budget looks again.
@@ -230,12 +248,19 @@ const STARVED_RECHECK: Duration = Duration::from_millis(50);
 /// session holds no other read. Other sessions' reads can keep that budget full for as long
 /// as they keep coming (each starts as soon as it fits, and a small one fits sooner), and a
 /// shard larger than the budget would start only when no session read anything: under
-/// steady load, never. So the source holds at most one shard per session beyond its budget.
+/// steady load, never. So the source holds at most one shard per session beyond its budget
+/// (besides the shards held in memory that sessions took: [`Reads::start`]).
 const STARVED_PATIENCE: Duration = Duration::from_secs(1);
 
 /// Memory budgets (of the dataset read) that the object-storage reads of all sessions
 /// together may hold.
 pub(crate) const SOURCE_READ_BUDGETS: u64 = 4;
+
+/// How many waiting FETCHes past the first whose read cannot start [`Queues::start_later`]
+/// looks at for shards held in memory or in the cache, which may start ahead of it: a bound
+/// on the work per dispatch (a queue holds up to [`MAX_QUEUED_FETCHES`]); one further back
+/// starts when it comes this close, or at once if its shard was held when it arrived.
+const HELD_LOOKAHEAD: usize = 64;
 
 impl Reads {
     /// No reads yet; all sessions' counted in `source`.
@@ -248,22 +273,50 @@ impl Reads {
         }
     }
 
-    /// Returns `n` bytes of a FETCH that will not be sent (failed or cancelled).
-    fn release(&self, n: u64) {
-        self.bytes.fetch_sub(n, Ordering::AcqRel);
-        self.source.fetch_sub(n, Ordering::AcqRel);
+    /// Counts `c`'s bytes (a read starts).
+    fn count(&self, c: Counted) {
+        self.bytes.fetch_add(c.bytes, Ordering::AcqRel);
+        if c.source {
+            self.source.fetch_add(c.bytes, Ordering::AcqRel);
+        }
     }
 
-    /// A payload's hold on `n` bytes of both budgets, given back once it is sent.
-    fn held(&self, n: u64) -> Held {
-        Held::new(&[&self.bytes, &self.source], n)
+    /// Returns the bytes `c` of a FETCH that will not be sent (failed or cancelled), or whose
+    /// payload holds no memory any more (a file handed to its sender).
+    fn release(&self, c: Counted) {
+        self.bytes.fetch_sub(c.bytes, Ordering::AcqRel);
+        if c.source {
+            self.source.fetch_sub(c.bytes, Ordering::AcqRel);
+        }
+    }
+
+    /// A payload's hold on the bytes `c` (counted already), given back once it is sent.
+    fn held(&self, c: Counted) -> Held {
+        if c.source {
+            Held::new(&[&self.bytes, &self.source], c.bytes)
+        } else {
+            Held::new(&[&self.bytes], c.bytes)
+        }
     }
 
     /// Starts `q`'s read if it waits for one ([`Payload::Later`]) and may start now; false if
-    /// it still waits: behind an older read that waits (`behind`), or for room
-    /// ([`Reads::room`]). A shard already in memory or in the disk cache needs no read from
-    /// the store, so its FETCH starts at once and never waits behind the store's reads; its
-    /// bytes count all the same until sent.
+    /// it still waits.
+    ///
+    /// A read from the store waits behind an older FETCH that waits (`behind`), and for room
+    /// ([`Reads::room`]). A FETCH of a shard held in memory or in the disk cache (looked at
+    /// now, [`crate::remote::RemoteDataset::held_in`]: it may have become held since it was
+    /// queued) needs no read from the store: it waits neither behind older FETCHes nor for
+    /// room in the source's budget, only for room in its session's ([`Reads::mine_fit`]).
+    /// That bounds what it makes the source hold: taking a shard out of memory frees room
+    /// for the read ahead, which reads the next hinted shards, which the next such FETCHes
+    /// would take, without end but for this.
+    ///
+    /// Its bytes count in its session's budget until sent (or, from the cache, handed to its
+    /// sender). Source-wide they count only for a shard in memory, which holds memory: other
+    /// sessions' reads from the store wait while it is held. A cache file holds no memory,
+    /// so one node's backlog of cached shards does not fill the source's budget and throttle
+    /// every other session; where the cache entry fails its check or is evicted before the
+    /// FETCH takes it, its read from the store is bounded by its session's budget alone.
     fn start(
         &mut self,
         q: &mut Queued,
@@ -274,28 +327,48 @@ impl Reads {
         let Payload::Later(w) = &q.payload else {
             return true;
         };
-        let (held, budget) = (w.dataset().holds(q.head.shard), w.dataset().memory_budget());
-        if !held && (behind || !self.room(q.head.len, budget)) {
+        let (held_in, budget) = (
+            w.dataset().held_in(q.head.shard),
+            w.dataset().memory_budget(),
+        );
+        let may = match held_in {
+            Some(_) => self.mine_fit(q.head.len, budget),
+            None => !behind && self.room(q.seq, q.head.len, budget),
+        };
+        if !may {
             return false;
         }
         // Moved out for a moment (an empty body stands in; it is replaced at once).
         let later = std::mem::replace(&mut q.payload, Payload::Ready(Body::Memory(Vec::new())));
         q.payload = match later {
-            Payload::Later(w) => Payload::read(w, session, Arc::clone(progress)),
+            Payload::Later(mut w) => {
+                // Counted as reading its shard now, not once its task runs (see there).
+                w.leave_queue();
+                Payload::read(w, session, Arc::clone(progress))
+            }
             other => other,
         };
-        q.held = q.head.len;
-        self.bytes.fetch_add(q.held, Ordering::AcqRel);
-        self.source.fetch_add(q.held, Ordering::AcqRel);
+        q.held = Counted {
+            bytes: q.head.len,
+            source: held_in != Some(HeldIn::Cache),
+        };
+        self.count(q.held);
         true
     }
 
-    /// Whether a read of `len` bytes has room: this session's reads stay within `budget` (or
-    /// none is under way), and all sessions' within [`SOURCE_READ_BUDGETS`] budgets (or none
-    /// is under way, or it has waited [`STARVED_PATIENCE`] and this session holds no read).
-    fn room(&mut self, len: u64, budget: u64) -> bool {
+    /// Whether this session's reads stay within `budget` with one of `len` bytes more (or
+    /// none is under way).
+    fn mine_fit(&self, len: u64, budget: u64) -> bool {
         let mine = self.bytes.load(Ordering::Acquire);
-        if mine > 0 && mine + len > budget {
+        mine == 0 || mine + len <= budget
+    }
+
+    /// Whether a read from the store of `len` bytes, for the FETCH of arrival number `seq`,
+    /// has room: this session's reads stay within `budget` ([`Reads::mine_fit`]), and all
+    /// sessions' within [`SOURCE_READ_BUDGETS`] budgets (or none is under way, or it has
+    /// waited [`STARVED_PATIENCE`] and this session holds no read).
+    fn room(&mut self, seq: u64, len: u64, budget: u64) -> bool {
+        if !self.mine_fit(len, budget) {
             return false;
         }
         let all = self.source.load(Ordering::Acquire);
@@ -303,7 +376,15 @@ impl Reads {
             self.starved_since = None;
             return true;
         }
-        let since = *self.starved_since.get_or_insert_with(Instant::now);
+        let since = match self.starved_since {
+            Some((s, since)) if s == seq => since,
+            _ => {
+                let now = Instant::now();
+                self.starved_since = Some((seq, now));
+                now
+            }
+        };
+        let mine = self.bytes.load(Ordering::Acquire);
         if mine == 0 && since.elapsed() >= STARVED_PATIENCE {
             tracing::debug!(
                 len,
@@ -322,8 +403,8 @@ impl Reads {
 struct Queued {
     head: Head,
     payload: Payload,
-    /// Bytes its object-storage read counts in [`Reads`] (0: a local file, or not started).
-    held: u64,
+    /// Bytes its object-storage read counts in [`Reads`] (none: a local file, or not started).
+    held: Counted,
     /// Its arrival number in its session: reads start in this order, over all lanes.
     seq: u64,
 }
@@ -343,8 +424,12 @@ enum Look {
 /// What a lane's dispatch does with `q`, whose finished read becomes its bytes (`Ready`) in
 /// place. `full`: no connection of the lane has room, so nothing more is sent (in queue
 /// order), but the started object-storage reads are still looked at, so a failed one is
-/// answered now: the look stops at the first entry of any other kind (reads mostly start in
-/// queue order, so the started ones lie at the queue's front).
+/// answered now; the look stops at the first entry of any other kind (a FETCH whose read
+/// has not started, or a file: a local shard's, or one from the disk cache), so a long queue
+/// does not cost every message a walk over all of it. A failed read behind such an entry
+/// (a FETCH of a held shard may start behind reads that wait: [`Reads::start`]) keeps its
+/// bytes counted until a dispatch reaches it with room in the lane: once the payloads
+/// before it are handed out, or the entries before it have started.
 fn look(q: &mut Queued, full: bool) -> Look {
     if full
         && !matches!(
@@ -430,17 +515,18 @@ impl Queues {
         }
     }
 
-    /// Queues a FETCH at the end of `lane`'s queue; its read starts now if no read waits for
-    /// room before it, in any lane (in arrival order: a read waiting for room is not passed
-    /// by a newer, smaller one, which could starve it for as long as small FETCHes keep
-    /// coming), or if its shard needs no read from the store ([`Reads::start`]).
+    /// Queues a FETCH at the end of `lane`'s queue; its read starts now if no FETCH waits for
+    /// its read before it, in any lane (in arrival order: a read waiting for room is not
+    /// passed by a newer, smaller one, which could starve it for as long as small FETCHes
+    /// keep coming), and there is room; or, if its shard is held in memory or in the cache,
+    /// wherever it stands, as soon as its session's budget has room ([`Reads::start`]).
     fn push(&mut self, lane: usize, head: Head, payload: Payload) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let mut q = Queued {
             head,
             payload,
-            held: 0,
+            held: Counted::default(),
             seq,
         };
         let behind = self.later.iter().any(|&n| n > 0);
@@ -456,23 +542,38 @@ impl Queues {
 
     /// Starts the reads of queued FETCHes in the order the FETCHes arrived, over all lanes,
     /// while there is room: one lane's backlog does not hold back another lane's older
-    /// FETCHes.
+    /// FETCHes. Past the first that cannot start, no read from the store starts (it would
+    /// pass an older one), but a FETCH of a shard held in memory or in the cache still does,
+    /// within its session's budget, among the next [`HELD_LOOKAHEAD`] waiting FETCHes: one
+    /// whose shard became held after it was queued, or that arrived while the session's
+    /// budget was full ([`Reads::start`]).
     fn start_later(&mut self) {
         self.reads.starved = false; // set again by a read that still finds no room
         let mut from = vec![0; self.waiting.len()];
+        let (mut blocked, mut looked) = (false, 0);
         while let Some((lane, at)) = self.oldest_later(&mut from) {
-            let q = &mut self.waiting[lane][at];
-            if !self.reads.start(q, self.session, &self.progress, false) {
-                return;
+            if blocked {
+                if looked == HELD_LOOKAHEAD {
+                    break;
+                }
+                looked += 1;
             }
-            self.later[lane] -= 1;
-            from[lane] = at + 1;
+            from[lane] = at + 1; // on past it, started or not
+            let q = &mut self.waiting[lane][at];
+            if self.reads.start(q, self.session, &self.progress, blocked) {
+                self.later[lane] -= 1;
+            } else {
+                blocked = true;
+            }
+        }
+        if self.later.iter().all(|&n| n == 0) {
+            self.reads.starved_since = None; // no read waits
         }
     }
 
     /// The oldest FETCH that waits for its read to start, over all lanes, as (lane, place).
-    /// `from` holds where the look in each lane starts (nothing before waits), and moves on
-    /// past what it passes.
+    /// `from` holds where the look in each lane starts (nothing before waits but what this
+    /// walk looked at already), and moves on past what it passes.
     fn oldest_later(&self, from: &mut [usize]) -> Option<(usize, usize)> {
         let mut oldest: Option<(u64, usize, usize)> = None;
         for (lane, w) in self.waiting.iter().enumerate() {
@@ -502,13 +603,20 @@ impl Queues {
         if matches!(q.payload, Payload::Later(_)) {
             self.later[lane] -= 1;
         }
+        if self
+            .reads
+            .starved_since
+            .is_some_and(|(seq, _)| seq == q.seq)
+        {
+            self.reads.starved_since = None; // the next read to wait waits afresh
+        }
         self.unqueued(q.head.req);
         q
     }
 
     /// Takes the FETCH at `at` of `lane`'s queue out if its bytes are ready: its head, its
     /// bytes and the bytes it holds in [`Reads`].
-    fn take_ready(&mut self, lane: usize, at: usize) -> Option<(Head, Body, u64)> {
+    fn take_ready(&mut self, lane: usize, at: usize) -> Option<(Head, Body, Counted)> {
         if !matches!(self.waiting[lane].get(at)?.payload, Payload::Ready(_)) {
             return None;
         }
@@ -613,13 +721,15 @@ impl Announced {
         self.0.push_back((req, dataset, shard));
     }
 
-    /// The dataset and shard of the latest FETCH `req` announced, if it is still kept.
-    fn find(&self, req: u64) -> Option<(&Arc<str>, u32)> {
-        self.0
-            .iter()
-            .rev()
-            .find(|(r, ..)| *r == req)
-            .map(|(_, dataset, shard)| (dataset, *shard))
+    /// The dataset and shard of the latest FETCH `req` announced, if it is still kept, taken
+    /// out with any older announcement of that id (a node that reuses ids): a node's report
+    /// acts once, and a repeated one finds nothing (each report drops the shard's copy in
+    /// memory and has its cache entry checked again).
+    fn take(&mut self, req: u64) -> Option<(Arc<str>, u32)> {
+        let at = self.0.iter().rposition(|(r, ..)| *r == req)?;
+        let (_, dataset, shard) = self.0.remove(at).expect("found");
+        self.0.retain(|(r, ..)| *r != req);
+        Some((dataset, shard))
     }
 }
 
@@ -831,26 +941,32 @@ impl Session {
     /// An `Error` from the node. `ChecksumMismatch` about a FETCH this session announced: the
     /// payload failed the node's CRC-32C check (the node fetches it again, elsewhere when it
     /// can), so that shard's cache entry is checked against its CRC before it is served again
-    /// (a local file is checked against its size and times at every FETCH already). Any
-    /// other is only logged: an `Error` about a request fails that request, and one about
-    /// none (`req` 0) is news.
-    fn node_error(&self, req: u64, code: ErrorCode, message: &str) {
+    /// (a local file is checked against its size and times at every FETCH already); once per
+    /// announcement ([`Announced::take`]): a repeated report is only logged. Any other is
+    /// only logged: an `Error` about a request fails that request, and one about none (`req`
+    /// 0) is news.
+    fn node_error(&mut self, req: u64, code: ErrorCode, message: &str) {
         let session = self.id;
-        match (code, self.announced.find(req)) {
+        let announced = match code {
+            ErrorCode::ChecksumMismatch => self.announced.take(req),
+            _ => None,
+        };
+        match (code, announced) {
             (ErrorCode::ChecksumMismatch, Some((dataset, shard))) => {
                 tracing::warn!(session, %dataset, shard, req, node_message = message,
                     "the node reports that a payload this source sent failed its CRC-32C check");
                 if let Some(Backend::Remote(r)) =
-                    self.shared.datasets.get(dataset).map(|d| &d.backend)
+                    self.shared.datasets.get(&dataset).map(|d| &d.backend)
                 {
                     r.corrupt_reported(session, shard);
                 }
             }
-            (ErrorCode::ChecksumMismatch, None) => tracing::warn!(
+            // At debug: a node can repeat a report as often as it likes.
+            (ErrorCode::ChecksumMismatch, None) => tracing::debug!(
                 session,
                 req,
                 node_message = message,
-                "the node reports a payload that failed its CRC-32C check, for a FETCH not among the last {ANNOUNCED_KEPT} this session announced"
+                "the node reports a payload that failed its CRC-32C check, for a FETCH not among the last {ANNOUNCED_KEPT} this session announced (or reported already)"
             ),
             _ => tracing::debug!(
                 session,
@@ -965,8 +1081,8 @@ impl Session {
 
     /// Answers `lane`'s queued FETCHes whose reads failed, and announces and hands out the
     /// settled ones, in queue order, while a data connection of the lane has room (the least
-    /// loaded); once none has room, only the started reads at the front are looked at
-    /// ([`look`]).
+    /// loaded); once none has room, only the started reads before the first entry of another
+    /// kind are looked at ([`look`]).
     async fn dispatch_lane(&mut self, lane: usize) -> Result<(), SessionError> {
         let (mut at, mut later_passed, mut full) = (0, 0, false);
         // Past the last entry that is not waiting for its read to start, nothing can be sent.
@@ -1021,7 +1137,7 @@ impl Session {
         conn: usize,
         q: Head,
         body: Body,
-        held: u64,
+        held: Counted,
     ) -> Result<(), SessionError> {
         let reads = &self.queues.reads;
         if let Some(why) = changed_since_queued(&q, &body) {

@@ -272,7 +272,9 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
 /// add these up, so a series never goes down and never stops: its figure may start again
 /// from 0 (a source's new link, a lane's new binding) or leave a sum (a retired source's
 /// cancels), where the recorder's `absolute` would keep the old maximum until the figure
-/// passed it; and a `mode` counter gives each receive mode the bytes that came in under it.
+/// passed it; and a `mode` counter gives the bytes that came in since the last scrape to the
+/// receive mode in effect at this one (a switch of mode between two scrapes puts them all
+/// under the new mode).
 #[derive(Debug, Default)]
 struct Totals {
     /// Per series: who its figure belongs to (a binding id; 0 where the figure lives as long
@@ -392,9 +394,12 @@ fn record(st: &Status, totals: &mut Totals) {
 fn record_sources(sources: &[SourceStatus], totals: &mut Totals) {
     let mut cancelled = 0;
     for s in sources {
-        cancelled += totals.growth(format!("cancelled {}", s.addr), 0, s.cancelled);
+        // Owned by the link: one that replaced another of its address between two scrapes
+        // counts from 0, even when it has passed the old one's figures.
+        let link = s.link as u64;
+        cancelled += totals.growth(format!("cancelled {}", s.addr), link, s.cancelled);
         let labels = [("source", s.addr.clone())];
-        let bytes = totals.growth(format!("bytes {}", s.addr), 0, s.bytes_received);
+        let bytes = totals.growth(format!("bytes {}", s.addr), link, s.bytes_received);
         metrics::counter!("shardwire_source_bytes_received_total", &labels).increment(bytes);
         metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
     }
@@ -653,8 +658,9 @@ mod tests {
         assert_eq!(value(series), 1035);
     }
 
-    fn source(addr: &str, cancelled: u64, bytes_received: u64) -> SourceStatus {
+    fn source(link: usize, addr: &str, cancelled: u64, bytes_received: u64) -> SourceStatus {
         SourceStatus {
+            link,
             addr: addr.into(),
             found_by: "dns:sources.test:7500".into(),
             up: true,
@@ -685,19 +691,26 @@ mod tests {
             totals.end_scrape();
         };
         scrape(&[
-            source("192.0.2.1:7500", 5, 100),
-            source("192.0.2.2:7500", 3, 0),
+            source(0, "192.0.2.1:7500", 5, 100),
+            source(1, "192.0.2.2:7500", 3, 0),
         ]);
         assert_eq!(cancelled() - c0, 8);
-        scrape(&[source("192.0.2.2:7500", 4, 0)]); // .1 left DNS
+        scrape(&[source(1, "192.0.2.2:7500", 4, 0)]); // .1 left DNS
         assert_eq!(cancelled() - c0, 9);
         // .1 came back: a new link, counted from 0 though it passed the old one's figures.
         scrape(&[
-            source("192.0.2.1:7500", 7, 150),
-            source("192.0.2.2:7500", 4, 0),
+            source(2, "192.0.2.1:7500", 7, 150),
+            source(1, "192.0.2.2:7500", 4, 0),
         ]);
         assert_eq!(cancelled() - c0, 16);
         assert_eq!(bytes() - b0, 250);
+        // .1 left and came back between two scrapes: its new link's 160 bytes all count, not
+        // the 10 by which they pass the old link's 150.
+        scrape(&[
+            source(3, "192.0.2.1:7500", 7, 160),
+            source(1, "192.0.2.2:7500", 4, 0),
+        ]);
+        assert_eq!(bytes() - b0, 410);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! `/healthz`, `/metrics` or `/v1/drain`; more wait in the kernel's backlog), a request head
 //! must arrive within `http_header_timeout_secs` (this also ends an idle keep-alive
 //! connection; hyper's header-read timer), a request body within
-//! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`]), and a
+//! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`] for an
+//! open, [`SMALL_BODY_LIMIT`] elsewhere), and a
 //! write of the answer may wait for the client at most `http_write_timeout_secs` without
 //! progress ([`super::stall`]).
 
@@ -39,10 +40,22 @@ const FLOOR: Floor = Floor {
     bytes: MIN_RATE * GRACE.as_secs() / 2,
 };
 
-/// Largest request body on any route: the trainer socket's frame limit, so that every
-/// `attach` the socket takes opens over HTTP too (a resumed mixture of 256 datasets with
-/// 255-byte names is over 64 KiB).
+/// Largest request body of an open (`POST /v1/streams`): the trainer socket's frame limit, so
+/// that every `attach` the socket takes opens over HTTP too (a resumed mixture of 256 datasets
+/// with 255-byte names is over 64 KiB).
 pub const BODY_LIMIT: usize = MAX_TRAINER_FRAME;
+
+/// Largest request body on every other route (a `next`, a release, a binding): small, so that
+/// the connections a client may hold buffer little before any handler runs.
+pub const SMALL_BODY_LIMIT: usize = 64 << 10;
+
+/// The body limit of `req`'s route.
+fn body_limit(req: &Request) -> usize {
+    match req.method() == axum::http::Method::POST && req.uri().path() == "/v1/streams" {
+        true => BODY_LIMIT,
+        false => SMALL_BODY_LIMIT,
+    }
+}
 
 /// Connections served beyond `http_max_connections` while those are all in use, for the
 /// admin and probe routes only: a trainer route there answers `503 unavailable`.
@@ -270,7 +283,7 @@ async fn close_reserve_connections(req: Request, next: Next) -> Response {
     answer
 }
 
-/// Reads the whole request body within the body timeout (and [`BODY_LIMIT`]) before the
+/// Reads the whole request body within the body timeout (and its route's limit) before the
 /// handler runs: a client that promises more than it sends gets `408` instead of holding
 /// the handler.
 async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) -> Response {
@@ -278,14 +291,15 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
         .headers()
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if let Some(n) = declared.filter(|&n| n > BODY_LIMIT as u64) {
-        let msg = format!("the request body is {n} bytes; at most {BODY_LIMIT} are accepted");
+    let limit = body_limit(&req);
+    if let Some(n) = declared.filter(|&n| n > limit as u64) {
+        let msg = format!("the request body is {n} bytes; at most {limit} are accepted here");
         return ApiError::bad_request(msg)
             .with_status(StatusCode::PAYLOAD_TOO_LARGE)
             .into_response();
     }
     let (parts, body) = req.into_parts();
-    let read = axum::body::to_bytes(body, BODY_LIMIT);
+    let read = axum::body::to_bytes(body, limit);
     match tokio::time::timeout(limits.body_timeout, read).await {
         Ok(Ok(bytes)) => {
             next.run(Request::from_parts(parts, Body::from(bytes)))
@@ -303,7 +317,7 @@ async fn bounded_body(State(limits): State<Limits>, req: Request, next: Next) ->
                 false => StatusCode::BAD_REQUEST,
             };
             ApiError::bad_request(format!(
-                "cannot read the request body (at most {BODY_LIMIT} bytes): {e}"
+                "cannot read the request body (at most {limit} bytes here): {e}"
             ))
             .with_status(status)
             .into_response()
@@ -371,13 +385,17 @@ mod tests {
             write_timeout: Duration::from_secs(5),
         };
         let echo = axum::routing::post(|b: axum::body::Bytes| async move { b.len().to_string() });
-        let app = with_checks(Router::new().route("/v1/streams", echo), limits);
-        let post = |body: Vec<u8>| {
-            axum::http::Request::post("/v1/streams")
+        let router = Router::new()
+            .route("/v1/streams", echo.clone())
+            .route("/v1/streams/{id}/next", echo);
+        let app = with_checks(router, limits);
+        let post_to = |path: &str, body: Vec<u8>| {
+            axum::http::Request::post(path)
                 .header(axum::http::header::CONTENT_LENGTH, body.len())
                 .body(Body::from(body))
                 .unwrap()
         };
+        let post = |body: Vec<u8>| post_to("/v1/streams", body);
         let n = body.len();
         let r = answer(app.clone(), post(body)).await;
         assert_eq!(r.status(), StatusCode::OK);
@@ -387,7 +405,13 @@ mod tests {
             n.to_string().as_bytes(),
             "the handler got the whole body"
         );
-        let r = answer(app, post(vec![b' '; BODY_LIMIT + 1])).await;
+        let r = answer(app.clone(), post(vec![b' '; BODY_LIMIT + 1])).await;
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        // Every other route keeps the small limit.
+        let next = |n: usize| post_to("/v1/streams/1/next", vec![b' '; n]);
+        let r = answer(app.clone(), next(SMALL_BODY_LIMIT)).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let r = answer(app, next(SMALL_BODY_LIMIT + 1)).await;
         assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
     }
 

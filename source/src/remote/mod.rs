@@ -195,16 +195,18 @@ impl RemoteDataset {
         }
     }
 
-    /// True when `shard` is in memory or in the cache (committed, or being written by the
-    /// read under way): a FETCH of it starts no new read, so its session need not hold it
-    /// back behind its read budget.
-    pub(crate) fn holds(&self, shard: u32) -> bool {
-        let in_memory = self.state().ready.contains_key(&shard);
-        in_memory
-            || self
-                .cache
-                .as_ref()
-                .is_some_and(|c| c.lock().expect("poisoned").holds(shard))
+    /// Where `shard` is held, if it is: in memory (looked at first, as a FETCH takes it), or
+    /// in the cache (committed, or being written by the read under way). A FETCH of it starts
+    /// no new read from the store, so its session need not hold it back behind older reads
+    /// or the source-wide read budget (`session.rs`); what it holds in memory once taken
+    /// depends on where it is.
+    pub(crate) fn held_in(&self, shard: u32) -> Option<HeldIn> {
+        if self.state().ready.contains_key(&shard) {
+            return Some(HeldIn::Memory);
+        }
+        let cached = self.cache.as_ref();
+        let cached = cached.is_some_and(|c| c.lock().expect("poisoned").holds(shard));
+        cached.then_some(HeldIn::Cache)
     }
 
     /// Node session `session` reported that the bytes of `shard` it was sent failed its CRC
@@ -245,7 +247,7 @@ impl RemoteDataset {
     ) -> Result<(Body, Served), Failure> {
         let shard = wanted.shard;
         self.recheck_if_asked_again(session, shard);
-        self.start_reading(wanted);
+        wanted.leave_queue(); // where its session did not already
         let mut waited = false;
         loop {
             if let Some(parts) = self.take_ready(wanted) {
@@ -291,19 +293,6 @@ impl RemoteDataset {
             tracing::debug!(dataset = %self.name, shard, session,
                 "a node asked again for a shard it was just served from the cache; checking the entry's CRC");
             cache.lock().expect("poisoned").recheck(shard);
-        }
-    }
-
-    /// FETCH `w` leaves its session's queue: from now on it reads its shard, waits on a read
-    /// of it or takes it from memory, and a FETCH that takes the shard before it leaves it in
-    /// memory for it ([`Self::take_ready`]).
-    fn start_reading(&self, w: &mut Wanted) {
-        if w.reading {
-            return;
-        }
-        if let Some(n) = self.state().wanted.get_mut(&w.shard) {
-            n.reading += 1;
-            w.reading = true;
         }
     }
 
@@ -576,7 +565,7 @@ async fn wait(mut rx: watch::Receiver<Outcome>) -> Result<(), Failure> {
 struct Wanting {
     /// FETCHes under way.
     fetches: usize,
-    /// Of those, the ones out of their sessions' queues ([`RemoteDataset::start_reading`]).
+    /// Of those, the ones out of their sessions' queues ([`Wanted::leave_queue`]).
     reading: usize,
     /// Of those, the ones that took the shard's bytes from memory.
     took: usize,
@@ -587,7 +576,7 @@ struct Wanting {
 pub(crate) struct Wanted {
     dataset: Arc<RemoteDataset>,
     shard: u32,
-    /// It left its session's queue ([`RemoteDataset::start_reading`]).
+    /// It left its session's queue ([`Wanted::leave_queue`]).
     reading: bool,
     /// It took the shard from memory ([`RemoteDataset::take_ready`]).
     took: bool,
@@ -597,6 +586,23 @@ impl Wanted {
     /// The dataset the FETCH reads.
     pub(crate) fn dataset(&self) -> &Arc<RemoteDataset> {
         &self.dataset
+    }
+
+    /// The FETCH leaves its session's queue: from now on it reads its shard, waits on a read
+    /// of it or takes it from memory, and a FETCH that takes the shard before it leaves it in
+    /// memory for it ([`RemoteDataset::take_ready`]). Its session calls this when the FETCH's
+    /// read starts, before the task that runs [`Self::get`] is spawned: two FETCHes of one
+    /// shard in memory started close together both count before either takes it, so the
+    /// first leaves it for the second (counted only once that task ran, the first took it
+    /// out of memory and the second read it from the store again). Once per FETCH.
+    pub(crate) fn leave_queue(&mut self) {
+        if self.reading {
+            return;
+        }
+        if let Some(n) = self.dataset.state().wanted.get_mut(&self.shard) {
+            n.reading += 1;
+            self.reading = true;
+        }
     }
 
     /// The verified bytes of the FETCH's shard, for node session `session`.
@@ -618,6 +624,15 @@ impl Drop for Wanted {
             }
         }
     }
+}
+
+/// Where a shard is held outside the store ([`RemoteDataset::held_in`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeldIn {
+    /// In memory (read ahead, or read for a FETCH and not taken yet).
+    Memory,
+    /// In the disk cache: sent from its file, holding no memory.
+    Cache,
 }
 
 /// What [`RemoteDataset::claim`] found.

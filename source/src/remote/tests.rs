@@ -451,7 +451,10 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
     os.open();
     let d = dataset("reported", &os, Some(&dir)).await;
     d.place(1, vec![Bytes::from(d_bytes(1))]).await;
-    assert!(d.holds(1) && !d.holds(2), "held: the cached shard only");
+    assert!(
+        d.held_in(1) == Some(HeldIn::Cache) && d.held_in(2).is_none(),
+        "held: the cached shard only"
+    );
     let files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok())
@@ -477,7 +480,7 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
         "checked against its CRC: failed"
     );
     assert!(
-        !files[0].exists() && !d.holds(1),
+        !files[0].exists() && d.held_in(1).is_none(),
         "the bad entry is deleted"
     );
     let (body, how) = fetch(&d, 3, 1).await.unwrap().expect("served");
@@ -495,13 +498,16 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
 async fn a_shard_in_memory_a_node_reports_corrupt_is_dropped() {
     let os = Arc::new(Gated::new());
     let d = dataset("reported-memory", &os, None).await;
-    assert!(!d.holds(0), "nothing in memory, no cache");
+    assert!(d.held_in(0).is_none(), "nothing in memory, no cache");
     {
         let mut st = d.state();
         st.ready.insert(0, vec![Bytes::from(d_bytes(0))]);
         st.ready_bytes += SHARD;
     }
-    assert!(d.holds(0) && !d.holds(1), "held: the shard in memory only");
+    assert!(
+        d.held_in(0) == Some(HeldIn::Memory) && d.held_in(1).is_none(),
+        "held: the shard in memory only"
+    );
     d.corrupt_reported(1, 0);
     {
         let st = d.state();
@@ -511,7 +517,39 @@ async fn a_shard_in_memory_a_node_reports_corrupt_is_dropped() {
         );
         assert_eq!(st.ready_bytes, 0);
     }
-    assert!(!d.holds(0));
+    assert!(d.held_in(0).is_none());
     d.corrupt_reported(1, 2); // neither in memory nor cached: nothing to do
     assert_eq!(d.state().ready_bytes, 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn two_fetches_of_a_shard_in_memory_started_close_together_read_nothing_from_the_store() {
+    let os = Arc::new(Gated::new());
+    os.open();
+    let d = dataset("started-together", &os, None).await;
+    {
+        let mut st = d.state();
+        st.ready.insert(0, vec![Bytes::from(d_bytes(0))]);
+        st.ready_bytes += SHARD;
+    }
+    // Two node sessions start FETCHes of it close together: both leave their queues (their
+    // sessions count them as reading) before either's task runs.
+    let (mut a, mut b) = (d.want(1, 0), d.want(2, 0));
+    a.leave_queue();
+    b.leave_queue();
+    let a = tokio::spawn(async move { a.get(1).await });
+    let b = tokio::spawn(async move { b.get(2).await });
+    let (a, how_a) = a.await.unwrap().expect("served");
+    let (b, how_b) = b.await.unwrap().expect("served");
+    assert_eq!(bytes_of(&a), d_bytes(0));
+    assert_eq!(bytes_of(&b), d_bytes(0));
+    assert_eq!((how_a, how_b), (Served::Prefetched, Served::Prefetched));
+    // Before, each counted as reading only once its task ran: the first took the shard out of
+    // memory, and the second read it from the store again.
+    assert_eq!(os.asked.load(Ordering::SeqCst), 0, "GETs");
+    let st = d.state();
+    assert!(
+        st.ready.is_empty() && st.ready_bytes == 0,
+        "memory held after both took it"
+    );
 }

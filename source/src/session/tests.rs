@@ -222,27 +222,91 @@ async fn waiting_reads_start_in_the_order_their_fetches_arrived_over_all_lanes()
     assert!(q.counts_hold());
 }
 
+/// As if queued FETCH `req`'s read had waited [`STARVED_PATIENCE`] for room in the source's
+/// budget.
+fn patience_spent(q: &mut Queues, req: u64) {
+    let (lane, at) = q.find(req, q.queued_reqs[&req]).expect("queued");
+    let seq = q.waiting[lane][at].seq;
+    q.reads.starved_since = Instant::now()
+        .checked_sub(STARVED_PATIENCE)
+        .map(|t| (seq, t));
+}
+
+/// Has the prefetch task read shard `shard` of `r` into memory (`r` has no disk cache), for a
+/// hint of another node session.
+async fn read_ahead(r: &Arc<RemoteDataset>, shard: u32) {
+    let prefetch = tokio::spawn(Arc::clone(r).prefetch());
+    r.hint(SESSION + 100, 1, vec![shard]);
+    let t0 = Instant::now();
+    while r.held_in(shard) != Some(HeldIn::Memory) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "shard {shard} not read ahead after 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    prefetch.abort();
+}
+
 #[tokio::test(flavor = "current_thread")]
-async fn a_fetch_of_a_cached_shard_starts_while_reads_from_the_store_fill_the_budget() {
+async fn a_fetch_of_a_cached_shard_waits_for_room_in_its_sessions_budget_not_behind_reads() {
     let dir = Scratch::new("held");
     let r = remote(&datasets(&dir, 4, true).await);
     // Shard 3 was read for an earlier FETCH and is in the disk cache.
     let (body, _) = r.want(1, 3).get(1).await.expect("read");
     drop(body);
-    assert!(r.holds(3), "cached");
-    let source = Arc::default();
+    assert_eq!(r.held_in(3), Some(HeldIn::Cache));
+    let source: Arc<AtomicU64> = Arc::default();
     let mut q = queues(1, &source);
-    fetch(&mut q, 0, &r, 1, 0); // its read from the store fills the budget
+    fetch(&mut q, 0, &r, 1, 0); // its read from the store fills the session's budget
     fetch(&mut q, 0, &r, 2, 1); // waits for room
     fetch(&mut q, 0, &r, 3, 3);
     assert!(started(&q, 1) && !started(&q, 2));
-    // Before, it waited behind FETCH 2's read, which waited for FETCH 1 to be sent.
+    // Before, it started at once: with data connections slower than the store, so did
+    // every FETCH of a held shard, and the session's bytes grew past its budget.
+    assert!(!started(&q, 3), "the session's budget is full");
+    assert_eq!(q.reads.bytes.load(Ordering::Acquire), SHARD);
+    // FETCH 1 is sent. FETCH 2's read from the store now finds the source's budget full
+    // (other sessions' reads); the cached shard behind it needs no read.
+    drop(q.take(1).expect("queued"));
+    source.fetch_add(SOURCE_READ_BUDGETS * SHARD, Ordering::AcqRel);
+    q.start_later();
+    assert!(!started(&q, 2), "no room in the source's budget");
     assert!(
         started(&q, 3),
-        "a cached shard needs no read from the store"
+        "a cached shard waits behind no read from the store"
     );
-    // Its bytes count like any read's until it is handed out.
-    assert_eq!(q.reads.bytes.load(Ordering::Acquire), 2 * SHARD);
+    // Its bytes count in its session's budget, not the source's: a file holds no memory.
+    assert_eq!(q.reads.bytes.load(Ordering::Acquire), SHARD);
+    assert_eq!(source.load(Ordering::Acquire), SOURCE_READ_BUDGETS * SHARD);
+    assert!(q.counts_hold());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_fetch_of_a_shard_in_memory_counts_in_the_sources_budget_and_waits_for_its_sessions() {
+    let dir = Scratch::new("in-memory");
+    let r = remote(&datasets(&dir, 4, false).await);
+    read_ahead(&r, 2).await;
+    // Other sessions' reads fill the source's budget.
+    let source = Arc::new(AtomicU64::new(SOURCE_READ_BUDGETS * SHARD));
+    let mut q = queues(1, &source);
+    fetch(&mut q, 0, &r, 1, 0);
+    fetch(&mut q, 0, &r, 2, 2);
+    assert!(!started(&q, 1), "no room in the source's budget");
+    assert!(started(&q, 2), "in memory: no read from the store");
+    assert_eq!(q.reads.bytes.load(Ordering::Acquire), SHARD);
+    assert_eq!(
+        source.load(Ordering::Acquire),
+        (SOURCE_READ_BUDGETS + 1) * SHARD,
+        "it holds memory: counted source-wide"
+    );
+    // Taking shard 2 out of memory let the read ahead read the next: its FETCH waits for
+    // room in the session's budget (before, it started at once, and so on without end).
+    read_ahead(&r, 3).await;
+    fetch(&mut q, 0, &r, 3, 3);
+    q.start_later();
+    assert!(!started(&q, 3), "the session's budget is full");
+    assert_eq!(q.reads.bytes.load(Ordering::Acquire), SHARD);
     assert!(q.counts_hold());
 }
 
@@ -258,7 +322,7 @@ async fn a_read_that_waited_long_for_room_in_the_sources_budget_starts() {
     assert!(!started(&q, 1), "no room in the source's budget");
     assert!(q.reads.starved, "looked at again shortly");
     // Before, it waited until no session of the source read anything: under load, for ever.
-    q.reads.starved_since = Instant::now().checked_sub(STARVED_PATIENCE);
+    patience_spent(&mut q, 1);
     q.start_later();
     assert!(
         started(&q, 1),
@@ -272,9 +336,36 @@ async fn a_read_that_waited_long_for_room_in_the_sources_budget_starts() {
     assert_eq!(q.reads.starved_since, None, "the next read waits afresh");
     // The next waits while this session holds that read.
     fetch(&mut q, 0, &r, 2, 1);
-    q.reads.starved_since = Instant::now().checked_sub(STARVED_PATIENCE);
+    patience_spent(&mut q, 2);
     q.start_later();
     assert!(!started(&q, 2));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_read_waits_its_own_patience_not_that_of_a_cancelled_one() {
+    let dir = Scratch::new("patience-cancelled");
+    let r = remote(&datasets(&dir, 2, false).await);
+    let source = Arc::new(AtomicU64::new(SOURCE_READ_BUDGETS * SHARD));
+    let mut q = queues(1, &source);
+    fetch(&mut q, 0, &r, 1, 0);
+    assert!(!started(&q, 1), "no room in the source's budget");
+    patience_spent(&mut q, 1);
+    // It is cancelled after it waited; nothing waits now.
+    drop(q.take(1).expect("queued"));
+    q.start_later();
+    assert_eq!(q.reads.starved_since, None);
+    // Before, the next read found the old time and started at once, past the budget.
+    fetch(&mut q, 0, &r, 2, 1);
+    q.start_later();
+    assert!(!started(&q, 2), "it waits its own patience");
+    assert_eq!(source.load(Ordering::Acquire), SOURCE_READ_BUDGETS * SHARD);
+    // Likewise when the one it waited behind is cancelled while it waits.
+    patience_spent(&mut q, 2);
+    fetch(&mut q, 0, &r, 3, 0);
+    drop(q.take(2).expect("queued"));
+    q.start_later();
+    assert!(!started(&q, 3), "it waits its own patience");
+    assert!(q.counts_hold());
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -302,17 +393,21 @@ async fn cancels_find_their_fetches_in_any_order_and_by_a_reused_id() {
 }
 
 #[test]
-fn the_announced_fetches_kept_are_the_latest() {
+fn the_announced_fetches_kept_are_the_latest_and_each_is_reported_once() {
     let mut a = Announced::default();
     let name: Arc<str> = Arc::from("d");
     for req in 1..=ANNOUNCED_KEPT as u64 + 1 {
         a.record(req, Arc::clone(&name), req as u32);
     }
-    assert!(a.find(1).is_none(), "the oldest went");
-    assert_eq!(a.find(2).map(|(_, shard)| shard), Some(2));
-    // A reused id: the latest announcement counts.
-    a.record(2, Arc::clone(&name), 99);
-    assert_eq!(a.find(2).map(|(_, shard)| shard), Some(99));
+    assert!(a.take(1).is_none(), "the oldest went");
+    assert_eq!(a.take(2).map(|(_, shard)| shard), Some(2));
+    // Before, a repeated report found it again (and dropped the shard from memory again).
+    assert!(a.take(2).is_none(), "reported already");
+    // A reused id: the latest announcement counts, and the report takes both.
+    a.record(3, Arc::clone(&name), 99);
+    assert_eq!(a.take(3).map(|(_, shard)| shard), Some(99));
+    assert!(a.take(3).is_none(), "the older one of that id went with it");
+    assert_eq!(a.take(4).map(|(_, shard)| shard), Some(4));
 }
 
 /// Overwrites each cache entry of `dir` in place (same length, other bytes), as a failing
@@ -347,7 +442,12 @@ async fn a_checksum_mismatch_the_node_reports_has_the_cache_entry_checked_and_en
         message: "shard 1: crc32c mismatch".into(),
     };
     // Before, any Error from the node ended the session.
-    s.handle(report).await.expect("the session goes on");
+    s.handle(report.clone()).await.expect("the session goes on");
+    assert!(
+        s.announced.take(9).is_none(),
+        "a repeated report of it acts no more"
+    );
+    s.handle(report).await.expect("a repeated report is logged");
     // Another node's FETCH of it (no recheck of its own: it was not served the entry).
     let other = SESSION + 1;
     let (body, how) = r.want(other, 1).get(other).await.expect("served");
