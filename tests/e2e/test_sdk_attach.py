@@ -8,7 +8,9 @@ it, against a fake node on a Unix socket (it passes a real memfd with SCM_RIGHTS
   and leaves no fd open;
 - ``close()`` from a signal handler while ``next`` waits in the same thread (a SIGTERM
   handler) closes the stream at once: before, it waited for the lock its own thread held;
-- ``device=N`` for an ordinal the process does not see is a ValueError naming it.
+- ``device=N`` for an ordinal the process does not see is a ValueError naming it;
+- a ``device="auto"`` lookup slower than the node's connect-to-attach deadline attaches on a
+  new connection.
 """
 
 from __future__ import annotations
@@ -174,3 +176,59 @@ def test_a_region_that_could_shrink_is_refused_not_mapped():
         region.close()
     finally:
         os.close(fd)
+
+
+def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """``device="auto"`` on a node that serves CUDA memory looks the current device up between
+    ``info`` and ``attach``, and the lookup may initialise CUDA (seconds). The node closes a
+    connection that has not attached within trainer_request_timeout_secs, with a `timeout`
+    error (here after 1 s, the lookup taking 1.5 s): before, the attach went to that closed
+    connection and the open failed; now it goes on a new one, with the device."""
+    import socket
+    import time
+
+    from shardwire import _device
+
+    def slow_lookup() -> str:
+        time.sleep(1.5)
+        return "0000:3b:00.0"
+
+    monkeypatch.setattr(_device, "current", slow_lookup)
+    path = str(tmp_path / "node.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+    srv.settimeout(10)
+    seen: list[list[dict[str, Any]]] = []
+
+    def node() -> None:
+        while True:
+            c, _ = srv.accept()
+            conn, deadline, got = _wire.Conn(c), time.monotonic() + 1.0, []
+            seen.append(got)
+            while _wire.readable(c, max(0.0, deadline - time.monotonic())):
+                req = conn.recv()[0]
+                got.append(req)
+                if req["op"] == "info":
+                    conn.send({"op": "info", "memory": "cuda", "lanes": []})
+                    continue
+                fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, REGION)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+                socket.send_fds(c, [_wire.encode(GOOD)], [fd])
+                os.close(fd)
+                c.recv(1)  # until the client closes
+                c.close()
+                return
+            # As the node: no attach in time.
+            conn.send({"op": "error", "code": "timeout", "message": "no attach within 1 s of connecting"})
+            c.close()
+
+    t = threading.Thread(target=node, daemon=True)
+    t.start()
+    s = shardwire.connect(path).open_stream("d")
+    s.close()
+    t.join(10)
+    srv.close()
+    assert [[r["op"] for r in got] for got in seen] == [["info"], ["attach"]], seen
+    assert seen[1][0]["device"] == "0000:3b:00.0"

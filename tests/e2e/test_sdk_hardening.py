@@ -14,7 +14,9 @@
 - an answer to a `release` that is not `released` closes the stream (as Rust's `broke`);
 - a reply trickled a byte at a time fails after FRAME_LIMIT from its first byte (a deadline
   per frame, as Rust's), not FRAME_LIMIT per chunk;
-- `state_dict()`, `_snapshot()` and `keep()` in a forked child raise `forked`.
+- `state_dict()`, `_snapshot()` and `keep()` in a forked child raise `forked`;
+- a legacy DLPack request (JAX's) for a view that is not C-contiguous gets a capsule of the
+  same memory with the view's strides.
 """
 
 from __future__ import annotations
@@ -644,3 +646,32 @@ def test_the_stream_locks_owner_is_known_the_moment_it_is_taken():
     t.start()
     t.join(5)
     assert seen == [(True, True, None)] and not lock.held_here()
+
+
+# --- a legacy DLPack consumer and a view that is not contiguous ---------------------------------
+
+
+@pytest.mark.parametrize("view", ["every other column", "transposed", "rows reversed"])
+def test_a_legacy_dlpack_import_of_a_non_contiguous_view_shares_its_memory(view):
+    """JAX (0.10) calls ``__dlpack__()`` without ``max_version``: the SDK answers with a capsule
+    of the same memory, which it built only for C-contiguous tensors; a slice, a transpose or a
+    reversed view raised numpy's ``BufferError: Cannot export readonly array``. DLPack carries
+    strides: the capsule has the view's. (numpy reads it here, as JAX would.)"""
+    from shardwire._tensor import Tensor
+
+    region = np.arange(24, dtype=np.float32).tobytes()  # read-only, as the mapped region
+    t = Tensor((4, 6), np.float32, buffer=region)
+    v = {"every other column": lambda: t[:, ::2], "transposed": lambda: t.T, "rows reversed": lambda: t[::-1, 1:]}[view]()
+    assert not v.flags.writeable and not v.flags.c_contiguous
+    capsule = v.__dlpack__()  # the legacy request
+
+    class Legacy:
+        def __dlpack__(self, **_: Any) -> Any:
+            return capsule
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (1, 0)
+
+    got = np.from_dlpack(Legacy())
+    assert np.array_equal(got, v) and got.strides == v.strides
+    assert got.__array_interface__["data"][0] == v.__array_interface__["data"][0], "no copy"

@@ -9,6 +9,8 @@ node: no binary, no socket, no torch needed.
 - The request each entry point sends (captured where it would go out) is, field for field and
   in order, what the SDK sent before the keywords were defined once: the dicts below were
   written out from the old ``_attach_fields`` and the old torch dataset.
+- The torch dataset refuses, as open_stream does, the keywords shard mode would ignore; in a
+  DataLoader worker it names the parent's CUDA device and keeps the epoch it loads to itself.
 """
 
 from __future__ import annotations
@@ -413,3 +415,92 @@ def test_a_reply_cut_short_by_a_stalled_node_fails_within_the_frame_limit(monkey
         later.start()
         assert conn.recv_reply() == {"op": "state", "state": {}}
         later.join()
+
+
+# --- the torch dataset in its DataLoader workers ------------------------------------------------
+
+
+def test_a_worker_started_with_spawn_names_the_parent_s_device(monkeypatch: pytest.MonkeyPatch):
+    """torchrun's rank r calls torch.cuda.set_device(r); a DataLoader worker started with
+    spawn is a fresh interpreter whose current device is 0, so with ``device="auto"`` every
+    rank's workers named GPU 0. The dataset pickled for a worker carries the parent's current
+    device, which the worker then names (still only when the node serves CUDA memory: the
+    option stays "auto"); a device given as an ordinal is resolved in the parent."""
+    import multiprocessing.context
+
+    from shardwire import _device
+
+    monkeypatch.setattr(_device, "_inherited", None)  # restored after the test
+    own_lookup = _device.current
+    monkeypatch.setattr(_device, "current", lambda: "0000:3b:00.0")  # the parent's: cuda:1, say
+    monkeypatch.setattr(_device, "_current_ordinal", lambda: 1)
+    monkeypatch.setattr(_device, "_ordinal", lambda n: f"0000:{0x3a + n:02x}:00.0")
+    monkeypatch.setattr(multiprocessing.context, "get_spawning_popen", lambda: object())  # pickled for a worker
+    auto = swt._DatasetMixin("d", socket="/s", rank=1, world_size=2).__getstate__()
+    given = swt._DatasetMixin("d", socket="/s", device="cuda").__getstate__()
+    assert given["options"].device == "0000:3b:00.0", "cuda (the current device) resolved in the parent"
+    # In the worker: its own lookup would say device 0 (or nothing, on this machine).
+    monkeypatch.setattr(_device, "current", own_lookup)
+    worker = swt._DatasetMixin.__new__(swt._DatasetMixin)
+    worker.__setstate__(auto)
+    assert worker.options.device == "auto" and (worker.rank, worker.world_size) == (1, 2)
+    assert _device.current() == "0000:3b:00.0", "the worker's auto device is the parent's"
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"seq_len": 2048}, "seq_len needs batch_size: token windows are delivered in batches"),
+    ({"shuffle": "none"}, "shuffle need batch_size (batch mode)"),
+    ({"drop_last": True, "partitions": 4}, "partitions, drop_last need batch_size (batch mode)"),
+    ({"boundaries": True}, "boundaries need seq_len (token mode)"),
+])
+def test_shard_mode_refuses_the_keywords_it_would_ignore(sent, monkeypatch: pytest.MonkeyPatch, kw, message):
+    """Without ``batch_size`` the dataset opens shard-mode streams, which take none of the
+    batch- or token-mode keywords: before, it dropped them silently (``seq_len=2048`` with
+    ``batch_size`` forgotten delivered whole shards). Now it refuses them as open_stream does,
+    when it is made, and when a keyword set since as an attribute reaches the next iteration."""
+    with pytest.raises(ValueError) as e:
+        swt._DatasetMixin("d", socket="/nonexistent", **kw)
+    assert str(e.value) == message
+    ds = swt._DatasetMixin("d", socket="/nonexistent", **{"batch_size": 4, "seq_len": 8, **kw})
+    ds.batch_size = None
+    monkeypatch.setattr(swt, "_torch_ranks", lambda rank, world_size: (0, 1))
+    with pytest.raises(ValueError, match="need"):
+        ds._open_shards(client())
+    assert sent == []
+
+
+def test_load_state_dict_in_a_worker_leaves_the_shared_epoch_alone():
+    """The epoch is shared with the DataLoader's workers (so that `set_epoch` reaches a
+    persistent one). `load_state_dict` in a worker (StatefulDataLoader loads each worker's own
+    state there) overwrote it for the main process and the other workers; now the worker keeps
+    its loaded epoch, until the main process names another."""
+    import os
+
+    ds = swt._DatasetMixin("d", socket="/nonexistent")
+    ds.set_epoch(1)
+    child_reads, parent_writes = os.pipe()
+    parent_reads, child_writes = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            os.close(parent_writes)  # so that a parent gone (a failed assert) ends the wait below
+            ds.load_state_dict({"epoch": 0, "stream": {"epoch": 0, "index": 3, "seed": 0, "fingerprint": "f"}})
+            os.write(child_writes, repr((ds.epoch, ds.state_dict()["epoch"], ds._resume is not None)).encode())
+            os.read(child_reads, 1)  # the main process's set_epoch(2) came
+            os.write(child_writes, repr(ds.epoch).encode())
+        finally:
+            os._exit(0)
+    os.close(child_reads)
+    os.close(child_writes)
+    try:
+        assert os.read(parent_reads, 100) == b"(0, 0, True)", "the worker resumes its own epoch"
+        assert ds.epoch == 1, "the main process's epoch is its own"
+        ds.set_epoch(2)
+        os.write(parent_writes, b"!")
+        assert os.read(parent_reads, 100) == b"2", "a later epoch of the main process wins"
+    finally:
+        os.close(parent_writes)
+        os.waitpid(pid, 0)
+        os.close(parent_reads)
+    ds.load_state_dict({"epoch": 0, "stream": None})  # in the main process: the shared epoch
+    assert ds.epoch == 0 and ds._epoch.value == 0

@@ -18,7 +18,12 @@ socketpair (the test plays the node: it reads the requests and writes the replie
   cycle waits for the garbage collector), unless a batch it handed out is still alive; a batch
   the trainer dropped is still released, a kept one too (with the next request);
 - at the end of the stream every release that waited is sent even if the node refuses one;
-  closing drops a batch an interrupt left taken, so the region is unmapped at close.
+  closing drops a batch an interrupt left taken, so the region is unmapped at close;
+- a KeyboardInterrupt while a request is written: once it went out whole, it stays in flight
+  (its answer paired with it, its releases not sent again); before any of it went out, the
+  next call sends it; cut short, the stream is closed saying why;
+- `state_dict()` after the connection was lost (or close()) still names the batch after the
+  last one handed out.
 """
 
 from __future__ import annotations
@@ -126,10 +131,12 @@ def test_a_malformed_reply_closes_the_stream_and_its_connection(pair, case):
     # Closing the connection is what releases every lease on the node (b0's included).
     assert requests(node, wait=5) is None, "the node sees the connection close"
     assert b0.released
-    for call in (lambda: s.next(timeout=0.5), lambda: s.next(), lambda: next(s), s.state_dict):
+    for call in (lambda: s.next(timeout=0.5), lambda: s.next(), lambda: next(s)):
         with pytest.raises(shardwire.ShardwireError) as e:
             call()
         assert e.value.code == "closed" and "malformed reply" in e.value.message, e.value
+    # The position after the last batch handed out is held here: it still resumes.
+    assert s.state_dict()["index"] == (2 if case == "decoded-with-the-group" else 1)
 
 
 def test_a_json_batch_without_its_fields_is_a_protocol_error(pair):
@@ -541,3 +548,129 @@ def test_a_stream_used_in_a_forked_child_refuses_naming_both_processes(pair):
     assert said.startswith("forked: ") and f"process {os.getpid()}" in said, said
     node.sendall(batch(1))
     assert s.next(timeout=10).lease == 2, "the parent's stream goes on"
+
+
+# --- an interrupt while a request is written ---------------------------------------------------
+
+
+class CutSocket:
+    """The stream's socket, whose next write (``send``, or ``sendall``, which the SDK used
+    before) is `write(sock, data)` instead: what a signal handler that raises does to it."""
+
+    def __init__(self, sock: socket.socket, write: Any) -> None:
+        self._sock, self._write = sock, write
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        write, self._write = self._write, None
+        return self._sock.send(data, flags) if write is None else write(self._sock, bytes(data))
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        write, self._write = self._write, None
+        if write is None:
+            self._sock.sendall(data, flags)
+        else:
+            write(self._sock, bytes(data))
+
+
+def test_an_interrupt_after_a_request_went_out_keeps_it_paired_with_its_answer(pair):
+    """Ctrl-C strikes once the request asked ahead (carrying batch 0's release) went out whole
+    (CPython runs signal handlers at the end of a send). Before, the request was never
+    recorded in flight: its answer was taken for the next request's, and batch 0's lease was
+    sent again. Now the stream goes on as if nothing happened."""
+    s, node = pair
+    first_batch(s, node)
+    send_bytes = s._conn.send_bytes
+
+    def then_interrupt(data: bytes) -> None:
+        del s._conn.send_bytes  # once
+        send_bytes(data)
+        raise KeyboardInterrupt("struck after the request's last byte")
+
+    s._conn.send_bytes = then_interrupt
+    node.sendall(batch(1))
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)
+    assert requests(node) == [{"op": "next", "release": [1], "count": 8}]
+    got = [s.next(timeout=10).index]  # batch 1, taken before the interrupt
+    assert requests(node) == [], "the request in flight is the one that went out"
+    for k in (2, 3):
+        node.sendall(batch(k))  # the answers to the requests in flight, in turn
+        got.append(s.next(timeout=10).index)
+        assert requests(node) == [{"op": "next", "release": [k], "count": 8}], "each lease released once"
+    node.sendall(framed(b'{"op":"end"}') + framed(b'{"op":"released"}'))
+    assert s.next(timeout=10) is None
+    assert got == [1, 2, 3] and requests(node) == [{"op": "release", "lease": 4}]
+
+
+def test_an_interrupt_before_a_request_went_out_leaves_it_to_the_next_call(pair, monkeypatch):
+    """Ctrl-C strikes while the stream waits for room to write its request (nothing of it went
+    out): the stream stays usable, and the next request carries batch 0's release."""
+    s, node = pair
+    first_batch(s, node)
+
+    def full(sock: socket.socket, data: bytes) -> int:
+        raise BlockingIOError(11, "no room")
+
+    def interrupted(sock: Any, limit: float) -> bool:
+        raise KeyboardInterrupt("struck while waiting for room")
+
+    s._conn.sock = CutSocket(s._conn.sock, full)
+    monkeypatch.setattr(_wire, "_wait_writable", interrupted)
+    node.sendall(batch(1))
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)
+    monkeypatch.undo()
+    assert not s.closed and requests(node) == []
+    assert s.next(timeout=10).index == 1
+    node.sendall(batch(2))
+    assert s.next(timeout=10).index == 2
+    assert requests(node) == [{"op": "next", "timeout_ms": 10000, "release": [1, 2], "count": 8},
+                              {"op": "next", "count": 8}], "each lease released once"
+
+
+def test_a_request_cut_short_by_an_interrupt_closes_the_stream(pair):
+    """Ctrl-C strikes when half of a request went out: the node would read the next request as
+    its rest, so the stream is closed (its connection too), saying why; its state still names
+    the batch after the last one handed out."""
+    s, node = pair
+    first_batch(s, node)
+    request = _wire.encode_next([1], 8)
+
+    def half(sock: socket.socket, data: bytes) -> int:
+        assert data == request
+        sock.sendall(data[: len(data) // 2])
+        raise KeyboardInterrupt("struck in the middle of the request")
+
+    s._conn.sock = CutSocket(s._conn.sock, half)
+    node.sendall(batch(1))
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)
+    assert s.closed
+    node.settimeout(10)
+    got = b""
+    while chunk := node.recv(1 << 16):
+        got += chunk
+    assert got == request[: len(request) // 2], "half a request, then the connection closed"
+    with pytest.raises(shardwire.ShardwireError) as e:
+        s.next(timeout=10)
+    assert e.value.code == "closed" and _wire.TORN in e.value.message, e.value
+    assert s.state_dict()["index"] == 1, "batch 1 was not handed out"
+
+
+def test_state_dict_after_the_connection_was_lost_names_the_next_batch(pair):
+    """Three batches taken, then the node goes away: `next` raises ConnectionClosed and the
+    stream is closed, but its state, held here, still resumes after the third (before,
+    `state_dict()` raised `closed`). After close() too."""
+    s, node = pair
+    first_batch(s, node)
+    node.sendall(batch(1, MORE) + batch(2))
+    assert [s.next(timeout=10).index for _ in range(2)] == [1, 2]
+    node.close()
+    with pytest.raises(ConnectionClosed):
+        s.next(timeout=10)
+    assert s.closed and s.state_dict()["index"] == 3
+    s.close()
+    assert s.state_dict() == {"epoch": 0, "index": 3, "seed": 1, "fingerprint": "f"}

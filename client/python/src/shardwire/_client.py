@@ -445,7 +445,7 @@ def _info(conn: _wire.Conn) -> dict[str, Any]:
 def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
     """``device="auto"``: asks the node what it serves on `conn`; when it serves CUDA memory,
     the current CUDA device's bus id. A node too old for ``info`` drops the connection: then a
-    new one, and no device."""
+    new one, and no device. The connection to attach on is returned."""
     try:
         info = _info(conn)
     except _wire.NoAnswer:
@@ -454,7 +454,16 @@ def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
     except (ServiceError, ConnectionClosed):
         conn.close()
         return _wire.Conn(_connect(path)), None
-    return conn, (_device.current() if info["memory"] == "cuda" else None)
+    if info["memory"] != "cuda":
+        return conn, None
+    device = _device.current()
+    if _wire.readable(conn.sock, 0):
+        # The lookup may initialise CUDA (seconds), and the node closes a connection that has
+        # not attached within trainer_request_timeout_secs (10 s by default), with a `timeout`
+        # error: nothing else comes before the attach. Attach on a new connection then.
+        conn.close()
+        conn = _wire.Conn(_connect(path))
+    return conn, device
 
 
 def _service_error(msg: Mapping[str, Any]) -> ServiceError:
@@ -623,9 +632,33 @@ class Stream(_StreamBase[Batch]):
 
     def _post(self, req: dict[str, Any], data: bytes | None = None) -> None:
         """`_send` without ending the stream when the connection is lost (ConnectionClosed
-        raises all the same): for a caller that ends it later (see `_ask_ahead`)."""
-        self._conn.send_bytes(data if data is not None else _wire.encode(req))
-        self._inflight.append(req["op"])
+        raises all the same): for a caller that ends it later (see `_ask_ahead`).
+
+        The request is in flight from before its first byte goes out. An exception (a signal
+        handler's, Ctrl-C's) that strikes once all of it is known to have gone out leaves it
+        so, and its answer is paired with it (before, it was recorded only after the send
+        returned); one that struck before any of it went out takes it back. A request cut
+        short, or that may have been (``_wire.Conn.send_bytes``), ends the stream
+        (``_wire.TORN``): the node would take the next request for its rest."""
+        data = data if data is not None else _wire.encode(req)
+        conn = self._conn
+        conn.unsent = len(data)  # none of it out yet (not the 0 the last request left)
+        before = len(self._inflight)
+        try:
+            self._inflight.append(req["op"])
+            conn.send_bytes(data)
+        except BaseException:
+            if conn.torn:
+                self._broken(_wire.TORN)
+            elif conn.unsent:
+                while len(self._inflight) > before:
+                    self._inflight.pop()
+            raise
+
+    def _sent(self, before: int) -> bool:
+        """True when the request a `_send` or `_post` began when ``_inflight`` held `before`
+        requests went out: its record is still there, even after an exception (see `_post`)."""
+        return len(self._inflight) > before
 
     def _read(self, timeout: float | None) -> tuple[str, dict[str, Any]] | None:
         """The next answer and the op of the request it answers, or None if none came within
@@ -727,14 +760,18 @@ class Stream(_StreamBase[Batch]):
                 raises, and the stream is closed.
             ProtocolError: a reply this SDK cannot read. The stream is closed: its connection
                 is, which releases every lease it held on the node (the previous batch's
-                too); later calls raise code ``"closed"`` naming the reply's fault.
+                too); later calls raise code ``"closed"`` naming the reply's fault, but
+                :meth:`state_dict`, after either error, returns the position after the last
+                batch handed out (to resume from).
 
         A KeyboardInterrupt (or another exception raised into the wait, e.g. by a signal
         handler) consumes nothing: the stream stays usable and a request already sent stays in
         flight for a later ``next`` to take its answer. The previous batch stays the trainer's
         (released with a later request) unless this call sent a request of its own (the first
         call, one after a timeout, or while batches are kept), which carried its release, as
-        for a timeout: ``keep()`` it first to go on using it.
+        for a timeout: ``keep()`` it first to go on using it. One that strikes while a request
+        is being written consumes nothing either, unless the request may have gone out in
+        part: then the stream is closed (code ``"closed"``; :meth:`state_dict` still resumes).
         """
         return super().next(timeout)
 
@@ -848,9 +885,13 @@ class Stream(_StreamBase[Batch]):
         if not self._pending:
             return
         self._gpu_done()
-        for lease in self._pending:
-            self._send({"op": "release", "lease": lease})
-        self._pending.clear()
+        while self._pending:
+            before = len(self._inflight)
+            try:
+                self._send({"op": "release", "lease": self._pending[0]})
+            finally:
+                if self._sent(before):
+                    del self._pending[0]  # sent (see `_send_next`)
 
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
@@ -1021,8 +1062,14 @@ class Stream(_StreamBase[Batch]):
             self._gpu_done()
         count = 1 if self._kept_leases else _NEXT_COUNT
         timeout_ms = None if timeout is None else _timeout_ms(timeout)
-        (self._post if ahead else self._send)(_NEXT, _wire.encode_next(self._pending, count, timeout_ms))
-        self._pending.clear()
+        data, before = _wire.encode_next(self._pending, count, timeout_ms), len(self._inflight)
+        try:
+            (self._post if ahead else self._send)(_NEXT, data)
+        finally:
+            # Their releases went with it, even when an interrupt struck after its last byte:
+            # not again with the next request (the node would refuse a lease it freed).
+            if self._sent(before):
+                self._pending.clear()
 
     def _ask_ahead(self, prev: _Held | None) -> None:
         """Sends the next request ahead of time (`_send_next`; `prev` is then the trainer's no
@@ -1113,6 +1160,11 @@ class Stream(_StreamBase[Batch]):
         # be setting it), and the trainer's: the one before the batch that call is taking.
         resume, raw = self._trainer_state()
         return _binary.decode_state(raw) if raw is not None else dict(resume)
+
+    def _state_when_closed(self) -> dict[str, Any]:
+        # Held here, not asked of the node: exact after a lost connection or a reply that could
+        # not be read too (the batch a failed hand-out took is not counted, see `_hand_out`).
+        return self._state_in_handler()
 
     def _snapshot_in_handler(self) -> dict[str, Any] | bytes:
         resume, raw = self._trainer_state()

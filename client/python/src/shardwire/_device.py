@@ -14,7 +14,9 @@ ordinal: ordinals are per process (``CUDA_VISIBLE_DEVICES``), the node has its o
   (the default): torch's ``current_device()`` when torch is imported and sees CUDA, else the
   device of cuda-python's current context, else device 0 (what the CUDA runtime uses when
   nothing was set). None when neither can tell (no driver, a forked worker, ...): the node then
-  places the stream on its least loaded lane.
+  places the stream on its least loaded lane. In a DataLoader worker started with spawn or
+  forkserver, a fresh interpreter whose current device is 0 whatever its rank's, it is the
+  device of the process that started it, which ``shardwire.torch`` passes on (:func:`inherit`).
 
 Nothing here imports torch or cuda-python that the trainer has not imported (torch) or that is
 not installed (cuda-python).
@@ -26,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["AUTO", "current", "resolve"]
+__all__ = ["AUTO", "current", "inherit", "resolve"]
 
 #: ``device="auto"``: the current CUDA device when the node serves CUDA memory.
 AUTO = "auto"
@@ -136,8 +138,23 @@ def _current_ordinal() -> int:
     return int(cuda.current_device()) if cuda is not None else 0
 
 
+#: The current device of the process that started this one, when it passed it on (`inherit`).
+_inherited: str | None = None
+
+
+def inherit(bus: str) -> None:
+    """Makes `bus`, the current device of the process that started this one, this process's
+    :func:`current` device: a DataLoader worker started with spawn or forkserver would name
+    device 0 (a fresh CUDA runtime's) for every rank, where torchrun's rank ``r`` called
+    ``torch.cuda.set_device(r)``."""
+    global _inherited
+    _inherited = bus
+
+
 def current() -> str | None:
     """The bus id of this process's current CUDA device, or None (see the module docstring)."""
+    if _inherited is not None:
+        return _inherited
     try:
         cuda = _torch_cuda()
         if cuda is not None:

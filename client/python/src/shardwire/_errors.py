@@ -57,7 +57,8 @@ class Timeout(ShardwireError):
 class ConnectionClosed(ShardwireError):
     """The connection to the node service ended (code ``"connection_closed"``): the service
     exited or dropped the connection. The stream is closed (later calls raise code
-    ``"closed"``); the service released its leases."""
+    ``"closed"``, except a socket stream's ``state_dict()``, which returns the position after
+    the last batch handed out); the service released its leases."""
 
     def __init__(self, message: str) -> None:
         super().__init__("connection_closed", message)
@@ -77,7 +78,8 @@ class ProtocolError(ShardwireError):
     version mismatch between SDK and service, or a bug. A socket stream that reads such a reply
     is closed (which request the replies after it answer can no longer be told): closing its
     connection releases its leases on the service, and later calls raise code ``"closed"``
-    naming the fault."""
+    naming the fault (``state_dict()`` still returns the position after the last batch handed
+    out)."""
 
     def __init__(self, message: str) -> None:
         super().__init__("protocol", message)

@@ -7,10 +7,13 @@ that still speak the pre-1.0 protocol (JAX as of 0.10) call ``__dlpack__()`` wit
 ``max_version``; for them numpy raises ``BufferError: Cannot export readonly array``.
 
 :class:`Tensor` is a plain ``numpy.ndarray`` subclass that answers such a legacy request with
-a capsule of the *same memory* (no copy), built from a writable alias of the view. The
-pre-1.0 protocol cannot say "read-only", so the consumer is trusted not to write: JAX never
-writes to arrays it imports. A consumer that did write would fault (``SIGSEGV``) on the
-read-only mapping, never silently change the data. Everything else is numpy's behaviour.
+a capsule of the *same memory* (no copy, with the view's strides: a slice or a transpose
+too), built from a writable alias of the view. The pre-1.0 protocol cannot say "read-only",
+so the consumer is trusted not to write: JAX never writes to arrays it imports. A consumer
+that did write would fault (``SIGSEGV``) on the read-only mapping, never silently change the
+data. Everything else is numpy's behaviour. (JAX 0.10 itself imports only compact strides, a
+transpose but not a slice with gaps or a reversed view: copy those first,
+``np.ascontiguousarray(t)``.)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class Tensor(np.ndarray):
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: Any = None, copy: bool | None = None) -> Any:
         legacy = max_version is None or tuple(max_version) < (1, 0)
-        if legacy and not self.flags.writeable and copy is not True and self.flags.c_contiguous:
+        if legacy and not self.flags.writeable and copy is not True:
             return _legacy_alias(self).__dlpack__(stream=stream)
         kwargs: dict[str, Any] = {"stream": stream}
         if max_version is not None:
@@ -63,9 +66,25 @@ class Tensor(np.ndarray):
 
 
 def _legacy_alias(t: np.ndarray) -> _Alias:
-    """A writable ndarray over `t`'s bytes (no copy) that keeps `t` alive."""
+    """A writable ndarray over `t`'s bytes with `t`'s strides (no copy; DLPack carries strides,
+    so a slice, a transpose or a reversed view is exported as it lies) that keeps `t` alive."""
     addr = t.__array_interface__["data"][0]
-    raw = (ctypes.c_char * max(t.nbytes, 1)).from_address(addr)
-    alias = np.frombuffer(raw, dtype=t.dtype, count=t.size).reshape(t.shape).view(_Alias)
+    low, high = _span(t, addr)
+    raw = (ctypes.c_char * max(high - low, 1)).from_address(low)
+    alias = np.ndarray(t.shape, t.dtype, buffer=raw, offset=addr - low, strides=t.strides).view(_Alias)
     alias._owner = t
     return alias
+
+
+def _span(t: np.ndarray, addr: int) -> tuple[int, int]:
+    """The lowest address of `t`'s elements (`addr`: its first element's) and one past its
+    highest byte; negative strides reach below `addr`."""
+    if t.size == 0:
+        return addr, addr
+    low = high = addr
+    for n, stride in zip(t.shape, t.strides):
+        if stride < 0:
+            low += (n - 1) * stride
+        else:
+            high += (n - 1) * stride
+    return low, high + t.itemsize

@@ -363,7 +363,11 @@ class _StreamBase(Generic[_BatchT]):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
+            raise self._closed_error()
+
+    def _closed_error(self) -> ShardwireError:
+        """The error of a call on a closed stream, saying why it closed."""
+        return ShardwireError("closed", f"stream {self.info.stream}: {self._closed_why}")
 
     def _broken(self, why: str) -> None:
         """The connection to the service failed: the stream is over here (on the socket its
@@ -406,17 +410,25 @@ class _StreamBase(Generic[_BatchT]):
         position after the last batch ``next`` returned (not one the interrupted call is
         taking). An HTTP stream, whose state takes a request, raises ``ShardwireError`` code
         ``reentrant`` instead of waiting for ever for that call.
+
+        Once the stream is closed (by :meth:`close`, or because the connection was lost or a
+        reply could not be read), a socket stream still returns the position after the last
+        batch ``next`` returned, which it holds: where a new stream resumes. An HTTP stream,
+        whose state is the node's, raises ``ShardwireError`` code ``closed``.
         """
         self._check_process()
         if self._in_handler():
-            self._check_open()
-            return self._state_in_handler()
+            return self._state_when_closed() if self._closed else self._state_in_handler()
         with self._lock:
-            self._check_open()
-            return self._state()
+            return self._state_when_closed() if self._closed else self._state()
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _state_when_closed(self) -> dict[str, Any]:
+        """:meth:`state_dict` of a closed stream: ``closed``, unless the transport holds the
+        state without a request."""
+        raise self._closed_error()
 
     def _state_in_handler(self) -> dict[str, Any]:
         """:meth:`state_dict` from a signal handler that interrupted this stream's own call

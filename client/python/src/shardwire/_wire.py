@@ -33,6 +33,8 @@ _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 # EPIPE instead of SIGPIPE when the service is gone, even in hosts that do not ignore SIGPIPE.
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+# Writes that never block: the wait for room is a `poll` (see `Conn.send_bytes`).
+_SEND_FLAGS = _NOSIGNAL | getattr(socket, "MSG_DONTWAIT", 0)
 #: How a binary `batch` body starts (see :mod:`shardwire._binary`).
 #: Longest wait for the rest of a reply whose first bytes came, from its first bytes to its
 #: last (the Rust SDK's limit too, one deadline per frame): a node stopped in the middle of a
@@ -45,6 +47,12 @@ REPLY_LIMIT = 60.0
 #: one to connect, 1 s for the rest), ask them all at once for the dataset's manifest (15 s
 #: at most) and plan the stream, so this is generous; beyond it the node is stuck.
 ATTACH_LIMIT = 600.0
+
+
+#: Why a stream whose request was cut short (`Conn.torn`) was closed.
+TORN = ("an exception (a signal handler's, such as Ctrl-C's) struck while a request was being sent, and part of "
+        "it may have gone out: the node would take the next request for its rest, so the stream was closed; "
+        "open it again from its state_dict()")
 
 
 class NoAnswer(ConnectionClosed):
@@ -80,6 +88,14 @@ def readable(sock: socket.socket, timeout: float | None) -> bool:
 
 #: The longest wait one `poll` call takes (its argument is a C int of milliseconds).
 _POLL_MAX_MS = 2**31 - 1
+
+
+def _wait_writable(sock: socket.socket, limit: float) -> bool:
+    """Waits up to `limit` seconds until `sock` has room for more bytes, or is closed (the next
+    write then fails); False when the time ran out."""
+    p = select.poll()
+    p.register(sock, select.POLLOUT)
+    return bool(p.poll(int(limit * 1000)))
 
 
 def encode(msg: Message) -> bytes:
@@ -139,17 +155,47 @@ class Conn:
         #: Replies that came whole in the same receive as an earlier one, decoded then (or the
         #: ProtocolError decoding one raised, raised when its turn comes): see `recv_reply`.
         self._ready: deque[Message | ProtocolError] = deque()
+        #: Bytes of the requests `send_bytes` is sending, or sent last, not known to have gone
+        #: out: 0 once all of them did.
+        self.unsent = 0
+        #: True once requests were cut short, or may have been (see `send_bytes`).
+        self.torn = False
 
     def send(self, *msgs: Message) -> None:
-        """Sends one or more requests in one write (the service answers them in order)."""
+        """Sends one or more requests together (the service answers them in order)."""
         self.send_bytes(b"".join(encode(m) for m in msgs))
 
     def send_bytes(self, data: bytes) -> None:
-        """Sends encoded requests in one write."""
+        """Sends encoded requests, whole.
+
+        An exception that strikes meanwhile (a signal handler's, such as Ctrl-C's: CPython runs
+        them inside a blocked socket call and right after one returns) leaves `unsent` telling
+        what went out: every byte (0), none (all of them), or part, which sets `torn`: the node
+        would read the next request as the rest of this one. Each write is non-blocking and the
+        wait for room a `poll`, so a count is lost only to an exception that strikes just as a
+        write returns; that sets `torn` too, whatever the write sent. (``sendall`` runs the
+        handlers after its last write: an exception there hid whether anything had gone out.)
+        """
+        view = memoryview(data)
+        self.unsent, writing = len(view), False
         try:
-            self.sock.sendall(data, _NOSIGNAL)
+            while self.unsent:
+                writing = True
+                try:
+                    self.unsent -= self.sock.send(view[len(view) - self.unsent :], _SEND_FLAGS)
+                except BlockingIOError:
+                    writing = False
+                    if not _wait_writable(self.sock, REPLY_LIMIT):
+                        self.torn = self.unsent != len(view)
+                        raise ConnectionClosed(
+                            f"the node service took no bytes of a request for {REPLY_LIMIT:.0f} s: it is stuck"
+                        ) from None
+                writing = False
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed while sending: {e}") from e
+        except BaseException:
+            self.torn = self.unsent != 0 and (writing or self.unsent != len(view))
+            raise
 
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""

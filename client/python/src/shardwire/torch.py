@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _binary
+from . import _binary, _device
 from ._client import Client, Stream, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
@@ -190,10 +190,16 @@ class _DatasetMixin:
         self.copy = copy
         self.timeout = timeout
         self.options = StreamOptions.of(options, "IterableDataset", DATASET_REFUSED)
+        self._check_options()
         # The epoch, in memory shared with the DataLoader's workers: a persistent worker keeps
         # its copy of the dataset from one iteration to the next, and `set_epoch` in the main
         # process must reach it (before, it delivered its first epoch again, silently).
         self._epoch: Any = multiprocessing.RawValue("q", 0)
+        # The process that owns `_epoch`; the DataLoader's workers, which share it, never write
+        # it: the epoch `load_state_dict` loads in a worker, with the shared epoch then, stays
+        # here, the worker's until the main process names another (see `epoch`).
+        self._owner = os.getpid()
+        self._own_epoch: tuple[int, int] | None = None
         # The epoch `_resume` was saved in (a persistent worker's copy keeps it across a
         # `set_epoch` of the main process, which a later epoch must win over, as there), and
         # the one `_stream_state` belongs to (the iteration's first epoch).
@@ -209,7 +215,8 @@ class _DatasetMixin:
     @property
     def epoch(self) -> int:
         """The epoch the next iteration starts at (see :meth:`set_epoch`)."""
-        return int(self._epoch.value)
+        shared, own = int(self._epoch.value), self._own_epoch
+        return own[0] if own is not None and own[1] == shared else shared
 
     @epoch.setter
     def epoch(self, value: int) -> None:
@@ -219,7 +226,8 @@ class _DatasetMixin:
         """The dataset as a DataLoader sends it to a worker process: with its DDP rank and
         world size filled in from this process when they were left to ``torch.distributed``
         (a worker started with spawn or forkserver is a fresh interpreter where it is not
-        initialised: before, every rank's workers opened rank 0 of 1, the same data)."""
+        initialised: before, every rank's workers opened rank 0 of 1, the same data), and
+        this process's CUDA device (see `_pass_device`)."""
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None:
             # Pickled other than to start a process (a copy, torch.save): the epoch as a plain
@@ -227,6 +235,7 @@ class _DatasetMixin:
             # makes it shared again), and the ranks left to the process that loads it.
             state["_epoch"] = _Epoch(self.epoch)
             return state
+        self._pass_device(state)
         if state["rank"] is None or state["world_size"] is None:
             try:
                 found = _dist_ranks()
@@ -237,11 +246,32 @@ class _DatasetMixin:
                 state["world_size"] = found[1] if state["world_size"] is None else state["world_size"]
         return state
 
+    def _pass_device(self, state: dict[str, Any]) -> None:
+        """Puts this process's CUDA device in `state`, for a worker being started with spawn
+        or forkserver: a fresh interpreter whose current device is 0, where torchrun's rank
+        ``r`` called ``torch.cuda.set_device(r)`` (before, every rank's workers named GPU 0).
+        ``"auto"`` stays ``"auto"`` (a device only when the node serves CUDA memory): the
+        worker takes this process's current device as its own (``_device.inherit``). A device
+        given (``"cuda"``, ``"cuda:1"``) is resolved here, where its ordinal means what the
+        trainer meant; one that names no GPU is left to the worker's open to refuse."""
+        device = self.options.device
+        if device == _device.AUTO:
+            state["_parent_device"] = _device.current()
+        elif device is not None:
+            try:
+                state["options"] = self.options.replace(device=_device.resolve(device))
+            except (ValueError, RuntimeError):
+                pass  # raised again by the worker's own open, naming the device
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        parent_device = state.pop("_parent_device", None)
         self.__dict__.update(state)
+        if parent_device is not None:
+            _device.inherit(parent_device)
         if isinstance(self._epoch, _Epoch):
             epoch, self._epoch = self._epoch.value, multiprocessing.RawValue("q", 0)
             self._epoch.value = epoch
+            self._owner, self._own_epoch = os.getpid(), None  # its epoch is this process's own
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at `epoch` (its own shuffle order), like
@@ -254,6 +284,7 @@ class _DatasetMixin:
         follows."""
         if int(epoch) != self.epoch:
             self._resume = None  # a later epoch wins over where an earlier one stopped
+        self._own_epoch = None
         self.epoch = int(epoch)
         # What `state_dict` says until the next item: where the next iteration starts (the
         # same epoch named again keeps a resume point, which a checkpoint must name too).
@@ -289,8 +320,22 @@ class _DatasetMixin:
             # after `set_epoch` named the next one: that epoch starts whole.
             self._resume = self._stream_state = None
             return
-        self.epoch = self._resume_epoch = self._state_epoch = epoch
+        if os.getpid() == self._owner:
+            self.epoch = epoch
+        else:
+            # A DataLoader worker: the shared epoch is the main process's and the other
+            # workers' (each loads its own state), so this one's stays here (before, it
+            # overwrote theirs).
+            self._own_epoch = (epoch, int(self._epoch.value))
+        self._resume_epoch = self._state_epoch = epoch
         self._resume = self._stream_state = stream
+
+    def _check_options(self) -> None:
+        """The ValueError ``open_stream`` raises for these keywords, now: shard mode passes on
+        only those it uses, and silently ignored the rest (``seq_len`` without
+        ``batch_size``, ``shuffle``, ...). The device is checked when the stream opens (an
+        ordinal is looked up with CUDA)."""
+        self.options.replace(device=None).attach_fields(self.dataset)
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
@@ -355,6 +400,7 @@ class _DatasetMixin:
         world_size, worker, num_workers)`` of ``world_size * num_workers``, delivering epochs
         ``epoch .. epoch + epochs - 1``; after :meth:`load_state_dict`, that same stream opened
         at the saved state (O(1) on the node: no probe, no replay)."""
+        self._check_options()  # keywords set as attributes since the dataset was made
         o = self.options
         rank, world = _torch_ranks(self.rank, self.world_size)
         state, self._resume = self._resume, None
@@ -448,7 +494,8 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
         socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
         rank, world_size: default from ``torch.distributed`` if initialised, else from
             ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1; DataLoader workers started
-            with spawn or forkserver get those of the process that started them.
+            with spawn or forkserver get those of the process that started them, and its
+            CUDA device (``device``: ``"auto"`` names that process's current device).
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
             ``memory = "cuda"``, a torch tensor cloned on the GPU), the batch released with
             the stream's next request; needed whenever several items are alive together
