@@ -19,7 +19,7 @@ use shardwire_devmem::emu::host::EmuHost;
 use shardwire_gpu::cuda::CudaMemory;
 use tokio::sync::watch;
 
-use crate::binding::{BindingKind, RxRegion};
+use crate::binding::{BindingKind, Reading, RxRegion};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::lanes::{Lane, Lanes};
@@ -146,6 +146,16 @@ impl DataPlane {
             .cloned()
     }
 
+    /// Lane `lane`'s RX binding and, for a connection about to read from it, its place among
+    /// the binding's readers, taken under the lock that removing the binding takes.
+    fn binding_read(&self, lane: u32) -> (Option<Arc<RxRegion>>, Option<Reading>) {
+        let rx = self.rx.read().unwrap_or_else(|p| p.into_inner());
+        match rx.get(&lane) {
+            Some(b) => (Some(Arc::clone(b)), Some(b.reading())),
+            None => (None, None),
+        }
+    }
+
     /// Every RX binding with its lane, by lane.
     pub fn bindings(&self) -> Vec<(u32, Arc<RxRegion>)> {
         let rx = self.rx.read().unwrap_or_else(|p| p.into_inner());
@@ -266,9 +276,11 @@ impl DataPlane {
     /// The receive settings of a connection of `lane`: its own lane's binding, never
     /// another's.
     fn setup(&self, lane: &Lane) -> Setup {
-        let binding = self.binding(lane.id());
+        // Counted under the lock `set_binding` takes to remove it: a delete then sees this
+        // connection among the binding's readers, or the connection sees no binding.
+        let (binding, reading) = self.binding_read(lane.id());
         Setup {
-            _reading: binding.as_ref().map(|b| b.reading()),
+            _reading: reading,
             binding,
             gpus: Gpus::new(lane.cuda.iter().cloned().collect()),
             io_uring: self.io_uring,

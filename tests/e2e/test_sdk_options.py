@@ -423,9 +423,11 @@ def test_a_reply_cut_short_by_a_stalled_node_fails_within_the_frame_limit(monkey
 def test_a_worker_started_with_spawn_names_the_parent_s_device(monkeypatch: pytest.MonkeyPatch):
     """torchrun's rank r calls torch.cuda.set_device(r); a DataLoader worker started with
     spawn is a fresh interpreter whose current device is 0, so with ``device="auto"`` every
-    rank's workers named GPU 0. The dataset pickled for a worker carries the parent's current
-    device, which the worker then names (still only when the node serves CUDA memory: the
-    option stays "auto"); a device given as an ordinal is resolved in the parent."""
+    rank's workers named GPU 0. The dataset pickled for a worker by a process that uses CUDA
+    carries that process's current device, which a DataLoader worker then names (still only
+    when the node serves CUDA memory: the option stays "auto"); a device given as an ordinal is
+    resolved in the parent. A process spawned otherwise (torch.multiprocessing.spawn's ranks,
+    pickled by a launcher that never started CUDA) looks up its own."""
     import multiprocessing.context
 
     from shardwire import _device
@@ -435,16 +437,32 @@ def test_a_worker_started_with_spawn_names_the_parent_s_device(monkeypatch: pyte
     monkeypatch.setattr(_device, "current", lambda: "0000:3b:00.0")  # the parent's: cuda:1, say
     monkeypatch.setattr(_device, "_current_ordinal", lambda: 1)
     monkeypatch.setattr(_device, "_ordinal", lambda n: f"0000:{0x3a + n:02x}:00.0")
-    monkeypatch.setattr(multiprocessing.context, "get_spawning_popen", lambda: object())  # pickled for a worker
+    monkeypatch.setattr(multiprocessing.context, "get_spawning_popen", lambda: object())  # pickled for a process
+    # A launcher that never started CUDA passes nothing on.
+    monkeypatch.setattr(swt, "_cuda_in_use", lambda: False)
+    launcher = swt._DatasetMixin("d", socket="/s").__getstate__()
+    assert "_worker_device" not in launcher
+    monkeypatch.setattr(swt, "_cuda_in_use", lambda: True)
     auto = swt._DatasetMixin("d", socket="/s", rank=1, world_size=2).__getstate__()
     given = swt._DatasetMixin("d", socket="/s", device="cuda").__getstate__()
-    assert given["options"].device == "0000:3b:00.0", "cuda (the current device) resolved in the parent"
+    assert given["_worker_device"] == "0000:3b:00.0", "cuda (the current device) resolved in the parent"
     # In the worker: its own lookup would say device 0 (or nothing, on this machine).
     monkeypatch.setattr(_device, "current", own_lookup)
+    monkeypatch.setattr(swt, "_in_worker", lambda: False)
+    rank = swt._DatasetMixin.__new__(swt._DatasetMixin)
+    rank.__setstate__(auto)
+    rank._take_device()
+    assert _device._inherited is None, "not a DataLoader worker: its own device"
+    monkeypatch.setattr(swt, "_in_worker", lambda: True)
     worker = swt._DatasetMixin.__new__(swt._DatasetMixin)
     worker.__setstate__(auto)
+    worker._take_device()
     assert worker.options.device == "auto" and (worker.rank, worker.world_size) == (1, 2)
     assert _device.current() == "0000:3b:00.0", "the worker's auto device is the parent's"
+    explicit = swt._DatasetMixin.__new__(swt._DatasetMixin)
+    explicit.__setstate__(given)
+    explicit._take_device()
+    assert explicit.options.device == "0000:3b:00.0"
 
 
 @pytest.mark.parametrize("kw,message", [

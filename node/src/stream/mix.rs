@@ -32,6 +32,22 @@ const RECENT: usize = 64;
 /// Steps between checkpoints of the schedule.
 const CHECKPOINT: u64 = 1024;
 
+/// Most checkpoints a schedule keeps: past it every other one goes (the spacing doubles), so
+/// opens at ever later epochs grow neither the node's memory nor what each open copies
+/// (2048 points of 64 datasets are about 3 MB) without bound.
+const MAX_CHECKPOINTS: usize = 2048;
+
+/// Every other checkpoint of `cps` (the first, step 0, stays), once there are too many.
+fn thin(cps: &mut Vec<Point>) {
+    if cps.len() > MAX_CHECKPOINTS {
+        let mut i = 0;
+        cps.retain(|_| {
+            i += 1;
+            i % 2 == 1
+        });
+    }
+}
+
 /// One dataset of a mixture.
 #[derive(Debug)]
 pub struct MixPart {
@@ -209,6 +225,7 @@ impl Mixture {
             p.advance(&self.q, self.global_batch());
             if p.step.is_multiple_of(CHECKPOINT) && cps.last().is_some_and(|l| l.step < p.step) {
                 cps.push(p.clone());
+                thin(&mut cps);
             }
         }
         if recent.len() == RECENT {
@@ -375,6 +392,23 @@ mod tests {
     fn mix(w: &[f64], b: u32, world: u32, rank: u32, base: Point) -> Mixture {
         let q = fixed_weights(&["web", "code"], w).unwrap();
         Mixture::new(parts(), q, (b, world, rank), base)
+    }
+
+    #[test]
+    fn checkpoints_past_the_most_kept_are_thinned_from_step_0() {
+        let mut cps: Vec<Point> = (0..=MAX_CHECKPOINTS as u64)
+            .map(|i| Point {
+                step: i * CHECKPOINT,
+                ..start()
+            })
+            .collect();
+        thin(&mut cps);
+        assert_eq!(cps.len(), MAX_CHECKPOINTS / 2 + 1);
+        assert_eq!(cps[0].step, 0);
+        assert!(
+            cps.windows(2)
+                .all(|w| w[1].step - w[0].step == 2 * CHECKPOINT)
+        );
     }
 
     #[test]

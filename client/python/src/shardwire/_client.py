@@ -626,8 +626,8 @@ class Stream(_StreamBase[Batch]):
         ConnectionClosed."""
         try:
             self._post(req, data)
-        except ConnectionClosed:
-            self._broken(_LOST)
+        except ConnectionClosed as e:
+            self._broken(f"{_LOST}: {e}")
             raise
 
     def _post(self, req: dict[str, Any], data: bytes | None = None) -> None:
@@ -635,11 +635,12 @@ class Stream(_StreamBase[Batch]):
         raises all the same): for a caller that ends it later (see `_ask_ahead`).
 
         The request is in flight from before its first byte goes out. An exception (a signal
-        handler's, Ctrl-C's) that strikes once all of it is known to have gone out leaves it
-        so, and its answer is paired with it (before, it was recorded only after the send
-        returned); one that struck before any of it went out takes it back. A request cut
-        short, or that may have been (``_wire.Conn.send_bytes``), ends the stream
-        (``_wire.TORN``): the node would take the next request for its rest."""
+        handler's, Ctrl-C's) that strikes while the stream waits for room to write, before
+        any of it went out, takes it back; one that strikes during a write (where CPython
+        raises a signal handler's exception, before the count of bytes written is known), or
+        after part of it went out, ends the stream (``_wire.TORN``): the node would take the
+        next request for the rest of a request cut short. Only one that strikes after a write
+        is counted leaves the request in flight, its answer paired with it."""
         data = data if data is not None else _wire.encode(req)
         conn = self._conn
         conn.unsent = len(data)  # none of it out yet (not the 0 the last request left)
@@ -647,8 +648,9 @@ class Stream(_StreamBase[Batch]):
         try:
             self._inflight.append(req["op"])
             conn.send_bytes(data)
-        except BaseException:
-            if conn.torn:
+        except BaseException as e:
+            # A failed connection (ConnectionClosed) is ended by the caller, naming its cause.
+            if conn.torn and not isinstance(e, ConnectionClosed):
                 self._broken(_wire.TORN)
             elif conn.unsent:
                 while len(self._inflight) > before:

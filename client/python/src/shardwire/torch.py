@@ -30,6 +30,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +162,21 @@ def _copy(view: Any) -> Any:
     return np.array(view)
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process imported torch and started CUDA through it."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _in_worker() -> bool:
+    """Whether this process is a DataLoader worker."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
+
+
 class _DatasetMixin:
     """The torch-independent body of :class:`IterableDataset` (see its docstring).
 
@@ -247,27 +263,40 @@ class _DatasetMixin:
         return state
 
     def _pass_device(self, state: dict[str, Any]) -> None:
-        """Puts this process's CUDA device in `state`, for a worker being started with spawn
-        or forkserver: a fresh interpreter whose current device is 0, where torchrun's rank
-        ``r`` called ``torch.cuda.set_device(r)`` (before, every rank's workers named GPU 0).
-        ``"auto"`` stays ``"auto"`` (a device only when the node serves CUDA memory): the
-        worker takes this process's current device as its own (``_device.inherit``). A device
-        given (``"cuda"``, ``"cuda:1"``) is resolved here, where its ordinal means what the
-        trainer meant; one that names no GPU is left to the worker's open to refuse."""
+        """Puts this process's CUDA device in `state`, for a DataLoader worker being started
+        with spawn or forkserver: a fresh interpreter whose current device is 0, where
+        torchrun's rank ``r`` called ``torch.cuda.set_device(r)`` (before, every rank's
+        workers named GPU 0). Only where this process already uses CUDA: a launcher that
+        spawns the ranks themselves (``torch.multiprocessing.spawn``) has not, and each rank
+        must look up its own device (a lookup here would also start CUDA in the launcher).
+        ``"auto"`` is this process's current device; a device given (``"cuda"``, ``"cuda:1"``)
+        is resolved here, where its ordinal means what the trainer meant; one that names no
+        GPU is left to the worker's open to refuse. Used only in a DataLoader worker
+        (``_take_device``)."""
         device = self.options.device
-        if device == _device.AUTO:
-            state["_parent_device"] = _device.current()
-        elif device is not None:
-            try:
-                state["options"] = self.options.replace(device=_device.resolve(device))
-            except (ValueError, RuntimeError):
-                pass  # raised again by the worker's own open, naming the device
+        if device is None or not _cuda_in_use():
+            return
+        try:
+            bus = _device.current() if device == _device.AUTO else _device.resolve(device)
+        except (ValueError, RuntimeError):
+            return  # raised again by the worker's own open, naming the device
+        if bus is not None:
+            state["_worker_device"] = bus
+
+    def _take_device(self) -> None:
+        """In a DataLoader worker, the device the process that started it passed on
+        (``_pass_device``): ``"auto"`` names it as this process's current device (still only
+        when the node serves CUDA memory), a device given is replaced by its bus id."""
+        bus = getattr(self, "_worker_device", None)
+        if bus is None or not _in_worker():
+            return
+        if self.options.device == _device.AUTO:
+            _device.inherit(bus)
+        else:
+            self.options = self.options.replace(device=bus)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        parent_device = state.pop("_parent_device", None)
         self.__dict__.update(state)
-        if parent_device is not None:
-            _device.inherit(parent_device)
         if isinstance(self._epoch, _Epoch):
             epoch, self._epoch = self._epoch.value, multiprocessing.RawValue("q", 0)
             self._epoch.value = epoch
@@ -373,6 +402,7 @@ class _DatasetMixin:
             yield item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        self._take_device()
         client = connect(self.socket)
         if self._resume is not None and self._resume_epoch != self.epoch:
             self._resume = None  # saved before `set_epoch` named another epoch

@@ -475,6 +475,33 @@ fn a_table_lane_without_a_nic_avoids_the_nic_another_lane_names() {
     ]);
     let got = plan(&inputs(&far, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
     assert_eq!(got[3].nic.as_deref(), Some("eth2"), "{}", got[3].why);
+    // Four GPUs on that switch, one lane naming eth1: the others do not pile onto eth5 (3 to
+    // 1); each NIC keeps two lanes, as the pairing spreads them.
+    let first = t
+        .gpus
+        .iter()
+        .find(|g| g.pci == gpu("0000:04:00.0"))
+        .unwrap()
+        .clone();
+    for bus in ["0000:07:00.0", "0000:08:00.0"] {
+        let mut g = first.clone();
+        g.pci = gpu(bus);
+        *g.path.chain.last_mut().expect("the GPU itself") = g.pci;
+        t.gpus.push(g);
+    }
+    let four = table(vec![
+        lane("0000:04:00.0", Some("eth1")),
+        lane("0000:05:00.0", None),
+        lane("0000:07:00.0", None),
+        lane("0000:08:00.0", None),
+    ]);
+    let got = plan(&inputs(&four, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    let on = |nic: &str| got.iter().filter(|l| l.nic.as_deref() == Some(nic)).count();
+    assert_eq!((on("eth1"), on("eth5")), (2, 2), "{got:?}");
+}
+
+fn gpu(bus: &str) -> PciAddr {
+    bus.parse().unwrap()
 }
 
 #[test]
