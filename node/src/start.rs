@@ -500,8 +500,12 @@ mod tests {
     async fn a_node_shut_down_and_let_go_is_freed() {
         let dir = std::env::temp_dir().join(format!("sw-start-{}", std::process::id()));
         let bytes = shardwire_config::ByteSize(64 << 20);
+        // A port nothing listens on (a listener bound and closed again).
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
         let cfg = ServeConfig {
-            sources: vec!["127.0.0.1:9".into()],
+            sources: vec![closed.to_string()],
             socket: dir.join("trainer.sock"),
             data_listen: "127.0.0.1:0".parse().unwrap(),
             pool_size: bytes,
@@ -520,7 +524,7 @@ mod tests {
         let node = Arc::downgrade(&h.node);
         h.shutdown();
         drop(h);
-        for _ in 0..100 {
+        for _ in 0..500 {
             if node.upgrade().is_none() {
                 break;
             }

@@ -641,6 +641,8 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut peer, _) = l.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap(); // a hang fails
         // Small buffers: the first payload holds the sender until the node reads it.
         sockopt::set_socket_send_buffer_size(&out, 64 << 10).unwrap();
         sockopt::set_socket_recv_buffer_size(&peer, 64 << 10).unwrap();

@@ -182,15 +182,19 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
     """``device="auto"`` on a node that serves CUDA memory looks the current device up between
     ``info`` and ``attach``, and the lookup may initialise CUDA (seconds). The node closes a
     connection that has not attached within trainer_request_timeout_secs, with a `timeout`
-    error (here after 1 s, the lookup taking 1.5 s): before, the attach went to that closed
-    connection and the open failed; now it goes on a new one, with the device."""
+    error (here once the lookup has begun, which returns only after that): before, the attach
+    went to that closed connection and the open failed; now it goes on a new one, with the
+    device. Events, not clocks, order the two sides."""
     import socket
     import time
 
     from shardwire import _device
 
+    looking, timed_out = threading.Event(), threading.Event()
+
     def slow_lookup() -> str:
-        time.sleep(1.5)
+        looking.set()
+        assert timed_out.wait(10), "the node never timed the connection out"
         return "0000:3b:00.0"
 
     monkeypatch.setattr(_device, "current", slow_lookup)
@@ -204,14 +208,16 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
     def node() -> None:
         while True:
             c, _ = srv.accept()
-            conn, deadline, got = _wire.Conn(c), time.monotonic() + 1.0, []
+            conn, deadline, got = _wire.Conn(c), time.monotonic() + 10.0, []
             seen.append(got)
             while _wire.readable(c, max(0.0, deadline - time.monotonic())):
                 req = conn.recv()[0]
                 got.append(req)
                 if req["op"] == "info":
                     conn.send({"op": "info", "memory": "cuda", "lanes": []})
-                    continue
+                    # As the node when no attach comes in time: the lookup is under way.
+                    assert looking.wait(10), "the client never looked its device up"
+                    break
                 fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, REGION)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
@@ -220,9 +226,9 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
                 c.recv(1)  # until the client closes
                 c.close()
                 return
-            # As the node: no attach in time.
             conn.send({"op": "error", "code": "timeout", "message": "no attach within 1 s of connecting"})
             c.close()
+            timed_out.set()
 
     t = threading.Thread(target=node, daemon=True)
     t.start()

@@ -493,6 +493,8 @@ def test_load_state_dict_in_a_worker_leaves_the_shared_epoch_alone():
     state there) overwrote it for the main process and the other workers; now the worker keeps
     its loaded epoch, until the main process names another."""
     import os
+    import select
+    import signal
 
     ds = swt._DatasetMixin("d", socket="/nonexistent")
     ds.set_epoch(1)
@@ -510,14 +512,24 @@ def test_load_state_dict_in_a_worker_leaves_the_shared_epoch_alone():
             os._exit(0)
     os.close(child_reads)
     os.close(child_writes)
+
+    def child_says() -> bytes:
+        # A child that hangs (a lock another thread held at the fork) fails the test, in time.
+        assert select.select([parent_reads], [], [], 10)[0], "the forked worker did not answer"
+        return os.read(parent_reads, 100)
+
     try:
-        assert os.read(parent_reads, 100) == b"(0, 0, True)", "the worker resumes its own epoch"
+        assert child_says() == b"(0, 0, True)", "the worker resumes its own epoch"
         assert ds.epoch == 1, "the main process's epoch is its own"
         ds.set_epoch(2)
         os.write(parent_writes, b"!")
-        assert os.read(parent_reads, 100) == b"2", "a later epoch of the main process wins"
+        assert child_says() == b"2", "a later epoch of the main process wins"
     finally:
         os.close(parent_writes)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         os.waitpid(pid, 0)
         os.close(parent_reads)
     ds.load_state_dict({"epoch": 0, "stream": None})  # in the main process: the shared epoch

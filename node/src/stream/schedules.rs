@@ -22,8 +22,10 @@ pub struct Point {
     pub carry: Vec<i128>,
 }
 
-/// Schedules kept at once; past it the cache starts over.
-const KEPT: usize = 16;
+/// Schedules kept at once; past it the cache starts over. (More in unit tests, which run in
+/// parallel in one process, each with schedules of its own: a test's must not be cleared by
+/// another's.)
+const KEPT: usize = if cfg!(test) { 1024 } else { 16 };
 
 /// A schedule: its fixed-point weights and its global batch.
 pub(super) type Key = (Vec<i128>, u64);

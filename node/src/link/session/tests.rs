@@ -201,7 +201,13 @@ async fn until_up(l: &SourceLink) {
 
 /// Waits until the sink has seen `n` announcements.
 async fn until_announced(sink: &Sink, n: usize) {
+    // Real time, not tokio's: some callers run with the clock paused.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while sink.announced.lock().unwrap().len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} announcements did not come"
+        );
         tokio::task::yield_now().await;
     }
 }
@@ -306,7 +312,7 @@ async fn a_shard_out_of_sequence_on_its_connection_ends_the_session() {
 /// sent it: `Error{req, ChecksumMismatch}` on the control connection (protocol 5).
 #[tokio::test]
 async fn a_payload_that_fails_its_crc_is_reported_to_its_source() {
-    let (_l, mut src, sink, task, mut done) = with_a_fetch(7, true).await;
+    let (l, mut src, sink, task, mut done) = with_a_fetch(7, true).await;
     src.send(shard_on_conn_1(7, 0)).await;
     let f = loop {
         if let Some(q) = sink.queues.lock().unwrap().first()
@@ -331,6 +337,14 @@ async fn a_payload_that_fails_its_crc_is_reported_to_its_source() {
     }
     let c = done.recv().await.unwrap();
     assert_eq!(c.result, Err(FetchFailure::Crc { got: 6, want: 5 }));
+    // The session goes on: the next FETCH reaches the source over it.
+    let p = pool(1 << 20);
+    let (f, _next) = in_flight(&p, 0, 4096, 5);
+    l.fetch(8, "tiny", f.shard, f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 8, .. }
+    ));
     assert!(!task.is_finished(), "the session goes on");
 }
 
