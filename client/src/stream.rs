@@ -271,6 +271,7 @@ impl Stream {
         timeout: Option<Duration>,
         ahead: bool,
     ) -> Result<Option<Batch>, ClientError> {
+        let started = Instant::now();
         crate::same_process(self.pid)?;
         if let Some(e) = self.lost.take() {
             // The connection is gone: every later call fails with it too.
@@ -324,8 +325,10 @@ impl Stream {
                 Ok(None)
             }
             // The node's late answer to a timed request an earlier call gave up waiting for:
-            // this call asks again, with its own timeout.
-            Response::Timeout if !sent_now => self.take(timeout, ahead),
+            // this call asks again, within what is left of its own timeout.
+            Response::Timeout if !sent_now => {
+                self.take(timeout.map(|t| t.saturating_sub(started.elapsed())), ahead)
+            }
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             // Which request the answers after it answer can no longer be told.
             other => Err(self.broke(unexpected("next", &other))),
@@ -345,11 +348,12 @@ impl Stream {
         loop {
             self.release_dropped_behind()?;
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if left == Some(Duration::ZERO) {
-                return Err(ClientError::Timeout(wait.unwrap_or_default()));
-            }
+            // At least one read, even with no time left: an answer already here is taken.
             match self.answer(Some(left.map_or(HANDOFF_POLL, |l| l.min(HANDOFF_POLL)))) {
-                Err(ClientError::Timeout(_)) => continue,
+                Err(ClientError::Timeout(_)) if left != Some(Duration::ZERO) => continue,
+                Err(ClientError::Timeout(_)) => {
+                    return Err(ClientError::Timeout(wait.unwrap_or_default()));
+                }
                 other => return other,
             }
         }

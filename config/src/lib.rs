@@ -703,8 +703,9 @@ impl ServeConfig {
             .collect()
     }
 
-    /// `socket_mode` as permission bits: an optional `0o`, once, then 1 to 4 octal digits
-    /// (`"0660"`, `"660"`, `"0o660"`), at most `0777`; no sign, no space, no second prefix.
+    /// `socket_mode` as permission bits: an optional `0o`, once, then 1 to 12 octal digits
+    /// (`"0660"`, `"660"`, `"0o660"`, `"00660"`), at most `0777`; no sign, no space, no
+    /// second prefix.
     pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
         let m = self.socket_mode.as_str();
         let digits = m

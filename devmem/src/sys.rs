@@ -499,7 +499,7 @@ fn ethtool_len(cmd: &[u8]) -> Option<usize> {
     let len = match word(0)? {
         0x25 | 0x26 => 8,                                 // G/SFLAGS
         0x38 | 0x39 => 8 + 4 * word(4)? as usize,         // G/SRXFHINDIR
-        0x2d | 0x2e | 0x31 | 0x32 => 192,                 // GRXRINGS, GRXCLSRLCNT, SRXCLSRLDEL/INS
+        0x2d..=0x2f | 0x31 | 0x32 => 192, // GRXRINGS, GRXCLSRLCNT, GRXCLSRULE, SRXCLSRLDEL/INS
         0x30 => (188 + 4 * word(184)? as usize).max(192), // GRXCLSRLALL
         _ => return None,
     };
@@ -577,5 +577,24 @@ mod tests {
             None,
             "too short to hold its cmd word"
         );
+    }
+
+    #[test]
+    fn every_ethtool_command_the_crate_sends_reaches_the_kernel() {
+        // Before, ETHTOOL_GRXCLSRULE (0x2f, added with the journal's rule checks) was missing
+        // here: every check of a steering rule failed before the call, and a NIC with ntuple
+        // rules could never be restored.
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        for c in [0x25, 0x26, 0x2d, 0x2e, 0x2f, 0x30, 0x31, 0x32, 0x38, 0x39] {
+            assert!(ethtool_len(&cmd(&[(0, c)], 192)).is_some(), "command {c:#x}");
+        }
+        // The reads, sent: `lo` has no rules, so the kernel answers (an errno), not this
+        // crate's refusal. (The writes are not sent, even to `lo`.)
+        for c in [0x25, 0x2d, 0x2e, 0x2f, 0x30, 0x38] {
+            let mut b = cmd(&[(0, c)], 192);
+            if let Err(e) = ethtool_ioctl(sock.as_fd(), "lo", &mut b) {
+                assert!(e.raw_os_error().is_some(), "command {c:#x}: {e}");
+            }
+        }
     }
 }

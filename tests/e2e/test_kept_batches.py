@@ -68,7 +68,8 @@ def test_a_release_behind_a_waiting_next_is_applied_while_it_waits(node):
         # Take batches without releasing any until the stream's memory is full of them.
         held = []
         for _ in range(64):
-            conn.send_bytes(_wire.encode_next((), 1, 1500))
+            # Long enough that only a full memory, not a loaded machine, runs it out.
+            conn.send_bytes(_wire.encode_next((), 1, 5000))
             r = conn.recv_reply()
             if r["op"] == "timeout":
                 break

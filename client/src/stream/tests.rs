@@ -413,6 +413,38 @@ fn a_zero_timeout_with_a_request_in_flight_is_a_timeout_not_a_broken_stream() {
     close(s, node, &at);
 }
 
+/// A zero timeout while a batch is held takes an answer that is already here. Before, it
+/// checked its deadline before any read: a polling loop never got the batch asked ahead.
+#[test]
+fn a_zero_timeout_takes_a_batch_already_here_while_another_is_held() {
+    let at = path("zeroready");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        // The third `next` goes out ahead of time, while batch 2 is held.
+        for lease in 1..=3 {
+            assert_eq!(request(c)["op"], "next");
+            send_batch(c, lease);
+        }
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let held = s.next_after(b).expect("a batch").expect("not the end");
+    assert_eq!(held.lease, 2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let third = loop {
+        match s.next_timeout(Duration::ZERO) {
+            Ok(Some(b)) => break b,
+            Err(ClientError::Timeout(_)) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            other => panic!("{:?}", other.map(|b| b.map(|b| b.lease))),
+        }
+    };
+    assert_eq!(third.lease, 3);
+    drop((held, third));
+    close(s, node, &at);
+}
+
 #[test]
 fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
     let at = path("handoff");

@@ -302,18 +302,22 @@ impl VmmRegion {
     /// Copies `bytes` to `offset` (synchronous; setup and tests).
     pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
         self.range(offset, bytes.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`; its
-        // bytes are the caller's (the region's users own disjoint slabs), so no queued work
-        // of another owner writes them.
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`, device
+        // memory of its own (`cuMemCreate`, never host memory), so the copy writes no memory
+        // Rust owns. Nothing here checks that the caller owns those bytes: a write racing
+        // another slab owner's queued work would leave those device bytes indeterminate (a
+        // wrong payload, caught by its CRC), not break memory safety. The node's callers
+        // (setup, self-test) write regions no stream uses yet.
         unsafe { copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes) }
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronous; tests and the CPU check).
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
         self.range(offset, out.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`; its
-        // bytes are the caller's (the region's users own disjoint slabs), so no queued work
-        // of another owner writes them.
+        // SAFETY: the range was checked to lie inside this live region of `self.dev`, and
+        // `out` is a buffer of exactly that length the copy may write. Queued work writing
+        // those device bytes meanwhile (nothing here rules it out) would only make what is
+        // read indeterminate bytes, not break memory safety.
         unsafe { copy_to_host(&self.dev, out, self.device_ptr() + offset as u64) }
     }
 
