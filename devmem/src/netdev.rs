@@ -595,6 +595,45 @@ pub struct PagePoolInfo {
     pub io_uring: bool,
 }
 
+/// A page pool from the attributes of its `page-pool-get` reply. Read raw: the `uint`
+/// attributes may be 8 bytes, the bindings read 4. An id of another length is refused rather
+/// than read as pool 0 (other attributes of a bad length read as absent).
+fn page_pool_info(attrs: &[u8]) -> Result<PagePoolInfo, String> {
+    let mut info = PagePoolInfo {
+        id: 0,
+        ifindex: None,
+        napi_id: None,
+        inflight: None,
+        inflight_mem: None,
+        detach_time: None,
+        dmabuf: None,
+        io_uring: false,
+    };
+    let mut id = None;
+    for (ty, payload) in nl::attrs(attrs) {
+        match ty {
+            1 => {
+                id = Some(nla_uint(payload).ok_or_else(|| {
+                    format!(
+                        "page pool id attribute of {} bytes (a netlink uint has 4 or 8)",
+                        payload.len()
+                    )
+                })?);
+            }
+            2 => info.ifindex = nla_uint(payload).map(|v| v as u32),
+            3 => info.napi_id = nla_uint(payload),
+            4 => info.inflight = nla_uint(payload),
+            5 => info.inflight_mem = nla_uint(payload),
+            6 => info.detach_time = nla_uint(payload),
+            7 => info.dmabuf = nla_uint(payload).map(|v| v as u32),
+            8 => info.io_uring = true,
+            _ => {}
+        }
+    }
+    info.id = id.ok_or("page pool without id")?;
+    Ok(info)
+}
+
 /// A netlink `uint` (4 or 8 bytes).
 fn nla_uint(p: &[u8]) -> Option<u64> {
     match p.len() {
@@ -763,38 +802,7 @@ impl NetdevClient {
         let req = netdev::Request::new().op_page_pool_get_dump();
         let mut out = Vec::new();
         self.exec(NetdevOp::PagePoolGet, &req, &BindRequest::default(), |p| {
-            let mut info = PagePoolInfo {
-                id: 0,
-                ifindex: None,
-                napi_id: None,
-                inflight: None,
-                inflight_mem: None,
-                detach_time: None,
-                dmabuf: None,
-                io_uring: false,
-            };
-            let mut have_id = false;
-            // Read raw: the `uint` attributes may be 8 bytes, the bindings read 4.
-            for (ty, payload) in nl::attrs(p.get_buf()) {
-                match ty {
-                    1 => {
-                        info.id = nla_uint(payload).unwrap_or(0);
-                        have_id = true;
-                    }
-                    2 => info.ifindex = nla_uint(payload).map(|v| v as u32),
-                    3 => info.napi_id = nla_uint(payload),
-                    4 => info.inflight = nla_uint(payload),
-                    5 => info.inflight_mem = nla_uint(payload),
-                    6 => info.detach_time = nla_uint(payload),
-                    7 => info.dmabuf = nla_uint(payload).map(|v| v as u32),
-                    8 => info.io_uring = true,
-                    _ => {}
-                }
-            }
-            if !have_id {
-                return Err("page pool without id".into());
-            }
-            out.push(info);
+            out.push(page_pool_info(p.get_buf())?);
             Ok(())
         })?;
         Ok(out)

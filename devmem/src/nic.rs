@@ -7,9 +7,10 @@
 //! order on shutdown ([`NicSetup::restore`], also on drop) and, after a crash, at the next
 //! start ([`restore_from`]): a NIC is never left altered. An ntuple rule is journaled before
 //! its insertion too: by its location where that is chosen first, else (the driver picks it)
-//! as a [`Change::PendingRule`] marker holding its match, resolved to the location once the
-//! rule is in. Each change undone is dropped from the file at once, so a restore that failed
-//! part way is retried only for what failed.
+//! as a [`Change::PendingRule`] marker holding its match and the rules that matched already
+//! (someone else's), resolved to the location once the rule is in. A rule is deleted only
+//! where the rule at its location is still the one journaled. Each change undone is dropped
+//! from the file at once, so a restore that failed part way is retried only for what failed.
 //!
 //! Channels and header split go over ethtool netlink; RSS and ntuple steering over the
 //! `SIOCETHTOOL` ioctl ([`steer`]), since the netlink RSS/ntuple commands are newer than the
@@ -113,8 +114,8 @@ pub enum NicError {
         found: Option<u32>,
     },
     /// A rule journaled before the driver picked its location ([`Change::PendingRule`]) is
-    /// matched by several rules: which one this process added cannot be told, so none was
-    /// deleted and the entry stays in the state file.
+    /// matched by several rules that were not there before it: which one this process added
+    /// cannot be told, so none was deleted and the entry stays in the state file.
     #[error(
         "{ifname}: an ntuple rule journaled without its location (the process stopped while adding it) matches the rules at locations {locations:?}: none was deleted. Delete the one shardwire added (ethtool -n {ifname}; ethtool -N {ifname} delete LOC), then remove the NIC state file"
     )]
@@ -409,18 +410,49 @@ pub enum Change {
     /// An ntuple rule is being inserted where the driver picks the location: saved before
     /// the insertion and replaced by [`Change::Rule`] once the location is known. Left in a
     /// state file by a process stopped in between, its undo deletes the rule that matches
-    /// `rule` onto `queue` ([`EthtoolClient::find_rules`]), if there is one.
+    /// `rule` onto `queue` ([`EthtoolClient::find_rules`]) and is not one of `existing`, if
+    /// there is one.
     PendingRule {
         /// What the rule matches.
         rule: steer::Tcp4Match,
         /// The queue it steers to.
         queue: u32,
+        /// Locations of rules that matched `rule` onto `queue` before the insertion: someone
+        /// else's (an operator's identical `ethtool -N` rule), so never deleted by the undo.
+        /// Empty in state files of earlier releases, whose undo takes any match for ours.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        existing: Vec<u32>,
     },
     /// The RSS indirection table was replaced; this was the old one.
     Rss {
         /// Old table; empty: it was the driver's default ([`steer::table_to_restore`]).
         table: Vec<u32>,
     },
+}
+
+/// An ntuple rule this setup inserted ([`NicSetup::add_flow`], [`NicSetup::steer`]): its
+/// location and what it steers. [`NicSetup::remove_flow`] takes all three, because a
+/// location alone can name another rule by then: one inserted there after this one vanished
+/// behind the node's back (a driver reset, `ethtool -K ntuple off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InsertedRule {
+    /// The rule's location.
+    pub location: u32,
+    /// What it matches.
+    pub rule: steer::Tcp4Match,
+    /// The queue it steers to.
+    pub queue: u32,
+}
+
+impl InsertedRule {
+    /// Its journal entry.
+    fn change(&self) -> Change {
+        Change::Rule {
+            location: self.location,
+            rule: Some(self.rule),
+            queue: Some(self.queue),
+        }
+    }
 }
 
 /// What the state file holds.
@@ -444,7 +476,7 @@ pub struct StateFile {
 /// What [`restore_from`] did with a state file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Restore {
-    /// Its changes were undone.
+    /// Its changes were undone (none, for a file that recorded none).
     Undone(StateFile),
     /// It was made before the last reboot: nothing to undo (the NIC came up with its
     /// defaults), so it was removed.
@@ -600,14 +632,14 @@ impl Journal {
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue`: RSS over queues `0..rss_queues` only
     /// (when `rss_queues` > 0), the ntuple feature on, one ntuple rule; all journaled. Returns
-    /// the rule's location.
+    /// the rule.
     pub fn steer(
         &mut self,
         client: &mut EthtoolClient,
         dst_port: u16,
         queue: u32,
         rss_queues: u32,
-    ) -> Result<u32, NicError> {
+    ) -> Result<InsertedRule, NicError> {
         let ifname = self.state.ifname.clone();
         if rss_queues > 0 {
             let old = client.rss_indir(&ifname)?;
@@ -632,13 +664,13 @@ impl Journal {
     }
 
     /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple
-    /// feature must be on: [`Journal::steer`] turned it on). Returns the rule's location.
+    /// feature must be on: [`Journal::steer`] turned it on). Returns the rule.
     pub fn add_flow(
         &mut self,
         client: &mut EthtoolClient,
         flow: steer::Tcp4Flow,
         queue: u32,
-    ) -> Result<u32, NicError> {
+    ) -> Result<InsertedRule, NicError> {
         let m = steer::Tcp4Match::flow(flow);
         self.insert_rule(client, "ntuple-flow-rule-insert", m, queue)
     }
@@ -651,28 +683,43 @@ impl Journal {
         op: &'static str,
         m: steer::Tcp4Match,
         queue: u32,
-    ) -> Result<u32, NicError> {
+    ) -> Result<InsertedRule, NicError> {
         let ifname = self.state.ifname.clone();
         let client: &EthtoolClient = client;
         let at = client.next_rule_location(&ifname)?;
-        self.insert_journaled(
+        // Where the driver picks the location, a restore after a crash mid-insertion finds
+        // ours by its match: rules that match already are someone else's, and are recorded
+        // so that it leaves them.
+        let existing = match at {
+            Some(_) => Vec::new(),
+            None => client.find_rules(&ifname, &m, queue)?,
+        };
+        let location = self.insert_journaled(
             at,
+            existing,
             m,
             queue,
             |at| client.insert_rule(&ifname, op, &m, queue, at),
             |location| {
                 let _ = client.delete_rule(&ifname, location);
             },
-        )
+        )?;
+        Ok(InsertedRule {
+            location,
+            rule: m,
+            queue,
+        })
     }
 
     /// Journal one rule insertion, then make it with `insert`: `Rule { location }` is saved
-    /// first where the location `at` is chosen before, else a [`Change::PendingRule`] marker,
-    /// resolved to the location `insert` returns. A refused insertion drops the entry again;
-    /// a resolution that cannot be saved deletes the rule (`delete`) and drops it too.
+    /// first where the location `at` is chosen before, else a [`Change::PendingRule`] marker
+    /// (with the `existing` rules that match already), resolved to the location `insert`
+    /// returns. A refused insertion drops the entry again; a resolution that cannot be saved
+    /// deletes the rule (`delete`) and drops it too.
     fn insert_journaled(
         &mut self,
         at: Option<u32>,
+        existing: Vec<u32>,
         rule: steer::Tcp4Match,
         queue: u32,
         insert: impl FnOnce(Option<u32>) -> Result<u32, NicError>,
@@ -685,7 +732,11 @@ impl Journal {
         };
         self.record(match at {
             Some(location) => placed(location),
-            None => Change::PendingRule { rule, queue },
+            None => Change::PendingRule {
+                rule,
+                queue,
+                existing,
+            },
         })?;
         let entry = self.state.changes.len() - 1;
         let location = match insert(at) {
@@ -708,23 +759,39 @@ impl Journal {
         Ok(location)
     }
 
-    /// Delete the connection rule at `location` ([`Journal::add_flow`]) and its journal entry.
+    /// Delete rule `r` ([`Journal::add_flow`], [`Journal::steer`]) and its journal entry. The
+    /// rule at its location is deleted only if it is still `r`, as a restore checks it: one
+    /// already gone (a driver reset, `ethtool -K ntuple off`) is as good as deleted, and a
+    /// rule put there since (another connection's) is not `r`'s to delete.
     pub fn remove_flow(
         &mut self,
         client: &mut EthtoolClient,
-        location: u32,
+        r: InsertedRule,
     ) -> Result<(), NicError> {
-        // A rule already gone (a driver reset, `ethtool -K ntuple off`) is as good as deleted.
-        gone_is_done(client.delete_rule(&self.state.ifname, location))?;
-        let at = self
-            .state
-            .changes
-            .iter()
-            .rposition(|c| matches!(c, Change::Rule { location: l, .. } if *l == location));
-        if let Some(at) = at {
-            self.state.changes.remove(at);
+        let ifname = self.state.ifname.clone();
+        let client: &EthtoolClient = client;
+        self.remove_journaled(r, || {
+            undo_rule(client, &ifname, r.location, Some((&r.rule, r.queue)))
+        })
+    }
+
+    /// Drop `r`'s own journal entry (matched by location, match and queue: another entry at
+    /// the same location is another rule's) once `delete` has dealt with the rule; if it
+    /// fails the entry stays, for the restore.
+    fn remove_journaled(
+        &mut self,
+        r: InsertedRule,
+        delete: impl FnOnce() -> Result<(), NicError>,
+    ) -> Result<(), NicError> {
+        delete()?;
+        let entry = r.change();
+        match self.state.changes.iter().rposition(|c| *c == entry) {
+            Some(at) => {
+                self.state.changes.remove(at);
+                self.save()
+            }
+            None => Ok(()),
         }
-        self.save()
     }
 
     /// Undo every change in reverse order and delete the state file. On an error the file
@@ -824,7 +891,11 @@ fn undo_one(
             ref rule,
             queue,
         } => undo_rule(client, ifname, location, rule.as_ref().zip(queue)),
-        Change::PendingRule { ref rule, queue } => undo_pending_rule(client, ifname, rule, queue),
+        Change::PendingRule {
+            ref rule,
+            queue,
+            ref existing,
+        } => undo_pending_rule(client, ifname, rule, queue, existing),
         Change::Rss { ref table } => client.set_rss_indir(ifname, table),
         Change::Channels { rx, tx, combined } => {
             client.set_channels(ifindex, ifname, rx, tx, combined)
@@ -861,7 +932,7 @@ fn undo_rule(
             None => return Ok(()),
             Some(false) => {
                 eprintln!(
-                    "warning: restoring NIC settings: {ifname}: the rule at location {location} is not the one shardwire journaled there; left as it is"
+                    "warning: {ifname}: the rule at location {location} is not the one shardwire put there; left as it is"
                 );
                 return Ok(());
             }
@@ -872,15 +943,25 @@ fn undo_rule(
 }
 
 /// Undo a [`Change::PendingRule`]: the insertion may or may not have happened, at a
-/// location nobody recorded. No rule matching it: nothing to do; one: delete it; more than
-/// one: which is ours cannot be told, so none is deleted ([`NicError::AmbiguousRule`]).
+/// location nobody recorded. Rules that match it but were there before (`existing`) are
+/// someone else's and stay (with a warning). Of the others: none, nothing to do; one, delete
+/// it; more than one, which is ours cannot be told, so none is deleted
+/// ([`NicError::AmbiguousRule`]).
 fn undo_pending_rule(
     client: &EthtoolClient,
     ifname: &str,
     rule: &steer::Tcp4Match,
     queue: u32,
+    existing: &[u32],
 ) -> Result<(), NicError> {
-    match client.find_rules(ifname, rule, queue)?.as_slice() {
+    let found = client.find_rules(ifname, rule, queue)?;
+    let (ours, theirs) = pending_rule_candidates(found, existing);
+    if !theirs.is_empty() {
+        eprintln!(
+            "warning: restoring NIC settings: {ifname}: the rules at locations {theirs:?} match the one shardwire was adding but were there before it; left as they are"
+        );
+    }
+    match ours.as_slice() {
         [] => Ok(()),
         [location] => gone_is_done(client.delete_rule(ifname, *location)),
         locations => Err(NicError::AmbiguousRule {
@@ -888,6 +969,12 @@ fn undo_pending_rule(
             locations: locations.to_vec(),
         }),
     }
+}
+
+/// The rules `found` matching a [`Change::PendingRule`], split into those that may be the
+/// one it was inserting and those that are not: the `existing` ones, there before it.
+fn pending_rule_candidates(found: Vec<u32>, existing: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    found.into_iter().partition(|l| !existing.contains(l))
 }
 
 /// A rule deletion the kernel answers with ENOENT: the rule is not there, which is what the
@@ -908,7 +995,8 @@ fn tracing_like_warn(e: &NicError) {
 /// [`NicError::StateInUse`] when a running process holds its lock (its live setup). A file
 /// made before the last reboot is removed without undoing anything ([`Restore::Stale`]); one
 /// whose interface name no longer has the index it recorded is left, and nothing undone
-/// ([`NicError::StateMismatch`]).
+/// ([`NicError::StateMismatch`]). One that records no change is removed unchecked
+/// ([`Restore::Undone`] with no changes).
 pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     if !path.exists() {
         return Ok(None);
@@ -934,6 +1022,13 @@ pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     {
         remove(path)?;
         return Ok(Some(Restore::Stale(state)));
+    }
+    if state.changes.is_empty() {
+        // Nothing to undo (the process stopped right after creating the journal), so the
+        // interface and namespace need not be there: kept, the file would refuse every
+        // later setup (`StateExists`). Reported as undone, which the caller logs.
+        remove(path)?;
+        return Ok(Some(Restore::Undone(state)));
     }
     let mut client = match &state.netns {
         Some(ns) => EthtoolClient::open_in_netns(ns)?,
@@ -996,26 +1091,36 @@ impl NicSetup {
     }
 
     /// Steer one connection onto `queue` of this NIC before its first payload byte (a 5-tuple
-    /// ntuple rule, journaled, so a crash leaves nothing behind); returns the rule's
-    /// location for [`NicSetup::remove_flow`].
-    pub fn add_flow(&mut self, flow: steer::Tcp4Flow, queue: u32) -> Result<u32, NicError> {
+    /// ntuple rule, journaled, so a crash leaves nothing behind); returns the rule, for
+    /// [`NicSetup::remove_flow`].
+    pub fn add_flow(
+        &mut self,
+        flow: steer::Tcp4Flow,
+        queue: u32,
+    ) -> Result<InsertedRule, NicError> {
         let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.add_flow(&mut self.client, flow, queue)
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
     /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled. Returns
-    /// the rule's location ([`NicSetup::remove_flow`] deletes it).
-    pub fn steer(&mut self, dst_port: u16, queue: u32, rss_queues: u32) -> Result<u32, NicError> {
+    /// the rule ([`NicSetup::remove_flow`] deletes it).
+    pub fn steer(
+        &mut self,
+        dst_port: u16,
+        queue: u32,
+        rss_queues: u32,
+    ) -> Result<InsertedRule, NicError> {
         let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.steer(&mut self.client, dst_port, queue, rss_queues)
     }
 
-    /// Delete a connection's rule ([`NicSetup::add_flow`]); nothing to do once the setup was
-    /// restored (the restore deleted every journaled rule).
-    pub fn remove_flow(&mut self, location: u32) -> Result<(), NicError> {
+    /// Delete a rule ([`NicSetup::add_flow`], [`NicSetup::steer`]) if it is still at its
+    /// location; nothing to do once the setup was restored (the restore deleted every
+    /// journaled rule).
+    pub fn remove_flow(&mut self, rule: InsertedRule) -> Result<(), NicError> {
         match self.journal.as_mut() {
-            Some(j) => j.remove_flow(&mut self.client, location),
+            Some(j) => j.remove_flow(&mut self.client, rule),
             None => Ok(()),
         }
     }

@@ -586,7 +586,10 @@ mod tests {
         // rules could never be restored.
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         for c in [0x25, 0x26, 0x2d, 0x2e, 0x2f, 0x30, 0x31, 0x32, 0x38, 0x39] {
-            assert!(ethtool_len(&cmd(&[(0, c)], 192)).is_some(), "command {c:#x}");
+            assert!(
+                ethtool_len(&cmd(&[(0, c)], 192)).is_some(),
+                "command {c:#x}"
+            );
         }
         // The reads, sent: `lo` has no rules, so the kernel answers (an errno), not this
         // crate's refusal. (The writes are not sent, even to `lo`.)

@@ -321,3 +321,28 @@ fn extack_offsets_are_located_in_nests() {
         }
     }
 }
+
+#[test]
+fn a_page_pool_id_of_a_bad_length_is_an_error_not_pool_zero() {
+    // Before, an id attribute of any length but 4 or 8 was taken as present, with id 0.
+    let pool = |id: &[u8]| {
+        let mut a = Vec::new();
+        attr(&mut a, 1, id);
+        attr(&mut a, 2, &3u32.to_ne_bytes());
+        attr(&mut a, 8, &[]);
+        page_pool_info(&a)
+    };
+    let p = pool(&7u32.to_ne_bytes()).unwrap();
+    assert_eq!((p.id, p.ifindex, p.io_uring), (7, Some(3), true));
+    assert_eq!(pool(&(1u64 << 40).to_ne_bytes()).unwrap().id, 1 << 40);
+    for bad in [&[1u8, 0][..], &[1, 0, 0, 0, 0, 0][..]] {
+        let e = pool(bad).unwrap_err();
+        assert!(
+            e.contains(&format!("id attribute of {} bytes", bad.len())),
+            "{e}"
+        );
+    }
+    let mut no_id = Vec::new();
+    attr(&mut no_id, 2, &3u32.to_ne_bytes());
+    assert_eq!(page_pool_info(&no_id).unwrap_err(), "page pool without id");
+}

@@ -256,10 +256,16 @@ fn a_refused_connection_rule_leaves_the_journal_as_it_was() {
     assert!(j.state().changes.is_empty(), "{:?}", j.state().changes);
     let on_disk: StateFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert!(on_disk.changes.is_empty());
-    // Removing a rule the NIC does not have names the NIC's refusal too.
-    let e = j.remove_flow(&mut c, 5).unwrap_err();
+    // Removing a rule on a NIC without ntuple names the NIC's refusal too (the check of
+    // what is at the rule's location, before any delete).
+    let rule = InsertedRule {
+        location: 5,
+        rule: steer::Tcp4Match::flow(flow),
+        queue: 1,
+    };
+    let e = j.remove_flow(&mut c, rule).unwrap_err();
     assert!(
-        e.to_string().contains("va: ethtool ntuple-rule-delete"),
+        e.to_string().contains("va: ethtool ntuple-rule-count"),
         "{e}"
     );
     j.restore(&mut c).unwrap();
@@ -385,6 +391,7 @@ fn a_rule_is_journaled_before_it_is_inserted() {
     let l = j
         .insert_journaled(
             Some(1021),
+            Vec::new(),
             m,
             2,
             |at| {
@@ -399,11 +406,17 @@ fn a_rule_is_journaled_before_it_is_inserted() {
         )
         .unwrap();
     assert_eq!(l, 1021);
-    // The driver picks the location: a marker with the rule's match first, then resolved.
-    let pending = Change::PendingRule { rule: m, queue: 3 };
+    // The driver picks the location: a marker with the rule's match (and the rule that
+    // matched already, at 4: someone else's) first, then resolved.
+    let pending = Change::PendingRule {
+        rule: m,
+        queue: 3,
+        existing: vec![4],
+    };
     let l = j
         .insert_journaled(
             None,
+            vec![4],
             m,
             3,
             |at| {
@@ -420,7 +433,14 @@ fn a_rule_is_journaled_before_it_is_inserted() {
     // A refused insertion leaves no entry, on disk or in memory.
     for at in [None, Some(9)] {
         let e = j
-            .insert_journaled(at, m, 3, |_| Err(NicError::Restored), |_| panic!("not in"))
+            .insert_journaled(
+                at,
+                Vec::new(),
+                m,
+                3,
+                |_| Err(NicError::Restored),
+                |_| panic!("not in"),
+            )
             .unwrap_err();
         assert!(matches!(e, NicError::Restored), "{e}");
         assert_eq!(on_disk(&path), both);
@@ -452,6 +472,7 @@ fn a_partly_failed_restore_keeps_only_the_steps_that_failed() {
     let pending = Change::PendingRule {
         rule: steer::Tcp4Match::port(7401),
         queue: 1,
+        existing: Vec::new(),
     };
     j.record(rule.clone()).unwrap();
     j.record(pending.clone()).unwrap();
@@ -494,4 +515,93 @@ fn rule_entries_carry_their_match_and_old_ones_still_read() {
         "{json}"
     );
     assert_eq!(serde_json::from_str::<Change>(&json).unwrap(), new);
+}
+
+#[test]
+fn removing_a_rule_drops_its_own_entry_not_another_at_its_location() {
+    // Before, `remove_flow` took a location only and dropped the last entry there: after
+    // A's rule vanished and B's took its location, A's close dropped B's entry (and deleted
+    // B's rule), and A's stale entry stayed.
+    let path = state_path("remove-own");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let rule = |src: &str, queue| InsertedRule {
+        location: 1023,
+        rule: steer::Tcp4Match::flow(steer::Tcp4Flow {
+            src: src.parse().unwrap(),
+            dst: "10.0.0.1:7401".parse().unwrap(),
+        }),
+        queue,
+    };
+    let (a, b) = (rule("10.0.0.2:40003", 2), rule("10.0.0.2:40004", 3));
+    j.record(a.change()).unwrap();
+    j.record(b.change()).unwrap();
+    // A failed delete keeps the entry, for the restore.
+    let e = j
+        .remove_journaled(a, || Err(NicError::Restored))
+        .unwrap_err();
+    assert!(matches!(e, NicError::Restored), "{e}");
+    assert_eq!(on_disk(&path), [a.change(), b.change()]);
+    j.remove_journaled(a, || Ok(())).unwrap();
+    assert_eq!(on_disk(&path), [b.change()], "B's entry stays");
+    assert_eq!(j.state().changes, [b.change()]);
+    // A rule of the same location and match but another queue is not B's either.
+    j.remove_journaled(InsertedRule { queue: 9, ..b }, || Ok(()))
+        .unwrap();
+    assert_eq!(on_disk(&path), [b.change()]);
+    j.remove_journaled(b, || Ok(())).unwrap();
+    assert!(on_disk(&path).is_empty());
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_state_file_without_changes_is_removed_without_finding_its_interface() {
+    // Before, an empty journal (a crash right after it was made) had to pass the interface
+    // check and open its namespace: a renamed NIC or a gone namespace kept it for good, and
+    // every later setup was refused with StateExists.
+    let path = state_path("empty");
+    let _ = std::fs::remove_file(&path);
+    let st = StateFile {
+        ifname: "gone0".into(),
+        ifindex: 4242,
+        netns: Some(PathBuf::from("/nonexistent/shardwire-test-netns")),
+        boot_id: boot_id(),
+        changes: Vec::new(),
+    };
+    write_state(&path, &st).unwrap();
+    assert_eq!(restore_from(&path).unwrap(), Some(Restore::Undone(st)));
+    assert!(!path.exists());
+    let j = Journal::create(&path, "gone0", 4242, None).unwrap();
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_pending_rule_undo_leaves_the_rules_that_matched_before_it() {
+    // Before, the one rule matching a pending entry was deleted even when it was an
+    // operator's identical rule, there before shardwire's insertion began.
+    assert_eq!(pending_rule_candidates(vec![5], &[5]), (vec![], vec![5]));
+    assert_eq!(
+        pending_rule_candidates(vec![5, 9], &[5]),
+        (vec![9], vec![5])
+    );
+    assert_eq!(pending_rule_candidates(vec![9], &[]), (vec![9], vec![]));
+    assert_eq!(
+        pending_rule_candidates(vec![9, 11], &[5]),
+        (vec![9, 11], vec![]),
+        "a rule recorded as there before but gone since is no reason to keep others"
+    );
+    // A pending entry of an earlier release, without `existing`, still reads.
+    let old: Change =
+        serde_json::from_str(r#"{"step":"pending-rule","rule":{"src_ip":null,"dst_ip":null,"src_port":null,"dst_port":7401},"queue":1}"#)
+            .unwrap();
+    assert_eq!(
+        old,
+        Change::PendingRule {
+            rule: steer::Tcp4Match::port(7401),
+            queue: 1,
+            existing: Vec::new(),
+        }
+    );
 }

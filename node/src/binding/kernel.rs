@@ -259,7 +259,7 @@ pub fn in_use(name: &str) -> Vec<u32> {
 
 /// A NIC's setup for some lanes, and the port rules added to it for them when it was joined
 /// (a new setup owns its rules: it is restored whole if their bind fails).
-pub type Setup = (NicShare, Vec<u32>);
+pub type Setup = (NicShare, Vec<nic::InsertedRule>);
 
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
 /// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
@@ -306,10 +306,10 @@ pub fn setup_nic(
 }
 
 /// Deletes port rules added to a joined setup (their lane did not bind).
-fn unsteer_ports(s: &mut nic::NicSetup, locations: &[u32]) {
-    for &l in locations {
+fn unsteer_ports(s: &mut nic::NicSetup, rules: &[nic::InsertedRule]) {
+    for &l in rules {
         if let Err(e) = s.remove_flow(l) {
-            tracing::warn!(location = l, error = %e, "deleting a port rule of a lane that did not bind failed");
+            tracing::warn!(location = l.location, error = %e, "deleting a port rule of a lane that did not bind failed");
         }
     }
 }

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use shardwire_devmem::emu::host::{EmuHost, EmuRule, Flow, HostError};
 use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError};
 use shardwire_devmem::mem::DmabufMem;
-use shardwire_devmem::nic::NicSetup;
 use shardwire_devmem::nic::steer::Tcp4Flow;
+use shardwire_devmem::nic::{InsertedRule, NicSetup};
 use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, HostMapped, VmmRegion};
 
@@ -510,7 +510,7 @@ impl RxRegion {
         let at = least_loaded(&steered);
         let queue = queues[at];
         let added = share.setup().add_flow(flow, queue);
-        let location = added.map_err(|e| {
+        let rule = added.map_err(|e| {
             // The NIC's errno stays the error's kind; the text names the NIC and the step.
             let kind = match &e {
                 shardwire_devmem::nic::NicError::Kernel { errno, .. } => {
@@ -522,26 +522,26 @@ impl RxRegion {
         })?;
         steered[at] += 1;
         self.counters.flow_rules.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(%ifname, queue, location, src = %flow.src, dst = %flow.dst, "data connection steered");
+        tracing::debug!(%ifname, queue, location = rule.location, src = %flow.src, dst = %flow.dst, "data connection steered");
         Ok(FlowRule::Kernel {
             region: Arc::clone(self),
             share,
-            location,
+            rule,
             at,
         })
     }
 
     /// Deletes the rule of a closed connection ([`FlowRule`]'s drop).
-    fn unsteer(&self, share: &NicShare, location: u32, at: usize) {
+    fn unsteer(&self, share: &NicShare, rule: InsertedRule, at: usize) {
         let Backing::Kernel {
             steered, ifname, ..
         } = &self.backing
         else {
             return;
         };
-        let removed = share.setup().remove_flow(location);
+        let removed = share.setup().remove_flow(rule);
         if let Err(e) = removed {
-            tracing::warn!(%ifname, location, error = %e, "deleting a closed connection's steering rule failed");
+            tracing::warn!(%ifname, location = rule.location, error = %e, "deleting a closed connection's steering rule failed");
         }
         let mut steered = steered.lock().unwrap_or_else(|p| p.into_inner());
         steered[at] = steered[at].saturating_sub(1);
@@ -600,12 +600,13 @@ pub(crate) enum FlowRule {
         /// Held for its drop.
         _rule: EmuRule,
     },
-    /// An ntuple rule on the real NIC, at `location`, steering to the binding's queue `at`.
+    /// An ntuple rule on the real NIC (`rule`: its location and match), steering to the
+    /// binding's queue `at`.
     Kernel {
         region: Arc<RxRegion>,
         /// The NIC's setup, whose journal holds the rule (kept until the rule is deleted).
         share: NicShare,
-        location: u32,
+        rule: InsertedRule,
         at: usize,
     },
 }
@@ -615,11 +616,11 @@ impl Drop for FlowRule {
         if let FlowRule::Kernel {
             region,
             share,
-            location,
+            rule,
             at,
         } = self
         {
-            region.unsteer(share, *location, *at);
+            region.unsteer(share, *rule, *at);
         }
     }
 }
