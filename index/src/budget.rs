@@ -7,7 +7,9 @@
 //! only known once every file has been read and checksummed (for an object store: every GET
 //! paid), so each file's shards add a lower bound of their JSON size here as soon as they
 //! are planned, before the file's data is read; the dataset is refused as soon as the bound
-//! passes the limit, with the row count and what to do about it.
+//! passes the limit, with the row count and what to do about it. The rows of a `--eos` token
+//! file are found only by reading it: they are checked as it is read
+//! ([`Budget::check_more`]), so a file of too many documents is not read to its end.
 
 use std::path::Path;
 
@@ -17,7 +19,7 @@ use crate::error::IndexError;
 
 /// Least bytes of the manifest's own fields:
 /// `{"format":1,"digest":"<64 hex>","total_bytes":0,"shards":[]}` and its newline.
-const HEAD_FLOOR: u64 = 117;
+pub(crate) const HEAD_FLOOR: u64 = 117;
 /// Least bytes of a shard besides its file name and tensors:
 /// `{"file":"","offset":0,"length":0,"crc32c":0,"tensors":[]}`.
 const SHARD_FLOOR: u64 = 57;
@@ -43,8 +45,28 @@ pub(crate) enum RowKind {
     Any,
 }
 
+/// A lower bound of the manifest bytes of some shards or rows: all of them, the part that
+/// row tables take, and the rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Floor {
+    pub bytes: u64,
+    pub row_bytes: u64,
+    pub rows: u64,
+}
+
+impl Floor {
+    /// Both together.
+    pub fn plus(self, other: Floor) -> Floor {
+        Floor {
+            bytes: self.bytes.saturating_add(other.bytes),
+            row_bytes: self.row_bytes.saturating_add(other.row_bytes),
+            rows: self.rows.saturating_add(other.rows),
+        }
+    }
+}
+
 /// A lower bound of the manifest's JSON size, added up shard by shard, against a limit.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Budget {
     limit: u64,
     bytes: u64,
@@ -77,17 +99,40 @@ impl Budget {
         rel: &str,
     ) -> Result<(), IndexError> {
         for s in shards {
-            let (bytes, row_bytes, rows) = shard_floor(s);
-            self.bytes = self.bytes.saturating_add(bytes);
-            self.row_bytes = self.row_bytes.saturating_add(row_bytes);
-            self.rows[kind as usize] += rows;
-            self.shards += 1;
+            self.count(shard_floor(s), kind, 1);
         }
         if self.bytes <= self.limit {
             return Ok(());
         }
         let at = format!(" (counted up to {rel}, before its data was read)");
         Err(self.error(dir, self.bytes, at))
+    }
+
+    /// Checks, without adding them, that `more` bytes of `shards` more shards (rows of `kind`)
+    /// would still fit: the rows found so far in a file being read. `at` says where
+    /// (` (counted up to FILE, ...)`).
+    pub fn check_more(
+        &self,
+        more: Floor,
+        shards: u64,
+        kind: RowKind,
+        dir: &Path,
+        at: impl FnOnce() -> String,
+    ) -> Result<(), IndexError> {
+        if self.bytes.saturating_add(more.bytes) <= self.limit {
+            return Ok(());
+        }
+        let mut with = self.clone();
+        with.count(more, kind, shards);
+        Err(with.error(dir, with.bytes, at()))
+    }
+
+    /// Adds `floor`, the floor of `shards` shards of rows of `kind`.
+    fn count(&mut self, floor: Floor, kind: RowKind, shards: u64) {
+        self.bytes = self.bytes.saturating_add(floor.bytes);
+        self.row_bytes = self.row_bytes.saturating_add(floor.row_bytes);
+        self.rows[kind as usize] += floor.rows;
+        self.shards += shards;
     }
 
     /// The error for a manifest of at least `bytes` bytes; `at` says where it was found.
@@ -153,11 +198,7 @@ impl Budget {
 pub(crate) fn too_large(dir: &Path, shards: &[ShardEntry], len: u64) -> IndexError {
     let mut b = Budget::new(LIMIT);
     for s in shards {
-        let (bytes, row_bytes, rows) = shard_floor(s);
-        b.bytes = b.bytes.saturating_add(bytes);
-        b.row_bytes = b.row_bytes.saturating_add(row_bytes);
-        b.rows[RowKind::Any as usize] += rows;
-        b.shards += 1;
+        b.count(shard_floor(s), RowKind::Any, 1);
     }
     b.error(dir, len, String::new())
 }
@@ -172,7 +213,7 @@ fn digits(n: u64) -> u64 {
 /// only add row tables, or swap a typed WebDataset row for its whole member, which ends
 /// where it does: so a row counts the digits of its end, `offset + length`, at most those
 /// of its two numbers); the part of it that row tables take, and the rows.
-fn shard_floor(s: &ShardEntry) -> (u64, u64, u64) {
+pub(crate) fn shard_floor(s: &ShardEntry) -> Floor {
     let mut bytes = SHARD_FLOOR + s.file.len() as u64;
     let (mut row_bytes, mut rows) = (0u64, 0u64);
     for t in &s.tensors {
@@ -185,11 +226,21 @@ fn shard_floor(s: &ShardEntry) -> (u64, u64, u64) {
         row_bytes += ROWS_FLOOR + n.saturating_sub(1);
         row_bytes += table
             .iter()
-            .map(|&[o, l]| 3 + digits(o.saturating_add(l)))
+            .map(|&[o, l]| row_floor(o.saturating_add(l)))
             .sum::<u64>();
         rows += n;
     }
-    (bytes + row_bytes, row_bytes, rows)
+    Floor {
+        bytes: bytes + row_bytes,
+        row_bytes,
+        rows,
+    }
+}
+
+/// The least bytes of a row ending at `end` (relative to its shard) in a row table,
+/// without the comma before it: `[a,b]` counted as the digits of `end`.
+pub(crate) fn row_floor(end: u64) -> u64 {
+    3 + digits(end)
 }
 
 #[cfg(test)]

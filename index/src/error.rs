@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use shardwire_protocol::manifest::ManifestError;
 
+use crate::walk::Unused;
+
 /// Why `shardwire index` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -31,12 +33,34 @@ pub enum IndexError {
         file: PathBuf,
     },
     /// The directory holds no file with data that could be indexed.
-    #[error("{}: {}", .dir.display(), no_files_reason(*.found))]
+    #[error("{}: {}", .dir.display(), no_files_reason(*.found, .unused, *.unused_total))]
     NoUsableFiles {
         /// The dataset directory.
         dir: PathBuf,
-        /// How many files had a known extension (each then held no data).
+        /// How many data files were read (each then held no rows).
         found: usize,
+        /// The first [`UNUSED_SHOWN`] files not used, with why: what the user has to fix
+        /// (an `.mds` shard without its `index.json`, an `.idx` without its `.bin`).
+        unused: Vec<Unused>,
+        /// How many files were not used in all.
+        unused_total: usize,
+    },
+    /// The data files hold several splits by name (`train.bin` beside `val.bin`, `train/`
+    /// beside `test/`): indexed together they would be one dataset, held-out rows trained on.
+    #[error(
+        "{}: the data files belong to the splits {} ({}): indexing them together would merge \
+         them into one dataset; {fix}",
+        .dir.display(),
+        split_names(.splits),
+        split_files(.splits)
+    )]
+    MixedSplits {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Each split, and its files (relative paths), in split order.
+        splits: Vec<(String, Vec<String>)>,
+        /// How to index one split.
+        fix: String,
     },
     /// The file is well formed but uses something shardwire does not support.
     #[error("{}: {reason} (found: {value})", .file.display())]
@@ -174,12 +198,56 @@ pub enum IndexError {
     },
 }
 
-fn no_files_reason(found: usize) -> String {
-    if found == 0 {
-        "no data files found (extensions .arrow, .arrows, .ipc, .feather, .npy, .bin (+ .idx), .tar, .parquet, .mds)".into()
-    } else {
+/// How many unused files [`IndexError::NoUsableFiles`] names.
+pub(crate) const UNUSED_SHOWN: usize = 20;
+
+/// The extensions of data files, for the message when none is usable.
+const DATA_EXTENSIONS: &str =
+    ".arrow, .arrows, .ipc, .feather, .npy, .bin (+ .idx), .tar, .parquet, index.json + .mds";
+
+/// Why nothing could be indexed, naming the files not used and why: the reason there is
+/// usually what to fix (a lone `.mds` is not "no data file").
+fn no_files_reason(found: usize, unused: &[Unused], total: usize) -> String {
+    let head = if found > 0 {
         format!("found {found} data files but none holds any rows")
+    } else if total == 0 {
+        return format!("no data files found (extensions {DATA_EXTENSIONS})");
+    } else {
+        format!("no data file could be used (data files: {DATA_EXTENSIONS})")
+    };
+    let mut names: Vec<String> = unused
+        .iter()
+        .map(|u| format!("{} ({})", u.file, u.reason))
+        .collect();
+    if total > unused.len() {
+        names.push(format!("and {} more", total - unused.len()));
     }
+    let plural = if total == 1 { "" } else { "s" };
+    format!(
+        "{head}; not used: {total} file{plural}: {}",
+        names.join(", ")
+    )
+}
+
+/// How many files of each split [`IndexError::MixedSplits`] names.
+const SPLIT_FILES_SHOWN: usize = 5;
+
+/// `train, val`.
+fn split_names(splits: &[(String, Vec<String>)]) -> String {
+    let names: Vec<&str> = splits.iter().map(|(s, _)| s.as_str()).collect();
+    names.join(", ")
+}
+
+/// `train: a.bin, b.bin; val: v.bin, and 3 more`.
+fn split_files(splits: &[(String, Vec<String>)]) -> String {
+    let each = splits.iter().map(|(split, files)| {
+        let mut names: Vec<String> = files.iter().take(SPLIT_FILES_SHOWN).cloned().collect();
+        if files.len() > SPLIT_FILES_SHOWN {
+            names.push(format!("and {} more", files.len() - SPLIT_FILES_SHOWN));
+        }
+        format!("{split}: {}", names.join(", "))
+    });
+    each.collect::<Vec<_>>().join("; ")
 }
 
 fn batch_prefix(batch: &Option<usize>) -> String {

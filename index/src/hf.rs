@@ -61,8 +61,10 @@ pub(crate) fn plan(
         let arrow_beside = files
             .iter()
             .any(|f| f.kind == Kind::Arrow && parent(&f.rel) == parent(&rel));
-        if base(&rel) != DICT_FILE && !arrow_beside {
-            continue; // no Arrow files of its own to choose among
+        // A `dataset_info.json` with no Arrow files beside it has none to drop or refuse. A
+        // `state.json` is read even then: the files it lists are missing, an error.
+        if base(&rel) == INFO_FILE && !arrow_beside {
+            continue;
         }
         let Some(json) = read_json(root, &rel)? else {
             continue; // not JSON: another tool's file of that name, not an HF save
@@ -219,14 +221,19 @@ fn keep_listed(
 ) -> Result<(), IndexError> {
     let dir = parent(state);
     let here = |f: &Candidate| f.kind == Kind::Arrow && parent(&f.rel) == dir;
-    if let Some(missing) = listed
+    let missing: Vec<&str> = listed
         .iter()
-        .find(|name| !files.iter().any(|f| here(f) && f.rel == join(dir, name)))
-    {
+        .filter(|name| !files.iter().any(|f| here(f) && f.rel == join(dir, name)))
+        .map(String::as_str)
+        .collect();
+    if let Some(first) = missing.first() {
         let reason = format!(
-            "lists {missing}, which is not in its folder (an interrupted save_to_disk?): save the dataset again"
+            "lists {} file(s) that are not in its folder, the first {first} (an interrupted \
+             save_to_disk, or a copy without its Arrow files?): save the dataset again, or \
+             copy the missing files",
+            missing.len()
         );
-        return Err(malformed(root, state, &reason, missing));
+        return Err(malformed(root, state, &reason, missing.join(", ")));
     }
     files.retain(|f| {
         let stale = here(f) && !listed.iter().any(|name| f.rel == join(dir, name));
@@ -358,6 +365,25 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("_data_files"), "{e}");
+    }
+
+    #[test]
+    fn a_state_json_whose_files_are_all_missing_is_an_error_naming_them() {
+        // Before, a state.json with no Arrow file beside it was not read at all.
+        let e = planned(
+            "hf-all-missing",
+            &[("part/state.json", STATE_2), ("other/a.arrow", "")],
+        )
+        .unwrap_err();
+        assert!(matches!(e, IndexError::Malformed { .. }), "{e:?}");
+        let text = e.to_string();
+        for want in [
+            "part/state.json",
+            "2 file(s)",
+            "data-00000-of-00002.arrow, data-00001-of-00002.arrow",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
     }
 
     #[test]

@@ -26,7 +26,9 @@
 //! Nothing is left out silently: [`index_report`] also lists the files not used (with the
 //! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
 //! files, the empty directory markers of an object store (`dir/`) and the manifest itself
-//! are the only files skipped without a word.
+//! are the only files skipped without a word. Data files named for two or more splits
+//! (`train.bin` beside `val.bin`, `train/` beside `test/`) are refused rather than merged into
+//! one dataset (`split.rs`).
 
 #![forbid(unsafe_code)]
 
@@ -44,6 +46,7 @@ mod pylit;
 mod remote;
 mod root;
 mod source;
+mod split;
 #[cfg(test)]
 mod testutil;
 mod tokens;
@@ -286,6 +289,7 @@ fn index_root_within(
     hf::plan(root, &mut files, &mut unused)?;
     let mds = mds::plan(root, &mut files, &mut unused)?;
     let megatron = megatron::plan(&mut files, &mut unused);
+    split::refuse_mixed(&root.path(), &files)?;
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
@@ -313,7 +317,7 @@ fn index_root_within(
     }));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
     let objects = root.objects_for(&shards);
-    let manifest = checked_manifest(&root.path(), shards, objects, files.len())?;
+    let manifest = checked_manifest(&root.path(), shards, objects, files.len(), &unused)?;
     Ok(IndexReport {
         manifest,
         unused,
@@ -344,7 +348,8 @@ struct Plans<'a> {
 }
 
 /// Indexes `files` in order; each file's shards are counted in `budget` before its data is
-/// read (checksummed).
+/// read (checksummed); the documents of a `--eos` token file, found by reading it, are
+/// checked as it is read (`tokens::index`).
 fn index_files(
     root: &mut Root,
     files: &[Candidate],
@@ -381,7 +386,7 @@ fn index_files(
             Kind::Bin => match plans.megatron.get(&f.rel) {
                 Some(idx) => megatron::index(root, &mut src, idx)?,
                 None => match opts.tokens {
-                    Some(t) => tokens::index(&mut src, t)?,
+                    Some(t) => tokens::index(&mut src, t, budget, &dir)?,
                     None => bin::index(&mut src)?,
                 },
             },
@@ -452,17 +457,21 @@ fn add_skipped(
 }
 
 /// The validated manifest of `shards` and the `objects` they read (none for a directory;
-/// `found`: how many data files were read).
+/// `found`: how many data files were read; `unused`: the files not used, named when there
+/// are no shards, as their reasons say what to fix).
 fn checked_manifest(
     dir: &Path,
     shards: Vec<ShardEntry>,
     objects: Vec<ObjectEntry>,
     found: usize,
+    unused: &[Unused],
 ) -> Result<Manifest, IndexError> {
     if shards.is_empty() {
         return Err(IndexError::NoUsableFiles {
             dir: dir.to_path_buf(),
             found,
+            unused: unused.iter().take(error::UNUSED_SHOWN).cloned().collect(),
+            unused_total: unused.len(),
         });
     }
     let manifest = Manifest::with_objects(shards, objects);
@@ -616,6 +625,43 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_index_names_the_files_not_used_and_why() {
+        // Before, a lone MDS shard gave "no data files found (extensions ... .mds)", and
+        // the reason it was not used was dropped.
+        let dir = temp_dir("lib-unused");
+        std::fs::write(dir.join("shard.00000.mds"), b"x").unwrap();
+        let e = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+        assert!(
+            matches!(&e, IndexError::NoUsableFiles { found: 0, unused, unused_total: 1, .. }
+                if unused.len() == 1),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        for want in ["shard.00000.mds", "no index.json", "could be used"] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+        assert!(!text.contains("no data files found"), "{text}");
+        // Files with no rows are named too, and a long list is cut with a count.
+        std::fs::remove_file(dir.join("shard.00000.mds")).unwrap();
+        std::fs::write(dir.join("empty.bin"), b"").unwrap();
+        for i in 0..30 {
+            std::fs::write(dir.join(format!("n{i:02}.txt")), b"x").unwrap();
+        }
+        let text = index_dir(&dir, &IndexOptions::default())
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "found 1 data files but none holds any rows",
+            "empty.bin (holds no rows)",
+            "31 files",
+            "and 11 more",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn too_many_rows_are_refused_while_planning_naming_rows_and_fix() {
         // Before, only the written manifest's size was checked, after every file was read
         // and checksummed, with the advice "use larger shards".
@@ -645,7 +691,7 @@ mod tests {
             "t.bin",
             "3000 rows",
             "20000 bytes",
-            "before its data was read",
+            "while reading its --eos documents",
             "--eos",
         ] {
             assert!(text.contains(want), "{want}: {text}");

@@ -9,10 +9,15 @@
 //!   boundaries only (positions, with `boundaries`, then restart there).
 //!
 //! Shards hold whole documents, at most [`SHARD_CAP`] bytes unless one document alone is
-//! larger; such a document is cut into rows of [`SHARD_CAP`] bytes.
+//! larger; such a document is cut into rows of [`SHARD_CAP`] bytes. Documents are found by
+//! reading the file, so their rows are checked against the manifest budget as it is read: a
+//! file of too many documents is refused without reading the rest.
+
+use std::path::Path;
 
 use shardwire_protocol::manifest::{DType, ShardEntry};
 
+use crate::budget::{self, Budget, Floor, RowKind};
 use crate::error::IndexError;
 use crate::megatron::{self, SHARD_CAP};
 use crate::source::Source;
@@ -60,36 +65,148 @@ impl RawTokens {
     }
 }
 
-/// The rows (byte offset, length) of the documents of `src`.
-fn documents(src: &mut Source, t: RawTokens) -> Result<Vec<[u64; 2]>, IndexError> {
-    let size = t.dtype.size();
-    let mut rows = Vec::new();
-    let Some(eos) = t.eos else {
-        return Ok(vec![[0, src.len]]);
-    };
+/// Shards of whole documents of a token file, cut as the documents are found, and what
+/// they will take in the manifest.
+struct Cutter {
+    dtype: DType,
+    /// Most bytes of a shard (whole tokens).
+    cap: u64,
+    shards: Vec<ShardEntry>,
+    /// Floor of the manifest bytes of `shards`.
+    closed: Floor,
+    /// Rows (file offset, length) of the shard being filled, their bytes, and the floor of
+    /// their manifest bytes (without commas).
+    rows: Vec<[u64; 2]>,
+    bytes: u64,
+    row_bytes: u64,
+}
+
+impl Cutter {
+    fn new(dtype: DType) -> Self {
+        Self {
+            dtype,
+            cap: SHARD_CAP / dtype.size() * dtype.size(),
+            shards: Vec::new(),
+            closed: Floor::default(),
+            rows: Vec::new(),
+            bytes: 0,
+            row_bytes: 0,
+        }
+    }
+
+    /// Adds the document at `off` of `len` bytes; one larger than a shard is cut into rows of
+    /// `cap` bytes.
+    fn document(&mut self, src: &mut Source, off: u64, len: u64) -> Result<(), IndexError> {
+        let mut piece = off;
+        while piece < off + len {
+            let plen = self.cap.min(off + len - piece);
+            if self.bytes > 0 && self.bytes + plen > self.cap {
+                self.close(src)?;
+            }
+            self.rows.push([piece, plen]);
+            self.bytes += plen;
+            // The manifest's rows are relative to their shard.
+            self.row_bytes += budget::row_floor(self.bytes);
+            piece += plen;
+        }
+        Ok(())
+    }
+
+    /// Ends the shard being filled, if any.
+    fn close(&mut self, src: &mut Source) -> Result<(), IndexError> {
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        let shard = megatron::shard(src, self.dtype, &self.rows, self.bytes)?;
+        self.closed = self.closed.plus(budget::shard_floor(&shard));
+        self.shards.push(shard);
+        (self.rows, self.bytes, self.row_bytes) = (Vec::new(), 0, 0);
+        Ok(())
+    }
+
+    /// A lower bound of the manifest bytes of every row so far: the closed shards', and the
+    /// open shard's rows with the commas between them.
+    fn floor(&self) -> Floor {
+        let n = self.rows.len() as u64;
+        let open = self.row_bytes + n.saturating_sub(1);
+        self.closed.plus(Floor {
+            bytes: open,
+            row_bytes: open,
+            rows: n,
+        })
+    }
+}
+
+/// Cuts `src` into documents ending at `eos` (the tokens after the last one are the last),
+/// reading `scan` bytes at a time; after each read the rows found so far are checked
+/// against the budget (`check`: it and the dataset directory), so a file of too many
+/// documents is refused without reading the rest.
+fn documents(
+    src: &mut Source,
+    eos: u64,
+    cut: &mut Cutter,
+    check: (&Budget, &Path),
+    scan: u64,
+) -> Result<(), IndexError> {
+    let size = cut.dtype.size();
     let want = &eos.to_le_bytes()[..size as usize];
     let mut start = 0u64;
     let mut at = 0u64;
     while at < src.len {
-        let len = SCAN.min(src.len - at);
+        let len = scan.min(src.len - at);
         let buf = src.read_at("tokens", at, len)?;
         for (i, tok) in buf.chunks_exact(size as usize).enumerate() {
             if tok == want {
                 let end = at + (i as u64 + 1) * size;
-                rows.push([start, end - start]);
+                cut.document(src, start, end - start)?;
                 start = end;
             }
         }
         at += len;
+        if at == src.len && start < src.len {
+            cut.document(src, start, src.len - start)?;
+        }
+        check_read(cut, check, src, at)?;
     }
-    if start < src.len {
-        rows.push([start, src.len - start]);
-    }
-    Ok(rows)
+    Ok(())
 }
 
-/// Indexes the raw token file `src`.
-pub(crate) fn index(src: &mut Source, t: RawTokens) -> Result<Vec<ShardEntry>, IndexError> {
+/// Checks the rows `cut` holds, found in the first `read` bytes of `src`, against the budget.
+fn check_read(
+    cut: &Cutter,
+    (budget, dir): (&Budget, &Path),
+    src: &Source,
+    read: u64,
+) -> Result<(), IndexError> {
+    let shards = cut.shards.len() as u64 + u64::from(!cut.rows.is_empty());
+    let at = || {
+        format!(
+            " (counted up to {}, while reading its --eos documents: {read} of its {} bytes \
+             read)",
+            src.rel, src.len
+        )
+    };
+    budget.check_more(cut.floor(), shards, RowKind::Tokens, dir, at)
+}
+
+/// Indexes the raw token file `src` of the dataset at `dir`; with `--eos`, its documents are
+/// checked against `budget` as they are found (see [`documents`]).
+pub(crate) fn index(
+    src: &mut Source,
+    t: RawTokens,
+    budget: &Budget,
+    dir: &Path,
+) -> Result<Vec<ShardEntry>, IndexError> {
+    index_scanning(src, t, (budget, dir), SCAN)
+}
+
+/// [`index`], reading `scan` bytes at a time.
+fn index_scanning(
+    src: &mut Source,
+    t: RawTokens,
+    check: (&Budget, &Path),
+    scan: u64,
+) -> Result<Vec<ShardEntry>, IndexError> {
     let size = t.dtype.size();
     if src.len == 0 {
         return Ok(Vec::new());
@@ -103,28 +220,20 @@ pub(crate) fn index(src: &mut Source, t: RawTokens) -> Result<Vec<ShardEntry>, I
             src.len,
         ));
     }
-    let cap = SHARD_CAP / size * size;
-    let mut shards = Vec::new();
-    let mut rows: Vec<[u64; 2]> = Vec::new();
-    let mut bytes = 0u64;
-    for [off, len] in documents(src, t)? {
-        // A document larger than a shard is cut into rows of `cap` bytes.
-        let mut piece = off;
-        while piece < off + len {
-            let plen = cap.min(off + len - piece);
-            if bytes > 0 && bytes + plen > cap {
-                shards.push(megatron::shard(src, t.dtype, &rows, bytes)?);
-                (rows, bytes) = (Vec::new(), 0);
-            }
-            rows.push([piece, plen]);
-            bytes += plen;
-            piece += plen;
-        }
-    }
-    if !rows.is_empty() {
-        shards.push(megatron::shard(src, t.dtype, &rows, bytes)?);
-    }
-    Ok(shards)
+    let mut cut = Cutter::new(t.dtype);
+    let Some(eos) = t.eos else {
+        // No document boundaries: rows at shard boundaries only, counted before the data is
+        // read, as any file's.
+        cut.document(src, 0, src.len)?;
+        cut.close(src)?;
+        return Ok(cut.shards);
+    };
+    documents(src, eos, &mut cut, check, scan)?;
+    cut.close(src)?;
+    // The closed shards' floor is the one the caller adds: checked here, it is refused with
+    // the truth (the file was read), never "before its data was read".
+    check_read(&cut, check, src, src.len)?;
+    Ok(cut.shards)
 }
 
 #[cfg(test)]
@@ -185,6 +294,43 @@ mod tests {
                 .unwrap_err()
                 .contains("integers")
         );
+    }
+
+    #[test]
+    fn too_many_documents_are_refused_while_reading_not_after() {
+        // Before, the whole file was read for its documents, then refused "before its data
+        // was read".
+        let dir = temp_dir("tokens-budget");
+        // 1000 one-token documents: every token is the end-of-document id 0.
+        std::fs::write(dir.join("t.bin"), vec![0u8; 2000]).unwrap();
+        let mut src = Source::open(&dir.join("t.bin"), "t.bin").unwrap();
+        let t = RawTokens::new(DType::Uint16, Some(0)).unwrap();
+        let budget = Budget::new(1000);
+        let e = index_scanning(&mut src, t, (&budget, dir.as_path()), 100).unwrap_err();
+        // 150 rows (300 bytes read) are the first to pass 1000 bytes.
+        let IndexError::ManifestTooLarge { rows, at, .. } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*rows, 150, "{e}");
+        assert!(
+            at.contains("t.bin") && at.contains("300 of its 2000 bytes read"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("before its data was read"), "{e}");
+        // The last check is exact: at the manifest's floor the file is indexed whole (and
+        // the caller's count passes); a byte less is refused while reading, never later
+        // by the caller "before its data was read".
+        let unlimited = Budget::new(u64::MAX);
+        let shards = index_scanning(&mut src, t, (&unlimited, dir.as_path()), 100).unwrap();
+        assert_eq!(shards[0].tensors[0].rows.as_ref().unwrap().len(), 1000);
+        let floor = budget::HEAD_FLOOR + budget::shard_floor(&shards[0]).bytes;
+        let mut exact = Budget::new(floor);
+        index_scanning(&mut src, t, (&exact, dir.as_path()), 100).unwrap();
+        exact.add(&shards, RowKind::Tokens, &dir, "t.bin").unwrap();
+        let e =
+            index_scanning(&mut src, t, (&Budget::new(floor - 1), dir.as_path()), 100).unwrap_err();
+        assert!(e.to_string().contains("2000 of its 2000 bytes read"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
