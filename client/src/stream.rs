@@ -29,7 +29,11 @@ const FRAME_LIMIT: Duration = Duration::from_secs(60);
 const FRAME_LIMIT: Duration = Duration::from_secs(1);
 
 /// How much longer than a `next` timeout the client waits for the node's own `timeout` answer.
+#[cfg(not(test))]
 const NODE_TIMEOUT_SLACK: Duration = Duration::from_secs(5);
+/// Under test: a fake node that does not answer a timed request is given up on sooner.
+#[cfg(test)]
+const NODE_TIMEOUT_SLACK: Duration = Duration::from_millis(300);
 
 /// How often a `next` that waits while the caller holds batches sends the leases of those
 /// dropped meanwhile (on other threads) behind its request: the node applies them while the
@@ -325,9 +329,16 @@ impl Stream {
                 Ok(None)
             }
             // The node's late answer to a timed request an earlier call gave up waiting for:
-            // this call asks again, within what is left of its own timeout.
+            // this call asks again, within what is left of its own timeout (a timeout then is
+            // still this call's, and names the timeout it was given).
             Response::Timeout if !sent_now => {
-                self.take(timeout.map(|t| t.saturating_sub(started.elapsed())), ahead)
+                let left = timeout.map(|t| t.saturating_sub(started.elapsed()));
+                match self.take(left, ahead) {
+                    Err(ClientError::Timeout(_)) => {
+                        Err(ClientError::Timeout(timeout.unwrap_or_default()))
+                    }
+                    other => other,
+                }
             }
             Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             // Which request the answers after it answer can no longer be told.

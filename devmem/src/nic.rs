@@ -7,10 +7,11 @@
 //! order on shutdown ([`NicSetup::restore`], also on drop) and, after a crash, at the next
 //! start ([`restore_from`]): a NIC is never left altered. An ntuple rule is journaled before
 //! its insertion too: by its location where that is chosen first, else (the driver picks it)
-//! as a [`Change::PendingRule`] marker holding its match and the rules that matched already
-//! (someone else's), resolved to the location once the rule is in. A rule is deleted only
-//! where the rule at its location is still the one journaled. Each change undone is dropped
-//! from the file at once, so a restore that failed part way is retried only for what failed.
+//! as a [`Change::PendingRule`] marker holding its match and the rules known to match
+//! already (not the one being added), resolved to the location once the rule is in. A rule
+//! is deleted only where the rule at its location is still the one journaled. Each change
+//! undone is dropped from the file at once, so a restore that failed part way is retried
+//! only for what failed.
 //!
 //! Channels and header split go over ethtool netlink; RSS and ntuple steering over the
 //! `SIOCETHTOOL` ioctl ([`steer`]), since the netlink RSS/ntuple commands are newer than the
@@ -417,9 +418,11 @@ pub enum Change {
         rule: steer::Tcp4Match,
         /// The queue it steers to.
         queue: u32,
-        /// Locations of rules that matched `rule` onto `queue` before the insertion: someone
-        /// else's (an operator's identical `ethtool -N` rule), so never deleted by the undo.
-        /// Empty in state files of earlier releases, whose undo takes any match for ours.
+        /// Locations of rules that matched `rule` onto `queue` before the insertion, never
+        /// deleted by this undo: for a port rule, those on the NIC (an operator's identical
+        /// `ethtool -N` rule); for a connection's rule, this journal's own (deleted by their
+        /// own entries; see `Journal::prior_rules`). Empty in state files of earlier
+        /// releases, whose undo takes any match for ours.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         existing: Vec<u32>,
     },
@@ -451,6 +454,54 @@ impl InsertedRule {
             location: self.location,
             rule: Some(self.rule),
             queue: Some(self.queue),
+        }
+    }
+}
+
+/// What an ntuple rule being inserted steers, for [`Journal::prior_rules`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RuleKind {
+    /// Every connection to a port ([`Journal::steer`]).
+    Port,
+    /// One connection's 5-tuple ([`Journal::add_flow`]).
+    Flow,
+}
+
+/// What the undo of a journaled ntuple rule did: [`NicSetup::remove_flow`] returns it for its
+/// caller to log; a restore logs it as a warning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuleUndo {
+    /// Deleted, or nothing to delete: gone already (a driver reset, `ethtool -K ntuple
+    /// off`), or, for a rule journaled without its location, never inserted.
+    Removed,
+    /// Not deleted: the rule at `location` is not the one journaled there (that one vanished
+    /// and the location was taken since: another connection's rule, an operator's).
+    NotOurs {
+        /// The location.
+        location: u32,
+    },
+    /// A rule journaled without its location ([`Change::PendingRule`]) dealt with as for
+    /// [`RuleUndo::Removed`]; the rules at `locations`, which matched it before its
+    /// insertion, were not taken for it (an operator's stay; one of shardwire's own has its
+    /// own entry, which deletes it).
+    PriorLeft {
+        /// Their locations.
+        locations: Vec<u32>,
+    },
+}
+
+impl std::fmt::Display for RuleUndo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RuleUndo::Removed => write!(f, "the rule was deleted"),
+            RuleUndo::NotOurs { location } => write!(
+                f,
+                "the rule at location {location} is not the one shardwire journaled there; left as it is"
+            ),
+            RuleUndo::PriorLeft { locations } => write!(
+                f,
+                "the rules at locations {locations:?} match the one shardwire was adding but were there before it: not deleted in its place"
+            ),
         }
     }
 }
@@ -660,7 +711,7 @@ impl Journal {
             client.set_ntuple(&ifname, true)?;
         }
         let m = steer::Tcp4Match::port(dst_port);
-        self.insert_rule(client, "ntuple-rule-insert", m, queue)
+        self.insert_rule(client, "ntuple-rule-insert", m, queue, RuleKind::Port)
     }
 
     /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple
@@ -672,28 +723,26 @@ impl Journal {
         queue: u32,
     ) -> Result<InsertedRule, NicError> {
         let m = steer::Tcp4Match::flow(flow);
-        self.insert_rule(client, "ntuple-flow-rule-insert", m, queue)
+        self.insert_rule(client, "ntuple-flow-rule-insert", m, queue, RuleKind::Flow)
     }
 
     /// Insert an ntuple rule steering what `m` matches onto `queue`, journaled before it is
-    /// made ([`Journal::insert_journaled`]). `op` names the request in errors.
+    /// made ([`Journal::insert_journaled`]). `op` names the request in errors; `kind` says
+    /// where rules that match it already can come from ([`Journal::prior_rules`]).
     fn insert_rule(
         &mut self,
         client: &mut EthtoolClient,
         op: &'static str,
         m: steer::Tcp4Match,
         queue: u32,
+        kind: RuleKind,
     ) -> Result<InsertedRule, NicError> {
         let ifname = self.state.ifname.clone();
         let client: &EthtoolClient = client;
         let at = client.next_rule_location(&ifname)?;
-        // Where the driver picks the location, a restore after a crash mid-insertion finds
-        // ours by its match: rules that match already are someone else's, and are recorded
-        // so that it leaves them.
-        let existing = match at {
-            Some(_) => Vec::new(),
-            None => client.find_rules(&ifname, &m, queue)?,
-        };
+        let existing = self.prior_rules(kind, at, &m, queue, || {
+            client.find_rules(&ifname, &m, queue)
+        })?;
         let location = self.insert_journaled(
             at,
             existing,
@@ -709,6 +758,50 @@ impl Journal {
             rule: m,
             queue,
         })
+    }
+
+    /// The rules that steer what `m` matches onto `queue` already, recorded in a
+    /// [`Change::PendingRule`] marker so that its undo (a restore after a crash mid-insertion,
+    /// which finds the rule by its match) leaves them. None are needed where the location
+    /// `at` is chosen before the insertion: the marker is not used.
+    ///
+    /// A port rule's are looked for on the NIC (`find`): an operator's identical `ethtool -N`
+    /// rule may be there. A connection's 5-tuple rule ([`RuleKind::Flow`]) is not looked for:
+    /// that is a listing and one read per rule on the NIC, one rule per live connection,
+    /// before every new connection. Its match holds the peer's ephemeral port of a connection
+    /// just accepted, which no operator's rule names ahead of time; the only rules that can
+    /// match it already are this journal's own, for an earlier connection of the same 4-tuple
+    /// whose deletion failed, and those are taken from the journal (their own entries delete
+    /// them). Were an unjournaled identical rule there all the same, the undo would find two
+    /// rules (it and ours) and delete neither ([`NicError::AmbiguousRule`]), or, where the
+    /// crash came before the insertion reached the NIC, delete that one: the risk the
+    /// ephemeral port rules out.
+    fn prior_rules(
+        &self,
+        kind: RuleKind,
+        at: Option<u32>,
+        m: &steer::Tcp4Match,
+        queue: u32,
+        find: impl FnOnce() -> Result<Vec<u32>, NicError>,
+    ) -> Result<Vec<u32>, NicError> {
+        match (at, kind) {
+            (Some(_), _) => Ok(Vec::new()),
+            (None, RuleKind::Port) => find(),
+            (None, RuleKind::Flow) => Ok(self.journaled_rules(m, queue)),
+        }
+    }
+
+    /// The locations of this journal's rule entries that steer what `m` matches onto `queue`.
+    fn journaled_rules(&self, m: &steer::Tcp4Match, queue: u32) -> Vec<u32> {
+        let ours = |c: &Change| match *c {
+            Change::Rule {
+                location,
+                rule: Some(ref r),
+                queue: Some(q),
+            } if r == m && q == queue => Some(location),
+            _ => None,
+        };
+        self.state.changes.iter().filter_map(ours).collect()
     }
 
     /// Journal one rule insertion, then make it with `insert`: `Rule { location }` is saved
@@ -762,12 +855,13 @@ impl Journal {
     /// Delete rule `r` ([`Journal::add_flow`], [`Journal::steer`]) and its journal entry. The
     /// rule at its location is deleted only if it is still `r`, as a restore checks it: one
     /// already gone (a driver reset, `ethtool -K ntuple off`) is as good as deleted, and a
-    /// rule put there since (another connection's) is not `r`'s to delete.
+    /// rule put there since (another connection's) is not `r`'s to delete. Returns which
+    /// ([`RuleUndo`]), for the caller to log.
     pub fn remove_flow(
         &mut self,
         client: &mut EthtoolClient,
         r: InsertedRule,
-    ) -> Result<(), NicError> {
+    ) -> Result<RuleUndo, NicError> {
         let ifname = self.state.ifname.clone();
         let client: &EthtoolClient = client;
         self.remove_journaled(r, || {
@@ -781,17 +875,15 @@ impl Journal {
     fn remove_journaled(
         &mut self,
         r: InsertedRule,
-        delete: impl FnOnce() -> Result<(), NicError>,
-    ) -> Result<(), NicError> {
-        delete()?;
+        delete: impl FnOnce() -> Result<RuleUndo, NicError>,
+    ) -> Result<RuleUndo, NicError> {
+        let done = delete()?;
         let entry = r.change();
-        match self.state.changes.iter().rposition(|c| *c == entry) {
-            Some(at) => {
-                self.state.changes.remove(at);
-                self.save()
-            }
-            None => Ok(()),
+        if let Some(at) = self.state.changes.iter().rposition(|c| *c == entry) {
+            self.state.changes.remove(at);
+            self.save()?;
         }
+        Ok(done)
     }
 
     /// Undo every change in reverse order and delete the state file. On an error the file
@@ -890,12 +982,14 @@ fn undo_one(
             location,
             ref rule,
             queue,
-        } => undo_rule(client, ifname, location, rule.as_ref().zip(queue)),
+        } => undo_rule(client, ifname, location, rule.as_ref().zip(queue))
+            .map(|done| warn_left(ifname, &done)),
         Change::PendingRule {
             ref rule,
             queue,
             ref existing,
-        } => undo_pending_rule(client, ifname, rule, queue, existing),
+        } => undo_pending_rule(client, ifname, rule, queue, existing)
+            .map(|done| warn_left(ifname, &done)),
         Change::Rss { ref table } => client.set_rss_indir(ifname, table),
         Change::Channels { rx, tx, combined } => {
             client.set_channels(ifindex, ifname, rx, tx, combined)
@@ -917,57 +1011,61 @@ fn undo_one(
     }
 }
 
+/// A restore's warning for a rule it left ([`RuleUndo`] other than `Removed`).
+fn warn_left(ifname: &str, done: &RuleUndo) {
+    if *done != RuleUndo::Removed {
+        eprintln!("warning: restoring NIC settings: {ifname}: {done}");
+    }
+}
+
 /// Undo a [`Change::Rule`]: delete the rule at `location`, where it is the one journaled
 /// (`what`: its match and queue; an entry of an earlier release has none and is deleted
 /// unchecked). Another rule there (the insertion never happened, and the location was taken
-/// since, e.g. by `ethtool -N`) is left, with a warning.
+/// since, e.g. by `ethtool -N`) is left ([`RuleUndo::NotOurs`]); the caller logs that.
 fn undo_rule(
     client: &EthtoolClient,
     ifname: &str,
     location: u32,
     what: Option<(&steer::Tcp4Match, u32)>,
-) -> Result<(), NicError> {
+) -> Result<RuleUndo, NicError> {
     if let Some((rule, queue)) = what {
         match client.rule_at_is(ifname, location, rule, queue)? {
-            None => return Ok(()),
-            Some(false) => {
-                eprintln!(
-                    "warning: {ifname}: the rule at location {location} is not the one shardwire put there; left as it is"
-                );
-                return Ok(());
-            }
+            None => return Ok(RuleUndo::Removed),
+            Some(false) => return Ok(RuleUndo::NotOurs { location }),
             Some(true) => {}
         }
     }
-    gone_is_done(client.delete_rule(ifname, location))
+    gone_is_done(client.delete_rule(ifname, location)).map(|()| RuleUndo::Removed)
 }
 
 /// Undo a [`Change::PendingRule`]: the insertion may or may not have happened, at a
 /// location nobody recorded. Rules that match it but were there before (`existing`) are
-/// someone else's and stay (with a warning). Of the others: none, nothing to do; one, delete
-/// it; more than one, which is ours cannot be told, so none is deleted
-/// ([`NicError::AmbiguousRule`]).
+/// not the one it was adding and stay ([`RuleUndo::PriorLeft`]; the caller logs that). Of
+/// the others: none, nothing to do; one, delete it; more than one, which is ours cannot be
+/// told, so none is deleted ([`NicError::AmbiguousRule`]).
 fn undo_pending_rule(
     client: &EthtoolClient,
     ifname: &str,
     rule: &steer::Tcp4Match,
     queue: u32,
     existing: &[u32],
-) -> Result<(), NicError> {
+) -> Result<RuleUndo, NicError> {
     let found = client.find_rules(ifname, rule, queue)?;
     let (ours, theirs) = pending_rule_candidates(found, existing);
-    if !theirs.is_empty() {
-        eprintln!(
-            "warning: restoring NIC settings: {ifname}: the rules at locations {theirs:?} match the one shardwire was adding but were there before it; left as they are"
-        );
-    }
     match ours.as_slice() {
-        [] => Ok(()),
-        [location] => gone_is_done(client.delete_rule(ifname, *location)),
-        locations => Err(NicError::AmbiguousRule {
-            ifname: ifname.into(),
-            locations: locations.to_vec(),
-        }),
+        [] => {}
+        [location] => gone_is_done(client.delete_rule(ifname, *location))?,
+        locations => {
+            return Err(NicError::AmbiguousRule {
+                ifname: ifname.into(),
+                locations: locations.to_vec(),
+            });
+        }
+    }
+    if theirs.is_empty() {
+        Ok(RuleUndo::Removed)
+    } else {
+        Ok(RuleUndo::PriorLeft { locations: theirs })
     }
 }
 
@@ -1116,12 +1214,12 @@ impl NicSetup {
     }
 
     /// Delete a rule ([`NicSetup::add_flow`], [`NicSetup::steer`]) if it is still at its
-    /// location; nothing to do once the setup was restored (the restore deleted every
-    /// journaled rule).
-    pub fn remove_flow(&mut self, rule: InsertedRule) -> Result<(), NicError> {
+    /// location, and say which ([`RuleUndo`]: the caller logs a rule left); nothing to do
+    /// once the setup was restored (the restore deleted every journaled rule).
+    pub fn remove_flow(&mut self, rule: InsertedRule) -> Result<RuleUndo, NicError> {
         match self.journal.as_mut() {
             Some(j) => j.remove_flow(&mut self.client, rule),
-            None => Ok(()),
+            None => Ok(RuleUndo::Removed),
         }
     }
 

@@ -583,9 +583,11 @@ mod tests {
     fn every_ethtool_command_the_crate_sends_reaches_the_kernel() {
         // Before, ETHTOOL_GRXCLSRULE (0x2f, added with the journal's rule checks) was missing
         // here: every check of a steering rule failed before the call, and a NIC with ntuple
-        // rules could never be restored.
+        // rules could never be restored. And this test listed the commands by hand, apart
+        // from those the code sends: it did not see that one was missing.
+        use crate::nic::steer::{READS, SENT};
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        for c in [0x25, 0x26, 0x2d, 0x2e, 0x2f, 0x30, 0x31, 0x32, 0x38, 0x39] {
+        for c in SENT {
             assert!(
                 ethtool_len(&cmd(&[(0, c)], 192)).is_some(),
                 "command {c:#x}"
@@ -593,11 +595,35 @@ mod tests {
         }
         // The reads, sent: `lo` has no rules, so the kernel answers (an errno), not this
         // crate's refusal. (The writes are not sent, even to `lo`.)
-        for c in [0x25, 0x2d, 0x2e, 0x2f, 0x30, 0x38] {
+        for c in READS {
+            assert!(SENT.contains(&c), "read {c:#x} not in SENT");
             let mut b = cmd(&[(0, c)], 192);
             if let Err(e) = ethtool_ioctl(sock.as_fd(), "lo", &mut b) {
                 assert!(e.raw_os_error().is_some(), "command {c:#x}: {e}");
             }
+        }
+    }
+
+    #[test]
+    fn every_ethtool_command_declared_is_listed_as_sent() {
+        // The commands are the `const ETHTOOL_*` of the steering module: one declared there
+        // but not in its `SENT` would escape the test above.
+        use crate::nic::steer::SENT;
+        let source = include_str!("nic/steer.rs");
+        let declared: Vec<(&str, u32)> = source
+            .lines()
+            .filter_map(|l| {
+                let (name, value) = l.split_once("const ETHTOOL_")?.1.split_once(": u32 = ")?;
+                let hex = value.trim_end_matches(';').trim_start_matches("0x");
+                Some((name, u32::from_str_radix(hex, 16).expect(name)))
+            })
+            .collect();
+        assert_eq!(declared.len(), SENT.len(), "{declared:?}");
+        for (name, value) in declared {
+            assert!(
+                SENT.contains(&value),
+                "ETHTOOL_{name} ({value:#x}) is not in SENT"
+            );
         }
     }
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use shardwire_protocol::manifest::ManifestError;
 
-use crate::walk::Unused;
+use crate::unused::Unused;
 
 /// Why `shardwire index` failed.
 #[derive(Debug, thiserror::Error)]

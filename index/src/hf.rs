@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::error::IndexError;
+use crate::error::{IndexError, UNUSED_SHOWN};
 use crate::mds::{join, parent};
 use crate::root::Root;
 use crate::walk::{Candidate, Kind, Unused};
@@ -233,7 +233,11 @@ fn keep_listed(
              copy the missing files",
             missing.len()
         );
-        return Err(malformed(root, state, &reason, missing.join(", ")));
+        let mut named = missing[..missing.len().min(UNUSED_SHOWN)].join(", ");
+        if missing.len() > UNUSED_SHOWN {
+            named.push_str(&format!(" and {} more", missing.len() - UNUSED_SHOWN));
+        }
+        return Err(malformed(root, state, &reason, named));
     }
     files.retain(|f| {
         let stale = here(f) && !listed.iter().any(|name| f.rel == join(dir, name));
@@ -384,6 +388,22 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want}: {text}");
         }
+        // A save of many shards without its Arrow files: the first ones named, not all.
+        let files: Vec<String> = (0..100)
+            .map(|i| format!(r#"{{"filename": "data-{i:05}-of-00100.arrow"}}"#))
+            .collect();
+        let many = format!(r#"{{"_data_files": [{}]}}"#, files.join(","));
+        let e = planned(
+            "hf-many-missing",
+            &[("state.json", &many), ("x/a.arrow", "")],
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("100 file(s)") && text.contains("and 80 more"),
+            "{text}"
+        );
+        assert!(!text.contains("data-00099-of-00100.arrow"), "{text}");
     }
 
     #[test]

@@ -50,6 +50,7 @@ mod split;
 #[cfg(test)]
 mod testutil;
 mod tokens;
+mod unused;
 mod walk;
 mod webdataset;
 
@@ -66,7 +67,7 @@ pub use crate::parquet::ParquetNote;
 use crate::remote::Remote;
 use crate::root::Root;
 pub use crate::tokens::RawTokens;
-pub use crate::walk::Unused;
+pub use crate::unused::Unused;
 use crate::walk::{Candidate, Kind};
 
 /// Options for [`index_dir`].
@@ -84,6 +85,9 @@ pub struct IndexOptions {
     pub skip_unsupported: bool,
     /// Read `.bin` files (not Megatron pairs) as raw token streams (`--tokens`, `--eos`).
     pub tokens: Option<RawTokens>,
+    /// Index files named for different splits (`train.bin` beside `val.bin`) as one dataset
+    /// (`--allow-mixed-splits`), where the names mislead; refused by default.
+    pub allow_mixed_splits: bool,
 }
 
 /// A dataset to index: a local directory, or a prefix in object storage.
@@ -289,7 +293,9 @@ fn index_root_within(
     hf::plan(root, &mut files, &mut unused)?;
     let mds = mds::plan(root, &mut files, &mut unused)?;
     let megatron = megatron::plan(&mut files, &mut unused);
-    split::refuse_mixed(&root.path(), &files)?;
+    if !opts.allow_mixed_splits {
+        split::refuse_mixed(&root.path(), &files)?;
+    }
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
@@ -456,6 +462,23 @@ fn add_skipped(
     }
 }
 
+/// The first [`error::UNUSED_SHOWN`] of `unused` to name in an error: files of a data
+/// format first (their reasons say what to fix, e.g. a `.mds` without its `index.json`),
+/// then the others (unknown extensions, metadata), which can be many.
+fn shown_first(unused: &[Unused]) -> Vec<Unused> {
+    let data = |u: &&Unused| {
+        let name = u.file.rsplit('/').next().unwrap_or(&u.file);
+        walk::Kind::of(name).is_some()
+    };
+    let (mut shown, rest): (Vec<&Unused>, Vec<&Unused>) = unused.iter().partition(data);
+    shown.extend(rest);
+    shown
+        .into_iter()
+        .take(error::UNUSED_SHOWN)
+        .cloned()
+        .collect()
+}
+
 /// The validated manifest of `shards` and the `objects` they read (none for a directory;
 /// `found`: how many data files were read; `unused`: the files not used, named when there
 /// are no shards, as their reasons say what to fix).
@@ -470,7 +493,7 @@ fn checked_manifest(
         return Err(IndexError::NoUsableFiles {
             dir: dir.to_path_buf(),
             found,
-            unused: unused.iter().take(error::UNUSED_SHOWN).cloned().collect(),
+            unused: shown_first(unused),
             unused_total: unused.len(),
         });
     }
@@ -641,9 +664,11 @@ mod tests {
             assert!(text.contains(want), "{want}: {text}");
         }
         assert!(!text.contains("no data files found"), "{text}");
-        // Files with no rows are named too, and a long list is cut with a count.
+        // Files with no rows are named too, before files of unknown extensions (sorted by
+        // name alone, z-empty.bin fell past the 20 shown), and a long list is cut with a
+        // count.
         std::fs::remove_file(dir.join("shard.00000.mds")).unwrap();
-        std::fs::write(dir.join("empty.bin"), b"").unwrap();
+        std::fs::write(dir.join("z-empty.bin"), b"").unwrap();
         for i in 0..30 {
             std::fs::write(dir.join(format!("n{i:02}.txt")), b"x").unwrap();
         }
@@ -652,7 +677,7 @@ mod tests {
             .to_string();
         for want in [
             "found 1 data files but none holds any rows",
-            "empty.bin (holds no rows)",
+            "z-empty.bin (holds no rows)",
             "31 files",
             "and 11 more",
         ] {

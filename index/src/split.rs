@@ -4,10 +4,13 @@
 //! Indexed together they would be one dataset, the held-out rows trained on, without a word
 //! (`hf.rs` refuses the same for HF `datasets` folders, from the split lists they carry).
 //!
-//! A file's split is named by the first word of its relative path, from the top (the path
-//! cut at `/`, `-`, `_` and `.`), that is a split's word, ignoring case and trailing digits
-//! (`train2017/`, `val0.bin`). Only two or more different splits are refused: one split, or
-//! names that mark none, are indexed as before.
+//! A file's split is named by the word of its relative path nearest its name (the path cut
+//! at every character that is not a letter or digit: `/`, `-`, `_`, `.`, and `=` of Hive
+//! partitions such as `split=train/`) that is a split's word, ignoring case and trailing
+//! digits (`train2017/`, `val0.bin`): `code_eval/train.bin` is training data. Only two or
+//! more different splits are refused: one split, or names that mark none, are indexed as
+//! before; `allow_mixed_splits` (`--allow-mixed-splits`) indexes them together when the
+//! words mislead.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,14 +30,15 @@ const SPLITS: [(&str, &[&str]); 4] = [
 
 /// The split (an index into [`SPLITS`]) the relative path `rel` is named for, if any.
 fn split_of(rel: &str) -> Option<usize> {
-    rel.split(['/', '-', '_', '.']).find_map(|word| {
-        let word = word
-            .trim_end_matches(|c: char| c.is_ascii_digit())
-            .to_ascii_lowercase();
-        SPLITS
-            .iter()
-            .position(|(_, words)| words.contains(&word.as_str()))
-    })
+    rel.rsplit(|c: char| !c.is_ascii_alphanumeric())
+        .find_map(|word| {
+            let word = word
+                .trim_end_matches(|c: char| c.is_ascii_digit())
+                .to_ascii_lowercase();
+            SPLITS
+                .iter()
+                .position(|(_, words)| words.contains(&word.as_str()))
+        })
 }
 
 /// Refuses `files` (of the dataset at `dir`) when they are named for two or more splits,
@@ -62,8 +66,18 @@ pub(crate) fn refuse_mixed(dir: &Path, files: &[Candidate]) -> Result<(), IndexE
 }
 
 /// How to index the first split: its own folder where one holds its files and no other
-/// split's (`DIR/train`), else a folder made for it (the CLI has no option to pick files).
+/// split's (`DIR/train`), else a folder made for it (the CLI has no option to pick files);
+/// and how to index them together where the names mislead.
 fn fix(dir: &Path, splits: &[(String, Vec<String>)]) -> String {
+    format!(
+        "{}; if the names mislead and these files are one dataset, index them with \
+         --allow-mixed-splits",
+        one_split(dir, splits)
+    )
+}
+
+/// How to index the first split alone.
+fn one_split(dir: &Path, splits: &[(String, Vec<String>)]) -> String {
     let (name, files) = &splits[0];
     let own = common_folder(files).filter(|d| {
         let inside = format!("{d}/");
@@ -111,8 +125,20 @@ mod tests {
         assert_eq!(name("data/Validation-00001.tar"), Some("val"));
         assert_eq!(name("val2017/x.npy"), Some("val"));
         assert_eq!(name("test_0.arrow"), Some("test"));
-        assert_eq!(name("train/eval.bin"), Some("train"));
-        for none in ["values.npy", "trainer_state.bin", "interval.npy", "a/b.tar"] {
+        // The word nearest the name: a source folder's name does not decide the split.
+        assert_eq!(name("code_eval/train.bin"), Some("train"));
+        assert_eq!(name("train/shard-0.tar"), Some("train"));
+        // Hive partitions (pyarrow write_to_dataset, Spark partitionBy) and spaces.
+        assert_eq!(name("split=test/part-0.parquet"), Some("test"));
+        assert_eq!(name("my data/valid set.npy"), Some("val"));
+        for none in [
+            "values.npy",
+            "trainer_state.bin",
+            "interval.npy",
+            "a/b.tar",
+            "contest/latest.bin",
+            "retrain/protest.bin",
+        ] {
             assert_eq!(name(none), None, "{none}");
         }
     }
@@ -132,6 +158,7 @@ mod tests {
             "val: val.bin",
             "merge",
             "folder of their own",
+            "--allow-mixed-splits",
         ] {
             assert!(text.contains(want), "{want}: {text}");
         }
@@ -161,6 +188,23 @@ mod tests {
         }
         let m = index_dir(&dir, &IndexOptions::default()).unwrap();
         assert_eq!(m.shards.len(), 3);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hive_split_partitions_are_refused_and_the_override_indexes_them_together() {
+        let dir = temp_dir("split-hive");
+        for f in ["split=train/a.bin", "split=test/a.bin"] {
+            std::fs::create_dir_all(dir.join(parent(f))).unwrap();
+            std::fs::write(dir.join(f), [1u8; 4]).unwrap();
+        }
+        let e = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+        assert!(matches!(e, IndexError::MixedSplits { .. }), "{e:?}");
+        let opts = IndexOptions {
+            allow_mixed_splits: true,
+            ..IndexOptions::default()
+        };
+        assert_eq!(index_dir(&dir, &opts).unwrap().shards.len(), 2);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

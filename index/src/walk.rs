@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use shardwire_protocol::manifest::MANIFEST_FILE;
 
 use crate::error::IndexError;
+pub(crate) use crate::unused::Unused;
 
 /// The name of a MosaicML Streaming index file (read by [`crate::mds`]).
 pub(crate) const MDS_INDEX_FILE: &str = "index.json";
@@ -73,15 +74,6 @@ pub(crate) struct Candidate {
     pub size: u64,
 }
 
-/// A file the walk does not read, and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unused {
-    /// Path relative to the dataset directory, '/'-separated.
-    pub file: String,
-    /// Why it is not read, e.g. `unknown extension .txt`.
-    pub reason: String,
-}
-
 /// Files HF `datasets` writes next to its Arrow files (`save_to_disk`).
 const HF_METADATA: [&str; 3] = ["dataset_info.json", "state.json", "dataset_dict.json"];
 
@@ -97,7 +89,7 @@ fn unused_reason(name: &str) -> String {
 }
 
 /// The reason given for the files of megatron-core's dataset index cache.
-pub(crate) const MEGATRON_CACHE: &str = "megatron-core's dataset index cache";
+pub(crate) const MEGATRON_CACHE: &str = "Megatron's dataset index cache";
 
 /// The last `-`-separated part of the names megatron-core gives the files of its dataset
 /// index cache (`<hash>-GPTDataset-<split>-document_index.npy`; `BlendedDataset` writes
@@ -113,10 +105,15 @@ const MEGATRON_CACHE_FILES: [&str; 6] = [
 
 /// Whether `rel` is a file megatron-core's `GPTDataset` (or another of its datasets) wrote
 /// in its index cache: `cache/<Class>_indices/<hash>-...-{document,sample,shuffle}_index.npy`,
-/// which it puts next to the `.bin` it indexes when `path_to_cache` is not set.
+/// which it puts next to the `.bin` it indexes when `path_to_cache` is not set; or one
+/// Megatron-LM wrote before megatron-core ([`megatron_lm_cache`]).
 fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
-    let (Some(name), Some(dir), Some(cache)) = (parts.next(), parts.next(), parts.next()) else {
+    let name = parts.next().unwrap_or(rel);
+    if megatron_lm_cache(name) {
+        return true;
+    }
+    let (Some(dir), Some(cache)) = (parts.next(), parts.next()) else {
         return false;
     };
     cache == "cache"
@@ -124,6 +121,16 @@ fn megatron_cache(rel: &str) -> bool {
         && name
             .rsplit_once('-')
             .is_some_and(|(_, last)| MEGATRON_CACHE_FILES.contains(&last))
+}
+
+/// Whether `name` is a file of the index cache Megatron-LM wrote before megatron-core, next
+/// to the `.bin` it indexes: `<prefix>_<split>_indexmap_<n>ns_<len>sl_<seed>s_doc_idx.npy`
+/// (and `_sample_idx.npy`, `_shuffle_idx.npy`).
+fn megatron_lm_cache(name: &str) -> bool {
+    name.contains("_indexmap_")
+        && ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"]
+            .iter()
+            .any(|end| name.ends_with(end))
 }
 
 /// How the regular file `rel` (named `name`) is read, or why it is not.
@@ -414,6 +421,11 @@ mod tests {
             format!("{cache}/0a1b-GPTDataset-train-description.txt"),
             // Not a name megatron-core writes: still data.
             format!("{cache}/features.npy"),
+            // Megatron-LM before megatron-core, next to the .bin: its split words made the
+            // folder look like three splits.
+            "corpus_train_indexmap_100ns_2048sl_1234s_doc_idx.npy".to_owned(),
+            "corpus_valid_indexmap_10ns_2048sl_1234s_sample_idx.npy".to_owned(),
+            "corpus_test_indexmap_10ns_2048sl_1234s_shuffle_idx.npy".to_owned(),
         ];
         for f in &names {
             std::fs::write(dir.join(f), b"x").unwrap();
@@ -422,7 +434,7 @@ mod tests {
         let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
         let data = format!("{cache}/features.npy");
         assert_eq!(rels, ["corpus.bin", "corpus.idx", data.as_str()]);
-        assert_eq!(unused.len(), 4, "{unused:?}");
+        assert_eq!(unused.len(), 7, "{unused:?}");
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

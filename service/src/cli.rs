@@ -49,6 +49,10 @@ enum Cmd {
         /// With --tokens: documents end at (and include) this token id.
         #[arg(long, value_name = "ID", requires = "tokens")]
         eos: Option<u64>,
+        /// Index files named for different splits (train.bin beside val.bin, train/ beside
+        /// test/) as one dataset, where the names mislead (refused by default).
+        #[arg(long)]
+        allow_mixed_splits: bool,
     },
     /// Serve datasets to node services.
     Source(SourceFlags),
@@ -398,6 +402,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             skip_unsupported,
             tokens,
             eos,
+            allow_mixed_splits,
         } => {
             let tokens = tokens
                 .map(|d| shardwire_index::RawTokens::new(d, eos))
@@ -408,6 +413,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 columns,
                 skip_unsupported,
                 tokens,
+                allow_mixed_splits,
             };
             index(&dir, manifest_out.as_deref(), &opts)
         }

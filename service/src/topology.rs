@@ -2,14 +2,23 @@
 //! (interface, PCI bus id, NUMA node, devmem capable) and the lanes `serve` would run with this
 //! configuration, each with its distance class and why: the node's own plan
 //! (`shardwire_node::plan_lanes`), rendered by `shardwire_topology` as text or JSON.
+//!
+//! A `sysfs_root` other than `/sys` (a fixture, a copy of another host's tree) is planned from
+//! its own GPUs: this host's CUDA devices, their UUIDs and its devmem probe describe this host,
+//! not that tree (a GPU host showed one lane of a fake 8-GPU tree, with its own GPU's UUID on
+//! the fake GPU of the same bus id). Data addresses are still looked up here, as `serve` looks
+//! them up: the WHY column says which interface each came from, or that it does not exist here.
 
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 use serde::Serialize;
 use shardwire_config::ServeConfig;
-use shardwire_node::{LaneInputs, LaneSpec};
+use shardwire_devmem::ifaddr::IfAddrError;
+use shardwire_gpu::GpuDevice;
+use shardwire_node::{LaneInputs, LaneSpec, PlanError};
 use shardwire_topology::{LanePlan, PairOptions, Topology, Tree};
 
 /// Flags of `shardwire topology` that are configuration keys.
@@ -20,8 +29,11 @@ pub struct TopologyFlags {
     pub sysfs_root: Option<PathBuf>,
 }
 
+/// An interface's IPv4 address (`shardwire_devmem::ifaddr::ipv4` on a host).
+type Ipv4Lookup<'a> = &'a dyn Fn(&str) -> Result<Option<Ipv4Addr>, IfAddrError>;
+
 /// A planned lane in the topology document's shape (lanes without a GPU are not listed: the
-/// text says when the node keeps its single host lane).
+/// text says when none has one).
 fn lane_plan(spec: &LaneSpec, tree: &Tree) -> Option<LanePlan> {
     let gpu = spec.gpu.as_ref()?;
     Some(LanePlan {
@@ -43,6 +55,40 @@ fn lane_plan(spec: &LaneSpec, tree: &Tree) -> Option<LanePlan> {
     })
 }
 
+/// Whether `cfg.sysfs_root` is this host's own tree (`/sys`), which its CUDA devices and its
+/// devmem probe describe.
+fn own_tree(cfg: &ServeConfig) -> bool {
+    cfg.sysfs_root == Path::new(shardwire_topology::DEFAULT_ROOT)
+}
+
+/// The devices of `tree` and the lanes `serve` would plan over them, with `cuda` the CUDA
+/// devices lanes may use and `listed` every device the driver lists (for UUIDs); both are
+/// ignored for a tree that is not this host's ([`own_tree`]).
+fn plan(
+    cfg: &ServeConfig,
+    tree: &Tree,
+    cuda: &[GpuDevice],
+    listed: &[GpuDevice],
+    ipv4: Ipv4Lookup<'_>,
+) -> Result<Topology, PlanError> {
+    let none: &[GpuDevice] = &[];
+    let (cuda, listed) = match own_tree(cfg) {
+        true => (cuda, listed),
+        false => (none, none),
+    };
+    let specs = shardwire_node::plan_lanes(&LaneInputs::of(cfg, tree, cuda), ipv4)?;
+    let mut topo = Topology::from_tree(tree, &PairOptions::default());
+    for g in &mut topo.gpus {
+        let pci = g.pci.to_string();
+        g.uuid = listed
+            .iter()
+            .find(|d| d.pci_bus_id == pci)
+            .and_then(|d| d.uuid.as_deref()?.parse().ok());
+    }
+    topo.lanes = specs.iter().filter_map(|s| lane_plan(s, tree)).collect();
+    Ok(topo)
+}
+
 /// The topology of `cfg.sysfs_root` with the lanes `serve` would plan.
 fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
     let tree = Tree::read(&cfg.sysfs_root)
@@ -54,18 +100,14 @@ fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
     // showing host lanes that would never run.
     let cuda = shardwire_node::cuda_devices(cfg.memory, &probe)
         .context("`serve` would refuse to start with this configuration")?;
-    let inputs = LaneInputs::of(cfg, &tree, &cuda);
-    let specs = shardwire_node::plan_lanes(&inputs, &shardwire_devmem::ifaddr::ipv4)?;
-    let mut topo = Topology::from_tree(&tree, &PairOptions::default());
-    for g in &mut topo.gpus {
-        let pci = g.pci.to_string();
-        g.uuid = probe
-            .devices
-            .iter()
-            .find(|d| d.pci_bus_id == pci)
-            .and_then(|d| d.uuid.as_deref()?.parse().ok());
-    }
-    if cfg.sysfs_root == Path::new(shardwire_topology::DEFAULT_ROOT) {
+    let mut topo = plan(
+        cfg,
+        &tree,
+        &cuda,
+        &probe.devices,
+        &shardwire_devmem::ifaddr::ipv4,
+    )?;
+    if own_tree(cfg) {
         // The probe looks at this host's interfaces: only meaningful for its own tree.
         let nics = shardwire_devmem::probe::probe_nics();
         for n in &mut topo.nics {
@@ -75,7 +117,6 @@ fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
                 .map(|r| r.devmem_capable);
         }
     }
-    topo.lanes = specs.iter().filter_map(|s| lane_plan(s, &tree)).collect();
     Ok(topo)
 }
 
@@ -90,4 +131,58 @@ pub fn run(config: Option<&Path>, flags: &TopologyFlags, json: bool) -> anyhow::
     // A closed pipe (`| head`) ends the output quietly.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_topology::Distance;
+
+    use super::*;
+
+    const FIXTURE: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/sysfs/a3-8gpu-8nic"
+    );
+
+    /// A usable CUDA device at the bus id of the fixture's first GPU.
+    fn local_gpu() -> GpuDevice {
+        GpuDevice {
+            ordinal: 0,
+            name: "this host's GPU".into(),
+            pci_bus_id: "0000:05:00.0".into(),
+            uuid: Some("GPU-5a77fa4e-0000-4000-8000-000000000000".into()),
+            total_memory: 1 << 30,
+            dma_buf_supported: true,
+            vmm_supported: true,
+            gpu_direct_rdma_with_cuda_vmm_supported: true,
+        }
+    }
+
+    fn no_addr(ifname: &str) -> Result<Option<Ipv4Addr>, IfAddrError> {
+        Err(IfAddrError::NoSuchInterface(ifname.to_owned()))
+    }
+
+    #[test]
+    fn another_hosts_tree_is_planned_from_its_own_gpus() {
+        let tree = Tree::read(Path::new(FIXTURE)).expect("fixture tree");
+        let gpu = [local_gpu()];
+        let cfg = ServeConfig {
+            sysfs_root: FIXTURE.into(),
+            ..ServeConfig::default()
+        };
+        let topo = plan(&cfg, &tree, &gpu, &gpu, &no_addr).expect("plan");
+        // Before: this host's one CUDA device made the plan (one lane) and lent its UUID.
+        assert_eq!(topo.lanes.len(), 8, "{:?}", topo.lanes);
+        assert!(topo.lanes.iter().all(|l| l.distance == Some(Distance::Pix)));
+        assert!(
+            topo.gpus.iter().all(|g| g.uuid.is_none()),
+            "{:?}",
+            topo.gpus
+        );
+        // The same tree as this host's own (`/sys`): its CUDA devices are the lanes' GPUs.
+        let own = ServeConfig::default();
+        let topo = plan(&own, &tree, &gpu, &gpu, &no_addr).expect("plan");
+        assert_eq!(topo.lanes.len(), 1, "{:?}", topo.lanes);
+        assert!(topo.gpus[0].uuid.is_some(), "{:?}", topo.gpus[0]);
+    }
 }

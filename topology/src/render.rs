@@ -3,9 +3,9 @@
 
 use std::fmt::Write as _;
 
-use crate::Topology;
-use crate::pair::passed_over;
+use crate::pair::{LanePlan, passed_over};
 use crate::values::{format_ranges, hex16};
+use crate::{Distance, Topology};
 
 /// `-` for a missing value.
 fn or_dash<T: ToString>(v: Option<T>) -> String {
@@ -126,7 +126,13 @@ pub fn render_text(topo: &Topology) -> String {
 
 fn render_lanes(out: &mut String, topo: &Topology) {
     if topo.lanes.is_empty() {
-        out.push_str("\nLanes: none (no GPU: the node keeps its single host lane)\n");
+        // Lanes without a GPU are not listed. With GPUs in the tree, `auto` gives each one a
+        // lane: none here means a lanes table that names no `gpu`.
+        let why = match topo.gpus.is_empty() {
+            true => "no GPU: host lanes only, one unless a lanes table lists more",
+            false => "the lanes table names no gpu: its lanes are host lanes, not listed",
+        };
+        let _ = writeln!(out, "\nLanes: no GPU lane ({why})");
         return;
     }
     let _ = writeln!(out, "\nLanes: {}", topo.lanes.len());
@@ -171,13 +177,45 @@ fn render_lanes(out: &mut String, topo: &Topology) {
         false => &[" ", "LANE", "GPU", "NIC", "DIST", "NUMA", "QUEUES", "WHY"],
     };
     table(out, header, &rows);
-    let warned = topo.lanes.iter().filter(|l| l.warn).count();
-    if warned > 0 {
-        let _ = writeln!(
-            out,
-            "! {warned} lane(s) cross a CPU (PHB/SYS) or have no NIC: GPU-direct receive there is slow or unavailable"
-        );
+    if let Some(line) = warn_footer(&topo.lanes) {
+        let _ = writeln!(out, "{line}");
     }
+}
+
+/// The line under the lanes that explains the `!` marks, counting each cause: a NIC through a
+/// CPU, no NIC, or another reason the lane's WHY gives (its data address is not its NIC's, its
+/// NIC is virtual or not in the tree); `None` when no lane is marked.
+fn warn_footer(lanes: &[LanePlan]) -> Option<String> {
+    let warned: Vec<&LanePlan> = lanes.iter().filter(|l| l.warn).collect();
+    if warned.is_empty() {
+        return None;
+    }
+    let cross = warned
+        .iter()
+        .filter(|l| l.distance.is_some_and(Distance::crosses_cpu))
+        .count();
+    let no_nic = warned
+        .iter()
+        .filter(|l| l.nic.is_none() && !l.distance.is_some_and(Distance::crosses_cpu))
+        .count();
+    let other = warned.len() - cross - no_nic;
+    let parts: Vec<String> = [
+        (cross, "cross a CPU (PHB/SYS)"),
+        (no_nic, "have no NIC"),
+        (
+            other,
+            "see WHY (a data address not the NIC's, or a virtual or unknown NIC)",
+        ),
+    ]
+    .into_iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect();
+    Some(format!(
+        "! {} lane(s) marked: {}: GPU-direct receive there is slow or unavailable",
+        warned.len(),
+        parts.join(", ")
+    ))
 }
 
 #[cfg(test)]
@@ -277,9 +315,46 @@ Lanes: 1
             "{text}"
         );
         assert!(
-            text.ends_with("GPU-direct receive there is slow or unavailable\n"),
+            text.ends_with(
+                "\n! 1 lane(s) marked: 1 have no NIC: GPU-direct receive there is slow or \
+                 unavailable\n"
+            ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_warning_line_counts_each_cause() {
+        // A PIX lane marked for another reason (its data address is not its NIC's): the line
+        // said every marked lane crossed a CPU or had no NIC.
+        let mut t = topo(true);
+        t.lanes[0].warn = true;
+        t.lanes[0].why.push_str("; not an address of eth1");
+        let crossing = LanePlan {
+            lane: 1,
+            distance: Some(Distance::Sys),
+            ..t.lanes[0].clone()
+        };
+        let no_nic = LanePlan {
+            lane: 2,
+            nic: None,
+            nic_pci: None,
+            distance: None,
+            ..t.lanes[0].clone()
+        };
+        t.lanes.extend([crossing, no_nic]);
+        let text = render_text(&t);
+        assert!(
+            text.contains(
+                "! 3 lane(s) marked: 1 cross a CPU (PHB/SYS), 1 have no NIC, 1 see WHY (a data \
+                 address not the NIC's, or a virtual or unknown NIC): "
+            ),
+            "{text}"
+        );
+        t.lanes.truncate(1);
+        let text = render_text(&t);
+        assert!(text.contains("\n! 1 lane(s) marked: 1 see WHY ("), "{text}");
+        assert!(!text.contains("cross a CPU"), "{text}");
     }
 
     #[test]
@@ -290,7 +365,20 @@ Lanes: 1
         ));
         assert_eq!(
             text,
-            "GPUs: 0\n\nNICs: 0\n\nLanes: none (no GPU: the node keeps its single host lane)\n"
+            "GPUs: 0\n\nNICs: 0\n\nLanes: no GPU lane (no GPU: host lanes only, one unless a \
+             lanes table lists more)\n"
         );
+        // GPUs, but no lane with one (a lanes table naming no gpu): it said "no GPU".
+        let mut t = topo(true);
+        t.lanes.clear();
+        let text = render_text(&t);
+        assert!(
+            text.ends_with(
+                "\nLanes: no GPU lane (the lanes table names no gpu: its lanes are host lanes, \
+                 not listed)\n"
+            ),
+            "{text}"
+        );
+        assert!(text.starts_with("GPUs: 1\n"), "{text}");
     }
 }

@@ -6,7 +6,7 @@
 //! `numa_node`/`local_cpulist` of each device. Every path is resolved relative to the
 //! canonicalized root, so a fake tree with relative symlinks works wherever it lies.
 //! Missing or unreadable files are `None`/empty, never errors: only a root that does not
-//! exist is.
+//! exist, or has neither `class/net` nor `bus/pci/devices` (not a sysfs tree), is.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -45,6 +45,14 @@ pub enum SysfsError {
     /// The root is not a directory.
     #[error("sysfs root {0} is not a directory")]
     NotADirectory(PathBuf),
+    /// The root has neither `class/net` nor `bus/pci/devices`: not a sysfs tree (a mistyped
+    /// `sysfs_root`, or the parent of the fixture trees).
+    #[error(
+        "sysfs root {0} has neither class/net nor bus/pci/devices: it is not a sysfs tree; set \
+         sysfs_root (SHARDWIRE_SYSFS_ROOT, --sysfs-root) to /sys or to a tree such as \
+         tests/fixtures/sysfs/a3-8gpu-8nic"
+    )]
+    NotSysfs(PathBuf),
 }
 
 /// An NVIDIA GPU found under `bus/pci/devices`.
@@ -126,16 +134,10 @@ pub struct Tree {
 
 impl Tree {
     /// Reads the tree under `root` (`/sys` on a host). A missing `bus/pci/devices` or
-    /// `class/net` gives no GPUs or NICs (a VM without PCI); only a root that does not
-    /// exist is an error.
+    /// `class/net` gives no GPUs or NICs (a VM without PCI); a root that does not exist, or
+    /// has neither, is an error.
     pub fn read(root: &Path) -> Result<Tree, SysfsError> {
-        let canonical = root.canonicalize().map_err(|source| SysfsError::Root {
-            path: root.to_owned(),
-            source,
-        })?;
-        if !canonical.is_dir() {
-            return Err(SysfsError::NotADirectory(root.to_owned()));
-        }
+        let canonical = sysfs_root(root)?;
         let root = canonical.as_path();
         let mut gpus: Vec<Gpu> = entries(&root.join("bus/pci/devices"))
             .iter()
@@ -180,6 +182,22 @@ impl Tree {
     pub fn cpus_of_node(&self, node: u32) -> &[u32] {
         self.nodes.get(&node).map_or(&[], Vec::as_slice)
     }
+}
+
+/// `root` canonicalized, once it is known to be a sysfs tree: a directory with `class/net` or
+/// `bus/pci/devices` (a VM without PCI still has `class/net/lo`).
+fn sysfs_root(root: &Path) -> Result<PathBuf, SysfsError> {
+    let canonical = root.canonicalize().map_err(|source| SysfsError::Root {
+        path: root.to_owned(),
+        source,
+    })?;
+    if !canonical.is_dir() {
+        return Err(SysfsError::NotADirectory(root.to_owned()));
+    }
+    if !canonical.join("class/net").is_dir() && !canonical.join("bus/pci/devices").is_dir() {
+        return Err(SysfsError::NotSysfs(root.to_owned()));
+    }
+    Ok(canonical)
 }
 
 /// The entries of `dir` as (name, path), sorted by name; none when unreadable. Names that
@@ -429,11 +447,35 @@ mod tests {
     }
 
     #[test]
-    fn a_root_without_pci_is_an_empty_tree() {
-        // The crate's own source directory: a directory with none of the sysfs entries.
+    fn a_root_that_is_no_sysfs_tree_is_refused_naming_the_key() {
+        // The crate's own source directory: a directory with none of the sysfs entries. It
+        // read as an empty tree: no GPU, no NIC, and nothing said why.
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let tree = Tree::read(&root).expect("readable root");
-        assert_eq!(tree, Tree::default());
+        let err = Tree::read(&root).expect_err("not a sysfs tree");
+        assert!(matches!(err, SysfsError::NotSysfs(_)), "{err}");
+        let text = err.to_string();
+        for part in [
+            root.to_str().expect("UTF-8 path"),
+            "class/net",
+            "bus/pci/devices",
+        ] {
+            assert!(text.contains(part), "{text}");
+        }
+        assert!(text.contains("set sysfs_root"), "{text}");
+    }
+
+    #[test]
+    fn a_root_without_pci_is_a_tree_of_virtual_nics() {
+        // A VM without PCI: class/net/lo and nothing else.
+        let root =
+            std::env::temp_dir().join(format!("shardwire-sysfs-nopci-{}", std::process::id()));
+        fs::create_dir_all(root.join("class/net/lo")).expect("mkdir");
+        let tree = Tree::read(&root);
+        let _ = fs::remove_dir_all(&root);
+        let tree = tree.expect("a tree without PCI");
+        assert!(tree.gpus.is_empty());
+        assert_eq!(tree.nics.len(), 1, "{:?}", tree.nics);
+        assert!(tree.nics[0].is_virtual && tree.nics[0].interface == "lo");
         assert_eq!(tree.cpus_of_node(0), &[] as &[u32]);
     }
 

@@ -568,7 +568,10 @@ fn text_report_of_a_fixture() {
         text.contains("  !  0     0000:03:00.0  eth1  SYS   1     8-15    across sockets: GPU on NUMA 0, NIC on NUMA 1\n"),
         "{text}"
     );
-    assert!(text.contains("! 1 lane(s) cross a CPU"), "{text}");
+    assert!(
+        text.contains("! 1 lane(s) marked: 1 cross a CPU (PHB/SYS): "),
+        "{text}"
+    );
 }
 
 #[test]

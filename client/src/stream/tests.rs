@@ -445,6 +445,48 @@ fn a_zero_timeout_takes_a_batch_already_here_while_another_is_held() {
     close(s, node, &at);
 }
 
+/// A late `timeout` answer (to a timed request an earlier call gave up on), then a timeout
+/// of the request this call sends again: the error names the caller's timeout, and the
+/// request asks only for what is left of it. Before, the error named what was left.
+#[test]
+fn a_late_timeout_answer_then_a_timeout_names_the_callers_timeout() {
+    let at = path("late-timeout");
+    let (gave_up, given_up) = std::sync::mpsc::channel::<()>();
+    let node = fake(&at, move |c| {
+        answer_attach(c);
+        let first = request(c);
+        assert_eq!(first["timeout_ms"], 50, "{first}");
+        // Not answered in time: the first call gives up; the answer comes during the second.
+        given_up.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(600));
+        send_response(c, &Response::Timeout);
+        let again = request(c);
+        assert_eq!(again["op"], "next");
+        let left = again["timeout_ms"].as_u64().expect("a timed request");
+        assert!(left <= 450, "asks for what is left of 1 s: {again}");
+        std::thread::sleep(Duration::from_millis(left));
+        send_response(c, &Response::Timeout);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let first = Duration::from_millis(50);
+    match s.next_timeout(first) {
+        Err(ClientError::Timeout(t)) => assert_eq!(t, first),
+        other => panic!("{:?}", other.map(|b| b.map(|b| b.lease))),
+    }
+    gave_up.send(()).unwrap();
+    let timeout = Duration::from_secs(1);
+    let t0 = Instant::now();
+    match s.next_timeout(timeout) {
+        Err(ClientError::Timeout(t)) => assert_eq!(t, timeout, "the caller's own"),
+        other => panic!("{:?}", other.map(|b| b.map(|b| b.lease))),
+    }
+    // The node's answer may come up to NODE_TIMEOUT_SLACK late; a little room for the clock.
+    let most = timeout + NODE_TIMEOUT_SLACK + Duration::from_millis(200);
+    assert!(t0.elapsed() < most, "{:?}", t0.elapsed());
+    assert!(s.broken.is_none(), "{:?}", s.broken);
+    close(s, node, &at);
+}
+
 #[test]
 fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
     let at = path("handoff");

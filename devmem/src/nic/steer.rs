@@ -25,6 +25,34 @@ const ETHTOOL_SRXCLSRLDEL: u32 = 0x31;
 const ETHTOOL_SRXCLSRLINS: u32 = 0x32;
 const ETHTOOL_GRXFHINDIR: u32 = 0x38;
 const ETHTOOL_SRXFHINDIR: u32 = 0x39;
+/// Every `SIOCETHTOOL` command this module sends. [`crate::sys::ethtool_ioctl`] refuses one
+/// whose struct length it does not know, so the tests in `sys` send each: a new `ETHTOOL_*`
+/// command goes here (they check that every one declared in this file is listed), and in
+/// [`READS`] if it only reads.
+#[cfg(test)]
+pub(crate) const SENT: [u32; 10] = [
+    ETHTOOL_GFLAGS,
+    ETHTOOL_SFLAGS,
+    ETHTOOL_GRXRINGS,
+    ETHTOOL_GRXCLSRLCNT,
+    ETHTOOL_GRXCLSRULE,
+    ETHTOOL_GRXCLSRLALL,
+    ETHTOOL_SRXCLSRLDEL,
+    ETHTOOL_SRXCLSRLINS,
+    ETHTOOL_GRXFHINDIR,
+    ETHTOOL_SRXFHINDIR,
+];
+/// The commands of [`SENT`] that only read: the tests send them to `lo` (the writes are
+/// not sent, even there).
+#[cfg(test)]
+pub(crate) const READS: [u32; 6] = [
+    ETHTOOL_GFLAGS,
+    ETHTOOL_GRXRINGS,
+    ETHTOOL_GRXCLSRLCNT,
+    ETHTOOL_GRXCLSRULE,
+    ETHTOOL_GRXCLSRLALL,
+    ETHTOOL_GRXFHINDIR,
+];
 const TCP_V4_FLOW: u32 = 1;
 const RX_CLS_LOC_ANY: u32 = 0xffff_ffff;
 /// Set in `ETHTOOL_GRXCLSRLCNT`'s `data` by a driver that picks a rule's location itself.

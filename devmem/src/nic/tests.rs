@@ -542,14 +542,15 @@ fn removing_a_rule_drops_its_own_entry_not_another_at_its_location() {
         .unwrap_err();
     assert!(matches!(e, NicError::Restored), "{e}");
     assert_eq!(on_disk(&path), [a.change(), b.change()]);
-    j.remove_journaled(a, || Ok(())).unwrap();
+    let removed = || -> Result<RuleUndo, NicError> { Ok(RuleUndo::Removed) };
+    assert_eq!(j.remove_journaled(a, removed).unwrap(), RuleUndo::Removed);
     assert_eq!(on_disk(&path), [b.change()], "B's entry stays");
     assert_eq!(j.state().changes, [b.change()]);
     // A rule of the same location and match but another queue is not B's either.
-    j.remove_journaled(InsertedRule { queue: 9, ..b }, || Ok(()))
+    j.remove_journaled(InsertedRule { queue: 9, ..b }, removed)
         .unwrap();
     assert_eq!(on_disk(&path), [b.change()]);
-    j.remove_journaled(b, || Ok(())).unwrap();
+    j.remove_journaled(b, removed).unwrap();
     assert!(on_disk(&path).is_empty());
     drop(j);
     std::fs::remove_file(&path).unwrap();
@@ -604,4 +605,86 @@ fn a_pending_rule_undo_leaves_the_rules_that_matched_before_it() {
             existing: Vec::new(),
         }
     );
+}
+
+#[test]
+fn a_rule_left_on_the_nic_is_returned_for_the_caller_to_log() {
+    // Before, the undo of a closed connection's rule printed a plain-text warning itself
+    // (into the node's JSON log, and without the restore's prefix) and returned nothing.
+    let path = state_path("left");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let a = InsertedRule {
+        location: 1022,
+        rule: steer::Tcp4Match::port(7401),
+        queue: 2,
+    };
+    j.record(a.change()).unwrap();
+    let left = RuleUndo::NotOurs { location: 1022 };
+    let done = j.remove_journaled(a, || Ok(left.clone())).unwrap();
+    assert_eq!(done, left);
+    assert!(
+        on_disk(&path).is_empty(),
+        "the entry is dropped: the rule is not ours"
+    );
+    assert_eq!(
+        left.to_string(),
+        "the rule at location 1022 is not the one shardwire journaled there; left as it is"
+    );
+    let prior = RuleUndo::PriorLeft {
+        locations: vec![4, 5],
+    };
+    assert!(prior.to_string().contains("[4, 5]"), "{prior}");
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_connection_rule_is_inserted_without_reading_every_rule_on_the_nic() {
+    // Before, every connection's rule on a driver that picks locations first read every
+    // rule on the NIC (one per live connection) to record those that matched already.
+    let path = state_path("prior");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40005".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let other = steer::Tcp4Match::port(7401);
+    let entry = |location, rule: Option<steer::Tcp4Match>, queue| Change::Rule {
+        location,
+        rule,
+        queue: rule.map(|_| queue),
+    };
+    // This journal's own rule for the same 4-tuple (an earlier connection's, whose delete
+    // failed) at 12; not the same rule: another queue, another match, an old entry.
+    for c in [
+        entry(12, Some(m), 2),
+        entry(13, Some(m), 3),
+        entry(14, Some(other), 2),
+        entry(15, None, 2),
+    ] {
+        j.record(c).unwrap();
+    }
+    let not_read = || -> Result<Vec<u32>, NicError> { panic!("the NIC's rules were read") };
+    let flow = j.prior_rules(RuleKind::Flow, None, &m, 2, not_read);
+    assert_eq!(flow.unwrap(), [12], "only the journal's own");
+    // A port rule's are read from the NIC: an operator's identical rule may be there.
+    let port = j.prior_rules(RuleKind::Port, None, &other, 2, || Ok(vec![4]));
+    assert_eq!(port.unwrap(), [4]);
+    for kind in [RuleKind::Flow, RuleKind::Port] {
+        let placed = j.prior_rules(kind, Some(9), &m, 2, not_read);
+        assert!(
+            placed.unwrap().is_empty(),
+            "no marker where the location is chosen"
+        );
+    }
+    // A crash mid-insertion: the marker's undo takes the new rule (30) for the one being
+    // added and leaves 12 to its own entry, rather than refusing both as ambiguous.
+    assert_eq!(
+        pending_rule_candidates(vec![12, 30], &[12]),
+        (vec![30], vec![12])
+    );
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
 }

@@ -299,25 +299,42 @@ impl VmmRegion {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Copies `bytes` to `offset` (synchronous; setup and tests).
+    /// Copies `bytes` to `offset` (synchronous: a receive's bytes that landed in host memory,
+    /// an assembly's zeroes and offsets, setup and tests). The caller writes only bytes it
+    /// holds (its slab's); nothing here checks that.
     pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
         self.range(offset, bytes.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`, device
-        // memory of its own (`cuMemCreate`, never host memory), so the copy writes no memory
-        // Rust owns. Nothing here checks that the caller owns those bytes: a write racing
-        // another slab owner's queued work would leave those device bytes indeterminate (a
-        // wrong payload, caught by its CRC), not break memory safety. The node's callers
-        // (setup, self-test) write regions no stream uses yet.
+        // SAFETY: `copy_to_device` asks for device memory of `self.dev` that the caller owns
+        // and that nothing else reads or writes meanwhile. The range was checked to lie inside
+        // this region: memory this value allocated on `self.dev` (`cuMemCreate`, a device
+        // location) and keeps mapped while borrowed, at addresses reserved for it, which only
+        // the device may access (`cuMemSetAccess`): no host memory, and no CPU pointer into
+        // it exists. That nothing else touches those bytes meanwhile is not checked here (any
+        // holder of `&self` may name any range): it is the slab allocator's invariant, kept by
+        // the callers, each writing only the slab it holds (a receive the slab it fills; an
+        // assembly its output slab, before its gather is launched and after it is done; setup
+        // and tests, regions no one uses yet). Broken, it races on device memory that no Rust
+        // reference points into: wrong bytes in a batch, not undefined behaviour in this
+        // process, as for `Engines::gather` and `Engines::copy`, which write a region through
+        // a shared `&VmmRegion` too.
         unsafe { copy_to_device(&self.dev, self.device_ptr() + offset as u64, bytes) }
     }
 
-    /// Copies `out.len()` bytes from `offset` (synchronous; tests and the CPU check).
+    /// Copies `out.len()` bytes from `offset` (synchronous: [`crate::slab::Slab::read`], for
+    /// the HTTP API, and tests). The caller reads only bytes nothing writes meanwhile (a
+    /// leased batch's); nothing here checks that.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
         self.range(offset, out.len())?;
-        // SAFETY: the range was checked to lie inside this live region of `self.dev`, and
-        // `out` is a buffer of exactly that length the copy may write. Queued work writing
-        // those device bytes meanwhile (nothing here rules it out) would only make what is
-        // read indeterminate bytes, not break memory safety.
+        // SAFETY: `copy_to_host` asks for live device memory of `self.dev` that nothing writes
+        // meanwhile. The range was checked to lie inside this region, memory of `self.dev`
+        // kept mapped while `self` is borrowed; `out`, uniquely borrowed host memory of
+        // exactly that length, is what the copy writes. That nothing writes those device bytes
+        // meanwhile is not checked here: it is the callers' part. The node reads only a leased
+        // batch's slab (`Slab::read`), filled before it was leased and kept from reuse by the
+        // slab the copy holds; tests read what they wrote. Broken, it races on device memory
+        // that no Rust reference points into (only the device may access the region): `out`
+        // gets old or new bytes, each written by the copy, not undefined behaviour in this
+        // process.
         unsafe { copy_to_host(&self.dev, out, self.device_ptr() + offset as u64) }
     }
 

@@ -308,8 +308,14 @@ pub fn setup_nic(
 /// Deletes port rules added to a joined setup (their lane did not bind).
 fn unsteer_ports(s: &mut nic::NicSetup, rules: &[nic::InsertedRule]) {
     for &l in rules {
-        if let Err(e) = s.remove_flow(l) {
-            tracing::warn!(location = l.location, error = %e, "deleting a port rule of a lane that did not bind failed");
+        match s.remove_flow(l) {
+            Ok(nic::RuleUndo::Removed) => {}
+            Ok(left) => {
+                tracing::warn!(location = l.location, outcome = %left, "a port rule of a lane that did not bind was not deleted");
+            }
+            Err(e) => {
+                tracing::warn!(location = l.location, error = %e, "deleting a port rule of a lane that did not bind failed");
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ use shardwire_devmem::emu::host::{EmuHost, EmuRule, Flow, HostError};
 use shardwire_devmem::emu::{EmuBinding, EmuConfig, EmuError};
 use shardwire_devmem::mem::DmabufMem;
 use shardwire_devmem::nic::steer::Tcp4Flow;
-use shardwire_devmem::nic::{InsertedRule, NicSetup};
+use shardwire_devmem::nic::{InsertedRule, NicSetup, RuleUndo};
 use shardwire_devmem::{DevmemRecv, DevmemSocket, RxBinding};
 use shardwire_gpu::cuda::{CudaMemory, DeviceRange, HostMapped, VmmRegion};
 
@@ -539,9 +539,16 @@ impl RxRegion {
         else {
             return;
         };
+        // The setup's lock is released before logging.
         let removed = share.setup().remove_flow(rule);
-        if let Err(e) = removed {
-            tracing::warn!(%ifname, location = rule.location, error = %e, "deleting a closed connection's steering rule failed");
+        match removed {
+            Ok(RuleUndo::Removed) => {}
+            Ok(left) => {
+                tracing::warn!(%ifname, location = rule.location, outcome = %left, "a closed connection's steering rule was not deleted");
+            }
+            Err(e) => {
+                tracing::warn!(%ifname, location = rule.location, error = %e, "deleting a closed connection's steering rule failed");
+            }
         }
         let mut steered = steered.lock().unwrap_or_else(|p| p.into_inner());
         steered[at] = steered[at].saturating_sub(1);

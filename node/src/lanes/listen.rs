@@ -1,10 +1,12 @@
 //! The data listeners of a node's lanes: one socket per distinct lane address, where lanes
 //! that share a NIC share its address (their connections are told apart by the source's
 //! announcement), a wildcard on a port serves every lane on that port and address family
-//! (one cannot bind a wildcard and a specific address to one port), and port 0 gets an
-//! ephemeral port of its own per lane. [`group`] is the pure rule.
+//! (one cannot bind a wildcard and a specific address to one port), `[::]` every lane on its
+//! port of either family (bound without `IPV6_V6ONLY`, as Linux binds it by default, it is
+//! dual-stack and holds the port for IPv4 too), and port 0 gets an ephemeral port of its own
+//! per lane. [`group`] is the pure rule.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// One listener to bind and the lanes it serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,25 +17,32 @@ pub struct Listener {
     pub lanes: Vec<u32>,
 }
 
+/// The wildcard some lane asks for on `a`'s port that also holds `a`: `[::]` for either
+/// family (dual-stack: binding it beside `10.0.1.5:7401` failed with EADDRINUSE), else
+/// `0.0.0.0` for an IPv4 `a`.
+fn wildcard_for(lanes: &[(u32, SocketAddr)], a: SocketAddr) -> Option<SocketAddr> {
+    let asked = |ip: IpAddr| {
+        lanes
+            .iter()
+            .any(|(_, w)| w.ip() == ip && w.port() == a.port())
+    };
+    let (v6, v4) = (
+        IpAddr::from(Ipv6Addr::UNSPECIFIED),
+        IpAddr::from(Ipv4Addr::UNSPECIFIED),
+    );
+    if asked(v6) {
+        return Some(SocketAddr::new(v6, a.port()));
+    }
+    (a.is_ipv4() && asked(v4)).then_some(SocketAddr::new(v4, a.port()))
+}
+
 /// The listeners of lanes `(id, data_listen)`, in the order of their first lane.
 pub fn group(lanes: &[(u32, SocketAddr)]) -> Vec<Listener> {
-    let wildcard_on = |a: &SocketAddr| {
-        lanes.iter().any(|(_, w)| {
-            w.ip().is_unspecified() && w.port() == a.port() && w.is_ipv4() == a.is_ipv4()
-        })
-    };
     let mut out: Vec<Listener> = Vec::new();
     for &(id, addr) in lanes {
         let bind = match addr.port() {
             0 => None,
-            _ if wildcard_on(&addr) => Some(SocketAddr::new(
-                match addr {
-                    SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
-                    SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
-                },
-                addr.port(),
-            )),
-            _ => Some(addr),
+            _ => Some(wildcard_for(lanes, addr).unwrap_or(addr)),
         };
         match bind.and_then(|b| out.iter_mut().find(|l| l.addr == b)) {
             Some(l) => l.lanes.push(id),
@@ -90,6 +99,35 @@ mod tests {
                 ("0.0.0.0:7401".into(), vec![0, 1]),
                 ("10.0.2.5:7402".into(), vec![2]),
                 ("[fd00::1]:7401".into(), vec![3]),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_v6_wildcard_serves_the_ipv4_lanes_on_its_port_too() {
+        // `[::]` is dual-stack: beside it, 10.0.1.5:7401 and 0.0.0.0:7401 got listeners of
+        // their own, and binding them failed with EADDRINUSE.
+        let got = group(&lanes(&[
+            "10.0.1.5:7401",
+            "[::]:7401",
+            "0.0.0.0:7401",
+            "[fd00::1]:7401",
+            "10.0.2.5:7402",
+        ]));
+        assert_eq!(
+            shown(&got),
+            [
+                ("[::]:7401".into(), vec![0, 1, 2, 3]),
+                ("10.0.2.5:7402".into(), vec![4]),
+            ]
+        );
+        // An IPv4 wildcard does not hold IPv6 addresses.
+        let got = group(&lanes(&["0.0.0.0:7401", "[fd00::1]:7401"]));
+        assert_eq!(
+            shown(&got),
+            [
+                ("0.0.0.0:7401".into(), vec![0]),
+                ("[fd00::1]:7401".into(), vec![1]),
             ]
         );
     }
