@@ -66,7 +66,8 @@ pub struct LanePlan {
     pub data_addr: Option<String>,
     /// One line: why this NIC, and how its queues are shared.
     pub why: String,
-    /// The lane crosses a CPU (PHB, SYS) or has no NIC.
+    /// The lane crosses a CPU (PHB, SYS) or has no NIC (the plan also marks lanes whose data
+    /// address is not their NIC's, and table lanes on a virtual or unknown NIC).
     pub warn: bool,
 }
 

@@ -347,7 +347,7 @@ pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneSt
     })
 }
 
-/// One log line per lane (a warning when its pairing crosses a CPU or it has no NIC) and per
+/// One log line per lane (a warning when the plan marks it: see its `why`) and per
 /// GPU left out.
 fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
     let source = match cfg {
@@ -365,7 +365,7 @@ fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
         let memory = if l.cuda.is_some() { "cuda" } else { "host" };
         if s.warn {
             tracing::warn!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why,
-                "lane: its GPU and NIC are far apart or it has no NIC (GPU-direct receive is slow or unavailable there)");
+                "lane: GPU-direct receive is slow or unavailable there (its GPU and NIC are far apart, it has no NIC, or its data address is not its NIC's: see why)");
         } else {
             tracing::info!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why, "lane");
         }
