@@ -464,11 +464,12 @@ fn add_skipped(
 
 /// The first [`error::UNUSED_SHOWN`] of `unused` to name in an error: files of a data
 /// format first (their reasons say what to fix, e.g. a `.mds` without its `index.json`),
-/// then the others (unknown extensions, metadata), which can be many.
+/// then the others (unknown extensions, metadata, Megatron's index caches), which can be
+/// many.
 fn shown_first(unused: &[Unused]) -> Vec<Unused> {
     let data = |u: &&Unused| {
         let name = u.file.rsplit('/').next().unwrap_or(&u.file);
-        walk::Kind::of(name).is_some()
+        Kind::of(name).is_some() && u.reason != walk::MEGATRON_CACHE
     };
     let (mut shown, rest): (Vec<&Unused>, Vec<&Unused>) = unused.iter().partition(data);
     shown.extend(rest);

@@ -110,10 +110,11 @@ const MEGATRON_CACHE_FILES: [&str; 6] = [
 fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
-    if megatron_lm_cache(name) {
+    let dir = parts.next();
+    if megatron_lm_cache(name) || (dir == Some("index-cache") && hashed_cache(name)) {
         return true;
     }
-    let (Some(dir), Some(cache)) = (parts.next(), parts.next()) else {
+    let (Some(dir), Some(cache)) = (dir, parts.next()) else {
         return false;
     };
     cache == "cache"
@@ -123,14 +124,32 @@ fn megatron_cache(rel: &str) -> bool {
             .is_some_and(|(_, last)| MEGATRON_CACHE_FILES.contains(&last))
 }
 
-/// Whether `name` is a file of the index cache Megatron-LM wrote before megatron-core, next
-/// to the `.bin` it indexes: `<prefix>_<split>_indexmap_<n>ns_<len>sl_<seed>s_doc_idx.npy`
-/// (and `_sample_idx.npy`, `_shuffle_idx.npy`).
+/// Whether `name` is a file of the index caches Megatron-LM wrote before megatron-core, next
+/// to the `.bin` it indexes: GPT's `<prefix>_<split>_indexmap_<n>ns_<len>sl_<seed>s_doc_idx.npy`
+/// (and `_sample_idx.npy`, `_shuffle_idx.npy`), BERT's and T5's samples mapping
+/// `<prefix>_<split>_indexmap_<n>mns_<len>msl_<p>ssp_<seed>s.npy`.
 fn megatron_lm_cache(name: &str) -> bool {
-    name.contains("_indexmap_")
-        && ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"]
-            .iter()
-            .any(|end| name.ends_with(end))
+    let Some((_, map)) = name.split_once("_indexmap_") else {
+        return false;
+    };
+    let gpt = ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"]
+        .iter()
+        .any(|end| map.ends_with(end));
+    gpt || (map.contains("msl_") && map.ends_with("s.npy"))
+}
+
+/// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) writes
+/// into `index-cache/` beside the `.bin`: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`.
+fn hashed_cache(name: &str) -> bool {
+    let stem = [
+        "_doc_idx.npy",
+        "_sample_idx.npy",
+        "_shuffle_idx.npy",
+        ".dsc",
+    ]
+    .iter()
+    .find_map(|end| name.strip_suffix(end));
+    stem.is_some_and(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// How the regular file `rel` (named `name`) is read, or why it is not.
@@ -412,6 +431,7 @@ mod tests {
         let cache = "corpus/cache/GPTDataset_indices";
         let dir = crate::testutil::temp_dir("walk-mcore-cache");
         std::fs::create_dir_all(dir.join(cache)).unwrap();
+        std::fs::create_dir_all(dir.join("index-cache")).unwrap();
         let names = [
             "corpus.bin".to_owned(),
             "corpus.idx".to_owned(),
@@ -426,6 +446,12 @@ mod tests {
             "corpus_train_indexmap_100ns_2048sl_1234s_doc_idx.npy".to_owned(),
             "corpus_valid_indexmap_10ns_2048sl_1234s_sample_idx.npy".to_owned(),
             "corpus_test_indexmap_10ns_2048sl_1234s_shuffle_idx.npy".to_owned(),
+            "bert_text_sentence_train_indexmap_1000mns_512msl_0.10ssp_1234s.npy".to_owned(),
+            "index-cache/0123456789abcdef0123456789abcdef_doc_idx.npy".to_owned(),
+            "index-cache/0123456789abcdef0123456789abcdef.dsc".to_owned(),
+            // Data that only looks alike: kept.
+            "index-cache/embeddings.npy".to_owned(),
+            "corpus_indexmap.npy".to_owned(),
         ];
         for f in &names {
             std::fs::write(dir.join(f), b"x").unwrap();
@@ -433,8 +459,15 @@ mod tests {
         let (found, unused) = collect(&dir).unwrap();
         let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
         let data = format!("{cache}/features.npy");
-        assert_eq!(rels, ["corpus.bin", "corpus.idx", data.as_str()]);
-        assert_eq!(unused.len(), 7, "{unused:?}");
+        let want = [
+            "corpus.bin",
+            "corpus.idx",
+            data.as_str(),
+            "corpus_indexmap.npy",
+            "index-cache/embeddings.npy",
+        ];
+        assert_eq!(rels, want);
+        assert_eq!(unused.len(), 10, "{unused:?}");
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"
@@ -442,7 +475,7 @@ mod tests {
         // An object-store listing follows the same rule.
         let listing = names.iter().map(|n| (n.as_str(), 1));
         let (found, unused) = from_listing(listing, |r| PathBuf::from(format!("s3://b/{r}")));
-        assert_eq!(found.len(), 3);
+        assert_eq!(found.len(), 5);
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

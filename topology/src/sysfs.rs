@@ -185,7 +185,9 @@ impl Tree {
 }
 
 /// `root` canonicalized, once it is known to be a sysfs tree: a directory with `class/net` or
-/// `bus/pci/devices` (a VM without PCI still has `class/net/lo`).
+/// `bus/pci/devices` (a VM without PCI still has `class/net/lo`). `/sys` itself is taken as
+/// it is (a sandbox without sysfs mounted there reads as a host without GPUs or NICs, as
+/// before): only a configured root is refused.
 fn sysfs_root(root: &Path) -> Result<PathBuf, SysfsError> {
     let canonical = root.canonicalize().map_err(|source| SysfsError::Root {
         path: root.to_owned(),
@@ -194,7 +196,9 @@ fn sysfs_root(root: &Path) -> Result<PathBuf, SysfsError> {
     if !canonical.is_dir() {
         return Err(SysfsError::NotADirectory(root.to_owned()));
     }
-    if !canonical.join("class/net").is_dir() && !canonical.join("bus/pci/devices").is_dir() {
+    let own = root == Path::new(DEFAULT_ROOT);
+    if !own && !canonical.join("class/net").is_dir() && !canonical.join("bus/pci/devices").is_dir()
+    {
         return Err(SysfsError::NotSysfs(root.to_owned()));
     }
     Ok(canonical)

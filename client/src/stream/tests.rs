@@ -463,8 +463,11 @@ fn a_late_timeout_answer_then_a_timeout_names_the_callers_timeout() {
         let again = request(c);
         assert_eq!(again["op"], "next");
         let left = again["timeout_ms"].as_u64().expect("a timed request");
-        assert!(left <= 450, "asks for what is left of 1 s: {again}");
-        std::thread::sleep(Duration::from_millis(left));
+        // About 400 ms is left; room for a descheduled thread on a loaded machine (the old
+        // code asked for the whole second again).
+        assert!(left <= 700, "asks for what is left of 1 s: {again}");
+        // Answered a little early, so that the client reads it before its slack runs out.
+        std::thread::sleep(Duration::from_millis(left.saturating_sub(100)));
         send_response(c, &Response::Timeout);
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");

@@ -311,7 +311,7 @@ fn unsteer_ports(s: &mut nic::NicSetup, rules: &[nic::InsertedRule]) {
         match s.remove_flow(l) {
             Ok(nic::RuleUndo::Removed) => {}
             Ok(left) => {
-                tracing::warn!(location = l.location, outcome = %left, "a port rule of a lane that did not bind was not deleted");
+                tracing::warn!(location = l.location, outcome = %left, "a port rule of a lane that did not bind: nothing deleted (see outcome)");
             }
             Err(e) => {
                 tracing::warn!(location = l.location, error = %e, "deleting a port rule of a lane that did not bind failed");

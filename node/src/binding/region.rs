@@ -544,7 +544,7 @@ impl RxRegion {
         match removed {
             Ok(RuleUndo::Removed) => {}
             Ok(left) => {
-                tracing::warn!(%ifname, location = rule.location, outcome = %left, "a closed connection's steering rule was not deleted");
+                tracing::warn!(%ifname, location = rule.location, outcome = %left, "a closed connection's steering rule: nothing deleted (see outcome)");
             }
             Err(e) => {
                 tracing::warn!(%ifname, location = rule.location, error = %e, "deleting a closed connection's steering rule failed");

@@ -2,9 +2,9 @@
 //! that share a NIC share its address (their connections are told apart by the source's
 //! announcement), a wildcard on a port serves every lane on that port and address family
 //! (one cannot bind a wildcard and a specific address to one port), `[::]` every lane on its
-//! port of either family (bound without `IPV6_V6ONLY`, as Linux binds it by default, it is
-//! dual-stack and holds the port for IPv4 too), and port 0 gets an ephemeral port of its own
-//! per lane. [`group`] is the pure rule.
+//! port of either family (bound with `IPV6_V6ONLY` off whatever `net.ipv6.bindv6only` says,
+//! it is dual-stack and holds the port for IPv4 too), and port 0 gets an ephemeral port of its
+//! own per lane. [`group`] is the pure rule, [`bind`] binds one listener.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -36,6 +36,23 @@ fn wildcard_for(lanes: &[(u32, SocketAddr)], a: SocketAddr) -> Option<SocketAddr
     (a.is_ipv4() && asked(v4)).then_some(SocketAddr::new(v4, a.port()))
 }
 
+/// Binds a listener on `addr` as `tokio::net::TcpListener::bind` does (`SO_REUSEADDR`, a
+/// backlog of 1024), but a `[::]` listener dual-stack explicitly: [`group`] gives it the IPv4
+/// lanes of its port, which a host with `net.ipv6.bindv6only = 1` would leave unreachable.
+/// Call inside a Tokio runtime.
+pub fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.ip() == IpAddr::from(Ipv6Addr::UNSPECIFIED) {
+        sock.set_only_v6(false)?;
+    }
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1024)?;
+    sock.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
 /// The listeners of lanes `(id, data_listen)`, in the order of their first lane.
 pub fn group(lanes: &[(u32, SocketAddr)]) -> Vec<Listener> {
     let mut out: Vec<Listener> = Vec::new();
@@ -58,6 +75,21 @@ pub fn group(lanes: &[(u32, SocketAddr)]) -> Vec<Listener> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_v6_wildcard_listener_is_dual_stack_whatever_the_sysctl() {
+        let l = bind("[::]:0".parse().unwrap()).unwrap();
+        assert!(!socket2::SockRef::from(&l).only_v6().unwrap());
+        let port = l.local_addr().unwrap().port();
+        let dial = tokio::net::TcpStream::connect(("127.0.0.1", port));
+        let (accepted, dialed) = tokio::join!(l.accept(), dial);
+        let (_, peer) = accepted.unwrap();
+        dialed.unwrap();
+        assert_eq!(peer.ip().to_canonical(), IpAddr::from(Ipv4Addr::LOCALHOST));
+        // A specific address binds as before, and a second bind of a port in use fails.
+        let v4 = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        assert!(bind(v4.local_addr().unwrap()).is_err());
+    }
 
     fn lanes(addrs: &[&str]) -> Vec<(u32, SocketAddr)> {
         addrs

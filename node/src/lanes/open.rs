@@ -236,7 +236,7 @@ fn memory_decision(
 }
 
 /// Binds the listeners of `specs` (ids `0..n`); returns them and each lane's bound address.
-async fn bind_listeners(
+fn bind_listeners(
     specs: &[LaneSpec],
 ) -> Result<(Vec<tokio::net::TcpListener>, Vec<SocketAddr>), LaneStartError> {
     let plan: Vec<Listener> = listen::group(
@@ -248,13 +248,11 @@ async fn bind_listeners(
     let mut bound = vec![None; specs.len()];
     let mut out = Vec::with_capacity(plan.len());
     for l in plan {
-        let sock = tokio::net::TcpListener::bind(l.addr)
-            .await
-            .map_err(|source| LaneStartError::Bind {
-                lanes: l.lanes.clone(),
-                addr: l.addr,
-                source,
-            })?;
+        let sock = listen::bind(l.addr).map_err(|source| LaneStartError::Bind {
+            lanes: l.lanes.clone(),
+            addr: l.addr,
+            source,
+        })?;
         let port = sock.local_addr().expect("bound").port();
         for id in &l.lanes {
             let ip = specs[*id as usize].data_listen.ip();
@@ -319,7 +317,7 @@ pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneSt
             ..s.clone()
         })
         .collect();
-    let (listeners, addrs) = bind_listeners(&specs).await?;
+    let (listeners, addrs) = bind_listeners(&specs)?;
     let allowed = affinity::allowed();
     let lanes: Vec<Arc<Lane>> = specs
         .into_iter()
