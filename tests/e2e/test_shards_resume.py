@@ -9,7 +9,11 @@ In both modes (shard and batch), through `StatefulDataLoader` with 0 and 2 worke
 checkpoint saved after an epoch ended and resumed with `set_epoch(e + 1)` delivers that epoch
 in full; a checkpoint taken right after a resume, before its first item, keeps the loaded
 position; a batch-mode checkpoint at the last batch (each worker's position at the start of
-the next epoch, at its own index there) resumes to nothing."""
+the next epoch, at its own index there) resumes to nothing. A worker that has yielded nothing
+since `iter(dataset)` checkpoints the start of its share (not the previous iteration's end, nor
+the main process's position); an error in a worker is continued exactly (one persistent
+worker by iterating again, two through `loader.load_state_dict(loader.state_dict())`); a
+`bad_plan` of the workers' streams and a state of the wrong shape say what is wrong."""
 
 from __future__ import annotations
 
@@ -583,3 +587,144 @@ def test_a_persistent_workers_checkpoint_right_after_set_epoch_names_the_new_epo
     with open_at_epoch(shardwire.connect(node.socket), "s", start_epoch=1, seed=3) as s:
         want = [ids(b) for b in s]
     assert got == want, "epoch 1 in full, nothing of epoch 0"
+
+
+def fork_loader(stateful, ds, workers: int = 2, persistent: bool = False) -> Any:
+    """A StatefulDataLoader of `ds` whose workers are forked (they inherit the test's patches)."""
+    return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent,
+                                       multiprocessing_context="fork")
+
+
+def mode_dataset(node, mode: str) -> Any:
+    from shardwire.torch import IterableDataset
+
+    return IterableDataset("s", socket=node.socket, seed=3, timeout=60, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_persistent_worker_that_yielded_nothing_since_a_repeated_epoch_began_resumes_its_share(node, stateful, mode):
+    """Epoch 0 to its end with 2 persistent workers, then again (no `set_epoch`), and a
+    checkpoint after 1 item: worker 1 has yielded nothing in the new iteration, so torchdata
+    keeps the state its dataset reported right after `iter(dataset)`. `__iter__` was a
+    generator, which reset the state only at its first item: that state was the position where
+    the previous iteration ended, and the resumed run skipped worker 1's whole share."""
+    full = [ids(item) for item in fork_loader(stateful, mode_dataset(node, mode))]
+    dl = fork_loader(stateful, mode_dataset(node, mode), persistent=True)
+    assert [ids(item) for item in dl] == full  # epoch 0, to the end
+    it = iter(dl)  # epoch 0 again: the persistent workers' datasets hold where it ended
+    head = [ids(next(it))]
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    w1 = sd["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]
+    assert w1 == {"epoch": 0, "stream": None}, "worker 1's state is the start of its share"
+    dl2 = fork_loader(stateful, mode_dataset(node, mode))
+    dl2.load_state_dict(sd)
+    assert head + [ids(item) for item in dl2] == full, "each item once, worker 1's too"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_worker_does_not_checkpoint_the_position_of_the_main_processs_iteration(node, stateful, mode):
+    """The main process peeks at the dataset (`next(iter(ds))`: stream rank 0 of 1), then a
+    DataLoader with 2 workers takes 1 item and saves a checkpoint. Worker 1, which yielded
+    nothing, reported the position of the main process's iteration it was forked with (a
+    state of world size 1): resumed, it was refused with `state_mismatch` on `world_size`."""
+    full = [ids(item) for item in fork_loader(stateful, mode_dataset(node, mode))]
+    ds = mode_dataset(node, mode)
+    assert ids(next(iter(ds)))  # the peek: the main process's own stream, one item taken
+    dl = fork_loader(stateful, ds)
+    it = iter(dl)
+    head = [ids(next(it))]
+    sd = copy.deepcopy(dl.state_dict())
+    del it, dl
+    assert sd["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"] == {"epoch": 0, "stream": None}
+    dl2 = fork_loader(stateful, mode_dataset(node, mode))
+    dl2.load_state_dict(sd)
+    assert head + [ids(item) for item in dl2] == full
+
+
+# (num_workers, persistent_workers, reload): how a loop continues after an error in a worker.
+AFTER_ERROR = {"one-persistent": (1, True, False), "two-persistent": (2, True, True), "two": (2, False, True)}
+
+
+@pytest.mark.parametrize("case", list(AFTER_ERROR))
+def test_an_error_in_a_worker_is_continued_exactly(node, stateful, tmp_path, monkeypatch, case):
+    """The last worker's 3rd `next` raises Timeout once. One persistent worker continues where
+    it stopped when the loop iterates again (its dataset is the copy that raised). With two
+    workers the other one's iteration is closed and its prefetched items dropped, so the
+    README says to resume the loader from its own state first,
+    `loader.load_state_dict(loader.state_dict())`: that continues exactly, each item once."""
+    from torch.utils.data import get_worker_info
+
+    from shardwire import _client
+
+    workers, persistent, reload = AFTER_ERROR[case]
+    full = [ids(item) for item in fork_loader(stateful, mode_dataset(node, "shard"), workers)]
+    raised, real, calls = tmp_path / "raised", _client.Stream.next, {"n": 0}
+
+    def flaky(self, timeout=None):
+        info = get_worker_info()
+        if info is not None and info.id == workers - 1:
+            calls["n"] += 1  # this worker's own count (forked)
+            if calls["n"] == 3 and not raised.exists():
+                raised.touch()
+                raise shardwire.Timeout("injected: no batch in time")
+        return real(self, timeout)
+
+    monkeypatch.setattr(_client.Stream, "next", flaky)
+    dl = fork_loader(stateful, mode_dataset(node, "shard"), workers, persistent)
+    got: list[list[int]] = []
+    with pytest.raises(shardwire.Timeout):  # torch re-raises the worker's Timeout as one
+        for item in dl:
+            got.append(ids(item))
+    assert raised.exists() and 0 < len(got) < len(full)
+    if reload:
+        dl.load_state_dict(dl.state_dict())
+    got += [ids(item) for item in dl]
+    assert got == full, "each item once, in order"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_after_the_loop_finished_resumed_without_set_epoch(node, stateful, mode, workers):
+    """What the README says of a checkpoint taken after the loop finished and resumed without
+    `set_epoch(e + 1)`: with 0 workers the dataset's state says the epoch is done (nothing);
+    with workers torchdata discards a finished iteration's worker states, so the epoch the
+    dataset is set to comes again in full."""
+    _, dl = mode_loader(node, stateful, mode, workers)
+    full = [ids(item) for item in dl]
+    sd = copy.deepcopy(dl.state_dict())
+    del dl
+    _, dl2 = mode_loader(node, stateful, mode, workers)
+    dl2.load_state_dict(sd)
+    assert [ids(item) for item in dl2] == ([] if workers == 0 else full)
+
+
+def test_a_plan_of_the_workers_streams_that_leaves_nothing_names_the_workers(node, stateful):
+    """Shard mode, rank 0 of 5, 4 workers, `uneven="drop"`: 20 streams over 16 shards give
+    every stream 0 shards. The node's `bad_plan` names world_size 20, which the trainer never
+    set; the error says it is world_size * num_workers and what to change."""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, rank=0, world_size=5, uneven="drop", timeout=60)
+    with pytest.raises(RuntimeError) as e:  # torch re-raises a worker's ServiceError so
+        next(iter(fork_loader(stateful, ds, workers=4)))
+    msg = str(e.value)
+    assert "bad_plan" in msg and "world_size 20" in msg, msg
+    assert "num_workers=4" in msg and "world_size * num_workers" in msg and "uneven" in msg, msg
+
+
+def test_load_state_dict_refuses_a_state_that_is_not_the_datasets(stateful):
+    """A stream's own state (`Stream.state_dict()`, `{epoch, index, seed, fingerprint}`) was
+    taken for the dataset's: its `epoch` read, its position dropped, and the iteration
+    restarted. It is refused, naming the shape expected."""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", seed=3)
+    stream_state = {"epoch": 0, "index": 3, "seed": 3, "fingerprint": "v1;x"}
+    with pytest.raises(ValueError, match=r"\{'epoch': int, 'stream': dict \| None\}") as e:
+        ds.load_state_dict(stream_state)
+    assert "open_stream(state=" in str(e.value) and "'index'" in str(e.value)
+    with pytest.raises(ValueError):
+        ds.load_state_dict(None)  # type: ignore[arg-type]
+    ds.load_state_dict({"epoch": 0, "stream": None})  # the dataset's own shape
+    assert ds.state_dict() == {"epoch": 0, "stream": None}

@@ -748,7 +748,8 @@ class Stream(_StreamBase[Batch]):
         request that asks for batches ahead (see "Ahead of time" above).
 
         Args:
-            timeout: Seconds to wait for the batch (None: wait as long as it takes).
+            timeout: Seconds to wait for the batch (None: wait as long as it takes; 0: take
+                a batch that is ready, else raise Timeout without waiting).
 
         Raises:
             Timeout: no batch within `timeout`. The stream stays usable: a request this call
@@ -808,34 +809,39 @@ class Stream(_StreamBase[Batch]):
         """`_take` on a healthy connection. The previous batch (``_held``) stays the trainer's
         until a batch is handed out or the stream ends: whatever raises before that (a timeout,
         an error answer, an interrupt while waiting) leaves it to a later call."""
-        if self._inflight and self._inflight[0] == "release":
-            self._settle()
-        self._drain_dropped()
-        wait = timeout
-        sent_now = "next" not in self._inflight
-        if sent_now:
-            # A request sent now carries the timeout: the node ends it, so nothing stays in
-            # flight (a release after a timeout is then answered at once, not queued behind a
-            # request that may wait for the memory it frees). The read waits a little longer.
-            # It carries the previous batch's release too (unless kept).
-            self._send_next(self._held, timeout)
-            wait = None if timeout is None else timeout + _NODE_TIMEOUT_SLACK
-        msg = self._next_answer(wait, timeout)
-        kind = msg["op"]
-        if kind == "batch":
-            return self._hand_out(msg)
-        if kind == "end":
-            self._end()
-            return None
-        if kind == "timeout":
-            if not sent_now:
+        started, left = time.monotonic(), timeout
+        while True:
+            if self._inflight and self._inflight[0] == "release":
+                self._settle()
+            self._drain_dropped()
+            wait = left
+            sent_now = "next" not in self._inflight
+            if sent_now:
+                # A request sent now carries the timeout: the node ends it, so nothing stays in
+                # flight (a release after a timeout is then answered at once, not queued behind
+                # a request that may wait for the memory it frees). The read waits a little
+                # longer. It carries the previous batch's release too (unless kept).
+                self._send_next(self._held, left)
+                wait = None if left is None else left + _NODE_TIMEOUT_SLACK
+            msg = self._next_answer(wait, timeout)
+            kind = msg["op"]
+            if kind == "batch":
+                return self._hand_out(msg)
+            if kind == "end":
+                self._end()
+                return None
+            if kind == "timeout" and not sent_now:
                 # The node's late answer to a timed request an earlier call gave up waiting
-                # for: this call asks again, with its own timeout.
-                return self._take_answer(timeout)
-            raise self._timeout(timeout)
-        if kind == "error":
-            raise _service_error(msg)
-        raise self._unexpected("next", msg)
+                # for: this call asks again, within what is left of its own timeout (a Timeout
+                # still names the timeout the caller gave).
+                if timeout is not None:
+                    left = max(0.0, timeout - (time.monotonic() - started))
+                continue
+            if kind == "timeout":
+                raise self._timeout(timeout)
+            if kind == "error":
+                raise _service_error(msg)
+            raise self._unexpected("next", msg)
 
     def _next_answer(self, wait: float | None, timeout: float | None) -> dict[str, Any]:
         """The next answer to the `next` in flight, after those to the releases sent before
@@ -861,11 +867,16 @@ class Stream(_StreamBase[Batch]):
                 if self._dropped:
                     self._drain_dropped()
                     self._send_pending()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise self._timeout(timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # At least one read, even with no time left (a zero timeout): an answer already
+                # here is taken (before, a loop of `next(timeout=0)` never got the batch asked
+                # ahead of time).
                 reply = self._read(_HANDOFF_POLL if left is None else min(left, _HANDOFF_POLL))
-                if reply is not None and (msg := self._next_reply(reply)) is not None:
+                if reply is None:
+                    if left == 0:
+                        raise self._timeout(timeout)
+                    continue
+                if (msg := self._next_reply(reply)) is not None:
                     return msg
         finally:
             self._waiting = False

@@ -342,8 +342,22 @@ class _DatasetMixin:
         :meth:`state_dict` returns the position loaded here. In shard mode the saved stream is
         this process's own (one rank of ``world_size * num_workers``): resume with the same
         world size and ``num_workers``, or the node refuses (``ServiceError``
-        ``state_mismatch``, naming the field) when the next iteration opens the stream."""
-        epoch, stream = int(state["epoch"]), state.get("stream")
+        ``state_mismatch``, naming the field) when the next iteration opens the stream.
+
+        Raises:
+            ValueError: `state` is not a dict with keys ``"epoch"`` and ``"stream"`` (e.g. a
+                stream's own ``Stream.state_dict()``).
+        """
+        if not isinstance(state, dict) or "epoch" not in state or "stream" not in state:
+            got = f"a dict of keys {list(state)}" if isinstance(state, dict) else f"a {type(state).__name__}"
+            raise ValueError(
+                f"IterableDataset.load_state_dict takes what IterableDataset.state_dict() returns, "
+                f"{{'epoch': int, 'stream': dict | None}}, not {got}: a Stream.state_dict() "
+                "({epoch, index, seed, fingerprint}) resumes a stream through "
+                "Client.open_stream(state=...), or goes here as {'epoch': <the epoch the "
+                "iteration started at>, 'stream': <it>}"
+            )
+        epoch, stream = int(state["epoch"]), state["stream"]
         if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
             # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
             # after `set_epoch` named the next one: that epoch starts whole.
@@ -402,12 +416,31 @@ class _DatasetMixin:
             yield item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        self._take_device()
-        client = connect(self.socket)
+        """The items of the next iteration. A plain method, not a generator: `state_dict` names
+        where this iteration starts as soon as ``iter(dataset)`` returns, not only from its
+        first item on. torchdata's ``StatefulDataLoader`` asks each worker for its state right
+        after ``iter(dataset)``, and keeps it for a worker that yields nothing before a
+        checkpoint; before, that was the previous iteration's position (a persistent worker's,
+        resumed to nothing; or the main process's, copied into the worker, of another world
+        size)."""
+        self._stream_state, self._state_epoch = self._start()
+        self._took = False
+        return self._iterate()
+
+    def _start(self) -> tuple[dict[str, Any] | None, int]:
+        """Where the next iteration starts (None: its epoch's start) and its epoch."""
         if self._resume is not None and self._resume_epoch != self.epoch:
             self._resume = None  # saved before `set_epoch` named another epoch
-        start = self._resume  # where this iteration starts (None: its epoch's start)
-        epoch = self.epoch
+        return self._resume, self.epoch
+
+    def _iterate(self) -> Iterator[dict[str, np.ndarray]]:
+        """`__iter__`'s generator: the stream opens at the first item."""
+        self._take_device()
+        client = connect(self.socket)
+        # Again at the first item: a `set_epoch` or `load_state_dict` since `iter(dataset)`
+        # wins (a StatefulDataLoader's `state_dict()` before the loop calls `iter(dataset)`).
+        start, epoch = self._start()
+        self._stream_state, self._state_epoch = start, epoch
         self._took = False
         try:
             opened = self._open_shards if self.options.batch_size is None else self._open_batches
@@ -415,9 +448,14 @@ class _DatasetMixin:
                 yield from self._items(stream, epoch)
         except (Exception, KeyboardInterrupt):
             # An iteration that ended in an error (a `Timeout`, a lost node) is continued by
-            # the next one, from the position `state_dict` names: after the last item it
-            # yielded, else where it started. Starting the epoch over would deliver its items
-            # again. (Leaving the loop early, `break`, ends the generator otherwise: the next
+            # the next iteration of this copy of the dataset, from the position `state_dict`
+            # names: after the last item it yielded, else where it started. Starting the epoch
+            # over would deliver its items again. That covers the main process (num_workers=0)
+            # and one persistent worker; with several workers, the DataLoader closes the
+            # generators of those that did not raise (GeneratorExit, as for `break`) and drops
+            # what they prefetched, so they start their share over: there
+            # `loader.load_state_dict(loader.state_dict())` before iterating again resumes
+            # exactly. (Leaving the loop early, `break`, ends the generator otherwise: the next
             # iteration starts the epoch, as with any DataLoader.)
             if self._took and isinstance(self._stream_state, bytes):
                 self._stream_state = _binary.decode_state(self._stream_state)
@@ -434,28 +472,24 @@ class _DatasetMixin:
         o = self.options
         rank, world = _torch_ranks(self.rank, self.world_size)
         state, self._resume = self._resume, None
-        if state is None:
-            return open_at_epoch(
-                client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
-                seed=o.seed, rank=rank, world_size=world, uneven=o.uneven, device=o.device,
-            )
-        # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's does; a
-        # state saved after its last item (epoch + epochs, index 0) resumes to an empty stream.
         try:
+            if state is None:
+                return open_at_epoch(
+                    client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
+                    seed=o.seed, rank=rank, world_size=world, uneven=o.uneven, device=o.device,
+                )
+            # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's
+            # does; a state saved after its last item (epoch + epochs, index 0) resumes to an
+            # empty stream.
             return client.open_stream(
                 self.dataset, epochs=self.epoch + o.epochs, seed=o.seed, rank=rank,
                 world_size=world, uneven=o.uneven, state=state, device=o.device,
             )
         except ServiceError as e:
-            if e.code != "state_mismatch":
+            said = _shard_open_error(e, rank, world)
+            if said is e:
                 raise
-            worker, workers = _worker()
-            raise ServiceError(e.code, (
-                f"{e.message} (shard mode: this DataLoader process opens stream rank {rank} of {world}, "
-                f"effective_rank(rank, world_size, worker={worker}, num_workers={workers}); a shard-mode "
-                "state resumes only the same stream: the same world size, rank and num_workers, dataset, "
-                "seed and uneven, and epochs that reach the saved position)"
-            )) from e
+            raise said from e
 
     def _open_batches(self, client: Client) -> Stream:
         """The batch-mode stream of this process: the DDP rank's batches, split among the
@@ -479,6 +513,31 @@ class _DatasetMixin:
             # nothing rather than another epoch.
             end = max(end, int(state["epoch"]) + self._inside(state))
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
+
+
+def _shard_open_error(e: ServiceError, rank: int, world: int) -> ServiceError:
+    """`e`, raised opening the shard-mode stream rank `rank` of `world` of this process, with
+    what that stream is: a DataLoader worker's world size is ``world_size * num_workers``, not
+    the one the trainer set, and a plan (``bad_plan``) or a saved state (``state_mismatch``)
+    that names it says so."""
+    worker, workers = _worker()
+    where = (
+        f"shard mode: this DataLoader process opens stream rank {rank} of {world}, "
+        f"effective_rank(rank, world_size, worker={worker}, num_workers={workers})"
+    )
+    if e.code == "state_mismatch":
+        return ServiceError(e.code, (
+            f"{e.message} ({where}; a shard-mode state resumes only the same stream: the same "
+            "world size, rank and num_workers, dataset, seed and uneven, and epochs that reach "
+            "the saved position)"
+        ))
+    if e.code == "bad_plan" and workers > 1:
+        return ServiceError(e.code, (
+            f"{e.message} ({where}: the DataLoader's workers split each rank, so the shards are "
+            "planned over world_size * num_workers streams, not world_size; use fewer workers or "
+            "uneven=\"pad\")"
+        ))
+    return e
 
 
 class _Epoch:
