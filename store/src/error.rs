@@ -318,11 +318,12 @@ impl At<'_> {
 pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_>) -> StoreError {
     let status = last.and_then(|a| a.status);
     // The last answer came from a credential service, not the store: whatever its status
-    // would mean from the store (404 not found, 503 slow down), it is about credentials.
+    // would mean from the store (404 not found, 503 slow down), it is about credentials; a
+    // refusal is for good, unless it says the service is busy ([`credential_transient`]).
     if last.is_some_and(|a| a.credential) {
         let (bucket, key) = (at.bucket.to_owned(), at.key.to_owned());
         return match status {
-            Some(400..=499) => StoreError::Credentials {
+            Some(code @ 400..=499) if !credential_transient(code, &e) => StoreError::Credentials {
                 bucket,
                 key,
                 reason: short(&e),
@@ -420,6 +421,20 @@ fn http(status: Option<u16>) -> String {
 fn transient(status: u16, e: &object_store::Error) -> bool {
     matches!(status, 408 | 409 | 425)
         || (status == 400 && s3_error_code(&e.to_string()).as_deref() == Some("RequestTimeout"))
+}
+
+/// Whether a credential service's 4xx may pass if asked again: 408 Request Timeout, 429 Too
+/// Many Requests (instance metadata and the GCE metadata server throttle with it), and STS's
+/// `400` with error code `Throttling` (rate exceeded) or `IDPCommunicationError` (STS could
+/// not reach the identity provider). object_store retries these itself first; what is left
+/// is an outage of the credential service, not refused credentials.
+fn credential_transient(status: u16, e: &object_store::Error) -> bool {
+    matches!(status, 408 | 429)
+        || (status == 400
+            && matches!(
+                s3_error_code(&e.to_string()).as_deref(),
+                Some("Throttling" | "IDPCommunicationError")
+            ))
 }
 
 /// Whether a `400` is S3 refusing the request's session token (`ExpiredToken`,
@@ -528,11 +543,32 @@ mod tests {
             let e = classify(generic(), Some(&from_sts(Some(status))), at());
             assert_eq!(e.kind(), StoreErrorKind::Credentials, "{status}: {e}");
         }
-        // Not reached, or failing itself: may pass; the node asks again (a 503 from it does
-        // not throttle the bucket).
-        for status in [None, Some(500), Some(503)] {
+        // Not reached, failing itself or busy: may pass; the node asks again (a 503 or 429
+        // from it does not throttle the bucket). Before, a 429 (instance metadata throttling)
+        // and 408 were credentials refused: the source exited at start, a node's stream ended.
+        for status in [None, Some(500), Some(503), Some(429), Some(408)] {
             let e = classify(generic(), Some(&from_sts(status)), at());
             assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{status:?}: {e}");
+            assert!(e.to_string().contains("the credential service"), "{e}");
+        }
+        // STS answers throttling, and a failure to reach the identity provider, with a 400
+        // and its error code; other codes of a 400 are refusals.
+        let sts = |code: &str| object_store::Error::Generic {
+            store: "S3",
+            source: format!(
+                "Server returned non-2xx status code: 400 Bad Request: <ErrorResponse><Error>\
+                 <Type>Sender</Type><Code>{code}</Code><Message>m</Message></Error></ErrorResponse>"
+            )
+            .into(),
+        };
+        for (code, kind) in [
+            ("Throttling", StoreErrorKind::Unavailable),
+            ("IDPCommunicationError", StoreErrorKind::Unavailable),
+            ("IDPRejectedClaim", StoreErrorKind::Credentials),
+            ("InvalidIdentityToken", StoreErrorKind::Credentials),
+        ] {
+            let e = classify(sts(code), Some(&from_sts(Some(400))), at());
+            assert_eq!(e.kind(), kind, "{code}: {e}");
         }
         // The same 400 from the store itself is no credentials failure.
         let e = classify(generic(), Some(&with(400, None)), at());

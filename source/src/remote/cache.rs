@@ -1,13 +1,14 @@
 //! The source's disk cache of verified shards (`cache_dir`, bounded by `cache_size`): one
 //! file per shard, served with `sendfile` like a local dataset's files. A shard is admitted
 //! if it fits, or if cold entries can make room, and those go; otherwise it passes through
-//! uncached. An entry is cold when no node's hint names it and it was not
-//! served for a few times the dataset's shards in accesses ([`DiskCache::set_cold_after`]):
+//! uncached. An entry is cold when no node's hint names it and it was not served for a few
+//! times, in accesses, the shards this cache was asked for ([`DiskCache::set_cold_after`]):
 //! an entry no hint names may still be needed beyond the hints' horizon (a few hundred shards
 //! ahead), later this epoch or the next, and evicting it would cost a GET then, while the
 //! shard it would make room for was read already. So an epoch larger than the cache keeps the
 //! same cached slice from epoch to epoch instead of churning (an LRU cache would re-download
-//! all of it), and the entries of shards nobody reads any more make way in time.
+//! all of it), and the entries of shards nobody reads any more (or no longer routed to this
+//! source) make way within a few epochs of this cache's own traffic.
 //!
 //! Entries are named by what they hold (shard, and a hash of its object key, ETag, range and
 //! CRC), so after a restart an entry is kept only if the manifest still names the same bytes
@@ -17,8 +18,9 @@
 //!
 //! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room
 //! (evicted files renamed aside), the caller deletes those and writes [`Reservation::temp`]
-//! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`). Names that
-//! start with `.` (partial writes, evicted files) are deleted at the next start.
+//! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`); an entry
+//! taken out because it failed a check is renamed aside the same way. Names that start with
+//! `.` (partial writes, evicted files) are deleted at the next start.
 
 mod claims;
 
@@ -34,6 +36,21 @@ pub enum CacheError {
     Io {
         /// The directory.
         dir: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file this cache wrote and does not keep (the manifest no longer names its bytes, a
+    /// partial write, an entry beyond a lowered `cache_size`) cannot be deleted at start.
+    #[error(
+        "cache_dir {dir}: the stale cache file {file} cannot be deleted: {source}; give the \
+         source write access to cache_dir, or delete the file"
+    )]
+    Stale {
+        /// The directory.
+        dir: PathBuf,
+        /// The file.
+        file: PathBuf,
         /// The error.
         #[source]
         source: std::io::Error,
@@ -121,9 +138,6 @@ pub struct Loaded {
     pub foreign: Vec<String>,
 }
 
-/// True for the names this cache writes: entries ([`entry_name`]:
-/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
-/// (`.<entry>.partial`, `.<entry>.evicted`).
 /// The id (`st_dev`) and free bytes of the file system holding a directory.
 type Room = dyn Fn(&Path) -> std::io::Result<(u64, u64)>;
 
@@ -150,6 +164,9 @@ fn others_text(others: &[(PathBuf, u64)]) -> String {
     )
 }
 
+/// True for the names this cache writes: entries ([`entry_name`]:
+/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
+/// (`.<entry>.partial`, `.<entry>.evicted`).
 fn is_cache_file(name: &str) -> bool {
     let entry = name
         .strip_prefix('.')
@@ -195,6 +212,20 @@ impl Reservation {
     }
 }
 
+/// Deletes `file`, a file of the cache in `dir` that it does not keep, at start; a file
+/// already gone is no error.
+fn delete_stale(dir: &Path, file: PathBuf) -> Result<(), CacheError> {
+    match std::fs::remove_file(&file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(CacheError::Stale {
+            dir: dir.to_path_buf(),
+            file,
+            source,
+        }),
+    }
+}
+
 /// Deletes the cache file `p`; a file already gone is no error, any other failure is logged
 /// (the next start deletes what the index does not name).
 fn unlink_or_say(p: &std::path::Path) {
@@ -228,8 +259,13 @@ pub struct DiskCache {
     reserved: HashMap<u32, u64>,
     /// Accesses so far (every lookup and every reservation): the cache's clock.
     clock: u64,
-    /// An entry no hint names and not served for more accesses than this is cold: it may go.
-    cold_after: u64,
+    /// An entry no hint names and not served for more accesses than this many times
+    /// `distinct` is cold: it may go ([`DiskCache::set_cold_after`]).
+    cold_epochs: u64,
+    /// The shards this cache was asked for (looked up or reserved), a bit each.
+    asked: Vec<u64>,
+    /// How many: the size of this cache's own slice of the dataset.
+    distinct: u64,
     /// The room it may still take on its file system, claimed in this process (`None` until
     /// [`DiskCache::check_room`]).
     claim: Option<claims::Claim>,
@@ -265,7 +301,9 @@ impl DiskCache {
             entries: HashMap::new(),
             reserved: HashMap::new(),
             clock: 0,
-            cold_after: u64::MAX,
+            cold_epochs: u64::MAX,
+            asked: Vec::new(),
+            distinct: 0,
             claim: None,
         };
         let mut loaded = Loaded::default();
@@ -296,25 +334,25 @@ impl DiskCache {
                     loaded.kept_bytes += len;
                 }
                 _ => {
-                    std::fs::remove_file(e.path()).map_err(io)?;
+                    delete_stale(dir, e.path())?;
                     loaded.removed.push(name);
                 }
             }
         }
-        cache.shrink_to_capacity(&mut loaded).map_err(io)?;
+        cache.shrink_to_capacity(&mut loaded)?;
         cache.check_room(room)?;
         Ok((cache, loaded))
     }
 
     /// Deletes kept entries, highest shard first (no hint says yet what is needed soonest),
     /// until they fit the capacity: a restart with a lower `cache_size` honours it.
-    fn shrink_to_capacity(&mut self, loaded: &mut Loaded) -> std::io::Result<()> {
+    fn shrink_to_capacity(&mut self, loaded: &mut Loaded) -> Result<(), CacheError> {
         let mut shards: Vec<u32> = self.entries.keys().copied().collect();
         shards.sort_unstable();
         while self.used.get() > self.capacity {
             let Some(s) = shards.pop() else { break };
             let e = self.entries.remove(&s).expect("listed");
-            std::fs::remove_file(self.dir.join(&e.name))?;
+            delete_stale(&self.dir, self.dir.join(&e.name))?;
             self.used -= e.len;
             loaded.kept -= 1;
             loaded.kept_bytes -= e.len;
@@ -352,7 +390,7 @@ impl DiskCache {
     /// another reason (out of file descriptors or memory, permissions) stays, and this
     /// FETCH reads the shard from the store.
     pub fn get(&mut self, shard: u32) -> Option<Hit> {
-        self.clock += 1;
+        self.tick(shard);
         let e = self.entries.get_mut(&shard)?;
         e.last = self.clock;
         match File::open(self.dir.join(&e.name)) {
@@ -364,7 +402,9 @@ impl DiskCache {
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
                 tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
                     "a cache entry's file is gone; dropped from the cache, the shard is read again");
-                self.remove(shard);
+                let len = e.len;
+                self.entries.remove(&shard);
+                self.used -= len;
                 None
             }
             Err(err) => {
@@ -376,11 +416,35 @@ impl DiskCache {
     }
 
     /// Entries no hint names become cold, and may be evicted, once they were not served for
-    /// `accesses` lookups and reservations (a few times the dataset's shards: an epoch serves
-    /// every shard once, so a cached shard of a dataset still trained on is never cold; the
-    /// entries of shards nobody reads any more are).
-    pub fn set_cold_after(&mut self, accesses: u64) {
-        self.cold_after = accesses;
+    /// `epochs` times as many lookups and reservations as the distinct shards this cache was
+    /// asked for. An epoch asks this cache for each shard of its slice once (one to three
+    /// accesses each), so a cached shard still trained on is never cold, and the entries of
+    /// shards nobody asks for any more are, after a few epochs of this cache's own traffic,
+    /// whether its source serves the whole dataset or one slice of it beside others behind
+    /// one DNS name (counting the dataset's shards instead kept an entry no longer routed
+    /// here for 3 to 8 epochs times the number of sources). Shards asked for once stay
+    /// counted: after a routing change moved a share of them away, entries stay cached that
+    /// share longer.
+    pub fn set_cold_after(&mut self, epochs: u64) {
+        self.cold_epochs = epochs;
+    }
+
+    /// One access, for `shard`: the clock advances, and `shard` counts as asked for.
+    fn tick(&mut self, shard: u32) {
+        self.clock += 1;
+        let (word, bit) = (shard as usize / 64, 1u64 << (shard % 64));
+        if word >= self.asked.len() {
+            self.asked.resize(word + 1, 0);
+        }
+        if self.asked[word] & bit == 0 {
+            self.asked[word] |= bit;
+            self.distinct += 1;
+        }
+    }
+
+    /// Accesses after which an entry no hint names and not served is cold.
+    fn cold_after(&self) -> u64 {
+        self.cold_epochs.saturating_mul(self.distinct.max(1))
     }
 
     /// Whether `shard` is cached or being written.
@@ -396,39 +460,36 @@ impl DiskCache {
     }
 
     /// `shard`'s entry is to be checked against its CRC again before its next serve (a node
-    /// asked for it again soon after it was served: it may have found it corrupt).
+    /// reported the bytes it was sent corrupt).
     pub fn recheck(&mut self, shard: u32) {
         if let Some(e) = self.entries.get_mut(&shard) {
             e.verified = false;
         }
     }
 
-    /// Deletes `shard`'s entry if it is still one not checked since a restart or a
-    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays).
-    pub fn remove_unverified(&mut self, shard: u32) {
-        if self.entries.get(&shard).is_some_and(|e| !e.verified) {
-            self.remove(shard);
+    /// Takes `shard`'s entry out if it is still one not checked since a restart or a
+    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays). Its
+    /// file is renamed aside, as an evicted one ([`Self::evict`]): delete the path returned
+    /// outside the lock ([`Reservation::discard_evicted`]; unlinking a large file is slow).
+    #[must_use = "the file renamed aside is deleted by discard_evicted, or at the next start"]
+    pub fn remove_unverified(&mut self, shard: u32) -> Option<PathBuf> {
+        let verified = self.entries.get(&shard).is_none_or(|e| e.verified);
+        if verified {
+            return None;
         }
+        self.evict(shard)
     }
 
-    /// Deletes `shard`'s entry if its file is no longer `len` bytes long (an entry written
-    /// anew since, whole, stays).
-    pub fn remove_if_not(&mut self, shard: u32, len: u64) {
-        let Some(e) = self.entries.get(&shard) else {
-            return;
-        };
+    /// Takes `shard`'s entry out if its file is no longer `len` bytes long (an entry written
+    /// anew since, whole, stays); its file renamed aside, as by [`Self::remove_unverified`].
+    #[must_use = "the file renamed aside is deleted by discard_evicted, or at the next start"]
+    pub fn remove_if_not(&mut self, shard: u32, len: u64) -> Option<PathBuf> {
+        let e = self.entries.get(&shard)?;
         let size = std::fs::metadata(self.dir.join(&e.name)).map(|m| m.len());
-        if size.ok() != Some(len) || e.len != len {
-            self.remove(shard);
+        if size.ok() == Some(len) && e.len == len {
+            return None;
         }
-    }
-
-    /// Deletes `shard`'s entry.
-    fn remove(&mut self, shard: u32) {
-        if let Some(e) = self.entries.remove(&shard) {
-            self.used -= e.len;
-            unlink_or_say(&self.dir.join(&e.name));
-        }
+        self.evict(shard)
     }
 
     /// Makes room for `shard` (`len` bytes, entry `name`): admits it if it fits, or if cold
@@ -443,17 +504,17 @@ impl DiskCache {
         len: u64,
         next_use: impl Fn(u32) -> Option<usize>,
     ) -> Option<Reservation> {
-        self.clock += 1;
+        self.tick(shard);
         if self.holds(shard) || len > self.capacity {
             return None;
         }
         let mut evicted = Vec::new();
         if self.used.get() + len > self.capacity {
-            let clock = self.clock;
+            let (clock, cold_after) = (self.clock, self.cold_after());
             let mut victims: Vec<(u64, u32, u64)> = self
                 .entries
                 .iter()
-                .filter(|&(&s, e)| clock - e.last > self.cold_after && next_use(s).is_none())
+                .filter(|&(&s, e)| clock - e.last > cold_after && next_use(s).is_none())
                 .map(|(&s, e)| (e.last, s, e.len))
                 .collect();
             victims.sort_unstable();

@@ -23,6 +23,16 @@ pub const MAX_HINTED_STREAMS: usize = 1024;
 /// prefetch never reads that far ahead of so many streams).
 pub const MAX_HINTED_PER_SESSION: usize = 64 << 10;
 
+/// A place in the prefetch order ([`Hints::order_after`]): a position in each hint, and a
+/// stream; ordered as the order goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Place {
+    /// The position in the stream's hint (0: its next shard).
+    pub depth: usize,
+    /// The stream.
+    pub stream: StreamKey,
+}
+
 /// One stream's hint: the shards it names, soonest first, after the `base` used up.
 #[derive(Debug)]
 struct Hint {
@@ -176,15 +186,38 @@ impl Hints {
     /// (ties in stream order, so one stream does not starve another). Lazy: the prefetch
     /// reads only as far as its budget goes.
     pub fn order(&self) -> impl Iterator<Item = u32> + '_ {
-        let mut keys: Vec<&StreamKey> = self.lists.keys().collect();
-        keys.sort();
-        let lists: Vec<&VecDeque<u32>> = keys.iter().map(|k| &self.lists[*k].shards).collect();
-        let n = lists.len().max(1);
-        let longest = lists.iter().map(|l| l.len()).max().unwrap_or(0);
         let mut seen = HashSet::new();
-        (0..longest * n)
-            .filter_map(move |j| lists.get(j % n)?.get(j / n).copied())
+        self.order_after(None)
+            .map(|(_, s)| s)
             .filter(move |&s| seen.insert(s))
+    }
+
+    /// Every entry of every hint in [`Self::order`]'s order, with its place, strictly after
+    /// `after` (from the start with `None`); a shard several hints name comes once for each.
+    /// Costs the number of streams to start and one step per entry: a hint used up leaves
+    /// the rounds (counting every position up to the longest hint of every stream cost
+    /// streams x longest, most of them empty, when hints differ in length).
+    pub fn order_after(&self, after: Option<Place>) -> impl Iterator<Item = (Place, u32)> + '_ {
+        let mut depth = after.map_or(0, |p| p.depth);
+        let mut lists: Vec<(StreamKey, &VecDeque<u32>)> = self
+            .lists
+            .iter()
+            .filter(|(_, h)| h.shards.len() > depth)
+            .map(|(&k, h)| (k, &h.shards))
+            .collect();
+        lists.sort_unstable_by_key(|&(k, _)| k);
+        // The round at `depth` goes on with the streams after `after`'s.
+        let mut i = after.map_or(0, |p| lists.partition_point(|&(k, _)| k <= p.stream));
+        std::iter::from_fn(move || {
+            if i == lists.len() {
+                depth += 1;
+                lists.retain(|(_, l)| l.len() > depth);
+                i = 0;
+            }
+            let &(stream, l) = lists.get(i)?;
+            i += 1;
+            Some((Place { depth, stream }, l[depth]))
+        })
     }
 
     /// True when no hint stands.
@@ -252,6 +285,30 @@ mod tests {
         h.consumed((1, 2), 6);
         assert_eq!(h.next_use(6), None, "its only entry is used up");
         assert_eq!(h.next_use(8), Some(1));
+    }
+
+    #[test]
+    fn the_order_goes_on_after_a_place_and_skips_used_up_hints() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![1, 2, 3, 4]).unwrap();
+        h.set((1, 2), vec![9]).unwrap();
+        h.set((2, 1), vec![5, 6, 9]).unwrap();
+        let all: Vec<(Place, u32)> = h.order_after(None).collect();
+        let shards: Vec<u32> = all.iter().map(|&(_, s)| s).collect();
+        assert_eq!(shards, [1, 9, 5, 2, 6, 3, 9, 4], "every entry, repeats too");
+        assert_eq!(order(&h), [1, 9, 5, 2, 6, 3, 4]);
+        assert!(all.windows(2).all(|w| w[0].0 < w[1].0), "places ascend");
+        for (k, &(at, _)) in all.iter().enumerate() {
+            let rest: Vec<(Place, u32)> = h.order_after(Some(at)).collect();
+            assert_eq!(rest, all[k + 1..], "after {at:?}");
+        }
+        // A place past a used-up hint's end, or of a stream that has gone, still goes on.
+        let gone = Place {
+            depth: 1,
+            stream: (1, 5),
+        };
+        let rest: Vec<u32> = h.order_after(Some(gone)).map(|(_, s)| s).collect();
+        assert_eq!(rest, [6, 3, 9, 4]);
     }
 
     #[test]

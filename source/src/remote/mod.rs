@@ -17,7 +17,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
@@ -66,20 +66,14 @@ struct State {
     prefetching: u64,
     /// Shards not to be read ahead again yet: their last read failed.
     backoff: prefetch::Backoff,
-    /// When each shard was last served from the disk cache, and to which node session.
-    cache_served: HashMap<u32, (u64, Instant)>,
+    /// Where the prefetch task's last look at the hints stopped (`prefetch::SCAN`).
+    scan_at: Option<hints::Place>,
     /// FETCHes under way per shard: a shard read for one is not dropped from memory as
     /// unhinted (its hint was consumed when the FETCH came) before the FETCH takes it, nor
     /// taken out of memory by one FETCH while others that are reading it wait for the same
     /// bytes.
     wanted: HashMap<u32, Wanting>,
 }
-
-/// A FETCH of a shard the same node session was served from the disk cache less than this
-/// long ago checks the entry's CRC again first: the node asks again when the bytes it got
-/// failed its CRC check, and a cache file corrupted on disk would otherwise be served again
-/// and again (the node refetching each time).
-const RECHECK_WITHIN: Duration = Duration::from_secs(30);
 
 /// One dataset served from object storage.
 pub struct RemoteDataset {
@@ -210,14 +204,15 @@ impl RemoteDataset {
     }
 
     /// Node session `session` reported that the bytes of `shard` it was sent failed its CRC
-    /// check (wire `Error{req, ChecksumMismatch}`, protocol version 5), and fetches them from
-    /// another source: the shard's cache entry is checked against its CRC before it is served
-    /// again (deleted if it fails), and a copy in memory goes, so the next FETCH reads it anew
-    /// instead of sending the same bytes again.
+    /// check (wire `Error{req, ChecksumMismatch}`, protocol version 5, which every node this
+    /// source serves speaks), and fetches them from another source: the shard's cache entry
+    /// is checked against its CRC before it is served again (deleted if it fails), and a copy
+    /// in memory goes, so the next FETCH reads it anew instead of sending the same bytes
+    /// again. A FETCH asked again without a report is served as it comes: a node asks again
+    /// for other reasons (two streams of one node reading one shard), and a CRC read of the
+    /// entry at each was the cost.
     pub(crate) fn corrupt_reported(&self, session: u64, shard: u32) {
-        // Acted on whoever the shard was served to: `cache_served` keeps only the last session
-        // per shard, so a report would be missed once another node was served it since, and
-        // a report costs one CRC read of one entry at most.
+        // A report costs one CRC read of one entry at most.
         let dropped = {
             let mut st = self.state();
             let parts = st.ready.remove(&shard).unwrap_or_default();
@@ -246,7 +241,6 @@ impl RemoteDataset {
         wanted: &mut Wanted,
     ) -> Result<(Body, Served), Failure> {
         let shard = wanted.shard;
-        self.recheck_if_asked_again(session, shard);
         wanted.leave_queue(); // where its session did not already
         let mut waited = false;
         loop {
@@ -260,15 +254,12 @@ impl RemoteDataset {
             }
             if let Some(body) = self.cached(shard).await {
                 let how = if waited { Served::Read } else { Served::Cached };
-                // One entry per shard at most (bounded by the manifest): nothing to prune.
-                let served = (session, Instant::now());
-                self.state().cache_served.insert(shard, served);
                 return Ok((body, how));
             }
             if waited {
                 // Read, then taken by another FETCH of the same shard, or not admitted and
                 // evicted: read it again.
-                tracing::debug!(dataset = %self.name, shard, "the shard went before this FETCH took it");
+                tracing::debug!(dataset = %self.name, session, shard, "the shard went before this FETCH took it");
             }
             // A cache entry committed since `cached` looked is taken on the next turn (once:
             // an entry that cannot be opened is read from the store instead).
@@ -279,20 +270,6 @@ impl RemoteDataset {
                 Claim::Read(reading) => self.load(reading).await?,
                 Claim::Again => {}
             }
-        }
-    }
-
-    /// Marks `shard`'s cache entry to be checked again when node session `session` was
-    /// served it from the cache within [`RECHECK_WITHIN`] (see there).
-    fn recheck_if_asked_again(&self, session: u64, shard: u32) {
-        let (Some(cache), Some(&(to, at))) = (&self.cache, self.state().cache_served.get(&shard))
-        else {
-            return;
-        };
-        if to == session && at.elapsed() < RECHECK_WITHIN {
-            tracing::debug!(dataset = %self.name, shard, session,
-                "a node asked again for a shard it was just served from the cache; checking the entry's CRC");
-            cache.lock().expect("poisoned").recheck(shard);
         }
     }
 
@@ -343,9 +320,9 @@ impl RemoteDataset {
         Some(parts)
     }
 
-    /// The cached entry of `shard` as a payload; an entry kept over a restart, or marked by
-    /// [`Self::recheck_if_asked_again`], is checked against its CRC first (and deleted if it
-    /// fails).
+    /// The cached entry of `shard` as a payload; an entry kept over a restart, or one a node
+    /// reported corrupt ([`Self::corrupt_reported`]), is checked against its CRC first (and
+    /// deleted if it fails).
     async fn cached(&self, shard: u32) -> Option<Body> {
         let cache = self.cache.as_ref()?;
         let hit = cache.lock().expect("poisoned").get(shard)?;
@@ -356,10 +333,11 @@ impl RemoteDataset {
             let found = size.map_or_else(|e| format!("unreadable: {e}"), |n| format!("{n} bytes"));
             tracing::warn!(dataset = %self.name, shard, want = hit.len, %found,
                 "a cache entry is not the length it was written with; deleted, reading the shard again");
-            cache
+            let doomed = cache
                 .lock()
                 .expect("poisoned")
                 .remove_if_not(shard, hit.len);
+            discard(doomed).await;
             return None;
         }
         if !hit.verified {
@@ -368,16 +346,16 @@ impl RemoteDataset {
             let got = tokio::task::spawn_blocking(move || file_crc(&file))
                 .await
                 .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-            let mut c = cache.lock().expect("poisoned");
             if got.as_ref().ok() != Some(&want) {
                 let found =
                     got.map_or_else(|e| format!("unreadable: {e}"), |crc| format!("{crc:#010x}"));
                 tracing::warn!(dataset = %self.name, shard, want = format_args!("{want:#010x}"), %found,
-                    "a cache entry failed its CRC check (kept over a restart, or asked for again); deleted, reading the shard again");
-                c.remove_unverified(shard);
+                    "a cache entry failed its CRC check (kept over a restart, or reported corrupt by a node); deleted, reading the shard again");
+                let doomed = cache.lock().expect("poisoned").remove_unverified(shard);
+                discard(doomed).await;
                 return None;
             }
-            c.verified(shard);
+            cache.lock().expect("poisoned").verified(shard);
         }
         Some(Body::File {
             file: Arc::new(hit.file),
@@ -676,6 +654,14 @@ impl Drop for Registered {
         st.prefetching -= self.prefetching;
         drop(st);
         self.dataset.wake.notify_one();
+    }
+}
+
+/// Deletes a cache file taken out of the index (renamed aside under the cache's lock) on a
+/// blocking thread: unlinking a large file can take a while, and this runs on the runtime's.
+async fn discard(doomed: Option<std::path::PathBuf>) {
+    if let Some(p) = doomed {
+        let _ = tokio::task::spawn_blocking(move || Reservation::discard_evicted(&[p])).await;
     }
 }
 

@@ -137,10 +137,13 @@ pub(super) async fn open(
 /// Attempts at each start-up read while the store throttles or is unavailable.
 const START_ATTEMPTS: u32 = 6;
 
-/// A cache entry no hint names and not served for this many times the dataset's shards in
-/// cache accesses is cold ([`DiskCache::set_cold_after`]). A FETCH makes up to three accesses
-/// (a lookup, a reservation, a lookup), and a shard read once per epoch comes again at most
-/// two epochs later: 8 leaves room, so a dataset still trained on keeps its whole slice.
+/// A cache entry no hint names and not served for this many times, in cache accesses, the
+/// shards the cache was asked for is cold ([`DiskCache::set_cold_after`]): this cache's own
+/// traffic, which is a slice of the dataset's when several sources share it (behind one DNS
+/// name). A FETCH makes up to three accesses (a lookup, a reservation, a lookup), and a shard
+/// read once per epoch comes again at most two epochs later: 8 leaves room, so a dataset
+/// still trained on keeps its whole slice, and an entry nobody asks for any more goes cold
+/// after about 3 to 8 epochs of this cache's traffic.
 const COLD_AFTER_EPOCHS: u64 = 8;
 
 /// Longest pause between them, whatever `Retry-After` says: a start-up read gives up within
@@ -308,7 +311,7 @@ fn open_cache(
     };
     let (mut cache, loaded) =
         DiskCache::open(&root.join(name), opts.cache_size, expect).map_err(cache_err)?;
-    cache.set_cold_after(COLD_AFTER_EPOCHS * shards.len() as u64);
+    cache.set_cold_after(COLD_AFTER_EPOCHS);
     tracing::info!(dataset = %name, dir = %root.join(name).display(), kept = loaded.kept,
         kept_bytes = loaded.kept_bytes, removed = loaded.removed.len() + loaded.over_size.len(), "disk cache opened");
     for f in &loaded.removed {

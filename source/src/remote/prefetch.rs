@@ -5,18 +5,39 @@
 //! in memory (with a cache too: a shard it does not admit stays in memory); shards held in
 //! memory that no hint names any more are dropped when memory runs short (counted as
 //! wasted). A shard whose read failed is not read ahead again before its [`Backoff`] ends.
+//! One wake looks at a bounded stretch of the order ([`SCAN`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::hints::Place;
 use super::read::Failure;
 use super::{Reading, RemoteDataset, State};
+
+/// Entries of the hints one [`RemoteDataset::next_group`] passes over at most (shards
+/// cached, in memory, being read or waiting out a failure): half from the front of the
+/// order, half from where the last call stopped ([`State::scan_at`]). So a wake costs
+/// bounded work under the dataset's lock (with every hinted shard cached, an epoch after the
+/// first, each wake walked the whole order: up to 64 Ki entries per node session), and a
+/// shard deep in the order is still reached, each wake going on where the last stopped.
+pub(super) const SCAN: usize = 1024;
+
+/// What [`RemoteDataset::scan`] found.
+enum Scanned {
+    /// The group to read; empty: the next shard does not fit the in-flight cap or the memory
+    /// budget, so nothing is read ahead now.
+    Chosen(Vec<u32>),
+    /// Nothing to read among the entries passed over; the last of them (`None`: the order
+    /// ended).
+    Passed(Option<Place>),
+}
 
 /// The first pause after a failed read ahead of a shard; it doubles with each failure in a row.
 const FIRST_PAUSE: Duration = Duration::from_secs(1);
 
-/// The longest pause between reads ahead of a shard that keeps failing.
+/// The longest pause between reads ahead of a shard that keeps failing, unless the store's
+/// `Retry-After` asks for longer (the store crate caps that at an hour).
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 
 /// Shards whose last read failed, with their failures in a row and when the prefetch may read
@@ -33,7 +54,7 @@ impl Backoff {
         let tries = self.0.get(&shard).map_or(0, |&(n, _)| n) + 1;
         let doubling = FIRST_PAUSE.saturating_mul(1 << (tries - 1).min(16));
         let asked = Duration::from_millis(u64::from(f.retry_after_ms));
-        let pause = doubling.max(asked).min(MAX_PAUSE);
+        let pause = doubling.min(MAX_PAUSE).max(asked);
         self.0.insert(shard, (tries, now + pause));
         pause
     }
@@ -76,21 +97,68 @@ impl RemoteDataset {
     fn next_group(&self, cap: u64) -> Option<Reading> {
         let mut st = self.state();
         self.drop_unhinted(&mut st);
-        let held = |s: u32| {
-            self.cache
-                .as_ref()
-                .is_some_and(|c| c.lock().expect("poisoned").holds(s))
+        // Locked once, in the order `claim` and `place` take the locks: state, then cache.
+        let cache = self.cache.as_ref().map(|c| c.lock().expect("poisoned"));
+        let held = |s: u32| cache.as_ref().is_some_and(|c| c.holds(s));
+        let group = self.choose(&mut st, &held, cap);
+        drop(cache);
+        (!group.is_empty()).then(|| self.begin(&mut st, group, true))
+    }
+
+    /// The group [`Self::next_group`] reads (`held`: whether the cache holds a shard): from
+    /// the front of the order, or else from where the last call stopped ([`State::scan_at`],
+    /// moved on, back to the front once the order ended); empty when there is none, or the
+    /// next shard does not fit. Passes over at most [`SCAN`] entries.
+    pub(super) fn choose(&self, st: &mut State, held: &dyn Fn(u32) -> bool, cap: u64) -> Vec<u32> {
+        let front = match self.scan(st, held, None, cap) {
+            Scanned::Chosen(group) => return group,
+            Scanned::Passed(None) => {
+                st.scan_at = None; // the whole order was looked at
+                return Vec::new();
+            }
+            Scanned::Passed(Some(end)) => end,
         };
+        let from = st.scan_at.filter(|&at| at > front).unwrap_or(front);
+        match self.scan(st, held, Some(from), cap) {
+            Scanned::Chosen(group) => {
+                st.scan_at = Some(from);
+                group
+            }
+            Scanned::Passed(last) => {
+                st.scan_at = last;
+                Vec::new()
+            }
+        }
+    }
+
+    /// Walks the order after `after` (from its start with `None`) for a group: shards neither
+    /// in memory, being read, cached (`held`) nor waiting out a failure, consecutive, within
+    /// the request size, the in-flight cap and the memory budget. Passes over at most half
+    /// of [`SCAN`] entries.
+    fn scan(
+        &self,
+        st: &State,
+        held: &dyn Fn(u32) -> bool,
+        after: Option<Place>,
+        cap: u64,
+    ) -> Scanned {
         let now = Instant::now();
-        let mut group: Vec<u32> = Vec::new();
-        let mut bytes = 0;
-        for s in st.hints.order() {
-            let skip = st.ready.contains_key(&s) || st.loading.contains_key(&s);
-            if skip || held(s) || st.backoff.waits(s, now) {
-                if group.is_empty() {
-                    continue;
+        let (mut group, mut taken) = (Vec::new(), HashSet::new());
+        let (mut bytes, mut passed) = (0, 0);
+        for (at, s) in st.hints.order_after(after) {
+            let skip = taken.contains(&s) || st.ready.contains_key(&s);
+            if skip || st.loading.contains_key(&s) || held(s) || st.backoff.waits(s, now) {
+                if !group.is_empty() && !taken.contains(&s) {
+                    return Scanned::Chosen(group);
                 }
-                break;
+                passed += 1;
+                if passed >= SCAN / 2 {
+                    return match group.is_empty() {
+                        true => Scanned::Passed(Some(at)),
+                        false => Scanned::Chosen(group),
+                    };
+                }
+                continue;
             }
             let w = &self.shards[s as usize];
             let len = w.range.end - w.range.start;
@@ -100,12 +168,16 @@ impl RemoteDataset {
             let room =
                 st.prefetching + bytes + len <= cap.max(len) && in_memory <= self.budget.max(len);
             if !room || bytes + len > self.store.options().request_size.max(len) {
-                break;
+                return Scanned::Chosen(group);
             }
             group.push(s);
+            taken.insert(s);
             bytes += len;
         }
-        (!group.is_empty()).then(|| self.begin(&mut st, group, true))
+        match group.is_empty() {
+            true => Scanned::Passed(None),
+            false => Scanned::Chosen(group),
+        }
     }
 
     /// Drops shards held in memory that no hint names (their stream went away) and no FETCH
@@ -169,8 +241,13 @@ mod tests {
 
     #[test]
     fn a_stores_retry_after_lengthens_the_pause() {
-        let mut b = Backoff::default();
-        let pause = b.failed(1, &failure(5_000), Instant::now());
+        let (mut b, t0) = (Backoff::default(), Instant::now());
+        let pause = b.failed(1, &failure(5_000), t0);
         assert_eq!(pause, Duration::from_secs(5));
+        // Longer than MAX_PAUSE: honoured (before, cut to 60 s, and the store was asked again
+        // four minutes early).
+        let pause = b.failed(2, &failure(300_000), t0);
+        assert_eq!(pause, Duration::from_secs(300));
+        assert!(b.waits(2, t0 + Duration::from_secs(299)));
     }
 }

@@ -4,6 +4,7 @@
 //! however the FETCHes that want it meet or end.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use futures_util::stream::BoxStream;
 use object_store::memory::InMemory;
@@ -473,7 +474,7 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
         f.write_all_at(&rot, 100).unwrap();
     }
     assert!(d.cached(1).await.is_some(), "verified when written: served");
-    // A session the cache never served it to (as far as `cache_served` knows) reports it.
+    // A session the cache never served it to reports it.
     d.corrupt_reported(3, 1);
     assert!(
         d.cached(1).await.is_none(),
@@ -552,4 +553,100 @@ async fn two_fetches_of_a_shard_in_memory_started_close_together_read_nothing_fr
         st.ready.is_empty() && st.ready_bytes == 0,
         "memory held after both took it"
     );
+}
+
+/// The entry files in cache directory `dir`.
+fn entry_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "shard"))
+        .collect()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_session_asking_again_for_a_cached_shard_costs_no_crc_read() {
+    let dir = std::env::temp_dir().join(format!(
+        "shardwire-remote-test-again-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = Arc::new(Gated::new());
+    os.open();
+    let d = dataset("again", &os, Some(&dir)).await;
+    d.place(1, vec![Bytes::from(d_bytes(1))]).await;
+    let (_, how) = fetch(&d, 1, 1).await.unwrap().expect("served");
+    assert_eq!(how, Served::Cached);
+    // A byte of the entry changes on disk: only a CRC read of the entry would notice.
+    let files = entry_files(&dir);
+    assert_eq!(files.len(), 1, "one entry file");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&files[0])
+            .unwrap();
+        f.write_all_at(&[d_bytes(1)[100] ^ 0xff], 100).unwrap();
+    }
+    // Two streams of one node read the shard: the same node session asks for it again at
+    // once. Before, such a FETCH within 30 s read the whole entry for its CRC first (here,
+    // finding the change, it deleted the entry and read the store); a node reports a payload
+    // that failed its check (`ChecksumMismatch`), and that report has the entry checked.
+    let (_, how) = fetch(&d, 1, 1).await.unwrap().expect("served");
+    assert_eq!(how, Served::Cached, "served from the entry, unchecked");
+    assert_eq!(os.asked.load(Ordering::SeqCst), 0, "GETs");
+    d.corrupt_reported(1, 1);
+    assert!(d.cached(1).await.is_none(), "reported: checked, failed");
+    assert!(entry_files(&dir).is_empty(), "and deleted");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_wake_of_the_prefetch_passes_over_a_bounded_stretch_and_goes_on_where_it_stopped() {
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("scan", &os, None).await;
+    // 20 000 one-byte shards; ten streams of one node hint 2 000 each. All are held (cached,
+    // as in an epoch after the first) but the last in the order.
+    let n = 20_000u32;
+    Arc::get_mut(&mut d).expect("only reference").shards = (0..n)
+        .map(|s| Want {
+            shard: s,
+            object: 0,
+            range: u64::from(s)..u64::from(s) + 1,
+            crc32c: 0,
+        })
+        .collect();
+    for k in 0..10u32 {
+        d.hint(1, u64::from(k), (k * 2000..(k + 1) * 2000).collect());
+    }
+    let last = n - 1;
+    let looked = std::cell::Cell::new(0usize);
+    let held = |s: u32| {
+        looked.set(looked.get() + 1);
+        s != last
+    };
+    let mut calls = 0;
+    let group = loop {
+        calls += 1;
+        looked.set(0);
+        let group = d.choose(&mut d.state(), &held, u64::MAX);
+        // Before, one call looked at all 20 000, under the dataset's lock (and the cache's,
+        // taken for each).
+        assert!(
+            looked.get() <= prefetch::SCAN,
+            "call {calls} looked at {} shards",
+            looked.get()
+        );
+        if !group.is_empty() {
+            break group;
+        }
+        assert!(calls < 100, "shard {last} not reached in {calls} calls");
+    };
+    assert_eq!(group, [last]);
+    assert!(calls > 1);
+    // Every call looks at the front of the order: a shard there to be read now is found at
+    // once, wherever the last call stopped.
+    let held = |s: u32| s != 0 && s != last;
+    assert_eq!(d.choose(&mut d.state(), &held, u64::MAX), [0]);
 }

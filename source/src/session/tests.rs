@@ -448,7 +448,7 @@ async fn a_checksum_mismatch_the_node_reports_has_the_cache_entry_checked_and_en
         "a repeated report of it acts no more"
     );
     s.handle(report).await.expect("a repeated report is logged");
-    // Another node's FETCH of it (no recheck of its own: it was not served the entry).
+    // Another node's FETCH of it (its own report would recheck it; it sent none).
     let other = SESSION + 1;
     let (body, how) = r.want(other, 1).get(other).await.expect("served");
     assert_eq!(
