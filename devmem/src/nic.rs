@@ -496,7 +496,7 @@ impl std::fmt::Display for RuleUndo {
             RuleUndo::Removed => write!(f, "the rule was deleted"),
             RuleUndo::NotOurs { location } => write!(
                 f,
-                "shardwire's rule at location {location} was gone, and the rule there now is another's; left as it is"
+                "the rule at location {location} is not the one shardwire journaled there (its own was never inserted, or is gone); left as it is"
             ),
             RuleUndo::PriorLeft { locations } => write!(
                 f,

@@ -111,7 +111,7 @@ fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
     let dir = parts.next();
-    if megatron_lm_cache(name) || (dir == Some("index-cache") && hashed_cache(name)) {
+    if megatron_lm_cache(name) || hashed_cache(name) {
         return true;
     }
     let (Some(dir), Some(cache)) = (dir, parts.next()) else {
@@ -127,7 +127,8 @@ fn megatron_cache(rel: &str) -> bool {
 /// Whether `name` is a file of the index caches Megatron-LM wrote before megatron-core, next
 /// to the `.bin` it indexes: GPT's `<prefix>_<split>_indexmap_<n>ns_<len>sl_<seed>s_doc_idx.npy`
 /// (and `_sample_idx.npy`, `_shuffle_idx.npy`), BERT's and T5's samples mapping
-/// `<prefix>_<split>_indexmap_<n>mns_<len>msl_<p>ssp_<seed>s.npy`.
+/// `<prefix>_<split>_indexmap_<n>mns_<len>msl_<p>ssp_<seed>s.npy`, ICT's block mapping
+/// (`..._1sentok.npy`).
 fn megatron_lm_cache(name: &str) -> bool {
     let Some((_, map)) = name.split_once("_indexmap_") else {
         return false;
@@ -135,20 +136,23 @@ fn megatron_lm_cache(name: &str) -> bool {
     let gpt = ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"]
         .iter()
         .any(|end| map.ends_with(end));
-    gpt || (map.contains("msl_") && map.ends_with("s.npy"))
+    gpt || (map.contains("msl_") && (map.ends_with("s.npy") || map.ends_with("sentok.npy")))
 }
 
-/// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) writes
-/// into `index-cache/` beside the `.bin`: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`.
+/// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) names by
+/// the MD5 of their description, in `index-cache/` beside the `.bin` or in the folder
+/// `--data-cache-path` names: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`, and
+/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`.
 fn hashed_cache(name: &str) -> bool {
-    let stem = [
+    const ENDS: [&str; 6] = [
         "_doc_idx.npy",
         "_sample_idx.npy",
         "_shuffle_idx.npy",
+        "_sample_index.npy",
+        "_index.npy",
         ".dsc",
-    ]
-    .iter()
-    .find_map(|end| name.strip_suffix(end));
+    ];
+    let stem = ENDS.iter().find_map(|end| name.strip_suffix(end));
     stem.is_some_and(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
@@ -432,6 +436,7 @@ mod tests {
         let dir = crate::testutil::temp_dir("walk-mcore-cache");
         std::fs::create_dir_all(dir.join(cache)).unwrap();
         std::fs::create_dir_all(dir.join("index-cache")).unwrap();
+        std::fs::create_dir_all(dir.join("cache")).unwrap();
         let names = [
             "corpus.bin".to_owned(),
             "corpus.idx".to_owned(),
@@ -449,6 +454,7 @@ mod tests {
             "bert_text_sentence_train_indexmap_1000mns_512msl_0.10ssp_1234s.npy".to_owned(),
             "index-cache/0123456789abcdef0123456789abcdef_doc_idx.npy".to_owned(),
             "index-cache/0123456789abcdef0123456789abcdef.dsc".to_owned(),
+            "cache/fedcba9876543210fedcba9876543210_sample_index.npy".to_owned(),
             // Data that only looks alike: kept.
             "index-cache/embeddings.npy".to_owned(),
             "corpus_indexmap.npy".to_owned(),
@@ -467,7 +473,7 @@ mod tests {
             "index-cache/embeddings.npy",
         ];
         assert_eq!(rels, want);
-        assert_eq!(unused.len(), 10, "{unused:?}");
+        assert_eq!(unused.len(), 11, "{unused:?}");
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

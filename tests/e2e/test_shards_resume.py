@@ -728,3 +728,37 @@ def test_load_state_dict_refuses_a_state_that_is_not_the_datasets(stateful):
         ds.load_state_dict(None)  # type: ignore[arg-type]
     ds.load_state_dict({"epoch": 0, "stream": None})  # the dataset's own shape
     assert ds.state_dict() == {"epoch": 0, "stream": None}
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_a_second_iter_of_the_dataset_takes_the_position_over(node, monkeypatch, batch_size):
+    """Two iterations of one dataset at once (a mid-loop `iter(ds)`): the position is the
+    latest one's. The earlier, still taken from, no longer writes it, and its error does not
+    set where the next iteration resumes (before, its items moved the position past the
+    latest iteration's start, and its Timeout made the next iteration resume at its own)."""
+    from shardwire import _client
+    from shardwire.torch import IterableDataset
+
+    kw = {} if batch_size is None else {"batch_size": batch_size}
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **kw)
+    with shardwire.connect(node.socket).open_stream("s", seed=3, **kw) as s:
+        want = [ids(b) for b in s]
+    first = iter(ds)
+    assert [ids(next(first)) for _ in range(2)] == want[:2]
+    latest = iter(ds)
+    assert ds.state_dict()["stream"] is None, "the latest iteration starts the epoch"
+    assert ids(next(first)) == want[2]
+    assert ds.state_dict()["stream"] is None, "the earlier one wrote the position"
+    with monkeypatch.context() as m:
+        real = _client.Stream.next
+
+        def failing(self, timeout=None):
+            raise shardwire.Timeout("injected: no batch in time")
+
+        m.setattr(_client.Stream, "next", failing)
+        with pytest.raises(shardwire.Timeout):
+            next(first)
+        m.setattr(_client.Stream, "next", real)
+    assert [ids(item) for item in latest] == want, "the latest iteration, whole"
+    # The earlier one's error set no resume point: the next iteration starts the epoch.
+    assert [ids(item) for item in ds] == want

@@ -6,7 +6,8 @@
 //! `numa_node`/`local_cpulist` of each device. Every path is resolved relative to the
 //! canonicalized root, so a fake tree with relative symlinks works wherever it lies.
 //! Missing or unreadable files are `None`/empty, never errors: only a root that does not
-//! exist, or has neither `class/net` nor `bus/pci/devices` (not a sysfs tree), is.
+//! exist, or (other than `/sys` itself) has neither `class/net` nor `bus/pci/devices` (not a
+//! sysfs tree), is.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -135,7 +136,7 @@ pub struct Tree {
 impl Tree {
     /// Reads the tree under `root` (`/sys` on a host). A missing `bus/pci/devices` or
     /// `class/net` gives no GPUs or NICs (a VM without PCI); a root that does not exist, or
-    /// has neither, is an error.
+    /// (other than `/sys` itself) has neither, is an error.
     pub fn read(root: &Path) -> Result<Tree, SysfsError> {
         let canonical = sysfs_root(root)?;
         let root = canonical.as_path();

@@ -629,7 +629,7 @@ fn a_rule_left_on_the_nic_is_returned_for_the_caller_to_log() {
     );
     assert_eq!(
         left.to_string(),
-        "shardwire's rule at location 1022 was gone, and the rule there now is another's; left as it is"
+        "the rule at location 1022 is not the one shardwire journaled there (its own was never inserted, or is gone); left as it is"
     );
     let prior = RuleUndo::PriorLeft {
         locations: vec![4, 5],

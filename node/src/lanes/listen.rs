@@ -36,8 +36,9 @@ fn wildcard_for(lanes: &[(u32, SocketAddr)], a: SocketAddr) -> Option<SocketAddr
     (a.is_ipv4() && asked(v4)).then_some(SocketAddr::new(v4, a.port()))
 }
 
-/// Binds a listener on `addr` as `tokio::net::TcpListener::bind` does (`SO_REUSEADDR`, a
-/// backlog of 1024), but a `[::]` listener dual-stack explicitly: [`group`] gives it the IPv4
+/// Binds a listener on `addr` as `tokio::net::TcpListener::bind` does (`SO_REUSEADDR`,
+/// close-on-exec, non-blocking; a backlog of 1024 where tokio's is 128: a source tier dials
+/// every lane at once), but a `[::]` listener dual-stack explicitly: [`group`] gives it the IPv4
 /// lanes of its port, which a host with `net.ipv6.bindv6only = 1` would leave unreachable.
 /// Call inside a Tokio runtime.
 pub fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {

@@ -225,8 +225,9 @@ class _DatasetMixin:
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
-        # Whether the current iteration has yielded an item (see `__iter__`).
-        self._took = False
+        # The number of the latest `iter(dataset)`: only its iteration writes the position
+        # (an earlier one still running must not, nor be reset by it).
+        self._gen = 0
 
     @property
     def epoch(self) -> int:
@@ -396,8 +397,8 @@ class _DatasetMixin:
         first = _worker()[1] if self.options.batch_size is not None else 1
         return int(stream.get("index", 0)) >= first
 
-    def _items(self, stream: Stream, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        """The items of `stream`, an iteration that started at `epoch`."""
+    def _items(self, stream: Stream, epoch: int, gen: int) -> Iterator[dict[str, np.ndarray]]:
+        """The items of `stream`, an iteration that started at `epoch`, the `gen`-th."""
         while True:
             batch = stream.next(self.timeout)
             if batch is None:
@@ -411,8 +412,8 @@ class _DatasetMixin:
             # The position after this item, once it exists (a copy that fails, out of memory,
             # leaves the position before it) and before it is yielded: a state taken while
             # the item is in use resumes after it.
-            self._stream_state, self._state_epoch = stream._snapshot(), epoch
-            self._took = True
+            if gen == self._gen:
+                self._stream_state, self._state_epoch = stream._snapshot(), epoch
             yield item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -422,10 +423,11 @@ class _DatasetMixin:
         after ``iter(dataset)``, and keeps it for a worker that yields nothing before a
         checkpoint; before, that was the previous iteration's position (a persistent worker's,
         resumed to nothing; or the main process's, copied into the worker, of another world
-        size)."""
+        size). A second ``iter(dataset)`` takes the position over: the earlier iteration, if
+        still used, no longer writes it."""
+        self._gen += 1
         self._stream_state, self._state_epoch = self._start()
-        self._took = False
-        return self._iterate()
+        return self._iterate(self._gen)
 
     def _start(self) -> tuple[dict[str, Any] | None, int]:
         """Where the next iteration starts (None: its epoch's start) and its epoch."""
@@ -433,19 +435,22 @@ class _DatasetMixin:
             self._resume = None  # saved before `set_epoch` named another epoch
         return self._resume, self.epoch
 
-    def _iterate(self) -> Iterator[dict[str, np.ndarray]]:
-        """`__iter__`'s generator: the stream opens at the first item."""
+    def _iterate(self, gen: int) -> Iterator[dict[str, np.ndarray]]:
+        """`__iter__`'s generator (the `gen`-th): the stream opens at the first item."""
         self._take_device()
         client = connect(self.socket)
         # Again at the first item: a `set_epoch` or `load_state_dict` since `iter(dataset)`
         # wins (a StatefulDataLoader's `state_dict()` before the loop calls `iter(dataset)`).
         start, epoch = self._start()
-        self._stream_state, self._state_epoch = start, epoch
-        self._took = False
+        if gen == self._gen:
+            self._stream_state, self._state_epoch = start, epoch
+        took = False
         try:
             opened = self._open_shards if self.options.batch_size is None else self._open_batches
             with opened(client) as stream:
-                yield from self._items(stream, epoch)
+                for item in self._items(stream, epoch, gen):
+                    took = True
+                    yield item
         except (Exception, KeyboardInterrupt):
             # An iteration that ended in an error (a `Timeout`, a lost node) is continued by
             # the next iteration of this copy of the dataset, from the position `state_dict`
@@ -457,10 +462,11 @@ class _DatasetMixin:
             # `loader.load_state_dict(loader.state_dict())` before iterating again resumes
             # exactly. (Leaving the loop early, `break`, ends the generator otherwise: the next
             # iteration starts the epoch, as with any DataLoader.)
-            if self._took and isinstance(self._stream_state, bytes):
-                self._stream_state = _binary.decode_state(self._stream_state)
-            self._resume = self._stream_state if self._took else start
-            self._resume_epoch = epoch
+            if gen == self._gen:
+                if took and isinstance(self._stream_state, bytes):
+                    self._stream_state = _binary.decode_state(self._stream_state)
+                self._resume = self._stream_state if took else start
+                self._resume_epoch = epoch
             raise
 
     def _open_shards(self, client: Client) -> Stream:
@@ -486,7 +492,7 @@ class _DatasetMixin:
                 world_size=world, uneven=o.uneven, state=state, device=o.device,
             )
         except ServiceError as e:
-            said = _shard_open_error(e, rank, world)
+            said = _shard_open_error(e, rank, world, o.uneven)
             if said is e:
                 raise
             raise said from e
@@ -515,7 +521,7 @@ class _DatasetMixin:
         return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
 
 
-def _shard_open_error(e: ServiceError, rank: int, world: int) -> ServiceError:
+def _shard_open_error(e: ServiceError, rank: int, world: int, uneven: str) -> ServiceError:
     """`e`, raised opening the shard-mode stream rank `rank` of `world` of this process, with
     what that stream is: a DataLoader worker's world size is ``world_size * num_workers``, not
     the one the trainer set, and a plan (``bad_plan``) or a saved state (``state_mismatch``)
@@ -531,11 +537,11 @@ def _shard_open_error(e: ServiceError, rank: int, world: int) -> ServiceError:
             "world size, rank and num_workers, dataset, seed and uneven, and epochs that reach "
             "the saved position)"
         ))
-    if e.code == "bad_plan" and workers > 1:
+    if e.code == "bad_plan" and workers > 1 and uneven == "drop":
         return ServiceError(e.code, (
             f"{e.message} ({where}: the DataLoader's workers split each rank, so the shards are "
-            "planned over world_size * num_workers streams, not world_size; use fewer workers or "
-            "uneven=\"pad\")"
+            "planned over world_size * num_workers streams, not world_size; where the shards are "
+            "fewer than those, use fewer workers or uneven=\"pad\")"
         ))
     return e
 
