@@ -111,7 +111,8 @@ fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
     let dir = parts.next();
-    if megatron_lm_cache(name) || hashed_cache(name) {
+    let in_cache = dir.is_some_and(|d| d.to_ascii_lowercase().contains("cache"));
+    if megatron_lm_cache(name) || (in_cache && hashed_cache(name)) {
         return true;
     }
     let (Some(dir), Some(cache)) = (dir, parts.next()) else {
@@ -140,9 +141,11 @@ fn megatron_lm_cache(name: &str) -> bool {
 }
 
 /// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) names by
-/// the MD5 of their description, in `index-cache/` beside the `.bin` or in the folder
-/// `--data-cache-path` names: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`, and
-/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`.
+/// the MD5 of their description: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`, and
+/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`. Taken for a cache only in
+/// a folder whose name says cache (`index-cache/` beside the `.bin`, or the `cache/` that
+/// `--data-cache-path` usually names): elsewhere such names can be a content-addressed
+/// dataset's own arrays (a uuid's hex is 32 digits too).
 fn hashed_cache(name: &str) -> bool {
     const ENDS: [&str; 6] = [
         "_doc_idx.npy",
@@ -437,6 +440,7 @@ mod tests {
         std::fs::create_dir_all(dir.join(cache)).unwrap();
         std::fs::create_dir_all(dir.join("index-cache")).unwrap();
         std::fs::create_dir_all(dir.join("cache")).unwrap();
+        std::fs::create_dir_all(dir.join("shards")).unwrap();
         let names = [
             "corpus.bin".to_owned(),
             "corpus.idx".to_owned(),
@@ -457,6 +461,7 @@ mod tests {
             "cache/fedcba9876543210fedcba9876543210_sample_index.npy".to_owned(),
             // Data that only looks alike: kept.
             "index-cache/embeddings.npy".to_owned(),
+            "shards/00112233445566778899aabbccddeeff_index.npy".to_owned(),
             "corpus_indexmap.npy".to_owned(),
         ];
         for f in &names {
@@ -471,6 +476,7 @@ mod tests {
             data.as_str(),
             "corpus_indexmap.npy",
             "index-cache/embeddings.npy",
+            "shards/00112233445566778899aabbccddeeff_index.npy",
         ];
         assert_eq!(rels, want);
         assert_eq!(unused.len(), 11, "{unused:?}");
@@ -481,7 +487,7 @@ mod tests {
         // An object-store listing follows the same rule.
         let listing = names.iter().map(|n| (n.as_str(), 1));
         let (found, unused) = from_listing(listing, |r| PathBuf::from(format!("s3://b/{r}")));
-        assert_eq!(found.len(), 5);
+        assert_eq!(found.len(), 6);
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

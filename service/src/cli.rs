@@ -50,7 +50,8 @@ enum Cmd {
         #[arg(long, value_name = "ID", requires = "tokens")]
         eos: Option<u64>,
         /// Index files named for different splits (train.bin beside val.bin, train/ beside
-        /// test/) as one dataset, where the names mislead (refused by default).
+        /// test/) as one dataset, where the names mislead (refused by default; not HF
+        /// DatasetDict or load_dataset cache folders: index one split's folder).
         #[arg(long)]
         allow_mixed_splits: bool,
     },
@@ -90,13 +91,15 @@ enum Cmd {
     /// Show the GPUs, the NICs and the lanes `serve` would pair them into (PCIe distance
     /// classes PIX/PXB/PHB/SYS, and why), from the sysfs PCI tree.
     Topology {
-        /// Root of the sysfs tree to read [default: /sys; env SHARDWIRE_SYSFS_ROOT].
+        /// Root of the sysfs tree to read [default: /sys; env SHARDWIRE_SYSFS_ROOT]; another
+        /// host's tree is planned from its own GPUs, not this host's CUDA devices.
         #[arg(long)]
         sysfs_root: Option<PathBuf>,
         /// Print JSON: {"gpus": [...], "nics": [...], "lanes": [...]}.
         #[arg(long)]
         json: bool,
-        /// A `serve` configuration file (its `lanes`, `data_listen`, `memory`, ...).
+        /// A `serve` configuration file (its `lanes`, `data_listen`, `memory`, ...); without
+        /// it, the defaults.
         #[arg(long)]
         config: Option<PathBuf>,
     },

@@ -731,11 +731,12 @@ def test_load_state_dict_refuses_a_state_that_is_not_the_datasets(stateful):
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])
-def test_a_second_iter_of_the_dataset_takes_the_position_over(node, monkeypatch, batch_size):
-    """Two iterations of one dataset at once (a mid-loop `iter(ds)`): the position is the
-    latest one's. The earlier, still taken from, no longer writes it, and its error does not
-    set where the next iteration resumes (before, its items moved the position past the
-    latest iteration's start, and its Timeout made the next iteration resume at its own)."""
+def test_the_position_is_that_of_the_iteration_that_yielded_last(node, monkeypatch, batch_size):
+    """Two iterations of one dataset at once (a peek `next(iter(ds))` inside a loop): the
+    position is the last item's, of whichever iteration yielded it, and an error sets the
+    resume point only in the iteration that owns the position. Before, a second iter(ds)
+    reset the shared flag of the first, whose Timeout then made the next iteration replay
+    from where the first had started."""
     from shardwire import _client
     from shardwire.torch import IterableDataset
 
@@ -743,12 +744,20 @@ def test_a_second_iter_of_the_dataset_takes_the_position_over(node, monkeypatch,
     ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **kw)
     with shardwire.connect(node.socket).open_stream("s", seed=3, **kw) as s:
         want = [ids(b) for b in s]
-    first = iter(ds)
-    assert [ids(next(first)) for _ in range(2)] == want[:2]
-    latest = iter(ds)
-    assert ds.state_dict()["stream"] is None, "the latest iteration starts the epoch"
-    assert ids(next(first)) == want[2]
-    assert ds.state_dict()["stream"] is None, "the earlier one wrote the position"
+    loop = iter(ds)
+    assert [ids(next(loop)) for _ in range(2)] == want[:2]
+    peek = iter(ds)
+    assert ds.state_dict()["stream"] is None, "a new iteration starts the epoch"
+    assert ids(next(peek)) == want[0]
+    assert ids(next(loop)) == want[2]
+    saved = ds.state_dict()
+    assert saved["stream"] is not None, "the loop's position, after its third item"
+    # A checkpoint taken after the peek resumes the loop, not the peek.
+    again = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **kw)
+    again.load_state_dict(saved)
+    assert [ids(item) for item in again] == want[3:]
+    # The peek yields last, then the loop fails: the loop owns no position, sets no resume.
+    assert ids(next(peek)) == want[1]
     with monkeypatch.context() as m:
         real = _client.Stream.next
 
@@ -757,8 +766,8 @@ def test_a_second_iter_of_the_dataset_takes_the_position_over(node, monkeypatch,
 
         m.setattr(_client.Stream, "next", failing)
         with pytest.raises(shardwire.Timeout):
-            next(first)
+            next(loop)
         m.setattr(_client.Stream, "next", real)
-    assert [ids(item) for item in latest] == want, "the latest iteration, whole"
-    # The earlier one's error set no resume point: the next iteration starts the epoch.
-    assert [ids(item) for item in ds] == want
+    assert ds._resume is None, "the loop's error set a resume point"
+    assert [ids(item) for item in peek] == want[2:], "the peek goes on"
+    assert [ids(item) for item in ds] == want, "the next iteration starts the epoch"

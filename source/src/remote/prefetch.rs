@@ -15,13 +15,20 @@ use super::hints::Place;
 use super::read::Failure;
 use super::{Reading, RemoteDataset, State};
 
-/// Entries of the hints one [`RemoteDataset::next_group`] passes over at most (shards
-/// cached, in memory, being read or waiting out a failure): half from the front of the
-/// order, half from where the last call stopped ([`State::scan_at`]). So a wake costs
-/// bounded work under the dataset's lock (with every hinted shard cached, an epoch after the
-/// first, each wake walked the whole order: up to 64 Ki entries per node session), and a
-/// shard deep in the order is still reached, each wake going on where the last stopped.
+/// Shards one [`RemoteDataset::next_group`] passes over (cached, in memory, being read or
+/// waiting out a failure; a shard several streams name counts once): at most half of this,
+/// or twice the number of hinted streams where that is more, from the front of the order (so
+/// the next two shards of every stream are always looked at: one that stops being held, such as a
+/// backoff that ended, is read ahead at the next wake), and as many from where the last call
+/// stopped ([`State::scan_at`]). So a wake costs O(streams + SCAN) under the dataset's lock
+/// (with every hinted shard cached, an epoch after the first, each wake walked the whole
+/// order: up to 64 Ki entries per node session), and a shard deep in the order is still
+/// reached, each wake going on where the last stopped.
 pub(super) const SCAN: usize = 1024;
+
+/// Entries (with repeats) a scan passes over at most, per shard it may pass over: bounds the
+/// walk where many streams name the same shards.
+const ENTRIES_PER_SHARD: usize = 4;
 
 /// What [`RemoteDataset::scan`] found.
 enum Scanned {
@@ -108,7 +115,8 @@ impl RemoteDataset {
     /// The group [`Self::next_group`] reads (`held`: whether the cache holds a shard): from
     /// the front of the order, or else from where the last call stopped ([`State::scan_at`],
     /// moved on, back to the front once the order ended); empty when there is none, or the
-    /// next shard does not fit. Passes over at most [`SCAN`] entries.
+    /// next shard does not fit. Each of its two scans passes over at most half of [`SCAN`]
+    /// shards, or twice the hinted streams where that is more.
     pub(super) fn choose(&self, st: &mut State, held: &dyn Fn(u32) -> bool, cap: u64) -> Vec<u32> {
         let front = match self.scan(st, held, None, cap) {
             Scanned::Chosen(group) => return group,
@@ -134,7 +142,7 @@ impl RemoteDataset {
     /// Walks the order after `after` (from its start with `None`) for a group: shards neither
     /// in memory, being read, cached (`held`) nor waiting out a failure, consecutive, within
     /// the request size, the in-flight cap and the memory budget. Passes over at most half
-    /// of [`SCAN`] entries.
+    /// of [`SCAN`] shards, or twice the number of hinted streams where that is more.
     fn scan(
         &self,
         st: &State,
@@ -143,16 +151,18 @@ impl RemoteDataset {
         cap: u64,
     ) -> Scanned {
         let now = Instant::now();
-        let (mut group, mut taken) = (Vec::new(), HashSet::new());
-        let (mut bytes, mut passed) = (0, 0);
+        let (mut group, mut taken, mut passed) = (Vec::new(), HashSet::new(), HashSet::new());
+        let (mut bytes, mut entries) = (0, 0);
+        let limit = (SCAN / 2).max(2 * st.hints.streams());
         for (at, s) in st.hints.order_after(after) {
             let skip = taken.contains(&s) || st.ready.contains_key(&s);
             if skip || st.loading.contains_key(&s) || held(s) || st.backoff.waits(s, now) {
                 if !group.is_empty() && !taken.contains(&s) {
                     return Scanned::Chosen(group);
                 }
-                passed += 1;
-                if passed >= SCAN / 2 {
+                passed.insert(s);
+                entries += 1;
+                if passed.len() >= limit || entries >= limit * ENTRIES_PER_SHARD {
                     return match group.is_empty() {
                         true => Scanned::Passed(Some(at)),
                         false => Scanned::Chosen(group),

@@ -650,3 +650,33 @@ async fn a_wake_of_the_prefetch_passes_over_a_bounded_stretch_and_goes_on_where_
     let held = |s: u32| s != 0 && s != last;
     assert_eq!(d.choose(&mut d.state(), &held, u64::MAX), [0]);
 }
+
+#[tokio::test]
+async fn a_shard_that_stops_being_held_behind_the_scan_is_read_at_the_next_wake() {
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("scan-behind", &os, None).await;
+    // 600 streams of three shards each, all held: two wakes move the scan past the second
+    // shard of the last stream. Then that shard stops being held (its backoff ended, its
+    // copy in memory was taken). Before, the front of a wake was 512 entries, depth 0 of
+    // the first 512 streams: it waited until the scan came round again.
+    let (streams, per) = (600u32, 3u32);
+    Arc::get_mut(&mut d).expect("only reference").shards = (0..streams * per)
+        .map(|s| Want {
+            shard: s,
+            object: 0,
+            range: u64::from(s)..u64::from(s) + 1,
+            crc32c: 0,
+        })
+        .collect();
+    for k in 0..streams {
+        d.hint(1, u64::from(k), (k * per..(k + 1) * per).collect());
+    }
+    let target = (streams - 1) * per + 1;
+    let free = std::cell::Cell::new(false);
+    let held = |s: u32| !(free.get() && s == target);
+    for _ in 0..2 {
+        assert!(d.choose(&mut d.state(), &held, u64::MAX).is_empty());
+    }
+    free.set(true);
+    assert_eq!(d.choose(&mut d.state(), &held, u64::MAX), [target]);
+}

@@ -225,9 +225,12 @@ class _DatasetMixin:
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
-        # The number of the latest `iter(dataset)`: only its iteration writes the position
-        # (an earlier one still running must not, nor be reset by it).
-        self._gen = 0
+        # Iterations are numbered by `iter(dataset)` (`_gens`, the latest's number); the
+        # position (`_stream_state`, and `_resume` after an error) is that of `_owner`: the
+        # latest, until another yields an item (a peek `next(iter(ds))` inside a loop must
+        # not freeze the loop's checkpoints, nor a loop still taken from reset a new one's).
+        self._gens = 0
+        self._owner = 0
 
     @property
     def epoch(self) -> int:
@@ -412,8 +415,8 @@ class _DatasetMixin:
             # The position after this item, once it exists (a copy that fails, out of memory,
             # leaves the position before it) and before it is yielded: a state taken while
             # the item is in use resumes after it.
-            if gen == self._gen:
-                self._stream_state, self._state_epoch = stream._snapshot(), epoch
+            self._owner = gen
+            self._stream_state, self._state_epoch = stream._snapshot(), epoch
             yield item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -423,11 +426,13 @@ class _DatasetMixin:
         after ``iter(dataset)``, and keeps it for a worker that yields nothing before a
         checkpoint; before, that was the previous iteration's position (a persistent worker's,
         resumed to nothing; or the main process's, copied into the worker, of another world
-        size). A second ``iter(dataset)`` takes the position over: the earlier iteration, if
-        still used, no longer writes it."""
-        self._gen += 1
-        self._stream_state, self._state_epoch = self._start()
-        return self._iterate(self._gen)
+        size). A second ``iter(dataset)`` takes the position over until the earlier one, if
+        still taken from, yields again: the position is the last item's, of whichever."""
+        self._gens += 1
+        self._owner = self._gens
+        start, epoch = self._start()
+        self._stream_state, self._state_epoch = start, epoch
+        return self._iterate(self._gens, start, epoch)
 
     def _start(self) -> tuple[dict[str, Any] | None, int]:
         """Where the next iteration starts (None: its epoch's start) and its epoch."""
@@ -435,19 +440,22 @@ class _DatasetMixin:
             self._resume = None  # saved before `set_epoch` named another epoch
         return self._resume, self.epoch
 
-    def _iterate(self, gen: int) -> Iterator[dict[str, np.ndarray]]:
-        """`__iter__`'s generator (the `gen`-th): the stream opens at the first item."""
+    def _iterate(self, gen: int, start: dict[str, Any] | None, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        """`__iter__`'s generator (the `gen`-th, starting at `start` of `epoch`): the stream
+        opens at the first item."""
         self._take_device()
         client = connect(self.socket)
-        # Again at the first item: a `set_epoch` or `load_state_dict` since `iter(dataset)`
-        # wins (a StatefulDataLoader's `state_dict()` before the loop calls `iter(dataset)`).
-        start, epoch = self._start()
-        if gen == self._gen:
+        if gen == self._owner:
+            # Again at the first item: a `set_epoch` or `load_state_dict` since
+            # `iter(dataset)` wins (a StatefulDataLoader's `state_dict()` before the loop
+            # calls `iter(dataset)`); the resume point is this iteration's, taken.
+            start, epoch = self._start()
             self._stream_state, self._state_epoch = start, epoch
+            self._resume = None
         took = False
         try:
             opened = self._open_shards if self.options.batch_size is None else self._open_batches
-            with opened(client) as stream:
+            with opened(client, start, epoch) as stream:
                 for item in self._items(stream, epoch, gen):
                     took = True
                     yield item
@@ -462,33 +470,32 @@ class _DatasetMixin:
             # `loader.load_state_dict(loader.state_dict())` before iterating again resumes
             # exactly. (Leaving the loop early, `break`, ends the generator otherwise: the next
             # iteration starts the epoch, as with any DataLoader.)
-            if gen == self._gen:
+            if gen == self._owner:
                 if took and isinstance(self._stream_state, bytes):
                     self._stream_state = _binary.decode_state(self._stream_state)
                 self._resume = self._stream_state if took else start
                 self._resume_epoch = epoch
             raise
 
-    def _open_shards(self, client: Client) -> Stream:
+    def _open_shards(self, client: Client, state: dict[str, Any] | None, epoch: int) -> Stream:
         """The shard-mode stream of this process: stream rank ``effective_rank(rank,
         world_size, worker, num_workers)`` of ``world_size * num_workers``, delivering epochs
-        ``epoch .. epoch + epochs - 1``; after :meth:`load_state_dict`, that same stream opened
-        at the saved state (O(1) on the node: no probe, no replay)."""
+        ``epoch .. epoch + epochs - 1``; with a saved `state`, that same stream opened at it
+        (O(1) on the node: no probe, no replay)."""
         self._check_options()  # keywords set as attributes since the dataset was made
         o = self.options
         rank, world = _torch_ranks(self.rank, self.world_size)
-        state, self._resume = self._resume, None
         try:
             if state is None:
                 return open_at_epoch(
-                    client, self.dataset, start_epoch=self.epoch, epochs=o.epochs,
+                    client, self.dataset, start_epoch=epoch, epochs=o.epochs,
                     seed=o.seed, rank=rank, world_size=world, uneven=o.uneven, device=o.device,
                 )
             # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's
             # does; a state saved after its last item (epoch + epochs, index 0) resumes to an
             # empty stream.
             return client.open_stream(
-                self.dataset, epochs=self.epoch + o.epochs, seed=o.seed, rank=rank,
+                self.dataset, epochs=epoch + o.epochs, seed=o.seed, rank=rank,
                 world_size=world, uneven=o.uneven, state=state, device=o.device,
             )
         except ServiceError as e:
@@ -497,21 +504,20 @@ class _DatasetMixin:
                 raise
             raise said from e
 
-    def _open_batches(self, client: Client) -> Stream:
+    def _open_batches(self, client: Client, state: dict[str, Any] | None, epoch: int) -> Stream:
         """The batch-mode stream of this process: the DDP rank's batches, split among the
         DataLoader's workers (worker ``w`` of ``n`` takes the rank's batches ``w, w + n, ...``,
         the order in which the DataLoader polls them)."""
         rank, world = _ddp_ranks(self.rank, self.world_size)
         worker, workers = _worker()
         opts = self.options.replace(rank=rank, world_size=world, worker=worker, num_workers=workers)
-        state, self._resume = self._resume, None
-        end = self.epoch + opts.epochs
-        if state is None and self.epoch > 0:
+        end = epoch + opts.epochs
+        if state is None and epoch > 0:
             # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe.
             probe_opts = opts.replace(epochs=1, worker=None, num_workers=None)
             with client.open_stream(self.dataset, **probe_opts.keywords()) as probe:
                 base = probe.state_dict()
-            state = {**base, "epoch": self.epoch, "index": 0, "cursor": 0}
+            state = {**base, "epoch": epoch, "index": 0, "cursor": 0}
         if state is not None:
             # The stream must reach the saved position: its epoch, and past it when the
             # position lies inside that epoch. A state at the end of the last epoch (the
