@@ -602,6 +602,18 @@ async fn a_node_session_asking_again_for_a_cached_shard_costs_no_crc_read() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `n` shards of one byte each, in order, of object 0.
+fn one_byte_shards(n: u32) -> Vec<Want> {
+    (0..n)
+        .map(|s| Want {
+            shard: s,
+            object: 0,
+            range: u64::from(s)..u64::from(s) + 1,
+            crc32c: 0,
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_wake_of_the_prefetch_passes_over_a_bounded_stretch_and_goes_on_where_it_stopped() {
     let os = Arc::new(Gated::new());
@@ -609,14 +621,7 @@ async fn a_wake_of_the_prefetch_passes_over_a_bounded_stretch_and_goes_on_where_
     // 20 000 one-byte shards; ten streams of one node hint 2 000 each. All are held (cached,
     // as in an epoch after the first) but the last in the order.
     let n = 20_000u32;
-    Arc::get_mut(&mut d).expect("only reference").shards = (0..n)
-        .map(|s| Want {
-            shard: s,
-            object: 0,
-            range: u64::from(s)..u64::from(s) + 1,
-            crc32c: 0,
-        })
-        .collect();
+    Arc::get_mut(&mut d).expect("only reference").shards = one_byte_shards(n);
     for k in 0..10u32 {
         d.hint(1, u64::from(k), (k * 2000..(k + 1) * 2000).collect());
     }
@@ -660,14 +665,7 @@ async fn a_shard_that_stops_being_held_behind_the_scan_is_read_at_the_next_wake(
     // copy in memory was taken). Before, the front of a wake was 512 entries, depth 0 of
     // the first 512 streams: it waited until the scan came round again.
     let (streams, per) = (600u32, 3u32);
-    Arc::get_mut(&mut d).expect("only reference").shards = (0..streams * per)
-        .map(|s| Want {
-            shard: s,
-            object: 0,
-            range: u64::from(s)..u64::from(s) + 1,
-            crc32c: 0,
-        })
-        .collect();
+    Arc::get_mut(&mut d).expect("only reference").shards = one_byte_shards(streams * per);
     for k in 0..streams {
         d.hint(1, u64::from(k), (k * per..(k + 1) * per).collect());
     }
