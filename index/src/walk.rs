@@ -111,8 +111,11 @@ fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
     let dir = parts.next();
-    let in_cache = dir.is_some_and(|d| d.to_ascii_lowercase().contains("cache"));
-    if megatron_lm_cache(name) || (in_cache && hashed_cache(name)) {
+    let in_cache = rel
+        .rsplit('/')
+        .skip(1)
+        .any(|d| d.to_ascii_lowercase().contains("cache"));
+    if megatron_lm_cache(name) || hashed_cache(name, in_cache) {
         return true;
     }
     let (Some(dir), Some(cache)) = (dir, parts.next()) else {
@@ -142,20 +145,22 @@ fn megatron_lm_cache(name: &str) -> bool {
 
 /// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) names by
 /// the MD5 of their description: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`, and
-/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`. Taken for a cache only in
-/// a folder whose name says cache (`index-cache/` beside the `.bin`, or the `cache/` that
-/// `--data-cache-path` usually names): elsewhere such names can be a content-addressed
-/// dataset's own arrays (a uuid's hex is 32 digits too).
-fn hashed_cache(name: &str) -> bool {
-    const ENDS: [&str; 6] = [
+/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`. Those two only under a
+/// folder whose name says cache (`index-cache/` beside the `.bin`, or the `cache/` that
+/// `--data-cache-path` usually names; `in_cache`): elsewhere such names can be a
+/// content-addressed dataset's own arrays (a uuid's hex is 32 digits too).
+fn hashed_cache(name: &str, in_cache: bool) -> bool {
+    const ENDS: [&str; 4] = [
         "_doc_idx.npy",
         "_sample_idx.npy",
         "_shuffle_idx.npy",
-        "_sample_index.npy",
-        "_index.npy",
         ".dsc",
     ];
-    let stem = ENDS.iter().find_map(|end| name.strip_suffix(end));
+    const IN_CACHE: [&str; 2] = ["_sample_index.npy", "_index.npy"];
+    let stem = ENDS
+        .iter()
+        .chain(IN_CACHE.iter().filter(|_| in_cache))
+        .find_map(|end| name.strip_suffix(end));
     stem.is_some_and(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
@@ -459,6 +464,8 @@ mod tests {
             "index-cache/0123456789abcdef0123456789abcdef_doc_idx.npy".to_owned(),
             "index-cache/0123456789abcdef0123456789abcdef.dsc".to_owned(),
             "cache/fedcba9876543210fedcba9876543210_sample_index.npy".to_owned(),
+            // --data-cache-path in a folder not named for a cache: the md5 names still are.
+            "shards/fedcba9876543210fedcba9876543210_doc_idx.npy".to_owned(),
             // Data that only looks alike: kept.
             "index-cache/embeddings.npy".to_owned(),
             "shards/00112233445566778899aabbccddeeff_index.npy".to_owned(),
@@ -479,7 +486,7 @@ mod tests {
             "shards/00112233445566778899aabbccddeeff_index.npy",
         ];
         assert_eq!(rels, want);
-        assert_eq!(unused.len(), 11, "{unused:?}");
+        assert_eq!(unused.len(), 12, "{unused:?}");
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

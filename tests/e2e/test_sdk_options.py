@@ -191,7 +191,7 @@ def test_all_three_entry_points_take_every_stream_keyword(sent, monkeypatch: pyt
     monkeypatch.setattr(swt, "_ddp_ranks", lambda rank, world_size: (rank, world_size))
     monkeypatch.setattr(swt, "_worker", lambda: (1, 3))
     sent.clear()
-    ds._open_batches(client())
+    ds._open_batches(client(), *ds._start())
     (req,) = sent
     assert req == {"op": "attach", **StreamOptions(**{**EVERY, "state": None}).attach_fields("d")}
 
@@ -282,11 +282,11 @@ def test_the_torch_dataset_sends_what_it_sent_before(sent, monkeypatch: pytest.M
     probe_state = {**FakeStream().state_dict(), "epoch": 2}
     resume = {"epoch": 3, "index": 5, "cursor": 80, "partitions": 2, "shuffle_block": 50, "seed": 8, "fingerprint": "b1;fp"}
     ds = swt._DatasetMixin("b", socket="/nonexistent", seed=8, batch_size=16, drop_last=True, shuffle="block", shuffle_block=50, partitions=2)
-    ds._open_batches(client())
+    ds._open_batches(client(), *ds._start())
     ds.set_epoch(2)
-    ds._open_batches(client())
+    ds._open_batches(client(), *ds._start())
     ds.load_state_dict({"epoch": 3, "stream": resume})
-    ds._open_batches(client())
+    ds._open_batches(client(), *ds._start())
     no_workers = {k: v for k, v in batch.items() if k not in ("worker", "num_workers")}
     assert [list(r.items()) for r in sent] == [
         list(x.items())
@@ -300,7 +300,7 @@ def test_the_torch_dataset_sends_what_it_sent_before(sent, monkeypatch: pytest.M
     sent.clear()
     ds = swt._DatasetMixin("g", socket="/nonexistent", rank=1, world_size=2, batch_size=4, seq_len=8, tokens_column="ids",
                            token_dtype="int32", boundaries=True, order="shardwire", epochs=2)
-    ds._open_batches(client())
+    ds._open_batches(client(), *ds._start())
     assert list(sent[0].items()) == list({
         **head, "dataset": "g", "seed": 0, "rank": 1, "world_size": 2, "epochs": 2, "uneven": "pad", "state": None, "batch_size": 4,
         "worker": 0, "num_workers": 1, "seq_len": 8, "tokens_column": "ids", "token_dtype": "int32", "boundaries": True,
@@ -483,7 +483,7 @@ def test_shard_mode_refuses_the_keywords_it_would_ignore(sent, monkeypatch: pyte
     ds.batch_size = None
     monkeypatch.setattr(swt, "_torch_ranks", lambda rank, world_size: (0, 1))
     with pytest.raises(ValueError, match="need"):
-        ds._open_shards(client())
+        ds._open_shards(client(), *ds._start())
     assert sent == []
 
 

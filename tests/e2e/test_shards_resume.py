@@ -377,6 +377,21 @@ def test_a_batch_mode_checkpoint_at_the_last_batch_resumes_to_nothing(node, stat
     assert delivered(node) == before, "nothing is handed out again"
 
 
+def fail_the_nth_next(m: pytest.MonkeyPatch, n: int) -> None:
+    """Makes `Stream.next` raise a Timeout at its `n`-th call (within the context `m`)."""
+    from shardwire import _client
+
+    real, calls = _client.Stream.next, {"n": 0}
+
+    def flaky(self, timeout=None):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise shardwire.Timeout("injected: no batch in time")
+        return real(self, timeout)
+
+    m.setattr(_client.Stream, "next", flaky)
+
+
 @pytest.mark.parametrize("batch_size", [None, 2])
 def test_an_iteration_ended_by_an_error_is_continued_by_the_next_not_replayed(node, monkeypatch, batch_size):
     """A training loop that catches a `Timeout` (or a lost node) and iterates the dataset
@@ -384,21 +399,12 @@ def test_an_iteration_ended_by_an_error_is_continued_by_the_next_not_replayed(no
     iteration opens where `state_dict` says it stopped. Before, the stream's position was
     dropped with the stream, so the epoch's first items came a second time. Leaving the loop
     early (`break`) still starts the epoch over on the next iteration."""
-    from shardwire import _client
     from shardwire.torch import IterableDataset
 
     kw = {} if batch_size is None else {"batch_size": batch_size}
     ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60, **kw)
     with monkeypatch.context() as m:
-        real, calls = _client.Stream.next, {"n": 0}
-
-        def flaky(self, timeout=None):
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise shardwire.Timeout("injected: no batch in time")
-            return real(self, timeout)
-
-        m.setattr(_client.Stream, "next", flaky)
+        fail_the_nth_next(m, 4)
         got: list[list[int]] = []
         with pytest.raises(shardwire.Timeout):
             for item in ds:
@@ -771,3 +777,23 @@ def test_the_position_is_that_of_the_iteration_that_yielded_last(node, monkeypat
     assert ds._resume is None, "the loop's error set a resume point"
     assert [ids(item) for item in peek] == want[2:], "the peek goes on"
     assert [ids(item) for item in ds] == want, "the next iteration starts the epoch"
+
+
+def test_a_resume_point_is_taken_by_the_iteration_that_opens_at_it(node, monkeypatch):
+    """An error leaves a resume point; an iteration that opens at it takes it, even one that
+    is not the latest `iter(ds)` (before, only the iteration owning the position cleared it,
+    so a loop after one that ran to the end resumed at the old point again)."""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    with shardwire.connect(node.socket).open_stream("s", seed=3) as s:
+        want = [ids(b) for b in s]
+    with monkeypatch.context() as m:
+        fail_the_nth_next(m, 4)
+        with pytest.raises(shardwire.Timeout):
+            for _ in ds:
+                pass
+    older, latest = iter(ds), iter(ds)
+    assert [ids(item) for item in older] == want[3:], "resumed after the error"
+    del latest  # never advanced
+    assert [ids(item) for item in ds] == want, "the next loop starts the epoch"

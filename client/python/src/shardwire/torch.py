@@ -226,11 +226,11 @@ class _DatasetMixin:
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
         # Iterations are numbered by `iter(dataset)` (`_gens`, the latest's number); the
-        # position (`_stream_state`, and `_resume` after an error) is that of `_owner`: the
+        # position (`_stream_state`, and `_resume` after an error) is that of `_pos_owner`: the
         # latest, until another yields an item (a peek `next(iter(ds))` inside a loop must
         # not freeze the loop's checkpoints, nor a loop still taken from reset a new one's).
         self._gens = 0
-        self._owner = 0
+        self._pos_owner = 0
 
     @property
     def epoch(self) -> int:
@@ -415,7 +415,7 @@ class _DatasetMixin:
             # The position after this item, once it exists (a copy that fails, out of memory,
             # leaves the position before it) and before it is yielded: a state taken while
             # the item is in use resumes after it.
-            self._owner = gen
+            self._pos_owner = gen
             self._stream_state, self._state_epoch = stream._snapshot(), epoch
             yield item
 
@@ -429,7 +429,7 @@ class _DatasetMixin:
         size). A second ``iter(dataset)`` takes the position over until the earlier one, if
         still taken from, yields again: the position is the last item's, of whichever."""
         self._gens += 1
-        self._owner = self._gens
+        self._pos_owner = self._gens
         start, epoch = self._start()
         self._stream_state, self._state_epoch = start, epoch
         return self._iterate(self._gens, start, epoch)
@@ -445,13 +445,15 @@ class _DatasetMixin:
         opens at the first item."""
         self._take_device()
         client = connect(self.socket)
-        if gen == self._owner:
-            # Again at the first item: a `set_epoch` or `load_state_dict` since
-            # `iter(dataset)` wins (a StatefulDataLoader's `state_dict()` before the loop
-            # calls `iter(dataset)`); the resume point is this iteration's, taken.
+        if gen == self._gens:
+            # The latest iteration, again at its first item: a `set_epoch` or
+            # `load_state_dict` since `iter(dataset)` wins (a StatefulDataLoader's
+            # `state_dict()` before the loop calls `iter(dataset)`).
             start, epoch = self._start()
+        if gen == self._pos_owner:
             self._stream_state, self._state_epoch = start, epoch
-            self._resume = None
+        if start is not None and start is self._resume:
+            self._resume = None  # taken by this iteration
         took = False
         try:
             opened = self._open_shards if self.options.batch_size is None else self._open_batches
@@ -470,7 +472,7 @@ class _DatasetMixin:
             # `loader.load_state_dict(loader.state_dict())` before iterating again resumes
             # exactly. (Leaving the loop early, `break`, ends the generator otherwise: the next
             # iteration starts the epoch, as with any DataLoader.)
-            if gen == self._owner:
+            if gen == self._pos_owner:
                 if took and isinstance(self._stream_state, bytes):
                     self._stream_state = _binary.decode_state(self._stream_state)
                 self._resume = self._stream_state if took else start
