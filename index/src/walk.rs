@@ -111,10 +111,7 @@ fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
     let dir = parts.next();
-    let in_cache = rel
-        .rsplit('/')
-        .skip(1)
-        .any(|d| d.to_ascii_lowercase().contains("cache"));
+    let in_cache = dir.is_some_and(|d| d.to_ascii_lowercase().contains("cache"));
     if megatron_lm_cache(name) || hashed_cache(name, in_cache) {
         return true;
     }
@@ -145,7 +142,7 @@ fn megatron_lm_cache(name: &str) -> bool {
 
 /// Whether `name` is one of the files Megatron-LM (mid-2023, and Megatron-DeepSpeed) names by
 /// the MD5 of their description: `<md5>_{doc,sample,shuffle}_idx.npy`, `<md5>.dsc`, and
-/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`. Those two only under a
+/// BlendableDataset's `<md5>_index.npy`, `<md5>_sample_index.npy`. Those two only in a
 /// folder whose name says cache (`index-cache/` beside the `.bin`, or the `cache/` that
 /// `--data-cache-path` usually names; `in_cache`): elsewhere such names can be a
 /// content-addressed dataset's own arrays (a uuid's hex is 32 digits too).

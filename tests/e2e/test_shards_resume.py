@@ -797,3 +797,35 @@ def test_a_resume_point_is_taken_by_the_iteration_that_opens_at_it(node, monkeyp
     assert [ids(item) for item in older] == want[3:], "resumed after the error"
     del latest  # never advanced
     assert [ids(item) for item in ds] == want, "the next loop starts the epoch"
+
+
+def test_another_iterations_error_is_not_taken_by_an_iteration_made_before_it(node, monkeypatch):
+    """A peek made inside a loop that then fails: the peek opens where it was made (the
+    epoch's start), not at the loop's resume point, and the loop's retry resumes after the
+    loop's items. And an iteration that takes a resume point but fails before its first item
+    gives it back. (Before: the peek took the loop's point, so the retry replayed the epoch;
+    and a point taken by a failed open was lost.)"""
+    from shardwire.torch import IterableDataset
+
+    ds = IterableDataset("s", socket=node.socket, seed=3, timeout=60)
+    with shardwire.connect(node.socket).open_stream("s", seed=3) as s:
+        want = [ids(b) for b in s]
+    loop = iter(ds)
+    assert ids(next(loop)) == want[0]
+    peek = iter(ds)
+    assert ids(next(loop)) == want[1]
+    with monkeypatch.context() as m:
+        fail_the_nth_next(m, 1)
+        with pytest.raises(shardwire.Timeout):
+            next(loop)
+    assert ids(next(peek)) == want[0], "the peek starts where it was made"
+    del peek
+    # The resume point (after the loop's two items) survives an iteration that takes it and
+    # fails before its first item.
+    older, latest = iter(ds), iter(ds)
+    with monkeypatch.context() as m:
+        fail_the_nth_next(m, 1)
+        with pytest.raises(shardwire.Timeout):
+            next(older)
+    del latest
+    assert [ids(item) for item in ds] == want[2:], "the retry resumes after the loop's items"

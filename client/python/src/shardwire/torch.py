@@ -187,6 +187,11 @@ class _DatasetMixin:
             ``ds.seed``, ...), read and written through `options`.
     """
 
+    # Defaults for a copy pickled by an SDK that predates them (see `__init__`).
+    _gens = 0
+    _pos_owner = 0
+    _named = 0
+
     def __init__(
         self,
         dataset: str,
@@ -231,6 +236,9 @@ class _DatasetMixin:
         # not freeze the loop's checkpoints, nor a loop still taken from reset a new one's).
         self._gens = 0
         self._pos_owner = 0
+        # How many times `set_epoch` or `load_state_dict` named where to start: an iteration
+        # made before the latest of those rereads its start at its first item.
+        self._named = 0
 
     @property
     def epoch(self) -> int:
@@ -317,6 +325,7 @@ class _DatasetMixin:
         follows."""
         if int(epoch) != self.epoch:
             self._resume = None  # a later epoch wins over where an earlier one stopped
+        self._named += 1
         self._own_epoch = None
         self.epoch = int(epoch)
         # What `state_dict` says until the next item: where the next iteration starts (the
@@ -362,6 +371,7 @@ class _DatasetMixin:
                 "iteration started at>, 'stream': <it>}"
             )
         epoch, stream = int(state["epoch"]), state["stream"]
+        self._named += 1
         if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
             # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
             # after `set_epoch` named the next one: that epoch starts whole.
@@ -432,7 +442,7 @@ class _DatasetMixin:
         self._pos_owner = self._gens
         start, epoch = self._start()
         self._stream_state, self._state_epoch = start, epoch
-        return self._iterate(self._gens, start, epoch)
+        return self._iterate(self._gens, start, epoch, self._named)
 
     def _start(self) -> tuple[dict[str, Any] | None, int]:
         """Where the next iteration starts (None: its epoch's start) and its epoch."""
@@ -440,19 +450,22 @@ class _DatasetMixin:
             self._resume = None  # saved before `set_epoch` named another epoch
         return self._resume, self.epoch
 
-    def _iterate(self, gen: int, start: dict[str, Any] | None, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        """`__iter__`'s generator (the `gen`-th, starting at `start` of `epoch`): the stream
-        opens at the first item."""
+    def _iterate(
+        self, gen: int, start: dict[str, Any] | None, epoch: int, named: int
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """`__iter__`'s generator (the `gen`-th, starting at `start` of `epoch`, made after
+        `named` calls that name a start): the stream opens at the first item."""
         self._take_device()
         client = connect(self.socket)
-        if gen == self._gens:
-            # The latest iteration, again at its first item: a `set_epoch` or
-            # `load_state_dict` since `iter(dataset)` wins (a StatefulDataLoader's
-            # `state_dict()` before the loop calls `iter(dataset)`).
+        if self._named != named:
+            # A `set_epoch` or `load_state_dict` since `iter(dataset)` wins (a
+            # StatefulDataLoader's `state_dict()` before the loop calls `iter(dataset)`); an
+            # error of another iteration does not.
             start, epoch = self._start()
         if gen == self._pos_owner:
             self._stream_state, self._state_epoch = start, epoch
-        if start is not None and start is self._resume:
+        taken = start is not None and start is self._resume
+        if taken:
             self._resume = None  # taken by this iteration
         took = False
         try:
@@ -477,6 +490,8 @@ class _DatasetMixin:
                     self._stream_state = _binary.decode_state(self._stream_state)
                 self._resume = self._stream_state if took else start
                 self._resume_epoch = epoch
+            elif taken and not took and self._resume is None:
+                self._resume, self._resume_epoch = start, epoch  # not taken after all
             raise
 
     def _open_shards(self, client: Client, state: dict[str, Any] | None, epoch: int) -> Stream:
