@@ -12,7 +12,8 @@ SKIP_BUILD=1 skips the build):
     scripts/bench-loaders --shuffle-quality [--samples 262144]
     scripts/bench-loaders --tokens [--tok-tokens 32000000] [--seq-len 2048] [--batch 8] [--rounds 3]
 
-One dataset of N samples (int64 `id` = storage position, float32 `x[256]`: 1 KiB rows), written
+One dataset of N samples (int64 `id` = storage position, float32 `x[256]`: 1032 B rows, 1 KiB of
+them `x`; the default 262144 samples are 258 MiB of rows, plus the formats' framing), written
 once as Arrow IPC files (record batches of --shard-rows rows = shardwire shards), as MDS shards
 and as tar shards of the same rows. Each loader runs in its own subprocess per round (Streaming
 with .venv-streaming's python), rounds alternate the loaders' order, and every loader's batch
@@ -73,9 +74,12 @@ Loaders:
 
 The summary names the fastest local loader (median steady-state samples/s) and gives shardwire's
 ratio to it per round and median (and of the loop's wait per batch), where the time went per
-batch (for shardwire also the node's own gather time per batch it assembled, from its metrics
-`shardwire_stall_seconds_total{cause="assembly"}` and `shardwire_batches_assembled_total`,
-read before and after each loader's process), the time-to-first-batch table
+batch (for shardwire also the node's CRC + gather time per batch it assembled, from its metrics
+`shardwire_stall_seconds_total{cause="assembly"}` -- the batch gathers and every receiver's
+CRC-32C of the bytes it received, summed -- over `shardwire_batches_assembled_total`, read
+before and after each loader's process; and the bytes the node received,
+`shardwire_bytes_received_total`, per byte of those batches: 8 B `id` + 1 KiB `x` a row),
+the time-to-first-batch table
 (fresh and resumed), and the CPU model and flags. --node-cpus / --trainer-cpus pin the node's
 processes and each loader's process with `taskset -c` (default: unpinned, the CPUs shared).
 
@@ -933,11 +937,13 @@ def cpu_model() -> str:
     return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 
 
-CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "asimd", "sve", "hypervisor")
+CPU_FLAGS = ("sse4_2", "pclmulqdq", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "vpclmulqdq", "erms", "fsrm", "amx_tile",
+             "asimd", "sve", "hypervisor")
 
 
 def cpu_line() -> str:
-    """The CPU model, CPU count, the SIMD flags that matter to numpy/torch, and the load."""
+    """The CPU model, CPU count, the flags that matter to numpy/torch (SIMD) and to the node
+    (CRC-32C: sse4_2, pclmulqdq, vpclmulqdq; copies: erms, fsrm), and the load."""
     flags: set[str] = set()
     for l in open("/proc/cpuinfo"):
         if l.startswith(("flags", "Features")):
@@ -1044,10 +1050,16 @@ def ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
+def batch_bytes(batch: int) -> int:
+    """The bytes of one assembled batch of `batch` rows: the int64 `id` and the 256 float32 of `x`."""
+    return batch * (8 + DIM * 4)
+
+
 def node_gather(admin: str) -> tuple[float, int, float]:
     """The node's assembly time so far (`shardwire_stall_seconds_total{cause="assembly"}`: the
-    batch gathers, seconds), its batches assembled and the bytes it received from sources
-    (`shardwire_bytes_received_total`), from its metrics."""
+    batch gathers and its receivers' CRC-32C of the received bytes, seconds), its batches
+    assembled and the bytes it received from sources (`shardwire_bytes_received_total`), from
+    its metrics."""
     import http.client
 
     c = http.client.HTTPConnection(admin, timeout=10)
@@ -1066,8 +1078,9 @@ def node_gather(admin: str) -> tuple[float, int, float]:
 
 
 def gather_us(v: list[dict]) -> str:
-    """The median over rounds of the node's gather time per batch it assembled while a loader
-    ran (its whole process: warm-up and first batches too), microseconds; "-" for a local one."""
+    """The median over rounds of the node's CRC + gather time per batch it assembled while a
+    loader ran (its whole process: warm-up and first batches too; `node_gather_s_per_batch`,
+    named before it was known to hold the CRC too), microseconds; "-" for a local one."""
     g = [r["node_gather_s_per_batch"] for r in v if r.get("node_gather_s_per_batch") is not None]
     return f"{statistics.median(g) * 1e6:.0f}" if g else "-"
 
@@ -1100,10 +1113,13 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
             res["round"] = rnd + 1
             after = node_gather(admin)
             batches = after[1] - before[1]
+            # The node's CRC + gather time per batch (the key is older than the knowledge that the
+            # assembly counter holds the receivers' CRC too; kept for readers of the JSON).
             res["node_gather_s_per_batch"] = (after[0] - before[0]) / batches if l.startswith("shardwire") and batches else None
-            # Bytes the node received per byte of the batches it assembled (1 KiB rows, float32):
-            # near 1 when every epoch fetches the rows again, near 0 once they stay resident.
-            assembled = batches * a.batch * DIM * 4
+            # Bytes the node received per byte of the batches it assembled (rows of an int64 id
+            # and 256 float32): near 1 when every epoch fetches the rows again, near 0 once they
+            # stay resident.
+            assembled = batches * batch_bytes(a.batch)
             res["node_received_per_assembled"] = (after[2] - before[2]) / assembled if l.startswith("shardwire") and batches else None
             results[l].append(res)
             print(f"round {rnd + 1} {l:22s} {res['samples_per_s']:10.0f} samples/s over {res['seconds']:.1f} s ({res['batches']} batches; "
@@ -1121,7 +1137,7 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
     local = [l for l in loaders if not l.startswith("shardwire")]
     best = max(local, key=lambda l: med[l]) if local else None
     vers = {k: v for rs in results.values() for r in rs for k, v in r.get("versions", {}).items()}
-    print(f"\nsteady state: {a.samples} samples x {DIM} float32 (1 KiB rows), shards of {a.shard_rows}, batch {a.batch}, shuffle_block "
+    print(f"\nsteady state: {a.samples} samples x {DIM} float32 + int64 id (1032 B rows), shards of {a.shard_rows}, batch {a.batch}, shuffle_block "
           f"{a.shuffle_block}, {a.workers} workers where a loader has workers; each window at least {a.seconds:g} s and {a.measure} "
           f"batches after a warm-up of at least {a.warmup_seconds:g} s and {a.warmup} batches; {R} rounds")
     print(cpu_line() + "; " + ", ".join(f"{k} {v}" for k, v in vers.items()))
@@ -1136,7 +1152,7 @@ def loaders_bench(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child
     print("\nwhere the time went, per batch (medians of the rounds): the loop's wait for the batch and the model step (wall and "
           "on-CPU), the training thread's preemptions, and CPU spent outside the training process (the node's processes, "
           "DataLoader workers, anything else on the host)")
-    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us | the node's gather, us "
+    print("| loader | wait, us | model step, us | step on CPU, us | preemptions | CPU outside the trainer, us | node CRC+gather, us "
           "| bytes the node received / assembled |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for l in loaders:
@@ -1216,8 +1232,9 @@ def main() -> None:
     p.add_argument("--tokens", action="store_true", help="token mode: megatron GPTDataset vs shardwire token stream")
     p.add_argument("--tok-tokens", type=int, default=32_000_000)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--stream-memory", type=int, default=256, help="the shardwire stream's region, MiB (default 256, the "
-                   "dataset's size: rows that do not stay resident are fetched again each epoch)")
+    p.add_argument("--stream-memory", type=int, default=256, help="the shardwire stream's region, MiB (default 256, a little "
+                   "under the default dataset's 258 MiB of rows plus framing: rows that do not stay resident are fetched "
+                   "again each epoch)")
     p.add_argument("--node-cpus", help="run the node's processes on these CPUs (taskset -c list; default: unpinned)")
     p.add_argument("--trainer-cpus", help="run each loader's process on these CPUs (taskset -c list; default: unpinned)")
     p.add_argument("--first", help=argparse.SUPPRESS)

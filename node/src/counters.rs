@@ -195,8 +195,10 @@ impl FlowStats {
         self.crc_pieces[k.min(31)].fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    /// The piece size (a power of two, rounded down) below which half of the checksummed
-    /// bytes landed, over `flows`; `None` when nothing was checksummed on the CPU.
+    /// The lower bound `lo` of the power-of-two range `[lo, 2 lo)` of piece sizes that holds
+    /// the median checksummed byte, over `flows` (at least half of the bytes landed in pieces
+    /// below `2 lo`: judge by that bound, not `lo`); `None` when nothing was checksummed on the
+    /// CPU.
     pub fn median_crc_piece<'a>(flows: impl IntoIterator<Item = &'a Self>) -> Option<usize> {
         let mut sum = [0u64; 32];
         for f in flows {

@@ -1,10 +1,11 @@
 //! `shardwire bench`: kperf-style ingest throughput on loopback. A source and a node run in
 //! this process on synthetic `.bin` shards; a trainer thread takes and releases batches
-//! for `--seconds`. Prints per-flow Rx lines, per-CPU usage, CPU seconds per GB delivered by
-//! role (source send, node receive, trainer, ...) and a summary; with `--compare-tcp` it also
-//! runs plain TCP with the same flows and thread layout ([`tcp`]: into one hot buffer, and
-//! into a rotating region as large as the stream's) in the same run and prints the ratios.
-//! `--rate` paces both to the same goodput, so their CPU per GB compares throughput-matched.
+//! for `--seconds` after 300 ms of warm-up (as plain TCP's). Prints per-flow Rx lines, per-CPU
+//! usage, CPU seconds per GB delivered by role (source send, node receive, trainer, ...) and a
+//! summary; with `--compare-tcp` it also runs plain TCP with the same flows and thread layout
+//! ([`tcp`]: into one hot buffer, and into a rotating region as large as the stream's) in the
+//! same run, right after shardwire's, and prints the ratios. `--rate` paces both to the same
+//! goodput, so their CPU per GB compares throughput-matched.
 
 mod cpu;
 mod crc;
@@ -56,7 +57,8 @@ pub struct BenchArgs {
     /// path) and with pieces of 128 KiB / 256 KiB handed over a bounded window ahead;
     /// io_uring completions uncapped; through a 256 KiB bounce buffer copied on with
     /// non-temporal stores or `memcpy`; through a 64 KiB one with CRC and copy fused per
-    /// 16 KiB. Prints each one's ratio to the first, and the median piece each checksum read.
+    /// 16 KiB. Prints each one's ratio to the first, and the power-of-two range of the median
+    /// piece each checksum read.
     #[arg(long)]
     compare_crc: bool,
     /// With --compare-crc: only these ways (their labels as printed, e.g. `crc-queue`;
@@ -203,7 +205,8 @@ fn stream_memory(a: &BenchArgs, shard: usize) -> anyhow::Result<u64> {
     Ok(stream_memory)
 }
 
-/// The one-lane rounds: shardwire, then each comparison asked for, then their medians.
+/// The one-lane rounds: shardwire, then each comparison asked for (plain TCP first: its
+/// runs are shardwire's baselines), then their medians.
 fn rounds<P: Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun>(
     a: &BenchArgs,
     (data, dir): (&std::path::Path, &std::path::Path),
@@ -217,14 +220,16 @@ fn rounds<P: Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun>(
             println!("-- round {}", round + 1);
         }
         let sw = run_shardwire(a, data, dir, stream_memory, rate, a.io_uring)?;
+        // The baselines shardwire is divided by run right after it, so that the ratios
+        // compare runs seconds apart, not the whole of the other comparisons apart.
+        if a.compare_tcp {
+            ratios.push(compare_tcp(&sw, files, plain, region)?);
+        }
         if a.compare_uring {
             let other = run_shardwire(a, data, dir, stream_memory, rate, !a.io_uring)?;
             let mut row = vec![node_ratio(a.io_uring, &sw, &other)];
             row.extend(compare_uring(files, plain, region)?);
             uring_rows.push(row);
-        }
-        if a.compare_tcp {
-            ratios.push(compare_tcp(&sw, files, plain, region)?);
         }
         if a.compare_crc {
             crc_rows.push(compare_crc(files, plain, region, crcs, crc_ways)?);
@@ -277,10 +282,7 @@ fn run_shardwire(
         },
     )
     .context("opening the bench stream")?;
-    // Warm up: one batch, so connections and the page cache are hot.
-    if let Some(b) = s.next()? {
-        s.release(b)?;
-    }
+    warm_up(&mut s)?;
     // What the data connections do, as the node counted them (not the flag: where io_uring
     // cannot be set up the node falls back to `recv`, and says so).
     let counted = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
@@ -328,17 +330,29 @@ fn run_shardwire(
     })
 }
 
+/// As long as plain TCP's warm-up ([`tcp`]): the window starts with the connections, the
+/// page cache and the stream's fetch-ahead at speed.
+const WARM_UP: Duration = Duration::from_millis(300);
+
+/// Takes and gives back batches from `s` for [`WARM_UP`] (at least one batch).
+fn warm_up(s: &mut Stream) -> anyhow::Result<()> {
+    let t = Instant::now();
+    let mut next = s.next()?;
+    while let Some(b) = next {
+        if t.elapsed() >= WARM_UP {
+            s.release(b)?;
+            break;
+        }
+        next = s.next_after(b)?;
+    }
+    Ok(())
+}
+
 /// What the trainer thread saw in a window of `seconds`: the stream (to drop after the
 /// report), payload bytes delivered, the window's length, and the end samples of all CPUs and
 /// of every thread. The trainer runs in a named thread, so its CPU shows up as its own role;
 /// the end sample is taken on that thread, while it still counts among the threads.
-type Window = (
-    Stream,
-    u64,
-    f64,
-    Vec<[u64; 5]>,
-    std::collections::BTreeMap<&'static str, (f64, f64)>,
-);
+type Window = (Stream, u64, f64, Vec<cpu::Jiffies>, cpu::ThreadTimes);
 
 /// Reads and gives back batches from `s` for `seconds` on a thread named `bench-trainer`.
 fn trainer_window(mut s: Stream, seconds: u64) -> anyhow::Result<Window> {
@@ -417,25 +431,32 @@ fn print_bindings(node: &shardwire_node::Node) {
 }
 
 /// Says how far behind the copy that placed them the node's CRC read the bytes: the median
-/// piece (by bytes) checksummed right after it landed, against the L2 cache (hot up to a
-/// quarter of it: `protocol/examples/crc_speed.rs` measures CRC speed after a copy).
+/// piece (by bytes) checksummed right after it landed, as the power-of-two range it fell in,
+/// against the L2 cache (hot up to a quarter of it: `protocol/examples/crc_speed.rs` measures
+/// CRC speed after a copy).
 fn print_crc_hotness(median: Option<usize>) {
-    let Some(piece) = median else {
+    let Some(lo) = median else {
         println!("crc: not computed on the CPU (GPU kernel, or nothing received)");
         return;
     };
     let l2 = cpu::l2_bytes();
-    let hot = l2.map(|l2| piece <= l2 / 4);
     println!(
-        "crc: median piece checksummed right after landing {} KiB (L2 {}): {}",
-        piece >> 10,
+        "crc: median piece checksummed right after landing {} (L2 {}): {}",
+        crc::piece_range(lo),
         l2.map_or("unknown".into(), |b| format!("{} KiB", b >> 10)),
-        match hot {
+        match l2.map(|l2| hot(lo, l2)) {
             Some(true) => "hot (read from cache)",
             Some(false) => "cold (read back from memory or L3)",
             None => "unknown",
         }
     );
+}
+
+/// Whether a median piece in the power-of-two range `[lo, 2 lo)` was checksummed hot with
+/// `l2` bytes of L2: the whole range within a quarter of it (the median may be anywhere in
+/// it; judged by `lo` alone, a median of up to twice a quarter of L2 was called hot).
+fn hot(lo: usize, l2: usize) -> bool {
+    lo.saturating_mul(2) <= l2 / 4
 }
 
 #[cfg(test)]
@@ -451,6 +472,16 @@ mod tests {
             conn,
             stats,
         }
+    }
+
+    #[test]
+    fn a_piece_is_hot_only_if_its_whole_range_is() {
+        // A median of 256 KiB pieces lands in 256-512 KiB: against 1 MiB of L2 (hot up to
+        // 256 KiB) it may be cold. Judged by the range's lower bound, it was "hot".
+        assert!(!hot(256 << 10, 1 << 20));
+        assert!(hot(128 << 10, 1 << 20));
+        assert!(!hot(1 << 20, 2 << 20));
+        assert!(hot(256 << 10, 2 << 20));
     }
 
     #[test]

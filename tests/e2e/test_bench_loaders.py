@@ -42,6 +42,13 @@ def test_the_local_block_shuffle_resumes_at_a_batch(skip):
     assert tail == full[skip:]
 
 
+def test_a_batch_counts_its_ids_and_the_cpu_line_names_the_crc_flags():
+    m = bench_module()
+    # The node assembles both columns: 8 B of id and 1 KiB of x a row (before: 1 KiB only).
+    assert m.batch_bytes(256) == 256 * 1032
+    assert {"sse4_2", "pclmulqdq", "vpclmulqdq", "erms", "fsrm"} <= set(m.CPU_FLAGS)
+
+
 def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
     pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
     pytest.importorskip("pyarrow", reason="pyarrow is installed by scripts/test")
@@ -60,10 +67,12 @@ def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
     assert 0 < ratio["first_batch_s"] < 60 and 0 < ratio["resume_first_batch_s"] < 60
     run = report["runs"]["shardwire"][0]
     assert run["seconds"] >= 0.3 and run["batches"] > 0 and run["warmup_batches"] >= 20
-    assert 0 < run["node_gather_s_per_batch"] < 1, "the node's gather time per batch, from its metrics"
+    assert 0 < run["node_gather_s_per_batch"] < 1, "the node's CRC + gather time per batch, from its metrics"
     assert report["runs"]["numpy-mmap-gather"][0]["node_gather_s_per_batch"] is None
     # The node received rows for what it assembled: the first epoch is always fetched; this
-    # 16 MiB dataset then stays resident in the 256 MiB region, so later epochs fetch nothing.
+    # 16 MiB dataset (16384 rows of 1032 B) then stays resident in the 256 MiB region, so later
+    # epochs fetch nothing.
     assert 0 < run["node_received_per_assembled"] < 1, "bytes received per byte assembled, from its metrics"
     assert report["runs"]["numpy-mmap-gather"][0]["node_received_per_assembled"] is None
     assert "numpy-mmap-gather" in r.stdout and "first batch" in r.stdout
+    assert "| node CRC+gather, us |" in r.stdout, "the assembly counter holds the receivers' CRC too"

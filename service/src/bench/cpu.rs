@@ -1,5 +1,5 @@
 //! CPU accounting for `shardwire bench`: per-CPU shares from /proc/stat (kperf's per-CPU
-//! usr/sys/idle/irq lines) and CPU seconds per thread of this process from
+//! usr/sys/idle/irq lines, and steal) and CPU seconds per thread of this process from
 //! /proc/self/task, grouped by role (the thread names say which part of the pipeline a
 //! thread belongs to), to report CPU seconds per GB delivered.
 
@@ -58,43 +58,61 @@ pub fn l2_bytes() -> Option<usize> {
     n.parse::<usize>().ok().map(|n| n * mult)
 }
 
-/// Per-CPU jiffies from /proc/stat: (user+nice, system, idle+iowait, irq+softirq, total).
-pub fn cpu_times() -> Vec<[u64; 5]> {
+/// One CPU's jiffies from a /proc/stat line: (user+nice, system, idle+iowait, irq+softirq,
+/// steal, total). The total leaves out guest and guest_nice: the kernel counts them in user
+/// and nice already.
+pub type Jiffies = [u64; 6];
+
+/// Per-CPU [`Jiffies`] from /proc/stat.
+pub fn cpu_times() -> Vec<Jiffies> {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     stat.lines()
         .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
-        .map(|l| {
-            let v: Vec<u64> = l
-                .split_whitespace()
-                .skip(1)
-                .filter_map(|x| x.parse().ok())
-                .collect();
-            let g = |i: usize| v.get(i).copied().unwrap_or(0);
-            [g(0) + g(1), g(2), g(3) + g(4), g(5) + g(6), v.iter().sum()]
-        })
+        .map(parse_cpu_line)
         .collect()
+}
+
+/// [`Jiffies`] of one `cpuN user nice system idle iowait irq softirq steal guest guest_nice`
+/// line (fields a kernel does not have count 0).
+fn parse_cpu_line(l: &str) -> Jiffies {
+    let v: Vec<u64> = l
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let g = |i: usize| v.get(i).copied().unwrap_or(0);
+    let total: u64 = (0..8).map(g).sum();
+    [g(0) + g(1), g(2), g(3) + g(4), g(5) + g(6), g(7), total]
+}
+
+/// The jiffies a CPU worked between two samples: user, nice, system, irq and softirq (not
+/// idle or iowait, nor steal: time the hypervisor ran something else).
+fn busy(before: &Jiffies, after: &Jiffies) -> u64 {
+    [0usize, 1, 3]
+        .iter()
+        .map(|&k| after[k].saturating_sub(before[k]))
+        .sum()
 }
 
 /// Prints each CPU's shares between two [`cpu_times`] samples; returns the CPU seconds all
 /// CPUs were busy (user, system, irq and softirq: work no thread is charged for, such as
-/// loopback's receive processing, included).
-pub fn print_cpu(before: &[[u64; 5]], after: &[[u64; 5]]) -> f64 {
-    let (mut busy, mut all) = (0u64, 0u64);
+/// loopback's receive processing, included; steal left out).
+pub fn print_cpu(before: &[Jiffies], after: &[Jiffies]) -> f64 {
+    let mut jiffies = 0u64;
     for (i, (b, a)) in before.iter().zip(after).enumerate() {
-        let total = (a[4] - b[4]).max(1) as f64;
-        let pct = |k: usize| (a[k] - b[k]) as f64 * 100.0 / total;
+        let total = a[5].saturating_sub(b[5]).max(1) as f64;
+        let pct = |k: usize| a[k].saturating_sub(b[k]) as f64 * 100.0 / total;
         println!(
-            "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}%",
+            "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}% steal:{:5.2}%",
             pct(0),
             pct(1),
             pct(2),
-            pct(3)
+            pct(3),
+            pct(4)
         );
-        busy += (a[4] - b[4]) - (a[2] - b[2]);
-        all += a[4] - b[4];
+        jiffies += busy(b, a);
     }
-    let _ = all;
-    busy as f64 / rustix::param::clock_ticks_per_second() as f64
+    jiffies as f64 / rustix::param::clock_ticks_per_second() as f64
 }
 
 /// The role of a thread, from its name.
@@ -115,10 +133,14 @@ fn role(comm: &str) -> &'static str {
         .map_or("other", |(_, r)| r)
 }
 
-/// (user, system) seconds of every thread of this process so far, by role.
-pub fn thread_times() -> BTreeMap<&'static str, (f64, f64)> {
+/// (user, system) seconds of threads, by role.
+pub type ThreadTimes = BTreeMap<&'static str, (f64, f64)>;
+
+/// (user, system) seconds of every thread of this process so far, by role (a thread that
+/// exited is gone from /proc/self/task, and its seconds with it).
+pub fn thread_times() -> ThreadTimes {
     let tick = rustix::param::clock_ticks_per_second() as f64;
-    let mut out: BTreeMap<&'static str, (f64, f64)> = BTreeMap::new();
+    let mut out = ThreadTimes::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return out;
     };
@@ -178,6 +200,22 @@ mod tests {
         assert_eq!(role("tokio-rt-worker"), "runtime (source + node control)");
         assert_eq!(role("bench-trainer"), "trainer");
         assert_eq!(role("whatever"), "other");
+    }
+
+    #[test]
+    fn busy_time_is_user_system_and_irq_not_steal_or_guest() {
+        //          user nice system idle iowait irq softirq steal guest guest_nice
+        let b = parse_cpu_line("cpu0 100 10 50 1000 20 5 15 0 0 0");
+        let a = parse_cpu_line("cpu0 200 20 100 1100 40 10 30 400 80 8");
+        assert_eq!(b, [110, 50, 1020, 20, 0, 1200]);
+        // Guest time is in user and nice already: the total counts it once.
+        assert_eq!(a[5], 200 + 20 + 100 + 1100 + 40 + 10 + 30 + 400);
+        // 100 user + 10 nice + 50 system + 5 irq + 15 softirq; before, total - idle -
+        // iowait: 668, with the 400 of steal and the 88 of guest counted again.
+        assert_eq!(busy(&b, &a), 180);
+        assert_eq!(a[4] - b[4], 400);
+        // A kernel with fewer fields: the missing ones count 0.
+        assert_eq!(parse_cpu_line("cpu1 1 2 3 4"), [3, 3, 4, 0, 0, 10]);
     }
 
     #[test]

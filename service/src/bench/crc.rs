@@ -4,13 +4,16 @@
 //! bytes. The ways ([`Way`]): straight into the slot with reads of the rest of the slot (the
 //! node's `recv` path) or of at most a piece, and the CRC right after each read; through a small
 //! cache-hot bounce buffer, checksummed there and then copied into the slot with
-//! non-temporal stores; io_uring placing bytes in the slot with each completion capped; the
-//! node's io_uring queue handing whole payloads to the kernel (its path until now) or pieces
-//! with a bounded window ahead of the bytes that arrived.
+//! non-temporal stores or `memcpy`, or with CRC and copy fused; io_uring placing bytes in the
+//! slot, each completion checksummed as it lands ([`Way::Uring`] can cap the completions; the
+//! runs of `--compare-crc` leave them uncapped); the node's io_uring queue handing whole
+//! payloads to the kernel (its path) or pieces with a bounded window ahead of the bytes that
+//! arrived.
 //!
 //! Each way also reports how far the CRC runs behind the copy that landed the bytes: the
-//! median, weighted by bytes, of the piece a checksum reads right after it landed. Pieces
-//! well within the L2 cache are read hot; pieces of several MiB are read back from memory.
+//! median, weighted by bytes, of the piece a checksum reads right after it landed, as the
+//! power-of-two range it fell in ([`piece_range`]). Pieces well within the L2 cache are read
+//! hot; pieces of several MiB are read back from memory.
 
 use std::net::TcpStream;
 use std::os::fd::AsFd;
@@ -128,8 +131,9 @@ impl CrcStats {
         }
     }
 
-    /// The piece size (rounded down to a power of two) below which half of the bytes were
-    /// checksummed.
+    /// The lower bound `lo` of the power-of-two range `[lo, 2 lo)` of piece sizes that holds
+    /// the median checksummed byte (at least half of the bytes came in pieces below `2 lo`);
+    /// 0 when nothing was checksummed. [`piece_range`] prints the range.
     pub fn median_piece(&self) -> usize {
         let p = self.pieces.lock().expect("poisoned");
         let total: u64 = p.iter().sum();
@@ -141,6 +145,18 @@ impl CrcStats {
             }
         }
         0
+    }
+}
+
+/// The power-of-two range `[lo, 2 lo)` of a median piece of lower bound `lo` (as
+/// [`CrcStats::median_piece`] and the node's `FlowStats::median_crc_piece` give it), e.g.
+/// `512-1024 KiB`; in bytes below 1 KiB, `none` for 0.
+pub fn piece_range(lo: usize) -> String {
+    let hi = lo.saturating_mul(2);
+    match lo {
+        0 => "none".to_string(),
+        1..1024 => format!("{lo}-{hi} B"),
+        _ => format!("{}-{} KiB", lo >> 10, hi >> 10),
     }
 }
 
@@ -371,4 +387,29 @@ fn queued(
     drop(region);
     check.stats.merge(&local);
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_piece_is_the_range_it_fell_in() {
+        let s = CrcStats::default();
+        assert_eq!(
+            (s.median_piece(), piece_range(s.median_piece())),
+            (0, "none".into())
+        );
+        let mut local = [0u64; 32];
+        for piece in [300 << 10, 300 << 10, 256 << 10, 4 << 10] {
+            tally(piece, &mut local);
+        }
+        s.merge(&local);
+        // The median byte came in a piece of 300 KiB: the range 256-512 KiB. Before, the
+        // report said "256 KiB", below it.
+        assert_eq!(s.median_piece(), 256 << 10);
+        assert_eq!(piece_range(s.median_piece()), "256-512 KiB");
+        assert_eq!(piece_range(512), "512-1024 B");
+        assert_eq!(piece_range(2 << 20), "2048-4096 KiB");
+    }
 }

@@ -8,7 +8,9 @@
 //! node's per-lane machinery costs and whether it scales with the cores there are, not what
 //! NIC/GPU pairs do (each is limited by its own NIC there; scripts/gpu-check.sh).
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -68,40 +70,112 @@ fn lane_bytes(lb: &Loopback) -> Vec<u64> {
         .collect()
 }
 
-/// Runs the trainers for `seconds`; returns (lane, bytes delivered) each, and the seconds.
-fn drive(streams: Vec<(u32, Stream)>, seconds: u64) -> anyhow::Result<(Vec<(u32, u64)>, f64)> {
+/// The end of the trainers' window: its seconds, and the samples of all CPUs and of every
+/// thread.
+type EndSample = (f64, Vec<cpu::Jiffies>, cpu::ThreadTimes);
+
+/// Where the trainers meet at the end of their window: the last to arrive takes the
+/// [`EndSample`] while every trainer thread still runs (a thread that exited is gone from
+/// /proc/self/task, and its CPU with it), and none goes on before that.
+struct EndGate {
+    /// Trainers yet to arrive, and the sample the last one took.
+    state: Mutex<(usize, Option<EndSample>)>,
+    all_in: Condvar,
+}
+
+impl EndGate {
+    fn new(trainers: usize) -> Self {
+        Self {
+            state: Mutex::new((trainers, None)),
+            all_in: Condvar::new(),
+        }
+    }
+
+    /// `n` trainers are done (or never started): the last one in calls `sample`, and each
+    /// caller waits for that.
+    fn arrive(&self, n: usize, sample: impl FnOnce() -> EndSample) {
+        let mut g = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        g.0 = g.0.saturating_sub(n);
+        if g.0 == 0 && g.1.is_none() {
+            g.1 = Some(sample());
+            self.all_in.notify_all();
+        }
+        while g.1.is_none() {
+            g = self.all_in.wait(g).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn into_sample(self) -> Option<EndSample> {
+        self.state
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+    }
+}
+
+/// One trainer's loop on `s` until `seconds` after `t0`; the bytes delivered.
+fn train(s: &mut Stream, t0: Instant, seconds: u64) -> anyhow::Result<u64> {
+    let mut delivered = 0u64;
+    let mut next = s.next()?;
+    while let Some(b) = next {
+        delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
+        if t0.elapsed() >= Duration::from_secs(seconds) {
+            break; // its lease goes with the stream
+        }
+        next = s.next_after(b)?;
+    }
+    Ok(delivered)
+}
+
+/// Runs the trainers for `seconds`; returns (lane, bytes delivered) each, and the
+/// [`EndSample`] taken before any trainer thread exited.
+fn drive(
+    streams: Vec<(u32, Stream)>,
+    seconds: u64,
+) -> anyhow::Result<(Vec<(u32, u64)>, EndSample)> {
     let t0 = Instant::now();
+    let gate = EndGate::new(streams.len());
+    let end = move || {
+        (
+            t0.elapsed().as_secs_f64(),
+            cpu::cpu_times(),
+            cpu::thread_times(),
+        )
+    };
     let per: Vec<anyhow::Result<(u32, u64)>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = streams
+        let gate = &gate;
+        let spawned: Vec<_> = streams
             .into_iter()
             .map(|(lane, mut s)| {
                 std::thread::Builder::new()
                     .name(format!("bench-trainer-{lane}"))
                     .spawn_scoped(sc, move || -> anyhow::Result<(u32, u64)> {
-                        let mut delivered = 0u64;
-                        let mut next = s.next()?;
-                        while let Some(b) = next {
-                            delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-                            if t0.elapsed() >= Duration::from_secs(seconds) {
-                                break; // its lease goes with the stream
-                            }
-                            next = s.next_after(b)?;
-                        }
-                        Ok((lane, delivered))
+                        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            train(&mut s, t0, seconds)
+                        }));
+                        gate.arrive(1, end);
+                        let delivered = r.map_err(|_| anyhow::anyhow!("a trainer panicked"))??;
+                        Ok((lane, delivered)) // the stream goes now, after the end sample
                     })
-                    .expect("spawn a trainer thread")
+                    .context("spawning a trainer thread")
             })
             .collect();
-        handles
+        let unstarted = spawned.iter().filter(|h| h.is_err()).count();
+        if unstarted > 0 {
+            gate.arrive(unstarted, end);
+        }
+        spawned
             .into_iter()
-            .map(|h| {
-                h.join()
+            .map(|h| -> anyhow::Result<(u32, u64)> {
+                h?.join()
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a trainer thread panicked")))
             })
             .collect()
     });
-    let secs = t0.elapsed().as_secs_f64();
-    Ok((per.into_iter().collect::<anyhow::Result<_>>()?, secs))
+    let end = gate
+        .into_sample()
+        .context("the trainers' end sample was never taken")?;
+    Ok((per.into_iter().collect::<anyhow::Result<_>>()?, end))
 }
 
 /// Runs the lanes benchmark.
@@ -134,8 +208,7 @@ pub fn run(
     println!("streams on lanes {placed:?}");
     let received0 = lane_bytes(&lb);
     let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
-    let (per, secs) = drive(streams, a.seconds)?;
-    let (cpu1, threads1) = (cpu::cpu_times(), cpu::thread_times());
+    let (per, (secs, cpu1, threads1)) = drive(streams, a.seconds)?;
     let received1 = lane_bytes(&lb);
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
     lb.stop();
@@ -167,4 +240,34 @@ pub fn run(
         busy / (total as f64 / 1e9).max(1e-9)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    #[test]
+    fn the_end_sample_is_taken_while_every_trainer_still_runs() {
+        // Two trainers, each counting itself out once past the gate, and one that never
+        // started (its count given back by the caller, as `drive` does).
+        let (gate, running) = (EndGate::new(3), AtomicUsize::new(2));
+        let sample = || {
+            let n = running.load(Ordering::SeqCst) as f64;
+            (n, Vec::new(), cpu::ThreadTimes::new())
+        };
+        std::thread::scope(|sc| {
+            for _ in 0..2 {
+                sc.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    gate.arrive(1, sample);
+                    running.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+            gate.arrive(1, sample);
+        });
+        // Before, the end sample came after the trainers were joined: none still ran.
+        assert_eq!(gate.into_sample().map(|s| s.0), Some(2.0));
+    }
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::crc::{Onward, Way};
+use super::crc::{Onward, Way, piece_range};
 use super::{cpu, tcp};
 
 /// What one run measured: goodput, CPU seconds per GB over this process's threads (user +
@@ -256,11 +256,11 @@ pub(super) fn compare_crc(
         let r = run_checked(plain(Some(region), tcp::Recv::Crc(way)), files, &check)?;
         let s = &check.stats;
         println!(
-            "  {}: {} shards checked, {} CRC failures, median piece checksummed {} KiB",
+            "  {}: {} shards checked, {} CRC failures, median piece checksummed {}",
             way.label(),
             s.checked.load(Ordering::Relaxed),
             s.failures.load(Ordering::Relaxed),
-            s.median_piece() >> 10
+            piece_range(s.median_piece())
         );
         anyhow::ensure!(
             s.failures.load(Ordering::Relaxed) == 0,
