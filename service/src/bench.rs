@@ -361,17 +361,7 @@ fn trainer_window(mut s: Stream, seconds: u64) -> anyhow::Result<Window> {
         std::thread::Builder::new()
             .name("bench-trainer".into())
             .spawn_scoped(sc, move || -> anyhow::Result<_> {
-                // A training loop: each batch given back on the request for the next ones,
-                // which the stream sends ahead of time.
-                let mut delivered = 0u64;
-                let mut next = s.next()?;
-                while let Some(b) = next {
-                    delivered += b.tensors().iter().map(|t| t.length).sum::<u64>();
-                    if t0.elapsed() >= Duration::from_secs(seconds) {
-                        break; // its lease goes with the stream
-                    }
-                    next = s.next_after(b)?;
-                }
+                let delivered = lanes::train(&mut s, t0, seconds)?;
                 let secs = t0.elapsed().as_secs_f64();
                 Ok((s, delivered, secs, cpu::cpu_times(), cpu::thread_times()))
             })?

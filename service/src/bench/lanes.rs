@@ -113,8 +113,9 @@ impl EndGate {
     }
 }
 
-/// One trainer's loop on `s` until `seconds` after `t0`; the bytes delivered.
-fn train(s: &mut Stream, t0: Instant, seconds: u64) -> anyhow::Result<u64> {
+/// One trainer's loop on `s` until `seconds` after `t0`, each batch given back on the request
+/// for the next ones (which the stream sends ahead of time); the bytes delivered.
+pub(super) fn train(s: &mut Stream, t0: Instant, seconds: u64) -> anyhow::Result<u64> {
     let mut delivered = 0u64;
     let mut next = s.next()?;
     while let Some(b) = next {
