@@ -3,10 +3,10 @@
 //! configuration, each with its distance class and why: the node's own plan
 //! (`shardwire_node::plan_lanes`), rendered by `shardwire_topology` as text or JSON.
 //!
-//! A `sysfs_root` other than `/sys` (a fixture, a copy of another host's tree) is planned from
-//! its own GPUs: this host's CUDA devices, their UUIDs and its devmem probe describe this host,
-//! not that tree (a GPU host showed one lane of a fake 8-GPU tree, with its own GPU's UUID on
-//! the fake GPU of the same bus id). Data addresses are still looked up here, as `serve` looks
+//! A `sysfs_root` that is not a mounted sysfs (a fixture, a copy of another host's tree) is
+//! planned from its own GPUs: this host's CUDA devices, their UUIDs and its devmem probe
+//! describe this host, not that tree (a GPU host showed one lane of a fake 8-GPU tree, with
+//! its own GPU's UUID on the fake GPU of the same bus id). Data addresses are still looked up here, as `serve` looks
 //! them up: the WHY column says which interface each came from, or that it does not exist here.
 
 use std::net::Ipv4Addr;
@@ -55,10 +55,16 @@ fn lane_plan(spec: &LaneSpec, tree: &Tree) -> Option<LanePlan> {
     })
 }
 
-/// Whether `cfg.sysfs_root` is this host's own tree (`/sys`), which its CUDA devices and its
-/// devmem probe describe.
+/// sysfs's file system magic number (`SYSFS_MAGIC`, linux/magic.h).
+const SYSFS_MAGIC: u64 = 0x6265_6572;
+
+/// Whether `cfg.sysfs_root` is this host's own tree, which its CUDA devices and its devmem
+/// probe describe: `/sys`, or a sysfs mounted elsewhere (a container's `/host/sys`), not a
+/// copy of another host's tree.
 fn own_tree(cfg: &ServeConfig) -> bool {
-    cfg.sysfs_root == Path::new(shardwire_topology::DEFAULT_ROOT)
+    let root = &cfg.sysfs_root;
+    root == Path::new(shardwire_topology::DEFAULT_ROOT)
+        || rustix::fs::statfs(root).is_ok_and(|s| s.f_type as u64 == SYSFS_MAGIC)
 }
 
 /// The devices of `tree` and the lanes `serve` would plan over them, with `cuda` the CUDA
@@ -184,5 +190,21 @@ mod tests {
         let topo = plan(&own, &tree, &gpu, &gpu, &no_addr).expect("plan");
         assert_eq!(topo.lanes.len(), 1, "{:?}", topo.lanes);
         assert!(topo.gpus[0].uuid.is_some(), "{:?}", topo.gpus[0]);
+    }
+
+    #[test]
+    fn a_sysfs_mounted_under_another_path_is_this_hosts_tree() {
+        // Judged by the file system, not the spelling: `/sys/.` (as a container's `/host/sys`
+        // mount) was taken for another host's tree.
+        let at = |p: &str| {
+            own_tree(&ServeConfig {
+                sysfs_root: p.into(),
+                ..ServeConfig::default()
+            })
+        };
+        assert!(at("/sys"));
+        let mounted = rustix::fs::statfs("/sys").is_ok_and(|s| s.f_type as u64 == SYSFS_MAGIC);
+        assert!(at("/sys/.") || !mounted, "sysfs is mounted at /sys here");
+        assert!(!at(FIXTURE) && !at("/nonexistent"));
     }
 }
