@@ -110,6 +110,18 @@ def first_batch(s: _client.Stream, node: socket.socket) -> shardwire.Batch:
     return b0
 
 
+def two_kept_and_one_in_flight(s: _client.Stream, node: socket.socket, interrupt) -> tuple[shardwire.Batch, shardwire.Batch]:
+    """Batches 0 and 1, both kept, then a `next(timeout=30)` cut short by an interrupt: its
+    request stays in flight."""
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
+    interrupt(0.3, node)
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=30)
+    return b0, b1
+
+
 BAD = {
     # Decoded in the same receive as the good batch before it, kept for its turn.
     "decoded-with-the-group": lambda: batch(1, MORE) + framed(documented_body(lease=3, index=2)[:40]),
@@ -402,12 +414,7 @@ def test_an_error_answer_to_an_earlier_release_loses_no_batch_and_no_lease(pair,
     `release()` marked the batch released, then raised on the earlier answer: its lease was
     never sent)."""
     s, node = pair
-    b0 = first_batch(s, node).keep()
-    node.sendall(batch(1))
-    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
-    interrupt(0.3, node)
-    with pytest.raises(KeyboardInterrupt):
-        s.next(timeout=30)  # its request stays in flight
+    b0, b1 = two_kept_and_one_in_flight(s, node, interrupt)
     b0.release()  # sent behind it
     assert requests(node) == [{"op": "next", "timeout_ms": 30000}, {"op": "release", "lease": 1}]
     node.sendall(batch(2) + framed(b'{"op":"error","code":"unknown_lease","message":"lease 1"}'))
@@ -488,12 +495,7 @@ def test_a_refused_release_in_flight_at_the_end_does_not_keep_the_releases_after
     lease it does not know). The releases that waited for a request are still sent at the end,
     and the refusal raises after them: before, the refusal, read first, stopped them."""
     s, node = pair
-    b0 = first_batch(s, node).keep()
-    node.sendall(batch(1))
-    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
-    interrupt(0.3, node)
-    with pytest.raises(KeyboardInterrupt):
-        s.next(timeout=30)  # its request stays in flight
+    b0, b1 = two_kept_and_one_in_flight(s, node, interrupt)
     b0.release()  # sent behind it
     assert requests(node) == [{"op": "next", "timeout_ms": 30000}, {"op": "release", "lease": 1}]
     del b1  # dropped while kept: its lease goes with the next request (there is none: at the end)

@@ -23,7 +23,7 @@ from conftest import serve_dataset, write_id_dataset
 import shardwire  # noqa: E402
 from shardwire import _wire  # noqa: E402
 from test_binary_frames import framed  # noqa: E402
-from test_sdk_recovery import batch, first_batch, interrupt, pair, requests  # noqa: E402,F401
+from test_sdk_recovery import batch, first_batch, interrupt, pair, requests, two_kept_and_one_in_flight  # noqa: E402,F401
 
 TIMEOUT = framed(b'{"op":"timeout"}')
 
@@ -48,12 +48,7 @@ def test_a_late_timeout_answer_asks_again_within_what_is_left_of_the_call(pair, 
     of its 2 s (about 1 s; before, 2 s again: a caller's timeout could be overrun by almost
     all of it), and its Timeout names 2 s."""
     s, node = pair
-    b0 = first_batch(s, node).keep()
-    node.sendall(batch(1))
-    b1 = s.next(timeout=10).keep()  # nothing in flight now: both kept
-    interrupt(0.3, node)
-    with pytest.raises(KeyboardInterrupt):
-        s.next(timeout=30)  # its request stays in flight
+    b0, b1 = two_kept_and_one_in_flight(s, node, interrupt)
     assert requests(node) == [{"op": "next", "timeout_ms": 30000}]
     asked: list[dict] = []
 

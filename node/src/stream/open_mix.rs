@@ -628,6 +628,17 @@ mod tests {
         });
         // Before: the schedule was played to step (2^32 - 2) x steps first (hours), and
         // the fingerprint compared after.
+        let e = refused_at_once(parts, combined, r);
+        assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+    }
+
+    /// The error `mix_mode` refuses `r` with, within 10 s (a replay of the schedule first
+    /// would take hours).
+    fn refused_at_once(
+        parts: Vec<(String, Arc<Manifest>)>,
+        combined: Manifest,
+        r: StreamRequest,
+    ) -> OpenError {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let got = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).map(|_| ());
@@ -636,8 +647,7 @@ mod tests {
         let got = rx
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("refused at once, not after a replay");
-        let e = got.unwrap_err();
-        assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+        got.unwrap_err()
     }
 
     #[test]
@@ -668,15 +678,7 @@ mod tests {
         assert_eq!(start, 3 * 10, "10 steps an epoch");
         // Before: the schedule was played to step (2^32 - 2) x 10 (hours).
         r.state = Some(at_epoch(u32::MAX - 1));
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let got = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).map(|_| ());
-            let _ = tx.send(got);
-        });
-        let got = rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .expect("refused at once, not after a replay");
-        let e = got.unwrap_err();
+        let e = refused_at_once(parts, combined, r);
         assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
         assert!(
             e.message.contains("epoch 4294967294 step 0"),
