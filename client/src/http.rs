@@ -32,6 +32,7 @@ use std::time::Duration;
 use shardwire_protocol::trainer::ErrorCode;
 use shardwire_protocol::trainer::http::{BatchBody, NextBody, OpenStream, Opened, TensorMeta};
 
+use crate::resume::{ResumeState, with_unknown_state};
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
 
 mod reply;
@@ -147,6 +148,29 @@ fn base_address(url: &str) -> Result<String, ClientError> {
 fn idle_timeout_s(t: Duration) -> u64 {
     let s = t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0));
     s.max(1)
+}
+
+/// The body of `POST /v1/streams` for `o`, resuming from `from` when given (in place of
+/// `o.state`): its fields this client does not know go to the node as they came.
+fn open_body(
+    mut o: StreamOptions,
+    idle_timeout: Option<Duration>,
+    from: Option<&ResumeState>,
+) -> Vec<u8> {
+    if let Some(from) = from {
+        o.state = Some(from.known().clone());
+    }
+    let req = OpenStream {
+        stream: o,
+        idle_timeout_s: idle_timeout.map(idle_timeout_s),
+    };
+    let Some(from) = from else {
+        return req.to_json();
+    };
+    let mut body: serde_json::Value =
+        serde_json::from_slice(&req.to_json()).expect("an open body is JSON");
+    body["state"] = from.to_value();
+    serde_json::to_vec(&body).expect("JSON serialises")
 }
 
 /// Whether a release's outcome lets go of the lease here: it was released, or had ended
@@ -287,7 +311,8 @@ pub struct HttpStream {
     /// The process that opened it: a child forked from it may not use it (its drop closes
     /// nothing on the node).
     pid: u32,
-    /// Open-time information.
+    /// Open-time information (of its state, the fields this client knows:
+    /// [`HttpStream::resume_state`] has them all).
     pub info: HttpStreamInfo,
 }
 
@@ -315,17 +340,37 @@ impl HttpStream {
         o: StreamOptions,
         idle_timeout: Option<Duration>,
     ) -> Result<Self, ClientError> {
+        Self::open_inner(admin_addr, open_body(o, idle_timeout, None))
+    }
+
+    /// Like [`HttpStream::open_with_idle_timeout`], resuming from `state` (a
+    /// [`HttpStream::resume_state`] or [`crate::Stream::resume_state`] saved earlier, in place
+    /// of `o.state`): the fields of it this client does not know are sent back to the node as
+    /// they came (a node that does not know them either refuses the state, naming them).
+    pub fn open_from(
+        admin_addr: &str,
+        o: StreamOptions,
+        state: &ResumeState,
+        idle_timeout: Option<Duration>,
+    ) -> Result<Self, ClientError> {
+        Self::open_inner(admin_addr, open_body(o, idle_timeout, Some(state)))
+    }
+
+    fn open_inner(admin_addr: &str, body: Vec<u8>) -> Result<Self, ClientError> {
         let addr = base_address(admin_addr)?;
         let mut conn = Conn { addr, sock: None };
-        let req = OpenStream {
-            stream: o,
-            idle_timeout_s: idle_timeout.map(idle_timeout_s),
-        };
-        let r = conn.call("POST", "/v1/streams", Some(&req.to_json()), IO_TIMEOUT)?;
+        let r = conn.call("POST", "/v1/streams", Some(&body), IO_TIMEOUT)?;
         if r.status != 201 {
             return Err(r.error());
         }
-        let info: Opened = match r.json() {
+        // An open answer whose state has fields this client does not know: `info.state` holds
+        // its known ones (`resume_state` asks the node for the whole state).
+        let opened = r.json::<Opened>().or_else(|e| {
+            with_unknown_state::<Opened>(&r.body)
+                .map(|(info, _)| info)
+                .ok_or(e)
+        });
+        let info = match opened {
             Ok(info) => info,
             Err(e) => {
                 // Opened on the node all the same: closed there, best effort, if its id can
@@ -553,8 +598,17 @@ impl HttpStream {
         }
     }
 
-    /// The state to resume from (the next batch not yet taken).
+    /// The state to resume from (the next batch not yet taken). A state with fields this
+    /// client does not know (a newer node's) is refused ([`ClientError::StateFieldsUnknown`]):
+    /// [`HttpStream::resume_state`] keeps them.
     pub fn state(&mut self) -> Result<StreamState, ClientError> {
+        self.resume_state()?.into_known()
+    }
+
+    /// The state to resume from, as [`HttpStream::state`], whole: fields this client does not
+    /// know are kept, to go back to the node with [`HttpStream::open_from`] (or
+    /// [`crate::Stream::open_from`]). What a trainer saves in its checkpoint.
+    pub fn resume_state(&mut self) -> Result<ResumeState, ClientError> {
         self.check_open()?;
         // `after`: a batch whose download failed is not counted as taken.
         let path = format!(
@@ -563,7 +617,7 @@ impl HttpStream {
         );
         let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
         match r.status {
-            200 => r.json::<StreamState>(),
+            200 => r.json::<ResumeState>(),
             _ => Err(r.error()),
         }
     }
@@ -798,6 +852,59 @@ mod tests {
             "POST /v1/streams/1/close",
         ];
         assert_eq!(seen, want, "a clone kept lease 5 until it was dropped");
+    }
+
+    /// A state with a field this client does not know (a newer node's): before, an open
+    /// answer carrying one failed the open, and `state()` refused the node's state answer;
+    /// now `resume_state` keeps it whole and `state`, which has no room for it, refuses it by
+    /// name.
+    #[test]
+    fn a_state_with_fields_this_client_does_not_know_is_kept() {
+        let newer = r#"{"epoch":0,"index":3,"seed":0,"fingerprint":"f","added":[1]}"#;
+        let opened = OPENED.replace(r#""f"}"#, r#""f","added":[1]}"#);
+        let (addr, node) = fake_node(move |target| match target {
+            "POST /v1/streams" => (201, "", opened.clone().into_bytes()),
+            t if t.contains("/state") => (200, "", newer.as_bytes().to_vec()),
+            _ => (200, "", b"{}".to_vec()),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        assert_eq!(s.info.state.fingerprint, "f");
+        let st = s.resume_state().unwrap();
+        assert_eq!(
+            (st.known().index, st.unknown_fields()),
+            (3, vec!["added".to_string()])
+        );
+        let whole = serde_json::to_value(&st).unwrap();
+        assert_eq!(whole["added"], serde_json::json!([1]), "{whole}");
+        let e = s.state().unwrap_err();
+        assert!(
+            matches!(&e, ClientError::StateFieldsUnknown { fields } if fields == &["added"]),
+            "{e}"
+        );
+        drop(s);
+        node.join().unwrap();
+    }
+
+    /// Resuming sends the state's fields this client does not know back as they came: a node
+    /// that knows them resumes there, one that does not refuses the state naming them (as the
+    /// protocol's decoder of the open body does).
+    #[test]
+    fn resuming_sends_a_states_unknown_fields_back_for_the_node_to_judge() {
+        let newer = r#"{"epoch":1,"index":2,"seed":0,"fingerprint":"f","added":true}"#;
+        let st: ResumeState = serde_json::from_str(newer).unwrap();
+        let idle = Some(Duration::from_secs(5));
+        let body = open_body(StreamOptions::new("d"), idle, Some(&st));
+        let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(sent["state"]["added"], true, "{sent}");
+        assert_eq!(sent["state"]["index"], 2, "{sent}");
+        assert_eq!(sent["idle_timeout_s"], 5, "{sent}");
+        let e = OpenStream::from_json(&body).unwrap_err().to_string();
+        assert!(e.contains("added"), "{e}");
+        // A state of this client's own version opens as `o.state` would.
+        let known = st.known().clone();
+        let body = open_body(StreamOptions::new("d"), None, Some(&known.clone().into()));
+        let open = OpenStream::from_json(&body).unwrap();
+        assert_eq!(open.stream.state, Some(known));
     }
 
     #[test]

@@ -16,9 +16,16 @@
 //!     }
 //!     next = s.next_after(batch)?;
 //! }
-//! let resume_at = s.state()?; // after the last batch handed out
+//! let resume_at = s.resume_state()?; // after the last batch handed out
 //! # Ok::<(), shardwire_client::ClientError>(())
 //! ```
+//!
+//! A trainer saves that [`ResumeState`] in its checkpoint (it serialises to the JSON object
+//! the node wrote) and resumes with [`Stream::open_from`]. Fields of the state this client
+//! does not know (a newer node's or SDK's) are kept and sent back, as the Python SDK does:
+//! the node judges them (see [`ResumeState`]). [`Stream::state`] gives the
+//! [`StreamState`] instead, and refuses a state with such fields
+//! ([`ClientError::StateFieldsUnknown`]) rather than drop them.
 //!
 //! [`Stream::next`] + [`Stream::release`] take one batch per request and ask for nothing
 //! ahead (a caller that keeps batches leases no more than it takes). A batch dropped without
@@ -31,6 +38,7 @@
 
 pub use shardwire_protocol::fdpass;
 pub mod http;
+mod resume;
 mod stream;
 
 use std::os::fd::OwnedFd;
@@ -39,6 +47,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use http::{HttpBatch, HttpStream};
+pub use resume::ResumeState;
 use rustix::mm::{MapFlags, ProtFlags};
 use shardwire_protocol::manifest::DType;
 use shardwire_protocol::trainer::{ErrorCode, StreamRequest};
@@ -169,6 +178,19 @@ pub enum ClientError {
         request: &'static str,
         /// The limit it waited.
         after: Duration,
+    },
+    /// A resume state with fields this client does not know (written by a newer node or
+    /// SDK), asked for as a [`StreamState`], which has no room for them: dropped, the stream
+    /// could resume somewhere else. Take it as a [`ResumeState`] instead, which keeps them.
+    #[error(
+        "the stream's resume state has fields this client does not know ({fields:?}), written by \
+         a newer node or SDK: a StreamState would drop them and the stream could resume \
+         elsewhere; take it with `resume_state()` (a ResumeState, which keeps them) and resume \
+         with `open_from`"
+    )]
+    StateFieldsUnknown {
+        /// The fields.
+        fields: Vec<String>,
     },
     /// The node's HTTP address is not `HOST:PORT` or `http://HOST:PORT`.
     #[error(
@@ -395,7 +417,8 @@ pub struct StreamInfo {
     pub epochs: u32,
     /// Memory kind.
     pub memory: String,
-    /// State it started from.
+    /// State it started from (its known fields: [`Stream::resume_state`] has them all
+    /// until a batch is handed out).
     pub state: StreamState,
 }
 

@@ -15,6 +15,7 @@ use shardwire_protocol::trainer::{
     self, BatchEncoding, MemoryKind, Request, Response, StreamState, binary,
 };
 
+use crate::resume::{ResumeState, with_unknown_state};
 use crate::{Batch, ClientError, Dropped, Mapping, StreamInfo, StreamOptions, check_tensors};
 
 /// Batches a `next` sent ahead of time asks for: the node answers with the first and, in the
@@ -76,7 +77,8 @@ pub struct Stream {
     /// Leases given back through `next_after` while a `next` was in flight: they ride on the
     /// next request.
     deferred: Vec<u64>,
-    /// The state JSON the last batch handed out carried (empty: none handed out yet).
+    /// The state JSON the last batch handed out carried (empty: none handed out yet, and the
+    /// state the stream opened at has no fields this client does not know).
     resume: Vec<u8>,
     /// The state JSON of the batch answer read last, which becomes `resume` once that batch
     /// is handed out (a batch refused by its checks does not move the state past it).
@@ -98,22 +100,35 @@ pub struct Stream {
     pub info: StreamInfo,
 }
 
-/// Sends the attach request `o` on `sock` and reads the answer's body (its fds pushed onto
-/// `fds`). The answer may wait for the dataset's manifests (ATTACH_LIMIT); once it starts, it
-/// arrives whole within FRAME_LIMIT, as every later frame (a node that stalls halfway is not
-/// waited for ten minutes, or for ever a byte at a time).
+/// The frame of the attach request `o`, resuming from `from` when given (in place of
+/// `o.state`): its fields this client does not know go to the node as they came.
+fn attach_frame(mut o: StreamOptions, from: Option<&ResumeState>) -> Vec<u8> {
+    let mut frame = Vec::new();
+    let Some(from) = from else {
+        trainer::encode(&Request::Attach(Box::new(o)), &mut frame);
+        return frame;
+    };
+    o.state = Some(from.known().clone());
+    let mut attach = serde_json::to_value(Request::Attach(Box::new(o))).expect("JSON serialises");
+    attach["state"] = from.to_value();
+    trainer::encode(&attach, &mut frame);
+    frame
+}
+
+/// Sends the attach request `frame` on `sock` and reads the answer's body (its fds pushed
+/// onto `fds`). The answer may wait for the dataset's manifests (ATTACH_LIMIT); once it
+/// starts, it arrives whole within FRAME_LIMIT, as every later frame (a node that stalls
+/// halfway is not waited for ten minutes, or for ever a byte at a time).
 fn attach<'a>(
     sock: &UnixStream,
-    o: StreamOptions,
+    frame: &[u8],
     reader: &'a mut fdpass::FrameReader,
     fds: &mut Vec<OwnedFd>,
 ) -> Result<&'a [u8], ClientError> {
-    let mut frame = Vec::new();
-    trainer::encode(&Request::Attach(Box::new(o)), &mut frame);
     // A node that refuses this trainer (peer allowlist) answers and closes; if the close wins
     // the race with our write, the write fails (EPIPE) but the refusal is still there to
     // read, and it is the better error.
-    let sent = fdpass::send_frame(sock, &frame, &[]);
+    let sent = fdpass::send_frame(sock, frame, &[]);
     let limits = ReadLimits {
         idle: Some(ATTACH_LIMIT),
         frame: FRAME_LIMIT,
@@ -139,8 +154,27 @@ impl Stream {
     /// Connects to the node's trainer socket and opens a stream. Every batch reply carries
     /// its resume state (`batch_state`), in the binary encoding, whatever `o` says about
     /// those two: [`Stream::state`] reads it from there.
-    pub fn open(path: impl AsRef<Path>, mut o: StreamOptions) -> Result<Self, ClientError> {
-        let path = path.as_ref();
+    pub fn open(path: impl AsRef<Path>, o: StreamOptions) -> Result<Self, ClientError> {
+        Self::connect(path.as_ref(), o, None)
+    }
+
+    /// Like [`Stream::open`], resuming from `state` (a [`Stream::resume_state`] saved earlier,
+    /// in place of `o.state`): the fields of it this client does not know are sent back to the
+    /// node as they came (a node that does not know them either refuses the state, naming
+    /// them).
+    pub fn open_from(
+        path: impl AsRef<Path>,
+        o: StreamOptions,
+        state: &ResumeState,
+    ) -> Result<Self, ClientError> {
+        Self::connect(path.as_ref(), o, Some(state))
+    }
+
+    fn connect(
+        path: &Path,
+        mut o: StreamOptions,
+        from: Option<&ResumeState>,
+    ) -> Result<Self, ClientError> {
         let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
             path: path.display().to_string(),
             source,
@@ -148,8 +182,8 @@ impl Stream {
         o.batch_state = true;
         o.batch_encoding = BatchEncoding::Binary;
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());
-        let body = attach(&sock, o, &mut reader, &mut fds)?;
-        let answer = trainer::decode::<Response>(body).map_err(FrameIoError::from)?;
+        let body = attach(&sock, &attach_frame(o, from), &mut reader, &mut fds)?;
+        let (answer, opened_at) = decode_json(body)?;
         let Response::Attached {
             stream,
             region_size,
@@ -186,7 +220,8 @@ impl Stream {
             frame: Vec::with_capacity(256),
             awaited: VecDeque::new(),
             deferred: Vec::new(),
-            resume: Vec::new(),
+            // A state with fields this client does not know: kept whole for `resume_state`.
+            resume: opened_at.map_or_else(Vec::new, |st| st.to_value().to_string().into()),
             incoming: Vec::new(),
             held: 0,
             lost: None,
@@ -259,10 +294,19 @@ impl Stream {
 
     /// The state to resume from: right after the last batch handed out (or the state the
     /// stream opened at), as the batch replies carry it: no request, and batches asked for
-    /// ahead of time but not handed out are not counted.
+    /// ahead of time but not handed out are not counted. A state with fields this client
+    /// does not know (a newer node's) is refused ([`ClientError::StateFieldsUnknown`]):
+    /// [`Stream::resume_state`] keeps them.
     pub fn state(&mut self) -> Result<StreamState, ClientError> {
+        self.resume_state()?.into_known()
+    }
+
+    /// The state to resume from, as [`Stream::state`], whole: fields this client does not
+    /// know are kept, to go back to the node with [`Stream::open_from`]. What a trainer saves
+    /// in its checkpoint.
+    pub fn resume_state(&mut self) -> Result<ResumeState, ClientError> {
         if self.resume.is_empty() {
-            return Ok(self.info.state.clone());
+            return Ok(self.info.state.clone().into());
         }
         serde_json::from_slice(&self.resume)
             .map_err(|e| ClientError::Protocol(format!("a batch's resume state: {e}")))
@@ -573,18 +617,33 @@ impl Stream {
             Ok(batch)
         } else {
             // JSON: every other answer, and a batch that does not fit the binary form.
-            let mut answer = Response::decode(body).map_err(FrameIoError::from)?;
+            let (mut answer, whole) = decode_json(body)?;
             if let Response::Batch { state, .. } = &mut answer {
                 let state = state.take().ok_or_else(older)?;
                 resume.clear();
-                serde_json::to_writer(&mut *resume, &state).expect("a stream state serialises");
+                match whole {
+                    Some(whole) => serde_json::to_writer(&mut *resume, &whole),
+                    None => serde_json::to_writer(&mut *resume, &state),
+                }
+                .expect("a stream state serialises");
             }
             Ok(answer)
         }
     }
 }
 
-/// The answer to a `release`: `released`, or the error it is.
+/// Decodes a JSON answer; one whose state has fields this client does not know decodes with
+/// its known ones, and that whole state is returned beside it (None: the answer has it all).
+fn decode_json(body: &[u8]) -> Result<(Response, Option<ResumeState>), ClientError> {
+    match Response::decode(body) {
+        Ok(answer) => Ok((answer, None)),
+        Err(e) => match with_unknown_state::<Response>(body) {
+            Some((answer, whole)) => Ok((answer, Some(whole))),
+            None => Err(FrameIoError::from(e).into()),
+        },
+    }
+}
+
 /// The region's fd from an `attached` answer, which carries exactly that one (any others
 /// close when `fds` drops).
 fn region_fd(mut fds: Vec<OwnedFd>) -> Result<OwnedFd, ClientError> {

@@ -746,7 +746,9 @@ impl SourceConfig {
             return Err(invalid(
                 "datasets",
                 "[]",
-                "give at least one --dataset NAME=DIR",
+                "give at least one NAME=DIR: `datasets = [\"NAME=DIR\"]` in the config file, \
+                 SHARDWIRE_DATASETS='[\"NAME=DIR\"]' in the environment, or \
+                 `shardwire source --dataset NAME=DIR`",
             ));
         }
         let mut names = std::collections::HashSet::new();
@@ -1017,6 +1019,18 @@ mod tests {
         }
         let ok = "datasets = [\"a=/x\", \"b=s3://bucket/b\"]\n";
         assert!(SourceConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn no_datasets_names_every_place_they_come_from() {
+        // Before: only `--dataset`, a flag `config print --source-config` does not have.
+        let file = write("listen = \"127.0.0.1:7500\"\n");
+        let e = SourceConfig::load(Some(&file), &Flags::default())
+            .unwrap_err()
+            .to_string();
+        for place in ["`datasets = [", "SHARDWIRE_DATASETS=", "--dataset NAME=DIR"] {
+            assert!(e.contains(place), "{place}: {e}");
+        }
     }
 
     #[test]

@@ -51,6 +51,9 @@ use crate::{
 pub const NIOV_SIZE: usize = 4096;
 /// Fewest net_iovs a binding may have (a few packets per socket must fit).
 pub const MIN_NIOVS: usize = 16;
+/// Most net_iovs a binding may have: each is named by a `u32` index, and a token slot holds
+/// `index + 1` in a `u32`.
+pub const MAX_NIOVS: usize = u32::MAX as usize;
 /// Most net_iovs one fill takes (the NIC refills its ring in bursts).
 const FILL_BURST: usize = 64;
 
@@ -93,6 +96,17 @@ pub enum EmuError {
         /// The minimum.
         min: usize,
     },
+    /// More net_iovs than a `u32` index (and a token's `niov + 1`) can name.
+    #[error(
+        "emulated dma-buf of {bytes} bytes is above the maximum of {max} bytes \
+         ({MAX_NIOVS} net_iovs of {NIOV_SIZE} bytes); ask for less memory"
+    )]
+    TooLarge {
+        /// Requested size.
+        bytes: usize,
+        /// The maximum.
+        max: usize,
+    },
     /// `frag_max` out of 1..=4096.
     #[error("emulated frag size {0} is outside 1..={NIOV_SIZE}")]
     FragSize(usize),
@@ -132,7 +146,8 @@ pub struct EmuBinding {
 }
 
 impl EmuBinding {
-    /// A binding with id `id` over a fresh memfd of `bytes` (rounded down to net_iovs).
+    /// A binding with id `id` over a fresh memfd of `bytes` (rounded down to net_iovs): from
+    /// [`MIN_NIOVS`] to [`MAX_NIOVS`] net_iovs.
     pub fn new(id: u32, bytes: usize) -> Result<Arc<Self>, EmuError> {
         let n = bytes / NIOV_SIZE;
         if n < MIN_NIOVS {
@@ -141,13 +156,19 @@ impl EmuBinding {
                 min: MIN_NIOVS * NIOV_SIZE,
             });
         }
+        let Ok(count) = u32::try_from(n) else {
+            return Err(EmuError::TooLarge {
+                bytes,
+                max: MAX_NIOVS * NIOV_SIZE,
+            });
+        };
         let mem = DmabufMem::memfd("shardwire-devmem-emu", n * NIOV_SIZE)
             .map_err(|source| EmuError::Memory { bytes, source })?;
         Ok(Arc::new(Self {
             id,
             mem,
             pool: Mutex::new(Pool {
-                free: (0..n as u32).rev().collect(),
+                free: (0..count).rev().collect(),
                 refs: vec![0; n],
                 unbound: false,
             }),
@@ -669,5 +690,30 @@ fn write_cmsg(out: &mut [u8], cmsg_type: i32, data: &[u8; DMABUF_CMSG_LEN]) {
 }
 
 pub mod host;
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    #[test]
+    fn a_binding_of_more_net_iovs_than_a_u32_names_is_refused() {
+        // Before: `0..n as u32` wrapped, so 2^32 net_iovs (16 TiB) made a binding with no
+        // free net_iov (every reader stalled). Refused before any memory is made.
+        for niovs in [MAX_NIOVS + 1, 2 * MAX_NIOVS] {
+            let bytes = niovs * NIOV_SIZE;
+            match EmuBinding::new(1, bytes) {
+                Err(EmuError::TooLarge { bytes: b, max }) => {
+                    assert_eq!((b, max), (bytes, MAX_NIOVS * NIOV_SIZE));
+                }
+                other => panic!("{niovs} net_iovs: {other:?}"),
+            }
+        }
+        let text = EmuBinding::new(1, (MAX_NIOVS + 1) * NIOV_SIZE)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("above the maximum"), "{text}");
+    }
+}
+
 #[cfg(test)]
 mod tests;

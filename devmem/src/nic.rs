@@ -482,8 +482,8 @@ pub enum RuleUndo {
     },
     /// A rule journaled without its location ([`Change::PendingRule`]) dealt with as for
     /// [`RuleUndo::Removed`]; the rules at `locations`, which matched it before its
-    /// insertion, were not taken for it (an operator's stay; one of shardwire's own has its
-    /// own entry, which deletes it).
+    /// insertion, were not taken for it and stay (an operator's). Shardwire's own, which
+    /// their own entries delete in the same restore, are not among them.
     PriorLeft {
         /// Their locations.
         locations: Vec<u32>,
@@ -634,7 +634,13 @@ impl Journal {
     fn forget(&mut self, at: usize) {
         self.state.changes.remove(at);
         if let Err(e) = self.save() {
-            tracing_like_warn(&e);
+            tracing::warn!(
+                ifname = %self.state.ifname,
+                path = %self.path.display(),
+                error = %e,
+                "NIC journal: dropping the entry of a change not made failed (the entry left \
+                 undoes nothing that exists)"
+            );
         }
     }
 
@@ -936,12 +942,15 @@ fn remove(path: &Path) -> Result<(), NicError> {
 /// Returns the first error.
 fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
     let mut first_err = None;
+    let ifname = state.ifname.clone();
     let mut note = |e: NicError| {
-        tracing_like_warn(&e);
+        warn_undo_failed(&ifname, &e);
         first_err.get_or_insert(e);
     };
     for i in (0..state.changes.len()).rev() {
-        match undo_one(client, state.ifindex, &state.ifname, &state.changes[i]) {
+        // `changes[..i]`: the entries this restore undoes after this one.
+        let (rest, c) = (&state.changes[..i], &state.changes[i]);
+        match undo_one(client, state.ifindex, &state.ifname, c, rest) {
             Ok(()) => {
                 // Saved after each setting put back (a retry must not put it back again over
                 // what changed since); rule deletions, one per data connection and checked
@@ -969,12 +978,15 @@ fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Resul
     first_err.map_or(Ok(()), Err)
 }
 
-/// Undo one change on interface `ifname` (index `ifindex`).
+/// Undo one change on interface `ifname` (index `ifindex`); `rest`: the journal's entries
+/// undone after it (those before it), whose rules a [`Change::PendingRule`]'s undo leaves to
+/// them ([`rules_deleted_by`]).
 fn undo_one(
     client: &mut EthtoolClient,
     ifindex: u32,
     ifname: &str,
     c: &Change,
+    rest: &[Change],
 ) -> Result<(), NicError> {
     match *c {
         Change::NtupleOn => client.set_ntuple(ifname, false),
@@ -988,8 +1000,11 @@ fn undo_one(
             ref rule,
             queue,
             ref existing,
-        } => undo_pending_rule(client, ifname, rule, queue, existing)
-            .map(|done| warn_left(ifname, &done)),
+        } => {
+            let owned = rules_deleted_by(rest, rule, queue);
+            undo_pending_rule(client, ifname, rule, queue, existing, &owned)
+                .map(|done| warn_left(ifname, &done))
+        }
         Change::Rss { ref table } => client.set_rss_indir(ifname, table),
         Change::Channels { rx, tx, combined } => {
             client.set_channels(ifindex, ifname, rx, tx, combined)
@@ -1011,11 +1026,32 @@ fn undo_one(
     }
 }
 
-/// A restore's warning for a rule it left ([`RuleUndo`] other than `Removed`).
+/// A restore's warning for a rule it left ([`RuleUndo`] other than `Removed`): an event in
+/// the service's log with the interface, the location(s) and the outcome in words.
 fn warn_left(ifname: &str, done: &RuleUndo) {
-    if *done != RuleUndo::Removed {
-        eprintln!("warning: restoring NIC settings: {ifname}: {done}");
+    match done {
+        RuleUndo::Removed => {}
+        RuleUndo::NotOurs { location } => tracing::warn!(
+            %ifname,
+            location,
+            outcome = %done,
+            "restoring NIC settings: a journaled steering rule was not deleted (see outcome)"
+        ),
+        RuleUndo::PriorLeft { locations } => tracing::warn!(
+            %ifname,
+            ?locations,
+            outcome = %done,
+            "restoring NIC settings: steering rules that match one being added when the \
+             process stopped were there before it, and stay (see outcome)"
+        ),
     }
+}
+
+/// A restore's warning for a failure: a step whose undo failed (the state file keeps it for
+/// the next start's retry), or the restore's first error, from a caller that cannot return it
+/// (drop, or the undo of a failed setup).
+fn warn_undo_failed(ifname: &str, e: &NicError) {
+    tracing::warn!(%ifname, error = %e, "restoring NIC settings failed (see error)");
 }
 
 /// Undo a [`Change::Rule`]: delete the rule at `location`, where it is the one journaled
@@ -1039,19 +1075,22 @@ fn undo_rule(
 }
 
 /// Undo a [`Change::PendingRule`]: the insertion may or may not have happened, at a
-/// location nobody recorded. Rules that match it but were there before (`existing`) are
-/// not the one it was adding and stay ([`RuleUndo::PriorLeft`]; the caller logs that). Of
-/// the others: none, nothing to do; one, delete it; more than one, which is ours cannot be
-/// told, so none is deleted ([`NicError::AmbiguousRule`]).
+/// location nobody recorded. Rules that match it at the locations `owned` are deleted by
+/// the journal's own entries later in the same restore ([`rules_deleted_by`]), so are left
+/// to them. Other rules that match it but were there before (`existing`) are not the one it
+/// was adding and stay ([`RuleUndo::PriorLeft`]; the caller logs that). Of the rest: none,
+/// nothing to do; one, delete it; more than one, which is ours cannot be told, so none is
+/// deleted ([`NicError::AmbiguousRule`]).
 fn undo_pending_rule(
     client: &EthtoolClient,
     ifname: &str,
     rule: &steer::Tcp4Match,
     queue: u32,
     existing: &[u32],
+    owned: &[u32],
 ) -> Result<RuleUndo, NicError> {
     let found = client.find_rules(ifname, rule, queue)?;
-    let (ours, theirs) = pending_rule_candidates(found, existing);
+    let (ours, theirs) = pending_rule_candidates(found, existing, owned);
     match ours.as_slice() {
         [] => {}
         [location] => gone_is_done(client.delete_rule(ifname, *location))?,
@@ -1070,9 +1109,36 @@ fn undo_pending_rule(
 }
 
 /// The rules `found` matching a [`Change::PendingRule`], split into those that may be the
-/// one it was inserting and those that are not: the `existing` ones, there before it.
-fn pending_rule_candidates(found: Vec<u32>, existing: &[u32]) -> (Vec<u32>, Vec<u32>) {
-    found.into_iter().partition(|l| !existing.contains(l))
+/// one it was inserting and those that stay: the `existing` ones, there before it. Those at
+/// `owned` locations are in neither: the journal's own entries delete them in the same
+/// restore ([`rules_deleted_by`]), so they neither stay nor are the marker's to delete.
+fn pending_rule_candidates(
+    found: Vec<u32>,
+    existing: &[u32],
+    owned: &[u32],
+) -> (Vec<u32>, Vec<u32>) {
+    found
+        .into_iter()
+        .filter(|l| !owned.contains(l))
+        .partition(|l| !existing.contains(l))
+}
+
+/// The locations whose rule the undo of the `Rule` entries in `entries` deletes where that
+/// rule steers what `rule` matches onto `queue` (a [`Change::PendingRule`]'s match): entries
+/// of the same match and queue (checked at undo, and the rule there is one of theirs) and
+/// those of an earlier release without them (deleted unchecked). Entries of another match
+/// leave such a rule ([`RuleUndo::NotOurs`]), so are not counted.
+fn rules_deleted_by(entries: &[Change], rule: &steer::Tcp4Match, queue: u32) -> Vec<u32> {
+    let deletes = |c: &Change| match *c {
+        Change::Rule {
+            location,
+            rule: Some(ref r),
+            queue: Some(q),
+        } => (r == rule && q == queue).then_some(location),
+        Change::Rule { location, .. } => Some(location),
+        _ => None,
+    };
+    entries.iter().filter_map(deletes).collect()
 }
 
 /// A rule deletion the kernel answers with ENOENT: the rule is not there, which is what the
@@ -1082,10 +1148,6 @@ fn gone_is_done(r: Result<(), NicError>) -> Result<(), NicError> {
         Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(()),
         r => r,
     }
-}
-
-fn tracing_like_warn(e: &NicError) {
-    eprintln!("warning: restoring NIC settings: {e}");
 }
 
 /// After a crash: undo what the state file at `path` records (entering its network
@@ -1240,10 +1302,11 @@ impl NicSetup {
 
 impl Drop for NicSetup {
     fn drop(&mut self) {
-        if let Some(j) = self.journal.take()
-            && let Err(e) = j.restore(&mut self.client)
-        {
-            tracing_like_warn(&e);
+        if let Some(j) = self.journal.take() {
+            let ifname = j.state().ifname.clone();
+            if let Err(e) = j.restore(&mut self.client) {
+                warn_undo_failed(&ifname, &e);
+            }
         }
     }
 }
@@ -1297,7 +1360,7 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
         }),
         Err(e) => {
             if let Err(undo_err) = journal.restore(&mut client) {
-                tracing_like_warn(&undo_err);
+                warn_undo_failed(&plan.ifname, &undo_err);
             }
             Err(e)
         }

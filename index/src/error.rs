@@ -26,6 +26,18 @@ pub enum IndexError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// A folder of the dataset could not be listed (permission denied, or it vanished while
+    /// the dataset was listed). Its files could be data, as could an unreadable data file's
+    /// bytes: the dataset is refused rather than indexed without them.
+    #[error("{}: cannot list this folder of the dataset ({source}); {fix}", .dir.display())]
+    UnlistedFolder {
+        /// The folder.
+        dir: PathBuf,
+        /// The error listing it.
+        source: std::io::Error,
+        /// What to do.
+        fix: &'static str,
+    },
     /// A file name that cannot be written into the manifest (not UTF-8).
     #[error("{}: file name is not valid UTF-8; rename it", .file.display())]
     NonUtf8Name {

@@ -2,9 +2,16 @@
 //! ([`from_listing`]): deterministic (sorted by relative path), skipping hidden entries, empty
 //! directory markers of object stores and the manifest itself silently. Every other file
 //! that is not read (unknown extension, HF `datasets` metadata, megatron-core's index cache,
-//! a name that is not UTF-8, links to directories, dangling links) is listed as [`Unused`]
-//! with the reason, so that nothing is left out unseen. Both apply the same rules.
+//! a name that is not UTF-8, links to directories, dangling links, a file system's
+//! `lost+found` folder) is listed as [`Unused`] with the reason, so that nothing is left out
+//! unseen. Both apply the same rules.
+//!
+//! What could be data but cannot be read is an error, not an [`Unused`] entry: a data file
+//! that cannot be opened, a folder whose name is not UTF-8, a folder that cannot be listed
+//! (permission denied, or vanished while listed: [`IndexError::UnlistedFolder`], which says
+//! what to do). A dataset is never indexed without files it may hold.
 
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use shardwire_protocol::manifest::MANIFEST_FILE;
@@ -161,6 +168,13 @@ fn hashed_cache(name: &str, in_cache: bool) -> bool {
     stem.is_some_and(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
+/// The folder `fsck` of ext2/3/4 keeps at the root of a file system (so at the top of a
+/// dataset on a volume of its own), readable by root only and holding no dataset's files:
+/// never read (whoever indexes, the same manifest), named unused with [`LOST_FOUND_REASON`].
+const LOST_FOUND: &str = "lost+found";
+/// Why a `lost+found` folder (or an object under one) is not read.
+const LOST_FOUND_REASON: &str = "the file system's lost+found folder (not read)";
+
 /// How the regular file `rel` (named `name`) is read, or why it is not.
 fn classify(rel: &str, name: &str) -> Result<Kind, String> {
     if megatron_cache(rel) {
@@ -217,6 +231,13 @@ pub(crate) fn from_listing<'a>(
             }
             continue;
         }
+        if parts[..parts.len() - 1].contains(&LOST_FOUND) {
+            unused.push(Unused {
+                file: rel.to_owned(),
+                reason: LOST_FOUND_REASON.into(),
+            });
+            continue;
+        }
         match classify(rel, name) {
             Ok(kind) => out.push(Candidate {
                 path: display(rel),
@@ -243,9 +264,10 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
     let mut unused = Vec::new();
     let mut stack: Vec<(PathBuf, String)> = vec![(dir.to_path_buf(), String::new())];
     while let Some((path, prefix)) = stack.pop() {
-        let entries = std::fs::read_dir(&path).map_err(|e| IndexError::io(&path, e))?;
+        let top = prefix.is_empty();
+        let entries = std::fs::read_dir(&path).map_err(|e| unlisted(&path, top, e))?;
         for entry in entries {
-            let entry = entry.map_err(|e| IndexError::io(&path, e))?;
+            let entry = entry.map_err(|e| unlisted(&path, top, e))?;
             let full = entry.path();
             let name = entry.file_name();
             let Some(name) = name.to_str() else {
@@ -258,7 +280,14 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
             let rel = join(&prefix, name);
             let ftype = entry.file_type().map_err(|e| IndexError::io(&full, e))?;
             if ftype.is_dir() {
-                stack.push((full, rel));
+                if name == LOST_FOUND {
+                    unused.push(Unused {
+                        file: format!("{rel}/"),
+                        reason: LOST_FOUND_REASON.into(),
+                    });
+                } else {
+                    stack.push((full, rel));
+                }
                 continue;
             }
             // Follows a symbolic link to a file; skips links to directories and dangling links.
@@ -290,6 +319,28 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
     Ok((out, unused))
+}
+
+/// The error for the folder `path` (the dataset's own when `top`) that could not be listed,
+/// with what to do.
+fn unlisted(path: &Path, top: bool, source: std::io::Error) -> IndexError {
+    let fix = match source.kind() {
+        ErrorKind::NotFound => {
+            "it vanished while the dataset was listed: index again once nothing moves or \
+             deletes files in the dataset"
+        }
+        _ if top => "make it readable (chmod, chown), or index it as a user who can read it",
+        _ => {
+            "its files could be data, and the dataset is not indexed without them: make it \
+             readable (chmod, chown), move it out of the dataset, or rename it to start with \
+             '.' (hidden folders are skipped)"
+        }
+    };
+    IndexError::UnlistedFolder {
+        dir: path.to_path_buf(),
+        source,
+        fix,
+    }
 }
 
 /// The entry `entry` of the folder `prefix`, whose name is not UTF-8 (so cannot be written
@@ -496,6 +547,88 @@ mod tests {
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn lost_found_is_named_unused_and_never_read() {
+        // Before, it was walked: unreadable (root's, mode 700) it failed the index of a
+        // dataset at the top of a volume; readable, the files fsck left there were data.
+        let dir = crate::testutil::temp_dir("walk-lost-found");
+        std::fs::create_dir_all(dir.join("lost+found/#1234")).unwrap();
+        std::fs::create_dir_all(dir.join("sub/lost+found")).unwrap();
+        for f in [
+            "a.bin",
+            "lost+found/#1234/x.arrow",
+            "lost+found/y.npy",
+            "sub/lost+found/z.bin",
+        ] {
+            std::fs::write(dir.join(f), b"x").unwrap();
+        }
+        let (found, unused) = collect(&dir).unwrap();
+        let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
+        assert_eq!(rels, ["a.bin"]);
+        let unused: Vec<(&str, &str)> = unused
+            .iter()
+            .map(|u| (u.file.as_str(), u.reason.as_str()))
+            .collect();
+        assert_eq!(
+            unused,
+            [
+                ("lost+found/", LOST_FOUND_REASON),
+                ("sub/lost+found/", LOST_FOUND_REASON)
+            ]
+        );
+        // An object-store listing follows the same rule.
+        let listing = [
+            ("a.bin", 1),
+            ("lost+found/y.npy", 1),
+            ("sub/lost+found/z.bin", 1),
+        ];
+        let (found, unused) = from_listing(listing.into_iter(), |r| {
+            PathBuf::from(format!("s3://b/{r}"))
+        });
+        assert_eq!(found.len(), 1);
+        let names: Vec<&str> = unused.iter().map(|u| u.file.as_str()).collect();
+        assert_eq!(names, ["lost+found/y.npy", "sub/lost+found/z.bin"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_folder_that_cannot_be_listed_is_an_error_naming_it_and_what_to_do() {
+        use std::os::unix::fs::PermissionsExt;
+        // Before, a bare I/O error (`/d/shards: Permission denied`) without what to do.
+        let denied = || std::io::Error::from(ErrorKind::PermissionDenied);
+        let e = unlisted(Path::new("/d/shards"), false, denied()).to_string();
+        assert!(
+            e.starts_with("/d/shards: cannot list this folder of the dataset (permission denied)")
+                && e.contains("move it out of the dataset")
+                && e.contains("start with '.'"),
+            "{e}"
+        );
+        let e = unlisted(Path::new("/d"), true, denied()).to_string();
+        assert!(
+            e.contains("make it readable") && !e.contains("move it out"),
+            "{e}"
+        );
+        let gone = std::io::Error::from(ErrorKind::NotFound);
+        let e = unlisted(Path::new("/d/tmp"), false, gone).to_string();
+        assert!(e.contains("vanished while the dataset was listed"), "{e}");
+        // A real one, where permissions hold (root lists any folder).
+        let dir = crate::testutil::temp_dir("walk-unlisted");
+        let locked = dir.join("locked");
+        std::fs::create_dir(&locked).unwrap();
+        std::fs::write(locked.join("a.bin"), b"x").unwrap();
+        std::fs::write(dir.join("b.bin"), b"x").unwrap();
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o000)).unwrap();
+        let enforced = std::fs::read_dir(&locked).is_err();
+        let r = collect(&dir);
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+        match r {
+            Err(IndexError::UnlistedFolder { dir: d, .. }) if enforced => assert_eq!(d, locked),
+            Ok((found, _)) if !enforced => assert_eq!(found.len(), 2),
+            other => panic!("enforced {enforced}: {other:?}"),
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

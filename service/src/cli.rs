@@ -337,9 +337,14 @@ fn tx_bindings(
     Ok(shardwire_source::tx_nics::TxNics::new(paths))
 }
 
+/// Most threads of the runtime's blocking pool (tokio's default, named here: the trainer
+/// HTTP API's long polls take at most half of them, `http::trainer`).
+pub(crate) const BLOCKING_THREADS: usize = 512;
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(BLOCKING_THREADS)
         .enable_all()
         .build()
         .context("starting the async runtime")
@@ -569,7 +574,9 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
     warn_unknown_env();
     crate::limits::raise_open_files(); // a socket per trainer, source link and data connection
     crate::http::prom::handle(); // before any work (see `source`)
-    runtime()?.block_on(async {
+    let rt = runtime()?;
+    let mut interrupted = false;
+    let code = rt.block_on(async {
         let mut signals = Signals::new()?;
         // A signal during a start that takes long (a GPU probe, a NIC's setup) ends it, as
         // the default action did before the handler was installed this early.
@@ -577,6 +584,7 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
             s = crate::serve::start(cfg) => s?,
             sig = signals.recv() => {
                 tracing::warn!(signal = sig, "signal received while starting: exiting");
+                interrupted = true;
                 return Ok(ExitCode::from(128 + sig as u8));
             }
         };
@@ -617,7 +625,14 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
         // Let the HTTP fronts finish what they are answering (the drain request itself).
         let _ = s.http.await;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    if interrupted {
+        // The start's blocking tasks (a GPU open, a NIC bind) may still run, and dropping the
+        // runtime would wait for them with the signal handlers still installed (a second
+        // signal ignored): leave them to the process's exit.
+        rt.shutdown_background();
+    }
+    code
 }
 
 fn gpus(json: bool) -> anyhow::Result<ExitCode> {
@@ -765,5 +780,25 @@ mod tests {
             panic!("bench")
         };
         assert!(crate::bench::check_args(&a).is_ok());
+    }
+
+    #[test]
+    fn bench_runs_only_the_loopback_modes() {
+        // Before: `--mode auto` was taken, and could bind a real devmem NIC for a loopback run.
+        let check = |mode: &str| {
+            let cli = Cli::try_parse_from(["shardwire", "bench", "--mode", mode]).unwrap();
+            let super::Cmd::Bench(a) = cli.cmd else {
+                panic!("bench")
+            };
+            crate::bench::check_args(&a)
+        };
+        for mode in ["auto", "devmem"] {
+            let e = check(mode).unwrap_err().to_string();
+            assert!(e.contains(&format!("--mode {mode})")), "{mode}: {e}");
+            assert!(e.contains("host or devmem-sim"), "{mode}: {e}");
+        }
+        for mode in ["host", "devmem-sim"] {
+            assert!(check(mode).is_ok(), "{mode}");
+        }
     }
 }

@@ -153,6 +153,17 @@ fn gib_times(v: &Value, n: usize) -> String {
     gib(&Value::from(v.as_f64().unwrap_or(0.0) * n as f64))
 }
 
+/// A JSON value as one table cell: a `String`, which `{:<N}` pads (a [`Value`]'s own
+/// `Display` ignores width and alignment, so its columns did not line up); a string without
+/// its quotes, a missing value as `-`.
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "-".to_owned(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
 fn lanes_table(o: &mut String, st: &Value) {
     use std::fmt::Write as _;
     let _ = writeln!(
@@ -164,13 +175,13 @@ fn lanes_table(o: &mut String, st: &Value) {
         let _ = writeln!(
             o,
             "{:<5} {:<14} {:<10} {:<22} {:>7} {:>24} {:>14}",
-            l["lane"],
+            cell(&l["lane"]),
             l["gpu"].as_str().unwrap_or("-"),
             l["nic"].as_str().unwrap_or("-"),
             l["data_addr"].as_str().unwrap_or("?"),
-            l["streams"],
+            cell(&l["streams"]),
             format!("{} of {}", gib(&l["pool_reserved"]), gib(&l["pool_size"])),
-            l["bytes_received"]
+            cell(&l["bytes_received"])
         );
     }
 }
@@ -192,8 +203,8 @@ fn sources_table(o: &mut String, st: &Value) {
             } else {
                 "no"
             },
-            s["in_flight"],
-            s["bytes_received"],
+            cell(&s["in_flight"]),
+            cell(&s["bytes_received"]),
             s["last_error"].as_str().unwrap_or("-")
         );
     }
@@ -210,12 +221,12 @@ fn streams_table(o: &mut String, st: &Value) {
         let _ = writeln!(
             o,
             "{:<6} {:<16} {:>9} {:>12} {:>6} {:>6} {:>16}",
-            s["id"],
+            cell(&s["id"]),
             s["dataset"].as_str().unwrap_or("?"),
             format!("{}/{}", s["rank"], s["world_size"]),
             format!("{}/{}", s["delivered"], s["total"]),
-            s["ready"],
-            s["leased"],
+            cell(&s["ready"]),
+            cell(&s["leased"]),
             format!("{}/{}", s["region_used"], s["region_bytes"])
         );
     }
@@ -284,5 +295,49 @@ mod tests {
         );
         assert!(text.contains("eth7"), "{text}");
         assert_eq!(text.matches("0.50 GiB of 2.00 GiB").count(), 5, "{text}");
+    }
+
+    #[test]
+    fn table_columns_line_up_whatever_the_numbers() {
+        // Before: numbers were written with `Value`'s Display, which ignores `{:>7}`, so a
+        // row's columns moved with each number's digits.
+        assert_eq!(cell(&serde_json::json!(7)), "7");
+        assert_eq!(cell(&serde_json::json!("a")), "a");
+        assert_eq!(cell(&Value::Null), "-");
+        let lane = |i: u32, streams: u64, bytes: u64| {
+            serde_json::json!({"lane": i, "gpu": "g", "nic": "eth0", "data_addr": "a",
+                "streams": streams, "pool_reserved": 0, "pool_size": 1, "bytes_received": bytes})
+        };
+        let stream = |id: u64, ready: u64| {
+            serde_json::json!({"id": id, "dataset": "d", "rank": 0, "world_size": 1,
+                "delivered": 1, "total": 2, "ready": ready, "leased": 0, "region_used": 0,
+                "region_bytes": 1})
+        };
+        let source = |bytes: u64| {
+            serde_json::json!({"addr": "s", "up": true, "in_flight": 3, "bytes_received": bytes,
+                "last_error": "E"})
+        };
+        let st = serde_json::json!({
+            "lanes": [lane(0, 1, 7), lane(12, 123, 123_456_789)],
+            "streams": [stream(1, 2), stream(4567, 89)],
+            "sources": [source(1), source(98_765)],
+        });
+        let mut o = String::new();
+        lanes_table(&mut o, &st);
+        streams_table(&mut o, &st);
+        let lines: Vec<&str> = o.lines().filter(|l| !l.is_empty()).collect();
+        let (lanes, streams) = lines.split_at(3);
+        for table in [lanes, streams] {
+            for row in &table[1..] {
+                assert_eq!(row.len(), table[0].len(), "{o}");
+            }
+        }
+        let mut o = String::new();
+        sources_table(&mut o, &st);
+        let header = o.lines().nth(1).unwrap();
+        let at = header.find("last error").unwrap();
+        for row in o.lines().skip(2) {
+            assert_eq!(row.find('E'), Some(at), "{o}");
+        }
     }
 }

@@ -34,7 +34,10 @@ pub enum SessionError {
     #[error(transparent)]
     Frame(#[from] FrameError),
     /// No secret and the peer is not on loopback.
-    #[error("peer {0} is not on loopback and this source has no secret configured")]
+    #[error(
+        "peer {0} is not on loopback and this source has no secret configured: without one it \
+         serves loopback peers only (give the source and the node the same --secret-file)"
+    )]
     NotLoopback(SocketAddr),
     /// No secret and a lane's data address is not on loopback.
     #[error(
@@ -53,6 +56,9 @@ pub enum SessionError {
          or again later"
     )]
     TooManySessions(usize),
+    /// The source drains (it got SIGTERM): it starts no new node session.
+    #[error("this source is draining: it starts no new session; use another source")]
+    Draining,
     /// Handshake took too long.
     #[error("handshake timed out after {0:?}")]
     Timeout(Duration),
@@ -93,8 +99,13 @@ pub enum SessionError {
         source: std::io::Error,
     },
     /// A data connection died.
-    #[error("a data connection failed; closing the session")]
-    DataFailed,
+    #[error("data connection {conn} failed: {why}; closing the session")]
+    DataFailed {
+        /// The connection (the number its `DataConn` gave it).
+        conn: u16,
+        /// What went wrong.
+        why: String,
+    },
     /// The node asked for more data connections than a source dials for one session.
     #[error(
         "the node asked for {0} data connections (lanes x flows in its Hello); a source dials at most {MAX_SESSION_FLOWS} per node"
@@ -207,6 +218,18 @@ impl Control {
         .await
     }
 
+    /// Whether the node sent bytes that [`Control::recv`] has not taken yet (buffered, or
+    /// waiting in the socket), or closed the connection: a `select!` whose idle deadline
+    /// came in the same turn may not have polled `recv`, and must not call the node silent.
+    pub(crate) fn unread(&mut self) -> bool {
+        use futures_util::FutureExt;
+        if !self.rd.buffer().is_empty() {
+            return true;
+        }
+        let mut probe = [0u8; 1];
+        self.rd.get_mut().peek(&mut probe).now_or_never().is_some()
+    }
+
     /// The next message (frames of at most [`wire::MAX_SMALL_FRAME`]: nodes send no more). A
     /// frame of another protocol version is answered in that version, naming both, and ends
     /// the session.
@@ -226,13 +249,13 @@ impl Control {
 /// so that closing it does not reset it before the peer reads the reason).
 const REFUSAL_LINGER: Duration = Duration::from_secs(1);
 
-/// Tells a control connection the source will not serve why (`Error`, request 0, `Internal`),
+/// Tells a control connection the source will not serve why (`Error`, request 0, `code`),
 /// then closes it.
-pub(crate) async fn refuse(mut stream: tokio::net::TcpStream, why: String) {
+pub(crate) async fn refuse(mut stream: tokio::net::TcpStream, code: ErrorCode, why: String) {
     use tokio::io::AsyncReadExt;
     let msg = Message::Error {
         req: 0,
-        code: ErrorCode::Internal,
+        code,
         retry_after_ms: 0,
         message: why,
     };

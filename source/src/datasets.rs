@@ -1,11 +1,13 @@
 //! The datasets a source serves: name -> manifest and where the shards are: a directory
 //! with open files, or objects in object storage ([`crate::remote`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use shardwire_protocol::crc::Crc32c;
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ManifestError};
 use shardwire_protocol::wire::{DatasetNameError, check_dataset_name};
 use shardwire_store::StoreUrl;
@@ -87,13 +89,32 @@ pub enum Backend {
 
 /// A local shard file as the source opened it: a file rewritten in place or cut short later
 /// is refused ([`Opened::check`]), not sent (a file replaced by a rename keeps serving the
-/// bytes it had, through the open file).
+/// bytes it had, through the open file); so is a shard whose bytes a recheck found bad
+/// ([`Opened::recheck`]).
 #[derive(Debug)]
 pub struct Opened {
     /// Its path in the dataset's directory.
     pub name: String,
     len: u64,
     modified: Option<std::time::SystemTime>,
+    /// Shards of this file (by their byte range) that a node reported corrupt: a recheck of
+    /// their bytes under way, or what one found.
+    rechecks: Mutex<HashMap<(u64, u64), Recheck>>,
+}
+
+/// A recheck of one shard's bytes against the manifest's CRC-32C ([`Opened::recheck`]). One
+/// that passes is forgotten.
+#[derive(Debug, Clone)]
+enum Recheck {
+    /// Under way.
+    Running,
+    /// The bytes fail the CRC.
+    Failed {
+        /// The manifest's CRC-32C.
+        want: u32,
+        /// The CRC found, or why the bytes could not be read.
+        found: String,
+    },
 }
 
 /// Why a local shard file no longer holds what the source opened ([`Opened::check`]). Each
@@ -129,6 +150,26 @@ pub enum ShardChanged {
         /// The file.
         name: String,
     },
+    /// A shard's bytes fail the manifest's CRC-32C, with the file's size and modification
+    /// time unchanged (found by a recheck after a node reported a corrupt payload).
+    #[error(
+        "shard file {name}: bytes {start}..{end} fail the manifest's CRC-32C (want {want:#010x}, \
+         found {found}) though the file's size and modification time did not change: it was \
+         rewritten in place or went bad on disk; restore it from a good copy if it was not \
+         rewritten on purpose"
+    )]
+    Corrupt {
+        /// The file.
+        name: String,
+        /// Where the shard starts in it.
+        start: u64,
+        /// Where it ends.
+        end: u64,
+        /// The manifest's CRC-32C.
+        want: u32,
+        /// The CRC found, or why the bytes could not be read.
+        found: String,
+    },
 }
 
 impl Opened {
@@ -137,16 +178,20 @@ impl Opened {
             name: name.to_owned(),
             len: meta.len(),
             modified: meta.modified().ok(),
+            rechecks: Mutex::default(),
         }
     }
 
-    /// Whether `file` (this one, open) still holds what it held at open, up to byte `need`;
-    /// the error says what changed. Its inode and device need no check: `fstat` of the open
-    /// file always names the inode it opened. The inode change time is not compared either:
-    /// `chmod`, a new hard link or an rsync of the directory move it on files that still hold
-    /// their bytes, and a rewrite of the same length with its modification time put back is
-    /// caught by the node's CRC check (never delivered).
-    pub fn check(&self, file: &File, need: u64) -> Result<(), ShardChanged> {
+    /// Whether `file` (this one, open) still holds what it held at open for the shard at
+    /// bytes `shard`; the error says what changed. Its inode and device need no check:
+    /// `fstat` of the open file always names the inode it opened. The inode change time is
+    /// not compared either: `chmod`, a new hard link or an rsync of the directory move it on
+    /// files that still hold their bytes. A rewrite of the same length with its modification
+    /// time put back (or a disk that corrupts it) is caught by the node's CRC check (never
+    /// delivered), and once a node reports it, by a recheck ([`Opened::recheck`]) that this
+    /// check then refuses.
+    pub fn check(&self, file: &File, shard: Range<u64>) -> Result<(), ShardChanged> {
+        let need = shard.end;
         let name = || self.name.clone();
         let meta = file.metadata().map_err(|source| ShardChanged::Stat {
             name: name(),
@@ -163,8 +208,84 @@ impl Opened {
         if meta.modified().ok() != self.modified {
             return Err(ShardChanged::Modified { name: name() });
         }
-        Ok(())
+        match self.rechecks().get(&(shard.start, shard.end)) {
+            Some(Recheck::Failed { want, found }) => Err(ShardChanged::Corrupt {
+                name: name(),
+                start: shard.start,
+                end: shard.end,
+                want: *want,
+                found: found.clone(),
+            }),
+            _ => Ok(()),
+        }
     }
+
+    /// A node reported that a payload of the shard at bytes `shard` of `file` (this one,
+    /// open) failed its CRC-32C check: its bytes are read again on a blocking thread and
+    /// checked against `want`, the manifest's CRC, unless a recheck of them is under way or
+    /// found them bad already (one that passed is forgotten: those bytes went bad on their
+    /// way, and a later report checks them again). Bytes that fail are refused by
+    /// [`Opened::check`] from then on: before, a file rewritten in place with its size and
+    /// modification time put back, or one gone bad on disk, was served again at every FETCH
+    /// until the node gave up on the shard. Needs a tokio runtime.
+    pub(crate) fn recheck(self: &Arc<Self>, file: &Arc<File>, shard: Range<u64>, want: u32) {
+        let key = (shard.start, shard.end);
+        {
+            let mut r = self.rechecks();
+            if r.contains_key(&key) {
+                return;
+            }
+            r.insert(key, Recheck::Running);
+        }
+        let (this, file) = (Arc::clone(self), Arc::clone(file));
+        tokio::task::spawn_blocking(move || {
+            let got = range_crc(&file, shard.clone());
+            this.rechecked(shard, want, got);
+        });
+    }
+
+    /// Records what the recheck of bytes `shard` found: `got`, against `want`.
+    fn rechecked(&self, shard: Range<u64>, want: u32, got: std::io::Result<u32>) {
+        let key = (shard.start, shard.end);
+        let found = match got {
+            Ok(crc) if crc == want => {
+                tracing::info!(file = %self.name, start = shard.start, end = shard.end,
+                    "a node reported a corrupt payload of this shard, but its bytes in the file \
+                     match the manifest's CRC-32C: they went bad on their way (network, NIC, the \
+                     node's memory)");
+                self.rechecks().remove(&key);
+                return;
+            }
+            Ok(crc) => format!("{crc:#010x}"),
+            Err(e) => format!("unreadable: {e}"),
+        };
+        tracing::error!(file = %self.name, start = shard.start, end = shard.end,
+            want = format_args!("{want:#010x}"), %found,
+            "a node reported a corrupt payload of this shard, and its bytes in the file fail the \
+             manifest's CRC-32C though the file's size and modification time did not change \
+             (rewritten in place, or bad on disk): its FETCHes are refused as DatasetChanged; \
+             restore the file (or re-run `shardwire index`) and restart the source");
+        self.rechecks().insert(key, Recheck::Failed { want, found });
+    }
+
+    fn rechecks(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u64), Recheck>> {
+        self.rechecks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The CRC-32C of bytes `range` of `file`, read in pieces of at most 1 MiB.
+fn range_crc(file: &File, range: Range<u64>) -> std::io::Result<u32> {
+    use std::os::unix::fs::FileExt;
+    let mut crc = Crc32c::new();
+    let mut buf = vec![0u8; (range.end - range.start).min(1 << 20) as usize];
+    let mut at = range.start;
+    while at < range.end {
+        let n = (range.end - at).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], at)?;
+        crc.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(crc.finish())
 }
 
 /// One served dataset.
@@ -177,6 +298,29 @@ pub struct Dataset {
     pub manifest_json: Vec<u8>,
     /// Where its shards are.
     pub backend: Backend,
+}
+
+impl Dataset {
+    /// A node reported that a payload of `shard` failed its CRC-32C check: for a local
+    /// dataset, has the shard's bytes rechecked against the manifest's CRC
+    /// ([`Opened::recheck`]). Nothing for an object-storage dataset (its cache entries have
+    /// their own recheck) or a shard out of range. Needs a tokio runtime.
+    pub(crate) fn recheck_local(&self, shard: u32) {
+        let Backend::Local { files, opened, .. } = &self.backend else {
+            return;
+        };
+        let i = shard as usize;
+        let (Some(entry), Some(file), Some(opened)) =
+            (self.manifest.shards.get(i), files.get(i), opened.get(i))
+        else {
+            return;
+        };
+        opened.recheck(
+            file,
+            entry.offset..entry.offset + entry.length,
+            entry.crc32c,
+        );
+    }
 }
 
 /// All datasets of a source.
@@ -366,7 +510,7 @@ mod tests {
         let opened = Opened::new("s0.bin", &file.metadata().unwrap());
         std::thread::sleep(Duration::from_millis(50));
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
-        let kept = opened.check(&file, 4096);
+        let kept = opened.check(&file, 0..4096);
         std::fs::remove_file(&path).unwrap();
         kept.expect("a mode change is no change of the bytes");
     }
@@ -379,9 +523,69 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let new = scratch("renamed-new", &[2u8; 4096]);
         std::fs::rename(&new, &path).unwrap();
-        let kept = opened.check(&file, 4096);
+        let kept = opened.check(&file, 0..4096);
         std::fs::remove_file(&path).unwrap();
         kept.expect("the open file still holds its bytes");
+    }
+
+    /// Waits (at most 10 s) until no recheck of `opened` is under way.
+    async fn rechecked(opened: &Opened) {
+        let t0 = std::time::Instant::now();
+        while opened
+            .rechecks()
+            .values()
+            .any(|r| matches!(r, Recheck::Running))
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no recheck done in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_shard_rewritten_in_place_with_its_time_put_back_is_refused_once_rechecked() {
+        use std::os::unix::fs::FileExt;
+        let bytes: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        let crc = |b: &[u8]| {
+            let mut c = Crc32c::new();
+            c.update(b);
+            c.finish()
+        };
+        let path = scratch("rot", &bytes);
+        let file = Arc::new(File::open(&path).unwrap());
+        let opened = Arc::new(Opened::new("s0.bin", &file.metadata().unwrap()));
+        let (first, second) = (0..4096u64, 4096..8192u64);
+        // A report about bytes that are good in the file (they went bad on their way).
+        opened.recheck(&file, first.clone(), crc(&bytes[..4096]));
+        rechecked(&opened).await;
+        assert!(opened.check(&file, first.clone()).is_ok());
+        assert!(
+            opened.rechecks().is_empty(),
+            "a recheck that passed is forgotten"
+        );
+        // The second shard rewritten in place, its modification time put back.
+        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let mtime = w.metadata().unwrap().modified().unwrap();
+        w.write_all_at(&[0xA5; 4096], 4096).unwrap();
+        w.set_modified(mtime).unwrap();
+        opened
+            .check(&file, second.clone())
+            .expect("size and time as opened: it passes");
+        opened.recheck(&file, second.clone(), crc(&bytes[4096..]));
+        rechecked(&opened).await;
+        let refused = opened.check(&file, second.clone());
+        let kept = opened.check(&file, first);
+        std::fs::remove_file(&path).unwrap();
+        // Before, nothing but the node's CRC check ever found it.
+        let e = refused.expect_err("refused once rechecked");
+        assert!(matches!(e, ShardChanged::Corrupt { .. }), "{e}");
+        let m = e.to_string();
+        for says in ["s0.bin", "4096..8192", "good copy"] {
+            assert!(m.contains(says), "{says}: {m}");
+        }
+        kept.expect("the file's other shard is served");
     }
 
     #[tokio::test]

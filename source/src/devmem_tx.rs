@@ -21,8 +21,26 @@ use shardwire_devmem::txbuf::{TxBuffer, TxSlot};
 
 /// Largest piece read and sent at once.
 pub(crate) const PIECE: usize = 1 << 20;
-/// How long a sender waits for a zerocopy completion before giving up on the connection.
-const COMPLETION_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection that is done waits for the zerocopy completions of its last sends
+/// before its slot is given back ([`DevmemSend::finish`]; a slot given back with sends not
+/// completed is quarantined).
+const FINISH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// No zerocopy completion came for the socket's send (idle) timeout while the connection's
+/// slot was full: the kernel completes a send once the node has acknowledged its bytes, so the
+/// node read nothing for that long, as a send that times out says
+/// ([`crate::sender::is_send_timeout`] counts both).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no zerocopy completion for {waited:?} with {in_flight} bytes in flight: the node read \
+     nothing of the payload"
+)]
+pub(crate) struct NoCompletion {
+    /// How long the sender waited: the socket's send timeout.
+    pub waited: Duration,
+    /// Bytes sent and not completed (the whole slot).
+    pub in_flight: u64,
+}
 
 /// The source's devmem TX: the bound buffer and its binding.
 #[derive(Debug)]
@@ -107,7 +125,14 @@ fn ifindex(ifname: &str) -> Result<u32, TxSetupError> {
         .ok_or_else(|| TxSetupError::NoInterface(ifname.into()))
 }
 
-fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result<()> {
+/// Waits until `slot` has room, collecting `tx`'s zerocopy completions, for at most `limit`
+/// (the socket's send timeout: before, 10 s, reported as a failure of its own rather than
+/// the node's silence); then fails with [`NoCompletion`].
+fn wait_for_room(
+    tx: &mut DevmemTx<&TcpStream>,
+    slot: &mut TxSlot,
+    limit: Duration,
+) -> io::Result<()> {
     let started = Instant::now();
     loop {
         for c in tx.poll_completions().map_err(io::Error::other)? {
@@ -116,14 +141,12 @@ fn wait_for_room(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result
         if slot.in_flight() < slot.capacity() {
             return Ok(());
         }
-        if started.elapsed() > COMPLETION_TIMEOUT {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "no zerocopy completion for {COMPLETION_TIMEOUT:?} with {} bytes in flight",
-                    slot.in_flight()
-                ),
-            ));
+        if started.elapsed() > limit {
+            let silent = NoCompletion {
+                waited: limit,
+                in_flight: slot.in_flight(),
+            };
+            return Err(io::Error::new(io::ErrorKind::TimedOut, silent));
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -136,13 +159,26 @@ pub(crate) struct DevmemSend<'a> {
     slot: TxSlot,
     /// The interface it sends through (the metric's label).
     pub(crate) ifname: Arc<str>,
+    /// The socket's send (idle) timeout: how long a full slot waits for a completion.
+    idle: Duration,
 }
 
 impl<'a> DevmemSend<'a> {
-    /// Sends from `slot` on `stream`, through `ifname`.
-    pub(crate) fn new(stream: &'a TcpStream, slot: TxSlot, ifname: Arc<str>) -> io::Result<Self> {
+    /// Sends from `slot` on `stream`, through `ifname`; a slot with no completion for `idle`
+    /// (the stream's send timeout) is the node not reading.
+    pub(crate) fn new(
+        stream: &'a TcpStream,
+        slot: TxSlot,
+        ifname: Arc<str>,
+        idle: Duration,
+    ) -> io::Result<Self> {
         let tx = DevmemTx::new(stream, slot.binding_id()).map_err(io::Error::other)?;
-        Ok(Self { tx, slot, ifname })
+        Ok(Self {
+            tx,
+            slot,
+            ifname,
+            idle,
+        })
     }
 
     /// Reads up to `want` bytes of `file` at `off` into free room of the slot (flipping the
@@ -157,7 +193,7 @@ impl<'a> DevmemSend<'a> {
     ) -> io::Result<usize> {
         let want = want.min(PIECE);
         if self.slot.reserve(want).is_none() {
-            wait_for_room(&mut self.tx, &mut self.slot)?;
+            wait_for_room(&mut self.tx, &mut self.slot, self.idle)?;
         }
         let (iov, bytes) = self.slot.reserve(want).expect("room after the wait");
         let n = rustix::io::pread(file, &mut *bytes, off)?;
@@ -182,7 +218,7 @@ impl<'a> DevmemSend<'a> {
 
     /// The connection is done: lets the last sends complete before the slot is reused.
     pub(crate) fn finish(&mut self) -> io::Result<()> {
-        let deadline = Instant::now() + COMPLETION_TIMEOUT;
+        let deadline = Instant::now() + FINISH_TIMEOUT;
         while self.slot.in_flight() > 0 && Instant::now() < deadline {
             for c in self.tx.poll_completions().map_err(io::Error::other)? {
                 self.slot.complete(c);
@@ -199,10 +235,8 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
     use std::sync::Arc;
 
-    use tokio::sync::Notify;
-
     use super::*;
-    use crate::sender::{Job, Sender};
+    use crate::sender::{Job, Sender, is_send_timeout};
 
     /// The whole TX path on loopback with binding id 0 (the kernel's ordinary MSG_ZEROCOPY,
     /// same sendmsg with the devmem cmsg, same completions): 64 KiB slots force the sender to
@@ -221,8 +255,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut peer, _) = l.accept().unwrap();
-        let failed = Arc::new(Notify::new());
-        let s = Sender::spawn(out, 0, 0, failed, Some(&path), Default::default()).unwrap();
+        let s = Sender::spawn(out, 0, 0, Arc::default(), Some(&path), Default::default()).unwrap();
         assert!(
             path.buffer.slot().is_some(),
             "one of two slots is still free"
@@ -266,6 +299,29 @@ mod tests {
         }
         assert_eq!(free, 2, "both slots free after the connection ended");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A full slot whose sends never complete (counted as sent, never given to the kernel):
+    /// the wait gives up after the limit it is given (the socket's send timeout) with an
+    /// error that says the node read nothing.
+    #[test]
+    fn a_slot_that_gets_no_completion_for_the_send_timeout_is_the_nodes_silence() {
+        let path = TxPath::unbound_for_tests(64 * 1024, 1).unwrap();
+        let mut slot = path.buffer.slot().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let _peer = l.accept().unwrap();
+        let mut tx = DevmemTx::new(&out, slot.binding_id()).unwrap();
+        let cap = slot.capacity() as usize;
+        slot.reserve(cap).expect("an empty slot");
+        slot.sent(cap);
+        let limit = Duration::from_millis(300);
+        let t0 = Instant::now();
+        let e = wait_for_room(&mut tx, &mut slot, limit).expect_err("no room comes");
+        assert!(t0.elapsed() >= limit, "waited {:?}", t0.elapsed());
+        // Before, it waited a fixed 10 s and was logged as a failure of its own.
+        assert!(is_send_timeout(&e), "{e}");
+        assert!(e.to_string().contains("no zerocopy completion"), "{e}");
     }
 
     #[test]

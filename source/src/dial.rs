@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::Shared;
 use crate::control::{Control, HANDSHAKE_TIMEOUT, MAX_SESSION_FLOWS, SessionError};
 use crate::devmem_tx::TxPath;
-use crate::sender::{Progress, Sender};
+use crate::sender::{ConnFailed, Progress, Sender};
 use crate::tx_nics::TxRoute;
 
 /// A node's data connections: the senders in connection order, and the lane of each.
@@ -103,7 +103,7 @@ pub(crate) async fn dial(
     ctl: &mut Control,
     shared: &Shared,
     lanes: &[LaneAddr],
-    failed: &Arc<Notify>,
+    failed: &Arc<ConnFailed>,
     progress: &Arc<Notify>,
 ) -> Result<DataConns, SessionError> {
     let total = check_lanes(ctl, shared, lanes).await?;

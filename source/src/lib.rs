@@ -23,6 +23,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
+use shardwire_protocol::wire;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -179,7 +180,7 @@ impl Source {
                 // flood must not hold the source's file descriptors.
                 if let Ok(permit) = Arc::clone(refusing).try_acquire_owned() {
                     tokio::spawn(async move {
-                        control::refuse(stream, why).await;
+                        control::refuse(stream, wire::ErrorCode::Internal, why).await;
                         drop(permit);
                     });
                 }

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -94,6 +94,45 @@ impl Progress {
     }
 }
 
+/// How a session hears that one of its data connections failed: woken, and told which
+/// connection and why (the first failure is kept, and the node is told it).
+#[derive(Debug, Default)]
+pub(crate) struct ConnFailed {
+    /// Notified once a connection has failed ([`ConnFailed::fail`]).
+    notify: Notify,
+    /// The first failure: the connection and what went wrong.
+    first: Mutex<Option<(u16, String)>>,
+}
+
+impl ConnFailed {
+    /// Data connection `conn` failed with `why`: kept if it is the first, and the session is
+    /// woken.
+    pub fn fail(&self, conn: u16, why: String) {
+        self.lock().get_or_insert((conn, why));
+        self.notify.notify_one();
+    }
+
+    /// The first failure, if a connection failed.
+    pub fn first(&self) -> Option<(u16, String)> {
+        self.lock().clone()
+    }
+
+    /// Waits for a connection to fail; returns the first failure. Cancel-safe: nothing is
+    /// awaited between taking the wake-up and reading the failure.
+    pub async fn wait(&self) -> (u16, String) {
+        loop {
+            self.notify.notified().await;
+            if let Some(f) = self.first() {
+                return f;
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(u16, String)>> {
+        self.first.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// Payloads a data connection holds at most (one being sent, one waiting behind it, so the
 /// connection never idles between payloads).
 pub(crate) const DEPTH: u64 = 2;
@@ -113,7 +152,7 @@ pub(crate) struct Sender {
 }
 
 impl Sender {
-    /// Starts the thread for data connection `conn`. `failed` is notified if it dies. With
+    /// Starts the thread for data connection `conn`. `failed` is told if it dies. With
     /// `devmem` it sends from a slot of that NIC's TX buffer (devmem TX); without a free slot
     /// it says so and uses `sendfile`. Fails when no thread can be started (a process or pid
     /// limit): the session ends, the source goes on.
@@ -121,7 +160,7 @@ impl Sender {
         stream: TcpStream,
         conn: u16,
         rate: u64,
-        failed: Arc<Notify>,
+        failed: Arc<ConnFailed>,
         devmem: Option<&crate::devmem_tx::TxPath>,
         progress: Arc<Progress>,
     ) -> std::io::Result<Self> {
@@ -150,27 +189,24 @@ impl Sender {
             .spawn(move || {
                 let _told = TellOnPanic(Arc::clone(&failed), conn);
                 let path = match slot {
-                    Some(slot) => crate::devmem_tx::DevmemSend::new(&stream, slot, ifname)
-                        .map(|d| SendPath::DevmemTx(Box::new(d))),
+                    Some(slot) => crate::devmem_tx::DevmemSend::new(
+                        &stream,
+                        slot,
+                        ifname,
+                        send_timeout(&stream),
+                    )
+                    .map(|d| SendPath::DevmemTx(Box::new(d))),
                     None => Ok(SendPath::Sendfile(&stream)),
                 };
                 let sent = path.and_then(|p| send_loop(p, &stream, &rx, &q, rate, MIN_SEND_RATE));
                 if let Err(e) = sent {
-                    if is_send_timeout(&e) {
-                        tracing::warn!(
-                            conn,
-                            error = %e,
-                            "data connection failed: the node read nothing of the payload for \
-                             the idle timeout (idle_timeout_secs)"
-                        );
-                    } else {
-                        tracing::warn!(conn, error = %e, "data connection failed");
-                    }
+                    let why = failure_text(&e);
+                    tracing::warn!(conn, "data connection failed: {why}");
                     // Closed with a reset: the kernel drops what is still queued instead of
                     // sending it (from a devmem TX slot that is free again) to a peer that
                     // may read it later.
                     let _ = rustix::net::sockopt::set_socket_linger(&stream, Some(Duration::ZERO));
-                    failed.notify_one();
+                    failed.fail(conn, why);
                 }
                 let _ = stream.shutdown(std::net::Shutdown::Both);
                 drop(stream);
@@ -198,16 +234,29 @@ impl Sender {
     }
 }
 
+/// What a session and its node are told of a data connection's failure `e`: a send timeout
+/// says that the node read nothing for the idle timeout.
+fn failure_text(e: &std::io::Error) -> String {
+    if is_send_timeout(e) {
+        format!(
+            "the node read nothing of the payload for the idle timeout (idle_timeout_secs): {e}"
+        )
+    } else {
+        e.to_string()
+    }
+}
+
 /// Tells the session that its data connection failed if the sender thread ends in a panic:
 /// otherwise the session learnt of it only at its next payload for the connection (never,
 /// when none came), and the lane stalled.
-struct TellOnPanic(Arc<Notify>, u16);
+struct TellOnPanic(Arc<ConnFailed>, u16);
 
 impl Drop for TellOnPanic {
     fn drop(&mut self) {
         if std::thread::panicking() {
             tracing::error!(conn = self.1, "a sender thread panicked: its session ends");
-            self.0.notify_one();
+            let why = "its sender thread panicked (a bug: see the source's log)".to_string();
+            self.0.fail(self.1, why);
         }
     }
 }
@@ -289,6 +338,14 @@ fn payload_limit(len: u64, idle: Duration, rate: u64, min_rate: u64) -> Duration
     idle + Duration::from_secs_f64(len as f64 / floor as f64)
 }
 
+/// The largest piece a data connection sends at once without a rate limit: the payload's time
+/// limit ([`payload_limit`]) is checked between pieces. `sendfile` applies `SO_SNDTIMEO` to
+/// each ~64 KiB it moves, not to the call, so one call for a whole payload (up to 1 GiB) let a
+/// node that read a trickle, each 64 KiB within the idle timeout, hold the sender thread, the
+/// file and its session's slot for hours; now the limit is overrun by one piece's time at
+/// most (its 16 chunks of 64 KiB, each within the send timeout).
+const UNPACED_PIECE: u64 = 1 << 20;
+
 /// The error of a payload that went out slower than its limit.
 fn too_slow(len: u64, limit: Duration) -> std::io::Error {
     std::io::Error::new(
@@ -358,12 +415,12 @@ enum SendPath<'a> {
 }
 
 impl SendPath<'_> {
-    /// The largest piece to send at once: without a rate limit, all of a `sendfile` at once;
-    /// with one, pieces small enough to pace.
+    /// The largest piece to send at once: without a rate limit, [`UNPACED_PIECE`] (the time
+    /// limit is checked between pieces); with one, pieces small enough to pace.
     fn piece(&self, rate: u64) -> u64 {
         let limit = match self {
-            Self::Sendfile(_) => 1 << 30,
-            Self::DevmemTx(_) => crate::devmem_tx::PIECE as u64,
+            Self::Sendfile(_) => UNPACED_PIECE,
+            Self::DevmemTx(_) => UNPACED_PIECE.min(crate::devmem_tx::PIECE as u64),
         };
         if rate == 0 {
             limit
@@ -417,13 +474,19 @@ impl SendPath<'_> {
 }
 
 /// Whether a send failed because its socket's send timeout ran out (`SO_SNDTIMEO`: EAGAIN
-/// on a blocking socket), on the `sendfile` path or inside a devmem TX error.
-fn is_send_timeout(e: &std::io::Error) -> bool {
+/// on a blocking socket), on the `sendfile` path or inside a devmem TX error, or because no
+/// zerocopy completion came for as long ([`crate::devmem_tx::NoCompletion`]): the node read
+/// nothing for the idle timeout.
+pub(crate) fn is_send_timeout(e: &std::io::Error) -> bool {
     if e.kind() == std::io::ErrorKind::WouldBlock {
         return true;
     }
+    let inner = e.get_ref();
+    if inner.is_some_and(|i| i.is::<crate::devmem_tx::NoCompletion>()) {
+        return true;
+    }
     matches!(
-        e.get_ref().and_then(|inner| inner.downcast_ref::<shardwire_devmem::tx::TxError>()),
+        inner.and_then(|inner| inner.downcast_ref::<shardwire_devmem::tx::TxError>()),
         Some(shardwire_devmem::tx::TxError::Syscall { source, .. })
             if source.kind() == std::io::ErrorKind::WouldBlock
     )
@@ -500,6 +563,16 @@ fn send_zeros(
     Ok(())
 }
 
+/// The send (idle) timeout of a data connection: its `SO_SNDTIMEO`, set to the session's idle
+/// timeout when it was dialled (60 s if it has none).
+pub(crate) fn send_timeout(stream: &TcpStream) -> Duration {
+    stream
+        .write_timeout()
+        .ok()
+        .flatten()
+        .unwrap_or(Duration::from_secs(60))
+}
+
 /// Sends queued payloads back to back, paced to `rate` bytes/s (0: unlimited).
 fn send_loop(
     mut path: SendPath<'_>,
@@ -511,12 +584,7 @@ fn send_loop(
 ) -> std::io::Result<()> {
     let mut pacer = Pacer::new(rate);
     let piece = path.piece(rate);
-    // `SO_SNDTIMEO`, set to the session's idle timeout when the connection was dialled.
-    let idle = stream
-        .write_timeout()
-        .ok()
-        .flatten()
-        .unwrap_or(Duration::from_secs(60));
+    let idle = send_timeout(stream);
     while let Ok(mut job) = rx.recv() {
         let limit = payload_limit(job.len, idle, rate, min_rate);
         let started = Instant::now();
@@ -567,7 +635,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Arc, AtomicU64, Body, Held, Job, Notify, Ordering, Progress, Sender, TcpStream};
-    use super::{BURST, Pacer, TellOnPanic, is_send_timeout};
+    use super::{BURST, ConnFailed, Pacer, TellOnPanic, is_send_timeout};
 
     #[test]
     fn a_payloads_bytes_stay_in_the_budget_until_it_is_sent_or_dropped() {
@@ -598,15 +666,7 @@ mod tests {
         let (mut peer, _) = l.accept().unwrap();
         let done = Arc::new(Notify::new());
         let progress = Arc::new(Progress::with_notify(Arc::clone(&done)));
-        let s = Sender::spawn(
-            out,
-            0,
-            0,
-            Arc::new(Notify::new()),
-            None,
-            Arc::clone(&progress),
-        )
-        .unwrap();
+        let s = Sender::spawn(out, 0, 0, Arc::default(), None, Arc::clone(&progress)).unwrap();
         let budget = Arc::new(AtomicU64::new(16 << 20));
         let body = Body::Memory(vec![bytes::Bytes::from(vec![7u8; 16 << 20])]);
         let held = Held::new(&[&budget], 16 << 20);
@@ -646,7 +706,7 @@ mod tests {
         // Small buffers: the first payload holds the sender until the node reads it.
         sockopt::set_socket_send_buffer_size(&out, 64 << 10).unwrap();
         sockopt::set_socket_recv_buffer_size(&peer, 64 << 10).unwrap();
-        let failed = Arc::new(Notify::new());
+        let failed = Arc::new(ConnFailed::default());
         let progress = Arc::new(Progress::with_notify(Arc::new(Notify::new())));
         let s = Sender::spawn(out, 0, 0, Arc::clone(&failed), None, Arc::clone(&progress)).unwrap();
         let memory = |byte: u8, len: usize| Job {
@@ -687,12 +747,13 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(10));
             std::thread::sleep(Duration::from_millis(5));
         }
-        let notified = failed.notified();
+        let notified = failed.notify.notified();
         tokio::pin!(notified);
         assert!(
             !notified.as_mut().enable(),
             "the session was not told of a failure"
         );
+        assert_eq!(failed.first(), None);
     }
 
     #[test]
@@ -794,34 +855,138 @@ mod tests {
             hint: "",
         };
         assert!(is_send_timeout(&io::Error::other(devmem)));
-        // A completion wait that ran out is its own failure, not the node's silence.
+        // No zerocopy completion for the idle timeout: the node read nothing either (before,
+        // it was told apart, and logged as some other failure).
+        let silent = crate::devmem_tx::NoCompletion {
+            waited: Duration::from_secs(60),
+            in_flight: 1 << 20,
+        };
+        assert!(is_send_timeout(&io::Error::new(
+            io::ErrorKind::TimedOut,
+            silent
+        )));
         assert!(!is_send_timeout(&io::Error::new(
             io::ErrorKind::TimedOut,
-            "no zerocopy completion"
+            "something else timed out"
         )));
         assert!(!is_send_timeout(&io::ErrorKind::BrokenPipe.into()));
     }
 
     #[test]
     fn a_sender_thread_that_panics_tells_its_session() {
-        let failed = Arc::new(Notify::new());
+        let failed = Arc::new(ConnFailed::default());
         let told = TellOnPanic(Arc::clone(&failed), 3);
         let t = std::thread::spawn(move || {
             let _told = told;
             panic!("a bug in the sender");
         });
         assert!(t.join().is_err());
-        let notified = failed.notified();
+        let notified = failed.notify.notified();
         tokio::pin!(notified);
         assert!(
             notified.as_mut().enable(),
             "the session is told (a permit is stored for it)"
         );
+        let (conn, why) = failed.first().expect("and why");
+        assert_eq!(conn, 3);
+        assert!(why.contains("panicked"), "{why}");
         // A thread that ends without a panic says nothing.
-        let quiet = Arc::new(Notify::new());
+        let quiet = Arc::new(ConnFailed::default());
         drop(TellOnPanic(Arc::clone(&quiet), 4));
-        let notified = quiet.notified();
+        let notified = quiet.notify.notified();
         tokio::pin!(notified);
         assert!(!notified.as_mut().enable());
+        assert_eq!(quiet.first(), None);
+    }
+
+    #[test]
+    fn a_failed_connection_tells_its_session_which_and_why_and_the_first_failure_is_kept() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (peer, _) = l.accept().unwrap();
+        // The node goes away: the sender's writes fail (a reset, then a broken pipe).
+        rustix::net::sockopt::set_socket_linger(&peer, Some(Duration::ZERO)).unwrap();
+        drop(peer);
+        let failed = Arc::new(ConnFailed::default());
+        let progress = Arc::new(Progress::default());
+        let s = Sender::spawn(out, 5, 0, Arc::clone(&failed), None, progress).unwrap();
+        assert!(s.push(Job {
+            body: Body::Memory(vec![bytes::Bytes::from(vec![1u8; 8 << 20])]),
+            len: 8 << 20,
+            corrupt: false,
+            held: Held::default(),
+        }));
+        let t = Instant::now();
+        while failed.first().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(10), "not told in 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Before, the session (and its node) heard only that some connection failed.
+        let (conn, why) = failed.first().unwrap();
+        assert_eq!(conn, 5);
+        assert!(
+            why.contains("reset") || why.contains("pipe"),
+            "the socket's error: {why}"
+        );
+        failed.fail(6, "a later failure".into());
+        assert_eq!(failed.first().map(|(c, _)| c), Some(5), "the first is kept");
+    }
+
+    #[test]
+    fn a_node_that_reads_a_file_payload_at_a_trickle_loses_the_connection() {
+        use std::io::Read;
+        use std::sync::mpsc;
+
+        use super::{SendPath, send_loop};
+        use rustix::net::sockopt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        out.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        sockopt::set_socket_send_buffer_size(&out, 64 << 10).unwrap();
+        sockopt::set_socket_recv_buffer_size(&peer, 64 << 10).unwrap();
+        // The node reads 4 KiB every 10 ms (about 400 KB/s): each 64 KiB that `sendfile`
+        // moves gets through well within the idle timeout, but 32 MiB take over a minute.
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = peer.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let path = std::env::temp_dir().join(format!("sw-sender-trickle-{}", std::process::id()));
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(32 << 20).unwrap(); // sparse: reads as zeros
+        drop(f);
+        let file = Arc::new(std::fs::File::open(&path).unwrap());
+        std::fs::remove_file(&path).unwrap(); // the open file stays readable
+        let (tx, rx) = mpsc::channel();
+        tx.send(Job {
+            body: Body::File { file, offset: 0 },
+            len: 32 << 20,
+            corrupt: false,
+            held: Held::default(),
+        })
+        .unwrap();
+        drop(tx);
+        let progress = Progress::with_notify(Arc::new(Notify::new()));
+        let t0 = Instant::now();
+        // A minimum of 16 MiB/s: 2 s + 2 s for the 32 MiB, checked after each 1 MiB piece
+        // (about 2.6 s each at this pace).
+        let e = send_loop(SendPath::Sendfile(&out), &out, &rx, &progress, 0, 16 << 20)
+            .expect_err("given up");
+        let took = t0.elapsed();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("reads at a trickle"), "{e}");
+        // Before, the whole payload went in one `sendfile` call, and the limit was looked at
+        // only once it returned, over a minute later.
+        assert!(
+            took >= Duration::from_secs(4) && took < Duration::from_secs(25),
+            "{took:?}"
+        );
+        drop(out);
+        reader.join().unwrap();
     }
 }

@@ -18,8 +18,14 @@
 //!
 //! An `Error` from the node ends nothing: a `ChecksumMismatch` about a FETCH the session
 //! announced lately (it keeps the last [`ANNOUNCED_KEPT`]) has that shard's cache entry
-//! checked against its CRC before it is served again (once per announcement: a repeated
-//! report is logged only); any other is logged.
+//! checked against its CRC before it is served again, or, for a local dataset, the shard's
+//! bytes in its file rechecked against the manifest's CRC (a shard that fails is refused as
+//! `DatasetChanged` from then on); once per announcement: a repeated report is logged only.
+//! Any other is logged.
+//!
+//! A peer refused before its session starts (not on loopback without a secret, its
+//! handshake evicted, every session slot taken, the source draining) is told why in an
+//! `Error` before its connection closes.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in the layout of `Error` that version reads), naming both versions, and dropped.
@@ -54,7 +60,7 @@ use crate::dial::{DataConns, dial};
 use crate::payload::{Now, Payload};
 use crate::remote::HeldIn;
 use crate::remote::read::Failure;
-use crate::sender::{Body, Held, Job, Sender};
+use crate::sender::{Body, ConnFailed, Held, Job, Sender};
 
 pub(crate) async fn run(
     stream: TcpStream,
@@ -65,7 +71,9 @@ pub(crate) async fn run(
 ) -> Result<(), SessionError> {
     // Canonical: a loopback peer on a `[::]` listener arrives as ::ffff:127.0.0.1.
     if shared.cfg.secret.is_none() && !peer.ip().to_canonical().is_loopback() {
-        return Err(SessionError::NotLoopback(peer));
+        let e = SessionError::NotLoopback(peer);
+        crate::control::refuse(stream, ErrorCode::AuthFailed, e.to_string()).await;
+        return Err(e);
     }
     let _ = stream.set_nodelay(true);
     let (rd, wr) = stream.into_split();
@@ -81,7 +89,16 @@ pub(crate) async fn run(
         done = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs) => {
             done.map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??
         }
-        () = handshake_slot.evicted() => return Err(SessionError::Evicted),
+        () = handshake_slot.evicted() => {
+            let e = SessionError::Evicted;
+            // The handshake's future is gone: the connection is whole again, to tell it why.
+            let Control { rd, wr, .. } = ctl;
+            if let Ok(stream) = rd.into_inner().reunite(wr) {
+                let why = format!("{e}: try again");
+                crate::control::refuse(stream, ErrorCode::Internal, why).await;
+            }
+            return Err(e);
+        }
     };
     drop(handshake_slot); // a session slot now (`_slot`, until the session ends)
     let addrs: Vec<String> = lanes
@@ -89,7 +106,7 @@ pub(crate) async fn run(
         .map(|l| format!("{}x{}", l.data_addr, l.flows))
         .collect();
     tracing::info!(%peer, node = %node_id, lanes = %addrs.join(" "), "node authenticated");
-    let failed = Arc::new(Notify::new());
+    let failed = Arc::new(ConnFailed::default());
     let progress = Arc::new(Notify::new());
     // Each connect has its own limit; all of them together (up to MAX_LANES * MAX_FLOWS)
     // have this one, so a node cannot hold the session in dialling for hours.
@@ -122,7 +139,8 @@ impl Drop for ForgetHints {
 
 /// Hello, Challenge, Auth, Welcome; returns the node's lanes and id, and the session slot it
 /// took (one of `slots`, `max_connections`) once the node proved the secret. Without a free
-/// slot the node is answered with an `Error` naming the limit instead of `Welcome`.
+/// slot the node is answered with an `Error` naming the limit instead of `Welcome`; while
+/// the source drains, with `Error{Draining}` (before it takes a slot).
 async fn handshake(
     ctl: &mut Control,
     shared: &Shared,
@@ -165,6 +183,12 @@ async fn handshake(
         let _ = ctl.error(0, ErrorCode::AuthFailed, why.into()).await;
         return Err(SessionError::AuthFailed);
     }
+    let draining = *shared.draining.borrow();
+    if draining {
+        let e = SessionError::Draining;
+        let _ = ctl.error(0, ErrorCode::Draining, e.to_string()).await;
+        return Err(e);
+    }
     let Ok(slot) = slots.try_acquire_owned() else {
         let e = SessionError::TooManySessions(shared.cfg.max_connections);
         let _ = ctl.error(0, ErrorCode::Internal, e.to_string()).await;
@@ -201,7 +225,9 @@ struct Head {
 /// not.
 fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
     match (&q.file, body) {
-        (Some(opened), Body::File { file, offset }) => opened.check(file, offset + q.len).err(),
+        (Some(opened), Body::File { file, offset }) => {
+            opened.check(file, *offset..offset + q.len).err()
+        }
         _ => None,
     }
 }
@@ -775,7 +801,8 @@ struct Session {
     announced: Announced,
     /// The names of the datasets its FETCHes named.
     names: Names,
-    failed: Arc<Notify>,
+    /// Told when a data connection fails, and why.
+    failed: Arc<ConnFailed>,
     progress: Arc<Notify>,
     /// The source's drain flag ([`crate::Source::serve`]).
     draining: tokio::sync::watch::Receiver<bool>,
@@ -785,15 +812,15 @@ struct Session {
 
 impl Session {
     /// Session `id` over control connection `ctl` and data connections `conns`, for a node
-    /// of `lanes` lanes; its senders notify `failed` when one fails and `progress` as they
-    /// send.
+    /// of `lanes` lanes; its senders tell `failed` when one fails and notify `progress` as
+    /// they send.
     fn new(
         id: u64,
         ctl: Control,
         shared: Arc<Shared>,
         conns: DataConns,
         lanes: usize,
-        failed: Arc<Notify>,
+        failed: Arc<ConnFailed>,
         progress: Arc<Notify>,
     ) -> Self {
         let DataConns { senders, lane_of } = conns;
@@ -830,8 +857,9 @@ impl Session {
                     Err(SessionError::Frame(FrameError::Closed)) => return Ok(()),
                     Err(e) => return Err(e),
                 },
-                _ = self.failed.notified() => {
-                    return Err(self.last_word(ErrorCode::Internal, SessionError::DataFailed).await);
+                (conn, why) = self.failed.wait() => {
+                    let e = SessionError::DataFailed { conn, why };
+                    return Err(self.last_word(ErrorCode::Internal, e).await);
                 }
                 _ = self.progress.notified() => continue,
                 _ = tokio::time::sleep(STARVED_RECHECK), if self.queues.reads.starved => continue,
@@ -843,15 +871,22 @@ impl Session {
                     self.ctl.send(&Message::Ping).await?;
                     continue;
                 }
-                _ = tokio::time::sleep_until(last_heard + idle) => return Err(SessionError::Idle(idle)),
+                _ = tokio::time::sleep_until(last_heard + idle) => {
+                    if self.ctl.unread() {
+                        continue; // it spoke: `recv` was not polled this turn
+                    }
+                    return Err(SessionError::Idle(idle));
+                }
                 _ = tokio::time::sleep_until(self.ready_by), if self.ready.contains(&false) => {
                     let conns = self.ready.iter().filter(|r| !**r).count();
                     let e = SessionError::NotReady { conns, waited: HANDSHAKE_TIMEOUT };
                     return Err(self.last_word(ErrorCode::BadRequest, e).await);
                 }
             };
-            last_heard = Instant::now();
             self.handle(msg).await?;
+            // Heard, and handled: the time a reply took to write (a manifest may take longer
+            // than the idle timeout) is not the node's silence.
+            last_heard = Instant::now();
         }
     }
 
@@ -946,11 +981,13 @@ impl Session {
 
     /// An `Error` from the node. `ChecksumMismatch` about a FETCH this session announced: the
     /// payload failed the node's CRC-32C check (the node fetches it again, elsewhere when it
-    /// can), so that shard's cache entry is checked against its CRC before it is served again
-    /// (a local file is checked against its size and times at every FETCH already); once per
-    /// announcement ([`Announced::take`]): a repeated report is only logged. Any other is
-    /// only logged: an `Error` about a request fails that request, and one about none (`req`
-    /// 0) is news.
+    /// can), so that shard's cache entry is checked against its CRC before it is served again;
+    /// a local shard's bytes are rechecked in its file (which every FETCH checks against its
+    /// size and modification time only: a rewrite in place that put the time back, or a bad
+    /// disk, passes that), and refused from then on if they fail
+    /// ([`crate::datasets::Dataset::recheck_local`]). Once per announcement
+    /// ([`Announced::take`]): a repeated report is only logged. Any other is only logged: an
+    /// `Error` about a request fails that request, and one about none (`req` 0) is news.
     fn node_error(&mut self, req: u64, code: ErrorCode, message: &str) {
         let session = self.id;
         let announced = match code {
@@ -961,10 +998,11 @@ impl Session {
             (ErrorCode::ChecksumMismatch, Some((dataset, shard))) => {
                 tracing::warn!(session, %dataset, shard, req, node_message = message,
                     "the node reports that a payload this source sent failed its CRC-32C check");
-                if let Some(Backend::Remote(r)) =
-                    self.shared.datasets.get(&dataset).map(|d| &d.backend)
-                {
-                    r.corrupt_reported(session, shard);
+                if let Some(d) = self.shared.datasets.get(&dataset) {
+                    match &d.backend {
+                        Backend::Remote(r) => r.corrupt_reported(session, shard),
+                        Backend::Local { .. } => d.recheck_local(shard),
+                    }
                 }
             }
             // At debug: a node can repeat a report as often as it likes.
@@ -1039,7 +1077,7 @@ impl Session {
         let (payload, opened) = match &d.backend {
             Backend::Local { files, opened, .. } => {
                 let (file, opened) = (&files[shard as usize], &opened[shard as usize]);
-                if let Err(why) = opened.check(file, entry.offset + entry.length) {
+                if let Err(why) = opened.check(file, entry.offset..entry.offset + entry.length) {
                     tracing::warn!(dataset, shard, "{why}; FETCH refused");
                     let message = format!(
                         "dataset `{dataset}`: {why} (re-run `shardwire index` and restart the source)"
@@ -1208,7 +1246,11 @@ impl Session {
             held,
         };
         if !self.senders[conn].push(job) {
-            return Err(SessionError::DataFailed);
+            // Its thread has ended: it failed (and said why), or panicked.
+            let gone = || (conn as u16, "its sender thread has ended".to_string());
+            let (conn, why) = self.failed.first().unwrap_or_else(gone);
+            let e = SessionError::DataFailed { conn, why };
+            return Err(self.last_word(ErrorCode::Internal, e).await);
         }
         Ok(())
     }

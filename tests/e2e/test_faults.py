@@ -738,18 +738,23 @@ def test_a_full_handshake_table_evicts_its_oldest_for_a_node(sw, tmp_path):
     time.sleep(1.2)  # a handshake under way for a second (EVICT_AFTER) may be evicted
     ctl, conn, _ = F.handshake_to_data_conn(addr, data)
 
-    def closed(s: socket.socket) -> bool:
+    told: dict[int, bytes] = {}
+
+    def closed(i: int, s: socket.socket) -> bool:
         try:
-            return s.recv(1) == b""
+            got = s.recv(4096)
         except BlockingIOError:  # open, nothing sent
             return False
         except ConnectionResetError:
             return True
+        told[i] = told.get(i, b"") + got
+        return got == b""
 
     for s in idle:
         s.setblocking(False)
-    evicted = wait_for(lambda: [i for i, s in enumerate(idle) if closed(s)], "a silent handshake to be evicted", 5)
+    evicted = wait_for(lambda: [i for i, s in enumerate(idle) if closed(i, s)], "a silent handshake to be evicted", 5)
     assert len(evicted) == 1, f"silent handshakes closed: {evicted}; one (the oldest) should have been evicted"
+    assert b"handshake evicted" in told.get(evicted[0], b""), f"the evicted peer is told why: {told}"
     wait_for(lambda: "handshake evicted: all 64 handshake slots were taken" in src.stderr_text(),
              "the source's eviction log line", 10, diag=lambda: src.stderr_text()[-2000:])
     for s in [extra, ctl, conn, data, *idle]:

@@ -3,6 +3,8 @@ it, against a fake node on a Unix socket (it passes a real memfd with SCM_RIGHTS
 
 - the fd is close-on-exec from the moment it arrives (``socket.recv_fds`` ignores its flags
   before Python 3.12.1, so a child spawned meanwhile inherited the region);
+- an exception (a signal handler's, Ctrl-C's) that strikes at any bytecode from the fd's
+  receipt to its close leaves it closed, never leaked;
 - a malformed reply (a field missing, a region larger than its fd, an unknown memory kind) is a
   ProtocolError that names it, never a KeyError or ValueError (which read as a bad argument),
   and leaves no fd open;
@@ -15,9 +17,12 @@ it, against a fake node on a Unix socket (it passes a real memfd with SCM_RIGHTS
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import linecache
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import threading
@@ -185,7 +190,6 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
     error (here once the lookup has begun, which returns only after that): before, the attach
     went to that closed connection and the open failed; now it goes on a new one, with the
     device. Events, not clocks, order the two sides."""
-    import socket
     import time
 
     from shardwire import _device
@@ -238,3 +242,131 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
     srv.close()
     assert [[r["op"] for r in got] for got in seen] == [["info"], ["attach"]], seen
     assert seen[1][0]["device"] == "0000:3b:00.0"
+
+
+class Interrupt(KeyboardInterrupt):
+    """Ctrl-C's KeyboardInterrupt, raised by the test (so a real one still ends the run)."""
+
+
+def test_an_interrupt_as_the_region_fd_is_stored_closes_it():
+    """An exception (a signal handler's) that strikes after ``recvmsg`` returned, before the
+    fds are in the caller's list: they are closed, not leaked. Before, the fd was only ever in
+    the ancillary data and a local array, and stayed open for the life of the process."""
+    a, node = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.memfd_create("region")
+    socket.send_fds(node, [_wire.encode(GOOD)], [fd])
+    os.close(fd)
+
+    class Refusing(list):  # type: ignore[type-arg]
+        """The caller's list, where an interrupt strikes as the fds are being stored."""
+
+        offered: list[int] = []
+
+        def extend(self, fds: Any) -> None:
+            self.offered = list(fds)
+            raise Interrupt
+
+    fds = Refusing()
+    try:
+        with pytest.raises(Interrupt):
+            _wire._recv_fds(a, 4, fds)
+        assert fds.offered and not fds, fds.offered
+        for got in fds.offered:
+            with pytest.raises(OSError) as e:
+                os.fstat(got)
+            assert e.value.errno == errno.EBADF, f"the received fd {got} is still open"
+    finally:
+        a.close()
+        node.close()
+
+
+class InterruptAt:
+    """A trace function that raises Interrupt at the `at`-th bytecode the SDK runs from the
+    call that receives the region fd (`_wire._recv_fds`) to the line where the stream closes
+    it (``_close_fds(fds)`` in a ``finally``: no Python code guards the start of a ``finally``),
+    as a signal handler's exception would (CPython runs them between bytecodes); then tracing
+    stops, as after a real handler's. `struck` tells whether it did."""
+
+    SDK = {"shardwire._wire", "shardwire._client"}
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen, self.on, self.struck = at, 0, False, False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_globals.get("__name__") not in self.SDK:
+            return None
+        if event == "call" and frame.f_code.co_name == "_recv_fds":
+            self.on = True
+        frame.f_trace_opcodes = True
+        return self.step
+
+    def step(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and "_close_fds(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            self.on = False
+        if event == "opcode" and self.on:
+            if self.seen == self.at:
+                self.struck = True
+                raise Interrupt(f"at bytecode {self.at} after the region fd's receipt began")
+            self.seen += 1
+        return self.step
+
+
+def attach_and_wait(path: str) -> threading.Thread:
+    """A fake node at `path` that answers one `attach` with `GOOD` and a sealed memfd, then
+    waits for the client to close (which may reset the connection: the client can close it
+    before it read the reply) and closes every fd it opened."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(30)
+
+    def serve() -> None:
+        with srv, srv.accept()[0] as c:
+            conn = _wire.Conn(c)
+            while conn.recv()[0]["op"] == "info":
+                conn.send({"op": "info", "memory": "host", "lanes": []})
+            fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, REGION)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
+                socket.send_fds(c, [_wire.encode(GOOD)], [fd])
+            finally:
+                os.close(fd)
+            try:
+                c.recv(1)
+            except ConnectionResetError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_interrupt_at_any_bytecode_from_the_region_fds_receipt_leaves_no_fd_open(tmp_path: pathlib.Path):
+    """`open_stream` with an exception struck at each bytecode in turn, from the call that
+    receives the region fd to the `finally` that closes it: whichever it struck at, no fd is
+    left open (the region's, the connection's). Before, an exception right after ``recvmsg``
+    returned, or as `Conn.recv` returned the fds to `_open`, lost the fd."""
+    old = sys.gettrace()
+    for at in range(20_000):
+        path = str(tmp_path / f"node{at}.sock")
+        before = open_fds()
+        node = attach_and_wait(path)
+        client = shardwire.connect(path)
+        tracer = InterruptAt(at)
+        s = None
+        sys.settrace(tracer)
+        try:
+            s = client.open_stream("d")
+        except Interrupt:
+            pass
+        finally:
+            sys.settrace(old)
+        if s is not None:
+            s.close()
+        node.join(30)
+        assert open_fds() <= before, f"an fd leaked when an exception struck at bytecode {at}"
+        if not tracer.struck:
+            assert s is not None and at > 50, at  # every bytecode was tried
+            return
+    raise AssertionError("the receipt never ended")

@@ -56,19 +56,23 @@ fn answer_attach(c: &mut UnixStream) {
     answer_attach_with(c, 1);
 }
 
-/// [`answer_attach`] with the region's fd sent `copies` times.
-fn answer_attach_with(c: &mut UnixStream, copies: usize) {
-    assert_eq!(request(c)["op"], "attach");
+/// A 64 KiB region sealed as the node seals its regions (the client refuses one that could
+/// shrink).
+fn region() -> OwnedFd {
     let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
     let fd = rustix::fs::memfd_create("region", flags).unwrap();
     rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
-    // Sealed as the node seals its regions (the client refuses one that could shrink).
     rustix::fs::fcntl_add_seals(
         &fd,
         rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW,
     )
     .unwrap();
-    let attached = Response::Attached {
+    fd
+}
+
+/// The `attached` answer of [`answer_attach`].
+fn attached() -> Response {
+    Response::Attached {
         stream: 1,
         region_size: 1 << 16,
         batches_per_epoch: 2,
@@ -76,10 +80,27 @@ fn answer_attach_with(c: &mut UnixStream, copies: usize) {
         memory: MemoryKind::Host,
         gpu: None,
         state: state(),
-    };
+    }
+}
+
+/// [`answer_attach`] with the region's fd sent `copies` times.
+fn answer_attach_with(c: &mut UnixStream, copies: usize) {
+    assert_eq!(request(c)["op"], "attach");
+    let fd = region();
     let mut frame = Vec::new();
-    attached.encode(&mut frame);
+    attached().encode(&mut frame);
     fdpass::send_frame(c, &frame, &vec![fd.as_fd(); copies]).unwrap();
+}
+
+/// The fake node's side of an attach answered with the JSON `body` and the region; returns
+/// the attach request.
+fn answer_attach_raw(c: &mut UnixStream, body: &str) -> serde_json::Value {
+    let attach = request(c);
+    assert_eq!(attach["op"], "attach");
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(body.as_bytes());
+    fdpass::send_frame(c, &frame, &[region().as_fd()]).unwrap();
+    attach
 }
 
 #[test]
@@ -668,5 +689,108 @@ fn a_refused_release_at_the_end_does_not_keep_the_releases_after_it() {
         ),
         "{e}"
     );
+    close(s, node, &at);
+}
+
+/// Sends an empty binary batch of lease `lease` (index `lease` too) carrying the JSON `state`.
+fn send_binary_batch(c: &mut UnixStream, lease: u64, state: &str) {
+    let mut body = vec![binary::BINARY_BATCH_TAG, 0];
+    body.extend_from_slice(&0u16.to_le_bytes()); // tensors
+    body.extend_from_slice(&(state.len() as u32).to_le_bytes());
+    body.extend_from_slice(&lease.to_le_bytes());
+    body.extend_from_slice(&lease.to_le_bytes()); // index
+    body.extend_from_slice(&[0; 8]); // epoch, shard
+    body.extend_from_slice(state.as_bytes());
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    fdpass::send_frame(c, &frame, &[]).unwrap();
+}
+
+/// The `attached` answer of [`answer_attach`] as JSON whose state has a field this client
+/// does not know (a newer node's), `added`.
+fn attached_with_added(added: &str) -> String {
+    let mut attached = serde_json::to_value(attached()).unwrap();
+    attached["state"]["added"] = added.into();
+    attached.to_string()
+}
+
+/// A state with a field this client does not know (a newer node's): before, an `attached`
+/// answer carrying one failed the open, and `state()` refused a batch's; now the client keeps
+/// it whole, sends it back on the attach that resumes from it, and `state()`, which has no
+/// room for it, refuses it by name.
+#[test]
+fn a_state_with_fields_this_client_does_not_know_is_kept_and_sent_back() {
+    let at = path("newer-state");
+    let node = fake(&at, |c| {
+        answer_attach_raw(c, &attached_with_added("a"));
+        assert_eq!(request(c)["op"], "next");
+        let st = r#"{"epoch":0,"index":1,"seed":0,"fingerprint":"f","added":"b"}"#;
+        send_binary_batch(c, 1, st);
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    assert_eq!(s.info.state, state(), "its known fields");
+    let opened = serde_json::to_value(s.resume_state().unwrap()).unwrap();
+    assert_eq!(opened["added"], "a", "{opened}");
+    let b = s.next().expect("a batch").expect("not the end");
+    let st = s.resume_state().unwrap();
+    assert_eq!(
+        (st.known().index, st.unknown_fields()),
+        (1, vec!["added".to_string()])
+    );
+    let e = s.state().unwrap_err();
+    assert!(
+        matches!(&e, ClientError::StateFieldsUnknown { fields } if fields == &["added"]),
+        "{e}"
+    );
+    drop(b);
+    close(s, node, &at);
+
+    let at = path("newer-resume");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let node = fake(&at, move |c| {
+        tx.send(answer_attach_raw(c, &attached_with_added("b")))
+            .unwrap();
+    });
+    let s = Stream::open_from(&at, StreamOptions::new("d"), &st).expect("attached");
+    let attach = rx.recv().unwrap();
+    assert_eq!(
+        attach["state"]["added"], "b",
+        "sent back as it came: {attach}"
+    );
+    assert_eq!(attach["state"]["index"], 1, "{attach}");
+    assert_eq!(attach["batch_state"], true, "{attach}");
+    close(s, node, &at);
+}
+
+/// A JSON batch (one too large for the binary form) whose state has a field this client does
+/// not know: before, the answer was refused and the connection closed.
+#[test]
+fn a_json_batch_whose_state_has_an_unknown_field_is_handed_out_with_it() {
+    let at = path("newer-json-batch");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        let mut batch = serde_json::to_value(Response::Batch {
+            lease: 4,
+            epoch: 0,
+            index: 0,
+            shard: 0,
+            tensors: Vec::new(),
+            state: Some(state()),
+            more: false,
+        })
+        .unwrap();
+        batch["state"]["added"] = 9.into();
+        let body = batch.to_string();
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(body.as_bytes());
+        fdpass::send_frame(c, &frame, &[]).unwrap();
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    assert_eq!(b.lease, 4);
+    let st = serde_json::to_value(s.resume_state().unwrap()).unwrap();
+    assert_eq!(st["added"], 9, "{st}");
+    drop(b);
     close(s, node, &at);
 }

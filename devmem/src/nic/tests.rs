@@ -582,14 +582,20 @@ fn a_state_file_without_changes_is_removed_without_finding_its_interface() {
 fn a_pending_rule_undo_leaves_the_rules_that_matched_before_it() {
     // Before, the one rule matching a pending entry was deleted even when it was an
     // operator's identical rule, there before shardwire's insertion began.
-    assert_eq!(pending_rule_candidates(vec![5], &[5]), (vec![], vec![5]));
     assert_eq!(
-        pending_rule_candidates(vec![5, 9], &[5]),
+        pending_rule_candidates(vec![5], &[5], &[]),
+        (vec![], vec![5])
+    );
+    assert_eq!(
+        pending_rule_candidates(vec![5, 9], &[5], &[]),
         (vec![9], vec![5])
     );
-    assert_eq!(pending_rule_candidates(vec![9], &[]), (vec![9], vec![]));
     assert_eq!(
-        pending_rule_candidates(vec![9, 11], &[5]),
+        pending_rule_candidates(vec![9], &[], &[]),
+        (vec![9], vec![])
+    );
+    assert_eq!(
+        pending_rule_candidates(vec![9, 11], &[5], &[]),
         (vec![9, 11], vec![]),
         "a rule recorded as there before but gone since is no reason to keep others"
     );
@@ -680,11 +686,200 @@ fn a_connection_rule_is_inserted_without_reading_every_rule_on_the_nic() {
         );
     }
     // A crash mid-insertion: the marker's undo takes the new rule (30) for the one being
-    // added and leaves 12 to its own entry, rather than refusing both as ambiguous.
+    // added and leaves 12 to its own entry, rather than refusing both as ambiguous (and
+    // names it in no warning: its entry deletes it).
+    let owned = rules_deleted_by(&j.state().changes, &m, 2);
     assert_eq!(
-        pending_rule_candidates(vec![12, 30], &[12]),
-        (vec![30], vec![12])
+        pending_rule_candidates(vec![12, 30], &[12], &owned),
+        (vec![30], vec![])
     );
     drop(j);
     std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_crash_mid_insertion_warns_of_no_rule_its_own_restore_deletes() {
+    // Before, with a connection's rule whose delete had failed (its entry at 12 stays) and a
+    // new connection of the same 4-tuple stopped mid-insertion, the restore undid the marker
+    // first and warned that the rule at 12 was there before and stays (PriorLeft); the next
+    // step of the same restore, 12's own entry, then deleted it.
+    let path = state_path("prior-left");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40006".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let earlier = InsertedRule {
+        location: 12,
+        rule: m,
+        queue: 2,
+    };
+    j.record(earlier.change()).unwrap();
+    let not_read = || -> Result<Vec<u32>, NicError> { panic!("the NIC's rules were read") };
+    let existing = j
+        .prior_rules(RuleKind::Flow, None, &m, 2, not_read)
+        .unwrap();
+    assert_eq!(existing, [12]);
+    // What a crash while the driver inserts the rule leaves on disk.
+    let mut crashed = None;
+    let l = j
+        .insert_journaled(
+            None,
+            existing,
+            m,
+            2,
+            |_| {
+                crashed = Some(on_disk(&path));
+                Ok(30)
+            },
+            |_| panic!("resolved and saved"),
+        )
+        .unwrap();
+    assert_eq!(l, 30);
+    let crashed = crashed.unwrap();
+    assert_eq!(crashed.len(), 2, "{crashed:?}");
+    assert_eq!(crashed[0], earlier.change());
+    let Change::PendingRule {
+        rule,
+        queue,
+        existing,
+    } = &crashed[1]
+    else {
+        panic!("{crashed:?}")
+    };
+    // The restore undoes the marker first; the entry before it comes next.
+    let owned = rules_deleted_by(&crashed[..1], rule, *queue);
+    assert_eq!(owned, [12], "the earlier entry deletes the rule at 12");
+    assert_eq!(
+        pending_rule_candidates(vec![12, 30], existing, &owned),
+        (vec![30], vec![]),
+        "30 is the one being added; 12 is left to its entry and named in no warning"
+    );
+    assert_eq!(
+        pending_rule_candidates(vec![12], existing, &owned),
+        (vec![], vec![]),
+        "never inserted: nothing to delete, and nothing stays"
+    );
+    // An operator's identical rule (4, on the NIC before) still stays, and is named.
+    assert_eq!(
+        pending_rule_candidates(vec![4, 12, 30], &[4, 12], &owned),
+        (vec![30], vec![4])
+    );
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn the_rules_a_restore_deletes_by_their_own_entries_are_those_of_the_same_match() {
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40007".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let entry = |location, rule, queue| Change::Rule {
+        location,
+        rule,
+        queue,
+    };
+    let entries = [
+        entry(12, Some(m), Some(2)),
+        // Another queue, another match: their undo leaves a rule of `m` onto 2 (NotOurs).
+        entry(13, Some(m), Some(3)),
+        entry(14, Some(steer::Tcp4Match::port(7401)), Some(2)),
+        // An entry of an earlier release: deleted unchecked.
+        entry(15, None, None),
+        Change::NtupleOn,
+        Change::PendingRule {
+            rule: m,
+            queue: 2,
+            existing: vec![16],
+        },
+    ];
+    assert_eq!(rules_deleted_by(&entries, &m, 2), [12, 15]);
+    // A marker of an earlier release (no `existing`) matched by the rule an entry deletes
+    // and one other: that other is deleted. Before, both were taken for the marker's, and
+    // the restore refused them as ambiguous.
+    assert_eq!(
+        pending_rule_candidates(vec![15, 30], &[], &[12, 15]),
+        (vec![30], vec![])
+    );
+}
+
+/// The fields of the `tracing` events `f` emits on this thread: (name, value) pairs, each
+/// value as the log shows it (`%` fields by their `Display`).
+fn events_of(f: impl FnOnce()) -> Vec<Vec<(String, String)>> {
+    use std::sync::{Arc, Mutex};
+    type Events = Arc<Mutex<Vec<Vec<(String, String)>>>>;
+    struct Collect(Events);
+    struct Fields(Vec<(String, String)>);
+    impl tracing::field::Visit for Fields {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0.push((field.name().to_owned(), format!("{value:?}")));
+        }
+    }
+    impl tracing::Subscriber for Collect {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut fields = Fields(Vec::new());
+            event.record(&mut fields);
+            self.0.lock().unwrap().push(fields.0);
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+    let events = Events::default();
+    tracing::subscriber::with_default(Collect(events.clone()), f);
+    events.lock().unwrap().clone()
+}
+
+/// The value of field `name` in `event`.
+fn field<'a>(event: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    event
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+#[test]
+fn a_restore_warns_through_tracing_with_structured_fields() {
+    // Before, these went to stderr as plain text (`eprintln!`), into the node's JSON log,
+    // and no tracing event was emitted.
+    let not_ours = RuleUndo::NotOurs { location: 1022 };
+    let events = events_of(|| warn_left("va", &not_ours));
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(field(event, "ifname"), Some("va"));
+    assert_eq!(field(event, "location"), Some("1022"));
+    assert_eq!(field(event, "outcome"), Some(not_ours.to_string().as_str()));
+
+    let prior = RuleUndo::PriorLeft {
+        locations: vec![4, 5],
+    };
+    let events = events_of(|| warn_left("va", &prior));
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(field(event, "locations"), Some("[4, 5]"));
+    assert_eq!(field(event, "outcome"), Some(prior.to_string().as_str()));
+
+    assert!(events_of(|| warn_left("va", &RuleUndo::Removed)).is_empty());
+
+    let e = NicError::AmbiguousRule {
+        ifname: "va".into(),
+        locations: vec![7, 9],
+    };
+    let events = events_of(|| warn_undo_failed("va", &e));
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(field(event, "ifname"), Some("va"));
+    assert_eq!(field(event, "error"), Some(e.to_string().as_str()));
 }

@@ -20,14 +20,7 @@ pub(crate) fn batch_tensors(
     let mut out = Vec::with_capacity(slots.len());
     for slot in slots {
         match slot {
-            Slot::Skip { nodes, buffers } => {
-                for _ in 0..*nodes {
-                    w.node()?;
-                }
-                for _ in 0..*buffers {
-                    w.buffer()?;
-                }
-            }
+            Slot::Skip(counts) => w.skip(counts)?,
             Slot::Column(p) if p.lists.is_empty() => {
                 out.push(fixed_tensor(p, &mut w, b.rows, body_start)?)
             }
@@ -37,8 +30,15 @@ pub(crate) fn batch_tensors(
     if !w.at_end() {
         return Err(BatchFail::Layout((
             None,
-            "the record batch has more field nodes or buffers than its schema needs".into(),
-            format!("{} nodes, {} buffers", b.nodes.len(), b.buffers.len()),
+            "the record batch has more field nodes, buffers or variadic buffer counts than its \
+             schema needs"
+                .into(),
+            format!(
+                "{} nodes, {} buffers, {} variadic buffer counts",
+                b.nodes.len(),
+                b.buffers.len(),
+                b.variadic.len()
+            ),
         )));
     }
     Ok(out)

@@ -1,8 +1,10 @@
-//! A record batch's IPC body as read from its message: its field nodes and buffers
-//! ([`BatchLayout`]), a depth-first cursor over them ([`Walk`]) that checks each buffer lies
-//! inside the body, and the shape of a batch problem ([`BatchErr`], [`BatchFail`]). Shared by
-//! the fixed-width columns ([`super::batch`]) and the list columns ([`super::lists`]).
+//! A record batch's IPC body as read from its message: its field nodes, buffers and variadic
+//! buffer counts ([`BatchLayout`]), a depth-first cursor over them ([`Walk`]) that checks
+//! each buffer lies inside the body, and the shape of a batch problem ([`BatchErr`],
+//! [`BatchFail`]). Shared by the fixed-width columns ([`super::batch`]) and the list columns
+//! ([`super::lists`]).
 
+use super::pytype::IpcCounts;
 use crate::error::IndexError;
 
 /// One record batch's layout, as read from its message.
@@ -13,6 +15,9 @@ pub(crate) struct BatchLayout {
     pub nodes: Vec<(i64, i64)>,
     /// Buffers: (offset, length) within the body, depth-first.
     pub buffers: Vec<(i64, i64)>,
+    /// `variadicBufferCounts`: the data buffers of each `string_view`/`binary_view` field,
+    /// depth-first (empty when the schema has none).
+    pub variadic: Vec<i64>,
 }
 
 /// Where a batch problem lies: `Some(column)` or `None` for the batch as a whole; plus
@@ -42,6 +47,7 @@ pub(crate) struct Walk<'a> {
     layout: &'a BatchLayout,
     node: usize,
     buffer: usize,
+    variadic: usize,
     /// Body length in bytes.
     pub body_len: u64,
 }
@@ -54,13 +60,16 @@ impl<'a> Walk<'a> {
             layout,
             node: 0,
             buffer: 0,
+            variadic: 0,
             body_len,
         }
     }
 
-    /// True when every field node and buffer has been walked over.
+    /// True when every field node, buffer and variadic buffer count has been walked over.
     pub fn at_end(&self) -> bool {
-        self.node == self.layout.nodes.len() && self.buffer == self.layout.buffers.len()
+        self.node == self.layout.nodes.len()
+            && self.buffer == self.layout.buffers.len()
+            && self.variadic == self.layout.variadic.len()
     }
 
     fn short(&self, what: &str, have: usize) -> BatchErr {
@@ -83,6 +92,40 @@ impl<'a> Walk<'a> {
         let b = self.layout.buffers.get(self.buffer).copied();
         self.buffer += 1;
         b.ok_or_else(|| self.short("buffers", self.layout.buffers.len()))
+    }
+
+    /// Steps over a column that is not served: its field nodes and buffers, and the data
+    /// buffers of each of its view fields (as many as its variadic buffer count says).
+    pub fn skip(&mut self, c: &IpcCounts) -> Result<(), BatchErr> {
+        for _ in 0..c.nodes {
+            self.node()?;
+        }
+        let mut buffers = c.buffers;
+        for _ in 0..c.views {
+            buffers = buffers.saturating_add(self.variadic()?);
+        }
+        let left = self.layout.buffers.len().saturating_sub(self.buffer);
+        if buffers > left {
+            self.buffer = self.layout.buffers.len();
+            return Err(self.short("buffers", self.layout.buffers.len()));
+        }
+        self.buffer += buffers;
+        Ok(())
+    }
+
+    /// The next variadic buffer count: the data buffers of a view field.
+    fn variadic(&mut self) -> Result<usize, BatchErr> {
+        let n = self.layout.variadic.get(self.variadic).copied();
+        self.variadic += 1;
+        let n =
+            n.ok_or_else(|| self.short("variadic buffer counts", self.layout.variadic.len()))?;
+        usize::try_from(n).map_err(|_| {
+            (
+                None,
+                "a variadic buffer count (data buffers of a view column) is negative".into(),
+                n.to_string(),
+            )
+        })
     }
 
     /// The next buffer, which must hold `need` bytes (`None`: overflowed) inside the body;

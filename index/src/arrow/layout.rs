@@ -11,14 +11,17 @@
 //! string/binary column is one field node and three buffers (validity, offsets, values).
 //!
 //! Columns left out by `--columns`, or unsupported ones under `--skip-unsupported`, are
-//! stepped over by their node and buffer counts ([`super::pytype::ipc_counts`]).
+//! stepped over by their node and buffer counts ([`super::pytype::ipc_counts`]); a
+//! `string_view`/`binary_view` among them adds the data buffers its entry of the record
+//! batch's `variadicBufferCounts` says. Served, a view column is refused with the fix (write
+//! `large_string`/`large_binary`).
 
 use std::collections::HashSet;
 
 use arrow_schema::{DataType, Field, Schema};
 use shardwire_protocol::manifest::{DType, MAX_DIMS, MAX_TENSORS_PER_SHARD};
 
-use super::pytype::{ipc_counts, py_type};
+use super::pytype::{IpcCounts, ipc_counts, py_type};
 
 /// Extension name key in field metadata.
 const EXT_NAME: &str = "ARROW:extension:name";
@@ -29,6 +32,11 @@ const FIXED_SHAPE_TENSOR: &str = "arrow.fixed_shape_tensor";
 /// What an unsupported-column error suggests.
 const HINT: &str =
     "choose other columns with --columns or skip such columns with --skip-unsupported";
+/// Why a `string_view`/`binary_view` column is refused, and how to write it instead.
+const VIEW_REASON: &str = "string_view/binary_view columns cannot be served (their values \
+    lie in several buffers, addressed per row); write the column as large_string/large_binary \
+    (polars: df.write_ipc(path, compat_level=pl.CompatLevel.oldest()); pyarrow: cast it with \
+    table.cast(...) to pa.large_string() or pa.large_binary() before writing)";
 
 /// One variable-length level of a column, outermost first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,13 +68,8 @@ pub(crate) struct ColumnPlan {
 pub(crate) enum Slot {
     /// The column becomes a tensor.
     Column(ColumnPlan),
-    /// The column is not served.
-    Skip {
-        /// Field nodes it occupies.
-        nodes: usize,
-        /// Buffers it occupies.
-        buffers: usize,
-    },
+    /// The column is not served: the field nodes and buffers it occupies.
+    Skip(IpcCounts),
 }
 
 /// A schema's plan: one slot per column, and the unsupported columns skipped.
@@ -135,17 +138,10 @@ pub(crate) fn plan_schema(schema: &Schema, choice: Choice<'_>) -> Result<SchemaP
                     let value = if value.is_empty() { ty } else { value };
                     return Err((name, format!("{reason}; {HINT}"), value).into());
                 }
-                let (nodes, buffers) = ipc_counts(field.data_type()).ok_or_else(|| {
-                    (
-                        name.clone(),
-                        "string and binary view columns cannot be skipped; rewrite them as string/binary".into(),
-                        ty.clone(),
-                    )
-                })?;
                 if wanted {
                     plan.skipped.push((name.clone(), ty, reason));
                 }
-                Slot::Skip { nodes, buffers }
+                Slot::Skip(ipc_counts(field.data_type()))
             }
         };
         if matches!(slot, Slot::Column(_)) && !seen.insert(name.clone()) {
@@ -169,7 +165,7 @@ fn check_count(plan: &SchemaPlan) -> Result<(), ColumnErr> {
         .iter()
         .filter_map(|s| match s {
             Slot::Column(c) => Some(c),
-            Slot::Skip { .. } => None,
+            Slot::Skip(_) => None,
         })
         .collect();
     if used.is_empty() {
@@ -357,6 +353,9 @@ fn primitive(dt: &DataType) -> Result<DType, Reject> {
                 "dictionary-encoded columns are not supported; decode them first".into(),
                 String::new(),
             ));
+        }
+        DataType::Utf8View | DataType::BinaryView => {
+            return Err((VIEW_REASON.into(), String::new()));
         }
         _ => {
             return Err((

@@ -228,6 +228,7 @@ fn body_with(offs: [i32; 3]) -> (BatchLayout, Vec<u8>) {
         rows: 2,
         nodes: vec![(2, 0), (10, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 40)],
+        variadic: vec![],
     };
     (layout, body)
 }
@@ -421,6 +422,7 @@ fn nested_fixed_size_lists_whose_element_size_overflows_are_refused() {
         rows: 2,
         nodes: vec![(2, 0), (0, 0), (0, 0), (0, 0), (0, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 0), (16, 0), (16, 0)],
+        variadic: vec![],
     };
     let mut read =
         |_: &str, off: u64, len: u64| Ok(body[off as usize..(off + len) as usize].to_vec());

@@ -2,7 +2,11 @@
 //! `FixedSizeList`s of them, and `Utf8`/`LargeUtf8`/`Binary`/`LargeBinary` (as `uint8`).
 //!
 //! The offsets buffer of every list level is read from the record batch body (int32, or
-//! int64 for the `Large` variants; they need not start at 0, as in sliced arrays). Rules:
+//! int64 for the `Large` variants; they need not start at 0, as in sliced arrays), in reads
+//! of at most [`OFFSETS_CHUNK`] bytes: an offsets buffer is bounded by the body, which lies
+//! inside the file, not by the bound on metadata reads ([`crate::source::MAX_METADATA`],
+//! 256 MiB, which refused a batch of 64 Mi strings, or of as many inner list elements).
+//! Rules:
 //!
 //! - One list level (`list<item: int32>`, `string`, `list<item: fixed_size_list<...>>`):
 //!   always a *ragged* tensor: dtype the leaf type, shape `[total elements]`, one row per
@@ -21,6 +25,11 @@ use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
 use super::body::{BatchErr, BatchFail, ReadBody, Walk, no_nulls};
 use super::layout::ColumnPlan;
+use crate::source::MAX_METADATA;
+
+/// Most bytes of an offsets buffer read at once (a whole number of int64 offsets).
+const OFFSETS_CHUNK: u64 = 16 << 20;
+const _: () = assert!(OFFSETS_CHUNK.is_multiple_of(8) && OFFSETS_CHUNK <= MAX_METADATA);
 
 /// Offsets of one list level: entries `start..=start + len` of the level's offsets buffer.
 struct Level {
@@ -142,9 +151,7 @@ fn read_levels(
         let need = hi.checked_add(1).and_then(|n| n.checked_mul(width));
         let desc = format!("{} x {width} bytes", hi.saturating_add(1));
         let off = w.data(&p.name, "offsets buffer", need, &desc)?;
-        let raw = read("offsets buffer", off + lo * width, (hi - lo + 1) * width)
-            .map_err(BatchFail::Read)?;
-        let offs = decode(&p.name, &raw, width)?;
+        let offs = read_offsets(&p.name, read, off + lo * width, hi - lo + 1, width)?;
         let start = lo;
         (lo, hi) = (offs[0], offs[offs.len() - 1]);
         levels.push(Level { start, offs });
@@ -181,10 +188,43 @@ fn fixed_part(p: &ColumnPlan, w: &mut Walk<'_>, mut hi: u64) -> Result<u64, Batc
     Ok(hi)
 }
 
-/// Little-endian offsets, which must be non-negative and non-decreasing.
-fn decode(col: &str, raw: &[u8], width: u64) -> Result<Vec<u64>, BatchErr> {
-    let mut out = Vec::with_capacity(raw.len() / width as usize);
-    for (i, c) in raw.chunks_exact(width as usize).enumerate() {
+/// Reads `count` offsets of `width` bytes at body offset `off` (inside the body: checked by
+/// the caller), in reads of at most [`OFFSETS_CHUNK`] bytes.
+fn read_offsets(
+    col: &str,
+    read: &mut ReadBody<'_>,
+    off: u64,
+    count: u64,
+    width: u64,
+) -> Result<Vec<u64>, BatchFail> {
+    read_offsets_in(col, read, off, count, width, OFFSETS_CHUNK)
+}
+
+/// [`read_offsets`] in reads of at most `chunk` bytes (a multiple of `width`).
+fn read_offsets_in(
+    col: &str,
+    read: &mut ReadBody<'_>,
+    off: u64,
+    count: u64,
+    width: u64,
+    chunk: u64,
+) -> Result<Vec<u64>, BatchFail> {
+    // At most the buffer's bytes in entries of 8 bytes: bounded by the file's size.
+    let mut out = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+    let total = count * width;
+    let mut done = 0u64;
+    while done < total {
+        let len = (total - done).min(chunk);
+        let raw = read("offsets buffer", off + done, len).map_err(BatchFail::Read)?;
+        decode(col, &raw, width, &mut out)?;
+        done += len;
+    }
+    Ok(out)
+}
+
+/// Appends little-endian offsets to `out`, which must stay non-negative and non-decreasing.
+fn decode(col: &str, raw: &[u8], width: u64, out: &mut Vec<u64>) -> Result<(), BatchErr> {
+    for c in raw.chunks_exact(width as usize) {
         let v = match c {
             [a, b, c, d] => i64::from(i32::from_le_bytes([*a, *b, *c, *d])),
             _ => i64::from_le_bytes(c.try_into().unwrap_or([0; 8])),
@@ -196,12 +236,12 @@ fn decode(col: &str, raw: &[u8], width: u64) -> Result<Vec<u64>, BatchErr> {
             return Err((
                 Some(col.to_string()),
                 "list offsets are negative or decreasing".into(),
-                format!("offset {v} at entry {i}"),
+                format!("offset {v} at entry {}", out.len()),
             ));
         };
         out.push(v);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Element index, in the innermost list's child, where outer row `i` starts.
@@ -263,4 +303,103 @@ fn to_ragged(t: &mut TensorEntry, base: u64) {
     t.rows = Some((0..n).map(|i| [start + i * row, row]).collect());
     t.shape = vec![t.length / t.dtype.size()];
     t.ragged = true;
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::manifest::DType;
+
+    use super::*;
+    use crate::IndexError;
+    use crate::arrow::batch::batch_tensors;
+    use crate::arrow::body::BatchLayout;
+    use crate::arrow::layout::{ListLevel, Slot};
+    use crate::testutil::le_bytes;
+
+    #[test]
+    fn offsets_are_read_in_chunks_and_checked_across_them() {
+        let offs = [0i32, 2, 2, 5, 9, 9, 10];
+        let mut body = vec![0u8; 4];
+        body.extend(le_bytes(&offs, i32::to_le_bytes));
+        let mut reads = Vec::new();
+        let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
+            reads.push(len);
+            Ok(body[off as usize..(off + len) as usize].to_vec())
+        };
+        let got = read_offsets_in("c", &mut read, 4, 7, 4, 8).unwrap();
+        assert_eq!(got, [0, 2, 2, 5, 9, 9, 10]);
+        assert_eq!(reads, [8, 8, 8, 4]);
+        // 3 then 2: decreasing where one read ends and the next begins.
+        let body = le_bytes(&[0i32, 3, 2, 4], i32::to_le_bytes);
+        let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
+            Ok(body[off as usize..(off + len) as usize].to_vec())
+        };
+        match read_offsets_in("c", &mut read, 0, 4, 4, 8) {
+            Err(BatchFail::Layout((Some(c), reason, value))) => {
+                assert_eq!(c, "c");
+                assert!(reason.contains("decreasing"), "{reason}");
+                assert_eq!(value, "offset 2 at entry 2");
+            }
+            other => panic!("decreasing offsets accepted: {other:?}"),
+        }
+        let body = le_bytes(&[0i64, 1, 7], i64::to_le_bytes);
+        let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
+            Ok(body[off as usize..(off + len) as usize].to_vec())
+        };
+        let got = read_offsets_in("c", &mut read, 0, 3, 8, 8).unwrap();
+        assert_eq!(got, [0, 1, 7]);
+    }
+
+    #[test]
+    fn an_offsets_buffer_longer_than_one_read_is_served() {
+        // list<list<uint8>>, one row of n one-byte inner lists: the inner offsets (n + 1
+        // int32) take more than one read. Before, they were read at once, through the reader
+        // that refuses more than MAX_METADATA (256 MiB): 64 Mi inner elements were refused.
+        let n = OFFSETS_CHUNK / 4 + 100;
+        let level = ListLevel {
+            large: false,
+            bytes: false,
+        };
+        let plan = vec![Slot::Column(ColumnPlan {
+            name: "img".into(),
+            dtype: DType::Uint8,
+            lists: vec![level; 2],
+            levels: vec![],
+            dims: vec![],
+        })];
+        // Body: outer offsets at 0, inner offsets at 8, then the n values.
+        let inner = 8u64;
+        let values = inner + (n + 1) * 4;
+        let layout = BatchLayout {
+            rows: 1,
+            nodes: vec![(1, 0), (n as i64, 0), (n as i64, 0)],
+            buffers: vec![
+                (0, 0),
+                (0, 8),
+                (8, 0),
+                (inner as i64, ((n + 1) * 4) as i64),
+                (values as i64, 0),
+                (values as i64, n as i64),
+            ],
+            variadic: vec![],
+        };
+        let mut reads = 0;
+        let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
+            assert!(len <= OFFSETS_CHUNK, "one read of {len} bytes");
+            reads += 1;
+            if off == 0 {
+                return Ok(le_bytes(&[0i32, n as i32], i32::to_le_bytes));
+            }
+            let first = (off - inner) / 4;
+            let entries = first..first + len / 4;
+            Ok(entries.flat_map(|e| (e as i32).to_le_bytes()).collect())
+        };
+        let t = batch_tensors(&plan, &layout, 1000, values + n, &mut read).unwrap();
+        assert_eq!(reads, 3);
+        let t = &t[0];
+        assert_eq!(
+            (t.shape.clone(), t.offset, t.length, t.ragged),
+            (vec![1, n, 1], 1000 + values, n, false)
+        );
+    }
 }

@@ -9,7 +9,9 @@
 //! Which column types become which tensors: [`layout`] (the schema's columns), [`batch`] (fixed-width) and [`lists`]
 //! (lists and strings, ragged or dense; the rule for nested lists is there). Only the
 //! offsets buffers of list and string columns are read from a body. Dictionary batches are
-//! ignored: a dictionary column is never served (it is an error, or skipped).
+//! ignored: a dictionary column is never served (it is an error, or skipped), nor is a
+//! `string_view`/`binary_view` column (stepped over with the record batch's
+//! `variadicBufferCounts`).
 
 mod batch;
 mod body;
@@ -320,6 +322,7 @@ fn batch_shard(
             .flatten()
             .map(|b| (b.offset(), b.length()))
             .collect(),
+        variadic: rb.variadicBufferCounts().into_iter().flatten().collect(),
     };
     let mut read = |what: &str, off: u64, len: u64| {
         src.read_at(
@@ -402,3 +405,5 @@ fn hex(b: &[u8]) -> String {
 mod list_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod view_tests;

@@ -2,7 +2,7 @@
 //! (`list<item: struct<a: int64>>`, `bool`, `dictionary<values=string, indices=int32,
 //! ordered=0>`), falling back to arrow-rs's `Display` for rare types; [`ipc_counts`] gives
 //! the number of field nodes and buffers a column of a type occupies in an IPC record batch
-//! body, so that a column can be stepped over without being read.
+//! body ([`IpcCounts`]), so that a column can be stepped over without being read.
 
 use arrow_schema::{DataType, Field, IntervalUnit, TimeUnit, UnionMode};
 
@@ -86,33 +86,54 @@ fn unit(u: &TimeUnit) -> &'static str {
     }
 }
 
-/// (field nodes, buffers) of a column of type `dt` in an IPC record batch, or `None` for
-/// types whose buffer count is not fixed by the schema (string/binary views).
-pub(crate) fn ipc_counts(dt: &DataType) -> Option<(usize, usize)> {
+/// Where a column of one type lies in an IPC record batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IpcCounts {
+    /// Field nodes.
+    pub nodes: usize,
+    /// Buffers the schema fixes.
+    pub buffers: usize,
+    /// String/binary view fields (`string_view`, `binary_view`, at any depth). Each has, after
+    /// its two buffers counted in `buffers` (validity, views), as many data buffers as its
+    /// entry of the record batch's `variadicBufferCounts` says (one entry per view field, in
+    /// the depth-first order of the schema's fields).
+    pub views: usize,
+}
+
+/// Where a column of type `dt` lies in an IPC record batch (as arrow-rs's reader steps over
+/// it, `RecordBatchDecoder::skip_field`).
+pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
     use DataType as D;
-    let (own, children): (usize, Vec<&DataType>) = match dt {
-        D::Null => (0, vec![]),
-        D::Utf8 | D::LargeUtf8 | D::Binary | D::LargeBinary => (3, vec![]),
-        D::Utf8View | D::BinaryView => return None,
-        D::List(f) | D::LargeList(f) | D::Map(f, _) => (2, vec![f.data_type()]),
-        D::ListView(f) | D::LargeListView(f) => (3, vec![f.data_type()]),
-        D::FixedSizeList(f, _) => (1, vec![f.data_type()]),
-        D::Struct(fs) => (1, fs.iter().map(|f| f.data_type()).collect()),
+    let (own, views, children): (usize, usize, Vec<&DataType>) = match dt {
+        D::Null => (0, 0, vec![]),
+        D::Utf8 | D::LargeUtf8 | D::Binary | D::LargeBinary => (3, 0, vec![]),
+        D::Utf8View | D::BinaryView => (2, 1, vec![]),
+        D::List(f) | D::LargeList(f) | D::Map(f, _) => (2, 0, vec![f.data_type()]),
+        D::ListView(f) | D::LargeListView(f) => (3, 0, vec![f.data_type()]),
+        D::FixedSizeList(f, _) => (1, 0, vec![f.data_type()]),
+        D::Struct(fs) => (1, 0, fs.iter().map(|f| f.data_type()).collect()),
         D::Union(fs, mode) => (
             if *mode == UnionMode::Dense { 2 } else { 1 },
+            0,
             fs.iter().map(|(_, f)| f.data_type()).collect(),
         ),
-        D::RunEndEncoded(r, v) => (0, vec![r.data_type(), v.data_type()]),
-        // Dictionary columns hold indices; the values travel in dictionary batches.
-        _ => (2, vec![]),
+        D::RunEndEncoded(r, v) => (0, 0, vec![r.data_type(), v.data_type()]),
+        // Dictionary columns hold indices; the values (views too) travel in dictionary
+        // batches, whose variadic counts are their own.
+        _ => (2, 0, vec![]),
     };
-    let (mut nodes, mut buffers) = (1, own);
+    let mut out = IpcCounts {
+        nodes: 1,
+        buffers: own,
+        views,
+    };
     for c in children {
-        let (n, b) = ipc_counts(c)?;
-        nodes += n;
-        buffers += b;
+        let child = ipc_counts(c);
+        out.nodes += child.nodes;
+        out.buffers += child.buffers;
+        out.views += child.views;
     }
-    Some((nodes, buffers))
+    out
 }
 
 #[cfg(test)]
@@ -140,17 +161,41 @@ mod tests {
         assert_eq!(py_type(&fsl), "fixed_size_list<item: float>[3]");
     }
 
+    fn counts(nodes: usize, buffers: usize, views: usize) -> IpcCounts {
+        IpcCounts {
+            nodes,
+            buffers,
+            views,
+        }
+    }
+
     #[test]
     fn ipc_counts_of_nested_types() {
-        assert_eq!(ipc_counts(&DataType::Int32), Some((1, 2)));
-        assert_eq!(ipc_counts(&DataType::Utf8), Some((1, 3)));
+        assert_eq!(ipc_counts(&DataType::Int32), counts(1, 2, 0));
+        assert_eq!(ipc_counts(&DataType::Utf8), counts(1, 3, 0));
         let st = DataType::Struct(Fields::from(vec![
             Field::new("a", DataType::Int64, true),
             Field::new("s", DataType::Utf8, true),
         ]));
         let list = DataType::List(Arc::new(Field::new("item", st, true)));
         // list (2) + struct (1) + int64 (2) + utf8 (3)
-        assert_eq!(ipc_counts(&list), Some((4, 8)));
-        assert_eq!(ipc_counts(&DataType::Utf8View), None);
+        assert_eq!(ipc_counts(&list), counts(4, 8, 0));
+    }
+
+    #[test]
+    fn view_columns_count_their_fixed_buffers_and_their_views() {
+        // Before, a view column had no counts (None), so it could not be skipped.
+        assert_eq!(ipc_counts(&DataType::Utf8View), counts(1, 2, 1));
+        assert_eq!(ipc_counts(&DataType::BinaryView), counts(1, 2, 1));
+        let st = DataType::Struct(Fields::from(vec![
+            Field::new("s", DataType::Utf8View, true),
+            Field::new("b", DataType::BinaryView, true),
+        ]));
+        let list = DataType::List(Arc::new(Field::new("item", st, true)));
+        // list (2) + struct (1) + two views (2 each), and two variadic counts.
+        assert_eq!(ipc_counts(&list), counts(4, 7, 2));
+        // A dictionary's values travel in dictionary batches: no variadic count here.
+        let dict = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8View));
+        assert_eq!(ipc_counts(&dict), counts(1, 2, 0));
     }
 }

@@ -514,6 +514,7 @@ fn batch_layout_checks() {
         rows: 3,
         nodes: vec![(3, 0), (3, 0), (6, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 16)],
+        variadic: vec![],
     };
     let t = batch_tensors(&plans, &good, 1000, 32, &mut no_read).unwrap();
     assert_eq!(
@@ -530,6 +531,7 @@ fn batch_layout_checks() {
             rows: good.rows,
             nodes: good.nodes.clone(),
             buffers: good.buffers.clone(),
+            variadic: good.variadic.clone(),
         };
         f(&mut b);
         layout_err(batch_tensors(&plans, &b, 1000, 32, &mut no_read))

@@ -3,7 +3,10 @@
 //! data port steered to its first queue; one journal per NIC, [`state_file`]), then one
 //! binding per lane on its own queues of its own NIC ([`bind_lanes`]). A NIC's setup is
 //! shared by the lanes bound on it ([`NicShare`]) and undone when the last of them unbinds;
-//! a binding made later over the admin API on a NIC already set up joins that setup.
+//! a binding made later over the admin API on a NIC already set up joins that setup. Each
+//! lane's binding owns its data port's rule ([`NicHold`]): a lane that leaves while others
+//! keep the setup deletes it. RSS stays narrowed below the lowest queue ever bound until the
+//! setup is undone ([`NicSetup`](nic::NicSetup) has no step that widens it alone).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,8 +16,8 @@ use shardwire_devmem::nic::{self, SetupPlan};
 use shardwire_devmem::probe::NicReport;
 use shardwire_gpu::cuda::CudaMemory;
 
-use super::region::{BindError, RxRegion};
-pub use super::region::{NicShare, SharedNic};
+use super::region::{BindError, RxRegion, unsteer_ports};
+pub use super::region::{NicHold, NicShare, SharedNic};
 use super::{BindingError, probe_summary};
 
 /// What one lane asks to bind.
@@ -237,7 +240,9 @@ pub fn state_files(base: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// A live NIC setup and the lowest queue any lane bound on it (RSS stays below it).
+/// A live NIC setup and the lowest queue any lane bound on it (RSS stays below it). Not raised
+/// when that lane leaves: the RSS table stays as narrowed until the setup is undone, so this
+/// is still the table's bound (and a lane binding those queues again narrows nothing).
 type Live = (Weak<SharedNic>, u32);
 
 /// Live NIC setups by interface. A NIC's state is the host's, so this is the process's.
@@ -257,19 +262,16 @@ pub fn in_use(name: &str) -> Vec<u32> {
     live(&mut setups, name).map_or_else(Vec::new, |(s, _)| s.bound())
 }
 
-/// A NIC's setup for some lanes, and the port rules added to it for them when it was joined
-/// (a new setup owns its rules: it is restored whole if their bind fails).
-pub type Setup = (NicShare, Vec<nic::InsertedRule>);
-
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
 /// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
-/// steered), else a new one journaled at `state`. Blocking.
+/// steered), else a new one journaled at `state`. Returned held with the port rules for
+/// `ports`, which [`bind_lane`] hands to each lane's binding. Blocking.
 pub fn setup_nic(
     nic: &NicReport,
     queues: &[u32],
     ports: &[(u16, u32)],
     state: &Path,
-) -> Result<Setup, BindError> {
+) -> Result<NicHold, BindError> {
     let first = queues.iter().min().copied().unwrap_or(0);
     let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((share, below)) = live(&mut setups, &nic.name) {
@@ -291,7 +293,7 @@ pub fn setup_nic(
         }
         *below = (*below).min(first);
         drop(s);
-        return Ok((share, added));
+        return Ok(NicHold::new(share, added));
     }
     let plan = SetupPlan {
         ifname: nic.name.clone(),
@@ -300,51 +302,54 @@ pub fn setup_nic(
         netns: None,
         steer: ports.to_vec(),
     };
-    let share = SharedNic::new(nic::apply(&plan, state)?);
+    let setup = nic::apply(&plan, state)?;
+    let rules = setup
+        .state()
+        .map_or_else(Vec::new, |s| port_rules(&s.changes, ports));
+    let share = SharedNic::new(setup);
     setups.insert(nic.name.clone(), (Arc::downgrade(&share), first));
-    Ok((share, Vec::new()))
+    Ok(NicHold::new(share, rules))
 }
 
-/// Deletes port rules added to a joined setup (their lane did not bind).
-fn unsteer_ports(s: &mut nic::NicSetup, rules: &[nic::InsertedRule]) {
-    for &l in rules {
-        match s.remove_flow(l) {
-            Ok(nic::RuleUndo::Removed) => {}
-            Ok(left) => {
-                tracing::warn!(location = l.location, outcome = %left, "a port rule of a lane that did not bind: nothing deleted (see outcome)");
-            }
-            Err(e) => {
-                tracing::warn!(location = l.location, error = %e, "deleting a port rule of a lane that did not bind failed");
-            }
-        }
-    }
+/// The rules steering `ports` (port, queue) in a new setup's journal `changes`: each lane's
+/// to delete when it leaves (one of a port not found is left to the restore).
+fn port_rules(changes: &[nic::Change], ports: &[(u16, u32)]) -> Vec<nic::InsertedRule> {
+    let rule_of = |port: u16, queue: u32| {
+        let want = nic::steer::Tcp4Match::port(port);
+        changes.iter().find_map(|c| match *c {
+            nic::Change::Rule {
+                location,
+                rule: Some(rule),
+                queue: Some(q),
+            } if rule == want && q == queue => Some(nic::InsertedRule {
+                location,
+                rule,
+                queue,
+            }),
+            _ => None,
+        })
+    };
+    ports.iter().filter_map(|&(p, q)| rule_of(p, q)).collect()
 }
 
-/// One lane's binding on `nic` (`queues`, `bytes` of its own dma-buf) with `setup`; if it
-/// fails, the port rules joining added for the lane are deleted again. Blocking.
+/// One lane's binding on `nic` (`queues`, `bytes` of its own dma-buf) with `setup`, whose
+/// port rules for the lane (steering onto `queues`) its binding takes: deleted when it is
+/// unbound, or at once if the bind fails. Blocking.
 pub fn bind_lane(
     nic: &NicReport,
     queues: &[u32],
     bytes: usize,
-    (share, joined): &Setup,
+    setup: &mut NicHold,
     cuda: Option<Arc<CudaMemory>>,
 ) -> Result<Arc<RxRegion>, BindError> {
-    let bound = RxRegion::bind_kernel(
-        (&nic.name, nic.ifindex),
-        queues,
-        bytes,
-        Arc::clone(share),
-        cuda,
-    );
-    if bound.is_err() {
-        unsteer_ports(&mut share.setup(), joined);
-    }
-    bound
+    let hold = setup.take_lane(queues);
+    RxRegion::bind_kernel((&nic.name, nic.ifindex), queues, bytes, hold, cuda)
 }
 
 /// Binds every lane of `plans` (blocking): per NIC one setup, then each lane's region on its
 /// queues. Returns (lane, region) in request order; on a failure what was made is undone
-/// (the regions dropped: unbound, NICs restored) and the error names the lane.
+/// (the regions dropped: unbound, their port rules deleted, NICs restored) and the error
+/// names the lane.
 pub fn bind_lanes(
     plans: &[NicPlan],
     reqs: &[LaneRequest],
@@ -360,7 +365,7 @@ pub fn bind_lanes(
             .map(|(i, q)| (reqs[*i].data_port, q.iter().min().copied().unwrap_or(0)))
             .collect();
         let state = state_file(state_base, &p.nic.name, one_lane);
-        let setup =
+        let mut setup =
             setup_nic(&p.nic, &queues, &ports, &state).map_err(|source| BindingError::Failed {
                 what: p.nic.name.clone(),
                 source,
@@ -368,7 +373,7 @@ pub fn bind_lanes(
         for (i, q) in &p.lanes {
             let r = &reqs[*i];
             let region =
-                bind_lane(&p.nic, q, r.bytes, &setup, r.cuda.clone()).map_err(|source| {
+                bind_lane(&p.nic, q, r.bytes, &mut setup, r.cuda.clone()).map_err(|source| {
                     BindingError::Failed {
                         what: format!("lane {} on {}", r.lane, p.nic.name),
                         source,

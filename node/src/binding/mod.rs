@@ -285,8 +285,8 @@ pub async fn nic(
     let (n, q, bytes, state) = (nic.clone(), queues.clone(), r.bytes, r.state_file.clone());
     let ports = [(r.data_port, first)];
     let region = tokio::task::spawn_blocking(move || {
-        let setup = kernel::setup_nic(&n, &q, &ports, &state)?;
-        kernel::bind_lane(&n, &q, bytes, &setup, cuda)
+        let mut setup = kernel::setup_nic(&n, &q, &ports, &state)?;
+        kernel::bind_lane(&n, &q, bytes, &mut setup, cuda)
     })
     .await
     .expect("the bind task does not panic")

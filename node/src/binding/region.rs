@@ -90,6 +90,87 @@ impl SharedNic {
     }
 }
 
+/// Where a [`NicHold`] deletes its port rules: a NIC's live setup ([`SharedNic`]), or a
+/// recording fake in tests.
+pub trait PortRules {
+    /// Deletes `rules` under the setup's lock (nothing left to delete once it was restored:
+    /// the restore deleted every journaled rule), logging each one left.
+    fn unsteer(&self, rules: &[InsertedRule]);
+}
+
+impl PortRules for SharedNic {
+    fn unsteer(&self, rules: &[InsertedRule]) {
+        unsteer_ports(&mut self.setup(), rules);
+    }
+}
+
+/// A hold on a NIC's setup, with the port rules (a lane's data port steered to its first
+/// queue) that are the holder's to delete: dropped, it deletes them under the setup's lock,
+/// before its reference to the setup goes (so before the setup's last holder can restore it).
+/// [`super::kernel::setup_nic`] returns one with every rule it added;
+/// [`NicHold::take_lane`] hands each lane its own, which its binding keeps while bound: a
+/// lane whose bind fails, or whose binding is deleted while other lanes keep the NIC set up,
+/// takes its port rule with it instead of leaving it until the whole setup is restored.
+pub struct NicHold<N: PortRules = SharedNic> {
+    share: Arc<N>,
+    rules: Vec<InsertedRule>,
+}
+
+impl<N: PortRules> NicHold<N> {
+    /// A hold on `share` that deletes `rules` when dropped.
+    pub fn new(share: Arc<N>, rules: Vec<InsertedRule>) -> Self {
+        Self { share, rules }
+    }
+
+    /// The setup held.
+    pub fn share(&self) -> &Arc<N> {
+        &self.share
+    }
+
+    /// The hold of a lane binding `queues`: this hold's rules that steer onto one of them
+    /// (its data port's, to its first queue) move to it; the others stay here.
+    pub fn take_lane(&mut self, queues: &[u32]) -> Self {
+        let (lane, rest) = std::mem::take(&mut self.rules)
+            .into_iter()
+            .partition(|r| queues.contains(&r.queue));
+        self.rules = rest;
+        Self::new(Arc::clone(&self.share), lane)
+    }
+
+    /// Deletes the rules now and returns the setup (still held).
+    fn let_go(self) -> Arc<N> {
+        let share = Arc::clone(&self.share);
+        drop(self);
+        share
+    }
+}
+
+impl<N: PortRules> Drop for NicHold<N> {
+    fn drop(&mut self) {
+        let rules = std::mem::take(&mut self.rules);
+        if !rules.is_empty() {
+            self.share.unsteer(&rules);
+        }
+    }
+}
+
+/// Deletes the port rules of a lane leaving its NIC's setup `s` (its bind failed, or its
+/// binding closed while other lanes keep the setup), logging each one left.
+pub(super) fn unsteer_ports(s: &mut NicSetup, rules: &[InsertedRule]) {
+    let ifname = s.state().map(|st| st.ifname.clone()).unwrap_or_default();
+    for &l in rules {
+        match s.remove_flow(l) {
+            Ok(RuleUndo::Removed) => {}
+            Ok(left) => {
+                tracing::warn!(%ifname, location = l.location, outcome = %left, "a port rule of a lane leaving its NIC (its bind failed or its binding closed): nothing deleted (see outcome)");
+            }
+            Err(e) => {
+                tracing::warn!(%ifname, location = l.location, error = %e, "deleting a port rule of a lane leaving its NIC (its bind failed or its binding closed) failed");
+            }
+        }
+    }
+}
+
 /// RX queues of an emulated NIC (bindings take the upper half unless told).
 pub const EMU_RX_QUEUES: u32 = 16;
 
@@ -105,11 +186,12 @@ enum Backing {
         queues: Vec<u32>,
     },
     /// `receive = devmem`: a udmabuf (host memory) or GPU memory bound to NIC RX queues.
-    /// The netlink binding and the NIC setup are dropped (unbind, then restore) by
-    /// [`RxRegion::unbind`].
+    /// The netlink binding and the lane's hold on the NIC setup are dropped (unbind, the
+    /// lane's port rules deleted, then the restore by the last lane) by [`RxRegion::unbind`].
     Kernel {
         // First: unbound (and the NIC restored by the last lane on it) before the memory goes.
-        bound: Mutex<Option<Box<(RxBinding, NicShare)>>>,
+        // The tuple drops in order: unbound, then the lane's port rules deleted.
+        bound: Mutex<Option<Box<(RxBinding, NicHold)>>>,
         mem: KernelMem,
         id: u32,
         ifname: String,
@@ -255,14 +337,16 @@ impl RxRegion {
     }
 
     /// A real binding (`receive = devmem`) on `queues` of NIC `ifname`, already set up for
-    /// them (`setup`, shared with the other lanes bound on the NIC: [`super::kernel`]):
-    /// allocate `bytes` of memory (a udmabuf, or with `cuda` a GPU region exported as a
-    /// dma-buf: GPU-direct), bind it to the queues. A failure leaves the setup to its owners.
+    /// them (`setup`: the lane's hold on the setup shared with the other lanes bound on the
+    /// NIC, [`super::kernel`], with the lane's port rules): allocate `bytes` of memory (a
+    /// udmabuf, or with `cuda` a GPU region exported as a dma-buf: GPU-direct), bind it to the
+    /// queues. The binding keeps `setup` until it is unbound; a failure drops it (the lane's
+    /// port rules deleted, the setup left to its other holders).
     pub fn bind_kernel(
         (ifname, ifindex): (&str, u32),
         queues: &[u32],
         bytes: usize,
-        setup: NicShare,
+        setup: NicHold,
         cuda: Option<Arc<CudaMemory>>,
     ) -> Result<Arc<Self>, BindError> {
         let (mem, gpu) = match cuda {
@@ -290,7 +374,7 @@ impl RxRegion {
             KernelMem::Gpu(_, fd) => fd.as_raw_fd(),
         };
         let binding = shardwire_devmem::bind_rx(ifindex, fd, queues)?;
-        setup.claim(queues);
+        setup.share().claim(queues);
         Ok(Arc::new(Self {
             gpu,
             backing: Backing::Kernel {
@@ -407,7 +491,8 @@ impl RxRegion {
     }
 
     /// Stop handing out frags (shutdown). A kernel binding is unbound (its netlink socket
-    /// closed) and the NIC restored; frags already out stay valid until their tokens return.
+    /// closed), its lane's port rules deleted and, by the last lane on the NIC, the NIC
+    /// restored; frags already out stay valid until their tokens return.
     pub fn unbind(&self) {
         match &self.backing {
             Backing::Emulated { binding, .. } => binding.unbind(),
@@ -419,8 +504,11 @@ impl RxRegion {
             } => {
                 let taken = bound.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if let Some(pair) = taken {
-                    let (binding, share) = *pair;
+                    let (binding, hold) = *pair;
                     drop(binding);
+                    // The lane's port rules go now, under the setup's lock, whether or not other
+                    // lanes keep the setup (before, they stayed until it was restored).
+                    let share = hold.let_go();
                     // The last lane on the NIC restores it, even while connections' rules
                     // still hold the setup (the restore deletes every journaled rule).
                     if !share.release(queues) {
@@ -499,7 +587,7 @@ impl RxRegion {
             }
         };
         let share = match bound.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(pair) => Arc::clone(&pair.1),
+            Some(pair) => Arc::clone(pair.1.share()),
             None => {
                 return Err(io::Error::other(format!(
                     "{ifname}: the devmem binding is closed"
@@ -641,5 +729,66 @@ mod tests {
         assert_eq!(least_loaded(&[2, 1, 1]), 1);
         assert_eq!(least_loaded(&[0, 0]), 0);
         assert_eq!(least_loaded(&[]), 0);
+    }
+
+    /// A NIC setup that records the locations of the port rules deleted from it.
+    #[derive(Default)]
+    struct Recorded(Mutex<Vec<u32>>);
+
+    impl PortRules for Recorded {
+        fn unsteer(&self, rules: &[InsertedRule]) {
+            let mut deleted = self.0.lock().unwrap();
+            deleted.extend(rules.iter().map(|r| r.location));
+        }
+    }
+
+    fn deleted(nic: &Recorded) -> Vec<u32> {
+        nic.0.lock().unwrap().clone()
+    }
+
+    fn port_rule(location: u32, port: u16, queue: u32) -> InsertedRule {
+        InsertedRule {
+            location,
+            rule: shardwire_devmem::nic::steer::Tcp4Match::port(port),
+            queue,
+        }
+    }
+
+    #[test]
+    fn a_lane_leaving_a_shared_nic_deletes_its_port_rule_and_no_other() {
+        // Before, a lane's binding held the NIC's setup only: a binding deleted while other
+        // lanes kept the setup left its port rule on the NIC until the node stopped.
+        let nic = Arc::new(Recorded::default());
+        let rules = vec![port_rule(1020, 7400, 8), port_rule(1021, 7401, 12)];
+        let mut setup = NicHold::new(Arc::clone(&nic), rules);
+        let a = setup.take_lane(&[8, 9, 10, 11]);
+        let b = setup.take_lane(&[12, 13, 14, 15]);
+        drop(setup);
+        assert!(deleted(&nic).is_empty(), "each rule went to its lane");
+        let share = b.let_go();
+        assert_eq!(
+            deleted(&nic),
+            [1021],
+            "lane b's rule, while a keeps the setup"
+        );
+        assert!(Arc::ptr_eq(&share, &nic), "the setup, still held after");
+        drop(a);
+        assert_eq!(deleted(&nic), [1021, 1020]);
+    }
+
+    #[test]
+    fn rules_of_lanes_that_did_not_bind_are_deleted_with_the_setup() {
+        // A lane whose bind failed drops its hold; a setup dropped before its other lanes
+        // bound (an earlier lane failed) deletes theirs.
+        let nic = Arc::new(Recorded::default());
+        let rules = vec![port_rule(1020, 7400, 8), port_rule(1021, 7401, 12)];
+        let mut setup = NicHold::new(Arc::clone(&nic), rules);
+        drop(setup.take_lane(&[8]));
+        assert_eq!(deleted(&nic), [1020]);
+        // A lane without a rule of its own takes none.
+        drop(setup.take_lane(&[9]));
+        assert_eq!(deleted(&nic), [1020]);
+        drop(setup);
+        assert_eq!(deleted(&nic), [1020, 1021]);
     }
 }

@@ -105,6 +105,15 @@ fn pace(started: Instant, sent: u64, rate: u64) {
     }
 }
 
+/// One flow's share of `rate` bytes/s (0: unlimited) over `flows`: at least 1 byte/s, so a
+/// rate below the flow count does not read as unlimited (as the source's `per_flow_rate`).
+fn per_flow_rate(rate: u64, flows: u16) -> u64 {
+    match rate {
+        0 => 0,
+        r => (r / u64::from(flows.max(1))).max(1),
+    }
+}
+
 fn sender(
     sock: TcpStream,
     files: Vec<std::fs::File>,
@@ -112,7 +121,7 @@ fn sender(
     r: TcpRun,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
-    let per_flow = r.rate / u64::from(r.flows);
+    let per_flow = per_flow_rate(r.rate, r.flows);
     let started = Instant::now();
     let (mut i, mut sent) = (first, 0u64);
     while !stop.load(Ordering::Relaxed) {
@@ -349,4 +358,17 @@ fn closed_by_peer(e: &std::io::Error) -> bool {
         e.kind(),
         std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rate_below_the_flow_count_still_paces_each_flow() {
+        // Before: 3 bytes/s over 4 flows was 0 per flow, which `pace` reads as unlimited.
+        assert_eq!(per_flow_rate(3, 4), 1);
+        assert_eq!(per_flow_rate(0, 4), 0);
+        assert_eq!(per_flow_rate(8_000, 4), 2_000);
+    }
 }

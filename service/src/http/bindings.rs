@@ -22,7 +22,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
-use shardwire_config::{ByteSize, ServeConfig};
+use shardwire_config::{ByteSize, MAX_SIZE, ServeConfig};
 use shardwire_node::{BindingSpec, Control, LaneStatus, Node, Reply};
 use shardwire_protocol::trainer::ErrorCode;
 
@@ -85,16 +85,7 @@ fn spec_of(
     cfg: &ServeConfig,
 ) -> Result<BindingSpec, ApiError> {
     let (memory, queues) = lane_defaults(lanes, cfg, req.lane, &req.interface);
-    let bytes = match req.memory.as_deref().map(str::parse::<ByteSize>) {
-        None => memory as usize,
-        Some(Ok(b)) if b.0 >= 1 << 20 => b.0 as usize,
-        Some(Ok(b)) => {
-            return Err(ApiError::bad_request(format!(
-                "memory {b} is below the minimum of 1MiB"
-            )));
-        }
-        Some(Err(e)) => return Err(ApiError::bad_request(format!("memory: {e}"))),
-    };
+    let bytes = memory_of(req.memory.as_deref(), memory)?;
     if req.interface == EMULATOR {
         if !req.queues.is_empty() {
             return Err(ApiError::bad_request(format!(
@@ -116,6 +107,32 @@ fn spec_of(
         },
         bytes,
         lane: req.lane,
+    })
+}
+
+/// The dma-buf size a request's `memory` asks for (`default`, the lane's, when it names
+/// none): between 1 MiB and [`MAX_SIZE`], the bounds the configuration puts on
+/// `devmem_memory`.
+fn memory_of(memory: Option<&str>, default: u64) -> Result<usize, ApiError> {
+    let Some(memory) = memory else {
+        return Ok(default as usize);
+    };
+    let b = memory
+        .parse::<ByteSize>()
+        .map_err(|e| ApiError::bad_request(format!("memory: {e}")))?;
+    if b.0 < 1 << 20 {
+        return Err(ApiError::bad_request(format!(
+            "memory {b} is below the minimum of 1MiB"
+        )));
+    }
+    if b.0 > MAX_SIZE {
+        return Err(ApiError::bad_request(format!(
+            "memory {b} is above the maximum of {} (the limit of devmem_memory)",
+            ByteSize(MAX_SIZE)
+        )));
+    }
+    usize::try_from(b.0).map_err(|_| {
+        ApiError::bad_request(format!("memory {b} does not fit this host's address space"))
     })
 }
 
@@ -250,5 +267,27 @@ mod tests {
         // What the request names wins.
         let named = json!({ "interface": "eth0", "lane": 1, "queues": [3], "memory": "2MiB" });
         assert_eq!(spec(named), (vec![3], 2 << 20, Some(1)));
+    }
+
+    #[test]
+    fn a_binding_larger_than_the_config_allows_is_refused() {
+        // Before: any size past 1 MiB went to the node (65TiB: a 16 GiB freelist).
+        let lanes = [lane_status(0, "eth0", vec![], 64 << 20)];
+        let cfg = ServeConfig::default();
+        for memory in ["65TiB", "1024TiB"] {
+            let body = json!({ "interface": "emulator", "memory": memory });
+            let req: CreateBinding = serde_json::from_value(body).unwrap();
+            let text = format!("{:?}", spec_of(req, &lanes, &cfg).unwrap_err());
+            assert!(
+                text.contains(&format!("memory {memory} is above")),
+                "{text}"
+            );
+            assert!(text.contains("64TiB"), "the limit is named: {text}");
+        }
+        // The config's bounds, both ends inclusive.
+        assert_eq!(memory_of(Some("64TiB"), 0).unwrap() as u64, MAX_SIZE);
+        assert_eq!(memory_of(Some("1MiB"), 0).unwrap(), 1 << 20);
+        assert!(memory_of(Some("512KiB"), 0).is_err());
+        assert_eq!(memory_of(None, 8 << 20).unwrap(), 8 << 20);
     }
 }

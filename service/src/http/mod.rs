@@ -31,7 +31,6 @@ pub async fn serve(
     prom::handle();
     prom::register_zero(
         &node.receive().to_string(),
-        &node.info().cfg.sources,
         node.status().lanes.len() as u32,
     );
     let mut stop = shutdown.clone();

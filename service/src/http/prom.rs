@@ -5,7 +5,9 @@
 //! Hot-path counters live in atomics in the node and are copied from its [`Status`] into the
 //! recorder on each scrape, as what each grew by since the last one (`Totals`); only the
 //! latency histograms are recorded as they happen, and [`upkeep`] folds their samples into
-//! buckets every few seconds so that memory stays flat whether or not anyone scrapes.
+//! buckets every few seconds so that memory stays flat whether or not anyone scrapes. The
+//! per-source families are rendered here from the live sources, not kept in the recorder,
+//! which never forgets a series (a `dns:` source tier brings new addresses with each rollout).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -75,7 +77,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "counter",
         "shardwire_trainer_timeouts_total",
-        "Trainer socket connections closed by a timeout, by phase (request: no attach or an unfinished frame; idle: an attached trainer sent nothing)",
+        "Trainer socket connections closed by a timeout, by phase (request: no attach or an unfinished frame; idle: an attached trainer sent nothing; write: a trainer that stopped reading its answers)",
     ),
     (
         "counter",
@@ -204,23 +206,15 @@ fn describe() {
 }
 
 /// Registers every documented series at 0, so a scrape shows each family from the start
-/// (labels: the receive mode, the configured sources, the lanes `0..lanes`).
-pub fn register_zero(mode: &str, sources: &[String], lanes: u32) {
+/// (labels: the receive mode, the lanes `0..lanes`). The per-source families ([`PER_SOURCE`])
+/// are not in the recorder: each scrape renders every source of the node's roster.
+pub fn register_zero(mode: &str, lanes: u32) {
     for d in COUNTERS.iter().filter(|d| d.unit == Unit::Count) {
         counter_of(d, mode).absolute(0);
     }
     for &(kind, name, _) in FAMILIES {
         match (kind, name) {
-            ("counter", "shardwire_source_bytes_received_total") => {
-                for s in sources {
-                    metrics::counter!(name, "source" => s.clone()).absolute(0);
-                }
-            }
-            ("gauge", "shardwire_source_up") => {
-                for s in sources {
-                    metrics::gauge!(name, "source" => s.clone()).set(0.0);
-                }
-            }
+            (_, name) if PER_SOURCE.contains(&name) => {}
             (kind, _) if name.starts_with("shardwire_lane_") => {
                 for lane in 0..lanes {
                     let l = [("lane", lane.to_string())];
@@ -282,6 +276,18 @@ struct Totals {
     last: BTreeMap<String, (u64, u64)>,
     /// The series this scrape has seen so far.
     seen: BTreeSet<String>,
+    /// The per-source series of the sources of the last scrape, by address.
+    sources: BTreeMap<String, SourceSeries>,
+}
+
+/// One source's series ([`PER_SOURCE`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct SourceSeries {
+    /// `shardwire_source_bytes_received_total`: what its links' figures grew by, added up
+    /// while it stays in the roster (one that left and came back counts from 0).
+    bytes: u64,
+    /// `shardwire_source_up`.
+    up: bool,
 }
 
 impl Totals {
@@ -309,16 +315,17 @@ impl Totals {
 static TOTALS: Mutex<Totals> = Mutex::new(Totals {
     last: BTreeMap::new(),
     seen: BTreeSet::new(),
+    sources: BTreeMap::new(),
 });
 
 /// Copies the node's figures into the recorder and renders the exposition text.
 pub fn render(node: &Node) -> String {
-    let st = {
+    let (st, per_source) = {
         let mut totals = TOTALS.lock().unwrap_or_else(|p| p.into_inner());
         let st = node.status();
         record(&st, &mut totals);
         totals.end_scrape();
-        st
+        (st, per_source_blocks(&totals.sources))
     };
     let seconds: Vec<(&CounterDef, f64)> = st
         .counters
@@ -332,8 +339,7 @@ pub fn render(node: &Node) -> String {
         .filter_map(|l| l.binding.as_ref())
         .map(|d| d.lane.to_string())
         .collect();
-    let sources: Vec<String> = st.sources.iter().map(|s| s.addr.clone()).collect();
-    render_text(&seconds, &bound, &sources)
+    render_text(&seconds, &bound, per_source)
 }
 
 /// The recorder's series of one of the node's integer counters (a `mode` counter's: the one
@@ -393,17 +399,53 @@ fn record(st: &Status, totals: &mut Totals) {
 /// not their sum now: a retired source's cancels leaving that sum take nothing back.
 fn record_sources(sources: &[SourceStatus], totals: &mut Totals) {
     let mut cancelled = 0;
+    let mut live = BTreeMap::new();
     for s in sources {
         // Owned by the link: one that replaced another of its address between two scrapes
         // counts from 0, even when it has passed the old one's figures.
         let link = s.link as u64;
         cancelled += totals.growth(format!("cancelled {}", s.addr), link, s.cancelled);
-        let labels = [("source", s.addr.clone())];
-        let bytes = totals.growth(format!("bytes {}", s.addr), link, s.bytes_received);
-        metrics::counter!("shardwire_source_bytes_received_total", &labels).increment(bytes);
-        metrics::gauge!("shardwire_source_up", &labels).set(if s.up { 1.0 } else { 0.0 });
+        let grew = totals.growth(format!("bytes {}", s.addr), link, s.bytes_received);
+        let before = totals.sources.get(&s.addr).map_or(0, |x| x.bytes);
+        let series = SourceSeries {
+            bytes: before + grew,
+            up: s.up,
+        };
+        live.insert(s.addr.clone(), series);
     }
+    // A source that left the roster is forgotten (its series ends).
+    totals.sources = live;
     metrics::counter!("shardwire_fetches_cancelled_total").increment(cancelled);
+}
+
+/// The per-source families' blocks (name, text), from the sources of this scrape; each with
+/// its `# HELP` and `# TYPE` while no source is known yet.
+fn per_source_blocks(sources: &BTreeMap<String, SourceSeries>) -> Vec<(String, String)> {
+    PER_SOURCE
+        .iter()
+        .map(|&name| {
+            let (kind, help) = FAMILIES
+                .iter()
+                .find(|f| f.1 == name)
+                .map_or(("untyped", ""), |f| (f.0, f.2));
+            let mut b = format!("# HELP {name} {help}\n# TYPE {name} {kind}\n");
+            for (addr, s) in sources {
+                let v = match name {
+                    "shardwire_source_up" => u64::from(s.up),
+                    _ => s.bytes,
+                };
+                let _ = writeln!(b, "{name}{{source=\"{}\"}} {v}", label_value(addr));
+            }
+            (name.to_owned(), b)
+        })
+        .collect()
+}
+
+/// `v` escaped as a Prometheus label value (backslash, double quote, newline).
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// A series' labels.
@@ -468,7 +510,11 @@ fn grow(
 /// label order; histogram series as the recorder keeps them, in registration order, each
 /// with its buckets in `le` order), then the node's counters in seconds, rendered here (the
 /// recorder's counters are integers).
-fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String], sources: &[String]) -> String {
+fn render_text(
+    seconds: &[(&CounterDef, f64)],
+    bound: &[String],
+    per_source: Vec<(String, String)>,
+) -> String {
     let mut blocks: Vec<(String, String)> = handle()
         .render()
         .split("\n\n")
@@ -478,14 +524,13 @@ fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String], sources: &[Stri
             if name.starts_with(DEVMEM) {
                 labelled_only(&b, "lane", bound).map(|b| (name, b))
             } else if PER_SOURCE.contains(&name.as_str()) {
-                // The family stays (its HELP and TYPE) while no source is known yet.
-                let kept = labelled_only(&b, "source", sources);
-                Some((name, kept.unwrap_or_else(|| headers_of(&b))))
+                None // rendered from the live sources, below (`per_source`)
             } else {
                 Some((name, b))
             }
         })
         .collect();
+    blocks.extend(per_source);
     let mut families: Vec<&str> = seconds.iter().map(|(d, _)| d.metric).collect();
     families.dedup();
     for family in families {
@@ -519,16 +564,17 @@ fn render_text(seconds: &[(&CounterDef, f64)], bound: &[String], sources: &[Stri
 /// The prefix of the per-lane binding families ([`record_binding`]).
 const DEVMEM: &str = "shardwire_devmem_";
 
-/// The node's families labelled by `source`: only the sources of the roster now are shown
-/// (a source that left the DNS answer must not stay `up` for good, one series per rollout).
+/// The node's families labelled by `source`, rendered from the sources of the roster now
+/// ([`per_source_blocks`]): a source that left the DNS answer must not stay `up` for good, nor
+/// leave a series in memory per rollout.
 const PER_SOURCE: [&str; 2] = [
     "shardwire_source_up",
     "shardwire_source_bytes_received_total",
 ];
 
 /// A block without the series whose label `key` is not in `current` (the recorder keeps a
-/// gone series' last values: a deleted binding's lane, a retired source; they must not look
-/// live), or None when no series is left.
+/// gone series' last values: a deleted binding's lane; they must not look live), or None
+/// when no series is left.
 fn labelled_only(block: &str, key: &str, current: &[String]) -> Option<String> {
     let (open, next) = (format!("{{{key}=\""), format!(",{key}=\""));
     let value_of = |l: &str| {
@@ -542,17 +588,6 @@ fn labelled_only(block: &str, key: &str, current: &[String]) -> Option<String> {
         out.push('\n');
         out
     })
-}
-
-/// A block's `# HELP` and `# TYPE` lines alone.
-fn headers_of(block: &str) -> String {
-    let mut out: String = block
-        .lines()
-        .filter(|l| l.starts_with('#'))
-        .collect::<Vec<_>>()
-        .join("\n");
-    out.push('\n');
-    out
 }
 
 /// The family a block describes: the name on its `# TYPE` line (or its first sample's).
@@ -683,34 +718,34 @@ mod tests {
         // the sum, stuck at 8; and 100 bytes for a source that came back with 150.
         handle();
         let cancelled = || value("shardwire_fetches_cancelled_total");
-        let bytes = || value("shardwire_source_bytes_received_total{source=\"192.0.2.1:7500\"}");
-        let (c0, b0) = (cancelled(), bytes());
+        let c0 = cancelled();
         let mut totals = Totals::default();
         let mut scrape = |sources: &[SourceStatus]| {
             record_sources(sources, &mut totals);
             totals.end_scrape();
+            totals.sources.get("192.0.2.1:7500").map(|s| s.bytes)
         };
-        scrape(&[
+        let b = scrape(&[
             source(0, "192.0.2.1:7500", 5, 100),
             source(1, "192.0.2.2:7500", 3, 0),
         ]);
-        assert_eq!(cancelled() - c0, 8);
-        scrape(&[source(1, "192.0.2.2:7500", 4, 0)]); // .1 left DNS
-        assert_eq!(cancelled() - c0, 9);
-        // .1 came back: a new link, counted from 0 though it passed the old one's figures.
-        scrape(&[
+        assert_eq!((cancelled() - c0, b), (8, Some(100)));
+        let b = scrape(&[source(1, "192.0.2.2:7500", 4, 0)]); // .1 left DNS: its series ends
+        assert_eq!((cancelled() - c0, b), (9, None));
+        // .1 came back: a new link, counted from 0 though it passed the old one's figures;
+        // its series starts again (a counter reset).
+        let b = scrape(&[
             source(2, "192.0.2.1:7500", 7, 150),
             source(1, "192.0.2.2:7500", 4, 0),
         ]);
-        assert_eq!(cancelled() - c0, 16);
-        assert_eq!(bytes() - b0, 250);
+        assert_eq!((cancelled() - c0, b), (16, Some(150)));
         // .1 left and came back between two scrapes: its new link's 160 bytes all count, not
         // the 10 by which they pass the old link's 150.
-        scrape(&[
+        let b = scrape(&[
             source(3, "192.0.2.1:7500", 7, 160),
             source(1, "192.0.2.2:7500", 4, 0),
         ]);
-        assert_eq!(bytes() - b0, 410);
+        assert_eq!(b, Some(310));
     }
 
     #[test]
@@ -741,21 +776,42 @@ mod tests {
     }
 
     #[test]
-    fn series_of_sources_that_left_the_roster_are_left_out() {
-        // Before: a source retired from the DNS answer stayed `up` 1 for good.
-        let b = "# TYPE shardwire_source_up gauge\n\
-                 shardwire_source_up{source=\"10.0.0.1:7500\"} 1\n\
-                 shardwire_source_up{source=\"10.0.0.2:7500\"} 1\n";
-        let kept = labelled_only(b, "source", &["10.0.0.2:7500".to_owned()]).unwrap();
+    fn series_of_sources_that_left_the_roster_are_left_out_and_forgotten() {
+        // Before: a source retired from the DNS answer stayed in the recorder for good (one
+        // series per address per rollout), only hidden from the text.
+        handle();
+        let mut totals = Totals::default();
+        let mut down = source(0, "10.0.0.1:7500", 0, 5);
+        down.up = false;
+        record_sources(&[down, source(1, "10.0.0.2:7500", 0, 7)], &mut totals);
+        record_sources(&[source(1, "10.0.0.2:7500", 0, 9)], &mut totals);
+        assert_eq!(totals.sources.len(), 1, "{:?}", totals.sources);
+        let blocks = per_source_blocks(&totals.sources);
+        let text: String = blocks.iter().map(|b| b.1.as_str()).collect();
+        assert!(!text.contains("10.0.0.1"), "{text}");
         assert!(
-            !kept.contains("10.0.0.1") && kept.contains("10.0.0.2:7500\"} 1"),
-            "{kept}"
+            text.contains("shardwire_source_up{source=\"10.0.0.2:7500\"} 1\n")
+                && text.contains(
+                    "shardwire_source_bytes_received_total{source=\"10.0.0.2:7500\"} 9\n"
+                ),
+            "{text}"
         );
+        // No series in the recorder: none left behind by any source.
+        assert!(!handle().render().contains("shardwire_source_up{"));
+        // A family of no known source keeps its headers.
+        let none = per_source_blocks(&BTreeMap::new());
         assert_eq!(
-            headers_of(b),
-            "# TYPE shardwire_source_up gauge\n",
-            "a family of no known source keeps its headers"
+            none[0].1,
+            format!(
+                "# HELP shardwire_source_up {}\n# TYPE shardwire_source_up gauge\n",
+                FAMILIES
+                    .iter()
+                    .find(|f| f.1 == "shardwire_source_up")
+                    .unwrap()
+                    .2
+            )
         );
+        assert_eq!(label_value("a\"b\\c"), "a\\\"b\\\\c");
         let other = "x{mode=\"host\",lane=\"3\"} 1\n";
         assert!(
             labelled_only(other, "lane", &["3".to_owned()]).is_some(),

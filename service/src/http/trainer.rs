@@ -32,7 +32,7 @@ use shardwire_protocol::trainer::http::{
     BatchBody, ClosedBody, EndBody, NextBody, OpenStream, Opened, ReleasedBody, TensorMeta,
 };
 use shardwire_protocol::trainer::{ErrorCode, StreamState, TensorView};
-use tokio::sync::oneshot;
+use tokio::sync::{OwnedMutexGuard, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use super::copies::{COPY_BUDGET, COPY_WAIT, Copies, CopyBody};
 use super::error::{ApiError, path_error};
@@ -47,6 +47,12 @@ pub const DEFAULT_POLL_MS: u64 = 30_000;
 pub const MAX_POLL_MS: u64 = 300_000;
 /// Tensors up to this size are copied on the async worker; larger ones on a blocking thread.
 const INLINE_COPY: u64 = 256 << 10;
+/// Most `next` long-polls waiting on blocking threads at once ([`Stream::next`] waits on a
+/// condvar): half of the runtime's blocking threads, so tensor copies, binding probes and
+/// unbinds and the data path's `block_in_place` always find one, however many trainers poll
+/// (`http_max_connections` allows far more). A `next` beyond them waits for a turn without a
+/// thread, within its own timeout.
+const MAX_WAITING_NEXTS: usize = crate::cli::BLOCKING_THREADS / 2;
 
 /// The trainer HTTP routes, merged into the admin server.
 pub fn router(node: Arc<Node>) -> Router {
@@ -57,6 +63,7 @@ pub fn router(node: Arc<Node>) -> Router {
         leases: Mutex::new(HashMap::new()),
         gone: Mutex::new(VecDeque::new()),
         copies: Copies::new(),
+        waits: Arc::new(Semaphore::new(MAX_WAITING_NEXTS)),
     });
     spawn_reaper(&api);
     Router::new()
@@ -149,6 +156,8 @@ struct Api {
     gone: Mutex<VecDeque<(u64, CloseReason)>>,
     /// Room for tensor copies in flight.
     copies: Copies,
+    /// Turns to wait for a batch on a blocking thread ([`MAX_WAITING_NEXTS`]).
+    waits: Arc<Semaphore>,
 }
 
 /// How many closed HTTP streams' reasons are kept for the 404 that their ids answer.
@@ -492,29 +501,8 @@ async fn next(
             // A ready batch is taken right here; only a wait goes to a blocking thread.
             None => match api.take(&s, Duration::ZERO) {
                 Outcome::Timeout if timeout > 0 => {
-                    let (tx, rx) = oneshot::channel();
-                    let (api2, s2) = (Arc::clone(&api), Arc::clone(&s));
-                    tokio::task::spawn_blocking(move || {
-                        let _busy = busy; // in use until `next` returns, even if the caller left
-                        let out = api2.take(&s2, Duration::from_millis(timeout));
-                        let taken = match &out {
-                            Outcome::Batch(b) => Some(b.clone()),
-                            _ => None,
-                        };
-                        match tx.send(out) {
-                            Ok(()) => {
-                                if let Some(b) = taken {
-                                    s2.remember(after, b);
-                                }
-                            }
-                            // The caller went away: keep it for the next `next`.
-                            Err(Outcome::Batch(b)) => *slot = Some(b),
-                            Err(_) => {}
-                        }
-                    });
-                    rx.await.map_err(|_| {
-                        ApiError::new(ErrorCode::Internal, "the waiting thread failed")
-                    })?
+                    let wait = Duration::from_millis(timeout);
+                    wait_for_batch(&api, &s, (busy, slot), after, wait).await?
                 }
                 o => remembered(&s, after, o),
             },
@@ -532,6 +520,57 @@ async fn next(
             ApiError::new(why.code(), why.to_string()).into_response()
         }
     })
+}
+
+/// `next`'s wait of at most `timeout` for a batch of `s` not ready yet, its turn (`slot`)
+/// held: on a blocking thread, once one of the [`MAX_WAITING_NEXTS`] turns is free. A `next`
+/// that gets no turn within its timeout takes one last look and answers as a wait that ran
+/// out would (`204`), never having held a thread.
+async fn wait_for_batch(
+    api: &Arc<Api>,
+    s: &Arc<HttpStream>,
+    (busy, mut slot): (Busy, OwnedMutexGuard<Option<Delivered>>),
+    after: Option<u64>,
+    timeout: Duration,
+) -> Result<Outcome, ApiError> {
+    let Some((turn, left)) = thread_turn(&api.waits, timeout).await else {
+        return Ok(remembered(s, after, api.take(s, Duration::ZERO)));
+    };
+    let (tx, rx) = oneshot::channel();
+    let (api2, s2) = (Arc::clone(api), Arc::clone(s));
+    tokio::task::spawn_blocking(move || {
+        // In use until `next` returns, even if the caller left; the turn until the wait ends.
+        let _held = (busy, turn);
+        let out = api2.take(&s2, left);
+        let taken = match &out {
+            Outcome::Batch(b) => Some(b.clone()),
+            _ => None,
+        };
+        match tx.send(out) {
+            Ok(()) => {
+                if let Some(b) = taken {
+                    s2.remember(after, b);
+                }
+            }
+            // The caller went away: keep it for the next `next`.
+            Err(Outcome::Batch(b)) => *slot = Some(b),
+            Err(_) => {}
+        }
+    });
+    rx.await
+        .map_err(|_| ApiError::new(ErrorCode::Internal, "the waiting thread failed"))
+}
+
+/// A turn of `waits` taken within `timeout`, and what is left of `timeout` then; None when
+/// no turn freed in time.
+async fn thread_turn(
+    waits: &Arc<Semaphore>,
+    timeout: Duration,
+) -> Option<(OwnedSemaphorePermit, Duration)> {
+    let t = Instant::now();
+    let turn = tokio::time::timeout(timeout, Arc::clone(waits).acquire_owned()).await;
+    let turn = turn.ok()?.ok()?;
+    Some((turn, timeout.saturating_sub(t.elapsed())))
 }
 
 /// `o`, a batch of it kept as the one `s` last answered with, to a `next` naming `after`.
@@ -685,5 +724,35 @@ async fn release(
         Err(ApiError::new(why.code(), why.to_string()))
     } else {
         Err(unknown_lease(lease))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_next_beyond_the_waiting_threads_waits_for_a_turn_without_one() {
+        // Before: every waiting `next` held a blocking thread for up to 300 s, so enough
+        // long polls took every one (tensor copies and binding changes queued behind them).
+        const _: () = assert!(MAX_WAITING_NEXTS < crate::cli::BLOCKING_THREADS);
+        let waits = Arc::new(Semaphore::new(1));
+        let (held, _) = thread_turn(&waits, Duration::from_secs(1)).await.unwrap();
+        // Every turn taken: the wait runs out after its own timeout, with no turn.
+        let t = Instant::now();
+        assert!(
+            thread_turn(&waits, Duration::from_millis(50))
+                .await
+                .is_none()
+        );
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        // A turn freed meanwhile: taken, with the rest of the timeout left for the wait.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(held);
+        });
+        let (_turn, left) = thread_turn(&waits, Duration::from_secs(10)).await.unwrap();
+        assert!(left <= Duration::from_millis(9_900), "{left:?}");
+        assert!(left >= Duration::from_secs(5), "{left:?}");
     }
 }

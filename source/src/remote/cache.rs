@@ -2,13 +2,14 @@
 //! file per shard, served with `sendfile` like a local dataset's files. A shard is admitted
 //! if it fits, or if cold entries can make room, and those go; otherwise it passes through
 //! uncached. An entry is cold when no node's hint names it and it was not served for a few
-//! times, in accesses, the shards this cache was asked for ([`DiskCache::set_cold_after`]):
-//! an entry no hint names may still be needed beyond the hints' horizon (a few hundred shards
-//! ahead), later this epoch or the next, and evicting it would cost a GET then, while the
-//! shard it would make room for was read already. So an epoch larger than the cache keeps the
-//! same cached slice from epoch to epoch instead of churning (an LRU cache would re-download
-//! all of it), and the entries of shards nobody reads any more (or no longer routed to this
-//! source) make way within a few epochs of this cache's own traffic.
+//! times, in accesses, the shards this cache was asked for lately
+//! ([`DiskCache::set_cold_after`]): an entry no hint names may still be needed beyond the
+//! hints' horizon (a few hundred shards ahead), later this epoch or the next, and evicting it
+//! would cost a GET then, while the shard it would make room for was read already. So an
+//! epoch larger than the cache keeps the same cached slice from epoch to epoch instead of
+//! churning (an LRU cache would re-download all of it), and the entries of shards nobody
+//! reads any more (or no longer routed to this source) make way within a few epochs of this
+//! cache's own traffic.
 //!
 //! Entries are named by what they hold (shard, and a hash of its object key, ETag, range and
 //! CRC), so after a restart an entry is kept only if the manifest still names the same bytes
@@ -184,6 +185,92 @@ fn is_cache_file(name: &str) -> bool {
         && hash.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// Accesses a generation of [`Asked`] lasts, per shard it counts: 8, so the two generations
+/// counted span at least 8 accesses per shard of the cache's slice, more than come between
+/// two asks of a shard still read (a FETCH makes up to three accesses, and a shard read once
+/// per epoch comes again at most two epochs later: 6 per shard).
+const GENERATION_PER_SHARD: u64 = 8;
+
+/// The shards a cache was asked for lately (looked up or reserved): those of this
+/// generation of its accesses and of the one before. A generation ends once it made
+/// [`GENERATION_PER_SHARD`] accesses per shard counted, and the one before it is forgotten:
+/// a shard still read stays counted, one no longer asked for (routed to another source)
+/// stops counting within two generations. Forgetting a generation costs a pass over its own
+/// shards, not over the bitset, and keeps the memory for the next one.
+#[derive(Debug, Default)]
+struct Asked {
+    /// This generation's shards.
+    now: Shards,
+    /// The shards of the generation before.
+    before: Shards,
+    /// Shards in either.
+    distinct: u64,
+    /// Accesses in this generation.
+    accesses: u64,
+}
+
+impl Asked {
+    /// One access, for `shard`: it counts in this generation (which ends first if it is over).
+    fn note(&mut self, shard: u32) {
+        if self.accesses >= GENERATION_PER_SHARD.saturating_mul(self.distinct) {
+            std::mem::swap(&mut self.now, &mut self.before);
+            self.now.clear();
+            self.distinct = self.before.len();
+            self.accesses = 0;
+        }
+        self.accesses += 1;
+        if self.now.insert(shard) && !self.before.contains(shard) {
+            self.distinct += 1;
+        }
+    }
+}
+
+/// A set of shards: a bit each, and a list of them to clear those bits by.
+#[derive(Debug, Default)]
+struct Shards {
+    bits: Vec<u64>,
+    listed: Vec<u32>,
+}
+
+impl Shards {
+    /// The word of `shard`'s bit, and the bit.
+    fn at(shard: u32) -> (usize, u64) {
+        (shard as usize / 64, 1u64 << (shard % 64))
+    }
+
+    /// Whether `shard` is in.
+    fn contains(&self, shard: u32) -> bool {
+        let (word, bit) = Self::at(shard);
+        self.bits.get(word).is_some_and(|w| w & bit != 0)
+    }
+
+    /// Adds `shard`; false if it was in already.
+    fn insert(&mut self, shard: u32) -> bool {
+        let (word, bit) = Self::at(shard);
+        if word >= self.bits.len() {
+            self.bits.resize(word + 1, 0);
+        }
+        if self.bits[word] & bit != 0 {
+            return false;
+        }
+        self.bits[word] |= bit;
+        self.listed.push(shard);
+        true
+    }
+
+    /// Empties it in O(its shards), keeping its memory.
+    fn clear(&mut self) {
+        for s in self.listed.drain(..) {
+            self.bits[s as usize / 64] = 0;
+        }
+    }
+
+    /// How many.
+    fn len(&self) -> u64 {
+        self.listed.len() as u64
+    }
+}
+
 /// Room made for one shard; write [`Self::temp`], then commit or abort.
 #[derive(Debug)]
 pub struct Reservation {
@@ -259,13 +346,12 @@ pub struct DiskCache {
     reserved: HashMap<u32, u64>,
     /// Accesses so far (every lookup and every reservation): the cache's clock.
     clock: u64,
-    /// An entry no hint names and not served for more accesses than this many times
-    /// `distinct` is cold: it may go ([`DiskCache::set_cold_after`]).
+    /// An entry no hint names and not served for more accesses than this many times the
+    /// shards asked for lately is cold: it may go ([`DiskCache::set_cold_after`]).
     cold_epochs: u64,
-    /// The shards this cache was asked for (looked up or reserved), a bit each.
-    asked: Vec<u64>,
-    /// How many: the size of this cache's own slice of the dataset.
-    distinct: u64,
+    /// The shards this cache was asked for lately: how many is the size of its own slice of
+    /// the dataset.
+    asked: Asked,
     /// The room it may still take on its file system, claimed in this process (`None` until
     /// [`DiskCache::check_room`]).
     claim: Option<claims::Claim>,
@@ -302,8 +388,7 @@ impl DiskCache {
             reserved: HashMap::new(),
             clock: 0,
             cold_epochs: u64::MAX,
-            asked: Vec::new(),
-            distinct: 0,
+            asked: Asked::default(),
             claim: None,
         };
         let mut loaded = Loaded::default();
@@ -417,14 +502,15 @@ impl DiskCache {
 
     /// Entries no hint names become cold, and may be evicted, once they were not served for
     /// `epochs` times as many lookups and reservations as the distinct shards this cache was
-    /// asked for. An epoch asks this cache for each shard of its slice once (one to three
-    /// accesses each), so a cached shard still trained on is never cold, and the entries of
+    /// asked for lately. An epoch asks this cache for each shard of its slice once (one to
+    /// three accesses each), so a cached shard still trained on is never cold, and the entries of
     /// shards nobody asks for any more are, after a few epochs of this cache's own traffic,
     /// whether its source serves the whole dataset or one slice of it beside others behind
     /// one DNS name (counting the dataset's shards instead kept an entry no longer routed
-    /// here for 3 to 8 epochs times the number of sources). Shards asked for once stay
-    /// counted: after a routing change moved a share of them away, entries stay cached that
-    /// share longer.
+    /// here for 3 to 8 epochs times the number of sources). A shard counts until the end of
+    /// the generation of this cache's accesses after the one it was last asked for in
+    /// ([`Asked`]): one routed elsewhere stops counting (before, every shard ever asked for
+    /// counted for good, and after each routing change entries stayed cached longer).
     pub fn set_cold_after(&mut self, epochs: u64) {
         self.cold_epochs = epochs;
     }
@@ -432,19 +518,12 @@ impl DiskCache {
     /// One access, for `shard`: the clock advances, and `shard` counts as asked for.
     fn tick(&mut self, shard: u32) {
         self.clock += 1;
-        let (word, bit) = (shard as usize / 64, 1u64 << (shard % 64));
-        if word >= self.asked.len() {
-            self.asked.resize(word + 1, 0);
-        }
-        if self.asked[word] & bit == 0 {
-            self.asked[word] |= bit;
-            self.distinct += 1;
-        }
+        self.asked.note(shard);
     }
 
     /// Accesses after which an entry no hint names and not served is cold.
     fn cold_after(&self) -> u64 {
-        self.cold_epochs.saturating_mul(self.distinct.max(1))
+        self.cold_epochs.saturating_mul(self.asked.distinct.max(1))
     }
 
     /// Whether `shard` is cached or being written.

@@ -5,7 +5,8 @@
 //! in memory (with a cache too: a shard it does not admit stays in memory); shards held in
 //! memory that no hint names any more are dropped when memory runs short (counted as
 //! wasted). A shard whose read failed is not read ahead again before its [`Backoff`] ends.
-//! One wake looks at a bounded stretch of the order ([`SCAN`]).
+//! One wake looks at a bounded stretch of the order ([`SCAN`]), with sets the task keeps from
+//! wake to wake ([`Scratch`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -22,13 +23,39 @@ use super::{Reading, RemoteDataset, State};
 /// backoff that ended, is read ahead at the next wake), and as many from where the last call
 /// stopped ([`State::scan_at`]). So a wake costs O(streams + SCAN) under the dataset's lock
 /// (with every hinted shard cached, an epoch after the first, each wake walked the whole
-/// order: up to 64 Ki entries per node session), and a shard deep in the order is still
-/// reached, each wake going on where the last stopped.
+/// order: up to 64 Ki entries per node session), with sets the task keeps from wake to wake
+/// ([`Scratch`]), and a shard deep in the order is still reached, each wake going on where
+/// the last stopped.
 pub(super) const SCAN: usize = 1024;
 
 /// Entries (with repeats) a scan passes over at most, per shard it may pass over: bounds the
 /// walk where many streams name the same shards.
 const ENTRIES_PER_SHARD: usize = 4;
+
+/// The sets a scan keeps: the shards it passed over (each counted once) and those it took
+/// into its group. The prefetch task keeps them from wake to wake and each scan empties them
+/// ([`Scratch::start`]), so a scan allocates no set once they have grown to what a scan
+/// holds (before, each scan allocated a set of up to twice the hinted streams: at 256 Ki
+/// streams, a few MiB a wake).
+#[derive(Debug, Default)]
+struct Scratch {
+    passed: HashSet<u32>,
+    taken: HashSet<u32>,
+}
+
+impl Scratch {
+    /// Empties both, for a scan that passes over at most `limit` shards, keeping their
+    /// memory; unless `passed` has room for many more than that (the hinted streams went
+    /// away): it gives back the rest, so that emptying it costs O(limit), not the largest
+    /// scan's, and keeps room for `limit` (so it never grows back during a scan).
+    fn start(&mut self, limit: usize) {
+        self.passed.clear();
+        self.taken.clear();
+        if self.passed.capacity() > 4 * limit {
+            self.passed.shrink_to(limit);
+        }
+    }
+}
 
 /// What [`RemoteDataset::scan`] found.
 enum Scanned {
@@ -82,8 +109,9 @@ impl RemoteDataset {
     /// and the in-flight cap allow; runs until the source stops.
     pub async fn prefetch(self: Arc<Self>) {
         let cap = self.store.options().request_size * self.store.options().max_inflight as u64;
+        let mut scratch = Scratch::default();
         loop {
-            let Some(reading) = self.next_group(cap) else {
+            let Some(reading) = self.next_group(cap, &mut scratch) else {
                 tokio::select! {
                     _ = self.wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -100,14 +128,15 @@ impl RemoteDataset {
     /// The next shards to prefetch (consecutive in hint order, so adjacent ones merge),
     /// registered as being read under the lock they were chosen under (so no FETCH starts a
     /// read of them meanwhile), or none when the budget, the cap or the hints say so. Shards
-    /// in memory that no hint names any more are dropped first (counted as wasted).
-    fn next_group(&self, cap: u64) -> Option<Reading> {
+    /// in memory that no hint names any more are dropped first (counted as wasted). `scratch`:
+    /// the prefetch task's sets, kept from wake to wake.
+    fn next_group(&self, cap: u64, scratch: &mut Scratch) -> Option<Reading> {
         let mut st = self.state();
         self.drop_unhinted(&mut st);
         // Locked once, in the order `claim` and `place` take the locks: state, then cache.
         let cache = self.cache.as_ref().map(|c| c.lock().expect("poisoned"));
         let held = |s: u32| cache.as_ref().is_some_and(|c| c.holds(s));
-        let group = self.choose(&mut st, &held, cap);
+        let group = self.choose_in(&mut st, &held, cap, scratch);
         drop(cache);
         (!group.is_empty()).then(|| self.begin(&mut st, group, true))
     }
@@ -116,9 +145,15 @@ impl RemoteDataset {
     /// the front of the order, or else from where the last call stopped ([`State::scan_at`],
     /// moved on, back to the front once the order ended); empty when there is none, or the
     /// next shard does not fit. Each of its two scans passes over at most half of [`SCAN`]
-    /// shards, or twice the hinted streams where that is more.
-    pub(super) fn choose(&self, st: &mut State, held: &dyn Fn(u32) -> bool, cap: u64) -> Vec<u32> {
-        let front = match self.scan(st, held, None, cap) {
+    /// shards, or twice the hinted streams where that is more, with the sets in `scratch`.
+    fn choose_in(
+        &self,
+        st: &mut State,
+        held: &dyn Fn(u32) -> bool,
+        cap: u64,
+        scratch: &mut Scratch,
+    ) -> Vec<u32> {
+        let front = match self.scan(st, held, None, cap, scratch) {
             Scanned::Chosen(group) => return group,
             Scanned::Passed(None) => {
                 st.scan_at = None; // the whole order was looked at
@@ -127,7 +162,7 @@ impl RemoteDataset {
             Scanned::Passed(Some(end)) => end,
         };
         let from = st.scan_at.filter(|&at| at > front).unwrap_or(front);
-        match self.scan(st, held, Some(from), cap) {
+        match self.scan(st, held, Some(from), cap, scratch) {
             Scanned::Chosen(group) => {
                 st.scan_at = Some(from);
                 group
@@ -139,21 +174,33 @@ impl RemoteDataset {
         }
     }
 
+    /// [`Self::choose_in`] for tests, with sets kept from call to call on this thread, as the
+    /// prefetch task keeps its own from wake to wake.
+    #[cfg(test)]
+    pub(super) fn choose(&self, st: &mut State, held: &dyn Fn(u32) -> bool, cap: u64) -> Vec<u32> {
+        thread_local!(static SCRATCH: std::cell::RefCell<Scratch> = Default::default());
+        SCRATCH.with(|s| self.choose_in(st, held, cap, &mut s.borrow_mut()))
+    }
+
     /// Walks the order after `after` (from its start with `None`) for a group: shards neither
     /// in memory, being read, cached (`held`) nor waiting out a failure, consecutive, within
     /// the request size, the in-flight cap and the memory budget. Passes over at most half
-    /// of [`SCAN`] shards, or twice the number of hinted streams where that is more.
+    /// of [`SCAN`] shards, or twice the number of hinted streams where that is more; its sets
+    /// are `scratch`'s, emptied first.
     fn scan(
         &self,
         st: &State,
         held: &dyn Fn(u32) -> bool,
         after: Option<Place>,
         cap: u64,
+        scratch: &mut Scratch,
     ) -> Scanned {
         let now = Instant::now();
-        let (mut group, mut taken, mut passed) = (Vec::new(), HashSet::new(), HashSet::new());
-        let (mut bytes, mut entries) = (0, 0);
         let limit = (SCAN / 2).max(2 * st.hints.streams());
+        scratch.start(limit);
+        let Scratch { passed, taken } = scratch;
+        let mut group = Vec::new();
+        let (mut bytes, mut entries) = (0, 0);
         for (at, s) in st.hints.order_after(after) {
             let skip = taken.contains(&s) || st.ready.contains_key(&s);
             if skip || st.loading.contains_key(&s) || held(s) || st.backoff.waits(s, now) {
@@ -247,6 +294,36 @@ mod tests {
         for _ in 0..100 {
             b.failed(9, &failure(0), t0); // no overflow however long it fails
         }
+    }
+
+    #[test]
+    fn a_scans_sets_are_emptied_and_keep_their_memory_unless_far_too_large() {
+        let mut s = Scratch::default();
+        s.start(512);
+        s.passed.extend(0..512);
+        s.taken.extend(0..8);
+        let room = s.passed.capacity();
+        s.start(512);
+        assert!(
+            s.passed.is_empty() && s.taken.is_empty(),
+            "emptied for the next scan"
+        );
+        // Before, each scan made sets of its own: an allocation (of MiB at 256 Ki streams).
+        assert_eq!(s.passed.capacity(), room, "its memory kept");
+        s.passed.extend(0..512);
+        assert_eq!(
+            s.passed.capacity(),
+            room,
+            "and nothing allocated by the next scan"
+        );
+        // A scan of 256 Ki streams, then of 512 shards: the rest is given back, room for 512
+        // is kept.
+        s.passed.extend(0..512 * 1024);
+        s.start(512);
+        let room = s.passed.capacity();
+        assert!((512..=4 * 512).contains(&room), "{room}");
+        s.passed.extend(0..512);
+        assert_eq!(s.passed.capacity(), room);
     }
 
     #[test]

@@ -3,13 +3,15 @@
 //! (`local`) and through the object-storage path (`remote`, `file://`) with a memory budget
 //! of one shard.
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 
 use shardwire_protocol::Manifest;
 use shardwire_protocol::crc::Crc32c;
+use shardwire_protocol::framing::{read_message, write_message};
 use shardwire_protocol::manifest::{DType, MANIFEST_FILE, ShardEntry, TensorEntry};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 
 use super::*;
 use crate::SourceConfig;
@@ -144,19 +146,74 @@ fn body_bytes(body: &Body) -> Vec<u8> {
 /// A session of `lanes` lanes over `datasets`, without data connections, and the node's end
 /// of its control connection (kept open while the session writes to it).
 async fn session(datasets: Datasets, lanes: usize) -> (Session, TcpStream) {
+    let (stream, node) = connected().await;
+    (session_on(stream, datasets, lanes, Arc::default()), node)
+}
+
+/// The source's and the node's ends of a loopback control connection.
+async fn connected() -> (TcpStream, TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let node = TcpStream::connect(listener.local_addr().unwrap())
         .await
         .unwrap();
     let (stream, _) = listener.accept().await.unwrap();
+    (stream, node)
+}
+
+/// [`connected`] with the smallest buffers the kernel allows (the source's send buffer, the
+/// node's receive buffer, from before the connection): a write of more than a few KiB waits
+/// for the node to read.
+async fn connected_small() -> (TcpStream, TcpStream) {
+    let listener = TcpSocket::new_v4().unwrap();
+    listener.set_send_buffer_size(4096).unwrap();
+    listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = listener.listen(1).unwrap();
+    let node = TcpSocket::new_v4().unwrap();
+    node.set_recv_buffer_size(4096).unwrap();
+    let node = node.connect(listener.local_addr().unwrap()).await.unwrap();
+    let (stream, _) = listener.accept().await.unwrap();
+    (stream, node)
+}
+
+/// The source's end of control connection `stream`, with the default idle timeout.
+fn control(stream: TcpStream) -> Control {
     let (rd, wr) = stream.into_split();
-    let ctl = Control {
+    Control {
         rd: BufReader::new(rd),
         wr,
         buf: Vec::new(),
         idle: crate::DEFAULT_IDLE_TIMEOUT,
         last_sent: Instant::now(),
+    }
+}
+
+/// A session of `lanes` lanes over `datasets` on control connection `stream`, without data
+/// connections; `failed` stands for its senders' failures.
+fn session_on(
+    stream: TcpStream,
+    datasets: Datasets,
+    lanes: usize,
+    failed: Arc<ConnFailed>,
+) -> Session {
+    let conns = DataConns {
+        senders: Vec::new(),
+        lane_of: Vec::new(),
     };
+    let ctl = control(stream);
+    Session::new(
+        SESSION,
+        ctl,
+        shared(datasets),
+        conns,
+        lanes,
+        failed,
+        Arc::default(),
+    )
+}
+
+/// The shared state of a source without a secret (loopback peers only) that serves
+/// `datasets` with one session slot.
+fn shared(datasets: Datasets) -> Arc<Shared> {
     let cfg = SourceConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         secret: None,
@@ -168,7 +225,7 @@ async fn session(datasets: Datasets, lanes: usize) -> (Session, TcpStream) {
         max_connections: 1,
         drain_timeout: crate::DEFAULT_DRAIN_TIMEOUT,
     };
-    let shared = Arc::new(Shared {
+    Arc::new(Shared {
         datasets,
         cfg,
         corrupt_left: AtomicU32::new(0),
@@ -176,21 +233,21 @@ async fn session(datasets: Datasets, lanes: usize) -> (Session, TcpStream) {
         sessions: AtomicU64::new(SESSION),
         draining: tokio::sync::watch::Sender::new(false),
         session_reads: Arc::default(),
-    });
-    let conns = DataConns {
-        senders: Vec::new(),
-        lane_of: Vec::new(),
-    };
-    let s = Session::new(
-        SESSION,
-        ctl,
-        shared,
-        conns,
-        lanes,
-        Arc::default(),
-        Arc::default(),
-    );
-    (s, node)
+    })
+}
+
+/// The next message the node reads (within 10 s), past the source's keepalives.
+async fn reply(node: &mut TcpStream, buf: &mut Vec<u8>) -> Message {
+    loop {
+        let read = read_message(node, buf, wire::MAX_FRAME);
+        let m = tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("an answer within 10 s")
+            .expect("a message (not a closed connection)");
+        if m != Message::Ping {
+            return m;
+        }
+    }
 }
 
 #[test]
@@ -478,7 +535,7 @@ async fn other_errors_from_the_node_are_logged_and_end_nothing() {
     let (mut s, _node) = session(datasets(&dir, 1, false).await, 1).await;
     s.announced.record(5, Arc::from("local"), 0);
     // About the connection; about a FETCH this session did not announce; about a local
-    // dataset's (logged only); another code.
+    // dataset's (its bytes in the file are rechecked, and pass); another code.
     let reports = [
         (0, ErrorCode::Internal),
         (6, ErrorCode::ChecksumMismatch),
@@ -496,4 +553,281 @@ async fn other_errors_from_the_node_are_logged_and_end_nothing() {
             .await
             .expect("an Error from the node ends nothing");
     }
+}
+
+/// The open file of shard `shard` of the `local` dataset of `s`, and what the source opened.
+fn local_shard(s: &Session, shard: usize) -> (Arc<std::fs::File>, Arc<Opened>) {
+    match &s.shared.datasets.get("local").expect("served").backend {
+        Backend::Local { files, opened, .. } => {
+            (Arc::clone(&files[shard]), Arc::clone(&opened[shard]))
+        }
+        Backend::Remote(_) => panic!("`local` is served from a directory"),
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_local_shard_reported_corrupt_that_fails_its_crc_in_its_file_is_refused() {
+    use std::os::unix::fs::FileExt;
+    let dir = Scratch::new("rot-local");
+    let (mut s, mut node) = session(datasets(&dir, 2, false).await, 1).await;
+    // Shard 1 rewritten in place (a bad disk, a tool that keeps the time): the same size,
+    // its modification time put back.
+    let path = dir.0.join("data").join("d.bin");
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let mtime = f.metadata().unwrap().modified().unwrap();
+    f.write_all_at(&[0xA5; SHARD as usize], SHARD).unwrap();
+    f.set_modified(mtime).unwrap();
+    let fetch = |req, shard| Message::Fetch {
+        req,
+        dataset: "local".into(),
+        shard,
+        lane: 0,
+    };
+    s.handle(fetch(1, 1)).await.expect("queued");
+    assert_eq!(s.queues.queued, 1, "its size and time are as opened");
+    // It was sent, and the node reports that it failed its CRC check.
+    s.announced.record(1, Arc::from("local"), 1);
+    let report = Message::Error {
+        req: 1,
+        code: ErrorCode::ChecksumMismatch,
+        retry_after_ms: 0,
+        message: "shard 1: crc32c mismatch".into(),
+    };
+    s.handle(report).await.expect("the session goes on");
+    // The shard's bytes are read again on a blocking thread.
+    let (file, opened) = local_shard(&s, 1);
+    let t0 = Instant::now();
+    while opened.check(&file, SHARD..2 * SHARD).is_ok() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "not rechecked in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Before, it was served again at every FETCH, until the node gave up on the shard.
+    s.handle(fetch(2, 1))
+        .await
+        .expect("refused; the session goes on");
+    assert_eq!(s.queues.queued, 1, "not queued");
+    match reply(&mut node, &mut Vec::new()).await {
+        Message::Error {
+            req: 2,
+            code: ErrorCode::DatasetChanged,
+            message,
+            ..
+        } => {
+            for says in ["d.bin", "CRC-32C", "good copy", "shardwire index"] {
+                assert!(message.contains(says), "{says}: {message}");
+            }
+        }
+        other => panic!("{other:?}"),
+    }
+    s.handle(fetch(3, 0)).await.expect("queued");
+    assert_eq!(s.queues.queued, 2, "the file's other shard is served");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_reply_slower_to_write_than_the_idle_timeout_is_not_the_nodes_silence() {
+    let dir = Scratch::new("slow-manifest");
+    let d = datasets(&dir, 2000, false).await;
+    let len = d.get("local").expect("served").manifest_json.len();
+    assert!(
+        len > 128 << 10,
+        "a manifest of {len} bytes fits the buffers"
+    );
+    let (stream, mut node) = connected_small().await;
+    let mut s = session_on(stream, d, 1, Arc::default());
+    let idle = Duration::from_millis(500);
+    s.ctl.idle = idle;
+    let serve = tokio::spawn(s.serve());
+    let ask = |req, dataset: &str| Message::ManifestRequest {
+        req,
+        dataset: dataset.into(),
+    };
+    let mut buf = Vec::new();
+    write_message(&mut node, &ask(1, "local")).await.unwrap();
+    // The node reads nothing for three idle timeouts: the manifest's write takes as long.
+    tokio::time::sleep(3 * idle).await;
+    let manifest = reply(&mut node, &mut buf).await;
+    assert!(matches!(manifest, Message::Manifest { req: 1, .. }));
+    // Then it speaks at once. Before, the session took the write's time for the node's
+    // silence and ended as soon as the write was done.
+    write_message(&mut node, &Message::Ping).await.unwrap();
+    write_message(&mut node, &ask(2, "nope")).await.unwrap();
+    match reply(&mut node, &mut buf).await {
+        Message::Error {
+            req: 2,
+            code: ErrorCode::UnknownDataset,
+            ..
+        } => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(!serve.is_finished(), "the session goes on");
+    serve.abort();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_node_is_told_which_data_connection_failed_and_why() {
+    let dir = Scratch::new("data-failed");
+    let (stream, mut node) = connected().await;
+    let failed = Arc::new(ConnFailed::default());
+    let s = session_on(
+        stream,
+        datasets(&dir, 1, false).await,
+        1,
+        Arc::clone(&failed),
+    );
+    let serve = tokio::spawn(s.serve());
+    failed.fail(3, "Connection reset by peer (os error 104)".into());
+    let ended = tokio::time::timeout(Duration::from_secs(10), serve).await;
+    let e = ended
+        .expect("ends")
+        .expect("no panic")
+        .expect_err("the session ends");
+    assert!(
+        matches!(&e, SessionError::DataFailed { conn: 3, why } if why.contains("reset")),
+        "{e}"
+    );
+    match reply(&mut node, &mut Vec::new()).await {
+        Message::Error {
+            req: 0,
+            code: ErrorCode::Internal,
+            message,
+            ..
+        } => {
+            // Before: "a data connection failed; closing the session".
+            assert!(message.contains("data connection 3"), "{message}");
+            assert!(message.contains("reset by peer"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A node's `Hello`, with one lane of one flow.
+fn hello() -> Message {
+    Message::Hello {
+        node_id: "test-node".into(),
+        nonce: [0; NONCE_LEN],
+        lanes: vec![LaneAddr {
+            data_addr: "127.0.0.1:9".parse().unwrap(),
+            flows: 1,
+        }],
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_that_finishes_its_handshake_while_the_source_drains_is_told_so() {
+    let dir = Scratch::new("drain-handshake");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    shared.draining.send_replace(true);
+    let slots = Arc::new(Semaphore::new(1));
+    let mut ctl = control(stream);
+    let source = handshake(&mut ctl, &shared, Arc::clone(&slots));
+    let node_side = async {
+        let mut buf = Vec::new();
+        write_message(&mut node, &hello()).await.unwrap();
+        let small = wire::MAX_SMALL_FRAME;
+        let challenge = read_message(&mut node, &mut buf, small).await.unwrap();
+        assert!(
+            matches!(challenge, Message::Challenge { .. }),
+            "{challenge:?}"
+        );
+        let auth = Message::Auth { mac: [0; 32] };
+        write_message(&mut node, &auth).await.unwrap();
+        read_message(&mut node, &mut buf, small).await.unwrap()
+    };
+    let (done, answer) = tokio::join!(source, node_side);
+    match done {
+        Err(SessionError::Draining) => {}
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("welcomed while the source drains"),
+    }
+    // Before: `Internal`, "serves 1 node sessions already" (with its slot free: Welcome).
+    match answer {
+        Message::Error {
+            code: ErrorCode::Draining,
+            message,
+            ..
+        } => assert!(message.contains("draining"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(slots.available_permits(), 1, "no session slot taken");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_peer_off_loopback_of_a_source_without_a_secret_is_told_why() {
+    let dir = Scratch::new("not-loopback");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    // As the listener saw the peer.
+    let peer: SocketAddr = "10.1.2.3:40000".parse().unwrap();
+    let handshakes = Arc::new(crate::admit::Handshakes::default());
+    let slot = handshakes.enter(peer.ip()).unwrap();
+    let slots = Arc::new(Semaphore::new(1));
+    let source = tokio::spawn(run(stream, peer, shared, slot, slots));
+    let mut buf = Vec::new();
+    let read = read_message(&mut node, &mut buf, wire::MAX_SMALL_FRAME);
+    // Before, the connection closed without a word.
+    let answer = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("within 10 s")
+        .expect("told why");
+    drop(node);
+    match answer {
+        Message::Error {
+            code: ErrorCode::AuthFailed,
+            message,
+            ..
+        } => {
+            assert!(message.contains("10.1.2.3"), "{message}");
+            assert!(message.contains("--secret-file"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = source.await.unwrap().expect_err("refused");
+    assert!(
+        matches!(e, SessionError::NotLoopback(p) if p == peer),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_evicted_handshake_is_told_why() {
+    use crate::admit::{EVICT_AFTER, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_IP};
+    let dir = Scratch::new("evicted");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+    let handshakes = Arc::new(crate::admit::Handshakes::default());
+    // The node's handshake is the oldest; it sends nothing.
+    let slot = handshakes.enter(peer.ip()).unwrap();
+    let slots = Arc::new(Semaphore::new(1));
+    let source = tokio::spawn(run(stream, peer, shared, slot, slots));
+    // Every other handshake slot is taken.
+    let others: Vec<_> = (1..MAX_HANDSHAKES)
+        .map(|i| {
+            let ip = IpAddr::from([10, 0, (i / MAX_HANDSHAKES_PER_IP) as u8, 1]);
+            handshakes.enter(ip).unwrap()
+        })
+        .collect();
+    tokio::time::sleep(EVICT_AFTER + Duration::from_millis(50)).await;
+    let newcomer = handshakes
+        .enter("10.9.9.9".parse().unwrap())
+        .expect("a slot, by eviction");
+    let mut buf = Vec::new();
+    let read = read_message(&mut node, &mut buf, wire::MAX_SMALL_FRAME);
+    // Before, the connection closed without a word.
+    let answer = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("within 10 s")
+        .expect("told why");
+    drop(node);
+    match answer {
+        Message::Error { message, .. } => assert!(message.contains("evicted"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    let e = source.await.unwrap().expect_err("evicted");
+    assert!(matches!(e, SessionError::Evicted), "{e}");
+    drop((others, newcomer));
 }

@@ -581,7 +581,7 @@ class Stream(_StreamBase[Batch]):
                     req = {**req, "device": device}
             conn.send(req)
             conn.await_reply(_wire.ATTACH_LIMIT, "attach")
-            msg, fds = conn.recv(want_fds=True)
+            msg = conn.recv_fds(fds)  # into `fds` as they arrive: closed below, whatever strikes
             op = msg["op"]
             if op == "error":
                 raise _service_error(msg)

@@ -2,7 +2,7 @@
 
 A frame is ``len: u32 little-endian`` followed by ``len`` bytes of JSON (at most 1 MiB).
 The ``attached`` reply carries the stream's region as one file descriptor (SCM_RIGHTS)
-attached to the frame's first byte, so the prefix is read with ``socket.recv_fds``.
+attached to the frame's first byte, so the prefix is read with ``recvmsg`` (`_recv_fds`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import json
 import math
+import operator
 import os
 import select
 import socket
@@ -30,6 +31,8 @@ MAX_FRAME = 1 << 20
 #: Most fds accepted with one frame (the service sends exactly one, with ``attached``).
 _MAX_FDS = 4
 _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+#: Room for the ancillary data of `_MAX_FDS` fds.
+_FD_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
 _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 # EPIPE instead of SIGPIPE when the service is gone, even in hosts that do not ignore SIGPIPE.
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -135,11 +138,17 @@ def _decode(body: bytes) -> Message:
 
 
 def _close_fds(fds: list[int]) -> None:
+    """Closes every fd in `fds` (received ones: see `Conn.recv_fds`)."""
     for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        _close_quietly(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    """Closes `fd`; an error is not raised (Linux releases the fd even when close fails)."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 class Conn:
@@ -211,12 +220,24 @@ class Conn:
 
     def recv(self, want_fds: bool = False) -> tuple[Message, list[int]]:
         """Reads one reply; returns it and the fds that came with it (only if `want_fds`;
-        the caller owns and must close them)."""
+        the caller owns and must close them). A caller that must not lose them to an exception
+        that strikes as this returns (a signal handler's) passes its own list to `recv_fds`."""
         if not want_fds:
             return self.recv_reply(), []
+        fds: list[int] = []
+        try:
+            return self.recv_fds(fds), fds
+        except BaseException:
+            _close_fds(fds)
+            raise
+
+    def recv_fds(self, fds: list[int]) -> Message:
+        """Reads one reply that may carry file descriptors (``attached``). They are appended to
+        `fds` as they arrive (see `_recv_fds`): from then on the caller owns them, and closes
+        them whatever this returns or raises, so no exception (a signal handler's, Ctrl-C's)
+        that strikes between their receipt and the caller's ``finally`` leaks one."""
         if self._buf or self._ready:
             raise ProtocolError("a reply with file descriptors after buffered bytes")
-        fds: list[int] = []
         deadline = math.inf  # FRAME_LIMIT after the frame's first bytes (see `_wait_rest`)
         try:
             prefix = bytearray()
@@ -243,16 +264,8 @@ class Conn:
                     raise ConnectionClosed("the node service closed the connection in the middle of a reply")
                 got_bytes += k
         except OSError as e:
-            _close_fds(fds)
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
-        except BaseException:
-            _close_fds(fds)
-            raise
-        try:
-            return _decode(bytes(body)), fds
-        except BaseException:  # a ProtocolError, or a KeyboardInterrupt while decoding
-            _close_fds(fds)
-            raise
+        return _decode(bytes(body))
 
     def recv_reply(self) -> Message:
         """Reads one reply that carries no file descriptors (every reply but ``attached``),
@@ -362,11 +375,33 @@ def _recv_fds(sock: socket.socket, n: int, fds: list[int]) -> tuple[bytes, int]:
     """Receives up to `n` bytes and the fds that come with them (appended to `fds`, which the
     caller closes), close-on-exec from the moment they arrive: ``socket.recv_fds`` drops its
     flags argument before Python 3.12.1 (gh-107898), so a child process spawned meanwhile
-    would inherit the region's fd. Returns the bytes and the message flags."""
-    data, ancdata, flags, _ = sock.recvmsg(n, socket.CMSG_SPACE(_MAX_FDS * 4), _CLOEXEC)
+    would inherit the region's fd. Returns the bytes and the message flags.
+
+    No exception leaks a received fd: CPython runs signal handlers between bytecodes, and
+    right as a call returns, so a handler's exception (Ctrl-C's KeyboardInterrupt) can strike
+    anywhere from the receipt to the fds being in `fds`. The reply is stored into `got` by C
+    (``list.extend`` over a ``map``, no bytecode in between: an exception raised as a plain
+    call returned would drop the reply with its fds), and until `fds` holds them, an exception
+    closes every fd the reply brought that `fds` does not hold."""
+    got: list[tuple[bytes, list[tuple[int, int, bytes]], int, Any]] = []
+    try:
+        got.extend(map(operator.methodcaller("recvmsg", n, _FD_SPACE, _CLOEXEC), (sock,)))
+        data, ancdata, flags, _ = got[0]
+        fds.extend(_fds_in(ancdata))  # one C call: every fd, or none, is in `fds`
+    except BaseException:
+        for fd in _fds_in(got[0][1]) if got else ():
+            if fd not in fds:
+                _close_quietly(fd)
+        raise
+    return data, flags
+
+
+def _fds_in(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The file descriptors in `ancdata` (``recvmsg``'s ancillary data: SCM_RIGHTS)."""
+    out: list[int] = []
     for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             got = array.array("i")
             got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
-            fds.extend(got)
-    return data, flags
+            out.extend(got)
+    return out

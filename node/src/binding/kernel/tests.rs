@@ -287,3 +287,106 @@ fn a_named_nic_the_probe_could_not_judge_is_tried() {
     one.named = true;
     assert!(plan(&nics, &[one], None).is_ok(), "a named lane is tried");
 }
+
+#[test]
+fn a_new_setups_port_rules_are_read_back_for_their_lanes() {
+    // Before, a setup made for its lanes kept their port rules to itself: a lane deleted
+    // while the others stayed left its rule on the NIC until the node stopped.
+    let rule = |location, port, queue| nic::Change::Rule {
+        location,
+        rule: Some(nic::steer::Tcp4Match::port(port)),
+        queue: Some(queue),
+    };
+    let changes = [
+        nic::Change::Rss { table: Vec::new() },
+        nic::Change::NtupleOn,
+        rule(1023, 7400, 8),
+        // Another port, another queue, a connection's rule, an entry of an earlier release.
+        rule(1022, 7401, 9),
+        rule(1021, 7402, 12),
+        nic::Change::Rule {
+            location: 1020,
+            rule: Some(nic::steer::Tcp4Match::flow(nic::steer::Tcp4Flow {
+                src: "10.0.0.2:40000".parse().unwrap(),
+                dst: "10.0.0.1:7401".parse().unwrap(),
+            })),
+            queue: Some(12),
+        },
+        nic::Change::Rule {
+            location: 1019,
+            rule: None,
+            queue: None,
+        },
+        rule(1018, 7401, 12),
+    ];
+    let got = port_rules(&changes, &[(7401, 12), (7400, 8), (7403, 14)]);
+    let want = |location, port, queue| nic::InsertedRule {
+        location,
+        rule: nic::steer::Tcp4Match::port(port),
+        queue,
+    };
+    assert_eq!(got, [want(1018, 7401, 12), want(1023, 7400, 8)]);
+}
+
+/// A lane joining a NIC set up for another, then leaving while that one stays (its binding
+/// deleted over the admin API): its data port's rule leaves the NIC and the journal, the
+/// other lane's stays, and the last lane to leave restores the NIC. Before, the leaving
+/// lane's rule stayed until the whole setup was restored when the node stopped.
+/// `SHARDWIRE_HW_IFNAME` names the NIC (4 or more RX queues; its last two are bound).
+#[test]
+#[ignore = "needs a devmem-capable NIC, root and /dev/udmabuf (scripts/hw/devmem-check.sh)"]
+fn hw_a_lane_leaving_a_shared_nic_deletes_its_port_rule() {
+    let name = std::env::var("SHARDWIRE_HW_IFNAME").expect("set SHARDWIRE_HW_IFNAME");
+    let rx = std::fs::read_dir(format!("/sys/class/net/{name}/queues"))
+        .expect("the interface exists")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("rx-"))
+        .count() as u32;
+    let mut n = nic(&name, rx, true);
+    n.ifindex = std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+        .expect("the interface exists")
+        .trim()
+        .parse()
+        .expect("an ifindex");
+    let ((qa, pa), (qb, pb)) = ((rx - 2, 7490), (rx - 1, 7491));
+    let state = std::env::temp_dir().join(format!("sw-kernel-leave-{}.json", std::process::id()));
+    let mut a = setup_nic(&n, &[qa], &[(pa, qa)], &state).expect("set up for lane a");
+    let ra = bind_lane(&n, &[qa], 16 << 20, &mut a, None).expect("lane a binds");
+    let mut b = setup_nic(&n, &[qb], &[(pb, qb)], &state).expect("lane b joins");
+    assert!(
+        Arc::ptr_eq(a.share(), b.share()),
+        "joined, not set up again"
+    );
+    let rb = bind_lane(&n, &[qb], 16 << 20, &mut b, None).expect("lane b binds");
+    let share = Arc::clone(a.share());
+    drop((a, b));
+    let journaled = |port: u16| {
+        let s = share.setup();
+        let changes = s.state().map_or(&[][..], |st| &st.changes[..]);
+        changes.iter().any(
+            |c| matches!(c, nic::Change::Rule { rule: Some(r), .. } if r.dst_port == Some(port)),
+        )
+    };
+    let on_nic = |port: u16, queue: u32| {
+        let eth = nic::EthtoolClient::open().expect("ethtool netlink");
+        let m = nic::steer::Tcp4Match::port(port);
+        !eth.find_rules(&name, &m, queue)
+            .expect("rules listed")
+            .is_empty()
+    };
+    assert!(journaled(pb) && on_nic(pb, qb), "lane b's port steered");
+    rb.unbind();
+    drop(rb);
+    assert!(!journaled(pb), "lane b's rule left the journal");
+    assert!(!on_nic(pb, qb), "and the NIC");
+    assert!(journaled(pa) && on_nic(pa, qa), "lane a's stays");
+    assert_eq!(in_use(&name), [qa]);
+    ra.unbind();
+    drop(ra);
+    assert!(
+        share.setup().state().is_none(),
+        "the last lane restored the NIC"
+    );
+    assert!(!on_nic(pa, qa));
+    assert!(!state.exists());
+}

@@ -439,3 +439,80 @@ fn a_cache_larger_than_the_disk_is_refused_at_open() {
     assert!(matches!(e, CacheError::NoRoom { .. }), "{e}");
     assert!(e.to_string().contains("lower cache_size"), "{e}");
 }
+
+/// One epoch of `slice` with no hints: each shard looked up, and stored on a miss if the
+/// cache admits it; returns the misses.
+fn epoch_of(c: &mut DiskCache, slice: std::ops::Range<u32>) -> usize {
+    let mut misses = 0;
+    for s in slice {
+        if c.get(s).is_none() {
+            misses += 1;
+            let _ = put(c, s, &HashMap::new());
+        }
+    }
+    misses
+}
+
+#[test]
+fn after_each_routing_change_the_new_slice_is_cached_within_as_many_epochs() {
+    // One of several sources behind one DNS name, whose slice changes five times (0..100,
+    // then 100..200, ... 500..600), each served until it is all cached. Before, every shard
+    // ever asked for stayed counted: after the fifth change the old entries went cold only
+    // after 8 x 600 accesses, and the new slice passed through uncached for 26 epochs (four
+    // more at each change). Counted for two generations of accesses: 13 at most.
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 100 * 100, |_| None).unwrap();
+    c.set_cold_after(8);
+    let mut took = Vec::new();
+    for k in 0..6u32 {
+        let slice = k * 100..(k + 1) * 100;
+        took.push((1..=40).find(|_| epoch_of(&mut c, slice.clone()) == 0));
+    }
+    assert_eq!(took[0], Some(2), "the first slice is cached as it is read");
+    assert!(
+        took[1..].iter().all(|n| n.is_some_and(|n| n <= 14)),
+        "epochs until each new slice was cached: {took:?}"
+    );
+    // Once only its slice is asked for, only it counts (before, all 600 shards did).
+    for _ in 0..20 {
+        epoch_of(&mut c, 500..600);
+    }
+    assert_eq!(c.cold_after(), 8 * 100);
+}
+
+#[test]
+fn a_shard_still_read_stays_counted_and_one_no_longer_asked_for_is_forgotten() {
+    // 100 shards read every epoch, in an order that puts the most accesses between two asks
+    // of a shard (ascending, then descending), once or three times each (a hit; or a lookup,
+    // a reservation and a lookup), over many generations.
+    let mut a = Asked::default();
+    let mut counted = Vec::new();
+    for e in 0..60u32 {
+        let order: Vec<u32> = match e % 2 {
+            0 => (0..100).collect(),
+            _ => (0..100).rev().collect(),
+        };
+        let times = if e % 3 == 0 { 3 } else { 1 };
+        for s in order {
+            for _ in 0..times {
+                a.note(s);
+                counted.push(a.distinct);
+            }
+        }
+    }
+    let (least, most) = (counted[300..].iter().min(), counted[300..].iter().max());
+    assert_eq!(
+        (least, most),
+        (Some(&100), Some(&100)),
+        "after the first epoch"
+    );
+    // Then only 100..150 are asked for: 0..100 stop counting.
+    for _ in 0..60 {
+        for s in 100..150 {
+            a.note(s);
+        }
+    }
+    assert_eq!(a.distinct, 50);
+    let counts = |s| a.now.contains(s) || a.before.contains(s);
+    assert!(!counts(5) && counts(120));
+}
