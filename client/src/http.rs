@@ -32,7 +32,7 @@ use std::time::Duration;
 use shardwire_protocol::trainer::ErrorCode;
 use shardwire_protocol::trainer::http::{BatchBody, NextBody, OpenStream, Opened, TensorMeta};
 
-use crate::resume::{ResumeState, with_unknown_state};
+use crate::resume::{ResumeState, with_state, with_unknown_state};
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
 
 mod reply;
@@ -167,10 +167,9 @@ fn open_body(
     let Some(from) = from else {
         return req.to_json();
     };
-    let mut body: serde_json::Value =
+    let body: serde_json::Value =
         serde_json::from_slice(&req.to_json()).expect("an open body is JSON");
-    body["state"] = from.to_value();
-    serde_json::to_vec(&body).expect("JSON serialises")
+    with_state(&body, from).get().as_bytes().to_vec()
 }
 
 /// Whether a release's outcome lets go of the lease here: it was released, or had ended

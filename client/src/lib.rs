@@ -21,9 +21,10 @@
 //! ```
 //!
 //! A trainer saves that [`ResumeState`] in its checkpoint (it serialises to the JSON object
-//! the node wrote) and resumes with [`Stream::open_from`]. Fields of the state this client
-//! does not know (a newer node's or SDK's) are kept and sent back, as the Python SDK does:
-//! the node judges them (see [`ResumeState`]). [`Stream::state`] gives the
+//! the node wrote, and only to JSON: [`ResumeState::to_json`]) and resumes with
+//! [`Stream::open_from`]. Fields of the state this client does not know (a newer node's or
+//! SDK's, at its top level or inside its `mix`) are kept and sent back byte for byte, as the
+//! Python SDK does: the node judges them (see [`ResumeState`]). [`Stream::state`] gives the
 //! [`StreamState`] instead, and refuses a state with such fields
 //! ([`ClientError::StateFieldsUnknown`]) rather than drop them.
 //!

@@ -2,35 +2,58 @@
 //! save in its checkpoint and pass back when it resumes.
 //!
 //! The node decides what a state means: it refuses one with a field it does not know (the
-//! protocol's [`StreamState`] refuses unknown fields), since a field it ignored could move
-//! where the stream resumes (`cursor`, `partitions`, `shuffle_block` and `mix` were each added
-//! to the state after the first). This client only carries the state, so it keeps the fields
-//! it does not know (a newer node's or SDK's) instead of refusing them, as the Python SDK
-//! carries its state as a plain dict, and sends them back on the attach that resumes: a node
-//! that knows them resumes exactly there, an older one refuses the state naming the field.
-//! The fields this client knows are checked as strictly as [`StreamState`] checks them (type,
-//! presence, a key given twice); the fingerprint, which the node compares, is what says
-//! whether a state fits a stream (the state has no version of its own).
+//! protocol's [`StreamState`] and its [`MixState`] refuse unknown fields), since a field it
+//! ignored could move where the stream resumes (`cursor`, `partitions`, `shuffle_block` and
+//! `mix` were each added to the state after the first). This client only carries the state, so
+//! it keeps the fields it does not know (a newer node's or SDK's), at the top level and inside
+//! `mix`, instead of refusing them, as the Python SDK carries its state as a plain dict, and
+//! sends them back, byte for byte, on the attach that resumes: a node that knows them resumes
+//! exactly there, an older one refuses the state naming the field. The fields this client
+//! knows are checked as strictly as [`StreamState`] checks them (type, presence, a key given
+//! twice, also inside an unknown field's value); the fingerprint, which the node compares, is
+//! what says whether a state fits a stream (the state has no version of its own).
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
 
 use serde::de::{self, DeserializeOwned, DeserializeSeed, MapAccess, Visitor};
+use serde::ser::{self, SerializeMap};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
-use shardwire_protocol::trainer::StreamState;
+use shardwire_protocol::trainer::http::NoRepeatedKeys;
+use shardwire_protocol::trainer::{MixState, StreamState};
 
 use crate::ClientError;
 
+/// Fields a struct does not know, by name, each value kept as its JSON text.
+type Unknown = BTreeMap<String, Box<RawValue>>;
+
+/// The one field of a state that is itself a struct of fields ([`StreamState::mix`]).
+const MIX: &str = "mix";
+
 /// A stream's resume state: the fields this client knows ([`ResumeState::known`]) and those
-/// it does not (written by a newer node or SDK), kept as they came.
+/// it does not (written by a newer node or SDK, at the top level or inside `mix`), kept as
+/// they came.
 ///
-/// It serialises (JSON, for a checkpoint) to the object the node wrote, unknown fields
-/// included, and deserialises from it: unknown fields are kept, a known field of the wrong
-/// type, a missing one or a key given twice is refused, naming it. Resume from it with
-/// [`crate::Stream::open_from`] or [`crate::http::HttpStream::open_from`], which send the
-/// unknown fields back to the node.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Its serialised form is JSON, and only JSON: it serialises to the object the node wrote,
+/// unknown fields included, each value byte for byte (an integer beyond `u64`, `1.10`, the
+/// spacing inside a value), and deserialises from it with `serde_json` (`from_str`,
+/// `from_slice`, `from_reader`, or as a field of a derived struct; `from_value` too, keeping
+/// what the `Value` kept): unknown fields are kept, a known field of the wrong type, a missing
+/// one or a key given twice (at any depth) is refused, naming it. [`ResumeState::to_json`]
+/// and [`ResumeState::from_json`] do both. A non-JSON format (bincode, CBOR) cannot carry the
+/// unknown fields' JSON text, nor can serde's buffering adapters (`#[serde(flatten)]`,
+/// untagged or internally tagged enums): decoding a state with unknown fields through them
+/// fails. Resume from it with [`crate::Stream::open_from`] or
+/// [`crate::http::HttpStream::open_from`], which send the unknown fields back to the node.
+#[derive(Clone, Debug)]
 pub struct ResumeState {
     known: StreamState,
-    unknown: Map<String, Value>,
+    /// Top-level fields this client does not know.
+    unknown: Unknown,
+    /// Fields of `mix` this client does not know (none without a `mix`).
+    mix_unknown: Unknown,
 }
 
 impl ResumeState {
@@ -40,16 +63,17 @@ impl ResumeState {
     }
 
     /// The names of the fields this client does not know (empty for a state of this
-    /// client's own version).
+    /// client's own version): a top-level field by its name, one inside `mix` as `mix.NAME`.
     pub fn unknown_fields(&self) -> Vec<String> {
-        self.unknown.keys().cloned().collect()
+        let mix = self.mix_unknown.keys().map(|name| format!("{MIX}.{name}"));
+        self.unknown.keys().cloned().chain(mix).collect()
     }
 
     /// The state as a [`StreamState`]: refused with [`ClientError::StateFieldsUnknown`] when
     /// it has fields this client does not know, since dropping them could resume the stream
     /// somewhere else.
     pub fn into_known(self) -> Result<StreamState, ClientError> {
-        if self.unknown.is_empty() {
+        if !self.has_unknown() {
             return Ok(self.known);
         }
         Err(ClientError::StateFieldsUnknown {
@@ -57,68 +81,175 @@ impl ResumeState {
         })
     }
 
-    /// The state's JSON object, unknown fields included.
-    pub(crate) fn to_value(&self) -> Value {
-        let mut v = serde_json::to_value(&self.known).expect("a stream state serialises");
-        if let Some(fields) = v.as_object_mut() {
-            fields.extend(self.unknown.clone());
-        }
-        v
+    /// The state's JSON object (what a checkpoint saves), unknown fields as they came.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a resume state serialises to JSON")
+    }
+
+    /// A state from its JSON object ([`ResumeState::to_json`]'s), checked as the type says.
+    pub fn from_json(json: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    /// Whether it has fields this client does not know.
+    pub(crate) fn has_unknown(&self) -> bool {
+        !(self.unknown.is_empty() && self.mix_unknown.is_empty())
     }
 }
+
+impl PartialEq for ResumeState {
+    fn eq(&self, other: &Self) -> bool {
+        let same = |a: &Unknown, b: &Unknown| {
+            a.len() == b.len()
+                && a.iter()
+                    .zip(b)
+                    .all(|((na, va), (nb, vb))| na == nb && va.get() == vb.get())
+        };
+        self.known == other.known
+            && same(&self.unknown, &other.unknown)
+            && same(&self.mix_unknown, &other.mix_unknown)
+    }
+}
+
+impl Eq for ResumeState {}
 
 impl From<StreamState> for ResumeState {
     fn from(known: StreamState) -> Self {
         Self {
             known,
-            unknown: Map::new(),
+            unknown: Unknown::new(),
+            mix_unknown: Unknown::new(),
         }
     }
 }
 
 impl Serialize for ResumeState {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.to_value().serialize(s)
+        let known = serde_json::to_value(&self.known).map_err(<S::Error as ser::Error>::custom)?;
+        let Value::Object(known) = known else {
+            return Err(ser::Error::custom("a stream state serialises to an object"));
+        };
+        let fields = Fields {
+            known: &known,
+            unknown: &self.unknown,
+            mix_unknown: Some(&self.mix_unknown),
+        };
+        fields.serialize(s)
     }
+}
+
+/// An object written as a struct's fields (`known`, its JSON) followed by the fields it does
+/// not know, each as it came; `mix_unknown`, when given, joins the fields of its `mix`.
+struct Fields<'a> {
+    known: &'a Map<String, Value>,
+    unknown: &'a Unknown,
+    mix_unknown: Option<&'a Unknown>,
+}
+
+impl Serialize for Fields<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.known.len() + self.unknown.len()))?;
+        for (name, value) in self.known {
+            match (value, self.mix_unknown) {
+                (Value::Object(mix), Some(unknown)) if name == MIX => {
+                    let mix = Fields {
+                        known: mix,
+                        unknown,
+                        mix_unknown: None,
+                    };
+                    map.serialize_entry(name, &mix)?;
+                }
+                _ => map.serialize_entry(name, value)?,
+            }
+        }
+        for (name, value) in self.unknown {
+            map.serialize_entry(name, value)?;
+        }
+        map.end()
+    }
+}
+
+/// The JSON of `request` (an object: the socket's `attach`, the HTTP open body) with `state`,
+/// whole, as its `state`: the fields of it this client does not know go to the node as they
+/// came.
+pub(crate) fn with_state(request: &impl Serialize, state: &ResumeState) -> Box<RawValue> {
+    let mut fields = match serde_json::to_value(request) {
+        Ok(Value::Object(fields)) => fields,
+        other => panic!("a request serialises to a JSON object, not {other:?}"),
+    };
+    fields.remove("state");
+    let state = RawValue::from_string(state.to_json()).expect("a resume state is JSON");
+    let whole = Fields {
+        known: &fields,
+        unknown: &Unknown::from([("state".to_string(), state)]),
+        mix_unknown: None,
+    };
+    let json = serde_json::to_string(&whole).expect("a request serialises to JSON");
+    RawValue::from_string(json).expect("a request is JSON")
 }
 
 impl<'de> Deserialize<'de> for ResumeState {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(StateVisitor)
-    }
-}
-
-struct StateVisitor;
-
-impl<'de> Visitor<'de> for StateVisitor {
-    type Value = ResumeState;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a stream's resume state (an object)")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ResumeState, A::Error> {
-        let mut fields = KnownFields {
-            map,
-            names: field_names::<StreamState>(),
-            unknown: Map::new(),
-            key: None,
-        };
-        let known = StreamState::deserialize(de::value::MapAccessDeserializer::new(&mut fields))?;
-        Ok(ResumeState {
-            known,
-            unknown: fields.unknown,
+        let state = Split::<StreamState>::deserialize(d)?;
+        Ok(Self {
+            known: state.known,
+            unknown: state.unknown,
+            mix_unknown: state.mix_unknown,
         })
     }
 }
 
-/// The entries of a state object as [`StreamState`]'s derived decoder sees them: its own
-/// fields only (checked by it); the others are set aside in `unknown`.
+/// A `T` (a derived struct that refuses the fields it does not know: [`StreamState`],
+/// [`MixState`]) decoded from an object whose other fields are set aside, as they came.
+struct Split<T> {
+    known: T,
+    unknown: Unknown,
+    /// The fields of its `mix` it does not know ([`StreamState`]'s; none for [`MixState`]).
+    mix_unknown: Unknown,
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Split<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(SplitVisitor(PhantomData))
+    }
+}
+
+struct SplitVisitor<T>(PhantomData<T>);
+
+impl<'de, T: DeserializeOwned> Visitor<'de> for SplitVisitor<T> {
+    type Value = Split<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object (a stream's resume state, or its `mix`)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Split<T>, A::Error> {
+        let mut fields = KnownFields {
+            map,
+            names: field_names::<T>(),
+            unknown: Unknown::new(),
+            mix_unknown: Unknown::new(),
+            key: None,
+        };
+        let known = T::deserialize(de::value::MapAccessDeserializer::new(&mut fields))?;
+        Ok(Split {
+            known,
+            unknown: fields.unknown,
+            mix_unknown: fields.mix_unknown,
+        })
+    }
+}
+
+/// The entries of an object as a derived struct's decoder sees them: its own fields only
+/// (checked by it); the others are set aside in `unknown`, each checked for a repeated key.
+/// Its `mix` (a [`StreamState`]'s) is split likewise, its unknown fields set aside in
+/// `mix_unknown`.
 struct KnownFields<A> {
     map: A,
-    /// [`StreamState`]'s field names.
+    /// The struct's field names.
     names: &'static [&'static str],
-    unknown: Map<String, Value>,
+    unknown: Unknown,
+    mix_unknown: Unknown,
     /// The known field whose value is read next, to name it in an error.
     key: Option<String>,
 }
@@ -136,7 +267,11 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for KnownFields<A> {
                 self.key = Some(key);
                 return Ok(Some(field));
             }
-            let value = self.map.next_value::<Value>()?;
+            let value = self.map.next_value::<Box<RawValue>>()?;
+            // Kept as text, so checked here: a `Map` would keep the last of a repeated key.
+            if let Err(e) = serde_json::from_str::<NoRepeatedKeys>(value.get()) {
+                return Err(de::Error::custom(format_args!("field `{key}`: {e}")));
+            }
             if self.unknown.insert(key.clone(), value).is_some() {
                 return Err(de::Error::custom(format_args!("duplicate field `{key}`")));
             }
@@ -146,9 +281,24 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for KnownFields<A> {
 
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
         let key = self.key.take().unwrap_or_default();
-        self.map
-            .next_value_seed(seed)
-            .map_err(|e| de::Error::custom(format_args!("field `{key}`: {e}")))
+        let named = |e: &dyn std::fmt::Display| -> A::Error {
+            de::Error::custom(format_args!("field `{key}`: {e}"))
+        };
+        if key != MIX {
+            return self.map.next_value_seed(seed).map_err(|e| named(&e));
+        }
+        // A struct that refuses unknown fields itself: split likewise, its known fields handed
+        // to the state's decoder.
+        let mix = self
+            .map
+            .next_value::<Option<Split<MixState>>>()
+            .map_err(|e| named(&e))?;
+        let known = mix.map(|mix| {
+            self.mix_unknown = mix.unknown;
+            mix.known
+        });
+        let known = serde_json::to_value(known).map_err(|e| named(&e))?;
+        seed.deserialize(known).map_err(|e| named(&e))
     }
 }
 
@@ -191,14 +341,16 @@ impl<'de> Deserializer<'de> for FieldNames<'_> {
 /// A JSON answer `body` (a `T`: `attached`, `batch`, the HTTP open's) that the strict decoder
 /// refused because its `state` has fields this client does not know: the answer with the
 /// state's known fields, and the whole state. None when that is not why (the strict error
-/// then stands): no such state, or the answer is wrong besides.
+/// then stands): no such state, a key given twice anywhere in it (the strict decoder refuses
+/// one; the `Map` it is read into here would keep the last), or the answer is wrong besides.
 pub(crate) fn with_unknown_state<T: DeserializeOwned>(body: &[u8]) -> Option<(T, ResumeState)> {
     #[derive(Deserialize)]
     struct StateOf {
         state: Option<ResumeState>,
     }
+    serde_json::from_slice::<NoRepeatedKeys>(body).ok()?;
     let state = serde_json::from_slice::<StateOf>(body).ok()?.state?;
-    if state.unknown.is_empty() {
+    if !state.has_unknown() {
         return None;
     }
     let mut answer: Map<String, Value> = serde_json::from_slice(body).ok()?;
@@ -209,7 +361,7 @@ pub(crate) fn with_unknown_state<T: DeserializeOwned>(body: &[u8]) -> Option<(T,
 
 #[cfg(test)]
 mod tests {
-    use shardwire_protocol::trainer::{MixState, Response};
+    use shardwire_protocol::trainer::Response;
 
     use super::*;
 
@@ -277,13 +429,19 @@ mod tests {
                 .to_string();
             assert!(e.contains(names), "{bad}: {e}");
         }
-        // Inside `mix`, as MixState decodes it: its own unknown fields are refused by name.
-        let mixed = r#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f","mix":{"step":0,
-            "datasets":[],"weights":[],"cursors":[],"carry":[],"later":1}}"#;
-        let e = serde_json::from_str::<ResumeState>(mixed)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("`mix`") && e.contains("later"), "{e}");
+        // Inside `mix`, as MixState checks them, named with `mix`.
+        for (bad, names) in [
+            (r#""step":"x","later":1"#, "`step`"),
+            (r#""step":0,"step":1"#, "`step`"),
+            (r#""step":0,"later":1,"later":2"#, "`later`"),
+        ] {
+            let bad = format!(
+                r#"{{"epoch":0,"index":0,"seed":0,"fingerprint":"f","mix":{{{bad},
+                "datasets":[],"weights":[],"cursors":[],"carry":[]}}}}"#
+            );
+            let e = ResumeState::from_json(&bad).unwrap_err().to_string();
+            assert!(e.contains("`mix`") && e.contains(names), "{bad}: {e}");
+        }
         assert!(serde_json::from_str::<ResumeState>("[1]").is_err());
     }
 
@@ -309,9 +467,98 @@ mod tests {
         assert!(st.unknown_fields().is_empty(), "{:?}", st.unknown_fields());
         assert_eq!(st.into_known().unwrap(), full);
         assert_eq!(
-            ResumeState::from(full.clone()).to_value(),
+            serde_json::to_value(ResumeState::from(full.clone())).unwrap(),
             serde_json::to_value(&full).unwrap()
         );
+    }
+
+    const MIXED: &str = r#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f","mix":{"step":4,
+        "datasets":["a"],"weights":[1],"cursors":[4],"carry":[0],"later":{"x":[1]}},"top":2}"#;
+
+    #[test]
+    fn unknown_fields_inside_mix_are_kept_and_written_back() {
+        // Before, MixState's decoder refused them, failing the state (and the connection
+        // whose answer carried it).
+        assert!(serde_json::from_str::<StreamState>(MIXED).is_err());
+        let st = ResumeState::from_json(MIXED).unwrap();
+        assert_eq!(
+            st.known().mix.as_ref().map(|m| m.cursors.clone()),
+            Some(vec![4])
+        );
+        assert_eq!(st.unknown_fields(), ["top", "mix.later"]);
+        let back: Value = serde_json::from_str(&st.to_json()).unwrap();
+        assert_eq!(back, serde_json::from_str::<Value>(MIXED).unwrap());
+        assert_eq!(ResumeState::from_json(&st.to_json()).unwrap(), st);
+        let e = st.clone().into_known().unwrap_err();
+        let ClientError::StateFieldsUnknown { fields } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(fields, &["top", "mix.later"]);
+        // Only in `mix`, an unknown field still makes the state one this client cannot
+        // take as a StreamState.
+        let only_mix = MIXED.replace(r#","top":2"#, "");
+        let st = ResumeState::from_json(&only_mix).unwrap();
+        assert_eq!(st.unknown_fields(), ["mix.later"]);
+        assert!(st.into_known().is_err());
+        // And an answer whose state has one decodes with its known fields.
+        let body = format!(
+            r#"{{"op":"batch","lease":3,"epoch":0,"index":1,"shard":0,"tensors":[],
+            "state":{only_mix}}}"#
+        );
+        assert!(Response::decode(body.as_bytes()).is_err());
+        let (answer, st) = with_unknown_state::<Response>(body.as_bytes()).expect("decodes");
+        let Response::Batch { state, .. } = answer else {
+            panic!("not a batch")
+        };
+        assert_eq!(state.as_ref(), Some(st.known()));
+    }
+
+    #[test]
+    fn unknown_values_go_back_byte_for_byte() {
+        // Through serde_json::Value, the integer became 1.8446744073709552e22, 1.10 became 1.1
+        // and the spacing went.
+        let odd = r#"{"big":18446744073709551616123,"dec":1.10,"spaced":{"a": [1, 2]}}"#;
+        let json = NEWER.replace(r#""flag":true}"#, &odd[1..]);
+        let st = ResumeState::from_json(&json).unwrap();
+        let back = st.to_json();
+        for kept in [
+            r#""big":18446744073709551616123"#,
+            r#""dec":1.10"#,
+            r#""spaced":{"a": [1, 2]}"#,
+        ] {
+            assert!(back.contains(kept), "{kept} in {back}");
+        }
+        // As sent to the node, too.
+        let frame = with_state(&serde_json::json!({"op": "attach", "state": null}), &st);
+        assert!(
+            frame.get().contains(r#""big":18446744073709551616123"#),
+            "{frame}"
+        );
+        let sent: Value = serde_json::from_str(frame.get()).unwrap();
+        assert_eq!(sent["op"], "attach", "{sent}");
+        assert_eq!(sent["state"]["index"], 7, "{sent}");
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_inside_unknown_fields_and_in_the_answer() {
+        // Before, the unknown field was read into a Map, which kept the last one.
+        let twice = r#"{"epoch":0,"index":2,"seed":0,"fingerprint":"f","added":{"x":1,"x":2}}"#;
+        let e = ResumeState::from_json(twice).unwrap_err().to_string();
+        assert!(e.contains("`added`") && e.contains("`x`"), "{e}");
+        let body = format!(
+            r#"{{"op":"batch","lease":3,"epoch":0,"index":1,"shard":0,"tensors":[],
+            "state":{twice}}}"#
+        );
+        assert!(with_unknown_state::<Response>(body.as_bytes()).is_none());
+        // A key of the answer given twice: refused by the strict decoder, so by the fallback,
+        // which read the answer into a Map that kept the last `lease`.
+        let body = br#"{"op":"batch","lease":3,"lease":4,"epoch":0,"index":1,"shard":0,
+            "tensors":[],"state":{"epoch":0,"index":2,"seed":0,"fingerprint":"f","added":1}}"#;
+        assert!(Response::decode(body).is_err());
+        assert!(with_unknown_state::<Response>(body).is_none());
+        let once = br#"{"op":"batch","lease":3,"epoch":0,"index":1,"shard":0,
+            "tensors":[],"state":{"epoch":0,"index":2,"seed":0,"fingerprint":"f","added":1}}"#;
+        assert!(with_unknown_state::<Response>(once).is_some());
     }
 
     #[test]

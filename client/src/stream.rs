@@ -15,7 +15,7 @@ use shardwire_protocol::trainer::{
     self, BatchEncoding, MemoryKind, Request, Response, StreamState, binary,
 };
 
-use crate::resume::{ResumeState, with_unknown_state};
+use crate::resume::{ResumeState, with_state, with_unknown_state};
 use crate::{Batch, ClientError, Dropped, Mapping, StreamInfo, StreamOptions, check_tensors};
 
 /// Batches a `next` sent ahead of time asks for: the node answers with the first and, in the
@@ -109,9 +109,7 @@ fn attach_frame(mut o: StreamOptions, from: Option<&ResumeState>) -> Vec<u8> {
         return frame;
     };
     o.state = Some(from.known().clone());
-    let mut attach = serde_json::to_value(Request::Attach(Box::new(o))).expect("JSON serialises");
-    attach["state"] = from.to_value();
-    trainer::encode(&attach, &mut frame);
+    trainer::encode(&with_state(&Request::Attach(Box::new(o)), from), &mut frame);
     frame
 }
 
@@ -221,7 +219,7 @@ impl Stream {
             awaited: VecDeque::new(),
             deferred: Vec::new(),
             // A state with fields this client does not know: kept whole for `resume_state`.
-            resume: opened_at.map_or_else(Vec::new, |st| st.to_value().to_string().into()),
+            resume: opened_at.map_or_else(Vec::new, |st| st.to_json().into_bytes()),
             incoming: Vec::new(),
             held: 0,
             lost: None,

@@ -115,14 +115,56 @@ pub enum EmuError {
     Socket(#[source] io::Error),
 }
 
+/// The net_iov freelist, built as it is used: a binding near [`MAX_NIOVS`] costs nothing until
+/// its pages are taken (an eager list of every index was 16 GiB for a 16 TiB binding).
 #[derive(Debug)]
 struct Pool {
-    /// Free net_iov indices; a stack, like the kernel's freelist, so reuse reorders offsets.
+    /// Net_iovs in the binding.
+    count: u32,
+    /// Net_iovs `next_fresh..count` were never taken; they are handed out in order after
+    /// every returned one.
+    next_fresh: u32,
+    /// Returned net_iov indices; a stack, like the kernel's freelist, so reuse reorders
+    /// offsets.
     free: Vec<u32>,
-    /// References per net_iov: the queued packet's own plus one per outstanding token.
+    /// References per net_iov ever taken (`next_fresh` of them): the queued packet's own plus
+    /// one per outstanding token.
     refs: Vec<u32>,
     /// Set by [`EmuBinding::unbind`]: fills fail from then on.
     unbound: bool,
+}
+
+impl Pool {
+    fn new(count: u32) -> Self {
+        Self {
+            count,
+            next_fresh: 0,
+            free: Vec::new(),
+            refs: Vec::new(),
+            unbound: false,
+        }
+    }
+
+    /// Net_iovs free now: returned ones and those never taken.
+    fn free_len(&self) -> usize {
+        self.free.len() + (self.count - self.next_fresh) as usize
+    }
+
+    /// A free net_iov with one reference (its packet's): the last returned, else the lowest
+    /// never taken (the order of the eager stack `count-1..=0` this replaces).
+    fn pop(&mut self) -> Option<u32> {
+        if let Some(i) = self.free.pop() {
+            self.refs[i as usize] = 1;
+            return Some(i);
+        }
+        if self.next_fresh == self.count {
+            return None;
+        }
+        let i = self.next_fresh;
+        self.next_fresh += 1;
+        self.refs.push(1);
+        Some(i)
+    }
 }
 
 /// Counters of an emulated binding.
@@ -167,11 +209,7 @@ impl EmuBinding {
         Ok(Arc::new(Self {
             id,
             mem,
-            pool: Mutex::new(Pool {
-                free: (0..count).rev().collect(),
-                refs: vec![0; n],
-                unbound: false,
-            }),
+            pool: Mutex::new(Pool::new(count)),
             freed: Condvar::new(),
             stats: EmuStats::default(),
         }))
@@ -196,7 +234,7 @@ impl EmuBinding {
 
     /// Net_iovs free now.
     pub fn free_niovs(&self) -> usize {
-        self.lock().free.len()
+        self.lock().free_len()
     }
 
     /// Counters.
@@ -232,7 +270,7 @@ impl EmuBinding {
                     "the emulated binding was unbound",
                 ));
             }
-            if !p.free.is_empty() || !wait {
+            if p.free_len() > 0 || !wait {
                 break;
             }
             self.stats.exhausted_waits.fetch_add(1, Ordering::Relaxed);
@@ -243,8 +281,7 @@ impl EmuBinding {
                 .0;
         }
         for _ in 0..want {
-            let Some(i) = p.free.pop() else { break };
-            p.refs[i as usize] = 1;
+            let Some(i) = p.pop() else { break };
             out.push(i);
         }
         Ok(())
@@ -712,6 +749,31 @@ mod size_tests {
             .unwrap_err()
             .to_string();
         assert!(text.contains("above the maximum"), "{text}");
+    }
+
+    #[test]
+    fn the_freelist_of_a_binding_near_the_maximum_is_built_as_it_is_used() {
+        // Before: `(0..count).rev().collect()` made every index up front, 16 GiB for a
+        // binding of `MAX_NIOVS` (a request just under the limit), before any was used.
+        let mut p = Pool::new(u32::MAX);
+        assert_eq!(p.free_len(), MAX_NIOVS);
+        assert!(p.free.capacity() == 0 && p.refs.capacity() == 0);
+        // The eager stack's order: lowest fresh first, a returned one before any fresh one.
+        let taken: Vec<u32> = (0..3).map(|_| p.pop().unwrap()).collect();
+        assert_eq!(taken, [0, 1, 2]);
+        assert_eq!(p.refs, [1, 1, 1]);
+        p.refs[1] = 0;
+        p.free.push(1);
+        assert_eq!(p.free_len(), MAX_NIOVS - 2);
+        assert_eq!((p.pop(), p.pop()), (Some(1), Some(3)));
+        assert_eq!(p.refs[1], 1);
+        // Exhausted: none left, fresh or returned.
+        let mut small = Pool::new(2);
+        assert_eq!(
+            (small.pop(), small.pop(), small.pop()),
+            (Some(0), Some(1), None)
+        );
+        assert_eq!(small.free_len(), 0);
     }
 }
 

@@ -628,9 +628,10 @@ impl Journal {
         write_state(&self.path, &self.state)
     }
 
-    /// Drop entry `at` (a change not made after all) and save. A failed save is only
-    /// reported: the entry left on disk undoes nothing that exists (a rule not there is
-    /// `ENOENT`, done; a pending marker finds no rule).
+    /// Drop entry `at`, a rule not on the NIC (its insertion refused, or the rule deleted
+    /// again: [`Journal::insert_journaled`]), and save. A failed save is only reported: the
+    /// entry left on disk undoes nothing that exists (a rule not there is `ENOENT`, done; a
+    /// pending marker finds no rule).
     fn forget(&mut self, at: usize) {
         self.state.changes.remove(at);
         if let Err(e) = self.save() {
@@ -638,8 +639,8 @@ impl Journal {
                 ifname = %self.state.ifname,
                 path = %self.path.display(),
                 error = %e,
-                "NIC journal: dropping the entry of a change not made failed (the entry left \
-                 undoes nothing that exists)"
+                "NIC journal: dropping the entry of a rule not on the NIC (never inserted, or \
+                 deleted again) failed; the entry left undoes nothing that exists"
             );
         }
     }
@@ -755,9 +756,7 @@ impl Journal {
             m,
             queue,
             |at| client.insert_rule(&ifname, op, &m, queue, at),
-            |location| {
-                let _ = client.delete_rule(&ifname, location);
-            },
+            |location| gone_is_done(client.delete_rule(&ifname, location)),
         )?;
         Ok(InsertedRule {
             location,
@@ -814,7 +813,9 @@ impl Journal {
     /// first where the location `at` is chosen before, else a [`Change::PendingRule`] marker
     /// (with the `existing` rules that match already), resolved to the location `insert`
     /// returns. A refused insertion drops the entry again; a resolution that cannot be saved
-    /// deletes the rule (`delete`) and drops it too.
+    /// deletes the rule (`delete`) and drops it too, or, where that deletion fails, keeps
+    /// the entry (resolved in memory; on disk as first saved) for the restore to delete the
+    /// rule, and logs that.
     fn insert_journaled(
         &mut self,
         at: Option<u32>,
@@ -822,7 +823,7 @@ impl Journal {
         rule: steer::Tcp4Match,
         queue: u32,
         insert: impl FnOnce(Option<u32>) -> Result<u32, NicError>,
-        delete: impl FnOnce(u32),
+        delete: impl FnOnce(u32) -> Result<(), NicError>,
     ) -> Result<u32, NicError> {
         let placed = |location| Change::Rule {
             location,
@@ -849,9 +850,18 @@ impl Journal {
         if at != Some(location) {
             self.state.changes[entry] = placed(location);
             if let Err(e) = self.save() {
-                // Not journaled by its location: not left on the NIC either.
-                delete(location);
-                self.forget(entry);
+                // Not journaled by its location: not left on the NIC either, if it can be
+                // deleted; else its entry stays, for the restore.
+                match delete(location) {
+                    Ok(()) => self.forget(entry),
+                    Err(del) => tracing::warn!(
+                        ifname = %self.state.ifname,
+                        location,
+                        error = %del,
+                        "NIC journal: a rule inserted but not journaled by its location could \
+                         not be deleted; its entry is kept, for the restore to delete it"
+                    ),
+                }
                 return Err(e);
             }
         }
@@ -900,6 +910,32 @@ impl Journal {
         remove(&self.path)?;
         Ok(changes)
     }
+
+    /// [`Journal::restore`] for a caller that cannot return its error (drop, the undo of a
+    /// failed setup). Each failed step is logged by the undo ([`warn_undo_failed`]); this
+    /// logs once what is left (the state file, kept for the next start), not those errors
+    /// again.
+    fn restore_or_warn<C: UndoOps>(mut self, client: &mut C) {
+        if undo(&self.path, &mut self.state, client).is_err() {
+            tracing::warn!(
+                ifname = %self.state.ifname,
+                path = %self.path.display(),
+                steps_left = self.state.changes.len(),
+                "NIC restore incomplete: its state file is kept, and the next start retries \
+                 the steps left (each failure is logged on its own)"
+            );
+        } else if let Err(e) = remove(&self.path) {
+            // Not an undo's error: logged nowhere else. The file records no change now, and
+            // the next start removes it unchecked.
+            tracing::warn!(
+                ifname = %self.state.ifname,
+                path = %self.path.display(),
+                error = %e,
+                "NIC settings restored, but the state file could not be removed; the next \
+                 start removes it"
+            );
+        }
+    }
 }
 
 /// A journal's temporary file: its name and `.tmp` (`nic-state.eth1.json.tmp`). Replacing
@@ -940,7 +976,7 @@ fn remove(path: &Path) -> Result<(), NicError> {
 /// not undone: a retry (the next start) redoes no finished step (a rule deleted twice could
 /// be someone else's by then; ntuple turned off twice would flush the operator's rules).
 /// Returns the first error.
-fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Result<(), NicError> {
+fn undo<C: UndoOps>(path: &Path, state: &mut StateFile, client: &mut C) -> Result<(), NicError> {
     let mut first_err = None;
     let ifname = state.ifname.clone();
     let mut note = |e: NicError| {
@@ -950,7 +986,7 @@ fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Resul
     for i in (0..state.changes.len()).rev() {
         // `changes[..i]`: the entries this restore undoes after this one.
         let (rest, c) = (&state.changes[..i], &state.changes[i]);
-        match undo_one(client, state.ifindex, &state.ifname, c, rest) {
+        match undo_one(&mut *client, state.ifindex, &state.ifname, c, rest) {
             Ok(()) => {
                 // Saved after each setting put back (a retry must not put it back again over
                 // what changed since); rule deletions, one per data connection and checked
@@ -981,8 +1017,8 @@ fn undo(path: &Path, state: &mut StateFile, client: &mut EthtoolClient) -> Resul
 /// Undo one change on interface `ifname` (index `ifindex`); `rest`: the journal's entries
 /// undone after it (those before it), whose rules a [`Change::PendingRule`]'s undo leaves to
 /// them ([`rules_deleted_by`]).
-fn undo_one(
-    client: &mut EthtoolClient,
+fn undo_one<C: UndoOps>(
+    client: &mut C,
     ifindex: u32,
     ifname: &str,
     c: &Change,
@@ -994,7 +1030,7 @@ fn undo_one(
             location,
             ref rule,
             queue,
-        } => undo_rule(client, ifname, location, rule.as_ref().zip(queue))
+        } => undo_rule(&*client, ifname, location, rule.as_ref().zip(queue))
             .map(|done| warn_left(ifname, &done)),
         Change::PendingRule {
             ref rule,
@@ -1002,7 +1038,7 @@ fn undo_one(
             ref existing,
         } => {
             let owned = rules_deleted_by(rest, rule, queue);
-            undo_pending_rule(client, ifname, rule, queue, existing, &owned)
+            undo_pending_rule(&*client, ifname, rule, queue, existing, &owned)
                 .map(|done| warn_left(ifname, &done))
         }
         Change::Rss { ref table } => client.set_rss_indir(ifname, table),
@@ -1047,9 +1083,9 @@ fn warn_left(ifname: &str, done: &RuleUndo) {
     }
 }
 
-/// A restore's warning for a failure: a step whose undo failed (the state file keeps it for
-/// the next start's retry), or the restore's first error, from a caller that cannot return it
-/// (drop, or the undo of a failed setup).
+/// A restore's warning for a step whose undo failed (the state file keeps it for the next
+/// start's retry), logged once per failure; a caller that cannot return the restore's error
+/// logs a summary of what is left, not the error again ([`Journal::restore_or_warn`]).
 fn warn_undo_failed(ifname: &str, e: &NicError) {
     tracing::warn!(%ifname, error = %e, "restoring NIC settings failed (see error)");
 }
@@ -1058,8 +1094,8 @@ fn warn_undo_failed(ifname: &str, e: &NicError) {
 /// (`what`: its match and queue; an entry of an earlier release has none and is deleted
 /// unchecked). Another rule there (the insertion never happened, and the location was taken
 /// since, e.g. by `ethtool -N`) is left ([`RuleUndo::NotOurs`]); the caller logs that.
-fn undo_rule(
-    client: &EthtoolClient,
+fn undo_rule<C: UndoOps>(
+    client: &C,
     ifname: &str,
     location: u32,
     what: Option<(&steer::Tcp4Match, u32)>,
@@ -1081,8 +1117,8 @@ fn undo_rule(
 /// was adding and stay ([`RuleUndo::PriorLeft`]; the caller logs that). Of the rest: none,
 /// nothing to do; one, delete it; more than one, which is ours cannot be told, so none is
 /// deleted ([`NicError::AmbiguousRule`]).
-fn undo_pending_rule(
-    client: &EthtoolClient,
+fn undo_pending_rule<C: UndoOps>(
+    client: &C,
     ifname: &str,
     rule: &steer::Tcp4Match,
     queue: u32,
@@ -1147,6 +1183,96 @@ fn gone_is_done(r: Result<(), NicError>) -> Result<(), NicError> {
     match r {
         Err(NicError::Kernel { errno, .. }) if errno == libc::ENOENT => Ok(()),
         r => r,
+    }
+}
+
+/// The requests a restore makes of the NIC ([`undo`]): [`EthtoolClient`]'s own (each
+/// forwards to its method of the same name), or a test's stand-in for a NIC's rules.
+trait UndoOps {
+    fn set_ntuple(&self, ifname: &str, on: bool) -> Result<(), NicError>;
+    fn find_rules(
+        &self,
+        ifname: &str,
+        m: &steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<Vec<u32>, NicError>;
+    fn rule_at_is(
+        &self,
+        ifname: &str,
+        location: u32,
+        m: &steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<Option<bool>, NicError>;
+    fn delete_rule(&self, ifname: &str, location: u32) -> Result<(), NicError>;
+    fn set_rss_indir(&self, ifname: &str, table: &[u32]) -> Result<(), NicError>;
+    fn set_channels(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        rx: u32,
+        tx: u32,
+        combined: u32,
+    ) -> Result<(), NicError>;
+    fn set_rings(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        tcp_data_split: u8,
+        hds_thresh: Option<u32>,
+    ) -> Result<(), NicError>;
+}
+
+impl UndoOps for EthtoolClient {
+    fn set_ntuple(&self, ifname: &str, on: bool) -> Result<(), NicError> {
+        EthtoolClient::set_ntuple(self, ifname, on)
+    }
+
+    fn find_rules(
+        &self,
+        ifname: &str,
+        m: &steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<Vec<u32>, NicError> {
+        EthtoolClient::find_rules(self, ifname, m, queue)
+    }
+
+    fn rule_at_is(
+        &self,
+        ifname: &str,
+        location: u32,
+        m: &steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<Option<bool>, NicError> {
+        EthtoolClient::rule_at_is(self, ifname, location, m, queue)
+    }
+
+    fn delete_rule(&self, ifname: &str, location: u32) -> Result<(), NicError> {
+        EthtoolClient::delete_rule(self, ifname, location)
+    }
+
+    fn set_rss_indir(&self, ifname: &str, table: &[u32]) -> Result<(), NicError> {
+        EthtoolClient::set_rss_indir(self, ifname, table)
+    }
+
+    fn set_channels(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        rx: u32,
+        tx: u32,
+        combined: u32,
+    ) -> Result<(), NicError> {
+        EthtoolClient::set_channels(self, ifindex, ifname, rx, tx, combined)
+    }
+
+    fn set_rings(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        tcp_data_split: u8,
+        hds_thresh: Option<u32>,
+    ) -> Result<(), NicError> {
+        EthtoolClient::set_rings(self, ifindex, ifname, tcp_data_split, hds_thresh)
     }
 }
 
@@ -1303,10 +1429,7 @@ impl NicSetup {
 impl Drop for NicSetup {
     fn drop(&mut self) {
         if let Some(j) = self.journal.take() {
-            let ifname = j.state().ifname.clone();
-            if let Err(e) = j.restore(&mut self.client) {
-                warn_undo_failed(&ifname, &e);
-            }
+            j.restore_or_warn(&mut self.client);
         }
     }
 }
@@ -1359,9 +1482,7 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
             },
         }),
         Err(e) => {
-            if let Err(undo_err) = journal.restore(&mut client) {
-                warn_undo_failed(&plan.ifname, &undo_err);
-            }
+            journal.restore_or_warn(&mut client);
             Err(e)
         }
     }

@@ -4,7 +4,8 @@
 //! that is not read (unknown extension, HF `datasets` metadata, megatron-core's index cache,
 //! a name that is not UTF-8, links to directories, dangling links, a file system's
 //! `lost+found` folder) is listed as [`Unused`] with the reason, so that nothing is left out
-//! unseen. Both apply the same rules.
+//! unseen. Both apply the same rules, but for `lost+found`: only a local folder can be fsck's
+//! (at the dataset's top or at a mount point); in an object store it is a name like another.
 //!
 //! What could be data but cannot be read is an error, not an [`Unused`] entry: a data file
 //! that cannot be opened, a folder whose name is not UTF-8, a folder that cannot be listed
@@ -169,10 +170,12 @@ fn hashed_cache(name: &str, in_cache: bool) -> bool {
 }
 
 /// The folder `fsck` of ext2/3/4 keeps at the root of a file system (so at the top of a
-/// dataset on a volume of its own), readable by root only and holding no dataset's files:
-/// never read (whoever indexes, the same manifest), named unused with [`LOST_FOUND_REASON`].
+/// dataset on a volume of its own, or where a volume is mounted inside it), readable by root
+/// only and holding no dataset's files: there ([`fsck_folder`]) never read (whoever indexes,
+/// the same manifest), named unused with [`LOST_FOUND_REASON`]. Elsewhere, a folder of the
+/// dataset like another.
 const LOST_FOUND: &str = "lost+found";
-/// Why a `lost+found` folder (or an object under one) is not read.
+/// Why fsck's `lost+found` folder is not read.
 const LOST_FOUND_REASON: &str = "the file system's lost+found folder (not read)";
 
 /// How the regular file `rel` (named `name`) is read, or why it is not.
@@ -231,13 +234,6 @@ pub(crate) fn from_listing<'a>(
             }
             continue;
         }
-        if parts[..parts.len() - 1].contains(&LOST_FOUND) {
-            unused.push(Unused {
-                file: rel.to_owned(),
-                reason: LOST_FOUND_REASON.into(),
-            });
-            continue;
-        }
         match classify(rel, name) {
             Ok(kind) => out.push(Candidate {
                 path: display(rel),
@@ -280,7 +276,7 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
             let rel = join(&prefix, name);
             let ftype = entry.file_type().map_err(|e| IndexError::io(&full, e))?;
             if ftype.is_dir() {
-                if name == LOST_FOUND {
+                if name == LOST_FOUND && fsck_folder(&path, &full, top) {
                     unused.push(Unused {
                         file: format!("{rel}/"),
                         reason: LOST_FOUND_REASON.into(),
@@ -319,6 +315,23 @@ pub(crate) fn collect(dir: &Path) -> Result<(Vec<Candidate>, Vec<Unused>), Index
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
     Ok((out, unused))
+}
+
+/// Whether the folder `lost+found` at `full`, in the folder `parent` (the dataset's own when
+/// `top`), is the one `fsck` keeps at a file system's root: at the dataset's top, or at a
+/// mount point (`full` on another file system than `parent`, or `parent` on another than
+/// its own parent). Where a file system cannot be told (`stat` fails), it is walked: a
+/// folder that cannot be listed is then an error saying what to do.
+fn fsck_folder(parent: &Path, full: &Path, top: bool) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if top {
+        return true;
+    }
+    let dev = |p: &Path| std::fs::metadata(p).ok().map(|m| m.dev());
+    let Some(here) = dev(parent) else {
+        return false;
+    };
+    dev(&parent.join("..")).is_some_and(|up| up != here) || dev(full).is_some_and(|own| own != here)
 }
 
 /// The error for the folder `path` (the dataset's own when `top`) that could not be listed,
@@ -551,7 +564,8 @@ mod tests {
     }
 
     #[test]
-    fn lost_found_is_named_unused_and_never_read() {
+    fn lost_found_is_named_unused_and_never_read_at_the_top_or_a_mount_point() {
+        use std::os::unix::fs::MetadataExt;
         // Before, it was walked: unreadable (root's, mode 700) it failed the index of a
         // dataset at the top of a volume; readable, the files fsck left there were data.
         let dir = crate::testutil::temp_dir("walk-lost-found");
@@ -561,36 +575,45 @@ mod tests {
             "a.bin",
             "lost+found/#1234/x.arrow",
             "lost+found/y.npy",
-            "sub/lost+found/z.bin",
+            "sub/lost+found/z.npy",
         ] {
             std::fs::write(dir.join(f), b"x").unwrap();
         }
+        // Deeper, on the dataset's own file system, it is a folder of the dataset (before,
+        // skipped at any depth).
         let (found, unused) = collect(&dir).unwrap();
         let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
-        assert_eq!(rels, ["a.bin"]);
+        assert_eq!(rels, ["a.bin", "sub/lost+found/z.npy"]);
         let unused: Vec<(&str, &str)> = unused
             .iter()
             .map(|u| (u.file.as_str(), u.reason.as_str()))
             .collect();
-        assert_eq!(
-            unused,
-            [
-                ("lost+found/", LOST_FOUND_REASON),
-                ("sub/lost+found/", LOST_FOUND_REASON)
-            ]
-        );
-        // An object-store listing follows the same rule.
+        assert_eq!(unused, [("lost+found/", LOST_FOUND_REASON)]);
+        assert!(!fsck_folder(
+            &dir.join("sub"),
+            &dir.join("sub/lost+found"),
+            false
+        ));
+        // At a mount point (a folder on another file system than its parent), it is fsck's.
+        let dev = |p: &str| std::fs::metadata(p).map(|m| m.dev()).ok();
+        for mount in ["/proc", "/sys", "/dev"] {
+            if dev(mount).is_some() && dev(mount) != dev("/") {
+                let at = Path::new(mount);
+                assert!(fsck_folder(at, &at.join(LOST_FOUND), false), "{mount}");
+            }
+        }
+        // An object store has no file systems: a name like another (before, skipped).
         let listing = [
             ("a.bin", 1),
             ("lost+found/y.npy", 1),
-            ("sub/lost+found/z.bin", 1),
+            ("sub/lost+found/z.npy", 1),
         ];
         let (found, unused) = from_listing(listing.into_iter(), |r| {
             PathBuf::from(format!("s3://b/{r}"))
         });
-        assert_eq!(found.len(), 1);
-        let names: Vec<&str> = unused.iter().map(|u| u.file.as_str()).collect();
-        assert_eq!(names, ["lost+found/y.npy", "sub/lost+found/z.bin"]);
+        let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
+        assert_eq!(rels, ["a.bin", "lost+found/y.npy", "sub/lost+found/z.npy"]);
+        assert!(unused.is_empty(), "{unused:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

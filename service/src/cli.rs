@@ -627,12 +627,35 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
         Ok(ExitCode::SUCCESS)
     });
     if interrupted {
-        // The start's blocking tasks (a GPU open, a NIC bind) may still run, and dropping the
-        // runtime would wait for them with the signal handlers still installed (a second
-        // signal ignored): leave them to the process's exit.
-        rt.shutdown_background();
+        abandon_start(rt);
     }
     code
+}
+
+/// How long a signal during the start waits for the start's blocking work (a GPU open, a NIC's
+/// setup and bind) before the process exits. A bind that finishes in this time is dropped, so a
+/// devmem NIC's journalled changes are undone now; one that takes longer leaves them to the
+/// next start, which undoes them from `nic_state_file`.
+const START_ABANDON_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Ends a runtime whose start a signal interrupted: waits up to [`START_ABANDON_WAIT`] for its
+/// blocking tasks, with SIGINT and SIGTERM back to their default action, so a second signal
+/// ends the process at once instead of being taken by the handlers no one reads any more.
+fn abandon_start(rt: tokio::runtime::Runtime) {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: `signal` with `SIG_DFL` installs no handler of ours; it only gives the
+        // kernel's default action back to a signal whose tokio handler nothing reads now.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
+    let began = std::time::Instant::now();
+    rt.shutdown_timeout(START_ABANDON_WAIT);
+    if began.elapsed() >= START_ABANDON_WAIT {
+        tracing::warn!(
+            waited = ?START_ABANDON_WAIT,
+            "the start's blocking work (a GPU open, a NIC bind) did not end: exiting without it; \
+             a devmem NIC may keep shardwire's settings until the next start, which undoes them"
+        );
+    }
 }
 
 fn gpus(json: bool) -> anyhow::Result<ExitCode> {

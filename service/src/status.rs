@@ -165,70 +165,129 @@ fn cell(v: &Value) -> String {
 }
 
 fn lanes_table(o: &mut String, st: &Value) {
-    use std::fmt::Write as _;
-    let _ = writeln!(
-        o,
-        "\n{:<5} {:<14} {:<10} {:<22} {:>7} {:>24} {:>14}",
-        "LANE", "GPU", "NIC", "DATA", "STREAMS", "POOL RESERVED", "BYTES"
-    );
-    for l in st["lanes"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            o,
-            "{:<5} {:<14} {:<10} {:<22} {:>7} {:>24} {:>14}",
-            cell(&l["lane"]),
-            l["gpu"].as_str().unwrap_or("-"),
-            l["nic"].as_str().unwrap_or("-"),
-            l["data_addr"].as_str().unwrap_or("?"),
-            cell(&l["streams"]),
-            format!("{} of {}", gib(&l["pool_reserved"]), gib(&l["pool_size"])),
-            cell(&l["bytes_received"])
-        );
-    }
+    use Align::{Left, Right};
+    let cols = [
+        ("LANE", Left),
+        ("GPU", Left),
+        ("NIC", Left),
+        ("DATA", Left),
+        ("STREAMS", Right),
+        ("POOL RESERVED", Right),
+        ("BYTES", Right),
+    ];
+    let rows: Vec<Vec<String>> = st["lanes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|l| {
+            vec![
+                cell(&l["lane"]),
+                l["gpu"].as_str().unwrap_or("-").to_owned(),
+                l["nic"].as_str().unwrap_or("-").to_owned(),
+                l["data_addr"].as_str().unwrap_or("?").to_owned(),
+                cell(&l["streams"]),
+                format!("{} of {}", gib(&l["pool_reserved"]), gib(&l["pool_size"])),
+                cell(&l["bytes_received"]),
+            ]
+        })
+        .collect();
+    table(o, &cols, &rows);
 }
 
 fn sources_table(o: &mut String, st: &Value) {
-    use std::fmt::Write as _;
-    let _ = writeln!(
-        o,
-        "\n{:<28} {:<5} {:>9} {:>14}  last error",
-        "SOURCE", "UP", "IN FLIGHT", "BYTES"
-    );
-    for s in st["sources"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            o,
-            "{:<28} {:<5} {:>9} {:>14}  {}",
-            s["addr"].as_str().unwrap_or("?"),
-            if s["up"].as_bool() == Some(true) {
+    use Align::{Left, Right};
+    let cols = [
+        ("SOURCE", Left),
+        ("UP", Left),
+        ("IN FLIGHT", Right),
+        ("BYTES", Right),
+        ("last error", Left),
+    ];
+    let rows: Vec<Vec<String>> = st["sources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| {
+            let up = if s["up"].as_bool() == Some(true) {
                 "yes"
             } else {
                 "no"
-            },
-            cell(&s["in_flight"]),
-            cell(&s["bytes_received"]),
-            s["last_error"].as_str().unwrap_or("-")
-        );
-    }
+            };
+            vec![
+                s["addr"].as_str().unwrap_or("?").to_owned(),
+                up.to_owned(),
+                cell(&s["in_flight"]),
+                cell(&s["bytes_received"]),
+                s["last_error"].as_str().unwrap_or("-").to_owned(),
+            ]
+        })
+        .collect();
+    table(o, &cols, &rows);
 }
 
 fn streams_table(o: &mut String, st: &Value) {
+    use Align::{Left, Right};
+    let cols = [
+        ("STREAM", Left),
+        ("DATASET", Left),
+        ("RANK", Right),
+        ("DELIVERED", Right),
+        ("READY", Right),
+        ("LEASED", Right),
+        ("REGION USED", Right),
+    ];
+    let rows: Vec<Vec<String>> = st["streams"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| {
+            vec![
+                cell(&s["id"]),
+                s["dataset"].as_str().unwrap_or("?").to_owned(),
+                format!("{}/{}", s["rank"], s["world_size"]),
+                format!("{}/{}", s["delivered"], s["total"]),
+                cell(&s["ready"]),
+                cell(&s["leased"]),
+                format!("{}/{}", s["region_used"], s["region_bytes"]),
+            ]
+        })
+        .collect();
+    table(o, &cols, &rows);
+}
+
+/// Where a table column's cells sit.
+#[derive(Clone, Copy)]
+enum Align {
+    Left,
+    Right,
+}
+
+/// Writes a blank line, the header `cols` and `rows`, each column as wide as its header or
+/// its widest cell, whichever is wider (fixed widths let a long cell, "123456/1000000" or an
+/// IPv6 `[addr]:port`, push the rest of its row out of line). Trailing spaces are dropped.
+fn table(o: &mut String, cols: &[(&str, Align)], rows: &[Vec<String>]) {
     use std::fmt::Write as _;
-    let _ = writeln!(
-        o,
-        "\n{:<6} {:<16} {:>9} {:>12} {:>6} {:>6} {:>16}",
-        "STREAM", "DATASET", "RANK", "DELIVERED", "READY", "LEASED", "REGION USED"
-    );
-    for s in st["streams"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            o,
-            "{:<6} {:<16} {:>9} {:>12} {:>6} {:>6} {:>16}",
-            cell(&s["id"]),
-            s["dataset"].as_str().unwrap_or("?"),
-            format!("{}/{}", s["rank"], s["world_size"]),
-            format!("{}/{}", s["delivered"], s["total"]),
-            cell(&s["ready"]),
-            cell(&s["leased"]),
-            format!("{}/{}", s["region_used"], s["region_bytes"])
-        );
+    let mut widths: Vec<usize> = cols.iter().map(|(h, _)| h.chars().count()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let header: Vec<String> = cols.iter().map(|(h, _)| (*h).to_owned()).collect();
+    o.push('\n');
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        let columns = widths.iter().copied().zip(cols);
+        for (i, (c, (w, (_, align)))) in row.iter().zip(columns).enumerate() {
+            if i > 0 {
+                line.push(' ');
+            }
+            let _ = match align {
+                Align::Left => write!(line, "{c:<w$}"),
+                Align::Right => write!(line, "{c:>w$}"),
+            };
+        }
+        let _ = writeln!(o, "{}", line.trim_end());
     }
 }
 
@@ -300,27 +359,30 @@ mod tests {
     #[test]
     fn table_columns_line_up_whatever_the_numbers() {
         // Before: numbers were written with `Value`'s Display, which ignores `{:>7}`, so a
-        // row's columns moved with each number's digits.
+        // row's columns moved with each number's digits; then fixed widths, which a cell
+        // wider than its column ("123456/1000000", 10^14 bytes, an IPv6 address) still
+        // pushed out of line.
         assert_eq!(cell(&serde_json::json!(7)), "7");
         assert_eq!(cell(&serde_json::json!("a")), "a");
         assert_eq!(cell(&Value::Null), "-");
-        let lane = |i: u32, streams: u64, bytes: u64| {
-            serde_json::json!({"lane": i, "gpu": "g", "nic": "eth0", "data_addr": "a",
-                "streams": streams, "pool_reserved": 0, "pool_size": 1, "bytes_received": bytes})
+        let lane = |i: u32, addr: &str, bytes: u64| {
+            serde_json::json!({"lane": i, "gpu": "g", "nic": "eth0", "data_addr": addr,
+                "streams": 1, "pool_reserved": 0, "pool_size": 1, "bytes_received": bytes})
         };
-        let stream = |id: u64, ready: u64| {
+        let stream = |id: u64, delivered: u64, total: u64| {
             serde_json::json!({"id": id, "dataset": "d", "rank": 0, "world_size": 1,
-                "delivered": 1, "total": 2, "ready": ready, "leased": 0, "region_used": 0,
-                "region_bytes": 1})
+                "delivered": delivered, "total": total, "ready": 2, "leased": 0,
+                "region_used": 0, "region_bytes": 1})
         };
-        let source = |bytes: u64| {
-            serde_json::json!({"addr": "s", "up": true, "in_flight": 3, "bytes_received": bytes,
+        let source = |addr: &str, bytes: u64| {
+            serde_json::json!({"addr": addr, "up": true, "in_flight": 3, "bytes_received": bytes,
                 "last_error": "E"})
         };
+        let v6 = "[2001:db8:aaaa:bbbb:cccc:dddd:1234:5678]:7401";
         let st = serde_json::json!({
-            "lanes": [lane(0, 1, 7), lane(12, 123, 123_456_789)],
-            "streams": [stream(1, 2), stream(4567, 89)],
-            "sources": [source(1), source(98_765)],
+            "lanes": [lane(0, "a", 7), lane(12, v6, 123_456_789_012_345_678)],
+            "streams": [stream(1, 1, 2), stream(4567, 123_456, 1_000_000)],
+            "sources": [source("s", 1), source(v6, 987_654_321_098_765_432)],
         });
         let mut o = String::new();
         lanes_table(&mut o, &st);
@@ -332,6 +394,7 @@ mod tests {
                 assert_eq!(row.len(), table[0].len(), "{o}");
             }
         }
+        assert!(o.contains("123456/1000000"), "{o}");
         let mut o = String::new();
         sources_table(&mut o, &st);
         let header = o.lines().nth(1).unwrap();

@@ -130,7 +130,7 @@ impl Handshakes {
 
     /// Handshakes under way.
     #[cfg(test)]
-    fn under_way(&self) -> usize {
+    pub(crate) fn under_way(&self) -> usize {
         self.table.lock().expect("poisoned").began.len()
     }
 }

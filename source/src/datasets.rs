@@ -112,8 +112,8 @@ enum Recheck {
     Failed {
         /// The manifest's CRC-32C.
         want: u32,
-        /// The CRC found, or why the bytes could not be read.
-        found: String,
+        /// The CRC of the bytes in the file.
+        found: u32,
     },
 }
 
@@ -154,9 +154,9 @@ pub enum ShardChanged {
     /// time unchanged (found by a recheck after a node reported a corrupt payload).
     #[error(
         "shard file {name}: bytes {start}..{end} fail the manifest's CRC-32C (want {want:#010x}, \
-         found {found}) though the file's size and modification time did not change: it was \
-         rewritten in place or went bad on disk; restore it from a good copy if it was not \
-         rewritten on purpose"
+         found {found:#010x}) though the file's size and modification time did not change: it \
+         was rewritten in place or went bad on disk: restore it from a good copy or, if it was \
+         rewritten on purpose, re-run `shardwire index` and restart the source"
     )]
     Corrupt {
         /// The file.
@@ -167,8 +167,8 @@ pub enum ShardChanged {
         end: u64,
         /// The manifest's CRC-32C.
         want: u32,
-        /// The CRC found, or why the bytes could not be read.
-        found: String,
+        /// The CRC of the bytes in the file.
+        found: u32,
     },
 }
 
@@ -214,7 +214,7 @@ impl Opened {
                 start: shard.start,
                 end: shard.end,
                 want: *want,
-                found: found.clone(),
+                found: *found,
             }),
             _ => Ok(()),
         }
@@ -223,8 +223,8 @@ impl Opened {
     /// A node reported that a payload of the shard at bytes `shard` of `file` (this one,
     /// open) failed its CRC-32C check: its bytes are read again on a blocking thread and
     /// checked against `want`, the manifest's CRC, unless a recheck of them is under way or
-    /// found them bad already (one that passed is forgotten: those bytes went bad on their
-    /// way, and a later report checks them again). Bytes that fail are refused by
+    /// found them bad already (one that passed, or could not read them, is forgotten: a later
+    /// report checks them again). Bytes that fail are refused by
     /// [`Opened::check`] from then on: before, a file rewritten in place with its size and
     /// modification time put back, or one gone bad on disk, was served again at every FETCH
     /// until the node gave up on the shard. Needs a tokio runtime.
@@ -244,7 +244,10 @@ impl Opened {
         });
     }
 
-    /// Records what the recheck of bytes `shard` found: `got`, against `want`.
+    /// Records what the recheck of bytes `shard` found: `got`, against `want`. Only bytes
+    /// read whole and found to differ are refused from then on; a recheck that could not
+    /// read them (EIO on a network file system that passes) is forgotten, like one that
+    /// passed, so a later report checks them again: before, it refused them until a restart.
     fn rechecked(&self, shard: Range<u64>, want: u32, got: std::io::Result<u32>) {
         let key = (shard.start, shard.end);
         let found = match got {
@@ -256,15 +259,24 @@ impl Opened {
                 self.rechecks().remove(&key);
                 return;
             }
-            Ok(crc) => format!("{crc:#010x}"),
-            Err(e) => format!("unreadable: {e}"),
+            Ok(crc) => crc,
+            Err(e) => {
+                tracing::warn!(file = %self.name, start = shard.start, end = shard.end,
+                    error = %e,
+                    "a node reported a corrupt payload of this shard, and its bytes in the file \
+                     could not be read again to check them: the shard is still served; the next \
+                     report rechecks it (check the file system if this repeats)");
+                self.rechecks().remove(&key);
+                return;
+            }
         };
         tracing::error!(file = %self.name, start = shard.start, end = shard.end,
-            want = format_args!("{want:#010x}"), %found,
+            want = format_args!("{want:#010x}"), found = format_args!("{found:#010x}"),
             "a node reported a corrupt payload of this shard, and its bytes in the file fail the \
              manifest's CRC-32C though the file's size and modification time did not change \
-             (rewritten in place, or bad on disk): its FETCHes are refused as DatasetChanged; \
-             restore the file (or re-run `shardwire index`) and restart the source");
+             (rewritten in place, or bad on disk): its FETCHes are refused as ReadFailed (nodes \
+             fetch it from other sources); restore the file (or re-run `shardwire index`) and \
+             restart the source");
         self.rechecks().insert(key, Recheck::Failed { want, found });
     }
 
@@ -582,10 +594,35 @@ mod tests {
         let e = refused.expect_err("refused once rechecked");
         assert!(matches!(e, ShardChanged::Corrupt { .. }), "{e}");
         let m = e.to_string();
-        for says in ["s0.bin", "4096..8192", "good copy"] {
+        for says in ["s0.bin", "4096..8192", "good copy", "found 0x"] {
             assert!(m.contains(says), "{says}: {m}");
         }
         kept.expect("the file's other shard is served");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_recheck_that_cannot_read_the_bytes_refuses_nothing_and_is_done_again() {
+        let path = scratch("eio", &[7u8; 4096]);
+        let file = Arc::new(File::open(&path).unwrap());
+        let opened = Arc::new(Opened::new("s0.bin", &file.metadata().unwrap()));
+        // A read error on the blocking thread (here: the range runs past the file's end).
+        opened.recheck(&file, 4096..8192, 0x1234_5678);
+        rechecked(&opened).await;
+        let forgotten = opened.rechecks().is_empty();
+        // EIO from a network file system that passes.
+        opened.rechecks().insert((0, 4096), Recheck::Running);
+        opened.rechecked(
+            0..4096,
+            0x1234_5678,
+            Err(std::io::Error::from_raw_os_error(5)),
+        );
+        let served = opened.check(&file, 0..4096);
+        let again = opened.rechecks().is_empty();
+        std::fs::remove_file(&path).unwrap();
+        // Before, each was recorded as failed: the shard refused until the source restarted.
+        assert!(forgotten, "a recheck that read nothing is forgotten");
+        served.expect("still served");
+        assert!(again, "a later report rechecks it");
     }
 
     #[tokio::test]

@@ -125,30 +125,58 @@ fn ifindex(ifname: &str) -> Result<u32, TxSetupError> {
         .ok_or_else(|| TxSetupError::NoInterface(ifname.into()))
 }
 
+/// The pause after a look for zerocopy completions that found some, and after the first that
+/// found none: the kernel completes a send within a round trip once the node reads.
+const POLL_MIN: Duration = Duration::from_micros(200);
+/// The longest pause between two looks: a node that reads nothing for long costs its sender
+/// thread about 50 looks a second, not 5000.
+const POLL_MAX: Duration = Duration::from_millis(20);
+
+/// The pause after the `quiet`-th look in a row that found no completion (0: the last look
+/// found some): [`POLL_MIN`], doubling from the second on, at most [`POLL_MAX`].
+fn poll_pause(quiet: u32) -> Duration {
+    let doublings = quiet.saturating_sub(1).min(16);
+    POLL_MIN.saturating_mul(1 << doublings).min(POLL_MAX)
+}
+
+/// Collects `tx`'s zerocopy completions into `slot`; whether there were any.
+fn take_completions(tx: &mut DevmemTx<&TcpStream>, slot: &mut TxSlot) -> io::Result<bool> {
+    let done = tx.poll_completions().map_err(io::Error::other)?;
+    let any = !done.is_empty();
+    for c in done {
+        slot.complete(c);
+    }
+    Ok(any)
+}
+
 /// Waits until `slot` has room, collecting `tx`'s zerocopy completions, for at most `limit`
 /// (the socket's send timeout: before, 10 s, reported as a failure of its own rather than
-/// the node's silence); then fails with [`NoCompletion`].
+/// the node's silence); then fails with [`NoCompletion`]. It looks again after pauses that
+/// grow while no completion comes ([`poll_pause`]): before, every 200 µs for the whole limit.
 fn wait_for_room(
     tx: &mut DevmemTx<&TcpStream>,
     slot: &mut TxSlot,
     limit: Duration,
 ) -> io::Result<()> {
     let started = Instant::now();
+    let mut quiet = 0;
     loop {
-        for c in tx.poll_completions().map_err(io::Error::other)? {
-            slot.complete(c);
-        }
+        let completed = take_completions(tx, slot)?;
         if slot.in_flight() < slot.capacity() {
             return Ok(());
         }
-        if started.elapsed() > limit {
+        let waited = started.elapsed();
+        if waited > limit {
             let silent = NoCompletion {
                 waited: limit,
                 in_flight: slot.in_flight(),
             };
             return Err(io::Error::new(io::ErrorKind::TimedOut, silent));
         }
-        std::thread::sleep(Duration::from_micros(200));
+        quiet = if completed { 0 } else { quiet + 1 };
+        // Past the limit by one short pause at most.
+        let left = limit - waited + POLL_MIN;
+        std::thread::sleep(poll_pause(quiet).min(left));
     }
 }
 
@@ -210,20 +238,22 @@ impl<'a> DevmemSend<'a> {
             self.slot.sent(k);
             done += k;
         }
-        for c in self.tx.poll_completions().map_err(io::Error::other)? {
-            self.slot.complete(c);
-        }
+        take_completions(&mut self.tx, &mut self.slot)?;
         Ok(n)
     }
 
     /// The connection is done: lets the last sends complete before the slot is reused.
     pub(crate) fn finish(&mut self) -> io::Result<()> {
         let deadline = Instant::now() + FINISH_TIMEOUT;
-        while self.slot.in_flight() > 0 && Instant::now() < deadline {
-            for c in self.tx.poll_completions().map_err(io::Error::other)? {
-                self.slot.complete(c);
+        let mut quiet = 0;
+        while self.slot.in_flight() > 0 {
+            let completed = take_completions(&mut self.tx, &mut self.slot)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.slot.in_flight() == 0 || left.is_zero() {
+                break;
             }
-            std::thread::sleep(Duration::from_micros(200));
+            quiet = if completed { 0 } else { quiet + 1 };
+            std::thread::sleep(poll_pause(quiet).min(left));
         }
         Ok(())
     }
@@ -322,6 +352,27 @@ mod tests {
         // Before, it waited a fixed 10 s and was logged as a failure of its own.
         assert!(is_send_timeout(&e), "{e}");
         assert!(e.to_string().contains("no zerocopy completion"), "{e}");
+    }
+
+    /// Looks for completions grow from 200 µs to 20 ms apart while none comes, and start
+    /// over when one does: before, every 200 µs for the whole send timeout (60 s and more).
+    #[test]
+    fn looks_for_completions_back_off_while_none_comes() {
+        let pauses: Vec<u128> = (0..11).map(|q| poll_pause(q).as_micros()).collect();
+        assert_eq!(
+            pauses,
+            [
+                200, 200, 400, 800, 1600, 3200, 6400, 12800, 20000, 20000, 20000
+            ]
+        );
+        assert_eq!(poll_pause(u32::MAX), POLL_MAX);
+        // A minute of silence: about 3000 looks, not 300 000.
+        let (mut quiet, mut slept) = (0, Duration::ZERO);
+        while slept < Duration::from_secs(60) {
+            quiet += 1;
+            slept += poll_pause(quiet);
+        }
+        assert!(quiet < 3100, "{quiet} looks");
     }
 
     #[test]

@@ -148,7 +148,8 @@ impl Source {
                 _ = shutdown.changed() => break,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, peer)) => {
-                        self.accepted(stream, peer, (&handshakes, &refusing), &slots);
+                        let gates = (&handshakes, &refusing);
+                        admit_connection(&self.shared, stream, peer, gates, &slots);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
@@ -161,41 +162,51 @@ impl Source {
         drop(listener);
         drain(&shared, &slots).await;
     }
+}
 
-    /// Starts the handshake of an accepted control connection, if a handshake slot is free
-    /// (else tells the peer why and closes it); the session takes one of `slots` once the
-    /// peer has authenticated.
-    fn accepted(
-        &self,
-        stream: tokio::net::TcpStream,
-        peer: SocketAddr,
-        (handshakes, refusing): (&Arc<admit::Handshakes>, &Arc<tokio::sync::Semaphore>),
-        slots: &Arc<tokio::sync::Semaphore>,
-    ) {
-        let handshake = match handshakes.enter(peer.ip()) {
-            Ok(h) => h,
-            Err(why) => {
-                tracing::warn!(%peer, "refusing a control connection: {why}");
-                // Told why while few are: each refusal holds its socket for a moment, and a
-                // flood must not hold the source's file descriptors.
-                if let Ok(permit) = Arc::clone(refusing).try_acquire_owned() {
-                    tokio::spawn(async move {
-                        control::refuse(stream, wire::ErrorCode::Internal, why).await;
-                        drop(permit);
-                    });
-                }
-                return;
+/// Starts the handshake of an accepted control connection, if this source may serve its peer
+/// (without a secret, a loopback peer) and a handshake slot is free: else tells the peer why
+/// (while fewer than [`admit::MAX_REFUSING`] refusals are under way) and closes it. The
+/// session takes one of `slots` once the peer has authenticated.
+pub(crate) fn admit_connection(
+    shared: &Arc<Shared>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    (handshakes, refusing): (&Arc<admit::Handshakes>, &Arc<tokio::sync::Semaphore>),
+    slots: &Arc<tokio::sync::Semaphore>,
+) {
+    // Before a handshake slot: before, a flood of peers off loopback held every slot while
+    // their refusals lingered, outside the cap on refusals.
+    let admitted =
+        session::admissible(shared, peer).map_err(|e| (wire::ErrorCode::AuthFailed, e.to_string()));
+    let handshake = admitted.and_then(|()| {
+        handshakes
+            .enter(peer.ip())
+            .map_err(|why| (wire::ErrorCode::Internal, why))
+    });
+    let handshake = match handshake {
+        Ok(h) => h,
+        Err((code, why)) => {
+            tracing::warn!(%peer, "refusing a control connection: {why}");
+            // Told why while few are: each refusal holds its socket for a moment, and a
+            // flood must not hold the source's file descriptors.
+            if let Ok(permit) = Arc::clone(refusing).try_acquire_owned() {
+                tokio::spawn(async move {
+                    control::refuse(stream, code, why).await;
+                    drop(permit);
+                });
             }
-        };
-        let shared = Arc::clone(&self.shared);
-        let slots = Arc::clone(slots);
-        tokio::spawn(async move {
-            match session::run(stream, peer, shared, handshake, slots).await {
-                Ok(()) => tracing::info!(%peer, "node disconnected"),
-                Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
-            }
-        });
-    }
+            return;
+        }
+    };
+    let shared = Arc::clone(shared);
+    let slots = Arc::clone(slots);
+    tokio::spawn(async move {
+        match session::run(stream, peer, shared, handshake, slots).await {
+            Ok(()) => tracing::info!(%peer, "node disconnected"),
+            Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
+        }
+    });
 }
 
 /// Drains: sessions are told, and this waits until all of them have ended (every slot is

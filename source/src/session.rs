@@ -20,12 +20,16 @@
 //! announced lately (it keeps the last [`ANNOUNCED_KEPT`]) has that shard's cache entry
 //! checked against its CRC before it is served again, or, for a local dataset, the shard's
 //! bytes in its file rechecked against the manifest's CRC (a shard that fails is refused as
-//! `DatasetChanged` from then on); once per announcement: a repeated report is logged only.
+//! `ReadFailed` from then on, which the node fetches from another source; a shard file whose
+//! size or modification time changed is refused as `DatasetChanged`); once per announcement:
+//! a repeated report is logged only.
 //! Any other is logged.
 //!
 //! A peer refused before its session starts (not on loopback without a secret, its
 //! handshake evicted, every session slot taken, the source draining) is told why in an
-//! `Error` before its connection closes.
+//! `Error` before its connection closes. One off loopback is refused before it takes a
+//! handshake slot, among the few refusals told at once (`crate::admit_connection`): a flood
+//! of them cannot hold every handshake slot while their refusals linger.
 //!
 //! A node of another protocol version is answered with `Error{UnsupportedVersion}` in its own
 //! version (in the layout of `Error` that version reads), naming both versions, and dropped.
@@ -69,9 +73,10 @@ pub(crate) async fn run(
     handshake_slot: HandshakeSlot,
     slots: Arc<Semaphore>,
 ) -> Result<(), SessionError> {
-    // Canonical: a loopback peer on a `[::]` listener arrives as ::ffff:127.0.0.1.
-    if shared.cfg.secret.is_none() && !peer.ip().to_canonical().is_loopback() {
-        let e = SessionError::NotLoopback(peer);
+    // `crate::admit_connection` refuses a peer off loopback before it takes a handshake
+    // slot; checked again where the session starts.
+    if let Err(e) = admissible(&shared, peer) {
+        drop(handshake_slot); // not held while the refusal lingers
         crate::control::refuse(stream, ErrorCode::AuthFailed, e.to_string()).await;
         return Err(e);
     }
@@ -119,6 +124,15 @@ pub(crate) async fn run(
     Session::new(id, ctl, shared, conns, lanes.len(), failed, progress)
         .serve()
         .await
+}
+
+/// Whether this source may serve `peer` at all: without a secret, loopback peers only.
+pub(crate) fn admissible(shared: &Shared, peer: SocketAddr) -> Result<(), SessionError> {
+    // Canonical: a loopback peer on a `[::]` listener arrives as ::ffff:127.0.0.1.
+    if shared.cfg.secret.is_none() && !peer.ip().to_canonical().is_loopback() {
+        return Err(SessionError::NotLoopback(peer));
+    }
+    Ok(())
 }
 
 /// How long a session's last `Error` may take to write before the session ends anyway.
@@ -229,6 +243,25 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
             opened.check(file, *offset..offset + q.len).err()
         }
         _ => None,
+    }
+}
+
+/// How a FETCH is refused whose local shard file no longer holds what the source opened
+/// (`why`): its code and message. Bytes that a recheck found bad in the file (`Corrupt`) are
+/// `ReadFailed`, which a node fetches again from another source (and gives up on after a few
+/// refusals in a row): before, `DatasetChanged`, which ended the node's stream though another
+/// source had a good copy. A file whose size or modification time changed is
+/// `DatasetChanged`: the manifest no longer describes it.
+fn shard_refusal(why: &ShardChanged) -> (ErrorCode, String) {
+    match why {
+        ShardChanged::Corrupt { .. } => (
+            ErrorCode::ReadFailed,
+            format!("{why} (a node fetches it from another source that has it)"),
+        ),
+        _ => (
+            ErrorCode::DatasetChanged,
+            format!("{why} (re-run `shardwire index` and restart the source)"),
+        ),
     }
 }
 
@@ -1079,13 +1112,9 @@ impl Session {
                 let (file, opened) = (&files[shard as usize], &opened[shard as usize]);
                 if let Err(why) = opened.check(file, entry.offset..entry.offset + entry.length) {
                     tracing::warn!(dataset, shard, "{why}; FETCH refused");
-                    let message = format!(
-                        "dataset `{dataset}`: {why} (re-run `shardwire index` and restart the source)"
-                    );
-                    return self
-                        .ctl
-                        .error(req, ErrorCode::DatasetChanged, message)
-                        .await;
+                    let (code, message) = shard_refusal(&why);
+                    let message = format!("dataset `{dataset}`: {message}");
+                    return self.ctl.error(req, code, message).await;
                 }
                 let body = Body::File {
                     file: Arc::clone(file),
@@ -1187,11 +1216,8 @@ impl Session {
         if let Some(why) = changed_since_queued(&q, &body) {
             tracing::warn!(shard = q.shard, "{why}; FETCH refused");
             reads.release(held);
-            let message = format!("{why} (re-run `shardwire index` and restart the source)");
-            return self
-                .ctl
-                .error(q.req, ErrorCode::DatasetChanged, message)
-                .await;
+            let (code, message) = shard_refusal(&why);
+            return self.ctl.error(q.req, code, message).await;
         }
         // Bytes in memory stay counted until its sender has sent them; a payload read from a
         // file (the cache) holds no memory once handed over.

@@ -282,16 +282,16 @@ def test_view_columns_are_stepped_over_when_not_served_and_refused_with_the_fix(
     y = np.arange(5, dtype=np.int64) * -1000
     long = [f"a value longer than twelve bytes, row {i}" for i in range(5)]
     blobs = [b"short", b"a binary value past twelve bytes", b"", b"z", b"0123456789abcdef"]
-    t = pa.table(
-        {
-            "s": pa.array(long, pa.string_view()),
-            "x": pa.array(x),
-            "b": pa.array(blobs, pa.binary_view()),
-            "y": pa.array(y),
-        }
-    )
-    write_arrow(tmp_path / "v.arrow", t.to_batches(max_chunksize=3), stream=False)
-    index_fails(tmp_path, "v.arrow", "column `s`", "string_view", "large_string", "--skip-unsupported")
+    # Two chunks concatenated: `s` keeps both data buffers.
+    s = pa.concat_arrays([pa.array(long[:2], pa.string_view()), pa.array(long[2:], pa.string_view())])
+    t = pa.table({"s": s, "x": pa.array(x), "b": pa.array(blobs, pa.binary_view()), "y": pa.array(y)})
+    batches = t.to_batches(max_chunksize=3)
+    # `s` has more data buffers than `b` in each batch (variadic counts [2, 1]): counts taken
+    # in the wrong order, or one count for both, would shift `x` and `y`.
+    for rb in batches:
+        assert len(rb.column("s").buffers()) > len(rb.column("b").buffers()) > 2, rb
+    write_arrow(tmp_path / "v.arrow", batches, stream=False)
+    index_fails(tmp_path, "v.arrow", "column `s`", "(found: string_view)", "large_string", "--skip-unsupported")
     for flags in (["--columns", "x,y"], ["--skip-unsupported"]):
         r = run_index(tmp_path, *flags)
         assert r.returncode == 0, (flags, r.stderr)

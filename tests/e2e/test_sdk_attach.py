@@ -348,6 +348,11 @@ def test_an_interrupt_at_any_bytecode_from_the_region_fds_receipt_leaves_no_fd_o
     left open (the region's, the connection's). Before, an exception right after ``recvmsg``
     returned, or as `Conn.recv` returned the fds to `_open`, lost the fd."""
     old = sys.gettrace()
+    # CPython 3.12 sends no `opcode` events to frames that set `f_trace_opcodes` in their trace
+    # function unless the instruction events were turned on before `settrace` (gh-103615,
+    # gh-114480): setting it on this frame first does that; elsewhere it is harmless (this
+    # frame is not traced).
+    sys._getframe().f_trace_opcodes = True
     for at in range(20_000):
         path = str(tmp_path / f"node{at}.sock")
         before = open_fds()
@@ -367,6 +372,11 @@ def test_an_interrupt_at_any_bytecode_from_the_region_fds_receipt_leaves_no_fd_o
         node.join(30)
         assert open_fds() <= before, f"an fd leaked when an exception struck at bytecode {at}"
         if not tracer.struck:
+            assert tracer.seen > 50, (
+                f"the trace function saw {tracer.seen} opcode events from the region fd's receipt "
+                f"to its close: too few to have tried every bytecode (does Python "
+                f"{sys.version.split()[0]} send `opcode` events to a trace function?)"
+            )
             assert s is not None and at > 50, at  # every bytecode was tried
             return
     raise AssertionError("the receipt never ended")

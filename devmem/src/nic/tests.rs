@@ -883,3 +883,255 @@ fn a_restore_warns_through_tracing_with_structured_fields() {
     assert_eq!(field(event, "ifname"), Some("va"));
     assert_eq!(field(event, "error"), Some(e.to_string().as_str()));
 }
+
+/// A NIC for a restore driven without a kernel ([`UndoOps`]): its ntuple rules (location,
+/// match, queue) and those deleted, in order. Turning ntuple off is refused (EBUSY), to make
+/// a step fail; the other settings are taken as put back.
+#[derive(Default)]
+struct FakeNic {
+    rules: std::cell::RefCell<Vec<(u32, steer::Tcp4Match, u32)>>,
+    deleted: std::cell::RefCell<Vec<u32>>,
+}
+
+impl FakeNic {
+    fn with_rules(rules: &[(u32, steer::Tcp4Match, u32)]) -> Self {
+        Self {
+            rules: rules.to_vec().into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// A kernel refusal of `op` with `errno`.
+fn refused(op: &'static str, errno: i32) -> NicError {
+    NicError::Kernel {
+        ifname: "va".into(),
+        op,
+        errno,
+        errno_name: crate::errno_label(errno),
+        msg: None,
+    }
+}
+
+impl UndoOps for FakeNic {
+    fn set_ntuple(&self, _: &str, _: bool) -> Result<(), NicError> {
+        Err(refused("ntuple-set", libc::EBUSY))
+    }
+
+    fn find_rules(&self, _: &str, m: &steer::Tcp4Match, queue: u32) -> Result<Vec<u32>, NicError> {
+        let rules = self.rules.borrow();
+        let matching = rules.iter().filter(|(_, r, q)| r == m && *q == queue);
+        Ok(matching.map(|(l, ..)| *l).collect())
+    }
+
+    fn rule_at_is(
+        &self,
+        _: &str,
+        location: u32,
+        m: &steer::Tcp4Match,
+        queue: u32,
+    ) -> Result<Option<bool>, NicError> {
+        let rules = self.rules.borrow();
+        let at = rules.iter().find(|(l, ..)| *l == location);
+        Ok(at.map(|(_, r, q)| r == m && *q == queue))
+    }
+
+    fn delete_rule(&self, _: &str, location: u32) -> Result<(), NicError> {
+        let mut rules = self.rules.borrow_mut();
+        let Some(at) = rules.iter().position(|(l, ..)| *l == location) else {
+            return Err(refused("ntuple-rule-delete", libc::ENOENT));
+        };
+        rules.remove(at);
+        self.deleted.borrow_mut().push(location);
+        Ok(())
+    }
+
+    fn set_rss_indir(&self, _: &str, _: &[u32]) -> Result<(), NicError> {
+        Ok(())
+    }
+
+    fn set_channels(&mut self, _: u32, _: &str, _: u32, _: u32, _: u32) -> Result<(), NicError> {
+        Ok(())
+    }
+
+    fn set_rings(&mut self, _: u32, _: &str, _: u8, _: Option<u32>) -> Result<(), NicError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_restore_leaves_the_rule_of_an_earlier_entry_to_that_entry() {
+    // `undo` hands each step the entries it undoes after it: those before it
+    // (`changes[..i]`). Handed those after it instead (none, for a crash's marker, the last
+    // entry), the marker's undo took the rule of the earlier entry of its match (12) for one
+    // there before it and warned that it stays (PriorLeft); that entry's undo then deleted it.
+    let path = state_path("undo-rest");
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40008".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let mut state = StateFile {
+        ifname: "va".into(),
+        ifindex: 1,
+        netns: None,
+        boot_id: None,
+        changes: vec![
+            Change::Rule {
+                location: 12,
+                rule: Some(m),
+                queue: Some(2),
+            },
+            Change::PendingRule {
+                rule: m,
+                queue: 2,
+                existing: vec![12],
+            },
+        ],
+    };
+    write_state(&path, &state).unwrap();
+    // The crash came after the driver had put the new rule at 30.
+    let mut nic = FakeNic::with_rules(&[(12, m, 2), (30, m, 2)]);
+    let mut undone = None;
+    let events = events_of(|| undone = Some(undo(&path, &mut state, &mut nic)));
+    undone.unwrap().unwrap();
+    assert!(events.is_empty(), "no rule named as left: {events:?}");
+    assert_eq!(
+        *nic.deleted.borrow(),
+        [30, 12],
+        "the marker's rule, then the entry's"
+    );
+    assert!(nic.rules.borrow().is_empty());
+    assert!(state.changes.is_empty());
+    assert!(on_disk(&path).is_empty());
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_restore_that_cannot_return_its_error_logs_each_failure_once_and_a_summary() {
+    // Before, drop and a failed setup's undo logged the restore's first error again, with
+    // the undo's own message and fields: each failed step appeared twice, identically.
+    let path = state_path("summary");
+    let _ = std::fs::remove_file(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    j.record(Change::NtupleOn).unwrap();
+    j.record(Change::Rss { table: Vec::new() }).unwrap();
+    // The NIC refuses to turn ntuple off; the RSS table is put back.
+    let mut nic = FakeNic::default();
+    let events = events_of(|| j.restore_or_warn(&mut nic));
+    let [step, summary] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(
+        field(step, "message"),
+        Some("restoring NIC settings failed (see error)")
+    );
+    assert!(
+        field(step, "error").is_some_and(|e| e.contains("ntuple-set: EBUSY")),
+        "{step:?}"
+    );
+    assert_ne!(field(summary, "message"), field(step, "message"));
+    assert_eq!(field(summary, "error"), None, "not logged again");
+    assert_eq!(field(summary, "ifname"), Some("va"));
+    assert_eq!(field(summary, "steps_left"), Some("1"));
+    let shown = path.display().to_string();
+    assert_eq!(field(summary, "path"), Some(shown.as_str()));
+    assert_eq!(
+        on_disk(&path),
+        [Change::NtupleOn],
+        "kept for the next start"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_rule_neither_journaled_nor_deleted_keeps_its_entry_and_is_logged() {
+    // Before, the deletion's error was dropped and the entry forgotten all the same: a rule
+    // the deletion missed stayed on the NIC with no entry for the restore, and no warning.
+    let path = state_path("unsaved");
+    let tmp = tmp_path(&path);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&tmp);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let m = steer::Tcp4Match::flow(steer::Tcp4Flow {
+        src: "10.0.0.2:40009".parse().unwrap(),
+        dst: "10.0.0.1:7401".parse().unwrap(),
+    });
+    let marker = Change::PendingRule {
+        rule: m,
+        queue: 2,
+        existing: Vec::new(),
+    };
+    // The driver puts the rule at 30; from then on the state file cannot be written (a
+    // directory has its temporary file's name), and the rule's deletion fails too.
+    let mut result = None;
+    let events = events_of(|| {
+        result = Some(j.insert_journaled(
+            None,
+            Vec::new(),
+            m,
+            2,
+            |_| {
+                std::fs::create_dir(&tmp).unwrap();
+                Ok(30)
+            },
+            |location| {
+                assert_eq!(location, 30);
+                Err(refused("ntuple-rule-delete", libc::EBUSY))
+            },
+        ));
+    });
+    let e = result.unwrap().unwrap_err();
+    assert!(matches!(e, NicError::State { .. }), "{e}");
+    let kept = Change::Rule {
+        location: 30,
+        rule: Some(m),
+        queue: Some(2),
+    };
+    assert_eq!(
+        j.state().changes,
+        std::slice::from_ref(&kept),
+        "kept, for the restore"
+    );
+    assert_eq!(
+        on_disk(&path),
+        [marker],
+        "on disk, the marker finds the rule"
+    );
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(field(event, "ifname"), Some("va"));
+    assert_eq!(field(event, "location"), Some("30"));
+    assert!(
+        field(event, "error").is_some_and(|e| e.contains("ntuple-rule-delete: EBUSY")),
+        "{event:?}"
+    );
+    // A rule deleted again: its entry goes (the failed save of that is logged, no rule).
+    std::fs::remove_dir(&tmp).unwrap();
+    let mut result = None;
+    let events = events_of(|| {
+        result = Some(j.insert_journaled(
+            None,
+            Vec::new(),
+            m,
+            2,
+            |_| {
+                std::fs::create_dir(&tmp).unwrap();
+                Ok(31)
+            },
+            |location| {
+                assert_eq!(location, 31);
+                Ok(())
+            },
+        ));
+    });
+    assert!(result.unwrap().is_err());
+    assert_eq!(j.state().changes, [kept], "only the rule not deleted");
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert_eq!(field(event, "location"), None, "{event:?}");
+    std::fs::remove_dir(&tmp).unwrap();
+    drop(j);
+    std::fs::remove_file(&path).unwrap();
+}

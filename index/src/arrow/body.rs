@@ -1,8 +1,10 @@
-//! A record batch's IPC body as read from its message: its field nodes, buffers and variadic
-//! buffer counts ([`BatchLayout`]), a depth-first cursor over them ([`Walk`]) that checks
-//! each buffer lies inside the body, and the shape of a batch problem ([`BatchErr`],
-//! [`BatchFail`]). Shared by the fixed-width columns ([`super::batch`]) and the list columns
-//! ([`super::lists`]).
+//! A record batch's IPC body as read from its message: its field nodes, buffers, variadic
+//! buffer counts and metadata version ([`BatchLayout`]), a depth-first cursor over them
+//! ([`Walk`]) that checks each buffer lies inside the body, and the shape of a batch problem
+//! ([`BatchErr`], [`BatchFail`]). Shared by the fixed-width columns ([`super::batch`]) and the
+//! list columns ([`super::lists`]).
+
+use arrow_ipc::MetadataVersion;
 
 use super::pytype::IpcCounts;
 use crate::error::IndexError;
@@ -18,6 +20,8 @@ pub(crate) struct BatchLayout {
     /// `variadicBufferCounts`: the data buffers of each `string_view`/`binary_view` field,
     /// depth-first (empty when the schema has none).
     pub variadic: Vec<i64>,
+    /// The message's metadata version: before V5, a union field has a validity buffer.
+    pub version: MetadataVersion,
 }
 
 /// Where a batch problem lies: `Some(column)` or `None` for the batch as a whole; plus
@@ -94,23 +98,44 @@ impl<'a> Walk<'a> {
         b.ok_or_else(|| self.short("buffers", self.layout.buffers.len()))
     }
 
-    /// Steps over a column that is not served: its field nodes and buffers, and the data
-    /// buffers of each of its view fields (as many as its variadic buffer count says).
+    /// Steps over a column that is not served: its field nodes and buffers (with a validity
+    /// buffer per union field before metadata V5, as arrow-rs's `skip_field` and the writers
+    /// of arrow-rs and Arrow C++ have it), and the data buffers of each of its view fields (as
+    /// many as its variadic buffer count says).
     pub fn skip(&mut self, c: &IpcCounts) -> Result<(), BatchErr> {
         for _ in 0..c.nodes {
             self.node()?;
         }
-        let mut buffers = c.buffers;
-        for _ in 0..c.views {
-            buffers = buffers.saturating_add(self.variadic()?);
+        let mut fixed = c.buffers;
+        if self.layout.version < MetadataVersion::V5 {
+            fixed = fixed.saturating_add(c.unions);
         }
-        let left = self.layout.buffers.len().saturating_sub(self.buffer);
-        if buffers > left {
+        if fixed > self.left() {
             self.buffer = self.layout.buffers.len();
             return Err(self.short("buffers", self.layout.buffers.len()));
         }
-        self.buffer += buffers;
+        self.buffer += fixed;
+        for _ in 0..c.views {
+            let k = self.variadic()?;
+            let left = self.left();
+            if k > left {
+                self.buffer = self.layout.buffers.len();
+                return Err((
+                    None,
+                    "a string_view/binary_view column not served claims more data buffers (its \
+                     variadic buffer count) than the record batch has left"
+                        .into(),
+                    format!("variadic buffer count {k}, {left} buffers left"),
+                ));
+            }
+            self.buffer += k;
+        }
         Ok(())
+    }
+
+    /// Buffers not yet walked over.
+    fn left(&self) -> usize {
+        self.layout.buffers.len().saturating_sub(self.buffer)
     }
 
     /// The next variadic buffer count: the data buffers of a view field.

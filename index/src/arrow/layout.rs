@@ -13,8 +13,8 @@
 //! Columns left out by `--columns`, or unsupported ones under `--skip-unsupported`, are
 //! stepped over by their node and buffer counts ([`super::pytype::ipc_counts`]); a
 //! `string_view`/`binary_view` among them adds the data buffers its entry of the record
-//! batch's `variadicBufferCounts` says. Served, a view column is refused with the fix (write
-//! `large_string`/`large_binary`).
+//! batch's `variadicBufferCounts` says. Served, a view column (or a list of views) is refused
+//! with the fix (write `large_string`/`large_binary`, a list as `large_list<large_string>`).
 
 use std::collections::HashSet;
 
@@ -32,11 +32,14 @@ const FIXED_SHAPE_TENSOR: &str = "arrow.fixed_shape_tensor";
 /// What an unsupported-column error suggests.
 const HINT: &str =
     "choose other columns with --columns or skip such columns with --skip-unsupported";
-/// Why a `string_view`/`binary_view` column is refused, and how to write it instead.
+/// Why a `string_view`/`binary_view` column (or a list of them: polars writes `List(String)`
+/// as `large_list<string_view>`) is refused, and how to write it instead.
 const VIEW_REASON: &str = "string_view/binary_view columns cannot be served (their values \
-    lie in several buffers, addressed per row); write the column as large_string/large_binary \
-    (polars: df.write_ipc(path, compat_level=pl.CompatLevel.oldest()); pyarrow: cast it with \
-    table.cast(...) to pa.large_string() or pa.large_binary() before writing)";
+    lie in several buffers, addressed per row); write the column's strings as \
+    large_string/large_binary (for a list column: large_list(large_string())) (polars: \
+    df.write_ipc(path, compat_level=pl.CompatLevel.oldest()); pyarrow: cast the column with \
+    table.cast(...) to pa.large_string(), pa.large_binary() or \
+    pa.large_list(pa.large_string()) before writing)";
 
 /// One variable-length level of a column, outermost first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,6 +11,7 @@ use arrow_array::{
     ArrayRef, BooleanArray, DictionaryArray, Int32Array, LargeBinaryArray, LargeListArray,
     ListArray, RecordBatch, StringArray,
 };
+use arrow_ipc::MetadataVersion;
 use arrow_schema::{Field, Schema};
 use shardwire_protocol::manifest::{DType, Manifest, TensorEntry};
 
@@ -229,6 +230,7 @@ fn body_with(offs: [i32; 3]) -> (BatchLayout, Vec<u8>) {
         nodes: vec![(2, 0), (10, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 40)],
         variadic: vec![],
+        version: MetadataVersion::V5,
     };
     (layout, body)
 }
@@ -423,6 +425,7 @@ fn nested_fixed_size_lists_whose_element_size_overflows_are_refused() {
         nodes: vec![(2, 0), (0, 0), (0, 0), (0, 0), (0, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 0), (16, 0), (16, 0)],
         variadic: vec![],
+        version: MetadataVersion::V5,
     };
     let mut read =
         |_: &str, off: u64, len: u64| Ok(body[off as usize..(off + len) as usize].to_vec());

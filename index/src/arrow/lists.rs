@@ -151,7 +151,7 @@ fn read_levels(
         let need = hi.checked_add(1).and_then(|n| n.checked_mul(width));
         let desc = format!("{} x {width} bytes", hi.saturating_add(1));
         let off = w.data(&p.name, "offsets buffer", need, &desc)?;
-        let offs = read_offsets(&p.name, read, off + lo * width, hi - lo + 1, width)?;
+        let offs = read_offsets(&p.name, read, off, lo, hi - lo + 1, width)?;
         let start = lo;
         (lo, hi) = (offs[0], offs[offs.len() - 1]);
         levels.push(Level { start, offs });
@@ -188,16 +188,18 @@ fn fixed_part(p: &ColumnPlan, w: &mut Walk<'_>, mut hi: u64) -> Result<u64, Batc
     Ok(hi)
 }
 
-/// Reads `count` offsets of `width` bytes at body offset `off` (inside the body: checked by
-/// the caller), in reads of at most [`OFFSETS_CHUNK`] bytes.
+/// Reads entries `start..start + count` of the offsets buffer of `width`-byte entries at body
+/// offset `off` (inside the body: checked by the caller), in reads of at most
+/// [`OFFSETS_CHUNK`] bytes.
 fn read_offsets(
     col: &str,
     read: &mut ReadBody<'_>,
     off: u64,
+    start: u64,
     count: u64,
     width: u64,
 ) -> Result<Vec<u64>, BatchFail> {
-    read_offsets_in(col, read, off, count, width, OFFSETS_CHUNK)
+    read_offsets_in(col, read, off, start, count, width, OFFSETS_CHUNK)
 }
 
 /// [`read_offsets`] in reads of at most `chunk` bytes (a multiple of `width`).
@@ -205,25 +207,36 @@ fn read_offsets_in(
     col: &str,
     read: &mut ReadBody<'_>,
     off: u64,
+    start: u64,
     count: u64,
     width: u64,
     chunk: u64,
 ) -> Result<Vec<u64>, BatchFail> {
-    // At most the buffer's bytes in entries of 8 bytes: bounded by the file's size.
-    let mut out = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+    // Grown per read, by what was read and checked: a record batch's claim of a long
+    // buffer reserves nothing before its bytes are there.
+    let mut out = Vec::new();
+    let first = off + start * width;
     let total = count * width;
     let mut done = 0u64;
     while done < total {
         let len = (total - done).min(chunk);
-        let raw = read("offsets buffer", off + done, len).map_err(BatchFail::Read)?;
-        decode(col, &raw, width, &mut out)?;
+        let raw = read("offsets buffer", first + done, len).map_err(BatchFail::Read)?;
+        out.reserve(raw.len() / width as usize);
+        decode(col, &raw, width, start, &mut out)?;
         done += len;
     }
     Ok(out)
 }
 
-/// Appends little-endian offsets to `out`, which must stay non-negative and non-decreasing.
-fn decode(col: &str, raw: &[u8], width: u64, out: &mut Vec<u64>) -> Result<(), BatchErr> {
+/// Appends little-endian offsets to `out` (whose first entry is entry `start` of the
+/// buffer), which must stay non-negative and non-decreasing.
+fn decode(
+    col: &str,
+    raw: &[u8],
+    width: u64,
+    start: u64,
+    out: &mut Vec<u64>,
+) -> Result<(), BatchErr> {
     for c in raw.chunks_exact(width as usize) {
         let v = match c {
             [a, b, c, d] => i64::from(i32::from_le_bytes([*a, *b, *c, *d])),
@@ -236,7 +249,7 @@ fn decode(col: &str, raw: &[u8], width: u64, out: &mut Vec<u64>) -> Result<(), B
             return Err((
                 Some(col.to_string()),
                 "list offsets are negative or decreasing".into(),
-                format!("offset {v} at entry {}", out.len()),
+                format!("offset {v} at entry {}", start + out.len() as u64),
             ));
         };
         out.push(v);
@@ -326,7 +339,7 @@ mod tests {
             reads.push(len);
             Ok(body[off as usize..(off + len) as usize].to_vec())
         };
-        let got = read_offsets_in("c", &mut read, 4, 7, 4, 8).unwrap();
+        let got = read_offsets_in("c", &mut read, 4, 0, 7, 4, 8).unwrap();
         assert_eq!(got, [0, 2, 2, 5, 9, 9, 10]);
         assert_eq!(reads, [8, 8, 8, 4]);
         // 3 then 2: decreasing where one read ends and the next begins.
@@ -334,20 +347,47 @@ mod tests {
         let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
             Ok(body[off as usize..(off + len) as usize].to_vec())
         };
-        match read_offsets_in("c", &mut read, 0, 4, 4, 8) {
-            Err(BatchFail::Layout((Some(c), reason, value))) => {
-                assert_eq!(c, "c");
-                assert!(reason.contains("decreasing"), "{reason}");
-                assert_eq!(value, "offset 2 at entry 2");
+        // The entry is named by its place in the buffer, also when the read starts past
+        // entry 0 (before, "at entry 1": counted from the first entry read).
+        for (start, count) in [(0, 4), (1, 3)] {
+            match read_offsets_in("c", &mut read, 0, start, count, 4, 8) {
+                Err(BatchFail::Layout((Some(c), reason, value))) => {
+                    assert_eq!(c, "c");
+                    assert!(reason.contains("decreasing"), "{reason}");
+                    assert_eq!(value, "offset 2 at entry 2", "from entry {start}");
+                }
+                other => panic!("decreasing offsets accepted: {other:?}"),
             }
-            other => panic!("decreasing offsets accepted: {other:?}"),
         }
         let body = le_bytes(&[0i64, 1, 7], i64::to_le_bytes);
         let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {
             Ok(body[off as usize..(off + len) as usize].to_vec())
         };
-        let got = read_offsets_in("c", &mut read, 0, 3, 8, 8).unwrap();
+        let got = read_offsets_in("c", &mut read, 0, 0, 3, 8, 8).unwrap();
         assert_eq!(got, [0, 1, 7]);
+    }
+
+    #[test]
+    fn memory_for_offsets_grows_with_what_was_read() {
+        // A batch claims 2^58 int64 offsets; the second read fails. Before, room for all of
+        // them (2^61 bytes, more than any address space) was reserved before the first read:
+        // the allocation failed, aborting the process.
+        let mut reads = 0;
+        let mut read = |_: &str, _: u64, len: u64| -> Result<Vec<u8>, IndexError> {
+            reads += 1;
+            match reads {
+                1 => Ok(vec![0; len as usize]),
+                _ => Err(IndexError::io(
+                    "f.arrow",
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                )),
+            }
+        };
+        match read_offsets_in("c", &mut read, 0, 0, 1 << 58, 8, 64) {
+            Err(BatchFail::Read(IndexError::Io { .. })) => {}
+            other => panic!("expected the read error, got {other:?}"),
+        }
+        assert_eq!(reads, 2);
     }
 
     #[test]
@@ -382,6 +422,7 @@ mod tests {
                 (values as i64, n as i64),
             ],
             variadic: vec![],
+            version: arrow_ipc::MetadataVersion::V5,
         };
         let mut reads = 0;
         let mut read = |_: &str, off: u64, len: u64| -> Result<Vec<u8>, IndexError> {

@@ -323,6 +323,7 @@ fn batch_shard(
             .map(|b| (b.offset(), b.length()))
             .collect(),
         variadic: rb.variadicBufferCounts().into_iter().flatten().collect(),
+        version: msg.version(),
     };
     let mut read = |what: &str, off: u64, len: u64| {
         src.read_at(

@@ -98,6 +98,9 @@ pub(crate) struct IpcCounts {
     /// entry of the record batch's `variadicBufferCounts` says (one entry per view field, in
     /// the depth-first order of the schema's fields).
     pub views: usize,
+    /// Union fields (at any depth). Under IPC metadata V4 each also has a validity buffer,
+    /// not counted in `buffers` (V5 dropped it); see [`super::body::Walk::skip`].
+    pub unions: usize,
 }
 
 /// Where a column of type `dt` lies in an IPC record batch (as arrow-rs's reader steps over
@@ -112,6 +115,7 @@ pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
         D::ListView(f) | D::LargeListView(f) => (3, 0, vec![f.data_type()]),
         D::FixedSizeList(f, _) => (1, 0, vec![f.data_type()]),
         D::Struct(fs) => (1, 0, fs.iter().map(|f| f.data_type()).collect()),
+        // Type ids (and offsets when dense); V5 has no validity buffer (V4: see `unions`).
         D::Union(fs, mode) => (
             if *mode == UnionMode::Dense { 2 } else { 1 },
             0,
@@ -126,12 +130,14 @@ pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
         nodes: 1,
         buffers: own,
         views,
+        unions: usize::from(matches!(dt, D::Union(..))),
     };
     for c in children {
         let child = ipc_counts(c);
         out.nodes += child.nodes;
         out.buffers += child.buffers;
         out.views += child.views;
+        out.unions += child.unions;
     }
     out
 }
@@ -140,7 +146,7 @@ pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
 mod tests {
     use std::sync::Arc;
 
-    use arrow_schema::Fields;
+    use arrow_schema::{Fields, UnionFields};
 
     use super::*;
 
@@ -166,6 +172,7 @@ mod tests {
             nodes,
             buffers,
             views,
+            unions: 0,
         }
     }
 
@@ -197,5 +204,38 @@ mod tests {
         // A dictionary's values travel in dictionary batches: no variadic count here.
         let dict = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8View));
         assert_eq!(ipc_counts(&dict), counts(1, 2, 0));
+    }
+
+    #[test]
+    fn unions_are_counted_for_their_v4_validity_buffers() {
+        // Before, a union's V4 validity buffer had nothing to count it by.
+        let union = |mode: UnionMode| {
+            let fields = vec![
+                Field::new("i", DataType::Int32, false),
+                Field::new("s", DataType::Utf8, false),
+            ];
+            DataType::Union(UnionFields::try_new([0, 1], fields).unwrap(), mode)
+        };
+        // Type ids (1) + int32 (2) + utf8 (3); dense adds offsets.
+        let sparse = IpcCounts {
+            unions: 1,
+            ..counts(3, 6, 0)
+        };
+        assert_eq!(ipc_counts(&union(UnionMode::Sparse)), sparse);
+        let dense = IpcCounts {
+            unions: 1,
+            ..counts(3, 7, 0)
+        };
+        assert_eq!(ipc_counts(&union(UnionMode::Dense)), dense);
+        let st = DataType::Struct(Fields::from(vec![
+            Field::new("u", union(UnionMode::Sparse), false),
+            Field::new("v", union(UnionMode::Dense), false),
+        ]));
+        let list = DataType::List(Arc::new(Field::new("item", st, true)));
+        let nested = IpcCounts {
+            unions: 2,
+            ..counts(8, 16, 0)
+        };
+        assert_eq!(ipc_counts(&list), nested);
     }
 }

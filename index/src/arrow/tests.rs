@@ -8,10 +8,11 @@ use arrow_array::builder::{Int64Builder, ListBuilder, StructBuilder};
 use arrow_array::{
     Array, ArrayRef, BooleanArray, DictionaryArray, FixedSizeListArray, Float32Array, Float64Array,
     Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, UInt8Array, UInt16Array,
-    types::Int32Type,
+    UnionArray, types::Int32Type,
 };
+use arrow_ipc::MetadataVersion;
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions, StreamWriter};
-use arrow_schema::{DataType, Field, Schema};
+use arrow_schema::{DataType, Field, Schema, UnionFields};
 use shardwire_protocol::manifest::{DType, Manifest};
 
 use super::batch::batch_tensors;
@@ -300,6 +301,77 @@ fn nulls_are_rejected_naming_the_column() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `u` (sparse union<i: int32, f: double>), `d` (the same, dense), `x` (int32): four rows.
+fn unions_batch(x: &[i32]) -> RecordBatch {
+    let fields = UnionFields::try_new(
+        [0i8, 1],
+        [
+            Field::new("i", DataType::Int32, false),
+            Field::new("f", DataType::Float64, false),
+        ],
+    )
+    .unwrap();
+    let children = |i: Vec<i32>, f: Vec<f64>| -> Vec<ArrayRef> {
+        vec![
+            Arc::new(Int32Array::from(i)),
+            Arc::new(Float64Array::from(f)),
+        ]
+    };
+    let sparse = UnionArray::try_new(
+        fields.clone(),
+        vec![0i8, 1, 1, 0].into(),
+        None,
+        children(vec![1, 2, 3, 4], vec![0.5, 1.5, 2.5, 3.5]),
+    )
+    .unwrap();
+    let dense = UnionArray::try_new(
+        fields,
+        vec![1i8, 0, 0, 1].into(),
+        Some(vec![0i32, 0, 1, 1].into()),
+        children(vec![8, 9], vec![0.25, 0.75]),
+    )
+    .unwrap();
+    let cols: Vec<(&str, ArrayRef)> = vec![
+        ("u", Arc::new(sparse)),
+        ("d", Arc::new(dense)),
+        ("x", Arc::new(Int32Array::from(x.to_vec()))),
+    ];
+    let schema: Vec<Field> = cols
+        .iter()
+        .map(|(n, c)| Field::new(*n, c.data_type().clone(), true))
+        .collect();
+    let arrays = cols.into_iter().map(|(_, c)| c).collect();
+    RecordBatch::try_new(Arc::new(Schema::new(schema)), arrays).unwrap()
+}
+
+#[test]
+fn union_columns_not_served_are_stepped_over_in_v4_and_v5_files() {
+    // Under metadata V4 a union field has a validity buffer (V5 dropped it), which arrow-rs
+    // and Arrow C++ write. Before, it was not counted: the V4 file was refused as having
+    // more buffers than its schema needs.
+    let x = [5i32, -1, 7, 0];
+    let batch = unions_batch(&x);
+    let dir = temp_dir("arrow-unions");
+    for (name, version) in [
+        ("v4.arrow", MetadataVersion::V4),
+        ("v5.arrow", MetadataVersion::V5),
+    ] {
+        let opts = IpcWriteOptions::try_new(8, false, version).unwrap();
+        let f = std::fs::File::create(dir.join(name)).unwrap();
+        let mut w = FileWriter::try_new_with_options(f, &batch.schema(), opts).unwrap();
+        w.write(&batch).unwrap();
+        w.finish().unwrap();
+    }
+    let opts = IndexOptions {
+        columns: Some(vec!["x".into()]),
+        ..IndexOptions::default()
+    };
+    let m = index_dir(&dir, &opts).map_err(|e| e.to_string()).unwrap();
+    assert_eq!(m.shards.len(), 2);
+    check_manifest(&dir, &m, &[("x", le_bytes(&x, i32::to_le_bytes).repeat(2))]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn compressed_batches_are_rejected() {
     // Without the lz4 feature arrow-rs cannot compress data, but it writes a batch whose
@@ -310,7 +382,7 @@ fn compressed_batches_are_rejected() {
         vec![Arc::new(Int32Array::from(Vec::<i32>::new()))],
     )
     .unwrap();
-    let opts = IpcWriteOptions::try_new(8, false, arrow_ipc::MetadataVersion::V5)
+    let opts = IpcWriteOptions::try_new(8, false, MetadataVersion::V5)
         .unwrap()
         .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))
         .unwrap();
@@ -515,6 +587,7 @@ fn batch_layout_checks() {
         nodes: vec![(3, 0), (3, 0), (6, 0)],
         buffers: vec![(0, 0), (0, 16), (16, 0), (16, 0), (16, 16)],
         variadic: vec![],
+        version: MetadataVersion::V5,
     };
     let t = batch_tensors(&plans, &good, 1000, 32, &mut no_read).unwrap();
     assert_eq!(
@@ -532,6 +605,7 @@ fn batch_layout_checks() {
             nodes: good.nodes.clone(),
             buffers: good.buffers.clone(),
             variadic: good.variadic.clone(),
+            version: good.version,
         };
         f(&mut b);
         layout_err(batch_tensors(&plans, &b, 1000, 32, &mut no_read))

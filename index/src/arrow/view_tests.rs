@@ -10,12 +10,13 @@ use arrow_array::builder::StringViewBuilder;
 use arrow_array::{
     ArrayRef, BinaryViewArray, Int32Array, Int64Array, RecordBatch, StringViewArray, StructArray,
 };
+use arrow_ipc::MetadataVersion;
 use arrow_schema::{DataType, Field, Schema};
 use shardwire_protocol::manifest::DType;
 
 use super::batch::batch_tensors;
 use super::body::{BatchErr, BatchFail, BatchLayout};
-use super::layout::{ColumnPlan, Slot};
+use super::layout::{Choice, ColumnPlan, PlanErr, Slot, plan_schema};
 use super::pytype::ipc_counts;
 use super::tests::{write_file, write_stream};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
@@ -146,6 +147,26 @@ fn a_served_view_column_is_refused_naming_it_its_type_and_the_fix() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_served_list_of_views_is_refused_with_the_list_fix() {
+    // polars writes List(String) as large_list<string_view>. Before, the fix named only
+    // large_string/large_binary, which a list column cannot be cast to.
+    let item = Arc::new(Field::new("item", DataType::Utf8View, true));
+    let schema = Schema::new(vec![Field::new("tags", DataType::LargeList(item), true)]);
+    match plan_schema(&schema, Choice::default()) {
+        Err(PlanErr::Column((col, reason, value))) => {
+            assert_eq!(col, "tags");
+            assert_eq!(value, "large_list<item: string_view>");
+            assert!(
+                reason.contains("(for a list column: large_list(large_string()))")
+                    && reason.contains("pa.large_list(pa.large_string())"),
+                "{reason}"
+            );
+        }
+        other => panic!("a list of views was not refused: {other:?}"),
+    }
+}
+
 /// A reader for layout tests, which must not read.
 fn no_read(what: &str, _: u64, _: u64) -> Result<Vec<u8>, crate::IndexError> {
     panic!("unexpected read of {what}")
@@ -170,6 +191,7 @@ fn variadic_buffer_counts_that_do_not_fit_the_schema_are_refused() {
         nodes: vec![(2, 0), (2, 0)],
         buffers: vec![(0, 0), (0, 32), (32, 16), (48, 16), (64, 0), (64, 8)],
         variadic: vec![2],
+        version: MetadataVersion::V5,
     };
     let t = batch_tensors(&slots, &good, 1000, 72, &mut no_read).unwrap();
     assert_eq!(
@@ -182,6 +204,7 @@ fn variadic_buffer_counts_that_do_not_fit_the_schema_are_refused() {
             nodes: good.nodes.clone(),
             buffers: good.buffers.clone(),
             variadic,
+            version: good.version,
         };
         match batch_tensors(&slots, &b, 1000, 72, &mut no_read) {
             Err(BatchFail::Layout(e)) => e,
@@ -197,8 +220,13 @@ fn variadic_buffer_counts_that_do_not_fit_the_schema_are_refused() {
         e.0.is_none() && e.1.contains("variadic buffer counts than"),
         "{e:?}"
     );
+    // Before: "fewer buffers than its schema needs (found: 6 buffers)", naming neither.
     let e = with(vec![9]);
-    assert!(e.1.contains("fewer buffers"), "{e:?}");
+    assert!(
+        e.1.contains("more data buffers (its variadic buffer count)")
+            && e.2 == "variadic buffer count 9, 4 buffers left",
+        "{e:?}"
+    );
     // One data buffer short: `a` would take the view's last data buffer as its validity.
     let e = with(vec![1]);
     assert!(

@@ -521,7 +521,7 @@ impl RxRegion {
                             tracing::info!(%ifname, ?changes, "devmem binding closed and NIC settings restored")
                         }
                         Err(e) => {
-                            tracing::error!(%ifname, error = %e, "restoring NIC settings failed")
+                            tracing::error!(%ifname, first_error = %e, "devmem binding closed, NIC restore incomplete: its state file is kept and the next start retries the steps left (each failed step is logged above)")
                         }
                     }
                 }

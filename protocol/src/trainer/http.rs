@@ -73,7 +73,7 @@ impl OpenStream {
 /// keeps the last of a repeated key, where the socket's `attach` (derived,
 /// `deny_unknown_fields`) refuses it, so `{"dataset": "a", "dataset": "b"}`, or a repeated
 /// `epoch` inside `state`, would be taken over HTTP only. Checked before the body is parsed.
-struct NoRepeatedKeys;
+pub struct NoRepeatedKeys;
 
 impl<'de> Deserialize<'de> for NoRepeatedKeys {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

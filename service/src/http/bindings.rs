@@ -93,6 +93,7 @@ fn spec_of(
                 req.queues
             )));
         }
+        within_emulator(bytes)?;
         return Ok(BindingSpec::Emulator {
             bytes,
             lane: req.lane,
@@ -134,6 +135,23 @@ fn memory_of(memory: Option<&str>, default: u64) -> Result<usize, ApiError> {
     usize::try_from(b.0).map_err(|_| {
         ApiError::bad_request(format!("memory {b} does not fit this host's address space"))
     })
+}
+
+/// Refuses an emulator binding of `bytes` the emulator cannot make: from 16 TiB on, more
+/// net_iovs than a `u32` names (the node refused it only after queueing the request, as
+/// `bind_failed` with the size in raw bytes).
+fn within_emulator(bytes: usize) -> Result<(), ApiError> {
+    use shardwire_devmem::emu::{MAX_NIOVS, NIOV_SIZE};
+    if bytes / NIOV_SIZE <= MAX_NIOVS {
+        return Ok(());
+    }
+    let limit = ByteSize(((MAX_NIOVS + 1) * NIOV_SIZE) as u64);
+    Err(ApiError::bad_request(format!(
+        "memory {}: the emulator's dma-buf must be below {limit} (at most {MAX_NIOVS} net_iovs \
+         of {}); ask for less memory",
+        ByteSize(bytes as u64),
+        ByteSize(NIOV_SIZE as u64)
+    )))
 }
 
 /// The dma-buf size and RX queues of the lane a binding request is for, as start-up binds it:
@@ -289,5 +307,32 @@ mod tests {
         assert_eq!(memory_of(Some("1MiB"), 0).unwrap(), 1 << 20);
         assert!(memory_of(Some("512KiB"), 0).is_err());
         assert_eq!(memory_of(None, 8 << 20).unwrap(), 8 << 20);
+    }
+
+    #[test]
+    fn an_emulator_binding_past_its_limit_is_refused_with_the_limit_in_units() {
+        // Before: 16-64 TiB passed here and failed at the node as `bind_failed`, naming the
+        // limit in raw bytes.
+        let lanes = [lane_status(0, "eth0", vec![], 64 << 20)];
+        let cfg = ServeConfig::default();
+        let asked = |memory: &str| {
+            let body = json!({ "interface": "emulator", "memory": memory });
+            let req: CreateBinding = serde_json::from_value(body).unwrap();
+            spec_of(req, &lanes, &cfg)
+        };
+        for memory in ["16TiB", "64TiB"] {
+            let text = format!("{:?}", asked(memory).unwrap_err());
+            assert!(text.contains(&format!("memory {memory}:")), "{text}");
+            assert!(text.contains("must be below 16TiB"), "{text}");
+            assert!(text.contains("of 4KiB"), "{text}");
+        }
+        // Just under the limit: the emulator's (rounded down to whole net_iovs).
+        assert!(asked("16383GiB").is_ok());
+        assert!(within_emulator((16 << 40) - 1).is_ok());
+        assert!(within_emulator(16 << 40).is_err());
+        // A NIC's binding has only the configuration's limit.
+        let body = json!({ "interface": "eth0", "memory": "32TiB" });
+        let req: CreateBinding = serde_json::from_value(body).unwrap();
+        assert!(spec_of(req, &lanes, &cfg).is_ok());
     }
 }

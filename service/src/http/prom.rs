@@ -284,7 +284,8 @@ struct Totals {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 struct SourceSeries {
     /// `shardwire_source_bytes_received_total`: what its links' figures grew by, added up
-    /// while it stays in the roster (one that left and came back counts from 0).
+    /// while it stays in the roster (one that a scrape saw gone counts from 0 when it comes
+    /// back; one gone and back between two scrapes goes on from its sum).
     bytes: u64,
     /// `shardwire_source_up`.
     up: bool,

@@ -523,8 +523,9 @@ async fn next(
 }
 
 /// `next`'s wait of at most `timeout` for a batch of `s` not ready yet, its turn (`slot`)
-/// held: on a blocking thread, once one of the [`MAX_WAITING_NEXTS`] turns is free. A `next`
-/// that gets no turn within its timeout takes one last look and answers as a wait that ran
+/// held: on a blocking thread, once one of the [`MAX_WAITING_NEXTS`] turns is free. Until
+/// then it looks for the batch every [`TURN_LOOK`] without a thread and answers with one as
+/// soon as it is there; one that gets neither within its timeout answers as a wait that ran
 /// out would (`204`), never having held a thread.
 async fn wait_for_batch(
     api: &Arc<Api>,
@@ -533,8 +534,15 @@ async fn wait_for_batch(
     after: Option<u64>,
     timeout: Duration,
 ) -> Result<Outcome, ApiError> {
-    let Some((turn, left)) = thread_turn(&api.waits, timeout).await else {
-        return Ok(remembered(s, after, api.take(s, Duration::ZERO)));
+    // Taken and handed out with no await between (a caller that leaves loses no batch).
+    let look = || match api.take(s, Duration::ZERO) {
+        Outcome::Timeout => None,
+        o => Some(o),
+    };
+    let (turn, left) = match thread_turn(&api.waits, timeout, look).await {
+        Turn::Taken(turn, left) => (turn, left),
+        Turn::Found(o) => return Ok(remembered(s, after, o)),
+        Turn::None => return Ok(Outcome::Timeout),
     };
     let (tx, rx) = oneshot::channel();
     let (api2, s2) = (Arc::clone(api), Arc::clone(s));
@@ -561,16 +569,50 @@ async fn wait_for_batch(
         .map_err(|_| ApiError::new(ErrorCode::Internal, "the waiting thread failed"))
 }
 
-/// A turn of `waits` taken within `timeout`, and what is left of `timeout` then; None when
-/// no turn freed in time.
-async fn thread_turn(
+/// How often a `next` waiting for a turn ([`MAX_WAITING_NEXTS`]) looks for its batch without
+/// one: a batch ready meanwhile is answered within this, not after the turn or the timeout.
+const TURN_LOOK: Duration = Duration::from_millis(15);
+
+/// How a wait for a turn of the waiting threads ended.
+enum Turn<T> {
+    /// A turn, and what is left of the timeout.
+    Taken(OwnedSemaphorePermit, Duration),
+    /// What the look found before a turn freed.
+    Found(T),
+    /// Neither within the timeout.
+    None,
+}
+
+/// A turn of `waits` taken within `timeout`, calling `look` every [`TURN_LOOK`] meanwhile
+/// (and once at the end): what it finds first ends the wait.
+async fn thread_turn<T>(
     waits: &Arc<Semaphore>,
     timeout: Duration,
-) -> Option<(OwnedSemaphorePermit, Duration)> {
+    mut look: impl FnMut() -> Option<T>,
+) -> Turn<T> {
     let t = Instant::now();
-    let turn = tokio::time::timeout(timeout, Arc::clone(waits).acquire_owned()).await;
-    let turn = turn.ok()?.ok()?;
-    Some((turn, timeout.saturating_sub(t.elapsed())))
+    let acquire = Arc::clone(waits).acquire_owned();
+    tokio::pin!(acquire);
+    loop {
+        let left = timeout.saturating_sub(t.elapsed());
+        tokio::select! {
+            biased;
+            turn = &mut acquire => {
+                return match turn {
+                    Ok(turn) => Turn::Taken(turn, timeout.saturating_sub(t.elapsed())),
+                    Err(_) => Turn::None, // closed: never, the API keeps it open
+                };
+            }
+            () = tokio::time::sleep(left.min(TURN_LOOK)) => {
+                if let Some(found) = look() {
+                    return Turn::Found(found);
+                }
+                if left <= TURN_LOOK {
+                    return Turn::None;
+                }
+            }
+        }
+    }
 }
 
 /// `o`, a batch of it kept as the one `s` last answered with, to a `next` naming `after`.
@@ -737,22 +779,51 @@ mod tests {
         // long polls took every one (tensor copies and binding changes queued behind them).
         const _: () = assert!(MAX_WAITING_NEXTS < crate::cli::BLOCKING_THREADS);
         let waits = Arc::new(Semaphore::new(1));
-        let (held, _) = thread_turn(&waits, Duration::from_secs(1)).await.unwrap();
+        let nothing = || None::<()>;
+        let got = thread_turn(&waits, Duration::from_secs(1), nothing).await;
+        let Turn::Taken(held, _) = got else {
+            panic!("a free turn was not taken");
+        };
         // Every turn taken: the wait runs out after its own timeout, with no turn.
         let t = Instant::now();
-        assert!(
-            thread_turn(&waits, Duration::from_millis(50))
-                .await
-                .is_none()
-        );
+        let got = thread_turn(&waits, Duration::from_millis(50), nothing).await;
+        assert!(matches!(got, Turn::None));
         assert!(t.elapsed() >= Duration::from_millis(50));
         // A turn freed meanwhile: taken, with the rest of the timeout left for the wait.
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(100)).await;
             drop(held);
         });
-        let (_turn, left) = thread_turn(&waits, Duration::from_secs(10)).await.unwrap();
+        let got = thread_turn(&waits, Duration::from_secs(10), nothing).await;
+        let Turn::Taken(_turn, left) = got else {
+            panic!("the freed turn was not taken");
+        };
         assert!(left <= Duration::from_millis(9_900), "{left:?}");
         assert!(left >= Duration::from_secs(5), "{left:?}");
+    }
+
+    #[tokio::test]
+    async fn a_next_waiting_for_a_turn_answers_with_a_batch_ready_meanwhile() {
+        // Before: a `next` queued behind the busy turns only waited for a turn, so with every
+        // turn held (256 long polls, orphaned ones too) a batch ready 100 ms later was
+        // answered only after the whole timeout (10 s here).
+        let waits = Arc::new(Semaphore::new(1));
+        let _held = Arc::clone(&waits).try_acquire_owned().unwrap();
+        let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r = Arc::clone(&ready);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            r.store(true, Ordering::SeqCst);
+        });
+        let mut looks = 0;
+        let look = || {
+            looks += 1;
+            ready.load(Ordering::SeqCst).then_some(7)
+        };
+        let t = Instant::now();
+        let got = thread_turn(&waits, Duration::from_secs(10), look).await;
+        assert!(matches!(got, Turn::Found(7)));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(looks >= 2, "{looks}"); // looked before the batch, and again after
     }
 }

@@ -609,14 +609,24 @@ async fn a_local_shard_reported_corrupt_that_fails_its_crc_in_its_file_is_refuse
         .await
         .expect("refused; the session goes on");
     assert_eq!(s.queues.queued, 1, "not queued");
+    // `ReadFailed`: the node fetches it from another source. Before, `DatasetChanged`, which
+    // ended the node's stream though another source had a good copy.
     match reply(&mut node, &mut Vec::new()).await {
         Message::Error {
             req: 2,
-            code: ErrorCode::DatasetChanged,
+            code: ErrorCode::ReadFailed,
             message,
             ..
         } => {
-            for says in ["d.bin", "CRC-32C", "good copy", "shardwire index"] {
+            let says = [
+                "d.bin",
+                "4096..8192",
+                "CRC-32C",
+                "good copy",
+                "another source",
+                "shardwire index",
+            ];
+            for says in says {
                 assert!(message.contains(says), "{says}: {message}");
             }
         }
@@ -624,6 +634,43 @@ async fn a_local_shard_reported_corrupt_that_fails_its_crc_in_its_file_is_refuse
     }
     s.handle(fetch(3, 0)).await.expect("queued");
     assert_eq!(s.queues.queued, 2, "the file's other shard is served");
+}
+
+/// Right before its announcement too (`send_out`), a shard found bad in its file is refused
+/// as a read failure (fetched from another source), a changed file as `DatasetChanged`.
+#[test]
+fn a_shard_found_bad_is_a_read_failure_and_a_changed_file_a_changed_dataset() {
+    let corrupt = ShardChanged::Corrupt {
+        name: "d.bin".into(),
+        start: 0,
+        end: SHARD,
+        want: 1,
+        found: 2,
+    };
+    let (code, message) = shard_refusal(&corrupt);
+    assert_eq!(code, ErrorCode::ReadFailed, "{message}");
+    for says in [
+        "d.bin",
+        "0..4096",
+        "0x00000001",
+        "0x00000002",
+        "another source",
+    ] {
+        assert!(message.contains(says), "{says}: {message}");
+    }
+    let modified = ShardChanged::Modified {
+        name: "d.bin".into(),
+    };
+    let (code, message) = shard_refusal(&modified);
+    assert_eq!(code, ErrorCode::DatasetChanged, "{message}");
+    assert!(message.contains("shardwire index"), "{message}");
+    let shorter = ShardChanged::Shorter {
+        name: "d.bin".into(),
+        len: 1,
+        need: SHARD,
+        had: SHARD,
+    };
+    assert_eq!(shard_refusal(&shorter).0, ErrorCode::DatasetChanged);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -773,6 +820,8 @@ async fn a_peer_off_loopback_of_a_source_without_a_secret_is_told_why() {
         .await
         .expect("within 10 s")
         .expect("told why");
+    // The refusal lingers until the node closes; before, it held the handshake slot meanwhile.
+    let held = handshakes.under_way();
     drop(node);
     match answer {
         Message::Error {
@@ -785,11 +834,55 @@ async fn a_peer_off_loopback_of_a_source_without_a_secret_is_told_why() {
         }
         other => panic!("{other:?}"),
     }
+    assert_eq!(
+        held, 0,
+        "the handshake slot is given back before the refusal"
+    );
     let e = source.await.unwrap().expect_err("refused");
     assert!(
         matches!(e, SessionError::NotLoopback(p) if p == peer),
         "{e}"
     );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_peer_off_loopback_is_refused_before_it_takes_a_handshake_slot() {
+    use crate::admit::{Handshakes, MAX_REFUSING};
+    let dir = Scratch::new("not-loopback-gate");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    let peer: SocketAddr = "10.1.2.3:40000".parse().unwrap();
+    let handshakes = Arc::new(Handshakes::default());
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let slots = Arc::new(Semaphore::new(1));
+    crate::admit_connection(&shared, stream, peer, (&handshakes, &refusing), &slots);
+    // Before, it took a handshake slot and held it while its refusal lingered (about 1 s),
+    // outside the cap on refusals: a flood of such peers held all 64.
+    assert_eq!(handshakes.under_way(), 0, "no handshake slot taken");
+    let told = refusing.available_permits();
+    assert_eq!(told, MAX_REFUSING - 1, "counted among the refusals told");
+    let mut buf = Vec::new();
+    let read = read_message(&mut node, &mut buf, wire::MAX_SMALL_FRAME);
+    let answer = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("within 10 s")
+        .expect("told why");
+    drop(node);
+    match answer {
+        Message::Error {
+            code: ErrorCode::AuthFailed,
+            message,
+            ..
+        } => {
+            assert!(message.contains("10.1.2.3"), "{message}");
+            assert!(message.contains("--secret-file"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Once the peer has gone, the refusal ends and gives its permit back.
+    let all = refusing.acquire_many(MAX_REFUSING as u32);
+    let all = tokio::time::timeout(Duration::from_secs(10), all).await;
+    assert!(all.is_ok(), "the refusal's permit is given back");
 }
 
 #[tokio::test(flavor = "current_thread")]
