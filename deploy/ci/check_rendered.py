@@ -714,7 +714,7 @@ def exported_metrics(srcs: list[Path]) -> tuple[dict[str, str], bool]:
             out[name] = kind
         # service/src/prom.rs: the described families, ("kind", "name", "help"), and the
         # float counters it renders itself (`pub const STALL: &str = "..._total"`).
-        for kind, name in re.findall(r'\("(counter|gauge|histogram)",\s*"(shardwire_[a-z0-9_]+)"', text):
+        for kind, name in re.findall(r'\(\s*"(counter|gauge|histogram)",\s*"(shardwire_[a-z0-9_]+)"', text):
             out[name] = kind
         for name in re.findall(r'pub const STALL: &str = "(shardwire_[a-z0-9_]+)"', text):
             out[name] = "counter"

@@ -902,21 +902,30 @@ impl Journal {
         Ok(done)
     }
 
-    /// Undo every change in reverse order and delete the state file. On an error the file
-    /// keeps only the changes whose undo failed.
-    pub fn restore(mut self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
+    /// Undo every change in reverse order and delete the state file. When a step fails, its
+    /// error is returned and the file keeps only the changes whose undo failed. With every
+    /// step undone the changes are returned and the file removed, even where saving it on
+    /// the way or removing it failed (each logged): the NIC is restored ([`settle_undo`]).
+    pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
+        self.restore_with(client)
+    }
+
+    /// [`Journal::restore`] through any [`UndoOps`] (a test's stand-in for a NIC).
+    fn restore_with<C: UndoOps>(mut self, client: &mut C) -> Result<Vec<Change>, NicError> {
         let changes = self.state.changes.clone();
-        undo(&self.path, &mut self.state, client)?;
-        remove(&self.path)?;
+        let undone = undo(&self.path, &mut self.state, client);
+        settle_undo(&self.path, &self.state, undone)?;
         Ok(changes)
     }
 
     /// [`Journal::restore`] for a caller that cannot return its error (drop, the undo of a
     /// failed setup). Each failed step is logged by the undo ([`warn_undo_failed`]); this
     /// logs once what is left (the state file, kept for the next start), not those errors
-    /// again.
+    /// again. With no step left there is no such summary: the file is removed
+    /// ([`settle_undo`]).
     fn restore_or_warn<C: UndoOps>(mut self, client: &mut C) {
-        if undo(&self.path, &mut self.state, client).is_err() {
+        let undone = undo(&self.path, &mut self.state, client);
+        if settle_undo(&self.path, &self.state, undone).is_err() {
             tracing::warn!(
                 ifname = %self.state.ifname,
                 path = %self.path.display(),
@@ -924,18 +933,51 @@ impl Journal {
                 "NIC restore incomplete: its state file is kept, and the next start retries \
                  the steps left (each failure is logged on its own)"
             );
-        } else if let Err(e) = remove(&self.path) {
-            // Not an undo's error: logged nowhere else. The file records no change now, and
-            // the next start removes it unchecked.
-            tracing::warn!(
-                ifname = %self.state.ifname,
-                path = %self.path.display(),
-                error = %e,
-                "NIC settings restored, but the state file could not be removed; the next \
-                 start removes it"
-            );
         }
     }
+}
+
+/// After [`undo`] of `state`, journaled at `path` (`undone`: what the undo returned). With
+/// steps left: the undo's error, and the file keeps them for the next start. With none: the
+/// file is removed whatever `undone` says, since a save that failed on the way left it
+/// listing steps already undone, which the next start would redo (ntuple turned off again
+/// flushes the operator's rules); a failed removal is logged with its own message, not
+/// returned, as the NIC is restored.
+fn settle_undo(
+    path: &Path,
+    state: &StateFile,
+    undone: Result<(), NicError>,
+) -> Result<(), NicError> {
+    if !state.changes.is_empty() {
+        return undone;
+    }
+    match (remove(path), undone.is_ok()) {
+        (Ok(()), true) => {}
+        (Ok(()), false) => tracing::info!(
+            ifname = %state.ifname,
+            path = %path.display(),
+            "NIC settings restored: every step was undone; the state file, which could not \
+             be saved on the way (logged above), is removed"
+        ),
+        // The last save went through: the file records no change, and the next start
+        // removes it unchecked.
+        (Err(e), true) => tracing::warn!(
+            ifname = %state.ifname,
+            path = %path.display(),
+            error = %e,
+            "NIC settings restored, but the state file could not be removed; it records no \
+             change now, and the next start removes it"
+        ),
+        (Err(e), false) => tracing::warn!(
+            ifname = %state.ifname,
+            path = %path.display(),
+            error = %e,
+            "NIC settings restored, but the state file could neither be saved (logged above) \
+             nor removed: it may still list steps already undone, which the next start would \
+             redo; remove it before then"
+        ),
+    }
+    Ok(())
 }
 
 /// A journal's temporary file: its name and `.tmp` (`nic-state.eth1.json.tmp`). Replacing
@@ -1282,7 +1324,9 @@ impl UndoOps for EthtoolClient {
 /// made before the last reboot is removed without undoing anything ([`Restore::Stale`]); one
 /// whose interface name no longer has the index it recorded is left, and nothing undone
 /// ([`NicError::StateMismatch`]). One that records no change is removed unchecked
-/// ([`Restore::Undone`] with no changes).
+/// ([`Restore::Undone`] with no changes). A step whose undo fails is returned as the error,
+/// the file keeping the steps left; with every step undone the file is removed, even where
+/// saving it on the way failed ([`settle_undo`]).
 pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     if !path.exists() {
         return Ok(None);
@@ -1340,8 +1384,8 @@ pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     }
     // What the file held: `undo` drops each change from it (and `state`) once undone.
     let recorded = state.clone();
-    undo(path, &mut state, &mut client)?;
-    remove(path)?;
+    let undone = undo(path, &mut state, &mut client);
+    settle_undo(path, &state, undone)?;
     Ok(Some(Restore::Undone(recorded)))
 }
 

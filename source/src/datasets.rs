@@ -262,10 +262,7 @@ impl Opened {
             Ok(crc) => crc,
             Err(e) => {
                 tracing::warn!(file = %self.name, start = shard.start, end = shard.end,
-                    error = %e,
-                    "a node reported a corrupt payload of this shard, and its bytes in the file \
-                     could not be read again to check them: the shard is still served; the next \
-                     report rechecks it (check the file system if this repeats)");
+                    error = %e, "{}", unread_recheck(&e));
                 self.rechecks().remove(&key);
                 return;
             }
@@ -282,6 +279,22 @@ impl Opened {
 
     fn rechecks(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u64), Recheck>> {
         self.rechecks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What a recheck that could not read a shard's bytes (`e`) means, for the log. A file cut
+/// short since the shard was announced (`UnexpectedEof`) is refused as changed by
+/// [`Opened::check`] (`Shorter`, `DatasetChanged`): before, the log said it was still served
+/// and blamed the file system. Any other read error refuses nothing.
+fn unread_recheck(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        "a node reported a corrupt payload of this shard, and the file is now shorter than the \
+         shard (cut since the source opened it): its FETCHes are refused as a changed dataset; \
+         re-run `shardwire index` and restart the source"
+    } else {
+        "a node reported a corrupt payload of this shard, and its bytes in the file could not be \
+         read again to check them: the shard is still served; the next report rechecks it \
+         (check the file system if this repeats)"
     }
 }
 
@@ -623,6 +636,23 @@ mod tests {
         assert!(forgotten, "a recheck that read nothing is forgotten");
         served.expect("still served");
         assert!(again, "a later report rechecks it");
+    }
+
+    #[test]
+    fn a_recheck_of_a_file_cut_short_says_it_is_refused_as_changed() {
+        let path = scratch("cut", &[7u8; 4096]);
+        let file = File::open(&path).unwrap();
+        let cut = range_crc(&file, 0..8192).expect_err("past the end");
+        std::fs::remove_file(&path).unwrap();
+        // Before: "could not be read again ... still served ... check the file system".
+        let said = unread_recheck(&cut);
+        assert!(
+            said.contains("now shorter") && said.contains("refused"),
+            "{said}"
+        );
+        assert!(!said.contains("still served"), "{said}");
+        let eio = unread_recheck(&std::io::Error::from_raw_os_error(5));
+        assert!(eio.contains("still served"), "{eio}");
     }
 
     #[tokio::test]

@@ -250,15 +250,21 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
 /// (`why`): its code and message. Bytes that a recheck found bad in the file (`Corrupt`) are
 /// `ReadFailed`, which a node fetches again from another source (and gives up on after a few
 /// refusals in a row): before, `DatasetChanged`, which ended the node's stream though another
-/// source had a good copy. A file whose size or modification time changed is
-/// `DatasetChanged`: the manifest no longer describes it.
+/// source had a good copy. A file that could not be examined (`Stat`: `fstat` failed, EIO on a
+/// network file system) is `ReadFailed` too: a read error says nothing of the data (before,
+/// `DatasetChanged`, ending the stream over an error that may pass). A file whose size or
+/// modification time changed is `DatasetChanged`: the manifest no longer describes it.
 fn shard_refusal(why: &ShardChanged) -> (ErrorCode, String) {
     match why {
         ShardChanged::Corrupt { .. } => (
             ErrorCode::ReadFailed,
             format!("{why} (a node fetches it from another source that has it)"),
         ),
-        _ => (
+        ShardChanged::Stat { .. } => (
+            ErrorCode::ReadFailed,
+            format!("{why} (check the file system; a node asks another source, or this one later)"),
+        ),
+        ShardChanged::Shorter { .. } | ShardChanged::Modified { .. } => (
             ErrorCode::DatasetChanged,
             format!("{why} (re-run `shardwire index` and restart the source)"),
         ),

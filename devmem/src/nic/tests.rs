@@ -1135,3 +1135,109 @@ fn a_rule_neither_journaled_nor_deleted_keeps_its_entry_and_is_logged() {
     drop(j);
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn a_restore_with_every_step_undone_removes_its_state_file_though_a_save_failed() {
+    // Before, a restore that undid every step but could not save the state file on the way
+    // was reported incomplete with no step left, and the file was kept, still listing the
+    // steps: the next start redid them (ntuple turned off again, over the operator's rules).
+    let path = state_path("unsaved-restore");
+    let tmp = tmp_path(&path);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&tmp);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    j.record(Change::Rss { table: Vec::new() }).unwrap();
+    j.record(Change::Channels {
+        rx: 1,
+        tx: 1,
+        combined: 0,
+    })
+    .unwrap();
+    // From now on the state file cannot be saved: a directory has its temporary file's name.
+    std::fs::create_dir(&tmp).unwrap();
+    let events = events_of(|| j.restore_or_warn(&mut FakeNic::default()));
+    assert!(!path.exists(), "removed: no step is left to retry");
+    assert!(
+        events.iter().all(|e| field(e, "steps_left").is_none()),
+        "not reported incomplete: {events:?}"
+    );
+    let last = events.last().expect("the failed saves are logged");
+    assert_eq!(
+        field(last, "message"),
+        Some(
+            "NIC settings restored: every step was undone; the state file, which could not be \
+             saved on the way (logged above), is removed"
+        )
+    );
+
+    // With a step left (the fake NIC refuses to turn ntuple off), the summary says incomplete
+    // and the file is kept for the next start.
+    std::fs::remove_dir(&tmp).unwrap();
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    j.record(Change::NtupleOn).unwrap();
+    j.record(Change::Rss { table: Vec::new() }).unwrap();
+    std::fs::create_dir(&tmp).unwrap();
+    let events = events_of(|| j.restore_or_warn(&mut FakeNic::default()));
+    let summary = events.last().unwrap();
+    assert_eq!(field(summary, "steps_left"), Some("1"), "{events:?}");
+    assert!(
+        field(summary, "message").is_some_and(|m| m.starts_with("NIC restore incomplete")),
+        "{summary:?}"
+    );
+    assert!(
+        on_disk(&path).contains(&Change::NtupleOn),
+        "kept, with the step left"
+    );
+    std::fs::remove_dir(&tmp).unwrap();
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_restore_with_every_step_undone_succeeds_though_its_state_file_stays() {
+    // Before, `Journal::restore` returned the error of a failed save or of the file's removal
+    // with every step undone, and the node logged the restore as incomplete.
+    let path = state_path("unremovable");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&path);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    let rss = Change::Rss { table: Vec::new() };
+    j.record(rss.clone()).unwrap();
+    // The state file can now be neither saved (renamed over) nor removed: a directory has
+    // its name.
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    let mut result = None;
+    let events = events_of(|| result = Some(j.restore_with(&mut FakeNic::default())));
+    assert_eq!(result.unwrap().unwrap(), [rss], "the changes undone");
+    let last = events.last().expect("logged");
+    assert_eq!(
+        field(last, "message"),
+        Some(
+            "NIC settings restored, but the state file could neither be saved (logged above) \
+             nor removed: it may still list steps already undone, which the next start would \
+             redo; remove it before then"
+        )
+    );
+    assert!(field(last, "error").is_some(), "{last:?}");
+
+    // Saved (it records no change) but not removed: its own message, and no error.
+    let state = StateFile {
+        ifname: "va".into(),
+        ifindex: 1,
+        netns: None,
+        boot_id: None,
+        changes: Vec::new(),
+    };
+    let mut settled = None;
+    let events = events_of(|| settled = Some(settle_undo(&path, &state, Ok(()))));
+    settled.unwrap().unwrap();
+    let [event] = events.as_slice() else {
+        panic!("{events:?}")
+    };
+    assert!(
+        field(event, "message").is_some_and(|m| m.contains("it records no change now")),
+        "{event:?}"
+    );
+    std::fs::remove_dir(&path).unwrap();
+    let _ = std::fs::remove_file(tmp_path(&path));
+}

@@ -20,7 +20,8 @@ pub(crate) struct BatchLayout {
     /// `variadicBufferCounts`: the data buffers of each `string_view`/`binary_view` field,
     /// depth-first (empty when the schema has none).
     pub variadic: Vec<i64>,
-    /// The message's metadata version: before V5, a union field has a validity buffer.
+    /// The message's metadata version: before V5, a union or run-end-encoded field has a
+    /// validity buffer.
     pub version: MetadataVersion,
 }
 
@@ -99,16 +100,16 @@ impl<'a> Walk<'a> {
     }
 
     /// Steps over a column that is not served: its field nodes and buffers (with a validity
-    /// buffer per union field before metadata V5, as arrow-rs's `skip_field` and the writers
-    /// of arrow-rs and Arrow C++ have it), and the data buffers of each of its view fields (as
-    /// many as its variadic buffer count says).
+    /// buffer per union or run-end-encoded field before metadata V5, as the writers of
+    /// arrow-rs, `has_validity_bitmap`, and Arrow C++ have it), and the data buffers of each
+    /// of its view fields (as many as its variadic buffer count says).
     pub fn skip(&mut self, c: &IpcCounts) -> Result<(), BatchErr> {
         for _ in 0..c.nodes {
             self.node()?;
         }
         let mut fixed = c.buffers;
         if self.layout.version < MetadataVersion::V5 {
-            fixed = fixed.saturating_add(c.unions);
+            fixed = fixed.saturating_add(c.v4_validity);
         }
         if fixed > self.left() {
             self.buffer = self.layout.buffers.len();

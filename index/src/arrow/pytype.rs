@@ -98,9 +98,11 @@ pub(crate) struct IpcCounts {
     /// entry of the record batch's `variadicBufferCounts` says (one entry per view field, in
     /// the depth-first order of the schema's fields).
     pub views: usize,
-    /// Union fields (at any depth). Under IPC metadata V4 each also has a validity buffer,
-    /// not counted in `buffers` (V5 dropped it); see [`super::body::Walk::skip`].
-    pub unions: usize,
+    /// Union and run-end-encoded fields (at any depth): the types with no validity buffer in
+    /// IPC metadata V5 but one under V4 (every type but null has one there, as arrow-rs's
+    /// writer, `has_validity_bitmap`, and Arrow C++ write it). Those V4 validity buffers are
+    /// not counted in `buffers`; see [`super::body::Walk::skip`].
+    pub v4_validity: usize,
 }
 
 /// Where a column of type `dt` lies in an IPC record batch (as arrow-rs's reader steps over
@@ -115,12 +117,14 @@ pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
         D::ListView(f) | D::LargeListView(f) => (3, 0, vec![f.data_type()]),
         D::FixedSizeList(f, _) => (1, 0, vec![f.data_type()]),
         D::Struct(fs) => (1, 0, fs.iter().map(|f| f.data_type()).collect()),
-        // Type ids (and offsets when dense); V5 has no validity buffer (V4: see `unions`).
+        // Type ids (and offsets when dense); V5 has no validity buffer (V4: see
+        // `v4_validity`).
         D::Union(fs, mode) => (
             if *mode == UnionMode::Dense { 2 } else { 1 },
             0,
             fs.iter().map(|(_, f)| f.data_type()).collect(),
         ),
+        // Only its children's buffers; V5 has no validity buffer (V4: see `v4_validity`).
         D::RunEndEncoded(r, v) => (0, 0, vec![r.data_type(), v.data_type()]),
         // Dictionary columns hold indices; the values (views too) travel in dictionary
         // batches, whose variadic counts are their own.
@@ -130,14 +134,14 @@ pub(crate) fn ipc_counts(dt: &DataType) -> IpcCounts {
         nodes: 1,
         buffers: own,
         views,
-        unions: usize::from(matches!(dt, D::Union(..))),
+        v4_validity: usize::from(matches!(dt, D::Union(..) | D::RunEndEncoded(..))),
     };
     for c in children {
         let child = ipc_counts(c);
         out.nodes += child.nodes;
         out.buffers += child.buffers;
         out.views += child.views;
-        out.unions += child.unions;
+        out.v4_validity += child.v4_validity;
     }
     out
 }
@@ -172,7 +176,7 @@ mod tests {
             nodes,
             buffers,
             views,
-            unions: 0,
+            v4_validity: 0,
         }
     }
 
@@ -218,12 +222,12 @@ mod tests {
         };
         // Type ids (1) + int32 (2) + utf8 (3); dense adds offsets.
         let sparse = IpcCounts {
-            unions: 1,
+            v4_validity: 1,
             ..counts(3, 6, 0)
         };
         assert_eq!(ipc_counts(&union(UnionMode::Sparse)), sparse);
         let dense = IpcCounts {
-            unions: 1,
+            v4_validity: 1,
             ..counts(3, 7, 0)
         };
         assert_eq!(ipc_counts(&union(UnionMode::Dense)), dense);
@@ -233,9 +237,32 @@ mod tests {
         ]));
         let list = DataType::List(Arc::new(Field::new("item", st, true)));
         let nested = IpcCounts {
-            unions: 2,
+            v4_validity: 2,
             ..counts(8, 16, 0)
         };
         assert_eq!(ipc_counts(&list), nested);
+    }
+
+    #[test]
+    fn run_end_encoded_is_counted_for_its_v4_validity_buffer() {
+        // Before, only unions were: a run-end-encoded field's V4 validity buffer was not.
+        let ree = DataType::RunEndEncoded(
+            Arc::new(Field::new("run_ends", DataType::Int32, false)),
+            Arc::new(Field::new("values", DataType::Int64, true)),
+        );
+        // Its own node, no buffers of its own; run ends (2) + values (2).
+        let own = IpcCounts {
+            v4_validity: 1,
+            ..counts(3, 4, 0)
+        };
+        assert_eq!(ipc_counts(&ree), own);
+        let st = DataType::Struct(Fields::from(vec![Field::new("r", ree, true)]));
+        let nested = IpcCounts {
+            v4_validity: 1,
+            ..counts(4, 5, 0)
+        };
+        assert_eq!(ipc_counts(&st), nested);
+        // A null column has no validity buffer in V4 either.
+        assert_eq!(ipc_counts(&DataType::Null), counts(1, 0, 0));
     }
 }

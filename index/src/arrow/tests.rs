@@ -7,7 +7,7 @@ use std::sync::Arc;
 use arrow_array::builder::{Int64Builder, ListBuilder, StructBuilder};
 use arrow_array::{
     Array, ArrayRef, BooleanArray, DictionaryArray, FixedSizeListArray, Float32Array, Float64Array,
-    Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, UInt8Array, UInt16Array,
+    Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, RunArray, UInt8Array, UInt16Array,
     UnionArray, types::Int32Type,
 };
 use arrow_ipc::MetadataVersion;
@@ -344,14 +344,26 @@ fn unions_batch(x: &[i32]) -> RecordBatch {
     RecordBatch::try_new(Arc::new(Schema::new(schema)), arrays).unwrap()
 }
 
-#[test]
-fn union_columns_not_served_are_stepped_over_in_v4_and_v5_files() {
-    // Under metadata V4 a union field has a validity buffer (V5 dropped it), which arrow-rs
-    // and Arrow C++ write. Before, it was not counted: the V4 file was refused as having
-    // more buffers than its schema needs.
-    let x = [5i32, -1, 7, 0];
-    let batch = unions_batch(&x);
-    let dir = temp_dir("arrow-unions");
+/// `r` (run_end_encoded<int32, int64>: runs of 10 and 20), `x` (int64): four rows.
+fn run_end_encoded_batch(x: &[i64]) -> RecordBatch {
+    let ree = RunArray::<Int32Type>::try_new(
+        &Int32Array::from(vec![2, 4]),
+        &Int64Array::from(vec![10, 20]),
+    )
+    .unwrap();
+    let x = Int64Array::from(x.to_vec());
+    let schema = Schema::new(vec![
+        Field::new("r", ree.data_type().clone(), true),
+        Field::new("x", DataType::Int64, true),
+    ]);
+    let cols: Vec<ArrayRef> = vec![Arc::new(ree), Arc::new(x)];
+    RecordBatch::try_new(Arc::new(schema), cols).unwrap()
+}
+
+/// Indexes `batch` written as a V4 and a V5 file into a fresh directory, serving only `x`;
+/// checks that `x` comes out as `x_bytes` in both shards.
+fn check_v4_and_v5_serve_x(tag: &str, batch: &RecordBatch, x_bytes: &[u8]) {
+    let dir = temp_dir(tag);
     for (name, version) in [
         ("v4.arrow", MetadataVersion::V4),
         ("v5.arrow", MetadataVersion::V5),
@@ -359,7 +371,7 @@ fn union_columns_not_served_are_stepped_over_in_v4_and_v5_files() {
         let opts = IpcWriteOptions::try_new(8, false, version).unwrap();
         let f = std::fs::File::create(dir.join(name)).unwrap();
         let mut w = FileWriter::try_new_with_options(f, &batch.schema(), opts).unwrap();
-        w.write(&batch).unwrap();
+        w.write(batch).unwrap();
         w.finish().unwrap();
     }
     let opts = IndexOptions {
@@ -367,9 +379,23 @@ fn union_columns_not_served_are_stepped_over_in_v4_and_v5_files() {
         ..IndexOptions::default()
     };
     let m = index_dir(&dir, &opts).map_err(|e| e.to_string()).unwrap();
-    assert_eq!(m.shards.len(), 2);
-    check_manifest(&dir, &m, &[("x", le_bytes(&x, i32::to_le_bytes).repeat(2))]);
+    assert_eq!(m.shards.len(), 2, "{tag}");
+    check_manifest(&dir, &m, &[("x", x_bytes.repeat(2))]);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn union_and_run_end_encoded_columns_not_served_are_stepped_over_in_v4_and_v5_files() {
+    // Under metadata V4 a union or run-end-encoded field has a validity buffer (V5 dropped
+    // it), which arrow-rs and Arrow C++ write. Before, it was not counted (a run-end-encoded
+    // field's until now, a union's until the fix before): the V4 file was refused as having
+    // more buffers than its schema needs.
+    let x = [5i32, -1, 7, 0];
+    let union_x = le_bytes(&x, i32::to_le_bytes);
+    check_v4_and_v5_serve_x("arrow-unions", &unions_batch(&x), &union_x);
+    let x = [3i64, -9, 1 << 40, 0];
+    let ree_x = le_bytes(&x, i64::to_le_bytes);
+    check_v4_and_v5_serve_x("arrow-ree", &run_end_encoded_batch(&x), &ree_x);
 }
 
 #[test]

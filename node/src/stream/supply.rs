@@ -8,8 +8,9 @@
 //! memory counted as a trainer stall, issuing a FETCH through an [`Issue`] (the links, or a
 //! fake in tests), queueing what found no live source, and classifying failures: a CRC error
 //! or a lost connection is fetched again (from another source when one is up), a refusal that
-//! will not change (an unknown shard or dataset, a bad request) ends the stream with the
-//! source's reason.
+//! may pass is asked again (at once of a source that has not refused the shard yet, else after
+//! a backoff), and a refusal that will not change (an unknown shard or dataset, a bad request)
+//! ends the stream with the source's reason.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -353,6 +354,17 @@ impl Issue for Links {
     }
 }
 
+/// One shard's error answers since it was last delivered.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// All of them (the backoff grows with them).
+    answers: u32,
+    /// Those of a kind that may not pass ([`MAX_REFUSALS`]).
+    failed: u32,
+    /// The links that gave them: a fetch that goes to another link goes at once.
+    by: Vec<usize>,
+}
+
 /// A stream task's half of the fetch side: what waits to be issued, where outcomes arrive,
 /// and since when it waits for memory.
 pub struct Fetches {
@@ -367,9 +379,8 @@ pub struct Fetches {
     hints: Hints,
     /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
     crc_streak: HashMap<u32, u32>,
-    /// Per shard, since its last delivery: its sources' error answers (the backoff grows
-    /// with them), and those of a kind that may not pass ([`MAX_REFUSALS`]).
-    refused_streak: HashMap<u32, (u32, u32)>,
+    /// Per shard, since its last delivery: its sources' error answers ([`Refusals`]).
+    refused_streak: HashMap<u32, Refusals>,
     /// Per shard, since its last delivery: its fetches lost with their link or connection
     /// (the second and later are asked again after [`refusal_backoff`]).
     lost_streak: HashMap<u32, u32>,
@@ -591,7 +602,7 @@ impl Fetches {
             });
         }
         let pause = match &f {
-            FetchFailure::Refused { .. } => Some(self.refused_again(c.shard, &f)?),
+            FetchFailure::Refused { .. } => Some(self.refused_again(c.shard, c.source, &f)?),
             // The first goes again at once (another source, or the link's next session); a
             // shard whose fetches keep breaking their link or connection (a source that
             // fails on it every time) waits longer each time, not a round trip.
@@ -624,10 +635,18 @@ impl Fetches {
         Ok(None)
     }
 
-    /// Counts a refusal of `shard` (`f`) in a row: the pause before it is asked again (the
-    /// source's `retry_after`, else [`refusal_backoff`]), or, at [`MAX_REFUSALS`] of a kind
-    /// that may not pass, the stream's end.
-    fn refused_again(&mut self, shard: u32, f: &FetchFailure) -> Result<Duration, CloseReason> {
+    /// Counts a refusal of `shard` (`f`, from link `source`) in a row: the pause before it is
+    /// asked again, or, at [`MAX_REFUSALS`] of a kind that may not pass, the stream's end. No
+    /// pause when the next fetch goes to a link that has not refused it since its last
+    /// delivery (the answer was about that source's copy: its file, its disk); else the
+    /// source's `retry_after`, else [`refusal_backoff`]. A throttled or unavailable store keeps
+    /// its pause wherever the shard goes next: a dataset's sources share their object store.
+    fn refused_again(
+        &mut self,
+        shard: u32,
+        source: usize,
+        f: &FetchFailure,
+    ) -> Result<Duration, CloseReason> {
         use shardwire_protocol::wire::ErrorCode as C;
         let code = match f {
             FetchFailure::Refused { code, .. } => *code,
@@ -640,12 +659,15 @@ impl Fetches {
         // Only refusals that may not pass count; a throttled or unavailable store is waited
         // out, with the backoff, however long it lasts.
         let passing = matches!(code, C::Throttled | C::StorageUnavailable);
-        let (answers, failed) = self.refused_streak.entry(shard).or_default();
-        *answers += 1;
+        let r = self.refused_streak.entry(shard).or_default();
+        r.answers += 1;
         if !passing {
-            *failed += 1;
+            r.failed += 1;
         }
-        let (answers, times) = (*answers, *failed);
+        if !r.by.contains(&source) {
+            r.by.push(source);
+        }
+        let (answers, times) = (r.answers, r.failed);
         if times >= MAX_REFUSALS {
             let (d, shard) = self.supply.source_of(shard);
             tracing::error!(dataset = %d.dataset, shard, times, failure = %f, "the sources refused a shard again and again; closing the stream");
@@ -655,7 +677,24 @@ impl Fetches {
                 failure: f.clone(),
             });
         }
+        if !passing && self.goes_to_another(shard, source) {
+            return Ok(Duration::ZERO);
+        }
         Ok(f.retry_after().unwrap_or_else(|| refusal_backoff(answers)))
+    }
+
+    /// Whether the next fetch of `shard`, avoiding link `source`, goes to a link that has not
+    /// refused it since its last delivery ([`Supply::preferred`] now).
+    fn goes_to_another(&self, shard: u32, source: usize) -> bool {
+        let refused = self
+            .refused_streak
+            .get(&shard)
+            .map(|r| r.by.as_slice())
+            .unwrap_or_default();
+        let (d, wire_shard) = self.supply.source_of(shard);
+        self.supply
+            .preferred(d, wire_shard, Some(source))
+            .is_some_and(|l| l.index != source && !refused.contains(&l.index))
     }
 }
 
@@ -702,6 +741,115 @@ mod tests {
         assert_eq!(ready_ahead(64 * MIB, 100 * MIB, MIB), READY_AHEAD);
         assert_eq!(ready_ahead(64 * MIB, 0, 32 * MIB), READY_AHEAD);
         assert_eq!(ready_ahead(0, 0, 0), READY_AHEAD);
+    }
+
+    /// A fake that issues nothing (the tests sort outcomes by hand).
+    struct Idle;
+
+    impl Issue for Idle {
+        fn issue(&mut self, _: &Supply, p: Pending, _: &Completions) -> Result<(), IssueError> {
+            Err(IssueError::NoSource(p))
+        }
+    }
+
+    /// Fetches of a 2-shard dataset `d` (version `v1`) served by two live sources.
+    fn two_sources() -> Fetches {
+        use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+        let shard = |i: u32| ShardEntry {
+            file: format!("s{i}.bin"),
+            offset: 0,
+            length: 4096,
+            crc32c: 0,
+            tensors: vec![TensorEntry::dense(
+                "x".into(),
+                DType::Uint8,
+                vec![4096],
+                0,
+                4096,
+            )],
+        };
+        let roster = crate::roster::Roster::new(crate::link::LinkConfig {
+            secret: None,
+            lanes: vec![shardwire_protocol::wire::LaneAddr {
+                data_addr: "127.0.0.1:1".parse().unwrap(),
+                flows: 1,
+            }],
+        });
+        for addr in ["10.0.0.2:1", "10.0.0.3:1"] {
+            let (l, _) = roster.add(addr, "config").unwrap();
+            l.force_up(true);
+            l.served.record("d", Some("v1".into()), 0);
+        }
+        let source = DatasetSource {
+            dataset: "d".into(),
+            first: 0,
+            shards: 2,
+            digest: "v1".into(),
+        };
+        let supply = Supply::new(
+            1,
+            0,
+            Arc::new(Manifest::new(vec![shard(0), shard(1)])),
+            crate::fetch::tests::pool(1 << 20),
+            (vec![source], route::Routing::new(Arc::new(roster))),
+            Arc::new(Counters::default()),
+            Arc::new(AtomicU64::new(0)),
+        );
+        Fetches::new(supply, Box::new(Idle))
+    }
+
+    /// `shard`'s fetch into `slab` refused with `code` by link `source`, sorted; the fetch
+    /// requeued and when it is due.
+    fn refuse(
+        f: &mut Fetches,
+        (shard, slab, source): (u32, Slab, usize),
+        code: shardwire_protocol::wire::ErrorCode,
+    ) -> (Pending, Instant) {
+        let c = Completion {
+            pos: u64::from(shard),
+            shard,
+            slab,
+            source,
+            issued: Instant::now(),
+            result: Err(FetchFailure::Refused {
+                code,
+                retry_after_ms: 0,
+                message: "refused".into(),
+            }),
+        };
+        assert!(f.sort(c).unwrap().is_none(), "fetched again");
+        let p = f.waiting.pop_front().expect("requeued");
+        let due = p.not_before.expect("a time to ask again");
+        (p, due)
+    }
+
+    #[test]
+    fn a_shard_one_source_refused_goes_to_another_at_once_and_waits_once_all_refused() {
+        use shardwire_protocol::wire::ErrorCode as C;
+        let mut f = two_sources();
+        let (d, _) = f.supply.source_of(0);
+        let first = f.supply.preferred(d, 0, None).expect("a live source").index;
+        let slab = f.supply.try_alloc(4096).unwrap();
+        // Before: 100 ms before another source was asked, every epoch the bad copy refused.
+        let (p, due) = refuse(&mut f, (0, slab, first), C::ReadFailed);
+        assert!(due <= Instant::now(), "due at once");
+        assert_eq!(p.avoid, Some(first));
+        let (d, _) = f.supply.source_of(0);
+        let second = f.supply.preferred(d, 0, p.avoid).unwrap().index;
+        assert_ne!(second, first);
+        // The other refuses too: the next one to ask refused already, so it waits.
+        let before = Instant::now();
+        let (p, due) = refuse(&mut f, (0, p.slab, second), C::ReadFailed);
+        assert!(
+            due >= before + refusal_backoff(2),
+            "the backoff of the 2nd answer"
+        );
+        let r = &f.refused_streak[&0];
+        assert_eq!((r.answers, r.failed), (2, 2), "counted as before");
+        // A throttled store keeps its pause though another source is up: they share it.
+        let before = Instant::now();
+        let (_, due) = refuse(&mut f, (1, p.slab, first), C::Throttled);
+        assert!(due >= before + refusal_backoff(1));
     }
 
     #[test]

@@ -636,8 +636,9 @@ async fn a_local_shard_reported_corrupt_that_fails_its_crc_in_its_file_is_refuse
     assert_eq!(s.queues.queued, 2, "the file's other shard is served");
 }
 
-/// Right before its announcement too (`send_out`), a shard found bad in its file is refused
-/// as a read failure (fetched from another source), a changed file as `DatasetChanged`.
+/// Right before its announcement too (`send_out`), a shard found bad in its file, or a file
+/// that cannot be examined, is refused as a read failure (fetched from another source), a
+/// changed file as `DatasetChanged`.
 #[test]
 fn a_shard_found_bad_is_a_read_failure_and_a_changed_file_a_changed_dataset() {
     let corrupt = ShardChanged::Corrupt {
@@ -671,6 +672,18 @@ fn a_shard_found_bad_is_a_read_failure_and_a_changed_file_a_changed_dataset() {
         had: SHARD,
     };
     assert_eq!(shard_refusal(&shorter).0, ErrorCode::DatasetChanged);
+    // Before: `DatasetChanged`, so an EIO from `fstat` on a network file system ended the
+    // node's stream; a read error says nothing of the data.
+    let stat = ShardChanged::Stat {
+        name: "d.bin".into(),
+        source: std::io::Error::from_raw_os_error(5),
+    };
+    let (code, message) = shard_refusal(&stat);
+    assert_eq!(code, ErrorCode::ReadFailed, "{message}");
+    for says in ["d.bin", "cannot stat", "file system"] {
+        assert!(message.contains(says), "{says}: {message}");
+    }
+    assert!(!message.contains("shardwire index"), "{message}");
 }
 
 #[tokio::test(flavor = "current_thread")]
