@@ -11,7 +11,9 @@
 //! already (not the one being added), resolved to the location once the rule is in. A rule
 //! is deleted only where the rule at its location is still the one journaled. Each change
 //! undone is dropped from the file at once, so a restore that failed part way is retried
-//! only for what failed.
+//! only for what failed, as long as the file can be saved: one that cannot (a full disk)
+//! still lists steps already undone, which the next start undoes again, and the restore's
+//! summary says so (`file_stale`).
 //!
 //! Channels and header split go over ethtool netlink; RSS and ntuple steering over the
 //! `SIOCETHTOOL` ioctl ([`steer`]), since the netlink RSS/ntuple commands are newer than the
@@ -903,9 +905,11 @@ impl Journal {
     }
 
     /// Undo every change in reverse order and delete the state file. When a step fails, its
-    /// error is returned and the file keeps only the changes whose undo failed. With every
-    /// step undone the changes are returned and the file removed, even where saving it on
-    /// the way or removing it failed (each logged): the NIC is restored ([`settle_undo`]).
+    /// error is returned and the file is kept for the next start: with only the changes
+    /// whose undo failed where it could be saved, else also steps already undone, which the
+    /// next start undoes again (logged, `file_stale`: [`warn_if_stale`]). With every step
+    /// undone the changes are returned and the file removed, even where saving it on the way
+    /// or removing it failed (each logged): the NIC is restored ([`settle_undo`]).
     pub fn restore(self, client: &mut EthtoolClient) -> Result<Vec<Change>, NicError> {
         self.restore_with(client)
     }
@@ -914,33 +918,53 @@ impl Journal {
     fn restore_with<C: UndoOps>(mut self, client: &mut C) -> Result<Vec<Change>, NicError> {
         let changes = self.state.changes.clone();
         let undone = undo(&self.path, &mut self.state, client);
-        settle_undo(&self.path, &self.state, undone)?;
+        settle_undo(&self.path, &self.state, undone)
+            .inspect_err(|_| warn_if_stale(&self.path, &self.state))?;
         Ok(changes)
     }
 
     /// [`Journal::restore`] for a caller that cannot return its error (drop, the undo of a
     /// failed setup). Each failed step is logged by the undo ([`warn_undo_failed`]); this
     /// logs once what is left (the state file, kept for the next start), not those errors
-    /// again. With no step left there is no such summary: the file is removed
+    /// again: the steps left, and whether the file, which could not be saved, also lists
+    /// steps already undone, which the next start undoes again (`file_stale`:
+    /// [`lists_undone`]). With no step left there is no such summary: the file is removed
     /// ([`settle_undo`]).
     fn restore_or_warn<C: UndoOps>(mut self, client: &mut C) {
         let undone = undo(&self.path, &mut self.state, client);
         if settle_undo(&self.path, &self.state, undone).is_err() {
-            tracing::warn!(
-                ifname = %self.state.ifname,
-                path = %self.path.display(),
-                steps_left = self.state.changes.len(),
-                "NIC restore incomplete: its state file is kept, and the next start retries \
-                 the steps left (each failure is logged on its own)"
-            );
+            let (path, state) = (&self.path, &self.state);
+            if lists_undone(path, state) {
+                tracing::warn!(
+                    ifname = %state.ifname,
+                    path = %path.display(),
+                    steps_left = state.changes.len(),
+                    file_stale = true,
+                    "NIC restore incomplete: its state file is kept, and the next start retries \
+                     the steps left (each failure is logged on its own); the file could not be \
+                     saved (logged above), so it also lists steps already undone, which the \
+                     next start will undo again: free its disk, and check those settings \
+                     before the next start"
+                );
+            } else {
+                tracing::warn!(
+                    ifname = %state.ifname,
+                    path = %path.display(),
+                    steps_left = state.changes.len(),
+                    file_stale = false,
+                    "NIC restore incomplete: its state file is kept, and the next start retries \
+                     the steps left (each failure is logged on its own)"
+                );
+            }
         }
     }
 }
 
 /// After [`undo`] of `state`, journaled at `path` (`undone`: what the undo returned). With
-/// steps left: the undo's error, and the file keeps them for the next start. With none: the
-/// file is removed whatever `undone` says, since a save that failed on the way left it
-/// listing steps already undone, which the next start would redo (ntuple turned off again
+/// steps left: the undo's error, and the file keeps them for the next start (and, where its
+/// last save failed, steps already undone too: the callers log that, [`lists_undone`]). With
+/// none: the file is removed whatever `undone` says, since a save that failed on the way left
+/// it listing steps already undone, which the next start would redo (ntuple turned off again
 /// flushes the operator's rules); a failed removal is logged with its own message, not
 /// returned, as the NIC is restored.
 fn settle_undo(
@@ -980,6 +1004,35 @@ fn settle_undo(
     Ok(())
 }
 
+/// Whether the state file at `path` lists more steps than `state` keeps: a save after a step
+/// was undone failed, so the file still lists steps already undone, which the next start
+/// undoes again. Read back after a restore that left steps ([`settle_undo`]); the undo only
+/// drops steps, so a file listing more is one not saved since. One that cannot be read or
+/// parsed counts as not stale (the next start reports it as it is).
+fn lists_undone(path: &Path, state: &StateFile) -> bool {
+    std::fs::read(path)
+        .ok()
+        .and_then(|raw| serde_json::from_slice::<StateFile>(&raw).ok())
+        .is_some_and(|disk| disk.changes.len() > state.changes.len())
+}
+
+/// For a restore that returns its error (steps left, the state file kept): logs, where the
+/// file could not be saved and so also lists steps already undone ([`lists_undone`]), that
+/// the next start will undo those again; nothing where the file keeps only the steps left.
+fn warn_if_stale(path: &Path, state: &StateFile) {
+    if lists_undone(path, state) {
+        tracing::warn!(
+            ifname = %state.ifname,
+            path = %path.display(),
+            steps_left = state.changes.len(),
+            file_stale = true,
+            "NIC restore incomplete, and its state file could not be saved (logged above): \
+             besides the steps left it lists steps already undone, which the next start will \
+             undo again; free its disk, and check those settings before the next start"
+        );
+    }
+}
+
 /// A journal's temporary file: its name and `.tmp` (`nic-state.eth1.json.tmp`). Replacing
 /// the extension instead gave the journals of a base without one (`bare.eth0`, `bare.eth1`)
 /// one temporary file, `bare.tmp`, that two NICs' setups could write at once.
@@ -1017,7 +1070,10 @@ fn remove(path: &Path) -> Result<(), NicError> {
 /// is dropped from `state` and the file at `path` right away, so the file keeps only those
 /// not undone: a retry (the next start) redoes no finished step (a rule deleted twice could
 /// be someone else's by then; ntuple turned off twice would flush the operator's rules).
-/// Returns the first error.
+/// Where the file cannot be saved (each failure logged, the first returned), it still lists
+/// steps undone since its last save: with every step undone it is removed
+/// ([`settle_undo`]); with steps left the callers say so ([`lists_undone`]). Returns the
+/// first error.
 fn undo<C: UndoOps>(path: &Path, state: &mut StateFile, client: &mut C) -> Result<(), NicError> {
     let mut first_err = None;
     let ifname = state.ifname.clone();
@@ -1325,8 +1381,9 @@ impl UndoOps for EthtoolClient {
 /// whose interface name no longer has the index it recorded is left, and nothing undone
 /// ([`NicError::StateMismatch`]). One that records no change is removed unchecked
 /// ([`Restore::Undone`] with no changes). A step whose undo fails is returned as the error,
-/// the file keeping the steps left; with every step undone the file is removed, even where
-/// saving it on the way failed ([`settle_undo`]).
+/// the file keeping the steps left (and, where it could not be saved, steps already undone,
+/// which the next start undoes again: logged, [`warn_if_stale`]); with every step undone the
+/// file is removed, even where saving it on the way failed ([`settle_undo`]).
 pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     if !path.exists() {
         return Ok(None);
@@ -1385,7 +1442,7 @@ pub fn restore_from(path: &Path) -> Result<Option<Restore>, NicError> {
     // What the file held: `undo` drops each change from it (and `state`) once undone.
     let recorded = state.clone();
     let undone = undo(path, &mut state, &mut client);
-    settle_undo(path, &state, undone)?;
+    settle_undo(path, &state, undone).inspect_err(|_| warn_if_stale(path, &state))?;
     Ok(Some(Restore::Undone(recorded)))
 }
 

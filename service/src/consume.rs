@@ -2,7 +2,8 @@
 //! (JSON with `--jsonl`): epoch, index, shard (null in batch mode), and per tensor its name,
 //! dtype, shape and the CRC-32C of the bytes as received (`--print-values NAME` adds the
 //! values of an integer tensor); `--print-state` ends with a line `{"state": ...}` that
-//! resumes where it stopped (`--state`).
+//! resumes where it stopped (`--state`). The state goes through whole, as a [`ResumeState`]:
+//! fields this build does not know (a newer node's) are printed and sent back as they came.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -11,11 +12,11 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use serde_json::json;
-use shardwire_client::{Batch, Stream, StreamOptions};
+use shardwire_client::{Batch, ResumeState, Stream, StreamOptions};
 use shardwire_protocol::crc::crc32c;
 use shardwire_protocol::plan::Uneven;
 use shardwire_protocol::samples::Shuffle;
-use shardwire_protocol::trainer::{MixEntry, StreamState, WindowOrder};
+use shardwire_protocol::trainer::{MixEntry, WindowOrder};
 
 /// Flags of `shardwire consume`.
 #[derive(Args, Debug)]
@@ -187,8 +188,7 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
-    let mut s = Stream::open(&a.socket, options(&a)?)
-        .with_context(|| format!("opening a stream on {}", a.socket.display()))?;
+    let mut s = open_stream(&a)?;
     let out = std::io::stdout();
     let mut out = out.lock();
     let (mut n, mut bytes) = (0u64, 0u64);
@@ -207,7 +207,7 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         s.release(b)?;
     }
     if a.print_state {
-        writeln!(out, "{}", json!({ "state": s.state()? }))?;
+        writeln!(out, "{}", state_line(&s.resume_state()?))?;
     }
     drop(kept);
     if !a.jsonl {
@@ -221,18 +221,65 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The stream options the arguments ask for (`--state` parsed: a state, or an object with one
-/// under `state`, as `--print-state` prints it).
-fn options(a: &ConsumeArgs) -> anyhow::Result<StreamOptions> {
-    let state: Option<StreamState> = match &a.state {
-        None => None,
-        Some(s) => {
-            let v: serde_json::Value = serde_json::from_str(s).context("--state is not JSON")?;
-            let inner = v.get("state").cloned().unwrap_or(v);
-            Some(serde_json::from_value(inner).context("--state is not a stream state")?)
-        }
+/// Opens the stream the arguments ask for, from `--state` when given (with `open_from`, which
+/// sends the state's fields this build does not know back to the node as they came).
+fn open_stream(a: &ConsumeArgs) -> anyhow::Result<Stream> {
+    let from = a.state.as_deref().map(parse_state).transpose()?;
+    let o = options(a);
+    match &from {
+        Some(state) => Stream::open_from(&a.socket, o, state),
+        None => Stream::open(&a.socket, o),
+    }
+    .with_context(|| format!("opening a stream on {}", a.socket.display()))
+}
+
+/// What was wrong with `--state`.
+#[derive(Debug, thiserror::Error)]
+enum StateArgError {
+    /// Not JSON at all.
+    #[error(
+        "--state is not JSON: {source} (give the `{{\"state\": ...}}` line `--print-state` \
+         printed, or the state in it)"
+    )]
+    NotJson { source: serde_json::Error },
+    /// JSON, but not a resume state (a known field missing, of the wrong type, given twice).
+    #[error(
+        "--state is not a stream state: {source} (give the `{{\"state\": ...}}` line \
+         `--print-state` printed, or the state in it, unchanged)"
+    )]
+    NotAState { source: serde_json::Error },
+}
+
+/// `--state`: a resume state, or an object with one under `state` (as `--print-state` prints
+/// it). Fields this build does not know are kept, each value as it came, to go back to the
+/// node; the known ones are checked, and one that is wrong is named.
+fn parse_state(text: &str) -> Result<ResumeState, StateArgError> {
+    /// The `--print-state` line: decoded straight from the text (not through a `Value`,
+    /// which would rewrite the unknown fields' values).
+    #[derive(serde::Deserialize)]
+    struct Wrapped {
+        state: ResumeState,
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|source| StateArgError::NotJson { source })?;
+    let parsed = if v.get("state").is_some() {
+        serde_json::from_str::<Wrapped>(text).map(|w| w.state)
+    } else {
+        ResumeState::from_json(text)
     };
-    Ok(StreamOptions {
+    parsed.map_err(|source| StateArgError::NotAState { source })
+}
+
+/// The `--print-state` line, `{"state": ...}`: the state whole, fields this build does not know
+/// included, as the node wrote them.
+fn state_line(state: &ResumeState) -> String {
+    format!("{{\"state\":{}}}", state.to_json())
+}
+
+/// The stream options the arguments ask for, without a state: `--state` goes to
+/// [`Stream::open_from`], which sets the options' state from it.
+fn options(a: &ConsumeArgs) -> StreamOptions {
+    StreamOptions {
         seed: a.seed,
         rank: a.rank,
         world_size: a.world_size,
@@ -243,7 +290,6 @@ fn options(a: &ConsumeArgs) -> anyhow::Result<StreamOptions> {
         shuffle_block: a.shuffle_block,
         partitions: a.partitions,
         drop_last: a.drop_last,
-        state,
         seq_len: a.seq_len,
         tokens_column: a.tokens_column.clone(),
         token_dtype: a.token_dtype,
@@ -252,7 +298,7 @@ fn options(a: &ConsumeArgs) -> anyhow::Result<StreamOptions> {
         mix: a.mix.as_ref().map(|m| m.0.clone()),
         device: a.device.clone(),
         ..StreamOptions::new(a.dataset.clone().unwrap_or_default())
-    })
+    }
 }
 
 /// Each tensor of `b` as JSON (name, dtype, shape, CRC-32C; its values when asked for), adding
@@ -294,5 +340,52 @@ fn print_batch(
             b.index,
             tensors.len()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A newer node's state: `added` (with a value JSON would rewrite: `1.10`) is a field this
+    /// build does not know.
+    const NEWER: &str = r#"{"epoch":1,"index":7,"seed":3,"fingerprint":"f","added":[1.10,2]}"#;
+
+    #[test]
+    fn a_state_is_taken_bare_or_wrapped_its_unknown_fields_kept() {
+        // Before, `--state` was read into a StreamState, which refuses a field it does not know.
+        let wrapped = format!(r#"{{"state": {NEWER}}}"#);
+        for text in [NEWER, wrapped.as_str()] {
+            let st = parse_state(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!((st.known().epoch, st.known().index), (1, 7), "{text}");
+            assert_eq!(st.unknown_fields(), ["added"], "{text}");
+            assert!(
+                st.to_json().contains(r#""added":[1.10,2]"#),
+                "{}",
+                st.to_json()
+            );
+        }
+        // What `--print-state` prints is what `--state` takes back, whole.
+        let st = parse_state(NEWER).unwrap();
+        let line = state_line(&st);
+        assert!(line.starts_with(r#"{"state":{"#), "{line}");
+        assert_eq!(parse_state(&line).unwrap(), st);
+    }
+
+    #[test]
+    fn a_bad_state_is_refused_naming_what_was_wrong() {
+        let e = parse_state("{epoch").unwrap_err();
+        assert!(matches!(e, StateArgError::NotJson { .. }), "{e}");
+        assert!(e.to_string().starts_with("--state is not JSON: "), "{e}");
+        let bad = r#"{"epoch":0,"index":"x","seed":0,"fingerprint":"f","added":1}"#;
+        for text in [bad.to_string(), format!(r#"{{"state":{bad}}}"#)] {
+            let e = parse_state(&text).unwrap_err();
+            assert!(matches!(e, StateArgError::NotAState { .. }), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with("--state is not a stream state: ") && msg.contains("`index`"),
+                "{msg}"
+            );
+        }
     }
 }

@@ -1033,6 +1033,11 @@ fn a_restore_that_cannot_return_its_error_logs_each_failure_once_and_a_summary()
     assert_eq!(field(summary, "error"), None, "not logged again");
     assert_eq!(field(summary, "ifname"), Some("va"));
     assert_eq!(field(summary, "steps_left"), Some("1"));
+    assert_eq!(
+        field(summary, "file_stale"),
+        Some("false"),
+        "saved as it went"
+    );
     let shown = path.display().to_string();
     assert_eq!(field(summary, "path"), Some(shown.as_str()));
     assert_eq!(
@@ -1180,6 +1185,11 @@ fn a_restore_with_every_step_undone_removes_its_state_file_though_a_save_failed(
     let events = events_of(|| j.restore_or_warn(&mut FakeNic::default()));
     let summary = events.last().unwrap();
     assert_eq!(field(summary, "steps_left"), Some("1"), "{events:?}");
+    assert_eq!(
+        field(summary, "file_stale"),
+        Some("true"),
+        "the file still lists the undone Rss: {summary:?}"
+    );
     assert!(
         field(summary, "message").is_some_and(|m| m.starts_with("NIC restore incomplete")),
         "{summary:?}"
@@ -1240,4 +1250,32 @@ fn a_restore_with_every_step_undone_succeeds_though_its_state_file_stays() {
     );
     std::fs::remove_dir(&path).unwrap();
     let _ = std::fs::remove_file(tmp_path(&path));
+}
+
+#[test]
+fn a_restore_that_returns_its_error_with_a_stale_file_says_so() {
+    // `restore` (a binding's unbind) returns the error, but a file that still lists a step
+    // already undone (its save failed) is named: the next start would undo that step again.
+    let path = state_path("stale-restore");
+    let tmp = tmp_path(&path);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&tmp);
+    let mut j = Journal::create(&path, "va", 1, None).unwrap();
+    j.record(Change::NtupleOn).unwrap();
+    j.record(Change::Rss { table: Vec::new() }).unwrap();
+    std::fs::create_dir(&tmp).unwrap();
+    let mut result = None;
+    let events = events_of(|| result = Some(j.restore_with(&mut FakeNic::default())));
+    assert!(result.unwrap().is_err(), "ntuple could not be turned off");
+    let stale: Vec<_> = events
+        .iter()
+        .filter(|e| field(e, "file_stale") == Some("true"))
+        .collect();
+    assert_eq!(stale.len(), 1, "{events:?}");
+    assert!(
+        on_disk(&path).contains(&Change::Rss { table: Vec::new() }),
+        "still listed"
+    );
+    std::fs::remove_dir(&tmp).unwrap();
+    let _ = std::fs::remove_file(&path);
 }

@@ -68,6 +68,7 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
             shard,
             slab,
             avoid: None,
+            refused: Box::default(),
             not_before: None,
         })?;
     }

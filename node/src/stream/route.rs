@@ -4,8 +4,10 @@
 //! node's placement over the members ([`super::placement`]) names each shard's source; when
 //! that source is down or just failed the shard, the shard goes to the next live member in its
 //! rendezvous ranking ([`affinity::pick`]), so only that source's shards move while it is
-//! away. A link whose answer is missing (found while streams run) or from an earlier session
-//! is asked for the dataset's manifest in the background, and joins once it answers.
+//! away; one that refused the shard since its last delivery is passed over too while a live
+//! member has not ([`Avoid`]). A link whose answer is missing (found while streams run) or
+//! from an earlier session is asked for the dataset's manifest in the background, and joins
+//! once it answers.
 
 use std::sync::Arc;
 
@@ -100,23 +102,53 @@ pub fn unserved(roster: &Roster, v: Version<'_>) -> Option<String> {
     (!said.is_empty()).then(|| said.join(", "))
 }
 
+/// The links a fetch passes over ([`choose`]), by link id.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Avoid<'a> {
+    /// The link that failed the shard last: passed over while another member is up.
+    pub last: Option<usize>,
+    /// The links that refused the shard since its last delivery: passed over, with `last`,
+    /// while a live member is neither.
+    pub refused: &'a [usize],
+}
+
+#[cfg(test)]
+impl Avoid<'_> {
+    /// Passing over `last` only.
+    pub fn last(last: usize) -> Self {
+        Self {
+            last: Some(last),
+            refused: &[],
+        }
+    }
+}
+
 /// The link for shard `shard` of `v` among `members` (sorted): the placement's source when
-/// it is up and not `avoid` (a link id), else the next live one in the shard's ranking.
-/// `sizes` gives the dataset's shard sizes when the placement must be computed.
+/// it is up and not avoided, else the next such live one in the shard's ranking. Avoided are
+/// `avoid.last` and `avoid.refused` while a live member is neither; once every live member is
+/// one of them, only `avoid.last` while another is up (so a shard that every source refused
+/// still moves on from the last one). `sizes` gives the dataset's shard sizes when the
+/// placement must be computed.
 pub fn choose(
     placements: &Placements,
     v: Version<'_>,
     members: &[Arc<SourceLink>],
-    (shard, avoid): (u32, Option<usize>),
+    (shard, avoid): (u32, Avoid<'_>),
     sizes: impl FnOnce() -> Vec<u64>,
 ) -> Option<Arc<SourceLink>> {
     let names: Vec<&str> = members.iter().map(|l| l.addr.as_str()).collect();
     let up: Vec<bool> = members.iter().map(|l| l.is_up()).collect();
-    let avoid = avoid.and_then(|id| members.iter().position(|l| l.index == id));
+    let last = avoid
+        .last
+        .and_then(|id| members.iter().position(|l| l.index == id));
+    let fresh: Vec<bool> = (0..members.len())
+        .map(|i| up[i] && Some(i) != last && !avoid.refused.contains(&members[i].index))
+        .collect();
+    let live = if fresh.contains(&true) { &fresh } else { &up };
     let placed = placements.owner((v.dataset, v.digest), &names, shard, sizes);
     let i = match placed {
-        Some(o) if up[o] && Some(o) != avoid => Some(o),
-        _ => affinity::pick(v.dataset, shard, &names, &up, avoid),
+        Some(o) if live[o] && Some(o) != last => Some(o),
+        _ => affinity::pick(v.dataset, shard, &names, live, last),
     }?;
     Some(Arc::clone(&members[i]))
 }
@@ -238,7 +270,10 @@ pub(crate) mod tests {
         let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
         let p = Placements::default();
         let sizes = || vec![1000u64; 300];
-        assert!(choose(&p, V, &l, (0, None), sizes).is_none(), "all down");
+        assert!(
+            choose(&p, V, &l, (0, Avoid::default()), sizes).is_none(),
+            "all down"
+        );
         for x in &l {
             x.force_up(true);
         }
@@ -247,17 +282,17 @@ pub(crate) mod tests {
         let mut moved = 0;
         for shard in 0..300u32 {
             let owner = usize::from(placed[shard as usize]);
-            let got = choose(&p, V, &l, (shard, None), sizes).unwrap();
+            let got = choose(&p, V, &l, (shard, Avoid::default()), sizes).unwrap();
             assert_eq!(
                 got.index, l[owner].index,
                 "shard {shard} goes to its placement"
             );
             // Its source failed it: the next in the ranking, never the one that failed.
-            let retry = choose(&p, V, &l, (shard, Some(l[owner].index)), sizes).unwrap();
+            let retry = choose(&p, V, &l, (shard, Avoid::last(l[owner].index)), sizes).unwrap();
             assert_ne!(retry.index, l[owner].index);
             // Its source is down: the same next one.
             l[owner].force_up(false);
-            let away = choose(&p, V, &l, (shard, None), sizes).unwrap();
+            let away = choose(&p, V, &l, (shard, Avoid::default()), sizes).unwrap();
             assert_eq!(away.index, retry.index);
             l[owner].force_up(true);
             let others: Vec<bool> = (0..3).map(|i| i != owner).collect();
@@ -266,5 +301,44 @@ pub(crate) mod tests {
             moved += 1;
         }
         assert_eq!(moved, 300);
+    }
+
+    /// Only the last refusing source was avoided: a shard that the two best-ranked of three
+    /// sources refused went back to the first, never to the third.
+    #[test]
+    fn a_shard_goes_past_every_source_that_refused_it_while_one_has_not() {
+        let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
+        for x in &l {
+            x.force_up(true);
+        }
+        let p = Placements::default();
+        let sizes = || vec![1000u64; 30];
+        for shard in 0..30u32 {
+            let a = choose(&p, V, &l, (shard, Avoid::default()), sizes)
+                .unwrap()
+                .index;
+            let b = choose(&p, V, &l, (shard, Avoid::last(a)), sizes)
+                .unwrap()
+                .index;
+            let refused = [a, b];
+            let by_both = Avoid {
+                last: Some(b),
+                refused: &refused,
+            };
+            let c = choose(&p, V, &l, (shard, by_both), sizes).unwrap().index;
+            assert!(c != a && c != b, "shard {shard}: the third");
+            // The third is down: every live one refused, so only the last is passed over.
+            l.iter().find(|x| x.index == c).unwrap().force_up(false);
+            let next = choose(&p, V, &l, (shard, by_both), sizes).unwrap().index;
+            assert_eq!(next, a, "shard {shard}: as with the last one avoided");
+            l.iter().find(|x| x.index == c).unwrap().force_up(true);
+            // A refuser that is not the last failure (another failed it since): both passed
+            // over while the third is up.
+            let lost = Avoid {
+                last: Some(b),
+                refused: &refused[..1],
+            };
+            assert_eq!(choose(&p, V, &l, (shard, lost), sizes).unwrap().index, c);
+        }
     }
 }

@@ -10,7 +10,9 @@
 //! or a lost connection is fetched again (from another source when one is up), a refusal that
 //! may pass is asked again (at once of a source that has not refused the shard yet, else after
 //! a backoff), and a refusal that will not change (an unknown shard or dataset, a bad request)
-//! ends the stream with the source's reason.
+//! ends the stream with the source's reason. A fetch asked again passes over the sources that
+//! refused its shard since its last delivery while another live one serves it
+//! ([`route::Avoid`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,7 +25,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::error::{CloseReason, MAX_CRC_MISMATCHES, MAX_REFUSALS, refusal_backoff};
 use super::hints::{HintTarget, Hints};
-use super::route::{self, Routing, Version};
+use super::route::{self, Avoid, Routing, Version};
 use crate::counters::Counters;
 use crate::fetch::{Completion, Completions, FetchFailure, FetchRequest, InFlight, RetryClass};
 use crate::link::{SendError, SourceLink};
@@ -92,6 +94,9 @@ pub struct Pending {
     pub slab: Slab,
     /// The link that failed it last, avoided while another is up.
     pub avoid: Option<usize>,
+    /// The links that refused its shard since its last delivery, avoided too while a live
+    /// source is not one of them ([`Avoid`]).
+    pub refused: Box<[usize]>,
     /// Not before this (a throttled source asked the node to wait).
     pub not_before: Option<Instant>,
 }
@@ -105,7 +110,16 @@ impl Pending {
             shard,
             slab,
             avoid: None,
+            refused: Box::default(),
             not_before: None,
+        }
+    }
+
+    /// The links this fetch passes over ([`Supply::preferred`]).
+    pub fn avoiding(&self) -> Avoid<'_> {
+        Avoid {
+            last: self.avoid,
+            refused: &self.refused,
         }
     }
 }
@@ -116,7 +130,7 @@ pub enum IssueError {
     /// No link that serves the dataset is up: try again later.
     NoSource(Pending),
     /// The FETCH cannot be sent at all (a bug: names are checked when the stream opens).
-    Fatal(Pending, String),
+    Fatal(Pending, Box<str>),
 }
 
 /// Sends a fetch on its way; the links in the node, a fake in tests.
@@ -220,13 +234,13 @@ impl Supply {
     }
 
     /// The link to fetch `source`'s shard `wire_shard` from now: its placement's source when
-    /// that one is up and not `avoid` (a link id), else the next live one in the shard's
-    /// rendezvous ranking ([`route::choose`]).
+    /// that one is up and not avoided (`avoid`, link ids), else the next such live one in the
+    /// shard's rendezvous ranking ([`route::choose`]).
     pub fn preferred(
         &self,
         source: &DatasetSource,
         wire_shard: u32,
-        avoid: Option<usize>,
+        avoid: Avoid<'_>,
     ) -> Option<Arc<SourceLink>> {
         let v = source.version();
         let members = self.routing.members(v, &|| self.next_id());
@@ -297,7 +311,7 @@ impl HintTarget for Supply {
     }
 
     fn link_for(&self, di: usize, wire_shard: u32) -> Option<usize> {
-        self.preferred(&self.sources[di], wire_shard, None)
+        self.preferred(&self.sources[di], wire_shard, Avoid::default())
             .map(|l| l.index)
     }
 
@@ -313,14 +327,14 @@ impl HintTarget for Supply {
 }
 
 /// The real [`Issue`]: the shard's preferred live link ([`Supply::preferred`]), avoiding the
-/// one that just failed while another is up.
+/// one that just failed and those that refused the shard while another is up.
 #[derive(Debug, Default)]
 pub struct Links;
 
 impl Issue for Links {
     fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
         let (source, shard) = s.source_of(p.shard);
-        let Some(link) = s.preferred(source, shard, p.avoid) else {
+        let Some(link) = s.preferred(source, shard, p.avoiding()) else {
             return Err(IssueError::NoSource(p));
         };
         let entry = &s.manifest.shards[p.shard as usize];
@@ -344,10 +358,11 @@ impl Issue for Links {
                 shard,
                 slab: f.unsent(),
                 avoid: p.avoid,
+                refused: p.refused,
                 not_before: None,
             };
             match e {
-                SendError::Encode { .. } => IssueError::Fatal(p, e.to_string()),
+                SendError::Encode { .. } => IssueError::Fatal(p, e.to_string().into()),
                 SendError::Down(_) => IssueError::NoSource(p),
             }
         })
@@ -361,7 +376,8 @@ struct Refusals {
     answers: u32,
     /// Those of a kind that may not pass ([`MAX_REFUSALS`]).
     failed: u32,
-    /// The links that gave them: a fetch that goes to another link goes at once.
+    /// The links that gave them: the next fetch passes over them while a live source is not
+    /// one of them ([`Pending::refused`]), and goes at once when it does.
     by: Vec<usize>,
 }
 
@@ -625,11 +641,15 @@ impl Fetches {
                 tracing::warn!(shard = c.shard, failure = %other, "refetching after a failed fetch")
             }
         }
+        // Any failure passes over the sources that refused the shard, not only a refusal: a
+        // shard with none is fetched as before (avoiding only the link that failed it).
+        let refused = self.refusers(c.shard).into();
         self.waiting.push_back(Pending {
             pos: c.pos,
             shard: c.shard,
             slab: c.slab,
             avoid: Some(c.source),
+            refused,
             not_before: pause.map(|d| Instant::now() + d),
         });
         Ok(None)
@@ -683,17 +703,26 @@ impl Fetches {
         Ok(f.retry_after().unwrap_or_else(|| refusal_backoff(answers)))
     }
 
-    /// Whether the next fetch of `shard`, avoiding link `source`, goes to a link that has not
-    /// refused it since its last delivery ([`Supply::preferred`] now).
-    fn goes_to_another(&self, shard: u32, source: usize) -> bool {
-        let refused = self
-            .refused_streak
+    /// The links that refused `shard` since its last delivery ([`Refusals::by`]).
+    fn refusers(&self, shard: u32) -> &[usize] {
+        self.refused_streak
             .get(&shard)
             .map(|r| r.by.as_slice())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// Whether the next fetch of `shard`, avoiding link `source` and those that refused it
+    /// since its last delivery, goes to a live link that is none of them
+    /// ([`Supply::preferred`] now, as [`Links`] will ask it).
+    fn goes_to_another(&self, shard: u32, source: usize) -> bool {
+        let refused = self.refusers(shard);
+        let avoid = Avoid {
+            last: Some(source),
+            refused,
+        };
         let (d, wire_shard) = self.supply.source_of(shard);
         self.supply
-            .preferred(d, wire_shard, Some(source))
+            .preferred(d, wire_shard, avoid)
             .is_some_and(|l| l.index != source && !refused.contains(&l.index))
     }
 }
@@ -754,6 +783,11 @@ mod tests {
 
     /// Fetches of a 2-shard dataset `d` (version `v1`) served by two live sources.
     fn two_sources() -> Fetches {
+        sources(&["10.0.0.2:1", "10.0.0.3:1"])
+    }
+
+    /// Fetches of a 2-shard dataset `d` (version `v1`) served by live sources at `addrs`.
+    fn sources(addrs: &[&str]) -> Fetches {
         use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
         let shard = |i: u32| ShardEntry {
             file: format!("s{i}.bin"),
@@ -775,7 +809,7 @@ mod tests {
                 flows: 1,
             }],
         });
-        for addr in ["10.0.0.2:1", "10.0.0.3:1"] {
+        for addr in addrs {
             let (l, _) = roster.add(addr, "config").unwrap();
             l.force_up(true);
             l.served.record("d", Some("v1".into()), 0);
@@ -828,14 +862,18 @@ mod tests {
         use shardwire_protocol::wire::ErrorCode as C;
         let mut f = two_sources();
         let (d, _) = f.supply.source_of(0);
-        let first = f.supply.preferred(d, 0, None).expect("a live source").index;
+        let first = f
+            .supply
+            .preferred(d, 0, Avoid::default())
+            .expect("a live source")
+            .index;
         let slab = f.supply.try_alloc(4096).unwrap();
         // Before: 100 ms before another source was asked, every epoch the bad copy refused.
         let (p, due) = refuse(&mut f, (0, slab, first), C::ReadFailed);
         assert!(due <= Instant::now(), "due at once");
         assert_eq!(p.avoid, Some(first));
         let (d, _) = f.supply.source_of(0);
-        let second = f.supply.preferred(d, 0, p.avoid).unwrap().index;
+        let second = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
         assert_ne!(second, first);
         // The other refuses too: the next one to ask refused already, so it waits.
         let before = Instant::now();
@@ -850,6 +888,80 @@ mod tests {
         let before = Instant::now();
         let (_, due) = refuse(&mut f, (1, p.slab, first), C::Throttled);
         assert!(due >= before + refusal_backoff(1));
+    }
+
+    /// Only the last refusing source was avoided: with three sources a shard that the two
+    /// best-ranked refused went back to the first after a backoff, bouncing between them until
+    /// [`MAX_REFUSALS`] ended the stream, while the third was up. Now it goes to the third at
+    /// once, and only once all three refused does it wait (and leave the last one).
+    #[test]
+    fn a_shard_two_of_three_sources_refused_goes_to_the_third_at_once() {
+        use shardwire_protocol::wire::ErrorCode as C;
+        let mut f = sources(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
+        let (d, _) = f.supply.source_of(0);
+        let a = f.supply.preferred(d, 0, Avoid::default()).unwrap().index;
+        let slab = f.supply.try_alloc(4096).unwrap();
+        let (p, due) = refuse(&mut f, (0, slab, a), C::ReadFailed);
+        assert!(due <= Instant::now(), "due at once");
+        let (d, _) = f.supply.source_of(0);
+        let b = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
+        assert_ne!(b, a);
+        let (p, due) = refuse(&mut f, (0, p.slab, b), C::ReadFailed);
+        assert!(
+            due <= Instant::now(),
+            "due at once: the third has not refused it"
+        );
+        assert_eq!((p.avoid, &p.refused[..]), (Some(b), &[a, b][..]));
+        let (d, _) = f.supply.source_of(0);
+        let c = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
+        assert!(c != a && c != b, "the third, not the first again");
+        // All three refused: a backoff, and the next ask leaves the last one.
+        let before = Instant::now();
+        let (p, due) = refuse(&mut f, (0, p.slab, c), C::ReadFailed);
+        assert!(
+            due >= before + refusal_backoff(3),
+            "the backoff of the 3rd answer"
+        );
+        let (d, _) = f.supply.source_of(0);
+        let next = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
+        assert_ne!(next, c);
+    }
+
+    /// A fetch lost with its link after a refusal passed over the lost link only, and went
+    /// back to the source that had refused the shard while a third was up.
+    #[test]
+    fn a_shard_lost_after_a_refusal_passes_over_the_refusing_source_too() {
+        use shardwire_protocol::wire::ErrorCode as C;
+        let mut f = sources(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
+        let (d, _) = f.supply.source_of(0);
+        let a = f.supply.preferred(d, 0, Avoid::default()).unwrap().index;
+        let slab = f.supply.try_alloc(4096).unwrap();
+        let (p, _) = refuse(&mut f, (0, slab, a), C::ReadFailed);
+        let (d, _) = f.supply.source_of(0);
+        let b = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
+        let c = Completion {
+            pos: 0,
+            shard: 0,
+            slab: p.slab,
+            source: b,
+            issued: Instant::now(),
+            result: Err(FetchFailure::LinkDown {
+                source_addr: "10.0.0.x:1".into(),
+                reason: "reset".into(),
+            }),
+        };
+        assert!(f.sort(c).unwrap().is_none(), "fetched again");
+        let p = f.waiting.pop_front().expect("requeued");
+        assert_eq!((p.avoid, &p.refused[..]), (Some(b), &[a][..]));
+        let (d, _) = f.supply.source_of(0);
+        let next = f.supply.preferred(d, 0, p.avoiding()).unwrap().index;
+        assert!(
+            next != a && next != b,
+            "the third: {next}, not {a} that refused"
+        );
+        // Delivered (or no longer needed): its refusals are forgotten.
+        f.forget(0);
+        assert!(f.refusers(0).is_empty());
     }
 
     #[test]
