@@ -2,6 +2,10 @@
 //! real channel counts to change, and no ring parameters, like any driver without header
 //! split).
 
+use super::undo::{
+    UndoOps, pending_rule_candidates, rules_deleted_by, settle_undo, undo, warn_left,
+    warn_undo_failed,
+};
 use super::*;
 use crate::testutil::Netns;
 
