@@ -380,3 +380,87 @@ def test_an_interrupt_at_any_bytecode_from_the_region_fds_receipt_leaves_no_fd_o
             assert s is not None and at > 50, at  # every bytecode was tried
             return
     raise AssertionError("the receipt never ended")
+
+
+def late_node(path: str, late: int, attach: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Thread, list[list[str]]]:
+    """A fake node at `path` that times its first `late` connections out as the node does
+    when no attach came within trainer_request_timeout_secs, while the client is held up
+    between `info` and its attach (as by a long garbage collection), then, if `attach`,
+    answers one attach; the ops each connection got are recorded. Events, not clocks, order
+    the two sides."""
+    from shardwire import _client
+
+    asked, timed_out = threading.Event(), threading.Event()
+    auto_device = _client._auto_device
+
+    def held_up(conn: _wire.Conn, where: str) -> Any:
+        got = auto_device(conn, where)
+        if len(seen) <= late:
+            asked.set()
+            assert timed_out.wait(10), "the node never timed the connection out"
+            timed_out.clear()
+        return got
+
+    monkeypatch.setattr(_client, "_auto_device", held_up)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    srv.settimeout(10)
+    seen: list[list[str]] = []
+
+    def node() -> None:
+        with srv:
+            for n in range(late + attach):
+                c, _ = srv.accept()
+                conn, got = _wire.Conn(c), []
+                seen.append(got)
+                while True:
+                    req = conn.recv()[0]
+                    got.append(req["op"])
+                    if req["op"] == "info":
+                        conn.send({"op": "info", "memory": "host", "lanes": []})
+                        if n < late:
+                            assert asked.wait(10), "the client never asked for info"
+                            asked.clear()
+                            conn.send({"op": "error", "code": "timeout",
+                                       "message": "no attach within 10 s of connecting (trainer_request_timeout_secs)"})
+                            c.close()
+                            timed_out.set()
+                            break
+                        continue
+                    fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+                    os.ftruncate(fd, REGION)
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+                    socket.send_fds(c, [_wire.encode(GOOD)], [fd])
+                    os.close(fd)
+                    c.recv(1)  # until the client closes
+                    c.close()
+                    return
+
+    t = threading.Thread(target=node, daemon=True)
+    t.start()
+    return t, seen
+
+
+def test_an_attach_the_node_timed_out_goes_again_on_a_new_connection(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """A trainer held up between connecting and attaching (a garbage collection that frees a
+    DataLoader iterator joins its workers, 5 s each) finds the connection closed by the node
+    (trainer_request_timeout_secs): before, the open failed with a broken pipe or the node's
+    `timeout`; no stream existed, so now the attach goes again, once, on a new connection."""
+    path = str(tmp_path / "node.sock")
+    t, seen = late_node(path, 1, True, monkeypatch)
+    s = shardwire.connect(path).open_stream("d")
+    s.close()
+    t.join(10)
+    assert seen == [["info"], ["info", "attach"]], seen
+
+
+def test_an_attach_timed_out_twice_fails_with_the_nodes_reason(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """Once only: a node that times the new connection out too is answered with its error."""
+    path = str(tmp_path / "node.sock")
+    t, seen = late_node(path, 2, False, monkeypatch)
+    with pytest.raises((shardwire.ServiceError, shardwire.ConnectionClosed)) as e:
+        shardwire.connect(path).open_stream("d")
+    assert isinstance(e.value, shardwire.ConnectionClosed) or e.value.code == "timeout", e.value
+    t.join(10)
+    assert seen == [["info"], ["info"]], seen

@@ -466,6 +466,10 @@ def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
     return conn, device
 
 
+class _AttachLate(Exception):
+    """The node closed a connection before its attach arrived (`Stream._open`)."""
+
+
 def _service_error(msg: Mapping[str, Any]) -> ServiceError:
     """The ServiceError of an ``error`` message."""
     return ServiceError(str(msg.get("code")), str(msg.get("message")))
@@ -572,6 +576,21 @@ class Stream(_StreamBase[Batch]):
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
+        """Opens a stream (see `_open_once`); once more, on a new connection, where the node
+        closed the first before its attach arrived: it allows trainer_request_timeout_secs
+        (10 s by default) from connecting, and this process may be held up meanwhile (a
+        garbage collection that frees a DataLoader iterator joins its workers, 5 s each). No
+        stream exists then, so the attach is safe to send again."""
+        try:
+            return cls._open_once(path, req, auto_device, late_ok=True)
+        except _AttachLate:
+            return cls._open_once(path, req, auto_device, late_ok=False)
+
+    @classmethod
+    def _open_once(cls, path: str, req: dict[str, Any], auto_device: bool, late_ok: bool) -> Stream:
+        """Connects, attaches and maps the stream's region. With `late_ok`, a node that closed
+        the connection before the attach (the send fails, or the answer is its ``timeout``
+        error: the only one it gives before an attach) raises `_AttachLate`."""
         conn = _wire.Conn(_connect(path))
         fds: list[int] = []
         try:
@@ -579,12 +598,20 @@ class Stream(_StreamBase[Batch]):
                 conn, device = _auto_device(conn, path)
                 if device is not None:
                     req = {**req, "device": device}
-            conn.send(req)
+            try:
+                conn.send(req)
+            except ConnectionClosed as e:
+                if late_ok:
+                    raise _AttachLate from e
+                raise
             conn.await_reply(_wire.ATTACH_LIMIT, "attach")
             msg = conn.recv_fds(fds)  # into `fds` as they arrive: closed below, whatever strikes
             op = msg["op"]
             if op == "error":
-                raise _service_error(msg)
+                err = _service_error(msg)
+                if late_ok and err.code == "timeout":
+                    raise _AttachLate from err
+                raise err
             if op != "attached":
                 raise ProtocolError(f"unexpected answer to attach: {msg!r}")
             if len(fds) != 1:
