@@ -415,7 +415,10 @@ def test_many_nodes_that_queue_fetches_make_the_source_read_at_most_four_budgets
     # The reads the budgets let start have ended; the rest wait (a read over them would have
     # started with them: every FETCH was queued at once).
     wait_for(lambda: reading_shards(src) == 0, "the reads within the budgets to end", 30)
-    assert len(read_shards()) <= 16, sorted(read_shards())
+    # Four budgets (16 shards), plus at most one shard for each session that holds no read
+    # and waited STARVED_PATIENCE (1 s: two of the six here, on a machine slow enough that
+    # the reads within the budgets took that long). Before, every shard was read (24).
+    assert len(read_shards()) <= 16 + 2, sorted(read_shards())
     # Once payloads go out, the waiting reads start: every shard arrives, byte exact.
     want = [sh["crc32c"] for sh in load_manifest(d)["shards"]]
     for ctl, _, _ in nodes:
