@@ -23,6 +23,13 @@
 //! after its idle timeout without requests. A batch dropped (every
 //! clone of it) without [`HttpStream::release`] is released before the stream's next `next`,
 //! as [`crate::Stream`] gives its dropped batches back.
+//!
+//! Every request has two limits: each read waits at most its timeout for the next bytes, and
+//! the whole response must arrive by a deadline (the timeout plus its body at no less than
+//! about 1 MiB/s), so a reply trickled a byte at a time ends too. Either fails the request with
+//! [`ClientError::NoAnswer`], naming it (`"GET /v1/leases/{lease}/tensors/{name}"`) and the
+//! wait, and closes the connection; nothing is sent again after a timeout (the node may be
+//! stopped: a second wait would only double the first).
 
 use std::io::{BufReader, Write};
 use std::net::TcpStream;
@@ -36,8 +43,10 @@ use crate::resume::{ResumeState, with_state, with_unknown_state};
 use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
 
 mod reply;
+mod timed;
 
 use reply::{Fail, Reply, read_reply};
+use timed::Timed;
 
 /// `next` without a timeout polls in waits of this length.
 const POLL_MS: u64 = 30_000;
@@ -54,6 +63,23 @@ const ANSWER_LIMIT_ERROR: u64 = 1 << 20;
 /// Downloads of one tensor while the node's copy budget stays full (`503` `unavailable`,
 /// each after the node waited 10 s for room), as the Python SDK's.
 const COPY_ATTEMPTS: usize = 6;
+/// Slowest a response's body may arrive (bytes per millisecond, ~1 MiB/s) before its deadline
+/// ends it: the node sends far faster; a body slower than this is stalled, not slow.
+const MIN_RATE_PER_MS: u64 = (1 << 20) / 1000;
+
+/// The longest a whole response may take: `timeout` (the wait for its first bytes) plus a
+/// body of `max` bytes (the most it may have) at [`MIN_RATE_PER_MS`].
+fn response_limit(timeout: Duration, max: u64) -> Duration {
+    timeout.saturating_add(Duration::from_millis(max / MIN_RATE_PER_MS))
+}
+
+/// Whether a read failed because its timeout passed (`SO_RCVTIMEO`: `WouldBlock` on Linux).
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
 
 /// One tensor of an [`HttpBatch`] (its bytes are fetched with [`HttpStream::tensor_bytes`]).
 pub type HttpTensor = TensorMeta;
@@ -185,20 +211,26 @@ fn lease_gone(r: &Result<(), ClientError>) -> bool {
     )
 }
 
-/// Whether an error is one of the connection itself (it could not be reached, or the
-/// request or its answer was lost on it), rather than an answer that was read.
+/// Whether an error is one of the connection itself (it could not be reached, the request or
+/// its answer was lost on it, or no answer came in time), rather than an answer that was read.
 fn transport_error(e: &ClientError) -> bool {
-    matches!(e, ClientError::Frame(_) | ClientError::Connect { .. })
+    matches!(
+        e,
+        ClientError::Frame(_) | ClientError::Connect { .. } | ClientError::NoAnswer { .. }
+    )
 }
 
 /// A minimal HTTP/1.1 client on one kept-alive connection.
 struct Conn {
     addr: String,
-    sock: Option<BufReader<TcpStream>>,
+    sock: Option<BufReader<Timed>>,
+    /// The read timeout of requests that do not wait on the stream ([`IO_TIMEOUT`]; tests
+    /// shorten it).
+    io_timeout: Duration,
 }
 
 impl Conn {
-    fn connect(&self) -> Result<BufReader<TcpStream>, ClientError> {
+    fn connect(&self) -> Result<BufReader<Timed>, ClientError> {
         let err = |source| ClientError::Connect {
             path: format!("http://{}", self.addr),
             source,
@@ -218,57 +250,52 @@ impl Conn {
         }
         let s = connected.ok_or(last).map_err(err)?;
         s.set_nodelay(true).map_err(io_error)?;
-        Ok(BufReader::with_capacity(64 << 10, s))
+        Ok(BufReader::with_capacity(64 << 10, Timed::new(s)))
     }
 
-    /// Sends a request and reads the whole response, of at most [`ANSWER_LIMIT`] bytes. A
-    /// kept-alive connection that the server closed before answering is replaced and the
-    /// request sent again once.
+    /// Sends a request and reads the whole response, of at most [`ANSWER_LIMIT`] bytes.
+    /// `route` is the request's method and path pattern (`"POST /v1/streams/{id}/next"`), as
+    /// errors name it; `path` the path sent. A kept-alive connection that the server closed
+    /// before answering is replaced and the request sent again once; a request whose answer
+    /// did not come in time ([`ClientError::NoAnswer`]) is not.
     fn call(
         &mut self,
-        method: &str,
+        route: &'static str,
         path: &str,
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<Reply, ClientError> {
-        self.call_at_most(method, path, body, timeout, ANSWER_LIMIT)
+        self.call_at_most(route, path, body, timeout, ANSWER_LIMIT)
     }
 
-    /// [`Conn::call`] for a response body of at most `max` bytes.
+    /// [`Conn::call`] for a response body of at most `max` bytes: each read waits at most
+    /// `timeout`, the whole response at most [`response_limit`].
     fn call_at_most(
         &mut self,
-        method: &str,
+        route: &'static str,
         path: &str,
         body: Option<&[u8]>,
         timeout: Duration,
         max: u64,
     ) -> Result<Reply, ClientError> {
-        let body = String::from_utf8_lossy(body.unwrap_or_default());
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAccept: */*\r\n",
-            self.addr
-        );
-        if !body.is_empty() || method == "POST" {
-            req.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                body.len()
-            ));
-        }
-        req.push_str("\r\n");
-        req.push_str(&body);
+        let method = route.split_once(' ').map_or(route, |(method, _)| method);
+        let req = request_text(method, path, &self.addr, body);
+        let limit = response_limit(timeout, max);
         for attempt in 0..2 {
             let reused = self.sock.is_some();
             let mut sock = match self.sock.take() {
                 Some(s) => s,
                 None => self.connect()?,
             };
-            sock.get_ref()
-                .set_read_timeout(Some(timeout))
-                .map_err(io_error)?;
-            let sent = sock.get_mut().write_all(req.as_bytes());
-            let r = match sent {
+            sock.get_mut().arm(timeout, limit);
+            let r = match sock.get_mut().write_all(req.as_bytes()) {
                 Ok(()) => read_reply(&mut sock, method == "HEAD", max),
                 Err(e) => Err(Fail::Unanswered(e)),
+            };
+            let late = sock.get_mut().disarm();
+            let no_answer = |after| ClientError::NoAnswer {
+                request: route,
+                after,
             };
             match r {
                 Ok((reply, keep)) => {
@@ -277,6 +304,10 @@ impl Conn {
                     }
                     return Ok(reply);
                 }
+                Err(_) if late => return Err(no_answer(limit)),
+                Err(Fail::Unanswered(e) | Fail::Io(e)) if timed_out(&e) => {
+                    return Err(no_answer(timeout));
+                }
                 Err(Fail::Unanswered(_)) if reused && attempt == 0 => continue,
                 Err(Fail::Unanswered(e) | Fail::Io(e)) => return Err(io_error(e)),
                 Err(Fail::Protocol(m)) => return Err(bad(m)),
@@ -284,6 +315,22 @@ impl Conn {
         }
         unreachable!("the second attempt returns")
     }
+}
+
+/// The text of a request: `method path`, its headers and `body` (JSON; a POST always says
+/// its length).
+fn request_text(method: &str, path: &str, host: &str, body: Option<&[u8]>) -> String {
+    let body = String::from_utf8_lossy(body.unwrap_or_default());
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nAccept: */*\r\n");
+    if !body.is_empty() || method == "POST" {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    req.push_str("\r\n");
+    req.push_str(&body);
+    req
 }
 
 /// A stream opened over the node service's HTTP API.
@@ -357,8 +404,12 @@ impl HttpStream {
 
     fn open_inner(admin_addr: &str, body: Vec<u8>) -> Result<Self, ClientError> {
         let addr = base_address(admin_addr)?;
-        let mut conn = Conn { addr, sock: None };
-        let r = conn.call("POST", "/v1/streams", Some(&body), IO_TIMEOUT)?;
+        let mut conn = Conn {
+            addr,
+            sock: None,
+            io_timeout: IO_TIMEOUT,
+        };
+        let r = conn.call("POST /v1/streams", "/v1/streams", Some(&body), IO_TIMEOUT)?;
         if r.status != 201 {
             return Err(r.error());
         }
@@ -380,7 +431,8 @@ impl HttpStream {
                 }
                 if let Ok(Id { stream }) = serde_json::from_slice::<Id>(&r.body) {
                     let path = format!("/v1/streams/{stream}/close");
-                    let _ = conn.call("POST", &path, None, CONNECT_TIMEOUT);
+                    let route = "POST /v1/streams/{id}/close";
+                    let _ = conn.call(route, &path, None, CONNECT_TIMEOUT);
                 }
                 return Err(e);
             }
@@ -471,9 +523,10 @@ impl HttpStream {
             "/v1/streams/{}/next?timeout_ms={ms}&after={}",
             self.info.stream, self.received
         );
+        let wait = Duration::from_millis(ms) + self.conn.io_timeout;
         let r = self
             .conn
-            .call("POST", &path, None, Duration::from_millis(ms) + IO_TIMEOUT)?;
+            .call("POST /v1/streams/{id}/next", &path, None, wait)?;
         match r.status {
             204 => Ok(None),
             200 => match r.json::<NextBody>()? {
@@ -562,14 +615,18 @@ impl HttpStream {
     }
 
     /// A GET of at most `max` bytes, asked once more on a new connection when its answer is
-    /// lost on the way (the connection reset, the body cut off, a timeout): a GET changes
-    /// nothing on the node, so asking again is safe (as the Python SDK's `_get_tensor`).
+    /// lost on the way (the connection reset, the body cut off): a GET changes nothing on the
+    /// node, so asking again is safe (as the Python SDK's `_get_tensor`). Not after a timeout
+    /// ([`ClientError::NoAnswer`]): a node that did not answer in time (stopped, or a proxy
+    /// holding the request) would only be waited for as long again.
     fn get_asking_again(&mut self, path: &str, max: u64) -> Result<Reply, ClientError> {
-        match self.conn.call_at_most("GET", path, None, IO_TIMEOUT, max) {
+        const ROUTE: &str = "GET /v1/leases/{lease}/tensors/{name}";
+        let timeout = self.conn.io_timeout;
+        match self.conn.call_at_most(ROUTE, path, None, timeout, max) {
             Err(ClientError::Frame(FrameIoError::Io(_))) => {
                 // The failed call dropped its connection already: this one starts afresh.
                 self.conn.sock = None;
-                self.conn.call_at_most("GET", path, None, IO_TIMEOUT, max)
+                self.conn.call_at_most(ROUTE, path, None, timeout, max)
             }
             r => r,
         }
@@ -590,7 +647,8 @@ impl HttpStream {
 
     fn release_lease(&mut self, lease: u64) -> Result<(), ClientError> {
         let path = format!("/v1/leases/{lease}/release?stream={}", self.info.stream);
-        let r = self.conn.call("POST", &path, None, IO_TIMEOUT)?;
+        let route = "POST /v1/leases/{lease}/release";
+        let r = self.conn.call(route, &path, None, self.conn.io_timeout)?;
         match r.status {
             200 => Ok(()),
             _ => Err(r.error()),
@@ -614,7 +672,8 @@ impl HttpStream {
             "/v1/streams/{}/state?after={}",
             self.info.stream, self.received
         );
-        let r = self.conn.call("GET", &path, None, IO_TIMEOUT)?;
+        let route = "GET /v1/streams/{id}/state";
+        let r = self.conn.call(route, &path, None, self.conn.io_timeout)?;
         match r.status {
             200 => r.json::<ResumeState>(),
             _ => Err(r.error()),
@@ -623,7 +682,7 @@ impl HttpStream {
 
     /// Closes the stream on the service (every lease it holds ends).
     pub fn close(mut self) -> Result<(), ClientError> {
-        self.close_inner(IO_TIMEOUT)
+        self.close_inner(self.conn.io_timeout)
     }
 
     fn close_inner(&mut self, wait: Duration) -> Result<(), ClientError> {
@@ -638,7 +697,8 @@ impl HttpStream {
         }
         self.closed = true;
         let path = format!("/v1/streams/{}/close", self.info.stream);
-        let r = self.conn.call("POST", &path, None, wait)?;
+        let route = "POST /v1/streams/{id}/close";
+        let r = self.conn.call(route, &path, None, wait)?;
         self.conn.sock = None;
         match r.status {
             200 => Ok(()),
@@ -656,6 +716,8 @@ impl Drop for HttpStream {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
 
     /// One request read off a fake node's connection (its body skipped): its method and
@@ -1233,6 +1295,102 @@ mod tests {
         assert_eq!(idle_timeout_s(Duration::ZERO), 1);
         assert_eq!(idle_timeout_s(Duration::from_secs(7)), 7);
         assert_eq!(idle_timeout_s(Duration::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn a_download_without_an_answer_names_the_request_and_is_not_asked_again() {
+        // Before: after the read timeout the GET was sent again on a new connection (the wait
+        // twice over, 240 s), then failed as "trainer socket I/O: Resource temporarily
+        // unavailable (os error 11)", naming neither the request nor the wait.
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                (raw_answer(200, "", &batch("[4]")), false)
+            }
+            t if t.starts_with("GET") => (Vec::new(), false),
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let wait = Duration::from_millis(300);
+        s.conn.io_timeout = wait;
+        let b = s.next().unwrap().expect("a batch");
+        let t0 = Instant::now();
+        let e = s.tensor_bytes(&b, "x").unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ClientError::NoAnswer {
+                    request: "GET /v1/leases/{lease}/tensors/{name}",
+                    after,
+                } if after == wait
+            ),
+            "{e}"
+        );
+        assert!(t0.elapsed() < wait * 3, "{:?}", t0.elapsed());
+        drop(b);
+        drop(s);
+        let seen = node.join().unwrap();
+        let gets = seen.iter().filter(|t| t.starts_with("GET")).count();
+        assert_eq!(gets, 1, "{seen:?}");
+    }
+
+    #[test]
+    fn a_reply_trickled_a_byte_at_a_time_ends_at_its_deadline() {
+        // Each byte comes well within the read timeout. Before, nothing bounded the whole
+        // reply: one byte every 119 s kept the request waiting for ever.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let node = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            read_request(&mut BufReader::new(s.try_clone().unwrap()));
+            let mut w = s;
+            for byte in raw_answer(200, "", b"{}") {
+                if w.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let mut conn = Conn {
+            addr,
+            sock: None,
+            io_timeout: IO_TIMEOUT,
+        };
+        let timeout = Duration::from_millis(400);
+        let limit = response_limit(timeout, 16);
+        let t0 = Instant::now();
+        let r = conn.call_at_most("GET /v1/status", "/v1/status", None, timeout, 16);
+        let took = t0.elapsed();
+        let Err(e) = r else {
+            panic!("the trickled reply was read whole, after {took:?}");
+        };
+        assert!(
+            matches!(
+                e,
+                ClientError::NoAnswer {
+                    request: "GET /v1/status",
+                    after,
+                } if after == limit
+            ),
+            "{e}"
+        );
+        // The whole reply takes 40 bytes x 50 ms = 2 s.
+        assert!(took >= limit && took < limit * 3, "{took:?}");
+        assert!(conn.sock.is_none(), "the connection is closed");
+        node.join().unwrap();
+    }
+
+    #[test]
+    fn a_response_may_take_its_timeout_plus_its_body_at_the_slowest_rate() {
+        let s = Duration::from_secs(1);
+        assert_eq!(response_limit(s, 0), s);
+        assert_eq!(response_limit(s, 100), s, "a small answer: the timeout");
+        let big = response_limit(s, 64 << 20);
+        assert!(
+            big > Duration::from_secs(60) && big < Duration::from_secs(70),
+            "{big:?}"
+        );
+        assert_eq!(response_limit(Duration::MAX, u64::MAX), Duration::MAX);
     }
 
     #[test]

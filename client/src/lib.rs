@@ -175,7 +175,8 @@ pub enum ClientError {
          overloaded? see its log and its admin /v1/status); the connection is closed"
     )]
     NoAnswer {
-        /// The request: `attach` or `release`.
+        /// The request: `attach` or `release`, or an HTTP route such as
+        /// `GET /v1/leases/{lease}/tensors/{name}`.
         request: &'static str,
         /// The limit it waited.
         after: Duration,

@@ -10,28 +10,35 @@ Checks, per rendered overlay:
            strict: unknown fields are errors) for each --kube-version; ServiceMonitor against
            deploy/ci/schemas/servicemonitor-monitoring-v1.json (a hand-written subset of the
            CRD; the Kubernetes schemas do not cover CRDs). An unknown kind is a failure.
-  refs     selectors match pod labels; Services select pods and their named target ports
-           exist; ServiceMonitor selects a Service port; configMap/secret volumes and items
+  refs     selectors match pod labels; Services select pods and their target ports (named, or
+           numeric) are declared container ports; ServiceMonitor selects a Service port; configMap/secret volumes and items
            name objects/keys that are rendered; StatefulSet serviceName is a headless Service.
   node     DaemonSet runs `serve --config F`, F resolves through a volume mount to a
            ConfigMap key; that serve.toml passes `shardwire config check`; with the
-           container's SHARDWIRE_* env applied (`shardwire config print`), readiness is
-           httpGet /readyz and liveness /healthz on the port of `admin`, `admin` is not
+           container's SHARDWIRE_* env applied (`shardwire config print`; an envFrom cannot be
+           evaluated and fails), a startup probe httpGet /healthz gives the start at least
+           MIN_START_S, readiness is httpGet /readyz and liveness /healthz, all on the port of
+           `admin`, `admin` is not
            loopback under hostNetwork, the `data` port is data_listen's, the trainer socket's
            directory is a hostPath mount, secret_file resolves to a rendered Secret key, the
-           memory limit exceeds the pools' host memory (pool_size per lane), `sources` are exactly the StatefulSet's pods.
+           memory limit exceeds the pools' host memory (pool_size per lane), `sources` are exactly the StatefulSet's pods,
+           `receive = "devmem"` has NET_ADMIN and its dma-buf (memory = "cuda", or
+           /dev/udmabuf granted: a device plugin resource named *udmabuf*, or privileged).
   source   StatefulSet runs `source --config F`; source.toml passes
            `shardwire config check --source-config`; listen port = container port = Service
-           port; secret_file resolves; every dataset dir is on a mounted volume.
+           port; `admin` (where set) = container port `admin`, and a declared `admin` port has
+           `admin` set; secret_file resolves; every dataset dir is on a mounted volume.
   trainer  the example Job's --socket and SHARDWIRE_SOCKET are serve.toml `socket`, it mounts
-           the same hostPath at the socket's directory, its dataset is served, and its groups
-           include the node service's group (the socket is 0660).
+           the same hostPath at the socket's directory, its dataset is served, and its uid and
+           groups may connect under serve.toml socket_mode and allowed_uids/allowed_gids.
 Once: the Grafana dashboard (JSON, Prometheus datasource variable used by every panel, every
 expression parses as PromQL, references only metrics that service/src or node/src registers, in the form
 the exporter renders them, and shows the README's core metrics; others are warnings) and the Dockerfile (parsed with BuildKit's parser: multi-stage, the
 release build, a non-root USER, ENTRYPOINT ["shardwire"], EXPOSEd default ports, Rust
-version >= the workspace's rust-version, context exclusions keep every workspace member).
---self-test breaks the first overlay in known ways and requires each breakage to be caught.
+version >= the workspace's rust-version, a debian runtime installs ca-certificates, context
+exclusions keep every workspace member and exclude every .gitignore entry).
+--self-test breaks the first overlay (and, for the source admin port, object-storage), the
+Dockerfile and its context exclusions in known ways and requires each breakage to be caught.
 """
 
 from __future__ import annotations
@@ -197,10 +204,21 @@ def mount_for_dir(c: Doc, directory: str) -> Doc | None:
 
 
 def container_port(c: Doc, port: Any) -> int | None:
+    """A probe's port: a number as it is (a probe may name an undeclared port), a name through
+    the container's ports."""
     if isinstance(port, int):
         return port
     for p in c.get("ports", []):
         if p.get("name") == port:
+            return p["containerPort"]
+    return None
+
+
+def declared_port(c: Doc, port: Any) -> int | None:
+    """A Service's targetPort in container c: a name or a number of one of its declared ports
+    (a number alone proves nothing listens there)."""
+    for p in c.get("ports", []):
+        if p.get("name") == port or (isinstance(port, int) and p.get("containerPort") == port):
             return p["containerPort"]
     return None
 
@@ -248,6 +266,9 @@ class Shardwire:
 
     def env_for(self, c: Doc) -> dict[str, str]:
         env = dict(self.base_env)
+        if c.get("envFrom"):
+            raise CheckError(f"container {c['name']}: envFrom {c['envFrom']} may set SHARDWIRE_* variables, "
+                             "whose values cannot be read here; cannot evaluate the effective config: use `env` with literal values")
         for e in c.get("env", []):
             if e["name"].startswith("SHARDWIRE_"):
                 if "value" not in e:
@@ -361,8 +382,8 @@ def check_refs(docs: list[Doc]) -> list[str]:
         for p in s["spec"].get("ports", []):
             tp = p.get("targetPort", p["port"])
             for w in pods:
-                if not any(container_port(c, tp) for c in pod_spec(w)["containers"]):
-                    errs.append(f"Service/{s['metadata']['name']}: targetPort {tp} is no container port of {w['kind']}/{w['metadata']['name']}")
+                if not any(declared_port(c, tp) for c in pod_spec(w)["containers"]):
+                    errs.append(f"Service/{s['metadata']['name']}: targetPort {tp} is no declared container port of {w['kind']}/{w['metadata']['name']}")
     for sm in find(docs, "ServiceMonitor"):
         sel = sm["spec"]["selector"].get("matchLabels", {})
         svcs = [s for s in find(docs, "Service") if labels_match(sel, s["metadata"].get("labels", {}))]
@@ -407,6 +428,21 @@ def secret_ok(docs: list[Doc], w: Doc, c: Doc, path: str | None) -> list[str]:
     sec = find(docs, "Secret", vol["secret"]["secretName"])
     if not sec or key not in object_keys(sec[0]):
         return [f"secret_file {path}: Secret {vol['secret']['secretName']} has no key {key}"]
+    return []
+
+
+def source_admin(c: Doc, eff: dict) -> list[str]:
+    """The source's admin endpoint (/v1/status, /metrics) is the container port named `admin`,
+    which components/source-metrics scrapes: source.toml `admin` on that port, and no such
+    port declared without `admin` (nothing would listen there)."""
+    admin, declared = eff.get("admin"), container_port(c, "admin")
+    if admin:
+        _, port = host_port(admin)
+        if declared != port:
+            return [f"source.toml admin = {admin}, but the source container's port `admin` is {declared}: "
+                    "Services (components/source-metrics) scrape that port, where nothing would listen"]
+    elif declared is not None:
+        return [f"the source container declares port `admin` ({declared}) but source.toml sets no `admin`: nothing listens there"]
     return []
 
 
@@ -492,11 +528,12 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         if container_port(c, "control") != port:
             errs.append(f"container port `control` {container_port(c, 'control')} != source.toml listen port {port}")
         svc = one(docs, "Service", source_service_name(docs, sts))
-        sp = [p for p in svc["spec"]["ports"] if container_port(c, p.get("targetPort", p["port"])) == port]
+        sp = [p for p in svc["spec"]["ports"] if declared_port(c, p.get("targetPort", p["port"])) == port]
         if not sp:
             errs.append(f"Service {svc['metadata']['name']} has no port targeting {port}")
         else:
             state["source_port"] = sp[0]["port"]
+        errs += source_admin(c, eff)
         errs += secret_ok(docs, sts, c, eff.get("secret_file"))
         names = []
         for spec in eff["datasets"]:
@@ -547,7 +584,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         ds, c, eff = state["node"]
         errs = []
         host, admin_port = host_port(eff["admin"])
-        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        for probe, path in (("startupProbe", "/healthz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
             p = c.get(probe)
             if not p or "httpGet" not in p:
                 errs.append(f"{probe} is not an httpGet probe")
@@ -560,15 +597,19 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
                 errs.append(f"{probe} port {g.get('port')!r} (= {port}) != admin port {admin_port} (serve.toml admin = {eff['admin']})")
             if g.get("scheme", "HTTP") != "HTTP":
                 errs.append(f"{probe} scheme {g.get('scheme')}: the admin API is plain HTTP")
+        start_s = startup_budget(c.get("startupProbe") or {})
+        if c.get("startupProbe") and start_s < MIN_START_S:
+            errs.append(f"startupProbe gives the start {start_s}s (initialDelaySeconds + periodSeconds x failureThreshold) "
+                        f"< {MIN_START_S}s: the admin API answers only once NICs, GPUs and lanes are up, and liveness would kill a slow start")
         spec = pod_spec(ds)
         if spec.get("hostNetwork"):
             if host.startswith("127.") or host == "::1" or host == "localhost":
                 errs.append(f"admin = {eff['admin']} is loopback: with hostNetwork the kubelet probes the node IP; use 0.0.0.0:{admin_port}")
             if spec.get("dnsPolicy") != "ClusterFirstWithHostNet":
                 errs.append("hostNetwork without dnsPolicy ClusterFirstWithHostNet: the sources' cluster DNS names will not resolve")
-        return errs, f"readiness /readyz, liveness /healthz on :{admin_port} = admin {eff['admin']}"
+        return errs, f"startup /healthz ({start_s}s), readiness /readyz, liveness /healthz on :{admin_port} = admin {eff['admin']}"
 
-    guarded("node: probes match the admin API (/readyz, /healthz, admin port)", node_probes)
+    guarded("node: probes match the admin API (startup /healthz, /readyz, /healthz, admin port)", node_probes)
 
     def node_wiring() -> tuple[list[str], str]:
         if "node" not in state:
@@ -645,6 +686,14 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
 
     guarded("node: `sources` are exactly the source StatefulSet's pods (or the Deployment's, by DNS)", node_sources)
 
+    def node_devmem() -> tuple[list[str], str]:
+        if "node" not in state:
+            return ["skipped: serve.toml did not load"], ""
+        _, c, eff = state["node"]
+        return devmem_errors(c, eff)
+
+    guarded("node: receive = devmem has NET_ADMIN and its dma-buf (memory = cuda, or /dev/udmabuf granted)", node_devmem)
+
     def trainer() -> tuple[list[str], str]:
         if "node" not in state:
             return ["skipped: serve.toml did not load"], ""
@@ -670,19 +719,16 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
             errs.append(f"the trainer does not mount a hostPath at {posixpath.dirname(sock)}")
         elif vols[m["name"]]["hostPath"]["path"] != state.get("socket_hostpath"):
             errs.append(f"trainer hostPath {vols[m['name']]['hostPath']['path']} != node hostPath {state.get('socket_hostpath')}")
-        # socket mode 0660, owned by the node process's uid and primary gid: the trainer needs
-        # the same uid, or that gid among its groups
-        def ids(spec: Doc, ctr: Doc) -> tuple[int, int, set[int]]:
-            psc, csc = spec.get("securityContext", {}), ctr.get("securityContext", {})
-            uid = csc.get("runAsUser", psc.get("runAsUser", IMAGE_UID))
-            gid = csc.get("runAsGroup", psc.get("runAsGroup", IMAGE_GID))
-            return uid, gid, {gid, *psc.get("supplementalGroups", [])}
-
-        nuid, node_gid, _ = ids(pod_spec(ds), nc)
-        tuid, _, tgids = ids(pod_spec(job), c)
-        if tuid != nuid and node_gid not in tgids:
-            errs.append(f"socket is 0660 uid {nuid} gid {node_gid}; the trainer runs as uid {tuid} groups {sorted(tgids)}")
-        return errs, f"socket {sock}, hostPath {state.get('socket_hostpath')}, dataset {ds_name}, trainer gid {sorted(tgids)} has node gid {node_gid}"
+        # The socket is owned by the node process's uid and primary gid, with socket_mode.
+        nuid, node_gid, _ = pod_ids(pod_spec(ds), nc)
+        tuid, tgid, tgids = pod_ids(pod_spec(job), c)
+        mode = socket_mode_bits(eff.get("socket_mode", "0660"))
+        refused = socket_access(mode, (nuid, node_gid), (tuid, tgid, tgids),
+                                (eff.get("allowed_uids") or [], eff.get("allowed_gids") or []))
+        if refused:
+            errs.append(refused)
+        return errs, (f"socket {sock} ({mode:04o}, uid {nuid} gid {node_gid}), hostPath {state.get('socket_hostpath')}, "
+                      f"dataset {ds_name}, trainer uid {tuid} groups {sorted(tgids)} may connect")
 
     guarded("trainer Job: socket, hostPath, dataset and group match the node", trainer)
 
@@ -856,6 +902,11 @@ def check_dockerfile(path: Path, repo: Path, sw: Shardwire) -> tuple[list[str], 
     if rel_b and rel_f and rel_b.group(1) != rel_f.group(1) and not rel_f.group(1).startswith("debian"):
         errs.append(f"builder ({rel_b.group(1)}) and runtime ({rel_f.group(1)}) Debian releases differ: glibc mismatch")
     fc = final["cmds"]
+    final_runs = re.sub(r"\s+", " ", " ".join(" ".join(c.value) for c in fc if c.cmd == "RUN"))
+    if final["image"].startswith("debian:") and not re.search(r"apt-get install [^&;|]*\bca-certificates\b", final_runs):
+        errs.append("the debian runtime stage does not `apt-get install ca-certificates`: the TLS client verifies https object "
+                    "stores (s3://, gs://, az://, https://) against the system's CA roots (rustls-native-certs, /etc/ssl/certs) "
+                    "and ships none; without them every https request fails")
     if not any(c.cmd == "COPY" and any(f == f"--from={build['name']}" for f in c.flags) for c in fc):
         errs.append(f"the runtime stage copies nothing --from={build['name']}")
     ep = [c for c in fc if c.cmd == "ENTRYPOINT"]
@@ -881,20 +932,40 @@ def check_dockerfile(path: Path, repo: Path, sw: Shardwire) -> tuple[list[str], 
                     want.add(host_port(eff[k])[1])
     if not want <= exposed:
         errs.append(f"EXPOSE {sorted(exposed)} lacks default ports {sorted(want - exposed)}")
-    # context exclusions must keep the workspace
     ign = path.with_name(path.name + ".dockerignore")
     members = ws["workspace"].get("members", [])
-    if ign.exists():
-        import fnmatch
-
-        pats = [ln.strip() for ln in ign.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-        for keep in ["Cargo.toml", "Cargo.lock", *members]:
-            for pat in pats:
-                if not pat.startswith("!") and (fnmatch.fnmatch(keep, pat.rstrip("/")) or keep.startswith(pat.rstrip("/") + "/")):
-                    errs.append(f"{ign.name}: pattern {pat!r} excludes {keep}, which the build needs")
-    else:
-        errs.append(f"{ign} is missing: the build context would include target/ and .git/")
+    gitignore = (repo / ".gitignore").read_text().splitlines() if (repo / ".gitignore").exists() else []
+    for f in (ign, repo / "deploy/dockerignore.example"):
+        if f.exists():
+            errs += context_errors(f.name, f.read_text().splitlines(), members, gitignore)
+        else:
+            errs.append(f"{f} is missing: the build context would include target/ and .git/")
     return errs, f"{len(stages)} stages ({build['image']} -> {final['image']}), USER {users[-1] if users else '-'}, EXPOSE {sorted(exposed)}"
+
+
+def context_errors(name: str, lines: list[str], members: list[str], gitignore: list[str]) -> list[str]:
+    """Build-context exclusions (a .dockerignore's lines): they keep the workspace, and exclude
+    every .gitignore entry (local environments and test state: sent as context and copied by
+    `COPY . .`, any change to them would re-run the release build)."""
+    import fnmatch
+
+    errs = []
+    pats = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    for keep in ["Cargo.toml", "Cargo.lock", *members]:
+        for pat in pats:
+            if not pat.startswith("!") and (fnmatch.fnmatch(keep, pat.rstrip("/")) or keep.startswith(pat.rstrip("/") + "/")):
+                errs.append(f"{name}: pattern {pat!r} excludes {keep}, which the build needs")
+    have = {p.strip("/") for p in pats if not p.startswith("!")}
+    for g in (ln.strip() for ln in gitignore):
+        if not g or g.startswith(("#", "!")):
+            continue
+        # A .gitignore pattern with a slash before its end is anchored at the root; one without
+        # matches at any depth, which a .dockerignore writes as **/PATTERN.
+        anchored = "/" in g.rstrip("/")
+        want = g.strip("/") if anchored else "**/" + g.strip("/")
+        if want not in have:
+            errs.append(f"{name}: does not exclude {want!r} (.gitignore {g!r}): it would enter the build context")
+    return errs
 
 
 # --------------------------------------------------------------------------------------------
@@ -979,6 +1050,28 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
     def grace(d):
         pod_spec(one(d, "DaemonSet", "shardwire-node"))["terminationGracePeriodSeconds"] = 10
 
+    def numeric_target(d):
+        one(d, "Service", "shardwire-node-metrics")["spec"]["ports"][0]["targetPort"] = 9999
+
+    def no_startup(d):
+        node_container(d).pop("startupProbe", None)
+
+    def short_startup(d):
+        node_container(d)["startupProbe"].update(periodSeconds=5, failureThreshold=3)
+
+    def devmem_host(d):
+        set_toml_key(d, "serve.toml", "receive", '"devmem"')
+        set_toml_key(d, "serve.toml", "memory", '"host"')
+
+    def node_env_from(d):
+        node_container(d)["envFrom"] = [{"configMapRef": {"name": "shardwire-env"}}]
+
+    def socket_mode(d):
+        set_toml_key(d, "serve.toml", "socket_mode", '"0600"')
+
+    def allowed_uids(d):
+        set_toml_key(d, "serve.toml", "allowed_uids", "[0]")
+
     return [
         ("grace period shorter than preStop + drain", grace),
         ("readiness path /ready", ready_path),
@@ -998,7 +1091,85 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
         ("admin token file not in the Secret", token_key),
         ("trainer group cannot open the socket", trainer_group),
         ("metrics Service selects nothing", svc_selector),
+        ("numeric targetPort no container declares", numeric_target),
+        ("node without a startup probe", no_startup),
+        ("startup probe of 15 s", short_startup),
+        ("receive = devmem with host memory and no /dev/udmabuf", devmem_host),
+        ("envFrom on the node container", node_env_from),
+        ("socket_mode 0600 shuts the trainer's group out", socket_mode),
+        ("allowed_uids without the trainer's uid", allowed_uids),
     ]
+
+
+def overlay_mutations() -> list[tuple[str, str, Callable[[list[Doc]], None]]]:
+    """Breakages of one named overlay (what base does not have): (overlay, label, mutate)."""
+
+    def source_admin_port(d):
+        set_toml_key(d, "source.toml", "admin", '"0.0.0.0:7591"')
+
+    def source_admin_unset(d):
+        for cm in find(d, "ConfigMap"):
+            if "source.toml" in (cm.get("data") or {}):
+                cm["data"]["source.toml"] = re.sub(r"(?m)^admin\s*=.*$", "", cm["data"]["source.toml"])
+
+    return [
+        ("object-storage", "source admin on another port than the scraped `admin`", source_admin_port),
+        ("object-storage", "source without admin while its port `admin` is scraped", source_admin_unset),
+    ]
+
+
+def dockerfile_mutations() -> list[tuple[str, Callable[[str, str], tuple[str, str]]]]:
+    """Breakages of (Dockerfile, its .dockerignore) text."""
+
+    def no_ca(df, ign):
+        return re.sub(r"--no-install-recommends ca-certificates", "--no-install-recommends procps", df), ign
+
+    def venv_streaming(df, ign):
+        return df, re.sub(r"(?m)^\.venv-streaming\n", "", ign)
+
+    return [
+        ("runtime stage without ca-certificates", no_ca),
+        ("context exclusions without a git-ignored folder", venv_streaming),
+    ]
+
+
+def self_test(rendered: list[tuple[str, list[Doc]]], schemas: Schemas, sw: Shardwire, res: Results, repo: Path) -> None:
+    """Each known breakage must make a check fail that passed before."""
+    overlays = dict(rendered)
+    base_name = rendered[0][0]
+    plan = [(base_name, label, fn) for label, fn in mutations()] + overlay_mutations()
+    baselines: dict[str, list[str]] = {}
+    for name, label, mutate in plan:
+        if name not in overlays:
+            res.warn("self-test", f"skipped `{label}`: overlay {name} is not rendered")
+            continue
+        if "env override" in label and not sw.env_layer_works:
+            res.warn("self-test", f"skipped `{label}`: this shardwire build ignores SHARDWIRE_* variables "
+                     "(`SHARDWIRE_FLOWS=3 shardwire config print` prints flows = 2), so a pod's env cannot change its config either")
+            continue
+        if name not in baselines:
+            baseline = Results(quiet=True)
+            run_overlay(overlays[name], name, schemas, sw, baseline)
+            baselines[name] = baseline.failures
+        broken = copy.deepcopy(overlays[name])
+        mutate(broken)
+        inner = Results(quiet=True)
+        run_overlay(broken, name, schemas, sw, inner)
+        new = [f for f in inner.failures if f not in baselines[name]]
+        caught = new[0].split("] ", 1)[1] if new else ""
+        res.check("self-test", f"catches: {label}" + ("" if name == base_name else f" ({name})"), [] if new else ["no new failure"], caught[:150])
+    df_path = repo / "deploy/Dockerfile"
+    df, ign = df_path.read_text(), df_path.with_name(df_path.name + ".dockerignore").read_text()
+    before, _ = check_dockerfile(df_path, repo, sw)
+    for label, mutate in dockerfile_mutations():
+        bdf, bign = mutate(df, ign)
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / "Dockerfile"
+            p.write_text(bdf)
+            p.with_name("Dockerfile.dockerignore").write_text(bign)
+            after, _ = check_dockerfile(p, repo, sw)
+        new = [e for e in after if e not in before]
+        res.check("self-test", f"catches: {label}", [] if new else ["no new failure"], new[0][:150] if new else "")
 
 
 def run_overlay(docs: list[Doc], scope: str, schemas: Schemas, sw: Shardwire, res: Results) -> None:
@@ -1027,6 +1198,90 @@ def host_pool(eff: dict, spec: dict) -> tuple[int, str]:
     n = len(lanes) if isinstance(lanes, list) else GPU_NODE_LANES if gpu_nodes else 1
     how = "table" if isinstance(lanes, list) else "auto, GPU nodes" if gpu_nodes else "auto"
     return pool * n, f"pool_size {pool >> 20}MiB x {n} lane(s) ({how})"
+
+
+#: The least time a startup probe must give the node's start (NIC and GPU probes, one lane per
+#: GPU, a devmem bind): the CLI itself waits 30 s for an interrupted start's blocking work.
+MIN_START_S = 120
+
+
+def startup_budget(probe: Doc) -> int:
+    """Seconds a startup probe lets a start take before the kubelet restarts the container."""
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+def udmabuf_grant(c: Doc) -> str | None:
+    """How container c gets /dev/udmabuf, or None: a device plugin resource named *udmabuf* in
+    its limits (or requests), or a privileged container (every device). A hostPath mount of the
+    device alone is no grant: the container's device cgroup refuses the open."""
+    if (c.get("securityContext") or {}).get("privileged"):
+        return "privileged"
+    res = c.get("resources") or {}
+    for key in [*(res.get("limits") or {}), *(res.get("requests") or {})]:
+        if "udmabuf" in key:
+            return f"resource {key}"
+    return None
+
+
+def devmem_errors(c: Doc, eff: dict) -> tuple[list[str], str]:
+    """`receive = "devmem"` in the node container: NET_ADMIN (NIC queue binding), and each
+    lane's RX dma-buf: GPU memory with memory = "cuda", else a udmabuf from /dev/udmabuf, which
+    the container must be granted."""
+    receive, memory = eff.get("receive"), eff.get("memory")
+    if receive != "devmem":
+        return [], f"receive = {receive}: no devmem binding required"
+    errs = []
+    sc = c.get("securityContext") or {}
+    caps = {x.upper().removeprefix("CAP_") for x in (sc.get("capabilities") or {}).get("add", [])}
+    if not sc.get("privileged") and "NET_ADMIN" not in caps:
+        errs.append("receive = devmem binds NIC queues over netdev netlink: the node container needs capability NET_ADMIN")
+    grant = udmabuf_grant(c)
+    if memory != "cuda" and grant is None:
+        errs.append(f"receive = devmem with memory = {memory}: each lane's RX dma-buf is a udmabuf from /dev/udmabuf, "
+                    "which this container is not granted (the start fails: '/dev/udmabuf: No such file or directory'); "
+                    "set memory = \"cuda\" (GPU-direct), or grant the device: a device plugin resource named *udmabuf* "
+                    "in the container's limits, or privileged: true (a hostPath mount alone is refused by the device cgroup)")
+    via = "GPU memory (memory = cuda)" if memory == "cuda" else f"/dev/udmabuf via {grant}"
+    return errs, f"receive = devmem: NET_ADMIN, dma-buf from {via}"
+
+
+def pod_ids(spec: Doc, ctr: Doc) -> tuple[int, int, set[int]]:
+    """A container's uid, primary gid and groups (primary, supplementalGroups, fsGroup); the
+    image's USER where the pod sets none."""
+    psc, csc = spec.get("securityContext") or {}, ctr.get("securityContext") or {}
+    uid = csc.get("runAsUser", psc.get("runAsUser", IMAGE_UID))
+    gid = csc.get("runAsGroup", psc.get("runAsGroup", IMAGE_GID))
+    extra = [psc["fsGroup"]] if "fsGroup" in psc else []
+    return uid, gid, {gid, *psc.get("supplementalGroups", []), *extra}
+
+
+def socket_mode_bits(mode: Any) -> int:
+    """serve.toml socket_mode ("0660", "660", "0o660") as permission bits."""
+    m = str(mode)
+    return int(m[2:] if m[:2].lower() == "0o" else m, 8)
+
+
+def socket_access(mode: int, owner: tuple[int, int], trainer: tuple[int, int, set[int]],
+                  allowed: tuple[list[int], list[int]]) -> str | None:
+    """Why a trainer (uid, primary gid, groups) cannot use the node's socket, or None.
+    connect() needs write permission on the socket file (owner `owner`, `mode`): the owner's
+    bit if the uid is the owner's, else the group's if the file's group is among its groups,
+    else the others'. Then the node checks allowed_uids/allowed_gids when either is set
+    (SO_PEERCRED: the uid, or the primary gid only)."""
+    (ouid, ogid), (uid, gid, groups), (uids, gids) = owner, trainer, allowed
+    if uid == ouid:
+        bit, who = 0o200, f"its owner (uid {ouid})"
+    elif ogid in groups:
+        bit, who = 0o020, f"its group (gid {ogid})"
+    else:
+        bit, who = 0o002, "others"
+    if not mode & bit:
+        return (f"socket_mode {mode:04o} gives {who} no write permission on the socket (uid {ouid} gid {ogid}), "
+                f"which connect() needs: the trainer runs as uid {uid} groups {sorted(groups)}")
+    if (uids or gids) and uid not in uids and gid not in gids:
+        return (f"allowed_uids {uids} / allowed_gids {gids} refuse the trainer (uid {uid}, primary gid {gid}; "
+                "the node sees only the primary gid, not supplementary groups)")
+    return None
 
 
 def main() -> int:
@@ -1059,22 +1314,9 @@ def main() -> int:
     res.check("docker", "Dockerfile (BuildKit parser): stages, build command, non-root, entrypoint, ports, context", errs, detail)
 
     if a.self_test:
-        name, docs = rendered[0]
-        print(f"---- self-test on {name}: each breakage must make a check fail that passed before")
-        baseline = Results(quiet=True)
-        run_overlay(docs, name, schemas, sw, baseline)
-        for label, mutate in mutations():
-            if "env override" in label and not sw.env_layer_works:
-                res.warn("self-test", f"skipped `{label}`: this shardwire build ignores SHARDWIRE_* variables "
-                         "(`SHARDWIRE_FLOWS=3 shardwire config print` prints flows = 2), so a pod's env cannot change its config either")
-                continue
-            broken = copy.deepcopy(docs)
-            mutate(broken)
-            inner = Results(quiet=True)
-            run_overlay(broken, name, schemas, sw, inner)
-            new = [f for f in inner.failures if f not in baseline.failures]
-            caught = new[0].split("] ", 1)[1] if new else ""
-            res.check("self-test", f"catches: {label}", [] if new else ["no new failure"], caught[:150])
+        print(f"---- self-test on {rendered[0][0]} (and named overlays), the Dockerfile and its context: "
+              "each breakage must make a check fail that passed before")
+        self_test(rendered, schemas, sw, res, repo)
 
     print(f"\n{res.passed} passed, {res.failed} failed")
     return 1 if res.failed else 0

@@ -107,7 +107,9 @@ impl DmabufMem {
             .map_err(|e| {
                 io::Error::new(
                     e.kind(),
-                    format!("/dev/udmabuf: {e} (load the udmabuf module, or use memory=cuda)"),
+                    format!(
+                        "/dev/udmabuf: {e} (load the udmabuf module on the host; in a container the device must also be granted to it: a device plugin or a privileged container; or use memory=cuda)"
+                    ),
                 )
             })?;
         // The failing step, with the errno, names what to look at.

@@ -52,16 +52,17 @@ pub struct ConsumeArgs {
     /// Samples per batch: batch mode (default: one shard per batch).
     #[arg(long)]
     batch_size: Option<u32>,
-    /// Batch mode order: block (default), shards or none.
+    /// Batch mode order: block (default), shards or none (needs --batch-size: shard mode
+    /// shuffles shards by --seed and refuses it).
     #[arg(long, value_parser = parse_shuffle)]
     shuffle: Option<Shuffle>,
-    /// Batch mode: samples per shuffle block.
+    /// Batch mode: samples per shuffle block (needs --batch-size).
     #[arg(long)]
     shuffle_block: Option<u64>,
-    /// Batch mode: canonical partitions (default: the world size).
+    /// Batch mode: canonical partitions (default: the world size; needs --batch-size).
     #[arg(long)]
     partitions: Option<u32>,
-    /// Batch mode: drop the last partial global batch.
+    /// Batch mode: drop the last partial global batch (needs --batch-size).
     #[arg(long)]
     drop_last: bool,
     /// Token mode: windows of SEQ_LEN + 1 tokens (needs --batch-size).

@@ -204,9 +204,25 @@ pub(crate) fn admit_connection(
     tokio::spawn(async move {
         match session::run(stream, peer, shared, handshake, slots).await {
             Ok(()) => tracing::info!(%peer, "node disconnected"),
+            Err(e) if closed_in_handshake(&e) => tracing::debug!(
+                %peer,
+                "control connection closed before its handshake ended (a TCP probe or a port \
+                 scan; a node that gives up logs why on its side)"
+            ),
             Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
         }
     });
+}
+
+/// Whether a session ended because its peer closed the connection before the handshake ended
+/// (a session's own close after it is `Ok`): what a Kubernetes `tcpSocket` probe of the control
+/// port does every few seconds, or a port scan. Logged at debug, not as a dropped node: before,
+/// each probe was a `WARN dropped node connection`, like a node that failed its handshake.
+fn closed_in_handshake(e: &control::SessionError) -> bool {
+    matches!(
+        e,
+        control::SessionError::Frame(shardwire_protocol::framing::FrameError::Closed)
+    )
 }
 
 /// Drains: sessions are told, and this waits until all of them have ended (every slot is
@@ -274,5 +290,26 @@ impl SourceStatus {
             "datasets": datasets,
             "sessions_started": self.0.sessions.load(std::sync::atomic::Ordering::Relaxed),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardwire_protocol::framing::FrameError;
+
+    use super::control::SessionError;
+    use super::*;
+
+    #[test]
+    fn a_connection_closed_before_its_handshake_is_no_dropped_node() {
+        // A kubelet tcpSocket probe: connect, then close without a byte.
+        let probe = SessionError::Frame(FrameError::Closed);
+        assert!(closed_in_handshake(&probe));
+        // A node that sent part of a frame, or failed otherwise, is still a warning.
+        let cut = SessionError::Frame(FrameError::TruncatedLength { got: 2 });
+        assert!(!closed_in_handshake(&cut));
+        assert!(!closed_in_handshake(&SessionError::AuthFailed));
+        let late = SessionError::Timeout(std::time::Duration::from_secs(10));
+        assert!(!closed_in_handshake(&late));
     }
 }

@@ -13,8 +13,9 @@ use object_store::http::HttpBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, RetryConfig};
 
+use crate::capped::WEBDAV_LISTING_BYTES;
 use crate::error::StoreError;
-use crate::options::StoreOptions;
+use crate::options::{MIN_REQUEST_RATE, StoreOptions};
 use crate::tap::TapConnector;
 use crate::url::{Scheme, StoreUrl, redacted};
 
@@ -86,19 +87,8 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
     let bucket = url.bucket();
     match url.scheme() {
         Scheme::S3 => s3(bucket, opts, config),
-        Scheme::Gcs => {
-            let mut b = GoogleCloudStorageBuilder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry(opts))
-                .with_http_connector(TapConnector::default());
-            for (k, v) in client(opts) {
-                b = b.with_config(GcsKey::Client(k), v);
-            }
-            let d = describe_gcs(&b);
-            let s = b.build().map_err(|e| config(e.to_string()))?;
-            Ok((Arc::new(s), d))
-        }
-        Scheme::Azure => azure(bucket, opts, config),
+        Scheme::Gcs => gcs(bucket, opts, config),
+        Scheme::Azure => azure(url, opts, config),
         Scheme::File => {
             // fsync before the rename: a manifest or converted file is never visible under
             // its name before its bytes are on disk (object_store's default is off).
@@ -114,7 +104,7 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
                 .with_url(base.clone())
                 .with_retry(retry(opts))
                 .with_http_connector(TapConnector::default());
-            for (k, v) in client(opts) {
+            for (k, v) in http_client(opts) {
                 b = b.with_config(k, v);
             }
             if url.scheme() == Scheme::Http {
@@ -128,18 +118,10 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
 }
 
 /// An S3 client of `bucket` from the environment; its configured credential endpoints are
-/// credential services to the tap, unless one is its own endpoint.
+/// credential services to the tap, unless one is its own endpoint ([`s3_tap`]).
 fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
     let b = AmazonS3Builder::from_env();
-    let tap = TapConnector::with_credential_urls(
-        [
-            b.get_config_value(&S3Key::ContainerCredentialsFullUri),
-            b.get_config_value(&S3Key::StsEndpoint),
-        ],
-        // The endpoint S3 requests go to (as `describe_s3` names it).
-        &[b.get_config_value(&S3Key::S3Endpoint)
-            .or_else(|| b.get_config_value(&S3Key::Endpoint))],
-    );
+    let tap = s3_tap(&b);
     let mut b = b
         .with_bucket_name(bucket)
         .with_retry(retry(opts))
@@ -152,8 +134,56 @@ fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) 
     Ok((Arc::new(s), d))
 }
 
-/// An Azure client of `container` from the environment (as [`s3`]).
-fn azure(container: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
+/// The tap of an S3 client: the credential endpoints it is configured with (container
+/// credentials, STS, and instance metadata at `AWS_METADATA_ENDPOINT`, a metadata proxy) are
+/// credential services, unless one is its own endpoint.
+fn s3_tap(b: &AmazonS3Builder) -> TapConnector {
+    TapConnector::with_credential_urls(
+        [
+            b.get_config_value(&S3Key::ContainerCredentialsFullUri),
+            b.get_config_value(&S3Key::StsEndpoint),
+            b.get_config_value(&S3Key::MetadataEndpoint),
+        ],
+        // The endpoint S3 requests go to (as `describe_s3` names it).
+        &[b.get_config_value(&S3Key::S3Endpoint)
+            .or_else(|| b.get_config_value(&S3Key::Endpoint))],
+    )
+}
+
+/// A GCS client of `bucket` from the environment (as [`s3`]; the tap: [`gcs_tap`]).
+fn gcs(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
+    let b = GoogleCloudStorageBuilder::from_env();
+    let tap = gcs_tap(&b, |k| std::env::var(k).ok());
+    let mut b = b
+        .with_bucket_name(bucket)
+        .with_retry(retry(opts))
+        .with_http_connector(tap);
+    for (k, v) in client(opts) {
+        b = b.with_config(GcsKey::Client(k), v);
+    }
+    let d = describe_gcs(&b);
+    let s = b.build().map_err(|e| config(e.to_string()))?;
+    Ok((Arc::new(s), d))
+}
+
+/// The metadata servers object_store asks for GCS tokens where the environment (`env`) names
+/// them, each a host with or without a port (its `gcp/credential.rs`: `GCE_METADATA_HOST`,
+/// else `GCE_METADATA_ROOT`, then `GCE_METADATA_IP`).
+const GCE_METADATA_VARS: [&str; 3] = ["GCE_METADATA_HOST", "GCE_METADATA_ROOT", "GCE_METADATA_IP"];
+
+/// The tap of a GCS client: the metadata servers named in [`GCE_METADATA_VARS`] (asked over
+/// plain HTTP) are credential services, unless one is its own endpoint (`GOOGLE_BASE_URL`).
+fn gcs_tap(b: &GoogleCloudStorageBuilder, env: impl Fn(&str) -> Option<String>) -> TapConnector {
+    TapConnector::with_credential_urls(
+        GCE_METADATA_VARS.map(|k| env(k).map(|host| format!("http://{host}"))),
+        &[b.get_config_value(&GcsKey::BaseUrl)],
+    )
+}
+
+/// An Azure client of the container of `url` from the environment (as [`s3`]); the account
+/// of an `az://CONTAINER@ACCOUNT.blob.core.windows.net/` URL wins over
+/// `AZURE_STORAGE_ACCOUNT_NAME`, as it does in object_store's own `with_url`.
+fn azure(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
     let b = MicrosoftAzureBuilder::from_env();
     let tap = TapConnector::with_credential_urls(
         [
@@ -163,9 +193,12 @@ fn azure(container: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreE
         &[b.get_config_value(&AzKey::Endpoint)],
     );
     let mut b = b
-        .with_container_name(container)
+        .with_container_name(url.bucket())
         .with_retry(retry(opts))
         .with_http_connector(tap);
+    if let Some(account) = url.account() {
+        b = b.with_account(account);
+    }
     for (k, v) in client(opts) {
         b = b.with_config(AzKey::Client(k), v);
     }
@@ -196,6 +229,19 @@ fn client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
         (ClientConfigKey::Timeout, ms(opts.request_timeout)),
         (ClientConfigKey::Http1Only, "true".into()),
     ]
+}
+
+/// Client settings of an http(s) store: as [`client`], but one attempt may take as long as the
+/// largest WebDAV listing takes at [`MIN_REQUEST_RATE`] (1 GiB: 1024 s). object_store lists
+/// with one `PROPFIND` whose answer is the whole tree, collected in one body: under a 60 s
+/// limit a 400 MB listing arriving at 5 MB/s failed on every attempt. A body that stops
+/// arriving still fails after `read_timeout`.
+fn http_client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
+    let listing = Duration::from_secs(WEBDAV_LISTING_BYTES / MIN_REQUEST_RATE);
+    client(&StoreOptions {
+        request_timeout: opts.request_timeout.max(listing),
+        ..opts.clone()
+    })
 }
 
 /// Whether a boolean setting is on, read as object_store reads it (its `config.rs`: `1`,
@@ -394,6 +440,70 @@ mod tests {
         assert!(d.endpoint.ends_with("/devstoreaccount1"), "{d}");
         assert_eq!(d.credentials, "the storage emulator's well-known key");
         assert!(on(Some("Y".into())) && !on(Some("off".into())) && !on(None));
+    }
+
+    #[test]
+    fn an_http_store_gives_the_largest_listing_time_to_arrive() {
+        // Before: 60 s for the whole PROPFIND answer (up to 1 GiB): a 400 MB listing at
+        // 5 MB/s timed out on every attempt while bytes kept arriving.
+        let timeout = |settings: [(ClientConfigKey, String); 4]| {
+            settings
+                .into_iter()
+                .find(|(k, _)| *k == ClientConfigKey::Timeout)
+                .map(|(_, v)| v)
+        };
+        let opts = StoreOptions::default();
+        assert_eq!(timeout(http_client(&opts)).as_deref(), Some("1024000ms"));
+        assert_eq!(timeout(client(&opts)).as_deref(), Some("60000ms"));
+        // The stall limit stays; a longer limit already given stays.
+        assert!(http_client(&opts).contains(&(ClientConfigKey::ReadTimeout, "10000ms".into())));
+        let long = StoreOptions {
+            request_timeout: Duration::from_secs(2000),
+            ..opts
+        };
+        assert_eq!(timeout(http_client(&long)).as_deref(), Some("2000000ms"));
+    }
+
+    #[test]
+    fn metadata_endpoints_set_in_the_environment_are_credential_services() {
+        // Before: a metadata proxy's 404 (an instance with no role) was taken for the store's
+        // own (a dataset "not found"), and its 503 halved the bucket's window.
+        let b =
+            AmazonS3Builder::new().with_config(S3Key::MetadataEndpoint, "http://127.0.0.1:8111");
+        assert!(s3_tap(&b).counts_as_credential("http://127.0.0.1:8111/latest/api/token"));
+        let plain = s3_tap(&AmazonS3Builder::new());
+        assert!(!plain.counts_as_credential("http://127.0.0.1:8111/latest/api/token"));
+        // GCS: object_store asks `http://GCE_METADATA_HOST/...` (else `_ROOT`, then `_IP`).
+        let env = |k: &str| match k {
+            "GCE_METADATA_HOST" => Some("127.0.0.1:8080".to_owned()),
+            "GCE_METADATA_IP" => Some("10.0.0.9".to_owned()),
+            _ => None,
+        };
+        let gcs = GoogleCloudStorageBuilder::new();
+        let tap = gcs_tap(&gcs, env);
+        let token = "/computeMetadata/v1/instance/service-accounts/default/token";
+        assert!(tap.counts_as_credential(&format!("http://127.0.0.1:8080{token}")));
+        assert!(tap.counts_as_credential(&format!("http://10.0.0.9{token}")));
+        assert!(
+            !tap.counts_as_credential("http://127.0.0.1/"),
+            "another port"
+        );
+        let root = |k: &str| (k == "GCE_METADATA_ROOT").then(|| "meta.internal".to_owned());
+        assert!(gcs_tap(&gcs, root).counts_as_credential("http://meta.internal/x"));
+        // Unless it is the store's own endpoint (a test server serving both).
+        let own = gcs.with_config(GcsKey::BaseUrl, "http://127.0.0.1:8080");
+        assert!(!gcs_tap(&own, env).counts_as_credential("http://127.0.0.1:8080/b/o"));
+    }
+
+    #[test]
+    fn an_azure_url_naming_its_account_reaches_the_client() {
+        // The environment would decide the endpoint; only without one is it the URL's.
+        if std::env::vars().any(|(k, _)| k.starts_with("AZURE") || k.starts_with("AZURITE")) {
+            return;
+        }
+        let url = StoreUrl::parse("az://data@myacct.dfs.core.windows.net/ds").unwrap();
+        let (_, d) = build(&url, &StoreOptions::default()).unwrap();
+        assert_eq!(d.endpoint, "https://myacct.blob.core.windows.net", "{d}");
     }
 
     #[test]

@@ -29,9 +29,16 @@ pub(crate) const MAX_COLLECTED: u64 = if cfg!(test) { 1 << 20 } else { 64 << 20 
 /// smaller in unit tests.
 pub(crate) const MAX_LIST_PAGE: u64 = if cfg!(test) { 2 << 20 } else { 64 << 20 };
 
-/// Most bytes of a WebDAV listing (0.4-1 KB per file: over a million files); smaller in unit
-/// tests.
-pub(crate) const MAX_LISTING: u64 = if cfg!(test) { 4 << 20 } else { 1 << 30 };
+/// Most bytes of a WebDAV listing outside unit tests (0.4-1 KB per file: over a million
+/// files); an http(s) store's whole-request limit gives it time to arrive.
+pub(crate) const WEBDAV_LISTING_BYTES: u64 = 1 << 30;
+
+/// Most bytes of a WebDAV listing: [`WEBDAV_LISTING_BYTES`]; smaller in unit tests.
+pub(crate) const MAX_LISTING: u64 = if cfg!(test) {
+    4 << 20
+} else {
+    WEBDAV_LISTING_BYTES
+};
 
 /// Which answer a body is, for its bound and for the error past it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,10 +20,11 @@ pub enum StoreErrorKind {
     Throttled,
     /// 5xx, timeouts, connection errors after retries, or an unexpected answer.
     Unavailable,
-    /// Another 3xx/4xx answer, an invalid key or an operation the store does not support:
-    /// not transient, asking again gets the same answer.
+    /// Another 3xx/4xx answer (a 401/403 too from an http(s) server, which is given no
+    /// credentials), an invalid key or an operation the store does not support: not
+    /// transient, asking again gets the same answer.
     Rejected,
-    /// 401/403: credentials refused.
+    /// 401/403 from a store given credentials (S3, GCS, Azure): credentials refused.
     Credentials,
     /// 404: no such object (or bucket): a stale manifest or a wrong prefix.
     NotFound,
@@ -300,6 +301,9 @@ pub(crate) struct At<'a> {
     pub key: &'a str,
     pub range: Option<Range<u64>>,
     pub etag: Option<&'a str>,
+    /// The store takes no credentials (http(s)): a 401/403 from it is no credentials
+    /// failure ([`uncredentialed`]).
+    pub uncredentialed: bool,
 }
 
 impl At<'_> {
@@ -336,7 +340,34 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             },
         };
     }
-    from_store(e, status, last.and_then(|a| a.retry_after), at)
+    let plain = at.uncredentialed;
+    let e = from_store(e, status, last.and_then(|a| a.retry_after), at);
+    if plain { uncredentialed(e, status) } else { e }
+}
+
+/// `e` from a store that takes no credentials (http(s): none in the URL, none from the
+/// environment): a refusal is the server's for good, not credentials to check in the
+/// `AWS_*`/`GOOGLE_*`/`AZURE_*` environment. Most often a WebDAV server that refuses the
+/// listing's `PROPFIND` with `Depth: infinity` (Apache mod_dav answers 403 unless
+/// `DavDepthInfinity On`), or one that asks for a login.
+fn uncredentialed(e: StoreError, status: Option<u16>) -> StoreError {
+    match e {
+        StoreError::Credentials {
+            bucket,
+            key,
+            reason,
+        } => StoreError::Rejected {
+            bucket,
+            key,
+            reason: format!(
+                "{}: {reason}; http(s) datasets carry no credentials, so the server must \
+                 serve them without a login, and a WebDAV server must allow PROPFIND with \
+                 `Depth: infinity` (Apache mod_dav: `DavDepthInfinity On`)",
+                http(status)
+            ),
+        },
+        e => e,
+    }
 }
 
 /// [`classify`] of an answer from the store itself (`status`: its last status, when one
@@ -513,6 +544,7 @@ mod tests {
             key: "p/a.bin",
             range: Some(0..8),
             etag: Some("\"e1\""),
+            uncredentialed: false,
         }
     }
 
@@ -660,6 +692,41 @@ mod tests {
         assert!(e.to_string().contains("bytes 0..8"), "{e}");
         let e = classify(generic(), None, at());
         assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn a_refusal_from_an_http_server_is_no_credentials_failure() {
+        // Before: "credentials refused ... check the AWS_*/GOOGLE_*/AZURE_* environment"
+        // (`StorageAuth`), from a dataset that carries no credentials, for a WebDAV server
+        // that refuses `PROPFIND` with `Depth: infinity` (Apache's default).
+        let dav = At {
+            uncredentialed: true,
+            ..at()
+        };
+        let denied = || object_store::Error::PermissionDenied {
+            path: "ds".into(),
+            source: "403 Forbidden".into(),
+        };
+        let e = classify(denied(), Some(&with(403, None)), dav.clone());
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("(HTTP 403)")
+                && msg.contains("403 Forbidden")
+                && msg.contains("`DavDepthInfinity On`"),
+            "{msg}"
+        );
+        assert!(
+            !msg.contains("credentials refused") && !msg.contains("AWS_*"),
+            "{msg}"
+        );
+        let e = classify(generic(), Some(&with(401, None)), dav.clone());
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        // Its other answers keep their kinds; a cloud store's 403 is still credentials.
+        let e = classify(generic(), Some(&with(404, None)), dav);
+        assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
+        let e = classify(denied(), Some(&with(403, None)), at());
+        assert_eq!(e.kind(), StoreErrorKind::Credentials, "{e}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::etag::{if_match, quoted_etag, same_etag};
 use crate::metrics as m;
 use crate::options::StoreOptions;
 use crate::tap::{Call, Tracked};
-use crate::url::StoreUrl;
+use crate::url::{Scheme, StoreUrl};
 use crate::window::{self, Permit, Urgency, Window, WindowStatus};
 
 /// An object under the prefix.
@@ -91,7 +91,9 @@ impl Store {
         os: Arc<dyn ObjectStore>,
         described: Described,
     ) -> Store {
-        let bucket = format!("{}://{}", url.scheme().as_str(), url.bucket());
+        // The account too, where the URL names one: a container of that name in another
+        // account is another bucket.
+        let bucket = format!("{}://{}", url.scheme().as_str(), url.authority());
         let window = window::for_bucket(&bucket, opts.max_inflight);
         Store {
             inner: Arc::new(Inner {
@@ -158,11 +160,13 @@ impl Store {
     }
 
     fn at<'a>(&'a self, key: &'a str, range: Option<Range<u64>>, etag: Option<&'a str>) -> At<'a> {
+        let scheme = self.inner.url.scheme();
         At {
             bucket: self.inner.url.bucket(),
             key,
             range,
             etag,
+            uncredentialed: matches!(scheme, Scheme::Http | Scheme::Https),
         }
     }
 

@@ -123,7 +123,8 @@ impl MultipartUpload for Tracked {
 pub(crate) struct TapConnector {
     /// Addresses (host, port) of the credential services this store was configured with (an
     /// Azure `IDENTITY_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`,
-    /// `AWS_ENDPOINT_URL_STS`): credential services as much as the well-known ones.
+    /// `AWS_ENDPOINT_URL_STS`, `AWS_METADATA_ENDPOINT`, `GCE_METADATA_HOST`): credential
+    /// services as much as the well-known ones.
     credential_at: Arc<[(String, u16)]>,
 }
 
@@ -144,6 +145,13 @@ impl TapConnector {
             .filter(|a| !own.contains(a))
             .collect();
         TapConnector { credential_at }
+    }
+
+    /// Whether `url`'s address is one of the configured credential services (tests of the
+    /// builders that configure them).
+    #[cfg(test)]
+    pub(crate) fn counts_as_credential(&self, url: &str) -> bool {
+        address(url).is_some_and(|a| self.credential_at.contains(&a))
     }
 }
 

@@ -10,7 +10,8 @@ pub enum Scheme {
     S3,
     /// `gs://BUCKET/PREFIX`: Google Cloud Storage.
     Gcs,
-    /// `az://CONTAINER/PREFIX`: Azure Blob Storage (account from `AZURE_STORAGE_ACCOUNT_NAME`).
+    /// `az://CONTAINER/PREFIX`: Azure Blob Storage (account from `AZURE_STORAGE_ACCOUNT_NAME`),
+    /// or `az://CONTAINER@ACCOUNT.blob.core.windows.net/PREFIX` (`.dfs.` too), naming it.
     Azure,
     /// `file:///DIR`: a local directory through the same interface.
     File,
@@ -53,12 +54,16 @@ impl Scheme {
 }
 
 /// A parsed dataset location: scheme, bucket (container, host, or for `file://` the
-/// directory) and prefix (`/`-separated, no leading or trailing `/`).
+/// directory), prefix (`/`-separated, no leading or trailing `/`) and, for an Azure URL that
+/// names one, the storage account's host.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StoreUrl {
     scheme: Scheme,
     bucket: String,
     prefix: String,
+    /// `ACCOUNT.blob.core.windows.net` (or `.dfs.`), lowercase, of
+    /// `az://CONTAINER@ACCOUNT.blob.core.windows.net/PREFIX`; `None` otherwise.
+    account_host: Option<String>,
 }
 
 const SCHEMES_HINT: &str = "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
@@ -94,9 +99,14 @@ impl StoreUrl {
         parsed.map_err(bad)
     }
 
-    /// `BUCKET/PREFIX` (container, host) of every scheme but `file://`.
+    /// `BUCKET/PREFIX` (container, host) of every scheme but `file://`; for Azure also
+    /// `CONTAINER@ACCOUNT_HOST/PREFIX` ([`azure_account_host`]).
     fn parse_named(scheme: Scheme, rest: &str) -> Result<StoreUrl, String> {
-        let (bucket, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (bucket, account_host) = match azure_account_host(scheme, authority) {
+            Some((container, host)) => (container, Some(host?)),
+            None => (authority, None),
+        };
         if bucket.is_empty() {
             let what = match scheme {
                 Scheme::Azure => "container",
@@ -126,6 +136,7 @@ impl StoreUrl {
             scheme,
             bucket: bucket.to_owned(),
             prefix,
+            account_host,
         })
     }
 
@@ -144,6 +155,7 @@ impl StoreUrl {
             scheme: Scheme::File,
             bucket: format!("/{clean}"),
             prefix: String::new(),
+            account_host: None,
         })
     }
 
@@ -169,6 +181,22 @@ impl StoreUrl {
         &self.prefix
     }
 
+    /// The Azure storage account an `az://CONTAINER@ACCOUNT.blob.core.windows.net/` URL
+    /// names (`None`: the environment's `AZURE_STORAGE_ACCOUNT_NAME`, or not Azure).
+    pub fn account(&self) -> Option<&str> {
+        let host = self.account_host.as_deref()?;
+        host.split_once('.').map(|(account, _)| account)
+    }
+
+    /// The bucket as the URL writes it: `CONTAINER@ACCOUNT_HOST` for an Azure URL that names
+    /// its account, else the bucket (container, host, directory).
+    pub(crate) fn authority(&self) -> String {
+        match &self.account_host {
+            Some(host) => format!("{}@{host}", self.bucket),
+            None => self.bucket.clone(),
+        }
+    }
+
     /// The full key of `key` (relative to the prefix) inside the bucket.
     pub fn key(&self, key: &str) -> String {
         if self.prefix.is_empty() {
@@ -187,8 +215,10 @@ const CREDENTIALS: &str = "credentials in the URL (`user:secret@`) are not accep
 /// query or fragment, whitespace, and a percent-escape in an http(s) path.
 fn refuse_characters(scheme: Scheme, rest: &str) -> Result<(), String> {
     // Looked for in the whole URL, before any cut at `?` or `#`: a secret may hold either
-    // (`user:pa#ss@host`), and cut there it would pass as no userinfo at all.
-    if userinfo_end(rest).is_some() {
+    // (`user:pa#ss@host`), and cut there it would pass as no userinfo at all. An Azure
+    // `CONTAINER@ACCOUNT.blob.core.windows.net` holds no secret.
+    let authority = rest.split_once('/').map_or(rest, |(a, _)| a);
+    if userinfo_end(rest).is_some() && azure_account_host(scheme, authority).is_none() {
         return Err(CREDENTIALS.into());
     }
     if let Some(c) = rest
@@ -218,6 +248,41 @@ fn refuse_characters(scheme: Scheme, rest: &str) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// Azure's own host names of a storage account's blobs (`.dfs.`: Data Lake Storage Gen2, the
+/// same blobs).
+const AZURE_HOSTS: [&str; 2] = [".blob.core.windows.net", ".dfs.core.windows.net"];
+
+/// For an `az://` URL whose `authority` (what comes before the first `/`) is
+/// `CONTAINER@ACCOUNT.blob.core.windows.net` or `...dfs.core.windows.net` (the form adlfs,
+/// Hadoop's abfs and object_store write): the container, and the host lowercased, or why
+/// ACCOUNT is no storage account's name. `None` for any other authority, and where CONTAINER
+/// is not of a container name's characters (lowercase letters, digits, `-`, `$root`): a
+/// `user:secret@` or a token is refused as credentials, never logged as a container.
+fn azure_account_host(scheme: Scheme, authority: &str) -> Option<(&str, Result<String, String>)> {
+    let (container, host) = authority.split_once('@')?;
+    let container_chars = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-';
+    let name = container.strip_prefix('$').unwrap_or(container);
+    if scheme != Scheme::Azure || !name.bytes().all(container_chars) || host.contains('@') {
+        return None;
+    }
+    let host = host.to_ascii_lowercase();
+    let account = AZURE_HOSTS.iter().find_map(|h| host.strip_suffix(*h))?;
+    // Azure's rule: 3-24 lowercase letters and digits (object_store refuses a `.` in it).
+    let named =
+        (3..=24).contains(&account.len()) && account.bytes().all(|b| b.is_ascii_alphanumeric());
+    if !named {
+        return Some((
+            container,
+            Err(format!(
+                "`{account}` is not a storage account name (3-24 lowercase letters and digits); \
+                 write az://CONTAINER@ACCOUNT.blob.core.windows.net/PREFIX, or \
+                 az://CONTAINER/PREFIX with AZURE_STORAGE_ACCOUNT_NAME=ACCOUNT"
+            )),
+        ));
+    }
+    Some((container, Ok(host)))
 }
 
 /// The fix for an http(s) URL whose host is a cloud store's own endpoint
@@ -253,10 +318,7 @@ fn cloud_endpoint(host: &str, path: &str) -> Option<String> {
         ("Google Cloud Storage", url("gs", first, after))
     } else if let Some(bucket) = name.strip_suffix(".storage.googleapis.com") {
         ("Google Cloud Storage", url("gs", bucket, path))
-    } else if let Some(account) = name
-        .strip_suffix(".blob.core.windows.net")
-        .or_else(|| name.strip_suffix(".dfs.core.windows.net"))
-    {
+    } else if let Some(account) = AZURE_HOSTS.iter().find_map(|h| name.strip_suffix(*h)) {
         let u = match first {
             "" => "az://CONTAINER/PREFIX".to_owned(),
             _ => url("az", first, after),
@@ -391,10 +453,11 @@ fn clean_prefix(path: &str) -> Result<String, String> {
 
 impl std::fmt::Display for StoreUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (s, at) = (self.scheme.as_str(), self.authority());
         match self.scheme {
             Scheme::File => write!(f, "file://{}", percent_encode(&self.bucket)),
-            s if self.prefix.is_empty() => write!(f, "{}://{}", s.as_str(), self.bucket),
-            s => write!(f, "{}://{}/{}", s.as_str(), self.bucket, self.prefix),
+            _ if self.prefix.is_empty() => write!(f, "{s}://{at}"),
+            _ => write!(f, "{s}://{at}/{}", self.prefix),
         }
     }
 }
@@ -525,6 +588,47 @@ mod tests {
         }
         assert!(err("https://u:p@host/ds?sig=tok3n").contains("https://***@host/ds?..."));
         assert!(err("s3a://k:tok3n@b/d").contains("unsupported scheme `s3a`"));
+    }
+
+    #[test]
+    fn an_azure_url_naming_its_account_is_accepted_not_taken_for_credentials() {
+        // Before: refused as "credentials in the URL", and echoed as `az://***@myacct...`.
+        let u = StoreUrl::parse("az://data@MyAcct.dfs.core.windows.net/ds/v1/").unwrap();
+        assert_eq!(
+            (u.scheme(), u.bucket(), u.prefix(), u.account()),
+            (Scheme::Azure, "data", "ds/v1", Some("myacct"))
+        );
+        assert_eq!(u.to_string(), "az://data@myacct.dfs.core.windows.net/ds/v1");
+        assert_eq!(StoreUrl::parse(&u.to_string()).unwrap(), u);
+        let u = StoreUrl::parse("az://data@myacct.blob.core.windows.net").unwrap();
+        assert_eq!((u.bucket(), u.prefix()), ("data", ""));
+        assert_eq!(u.to_string(), "az://data@myacct.blob.core.windows.net");
+        assert_eq!(StoreUrl::parse("az://data/ds").unwrap().account(), None);
+        // A secret, another host or another scheme: credentials still, not repeated.
+        for url in [
+            "az://data:tok3n@myacct.blob.core.windows.net/ds",
+            "az://tok3n@example.com/ds",
+            "az://Tok3N+x=@myacct.blob.core.windows.net/ds",
+            "s3://tok3n@myacct.blob.core.windows.net/ds",
+            "https://tok3n@myacct.blob.core.windows.net/ds",
+        ] {
+            let e = err(url);
+            assert!(
+                e.contains("credentials in the URL") && !e.contains("tok3n"),
+                "{e}"
+            );
+        }
+        let e = err("az://data@my.acct.blob.core.windows.net/ds");
+        assert!(
+            e.contains("`my.acct` is not a storage account name")
+                && e.contains("AZURE_STORAGE_ACCOUNT_NAME=ACCOUNT"),
+            "{e}"
+        );
+        let e = err("az://data@myacct.blob.core.windows.net/ds?sig=tok3n");
+        assert!(
+            e.contains("'?' is not allowed") && !e.contains("tok3n"),
+            "{e}"
+        );
     }
 
     #[test]

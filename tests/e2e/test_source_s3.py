@@ -297,7 +297,7 @@ def test_the_nodes_hints_let_the_source_read_ahead(sw, s3, s3_bucket, s3_proxy, 
     src.admin = src.wait_line(ADMIN).group(1)
     node = sw.serve([src], "--pool-size", "64MiB", "--stream-memory", "2MiB")
     wait_ready(node)
-    batches = sw.consume(node, "ds", shuffle="shards", seed=5)
+    batches = sw.consume(node, "ds", seed=5)
     assert_exactly_once(batches, 40)
     assert_byte_exact(batches, expected_crcs(d))
     served = served_counts(src)
@@ -340,7 +340,7 @@ def test_read_ahead_the_cache_does_not_admit_stays_within_the_memory_budget(sw, 
             peak = max(peak, prefetched())
             time.sleep(0.1)
         assert peak <= 1 << 20, peak
-    batches = sw.consume(node, "ds", shuffle="shards", seed=5)
+    batches = sw.consume(node, "ds", seed=5)
     assert_exactly_once(batches, 40)
     assert_byte_exact(batches, expected_crcs(d))
 

@@ -23,7 +23,8 @@ pub enum Distance {
     Pxb,
     /// Through a host bridge / the CPU of one socket: works, peer reads are slow.
     Phb,
-    /// Across sockets (or unknown): slow or unreliable; NCCL does not use GPU-direct.
+    /// Across NUMA nodes (sockets, or the SNC/NPS domains of one socket), or unknown: slow or
+    /// unreliable; NCCL does not use GPU-direct.
     Sys,
 }
 
@@ -64,7 +65,9 @@ pub struct Classified {
 /// With a PCIe switch in common: PIX when it is the nearest switch of both (the path
 /// crosses one switch), else PXB. Without: PHB when both hang off one CPU (same host
 /// bridge, or host bridges on the same known NUMA node), else SYS (different NUMA nodes,
-/// or different host bridges with a NUMA node unknown). Switch addresses carry their PCI
+/// or different host bridges with a NUMA node unknown). Different NUMA nodes are not always
+/// different sockets (Intel SNC, AMD NPS split one socket into several), and the NUMA ids
+/// alone do not tell which, so the reason names both. Switch addresses carry their PCI
 /// domain, so devices in different domains never share a switch. Behind an Intel VMD
 /// endpoint the paths start below the nested host bridge and keep the outer one
 /// ([`PciPath::from_real_path`]): two devices in a VMD domain without a switch in common are
@@ -112,7 +115,7 @@ pub fn classify(
         ),
         (Some(g), Some(n)) => classified(
             Distance::Sys,
-            format!("across sockets: GPU on NUMA {g}, NIC on NUMA {n}"),
+            format!("across sockets or SNC/NPS domains: GPU on NUMA {g}, NIC on NUMA {n}"),
         ),
         _ => classified(
             Distance::Sys,
@@ -268,7 +271,7 @@ mod tests {
             (c.distance, c.why.as_str()),
             (
                 Distance::Sys,
-                "across sockets: GPU on NUMA 0, NIC on NUMA 1"
+                "across sockets or SNC/NPS domains: GPU on NUMA 0, NIC on NUMA 1"
             )
         );
         for (g, n) in [(None, Some(1)), (Some(0), None), (None, None)] {

@@ -12,11 +12,14 @@
 //!   that still lets the GPUs after it keep that spread.
 //! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
-//!   as evenly as possible; with fewer queues than GPUs the later GPUs get none. A physical
-//!   NIC of one queue has none for devmem.
-//! - A usable NIC is passed over ([`passed_over`]) when its link is down while another of its
-//!   model is up, or when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management
-//!   NIC beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
+//!   as evenly as possible ([`plan_queues`]). With fewer such queues than GPUs each GPU gets
+//!   one from `rx/2` up, the later ones past the NIC's count: the node raises the NIC's
+//!   channels to bind them, and those lanes warn. A physical NIC of one queue has none for
+//!   devmem (its lanes warn: devmem is refused); on a virtual NIC later GPUs get none.
+//! - A usable NIC is passed over ([`passed_over`]) when its link is down while at least half
+//!   of the NICs of its model placed as it is (below a PCIe switch or not) are up, or when it
+//!   is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC beside the
+//!   GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
 //!   A lane whose NIC is farther than a NIC passed over for its link being down names that
 //!   NIC in its `why`; a lane without a NIC names each physical NIC left out and why.
 //!   An SR-IOV virtual function comes after every physical function at its distance, whatever
@@ -66,8 +69,9 @@ pub struct LanePlan {
     pub data_addr: Option<String>,
     /// One line: why this NIC, and how its queues are shared.
     pub why: String,
-    /// The lane crosses a CPU (PHB, SYS) or has no NIC (the plan also marks lanes whose data
-    /// address is not their NIC's, and table lanes on a virtual or unknown NIC).
+    /// The lane crosses a CPU (PHB, SYS), has no NIC, or has no devmem queue or one past its
+    /// NIC's RX queues ([`plan_queues`]) (the plan also marks lanes whose data address is not
+    /// their NIC's, and table lanes on a virtual or unknown NIC).
     pub warn: bool,
 }
 
@@ -123,12 +127,14 @@ struct Candidate {
 pub const SLOW_FACTOR: u32 = 8;
 
 /// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
-/// while that of another of the host's `nics` (usable) of the same model (PCI vendor and
-/// device id) is not, or it runs [`SLOW_FACTOR`] times slower than the fastest of them whose
-/// link is not down. `None`: it is a candidate. Only a NIC of its own model counts for a
-/// down link: an uncabled second port is passed over for the cabled ones, but GPU NICs whose
-/// links are still training at boot are not all passed over for the management NIC, a
-/// different model that is up (the plan is made once, at start).
+/// while those of at least half of its peers are not, or it runs [`SLOW_FACTOR`] times slower
+/// than the fastest of the host's `nics` (usable) whose link is not down. `None`: it is a
+/// candidate. Its peers for a down link are the usable NICs of its model (PCI vendor and
+/// device id) placed as it is, below a PCIe switch or not ([`is_switched`]), itself included:
+/// an uncabled second port is passed over for the cabled one, but GPU NICs whose links are
+/// still training at boot are not all passed over for an up management NIC, whether it is
+/// another model or, as on GCP A3 (gVNIC for both), the same model right under a root port
+/// or the one up among many (the plan is made once, at start).
 pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     if nic.is_virtual || nic.unusable.is_some() {
         return None;
@@ -138,13 +144,7 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
             .filter(|n| !n.is_virtual && n.unusable.is_none() && n.link_up != Some(false))
     };
     if nic.link_up == Some(false) {
-        // Known ids only: a NIC whose ids could not be read stays a candidate.
-        let model = |n: &Nic| n.vendor.zip(n.device);
-        let up = usable().find(|n| model(n).is_some() && model(n) == model(nic))?;
-        return Some(format!(
-            "its link is down (operstate), and {}'s (the same model) is not",
-            up.interface
-        ));
+        return down_note(nics, nic);
     }
     let speed = nic.speed_mbps?;
     let (fastest, name) = usable()
@@ -156,6 +156,46 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
             fastest / speed
         )
     })
+}
+
+/// Whether `nic` sits below a PCIe switch (TCPX's test for a GPU NIC; a host NIC hangs
+/// right off a root port).
+fn is_switched(nic: &Nic) -> bool {
+    nic.path.as_ref().is_some_and(|p| !p.switches().is_empty())
+}
+
+/// Why `nic`, whose link is down, is passed over: at least half of its peers (the usable
+/// physical NICs of its model and placement, [`passed_over`]) have a link that is not down;
+/// `None` when fewer do, or its ids could not be read (it tells no model).
+fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
+    let model = |n: &Nic| n.vendor.zip(n.device);
+    let own = model(nic)?;
+    let switched = is_switched(nic);
+    let peers: Vec<&Nic> = nics
+        .iter()
+        .filter(|n| !n.is_virtual && n.unusable.is_none())
+        .filter(|n| model(n) == Some(own) && is_switched(n) == switched)
+        .collect();
+    let up: Vec<&Nic> = peers
+        .iter()
+        .copied()
+        .filter(|n| n.link_up != Some(false))
+        .collect();
+    let first = up.first()?;
+    if up.len() * 2 < peers.len() {
+        return None;
+    }
+    let place = match switched {
+        true => "below a PCIe switch",
+        false => "not below a PCIe switch",
+    };
+    Some(format!(
+        "its link is down (operstate), and {}'s (the same model) is not: {} of the {} NICs of \
+         its model {place} are up",
+        first.interface,
+        up.len(),
+        peers.len()
+    ))
 }
 
 /// Plans one lane per GPU (none when the tree has no GPU: the node keeps its host lane).
@@ -178,10 +218,10 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
     for (k, nic) in tree.nics.iter().enumerate() {
         // GPUs of this NIC, in PCI order (gpus is sorted).
         let users: Vec<usize> = (0..gpus.len()).filter(|&i| chosen[i] == Some(k)).collect();
-        let split = split_queues(devmem_rx_queues(nic), users.len());
-        for (slot, (&i, q)) in users.iter().zip(split).enumerate() {
-            shares[i] = share_note(nic, users.len(), slot, &q);
-            queues[i] = q;
+        let split = plan_queues(nic, users.len());
+        for (slot, &i) in users.iter().enumerate() {
+            shares[i] = share_note(nic, &split, slot);
+            queues[i] = split[slot].clone();
         }
     }
     gpus.iter()
@@ -198,6 +238,8 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
                 n => format!("; 1 of {n} NICs at {}, spread", pick.class.distance),
             };
             let down = nearer_down_note(gpu, &tree.nics, &skip, pick.class.distance);
+            let queues = std::mem::take(&mut queues[i]);
+            let short = short_of_queues(nic, &queues);
             LanePlan {
                 lane,
                 gpu: gpu.pci,
@@ -206,10 +248,10 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
                 nic_pci: nic.pci,
                 nic_numa: nic.numa_node,
                 distance: Some(pick.class.distance),
-                queues: std::mem::take(&mut queues[i]),
+                queues,
                 data_addr: None,
                 why: format!("{}{spread}{}{down}", pick.class.why, shares[i]),
-                warn: pick.class.distance.crosses_cpu(),
+                warn: pick.class.distance.crosses_cpu() || short,
             }
         })
         .collect()
@@ -480,7 +522,8 @@ impl<'a> Matching<'a> {
 }
 
 /// The devmem queues `[rx/2, rx)` of a NIC split among `gpus` GPUs: contiguous, disjoint,
-/// in order, sizes differing by at most one; later GPUs get none when queues run out.
+/// in order, sizes differing by at most one; later GPUs get none when queues run out (the
+/// pairing plans with [`plan_queues`], which gives them queues past the NIC's count).
 pub fn split_queues(rx_queues: u32, gpus: usize) -> Vec<Vec<u32>> {
     let Ok(k) = u32::try_from(gpus) else {
         return vec![Vec::new(); gpus];
@@ -513,29 +556,75 @@ pub fn devmem_rx_queues(nic: &Nic) -> u32 {
     }
 }
 
-/// How a NIC's queues were shared, for a lane's `why` (empty when it has the NIC alone
-/// and queues).
-fn share_note(nic: &Nic, users: usize, slot: usize, queues: &[u32]) -> String {
-    let all = split_queues(devmem_rx_queues(nic), 1).concat();
-    let name = &nic.interface;
-    if all.is_empty() {
-        return format!("; {name} has no rx queues for devmem");
+/// The devmem queues of each of `gpus` GPUs on `nic`, in GPU order: [`split_queues`] of its
+/// [`devmem_rx_queues`], except on a physical NIC whose upper half has fewer queues than
+/// GPUs (and one at least): there each GPU gets one queue, contiguous from `rx/2` up, so the
+/// later ones lie past the NIC's RX queues and the node raises its channels to bind them (as
+/// it does for queues a lanes table names). Before, the later GPUs got none, and devmem was
+/// refused on the whole node although the NIC could have had more channels.
+pub fn plan_queues(nic: &Nic, gpus: usize) -> Vec<Vec<u32>> {
+    let rx = devmem_rx_queues(nic);
+    let first = rx / 2;
+    let count = usize::try_from(rx - first).unwrap_or(usize::MAX);
+    if nic.is_virtual || count == 0 || count >= gpus {
+        return split_queues(rx, gpus);
     }
+    (first..).take(gpus).map(|q| vec![q]).collect()
+}
+
+/// Whether a lane on `nic` with devmem `queues` deserves a warning: it has none (devmem cannot
+/// bind it, so it is refused on the whole node), or one past the NIC's RX queues (bound only
+/// once the node has raised the NIC's channels, refused where the NIC allows fewer).
+fn short_of_queues(nic: &Nic, queues: &[u32]) -> bool {
+    queues.is_empty() || queues.iter().any(|&q| q >= nic.rx_queues)
+}
+
+/// How a NIC's queues were shared among the GPUs of `split` (their queues, [`plan_queues`]),
+/// for the `why` of the lane of GPU `slot`: empty when it has the NIC alone and queues.
+fn share_note(nic: &Nic, split: &[Vec<u32>], slot: usize) -> String {
+    let name = &nic.interface;
+    let users = split.len();
+    let upper = split_queues(devmem_rx_queues(nic), 1).concat();
+    if upper.is_empty() {
+        return format!(
+            "; {name} has no rx queues for devmem (it has {}; queue 0 stays with RSS): receive = \
+             devmem refuses to start, and auto uses plain TCP on every lane; raise its RX \
+             channels (ethtool -L)",
+            nic.rx_queues
+        );
+    }
+    let queues = &split[slot];
     if queues.is_empty() {
         return format!(
             "; no devmem queue left: {name} has {} for {users} GPUs (GPU {} of {users})",
-            all.len(),
+            upper.len(),
             slot + 1
         );
     }
-    if users == 1 {
-        return String::new();
+    let planned = split.concat();
+    let mut note = match users {
+        1 => String::new(),
+        _ => format!(
+            "; {name} shared by {users} GPUs: queues {} of {}",
+            format_ranges(queues),
+            format_ranges(&planned)
+        ),
+    };
+    let past: Vec<u32> = planned
+        .iter()
+        .copied()
+        .filter(|&q| q >= nic.rx_queues)
+        .collect();
+    if let Some(&top) = past.last() {
+        note.push_str(&format!(
+            "; {} past its {} RX queues: devmem raises its channels to {} (where the NIC allows \
+             fewer, receive = devmem refuses to start and auto uses plain TCP on every lane)",
+            format_ranges(&past),
+            nic.rx_queues,
+            top + 1
+        ));
     }
-    format!(
-        "; {name} shared by {users} GPUs: queues {} of {}",
-        format_ranges(queues),
-        format_ranges(&all)
-    )
+    note
 }
 
 #[cfg(test)]
@@ -984,7 +1073,9 @@ mod tests {
     }
 
     #[test]
-    fn more_gpus_than_queues_leave_later_gpus_empty_and_say_so() {
+    fn more_gpus_than_queues_take_queues_past_the_nic_and_warn() {
+        // Before, GPU 3 got no queue and no warning: the binding then found the upper half
+        // all handed out and refused devmem on the whole node.
         let gpus: Vec<Gpu> = (0..3)
             .map(|i| {
                 let c = under_switch(
@@ -1003,15 +1094,16 @@ mod tests {
         };
         let lanes = pair(&tree, &PairOptions::default());
         let queues: Vec<Vec<u32>> = lanes.iter().map(|l| l.queues.clone()).collect();
-        assert_eq!(queues, vec![vec![2], vec![3], vec![]]);
-        assert_eq!(
-            lanes[2].why,
-            "same PCIe switch 0000:01:00.0; no devmem queue left: eth1 has 2 for 3 GPUs (GPU 3 of 3)"
-        );
-        assert_eq!(
-            lanes[0].why,
-            "same PCIe switch 0000:01:00.0; eth1 shared by 3 GPUs: queues 2 of 2-3"
-        );
+        assert_eq!(queues, vec![vec![2], vec![3], vec![4]]);
+        let warns: Vec<bool> = lanes.iter().map(|l| l.warn).collect();
+        // Only the lane past the NIC's queues.
+        assert_eq!(warns, [false, false, true]);
+        let past = "; 4 past its 4 RX queues: devmem raises its channels to 5 (where the NIC \
+                    allows fewer, receive = devmem refuses to start and auto uses plain TCP on \
+                    every lane)";
+        let head = "same PCIe switch 0000:01:00.0; eth1 shared by 3 GPUs: queues";
+        assert_eq!(lanes[2].why, format!("{head} 4 of 2-4{past}"));
+        assert_eq!(lanes[0].why, format!("{head} 2 of 2-4{past}"));
     }
 
     /// GPU 0000:03:00.0 under PCIe switch 0000:01:00.0.
@@ -1034,10 +1126,38 @@ mod tests {
         assert_eq!(lanes[0].nic.as_deref(), Some("eth1"));
         assert!(lanes[0].queues.is_empty(), "{:?}", lanes[0].queues);
         assert!(
-            lanes[0].why.ends_with("; eth1 has no rx queues for devmem"),
+            lanes[0].why.ends_with(
+                "; eth1 has no rx queues for devmem (it has 1; queue 0 stays with RSS): receive \
+                 = devmem refuses to start, and auto uses plain TCP on every lane; raise its RX \
+                 channels (ethtool -L)"
+            ),
             "{}",
             lanes[0].why
         );
+        // A PIX lane, but devmem cannot bind it: marked (before, it was not).
+        assert!(lanes[0].warn);
+    }
+
+    #[test]
+    fn planned_queues_go_past_a_physical_nic_not_a_virtual_one() {
+        let mut eth = nic(
+            "eth1",
+            Some(0),
+            8,
+            "pci0000:00",
+            &["0000:00:01.0", "0000:01:00.0"],
+        );
+        let one_each: Vec<Vec<u32>> = (4..12).map(|q| vec![q]).collect();
+        assert_eq!(plan_queues(&eth, 8), one_each, "8 channels, 8 GPUs");
+        assert_eq!(plan_queues(&eth, 2), split_queues(8, 2), "enough");
+        assert_eq!(plan_queues(&eth, 0), Vec::<Vec<u32>>::new());
+        eth.rx_queues = 2;
+        assert_eq!(plan_queues(&eth, 3), [vec![1], vec![2], vec![3]]);
+        // One queue: RSS's, none for devmem, none planned past it.
+        eth.rx_queues = 1;
+        assert_eq!(plan_queues(&eth, 2), [Vec::<u32>::new(), vec![]]);
+        // A virtual NIC has no channels to raise: later GPUs get none, as before.
+        assert_eq!(plan_queues(&veth("lo"), 2), [vec![0], vec![]]);
     }
 
     #[test]
@@ -1137,7 +1257,8 @@ mod tests {
         assert_eq!(nics, [Some("eth1"), Some("veth0")]);
         assert_eq!(
             lanes[0].why,
-            "across sockets: GPU on NUMA 0, NIC on NUMA 1; 1 of 2 NICs at SYS, spread"
+            "across sockets or SNC/NPS domains: GPU on NUMA 0, NIC on NUMA 1; 1 of 2 NICs at \
+             SYS, spread"
         );
         assert_eq!(lanes[0].numa_node(), Some(1));
     }
@@ -1298,6 +1419,55 @@ mod tests {
             vec![down, up]
         });
         assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+    }
+
+    #[test]
+    fn gpu_nics_down_beside_an_up_host_nic_of_their_model_stay_candidates() {
+        // GCP A3: the GPU NICs and the host NIC are all gVNIC. ens1 and ens2 (below the GPUs'
+        // switch) are down at boot, eth0 (right under a root port) is up: before, both were
+        // passed over for eth0 ("the same model") and both GPUs went to it at PHB.
+        let gvnic = |mut n: Nic, up: bool| {
+            (n.vendor, n.device, n.link_up) = (Some(0x1ae0), Some(0x0042), Some(up));
+            n
+        };
+        let host = gvnic(
+            nic(
+                "eth0",
+                Some(0),
+                8,
+                "pci0000:00",
+                &["0000:00:03.0", "0000:20:00.0"],
+            ),
+            true,
+        );
+        let with_host = |ups: [bool; 3]| {
+            let names = ["ens1", "ens2", "ens3"];
+            let ports = ["0000:02:02.0", "0000:02:03.0", "0000:02:04.0"];
+            let mut tree = one_switch(|n| {
+                (0..3)
+                    .map(|k| gvnic(n(ports[k], names[k]), ups[k]))
+                    .collect::<Vec<_>>()
+            });
+            tree.nics.push(host.clone());
+            tree
+        };
+        let tree = with_host([false, false, false]);
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens1".into()), Some("ens2".into())]
+        );
+        // One of the three up: the two still down stay candidates (before, passed over).
+        let tree = with_host([false, false, true]);
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+        // Most of them up: the one still down is passed over (an uncabled port), and the
+        // reason counts its peers (eth0, not below a switch, is none of them).
+        let tree = with_host([false, true, true]);
+        let why = passed_over(&tree.nics, &tree.nics[0]).expect("passed over");
+        assert!(
+            why.ends_with("2 of the 3 NICs of its model below a PCIe switch are up"),
+            "{why}"
+        );
     }
 
     #[test]

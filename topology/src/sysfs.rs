@@ -165,7 +165,7 @@ impl Tree {
         // Firmware without proximity information writes `numa_node` -1; on a host of one NUMA
         // node every device is on it (otherwise every pair across host bridges read as SYS,
         // "NUMA node unknown", with a cross-CPU warning).
-        if let [only] = nodes.keys().copied().collect::<Vec<_>>()[..] {
+        if let Some(only) = only_cpu_node(&nodes) {
             for g in gpus.iter_mut().filter(|g| g.numa_node.is_none()) {
                 g.numa_node = Some(only);
             }
@@ -182,6 +182,27 @@ impl Tree {
     /// The CPUs of NUMA node `node`; empty when the tree does not list it.
     pub fn cpus_of_node(&self, node: u32) -> &[u32] {
         self.nodes.get(&node).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// The one NUMA node with CPUs, which a device whose `numa_node` is unknown must hang off:
+/// node 0 when there is no `devices/system/node` (a kernel built without NUMA has neither it
+/// nor `numa_node` files), the only node whose `cpulist` is not empty (CPU-less nodes, such as
+/// CXL memory, HBM in flat mode or GPU memory, hold no PCI host bridge), or the only node when
+/// no `cpulist` could be read. `None` on a host of several nodes with CPUs.
+fn only_cpu_node(nodes: &BTreeMap<u32, Vec<u32>>) -> Option<u32> {
+    if nodes.is_empty() {
+        return Some(0);
+    }
+    let with_cpus: Vec<u32> = nodes
+        .iter()
+        .filter(|(_, cpus)| !cpus.is_empty())
+        .map(|(&n, _)| n)
+        .collect();
+    match (&with_cpus[..], nodes.len()) {
+        ([only], _) => Some(*only),
+        ([], 1) => nodes.keys().next().copied(),
+        _ => None,
     }
 }
 
@@ -482,6 +503,24 @@ mod tests {
         assert_eq!(tree.nics.len(), 1, "{:?}", tree.nics);
         assert!(tree.nics[0].is_virtual && tree.nics[0].interface == "lo");
         assert_eq!(tree.cpus_of_node(0), &[] as &[u32]);
+    }
+
+    #[test]
+    fn the_one_cpu_node_skips_cpu_less_nodes_and_is_0_without_numa() {
+        // Before, only a host with exactly one nodeN directory had one: a CPU-less memory
+        // node beside it, or no devices/system/node at all, left every -1 unknown.
+        let none: Vec<u32> = Vec::new();
+        // A kernel without NUMA.
+        assert_eq!(only_cpu_node(&BTreeMap::new()), Some(0));
+        let cxl = BTreeMap::from([(0, vec![0, 1]), (1, none.clone())]);
+        assert_eq!(only_cpu_node(&cxl), Some(0));
+        assert_eq!(only_cpu_node(&BTreeMap::from([(2, vec![0, 1])])), Some(2));
+        let unread = BTreeMap::from([(3, none.clone())]);
+        assert_eq!(only_cpu_node(&unread), Some(3), "cpulist unreadable");
+        let two = BTreeMap::from([(0, vec![0]), (1, vec![1])]);
+        assert_eq!(only_cpu_node(&two), None);
+        let cpu_less = BTreeMap::from([(0, none.clone()), (1, none)]);
+        assert_eq!(only_cpu_node(&cpu_less), None);
     }
 
     #[test]

@@ -228,7 +228,7 @@ fn a3_tree_has_every_distance_class() {
         by_name("eth5"),
         s(
             Distance::Sys,
-            "across sockets: GPU on NUMA 0, NIC on NUMA 1"
+            "across sockets or SNC/NPS domains: GPU on NUMA 0, NIC on NUMA 1"
         )
     );
     let path = g.path.to_string();
@@ -305,7 +305,10 @@ fn cross_socket_is_sys_and_warns() {
         )]
     );
     let plan = &pair(&tree, &PairOptions::default())[0];
-    assert_eq!(plan.why, "across sockets: GPU on NUMA 0, NIC on NUMA 1");
+    assert_eq!(
+        plan.why,
+        "across sockets or SNC/NPS domains: GPU on NUMA 0, NIC on NUMA 1"
+    );
     assert_eq!(
         (plan.gpu_numa, plan.nic_numa, plan.numa_node()),
         (Some(0), Some(1), Some(1))
@@ -565,7 +568,7 @@ fn text_report_of_a_fixture() {
     assert!(text.starts_with("GPUs: 1\n"), "{text}");
     assert!(text.contains("\nNICs: 2\n"), "{text}");
     assert!(
-        text.contains("  !  0     0000:03:00.0  eth1  SYS   1     8-15    across sockets: GPU on NUMA 0, NIC on NUMA 1\n"),
+        text.contains("  !  0     0000:03:00.0  eth1  SYS   1     8-15    across sockets or SNC/NPS domains: GPU on NUMA 0, NIC on NUMA 1\n"),
         "{text}"
     );
     assert!(
@@ -678,6 +681,54 @@ fn link_state_speed_virtual_functions_and_representors_are_read_and_used() {
 }
 
 #[test]
+fn gpu_nics_down_at_boot_beside_an_up_host_nic_of_their_model_stay_candidates() {
+    // GCP A3 High: the GPU NICs eth1..eth4 and the host NIC eth0 are all gVNIC (1ae0:0042).
+    // With eth1..eth4 still down at start and eth0 up, each was passed over for eth0 ("the
+    // same model"), and all 8 GPUs went to eth0 at PHB or SYS until a restart.
+    fn down(names: &'static [&'static str]) -> impl FnOnce(&Path) {
+        move |dir: &Path| {
+            for name in names {
+                let state = dir.join("class/net").join(name).join("operstate");
+                fs::write(state, "down\n").unwrap();
+            }
+        }
+    }
+    fn nic(tree: &Tree, name: &str) -> Option<shardwire_topology::Nic> {
+        tree.nics.iter().find(|n| n.interface == name).cloned()
+    }
+    let tree = changed_tree(
+        "8gpu-4nic",
+        "gvnic-down",
+        down(&["eth1", "eth2", "eth3", "eth4"]),
+    );
+    let eth0 = nic(&tree, "eth0").unwrap();
+    let eth1 = nic(&tree, "eth1").unwrap();
+    assert_eq!((eth0.vendor, eth0.device), (Some(0x1ae0), Some(0x0042)));
+    assert_eq!((eth1.vendor, eth1.device), (eth0.vendor, eth0.device));
+    assert_eq!(eth1.link_up, Some(false));
+    assert_eq!(shardwire_topology::passed_over(&tree.nics, &eth1), None);
+    let plans = pair(&tree, &PairOptions::default());
+    for (i, p) in plans.iter().enumerate() {
+        let own = format!("eth{}", i / 2 + 1);
+        assert_eq!(
+            (p.nic.as_deref(), p.distance),
+            (Some(own.as_str()), Some(Distance::Pix)),
+            "{p:#?}"
+        );
+    }
+    // One GPU NIC up first: the other three (1 of 4 of their model below a switch up) still
+    // stay candidates; before, they too went to the NIC that was up.
+    let tree = changed_tree("8gpu-4nic", "gvnic-one-up", down(&["eth2", "eth3", "eth4"]));
+    let eth2 = nic(&tree, "eth2").unwrap();
+    assert_eq!(shardwire_topology::passed_over(&tree.nics, &eth2), None);
+    let nics: Vec<Option<String>> = pair(&tree, &PairOptions::default())
+        .into_iter()
+        .map(|p| p.nic)
+        .collect();
+    assert_eq!(nics[2].as_deref(), Some("eth2"), "{nics:?}");
+}
+
+#[test]
 fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
     // Firmware without proximity information writes numa_node -1. On the two-domains host
     // (one NUMA node) the GPU and eth0 sit under different host bridges: with the node
@@ -700,6 +751,49 @@ fn unknown_numa_nodes_on_a_host_of_one_node_are_that_node() {
     assert_eq!(c.distance, Distance::Phb, "{}", c.why);
     let lo = tree.nics.iter().find(|n| n.interface == "lo").unwrap();
     assert_eq!(lo.numa_node, None, "a virtual NIC stays without one");
+}
+
+#[test]
+fn unknown_numa_nodes_beside_a_cpu_less_node_or_without_numa_are_the_cpu_node() {
+    // The two-domains host (GPU and eth0 under different host bridges, one socket) with the
+    // devices' numa_node -1 and either a CPU-less memory node 1 (CXL, HBM in flat mode) or
+    // no NUMA at all (a kernel built without it: no devices/system/node, no numa_node
+    // files). Before, both read as SYS, "NUMA node unknown": the one-node rule needed
+    // exactly one nodeN directory.
+    let unknown = |dir: &Path| {
+        for dev in ["0001:17:00.0", "0000:18:00.0"] {
+            let numa = dir.join("bus/pci/devices").join(dev).join("numa_node");
+            fs::write(fs::canonicalize(&numa).unwrap(), "-1\n").unwrap();
+        }
+    };
+    let cxl = changed_tree("two-domains", "numa-cxl", |dir| {
+        unknown(dir);
+        let node1 = dir.join("devices/system/node/node1");
+        fs::create_dir_all(&node1).unwrap();
+        fs::write(node1.join("cpulist"), "\n").unwrap();
+    });
+    let no_numa = changed_tree("two-domains", "numa-none", |dir| {
+        unknown(dir);
+        for dev in ["0001:17:00.0", "0000:18:00.0"] {
+            let numa = dir.join("bus/pci/devices").join(dev).join("numa_node");
+            fs::remove_file(fs::canonicalize(&numa).unwrap()).unwrap();
+        }
+        fs::remove_dir_all(dir.join("devices/system/node")).unwrap();
+    });
+    assert_eq!(cxl.nodes.len(), 2, "{:?}", cxl.nodes);
+    assert!(no_numa.nodes.is_empty(), "{:?}", no_numa.nodes);
+    for tree in [&cxl, &no_numa] {
+        let gpu = &tree.gpus[0];
+        let eth0 = tree.nics.iter().find(|n| n.interface == "eth0").unwrap();
+        assert_eq!((gpu.numa_node, eth0.numa_node), (Some(0), Some(0)));
+        let c = classify(
+            &gpu.path,
+            gpu.numa_node,
+            eth0.path.as_ref().unwrap(),
+            eth0.numa_node,
+        );
+        assert_eq!(c.distance, Distance::Phb, "{}", c.why);
+    }
 }
 
 #[test]
@@ -920,4 +1014,26 @@ fn a_lane_farther_than_a_nic_down_at_start_names_it() {
     for p in &plans[1..] {
         assert!(!p.why.contains("passed over"), "{}: {}", p.gpu, p.why);
     }
+    // The JSON says so too: before, eth1's entry read as usable as eth2's.
+    let topo = Topology::from_tree(&tree, &PairOptions::default());
+    let json = serde_json::to_value(&topo).expect("serialize");
+    let entry = |name: &str| {
+        let nics = json["nics"].as_array().expect("nics");
+        nics.iter()
+            .find(|n| n["interface"] == name)
+            .cloned()
+            .expect("listed")
+    };
+    let why = entry("eth1")["passed_over"].as_str().map(str::to_owned);
+    assert!(
+        why.as_deref()
+            .is_some_and(|w| w.starts_with("its link is down (operstate)")),
+        "{why:?}"
+    );
+    assert!(
+        entry("eth2").get("passed_over").is_none(),
+        "{}",
+        entry("eth2")
+    );
+    assert!(entry("eth1").get("unusable").is_none());
 }

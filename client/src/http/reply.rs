@@ -3,8 +3,7 @@
 //! of the connection says. A body grows as its bytes arrive: a length the server claims is
 //! never allocated ahead of them, and none may exceed the limit of the answer asked for.
 
-use std::io::{BufRead, BufReader, ErrorKind, Read};
-use std::net::TcpStream;
+use std::io::{BufRead, ErrorKind, Read};
 
 use serde::de::DeserializeOwned;
 use shardwire_protocol::trainer::http::ErrorBody;
@@ -60,7 +59,7 @@ pub(super) enum Fail {
 /// Reads one response whose body is at most `max` bytes; the flag says whether the connection
 /// may be used again.
 pub(super) fn read_reply(
-    r: &mut BufReader<TcpStream>,
+    r: &mut impl BufRead,
     head_only: bool,
     max: u64,
 ) -> Result<(Reply, bool), Fail> {
@@ -133,7 +132,7 @@ type Head = (String, u16, Vec<(String, String)>);
 /// The final response's HTTP version, status code and headers: interim `1xx` responses
 /// before it (`100 Continue`, `103 Early Hints`) are read and set aside, their heads counted
 /// against [`MAX_HEAD`] with the final one's. `101 Switching Protocols` is final.
-fn read_final_head(r: &mut BufReader<TcpStream>) -> Result<Head, Fail> {
+fn read_final_head(r: &mut impl BufRead) -> Result<Head, Fail> {
     let mut head = 0;
     loop {
         let (version, status, line) = read_status(r, head)?;
@@ -158,7 +157,7 @@ fn oversized_head() -> Fail {
 /// The status line, after `head` bytes of interim responses: HTTP version, status code, and
 /// the line's length in bytes. Nothing at all arriving is [`Fail::Unanswered`]; the connection
 /// ending after an interim response is [`Fail::Io`] (the server had the request).
-fn read_status(r: &mut BufReader<TcpStream>, head: usize) -> Result<(String, u16, usize), Fail> {
+fn read_status(r: &mut impl BufRead, head: usize) -> Result<(String, u16, usize), Fail> {
     let mut line = String::new();
     let left = MAX_HEAD.saturating_sub(head) as u64;
     match r.by_ref().take(left).read_line(&mut line) {
@@ -191,10 +190,7 @@ fn read_status(r: &mut BufReader<TcpStream>, head: usize) -> Result<(String, u16
 
 /// Header lines up to the blank line, names lower-cased; `head` bytes were read before them,
 /// and counts the bytes of these too.
-fn read_headers(
-    r: &mut BufReader<TcpStream>,
-    head: &mut usize,
-) -> Result<Vec<(String, String)>, Fail> {
+fn read_headers(r: &mut impl BufRead, head: &mut usize) -> Result<Vec<(String, String)>, Fail> {
     let mut headers = Vec::new();
     let mut line = String::new();
     loop {
@@ -221,7 +217,7 @@ fn read_headers(
 }
 
 /// A chunked body (RFC 9112 §7.1): chunks until the zero-size one, then trailers (ignored).
-fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>, max: u64) -> Result<(), Fail> {
+fn read_chunked(r: &mut impl BufRead, body: &mut Vec<u8>, max: u64) -> Result<(), Fail> {
     let mut line = String::new();
     loop {
         read_chunk_line(r, &mut line)?;
@@ -255,7 +251,7 @@ fn read_chunked(r: &mut BufReader<TcpStream>, body: &mut Vec<u8>, max: u64) -> R
 }
 
 /// One line of a chunked body's framing into `line` (cleared first); its length in bytes.
-fn read_chunk_line(r: &mut BufReader<TcpStream>, line: &mut String) -> Result<usize, Fail> {
+fn read_chunk_line(r: &mut impl BufRead, line: &mut String) -> Result<usize, Fail> {
     line.clear();
     let n = r
         .by_ref()
@@ -271,7 +267,7 @@ fn read_chunk_line(r: &mut BufReader<TcpStream>, line: &mut String) -> Result<us
 }
 
 /// Appends exactly `n` bytes to `body`, growing it as they arrive.
-fn read_exactly(r: &mut BufReader<TcpStream>, n: u64, body: &mut Vec<u8>) -> Result<(), Fail> {
+fn read_exactly(r: &mut impl BufRead, n: u64, body: &mut Vec<u8>) -> Result<(), Fail> {
     let got = r.by_ref().take(n).read_to_end(body).map_err(Fail::Io)?;
     if (got as u64) < n {
         return Err(Fail::Io(std::io::Error::new(
@@ -284,8 +280,8 @@ fn read_exactly(r: &mut BufReader<TcpStream>, n: u64, body: &mut Vec<u8>) -> Res
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
-    use std::net::TcpListener;
+    use std::io::{BufReader, Write};
+    use std::net::{TcpListener, TcpStream};
 
     use super::*;
 

@@ -96,6 +96,19 @@ pub enum PlanError {
         /// The GPUs there are.
         known: String,
     },
+    /// The sysfs tree has the GPU, but CUDA in this process does not list it (hidden by
+    /// `CUDA_VISIBLE_DEVICES`, or left out by the probe).
+    #[error(
+        "lanes[{lane}].gpu = {gpu}: the sysfs tree lists this GPU but CUDA in this process does not (CUDA lists: {cuda}); check CUDA_VISIBLE_DEVICES, and the start-up log for a GPU the CUDA probe left out"
+    )]
+    GpuNotInCuda {
+        /// The table's index.
+        lane: usize,
+        /// The name given.
+        gpu: String,
+        /// The GPUs CUDA lists.
+        cuda: String,
+    },
     /// A UUID cannot be resolved without the CUDA driver.
     #[error(
         "lanes[{lane}].gpu = {gpu}: a UUID names a GPU only through the CUDA driver, and this node uses none (memory = \"host\" or no driver); give its PCI bus id"
@@ -529,6 +542,14 @@ fn named_gpu(inp: &Inputs<'_>, lane: usize, name: &str) -> Result<LaneGpu, PlanE
         .map(|c| c.gpu.clone())
         .ok_or_else(|| {
             let known: Vec<String> = all.iter().map(|c| c.gpu.pci.to_string()).collect();
+            let in_tree = inp.tree.gpus.iter().any(|g| parsed.is(Some(g.pci), None));
+            if in_tree && !inp.cuda.is_empty() {
+                return PlanError::GpuNotInCuda {
+                    lane,
+                    gpu: name.to_owned(),
+                    cuda: known.join(", "),
+                };
+            }
             PlanError::UnknownGpu {
                 lane,
                 gpu: name.to_owned(),
@@ -592,16 +613,22 @@ fn table_lane(
         // The interface must exist even when its address is not used.
         ipv4(n).map_err(|source| PlanError::Interface { lane: i, source })?;
     }
-    let (distance, dist_why) =
-        match distance_of(inp.tree, gpu.as_ref().map(|g| g.pci), nic.as_deref()) {
-            Some((d, why)) => (Some(d), why),
-            None => (None, "not both in the sysfs tree".to_owned()),
-        };
     let tree_nic = inp
         .tree
         .nics
         .iter()
         .find(|n| Some(&n.interface) == nic.as_ref());
+    let (distance, dist_why) =
+        match distance_of(inp.tree, gpu.as_ref().map(|g| g.pci), nic.as_deref()) {
+            Some((d, why)) => (Some(d), why),
+            None => match tree_nic {
+                Some(n) if n.is_virtual => (
+                    None,
+                    format!("{} is virtual (no PCI path): distance unknown", n.interface),
+                ),
+                _ => (None, "not both in the sysfs tree".to_owned()),
+            },
+        };
     let tree_gpu = inp
         .tree
         .gpus

@@ -86,6 +86,11 @@ struct Driver {
     /// A shard the next batch reads found no free block though its bytes fit: the step
     /// repacks ([`Driver::repack`]).
     stuck: bool,
+    /// The position whose batch found no room when prefetched shards were last given back
+    /// ([`Driver::give_back_prefetch`]): nothing is held ahead of that batch until it is
+    /// assembled. Held again at once, the same shards were fetched again and given back
+    /// again, one FETCH each per round trip, for as long as the trainer kept its batches.
+    gave_back_at: Option<u64>,
     fetches: Fetches,
 }
 
@@ -179,6 +184,7 @@ impl Driver {
             resident: ShardMap::default(),
             reserved: ShardMap::default(),
             stuck: false,
+            gave_back_at: None,
             fetches,
         }
     }
@@ -191,7 +197,7 @@ impl Driver {
         if std::mem::take(&mut self.stuck) && self.repack()? {
             self.issue_units()?;
         }
-        if self.fetches.hint_due() {
+        if self.fetches.hint_due(self.issued_all()) {
             let upcoming = self.upcoming();
             self.fetches.hint(upcoming.into_iter());
         }
@@ -214,6 +220,18 @@ impl Driver {
             }
         }
         out
+    }
+
+    /// Whether this worker will issue no more fetches of its own: its last batch is assembled,
+    /// or every unit up to the stream's last epoch is issued and none waits for a source
+    /// (its standing hints are then withdrawn: [`Fetches::hint_due`]). A give-back may still
+    /// hold units again ([`Driver::give_back_prefetch`]); their fetches go unhinted.
+    fn issued_all(&self) -> bool {
+        let epochs = self.s.epochs();
+        self.pos >= self.end
+            || (!self.fetches.has_waiting()
+                && self.epochs.back().is_some_and(|e| e.epoch + 1 >= epochs)
+                && self.epochs.iter().all(|e| e.next >= e.units.len()))
     }
 
     /// The units this worker needs that are not held yet, in first-use order from the loaded
@@ -280,15 +298,13 @@ impl Driver {
     /// Issues units in first-use order while memory allows (at most two epochs ahead).
     fn issue_units(&mut self) -> Result<(), CloseReason> {
         let epochs = (self.end / self.m.steps()) as u32;
+        self.load_epoch_of_pos();
+        if self.epochs.is_empty() {
+            return Ok(()); // past the end
+        }
         loop {
-            if self.epochs.is_empty() {
-                if self.pos >= self.end {
-                    return Ok(());
-                }
-                let (epoch, _) = self.s.kind().split(self.pos);
-                self.load_epoch(epoch);
-            }
             let Some(ei) = self.epochs.iter().position(|e| e.next < e.units.len()) else {
+                self.drop_passed_epochs();
                 let last = self.epochs.back().expect("not empty").epoch;
                 if last + 1 < epochs && self.epochs.len() < 2 {
                     self.load_epoch(last + 1);
@@ -326,6 +342,23 @@ impl Driver {
         }
     }
 
+    /// Loads the epoch of the next position where it is not loaded. A DataLoader worker whose
+    /// next batch lies two or more epochs past the last one loaded (more workers than twice
+    /// an epoch's steps) skipped every unit of the epochs between, and the two epochs loaded
+    /// ahead never reached its own: its units were issued only after [`Driver::try_assemble`]
+    /// had loaded it, a wake later (no read-ahead), and with no fetch out and no batch left to
+    /// take, never. Epochs load in order and none is dropped before the next position's, so
+    /// every epoch loaded while it is missing is older: first-use order is kept.
+    fn load_epoch_of_pos(&mut self) {
+        if self.pos >= self.end {
+            return;
+        }
+        let (epoch, _) = self.s.kind().split(self.pos);
+        if !self.epochs.iter().any(|e| e.epoch == epoch) {
+            self.load_epoch(epoch);
+        }
+    }
+
     /// Holds the shards of `unit` (fetching the ones not resident); false when memory ran out
     /// first (the unit stays half held, and is finished on a later call).
     fn hold(&mut self, ei: usize, unit: &Unit, needed_now: bool) -> Result<bool, CloseReason> {
@@ -342,12 +375,13 @@ impl Driver {
             let slab = match self.reserved.remove(&shard) {
                 Some(slab) => Some(slab),
                 None if !needed_now
-                    && !room_for_prefetch(
-                        supply.pool(),
-                        len,
-                        self.m.batch_bytes,
-                        self.m.ready_ahead,
-                    ) =>
+                    && (self.gave_back_at == Some(self.pos)
+                        || !room_for_prefetch(
+                            supply.pool(),
+                            len,
+                            self.m.batch_bytes,
+                            self.m.ready_ahead,
+                        )) =>
                 {
                     return Ok(false);
                 }
@@ -376,8 +410,12 @@ impl Driver {
     /// Closes the stream when the shards the next batch needs (those of the live units it
     /// reads and of `unit`) cannot fit the region beside the batch slabs: waiting would never
     /// end (a Megatron-order batch may read a shard per window; a batch may cross from one
-    /// block into the next, in an epoch whose blocks fall otherwise than the first's). The
-    /// batch slabs counted are the held one and the guaranteed
+    /// block into the next, in an epoch whose blocks fall otherwise than the first's). Where
+    /// batch slabs have a part of their own, the reserve is that part: the stream's
+    /// ready-ahead depth plus the held one ([`super::supply::batch_slots`], 3 to 9 slabs; the
+    /// open check counts 3 and sets the depth from the first epoch's room), since shards are
+    /// only ever taken from the rest ([`Part::Main`]) and the part cannot be given back while a
+    /// slab lives. In a region too small to split, it is the held one and the guaranteed
     /// [`READY_AHEAD`](super::supply::READY_AHEAD): ready batches beyond those drain as the
     /// trainer takes them, and no more are assembled while the next batch's shards are
     /// missing.
@@ -567,7 +605,12 @@ impl Driver {
         for l in done {
             self.unref(&l.shards);
         }
-        // An epoch whose positions are all assembled is no longer needed.
+        self.drop_passed_epochs();
+    }
+
+    /// Drops the loaded epochs before the next position's whose units are all issued (all
+    /// their positions are assembled), keeping one.
+    fn drop_passed_epochs(&mut self) {
         let (epoch, _) = self
             .s
             .kind()
@@ -588,8 +631,13 @@ impl Driver {
     /// Room for prefetch is counted in bytes, and the slab pool is a buddy allocator: shards
     /// of a smaller class than the batches can leave no free block of the batch's class while
     /// nothing else can free one (no batch waiting, the trainer holding none), and the stream
-    /// waited forever. True if it gave any back.
+    /// waited forever. True if it gave any back; nothing is then held ahead of the next batch
+    /// until it is assembled ([`Driver::gave_back_at`]). Nothing goes back once the stream is
+    /// closed: every slab is refused then, and the give-back was counted for nothing.
     fn give_back_prefetch(&mut self) -> bool {
+        if self.s.supply().is_closed() {
+            return false;
+        }
         let upto = self.last_index(self.pos);
         let per_epoch = self.per_epoch;
         let mut back: Vec<u32> = Vec::new();
@@ -610,6 +658,7 @@ impl Driver {
         if back.is_empty() {
             return false;
         }
+        self.gave_back_at = Some(self.pos);
         tracing::debug!(
             shards = back.len(),
             "no free block for the next batch: prefetched shards given back"

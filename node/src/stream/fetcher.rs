@@ -72,7 +72,9 @@ fn fill(s: &Stream, f: &mut Fetches, next_issue: &mut u64) -> Result<(), CloseRe
             not_before: None,
         })?;
     }
-    if f.hint_due() {
+    // Done once every position is issued and none waits: its standing hints go.
+    let done = *next_issue >= s.total() && !f.has_waiting();
+    if f.hint_due(done) {
         let end = s.total();
         f.hint((*next_issue..end).map(|p| order.shard_at(p)));
     }

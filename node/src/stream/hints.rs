@@ -3,8 +3,10 @@
 //! FETCH comes and keep its cache by them. Each shard is hinted to the source its FETCH will
 //! go to ([`super::affinity`]); a hint replaces the stream's previous one at that source, is
 //! sent again after every [`HINT_EVERY`] fetches (so a source that reconnected or a horizon
-//! that moved is caught up), and is withdrawn (an empty hint) when the stream's task ends or
-//! stops sending to that source.
+//! that moved is caught up), and is withdrawn (an empty hint) when the stream's task ends,
+//! stops sending to that source, or will fetch nothing more (a source keeps the shards a
+//! standing hint names in memory: a stream that fetched its last shard but stays attached
+//! pinned them until its trainer left).
 
 use std::collections::BTreeMap;
 
@@ -41,9 +43,12 @@ impl Hints {
         self.fetches += 1;
     }
 
-    /// Whether a new round of hints is due.
-    pub fn due(&self) -> bool {
+    /// Whether a new round of hints is due: every [`HINT_EVERY`] fetches, and at once when
+    /// the stream will fetch nothing more (`done`) while a hint stands, so that round (with
+    /// nothing upcoming) withdraws it.
+    pub fn due(&self, done: bool) -> bool {
         self.last.is_none_or(|l| self.fetches >= l + HINT_EVERY)
+            || (done && !self.standing.is_empty())
     }
 
     /// Sends a round: the first [`HINT_AHEAD`] shards of `upcoming` (stream manifest indices,
@@ -109,17 +114,17 @@ mod tests {
     fn each_link_gets_its_shards_in_order_and_stale_hints_are_withdrawn() {
         let to = Sent::default();
         let mut h = Hints::default();
-        assert!(h.due());
+        assert!(h.due(false));
         h.send(&to, [1, 2, 3, 104].into_iter());
         assert_eq!(
             to.0.take(),
             vec![(0, 0, vec![2]), (0, 1, vec![1, 3]), (1, 0, vec![4])]
         );
-        assert!(!h.due());
+        assert!(!h.due(false));
         for _ in 0..HINT_EVERY {
             h.fetched();
         }
-        assert!(h.due());
+        assert!(h.due(false));
         // Dataset 1 is done and link 0 of dataset 0 gets nothing now: both withdrawn.
         h.send(&to, [5, 7].into_iter());
         assert_eq!(
@@ -128,6 +133,23 @@ mod tests {
         );
         h.withdraw(&to);
         assert_eq!(to.0.take(), vec![(0, 1, vec![])]);
+    }
+
+    /// A stream that issued its last fetch sent no more rounds (one comes every
+    /// [`HINT_EVERY`] fetches), so its last hints stood until its trainer left.
+    #[test]
+    fn a_stream_that_will_fetch_nothing_more_withdraws_its_hints_at_once() {
+        let to = Sent::default();
+        let mut h = Hints::default();
+        h.send(&to, [1, 2].into_iter());
+        to.0.take();
+        h.fetched();
+        h.fetched();
+        assert!(!h.due(false), "two fetches: no round yet");
+        assert!(h.due(true), "done with a hint standing: a round now");
+        h.send(&to, std::iter::empty());
+        assert_eq!(to.0.take(), vec![(0, 0, vec![]), (0, 1, vec![])]);
+        assert!(!h.due(true), "nothing stands: no more rounds");
     }
 
     #[test]

@@ -103,10 +103,40 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))?;
         return Ok(());
     }
+    if r.batch_size.is_none() {
+        check_shard_mode_fields(r)?;
+    }
     // Checked here, at the edge, against the wire's rules: a name the wire cannot carry
     // must fail this request, never the source links shared by every stream.
     shardwire_protocol::wire::check_dataset_name(&r.dataset)
         .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))
+}
+
+/// Refuses the batch-mode order fields on a shard-mode request (no `batch_size`), naming
+/// each with its value. They were ignored before: `shuffle: "none"` still permuted the
+/// shards, `drop_last` and `partitions` vanished, where the Python SDK refuses them.
+fn check_shard_mode_fields(r: &StreamRequest) -> Result<(), OpenError> {
+    let given: Vec<String> = [
+        r.shuffle.map(|s| format!("shuffle {:?}", s.as_str())),
+        r.shuffle_block.map(|b| format!("shuffle_block {b}")),
+        r.partitions.map(|p| format!("partitions {p}")),
+        r.drop_last.then(|| "drop_last true".to_owned()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(OpenError::new(
+        ErrorCode::BadRequest,
+        format!(
+            "{} need batch_size (batch mode): a shard-mode stream delivers whole shards in its \
+             plan's order (shuffled per epoch by seed) and would ignore them; set batch_size, \
+             or leave them out",
+            given.join(", ")
+        ),
+    ))
 }
 
 /// The plan of `r` over `manifest`.
@@ -617,6 +647,35 @@ mod tests {
             "{}",
             e.message
         );
+    }
+
+    #[test]
+    fn shard_mode_refuses_the_batch_mode_order_fields_it_would_ignore() {
+        // Before: accepted and ignored (`shuffle: "none"` still permuted the shards).
+        let mut r = StreamRequest::new("web");
+        r.shuffle = Some(Shuffle::None);
+        let e = check_request(&r).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(
+            e.message
+                .starts_with("shuffle \"none\" need batch_size (batch mode)"),
+            "{e}"
+        );
+        assert!(
+            e.message.contains("set batch_size, or leave them out"),
+            "{e}"
+        );
+        r = StreamRequest::new("web");
+        (r.shuffle_block, r.partitions, r.drop_last) = (Some(64), Some(8), true);
+        let e = check_request(&r).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("shuffle_block 64, partitions 8, drop_last true need batch_size"),
+            "{e}"
+        );
+        // With batch_size they are batch mode's, and checked there.
+        r.batch_size = Some(4);
+        assert!(check_request(&r).is_ok());
     }
 
     #[test]

@@ -289,6 +289,12 @@ impl Supply {
         Some(slab)
     }
 
+    /// Whether the stream closed ([`Self::close`]): every slab is refused from then on, so a
+    /// failed allocation says nothing of the room.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
     /// No slab is handed out from now on ([`Self::try_alloc`] says no): the stream closed.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
@@ -430,9 +436,11 @@ impl Fetches {
         }
     }
 
-    /// Whether a round of read-ahead hints is due ([`super::hints`]).
-    pub fn hint_due(&self) -> bool {
-        self.hints.due()
+    /// Whether a round of read-ahead hints is due ([`super::hints`]): every
+    /// [`super::hints::HINT_EVERY`] fetches, and once the task will issue no more (`done`)
+    /// while a hint still stands (the round, with nothing upcoming, withdraws it).
+    pub fn hint_due(&self, done: bool) -> bool {
+        self.hints.due(done)
     }
 
     /// Tells the sources what the stream fetches next: `upcoming` yields the shards after

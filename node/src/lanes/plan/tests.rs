@@ -313,6 +313,58 @@ fn tables_fill_what_they_leave_out() {
 }
 
 #[test]
+fn a_table_gpu_the_tree_has_but_cuda_does_not_list_is_named_as_hidden_from_cuda() {
+    // Before, it was "this host has no such GPU", though `shardwire topology` lists it.
+    let t = tree("8gpu-4nic");
+    let devices = [cuda("0000:05:00.0", 0)];
+    let lanes = table(vec![LaneConfig {
+        gpu: Some("0000:0b:00.0".into()),
+        ..LaneConfig::default()
+    }]);
+    let e = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &devices), &addrs).unwrap_err();
+    assert!(
+        matches!(&e, PlanError::GpuNotInCuda { lane: 0, gpu, cuda } if gpu == "0000:0b:00.0" && cuda == "0000:05:00.0"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("CUDA_VISIBLE_DEVICES"), "{e}");
+    // A GPU in neither is still unknown to the host.
+    let lanes = table(vec![LaneConfig {
+        gpu: Some("0000:99:00.0".into()),
+        ..LaneConfig::default()
+    }]);
+    let e = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &devices), &addrs).unwrap_err();
+    assert!(matches!(e, PlanError::UnknownGpu { lane: 0, .. }), "{e}");
+}
+
+#[test]
+fn a_table_lane_on_a_virtual_nic_says_so_rather_than_not_in_the_tree() {
+    let t = tree("veth");
+    let with_veth = |n: &str| match n {
+        "veth0" => Ok(Some(Ipv4Addr::new(10, 9, 0, 1))),
+        _ => addrs(n),
+    };
+    let lanes = table(vec![LaneConfig {
+        gpu: Some("0000:03:00.0".into()),
+        interface: Some("veth0".into()),
+        ..LaneConfig::default()
+    }]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &with_veth).unwrap();
+    assert!(
+        got[0]
+            .why
+            .contains("veth0 is virtual (no PCI path): distance unknown"),
+        "{}",
+        got[0].why
+    );
+    assert!(
+        !got[0].why.contains("not both in the sysfs tree"),
+        "{}",
+        got[0].why
+    );
+    assert!(got[0].warn, "a GPU lane on a virtual NIC warns");
+}
+
+#[test]
 fn tables_naming_what_is_not_there_are_refused_with_the_lane() {
     let t = tree("veth");
     let one = |lc: LaneConfig| plan(&inputs(&table(vec![lc]), "0.0.0.0:7401", &t, &[]), &addrs);

@@ -66,12 +66,17 @@ impl Driver {
             r.slab = None; // back to the pool
         }
         let Some(slabs) = self.take_largest_first(&mut wanted) else {
+            if self.s.supply().is_closed() {
+                // The trainer went: every slab is refused now, which says nothing of the fit.
+                return Ok(false);
+            }
             let m = self.s.supply().manifest();
             let need = wanted
                 .iter()
                 .map(|&s| SlabPool::class_size(m.shards[s as usize].length as usize) as u64)
                 .sum();
             let capacity = self.s.supply().pool().capacity() as u64;
+            // The batches' part: shards never take its blocks (`Driver::shard_part`).
             let why = CloseReason::DoesNotFit {
                 shards: wanted.len(),
                 need,
@@ -128,7 +133,7 @@ impl Driver {
 
     /// The shards of the units not held yet (whole or in part) that this worker's next
     /// batch reads.
-    fn to_hold_for_next_batch(&self) -> Vec<u32> {
+    pub(super) fn to_hold_for_next_batch(&self) -> Vec<u32> {
         let upto = self.last_index(self.pos);
         self.not_held()
             .take_while(|&(first, _)| first <= upto)

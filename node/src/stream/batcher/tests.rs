@@ -83,27 +83,31 @@ fn stream_checked_for(
     region: usize,
     change: impl FnOnce(&mut StreamRequest),
 ) -> Arc<Stream> {
+    stream_of(manifest(), &request(change), checked, region)
+}
+
+/// The request of [`stream`] changed by `change`.
+fn request(change: impl FnOnce(&mut StreamRequest)) -> StreamRequest {
     let mut r = StreamRequest::new("d");
     r.batch_size = Some(BATCH);
     r.seed = 3;
     r.epochs = 2;
     change(&mut r);
-    stream_of(manifest(), &r, checked, region)
+    r
 }
 
-/// The batch-mode stream `r` asks for over `m`, opened as if its region had `checked` bytes,
-/// in a region of `region`.
+/// The batch-mode stream `r` asks for over `m` (from where its state says, if any), opened as
+/// if its region had `checked` bytes, in a region of `region`.
 fn stream_of(m: Arc<Manifest>, r: &StreamRequest, checked: usize, region: usize) -> Arc<Stream> {
     let (kind, start, fingerprint) =
         open::batch_mode(&m, r, r.batch_size.unwrap_or(BATCH), checked as u64, false)
             .expect("a valid plan");
-    assert_eq!(start, 0);
     Stream::new(Parts {
         id: 1,
         dataset: "d".into(),
         kind,
         epochs: r.epochs,
-        start: 0,
+        start,
         manifest: m,
         pool: pool(region),
         sources: vec![crate::stream::DatasetSource {
@@ -220,12 +224,12 @@ fn planned(s: &Stream) -> Vec<Vec<(u8, u8)>> {
     let Sampler::One(plan) = &m.sampler else {
         unreachable!()
     };
-    (0..2u32)
+    (0..s.epochs())
         .flat_map(|e| {
             let ep = plan.order.epoch(e);
             (0..plan.steps())
                 .map(|step| {
-                    (0..BATCH)
+                    (0..plan.batch_size)
                         .map(|j| {
                             let r = plan.sample(&ep, step, j);
                             (r.shard as u8, r.row as u8)
@@ -235,6 +239,60 @@ fn planned(s: &Stream) -> Vec<Vec<(u8, u8)>> {
                 .collect::<Vec<_>>()
         })
         .collect()
+}
+
+/// Where the task of stream `s` starts: its first undelivered position.
+fn start_of(s: &Stream) -> u64 {
+    let st = s.state();
+    s.position(st.epoch, st.index)
+}
+
+/// Runs a task of stream `s` from where it starts, answering every fetch, until the trainer
+/// took `limit` batches or the stream ended; the rows of each batch taken. `check` sees the
+/// task after each settle.
+fn take_batches(s: &Arc<Stream>, limit: usize, check: impl FnMut(&Driver)) -> Vec<Vec<(u8, u8)>> {
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(s), start_of(s), Box::new(fake.clone()));
+    take_with(s, &fake, &mut d, limit, check)
+}
+
+/// [`take_batches`] with the task `d` issuing through `fake`.
+fn take_with(
+    s: &Arc<Stream>,
+    fake: &Fake,
+    d: &mut Driver,
+    limit: usize,
+    mut check: impl FnMut(&Driver),
+) -> Vec<Vec<(u8, u8)>> {
+    let mut got = Vec::new();
+    for _ in 0..10_000 {
+        settle(d).unwrap();
+        check(d);
+        for (f, _) in fake.take() {
+            answer(f);
+        }
+        settle(d).unwrap();
+        check(d);
+        if got.len() == limit || take_one(s, &mut got) {
+            return got;
+        }
+    }
+    panic!("the stream did not end");
+}
+
+/// Takes the next batch if one is ready (its rows into `got`, its lease released); whether
+/// the stream ended.
+fn take_one(s: &Arc<Stream>, got: &mut Vec<Vec<(u8, u8)>>) -> bool {
+    match s.next(Some(Duration::ZERO)) {
+        Next::Batch(b) => {
+            got.push(rows_of(s, &b));
+            assert!(s.release(b.lease));
+            false
+        }
+        Next::End => true,
+        Next::Timeout => false,
+        Next::Closed(why) => panic!("closed: {why}"),
+    }
 }
 
 /// Runs the driver to the end, answering fetches with `answer_all`, and returns the rows of
@@ -250,14 +308,8 @@ fn drive(
         settle(&mut d).unwrap();
         answer_all(fake.take());
         settle(&mut d).unwrap();
-        match s.next(Some(Duration::ZERO)) {
-            Next::Batch(b) => {
-                got.push(rows_of(s, &b));
-                assert!(s.release(b.lease));
-            }
-            Next::End => return got,
-            Next::Timeout => {}
-            Next::Closed(why) => panic!("closed: {why}"),
+        if take_one(s, &mut got) {
+            return got;
         }
     }
     panic!("the stream did not end");
@@ -963,4 +1015,162 @@ async fn mixed_shard_sizes_in_the_least_region_never_wedge() {
         repacked > 0,
         "no stream repacked: the cases no longer wedge the old way"
     );
+}
+
+/// Worker 0 of 5, with 2 steps an epoch, reads positions 0, 5 and 10: epochs 0, 2 and 5. Its
+/// task loaded at most two epochs past the last one, so after position 5 it loaded epoch 3,
+/// skipped all of it and issued nothing for epoch 5 until a later wake: no read-ahead, and a
+/// task left with no fetch out and no batch to take slept for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_whose_next_batch_is_epochs_ahead_fetches_its_shards_at_once() {
+    let s = stream_with(1 << 20, |r| {
+        (r.batch_size, r.epochs) = (Some(24), 6);
+        (r.worker, r.num_workers) = (0, 5);
+    });
+    let Kind::Batches(m) = s.kind() else {
+        unreachable!()
+    };
+    assert_eq!(m.steps(), 2);
+    let got = take_batches(&s, usize::MAX, |d| {
+        if d.pos >= d.end {
+            return;
+        }
+        let (epoch, _) = s.kind().split(d.pos);
+        assert!(
+            d.epochs.iter().any(|e| e.epoch == epoch),
+            "position {}: epoch {epoch} is not loaded",
+            d.pos
+        );
+        assert!(
+            d.to_hold_for_next_batch().is_empty(),
+            "position {}: shards of its batch are not fetched",
+            d.pos
+        );
+    });
+    let want: Vec<_> = planned(&s).into_iter().step_by(5).collect();
+    assert_eq!(want.len(), 3);
+    assert_eq!(got, want);
+}
+
+/// Prefetched shards given back because no block fit the next batch were held, and fetched,
+/// again at the next step, then given back again: one FETCH each per round trip while the
+/// trainer kept its batches. Now nothing is held ahead until that batch is assembled.
+#[tokio::test(flavor = "multi_thread")]
+async fn prefetched_shards_given_back_are_not_fetched_again_before_the_next_batch() {
+    let s = stream_with(1 << 20, |r| r.shuffle_block = Some(ROWS));
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    let first = fake.take(); // in flight
+    let upto = d.last_index(d.pos);
+    assert!(d.live.iter().any(|l| l.first > upto), "units held ahead");
+    assert!(d.give_back_prefetch());
+    assert!(d.live.iter().all(|l| l.first <= upto));
+    settle(&mut d).unwrap();
+    let again: Vec<u32> = fake.take().iter().map(|(f, _)| f.shard).collect();
+    assert!(again.is_empty(), "fetched again at once: {again:?}");
+    assert_refs_match_live(&d);
+    // The next batch's shards arrive: it is assembled, and the prefetch goes on.
+    for (f, _) in first {
+        answer(f);
+    }
+    settle(&mut d).unwrap();
+    assert!(d.pos > 0, "the batch was assembled");
+    let ahead = fake.take();
+    assert!(!ahead.is_empty(), "prefetching again after the batch");
+    for (f, _) in ahead {
+        answer(f);
+    }
+    let got = take_with(&s, &fake, &mut d, usize::MAX, |_| {});
+    assert_eq!(got, planned(&s));
+}
+
+/// A trainer that left while the task stepped made every slab refused: the task gave its
+/// prefetched shards back (counted), and a repack closed the stream `DoesNotFit`, logging an
+/// error that told operators to raise stream_memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_closed_mid_step_neither_gives_back_nor_blames_memory() {
+    let (s, fake, mut d) = driver(1 << 20);
+    for (f, _) in fake.take() {
+        answer(f);
+    }
+    while let Some(c) = d.fetches.try_completed() {
+        d.completed(c).unwrap();
+    }
+    let live = d.live.len();
+    assert!(d.live.iter().any(|l| l.first > d.last_index(d.pos)));
+    s.close(CloseReason::TrainerDisconnected);
+    assert!(!d.try_assemble().unwrap());
+    let c = s.supply().counters();
+    assert_eq!(c.prefetch_given_back.load(Ordering::Relaxed), 0);
+    assert_eq!(d.live.len(), live, "nothing given back");
+    // A repack whose slabs are refused because the stream closed is no misfit.
+    let s = stream(1 << 20);
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(Fake::default()));
+    d.load_epoch(0);
+    assert!(!d.to_hold_for_next_batch().is_empty());
+    s.close(CloseReason::TrainerDisconnected);
+    assert!(matches!(d.repack(), Ok(false)));
+}
+
+/// A stream resumed from its state delivers exactly the batches not delivered before it,
+/// none twice: mid-epoch and inside a unit (blocks of about 12 samples over shards of 8,
+/// batches of 4), in the next epoch, for one worker and for each of three. The task's resume path
+/// (`Driver::new` from a position past 0, `needed` skipping the units passed) had no unit
+/// test; every one started at 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_stream_delivers_exactly_what_was_not_delivered() {
+    for (workers, k) in [(1u32, 5usize), (1, 13), (3, 2), (3, 5)] {
+        for w in 0..workers {
+            let change = move |r: &mut StreamRequest| {
+                (r.worker, r.num_workers) = (w, workers);
+                r.shuffle_block = Some(12);
+            };
+            let s = stream_with(1 << 20, change);
+            let want: Vec<_> = planned(&s)
+                .into_iter()
+                .skip(w as usize)
+                .step_by(workers as usize)
+                .collect();
+            let before = take_batches(&s, k, |_| {});
+            assert_eq!(before, want[..k], "worker {w} of {workers}");
+            let mut r = request(change);
+            r.state = Some(s.state());
+            let resumed = stream_of(manifest(), &r, 1 << 20, 1 << 20);
+            assert!(start_of(&resumed) > 0);
+            let rest = take_batches(&resumed, usize::MAX, |_| {});
+            assert_eq!(
+                [before, rest].concat(),
+                want,
+                "worker {w} of {workers} resumed after {k} batches"
+            );
+        }
+    }
+    // A worker opened with another's state starts at its own first batch from there.
+    let other = |w: u32| {
+        move |r: &mut StreamRequest| {
+            (r.worker, r.num_workers) = (w, 3);
+            r.shuffle_block = Some(12);
+        }
+    };
+    let s = stream_with(1 << 20, other(0));
+    take_batches(&s, 2, |_| {});
+    let mut r = request(other(1));
+    r.state = Some(s.state()); // position 6: worker 1's next is 7
+    let resumed = stream_of(manifest(), &r, 1 << 20, 1 << 20);
+    let want: Vec<_> = planned(&s).into_iter().skip(7).step_by(3).collect();
+    assert_eq!(take_batches(&resumed, usize::MAX, |_| {}), want);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_that_issued_every_unit_is_done_fetching() {
+    // Two epochs in a large region: every unit is held (its shards fetched or in flight).
+    let (_s, _fake, d) = driver(1 << 20);
+    assert!(d.issued_all());
+    // Four: the last two are not loaded yet.
+    let s = stream_with(1 << 20, |r| r.epochs = 4);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    settle(&mut d).unwrap();
+    assert!(!d.issued_all());
 }
