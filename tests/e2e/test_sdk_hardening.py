@@ -15,6 +15,10 @@
 - a reply trickled a byte at a time fails after FRAME_LIMIT from its first byte (a deadline
   per frame, as Rust's), not FRAME_LIMIT per chunk;
 - `state_dict()`, `_snapshot()` and `keep()` in a forked child raise `forked`;
+- a stream dropped without `close()` ends on the node at once while a forked child holds a copy
+  of its socket; a connect the kernel denies names the socket's real mode and owner, or the
+  directory that cannot be searched; a connect to a node whose backlog stays full (stopped)
+  fails after CONNECT_LIMIT instead of waiting for ever;
 - a legacy DLPack request (JAX's) for a view that is not C-contiguous gets a capsule of the
   same memory with the view's strides.
 """
@@ -26,9 +30,12 @@ import gc
 import json
 import mmap
 import os
+import shutil
 import signal
 import socket
+import struct
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -675,3 +682,116 @@ def test_a_legacy_dlpack_import_of_a_non_contiguous_view_shares_its_memory(view)
     got = np.from_dlpack(Legacy())
     assert np.array_equal(got, v) and got.strides == v.strides
     assert got.__array_interface__["data"][0] == v.__array_interface__["data"][0], "no copy"
+
+
+# --- 11. connecting, and dropping a stream a forked child holds a copy of -----------------------
+
+
+def test_a_dropped_stream_ends_on_the_node_while_a_forked_child_holds_its_socket(no_gc):
+    """A DataLoader worker forked after the open holds a copy of the stream's socket. Dropping
+    the stream without close() still ends it on the node at once (its connection is shut down,
+    not only this process's copy closed); before, the node saw no end (its leases and stream
+    memory stayed held) until the child exited. A child that drops its own copy of the stream
+    leaves the parent's alone."""
+    s, node = attached()
+    with node:
+        node.sendall(batch(0))
+        assert s.next(timeout=10).lease == 1
+        pid = os.fork()
+        if pid == 0:  # the child drops its copy of the stream
+            del s
+            os._exit(0)
+        os.waitpid(pid, 0)
+        node.sendall(batch(1))
+        assert s.next(timeout=10).lease == 2, "the child's drop ended the parent's stream"
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child holds its copy of the socket until told to go
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        try:
+            del s
+            assert closes(node, wait=2), "the node saw no end of the dropped stream while the child lived"
+        finally:
+            os.close(w)
+            os.waitpid(pid, 0)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[str]:
+    """A directory any user may search (pytest's tmp_path is in one only its owner may)."""
+    d = tempfile.mkdtemp(prefix="shardwire-perm-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def connect_as_nobody(path: str) -> str:
+    """What `_client._connect(path)` raises in a child that dropped to user and group 65534
+    (``code: message``), where the kernel checks the permissions this root test bypasses."""
+
+    def connect() -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        _client._connect(path)
+
+    return in_forked_child(connect)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to drop to another user in a child")
+@pytest.mark.parametrize("where", ["the socket's mode", "a directory above it"])
+def test_a_denied_connect_says_what_denies_it(open_dir, where):
+    """Before, the message always said the socket was mode 0660 and to run as the service's
+    user or group, whatever its mode (``socket_mode = "0600"``) or a directory on the way."""
+    sub = os.path.join(open_dir, "run")
+    os.mkdir(sub)
+    path = os.path.join(sub, "trainer.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with srv:
+        srv.bind(path)
+        srv.listen(1)
+        os.chmod(path, 0o600)
+        os.chmod(sub, 0o755 if where == "the socket's mode" else 0o700)
+        said = connect_as_nobody(path)
+    assert said.startswith("connect: ") and "permission denied" in said and "0660" not in said, said
+    if where == "the socket's mode":
+        assert "mode 0600, owner uid 0, group gid 0" in said and "uid 65534" in said, said
+    else:
+        assert f"the directory {sub} cannot be searched" in said, said
+
+
+def test_a_connect_the_node_does_not_take_fails_after_the_connect_limit(tmp_path, monkeypatch):
+    """A node that takes no connections (stopped with SIGSTOP, or stuck) with its listen
+    backlog full: the connect fails after CONNECT_LIMIT, saying so. Before, it waited for
+    ever (no ConnectError, no NoAnswer)."""
+    path = str(tmp_path / "stopped.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)
+    queued = []
+    try:
+        while True:  # fill the backlog: connections the node never takes
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                c.close()
+                break
+            queued.append(c)
+        monkeypatch.setattr(_client, "CONNECT_LIMIT", 0.3)
+        started = time.monotonic()
+        with bounded(10), pytest.raises(shardwire.ConnectError, match="took no connection within 0.3 s"):
+            _client._connect(path)
+        assert time.monotonic() - started >= 0.25, "it did not wait for the node"
+        srv.accept()[0].close()  # room in the backlog: the next connect goes through, unbounded
+        sock = _client._connect(path)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.calcsize("@ll")) == bytes(struct.calcsize("@ll"))
+        sock.close()
+    finally:
+        for c in queued:
+            c.close()
+        srv.close()

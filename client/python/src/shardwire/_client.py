@@ -13,6 +13,7 @@ import mmap
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 import weakref
@@ -87,6 +88,8 @@ def connect(path: str | os.PathLike[str] | None = None, *, url: str | None = Non
         st = os.stat(path)
     except FileNotFoundError:
         raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}? set ${SOCKET_ENV} or pass the path)") from None
+    except PermissionError:
+        raise ConnectError(path, _denied(path)) from None
     except OSError as e:
         raise ConnectError(path, e.strerror or str(e)) from e
     if not stat.S_ISSOCK(st.st_mode):
@@ -361,11 +364,26 @@ def _import_cuda(gpu: Any, fd: int, size: int) -> CudaRegion:
         raise ProtocolError(f"attached with memory \"cuda\": bad gpu {dict(gpu)!r}: {why}") from e
 
 
+#: Longest wait for the node service to take a connection: a Unix `connect` waits only while
+#: the listener's backlog is full (a node stopped, e.g. SIGSTOP, or wedged, with connections
+#: queued), and beyond this it fails with ConnectError instead of hanging.
+CONNECT_LIMIT = 10.0
+
+
+def _send_timeout(sock: socket.socket, seconds: float) -> None:
+    """Sets `sock`'s SO_SNDTIMEO (0: none), which bounds a blocking Unix `connect` (Python's
+    ``settimeout`` does not: with it a full backlog fails at once, EAGAIN)."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", whole, int((seconds - whole) * 1e6)))
+
+
 def _connect(path: str) -> socket.socket:
     """A connected trainer socket, or ConnectError saying what is wrong with `path`."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        _send_timeout(sock, CONNECT_LIMIT)
         sock.connect(path)
+        _send_timeout(sock, 0)  # the writes are non-blocking anyway (see `_wire.Conn.send_bytes`)
     except FileNotFoundError:
         sock.close()
         raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}?)") from None
@@ -374,11 +392,48 @@ def _connect(path: str) -> socket.socket:
         raise ConnectError(path, "connection refused (a stale socket file: no node service is listening)") from None
     except PermissionError:
         sock.close()
-        raise ConnectError(path, "permission denied (the socket is mode 0660: run as the service's user or group)") from None
+        raise ConnectError(path, _denied(path)) from None
+    except BlockingIOError:  # EAGAIN: SO_SNDTIMEO ran out with the backlog still full
+        sock.close()
+        raise ConnectError(path, (
+            f"the node service took no connection within {CONNECT_LIMIT:g} s (its backlog is full: "
+            "is it stopped, e.g. with SIGSTOP, or stuck? see its log and its admin /v1/status)"
+        )) from None
     except OSError as e:
         sock.close()
         raise ConnectError(path, e.strerror or str(e)) from e
     return sock
+
+
+#: Whether `os.access` can check with the effective ids (as `connect` is checked).
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+
+def _dirs_above(path: str) -> list[str]:
+    """The directories `path` lies in, from the root down."""
+    out: list[str] = []
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        out.append(d)
+        if os.path.dirname(d) == d:
+            return out[::-1]
+        d = os.path.dirname(d)
+
+
+def _denied(path: str) -> str:
+    """Why connecting to `path` was denied: the socket's real mode and owner (connecting takes
+    write permission on it), or the directory on the way this process cannot search."""
+    who = f"this process runs as uid {os.geteuid()}, gid {os.getegid()}"
+    try:
+        st = os.stat(path)
+    except OSError:
+        blocked = next((d for d in _dirs_above(path) if not os.access(d, os.X_OK, effective_ids=_EFFECTIVE)), None)
+        where = f"the directory {blocked}" if blocked is not None else "a directory on the way to it"
+        return f"permission denied: {where} cannot be searched ({who}; it needs x permission there)"
+    mode = stat.S_IMODE(st.st_mode)
+    return (f"permission denied (the socket is mode {mode:04o}, owner uid {st.st_uid}, group gid {st.st_gid}; "
+            f"{who}; connecting needs write permission on it: run as a user or group it lets write, "
+            "or set socket_mode in the node's config)")
 
 
 def _attached_info(msg: dict[str, Any]) -> StreamInfo:
@@ -439,7 +494,10 @@ def _info(conn: _wire.Conn) -> dict[str, Any]:
         raise ProtocolError(f"unexpected answer to info: {msg!r}")
     if "memory" not in msg:
         raise ProtocolError(f"the node's info answer has no memory field: {msg!r}")
-    return {"memory": str(msg["memory"]), "lanes": list(msg.get("lanes", []))}
+    lanes = msg.get("lanes", [])
+    if not isinstance(lanes, list):
+        raise ProtocolError(f"the node's info answer has lanes {lanes!r}, not a list: {msg!r}")
+    return {"memory": str(msg["memory"]), "lanes": list(lanes)}
 
 
 def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
@@ -489,6 +547,19 @@ class _Held:
         self.ref = weakref.ref(b)
         self.lease = b.lease
         self.done = False
+
+
+def _shut_dropped(sock: socket.socket, pid: int, _how: int = socket.SHUT_RDWR) -> None:
+    """The finalizer of a stream dropped without close(): shuts its connection down, so the
+    node sees it end at once even while a process forked since holds a copy of the socket (a
+    DataLoader worker's; a plain close of this process's copy would not end it). Only in the
+    process that opened the stream: a forked child's copy must not end the parent's stream.
+    (`_how` bound when the module loads, as in ``_wire.Conn.close``.)"""
+    if os.getpid() == pid:
+        try:
+            sock.shutdown(_how)
+        except OSError:
+            pass
 
 
 class Stream(_StreamBase[Batch]):
@@ -573,6 +644,9 @@ class Stream(_StreamBase[Batch]):
         #: the state after it (until then the state names it as not taken), and the batch
         #: before it, the trainer's until then (released with that hand-out unless it was).
         self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None], _Held | None] | None = None
+        #: Shuts the connection down if the stream is dropped without close() (see
+        #: `_shut_dropped`); detached at close.
+        self._finalizer = weakref.finalize(self, _shut_dropped, conn.sock, self._pid)
 
     @classmethod
     def _open(cls, path: str, req: dict[str, Any], auto_device: bool = False) -> Stream:
@@ -639,12 +713,14 @@ class Stream(_StreamBase[Batch]):
         return self._answer(req["op"])
 
     def _answer(self, op: str) -> dict[str, Any]:
-        """The next answer, to a request `op` the node answers at once (see `_exchange`)."""
+        """The next answer, to a request `op` the node answers at once (see `_exchange`),
+        taken (`_consume`)."""
         reply = self._read(_wire.REPLY_LIMIT)
         if reply is None:
             why = f"the node service did not answer {op} within {_wire.REPLY_LIMIT:g} s"
             self._broken(why)
             raise ConnectionClosed(why)
+        self._consume()
         return reply[1]
 
     def _send(self, req: dict[str, Any], data: bytes | None = None) -> None:
@@ -691,12 +767,15 @@ class Stream(_StreamBase[Batch]):
 
     def _read(self, timeout: float | None) -> tuple[str, dict[str, Any]] | None:
         """The next answer and the op of the request it answers, or None if none came within
-        `timeout` (None: wait as long as it takes)."""
+        `timeout` (None: wait as long as it takes). Both stay where they are (the answer on
+        the connection, the op in ``_inflight``) until the caller takes them (`_consume`) as
+        it acts on the answer: an exception that strikes before (a signal handler's) loses
+        neither, and the next call reads the same answer."""
         try:
             ready = timeout is None or self._conn.pending()
             if not ready and not _wire.readable(self._conn.sock, timeout):
                 return None
-            msg = self._conn.recv_reply()
+            msg = self._conn.peek_reply()
         except ConnectionClosed as e:
             if self._interrupted:
                 raise self._closed_meanwhile() from e
@@ -714,7 +793,17 @@ class Stream(_StreamBase[Batch]):
             stray = ProtocolError(f"an answer to no request: {msg!r}")
             self._malformed(stray)
             raise stray
-        return self._inflight.popleft(), msg
+        return self._inflight[0], msg
+
+    def _consume(self, more: bool = False) -> None:
+        """Takes the answer `_read` returned off the connection and, unless `more` answers to
+        the same request follow, its request off ``_inflight``. Two deletions and no call:
+        CPython raises a signal handler's exception at a function's entry or right after a C
+        call returns, so one that strikes here strikes before both (and the answer is read
+        again), never between them (which would pair later answers with the wrong requests)."""
+        del self._conn._ready[0]  # the answer `_wire.Conn.peek_reply` left there
+        if not more:
+            del self._inflight[0]
 
     def _interrupt(self) -> None:
         # A call waiting on the socket sees it end at once (shutdown wakes a blocked recv).
@@ -760,11 +849,12 @@ class Stream(_StreamBase[Batch]):
         if msg["op"] != "released":
             raise _service_error(msg) if msg["op"] == "error" else self._unexpected("release", msg)
 
-    def _unexpected(self, op: str, msg: dict[str, Any]) -> ProtocolError:
-        """The error of an answer `msg` that the request `op` never has. Which request the
-        answers after it answer can no longer be told, so the stream is closed first (as for a
-        reply that cannot be read, `_malformed`; the Rust SDK's ``broke``)."""
-        e = ProtocolError(f"unexpected answer to {op}: {msg!r}")
+    def _unexpected(self, op: str, msg: dict[str, Any], why: str = "") -> ProtocolError:
+        """The error of an answer `msg` that the request `op` never has (`why`: what is wrong
+        with it, when not its op). Which request the answers after it answer can no longer be
+        told, so the stream is closed first (as for a reply that cannot be read, `_malformed`;
+        the Rust SDK's ``broke``)."""
+        e = ProtocolError(f"unexpected answer to {op}{f' ({why})' if why else ''}: {msg!r}")
         self._malformed(e)
         return e
 
@@ -799,9 +889,12 @@ class Stream(_StreamBase[Batch]):
         flight for a later ``next`` to take its answer. The previous batch stays the trainer's
         (released with a later request) unless this call sent a request of its own (the first
         call, one after a timeout, or while batches are kept), which carried its release, as
-        for a timeout: ``keep()`` it first to go on using it. One that strikes while a request
-        is being written consumes nothing either, unless the request may have gone out in
-        part: then the stream is closed (code ``"closed"``; :meth:`state_dict` still resumes).
+        for a timeout: ``keep()`` it first to go on using it. One that strikes while a batch
+        that has arrived is handed out consumes nothing either: the next call returns that
+        batch, and :meth:`state_dict` does not name the position after it until then. One that
+        strikes while a request is being written consumes nothing either, unless the request
+        may have gone out in part: then the stream is closed (code ``"closed"``;
+        :meth:`state_dict` still resumes).
         """
         return super().next(timeout)
 
@@ -817,9 +910,12 @@ class Stream(_StreamBase[Batch]):
     def _take_batch(self, timeout: float | None) -> Batch | None:
         """`_take`, on an open stream that has not ended (lock held)."""
         if self._unclaimed is not None:
-            (b, state, prev), self._unclaimed = self._unclaimed, None
+            b, state, prev = self._unclaimed
+            # The batch before `b`, unless it was released already. First: claiming it twice
+            # is a no-op (`_claim`), so an interrupt in here leaves `b` to the next call.
+            self._defer_release(prev)
+            self._unclaimed = None  # handed out: stores only from here (see `_hand_out`)
             self._resume, self._resume_raw = state
-            self._defer_release(prev)  # the batch before `b`, unless it was released already
             return b
         if self._lost is not None:
             # The request ahead of time after the batch handed out last could not be sent.
@@ -850,13 +946,18 @@ class Stream(_StreamBase[Batch]):
                 # longer. It carries the previous batch's release too (unless kept).
                 self._send_next(self._held, left)
                 wait = None if left is None else left + _NODE_TIMEOUT_SLACK
-            msg = self._next_answer(wait, timeout)
+            msg = self._next_answer(wait, timeout)  # not taken yet (see `_read`)
             kind = msg["op"]
             if kind == "batch":
                 return self._hand_out(msg)
+            if msg.get("more"):
+                # Only a batch has answers after it. Honoured here, `more` would leave a `next`
+                # in flight that the node never answers: the next call would wait for ever.
+                raise self._unexpected("next", msg, "`more` set on an answer that is not a batch")
             if kind == "end":
                 self._end()
                 return None
+            self._consume()
             if kind == "timeout" and not sent_now:
                 # The node's late answer to a timed request an earlier call gave up waiting
                 # for: this call asks again, within what is left of its own timeout (a Timeout
@@ -909,13 +1010,13 @@ class Stream(_StreamBase[Batch]):
             self._waiting = False
 
     def _next_reply(self, reply: tuple[str, dict[str, Any]]) -> dict[str, Any] | None:
-        """The answer `reply` if it answers the `next` in flight; None for the answer to a
-        release sent before it (an error among those raises)."""
+        """The answer `reply` if it answers the `next` in flight, not taken yet (`_take_answer`
+        takes it as it acts on it); None for the answer to a release sent before it, taken (an
+        error among those raises)."""
         op, msg = reply
         if op == "next":
-            if msg.get("more"):
-                self._inflight.appendleft("next")  # the same request answers again
             return msg
+        self._consume()
         self._check_released(msg)
         return None
 
@@ -926,20 +1027,36 @@ class Stream(_StreamBase[Batch]):
             return
         self._gpu_done()
         while self._pending:
-            before = len(self._inflight)
+            lease, before = self._pending[0], len(self._inflight)
+            del self._pending[0]  # the request's from here (see `_send_next`)
             try:
-                self._send({"op": "release", "lease": self._pending[0]})
-            finally:
-                if self._sent(before):
-                    del self._pending[0]  # sent (see `_send_next`)
+                self._send({"op": "release", "lease": lease})
+            except BaseException:
+                if not self._sent(before):
+                    self._pending[:0] = [lease]
+                raise
 
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
-        kept) with the next request, or now when none goes ahead of time."""
+        kept) with the next request, or now when none goes ahead of time.
+
+        All or nothing, whatever exception strikes (a signal handler's, Ctrl-C's): the batch is
+        handed out, its state the stream's, or neither, and its answer is read again by the
+        next call. `state_dict()` never names the position after a batch not handed out."""
         self._drain_dropped()  # first: a kept batch dropped may be `prev`
-        before = (self._resume, self._resume_raw)
-        prev, b = self._held, self._batch(msg)
-        self._held = _Held(b)
+        # Everything that can raise comes first and changes nothing of the stream's: the
+        # answer stays on the connection (see `_read`).
+        b, state = self._batch(msg)
+        held, more = _Held(b), bool(msg.get("more"))
+        before, prev = (self._resume, self._resume_raw), self._held
+        # The hand-out: the answer taken (the `next` too unless `more` answers follow), then
+        # stores only. No call from `_consume`'s deletions to the last store, so no handler's
+        # exception lands in between (see `_consume`).
+        self._consume(more)
+        self._resume, self._resume_raw = state
+        self._held = held
+        b._stream = self  # from now on the batch holds the stream
+        # What strikes from here on leaves `b` to the next call (`_unclaimed`).
         try:
             self._after_take(msg, prev)
         except BaseException:
@@ -977,21 +1094,20 @@ class Stream(_StreamBase[Batch]):
                     raise
                 self._reply({"op": "release", "lease": lease}, "released")
 
-    def _batch(self, msg: dict[str, Any]) -> Batch:
-        """The Batch of a `batch` answer; the state that resumes after it becomes the stream's."""
-        if "dtypes" not in msg:
+    def _batch(self, msg: dict[str, Any]) -> tuple[Batch, tuple[dict[str, Any], bytes | None]]:
+        """The Batch of a `batch` answer, and the state that resumes after it (as `_resume`,
+        `_resume_raw`), which `_hand_out` makes the stream's; nothing of the stream changes
+        here. A binary answer is the one `_wire` marked so (``_wire.BINARY``)."""
+        if _wire.BINARY not in msg:
             return self._json_batch(msg)
         b = msg.get("batch")  # binary (see shardwire._binary): built ahead (`_build_ahead`), or now
         if b is None:
             b = self._binary_batch(msg)
-        else:
-            b._stream = self  # handed out: from now on the batch holds the stream
         if msg["state_raw"] is None:
             raise ProtocolError("a batch without its state: the node service is older than this SDK")
-        self._resume_raw = msg["state_raw"]
-        return b
+        return b, (self._resume, msg["state_raw"])
 
-    def _json_batch(self, msg: dict[str, Any]) -> Batch:
+    def _json_batch(self, msg: dict[str, Any]) -> tuple[Batch, tuple[dict[str, Any], bytes | None]]:
         """The Batch of a JSON `batch` answer (the node sends one where the binary form cannot
         hold it); a field missing or of the wrong type is a ProtocolError naming it."""
         if "state" not in msg:
@@ -999,18 +1115,19 @@ class Stream(_StreamBase[Batch]):
         try:
             views = [_tensor_view(t) for t in msg["tensors"]]
             lease, epoch, index, shard = (_int(msg[k], k) for k in ("lease", "epoch", "index", "shard"))
-            b = Batch(self, lease, epoch, index, shard, views, self._base)
-            self._resume, self._resume_raw = dict(msg["state"]), None
+            b = Batch(None, lease, epoch, index, shard, views, self._base)
+            state = dict(msg["state"])
         except KeyError as e:
             raise ProtocolError(f"a batch answer without the field {e}: {msg!r}") from e
         except (TypeError, ValueError) as e:
             raise ProtocolError(f"a batch answer with a field this SDK cannot read ({e}): {msg!r}") from e
-        return b
+        return b, (state, None)
 
     def _end(self) -> None:
         """The `end` answer: the previous batch and those whose release waited go now (nothing
         follows to carry them), every one of them even if the node refuses one (the first
         refusal raises after the last is answered)."""
+        self._consume()  # the `end` answer: first, then stores only (see `_consume`)
         self._ended = True
         self._drain_dropped()
         prev, self._held = self._held, None
@@ -1036,10 +1153,10 @@ class Stream(_StreamBase[Batch]):
         if refused is not None:
             raise refused
 
-    def _binary_batch(self, msg: dict[str, Any], ahead: bool = False) -> Batch:
-        """The Batch of a decoded binary reply; `ahead`: built before its turn, without its
-        stream (see `_Held`), which `_batch` sets when it is handed out."""
-        return Batch(None if ahead else self, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
+    def _binary_batch(self, msg: dict[str, Any]) -> Batch:
+        """The Batch of a decoded binary reply, without its stream (see `_Held`), which
+        `_hand_out` sets when it hands it out."""
+        return Batch(None, msg["lease"], msg["epoch"], msg["index"], msg["shard"], msg["views"], self._base, msg["dtypes"])
 
     def _build_ahead(self) -> None:
         """Builds the Batch of each binary batch reply already decoded behind this one (see
@@ -1047,9 +1164,9 @@ class Stream(_StreamBase[Batch]):
         hand them out come each after a model step, and then only take them. Only an
         optimisation: a batch that cannot be built now is built (or raises) in its turn."""
         for msg in self._conn.ready():
-            if msg.get("op") == "batch" and "dtypes" in msg:
+            if _wire.BINARY in msg:
                 try:
-                    msg["batch"] = self._binary_batch(msg, ahead=True)
+                    msg["batch"] = self._binary_batch(msg)
                 except Exception:
                     return
 
@@ -1103,13 +1220,16 @@ class Stream(_StreamBase[Batch]):
         count = 1 if self._kept_leases else _NEXT_COUNT
         timeout_ms = None if timeout is None else _timeout_ms(timeout)
         data, before = _wire.encode_next(self._pending, count, timeout_ms), len(self._inflight)
+        # The releases are the request's from here (a store, no call: an interrupt cannot
+        # land between the request going out and them leaving `_pending`, or the next
+        # request would carry them again and the node refuse a lease it freed).
+        leases, self._pending = self._pending, []
         try:
             (self._post if ahead else self._send)(_NEXT, data)
-        finally:
-            # Their releases went with it, even when an interrupt struck after its last byte:
-            # not again with the next request (the node would refuse a lease it freed).
-            if self._sent(before):
-                self._pending.clear()
+        except BaseException:
+            if not self._sent(before):  # it did not go out: the next request carries them
+                self._pending[:0] = leases
+            raise
 
     def _ask_ahead(self, prev: _Held | None) -> None:
         """Sends the next request ahead of time (`_send_next`; `prev` is then the trainer's no
@@ -1231,10 +1351,12 @@ class Stream(_StreamBase[Batch]):
         super().close()
 
     def _drop_in_child(self) -> None:
+        self._finalizer.detach()
         self._conn.sock.close()  # no shutdown: the parent's connection stays
 
     def _shutdown(self, notify: bool) -> None:
         # Closing the connection is what tells the service (when it is still there).
+        self._finalizer.detach()
         self._held = None
         # A batch taken and not handed out holds views of the region: dropped, so that the
         # mapping goes now (unless the trainer still holds batches of its own).

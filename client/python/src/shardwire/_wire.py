@@ -65,9 +65,17 @@ class NoAnswer(ConnectionClosed):
 
 _BINARY_TAG = bytes([_binary.TAG])
 _LEN = struct.Struct("<I")
+#: One `recv` of what has arrived, called from C (see `_recv_fds` and `Conn._recv_into`).
+_RECV = operator.methodcaller("recv", 1 << 16)
 _NEXT_ALONE = _LEN.pack(13) + b'{"op":"next"}'
 
 Message = dict[str, Any]
+
+#: The key `_decode` marks the dict of a binary ``batch`` reply with (its value True). Not a
+#: string, so no JSON reply can carry it, whatever its fields (a JSON batch with a ``"dtypes"``
+#: field once passed for binary). A key, not a dict subclass: that costs a copy, and slower
+#: lookups, per batch. (Typed Any: a Message's keys are strings.)
+BINARY: Any = ("binary",)
 
 
 def readable(sock: socket.socket, timeout: float | None) -> bool:
@@ -128,9 +136,12 @@ def encode_next(release: Sequence[int], count: int = 1, timeout_ms: int | None =
 
 
 def _decode(body: bytes) -> Message:
-    """A reply body: JSON, or a binary ``batch`` (see :mod:`shardwire._binary`)."""
+    """A reply body: JSON, or a binary ``batch`` (see :mod:`shardwire._binary`), marked so
+    (`BINARY`)."""
     if body[:1] == _BINARY_TAG:
-        return _binary.decode(body)
+        msg = _binary.decode(body)
+        msg[BINARY] = True
+        return msg
     msg = _loads(body, "reply from the node service")
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError(f"reply without an op: {msg!r}")
@@ -161,8 +172,8 @@ class Conn:
         self.sock = sock
         #: Bytes received past the last reply read (replies come back to back).
         self._buf = bytearray()
-        #: Replies that came whole in the same receive as an earlier one, decoded then (or the
-        #: ProtocolError decoding one raised, raised when its turn comes): see `recv_reply`.
+        #: Replies received and decoded, not yet taken (or the ProtocolError decoding one
+        #: raised, raised when its turn comes); the head is the one `peek_reply` returns.
         self._ready: deque[Message | ProtocolError] = deque()
         #: Bytes of the requests `send_bytes` is sending, or sent last, not known to have gone
         #: out: 0 once all of them did.
@@ -268,8 +279,22 @@ class Conn:
         return _decode(bytes(body))
 
     def recv_reply(self) -> Message:
-        """Reads one reply that carries no file descriptors (every reply but ``attached``),
-        reading as much as has arrived per call (usually the whole reply in one `recv`, or
+        """Reads one reply that carries no file descriptors (every reply but ``attached``):
+        `peek_reply`, and the reply taken (a malformed one too, so that the replies after it
+        can still be read)."""
+        msg = self._peek()
+        del self._ready[0]
+        if isinstance(msg, ProtocolError):
+            raise msg
+        return msg
+
+    def peek_reply(self) -> Message:
+        """The next reply that carries no file descriptors, left at the head of ``_ready``
+        until the caller takes it (``del conn._ready[0]``, see ``Stream._consume``): an
+        exception (a signal handler's, Ctrl-C's) that strikes before then loses no reply. A
+        malformed one raises its ProtocolError (and stays: the caller closes the connection).
+
+        Reads as much as has arrived per call (usually the whole reply in one `recv`, or
         several: a ``next`` with ``count`` is answered in one write). A binary ``batch`` body
         (see :mod:`shardwire._binary`) comes back as the same kind of dict.
 
@@ -278,38 +303,69 @@ class Conn:
         this code out of the CPU's caches, and decoding eight replies in one warm pass costs
         less than eight cold ones (docs/BENCHMARKS.md, "The gather's prefetch into L2, the
         batcher without `block_in_place`, the SDK's reply groups")."""
+        msg = self._peek()
+        if isinstance(msg, ProtocolError):
+            raise msg
+        return msg
+
+    def _peek(self) -> Message | ProtocolError:
+        """The head of ``_ready``, received and decoded first if there is none. Every byte
+        received is, at every moment, in ``_buf`` or decoded in ``_ready``, never only in a
+        local variable: an exception that strikes anywhere here loses nothing, and decodes
+        nothing twice (see `_recv_alone`, `_recv_into`, `_split`)."""
         if self._ready:
-            return self._take_ready()
+            return self._ready[0]
         try:
-            if not self._buf:
-                # The usual case on a training loop's path: one recv is exactly one reply.
-                data = self.sock.recv(1 << 16)
-                if len(data) >= 4 and _LEN.unpack_from(data)[0] == len(data) - 4:
-                    try:
-                        return _decode(data[4:])
-                    except ProtocolError:
-                        raise
-                    except BaseException:
-                        # An interrupt while decoding (Ctrl-C, a signal handler that raises):
-                        # the reply stays to be taken by the next call, not lost.
-                        self._buf += data
-                        raise
-                if not data:
-                    raise ConnectionClosed("the node service closed the connection")
-                self._buf += data
-            deadline = None  # FRAME_LIMIT after the first wait for the rest of a reply begun
-            while not self._split():
-                if deadline is None:
-                    deadline = time.monotonic() + FRAME_LIMIT
-                data = self._recv_rest(deadline)
-                if not data:
-                    raise ConnectionClosed(
-                        "the node service closed the connection" + (" in the middle of a reply" if self._buf else "")
-                    )
-                self._buf += data
+            if self._buf or not self._recv_alone():
+                deadline = None  # FRAME_LIMIT after the first wait for the rest of a reply begun
+                while not self._split():
+                    if deadline is None:
+                        deadline = time.monotonic() + FRAME_LIMIT
+                    self._wait_rest(deadline)
+                    if not self._recv_into():
+                        raise ConnectionClosed(
+                            "the node service closed the connection" + (" in the middle of a reply" if self._buf else "")
+                        )
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
-        return self._take_ready()
+        return self._ready[0]
+
+    def _recv_alone(self) -> bool:
+        """The usual case on a training loop's path (``_buf`` and ``_ready`` empty): one
+        `recv` is exactly one reply, decoded into ``_ready`` without going through ``_buf``.
+        True if it was; otherwise what came is in ``_buf``."""
+        got: list[bytes] = []
+        try:
+            # Stored by C (`list.extend` over a `map`): an exception raised as a plain call
+            # returned would drop the bytes (see `_recv_fds`).
+            got.extend(map(_RECV, (self.sock,)))
+            data = got[0]
+            if len(data) >= 4 and _LEN.unpack_from(data)[0] == len(data) - 4:
+                try:
+                    msg: Message | ProtocolError = _decode(data[4:])
+                except ProtocolError as e:
+                    msg = e  # raised in its turn, as `_split` does
+                self._ready.append(msg)  # one C call: the reply is in `_ready` or still in `got`
+                return True
+            if not data:
+                raise ConnectionClosed("the node service closed the connection")
+            return False
+        finally:
+            # Not decoded into `_ready` (a reply in parts, or an interrupt while decoding): the
+            # bytes go to `_buf`, for this call's split or the next call's.
+            if got and not self._ready:
+                self._buf += got[0]
+
+    def _recv_into(self) -> int:
+        """Receives what has arrived into ``_buf``; how many bytes (0: the node closed the
+        connection). Stored by C, and into ``_buf`` whatever strikes (see `_recv_alone`)."""
+        got: list[bytes] = []
+        try:
+            got.extend(map(_RECV, (self.sock,)))
+        finally:
+            if got:
+                self._buf += got[0]
+        return len(got[0])
 
     def _split(self) -> bool:
         """Decodes every whole reply at the head of the buffer into ``_ready`` (a malformed
@@ -328,8 +384,10 @@ class Conn:
                     msg: Message | ProtocolError = _decode(bytes(buf[at + 4 : at + 4 + n]))
                 except ProtocolError as e:
                     msg = e
-                self._ready.append(msg)
+                # `at` first: an exception raised as `append` returns finds the reply counted
+                # (deleted from `buf` below) and in `_ready`, not in both.
                 at += 4 + n
+                self._ready.append(msg)
                 if isinstance(msg, ProtocolError):
                     break
         finally:
@@ -337,14 +395,8 @@ class Conn:
         return bool(self._ready)
 
     def ready(self) -> list[Message]:
-        """The replies already decoded and not yet read, in order (see `recv_reply`)."""
+        """The replies already decoded and not yet taken, in order (see `peek_reply`)."""
         return [m for m in self._ready if not isinstance(m, ProtocolError)]
-
-    def _take_ready(self) -> Message:
-        msg = self._ready.popleft()
-        if isinstance(msg, ProtocolError):
-            raise msg
-        return msg
 
     def _wait_rest(self, deadline: float) -> None:
         """Waits, until `deadline` (``time.monotonic()``, FRAME_LIMIT s after the reply began),
@@ -352,11 +404,6 @@ class Conn:
         trickles a reply fails the call as one that stopped does."""
         if not readable(self.sock, max(0.0, deadline - time.monotonic())):
             raise ConnectionClosed(f"the node service sent part of a reply and not the rest within {FRAME_LIMIT:g} s")
-
-    def _recv_rest(self, deadline: float) -> bytes:
-        """More bytes of a reply that has begun (or of the next ones), by `deadline`."""
-        self._wait_rest(deadline)
-        return self.sock.recv(1 << 16)
 
     def close(self, _how: int = socket.SHUT_RDWR) -> None:
         """Closes the socket (the service then closes the stream and releases its leases).
