@@ -18,7 +18,7 @@
 //!   a management NIC, [`passed_over`]; absent when it is a candidate).
 //! - `lanes[]`: `lane`, `gpu`, `nic`, `nic_pci`, `distance` (`"PIX"`...), `numa_node` (the
 //!   NIC's, else the GPU's), `queues`, `data_addr` (when the caller knows it), `why`, `warn`
-//!   (through a CPU, no NIC, no devmem queue, or a queue past the NIC's RX queues).
+//!   (through a CPU, no NIC, or no devmem queue).
 //!
 //! Unknown values are `null` (NUMA `-1`, virtual NICs' PCI fields, lanes without a NIC).
 #![forbid(unsafe_code)]

@@ -14,10 +14,12 @@
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
 //!   as evenly as possible ([`plan_queues`]). With fewer such queues than GPUs each GPU gets
 //!   one from `rx/2` up, the later ones past the NIC's count: the node raises the NIC's
-//!   channels to bind them, and those lanes warn. A physical NIC of one queue has none for
+//!   channels to bind them (their `why` says so). A physical NIC of one queue has none for
 //!   devmem (its lanes warn: devmem is refused); on a virtual NIC later GPUs get none.
-//! - A usable NIC is passed over ([`passed_over`]) when its link is down while at least half
-//!   of the NICs of its model placed as it is (below a PCIe switch or not) are up, or when it
+//! - A usable NIC is passed over ([`passed_over`]) when its link is down while another NIC of
+//!   its model below a common PCIe switch is up (an uncabled second port; never for an up NIC
+//!   its GPUs reach only through a CPU, such as a host NIC: links still training at boot
+//!   would send the GPUs there until a restart), or when it
 //!   is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC beside the
 //!   GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
 //!   A lane whose NIC is farther than a NIC passed over for its link being down names that
@@ -127,14 +129,14 @@ struct Candidate {
 pub const SLOW_FACTOR: u32 = 8;
 
 /// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
-/// while those of at least half of its peers are not, or it runs [`SLOW_FACTOR`] times slower
-/// than the fastest of the host's `nics` (usable) whose link is not down. `None`: it is a
-/// candidate. Its peers for a down link are the usable NICs of its model (PCI vendor and
-/// device id) placed as it is, below a PCIe switch or not ([`is_switched`]), itself included:
-/// an uncabled second port is passed over for the cabled one, but GPU NICs whose links are
-/// still training at boot are not all passed over for an up management NIC, whether it is
-/// another model or, as on GCP A3 (gVNIC for both), the same model right under a root port
-/// or the one up among many (the plan is made once, at start).
+/// while that of another NIC of its model (PCI vendor and device id) below one of the same
+/// PCIe switches is not ([`down_note`]), or it runs [`SLOW_FACTOR`] times slower than the
+/// fastest of the host's `nics` (usable) whose link is not down. `None`: it is a candidate.
+/// A down NIC is passed over only for one its GPUs reach without crossing a CPU: an uncabled
+/// second port for the cabled one beside it, but not GPU NICs whose links still train at boot
+/// for an up NIC elsewhere (a management NIC right under a root port, of another model or, as
+/// on GCP A3 with gVNIC for both, of theirs; or the GPU NICs of the other socket), which
+/// would take their GPUs through the CPU until a restart (the plan is made once, at start).
 pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     if nic.is_virtual || nic.unusable.is_some() {
         return None;
@@ -158,43 +160,33 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     })
 }
 
-/// Whether `nic` sits below a PCIe switch (TCPX's test for a GPU NIC; a host NIC hangs
-/// right off a root port).
-fn is_switched(nic: &Nic) -> bool {
-    nic.path.as_ref().is_some_and(|p| !p.switches().is_empty())
+/// Whether `a` and `b` sit below a common PCIe switch (a GPU that reaches one without
+/// crossing a CPU reaches the other so too).
+fn share_a_switch(a: &Nic, b: &Nic) -> bool {
+    let (Some(pa), Some(pb)) = (&a.path, &b.path) else {
+        return false;
+    };
+    let theirs = pb.switches();
+    pa.switches().iter().any(|s| theirs.contains(s))
 }
 
-/// Why `nic`, whose link is down, is passed over: at least half of its peers (the usable
-/// physical NICs of its model and placement, [`passed_over`]) have a link that is not down;
-/// `None` when fewer do, or its ids could not be read (it tells no model).
+/// Why `nic`, whose link is down, is passed over: a usable physical NIC of its model below a
+/// common PCIe switch has a link that is not down; `None` when none has, or its ids could not
+/// be read (it tells no model).
 fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
     let model = |n: &Nic| n.vendor.zip(n.device);
     let own = model(nic)?;
-    let switched = is_switched(nic);
-    let peers: Vec<&Nic> = nics
-        .iter()
-        .filter(|n| !n.is_virtual && n.unusable.is_none())
-        .filter(|n| model(n) == Some(own) && is_switched(n) == switched)
-        .collect();
-    let up: Vec<&Nic> = peers
-        .iter()
-        .copied()
-        .filter(|n| n.link_up != Some(false))
-        .collect();
-    let first = up.first()?;
-    if up.len() * 2 < peers.len() {
-        return None;
-    }
-    let place = match switched {
-        true => "below a PCIe switch",
-        false => "not below a PCIe switch",
-    };
+    let up = nics.iter().find(|n| {
+        !n.is_virtual
+            && n.unusable.is_none()
+            && n.link_up != Some(false)
+            && n.interface != nic.interface
+            && model(n) == Some(own)
+            && share_a_switch(n, nic)
+    })?;
     Some(format!(
-        "its link is down (operstate), and {}'s (the same model) is not: {} of the {} NICs of \
-         its model {place} are up",
-        first.interface,
-        up.len(),
-        peers.len()
+        "its link is down (operstate), and {}'s (the same model, below the same PCIe switch) is not",
+        up.interface
     ))
 }
 
@@ -239,7 +231,7 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
             };
             let down = nearer_down_note(gpu, &tree.nics, &skip, pick.class.distance);
             let queues = std::mem::take(&mut queues[i]);
-            let short = short_of_queues(nic, &queues);
+            let short = short_of_queues(&queues);
             LanePlan {
                 lane,
                 gpu: gpu.pci,
@@ -561,7 +553,9 @@ pub fn devmem_rx_queues(nic: &Nic) -> u32 {
 /// GPUs (and one at least): there each GPU gets one queue, contiguous from `rx/2` up, so the
 /// later ones lie past the NIC's RX queues and the node raises its channels to bind them (as
 /// it does for queues a lanes table names). Before, the later GPUs got none, and devmem was
-/// refused on the whole node although the NIC could have had more channels.
+/// refused on the whole node although the NIC could have had more channels. A NIC of one
+/// queue (RSS's) gets none, as the node's binding of a single lane gives none there: its
+/// channels are the operator's to raise.
 pub fn plan_queues(nic: &Nic, gpus: usize) -> Vec<Vec<u32>> {
     let rx = devmem_rx_queues(nic);
     let first = rx / 2;
@@ -572,11 +566,12 @@ pub fn plan_queues(nic: &Nic, gpus: usize) -> Vec<Vec<u32>> {
     (first..).take(gpus).map(|q| vec![q]).collect()
 }
 
-/// Whether a lane on `nic` with devmem `queues` deserves a warning: it has none (devmem cannot
-/// bind it, so it is refused on the whole node), or one past the NIC's RX queues (bound only
-/// once the node has raised the NIC's channels, refused where the NIC allows fewer).
-fn short_of_queues(nic: &Nic, queues: &[u32]) -> bool {
-    queues.is_empty() || queues.iter().any(|&q| q >= nic.rx_queues)
+/// Whether a lane on `nic` with devmem `queues` deserves a warning: it has none, so devmem
+/// cannot bind it and is refused on the whole node. (Queues past the NIC's count only say so
+/// in the lane's `why`: the node raises the channels, as for queues a table names, and the
+/// lane may not receive over devmem at all.)
+fn short_of_queues(queues: &[u32]) -> bool {
+    queues.is_empty()
 }
 
 /// How a NIC's queues were shared among the GPUs of `split` (their queues, [`plan_queues`]),
@@ -585,7 +580,8 @@ fn share_note(nic: &Nic, split: &[Vec<u32>], slot: usize) -> String {
     let name = &nic.interface;
     let users = split.len();
     let upper = split_queues(devmem_rx_queues(nic), 1).concat();
-    if upper.is_empty() {
+    let queues = &split[slot];
+    if queues.is_empty() && upper.is_empty() {
         return format!(
             "; {name} has no rx queues for devmem (it has {}; queue 0 stays with RSS): receive = \
              devmem refuses to start, and auto uses plain TCP on every lane; raise its RX \
@@ -593,7 +589,6 @@ fn share_note(nic: &Nic, split: &[Vec<u32>], slot: usize) -> String {
             nic.rx_queues
         );
     }
-    let queues = &split[slot];
     if queues.is_empty() {
         return format!(
             "; no devmem queue left: {name} has {} for {users} GPUs (GPU {} of {users})",
@@ -1095,9 +1090,9 @@ mod tests {
         let lanes = pair(&tree, &PairOptions::default());
         let queues: Vec<Vec<u32>> = lanes.iter().map(|l| l.queues.clone()).collect();
         assert_eq!(queues, vec![vec![2], vec![3], vec![4]]);
-        let warns: Vec<bool> = lanes.iter().map(|l| l.warn).collect();
-        // Only the lane past the NIC's queues.
-        assert_eq!(warns, [false, false, true]);
+        // No lane warns: the one past the NIC's queues is bound once the node raises the
+        // channels (its why says so), and with receive = host it needs none.
+        assert!(lanes.iter().all(|l| !l.warn), "{lanes:#?}");
         let past = "; 4 past its 4 RX queues: devmem raises its channels to 5 (where the NIC \
                     allows fewer, receive = devmem refuses to start and auto uses plain TCP on \
                     every lane)";
@@ -1134,7 +1129,7 @@ mod tests {
             "{}",
             lanes[0].why
         );
-        // A PIX lane, but devmem cannot bind it: marked (before, it was not).
+        // A PIX lane, but devmem cannot bind it: marked.
         assert!(lanes[0].warn);
     }
 
@@ -1384,7 +1379,10 @@ mod tests {
         );
         let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
         assert!(
-            why.contains("link is down (operstate), and ens1f0's (the same model) is not"),
+            why.contains(
+                "link is down (operstate), and ens1f0's (the same model, below the same PCIe \
+                 switch) is not"
+            ),
             "{why}"
         );
         // GPU NICs still down at boot beside an up management NIC of another model: they
@@ -1457,16 +1455,14 @@ mod tests {
             paired_nics(&tree),
             [Some("ens1".into()), Some("ens2".into())]
         );
-        // One of the three up: the two still down stay candidates (before, passed over).
+        // One of the three up, below the same switch: the two down are passed over for it
+        // (their GPUs reach it without crossing the CPU), not for eth0.
         let tree = with_host([false, false, true]);
-        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
-        // Most of them up: the one still down is passed over (an uncabled port), and the
-        // reason counts its peers (eth0, not below a switch, is none of them).
-        let tree = with_host([false, true, true]);
         let why = passed_over(&tree.nics, &tree.nics[0]).expect("passed over");
-        assert!(
-            why.ends_with("2 of the 3 NICs of its model below a PCIe switch are up"),
-            "{why}"
+        assert!(why.contains("and ens3's (the same model"), "{why}");
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens3".into()), Some("ens3".into())]
         );
     }
 

@@ -184,8 +184,8 @@ fn render_lanes(out: &mut String, topo: &Topology) {
 
 /// The line under the lanes that explains the `!` marks, counting each cause: a NIC through a
 /// CPU, no NIC, or another reason the lane's WHY gives (its data address is not its NIC's, its
-/// NIC is virtual or not in the tree, it has no devmem queue or one past its NIC's RX
-/// queues); `None` when no lane is marked.
+/// NIC is virtual or not in the tree, it has no devmem queue); `None` when no lane is
+/// marked.
 fn warn_footer(lanes: &[LanePlan]) -> Option<String> {
     let warned: Vec<&LanePlan> = lanes.iter().filter(|l| l.warn).collect();
     if warned.is_empty() {
@@ -205,8 +205,8 @@ fn warn_footer(lanes: &[LanePlan]) -> Option<String> {
         (no_nic, "have no NIC"),
         (
             other,
-            "see WHY (a data address not the NIC's, a virtual or unknown NIC, or devmem \
-             queues)",
+            "see WHY (a data address not the NIC's, a virtual or unknown NIC, or no devmem \
+             queue)",
         ),
     ]
     .into_iter()
@@ -349,7 +349,7 @@ Lanes: 1
         assert!(
             text.contains(
                 "! 3 lane(s) marked: 1 cross a CPU (PHB/SYS), 1 have no NIC, 1 see WHY (a data \
-                 address not the NIC's, a virtual or unknown NIC, or devmem queues): "
+                 address not the NIC's, a virtual or unknown NIC, or no devmem queue): "
             ),
             "{text}"
         );

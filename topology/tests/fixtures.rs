@@ -726,6 +726,19 @@ fn gpu_nics_down_at_boot_beside_an_up_host_nic_of_their_model_stay_candidates() 
         .map(|p| p.nic)
         .collect();
     assert_eq!(nics[2].as_deref(), Some("eth2"), "{nics:?}");
+    // The other socket's NICs still down while this socket's are up: they are below other
+    // switches, so they stay candidates and keep their GPUs at PIX. Under the rule that
+    // counted how many of the model were up (2 of 4: half), they were passed over and the
+    // four GPUs of socket 1 went across the CPU to eth0..eth2 until a restart.
+    let tree = changed_tree("8gpu-4nic", "gvnic-socket-down", down(&["eth3", "eth4"]));
+    for (i, p) in pair(&tree, &PairOptions::default()).iter().enumerate() {
+        let own = format!("eth{}", i / 2 + 1);
+        assert_eq!(
+            (p.nic.as_deref(), p.distance),
+            (Some(own.as_str()), Some(Distance::Pix)),
+            "{p:#?}"
+        );
+    }
 }
 
 #[test]

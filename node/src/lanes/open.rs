@@ -363,7 +363,7 @@ fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
         let memory = if l.cuda.is_some() { "cuda" } else { "host" };
         if s.warn {
             tracing::warn!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why,
-                "lane: GPU-direct receive is slow or unavailable there (its GPU and NIC are far apart, it has no NIC, or its data address is not its NIC's: see why)");
+                "lane: GPU-direct receive is slow or unavailable there (its GPU and NIC are far apart, it has no NIC, its NIC has no devmem queue, or its data address is not its NIC's: see why)");
         } else {
             tracing::info!(lane = s.id, %gpu, %nic, distance = %dist, data = %l.data_addr, memory, cpus = %cpus, lanes = source, why = %s.why, "lane");
         }

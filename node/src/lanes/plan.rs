@@ -24,7 +24,7 @@ use shardwire_devmem::ifaddr::IfAddrError;
 use shardwire_gpu::GpuDevice;
 use shardwire_topology::{
     Distance, GpuName, GpuNameError, GpuUuid, LanePlan, PairOptions, PciAddr, Tree, classify, pair,
-    passed_over, split_queues,
+    passed_over,
 };
 
 /// The GPU of a lane.
@@ -382,8 +382,10 @@ pub fn plan(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Result<Vec<LaneSpec>, Pla
 }
 
 /// The devmem queues of the table lanes that name none, once every lane's NIC is settled
-/// (named in the table or paired): the upper half of a NIC's queues split among its lanes in
-/// lane order ([`split_queues`]) where none of them names queues; else none, and the binding
+/// (named in the table or paired): a NIC's queues planned for its lanes in lane order as
+/// `lanes = "auto"` plans them ([`shardwire_topology::plan_queues`]: its upper half split,
+/// or one each from rx/2 up, past its count, where they are too few) where none of them names
+/// queues; else none, and the binding
 /// shares out what the named ones leave. The NIC's queues are never given twice: the auto
 /// pairing's split cannot be used, since it does not know which NIC the table names.
 fn split_table_queues(tree: &Tree, lanes: &mut [LaneSpec]) {
@@ -396,13 +398,11 @@ fn split_table_queues(tree: &Tree, lanes: &mut [LaneSpec]) {
         let on: Vec<usize> = (0..lanes.len())
             .filter(|&i| lanes[i].nic.as_deref() == Some(nic.as_str()))
             .collect();
-        let rx = tree
-            .nics
-            .iter()
-            .find(|n| n.interface == nic)
-            .map(shardwire_topology::devmem_rx_queues);
-        let split = match rx {
-            Some(rx) if on.iter().all(|&i| !named[i]) => split_queues(rx, on.len()),
+        let tree_nic = tree.nics.iter().find(|n| n.interface == nic);
+        let split = match tree_nic {
+            Some(n) if on.iter().all(|&i| !named[i]) => {
+                shardwire_topology::plan_queues(n, on.len())
+            }
             _ => vec![Vec::new(); on.len()],
         };
         for (&i, q) in on.iter().zip(split) {

@@ -313,6 +313,30 @@ fn tables_fill_what_they_leave_out() {
 }
 
 #[test]
+fn table_lanes_sharing_a_nic_of_too_few_queues_get_queues_past_it_as_auto_lanes_do() {
+    // Before, three lanes on a NIC of 4 queues got [2], [3] and none, and the binding
+    // refused devmem on the whole node, where `lanes = "auto"` raised the channels.
+    let mut t = tree("8gpu-4nic");
+    let eth1 = t.nics.iter_mut().find(|n| n.interface == "eth1").unwrap();
+    eth1.rx_queues = 4;
+    let gpus: Vec<String> = t.gpus[..3].iter().map(|g| g.pci.to_string()).collect();
+    let lanes = table(
+        gpus.iter()
+            .enumerate()
+            .map(|(i, g)| LaneConfig {
+                gpu: Some(g.clone()),
+                interface: Some("eth1".into()),
+                data_listen: Some(format!("10.0.1.5:{}", 7401 + i).parse().unwrap()),
+                ..LaneConfig::default()
+            })
+            .collect(),
+    );
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
+    let queues: Vec<Vec<u32>> = got.iter().map(|l| l.queues.clone()).collect();
+    assert_eq!(queues, [vec![2], vec![3], vec![4]]);
+}
+
+#[test]
 fn a_table_gpu_the_tree_has_but_cuda_does_not_list_is_named_as_hidden_from_cuda() {
     // Before, it was "this host has no such GPU", though `shardwire topology` lists it.
     let t = tree("8gpu-4nic");
