@@ -17,7 +17,8 @@
 //!   channels to bind them (their `why` says so). A physical NIC of one queue has none for
 //!   devmem (its lanes warn: devmem is refused); on a virtual NIC later GPUs get none.
 //! - A usable NIC is passed over ([`passed_over`]) when its link is down while another NIC of
-//!   its model below a common PCIe switch is up (an uncabled second port; never for an up NIC
+//!   its model on the same card or below a common PCIe switch is up (an uncabled second
+//!   port; at worst PIX to PXB for a GPU whose own NIC is down at start; never for an up NIC
 //!   its GPUs reach only through a CPU, such as a host NIC: links still training at boot
 //!   would send the GPUs there until a restart), or when it
 //!   is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC beside the
@@ -71,9 +72,10 @@ pub struct LanePlan {
     pub data_addr: Option<String>,
     /// One line: why this NIC, and how its queues are shared.
     pub why: String,
-    /// The lane crosses a CPU (PHB, SYS), has no NIC, or has no devmem queue or one past its
-    /// NIC's RX queues ([`plan_queues`]) (the plan also marks lanes whose data address is not
-    /// their NIC's, and table lanes on a virtual or unknown NIC).
+    /// The lane crosses a CPU (PHB, SYS), has no NIC, or has no devmem queue ([`plan_queues`];
+    /// queues past its NIC's RX queues do not mark it: the node raises the channels) (the plan
+    /// also marks lanes whose data address is not their NIC's, and table lanes on a virtual or
+    /// unknown NIC).
     pub warn: bool,
 }
 
@@ -129,14 +131,16 @@ struct Candidate {
 pub const SLOW_FACTOR: u32 = 8;
 
 /// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
-/// while that of another NIC of its model (PCI vendor and device id) below one of the same
-/// PCIe switches is not ([`down_note`]), or it runs [`SLOW_FACTOR`] times slower than the
+/// while that of another NIC of its model (PCI vendor and device id) on the same card or below
+/// one of the same PCIe switches is not ([`down_note`]), or it runs [`SLOW_FACTOR`] times slower than the
 /// fastest of the host's `nics` (usable) whose link is not down. `None`: it is a candidate.
 /// A down NIC is passed over only for one its GPUs reach without crossing a CPU: an uncabled
 /// second port for the cabled one beside it, but not GPU NICs whose links still train at boot
 /// for an up NIC elsewhere (a management NIC right under a root port, of another model or, as
 /// on GCP A3 with gVNIC for both, of theirs; or the GPU NICs of the other socket), which
 /// would take their GPUs through the CPU until a restart (the plan is made once, at start).
+/// A GPU may still go one class farther (PIX to PXB below a shared upper switch) while its
+/// own NIC's link is down at start.
 pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     if nic.is_virtual || nic.unusable.is_some() {
         return None;
@@ -160,19 +164,24 @@ pub fn passed_over(nics: &[Nic], nic: &Nic) -> Option<String> {
     })
 }
 
-/// Whether `a` and `b` sit below a common PCIe switch (a GPU that reaches one without
-/// crossing a CPU reaches the other so too).
-fn share_a_switch(a: &Nic, b: &Nic) -> bool {
+/// Whether `a` and `b` are ports of one card (functions of one PCI device) or sit below a
+/// common PCIe switch: a GPU that reaches one without crossing a CPU reaches the other so too.
+fn near_each_other(a: &Nic, b: &Nic) -> bool {
+    let same_card = a
+        .pci
+        .zip(b.pci)
+        .is_some_and(|(x, y)| (x.domain, x.bus, x.device) == (y.domain, y.bus, y.device));
     let (Some(pa), Some(pb)) = (&a.path, &b.path) else {
-        return false;
+        return same_card;
     };
     let theirs = pb.switches();
-    pa.switches().iter().any(|s| theirs.contains(s))
+    same_card || pa.switches().iter().any(|s| theirs.contains(s))
 }
 
-/// Why `nic`, whose link is down, is passed over: a usable physical NIC of its model below a
-/// common PCIe switch has a link that is not down; `None` when none has, or its ids could not
-/// be read (it tells no model).
+/// Why `nic`, whose link is down, is passed over: a usable physical NIC of its model on the
+/// same card or below a common PCIe switch has a link that is not down (and is not itself
+/// passed over as slow); `None` when none has, or its ids could not be read (it tells no
+/// model).
 fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
     let model = |n: &Nic| n.vendor.zip(n.device);
     let own = model(nic)?;
@@ -182,10 +191,12 @@ fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
             && n.link_up != Some(false)
             && n.interface != nic.interface
             && model(n) == Some(own)
-            && share_a_switch(n, nic)
+            && near_each_other(n, nic)
+            && passed_over(nics, n).is_none()
     })?;
     Some(format!(
-        "its link is down (operstate), and {}'s (the same model, below the same PCIe switch) is not",
+        "its link is down (operstate), and {}'s (the same model, on the same card or below the \
+         same PCIe switch) is not",
         up.interface
     ))
 }
@@ -1068,7 +1079,7 @@ mod tests {
     }
 
     #[test]
-    fn more_gpus_than_queues_take_queues_past_the_nic_and_warn() {
+    fn more_gpus_than_queues_take_queues_past_the_nic_without_a_warning() {
         // Before, GPU 3 got no queue and no warning: the binding then found the upper half
         // all handed out and refused devmem on the whole node.
         let gpus: Vec<Gpu> = (0..3)
@@ -1380,8 +1391,8 @@ mod tests {
         let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
         assert!(
             why.contains(
-                "link is down (operstate), and ens1f0's (the same model, below the same PCIe \
-                 switch) is not"
+                "link is down (operstate), and ens1f0's (the same model, on the same card or \
+                 below the same PCIe switch) is not"
             ),
             "{why}"
         );
@@ -1416,6 +1427,68 @@ mod tests {
             (up.vendor, up.device, up.link_up) = (None, None, Some(true));
             vec![down, up]
         });
+        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+    }
+
+    #[test]
+    fn a_down_port_of_a_card_under_a_root_port_is_passed_over_for_its_cabled_port() {
+        // A dual-port card plugged straight into a root port (no switch above it): its
+        // uncabled port 1 shares no switch with port 0, and the second GPU was paired with it.
+        let g = |port: &str, dev: &str| gpu(Some(0), "pci0000:00", &[port, dev]);
+        let card = |f: u8, name: &str, up: bool| {
+            let mut n = nic(
+                name,
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:03.0", &format!("0000:30:00.{f}")],
+            );
+            n.link_up = Some(up);
+            n
+        };
+        let tree = Tree {
+            gpus: vec![
+                g("0000:00:01.0", "0000:10:00.0"),
+                g("0000:00:02.0", "0000:11:00.0"),
+            ],
+            nics: vec![card(0, "ens3f0", true), card(1, "ens3f1", false)],
+            ..Tree::default()
+        };
+        let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
+        assert!(
+            why.contains("ens3f0's (the same model, on the same card"),
+            "{why}"
+        );
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens3f0".into()), Some("ens3f0".into())]
+        );
+    }
+
+    #[test]
+    fn a_down_nic_is_not_passed_over_for_one_itself_passed_over_as_slow() {
+        // ens2 (the same model, same switch) is up but runs at 1/10 of ens3: the GPUs would
+        // have gone to ens3 across the CPU, not to ens1 once its link comes up.
+        let mut tree = one_switch(|n| {
+            let mut down = n("0000:02:02.0", "ens1");
+            down.link_up = Some(false);
+            let mut slow = n("0000:02:03.0", "ens2");
+            (slow.link_up, slow.speed_mbps) = (Some(true), Some(10_000));
+            vec![down, slow]
+        });
+        let mut far = nic(
+            "ens3",
+            Some(1),
+            16,
+            "pci0000:80",
+            &["0000:80:01.0", "0000:81:00.0"],
+        );
+        (far.link_up, far.speed_mbps) = (Some(true), Some(100_000));
+        tree.nics.push(far);
+        assert!(
+            passed_over(&tree.nics, &tree.nics[1]).is_some(),
+            "ens2 is slow"
+        );
         assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
     }
 

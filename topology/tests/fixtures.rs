@@ -716,8 +716,8 @@ fn gpu_nics_down_at_boot_beside_an_up_host_nic_of_their_model_stay_candidates() 
             "{p:#?}"
         );
     }
-    // One GPU NIC up first: the other three (1 of 4 of their model below a switch up) still
-    // stay candidates; before, they too went to the NIC that was up.
+    // One GPU NIC up first: the other three (below other switches than its) still stay
+    // candidates; before, they too went to the NIC that was up.
     let tree = changed_tree("8gpu-4nic", "gvnic-one-up", down(&["eth2", "eth3", "eth4"]));
     let eth2 = nic(&tree, "eth2").unwrap();
     assert_eq!(shardwire_topology::passed_over(&tree.nics, &eth2), None);
