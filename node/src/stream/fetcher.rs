@@ -108,3 +108,83 @@ fn completed(s: &Stream, f: &mut Fetches, c: Completion) -> Result<(), CloseReas
     s.complete(pos, Ready { slab, tensors });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::fetch::{Completions, FetchRequest, InFlight};
+    use crate::stream::Next;
+    use crate::stream::supply::{Issue, IssueError, Supply};
+    use crate::stream::tests::served_stream;
+
+    /// A source that takes every fetch and lets the test answer it.
+    #[derive(Clone, Default)]
+    struct Fake(Arc<Mutex<Vec<InFlight>>>);
+
+    impl Issue for Fake {
+        fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
+            let entry = &s.manifest().shards[p.shard as usize];
+            let r = FetchRequest {
+                slab: p.slab,
+                pos: p.pos,
+                shard: p.shard,
+                length: entry.length,
+                crc32c: entry.crc32c,
+                stream: 9,
+                lane: 0,
+            };
+            self.0
+                .lock()
+                .unwrap()
+                .push(InFlight::new(r, 0, done.clone()));
+            Ok(())
+        }
+    }
+
+    /// The task's last round of hints came every [`super::super::hints::HINT_EVERY`]
+    /// fetches, so the hints it sent before its last fetch stood (and the sources kept those
+    /// shards in memory) until its trainer left. Now the fill that issues the last position
+    /// withdraws them, while the task still runs.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_stream_that_issued_its_last_fetch_withdraws_its_hints_while_it_runs() {
+        // 4 shards, 2 epochs, room for 2: the first fill hints the 6 positions after it.
+        let s = served_stream(4, 2 * 4096, &["10.0.0.2:1", "10.0.0.3:1"]);
+        let fake = Fake::default();
+        let mut f = Fetches::new(Arc::clone(s.supply()), Box::new(fake.clone()));
+        let (mut next_issue, mut ended) = (0, false);
+        for _ in 0..100 {
+            fill(&s, &mut f, &mut next_issue).unwrap();
+            for fetch in std::mem::take(&mut *fake.0.lock().unwrap()) {
+                let crc = fetch.crc32c;
+                fetch.verified(crc);
+            }
+            while let Some(c) = f.try_completed() {
+                completed(&s, &mut f, c).unwrap();
+            }
+            match s.next(Some(Duration::ZERO)) {
+                Next::Batch(b) => assert!(s.release(b.lease)),
+                Next::End => {
+                    ended = true;
+                    break;
+                }
+                Next::Timeout => {}
+                Next::Closed(why) => panic!("closed: {why}"),
+            }
+        }
+        assert!(ended, "the stream ended");
+        let supply = s.supply();
+        assert!(
+            !supply.hinted_links().is_empty(),
+            "hints were sent while fetches were left to issue"
+        );
+        // `f` still lives: what its drop withdraws does not count here.
+        assert_eq!(
+            supply.standing_hints(),
+            Vec::<(usize, usize)>::new(),
+            "every link hinted got an empty hint once the last fetch was issued"
+        );
+        drop(f);
+    }
+}

@@ -200,6 +200,17 @@ pub(crate) mod tests {
         Routing::new(Arc::new(roster(&[]).0))
     }
 
+    /// Routing over live sources at `addrs` that serve `v` (stream tests that issue through
+    /// a fake and watch where hints go: the links never connect, so nothing reaches them).
+    pub(crate) fn serving(addrs: &[&str], v: Version<'_>) -> Arc<Routing> {
+        let (r, links) = roster(addrs);
+        for l in &links {
+            l.force_up(true);
+            l.served.record(v.dataset, Some(v.digest.to_owned()), 0);
+        }
+        Routing::new(Arc::new(r))
+    }
+
     fn roster(addrs: &[&str]) -> (Roster, Vec<Arc<SourceLink>>) {
         let r = Roster::new(LinkConfig {
             secret: None,

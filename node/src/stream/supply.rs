@@ -156,6 +156,10 @@ pub struct Supply {
     /// Set when the stream closes, before its leases go back to the pool: from then on no
     /// slab is handed out (a trainer may still read its last batch where it mapped it).
     closed: AtomicBool,
+    /// Every hint sent, as `(dataset, link, shards)`, oldest first: a test's links never
+    /// connect, so this is where its hints are seen ([`Self::standing_hints`]).
+    #[cfg(test)]
+    hints_sent: std::sync::Mutex<Vec<(usize, usize, Vec<u32>)>>,
 }
 
 impl Supply {
@@ -181,6 +185,8 @@ impl Supply {
             freed: Notify::new(),
             wants_memory: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            #[cfg(test)]
+            hints_sent: std::sync::Mutex::default(),
         });
         let weak: Weak<Self> = Arc::downgrade(&s);
         s.pool.set_on_free(Arc::new(move || {
@@ -304,6 +310,34 @@ impl Supply {
     fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed) + 1
     }
+
+    /// The `(dataset, link)` pairs that were sent a hint naming shards, so far.
+    #[cfg(test)]
+    pub fn hinted_links(&self) -> Vec<(usize, usize)> {
+        let sent = self.hints_sent.lock().expect("poisoned");
+        let mut out: Vec<_> = sent
+            .iter()
+            .filter(|(_, _, shards)| !shards.is_empty())
+            .map(|&(di, link, _)| (di, link))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The `(dataset, link)` pairs whose last hint named shards: the hints standing now (an
+    /// empty hint withdraws one).
+    #[cfg(test)]
+    pub fn standing_hints(&self) -> Vec<(usize, usize)> {
+        let sent = self.hints_sent.lock().expect("poisoned");
+        let mut last = std::collections::BTreeMap::new();
+        for (di, link, shards) in sent.iter() {
+            last.insert((*di, *link), !shards.is_empty());
+        }
+        last.into_iter()
+            .filter_map(|(k, stands)| stands.then_some(k))
+            .collect()
+    }
 }
 
 impl HintTarget for Supply {
@@ -322,6 +356,11 @@ impl HintTarget for Supply {
     }
 
     fn send_hint(&self, di: usize, link: usize, shards: Vec<u32>) {
+        #[cfg(test)]
+        self.hints_sent
+            .lock()
+            .expect("poisoned")
+            .push((di, link, shards.clone()));
         let source = &self.sources[di];
         let Some(l) = self.routing.roster().link(link) else {
             return; // retired: its hints went with it

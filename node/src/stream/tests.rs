@@ -30,6 +30,19 @@ fn manifest(shards: u32, len: u64) -> Arc<Manifest> {
 
 /// A shard-mode stream of `shards` shards (2 epochs) from position `start`.
 pub(super) fn stream(shards: u32, start: u64) -> Arc<Stream> {
+    stream_in(shards, start, 1 << 20, &[])
+}
+
+/// A shard-mode stream of `shards` shards of 4096 bytes (2 epochs) from position 0, in a
+/// region of `region` bytes, its dataset `d` (version `v1`) served by live sources at
+/// `addrs` (their links never connect: the hints sent are seen in the stream's supply).
+pub(super) fn served_stream(shards: u32, region: usize, addrs: &[&str]) -> Arc<Stream> {
+    stream_in(shards, 0, region, addrs)
+}
+
+/// [`stream`] in a region of `region` bytes, served by `addrs` ([`served_stream`]; none: no
+/// source and no routing, for streams fed by hand).
+fn stream_in(shards: u32, start: u64, region: usize, addrs: &[&str]) -> Arc<Stream> {
     let m = manifest(shards, 4096);
     let spec = PlanSpec {
         digest: m.digest_bytes(),
@@ -40,6 +53,21 @@ pub(super) fn stream(shards: u32, start: u64) -> Arc<Stream> {
         uneven: Uneven::Pad,
     };
     let fingerprint = spec.fingerprint();
+    let (sources, routing) = if addrs.is_empty() {
+        (Vec::new(), crate::stream::route::tests::routing())
+    } else {
+        let v = crate::stream::route::Version {
+            dataset: "d",
+            digest: "v1",
+        };
+        let source = DatasetSource {
+            dataset: "d".into(),
+            first: 0,
+            shards,
+            digest: "v1".into(),
+        };
+        (vec![source], crate::stream::route::tests::serving(addrs, v))
+    };
     Stream::new(Parts {
         id: 9,
         dataset: "d".into(),
@@ -47,9 +75,9 @@ pub(super) fn stream(shards: u32, start: u64) -> Arc<Stream> {
         epochs: 2,
         start,
         manifest: m,
-        pool: pool(1 << 20),
-        sources: Vec::new(),
-        routing: crate::stream::route::tests::routing(),
+        pool: pool(region),
+        sources,
+        routing,
         fingerprint,
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),

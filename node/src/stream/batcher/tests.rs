@@ -99,6 +99,34 @@ fn request(change: impl FnOnce(&mut StreamRequest)) -> StreamRequest {
 /// The batch-mode stream `r` asks for over `m` (from where its state says, if any), opened as
 /// if its region had `checked` bytes, in a region of `region`.
 fn stream_of(m: Arc<Manifest>, r: &StreamRequest, checked: usize, region: usize) -> Arc<Stream> {
+    stream_served_by(
+        m,
+        r,
+        (checked, region),
+        crate::stream::route::tests::routing(),
+    )
+}
+
+/// The stream `r` asks for over [`manifest`] in a region of `region` bytes, its dataset `d`
+/// (version `v1`) served by live sources at `addrs` (their links never connect: the hints
+/// sent are seen in the stream's supply).
+fn served_stream(r: &StreamRequest, region: usize, addrs: &[&str]) -> Arc<Stream> {
+    let v = crate::stream::route::Version {
+        dataset: "d",
+        digest: "v1",
+    };
+    let routing = crate::stream::route::tests::serving(addrs, v);
+    stream_served_by(manifest(), r, (region, region), routing)
+}
+
+/// [`stream_of`] over `routing`, opened as if its region had `checked` bytes.
+fn stream_served_by(
+    m: Arc<Manifest>,
+    r: &StreamRequest,
+    (checked, region): (usize, usize),
+    routing: Arc<crate::stream::Routing>,
+) -> Arc<Stream> {
+    let shards = m.shards.len() as u32;
     let (kind, start, fingerprint) =
         open::batch_mode(&m, r, r.batch_size.unwrap_or(BATCH), checked as u64, false)
             .expect("a valid plan");
@@ -113,10 +141,10 @@ fn stream_of(m: Arc<Manifest>, r: &StreamRequest, checked: usize, region: usize)
         sources: vec![crate::stream::DatasetSource {
             dataset: "d".into(),
             first: 0,
-            shards: 0,
-            digest: String::new(),
+            shards,
+            digest: "v1".into(),
         }],
-        routing: crate::stream::route::tests::routing(),
+        routing,
         fingerprint,
         counters: Arc::new(Counters::default()),
         ids: Arc::new(AtomicU64::new(0)),
@@ -1173,4 +1201,37 @@ async fn a_stream_that_issued_every_unit_is_done_fetching() {
     let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
     settle(&mut d).unwrap();
     assert!(!d.issued_all());
+}
+
+/// The task's rounds of hints came every [`HINT_EVERY`](crate::stream::hints::HINT_EVERY)
+/// fetches, so the hints it sent before it issued its last unit stood (and the sources kept
+/// those shards in memory) until its trainer left. Now the step that issues the last unit
+/// withdraws them, while the task still runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_that_issued_every_unit_withdraws_its_hints_while_it_runs() {
+    // Blocks of one shard in the least region the open accepts: the first step holds the
+    // shards of a few units and hints the others.
+    let req = request(|r| r.shuffle_block = Some(ROWS));
+    let m = manifest();
+    let least = (1u64..=1 << 12)
+        .map(|k| k * 1024)
+        .find(|&region| open::batch_mode(&m, &req, BATCH, region, false).is_ok())
+        .expect("some region fits");
+    let s = served_stream(&req, least as usize, &["10.0.0.2:1", "10.0.0.3:1"]);
+    let fake = Fake::default();
+    let mut d = Driver::new(Arc::clone(&s), 0, Box::new(fake.clone()));
+    let got = take_with(&s, &fake, &mut d, usize::MAX, |_| {});
+    assert_eq!(got, planned(&s), "the stream ran to its end");
+    let supply = s.supply();
+    assert!(
+        !supply.hinted_links().is_empty(),
+        "hints were sent while units were left to issue"
+    );
+    // `d` still lives: what its drop withdraws does not count here.
+    assert_eq!(
+        supply.standing_hints(),
+        Vec::<(usize, usize)>::new(),
+        "every link hinted got an empty hint once the last unit was issued"
+    );
+    drop(d);
 }
