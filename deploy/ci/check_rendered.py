@@ -15,19 +15,23 @@ Checks, per rendered overlay:
            name objects/keys that are rendered; StatefulSet serviceName is a headless Service.
   node     DaemonSet runs `serve --config F`, F resolves through a volume mount to a
            ConfigMap key; that serve.toml passes `shardwire config check`; with the
-           container's SHARDWIRE_* env applied (`shardwire config print`; an envFrom cannot be
-           evaluated and fails), a startup probe httpGet /healthz gives the start at least
+           container's SHARDWIRE_* env applied (`shardwire config print`; an envFrom is not
+           applied: it fails where it sets SHARDWIRE_* variables, a rendered ConfigMap/Secret
+           by its keys or any source by a SHARDWIRE_ prefix, passes where its prefix cannot
+           begin SHARDWIRE_, and warns for an unrendered object), a startup probe httpGet /healthz gives the start at least
            MIN_START_S, readiness is httpGet /readyz and liveness /healthz, all on the port of
            `admin`, `admin` is not
            loopback under hostNetwork, the `data` port is data_listen's, the trainer socket's
            directory is a hostPath mount, secret_file resolves to a rendered Secret key, the
            memory limit exceeds the pools' host memory (pool_size per lane), `sources` are exactly the StatefulSet's pods,
            `receive = "devmem"` has NET_ADMIN and its dma-buf (memory = "cuda", or
-           /dev/udmabuf granted: a device plugin resource named *udmabuf*, or privileged).
+           /dev/udmabuf granted: a device plugin resource named *udmabuf*, or privileged;
+           memory = "auto" in a pod that sees GPUs without the grant is a warning).
   source   StatefulSet runs `source --config F`; source.toml passes
            `shardwire config check --source-config`; listen port = container port = Service
-           port; `admin` (where set) = container port `admin`, and a declared `admin` port has
-           `admin` set; secret_file resolves; every dataset dir is on a mounted volume.
+           port; where a container port `admin` is declared or a Service targets it, `admin`
+           is set, not loopback, on that port (an `admin` nothing declares or scrapes is not
+           compared); secret_file resolves; every dataset dir is on a mounted volume.
   trainer  the example Job's --socket and SHARDWIRE_SOCKET are serve.toml `socket`, it mounts
            the same hostPath at the socket's directory, its dataset is served, and its uid and
            groups may connect under serve.toml socket_mode and allowed_uids/allowed_gids.
@@ -36,9 +40,11 @@ expression parses as PromQL, references only metrics that service/src or node/sr
 the exporter renders them, and shows the README's core metrics; others are warnings) and the Dockerfile (parsed with BuildKit's parser: multi-stage, the
 release build, a non-root USER, ENTRYPOINT ["shardwire"], EXPOSEd default ports, Rust
 version >= the workspace's rust-version, a debian runtime installs ca-certificates, context
-exclusions keep every workspace member and exclude every .gitignore entry).
---self-test breaks the first overlay (and, for the source admin port, object-storage), the
-Dockerfile and its context exclusions in known ways and requires each breakage to be caught.
+exclusions, applied as BuildKit does (order, `!`, `**`) to representative paths, keep every
+workspace member and exclude every .gitignore entry).
+--self-test breaks the first overlay (and named ones: object-storage, gpu), the Dockerfile and
+its context exclusions in known ways and requires each breakage to be caught, and makes valid
+changes each leniency allows and requires them to pass (with their warning, or none).
 """
 
 from __future__ import annotations
@@ -74,8 +80,10 @@ class Results:
         self.failed = 0
         self.quiet = quiet
         self.failures: list[str] = []
+        self.warnings: list[str] = []
 
     def warn(self, scope: str, msg: str) -> None:
+        self.warnings.append(f"WARN [{scope}] {msg}")
         if not self.quiet:
             print(f"WARN [{scope}] {msg}")
 
@@ -250,6 +258,44 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
 # --------------------------------------------------------------------------------------------
 # the shardwire binary
 
+SHARDWIRE_PREFIX = "SHARDWIRE_"
+
+
+def may_begin_shardwire(prefix: str) -> bool:
+    """Whether an envFrom `prefix` followed by some key can make a SHARDWIRE_* variable."""
+    return prefix.startswith(SHARDWIRE_PREFIX) or SHARDWIRE_PREFIX.startswith(prefix)
+
+
+def env_from_findings(c: Doc, docs: list[Doc]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for container c's envFrom sources, whose SHARDWIRE_* variables this
+    check does not apply. A `prefix` that cannot begin SHARDWIRE_ passes. A rendered ConfigMap
+    or Secret is judged by its keys: one that becomes SHARDWIRE_* fails. An unrendered one (made
+    out of band, e.g. object-store credentials) is a warning, or a failure where its prefix turns
+    every key into a SHARDWIRE_* variable."""
+    errs: list[str] = []
+    warns: list[str] = []
+    for src in c.get("envFrom") or []:
+        prefix = src.get("prefix", "")
+        if not may_begin_shardwire(prefix):
+            continue
+        kind, ref = ("ConfigMap", src["configMapRef"]) if "configMapRef" in src else ("Secret", src.get("secretRef") or {})
+        name = ref.get("name")
+        what = f"container {c['name']}: envFrom {kind} {name}" + (f" with prefix {prefix!r}" if prefix else "")
+        fix = ("set SHARDWIRE_* variables in `env` with literal values (or in the TOML file), or give the envFrom "
+               "a prefix that cannot begin SHARDWIRE_")
+        found = find(docs, kind, name)
+        if found:
+            bad = sorted(prefix + k for k in object_keys(found[0]) if (prefix + k).startswith(SHARDWIRE_PREFIX))
+            if bad:
+                errs.append(f"{what} sets {bad}, which this check does not apply: cannot evaluate the effective config; {fix}")
+        elif prefix.startswith(SHARDWIRE_PREFIX):
+            errs.append(f"{what} is not rendered and makes each of its keys a SHARDWIRE_* variable, whose value "
+                        f"cannot be read here: cannot evaluate the effective config; {fix}")
+        else:
+            warns.append(f"{what} is not rendered, so its keys cannot be read here: a SHARDWIRE_* key in it would "
+                         f"override the config this check evaluated; {fix}")
+    return errs, warns
+
 
 class Shardwire:
     def __init__(self, binary: str) -> None:
@@ -264,17 +310,21 @@ class Shardwire:
         p = self.run(["config", "print"], env)
         return p.returncode == 0 and json.loads(p.stdout).get("flows") == 3
 
-    def env_for(self, c: Doc) -> dict[str, str]:
+    def env_for(self, c: Doc, docs: list[Doc]) -> tuple[dict[str, str], list[str]]:
+        """The environment container c's shardwire runs with, as far as it sets SHARDWIRE_*
+        variables (literal `env` values), and warnings. Raises CheckError where the effective
+        config cannot be known: a SHARDWIRE_* env from a reference, or an envFrom that sets
+        SHARDWIRE_* variables (env_from_findings)."""
         env = dict(self.base_env)
-        if c.get("envFrom"):
-            raise CheckError(f"container {c['name']}: envFrom {c['envFrom']} may set SHARDWIRE_* variables, "
-                             "whose values cannot be read here; cannot evaluate the effective config: use `env` with literal values")
+        errs, warns = env_from_findings(c, docs)
+        if errs:
+            raise CheckError("; ".join(errs))
         for e in c.get("env", []):
-            if e["name"].startswith("SHARDWIRE_"):
+            if e["name"].startswith(SHARDWIRE_PREFIX):
                 if "value" not in e:
                     raise CheckError(f"container {c['name']}: env {e['name']} is not a literal value; cannot evaluate the effective config")
                 env[e["name"]] = str(e["value"])
-        return env
+        return env, warns
 
     def run(self, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run([self.binary, *args], env=env, capture_output=True, text=True, timeout=30)
@@ -431,19 +481,45 @@ def secret_ok(docs: list[Doc], w: Doc, c: Doc, path: str | None) -> list[str]:
     return []
 
 
-def source_admin(c: Doc, eff: dict) -> list[str]:
-    """The source's admin endpoint (/v1/status, /metrics) is the container port named `admin`,
-    which components/source-metrics scrapes: source.toml `admin` on that port, and no such
-    port declared without `admin` (nothing would listen there)."""
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def admin_scrapers(docs: list[Doc], w: Doc) -> list[str]:
+    """The rendered Services that select workload w's pods and target their port `admin`
+    (components/source-metrics; a ServiceMonitor reaches the pods only through such a Service)."""
+    pod = w["spec"]["template"]["metadata"].get("labels", {})
+    out = []
+    for svc in find(docs, "Service"):
+        sel = svc["spec"].get("selector") or {}
+        if sel and labels_match(sel, pod) and any(p.get("targetPort") == "admin" for p in svc["spec"].get("ports", [])):
+            out.append(f"Service/{svc['metadata']['name']}")
+    return out
+
+
+def source_admin(c: Doc, eff: dict, scrapers: list[str]) -> list[str]:
+    """The source's admin endpoint (/v1/status, /metrics) against its container port `admin` and
+    the Services that target that port (`scrapers`). Compared only where the port is declared or
+    targeted: then source.toml `admin` listens on it, on an address the pod network reaches (not
+    loopback). An `admin` nothing declares or scrapes (e.g. loopback, for `kubectl exec ... curl`)
+    needs no port; a port declared or scraped without `admin` has nothing listening."""
     admin, declared = eff.get("admin"), container_port(c, "admin")
-    if admin:
-        _, port = host_port(admin)
-        if declared != port:
-            return [f"source.toml admin = {admin}, but the source container's port `admin` is {declared}: "
-                    "Services (components/source-metrics) scrape that port, where nothing would listen"]
-    elif declared is not None:
-        return [f"the source container declares port `admin` ({declared}) but source.toml sets no `admin`: nothing listens there"]
-    return []
+    users = ([f"the source container declares port `admin` ({declared})"] if declared is not None else []) + \
+        [f"{s} targets port `admin`" for s in scrapers]
+    if not users:
+        return []
+    who = " and ".join(users)
+    if not admin:
+        return [f"{who}, but source.toml sets no `admin`: nothing listens there"]
+    host, port = host_port(admin)
+    errs = []
+    if is_loopback(host):
+        errs.append(f"source.toml admin = {admin} is loopback, but {who}: nothing outside the pod reaches it; "
+                    f"listen on 0.0.0.0:{port}, or drop the port `admin` and what scrapes it")
+    if declared != port:
+        errs.append(f"source.toml admin = {admin}, but {who}: the port `admin` must be {port}, where the admin endpoint "
+                    "listens (Services such as components/source-metrics scrape it)")
+    return errs
 
 
 def source_workload(docs: list[Doc]) -> Doc:
@@ -494,11 +570,17 @@ def dns_sources(docs: list[Doc], dep: Doc, eff: dict, port) -> tuple[list[str], 
 
 
 def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scope: str) -> None:
+    # A check's warnings, printed before its verdict.
+    warned: list[str] = []
+
     def guarded(name: str, fn: Callable[[], tuple[list[str], str]]) -> None:
         try:
             errs, detail = fn()
         except CheckError as e:
             errs, detail = [str(e)], ""
+        for w in warned:
+            res.warn(scope, w)
+        warned.clear()
         res.check(scope, name, errs, detail)
 
     state: dict[str, Any] = {}
@@ -512,7 +594,9 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         if argv[0] != "source" or not cfg:
             return [f"source container runs {argv}: expected `source --config FILE`"], ""
         text = toml_of(docs, sts, c, cfg)
-        errs, eff = sw.check_and_print(text, True, sw.env_for(c))
+        env, warns = sw.env_for(c, docs)
+        warned.extend(warns)
+        errs, eff = sw.check_and_print(text, True, env)
         if eff is not None:
             state["source"] = (sts, c, eff)
         return errs, f"{cfg}: shardwire config check --source-config ok"
@@ -533,7 +617,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
             errs.append(f"Service {svc['metadata']['name']} has no port targeting {port}")
         else:
             state["source_port"] = sp[0]["port"]
-        errs += source_admin(c, eff)
+        errs += source_admin(c, eff, admin_scrapers(docs, sts))
         errs += secret_ok(docs, sts, c, eff.get("secret_file"))
         names = []
         for spec in eff["datasets"]:
@@ -571,7 +655,9 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
         if len(argv) != 3:
             return [f"node container runs {argv}: flags beyond --config would override serve.toml; keep them in the file"], ""
         text = toml_of(docs, ds, c, cfg)
-        errs, eff = sw.check_and_print(text, False, sw.env_for(c))
+        env, warns = sw.env_for(c, docs)
+        warned.extend(warns)
+        errs, eff = sw.check_and_print(text, False, env)
         if eff is not None:
             state["node"] = (ds, c, eff)
         return errs, f"{cfg}: shardwire config check ok"
@@ -603,7 +689,7 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
                         f"< {MIN_START_S}s: the admin API answers only once NICs, GPUs and lanes are up, and liveness would kill a slow start")
         spec = pod_spec(ds)
         if spec.get("hostNetwork"):
-            if host.startswith("127.") or host == "::1" or host == "localhost":
+            if is_loopback(host):
                 errs.append(f"admin = {eff['admin']} is loopback: with hostNetwork the kubelet probes the node IP; use 0.0.0.0:{admin_port}")
             if spec.get("dnsPolicy") != "ClusterFirstWithHostNet":
                 errs.append("hostNetwork without dnsPolicy ClusterFirstWithHostNet: the sources' cluster DNS names will not resolve")
@@ -689,10 +775,13 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
     def node_devmem() -> tuple[list[str], str]:
         if "node" not in state:
             return ["skipped: serve.toml did not load"], ""
-        _, c, eff = state["node"]
-        return devmem_errors(c, eff)
+        ds, c, eff = state["node"]
+        errs, detail, warns = devmem_errors(pod_spec(ds), c, eff)
+        warned.extend(warns)
+        return errs, detail
 
-    guarded("node: receive = devmem has NET_ADMIN and its dma-buf (memory = cuda, or /dev/udmabuf granted)", node_devmem)
+    guarded("node: receive = devmem has NET_ADMIN and its dma-buf (memory = cuda, auto with GPUs, or /dev/udmabuf granted)",
+            node_devmem)
 
     def trainer() -> tuple[list[str], str]:
         if "node" not in state:
@@ -943,28 +1032,114 @@ def check_dockerfile(path: Path, repo: Path, sw: Shardwire) -> tuple[list[str], 
     return errs, f"{len(stages)} stages ({build['image']} -> {final['image']}), USER {users[-1] if users else '-'}, EXPOSE {sorted(exposed)}"
 
 
-def context_errors(name: str, lines: list[str], members: list[str], gitignore: list[str]) -> list[str]:
-    """Build-context exclusions (a .dockerignore's lines): they keep the workspace, and exclude
-    every .gitignore entry (local environments and test state: sent as context and copied by
-    `COPY . .`, any change to them would re-run the release build)."""
-    import fnmatch
+def docker_pattern(pat: str) -> Callable[[str], bool]:
+    """One cleaned .dockerignore pattern as a test of a slash path, as moby/patternmatcher
+    compiles it: plain text matches exactly, `P/**` is a prefix, `**/S` a suffix, anything else
+    a regexp where `**` spans directories, `*` and `?` stay within one element and `\\` escapes.
+    Raises re.error on a malformed pattern."""
+    rx, kind, i = "^", "exact", 0
+    while i < len(pat):
+        ch = pat[i]
+        if pat.startswith("**", i):
+            j = i + 2 + (pat[i + 2 : i + 3] == "/")
+            if j >= len(pat):
+                rx, kind = (rx, "prefix") if kind == "exact" else (rx + ".*", "regexp")
+            else:
+                rx, kind = rx + "(.*/)?", "regexp"
+            kind = "suffix" if i == 0 else kind
+            i = j
+            continue
+        if ch in "*?":
+            rx, kind = rx + ("[^/]*" if ch == "*" else "[^/]"), "regexp"
+        elif ch == "\\" and i + 1 < len(pat):
+            rx, kind, i = rx + "\\" + pat[i + 1], "regexp", i + 1
+        elif ch in "[]":
+            rx, kind = rx + ch, "regexp"
+        else:
+            rx += re.escape(ch)
+        i += 1
+    if kind == "exact":
+        return lambda p: p == pat
+    if kind == "prefix":
+        return lambda p: p.startswith(pat[:-2])
+    if kind == "suffix":
+        suf = pat[2:]
+        return lambda p: p.endswith(suf) or (suf[:1] == "/" and p == suf[1:])
+    compiled = re.compile(rx + "$")
+    return lambda p: compiled.match(p) is not None
 
-    errs = []
-    pats = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-    for keep in ["Cargo.toml", "Cargo.lock", *members]:
-        for pat in pats:
-            if not pat.startswith("!") and (fnmatch.fnmatch(keep, pat.rstrip("/")) or keep.startswith(pat.rstrip("/") + "/")):
-                errs.append(f"{name}: pattern {pat!r} excludes {keep}, which the build needs")
-    have = {p.strip("/") for p in pats if not p.startswith("!")}
+
+def dockerignore_rules(lines: list[str]) -> tuple[list[tuple[bool, str, Callable[[str], bool]]], list[str]]:
+    """A .dockerignore's patterns in order, as (re-include `!`, text, test), and the errors of
+    malformed ones. Each is trimmed and cleaned, a leading / dropped (the context root)."""
+    rules, errs = [], []
+    for ln in lines:
+        text = ln.strip()
+        if not text or text.startswith("#"):
+            continue
+        neg = text.startswith("!")
+        pat = posixpath.normpath(text[1:].strip() if neg else text).lstrip("/")
+        if pat in ("", "."):
+            continue
+        try:
+            rules.append((neg, text, docker_pattern(pat)))
+        except re.error as e:
+            errs.append(f"pattern {text!r} does not compile: {e}")
+    return rules, errs
+
+
+def docker_excludes(rules: list[tuple[bool, str, Callable[[str], bool]]], path: str) -> tuple[bool, str | None]:
+    """Whether BuildKit leaves context path `path` out (moby/patternmatcher
+    MatchesOrParentMatches: the last pattern matching the path or one of its parent
+    directories decides; `!` re-includes), and that pattern's text (None: none matched)."""
+    parents = path.split("/")[:-1]
+    excluded, last = False, None
+    for neg, text, test in rules:
+        if neg != excluded:
+            continue
+        if test(path) or any(test("/".join(parents[: i + 1])) for i in range(len(parents))):
+            excluded, last = not neg, text
+    return excluded, last
+
+
+def gitignore_samples(entry: str, members: list[str]) -> list[str]:
+    """Context paths that .gitignore `entry` ignores, standing for it: the entry with each
+    wildcard made concrete, at the root, and for an entry git matches at any depth (no slash
+    but a trailing one) also nested and in every workspace member; each also with a file
+    inside it (the entry may name a directory)."""
+
+    def one_char(m: re.Match) -> str:
+        return "_" if m.group(1) else (m.group(2)[:1] or "_")
+
+    concrete = re.sub(r"\[([!^]?)([^\]]*)\]", one_char, entry)
+    concrete = concrete.replace("**", "d").replace("*", "x").replace("?", "x").strip("/")
+    anchored = "/" in entry.rstrip("/")
+    bases = [""] if anchored else ["", "a/b/", *(f"{m}/" for m in members)]
+    return [p for b in bases for p in (b + concrete, b + concrete + "/x")]
+
+
+def context_errors(name: str, lines: list[str], members: list[str], gitignore: list[str]) -> list[str]:
+    """Build-context exclusions (a .dockerignore's lines), tested as BuildKit applies them on
+    representative paths: they keep the workspace (Cargo.toml, Cargo.lock, each member's
+    manifest and sources), and exclude every .gitignore entry (local environments and test
+    state: sent as context and copied by `COPY . .`, any change to them would re-run the
+    release build). Equivalent spellings (`.venv*`, `**/target`, an allowlist of `*` then
+    `!KEEP` lines) pass."""
+    rules, errs = dockerignore_rules(lines)
+    errs = [f"{name}: {e}" for e in errs]
+    for keep in ["Cargo.toml", "Cargo.lock", *(f"{m}/{f}" for m in members for f in ("Cargo.toml", "src/lib.rs"))]:
+        out, by = docker_excludes(rules, keep)
+        if out:
+            errs.append(f"{name}: pattern {by!r} excludes {keep}, which the build needs")
     for g in (ln.strip() for ln in gitignore):
         if not g or g.startswith(("#", "!")):
             continue
-        # A .gitignore pattern with a slash before its end is anchored at the root; one without
-        # matches at any depth, which a .dockerignore writes as **/PATTERN.
-        anchored = "/" in g.rstrip("/")
-        want = g.strip("/") if anchored else "**/" + g.strip("/")
-        if want not in have:
-            errs.append(f"{name}: does not exclude {want!r} (.gitignore {g!r}): it would enter the build context")
+        for path in gitignore_samples(g, members):
+            out, by = docker_excludes(rules, path)
+            if not out:
+                how = f"re-included by {by!r}" if by else "no pattern matches it"
+                errs.append(f"{name}: does not exclude {path} (.gitignore {g!r}; {how}): it would enter the build context")
+                break
     return errs
 
 
@@ -982,6 +1157,16 @@ def set_toml_key(docs: list[Doc], file: str, key: str, value: str) -> None:
 
 def node_container(docs: list[Doc]) -> Doc:
     return container_by_subcommand(one(docs, "DaemonSet", "shardwire-node"), "serve")
+
+
+def source_container(docs: list[Doc]) -> Doc:
+    return container_by_subcommand(source_workload(docs), "source")
+
+
+def add_env_config_map(docs: list[Doc], data: dict[str, str]) -> None:
+    """Renders ConfigMap shardwire-env (in the node's namespace) holding `data`."""
+    ns = one(docs, "DaemonSet", "shardwire-node")["metadata"].get("namespace")
+    docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "shardwire-env", "namespace": ns}, "data": data})
 
 
 def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
@@ -1063,8 +1248,16 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
         set_toml_key(d, "serve.toml", "receive", '"devmem"')
         set_toml_key(d, "serve.toml", "memory", '"host"')
 
-    def node_env_from(d):
+    def devmem_auto_no_gpu(d):
+        set_toml_key(d, "serve.toml", "receive", '"devmem"')
+        set_toml_key(d, "serve.toml", "memory", '"auto"')
+
+    def env_from_rendered(d):
+        add_env_config_map(d, {"RUST_LOG": "info", "SHARDWIRE_ADMIN": "0.0.0.0:9999"})
         node_container(d)["envFrom"] = [{"configMapRef": {"name": "shardwire-env"}}]
+
+    def env_from_prefixed(d):
+        node_container(d)["envFrom"] = [{"prefix": "SHARDWIRE_", "configMapRef": {"name": "shardwire-env"}}]
 
     def socket_mode(d):
         set_toml_key(d, "serve.toml", "socket_mode", '"0600"')
@@ -1095,7 +1288,9 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
         ("node without a startup probe", no_startup),
         ("startup probe of 15 s", short_startup),
         ("receive = devmem with host memory and no /dev/udmabuf", devmem_host),
-        ("envFrom on the node container", node_env_from),
+        ("receive = devmem with memory = auto in a pod without GPUs", devmem_auto_no_gpu),
+        ("envFrom of a rendered ConfigMap with a SHARDWIRE_* key", env_from_rendered),
+        ("envFrom of an unrendered ConfigMap with prefix SHARDWIRE_", env_from_prefixed),
         ("socket_mode 0600 shuts the trainer's group out", socket_mode),
         ("allowed_uids without the trainer's uid", allowed_uids),
     ]
@@ -1112,34 +1307,127 @@ def overlay_mutations() -> list[tuple[str, str, Callable[[list[Doc]], None]]]:
             if "source.toml" in (cm.get("data") or {}):
                 cm["data"]["source.toml"] = re.sub(r"(?m)^admin\s*=.*$", "", cm["data"]["source.toml"])
 
+    def source_admin_loopback(d):
+        set_toml_key(d, "source.toml", "admin", '"127.0.0.1:7590"')
+
+    def devmem_host_gpu(d):
+        set_toml_key(d, "serve.toml", "receive", '"devmem"')
+        set_toml_key(d, "serve.toml", "memory", '"host"')
+
     return [
         ("object-storage", "source admin on another port than the scraped `admin`", source_admin_port),
         ("object-storage", "source without admin while its port `admin` is scraped", source_admin_unset),
+        ("object-storage", "source admin on loopback while its port `admin` is scraped", source_admin_loopback),
+        ("gpu", "receive = devmem with host memory in a GPU pod without /dev/udmabuf", devmem_host_gpu),
     ]
 
 
-def dockerfile_mutations() -> list[tuple[str, Callable[[str, str], tuple[str, str]]]]:
-    """Breakages of (Dockerfile, its .dockerignore) text."""
+def acceptances() -> list[tuple[str | None, str, Callable[[list[Doc]], None], str | None]]:
+    """Valid changes the checks must accept (their leniencies): (overlay, None for the first;
+    label; mutate; a warning it must give, None: it must give none)."""
 
-    def no_ca(df, ign):
+    def source_admin_loopback_unscraped(d):
+        set_toml_key(d, "source.toml", "admin", '"127.0.0.1:7590"')
+
+    def source_admin_undeclared(d):
+        set_toml_key(d, "source.toml", "admin", '"0.0.0.0:7591"')
+
+    def devmem_auto_gpu(d):
+        set_toml_key(d, "serve.toml", "receive", '"devmem"')
+        set_toml_key(d, "serve.toml", "memory", '"auto"')
+
+    def env_from_unrendered_secret(d):
+        source_container(d)["envFrom"] = [{"secretRef": {"name": "minio-creds"}}]
+
+    def env_from_prefix(d):
+        node_container(d)["envFrom"] = [{"prefix": "AWS_", "secretRef": {"name": "minio-creds"}}]
+
+    def env_from_rendered_clean(d):
+        add_env_config_map(d, {"RUST_LOG": "info", "AWS_REGION": "us-east-1"})
+        node_container(d)["envFrom"] = [{"configMapRef": {"name": "shardwire-env"}}]
+
+    return [
+        (None, "source admin on loopback, no port `admin` declared or scraped", source_admin_loopback_unscraped, None),
+        (None, "source admin on a port nothing declares or scrapes", source_admin_undeclared, None),
+        ("gpu", "receive = devmem with memory = auto in a GPU pod", devmem_auto_gpu, "falls back to host memory"),
+        ("object-storage", "envFrom of an unrendered Secret (AWS_* credentials) on the source",
+         env_from_unrendered_secret, "Secret minio-creds is not rendered"),
+        (None, "envFrom with prefix AWS_ of an unrendered Secret", env_from_prefix, None),
+        (None, "envFrom of a rendered ConfigMap without SHARDWIRE_* keys", env_from_rendered_clean, None),
+    ]
+
+
+def drop_line(text: str, line: str) -> str:
+    return re.sub(rf"(?m)^{re.escape(line)}\n", "", text)
+
+
+def dockerfile_mutations() -> list[tuple[str, Callable[[str, str, list[str]], tuple[str, str]]]]:
+    """Breakages of (Dockerfile, its .dockerignore) text, given the workspace members."""
+
+    def no_ca(df, ign, members):
         return re.sub(r"--no-install-recommends ca-certificates", "--no-install-recommends procps", df), ign
 
-    def venv_streaming(df, ign):
-        return df, re.sub(r"(?m)^\.venv-streaming\n", "", ign)
+    def venv_streaming(df, ign, members):
+        return df, drop_line(ign, ".venv-streaming")
+
+    def reinclude(df, ign, members):
+        return df, ign + "!.venv-streaming\n"
+
+    def allowlist_pycache(df, ign, members):
+        return df, drop_line(allowlist(members), "**/__pycache__")
+
+    def member_sources(df, ign, members):
+        return df, ign + "**/src\n"
 
     return [
         ("runtime stage without ca-certificates", no_ca),
         ("context exclusions without a git-ignored folder", venv_streaming),
+        ("a git-ignored folder re-included by a later `!`", reinclude),
+        ("an allowlist whose `!MEMBER/**` re-includes __pycache__", allowlist_pycache),
+        ("an exclusion of the members' sources", member_sources),
+    ]
+
+
+def allowlist(members: list[str]) -> str:
+    """A .dockerignore in allowlist style: everything out, the workspace back in, then what git
+    ignores inside the workspace out again."""
+    keep = "".join(f"!{m}/**\n" for m in members)
+    return f"*\n!Cargo.toml\n!Cargo.lock\n{keep}**/__pycache__\n**/*.pyc\n**/*.egg-info\nclient/python/build\n"
+
+
+def dockerfile_acceptances() -> list[tuple[str, Callable[[str, str, list[str]], tuple[str, str]]]]:
+    """Equivalent .dockerignore spellings the context check must accept."""
+
+    def venv_glob(df, ign, members):
+        return df, drop_line(drop_line(ign, ".venv"), ".venv-streaming") + ".venv*\n"
+
+    def any_depth_target(df, ign, members):
+        return df, re.sub(r"(?m)^target$", "**/target", ign)
+
+    def negation_first(df, ign, members):
+        return df, "!.venv-streaming\n" + ign
+
+    def allowlisted(df, ign, members):
+        return df, allowlist(members)
+
+    return [
+        ("`.venv*` for .venv and .venv-streaming", venv_glob),
+        ("`**/target` for /target", any_depth_target),
+        ("a `!` before the pattern it would undo", negation_first),
+        ("an allowlist: `*`, then `!Cargo.toml`, `!MEMBER/**`, ...", allowlisted),
     ]
 
 
 def self_test(rendered: list[tuple[str, list[Doc]]], schemas: Schemas, sw: Shardwire, res: Results, repo: Path) -> None:
-    """Each known breakage must make a check fail that passed before."""
+    """Each known breakage must make a check fail that passed before; each valid change in
+    acceptances() must make none fail (and give its warning, or none)."""
     overlays = dict(rendered)
     base_name = rendered[0][0]
-    plan = [(base_name, label, fn) for label, fn in mutations()] + overlay_mutations()
-    baselines: dict[str, list[str]] = {}
-    for name, label, mutate in plan:
+    plan = [(base_name, label, fn, None) for label, fn in mutations()] + \
+        [(name, label, fn, None) for name, label, fn in overlay_mutations()] + \
+        [(name or base_name, label, fn, ("accept", warn)) for name, label, fn, warn in acceptances()]
+    baselines: dict[str, Results] = {}
+    for name, label, mutate, accept in plan:
         if name not in overlays:
             res.warn("self-test", f"skipped `{label}`: overlay {name} is not rendered")
             continue
@@ -1148,28 +1436,58 @@ def self_test(rendered: list[tuple[str, list[Doc]]], schemas: Schemas, sw: Shard
                      "(`SHARDWIRE_FLOWS=3 shardwire config print` prints flows = 2), so a pod's env cannot change its config either")
             continue
         if name not in baselines:
-            baseline = Results(quiet=True)
-            run_overlay(overlays[name], name, schemas, sw, baseline)
-            baselines[name] = baseline.failures
+            baselines[name] = Results(quiet=True)
+            run_overlay(overlays[name], name, schemas, sw, baselines[name])
         broken = copy.deepcopy(overlays[name])
         mutate(broken)
         inner = Results(quiet=True)
         run_overlay(broken, name, schemas, sw, inner)
-        new = [f for f in inner.failures if f not in baselines[name]]
-        caught = new[0].split("] ", 1)[1] if new else ""
-        res.check("self-test", f"catches: {label}" + ("" if name == base_name else f" ({name})"), [] if new else ["no new failure"], caught[:150])
+        new = [f for f in inner.failures if f not in baselines[name].failures]
+        where = "" if name == base_name else f" ({name})"
+        if accept is None:
+            caught = new[0].split("] ", 1)[1] if new else ""
+            res.check("self-test", f"catches: {label}{where}", [] if new else ["no new failure"], caught[:150])
+            continue
+        warned = [w for w in inner.warnings if w not in baselines[name].warnings]
+        res.check("self-test", f"accepts: {label}{where}", acceptance_errors(broken == overlays[name], new, warned, accept[1]),
+                  (warned[0].split("] ", 1)[1] if warned else "no warning")[:150])
+    dockerfile_self_test(repo, sw, res)
+
+
+def acceptance_errors(unchanged: bool, new: list[str], warned: list[str], want: str | None) -> list[str]:
+    """Why an accepted change was not accepted: it changed nothing (the test would prove
+    nothing), it made a check fail, or its warnings are not the one wanted (or none)."""
+    if unchanged:
+        return ["the change changed nothing"]
+    errs = [f"new failure: {f}" for f in new]
+    if want is None:
+        errs += [f"unexpected warning: {w}" for w in warned]
+    elif not any(want in w for w in warned):
+        errs.append(f"no warning containing {want!r} (warnings: {warned})")
+    return errs
+
+
+def dockerfile_self_test(repo: Path, sw: Shardwire, res: Results) -> None:
+    """The Dockerfile mutations must each add an error, the acceptances none."""
     df_path = repo / "deploy/Dockerfile"
     df, ign = df_path.read_text(), df_path.with_name(df_path.name + ".dockerignore").read_text()
+    members = tomllib.loads((repo / "Cargo.toml").read_text())["workspace"].get("members", [])
     before, _ = check_dockerfile(df_path, repo, sw)
-    for label, mutate in dockerfile_mutations():
-        bdf, bign = mutate(df, ign)
+    cases = [(label, fn, False) for label, fn in dockerfile_mutations()] + \
+        [(label, fn, True) for label, fn in dockerfile_acceptances()]
+    for label, mutate, accept in cases:
+        bdf, bign = mutate(df, ign, members)
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / "Dockerfile"
             p.write_text(bdf)
             p.with_name("Dockerfile.dockerignore").write_text(bign)
             after, _ = check_dockerfile(p, repo, sw)
         new = [e for e in after if e not in before]
-        res.check("self-test", f"catches: {label}", [] if new else ["no new failure"], new[0][:150] if new else "")
+        if accept:
+            errs = ["the change changed nothing"] if (bdf, bign) == (df, ign) else [f"new failure: {e}" for e in new]
+            res.check("self-test", f"accepts: {label}", errs)
+        else:
+            res.check("self-test", f"catches: {label}", [] if new else ["no new failure"], new[0][:150] if new else "")
 
 
 def run_overlay(docs: list[Doc], scope: str, schemas: Schemas, sw: Shardwire, res: Results) -> None:
@@ -1223,26 +1541,56 @@ def udmabuf_grant(c: Doc) -> str | None:
     return None
 
 
-def devmem_errors(c: Doc, eff: dict) -> tuple[list[str], str]:
-    """`receive = "devmem"` in the node container: NET_ADMIN (NIC queue binding), and each
-    lane's RX dma-buf: GPU memory with memory = "cuda", else a udmabuf from /dev/udmabuf, which
-    the container must be granted."""
+def gpu_access(spec: Doc, c: Doc) -> str | None:
+    """How the node container sees GPUs, or None: an nvidia.com/gpu (or MIG) resource, the
+    NVIDIA RuntimeClass, or NVIDIA_VISIBLE_DEVICES naming devices (the NVIDIA runtime's)."""
+    res = c.get("resources") or {}
+    for key in [*(res.get("limits") or {}), *(res.get("requests") or {})]:
+        if key == "nvidia.com/gpu" or key.startswith("nvidia.com/mig-"):
+            return f"resource {key}"
+    if "nvidia" in (spec.get("runtimeClassName") or "").lower():
+        return f"runtimeClassName {spec['runtimeClassName']}"
+    for e in c.get("env", []):
+        if e["name"] == "NVIDIA_VISIBLE_DEVICES" and str(e.get("value", "")).lower() not in ("", "void", "none"):
+            return f"NVIDIA_VISIBLE_DEVICES={e['value']}"
+    return None
+
+
+def devmem_errors(spec: Doc, c: Doc, eff: dict) -> tuple[list[str], str, list[str]]:
+    """`receive = "devmem"` in the node container (pod spec `spec`): NET_ADMIN (NIC queue
+    binding), and each lane's RX dma-buf: GPU memory with memory = "cuda", else a udmabuf from
+    /dev/udmabuf, which the container must be granted. memory = "auto" picks CUDA where it is
+    usable: in a pod that sees GPUs a missing grant is a warning (auto falls back to host memory
+    where CUDA is not usable), elsewhere an error. Returns (errors, detail, warnings)."""
     receive, memory = eff.get("receive"), eff.get("memory")
     if receive != "devmem":
-        return [], f"receive = {receive}: no devmem binding required"
-    errs = []
+        return [], f"receive = {receive}: no devmem binding required", []
+    errs, warns = [], []
     sc = c.get("securityContext") or {}
     caps = {x.upper().removeprefix("CAP_") for x in (sc.get("capabilities") or {}).get("add", [])}
     if not sc.get("privileged") and "NET_ADMIN" not in caps:
         errs.append("receive = devmem binds NIC queues over netdev netlink: the node container needs capability NET_ADMIN")
     grant = udmabuf_grant(c)
+    gpus = gpu_access(spec, c) if memory == "auto" else None
+    fix = ("set memory = \"cuda\" (GPU-direct), or grant the device: a device plugin resource named *udmabuf* "
+           "in the container's limits, or privileged: true (a hostPath mount alone is refused by the device cgroup)")
     if memory != "cuda" and grant is None:
-        errs.append(f"receive = devmem with memory = {memory}: each lane's RX dma-buf is a udmabuf from /dev/udmabuf, "
-                    "which this container is not granted (the start fails: '/dev/udmabuf: No such file or directory'); "
-                    "set memory = \"cuda\" (GPU-direct), or grant the device: a device plugin resource named *udmabuf* "
-                    "in the container's limits, or privileged: true (a hostPath mount alone is refused by the device cgroup)")
-    via = "GPU memory (memory = cuda)" if memory == "cuda" else f"/dev/udmabuf via {grant}"
-    return errs, f"receive = devmem: NET_ADMIN, dma-buf from {via}"
+        if gpus:
+            warns.append(f"receive = devmem with memory = auto: auto picks GPU memory (this pod sees GPUs: {gpus}), "
+                         "but where CUDA is not usable it falls back to host memory, whose RX dma-buf is a udmabuf from "
+                         f"/dev/udmabuf, which this container is not granted, and the start fails; {fix}")
+        else:
+            errs.append(f"receive = devmem with memory = {memory}: each lane's RX dma-buf is a udmabuf from /dev/udmabuf, "
+                        "which this container is not granted (the start fails: '/dev/udmabuf: No such file or directory'"
+                        f"{'; auto picks GPU memory only in a pod that sees GPUs, and this one sees none' if memory == 'auto' else ''}); "
+                        f"{fix}")
+    if memory == "cuda":
+        via = "GPU memory (memory = cuda)"
+    elif grant is not None:
+        via = f"/dev/udmabuf via {grant}"
+    else:
+        via = f"GPU memory (memory = auto, GPUs via {gpus})"
+    return errs, f"receive = devmem: NET_ADMIN, dma-buf from {via}", warns
 
 
 def pod_ids(spec: Doc, ctr: Doc) -> tuple[int, int, set[int]]:
@@ -1315,7 +1663,7 @@ def main() -> int:
 
     if a.self_test:
         print(f"---- self-test on {rendered[0][0]} (and named overlays), the Dockerfile and its context: "
-              "each breakage must make a check fail that passed before")
+              "each breakage must make a check fail that passed before, each valid change none")
         self_test(rendered, schemas, sw, res, repo)
 
     print(f"\n{res.passed} passed, {res.failed} failed")

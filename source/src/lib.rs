@@ -203,26 +203,17 @@ pub(crate) fn admit_connection(
     let slots = Arc::clone(slots);
     tokio::spawn(async move {
         match session::run(stream, peer, shared, handshake, slots).await {
-            Ok(()) => tracing::info!(%peer, "node disconnected"),
-            Err(e) if closed_in_handshake(&e) => tracing::debug!(
+            Ok(session::Ended::Served) => tracing::info!(%peer, "node disconnected"),
+            // What a Kubernetes `tcpSocket` probe of the control port does every few seconds,
+            // or a port scan: at debug, not as a dropped node. A peer that closes after its
+            // `Hello` (a node whose secret this source lacks) is a dropped node, below.
+            Ok(session::Ended::NoHello) => tracing::debug!(
                 %peer,
-                "control connection closed before its handshake ended (a TCP probe or a port \
-                 scan; a node that gives up logs why on its side)"
+                "control connection closed before its first frame (a TCP probe or a port scan)"
             ),
             Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
         }
     });
-}
-
-/// Whether a session ended because its peer closed the connection before the handshake ended
-/// (a session's own close after it is `Ok`): what a Kubernetes `tcpSocket` probe of the control
-/// port does every few seconds, or a port scan. Logged at debug, not as a dropped node: before,
-/// each probe was a `WARN dropped node connection`, like a node that failed its handshake.
-fn closed_in_handshake(e: &control::SessionError) -> bool {
-    matches!(
-        e,
-        control::SessionError::Frame(shardwire_protocol::framing::FrameError::Closed)
-    )
 }
 
 /// Drains: sessions are told, and this waits until all of them have ended (every slot is
@@ -295,21 +286,71 @@ impl SourceStatus {
 
 #[cfg(test)]
 mod tests {
-    use shardwire_protocol::framing::FrameError;
+    use shardwire_protocol::auth::NONCE_LEN;
+    use shardwire_protocol::framing::{FrameError, read_message, write_message};
+    use shardwire_protocol::wire::{LaneAddr, Message};
+    use tokio::net::TcpStream;
 
     use super::control::SessionError;
     use super::*;
 
-    #[test]
-    fn a_connection_closed_before_its_handshake_is_no_dropped_node() {
+    /// Runs the session of a loopback control connection to a source without a secret while
+    /// `node` plays the peer; returns how it ended.
+    async fn session_with<F, Fut>(node: F) -> Result<session::Ended, SessionError>
+    where
+        F: FnOnce(TcpStream) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let cfg = SourceConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            secret: None,
+            rate_limit: 0,
+            fault_corrupt: 0,
+            fault_wrong_lane: 0,
+            devmem_tx: Arc::default(),
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_connections: 1,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+        };
+        let source = Source::bind(cfg, Datasets::default()).await.unwrap();
+        let peer = TcpStream::connect(source.local_addr()).await.unwrap();
+        let (stream, addr) = source.listener.accept().await.unwrap();
+        let handshakes = Arc::new(admit::Handshakes::default());
+        let slot = handshakes.enter(addr.ip()).unwrap();
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let run = session::run(stream, addr, Arc::clone(&source.shared), slot, slots);
+        let (ended, ()) = tokio::join!(run, node(peer));
+        ended
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn only_a_close_before_the_first_frame_is_a_probe() {
         // A kubelet tcpSocket probe: connect, then close without a byte.
-        let probe = SessionError::Frame(FrameError::Closed);
-        assert!(closed_in_handshake(&probe));
-        // A node that sent part of a frame, or failed otherwise, is still a warning.
-        let cut = SessionError::Frame(FrameError::TruncatedLength { got: 2 });
-        assert!(!closed_in_handshake(&cut));
-        assert!(!closed_in_handshake(&SessionError::AuthFailed));
-        let late = SessionError::Timeout(std::time::Duration::from_secs(10));
-        assert!(!closed_in_handshake(&late));
+        let probe = session_with(|peer| async move { drop(peer) }).await;
+        assert!(matches!(probe, Ok(session::Ended::NoHello)), "{probe:?}");
+        // A node that closes after the Challenge (it has a secret, this source none): before,
+        // the same `Frame(Closed)` as a probe, and logged at debug only.
+        let node = session_with(|mut peer| async move {
+            let hello = Message::Hello {
+                node_id: "n".into(),
+                nonce: [0; NONCE_LEN],
+                lanes: vec![LaneAddr {
+                    data_addr: "127.0.0.1:9".parse().unwrap(),
+                    flows: 1,
+                }],
+            };
+            write_message(&mut peer, &hello).await.unwrap();
+            let small = wire::MAX_SMALL_FRAME;
+            let challenge = read_message(&mut peer, &mut Vec::new(), small).await;
+            assert!(
+                matches!(challenge, Ok(Message::Challenge { .. })),
+                "{challenge:?}"
+            );
+        })
+        .await;
+        assert!(
+            matches!(node, Err(SessionError::Frame(FrameError::Closed))),
+            "{node:?}"
+        );
     }
 }

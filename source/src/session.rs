@@ -66,13 +66,26 @@ use crate::remote::HeldIn;
 use crate::remote::read::Failure;
 use crate::sender::{Body, ConnFailed, Held, Job, Sender};
 
+/// How a control connection ended without a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The node's session ran, and the node closed it.
+    Served,
+    /// The peer closed the connection before its first frame (no `Hello`): a TCP probe (a
+    /// Kubernetes `tcpSocket` check) or a port scan, no node. A close after `Hello` is a
+    /// node's, and an error ([`SessionError::Frame`]).
+    NoHello,
+}
+
+/// Serves the control connection `stream` of `peer`: the handshake, the data connections,
+/// then the session, until the node closes it ([`Ended`]) or it fails.
 pub(crate) async fn run(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     handshake_slot: HandshakeSlot,
     slots: Arc<Semaphore>,
-) -> Result<(), SessionError> {
+) -> Result<Ended, SessionError> {
     // `crate::admit_connection` refuses a peer off loopback before it takes a handshake
     // slot; checked again where the session starts.
     if let Err(e) = admissible(&shared, peer) {
@@ -90,7 +103,7 @@ pub(crate) async fn run(
         last_sent: Instant::now(),
     };
     let hs = handshake(&mut ctl, &shared, slots);
-    let (lanes, node_id, _slot) = tokio::select! {
+    let admitted = tokio::select! {
         done = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs) => {
             done.map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??
         }
@@ -104,6 +117,9 @@ pub(crate) async fn run(
             }
             return Err(e);
         }
+    };
+    let Some((lanes, node_id, _slot)) = admitted else {
+        return Ok(Ended::NoHello);
     };
     drop(handshake_slot); // a session slot now (`_slot`, until the session ends)
     let addrs: Vec<String> = lanes
@@ -124,6 +140,7 @@ pub(crate) async fn run(
     Session::new(id, ctl, shared, conns, lanes.len(), failed, progress)
         .serve()
         .await
+        .map(|()| Ended::Served)
 }
 
 /// Whether this source may serve `peer` at all: without a secret, loopback peers only.
@@ -151,17 +168,24 @@ impl Drop for ForgetHints {
     }
 }
 
+/// What a handshake admits: the node's lanes and id, and the session slot it took.
+type Admitted = (Vec<LaneAddr>, String, OwnedSemaphorePermit);
+
 /// Hello, Challenge, Auth, Welcome; returns the node's lanes and id, and the session slot it
-/// took (one of `slots`, `max_connections`) once the node proved the secret. Without a free
+/// took (one of `slots`, `max_connections`) once the node proved the secret; `None` when the
+/// peer closed the connection before sending a byte ([`Ended::NoHello`]). Without a free
 /// slot the node is answered with an `Error` naming the limit instead of `Welcome`; while
 /// the source drains, with `Error{Draining}` (before it takes a slot).
 async fn handshake(
     ctl: &mut Control,
     shared: &Shared,
     slots: Arc<Semaphore>,
-) -> Result<(Vec<LaneAddr>, String, OwnedSemaphorePermit), SessionError> {
+) -> Result<Option<Admitted>, SessionError> {
     let secret = shared.cfg.secret.as_deref();
-    let hello = ctl.recv().await?;
+    let hello = match ctl.recv().await {
+        Err(SessionError::Frame(FrameError::Closed)) => return Ok(None),
+        got => got?,
+    };
     let mut src_nonce = [0u8; NONCE_LEN];
     rustix::rand::getrandom(&mut src_nonce, rustix::rand::GetRandomFlags::empty())
         .map_err(|e| FrameError::Io(e.into()))?;
@@ -217,7 +241,7 @@ async fn handshake(
         idle_timeout_s,
     })
     .await?;
-    Ok((lanes, node_id, slot))
+    Ok(Some((lanes, node_id, slot)))
 }
 
 /// What a queued FETCH's announcement says.

@@ -64,8 +64,36 @@ impl std::fmt::Display for Described {
     }
 }
 
-/// A built client and its description.
-type Built = Result<(Arc<dyn ObjectStore>, Described), StoreError>;
+/// A built client, with what the [`crate::Store`] over it needs to know of it.
+#[derive(Debug)]
+pub(crate) struct Client {
+    /// The client of every request (of the listing too, unless `lister` is set).
+    pub os: Arc<dyn ObjectStore>,
+    /// The client of the listing, where it needs another: http(s), whose one `PROPFIND`
+    /// answer may take far longer than a GET may ([`http_client`]).
+    pub lister: Option<Arc<dyn ObjectStore>>,
+    /// Its description, for the startup log and status.
+    pub described: Described,
+    /// The Azure storage account its requests reach, as the client resolved it (the URL's,
+    /// else `AZURE_STORAGE_ACCOUNT_NAME`, else the emulator's): it names the bucket's
+    /// throttling window, whatever host the URL wrote, or none.
+    pub account: Option<String>,
+}
+
+impl Client {
+    /// A client that lists with itself and reaches no Azure account.
+    fn plain(os: Arc<dyn ObjectStore>, described: Described) -> Client {
+        Client {
+            os,
+            lister: None,
+            described,
+            account: None,
+        }
+    }
+}
+
+/// A built client.
+type Built = Result<Client, StoreError>;
 
 /// reqwest is built without a bundled crypto provider (no aws-lc C build): installs ring's,
 /// once, before any client is made. An error means another provider is installed already,
@@ -96,25 +124,36 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
                 .map_err(|e| config(format!("cannot open the directory: {e}")))?
                 .with_fsync(true);
             let d = Described::plain("file", bucket);
-            Ok((Arc::new(s), d))
+            Ok(Client::plain(Arc::new(s), d))
         }
-        Scheme::Http | Scheme::Https => {
-            let base = format!("{}://{bucket}", url.scheme().as_str());
-            let mut b = HttpBuilder::new()
-                .with_url(base.clone())
-                .with_retry(retry(opts))
-                .with_http_connector(TapConnector::default());
-            for (k, v) in http_client(opts) {
-                b = b.with_config(k, v);
-            }
-            if url.scheme() == Scheme::Http {
-                b = b.with_config(ClientConfigKey::AllowHttp, "true");
-            }
-            let s = b.build().map_err(|e| config(e.to_string()))?;
-            let d = Described::plain("http", &base);
-            Ok((Arc::new(s), d))
-        }
+        Scheme::Http | Scheme::Https => http(url, opts, config),
     }
+}
+
+/// The clients of an http(s) store: one for GETs and HEADs with the [`client`] limits, and
+/// one for the listing with [`http_client`]'s (a GET that trickles in for 17 minutes is a
+/// stuck fetch, to be asked again, not a listing).
+fn http(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
+    let base = format!("{}://{}", url.scheme().as_str(), url.bucket());
+    let make = |settings: [(ClientConfigKey, String); 4]| {
+        let mut b = HttpBuilder::new()
+            .with_url(base.clone())
+            .with_retry(retry(opts))
+            .with_http_connector(TapConnector::default());
+        for (k, v) in settings {
+            b = b.with_config(k, v);
+        }
+        if url.scheme() == Scheme::Http {
+            b = b.with_config(ClientConfigKey::AllowHttp, "true");
+        }
+        b.build().map_err(|e| config(e.to_string()))
+    };
+    let os: Arc<dyn ObjectStore> = Arc::new(make(client(opts))?);
+    let lister: Arc<dyn ObjectStore> = Arc::new(make(http_client(opts))?);
+    Ok(Client {
+        lister: Some(lister),
+        ..Client::plain(os, Described::plain("http", &base))
+    })
 }
 
 /// An S3 client of `bucket` from the environment; its configured credential endpoints are
@@ -131,7 +170,7 @@ fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) 
     }
     let d = describe_s3(&b);
     let s = b.build().map_err(|e| config(e.to_string()))?;
-    Ok((Arc::new(s), d))
+    Ok(Client::plain(Arc::new(s), d))
 }
 
 /// The tap of an S3 client: the credential endpoints it is configured with (container
@@ -163,7 +202,7 @@ fn gcs(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError)
     }
     let d = describe_gcs(&b);
     let s = b.build().map_err(|e| config(e.to_string()))?;
-    Ok((Arc::new(s), d))
+    Ok(Client::plain(Arc::new(s), d))
 }
 
 /// The metadata servers object_store asks for GCS tokens where the environment (`env`) names
@@ -203,8 +242,22 @@ fn azure(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreEr
         b = b.with_config(AzKey::Client(k), v);
     }
     let d = describe_azure(&b);
+    let account = azure_account(&b);
     let s = b.build().map_err(|e| config(e.to_string()))?;
-    Ok((Arc::new(s), d))
+    Ok(Client {
+        account,
+        ..Client::plain(Arc::new(s), d)
+    })
+}
+
+/// The storage account an Azure client's requests reach, as object_store's `build` resolves
+/// it: the one named (the URL's `with_account` wins over `AZURE_STORAGE_ACCOUNT_NAME`), else
+/// the emulator's own (`devstoreaccount1`); lowercase, as Azure's names are.
+fn azure_account(b: &MicrosoftAzureBuilder) -> Option<String> {
+    let named = b.get_config_value(&AzKey::AccountName);
+    let emulator = on(b.get_config_value(&AzKey::UseEmulator));
+    let account = named.or_else(|| emulator.then(|| "devstoreaccount1".to_owned()))?;
+    Some(account.to_ascii_lowercase())
 }
 
 /// A small retry budget: the bucket's window reacts to throttling, not long backoffs.
@@ -231,11 +284,12 @@ fn client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
     ]
 }
 
-/// Client settings of an http(s) store: as [`client`], but one attempt may take as long as the
-/// largest WebDAV listing takes at [`MIN_REQUEST_RATE`] (1 GiB: 1024 s). object_store lists
-/// with one `PROPFIND` whose answer is the whole tree, collected in one body: under a 60 s
-/// limit a 400 MB listing arriving at 5 MB/s failed on every attempt. A body that stops
-/// arriving still fails after `read_timeout`.
+/// Client settings of an http(s) store's listing: as [`client`], but one attempt may take as
+/// long as the largest WebDAV listing takes at [`MIN_REQUEST_RATE`] (1 GiB: 1024 s).
+/// object_store lists with one `PROPFIND` whose answer is the whole tree, collected in one
+/// body: under a 60 s limit a 400 MB listing arriving at 5 MB/s failed on every attempt. A
+/// body that stops arriving still fails after `read_timeout`. GETs and HEADs keep [`client`]'s
+/// limits ([`http`]).
 fn http_client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
     let listing = Duration::from_secs(WEBDAV_LISTING_BYTES / MIN_REQUEST_RATE);
     client(&StoreOptions {
@@ -406,8 +460,7 @@ mod tests {
         let url = StoreUrl::parse(&format!("file://{}", dir.display())).unwrap();
         let built = build(&url, &StoreOptions::default());
         let _ = std::fs::remove_dir_all(&dir);
-        let (os, _) = built.unwrap();
-        let shown = format!("{os:?}");
+        let shown = format!("{:?}", built.unwrap().os);
         assert!(shown.contains("fsync: true"), "{shown}");
     }
 
@@ -502,8 +555,46 @@ mod tests {
             return;
         }
         let url = StoreUrl::parse("az://data@myacct.dfs.core.windows.net/ds").unwrap();
-        let (_, d) = build(&url, &StoreOptions::default()).unwrap();
+        let built = build(&url, &StoreOptions::default()).unwrap();
+        let d = built.described;
         assert_eq!(d.endpoint, "https://myacct.blob.core.windows.net", "{d}");
+        assert_eq!(built.account.as_deref(), Some("myacct"));
+    }
+
+    #[test]
+    fn the_azure_account_is_the_one_the_client_resolves() {
+        // Named in the URL (`with_account`) or in the environment: the same account, so the
+        // same throttling window; before, the window was named by how the URL was written.
+        let named = MicrosoftAzureBuilder::new().with_account("MyAcct");
+        assert_eq!(azure_account(&named).as_deref(), Some("myacct"));
+        let env = MicrosoftAzureBuilder::new().with_config(AzKey::AccountName, "myacct");
+        assert_eq!(azure_account(&env).as_deref(), Some("myacct"));
+        let emulator = MicrosoftAzureBuilder::new().with_config(AzKey::UseEmulator, "true");
+        assert_eq!(
+            azure_account(&emulator).as_deref(),
+            Some("devstoreaccount1")
+        );
+        assert_eq!(azure_account(&MicrosoftAzureBuilder::new()), None);
+    }
+
+    #[test]
+    fn only_an_http_stores_listing_gets_the_long_limit() {
+        // Before: one client with the 1024 s limit served the listing and every GET, so a
+        // ranged GET trickling in held a fetch for 17 minutes instead of 60 s.
+        let url = StoreUrl::parse("https://files.example/ds").unwrap();
+        let built = build(&url, &StoreOptions::default()).unwrap();
+        let gets = format!("{:?}", built.os);
+        let lister = format!("{:?}", built.lister.expect("a listing client"));
+        assert!(
+            gets.contains("\"60000ms\"") && !gets.contains("\"1024000ms\""),
+            "{gets}"
+        );
+        assert!(lister.contains("\"1024000ms\""), "{lister}");
+        // Other stores list with their one client.
+        let url = StoreUrl::parse("s3://bkt/ds").unwrap();
+        if let Ok(built) = build(&url, &StoreOptions::default()) {
+            assert!(built.lister.is_none());
+        }
     }
 
     #[test]

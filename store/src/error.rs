@@ -20,12 +20,14 @@ pub enum StoreErrorKind {
     Throttled,
     /// 5xx, timeouts, connection errors after retries, or an unexpected answer.
     Unavailable,
-    /// Another 3xx/4xx answer (a 401/403 too from an http(s) server, which is given no
-    /// credentials), an invalid key or an operation the store does not support: not
-    /// transient, asking again gets the same answer.
+    /// Another 3xx/4xx answer, an invalid key or an operation the store does not support:
+    /// not transient, asking again gets the same answer.
     Rejected,
     /// 401/403 from a store given credentials (S3, GCS, Azure): credentials refused.
     Credentials,
+    /// 401/403 from an http(s) server, which is sent no credentials: it does not serve the
+    /// dataset to this host. Not transient, and no credentials to check.
+    Forbidden,
     /// 404: no such object (or bucket): a stale manifest or a wrong prefix.
     NotFound,
     /// 412 on `If-Match`: the object changed since it was indexed.
@@ -129,6 +131,26 @@ pub enum StoreError {
         /// The store's answer.
         reason: String,
     },
+    /// 401/403 from an http(s) server (an http(s) dataset is read without a login).
+    #[error(
+        "bucket {bucket}, key {key}: refused by the server{}: {reason}; this is not transient: \
+         shardwire reads an http(s) dataset without a login, so the server must let this host \
+         read it without one{}",
+        http(*status),
+        if *listing { LISTING_HINT } else { "" }
+    )]
+    Forbidden {
+        /// Bucket (the server).
+        bucket: String,
+        /// Full key (or the prefix, for the listing).
+        key: String,
+        /// 401 or 403, when the answer named it.
+        status: Option<u16>,
+        /// The server's answer.
+        reason: String,
+        /// Whether the refused request was the listing (a WebDAV `PROPFIND`).
+        listing: bool,
+    },
     /// 404.
     #[error(
         "bucket {bucket}, key {key}: not found (no such bucket or object): a wrong prefix, or a \
@@ -221,6 +243,12 @@ pub enum StoreError {
     },
 }
 
+/// What a refused http(s) listing adds: most often a WebDAV server that refuses `PROPFIND`
+/// with `Depth: infinity` (Apache mod_dav answers 403 unless `DavDepthInfinity On`).
+const LISTING_HINT: &str = "; the listing is one WebDAV PROPFIND of the whole tree \
+                            (`Depth: infinity`), which the server must allow (Apache mod_dav: \
+                            `DavDepthInfinity On`)";
+
 fn at(range: &Option<Range<u64>>) -> String {
     range
         .as_ref()
@@ -243,6 +271,7 @@ impl StoreError {
             Self::Unavailable { .. } => StoreErrorKind::Unavailable,
             Self::Rejected { .. } => StoreErrorKind::Rejected,
             Self::Credentials { .. } => StoreErrorKind::Credentials,
+            Self::Forbidden { .. } => StoreErrorKind::Forbidden,
             Self::NotFound { .. } => StoreErrorKind::NotFound,
             Self::Changed { .. } => StoreErrorKind::Changed,
             Self::BadRange { .. } => StoreErrorKind::Rejected,
@@ -304,6 +333,8 @@ pub(crate) struct At<'a> {
     /// The store takes no credentials (http(s)): a 401/403 from it is no credentials
     /// failure ([`uncredentialed`]).
     pub uncredentialed: bool,
+    /// The request is the listing (not a GET or HEAD of one object).
+    pub listing: bool,
 }
 
 impl At<'_> {
@@ -340,31 +371,31 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
             },
         };
     }
-    let plain = at.uncredentialed;
+    let (plain, listing) = (at.uncredentialed, at.listing);
     let e = from_store(e, status, last.and_then(|a| a.retry_after), at);
-    if plain { uncredentialed(e, status) } else { e }
+    if plain {
+        uncredentialed(e, status, listing)
+    } else {
+        e
+    }
 }
 
 /// `e` from a store that takes no credentials (http(s): none in the URL, none from the
-/// environment): a refusal is the server's for good, not credentials to check in the
-/// `AWS_*`/`GOOGLE_*`/`AZURE_*` environment. Most often a WebDAV server that refuses the
-/// listing's `PROPFIND` with `Depth: infinity` (Apache mod_dav answers 403 unless
-/// `DavDepthInfinity On`), or one that asks for a login.
-fn uncredentialed(e: StoreError, status: Option<u16>) -> StoreError {
+/// environment): a 401/403 is the server's refusal for good ([`StoreError::Forbidden`]), not
+/// credentials to check in the `AWS_*`/`GOOGLE_*`/`AZURE_*` environment; of the `listing`,
+/// most often a WebDAV server that refuses `PROPFIND` with `Depth: infinity`.
+fn uncredentialed(e: StoreError, status: Option<u16>, listing: bool) -> StoreError {
     match e {
         StoreError::Credentials {
             bucket,
             key,
             reason,
-        } => StoreError::Rejected {
+        } => StoreError::Forbidden {
             bucket,
             key,
-            reason: format!(
-                "{}: {reason}; http(s) datasets carry no credentials, so the server must \
-                 serve them without a login, and a WebDAV server must allow PROPFIND with \
-                 `Depth: infinity` (Apache mod_dav: `DavDepthInfinity On`)",
-                http(status)
-            ),
+            status,
+            reason,
+            listing,
         },
         e => e,
     }
@@ -545,6 +576,7 @@ mod tests {
             range: Some(0..8),
             etag: Some("\"e1\""),
             uncredentialed: false,
+            listing: false,
         }
     }
 
@@ -699,31 +731,49 @@ mod tests {
         // Before: "credentials refused ... check the AWS_*/GOOGLE_*/AZURE_* environment"
         // (`StorageAuth`), from a dataset that carries no credentials, for a WebDAV server
         // that refuses `PROPFIND` with `Depth: infinity` (Apache's default).
-        let dav = At {
+        let listing = At {
             uncredentialed: true,
+            listing: true,
+            range: None,
             ..at()
         };
         let denied = || object_store::Error::PermissionDenied {
             path: "ds".into(),
             source: "403 Forbidden".into(),
         };
-        let e = classify(denied(), Some(&with(403, None)), dav.clone());
-        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        let e = classify(denied(), Some(&with(403, None)), listing);
+        assert_eq!(e.kind(), StoreErrorKind::Forbidden, "{e}");
         let msg = e.to_string();
         assert!(
             msg.contains("(HTTP 403)")
                 && msg.contains("403 Forbidden")
+                && msg.contains("not transient")
                 && msg.contains("`DavDepthInfinity On`"),
             "{msg}"
         );
         assert!(
-            !msg.contains("credentials refused") && !msg.contains("AWS_*"),
+            !msg.contains("credentials") && !msg.contains("AWS_"),
             "{msg}"
         );
-        let e = classify(generic(), Some(&with(401, None)), dav.clone());
-        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        // A GET (or HEAD) refused after the listing worked: no word of PROPFIND. Before, the
+        // hint came with every refusal, and the kind was `Rejected` (`ReadFailed`): a node
+        // fetched a permanent 403 ten times before its stream ended.
+        let get = At {
+            uncredentialed: true,
+            ..at()
+        };
+        for status in [401, 403] {
+            let e = classify(generic(), Some(&with(status, None)), get.clone());
+            assert_eq!(e.kind(), StoreErrorKind::Forbidden, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("(HTTP {status})")), "{msg}");
+            assert!(
+                !msg.contains("PROPFIND") && !msg.contains("credentials"),
+                "{msg}"
+            );
+        }
         // Its other answers keep their kinds; a cloud store's 403 is still credentials.
-        let e = classify(generic(), Some(&with(404, None)), dav);
+        let e = classify(generic(), Some(&with(404, None)), get);
         assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
         let e = classify(denied(), Some(&with(403, None)), at());
         assert_eq!(e.kind(), StoreErrorKind::Credentials, "{e}");

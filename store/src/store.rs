@@ -69,6 +69,8 @@ pub struct Store {
 #[derive(Debug)]
 struct Inner {
     os: Arc<dyn ObjectStore>,
+    /// The listing's client (`os`, but for http(s): [`backend::Client::lister`]).
+    lister: Arc<dyn ObjectStore>,
     url: StoreUrl,
     opts: StoreOptions,
     described: Described,
@@ -79,9 +81,9 @@ impl Store {
     /// Opens `url` with credentials and endpoint from the environment and logs (at info) the
     /// credential source, endpoint, region and addressing style, never a secret.
     pub fn open(url: &StoreUrl, opts: StoreOptions) -> Result<Store, StoreError> {
-        let (os, described) = backend::build(url, &opts)?;
-        tracing::info!(url = %url, "object store: {described}");
-        Ok(Self::with_object_store(url, opts, os, described))
+        let client = backend::build(url, &opts)?;
+        tracing::info!(url = %url, "object store: {}", client.described);
+        Ok(Self::assemble(url, opts, client))
     }
 
     /// A store over a given object_store client (tests: `InMemory`).
@@ -91,12 +93,29 @@ impl Store {
         os: Arc<dyn ObjectStore>,
         described: Described,
     ) -> Store {
-        // The account too, where the URL names one: a container of that name in another
-        // account is another bucket.
-        let bucket = format!("{}://{}", url.scheme().as_str(), url.authority());
-        let window = window::for_bucket(&bucket, opts.max_inflight);
+        let client = backend::Client {
+            os,
+            lister: None,
+            described,
+            account: None,
+        };
+        Self::assemble(url, opts, client)
+    }
+
+    /// A store over `client`, in the throttling window of the storage it reaches
+    /// ([`window_key`]).
+    fn assemble(url: &StoreUrl, opts: StoreOptions, client: backend::Client) -> Store {
+        let key = window_key(url, client.account.as_deref());
+        let window = window::for_bucket(&key, opts.max_inflight);
+        let backend::Client {
+            os,
+            lister,
+            described,
+            ..
+        } = client;
         Store {
             inner: Arc::new(Inner {
+                lister: lister.unwrap_or_else(|| Arc::clone(&os)),
                 os,
                 url: url.clone(),
                 opts,
@@ -167,6 +186,7 @@ impl Store {
             range,
             etag,
             uncredentialed: matches!(scheme, Scheme::Http | Scheme::Https),
+            listing: false,
         }
     }
 
@@ -188,7 +208,7 @@ impl Store {
         let base = (!prefix.is_empty()).then_some(&path);
         let mut listed = Vec::new();
         let pages = async {
-            let mut objects = self.inner.os.list(base);
+            let mut objects = self.inner.lister.list(base);
             while let Some(o) = objects.try_next().await? {
                 if listed.len() == max_objects {
                     return Ok(Some(format!("more than {max_objects} objects")));
@@ -217,9 +237,13 @@ impl Store {
                     });
                 }
             },
-            Ok(r) => {
-                r.map_err(|e| classify(e, call.last().as_ref(), self.at(prefix, None, None)))?
-            }
+            Ok(r) => r.map_err(|e| {
+                let at = At {
+                    listing: true,
+                    ..self.at(prefix, None, None)
+                };
+                classify(e, call.last().as_ref(), at)
+            })?,
         };
         if let Some(why) = stopped {
             return Err(StoreError::ListTooLong {
@@ -509,6 +533,23 @@ impl Store {
             url: self.inner.url.to_string(),
             reason: format!("http(s) locations are read-only; cannot write {full}"),
         })
+    }
+}
+
+/// The name of the throttling window of `url`'s bucket: the storage its requests reach,
+/// however the URL writes it. An Azure container is named with its account (`account`: the
+/// one the client resolved, else the URL's), not the URL's host: `az://data` with
+/// `AZURE_STORAGE_ACCOUNT_NAME=myacct`, `az://data@myacct.blob.core.windows.net` and
+/// `az://data@myacct.dfs.core.windows.net` are one container, and share one window; a
+/// container of that name in another account is another bucket.
+fn window_key(url: &StoreUrl, account: Option<&str>) -> String {
+    let bucket = url.bucket();
+    match url.scheme() {
+        Scheme::Azure => match account.or(url.account()) {
+            Some(account) => format!("az://{bucket}@{account}"),
+            None => format!("az://{bucket}"),
+        },
+        scheme => format!("{}://{bucket}", scheme.as_str()),
     }
 }
 

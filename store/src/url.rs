@@ -219,7 +219,7 @@ fn refuse_characters(scheme: Scheme, rest: &str) -> Result<(), String> {
     // `CONTAINER@ACCOUNT.blob.core.windows.net` holds no secret.
     let authority = rest.split_once('/').map_or(rest, |(a, _)| a);
     if userinfo_end(rest).is_some() && azure_account_host(scheme, authority).is_none() {
-        return Err(CREDENTIALS.into());
+        return Err(azure_near_miss(scheme, authority).unwrap_or_else(|| CREDENTIALS.into()));
     }
     if let Some(c) = rest
         .chars()
@@ -283,6 +283,52 @@ fn azure_account_host(scheme: Scheme, authority: &str) -> Option<(&str, Result<S
         ));
     }
     Some((container, Ok(host)))
+}
+
+/// Azure's clouds, by the domain of their storage hosts (`ACCOUNT.blob.DOMAIN`): public, US
+/// Government, China.
+const AZURE_CLOUDS: [&str; 3] = [
+    "core.windows.net",
+    "core.usgovcloudapi.net",
+    "core.chinacloudapi.cn",
+];
+
+/// What to write instead of an `az://` `authority` that [`azure_account_host`] does not take
+/// but that means to name an account: after its last `@` an Azure blob or dfs host (of any
+/// cloud, with any port), before it what a mistyped container name holds (letters, digits,
+/// `-`, `_`, a leading `$`): a port, an uppercase or `_` container name, another cloud's host.
+/// `None` for any other authority: a `user:secret@` or a token holds other characters, and
+/// stays refused as credentials. Nothing before the `@` is repeated (it may be a secret).
+fn azure_near_miss(scheme: Scheme, authority: &str) -> Option<String> {
+    let (before, after) = authority.rsplit_once('@')?;
+    let typo = |b: u8| b.is_ascii_alphanumeric() || b == b'-' || b == b'_';
+    let name = before.strip_prefix('$').unwrap_or(before);
+    if scheme != Scheme::Azure || name.is_empty() || !name.bytes().all(typo) {
+        return None;
+    }
+    let host = after.split(':').next().unwrap_or("").to_ascii_lowercase();
+    let (account, cloud) = AZURE_CLOUDS.iter().find_map(|cloud| {
+        let of = |kind: &str| host.strip_suffix(&format!(".{kind}.{cloud}"));
+        of("blob").or_else(|| of("dfs")).map(|a| (a, *cloud))
+    })?;
+    if cloud == AZURE_CLOUDS[0] {
+        return Some(
+            "an Azure URL names its account only so: \
+             az://CONTAINER@ACCOUNT.blob.core.windows.net/PREFIX (or `.dfs.`), CONTAINER of \
+             lowercase letters, digits and `-` (or `$root`), no port; or write \
+             az://CONTAINER/PREFIX with AZURE_STORAGE_ACCOUNT_NAME=ACCOUNT"
+                .to_owned(),
+        );
+    }
+    let named =
+        (3..=24).contains(&account.len()) && account.bytes().all(|b| b.is_ascii_alphanumeric());
+    let account = if named { account } else { "ACCOUNT" };
+    Some(format!(
+        "an account of Azure's `{cloud}` cloud is named in the environment, not the URL: write \
+         az://CONTAINER/PREFIX with AZURE_STORAGE_ACCOUNT_NAME={account} and \
+         AZURE_STORAGE_ENDPOINT=https://{account}.blob.{cloud} (CONTAINER: lowercase letters, \
+         digits and `-`)"
+    ))
 }
 
 /// The fix for an http(s) URL whose host is a cloud store's own endpoint
@@ -629,6 +675,50 @@ mod tests {
             e.contains("'?' is not allowed") && !e.contains("tok3n"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_near_miss_azure_url_says_what_to_write_not_credentials() {
+        // Before: "credentials in the URL (`user:secret@`) are not accepted", which sent the
+        // user looking for a secret the URL did not hold.
+        for url in [
+            "az://data@myacct.blob.core.windows.net:443/ds",
+            "az://Dat4X@myacct.blob.core.windows.net/ds",
+            "az://my_d4ta@myacct.dfs.core.windows.net/ds",
+        ] {
+            let e = err(url);
+            assert!(!e.contains("credentials"), "{url}: {e}");
+            assert!(
+                e.contains("az://CONTAINER@ACCOUNT.blob.core.windows.net/PREFIX")
+                    && e.contains("no port")
+                    && e.contains("lowercase letters, digits and `-`"),
+                "{url}: {e}"
+            );
+            // The part before `@` is never repeated.
+            assert!(!e.contains("Dat4X") && !e.contains("my_d4ta"), "{e}");
+        }
+        let e = err("az://Dat4X@acct.blob.core.usgovcloudapi.net/ds");
+        assert!(
+            e.contains("AZURE_STORAGE_ACCOUNT_NAME=acct")
+                && e.contains("AZURE_STORAGE_ENDPOINT=https://acct.blob.core.usgovcloudapi.net")
+                && !e.contains("credentials")
+                && !e.contains("Dat4X"),
+            "{e}"
+        );
+        let e = err("az://data@acct.dfs.core.chinacloudapi.cn/ds");
+        assert!(e.contains("`core.chinacloudapi.cn` cloud"), "{e}");
+        // Anything that looks like a secret is still credentials.
+        for url in [
+            "az://data:tok3n@myacct.blob.core.windows.net:443/ds",
+            "az://tok3n+x=@acct.blob.core.usgovcloudapi.net/ds",
+            "az://tok3n@example.com:443/ds",
+        ] {
+            let e = err(url);
+            assert!(
+                e.contains("credentials in the URL") && !e.contains("tok3n"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

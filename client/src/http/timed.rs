@@ -1,7 +1,10 @@
 //! The connection of an HTTP stream, whose reads have two limits: each waits at most the
-//! request's timeout for its next bytes (`SO_RCVTIMEO`), and none goes on past the whole
-//! response's deadline, so a reply trickled a byte at a time (each well within the timeout)
-//! still ends. No thread watches it: each read shortens its own wait to the time left.
+//! request's timeout for its next bytes (`SO_RCVTIMEO`), and, from a response's first byte on,
+//! each window of that timeout must bring at least a floor of bytes. A reply trickled a byte
+//! at a time (each well within the timeout) still ends, at the end of its first window short
+//! of the floor; a slow link that keeps moving (a large tensor over a shared link) brings its
+//! floor in every window and is read whole, however long the whole takes. No thread watches
+//! it: a read in a window short of its floor waits no longer than the time the window has left.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
@@ -10,17 +13,20 @@ use std::time::{Duration, Instant};
 /// Shortest wait a read is given (`SO_RCVTIMEO` of zero would mean none at all).
 const MIN_WAIT: Duration = Duration::from_millis(1);
 
-/// A TCP connection read under a per-read timeout and a per-response deadline.
+/// A TCP connection read under a per-read timeout and a per-window floor of bytes.
 pub(super) struct Timed {
     sock: TcpStream,
-    /// Each read's wait for its next bytes.
+    /// Each read's wait for its next bytes, and the length of a window.
     wait: Duration,
-    /// When the response being read must be whole; none between responses.
-    deadline: Option<Instant>,
+    /// The least bytes each window must bring; none between responses.
+    floor: Option<u64>,
+    /// The window being counted: when it ends and the bytes it brought. None before the
+    /// response's first byte, whose wait is the read timeout's alone.
+    window: Option<(Instant, u64)>,
     /// The `SO_RCVTIMEO` now set on the socket (not set again while it is the same).
     set: Option<Duration>,
-    /// A read ended because the deadline passed (since it was armed).
-    late: bool,
+    /// A read ended because a window ended short of the floor (since the floor was armed).
+    slow: bool,
 }
 
 impl Timed {
@@ -28,60 +34,98 @@ impl Timed {
         Self {
             sock,
             wait: Duration::MAX,
-            deadline: None,
+            floor: None,
+            window: None,
             set: None,
-            late: false,
+            slow: false,
         }
     }
 
-    /// Reads from now on wait at most `wait` each and end `limit` from now. A limit past
-    /// what an instant can hold is no deadline.
-    pub(super) fn arm(&mut self, wait: Duration, limit: Duration) {
+    /// Reads from now on wait at most `wait` each, and from the response's first byte on
+    /// every `wait`-long window must bring at least `floor` bytes. A window past what an
+    /// instant can hold is no window.
+    pub(super) fn arm(&mut self, wait: Duration, floor: u64) {
         self.wait = wait;
-        self.deadline = Instant::now().checked_add(limit);
-        self.late = false;
+        self.floor = Some(floor);
+        self.window = None;
+        self.slow = false;
     }
 
-    /// Ends the deadline; whether it cut a read short.
+    /// Ends the floor; whether it cut a read short.
     pub(super) fn disarm(&mut self) -> bool {
-        self.deadline = None;
-        std::mem::take(&mut self.late)
+        self.floor = None;
+        self.window = None;
+        std::mem::take(&mut self.slow)
     }
 
-    /// This read's wait: the timeout, or the time left before the deadline where that is
-    /// shorter; `None` when the deadline has passed.
-    fn this_wait(&self, now: Instant) -> Option<Duration> {
-        let Some(at) = self.deadline else {
-            return Some(self.wait);
+    /// The window at `now`, if one is being counted: (it is over, it brought its floor).
+    fn window_at(&self, now: Instant) -> Option<(bool, bool)> {
+        let (floor, (end, got)) = (self.floor?, self.window?);
+        Some((now >= end, got >= floor))
+    }
+
+    /// Starts the next window where the current one is over having brought its floor;
+    /// `false` where it is over short of it.
+    fn roll(&mut self, now: Instant) -> bool {
+        match self.window_at(now) {
+            Some((true, false)) => false,
+            Some((true, true)) => {
+                self.window = now.checked_add(self.wait).map(|end| (end, 0));
+                true
+            }
+            _ => true,
+        }
+    }
+
+    /// This read's wait: the timeout, or, in a window that has not brought its floor yet,
+    /// the time the window has left where that is shorter.
+    fn this_wait(&self, now: Instant) -> Duration {
+        match (self.window_at(now), self.window) {
+            (Some((_, false)), Some((end, _))) => self
+                .wait
+                .min(end.saturating_duration_since(now))
+                .max(MIN_WAIT),
+            _ => self.wait,
+        }
+    }
+
+    /// Counts `n` bytes read at `now`; the response's first opens its first window.
+    fn count(&mut self, n: usize, now: Instant) {
+        if self.floor.is_none() || n == 0 {
+            return;
+        }
+        self.window = match self.window {
+            Some((end, got)) => Some((end, got.saturating_add(n as u64))),
+            None => now.checked_add(self.wait).map(|end| (end, n as u64)),
         };
-        let left = at.saturating_duration_since(now);
-        (!left.is_zero()).then(|| self.wait.min(left).max(MIN_WAIT))
-    }
-
-    fn past_deadline(&self) -> bool {
-        self.deadline.is_some_and(|at| Instant::now() >= at)
     }
 }
 
 impl Read for Timed {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let Some(wait) = self.this_wait(Instant::now()) else {
-            self.late = true;
+        if !self.roll(Instant::now()) {
+            self.slow = true;
             return Err(std::io::Error::new(
                 ErrorKind::TimedOut,
-                "the whole response did not arrive by its deadline",
+                "the response brought fewer bytes than its floor in a window of the read timeout",
             ));
-        };
+        }
+        let wait = self.this_wait(Instant::now());
         if self.set != Some(wait) {
             self.sock.set_read_timeout(Some(wait))?;
             self.set = Some(wait);
         }
         let r = self.sock.read(buf);
-        if let Err(e) = &r
-            && matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
-            && self.past_deadline()
-        {
-            self.late = true;
+        match &r {
+            Ok(n) => self.count(*n, Instant::now()),
+            // A wait shortened to the window's end: the window ended short of its floor.
+            Err(e)
+                if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+                    && wait < self.wait =>
+            {
+                self.slow = true;
+            }
+            Err(_) => {}
         }
         r
     }
@@ -107,66 +151,106 @@ mod tests {
         (Timed::new(c), l.accept().unwrap().0)
     }
 
+    /// Reads until an error or the end; the bytes read and how it ended.
+    fn read_all(t: &mut Timed) -> (usize, Option<std::io::Error>) {
+        let mut got = 0;
+        loop {
+            match t.read(&mut [0; 64]) {
+                Ok(0) => return (got, None),
+                Ok(n) => got += n,
+                Err(e) => return (got, Some(e)),
+            }
+        }
+    }
+
     #[test]
-    fn a_read_waits_the_timeout_or_the_time_left_whichever_is_shorter() {
+    fn a_read_waits_the_timeout_or_what_is_left_of_a_window_short_of_its_floor() {
         let (mut t, _peer) = pair();
-        let now = Instant::now();
-        assert_eq!(t.this_wait(now), Some(Duration::MAX), "not armed: no limit");
-        t.arm(Duration::from_secs(5), Duration::from_secs(60));
-        assert_eq!(t.this_wait(Instant::now()), Some(Duration::from_secs(5)));
-        let late = Instant::now() + Duration::from_secs(58);
-        let left = t.this_wait(late).unwrap();
-        assert!(left <= Duration::from_secs(2), "{left:?}");
-        assert_eq!(t.this_wait(late + Duration::from_secs(3)), None);
-        t.arm(Duration::from_secs(5), Duration::MAX);
-        assert_eq!(
-            t.this_wait(now),
-            Some(Duration::from_secs(5)),
-            "no deadline"
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        assert_eq!(t.this_wait(t0), Duration::MAX, "not armed: no limit");
+        t.arm(Duration::from_secs(5), 100);
+        assert_eq!(t.this_wait(t0), 5 * s, "before the first byte: the timeout");
+        assert!(t.roll(t0 + 60 * s), "no window before the first byte");
+        t.count(10, t0);
+        let left = t.this_wait(t0 + 3 * s);
+        assert!(left <= 2 * s && left > Duration::ZERO, "{left:?}");
+        assert!(!t.roll(t0 + 5 * s), "over with 10 of its 100 bytes");
+        t.count(90, t0 + 4 * s);
+        assert_eq!(t.this_wait(t0 + 4 * s), 5 * s, "the floor is met");
+        assert!(t.roll(t0 + 6 * s), "over with its floor: the next starts");
+        assert_eq!(t.window.map(|(_, got)| got), Some(0));
+        assert!(!t.roll(t0 + 12 * s), "the next window brought nothing");
+        assert!(!t.disarm(), "no read was cut short");
+        t.count(1, t0);
+        assert!(t.window.is_none(), "disarmed: nothing is counted");
+        t.arm(Duration::MAX, 100);
+        t.count(1, t0);
+        assert!(
+            t.window.is_none() && t.roll(t0),
+            "a window past any instant: none"
         );
     }
 
     #[test]
-    fn bytes_trickling_in_within_the_timeout_end_at_the_deadline() {
+    fn bytes_trickling_in_within_the_timeout_end_with_a_window_short_of_its_floor() {
+        // A byte every 50 ms: about 10 in a 500 ms window, whose floor is 24.
         let (mut t, mut peer) = pair();
         let feeder = std::thread::spawn(move || {
             for _ in 0..40 {
                 if peer.write_all(b"x").is_err() {
                     return;
                 }
-                std::thread::sleep(Duration::from_millis(25));
+                std::thread::sleep(Duration::from_millis(50));
             }
         });
-        t.arm(Duration::from_millis(500), Duration::from_millis(300));
+        t.arm(Duration::from_millis(500), 24);
         let t0 = Instant::now();
-        let mut got = 0;
-        let e = loop {
-            match t.read(&mut [0; 8]) {
-                Ok(0) => panic!("closed after {got} bytes"),
-                Ok(n) => got += n,
-                Err(e) => break e,
-            }
-        };
+        let (got, e) = read_all(&mut t);
         let took = t0.elapsed();
+        let e = e.expect("the trickle ends in an error");
         assert!(
             matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock),
             "{e}"
         );
+        // The first window: 500 ms from the first byte.
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_millis(800),
+            took >= Duration::from_millis(500) && took < Duration::from_millis(1200),
             "{took:?}"
         );
-        assert!(got > 0 && got < 40, "{got}");
-        assert!(t.disarm(), "the deadline cut the read short");
+        assert!(got > 0 && got < 24, "{got}");
+        assert!(t.disarm(), "the window cut the read short");
         assert!(!t.disarm(), "told once");
         drop(t);
         feeder.join().unwrap();
     }
 
     #[test]
-    fn a_read_timeout_before_the_deadline_is_not_late() {
+    fn a_slow_link_that_keeps_moving_is_read_whole_over_many_windows() {
+        // 64 bytes every 20 ms for about 1 s: each 200 ms window brings hundreds of bytes
+        // against a floor of 16. Before, the whole response had one deadline: 1 s of body
+        // over a 200 ms timeout was cut off however steadily it came.
+        let (mut t, mut peer) = pair();
+        let feeder = std::thread::spawn(move || {
+            for _ in 0..50 {
+                peer.write_all(&[7; 64]).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        t.arm(Duration::from_millis(200), 16);
+        let t0 = Instant::now();
+        let (got, e) = read_all(&mut t);
+        assert!(e.is_none(), "{e:?} after {got} bytes, {:?}", t0.elapsed());
+        assert_eq!(got, 50 * 64);
+        assert!(t0.elapsed() > Duration::from_millis(600), "several windows");
+        assert!(!t.disarm());
+        feeder.join().unwrap();
+    }
+
+    #[test]
+    fn a_read_timeout_before_the_first_byte_is_not_slow() {
         let (mut t, _peer) = pair();
-        t.arm(Duration::from_millis(50), Duration::from_secs(60));
+        t.arm(Duration::from_millis(50), 1 << 20);
         let e = t.read(&mut [0; 8]).unwrap_err();
         assert!(
             matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock),

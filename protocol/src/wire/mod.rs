@@ -215,7 +215,8 @@ pub enum ErrorCode {
     Throttled = 9,
     /// The object store failed or timed out after the source's retries.
     StorageUnavailable = 10,
-    /// The object store refused the source's credentials.
+    /// The object store refused the source's credentials, or an http(s) server refused
+    /// access (401/403).
     StorageAuth = 11,
     /// An object the manifest names does not exist (a stale manifest).
     ObjectNotFound = 12,

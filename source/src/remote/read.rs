@@ -29,7 +29,9 @@ impl From<&StoreError> for Failure {
     fn from(e: &StoreError) -> Self {
         let code = match e.kind() {
             StoreErrorKind::Throttled => ErrorCode::Throttled,
-            StoreErrorKind::Credentials => ErrorCode::StorageAuth,
+            // Refused for good by the store (an http(s) server's 401/403 too): the node
+            // ends the stream at once instead of fetching it again.
+            StoreErrorKind::Credentials | StoreErrorKind::Forbidden => ErrorCode::StorageAuth,
             StoreErrorKind::NotFound => ErrorCode::ObjectNotFound,
             StoreErrorKind::Changed => ErrorCode::DatasetChanged,
             StoreErrorKind::Unavailable | StoreErrorKind::Short => ErrorCode::StorageUnavailable,
@@ -169,4 +171,26 @@ fn check(store: &Store, o: &Object, w: &Want, parts: Vec<Bytes>) -> Result<Vec<B
             w.crc32c
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_http_servers_refusal_ends_the_stream_at_once() {
+        // Before: `ReadFailed`, which a node fetches again (ten times, about 45 s, a warning
+        // each) before its stream ends; a permanent 403 of every shard in flight.
+        let e = StoreError::Forbidden {
+            bucket: "files.example".into(),
+            key: "ds/a.tar".into(),
+            status: Some(403),
+            reason: "Server returned non-2xx status code: 403 Forbidden".into(),
+            listing: false,
+        };
+        let f = Failure::from(&e);
+        assert_eq!(f.code, ErrorCode::StorageAuth, "{}", f.message);
+        assert!(f.message.contains("(HTTP 403)"), "{}", f.message);
+        assert!(!f.message.contains("credentials"), "{}", f.message);
+    }
 }

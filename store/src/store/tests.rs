@@ -581,3 +581,71 @@ async fn a_suffix_read_on_azure_is_a_head_and_a_pinned_ranged_get() {
         .unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Changed, "{e}");
 }
+
+/// One Azure container reached through three spellings of its URL. Before, the window was
+/// named by the URL's text (`az://data`, `az://data@myacct.blob...`, `az://data@myacct.dfs...`):
+/// three windows, each up to `max_inflight` GETs, against one container.
+#[test]
+fn one_azure_container_has_one_window_however_its_url_is_written() {
+    let client = |account: Option<&str>| backend::Client {
+        os: Arc::new(InMemory::new()),
+        lister: None,
+        described: memory(),
+        account: account.map(str::to_owned),
+    };
+    let open = |url: &str, account| {
+        let url = StoreUrl::parse(url).unwrap();
+        Store::assemble(&url, StoreOptions::default(), client(account))
+    };
+    // The account from AZURE_STORAGE_ACCOUNT_NAME, as the client resolved it.
+    let env = open("az://unit-one-window/x", Some("unitacct"));
+    let blob = open(
+        "az://unit-one-window@unitacct.blob.core.windows.net/y",
+        Some("unitacct"),
+    );
+    let dfs = open(
+        "az://unit-one-window@unitacct.dfs.core.windows.net/z",
+        Some("unitacct"),
+    );
+    assert!(Arc::ptr_eq(&env.inner.window, &blob.inner.window));
+    assert!(Arc::ptr_eq(&env.inner.window, &dfs.inner.window));
+    // Without a resolved account (a client given to `with_object_store`): the URL's account,
+    // not its host.
+    let url = StoreUrl::parse("az://c@unitacct.dfs.core.windows.net/p").unwrap();
+    assert_eq!(window_key(&url, None), "az://c@unitacct");
+    // Another account's container of that name is another bucket.
+    let other = open("az://unit-one-window/x", Some("otheracct"));
+    assert!(!Arc::ptr_eq(&env.inner.window, &other.inner.window));
+    assert_eq!(
+        window_key(&StoreUrl::parse("s3://bkt/p").unwrap(), None),
+        "s3://bkt"
+    );
+}
+
+/// An http(s) store lists with its own client (a longer whole-request limit) and reads with
+/// the other; before, one client with the listing's limit served both.
+#[tokio::test(flavor = "current_thread")]
+async fn the_listing_uses_the_listing_client_and_reads_the_other() {
+    let os = Arc::new(InMemory::new());
+    let lister = Arc::new(InMemory::new());
+    os.put(&Path::from("ds/a.bin"), data(10).into())
+        .await
+        .unwrap();
+    lister
+        .put(&Path::from("ds/listed.bin"), data(4).into())
+        .await
+        .unwrap();
+    let client = backend::Client {
+        os: os.clone(),
+        lister: Some(lister.clone() as Arc<dyn ObjectStore>),
+        described: memory(),
+        account: None,
+    };
+    let url = StoreUrl::parse("https://unit-lister.example/ds").unwrap();
+    let s = Store::assemble(&url, StoreOptions::default(), client);
+    let listed = s.list().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].key, "listed.bin");
+    assert_eq!(s.read("a.bin", 0..10, None).await.unwrap(), data(10));
+    assert_eq!(s.head("a.bin").await.unwrap().size, 10);
+}
