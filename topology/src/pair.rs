@@ -179,9 +179,9 @@ fn near_each_other(a: &Nic, b: &Nic) -> bool {
 }
 
 /// Why `nic`, whose link is down, is passed over: a usable physical NIC of its model on the
-/// same card or below a common PCIe switch has a link that is not down (and is not itself
-/// passed over as slow); `None` when none has, or its ids could not be read (it tells no
-/// model).
+/// same card or below a common PCIe switch has a link that is not down; `None` when none has,
+/// or its ids could not be read (it tells no model). That NIC may itself be passed over as
+/// slow: a management card's uncabled port goes with its cabled one.
 fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
     let model = |n: &Nic| n.vendor.zip(n.device);
     let own = model(nic)?;
@@ -192,7 +192,6 @@ fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
             && n.interface != nic.interface
             && model(n) == Some(own)
             && near_each_other(n, nic)
-            && passed_over(nics, n).is_none()
     })?;
     Some(format!(
         "its link is down (operstate), and {}'s (the same model, on the same card or below the \
@@ -1466,30 +1465,44 @@ mod tests {
     }
 
     #[test]
-    fn a_down_nic_is_not_passed_over_for_one_itself_passed_over_as_slow() {
-        // ens2 (the same model, same switch) is up but runs at 1/10 of ens3: the GPUs would
-        // have gone to ens3 across the CPU, not to ens1 once its link comes up.
+    fn an_uncabled_port_of_a_management_card_goes_with_its_slow_cabled_port() {
+        // eno1 (1 Gb/s, cabled) and eno2 (its card's uncabled port) beside a 400 Gb/s ens5:
+        // eno1 is passed over as slow, and eno2 with it; were eno2 a candidate, the first GPU
+        // took it (lower PCI address) and devmem was refused on the whole node.
         let mut tree = one_switch(|n| {
-            let mut down = n("0000:02:02.0", "ens1");
-            down.link_up = Some(false);
-            let mut slow = n("0000:02:03.0", "ens2");
-            (slow.link_up, slow.speed_mbps) = (Some(true), Some(10_000));
-            vec![down, slow]
+            let mut fast = n("0000:02:02.0", "ens5");
+            (fast.link_up, fast.speed_mbps) = (Some(true), Some(400_000));
+            vec![fast]
         });
-        let mut far = nic(
-            "ens3",
-            Some(1),
-            16,
-            "pci0000:80",
-            &["0000:80:01.0", "0000:81:00.0"],
-        );
-        (far.link_up, far.speed_mbps) = (Some(true), Some(100_000));
-        tree.nics.push(far);
+        let port = |f: u8, name: &str| {
+            let mut p = nic(
+                name,
+                Some(0),
+                8,
+                "pci0000:00",
+                &["0000:00:1c.0", &format!("0000:40:00.{f}")],
+            );
+            (p.vendor, p.device) = (Some(0x8086), Some(0x1521));
+            p
+        };
+        let mut eno1 = port(0, "eno1");
+        (eno1.link_up, eno1.speed_mbps) = (Some(true), Some(1_000));
+        let mut eno2 = port(1, "eno2");
+        eno2.link_up = Some(false);
+        tree.nics.extend([eno1, eno2]);
         assert!(
             passed_over(&tree.nics, &tree.nics[1]).is_some(),
-            "ens2 is slow"
+            "eno1 is slow"
         );
-        assert_eq!(passed_over(&tree.nics, &tree.nics[0]), None);
+        let why = passed_over(&tree.nics, &tree.nics[2]).expect("eno2 goes with eno1");
+        assert!(
+            why.contains("eno1's (the same model, on the same card"),
+            "{why}"
+        );
+        assert_eq!(
+            paired_nics(&tree),
+            [Some("ens5".into()), Some("ens5".into())]
+        );
     }
 
     #[test]
