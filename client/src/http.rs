@@ -28,9 +28,11 @@
 //! from the response's first byte on each window of that timeout must bring at least
 //! [`MIN_PROGRESS`] bytes (1 MiB per 120 s for a tensor, about 8.5 KiB/s), so a reply trickled a
 //! byte at a time ends too, while a large tensor over a slow shared link that keeps moving is
-//! read whole however long it takes. Either fails the request with
-//! [`ClientError::NoAnswer`], naming it (`"GET /v1/leases/{lease}/tensors/{name}"`) and the
-//! wait, and closes the connection; nothing is sent again after a timeout (the node may be
+//! read whole however long it takes, as far as the client goes (the node itself ends a tensor's
+//! download at 30 s plus its size at 1 MiB/s: TRAINER_API.md). They fail the request with
+//! [`ClientError::NoAnswer`] (no answer began in time) or [`ClientError::Stalled`] (it began
+//! and stalled), naming it (`"GET /v1/leases/{lease}/tensors/{name}"`) and the wait, and close
+//! the connection; nothing is sent again after a timeout (the node may be
 //! stopped: a second wait would only double the first).
 
 use std::io::{BufReader, Write};
@@ -68,7 +70,8 @@ const COPY_ATTEMPTS: usize = 6;
 /// The least bytes a response must bring in each window of its read timeout, from its first
 /// byte on (over [`IO_TIMEOUT`]: about 8.5 KiB/s). A link that keeps moving at any useful rate
 /// (a share of a saturated link: 16 trainers' workers on 100 Mbit/s get ~0.75 MiB/s each)
-/// passes however long a large tensor takes; a reply trickled a byte every few seconds is
+/// passes the client's check however long a large tensor takes (the node's own copy floor,
+/// 1 MiB/s after 30 s, still ends a download slower than that); a reply trickled a byte every few seconds is
 /// stalled, not slow, and ends after a window. No whole-response deadline: a tensor that needs
 /// longer than any fixed bound would fail on every try, as the stream answers it again.
 const MIN_PROGRESS: u64 = 1 << 20;
@@ -216,7 +219,10 @@ fn lease_gone(r: &Result<(), ClientError>) -> bool {
 fn transport_error(e: &ClientError) -> bool {
     matches!(
         e,
-        ClientError::Frame(_) | ClientError::Connect { .. } | ClientError::NoAnswer { .. }
+        ClientError::Frame(_)
+            | ClientError::Connect { .. }
+            | ClientError::NoAnswer { .. }
+            | ClientError::Stalled { .. }
     )
 }
 
@@ -273,8 +279,8 @@ impl Conn {
 
     /// [`Conn::call`] for a response body of at most `max` bytes: each read waits at most
     /// `timeout`, and from the response's first byte on each `timeout`-long window brings at
-    /// least `min_progress` bytes (either fails it with [`ClientError::NoAnswer`] after
-    /// `timeout`).
+    /// least `min_progress` bytes (else [`ClientError::NoAnswer`] or [`ClientError::Stalled`],
+    /// after `timeout`).
     fn call_at_most(
         &mut self,
         route: &'static str,
@@ -301,6 +307,11 @@ impl Conn {
                 request: route,
                 after: timeout,
             };
+            let stalled = || ClientError::Stalled {
+                request: route,
+                floor: self.min_progress,
+                window: timeout,
+            };
             match r {
                 Ok((reply, keep)) => {
                     if keep {
@@ -308,7 +319,7 @@ impl Conn {
                     }
                     return Ok(reply);
                 }
-                Err(_) if slow => return Err(no_answer()),
+                Err(_) if slow => return Err(stalled()),
                 Err(Fail::Unanswered(e) | Fail::Io(e)) if timed_out(&e) => {
                     return Err(no_answer());
                 }
@@ -1384,10 +1395,11 @@ mod tests {
         assert!(
             matches!(
                 e,
-                ClientError::NoAnswer {
+                ClientError::Stalled {
                     request: "GET /v1/status",
-                    after,
-                } if after == timeout
+                    floor: MIN_PROGRESS,
+                    window,
+                } if window == timeout
             ),
             "{e}"
         );

@@ -181,6 +181,20 @@ pub enum ClientError {
         /// The limit it waited.
         after: Duration,
     },
+    /// An HTTP answer began but then brought fewer than `floor` bytes in a `window` (a
+    /// reply trickled in, a link too slow to be of use); the connection is closed.
+    #[error(
+        "the node service's answer to {request} stalled: fewer than {floor} bytes in {window:?} \
+         (an overloaded node, or a link too slow for it); the connection is closed"
+    )]
+    Stalled {
+        /// The HTTP route, such as `GET /v1/leases/{lease}/tensors/{name}`.
+        request: &'static str,
+        /// The least bytes each window had to bring.
+        floor: u64,
+        /// The window (the request's read timeout).
+        window: Duration,
+    },
     /// A resume state with fields this client does not know (written by a newer node or
     /// SDK), asked for as a [`StreamState`], which has no room for them: dropped, the stream
     /// could resume somewhere else. Take it as a [`ResumeState`] instead, which keeps them.

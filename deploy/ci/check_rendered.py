@@ -1026,7 +1026,7 @@ def check_dockerfile(path: Path, repo: Path, sw: Shardwire) -> tuple[list[str], 
     gitignore = (repo / ".gitignore").read_text().splitlines() if (repo / ".gitignore").exists() else []
     for f in (ign, repo / "deploy/dockerignore.example"):
         if f.exists():
-            errs += context_errors(f.name, f.read_text().splitlines(), members, gitignore)
+            errs += context_errors(f.name, f.read_text().splitlines(), members, gitignore, build_files(repo, members))
         else:
             errs.append(f"{f} is missing: the build context would include target/ and .git/")
     return errs, f"{len(stages)} stages ({build['image']} -> {final['image']}), USER {users[-1] if users else '-'}, EXPOSE {sorted(exposed)}"
@@ -1118,19 +1118,37 @@ def gitignore_samples(entry: str, members: list[str]) -> list[str]:
     return [p for b in bases for p in (b + concrete, b + concrete + "/x")]
 
 
-def context_errors(name: str, lines: list[str], members: list[str], gitignore: list[str]) -> list[str]:
+def build_files(repo: Path, members: list[str]) -> list[str]:
+    """The files the release build reads: the workspace's Cargo.toml and Cargo.lock, and every
+    file git tracks in a member (sources, and what they include, such as gpu/kernels' PTX).
+    Without git (an exported tree), each member's manifest and src/lib.rs stand for them."""
+    root = ["Cargo.toml", "Cargo.lock"]
+    try:
+        p = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--", *members],
+                           capture_output=True, check=True, timeout=60)
+        tracked = [f for f in p.stdout.decode().split("\0") if f]
+    except (OSError, subprocess.SubprocessError):
+        tracked = []
+    return root + (tracked or [f"{m}/{f}" for m in members for f in ("Cargo.toml", "src/lib.rs")])
+
+
+def context_errors(name: str, lines: list[str], members: list[str], gitignore: list[str],
+                   keep: list[str] | None = None) -> list[str]:
     """Build-context exclusions (a .dockerignore's lines), tested as BuildKit applies them on
-    representative paths: they keep the workspace (Cargo.toml, Cargo.lock, each member's
-    manifest and sources), and exclude every .gitignore entry (local environments and test
+    representative paths: they keep the files the build reads (`keep`: the workspace's
+    manifests and every file git tracks in a member, [`build_files`]), and exclude every .gitignore entry (local environments and test
     state: sent as context and copied by `COPY . .`, any change to them would re-run the
     release build). Equivalent spellings (`.venv*`, `**/target`, an allowlist of `*` then
     `!KEEP` lines) pass."""
     rules, errs = dockerignore_rules(lines)
     errs = [f"{name}: {e}" for e in errs]
-    for keep in ["Cargo.toml", "Cargo.lock", *(f"{m}/{f}" for m in members for f in ("Cargo.toml", "src/lib.rs"))]:
-        out, by = docker_excludes(rules, keep)
+    if keep is None:
+        keep = ["Cargo.toml", "Cargo.lock", *(f"{m}/{f}" for m in members for f in ("Cargo.toml", "src/lib.rs"))]
+    for path in keep:
+        out, by = docker_excludes(rules, path)
         if out:
-            errs.append(f"{name}: pattern {by!r} excludes {keep}, which the build needs")
+            errs.append(f"{name}: pattern {by!r} excludes {path}, which the build needs")
+            break
     for g in (ln.strip() for ln in gitignore):
         if not g or g.startswith(("#", "!")):
             continue
@@ -1379,12 +1397,19 @@ def dockerfile_mutations() -> list[tuple[str, Callable[[str, str, list[str]], tu
     def member_sources(df, ign, members):
         return df, ign + "**/src\n"
 
+    def allowlist_sources_only(df, ign, members):
+        # Manifests and src/ back in, but not gpu/kernels/*.ptx, which gpu/src/kernels.rs
+        # includes: the release build fails.
+        keep = "".join(f"!{m}/Cargo.toml\n!{m}/src\n" for m in members)
+        return df, f"*\n!Cargo.toml\n!Cargo.lock\n{keep}"
+
     return [
         ("runtime stage without ca-certificates", no_ca),
         ("context exclusions without a git-ignored folder", venv_streaming),
         ("a git-ignored folder re-included by a later `!`", reinclude),
         ("an allowlist whose `!MEMBER/**` re-includes __pycache__", allowlist_pycache),
         ("an exclusion of the members' sources", member_sources),
+        ("an allowlist of the members' manifests and src/ only (no PTX)", allowlist_sources_only),
     ]
 
 
