@@ -1,13 +1,23 @@
 """A Python socket stream handing out a batch that has arrived, against a fake node on a
 socketpair (the test plays the node), when an exception strikes part way or the answer is odd:
 
-- a KeyboardInterrupt (a signal handler's exception) that strikes anywhere between the reply's
-  receipt and the batch's hand-out consumes nothing: the next `next()` returns that same
-  batch, `state_dict()` never names the position after a batch not handed out, and no reply
-  is lost, decoded twice or paired with the wrong request. CPython raises a handler's
-  exception at a Python function's entry and right after a C function returns; a profile hook
-  raises KeyboardInterrupt at each such point of one `next()` in turn (a fresh stream each
-  time), which is every place a Ctrl-C could land;
+- a KeyboardInterrupt (a signal handler's exception) that strikes anywhere in a `next()` that
+  hands out a batch that has arrived, from its entry to its return, loses nothing: the call
+  raises, the stream's lock is free, `state_dict()` does not name the position after the
+  batch, the next `next()` returns that same batch, and no reply is lost, decoded twice or
+  paired with the wrong request, no lease released twice or never. CPython raises a handler's
+  exception at a Python function's entry and right after a C function returns (3.10 also
+  right after a Python function returns); a profile hook raises KeyboardInterrupt at each such
+  point of one `next()` (or `__next__()`) in turn, a fresh stream each time: its `call`,
+  `return` and `c_return` events, which take in the stream lock's release (the C ``RLock``'s
+  ``__exit__``; its acquire, the ``with``'s own C call, has none). Not covered, because not
+  achievable: the return of `next()` itself, where on 3.10 the exception lands in the
+  caller's frame (the batch is the caller's then, and lost with that frame);
+- the release paths an interrupt used to cut between marking a lease and sending it (the
+  release of the batch before one handed out while batches are kept, `Batch.release()`, a
+  kept batch's release handed over to the call that holds the stream, the releases at the
+  end): the lease goes with a later request;
+- a batch an interrupt left taken and not handed out does not keep a dropped stream open;
 - a `more` flag on an answer to `next` that is not a batch is a ProtocolError that closes the
   stream (before, it left a `next` in flight that the node never answers, and the following
   `next()` waited for ever);
@@ -31,11 +41,14 @@ import shardwire  # noqa: E402
 from shardwire import _client, _wire  # noqa: E402
 from shardwire._errors import ProtocolError  # noqa: E402
 from test_binary_frames import framed  # noqa: E402
-from test_sdk_hardening import GOOD, STATE, bounded  # noqa: E402
-from test_sdk_recovery import MORE, attached, batch, first_batch, pair, requests  # noqa: E402, F401
+from test_sdk_hardening import GOOD, STATE, bounded, closes  # noqa: E402
+from test_sdk_recovery import MORE, attached, batch, first_batch, no_gc, pair, requests  # noqa: E402, F401
 
 #: The most interrupt points one `next()` is expected to have (a bound on the sweep).
 MAX_POINTS = 5000
+
+#: The profile events where the sweep raises (see the module's docstring).
+POINTS = ("call", "return", "c_return")
 
 
 def json_batch(k: int) -> bytes:
@@ -45,36 +58,37 @@ def json_batch(k: int) -> bytes:
     return framed(json.dumps(body).encode())
 
 
-def next_interrupted_at(s: _client.Stream, point: int) -> shardwire.Batch | None | str:
-    """`s.next(timeout=5)` with a KeyboardInterrupt raised at its `point`-th interrupt point
-    (1-based: each Python function entered and each C function returned from, counted from the
-    stream's `_take` on). "interrupted" if it struck; else what `next` returned (the call had
-    fewer points)."""
+def interrupted_at(call: Callable[..., Any], point: int, struck: list[str], **kw: Any) -> Any:
+    """`call(**kw)` with a KeyboardInterrupt raised at its `point`-th interrupt point (1-based:
+    each Python function entered or returned from and each C function returned from, from the
+    call's entry to its return, that return excluded). "interrupted" if it struck (where,
+    appended to `struck`); else what the call returned (it had fewer points)."""
     seen = 0
+    outer: list[Any] = []  # the call's own frame once entered, then None once it returned
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         nonlocal seen
-        if event in ("call", "c_return"):
-            seen += 1
-            if seen == point:  # raising also removes the hook: one interrupt per call
-                raise KeyboardInterrupt(f"injected at point {point}: {event} of {getattr(arg, '__qualname__', frame.f_code.co_name)}")
+        if not outer:
+            if event != "call":
+                return  # setprofile's own return
+            outer.append(frame)
+        elif event == "return" and frame is outer[0]:
+            outer.append(None)  # its return lands in the caller's frame: not counted
+        if len(outer) > 1 or event not in POINTS:
+            return
+        seen += 1
+        if seen == point:  # raising also removes the hook: one interrupt per call
+            name = getattr(arg, "__qualname__", "?") if event == "c_return" else frame.f_code.co_name
+            struck.append(f"{event} of {name}")
+            raise KeyboardInterrupt(f"injected at point {point}: {struck[-1]}")
 
-    real = _client.Stream._take
-
-    def take(self: _client.Stream, timeout: float | None) -> Any:
-        sys.setprofile(hook)
-        try:
-            return real(self, timeout)
-        finally:
-            sys.setprofile(None)
-
-    _client.Stream._take = take  # type: ignore[method-assign]
+    sys.setprofile(hook)
     try:
-        return s.next(timeout=5)
+        return call(**kw)
     except KeyboardInterrupt:
         return "interrupted"
     finally:
-        _client.Stream._take = real  # type: ignore[method-assign]
+        sys.setprofile(None)
 
 
 def released_leases(sent: list[dict[str, Any]]) -> list[int]:
@@ -85,39 +99,64 @@ def released_leases(sent: list[dict[str, Any]]) -> list[int]:
     return out
 
 
-#: What the node sends after batch 0 was handed out (a `next` for 8 in flight), and the
-#: leases the stream then hands out in turn (the last with the node's next answer, batch(k)).
-SCENARIOS: dict[str, tuple[Callable[[], bytes], list[int]]] = {
-    "a reply alone in its receive": (lambda: batch(1), [2, 3]),
-    "a group split from one receive": (lambda: batch(1, MORE) + batch(2), [2, 3, 4]),
-    "a JSON batch": (lambda: json_batch(1), [2, 3]),
+def kept(b0: shardwire.Batch) -> None:
+    """Batch 0 kept (then dropped: its lease waits in the stream's queue of dropped kept
+    batches, which the next call drains)."""
+    b0.keep()
+
+
+#: What the node sends after batch 0 was handed out (a `next` for 8 in flight), the leases the
+#: stream then hands out in turn (the last with the node's next answer, batch(k)), and what
+#: the test does with batch 0 before it drops it.
+SCENARIOS: dict[str, tuple[Callable[[], bytes], list[int], Callable[[shardwire.Batch], None] | None]] = {
+    "a reply alone in its receive": (lambda: batch(1), [2, 3], None),
+    "a group split from one receive": (lambda: batch(1, MORE) + batch(2), [2, 3, 4], None),
+    "a JSON batch": (lambda: json_batch(1), [2, 3], None),
+    # The release of a kept batch garbage-collected: drained, and released with the request
+    # the hand-out sends ahead (before, an interrupt as `popleft()` returned lost the lease,
+    # and left it kept: nothing was asked ahead any more).
+    "a kept batch dropped before": (lambda: batch(1), [2, 3], kept),
 }
 
 
+@pytest.mark.parametrize("call", ["next", "__next__"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario):
+def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario, call):
     """For each point where a signal handler's exception can land in the `next()` that hands
-    out batch 1 (whose answer has arrived): the call raises KeyboardInterrupt and the stream
-    still names batch 1 as not taken; the next call hands out batch 1 (lease 2), the batches
-    after it follow in order, and no lease is released twice. The one exception is a write
-    cut short (the request sent ahead after the batch): the stream is closed then, as
-    documented, and its state still names batch 1. Before, an interrupt after the reply's
-    receipt lost batch 1 (its state taken, or the reply dropped and the next call waiting for
-    ever), or handed a batch out twice."""
-    send, leases = SCENARIOS[scenario]
+    out batch 1 (whose answer has arrived): the call raises KeyboardInterrupt, the stream's
+    lock is free and the stream still names batch 1 as not taken; the next call hands out
+    batch 1 (lease 2), the batches after it follow in order, and no lease is released twice
+    or never. The one exception is a write cut short (the request sent ahead after the
+    batch): the stream is closed then, as documented, and its state still names batch 1.
+
+    Before: an interrupt after the reply's receipt lost batch 1 (its state taken, or the reply
+    dropped and the next call waiting for ever), or handed a batch out twice; one as
+    `_consume` returned (3.10) lost it; one at the stream lock's Python ``__exit__`` left the
+    lock held (every later call raised RuntimeError, ``close()`` left the stream open) and
+    ``state_dict()`` past batch 1; one as ``RLock.__exit__`` returned lost batch 1."""
+    send, leases, setup = SCENARIOS[scenario]
+    struck: list[str] = []
     for point in count(1):
         assert point < MAX_POINTS, "the sweep never ended: a next() without an end"
         s, node = attached()
         try:
             node.sendall(batch(0))
-            assert s.next(timeout=5).lease == 1
+            b0 = s.next(timeout=5)
+            assert b0.lease == 1
+            if setup is not None:
+                setup(b0)
+            del b0
+            assert list(s._dropped) == ([1] if setup is not None else []), "a kept batch dropped is queued"
             node.sendall(send())
             with bounded(20):
-                got = next_interrupted_at(s, point)
+                kw = {"timeout": 5} if call == "next" else {}
+                got = interrupted_at(getattr(s, call), point, struck, **kw)
                 if got != "interrupted":
                     assert got.lease == 2, f"point {point}: no interrupt point left, but batch {got} came"
+                    assert s._unclaimed is None and s.state_dict()["index"] == 2
                     break
-                where = f"after an interrupt at point {point}"
+                where = f"after an interrupt at point {point} ({struck[-1]})"
+                assert not s._lock.locked(), f"{where}: the stream's lock is still held"
                 assert s.state_dict()["index"] == 1, f"{where}: the state moved past batch 1, not handed out"
                 if s.closed:
                     assert _wire.TORN in s._closed_why, f"{where}: closed: {s._closed_why}"
@@ -135,6 +174,149 @@ def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario):
             s.close()
             node.close()
     assert point > 20, f"only {point} interrupt points: the hook did not see the hand-out"
+    for what in ("c_return of RLock.__exit__", "return of _take", "return of _hand_out"):
+        assert what in struck, f"the sweep never struck at the {what}: {sorted(set(struck))}"
+
+
+@pytest.mark.parametrize("call", ["state_dict", "keep", "release", "close"])
+def test_an_interrupt_anywhere_in_a_call_that_takes_the_lock_leaves_it_free(call):
+    """For each interrupt point of a call that takes the stream's lock: once it raised, the lock
+    is free and `close()` closes the stream. Before, one as the lock's acquire returned inside
+    the Python ``__enter__`` (or a Python ``acquire``) left it held: the thread's every later
+    call was refused as a second wait, and its `close()` returned with the stream open."""
+    struck: list[str] = []
+    for point in count(1):
+        assert point < MAX_POINTS, "the sweep never ended"
+        s, node = attached()
+        try:
+            node.sendall(batch(0))
+            b0 = s.next(timeout=5)  # a `next` for 8 asked ahead: a release goes behind it
+            if call == "release":
+                b0.keep()  # released by its own request
+            target = {"state_dict": s.state_dict, "keep": b0.keep, "release": b0.release, "close": s.close}[call]
+            with bounded(20):
+                if interrupted_at(target, point, struck) != "interrupted":
+                    break
+                where = f"after an interrupt at point {point} ({struck[-1]})"
+                assert not s._lock.locked(), f"{where}: the stream's lock is still held"
+                s.close()
+                assert s.closed, f"{where}: close() left the stream open"
+        finally:
+            s.close()
+            node.close()
+    assert any("acquire" in w or "__exit__" in w for w in struck), f"the sweep never struck at the lock: {sorted(set(struck))}"
+
+
+def interrupt_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:
+    """A KeyboardInterrupt at the entry of the first call of `cls.name` (as Ctrl-C lands at a
+    Python function's entry); the calls after it run as they would."""
+    real, calls = getattr(cls, name), [0]
+
+    def interrupted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt(f"injected at the entry of {name}")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cls, name, interrupted)
+
+
+def test_an_interrupt_before_the_release_with_a_hand_out_went_out_leaves_it_to_the_next_request(pair, monkeypatch):
+    """While batches are kept nothing is asked ahead, so handing out the last batch of a group
+    releases the one before it on its own request. An interrupt before that request went out
+    (here at `_send`'s entry) leaves the lease to the next request. Before, the lease was
+    marked released and never sent: held on the node until the stream closed."""
+    s, node = pair
+    node.sendall(batch(0, MORE) + batch(1, MORE) + batch(2))
+    b0 = s.next(timeout=10).keep()
+    b1 = s.next(timeout=10)
+    assert requests(node) == [{"op": "next", "timeout_ms": 10000, "count": 8}]
+    interrupt_once(monkeypatch, _client.Stream, "_send")
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)  # batch 2 taken; the release of batch 1 did not go out
+    assert requests(node) == [] and b1.released and s.state_dict()["index"] == 2
+    b2 = s.next(timeout=10)
+    assert (b2.lease, s.state_dict()["index"]) == (3, 3) and requests(node) == []
+    node.sendall(batch(3))
+    assert s.next(timeout=10).lease == 4
+    assert requests(node) == [{"op": "next", "release": [2, 3], "timeout_ms": 10000}], "count 1 while one is kept"
+    assert b0.kept and not b0.released
+
+
+def test_an_interrupt_before_a_release_went_out_leaves_it_to_the_next_request(pair, monkeypatch):
+    """`Batch.release()` struck after the batch was marked released, before its request went
+    out (here at `_send`'s entry): the lease goes with the next request. Before, it was lost
+    (held on the node until the stream closed)."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    node.sendall(batch(1))
+    assert s.next(timeout=10).lease == 2 and requests(node) == [], "nothing asked ahead: a batch is kept"
+    interrupt_once(monkeypatch, _client.Stream, "_send")
+    with pytest.raises(KeyboardInterrupt):
+        b0.release()
+    assert b0.released and requests(node) == []
+    node.sendall(batch(2))
+    assert s.next(timeout=10).lease == 3
+    sent = requests(node)
+    assert sent[0] == {"op": "next", "release": [1, 2], "timeout_ms": 10000, "count": 8}, sent
+    assert sent[1:] == [{"op": "next", "count": 8}], "none kept: asked ahead again"
+
+
+def test_an_interrupt_while_a_kept_batch_is_handed_over_leaves_its_lease_queued(pair, monkeypatch):
+    """A kept batch released while the stream's own call holds its lock (from a signal handler
+    that interrupted it, or another thread while it waits) is handed over to that call. One
+    that strikes right after the batch was marked released (here at `_let_go`'s entry) left
+    its lease neither released nor queued, and the stream never asked ahead again (a batch
+    still counted as kept). Now the lease goes with the next request."""
+    s, node = pair
+    b0 = first_batch(s, node).keep()
+    interrupt_once(monkeypatch, _client.Batch, "_let_go")
+    s._lock.raw.acquire()  # as the interrupted call holds it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            b0.release()
+    finally:
+        s._lock.raw.release()
+    assert b0.released and list(s._dropped) == [1]
+    node.sendall(batch(1))
+    assert s.next(timeout=10).lease == 2
+    assert requests(node) == [{"op": "next", "release": [1], "count": 8}], "asked ahead, releasing it"
+
+
+def test_an_interrupt_in_the_releases_at_the_end_leaves_them_to_the_next_call(pair, monkeypatch):
+    """At the `end` answer the batch before goes on its own request. An interrupt before it was
+    claimed (here at `_defer_release`'s entry) leaves it to the next call, which returns None
+    and releases it. Before, it was dropped from the stream's books unreleased (held on the
+    node until the stream closed)."""
+    s, node = pair
+    first_batch(s, node)  # batch 0 the trainer's; a `next` for 8 in flight
+    node.sendall(framed(b'{"op":"end"}') + framed(b'{"op":"released"}'))
+    interrupt_once(monkeypatch, _client.Stream, "_defer_release")
+    with pytest.raises(KeyboardInterrupt):
+        s.next(timeout=10)
+    assert requests(node) == []
+    assert s.next(timeout=10) is None
+    assert requests(node) == [{"op": "release", "lease": 1}]
+    assert s.next(timeout=10) is None and not s._inflight and requests(node) == [], "its answer read, once"
+
+
+def test_a_stream_dropped_after_an_interrupted_hand_out_closes_at_once(no_gc, monkeypatch):
+    """A batch an interrupt left taken and not handed out does not hold its stream: dropped
+    without close(), the stream's connection closes at once. Before, that batch and the stream
+    held each other, and the connection (the node's leases, its stream memory) waited for the
+    garbage collector."""
+    s, node = attached()
+    with node:
+        first_batch(s, node)
+        interrupt_once(monkeypatch, _client.Stream, "_build_ahead")
+        node.sendall(batch(1, MORE) + batch(2))
+        try:
+            s.next(timeout=10)
+        except KeyboardInterrupt:
+            pass
+        assert s._unclaimed is not None
+        del s
+        assert closes(node, wait=2), "the node saw no end of the dropped stream"
 
 
 def test_an_interrupt_while_the_batch_is_recorded_as_handed_out_loses_nothing(pair, monkeypatch):

@@ -17,7 +17,8 @@
 - `state_dict()`, `_snapshot()` and `keep()` in a forked child raise `forked`;
 - a stream dropped without `close()` ends on the node at once while a forked child holds a copy
   of its socket; a connect the kernel denies names the socket's real mode and owner, or the
-  directory that cannot be searched; a connect to a node whose backlog stays full (stopped)
+  directory that cannot be searched, or, where the mode allows this process, says that
+  something else (a security module, a namespace) denies it; a connect to a node whose backlog stays full (stopped)
   fails after CONNECT_LIMIT instead of waiting for ever;
 - a legacy DLPack request (JAX's) for a view that is not C-contiguous gets a capsule of the
   same memory with the view's strides.
@@ -25,6 +26,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import json
@@ -233,7 +235,7 @@ def test_an_http_state_dict_from_a_handler_that_interrupted_the_stream_raises_re
     """Over HTTP the state takes a request, on the connection the interrupted call uses: a
     handler's `state_dict()` raises `reentrant` at once (before, it waited for ever)."""
     with http_node() as (s, seen):
-        s._lock.acquire()  # as `next` holds it when the handler interrupts it
+        s._lock.raw.acquire()  # as `next` holds it when the handler interrupts it
         try:
             with bounded(5):
                 for call in (s.state_dict, s._snapshot):
@@ -241,7 +243,7 @@ def test_an_http_state_dict_from_a_handler_that_interrupted_the_stream_raises_re
                         call()
                     assert e.value.code == "reentrant" and "signal handler" in e.value.message, e.value
         finally:
-            s._lock.release()
+            s._lock.raw.release()
         assert s.state_dict() == STATE, "outside the handler it asks the node"
 
 
@@ -641,18 +643,23 @@ def test_the_stream_locks_owner_is_known_the_moment_it_is_taken():
     from shardwire._types import _OwnedLock
 
     lock = _OwnedLock()
-    lock._lock.acquire()  # the acquire itself, as a handler that runs right after it sees it
+    lock.raw.acquire()  # the acquire itself, as a handler that runs right after it sees it
     assert lock.held_here() and lock.locked()
-    assert lock.acquire(blocking=False) is False, "a second try fails, as on a plain lock"
     with pytest.raises(RuntimeError, match="taken twice"):
-        lock.acquire()  # a second wait would never end
-    lock.release()
-    assert not lock.locked()
-    seen = []
-    t = threading.Thread(target=lambda: seen.append((lock.acquire(), lock.held_here(), lock.release())))
+        lock.refuse_here()  # a second wait would never end (or take the RLock twice)
+    lock.raw.release()
+    assert not lock.locked() and not lock.raw._is_owned(), "locked() took nothing"
+    lock.refuse_here()  # not held: nothing to refuse
+
+    def other() -> None:
+        with lock.raw:
+            seen.append((lock.held_here(), lock.locked()))
+
+    seen: list[tuple[bool, bool]] = []
+    t = threading.Thread(target=other)
     t.start()
     t.join(5)
-    assert seen == [(True, True, None)] and not lock.held_here()
+    assert seen == [(True, True)] and not lock.held_here() and not lock.locked()
 
 
 # --- a legacy DLPack consumer and a view that is not contiguous ---------------------------------
@@ -759,8 +766,33 @@ def test_a_denied_connect_says_what_denies_it(open_dir, where):
     assert said.startswith("connect: ") and "permission denied" in said and "0660" not in said, said
     if where == "the socket's mode":
         assert "mode 0600, owner uid 0, group gid 0" in said and "uid 65534" in said, said
+        assert "set socket_mode" in said and "the mode allows" not in said, said
     else:
         assert f"the directory {sub} cannot be searched" in said, said
+
+
+def test_a_connect_denied_where_the_mode_allows_it_does_not_blame_the_mode(open_dir, monkeypatch):
+    """A security module (SELinux, AppArmor), a seccomp filter or a namespace refuses the
+    connect of a socket whose mode lets this process write (mode 0666; the refusal made here
+    by the connect failing with EACCES). Before, the message said to run as a user or group
+    the mode lets write, or to change socket_mode: a mode that already allowed it."""
+    path = os.path.join(open_dir, "trainer.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with srv:
+        srv.bind(path)
+        srv.listen(1)
+        os.chmod(path, 0o666)
+
+        def refused(self: socket.socket, address: Any) -> None:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+        monkeypatch.setattr(socket.socket, "connect", refused)
+        with pytest.raises(shardwire.ConnectError) as e:
+            _client._connect(path)
+    said = e.value.message
+    assert "permission denied" in said and "mode 0666" in said and f"uid {os.geteuid()}" in said, said
+    assert "the mode allows this process" in said and "SELinux/AppArmor" in said, said
+    assert "run as a user or group" not in said and "set socket_mode" not in said, said
 
 
 def test_a_connect_the_node_does_not_take_fails_after_the_connect_limit(tmp_path, monkeypatch):

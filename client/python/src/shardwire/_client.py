@@ -320,9 +320,9 @@ class Batch(_BatchBase):
         if s._in_handler():
             # The lock would never come (this thread's own call holds it). Marking the batch
             # without it is safe: the call claims the batch for release by checking `_kept`
-            # both before and after it marks it released (see `Stream._claim`).
+            # both before and after it marks it released (see `Stream._defer_release`).
             return self._keep()
-        with s._lock:  # not while another thread's `next` releases it
+        with s._lock.raw:  # not while another thread's `next` releases it (not held here: checked)
             return self._keep()
 
     def _keep(self) -> Batch:
@@ -422,7 +422,8 @@ def _dirs_above(path: str) -> list[str]:
 
 def _denied(path: str) -> str:
     """Why connecting to `path` was denied: the socket's real mode and owner (connecting takes
-    write permission on it), or the directory on the way this process cannot search."""
+    write permission on it), or the directory on the way this process cannot search; or, when
+    the mode lets this process write, that something else refused it."""
     who = f"this process runs as uid {os.geteuid()}, gid {os.getegid()}"
     try:
         st = os.stat(path)
@@ -430,10 +431,15 @@ def _denied(path: str) -> str:
         blocked = next((d for d in _dirs_above(path) if not os.access(d, os.X_OK, effective_ids=_EFFECTIVE)), None)
         where = f"the directory {blocked}" if blocked is not None else "a directory on the way to it"
         return f"permission denied: {where} cannot be searched ({who}; it needs x permission there)"
-    mode = stat.S_IMODE(st.st_mode)
-    return (f"permission denied (the socket is mode {mode:04o}, owner uid {st.st_uid}, group gid {st.st_gid}; "
-            f"{who}; connecting needs write permission on it: run as a user or group it lets write, "
-            "or set socket_mode in the node's config)")
+    said = f"the socket is mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}, group gid {st.st_gid}; {who}"
+    if os.access(path, os.W_OK, effective_ids=_EFFECTIVE):
+        # Not the mode: an SELinux or AppArmor policy, a seccomp filter (EPERM), or a
+        # container whose namespace keeps it from the node's socket.
+        return (f"permission denied ({said}): the mode allows this process, so a security module "
+                "(SELinux/AppArmor), a seccomp filter or the container's namespace may deny it: see "
+                "the audit log (e.g. `ausearch -m avc`, or `dmesg`) and the container's policy")
+    return (f"permission denied ({said}; connecting needs write permission on it: run as a user or group "
+            "it lets write, or set socket_mode in the node's config)")
 
 
 def _attached_info(msg: dict[str, Any]) -> StreamInfo:
@@ -617,9 +623,6 @@ class Stream(_StreamBase[Batch]):
         #: `_resume_raw` is set, that state is its JSON, decoded when asked for.
         self._resume: dict[str, Any] = dict(info.state)
         self._resume_raw: bytes | None = None
-        #: While a call takes a batch (`_take`): (`_resume`, `_resume_raw`) as they were before
-        #: it, the trainer's state until it returns (see `_state_in_handler`).
-        self._given: tuple[dict[str, Any], bytes | None] | None = None
         #: Leases of kept batches not yet released: while there are any, no batch is asked
         #: for ahead of time (a trainer that keeps batches may fill the stream's memory, and
         #: the batches asked for would wait for its releases).
@@ -639,10 +642,13 @@ class Stream(_StreamBase[Batch]):
         #: The connection loss that the request sent ahead of time after the last batch of an
         #: answer met: that batch was handed out; the next call raises this (see `_ask_ahead`).
         self._lost: ConnectionClosed | None = None
-        #: A batch taken and not handed out: an interrupt (or an error) struck while the
-        #: release that goes with handing it out was sent; the next call hands it out, with
-        #: the state after it (until then the state names it as not taken), and the batch
-        #: before it, the trainer's until then (released with that hand-out unless it was).
+        #: The batch a call took (`_hand_out`) and has not returned yet: (the batch, the
+        #: state before it, the batch before it as `_Held`). Set as the batch is taken (its
+        #: state is then `_resume`), cleared as `next` returns it (`_StreamBase._next`). An
+        #: exception that strikes in between (an interrupt while the release that goes with it
+        #: is sent, or as the lock is let go) leaves it here: the next call hands it out, and
+        #: until then the trainer's state is the one before it (`_trainer_state`). The batch
+        #: before it is the trainer's until then (released with that hand-out unless it was).
         self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None], _Held | None] | None = None
         #: Shuts the connection down if the stream is dropped without close() (see
         #: `_shut_dropped`); detached at close.
@@ -705,16 +711,10 @@ class Stream(_StreamBase[Batch]):
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _exchange(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Sends `req` and receives its answer (lock held; nothing in flight). A lost
-        connection, or no answer within ``_wire.REPLY_LIMIT``, ends the stream (see
-        ``_broken``) and raises ConnectionClosed."""
-        self._send(req)
-        return self._answer(req["op"])
-
     def _answer(self, op: str) -> dict[str, Any]:
-        """The next answer, to a request `op` the node answers at once (see `_exchange`),
-        taken (`_consume`)."""
+        """The next answer, to a request `op` the node answers at once, taken (`_consume`). A
+        lost connection, or no answer within ``_wire.REPLY_LIMIT``, ends the stream (see
+        ``_broken``) and raises ConnectionClosed."""
         reply = self._read(_wire.REPLY_LIMIT)
         if reply is None:
             why = f"the node service did not answer {op} within {_wire.REPLY_LIMIT:g} s"
@@ -800,7 +800,10 @@ class Stream(_StreamBase[Batch]):
         the same request follow, its request off ``_inflight``. Two deletions and no call:
         CPython raises a signal handler's exception at a function's entry or right after a C
         call returns, so one that strikes here strikes before both (and the answer is read
-        again), never between them (which would pair later answers with the wrong requests)."""
+        again), never between them (which would pair later answers with the wrong requests).
+        On 3.10 one can also strike as this returns (there a Python call's return checks for
+        signals): where what follows must not be lost then (a batch's hand-out, the end), the
+        caller writes the deletions inline, directly before its stores."""
         del self._conn._ready[0]  # the answer `_wire.Conn.peek_reply` left there
         if not more:
             del self._inflight[0]
@@ -825,17 +828,6 @@ class Stream(_StreamBase[Batch]):
         ``closed`` naming `e`. Call with the lock held."""
         if not self._closed:
             self._broken(f"a malformed reply from the node service closed it ({e.message})")
-
-    def _reply(self, req: dict[str, Any], expect: str) -> dict[str, Any]:
-        """The answer to `req`, which must be `expect` (an ``error`` raises ServiceError;
-        anything else closes the stream, see `_unexpected`)."""
-        self._settle()
-        msg = self._exchange(req)
-        if msg["op"] == "error":
-            raise _service_error(msg)
-        if msg["op"] != expect:
-            raise self._unexpected(req["op"], msg)
-        return msg
 
     def _settle(self) -> None:
         """Reads the answers of releases sent while a `next` was in flight (an error among
@@ -890,32 +882,32 @@ class Stream(_StreamBase[Batch]):
         (released with a later request) unless this call sent a request of its own (the first
         call, one after a timeout, or while batches are kept), which carried its release, as
         for a timeout: ``keep()`` it first to go on using it. One that strikes while a batch
-        that has arrived is handed out consumes nothing either: the next call returns that
-        batch, and :meth:`state_dict` does not name the position after it until then. One that
-        strikes while a request is being written consumes nothing either, unless the request
+        that has arrived is handed out, up to this call's return, consumes nothing either: the
+        next call returns that batch, and :meth:`state_dict` does not name the position after
+        it until then (one that strikes in the caller's frame as this returns, where Python
+        3.10 checks for signals, is the caller's: the batch is lost there). A release it cuts
+        short before its request went out goes with a later request. One that strikes while a
+        request is being written consumes nothing either, unless the request
         may have gone out in part: then the stream is closed (code ``"closed"``;
         :meth:`state_dict` still resumes).
         """
-        return super().next(timeout)
+        # `_StreamBase.next`'s steps, not a call of it: on 3.10 an exception can strike as a
+        # Python call returns, and `_unclaimed` is cleared in the frame that returns to the
+        # caller (see `_StreamBase._next`).
+        b = self._next(timeout)
+        self._unclaimed = None
+        return b
 
     def _take(self, timeout: float | None) -> Batch | None:
-        # Until this call returns, the trainer's state is the one before it: a signal handler
-        # that asks for it meanwhile gets that one (see `_state_in_handler`).
-        self._given = (self._resume, self._resume_raw)
-        try:
-            return self._take_batch(timeout)
-        finally:
-            self._given = None
-
-    def _take_batch(self, timeout: float | None) -> Batch | None:
-        """`_take`, on an open stream that has not ended (lock held)."""
+        """The next batch, on an open stream that has not ended (lock held); it stays
+        `_unclaimed` until `next` returns it."""
         if self._unclaimed is not None:
-            b, state, prev = self._unclaimed
-            # The batch before `b`, unless it was released already. First: claiming it twice
-            # is a no-op (`_claim`), so an interrupt in here leaves `b` to the next call.
+            # Taken by a call that raised before it returned it: handed out now (its state is
+            # `_resume` already). The batch before it goes too, unless it was released
+            # already (a second claim is a no-op, see `_defer_release`).
+            b, _, prev = self._unclaimed
             self._defer_release(prev)
-            self._unclaimed = None  # handed out: stores only from here (see `_hand_out`)
-            self._resume, self._resume_raw = state
+            b._stream = self  # let go of while it waited (see `_left`)
             return b
         if self._lost is not None:
             # The request ahead of time after the batch handed out last could not be sent.
@@ -1027,47 +1019,53 @@ class Stream(_StreamBase[Batch]):
             return
         self._gpu_done()
         while self._pending:
-            lease, before = self._pending[0], len(self._inflight)
-            del self._pending[0]  # the request's from here (see `_send_next`)
-            try:
-                self._send({"op": "release", "lease": lease})
-            except BaseException:
-                if not self._sent(before):
-                    self._pending[:0] = [lease]
-                raise
+            self._send_release(0)
+
+    def _send_release(self, at: int) -> None:
+        """Sends the release of ``_pending[at]`` as a request of its own, behind those in
+        flight (after the GPU's wait, which the caller did). It leaves `_pending` as it goes
+        out; an exception before any of it went out puts it back (see `_send_next`)."""
+        lease, before = self._pending[at], len(self._inflight)
+        del self._pending[at]  # the request's from here (see `_send_next`)
+        try:
+            self._send({"op": "release", "lease": lease})
+        except BaseException:
+            if not self._sent(before):
+                self._pending[at:at] = [lease]
+            raise
 
     def _hand_out(self, msg: dict[str, Any]) -> Batch:
         """The batch of answer `msg`, now the trainer's; the previous one is released (unless
         kept) with the next request, or now when none goes ahead of time.
 
         All or nothing, whatever exception strikes (a signal handler's, Ctrl-C's): the batch is
-        handed out, its state the stream's, or neither, and its answer is read again by the
-        next call. `state_dict()` never names the position after a batch not handed out."""
+        taken whole (its answer off the connection, its state the stream's, the batch
+        `_unclaimed` until `next` returns it, else the next call hands it out) or not at all
+        (its answer is read again by the next call). `state_dict()` never names the position
+        after a batch `next` did not return."""
         self._drain_dropped()  # first: a kept batch dropped may be `prev`
         # Everything that can raise comes first and changes nothing of the stream's: the
         # answer stays on the connection (see `_read`).
         b, state = self._batch(msg)
         held, more = _Held(b), bool(msg.get("more"))
-        before, prev = (self._resume, self._resume_raw), self._held
+        taken = (b, (self._resume, self._resume_raw), self._held)
         # The hand-out: the answer taken (the `next` too unless `more` answers follow), then
-        # stores only. No call from `_consume`'s deletions to the last store, so no handler's
-        # exception lands in between (see `_consume`).
-        self._consume(more)
+        # stores only, with no call from the first deletion to the last store (not even
+        # `_consume`'s return, where 3.10 checks for signals): no handler's exception lands in
+        # between.
+        del self._conn._ready[0]  # the answer `_wire.Conn.peek_reply` left there
+        if not more:
+            del self._inflight[0]
         self._resume, self._resume_raw = state
         self._held = held
         b._stream = self  # from now on the batch holds the stream
-        # What strikes from here on leaves `b` to the next call (`_unclaimed`).
-        try:
-            self._after_take(msg, prev)
-        except BaseException:
-            # `b` is the stream's already: whatever struck here (an interrupt while a release
-            # was answered, or the answer's error) must not cost it. Nor `prev`: struck before
-            # it was claimed (while the group was built), it stays the trainer's until `b` is
-            # handed out, and is released then (claimed already, it is done: nothing more).
-            if not self._closed:  # a closed stream keeps nothing (it would hold `b` for ever)
-                self._unclaimed = (b, (self._resume, self._resume_raw), prev)
-            self._resume, self._resume_raw = before
-            raise
+        self._unclaimed = taken
+        # What strikes from here until `next` returns `b` (an interrupt while a release is
+        # answered, the answer's error, or as the lock is let go) leaves it `_unclaimed`: the
+        # next call hands it out. Nor does it cost `taken`'s batch before it (`prev`): struck
+        # before it was claimed (while the group was built), it stays the trainer's until `b`
+        # is handed out, and is released then (claimed already, it is done: nothing more).
+        self._after_take(msg, taken[2])
         return b
 
     def _after_take(self, msg: dict[str, Any], prev: _Held | None) -> None:
@@ -1079,20 +1077,17 @@ class Stream(_StreamBase[Batch]):
             self._defer_release(prev)  # more answers are on their way: no request yet
         elif not self._kept_leases:
             self._ask_ahead(prev)
-        elif (lease := self._claim(prev)) is not None:
-            if self._inflight:
-                # Answers to releases sent behind the last request are still due: the next
-                # call reads them (and raises an error among them, not this hand-out, which
-                # would cost the batch just taken); this lease goes with its request.
-                self._pending.append(lease)
-            else:
-                # No request ahead to carry its release: release it now.
-                try:
-                    self._gpu_done()
-                except BaseException:
-                    self._pending.append(lease)  # the next request carries it
-                    raise
-                self._reply({"op": "release", "lease": lease}, "released")
+        else:
+            queued = len(self._pending)
+            self._defer_release(prev)
+            # Answers to releases sent behind the last request still due: the next call reads
+            # them (and raises an error among them, not this call); the lease goes with its
+            # request. Else no request ahead carries it: it goes now, on its own. It waits in
+            # `_pending` until it went out: an exception before leaves it to the next request.
+            if not self._inflight and len(self._pending) > queued:
+                self._gpu_done()
+                self._send_release(queued)
+                self._settle()
 
     def _batch(self, msg: dict[str, Any]) -> tuple[Batch, tuple[dict[str, Any], bytes | None]]:
         """The Batch of a `batch` answer, and the state that resumes after it (as `_resume`,
@@ -1124,30 +1119,33 @@ class Stream(_StreamBase[Batch]):
         return b, (state, None)
 
     def _end(self) -> None:
-        """The `end` answer: the previous batch and those whose release waited go now (nothing
-        follows to carry them), every one of them even if the node refuses one (the first
-        refusal raises after the last is answered)."""
-        self._consume()  # the `end` answer: first, then stores only (see `_consume`)
+        """The `end` answer: taken, the stream ended, and the releases that wait go now
+        (`_release_at_end`)."""
+        # Deletions and a store, with no call between them (see `_consume`).
+        del self._conn._ready[0]
+        del self._inflight[0]
         self._ended = True
+        self._release_at_end()
+
+    def _after_end(self) -> None:
+        # What an exception left of `_release_at_end`, or kept batches dropped since the end.
+        if self._held is not None or self._pending or self._dropped or self._inflight:
+            self._release_at_end()
+
+    def _release_at_end(self) -> None:
+        """After the `end` answer: the previous batch and those whose release waited go now
+        (nothing follows to carry them), every one of them even if the node refuses one (the
+        first refusal raises after the last is answered). Each lease waits in `_pending` until
+        it went out: what an exception leaves undone, the next call does (`_after_end`)."""
         self._drain_dropped()
-        prev, self._held = self._held, None
-        self._defer_release(prev)
-        if not self._pending:
-            return
-        self._gpu_done()
-        leases, self._pending = self._pending, []
+        self._defer_release(self._held)
+        self._held = None  # claimed (or kept): nothing more to do for it
+        # All are sent before any answer is read: one refused must not stop the others.
+        self._send_pending()
         refused: ServiceError | None = None
-        # The answers of releases sent behind the request come first; one of them refused must
-        # not stop the releases below (`_reply` would raise it before sending its own).
-        while self._inflight and self._inflight[0] == "release":
+        while self._inflight and self._inflight[0] == "release":  # only releases, after the end
             try:
                 self._settle()
-            except ServiceError as e:
-                refused = refused or e
-        for lease in leases:
-            # Each is sent even when one before it is refused: nothing follows to carry it.
-            try:
-                self._reply({"op": "release", "lease": lease}, "released")
             except ServiceError as e:
                 refused = refused or e
         if refused is not None:
@@ -1170,44 +1168,48 @@ class Stream(_StreamBase[Batch]):
                 except Exception:
                     return
 
-    def _defer_release(self, prev: _Held | None) -> None:
-        """Marks `prev` released unless it was kept; its lease goes with the next request."""
-        if (lease := self._claim(prev)) is not None:
-            self._pending.append(lease)
+    def _defer_release(self, held: _Held | None) -> None:
+        """Marks `held`'s batch released unless it was kept or released already; its lease
+        goes with the next request (`_pending`). A batch the trainer dropped is released
+        unless it was kept. Claiming it twice is a no-op.
 
-    def _drain_dropped(self) -> None:
-        """Kept batches garbage-collected before release(), or released from another thread
-        while this stream was busy: their leases go with the next request, and no longer keep
-        the stream from asking ahead."""
-        while self._dropped:
-            lease = self._dropped.popleft()
-            if lease not in self._kept_leases:
-                continue  # released meanwhile (or the stream closed)
-            self._kept_leases.discard(lease)
-            if self._held is not None and self._held.lease == lease:
-                self._held = None  # its release is this one
-            self._pending.append(lease)
-
-    def _claim(self, held: _Held | None) -> int | None:
-        """The lease of `held` to release now, its batch marked released; None when it was
-        kept or released already. A batch the trainer dropped is released unless it was kept."""
+        From the mark to the lease in `_pending`: stores only, no call (nor a return, where
+        3.10 checks for signals): a lease marked and not queued would never be released."""
         if held is None or held.done:
-            return None
+            return
         b = held.ref()
         if b is None:
             if held.lease in self._kept_leases:
-                return None  # kept: its finalizer queues it (`_drain_dropped`)
+                return  # kept: its finalizer queues it (`_drain_dropped`)
         elif b._kept or b._released:
-            return None
+            return
         else:
             b._released = True
             if b._kept:
                 # keep() from a signal handler that interrupted this call (it takes no lock)
                 # between the check and the mark: the batch is kept after all.
                 b._released = False
-                return None
+                return
         held.done = True
-        return held.lease
+        self._pending += [held.lease]
+
+    def _drain_dropped(self) -> None:
+        """Kept batches garbage-collected before release(), or released from another thread
+        while this stream was busy: their leases go with the next request, and no longer keep
+        the stream from asking ahead.
+
+        One lease at a time, with no call from reading it to deleting it (`+=`, ``-=`` and
+        ``del`` are no calls): a handler's exception lands between two leases only. Before, one
+        that struck as ``popleft()`` returned lost the lease, and left it kept: the stream
+        never asked ahead again."""
+        while self._dropped:
+            lease = self._dropped[0]
+            if lease in self._kept_leases:  # else released meanwhile (or the stream closed)
+                self._kept_leases -= {lease}
+                if self._held is not None and self._held.lease == lease:
+                    self._held = None  # its release is this one
+                self._pending += [lease]
+            del self._dropped[0]
 
     def _send_next(self, prev: _Held | None, timeout: float | None = None, *, ahead: bool = False) -> None:
         """Asks for the next batches, releasing `prev` (unless it was kept) and the batches
@@ -1246,18 +1248,32 @@ class Stream(_StreamBase[Batch]):
         self._check_process()
         # A `next` in another thread may wait, holding the stream, for the memory a kept batch
         # holds: while it does, it takes the release over (`_next_answer_polling`).
-        while not self._lock.acquire(timeout=_HANDOFF_POLL):
-            if batch._kept and (self._waiting or self._lock.held_here()):
-                self._hand_over(batch)
+        raw = self._lock.raw
+        while True:
+            if raw._is_owned():  # type: ignore[attr-defined]
+                # A signal handler that interrupted this thread's own call: waiting would never
+                # end. A kept batch goes through that call; one not kept is released with the
+                # next request anyway.
+                if batch._kept:
+                    self._hand_over(batch)
                 return
-            if self._lock.held_here():
-                # A signal handler that interrupted this thread's own call: a batch not kept
-                # is released with the next request anyway; waiting here would never end.
+            # A bounded wait: not a `with` (see `_types._OwnedLock`), so a lock the acquire
+            # took as an exception struck its return is let go here.
+            try:
+                taken = raw.acquire(True, _HANDOFF_POLL)
+            except BaseException:
+                if raw._is_owned():  # type: ignore[attr-defined]
+                    raw.release()
+                raise
+            if taken:
+                break
+            if batch._kept and self._waiting:
+                self._hand_over(batch)
                 return
         try:
             self._release_locked(batch)
         finally:
-            self._lock.release()
+            raw.release()
 
     def _hand_over(self, batch: Batch) -> None:
         """Releases kept `batch` through the `next` that waits in another thread (it sends the
@@ -1266,8 +1282,10 @@ class Stream(_StreamBase[Batch]):
             if batch._released:
                 return
             batch._released = True
+            # Still kept: `_drain_dropped` releases it. Queued with the mark (the append is
+            # the last call here): an interrupt between the two would lose the lease.
+            self._dropped.append(batch.lease)
         batch._let_go()
-        self._dropped.append(batch.lease)  # still kept: `_drain_dropped` releases it
 
     def _release_locked(self, batch: Batch) -> None:
         if batch._released:
@@ -1278,24 +1296,30 @@ class Stream(_StreamBase[Batch]):
             if "next" not in self._inflight:
                 self._settle()
             self._gpu_done()
+        lease = batch.lease
         with self._mark:
             # Checked and marked here: a `next` in another thread may be releasing it
             # automatically, or may have taken it over (a lease released twice would be
-            # refused as unknown).
+            # refused as unknown). From the mark to the lease in `_pending`: stores only, no
+            # call (a lease marked and not queued would never be released).
             if batch._released:
                 return
             batch._released = True
-        self._kept_leases.discard(batch.lease)
+            self._kept_leases -= {lease}
+            # The auto-release of the batch handed out last, or of the one before a batch
+            # taken and not handed out, must not release it again (once it is dropped too).
+            if self._held is not None and self._held.lease == lease:
+                self._held.done = True
+            if (taken := self._unclaimed) is not None and taken[2] is not None and taken[2].lease == lease:
+                taken[2].done = True
+            if not self._closed:
+                self._pending += [lease]  # until it went out: else the next request carries it
         batch._let_go()
-        if self._closed:
+        if self._closed or lease not in self._pending:
             return  # closing the connection released it
-        if self._held is not None and self._held.ref() is batch:
-            self._held = None
-        if "next" in self._inflight:
-            # Behind the request in flight: its answer is read when it comes.
-            self._send({"op": "release", "lease": batch.lease})
-            return
-        self._reply({"op": "release", "lease": batch.lease}, "released")
+        self._send_release(self._pending.index(lease))
+        if "next" not in self._inflight:
+            self._settle()  # its answer (behind a request in flight, read when it comes)
 
     def _gpu_done(self) -> None:
         """Before a CUDA batch is released: wait for the GPU work queued so far, which may
@@ -1306,6 +1330,8 @@ class Stream(_StreamBase[Batch]):
     def _state(self) -> dict[str, Any]:
         # The state after the last batch handed to the trainer (or the one attach started
         # from), as the batch replies carry it: no request.
+        if self._unclaimed is not None:
+            return self._state_in_handler()  # the state before the batch not yet returned
         if self._resume_raw is not None:
             self._resume, self._resume_raw = _binary.decode_state(self._resume_raw), None
         return dict(self._resume)
@@ -1313,17 +1339,19 @@ class Stream(_StreamBase[Batch]):
     def _state_snapshot(self) -> dict[str, Any] | bytes:
         # The state's JSON bytes while they are not decoded yet: a copy of a position, kept
         # per batch by shardwire.torch, decoded only when a checkpoint asks for it.
+        if self._unclaimed is not None:
+            return self._snapshot_in_handler()
         return self._resume_raw if self._resume_raw is not None else dict(self._resume)
 
     def _state_in_handler(self) -> dict[str, Any]:
         # No request: the state is here. Decoded without storing it (the interrupted call may
-        # be setting it), and the trainer's: the one before the batch that call is taking.
+        # be setting it), and the trainer's: the one before a batch not yet returned.
         resume, raw = self._trainer_state()
         return _binary.decode_state(raw) if raw is not None else dict(resume)
 
     def _state_when_closed(self) -> dict[str, Any]:
         # Held here, not asked of the node: exact after a lost connection or a reply that could
-        # not be read too (the batch a failed hand-out took is not counted, see `_hand_out`).
+        # not be read too (a batch taken and not returned is not counted, see `_unclaimed`).
         return self._state_in_handler()
 
     def _snapshot_in_handler(self) -> dict[str, Any] | bytes:
@@ -1331,10 +1359,18 @@ class Stream(_StreamBase[Batch]):
         return raw if raw is not None else dict(resume)
 
     def _trainer_state(self) -> tuple[dict[str, Any], bytes | None]:
-        """(`_resume`, `_resume_raw`) of the last batch handed to the trainer: while a call
-        takes the next one, as they were before it (`_given`)."""
-        given = self._given
-        return given if given is not None else (self._resume, self._resume_raw)
+        """(`_resume`, `_resume_raw`) of the last batch handed to the trainer: while a batch
+        is taken and not yet returned (`_unclaimed`), as they were before it."""
+        taken = self._unclaimed
+        return taken[1] if taken is not None else (self._resume, self._resume_raw)
+
+    def _left(self) -> None:
+        # A batch taken and not returned lets go of its stream while it waits (`_take` sets it
+        # again): held by the stream, it would make a reference cycle, and a stream dropped now
+        # would keep its connection until the garbage collector found it.
+        taken = self._unclaimed
+        if taken is not None:
+            taken[0]._stream = None  # type: ignore[assignment]
 
     @property
     def region(self) -> Any:
@@ -1359,8 +1395,11 @@ class Stream(_StreamBase[Batch]):
         self._finalizer.detach()
         self._held = None
         # A batch taken and not handed out holds views of the region: dropped, so that the
-        # mapping goes now (unless the trainer still holds batches of its own).
-        self._unclaimed = None
+        # mapping goes now (unless the trainer still holds batches of its own), and the state
+        # is the one before it. No local holds it: the release below would find views alive.
+        if self._unclaimed is not None:
+            self._resume, self._resume_raw = self._unclaimed[1]
+            self._unclaimed = None
         self._inflight.clear()
         self._pending.clear()
         self._conn.close()

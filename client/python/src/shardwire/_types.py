@@ -261,47 +261,62 @@ class _OwnedLock:
     ``release()`` there must not wait for a lock its own thread holds, which would never come
     back (see :meth:`_StreamBase.close`).
 
-    An ``RLock`` for its owner, which CPython records inside the acquire itself: an owner
-    kept beside a plain lock was set a few bytecodes after the acquire returned, and a
-    handler that ran in between waited for ever. It is never taken twice by one thread: a
-    second try there fails as a plain lock's would, and a second wait, which hung on a plain
-    lock, is refused."""
+    An ``RLock`` (:attr:`raw`) for its owner, which CPython records inside the acquire
+    itself: an owner kept beside a plain lock was set a few bytecodes after the acquire
+    returned, and a handler that ran in between waited for ever. It is never taken twice by
+    one thread: :meth:`refuse_here` comes first, and refuses a second wait (which hung on a
+    plain lock, and would take an ``RLock`` again: two calls at once on one connection).
 
-    __slots__ = ("_lock",)
+    **Taken as** ``lock.refuse_here()`` **then** ``with lock.raw:``: the ``with`` statement
+    calls the RLock's own C ``__enter__`` and ``__exit__``, with no Python frame around the
+    acquire or the release. CPython raises a signal handler's exception at a Python
+    function's entry and right after a C call returns (3.10 also right after a Python call
+    returns). A Python ``__enter__`` struck right after its acquire returned left the lock
+    held (the ``with`` never entered, so never left); a Python ``__exit__`` struck at its
+    entry did too: every later call of that thread was refused as a second wait, and its
+    ``close()`` only shut the socket down. Where a wait for it cannot be a ``with`` (a try
+    without waiting, a bounded wait), the caller releases it in its ``except`` when the
+    acquire's own return was struck (see :meth:`locked`).
+
+    What remains: the ``with``'s release is a call, and an exception can land as it returns
+    (the lock is free then; a batch the call took stays the stream's, see
+    ``_StreamBase._next``); and CPython 3.14 before the fix of gh-148874 calls ``__enter__``
+    through an ordinary call, checking for signals as it returns, where an exception leaves
+    the lock held."""
+
+    __slots__ = ("raw",)
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        #: The lock itself: take it with ``with lock.raw:``, after :meth:`refuse_here`.
+        self.raw = threading.RLock()
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self.held_here():
-            # Not taken, as a plain lock its own thread holds is not; a wait for it would
-            # never end, so that is refused.
-            if not blocking or timeout >= 0:
-                return False
+    def refuse_here(self) -> None:
+        """RuntimeError when the calling thread holds the lock already: a signal handler that
+        interrupted its own call. The wait would never end on a plain lock, and would take
+        the RLock a second time."""
+        if self.raw._is_owned():  # type: ignore[attr-defined]
             raise RuntimeError("the stream's lock is taken twice by one thread")
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
 
     def held_here(self) -> bool:
         """True when the calling thread holds it."""
-        return self._lock._is_owned()  # type: ignore[attr-defined]
+        return self.raw._is_owned()  # type: ignore[attr-defined]
 
     def locked(self) -> bool:
         """True when any thread holds it."""
-        if self.held_here():
+        raw = self.raw
+        if raw._is_owned():  # type: ignore[attr-defined]
             return True
-        if self._lock.acquire(blocking=False):
-            self._lock.release()
-            return False
-        return True
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *_: object) -> None:
-        self.release()
+        try:
+            free = raw.acquire(False)
+        except BaseException:
+            # Struck as the acquire returned: if it took the lock (this thread did not hold it
+            # before), it is let go.
+            if raw._is_owned():  # type: ignore[attr-defined]
+                raw.release()
+            raise
+        if free:
+            raw.release()
+        return not free
 
 
 class _StreamBase(Generic[_BatchT]):
@@ -328,6 +343,10 @@ class _StreamBase(Generic[_BatchT]):
         self._closed = False
         self._closed_why = "the stream was closed"
         self._ended = False
+        #: A batch a call took and has not returned yet (a transport's record of it, or None):
+        #: an exception that strikes before the call returns leaves it here, and the next call
+        #: hands it out. `next` clears it as it returns (see `_next`).
+        self._unclaimed: Any = None
         self.info = info
         #: The process that opened it (see `_check_process`).
         self._pid = os.getpid()
@@ -381,20 +400,50 @@ class _StreamBase(Generic[_BatchT]):
 
     def next(self, timeout: float | None = None) -> _BatchT | None:
         """The next batch in plan order, or None when every epoch was delivered."""
+        b = self._next(timeout)
+        self._unclaimed = None  # the caller's from here (see `_next`)
+        return b
+
+    def _next(self, timeout: float | None) -> _BatchT | None:
+        """:meth:`next` but its last step: the batch, still `_unclaimed`. The caller clears
+        that as it returns the batch (a store, then the return: no call in between).
+
+        An exception can strike after the batch was taken: as `_take` returns (3.10), or as
+        the lock's release returns (the ``with``'s ``__exit__`` is a call). It leaves the batch
+        `_unclaimed`, and the next call hands it out (``state_dict()`` names the position
+        before it until then). Unavoidable: one that strikes in the caller's frame as
+        :meth:`next` returns (3.10, where the return of a Python call checks for signals; or
+        a call through the C ``builtins.next``) loses the batch the stream handed out; and a
+        second thread that takes a batch between the release and the clear (batches are
+        taken from one thread) gets the same batch."""
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be >= 0, not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None  # waits as long as it takes
         self._check_process()
-        with self._lock:
-            self._check_open()
-            if self._ended:
-                return None
-            return self._take(timeout)
+        self._lock.refuse_here()  # then the C lock itself: no Python frame around it
+        try:
+            with self._lock.raw:
+                self._check_open()
+                if self._ended:
+                    self._after_end()
+                    return None
+                return self._take(timeout)
+        except BaseException:
+            self._left()
+            raise
 
     def _take(self, timeout: float | None) -> _BatchT | None:
         """The next batch, or None (setting ``_ended``) at the end; `timeout` as in :meth:`next`."""
         raise NotImplementedError
+
+    def _after_end(self) -> None:
+        """A call after the end (lock held): what an exception left undone of the end's work
+        (nothing by default)."""
+
+    def _left(self) -> None:
+        """A call raised, maybe leaving a batch `_unclaimed` (lock released): nothing by
+        default."""
 
     def state_dict(self) -> dict[str, Any]:
         """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
@@ -419,7 +468,7 @@ class _StreamBase(Generic[_BatchT]):
         self._check_process()
         if self._in_handler():
             return self._state_when_closed() if self._closed else self._state_in_handler()
-        with self._lock:
+        with self._lock.raw:  # not held here (just checked): no second wait
             return self._state_when_closed() if self._closed else self._state()
 
     def _state(self) -> dict[str, Any]:
@@ -444,7 +493,7 @@ class _StreamBase(Generic[_BatchT]):
         if self._in_handler():
             self._check_open()
             return self._snapshot_in_handler()
-        with self._lock:
+        with self._lock.raw:
             self._check_open()
             return self._state_snapshot()
 
@@ -474,20 +523,35 @@ class _StreamBase(Generic[_BatchT]):
             self._closed = True
             self._drop_in_child()
             return
-        if not self._lock.acquire(blocking=False):
+        raw = self._lock.raw
+        if raw._is_owned():  # type: ignore[attr-defined]
+            # A signal handler that interrupted this thread's own call: waiting would never
+            # end. That call is woken, and closes the stream.
             self._interrupted = True
             self._interrupt()
-            if self._lock.held_here():
-                return  # waiting would never end: this thread's own call holds the lock
-            try:
-                self._lock.acquire()
-            except BaseException:
-                self._interrupted = False  # a KeyboardInterrupt while waiting: still open
-                raise
+            return
         try:
-            self._close_locked()
-        finally:
-            self._lock.release()
+            free = raw.acquire(False)
+        except BaseException:
+            if raw._is_owned():  # type: ignore[attr-defined]  # struck as the acquire returned
+                raw.release()
+            raise
+        if free:
+            try:
+                self._close_locked()
+            finally:
+                raw.release()
+            return
+        # Another thread's call holds it: woken, it ends at once.
+        self._interrupted = True
+        self._interrupt()
+        try:
+            with raw:
+                self._close_locked()
+        except BaseException:
+            if not self._closed:
+                self._interrupted = False  # a KeyboardInterrupt while waiting: still open
+            raise
 
     def _drop_in_child(self) -> None:
         """Closes this (forked) process's copy of the connection, telling the service nothing
@@ -519,13 +583,24 @@ class _StreamBase(Generic[_BatchT]):
         return self
 
     def __next__(self) -> _BatchT:
-        # `next()` without its argument check: once per step of a training loop.
+        # `next()` without its argument check: once per step of a training loop. As `_next`
+        # and `next` together (the same steps: see there).
         self._check_process()
-        with self._lock:
-            self._check_open()
-            b = None if self._ended else self._take(None)
+        self._lock.refuse_here()
+        try:
+            with self._lock.raw:
+                self._check_open()
+                if self._ended:
+                    self._after_end()
+                    b = None
+                else:
+                    b = self._take(None)
+        except BaseException:
+            self._left()
+            raise
         if b is None:
             raise StopIteration
+        self._unclaimed = None  # the caller's from here
         return b
 
     def __enter__(self: _S) -> _S:
