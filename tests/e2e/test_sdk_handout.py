@@ -9,10 +9,15 @@ socketpair (the test plays the node), when an exception strikes part way or the 
   exception at a Python function's entry and right after a C function returns (3.10 also
   right after a Python function returns); a profile hook raises KeyboardInterrupt at each such
   point of one `next()` (or `__next__()`) in turn, a fresh stream each time: its `call`,
-  `return` and `c_return` events, which take in the stream lock's release (the C ``RLock``'s
-  ``__exit__``; its acquire, the ``with``'s own C call, has none). Not covered, because not
-  achievable: the return of `next()` itself, where on 3.10 the exception lands in the
-  caller's frame (the batch is the caller's then, and lost with that frame);
+  `return` and `c_return` events, which take in the stream lock's acquire and release (the C
+  ``RLock``'s). A batch left taken that way does not hold its stream while it waits. Not
+  covered, because not achievable: the return of `next()` itself, where on 3.10 the
+  exception lands in the caller's frame (the batch is the caller's then, and lost with that
+  frame);
+- another thread's close() or next() right after a `next()` let go of the stream's lock,
+  before it returned its batch, takes nothing back: the batch stays the one `next()` returns;
+- an interrupt anywhere in a call that takes the lock (close() too) leaves a close() that
+  closes the connection;
 - the release paths an interrupt used to cut between marking a lease and sending it (the
   release of the batch before one handed out while batches are kept, `Batch.release()`, a
   kept batch's release handed over to the call that holds the stream, the releases at the
@@ -27,9 +32,11 @@ socketpair (the test plays the node), when an exception strikes part way or the 
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from itertools import count
 from typing import Any
@@ -82,6 +89,10 @@ def interrupted_at(call: Callable[..., Any], point: int, struck: list[str], **kw
             struck.append(f"{event} of {name}")
             raise KeyboardInterrupt(f"injected at point {point}: {struck[-1]}")
 
+    # No cyclic garbage collection meanwhile: a finalizer it ran (of an object an earlier
+    # point left in a cycle) would take the interrupt and swallow it, ending the sweep early.
+    collecting = gc.isenabled()
+    gc.disable()
     sys.setprofile(hook)
     try:
         return call(**kw)
@@ -89,6 +100,8 @@ def interrupted_at(call: Callable[..., Any], point: int, struck: list[str], **kw
         return "interrupted"
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
 
 
 def released_leases(sent: list[dict[str, Any]]) -> list[int]:
@@ -133,7 +146,9 @@ def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario, call):
     dropped and the next call waiting for ever), or handed a batch out twice; one as
     `_consume` returned (3.10) lost it; one at the stream lock's Python ``__exit__`` left the
     lock held (every later call raised RuntimeError, ``close()`` left the stream open) and
-    ``state_dict()`` past batch 1; one as ``RLock.__exit__`` returned lost batch 1."""
+    ``state_dict()`` past batch 1; one as ``RLock.__exit__`` returned lost batch 1; one as
+    `_next` returned into `next` (3.10) left batch 1 holding its stream (a stream dropped
+    then kept its connection until the garbage collector ran)."""
     send, leases, setup = SCENARIOS[scenario]
     struck: list[str] = []
     for point in count(1):
@@ -158,6 +173,8 @@ def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario, call):
                 where = f"after an interrupt at point {point} ({struck[-1]})"
                 assert not s._lock.locked(), f"{where}: the stream's lock is still held"
                 assert s.state_dict()["index"] == 1, f"{where}: the state moved past batch 1, not handed out"
+                left = s._unclaimed
+                assert left is None or left.batch._stream is None, f"{where}: the batch left taken holds its stream"
                 if s.closed:
                     assert _wire.TORN in s._closed_why, f"{where}: closed: {s._closed_why}"
                     continue
@@ -174,16 +191,20 @@ def test_an_interrupt_anywhere_in_a_hand_out_consumes_nothing(scenario, call):
             s.close()
             node.close()
     assert point > 20, f"only {point} interrupt points: the hook did not see the hand-out"
-    for what in ("c_return of RLock.__exit__", "return of _take", "return of _hand_out"):
+    points = ["c_return of RLock.acquire", "c_return of RLock.release", "return of _take", "return of _hand_out"]
+    for what in points + ["return of _next"] * (call == "next"):
         assert what in struck, f"the sweep never struck at the {what}: {sorted(set(struck))}"
 
 
 @pytest.mark.parametrize("call", ["state_dict", "keep", "release", "close"])
 def test_an_interrupt_anywhere_in_a_call_that_takes_the_lock_leaves_it_free(call):
     """For each interrupt point of a call that takes the stream's lock: once it raised, the lock
-    is free and `close()` closes the stream. Before, one as the lock's acquire returned inside
-    the Python ``__enter__`` (or a Python ``acquire``) left it held: the thread's every later
-    call was refused as a second wait, and its `close()` returned with the stream open."""
+    is free and `close()` closes the stream and its connection. Before, one as the lock's
+    acquire returned inside the Python ``__enter__`` (or a Python ``acquire``) left it held:
+    the thread's every later call was refused as a second wait, and its `close()` returned
+    with the stream open; and a `close()` struck after it marked the stream closed, before it
+    closed the connection, left the connection open for good (a later `close()` returned at
+    once)."""
     struck: list[str] = []
     for point in count(1):
         assert point < MAX_POINTS, "the sweep never ended"
@@ -201,10 +222,87 @@ def test_an_interrupt_anywhere_in_a_call_that_takes_the_lock_leaves_it_free(call
                 assert not s._lock.locked(), f"{where}: the stream's lock is still held"
                 s.close()
                 assert s.closed, f"{where}: close() left the stream open"
+                assert closes(node, wait=2), f"{where}: close() left the connection open"
         finally:
             s.close()
             node.close()
     assert any("acquire" in w or "__exit__" in w for w in struck), f"the sweep never struck at the lock: {sorted(set(struck))}"
+
+
+@pytest.mark.parametrize("a_raises", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("other", ["close", "next", "fails"])
+def test_another_threads_call_as_next_lets_go_of_the_lock_takes_nothing_back(other, a_raises, monkeypatch):
+    """Thread A's `next()` takes batch 1 and is paused right after it let go of the stream's
+    lock (a profile hook at the lock's release: a thread switch there); thread B (the test)
+    then calls close(), next(), or a next() that raises at once (a bad timeout).
+
+    Where A returns batch 1, batch 1 stays A's: after close(), `state_dict()` names the
+    position after it; B's `next()` gets batch 2; B's failed call leaves A's batch alone.
+    Before, close() rolled the state back to before batch 1 (a resume delivered it twice),
+    B's `next()` handed batch 1 out a second time, and B's failed call took the stream from
+    A's batch (its keep() and release() then failed). Where A raises (an interrupt after the
+    hand-out, here at `_build_ahead`'s entry), batch 1 is not A's: close() rolls the state
+    back to before it, and B's `next()` (the next one, after a failed call) gets it."""
+    s, node = attached()
+    try:
+        node.sendall(batch(0))
+        assert s.next(timeout=5).lease == 1
+        if a_raises:
+            interrupt_once(monkeypatch, _client.Stream, "_build_ahead")
+            node.sendall(batch(1, MORE) + batch(2))  # the first of a group: the rest is built
+        else:
+            node.sendall(batch(1) + batch(2))  # batch 2: the answer to the request A sends ahead
+        raw, paused, go, got = s._lock.raw, threading.Event(), threading.Event(), []
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            # The lock's release returned (`release`; a `with`'s `__exit__` before): B runs.
+            released = event == "c_return" and getattr(arg, "__self__", None) is raw
+            if released and arg.__name__ in ("release", "__exit__") and not paused.is_set():
+                paused.set()
+                go.wait(10)
+
+        def thread_a() -> None:
+            sys.setprofile(hook)
+            try:
+                got.append(s.next(timeout=5))
+            except KeyboardInterrupt:
+                got.append(None)
+            finally:
+                sys.setprofile(None)
+
+        a = threading.Thread(target=thread_a)
+        a.start()
+        try:
+            assert paused.wait(10), "thread A never let go of the stream's lock"
+            with bounded(20):
+                if other == "close":
+                    s.close()
+                elif other == "next":
+                    b = s.next(timeout=5)
+                else:
+                    with pytest.raises(ValueError):
+                        s.next(timeout=-1)
+        finally:
+            go.set()
+            a.join(10)
+        assert not a.is_alive() and len(got) == 1, f"thread A's next() did not end: {got}"
+        if not a_raises:
+            assert (got[0].lease, got[0].index) == (2, 1), f"thread A got {got[0]}"
+            assert got[0]._stream is s, "B's call took the stream from A's batch"
+        else:
+            assert got == [None], "A's next() raised"
+        if other == "close":
+            want = 1 if a_raises else 2
+            assert s.state_dict()["index"] == want, f"state_dict() after close() is not at index {want}"
+            return
+        if other == "fails":
+            b = s.next(timeout=5)
+        want = (2, 1) if a_raises else (3, 2)  # batch 1 if A left it, else batch 2
+        assert (b.lease, b.index) == want, f"thread B got {b}, not lease {want[0]}"
+        assert b._stream is s and s._unclaimed is None and s.state_dict()["index"] == want[1] + 1
+    finally:
+        s.close()
+        node.close()
 
 
 def interrupt_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:

@@ -322,8 +322,7 @@ class Batch(_BatchBase):
             # without it is safe: the call claims the batch for release by checking `_kept`
             # both before and after it marks it released (see `Stream._defer_release`).
             return self._keep()
-        with s._lock.raw:  # not while another thread's `next` releases it (not held here: checked)
-            return self._keep()
+        return s._lock.run(self._keep)  # not while another thread's `next` releases it
 
     def _keep(self) -> Batch:
         s = self._stream
@@ -555,6 +554,24 @@ class _Held:
         self.done = False
 
 
+class _Taken:
+    """A batch a `next` took and has not returned yet (``Stream._unclaimed``)."""
+
+    __slots__ = ("batch", "before", "prev", "thread", "out")
+
+    def __init__(self, b: Batch, before: tuple[dict[str, Any], bytes | None], prev: _Held | None) -> None:
+        self.batch = b
+        #: The stream's (`_resume`, `_resume_raw`) before it.
+        self.before = before
+        #: The batch handed out before it: the trainer's until this one is handed out.
+        self.prev = prev
+        #: The thread whose call takes it.
+        self.thread = threading.get_ident()
+        #: Set as that call has taken it whole, with the lock held: from then on it returns
+        #: the batch (unless an exception strikes on the way, see `Stream._left`).
+        self.out = False
+
+
 def _shut_dropped(sock: socket.socket, pid: int, _how: int = socket.SHUT_RDWR) -> None:
     """The finalizer of a stream dropped without close(): shuts its connection down, so the
     node sees it end at once even while a process forked since holds a copy of the socket (a
@@ -642,14 +659,14 @@ class Stream(_StreamBase[Batch]):
         #: The connection loss that the request sent ahead of time after the last batch of an
         #: answer met: that batch was handed out; the next call raises this (see `_ask_ahead`).
         self._lost: ConnectionClosed | None = None
-        #: The batch a call took (`_hand_out`) and has not returned yet: (the batch, the
-        #: state before it, the batch before it as `_Held`). Set as the batch is taken (its
-        #: state is then `_resume`), cleared as `next` returns it (`_StreamBase._next`). An
-        #: exception that strikes in between (an interrupt while the release that goes with it
-        #: is sent, or as the lock is let go) leaves it here: the next call hands it out, and
-        #: until then the trainer's state is the one before it (`_trainer_state`). The batch
-        #: before it is the trainer's until then (released with that hand-out unless it was).
-        self._unclaimed: tuple[Batch, tuple[dict[str, Any], bytes | None], _Held | None] | None = None
+        #: The batch a call took (`_hand_out`) and has not returned yet. Set as the batch is
+        #: taken (its state is then `_resume`), cleared as `next` returns it
+        #: (`_StreamBase.next`). An exception that strikes in between (an interrupt while the
+        #: release that goes with it is sent, or as the lock is let go) leaves it here: the
+        #: next call hands it out, and until then the trainer's state is the one before it
+        #: (`_trainer_state`). The batch before it is the trainer's until then (released with
+        #: that hand-out unless it was).
+        self._unclaimed: _Taken | None = None
         #: Shuts the connection down if the stream is dropped without close() (see
         #: `_shut_dropped`); detached at close.
         self._finalizer = weakref.finalize(self, _shut_dropped, conn.sock, self._pid)
@@ -892,23 +909,30 @@ class Stream(_StreamBase[Batch]):
         :meth:`state_dict` still resumes).
         """
         # `_StreamBase.next`'s steps, not a call of it: on 3.10 an exception can strike as a
-        # Python call returns, and `_unclaimed` is cleared in the frame that returns to the
-        # caller (see `_StreamBase._next`).
-        b = self._next(timeout)
+        # Python call returns, and `_unclaimed` is cleared (or left) in the frame that returns
+        # to the caller (see there).
+        try:
+            b = self._next(timeout)
+        except BaseException:
+            self._left()
+            raise
         self._unclaimed = None
         return b
 
     def _take(self, timeout: float | None) -> Batch | None:
         """The next batch, on an open stream that has not ended (lock held); it stays
         `_unclaimed` until `next` returns it."""
-        if self._unclaimed is not None:
+        taken = self._unclaimed
+        if taken is not None and not self._returned(taken):
             # Taken by a call that raised before it returned it: handed out now (its state is
             # `_resume` already). The batch before it goes too, unless it was released
             # already (a second claim is a no-op, see `_defer_release`).
-            b, _, prev = self._unclaimed
-            self._defer_release(prev)
-            b._stream = self  # let go of while it waited (see `_left`)
-            return b
+            taken.thread = threading.get_ident()  # this call's: a late `_left` of the other leaves it be
+            self._defer_release(taken.prev)
+            taken.batch._stream = self  # let go of while it waited (see `_left`)
+            taken.out = True
+            return taken.batch
+        self._unclaimed = None  # (a batch another thread's call is returning: that call's)
         if self._lost is not None:
             # The request ahead of time after the batch handed out last could not be sent.
             lost, self._lost = self._lost, None
@@ -1048,7 +1072,7 @@ class Stream(_StreamBase[Batch]):
         # answer stays on the connection (see `_read`).
         b, state = self._batch(msg)
         held, more = _Held(b), bool(msg.get("more"))
-        taken = (b, (self._resume, self._resume_raw), self._held)
+        taken = _Taken(b, (self._resume, self._resume_raw), self._held)
         # The hand-out: the answer taken (the `next` too unless `more` answers follow), then
         # stores only, with no call from the first deletion to the last store (not even
         # `_consume`'s return, where 3.10 checks for signals): no handler's exception lands in
@@ -1065,7 +1089,8 @@ class Stream(_StreamBase[Batch]):
         # next call hands it out. Nor does it cost `taken`'s batch before it (`prev`): struck
         # before it was claimed (while the group was built), it stays the trainer's until `b`
         # is handed out, and is released then (claimed already, it is done: nothing more).
-        self._after_take(msg, taken[2])
+        self._after_take(msg, taken.prev)
+        taken.out = True  # taken whole: `next` returns it from here (see `_Taken.out`)
         return b
 
     def _after_take(self, msg: dict[str, Any], prev: _Held | None) -> None:
@@ -1257,8 +1282,8 @@ class Stream(_StreamBase[Batch]):
                 if batch._kept:
                     self._hand_over(batch)
                 return
-            # A bounded wait: not a `with` (see `_types._OwnedLock`), so a lock the acquire
-            # took as an exception struck its return is let go here.
+            # A bounded wait: not `run` (see `_types._OwnedLock`), so a lock the acquire took
+            # as an exception struck its return is let go here.
             try:
                 taken = raw.acquire(True, _HANDOFF_POLL)
             except BaseException:
@@ -1310,8 +1335,8 @@ class Stream(_StreamBase[Batch]):
             # taken and not handed out, must not release it again (once it is dropped too).
             if self._held is not None and self._held.lease == lease:
                 self._held.done = True
-            if (taken := self._unclaimed) is not None and taken[2] is not None and taken[2].lease == lease:
-                taken[2].done = True
+            if (taken := self._unclaimed) is not None and taken.prev is not None and taken.prev.lease == lease:
+                taken.prev.done = True
             if not self._closed:
                 self._pending += [lease]  # until it went out: else the next request carries it
         batch._let_go()
@@ -1362,15 +1387,23 @@ class Stream(_StreamBase[Batch]):
         """(`_resume`, `_resume_raw`) of the last batch handed to the trainer: while a batch
         is taken and not yet returned (`_unclaimed`), as they were before it."""
         taken = self._unclaimed
-        return taken[1] if taken is not None else (self._resume, self._resume_raw)
+        return taken.before if taken is not None else (self._resume, self._resume_raw)
+
+    def _returned(self, taken: _Taken) -> bool:
+        """True when another thread's `next` has taken `taken` whole and is returning it (it let
+        go of the lock, and has not cleared `_unclaimed` yet): the trainer's. Not in this
+        thread: a signal handler that interrupted its own `next` on the way out."""
+        return taken.out and taken.thread != threading.get_ident()
 
     def _left(self) -> None:
-        # A batch taken and not returned lets go of its stream while it waits (`_take` sets it
-        # again): held by the stream, it would make a reference cycle, and a stream dropped now
-        # would keep its connection until the garbage collector found it.
+        # Only a batch this thread's call took: another thread's may be returning its own.
         taken = self._unclaimed
-        if taken is not None:
-            taken[0]._stream = None  # type: ignore[assignment]
+        if taken is not None and taken.thread == threading.get_ident():
+            taken.out = False  # not returned: the next call hands it out
+            # It lets go of its stream while it waits (`_take` sets it again): held by the
+            # stream, it would make a reference cycle, and a stream dropped now would keep its
+            # connection until the garbage collector found it.
+            taken.batch._stream = None  # type: ignore[assignment]
 
     @property
     def region(self) -> Any:
@@ -1382,7 +1415,8 @@ class Stream(_StreamBase[Batch]):
     def close(self) -> None:
         """Closes the stream: the service releases every lease it holds. Arrays of its batches
         stay mapped (memory-safe) until they are garbage-collected, but their contents are no
-        longer guaranteed. Idempotent. In a process forked after the open it closes only this
+        longer guaranteed. Idempotent; one an exception cut short (a KeyboardInterrupt) is
+        finished by the next. In a process forked after the open it closes only this
         process's copy of the connection (a shutdown would end the parent's stream)."""
         super().close()
 
@@ -1391,18 +1425,23 @@ class Stream(_StreamBase[Batch]):
         self._conn.sock.close()  # no shutdown: the parent's connection stays
 
     def _shutdown(self, notify: bool) -> None:
-        # Closing the connection is what tells the service (when it is still there).
-        self._finalizer.detach()
+        # Closing the connection is what tells the service (when it is still there). Each step
+        # is a no-op when run again (after an exception cut a close() short).
         self._held = None
         # A batch taken and not handed out holds views of the region: dropped, so that the
         # mapping goes now (unless the trainer still holds batches of its own), and the state
         # is the one before it. No local holds it: the release below would find views alive.
+        # One another thread's `next` is returning is the trainer's: its state stays.
         if self._unclaimed is not None:
-            self._resume, self._resume_raw = self._unclaimed[1]
+            if not self._returned(self._unclaimed):
+                self._resume, self._resume_raw = self._unclaimed.before
             self._unclaimed = None
         self._inflight.clear()
         self._pending.clear()
         self._conn.close()
+        self._finalizer.detach()  # after the close: a stream dropped before it still shuts down
+        if self._region is None:
+            return  # unmapped already (run again)
         if self._cuda is not None:
             # Unmapped when the last CudaTensor (or DLPack consumer of one) is gone, not now.
             self._cuda = self._region = self._base = None

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -173,6 +173,7 @@ def _sized_dtype(v: TensorView) -> np.dtype[Any]:
 _B = TypeVar("_B", bound="_BatchBase")
 _S = TypeVar("_S", bound="_StreamBase[Any]")
 _BatchT = TypeVar("_BatchT", bound="_BatchBase")
+_T = TypeVar("_T")
 
 
 class _BatchBase(ArrowExport, Mapping[str, np.ndarray]):
@@ -267,28 +268,42 @@ class _OwnedLock:
     one thread: :meth:`refuse_here` comes first, and refuses a second wait (which hung on a
     plain lock, and would take an ``RLock`` again: two calls at once on one connection).
 
-    **Taken as** ``lock.refuse_here()`` **then** ``with lock.raw:``: the ``with`` statement
-    calls the RLock's own C ``__enter__`` and ``__exit__``, with no Python frame around the
-    acquire or the release. CPython raises a signal handler's exception at a Python
+    **Taken with** :meth:`run`: the RLock's own C ``acquire`` in a ``try`` whose ``except``
+    lets go of a lock it took as an exception struck its return, then the call, then the C
+    ``release`` in a ``finally``. CPython raises a signal handler's exception at a Python
     function's entry and right after a C call returns (3.10 also right after a Python call
     returns). A Python ``__enter__`` struck right after its acquire returned left the lock
     held (the ``with`` never entered, so never left); a Python ``__exit__`` struck at its
     entry did too: every later call of that thread was refused as a second wait, and its
-    ``close()`` only shut the socket down. Where a wait for it cannot be a ``with`` (a try
-    without waiting, a bounded wait), the caller releases it in its ``except`` when the
-    acquire's own return was struck (see :meth:`locked`).
+    ``close()`` only shut the socket down. A ``with lock.raw:`` is not
+    safe either: CPython 3.14 before the fix of gh-148874 calls the C ``__enter__`` through
+    an ordinary call, checking for signals as it returns, outside the ``with``'s handler. A
+    wait that is not :meth:`run` (a try without waiting, a bounded wait) releases the lock in
+    its ``except`` when the acquire's own return was struck, as :meth:`run` does.
 
-    What remains: the ``with``'s release is a call, and an exception can land as it returns
-    (the lock is free then; a batch the call took stays the stream's, see
-    ``_StreamBase._next``); and CPython 3.14 before the fix of gh-148874 calls ``__enter__``
-    through an ordinary call, checking for signals as it returns, where an exception leaves
-    the lock held."""
+    What remains: an exception can land as the release returns (the lock is free then; a
+    batch the call took stays the stream's, see ``_StreamBase.next``)."""
 
     __slots__ = ("raw",)
 
     def __init__(self) -> None:
-        #: The lock itself: take it with ``with lock.raw:``, after :meth:`refuse_here`.
+        #: The lock itself: take it with :meth:`run`.
         self.raw = threading.RLock()
+
+    def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` with the lock held, after :meth:`refuse_here`."""
+        self.refuse_here()
+        raw = self.raw
+        try:
+            raw.acquire()
+        except BaseException:
+            if raw._is_owned():  # type: ignore[attr-defined]  # struck as the acquire returned
+                raw.release()
+            raise
+        try:
+            return fn(*args)
+        finally:
+            raw.release()
 
     def refuse_here(self) -> None:
         """RuntimeError when the calling thread holds the lock already: a signal handler that
@@ -341,11 +356,14 @@ class _StreamBase(Generic[_BatchT]):
         #: the lock.
         self._interrupted = False
         self._closed = False
+        #: True once `_shutdown` ran to its end (`_closed` is set before it starts): until
+        #: then a close() finishes it (see `close`).
+        self._shut_down = False
         self._closed_why = "the stream was closed"
         self._ended = False
         #: A batch a call took and has not returned yet (a transport's record of it, or None):
         #: an exception that strikes before the call returns leaves it here, and the next call
-        #: hands it out. `next` clears it as it returns (see `_next`).
+        #: hands it out. `next` clears it as it returns (see there).
         self._unclaimed: Any = None
         self.info = info
         #: The process that opened it (see `_check_process`).
@@ -399,39 +417,39 @@ class _StreamBase(Generic[_BatchT]):
         return Timeout(f"no batch within {timeout}s (stream {self.info.stream})")
 
     def next(self, timeout: float | None = None) -> _BatchT | None:
-        """The next batch in plan order, or None when every epoch was delivered."""
-        b = self._next(timeout)
-        self._unclaimed = None  # the caller's from here (see `_next`)
+        """The next batch in plan order, or None when every epoch was delivered.
+
+        An exception can strike after the batch was taken: as a call returns (3.10), or as
+        the lock's release returns. Caught here, in the frame that returns the batch (on 3.10
+        one that strikes as `_next` returns lands here, not in `_next`), it leaves the batch
+        `_unclaimed` (`_left`), and the next call hands it out (``state_dict()`` names the
+        position before it until then). Unavoidable: one that strikes in the caller's frame as
+        :meth:`next` returns (3.10, where the return of a Python call checks for signals; or a
+        call through the C ``builtins.next``) loses the batch the stream handed out."""
+        try:
+            b = self._next(timeout)
+        except BaseException:
+            self._left()
+            raise
+        self._unclaimed = None  # the caller's from here: a store, then the return (no call)
         return b
 
     def _next(self, timeout: float | None) -> _BatchT | None:
-        """:meth:`next` but its last step: the batch, still `_unclaimed`. The caller clears
-        that as it returns the batch (a store, then the return: no call in between).
-
-        An exception can strike after the batch was taken: as `_take` returns (3.10), or as
-        the lock's release returns (the ``with``'s ``__exit__`` is a call). It leaves the batch
-        `_unclaimed`, and the next call hands it out (``state_dict()`` names the position
-        before it until then). Unavoidable: one that strikes in the caller's frame as
-        :meth:`next` returns (3.10, where the return of a Python call checks for signals; or
-        a call through the C ``builtins.next``) loses the batch the stream handed out; and a
-        second thread that takes a batch between the release and the clear (batches are
-        taken from one thread) gets the same batch."""
+        """:meth:`next` but its last step: the batch, still `_unclaimed`."""
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be >= 0, not {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None  # waits as long as it takes
         self._check_process()
-        self._lock.refuse_here()  # then the C lock itself: no Python frame around it
-        try:
-            with self._lock.raw:
-                self._check_open()
-                if self._ended:
-                    self._after_end()
-                    return None
-                return self._take(timeout)
-        except BaseException:
-            self._left()
-            raise
+        return self._lock.run(self._next_locked, timeout)
+
+    def _next_locked(self, timeout: float | None) -> _BatchT | None:
+        """`_next` with the lock held."""
+        self._check_open()
+        if self._ended:
+            self._after_end()
+            return None
+        return self._take(timeout)
 
     def _take(self, timeout: float | None) -> _BatchT | None:
         """The next batch, or None (setting ``_ended``) at the end; `timeout` as in :meth:`next`."""
@@ -442,8 +460,8 @@ class _StreamBase(Generic[_BatchT]):
         (nothing by default)."""
 
     def _left(self) -> None:
-        """A call raised, maybe leaving a batch `_unclaimed` (lock released): nothing by
-        default."""
+        """A `next` raised, maybe leaving a batch it took `_unclaimed` (lock released):
+        nothing by default."""
 
     def state_dict(self) -> dict[str, Any]:
         """The resumable position: the service's ``state`` reply ``{epoch, index, seed,
@@ -468,8 +486,10 @@ class _StreamBase(Generic[_BatchT]):
         self._check_process()
         if self._in_handler():
             return self._state_when_closed() if self._closed else self._state_in_handler()
-        with self._lock.raw:  # not held here (just checked): no second wait
-            return self._state_when_closed() if self._closed else self._state()
+        return self._lock.run(self._state_locked)
+
+    def _state_locked(self) -> dict[str, Any]:
+        return self._state_when_closed() if self._closed else self._state()
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -493,9 +513,11 @@ class _StreamBase(Generic[_BatchT]):
         if self._in_handler():
             self._check_open()
             return self._snapshot_in_handler()
-        with self._lock.raw:
-            self._check_open()
-            return self._state_snapshot()
+        return self._lock.run(self._snapshot_locked)
+
+    def _snapshot_locked(self) -> dict[str, Any] | bytes:
+        self._check_open()
+        return self._state_snapshot()
 
     def _state_snapshot(self) -> dict[str, Any] | bytes:
         return self._state()
@@ -516,9 +538,12 @@ class _StreamBase(Generic[_BatchT]):
         thread (a SIGTERM handler while ``next`` waits), it wakes that call and returns at once;
         the woken call closes the stream and raises ``closed``. In a process forked after the
         open it lets go of this process's copy of the connection only: telling the service
-        would end the parent's stream."""
-        if self._closed:
-            return  # idempotent; and a second close() must not interrupt the first's work
+        would end the parent's stream.
+
+        A close() an exception cut short (a KeyboardInterrupt) leaves the stream closed, and
+        the next close() finishes shutting it down."""
+        if self._shut_down:
+            return  # idempotent (closed and not shut down: one cut short, finished here)
         if os.getpid() != self._pid:
             self._closed = True
             self._drop_in_child()
@@ -526,7 +551,7 @@ class _StreamBase(Generic[_BatchT]):
         raw = self._lock.raw
         if raw._is_owned():  # type: ignore[attr-defined]
             # A signal handler that interrupted this thread's own call: waiting would never
-            # end. That call is woken, and closes the stream.
+            # end. That call is woken, and closes the stream (a close() finishes itself).
             self._interrupted = True
             self._interrupt()
             return
@@ -546,8 +571,7 @@ class _StreamBase(Generic[_BatchT]):
         self._interrupted = True
         self._interrupt()
         try:
-            with raw:
-                self._close_locked()
+            self._lock.run(self._close_locked)
         except BaseException:
             if not self._closed:
                 self._interrupted = False  # a KeyboardInterrupt while waiting: still open
@@ -567,14 +591,16 @@ class _StreamBase(Generic[_BatchT]):
         return ShardwireError("closed", f"stream {self.info.stream}: {_WOKEN}")
 
     def _close_locked(self, notify: bool = True) -> None:
-        if self._closed:
+        if self._shut_down:
             return
         self._closed = True
-        self._shutdown(notify)
+        self._shutdown(notify)  # run again after one an exception cut short
+        self._shut_down = True
 
     def _shutdown(self, notify: bool) -> None:
         """Ends the transport once the stream is marked closed; `notify` is False when the
-        connection to the service has failed (there is nobody to tell)."""
+        connection to the service has failed (there is nobody to tell). Run again where an
+        exception cut it short: a step done already is a no-op the second time."""
         raise NotImplementedError
 
     # --- protocols ---------------------------------------------------------------------------
@@ -586,15 +612,8 @@ class _StreamBase(Generic[_BatchT]):
         # `next()` without its argument check: once per step of a training loop. As `_next`
         # and `next` together (the same steps: see there).
         self._check_process()
-        self._lock.refuse_here()
         try:
-            with self._lock.raw:
-                self._check_open()
-                if self._ended:
-                    self._after_end()
-                    b = None
-                else:
-                    b = self._take(None)
+            b = self._lock.run(self._next_locked, None)
         except BaseException:
             self._left()
             raise
