@@ -229,8 +229,11 @@ def test_an_interrupt_anywhere_in_a_call_that_takes_the_lock_leaves_it_free(call
     assert any("acquire" in w or "__exit__" in w for w in struck), f"the sweep never struck at the lock: {sorted(set(struck))}"
 
 
-@pytest.mark.parametrize("a_raises", [False, True], ids=["returns", "raises"])
-@pytest.mark.parametrize("other", ["close", "next", "fails"])
+# B re-hands a batch A left without `_after_take`: "interrupted" has no point to strike there.
+_CASES = [(o, r) for o in ("close", "next", "fails") for r in (False, True)] + [("interrupted", False)]
+
+
+@pytest.mark.parametrize("other,a_raises", _CASES, ids=[f"{o}-{'raises' if r else 'returns'}" for o, r in _CASES])
 def test_another_threads_call_as_next_lets_go_of_the_lock_takes_nothing_back(other, a_raises, monkeypatch):
     """Thread A's `next()` takes batch 1 and is paused right after it let go of the stream's
     lock (a profile hook at the lock's release: a thread switch there); thread B (the test)
@@ -242,7 +245,11 @@ def test_another_threads_call_as_next_lets_go_of_the_lock_takes_nothing_back(oth
     B's `next()` handed batch 1 out a second time, and B's failed call took the stream from
     A's batch (its keep() and release() then failed). Where A raises (an interrupt after the
     hand-out, here at `_build_ahead`'s entry), batch 1 is not A's: close() rolls the state
-    back to before it, and B's `next()` (the next one, after a failed call) gets it."""
+    back to before it, and B's `next()` (the next one, after a failed call) gets it.
+
+    "interrupted": B's `next()` takes batch 2 and is interrupted after recording it (at
+    `_after_take`'s entry), then A goes on: A must not clear B's record (before, it did, and
+    batch 2 was never delivered while `state_dict()` named the position after it)."""
     s, node = attached()
     try:
         node.sendall(batch(0))
@@ -279,6 +286,10 @@ def test_another_threads_call_as_next_lets_go_of_the_lock_takes_nothing_back(oth
                     s.close()
                 elif other == "next":
                     b = s.next(timeout=5)
+                elif other == "interrupted":
+                    interrupt_once(monkeypatch, _client.Stream, "_after_take")
+                    with pytest.raises(KeyboardInterrupt):
+                        s.next(timeout=5)
                 else:
                     with pytest.raises(ValueError):
                         s.next(timeout=-1)
@@ -295,7 +306,7 @@ def test_another_threads_call_as_next_lets_go_of_the_lock_takes_nothing_back(oth
             want = 1 if a_raises else 2
             assert s.state_dict()["index"] == want, f"state_dict() after close() is not at index {want}"
             return
-        if other == "fails":
+        if other in ("fails", "interrupted"):
             b = s.next(timeout=5)
         want = (2, 1) if a_raises else (3, 2)  # batch 1 if A left it, else batch 2
         assert (b.lease, b.index) == want, f"thread B got {b}, not lease {want[0]}"

@@ -913,11 +913,16 @@ class Stream(_StreamBase[Batch]):
         # to the caller (see there).
         try:
             b = self._next(timeout)
+            if self._owns(b):  # not another thread's record, made since this call let go
+                self._unclaimed = None  # then no call until the return
         except BaseException:
             self._left()
             raise
-        self._unclaimed = None
         return b
+
+    def _owns(self, b: Any) -> bool:
+        taken = self._unclaimed
+        return taken is not None and taken.batch is b
 
     def _take(self, timeout: float | None) -> Batch | None:
         """The next batch, on an open stream that has not ended (lock held); it stays

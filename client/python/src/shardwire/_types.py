@@ -428,11 +428,19 @@ class _StreamBase(Generic[_BatchT]):
         call through the C ``builtins.next``) loses the batch the stream handed out."""
         try:
             b = self._next(timeout)
+            if self._owns(b):  # not another thread's record, made since this call let go
+                self._unclaimed = None  # the caller's from here: a store, then the return
         except BaseException:
             self._left()
             raise
-        self._unclaimed = None  # the caller's from here: a store, then the return (no call)
         return b
+
+    def _owns(self, b: Any) -> bool:
+        """Whether the `_unclaimed` record is of `b`, which this call took: once the lock is
+        let go another thread's `next` may have made its own, which must stay. (Called inside
+        the `try` whose `except` runs `_left`: an interrupt as it returns leaves the record to
+        the next call, which hands `b` out again.)"""
+        return self._unclaimed is b
 
     def _next(self, timeout: float | None) -> _BatchT | None:
         """:meth:`next` but its last step: the batch, still `_unclaimed`."""
@@ -614,12 +622,13 @@ class _StreamBase(Generic[_BatchT]):
         self._check_process()
         try:
             b = self._lock.run(self._next_locked, None)
+            if b is not None and self._owns(b):  # not another thread's record (see `next`)
+                self._unclaimed = None  # the caller's from here
         except BaseException:
             self._left()
             raise
         if b is None:
             raise StopIteration
-        self._unclaimed = None  # the caller's from here
         return b
 
     def __enter__(self: _S) -> _S:
