@@ -437,9 +437,10 @@ class _StreamBase(Generic[_BatchT]):
 
     def _owns(self, b: Any) -> bool:
         """Whether the `_unclaimed` record is of `b`, which this call took: once the lock is
-        let go another thread's `next` may have made its own, which must stay. (Called inside
-        the `try` whose `except` runs `_left`: an interrupt as it returns leaves the record to
-        the next call, which hands `b` out again.)"""
+        let go another thread's `next` may have made its own, which must stay. Here the record
+        is the batch itself (`HttpStream`, which claims it under the lock, so this is False
+        for a batch it returns); `Stream` records a `_Taken`, and an interrupt as its `_owns`
+        returns leaves the record to the next call, which hands `b` out again."""
         return self._unclaimed is b
 
     def _next(self, timeout: float | None) -> _BatchT | None:
