@@ -407,9 +407,33 @@ fn split_table_queues(tree: &Tree, lanes: &mut [LaneSpec]) {
         };
         for (&i, q) in on.iter().zip(split) {
             if !named[i] {
+                if let Some(n) = tree_nic {
+                    lanes[i].why.push_str(&past_note(n, &q));
+                }
                 lanes[i].queues = q;
             }
         }
+    }
+}
+
+/// For the `why` of a table lane planned `queues` on `nic`: the ones past its RX queues,
+/// which the node raises the channels to bind (as the auto pairing's lanes say); empty when
+/// none is.
+fn past_note(nic: &shardwire_topology::Nic, queues: &[u32]) -> String {
+    let past: Vec<u32> = queues
+        .iter()
+        .copied()
+        .filter(|&q| q >= nic.rx_queues)
+        .collect();
+    match past.last() {
+        Some(&top) => format!(
+            "; queue(s) {} past {}'s {} RX queues: devmem raises its channels to at least {}",
+            shardwire_topology::format_ranges(&past),
+            nic.interface,
+            nic.rx_queues,
+            top + 1
+        ),
+        None => String::new(),
     }
 }
 

@@ -334,6 +334,15 @@ fn table_lanes_sharing_a_nic_of_too_few_queues_get_queues_past_it_as_auto_lanes_
     let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &addrs).unwrap();
     let queues: Vec<Vec<u32>> = got.iter().map(|l| l.queues.clone()).collect();
     assert_eq!(queues, [vec![2], vec![3], vec![4]]);
+    // The lane past the NIC's queues says so, as an auto lane does; the others do not.
+    assert!(
+        got[2].why.ends_with(
+            "; queue(s) 4 past eth1's 4 RX queues: devmem raises its channels to at least 5"
+        ),
+        "{}",
+        got[2].why
+    );
+    assert!(!got[0].why.contains("past eth1"), "{}", got[0].why);
 }
 
 #[test]
