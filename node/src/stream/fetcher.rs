@@ -111,37 +111,9 @@ fn completed(s: &Stream, f: &mut Fetches, c: Completion) -> Result<(), CloseReas
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
-    use crate::fetch::{Completions, FetchRequest, InFlight};
     use crate::stream::Next;
-    use crate::stream::supply::{Issue, IssueError, Supply};
-    use crate::stream::tests::served_stream;
-
-    /// A source that takes every fetch and lets the test answer it.
-    #[derive(Clone, Default)]
-    struct Fake(Arc<Mutex<Vec<InFlight>>>);
-
-    impl Issue for Fake {
-        fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
-            let entry = &s.manifest().shards[p.shard as usize];
-            let r = FetchRequest {
-                slab: p.slab,
-                pos: p.pos,
-                shard: p.shard,
-                length: entry.length,
-                crc32c: entry.crc32c,
-                stream: 9,
-                lane: 0,
-            };
-            self.0
-                .lock()
-                .unwrap()
-                .push(InFlight::new(r, 0, done.clone()));
-            Ok(())
-        }
-    }
+    use crate::stream::tests::{Fake, served_stream};
 
     /// The task's last round of hints came every [`super::super::hints::HINT_EVERY`]
     /// fetches, so the hints it sent before its last fetch stood (and the sources kept those
@@ -156,7 +128,7 @@ mod tests {
         let (mut next_issue, mut ended) = (0, false);
         for _ in 0..100 {
             fill(&s, &mut f, &mut next_issue).unwrap();
-            for fetch in std::mem::take(&mut *fake.0.lock().unwrap()) {
+            for (fetch, _) in fake.take() {
                 let crc = fetch.crc32c;
                 fetch.verified(crc);
             }

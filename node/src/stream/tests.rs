@@ -7,6 +7,8 @@ use shardwire_protocol::plan::Uneven;
 
 use super::*;
 use crate::fetch::tests::pool;
+use crate::fetch::{Completions, FetchRequest, InFlight};
+use crate::stream::supply::{Issue, IssueError, Pending, Supply};
 
 fn manifest(shards: u32, len: u64) -> Arc<Manifest> {
     Arc::new(Manifest::new(
@@ -229,4 +231,40 @@ fn the_state_after_a_batch_is_the_state_once_it_is_taken() {
         (2, 0),
         "the end of 2 epochs"
     );
+}
+
+/// A fetch the driver issued, with the source it asked to avoid.
+pub(super) type Issued = (InFlight, Option<usize>);
+
+/// A source that takes every fetch and lets the test answer it.
+#[derive(Clone, Default)]
+pub(super) struct Fake {
+    issued: Arc<Mutex<Vec<Issued>>>,
+}
+
+impl Issue for Fake {
+    fn issue(&mut self, s: &Supply, p: Pending, done: &Completions) -> Result<(), IssueError> {
+        let entry = &s.manifest().shards[p.shard as usize];
+        let r = FetchRequest {
+            slab: p.slab,
+            pos: p.pos,
+            shard: p.shard,
+            length: entry.length,
+            crc32c: entry.crc32c,
+            stream: 1,
+            lane: 0,
+        };
+        let f = InFlight::new(r, 0, done.clone());
+        self.issued.lock().unwrap().push((f, p.avoid));
+        Ok(())
+    }
+}
+
+impl Fake {
+    /// Takes what was issued, newest first.
+    pub(super) fn take(&self) -> Vec<Issued> {
+        let mut v = std::mem::take(&mut *self.issued.lock().unwrap());
+        v.reverse();
+        v
+    }
 }

@@ -2,7 +2,6 @@
 //! order, or with failures) instead of a source, so what the driver asks for, what it
 //! assembles and how it reacts to failures are checked without sockets.
 
-use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -14,8 +13,8 @@ use shardwire_protocol::wire;
 use super::*;
 use crate::counters::Counters;
 use crate::fetch::tests::pool;
-use crate::fetch::{Completions, FetchFailure, FetchRequest, InFlight};
-use crate::stream::supply::IssueError;
+use crate::fetch::{FetchFailure, InFlight};
+use crate::stream::tests::{Fake, Issued};
 use crate::stream::{Next, Parts, open};
 
 const SHARDS: u32 = 6;
@@ -151,47 +150,6 @@ fn stream_served_by(
         gpu: None,
         lane: 0,
     })
-}
-
-/// A fetch the driver issued, with the source it asked to avoid.
-type Issued = (InFlight, Option<usize>);
-
-/// A source that takes every fetch and lets the test answer it.
-#[derive(Clone, Default)]
-struct Fake {
-    issued: Arc<Mutex<Vec<Issued>>>,
-}
-
-impl Issue for Fake {
-    fn issue(
-        &mut self,
-        s: &super::super::supply::Supply,
-        p: Pending,
-        done: &Completions,
-    ) -> Result<(), IssueError> {
-        let entry = &s.manifest().shards[p.shard as usize];
-        let r = FetchRequest {
-            slab: p.slab,
-            pos: p.pos,
-            shard: p.shard,
-            length: entry.length,
-            crc32c: entry.crc32c,
-            stream: 1,
-            lane: 0,
-        };
-        let f = InFlight::new(r, 0, done.clone());
-        self.issued.lock().unwrap().push((f, p.avoid));
-        Ok(())
-    }
-}
-
-impl Fake {
-    /// Takes what was issued, newest first.
-    fn take(&self) -> Vec<Issued> {
-        let mut v = std::mem::take(&mut *self.issued.lock().unwrap());
-        v.reverse();
-        v
-    }
 }
 
 /// A stream over a `region`-byte region, its fake issuer and its task, settled (its first
