@@ -366,14 +366,14 @@ impl Stream {
                 let b = self.hand_out((lease, epoch, index, shard), tensors, ahead && !more)?;
                 Ok(Some(b))
             }
-            Response::End => {
+            Response::End {} => {
                 self.release_deferred()?;
                 Ok(None)
             }
             // The node's late answer to a timed request an earlier call gave up waiting for:
             // this call asks again, within what is left of its own timeout (a timeout then is
             // still this call's, and names the timeout it was given).
-            Response::Timeout if !sent_now => {
+            Response::Timeout {} if !sent_now => {
                 let left = timeout.map(|t| t.saturating_sub(started.elapsed()));
                 match self.take(left, ahead) {
                     Err(ClientError::Timeout(_)) => {
@@ -382,7 +382,7 @@ impl Stream {
                     other => other,
                 }
             }
-            Response::Timeout => Err(ClientError::Timeout(timeout.unwrap_or_default())),
+            Response::Timeout {} => Err(ClientError::Timeout(timeout.unwrap_or_default())),
             // Which request the answers after it answer can no longer be told.
             other => Err(self.broke(unexpected("next", &other))),
         }
@@ -569,7 +569,7 @@ impl Stream {
     /// connection (which request the answers after it answer can no longer be told).
     fn released(&mut self, answer: Result<Response, ClientError>) -> Result<(), ClientError> {
         match answer? {
-            Response::Released => Ok(()),
+            Response::Released {} => Ok(()),
             other => Err(self.broke(unexpected("release", &other))),
         }
     }

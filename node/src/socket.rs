@@ -464,12 +464,12 @@ impl Conn<'_> {
         let Some(s) = self.stream.clone() else {
             return match req {
                 Request::Attach(r) => self.attach(*r),
-                Request::Info => self.send(&self.info()),
+                Request::Info {} => self.send(&self.info()),
                 _ => self.send(&error(ErrorCode::NotAttached, "send attach first")),
             };
         };
         let r = match req {
-            Request::Info => self.info(),
+            Request::Info {} => self.info(),
             Request::Attach(_) => error(
                 ErrorCode::AlreadyAttached,
                 "this connection already has a stream",
@@ -520,7 +520,7 @@ impl Conn<'_> {
                 self.released.extend(slab);
                 answer
             }
-            Request::State => Response::State { state: s.state() },
+            Request::State {} => Response::State { state: s.state() },
         };
         self.send(&r)
     }
@@ -729,7 +729,7 @@ enum Ended {
 /// when: freeing takes the region's locks).
 fn release(s: &Stream, lease: u64) -> (Response, Option<Arc<Slab>>) {
     match s.take_lease(lease) {
-        Some(slab) => (Response::Released, Some(slab)),
+        Some(slab) => (Response::Released {}, Some(slab)),
         None => match s.closed_reason() {
             Some(why) => (error(why.code(), why.to_string()), None),
             None => (
@@ -763,8 +763,8 @@ fn next_response(n: Next, states: Option<&Stream>) -> Response {
             tensors: b.tensors,
             more: false,
         },
-        Next::End => Response::End,
-        Next::Timeout => Response::Timeout,
+        Next::End => Response::End {},
+        Next::Timeout => Response::Timeout {},
         Next::Closed(why) => error(why.code(), why.to_string()),
     }
 }

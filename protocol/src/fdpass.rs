@@ -359,7 +359,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let file = std::fs::File::open("/proc/self/exe").unwrap();
         let mut frame = Vec::new();
-        trainer::encode(&trainer::Request::State, &mut frame);
+        trainer::encode(&trainer::Request::State {}, &mut frame);
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(8))];
         let mut anc = SendAncillaryBuffer::new(&mut space);
         let eight = [file.as_fd(); 8];
@@ -378,8 +378,8 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let file = std::fs::File::open("/proc/self/exe").unwrap();
         let (mut first, mut second) = (Vec::new(), Vec::new());
-        trainer::encode(&trainer::Request::State, &mut first);
-        trainer::encode(&trainer::Request::Info, &mut second);
+        trainer::encode(&trainer::Request::State {}, &mut first);
+        trainer::encode(&trainer::Request::Info {}, &mut second);
         send_frame(&a, &first, &[]).unwrap();
         send_frame(&a, &second, &[file.as_fd()]).unwrap();
         let (mut r, mut fds) = (FrameReader::new(), Vec::new());
@@ -400,7 +400,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let file = std::fs::File::open("/proc/self/exe").unwrap();
         let mut frame = Vec::new();
-        trainer::encode(&trainer::Request::State, &mut frame);
+        trainer::encode(&trainer::Request::State {}, &mut frame);
         send_frame(&a, &frame, &[file.as_fd()]).unwrap();
         send_frame(&a, &frame, &[]).unwrap();
         // A frame larger than the reader's buffer, split over many reads.
@@ -413,7 +413,7 @@ mod tests {
         let body = r.read(&b, &mut fds).unwrap();
         assert_eq!(
             trainer::decode::<trainer::Request>(body).unwrap(),
-            trainer::Request::State
+            trainer::Request::State {}
         );
         assert_eq!(fds.len(), 1);
         let meta = rustix::fs::fstat(&fds[0]).unwrap();
@@ -421,7 +421,7 @@ mod tests {
         let body = r.read(&b, &mut fds).unwrap();
         assert_eq!(
             trainer::decode::<trainer::Request>(body).unwrap(),
-            trainer::Request::State
+            trainer::Request::State {}
         );
         assert_eq!(fds.len(), 1, "no fd on the second frame");
         assert_eq!(
@@ -463,7 +463,7 @@ mod tests {
     fn has_frame_says_whether_a_whole_frame_is_buffered() {
         let (a, b) = UnixStream::pair().unwrap();
         let mut frame = Vec::new();
-        trainer::encode(&trainer::Request::State, &mut frame);
+        trainer::encode(&trainer::Request::State {}, &mut frame);
         let mut r = FrameReader::new();
         assert!(!r.has_frame());
         // Two frames in one write: the first read buffers both.
@@ -520,7 +520,7 @@ mod tests {
         // A frame that starts but never ends times out in the frame phase even while bytes
         // keep trickling in.
         let mut frame = Vec::new();
-        trainer::encode(&trainer::Request::State, &mut frame);
+        trainer::encode(&trainer::Request::State {}, &mut frame);
         // The first byte goes now: the read starts in the frame phase however late the
         // trickling thread first runs.
         send_frame(&a, &frame[..1], &[]).unwrap();
@@ -550,7 +550,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let file = std::fs::File::open("/proc/self/exe").unwrap();
         let mut frames = Vec::new();
-        trainer::encode(&trainer::Request::State, &mut frames);
+        trainer::encode(&trainer::Request::State {}, &mut frames);
         trainer::encode(&trainer::Request::Release { lease: 3 }, &mut frames);
         send_frame(&a, &frames, &[file.as_fd()]).unwrap();
         // Split mid-prefix and mid-body: the reader waits for the rest.
@@ -561,7 +561,7 @@ mod tests {
         let body = r.read_data(&b).unwrap();
         assert_eq!(
             trainer::Request::decode(body).unwrap(),
-            trainer::Request::State
+            trainer::Request::State {}
         );
         let body = r.read_data(&b).unwrap();
         assert_eq!(

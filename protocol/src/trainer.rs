@@ -32,12 +32,22 @@ pub enum TrainerDecodeError {
     /// Frame over [`MAX_TRAINER_FRAME`].
     #[error("trainer frame of {0} bytes exceeds the limit {MAX_TRAINER_FRAME}")]
     TooLong(usize),
-    /// Not a valid message.
-    #[error("malformed trainer message: {0}")]
+    /// Not a valid message. serde_json's message quotes the peer's keys and tags with their
+    /// JSON escapes decoded; they are shown escaped again (`json_error_text`).
+    #[error("malformed trainer message: {}", json_error_text(.0))]
     Json(#[from] serde_json::Error),
     /// Not a valid binary `batch` body.
     #[error("malformed trainer message: {0}")]
     Binary(#[from] binary::BinaryBatchError),
+}
+
+/// serde_json's message for `e` with each control character escaped ([`wire::printable`]):
+/// it may quote a peer's key or tag, whose `\n` or `\r` would otherwise start a forged line in
+/// a text log.
+///
+/// [`wire::printable`]: crate::wire::printable
+pub(crate) fn json_error_text(e: &serde_json::Error) -> String {
+    crate::wire::printable(&e.to_string()).into_owned()
 }
 
 /// Checks a frame length prefix.

@@ -340,7 +340,7 @@ fn a_trainer_that_hangs_up_while_its_next_waits_has_its_stream_closed() {
         fdpass::send_frame(&sock, &frame, &[]).unwrap();
         match Response::decode(reader.read_data(&sock).unwrap()).unwrap() {
             Response::Batch { lease, .. } => release = vec![lease],
-            Response::Timeout => break,
+            Response::Timeout {} => break,
             other => panic!("unexpected answer: {other:?}"),
         }
     }

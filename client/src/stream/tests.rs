@@ -480,7 +480,7 @@ fn a_late_timeout_answer_then_a_timeout_names_the_callers_timeout() {
         // Not answered in time: the first call gives up; the answer comes during the second.
         given_up.recv().unwrap();
         std::thread::sleep(Duration::from_millis(600));
-        send_response(c, &Response::Timeout);
+        send_response(c, &Response::Timeout {});
         let again = request(c);
         assert_eq!(again["op"], "next");
         let left = again["timeout_ms"].as_u64().expect("a timed request");
@@ -489,7 +489,7 @@ fn a_late_timeout_answer_then_a_timeout_names_the_callers_timeout() {
         assert!(left <= 700, "asks for what is left of 1 s: {again}");
         // Answered a little early, so that the client reads it before its slack runs out.
         std::thread::sleep(Duration::from_millis(left.saturating_sub(100)));
-        send_response(c, &Response::Timeout);
+        send_response(c, &Response::Timeout {});
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
     let first = Duration::from_millis(50);
@@ -526,7 +526,7 @@ fn a_batch_dropped_on_another_thread_while_next_waits_is_released_behind_it() {
         let release = request(c);
         assert_eq!(release, serde_json::json!({"op": "release", "lease": 7}));
         send_batch(c, 8);
-        send_response(c, &Response::Released);
+        send_response(c, &Response::Released {});
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
     let b = s.next().expect("a batch").expect("not the end");
@@ -654,7 +654,7 @@ fn a_refused_release_at_the_end_does_not_keep_the_releases_after_it() {
             };
             send_response(c, &batch);
         }
-        send_response(c, &Response::End);
+        send_response(c, &Response::End {});
         let first = request(c);
         assert_eq!(
             (first["op"].as_str(), first["lease"].as_u64()),
@@ -670,7 +670,7 @@ fn a_refused_release_at_the_end_does_not_keep_the_releases_after_it() {
             (second["op"].as_str(), second["lease"].as_u64()),
             (Some("release"), Some(8))
         );
-        send_response(c, &Response::Released);
+        send_response(c, &Response::Released {});
     });
     let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
     let b7 = s.next().expect("a batch").expect("not the end");

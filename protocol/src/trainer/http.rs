@@ -21,8 +21,9 @@ pub struct OpenStream {
 /// Why an open body is not acceptable.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenBodyError {
-    /// Not JSON, not an object, or a field the stream request refuses.
-    #[error("invalid stream request: {0}")]
+    /// Not JSON, not an object, or a field the stream request refuses (the message escaped,
+    /// as a peer's key it quotes may hold a line break).
+    #[error("invalid stream request: {}", super::json_error_text(.0))]
     Json(#[from] serde_json::Error),
     /// `idle_timeout_s` is not a whole number of seconds.
     #[error("idle_timeout_s is {0}; it must be a whole number of seconds")]
@@ -274,6 +275,17 @@ mod tests {
             let e = OpenStream::from_json(body.as_bytes()).unwrap_err();
             assert!(matches!(e, OpenBodyError::SocketOnly(g) if g == f), "{e}");
         }
+    }
+
+    #[test]
+    fn a_line_break_in_a_key_is_escaped_in_the_error() {
+        // Before, the message quoted the key with its `\n` decoded: the HTTP front's log line
+        // showing it went on as a forged line.
+        let e = OpenStream::from_json(br#"{"dataset":"d","x\nINFO forged\r":1}"#).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, OpenBodyError::Json(_)), "{text}");
+        assert!(!text.contains(|c: char| c.is_control()), "{text:?}");
+        assert!(text.contains(r"x\nINFO forged\r"), "{text}");
     }
 
     #[test]

@@ -402,6 +402,11 @@ impl std::fmt::Display for MemoryKind {
 }
 
 /// trainer -> service.
+///
+/// The variants without fields are empty struct variants (`State {}`), not unit ones: serde's
+/// `deny_unknown_fields` does not reach a unit variant of a tagged enum, which would take
+/// `{"op":"state","release":[5]}` as `state` and drop `release` unread. Either form
+/// serialises to `{"op":"state"}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
@@ -428,10 +433,10 @@ pub enum Request {
         lease: u64,
     },
     /// Ask for the resumable state.
-    State,
+    State {},
     /// What the node serves (memory kind, lanes and their GPUs), before or after `attach`:
     /// the SDK asks it to know whether to name the trainer's GPU.
-    Info,
+    Info {},
 }
 
 fn one() -> u32 {
@@ -488,7 +493,8 @@ pub struct LaneRef {
     pub uuid: Option<String>,
 }
 
-/// service -> trainer.
+/// service -> trainer. As in [`Request`], the variants without fields are empty struct
+/// variants, so that an unknown field is refused on them too.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Response {
@@ -531,11 +537,11 @@ pub enum Response {
         more: bool,
     },
     /// No batch arrived within the timeout.
-    Timeout,
+    Timeout {},
     /// The stream has delivered every epoch.
-    End,
+    End {},
     /// A release was accepted.
-    Released,
+    Released {},
     /// The resumable state: the next batch the stream will deliver.
     State {
         /// The state.

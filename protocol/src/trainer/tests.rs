@@ -79,6 +79,8 @@ fn hot_messages_decode_like_the_derived_code() {
         r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3,"tensors":[],"extra":1}"#,
         r#"{"op":"batch","lease":1,"epoch":0,"index":2,"shard":3}"#,
         r#"{"op":"released"}"#,
+        r#"{"op":"state","release":[5]}"#,
+        r#"{"op":"timeout","more":true}"#,
         r#"{"op":"error","code":"closed","message":"bye"}"#,
         r#"{"op":"attach","version":1,"dataset":"d","seed":3,"world_size":2,"rank":1}"#,
     ] {
@@ -208,8 +210,8 @@ proptest! {
         }
         prop_assert_eq!(raw_batch, without);
         let (mut bin, mut json) = (Vec::new(), Vec::new());
-        Response::Released.encode_as(BatchEncoding::Binary, &mut bin);
-        Response::Released.encode(&mut json);
+        Response::Released {}.encode_as(BatchEncoding::Binary, &mut bin);
+        Response::Released {}.encode(&mut json);
         prop_assert_eq!(bin, json);
     }
 
@@ -307,7 +309,7 @@ fn device_and_info_round_trip() {
     );
     assert_eq!(
         decode::<Request>(br#"{"op":"info"}"#).unwrap(),
-        Request::Info
+        Request::Info {}
     );
     let info = Response::Info {
         memory: MemoryKind::Cuda,
@@ -329,6 +331,100 @@ fn unknown_fields_and_long_frames_are_rejected() {
         .to_string();
     assert!(e.contains("bogus"), "{e}");
     assert!(check_len((MAX_TRAINER_FRAME as u32 + 1).to_le_bytes()).is_err());
+}
+
+#[test]
+fn messages_without_fields_refuse_unknown_fields() {
+    // Before, a unit variant took any key unread: `state` with a `release` list was answered
+    // as `state`, and lease 5 stayed held without a word.
+    for (body, field) in [
+        (&br#"{"op":"state","release":[5]}"#[..], "release"),
+        (br#"{"op":"info","x":1}"#, "x"),
+    ] {
+        for e in [Request::decode(body), decode::<Request>(body)] {
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains(&format!("unknown field `{field}`")), "{e}");
+        }
+    }
+    for (body, field) in [
+        (&br#"{"op":"timeout","more":true}"#[..], "more"),
+        (br#"{"op":"end","x":1}"#, "x"),
+        (br#"{"op":"released","lease":5}"#, "lease"),
+    ] {
+        let e = Response::decode(body).unwrap_err().to_string();
+        assert!(e.contains(&format!("unknown field `{field}`")), "{e}");
+    }
+    assert_eq!(
+        Request::decode(br#"{"op":"state"}"#).unwrap(),
+        Request::State {}
+    );
+    assert_eq!(
+        Request::decode(br#"{"op":"info"}"#).unwrap(),
+        Request::Info {}
+    );
+    for (body, r) in [
+        (&br#"{"op":"timeout"}"#[..], Response::Timeout {}),
+        (br#"{"op":"end"}"#, Response::End {}),
+        (br#"{"op":"released"}"#, Response::Released {}),
+    ] {
+        assert_eq!(Response::decode(body).unwrap(), r);
+    }
+}
+
+#[test]
+fn messages_without_fields_keep_their_bytes() {
+    let framed = |body: &str| {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend_from_slice(body.as_bytes());
+        f
+    };
+    for (r, body) in [
+        (Request::State {}, r#"{"op":"state"}"#),
+        (Request::Info {}, r#"{"op":"info"}"#),
+    ] {
+        let (mut derived, mut own) = (Vec::new(), Vec::new());
+        encode(&r, &mut derived);
+        r.encode(&mut own);
+        assert_eq!((derived, own), (framed(body), framed(body)), "{body}");
+    }
+    for (r, body) in [
+        (Response::Timeout {}, r#"{"op":"timeout"}"#),
+        (Response::End {}, r#"{"op":"end"}"#),
+        (Response::Released {}, r#"{"op":"released"}"#),
+    ] {
+        let (mut derived, mut own, mut binary) = (Vec::new(), Vec::new(), Vec::new());
+        encode(&r, &mut derived);
+        r.encode(&mut own);
+        r.encode_as(BatchEncoding::Binary, &mut binary);
+        let want = framed(body);
+        assert_eq!(
+            (derived, own, binary),
+            (want.clone(), want.clone(), want),
+            "{body}"
+        );
+    }
+}
+
+#[test]
+fn a_peers_line_break_is_escaped_in_the_decode_error() {
+    // Before, serde_json's message quoted the peer's key or tag with its `\n` decoded, and the
+    // node's WARN line showing it went on as a forged log line.
+    for (body, escaped) in [
+        (
+            &br#"{"op":"attach","x\nINFO shardwire_node: source 10.0.0.9 authenticated":1}"#[..],
+            r"x\nINFO shardwire_node",
+        ),
+        (br#"{"op":"x\ny"}"#, r"x\ny"),
+        (br#"{"op":"info","a\rb":1}"#, r"a\rb"),
+        (br#"{"op":"x\u2028y"}"#, r"x\u{2028}y"),
+    ] {
+        let e = Request::decode(body).unwrap_err().to_string();
+        assert!(
+            !e.contains(|c: char| c.is_control() || c == '\u{2028}'),
+            "{e:?}"
+        );
+        assert!(e.contains(escaped), "{e}");
+    }
 }
 
 #[test]
