@@ -220,7 +220,8 @@ pub struct ServeConfig {
     /// Region size per stream (fetch-ahead window + leased batches); unset: derived from
     /// `pool_size` ([`ServeConfig::stream_memory`]).
     pub stream_memory: Option<ByteSize>,
-    /// Data connections per source.
+    /// Data connections per source and per lane (lanes x flows at most
+    /// [`MAX_SESSION_FLOWS`]).
     pub flows: u16,
     /// File holding the shared secret for sources.
     pub secret_file: Option<PathBuf>,
@@ -527,6 +528,66 @@ fn check_connections(key: &'static str, v: usize) -> Result<(), ConfigError> {
     ))
 }
 
+/// Most data connections a source dials for one node session: a node's lanes x `flows` may
+/// not exceed it, or every source refuses its sessions. The protocol's
+/// `wire::MAX_SESSION_FLOWS`, repeated here (config depends on no sibling crate, DESIGN §7);
+/// the node's tests hold the two equal.
+pub const MAX_SESSION_FLOWS: u64 = 256;
+
+/// Longest dataset name: the protocol's `wire::MAX_DATASET_NAME` (held equal as above).
+pub const MAX_DATASET_NAME: usize = 255;
+
+/// What is wrong with dataset name `name`, if anything (`"has the character ' '"`), by the
+/// protocol's rule, `wire::check_dataset_name` (repeated here as [`MAX_SESSION_FLOWS`] is; the
+/// node's tests hold the two to the same answers): 1 to [`MAX_DATASET_NAME`] bytes of
+/// `[A-Za-z0-9._-]`, not `.` or `..`.
+pub fn dataset_name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("is empty".into());
+    }
+    if name.len() > MAX_DATASET_NAME {
+        return Some(format!("is {} bytes long", name.len()));
+    }
+    if name == "." || name == ".." {
+        return Some("names a directory".into());
+    }
+    name.chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        .map(|ch| format!("has the character {ch:?}"))
+}
+
+/// The `datasets` entries: each `NAME=DIR` or `NAME=URL` with a name the protocol carries
+/// ([`dataset_name_problem`]), no name twice.
+fn check_datasets(datasets: &[String]) -> Result<(), ConfigError> {
+    let mut names = std::collections::HashSet::new();
+    for d in datasets {
+        let Some((name, _)) = d
+            .split_once('=')
+            .filter(|(name, place)| !name.is_empty() && !place.is_empty())
+        else {
+            return Err(invalid(
+                "datasets",
+                d,
+                "each is NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)",
+            ));
+        };
+        if let Some(why) = dataset_name_problem(name) {
+            return Err(invalid(
+                "datasets",
+                d,
+                format!(
+                    "the name `{name}` {why}: a dataset name is 1 to {MAX_DATASET_NAME} of \
+                     [A-Za-z0-9._-], not `.` or `..`"
+                ),
+            ));
+        }
+        if !names.insert(name) {
+            return Err(invalid("datasets", d, format!("`{name}` is given twice")));
+        }
+    }
+    Ok(())
+}
+
 impl ServeConfig {
     /// Merges defaults < file < env < `flags` (a struct whose `None` fields are skipped).
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
@@ -599,6 +660,31 @@ impl ServeConfig {
         Ok(())
     }
 
+    /// A `lanes` table's lanes x `flows` within [`MAX_SESSION_FLOWS`] (`lanes = "auto"`
+    /// finds its lanes at start, where the node checks the same): a source refuses every
+    /// session of a node that asks for more.
+    fn validate_session_flows(&self) -> Result<(), ConfigError> {
+        let Lanes::Table(t) = &self.lanes else {
+            return Ok(());
+        };
+        let (lanes, flows) = (t.len() as u64, u64::from(self.flows));
+        if lanes == 0 || lanes * flows <= MAX_SESSION_FLOWS {
+            return Ok(());
+        }
+        Err(invalid(
+            "flows",
+            self.flows,
+            format!(
+                "is per source and per lane: the {lanes} lanes of the `lanes` table ask each \
+                 source for {} data connections, and a source dials at most \
+                 {MAX_SESSION_FLOWS} per node (lanes x flows); set flows to at most {}, or \
+                 list fewer lanes",
+                lanes * flows,
+                MAX_SESSION_FLOWS / lanes
+            ),
+        ))
+    }
+
     /// Checks ranges and relations between keys.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.flows == 0 || self.flows > 64 {
@@ -653,6 +739,7 @@ impl ServeConfig {
         self.socket_mode_bits()?;
         self.lanes.validate()?;
         self.validate_lane_table()?;
+        self.validate_session_flows()?;
         self.source_entries()?;
         if !(1..=3600).contains(&self.source_resolve_secs) {
             return Err(invalid(
@@ -751,23 +838,7 @@ impl SourceConfig {
                  `shardwire source --dataset NAME=DIR`",
             ));
         }
-        let mut names = std::collections::HashSet::new();
-        for d in &c.datasets {
-            match d.split_once('=') {
-                Some((name, place)) if !name.is_empty() && !place.is_empty() => {
-                    if !names.insert(name) {
-                        return Err(invalid("datasets", d, format!("`{name}` is given twice")));
-                    }
-                }
-                _ => {
-                    return Err(invalid(
-                        "datasets",
-                        d,
-                        "each is NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)",
-                    ));
-                }
-            }
-        }
+        check_datasets(&c.datasets)?;
         if !(1..=u64::from(u16::MAX)).contains(&c.idle_timeout_secs) {
             return Err(invalid(
                 "idle_timeout_secs",
@@ -1019,6 +1090,58 @@ mod tests {
         }
         let ok = "datasets = [\"a=/x\", \"b=s3://bucket/b\"]\n";
         assert!(SourceConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn dataset_names_the_protocol_refuses_are_refused_naming_the_datasets_key() {
+        // Before, `config check` passed them and `source` refused them at start, naming a
+        // `--dataset` flag that was never given.
+        for (toml, want) in [
+            ("datasets = [\"my data=/d\"]\n", "has the character ' '"),
+            ("datasets = [\"a/b=/d\"]\n", "has the character '/'"),
+            ("datasets = [\"..=s3://bucket/p\"]\n", "names a directory"),
+        ] {
+            let e = SourceConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("`datasets`") && e.contains(want), "{toml}: {e}");
+            assert!(
+                e.contains("[A-Za-z0-9._-]") && !e.contains("--dataset"),
+                "{e}"
+            );
+        }
+        let long = format!("datasets = [\"{}=/d\"]\n", "n".repeat(MAX_DATASET_NAME + 1));
+        let e = SourceConfig::load(Some(&write(&long)), &Flags::default()).unwrap_err();
+        assert!(e.to_string().contains("256 bytes long"), "{e}");
+        let ok = format!(
+            "datasets = [\"web-2024.v1_a=/d\", \"{}=/e\"]\n",
+            "n".repeat(255)
+        );
+        assert!(SourceConfig::load(Some(&write(&ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn a_lanes_table_asking_a_source_for_more_connections_than_it_dials_is_refused() {
+        // Before, 9 lanes of 32 flows loaded; every source then refused every session (288
+        // data connections, at most 256) and the node reconnected for ever.
+        let nine = format!("lanes = [{}]\n", ["{}"; 9].join(", "));
+        let e = ServeConfig::load(Some(&write(&nine)), &Flags { flows: Some(32) })
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "`flows` = 32",
+            "9 lanes",
+            "288 data connections",
+            "at most 256",
+            "at most 28",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let eight = format!("lanes = [{}]\n", ["{}"; 8].join(", "));
+        let c = ServeConfig::load(Some(&write(&eight)), &Flags { flows: Some(32) }).unwrap();
+        assert_eq!(c.flows, 32, "8 x 32 = 256: the most a source dials");
+        // `auto` finds its lanes at start: the node checks it then.
+        assert!(ServeConfig::load(None, &Flags { flows: Some(64) }).is_ok());
     }
 
     #[test]

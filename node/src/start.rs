@@ -476,6 +476,38 @@ fn log_region_pages() {
 mod tests {
     use super::*;
 
+    /// The config crate depends on no sibling crate (DESIGN §7), so it repeats the protocol
+    /// limits it checks against; the node sees both, and holds them equal here.
+    #[test]
+    fn the_configs_copies_of_protocol_limits_agree_with_the_protocol() {
+        use shardwire_protocol::wire;
+        assert_eq!(shardwire_config::MAX_SESSION_FLOWS, wire::MAX_SESSION_FLOWS);
+        assert_eq!(shardwire_config::MAX_DATASET_NAME, wire::MAX_DATASET_NAME);
+        assert_eq!(shardwire_config::MAX_LANES, usize::from(wire::MAX_LANES));
+        let long = "n".repeat(wire::MAX_DATASET_NAME + 1);
+        let names: [&str; 12] = [
+            "web-2024.v1_a",
+            "",
+            ".",
+            "..",
+            "..a",
+            "my data",
+            "a/b",
+            "a=b",
+            "caf\u{e9}",
+            "a\n",
+            long.as_str(),
+            &long[1..],
+        ];
+        for name in names {
+            assert_eq!(
+                shardwire_config::dataset_name_problem(name).is_none(),
+                wire::check_dataset_name(name).is_ok(),
+                "{name:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_secret_every_user_may_read_is_noticed() {
         use std::os::unix::fs::PermissionsExt;

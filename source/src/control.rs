@@ -25,7 +25,8 @@ pub const MAX_QUEUED_FETCHES: usize = 1 << 16;
 
 /// Data connections a source dials for one node session (each is a sender thread and a
 /// socket): 8 lanes of 32 flows. The protocol allows 64 x 64; a node asking for more is refused.
-pub const MAX_SESSION_FLOWS: u64 = 256;
+/// The protocol crate holds it, so a node can refuse to start with more (`flows` x lanes).
+pub use shardwire_protocol::wire::MAX_SESSION_FLOWS;
 
 /// Why a node session ended abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +91,10 @@ pub enum SessionError {
         got: String,
     },
     /// Could not dial the node's data port.
-    #[error("cannot open data connection to {addr}: {source}")]
+    #[error(
+        "cannot open data connection to {addr}: {source}; check that this source can reach the \
+         node's data address (a firewall or a route in between?)"
+    )]
     DataConnect {
         /// The node's data address.
         addr: SocketAddr,

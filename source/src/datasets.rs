@@ -26,7 +26,7 @@ pub enum DatasetError {
     #[error(transparent)]
     Remote(#[from] remote::OpenError),
     /// The dataset URL is not valid.
-    #[error("--dataset {name}=...: {source}")]
+    #[error("`datasets` entry (or --dataset) {name}=...: {source}")]
     Url {
         /// The dataset.
         name: String,
@@ -35,7 +35,7 @@ pub enum DatasetError {
         source: shardwire_store::StoreError,
     },
     /// Bad dataset name.
-    #[error("--dataset NAME=DIR: {0}")]
+    #[error("a dataset name in `datasets` (or --dataset NAME=DIR): {0}")]
     Name(#[from] DatasetNameError),
     /// Same name twice.
     #[error("dataset `{0}` is given twice")]
@@ -668,6 +668,11 @@ mod tests {
             assert!(
                 matches!(e, DatasetError::Name(DatasetNameError::DotName { .. })),
                 "{spec}: {e}"
+            );
+            // Before: only "--dataset NAME=DIR", a flag a config file's user never gave.
+            assert!(
+                e.to_string().contains("a dataset name in `datasets`"),
+                "{e}"
             );
         }
     }

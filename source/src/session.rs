@@ -129,12 +129,7 @@ pub(crate) async fn run(
     tracing::info!(%peer, node = %node_id, lanes = %addrs.join(" "), "node authenticated");
     let failed = Arc::new(ConnFailed::default());
     let progress = Arc::new(Notify::new());
-    // Each connect has its own limit; all of them together (up to MAX_LANES * MAX_FLOWS)
-    // have this one, so a node cannot hold the session in dialling for hours.
-    let dialled = dial(&mut ctl, &shared, &lanes, &failed, &progress);
-    let conns = tokio::time::timeout(DIAL_DEADLINE, dialled)
-        .await
-        .map_err(|_| SessionError::DialTimeout(DIAL_DEADLINE))??;
+    let conns = dial_or_tell(&mut ctl, &shared, &lanes, (&failed, &progress)).await?;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
     Session::new(id, ctl, shared, conns, lanes.len(), failed, progress)
@@ -154,6 +149,37 @@ pub(crate) fn admissible(shared: &Shared, peer: SocketAddr) -> Result<(), Sessio
 
 /// How long a session's last `Error` may take to write before the session ends anyway.
 const LAST_WORD: Duration = Duration::from_secs(1);
+
+/// Dials the node's data connections ([`dial`]) within [`DIAL_DEADLINE`]. Each connect has
+/// its own limit; all of them together (up to MAX_LANES * MAX_FLOWS) have this one, so a node
+/// cannot hold the session in dialling for hours. A failure the node was not told of yet (a
+/// lane's data address it cannot reach, the deadline, no sender thread) is sent to it in an
+/// `Error` (within [`LAST_WORD`]) before the session ends: else the node sees only its control
+/// connection closed, and the reason (a firewall in between) is in this source's log only.
+async fn dial_or_tell(
+    ctl: &mut Control,
+    shared: &Shared,
+    lanes: &[LaneAddr],
+    (failed, progress): (&Arc<ConnFailed>, &Arc<Notify>),
+) -> Result<DataConns, SessionError> {
+    let dialled = dial(ctl, shared, lanes, failed, progress);
+    let e = match tokio::time::timeout(DIAL_DEADLINE, dialled).await {
+        Ok(Ok(conns)) => return Ok(conns),
+        Ok(Err(e)) => e,
+        Err(_) => SessionError::DialTimeout(DIAL_DEADLINE),
+    };
+    // `check_lanes` told the node of its refusals; a broken control connection takes nothing.
+    if matches!(
+        e,
+        SessionError::DataConnect { .. }
+            | SessionError::DialTimeout(_)
+            | SessionError::SpawnSender { .. }
+    ) {
+        let why = format!("the source ends this session: {e}");
+        let _ = tokio::time::timeout(LAST_WORD, ctl.error(0, ErrorCode::Internal, why)).await;
+    }
+    Err(e)
+}
 
 /// Drops a session's read-ahead hints when it ends, however it ends.
 struct ForgetHints(Arc<Shared>, u64);

@@ -12,6 +12,7 @@ use shardwire_config::{Lanes as LanesConfig, MemoryMode, ServeConfig};
 use shardwire_gpu::cuda::CudaMemory;
 use shardwire_gpu::{GpuDevice, GpuError, GpuProbe, HostRegion, MemoryChoice};
 use shardwire_protocol::trainer::MemoryKind;
+use shardwire_protocol::wire::MAX_SESSION_FLOWS;
 use shardwire_topology::{SysfsError, Tree};
 
 use super::affinity;
@@ -34,6 +35,25 @@ pub enum LaneStartError {
     /// `memory = "cuda"` and no lane's GPU opened.
     #[error("memory = \"cuda\": no GPU could be opened: {0}")]
     GpuOpen(String),
+    /// lanes x `flows` is more data connections than a source dials for one node: every
+    /// source would welcome the node, then end each of its sessions.
+    #[error(
+        "flows = {flows} on each of this node's {lanes} lanes asks each source for {total} data \
+         connections, and a source dials at most {max} per node (lanes x flows): set flows to \
+         at most {fits}, or use fewer lanes (a `lanes` table)"
+    )]
+    TooManyFlows {
+        /// The lanes.
+        lanes: usize,
+        /// The `flows` key.
+        flows: u16,
+        /// lanes x flows.
+        total: u64,
+        /// The most a source dials for one node ([`MAX_SESSION_FLOWS`]).
+        max: u64,
+        /// The most `flows` these lanes allow.
+        fits: u64,
+    },
     /// A data listener could not be bound.
     #[error("cannot bind the data port of lanes {lanes:?} on {addr}: {source}")]
     Bind {
@@ -305,9 +325,29 @@ fn placement(
     (cpus, numa, notes)
 }
 
+/// Refuses `lanes` lanes of `flows` data connections each when a source would refuse them
+/// ([`MAX_SESSION_FLOWS`]): it would complete every handshake, then end the session, and the
+/// node would reconnect for ever with no data (only a `lanes` table is checked as the
+/// configuration loads; `"auto"` finds its lanes here).
+fn check_session_flows(lanes: usize, flows: u16) -> Result<(), LaneStartError> {
+    let total = lanes as u64 * u64::from(flows);
+    if total <= MAX_SESSION_FLOWS {
+        return Ok(());
+    }
+    Err(LaneStartError::TooManyFlows {
+        lanes,
+        flows,
+        total,
+        max: MAX_SESSION_FLOWS,
+        fits: MAX_SESSION_FLOWS / lanes as u64,
+    })
+}
+
 /// Makes the lanes of `cfg`.
 pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneStartError> {
     let (kept, excluded, memory, memory_reason) = plan_and_open(cfg, probe).await?;
+    // The lanes kept are the ones every source is asked to dial.
+    check_session_flows(kept.len(), cfg.flows)?;
     // Ids 0..n over the lanes kept (the wire numbers lanes by position).
     let specs: Vec<LaneSpec> = kept
         .iter()
@@ -409,5 +449,29 @@ mod tests {
         assert!(notes[0].contains("sched_getaffinity"), "{notes:?}");
         let (cpus, _, notes) = placement(&spec, &Ok(vec![3, 4]), false);
         assert_eq!((cpus, notes.len()), (vec![3], 0));
+    }
+
+    #[test]
+    fn lanes_asking_a_source_for_more_connections_than_it_dials_are_refused_at_start() {
+        // Before, an 8-GPU host with `lanes = "auto"` and flows = 64 started and said it was
+        // ready; every source then refused every session (512 data connections, at most 256).
+        let e = check_session_flows(8, 64)
+            .expect_err("512 > 256")
+            .to_string();
+        for want in [
+            "flows = 64",
+            "8 lanes",
+            "512 data connections",
+            "at most 256",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        assert!(e.contains("set flows to at most 32"), "{e}");
+        let e = check_session_flows(9, 32)
+            .expect_err("288 > 256")
+            .to_string();
+        assert!(e.contains("at most 28"), "{e}");
+        assert!(check_session_flows(8, 32).is_ok(), "exactly the limit");
+        assert!(check_session_flows(1, 64).is_ok());
     }
 }

@@ -55,6 +55,14 @@ pub const MAX_HINT_SHARDS: usize = 1024;
 /// them, at most `MAX_LANES * MAX_FLOWS`).
 pub const MAX_LANES: u16 = 64;
 
+/// Most data connections a source dials for one node session, over all of the `Hello`'s
+/// lanes (the sum of their `flows`): each is a sender thread and a socket on the source. The
+/// wire allows `MAX_LANES * MAX_FLOWS`; a source refuses a `Hello` that asks for more than
+/// this, so a node refuses to start with lanes x `flows` above it (its `ServeConfig`
+/// validation too, for a `lanes` table: `shardwire_config::MAX_SESSION_FLOWS`, held equal by
+/// the node's tests). 8 lanes of 32 flows.
+pub const MAX_SESSION_FLOWS: u64 = 256;
+
 /// The least a data connection carries while payload bytes are due on it: a node drops one
 /// that brings fewer than this many bytes in a [`DATA_PACE_WINDOW`] (a source sending at a
 /// trickle), and a source warns when its `rate_limit` leaves a connection less.

@@ -20,8 +20,10 @@
 //! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room
 //! (evicted files renamed aside), the caller deletes those and writes [`Reservation::temp`]
 //! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`); an entry
-//! taken out because it failed a check is renamed aside the same way. Names that start with
-//! `.` (partial writes, evicted files) are deleted at the next start.
+//! taken out because it failed a check, and a written file that is not kept (a failed write
+//! or commit), are renamed aside the same way, for the caller to delete outside the lock.
+//! Names that start with `.` (partial writes, evicted or discarded files) are deleted at the
+//! next start.
 
 mod claims;
 
@@ -166,14 +168,15 @@ fn others_text(others: &[(PathBuf, u64)]) -> String {
 }
 
 /// True for the names this cache writes: entries ([`entry_name`]:
-/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and evicted files
-/// (`.<entry>.partial`, `.<entry>.evicted`).
+/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes, evicted files and written files
+/// not kept (`.<entry>.partial`, `.<entry>.evicted`, `.<entry>.discarded`: [`set_aside`]).
 fn is_cache_file(name: &str) -> bool {
     let entry = name
         .strip_prefix('.')
         .and_then(|n| {
             n.strip_suffix(".partial")
                 .or_else(|| n.strip_suffix(".evicted"))
+                .or_else(|| n.strip_suffix(".discarded"))
         })
         .unwrap_or(name);
     let Some((shard, hash)) = entry.strip_suffix(".shard").and_then(|s| s.split_once('-')) else {
@@ -322,6 +325,36 @@ fn unlink_or_say(p: &std::path::Path) {
         Err(e) => tracing::warn!(file = %p.display(), error = %e,
             "a cache file could not be deleted; the next start deletes it"),
     }
+}
+
+/// Renames `temp`, the file of a reservation that is not kept, out of the way (a rename is
+/// quick, and a later reservation of the same entry may write `temp` anew at once); returns
+/// the path to delete outside the cache's lock ([`Reservation::discard_evicted`]), `None` if
+/// there is no file (the write failed before making it). Its name starts with `.`: a restart
+/// deletes it if nothing else does.
+fn set_aside(temp: &Path) -> Option<PathBuf> {
+    let aside = temp.with_extension("discarded");
+    match std::fs::rename(temp, &aside) {
+        Ok(()) => Some(aside),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            tracing::warn!(file = %temp.display(), error = %e,
+                "setting a partial cache file aside failed; it is deleted under its own name");
+            Some(temp.to_path_buf())
+        }
+    }
+}
+
+/// A written reservation that could not become an entry ([`DiskCache::commit`]).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot rename the written cache file into place: {source}")]
+pub struct CommitError {
+    /// Why the rename failed.
+    #[source]
+    pub source: std::io::Error,
+    /// The written file, set aside: delete it outside the lock
+    /// ([`Reservation::discard_evicted`]).
+    pub doomed: Option<PathBuf>,
 }
 
 /// A served entry: its open file and whether it was checked since it was loaded.
@@ -647,13 +680,14 @@ impl DiskCache {
     }
 
     /// The reserved entry was written to its temp file: it becomes an entry (verified: its
-    /// bytes were checked before they were written).
-    pub fn commit(&mut self, r: Reservation) -> std::io::Result<()> {
+    /// bytes were checked before they were written). If its file cannot be renamed into
+    /// place, its room is given back and the file is set aside ([`CommitError::doomed`]).
+    pub fn commit(&mut self, r: Reservation) -> Result<(), CommitError> {
         self.reserved.remove(&r.shard);
-        if let Err(e) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
+        if let Err(source) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
             self.used -= r.len;
-            unlink_or_say(&r.temp);
-            return Err(e);
+            let doomed = set_aside(&r.temp);
+            return Err(CommitError { source, doomed });
         }
         self.entries.insert(
             r.shard,
@@ -667,11 +701,14 @@ impl DiskCache {
         Ok(())
     }
 
-    /// The reserved entry could not be written: its room is given back.
-    pub fn abort(&mut self, r: Reservation) {
+    /// The reserved entry could not be written: its room is given back, and what was written
+    /// of it is set aside; returns that file's path, to delete outside the lock
+    /// ([`Reservation::discard_evicted`]: a partial write may be as large as a shard).
+    #[must_use = "the file set aside is deleted by discard_evicted, or at the next start"]
+    pub fn abort(&mut self, r: Reservation) -> Option<PathBuf> {
         self.reserved.remove(&r.shard);
         self.used -= r.len;
-        unlink_or_say(&r.temp);
+        set_aside(&r.temp)
     }
 
     /// Bytes held (entries and reservations).

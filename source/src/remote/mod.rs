@@ -479,23 +479,32 @@ impl RemoteDataset {
                     write_parts(&temp, &write)
                 })
                 .await;
-                let mut c = cache.lock().expect("poisoned");
-                match wrote {
-                    Ok(Ok(())) => match c.commit(r) {
-                        Ok(()) => {
-                            metrics::gauge!("shardwire_source_cache_bytes").set(c.used() as f64);
-                            return;
+                // What was written and is not kept is set aside under the lock and deleted
+                // after it (`discard`): it may be as large as a shard, and the prefetch waits
+                // on this lock while it holds the dataset's state.
+                let doomed = {
+                    let mut c = cache.lock().expect("poisoned");
+                    match wrote {
+                        Ok(Ok(())) => match c.commit(r) {
+                            Ok(()) => {
+                                let used = c.used() as f64;
+                                metrics::gauge!("shardwire_source_cache_bytes").set(used);
+                                return;
+                            }
+                            Err(e) => {
+                                tracing::warn!(dataset = %self.name, shard, error = %e, "cache entry not kept");
+                                e.doomed
+                            }
+                        },
+                        failed => {
+                            let e =
+                                failed.map_or_else(|j| j.to_string(), |r| format!("{:?}", r.err()));
+                            tracing::warn!(dataset = %self.name, shard, error = %e, "writing a cache entry failed; served from memory");
+                            c.abort(r)
                         }
-                        Err(e) => {
-                            tracing::warn!(dataset = %self.name, shard, error = %e, "cache entry not kept")
-                        }
-                    },
-                    failed => {
-                        let e = failed.map_or_else(|j| j.to_string(), |r| format!("{:?}", r.err()));
-                        tracing::warn!(dataset = %self.name, shard, error = %e, "writing a cache entry failed; served from memory");
-                        c.abort(r);
                     }
-                }
+                };
+                discard(doomed).await;
             }
         }
         let mut st = self.state();

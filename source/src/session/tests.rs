@@ -776,6 +776,66 @@ fn hello() -> Message {
 }
 
 #[tokio::test(flavor = "current_thread")]
+async fn a_node_whose_data_address_the_source_cannot_reach_is_told_why() {
+    let dir = Scratch::new("dial-failed");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    // A loopback port nothing listens on: the source's connect to it is refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+    let handshakes = Arc::new(crate::admit::Handshakes::default());
+    let slot = handshakes.enter(peer.ip()).unwrap();
+    let slots = Arc::new(Semaphore::new(1));
+    let source = tokio::spawn(run(stream, peer, shared, slot, slots));
+    let hello = Message::Hello {
+        node_id: "test-node".into(),
+        nonce: [0; NONCE_LEN],
+        lanes: vec![LaneAddr {
+            data_addr: closed,
+            flows: 1,
+        }],
+    };
+    let mut buf = Vec::new();
+    write_message(&mut node, &hello).await.unwrap();
+    let challenge = reply(&mut node, &mut buf).await;
+    assert!(
+        matches!(challenge, Message::Challenge { .. }),
+        "{challenge:?}"
+    );
+    let auth = Message::Auth { mac: [0; 32] };
+    write_message(&mut node, &auth).await.unwrap();
+    let welcome = reply(&mut node, &mut buf).await;
+    assert!(matches!(welcome, Message::Welcome { .. }), "{welcome:?}");
+    // Before, the control connection closed without a word: the reason was in the source's
+    // log only.
+    match reply(&mut node, &mut buf).await {
+        Message::Error {
+            req: 0,
+            code: ErrorCode::Internal,
+            message,
+            ..
+        } => {
+            assert!(message.contains("cannot open data connection"), "{message}");
+            assert!(message.contains(&closed.to_string()), "{message}");
+            assert!(message.contains("firewall"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(10), source).await;
+    let e = ended
+        .expect("ends")
+        .unwrap()
+        .expect_err("the session fails");
+    assert!(
+        matches!(&e, SessionError::DataConnect { addr, .. } if *addr == closed),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
 async fn a_node_that_finishes_its_handshake_while_the_source_drains_is_told_so() {
     let dir = Scratch::new("drain-handshake");
     let (stream, mut node) = connected().await;

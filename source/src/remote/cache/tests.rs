@@ -404,10 +404,56 @@ fn an_aborted_write_gives_its_room_back() {
         c.reserve(1, name(1), 100, |_| Some(0)).is_none(),
         "no room while reserved"
     );
-    c.abort(r);
+    let doomed = c.abort(r);
+    assert_eq!(doomed, None, "nothing was written");
     assert_eq!(c.used(), 0);
     assert!(!c.holds(0));
     assert!(c.reserve(1, name(1), 100, |_| None).is_some());
+}
+
+#[test]
+fn a_partial_write_is_set_aside_under_the_lock_and_deleted_outside_it() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 100, |_| None).unwrap();
+    let r = c.reserve(0, name(0), 100, |_| None).unwrap();
+    let temp = r.temp.clone();
+    std::fs::write(&temp, [0u8; 60]).unwrap(); // the disk filled up here
+    let doomed = c.abort(r).expect("the partial file, set aside");
+    // Before, `abort` unlinked it under the cache's lock (a shard-sized file: slow).
+    assert!(doomed.exists(), "the unlink waits for discard_evicted");
+    assert!(!temp.exists(), "the temp name is free at once");
+    assert!(is_cache_file(
+        &doomed.file_name().unwrap().to_string_lossy()
+    ));
+    assert_eq!(c.used(), 0);
+    // A new reservation of the same entry writes and commits its temp file meanwhile.
+    let again = c.reserve(0, name(0), 100, |_| None).unwrap();
+    std::fs::write(&again.temp, [0u8; 100]).unwrap();
+    c.commit(again).unwrap();
+    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    assert!(!doomed.exists());
+    assert_eq!(c.get(0).expect("kept").len, 100);
+}
+
+#[test]
+fn a_commit_that_cannot_rename_sets_the_file_aside_and_gives_its_room_back() {
+    let dir = tempdir();
+    let (mut c, _) = DiskCache::open(dir.path(), 100, |_| None).unwrap();
+    let r = c.reserve(0, name(0), 100, |_| None).unwrap();
+    std::fs::write(&r.temp, [0u8; 100]).unwrap();
+    // A directory (not empty) where the entry goes: the rename fails.
+    let blocker = dir.path().join(name(0));
+    std::fs::create_dir(&blocker).unwrap();
+    std::fs::write(blocker.join("x"), b"x").unwrap();
+    let temp = r.temp.clone();
+    let e = c.commit(r).expect_err("the rename fails");
+    let doomed = e.doomed.expect("the written file, set aside");
+    // Before, `commit` unlinked it under the cache's lock.
+    assert!(doomed.exists() && !temp.exists());
+    assert_eq!(c.used(), 0);
+    assert!(!c.holds(0));
+    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    assert!(!doomed.exists());
 }
 
 #[test]
