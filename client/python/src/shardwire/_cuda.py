@@ -33,7 +33,9 @@ bytes are complete when the trainer sees them: consumers need not wait on any st
 
 Nothing here imports ``cuda.bindings`` (or torch) until a region is imported (or
 :meth:`CudaTensor.to_torch` is called); without them :class:`CudaImportError` says what to
-install.
+install. CUDA cannot be used in a process forked after its parent started CUDA (a DataLoader
+worker started with fork): a driver call that fails there says so, and to start the workers
+with spawn.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _device as _devices
 from ._errors import CudaImportError
 
 __all__ = ["CudaRegion", "CudaTensor"]
@@ -69,6 +72,13 @@ _ON_GPU = (
     "jax.dlpack.from_dlpack(t), and copy to the host from there if you need numpy"
 )
 
+#: The hint of a failed driver call in a process forked after its parent started CUDA.
+_FORKED = (
+    "this process was forked (a DataLoader worker started with fork, the Linux default, say) "
+    "after its parent had started CUDA, and CUDA cannot be used in such a process: start the "
+    'workers with spawn (DataLoader(..., multiprocessing_context="spawn")) or forkserver'
+)
+
 
 # --- the CUDA driver ---------------------------------------------------------------------------
 
@@ -87,10 +97,13 @@ def _driver() -> Any:
 def _check(call: str, result: Any, hint: str = "") -> Any:
     """The outputs of a ``cuda.bindings.driver`` call (which returns ``(CUresult, *outputs)``),
     or CudaImportError naming the call and the CUresult. Every driver call goes through here,
-    except the clean-up calls after an error (their results cannot help)."""
+    except the clean-up calls after an error (their results cannot help). In a process forked
+    after its parent started CUDA, the hint is that cause and its fix, whatever `hint` was."""
     err, *out = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         name = getattr(err, "name", None) or f"CUresult {int(err)}"
+        if _devices.forked_after_cuda():
+            hint = _FORKED
         raise CudaImportError(f"{call} failed: {name}{_describe(err)}{'; ' + hint if hint else ''}", call=call, result=name)
     if not out:
         return None
@@ -114,7 +127,8 @@ def _visible_devices_hint() -> str:
 
 
 def _init(drv: Any) -> None:
-    """``cuInit(0)``; CudaImportError if libcuda cannot be loaded or sees no device."""
+    """``cuInit(0)``; CudaImportError if libcuda cannot be loaded or sees no device (in a
+    process forked after its parent started CUDA, where cuInit fails, `_check` names that)."""
     try:
         result = drv.cuInit(0)
     except Exception as e:  # cuda-bindings raises (not returns) when it cannot load libcuda
@@ -125,6 +139,7 @@ def _init(drv: Any) -> None:
     if int(result[0]) == int(drv.CUresult.CUDA_ERROR_NO_DEVICE):
         _check("cuInit", result, f"this process sees no CUDA device ({_visible_devices_hint()})")
     _check("cuInit", result, _INSTALL)
+    _devices.note_cuda_init()
 
 
 def _bus_ids(drv: Any) -> list[str]:

@@ -13,10 +13,20 @@ ordinal: ordinals are per process (``CUDA_VISIBLE_DEVICES``), the node has its o
 - :func:`current` is the bus id of this process's current CUDA device, for ``device="auto"``
   (the default): torch's ``current_device()`` when torch is imported and sees CUDA, else the
   device of cuda-python's current context, else device 0 (what the CUDA runtime uses when
-  nothing was set). None when neither can tell (no driver, a forked worker, ...): the node then
-  places the stream on its least loaded lane. In a DataLoader worker started with spawn or
-  forkserver, a fresh interpreter whose current device is 0 whatever its rank's, it is the
-  device of the process that started it, which ``shardwire.torch`` passes on (:func:`inherit`).
+  nothing was set). None when neither can tell (no driver, ...): the node then places the
+  stream on its least loaded lane. In a DataLoader worker started with spawn or forkserver, a
+  fresh interpreter whose current device is 0 whatever its rank's, it is the device of the
+  process that started it, which ``shardwire.torch`` passes on (:func:`inherit`).
+
+**Fork.** A process forked after its parent started CUDA (a DataLoader worker started with
+fork, the Linux default, once the trainer ran ``model.cuda()``) cannot use CUDA: torch raises
+"Cannot re-initialize CUDA in forked subprocess", ``cuInit`` fails. So before every fork of a
+process that started CUDA through torch, :func:`_before_fork` (``os.register_at_fork``) notes
+the bus id of each of its ordinals and its current one; a forked child resolves ``"cuda:N"``,
+``N``, ``"cuda"`` and ``"auto"`` from that note, as its parent would have, and never touches
+CUDA. Where there is no note (CUDA started other than through torch), an ordinal there raises
+ValueError asking for the GPU's PCI bus id. :func:`forked_after_cuda` says whether this process
+is such a child (for ``_cuda``'s errors).
 
 Nothing here imports torch or cuda-python that the trainer has not imported (torch) or that is
 not installed (cuda-python).
@@ -24,11 +34,12 @@ not installed (cuda-python).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any
 
-__all__ = ["AUTO", "current", "inherit", "resolve"]
+__all__ = ["AUTO", "current", "forked_after_cuda", "inherit", "note_cuda_init", "resolve"]
 
 #: ``device="auto"``: the current CUDA device when the node serves CUDA memory.
 AUTO = "auto"
@@ -62,6 +73,89 @@ def _torch_cuda() -> Any:
         return None
 
 
+# --- fork: what a child forked after CUDA started knows of its parent's GPUs ------------------
+
+#: Noted by `_before_fork` in a process whose torch had started CUDA, for the children it
+#: forks: (that process's pid, its current ordinal then, the bus id of each of its ordinals).
+#: A child inherits it; in the process that noted it (same pid) it is never read.
+_at_fork: tuple[int, int, tuple[str, ...]] | None = None
+#: The bus ids of this process's ordinals, looked up once (`_before_fork`): they do not change.
+_bus_ids: tuple[str, ...] | None = None
+#: The pid of the process where cuda-python's ``cuInit`` last succeeded (`note_cuda_init`);
+#: a child forked after it inherits it.
+_cuda_pid: int | None = None
+
+
+def _torch_started_cuda() -> Any:
+    """``torch.cuda`` when the trainer imported torch and it has started CUDA in this process
+    (not in a forked child: there torch says it has not), else None. Starts nothing."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _before_fork() -> None:
+    """``os.register_at_fork(before=...)``: where torch has started CUDA here, notes this
+    process's GPUs for the child (`_at_fork`). Never raises: a fork must not fail for this."""
+    global _at_fork, _bus_ids
+    cuda = _torch_started_cuda()
+    if cuda is None:
+        return  # no CUDA here, or a forked child that keeps its parent's note for its own
+    try:
+        if _bus_ids is None:
+            _bus_ids = tuple(_by_torch(cuda, i) for i in range(int(cuda.device_count())))
+        _at_fork = (os.getpid(), int(cuda.current_device()), _bus_ids)
+    except Exception:
+        _at_fork = None  # the child then asks for the bus id (`_forked_ordinal`)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork)
+
+
+def note_cuda_init() -> None:
+    """Records that cuda-python's ``cuInit`` succeeded in this process (`forked_after_cuda`)."""
+    global _cuda_pid
+    _cuda_pid = os.getpid()
+
+
+def forked_after_cuda() -> bool:
+    """Whether this process was forked from one that had started CUDA (through torch or
+    cuda-python): CUDA cannot be used here."""
+    pid = os.getpid()
+    if (_at_fork is not None and _at_fork[0] != pid) or (_cuda_pid is not None and _cuda_pid != pid):
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda._is_in_bad_fork())
+    except Exception:
+        return False
+
+
+def _forked_note(device: str) -> tuple[int, tuple[str, ...]]:
+    """(current ordinal, bus ids) of the parent of this forked child, or a ValueError for
+    `device` when there is none."""
+    note = _at_fork
+    if note is None or note[0] == os.getpid():
+        raise ValueError(
+            f"device {device}: this process was forked after its parent started CUDA, so CUDA "
+            "cannot say here which GPU that is; pass the GPU's PCI bus id (device=\"0000:19:00.0\", "
+            "see nvidia-smi --query-gpu=pci.bus_id --format=csv) or its UUID, or start the "
+            "DataLoader's workers with multiprocessing_context=\"spawn\""
+        )
+    return note[1], note[2]
+
+
+def _forked_ordinal(ordinal: int) -> str:
+    """In a child forked after CUDA started: the bus id its parent noted for `ordinal`."""
+    ids = _forked_note(f"cuda:{ordinal}")[1]
+    if not 0 <= ordinal < len(ids):
+        raise ValueError(f"device cuda:{ordinal}: this process sees {len(ids)} CUDA device(s) (0..{len(ids) - 1}); check CUDA_VISIBLE_DEVICES")
+    return ids[ordinal]
+
+
 def _by_torch(cuda: Any, ordinal: int) -> str:
     count = int(cuda.device_count())
     if not 0 <= ordinal < count:
@@ -82,6 +176,7 @@ def _driver() -> Any:
             return None
     except Exception:  # the bindings raise when libcuda.so.1 cannot be loaded
         return None
+    note_cuda_init()
     return driver
 
 
@@ -96,6 +191,8 @@ def _by_driver(driver: Any, dev: Any) -> str | None:
 
 def _ordinal(ordinal: int) -> str:
     """The bus id of this process's CUDA device `ordinal`."""
+    if forked_after_cuda():
+        return _forked_ordinal(ordinal)
     cuda = _torch_cuda()
     if cuda is not None:
         return _by_torch(cuda, ordinal)
@@ -134,6 +231,8 @@ def resolve(device: Any) -> str:
 
 
 def _current_ordinal() -> int:
+    if forked_after_cuda():
+        return _forked_note("'cuda' (the current device)")[0]
     cuda = _torch_cuda()
     return int(cuda.current_device()) if cuda is not None else 0
 
@@ -156,6 +255,9 @@ def current() -> str | None:
     if _inherited is not None:
         return _inherited
     try:
+        if forked_after_cuda():
+            current, ids = _forked_note("auto")
+            return ids[current] if 0 <= current < len(ids) else None
         cuda = _torch_cuda()
         if cuda is not None:
             return _by_torch(cuda, int(cuda.current_device()))
@@ -168,5 +270,5 @@ def current() -> str | None:
         else:
             err, dev = driver.cuDeviceGet(0)
         return _by_driver(driver, dev) if int(err) == 0 else None
-    except Exception:  # a forked DataLoader worker, a broken driver: the node picks a lane
+    except Exception:  # a broken driver, a forked child without its parent's note: no device
         return None

@@ -4,9 +4,15 @@ Every error is a :class:`ShardwireError` with a stable machine-readable ``code``
 human-readable ``message``. Errors the node service reports keep the service's code
 (see docs/TRAINER_API.md: ``unknown_dataset``, ``state_mismatch``, ``no_memory``, ...);
 errors raised by the SDK itself use the codes below.
+
+Every error pickles (``pickle.loads(pickle.dumps(e))`` is of the same class, with the same
+code, message and attributes), so it crosses process boundaries (``multiprocessing.Pool``),
+whatever its class's constructor takes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "ShardwireError",
@@ -41,6 +47,20 @@ class ShardwireError(Exception):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without `__init__`: the subclasses take other arguments than `args`
+        # (``Timeout(message)``, ``ConnectError(path, reason)``), which exceptions' default
+        # `__reduce__` would pass them (``cls(*args)``: a TypeError, or a wrong message).
+        return (_rebuild, (type(self), self.args, self.__dict__.copy()))
+
+
+def _rebuild(cls: type[ShardwireError], args: tuple[Any, ...], state: dict[str, Any]) -> ShardwireError:
+    """A `cls` error with `args` and the attributes `state` (`ShardwireError.__reduce__`)."""
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
 
 class ServiceError(ShardwireError):
     """The node service answered with an ``error`` reply; ``code`` and ``message`` are its own."""
@@ -65,11 +85,17 @@ class ConnectionClosed(ShardwireError):
 
 
 class ConnectError(ShardwireError):
-    """The trainer socket could not be reached (code ``"connect"``); the message names the
-    socket path and the reason."""
+    """The trainer socket, or for :func:`shardwire.connect_http` the node's HTTP address,
+    could not be reached (code ``"connect"``); the message names the socket path (the URL) and
+    the reason.
+
+    Attributes:
+        path: The socket path, or the URL (``http://HOST:PORT``).
+    """
 
     def __init__(self, path: str, reason: str) -> None:
-        super().__init__("connect", f"cannot connect to the shardwire trainer socket {path!r}: {reason}")
+        what = "the shardwire node's HTTP API at" if path.startswith("http://") else "the shardwire trainer socket"
+        super().__init__("connect", f"cannot connect to {what} {path!r}: {reason}")
         self.path = path
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import numbers
 import socket
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -33,6 +34,12 @@ __all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
 POLL_MS = 30_000
 #: Socket timeout of requests that do not wait on the stream, in seconds.
 IO_TIMEOUT = 120.0
+#: Connect and answer timeout of ``POST .../close``, in seconds: a close that cannot reach the
+#: service gives up (the service closes the stream after its idle timeout).
+CLOSE_TIMEOUT = 10.0
+#: Largest ``idle_timeout`` the service takes, in seconds (service/src/http/trainer.rs,
+#: ``MAX_IDLE_TIMEOUT_S``).
+MAX_IDLE_TIMEOUT = 86_400
 #: Downloads of one tensor while the node's copy budget stays full (each waits 10 s there).
 COPY_ATTEMPTS = 6
 
@@ -119,7 +126,8 @@ class HttpClient:
             dataset: Dataset name, or a mixture (a mapping of dataset names to weights), as in
                 :meth:`shardwire.Client.open_stream`.
             idle_timeout: Seconds without a request after which the service closes the
-                stream (default: the service's, 300 s). A stream that is not closed
+                stream (default: the service's, 300 s; at most ``MAX_IDLE_TIMEOUT``, 86400,
+                rounded up to whole seconds). A stream that is not closed
                 explicitly (``close()``, ``with``) lingers on the service until then.
             <stream keywords>
 
@@ -132,10 +140,23 @@ class HttpClient:
         """
         body = StreamOptions.of(options, "HttpClient.open_stream").attach_fields(dataset)
         if idle_timeout is not None:
-            if not idle_timeout > 0:
-                raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")
-            body["idle_timeout_s"] = max(1, math.ceil(idle_timeout))
+            body["idle_timeout_s"] = _idle_timeout_s(idle_timeout)
         return HttpStream._open(self, body)
+
+
+def _idle_timeout_s(idle_timeout: float) -> int:
+    """`idle_timeout` as the whole seconds the service takes (rounded up).
+
+    Raises:
+        ValueError: not a number in ``(0, MAX_IDLE_TIMEOUT]`` (NaN and infinity included).
+    """
+    if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, numbers.Real):
+        raise ValueError(f"idle_timeout must be a number of seconds, not {idle_timeout!r}")
+    if not idle_timeout > 0:
+        raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")
+    if not idle_timeout <= MAX_IDLE_TIMEOUT:
+        raise ValueError(f"idle_timeout must be at most {MAX_IDLE_TIMEOUT} seconds (a day, the service's limit), not {idle_timeout!r}")
+    return max(1, math.ceil(idle_timeout))
 
 
 class HttpBatch(_BatchBase):
@@ -249,7 +270,8 @@ class HttpStream(_StreamBase[HttpBatch]):
             # A stream that opened, maybe: closed (best effort), as it cannot be used.
             if isinstance(v := _maybe_json(r), dict) and isinstance(v.get("stream"), int):
                 try:
-                    _call(conn, "POST", f"/v1/streams/{v['stream']}/close", b"", 10.0, retry=False)
+                    conn.timeout = CLOSE_TIMEOUT  # a new connection's connect() waits that long
+                    _call(conn, "POST", f"/v1/streams/{v['stream']}/close", b"", CLOSE_TIMEOUT, retry=False)
                 except (OSError, http.client.HTTPException, ShardwireError):
                     pass
             conn.close()
@@ -394,8 +416,9 @@ class HttpStream(_StreamBase[HttpBatch]):
 
     def close(self) -> None:
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
-        batches already taken stay valid (they are copies). A failure to reach the service is
-        ignored: it closes the stream after its idle timeout."""
+        batches already taken stay valid (they are copies). A failure to reach the service
+        within ``CLOSE_TIMEOUT`` (10 s, connecting included) is ignored: it closes the stream
+        after its idle timeout."""
         super().close()
 
     def _drop_in_child(self) -> None:
@@ -422,9 +445,11 @@ class HttpStream(_StreamBase[HttpBatch]):
         if notify:
             # On a connection of its own, which no `_interrupt` can shut down (another close()
             # meanwhile), never stopped: the close must reach the service.
-            conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=IO_TIMEOUT)
+            # Its connect() too is bounded by CLOSE_TIMEOUT: a host that drops packets must not
+            # hold close() (and the exception leaving `with stream:`) for IO_TIMEOUT.
+            conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=CLOSE_TIMEOUT)
             try:
-                _call(conn, "POST", f"/v1/streams/{self.info.stream}/close", b"", 10.0, retry=False)
+                _call(conn, "POST", f"/v1/streams/{self.info.stream}/close", b"", CLOSE_TIMEOUT, retry=False)
             except (OSError, http.client.HTTPException, ShardwireError):
                 pass  # the service closes it after its idle timeout
             finally:

@@ -614,8 +614,12 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1; DataLoader workers started
             with spawn or forkserver get those of the process that started them, and its
             CUDA device (``device``: ``"auto"`` names that process's current device).
+            Workers forked after that process started CUDA through torch resolve ``device``
+            from what it noted of its GPUs as it forked (they cannot use CUDA themselves).
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
-            ``memory = "cuda"``, a torch tensor cloned on the GPU), the batch released with
+            ``memory = "cuda"``, a torch tensor cloned on the GPU, already there: leave the
+            DataLoader's ``pin_memory`` False, as torch cannot pin a CUDA tensor and raises
+            RuntimeError on the first item), the batch released with
             the stream's next request; needed whenever several items are alive together
             (``batch_size`` not None, prefetching, ``num_workers > 0``, where the DataLoader
             pickles items across processes anyway). False: yield the read-only zero-copy
