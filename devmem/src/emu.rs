@@ -22,7 +22,9 @@
 //!   copied into the iov), as when header split fails for them;
 //! * pool exhaustion: with no free net_iov, no bytes can land; `recv_frags` waits (the NIC
 //!   would drop and TCP retransmit), so a receiver that does not return tokens stalls its
-//!   peers: backpressure, never loss;
+//!   peers: backpressure, never loss. The wait lasts at most the socket's `SO_RCVTIMEO`,
+//!   then the call fails with `EAGAIN`, as the kernel's does when nothing arrived in time
+//!   (the bytes stay in the socket for the next call);
 //! * closing the socket releases its outstanding tokens and queued packets.
 //!
 //! Several NICs, each with its own bindings, and the steering table placing each flow on a
@@ -38,7 +40,7 @@ use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cmsg::{CMSG_HDR_LEN, DMABUF_CMSG_LEN, DMABUF_CMSG_SPACE as CMSG_SPACE, synth};
 use crate::mem::DmabufMem;
@@ -56,6 +58,8 @@ pub const MIN_NIOVS: usize = 16;
 pub const MAX_NIOVS: usize = u32::MAX as usize;
 /// Most net_iovs one fill takes (the NIC refills its ring in bursts).
 const FILL_BURST: usize = 64;
+/// Longest single wait for a free net_iov before the pool is looked at again.
+const POOL_POLL: Duration = Duration::from_millis(100);
 
 /// Knobs of the emulated NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,9 +264,19 @@ impl EmuBinding {
     }
 
     /// Pop up to `want` free net_iovs, each with one reference (its packet's). With `wait`,
-    /// waits while none is free.
-    fn take(&self, want: usize, wait: bool, out: &mut Vec<u32>) -> io::Result<()> {
+    /// waits while none is free, for at most the socket's receive timeout (`timeout`, read
+    /// only once a wait starts; `None`: none), then fails with `EAGAIN`, as the kernel's
+    /// `recvmsg` does while the NIC drops what it cannot land.
+    fn take(
+        &self,
+        want: usize,
+        wait: bool,
+        timeout: impl FnOnce() -> io::Result<Option<Duration>>,
+        out: &mut Vec<u32>,
+    ) -> io::Result<()> {
         let mut p = self.lock();
+        let mut timeout = Some(timeout);
+        let mut deadline = None;
         loop {
             if p.unbound {
                 return Err(io::Error::new(
@@ -273,10 +287,22 @@ impl EmuBinding {
             if p.free_len() > 0 || !wait {
                 break;
             }
+            if let Some(read) = timeout.take() {
+                deadline = read()?.map(|t| Instant::now() + t);
+            }
+            let pause = match deadline {
+                Some(d) => match d.saturating_duration_since(Instant::now()) {
+                    left if left.is_zero() => {
+                        return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+                    }
+                    left => left.min(POOL_POLL),
+                },
+                None => POOL_POLL,
+            };
             self.stats.exhausted_waits.fetch_add(1, Ordering::Relaxed);
             p = self
                 .freed
-                .wait_timeout(p, Duration::from_millis(100))
+                .wait_timeout(p, pause)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -427,13 +453,16 @@ impl EmuSocket {
     }
 
     /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. Returns false at
-    /// EOF or, when `!wait`, when nothing is available right now.
+    /// EOF or, when `!wait`, when nothing is available right now; fails with `EAGAIN` when
+    /// no net_iov came free within the socket's `SO_RCVTIMEO` ([`EmuBinding::take`]).
     fn fill(&mut self, want_bytes: usize, wait: bool) -> io::Result<bool> {
         let fm = self.cfg.frag_max;
         let pages = want_bytes.div_ceil(fm).clamp(1, FILL_BURST);
         self.scratch.clear();
         let mut niovs = std::mem::take(&mut self.scratch);
-        self.binding.take(pages, wait, &mut niovs)?;
+        let sock = &self.sock;
+        self.binding
+            .take(pages, wait, || sock.read_timeout(), &mut niovs)?;
         if niovs.is_empty() {
             self.scratch = niovs;
             return Ok(false);

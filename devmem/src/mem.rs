@@ -23,8 +23,29 @@ use std::ptr::NonNull;
 /// `DMA_BUF_IOCTL_SYNC` = `_IOW('b', 0, struct dma_buf_sync)` (a single u64 flags field).
 const DMA_BUF_IOCTL_SYNC: libc::c_ulong = 0x4008_6200;
 const DMA_BUF_SYNC_READ: u64 = 1;
+const DMA_BUF_SYNC_WRITE: u64 = 2;
 const DMA_BUF_SYNC_START: u64 = 0;
 const DMA_BUF_SYNC_END: u64 = 4;
+
+#[cfg(test)]
+thread_local! {
+    /// The `DMA_BUF_IOCTL_SYNC` flags this thread asked for, memfds' (no ioctl) included: how
+    /// a test sees that a CPU access was bracketed.
+    static SYNCS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The sync flags asked for on this thread since the last call, oldest first (tests).
+#[cfg(test)]
+pub(crate) fn take_syncs() -> Vec<u64> {
+    SYNCS.with(|s| std::mem::take(&mut *s.borrow_mut()))
+}
+
+/// `DMA_BUF_SYNC_START | DMA_BUF_SYNC_WRITE` and `_END | _WRITE`, for tests.
+#[cfg(test)]
+pub(crate) const SYNC_WRITE: [u64; 2] = [
+    DMA_BUF_SYNC_START | DMA_BUF_SYNC_WRITE,
+    DMA_BUF_SYNC_END | DMA_BUF_SYNC_WRITE,
+];
 
 /// A frag that does not lie inside the mapped dma-buf (a kernel/ABI mismatch or a frag of
 /// another binding): never read.
@@ -289,7 +310,23 @@ impl DmabufMem {
         self.sync(DMA_BUF_SYNC_END | DMA_BUF_SYNC_READ)
     }
 
+    /// Start CPU writes into a real dma-buf (no-op for a memfd), so that on a platform whose
+    /// DMA is not cache-coherent the device then reads what the CPU wrote. Pair with
+    /// [`DmabufMem::end_cpu_write`] before the device reads (ncdevmem brackets its TX copies
+    /// the same way).
+    pub fn begin_cpu_write(&self) -> io::Result<()> {
+        self.sync(DMA_BUF_SYNC_START | DMA_BUF_SYNC_WRITE)
+    }
+
+    /// End CPU writes started with [`DmabufMem::begin_cpu_write`] (the exporter flushes them
+    /// for the device).
+    pub fn end_cpu_write(&self) -> io::Result<()> {
+        self.sync(DMA_BUF_SYNC_END | DMA_BUF_SYNC_WRITE)
+    }
+
     fn sync(&self, flags: u64) -> io::Result<()> {
+        #[cfg(test)]
+        SYNCS.with(|s| s.borrow_mut().push(flags));
         if self.kind == Kind::Memfd {
             return Ok(());
         }
@@ -379,6 +416,17 @@ mod tests {
                 m.end_cpu_read().unwrap();
             }
             // This machine's kernel has no udmabuf (reference devmem.md §10).
+            Err(e) => assert!(e.to_string().contains("/dev/udmabuf"), "{e}"),
+        }
+    }
+
+    #[test]
+    fn a_writable_udmabuf_takes_the_write_sync() {
+        match DmabufMem::udmabuf_rw(1 << 20) {
+            Ok(m) => {
+                m.begin_cpu_write().unwrap();
+                m.end_cpu_write().unwrap();
+            }
             Err(e) => assert!(e.to_string().contains("/dev/udmabuf"), "{e}"),
         }
     }

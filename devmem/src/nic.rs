@@ -75,15 +75,30 @@ pub enum NicError {
         /// What failed.
         reason: String,
     },
-    /// The NIC cannot have the RX queues asked for.
-    #[error("{ifname}: queue {queue} is needed but the NIC supports at most {max} RX channels")]
+    /// The NIC cannot have the RX queues asked for, with the kind of channel it uses now.
+    #[error(
+        "{ifname}: queue {queue} is needed but the NIC supports at most {max} RX queues with its {kind} channels (ethtool -l {ifname} shows its counts and maximums)"
+    )]
     NotEnoughQueues {
         /// Interface.
         ifname: String,
         /// The highest queue asked for.
         queue: u32,
-        /// The driver's maximum.
+        /// The most RX queues that kind of channel gives.
         max: u32,
+        /// The kind it uses now, the one a raise changes: `combined` or `RX-only`.
+        kind: &'static str,
+    },
+    /// Steering was asked for on a queue set that includes queue 0: RSS is kept on the queues
+    /// below the lowest bound one, and there is none below queue 0.
+    #[error(
+        "{ifname}: RX queues {queues:?} include queue 0, which must stay with RSS for the host's other traffic (bound, RSS would keep spreading every flow, ssh and the node's own connections included, onto the bound queues, where a plain recv cannot read them): bind queues from 1 up"
+    )]
+    QueueZeroBound {
+        /// Interface.
+        ifname: String,
+        /// The queues asked for.
+        queues: Vec<u32>,
     },
     /// The state file could not be read or written.
     #[error("NIC state file {path}: {reason}")]
@@ -164,7 +179,7 @@ fn hint(errno: &i32, op: &str) -> &'static str {
         }
         (libc::EOPNOTSUPP, _) => ": the driver does not support this",
         (libc::EINVAL, "channels-set") => {
-            ": the driver refused the channel counts (a memory provider may be bound to a queue above them)"
+            ": the driver refused the channel counts (ethtool -l on the interface shows its counts and maximums)"
         }
         _ => "",
     }
@@ -368,10 +383,12 @@ impl EthtoolClient {
                 .nested_header()
                 .push_dev_index(ifindex)
                 .end_nested();
-            // Only the kinds the driver has (a max of 0 means the kind does not exist).
-            let now = (rx, tx, combined);
-            enc = enc.push_rx_count(now.0).push_tx_count(now.1);
-            let _ = enc.push_combined_count(now.2);
+            // All three counts: the kernel checks each against its maximum, and a kind the
+            // driver lacks (maximum 0) goes as its count, 0. A raise changes one kind only,
+            // the one the NIC uses now ([`channels_request`]): drivers with either all
+            // combined or all RX/TX channels (bnxt) refuse a request that mixes them.
+            enc = enc.push_rx_count(rx).push_tx_count(tx);
+            let _ = enc.push_combined_count(combined);
         }
         self.run(
             ifname,
@@ -644,8 +661,9 @@ pub struct SetupPlan {
     pub queues: Vec<u32>,
     /// Network namespace file of the interface, if not the caller's.
     pub netns: Option<PathBuf>,
-    /// Steer each of these TCP ports (a lane's data port) to its queue, and RSS to the queues
-    /// below the lowest of `queues`; empty leaves steering to the operator.
+    /// Steer each of these TCP ports (a lane's data port) to its queue, and keep RSS on the
+    /// queues below the lowest of `queues` (so that is not queue 0: [`rss_bound`]); empty
+    /// leaves steering to the operator.
     pub steer: Vec<(u16, u32)>,
 }
 
@@ -677,13 +695,13 @@ impl NicSetup {
     }
 
     /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
-    /// set up), and RSS over queues `0..rss_queues` when that is above 0; journaled. Returns
-    /// the rule ([`NicSetup::remove_flow`] deletes it).
+    /// set up), and, with `Some(n)`, RSS kept on queues `0..n` ([`Journal::steer`]; `Some(0)`
+    /// is refused); journaled. Returns the rule ([`NicSetup::remove_flow`] deletes it).
     pub fn steer(
         &mut self,
         dst_port: u16,
         queue: u32,
-        rss_queues: u32,
+        rss_queues: Option<u32>,
     ) -> Result<InsertedRule, NicError> {
         let j = self.journal.as_mut().ok_or(NicError::Restored)?;
         j.steer(&mut self.client, dst_port, queue, rss_queues)
@@ -723,9 +741,15 @@ impl Drop for NicSetup {
 }
 
 /// Set the NIC up for devmem on `plan.queues`: enough RX channels, header split on with
-/// `hds-thresh` 0. Each change is journaled at `state` first; on failure whatever was
-/// changed is undone before the error is returned.
+/// `hds-thresh` 0, and, with `plan.steer`, RSS kept below the lowest bound queue and each
+/// port steered. Each change is journaled at `state` first; on failure whatever was
+/// changed is undone before the error is returned. Steering onto a queue set that includes
+/// queue 0 is refused before anything is changed ([`rss_bound`]).
 pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
+    let rss = match plan.steer.is_empty() {
+        true => None,
+        false => rss_bound(&plan.ifname, &plan.queues)?,
+    };
     let mut client = match &plan.netns {
         Some(ns) => EthtoolClient::open_in_netns(ns)?,
         None => EthtoolClient::open()?,
@@ -734,26 +758,13 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
     let result = (|| {
         let need = plan.queues.iter().max().map_or(0, |q| q + 1);
         let ch = client.channels(plan.ifindex, &plan.ifname)?;
-        if ch.rx_queues() < need {
-            let max = ch.combined_max.max(ch.rx_max);
-            if max < need {
-                return Err(NicError::NotEnoughQueues {
-                    ifname: plan.ifname.clone(),
-                    queue: need - 1,
-                    max,
-                });
-            }
-            if ch.combined_max > 0 {
-                journal.set_channels(&mut client, ch.rx, ch.tx, need)?;
-            } else {
-                journal.set_channels(&mut client, need, ch.tx, ch.combined)?;
-            }
+        if let Some((rx, tx, combined)) = channels_request(&plan.ifname, &ch, need)? {
+            journal.set_channels(&mut client, rx, tx, combined)?;
         }
         journal.enable_header_split(&mut client)?;
-        let first = plan.queues.iter().min().copied().unwrap_or(0);
         for (i, &(port, queue)) in plan.steer.iter().enumerate() {
-            // RSS once, away from every bound queue (they are all at or above `first`).
-            let rss = if i == 0 { first } else { 0 };
+            // RSS once, away from every bound queue (they are all at or above its bound).
+            let rss = if i == 0 { rss } else { None };
             journal.steer(&mut client, port, queue, rss)?;
         }
         Ok(())
@@ -777,6 +788,53 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
 }
 
 pub mod steer;
+
+/// The queues `0..n` RSS is kept on when steering onto `queues`: `n` is the lowest of them
+/// (`None` for no queues). Refused when that is queue 0
+/// ([`NicError::QueueZeroBound`]): no queue is left below it for the host's other traffic,
+/// so RSS would go on spreading every flow onto the bound queues.
+pub fn rss_bound(ifname: &str, queues: &[u32]) -> Result<Option<u32>, NicError> {
+    match queues.iter().min() {
+        Some(0) => Err(NicError::QueueZeroBound {
+            ifname: ifname.into(),
+            queues: queues.to_vec(),
+        }),
+        first => Ok(first.copied()),
+    }
+}
+
+/// The `channels-set` counts (rx, tx, combined) that give a NIC with channels `ch` at least
+/// `need` RX queues, or `None` when it has them. Only the kind of channel the NIC uses now
+/// is raised, within that kind's maximum: combined ones where it has some (or no RX-only
+/// ones), else RX-only ones. Drivers with either all combined or all RX/TX channels (bnxt)
+/// refuse a request mixing the two with EINVAL, and one kind's maximum says nothing about
+/// the other's.
+fn channels_request(
+    ifname: &str,
+    ch: &Channels,
+    need: u32,
+) -> Result<Option<(u32, u32, u32)>, NicError> {
+    if ch.rx_queues() >= need {
+        return Ok(None);
+    }
+    let combined = ch.combined > 0 || ch.rx == 0;
+    let (max, kind) = match combined {
+        true => (ch.rx.saturating_add(ch.combined_max), "combined"),
+        false => (ch.rx_max, "RX-only"),
+    };
+    if need > max {
+        return Err(NicError::NotEnoughQueues {
+            ifname: ifname.into(),
+            queue: need - 1,
+            max,
+            kind,
+        });
+    }
+    Ok(Some(match combined {
+        true => (ch.rx, ch.tx, need - ch.rx),
+        false => (need, ch.tx, ch.combined),
+    }))
+}
 
 /// What `rings-set` turns header split on with, given the NIC's `rings-get` (`old`): `None`
 /// when it is on already with `hds-thresh` 0; else `Some(hds_thresh)`, the threshold to send

@@ -4,8 +4,9 @@
 //! §5.4: "do not rewrite the dma-buf region until its send has completed").
 //!
 //! [`TxSlot::reserve`] hands out the next free contiguous bytes at the ring's head for
-//! filling; [`TxSlot::sent`] records that the next zerocopy send (numbered by the kernel from
-//! 0 per socket) used `n` of them; [`TxSlot::complete`] marks the completed range's sends
+//! filling ([`TxSlot::fill`] fills them between the dma-buf's CPU write sync);
+//! [`TxSlot::sent`] records that the next zerocopy send (numbered by the kernel from 0 per
+//! socket) used `n` of them; [`TxSlot::complete`] marks the completed range's sends
 //! done and frees the bytes of the oldest sends while they are done: completions are in send
 //! order as a rule, not always (the kernel's msg_zerocopy.rst: "Notifications may arrive out
 //! of order on retransmission and socket teardown"), so a later send's completion never
@@ -179,7 +180,8 @@ impl TxSlot {
 
     /// The next free contiguous bytes at the head, at most `want`: the value to put in the
     /// iovec for them (a dma-buf offset, or an address with binding id 0) and the bytes to
-    /// fill. `None` while the ring is full (wait for completions).
+    /// fill. `None` while the ring is full (wait for completions). Writes into a real dma-buf
+    /// need its CPU write sync around them: [`TxSlot::fill`] does both.
     pub fn reserve(&mut self, want: usize) -> Option<(u64, &mut [u8])> {
         let len = self.len();
         let pos = self.written % len;
@@ -202,6 +204,35 @@ impl TxSlot {
         // outlive the reservation.
         let bytes = unsafe { self.buf.mem.page_mut(off, n) };
         Some((iov, bytes))
+    }
+
+    /// Reserves up to `want` bytes ([`TxSlot::reserve`]) and has `write` fill them, between
+    /// the dma-buf's CPU write sync ([`DmabufMem::begin_cpu_write`], then `end_cpu_write`
+    /// once `write` returned, whatever it returned), so that on a platform whose DMA is not
+    /// cache-coherent the NIC sends what was written. Returns the iovec value for the bytes
+    /// and how many `write` filled (from the start); `None` while the ring is full. One
+    /// sync pair per fill: the exporter syncs the whole buffer (udmabuf), so fill in large
+    /// pieces.
+    ///
+    /// # Panics
+    /// If `write` reports more bytes than it was given.
+    pub fn fill(
+        &mut self,
+        want: usize,
+        write: impl FnOnce(&mut [u8]) -> io::Result<usize>,
+    ) -> io::Result<Option<(u64, usize)>> {
+        let buf = Arc::clone(&self.buf);
+        let Some((iov, bytes)) = self.reserve(want) else {
+            return Ok(None);
+        };
+        let len = bytes.len();
+        buf.mem.begin_cpu_write()?;
+        let wrote = write(bytes);
+        let ended = buf.mem.end_cpu_write();
+        let n = wrote?;
+        ended?;
+        assert!(n <= len, "TxSlot::fill: {n} bytes written into {len}");
+        Ok(Some((iov, n)))
     }
 
     /// The next zerocopy send used `n` bytes at the head, of the last reservation.
@@ -379,6 +410,33 @@ mod tests {
         let mut s = b.slot().unwrap();
         s.reserve(100).unwrap();
         s.sent(10_000);
+    }
+
+    #[test]
+    fn a_fill_is_bracketed_with_the_dma_buf_write_sync() {
+        // Before, no CPU write into the TX buffer was ever synced: on a platform whose DMA
+        // is not cache-coherent the NIC could send stale bytes.
+        let b = TxBuffer::memfd(8192, 1).unwrap();
+        let mut s = b.slot().unwrap();
+        crate::mem::take_syncs();
+        let (iov, n) = s
+            .fill(100, |bytes| {
+                assert_eq!(crate::mem::take_syncs(), [crate::mem::SYNC_WRITE[0]]);
+                bytes[..60].fill(9);
+                Ok(60)
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!((iov, n), (b.mem.addr(), 60));
+        assert_eq!(crate::mem::take_syncs(), [crate::mem::SYNC_WRITE[1]]);
+        // A failed write still ends the sync; a full ring takes none.
+        let e = s.fill(100, |_| Err(io::Error::other("no"))).unwrap_err();
+        assert_eq!(e.to_string(), "no");
+        assert_eq!(crate::mem::take_syncs(), crate::mem::SYNC_WRITE);
+        s.reserve(8192).unwrap();
+        s.sent(8192);
+        assert!(s.fill(1, |_| Ok(1)).unwrap().is_none());
+        assert!(crate::mem::take_syncs().is_empty());
     }
 
     #[test]

@@ -225,12 +225,16 @@ impl<'a> DevmemSend<'a> {
         if self.slot.reserve(want).is_none() {
             wait_for_room(&mut self.tx, &mut self.slot, self.idle)?;
         }
-        let (iov, bytes) = self.slot.reserve(want).expect("room after the wait");
-        let n = rustix::io::pread(file, &mut *bytes, off)?;
-        if let Some(at) = flip.filter(|at| (off..off + n as u64).contains(at)) {
-            bytes[(at - off) as usize] ^= 0x5a;
-            *flip = None;
-        }
+        // The read into the dma-buf is bracketed by its CPU write sync (`TxSlot::fill`).
+        let filled = self.slot.fill(want, |bytes| {
+            let n = rustix::io::pread(file, &mut *bytes, off)?;
+            if let Some(at) = flip.filter(|at| (off..off + n as u64).contains(at)) {
+                bytes[(at - off) as usize] ^= 0x5a;
+                *flip = None;
+            }
+            Ok(n)
+        })?;
+        let (iov, n) = filled.expect("room after the wait");
         let mut done = 0;
         while done < n {
             let k = self

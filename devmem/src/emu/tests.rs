@@ -371,6 +371,55 @@ fn pool_exhaustion_stalls_other_sockets_until_tokens_come_back() {
 }
 
 #[test]
+fn a_read_waiting_for_the_pool_fails_with_eagain_after_the_sockets_receive_timeout() {
+    // As the kernel's recvmsg while the NIC drops what it cannot land. Before, the wait
+    // ignored SO_RCVTIMEO: a reader waited for as long as another held its tokens.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let (sa, wa) = pair(pattern(MIN_NIOVS * NIOV_SIZE, 6));
+    let data_b = pattern(4 * NIOV_SIZE, 7);
+    let (sb, wb) = pair(data_b.clone());
+    wa.join().unwrap();
+    wb.join().unwrap();
+    let mut a = EmuSocket::new(sa, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; MIN_NIOVS * NIOV_SIZE];
+    let mut got = 0;
+    while got < buf.len() {
+        got += a.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    assert_eq!(b.free_niovs(), 0, "A holds every net_iov");
+    let timeout = Duration::from_millis(300);
+    sb.set_read_timeout(Some(timeout)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let bb = Arc::clone(&b);
+    let reader = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(sb, bb, EmuConfig::default()).unwrap();
+        let mut buf = vec![0u8; 4 * NIOV_SIZE];
+        let t = std::time::Instant::now();
+        let first = sock.recv_frags(&mut buf).map(|r| r.bytes());
+        tx.send((
+            first.map_err(|e| (e.is_would_block(), e.errno())),
+            t.elapsed(),
+        ))
+        .unwrap();
+        sock
+    });
+    let outcome = rx.recv_timeout(Duration::from_secs(30));
+    // Free the pool whatever came, so the reader ends either way.
+    let all = libc::dmabuf_token {
+        token_start: 1,
+        token_count: MIN_NIOVS as u32,
+    };
+    assert_eq!(a.dontneed(&[all]).unwrap(), MIN_NIOVS);
+    let (first, waited) = outcome.expect("the read gave up after its SO_RCVTIMEO");
+    assert_eq!(first, Err((true, Some(libc::EAGAIN))));
+    assert!(waited >= timeout, "waited {waited:?}");
+    // Nothing was lost: with the pool free again, the bytes arrive.
+    let mut sock = reader.join().unwrap();
+    let (got, _) = drain(&mut sock, data_b.len(), data_b.len());
+    assert!(got == data_b);
+}
+
+#[test]
 fn a_read_waiting_for_the_pool_when_the_binding_is_unbound_gets_its_bytes_as_plain_tcp() {
     // As the kernel: the queues restart with ordinary pages. Before, the waiting read failed
     // ("the emulated binding was unbound") and its payload with it.

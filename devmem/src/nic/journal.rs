@@ -118,30 +118,19 @@ impl Journal {
         client.set_rings(ifindex, &ifname, TCP_DATA_SPLIT_ENABLED, hds_thresh)
     }
 
-    /// Steer TCP/IPv4 to `dst_port` onto `queue`: RSS over queues `0..rss_queues` only
-    /// (when `rss_queues` > 0), the ntuple feature on, one ntuple rule; all journaled. Returns
-    /// the rule.
+    /// Steer TCP/IPv4 to `dst_port` onto `queue`: with `Some(n)`, RSS kept on queues `0..n`
+    /// (only narrowed: [`steer::narrowed_table`]; `Some(0)` is refused), the ntuple feature
+    /// on, one ntuple rule; all journaled. Returns the rule.
     pub fn steer(
         &mut self,
         client: &mut EthtoolClient,
         dst_port: u16,
         queue: u32,
-        rss_queues: u32,
+        rss_queues: Option<u32>,
     ) -> Result<InsertedRule, NicError> {
         let ifname = self.state.ifname.clone();
-        if rss_queues > 0 {
-            let old = client.rss_indir(&ifname)?;
-            let new = steer::equal_table(old.len(), rss_queues);
-            if new != old {
-                // The kernel's default spreads over `ETHTOOL_GRXRINGS` rings; where that
-                // cannot be read, the table is restored as it was.
-                let table = match client.rx_rings(&ifname) {
-                    Ok(rings) => steer::table_to_restore(old, rings),
-                    Err(_) => old,
-                };
-                self.record(Change::Rss { table })?;
-                client.set_rss_indir(&ifname, &new)?;
-            }
+        if let Some(n) = rss_queues {
+            self.narrow_rss(client, n)?;
         }
         if !client.ntuple_enabled(&ifname)? {
             self.record(Change::NtupleOn)?;
@@ -149,6 +138,32 @@ impl Journal {
         }
         let m = steer::Tcp4Match::port(dst_port);
         self.insert_rule(client, "ntuple-rule-insert", m, queue, RuleKind::Port)
+    }
+
+    /// Keep RSS off queues `rss_queues..`, journaled: the table's entries at or above it are
+    /// moved below it, the others kept ([`steer::narrowed_table`]); a table with none there
+    /// (the default of a NIC with no more queues, or one an operator narrowed further) is
+    /// left as it is. `0` is refused: no queue is left for RSS.
+    fn narrow_rss(&mut self, client: &mut EthtoolClient, rss_queues: u32) -> Result<(), NicError> {
+        let ifname = self.state.ifname.clone();
+        let Some(below) = std::num::NonZeroU32::new(rss_queues) else {
+            return Err(NicError::QueueZeroBound {
+                ifname,
+                queues: vec![0],
+            });
+        };
+        let old = client.rss_indir(&ifname)?;
+        let Some(new) = steer::narrowed_table(&old, below) else {
+            return Ok(());
+        };
+        // The kernel's default spreads over `ETHTOOL_GRXRINGS` rings; where that cannot be
+        // read, the table is restored as it was.
+        let table = match client.rx_rings(&ifname) {
+            Ok(rings) => steer::table_to_restore(old, rings),
+            Err(_) => old,
+        };
+        self.record(Change::Rss { table })?;
+        client.set_rss_indir(&ifname, &new)
     }
 
     /// Steer one connection onto `queue` with a 5-tuple ntuple rule, journaled (the ntuple

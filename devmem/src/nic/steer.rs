@@ -516,6 +516,27 @@ pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
     (0..entries).map(|i| i as u32 % n.max(1)).collect()
 }
 
+/// RSS table `old` kept off queues `below..` (what [`super::Journal::steer`] sets): its
+/// entries below are kept, and each one at or above is moved, round-robin by its index, onto
+/// the queues below that `old` already uses (onto `0..below` where it uses none: for a
+/// default table that is `ethtool -X equal below`). `None` when no entry is at or above
+/// `below`: the table keeps off those queues already (an operator's narrower table, which
+/// leaves queues between for another user, is never widened).
+pub fn narrowed_table(old: &[u32], below: std::num::NonZeroU32) -> Option<Vec<u32>> {
+    let below = below.get();
+    if old.iter().all(|&q| q < below) {
+        return None;
+    }
+    let mut kept: Vec<u32> = old.iter().copied().filter(|&q| q < below).collect();
+    kept.sort_unstable();
+    kept.dedup();
+    if kept.is_empty() {
+        kept = (0..below).collect();
+    }
+    let moved = |i: usize, q: u32| if q < below { q } else { kept[i % kept.len()] };
+    Some(old.iter().enumerate().map(|(i, &q)| moved(i, q)).collect())
+}
+
 /// What undoing a change of RSS table `old` sets, on a NIC with `rx_queues` RX rings
 /// (`ETHTOOL_GRXRINGS`): an empty table (the driver's default, `ethtool -X IFACE default`)
 /// where `old` is the default spread over them (`i % rx_queues`,
@@ -668,6 +689,29 @@ mod tests {
         let mut port_want = tcp4_rule(&Tcp4Match::port(7401), 0);
         set_queue(&mut port_want, 3);
         assert!(rule_matches(&port, &port_want));
+    }
+
+    #[test]
+    fn rss_is_only_narrowed_never_widened() {
+        let below = |n| std::num::NonZeroU32::new(n).unwrap();
+        // The default table of a 16-queue NIC, queues 8..15 bound: `equal 8`, as before.
+        assert_eq!(
+            narrowed_table(&equal_table(128, 16), below(8)),
+            Some(equal_table(128, 8))
+        );
+        // An operator's `equal 2` (queues 2..7 kept for another user): left as it is.
+        // Before, it became `equal 8`, sending flows onto queues 2..7.
+        assert_eq!(narrowed_table(&equal_table(128, 2), below(8)), None);
+        // Entries below stay where they are; those above go to the queues the table uses.
+        assert_eq!(
+            narrowed_table(&[0, 1, 12, 13, 1, 0, 12, 13], below(8)),
+            Some(vec![0, 1, 0, 1, 1, 0, 0, 1])
+        );
+        // A table over the bound queues only: spread below them.
+        assert_eq!(
+            narrowed_table(&[8, 9, 8, 9, 8], below(4)),
+            Some(vec![0, 1, 2, 3, 0])
+        );
     }
 
     #[test]

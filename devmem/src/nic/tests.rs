@@ -277,6 +277,86 @@ fn a_refused_connection_rule_leaves_the_journal_as_it_was() {
 }
 
 #[test]
+fn channels_are_raised_in_the_kind_the_nic_uses_within_that_kinds_maximum() {
+    let ch = |rx, tx, combined, rx_max, combined_max| Channels {
+        rx,
+        tx,
+        combined,
+        rx_max,
+        tx_max: rx_max,
+        combined_max,
+    };
+    let ask = |c: &Channels, need| channels_request("eth1", c, need);
+    // bnxt in RX/TX mode (`ethtool -L eth1 combined 0 rx 8 tx 8`): RX-only channels are
+    // raised. Before, combined was raised beside them (8/8/12), which bnxt refuses.
+    let bnxt = ch(8, 8, 0, 16, 16);
+    assert_eq!(ask(&bnxt, 12).unwrap(), Some((12, 8, 0)));
+    // Combined mode: combined channels are raised.
+    let mlx = ch(0, 0, 8, 0, 16);
+    assert_eq!(ask(&mlx, 12).unwrap(), Some((0, 0, 12)));
+    assert_eq!(ask(&mlx, 8).unwrap(), None, "enough already");
+    // Combined mode with more RX-only channels allowed than combined ones: the combined
+    // maximum is the limit. Before, the check passed on rx_max and sent combined 12 > 8.
+    let e = ask(&ch(0, 0, 4, 16, 8), 12).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::NotEnoughQueues {
+                queue: 11,
+                max: 8,
+                kind: "combined",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("ethtool -l eth1"), "{e}");
+    // RX-only mode (veth): the RX maximum is the limit.
+    let e = ask(&ch(1, 1, 0, 4, 0), 8).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::NotEnoughQueues {
+                max: 4,
+                kind: "RX-only",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The hint names no cause that only a lowering can have.
+    let e = refused("channels-set", libc::EINVAL);
+    assert!(!e.to_string().contains("memory provider"), "{e}");
+    assert!(e.to_string().contains("ethtool -l"), "{e}");
+}
+
+#[test]
+fn steering_onto_queue_zero_is_refused_before_the_nic_is_touched() {
+    assert_eq!(rss_bound("eth1", &[9, 8, 11]).unwrap(), Some(8));
+    assert_eq!(rss_bound("eth1", &[]).unwrap(), None);
+    let e = rss_bound("eth1", &[1, 0]).unwrap_err();
+    let NicError::QueueZeroBound { ifname, queues } = &e else {
+        panic!("{e}")
+    };
+    assert_eq!((ifname.as_str(), queues.as_slice()), ("eth1", &[1, 0][..]));
+    assert!(e.to_string().contains("bind queues from 1 up"), "{e}");
+    // Before, RSS over `0..0` meant "leave RSS alone": the bind went on with every flow
+    // still spread over the bound queues.
+    let state = state_path("queue0");
+    let _ = std::fs::remove_file(&state);
+    let plan = SetupPlan {
+        ifname: "sw-noif0".into(),
+        ifindex: u32::MAX,
+        queues: vec![0, 1],
+        netns: None,
+        steer: vec![(7401, 0)],
+    };
+    let e = apply(&plan, &state).unwrap_err();
+    assert!(matches!(e, NicError::QueueZeroBound { .. }), "{e}");
+    assert!(!state.exists(), "refused before a journal was made");
+}
+
+#[test]
 fn header_split_sends_hds_thresh_only_where_the_driver_reports_one() {
     // gve and idpf report tcp-data-split but no hds-thresh; a rings-set carrying hds-thresh
     // is refused by the kernel (EOPNOTSUPP "setting hds-thresh is not supported"). Before,

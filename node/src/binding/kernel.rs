@@ -148,12 +148,19 @@ pub fn plan(
 }
 
 /// The queues of each of `idx` (lanes of `nic`): named ones kept, the others an even split of
-/// the upper half of the NIC's queues not named by any; overlaps refused.
+/// the upper half of the NIC's queues not named by any; overlaps refused, and named queues
+/// that include queue 0 (RSS's: [`nic::rss_bound`]).
 fn share_queues(
     nic: &NicReport,
     reqs: &[LaneRequest],
     idx: &[usize],
 ) -> Result<Vec<(usize, Vec<u32>)>, BindingError> {
+    for &i in idx {
+        nic::rss_bound(&nic.name, &reqs[i].queues).map_err(|e| BindingError::Failed {
+            what: format!("lane {} on {}", reqs[i].lane, nic.name),
+            source: e.into(),
+        })?;
+    }
     let named: Vec<u32> = idx.iter().flat_map(|&i| reqs[i].queues.clone()).collect();
     let free = upper_half_except(nic, &named);
     let unnamed = idx.iter().filter(|&&i| reqs[i].queues.is_empty()).count();
@@ -265,13 +272,17 @@ pub fn in_use(name: &str) -> Vec<u32> {
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
 /// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
 /// steered), else a new one journaled at `state`. Returned held with the port rules for
-/// `ports`, which [`bind_lane`] hands to each lane's binding. Blocking.
+/// `ports`, which [`bind_lane`] hands to each lane's binding. Queues that include queue 0
+/// are refused first, joining as in a new setup ([`nic::rss_bound`]). Blocking.
 pub fn setup_nic(
     nic: &NicReport,
     queues: &[u32],
     ports: &[(u16, u32)],
     state: &Path,
 ) -> Result<NicHold, BindError> {
+    if !ports.is_empty() {
+        nic::rss_bound(&nic.name, queues)?;
+    }
     let first = queues.iter().min().copied().unwrap_or(0);
     let mut setups = SETUPS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((share, below)) = live(&mut setups, &nic.name) {
@@ -282,7 +293,7 @@ pub fn setup_nic(
         let mut s = share.setup();
         let mut added = Vec::new();
         for (i, &(port, queue)) in ports.iter().enumerate() {
-            let rss = if i == 0 && first < *below { first } else { 0 };
+            let rss = (i == 0 && first < *below).then_some(first);
             match s.steer(port, queue, rss) {
                 Ok(location) => added.push(location),
                 Err(e) => {

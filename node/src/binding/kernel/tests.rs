@@ -141,6 +141,42 @@ fn a_nic_of_one_queue_has_none_to_bind_not_its_rss_queue() {
 }
 
 #[test]
+fn named_queues_that_include_queue_0_are_refused_at_plan_and_at_setup() {
+    // Before, they were planned and bound, and RSS went on spreading every flow (ssh, the
+    // node's own connections) over the bound queues.
+    let nics = [nic("eth0", 8, true)];
+    let e = plan(&nics, &[lane(0, Some("eth0"), &[0, 1])], None).unwrap_err();
+    let BindingError::Failed {
+        what,
+        source: BindError::Setup(nic::NicError::QueueZeroBound { ifname, queues }),
+    } = &e
+    else {
+        panic!("{e}")
+    };
+    assert_eq!((what.as_str(), ifname.as_str()), ("lane 0 on eth0", "eth0"));
+    assert_eq!(*queues, [0, 1]);
+    assert!(e.to_string().contains("bind queues from 1 up"), "{e}");
+    // Beside another lane's queues too.
+    let two = [lane(0, Some("eth0"), &[4, 5]), lane(1, Some("eth0"), &[0])];
+    assert!(plan(&nics, &two, None).is_err());
+    // The path of `POST /v1/bindings` and of a join of a live setup: refused before the NIC
+    // is touched (an interface that does not exist: nothing else could fail first).
+    let state = std::env::temp_dir().join(format!("sw-queue0-{}.json", std::process::id()));
+    let gone = NicReport {
+        ifindex: u32::MAX,
+        ..nic("sw-noif0", 8, true)
+    };
+    let e = setup_nic(&gone, &[1, 0], &[(7400, 0)], &state)
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(e, BindError::Setup(nic::NicError::QueueZeroBound { .. })),
+        "{e}"
+    );
+    assert!(!state.exists(), "no journal was made");
+}
+
+#[test]
 fn every_lane_whose_nic_cannot_is_named_at_once() {
     let nics = [
         nic("va0", 4, false),
