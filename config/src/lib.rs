@@ -453,31 +453,46 @@ pub fn unknown_env(vars: impl IntoIterator<Item = (String, String)>) -> Vec<Stri
     out
 }
 
-fn load<T>(file: Option<&Path>, flags: &impl Serialize) -> Result<T, ConfigError>
+/// Whether a load merges the `SHARDWIRE_*` variables between the file and the flags (`serve`,
+/// `source`, `config print`) or leaves them out (`config check FILE` judges the file alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EnvLayer {
+    Merge,
+    Skip,
+}
+
+/// No flags: a load of the file alone.
+#[derive(Serialize)]
+struct NoFlags {}
+
+fn load<T>(file: Option<&Path>, flags: &impl Serialize, env: EnvLayer) -> Result<T, ConfigError>
 where
     T: Serialize + Default + for<'de> Deserialize<'de>,
 {
     let defaults = Figment::from(Serialized::defaults(T::default()));
-    layered::<T>(defaults, file, flags)?
+    layered::<T>(defaults, file, flags, env)?
         .extract()
         .map_err(|e| ConfigError::Load(Box::new(e)))
 }
 
-/// Whether `key` of `T` is given by the file, the environment or `flags`, whatever its value
-/// (a key left to its built-in default is not).
+/// Whether `key` of `T` is given by the file, the environment (where `env` merges it) or
+/// `flags`, whatever its value (a key left to its built-in default is not).
 fn given<T: Serialize + Default>(
     key: &str,
     file: Option<&Path>,
     flags: &impl Serialize,
+    env: EnvLayer,
 ) -> Result<bool, ConfigError> {
-    Ok(layered::<T>(Figment::new(), file, flags)?.contains(key))
+    Ok(layered::<T>(Figment::new(), file, flags, env)?.contains(key))
 }
 
-/// `base` < the TOML file < the `SHARDWIRE_*` variables that are keys of `T` < `flags`.
+/// `base` < the TOML file < the `SHARDWIRE_*` variables that are keys of `T` (unless `env`
+/// skips them) < `flags`.
 fn layered<T: Serialize + Default>(
     base: Figment,
     file: Option<&Path>,
     flags: &impl Serialize,
+    env: EnvLayer,
 ) -> Result<Figment, ConfigError> {
     let known = keys::<T>();
     let mut fig = base;
@@ -491,10 +506,13 @@ fn layered<T: Serialize + Default>(
         }
         fig = fig.merge(Toml::file(f));
     }
-    let env = Env::prefixed("SHARDWIRE_")
-        .filter(move |k| known.iter().any(|x| k.as_str().eq_ignore_ascii_case(x)))
-        .split("__");
-    Ok(fig.merge(env).merge(Serialized::defaults(flags)))
+    if env == EnvLayer::Merge {
+        let vars = Env::prefixed("SHARDWIRE_")
+            .filter(move |k| known.iter().any(|x| k.as_str().eq_ignore_ascii_case(x)))
+            .split("__");
+        fig = fig.merge(vars);
+    }
+    Ok(fig.merge(Serialized::defaults(flags)))
 }
 
 /// Longest time a `*_secs` key may give: a year. Waits beyond it are "never" in practice, and
@@ -591,7 +609,16 @@ fn check_datasets(datasets: &[String]) -> Result<(), ConfigError> {
 impl ServeConfig {
     /// Merges defaults < file < env < `flags` (a struct whose `None` fields are skipped).
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
-        let c: Self = load(file, flags)?;
+        let c: Self = load(file, flags, EnvLayer::Merge)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Defaults < `file` alone, validated, with no `SHARDWIRE_*` variable merged: what
+    /// `shardwire config check FILE` judges (an exported variable neither hides a bad key of
+    /// the file nor fails a good one).
+    pub fn load_file(file: &Path) -> Result<Self, ConfigError> {
+        let c: Self = load(Some(file), &NoFlags {}, EnvLayer::Skip)?;
         c.validate()?;
         Ok(c)
     }
@@ -828,7 +855,21 @@ impl ServeConfig {
 impl SourceConfig {
     /// Merges defaults < file < env < `flags`.
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
-        let c: Self = load(file, flags)?;
+        Self::load_with(file, flags, EnvLayer::Merge)
+    }
+
+    /// Defaults < `file` alone, validated, with no `SHARDWIRE_*` variable merged (as
+    /// [`ServeConfig::load_file`]).
+    pub fn load_file(file: &Path) -> Result<Self, ConfigError> {
+        Self::load_with(Some(file), &NoFlags {}, EnvLayer::Skip)
+    }
+
+    fn load_with(
+        file: Option<&Path>,
+        flags: &impl Serialize,
+        env: EnvLayer,
+    ) -> Result<Self, ConfigError> {
+        let c: Self = load(file, flags, env)?;
         if c.datasets.is_empty() {
             return Err(invalid(
                 "datasets",
@@ -857,7 +898,7 @@ impl SourceConfig {
             ));
         }
         // Any value given, the default's too: a key that is read and then ignored misleads.
-        if c.devmem_tx.is_empty() && given::<Self>("devmem_tx_memory", file, flags)? {
+        if c.devmem_tx.is_empty() && given::<Self>("devmem_tx_memory", file, flags, env)? {
             return Err(invalid(
                 "devmem_tx_memory",
                 tx,

@@ -69,7 +69,8 @@ pub struct BenchArgs {
     /// `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     io_uring: bool,
-    /// Stream region size (fetch-ahead window) [default: 32 slabs, 64MiB..1GiB].
+    /// Stream region size (fetch-ahead window), at least 2 slabs [default: 32 slabs,
+    /// 64MiB..1GiB, and at least 2 slabs].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
     /// With --compare-tcp: alternate the two runs this many times and report every ratio
@@ -127,7 +128,6 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
 
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
-    crate::logging::init_filter("warn");
     check_args(&a)?;
     let shard = a.shard_size.0 as usize;
     anyhow::ensure!(
@@ -139,10 +139,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         true => crc_ways(&a.crc_ways)?,
         false => Vec::new(),
     };
-    let dir = synth::scratch_dir("bench")?;
+    // Every flag is checked before any data is written; the scratch directory goes however
+    // the run ends.
+    let stream_memory = stream_memory(a.stream_memory.map(|m| m.0), shard)?;
+    crate::logging::init_filter("warn");
+    let scratch = synth::Scratch::new("bench", false)?;
+    let dir = scratch.dir.as_path();
     let data = dir.join("data");
     let m = write_dataset(&data, count, shard)?;
-    let stream_memory = stream_memory(&a, shard)?;
     println!(
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}{}",
         a.flows,
@@ -167,45 +171,51 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         rate,
         seconds: a.seconds,
     };
-    let result = (|| {
-        if a.lanes > 1 {
-            return lanes::run(&a, &data, &dir, stream_memory, rate);
-        }
-        let crcs: Vec<u32> = match a.compare_crc {
-            true => files
-                .iter()
-                .map(|f| std::fs::read(f).map(|b| shardwire_protocol::crc::crc32c(&b)))
-                .collect::<Result<_, _>>()?,
-            false => Vec::new(),
-        };
-        let ways = (&plain, &crcs[..], &crc_ways[..]);
-        rounds(
-            &a,
-            (&data, &dir),
-            (stream_memory, rate),
-            (&files, region),
-            ways,
-        )
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
+    if a.lanes > 1 {
+        lanes::run(&a, &data, dir, stream_memory, rate)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let crcs: Vec<u32> = match a.compare_crc {
+        true => files
+            .iter()
+            .map(|f| std::fs::read(f).map(|b| shardwire_protocol::crc::crc32c(&b)))
+            .collect::<Result<_, _>>()?,
+        false => Vec::new(),
+    };
+    let ways = (&plain, &crcs[..], &crc_ways[..]);
+    rounds(
+        &a,
+        (&data, dir),
+        (stream_memory, rate),
+        (&files, region),
+        ways,
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// The bench stream's memory: `--stream-memory`, else deep enough that in-order delivery (a
-/// slow head-of-line shard holds finished ones in the reorder buffer) does not starve the
-/// flows: 32 slabs, like the service default.
-fn stream_memory(a: &BenchArgs, shard: usize) -> anyhow::Result<u64> {
+/// A `bench` flag whose value cannot run.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum FlagError {
+    /// The stream must hold one shard while the next one lands.
+    #[error(
+        "--stream-memory {given} bytes is under 2 slabs of a {shard}-byte shard: give at least \
+         {min} bytes, or leave the flag out (its default is at least 2 slabs)"
+    )]
+    StreamMemory { given: u64, shard: usize, min: u64 },
+}
+
+/// The bench stream's memory: `given` (`--stream-memory`), else deep enough that in-order
+/// delivery (a slow head-of-line shard holds finished ones in the reorder buffer) does not
+/// starve the flows: 32 slabs, like the service default, within 64 MiB..1 GiB but never under
+/// the 2 slabs a stream needs (a shard over 512 MiB).
+fn stream_memory(given: Option<u64>, shard: usize) -> Result<u64, FlagError> {
     let class = shardwire_gpu::SlabPool::class_size(shard) as u64;
-    let stream_memory = a
-        .stream_memory
-        .map_or((class * 32).clamp(64 << 20, 1 << 30), |m| m.0);
-    anyhow::ensure!(
-        stream_memory >= 2 * class,
-        "--stream-memory must be at least 2 slabs ({} bytes)",
-        2 * class
-    );
-    Ok(stream_memory)
+    let min = class.saturating_mul(2);
+    match given {
+        None => Ok(class.saturating_mul(32).clamp(64 << 20, 1 << 30).max(min)),
+        Some(given) if given < min => Err(FlagError::StreamMemory { given, shard, min }),
+        Some(given) => Ok(given),
+    }
 }
 
 /// The one-lane rounds: shardwire, then each comparison asked for (plain TCP first: its
@@ -455,6 +465,56 @@ fn hot(lo: usize, l2: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `bench`'s flags as the command line gives them.
+    fn bench_args(flags: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct Bench {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let argv = std::iter::once("bench").chain(flags.iter().copied());
+        <Bench as clap::Parser>::try_parse_from(argv).unwrap().a
+    }
+
+    #[test]
+    fn the_default_stream_memory_holds_two_slabs_of_any_shard() {
+        // Before: a shard over 512 MiB got the 1 GiB cap, then "at least 2 slabs" for a
+        // flag nobody gave.
+        assert_eq!(stream_memory(None, 1 << 30), Ok(2 << 30));
+        assert_eq!(stream_memory(None, 600 << 20), Ok(2 << 30));
+        assert_eq!(stream_memory(None, 4 << 20), Ok(128 << 20));
+        assert_eq!(stream_memory(None, 4096), Ok(64 << 20));
+        let e = stream_memory(Some(1 << 20), 4 << 20).unwrap_err();
+        assert_eq!(
+            e,
+            FlagError::StreamMemory {
+                given: 1 << 20,
+                shard: 4 << 20,
+                min: 8 << 20
+            }
+        );
+        assert!(e.to_string().contains("at least 8388608 bytes"), "{e}");
+        assert_eq!(stream_memory(Some(8 << 20), 4 << 20), Ok(8 << 20));
+    }
+
+    #[test]
+    fn a_refused_stream_memory_writes_no_data() {
+        // Before: 8 shards were written to $TMPDIR first, and left there by the error.
+        let ours = format!("shardwire-bench-{}-", std::process::id());
+        let left = || {
+            std::fs::read_dir(std::env::temp_dir())
+                .unwrap()
+                .filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().starts_with(&ours))
+                .count()
+        };
+        let before = left();
+        let a = bench_args(&["--shard-size", "4MiB", "--stream-memory", "1MiB"]);
+        let e = run(a).unwrap_err();
+        assert!(e.to_string().contains("--stream-memory"), "{e}");
+        assert_eq!(left(), before, "a scratch directory was made");
+    }
 
     fn flow(conn: u16, bytes: u64) -> shardwire_node::Flow {
         let stats = Arc::new(shardwire_node::FlowStats::default());

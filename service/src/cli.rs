@@ -110,7 +110,9 @@ enum Cmd {
 
 #[derive(Subcommand, Debug)]
 enum ConfigCmd {
-    /// Validate a config file for `serve` (or `source` with --source-config).
+    /// Validate a config file for `serve` (or `source` with --source-config): the file alone,
+    /// over the built-in defaults. SHARDWIRE_* variables are not applied (`config print
+    /// --config FILE` shows the file with them merged, as `serve` and `source` read it).
     Check {
         /// The TOML file.
         file: PathBuf,
@@ -523,31 +525,31 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         // With or without an admin endpoint: the recorder keeps every histogram sample
         // until upkeep folds it into buckets (a source without --admin grew without end).
         tokio::spawn(crate::http::prom::upkeep());
+        // The admin address is bound first, as `serve` binds its own: one taken fails the
+        // start before the ready line below (a supervisor waiting for it saw a ready source
+        // exit), and before the datasets are opened.
+        let admin_listener = match cfg.admin {
+            Some(addr) => Some(crate::source_admin::bind(addr).await?),
+            None => None,
+        };
         let datasets = shardwire_source::Datasets::open(&cfg.datasets, &remote).await?;
         let src = shardwire_source::Source::bind(scfg, datasets)
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         let mut signals = Signals::new()?;
-        println!("source listening on {}", src.local_addr());
         let (tx, rx) = tokio::sync::watch::channel(false);
         // The admin endpoint serves through the drain (its /metrics and /v1/status show it)
         // and stops once the source has.
         let (admin_stop, admin_rx) = tokio::sync::watch::channel(false);
-        let mut admin = None;
-        match cfg.admin {
-            Some(addr) => {
-                let listener = crate::source_admin::bind(addr).await?;
-                println!("source admin on http://{}", listener.local_addr()?);
-                admin = Some(tokio::spawn(crate::source_admin::serve(
-                    listener,
-                    src.status(),
-                    admin_rx,
-                )));
-            }
-            None => {
-                tokio::spawn(crate::source_admin::log_status(src.status()));
-            }
+        let admin_addr = admin_listener
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()?;
+        println!("source listening on {}", src.local_addr());
+        if let Some(a) = admin_addr {
+            println!("source admin on http://{a}");
         }
+        let admin = crate::source_admin::start(admin_listener, src.status(), admin_rx);
         tokio::spawn(async move {
             signals.recv().await;
             let _ = tx.send(true);
@@ -731,9 +733,9 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
             source_config,
         } => {
             if source_config {
-                SourceConfig::load(Some(&file), &NoFlags {})?;
+                SourceConfig::load_file(&file)?;
             } else {
-                let c = ServeConfig::load(Some(&file), &NoFlags {})?;
+                let c = ServeConfig::load_file(&file)?;
                 // What `serve` refuses at start, refused here too.
                 anyhow::ensure!(
                     !c.sources.is_empty(),

@@ -193,13 +193,14 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let out = std::io::stdout();
     let mut out = out.lock();
     let (mut n, mut bytes) = (0u64, 0u64);
-    let started = std::time::Instant::now();
+    let mut window = Window::start();
     let mut kept = Vec::new();
     while let Some(b) = s.next()? {
         let tensors = describe(&b, &a.print_values, &mut bytes);
         print_batch(&mut out, &b, &tensors, a.jsonl)?;
         n += 1;
         if a.limit.is_some_and(|l| n >= l) {
+            window.end();
             kept.push(b);
             out.flush()?;
             std::thread::sleep(std::time::Duration::from_secs(a.hold_secs));
@@ -207,12 +208,13 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         }
         s.release(b)?;
     }
+    window.end();
     if a.print_state {
         writeln!(out, "{}", state_line(&s.resume_state()?))?;
     }
     drop(kept);
     if !a.jsonl {
-        let secs = started.elapsed().as_secs_f64();
+        let secs = window.secs();
         writeln!(
             out,
             "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)",
@@ -220,6 +222,35 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The time the summary line's throughput is over: from the start until the last batch came,
+/// so that a `--hold-secs` pause after it is not counted.
+struct Window {
+    started: std::time::Instant,
+    ended: Option<std::time::Duration>,
+}
+
+impl Window {
+    fn start() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            ended: None,
+        }
+    }
+
+    /// Ends the window now, unless it has ended already.
+    fn end(&mut self) {
+        let started = self.started;
+        self.ended.get_or_insert_with(|| started.elapsed());
+    }
+
+    /// The window's length in seconds (up to now while it has not ended).
+    fn secs(&self) -> f64 {
+        self.ended
+            .unwrap_or_else(|| self.started.elapsed())
+            .as_secs_f64()
+    }
 }
 
 /// Opens the stream the arguments ask for, from `--state` when given (with `open_from`, which
@@ -347,6 +378,16 @@ fn print_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_throughput_window_ends_with_the_last_batch_not_the_hold() {
+        // Before: the summary divided by the time including `--hold-secs`.
+        let mut w = Window::start();
+        w.end();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        w.end(); // after the loop: the window stays ended where the limit ended it
+        assert!(w.secs() < 0.2, "{} s", w.secs());
+    }
 
     /// A newer node's state: `added` (with a value JSON would rewrite: `1.10`) is a field this
     /// build does not know.

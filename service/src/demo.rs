@@ -133,29 +133,9 @@ pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
         "the demo runs on loopback, which cannot carry devmem (--receive {}); use --receive host or devmem-sim",
         a.receive
     );
-    let scratch = Scratch {
-        dir: synth::scratch_dir("demo")?,
-        keep: a.keep,
-    };
+    // Removed when the demo ends, however it ends (a panic included), unless `--keep`.
+    let scratch = synth::Scratch::new("demo", a.keep)?;
     demo(&scratch.dir, a.receive, a.lanes)
-}
-
-/// The demo's scratch directory, removed when the demo ends, however it ends (a panic
-/// included), unless `--keep`.
-struct Scratch {
-    dir: std::path::PathBuf,
-    keep: bool,
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        match self.keep {
-            true => println!("kept {}", self.dir.display()),
-            false => {
-                let _ = std::fs::remove_dir_all(&self.dir);
-            }
-        }
-    }
 }
 
 fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Result<ExitCode> {

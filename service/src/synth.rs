@@ -104,8 +104,38 @@ pub fn write_bin(path: &Path, len: usize, seed: u64) -> std::io::Result<()> {
     std::fs::write(path, buf)
 }
 
+/// A scratch directory under the system temp dir, removed when this is dropped, however the
+/// command that made it ends (an early error or a panic included), unless it is kept.
+pub struct Scratch {
+    /// The directory.
+    pub dir: std::path::PathBuf,
+    keep: bool,
+}
+
+impl Scratch {
+    /// A fresh scratch directory named after `tag`; with `keep`, left in place at the end (and
+    /// its path printed).
+    pub fn new(tag: &str, keep: bool) -> std::io::Result<Self> {
+        Ok(Self {
+            dir: scratch_dir(tag)?,
+            keep,
+        })
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        match self.keep {
+            true => println!("kept {}", self.dir.display()),
+            false => {
+                let _ = std::fs::remove_dir_all(&self.dir);
+            }
+        }
+    }
+}
+
 /// A fresh scratch directory under the system temp dir.
-pub fn scratch_dir(tag: &str) -> std::io::Result<std::path::PathBuf> {
+fn scratch_dir(tag: &str) -> std::io::Result<std::path::PathBuf> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
@@ -113,4 +143,23 @@ pub fn scratch_dir(tag: &str) -> std::io::Result<std::path::PathBuf> {
     let d = std::env::temp_dir().join(format!("shardwire-{tag}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&d)?;
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scratch_dir_goes_when_dropped_unless_kept() {
+        let s = Scratch::new("synth-test", false).unwrap();
+        let dir = s.dir.clone();
+        write_bin(&dir.join("a.bin"), 4096, 1).unwrap();
+        drop(s);
+        assert!(!dir.exists(), "{} is left", dir.display());
+        let kept = Scratch::new("synth-test-kept", true).unwrap();
+        let dir = kept.dir.clone();
+        drop(kept);
+        assert!(dir.is_dir());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -367,7 +367,9 @@ def test_malformed_input_on_every_port(sw, tmp_path):
         "the source link dropped during the attacks:\n" + "\n".join(l for l in log.splitlines() if "source link" in l)
     )
     assert metric(node.admin, "shardwire_http_timeouts_total", 'phase="body"') >= 3
-    assert metric(node.admin, "shardwire_http_timeouts_total", 'phase="header"') >= 3
+    # The slowloris sent part of a head; the idle connection and the flood sent nothing.
+    assert metric(node.admin, "shardwire_http_timeouts_total", 'phase="header"') >= 1
+    assert metric(node.admin, "shardwire_http_timeouts_total", 'phase="idle"') >= 3
     assert metric(node.admin, "shardwire_trainer_timeouts_total", 'phase="request"') >= 1
     assert metric(node.admin, "shardwire_trainer_refused_total", 'reason="connections"') >= 1
     slog = src.stderr_text()

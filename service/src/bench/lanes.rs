@@ -1,8 +1,11 @@
 //! `shardwire bench --lanes N`: the node with N host-memory lanes on loopback addresses
 //! (127.0.0.1 .. 127.0.0.N, each its own data port, the source dialling `--flows` connections
 //! to each) and N trainer threads, one stream each; the node places each stream on the least
-//! loaded lane, so every lane carries one. Prints each lane's goodput to its trainer and the
-//! bytes its data connections received, the total, and CPU seconds per GB by role.
+//! loaded lane, so every lane carries one. As the one-lane bench, every trainer first takes
+//! batches for [`super::WARM_UP`]; the window starts when all have (each stream's fetch-ahead
+//! at speed, none counting bytes it buffered while the others opened). Prints each lane's
+//! goodput to its trainer and the bytes its data connections received, the total, and CPU
+//! seconds per GB by role.
 //!
 //! On loopback every lane shares the same CPUs and memory bandwidth: the figures show what the
 //! node's per-lane machinery costs and whether it scales with the cores there are, not what
@@ -31,12 +34,12 @@ struct LaneRun {
     received: u64,
 }
 
-/// Opens `n` streams (the node places each on the least loaded lane), warmed up by one batch.
+/// Opens `n` streams (the node places each on the least loaded lane when it opens).
 fn open_streams(lb: &Loopback, n: u8) -> anyhow::Result<Vec<(u32, Stream)>> {
     let node = &lb.node.handle.node;
     let mut out = Vec::new();
     for i in 0..n {
-        let mut s = Stream::open(
+        let s = Stream::open(
             &lb.node.handle.socket,
             StreamOptions {
                 epochs: 1_000_000,
@@ -45,9 +48,6 @@ fn open_streams(lb: &Loopback, n: u8) -> anyhow::Result<Vec<(u32, Stream)>> {
             },
         )
         .context("opening a bench stream")?;
-        if let Some(b) = s.next()? {
-            s.release(b)?;
-        }
         let lane = node
             .streams()
             .iter()
@@ -58,32 +58,44 @@ fn open_streams(lb: &Loopback, n: u8) -> anyhow::Result<Vec<(u32, Stream)>> {
     Ok(out)
 }
 
-/// Bytes received per lane so far.
-fn lane_bytes(lb: &Loopback) -> Vec<u64> {
-    lb.node
-        .handle
-        .node
-        .status()
-        .lanes
-        .iter()
-        .map(|l| l.bytes_received)
-        .collect()
+/// The run at one end of the trainers' window: when, the bytes each lane had received, and
+/// the times of all CPUs and of every thread.
+struct Sample {
+    at: Instant,
+    received: Vec<u64>,
+    cpus: Vec<cpu::Jiffies>,
+    threads: cpu::ThreadTimes,
 }
 
-/// The end of the trainers' window: its seconds, and the samples of all CPUs and of every
-/// thread.
-type EndSample = (f64, Vec<cpu::Jiffies>, cpu::ThreadTimes);
+impl Sample {
+    /// `node` and this process now.
+    fn now(node: &shardwire_node::Node) -> Self {
+        let received = node
+            .status()
+            .lanes
+            .iter()
+            .map(|l| l.bytes_received)
+            .collect();
+        Self {
+            at: Instant::now(),
+            received,
+            cpus: cpu::cpu_times(),
+            threads: cpu::thread_times(),
+        }
+    }
+}
 
-/// Where the trainers meet at the end of their window: the last to arrive takes the
-/// [`EndSample`] while every trainer thread still runs (a thread that exited is gone from
-/// /proc/self/task, and its CPU with it), and none goes on before that.
-struct EndGate {
+/// Where the trainers meet at one end of their window: the last to arrive takes the sample
+/// while every trainer thread still runs (a thread that exited is gone from /proc/self/task,
+/// and its CPU with it) and, at the start, before any has begun its window; none goes on
+/// before that.
+struct Gate<T> {
     /// Trainers yet to arrive, and the sample the last one took.
-    state: Mutex<(usize, Option<EndSample>)>,
+    state: Mutex<(usize, Option<T>)>,
     all_in: Condvar,
 }
 
-impl EndGate {
+impl<T> Gate<T> {
     fn new(trainers: usize) -> Self {
         Self {
             state: Mutex::new((trainers, None)),
@@ -91,21 +103,24 @@ impl EndGate {
         }
     }
 
-    /// `n` trainers are done (or never started): the last one in calls `sample`, and each
-    /// caller waits for that.
-    fn arrive(&self, n: usize, sample: impl FnOnce() -> EndSample) {
+    /// `n` trainers are here (or never started): the last one in calls `sample`, and each
+    /// caller waits for that, then gets `read` of the sample.
+    fn arrive<R>(&self, n: usize, sample: impl FnOnce() -> T, read: impl FnOnce(&T) -> R) -> R {
         let mut g = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         g.0 = g.0.saturating_sub(n);
         if g.0 == 0 && g.1.is_none() {
             g.1 = Some(sample());
             self.all_in.notify_all();
         }
-        while g.1.is_none() {
+        loop {
+            if let Some(taken) = &g.1 {
+                return read(taken);
+            }
             g = self.all_in.wait(g).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
-    fn into_sample(self) -> Option<EndSample> {
+    fn into_sample(self) -> Option<T> {
         self.state
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner)
@@ -128,42 +143,62 @@ pub(super) fn train(s: &mut Stream, t0: Instant, seconds: u64) -> anyhow::Result
     Ok(delivered)
 }
 
-/// Runs the trainers for `seconds`; returns (lane, bytes delivered) each, and the
-/// [`EndSample`] taken before any trainer thread exited.
+/// The gates at the start and the end of the trainers' window, and how to take a sample.
+type Gates<'a> = (
+    &'a Gate<Sample>,
+    &'a Gate<Sample>,
+    &'a (dyn Fn() -> Sample + Sync),
+);
+
+/// One trainer on `s`: warms it up for [`super::WARM_UP`], meets the others at the start of
+/// the window, trains until `seconds` after it and meets them at its end (on an error or a
+/// panic too, so that none waits for it); the stream goes after that.
+fn trainer(
+    lane: u32,
+    mut s: Stream,
+    seconds: u64,
+    (start, end, sample): Gates<'_>,
+) -> anyhow::Result<(u32, u64)> {
+    let warmed = std::panic::catch_unwind(AssertUnwindSafe(|| super::warm_up(&mut s)));
+    let t0 = start.arrive(1, sample, |x| x.at);
+    let r = match warmed {
+        Ok(Ok(())) => std::panic::catch_unwind(AssertUnwindSafe(|| train(&mut s, t0, seconds))),
+        Ok(Err(e)) => Ok(Err(e.context("warming a bench stream up"))),
+        Err(panic) => Err(panic),
+    };
+    end.arrive(1, sample, |_| ());
+    let delivered = r.map_err(|_| anyhow::anyhow!("a trainer panicked"))??;
+    Ok((lane, delivered))
+}
+
+/// What [`drive`] measured: (lane, bytes delivered in the window) each, and the window's start
+/// and end samples.
+type Driven = (Vec<(u32, u64)>, Sample, Sample);
+
+/// Runs the trainers (each warmed up, then for `seconds` from when all were); returns (lane,
+/// bytes delivered in the window) each, and the window's start and end samples, the end one
+/// taken before any trainer thread exited.
 fn drive(
     streams: Vec<(u32, Stream)>,
     seconds: u64,
-) -> anyhow::Result<(Vec<(u32, u64)>, EndSample)> {
-    let t0 = Instant::now();
-    let gate = EndGate::new(streams.len());
-    let end = move || {
-        (
-            t0.elapsed().as_secs_f64(),
-            cpu::cpu_times(),
-            cpu::thread_times(),
-        )
-    };
+    sample: &(dyn Fn() -> Sample + Sync),
+) -> anyhow::Result<Driven> {
+    let (start, end) = (Gate::new(streams.len()), Gate::new(streams.len()));
     let per: Vec<anyhow::Result<(u32, u64)>> = std::thread::scope(|sc| {
-        let gate = &gate;
+        let gates: Gates<'_> = (&start, &end, sample);
         let spawned: Vec<_> = streams
             .into_iter()
-            .map(|(lane, mut s)| {
+            .map(|(lane, s)| {
                 std::thread::Builder::new()
                     .name(format!("bench-trainer-{lane}"))
-                    .spawn_scoped(sc, move || -> anyhow::Result<(u32, u64)> {
-                        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            train(&mut s, t0, seconds)
-                        }));
-                        gate.arrive(1, end);
-                        let delivered = r.map_err(|_| anyhow::anyhow!("a trainer panicked"))??;
-                        Ok((lane, delivered)) // the stream goes now, after the end sample
-                    })
+                    .spawn_scoped(sc, move || trainer(lane, s, seconds, gates))
                     .context("spawning a trainer thread")
             })
             .collect();
         let unstarted = spawned.iter().filter(|h| h.is_err()).count();
         if unstarted > 0 {
-            gate.arrive(unstarted, end);
+            start.arrive(unstarted, sample, |_| ());
+            end.arrive(unstarted, sample, |_| ());
         }
         spawned
             .into_iter()
@@ -173,10 +208,10 @@ fn drive(
             })
             .collect()
     });
-    let end = gate
-        .into_sample()
-        .context("the trainers' end sample was never taken")?;
-    Ok((per.into_iter().collect::<anyhow::Result<_>>()?, end))
+    let never = |at: &str| anyhow::anyhow!("the trainers' {at} sample was never taken");
+    let start = start.into_sample().ok_or_else(|| never("start"))?;
+    let end = end.into_sample().ok_or_else(|| never("end"))?;
+    Ok((per.into_iter().collect::<anyhow::Result<_>>()?, start, end))
 }
 
 /// Runs the lanes benchmark.
@@ -207,19 +242,17 @@ pub fn run(
     let streams = open_streams(&lb, n)?;
     let placed: Vec<u32> = streams.iter().map(|(l, _)| *l).collect();
     println!("streams on lanes {placed:?}");
-    let received0 = lane_bytes(&lb);
-    let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
-    let (per, (secs, cpu1, threads1)) = drive(streams, a.seconds)?;
-    let received1 = lane_bytes(&lb);
+    let (per, t0, t1) = drive(streams, a.seconds, &|| Sample::now(node))?;
+    let secs = t1.at.saturating_duration_since(t0.at).as_secs_f64();
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
     lb.stop();
+    let received = |s: &Sample, lane: u32| s.received.get(lane as usize).copied().unwrap_or(0);
     let runs: Vec<LaneRun> = per
         .iter()
         .map(|&(lane, delivered)| LaneRun {
             lane,
             delivered,
-            received: received1.get(lane as usize).copied().unwrap_or(0)
-                - received0.get(lane as usize).copied().unwrap_or(0),
+            received: received(&t1, lane).saturating_sub(received(&t0, lane)),
         })
         .collect();
     for r in &runs {
@@ -232,8 +265,8 @@ pub fn run(
         );
     }
     let total: u64 = runs.iter().map(|r| r.delivered).sum();
-    let busy = cpu::print_cpu(&cpu0, &cpu1);
-    cpu::print_per_gb(&threads0, &threads1, total);
+    let busy = cpu::print_cpu(&t0.cpus, &t1.cpus);
+    cpu::print_per_gb(&t0.threads, &t1.threads, total);
     let cores = std::thread::available_parallelism().map_or(0, |c| c.get());
     println!(
         "shardwire lanes: {n} lanes, {:.3} Gbps delivered in total ({total} bytes in {secs:.2} s), all CPUs {:.3} busy s/GB, CRC failures: {crc}; {cores} CPUs on this host: lanes share them on loopback",
@@ -253,22 +286,19 @@ mod tests {
     fn the_end_sample_is_taken_while_every_trainer_still_runs() {
         // Two trainers, each counting itself out once past the gate, and one that never
         // started (its count given back by the caller, as `drive` does).
-        let (gate, running) = (EndGate::new(3), AtomicUsize::new(2));
-        let sample = || {
-            let n = running.load(Ordering::SeqCst) as f64;
-            (n, Vec::new(), cpu::ThreadTimes::new())
-        };
+        let (gate, running) = (Gate::new(3), AtomicUsize::new(2));
+        let sample = || running.load(Ordering::SeqCst);
         std::thread::scope(|sc| {
             for _ in 0..2 {
                 sc.spawn(|| {
                     std::thread::sleep(Duration::from_millis(20));
-                    gate.arrive(1, sample);
+                    assert_eq!(gate.arrive(1, sample, |n| *n), 2, "every caller reads it");
                     running.fetch_sub(1, Ordering::SeqCst);
                 });
             }
-            gate.arrive(1, sample);
+            gate.arrive(1, sample, |_| ());
         });
         // Before, the end sample came after the trainers were joined: none still ran.
-        assert_eq!(gate.into_sample().map(|s| s.0), Some(2.0));
+        assert_eq!(gate.into_sample(), Some(2));
     }
 }

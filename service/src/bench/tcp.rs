@@ -3,7 +3,8 @@
 //! receiver thread per flow), without CRC, trainer or control path. Two placements:
 //! `recv` into one hot buffer of a shard's size, or into a rotating region as large as the
 //! stream's (each flow a share of it, shard-sized slots in turn), which separates the cost
-//! of memory placement from shardwire's own work. `rate` paces every sender (bytes/s in all).
+//! of memory placement from shardwire's own work. `rate` paces every sender (bytes/s in all)
+//! in pieces of 50 ms of its share, as the source paces its data connections.
 //! The receive primitive is chosen by [`Recv`]: `recv` as it comes, the node's own
 //! data-connection reader, or io_uring multishot receive into provided buffers
 //! (`shardwire_devmem::uring`), so the primitives compare with everything else equal.
@@ -94,14 +95,32 @@ pub struct Measured {
     pub secs: f64,
 }
 
-/// Sleeps until `sent` bytes at `rate` bytes/s are due since `started`.
-fn pace(started: Instant, sent: u64, rate: u64) {
+/// The longest a paced sender sleeps before it looks at the run's stop again.
+const PACE_STEP: Duration = Duration::from_millis(50);
+
+/// Sleeps until `sent` bytes at `rate` bytes/s are due since `started`, in steps of at most
+/// [`PACE_STEP`]; returns early once `stop` is set (at a low rate the wait for a piece can
+/// outlast the run, whose end joins the senders).
+fn pace(started: Instant, sent: u64, rate: u64, stop: &AtomicBool) {
     if rate == 0 {
         return;
     }
     let due = Duration::from_secs_f64(sent as f64 / rate as f64);
-    if let Some(wait) = due.checked_sub(started.elapsed()) {
-        std::thread::sleep(wait);
+    while let Some(wait) = due.checked_sub(started.elapsed()) {
+        if wait.is_zero() || stop.load(Ordering::Relaxed) {
+            return;
+        }
+        std::thread::sleep(wait.min(PACE_STEP));
+    }
+}
+
+/// The most one `sendfile` sends of a `shard`: all of it unpaced (`rate` 0); paced, 50 ms of
+/// `rate` (bytes/s) within 4 KiB..1 MiB, as the source's paced pieces (so that the goodput
+/// is not counted in whole shards per flow).
+fn piece(shard: usize, rate: u64) -> usize {
+    match rate {
+        0 => shard,
+        r => usize::try_from((r / 20).clamp(4096, 1 << 20)).map_or(shard, |p| p.min(shard)),
     }
 }
 
@@ -122,19 +141,20 @@ fn sender(
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
     let per_flow = per_flow_rate(r.rate, r.flows);
+    let piece = piece(r.shard, per_flow);
     let started = Instant::now();
     let (mut i, mut sent) = (first, 0u64);
     while !stop.load(Ordering::Relaxed) {
         let file = &files[i % files.len()];
         let mut off = 0u64;
-        while (off as usize) < r.shard {
-            let want = r.shard - off as usize;
+        while (off as usize) < r.shard && !stop.load(Ordering::Relaxed) {
+            let want = (r.shard - off as usize).min(piece);
             let n = rustix::fs::sendfile(&sock, file, Some(&mut off), want)?;
             if n == 0 {
                 break;
             }
             sent += n as u64;
-            pace(started, sent, per_flow);
+            pace(started, sent, per_flow, &stop);
         }
         i += 1;
     }
@@ -370,5 +390,36 @@ mod tests {
         assert_eq!(per_flow_rate(3, 4), 1);
         assert_eq!(per_flow_rate(0, 4), 0);
         assert_eq!(per_flow_rate(8_000, 4), 2_000);
+    }
+
+    #[test]
+    fn a_paced_sender_sends_small_pieces_and_stops_waiting_at_the_stop() {
+        // Before: a whole shard per sendfile, then a sleep until it was due (134 s for a 4 MiB
+        // shard at 31 KB/s), deaf to the stop that ends the run.
+        assert_eq!(piece(4 << 20, 0), 4 << 20);
+        assert_eq!(piece(4 << 20, 31_250), 4096);
+        assert_eq!(piece(4 << 20, 2_000_000), 100_000);
+        assert_eq!(piece(4 << 20, u64::MAX), 1 << 20);
+        assert_eq!(piece(8192, 1 << 30), 8192);
+        let stop = Arc::new(AtomicBool::new(false));
+        let set = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                stop.store(true, Ordering::Relaxed);
+            })
+        };
+        let t = Instant::now();
+        pace(Instant::now(), 4 << 20, 31_250, &stop);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        set.join().unwrap();
+        // Unstopped, it still waits until the bytes are due.
+        let t = Instant::now();
+        pace(Instant::now(), 1000, 10_000, &AtomicBool::new(false));
+        assert!(
+            t.elapsed() >= Duration::from_millis(100),
+            "{:?}",
+            t.elapsed()
+        );
     }
 }

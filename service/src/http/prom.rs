@@ -72,7 +72,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "counter",
         "shardwire_http_timeouts_total",
-        "HTTP connections or requests ended by a timeout, by phase (header: the request head did not arrive in time; body: the body did not; write: the client read nothing of its answer for the write timeout; download: it read a tensor download, or a backed-up answer, under the minimum rate)",
+        "HTTP connections or requests ended by a timeout, by phase (header: a request head began but did not finish in time; idle: a connection sent nothing within the header timeout, such as a kept-alive one between requests; body: a request body did not arrive in time; write: the client read nothing of its answer for the write timeout; download: it read a tensor download, or a backed-up answer, under the minimum rate)",
     ),
     (
         "counter",
@@ -253,7 +253,9 @@ fn labels_of(name: &str) -> Vec<Vec<(&'static str, &'static str)>> {
     };
     match name {
         "shardwire_admin_auth_fails_total" => one("reason", &["missing", "wrong"]),
-        "shardwire_http_timeouts_total" => one("phase", &["header", "body", "write", "download"]),
+        "shardwire_http_timeouts_total" => {
+            one("phase", &["header", "idle", "body", "write", "download"])
+        }
         "shardwire_trainer_timeouts_total" => one("phase", &["request", "idle", "write"]),
         "shardwire_trainer_refused_total" => one("reason", &["connections", "peer"]),
         // Per lane: a series appears with its lane's binding.

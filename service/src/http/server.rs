@@ -2,12 +2,11 @@
 //! at most `http_max_connections` connections are served at once, and [`RESERVE`] more
 //! that answer only the admin and probe routes (so trainers' long polls cannot starve
 //! `/healthz`, `/metrics` or `/v1/drain`; more wait in the kernel's backlog), a request head
-//! must arrive within `http_header_timeout_secs` (this also ends an idle keep-alive
-//! connection; hyper's header-read timer), a request body within
+//! must arrive within `http_header_timeout_secs` (hyper's header-read timer; it also ends an
+//! idle keep-alive connection, counted apart as `phase="idle"`), a request body within
 //! `http_body_timeout_secs` (read here, before any handler runs, up to [`BODY_LIMIT`] for an
-//! open, [`SMALL_BODY_LIMIT`] elsewhere), and a
-//! write of the answer may wait for the client at most `http_write_timeout_secs` without
-//! progress ([`super::stall`]).
+//! open, [`SMALL_BODY_LIMIT`] elsewhere), and a write of the answer may wait for the client at
+//! most `http_write_timeout_secs` without progress ([`super::stall`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,7 +28,7 @@ use shardwire_protocol::trainer::{ErrorCode, MAX_TRAINER_FRAME};
 
 use super::copies::{GRACE, MIN_RATE};
 use super::error::ApiError;
-use super::stall::{Floor, WriteStall, stall_phase};
+use super::stall::{Floor, Unanswered, WriteStall, stall_phase};
 
 /// The floor under a backed-up connection: half a download's rate after its grace, over
 /// windows of the grace. Per window, unlike a download's deadline (its grace plus its length
@@ -224,13 +223,12 @@ async fn run_connection(
     mut stop: watch::Receiver<bool>,
     permit: OwnedSemaphorePermit,
 ) {
+    let io = WriteStall::new(stream, limits.write_timeout).with_floor(FLOOR);
+    let unanswered = io.unanswered();
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
-        .serve_connection(
-            TokioIo::new(WriteStall::new(stream, limits.write_timeout).with_floor(FLOOR)),
-            svc,
-        );
+        .serve_connection(TokioIo::new(io), svc);
     tokio::pin!(conn);
     let done = tokio::select! {
         r = conn.as_mut() => r,
@@ -240,21 +238,44 @@ async fn run_connection(
         }
     };
     if let Err(e) = done {
-        connection_failed(peer, &e);
+        connection_failed(peer, &e, &unanswered);
     }
     drop(permit);
 }
 
+/// Which of the server's limits ended a connection, as `shardwire_http_timeouts_total` names
+/// it: hyper's header timer is `"header"` when the client had sent part of a request (a head
+/// that began and did not finish: a slow client or a slowloris) and `"idle"` when it had sent
+/// nothing since its last answer (a kept-alive connection between requests, or a new one that
+/// never sent a byte); a write limit is [`stall_phase`]'s.
+fn timeout_phase(e: &hyper::Error, unanswered: &Unanswered) -> Option<&'static str> {
+    match e.is_timeout() {
+        true if unanswered.get() => Some("header"),
+        true => Some("idle"),
+        false => stall_phase(e),
+    }
+}
+
 /// Counts a connection that a timeout ended, by phase, and logs why a connection ended.
-fn connection_failed(peer: SocketAddr, e: &hyper::Error) {
-    if e.is_timeout() {
-        metrics::counter!("shardwire_http_timeouts_total", "phase" => "header").increment(1);
-        tracing::debug!(%peer, "HTTP connection closed: no request head within the header timeout");
-    } else if let Some(phase) = stall_phase(e) {
+fn connection_failed(peer: SocketAddr, e: &hyper::Error, unanswered: &Unanswered) {
+    let phase = timeout_phase(e, unanswered);
+    if let Some(phase) = phase {
         metrics::counter!("shardwire_http_timeouts_total", "phase" => phase).increment(1);
-        tracing::warn!(%peer, error = %e, "HTTP connection closed: the client stopped reading its answer, or read it at a trickle");
-    } else {
-        tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+    }
+    match phase {
+        Some("header") => tracing::debug!(
+            %peer,
+            "HTTP connection closed: a request head did not finish within the header timeout"
+        ),
+        Some("idle") => {
+            tracing::trace!(%peer, "HTTP connection closed: idle for the header timeout")
+        }
+        Some(_) => tracing::warn!(
+            %peer,
+            error = %e,
+            "HTTP connection closed: the client stopped reading its answer, or read it at a trickle"
+        ),
+        None => tracing::debug!(%peer, error = %e, "HTTP connection ended with an error"),
     }
 }
 
@@ -413,6 +434,65 @@ mod tests {
         assert_eq!(r.status(), StatusCode::OK);
         let r = answer(app, next(SMALL_BODY_LIMIT + 1)).await;
         assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    /// How hyper's header timer ends a connection whose client sends each of `steps` in turn,
+    /// reading the answer to each whole request before it sends the next step.
+    async fn phase_after(steps: &[&[u8]]) -> Option<&'static str> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (server, mut client) = tokio::io::duplex(64 << 10);
+        let io = WriteStall::new(server, Duration::from_secs(5));
+        let unanswered = io.unanswered();
+        let app: Router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_millis(200))
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+        let conn = tokio::spawn(conn);
+        for step in steps {
+            client.write_all(step).await.unwrap();
+            let mut answer = Vec::new();
+            while step.ends_with(b"\r\n\r\n") && !answer.ends_with(b"ok") {
+                let mut buf = [0u8; 1024];
+                let n = client.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the server answers {answer:?}");
+                answer.extend_from_slice(&buf[..n]);
+            }
+        }
+        let e = tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the header timer ends the connection")
+            .unwrap()
+            .expect_err("a header timeout");
+        drop(client);
+        timeout_phase(&e, &unanswered)
+    }
+
+    #[tokio::test]
+    async fn an_idle_keep_alive_connection_is_not_counted_as_a_slow_head() {
+        // Before: every close by the header timer was `header`, a kept-alive client's too.
+        const GET: &[u8] = b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n";
+        assert_eq!(
+            phase_after(&[GET]).await,
+            Some("idle"),
+            "answered, then idle"
+        );
+        assert_eq!(
+            phase_after(&[]).await,
+            Some("idle"),
+            "connected, sent nothing"
+        );
+        let partial: &[u8] = b"GET / HTTP/1.1\r\nHo";
+        assert_eq!(
+            phase_after(&[partial]).await,
+            Some("header"),
+            "a head begun"
+        );
+        assert_eq!(
+            phase_after(&[GET, partial]).await,
+            Some("header"),
+            "a second head begun after an answer"
+        );
     }
 
     #[test]

@@ -5,10 +5,17 @@
 //! is backed up ([`Floor`]): reading a few KiB inside every write timeout kept the last
 //! pieces of a download (and the tensor copy they share) for hours, past the download's own
 //! deadline, which only counts while the body still has pieces to hand to the server.
+//!
+//! It also records whether the client has sent a byte since the server last wrote to it
+//! ([`Unanswered`]): when hyper's header timer ends a connection, that tells a request head
+//! that began and did not finish (a slow client, a slowloris) from a kept-alive connection
+//! that sat idle between requests.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -25,6 +32,26 @@ pub struct Floor {
     pub bytes: u64,
 }
 
+/// Whether a connection's client has sent a byte since the server last wrote one to it (or,
+/// before the first answer, since it connected): a handle [`WriteStall`] keeps up to date.
+///
+/// Cleared by a write, not a flush: hyper flushes on every turn of its loop, also while a
+/// request head is still arriving. A client that pipelines the start of its next request
+/// before the answer to the last one is taken for an idle one (HTTP clients do not pipeline).
+#[derive(Clone, Debug, Default)]
+pub struct Unanswered(Arc<AtomicBool>);
+
+impl Unanswered {
+    /// Whether the client has sent something since the server last wrote to it.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, sent: bool) {
+        self.0.store(sent, Ordering::Relaxed);
+    }
+}
+
 /// `S` with a limit on how long a write, flush or shutdown may make no progress, and a
 /// [`Floor`] under its progress while it is backed up.
 pub struct WriteStall<S> {
@@ -36,6 +63,8 @@ pub struct WriteStall<S> {
     /// The current window of the floor (its start, bytes taken in it): begun by a write that
     /// found the connection full, ended by a flush.
     window: Option<(Instant, u64)>,
+    /// Set by a read that got bytes, cleared by a write that took some.
+    unanswered: Unanswered,
 }
 
 impl<S> WriteStall<S> {
@@ -47,6 +76,19 @@ impl<S> WriteStall<S> {
             floor: None,
             deadline: None,
             window: None,
+            unanswered: Unanswered::default(),
+        }
+    }
+
+    /// A handle on whether the client has sent anything since the server last wrote to it.
+    pub fn unanswered(&self) -> Unanswered {
+        self.unanswered.clone()
+    }
+
+    /// Notes a write's outcome: bytes taken answer what the client had sent.
+    fn wrote(&self, r: &Poll<io::Result<usize>>) {
+        if matches!(r, Poll::Ready(Ok(n)) if *n > 0) {
+            self.unanswered.set(false);
         }
     }
 
@@ -155,7 +197,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for WriteStall<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.unanswered.set(true);
+        }
+        r
     }
 }
 
@@ -166,6 +213,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.wrote(&r);
         let r = self.paced(r);
         self.bounded(cx, r)
     }
@@ -176,6 +224,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.wrote(&r);
         let r = self.paced(r);
         self.bounded(cx, r)
     }
@@ -297,5 +346,27 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(250)).await;
         w.write_all(&[4; 100]).await.expect("not judged");
         reader.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_read_marks_the_client_unanswered_until_the_server_writes() {
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = WriteStall::new(a, Duration::from_secs(10));
+        let unanswered = w.unanswered();
+        assert!(!unanswered.get(), "a new connection has sent nothing");
+        b.write_all(b"GET / HT").await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = w.read(&mut buf).await.unwrap();
+        assert_eq!(n, 8);
+        assert!(unanswered.get(), "a head has begun");
+        // A flush (hyper flushes on every turn) answers nothing.
+        w.flush().await.unwrap();
+        assert!(unanswered.get());
+        w.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        assert!(!unanswered.get(), "answered");
+        // The end of the stream is no byte sent.
+        drop(b);
+        assert_eq!(w.read(&mut buf).await.unwrap(), 0);
+        assert!(!unanswered.get());
     }
 }
