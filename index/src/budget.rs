@@ -10,10 +10,16 @@
 //! passes the limit, with the row count and what to do about it. The rows of a `--eos` token
 //! file are found only by reading it: they are checked as it is read
 //! ([`Budget::check_more`]), so a file of too many documents is not read to its end.
+//!
+//! A file's row tables can take far more memory than the file (16 bytes a row, per column;
+//! Arrow columns may share one offsets buffer, an MDS column may hold 0 bytes a sample), so
+//! the readers also count each file's rows as they plan them ([`FileCheck`]): per record
+//! batch column, per MDS shard (from its sample count), per Megatron index (from its header),
+//! and refuse the file before more rows are built than a manifest can hold.
 
 use std::path::Path;
 
-use shardwire_protocol::manifest::{MAX_MANIFEST_BYTES, ShardEntry};
+use shardwire_protocol::manifest::{MAX_MANIFEST_BYTES, ShardEntry, TensorEntry};
 
 use crate::error::IndexError;
 
@@ -214,26 +220,98 @@ fn digits(n: u64) -> u64 {
 /// where it does: so a row counts the digits of its end, `offset + length`, at most those
 /// of its two numbers); the part of it that row tables take, and the rows.
 pub(crate) fn shard_floor(s: &ShardEntry) -> Floor {
-    let mut bytes = SHARD_FLOOR + s.file.len() as u64;
-    let (mut row_bytes, mut rows) = (0u64, 0u64);
-    for t in &s.tensors {
-        bytes += TENSOR_FLOOR + t.name.len() as u64;
-        let Some(table) = &t.rows else {
-            continue;
+    let head = Floor {
+        bytes: SHARD_FLOOR + s.file.len() as u64,
+        ..Floor::default()
+    };
+    s.tensors
+        .iter()
+        .fold(head, |floor, t| floor.plus(tensor_floor(t)))
+}
+
+/// A lower bound of the bytes the tensor `t` takes in the manifest JSON (as in
+/// [`shard_floor`]), the part of it that its row table takes, and its rows.
+pub(crate) fn tensor_floor(t: &TensorEntry) -> Floor {
+    let head = TENSOR_FLOOR + t.name.len() as u64;
+    let Some(table) = &t.rows else {
+        return Floor {
+            bytes: head,
+            ..Floor::default()
         };
-        // `[a,b]` and a comma between rows.
-        let n = table.len() as u64;
-        row_bytes += ROWS_FLOOR + n.saturating_sub(1);
-        row_bytes += table
-            .iter()
-            .map(|&[o, l]| row_floor(o.saturating_add(l)))
-            .sum::<u64>();
-        rows += n;
-    }
+    };
+    // `[a,b]` and a comma between rows.
+    let n = table.len() as u64;
+    let row_bytes = table
+        .iter()
+        .map(|&[o, l]| row_floor(o.saturating_add(l)))
+        .fold(ROWS_FLOOR + n.saturating_sub(1), u64::saturating_add);
     Floor {
-        bytes: bytes + row_bytes,
+        bytes: head.saturating_add(row_bytes),
         row_bytes,
-        rows,
+        rows: n,
+    }
+}
+
+/// A lower bound of a tensor named `name` with a row table of `n` rows, each ending at or
+/// after `end`, before the table is built: what [`tensor_floor`] gives once it is.
+pub(crate) fn ragged_floor(name: &str, n: u64, end: u64) -> Floor {
+    let row_bytes = n
+        .saturating_mul(row_floor(end))
+        .saturating_add(ROWS_FLOOR + n.saturating_sub(1));
+    Floor {
+        bytes: (TENSOR_FLOOR + name.len() as u64).saturating_add(row_bytes),
+        row_bytes,
+        rows: n,
+    }
+}
+
+/// One file's shards, counted against a [`Budget`] as a reader plans them, so that a file
+/// of too many rows is refused before its row tables are all built, not after.
+pub(crate) struct FileCheck<'a> {
+    budget: &'a Budget,
+    dir: &'a Path,
+    kind: RowKind,
+    /// Floor of the shards planned so far.
+    planned: Floor,
+    shards: u64,
+}
+
+impl<'a> FileCheck<'a> {
+    /// Nothing planned yet, of a file of rows of `kind` in the dataset at `dir`.
+    pub fn new(budget: &'a Budget, dir: &'a Path, kind: RowKind) -> Self {
+        Self {
+            budget,
+            dir,
+            kind,
+            planned: Floor::default(),
+            shards: 0,
+        }
+    }
+
+    /// The budget counted against.
+    pub fn budget(&self) -> &'a Budget {
+        self.budget
+    }
+
+    /// The dataset directory.
+    pub fn dir(&self) -> &'a Path {
+        self.dir
+    }
+
+    /// Counts a shard planned.
+    pub fn planned(&mut self, s: &ShardEntry) {
+        self.planned = self.planned.plus(shard_floor(s));
+        self.shards += 1;
+    }
+
+    /// Checks that the shards planned so far and `more` (what a shard being planned holds so
+    /// far, or will hold) still fit the budget; `at` says where
+    /// (` (counted up to FILE, ...)`).
+    pub fn check(&self, more: Floor, at: impl FnOnce() -> String) -> Result<(), IndexError> {
+        let open = u64::from(more != Floor::default());
+        let all = self.planned.plus(more);
+        self.budget
+            .check_more(all, self.shards + open, self.kind, self.dir, at)
     }
 }
 
@@ -345,6 +423,54 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.to_string().contains("without --eos"), "{e}");
+    }
+
+    #[test]
+    fn a_floor_counted_before_the_rows_are_built_never_passes_theirs() {
+        // MDS files and Megatron indexes are counted from a row count, before the rows are
+        // read: that count must never refuse what the rows themselves would not.
+        for (n, end) in [(1u64, 0u64), (1000, 7), (1000, 12_345), (3, 99)] {
+            let rows: Vec<[u64; 2]> = (0..n).map(|i| [end + i, 1]).collect();
+            let t = TensorEntry {
+                rows: Some(rows),
+                ragged: true,
+                ..TensorEntry::dense("tokens".into(), DType::Uint8, vec![n], 0, n)
+            };
+            let (before, after) = (ragged_floor("tokens", n, end), tensor_floor(&t));
+            assert!(
+                before.bytes <= after.bytes && before.row_bytes <= after.row_bytes,
+                "{n} {end}: {before:?} {after:?}"
+            );
+            assert_eq!(before.rows, after.rows);
+        }
+        // A file's check counts the shards planned and what the one being planned holds.
+        let budget = Budget::new(HEAD_FLOOR + 200);
+        let mut check = FileCheck::new(&budget, Path::new("/d"), RowKind::Samples);
+        let at = || " (here)".to_owned();
+        let bytes = |bytes: u64| Floor {
+            bytes,
+            row_bytes: 0,
+            rows: 2,
+        };
+        check.check(bytes(200), at).unwrap();
+        check.check(bytes(201), at).unwrap_err();
+        let shard = ragged_shard("a.bin", 1, 1);
+        check.planned(&shard);
+        let left = 200 - shard_floor(&shard).bytes;
+        check.check(bytes(left), at).unwrap();
+        let e = check.check(bytes(left + 1), at).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                IndexError::ManifestTooLarge {
+                    shards: 2,
+                    rows: 3,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("(here)"), "{e}");
     }
 
     #[test]

@@ -141,6 +141,40 @@ pub enum IndexError {
         /// The reader's error (names the bad value: codec, type, offset).
         source: ::parquet::errors::ParquetError,
     },
+    /// The cache that Parquet files are converted into, beside the data
+    /// (`DIR/.shardwire-cache/parquet`), cannot be written: a read-only folder or file system,
+    /// no permission, no space.
+    #[error(
+        "{}: cannot write the Parquet cache ({source}): each Parquet file is converted once to \
+         an Arrow IPC file in {cache}, beside the data, and served from there; {fix}",
+        .file.display()
+    )]
+    ParquetCache {
+        /// The file or folder that could not be written.
+        file: PathBuf,
+        /// The cache folder (`DIR/.shardwire-cache/parquet`).
+        cache: String,
+        /// The I/O error.
+        source: std::io::Error,
+        /// What to do.
+        fix: &'static str,
+    },
+    /// An option that would change nothing for this dataset: `--columns` without an Arrow or
+    /// Parquet file, `--tokens` without a `.bin` file to read as tokens. Refused before any
+    /// data is read, rather than the data served as if it had not been given.
+    #[error("{}: {option} would change nothing: {reason} (found: {found}); {fix}", .dir.display())]
+    UnusedOption {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The option (`--columns`, `--tokens and --eos`).
+        option: String,
+        /// What it acts on, that the dataset lacks.
+        reason: String,
+        /// The data files found, by format.
+        found: String,
+        /// What to do.
+        fix: String,
+    },
     /// Writing the Arrow IPC file converted from a Parquet file failed.
     #[error("{}: cannot write converted Arrow IPC file: {source}", .file.display())]
     ArrowWrite {

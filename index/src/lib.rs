@@ -15,7 +15,9 @@
 //!
 //! Every row of a row table is an `[offset, length]` pair in the manifest, which travels to
 //! nodes in one frame: a lower bound of its size is counted as each file is planned
-//! (`budget.rs`), so a dataset of too many rows is refused before its data is read.
+//! (`budget.rs`), so a dataset of too many rows is refused before its data is read, and
+//! before a file's row tables are all built. A shard over the manifest's per-shard limits is
+//! refused before its file is read too (`limits.rs`).
 //!
 //! A dataset in object storage is read with ranged GETs only: listing replaces the directory
 //! walk (same rules), structure reads (headers, footers, index files) cost a few requests,
@@ -26,7 +28,9 @@
 //! Nothing is left out silently: [`index_report`] also lists the files not used (with the
 //! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
 //! files, the empty directory markers of an object store (`dir/`) and the manifest itself
-//! are the only files skipped without a word. Data files named for two or more splits
+//! are the only files skipped without a word. Options that act on some formats only are named
+//! where they leave files as they are, and `--columns` or `--tokens` on a dataset with no
+//! file they act on is refused (`options.rs`). Data files named for two or more splits
 //! (`train.bin` beside `val.bin`, `train/` beside `test/`) are refused rather than merged into
 //! one dataset (`split.rs`).
 
@@ -38,9 +42,11 @@ mod blob;
 mod budget;
 mod error;
 mod hf;
+mod limits;
 mod mds;
 mod megatron;
 mod npy;
+mod options;
 mod parquet;
 mod pylit;
 mod remote;
@@ -61,7 +67,7 @@ use std::path::{Path, PathBuf};
 use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ObjectEntry, ShardEntry};
 pub use shardwire_store::{Described, StoreOptions, StoreUrl};
 
-use crate::budget::{Budget, RowKind};
+use crate::budget::{Budget, FileCheck, RowKind};
 pub use crate::error::IndexError;
 pub use crate::parquet::ParquetNote;
 use crate::remote::Remote;
@@ -77,13 +83,14 @@ pub struct IndexOptions {
     /// the line is drawn only if stderr is a terminal, so redirected output stays clean.
     pub progress: bool,
     /// Serve only these Arrow columns (`--columns a,b`), in schema order; a name that an
-    /// Arrow file lacks is an error naming the file's columns. `.npy`/`.bin` files are
-    /// not affected.
+    /// Arrow file lacks is an error naming the file's columns. Files of other formats are
+    /// not affected (a note names them); a dataset with no Arrow or Parquet file is refused.
     pub columns: Option<Vec<String>>,
     /// Skip Arrow columns that cannot be served (`--skip-unsupported`) instead of failing;
     /// each is listed in [`IndexReport::skipped`].
     pub skip_unsupported: bool,
-    /// Read `.bin` files (not Megatron pairs) as raw token streams (`--tokens`, `--eos`).
+    /// Read `.bin` files (not Megatron pairs) as raw token streams (`--tokens`, `--eos`); a
+    /// dataset with no such file is refused.
     pub tokens: Option<RawTokens>,
     /// Index files named for different splits (`train.bin` beside `val.bin`) as one dataset
     /// (`--allow-mixed-splits`), where the names mislead; refused by default.
@@ -205,16 +212,21 @@ pub struct IndexReport {
     pub skipped: Vec<SkippedColumn>,
     /// Parquet files, each converted to (or reused from) its cached Arrow IPC file.
     pub parquet: Vec<ParquetNote>,
+    /// Options that acted on some of the files only, or on none (`--skip-unsupported`
+    /// without an Arrow file), one line each.
+    pub options: Vec<String>,
 }
 
 /// How many names a note lists before `and N more`.
 const NOTE_NAMES: usize = 5;
 
 impl IndexReport {
-    /// One line each for the files not used and the columns skipped (none when nothing
-    /// was left out), e.g. `not used: 2 files: notes.txt (unknown extension .txt), ...`.
+    /// One line each for the files not used, the columns skipped and the options that acted
+    /// on some files only (none when nothing was left out), e.g. `not used: 2 files:
+    /// notes.txt (unknown extension .txt), ...`.
     pub fn notes(&self) -> Vec<String> {
         let mut out = parquet_notes(&self.parquet);
+        out.extend(self.options.iter().cloned());
         if !self.unused.is_empty() {
             let names = self
                 .unused
@@ -296,6 +308,7 @@ fn index_root_within(
     if !opts.allow_mixed_splits {
         split::refuse_mixed(&root.path(), &files)?;
     }
+    let options = options::check(&root.path(), &files, &megatron, opts)?;
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
         files.len(),
@@ -329,6 +342,7 @@ fn index_root_within(
         unused,
         skipped,
         parquet,
+        options,
     })
 }
 
@@ -354,8 +368,9 @@ struct Plans<'a> {
 }
 
 /// Indexes `files` in order; each file's shards are counted in `budget` before its data is
-/// read (checksummed); the documents of a `--eos` token file, found by reading it, are
-/// checked as it is read (`tokens::index`).
+/// read (checksummed), and their rows as the format reader plans them (`budget::FileCheck`);
+/// the documents of a `--eos` token file, found by reading it, are checked as it is read
+/// (`tokens::index`).
 fn index_files(
     root: &mut Root,
     files: &[Candidate],
@@ -364,10 +379,6 @@ fn index_files(
     progress: &mut Progress,
     budget: &mut Budget,
 ) -> Result<Found, IndexError> {
-    let choice = arrow::Choice {
-        columns: opts.columns.as_deref(),
-        skip_unsupported: opts.skip_unsupported,
-    };
     let dir = root.path();
     let mut out = Found::default();
     for f in files {
@@ -379,44 +390,78 @@ fn index_files(
             }
             _ => root.open(&f.rel)?,
         };
-        let mut shards = match f.kind {
-            Kind::Arrow | Kind::Parquet => {
-                let a = arrow::index(&mut src, choice)?;
-                for (column, dtype, reason) in a.skipped {
-                    add_skipped(&mut out.skipped, column, dtype, reason, &f.rel);
-                }
-                out.nested.extend(a.nested);
-                a.shards
-            }
-            Kind::Npy => npy::index(&mut src)?,
-            Kind::Bin => match plans.megatron.get(&f.rel) {
-                Some(idx) => megatron::index(root, &mut src, idx)?,
-                None => match opts.tokens {
-                    Some(t) => tokens::index(&mut src, t, budget, &dir)?,
-                    None => bin::index(&mut src)?,
-                },
-            },
-            Kind::Tar => {
-                let (shards, raw) = webdataset::index(&mut src)?;
-                let base = out.shards.len();
-                out.wds.extend(raw.into_iter().map(|r| r.in_shard(base)));
-                shards
-            }
-            Kind::TarGz => return Err(webdataset::refuse_gzip(&src)),
-            Kind::Mds => mds::index(&mut src, plans.mds.get(&f.rel))?,
-            // Taken out of `files` by `mds::plan` and `megatron::plan`.
-            Kind::MdsIndex | Kind::MegatronIdx => continue,
+        let kind = row_kind(f, plans, opts);
+        let mut check = FileCheck::new(budget, &dir, kind);
+        let read = (&*root, &mut src, &mut check);
+        let Some(mut shards) = file_shards(read, f, plans, opts, &mut out)? else {
+            continue;
         };
         if shards.is_empty() {
             out.empty.push(f.rel.clone());
         }
         check_names(&src, &shards)?;
-        budget.add(&shards, row_kind(f, plans, opts), &dir, &f.rel)?;
+        limits::check(&src, &shards, made(f, plans, opts))?;
+        budget.add(&shards, kind, &dir, &f.rel)?;
         src.checksum(&mut shards)?;
         out.shards.extend(shards);
         progress.file_done(f.size);
     }
     Ok(out)
+}
+
+/// The shards of the data file `f`, read from `src` (of `root`), its rows counted in `check`;
+/// `None` for the index files read before the others. What else it yields (Arrow columns
+/// skipped, WebDataset raw rows) goes to `out`.
+fn file_shards(
+    (root, src, check): (&Root, &mut source::Source, &mut FileCheck<'_>),
+    f: &Candidate,
+    plans: Plans<'_>,
+    opts: &IndexOptions,
+    out: &mut Found,
+) -> Result<Option<Vec<ShardEntry>>, IndexError> {
+    let choice = arrow::Choice {
+        columns: opts.columns.as_deref(),
+        skip_unsupported: opts.skip_unsupported,
+    };
+    let shards = match f.kind {
+        Kind::Arrow | Kind::Parquet => {
+            let a = arrow::index(src, choice, check)?;
+            for (column, dtype, reason) in a.skipped {
+                add_skipped(&mut out.skipped, column, dtype, reason, &f.rel);
+            }
+            out.nested.extend(a.nested);
+            a.shards
+        }
+        Kind::Npy => npy::index(src)?,
+        Kind::Bin => match plans.megatron.get(&f.rel) {
+            Some(idx) => megatron::index(root, src, idx, check)?,
+            None => match opts.tokens {
+                Some(t) => tokens::index(src, t, check.budget(), check.dir())?,
+                None => bin::index(src)?,
+            },
+        },
+        Kind::Tar => {
+            let (shards, raw) = webdataset::index(src)?;
+            let base = out.shards.len();
+            out.wds.extend(raw.into_iter().map(|r| r.in_shard(base)));
+            shards
+        }
+        Kind::CompressedTar => return Err(webdataset::refuse_compressed(src)),
+        Kind::Mds => mds::index(src, plans.mds.get(&f.rel), check)?,
+        // Taken out of `files` by `mds::plan` and `megatron::plan`.
+        Kind::MdsIndex | Kind::MegatronIdx => return Ok(None),
+    };
+    Ok(Some(shards))
+}
+
+/// How the shards of the file `f` are made, for the advice when one is over a limit.
+fn made(f: &Candidate, plans: Plans<'_>, opts: &IndexOptions) -> limits::Made {
+    let megatron = plans.megatron.contains_key(&f.rel);
+    if f.kind == Kind::Bin && !megatron && opts.tokens.is_none() {
+        limits::Made::RawBin
+    } else {
+        limits::Made::Of(f.kind)
+    }
 }
 
 /// Refuses names that clash (fields or columns, with the `.offsets` a ragged one brings):

@@ -19,8 +19,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::Value;
-use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
+use shardwire_protocol::manifest::{DType, MAX_TENSORS_PER_SHARD, ShardEntry, TensorEntry};
 
+use crate::budget::{self, FileCheck, Floor};
 use crate::error::IndexError;
 use crate::root::Root;
 use crate::source::Source;
@@ -354,6 +355,7 @@ fn read_shard<'a>(
         .as_u64()
         .ok_or_else(|| bad(what("samples"), field("samples").to_string()))?;
     let columns = read_columns(s).map_err(|(k, v)| bad(what(k), v))?;
+    check_columns(path, i, &columns)?;
     let plan = ShardPlan {
         index: rel.to_owned(),
         columns,
@@ -401,6 +403,38 @@ fn read_columns(s: &Value) -> Result<Vec<Column>, (&'static str, String)> {
     Ok(out)
 }
 
+/// Refuses the columns of shard `i` of the index at `path` that cannot be served: more than
+/// a shard's [`MAX_TENSORS_PER_SHARD`] tensors, or a column of 0 bytes a sample (it holds
+/// nothing, yet each sample would be a row of it: 16 bytes of memory and some of the
+/// manifest for each, so a small file could claim millions of them).
+fn check_columns(path: &Path, i: usize, columns: &[Column]) -> Result<(), IndexError> {
+    let refuse = |reason: String, value: String| IndexError::Unsupported {
+        file: path.to_path_buf(),
+        reason: format!("shard {i}: {reason}"),
+        value,
+    };
+    if columns.len() > MAX_TENSORS_PER_SHARD {
+        return Err(refuse(
+            format!(
+                "has more columns than the {MAX_TENSORS_PER_SHARD} tensors a shard can hold; \
+                 write the dataset with fewer columns (pack several into one)"
+            ),
+            format!("{} columns", columns.len()),
+        ));
+    }
+    if let Some(c) = columns.iter().find(|c| c.size == Some(0)) {
+        return Err(refuse(
+            format!(
+                "column `{}` holds 0 bytes a sample, so nothing to serve; write the dataset \
+                 without it",
+                c.name
+            ),
+            format!("column_sizes 0 ({})", c.encoding),
+        ));
+    }
+    Ok(())
+}
+
 /// The numeric dtype of a Streaming dtype name.
 fn dtype(name: &str) -> Option<DType> {
     match name {
@@ -424,10 +458,12 @@ fn typed(c: &Column) -> Option<(DType, Vec<u64>)> {
 }
 
 /// Indexes one `.mds` file as listed by its `index.json`: its shard (none when it holds no
-/// samples).
+/// samples). Its rows (a sample a row, in every column) are counted in `check` from its
+/// sample count, before they are read.
 pub(crate) fn index(
     src: &mut Source,
     plan: Option<&ShardPlan>,
+    check: &FileCheck<'_>,
 ) -> Result<Vec<ShardEntry>, IndexError> {
     let Some(plan) = plan else {
         return Err(src.malformed("MDS shard listed by no index.json", &src.rel));
@@ -458,6 +494,7 @@ pub(crate) fn index(
     if n == 0 {
         return Ok(Vec::new());
     }
+    check_rows(src, &plan.columns, n, check)?;
     let rows = sample_rows(src, &plan.columns, n)?;
     let tensors = plan
         .columns
@@ -467,6 +504,29 @@ pub(crate) fn index(
         .collect();
     let len = src.len;
     Ok(vec![src.shard(0, len, tensors)?])
+}
+
+/// Refuses an MDS file whose `n` samples in `cols` would take the manifest past its budget,
+/// before their rows are read and built: each is a row of every column, ending after the
+/// file's offset table.
+fn check_rows(
+    src: &Source,
+    cols: &[Column],
+    n: u64,
+    check: &FileCheck<'_>,
+) -> Result<(), IndexError> {
+    let end = 4 + (n + 1) * 4;
+    let floor = cols.iter().fold(Floor::default(), |f, c| {
+        f.plus(budget::ragged_floor(&c.name, n, end))
+    });
+    let at = || {
+        format!(
+            " (counted up to {}, from its {n} samples of {} columns, before they were read)",
+            src.rel,
+            cols.len()
+        )
+    };
+    check.check(floor, at)
 }
 
 /// Each column's `[offset, size]` per sample of the `n` samples of an MDS file, read from its

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
 
+use crate::budget::{self, FileCheck};
 use crate::error::IndexError;
 use crate::root::Root;
 use crate::source::Source;
@@ -148,15 +149,33 @@ struct Index {
     seqs: Vec<[u64; 2]>,
 }
 
-/// Reads and checks an `.idx` against its `.bin` of `bin_len` bytes.
-fn read_index(idx: &mut Source, bin_len: u64, bin: &Path) -> Result<Index, IndexError> {
+/// Reads and checks an `.idx` against its `.bin`; its sequences (rows) are counted in `check`
+/// from its header, before its arrays are read.
+fn read_index(idx: &mut Source, bin: &Source, check: &FileCheck<'_>) -> Result<Index, IndexError> {
     let (dtype, s, d) = read_header(idx)?;
+    if bin.len > 0 {
+        check_rows(idx, bin, s, check)?;
+    }
     // Bounded by the file size `read_header` checked.
     let arrays = idx.read_exact_at("the .idx arrays", HEADER, s * 12 + d * 8)?;
     let (s, d) = (s as usize, d as usize);
-    let seqs = sequences(idx, &arrays, s, dtype.size(), bin_len, bin)?;
+    let seqs = sequences(idx, &arrays, s, dtype.size(), bin.len, &bin.path)?;
     check_documents(idx, &arrays[12 * s..], s, d)?;
     Ok(Index { dtype, seqs })
+}
+
+/// Refuses the `s` sequences of the index `idx` of `bin` when their rows cannot fit the
+/// manifest, before the index's arrays (12 bytes a sequence, 8 a document) are read and a
+/// row built for each: one row per sequence, however they are cut into shards.
+fn check_rows(idx: &Source, bin: &Source, s: u64, check: &FileCheck<'_>) -> Result<(), IndexError> {
+    let at = || {
+        format!(
+            " (counted up to {}, from the {s} sequences its index {} gives in its header, \
+             before the index was read)",
+            bin.rel, idx.rel
+        )
+    };
+    check.check(budget::ragged_floor("tokens", s, 0), at)
 }
 
 /// The header's dtype, sequence count and document count, checked against the file size.
@@ -294,22 +313,25 @@ fn check_documents(idx: &Source, docs: &[u8], s: usize, d: usize) -> Result<(), 
 }
 
 /// Indexes the `.bin` `src` with its `.idx` (full path, relative path).
+/// Its sequences are counted in `check` before the `.idx` arrays are read.
 pub(crate) fn index(
     root: &Root,
     src: &mut Source,
     idx: &(PathBuf, String),
+    check: &FileCheck<'_>,
 ) -> Result<Vec<ShardEntry>, IndexError> {
-    index_with_cap(root, src, idx, SHARD_CAP)
+    index_with_cap(root, src, idx, check, SHARD_CAP)
 }
 
 fn index_with_cap(
     root: &Root,
     src: &mut Source,
     (_, idx_rel): &(PathBuf, String),
+    check: &FileCheck<'_>,
     cap: u64,
 ) -> Result<Vec<ShardEntry>, IndexError> {
     let mut idx = root.open(idx_rel)?;
-    let Index { dtype, seqs } = read_index(&mut idx, src.len, &src.path)?;
+    let Index { dtype, seqs } = read_index(&mut idx, src, check)?;
     if src.len == 0 {
         // No tokens at all: reported as holding no rows.
         return Ok(Vec::new());
@@ -357,6 +379,7 @@ pub(crate) fn shard(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::{Budget, RowKind};
     use crate::testutil::{check_manifest, le_bytes, temp_dir};
     use crate::{IndexOptions, index_dir, index_report};
 
@@ -500,7 +523,9 @@ mod tests {
         let mut src = Source::open(&dir.join("d.bin"), "d.bin").unwrap();
         let idx = (dir.join("d.idx"), "d.idx".to_owned());
         let root = Root::Local(dir.clone());
-        let mut shards = index_with_cap(&root, &mut src, &idx, 40).unwrap();
+        let budget = Budget::new(budget::LIMIT);
+        let check = FileCheck::new(&budget, &dir, RowKind::Megatron);
+        let mut shards = index_with_cap(&root, &mut src, &idx, &check, 40).unwrap();
         src.checksum(&mut shards).unwrap();
         let spans: Vec<(u64, u64, usize)> = shards
             .iter()
@@ -534,7 +559,9 @@ mod tests {
         let mut src = Source::open(&dir.join("d.bin"), "d.bin").unwrap();
         let idx = (dir.join("d.idx"), "d.idx".to_owned());
         let root = Root::Local(dir.clone());
-        let shards = index_with_cap(&root, &mut src, &idx, 40).unwrap();
+        let budget = Budget::new(budget::LIMIT);
+        let check = FileCheck::new(&budget, &dir, RowKind::Megatron);
+        let shards = index_with_cap(&root, &mut src, &idx, &check, 40).unwrap();
         assert_eq!(shards.len(), 1);
         assert_eq!(shards[0].length, 80);
         assert_eq!(
@@ -628,6 +655,44 @@ mod tests {
         trailing.extend_from_slice(&[0; 5]);
         let e = refused("megatron-trailing", trailing, &bin);
         assert!(e.contains("(5 after them)"), "{e}");
+    }
+
+    #[test]
+    fn too_many_sequences_are_refused_from_the_idx_header_before_its_arrays_are_read() {
+        // Before, the whole .idx was read (12 bytes a sequence, 8 a document) and a row built
+        // per sequence, and only then counted: here its arrays are garbage (negative
+        // lengths), which only reading them finds.
+        let dir = temp_dir("megatron-budget");
+        let s = 3000u64;
+        let mut bytes = idx(8, &[], &[], &[]);
+        bytes[18..26].copy_from_slice(&s.to_le_bytes());
+        bytes[26..34].copy_from_slice(&(s + 1).to_le_bytes());
+        bytes.resize((HEADER + 12 * s + 8 * (s + 1)) as usize, 0xff);
+        std::fs::write(dir.join("d.idx"), bytes).unwrap();
+        std::fs::write(dir.join("d.bin"), [1u8; 64]).unwrap();
+        let mut root = Root::Local(dir.clone());
+        let e = crate::index_root_within(&mut root, &IndexOptions::default(), 10_000);
+        let e = e.unwrap_err();
+        let crate::IndexError::ManifestTooLarge { rows, at, .. } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*rows, 3000, "{e}");
+        for want in [
+            "d.bin",
+            "3000 sequences",
+            "d.idx",
+            "before the index was read",
+        ] {
+            assert!(at.contains(want), "{want}: {e}");
+        }
+        assert!(
+            e.to_string().contains("each Megatron sequence is a row"),
+            "{e}"
+        );
+        // Under the real limit the arrays are read, and refused.
+        let e = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("negative length"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

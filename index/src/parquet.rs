@@ -118,10 +118,12 @@ pub(crate) fn cached(
         note.row_groups = row_groups;
         return Ok((cache, note));
     }
+    let cache_dir = dir.join(CACHE_DIR);
+    let unwritable = |e| cache_error(&cache_dir, e);
     if let Some(parent) = cache.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| IndexError::io(parent, e))?;
+        std::fs::create_dir_all(parent).map_err(|e| unwritable(IndexError::io(parent, e)))?;
     }
-    let (row_groups, arrow_size) = convert(path, &cache)?;
+    let (row_groups, arrow_size) = convert(path, &cache).map_err(unwritable)?;
     let side = serde_json::json!({
         "format": SIDECAR_FORMAT,
         "source": rel,
@@ -133,10 +135,48 @@ pub(crate) fn cached(
     let text = serde_json::to_vec_pretty(&side).unwrap_or_default();
     atomic_write(&sidecar, |w| {
         w.write_all(&text).map_err(|e| IndexError::io(&sidecar, e))
-    })?;
+    })
+    .map_err(unwritable)?;
     note.reused = false;
     note.row_groups = row_groups;
     Ok((cache, note))
+}
+
+/// `e` as an [`IndexError::ParquetCache`] when it is an I/O error writing under `cache_dir`
+/// (the Parquet cache), with what to do; any other error as it is.
+fn cache_error(cache_dir: &Path, e: IndexError) -> IndexError {
+    use std::io::ErrorKind;
+    let (file, source) = match e {
+        IndexError::Io { file, source } => (file, source),
+        other => return other,
+    };
+    // `.shardwire-cache` itself, when a file is in its way.
+    let top = cache_dir.parent().unwrap_or(cache_dir);
+    if !file.starts_with(top) {
+        return IndexError::Io { file, source };
+    }
+    let fix = match source.kind() {
+        ErrorKind::PermissionDenied | ErrorKind::ReadOnlyFilesystem => {
+            "the dataset folder must be writable (shardwire index has no other place for it): \
+             index a writable copy of the dataset, or convert the Parquet files to Arrow IPC \
+             files yourself (pyarrow.feather.write_feather(pyarrow.parquet.read_table(p), \
+             'p.arrow', compression='uncompressed')) and index those"
+        }
+        ErrorKind::StorageFull => {
+            "free space on the dataset's file system (the cache takes about the size of the \
+             Parquet files uncompressed), or index a copy of the dataset where there is room"
+        }
+        _ => {
+            "make DIR/.shardwire-cache/parquet a folder that can be written (remove what is in \
+             its way), or index a writable copy of the dataset"
+        }
+    };
+    IndexError::ParquetCache {
+        file,
+        cache: cache_dir.display().to_string(),
+        source,
+        fix,
+    }
 }
 
 /// `x.parquet.arrow` -> `x.parquet.arrow.json`.

@@ -18,6 +18,8 @@ use crate::error::IndexError;
 pub(crate) const MAX_METADATA: u64 = 256 << 20;
 /// Bytes [`Reader`] asks for at once.
 const READER_CHUNK: u64 = 64 << 10;
+/// Bytes [`Source::first_nonzero`] reads at once.
+const ZERO_SCAN_CHUNK: u64 = 1 << 20;
 
 /// An open data file.
 pub(crate) struct Source {
@@ -93,6 +95,21 @@ impl Source {
         let mut buf = vec![0u8; len as usize];
         self.blob.read_at(offset, &mut buf)?;
         Ok(buf)
+    }
+
+    /// The offset of the first byte that is not zero from `from` to the end of the file
+    /// (`None` when all are zero, as is padding), read in chunks, stopping at the first found.
+    pub fn first_nonzero(&mut self, what: &str, from: u64) -> Result<Option<u64>, IndexError> {
+        let mut at = from;
+        while at < self.len {
+            let n = ZERO_SCAN_CHUNK.min(self.len - at);
+            let buf = self.read_at(what, at, n)?;
+            if let Some(i) = buf.iter().position(|&b| b != 0) {
+                return Ok(Some(at + i as u64));
+            }
+            at += n;
+        }
+        Ok(None)
     }
 
     /// A shard over `offset..offset+length` of this file; its CRC-32C is filled in by
@@ -253,6 +270,24 @@ mod tests {
         let crc = shardwire_protocol::crc::crc32c;
         assert_eq!(shards[0].crc32c, crc(&data[5..100_005]));
         assert_eq!(shards[1].crc32c, crc(&data));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn first_nonzero_finds_the_first_past_a_read_and_none_in_zeros() {
+        let dir = temp_dir("source-zeros");
+        let chunk = ZERO_SCAN_CHUNK as usize;
+        let mut data = vec![0u8; chunk + 10];
+        data[chunk + 3] = 9;
+        data[chunk + 7] = 1;
+        std::fs::write(dir.join("z.bin"), &data).unwrap();
+        let mut src = Source::open(&dir.join("z.bin"), "z.bin").unwrap();
+        let at = |src: &mut Source, from: u64| src.first_nonzero("tail", from).unwrap();
+        assert_eq!(at(&mut src, 0), Some(ZERO_SCAN_CHUNK + 3));
+        assert_eq!(at(&mut src, ZERO_SCAN_CHUNK + 4), Some(ZERO_SCAN_CHUNK + 7));
+        assert_eq!(at(&mut src, ZERO_SCAN_CHUNK + 8), None);
+        let end = src.len;
+        assert_eq!(at(&mut src, end), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -36,8 +36,10 @@ pub(crate) enum Kind {
     Parquet,
     /// `.tar`: a WebDataset shard.
     Tar,
-    /// `.tar.gz`, `.tgz`: a gzipped tar, refused with the reason.
-    TarGz,
+    /// `.tar.gz`, `.tgz`, `.tar.xz`, `.txz`, `.tar.bz2`, `.tbz2`, `.tar.zst`, `.tzst`,
+    /// `.tar.lz4`, `.tar.lzma`: a compressed tar, refused with the reason
+    /// (`webdataset::refuse_compressed`).
+    CompressedTar,
     /// `.mds`: a MosaicML Streaming MDS shard, listed by an `index.json`.
     Mds,
     /// `index.json`: a MosaicML Streaming index (read first, see `mds::plan`).
@@ -60,13 +62,22 @@ impl Kind {
             "bin" => Some(Self::Bin),
             "parquet" => Some(Self::Parquet),
             "tar" => Some(Self::Tar),
-            "tgz" => Some(Self::TarGz),
+            "tgz" | "txz" | "tbz2" | "tbz" | "tzst" | "tlz" => Some(Self::CompressedTar),
             "mds" => Some(Self::Mds),
             "idx" => Some(Self::MegatronIdx),
-            "gz" if name.to_ascii_lowercase().ends_with(".tar.gz") => Some(Self::TarGz),
+            "gz" | "xz" | "bz2" | "zst" | "zstd" | "lz4" | "lzma" if compressed_tar(name) => {
+                Some(Self::CompressedTar)
+            }
             _ => None,
         }
     }
+}
+
+/// Whether `name` ends in `.tar.EXT` (`x.tar.xz`; any case).
+fn compressed_tar(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    let stem = lower.rsplit_once('.').map_or("", |(s, _)| s);
+    stem.ends_with(".tar")
 }
 
 /// A data file to index.
@@ -390,9 +401,22 @@ mod tests {
         assert_eq!(Kind::of("x.bin"), Some(Kind::Bin));
         assert_eq!(Kind::of("x.Parquet"), Some(Kind::Parquet));
         assert_eq!(Kind::of("x.tar"), Some(Kind::Tar));
-        assert_eq!(Kind::of("x.TGZ"), Some(Kind::TarGz));
-        assert_eq!(Kind::of("x.tar.gz"), Some(Kind::TarGz));
+        assert_eq!(Kind::of("x.TGZ"), Some(Kind::CompressedTar));
+        assert_eq!(Kind::of("x.tar.gz"), Some(Kind::CompressedTar));
         assert_eq!(Kind::of("x.gz"), None);
+        // Before, these were "unknown extension .xz" (and so on), not compressed tars.
+        for name in [
+            "x.tar.xz",
+            "x.TAR.BZ2",
+            "x.tar.zst",
+            "x.tar.lz4",
+            "x.txz",
+            "x.tbz2",
+        ] {
+            assert_eq!(Kind::of(name), Some(Kind::CompressedTar), "{name}");
+        }
+        assert_eq!(Kind::of("x.xz"), None);
+        assert_eq!(Kind::of("x.json.zst"), None);
         assert_eq!(Kind::of("x.json"), None);
         assert_eq!(Kind::of("x.mds"), Some(Kind::Mds));
         assert_eq!(Kind::of("index.json"), Some(Kind::MdsIndex));

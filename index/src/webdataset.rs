@@ -8,7 +8,8 @@
 //! lowercased. Every sample must have the same fields. A `.npy` field whose members all
 //! hold arrays of one dtype and shape becomes a typed `[rows, ...]` tensor over their data
 //! sections; every other field is a ragged `uint8` tensor of the members' raw bytes.
-//! Gzipped tars are refused: a gzip stream cannot be fetched by byte range.
+//! Compressed tars (gzip, xz, bzip2, zstd, ...) are refused: a compressed stream cannot be
+//! fetched by byte range.
 
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry, shape_elements};
 
@@ -107,14 +108,46 @@ pub(crate) fn harmonize(shards: &mut [ShardEntry], raw: Vec<RawRows>) {
     }
 }
 
-/// The error for a `.tar.gz` / `.tgz` file.
-pub(crate) fn refuse_gzip(src: &Source) -> IndexError {
+/// The error for a compressed tar (`.tar.gz`, `.tgz`, `.tar.xz`, `.tar.bz2`, `.tar.zst`,
+/// ...: [`crate::walk::Kind::CompressedTar`]).
+pub(crate) fn refuse_compressed(src: &Source) -> IndexError {
+    let name = src.rel.rsplit('/').next().unwrap_or(&src.rel);
+    let (codec, unpack, long) = compression(name);
+    let short = match long {
+        Some(long) => format!(" (a .{}: rename to .tar.{long} first)", short_ext(name)),
+        None => String::new(),
+    };
     src.unsupported(
-        "gzip-compressed tars cannot be served: gzip is not byte-addressable, so shards \
-         cannot be fetched by byte range; unpack it with `gunzip` (a .tgz: rename to .tar.gz \
-         first) or re-write the shards uncompressed",
-        src.rel.rsplit('/').next().unwrap_or(&src.rel),
+        format!(
+            "{codec}-compressed tars cannot be served: {codec} is not byte-addressable, so \
+             shards cannot be fetched by byte range; unpack it with `{unpack}`{short} or \
+             re-write the shards uncompressed"
+        ),
+        name,
     )
+}
+
+/// The compressor of a compressed tar named `name`: its name, the command that unpacks it,
+/// and, for a short extension (`.tgz`), the long one to rename it to (`gz`).
+fn compression(name: &str) -> (&'static str, &'static str, Option<&'static str>) {
+    let ext = short_ext(name);
+    let short = !name.to_ascii_lowercase().contains(".tar.");
+    let (codec, unpack, long) = match ext.as_str() {
+        "xz" | "txz" => ("xz", "unxz", "xz"),
+        "bz2" | "tbz2" | "tbz" => ("bzip2", "bunzip2", "bz2"),
+        "zst" | "zstd" | "tzst" => ("zstd", "unzstd", "zst"),
+        "lz4" => ("lz4", "unlz4", "lz4"),
+        "lzma" | "tlz" => ("lzma", "unlzma", "lzma"),
+        _ => ("gzip", "gunzip", "gz"),
+    };
+    (codec, unpack, short.then_some(long))
+}
+
+/// The lower-cased last extension of `name` (`tgz`, `gz`).
+fn short_ext(name: &str) -> String {
+    name.rsplit_once('.')
+        .map_or("", |(_, e)| e)
+        .to_ascii_lowercase()
 }
 
 /// One member header of the tar.
@@ -183,6 +216,9 @@ fn pax_sparse<R: std::io::Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Resul
 /// Checks that the tar's end-of-archive block (512 zero bytes) follows its last member: the
 /// `tar` reader ends at the end of the file as at that block, so a tar cut short after a
 /// member (a partial copy, an interrupted upload) would lose its later samples without it.
+/// Only zero bytes may follow that block (the second end block, and the padding to the
+/// record size, 10 KiB by default): the reader stops at the first, so the members of a tar
+/// concatenated after it (`cat a.tar b.tar`) would be left out without a word.
 fn check_end(src: &mut Source, members: &[Member]) -> Result<(), IndexError> {
     const BLOCK: u64 = 512;
     if members.iter().any(|m| m.sparse) {
@@ -209,7 +245,20 @@ fn check_end(src: &mut Source, members: &[Member]) -> Result<(), IndexError> {
             format!("the block at {end}"),
         ));
     }
-    Ok(())
+    let what = "the bytes after the end-of-archive block";
+    let Some(at) = src.first_nonzero(what, end + BLOCK)? else {
+        return Ok(());
+    };
+    Err(src.malformed(
+        "data follows the tar's end-of-archive block, where tar readers stop: the file looks \
+         like several tars concatenated (`cat a.tar b.tar`), whose later members would be left \
+         out; keep each tar a shard of its own, or join them with `tar --concatenate`, which \
+         drops the end blocks between them",
+        format!(
+            "a non-zero byte at {at}, {} bytes after the end of the last member at {end}",
+            at - end
+        ),
+    ))
 }
 
 /// Reads the tar's member headers and groups the members into samples.

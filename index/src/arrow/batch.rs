@@ -6,9 +6,10 @@ use shardwire_protocol::manifest::TensorEntry;
 use super::body::{BatchErr, BatchFail, BatchLayout, ReadBody, Walk, no_nulls};
 use super::layout::{ColumnPlan, Slot};
 use super::lists::list_tensor;
+use crate::error::IndexError;
 
-/// The tensors of one record batch whose body starts at file offset `body_start` and is
-/// `body_len` bytes long; `read` reads offsets buffers of list and string columns.
+/// [`batch_tensors_within`] with no check of the tensors.
+#[cfg(test)]
 pub(crate) fn batch_tensors(
     slots: &[Slot],
     b: &BatchLayout,
@@ -16,16 +17,38 @@ pub(crate) fn batch_tensors(
     body_len: u64,
     read: &mut ReadBody<'_>,
 ) -> Result<Vec<TensorEntry>, BatchFail> {
+    batch_tensors_within(slots, b, body_start, body_len, read, &mut |_| Ok(()))
+}
+
+/// Checks each tensor of a record batch as soon as it is built (the manifest budget: the row
+/// table of one list column can be 4 times the size of its offsets buffer, and columns may
+/// share one buffer).
+pub(crate) type CheckTensor<'a> = dyn FnMut(&TensorEntry) -> Result<(), IndexError> + 'a;
+
+/// The tensors of one record batch whose body starts at file offset `body_start` and is
+/// `body_len` bytes long; `read` reads offsets buffers of list and string columns; `check`
+/// sees each tensor once built, and its error ends the walk.
+pub(crate) fn batch_tensors_within(
+    slots: &[Slot],
+    b: &BatchLayout,
+    body_start: u64,
+    body_len: u64,
+    read: &mut ReadBody<'_>,
+    check: &mut CheckTensor<'_>,
+) -> Result<Vec<TensorEntry>, BatchFail> {
     let mut w = Walk::new(b, body_len);
     let mut out = Vec::with_capacity(slots.len());
     for slot in slots {
-        match slot {
-            Slot::Skip(counts) => w.skip(counts)?,
-            Slot::Column(p) if p.lists.is_empty() => {
-                out.push(fixed_tensor(p, &mut w, b.rows, body_start)?)
+        let t = match slot {
+            Slot::Skip(counts) => {
+                w.skip(counts)?;
+                continue;
             }
-            Slot::Column(p) => out.push(list_tensor(p, &mut w, b.rows, body_start, read)?),
-        }
+            Slot::Column(p) if p.lists.is_empty() => fixed_tensor(p, &mut w, b.rows, body_start)?,
+            Slot::Column(p) => list_tensor(p, &mut w, b.rows, body_start, read)?,
+        };
+        check(&t).map_err(BatchFail::Read)?;
+        out.push(t);
     }
     if !w.at_end() {
         return Err(BatchFail::Layout((

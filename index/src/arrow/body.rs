@@ -34,7 +34,8 @@ pub(crate) type BatchErr = (Option<String>, String, String);
 pub(crate) enum BatchFail {
     /// The layout is wrong or unsupported.
     Layout(BatchErr),
-    /// Reading an offsets buffer from the file failed.
+    /// Reading an offsets buffer from the file failed, or a tensor built did not pass the
+    /// caller's check (the manifest budget).
     Read(IndexError),
 }
 

@@ -22,13 +22,14 @@ mod pytype;
 use std::collections::HashSet;
 
 use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
-use shardwire_protocol::manifest::ShardEntry;
+use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
-use self::batch::batch_tensors;
+use self::batch::batch_tensors_within;
 use self::body::{BatchFail, BatchLayout};
 pub(crate) use self::layout::Choice;
 use self::layout::{PlanErr, SchemaPlan, Slot, plan_schema};
 pub(crate) use self::lists::harmonize;
+use crate::budget::{self, FileCheck, Floor};
 use crate::error::IndexError;
 use crate::source::Source;
 
@@ -48,21 +49,26 @@ const MAGIC: &[u8; 6] = b"ARROW1";
 /// Continuation marker before the metadata length (since Arrow 0.15).
 const CONTINUATION: [u8; 4] = [0xff; 4];
 
-/// Indexes an Arrow IPC file (file or stream format), serving the columns `choice` keeps.
-pub(crate) fn index(src: &mut Source, choice: Choice<'_>) -> Result<ArrowFile, IndexError> {
+/// Indexes an Arrow IPC file (file or stream format), serving the columns `choice` keeps;
+/// each tensor's rows are counted in `check` as it is planned.
+pub(crate) fn index(
+    src: &mut Source,
+    choice: Choice<'_>,
+    check: &mut FileCheck<'_>,
+) -> Result<ArrowFile, IndexError> {
     if src.len == 0 {
         return Err(src.malformed("the Arrow IPC file is empty", "0 bytes"));
     }
     let head = src.read_at("file header", 0, src.len.min(8))?;
     let (plan, shards) = if head.starts_with(MAGIC) {
-        file_format(src, choice)?
+        file_format(src, choice, check)?
     } else if head.starts_with(b"FEA1") {
         return Err(src.unsupported(
             "Feather V1 files are not supported; write Feather V2 (Arrow IPC)",
             "FEA1 magic",
         ));
     } else {
-        stream_format(src, choice)?
+        stream_format(src, choice, check)?
     };
     let nested = plan
         .slots
@@ -83,7 +89,11 @@ pub(crate) fn index(src: &mut Source, choice: Choice<'_>) -> Result<ArrowFile, I
 type Planned = (SchemaPlan, Vec<ShardEntry>);
 
 /// The IPC file format: footer with the schema and the record batch blocks.
-fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexError> {
+fn file_format(
+    src: &mut Source,
+    choice: Choice<'_>,
+    check: &mut FileCheck<'_>,
+) -> Result<Planned, IndexError> {
     if src.len < 8 + 10 {
         return Err(src.malformed(
             "Arrow IPC file is too short to hold a footer",
@@ -102,7 +112,8 @@ fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexErr
         .ok()
         .filter(|&l| l <= src.len - 18)
         .ok_or_else(|| src.malformed("invalid footer length", footer_len))?;
-    let bytes = src.read_at("footer", src.len - 10 - footer_len, footer_len)?;
+    let footer_start = src.len - 10 - footer_len;
+    let bytes = src.read_at("footer", footer_start, footer_len)?;
     let footer = arrow_ipc::root_as_footer(&bytes)
         .map_err(|e| src.malformed("invalid footer flatbuffer", e))?;
     let schema = footer
@@ -110,22 +121,11 @@ fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexErr
         .ok_or_else(|| src.malformed("the footer has no schema", "none"))?;
     let plans = plans_for(src, schema, choice)?;
     let mut shards = Vec::new();
+    // After the leading `ARROW1` magic and its padding.
+    let mut prev_end = 8u64;
     for (i, block) in footer.recordBatches().into_iter().flatten().enumerate() {
-        let (off, meta_len, body_len) =
-            (block.offset(), block.metaDataLength(), block.bodyLength());
-        let bad = || {
-            src.malformed(
-                format!("record batch {i}: invalid block"),
-                format!("offset {off}, metadata {meta_len}, body {body_len}"),
-            )
-        };
-        let (Ok(off), Ok(meta_len), Ok(body_len)) = (
-            u64::try_from(off),
-            u64::try_from(meta_len),
-            u64::try_from(body_len),
-        ) else {
-            return Err(bad());
-        };
+        let (off, meta_len, body_len) = block_range(src, i, block, prev_end, footer_start)?;
+        prev_end = off + meta_len + body_len;
         let meta = src.read_at(&format!("record batch {i} metadata"), off, meta_len)?;
         let msg = parse_encapsulated(&meta).map_err(|e| {
             src.malformed(
@@ -145,27 +145,68 @@ fn file_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexErr
                 msg.bodyLength(),
             ));
         }
-        shards.extend(batch_shard(
-            src,
-            &plans.slots,
-            i,
-            &msg,
-            off + meta_len,
-            body_len,
-        )?);
+        let body = (off + meta_len, body_len);
+        shards.extend(batch_shard(src, &plans.slots, i, &msg, body, check)?);
     }
     Ok((plans, shards))
 }
 
+/// The `(offset, metadata length, body length)` of the footer's record batch block `i`:
+/// it must start at or after `prev_end`, where the block before it ends, and end by
+/// `footer_start`. Writers list the blocks in file order, one after another; a footer that
+/// lists one block twice (or blocks that overlap) would serve the same rows twice, and plan
+/// a row table for each time.
+fn block_range(
+    src: &Source,
+    i: usize,
+    block: &arrow_ipc::Block,
+    prev_end: u64,
+    footer_start: u64,
+) -> Result<(u64, u64, u64), IndexError> {
+    let (off, meta_len, body_len) = (block.offset(), block.metaDataLength(), block.bodyLength());
+    let bad = |reason: &str| {
+        src.malformed(
+            format!("record batch {i}: {reason}"),
+            format!("offset {off}, metadata {meta_len}, body {body_len}"),
+        )
+    };
+    let (Ok(start), Ok(meta), Ok(body)) = (
+        u64::try_from(off),
+        u64::try_from(meta_len),
+        u64::try_from(body_len),
+    ) else {
+        return Err(bad("invalid block"));
+    };
+    if start < prev_end {
+        return Err(bad(&format!(
+            "its block starts before the block before it ends, at {prev_end}: the footer lists \
+             a record batch twice, or out of order (a damaged or hand-edited file); write the \
+             file again"
+        )));
+    }
+    let end = start.checked_add(meta).and_then(|e| e.checked_add(body));
+    if end.is_none_or(|e| e > footer_start) {
+        return Err(bad(&format!(
+            "its block runs past the start of the footer, at {footer_start}"
+        )));
+    }
+    Ok((start, meta, body))
+}
+
 /// The IPC stream format: a schema message, then record batches, up to the end marker
 /// (every writer writes it when it closes the stream: one without it was cut short, and its
-/// later record batches lost).
-fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexError> {
+/// later record batches lost; nothing but zero bytes may follow it: see [`check_after_end`]).
+fn stream_format(
+    src: &mut Source,
+    choice: Choice<'_>,
+    check: &mut FileCheck<'_>,
+) -> Result<Planned, IndexError> {
     let mut pos = 0u64;
     let mut plans: Option<SchemaPlan> = None;
     let mut shards = Vec::new();
     let mut batch = 0usize;
-    let mut ended = false;
+    // Where the end-of-stream marker ends, once found.
+    let mut ended = None;
     while src.len - pos >= 4 {
         let mut word = src.read_at("message length", pos, 4)?;
         let mut prefix = 4;
@@ -175,7 +216,7 @@ fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexE
         }
         let meta_len = i32::from_le_bytes([word[0], word[1], word[2], word[3]]);
         if meta_len == 0 {
-            ended = true; // the end-of-stream marker
+            ended = Some(pos + prefix); // the end-of-stream marker
             break;
         }
         let meta_len = u64::try_from(meta_len).map_err(|_| {
@@ -207,9 +248,8 @@ fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexE
                 plans = Some(plans_for(src, schema, choice)?);
             }
             (MessageHeader::RecordBatch, Some(p)) => {
-                shards.extend(batch_shard(
-                    src, &p.slots, batch, &msg, body_start, body_len,
-                )?);
+                let body = (body_start, body_len);
+                shards.extend(batch_shard(src, &p.slots, batch, &msg, body, check)?);
                 batch += 1;
             }
             // Only dictionary columns use them, and those are never served.
@@ -236,13 +276,34 @@ fn stream_format(src: &mut Source, choice: Choice<'_>) -> Result<Planned, IndexE
             hex(&head),
         ));
     };
-    if !ended {
+    let Some(end) = ended else {
         return Err(src.malformed(
             "the stream ends without its end-of-stream marker: it was cut short (a writer that did not close it, a partial copy); write or copy it again",
             format!("{} bytes after the last whole message, at {pos}", src.len - pos),
         ));
-    }
+    };
+    check_after_end(src, end)?;
     Ok((plans, shards))
+}
+
+/// Refuses a stream with data after its end-of-stream marker (which ends at `end`): writers
+/// put nothing there, and a reader stops at the marker, so what follows (most often a second
+/// stream, `cat a.arrows b.arrows > c.arrows`) would be left out without a word. Zero bytes
+/// (padding) are allowed.
+fn check_after_end(src: &mut Source, end: u64) -> Result<(), IndexError> {
+    let Some(at) = src.first_nonzero("the bytes after the end-of-stream marker", end)? else {
+        return Ok(());
+    };
+    Err(src.malformed(
+        "data follows the stream's end-of-stream marker, which readers stop at: the file looks \
+         like several streams concatenated (`cat a.arrows b.arrows`), whose later record \
+         batches would be left out; keep each stream in a file of its own, or write them \
+         again as one stream",
+        format!(
+            "{} bytes after the marker at {end}, the first non-zero at {at}",
+            src.len - end
+        ),
+    ))
 }
 
 /// Checks endianness and converts the schema into column plans.
@@ -275,14 +336,15 @@ fn plans_for(
     })
 }
 
-/// The shard of one record batch message (None for a batch with no rows).
+/// The shard of one record batch message whose body is `(start, length)` (None for a batch
+/// with no rows); each of its tensors is counted in `check` as soon as it is built.
 fn batch_shard(
     src: &mut Source,
     slots: &[Slot],
     index: usize,
     msg: &Message<'_>,
-    body_start: u64,
-    body_len: u64,
+    (body_start, body_len): (u64, u64),
+    check: &mut FileCheck<'_>,
 ) -> Result<Option<ShardEntry>, IndexError> {
     check_version(src, msg)?;
     let rb = msg
@@ -325,6 +387,7 @@ fn batch_shard(
         variadic: rb.variadicBufferCounts().into_iter().flatten().collect(),
         version: msg.version(),
     };
+    let rel = src.rel.clone();
     let mut read = |what: &str, off: u64, len: u64| {
         src.read_at(
             &format!("record batch {index} {what}"),
@@ -332,7 +395,14 @@ fn batch_shard(
             len,
         )
     };
-    let tensors = match batch_tensors(slots, &layout, body_start, body_len, &mut read) {
+    let mut part = Floor::default();
+    let mut count = |t: &TensorEntry| {
+        part = part.plus(budget::tensor_floor(t));
+        let at = || format!(" (counted up to {rel}, while planning its record batch {index})");
+        check.check(part, at)
+    };
+    let tensors = batch_tensors_within(slots, &layout, body_start, body_len, &mut read, &mut count);
+    let tensors = match tensors {
         Ok(t) => t,
         Err(BatchFail::Read(e)) => return Err(e),
         Err(BatchFail::Layout((Some(column), reason, value))) => {
@@ -354,7 +424,9 @@ fn batch_shard(
             "0 bytes",
         ));
     }
-    Ok(Some(src.shard(body_start, body_len, tensors)?))
+    let shard = src.shard(body_start, body_len, tensors)?;
+    check.planned(&shard);
+    Ok(Some(shard))
 }
 
 /// Accepts metadata versions V4 and V5 (Arrow 0.8 and later).
@@ -402,6 +474,8 @@ fn hex(b: &[u8]) -> String {
         .join(" ")
 }
 
+#[cfg(test)]
+mod hostile_tests;
 #[cfg(test)]
 mod list_tests;
 #[cfg(test)]

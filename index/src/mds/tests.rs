@@ -4,8 +4,9 @@ use std::path::Path;
 
 use shardwire_protocol::manifest::{DType, Manifest, TensorEntry};
 
+use crate::root::Root;
 use crate::testutil::temp_dir;
-use crate::{IndexOptions, index_dir, index_report};
+use crate::{IndexError, IndexOptions, index_dir, index_report, index_root_within};
 
 /// `(name, encoding, fixed size)`.
 type Col = (&'static str, &'static str, Option<u64>);
@@ -423,5 +424,71 @@ fn litdata_optimize_output_is_refused_not_read_as_raw_bin() {
     };
     let err = index_dir(&dir, &tokens).unwrap_err().to_string();
     assert!(err.contains("LitData"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero_byte_columns_and_too_many_columns_are_refused_from_the_index() {
+    // Before, a column of 0 bytes a sample was served as an empty ragged tensor: a row per
+    // sample for nothing (1000 such columns over the 16M samples a 64 MiB file can claim are
+    // 256 GB of rows); and a shard of more than 4096 columns was read before it was refused.
+    let dir = temp_dir("mds-zero");
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let cols: [Col; 2] = [("a", "bytes", None), ("z", "ndarray:uint8:0", Some(0))];
+    let file = mds_file(&cols, &[vec![vec![1u8; 4], Vec::new()]]);
+    std::fs::write(sub.join("s.mds"), &file).unwrap();
+    let entry = shard_json(&cols, "s.mds", file.len(), 1);
+    std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
+    let err = index_err(&dir);
+    for want in [
+        "sub/index.json",
+        "shard 0",
+        "column `z` holds 0 bytes a sample",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let names: Vec<&'static str> = (0..4097)
+        .map(|i| &*Box::leak(format!("c{i}").into_boxed_str()))
+        .collect();
+    let wide: Vec<Col> = names.iter().map(|&n| (n, "int8", Some(1))).collect();
+    let file = mds_file(&wide, &[vec![vec![7u8]; 4097]]);
+    std::fs::write(sub.join("s.mds"), &file).unwrap();
+    let entry = shard_json(&wide, "s.mds", file.len(), 1);
+    std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
+    let err = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(matches!(err, IndexError::Unsupported { .. }), "{err:?}");
+    let text = err.to_string();
+    for want in ["sub/index.json", "4097 columns", "4096 tensors"] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn too_many_rows_are_refused_from_the_sample_count_before_they_are_read() {
+    // Before, each sample's sizes were read and a row built per sample and column, and only
+    // then counted: here the offset table is all zeros, which only reading it finds.
+    let dir = temp_dir("mds-budget");
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let n = 1000usize;
+    let mut file = (n as u32).to_le_bytes().to_vec();
+    file.resize(4 + 4 * (n + 1), 0);
+    std::fs::write(sub.join("s.mds"), &file).unwrap();
+    let entry = shard_json(&COLS, "s.mds", file.len(), n);
+    std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
+    let mut root = Root::Local(dir.clone());
+    let e = index_root_within(&mut root, &IndexOptions::default(), 10_000).unwrap_err();
+    let IndexError::ManifestTooLarge { rows, at, .. } = &e else {
+        panic!("{e:?}");
+    };
+    assert_eq!(*rows, 4000, "{e}");
+    assert!(
+        at.contains("sub/s.mds") && at.contains("1000 samples of 4 columns"),
+        "{e}"
+    );
+    // Under the real limit the offsets are read, and refused.
+    assert!(index_err(&dir).contains("sample 0 lies outside"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -218,3 +218,38 @@ fn a_row_group_with_a_negative_row_count_is_refused() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_cache_that_cannot_be_written_is_an_error_naming_it_and_the_fix() {
+    // Before, a bare `DIR/.shardwire-cache/parquet: Permission denied (os error 13)` (or
+    // `Not a directory`), with no word of what the folder is or what to do.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("parquet-unwritable");
+    write_parquet(&dir.join("a.parquet"), &rows(4), 4, Compression::SNAPPY);
+    // A file in the cache's way: refused whoever runs the test.
+    std::fs::write(dir.join(".shardwire-cache"), b"").unwrap();
+    let e = index_report(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(matches!(e, IndexError::ParquetCache { .. }), "{e:?}");
+    let text = e.to_string();
+    for want in [
+        CACHE_DIR,
+        "cannot write the Parquet cache",
+        "beside the data",
+        "in its way",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    // A read-only folder (not for root, who may write it anyway).
+    std::fs::remove_file(dir.join(".shardwire-cache")).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let writable = std::fs::write(dir.join("probe"), b"").is_ok();
+    let r = index_report(&dir, &IndexOptions::default());
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if !writable {
+        let text = r.unwrap_err().to_string();
+        for want in ["Permission denied", "must be writable", "writable copy"] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -406,3 +406,65 @@ fn a_pax_sparse_member_is_refused_not_served_as_its_encoded_bytes() {
     assert!(e.contains("s.tar") && e.contains("sparse"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_tar_with_another_after_its_end_blocks_is_refused_zero_padding_is_not() {
+    // Before, `cat a.tar b.tar` indexed a's samples only, without a word.
+    let dir = temp_dir("wds-concat");
+    let a = tar_of(&[("s0.cls", b"0".to_vec()), ("s0.txt", b"zero".to_vec())]);
+    let b = tar_of(&[("s1.cls", b"1".to_vec()), ("s1.txt", b"one".to_vec())]);
+    // Padded to a 10 KiB record, as GNU tar and Python's tarfile write it: indexed.
+    let mut padded = a.clone();
+    padded.resize(10240, 0);
+    std::fs::write(dir.join("s.tar"), &padded).unwrap();
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(tensor(&m, "cls").rows.as_ref().unwrap().len(), 1);
+    let mut cat = padded.clone();
+    cat.extend(&b);
+    std::fs::write(dir.join("s.tar"), &cat).unwrap();
+    let err = index_err(&dir);
+    let at = format!("a non-zero byte at {}", padded.len());
+    for want in ["s.tar", "concatenated", "tar --concatenate", &at] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_sample_of_more_fields_than_a_shard_holds_is_refused_before_the_checksum() {
+    // Before, the tar was read and checksummed, and only then refused by the manifest
+    // ("has 4097 tensors"), with advice for other formats.
+    let dir = temp_dir("wds-fields");
+    let names: Vec<String> = (0..4097).map(|i| format!("s0.f{i:04}")).collect();
+    let members: Vec<(&str, Vec<u8>)> = names.iter().map(|n| (n.as_str(), vec![1u8])).collect();
+    std::fs::write(dir.join("wide.tar"), tar_of(&members)).unwrap();
+    let err = index_dir(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(matches!(err, IndexError::Unsupported { .. }), "{err:?}");
+    let text = err.to_string();
+    for want in ["wide.tar", "4097 tensors", "at most 4096", "fewer fields"] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn other_compressed_tars_are_refused_like_gzip() {
+    // Before, they were named "not used (unknown extension .xz)" and the rest indexed.
+    let dir = temp_dir("wds-xz");
+    std::fs::write(dir.join("a.bin"), [1u8]).unwrap();
+    for (name, fix) in [
+        ("d.tar.xz", "`unxz`"),
+        ("d.tar.bz2", "`bunzip2`"),
+        ("d.tar.zst", "`unzstd`"),
+        ("d.tbz2", "rename to .tar.bz2"),
+    ] {
+        std::fs::write(dir.join(name), b"junk").unwrap();
+        let err = index_err(&dir);
+        assert!(
+            err.contains(name) && err.contains("byte range") && err.contains(fix),
+            "{name}: {err}"
+        );
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
