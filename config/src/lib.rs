@@ -245,7 +245,8 @@ pub struct ServeConfig {
     pub devmem_memory: ByteSize,
     /// Interface for `receive = devmem` (default: the first devmem-capable NIC).
     pub devmem_interface: Option<String>,
-    /// RX queues to bind (default: the upper half of the interface's RX queues).
+    /// RX queues to bind (default: the upper half of the interface's RX queues); never
+    /// queue 0 with `receive` devmem or auto (RSS keeps it).
     pub devmem_queues: Vec<u32>,
     /// Where NIC changes made for devmem are journaled; a file left by a crashed run is
     /// restored (changes undone) at start.
@@ -687,6 +688,36 @@ impl ServeConfig {
         Ok(())
     }
 
+    /// No queue 0 in `devmem_queues` or a lane's `queues` where the node sets a real NIC up
+    /// (`receive` = devmem or auto): it keeps RSS, the host's other traffic, on the queues
+    /// below the lowest bound one, and none is below queue 0. The node refuses it when it
+    /// binds (`auto` then fell back to host); refused here, `config check` and the start name
+    /// the key before any NIC is touched. `devmem-sim` binds only emulated NICs, whose queues
+    /// carry no other traffic, so it takes any queue.
+    fn validate_queue_zero(&self) -> Result<(), ConfigError> {
+        if !matches!(self.receive, ReceiveMode::Devmem | ReceiveMode::Auto) {
+            return Ok(());
+        }
+        let why = format!(
+            "lists queue 0, which receive = {} leaves to RSS for the host's other traffic (RSS \
+             is kept on the queues below the lowest bound one, and none is below 0): name RX \
+             queues from 1 up, e.g. the upper half of the NIC's (`shardwire nics` shows RXQ); \
+             receive = \"devmem-sim\" takes it (its emulated NIC carries no other traffic)",
+            self.receive
+        );
+        if self.devmem_queues.contains(&0) {
+            let v = format!("{:?}", self.devmem_queues);
+            return Err(invalid("devmem_queues", v, why));
+        }
+        if let Lanes::Table(t) = &self.lanes
+            && let Some((i, l)) = t.iter().enumerate().find(|(_, l)| l.queues.contains(&0))
+        {
+            let v = format!("lanes[{i}].queues = {:?}", l.queues);
+            return Err(invalid("lanes", v, why));
+        }
+        Ok(())
+    }
+
     /// A `lanes` table's lanes x `flows` within [`MAX_SESSION_FLOWS`] (`lanes = "auto"`
     /// finds its lanes at start, where the node checks the same): a source refuses every
     /// session of a node that asks for more.
@@ -766,6 +797,7 @@ impl ServeConfig {
         self.socket_mode_bits()?;
         self.lanes.validate()?;
         self.validate_lane_table()?;
+        self.validate_queue_zero()?;
         self.validate_session_flows()?;
         self.source_entries()?;
         if !(1..=3600).contains(&self.source_resolve_secs) {
@@ -852,6 +884,25 @@ impl ServeConfig {
     }
 }
 
+/// How to give `datasets` when none is: where a load merges the environment, any of the file,
+/// SHARDWIRE_DATASETS or `--dataset`; where it judges the file alone (`config check`), the file
+/// must, since no variable is applied there.
+fn no_datasets_fix(env: EnvLayer) -> &'static str {
+    match env {
+        EnvLayer::Merge => {
+            "give at least one NAME=DIR: `datasets = [\"NAME=DIR\"]` in the config file, \
+             SHARDWIRE_DATASETS='[\"NAME=DIR\"]' in the environment, or \
+             `shardwire source --dataset NAME=DIR`"
+        }
+        EnvLayer::Skip => {
+            "the file gives no dataset: `config check` judges the file alone and applies no \
+             SHARDWIRE_* variable, so the file must give at least one, \
+             `datasets = [\"NAME=DIR\"]` (`shardwire config print --source-config --config \
+             FILE` shows the file with the environment merged, as `source` reads it)"
+        }
+    }
+}
+
 impl SourceConfig {
     /// Merges defaults < file < env < `flags`.
     pub fn load(file: Option<&Path>, flags: &impl Serialize) -> Result<Self, ConfigError> {
@@ -871,13 +922,7 @@ impl SourceConfig {
     ) -> Result<Self, ConfigError> {
         let c: Self = load(file, flags, env)?;
         if c.datasets.is_empty() {
-            return Err(invalid(
-                "datasets",
-                "[]",
-                "give at least one NAME=DIR: `datasets = [\"NAME=DIR\"]` in the config file, \
-                 SHARDWIRE_DATASETS='[\"NAME=DIR\"]' in the environment, or \
-                 `shardwire source --dataset NAME=DIR`",
-            ));
+            return Err(invalid("datasets", "[]", no_datasets_fix(env)));
         }
         check_datasets(&c.datasets)?;
         if !(1..=u64::from(u16::MAX)).contains(&c.idle_timeout_secs) {
@@ -1198,6 +1243,20 @@ mod tests {
     }
 
     #[test]
+    fn config_check_asks_the_file_for_datasets() {
+        // Before: `config check`, which applies no variable, told a user to set
+        // SHARDWIRE_DATASETS or pass `--dataset`: doing so changed nothing.
+        let file = write("listen = \"127.0.0.1:7500\"\n");
+        let e = SourceConfig::load_file(&file).unwrap_err().to_string();
+        for place in ["`datasets = [", "judges the file alone", "config print"] {
+            assert!(e.contains(place), "{place}: {e}");
+        }
+        for advice in ["SHARDWIRE_DATASETS=", "--dataset"] {
+            assert!(!e.contains(advice), "{advice}: {e}");
+        }
+    }
+
+    #[test]
     fn layering_file_then_flags() {
         let p = write("flows = 3\npool_size = \"2GiB\"\nstream_memory = 1048576\n");
         let c = ServeConfig::load(Some(&p), &Flags::default()).unwrap();
@@ -1345,6 +1404,40 @@ mod tests {
         }
         let ok = "pool_size = \"64TiB\"\nstream_memory = \"1GiB\"\ndevmem_queues = [8, 9]\n";
         assert!(ServeConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn queue_0_is_refused_at_load_where_the_node_steers_a_real_nic() {
+        // Before, each loaded: `devmem` failed at the bind, `auto` fell back to host.
+        for (toml, value) in [
+            (
+                "receive = \"devmem\"\ndevmem_queues = [0, 1]\n",
+                "`devmem_queues` = [0, 1]",
+            ),
+            ("devmem_queues = [0]\n", "`devmem_queues` = [0]"),
+            (
+                "lanes = [{ queues = [8] }, { queues = [0, 1] }]\n",
+                "lanes[1].queues = [0, 1]",
+            ),
+        ] {
+            let e = ServeConfig::load(Some(&write(toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(value), "{toml}: {e}");
+            assert!(
+                e.contains("queue 0") && e.contains("from 1 up"),
+                "{toml}: {e}"
+            );
+        }
+        // The emulator and host receive steer no real NIC: queue 0 is theirs to take.
+        for ok in [
+            "receive = \"devmem-sim\"\ndevmem_queues = [0, 1]\n",
+            "receive = \"devmem-sim\"\nlanes = [{ queues = [0] }]\n",
+            "receive = \"host\"\ndevmem_queues = [0]\n",
+        ] {
+            let c = ServeConfig::load(Some(&write(ok)), &Flags::default());
+            assert!(c.is_ok(), "{ok}: {:?}", c.err().map(|e| e.to_string()));
+        }
     }
 
     #[test]

@@ -14,7 +14,8 @@ Checks, per rendered overlay:
            numeric) are declared container ports; ServiceMonitor selects a Service port; configMap/secret volumes and items
            name objects/keys that are rendered; StatefulSet serviceName is a headless Service.
   node     DaemonSet runs `serve --config F`, F resolves through a volume mount to a
-           ConfigMap key; that serve.toml passes `shardwire config check`; with the
+           ConfigMap key; that serve.toml passes `shardwire config check` (the file alone;
+           `sources` given by the env alone is added from the effective config); with the
            container's SHARDWIRE_* env applied (`shardwire config print`; an envFrom is not
            applied: it fails where it sets SHARDWIRE_* variables, a rendered ConfigMap/Secret
            by its keys or any source by a SHARDWIRE_ prefix, passes where its prefix cannot
@@ -28,7 +29,8 @@ Checks, per rendered overlay:
            /dev/udmabuf granted: a device plugin resource named *udmabuf*, or privileged;
            memory = "auto" in a pod that sees GPUs without the grant is a warning).
   source   StatefulSet runs `source --config F`; source.toml passes
-           `shardwire config check --source-config`; listen port = container port = Service
+           `shardwire config check --source-config` (as the node's: `datasets` given by the
+           env alone is added), and loads with its SHARDWIRE_* env; listen port = container port = Service
            port; where a container port `admin` is declared or a Service targets it, `admin`
            is set, not loopback, on that port (an `admin` nothing declares or scrapes is not
            compared); secret_file resolves; every dataset dir is on a mounted volume.
@@ -330,18 +332,40 @@ class Shardwire:
         return subprocess.run([self.binary, *args], env=env, capture_output=True, text=True, timeout=30)
 
     def check_and_print(self, toml_text: str, source: bool, env: dict[str, str]) -> tuple[list[str], Doc | None]:
-        """`config check FILE` then `config print --config FILE`; returns (errors, effective)."""
+        """`config print --config FILE` with the container's env (the effective config, as
+        `serve` and `source` read it), then `config check FILE`, which judges the file alone (it
+        applies no SHARDWIRE_* variable). The key a start needs, `sources` (`datasets` for a
+        source), may come from the pod's env alone: where the file does not give it, the checked
+        file gets the effective value (with_env_given_key). Returns (errors, effective)."""
         with tempfile.TemporaryDirectory() as d:
             f = Path(d) / ("source.toml" if source else "serve.toml")
-            f.write_text(toml_text)
+            f.write_text(toml_text, encoding="utf-8")
             extra = ["--source-config"] if source else []
+            p = self.run(["config", "print", "--config", str(f), *extra], env)
+            if p.returncode != 0:
+                return [f"`shardwire config print` with the container's SHARDWIRE_* env failed: {(p.stderr or p.stdout).strip()}"], None
+            eff = json.loads(p.stdout)
+            f.write_text(with_env_given_key(toml_text, "datasets" if source else "sources", eff), encoding="utf-8")
             r = self.run(["config", "check", str(f), *extra], env)
             if r.returncode != 0:
                 return [f"`shardwire config check{' --source-config' if source else ''}` failed: {(r.stderr or r.stdout).strip()}"], None
-            p = self.run(["config", "print", "--config", str(f), *extra], env)
-            if p.returncode != 0:
-                return [f"`shardwire config print` failed: {(p.stderr or p.stdout).strip()}"], None
-            return [], json.loads(p.stdout)
+            return [], eff
+
+
+def with_env_given_key(text: str, key: str, eff: Doc) -> str:
+    """`text` with `key = <its effective value>` first where the file does not give `key` and
+    the env does (a non-empty effective value): `config check` then judges the file's own keys
+    alone, and a pod that lists its `sources` or `datasets` only in its env still passes. A
+    file that is not TOML is returned as it is (`config check` names its error)."""
+    try:
+        given = key in tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return text
+    value = eff.get(key)
+    if given or not value:
+        return text
+    # A JSON array of strings is a TOML array; first, so that it is no table's key.
+    return f"{key} = {json.dumps(value, ensure_ascii=False)}\n{text}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1173,6 +1197,35 @@ def set_toml_key(docs: list[Doc], file: str, key: str, value: str) -> None:
             cm["data"][file] = new if n else text + f"\n{key} = {value}\n"
 
 
+def drop_toml_key(text: str, key: str) -> str:
+    """`text` without its top-level `key`: the key's line and as many after it as its value
+    spans (an array over several lines)."""
+    want = {k: v for k, v in tomllib.loads(text).items() if k != key}
+    lines = text.splitlines(keepends=True)
+    i = next(n for n, line in enumerate(lines) if re.match(rf"{key}\s*=", line))
+    for j in range(i + 1, len(lines) + 1):
+        rest = "".join(lines[:i] + lines[j:])
+        try:
+            if tomllib.loads(rest) == want:
+                return rest
+        except tomllib.TOMLDecodeError:
+            continue
+    raise AssertionError(f"cannot drop {key} from {text!r}")
+
+
+def move_toml_key_to_env(docs: list[Doc], file: str, key: str, c: Doc) -> None:
+    """Drops `key` from ConfigMap key `file` and gives container c its value instead, as the
+    literal env SHARDWIRE_<KEY> (a JSON array, as docs/CONFIGURATION.md writes one)."""
+    value = None
+    for cm in find(docs, "ConfigMap"):
+        text = (cm.get("data") or {}).get(file)
+        if text is not None and key in tomllib.loads(text):
+            value = tomllib.loads(text)[key]
+            cm["data"][file] = drop_toml_key(text, key)
+    assert value is not None, f"no ConfigMap gives {key} in {file}"
+    c.setdefault("env", []).append({"name": f"SHARDWIRE_{key.upper()}", "value": json.dumps(value)})
+
+
 def node_container(docs: list[Doc]) -> Doc:
     return container_by_subcommand(one(docs, "DaemonSet", "shardwire-node"), "serve")
 
@@ -1283,6 +1336,11 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
     def allowed_uids(d):
         set_toml_key(d, "serve.toml", "allowed_uids", "[0]")
 
+    def no_sources(d):
+        for cm in find(d, "ConfigMap"):
+            if "sources" in tomllib.loads((cm.get("data") or {}).get("serve.toml", "")):
+                cm["data"]["serve.toml"] = drop_toml_key(cm["data"]["serve.toml"], "sources")
+
     return [
         ("grace period shorter than preStop + drain", grace),
         ("readiness path /ready", ready_path),
@@ -1311,6 +1369,7 @@ def mutations() -> list[tuple[str, Callable[[list[Doc]], None]]]:
         ("envFrom of an unrendered ConfigMap with prefix SHARDWIRE_", env_from_prefixed),
         ("socket_mode 0600 shuts the trainer's group out", socket_mode),
         ("allowed_uids without the trainer's uid", allowed_uids),
+        ("serve.toml without `sources`, and no SHARDWIRE_SOURCES", no_sources),
     ]
 
 
@@ -1364,6 +1423,12 @@ def acceptances() -> list[tuple[str | None, str, Callable[[list[Doc]], None], st
         add_env_config_map(d, {"RUST_LOG": "info", "AWS_REGION": "us-east-1"})
         node_container(d)["envFrom"] = [{"configMapRef": {"name": "shardwire-env"}}]
 
+    def sources_by_env(d):
+        move_toml_key_to_env(d, "serve.toml", "sources", node_container(d))
+
+    def datasets_by_env(d):
+        move_toml_key_to_env(d, "source.toml", "datasets", source_container(d))
+
     return [
         (None, "source admin on loopback, no port `admin` declared or scraped", source_admin_loopback_unscraped, None),
         (None, "source admin on a port nothing declares or scrapes", source_admin_undeclared, None),
@@ -1372,6 +1437,10 @@ def acceptances() -> list[tuple[str | None, str, Callable[[list[Doc]], None], st
          env_from_unrendered_secret, "Secret minio-creds is not rendered"),
         (None, "envFrom with prefix AWS_ of an unrendered Secret", env_from_prefix, None),
         (None, "envFrom of a rendered ConfigMap without SHARDWIRE_* keys", env_from_rendered_clean, None),
+        # `config check` judges the file alone: a pod that gives a start's required key only
+        # by its env starts, so it passes (it failed when `config check` stopped merging env).
+        (None, "`sources` only in a SHARDWIRE_SOURCES env override", sources_by_env, None),
+        (None, "`datasets` only in a SHARDWIRE_DATASETS env override", datasets_by_env, None),
     ]
 
 

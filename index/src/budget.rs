@@ -14,8 +14,9 @@
 //! A file's row tables can take far more memory than the file (16 bytes a row, per column;
 //! Arrow columns may share one offsets buffer, an MDS column may hold 0 bytes a sample), so
 //! the readers also count each file's rows as they plan them ([`FileCheck`]): per record
-//! batch column, per MDS shard (from its sample count), per Megatron index (from its header),
-//! and refuse the file before more rows are built than a manifest can hold.
+//! batch column (from its row count, before its row table is built), per MDS shard (from its
+//! sample count), per Megatron index (from its header), and refuse the file before more rows
+//! are built than a manifest can hold.
 
 use std::path::Path;
 

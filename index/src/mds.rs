@@ -403,10 +403,11 @@ fn read_columns(s: &Value) -> Result<Vec<Column>, (&'static str, String)> {
     Ok(out)
 }
 
-/// Refuses the columns of shard `i` of the index at `path` that cannot be served: more than
-/// a shard's [`MAX_TENSORS_PER_SHARD`] tensors, or a column of 0 bytes a sample (it holds
-/// nothing, yet each sample would be a row of it: 16 bytes of memory and some of the
-/// manifest for each, so a small file could claim millions of them).
+/// Refuses the columns of shard `i` of the index at `path` when there are more than a shard's
+/// [`MAX_TENSORS_PER_SHARD`] tensors. A column of 0 bytes a sample (`column_sizes` 0, as
+/// Streaming writes for `ndarray:uint8:0`) is served, as an empty ragged tensor: its rows
+/// hold nothing, but they are counted from the file's sample count before they are built
+/// ([`check_rows`]), so a small file claiming millions of them is refused there.
 fn check_columns(path: &Path, i: usize, columns: &[Column]) -> Result<(), IndexError> {
     let refuse = |reason: String, value: String| IndexError::Unsupported {
         file: path.to_path_buf(),
@@ -420,16 +421,6 @@ fn check_columns(path: &Path, i: usize, columns: &[Column]) -> Result<(), IndexE
                  write the dataset with fewer columns (pack several into one)"
             ),
             format!("{} columns", columns.len()),
-        ));
-    }
-    if let Some(c) = columns.iter().find(|c| c.size == Some(0)) {
-        return Err(refuse(
-            format!(
-                "column `{}` holds 0 bytes a sample, so nothing to serve; write the dataset \
-                 without it",
-                c.name
-            ),
-            format!("column_sizes 0 ({})", c.encoding),
         ));
     }
     Ok(())

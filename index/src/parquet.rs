@@ -143,11 +143,16 @@ pub(crate) fn cached(
 }
 
 /// `e` as an [`IndexError::ParquetCache`] when it is an I/O error writing under `cache_dir`
-/// (the Parquet cache), with what to do; any other error as it is.
+/// (the Parquet cache), with what to do; any other error as it is. An I/O error inside the
+/// Arrow writer (a full disk while a batch is written) counts as one.
 fn cache_error(cache_dir: &Path, e: IndexError) -> IndexError {
     use std::io::ErrorKind;
     let (file, source) = match e {
         IndexError::Io { file, source } => (file, source),
+        IndexError::ArrowWrite {
+            file,
+            source: arrow_schema::ArrowError::IoError(_, source),
+        } => (file, source),
         other => return other,
     };
     // `.shardwire-cache` itself, when a file is in its way.

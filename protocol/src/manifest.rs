@@ -228,8 +228,9 @@ pub struct Manifest {
 /// Why a manifest is not acceptable.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
-    /// Not valid JSON for the manifest schema.
-    #[error("manifest is not valid: {0}")]
+    /// Not valid JSON for the manifest schema. serde_json's message quotes the source's keys
+    /// with their JSON escapes decoded; they are shown escaped again (`json_error_text`).
+    #[error("manifest is not valid: {}", crate::wire::json_error_text(.0))]
     Json(#[from] serde_json::Error),
     /// Unknown format version.
     #[error("manifest format {0} is not supported (this build reads format {FORMAT})")]
@@ -644,6 +645,18 @@ mod tests {
         let mut frame = Vec::new();
         crate::wire::encode(&msg, &mut frame).expect("the largest manifest is sendable");
         assert!(frame.len() - 4 <= crate::wire::MAX_FRAME);
+    }
+
+    #[test]
+    fn a_line_break_in_a_sources_key_is_escaped_in_the_error() {
+        // Before, serde_json's message quoted the key with its `\n` decoded, and the node's
+        // log line showing it went on as a forged line.
+        let body = br#"{"format":1,"x\nINFO shardwire_node: forged\r":1}"#;
+        let e = Manifest::from_json(body).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ManifestError::Json(_)), "{text}");
+        assert!(!text.contains(|c: char| c.is_control()), "{text:?}");
+        assert!(text.contains(r"x\nINFO shardwire_node: forged\r"), "{text}");
     }
 
     fn sample() -> Manifest {

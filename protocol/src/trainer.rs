@@ -15,6 +15,8 @@ mod messages;
 
 use serde::{Deserialize, Serialize};
 
+use crate::wire::json_error_text;
+
 pub use self::messages::*;
 
 /// Appends a framed message.
@@ -39,15 +41,6 @@ pub enum TrainerDecodeError {
     /// Not a valid binary `batch` body.
     #[error("malformed trainer message: {0}")]
     Binary(#[from] binary::BinaryBatchError),
-}
-
-/// serde_json's message for `e` with each control character escaped ([`wire::printable`]):
-/// it may quote a peer's key or tag, whose `\n` or `\r` would otherwise start a forged line in
-/// a text log.
-///
-/// [`wire::printable`]: crate::wire::printable
-pub(crate) fn json_error_text(e: &serde_json::Error) -> String {
-    crate::wire::printable(&e.to_string()).into_owned()
 }
 
 /// Checks a frame length prefix.

@@ -22,6 +22,7 @@ use anyhow::Context;
 use clap::Args;
 use shardwire_client::{Stream, StreamOptions};
 use shardwire_config::{ByteSize, ReceiveMode};
+use shardwire_protocol::wire;
 
 use self::report::{
     Run, compare_crc, compare_tcp, compare_uring, crc_ways, gbps, node_ratio, print_crc_medians,
@@ -112,6 +113,17 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
         lanes::MAX_LANES,
         a.lanes
     );
+    // The node's own check (`flows` x lanes) comes after the dataset is written, naming keys.
+    let session = u64::from(a.lanes) * u64::from(a.flows);
+    anyhow::ensure!(
+        session <= wire::MAX_SESSION_FLOWS,
+        "--lanes {} x --flows {} is {session} data connections from the source, which dials \
+         at most {} per node: lower --flows to at most {} or --lanes",
+        a.lanes,
+        a.flows,
+        wire::MAX_SESSION_FLOWS,
+        wire::MAX_SESSION_FLOWS / u64::from(a.lanes.max(1))
+    );
     anyhow::ensure!(
         a.lanes == 1 || !(a.compare_tcp || a.compare_uring || a.compare_crc),
         "--lanes runs no comparisons: drop --compare-tcp, --compare-uring and --compare-crc"
@@ -140,7 +152,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         false => Vec::new(),
     };
     // Every flag is checked before any data is written; the scratch directory goes however
-    // the run ends.
+    // the run ends, short of a signal (Ctrl-C leaves it: `shardwire bench --help`).
     let stream_memory = stream_memory(a.stream_memory.map(|m| m.0), shard)?;
     crate::logging::init_filter("warn");
     let scratch = synth::Scratch::new("bench", false)?;
@@ -475,6 +487,22 @@ mod tests {
         }
         let argv = std::iter::once("bench").chain(flags.iter().copied());
         <Bench as clap::Parser>::try_parse_from(argv).unwrap().a
+    }
+
+    #[test]
+    fn more_lanes_x_flows_than_a_source_dials_is_refused_naming_the_flags() {
+        // Before: passed, the dataset was written, then the node refused config key `flows`.
+        let e = check_args(&bench_args(&["--lanes", "16", "--flows", "32"]))
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "--lanes 16 x --flows 32",
+            "512 data connections",
+            "at most 16",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+        assert!(check_args(&bench_args(&["--lanes", "8", "--flows", "32"])).is_ok());
     }
 
     #[test]

@@ -64,6 +64,9 @@ enum Cmd {
     /// Run everything on loopback on a small synthetic dataset and verify every batch.
     Demo(demo::DemoArgs),
     /// kperf-style ingest throughput test on loopback.
+    ///
+    /// Its synthetic shards go to $TMPDIR/shardwire-bench-PID-*, removed when the run ends,
+    /// an error included; a run interrupted by a signal (Ctrl-C, SIGTERM) leaves them there.
     Bench(bench::BenchArgs),
     /// Show a node's state (read from its admin API).
     Status {
@@ -726,6 +729,21 @@ fn nics(json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `config check FILE` for `serve`: the file alone, and what `serve` refuses at start (no
+/// `sources`) refused here too, asking the file for it (no SHARDWIRE_* variable applies here).
+fn check_serve_file(file: &std::path::Path) -> anyhow::Result<()> {
+    let c = ServeConfig::load_file(file)?;
+    anyhow::ensure!(
+        !c.sources.is_empty(),
+        "{}: `sources` is empty: serve needs at least one (HOST:PORT or dns:NAME:PORT). \
+         `config check` judges the file alone and applies no SHARDWIRE_* variable, so the file \
+         must give it: `sources = [\"HOST:PORT\"]` (`shardwire config print --config FILE` \
+         shows the file with the environment merged, as `serve` reads it)",
+        file.display()
+    );
+    Ok(())
+}
+
 fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
     match c {
         ConfigCmd::Check {
@@ -735,13 +753,7 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
             if source_config {
                 SourceConfig::load_file(&file)?;
             } else {
-                let c = ServeConfig::load_file(&file)?;
-                // What `serve` refuses at start, refused here too.
-                anyhow::ensure!(
-                    !c.sources.is_empty(),
-                    "{}: `sources` is empty: serve needs at least one (HOST:PORT or dns:NAME:PORT)",
-                    file.display()
-                );
+                check_serve_file(&file)?;
             }
             println!("{}: ok", file.display());
         }
@@ -765,6 +777,23 @@ mod tests {
     use clap::Parser;
 
     use super::Cli;
+
+    #[test]
+    fn config_check_asks_the_file_for_sources() {
+        // Before: "`sources` is empty" alone, to a user who had exported SHARDWIRE_SOURCES,
+        // which `config check` does not apply.
+        let p = std::env::temp_dir().join(format!("sw-check-{}.toml", std::process::id()));
+        std::fs::write(&p, "flows = 2\n").unwrap();
+        let e = super::check_serve_file(&p).unwrap_err().to_string();
+        std::fs::remove_file(&p).unwrap();
+        for part in [
+            "`sources` is empty",
+            "judges the file alone",
+            "config print --config",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+    }
 
     #[test]
     fn flags_that_would_do_nothing_alone_are_refused() {

@@ -105,7 +105,8 @@ pub fn write_bin(path: &Path, len: usize, seed: u64) -> std::io::Result<()> {
 }
 
 /// A scratch directory under the system temp dir, removed when this is dropped, however the
-/// command that made it ends (an early error or a panic included), unless it is kept.
+/// command that made it ends (an early error or a panic included), unless it is kept. A
+/// signal that kills the process (Ctrl-C, SIGTERM) drops nothing: the directory stays.
 pub struct Scratch {
     /// The directory.
     pub dir: std::path::PathBuf,

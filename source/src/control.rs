@@ -90,11 +90,9 @@ pub enum SessionError {
         /// What came.
         got: String,
     },
-    /// Could not dial the node's data port.
-    #[error(
-        "cannot open data connection to {addr}: {source}; check that this source can reach the \
-         node's data address (a firewall or a route in between?)"
-    )]
+    /// Could not dial the node's data port, or ready the socket ([`reach_hint`] points at the
+    /// network only where the network refused or dropped the connect).
+    #[error("cannot open data connection to {addr}: {source}{}", reach_hint(.source))]
     DataConnect {
         /// The node's data address.
         addr: SocketAddr,
@@ -148,6 +146,20 @@ pub enum SessionError {
         /// The node's version.
         theirs: u8,
     },
+}
+
+/// Where to look after a failed data connect: the path to the node (a firewall, a route) where
+/// the connect was refused, timed out or found no route; nothing more for a local failure (a
+/// file limit, a device or port bind), which its own message names.
+fn reach_hint(e: &std::io::Error) -> &'static str {
+    use std::io::ErrorKind as K;
+    match e.kind() {
+        K::ConnectionRefused | K::TimedOut | K::HostUnreachable | K::NetworkUnreachable => {
+            "; check that this source can reach the node's data address (a firewall or a route \
+             in between?)"
+        }
+        _ => "",
+    }
 }
 
 pub(crate) fn kind(m: &Message) -> String {
@@ -282,6 +294,28 @@ pub(crate) async fn refuse(mut stream: tokio::net::TcpStream, code: ErrorCode, w
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_failure_on_the_way_to_the_node_points_at_the_network() {
+        // Before: every failure, a file limit too, sent operators to look for a firewall.
+        use rustix::io::Errno;
+        let addr: SocketAddr = "10.0.0.5:7401".parse().unwrap();
+        let text = |source: std::io::Error| SessionError::DataConnect { addr, source }.to_string();
+        for e in [
+            Errno::CONNREFUSED,
+            Errno::TIMEDOUT,
+            Errno::HOSTUNREACH,
+            Errno::NETUNREACH,
+        ] {
+            let t = text(e.into());
+            assert!(t.contains("firewall") && t.contains("10.0.0.5:7401"), "{t}");
+        }
+        assert!(text(std::io::ErrorKind::TimedOut.into()).contains("firewall"));
+        for e in [Errno::MFILE, Errno::PERM, Errno::NODEV, Errno::ADDRINUSE] {
+            let t = text(e.into());
+            assert!(!t.contains("firewall") && t.contains("os error"), "{t}");
+        }
+    }
 
     #[test]
     fn a_large_manifest_has_time_for_its_size() {

@@ -15,6 +15,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use shardwire_protocol::wire::{self, ErrorCode, LaneAddr, Message};
 use tokio::net::{TcpSocket, TcpStream};
@@ -194,15 +195,29 @@ struct Dialled {
     tx: Option<Arc<TxPath>>,
 }
 
-/// Dials one data connection to `addr` within the handshake timeout and readies it for its
-/// sender thread.
+/// How long one data connect may take: [`HANDSHAKE_TIMEOUT`], or half the idle timeout the
+/// node was told in `Welcome` (whole seconds, at least 1) where that is shorter. Nothing goes
+/// on the control connection while a connect is under way (a `DataConn` follows each), and the
+/// node ends a session it hears nothing on for that idle timeout: a connect that fails within
+/// half of it leaves the source time to tell the node why (`dial_or_tell`).
+fn connect_limit(idle: Duration) -> Duration {
+    let told = Duration::from_secs(idle.as_secs().clamp(1, u64::from(u16::MAX)));
+    HANDSHAKE_TIMEOUT.min(told / 2)
+}
+
+/// Dials one data connection to `addr` within [`connect_limit`] and readies it for its sender
+/// thread.
 async fn open_data_conn(shared: &Shared, addr: SocketAddr) -> Result<Dialled, SessionError> {
     let data_err = |source| SessionError::DataConnect { addr, source };
     let tx = tx_path(shared, addr);
     let device = tx.as_ref().map(|p| p.ifname.as_str());
-    let s = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(addr, device))
+    let limit = connect_limit(shared.cfg.idle_timeout);
+    let s = tokio::time::timeout(limit, connect(addr, device))
         .await
-        .map_err(|_| data_err(std::io::ErrorKind::TimedOut.into()))?
+        .map_err(|_| {
+            let why = format!("no answer within {limit:?}");
+            data_err(std::io::Error::new(std::io::ErrorKind::TimedOut, why))
+        })?
         .map_err(data_err)?;
     let local = s.local_addr().map_err(data_err)?;
     let std = s.into_std().map_err(data_err)?;
@@ -221,6 +236,24 @@ async fn open_data_conn(shared: &Shared, addr: SocketAddr) -> Result<Dialled, Se
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connect_fails_within_half_the_idle_timeout_the_node_was_told() {
+        // Before: 10 s whatever the idle timeout; at 5 s the node had ended the session as
+        // silent, and the source's reason went into a closed connection.
+        assert_eq!(
+            connect_limit(Duration::from_secs(5)),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(connect_limit(Duration::from_secs(60)), HANDSHAKE_TIMEOUT);
+        assert_eq!(connect_limit(Duration::from_secs(20)), HANDSHAKE_TIMEOUT);
+        // Welcome carries whole seconds, at least 1.
+        assert_eq!(
+            connect_limit(Duration::from_millis(1900)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(connect_limit(Duration::ZERO), Duration::from_millis(500));
+    }
 
     #[test]
     fn a_limit_below_the_flow_count_stays_a_limit() {

@@ -10,13 +10,18 @@
   names the fix (spawn), instead of telling the user to install the driver.
 - Every SDK error pickles with its class, message and attributes.
 - ``HttpClient.open_stream(idle_timeout=...)`` refuses infinity and values over the service's
-  86400 s before sending anything; ``close()`` connects with its 10 s timeout, not 120 s; a
-  ConnectError for an HTTP URL does not call it a trainer socket.
+  86400 s before sending anything, and takes any number ``float()`` takes (``Decimal``);
+  ``close()`` ends within its 10 s in all (one deadline across the host's addresses and every
+  receive of the answer), not 120 s; a ConnectError for an HTTP URL does not call it a trainer
+  socket, and one for a bytes socket path is a ConnectError (not a TypeError).
 """
 
 from __future__ import annotations
 
+import contextlib
+import decimal
 import enum
+import fractions
 import http.client
 import json
 import os
@@ -24,9 +29,13 @@ import pathlib
 import pickle
 import socket
 import sys
+import threading
+import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 import pytest
 
@@ -148,7 +157,7 @@ def test_a_device_resolves_in_a_child_forked_after_torch_started_cuda(monkeypatc
     assert said["attach"] == BUS[3], said
     assert said["cuda:9"].startswith("ValueError: device cuda:9: this process sees 4 CUDA device(s)"), said
     assert said["bus id"] == BUS[2], said
-    assert cuda.started_in == os.getpid(), "the parent's CUDA is its own still"
+    assert _device._at_fork == (os.getpid(), 2, tuple(BUS)), ("noted here, as the parent forked", _device._at_fork)
 
 
 def test_a_device_without_the_parent_s_note_asks_for_its_bus_id(monkeypatch, fresh_device_state):
@@ -280,6 +289,32 @@ def test_idle_timeout_up_to_a_day_is_sent_in_whole_seconds(http_sent):
     assert [b["idle_timeout_s"] for b in http_sent] == [86_400, 1]
 
 
+def test_idle_timeout_takes_any_number_float_takes(http_sent):
+    c = _http.HttpClient("127.0.0.1:9")
+    for value in (decimal.Decimal("30"), decimal.Decimal("0.2"), fractions.Fraction(5, 2), np.float32(2.5), np.array(7.0)):
+        c.open_stream("d", idle_timeout=value)  # before: ValueError for Decimal and a 0-d array
+    assert [b["idle_timeout_s"] for b in http_sent] == [30, 1, 3, 3, 7]
+
+
+@pytest.mark.parametrize("value, message", [
+    (decimal.Decimal("NaN"), "idle_timeout must be > 0 seconds"),
+    (decimal.Decimal("sNaN"), "idle_timeout must be a number of seconds"),
+    (decimal.Decimal("Infinity"), "idle_timeout must be at most 86400 seconds"),
+    (decimal.Decimal("1e400"), "idle_timeout must be at most 86400 seconds"),
+    (10**400, "idle_timeout must be at most 86400 seconds"),
+    (decimal.Decimal("-5"), "idle_timeout must be > 0 seconds"),
+    ("30", "idle_timeout must be a number of seconds, not '30'"),
+    (True, "idle_timeout must be a number of seconds, not True"),
+    (np.bool_(True), "idle_timeout must be a number of seconds"),
+    (object(), "idle_timeout must be a number of seconds"),
+], ids=repr)
+def test_idle_timeout_that_is_no_usable_number_is_refused(http_sent, value, message):
+    with pytest.raises(ValueError) as e:
+        _http.HttpClient("127.0.0.1:9").open_stream("d", idle_timeout=value)
+    assert message in str(e.value), e.value
+    assert http_sent == []
+
+
 def test_a_connect_error_for_a_url_names_the_http_api():
     port = _closed_port()
     with pytest.raises(shardwire.ConnectError) as e:
@@ -290,6 +325,14 @@ def test_a_connect_error_for_a_url_names_the_http_api():
     assert "cannot connect to the shardwire trainer socket '/run/shardwire/trainer.sock'" in str(sock)
 
 
+def test_a_missing_bytes_socket_path_raises_connect_error(tmp_path):
+    path = os.fsencode(tmp_path / "missing.sock")  # os.stat and connect take bytes paths
+    with pytest.raises(shardwire.ConnectError) as e:  # before: TypeError from bytes.startswith
+        shardwire.connect(path)
+    assert e.value.path == path, e.value.path
+    assert f"cannot connect to the shardwire trainer socket {path!r}: no such file" in str(e.value), e.value
+
+
 def _closed_port() -> int:
     """A loopback port nothing listens on (refused at once)."""
     with socket.socket() as s:
@@ -297,24 +340,66 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-class _Unreachable(http.client.HTTPConnection):
-    """A connection whose connect() records its timeout and fails as a dropped SYN would."""
+@contextlib.contextmanager
+def _dropping_syns() -> Iterator[int]:
+    """A loopback port whose listen queue is full, so the kernel drops new SYNs: a connect there
+    waits out its timeout, as to a host that went down (and nothing can hang on it)."""
+    with socket.socket() as srv, socket.socket() as queued:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        queued.connect(("127.0.0.1", port))  # fills the queue; never accepted
+        yield port
 
-    timeouts: list[float | None] = []
 
-    def connect(self) -> None:
-        _Unreachable.timeouts.append(self.timeout)
-        raise TimeoutError("timed out")
-
-
-def test_close_connects_within_its_10_s_timeout(monkeypatch):
-    _Unreachable.timeouts = []
-    monkeypatch.setattr(http.client, "HTTPConnection", _Unreachable)
+def _http_stream(url: str) -> _http.HttpStream:
     info = shardwire.StreamInfo(stream=7, region_size=0, batches_per_epoch=1, epochs=1, memory="http")
-    s = _http.HttpStream(_http.HttpClient("127.0.0.1:9"), info, 300, conn=None)  # type: ignore[arg-type]
-    s.close()  # the failure to reach the service is ignored
+    return _http.HttpStream(_http.HttpClient(url), info, 300, conn=None)  # type: ignore[arg-type]
+
+
+def test_close_connects_to_every_address_within_one_close_timeout(monkeypatch):
+    # A host name with several addresses (AAAA and A) whose host drops packets: the connect
+    # to each waited CLOSE_TIMEOUT of its own (socket.create_connection), 4 x 0.5 s here.
+    monkeypatch.setattr(_http, "CLOSE_TIMEOUT", 0.5)
+    with _dropping_syns() as port:
+        addresses = [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))] * 4
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kw: addresses)
+        s = _http_stream(f"node7:{port}")
+        start = time.monotonic()
+        s.close()  # the failure to reach the service is ignored
+        took = time.monotonic() - start
     assert s.closed
-    assert _Unreachable.timeouts == [_http.CLOSE_TIMEOUT] and _http.CLOSE_TIMEOUT <= 10, _Unreachable.timeouts  # before: 120
+    assert 0.4 < took < 1.5, f"close() took {took:.2f} s for a CLOSE_TIMEOUT of 0.5 s"  # before: 2 s
+
+
+def test_close_ends_within_close_timeout_while_the_answer_trickles_in(monkeypatch):
+    # A service that answers a byte every 0.1 s: each receive came within the socket timeout,
+    # so close() waited as long as the bytes kept coming (here until the server stops, 3 s).
+    monkeypatch.setattr(_http, "CLOSE_TIMEOUT", 0.5)
+    stop = threading.Event()
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(5)
+
+        def trickle() -> None:
+            with contextlib.suppress(OSError), srv.accept()[0] as conn:
+                conn.recv(65536)
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: .....":  # 30 bytes
+                    if stop.wait(0.1):
+                        break
+                    conn.sendall(bytes([byte]))
+
+        server = threading.Thread(target=trickle, daemon=True)
+        server.start()
+        s = _http_stream(f"127.0.0.1:{srv.getsockname()[1]}")
+        start = time.monotonic()
+        s.close()
+        took = time.monotonic() - start
+        stop.set()
+        server.join(10)
+    assert s.closed
+    assert 0.4 < took < 1.5, f"close() took {took:.2f} s for a CLOSE_TIMEOUT of 0.5 s"  # before: about 3 s
 
 
 def test_open_s_close_after_an_unreadable_answer_connects_within_10_s(monkeypatch):

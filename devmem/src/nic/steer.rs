@@ -517,11 +517,12 @@ pub fn equal_table(entries: usize, n: u32) -> Vec<u32> {
 }
 
 /// RSS table `old` kept off queues `below..` (what [`super::Journal::steer`] sets): its
-/// entries below are kept, and each one at or above is moved, round-robin by its index, onto
-/// the queues below that `old` already uses (onto `0..below` where it uses none: for a
-/// default table that is `ethtool -X equal below`). `None` when no entry is at or above
-/// `below`: the table keeps off those queues already (an operator's narrower table, which
-/// leaves queues between for another user, is never widened).
+/// entries below are kept, and those at or above are moved, in turn (counted over the moved
+/// entries alone, not by table index), onto the queues below that `old` already uses (onto
+/// `0..below` where it uses none), so each of those queues gets an even share of them. Not
+/// `ethtool -X equal below` as such: the kept entries stay where they are. `None` when no
+/// entry is at or above `below`: the table keeps off those queues already (an operator's
+/// narrower table, which leaves queues between for another user, is never widened).
 pub fn narrowed_table(old: &[u32], below: std::num::NonZeroU32) -> Option<Vec<u32>> {
     let below = below.get();
     if old.iter().all(|&q| q < below) {
@@ -533,8 +534,16 @@ pub fn narrowed_table(old: &[u32], below: std::num::NonZeroU32) -> Option<Vec<u3
     if kept.is_empty() {
         kept = (0..below).collect();
     }
-    let moved = |i: usize, q: u32| if q < below { q } else { kept[i % kept.len()] };
-    Some(old.iter().enumerate().map(|(i, &q)| moved(i, q)).collect())
+    let mut k = 0;
+    let mut moved = |q: u32| {
+        if q < below {
+            return q;
+        }
+        let to = kept[k % kept.len()];
+        k += 1;
+        to
+    };
+    Some(old.iter().map(|&q| moved(q)).collect())
 }
 
 /// What undoing a change of RSS table `old` sets, on a NIC with `rx_queues` RX rings
@@ -711,6 +720,12 @@ mod tests {
         assert_eq!(
             narrowed_table(&[8, 9, 8, 9, 8], below(4)),
             Some(vec![0, 1, 2, 3, 0])
+        );
+        // Moved entries all at odd indices share the kept queues evenly. Before (by table
+        // index) every one went to queue 1: [0, 1, 1, 1, 0, 1, 1, 1], 6 of 8 flows there.
+        assert_eq!(
+            narrowed_table(&[0, 9, 1, 9, 0, 9, 1, 9], below(8)),
+            Some(vec![0, 0, 1, 1, 0, 0, 1, 1])
         );
     }
 

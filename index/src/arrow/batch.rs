@@ -20,14 +20,26 @@ pub(crate) fn batch_tensors(
     batch_tensors_within(slots, b, body_start, body_len, read, &mut |_| Ok(()))
 }
 
-/// Checks each tensor of a record batch as soon as it is built (the manifest budget: the row
-/// table of one list column can be 4 times the size of its offsets buffer, and columns may
-/// share one buffer).
-pub(crate) type CheckTensor<'a> = dyn FnMut(&TensorEntry) -> Result<(), IndexError> + 'a;
+/// What a [`CheckTensor`] is shown as a record batch's tensors are planned.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Step<'t> {
+    /// The ragged column `name` is about to build its row table of `rows` rows (16 bytes a
+    /// row in memory, where its offsets buffer took 4 or 8): checked first, so that a table
+    /// the manifest cannot hold is never built.
+    Rows { name: &'t str, rows: u64 },
+    /// A tensor, once built.
+    Built(&'t TensorEntry),
+}
+
+/// Checks each tensor of a record batch before its row table is built and once it is built
+/// (the manifest budget: the row table of one list column can be 4 times the size of its
+/// offsets buffer, and columns may share one buffer).
+pub(crate) type CheckTensor<'a> = dyn FnMut(Step<'_>) -> Result<(), IndexError> + 'a;
 
 /// The tensors of one record batch whose body starts at file offset `body_start` and is
 /// `body_len` bytes long; `read` reads offsets buffers of list and string columns; `check`
-/// sees each tensor once built, and its error ends the walk.
+/// sees each ragged column's row count before its row table is built and each tensor once
+/// built, and its error ends the walk.
 pub(crate) fn batch_tensors_within(
     slots: &[Slot],
     b: &BatchLayout,
@@ -45,9 +57,9 @@ pub(crate) fn batch_tensors_within(
                 continue;
             }
             Slot::Column(p) if p.lists.is_empty() => fixed_tensor(p, &mut w, b.rows, body_start)?,
-            Slot::Column(p) => list_tensor(p, &mut w, b.rows, body_start, read)?,
+            Slot::Column(p) => list_tensor(p, &mut w, b.rows, body_start, read, check)?,
         };
-        check(&t).map_err(BatchFail::Read)?;
+        check(Step::Built(&t)).map_err(BatchFail::Read)?;
         out.push(t);
     }
     if !w.at_end() {

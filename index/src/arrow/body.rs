@@ -34,8 +34,8 @@ pub(crate) type BatchErr = (Option<String>, String, String);
 pub(crate) enum BatchFail {
     /// The layout is wrong or unsupported.
     Layout(BatchErr),
-    /// Reading an offsets buffer from the file failed, or a tensor built did not pass the
-    /// caller's check (the manifest budget).
+    /// Reading an offsets buffer from the file failed, or a tensor (built, or a row table
+    /// about to be built) did not pass the caller's check (the manifest budget).
     Read(IndexError),
 }
 

@@ -1,14 +1,16 @@
 //! Tests of hand-edited Arrow files: footers that list a record batch twice or out of order,
 //! streams with data after their end marker, and files of more rows than a manifest holds
-//! (refused as their record batches are planned, not once the whole file is).
+//! (refused as their record batches are planned, not once the whole file is, and before a
+//! row table the manifest cannot hold is built).
 
 use std::path::Path;
 use std::sync::Arc;
 
+use arrow_array::builder::{ListBuilder, UInt8Builder};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 
 use super::tests::{index, write_file, write_stream};
-use crate::budget::{HEAD_FLOOR, shard_floor, tensor_floor};
+use crate::budget::{HEAD_FLOOR, ragged_floor, shard_floor, tensor_floor};
 use crate::root::Root;
 use crate::testutil::temp_dir;
 use crate::{IndexError, IndexOptions, index_dir, index_root_within};
@@ -100,6 +102,46 @@ fn rows_are_counted_as_each_column_of_each_record_batch_is_planned() {
         let want = format!("a.arrow, while planning its record batch {batch}");
         assert!(at.contains(&want), "{e}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_row_table_is_checked_before_it_is_built_a_dense_column_has_none() {
+    // Before, a string column's row table (16 bytes a row in memory) was built and only then
+    // counted: a 400 MB stream of 100M empty strings took 1.6 GB before it was refused.
+    let dir = temp_dir("arrow-budget-before");
+    let n = 1000;
+    // `img`: n rows of [[0]], one inner shape (a dense tensor, no rows); `s`: n empty strings.
+    let mut img = ListBuilder::new(ListBuilder::new(UInt8Builder::new()));
+    for _ in 0..n {
+        img.values().values().append_value(0);
+        img.values().append(true);
+        img.append(true);
+    }
+    let img: ArrayRef = Arc::new(img.finish());
+    let s: ArrayRef = Arc::new(StringArray::from_iter_values((0..n).map(|_| "")));
+    let batch = RecordBatch::try_from_iter([("img", img), ("s", s)]).unwrap();
+    write_file(&dir.join("a.arrow"), &[batch]);
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    let shard = &m.shards[0];
+    assert!(
+        shard.tensors[0].rows.is_none() && shard.tensors[1].ragged,
+        "{shard:?}"
+    );
+    let opts = IndexOptions::default();
+    // At exactly the manifest's floor: served (the dense column is not checked as n rows).
+    let fits = HEAD_FLOOR + shard_floor(shard).bytes;
+    index_root_within(&mut Root::Local(dir.clone()), &opts, fits).unwrap();
+    // Short of `img` and n rows of `s` (each at least `[0,0]`): refused before s's table.
+    let img_floor = tensor_floor(&shard.tensors[0]).bytes;
+    let before = HEAD_FLOOR + img_floor + ragged_floor("s", n, 0).bytes - 1;
+    let e = index_root_within(&mut Root::Local(dir.clone()), &opts, before).unwrap_err();
+    let IndexError::ManifestTooLarge { rows, at, .. } = &e else {
+        panic!("{e:?}");
+    };
+    assert_eq!(*rows, n, "{e}");
+    let want = "a.arrow, while planning its record batch 0: column s, before building its";
+    assert!(at.contains(&format!("{want} {n} rows")), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -23,6 +23,7 @@ use std::collections::HashSet;
 
 use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
+use super::batch::{CheckTensor, Step};
 use super::body::{BatchErr, BatchFail, ReadBody, Walk, no_nulls};
 use super::layout::ColumnPlan;
 use crate::source::MAX_METADATA;
@@ -46,13 +47,15 @@ impl Level {
     }
 }
 
-/// The tensor of a list or string column.
+/// The tensor of a list or string column; `read` reads its offsets, `check` is shown the
+/// row count of a ragged tensor before its row table is built (a dense one has none).
 pub(crate) fn list_tensor(
     p: &ColumnPlan,
     w: &mut Walk<'_>,
     rows: u64,
     body_start: u64,
     read: &mut ReadBody<'_>,
+    check: &mut CheckTensor<'_>,
 ) -> Result<TensorEntry, BatchFail> {
     let (levels, values_off, hi) = read_levels(p, w, rows, read)?;
     let hi = fixed_part(p, w, hi)?;
@@ -96,6 +99,11 @@ pub(crate) fn list_tensor(
             length,
         ));
     }
+    check(Step::Rows {
+        name: &p.name,
+        rows,
+    })
+    .map_err(BatchFail::Read)?;
     let table: Vec<[u64; 2]> = (0..rows)
         .map(|i| {
             let (a, b) = (leaf_index(&levels, i), leaf_index(&levels, i + 1));

@@ -22,9 +22,9 @@ mod pytype;
 use std::collections::HashSet;
 
 use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
-use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
+use shardwire_protocol::manifest::ShardEntry;
 
-use self::batch::batch_tensors_within;
+use self::batch::{Step, batch_tensors_within};
 use self::body::{BatchFail, BatchLayout};
 pub(crate) use self::layout::Choice;
 use self::layout::{PlanErr, SchemaPlan, Slot, plan_schema};
@@ -337,7 +337,8 @@ fn plans_for(
 }
 
 /// The shard of one record batch message whose body is `(start, length)` (None for a batch
-/// with no rows); each of its tensors is counted in `check` as soon as it is built.
+/// with no rows); each of its tensors is counted in `check` as soon as it is built, and a
+/// ragged one's row count also before its row table is built.
 fn batch_shard(
     src: &mut Source,
     slots: &[Slot],
@@ -395,13 +396,14 @@ fn batch_shard(
             len,
         )
     };
-    let mut part = Floor::default();
-    let mut count = |t: &TensorEntry| {
-        part = part.plus(budget::tensor_floor(t));
-        let at = || format!(" (counted up to {rel}, while planning its record batch {index})");
-        check.check(part, at)
-    };
-    let tensors = batch_tensors_within(slots, &layout, body_start, body_len, &mut read, &mut count);
+    let tensors = batch_tensors_within(
+        slots,
+        &layout,
+        body_start,
+        body_len,
+        &mut read,
+        &mut batch_check(check, &rel, index),
+    );
     let tensors = match tensors {
         Ok(t) => t,
         Err(BatchFail::Read(e)) => return Err(e),
@@ -427,6 +429,34 @@ fn batch_shard(
     let shard = src.shard(body_start, body_len, tensors)?;
     check.planned(&shard);
     Ok(Some(shard))
+}
+
+/// Counts the tensors of record batch `index` of the file `rel` in `check` as they are built.
+/// A row table about to be built is checked first, with the tensors built before it, and not
+/// kept: its tensor is counted once built, with at least as many bytes
+/// ([`budget::ragged_floor`] with rows ending at 0).
+fn batch_check<'a>(
+    check: &'a FileCheck<'_>,
+    rel: &'a str,
+    index: usize,
+) -> impl FnMut(Step<'_>) -> Result<(), IndexError> + 'a {
+    let mut part = Floor::default();
+    move |step: Step<'_>| {
+        let at = |what: String| {
+            format!(" (counted up to {rel}, while planning its record batch {index}{what})")
+        };
+        match step {
+            Step::Rows { name, rows } => {
+                let more = part.plus(budget::ragged_floor(name, rows, 0));
+                let why = || at(format!(": column {name}, before building its {rows} rows"));
+                check.check(more, why)
+            }
+            Step::Built(t) => {
+                part = part.plus(budget::tensor_floor(t));
+                check.check(part, || at(String::new()))
+            }
+        }
+    }
 }
 
 /// Accepts metadata versions V4 and V5 (Arrow 0.8 and later).

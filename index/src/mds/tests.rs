@@ -428,26 +428,43 @@ fn litdata_optimize_output_is_refused_not_read_as_raw_bin() {
 }
 
 #[test]
-fn zero_byte_columns_and_too_many_columns_are_refused_from_the_index() {
-    // Before, a column of 0 bytes a sample was served as an empty ragged tensor: a row per
-    // sample for nothing (1000 such columns over the 16M samples a 64 MiB file can claim are
-    // 256 GB of rows); and a shard of more than 4096 columns was read before it was refused.
+fn zero_byte_columns_are_empty_ragged_tensors_and_too_many_columns_are_refused() {
+    // Streaming writes `column_sizes` 0 for `ndarray:uint8:0`; the commit before refused
+    // such a dataset. It is served again, as an empty ragged tensor, its rows counted from the
+    // sample count like every column's (so they cannot take more memory than the manifest
+    // holds); and a shard of more than 4096 columns is refused before it is read.
     let dir = temp_dir("mds-zero");
     let sub = dir.join("sub");
     std::fs::create_dir_all(&sub).unwrap();
     let cols: [Col; 2] = [("a", "bytes", None), ("z", "ndarray:uint8:0", Some(0))];
-    let file = mds_file(&cols, &[vec![vec![1u8; 4], Vec::new()]]);
+    let samples = [
+        vec![vec![1u8; 4], Vec::new()],
+        vec![vec![2u8; 3], Vec::new()],
+    ];
+    let file = mds_file(&cols, &samples);
     std::fs::write(sub.join("s.mds"), &file).unwrap();
-    let entry = shard_json(&cols, "s.mds", file.len(), 1);
+    let entry = shard_json(&cols, "s.mds", file.len(), 2);
     std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
-    let err = index_err(&dir);
-    for want in [
-        "sub/index.json",
-        "shard 0",
-        "column `z` holds 0 bytes a sample",
-    ] {
-        assert!(err.contains(want), "{want}: {err}");
-    }
+    let m = index_dir(&dir, &IndexOptions::default()).unwrap();
+    let z = tensor(&m, 0, "z");
+    assert!(z.ragged && z.length == 0 && z.shape == [0], "{z:?}");
+    assert_eq!(gather(&file, z), [Vec::<u8>::new(), Vec::new()]);
+    let a = gather(&file, tensor(&m, 0, "a"));
+    assert_eq!(a, [vec![1u8; 4], vec![2u8; 3]]);
+    // 1000 samples claimed of the zero-byte column alone: refused from the count.
+    let n = 1000usize;
+    let mut file = (n as u32).to_le_bytes().to_vec();
+    file.resize(4 + 4 * (n + 1), 0);
+    std::fs::write(sub.join("s.mds"), &file).unwrap();
+    let entry = shard_json(&cols[1..], "s.mds", file.len(), n);
+    std::fs::write(sub.join("index.json"), index_json(&[entry])).unwrap();
+    let mut root = Root::Local(dir.clone());
+    let e = index_root_within(&mut root, &IndexOptions::default(), 4_000).unwrap_err();
+    let IndexError::ManifestTooLarge { rows, at, .. } = &e else {
+        panic!("{e:?}");
+    };
+    assert_eq!(*rows, 1000, "{e}");
+    assert!(at.contains("1000 samples of 1 columns"), "{e}");
     let names: Vec<&'static str> = (0..4097)
         .map(|i| &*Box::leak(format!("c{i}").into_boxed_str()))
         .collect();

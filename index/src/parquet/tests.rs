@@ -11,7 +11,7 @@ use ::parquet::file::properties::WriterProperties;
 use arrow_array::types::Float32Type;
 use arrow_array::{ArrayRef, FixedSizeListArray, Int64Array, RecordBatch, StringArray};
 
-use super::{CACHE_DIR, utc};
+use super::{CACHE_DIR, cache_error, utc};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
 use crate::{IndexError, IndexOptions, IndexReport, index_report};
 
@@ -252,4 +252,56 @@ fn a_cache_that_cannot_be_written_is_an_error_naming_it_and_the_fix() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn cache_io_errors_get_the_advice_for_their_kind_whoever_runs_the_test() {
+    // Synthetic errors, so the read-only and full-disk paths are checked under root too.
+    // Before, an I/O error inside the Arrow writer (`ArrowWrite`, e.g. ENOSPC while a batch
+    // was flushed) came back as it was, without the "free space" advice.
+    use std::io::{Error, ErrorKind};
+    let cache_dir = Path::new("/data/ds").join(CACHE_DIR);
+    let file = cache_dir.join("a.parquet.arrow");
+    let io = |source: Error| IndexError::io(&file, source);
+    let arrow = |source: Error| IndexError::ArrowWrite {
+        file: file.clone(),
+        source: arrow_schema::ArrowError::IoError(source.to_string(), source),
+    };
+    let enospc = || Error::from_raw_os_error(28);
+    assert_eq!(enospc().kind(), ErrorKind::StorageFull);
+    let writable = "must be writable";
+    let space = "free space";
+    let cases = [
+        (io(ErrorKind::PermissionDenied.into()), writable),
+        (io(ErrorKind::ReadOnlyFilesystem.into()), writable),
+        (io(enospc()), space),
+        (arrow(enospc()), space),
+        (arrow(ErrorKind::PermissionDenied.into()), writable),
+        (io(ErrorKind::NotADirectory.into()), "in its way"),
+    ];
+    for (e, want) in cases {
+        let what = format!("{e:?}");
+        let e = cache_error(&cache_dir, e);
+        assert!(
+            matches!(e, IndexError::ParquetCache { .. }),
+            "{what}: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(want) && text.contains(CACHE_DIR),
+            "{what}: {text}"
+        );
+    }
+    // Outside the cache, and an Arrow error that is not I/O: passed on unchanged.
+    let outside = cache_error(&cache_dir, IndexError::io("/data/a.parquet", enospc()));
+    assert!(matches!(outside, IndexError::Io { .. }), "{outside:?}");
+    let schema = IndexError::ArrowWrite {
+        file: file.clone(),
+        source: arrow_schema::ArrowError::SchemaError("x".into()),
+    };
+    let schema = cache_error(&cache_dir, schema);
+    assert!(
+        matches!(schema, IndexError::ArrowWrite { .. }),
+        "{schema:?}"
+    );
 }

@@ -23,7 +23,7 @@ pub struct OpenStream {
 pub enum OpenBodyError {
     /// Not JSON, not an object, or a field the stream request refuses (the message escaped,
     /// as a peer's key it quotes may hold a line break).
-    #[error("invalid stream request: {}", super::json_error_text(.0))]
+    #[error("invalid stream request: {}", crate::wire::json_error_text(.0))]
     Json(#[from] serde_json::Error),
     /// `idle_timeout_s` is not a whole number of seconds.
     #[error("idle_timeout_s is {0}; it must be a whole number of seconds")]

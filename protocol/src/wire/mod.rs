@@ -198,6 +198,13 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
         .into()
 }
 
+/// serde_json's message for `e` with each control character escaped ([`printable`]): it may
+/// quote a peer's key or tag (a trainer's message, a source's manifest) with its JSON escapes
+/// decoded, whose `\n` or `\r` would otherwise start a forged line in a text log.
+pub(crate) fn json_error_text(e: &serde_json::Error) -> String {
+    printable(&e.to_string()).into_owned()
+}
+
 /// Error codes carried by [`Message::Error`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]

@@ -72,7 +72,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "counter",
         "shardwire_http_timeouts_total",
-        "HTTP connections or requests ended by a timeout, by phase (header: a request head began but did not finish in time; idle: a connection sent nothing within the header timeout, such as a kept-alive one between requests; body: a request body did not arrive in time; write: the client read nothing of its answer for the write timeout; download: it read a tensor download, or a backed-up answer, under the minimum rate)",
+        "HTTP connections or requests ended by a timeout, by phase (header: a request head began but did not finish within the header timeout, which runs from the connection's start or its last answer; idle: a connection sent nothing within the header timeout since its last answer, such as a kept-alive one between requests, or only a head's start pipelined before that answer; body: a request body did not arrive in time; write: the client read nothing of its answer for the write timeout; download: it read a tensor download, or a backed-up answer, under the minimum rate)",
     ),
     (
         "counter",

@@ -247,7 +247,10 @@ async fn run_connection(
 /// it: hyper's header timer is `"header"` when the client had sent part of a request (a head
 /// that began and did not finish: a slow client or a slowloris) and `"idle"` when it had sent
 /// nothing since its last answer (a kept-alive connection between requests, or a new one that
-/// never sent a byte); a write limit is [`stall_phase`]'s.
+/// never sent a byte); a write limit is [`stall_phase`]'s. Two limits of the split: hyper's
+/// timer runs from the connection's start or its last answer, not from a head's first byte;
+/// and a head's start pipelined before the last answer went out counts as `"idle"`
+/// ([`Unanswered`]).
 fn timeout_phase(e: &hyper::Error, unanswered: &Unanswered) -> Option<&'static str> {
     match e.is_timeout() {
         true if unanswered.get() => Some("header"),

@@ -34,8 +34,11 @@ bytes are complete when the trainer sees them: consumers need not wait on any st
 Nothing here imports ``cuda.bindings`` (or torch) until a region is imported (or
 :meth:`CudaTensor.to_torch` is called); without them :class:`CudaImportError` says what to
 install. CUDA cannot be used in a process forked after its parent started CUDA (a DataLoader
-worker started with fork): a driver call that fails there says so, and to start the workers
-with spawn.
+worker started with fork): where the parent started it through torch or through this module
+(`_devices.forked_after_cuda`), a driver call that fails there says so, and to start the
+workers with spawn. A parent that started CUDA otherwise (CuPy, JAX, numba) leaves no trace
+this process can see, and the CUDA driver documents no ``cuInit`` result that marks a
+forked process, so the error then names the failed call and its result with the usual hint.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ _ON_GPU = (
 
 #: The hint of a failed driver call in a process forked after its parent started CUDA.
 _FORKED = (
-    "this process was forked (a DataLoader worker started with fork, the Linux default, say) "
+    "this process was forked (a DataLoader worker started with fork, the Linux default before "
+    "Python 3.14, say) "
     "after its parent had started CUDA, and CUDA cannot be used in such a process: start the "
     'workers with spawn (DataLoader(..., multiprocessing_context="spawn")) or forkserver'
 )

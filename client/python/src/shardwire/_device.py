@@ -19,14 +19,14 @@ ordinal: ordinals are per process (``CUDA_VISIBLE_DEVICES``), the node has its o
   process that started it, which ``shardwire.torch`` passes on (:func:`inherit`).
 
 **Fork.** A process forked after its parent started CUDA (a DataLoader worker started with
-fork, the Linux default, once the trainer ran ``model.cuda()``) cannot use CUDA: torch raises
-"Cannot re-initialize CUDA in forked subprocess", ``cuInit`` fails. So before every fork of a
-process that started CUDA through torch, :func:`_before_fork` (``os.register_at_fork``) notes
-the bus id of each of its ordinals and its current one; a forked child resolves ``"cuda:N"``,
-``N``, ``"cuda"`` and ``"auto"`` from that note, as its parent would have, and never touches
-CUDA. Where there is no note (CUDA started other than through torch), an ordinal there raises
-ValueError asking for the GPU's PCI bus id. :func:`forked_after_cuda` says whether this process
-is such a child (for ``_cuda``'s errors).
+fork, the Linux default before Python 3.14, once the trainer ran ``model.cuda()``) cannot use
+CUDA: torch raises "Cannot re-initialize CUDA in forked subprocess", ``cuInit`` fails. So
+before every fork of a process that started CUDA through torch, :func:`_before_fork`
+(``os.register_at_fork``) notes the bus id of each of its ordinals and its current one; a
+forked child resolves ``"cuda:N"``, ``N``, ``"cuda"`` and ``"auto"`` from that note, as its
+parent would have, and never touches CUDA. Where there is no note (CUDA started other than
+through torch), an ordinal there raises ValueError asking for the GPU's PCI bus id.
+:func:`forked_after_cuda` says whether this process is such a child (for ``_cuda``'s errors).
 
 Nothing here imports torch or cuda-python that the trainer has not imported (torch) or that is
 not installed (cuda-python).

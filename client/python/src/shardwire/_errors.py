@@ -90,11 +90,15 @@ class ConnectError(ShardwireError):
     the reason.
 
     Attributes:
-        path: The socket path, or the URL (``http://HOST:PORT``).
+        path: The socket path (``bytes`` where one was given as bytes), or the URL
+            (``http://HOST:PORT``).
     """
 
-    def __init__(self, path: str, reason: str) -> None:
-        what = "the shardwire node's HTTP API at" if path.startswith("http://") else "the shardwire trainer socket"
+    def __init__(self, path: str | bytes, reason: str) -> None:
+        # A bytes socket path (``connect(b"/run/...")``, which os.stat and connect take) is a
+        # socket path: `bytes.startswith` would raise TypeError for a str prefix.
+        is_url = isinstance(path, str) and path.startswith("http://")
+        what = "the shardwire node's HTTP API at" if is_url else "the shardwire trainer socket"
         super().__init__("connect", f"cannot connect to {what} {path!r}: {reason}")
         self.path = path
 

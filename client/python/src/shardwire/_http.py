@@ -13,8 +13,8 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import numbers
 import socket
+import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,8 +34,10 @@ __all__ = ["HttpBatch", "HttpClient", "HttpStream", "connect_http"]
 POLL_MS = 30_000
 #: Socket timeout of requests that do not wait on the stream, in seconds.
 IO_TIMEOUT = 120.0
-#: Connect and answer timeout of ``POST .../close``, in seconds: a close that cannot reach the
-#: service gives up (the service closes the stream after its idle timeout).
+#: Time ``POST .../close`` may take in all, in seconds, from its connect (every address of the
+#: host in turn) to the end of the answer: a close that cannot reach the service by then gives
+#: up (the service closes the stream after its idle timeout). Looking the host name up is the
+#: system resolver's and not counted.
 CLOSE_TIMEOUT = 10.0
 #: Largest ``idle_timeout`` the service takes, in seconds (service/src/http/trainer.rs,
 #: ``MAX_IDLE_TIMEOUT_S``).
@@ -145,18 +147,28 @@ class HttpClient:
 
 
 def _idle_timeout_s(idle_timeout: float) -> int:
-    """`idle_timeout` as the whole seconds the service takes (rounded up).
+    """`idle_timeout` as the whole seconds the service takes (rounded up): any number
+    ``float()`` takes (int, float, ``Decimal``, ``Fraction``, a numpy scalar or 0-d array), but
+    not a bool or a string.
 
     Raises:
-        ValueError: not a number in ``(0, MAX_IDLE_TIMEOUT]`` (NaN and infinity included).
+        ValueError: not such a number, or not in ``(0, MAX_IDLE_TIMEOUT]`` (NaN and infinity
+            included).
     """
-    if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, numbers.Real):
+    at_most = f"idle_timeout must be at most {MAX_IDLE_TIMEOUT} seconds (a day, the service's limit), not {idle_timeout!r}"
+    if isinstance(idle_timeout, (bool, np.bool_, str, bytes, bytearray)):
         raise ValueError(f"idle_timeout must be a number of seconds, not {idle_timeout!r}")
-    if not idle_timeout > 0:
+    try:
+        seconds = float(idle_timeout)
+    except OverflowError:  # an int or a Decimal beyond float's range
+        raise ValueError(at_most) from None
+    except (TypeError, ValueError) as e:  # not a number; a signalling Decimal NaN
+        raise ValueError(f"idle_timeout must be a number of seconds, not {idle_timeout!r}") from e
+    if not seconds > 0:
         raise ValueError(f"idle_timeout must be > 0 seconds, not {idle_timeout!r}")
-    if not idle_timeout <= MAX_IDLE_TIMEOUT:
-        raise ValueError(f"idle_timeout must be at most {MAX_IDLE_TIMEOUT} seconds (a day, the service's limit), not {idle_timeout!r}")
-    return max(1, math.ceil(idle_timeout))
+    if not seconds <= MAX_IDLE_TIMEOUT:
+        raise ValueError(at_most)
+    return max(1, math.ceil(seconds))
 
 
 class HttpBatch(_BatchBase):
@@ -268,13 +280,9 @@ class HttpStream(_StreamBase[HttpBatch]):
             idle = _int(v.get("idle_timeout_s", 300), "idle_timeout_s")
         except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as e:
             # A stream that opened, maybe: closed (best effort), as it cannot be used.
-            if isinstance(v := _maybe_json(r), dict) and isinstance(v.get("stream"), int):
-                try:
-                    conn.timeout = CLOSE_TIMEOUT  # a new connection's connect() waits that long
-                    _call(conn, "POST", f"/v1/streams/{v['stream']}/close", b"", CLOSE_TIMEOUT, retry=False)
-                except (OSError, http.client.HTTPException, ShardwireError):
-                    pass
             conn.close()
+            if isinstance(v := _maybe_json(r), dict) and isinstance(v.get("stream"), int):
+                _close_on_service(client, v["stream"])
             raise ProtocolError(f"an answer to open this SDK cannot read ({e!r}): {r.body[:200]!r}") from e
         return cls(client, info, idle, conn)
 
@@ -417,8 +425,9 @@ class HttpStream(_StreamBase[HttpBatch]):
     def close(self) -> None:
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
         batches already taken stay valid (they are copies). A failure to reach the service
-        within ``CLOSE_TIMEOUT`` (10 s, connecting included) is ignored: it closes the stream
-        after its idle timeout."""
+        within ``CLOSE_TIMEOUT`` (10 s in all: connecting, to each of the host's addresses in
+        turn, sending and reading the answer; looking the host name up is not counted) is
+        ignored: it closes the stream after its idle timeout."""
         super().close()
 
     def _drop_in_child(self) -> None:
@@ -445,18 +454,84 @@ class HttpStream(_StreamBase[HttpBatch]):
         if notify:
             # On a connection of its own, which no `_interrupt` can shut down (another close()
             # meanwhile), never stopped: the close must reach the service.
-            # Its connect() too is bounded by CLOSE_TIMEOUT: a host that drops packets must not
-            # hold close() (and the exception leaving `with stream:`) for IO_TIMEOUT.
-            conn = http.client.HTTPConnection(self._client._host, self._client._port, timeout=CLOSE_TIMEOUT)
-            try:
-                _call(conn, "POST", f"/v1/streams/{self.info.stream}/close", b"", CLOSE_TIMEOUT, retry=False)
-            except (OSError, http.client.HTTPException, ShardwireError):
-                pass  # the service closes it after its idle timeout
-            finally:
-                conn.close()
+            _close_on_service(self._client, self.info.stream)
 
     def _repr_where(self) -> str:
         return f" {self._client.url}"
+
+
+def _close_on_service(client: HttpClient, stream: int) -> None:
+    """``POST /v1/streams/{stream}/close`` on a connection of its own that ends within
+    CLOSE_TIMEOUT in all: a host that drops packets, or answers a byte at a time, must not hold
+    close() (and the exception leaving ``with stream:``) longer. A failure is ignored: the
+    service closes the stream after its idle timeout."""
+    conn = _DeadlineConnection(client._host, client._port, CLOSE_TIMEOUT)
+    try:
+        _call(conn, "POST", f"/v1/streams/{stream}/close", b"", CLOSE_TIMEOUT, retry=False)
+    except (OSError, http.client.HTTPException, ShardwireError):
+        pass
+    finally:
+        conn.close()
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose sends and receives all end by its `deadline` (``time.monotonic()``): each
+    waits only for the time left, so bytes trickling in cannot stretch the wait as a
+    per-receive timeout lets them (``http.client`` reads an answer in many receives)."""
+
+    deadline: float | None = None
+
+    def _wait_left(self) -> None:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self.settimeout(left)
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._wait_left()
+        super().sendall(data, flags)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._wait_left()
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection that connects, sends and reads within `seconds` in all (from its
+    creation). ``socket.create_connection`` would wait the timeout for each address of the host
+    in turn (an IPv6 and an IPv4 one: twice), and the socket timeout applies to each receive."""
+
+    def __init__(self, host: str, port: int, seconds: float) -> None:
+        super().__init__(host, port, timeout=seconds)
+        self._deadline = time.monotonic() + seconds
+
+    def connect(self) -> None:
+        self.sock = _connect_by(self.host, self.port, self._deadline)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _connect_by(host: str, port: int, deadline: float) -> _DeadlineSocket:
+    """A TCP connection to `host`:`port` made by `deadline` (``time.monotonic()``), trying each
+    address the name resolves to in turn with the time left; its later sends and receives end
+    by `deadline` too. The error of the last attempt, or TimeoutError once no time is left."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            error = TimeoutError(f"no connection to {host}:{port} in the time allowed")
+            break
+        sock = _DeadlineSocket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+        except OSError as e:
+            sock.close()
+            error = e
+            continue
+        sock.deadline = deadline
+        return sock
+    raise error if error is not None else OSError(f"{host}:{port} resolves to no address")
 
 
 def _batch_fields(v: dict[str, Any]) -> tuple[int, int, int, int, list[TensorView]]:
