@@ -343,6 +343,10 @@ class Shardwire:
             extra = ["--source-config"] if source else []
             p = self.run(["config", "print", "--config", str(f), *extra], env)
             if p.returncode != 0:
+                # The file's own error first: `config check` names it without blaming the env.
+                r = self.run(["config", "check", str(f), *extra], env)
+                if r.returncode != 0 and not needs_env_given_key(toml_text, "datasets" if source else "sources"):
+                    return [f"`shardwire config check{' --source-config' if source else ''}` failed: {(r.stderr or r.stdout).strip()}"], None
                 return [f"`shardwire config print` with the container's SHARDWIRE_* env failed: {(p.stderr or p.stdout).strip()}"], None
             eff = json.loads(p.stdout)
             f.write_text(with_env_given_key(toml_text, "datasets" if source else "sources", eff), encoding="utf-8")
@@ -357,15 +361,25 @@ def with_env_given_key(text: str, key: str, eff: Doc) -> str:
     the env does (a non-empty effective value): `config check` then judges the file's own keys
     alone, and a pod that lists its `sources` or `datasets` only in its env still passes. A
     file that is not TOML is returned as it is (`config check` names its error)."""
-    try:
-        given = key in tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return text
     value = eff.get(key)
-    if given or not value:
+    if not value or not needs_env_given_key(text, key):
         return text
+    if key in tomllib.loads(text):
+        # `key = []` in the file, the env's value over it: the empty line goes, or the key
+        # would be given twice.
+        text = drop_toml_key(text, key)
     # A JSON array of strings is a TOML array; first, so that it is no table's key.
     return f"{key} = {json.dumps(value, ensure_ascii=False)}\n{text}"
+
+
+def needs_env_given_key(text: str, key: str) -> bool:
+    """Whether the TOML `text` leaves top-level `key` to the env: absent or empty (`[]`, `""`).
+    A file that is not TOML gives nothing to add to (`config check` names its error)."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return key not in doc or doc[key] in ([], "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1429,6 +1443,13 @@ def acceptances() -> list[tuple[str | None, str, Callable[[list[Doc]], None], st
     def datasets_by_env(d):
         move_toml_key_to_env(d, "source.toml", "datasets", source_container(d))
 
+    def sources_empty_in_file_given_by_env(d):
+        move_toml_key_to_env(d, "serve.toml", "sources", node_container(d))
+        for cm in find(d, "ConfigMap"):
+            data = cm.get("data") or {}
+            if "serve.toml" in data:
+                data["serve.toml"] = "sources = []\n" + data["serve.toml"]
+
     return [
         (None, "source admin on loopback, no port `admin` declared or scraped", source_admin_loopback_unscraped, None),
         (None, "source admin on a port nothing declares or scrapes", source_admin_undeclared, None),
@@ -1441,6 +1462,8 @@ def acceptances() -> list[tuple[str | None, str, Callable[[list[Doc]], None], st
         # by its env starts, so it passes (it failed when `config check` stopped merging env).
         (None, "`sources` only in a SHARDWIRE_SOURCES env override", sources_by_env, None),
         (None, "`datasets` only in a SHARDWIRE_DATASETS env override", datasets_by_env, None),
+        (None, "`sources = []` in the file, a SHARDWIRE_SOURCES env override over it",
+         sources_empty_in_file_given_by_env, None),
     ]
 
 

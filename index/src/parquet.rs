@@ -167,8 +167,8 @@ fn cache_error(cache_dir: &Path, e: IndexError) -> IndexError {
              files yourself (pyarrow.feather.write_feather(pyarrow.parquet.read_table(p), \
              'p.arrow', compression='uncompressed')) and index those"
         }
-        ErrorKind::StorageFull => {
-            "free space on the dataset's file system (the cache takes about the size of the \
+        ErrorKind::StorageFull | ErrorKind::QuotaExceeded | ErrorKind::FileTooLarge => {
+            "free space (or raise the quota) on the dataset's file system (the cache takes about the size of the \
              Parquet files uncompressed), or index a copy of the dataset where there is room"
         }
         _ => {

@@ -46,7 +46,7 @@ command -v ethtool >/dev/null || { echo "needs ethtool"; exit 2; }
 
 RXQ=$(ls -d /sys/class/net/"$IF"/queues/rx-* | wc -l)
 # Queue 0 stays with RSS (shardwire refuses to bind it): a NIC needs two RX queues here.
-[ "$RXQ" -ge 2 ] || { echo "$IF has $RXQ RX queue(s); raise them: ethtool -L $IF combined 2"; exit 2; }
+[ "$RXQ" -ge 2 ] || { echo "$IF has $RXQ RX queue(s); raise them: ethtool -L $IF combined 2 (rx 2 where the NIC has separate RX and TX channels)"; exit 2; }
 Q=$((RXQ - 1))
 hw_start "$PEER"
 

@@ -3,10 +3,9 @@
 
 use shardwire_protocol::manifest::TensorEntry;
 
-use super::body::{BatchErr, BatchFail, BatchLayout, ReadBody, Walk, no_nulls};
+use super::body::{BatchErr, BatchFail, BatchLayout, CheckTensor, ReadBody, Step, Walk, no_nulls};
 use super::layout::{ColumnPlan, Slot};
 use super::lists::list_tensor;
-use crate::error::IndexError;
 
 /// [`batch_tensors_within`] with no check of the tensors.
 #[cfg(test)]
@@ -19,22 +18,6 @@ pub(crate) fn batch_tensors(
 ) -> Result<Vec<TensorEntry>, BatchFail> {
     batch_tensors_within(slots, b, body_start, body_len, read, &mut |_| Ok(()))
 }
-
-/// What a [`CheckTensor`] is shown as a record batch's tensors are planned.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Step<'t> {
-    /// The ragged column `name` is about to build its row table of `rows` rows (16 bytes a
-    /// row in memory, where its offsets buffer took 4 or 8): checked first, so that a table
-    /// the manifest cannot hold is never built.
-    Rows { name: &'t str, rows: u64 },
-    /// A tensor, once built.
-    Built(&'t TensorEntry),
-}
-
-/// Checks each tensor of a record batch before its row table is built and once it is built
-/// (the manifest budget: the row table of one list column can be 4 times the size of its
-/// offsets buffer, and columns may share one buffer).
-pub(crate) type CheckTensor<'a> = dyn FnMut(Step<'_>) -> Result<(), IndexError> + 'a;
 
 /// The tensors of one record batch whose body starts at file offset `body_start` and is
 /// `body_len` bytes long; `read` reads offsets buffers of list and string columns; `check`

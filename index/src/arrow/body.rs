@@ -6,6 +6,8 @@
 
 use arrow_ipc::MetadataVersion;
 
+use shardwire_protocol::manifest::TensorEntry;
+
 use super::pytype::IpcCounts;
 use crate::error::IndexError;
 
@@ -196,3 +198,19 @@ pub(crate) fn no_nulls(col: &str, nulls: i64, where_: &str) -> Result<(), BatchE
         format!("null_count {nulls}"),
     ))
 }
+
+/// What a [`CheckTensor`] is shown as a record batch's tensors are planned.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Step<'t> {
+    /// The ragged column `name` is about to build its row table of `rows` rows (16 bytes a
+    /// row in memory, where its offsets buffer took 4 or 8): checked first, so that a table
+    /// the manifest cannot hold is never built.
+    Rows { name: &'t str, rows: u64 },
+    /// A tensor, once built.
+    Built(&'t TensorEntry),
+}
+
+/// Checks each tensor of a record batch before its row table is built and once it is built
+/// (the manifest budget: the row table of one list column can be 4 times the size of its
+/// offsets buffer, and columns may share one buffer).
+pub(crate) type CheckTensor<'a> = dyn FnMut(Step<'_>) -> Result<(), IndexError> + 'a;

@@ -23,8 +23,7 @@ use std::collections::HashSet;
 
 use shardwire_protocol::manifest::{ShardEntry, TensorEntry};
 
-use super::batch::{CheckTensor, Step};
-use super::body::{BatchErr, BatchFail, ReadBody, Walk, no_nulls};
+use super::body::{BatchErr, BatchFail, CheckTensor, ReadBody, Step, Walk, no_nulls};
 use super::layout::ColumnPlan;
 use crate::source::MAX_METADATA;
 

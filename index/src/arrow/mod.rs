@@ -24,7 +24,8 @@ use std::collections::HashSet;
 use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
 use shardwire_protocol::manifest::ShardEntry;
 
-use self::batch::{Step, batch_tensors_within};
+use self::batch::batch_tensors_within;
+use self::body::Step;
 use self::body::{BatchFail, BatchLayout};
 pub(crate) use self::layout::Choice;
 use self::layout::{PlanErr, SchemaPlan, Slot, plan_schema};

@@ -276,6 +276,8 @@ fn cache_io_errors_get_the_advice_for_their_kind_whoever_runs_the_test() {
         (io(ErrorKind::ReadOnlyFilesystem.into()), writable),
         (io(enospc()), space),
         (arrow(enospc()), space),
+        (arrow(Error::from_raw_os_error(122)), space), // EDQUOT
+        (io(ErrorKind::FileTooLarge.into()), space),
         (arrow(ErrorKind::PermissionDenied.into()), writable),
         (io(ErrorKind::NotADirectory.into()), "in its way"),
     ];

@@ -87,7 +87,7 @@ def connect(path: str | os.PathLike[str] | None = None, *, url: str | None = Non
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}? set ${SOCKET_ENV} or pass the path)") from None
+        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {os.fsdecode(path)}? set ${SOCKET_ENV} or pass the path)") from None
     except PermissionError:
         raise ConnectError(path, _denied(path)) from None
     except OSError as e:
@@ -385,7 +385,7 @@ def _connect(path: str) -> socket.socket:
         _send_timeout(sock, 0)  # the writes are non-blocking anyway (see `_wire.Conn.send_bytes`)
     except FileNotFoundError:
         sock.close()
-        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {path}?)") from None
+        raise ConnectError(path, f"no such file (is `shardwire serve` running with --socket {os.fsdecode(path)}?)") from None
     except ConnectionRefusedError:
         sock.close()
         raise ConnectError(path, "connection refused (a stale socket file: no node service is listening)") from None

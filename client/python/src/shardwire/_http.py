@@ -36,8 +36,9 @@ POLL_MS = 30_000
 IO_TIMEOUT = 120.0
 #: Time ``POST .../close`` may take in all, in seconds, from its connect (every address of the
 #: host in turn) to the end of the answer: a close that cannot reach the service by then gives
-#: up (the service closes the stream after its idle timeout). Looking the host name up is the
-#: system resolver's and not counted.
+#: up (the service closes the stream after its idle timeout). The host name's lookup runs
+#: inside the deadline but is not cut by it (the system resolver's own timeouts bound it): a
+#: slow lookup leaves less time to connect.
 CLOSE_TIMEOUT = 10.0
 #: Largest ``idle_timeout`` the service takes, in seconds (service/src/http/trainer.rs,
 #: ``MAX_IDLE_TIMEOUT_S``).
@@ -426,7 +427,8 @@ class HttpStream(_StreamBase[HttpBatch]):
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
         batches already taken stay valid (they are copies). A failure to reach the service
         within ``CLOSE_TIMEOUT`` (10 s in all: connecting, to each of the host's addresses in
-        turn, sending and reading the answer; looking the host name up is not counted) is
+        turn, sending and reading the answer; a slow host-name lookup eats into it, though the
+        resolver's own timeouts, not this one, bound the lookup) is
         ignored: it closes the stream after its idle timeout."""
         super().close()
 
