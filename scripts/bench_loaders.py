@@ -14,11 +14,13 @@ SKIP_BUILD=1 skips the build):
 
 One dataset of N samples (int64 `id` = storage position, float32 `x[256]`: 1032 B rows, 1 KiB of
 them `x`; the default 262144 samples are 258 MiB of rows, plus the formats' framing), written
-once as Arrow IPC files (record batches of --shard-rows rows = shardwire shards), as MDS shards
-and as tar shards of the same rows. Each loader runs in its own subprocess per round (Streaming
-with .venv-streaming's python), rounds alternate the loaders' order, and every loader's batch
-goes through the same tiny model step (Linear(256,256)+ReLU+Linear(256,1), forward, backward,
-SGD, CPU, torch.set_num_threads(1)). Every loader runs as many epochs as the windows need
+once as Arrow IPC files (record batches of --shard-rows rows = shardwire shards), and, when
+--loaders has streaming or webdataset, as MDS shards or tar shards of the same rows (only the
+forms the chosen loaders read: a run without streaming needs no .venv-streaming). Each loader
+runs in its own subprocess per round (Streaming with .venv-streaming's python), rounds
+alternate the loaders' order, and every loader's batch goes through the same tiny model step
+(Linear(256,256)+ReLU+Linear(256,1), forward, backward, SGD, CPU, torch.set_num_threads(1)).
+Every loader runs as many epochs as the windows need
 (shardwire: one stream of --epochs epochs; the local loaders: epoch after epoch, each its own
 shuffle order, DataLoader workers persistent).
 
@@ -131,12 +133,42 @@ TOK_DATASET, TOK_PREFIX, VOCAB = "gpt", "corpus_text_document", 50000
 # ----------------------------------------------------------------------------- dataset
 
 
-def prepare(data: pathlib.Path, n: int, shard_rows: int, files: int) -> None:
-    """Write the three on-disk forms once (a marker file records the parameters)."""
+def prepare(data: pathlib.Path, n: int, shard_rows: int, files: int, forms: set[str]) -> None:
+    """Write the on-disk forms once: the Arrow IPC files always, and of `forms` those not
+    written yet: "mds" (the MDS shards of the streaming loader, written by .venv-streaming's
+    python) and "wds" (the tars of webdataset). A marker file records the parameters and the
+    forms written, so a run of other loaders needs neither .venv-streaming nor their time."""
     marker = data / "params.json"
     want = {"n": n, "shard_rows": shard_rows, "files": files, "dim": DIM, "v": 1}
-    if marker.exists() and json.loads(marker.read_text()) == want:
+    had = json.loads(marker.read_text()) if marker.exists() else {}
+    # A marker without "forms" is older than this choice: every form was written.
+    have = set(had.pop("forms", ["mds", "wds"]))
+    if had == want and forms <= have:
         return
+    if had != want:
+        write_arrow(data, n, shard_rows, files)
+        have = set()
+        marker.write_text(json.dumps({**want, "forms": []}))
+    if "mds" in forms - have:
+        if not STREAMING_PY.exists():
+            raise SystemExit(f"bench-loaders: the streaming loader's MDS shards are written by {STREAMING_PY}, which is missing: "
+                             "make it with scripts/streaming-venv (scripts/bench-loaders does), or leave streaming out of --loaders")
+        t = time.perf_counter()
+        subprocess.run([str(STREAMING_PY), __file__, "--write-mds", str(data), "--shard-rows", str(shard_rows)], check=True)
+        print(f"mds: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        have.add("mds")
+        marker.write_text(json.dumps({**want, "forms": sorted(have)}))
+    if "wds" in forms - have:
+        t = time.perf_counter()
+        write_wds(data, shard_rows)
+        print(f"webdataset: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        have.add("wds")
+        marker.write_text(json.dumps({**want, "forms": sorted(have)}))
+
+
+def write_arrow(data: pathlib.Path, n: int, shard_rows: int, files: int) -> None:
+    """The dataset as Arrow IPC files (record batches of `shard_rows` rows = shardwire shards),
+    indexed; whatever `data` held before is removed."""
     shutil.rmtree(data, ignore_errors=True)
     (data / "arrow").mkdir(parents=True)
     import numpy as np
@@ -159,13 +191,15 @@ def prepare(data: pathlib.Path, n: int, shard_rows: int, files: int) -> None:
                 w.write_batch(pa.record_batch([pa.array(ids), pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), DIM)], schema=schema))
     subprocess.run([str(BIN), "index", "--quiet", str(data / "arrow")], check=True)
     print(f"arrow: {n} samples in {files} files, {shards} record batches ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
-    t = time.perf_counter()
-    subprocess.run([str(STREAMING_PY), __file__, "--write-mds", str(data), "--shard-rows", str(shard_rows)], check=True)
-    print(f"mds: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    t = time.perf_counter()
-    write_wds(data, shard_rows)
-    print(f"webdataset: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    marker.write_text(json.dumps(want))
+
+
+def forms_for(a: argparse.Namespace) -> set[str]:
+    """The on-disk forms besides Arrow that a run reads: MDS for the streaming loader, tars for
+    webdataset (the shuffle-quality mode reads neither)."""
+    if a.shuffle_quality:
+        return set()
+    loaders = set(a.loaders.split(","))
+    return {f for f, l in (("mds", "streaming"), ("wds", "webdataset")) if l in loaders}
 
 
 def arrow_batches(data: pathlib.Path):
@@ -1256,7 +1290,7 @@ def main() -> None:
         return
 
     if not a.tokens:
-        prepare(pathlib.Path(a.data), a.samples, a.shard_rows, a.files)
+        prepare(pathlib.Path(a.data), a.samples, a.shard_rows, a.files, forms_for(a))
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sw-bench-loaders-"))
     children: list[Child] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

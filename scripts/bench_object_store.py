@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,9 @@ sys.path.insert(0, str(ROOT / "client" / "python" / "src"))
 
 from bench_loaders import Child, cpu_model  # noqa: E402
 
-BIN = pathlib.Path(os.environ.get("SHARDWIRE_BIN", ROOT / "target" / "release" / "shardwire"))
+# The binary scripts/bench-object-store just built: cargo puts it under CARGO_TARGET_DIR when set
+# (relative to the repository, where the wrapper runs cargo), as bench_loaders.py finds it.
+BIN = pathlib.Path(os.environ.get("SHARDWIRE_BIN") or ROOT / os.environ.get("CARGO_TARGET_DIR", "target") / "release" / "shardwire")
 SOURCE_READY = re.compile(r"source listening on (\S+)")
 ADMIN = re.compile(r"source admin on http://(\S+)")
 SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
@@ -150,6 +153,11 @@ def main() -> None:
     p.add_argument("--stream-memory", type=size, default=64 << 20)
     a = p.parse_args()
     from s3server import S3Server
+
+    # A SIGTERM (a `kill`, a runner's timeout) would end Python without its `finally` blocks and
+    # leave `shardwire source` and `serve` running: exit through them instead (moto dies with
+    # this process on its own), as bench_loaders.py does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with tempfile.TemporaryDirectory(prefix="sw-bench-s3-") as t:
         tmp = pathlib.Path(t)

@@ -173,32 +173,37 @@ fn base_address(url: &str) -> Result<String, ClientError> {
     Ok(hostport.to_owned())
 }
 
-/// The idle timeout asked for, in whole seconds: rounded up (as the Python SDK's), at least 1.
-fn idle_timeout_s(t: Duration) -> u64 {
-    let s = t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0));
-    s.max(1)
+/// The idle timeout asked for, in whole seconds: rounded up (as the Python SDK's). Zero is
+/// refused, as the Python SDK refuses it: the node would take it as one second, and close the
+/// stream during the first model step longer than that.
+fn idle_timeout_s(t: Duration) -> Result<u64, ClientError> {
+    if t.is_zero() {
+        return Err(ClientError::IdleTimeout(t));
+    }
+    Ok(t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0)))
 }
 
 /// The body of `POST /v1/streams` for `o`, resuming from `from` when given (in place of
-/// `o.state`): its fields this client does not know go to the node as they came.
+/// `o.state`): its fields this client does not know go to the node as they came. A zero
+/// `idle_timeout` is refused ([`ClientError::IdleTimeout`]).
 fn open_body(
     mut o: StreamOptions,
     idle_timeout: Option<Duration>,
     from: Option<&ResumeState>,
-) -> Vec<u8> {
+) -> Result<Vec<u8>, ClientError> {
     if let Some(from) = from {
         o.state = Some(from.known().clone());
     }
     let req = OpenStream {
         stream: o,
-        idle_timeout_s: idle_timeout.map(idle_timeout_s),
+        idle_timeout_s: idle_timeout.map(idle_timeout_s).transpose()?,
     };
     let Some(from) = from else {
-        return req.to_json();
+        return Ok(req.to_json());
     };
     let body: serde_json::Value =
         serde_json::from_slice(&req.to_json()).expect("an open body is JSON");
-    with_state(&body, from).get().as_bytes().to_vec()
+    Ok(with_state(&body, from).get().as_bytes().to_vec())
 }
 
 /// Whether a release's outcome lets go of the lease here: it was released, or had ended
@@ -395,13 +400,15 @@ impl HttpStream {
     }
 
     /// Like [`HttpStream::open`], asking the service to close the stream after
-    /// `idle_timeout` without requests (default 300 s).
+    /// `idle_timeout` without requests (`None`: its default, 300 s; rounded up to whole
+    /// seconds, at most 86400 s). A zero `idle_timeout` fails with
+    /// [`ClientError::IdleTimeout`] before anything is sent.
     pub fn open_with_idle_timeout(
         admin_addr: &str,
         o: StreamOptions,
         idle_timeout: Option<Duration>,
     ) -> Result<Self, ClientError> {
-        Self::open_inner(admin_addr, open_body(o, idle_timeout, None))
+        Self::open_inner(admin_addr, open_body(o, idle_timeout, None)?)
     }
 
     /// Like [`HttpStream::open_with_idle_timeout`], resuming from `state` (a
@@ -414,7 +421,7 @@ impl HttpStream {
         state: &ResumeState,
         idle_timeout: Option<Duration>,
     ) -> Result<Self, ClientError> {
-        Self::open_inner(admin_addr, open_body(o, idle_timeout, Some(state)))
+        Self::open_inner(admin_addr, open_body(o, idle_timeout, Some(state))?)
     }
 
     fn open_inner(admin_addr: &str, body: Vec<u8>) -> Result<Self, ClientError> {
@@ -970,7 +977,7 @@ mod tests {
         let newer = r#"{"epoch":1,"index":2,"seed":0,"fingerprint":"f","added":true}"#;
         let st: ResumeState = serde_json::from_str(newer).unwrap();
         let idle = Some(Duration::from_secs(5));
-        let body = open_body(StreamOptions::new("d"), idle, Some(&st));
+        let body = open_body(StreamOptions::new("d"), idle, Some(&st)).unwrap();
         let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(sent["state"]["added"], true, "{sent}");
         assert_eq!(sent["state"]["index"], 2, "{sent}");
@@ -979,7 +986,7 @@ mod tests {
         assert!(e.contains("added"), "{e}");
         // A state of this client's own version opens as `o.state` would.
         let known = st.known().clone();
-        let body = open_body(StreamOptions::new("d"), None, Some(&known.clone().into()));
+        let body = open_body(StreamOptions::new("d"), None, Some(&known.clone().into())).unwrap();
         let open = OpenStream::from_json(&body).unwrap();
         assert_eq!(open.stream.state, Some(known));
     }
@@ -1306,11 +1313,38 @@ mod tests {
     #[test]
     fn the_idle_timeout_is_rounded_up_to_whole_seconds() {
         // Before, 1.5 s was sent as 1 (rounded down); the Python SDK sends ceil.
-        assert_eq!(idle_timeout_s(Duration::from_millis(1500)), 2);
-        assert_eq!(idle_timeout_s(Duration::from_millis(1)), 1);
-        assert_eq!(idle_timeout_s(Duration::ZERO), 1);
-        assert_eq!(idle_timeout_s(Duration::from_secs(7)), 7);
-        assert_eq!(idle_timeout_s(Duration::MAX), u64::MAX);
+        assert_eq!(idle_timeout_s(Duration::from_millis(1500)).unwrap(), 2);
+        assert_eq!(idle_timeout_s(Duration::from_millis(1)).unwrap(), 1);
+        assert_eq!(idle_timeout_s(Duration::from_secs(7)).unwrap(), 7);
+        assert_eq!(idle_timeout_s(Duration::MAX).unwrap(), u64::MAX);
+    }
+
+    #[test]
+    fn a_zero_idle_timeout_is_refused_before_anything_is_sent() {
+        // Before, zero was sent as 1 s: the node closed the stream during the first model
+        // step longer than that. The address has nothing listening: a refusal that came
+        // from a connect would be ClientError::Connect.
+        let e = HttpStream::open_with_idle_timeout(
+            "127.0.0.1:1",
+            StreamOptions::new("d"),
+            Some(Duration::ZERO),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, ClientError::IdleTimeout(t) if t.is_zero()),
+            "{e}"
+        );
+        assert!(e.to_string().contains("pass None"), "{e}");
+        let st: ResumeState =
+            serde_json::from_str(r#"{"epoch":0,"index":0,"seed":0,"fingerprint":"f"}"#).unwrap();
+        let e = HttpStream::open_from(
+            "127.0.0.1:1",
+            StreamOptions::new("d"),
+            &st,
+            Some(Duration::ZERO),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ClientError::IdleTimeout(_)), "{e}");
     }
 
     #[test]

@@ -58,7 +58,8 @@ pub use stream::{NEXT_COUNT, Stream};
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// Could not reach the socket.
+    /// Could not reach the socket (for [`Stream`], also when the node took no connection
+    /// within 10 s: its listen backlog full, the error's kind `TimedOut`).
     #[error("cannot connect to {path}: {source}")]
     Connect {
         /// Socket path.
@@ -213,6 +214,14 @@ pub enum ClientError {
         "the node's HTTP address must be HOST:PORT or http://HOST:PORT (its admin address), not `{0}`"
     )]
     Address(String),
+    /// An HTTP stream's idle timeout of zero, refused before anything is sent (as the Python
+    /// SDK refuses one not above 0): the service would close the stream after one second
+    /// without requests.
+    #[error(
+        "idle_timeout must be above 0, not {0:?}: pass None for the service's default (300 s), \
+         or the time without requests after which it may close the stream (1 s to 86400 s)"
+    )]
+    IdleTimeout(Duration),
 }
 
 /// What to open: the attach fields, defined once in the protocol crate

@@ -18,6 +18,8 @@ use shardwire_protocol::trainer::{
 use crate::resume::{ResumeState, with_state, with_unknown_state};
 use crate::{Batch, ClientError, Dropped, Mapping, StreamInfo, StreamOptions, check_tensors};
 
+mod connect;
+
 /// Batches a `next` sent ahead of time asks for: the node answers with the first and, in the
 /// same write, those already assembled after it, up to this many (it never waits for them).
 pub const NEXT_COUNT: u32 = 8;
@@ -151,7 +153,9 @@ fn attach<'a>(
 impl Stream {
     /// Connects to the node's trainer socket and opens a stream. Every batch reply carries
     /// its resume state (`batch_state`), in the binary encoding, whatever `o` says about
-    /// those two: [`Stream::state`] reads it from there.
+    /// those two: [`Stream::state`] reads it from there. A node that takes no connection
+    /// within 10 s (its listen backlog full: stopped or stuck) fails it with
+    /// [`ClientError::Connect`], as the Python SDK's `connect` does.
     pub fn open(path: impl AsRef<Path>, o: StreamOptions) -> Result<Self, ClientError> {
         Self::connect(path.as_ref(), o, None)
     }
@@ -173,10 +177,7 @@ impl Stream {
         mut o: StreamOptions,
         from: Option<&ResumeState>,
     ) -> Result<Self, ClientError> {
-        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let sock = connect::connect(path, connect::CONNECT_LIMIT)?;
         o.batch_state = true;
         o.batch_encoding = BatchEncoding::Binary;
         let (mut reader, mut fds) = (fdpass::FrameReader::new(), Vec::new());

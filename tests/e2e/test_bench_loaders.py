@@ -2,10 +2,12 @@
 two-level block shuffle resumes at a batch (`block_batches(skip=k)` is the tail of the whole
 epoch, so its time to the first batch resumed is measured at the right place), and a short run
 of shardwire against numpy-mmap-gather completes and reports the steady-state ratio and the
-times to the first batch, fresh and resumed."""
+times to the first batch, fresh and resumed, writing only the on-disk forms its loaders read
+(no MDS, so no .venv-streaming)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -49,10 +51,36 @@ def test_a_batch_counts_its_ids_and_the_cpu_line_names_the_crc_flags():
     assert {"sse4_2", "pclmulqdq", "vpclmulqdq", "erms", "fsrm"} <= set(m.CPU_FLAGS)
 
 
+def test_only_the_forms_the_loaders_read_are_written(tmp_path, monkeypatch):
+    m = bench_module()
+
+    def forms(loaders, quality=False):
+        return m.forms_for(argparse.Namespace(loaders=loaders, shuffle_quality=quality))
+
+    assert forms("shardwire,numpy-mmap-gather") == set()
+    assert forms("shardwire,streaming") == {"mds"}
+    assert forms(",".join(m.LOADERS)) == {"mds", "wds"}
+    assert forms(",".join(m.LOADERS), quality=True) == set()
+    # A marker from before the forms were recorded stands for every form written: nothing is
+    # written again (a missing streaming interpreter would say so).
+    monkeypatch.setattr(m, "STREAMING_PY", tmp_path / "missing" / "python")
+    data = tmp_path / "data"
+    data.mkdir()
+    params = {"n": 8, "shard_rows": 4, "files": 1, "dim": m.DIM, "v": 1}
+    (data / "params.json").write_text(json.dumps(params))
+    m.prepare(data, 8, 4, 1, {"mds", "wds"})
+    # One that records Arrow alone asks for the MDS shards, which need that interpreter.
+    (data / "params.json").write_text(json.dumps({**params, "forms": []}))
+    with pytest.raises(SystemExit, match="streaming-venv"):
+        m.prepare(data, 8, 4, 1, {"mds"})
+
+
 def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
     pytest.importorskip("torch", reason="torch is installed by scripts/test (requirements-frameworks.txt)")
     pytest.importorskip("pyarrow", reason="pyarrow is installed by scripts/test")
-    env = dict(os.environ, SHARDWIRE_BIN=str(require_bin()))
+    # Neither loader reads MDS or tars: the run needs no .venv-streaming (before, it always
+    # wrote MDS with it, and failed where scripts/streaming-venv could not make it).
+    env = dict(os.environ, SHARDWIRE_BIN=str(require_bin()), SHARDWIRE_STREAMING_VENV=str(tmp_path / "no-streaming-venv"))
     r = subprocess.run(
         [sys.executable, str(SCRIPT), "--rounds", "1", "--samples", "16384", "--shard-rows", "1024",
          "--files", "2", "--shuffle-block", "4096", "--warmup", "20", "--warmup-seconds", "0.2",
@@ -60,6 +88,7 @@ def test_a_short_run_reports_the_ratio_and_the_first_batch(tmp_path):
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert not (tmp_path / "data" / "mds").exists() and not (tmp_path / "data" / "wds").exists()
     report = json.loads(next(line for line in r.stdout.splitlines() if line.startswith('{"bench": "loaders"')))
     assert report["fastest_local"] == "numpy-mmap-gather"
     ratio = report["shardwire_vs_fastest_local"]["shardwire"]
