@@ -1732,7 +1732,7 @@ def socket_access(mode: int, owner: tuple[int, int], trainer: tuple[int, int, se
     connect() needs write permission on the socket file (owner `owner`, `mode`): the owner's
     bit if the uid is the owner's, else the group's if the file's group is among its groups,
     else the others'. Then the node checks allowed_uids/allowed_gids when either is set
-    (SO_PEERCRED: the uid, or the primary gid only)."""
+    (SO_PEERCRED and SO_PEERGROUPS: the uid, the primary gid or any of its groups)."""
     (ouid, ogid), (uid, gid, groups), (uids, gids) = owner, trainer, allowed
     if uid == ouid:
         bit, who = 0o200, f"its owner (uid {ouid})"
@@ -1743,9 +1743,9 @@ def socket_access(mode: int, owner: tuple[int, int], trainer: tuple[int, int, se
     if not mode & bit:
         return (f"socket_mode {mode:04o} gives {who} no write permission on the socket (uid {ouid} gid {ogid}), "
                 f"which connect() needs: the trainer runs as uid {uid} groups {sorted(groups)}")
-    if (uids or gids) and uid not in uids and gid not in gids:
-        return (f"allowed_uids {uids} / allowed_gids {gids} refuse the trainer (uid {uid}, primary gid {gid}; "
-                "the node sees only the primary gid, not supplementary groups)")
+    if (uids or gids) and uid not in uids and gid not in gids and not groups & set(gids):
+        return (f"allowed_uids {uids} / allowed_gids {gids} refuse the trainer (uid {uid}, primary gid {gid}, "
+                f"groups {sorted(groups)})")
     return None
 
 

@@ -105,11 +105,13 @@ impl Node {
         self.plane.flows()
     }
 
-    /// (sources up, sources known, draining).
+    /// (sources ready, sources known, draining). A source counts once its session is up and
+    /// every data connection of it is ready ([`crate::link::SourceLink::is_ready`]): not
+    /// while it dials, nor while it left a lane out (could not dial it).
     pub fn readiness(&self) -> (usize, usize, bool) {
         let links = self.plane.roster.links();
-        let up = links.iter().filter(|l| l.is_up()).count();
-        (up, links.len(), self.admission.draining())
+        let ready = links.iter().filter(|l| l.is_ready()).count();
+        (ready, links.len(), self.admission.draining())
     }
 
     /// Woken when a drain is requested over the admin API.
@@ -169,9 +171,20 @@ impl Node {
         Ok(lane.cuda.is_some())
     }
 
-    /// Opens a stream: request checks, its lane, manifest, plan, resume check, memory
-    /// reservation on the lane, region on the lane's GPU (or NUMA node), fetcher.
+    /// Opens a stream whose region stays in the node (the HTTP API): request checks, its lane,
+    /// manifests, plan, resume check, memory reservation on the lane, region on the lane's GPU
+    /// (or NUMA node), fetcher.
     pub async fn open_stream(self: &Arc<Self>, r: StreamRequest) -> Result<Arc<Stream>, OpenError> {
+        self.open_stream_as(r, false).await
+    }
+
+    /// [`Node::open_stream`]; `mapped`: a trainer will map its region (the socket's), so the
+    /// stream is marked so before it is listed.
+    async fn open_stream_as(
+        self: &Arc<Self>,
+        r: StreamRequest,
+        mapped: bool,
+    ) -> Result<Arc<Stream>, OpenError> {
         open::check_request(&r)?;
         if self.admission.draining() {
             return Err(OpenError::new(
@@ -183,7 +196,8 @@ impl Node {
         // Plan first (the manifest may take a while), reserve after: no pool budget is held
         // while the sources are asked, and a drain that began meanwhile refuses the stream.
         let cuda = self.lane_memory(r.device.as_deref())?;
-        let mut planned = self.plan_stream(&r, region_bytes, cuda).await?;
+        let parts = self.manifests_for(&r).await?;
+        let mut planned = plan_stream(&r, &parts, region_bytes, cuda)?;
         let per_epoch = planned.2.0.per_epoch();
         // A batch-mode stream indexes the rank's samples too (position x batch_size).
         let per_position = match &planned.2.0 {
@@ -193,8 +207,9 @@ impl Node {
         open::check_index_fits(per_epoch, per_position, r.epochs)?;
         let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
         if lane.cuda.is_some() != cuda {
-            // Lanes of both memory kinds and the least loaded is the other kind: plan for it.
-            planned = self.plan_stream(&r, region_bytes, !cuda).await?;
+            // Lanes of both memory kinds and the least loaded is the other kind: plan for it
+            // (from the same manifests: only the kind and layout depend on the memory).
+            planned = plan_stream(&r, &parts, region_bytes, !cuda)?;
         }
         let (manifest, sources, (kind, start, fingerprint)) = planned;
         let id = self.next_id();
@@ -223,6 +238,11 @@ impl Node {
             gpu: lane.cuda.clone(),
             lane: lane.id(),
         });
+        if mapped {
+            // Before it is listed: a close that finds it listed (DELETE, a drain's close_all)
+            // then keeps its budget until its trainer goes ([`Node::trainer_left`]).
+            s.mark_mapped();
+        }
         reservation.commit(id, Arc::clone(&s));
         let span = tracing::info_span!("stream", id, dataset = %s.dataset(), rank, world_size);
         let task = match batches {
@@ -239,57 +259,22 @@ impl Node {
         Ok(s)
     }
 
-    /// The manifest, the datasets its shards come from and the opened plan of `r`: one
-    /// dataset (shard or batch mode), or a mixture over the combined manifest of its parts.
-    async fn plan_stream(
-        &self,
-        r: &StreamRequest,
-        region_bytes: u64,
-        cuda: bool,
-    ) -> Result<(Arc<Manifest>, Vec<DatasetSource>, (Kind, u64, String)), OpenError> {
-        Ok(match (&r.mix, r.batch_size) {
-            (Some(mix), Some(b)) => {
-                let mut parts = Vec::with_capacity(mix.len());
-                let mut sources = Vec::with_capacity(mix.len());
-                let mut first = 0u32;
-                for e in mix {
-                    let m = self.manifest_for(&e.dataset).await?;
-                    sources.push(DatasetSource {
-                        dataset: e.dataset.clone(),
-                        first,
-                        shards: m.shards.len() as u32,
-                        digest: m.digest.clone(),
-                    });
-                    first += m.shards.len() as u32;
-                    parts.push((e.dataset.clone(), m));
-                }
-                let named: Vec<(&str, &Manifest)> = parts
-                    .iter()
-                    .map(|(n, m)| (n.as_str(), m.as_ref()))
-                    .collect();
-                let combined = Manifest::mixture(&named);
-                let opened = open_mix::mix_mode(&parts, &combined, r, b, region_bytes, cuda)?;
-                (Arc::new(combined), sources, opened)
-            }
-            (_, batch) => {
-                let manifest = self.manifest_for(&r.dataset).await?;
-                let opened = match batch {
-                    None => open::shard_mode(&manifest, r, region_bytes)?,
-                    Some(b) => open::batch_mode(&manifest, r, b, region_bytes, cuda)?,
-                };
-                let sources = vec![DatasetSource {
-                    dataset: r.dataset.clone(),
-                    first: 0,
-                    shards: manifest.shards.len() as u32,
-                    digest: manifest.digest.clone(),
-                }];
-                (manifest, sources, opened)
-            }
-        })
+    /// The manifests `r` is planned from, each with its dataset's name: its dataset's, or
+    /// each mixture part's in mix order (asked all at once, [`manifests::manifests_of`]).
+    async fn manifests_for(&self, r: &StreamRequest) -> Result<Vec<Part>, OpenError> {
+        let names: Vec<&str> = match (&r.mix, r.batch_size) {
+            (Some(mix), Some(_)) => mix.iter().map(|e| e.dataset.as_str()).collect(),
+            _ => vec![r.dataset.as_str()],
+        };
+        let roster = &self.plane.roster;
+        let got = manifests::manifests_of(roster, &names, &|| self.next_id()).await?;
+        Ok(names.into_iter().map(String::from).zip(got).collect())
     }
 
-    /// [`Node::open_stream`] from a thread outside the runtime (the trainer socket): the open
-    /// runs as a task and this thread waits for its answer.
+    /// [`Node::open_stream`] from a thread outside the runtime (the trainer socket, whose trainer
+    /// maps the region: the stream is marked mapped before it is listed, and from then on only
+    /// [`Node::trainer_left`] returns its budget): the open runs as a task and this thread
+    /// waits for its answer.
     pub fn open_stream_from_thread(
         self: &Arc<Self>,
         r: StreamRequest,
@@ -297,7 +282,7 @@ impl Node {
         let (tx, rx) = std::sync::mpsc::channel();
         let node = Arc::clone(self);
         self.rt.spawn(async move {
-            let _ = tx.send(node.open_stream(r).await);
+            let _ = tx.send(node.open_stream_as(r, true).await);
         });
         rx.recv()
             .unwrap_or_else(|_| Err(OpenError::new(ErrorCode::Internal, "the node stopped")))
@@ -388,11 +373,6 @@ impl Node {
                     .map(|u| u.to_string()),
             })
             .collect()
-    }
-
-    /// The manifest of `dataset` from the node's sources ([`manifests::manifest_of`]).
-    async fn manifest_for(&self, dataset: &str) -> Result<Arc<Manifest>, OpenError> {
-        manifests::manifest_of(&self.plane.roster, dataset, &|| self.next_id()).await
     }
 
     // --- admin -------------------------------------------------------------------------
@@ -534,6 +514,57 @@ fn source_status(m: &Member) -> SourceStatus {
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
     }
+}
+
+/// A dataset's name and its manifest.
+type Part = (String, Arc<Manifest>);
+
+/// What [`plan_stream`] gives: the manifest, the datasets its shards come from, and the plan
+/// (its kind, the start position and the resume fingerprint).
+type Planned = (Arc<Manifest>, Vec<DatasetSource>, (Kind, u64, String));
+
+/// The manifest, the datasets its shards come from and the opened plan of `r`, from the
+/// manifests of its `parts` ([`Node::manifests_for`]): one dataset (shard or batch mode), or a
+/// mixture over the combined manifest of its parts.
+fn plan_stream(
+    r: &StreamRequest,
+    parts: &[Part],
+    region_bytes: u64,
+    cuda: bool,
+) -> Result<Planned, OpenError> {
+    let mut sources = Vec::with_capacity(parts.len());
+    let mut first = 0u32;
+    for (dataset, m) in parts {
+        sources.push(DatasetSource {
+            dataset: dataset.clone(),
+            first,
+            shards: m.shards.len() as u32,
+            digest: m.digest.clone(),
+        });
+        first += m.shards.len() as u32;
+    }
+    Ok(match (&r.mix, r.batch_size, parts) {
+        (Some(_), Some(b), _) => {
+            let named: Vec<(&str, &Manifest)> = parts
+                .iter()
+                .map(|(n, m)| (n.as_str(), m.as_ref()))
+                .collect();
+            let combined = Manifest::mixture(&named);
+            let opened = open_mix::mix_mode(parts, &combined, r, b, region_bytes, cuda)?;
+            (Arc::new(combined), sources, opened)
+        }
+        (_, batch, [(_, manifest)]) => {
+            let opened = match batch {
+                None => open::shard_mode(manifest, r, region_bytes)?,
+                Some(b) => open::batch_mode(manifest, r, b, region_bytes, cuda)?,
+            };
+            (Arc::clone(manifest), sources, opened)
+        }
+        _ => {
+            let why = format!("{} manifests for one dataset", parts.len());
+            return Err(OpenError::new(ErrorCode::Internal, why));
+        }
+    })
 }
 
 /// The name a stream shows: its dataset, or a mixture's `web+code`.

@@ -206,9 +206,10 @@ fn linger_for_the_request(sock: &UnixStream) {
     }
 }
 
-/// Whether the peer's uid/gid may use the node (`allowed_uids`, `allowed_gids`); a refused
-/// peer gives its connection slot back, then gets the reason before the connection closes
-/// (so peers refused in a loop cannot crowd out allowed trainers).
+/// Whether the peer may use the node: its uid in `allowed_uids`, or its primary gid or one of
+/// its supplementary groups (`SO_PEERGROUPS`: a pod's `supplementalGroups` or `fsGroup`) in
+/// `allowed_gids`. A refused peer gives its connection slot back, then gets the reason before
+/// the connection closes (so peers refused in a loop cannot crowd out allowed trainers).
 fn peer_allowed(node: &Node, sock: &UnixStream, slot: Slot) -> Option<Slot> {
     let cred = match peer::peer_cred(sock) {
         Ok(c) => c,
@@ -217,27 +218,45 @@ fn peer_allowed(node: &Node, sock: &UnixStream, slot: Slot) -> Option<Slot> {
             return None;
         }
     };
+    let cfg = &node.info().cfg;
     let (uid, gid) = (cred.uid, cred.gid);
-    if node.info().cfg.peer_allowed(uid, gid) {
+    if cfg.peer_allowed(uid, gid) {
         return Some(slot);
     }
+    let groups = match peer::peer_groups(sock) {
+        Ok(g) if g.iter().any(|g| cfg.allowed_gids.contains(g)) => return Some(slot),
+        Ok(g) => format!("supplementary groups {}", first_groups(&g)),
+        // A kernel before 4.13: the primary gid is all that can be matched.
+        Err(e) => format!("supplementary groups not checked: SO_PEERGROUPS failed: {e}"),
+    };
     drop(slot);
     tracing::warn!(
         uid,
         gid,
+        groups,
         pid = cred.pid.map_or_else(
             || "not visible in this pid namespace".to_string(),
             |p| p.to_string()
         ),
-        "trainer refused: uid/gid not in allowed_uids/allowed_gids"
+        "trainer refused: neither its uid nor its groups are in allowed_uids/allowed_gids"
     );
     let msg = format!(
-        "uid {uid} / gid {gid} is not allowed to use this node (allowed_uids, allowed_gids)"
+        "uid {uid} / gid {gid} ({groups}) is not allowed to use this node: list the uid in \
+         allowed_uids, or the primary gid or a supplementary group in allowed_gids"
     );
     let _ = reply(sock, &error(ErrorCode::Forbidden, msg), &[]);
     metrics::counter!("shardwire_trainer_refused_total", "reason" => "peer").increment(1);
     linger_for_the_request(sock);
     None
+}
+
+/// `groups` for a message: at most 16 named (a process may have 65536).
+fn first_groups(groups: &[u32]) -> String {
+    let named = &groups[..groups.len().min(16)];
+    match groups.len() - named.len() {
+        0 => format!("{named:?}"),
+        n => format!("{named:?} and {n} more"),
+    }
 }
 
 /// One trainer connection.
@@ -533,7 +552,11 @@ impl Conn<'_> {
         }
     }
 
-    /// Opens the connection's stream and sends its region.
+    /// Opens the connection's stream and sends its region. The stream comes marked mapped
+    /// (before it was listed), so a close meanwhile (an admin DELETE, a drain's deadline)
+    /// leaves its budget held until this connection gives it back ([`Node::trainer_left`]):
+    /// when it ends, or at once where no region is sent. A stream closed meanwhile is still
+    /// sent; its first `next` answers why it closed.
     fn attach(&mut self, r: StreamRequest) -> Result<(), FrameIoError> {
         let (batch_state, batch_encoding) = (r.batch_state, r.batch_encoding);
         let s = match self.node.open_stream_from_thread(r) {
@@ -546,7 +569,10 @@ impl Conn<'_> {
             Err(e) => {
                 let why = CloseReason::CannotShare(e.to_string());
                 let msg = why.to_string();
+                // Closed with its reason, then removed: a mapped stream's close keeps it
+                // listed (and its budget held) until its trainer leaves, which is now.
                 self.node.close_stream(s.id(), why);
+                self.node.trainer_left(s.id());
                 return self.send(&error(ErrorCode::NoMemory, msg));
             }
         };
@@ -560,7 +586,6 @@ impl Conn<'_> {
             state: s.state(),
         };
         // From here the stream is this connection's, which ends it (`trainer_left`).
-        s.mark_mapped();
         self.stream = Some(Arc::clone(&s));
         self.batch_state = batch_state;
         self.batch_encoding = batch_encoding;

@@ -3,6 +3,14 @@
 //! addr}` on the control connection, where `addr` is its local address: the node identifies
 //! it by that (DESIGN §2) and checks that it arrived on the lane's address.
 //!
+//! A lane is a unit of failure (one GPU/NIC pair of the node): a lane whose data address cannot
+//! be dialled is left out of the session, not the session ended. The node is told why (an
+//! `Error{req 0}` naming the lane, its address and the connect's error) and which connections
+//! it will not get (`DataConn` with [`wire::NOT_DIALLED`]); the lane's later connections are not
+//! tried (each would wait out its own connect limit), and FETCHes for a lane left with no
+//! connection are refused. Only a node none of whose connections could be dialled ends the
+//! session. The next session dials every lane again.
+//!
 //! Each data socket is bound to an ephemeral port of its own before it connects, so its local
 //! address is unique on this host even across lanes: the kernel may otherwise reuse one
 //! source port for connections to different destinations, and the node would see two
@@ -29,8 +37,9 @@ use crate::tx_nics::TxRoute;
 
 /// A node's data connections: the senders in connection order, and the lane of each.
 pub(crate) struct DataConns {
-    /// One per data connection, `conn` = index.
-    pub senders: Vec<Sender>,
+    /// One per data connection, `conn` = index; `None` for one not dialled (the node was told,
+    /// [`wire::NOT_DIALLED`]).
+    pub senders: Vec<Option<Sender>>,
     /// The lane of each connection.
     pub lane_of: Vec<u16>,
 }
@@ -99,7 +108,10 @@ fn below_pace(rate: u64) -> bool {
     rate != 0 && rate.saturating_mul(wire::DATA_PACE_WINDOW.as_secs()) < wire::DATA_PACE_FLOOR
 }
 
-/// Dials every lane `flows` times, reporting each connection on the control connection.
+/// Dials every lane `flows` times, reporting each connection on the control connection; a
+/// lane that cannot be dialled is left out ([`dial_lane`]). Fails when no connection at all
+/// could be dialled (with the first lane's failure), or the control connection or a sender
+/// thread fails.
 pub(crate) async fn dial(
     ctl: &mut Control,
     shared: &Shared,
@@ -123,33 +135,105 @@ pub(crate) async fn dial(
         senders: Vec::with_capacity(total as usize),
         lane_of: Vec::with_capacity(total as usize),
     };
-    for (lane, l) in lanes.iter().enumerate() {
-        for _ in 0..l.flows {
-            let addr = target(shared, lanes, lane);
-            let dialled = open_data_conn(shared, addr).await?;
-            let conn = out.senders.len() as u16;
-            let lane = lane as u16;
-            ctl.send(&Message::DataConn {
-                lane,
-                conn,
-                addr: dialled.local,
-            })
-            .await?;
-            let p = Arc::new(Progress::with_notify(Arc::clone(progress)));
-            let sender = Sender::spawn(
-                dialled.stream,
-                conn,
-                per_flow_rate,
-                Arc::clone(failed),
-                dialled.tx.as_deref(),
-                p,
-            )
-            .map_err(|source| SessionError::SpawnSender { conn, source })?;
-            out.senders.push(sender);
-            out.lane_of.push(lane);
-        }
+    let spawn = Spawn {
+        rate: per_flow_rate,
+        failed,
+        progress,
+    };
+    let mut first_failure = None;
+    for lane in 0..lanes.len() {
+        let failure = dial_lane(ctl, shared, (lanes, lane), &mut out, &spawn).await?;
+        first_failure = first_failure.or(failure);
     }
-    Ok(out)
+    match first_failure {
+        Some(e) if out.senders.iter().all(Option::is_none) => Err(e),
+        _ => Ok(out),
+    }
+}
+
+/// What a data connection's sender thread is started with.
+struct Spawn<'a> {
+    /// Its share of the rate limit (bytes/s, 0: unlimited).
+    rate: u64,
+    /// Told when it fails.
+    failed: &'a Arc<ConnFailed>,
+    /// Notified as it sends.
+    progress: &'a Arc<Notify>,
+}
+
+impl Spawn<'_> {
+    /// The sender thread of data connection `conn` over `dialled`.
+    fn sender(&self, dialled: Dialled, conn: u16) -> Result<Sender, SessionError> {
+        let p = Arc::new(Progress::with_notify(Arc::clone(self.progress)));
+        Sender::spawn(
+            dialled.stream,
+            conn,
+            self.rate,
+            Arc::clone(self.failed),
+            dialled.tx.as_deref(),
+            p,
+        )
+        .map_err(|source| SessionError::SpawnSender { conn, source })
+    }
+}
+
+/// Dials lane `lane`'s `flows` connections into `out`, each reported to the node with its
+/// `DataConn`. The first connect that fails is told to the node with the lane
+/// ([`tell_not_dialled`]); that connection and the lane's later ones are reported as
+/// [`wire::NOT_DIALLED`] and not tried. Returns that failure, if any.
+async fn dial_lane(
+    ctl: &mut Control,
+    shared: &Shared,
+    (lanes, lane): (&[LaneAddr], usize),
+    out: &mut DataConns,
+    spawn: &Spawn<'_>,
+) -> Result<Option<SessionError>, SessionError> {
+    let mut failure = None;
+    for _ in 0..lanes[lane].flows {
+        let conn = out.senders.len() as u16;
+        let dialled = if failure.is_some() {
+            None
+        } else {
+            match open_data_conn(shared, target(shared, lanes, lane)).await {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tell_not_dialled(ctl, lane, &e).await?;
+                    failure = Some(e);
+                    None
+                }
+            }
+        };
+        let addr = dialled.as_ref().map_or(wire::NOT_DIALLED, |d| d.local);
+        let wire_lane = lane as u16;
+        ctl.send(&Message::DataConn {
+            lane: wire_lane,
+            conn,
+            addr,
+        })
+        .await?;
+        let sender = match dialled {
+            Some(d) => Some(spawn.sender(d, conn)?),
+            None => None,
+        };
+        out.senders.push(sender);
+        out.lane_of.push(wire_lane);
+    }
+    Ok(failure)
+}
+
+/// Tells the node (an `Error` about no request, which it logs and shows) that lane `lane`
+/// cannot be dialled, and why (`e`, naming the lane's data address): the session goes on
+/// without it, or ends if no lane could be dialled.
+async fn tell_not_dialled(
+    ctl: &mut Control,
+    lane: usize,
+    e: &SessionError,
+) -> Result<(), SessionError> {
+    tracing::warn!(lane, error = %e, "a lane of the node cannot be dialled: this session goes on without it");
+    let message = format!(
+        "lane {lane}: {e}; the source leaves the lane out of this session (the next session dials it again)"
+    );
+    ctl.error(0, ErrorCode::Internal, message).await
 }
 
 /// Refuses, on the control connection, lanes the source must not dial: more connections in

@@ -6,15 +6,16 @@
 //! data connection of that lane is ready (the node said `DataReady`: on a devmem lane its flow
 //! is steered first; every connection must be ready within [`HANDSHAKE_TIMEOUT`]) and has
 //! room (at most [`crate::sender::DEPTH`] payloads each); only then is the payload announced
-//! (`Shard`) and handed to that connection's sender. A
-//! lane's shards travel only on its own connections (its NIC, its GPU's memory on the node).
-//! So a `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the
-//! node gave up on stops costing the source bandwidth. Object-storage reads for queued
-//! FETCHes start in the order the FETCHes arrived, over all lanes, while what the session has
-//! read and not sent stays within the dataset's memory budget (`Reads`): queued FETCHes cost
-//! no memory until then. A FETCH of a shard already in memory or in the disk cache needs no
-//! read from the store: it starts ahead of the reads that wait (also of the source-wide read
-//! budget), but only while the session's own bytes stay within its budget.
+//! (`Shard`) and handed to that connection's sender. A lane's shards travel only on its own
+//! connections (its NIC, its GPU's memory on the node); a FETCH for a lane the source could not
+//! dial in this session is refused (`Internal`: the node fetches it from another source). So a
+//! `Cancel` can still drop every FETCH that is not on the wire yet, and a stream the node gave
+//! up on stops costing the source bandwidth. Object-storage reads for queued FETCHes start in
+//! the order the FETCHes arrived, over all lanes, while what the session has read and not sent
+//! stays within the dataset's memory budget (`Reads`): queued FETCHes cost no memory until
+//! then. A FETCH of a shard already in memory or in the disk cache needs no read from the
+//! store: it starts ahead of the reads that wait (also of the source-wide read budget), but
+//! only while the session's own bytes stay within its budget.
 //!
 //! An `Error` from the node ends nothing: a `ChecksumMismatch` about a FETCH the session
 //! announced lately (it keeps the last [`ANNOUNCED_KEPT`]) has that shard's cache entry
@@ -152,10 +153,11 @@ const LAST_WORD: Duration = Duration::from_secs(1);
 
 /// Dials the node's data connections ([`dial`]) within [`DIAL_DEADLINE`]. Each connect has
 /// its own limit; all of them together (up to MAX_LANES * MAX_FLOWS) have this one, so a node
-/// cannot hold the session in dialling for hours. A failure the node was not told of yet (a
-/// lane's data address it cannot reach, the deadline, no sender thread) is sent to it in an
-/// `Error` (within [`LAST_WORD`]) before the session ends: else the node sees only its control
-/// connection closed, and the reason (a firewall in between) is in this source's log only.
+/// cannot hold the session in dialling for hours. A lane that cannot be dialled is left out
+/// (the node is told); a failure that ends the session (no lane's data address reachable, the
+/// deadline, no sender thread) is sent to the node in an `Error` (within [`LAST_WORD`]) before
+/// the session ends: else the node sees only its control connection closed, and the reason (a
+/// firewall in between) is in this source's log only.
 async fn dial_or_tell(
     ctl: &mut Control,
     shared: &Shared,
@@ -871,16 +873,35 @@ impl Names {
     }
 }
 
+/// Per lane of `lanes`: whether it has data connections (`lane_of`, one per connection) and
+/// none of them was dialled (`senders`: `None` for one not dialled).
+fn undialled_lanes<T>(lanes: usize, senders: &[Option<T>], lane_of: &[u16]) -> Vec<bool> {
+    let mut conns = vec![(0usize, 0usize); lanes]; // per lane: (connections, dialled)
+    for (s, &lane) in senders.iter().zip(lane_of) {
+        if let Some(c) = conns.get_mut(usize::from(lane)) {
+            c.0 += 1;
+            c.1 += usize::from(s.is_some());
+        }
+    }
+    conns
+        .into_iter()
+        .map(|(n, dialled)| n > 0 && dialled == 0)
+        .collect()
+}
+
 struct Session {
     /// This session's id (scopes its hints).
     id: u64,
     ctl: Control,
     shared: Arc<Shared>,
-    /// One per data connection.
-    senders: Vec<Sender>,
+    /// One per data connection; `None` for one not dialled ([`crate::dial`]).
+    senders: Vec<Option<Sender>>,
+    /// Per lane: it has data connections and none of them could be dialled (a FETCH for it
+    /// is refused, to be fetched from another source).
+    lane_undialled: Vec<bool>,
     /// Per data connection: the node said `DataReady` (only then are payloads sent on it).
     ready: Vec<bool>,
-    /// Every data connection must be ready by then.
+    /// Every data connection dialled must be ready by then.
     ready_by: Instant,
     /// The lane of each data connection.
     lane_of: Vec<u16>,
@@ -915,10 +936,12 @@ impl Session {
         let DataConns { senders, lane_of } = conns;
         let queues = Queues::new(id, lanes, Arc::clone(&progress), &shared.session_reads);
         let draining = shared.draining.subscribe();
+        let lane_undialled = undialled_lanes(lanes, &senders, &lane_of);
         Session {
             id,
             ctl,
             shared,
+            lane_undialled,
             ready: vec![false; senders.len()],
             ready_by: Instant::now() + HANDSHAKE_TIMEOUT,
             senders,
@@ -966,8 +989,8 @@ impl Session {
                     }
                     return Err(SessionError::Idle(idle));
                 }
-                _ = tokio::time::sleep_until(self.ready_by), if self.ready.contains(&false) => {
-                    let conns = self.ready.iter().filter(|r| !**r).count();
+                _ = tokio::time::sleep_until(self.ready_by), if self.not_ready() > 0 => {
+                    let conns = self.not_ready();
                     let e = SessionError::NotReady { conns, waited: HANDSHAKE_TIMEOUT };
                     return Err(self.last_word(ErrorCode::BadRequest, e).await);
                 }
@@ -977,6 +1000,15 @@ impl Session {
             // than the idle timeout) is not the node's silence.
             last_heard = Instant::now();
         }
+    }
+
+    /// Dialled data connections the node has not said `DataReady` for yet.
+    fn not_ready(&self) -> usize {
+        self.senders
+            .iter()
+            .zip(&self.ready)
+            .filter(|(s, r)| s.is_some() && !**r)
+            .count()
     }
 
     /// Tells the node why the source ends this session (an `Error` about no request, which
@@ -1135,6 +1167,14 @@ impl Session {
             let message = format!("lane {lane} is not one of the node's {lanes} lanes (its Hello)");
             return self.ctl.error(req, ErrorCode::BadRequest, message).await;
         }
+        if self.lane_undialled[usize::from(lane)] {
+            // Internal: the node fetches it from another source (it was told the lane was not
+            // dialled, so only a FETCH that crossed that report comes here).
+            let message = format!(
+                "lane {lane}'s data address could not be dialled by this source in this session: fetch it from another source"
+            );
+            return self.ctl.error(req, ErrorCode::Internal, message).await;
+        }
         if self.drained {
             metrics::counter!("shardwire_source_fetches_refused_draining_total").increment(1);
             let message = "source is draining: fetch it from another source".to_string();
@@ -1292,6 +1332,7 @@ impl Session {
         self.senders
             .iter()
             .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref()?)))
             .filter(|(i, s)| {
                 usize::from(self.lane_of[*i]) == lane && self.ready[*i] && s.has_room()
             })
@@ -1307,8 +1348,11 @@ impl Session {
         body: Body,
         held: Held,
     ) -> Result<(), SessionError> {
-        let seq = self.senders[conn].seq;
-        self.senders[conn].seq += 1;
+        let sender = self.senders[conn]
+            .as_mut()
+            .expect("`room_in` names a dialled connection");
+        let seq = sender.seq;
+        sender.seq += 1;
         self.ctl
             .send(&Message::Shard {
                 req: q.req,
@@ -1327,7 +1371,8 @@ impl Session {
             corrupt: q.corrupt,
             held,
         };
-        if !self.senders[conn].push(job) {
+        let pushed = self.senders[conn].as_ref().is_some_and(|s| s.push(job));
+        if !pushed {
             // Its thread has ended: it failed (and said why), or panicked.
             let gone = || (conn as u16, "its sender thread has ended".to_string());
             let (conn, why) = self.failed.first().unwrap_or_else(gone);

@@ -330,6 +330,16 @@ fn cpus_for(tree: &Tree, nic: Option<&str>, numa: Option<u32>) -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// Why a lane's data address that is not one of its NIC's (`nic`) is worth a warning, and how
+/// to fix it: a wildcard `data_listen` (port `port`), an address on the NIC, or `per_lane`.
+fn elsewhere_hint(nic: &str, port: u16, per_lane: &str) -> String {
+    format!(
+        "; not an address of {nic}: its traffic arrives on whichever NIC holds it (set \
+         data_listen to a wildcard such as 0.0.0.0:{port}, give {nic} an IPv4 address, or \
+         {per_lane})"
+    )
+}
+
 /// Where sources dial a lane on `nic`: its IPv4 address with `listen`'s port when `listen` is
 /// a wildcard and the NIC has one, else `listen`; with the reason, and whether that address
 /// is not one of `nic`'s own (its traffic then arrives on whichever NIC holds it).
@@ -485,12 +495,8 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
             // Sources dial the lane at data_listen, not at the paired NIC's own address: its
             // traffic enters through whichever NIC holds that address (one for every lane).
             if let Some(n) = nic.as_deref().filter(|_| elsewhere) {
-                addr_why.push_str(&format!(
-                    "; not an address of {n}: its traffic arrives on whichever NIC holds it \
-                     (set data_listen to a wildcard such as 0.0.0.0:{}, give {n} an IPv4 \
-                     address, or name each lane's data_listen in a lanes table)",
-                    inp.data_listen.port()
-                ));
+                let per_lane = "name each lane's data_listen in a lanes table";
+                addr_why.push_str(&elsewhere_hint(n, inp.data_listen.port(), per_lane));
             }
             let numa_node = p.and_then(LanePlan::numa_node);
             let pairing = p.map_or_else(
@@ -607,6 +613,32 @@ fn table_queues(inp: &Inputs<'_>, lc: &LaneConfig) -> Vec<u32> {
     }
 }
 
+/// Where sources dial table lane `i` (`lc`, on `nic`), why, and whether that address is not
+/// one of `nic`'s own ([`addr_for`], with the hint `auto` gives); a configured address is
+/// taken as meant.
+fn table_addr(
+    inp: &Inputs<'_>,
+    i: usize,
+    lc: &LaneConfig,
+    nic: Option<&str>,
+    ipv4: Ipv4Lookup<'_>,
+) -> Result<(SocketAddr, String, bool), PlanError> {
+    let failed = |source: IfAddrError| PlanError::Interface { lane: i, source };
+    if let Some(a) = lc.data_listen {
+        if let Some(n) = lc.interface.as_deref() {
+            // The interface must exist even when its address is not used.
+            ipv4(n).map_err(failed)?;
+        }
+        return Ok((a, format!("data address {a} (configured)"), false));
+    }
+    let (a, mut why, elsewhere) = addr_for(nic, inp.data_listen, ipv4).map_err(failed)?;
+    if let Some(n) = nic.filter(|_| elsewhere) {
+        let per_lane = format!("set lanes[{i}].data_listen");
+        why.push_str(&elsewhere_hint(n, inp.data_listen.port(), &per_lane));
+    }
+    Ok((a, why, elsewhere))
+}
+
 /// Lane `i` of a table.
 fn table_lane(
     inp: &Inputs<'_>,
@@ -623,20 +655,7 @@ fn table_lane(
         .interface
         .clone()
         .or_else(|| paired_nic(inp, gpu.as_ref()?.pci));
-    let (data_listen, addr_why) = match lc.data_listen {
-        Some(a) => (a, format!("data address {a} (configured)")),
-        None => {
-            let (a, why, _) = addr_for(nic.as_deref(), inp.data_listen, ipv4)
-                .map_err(|source| PlanError::Interface { lane: i, source })?;
-            (a, why)
-        }
-    };
-    if lc.data_listen.is_some()
-        && let Some(n) = lc.interface.as_deref()
-    {
-        // The interface must exist even when its address is not used.
-        ipv4(n).map_err(|source| PlanError::Interface { lane: i, source })?;
-    }
+    let (data_listen, addr_why, elsewhere) = table_addr(inp, i, lc, nic.as_deref(), ipv4)?;
     let tree_nic = inp
         .tree
         .nics
@@ -668,9 +687,11 @@ fn table_lane(
         numa_bind: numa_node,
         nic_named: lc.interface.is_some(),
         nic_pci: tree_nic.and_then(|n| n.pci),
-        // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known.
+        // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known,
+        // or whose data address is not its NIC's.
         warn: distance.is_some_and(Distance::crosses_cpu)
-            || (gpu.is_some() && tree_nic.is_none_or(|n| n.is_virtual)),
+            || (gpu.is_some() && tree_nic.is_none_or(|n| n.is_virtual))
+            || elsewhere,
         why: format!("configured (lanes[{i}]); {dist_why}; {addr_why}"),
         gpu,
         nic,

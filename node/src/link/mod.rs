@@ -8,6 +8,12 @@
 //! announcement, then the announced connection's queue and receiver (see [`crate::fetch`]).
 //! When the node ends a session itself (a data connection failed, the source drained, ...),
 //! it says why with a [`Kick`].
+//!
+//! A lane is a unit of failure: a source that cannot dial a lane's data address reports its
+//! connections not dialled (`DataConn` with [`wire::NOT_DIALLED`]) and keeps the session with
+//! the other lanes. A lane none of whose connections was dialled is *left out* of the session:
+//! no fetch for it goes to this link ([`SourceLink::reaches`]), `last_error` names it, and the
+//! link does not count as ready ([`SourceLink::is_ready`]) until a session dials every lane.
 
 pub mod served;
 pub mod session;
@@ -199,6 +205,16 @@ struct LinkState {
     /// Whether the node sent `DataReady` for each data connection: no payload may be
     /// announced on one before it.
     ready: Vec<bool>,
+    /// Whether the source reported each data connection not dialled ([`wire::NOT_DIALLED`]).
+    undialled: Vec<bool>,
+    /// Per lane: none of its data connections was dialled, so it is left out of the session.
+    lanes_out: Vec<bool>,
+    /// What the source said of each lane left out (its `Error` about no request before the
+    /// report): shown as the link's `last_error` while the session lasts.
+    lane_notes: Vec<String>,
+    /// The last `Error` about no request the source sent in this session (why a lane it
+    /// reports next was not dialled).
+    said: Option<String>,
     /// The `seq` the next payload announced on each data connection must have.
     next_seq: Vec<u64>,
     /// Each lane's data address as this session advertised it.
@@ -340,10 +356,55 @@ impl SourceLink {
         self.up.load(Ordering::Acquire)
     }
 
+    /// True while the session is up and every data connection of it is ready (the node sent
+    /// its `DataReady`): what `/readyz` counts. A session is not ready while it is still
+    /// dialling, nor at all when the source left a connection or a lane out (not dialled).
+    pub fn is_ready(&self) -> bool {
+        if !self.is_up() {
+            return false;
+        }
+        let st = self.state.lock().expect("poisoned");
+        st.ctl.is_some() && !st.ready.is_empty() && st.ready.iter().all(|r| *r)
+    }
+
+    /// Whether fetches for lane `lane` may go to this link: not while the source left the
+    /// lane out of the current session (none of its data connections was dialled).
+    pub fn reaches(&self, lane: u16) -> bool {
+        let st = self.state.lock().expect("poisoned");
+        !st.lanes_out
+            .get(usize::from(lane))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// The lanes the source left out of the current session, with their data addresses as
+    /// the session advertised them.
+    pub fn lanes_left_out(&self) -> Vec<(u16, SocketAddr)> {
+        let st = self.state.lock().expect("poisoned");
+        let out = st.lanes_out.iter().zip(&st.advertised).enumerate();
+        out.filter(|(_, (o, _))| **o)
+            .map(|(lane, (_, addr))| (lane as u16, *addr))
+            .collect()
+    }
+
     /// Marks the link up or down without a session (unit tests of routing).
     #[cfg(test)]
     pub(crate) fn force_up(&self, up: bool) {
         self.up.store(up, Ordering::Release);
+    }
+
+    /// Marks lane `lane` (data address `addr`) left out of the session without a session
+    /// (unit tests of routing).
+    #[cfg(test)]
+    pub(crate) fn force_lane_out(&self, lane: u16, addr: SocketAddr) {
+        let mut st = self.state.lock().expect("poisoned");
+        let l = usize::from(lane);
+        if st.lanes_out.len() <= l {
+            st.lanes_out.resize(l + 1, false);
+            st.advertised.resize(l + 1, addr);
+        }
+        st.lanes_out[l] = true;
+        st.advertised[l] = addr;
     }
 
     /// Fetches waiting for the source's announcement.
@@ -548,6 +609,10 @@ impl SourceLink {
         st.conn_lane = wire::conn_lanes(lanes);
         st.conns = st.conn_lane.iter().map(|_| None).collect();
         st.ready = vec![false; st.conn_lane.len()];
+        st.undialled = vec![false; st.conn_lane.len()];
+        st.lanes_out = vec![false; lanes.len()];
+        st.lane_notes.clear();
+        st.said = None;
         st.next_seq = vec![0; st.conn_lane.len()];
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;

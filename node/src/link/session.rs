@@ -322,26 +322,14 @@ fn handle(
         Message::DataConn { lane, conn, addr } => {
             let (queue, want) = {
                 let mut st = link.state.lock().expect("poisoned");
-                let total = st.conns.len();
-                let numbered = st.conn_lane.get(conn as usize).copied().ok_or_else(|| {
-                    LinkError::Protocol(format!(
-                        "data connection {conn} is past the {total} this node asked for"
-                    ))
-                })?;
-                if numbered != lane {
-                    return Err(LinkError::Protocol(format!(
-                        "data connection {conn} announced for lane {lane}; the node's Hello numbered it for lane {numbered}"
-                    )));
+                let c = numbered(&st, lane, conn)?;
+                if addr == wire::NOT_DIALLED {
+                    not_dialled(link, &mut st, lane, c);
+                    return Ok(());
                 }
                 let want = st.advertised[usize::from(lane)];
-                let slot = &mut st.conns[conn as usize];
-                if slot.is_some() {
-                    return Err(LinkError::Protocol(format!(
-                        "data connection {conn} announced twice"
-                    )));
-                }
                 let (tx, rx) = std::sync::mpsc::channel();
-                *slot = Some(tx);
+                st.conns[c] = Some(tx);
                 (rx, want)
             };
             let a = Announcement {
@@ -377,6 +365,52 @@ fn handle(
             "unexpected message from source: {other:?}"
         ))),
     }
+}
+
+/// Checks a `DataConn` for connection `conn` of lane `lane`: one the node's `Hello` numbered
+/// for that lane, not announced (or reported not dialled) before. Returns its index.
+fn numbered(st: &LinkState, lane: u16, conn: u16) -> Result<usize, LinkError> {
+    let c = usize::from(conn);
+    let total = st.conn_lane.len();
+    let numbered = st.conn_lane.get(c).copied().ok_or_else(|| {
+        LinkError::Protocol(format!(
+            "data connection {conn} is past the {total} this node asked for"
+        ))
+    })?;
+    if numbered != lane {
+        return Err(LinkError::Protocol(format!(
+            "data connection {conn} announced for lane {lane}; the node's Hello numbered it for lane {numbered}"
+        )));
+    }
+    let announced = st.conns.get(c).is_some_and(Option::is_some);
+    if announced || st.undialled[c] {
+        return Err(LinkError::Protocol(format!(
+            "data connection {conn} announced twice"
+        )));
+    }
+    Ok(c)
+}
+
+/// The source could not dial connection `c` of lane `lane` ([`wire::NOT_DIALLED`]; its
+/// `Error` before said why). Once none of the lane's connections is left, the lane is out of
+/// this session: no fetch for it goes to this link ([`SourceLink::reaches`]), and the link's
+/// `last_error` names it, its data address and the source's reason until the session ends.
+fn not_dialled(link: &SourceLink, st: &mut LinkState, lane: u16, c: usize) {
+    st.undialled[c] = true;
+    let l = usize::from(lane);
+    let of_lane = st.conn_lane.iter().zip(&st.undialled);
+    if st.lanes_out[l] || !of_lane.filter(|(n, _)| **n == lane).all(|(_, u)| *u) {
+        return; // a connection of the lane is (or may yet be) there
+    }
+    st.lanes_out[l] = true;
+    let addr = st.advertised[l];
+    let said = st.said.take().unwrap_or_else(|| "it gave no reason".into());
+    tracing::warn!(source = %link.addr, lane, %addr, %said,
+        "the source could not dial the lane's data address: none of the lane's fetches go to it until its next session");
+    st.lane_notes.push(format!(
+        "the source left lane {lane} (data address {addr}) out of this session, so none of the lane's fetches go to it until its next session: {said}"
+    ));
+    *link.last_error.lock().expect("poisoned") = Some(st.lane_notes.join("; "));
 }
 
 /// A `Manifest` answers the request `req` names; one of another dataset than that request's
@@ -498,7 +532,10 @@ fn error_for(
     if req == 0 {
         match code {
             ErrorCode::Draining => link.set_draining(&message),
-            _ => tracing::warn!(source = %link.addr, ?code, %message, "source reported an error"),
+            _ => {
+                tracing::warn!(source = %link.addr, ?code, %message, "source reported an error");
+                link.state.lock().expect("poisoned").said = Some(message);
+            }
         }
         return;
     }

@@ -1,4 +1,5 @@
-//! The trainer's credentials (`SO_PEERCRED`), read into plain integers.
+//! The trainer's credentials (`SO_PEERCRED`), read into plain integers, and its supplementary
+//! groups (`SO_PEERGROUPS`), which `allowed_gids` matches as well as its primary gid.
 //!
 //! rustix's `UCred` holds the pid as a non-zero type, but the kernel answers pid 0 for a peer
 //! whose process this pid namespace cannot see: a trainer pod beside the node's DaemonSet pod,
@@ -54,6 +55,49 @@ pub fn peer_cred(sock: &impl AsFd) -> io::Result<PeerCred> {
     })
 }
 
+/// The most supplementary groups a process may have (the kernel's `NGROUPS_MAX`).
+const MAX_GROUPS: usize = 65_536;
+
+/// The supplementary groups the kernel recorded for the peer of `sock` when it connected
+/// (mapped into this user namespace; its primary gid is [`PeerCred::gid`]). Needs Linux 4.13+:
+/// older kernels answer `ENOPROTOOPT`.
+pub fn peer_groups(sock: &impl AsFd) -> io::Result<Vec<u32>> {
+    peer_groups_from(sock, 64)
+}
+
+/// [`peer_groups`], asking first with room for `room` groups; a peer with more is asked again
+/// with room for the count the kernel gives (at most [`MAX_GROUPS`]).
+fn peer_groups_from(sock: &impl AsFd, room: usize) -> io::Result<Vec<u32>> {
+    const GID: usize = std::mem::size_of::<libc::gid_t>();
+    let mut groups: Vec<libc::gid_t> = vec![0; room];
+    loop {
+        let mut len = (groups.len() * GID) as libc::socklen_t;
+        // SAFETY: the fd is borrowed for the call; `groups` is a writable buffer of `len`
+        // bytes (whole gid_t), the most SO_PEERGROUPS writes (it answers ERANGE, writing only
+        // `len`, when the groups do not fit), and `len` is a live socklen_t the kernel updates.
+        let rc = unsafe {
+            libc::getsockopt(
+                sock.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / GID;
+        if rc == 0 {
+            groups.truncate(n.min(groups.len()));
+            return Ok(groups);
+        }
+        let e = io::Error::last_os_error();
+        // ERANGE: too little room, and `len` is what the groups need.
+        if e.raw_os_error() != Some(libc::ERANGE) || n <= groups.len() || n > MAX_GROUPS {
+            return Err(e);
+        }
+        groups.resize(n, 0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::net::UnixStream;
@@ -68,6 +112,30 @@ mod tests {
         // SAFETY: plain getters without arguments.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         assert_eq!((cred.uid, cred.gid), (uid, gid));
+    }
+
+    /// This process's supplementary groups.
+    fn own_groups() -> Vec<u32> {
+        // SAFETY: a size of 0 with a null list only counts the groups.
+        let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+        let mut groups: Vec<libc::gid_t> = vec![0; usize::try_from(n).unwrap()];
+        // SAFETY: `groups` has room for the `n` gids asked for.
+        let got = unsafe { libc::getgroups(n, groups.as_mut_ptr()) };
+        groups.truncate(usize::try_from(got).unwrap());
+        groups.sort_unstable();
+        groups
+    }
+
+    #[test]
+    fn a_socket_pair_gives_this_process_supplementary_groups() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let mut got = peer_groups(&a).unwrap();
+        got.sort_unstable();
+        assert_eq!(got, own_groups());
+        // Asked with too little room (none), it asks again with the room the kernel names.
+        let mut again = peer_groups_from(&a, 0).unwrap();
+        again.sort_unstable();
+        assert_eq!(again, own_groups());
     }
 
     #[test]

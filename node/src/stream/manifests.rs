@@ -3,9 +3,13 @@
 //! routing knows at once which sources serve that version (a source that serves another
 //! version or none takes none of its shards). Sources that are still connecting (a node that
 //! just started, a name that just resolved) get a moment first, so two nodes opening the same
-//! dataset start from the same set of sources.
+//! dataset start from the same set of sources. A mixture's datasets are asked all at once,
+//! after one such wait: an open costs one wait and one `MANIFEST_TIMEOUT` at most, however
+//! many datasets it mixes.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use shardwire_protocol::Manifest;
@@ -23,13 +27,57 @@ pub const ALL_UP: Duration = Duration::from_secs(1);
 /// A link's answer to a manifest request, and the session it asked in.
 type Answer = (u64, Result<Vec<u8>, ManifestError>);
 
-/// The manifest of `dataset` from the sources of `roster` (request ids from `next_id`).
-pub async fn manifest_of(
+/// The manifests of `datasets` from the sources of `roster`, in the order given (request ids
+/// from `next_id`): one wait for the sources ([`wait_for_links`]), then every dataset asked at
+/// once. On a failure, the error of the first dataset in that order that failed.
+pub async fn manifests_of(
+    roster: &Roster,
+    datasets: &[&str],
+    next_id: &(dyn Fn() -> u64 + Sync),
+) -> Result<Vec<Arc<Manifest>>, OpenError> {
+    wait_for_links(roster).await;
+    let asked: Vec<_> = datasets
+        .iter()
+        .map(|&d| manifest_of(roster, d, next_id))
+        .collect();
+    all_in_order(asked).await
+}
+
+/// Runs `futures` at once and gives their answers in the order given. On a failure, the
+/// first in that order, as soon as every future before it has answered (the rest are dropped:
+/// a mixture refused for its first dataset does not wait for its last).
+async fn all_in_order<T, E, F>(futures: impl IntoIterator<Item = F>) -> Result<Vec<T>, E>
+where
+    F: Future<Output = Result<T, E>>,
+{
+    let mut running: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut done: Vec<Option<Result<T, E>>> = running.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (f, d) in running.iter_mut().zip(done.iter_mut()) {
+            if d.is_none()
+                && let Poll::Ready(answer) = f.as_mut().poll(cx)
+            {
+                *d = Some(answer);
+            }
+        }
+        // Settled once every answer is in, or a failure has every answer before it in.
+        match done.iter().find(|d| !matches!(d, Some(Ok(_)))) {
+            Some(None) => Poll::Pending,
+            _ => Poll::Ready(()),
+        }
+    })
+    .await;
+    // In order up to the first failure, which is the result if there is one.
+    done.into_iter().flatten().collect()
+}
+
+/// The manifest of `dataset` from the sources of `roster` that are up now (request ids from
+/// `next_id`).
+async fn manifest_of(
     roster: &Roster,
     dataset: &str,
     next_id: &(dyn Fn() -> u64 + Sync),
 ) -> Result<Arc<Manifest>, OpenError> {
-    wait_for_links(roster).await;
     let links: Vec<Arc<SourceLink>> = roster.links().into_iter().filter(|l| l.is_up()).collect();
     // Asked all at once: one source that keeps its session up but never answers costs an
     // open one MANIFEST_TIMEOUT, not one per source asked after it.
@@ -114,5 +162,105 @@ async fn wait_for_links(roster: &Roster) {
     let deadline = tokio::time::Instant::now() + ALL_UP;
     while !roster.links().iter().all(|l| l.is_up()) && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(step).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::pending;
+
+    use tokio::sync::Barrier;
+    use tokio::time::{Instant, sleep, timeout};
+
+    use super::*;
+    use crate::link::LinkConfig;
+
+    fn roster(addrs: &[&str]) -> Roster {
+        let r = Roster::new(LinkConfig {
+            secret: None,
+            lanes: vec![shardwire_protocol::wire::LaneAddr {
+                data_addr: "127.0.0.1:1".parse().unwrap(),
+                flows: 1,
+            }],
+        });
+        for a in addrs {
+            r.add(a, "config").unwrap();
+        }
+        r
+    }
+
+    /// Every part runs at once: three parts that each wait for all three finish (asked one
+    /// after another, the first waited for the others for ever), in the order given although
+    /// they answer in reverse, in the time of the slowest.
+    #[tokio::test(start_paused = true)]
+    async fn parts_are_asked_at_once_and_answered_in_order() {
+        let all_started = &Barrier::new(3);
+        let parts = (0..3u64).map(|i| async move {
+            all_started.wait().await;
+            sleep(Duration::from_secs(10 * (3 - i))).await;
+            Ok::<u64, String>(i)
+        });
+        let t = Instant::now();
+        let got = timeout(Duration::from_secs(600), all_in_order(parts)).await;
+        assert_eq!(got, Ok(Ok(vec![0, 1, 2])), "one after another never ends");
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(31),
+            "the slowest part's 30 s, not {took:?}"
+        );
+    }
+
+    /// The failure of the first part in order is the answer, not the first to come in, and it
+    /// comes without waiting for parts after it (one that never answers, here).
+    #[tokio::test(start_paused = true)]
+    async fn the_first_failure_in_order_wins_without_waiting_for_later_parts() {
+        type Part = Pin<Box<dyn Future<Output = Result<u32, &'static str>>>>;
+        fn part(f: impl Future<Output = Result<u32, &'static str>> + 'static) -> Part {
+            Box::pin(f)
+        }
+        let parts = vec![
+            part(async { Ok(0) }),
+            part(async {
+                sleep(Duration::from_secs(5)).await;
+                Err("second")
+            }),
+            part(async { Err("third") }),
+            part(pending()),
+        ];
+        let t = Instant::now();
+        let got = timeout(Duration::from_secs(600), all_in_order(parts)).await;
+        assert_eq!(got, Ok(Err("second")));
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(6), "{took:?}");
+    }
+
+    /// A mixture waits for its sources once, not once per dataset: with a source that never
+    /// comes up, three datasets cost FIRST_UP + ALL_UP (three times that before).
+    #[tokio::test(start_paused = true)]
+    async fn a_mixture_waits_for_its_sources_once() {
+        let r = roster(&["10.0.0.2:7500"]);
+        let t = Instant::now();
+        let e = manifests_of(&r, &["a", "b", "c"], &|| 1u64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
+        let waited = t.elapsed();
+        assert!(waited >= FIRST_UP + ALL_UP, "{waited:?}");
+        assert!(
+            waited < FIRST_UP + ALL_UP + Duration::from_secs(1),
+            "{waited:?}"
+        );
+    }
+
+    /// Datasets that every source refuses: the error names the first in mix order.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_mixture_names_its_first_dataset_that_failed() {
+        let r = roster(&["10.0.0.2:7500"]);
+        r.links()[0].force_up(true);
+        let e = manifests_of(&r, &["first", "second"], &|| 1u64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnknownDataset, "{}", e.message);
+        assert!(e.message.contains("`first`"), "{}", e.message);
     }
 }

@@ -7,7 +7,9 @@
 //! away; one that refused the shard since its last delivery is passed over too while a live
 //! member has not ([`Avoid`]). A link whose answer is missing (found while streams run) or
 //! from an earlier session is asked for the dataset's manifest in the background, and joins
-//! once it answers.
+//! once it answers. A member whose source left the stream's lane out of its session (it could
+//! not dial the lane's data address: [`SourceLink::reaches`]) counts as down for that lane's
+//! fetches only; a lane no live member reaches waits, and says why ([`unreached`]).
 
 use std::sync::Arc;
 
@@ -123,21 +125,25 @@ impl Avoid<'_> {
     }
 }
 
-/// The link for shard `shard` of `v` among `members` (sorted): the placement's source when
-/// it is up and not avoided, else the next such live one in the shard's ranking. Avoided are
-/// `avoid.last` and `avoid.refused` while a live member is neither; once every live member is
-/// one of them, only `avoid.last` while another is up (so a shard that every source refused
-/// still moves on from the last one). `sizes` gives the dataset's shard sizes when the
+/// The link for shard `shard` of `v` among `members` (sorted), for a stream of lane `lane`:
+/// the placement's source when it is live (up, and reaching the lane) and not avoided, else
+/// the next such live one in the shard's ranking. Avoided are `avoid.last` and
+/// `avoid.refused` while a live member is neither; once every live member is one of them,
+/// only `avoid.last` while another is live (so a shard that every source refused still moves
+/// on from the last one). `sizes` gives the dataset's shard sizes when the
 /// placement must be computed.
 pub fn choose(
     placements: &Placements,
     v: Version<'_>,
-    members: &[Arc<SourceLink>],
+    (members, lane): (&[Arc<SourceLink>], u16),
     (shard, avoid): (u32, Avoid<'_>),
     sizes: impl FnOnce() -> Vec<u64>,
 ) -> Option<Arc<SourceLink>> {
     let names: Vec<&str> = members.iter().map(|l| l.addr.as_str()).collect();
-    let up: Vec<bool> = members.iter().map(|l| l.is_up()).collect();
+    let up: Vec<bool> = members
+        .iter()
+        .map(|l| l.is_up() && l.reaches(lane))
+        .collect();
     let last = avoid
         .last
         .and_then(|id| members.iter().position(|l| l.index == id));
@@ -151,6 +157,30 @@ pub fn choose(
         _ => affinity::pick(v.dataset, shard, &names, live, last),
     }?;
     Some(Arc::clone(&members[i]))
+}
+
+/// Why no source of `members` (of `v`) serves lane `lane` now: every one that is up left the
+/// lane out of its session (could not dial its data address). `None` while one that is up
+/// reaches it, or none is up.
+pub fn unreached(members: &[Arc<SourceLink>], v: Version<'_>, lane: u16) -> Option<String> {
+    let up: Vec<&Arc<SourceLink>> = members.iter().filter(|l| l.is_up()).collect();
+    if up.is_empty() || up.iter().any(|l| l.reaches(lane)) {
+        return None;
+    }
+    let said: Vec<String> = up
+        .iter()
+        .map(
+            |l| match l.lanes_left_out().iter().find(|(n, _)| *n == lane) {
+                Some((_, addr)) => format!("{} could not dial its data address {addr}", l.addr),
+                None => format!("{} left it out", l.addr),
+            },
+        )
+        .collect();
+    Some(format!(
+        "lane {lane} is reached by no connected source that serves dataset `{}`: {} (each source's last_error in /v1/status says why; check the lane's NIC and the route to its address)",
+        v.dataset,
+        said.join(", ")
+    ))
 }
 
 /// Asks `link`'s source for `v`'s manifest in the background and records whether it serves
@@ -192,6 +222,8 @@ fn ask_about(link: Arc<SourceLink>, v: Version<'_>, req: u64) {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::net::SocketAddr;
+
     use super::*;
     use crate::link::LinkConfig;
 
@@ -282,7 +314,7 @@ pub(crate) mod tests {
         let p = Placements::default();
         let sizes = || vec![1000u64; 300];
         assert!(
-            choose(&p, V, &l, (0, Avoid::default()), sizes).is_none(),
+            choose(&p, V, (&l, 0), (0, Avoid::default()), sizes).is_none(),
             "all down"
         );
         for x in &l {
@@ -293,17 +325,18 @@ pub(crate) mod tests {
         let mut moved = 0;
         for shard in 0..300u32 {
             let owner = usize::from(placed[shard as usize]);
-            let got = choose(&p, V, &l, (shard, Avoid::default()), sizes).unwrap();
+            let got = choose(&p, V, (&l, 0), (shard, Avoid::default()), sizes).unwrap();
             assert_eq!(
                 got.index, l[owner].index,
                 "shard {shard} goes to its placement"
             );
             // Its source failed it: the next in the ranking, never the one that failed.
-            let retry = choose(&p, V, &l, (shard, Avoid::last(l[owner].index)), sizes).unwrap();
+            let retry =
+                choose(&p, V, (&l, 0), (shard, Avoid::last(l[owner].index)), sizes).unwrap();
             assert_ne!(retry.index, l[owner].index);
             // Its source is down: the same next one.
             l[owner].force_up(false);
-            let away = choose(&p, V, &l, (shard, Avoid::default()), sizes).unwrap();
+            let away = choose(&p, V, (&l, 0), (shard, Avoid::default()), sizes).unwrap();
             assert_eq!(away.index, retry.index);
             l[owner].force_up(true);
             let others: Vec<bool> = (0..3).map(|i| i != owner).collect();
@@ -312,6 +345,46 @@ pub(crate) mod tests {
             moved += 1;
         }
         assert_eq!(moved, 300);
+    }
+
+    /// A source that could not dial a lane's data address stopped every session, so no lane
+    /// got data from it. Now it serves the lanes it reached: a member that left lane 1 out is
+    /// passed over for lane 1's fetches only, and a lane no live member reaches says why.
+    #[test]
+    fn a_member_that_left_a_lane_out_is_passed_over_for_that_lane_only() {
+        let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1"]);
+        for x in &l {
+            x.force_up(true);
+        }
+        let p = Placements::default();
+        let sizes = || vec![1000u64; 40];
+        let lane_1: SocketAddr = "10.0.1.5:7401".parse().unwrap();
+        l[0].force_lane_out(1, lane_1);
+        assert_eq!(unreached(&l, V, 1), None, "the other member reaches it");
+        let mut on_lane_0 = std::collections::BTreeSet::new();
+        for shard in 0..40u32 {
+            let on_1 = choose(&p, V, (&l, 1), (shard, Avoid::default()), sizes).unwrap();
+            assert_eq!(on_1.index, l[1].index, "shard {shard} of lane 1");
+            let on_0 = choose(&p, V, (&l, 0), (shard, Avoid::default()), sizes).unwrap();
+            on_lane_0.insert(on_0.index);
+        }
+        assert_eq!(on_lane_0.len(), 2, "lane 0's shards are spread over both");
+        l[1].force_lane_out(1, lane_1);
+        assert!(choose(&p, V, (&l, 1), (0, Avoid::default()), sizes).is_none());
+        let why = unreached(&l, V, 1).expect("lane 1 is reached by none");
+        for says in [
+            "lane 1",
+            "10.0.0.2:1",
+            "10.0.0.3:1",
+            "10.0.1.5:7401",
+            "`web`",
+        ] {
+            assert!(why.contains(says), "{says}: {why}");
+        }
+        assert_eq!(unreached(&l, V, 0), None);
+        l[1].force_up(false);
+        l[0].force_up(false);
+        assert_eq!(unreached(&l, V, 1), None, "none is up: it is not the lane");
     }
 
     /// Only the last refusing source was avoided: a shard that the two best-ranked of three
@@ -325,10 +398,10 @@ pub(crate) mod tests {
         let p = Placements::default();
         let sizes = || vec![1000u64; 30];
         for shard in 0..30u32 {
-            let a = choose(&p, V, &l, (shard, Avoid::default()), sizes)
+            let a = choose(&p, V, (&l, 0), (shard, Avoid::default()), sizes)
                 .unwrap()
                 .index;
-            let b = choose(&p, V, &l, (shard, Avoid::last(a)), sizes)
+            let b = choose(&p, V, (&l, 0), (shard, Avoid::last(a)), sizes)
                 .unwrap()
                 .index;
             let refused = [a, b];
@@ -336,11 +409,15 @@ pub(crate) mod tests {
                 last: Some(b),
                 refused: &refused,
             };
-            let c = choose(&p, V, &l, (shard, by_both), sizes).unwrap().index;
+            let c = choose(&p, V, (&l, 0), (shard, by_both), sizes)
+                .unwrap()
+                .index;
             assert!(c != a && c != b, "shard {shard}: the third");
             // The third is down: every live one refused, so only the last is passed over.
             l.iter().find(|x| x.index == c).unwrap().force_up(false);
-            let next = choose(&p, V, &l, (shard, by_both), sizes).unwrap().index;
+            let next = choose(&p, V, (&l, 0), (shard, by_both), sizes)
+                .unwrap()
+                .index;
             assert_eq!(next, a, "shard {shard}: as with the last one avoided");
             l.iter().find(|x| x.index == c).unwrap().force_up(true);
             // A refuser that is not the last failure (another failed it since): both passed
@@ -349,7 +426,10 @@ pub(crate) mod tests {
                 last: Some(b),
                 refused: &refused[..1],
             };
-            assert_eq!(choose(&p, V, &l, (shard, lost), sizes).unwrap().index, c);
+            assert_eq!(
+                choose(&p, V, (&l, 0), (shard, lost), sizes).unwrap().index,
+                c
+            );
         }
     }
 }

@@ -260,10 +260,18 @@ impl Supply {
         route::choose(
             self.routing.placements(),
             v,
-            &members,
+            (&members, self.lane),
             (wire_shard, avoid),
             sizes,
         )
+    }
+
+    /// Why no source serves this stream's lane for `source` now, if every one that is up left
+    /// the lane out ([`route::unreached`]).
+    pub fn unreached(&self, source: &DatasetSource) -> Option<String> {
+        let v = source.version();
+        let members = self.routing.members(v, &|| self.next_id());
+        route::unreached(&members, v, self.lane)
     }
 
     /// Resolves when a slab is freed after [`Fetches::alloc`] found no room.
@@ -437,6 +445,8 @@ pub struct Fetches {
     starved_since: Option<Instant>,
     /// Since when the fetches waiting have found no source ([`UNSERVED_GRACE`]).
     no_source_since: Option<Instant>,
+    /// Whether this wait was said to be for a lane no source reaches ([`Self::tell_unreached`]).
+    told_unreached: bool,
     hints: Hints,
     /// CRC mismatches in a row per shard (see [`MAX_CRC_MISMATCHES`]).
     crc_streak: HashMap<u32, u32>,
@@ -467,6 +477,7 @@ impl Fetches {
             rx,
             starved_since: None,
             no_source_since: None,
+            told_unreached: false,
             hints: Hints::default(),
             crc_streak: HashMap::new(),
             refused_streak: HashMap::new(),
@@ -540,13 +551,15 @@ impl Fetches {
                 Ok(()) => {
                     self.in_flight += 1;
                     self.no_source_since = None;
+                    self.told_unreached = false;
                 }
                 Err(IssueError::NoSource(p)) => {
                     let since = *self.no_source_since.get_or_insert(now);
-                    if now.duration_since(since) >= UNSERVED_GRACE
-                        && let Some(why) = self.unserved(&p)
-                    {
-                        out = Err(why);
+                    if now.duration_since(since) >= UNSERVED_GRACE {
+                        match self.unserved(&p) {
+                            Some(why) => out = Err(why),
+                            None => self.tell_unreached(&p),
+                        }
                     }
                     self.waiting.push_front(p);
                     break;
@@ -573,6 +586,21 @@ impl Fetches {
             digest: source.digest.clone(),
             answers,
         })
+    }
+
+    /// Says once per wait (a warning) why the waiting fetch `p` finds no source, when the
+    /// sources that serve it are up but every one left the stream's lane out of its session
+    /// (could not dial the lane's data address): the fetches wait for a session that dials it.
+    fn tell_unreached(&mut self, p: &Pending) {
+        if self.told_unreached {
+            return;
+        }
+        let (source, _) = self.supply.source_of(p.shard);
+        if let Some(why) = self.supply.unreached(source) {
+            tracing::warn!(stream = self.supply.stream, lane = self.supply.lane, %why,
+                "the stream's fetches wait for a source that reaches its lane");
+            self.told_unreached = true;
+        }
     }
 
     /// True while fetches wait for a source to come up (the task then retries on a timer).

@@ -70,6 +70,16 @@ pub const DATA_PACE_FLOOR: u64 = 1 << 20;
 /// The window [`DATA_PACE_FLOOR`] is for.
 pub const DATA_PACE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The `addr` of a [`Message::DataConn`] for a connection the source could not dial
+/// (`0.0.0.0:0`, never the local address of a connected socket): the session goes on with the
+/// lane's other connections, and without the lane where it has none. A node of an earlier
+/// release takes it for a connection that never arrives and ends the session, as a source of
+/// an earlier release would have.
+pub const NOT_DIALLED: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+    std::net::Ipv4Addr::UNSPECIFIED,
+    0,
+));
+
 /// One lane of a node as its `Hello` lists it: where the source dials it, and how often.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaneAddr {
@@ -318,13 +328,14 @@ pub enum Message {
         json: Vec<u8>,
     },
     /// source -> node: "I dialled lane `lane`'s data address from `addr`; call it connection
-    /// `conn`".
+    /// `conn`". With `addr` [`NOT_DIALLED`]: "I could not dial connection `conn` of lane
+    /// `lane`; this session goes on without it" (an `Error{req 0}` before it says why).
     DataConn {
         /// The lane it was dialled for.
         lane: u16,
         /// Connection number, across all lanes ([`conn_lanes`]).
         conn: u16,
-        /// The source's local address of that connection.
+        /// The source's local address of that connection, or [`NOT_DIALLED`].
         addr: SocketAddr,
     },
     /// node -> source: send shard `shard` of `dataset` on a data connection of lane `lane`.

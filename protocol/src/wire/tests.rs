@@ -43,6 +43,11 @@ fn samples() -> Vec<Message> {
             conn: 3,
             addr: "[::1]:40000".parse().unwrap(),
         },
+        Message::DataConn {
+            lane: 2,
+            conn: 4,
+            addr: NOT_DIALLED,
+        },
         Message::Fetch {
             req: 77,
             dataset: "d".into(),

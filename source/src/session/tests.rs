@@ -835,6 +835,143 @@ async fn a_node_whose_data_address_the_source_cannot_reach_is_told_why() {
     );
 }
 
+/// Hello, Challenge, Auth, Welcome as a node without a secret, over `node`.
+async fn greet(node: &mut TcpStream, buf: &mut Vec<u8>, hello: &Message) {
+    write_message(node, hello).await.unwrap();
+    let challenge = reply(node, buf).await;
+    assert!(
+        matches!(challenge, Message::Challenge { .. }),
+        "{challenge:?}"
+    );
+    write_message(node, &Message::Auth { mac: [0; 32] })
+        .await
+        .unwrap();
+    let welcome = reply(node, buf).await;
+    assert!(matches!(welcome, Message::Welcome { .. }), "{welcome:?}");
+}
+
+#[test]
+fn a_lane_is_undialled_when_it_has_connections_and_none_was_dialled() {
+    // Lane 0: both dialled; lane 1: one of two; lane 2: none of two; lane 3: no connections.
+    let senders = [Some(()), Some(()), Some(()), None, None, None];
+    let lane_of = [0, 0, 1, 1, 2, 2];
+    assert_eq!(
+        undialled_lanes(4, &senders, &lane_of),
+        [false, false, true, false]
+    );
+}
+
+/// One unreachable lane stopped every session: its connect failed, the source ended the
+/// session, and no lane of the node got data from it. Now the lane is left out: the node is
+/// told which one and why, the other lane's data flows, and a FETCH for the lane left out is
+/// refused (to be fetched from another source).
+#[tokio::test(flavor = "current_thread")]
+async fn a_lane_the_source_cannot_reach_is_left_out_and_the_others_are_served() {
+    let dir = Scratch::new("lane-left-out");
+    let (stream, mut node) = connected().await;
+    let shared = shared(datasets(&dir, 1, false).await);
+    // Lane 0: a loopback port nothing listens on (refused); lane 1: a data listener.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+    let handshakes = Arc::new(crate::admit::Handshakes::default());
+    let slot = handshakes.enter(peer.ip()).unwrap();
+    let source = tokio::spawn(run(stream, peer, shared, slot, Arc::new(Semaphore::new(1))));
+    let lanes = vec![
+        LaneAddr {
+            data_addr: closed,
+            flows: 2,
+        },
+        LaneAddr {
+            data_addr: data.local_addr().unwrap(),
+            flows: 1,
+        },
+    ];
+    let hello = Message::Hello {
+        node_id: "test-node".into(),
+        nonce: [0; NONCE_LEN],
+        lanes,
+    };
+    let mut buf = Vec::new();
+    greet(&mut node, &mut buf, &hello).await;
+    match reply(&mut node, &mut buf).await {
+        Message::Error {
+            req: 0,
+            code: ErrorCode::Internal,
+            message,
+            ..
+        } => {
+            assert!(message.contains("lane 0"), "{message}");
+            assert!(message.contains(&closed.to_string()), "{message}");
+            assert!(message.contains("leaves the lane out"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Both of lane 0's connections are reported not dialled (the second is not tried).
+    for conn in 0..2 {
+        let m = reply(&mut node, &mut buf).await;
+        let want = Message::DataConn {
+            lane: 0,
+            conn,
+            addr: wire::NOT_DIALLED,
+        };
+        assert_eq!(m, want);
+    }
+    let announced = match reply(&mut node, &mut buf).await {
+        Message::DataConn {
+            lane: 1,
+            conn: 2,
+            addr,
+        } => addr,
+        other => panic!("{other:?}"),
+    };
+    let (mut conn, from) = data.accept().await.unwrap();
+    assert_eq!(from, announced);
+    write_message(&mut node, &Message::DataReady { conn: 2 })
+        .await
+        .unwrap();
+    let fetch = |req, lane| Message::Fetch {
+        req,
+        dataset: "local".into(),
+        shard: 0,
+        lane,
+    };
+    write_message(&mut node, &fetch(1, 1)).await.unwrap();
+    match reply(&mut node, &mut buf).await {
+        Message::Shard {
+            req: 1,
+            shard: 0,
+            length: SHARD,
+            conn: 2,
+            seq: 0,
+            ..
+        } => {}
+        other => panic!("{other:?}"),
+    }
+    let mut payload = vec![0u8; SHARD as usize];
+    let read = tokio::io::AsyncReadExt::read_exact(&mut conn, &mut payload);
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the payload within 10 s")
+        .unwrap();
+    assert_eq!(payload, shard_bytes(0), "lane 1's data flows");
+    write_message(&mut node, &fetch(2, 0)).await.unwrap();
+    match reply(&mut node, &mut buf).await {
+        Message::Error {
+            req: 2,
+            code: ErrorCode::Internal,
+            message,
+            ..
+        } => assert!(message.contains("lane 0"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!source.is_finished(), "the session goes on");
+    source.abort();
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_node_that_finishes_its_handshake_while_the_source_drains_is_told_so() {
     let dir = Scratch::new("drain-handshake");

@@ -612,3 +612,34 @@ fn a_table_of_one_lane_takes_devmem_queues_when_it_names_none() {
     assert_eq!(got[0].nic.as_deref(), Some("eth1"));
     assert_eq!(got[0].queues, [6, 7], "the node's devmem_queues");
 }
+
+#[test]
+fn a_table_lane_on_a_fixed_data_listen_not_its_nics_warns_as_auto_lanes_do() {
+    // data_listen is eth1's own address: the eth2 lane is dialled there too, so its traffic
+    // enters through eth1. Before, a table lane said so at info level, without the hint.
+    let t = tree("8gpu-4nic");
+    let on = |gpu: &str, nic: &str| LaneConfig {
+        gpu: Some(gpu.into()),
+        interface: Some(nic.into()),
+        ..LaneConfig::default()
+    };
+    let lanes = table(vec![on("0000:04:00.0", "eth1"), on("0000:0a:00.0", "eth2")]);
+    let got = plan(&inputs(&lanes, "10.0.1.5:7401", &t, &[]), &addrs).unwrap();
+    assert_eq!(got[0].data_listen.to_string(), "10.0.1.5:7401");
+    assert!(!got[0].warn, "its NIC's own address: {}", got[0].why);
+    assert_eq!(got[1].data_listen.to_string(), "10.0.1.5:7401");
+    assert_eq!(got[1].distance, Some(Distance::Pix), "{}", got[1].why);
+    assert!(got[1].warn, "{}", got[1].why);
+    for hint in [
+        "not an address of eth2",
+        "0.0.0.0:7401",
+        "set lanes[1].data_listen",
+    ] {
+        assert!(got[1].why.contains(hint), "{hint}: {}", got[1].why);
+    }
+    // A lane's own data_listen is taken as meant.
+    let mut own = on("0000:0a:00.0", "eth2");
+    own.data_listen = Some("10.0.1.5:7402".parse().unwrap());
+    let got = plan(&inputs(&table(vec![own]), "10.0.1.5:7401", &t, &[]), &addrs).unwrap();
+    assert!(!got[0].warn, "{}", got[0].why);
+}

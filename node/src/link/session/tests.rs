@@ -987,3 +987,111 @@ fn a_link_stopped_for_its_retired_source_says_so() {
         "{why}"
     );
 }
+
+/// Announces data connections 0 and 1 (lane 0) from the source's side.
+async fn announce_lane_0(src: &mut FakeSource) {
+    for (conn, port) in [(0, 40000), (1, 40001)] {
+        src.send(Message::DataConn {
+            lane: 0,
+            conn,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        })
+        .await;
+    }
+}
+
+/// `/readyz` counted a link as soon as its handshake was done, while its source was still
+/// dialling (or could not dial at all): it is ready only once every data connection is.
+#[tokio::test]
+async fn a_link_is_ready_only_once_every_data_connection_is_ready() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    assert!(!l.is_ready(), "up, but no data connection yet");
+    announce_lane_0(&mut src).await;
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: "127.0.0.1:40002".parse().unwrap(),
+    })
+    .await;
+    until_announced(&sink, 3).await;
+    for conn in 0..3 {
+        assert!(!l.is_ready(), "connection {conn} not ready yet");
+        l.data_ready(1, conn);
+    }
+    assert!(l.is_ready());
+    assert!(!task.is_finished());
+}
+
+/// A lane the source could not dial stopped every session of every source. Now the session
+/// goes on without it: the lane is left out (no fetch of it goes to this link, `last_error`
+/// names it, its address and the source's reason), the other lane is served, and the link is
+/// not ready.
+#[tokio::test]
+async fn a_lane_the_source_could_not_dial_is_left_out_and_the_session_goes_on() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let why = "lane 1: cannot open data connection to 127.0.0.2:7402: Connection refused";
+    src.send(Message::Error {
+        req: 0,
+        code: ErrorCode::Internal,
+        retry_after_ms: 0,
+        message: why.into(),
+    })
+    .await;
+    announce_lane_0(&mut src).await;
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: wire::NOT_DIALLED,
+    })
+    .await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while l.lanes_left_out().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "lane 1 not left out");
+        tokio::task::yield_now().await;
+    }
+    let lane_1: SocketAddr = "127.0.0.2:7402".parse().unwrap();
+    assert_eq!(l.lanes_left_out(), [(1, lane_1)]);
+    assert!(l.reaches(0) && !l.reaches(1));
+    let said = l.last_error.lock().unwrap().clone().expect("a last error");
+    for says in ["lane 1", "127.0.0.2:7402", "Connection refused"] {
+        assert!(said.contains(says), "{says}: {said}");
+    }
+    assert_eq!(
+        sink.announced.lock().unwrap().len(),
+        2,
+        "a connection not dialled is not expected on the data port"
+    );
+    l.data_ready(1, 0);
+    l.data_ready(1, 1);
+    assert!(!l.is_ready(), "a lane is left out");
+    // Lane 0's fetches still go to the source.
+    let p = pool(1 << 20);
+    let (f, _done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(7, "tiny", f.shard, f).unwrap();
+    loop {
+        match src.recv_work().await {
+            Message::Fetch {
+                req: 7, lane: 0, ..
+            } => break,
+            Message::DataReady { .. } => continue,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(!task.is_finished(), "the session goes on");
+    // A connection reported not dialled cannot be announced after all.
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: "127.0.0.1:40002".parse().unwrap(),
+    })
+    .await;
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::Protocol(m) if m.contains("connection 2 announced twice")),
+        "{e}"
+    );
+}
