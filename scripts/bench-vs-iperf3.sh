@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flows=${1:-4}; secs=${2:-8}; rounds=${3:-3}; shard=${4:-4MiB}
+[ "$rounds" -ge 1 ] 2>/dev/null || { echo "bench-vs-iperf3: ROUNDS must be a whole number >= 1, not '$rounds'" >&2; exit 2; }
 command -v iperf3 >/dev/null || { echo "iperf3 is not installed (apt-get install iperf3)" >&2; exit 2; }
 [ "${SKIP_BUILD:-0}" = 1 ] || cargo build --release -q -p shardwire
 bin=${CARGO_TARGET_DIR:-target}/release/shardwire

@@ -1008,6 +1008,10 @@ def quality(order, shard_of, B: int) -> dict:
 def shuffle_quality(a: argparse.Namespace, tmp: pathlib.Path, children: list[Child]) -> None:
     import numpy as np
 
+    if not STREAMING_PY.exists():
+        raise SystemExit(f"bench-loaders: --shuffle-quality compares with Streaming's shuffle, run by {STREAMING_PY}, which "
+                         "is missing: make it with scripts/streaming-venv (scripts/bench-loaders does)")
+
     data = pathlib.Path(a.data)
     n, R, B = a.samples, a.shard_rows, a.batch
     shard_sizes = np.full(n // R, R, dtype=np.int64)

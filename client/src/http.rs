@@ -173,14 +173,19 @@ fn base_address(url: &str) -> Result<String, ClientError> {
     Ok(hostport.to_owned())
 }
 
-/// The idle timeout asked for, in whole seconds: rounded up (as the Python SDK's). Zero is
-/// refused, as the Python SDK refuses it: the node would take it as one second, and close the
-/// stream during the first model step longer than that.
+/// Longest idle timeout the node takes, in seconds (a day; it refuses more by name).
+const MAX_IDLE_TIMEOUT_S: u64 = 86_400;
+
+/// The idle timeout asked for, in whole seconds: rounded up (as the Python SDK's). Zero and
+/// more than [`MAX_IDLE_TIMEOUT_S`] are refused before anything is sent, as the Python SDK
+/// refuses them (the node refuses both; this client once sent zero as one second, which
+/// closed the stream during the first model step longer than that).
 fn idle_timeout_s(t: Duration) -> Result<u64, ClientError> {
-    if t.is_zero() {
+    let s = t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0));
+    if t.is_zero() || s > MAX_IDLE_TIMEOUT_S {
         return Err(ClientError::IdleTimeout(t));
     }
-    Ok(t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0)))
+    Ok(s)
 }
 
 /// The body of `POST /v1/streams` for `o`, resuming from `from` when given (in place of
@@ -1316,7 +1321,21 @@ mod tests {
         assert_eq!(idle_timeout_s(Duration::from_millis(1500)).unwrap(), 2);
         assert_eq!(idle_timeout_s(Duration::from_millis(1)).unwrap(), 1);
         assert_eq!(idle_timeout_s(Duration::from_secs(7)).unwrap(), 7);
-        assert_eq!(idle_timeout_s(Duration::MAX).unwrap(), u64::MAX);
+        assert_eq!(idle_timeout_s(Duration::from_secs(86_400)).unwrap(), 86_400);
+    }
+
+    #[test]
+    fn an_idle_timeout_above_a_day_is_refused_before_anything_is_sent() {
+        // Before, it was sent and the node answered 400.
+        for t in [
+            Duration::from_millis(86_400_001),
+            Duration::from_secs(90_000),
+            Duration::MAX,
+        ] {
+            let e = idle_timeout_s(t).unwrap_err();
+            assert!(matches!(e, ClientError::IdleTimeout(x) if x == t), "{e}");
+            assert!(e.to_string().contains("86400"), "{e}");
+        }
     }
 
     #[test]

@@ -214,12 +214,12 @@ pub enum ClientError {
         "the node's HTTP address must be HOST:PORT or http://HOST:PORT (its admin address), not `{0}`"
     )]
     Address(String),
-    /// An HTTP stream's idle timeout of zero, refused before anything is sent (as the Python
-    /// SDK refuses one not above 0): the service would close the stream after one second
-    /// without requests.
+    /// An HTTP stream's idle timeout of zero or above a day, refused before anything is sent
+    /// (as the Python SDK refuses them; the service refuses both).
     #[error(
-        "idle_timeout must be above 0, not {0:?}: pass None for the service's default (300 s), \
-         or the time without requests after which it may close the stream (1 s to 86400 s)"
+        "idle_timeout must be above 0 and at most 86400 s, not {0:?}: pass None for the \
+         service's default (300 s), or the time without requests after which it may close the \
+         stream (1 s to 86400 s)"
     )]
     IdleTimeout(Duration),
 }

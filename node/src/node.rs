@@ -5,8 +5,9 @@
 //! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
 //! [`Admission`] (open streams and each lane's memory budget, under one lock) and the
 //! [`DataPlane`] (links, lanes, matcher, RX bindings). A stream goes to the lane of the GPU
-//! its trainer names, else to the least loaded lane. The RX bindings, one per lane at most,
-//! are in [`bindings`].
+//! its trainer names, else to the least loaded lane a connected source reaches (a lane every
+//! connected source left out of its session is refused or passed over). The RX bindings, one
+//! per lane at most, are in [`bindings`].
 
 mod bindings;
 
@@ -31,7 +32,7 @@ use crate::status::{LaneStatus, Mode, PoolStatus, SourceStatus, Status};
 use crate::stream::kind::Kind;
 use crate::stream::{
     CloseReason, DatasetSource, OpenError, Parts, Routing, Stream, batcher, fetcher, manifests,
-    open, open_mix, supervise,
+    open, open_mix, route, supervise,
 };
 
 /// A control message and where its answer goes.
@@ -105,13 +106,15 @@ impl Node {
         self.plane.flows()
     }
 
-    /// (sources ready, sources known, draining). A source counts once its session is up and
-    /// every data connection of it is ready ([`crate::link::SourceLink::is_ready`]): not
-    /// while it dials, nor while it left a lane out (could not dial it).
-    pub fn readiness(&self) -> (usize, usize, bool) {
+    /// (sources ready, sources connected, sources known, draining). A source is ready once
+    /// its session is up and every data connection of it is ready
+    /// ([`crate::link::SourceLink::is_ready`]): not while it dials, nor while it left a lane
+    /// out (could not dial it); connected once its session is up, ready or not.
+    pub fn readiness(&self) -> (usize, usize, usize, bool) {
         let links = self.plane.roster.links();
         let ready = links.iter().filter(|l| l.is_ready()).count();
-        (ready, links.len(), self.admission.draining())
+        let connected = links.iter().filter(|l| l.is_up()).count();
+        (ready, connected, links.len(), self.admission.draining())
     }
 
     /// Woken when a drain is requested over the admin API.
@@ -126,34 +129,63 @@ impl Node {
     // --- streams -----------------------------------------------------------------------
 
     /// The lane a stream goes to, with its memory reserved there: its trainer's GPU's lane,
-    /// else the least loaded (chosen and reserved at once, so streams opened together spread).
+    /// else the least loaded (chosen and reserved at once, so streams opened together spread)
+    /// of those a connected source reaches ([`route::reserve_reached`]). While sources are
+    /// connected but none reaches the GPU's lane (each left it out of its session), the stream
+    /// is refused `unavailable` (retryable): its fetches would wait there.
     fn place(
         &self,
         device: Option<&str>,
         bytes: u64,
     ) -> Result<(Arc<Lane>, Reservation<'_, Stream>), OpenError> {
-        let refused = |e: AdmitError| {
-            let code = match e {
-                AdmitError::Draining => ErrorCode::Draining,
-                AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
-            };
-            OpenError::new(code, e.to_string())
-        };
         let lanes = &self.plane.lanes;
+        let reached = route::lanes_reached(&self.plane.roster.links(), lanes.all().len());
         let reservation = match device {
             Some(d) => {
                 let lane = lanes
                     .by_device(d)
                     .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string()))?;
-                self.admission.reserve(lane.id(), bytes)
+                if reached.as_ref().and_then(|r| r.get(lane.id() as usize)) == Some(&false) {
+                    let detail = format!("device {d} is on that lane");
+                    return Err(self.unreached(lane, &detail));
+                }
+                self.admission.reserve(lane.id(), bytes).map_err(refused)?
             }
-            None => self.admission.reserve_least_loaded(bytes),
-        }
-        .map_err(refused)?;
+            None => {
+                let cuda: Vec<bool> = lanes.all().iter().map(|l| l.cuda.is_some()).collect();
+                route::reserve_reached(&self.admission, bytes, reached.as_deref(), &cuda)
+                    .map_err(|e| self.unplaced(e))?
+            }
+        };
         let lane = lanes
             .get(reservation.lane())
             .ok_or_else(|| OpenError::new(ErrorCode::Internal, "the node has no lane"))?;
         Ok((Arc::clone(lane), reservation))
+    }
+
+    /// Why [`route::reserve_reached`] placed no stream, as the trainer is told.
+    fn unplaced(&self, e: route::Unplaced) -> OpenError {
+        let (lane, full) = match e {
+            route::Unplaced::Refused(e) => return refused(e),
+            route::Unplaced::Unreached { lane, full } => (lane, full),
+        };
+        let Some(lane) = self.plane.lanes.get(lane) else {
+            return OpenError::new(ErrorCode::Internal, "the node has no lane");
+        };
+        let kind = if lane.cuda.is_some() { "GPU" } else { "host" };
+        let detail = if full {
+            format!("the lanes with {kind} memory that one reaches have no room left")
+        } else {
+            format!("nor does one reach any other lane with {kind} memory")
+        };
+        self.unreached(lane, &detail)
+    }
+
+    /// `unavailable` (retryable): no connected source reaches `lane` ([`route::unreached_lane`]).
+    fn unreached(&self, lane: &Lane, detail: &str) -> OpenError {
+        let links = self.plane.roster.links();
+        let why = route::unreached_lane(&links, lane.id() as u16, lane.data_addr, detail);
+        OpenError::new(ErrorCode::Unavailable, why)
     }
 
     /// Whether the stream's lane has GPU memory: its device's lane, else the node's least
@@ -260,7 +292,8 @@ impl Node {
     }
 
     /// The manifests `r` is planned from, each with its dataset's name: its dataset's, or
-    /// each mixture part's in mix order (asked all at once, [`manifests::manifests_of`]).
+    /// each mixture part's in mix order (asked [`manifests::AT_ONCE`] at a time,
+    /// [`manifests::manifests_of`]).
     async fn manifests_for(&self, r: &StreamRequest) -> Result<Vec<Part>, OpenError> {
         let names: Vec<&str> = match (&r.mix, r.batch_size) {
             (Some(mix), Some(_)) => mix.iter().map(|e| e.dataset.as_str()).collect(),
@@ -514,6 +547,15 @@ fn source_status(m: &Member) -> SourceStatus {
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
     }
+}
+
+/// The error a trainer gets when admission refuses its stream.
+fn refused(e: AdmitError) -> OpenError {
+    let code = match e {
+        AdmitError::Draining => ErrorCode::Draining,
+        AdmitError::Exhausted { .. } => ErrorCode::NoMemory,
+    };
+    OpenError::new(code, e.to_string())
 }
 
 /// A dataset's name and its manifest.

@@ -91,7 +91,9 @@ pub struct SourceStatus {
     pub cancelled: u64,
     /// Payload bytes received.
     pub bytes_received: u64,
-    /// Why the last connection ended.
+    /// Why the link's last session ended, or why the current one is not ready (a lane the
+    /// source left out); kept until a session has every data connection ready, so a link
+    /// whose sessions keep failing shows why.
     pub last_error: Option<String>,
 }
 

@@ -16,8 +16,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A control write that cannot finish within this time (the node stopped reading) ends the
 /// session.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Time to dial all of a node's data connections (each connect also has
-/// [`HANDSHAKE_TIMEOUT`]).
+/// Time to dial all of a node's data connections: the lanes at once, each lane's connections
+/// one after another (each connect also has [`HANDSHAKE_TIMEOUT`], or half the idle timeout).
 pub const DIAL_DEADLINE: Duration = Duration::from_secs(60);
 /// FETCHes a session holds before the node must wait for payloads to go out; a node that
 /// sends more is broken and is dropped.

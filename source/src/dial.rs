@@ -11,6 +11,11 @@
 //! connection are refused. Only a node none of whose connections could be dialled ends the
 //! session. The next session dials every lane again.
 //!
+//! The lanes are dialled at the same time (each lane's connections one after another), so
+//! lanes whose connects time out cost one connect limit together, not one each, out of the
+//! session's dial deadline; the sender threads start once dialling ends, each paced at its
+//! share of `rate_limit` over the connections dialled.
+//!
 //! Each data socket is bound to an ephemeral port of its own before it connects, so its local
 //! address is unique on this host even across lanes: the kernel may otherwise reuse one
 //! source port for connections to different destinations, and the node would see two
@@ -25,6 +30,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use shardwire_protocol::wire::{self, ErrorCode, LaneAddr, Message};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
@@ -108,9 +115,11 @@ fn below_pace(rate: u64) -> bool {
     rate != 0 && rate.saturating_mul(wire::DATA_PACE_WINDOW.as_secs()) < wire::DATA_PACE_FLOOR
 }
 
-/// Dials every lane `flows` times, reporting each connection on the control connection; a
-/// lane that cannot be dialled is left out ([`dial_lane`]). Fails when no connection at all
-/// could be dialled (with the first lane's failure), or the control connection or a sender
+/// Dials every lane `flows` times ([`dial_lanes`]: the lanes at once), reporting each
+/// connection on the control connection as its connect ends; a lane that cannot be dialled is
+/// left out. Then starts a sender thread per connection dialled, each paced at its share of
+/// `rate_limit` over the connections dialled ([`conn_share`]). Fails when no connection at all
+/// could be dialled (with the lowest lane's failure), or the control connection or a sender
 /// thread fails.
 pub(crate) async fn dial(
     ctl: &mut Control,
@@ -119,36 +128,45 @@ pub(crate) async fn dial(
     failed: &Arc<ConnFailed>,
     progress: &Arc<Notify>,
 ) -> Result<DataConns, SessionError> {
-    let total = check_lanes(ctl, shared, lanes).await?;
-    let per_flow_rate = per_flow_rate(shared.cfg.rate_limit, total);
-    if below_pace(per_flow_rate) {
+    check_lanes(ctl, shared, lanes).await?;
+    let (dialled, failure) = dial_lanes(ctl, shared, lanes).await?;
+    if let Some(e) = failure
+        && dialled.iter().all(Option::is_none)
+    {
+        return Err(e);
+    }
+    let rate = conn_share(shared.cfg.rate_limit, &dialled);
+    if below_pace(rate) {
         tracing::warn!(
             rate_limit = shared.cfg.rate_limit,
-            connections = total,
-            per_connection = per_flow_rate,
+            connections = dialled.iter().flatten().count(),
+            per_connection = rate,
             "rate_limit leaves each data connection of this node less than the {} bytes every {:?} a node needs to keep it: the node will drop them as a trickle; raise rate_limit",
             wire::DATA_PACE_FLOOR,
             wire::DATA_PACE_WINDOW
         );
     }
-    let mut out = DataConns {
-        senders: Vec::with_capacity(total as usize),
-        lane_of: Vec::with_capacity(total as usize),
-    };
     let spawn = Spawn {
-        rate: per_flow_rate,
+        rate,
         failed,
         progress,
     };
-    let mut first_failure = None;
-    for lane in 0..lanes.len() {
-        let failure = dial_lane(ctl, shared, (lanes, lane), &mut out, &spawn).await?;
-        first_failure = first_failure.or(failure);
-    }
-    match first_failure {
-        Some(e) if out.senders.iter().all(Option::is_none) => Err(e),
-        _ => Ok(out),
-    }
+    let senders = dialled
+        .into_iter()
+        .enumerate()
+        .map(|(conn, d)| d.map(|d| spawn.sender(d, conn as u16)).transpose())
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(DataConns {
+        senders,
+        lane_of: wire::conn_lanes(lanes),
+    })
+}
+
+/// Each dialled connection's share of `limit` (bytes/s, 0: unlimited): `limit` split over the
+/// connections dialled (`Some` in `conns`), not over every one the node asked for, so a session
+/// with a lane left out still sends at `rate_limit` in all.
+fn conn_share<T>(limit: u64, conns: &[Option<T>]) -> u64 {
+    per_flow_rate(limit, conns.iter().flatten().count() as u64)
 }
 
 /// What a data connection's sender thread is started with.
@@ -177,48 +195,93 @@ impl Spawn<'_> {
     }
 }
 
-/// Dials lane `lane`'s `flows` connections into `out`, each reported to the node with its
-/// `DataConn`. The first connect that fails is told to the node with the lane
-/// ([`tell_not_dialled`]); that connection and the lane's later ones are reported as
-/// [`wire::NOT_DIALLED`] and not tried. Returns that failure, if any.
-async fn dial_lane(
+/// How one data connect ended: connection `conn` of lane `lane`.
+struct Connect {
+    /// The lane.
+    lane: usize,
+    /// The connection's number (across the lanes).
+    conn: u16,
+    /// The connection, or why it could not be dialled.
+    dialled: Result<Dialled, SessionError>,
+}
+
+/// Dials connection `conn` of lane `lane` ([`open_data_conn`]).
+async fn dial_one(shared: &Shared, lanes: &[LaneAddr], lane: usize, conn: u16) -> Connect {
+    let dialled = open_data_conn(shared, target(shared, lanes, lane)).await;
+    Connect {
+        lane,
+        conn,
+        dialled,
+    }
+}
+
+/// Dials every lane at once, each lane's connections one after another: lanes whose connects
+/// time out cost one connect limit together, not one each, out of
+/// [`crate::control::DIAL_DEADLINE`]. Each connection is reported with its `DataConn` as its
+/// connect ends (the node numbers them, so the order does not matter). A lane's first connect
+/// that fails is told to the node with the lane ([`tell_not_dialled`]), and right after it
+/// that connection and the lane's later ones as [`wire::NOT_DIALLED`] (not tried): the node
+/// takes the `Error` just before as the lane's reason. Returns each connection dialled (`None`
+/// for one not), by number, and the failure of the lowest lane that had one.
+async fn dial_lanes(
     ctl: &mut Control,
     shared: &Shared,
-    (lanes, lane): (&[LaneAddr], usize),
-    out: &mut DataConns,
-    spawn: &Spawn<'_>,
-) -> Result<Option<SessionError>, SessionError> {
-    let mut failure = None;
-    for _ in 0..lanes[lane].flows {
-        let conn = out.senders.len() as u16;
-        let dialled = if failure.is_some() {
-            None
-        } else {
-            match open_data_conn(shared, target(shared, lanes, lane)).await {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    tell_not_dialled(ctl, lane, &e).await?;
-                    failure = Some(e);
-                    None
+    lanes: &[LaneAddr],
+) -> Result<(Vec<Option<Dialled>>, Option<SessionError>), SessionError> {
+    // Past each lane's last connection; `check_lanes` bounds the sum to MAX_SESSION_FLOWS.
+    let ends: Vec<u16> = lanes
+        .iter()
+        .scan(0u16, |n, l| {
+            *n += l.flows;
+            Some(*n)
+        })
+        .collect();
+    let total = ends.last().copied().unwrap_or(0);
+    let mut dialled: Vec<Option<Dialled>> = (0..total).map(|_| None).collect();
+    let mut failures: Vec<Option<SessionError>> = lanes.iter().map(|_| None).collect();
+    let mut under_way = FuturesUnordered::new();
+    for (lane, (l, &end)) in lanes.iter().zip(&ends).enumerate() {
+        if l.flows > 0 {
+            under_way.push(dial_one(shared, lanes, lane, end - l.flows));
+        }
+    }
+    while let Some(Connect {
+        lane,
+        conn,
+        dialled: d,
+    }) = under_way.next().await
+    {
+        let (wire_lane, end) = (lane as u16, ends[lane]);
+        match d {
+            Ok(d) => {
+                let addr = d.local;
+                ctl.send(&Message::DataConn {
+                    lane: wire_lane,
+                    conn,
+                    addr,
+                })
+                .await?;
+                dialled[usize::from(conn)] = Some(d);
+                if conn + 1 < end {
+                    under_way.push(dial_one(shared, lanes, lane, conn + 1));
                 }
             }
-        };
-        let addr = dialled.as_ref().map_or(wire::NOT_DIALLED, |d| d.local);
-        let wire_lane = lane as u16;
-        ctl.send(&Message::DataConn {
-            lane: wire_lane,
-            conn,
-            addr,
-        })
-        .await?;
-        let sender = match dialled {
-            Some(d) => Some(spawn.sender(d, conn)?),
-            None => None,
-        };
-        out.senders.push(sender);
-        out.lane_of.push(wire_lane);
+            Err(e) => {
+                tell_not_dialled(ctl, lane, &e).await?;
+                for conn in conn..end {
+                    let addr = wire::NOT_DIALLED;
+                    ctl.send(&Message::DataConn {
+                        lane: wire_lane,
+                        conn,
+                        addr,
+                    })
+                    .await?;
+                }
+                failures[lane] = Some(e);
+            }
+        }
     }
-    Ok(failure)
+    Ok((dialled, failures.into_iter().flatten().next()))
 }
 
 /// Tells the node (an `Error` about no request, which it logs and shows) that lane `lane`
@@ -238,12 +301,11 @@ async fn tell_not_dialled(
 
 /// Refuses, on the control connection, lanes the source must not dial: more connections in
 /// all than a session may have, or (without a secret) a data address that is not loopback.
-/// Returns the connections to dial.
 async fn check_lanes(
     ctl: &mut Control,
     shared: &Shared,
     lanes: &[LaneAddr],
-) -> Result<u64, SessionError> {
+) -> Result<(), SessionError> {
     let total: u64 = lanes.iter().map(|l| u64::from(l.flows)).sum();
     if total > MAX_SESSION_FLOWS {
         let e = SessionError::TooManyFlows(total);
@@ -266,7 +328,7 @@ async fn check_lanes(
         let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
         return Err(e);
     }
-    Ok(total)
+    Ok(())
 }
 
 /// A data connection dialled and ready for its sender thread.
@@ -345,6 +407,30 @@ mod tests {
         assert_eq!(per_flow_rate(800, 8), 100);
         assert_eq!(per_flow_rate(5, 8), 1, "not 0, which is unlimited");
         assert_eq!(per_flow_rate(5, 0), 5);
+    }
+
+    #[test]
+    fn the_rate_limit_is_split_over_the_connections_dialled() {
+        // 8 lanes of 1 flow, 4 left out: each of the 4 got 800 / 8 before, and the session
+        // sent at half its rate_limit.
+        let conns = [
+            Some(()),
+            None,
+            Some(()),
+            None,
+            Some(()),
+            None,
+            Some(()),
+            None,
+        ];
+        assert_eq!(conn_share(800, &conns), 200);
+        assert_eq!(conn_share(0, &conns), 0, "unlimited");
+        assert_eq!(conn_share(800, &[None::<()>; 2]), 800, "none dialled");
+        // The pace warning follows the share too: 4 dialled at the floor each are not warned
+        // of, as they were split over all 8.
+        let floor_rate = wire::DATA_PACE_FLOOR.div_ceil(wire::DATA_PACE_WINDOW.as_secs());
+        assert!(!below_pace(conn_share(4 * floor_rate, &conns)));
+        assert!(below_pace(per_flow_rate(4 * floor_rate, 8)), "over all 8");
     }
 
     #[test]

@@ -152,12 +152,12 @@ pub(crate) fn admissible(shared: &Shared, peer: SocketAddr) -> Result<(), Sessio
 const LAST_WORD: Duration = Duration::from_secs(1);
 
 /// Dials the node's data connections ([`dial`]) within [`DIAL_DEADLINE`]. Each connect has
-/// its own limit; all of them together (up to MAX_LANES * MAX_FLOWS) have this one, so a node
-/// cannot hold the session in dialling for hours. A lane that cannot be dialled is left out
-/// (the node is told); a failure that ends the session (no lane's data address reachable, the
-/// deadline, no sender thread) is sent to the node in an `Error` (within [`LAST_WORD`]) before
-/// the session ends: else the node sees only its control connection closed, and the reason (a
-/// firewall in between) is in this source's log only.
+/// its own limit; all of them together (up to MAX_LANES * MAX_FLOWS, the lanes dialled at
+/// once) have this one, so a node cannot hold the session in dialling for hours. A lane that
+/// cannot be dialled is left out (the node is told); a failure that ends the session (no
+/// lane's data address reachable, the deadline, no sender thread) is sent to the node in an
+/// `Error` (within [`LAST_WORD`]) before the session ends: else the node sees only its control
+/// connection closed, and the reason (a firewall in between) is in this source's log only.
 async fn dial_or_tell(
     ctl: &mut Control,
     shared: &Shared,

@@ -14,6 +14,17 @@
 //! the other lanes. A lane none of whose connections was dialled is *left out* of the session:
 //! no fetch for it goes to this link ([`SourceLink::reaches`]), `last_error` names it, and the
 //! link does not count as ready ([`SourceLink::is_ready`]) until a session dials every lane.
+//! A lane only some of whose connections were dialled runs on those; `last_error` names the
+//! lane and the connections missing, and the link does not count as ready either.
+//!
+//! Nothing dials a connection again within a session, so the node ends a session that still
+//! has one not dialled [`REDIAL_AFTER`] after the source first reported one (a NIC still
+//! training at boot is up by then): the next session dials every lane again. Ending a session
+//! fails every fetch outstanding on it, and a fetch longer than the wait would fail at every
+//! redial, so the session ends at a moment with nothing outstanding, or [`REDIAL_BUSY_AFTER`]
+//! after the first report at the latest ([`SourceLink::redial_due`]). It counts as a healthy
+//! session, so the link reconnects at its shortest wait (100 ms); the other lanes pause for
+//! that and the next session's dialling, at most once a minute while the connection fails.
 
 pub mod served;
 pub mod session;
@@ -30,11 +41,32 @@ use shardwire_protocol::wire::{self, EncodeError, LaneAddr, Message};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use self::served::Served;
-use self::stall::{Stall, Waiting};
+use self::stall::{Answered, Stall, Waiting};
 use crate::fetch::{FetchFailure, Held, InFlight};
 
-/// How long a manifest request may wait for its answer.
-pub const MANIFEST_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a source may take to write a control frame (the source's `WRITE_TIMEOUT`): it
+/// ends the session past it.
+const SOURCE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a manifest request waits for its answer, unless a frame is arriving then
+/// ([`manifest_limit`]): as long as a source may take to write a manifest under 1 MiB.
+pub const MANIFEST_TIMEOUT: Duration = SOURCE_WRITE_TIMEOUT;
+
+/// How long a source may take to write a manifest frame of `len` bytes, as the source rules
+/// (its `manifest_write_limit`: its write timeout plus 1 s per MiB) before it ends the
+/// session: a manifest request waits that long for a frame it sees arriving.
+pub fn manifest_limit(len: usize) -> Duration {
+    SOURCE_WRITE_TIMEOUT + Duration::from_secs(len as u64 >> 20)
+}
+
+/// How long after the source first reported a data connection of a session not dialled the
+/// node ends that session, so that the next one dials every lane again (module docs).
+pub const REDIAL_AFTER: Duration = Duration::from_secs(60);
+
+/// While fetches are outstanding on the link, the end of a session with a connection not
+/// dialled waits for a moment with none (ending it fails them all), up to this long after the
+/// first report.
+pub const REDIAL_BUSY_AFTER: Duration = Duration::from_secs(600);
 
 /// What a link needs to know about its node.
 #[derive(Clone, Debug)]
@@ -42,7 +74,8 @@ pub struct LinkConfig {
     /// Shared secret for the handshake.
     pub secret: Option<Vec<u8>>,
     /// Each lane's data address (a wildcard IP is replaced by the control connection's local
-    /// IP) and the data connections to ask for on it, lane `i` at index `i`.
+    /// IP; an IPv4 wildcard cannot be over IPv6: [`session::advertised`]) and the data
+    /// connections to ask for on it, lane `i` at index `i`.
     pub lanes: Vec<LaneAddr>,
 }
 
@@ -142,6 +175,21 @@ pub enum Kick {
         /// How long it was waited for.
         after: Duration,
     },
+    /// Data connections of the session stayed not dialled ([`wire::NOT_DIALLED`]) for
+    /// [`REDIAL_AFTER`] or more: the next session dials every lane again.
+    #[error(
+        "the source did not dial data connections {conns:?} (lanes {lanes:?}) of this session for {waited:?} ({said}): the node ended the session so that the next one dials every lane again"
+    )]
+    Redial {
+        /// The lanes of those connections.
+        lanes: Vec<u16>,
+        /// The connections not dialled.
+        conns: Vec<u16>,
+        /// How long since the source reported the first (whole seconds).
+        waited: Duration,
+        /// What the source said of each of those lanes.
+        said: String,
+    },
 }
 
 /// Why a manifest request failed.
@@ -184,7 +232,7 @@ pub enum ManifestError {
         /// Its message.
         message: String,
     },
-    /// No answer in time.
+    /// No answer in time, and no frame arriving that might be one.
     #[error("source {addr} did not answer within {after:?}")]
     Timeout {
         /// The source.
@@ -209,11 +257,16 @@ struct LinkState {
     undialled: Vec<bool>,
     /// Per lane: none of its data connections was dialled, so it is left out of the session.
     lanes_out: Vec<bool>,
-    /// What the source said of each lane left out (its `Error` about no request before the
-    /// report): shown as the link's `last_error` while the session lasts.
-    lane_notes: Vec<String>,
-    /// The last `Error` about no request the source sent in this session (why a lane it
-    /// reports next was not dialled).
+    /// Per lane with a data connection not dialled: what the source said of it (its `Error`
+    /// about no request before the lane's first report), shown in the link's `last_error`
+    /// while the session lasts.
+    lane_said: Vec<Option<String>>,
+    /// When the source first reported a data connection of this session not dialled: the
+    /// session is redialled from [`REDIAL_AFTER`] on ([`SourceLink::redial_due`]).
+    undialled_since: Option<tokio::time::Instant>,
+    /// The last `Error` about no request the source sent in this session: why a lane it
+    /// reports next was not dialled, or why it ends the session (then it closes the control
+    /// connection, and this is the session's error: `LinkError::SourceEnded`).
     said: Option<String>,
     /// The `seq` the next payload announced on each data connection must have.
     next_seq: Vec<u64>,
@@ -264,8 +317,15 @@ pub struct SourceLink {
     retiring: AtomicBool,
     /// Fetches sent on it and not ended yet.
     outstanding: Arc<AtomicUsize>,
-    /// When the source last answered a fetch (or the session began): see [`stall`].
-    answered: Mutex<Instant>,
+    /// When the source last answered a fetch, or payload bytes last landed (or the session
+    /// began): see [`stall`].
+    answered: Mutex<Answered>,
+    /// Payload bytes that landed on this link's data connections, whole payloads or not,
+    /// verified or not (the source at work, for [`stall`]).
+    pub landed: AtomicU64,
+    /// The control frame arriving, as the session last saw it: its length, and when the
+    /// session first saw it under way.
+    arriving: Mutex<Option<(usize, tokio::time::Instant)>>,
 }
 
 impl std::fmt::Debug for SourceLink {
@@ -299,7 +359,9 @@ impl SourceLink {
             draining: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
             outstanding: Arc::default(),
-            answered: Mutex::new(Instant::now()),
+            answered: Mutex::new(Answered::new(Instant::now(), 0)),
+            landed: AtomicU64::new(0),
+            arriving: Mutex::default(),
         })
     }
 
@@ -358,7 +420,8 @@ impl SourceLink {
 
     /// True while the session is up and every data connection of it is ready (the node sent
     /// its `DataReady`): what `/readyz` counts. A session is not ready while it is still
-    /// dialling, nor at all when the source left a connection or a lane out (not dialled).
+    /// dialling, nor at all when the source left a connection or a lane out (not dialled):
+    /// `last_error` says which and why, and the session is redialled ([`REDIAL_AFTER`]).
     pub fn is_ready(&self) -> bool {
         if !self.is_up() {
             return false;
@@ -555,18 +618,63 @@ impl SourceLink {
                 });
             }
         }
-        let answer = tokio::time::timeout(MANIFEST_TIMEOUT, rx).await;
+        let answer = self.manifest_answer(rx).await;
         self.manifest_waiters.lock().expect("poisoned").remove(&req);
-        match answer {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(ManifestError::Down {
-                addr: self.addr.clone(),
-                reason: "the link went down".into(),
-            }),
-            Err(_) => Err(ManifestError::Timeout {
-                addr: self.addr.clone(),
-                after: MANIFEST_TIMEOUT,
-            }),
+        answer
+    }
+
+    /// Waits for a manifest request's answer on `rx`: [`MANIFEST_TIMEOUT`], and while a
+    /// control frame is arriving (a large manifest on a slow path), as long as the source may
+    /// take to write it ([`manifest_limit`] of its length, from when the session saw it).
+    async fn manifest_answer(
+        &self,
+        mut rx: oneshot::Receiver<Result<Vec<u8>, ManifestError>>,
+    ) -> Result<Vec<u8>, ManifestError> {
+        let began = tokio::time::Instant::now();
+        let mut deadline = began + MANIFEST_TIMEOUT;
+        loop {
+            match tokio::time::timeout_at(deadline, &mut rx).await {
+                Ok(Ok(r)) => return r,
+                Ok(Err(_)) => {
+                    return Err(ManifestError::Down {
+                        addr: self.addr.clone(),
+                        reason: "the link went down".into(),
+                    });
+                }
+                Err(_) => match self.frame_due() {
+                    Some(due) if due > deadline => deadline = due,
+                    _ => {
+                        return Err(ManifestError::Timeout {
+                            addr: self.addr.clone(),
+                            after: deadline - began,
+                        });
+                    }
+                },
+            }
+        }
+    }
+
+    /// When the control frame arriving must be in, if one is: its source's limit for writing
+    /// it from when the session first saw it.
+    fn frame_due(&self) -> Option<tokio::time::Instant> {
+        let arriving = *self.arriving.lock().expect("poisoned");
+        arriving.map(|(len, seen)| seen + manifest_limit(len))
+    }
+
+    /// Notes the control frame under way in the session's buffer `buf` (its length prefix
+    /// read, not all of it yet), or that none is.
+    fn note_frame(&self, buf: &[u8]) {
+        let len = buf
+            .first_chunk::<4>()
+            .map(|p| u32::from_be_bytes(*p) as usize);
+        let mut arriving = self.arriving.lock().expect("poisoned");
+        match len {
+            Some(len) if buf.len() < 4 + len => {
+                if arriving.is_none_or(|(seen_len, _)| seen_len != len) {
+                    *arriving = Some((len, tokio::time::Instant::now()));
+                }
+            }
+            _ => *arriving = None,
         }
     }
 
@@ -598,6 +706,11 @@ impl SourceLink {
         if let Err(e) = self.send(&st, &Message::DataReady { conn }) {
             tracing::debug!(source = %self.addr, conn, error = %e, "DataReady not sent: the session is gone");
         }
+        // The session is fully up (no lane left out: a connection not dialled is never
+        // ready): why the last one ended, or why none came up, is past.
+        if st.ctl.is_some() && st.ready.iter().all(|r| *r) {
+            *self.last_error.lock().expect("poisoned") = None;
+        }
     }
 
     /// Marks a new session up: its writer's queue, one empty slot per data connection of
@@ -611,27 +724,32 @@ impl SourceLink {
         st.ready = vec![false; st.conn_lane.len()];
         st.undialled = vec![false; st.conn_lane.len()];
         st.lanes_out = vec![false; lanes.len()];
-        st.lane_notes.clear();
+        st.lane_said = vec![None; lanes.len()];
+        st.undialled_since = None;
         st.said = None;
         st.next_seq = vec![0; st.conn_lane.len()];
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;
         self.draining.store(false, Ordering::Release);
         self.up.store(true, Ordering::Release);
-        *self.last_error.lock().expect("poisoned") = None;
+        // `last_error` stays until the session is ready ([`SourceLink::data_ready`]): a link
+        // whose sessions keep failing before then shows why.
+        *self.arriving.lock().expect("poisoned") = None;
         self.fetch_answered();
         st.generation
     }
 
     /// Notes that the source answered a fetch (or a session began).
     fn fetch_answered(&self) {
-        *self.answered.lock().expect("poisoned") = tokio::time::Instant::now().into_std();
+        let now = tokio::time::Instant::now().into_std();
+        self.answered.lock().expect("poisoned").answered(now);
     }
 
     /// Whether the source of this session stopped answering the fetches waiting on it, at
-    /// `now` (see [`stall`]).
+    /// `now` (see [`stall`]): payload bytes landing count as answers.
     pub fn stalled(&self, now: Instant) -> Option<Stall> {
-        let answered = *self.answered.lock().expect("poisoned");
+        let landed = self.landed.load(Ordering::Relaxed);
+        let answered = self.answered.lock().expect("poisoned").last(now, landed);
         let pending = self.pending.lock().expect("poisoned");
         let waiting = pending.values().map(|f| Waiting {
             req: f.req,
@@ -639,6 +757,37 @@ impl SourceLink {
             length: f.length,
         });
         stall::check(now, answered, waiting)
+    }
+
+    /// Whether the node ends the current session at `now` so that the next one dials every
+    /// lane again ([`Kick::Redial`]): a data connection of it was reported not dialled
+    /// [`REDIAL_AFTER`] ago or more, and no fetch is outstanding on the link (ending the
+    /// session loses nothing then) or [`REDIAL_BUSY_AFTER`] has passed. Never for a draining
+    /// source: it takes no new session.
+    pub fn redial_due(&self, now: tokio::time::Instant) -> Option<Kick> {
+        if self.is_draining() {
+            return None;
+        }
+        let st = self.state.lock().expect("poisoned");
+        let waited = now.saturating_duration_since(st.undialled_since?);
+        let busy = self.outstanding() > 0;
+        if waited < REDIAL_AFTER || (busy && waited < REDIAL_BUSY_AFTER) {
+            return None;
+        }
+        let undialled = st.undialled.iter().enumerate().filter(|(_, u)| **u);
+        let conns: Vec<u16> = undialled.map(|(c, _)| c as u16).collect();
+        let mut lanes: Vec<u16> = conns
+            .iter()
+            .map(|&c| st.conn_lane[usize::from(c)])
+            .collect();
+        lanes.dedup(); // connections are numbered in lane order
+        let said: Vec<&str> = st.lane_said.iter().flatten().map(String::as_str).collect();
+        Some(Kick::Redial {
+            lanes,
+            conns,
+            waited: Duration::from_secs(waited.as_secs()),
+            said: said.join("; "),
+        })
     }
 
     /// Ends the current session: receivers are unblocked, and every fetch and manifest
@@ -676,6 +825,10 @@ impl SourceLink {
 /// handshake) keeps doubling the wait, so a fault that repeats does not redial 10 times a
 /// second, re-reading and dropping the same shards.
 const HEALTHY_SESSION: Duration = Duration::from_secs(10);
+
+// A session the node ends to redial a connection not dialled lived long enough to count as
+// healthy: its link reconnects at the shortest wait.
+const _: () = assert!(REDIAL_AFTER.as_secs() >= HEALTHY_SESSION.as_secs());
 
 /// Why a link's task was stopped: its source was retired (its address left DNS), or the
 /// node shuts down. The fetches it still held fail with this.

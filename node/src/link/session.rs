@@ -2,8 +2,10 @@
 //! source over an in-memory pipe: the handshake (with the frame cap of an unauthenticated
 //! peer), the writer (frames queued by [`SourceLink`]'s API, each within [`WRITE_TIMEOUT`],
 //! and a `Ping` after a third of the idle timeout), and the reader, which hands each message to
-//! [`handle`] and ends the session when the source is silent for its idle timeout, or when
-//! it keeps the session alive but stops answering the FETCHes that wait on it ([`stall`]).
+//! [`handle`] and ends the session when the source is silent for its idle timeout, when it
+//! keeps the session alive but stops answering the FETCHes that wait on it ([`stall`]), or
+//! when a data connection it did not dial is due to be dialled again
+//! ([`SourceLink::redial_due`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -17,7 +19,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::stall::{self, Stall};
-use super::{Announcement, DataConns, Kick, LinkState, ManifestError, SourceLink};
+use super::{
+    Announcement, DataConns, Kick, LinkState, ManifestError, REDIAL_AFTER, REDIAL_BUSY_AFTER,
+    SourceLink,
+};
 use crate::fetch::{FetchFailure, InFlight};
 
 /// The handshake must be done within this time.
@@ -83,6 +88,29 @@ pub enum LinkError {
     /// The source closed the connection before answering `Hello`.
     #[error("the source closed the connection after this node's Hello without answering: a source of another protocol version does that (this node speaks version {ours}; see the source's log), or it refused this node", ours = wire::VERSION)]
     ClosedAfterHello,
+    /// The source said why it ends the session (an `Error` about no request, such as a data
+    /// connection it could not dial), then the control connection closed.
+    #[error("{said} (then: {closed})")]
+    SourceEnded {
+        /// What the source said.
+        said: String,
+        /// How the connection ended.
+        #[source]
+        closed: FrameError,
+    },
+    /// A lane's wildcard IPv4 data address cannot be advertised: the node reaches the source
+    /// over IPv6, and an IPv4 listener takes no IPv6 connection.
+    #[error(
+        "lane {lane}'s data address is data_listen {data_listen}, which takes IPv4 data connections only, but this node reaches the source over IPv6 (from {local_ip}): set data_listen to [::]:{port} (it takes both), or give the source an IPv4 address", port = .data_listen.port()
+    )]
+    DataListenFamily {
+        /// The lane.
+        lane: usize,
+        /// Its data address (an IPv4 wildcard).
+        data_listen: std::net::SocketAddr,
+        /// The node's address of the control connection.
+        local_ip: std::net::IpAddr,
+    },
 }
 
 /// Connects to the link's source and serves the session until it ends.
@@ -105,7 +133,7 @@ pub async fn connect_and_serve(
     .map_err(connect_err)?;
     let _ = stream.set_nodelay(true);
     let local_ip = stream.local_addr().map_err(connect_err)?.ip();
-    let lanes = advertised(&link.cfg.lanes, local_ip);
+    let lanes = advertised(&link.cfg.lanes, local_ip)?;
     let (rd, wr) = stream.into_split();
     serve(
         link,
@@ -118,18 +146,33 @@ pub async fn connect_and_serve(
 }
 
 /// The lanes as a session advertises them: a wildcard data address becomes `local_ip` (the
-/// node's address of the control connection: one the source can reach) with its port.
-pub fn advertised(lanes: &[LaneAddr], local_ip: std::net::IpAddr) -> Vec<LaneAddr> {
-    lanes
-        .iter()
-        .map(|l| LaneAddr {
-            data_addr: match l.data_addr {
-                a if a.ip().is_unspecified() => std::net::SocketAddr::new(local_ip, a.port()),
-                a => a,
-            },
+/// node's address of the control connection: one the source can reach) with its port. An
+/// IPv4 wildcard (`0.0.0.0`, an IPv4-only listener) cannot take the IPv6 `local_ip` of a
+/// control connection over IPv6: that is an error naming the lane (`[::]` takes both).
+pub fn advertised(
+    lanes: &[LaneAddr],
+    local_ip: std::net::IpAddr,
+) -> Result<Vec<LaneAddr>, LinkError> {
+    let local_ip = local_ip.to_canonical();
+    let one = |(lane, l): (usize, &LaneAddr)| {
+        let a = l.data_addr;
+        let data_addr = match a.ip() {
+            ip if !ip.is_unspecified() => a,
+            std::net::IpAddr::V4(_) if local_ip.is_ipv6() => {
+                return Err(LinkError::DataListenFamily {
+                    lane,
+                    data_listen: a,
+                    local_ip,
+                });
+            }
+            _ => std::net::SocketAddr::new(local_ip, a.port()),
+        };
+        Ok(LaneAddr {
+            data_addr,
             flows: l.flows,
         })
-        .collect()
+    };
+    lanes.iter().enumerate().map(one).collect()
 }
 
 /// Runs a whole session over `rd`/`wr`: handshake, then messages until it ends.
@@ -174,9 +217,15 @@ where
         if let Some(why) = link.abort_reason.lock().expect("poisoned").take() {
             return Err(LinkError::Ended(why));
         }
+        link.note_frame(&buf);
         let msg = tokio::select! {
-            m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => m.map_err(from_frame)?,
-            w = &mut writer => { w?; return Err(LinkError::Frame(FrameError::Closed)); }
+            m = read_message(&mut rd, &mut buf, wire::MAX_FRAME) => {
+                m.map_err(|e| last_word(link, from_frame(e)))?
+            }
+            w = &mut writer => {
+                w.map_err(|e| last_word(link, e))?;
+                return Err(LinkError::Frame(FrameError::Closed));
+            }
             _ = &mut abort => {
                 let why = link.abort_reason.lock().expect("poisoned").take();
                 return Err(LinkError::Ended(why.unwrap_or(Kick::DataFailed(String::new()))));
@@ -188,13 +237,53 @@ where
                 (heard_by, heard_len) = (Instant::now() + idle, buf.len());
                 continue;
             }
-            _ = stall_check.tick() => match link.stalled(Instant::now().into_std()) {
-                Some(stall) => return Err(LinkError::Stalled(stall)),
-                None => continue,
-            },
+            _ = stall_check.tick() => {
+                check(link)?;
+                continue;
+            }
         };
         (heard_by, heard_len) = (Instant::now() + idle, buf.len());
         handle(link, conns, generation, msg)?;
+    }
+}
+
+/// The session's periodic checks: a stalled source ([`stall`]), or a data connection not
+/// dialled for long enough that the session is redialled ([`SourceLink::redial_due`]).
+fn check(link: &SourceLink) -> Result<(), LinkError> {
+    let now = Instant::now();
+    if let Some(stall) = link.stalled(now.into_std()) {
+        return Err(LinkError::Stalled(stall));
+    }
+    match link.redial_due(now) {
+        Some(kick) => Err(LinkError::Ended(kick)),
+        None => Ok(()),
+    }
+}
+
+/// A control connection that broke (`e`) after the source said why it ends the session:
+/// the source's reason ([`LinkError::SourceEnded`]), not only the close. What it said about
+/// a lane it left out is not such a reason ([`not_dialled`] took it), except where it
+/// reported no connection dialled at all and closed without a last word: then that is why.
+fn last_word(link: &SourceLink, e: LinkError) -> LinkError {
+    match e {
+        LinkError::Frame(
+            closed @ (FrameError::Closed
+            | FrameError::TruncatedLength { .. }
+            | FrameError::Truncated { .. }
+            | FrameError::Io(_)),
+        ) => {
+            let mut st = link.state.lock().expect("poisoned");
+            let none_dialled = !st.undialled.is_empty() && st.undialled.iter().all(|u| *u);
+            let said = st
+                .said
+                .take()
+                .or_else(|| none_dialled.then(|| undialled_notes(&st)));
+            match said {
+                Some(said) => LinkError::SourceEnded { said, closed },
+                None => LinkError::Frame(closed),
+            }
+        }
+        e => e,
     }
 }
 
@@ -392,25 +481,70 @@ fn numbered(st: &LinkState, lane: u16, conn: u16) -> Result<usize, LinkError> {
 }
 
 /// The source could not dial connection `c` of lane `lane` ([`wire::NOT_DIALLED`]; its
-/// `Error` before said why). Once none of the lane's connections is left, the lane is out of
-/// this session: no fetch for it goes to this link ([`SourceLink::reaches`]), and the link's
-/// `last_error` names it, its data address and the source's reason until the session ends.
+/// `Error` before the lane's first such report said why). While the session lasts the link's
+/// `last_error` names the lane, its data address, the connections not dialled and the source's
+/// reason ([`lane_note`]), and the session is redialled once it has waited [`REDIAL_AFTER`]
+/// ([`SourceLink::redial_due`]). Once none of the lane's connections is left, the lane is out
+/// of this session: no fetch for it goes to this link ([`SourceLink::reaches`]).
 fn not_dialled(link: &SourceLink, st: &mut LinkState, lane: u16, c: usize) {
     st.undialled[c] = true;
-    let l = usize::from(lane);
-    let of_lane = st.conn_lane.iter().zip(&st.undialled);
-    if st.lanes_out[l] || !of_lane.filter(|(n, _)| **n == lane).all(|(_, u)| *u) {
-        return; // a connection of the lane is (or may yet be) there
+    if st.undialled_since.is_none() {
+        st.undialled_since = Some(Instant::now());
     }
-    st.lanes_out[l] = true;
+    let l = usize::from(lane);
     let addr = st.advertised[l];
-    let said = st.said.take().unwrap_or_else(|| "it gave no reason".into());
-    tracing::warn!(source = %link.addr, lane, %addr, %said,
-        "the source could not dial the lane's data address: none of the lane's fetches go to it until its next session");
-    st.lane_notes.push(format!(
-        "the source left lane {lane} (data address {addr}) out of this session, so none of the lane's fetches go to it until its next session: {said}"
-    ));
-    *link.last_error.lock().expect("poisoned") = Some(st.lane_notes.join("; "));
+    if st.lane_said[l].is_none() {
+        let said = st.said.take().unwrap_or_else(|| "it gave no reason".into());
+        tracing::warn!(source = %link.addr, lane, conn = c, %addr, %said,
+            "the source could not dial a data connection of the lane: the session goes on without it, and is redialled if it stays so");
+        st.lane_said[l] = Some(said);
+    }
+    let of_lane = st.conn_lane.iter().zip(&st.undialled);
+    let none_left = of_lane.filter(|(n, _)| **n == lane).all(|(_, u)| *u);
+    if none_left && !st.lanes_out[l] {
+        st.lanes_out[l] = true;
+        tracing::warn!(source = %link.addr, lane, %addr,
+            "no data connection of the lane was dialled: none of the lane's fetches go to the source until its next session");
+    }
+    *link.last_error.lock().expect("poisoned") = Some(undialled_notes(st));
+}
+
+/// What `last_error` says of the session's data connections not dialled: a [`lane_note`] for
+/// each lane with one.
+fn undialled_notes(st: &LinkState) -> String {
+    let notes: Vec<String> = (0..st.lane_said.len())
+        .filter_map(|l| lane_note(st, l))
+        .collect();
+    notes.join("; ")
+}
+
+/// What `last_error` says of lane `l` while some of its data connections are not dialled:
+/// the lane, its data address, which connections, what that does, and the source's reason.
+fn lane_note(st: &LinkState, l: usize) -> Option<String> {
+    let said = st.lane_said.get(l)?.as_deref()?;
+    let (lane, addr) = (l as u16, st.advertised[l]);
+    let of_lane: Vec<usize> = (0..st.conn_lane.len())
+        .filter(|&c| st.conn_lane[c] == lane)
+        .collect();
+    let missing: Vec<usize> = of_lane
+        .iter()
+        .copied()
+        .filter(|&c| st.undialled[c])
+        .collect();
+    let what = if st.lanes_out[l] {
+        format!(
+            "the source left lane {lane} (data address {addr}) out of this session, so none of the lane's fetches go to it"
+        )
+    } else {
+        format!(
+            "the source did not dial data connections {missing:?} of lane {lane} (data address {addr}): the lane runs on {} of its {} connections, and the source does not count as ready",
+            of_lane.len() - missing.len(),
+            of_lane.len()
+        )
+    };
+    Some(format!(
+        "{what} (the node ends the session to dial them again after {REDIAL_AFTER:?}, waiting up to {REDIAL_BUSY_AFTER:?} for a moment with no fetch outstanding): {said}"
+    ))
 }
 
 /// A `Manifest` answers the request `req` names; one of another dataset than that request's
@@ -522,7 +656,8 @@ fn payload_slot(
 }
 
 /// An `Error` from the source fails the one request it names (a fetch or a manifest
-/// request) and nothing else; one about no request is logged.
+/// request) and nothing else; one about no request is logged and kept (why a lane is not
+/// dialled, or why the source ends the session: [`last_word`]).
 fn error_for(
     link: &SourceLink,
     req: u64,

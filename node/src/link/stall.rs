@@ -10,7 +10,10 @@
 //! The limits are generous on purpose: a source reads a shard from object storage before it
 //! announces it, and waits for room on a data connection behind the fetches before it. Both
 //! grow by a second per [`ALLOWANCE_RATE`] bytes of the largest fetch concerned, so a shard
-//! of any size may be read at that rate.
+//! of any size may be read at that rate. The payloads a pending fetch waits behind are
+//! announced already, so no pending fetch stands for them: payload bytes landing on the
+//! session's data connections count as the source answering instead ([`Answered`]), however
+//! long the payloads ahead take to send.
 
 use std::time::{Duration, Instant};
 
@@ -37,6 +40,39 @@ pub struct Waiting {
     pub issued: Instant,
     /// Its payload length.
     pub length: u64,
+}
+
+/// When the source last answered, as the stall check sees it: a fetch answered (or the
+/// session begun), or payload bytes landed on the session's data connections since the last
+/// look (a source busy sending the payloads a pending fetch waits behind is at work).
+#[derive(Clone, Copy, Debug)]
+pub struct Answered {
+    /// When.
+    at: Instant,
+    /// The link's count of payload bytes landed at the last look.
+    landed: u64,
+}
+
+impl Answered {
+    /// Answered at `at`, with `landed` payload bytes landed so far.
+    pub fn new(at: Instant, landed: u64) -> Self {
+        Self { at, landed }
+    }
+
+    /// The source answered a fetch (or a session began) at `now`.
+    pub fn answered(&mut self, now: Instant) {
+        self.at = self.at.max(now);
+    }
+
+    /// The last answer, looked at `now` while the link's count of payload bytes landed is
+    /// `landed`: bytes that landed since the last look count as an answer now.
+    pub fn last(&mut self, now: Instant, landed: u64) -> Instant {
+        if landed != self.landed {
+            self.landed = landed;
+            self.answered(now);
+        }
+        self.at
+    }
 }
 
 /// Why a session gives up on its source.
@@ -186,6 +222,35 @@ mod tests {
             }),
             "the oldest one is named"
         );
+    }
+
+    /// A pending fetch that waits behind large payloads announced before it (the source
+    /// has no free slot to announce it on) while those payloads' bytes keep landing: the
+    /// source is at work, not silent. Before, only answered fetches counted, and the session
+    /// ended at 300 s plus the pending fetch's allowance, failing payloads almost received.
+    #[test]
+    fn payload_bytes_landing_count_as_the_source_answering() {
+        let t0 = Instant::now();
+        let p = [waiting(1, t0, 8 * MIB)]; // 308 s allowed
+        let mut a = Answered::new(t0, 0);
+        for s in (5..=600).step_by(5) {
+            let landed = s * 2 * MIB; // 2 MiB/s on the announced payloads
+            let last = a.last(at(t0, s), landed);
+            assert_eq!(check(at(t0, s), last, p), None, "at {s} s");
+        }
+        // What the check saw before: the last answered fetch only.
+        assert!(matches!(
+            check(at(t0, 600), t0, p),
+            Some(Stall::Silent { .. })
+        ));
+        // Once nothing lands any more, the silence counts from the last bytes seen.
+        let quiet = a.last(at(t0, 700), 600 * 2 * MIB);
+        assert_eq!(quiet, at(t0, 600));
+        assert_eq!(check(at(t0, 908), quiet, p), None);
+        assert!(matches!(
+            check(at(t0, 909), quiet, p),
+            Some(Stall::Silent { .. })
+        ));
     }
 
     #[test]

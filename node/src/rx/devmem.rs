@@ -28,7 +28,7 @@ use shardwire_gpu::cuda::{CudaMemory, DeviceRange, VmmRegion};
 use shardwire_gpu::kernels::Frag;
 
 use super::error::RxError;
-use super::shared::{CHUNK, Gpus, Pace, PayloadRead, Place, Tally};
+use super::shared::{CHUNK, Gpus, Pace, PayloadRead, Place, Tally, read_failed};
 use crate::binding::{FlowRule, RxRegion};
 use crate::fetch::InFlight;
 
@@ -55,6 +55,16 @@ impl std::fmt::Debug for DevmemReader {
 
 fn to_io(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
+}
+
+/// A devmem socket's error as an I/O error of the same kind as the syscall's, if it was one:
+/// a receive that timed out stays `WouldBlock` ([`read_failed`] names the stall).
+fn devmem_io(e: shardwire_devmem::DevmemError) -> io::Error {
+    let kind = match &e {
+        shardwire_devmem::DevmemError::Syscall { source, .. } => source.kind(),
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e.to_string())
 }
 
 impl PayloadRead for DevmemReader {
@@ -94,7 +104,7 @@ impl DevmemReader {
             ));
         };
         let c = &self.region.counters;
-        let batch = self.sock.recv_frags(dst).map_err(to_io)?;
+        let batch = self.sock.recv_frags(dst).map_err(devmem_io)?;
         if batch.is_eof() {
             return Ok(0);
         }
@@ -155,7 +165,7 @@ impl DevmemReader {
                 "this binding has no GPU gather (the node runs on host memory)",
             ));
         };
-        let batch = self.sock.recv_frags(host).map_err(to_io)?;
+        let batch = self.sock.recv_frags(host).map_err(devmem_io)?;
         if batch.is_eof() {
             return Ok(0);
         }
@@ -284,7 +294,10 @@ impl Place for GpuDirect {
                 }
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(RxError::io("recvmsg(MSG_SOCK_DEVMEM)", &e)),
+                Err(e) => {
+                    let (got, want) = (off as u64, slab.len() as u64);
+                    return Err(read_failed("recvmsg(MSG_SOCK_DEVMEM)", &e, got, want));
+                }
             };
             off += n;
             tally.unseen(n);

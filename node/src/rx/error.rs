@@ -15,8 +15,22 @@ pub enum RxError {
         /// The payload's length.
         want: u64,
     },
-    /// A socket or ring call failed (a stall past [`DATA_STALL_TIMEOUT`] is `WouldBlock` or
-    /// `TimedOut`).
+    /// No byte of a payload arrived for `after` (the read timeout, `DATA_STALL_TIMEOUT`):
+    /// the source stopped sending on the connection, or the path to it dropped.
+    #[error(
+        "no bytes arrived for {after:?} ({got} of {want} payload bytes had): the source stopped \
+         sending on this data connection, or the network path to it dropped"
+    )]
+    Stalled {
+        /// How long nothing arrived.
+        after: std::time::Duration,
+        /// Bytes of the payload that arrived.
+        got: u64,
+        /// The payload's length.
+        want: u64,
+    },
+    /// A socket or ring call failed (the io_uring path's stall past `DATA_STALL_TIMEOUT` is
+    /// `TimedOut`, saying so).
     #[error("{op}: {message}")]
     Io {
         /// The call.

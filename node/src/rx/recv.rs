@@ -8,7 +8,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 
 use super::error::RxError;
-use super::shared::{Checksum, Pace, PayloadRead, Place, Tally, lowat_for};
+use super::shared::{Checksum, Pace, PayloadRead, Place, Tally, lowat_for, read_failed};
 use crate::fetch::InFlight;
 
 impl PayloadRead for TcpStream {
@@ -91,7 +91,7 @@ pub fn recv_payload<R: PayloadRead>(
             }
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(RxError::io("recv", &e)),
+            Err(e) => return Err(read_failed("recv", &e, off as u64, dst.len() as u64)),
         };
         tally.piece(&mut sum, &dst[off..off + n]);
         off += n;
@@ -111,7 +111,7 @@ pub(crate) mod tests {
     use crate::fetch::tests::{in_flight, pool};
     use crate::fetch::{Completion, FetchFailure};
     use crate::link::{LinkConfig, SourceLink};
-    use crate::rx::shared::{ConnAt, PaceRule, RCVLOWAT, run};
+    use crate::rx::shared::{ConnAt, DATA_STALL_TIMEOUT, PaceRule, RCVLOWAT, run};
 
     /// Over a real loopback socket: a small payload arrives at once (the mark is at most
     /// half the read's length: the kernel wakes a blocked reader only at the socket's mark),
@@ -414,6 +414,53 @@ pub(crate) mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(counters.crc_failures.load(Ordering::Relaxed), 2);
+    }
+
+    /// A read that times out mid-payload (`SO_RCVTIMEO`: `WouldBlock`) says that no bytes
+    /// arrived for the stall timeout, and how much of the payload had. Before, it read
+    /// "recv: Resource temporarily unavailable (os error 11)". The bytes that landed count
+    /// for the link's stall check.
+    #[test]
+    fn a_payload_that_stops_arriving_says_no_bytes_arrived() {
+        struct StopsAfter<'a>(&'a [u8]);
+        impl PayloadRead for StopsAfter<'_> {
+            fn read_some(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+                match self.0.read_some(dst)? {
+                    0 => Err(io::Error::from_raw_os_error(libc::EAGAIN)),
+                    n => Ok(n),
+                }
+            }
+        }
+        let p = pool(1 << 20);
+        let (fa, ra) = in_flight(&p, 0, 4096, 0);
+        let (tx, queue) = std::sync::mpsc::channel();
+        tx.send(fa).unwrap();
+        drop(tx);
+        let l = link();
+        run(
+            Host(StopsAfter(&[3u8; 1000])),
+            &l,
+            at(3),
+            &queue,
+            &FlowStats::default(),
+            &Counters::default(),
+            PaceRule::DEFAULT,
+        );
+        let out = outcomes(vec![ra]);
+        let cause = match &out[0].result {
+            Err(FetchFailure::ConnectionLost { conn: 3, cause, .. }) => cause.clone(),
+            other => panic!("{other:?}"),
+        };
+        let stalled = RxError::Stalled {
+            after: DATA_STALL_TIMEOUT,
+            got: 1000,
+            want: 4096,
+        };
+        assert_eq!(cause, stalled);
+        let said = cause.to_string();
+        assert!(said.contains("no bytes arrived for 60s"), "{said}");
+        assert!(!said.contains("temporarily unavailable"), "{said}");
+        assert_eq!(l.landed.load(Ordering::Relaxed), 1000);
     }
 
     #[test]

@@ -215,7 +215,7 @@ pub fn run<P: Place>(
         // One span per fetch: the receive and the verification happen inside it.
         let span = tracing::debug_span!("fetch", req = f.req, shard = f.shard, source = %link.addr);
         let _entered = span.enter();
-        let mut tally = Tally::new(flow);
+        let mut tally = Tally::new(flow, link);
         pace.due(Instant::now(), f.length);
         let placed = path.place(&mut f, &mut tally, &mut pace);
         tally.flush(c);
@@ -295,20 +295,29 @@ impl Default for Checksum {
 /// The one piece callback of every host-visible path: each piece that lands is checksummed
 /// right away (in cache for a `recv` piece; an io_uring completion of several MiB may have
 /// left L2, docs/ARCHITECTURE.md §12), the time that takes is summed (the node's assembly
-/// counter), and the flow counts its bytes.
+/// counter), and the flow and the link count its bytes (the link's count tells its stall
+/// check that the source is at work: `crate::link::stall`).
 #[derive(Debug)]
 pub struct Tally<'a> {
     flow: &'a FlowStats,
+    link: &'a SourceLink,
     spent: Duration,
 }
 
 impl<'a> Tally<'a> {
-    /// A tally for `flow`.
-    pub fn new(flow: &'a FlowStats) -> Self {
+    /// A tally for `flow`, a data connection of `link`.
+    pub fn new(flow: &'a FlowStats, link: &'a SourceLink) -> Self {
         Self {
             flow,
+            link,
             spent: Duration::ZERO,
         }
+    }
+
+    /// `bytes` landed on the connection.
+    fn landed(&self, bytes: usize) {
+        self.flow.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.link.landed.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     /// A piece of a payload landed.
@@ -316,15 +325,13 @@ impl<'a> Tally<'a> {
         let t = Instant::now();
         sum.0.update(piece);
         self.spent += t.elapsed();
-        self.flow
-            .bytes
-            .fetch_add(piece.len() as u64, Ordering::Relaxed);
+        self.landed(piece.len());
         self.flow.crc_piece(piece.len());
     }
 
     /// Bytes that landed where the CPU does not checksum them (GPU memory).
     pub fn unseen(&mut self, bytes: usize) {
-        self.flow.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.landed(bytes);
     }
 
     /// Time spent on a check done elsewhere (the CRC kernel).
@@ -336,6 +343,20 @@ impl<'a> Tally<'a> {
     pub fn flush(self, c: &Counters) {
         c.assembly_ns
             .fetch_add(self.spent.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The error of a payload read (call `op`) that failed after `got` of `want` bytes: one that
+/// timed out (`SO_RCVTIMEO` at [`DATA_STALL_TIMEOUT`]: `WouldBlock`, or `TimedOut`) is
+/// [`RxError::Stalled`], not the OS's "Resource temporarily unavailable".
+pub fn read_failed(op: &'static str, e: &io::Error, got: u64, want: u64) -> RxError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => RxError::Stalled {
+            after: DATA_STALL_TIMEOUT,
+            got,
+            want,
+        },
+        _ => RxError::io(op, e),
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use shardwire_gpu::cuda::H2dStager;
 
 use super::error::RxError;
-use super::shared::{CHUNK, Checksum, Pace, PayloadRead, Place, Tally};
+use super::shared::{CHUNK, Checksum, Pace, PayloadRead, Place, Tally, read_failed};
 use crate::counters::Counters;
 use crate::fetch::InFlight;
 
@@ -100,7 +100,8 @@ struct PacedReads<'a, R> {
     got: u64,
     /// The payload's length.
     want: u64,
-    /// Why the reads stopped early: the peer closed, or the pace was not kept.
+    /// Why the reads stopped early: the peer closed, nothing arrived within the stall
+    /// timeout, or the pace was not kept.
     stop: Option<RxError>,
 }
 
@@ -118,7 +119,18 @@ impl<'a, R: PayloadRead> PacedReads<'a, R> {
     /// One read into `buf`. End of stream is checked before the pace, as on the `recv` and
     /// devmem paths: a close mid-payload is `Closed`, never a trickle.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.src.read_some(buf)?;
+        let n = match self.src.read_some(buf) {
+            Ok(n) => n,
+            Err(e) => {
+                // A stall is named here: the stager passes on only the bare I/O error.
+                if let stalled @ RxError::Stalled { .. } =
+                    read_failed("recv", &e, self.got, self.want)
+                {
+                    self.stop = Some(stalled);
+                }
+                return Err(e);
+            }
+        };
         let kept = match n {
             0 => Err(RxError::Closed {
                 got: self.got,
@@ -180,6 +192,32 @@ mod tests {
             pace.check(Instant::now()),
             Err(RxError::TooSlow { got: 0, .. })
         ));
+    }
+
+    /// A read that times out (`SO_RCVTIMEO`) is named a stall: the stager passes on only the
+    /// bare I/O error, which read "recv: Resource temporarily unavailable" before.
+    #[test]
+    fn a_read_that_times_out_is_a_stall() {
+        struct TimesOut;
+        impl PayloadRead for TimesOut {
+            fn read_some(&mut self, _: &mut [u8]) -> io::Result<usize> {
+                Err(io::ErrorKind::WouldBlock.into())
+            }
+        }
+        let mut pace = strict_pace(4096);
+        let mut src = TimesOut;
+        let mut buf = [0u8; 4096];
+        let mut reads = PacedReads::new(&mut src, &mut pace, 4096);
+        let e = reads.read(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(
+            reads.stop,
+            Some(RxError::Stalled {
+                after: crate::rx::shared::DATA_STALL_TIMEOUT,
+                got: 0,
+                want: 4096,
+            })
+        );
     }
 
     #[test]

@@ -159,7 +159,7 @@ fn receive(
     misses: &mut Mismatches,
     pace: &mut Pace,
 ) -> Result<(), RxError> {
-    let mut tally = Tally::new(flow);
+    let mut tally = Tally::new(flow, link);
     let r = q.wait(
         DATA_STALL_TIMEOUT,
         |sum, _, piece| {

@@ -3,9 +3,10 @@
 //! routing knows at once which sources serve that version (a source that serves another
 //! version or none takes none of its shards). Sources that are still connecting (a node that
 //! just started, a name that just resolved) get a moment first, so two nodes opening the same
-//! dataset start from the same set of sources. A mixture's datasets are asked all at once,
-//! after one such wait: an open costs one wait and one `MANIFEST_TIMEOUT` at most, however
-//! many datasets it mixes.
+//! dataset start from the same set of sources. A mixture's datasets are asked after one such
+//! wait, [`AT_ONCE`] at a time: an open costs one wait, and one `MANIFEST_TIMEOUT` per
+//! [`AT_ONCE`] datasets at most, while the raw JSON held at once stays that of [`AT_ONCE`]
+//! datasets from each source (not that of all of a mixture's up to 256).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -24,49 +25,86 @@ pub const FIRST_UP: Duration = Duration::from_secs(5);
 /// How long it then waits for the other known sources to be up.
 pub const ALL_UP: Duration = Duration::from_secs(1);
 
+/// Datasets of a mixture whose manifests are asked at the same time. Each request holds every
+/// source's raw JSON (up to `MAX_FRAME`, 64 MiB) until its slowest source answers: all of a
+/// 256-dataset mixture at once could hold tens of GB for one open. 16 keeps the largest
+/// mixture (`MAX_MIX_DATASETS`, 256) under the SDKs' 10 min attach limit even with a source
+/// that is up and never answers (16 rounds of the 30 s manifest timeout).
+pub const AT_ONCE: usize = 16;
+
 /// A link's answer to a manifest request, and the session it asked in.
 type Answer = (u64, Result<Vec<u8>, ManifestError>);
 
 /// The manifests of `datasets` from the sources of `roster`, in the order given (request ids
-/// from `next_id`): one wait for the sources ([`wait_for_links`]), then every dataset asked at
-/// once. On a failure, the error of the first dataset in that order that failed.
+/// from `next_id`): one wait for the sources ([`wait_for_links`]), then the datasets asked
+/// [`AT_ONCE`] at a time. On a failure, the error of the first dataset in that order that
+/// failed.
 pub async fn manifests_of(
     roster: &Roster,
     datasets: &[&str],
     next_id: &(dyn Fn() -> u64 + Sync),
 ) -> Result<Vec<Arc<Manifest>>, OpenError> {
     wait_for_links(roster).await;
-    let asked: Vec<_> = datasets
-        .iter()
-        .map(|&d| manifest_of(roster, d, next_id))
-        .collect();
-    all_in_order(asked).await
+    // Made up front (a future does nothing until polled): a lazy `map` held across the await
+    // makes the open's future not `Send` for every lifetime (a closure over `&&str`).
+    let mut asked = Vec::with_capacity(datasets.len());
+    for &d in datasets {
+        asked.push(manifest_of(roster, d, next_id));
+    }
+    all_in_order(asked, AT_ONCE).await
 }
 
-/// Runs `futures` at once and gives their answers in the order given. On a failure, the
-/// first in that order, as soon as every future before it has answered (the rest are dropped:
-/// a mixture refused for its first dataset does not wait for its last).
-async fn all_in_order<T, E, F>(futures: impl IntoIterator<Item = F>) -> Result<Vec<T>, E>
+/// Runs `futures`, `at_once` at a time (at least 1), started in the order given, and gives
+/// their answers in that order. On a failure, the first in that order, as soon as every future
+/// before it has answered (the rest are dropped, or never started: a mixture refused for its
+/// first dataset does not wait for its last).
+async fn all_in_order<T, E, F>(
+    futures: impl IntoIterator<Item = F>,
+    at_once: usize,
+) -> Result<Vec<T>, E>
 where
     F: Future<Output = Result<T, E>>,
 {
-    let mut running: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut done: Vec<Option<Result<T, E>>> = running.iter().map(|_| None).collect();
+    let mut waiting = futures.into_iter();
+    let mut started_all = false;
+    // Index-aligned: a running future (`None` once answered), and its answer.
+    let mut running: Vec<Option<Pin<Box<F>>>> = Vec::new();
+    let mut done: Vec<Option<Result<T, E>>> = Vec::new();
+    let mut in_flight = 0;
     std::future::poll_fn(|cx| {
-        for (f, d) in running.iter_mut().zip(done.iter_mut()) {
-            if d.is_none()
-                && let Poll::Ready(answer) = f.as_mut().poll(cx)
-            {
-                *d = Some(answer);
+        loop {
+            while in_flight < at_once.max(1) && !started_all {
+                match waiting.next() {
+                    Some(f) => {
+                        running.push(Some(Box::pin(f)));
+                        done.push(None);
+                        in_flight += 1;
+                    }
+                    None => started_all = true,
+                }
             }
-        }
-        // Settled once every answer is in, or a failure has every answer before it in.
-        match done.iter().find(|d| !matches!(d, Some(Ok(_)))) {
-            Some(None) => Poll::Pending,
-            _ => Poll::Ready(()),
+            let mut answered = false;
+            for (slot, d) in running.iter_mut().zip(done.iter_mut()) {
+                let Some(f) = slot.as_mut() else { continue };
+                if let Poll::Ready(answer) = f.as_mut().poll(cx) {
+                    *d = Some(answer);
+                    *slot = None;
+                    in_flight -= 1;
+                    answered = true;
+                }
+            }
+            // Settled once every answer is in, or a failure has every answer before it in.
+            match done.iter().find(|d| !matches!(d, Some(Ok(_)))) {
+                Some(Some(Err(_))) => return Poll::Ready(()),
+                None if started_all => return Poll::Ready(()),
+                // Room was made: start the next ones (and poll them, to be woken by them).
+                _ if answered => continue,
+                _ => return Poll::Pending,
+            }
         }
     })
     .await;
+    drop(running); // what still runs after a failure
     // In order up to the first failure, which is the result if there is one.
     done.into_iter().flatten().collect()
 }
@@ -168,6 +206,7 @@ async fn wait_for_links(roster: &Roster) {
 #[cfg(test)]
 mod tests {
     use std::future::pending;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use tokio::sync::Barrier;
     use tokio::time::{Instant, sleep, timeout};
@@ -189,9 +228,9 @@ mod tests {
         r
     }
 
-    /// Every part runs at once: three parts that each wait for all three finish (asked one
-    /// after another, the first waited for the others for ever), in the order given although
-    /// they answer in reverse, in the time of the slowest.
+    /// Parts run at once (up to [`AT_ONCE`]): three parts that each wait for all three finish
+    /// (asked one after another, the first waited for the others for ever), in the order given
+    /// although they answer in reverse, in the time of the slowest.
     #[tokio::test(start_paused = true)]
     async fn parts_are_asked_at_once_and_answered_in_order() {
         let all_started = &Barrier::new(3);
@@ -201,7 +240,7 @@ mod tests {
             Ok::<u64, String>(i)
         });
         let t = Instant::now();
-        let got = timeout(Duration::from_secs(600), all_in_order(parts)).await;
+        let got = timeout(Duration::from_secs(600), all_in_order(parts, AT_ONCE)).await;
         assert_eq!(got, Ok(Ok(vec![0, 1, 2])), "one after another never ends");
         let took = t.elapsed();
         assert!(
@@ -228,10 +267,39 @@ mod tests {
             part(pending()),
         ];
         let t = Instant::now();
-        let got = timeout(Duration::from_secs(600), all_in_order(parts)).await;
+        let got = timeout(Duration::from_secs(600), all_in_order(parts, AT_ONCE)).await;
         assert_eq!(got, Ok(Err("second")));
         let took = t.elapsed();
         assert!(took < Duration::from_secs(6), "{took:?}");
+    }
+
+    /// A mixture's datasets were all asked at once: 256 of them, each holding up to 64 MiB of
+    /// JSON per source until its slowest source answered. Now [`AT_ONCE`] run at a time, the
+    /// next started as one answers, still answered in the order given; after a failure the
+    /// parts not started yet never are.
+    #[tokio::test(start_paused = true)]
+    async fn at_most_at_once_parts_run_and_answer_in_order() {
+        const AT: usize = 4; // fewer than the 10 parts (AT_ONCE is more)
+        let (now, most) = (&AtomicUsize::new(0), &AtomicUsize::new(0));
+        let parts = (0..10u64).map(|i| async move {
+            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(n, Ordering::SeqCst);
+            sleep(Duration::from_secs(10 - i)).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            Ok::<u64, String>(i)
+        });
+        let got = timeout(Duration::from_secs(600), all_in_order(parts, AT)).await;
+        assert_eq!(got, Ok(Ok((0..10).collect::<Vec<u64>>())));
+        assert_eq!(most.load(Ordering::SeqCst), AT, "all 10 at once before");
+        let started = &AtomicUsize::new(0);
+        let parts = (0..10u64).map(|i| async move {
+            started.fetch_add(1, Ordering::SeqCst);
+            sleep(Duration::from_secs(if i == 0 { 1 } else { 2 })).await;
+            if i == 0 { Err(i) } else { Ok(i) }
+        });
+        let got = timeout(Duration::from_secs(600), all_in_order(parts, AT)).await;
+        assert_eq!(got, Ok(Err(0)));
+        assert_eq!(started.load(Ordering::SeqCst), AT, "none started after it");
     }
 
     /// A mixture waits for its sources once, not once per dataset: with a source that never

@@ -9,14 +9,18 @@
 //! from an earlier session is asked for the dataset's manifest in the background, and joins
 //! once it answers. A member whose source left the stream's lane out of its session (it could
 //! not dial the lane's data address: [`SourceLink::reaches`]) counts as down for that lane's
-//! fetches only; a lane no live member reaches waits, and says why ([`unreached`]).
+//! fetches only; a lane no live member reaches waits, and says why ([`unreached`]). A new
+//! stream without a device is not placed on such a lane while a lane of its memory kind is
+//! reached ([`reserve_reached`]).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use shardwire_protocol::Manifest;
 
 use super::affinity;
 use super::placement::Placements;
+use crate::admission::{Admission, AdmitError, Reservation};
 use crate::link::SourceLink;
 use crate::link::served::Serves;
 use crate::roster::Roster;
@@ -181,6 +185,114 @@ pub fn unreached(members: &[Arc<SourceLink>], v: Version<'_>, lane: u16) -> Opti
         v.dataset,
         said.join(", ")
     ))
+}
+
+/// Per lane of a node's `lanes`: whether a source of `links` that is up reaches it (did not
+/// leave it out of its session: [`SourceLink::reaches`]). `None` while none is up: nothing
+/// tells the lanes apart then, and a stream waits for a source wherever it goes.
+pub fn lanes_reached(links: &[Arc<SourceLink>], lanes: usize) -> Option<Vec<bool>> {
+    let up: Vec<&Arc<SourceLink>> = links.iter().filter(|l| l.is_up()).collect();
+    if up.is_empty() {
+        return None;
+    }
+    let reached = |lane: usize| up.iter().any(|l| l.reaches(lane as u16));
+    Some((0..lanes).map(reached).collect())
+}
+
+/// The lanes a stream may go to instead of lane `chosen`, best first: those of its memory kind
+/// (`cuda`, per lane) that a source reaches (`reached`, per lane: [`lanes_reached`]), by the
+/// most bytes free (`usage`: streams, reserved and pool bytes per lane, as
+/// [`Admission::lane_usage`] gives them), then the fewest streams, then the lowest id.
+pub fn detour(
+    chosen: usize,
+    reached: &[bool],
+    cuda: &[bool],
+    usage: &[(usize, u64, u64)],
+) -> Vec<usize> {
+    let mut lanes: Vec<usize> = (0..reached.len())
+        .filter(|&l| l != chosen && reached[l] && cuda.get(l) == cuda.get(chosen))
+        .collect();
+    lanes.sort_by_key(|&l| {
+        let (streams, reserved, pool) = usage.get(l).copied().unwrap_or_default();
+        (std::cmp::Reverse(pool.saturating_sub(reserved)), streams, l)
+    });
+    lanes
+}
+
+/// Why [`reserve_reached`] set nothing aside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unplaced {
+    /// Admission refused the least loaded lane (draining, no room).
+    Refused(AdmitError),
+    /// No source that is up reaches `lane`, the least loaded lane; `full`: the lanes of its
+    /// memory kind that one reaches have no room for the stream (else there are none).
+    Unreached {
+        /// The least loaded lane.
+        lane: u32,
+        /// Lanes of its kind are reached, but full.
+        full: bool,
+    },
+}
+
+/// Sets `bytes` aside for a stream without a device on `adm`'s least loaded lane, unless
+/// sources are up and none reaches that lane (`reached`, per lane: [`lanes_reached`]; `None`:
+/// none is up): its fetches would wait for ever. Then on the best lane of the same memory kind
+/// (`cuda`, per lane) that one reaches and that has room ([`detour`]), and with none,
+/// [`Unplaced::Unreached`].
+pub fn reserve_reached<'a, S>(
+    adm: &'a Admission<S>,
+    bytes: u64,
+    reached: Option<&[bool]>,
+    cuda: &[bool],
+) -> Result<Reservation<'a, S>, Unplaced> {
+    let first = adm.reserve_least_loaded(bytes).map_err(Unplaced::Refused)?;
+    let chosen = first.lane() as usize;
+    let Some(reached) = reached.filter(|r| r.get(chosen) == Some(&false)) else {
+        return Ok(first);
+    };
+    let usage: Vec<_> = (0..reached.len())
+        .map(|l| adm.lane_usage(l as u32))
+        .collect();
+    let instead = detour(chosen, reached, cuda, &usage);
+    for &lane in &instead {
+        if let Ok(r) = adm.reserve(lane as u32, bytes) {
+            tracing::info!(
+                least_loaded = chosen,
+                lane,
+                "no connected source reaches the least loaded lane: the stream goes to a lane one reaches"
+            );
+            return Ok(r);
+        }
+    }
+    Err(Unplaced::Unreached {
+        lane: chosen as u32,
+        full: !instead.is_empty(),
+    })
+}
+
+/// Why a stream cannot go to lane `lane` (data address `addr`): each source of `links` that is
+/// up left it out of its session. Names each, and the address it could not dial; `detail` says
+/// what that means for the stream.
+pub fn unreached_lane(
+    links: &[Arc<SourceLink>],
+    lane: u16,
+    addr: SocketAddr,
+    detail: &str,
+) -> String {
+    let said: Vec<String> = links
+        .iter()
+        .filter(|l| l.is_up())
+        .map(
+            |l| match l.lanes_left_out().iter().find(|(n, _)| *n == lane) {
+                Some((_, a)) => format!("{} could not dial {a}", l.addr),
+                None => format!("{} left it out", l.addr),
+            },
+        )
+        .collect();
+    format!(
+        "no connected source reaches lane {lane} (data address {addr}): {}; {detail}. Try again once one does (each source's last_error in /v1/status says why; check the lane's NIC and the route from the source to its address)",
+        said.join(", ")
+    )
 }
 
 /// Asks `link`'s source for `v`'s manifest in the background and records whether it serves
@@ -385,6 +497,86 @@ pub(crate) mod tests {
         l[1].force_up(false);
         l[0].force_up(false);
         assert_eq!(unreached(&l, V, 1), None, "none is up: it is not the lane");
+    }
+
+    /// A stream without a device went to the least loaded lane even when every connected
+    /// source had left that lane out, and its fetches waited for ever. Now it goes to the
+    /// least loaded lane of its memory kind that a source reaches, and is refused when there
+    /// is none with room; nothing stays reserved on the lane passed over.
+    #[test]
+    fn a_stream_goes_to_a_lane_a_connected_source_reaches() {
+        let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1"]);
+        assert_eq!(
+            lanes_reached(&l, 3),
+            None,
+            "none is up: it is not the lanes"
+        );
+        for x in &l {
+            x.force_up(true);
+        }
+        let lane_0: SocketAddr = "10.0.0.5:7401".parse().unwrap();
+        l[0].force_lane_out(0, lane_0);
+        assert_eq!(
+            lanes_reached(&l, 3),
+            Some(vec![true; 3]),
+            "the other reaches it"
+        );
+        l[1].force_lane_out(0, lane_0);
+        assert_eq!(lanes_reached(&l, 3), Some(vec![false, true, true]));
+        let why = unreached_lane(&l, 0, lane_0, "nor any other lane");
+        for says in [
+            "lane 0",
+            "10.0.0.2:1",
+            "10.0.0.3:1",
+            "10.0.0.5:7401",
+            "nor any",
+        ] {
+            assert!(why.contains(says), "{says}: {why}");
+        }
+        // Lanes 0, 1 and 3 are GPU memory, lane 2 host memory; lane 1 has the least free.
+        let cuda = [true, true, false, true];
+        let adm: Admission<u8> = Admission::new(vec![100; 4]);
+        adm.reserve(1, 10).unwrap().commit(1, Arc::new(0));
+        assert_eq!(reserve_reached(&adm, 10, None, &cuda).unwrap().lane(), 0);
+        let all = [true; 4];
+        assert_eq!(
+            reserve_reached(&adm, 10, Some(&all[..]), &cuda)
+                .unwrap()
+                .lane(),
+            0
+        );
+        let reached = [false, true, true, true];
+        let r = reserve_reached(&adm, 10, Some(&reached[..]), &cuda).unwrap();
+        assert_eq!(r.lane(), 3, "of lane 0's kind, reached, the most free");
+        assert_eq!(
+            adm.lane_usage(0),
+            (0, 0, 100),
+            "lane 0's reservation given back"
+        );
+        drop(r);
+        let host_only = [false, false, true, false];
+        let got = reserve_reached(&adm, 10, Some(&host_only[..]), &cuda).err();
+        assert_eq!(
+            got,
+            Some(Unplaced::Unreached {
+                lane: 0,
+                full: false
+            })
+        );
+        adm.reserve(1, 90).unwrap().commit(2, Arc::new(0));
+        let lane_1 = [false, true, true, false];
+        let got = reserve_reached(&adm, 10, Some(&lane_1[..]), &cuda).err();
+        assert_eq!(
+            got,
+            Some(Unplaced::Unreached {
+                lane: 0,
+                full: true
+            })
+        );
+        assert_eq!(adm.lane_usage(0), (0, 0, 100), "nothing left reserved");
+        adm.start_draining();
+        let got = reserve_reached(&adm, 10, Some(&reached[..]), &cuda).err();
+        assert_eq!(got, Some(Unplaced::Refused(AdmitError::Draining)));
     }
 
     /// Only the last refusing source was avoided: a shard that the two best-ranked of three

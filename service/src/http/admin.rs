@@ -133,23 +133,40 @@ async fn nics() -> Result<Response, ApiError> {
 }
 
 async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
-    let (up, total, draining) = node.readiness();
-    if draining {
-        return (
+    let (ready, connected, known, draining) = node.readiness();
+    readyz_answer(ready, connected, known, draining)
+}
+
+/// `/readyz`: 200 while `ready` sources (of `known`) have a session with every data
+/// connection ready, and the node is not draining. The text tells sources that are connected
+/// (`connected`) but not ready apart from sources not connected: `/v1/status` shows those
+/// `up`.
+fn readyz_answer(
+    ready: usize,
+    connected: usize,
+    known: usize,
+    draining: bool,
+) -> (StatusCode, String) {
+    let ready_of = format!("{ready}/{known} sources with every data connection ready");
+    match (draining, ready, connected) {
+        (true, ..) => (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: draining\n".to_string(),
-        );
-    }
-    if up > 0 {
-        (
-            StatusCode::OK,
-            format!("ready: {up}/{total} sources connected\n"),
-        )
-    } else {
-        (
+        ),
+        (false, 0, 0) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: 0/{total} sources connected\n"),
-        )
+            format!("not ready: 0/{known} sources connected\n"),
+        ),
+        (false, 0, _) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: {ready_of} ({connected} connected: still dialling, or a lane or data connection was not dialled; sources[].last_error in /v1/status says why)\n"
+            ),
+        ),
+        (false, ..) => (
+            StatusCode::OK,
+            format!("ready: {ready_of} ({connected} connected)\n"),
+        ),
     }
 }
 
@@ -173,6 +190,29 @@ async fn status(State(node): State<Arc<Node>>) -> Json<shardwire_node::Status> {
 mod tests {
     use super::*;
     use axum::body::Body;
+
+    /// Two sources connected that each left a lane out answered "0/2 sources connected",
+    /// while /v1/status showed both up.
+    #[test]
+    fn readyz_tells_connected_sources_that_are_not_ready_from_sources_not_connected() {
+        let (code, text) = readyz_answer(0, 2, 2, false);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        let said = "not ready: 0/2 sources with every data connection ready (2 connected";
+        assert!(text.starts_with(said), "{text}");
+        assert!(text.contains("last_error"), "{text}");
+        let (code, text) = readyz_answer(0, 0, 2, false);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(text, "not ready: 0/2 sources connected\n");
+        let (code, text) = readyz_answer(1, 2, 3, false);
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(
+            text,
+            "ready: 1/3 sources with every data connection ready (2 connected)\n"
+        );
+        let (code, text) = readyz_answer(1, 1, 1, true);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(text, "not ready: draining\n");
+    }
 
     #[tokio::test]
     async fn a_stream_id_that_does_not_decode_is_a_json_error() {

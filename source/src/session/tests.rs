@@ -214,6 +214,11 @@ fn session_on(
 /// The shared state of a source without a secret (loopback peers only) that serves
 /// `datasets` with one session slot.
 fn shared(datasets: Datasets) -> Arc<Shared> {
+    shared_with(datasets, crate::DEFAULT_IDLE_TIMEOUT)
+}
+
+/// [`shared`] with idle timeout `idle` (a data connect's limit is half of it).
+fn shared_with(datasets: Datasets, idle: Duration) -> Arc<Shared> {
     let cfg = SourceConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         secret: None,
@@ -221,7 +226,7 @@ fn shared(datasets: Datasets) -> Arc<Shared> {
         fault_corrupt: 0,
         fault_wrong_lane: 0,
         devmem_tx: Arc::default(),
-        idle_timeout: crate::DEFAULT_IDLE_TIMEOUT,
+        idle_timeout: idle,
         max_connections: 1,
         drain_timeout: crate::DEFAULT_DRAIN_TIMEOUT,
     };
@@ -897,7 +902,22 @@ async fn a_lane_the_source_cannot_reach_is_left_out_and_the_others_are_served() 
     };
     let mut buf = Vec::new();
     greet(&mut node, &mut buf, &hello).await;
-    match reply(&mut node, &mut buf).await {
+    // Lane 1 is dialled at the same time as lane 0: its connection comes before or after
+    // lane 0's messages, which are its Error and then both its connections not dialled (the
+    // second is not tried).
+    let mut told = Vec::new();
+    let mut announced = None;
+    while told.len() < 3 || announced.is_none() {
+        match reply(&mut node, &mut buf).await {
+            Message::DataConn {
+                lane: 1,
+                conn: 2,
+                addr,
+            } if addr != wire::NOT_DIALLED => announced = Some(addr),
+            m => told.push(m),
+        }
+    }
+    match &told[0] {
         Message::Error {
             req: 0,
             code: ErrorCode::Internal,
@@ -910,24 +930,15 @@ async fn a_lane_the_source_cannot_reach_is_left_out_and_the_others_are_served() 
         }
         other => panic!("{other:?}"),
     }
-    // Both of lane 0's connections are reported not dialled (the second is not tried).
     for conn in 0..2 {
-        let m = reply(&mut node, &mut buf).await;
         let want = Message::DataConn {
             lane: 0,
             conn,
             addr: wire::NOT_DIALLED,
         };
-        assert_eq!(m, want);
+        assert_eq!(told[1 + usize::from(conn)], want);
     }
-    let announced = match reply(&mut node, &mut buf).await {
-        Message::DataConn {
-            lane: 1,
-            conn: 2,
-            addr,
-        } => addr,
-        other => panic!("{other:?}"),
-    };
+    let announced = announced.expect("lane 1's connection");
     let (mut conn, from) = data.accept().await.unwrap();
     assert_eq!(from, announced);
     write_message(&mut node, &Message::DataReady { conn: 2 })
@@ -970,6 +981,97 @@ async fn a_lane_the_source_cannot_reach_is_left_out_and_the_others_are_served() 
     }
     assert!(!source.is_finished(), "the session goes on");
     source.abort();
+}
+
+/// A loopback address whose connects time out: a listener that accepts nothing, its queue
+/// filled (the kernel drops further SYNs). Returns it, and what must stay open meanwhile.
+async fn black_hole() -> (SocketAddr, (TcpListener, Vec<TcpStream>)) {
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = sock.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut held = Vec::new();
+    loop {
+        let connect = TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(200), connect).await {
+            Ok(Ok(s)) => held.push(s),
+            Ok(Err(e)) => panic!("connect to the listener: {e}"),
+            Err(_) => break, // the queue is full
+        }
+        assert!(held.len() < 16, "the kernel keeps queueing connections");
+    }
+    (addr, (listener, held))
+}
+
+/// The lanes were dialled one after another: each lane whose connect timed out cost a connect
+/// limit (10 s at the default idle timeout) before the next was tried, so 6 such lanes spent
+/// the whole DIAL_DEADLINE and the session ended although other lanes answered. Now the lanes
+/// are dialled at once: 8 that time out cost one limit together, the lane that answers gets
+/// both its connections, and the node is told of each lane left out.
+#[tokio::test(flavor = "current_thread")]
+async fn lanes_that_time_out_cost_one_connect_limit_together() {
+    let dir = Scratch::new("lanes-time-out");
+    // A connect limit of half the idle timeout: 500 ms.
+    let shared = shared_with(datasets(&dir, 1, false).await, Duration::from_secs(1));
+    let limit = Duration::from_millis(500);
+    let (dropped, _held) = black_hole().await;
+    let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let out = LaneAddr {
+        data_addr: dropped,
+        flows: 1,
+    };
+    let mut lanes = vec![out; 8];
+    lanes.push(LaneAddr {
+        data_addr: data.local_addr().unwrap(),
+        flows: 2,
+    });
+    let (stream, mut node) = connected().await;
+    let mut ctl = control(stream);
+    let (failed, progress) = (Arc::default(), Arc::new(Notify::new()));
+    let t = std::time::Instant::now();
+    let conns = dial(&mut ctl, &shared, &lanes, &failed, &progress)
+        .await
+        .expect("lane 8 is dialled");
+    let took = t.elapsed();
+    assert!(took >= limit, "the 8 lanes' connects timed out: {took:?}");
+    assert!(
+        took < 3 * limit,
+        "one limit, not 8 one after another: {took:?}"
+    );
+    let dialled: Vec<bool> = conns.senders.iter().map(Option::is_some).collect();
+    let want: Vec<bool> = (0..10).map(|conn| conn >= 8).collect();
+    assert_eq!(dialled, want, "lane 8's two connections only");
+    assert_eq!(conns.lane_of, [0, 1, 2, 3, 4, 5, 6, 7, 8, 8]);
+    // Each lane left out: its Error, and its connection not dialled right after it.
+    let mut buf = Vec::new();
+    let mut left_out = Vec::new();
+    let mut announced = 0;
+    while left_out.len() < 8 || announced < 2 {
+        match reply(&mut node, &mut buf).await {
+            Message::Error {
+                req: 0, message, ..
+            } => {
+                let lane: u16 = message
+                    .strip_prefix("lane ")
+                    .and_then(|m| m.split(':').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("names its lane: {message}"));
+                assert!(message.contains(&dropped.to_string()), "{message}");
+                let next = reply(&mut node, &mut buf).await;
+                let want = Message::DataConn {
+                    lane,
+                    conn: lane,
+                    addr: wire::NOT_DIALLED,
+                };
+                assert_eq!(next, want, "after {message}");
+                left_out.push(lane);
+            }
+            Message::DataConn { lane: 8, conn, .. } if conn == 8 || conn == 9 => announced += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    left_out.sort_unstable();
+    assert_eq!(left_out, [0, 1, 2, 3, 4, 5, 6, 7]);
 }
 
 #[tokio::test(flavor = "current_thread")]

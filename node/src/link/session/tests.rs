@@ -43,8 +43,13 @@ impl FakeSource {
 
     /// Answers the node's handshake (no secret).
     async fn handshake(&mut self, idle_timeout_s: u16) {
+        self.handshake_for(&node_lanes(), idle_timeout_s).await;
+    }
+
+    /// Answers the handshake of a node whose `Hello` lists `want` (no secret).
+    async fn handshake_for(&mut self, want: &[LaneAddr], idle_timeout_s: u16) {
         match self.recv().await {
-            Message::Hello { lanes, .. } => assert_eq!(lanes, node_lanes()),
+            Message::Hello { lanes, .. } => assert_eq!(lanes, want),
             other => panic!("expected Hello, got {other:?}"),
         }
         self.send(Message::Challenge {
@@ -179,12 +184,17 @@ async fn the_node_checks_the_sources_proof_over_the_transcript_and_idle_timeout(
 /// A link serving a session over a pipe; returns the link, the source end, the sink and the
 /// session task.
 fn start() -> (Arc<SourceLink>, FakeSource, Arc<Sink>, Session) {
+    start_with(node_lanes())
+}
+
+/// [`start`] for a node of `lanes`.
+fn start_with(lanes: Vec<LaneAddr>) -> (Arc<SourceLink>, FakeSource, Arc<Sink>, Session) {
     let (node_end, source_end) = tokio::io::duplex(1 << 16);
     let (nrd, nwr) = tokio::io::split(node_end);
     let (srd, swr) = tokio::io::split(source_end);
     let (l, sink) = (link(), Arc::new(Sink::default()));
     let (l2, s2) = (Arc::clone(&l), Arc::clone(&sink));
-    let task = tokio::spawn(async move { serve(&l2, s2.as_ref(), nrd, nwr, &node_lanes()).await });
+    let task = tokio::spawn(async move { serve(&l2, s2.as_ref(), nrd, nwr, &lanes).await });
     let src = FakeSource {
         rd: srd,
         wr: swr,
@@ -709,10 +719,42 @@ fn a_wildcard_lane_is_advertised_at_the_control_connections_address() {
             flows: 1,
         },
     ];
-    let got = advertised(&lanes, "10.9.0.7".parse().unwrap());
+    let got = advertised(&lanes, "10.9.0.7".parse().unwrap()).unwrap();
     assert_eq!(got[0].data_addr.to_string(), "10.9.0.7:7401");
     assert_eq!(got[1].data_addr.to_string(), "10.0.1.5:7401");
     assert_eq!((got[0].flows, got[1].flows), (2, 1));
+}
+
+/// `0.0.0.0` is an IPv4-only listener: over an IPv6 control connection it was advertised at
+/// the node's IPv6 address, where nothing listens, and the source's dial failed every
+/// session. Now the session fails naming `data_listen` and the fix; `[::]` takes both.
+#[test]
+fn an_ipv4_wildcard_lane_over_ipv6_is_refused_naming_data_listen() {
+    let lanes = vec![
+        LaneAddr {
+            data_addr: "0.0.0.0:7401".parse().unwrap(),
+            flows: 1,
+        },
+        LaneAddr {
+            data_addr: "[::]:7402".parse().unwrap(),
+            flows: 1,
+        },
+    ];
+    let e = advertised(&lanes, "fd00::7".parse().unwrap()).unwrap_err();
+    assert!(
+        matches!(e, LinkError::DataListenFamily { lane: 0, .. }),
+        "{e}"
+    );
+    let said = e.to_string();
+    for says in ["data_listen 0.0.0.0:7401", "IPv4", "[::]:7401"] {
+        assert!(said.contains(says), "{says}: {said}");
+    }
+    let got = advertised(&lanes[1..], "fd00::7".parse().unwrap()).unwrap();
+    assert_eq!(got[0].data_addr.to_string(), "[fd00::7]:7402");
+    // An IPv4-mapped control address is its IPv4 address.
+    let got = advertised(&lanes, "::ffff:10.9.0.7".parse().unwrap()).unwrap();
+    assert_eq!(got[0].data_addr.to_string(), "10.9.0.7:7401");
+    assert_eq!(got[1].data_addr.to_string(), "10.9.0.7:7402");
 }
 
 /// A shard for a request the node never made: a protocol error that ends the session.
@@ -788,6 +830,168 @@ async fn a_frame_slower_than_the_idle_timeout_is_not_silence() {
     }
     assert_eq!(asked.await.unwrap().unwrap(), json);
     assert!(!task.is_finished(), "the session goes on");
+}
+
+/// A manifest that takes longer than `MANIFEST_TIMEOUT` to arrive, within the source's own
+/// limit for writing it (30 s plus 1 s per MiB), is waited for. Before, every request gave
+/// up after 15 s in all, however much of the answer had come.
+#[tokio::test(start_paused = true)]
+async fn a_large_manifest_arriving_slowly_is_waited_for_within_the_sources_limit() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let l2 = Arc::clone(&l);
+    let asked = tokio::spawn(async move { l2.request_manifest(9, "big").await });
+    assert!(matches!(
+        src.recv_work().await,
+        Message::ManifestRequest { req: 9, .. }
+    ));
+    let json = vec![b' '; 8 << 20];
+    let mut frame = Vec::new();
+    let m = Message::Manifest {
+        req: 9,
+        dataset: "big".into(),
+        json: json.clone(),
+    };
+    wire::encode(&m, &mut frame).unwrap();
+    // The frame in 14 pieces 2.5 s apart: in at 32.5 s (the source may take 38 s).
+    let began = Instant::now();
+    for piece in frame.chunks(frame.len().div_ceil(14)) {
+        src.wr.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+    }
+    assert!(began.elapsed() > crate::link::MANIFEST_TIMEOUT);
+    assert_eq!(asked.await.unwrap().unwrap(), json);
+    assert!(!task.is_finished(), "the session goes on");
+}
+
+/// With nothing arriving, a manifest request fails after `MANIFEST_TIMEOUT`: as long as a
+/// source may take to write a manifest under 1 MiB (before, 15 s: less than the source's
+/// own limit).
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_manifest_request_fails_after_the_sources_write_limit() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let l2 = Arc::clone(&l);
+    let asked = tokio::spawn(async move { l2.request_manifest(9, "tiny").await });
+    assert!(matches!(
+        src.recv_work().await,
+        Message::ManifestRequest { req: 9, .. }
+    ));
+    let e = asked.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, ManifestError::Timeout { after, .. } if after == Duration::from_secs(30)),
+        "{e}"
+    );
+}
+
+/// The source says why it ends a session (`Error` about no request) and closes: that is the
+/// session's error, so `last_error` and the failed fetches say it. Before, the reason was
+/// only logged and the error read "peer closed the control connection".
+#[tokio::test]
+async fn the_sources_last_word_is_the_sessions_error() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let why = "the source ends this session: lane 0: cannot open data connection to 127.0.0.1:7401: Connection refused";
+    src.send(Message::Error {
+        req: 0,
+        code: ErrorCode::Internal,
+        retry_after_ms: 0,
+        message: why.into(),
+    })
+    .await;
+    drop(src);
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, LinkError::SourceEnded { said, closed: FrameError::Closed } if said == why),
+        "{e}"
+    );
+    assert!(e.to_string().starts_with(why), "{e}");
+}
+
+/// `last_error` outlives a reconnect until the new session is ready (every data connection
+/// `DataReady`): a link whose sessions keep failing shows why. Before, each session cleared
+/// it as soon as its handshake was done.
+#[tokio::test]
+async fn last_error_stays_until_a_session_is_ready() {
+    let (l, mut src, sink, _task) = start();
+    let before = "source source-a:7500: the last session's reason";
+    *l.last_error.lock().unwrap() = Some(before.into());
+    src.handshake(60).await;
+    until_up(&l).await;
+    announce_lane_0(&mut src).await;
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: "127.0.0.1:40002".parse().unwrap(),
+    })
+    .await;
+    until_announced(&sink, 3).await;
+    for conn in 0..3 {
+        let now = l.last_error.lock().unwrap().clone();
+        assert_eq!(
+            now.as_deref(),
+            Some(before),
+            "connection {conn} not ready yet"
+        );
+        l.data_ready(1, conn);
+    }
+    assert!(l.is_ready());
+    assert_eq!(*l.last_error.lock().unwrap(), None);
+}
+
+/// Bytes of the payloads announced before a pending fetch keep landing (the source has no
+/// slot free to announce it on, its data connections busy with large payloads): the source
+/// is at work, and the session goes on past the silence limit. Before, only answered
+/// fetches counted, and the session ended after 300 s, failing payloads almost received.
+#[tokio::test(start_paused = true)]
+async fn payload_bytes_landing_keep_a_session_whose_fetch_waits_alive() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let p = pool(1 << 20);
+    let (f, _done) = in_flight(&p, 0, 4096, 5);
+    l.fetch(11, "tiny", f.shard, f).unwrap();
+    assert!(matches!(
+        src.recv_work().await,
+        Message::Fetch { req: 11, .. }
+    ));
+    let (mut rd, mut wr, mut buf) = (src.rd, src.wr, src.buf);
+    let pinger = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            if write_message(&mut wr, &Message::Ping).await.is_err() {
+                return;
+            }
+        }
+    });
+    let drain = tokio::spawn(async move {
+        while read_message(&mut rd, &mut buf, wire::MAX_FRAME)
+            .await
+            .is_ok()
+        {}
+    });
+    let began = Instant::now();
+    let busy = Duration::from_secs(900);
+    while began.elapsed() < busy {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        l.landed.fetch_add(20 << 20, Ordering::Relaxed);
+        assert!(!task.is_finished(), "ended after {:?}", began.elapsed());
+    }
+    // Then nothing lands: silent from the last bytes seen.
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LinkError::Stalled(stall::Stall::Silent { fetches: 1, .. })
+        ),
+        "{e}"
+    );
+    assert!(began.elapsed() >= busy + stall::SILENCE_LIMIT);
+    pinger.abort();
+    drain.abort();
 }
 
 #[tokio::test]
@@ -952,6 +1156,26 @@ impl TcpSource {
 
     /// Answers the handshake, then sends a shard for an unknown request.
     async fn break_after_handshake(&mut self) -> Option<()> {
+        self.handshake().await?;
+        self.send(unknown_shard()).await?;
+        while self.recv().await.is_some() {}
+        Some(())
+    }
+
+    /// Answers the handshake, then says why it ends the session and closes.
+    async fn end_after_handshake(mut self, why: &str) -> Option<()> {
+        self.handshake().await?;
+        self.send(Message::Error {
+            req: 0,
+            code: ErrorCode::Internal,
+            retry_after_ms: 0,
+            message: why.into(),
+        })
+        .await
+    }
+
+    /// Answers the node's handshake (no secret).
+    async fn handshake(&mut self) -> Option<()> {
         let Message::Hello { .. } = self.recv().await? else {
             return None;
         };
@@ -967,11 +1191,55 @@ impl TcpSource {
             mac: [0; 32],
             idle_timeout_s: 60,
         })
-        .await?;
-        self.send(unknown_shard()).await?;
-        while self.recv().await.is_some() {}
-        Some(())
+        .await
     }
+}
+
+/// Over real TCP, through the link's reconnect loop: a source that ends every session with
+/// its reason leaves that reason in `last_error` (it stays while no session is ready).
+/// Before, `last_error` read "peer closed the control connection", or nothing.
+#[tokio::test]
+async fn last_error_says_why_the_source_ends_its_sessions() {
+    let why = "the source ends this session: 1 data connections were not ready within 10s";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let (rd, wr) = tokio::io::split(sock);
+            let src = TcpSource {
+                rd,
+                wr,
+                buf: Vec::new(),
+            };
+            tokio::spawn(src.end_after_handshake(why));
+        }
+    });
+    let l = SourceLink::new(
+        0,
+        addr.to_string(),
+        LinkConfig {
+            secret: None,
+            lanes: node_lanes(),
+        },
+    );
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let sink: Arc<dyn DataConns> = Arc::new(Sink::default());
+    let task = tokio::spawn(crate::link::run(Arc::clone(&l), sink, stop_rx));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let said = loop {
+        let now = l.last_error.lock().unwrap().clone();
+        if let Some(e) = now.filter(|e| e.contains(why)) {
+            break e;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "last_error never said why"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(said.starts_with(&format!("source {addr}: {why}")), "{said}");
+    let _ = stop.send(true);
+    task.await.unwrap();
 }
 
 /// A link stopped because its source was retired fails what it still holds saying so, not
@@ -1094,4 +1362,185 @@ async fn a_lane_the_source_could_not_dial_is_left_out_and_the_session_goes_on() 
         matches!(&e, LinkError::Protocol(m) if m.contains("connection 2 announced twice")),
         "{e}"
     );
+}
+
+/// The source's `Error` about no request, saying `why`.
+fn said(why: &str) -> Message {
+    Message::Error {
+        req: 0,
+        code: ErrorCode::Internal,
+        retry_after_ms: 0,
+        message: why.into(),
+    }
+}
+
+/// Connection `conn` of lane `lane` reported not dialled.
+fn not_dialled_msg(lane: u16, conn: u16) -> Message {
+    Message::DataConn {
+        lane,
+        conn,
+        addr: wire::NOT_DIALLED,
+    }
+}
+
+/// Waits (in real time: callers may pause tokio's clock) until `l` has a `last_error`.
+async fn until_last_error(l: &SourceLink) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Some(e) = l.last_error.lock().unwrap().clone() {
+            return e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no last_error");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A lane left out stayed out for the whole session, however long it lasted: nothing dialled
+/// it again. Now the node ends the session once the connection has been undialled for
+/// `REDIAL_AFTER` (the next session dials every lane), not before, and says why.
+#[tokio::test(start_paused = true)]
+async fn a_session_with_a_lane_left_out_is_redialled_after_a_minute() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(3600).await; // no idle timeout in the test's span
+    until_up(&l).await;
+    let why = "lane 1: cannot open data connection to 127.0.0.2:7402: No route to host";
+    src.send(said(why)).await;
+    announce_lane_0(&mut src).await;
+    src.send(not_dialled_msg(1, 2)).await;
+    until_last_error(&l).await;
+    let began = Instant::now();
+    tokio::time::sleep(REDIAL_AFTER - Duration::from_secs(1)).await;
+    assert!(!task.is_finished(), "redialled before REDIAL_AFTER");
+    let e = task.await.unwrap().unwrap_err();
+    let waited = began.elapsed();
+    assert!(
+        waited >= REDIAL_AFTER && waited <= REDIAL_AFTER + stall::CHECK_EVERY,
+        "{waited:?}"
+    );
+    assert!(
+        matches!(&e, LinkError::Ended(Kick::Redial { lanes, conns, .. })
+            if lanes == &[1u16] && conns == &[2u16]),
+        "{e}"
+    );
+    assert!(e.to_string().contains("No route to host"), "{e}");
+    drop(src);
+}
+
+/// The redial waits for a moment with no fetch outstanding on the link (ending the session
+/// fails them all, and one longer than a minute would fail at every redial), up to
+/// `REDIAL_BUSY_AFTER`; never for a draining source.
+#[tokio::test(start_paused = true)]
+async fn the_redial_waits_for_no_fetch_outstanding_up_to_a_limit() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(3600).await;
+    until_up(&l).await;
+    src.send(said("lane 1: cannot open data connection")).await;
+    src.send(not_dialled_msg(1, 2)).await;
+    until_last_error(&l).await;
+    let since = l.state.lock().unwrap().undialled_since.expect("noted");
+    let second = Duration::from_secs(1);
+    assert!(l.redial_due(since + REDIAL_AFTER - second).is_none());
+    l.outstanding.fetch_add(1, Ordering::Relaxed);
+    assert!(
+        l.redial_due(since + REDIAL_AFTER).is_none(),
+        "a fetch is out"
+    );
+    assert!(l.redial_due(since + REDIAL_BUSY_AFTER - second).is_none());
+    let due = l.redial_due(since + REDIAL_BUSY_AFTER);
+    assert!(
+        matches!(due, Some(Kick::Redial { waited, .. }) if waited == REDIAL_BUSY_AFTER),
+        "{due:?}"
+    );
+    l.outstanding.fetch_sub(1, Ordering::Relaxed);
+    assert!(l.redial_due(since + REDIAL_AFTER).is_some(), "nothing out");
+    l.set_draining("test: draining");
+    assert!(
+        l.redial_due(since + REDIAL_BUSY_AFTER).is_none(),
+        "draining"
+    );
+}
+
+/// A lane of which only some connections were dialled left no note (its `last_error` was
+/// empty) while the link never counted as ready; the source's reason also stayed behind as
+/// if it ended the session. Now `last_error` names the lane, its address, the connections
+/// missing and the reason, the lane is still reached, and the link is not ready.
+#[tokio::test]
+async fn a_partly_dialled_lane_says_which_connections_are_missing_and_why() {
+    let (l, mut src, sink, task) = start();
+    src.handshake(60).await;
+    until_up(&l).await;
+    let why =
+        "lane 0: cannot open data connection to 127.0.0.1:7401: Cannot assign requested address";
+    src.send(Message::DataConn {
+        lane: 0,
+        conn: 0,
+        addr: "127.0.0.1:40000".parse().unwrap(),
+    })
+    .await;
+    src.send(said(why)).await;
+    src.send(not_dialled_msg(0, 1)).await;
+    src.send(Message::DataConn {
+        lane: 1,
+        conn: 2,
+        addr: "127.0.0.1:40002".parse().unwrap(),
+    })
+    .await;
+    until_announced(&sink, 2).await;
+    for conn in [0, 2] {
+        l.data_ready(1, conn);
+        assert_eq!(src.recv_work().await, Message::DataReady { conn });
+    }
+    assert!(l.reaches(0) && l.lanes_left_out().is_empty(), "lane 0 runs");
+    assert!(!l.is_ready(), "connection 1 is not dialled");
+    let note = l.last_error.lock().unwrap().clone().expect("a note");
+    for says in [
+        "connections [1] of lane 0",
+        "127.0.0.1:7401",
+        "1 of its 2",
+        "Cannot assign requested address",
+    ] {
+        assert!(note.contains(says), "{says}: {note}");
+    }
+    drop(src);
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, LinkError::Frame(FrameError::Closed)),
+        "the lane's reason is not why the session ended: {e}"
+    );
+}
+
+/// A one-lane node whose data port the source cannot reach (a firewall): the source says why
+/// for the lane, reports its connection not dialled, then (with or without its last word)
+/// closes. The session's error, so `last_error`, carries the source's reason, not only the
+/// closed control connection (what it said before a last word was added).
+#[tokio::test]
+async fn a_one_lane_node_the_source_cannot_dial_says_why_the_session_ended() {
+    let one = vec![LaneAddr {
+        data_addr: "127.0.0.1:7401".parse().unwrap(),
+        flows: 1,
+    }];
+    let refused = "cannot open data connection to 127.0.0.1:7401: Connection refused";
+    let last = format!("the source ends this session: {refused}");
+    for last_word in [Some(last.as_str()), None] {
+        let (l, mut src, _sink, task) = start_with(one.clone());
+        src.handshake_for(&one, 60).await;
+        until_up(&l).await;
+        src.send(said(&format!("lane 0: {refused}"))).await;
+        src.send(not_dialled_msg(0, 0)).await;
+        if let Some(w) = last_word {
+            src.send(said(w)).await;
+        }
+        drop(src);
+        let e = task.await.unwrap().unwrap_err();
+        let LinkError::SourceEnded { said: why, .. } = &e else {
+            panic!("{last_word:?}: {e}");
+        };
+        match last_word {
+            Some(w) => assert_eq!(why, w),
+            None => assert!(
+                why.contains("left lane 0") && why.contains(refused),
+                "{why}"
+            ),
+        }
+    }
 }
