@@ -189,8 +189,8 @@ fn idle_timeout_s(t: Duration) -> Result<u64, ClientError> {
 }
 
 /// The body of `POST /v1/streams` for `o`, resuming from `from` when given (in place of
-/// `o.state`): its fields this client does not know go to the node as they came. A zero
-/// `idle_timeout` is refused ([`ClientError::IdleTimeout`]).
+/// `o.state`): its fields this client does not know go to the node as they came. An
+/// `idle_timeout` of zero or over a day is refused ([`idle_timeout_s`]).
 fn open_body(
     mut o: StreamOptions,
     idle_timeout: Option<Duration>,
@@ -406,8 +406,8 @@ impl HttpStream {
 
     /// Like [`HttpStream::open`], asking the service to close the stream after
     /// `idle_timeout` without requests (`None`: its default, 300 s; rounded up to whole
-    /// seconds, at most 86400 s). A zero `idle_timeout` fails with
-    /// [`ClientError::IdleTimeout`] before anything is sent.
+    /// seconds). An `idle_timeout` of zero, or of more than 86400 s (a day) once rounded up,
+    /// fails with [`ClientError::IdleTimeout`] before anything is sent.
     pub fn open_with_idle_timeout(
         admin_addr: &str,
         o: StreamOptions,

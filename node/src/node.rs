@@ -5,9 +5,9 @@
 //! Inside, the node is split by job: [`Info`] (configuration, probes, mode and reason),
 //! [`Admission`] (open streams and each lane's memory budget, under one lock) and the
 //! [`DataPlane`] (links, lanes, matcher, RX bindings). A stream goes to the lane of the GPU
-//! its trainer names, else to the least loaded lane a connected source reaches (a lane every
-//! connected source left out of its session is refused or passed over). The RX bindings, one
-//! per lane at most, are in [`bindings`].
+//! its trainer names, else to the least loaded lane a connected source of its dataset reaches
+//! (a lane that every such source left out of its session is refused or passed over). The RX
+//! bindings, one per lane at most, are in [`bindings`].
 
 mod bindings;
 
@@ -109,11 +109,18 @@ impl Node {
     /// (sources ready, sources connected, sources known, draining). A source is ready once
     /// its session is up and every data connection of it is ready
     /// ([`crate::link::SourceLink::is_ready`]): not while it dials, nor while it left a lane
-    /// out (could not dial it); connected once its session is up, ready or not.
+    /// out (could not dial it); connected once its session is up, ready or not. Both are
+    /// counted in one pass, ready only among the connected: a link that goes down meanwhile
+    /// cannot make ready exceed connected (`/readyz` "ready: 1/1 ... (0 connected)").
     pub fn readiness(&self) -> (usize, usize, usize, bool) {
         let links = self.plane.roster.links();
-        let ready = links.iter().filter(|l| l.is_ready()).count();
-        let connected = links.iter().filter(|l| l.is_up()).count();
+        let (mut ready, mut connected) = (0, 0);
+        for l in &links {
+            if l.is_up() {
+                connected += 1;
+                ready += usize::from(l.is_ready());
+            }
+        }
         (ready, connected, links.len(), self.admission.draining())
     }
 
@@ -128,18 +135,21 @@ impl Node {
 
     // --- streams -----------------------------------------------------------------------
 
-    /// The lane a stream goes to, with its memory reserved there: its trainer's GPU's lane,
-    /// else the least loaded (chosen and reserved at once, so streams opened together spread)
-    /// of those a connected source reaches ([`route::reserve_reached`]). While sources are
-    /// connected but none reaches the GPU's lane (each left it out of its session), the stream
-    /// is refused `unavailable` (retryable): its fetches would wait there.
+    /// The lane a stream reading `sources` goes to, with its memory reserved there: its
+    /// trainer's GPU's lane, else the least loaded (chosen and reserved at once, so streams
+    /// opened together spread) of those its sources reach ([`route::reserve_reached`]), of
+    /// either memory kind. Its sources are those its fetches may go to ([`Node::serving`]).
+    /// While they are connected but none reaches the GPU's lane (each left it out of its
+    /// session), the stream is refused `unavailable` (retryable): its fetches would wait there.
     fn place(
         &self,
         device: Option<&str>,
         bytes: u64,
+        sources: &[DatasetSource],
     ) -> Result<(Arc<Lane>, Reservation<'_, Stream>), OpenError> {
         let lanes = &self.plane.lanes;
-        let reached = route::lanes_reached(&self.plane.roster.links(), lanes.all().len());
+        let serving = self.serving(sources);
+        let reached = route::lanes_reached(&serving, lanes.all().len());
         let reservation = match device {
             Some(d) => {
                 let lane = lanes
@@ -147,15 +157,12 @@ impl Node {
                     .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string()))?;
                 if reached.as_ref().and_then(|r| r.get(lane.id() as usize)) == Some(&false) {
                     let detail = format!("device {d} is on that lane");
-                    return Err(self.unreached(lane, &detail));
+                    return Err(unreached(&serving, lane, &detail));
                 }
                 self.admission.reserve(lane.id(), bytes).map_err(refused)?
             }
-            None => {
-                let cuda: Vec<bool> = lanes.all().iter().map(|l| l.cuda.is_some()).collect();
-                route::reserve_reached(&self.admission, bytes, reached.as_deref(), &cuda)
-                    .map_err(|e| self.unplaced(e))?
-            }
+            None => route::reserve_reached(&self.admission, bytes, reached.as_deref())
+                .map_err(|e| self.unplaced(e, &serving))?,
         };
         let lane = lanes
             .get(reservation.lane())
@@ -163,8 +170,24 @@ impl Node {
         Ok((Arc::clone(lane), reservation))
     }
 
-    /// Why [`route::reserve_reached`] placed no stream, as the trainer is told.
-    fn unplaced(&self, e: route::Unplaced) -> OpenError {
+    /// Per dataset version a new stream reads (`sources`), the sources its fetches may go to:
+    /// its [`route::members`] (serving that version, taking new fetches), as fetch routing
+    /// chooses among them.
+    fn serving<'a>(&self, sources: &'a [DatasetSource]) -> Vec<route::Serving<'a>> {
+        let next_id = || self.next_id();
+        let serving = sources.iter().map(|s| {
+            let v = route::Version {
+                dataset: &s.dataset,
+                digest: &s.digest,
+            };
+            (s.dataset.as_str(), self.routing.members(v, &next_id))
+        });
+        serving.collect()
+    }
+
+    /// Why [`route::reserve_reached`] placed no stream reading from `serving`, as the trainer
+    /// is told.
+    fn unplaced(&self, e: route::Unplaced, serving: &[route::Serving<'_>]) -> OpenError {
         let (lane, full) = match e {
             route::Unplaced::Refused(e) => return refused(e),
             route::Unplaced::Unreached { lane, full } => (lane, full),
@@ -172,20 +195,12 @@ impl Node {
         let Some(lane) = self.plane.lanes.get(lane) else {
             return OpenError::new(ErrorCode::Internal, "the node has no lane");
         };
-        let kind = if lane.cuda.is_some() { "GPU" } else { "host" };
         let detail = if full {
-            format!("the lanes with {kind} memory that one reaches have no room left")
+            "the other lanes its sources reach have no room left"
         } else {
-            format!("nor does one reach any other lane with {kind} memory")
+            "nor do they reach any other lane"
         };
-        self.unreached(lane, &detail)
-    }
-
-    /// `unavailable` (retryable): no connected source reaches `lane` ([`route::unreached_lane`]).
-    fn unreached(&self, lane: &Lane, detail: &str) -> OpenError {
-        let links = self.plane.roster.links();
-        let why = route::unreached_lane(&links, lane.id() as u16, lane.data_addr, detail);
-        OpenError::new(ErrorCode::Unavailable, why)
+        unreached(serving, lane, detail)
     }
 
     /// Whether the stream's lane has GPU memory: its device's lane, else the node's least
@@ -237,10 +252,11 @@ impl Node {
             Kind::Shards(_) => 1,
         };
         open::check_index_fits(per_epoch, per_position, r.epochs)?;
-        let (lane, reservation) = self.place(r.device.as_deref(), region_bytes)?;
+        let (lane, reservation) = self.place(r.device.as_deref(), region_bytes, &planned.1)?;
         if lane.cuda.is_some() != cuda {
-            // Lanes of both memory kinds and the least loaded is the other kind: plan for it
-            // (from the same manifests: only the kind and layout depend on the memory).
+            // Lanes of both memory kinds and the stream's lane (the least loaded, or the one it
+            // was moved to: [`route::reserve_reached`]) is the other kind: plan for it (from the
+            // same manifests: only the kind and layout depend on the memory).
             planned = plan_stream(&r, &parts, region_bytes, !cuda)?;
         }
         let (manifest, sources, (kind, start, fingerprint)) = planned;
@@ -547,6 +563,13 @@ fn source_status(m: &Member) -> SourceStatus {
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
     }
+}
+
+/// `unavailable` (retryable): no connected source of a dataset the stream reads (`serving`)
+/// reaches `lane` ([`route::unreached_lane`]).
+fn unreached(serving: &[route::Serving<'_>], lane: &Lane, detail: &str) -> OpenError {
+    let why = route::unreached_lane(serving, lane.id() as u16, lane.data_addr, detail);
+    OpenError::new(ErrorCode::Unavailable, why)
 }
 
 /// The error a trainer gets when admission refuses its stream.

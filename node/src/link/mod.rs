@@ -19,12 +19,16 @@
 //!
 //! Nothing dials a connection again within a session, so the node ends a session that still
 //! has one not dialled [`REDIAL_AFTER`] after the source first reported one (a NIC still
-//! training at boot is up by then): the next session dials every lane again. Ending a session
-//! fails every fetch outstanding on it, and a fetch longer than the wait would fail at every
-//! redial, so the session ends at a moment with nothing outstanding, or [`REDIAL_BUSY_AFTER`]
-//! after the first report at the latest ([`SourceLink::redial_due`]). It counts as a healthy
+//! training at boot is up by then): the next session dials every lane again. The wait doubles
+//! for each session in a row that the node ended for the same connections, up to
+//! [`REDIAL_MAX`] (a lane the source can never reach costs a reconnect at most once an hour),
+//! and starts over once a session has every connection ready. Ending a session fails every
+//! fetch and manifest request outstanding on it, so the session ends at a moment with nothing
+//! under way; from [`REDIAL_BUSY_AFTER`] (doubled likewise) on, the link
+//! takes no new fetch ([`SourceLink::takes_new_fetches`]) so that such a moment comes, and no
+//! fetch is ever failed for a redial ([`SourceLink::redial_due`]). It counts as a healthy
 //! session, so the link reconnects at its shortest wait (100 ms); the other lanes pause for
-//! that and the next session's dialling, at most once a minute while the connection fails.
+//! that and the next session's dialling.
 
 pub mod served;
 pub mod session;
@@ -63,10 +67,33 @@ pub fn manifest_limit(len: usize) -> Duration {
 /// node ends that session, so that the next one dials every lane again (module docs).
 pub const REDIAL_AFTER: Duration = Duration::from_secs(60);
 
-/// While fetches are outstanding on the link, the end of a session with a connection not
-/// dialled waits for a moment with none (ending it fails them all), up to this long after the
-/// first report.
+/// While something is under way on the link, the end of a session with a connection not
+/// dialled waits for a moment with nothing (ending it would fail it); from this long after the
+/// first report on, the link takes no new fetch, so that the moment comes.
 pub const REDIAL_BUSY_AFTER: Duration = Duration::from_secs(600);
+
+/// The longest [`REDIAL_AFTER`] and [`REDIAL_BUSY_AFTER`] grow to, doubled for each session
+/// in a row the node ended for the same connections not dialled.
+pub const REDIAL_MAX: Duration = Duration::from_secs(3600);
+
+/// How long a manifest request waits past its deadline, when no frame is seen arriving then,
+/// before it looks again: the session notes a frame under way at its checks (every
+/// [`stall::CHECK_EVERY`]), so one that began since the last is seen by the next.
+pub const FRAME_LOOK_AGAIN: Duration = Duration::from_secs(stall::CHECK_EVERY.as_secs() + 1);
+
+/// How long a session whose connections `conns` are not dialled waits before the node ends it
+/// to dial them again, with nothing under way on the link, and before the link stops taking
+/// new fetches so that nothing is: [`REDIAL_AFTER`] and [`REDIAL_BUSY_AFTER`], doubled for
+/// each session in a row before it that the node ended for the same connections
+/// (`redialled`), up to [`REDIAL_MAX`].
+fn redial_waits(redialled: Option<&(Vec<u16>, u32)>, conns: &[u16]) -> (Duration, Duration) {
+    let n = match redialled {
+        Some((last, n)) if last == conns => (*n).min(16),
+        _ => 0,
+    };
+    let wait = |base: Duration| base.saturating_mul(1 << n).min(REDIAL_MAX);
+    (wait(REDIAL_AFTER), wait(REDIAL_BUSY_AFTER))
+}
 
 /// What a link needs to know about its node.
 #[derive(Clone, Debug)]
@@ -176,7 +203,8 @@ pub enum Kick {
         after: Duration,
     },
     /// Data connections of the session stayed not dialled ([`wire::NOT_DIALLED`]) for
-    /// [`REDIAL_AFTER`] or more: the next session dials every lane again.
+    /// [`REDIAL_AFTER`] or more (doubled for each such session in a row):
+    /// the next session dials every lane again.
     #[error(
         "the source did not dial data connections {conns:?} (lanes {lanes:?}) of this session for {waited:?} ({said}): the node ended the session so that the next one dials every lane again"
     )]
@@ -264,6 +292,10 @@ struct LinkState {
     /// When the source first reported a data connection of this session not dialled: the
     /// session is redialled from [`REDIAL_AFTER`] on ([`SourceLink::redial_due`]).
     undialled_since: Option<tokio::time::Instant>,
+    /// The connections not dialled of the last session the node ended to dial them again,
+    /// and how many sessions in a row it ended for that same set ([`redial_waits`]). Kept
+    /// across sessions; cleared once a session has every data connection ready.
+    redialled: Option<(Vec<u16>, u32)>,
     /// The last `Error` about no request the source sent in this session: why a lane it
     /// reports next was not dialled, or why it ends the session (then it closes the control
     /// connection, and this is the session's error: `LinkError::SourceEnded`).
@@ -315,6 +347,9 @@ pub struct SourceLink {
     draining: AtomicBool,
     /// The node is letting it go (its address left DNS).
     retiring: AtomicBool,
+    /// The session is due to be redialled but something is under way: the link takes no new
+    /// fetch until its next session ([`SourceLink::redial_due`]).
+    redial_waiting: AtomicBool,
     /// Fetches sent on it and not ended yet.
     outstanding: Arc<AtomicUsize>,
     /// When the source last answered a fetch, or payload bytes last landed (or the session
@@ -358,6 +393,7 @@ impl SourceLink {
             served: Served::default(),
             draining: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
+            redial_waiting: AtomicBool::new(false),
             outstanding: Arc::default(),
             answered: Mutex::new(Answered::new(Instant::now(), 0)),
             landed: AtomicU64::new(0),
@@ -387,9 +423,11 @@ impl SourceLink {
         self.retiring.load(Ordering::Acquire)
     }
 
-    /// Whether new fetches may go to this source (up or not): neither draining nor retiring.
+    /// Whether new fetches may go to this source (up or not): neither draining nor retiring,
+    /// nor waiting for its fetches to end so that its session is redialled
+    /// ([`SourceLink::redial_due`]).
     pub fn takes_new_fetches(&self) -> bool {
-        !self.is_draining() && !self.is_retiring()
+        !self.is_draining() && !self.is_retiring() && !self.redial_waiting.load(Ordering::Acquire)
     }
 
     /// `draining`, `retiring` or `active` (`/v1/status`).
@@ -625,13 +663,17 @@ impl SourceLink {
 
     /// Waits for a manifest request's answer on `rx`: [`MANIFEST_TIMEOUT`], and while a
     /// control frame is arriving (a large manifest on a slow path), as long as the source may
-    /// take to write it ([`manifest_limit`] of its length, from when the session saw it).
+    /// take to write it ([`manifest_limit`] of its length, from when the session saw it). At a
+    /// deadline with no such frame seen, it looks again [`FRAME_LOOK_AGAIN`] later: a frame
+    /// that began since the session's last check (a manifest queued behind another) is seen
+    /// by then.
     async fn manifest_answer(
         &self,
         mut rx: oneshot::Receiver<Result<Vec<u8>, ManifestError>>,
     ) -> Result<Vec<u8>, ManifestError> {
         let began = tokio::time::Instant::now();
         let mut deadline = began + MANIFEST_TIMEOUT;
+        let mut looked_again = false;
         loop {
             match tokio::time::timeout_at(deadline, &mut rx).await {
                 Ok(Ok(r)) => return r,
@@ -642,7 +684,10 @@ impl SourceLink {
                     });
                 }
                 Err(_) => match self.frame_due() {
-                    Some(due) if due > deadline => deadline = due,
+                    Some(due) if due > deadline => (deadline, looked_again) = (due, false),
+                    _ if !looked_again => {
+                        (deadline, looked_again) = (deadline + FRAME_LOOK_AGAIN, true);
+                    }
                     _ => {
                         return Err(ManifestError::Timeout {
                             addr: self.addr.clone(),
@@ -710,6 +755,7 @@ impl SourceLink {
         // ready): why the last one ended, or why none came up, is past.
         if st.ctl.is_some() && st.ready.iter().all(|r| *r) {
             *self.last_error.lock().expect("poisoned") = None;
+            st.redialled = None; // the next connection not dialled waits the shortest time
         }
     }
 
@@ -731,6 +777,7 @@ impl SourceLink {
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
         *self.abort_reason.lock().expect("poisoned") = None;
         self.draining.store(false, Ordering::Release);
+        self.redial_waiting.store(false, Ordering::Release);
         self.up.store(true, Ordering::Release);
         // `last_error` stays until the session is ready ([`SourceLink::data_ready`]): a link
         // whose sessions keep failing before then shows why.
@@ -760,22 +807,35 @@ impl SourceLink {
     }
 
     /// Whether the node ends the current session at `now` so that the next one dials every
-    /// lane again ([`Kick::Redial`]): a data connection of it was reported not dialled
-    /// [`REDIAL_AFTER`] ago or more, and no fetch is outstanding on the link (ending the
-    /// session loses nothing then) or [`REDIAL_BUSY_AFTER`] has passed. Never for a draining
-    /// source: it takes no new session.
+    /// lane again ([`Kick::Redial`]): a data connection of it was reported not dialled its
+    /// wait ago or more ([`REDIAL_AFTER`], doubled for each session in a row ended for the
+    /// same connections, up to [`REDIAL_MAX`]), and nothing is under way on the link (a fetch,
+    /// a manifest request or a control frame arriving: ending the session would fail it). From the busy wait on, the
+    /// link takes no new fetch, so that nothing is soon; no fetch is failed for a redial.
+    /// Never for a draining source: it takes no new session.
     pub fn redial_due(&self, now: tokio::time::Instant) -> Option<Kick> {
         if self.is_draining() {
             return None;
         }
-        let st = self.state.lock().expect("poisoned");
+        let mut st = self.state.lock().expect("poisoned");
         let waited = now.saturating_duration_since(st.undialled_since?);
-        let busy = self.outstanding() > 0;
-        if waited < REDIAL_AFTER || (busy && waited < REDIAL_BUSY_AFTER) {
-            return None;
-        }
         let undialled = st.undialled.iter().enumerate().filter(|(_, u)| **u);
         let conns: Vec<u16> = undialled.map(|(c, _)| c as u16).collect();
+        let (after, busy_after) = redial_waits(st.redialled.as_ref(), &conns);
+        if waited < after {
+            return None;
+        }
+        if self.busy() {
+            if waited >= busy_after && !self.redial_waiting.swap(true, Ordering::AcqRel) {
+                tracing::info!(source = %self.addr, ?conns, ?waited,
+                    "the session is due to dial its data connections again: no new fetch goes to the source until the ones under way end");
+            }
+            return None;
+        }
+        st.redialled = match st.redialled.take() {
+            Some((last, n)) if last == conns => Some((last, n.saturating_add(1))),
+            _ => Some((conns.clone(), 1)),
+        };
         let mut lanes: Vec<u16> = conns
             .iter()
             .map(|&c| st.conn_lane[usize::from(c)])
@@ -788,6 +848,14 @@ impl SourceLink {
             waited: Duration::from_secs(waited.as_secs()),
             said: said.join("; "),
         })
+    }
+
+    /// Whether ending the session now would fail something under way on it: a fetch
+    /// outstanding, a manifest request waiting, or a control frame arriving.
+    fn busy(&self) -> bool {
+        self.outstanding() > 0
+            || !self.manifest_waiters.lock().expect("poisoned").is_empty()
+            || self.arriving.lock().expect("poisoned").is_some()
     }
 
     /// Ends the current session: receivers are unblocked, and every fetch and manifest
@@ -839,6 +907,14 @@ fn stopped_reason(link: &SourceLink) -> &'static str {
     }
 }
 
+/// Whether a session that never came up failed for the node's own configuration (a lane's
+/// data address of the wrong family: [`session::LinkError::DataListenFamily`]) and did not
+/// the last time for the same `reason`: worth a warning once, not a debug line every retry.
+fn config_error(result: &Result<(), session::LinkError>, link: &SourceLink, reason: &str) -> bool {
+    let family = matches!(result, Err(session::LinkError::DataListenFamily { .. }));
+    family && link.last_error.lock().expect("poisoned").as_deref() != Some(reason)
+}
+
 /// Keeps the link connected until shutdown, reconnecting with backoff.
 pub async fn run(
     link: Arc<SourceLink>,
@@ -867,6 +943,8 @@ pub async fn run(
             if lived >= HEALTHY_SESSION {
                 backoff = Duration::from_millis(100);
             }
+        } else if config_error(&result, &link, &reason) {
+            tracing::warn!(source = %link.addr, error = %reason, "source not reachable with this node's lane addresses; retrying");
         } else {
             tracing::debug!(source = %link.addr, error = %reason, "source not reachable; retrying");
         }

@@ -5,7 +5,8 @@
 //! just started, a name that just resolved) get a moment first, so two nodes opening the same
 //! dataset start from the same set of sources. A mixture's datasets are asked after one such
 //! wait, [`AT_ONCE`] at a time: an open costs one wait, and one `MANIFEST_TIMEOUT` per
-//! [`AT_ONCE`] datasets at most, while the raw JSON held at once stays that of [`AT_ONCE`]
+//! [`AT_ONCE`] datasets at most (longer while a large manifest is arriving:
+//! [`crate::link::manifest_limit`]), while the raw JSON held at once stays that of [`AT_ONCE`]
 //! datasets from each source (not that of all of a mixture's up to 256).
 
 use std::pin::Pin;
@@ -29,7 +30,10 @@ pub const ALL_UP: Duration = Duration::from_secs(1);
 /// source's raw JSON (up to `MAX_FRAME`, 64 MiB) until its slowest source answers: all of a
 /// 256-dataset mixture at once could hold tens of GB for one open. 16 keeps the largest
 /// mixture (`MAX_MIX_DATASETS`, 256) under the SDKs' 10 min attach limit even with a source
-/// that is up and never answers (16 rounds of the 30 s manifest timeout).
+/// that is up and never answers (16 rounds of the 30 s manifest timeout). Not with a source
+/// whose manifests arrive slowly: a request waits for a manifest it sees arriving as long as
+/// its source may take to write it, 30 s plus 1 s per MiB ([`crate::link::manifest_limit`]),
+/// so 16 rounds of large manifests (up to about 94 s each at 64 MiB) can outlast the limit.
 pub const AT_ONCE: usize = 16;
 
 /// A link's answer to a manifest request, and the session it asked in.
@@ -57,7 +61,8 @@ pub async fn manifests_of(
 /// Runs `futures`, `at_once` at a time (at least 1), started in the order given, and gives
 /// their answers in that order. On a failure, the first in that order, as soon as every future
 /// before it has answered (the rest are dropped, or never started: a mixture refused for its
-/// first dataset does not wait for its last).
+/// first dataset does not wait for its last). Once any has failed no other is started, even
+/// while one before it still runs: the outcome is an error either way.
 async fn all_in_order<T, E, F>(
     futures: impl IntoIterator<Item = F>,
     at_once: usize,
@@ -71,9 +76,10 @@ where
     let mut running: Vec<Option<Pin<Box<F>>>> = Vec::new();
     let mut done: Vec<Option<Result<T, E>>> = Vec::new();
     let mut in_flight = 0;
+    let mut failed = false;
     std::future::poll_fn(|cx| {
         loop {
-            while in_flight < at_once.max(1) && !started_all {
+            while in_flight < at_once.max(1) && !started_all && !failed {
                 match waiting.next() {
                     Some(f) => {
                         running.push(Some(Box::pin(f)));
@@ -87,6 +93,7 @@ where
             for (slot, d) in running.iter_mut().zip(done.iter_mut()) {
                 let Some(f) = slot.as_mut() else { continue };
                 if let Poll::Ready(answer) = f.as_mut().poll(cx) {
+                    failed |= answer.is_err();
                     *d = Some(answer);
                     *slot = None;
                     in_flight -= 1;
@@ -97,7 +104,8 @@ where
             match done.iter().find(|d| !matches!(d, Some(Ok(_)))) {
                 Some(Some(Err(_))) => return Poll::Ready(()),
                 None if started_all => return Poll::Ready(()),
-                // Room was made: start the next ones (and poll them, to be woken by them).
+                // Room was made: start the next ones (and poll them, to be woken by them),
+                // unless one failed (then only those before it are waited for).
                 _ if answered => continue,
                 _ => return Poll::Pending,
             }
@@ -300,6 +308,41 @@ mod tests {
         let got = timeout(Duration::from_secs(600), all_in_order(parts, AT)).await;
         assert_eq!(got, Ok(Err(0)));
         assert_eq!(started.load(Ordering::SeqCst), AT, "none started after it");
+    }
+
+    /// A failure while a part before it still ran: the slots later answers freed kept
+    /// starting parts (each a manifest request to every source) whose answers were thrown
+    /// away. Now none starts once a failure is known, and the failure is the answer once the
+    /// part before it is in.
+    #[tokio::test(start_paused = true)]
+    async fn no_part_starts_once_one_has_failed() {
+        const AT: usize = 4;
+        let started = &AtomicUsize::new(0);
+        let parts = (0..20u64).map(|i| async move {
+            started.fetch_add(1, Ordering::SeqCst);
+            // Part 0 still runs when part 1 fails at once; the others answer after 1 s,
+            // freeing slots.
+            match i {
+                0 => sleep(Duration::from_secs(30)).await,
+                1 => return Err(i),
+                _ => sleep(Duration::from_secs(1)).await,
+            }
+            Ok(i)
+        });
+        let t = Instant::now();
+        let got = timeout(Duration::from_secs(600), all_in_order(parts, AT)).await;
+        assert_eq!(got, Ok(Err(1)));
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            AT,
+            "only those started before the failure"
+        );
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_secs(30),
+            "waits for part 0: {took:?}"
+        );
+        assert!(took < Duration::from_secs(31), "{took:?}");
     }
 
     /// A mixture waits for its sources once, not once per dataset: with a source that never

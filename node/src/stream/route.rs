@@ -10,8 +10,8 @@
 //! once it answers. A member whose source left the stream's lane out of its session (it could
 //! not dial the lane's data address: [`SourceLink::reaches`]) counts as down for that lane's
 //! fetches only; a lane no live member reaches waits, and says why ([`unreached`]). A new
-//! stream without a device is not placed on such a lane while a lane of its memory kind is
-//! reached ([`reserve_reached`]).
+//! stream is placed by the same members: not on a lane that no live member of a dataset it
+//! reads reaches, while another lane is reached ([`lanes_reached`], [`reserve_reached`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -187,30 +187,43 @@ pub fn unreached(members: &[Arc<SourceLink>], v: Version<'_>, lane: u16) -> Opti
     ))
 }
 
-/// Per lane of a node's `lanes`: whether a source of `links` that is up reaches it (did not
-/// leave it out of its session: [`SourceLink::reaches`]). `None` while none is up: nothing
-/// tells the lanes apart then, and a stream waits for a source wherever it goes.
-pub fn lanes_reached(links: &[Arc<SourceLink>], lanes: usize) -> Option<Vec<bool>> {
-    let up: Vec<&Arc<SourceLink>> = links.iter().filter(|l| l.is_up()).collect();
-    if up.is_empty() {
-        return None;
-    }
-    let reached = |lane: usize| up.iter().any(|l| l.reaches(lane as u16));
-    Some((0..lanes).map(reached).collect())
+/// A dataset version a new stream reads, by name, and its [`members`]: the sources its
+/// fetches may go to, which placement counts ([`lanes_reached`]).
+pub type Serving<'a> = (&'a str, Vec<Arc<SourceLink>>);
+
+/// Those of `members` that are up.
+fn up_members(members: &[Arc<SourceLink>]) -> Vec<&Arc<SourceLink>> {
+    members.iter().filter(|l| l.is_up()).collect()
 }
 
-/// The lanes a stream may go to instead of lane `chosen`, best first: those of its memory kind
-/// (`cuda`, per lane) that a source reaches (`reached`, per lane: [`lanes_reached`]), by the
-/// most bytes free (`usage`: streams, reserved and pool bytes per lane, as
-/// [`Admission::lane_usage`] gives them), then the fewest streams, then the lowest id.
-pub fn detour(
-    chosen: usize,
-    reached: &[bool],
-    cuda: &[bool],
-    usage: &[(usize, u64, u64)],
-) -> Vec<usize> {
+/// Per lane of a node's `lanes`: whether a new stream's fetches there find a source. For each
+/// dataset it reads (`serving`) that has a member up, a member that is up reaches the lane
+/// (did not leave it out of its session: [`SourceLink::reaches`]); sources that serve none of
+/// its datasets, or take no new fetches, do not count. `None` while no member of any is up:
+/// nothing tells the lanes apart then, and the stream waits for a source wherever it goes.
+pub fn lanes_reached(serving: &[Serving<'_>], lanes: usize) -> Option<Vec<bool>> {
+    let mut reached: Option<Vec<bool>> = None;
+    for (_, members) in serving {
+        let up = up_members(members);
+        if up.is_empty() {
+            continue; // waits on any lane
+        }
+        let all = reached.get_or_insert_with(|| vec![true; lanes]);
+        for (lane, r) in all.iter_mut().enumerate() {
+            *r = *r && up.iter().any(|l| l.reaches(lane as u16));
+        }
+    }
+    reached
+}
+
+/// The lanes a stream may go to instead of lane `chosen`, best first: those its sources reach
+/// (`reached`, per lane: [`lanes_reached`]), of either memory kind (the open plans the stream
+/// again for the kind of the lane it gets), by the most bytes free (`usage`: streams, reserved
+/// and pool bytes per lane, as [`Admission::lane_usage`] gives them), then the fewest streams,
+/// then the lowest id.
+pub fn detour(chosen: usize, reached: &[bool], usage: &[(usize, u64, u64)]) -> Vec<usize> {
     let mut lanes: Vec<usize> = (0..reached.len())
-        .filter(|&l| l != chosen && reached[l] && cuda.get(l) == cuda.get(chosen))
+        .filter(|&l| l != chosen && reached[l])
         .collect();
     lanes.sort_by_key(|&l| {
         let (streams, reserved, pool) = usage.get(l).copied().unwrap_or_default();
@@ -224,26 +237,24 @@ pub fn detour(
 pub enum Unplaced {
     /// Admission refused the least loaded lane (draining, no room).
     Refused(AdmitError),
-    /// No source that is up reaches `lane`, the least loaded lane; `full`: the lanes of its
-    /// memory kind that one reaches have no room for the stream (else there are none).
+    /// None of the stream's sources that is up reaches `lane`, the least loaded lane; `full`:
+    /// the other lanes they reach have no room for the stream (else they reach none).
     Unreached {
         /// The least loaded lane.
         lane: u32,
-        /// Lanes of its kind are reached, but full.
+        /// Other lanes are reached, but full.
         full: bool,
     },
 }
 
-/// Sets `bytes` aside for a stream without a device on `adm`'s least loaded lane, unless
+/// Sets `bytes` aside for a stream without a device on `adm`'s least loaded lane, unless its
 /// sources are up and none reaches that lane (`reached`, per lane: [`lanes_reached`]; `None`:
-/// none is up): its fetches would wait for ever. Then on the best lane of the same memory kind
-/// (`cuda`, per lane) that one reaches and that has room ([`detour`]), and with none,
-/// [`Unplaced::Unreached`].
+/// none is up): its fetches would wait for ever. Then on the best lane, of either memory kind,
+/// that they reach and that has room ([`detour`]), and with none, [`Unplaced::Unreached`].
 pub fn reserve_reached<'a, S>(
     adm: &'a Admission<S>,
     bytes: u64,
     reached: Option<&[bool]>,
-    cuda: &[bool],
 ) -> Result<Reservation<'a, S>, Unplaced> {
     let first = adm.reserve_least_loaded(bytes).map_err(Unplaced::Refused)?;
     let chosen = first.lane() as usize;
@@ -253,13 +264,13 @@ pub fn reserve_reached<'a, S>(
     let usage: Vec<_> = (0..reached.len())
         .map(|l| adm.lane_usage(l as u32))
         .collect();
-    let instead = detour(chosen, reached, cuda, &usage);
+    let instead = detour(chosen, reached, &usage);
     for &lane in &instead {
         if let Ok(r) = adm.reserve(lane as u32, bytes) {
             tracing::info!(
                 least_loaded = chosen,
                 lane,
-                "no connected source reaches the least loaded lane: the stream goes to a lane one reaches"
+                "no connected source of the stream's datasets reaches the least loaded lane: the stream goes to a lane one reaches"
             );
             return Ok(r);
         }
@@ -270,28 +281,40 @@ pub fn reserve_reached<'a, S>(
     })
 }
 
-/// Why a stream cannot go to lane `lane` (data address `addr`): each source of `links` that is
-/// up left it out of its session. Names each, and the address it could not dial; `detail` says
-/// what that means for the stream.
+/// Why a stream cannot go to lane `lane` (data address `addr`): for a dataset it reads
+/// (`serving`, as [`lanes_reached`] takes it), every member that is up left the lane out of
+/// its session. Names each such dataset and those sources, with the address each could not
+/// dial; `detail` says what that means for the stream.
 pub fn unreached_lane(
-    links: &[Arc<SourceLink>],
+    serving: &[Serving<'_>],
     lane: u16,
     addr: SocketAddr,
     detail: &str,
 ) -> String {
-    let said: Vec<String> = links
-        .iter()
-        .filter(|l| l.is_up())
-        .map(
-            |l| match l.lanes_left_out().iter().find(|(n, _)| *n == lane) {
-                Some((_, a)) => format!("{} could not dial {a}", l.addr),
-                None => format!("{} left it out", l.addr),
-            },
-        )
-        .collect();
+    let mut said = Vec::new();
+    for (dataset, members) in serving {
+        let up = up_members(members);
+        if up.is_empty() || up.iter().any(|l| l.reaches(lane)) {
+            continue;
+        }
+        let why: Vec<String> = up
+            .iter()
+            .map(
+                |l| match l.lanes_left_out().iter().find(|(n, _)| *n == lane) {
+                    Some((_, a)) => format!("{} could not dial {a}", l.addr),
+                    None => format!("{} left it out", l.addr),
+                },
+            )
+            .collect();
+        said.push(format!("of dataset `{dataset}` ({})", why.join(", ")));
+    }
+    let said = if said.is_empty() {
+        "that serves the stream's datasets".to_owned()
+    } else {
+        said.join(", nor ")
+    };
     format!(
-        "no connected source reaches lane {lane} (data address {addr}): {}; {detail}. Try again once one does (each source's last_error in /v1/status says why; check the lane's NIC and the route from the source to its address)",
-        said.join(", ")
+        "lane {lane} (data address {addr}) is reached by no connected source {said}; {detail}. Try again once one does (each source's last_error in /v1/status says why; check the lane's NIC and the route from the source to its address)"
     )
 }
 
@@ -501,13 +524,19 @@ pub(crate) mod tests {
 
     /// A stream without a device went to the least loaded lane even when every connected
     /// source had left that lane out, and its fetches waited for ever. Now it goes to the
-    /// least loaded lane of its memory kind that a source reaches, and is refused when there
-    /// is none with room; nothing stays reserved on the lane passed over.
+    /// least loaded lane, of either memory kind, that a source reaches (a GPU-less lane
+    /// reached while the GPU lanes are not: refused before), and is refused when there is none
+    /// with room; nothing stays reserved on the lane passed over.
     #[test]
     fn a_stream_goes_to_a_lane_a_connected_source_reaches() {
-        let (_, l) = roster(&["10.0.0.2:1", "10.0.0.3:1"]);
+        let (rs, l) = roster(&["10.0.0.2:1", "10.0.0.3:1"]);
+        for x in &l {
+            x.served.record("web", Some("d1".into()), 0);
+        }
+        let ids = || 1;
+        let serving = || vec![("web", members(&rs, V, &ids))];
         assert_eq!(
-            lanes_reached(&l, 3),
+            lanes_reached(&serving(), 3),
             None,
             "none is up: it is not the lanes"
         );
@@ -517,45 +546,44 @@ pub(crate) mod tests {
         let lane_0: SocketAddr = "10.0.0.5:7401".parse().unwrap();
         l[0].force_lane_out(0, lane_0);
         assert_eq!(
-            lanes_reached(&l, 3),
+            lanes_reached(&serving(), 3),
             Some(vec![true; 3]),
             "the other reaches it"
         );
         l[1].force_lane_out(0, lane_0);
-        assert_eq!(lanes_reached(&l, 3), Some(vec![false, true, true]));
-        let why = unreached_lane(&l, 0, lane_0, "nor any other lane");
+        assert_eq!(lanes_reached(&serving(), 3), Some(vec![false, true, true]));
+        let why = unreached_lane(&serving(), 0, lane_0, "nor any other lane");
         for says in [
             "lane 0",
             "10.0.0.2:1",
             "10.0.0.3:1",
             "10.0.0.5:7401",
+            "`web`",
             "nor any",
         ] {
             assert!(why.contains(says), "{says}: {why}");
         }
         // Lanes 0, 1 and 3 are GPU memory, lane 2 host memory; lane 1 has the least free.
-        let cuda = [true, true, false, true];
         let adm: Admission<u8> = Admission::new(vec![100; 4]);
         adm.reserve(1, 10).unwrap().commit(1, Arc::new(0));
-        assert_eq!(reserve_reached(&adm, 10, None, &cuda).unwrap().lane(), 0);
+        assert_eq!(reserve_reached(&adm, 10, None).unwrap().lane(), 0);
         let all = [true; 4];
-        assert_eq!(
-            reserve_reached(&adm, 10, Some(&all[..]), &cuda)
-                .unwrap()
-                .lane(),
-            0
-        );
-        let reached = [false, true, true, true];
-        let r = reserve_reached(&adm, 10, Some(&reached[..]), &cuda).unwrap();
-        assert_eq!(r.lane(), 3, "of lane 0's kind, reached, the most free");
+        assert_eq!(reserve_reached(&adm, 10, Some(&all[..])).unwrap().lane(), 0);
+        let reached = [false, true, false, true];
+        let r = reserve_reached(&adm, 10, Some(&reached[..])).unwrap();
+        assert_eq!(r.lane(), 3, "reached, the most free");
         assert_eq!(
             adm.lane_usage(0),
             (0, 0, 100),
             "lane 0's reservation given back"
         );
         drop(r);
+        // Only the host lane is reached: the stream goes there (planned again for it).
         let host_only = [false, false, true, false];
-        let got = reserve_reached(&adm, 10, Some(&host_only[..]), &cuda).err();
+        let r = reserve_reached(&adm, 10, Some(&host_only[..])).unwrap();
+        assert_eq!(r.lane(), 2, "a lane of the other memory kind");
+        drop(r);
+        let got = reserve_reached(&adm, 10, Some(&[false; 4][..])).err();
         assert_eq!(
             got,
             Some(Unplaced::Unreached {
@@ -564,8 +592,8 @@ pub(crate) mod tests {
             })
         );
         adm.reserve(1, 90).unwrap().commit(2, Arc::new(0));
-        let lane_1 = [false, true, true, false];
-        let got = reserve_reached(&adm, 10, Some(&lane_1[..]), &cuda).err();
+        let lane_1 = [false, true, false, false];
+        let got = reserve_reached(&adm, 10, Some(&lane_1[..])).err();
         assert_eq!(
             got,
             Some(Unplaced::Unreached {
@@ -575,8 +603,60 @@ pub(crate) mod tests {
         );
         assert_eq!(adm.lane_usage(0), (0, 0, 100), "nothing left reserved");
         adm.start_draining();
-        let got = reserve_reached(&adm, 10, Some(&reached[..]), &cuda).err();
+        let got = reserve_reached(&adm, 10, Some(&reached[..])).err();
         assert_eq!(got, Some(Unplaced::Refused(AdmitError::Draining)));
+    }
+
+    /// Placement counted every connected source: a lane reached only by a source that does
+    /// not serve the stream's dataset (or drains) took the stream, whose fetches then waited.
+    /// Now only the stream's members count (those fetch routing chooses from), per dataset of
+    /// a mixture, and the refusal names them alone.
+    #[test]
+    fn placement_counts_only_the_sources_of_the_streams_datasets() {
+        let (r, l) = roster(&["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]);
+        let code = Version {
+            dataset: "code",
+            digest: "d9",
+        };
+        l[0].served.record("web", Some("d1".into()), 0);
+        l[1].served.record("code", Some("d9".into()), 0); // serves only `code`
+        l[2].served.record("web", Some("d1".into()), 0);
+        l[2].set_draining("test"); // takes no new fetches
+        for x in &l {
+            x.force_up(true);
+        }
+        let lane_1: SocketAddr = "10.0.1.5:7401".parse().unwrap();
+        l[0].force_lane_out(1, lane_1);
+        let ids = || 1;
+        let web = vec![("web", members(&r, V, &ids))];
+        assert_eq!(
+            lanes_reached(&web, 2),
+            Some(vec![true, false]),
+            "10.0.0.3:1 and 10.0.0.4:1 reach lane 1, but take none of `web`'s fetches"
+        );
+        let why = unreached_lane(&web, 1, lane_1, "device d is on that lane");
+        for says in ["lane 1", "`web`", "10.0.0.2:1 could not dial 10.0.1.5:7401"] {
+            assert!(why.contains(says), "{says}: {why}");
+        }
+        for not in ["10.0.0.3:1", "10.0.0.4:1", "`code`"] {
+            assert!(!why.contains(not), "{not}: {why}");
+        }
+        // A mixture: a lane must be reached for each of its datasets.
+        let lane_0: SocketAddr = "10.0.0.5:7401".parse().unwrap();
+        l[1].force_lane_out(0, lane_0);
+        let mix = vec![web[0].clone(), ("code", members(&r, code, &ids))];
+        assert_eq!(lanes_reached(&mix, 2), Some(vec![false, false]));
+        let why = unreached_lane(&mix, 0, lane_0, "d");
+        assert!(why.contains("`code` (10.0.0.3:1 could not dial"), "{why}");
+        assert!(
+            !why.contains("`web`"),
+            "`web`'s source reaches lane 0: {why}"
+        );
+        // `web`'s only member is down: nothing tells the lanes apart for it (a source serving
+        // another dataset that is up does not make them differ).
+        l[0].force_up(false);
+        let web = vec![("web", members(&r, V, &ids))];
+        assert_eq!(lanes_reached(&web, 2), None);
     }
 
     /// Only the last refusing source was avoided: a shard that the two best-ranked of three

@@ -881,9 +881,62 @@ async fn an_unanswered_manifest_request_fails_after_the_sources_write_limit() {
     ));
     let e = asked.await.unwrap().unwrap_err();
     assert!(
-        matches!(e, ManifestError::Timeout { after, .. } if after == Duration::from_secs(30)),
+        matches!(e, ManifestError::Timeout { after, .. }
+            if after == Duration::from_secs(30) + crate::link::FRAME_LOOK_AGAIN),
         "{e}"
     );
+}
+
+/// A manifest queued behind another on the control connection began arriving after the
+/// session's last check, so at its deadline no frame was seen under way and the request
+/// failed (`Timeout`) while its answer was arriving within the source's limit. Now the
+/// request looks again once the session has checked.
+#[tokio::test(start_paused = true)]
+async fn a_manifest_queued_behind_another_is_waited_for() {
+    let (l, mut src, _sink, task) = start();
+    src.handshake(3600).await;
+    until_up(&l).await;
+    // Off the session's 5 s checks: A arrives from 3 s to 30.5 s, B from 30.5 s to 34.5 s;
+    // B's deadline (33 s) falls between the checks at 30 s and 35 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ask = |req: u64, name: &'static str| {
+        let l2 = Arc::clone(&l);
+        tokio::spawn(async move { l2.request_manifest(req, name).await })
+    };
+    let (asked_a, asked_b) = (ask(9, "a"), ask(10, "b"));
+    for _ in 0..2 {
+        assert!(matches!(
+            src.recv_work().await,
+            Message::ManifestRequest { .. }
+        ));
+    }
+    let frame = |req: u64, name: &str, json: &[u8]| {
+        let mut frame = Vec::new();
+        let m = Message::Manifest {
+            req,
+            dataset: name.into(),
+            json: json.to_vec(),
+        };
+        wire::encode(&m, &mut frame).unwrap();
+        frame
+    };
+    let (json_a, json_b) = (vec![b' '; 60 << 10], vec![b'\n'; 20 << 10]);
+    let a = frame(9, "a", &json_a);
+    let pieces: Vec<&[u8]> = a.chunks(a.len().div_ceil(12)).collect();
+    for (i, piece) in pieces.iter().enumerate() {
+        src.wr.write_all(piece).await.unwrap();
+        if i + 1 < pieces.len() {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+        }
+    }
+    let b = frame(10, "b", &json_b);
+    let (first, rest) = b.split_at(b.len() / 2);
+    src.wr.write_all(first).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    src.wr.write_all(rest).await.unwrap();
+    assert_eq!(asked_a.await.unwrap().unwrap(), json_a);
+    assert_eq!(asked_b.await.unwrap().unwrap(), json_b);
+    assert!(!task.is_finished(), "the session goes on");
 }
 
 /// The source says why it ends a session (`Error` about no request) and closes: that is the
@@ -1426,11 +1479,12 @@ async fn a_session_with_a_lane_left_out_is_redialled_after_a_minute() {
     drop(src);
 }
 
-/// The redial waits for a moment with no fetch outstanding on the link (ending the session
-/// fails them all, and one longer than a minute would fail at every redial), up to
-/// `REDIAL_BUSY_AFTER`; never for a draining source.
+/// The redial waits for a moment with nothing under way on the link (ending the session
+/// fails it). Before, it failed every fetch outstanding at `REDIAL_BUSY_AFTER`, so a fetch
+/// longer than that never finished; now the link takes no new fetch from then on and the
+/// session ends once the fetch is done. Never for a draining source.
 #[tokio::test(start_paused = true)]
-async fn the_redial_waits_for_no_fetch_outstanding_up_to_a_limit() {
+async fn the_redial_waits_for_no_fetch_outstanding_and_fails_none() {
     let (l, mut src, _sink, _task) = start();
     src.handshake(3600).await;
     until_up(&l).await;
@@ -1446,17 +1500,101 @@ async fn the_redial_waits_for_no_fetch_outstanding_up_to_a_limit() {
         "a fetch is out"
     );
     assert!(l.redial_due(since + REDIAL_BUSY_AFTER - second).is_none());
+    assert!(l.takes_new_fetches(), "before the busy limit");
     let due = l.redial_due(since + REDIAL_BUSY_AFTER);
+    assert!(due.is_none(), "the fetch under way is not failed: {due:?}");
     assert!(
-        matches!(due, Some(Kick::Redial { waited, .. }) if waited == REDIAL_BUSY_AFTER),
-        "{due:?}"
+        !l.takes_new_fetches(),
+        "no new fetch once the busy limit passed"
     );
     l.outstanding.fetch_sub(1, Ordering::Relaxed);
-    assert!(l.redial_due(since + REDIAL_AFTER).is_some(), "nothing out");
     l.set_draining("test: draining");
     assert!(
         l.redial_due(since + REDIAL_BUSY_AFTER).is_none(),
         "draining"
+    );
+    l.draining.store(false, Ordering::Release);
+    let due = l.redial_due(since + REDIAL_BUSY_AFTER + second);
+    assert!(
+        matches!(&due, Some(Kick::Redial { conns, .. }) if conns == &[2u16]),
+        "nothing out: {due:?}"
+    );
+}
+
+/// A manifest request waiting, or a control frame arriving, is under way too: before, a
+/// link with no fetch out counted as idle and the redial failed the request (`Down`).
+#[tokio::test(start_paused = true)]
+async fn the_redial_waits_for_a_manifest_request_and_a_frame_arriving() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(3600).await;
+    until_up(&l).await;
+    src.send(said("lane 1: cannot open data connection")).await;
+    src.send(not_dialled_msg(1, 2)).await;
+    until_last_error(&l).await;
+    let since = l.state.lock().unwrap().undialled_since.expect("noted");
+    let (tx, _rx) = tokio::sync::oneshot::channel();
+    l.manifest_waiters
+        .lock()
+        .unwrap()
+        .insert(9, ("big".into(), tx));
+    assert!(
+        l.redial_due(since + REDIAL_AFTER).is_none(),
+        "a manifest request waits"
+    );
+    l.manifest_waiters.lock().unwrap().clear();
+    *l.arriving.lock().unwrap() = Some((64 << 20, since));
+    assert!(
+        l.redial_due(since + REDIAL_AFTER).is_none(),
+        "a frame arrives"
+    );
+    *l.arriving.lock().unwrap() = None;
+    assert!(
+        l.redial_due(since + REDIAL_AFTER).is_some(),
+        "nothing under way"
+    );
+}
+
+/// A lane the source can never reach was redialled every minute forever. Now each session in
+/// a row that leaves the same connections out waits twice as long as the last, up to
+/// `REDIAL_MAX`; another set of connections waits the shortest time again.
+#[tokio::test(start_paused = true)]
+async fn the_redial_wait_doubles_while_the_same_connections_stay_out() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(3600).await;
+    until_up(&l).await;
+    src.send(said("lane 1: cannot open data connection")).await;
+    src.send(not_dialled_msg(1, 2)).await;
+    until_last_error(&l).await;
+    let since = l.state.lock().unwrap().undialled_since.expect("noted");
+    assert!(l.redial_due(since + REDIAL_AFTER).is_some(), "first: 60 s");
+    // The same connections out again (as the next session would report them): 120 s.
+    assert!(
+        l.redial_due(since + REDIAL_AFTER).is_none(),
+        "second: not at 60 s"
+    );
+    assert!(
+        l.redial_due(since + 2 * REDIAL_AFTER).is_some(),
+        "second: 120 s"
+    );
+    assert!(
+        l.redial_due(since + 3 * REDIAL_AFTER).is_none(),
+        "third: not at 180 s"
+    );
+    assert!(
+        l.redial_due(since + 4 * REDIAL_AFTER).is_some(),
+        "third: 240 s"
+    );
+    let last = (vec![2u16], 30);
+    let same = Some(&last);
+    assert_eq!(
+        crate::link::redial_waits(same, &[2]),
+        (REDIAL_MAX, REDIAL_MAX)
+    );
+    let (after, busy) = crate::link::redial_waits(same, &[1, 2]);
+    assert_eq!(
+        (after, busy),
+        (REDIAL_AFTER, REDIAL_BUSY_AFTER),
+        "another set"
     );
 }
 
