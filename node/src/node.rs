@@ -180,7 +180,10 @@ impl Node {
                 dataset: &s.dataset,
                 digest: &s.digest,
             };
-            (s.dataset.as_str(), self.routing.members(v, &next_id))
+            (
+                s.dataset.as_str(),
+                self.routing.placing_members(v, &next_id),
+            )
         });
         serving.collect()
     }

@@ -72,6 +72,12 @@ pub const REDIAL_AFTER: Duration = Duration::from_secs(60);
 /// first report on, the link takes no new fetch, so that the moment comes.
 pub const REDIAL_BUSY_AFTER: Duration = Duration::from_secs(600);
 
+/// How long past the (backed-off) [`REDIAL_BUSY_AFTER`] a link that still has something under
+/// way is given before its session is ended anyway: room for the fetches under way to end and
+/// for a large manifest (94 s at the source's limit), while manifest requests, which still go
+/// out, cannot keep it busy for good.
+pub const REDIAL_FORCE_GRACE: Duration = Duration::from_secs(120);
+
 /// The longest [`REDIAL_AFTER`] and [`REDIAL_BUSY_AFTER`] grow to, doubled for each session
 /// in a row the node ended for the same connections not dialled.
 pub const REDIAL_MAX: Duration = Duration::from_secs(3600);
@@ -427,7 +433,15 @@ impl SourceLink {
     /// nor waiting for its fetches to end so that its session is redialled
     /// ([`SourceLink::redial_due`]).
     pub fn takes_new_fetches(&self) -> bool {
-        !self.is_draining() && !self.is_retiring() && !self.redial_waiting.load(Ordering::Acquire)
+        self.takes_new_streams() && !self.redial_waiting.load(Ordering::Acquire)
+    }
+
+    /// Whether streams may be placed on the lanes this link reaches: not draining or retiring.
+    /// A link waiting to redial takes no new fetch for a while, but its next session serves
+    /// the same lanes, so placement still counts it (and still passes over the lanes it left
+    /// out).
+    pub fn takes_new_streams(&self) -> bool {
+        !self.is_draining() && !self.is_retiring()
     }
 
     /// `draining`, `retiring` or `active` (`/v1/status`).
@@ -810,8 +824,10 @@ impl SourceLink {
     /// lane again ([`Kick::Redial`]): a data connection of it was reported not dialled its
     /// wait ago or more ([`REDIAL_AFTER`], doubled for each session in a row ended for the
     /// same connections, up to [`REDIAL_MAX`]), and nothing is under way on the link (a fetch,
-    /// a manifest request or a control frame arriving: ending the session would fail it). From the busy wait on, the
-    /// link takes no new fetch, so that nothing is soon; no fetch is failed for a redial.
+    /// a manifest request or a control frame arriving: ending the session would fail it). From
+    /// the busy wait on, the link takes no new fetch, so that nothing is soon; from
+    /// [`REDIAL_FORCE_GRACE`] after it, the session ends anyway (what is under way fails and is
+    /// retried).
     /// Never for a draining source: it takes no new session.
     pub fn redial_due(&self, now: tokio::time::Instant) -> Option<Kick> {
         if self.is_draining() {
@@ -830,7 +846,14 @@ impl SourceLink {
                 tracing::info!(source = %self.addr, ?conns, ?waited,
                     "the session is due to dial its data connections again: no new fetch goes to the source until the ones under way end");
             }
-            return None;
+            // Manifest requests still come while no fetch does (an unanswered one is asked
+            // again): past this grace the session is ended anyway, failing what is under way,
+            // so that a link that never falls quiet cannot hold the source off for good.
+            if waited < busy_after.saturating_add(REDIAL_FORCE_GRACE) {
+                return None;
+            }
+            tracing::warn!(source = %self.addr, ?conns, ?waited,
+                "the session is still busy past its redial limit: ending it anyway, what is under way fails and is retried");
         }
         st.redialled = match st.redialled.take() {
             Some((last, n)) if last == conns => Some((last, n.saturating_add(1))),

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use super::stall::{self, Stall};
 use super::{
     Announcement, DataConns, Kick, LinkState, ManifestError, REDIAL_AFTER, REDIAL_BUSY_AFTER,
-    REDIAL_MAX, SourceLink,
+    REDIAL_FORCE_GRACE, REDIAL_MAX, SourceLink,
 };
 use crate::fetch::{FetchFailure, InFlight};
 
@@ -543,7 +543,7 @@ fn lane_note(st: &LinkState, l: usize) -> Option<String> {
         )
     };
     Some(format!(
-        "{what} (the node ends the session to dial them again after {REDIAL_AFTER:?}, doubled for each session in a row that leaves the same ones out, up to {REDIAL_MAX:?}, at a moment with nothing under way; after {REDIAL_BUSY_AFTER:?}, likewise doubled, the source takes no new fetch until then): {said}"
+        "{what} (the node ends the session to dial them again after {REDIAL_AFTER:?}, doubled for each session in a row that leaves the same ones out, up to {REDIAL_MAX:?}, at a moment with nothing under way; after {REDIAL_BUSY_AFTER:?}, likewise doubled, the source takes no new fetch until then, and {REDIAL_FORCE_GRACE:?} later the session ends anyway): {said}"
     ))
 }
 

@@ -30,7 +30,8 @@ pub const ALL_UP: Duration = Duration::from_secs(1);
 /// source's raw JSON (up to `MAX_FRAME`, 64 MiB) until its slowest source answers: all of a
 /// 256-dataset mixture at once could hold tens of GB for one open. 16 keeps the largest
 /// mixture (`MAX_MIX_DATASETS`, 256) under the SDKs' 10 min attach limit even with a source
-/// that is up and never answers (16 rounds of the 30 s manifest timeout). Not with a source
+/// that is up and never answers (16 rounds of the 30 s manifest timeout and its one 6 s look
+/// again: 5 + 1 + 16 x 36 = 582 s). Not with a source
 /// whose manifests arrive slowly: a request waits for a manifest it sees arriving as long as
 /// its source may take to write it, 30 s plus 1 s per MiB ([`crate::link::manifest_limit`]),
 /// so 16 rounds of large manifests (up to about 94 s each at 64 MiB) can outlast the limit.

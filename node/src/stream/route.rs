@@ -64,11 +64,42 @@ impl Routing {
     pub fn members(&self, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
         members(&self.roster, v, next_id)
     }
+
+    /// [`placing_members`] of `v`.
+    pub fn placing_members(
+        &self,
+        v: Version<'_>,
+        next_id: &dyn Fn() -> u64,
+    ) -> Vec<Arc<SourceLink>> {
+        placing_members(&self.roster, v, next_id)
+    }
 }
 
 /// The members of `v` now, sorted by name; links not yet asked about it are asked (request
 /// ids from `next_id`).
 pub fn members(roster: &Roster, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Vec<Arc<SourceLink>> {
+    members_where(roster, v, next_id, SourceLink::takes_new_fetches)
+}
+
+/// The members of `v` that streams may be placed by ([`SourceLink::takes_new_streams`]): a
+/// link waiting to redial takes no new fetch for a while, but still counts for the lanes it
+/// reaches and the lanes it left out.
+pub fn placing_members(
+    roster: &Roster,
+    v: Version<'_>,
+    next_id: &dyn Fn() -> u64,
+) -> Vec<Arc<SourceLink>> {
+    members_where(roster, v, next_id, SourceLink::takes_new_streams)
+}
+
+/// The members of `v` for which `takes` holds, sorted by name; links not yet asked about it
+/// are asked.
+fn members_where(
+    roster: &Roster,
+    v: Version<'_>,
+    next_id: &dyn Fn() -> u64,
+    takes: fn(&SourceLink) -> bool,
+) -> Vec<Arc<SourceLink>> {
     let mut out: Vec<Arc<SourceLink>> = Vec::new();
     for m in roster.snapshot().iter() {
         let l = &m.link;
@@ -81,7 +112,7 @@ pub fn members(roster: &Roster, v: Version<'_>, next_id: &dyn Fn() -> u64) -> Ve
                 l.served.gave_up(v.dataset); // asked when it is up
             }
         }
-        if serves == Serves::Yes && l.takes_new_fetches() {
+        if serves == Serves::Yes && takes(l) {
             out.push(Arc::clone(l));
         }
     }

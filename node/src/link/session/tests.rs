@@ -10,6 +10,7 @@ use tokio::io::{AsyncWriteExt, DuplexStream, ReadHalf, WriteHalf};
 use super::*;
 use crate::fetch::tests::{in_flight, pool};
 use crate::link::LinkConfig;
+use crate::link::REDIAL_FORCE_GRACE;
 
 /// A source at the other end of the pipe.
 struct FakeSource {
@@ -1518,6 +1519,32 @@ async fn the_redial_waits_for_no_fetch_outstanding_and_fails_none() {
     assert!(
         matches!(&due, Some(Kick::Redial { conns, .. }) if conns == &[2u16]),
         "nothing out: {due:?}"
+    );
+}
+
+/// Something under way that never ends (manifest requests still go out while no fetch does,
+/// and an unanswered one is asked again) cannot hold the redial off for good: past the busy
+/// limit plus its grace the session is ended anyway. Before, the link took no fetch for the
+/// rest of the session. A link waiting to redial still counts for placement.
+#[tokio::test(start_paused = true)]
+async fn a_link_that_never_falls_quiet_is_redialled_after_the_grace() {
+    let (l, mut src, _sink, _task) = start();
+    src.handshake(3600).await;
+    until_up(&l).await;
+    src.send(said("lane 1: cannot open data connection")).await;
+    src.send(not_dialled_msg(1, 2)).await;
+    until_last_error(&l).await;
+    let since = l.state.lock().unwrap().undialled_since.expect("noted");
+    l.outstanding.fetch_add(1, Ordering::Relaxed);
+    assert!(l.redial_due(since + REDIAL_BUSY_AFTER).is_none());
+    assert!(!l.takes_new_fetches() && l.takes_new_streams());
+    let second = Duration::from_secs(1);
+    let late = since + REDIAL_BUSY_AFTER + REDIAL_FORCE_GRACE;
+    assert!(l.redial_due(late - second).is_none(), "within the grace");
+    let due = l.redial_due(late);
+    assert!(
+        matches!(&due, Some(Kick::Redial { conns, .. }) if conns == &[2u16]),
+        "still busy past the grace: {due:?}"
     );
 }
 
