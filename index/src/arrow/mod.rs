@@ -21,7 +21,7 @@ mod pytype;
 
 use std::collections::HashSet;
 
-use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion};
+use arrow_ipc::{Endianness, Message, MessageHeader, MetadataVersion, RecordBatch};
 use shardwire_protocol::manifest::ShardEntry;
 
 use self::batch::batch_tensors_within;
@@ -270,6 +270,17 @@ fn stream_format(
         }
         pos = body_start + body_len;
     }
+    Ok((stream_end(src, plans, ended, pos)?, shards))
+}
+
+/// The stream's plan once its messages are read (up to `pos`): refused where it had no schema
+/// message, no end-of-stream marker (`ended`, where the marker ends), or data after it.
+fn stream_end(
+    src: &mut Source,
+    plans: Option<SchemaPlan>,
+    ended: Option<u64>,
+    pos: u64,
+) -> Result<SchemaPlan, IndexError> {
     let Some(plans) = plans else {
         let head = src.read_at("file header", 0, src.len.min(8))?;
         return Err(src.malformed(
@@ -284,7 +295,7 @@ fn stream_format(
         ));
     };
     check_after_end(src, end)?;
-    Ok((plans, shards))
+    Ok(plans)
 }
 
 /// Refuses a stream with data after its end-of-stream marker (which ends at `end`): writers
@@ -372,23 +383,7 @@ fn batch_shard(
     if rows == 0 {
         return Ok(None);
     }
-    let layout = BatchLayout {
-        rows,
-        nodes: rb
-            .nodes()
-            .into_iter()
-            .flatten()
-            .map(|n| (n.length(), n.null_count()))
-            .collect(),
-        buffers: rb
-            .buffers()
-            .into_iter()
-            .flatten()
-            .map(|b| (b.offset(), b.length()))
-            .collect(),
-        variadic: rb.variadicBufferCounts().into_iter().flatten().collect(),
-        version: msg.version(),
-    };
+    let layout = batch_layout(&rb, msg, rows);
     let rel = src.rel.clone();
     let mut read = |what: &str, off: u64, len: u64| {
         src.read_at(
@@ -430,6 +425,28 @@ fn batch_shard(
     let shard = src.shard(body_start, body_len, tensors)?;
     check.planned(&shard);
     Ok(Some(shard))
+}
+
+/// The field nodes, buffers, variadic counts and version of a record batch of `rows` rows, as
+/// its message `msg` (header `rb`) gives them.
+fn batch_layout(rb: &RecordBatch<'_>, msg: &Message<'_>, rows: u64) -> BatchLayout {
+    BatchLayout {
+        rows,
+        nodes: rb
+            .nodes()
+            .into_iter()
+            .flatten()
+            .map(|n| (n.length(), n.null_count()))
+            .collect(),
+        buffers: rb
+            .buffers()
+            .into_iter()
+            .flatten()
+            .map(|b| (b.offset(), b.length()))
+            .collect(),
+        variadic: rb.variadicBufferCounts().into_iter().flatten().collect(),
+        version: msg.version(),
+    }
 }
 
 /// Counts the tensors of record batch `index` of the file `rel` in `check` as they are built.
