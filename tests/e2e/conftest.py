@@ -485,13 +485,59 @@ def remove_leftovers() -> list[str]:
     return done
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _leftovers_of_a_killed_run():
-    """:func:`remove_leftovers`, once before the first test (as root; said on stderr)."""
-    if os.geteuid() == 0:
+def in_xdist_worker(config) -> bool:
+    """True in a pytest-xdist worker process (not in its controller or a plain run)."""
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    """:func:`remove_leftovers`, once before the first test (as root; said on stderr). Under
+    pytest-xdist only the controller does it, before its workers start: a worker doing it would
+    delete what the other worker's running test made."""
+    if os.geteuid() == 0 and not in_xdist_worker(session.config):
         for what in remove_leftovers():
             print(f"e2e: removed a killed run's leftover: {what}", file=sys.stderr)
-    yield
+
+
+#: Test modules that run in the serial pass (`pytest -m serial`, no other test beside them):
+#: `scripts/test` runs every other module under pytest-xdist, two at a time (`-m "not serial"`).
+#: Each is here because it changes machine-wide state or measures what a neighbour would skew.
+SERIAL_MODULES = {
+    "test_netns.py": "a root-namespace veth with fixed addresses; its leftovers test removes every run's namespaces, NFQUEUE rules and the io_uring sysctl note",
+    "test_fault_layer.py": "the netns fixture's fixed addresses, a fail-closed NFQUEUE rule in the root namespace, fd/RSS baselines and timing bounds under floods",
+    "test_lanes_netns.py": "root-namespace veths with fixed addresses; its fixture deletes every swls-* namespace",
+    "test_devmem_tx_nics.py": "test_lanes_netns.py's namespaces and veths",
+    "test_uring.py": "sets kernel.io_uring_disabled machine-wide (every node started meanwhile would fall back to recv)",
+    "test_soak.py": "an RSS slope bound and a throughput floor over 75 s",
+    "test_impair.py": "the userspace verdict loop must keep up with the link (delay and drop ratios)",
+    "test_bench_crc.py": "keeps both cores busy for its whole run, which would skew a neighbour's timing bounds",
+    "test_sdk_review2_fixes.py": "close() timing bounds with about 1 s of slack",
+    "test_sdk_recovery.py": "recovery timing bounds with little slack",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: runs in the serial pass, never beside another test (conftest.SERIAL_MODULES)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of :data:`SERIAL_MODULES` ``serial`` (before ``-m`` selects)."""
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """A pytest-xdist worker refuses to run a ``serial`` test (it would run beside another
+    test): run them with ``-m serial`` and no ``-n``."""
+    serial = sorted({i.path.name for i in session.items if i.get_closest_marker("serial") is not None})
+    if serial and in_xdist_worker(session.config):
+        raise pytest.UsageError(
+            f"{', '.join(serial)} must not run beside other tests ({SERIAL_MODULES.get(serial[0], 'marked serial')}): "
+            'select the parallel tests with -m "not serial" under -n, and run -m serial without -n (as scripts/test does)'
+        )
 
 
 def next_in_forked_child(stream) -> str:
