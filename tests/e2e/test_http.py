@@ -34,6 +34,7 @@ from sdk_harness import (  # noqa: E402 - the shared harness; puts the SDK on sy
     procs,  # noqa: F401 - a fixture
     world,  # noqa: F401 - a fixture
     Procs,
+    Serve,
     SHARDS,
     World,
     assert_batch_matches,
@@ -578,6 +579,20 @@ def test_a_next_whose_answer_is_lost_is_asked_again_naming_the_last_batch_receiv
         srv.shutdown()
 
 
+BIG_TENSOR = 48 << 20
+
+
+def serve_big_tensor(procs: Procs, tmp_path: pathlib.Path) -> Serve:
+    """A node on a source of dataset `big`: one shard of one 48 MiB uint8 tensor (its bytes
+    the low bytes of 0, 1, 2, ...), in streams of 128 MiB."""
+    big = tmp_path / "big"
+    big.mkdir()
+    np.save(big / "s0.npy", np.arange(BIG_TENSOR, dtype=np.uint64).astype(np.uint8))
+    index(big)
+    src = procs.source({"big": big})
+    return procs.serve(src, tmp_path / "big.sock", opts=("--pool-size", "1GiB", "--stream-memory", "128MiB"))
+
+
 def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Procs, tmp_path: pathlib.Path):
     """A stream is in use while a tensor of it downloads, not only while the handler that
     started the download runs: a client reading a 48 MiB tensor slowly (here: not at all for
@@ -585,12 +600,7 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     position. Before, the reaper closed it 1 to 1.5 s (idle_timeout_s=1) after the handler
     returned, mid-download:
     the release after it answered `not_found` and the batch's position was lost."""
-    big = tmp_path / "big"
-    big.mkdir()
-    np.save(big / "s0.npy", np.arange(48 << 20, dtype=np.uint64).astype(np.uint8))
-    index(big)
-    src = procs.source({"big": big})
-    serve = procs.serve(src, tmp_path / "slow.sock", opts=("--pool-size", "1GiB", "--stream-memory", "128MiB"))
+    serve = serve_big_tensor(procs, tmp_path)
     # 2 s (not 1): the release and the listing after the download must reach the node within
     # it on a loaded machine; the 5 s without a read still outlast it and the reaper's tick.
     st, v = http_json(serve.admin, "POST", "/v1/streams", {"dataset": "big", "idle_timeout_s": 2})
@@ -611,6 +621,53 @@ def test_a_slow_tensor_download_keeps_its_stream_from_the_idle_reaper(procs: Pro
     st, v = http_json(serve.admin, "POST", f"/v1/leases/{b['lease']}/release")
     assert st == 200 and v == {"released": True}, v
     assert listed(serve.admin, sid) is not None
+
+
+def memfd_bytes(pid: int) -> int:
+    """Bytes of `pid`'s mappings of memfds (its host regions), from /proc/PID/maps."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "/memfd:" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def test_a_stream_closed_during_a_tensor_download_frees_its_region_at_once(procs: Procs, tmp_path: pathlib.Path):
+    """The close of an HTTP stream frees its region while a tensor download of it is still
+    under way (the download holds its own copy of the bytes), and the download ends whole.
+    Before, the download's busy mark held the stream, so its region stayed mapped until the
+    download ended, while its budget was already back in the pool: a client closing and
+    opening streams under slow downloads held a region beyond pool_size each time."""
+    serve = serve_big_tensor(procs, tmp_path)
+    pid = serve.proc.popen.pid
+    st, v = http_json(serve.admin, "POST", "/v1/streams", {"dataset": "big"})
+    assert st == 201, v
+    sid = v["stream"]
+    st, b = http_json(serve.admin, "POST", f"/v1/streams/{sid}/next?timeout_ms=30000")
+    assert st == 200, b
+    (t,) = b["tensors"]
+    mapped = memfd_bytes(pid)
+    assert mapped >= 128 << 20, f"the stream's region is not a mapped memfd: {mapped} bytes"
+    head = f"GET /v1/leases/{b['lease']}/tensors/{t['name']} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    with F.connect(serve.admin, timeout=30) as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        c.sendall(head.encode())
+        time.sleep(0.5)  # the answer has begun and waits in the node: nothing is read
+        st, v = http_json(serve.admin, "POST", f"/v1/streams/{sid}/close")
+        assert st == 200, v
+        deadline = time.monotonic() + 5
+        while memfd_bytes(pid) > mapped - (128 << 20) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = memfd_bytes(pid)
+        assert left <= mapped - (128 << 20), f"{mapped} bytes of memfds mapped before the close, {left} after"
+        got = bytearray()
+        while chunk := c.recv(1 << 20):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and len(got) > 48 << 20, got[:200]
+    body = bytes(got[got.index(b"\r\n\r\n") + 4:])
+    assert body == np.arange(BIG_TENSOR, dtype=np.uint64).astype(np.uint8).tobytes(), "the download ended whole"
 
 
 def test_a_tensor_download_or_release_whose_answer_is_lost_is_asked_again(world: World, monkeypatch):

@@ -7,7 +7,9 @@
 //! wait, [`AT_ONCE`] at a time: an open costs one wait, and one `MANIFEST_TIMEOUT` per
 //! [`AT_ONCE`] datasets at most (longer while a large manifest is arriving:
 //! [`crate::link::manifest_limit`]), while the raw JSON held at once stays that of [`AT_ONCE`]
-//! datasets from each source (not that of all of a mixture's up to 256).
+//! datasets from each source (not that of all of a mixture's up to 256). A dataset no source
+//! gives is `unknown_dataset` only where a source refused it for good; failures that may pass
+//! (no answer in time, a link lost, a store throttled or unavailable) are `unavailable`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -143,6 +145,8 @@ async fn manifest_of(
         }
     }
     let mut errors = Vec::new();
+    // Whether a source refused the dataset for good (not one failure that may pass).
+    let mut for_good = false;
     let mut chosen: Option<Arc<Manifest>> = None;
     // Negative answers are recorded only when some source serves the dataset: recorded for a
     // name no source serves (any name a trainer tries), they grew every link's table for ever.
@@ -165,12 +169,14 @@ async fn manifest_of(
             }
             Ok(Err(e)) => {
                 refused.push((l, generation));
+                for_good = true; // a manifest it cannot read
                 errors.push(format!("{}: {e}", l.addr));
             }
             Err(e) => {
                 if matches!(e, ManifestError::Refused { .. }) {
                     refused.push((l, generation));
                 }
+                for_good |= refuses_for_good(&e);
                 errors.push(format!("{}: {e}", l.addr));
             }
         }
@@ -180,22 +186,48 @@ async fn manifest_of(
             l.served.record(dataset, None, generation);
         }
     }
-    match chosen {
-        Some(m) => Ok(m),
-        None if errors.is_empty() => {
-            let all: Vec<String> = roster.links().iter().map(|l| l.addr.clone()).collect();
-            Err(OpenError::new(
-                ErrorCode::Unavailable,
-                format!("no source is connected (known: {})", all.join(", ")),
-            ))
+    chosen.ok_or_else(|| no_manifest(roster, dataset, &errors, for_good))
+}
+
+/// Whether a failed manifest request says the dataset cannot be had from that source (it
+/// refused it, or the request cannot be sent or answered right), as opposed to a failure that
+/// may pass: no answer in time, the link down, or a refusal that passes (a store throttled
+/// or unavailable, a source draining).
+fn refuses_for_good(e: &ManifestError) -> bool {
+    use shardwire_protocol::wire::ErrorCode as C;
+    match e {
+        ManifestError::Down { .. } | ManifestError::Timeout { .. } => false,
+        ManifestError::Refused { code, .. } => {
+            !matches!(code, C::Throttled | C::StorageUnavailable | C::Draining)
         }
-        None => Err(OpenError::new(
+        ManifestError::Encode { .. } | ManifestError::WrongDataset { .. } => true,
+    }
+}
+
+/// Why no manifest of `dataset` was chosen, given every source's failure (`errors`): no
+/// source is up (none), a source refused it for good (`for_good`: `unknown_dataset`), or
+/// every failure may pass (`unavailable`, which a trainer retries: it was `unknown_dataset`,
+/// which says the name is wrong).
+fn no_manifest(roster: &Roster, dataset: &str, errors: &[String], for_good: bool) -> OpenError {
+    if errors.is_empty() {
+        let all: Vec<String> = roster.links().iter().map(|l| l.addr.clone()).collect();
+        return OpenError::new(
+            ErrorCode::Unavailable,
+            format!("no source is connected (known: {})", all.join(", ")),
+        );
+    }
+    let errors = errors.join("; ");
+    match for_good {
+        true => OpenError::new(
             ErrorCode::UnknownDataset,
+            format!("dataset `{dataset}` is not available: {errors}"),
+        ),
+        false => OpenError::new(
+            ErrorCode::Unavailable,
             format!(
-                "dataset `{dataset}` is not available: {}",
-                errors.join("; ")
+                "dataset `{dataset}`: no source gave its manifest, and none refused it for good ({errors}); attach again"
             ),
-        )),
+        ),
     }
 }
 
@@ -364,15 +396,56 @@ mod tests {
         );
     }
 
-    /// Datasets that every source refuses: the error names the first in mix order.
+    /// Datasets no source could be asked for: the error names the first in mix order. The
+    /// link is up but has no control connection, so every request fails `Down`, which may
+    /// pass: `unavailable` (retryable). Before: `unknown_dataset`, which says the name is wrong.
     #[tokio::test(start_paused = true)]
-    async fn a_refused_mixture_names_its_first_dataset_that_failed() {
+    async fn a_failed_mixture_names_its_first_dataset_and_a_lost_link_is_unavailable() {
         let r = roster(&["10.0.0.2:7500"]);
         r.links()[0].force_up(true);
         let e = manifests_of(&r, &["first", "second"], &|| 1u64)
             .await
             .unwrap_err();
-        assert_eq!(e.code, ErrorCode::UnknownDataset, "{}", e.message);
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
         assert!(e.message.contains("`first`"), "{}", e.message);
+        assert!(e.message.contains("not connected"), "{}", e.message);
+    }
+
+    /// Only a refusal that does not pass (or a manifest that cannot be read) makes a dataset
+    /// `unknown_dataset`; no answer in time, a link gone, or a passing refusal leave it
+    /// `unavailable`.
+    #[tokio::test]
+    async fn only_a_refusal_for_good_makes_a_dataset_unknown() {
+        use shardwire_protocol::wire::ErrorCode as C;
+        let refused = |code| ManifestError::Refused {
+            code,
+            message: "m".into(),
+        };
+        let addr = "10.0.0.2:7500".to_owned();
+        assert!(refuses_for_good(&refused(C::UnknownDataset)));
+        let passing = [
+            refused(C::Throttled),
+            refused(C::StorageUnavailable),
+            refused(C::Draining),
+            ManifestError::Timeout {
+                addr: addr.clone(),
+                after: Duration::from_secs(30),
+            },
+            ManifestError::Down {
+                addr: addr.clone(),
+                reason: "the link went down".into(),
+            },
+        ];
+        for e in &passing {
+            assert!(!refuses_for_good(e), "{e}");
+        }
+        let r = roster(&[addr.as_str()]);
+        let timed_out = [format!("{addr}: source {addr} did not answer within 30s")];
+        let e = no_manifest(&r, "web", &timed_out, false);
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
+        assert!(e.code.retryable());
+        assert!(e.message.contains("none refused it"), "{}", e.message);
+        let e = no_manifest(&r, "web", &timed_out, true);
+        assert_eq!(e.code, ErrorCode::UnknownDataset, "{}", e.message);
     }
 }

@@ -100,7 +100,8 @@ pub struct StreamInfo {
     pub epochs: u32,
     /// Batches per epoch for this rank.
     pub batches_per_epoch: u64,
-    /// Positions delivered so far (the next one to deliver).
+    /// Positions delivered so far (the next one to deliver), at most `total` (a DataLoader
+    /// worker's next slot after its last batch lies past the end).
     pub delivered: u64,
     /// Positions in all epochs.
     pub total: u64,
@@ -388,7 +389,7 @@ impl Stream {
             seed,
             epochs: self.epochs,
             batches_per_epoch: self.kind.per_epoch(),
-            delivered: next,
+            delivered: next.min(self.total),
             total: self.total,
             ready,
             ready_ahead: match &self.kind {

@@ -180,6 +180,18 @@ pub fn resume_position(
 ) -> Result<u64, OpenError> {
     let Some(st) = state else { return Ok(0) };
     let mismatch = |m: String| OpenError::new(ErrorCode::StateMismatch, m);
+    // Batch mode's fingerprints (a mixture's too) are `v2;...`: compared field by field they
+    // were told apart only by a field missing from the state.
+    if st.fingerprint.starts_with("v2;") {
+        let by = match saved_by_mixture(st) {
+            true => "a mixture (mix, batch_size)",
+            false => "a batch-mode stream (batch_size)",
+        };
+        return Err(mismatch(format!(
+            "the state was saved by {by}; it cannot resume a shard-mode stream (no batch_size): \
+             open the stream as it was saved"
+        )));
+    }
     spec.check_fingerprint(&st.fingerprint).map_err(mismatch)?;
     if st.seed != spec.seed {
         return Err(mismatch(format!(
@@ -196,6 +208,11 @@ pub fn resume_position(
         )));
     }
     Ok(u64::from(st.epoch) * spec.per_rank() + st.index)
+}
+
+/// Whether `st` was saved by a mixture stream: its `mix`, or its fingerprint's first field.
+fn saved_by_mixture(st: &StreamState) -> bool {
+    st.mix.is_some() || st.fingerprint.starts_with("v2;mix=")
 }
 
 /// Checks that a region of `region_bytes` can keep one batch leased while the next arrives.
@@ -406,6 +423,11 @@ fn resume_batches(
     if !st.fingerprint.starts_with("v2;") {
         return Err(mismatch(
             "the state was saved by a shard-mode stream (no batch_size); it cannot resume a batch-mode stream".into(),
+        ));
+    }
+    if saved_by_mixture(st) {
+        return Err(mismatch(
+            "the state was saved by a mixture (mix); it cannot resume a stream of one dataset: open the mixture it was saved from".into(),
         ));
     }
     compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
@@ -749,6 +771,52 @@ mod tests {
                 .unwrap_err()
                 .message
                 .contains("`seed`")
+        );
+    }
+
+    #[test]
+    fn a_state_of_another_kind_of_stream_is_refused_naming_that_kind() {
+        use shardwire_protocol::trainer::MixState;
+        // Before: "state fingerprint differs in `v1`: saved (missing), stream has " (shard
+        // mode) and "differs in `digest`: saved (missing)" (batch mode): no kind named.
+        let s = spec();
+        let mut st = state(0, 0, &s);
+        st.fingerprint = "v2;digest=0101010101010101;samples=40;seed=4;global_batch=4".into();
+        let e = resume_position(&s, Some(&st), 3).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch);
+        assert!(
+            e.message
+                .starts_with("the state was saved by a batch-mode stream (batch_size)"),
+            "{e}"
+        );
+        st.fingerprint = "v2;mix=a+b;global_batch=4;seed=4".into();
+        st.mix = Some(MixState {
+            step: 0,
+            datasets: vec!["a".into(), "b".into()],
+            weights: vec![1 << 39, 1 << 39],
+            cursors: vec![0, 0],
+            carry: vec![0, 0],
+        });
+        let e = resume_position(&s, Some(&st), 3).unwrap_err();
+        assert!(e.message.contains("saved by a mixture"), "{e}");
+        // A batch-mode stream of one dataset, resumed from the mixture's state.
+        let o = SampleOrder::new([1; 32], vec![40], 4, Shuffle::Block, 8, 1).unwrap();
+        let plan = BatchPlan::new(Arc::new(o), 4, 1, 0, false).unwrap();
+        let fingerprint = plan.fingerprint(&[1; 32]);
+        let e = resume_batches(&plan, &fingerprint, Some(&st), 3).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch);
+        assert!(
+            e.message
+                .starts_with("the state was saved by a mixture (mix)"),
+            "{e}"
+        );
+        // Its own state still resumes.
+        let mut own = state(0, 2, &s);
+        own.fingerprint = fingerprint.clone();
+        own.cursor = Some(8);
+        assert_eq!(
+            resume_batches(&plan, &fingerprint, Some(&own), 3).unwrap(),
+            2
         );
     }
 

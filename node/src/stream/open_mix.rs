@@ -1,16 +1,17 @@
 //! The checks of opening a mixture stream (`mix: [{dataset, weight}]`, see [`super::mix`]):
 //! the weights, every dataset's order, that the datasets' samples agree (the same tensors,
 //! or token windows of one dtype), the resume state (same datasets and global batch; the
-//! weights may change), and the region.
+//! weights may change, where the rank is one stream: not split among DataLoader workers), and
+//! the region.
 
 use std::sync::Arc;
 
 use shardwire_gpu::SlabPool;
 use shardwire_protocol::Manifest;
 use shardwire_protocol::plan::compare_fingerprints;
-use shardwire_protocol::samples::mix::{carry_is_valid, fixed_weights};
+use shardwire_protocol::samples::mix::{ONE, carry_is_valid, fixed_weights};
 use shardwire_protocol::samples::{BlockKeys, SampleOrder};
-use shardwire_protocol::trainer::{ErrorCode, MixEntry, StreamRequest};
+use shardwire_protocol::trainer::{ErrorCode, MixEntry, MixState, StreamRequest};
 
 use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
@@ -73,6 +74,9 @@ pub fn mix_mode(
     let mut first = 0u32;
     for (name, m) in parts {
         let rows = &layout.shard_rows[first as usize..first as usize + m.shards.len()];
+        if r.seq_len.is_none() && rows.iter().all(|&n| n == 0) {
+            return Err(no_samples(name));
+        }
         let (mut order, t) = sample_order(m, r, rows, 1, cuda)
             .map_err(|e| bad(e.code, format!("dataset {name:?}: {}", e.message)))?;
         if let Some(st) = &r.state {
@@ -98,6 +102,17 @@ pub fn mix_mode(
     };
     mode.ready_ahead = check_window(combined, mix, mode.batch_bytes, region_bytes)?;
     Ok((Kind::Batches(Arc::new(mode)), start, fingerprint))
+}
+
+/// A rows dataset of a mixture none of whose shards has a row (token windows: refused by its
+/// own [`Layout::of`]); `sample_order` refused it naming `partitions`, a field never set.
+fn no_samples(name: &str) -> OpenError {
+    bad(
+        ErrorCode::BadRequest,
+        format!(
+            "dataset {name:?} has no samples (every shard has 0 rows); leave it out of the mixture"
+        ),
+    )
 }
 
 /// The token mode of the datasets so far and of `name` (from shard `first` on): one dtype.
@@ -185,6 +200,7 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
         .map(|&w| i128::from(w))
         .eq(q.iter().copied());
     if !same {
+        check_weight_change(r, ms, q)?;
         tracing::info!(saved = ?ms.weights, now = ?q, "mixture weights changed: every dataset continues from its cursor under the new weights");
     }
     Ok(Point {
@@ -195,6 +211,28 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
             false => vec![0; n],
         },
     })
+}
+
+/// Refuses new weights for a DataLoader worker's stream (`num_workers` > 1): new weights
+/// restart the schedule at the state's step from its cursors, and each worker's state is at
+/// another step (its own next batch), so the workers' new schedules would overlap and leave
+/// gaps in every dataset for the rest of the run. A state at the schedule's start (step 0,
+/// no sample taken: a `set_epoch` or `open_at_epoch` state) is the same for every worker.
+fn check_weight_change(r: &StreamRequest, ms: &MixState, q: &[i128]) -> Result<(), OpenError> {
+    let at_start = ms.step == 0 && ms.cursors.iter().all(|&c| c == 0);
+    if r.num_workers <= 1 || at_start {
+        return Ok(());
+    }
+    let share = |w: i128| w as f64 / ONE as f64;
+    let saved: Vec<f64> = ms.weights.iter().map(|&w| share(i128::from(w))).collect();
+    let asked: Vec<f64> = q.iter().map(|&w| share(w)).collect();
+    Err(bad(
+        ErrorCode::StateMismatch,
+        format!(
+            "the state's weights are {saved:?}, the request's {asked:?}, and this stream is worker {} of num_workers {}: changing a mixture's weights on resume needs num_workers 1, as each DataLoader worker's state is at another step (their new schedules would repeat and skip samples); resume with the saved weights, or change weights only in runs with num_workers=0 in the DataLoader (one stream per rank)",
+            r.worker, r.num_workers
+        ),
+    ))
 }
 
 /// The mixture's schedule, based where the request's state says (played there when the
@@ -495,20 +533,27 @@ mod tests {
         shards_a: u32,
         shards_b: u32,
     ) -> (Vec<(String, Arc<Manifest>)>, Manifest, StreamRequest) {
-        let (a, b) = (manifest(shards_a), manifest(shards_b));
+        mixed_halves(("a", manifest(shards_a)), ("b", manifest(shards_b)))
+    }
+
+    /// Two named datasets and a request mixing them half and half.
+    fn mixed_halves(
+        (na, a): (&str, Arc<Manifest>),
+        (nb, b): (&str, Arc<Manifest>),
+    ) -> (Vec<(String, Arc<Manifest>)>, Manifest, StreamRequest) {
         let parts = vec![
-            ("a".to_owned(), Arc::clone(&a)),
-            ("b".to_owned(), Arc::clone(&b)),
+            (na.to_owned(), Arc::clone(&a)),
+            (nb.to_owned(), Arc::clone(&b)),
         ];
-        let combined = Manifest::mixture(&[("a", &a), ("b", &b)]);
+        let combined = Manifest::mixture(&[(na, &a), (nb, &b)]);
         let mut r = StreamRequest::new("mix");
         r.mix = Some(vec![
             MixEntry {
-                dataset: "a".into(),
+                dataset: na.into(),
                 weight: 0.5,
             },
             MixEntry {
-                dataset: "b".into(),
+                dataset: nb.into(),
                 weight: 0.5,
             },
         ]);
@@ -682,6 +727,82 @@ mod tests {
         assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
         assert!(
             e.message.contains("epoch 4294967294 step 0"),
+            "{}",
+            e.message
+        );
+    }
+
+    /// A state of datasets `a` and `b` saved at global step `step`, at half and half, with
+    /// `cursors`.
+    fn halves_state(step: u64, cursors: [u64; 2]) -> StreamState {
+        StreamState {
+            epoch: 0,
+            index: step,
+            seed: 0,
+            fingerprint: String::new(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
+            mix: Some(MixState {
+                step,
+                datasets: vec!["a".into(), "b".into()],
+                weights: vec![1 << 39, 1 << 39],
+                cursors: cursors.to_vec(),
+                carry: vec![0, 0],
+            }),
+        }
+    }
+
+    #[test]
+    fn new_weights_are_refused_for_a_dataloader_workers_stream() {
+        let (.., mut r) = halves(2, 2);
+        let q = fixed_weights(&["a", "b"], &[0.75, 0.25]).unwrap();
+        let samples = [16u64, 16];
+        r.state = Some(halves_state(5, [20, 20]));
+        // One stream per rank: every dataset goes on from its cursor under the new weights.
+        let p = resume_point(&r, &q, &samples).unwrap();
+        assert_eq!((p.step, p.cursors), (5, vec![20, 20]));
+        // Before: accepted, each worker based at its own state's step (S, S + 1, ...), so the
+        // workers' new schedules overlapped and left gaps.
+        (r.worker, r.num_workers) = (1, 2);
+        let e = resume_point(&r, &q, &samples).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+        let m = &e.message;
+        assert!(m.contains("[0.5, 0.5], the request's [0.75, 0.25]"), "{m}");
+        assert!(m.contains("worker 1 of num_workers 2"), "{m}");
+        assert!(m.contains("needs num_workers 1"), "{m}");
+        // The saved weights still resume every worker.
+        let same = fixed_weights(&["a", "b"], &[0.5, 0.5]).unwrap();
+        assert_eq!(resume_point(&r, &same, &samples).unwrap().step, 5);
+        // A state at the schedule's start is every worker's: new weights are taken.
+        r.state = Some(halves_state(0, [0, 0]));
+        assert!(resume_point(&r, &q, &samples).is_ok());
+    }
+
+    #[test]
+    fn a_rows_dataset_of_no_samples_is_refused_naming_it() {
+        let a = manifest(2);
+        // A Parquet file of no rows: one shard of the same tensor with 0 rows.
+        let empty = Arc::new(Manifest::new(vec![ShardEntry {
+            file: "empty.bin".into(),
+            offset: 0,
+            length: 0,
+            crc32c: 0,
+            tensors: vec![TensorEntry::dense(
+                "x".into(),
+                DType::Uint8,
+                vec![0, 4],
+                0,
+                0,
+            )],
+        }]));
+        let (parts, combined, r) = mixed_halves(("a", a), ("empty", empty));
+        let e = mix_mode(&parts, &combined, &r, 4, 1 << 30, false).unwrap_err();
+        // Before: bad_plan, "partitions is 1; it must be between 1 and the dataset's 0
+        // samples", a field the request never set.
+        assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
+        assert!(
+            e.message.contains("dataset \"empty\" has no samples"),
             "{}",
             e.message
         );

@@ -233,6 +233,51 @@ fn the_state_after_a_batch_is_the_state_once_it_is_taken() {
     );
 }
 
+/// Worker 3 of 4 of a rank of 10 batches delivers positions 3 and 7; after the last its next
+/// slot is position 11, past the stream's 10.
+#[test]
+fn a_finished_workers_delivered_count_stays_within_the_total() {
+    let m = Arc::new(Manifest::new(vec![ShardEntry {
+        file: "s0.bin".into(),
+        offset: 0,
+        length: 40,
+        crc32c: 0,
+        tensors: vec![TensorEntry::dense(
+            "x".into(),
+            DType::Uint8,
+            vec![10, 4],
+            0,
+            40,
+        )],
+    }]));
+    let mut r = shardwire_protocol::trainer::StreamRequest::new("d");
+    (r.batch_size, r.epochs) = (Some(1), 1);
+    (r.worker, r.num_workers) = (3, 4);
+    let (kind, _, fingerprint) = super::open::batch_mode(&m, &r, 1, 1 << 20, false).unwrap();
+    // Resumed after position 7 (its last batch): nothing is left to deliver.
+    let s = Stream::new(Parts {
+        id: 9,
+        dataset: "d".into(),
+        kind,
+        epochs: 1,
+        start: 8,
+        manifest: m,
+        pool: pool(1 << 20),
+        sources: Vec::new(),
+        routing: crate::stream::route::tests::routing(),
+        fingerprint,
+        counters: Arc::new(Counters::default()),
+        ids: Arc::new(AtomicU64::new(0)),
+        gpu: None,
+        lane: 0,
+    });
+    assert!(matches!(s.next(Some(Duration::ZERO)), Next::End));
+    let info = s.info();
+    assert_eq!(info.total, 10);
+    // Before: 11, its next slot's position.
+    assert_eq!(info.delivered, 10);
+}
+
 /// A fetch the driver issued, with the source it asked to avoid.
 pub(super) type Issued = (InFlight, Option<usize>);
 

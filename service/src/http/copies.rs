@@ -156,7 +156,8 @@ impl Drop for Room {
 }
 
 /// A copy's bytes and what lives as long as they do: its room, and what the answer keeps
-/// (the stream marked in use while its tensor downloads).
+/// (the stream's mark of being in use while its tensor downloads; never the stream itself,
+/// whose region a close must free while the download goes on).
 struct Owned {
     bytes: Vec<u8>,
     _room: Room,

@@ -336,12 +336,7 @@ pub fn render(node: &Node) -> String {
         .into_iter()
         .filter(|(d, _)| d.unit == Unit::Seconds)
         .collect();
-    let bound: Vec<String> = st
-        .lanes
-        .iter()
-        .filter_map(|l| l.binding.as_ref())
-        .map(|d| d.lane.to_string())
-        .collect();
+    let bound = Bound::of(st.lanes.iter().filter_map(|l| l.binding.as_ref()));
     render_text(&seconds, &bound, per_source)
 }
 
@@ -490,10 +485,45 @@ fn record_binding(totals: &mut Totals, d: &BindingStatus) {
         grow(totals, u64::from(d.binding), name, labels, now);
     }
     metrics::gauge!("shardwire_devmem_flow_rules", &lane).set(d.flow_rules as f64);
+    // Only a binding that counts its net_iovs sets these; the text shows them for such
+    // bindings only ([`Bound`]), not a last emulator's values under a later NIC's binding.
     if let Some(free) = d.niovs_free {
-        metrics::gauge!("shardwire_devmem_niovs", &with("state", "free")).set(free as f64);
-        metrics::gauge!("shardwire_devmem_niovs", &with("state", "in_use"))
-            .set((d.niovs - free) as f64);
+        metrics::gauge!(NIOVS, &with("state", "free")).set(free as f64);
+        metrics::gauge!(NIOVS, &with("state", "in_use")).set((d.niovs - free) as f64);
+    }
+}
+
+/// The family of a binding's net_iovs, set only by bindings that count them (`devmem-sim`).
+const NIOVS: &str = "shardwire_devmem_niovs";
+
+/// The lanes whose binding series are live (as `lane` label values): every lane with a
+/// binding, and of those the ones whose binding counts its net_iovs ([`NIOVS`]). The recorder
+/// keeps a series' last value for good, so the text leaves out every other lane's series.
+#[derive(Debug, Default)]
+struct Bound {
+    lanes: Vec<String>,
+    niovs: Vec<String>,
+}
+
+impl Bound {
+    /// The lanes of `bindings`, the bindings of the node now.
+    fn of<'a>(bindings: impl IntoIterator<Item = &'a BindingStatus>) -> Self {
+        let mut bound = Self::default();
+        for d in bindings {
+            bound.lanes.push(d.lane.to_string());
+            if d.niovs_free.is_some() {
+                bound.niovs.push(d.lane.to_string());
+            }
+        }
+        bound
+    }
+
+    /// The lanes whose series of the binding family `name` are live.
+    fn of_family(&self, name: &str) -> &[String] {
+        match name {
+            NIOVS => &self.niovs,
+            _ => &self.lanes,
+        }
     }
 }
 
@@ -515,7 +545,7 @@ fn grow(
 /// recorder's counters are integers).
 fn render_text(
     seconds: &[(&CounterDef, f64)],
-    bound: &[String],
+    bound: &Bound,
     per_source: Vec<(String, String)>,
 ) -> String {
     let mut blocks: Vec<(String, String)> = handle()
@@ -525,7 +555,7 @@ fn render_text(
         .map(|b| (family_name(b), sorted_block(b)))
         .filter_map(|(name, b)| {
             if name.starts_with(DEVMEM) {
-                labelled_only(&b, "lane", bound).map(|b| (name, b))
+                labelled_only(&b, "lane", bound.of_family(&name)).map(|b| (name, b))
             } else if PER_SOURCE.contains(&name.as_str()) {
                 None // rendered from the live sources, below (`per_source`)
             } else {
@@ -761,6 +791,35 @@ mod tests {
         let h = "# TYPE h histogram\nh_bucket{le=\"0.5\"} 1\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.1\nh_count 1";
         assert_eq!(sorted_block(h), format!("{h}\n"));
         assert_eq!(family_name(h), "h");
+    }
+
+    #[test]
+    fn niovs_of_an_emulator_binding_are_left_out_under_a_later_nic_binding() {
+        // Before: the recorder kept the emulator's last net_iovs, and the text showed them
+        // under the NIC's binding that replaced it on the lane, as if they were live.
+        handle();
+        let mut totals = Totals::default();
+        let mut emulator = binding(9002, 1, 0);
+        emulator.niovs_free = Some(200);
+        record_binding(&mut totals, &emulator);
+        let text = render_text(&[], &Bound::of([&emulator]), vec![]);
+        assert!(
+            text.contains("shardwire_devmem_niovs{lane=\"9002\",state=\"free\"} 200\n")
+                && text.contains("shardwire_devmem_niovs{lane=\"9002\",state=\"in_use\"} 56\n"),
+            "{text}"
+        );
+        let mut nic = binding(9002, 2, 0);
+        nic.kind = BindingKind::Kernel;
+        record_binding(&mut totals, &nic);
+        let text = render_text(&[], &Bound::of([&nic]), vec![]);
+        assert!(
+            !text.contains("shardwire_devmem_niovs{lane=\"9002\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("shardwire_devmem_frags_total{lane=\"9002\"}"),
+            "the lane's other series stay: {text}"
+        );
     }
 
     #[test]

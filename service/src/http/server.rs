@@ -31,9 +31,11 @@ use super::error::ApiError;
 use super::stall::{Floor, Unanswered, WriteStall, stall_phase};
 
 /// The floor under a backed-up connection: half a download's rate after its grace, over
-/// windows of the grace. Per window, unlike a download's deadline (its grace plus its length
-/// at the full rate, in all): a download read at under 512 KiB/s for 30 s while the server
-/// waits on it ends even where its deadline is further off.
+/// windows of the grace, counted only while the server's writes wait for the client (across
+/// hyper's flush after every 1 MiB piece; not between answers). Per window, unlike a
+/// download's deadline (its grace plus its length at the full rate, in all): a download read
+/// at under 512 KiB/s over 30 s of the server waiting on it ends even where its deadline is
+/// further off.
 const FLOOR: Floor = Floor {
     window: GRACE,
     bytes: MIN_RATE * GRACE.as_secs() / 2,
@@ -189,12 +191,14 @@ pub async fn serve(
     wait_for_connections(&slots, &reserve, limits.max_connections).await;
 }
 
-/// `app` behind the server's checks, outermost first: the `Host` of a loopback request, the
-/// body read whole within its timeout, and a reserve connection closed after its answer.
+/// `app` behind the server's checks, outermost first: a reserve connection closed after
+/// its answer (whoever made it: the checks' own `403`, `413`, `400` and `408` too), the
+/// `Host` of a loopback request, and the body read whole within its timeout. (The last
+/// `layer` is the outermost.)
 fn with_checks(app: Router, limits: Limits) -> Router {
-    app.layer(axum::middleware::from_fn(close_reserve_connections))
-        .layer(axum::middleware::from_fn_with_state(limits, bounded_body))
+    app.layer(axum::middleware::from_fn_with_state(limits, bounded_body))
         .layer(axum::middleware::from_fn(addressed_to_this_host))
+        .layer(axum::middleware::from_fn(close_reserve_connections))
 }
 
 /// The app for one connection from `peer`, marked when it came over loopback and when it
@@ -294,7 +298,8 @@ async fn wait_for_connections(slots: &Semaphore, reserve: &Semaphore, max_connec
 }
 
 /// Every answer on a [`RESERVE`] connection closes it, so a keep-alive client does not hold a
-/// reserve slot. (The trainer routes refuse such requests: `trainer::refuse_on_reserve`.)
+/// reserve slot: the outermost check ([`with_checks`]), so the other checks' refusals close
+/// it too. (The trainer routes refuse such requests: `trainer::refuse_on_reserve`.)
 async fn close_reserve_connections(req: Request, next: Next) -> Response {
     let reserved = req.extensions().get::<OnReserve>().is_some();
     let mut answer = next.run(req).await;
@@ -437,6 +442,55 @@ mod tests {
         assert_eq!(r.status(), StatusCode::OK);
         let r = answer(app, next(SMALL_BODY_LIMIT + 1)).await;
         assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    /// Every answer on a reserve connection says `Connection: close`, the server's own
+    /// refusals too (a wrong `Host`, a body over the limit); on a normal one none does.
+    #[tokio::test]
+    async fn a_reserve_connection_closes_after_the_checks_refusals_too() {
+        // Before: the close was the innermost check, so the `Host` check's 403 and the body
+        // check's 413 kept a keep-alive client on its reserve slot.
+        let limits = Limits {
+            max_connections: 1,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
+        let ok = axum::routing::post(|| async { "ok" });
+        let app = with_checks(Router::new().route("/x", ok), limits);
+        let request = |host: &str, len: usize| {
+            axum::http::Request::post("/x")
+                .header(axum::http::header::HOST, host)
+                .header(axum::http::header::CONTENT_LENGTH, len)
+                .body(Body::from(vec![b' '; len]))
+                .unwrap()
+        };
+        let cases = [
+            ("evil.example", 0, StatusCode::FORBIDDEN),
+            (
+                "localhost",
+                SMALL_BODY_LIMIT + 1,
+                StatusCode::PAYLOAD_TOO_LARGE,
+            ),
+            ("localhost", 0, StatusCode::OK),
+        ];
+        for (host, len, status) in cases {
+            for reserved in [true, false] {
+                let local = axum::Extension(FromLoopback(true));
+                let app = match reserved {
+                    true => app.clone().layer(axum::Extension(OnReserve)).layer(local),
+                    false => app.clone().layer(local),
+                };
+                let r = answer(app, request(host, len)).await;
+                assert_eq!(r.status(), status, "Host {host}, {len} bytes");
+                let close = r.headers().get(axum::http::header::CONNECTION);
+                assert_eq!(
+                    close.is_some_and(|v| v == "close"),
+                    reserved,
+                    "{status} on a reserve connection: {reserved}"
+                );
+            }
+        }
     }
 
     /// How hyper's header timer ends a connection whose client sends each of `steps` in turn,

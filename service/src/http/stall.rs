@@ -4,7 +4,11 @@
 //! the body; neither bounds a write. Nor may a client read at a trickle while the connection
 //! is backed up ([`Floor`]): reading a few KiB inside every write timeout kept the last
 //! pieces of a download (and the tensor copy they share) for hours, past the download's own
-//! deadline, which only counts while the body still has pieces to hand to the server.
+//! deadline, which only counts while the body still has pieces to hand to the server. The
+//! floor's clock runs only while a write waits for the client, summed over the connection's
+//! writes: hyper flushes after every piece of a body it takes (1 MiB for a download), so a
+//! window that a flush ended never got past one piece, and time between answers on a
+//! kept-alive connection is no wait.
 //!
 //! It also records whether the client has sent a byte since the server last wrote to it
 //! ([`Unanswered`]): when hyper's header timer ends a connection, that tells a request head
@@ -22,14 +26,29 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
-/// The least a backed-up connection must take: from the first write that finds it full, at
-/// least `bytes` in every `window`, until the server's buffer has drained (a flush).
+/// The least a backed-up connection must take: at least `bytes` in every `window` of time
+/// that its writes spend waiting for the client (a write that found the connection full,
+/// until it takes bytes). Only waiting time counts, across pieces, flushes and answers: a
+/// connection idle between answers, or whose server is busy making the next piece, is not
+/// judged. A window begins with a write that finds the connection full and ends once it has
+/// taken `bytes` (the next wait begins a new one) or when its waiting time reaches `window`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Floor {
-    /// The window.
+    /// The waiting time of a window.
     pub window: Duration,
     /// Bytes per window.
     pub bytes: u64,
+}
+
+/// The current window of a [`Floor`].
+#[derive(Debug, Default)]
+struct Window {
+    /// Since when the write now pending has waited, if one is.
+    waiting_since: Option<Instant>,
+    /// Time writes have waited in this window before the one now pending.
+    waited: Duration,
+    /// Bytes taken in this window.
+    taken: u64,
 }
 
 /// Whether a connection's client has sent a byte since the server last wrote one to it (or,
@@ -60,9 +79,9 @@ pub struct WriteStall<S> {
     floor: Option<Floor>,
     /// Armed when a write first finds the connection full; cleared by any progress.
     deadline: Option<Pin<Box<Sleep>>>,
-    /// The current window of the floor (its start, bytes taken in it): begun by a write that
-    /// found the connection full, ended by a flush.
-    window: Option<(Instant, u64)>,
+    /// The current window of the floor: begun by a write that found the connection full,
+    /// ended by enough bytes taken or by its waiting time running out.
+    window: Option<Window>,
     /// Set by a read that got bytes, cleared by a write that took some.
     unanswered: Unanswered,
 }
@@ -114,30 +133,40 @@ impl<S> WriteStall<S> {
         }
     }
 
-    /// A write's outcome judged by the floor: a full connection begins a window; bytes taken
-    /// count in it; once it has passed, too few bytes fail the write, enough end it.
+    /// A write's outcome judged by the floor: a full connection begins a window (if none is
+    /// open) and starts its clock; bytes taken stop the clock and count in the window. Enough
+    /// bytes end the window; a window whose waiting time has run out with too few fails the
+    /// write.
     fn paced(&mut self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
         let Some(floor) = self.floor else {
             return r;
         };
         let now = Instant::now();
-        match (&r, &mut self.window) {
-            (Poll::Pending, None) => self.window = Some((now, 0)),
-            (Poll::Ready(Ok(n)), Some((start, taken))) => {
-                *taken += *n as u64;
-                let took = now.saturating_duration_since(*start);
-                if took >= floor.window {
-                    let taken = *taken;
-                    self.window = None;
-                    if taken < floor.bytes {
-                        return Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            Stalled::Slow { taken, took, floor },
-                        )));
-                    }
-                }
+        let n = match r {
+            Poll::Pending => {
+                let window = self.window.get_or_insert_with(Window::default);
+                window.waiting_since.get_or_insert(now);
+                return r;
             }
-            _ => {}
+            Poll::Ready(Ok(n)) => n as u64,
+            Poll::Ready(Err(_)) => return r,
+        };
+        let Some(window) = self.window.as_mut() else {
+            return r; // the connection has not backed up since the last window ended
+        };
+        if let Some(since) = window.waiting_since.take() {
+            window.waited += now.saturating_duration_since(since);
+        }
+        window.taken += n;
+        let (taken, took) = (window.taken, window.waited);
+        if taken >= floor.bytes {
+            self.window = None;
+        } else if took >= floor.window {
+            self.window = None;
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                Stalled::Slow { taken, took, floor },
+            )));
         }
         r
     }
@@ -151,8 +180,8 @@ enum Stalled {
     #[error("the client read nothing of the answer for {0:?} (http_write_timeout_secs)")]
     Silent(Duration),
     #[error(
-        "the client read {taken} bytes in {took:?} while its answer waited (at least {} bytes \
-         every {:?})", floor.bytes, floor.window
+        "the client read {taken} bytes in {took:?} of the server's writes waiting for it (at \
+         least {} bytes every {:?} of waiting)", floor.bytes, floor.window
     )]
     Slow {
         taken: u64,
@@ -234,10 +263,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteStall<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The floor's window goes on: hyper flushes after every piece of a body, and a window
+        // a flush ended never outlived one piece (a trickle of 1 MiB every 29 s passed).
         let r = Pin::new(&mut self.inner).poll_flush(cx);
-        if r.is_ready() {
-            self.window = None; // the server's buffer drained: the connection caught up
-        }
         self.bounded(cx, r)
     }
 
@@ -289,8 +317,8 @@ mod tests {
     }
 
     /// A client that reads a little inside every write timeout, while its answer waits,
-    /// falls under the floor once a window has passed; one that keeps up, or whose answer
-    /// was all taken (a flush), is never judged.
+    /// falls under the floor once a window has passed; one that keeps up, or that keeps a
+    /// connection idle between answers, is never judged.
     #[tokio::test]
     async fn a_reader_at_a_trickle_falls_under_the_floor() {
         let floor = Floor {
@@ -330,8 +358,8 @@ mod tests {
         });
         w.write_all(&[2; 64 << 10]).await.unwrap();
         reader.await.unwrap();
-        // A small answer that backed up and was all read, then idle past a window: the flush
-        // ended the window, so the next answer is not judged by the bytes of the last.
+        // A small answer that backed up and was all read, then idle past a window: time with
+        // no write waiting is not counted, so the next answer is not judged by the idle time.
         let (a, mut b) = tokio::io::duplex(1024);
         let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
         let reader = tokio::spawn(async move {
@@ -345,6 +373,71 @@ mod tests {
         w.flush().await.unwrap();
         tokio::time::sleep(Duration::from_millis(250)).await;
         w.write_all(&[4; 100]).await.expect("not judged");
+        reader.await.unwrap();
+    }
+
+    /// hyper hands a body to the connection a piece at a time and flushes after each: a
+    /// reader at a trickle that takes each piece within a window, but less than the floor
+    /// over a window of waiting, is cut all the same; one that keeps up is not.
+    #[tokio::test]
+    async fn a_trickle_over_flushed_pieces_falls_under_the_floor() {
+        // Before: each flush ended the window, so a piece taken within it (about 160 ms for
+        // 1 MiB at this reader's 6.4 MiB/s at most) was never judged, and all 32 pieces went
+        // out against a floor of 32 MiB per 400 ms.
+        const PIECE: usize = 1 << 20;
+        const PIECES: usize = 32;
+        let floor = Floor {
+            window: Duration::from_millis(400),
+            bytes: (PIECES * PIECE) as u64,
+        };
+        let piece = vec![7u8; PIECE];
+        let (a, mut b) = tokio::io::duplex(64 << 10);
+        let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                if matches!(b.read(&mut buf).await, Ok(0) | Err(_)) {
+                    return;
+                }
+            }
+        });
+        let t = std::time::Instant::now();
+        let mut sent = 0;
+        let e = loop {
+            assert!(sent < PIECES, "{sent} MiB taken at a trickle, never judged");
+            if let Err(e) = w.write_all(&piece).await {
+                break e;
+            }
+            if let Err(e) = w.flush().await {
+                break e;
+            }
+            sent += 1;
+        };
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(sent < 8, "cut after about one window, not {sent} pieces");
+        assert_eq!(stall_phase(&e), Some("download"), "{e}");
+        drop(w);
+        reader.await.unwrap();
+        // A reader that keeps up takes every piece: each window fills before its waiting
+        // time runs out.
+        let floor = Floor {
+            window: Duration::from_millis(400),
+            bytes: 4 * PIECE as u64,
+        };
+        let (a, mut b) = tokio::io::duplex(64 << 10);
+        let mut w = WriteStall::new(a, Duration::from_secs(10)).with_floor(floor);
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 << 10];
+            let mut got = 0;
+            while got < 8 * PIECE {
+                got += b.read(&mut buf).await.unwrap();
+            }
+        });
+        for _ in 0..8 {
+            w.write_all(&piece).await.expect("a reader that keeps up");
+            w.flush().await.unwrap();
+        }
         reader.await.unwrap();
     }
 

@@ -189,9 +189,10 @@ struct HttpStream {
     id: u64,
     shared: Arc<Stream>,
     idle: Duration,
-    last_used: Mutex<Instant>,
-    /// Requests in progress (a waiting `next` keeps the stream from idling out).
-    busy: AtomicUsize,
+    /// Its requests in progress and when it was last used: apart from the stream, so that a
+    /// download ([`Busy`] in its answer's body) keeps the stream from idling out without
+    /// keeping the stream (its region) once it is closed.
+    activity: Arc<Activity>,
     /// Serialises `next`, and holds a batch whose answer never reached its caller (the
     /// client went away while waiting): the next `next` delivers it, so no batch is lost.
     slot: Arc<tokio::sync::Mutex<Option<Delivered>>>,
@@ -202,14 +203,44 @@ struct HttpStream {
     last: Mutex<Option<(Option<u64>, Delivered)>>,
 }
 
-/// Marks a stream in use while alive.
-struct Busy(Arc<HttpStream>);
+/// How an HTTP stream is being used: what the idle reaper judges it by.
+#[derive(Debug)]
+struct Activity {
+    /// Requests in progress (a waiting `next`, a download until its last byte is read).
+    busy: AtomicUsize,
+    /// When a request of the stream last began or ended.
+    last_used: Mutex<Instant>,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            busy: AtomicUsize::new(0),
+            last_used: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Whether the stream has had no request in progress for `idle`.
+    fn idle_for(&self, idle: Duration) -> bool {
+        self.busy.load(Ordering::SeqCst) == 0
+            && self.last_used.lock().expect("poisoned").elapsed() >= idle
+    }
+}
+
+/// Marks a stream in use while alive. It holds the stream's [`Activity`] only, never the
+/// stream: a download's body keeps it until its last piece is gone, and a stream closed
+/// meanwhile must free its region at once (its budget went back to the pool with the close).
+struct Busy(Arc<Activity>);
 
 impl Busy {
-    fn new(s: &Arc<HttpStream>) -> Self {
-        s.busy.fetch_add(1, Ordering::SeqCst);
-        *s.last_used.lock().expect("poisoned") = Instant::now();
-        Self(Arc::clone(s))
+    fn new(s: &HttpStream) -> Self {
+        Self::of(&s.activity)
+    }
+
+    fn of(a: &Arc<Activity>) -> Self {
+        a.busy.fetch_add(1, Ordering::SeqCst);
+        *a.last_used.lock().expect("poisoned") = Instant::now();
+        Self(Arc::clone(a))
     }
 }
 
@@ -346,10 +377,7 @@ fn spawn_reaper(api: &Arc<Api>) {
                 .lock()
                 .expect("poisoned")
                 .values()
-                .filter(|s| {
-                    s.busy.load(Ordering::SeqCst) == 0
-                        && s.last_used.lock().expect("poisoned").elapsed() >= s.idle
-                })
+                .filter(|s| s.activity.idle_for(s.idle))
                 .cloned()
                 .collect();
             for s in idle {
@@ -419,8 +447,7 @@ async fn open(
         id,
         shared,
         idle,
-        last_used: Mutex::new(Instant::now()),
-        busy: AtomicUsize::new(0),
+        activity: Arc::new(Activity::new()),
         slot: Arc::new(tokio::sync::Mutex::new(None)),
         last: Mutex::new(None),
     });
@@ -691,7 +718,8 @@ async fn tensor(
     };
     let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
     // In use until the answer's body is gone (the download read, or the client left): the
-    // idle reaper must not close the stream under a slow download.
+    // idle reaper must not close the stream under a slow download. The body keeps only this
+    // mark: a close during the download frees the region now (the bytes are copied already).
     let busy = Busy::new(&s);
     let Some(room) = api.copies.room(t.length, COPY_WAIT).await else {
         return Err(ApiError::new(
@@ -825,5 +853,24 @@ mod tests {
         assert!(matches!(got, Turn::Found(7)));
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         assert!(looks >= 2, "{looks}"); // looked before the batch, and again after
+    }
+
+    /// A download's mark keeps the stream from idling out while it lives, and holds only the
+    /// stream's activity (a closed stream's region goes at once).
+    #[test]
+    fn a_busy_mark_keeps_a_stream_from_idling_out_and_holds_only_its_activity() {
+        // Before: `Busy` held the whole `HttpStream` (its `Arc<Stream>` and the region in
+        // it), so a download in flight kept a closed stream's region for up to its deadline.
+        let activity = Arc::new(Activity::new());
+        let ten_s_ago = Instant::now().checked_sub(Duration::from_secs(10)).unwrap();
+        *activity.last_used.lock().unwrap() = ten_s_ago;
+        assert!(activity.idle_for(Duration::from_secs(5)), "unused for 10 s");
+        let download = Busy::of(&activity);
+        assert!(!activity.idle_for(Duration::ZERO), "in use");
+        assert_eq!(Arc::strong_count(&activity), 2);
+        drop(download);
+        assert_eq!(activity.busy.load(Ordering::SeqCst), 0);
+        assert!(!activity.idle_for(Duration::from_secs(5)), "used just now");
+        assert!(activity.idle_for(Duration::ZERO));
     }
 }
