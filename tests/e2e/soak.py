@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -119,16 +120,40 @@ class SoakResult:
                 f"{self.slope_mib_per_min(warmup):+.3f} MiB/min, errors: {len(self.errors)}")
 
 
-def churn(node_pid: int, sock_path: str, dataset: str, seconds: float, clients: int = 4) -> SoakResult:
-    """Runs `clients` churning threads for `seconds`, sampling the node's RSS every second."""
+def warmup_end(samples: list[tuple[float, int, int]], quiet: float, least: float, most: float) -> float | None:
+    """When RssAnon's warm-up ended in `samples` (as :attr:`SoakResult.samples`): the first
+    sample at `least` seconds or later by which RssAnon had set no new maximum for `quiet`
+    seconds, or the first at `most` seconds or later if none did before; None while neither.
+    A leak sets a new maximum at every sample, so it runs the warm-up to `most`."""
+    peak, peak_t = -1, 0.0
+    for t, _, anon in samples:
+        if anon > peak:
+            peak, peak_t = anon, t
+        if (t >= least and t - peak_t >= quiet) or t >= most:
+            return t
+    return None
+
+
+def churn(
+    node_pid: int,
+    sock_path: str,
+    dataset: str,
+    seconds: float,
+    clients: int = 4,
+    done: Callable[[list[tuple[float, int, int]]], bool] | None = None,
+) -> SoakResult:
+    """Runs `clients` churning threads, sampling the node's RSS every second, for `seconds` or
+    until `done(samples)` (called after each sample) is true, whichever comes first.
+    `SoakResult.seconds` is the time it sampled for."""
     res = SoakResult(seconds=seconds, streams=0, batches=0)
     lock = threading.Lock()
+    stop = threading.Event()
     t0 = time.monotonic()
     deadline = t0 + seconds
 
     def client(k: int) -> None:
         seed = k * 1_000_003
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             seed += 1
             try:
                 n = one_epoch(sock_path, dataset, seed)
@@ -146,7 +171,11 @@ def churn(node_pid: int, sock_path: str, dataset: str, seconds: float, clients: 
         t.start()
     while time.monotonic() < deadline:
         res.samples.append((time.monotonic() - t0, vm_rss(node_pid), rss_anon(node_pid)))
+        if done is not None and done(res.samples):
+            break
         time.sleep(1.0)
+    res.seconds = time.monotonic() - t0
+    stop.set()
     for t in threads:
         t.join(90)
     return res

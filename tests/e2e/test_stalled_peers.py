@@ -22,6 +22,7 @@ memory or a connection slot.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -173,7 +174,10 @@ def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw
     d = tmp_path / "big"
     write_uint8_shards(d, 1, 32 << 20, seed=3)
     index_dataset(d)
-    idle = 3
+    # The session ends some 2-3 idle timeouts after the send buffer fills (a partial send
+    # returns after one SO_SNDTIMEO, the next gets EAGAIN after another); 2 s keeps it short,
+    # and the bound `ended >= idle - 0.5` below still tells the timeout from an early drop.
+    idle = 2
     src = sw.source({"f": d}, "--idle-timeout-secs", str(idle))
     lst = socket.create_server(("127.0.0.1", 0))
     lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the data connection
@@ -190,8 +194,9 @@ def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw
         ctl.sendall(F.control_frame(F.DATA_READY, struct.pack(">H", 0)) + F.fetch(1, "f", 0))
         t0 = time.monotonic()
         ended = None
-        # Keep the session alive (a Ping a second, under the idle timeout) and read the
-        # control connection only; the data connection is never read.
+        # Keep the session alive (a Ping every half second at most, under the idle timeout)
+        # and read the control connection only; the data connection is never read. The short
+        # reads notice the end within half a second.
         while time.monotonic() - t0 < 4 * idle + 6:
             try:
                 ctl.sendall(F.control_frame(F.PING))
@@ -199,7 +204,7 @@ def test_a_node_that_never_reads_its_data_connection_is_dropped_by_the_source(sw
                 # The source closed the session between the last read and this Ping.
                 ended = time.monotonic() - t0
                 break
-            r = F.read_control(ctl, 1.0)
+            r = F.read_control(ctl, 0.5)
             if r in ("eof", "reset"):
                 ended = time.monotonic() - t0
                 break
@@ -318,6 +323,11 @@ def test_a_node_in_another_pid_namespace_serves_and_refuses_trainers_by_uid(sw, 
     assert refusal and refusal[0].get("code") == "forbidden", (refusal, refusing.stderr_text())
     wait_for(lambda: "not visible in this pid namespace" in refusing.stderr_text(), "the refusal's log line",
              diag=refusing.describe)
+    # `unshare` passes no signal on to the node (teardown's SIGTERMs would wait out their 5 s
+    # grace): SIGKILL it, and --kill-child takes the node with it.
+    for p in (node, refusing):
+        p.kill(signal.SIGKILL)
+        p.popen.wait(timeout=30)
 
 
 def test_failed_releases_sent_while_a_next_waits_end_the_connection_past_a_bound(sw, tmp_path):
