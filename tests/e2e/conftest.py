@@ -544,15 +544,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """A pytest-xdist worker refuses to run a ``serial`` test (it would run beside another
-    test): run them with ``-m serial`` and no ``-n``."""
-    serial = sorted({i.path.name for i in session.items if i.get_closest_marker("serial") is not None})
-    if serial and in_xdist_worker(session.config):
-        raise pytest.UsageError(
-            f"{', '.join(serial)} must not run beside other tests ({SERIAL_MODULES.get(serial[0], 'marked serial')}): "
-            'select the parallel tests with -m "not serial" under -n, and run -m serial without -n (as scripts/test does)'
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A pytest-xdist worker fails a ``serial`` test before its fixtures are set up (it would
+    run beside another test): run them with ``-m serial`` and no ``-n``."""
+    if item.get_closest_marker("serial") is not None and in_xdist_worker(item.config):
+        pytest.fail(
+            f"{item.path.name} must not run beside other tests ({SERIAL_MODULES.get(item.path.name, 'marked serial')}): "
+            'select the parallel tests with -m "not serial" under -n, and run -m serial without -n (as scripts/test does)',
+            pytrace=False,
         )
 
 

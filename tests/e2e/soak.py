@@ -169,15 +169,17 @@ def churn(
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
         t.start()
-    while time.monotonic() < deadline:
-        res.samples.append((time.monotonic() - t0, vm_rss(node_pid), rss_anon(node_pid)))
-        if done is not None and done(res.samples):
-            break
-        time.sleep(1.0)
-    res.seconds = time.monotonic() - t0
-    stop.set()
-    for t in threads:
-        t.join(90)
+    try:
+        while time.monotonic() < deadline:
+            res.samples.append((time.monotonic() - t0, vm_rss(node_pid), rss_anon(node_pid)))
+            if done is not None and done(res.samples):
+                break
+            time.sleep(1.0)
+    finally:  # the node gone mid-soak (sampling raises) stops the clients too
+        res.seconds = time.monotonic() - t0
+        stop.set()
+        for t in threads:
+            t.join(90)
     return res
 
 

@@ -654,7 +654,9 @@ def test_a_stream_closed_during_a_tensor_download_frees_its_region_at_once(procs
     with F.connect(serve.admin, timeout=30) as c:
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         c.sendall(head.encode())
-        time.sleep(0.5)  # the answer has begun and waits in the node: nothing is read
+        # The answer has begun (its bytes copied out of the region) and waits in the node:
+        # its status line is peeked at, nothing is read.
+        assert c.recv(12, socket.MSG_PEEK | socket.MSG_WAITALL) == b"HTTP/1.1 200"
         st, v = http_json(serve.admin, "POST", f"/v1/streams/{sid}/close")
         assert st == 200, v
         deadline = time.monotonic() + 5

@@ -145,8 +145,9 @@ async fn manifest_of(
         }
     }
     let mut errors = Vec::new();
-    // Whether a source refused the dataset for good (not one failure that may pass).
-    let mut for_good = false;
+    // Whether some source's failure may pass (no answer, the link down or not up, a refusal
+    // that passes): the dataset is then unknown only once that source has said so.
+    let mut passing = false;
     let mut chosen: Option<Arc<Manifest>> = None;
     // Negative answers are recorded only when some source serves the dataset: recorded for a
     // name no source serves (any name a trainer tries), they grew every link's table for ever.
@@ -154,6 +155,7 @@ async fn manifest_of(
     for (l, answer) in links.iter().zip(answers) {
         let Some((generation, got)) = answer else {
             errors.push(format!("{}: the request was lost", l.addr));
+            passing = true;
             continue;
         };
         match got.map(|json| Manifest::from_json(&json)) {
@@ -168,15 +170,14 @@ async fn manifest_of(
                 }
             }
             Ok(Err(e)) => {
-                refused.push((l, generation));
-                for_good = true; // a manifest it cannot read
+                refused.push((l, generation)); // a manifest it cannot read: for good
                 errors.push(format!("{}: {e}", l.addr));
             }
             Err(e) => {
                 if matches!(e, ManifestError::Refused { .. }) {
                     refused.push((l, generation));
                 }
-                for_good |= refuses_for_good(&e);
+                passing |= !refuses_for_good(&e);
                 errors.push(format!("{}: {e}", l.addr));
             }
         }
@@ -186,7 +187,13 @@ async fn manifest_of(
             l.served.record(dataset, None, generation);
         }
     }
-    chosen.ok_or_else(|| no_manifest(roster, dataset, &errors, for_good))
+    if chosen.is_none() && !errors.is_empty() {
+        for l in roster.links().iter().filter(|l| !l.is_up()) {
+            errors.push(format!("{}: not connected", l.addr));
+            passing = true;
+        }
+    }
+    chosen.ok_or_else(|| no_manifest(roster, dataset, &errors, !passing))
 }
 
 /// Whether a failed manifest request says the dataset cannot be had from that source (it
@@ -205,9 +212,9 @@ fn refuses_for_good(e: &ManifestError) -> bool {
 }
 
 /// Why no manifest of `dataset` was chosen, given every source's failure (`errors`): no
-/// source is up (none), a source refused it for good (`for_good`: `unknown_dataset`), or
-/// every failure may pass (`unavailable`, which a trainer retries: it was `unknown_dataset`,
-/// which says the name is wrong).
+/// source is up (none), every source refused it for good (`for_good`: `unknown_dataset`), or
+/// some source's failure may pass (`unavailable`, which a trainer retries: it was
+/// `unknown_dataset`, which says the name is wrong, though that source may serve it).
 fn no_manifest(roster: &Roster, dataset: &str, errors: &[String], for_good: bool) -> OpenError {
     if errors.is_empty() {
         let all: Vec<String> = roster.links().iter().map(|l| l.addr.clone()).collect();
@@ -225,7 +232,7 @@ fn no_manifest(roster: &Roster, dataset: &str, errors: &[String], for_good: bool
         false => OpenError::new(
             ErrorCode::Unavailable,
             format!(
-                "dataset `{dataset}`: no source gave its manifest, and none refused it for good ({errors}); attach again"
+                "dataset `{dataset}`: no source gave its manifest, and not every source refused it for good ({errors}); attach again"
             ),
         ),
     }
@@ -411,6 +418,21 @@ mod tests {
         assert!(e.message.contains("not connected"), "{}", e.message);
     }
 
+    /// A source that is not up when the others fail may serve the dataset: it is named, and
+    /// the answer is `unavailable`, not `unknown_dataset` (as if every source had refused it).
+    #[tokio::test(start_paused = true)]
+    async fn a_source_not_up_makes_a_failed_manifest_unavailable_naming_it() {
+        let r = roster(&["10.0.0.2:7500", "10.0.0.3:7500"]);
+        r.links()[0].force_up(true);
+        let e = manifests_of(&r, &["web"], &|| 1u64).await.unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
+        assert!(
+            e.message.contains("10.0.0.3:7500: not connected"),
+            "{}",
+            e.message
+        );
+    }
+
     /// Only a refusal that does not pass (or a manifest that cannot be read) makes a dataset
     /// `unknown_dataset`; no answer in time, a link gone, or a passing refusal leave it
     /// `unavailable`.
@@ -444,7 +466,11 @@ mod tests {
         let e = no_manifest(&r, "web", &timed_out, false);
         assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
         assert!(e.code.retryable());
-        assert!(e.message.contains("none refused it"), "{}", e.message);
+        assert!(
+            e.message.contains("not every source refused it"),
+            "{}",
+            e.message
+        );
         let e = no_manifest(&r, "web", &timed_out, true);
         assert_eq!(e.code, ErrorCode::UnknownDataset, "{}", e.message);
     }

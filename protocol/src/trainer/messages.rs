@@ -269,8 +269,8 @@ pub enum ErrorCode {
     NotCapable,
     /// The kernel or the GPU refused a binding.
     BindFailed,
-    /// No source is connected, or none gave the dataset's manifest and none refused it (a
-    /// failure that may pass: a timeout, a lost link, a throttled or unavailable store).
+    /// No source is connected, or none gave the dataset's manifest and one may yet (its
+    /// failure may pass: a timeout, a lost link, a throttled or unavailable store).
     Unavailable,
     /// The data cannot be delivered: a source refused a shard for good (it does not have it,
     /// or the request is one it cannot serve). The message names the dataset, the shard and

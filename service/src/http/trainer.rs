@@ -721,6 +721,9 @@ async fn tensor(
     // idle reaper must not close the stream under a slow download. The body keeps only this
     // mark: a close during the download frees the region now (the bytes are copied already).
     let busy = Busy::new(&s);
+    // Nor does the wait for copy room keep the stream: one closed meanwhile frees its region
+    // then, and is looked up again (gone: its lease went with it).
+    drop(s);
     let Some(room) = api.copies.room(t.length, COPY_WAIT).await else {
         return Err(ApiError::new(
             ErrorCode::Unavailable,
@@ -730,6 +733,7 @@ async fn tensor(
             ),
         ));
     };
+    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
     let (bytes, room) = if t.length <= INLINE_COPY {
         (s.shared.read_leased(lease, t.offset, t.length), room)
     } else {
