@@ -304,8 +304,11 @@ impl Mixture {
             .collect()
     }
 
-    /// The units of mixture epoch `epoch`: one per step from the base on, holding the shards
-    /// of this rank's samples (rank-local sample indexes within the epoch).
+    /// The units of mixture epoch `epoch`: one per run of steps from the base on that read
+    /// the same shards (a run held as one: what each step holds is unchanged, and a block
+    /// shuffle reads the same shards for many steps, which made an epoch of millions of steps
+    /// one unit each), holding the shards of this rank's samples (rank-local sample indexes
+    /// within the epoch).
     pub fn units(&self, epoch: u32) -> Vec<Unit> {
         self.units_within(epoch, u64::MAX)
     }
@@ -316,7 +319,7 @@ impl Mixture {
         let first = (u64::from(epoch) * self.steps).max(self.base.step);
         let end = (u64::from(epoch + 1) * self.steps).min(first.saturating_add(steps));
         let mut p = self.point(first);
-        let mut out = Vec::with_capacity(end.saturating_sub(first) as usize);
+        let mut out: Vec<Unit> = Vec::new();
         while p.step < end {
             let i = p.step - u64::from(epoch) * self.steps;
             let mut shards: Vec<u32> = self
@@ -326,11 +329,17 @@ impl Mixture {
                 .collect();
             shards.sort_unstable();
             shards.dedup();
-            out.push(Unit {
-                first: i * b,
-                last: i * b + b - 1,
-                shards,
-            });
+            match out.last_mut() {
+                Some(u) if u.shards == shards && u.last + 1 == i * b => u.last = i * b + b - 1,
+                _ => {
+                    shards.shrink_to_fit();
+                    out.push(Unit {
+                        first: i * b,
+                        last: i * b + b - 1,
+                        shards,
+                    });
+                }
+            }
             p.advance(&self.q, self.global_batch());
         }
         out
@@ -484,20 +493,40 @@ mod tests {
     }
 
     #[test]
-    fn units_cover_every_shard_a_step_reads() {
-        let m = mix(&[0.6, 0.4], 3, 2, 1, start());
-        let units = m.units(1);
-        assert_eq!(units.len() as u64, m.steps);
-        for (i, u) in units.iter().enumerate() {
-            let step = m.steps + i as u64;
-            for (_, s) in m.samples(step) {
-                for sh in shards_of(&s) {
-                    assert!(
-                        u.shards.contains(&sh),
-                        "step {step} reads {sh} outside {u:?}"
-                    );
-                }
+    fn units_cover_every_step_with_the_shards_it_reads_a_run_of_alike_steps_as_one() {
+        for (b, world, rank) in [(3, 2, 1), (4, 1, 0)] {
+            let m = mix(&[0.6, 0.4], b, world, rank, start());
+            let units = m.units(1);
+            let b = u64::from(b);
+            // Contiguous over the epoch's steps, in whole steps.
+            assert_eq!(units[0].first, 0);
+            assert_eq!(units.last().unwrap().last, m.steps * b - 1);
+            for w in units.windows(2) {
+                assert_eq!(w[1].first, w[0].last + 1);
+                // Before: one unit per step, alike or not (an epoch of millions of steps
+                // held millions of units).
+                assert_ne!(w[0].shards, w[1].shards, "alike steps left apart: {w:?}");
             }
+            for i in 0..m.steps {
+                let u = units
+                    .iter()
+                    .find(|u| u.first <= i * b && i * b + b - 1 <= u.last)
+                    .expect("a unit covers each step");
+                let mut reads: Vec<u32> = m
+                    .samples(m.steps + i)
+                    .iter()
+                    .flat_map(|(_, s)| shards_of(s))
+                    .collect();
+                reads.sort_unstable();
+                reads.dedup();
+                assert_eq!(u.shards, reads, "step {i} of {u:?}");
+            }
+            assert!(
+                (units.len() as u64) < m.steps,
+                "{} units for {} steps",
+                units.len(),
+                m.steps
+            );
         }
     }
 
