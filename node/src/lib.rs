@@ -12,8 +12,9 @@
 //!
 //! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
 //! `info`, `control`, `status`, `stream` and `plane`; the plane over `link`, `matcher`,
-//! `binding`, `rx` and `lanes` (each GPU/NIC pair: its plan, GPU, listener, CPUs; a leaf
-//! over the topology, GPU and devmem crates); streams and receivers over `fetch` (a fetch in
+//! `warn_limit` (the warnings any peer can cause, rate-limited), `binding`, `rx` and `lanes`
+//! (each GPU/NIC pair: its plan, GPU, listener, CPUs; a leaf over the topology, GPU and devmem
+//! crates); streams and receivers over `fetch` (a fetch in
 //! flight and its one way to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the
 //! facade re-exported here: [`Node`] and [`Stream`], [`start`] and [`NodeHandle`], the
 //! control messages and the status document; `shardwire bench` also gets the receive
@@ -37,6 +38,7 @@ mod socket;
 mod start;
 mod status;
 mod stream;
+mod warn_limit;
 
 pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};

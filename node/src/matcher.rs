@@ -4,9 +4,11 @@
 //! come first. Connections nobody announces within [`UNMATCHED_TIMEOUT`] are dropped, and so
 //! are announcements whose connection does not arrive within it (their link's session cannot
 //! use that connection; the data plane ends it). At most [`MAX_UNMATCHED`] are held: when the
-//! table is full the oldest goes, and one peer address holds at most [`MAX_UNMATCHED_PER_IP`],
-//! so a host that opens connections and never has them announced cannot keep a source's
-//! connections out. Addresses are compared in
+//! table is full the oldest goes, and one peer host (an IPv4 address, an IPv6 /64: what one
+//! host has, as the source's handshake limit counts it; [`host_of`]) holds at most
+//! [`MAX_UNMATCHED_PER_IP`], so a host that opens connections and never has them announced
+//! cannot keep a source's connections out, not even from a new address of its /64 each time.
+//! Addresses are compared in
 //! canonical form (an IPv4-mapped IPv6 address as IPv4: a dual-stack listener reports
 //! peers so, while sources announce plain IPv4).
 //!
@@ -20,7 +22,7 @@
 //! tested without sockets; the data plane owns it and starts a receiver per match.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 /// How long an accepted, unannounced data connection is kept, and how long an announced one
@@ -28,9 +30,26 @@ use std::time::{Duration, Instant};
 pub const UNMATCHED_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most this many unidentified connections are held at once.
 pub const MAX_UNMATCHED: usize = 1024;
-/// At most this many of them from one peer address (a source host's data connections to
-/// one node: a flow per lane and connection, a few dozen).
+/// At most this many of them from one peer host ([`host_of`]: an IPv4 address, an IPv6 /64;
+/// a source host's data connections to one node: a flow per lane and connection, a few dozen).
 pub const MAX_UNMATCHED_PER_IP: usize = 256;
+
+/// The host a peer address counts as: the address itself (an IPv4-mapped IPv6 address as
+/// IPv4), or its IPv6 /64 (what one host has: it may connect from any address in it).
+pub fn host_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        v4 => v4,
+    }
+}
+
+/// `host` (a [`host_of`]) as a log names it: `2001:db8:0:1::/64`, or the IPv4 address.
+pub fn host_name(host: IpAddr) -> String {
+    match host {
+        IpAddr::V6(_) => format!("{host}/64"),
+        v4 => v4.to_string(),
+    }
+}
 
 /// A source announced a connection for one lane, but it arrived on another address.
 #[derive(Debug)]
@@ -53,7 +72,7 @@ pub enum Accepted<S, E> {
     /// Held until a source announces it (or it times out); the oldest held connection,
     /// from the address given, if it made room for it (drop it).
     Held(Option<(SocketAddr, S)>),
-    /// Too many unidentified connections from its peer's address: dropped.
+    /// Too many unidentified connections from its peer's host ([`host_of`]): dropped.
     Refused(S),
     /// Announced for a lane whose address it did not arrive on: refuse it.
     WrongLane(WrongLane<S, E>),
@@ -154,8 +173,13 @@ impl<S, E> Matcher<S, E> {
                 want,
             });
         }
-        let same_ip = self.accepted.keys().filter(|a| a.ip() == peer.ip()).count();
-        if same_ip >= MAX_UNMATCHED_PER_IP {
+        let host = host_of(peer.ip());
+        let same_host = self
+            .accepted
+            .keys()
+            .filter(|a| host_of(a.ip()) == host)
+            .count();
+        if same_host >= MAX_UNMATCHED_PER_IP {
             return Accepted::Refused(sock);
         }
         let evicted = match self.accepted.len() >= MAX_UNMATCHED {
@@ -380,6 +404,55 @@ mod tests {
             MAX_UNMATCHED - 1
         );
         assert_eq!(m.waiting(), (0, 0));
+    }
+
+    /// One IPv6 host may connect from any address of its /64: its connections count together,
+    /// as one IPv4 address's do. Before, each address was counted apart, so a host that
+    /// connected from a new address each time was never refused and, once the table was full,
+    /// evicted a source's held connection with every new one.
+    #[test]
+    fn one_ipv6_64_is_one_host_and_ipv4_stays_per_address() {
+        let mut m: Matcher<u32, u16> = Matcher::default();
+        let t0 = Instant::now();
+        let in_64 = |net: u16, i: usize| {
+            let ip = Ipv6Addr::new(0x2001, 0xdb8, 0, net, 0, 0, (i >> 16) as u16, i as u16);
+            SocketAddr::new(IpAddr::V6(ip), 40000)
+        };
+        for i in 0..MAX_UNMATCHED_PER_IP {
+            assert!(matches!(
+                m.accepted(in_64(1, i), lane0(), i as u32, t0),
+                Accepted::Held(None)
+            ));
+        }
+        let next = in_64(1, MAX_UNMATCHED_PER_IP);
+        assert!(
+            matches!(m.accepted(next, lane0(), 1, t0), Accepted::Refused(1)),
+            "another address of the same /64 is the same host"
+        );
+        assert!(matches!(
+            m.accepted(in_64(2, 0), lane0(), 2, t0),
+            Accepted::Held(None)
+        ));
+        // IPv4: one address is one host (a /24 is not), a mapped one the same as plain.
+        let v4 = |last: u8, port: u16| SocketAddr::from(([10, 7, 0, last], port));
+        for i in 0..MAX_UNMATCHED_PER_IP {
+            let a = v4(1, i as u16 + 1);
+            assert!(matches!(
+                m.accepted(a, lane0(), 3, t0),
+                Accepted::Held(None)
+            ));
+        }
+        let mapped: SocketAddr = "[::ffff:10.7.0.1]:60000".parse().unwrap();
+        assert!(matches!(
+            m.accepted(mapped, lane0(), 4, t0),
+            Accepted::Refused(4)
+        ));
+        assert!(matches!(
+            m.accepted(v4(2, 1), lane0(), 5, t0),
+            Accepted::Held(None)
+        ));
+        assert_eq!(host_name(host_of(next.ip())), "2001:db8:0:1::/64");
+        assert_eq!(host_name(host_of(mapped.ip())), "10.7.0.1");
     }
 
     /// An announcement whose connection never arrives goes after the timeout, handed back so

@@ -429,6 +429,12 @@ impl Node {
 
     // --- admin -------------------------------------------------------------------------
 
+    /// Refuses new streams from now on (`/readyz` says draining); the streams still open.
+    /// Direct, not a control message: a drain does not wait behind admin changes.
+    pub(crate) fn start_draining(&self) -> usize {
+        self.admission.start_draining()
+    }
+
     /// Sends an admin change to the control task and waits for its answer.
     pub async fn control(&self, c: Control) -> Result<Reply, ControlError> {
         let (tx, rx) = oneshot::channel();
@@ -444,7 +450,7 @@ impl Node {
             Control::CreateBinding(spec) => Ok(Reply::Binding(self.create_binding(spec).await?)),
             Control::DeleteBinding { id } => self.delete_binding(&id).await,
             Control::Drain => {
-                let streams_open = self.admission.start_draining();
+                let streams_open = self.start_draining();
                 self.drain_requested.notify_one();
                 let timeout_secs = self.info.cfg.drain_timeout_secs;
                 Ok(Reply::Draining {

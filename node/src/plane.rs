@@ -6,10 +6,12 @@
 //! lanes' data listeners hand it accepted sockets with the address each arrived on; a match
 //! (on the announced lane's address, else refused and counted) starts a receiver on that
 //! lane's path: its GPU, its own binding if it has one, its CPUs. A connection reads through
-//! its own lane's binding only.
+//! its own lane's binding only. What any peer can cause (connections nobody announces:
+//! refused, evicted, swept) is logged at most once per kind and peer host every
+//! [`warn_limit::EVERY`], with the lines left out counted.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -24,9 +26,32 @@ use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
 use crate::lanes::{Lane, Lanes};
 use crate::link::{Announcement, DataConns, Kick, SourceLink};
-use crate::matcher::{Accepted, Announced, Matcher, UNMATCHED_TIMEOUT, WrongLane};
+use crate::matcher::{self, Accepted, Announced, Matcher, UNMATCHED_TIMEOUT, WrongLane};
 use crate::roster::Roster;
 use crate::rx::{self, Conn, Setup, shared::Gpus};
+use crate::warn_limit::{self, LeftOut, WarnLimit};
+
+/// A line about a data connection nobody announced (any peer can cause one at will).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Unidentified {
+    /// The table was full: the oldest held connection went for it.
+    Evicted,
+    /// Its host holds too many already: refused.
+    Refused,
+    /// Nobody announced it in time: dropped.
+    Unannounced,
+}
+
+impl Unidentified {
+    /// What happened, as a summary of left-out lines names it.
+    fn what(self) -> &'static str {
+        match self {
+            Self::Evicted => "oldest unidentified data connection dropped to hold a new one",
+            Self::Refused => "unidentified data connection refused (too many from this host)",
+            Self::Unannounced => "data connection that no authenticated source announced dropped",
+        }
+    }
+}
 
 /// A data connection a source announced and the node has not accepted yet.
 #[derive(Debug)]
@@ -74,6 +99,8 @@ pub struct DataPlane {
     /// The node's lanes.
     pub lanes: Arc<Lanes>,
     matcher: Mutex<Matcher<TcpStream, Expected>>,
+    /// The lines about unidentified data connections, by kind and peer host.
+    noise: Mutex<WarnLimit<(Unidentified, IpAddr)>>,
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
@@ -104,6 +131,7 @@ impl DataPlane {
             roster,
             lanes,
             matcher: Mutex::default(),
+            noise: Mutex::new(WarnLimit::new(warn_limit::EVERY)),
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
@@ -241,15 +269,49 @@ impl DataPlane {
         match got {
             Accepted::Matched(sock, e) => self.start(sock, peer, e),
             Accepted::Held(None) => {}
-            Accepted::Held(Some((old, _))) => {
-                tracing::warn!(%peer, dropped = %old, limit = crate::matcher::MAX_UNMATCHED,
-                    "too many unidentified data connections; dropped the oldest to hold this one")
-            }
-            Accepted::Refused(_) => {
-                tracing::warn!(%peer, limit = crate::matcher::MAX_UNMATCHED_PER_IP,
-                    "too many unidentified data connections from this address; refusing this one")
-            }
+            Accepted::Held(Some((old, _))) => self.unidentified(Unidentified::Evicted, peer, old),
+            Accepted::Refused(_) => self.unidentified(Unidentified::Refused, peer, peer),
             Accepted::WrongLane(w) => self.wrong_lane(peer, w),
+        }
+    }
+
+    /// Logs a `kind` line about a connection from `peer` (`dropped`: the one that went, the
+    /// oldest for [`Unidentified::Evicted`], else `peer`'s own), at most once per kind and
+    /// peer host every [`warn_limit::EVERY`]; `suppressed` counts the lines of that kind and
+    /// host left out since the last one.
+    fn unidentified(&self, kind: Unidentified, peer: SocketAddr, dropped: SocketAddr) {
+        let host = matcher::host_of(peer.ip());
+        let now = Instant::now();
+        let Some(suppressed) = self.noise.lock().expect("poisoned").hit((kind, host), now) else {
+            return;
+        };
+        let (host, every) = (matcher::host_name(host), warn_limit::EVERY.as_secs());
+        match kind {
+            Unidentified::Evicted => tracing::warn!(%peer, %host, %dropped, suppressed,
+                limit = matcher::MAX_UNMATCHED,
+                "too many unidentified data connections; dropped the oldest to hold this one (one such line per host every {every} s)"),
+            Unidentified::Refused => tracing::warn!(%peer, %host, suppressed,
+                limit = matcher::MAX_UNMATCHED_PER_IP,
+                "too many unidentified data connections from this host; refusing this one (one such line per host every {every} s)"),
+            Unidentified::Unannounced => tracing::warn!(%peer, %host, suppressed,
+                "dropping a data connection that no authenticated source announced (one such line per host every {every} s)"),
+        }
+    }
+
+    /// Says the lines about unidentified data connections left out in windows now over.
+    fn say_left_out(&self) {
+        let left: LeftOut<_> = self.noise.lock().expect("poisoned").flush(Instant::now());
+        for ((kind, host), suppressed) in left.keys {
+            let host = matcher::host_name(host);
+            tracing::warn!(%host, suppressed, what = kind.what(),
+                "lines about unidentified data connections from this host left out since its last such line");
+        }
+        if left.untracked > 0 {
+            tracing::warn!(
+                suppressed = left.untracked,
+                hosts_tracked = warn_limit::MAX_KEYS,
+                "lines about unidentified data connections from hosts past those tracked left out"
+            );
         }
     }
 
@@ -334,8 +396,9 @@ impl DataPlane {
     fn sweep(&self) {
         let swept = self.matcher.lock().expect("poisoned").sweep(Instant::now());
         for (peer, _) in swept.accepted {
-            tracing::warn!(%peer, "dropping a data connection that no authenticated source announced");
+            self.unidentified(Unidentified::Unannounced, peer, peer);
         }
+        self.say_left_out();
         for (addr, e) in swept.expected {
             let why = Kick::NeverArrived {
                 conn: e.conn,

@@ -114,11 +114,14 @@ impl NodeHandle {
         self.shutdown.subscribe()
     }
 
-    /// Drains: refuses new streams, waits up to `timeout` for open streams to finish (their
-    /// trainers disconnect), then shuts down. Returns the number of streams still open.
+    /// Drains: refuses new streams at once, waits up to `timeout` from now for open streams to
+    /// finish (their trainers disconnect), then shuts down. Returns the number of streams
+    /// still open. Not through the control queue: an admin change ahead there (a binding
+    /// delete waiting `drain_timeout_secs` for its readers) kept admitting streams and pushed
+    /// the deadline out, past what the deploy's grace period allows for.
     pub async fn drain(&self, timeout: Duration) -> usize {
-        let _ = self.node.control(crate::control::Control::Drain).await;
         let deadline = tokio::time::Instant::now() + timeout;
+        self.node.start_draining();
         loop {
             let open = self.node.streams().len();
             if open == 0 || tokio::time::Instant::now() >= deadline {
@@ -197,10 +200,6 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
     let lanes = started.lanes;
     let emu = EmuHost::new();
     let (rx, receive_reason) = choose_receive(&cfg, &nics, (&lanes, &emu)).await?;
-    let mode_reason = format!(
-        "{receive_reason}. memory={}: {}",
-        started.memory, started.memory_reason
-    );
     let counters = Arc::new(Counters::default());
     let roster = Arc::new(Roster::new(link_config(secret.clone(), &lanes, cfg.flows)));
     let data_addr = lanes.all()[0].data_addr;
@@ -218,7 +217,7 @@ pub async fn start(cfg: ServeConfig) -> Result<NodeHandle, StartError> {
         (gpus, nics),
         data_addr,
         started.memory,
-        mode_reason,
+        (receive_reason, started.memory_reason),
     );
     let (node, control) = Node::new(info, Arc::clone(&plane), counters);
     tracing::info!(receive = %node.receive(), reason = %node.info().mode_reason(), "memory and receive mode chosen");
@@ -531,28 +530,9 @@ mod tests {
     #[tokio::test]
     async fn a_node_shut_down_and_let_go_is_freed() {
         let dir = std::env::temp_dir().join(format!("sw-start-{}", std::process::id()));
-        let bytes = shardwire_config::ByteSize(64 << 20);
-        // A port nothing listens on (a listener bound and closed again).
-        let closed = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap();
-        let cfg = ServeConfig {
-            sources: vec![closed.to_string()],
-            socket: dir.join("trainer.sock"),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            pool_size: bytes,
-            stream_memory: Some(bytes),
-            lanes: shardwire_config::Lanes::Table(vec![shardwire_config::LaneConfig {
-                data_listen: Some("127.0.0.1:0".parse().unwrap()),
-                ..Default::default()
-            }]),
-            receive: ReceiveMode::Host,
-            io_uring: false,
-            memory: shardwire_config::MemoryMode::Host,
-            nic_state_file: dir.join("nic-state.json"),
-            ..ServeConfig::default()
-        };
-        let h = start(cfg).await.expect("a host-memory node starts");
+        let h = start(host_node(&dir))
+            .await
+            .expect("a host-memory node starts");
         let node = Arc::downgrade(&h.node);
         h.shutdown();
         drop(h);
@@ -567,5 +547,81 @@ mod tests {
             "the node is still held after its shutdown"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A drain refuses new streams at once and counts its deadline from its call, even while
+    /// an admin change is under way: here a binding delete that waits (`drain_timeout_secs`,
+    /// 30 s) for a data connection still reading from the binding. Before, the drain was a
+    /// control message queued behind that delete: streams were admitted and the deadline
+    /// began only once the delete was done.
+    #[tokio::test]
+    async fn a_drain_does_not_wait_behind_an_admin_change() {
+        use crate::control::{BindingSpec, Control, Reply};
+        let dir = std::env::temp_dir().join(format!("sw-drain-{}", std::process::id()));
+        let cfg = ServeConfig {
+            drain_timeout_secs: 30,
+            ..host_node(&dir)
+        };
+        let h = start(cfg).await.expect("a host-memory node starts");
+        let spec = BindingSpec::Emulator {
+            bytes: 1 << 20,
+            lane: None,
+        };
+        let id = match h.node.control(Control::CreateBinding(spec)).await {
+            Ok(Reply::Binding(b)) => b.binding,
+            other => panic!("{other:?}"),
+        };
+        let reader = h.node.plane().binding(0).expect("bound").reading();
+        let node = Arc::clone(&h.node);
+        let id = id.to_string();
+        let delete = tokio::spawn(async move { node.control(Control::DeleteBinding { id }).await });
+        for _ in 0..500 {
+            if h.node.plane().binding(0).is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            h.node.plane().binding(0).is_none(),
+            "the delete is under way"
+        );
+        let drain = h.drain(Duration::from_millis(100));
+        let open = tokio::time::timeout(Duration::from_secs(5), drain).await;
+        assert_eq!(open.ok(), Some(0), "the drain ended at its own deadline");
+        assert!(h.node.readiness().3, "draining");
+        assert!(
+            !delete.is_finished(),
+            "the delete still waits for its reader"
+        );
+        drop(reader);
+        let deleted = delete.await.expect("the delete task does not panic");
+        assert!(matches!(deleted, Ok(Reply::Deleted { .. })), "{deleted:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A host-memory node of one lane on 127.0.0.1 whose only source is a port nothing
+    /// listens on, its files under `dir`.
+    fn host_node(dir: &Path) -> ServeConfig {
+        let bytes = shardwire_config::ByteSize(64 << 20);
+        // A port nothing listens on (a listener bound and closed again).
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        ServeConfig {
+            sources: vec![closed.to_string()],
+            socket: dir.join("trainer.sock"),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            pool_size: bytes,
+            stream_memory: Some(bytes),
+            lanes: shardwire_config::Lanes::Table(vec![shardwire_config::LaneConfig {
+                data_listen: Some("127.0.0.1:0".parse().unwrap()),
+                ..Default::default()
+            }]),
+            receive: ReceiveMode::Host,
+            io_uring: false,
+            memory: shardwire_config::MemoryMode::Host,
+            nic_state_file: dir.join("nic-state.json"),
+            ..ServeConfig::default()
+        }
     }
 }

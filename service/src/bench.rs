@@ -29,6 +29,7 @@ use self::report::{
     print_tcp_medians, print_uring_medians,
 };
 use crate::demo::Loopback;
+use crate::out::outln;
 use crate::synth;
 
 /// Flags of `shardwire bench`.
@@ -37,7 +38,7 @@ pub struct BenchArgs {
     /// Data connections (flows).
     #[arg(long, default_value_t = 4)]
     flows: u16,
-    /// Measurement time per run.
+    /// Measurement time per run, in seconds (at least 1).
     #[arg(long, default_value_t = 10)]
     seconds: u64,
     /// Shard size (e.g. 4MiB).
@@ -47,9 +48,10 @@ pub struct BenchArgs {
     #[arg(long)]
     compare_tcp: bool,
     /// Also measure the receive primitives into the stream-sized region, alternating in each
-    /// round: the node's reader (`recv` with its SO_RCVLOWAT rule) against io_uring
-    /// multishot receive into provided buffers (copied, or the region's own slots filled
-    /// incrementally), with and without SO_RCVLOWAT; prints each one's ratio to the node's.
+    /// round (--mode host only: its paths): the node's reader (`recv` with its SO_RCVLOWAT
+    /// rule) against io_uring multishot receive into provided buffers (copied, or the
+    /// region's own slots filled incrementally), with and without SO_RCVLOWAT; prints each
+    /// one's ratio to the node's.
     #[arg(long)]
     compare_uring: bool,
     /// Also measure where the CRC-32C of received bytes is computed, each way into the
@@ -66,16 +68,16 @@ pub struct BenchArgs {
     /// repeatable). The first one named is the reference of the ratios.
     #[arg(long = "crc-way", requires = "compare_crc")]
     crc_ways: Vec<String>,
-    /// The node's plain-TCP data connections receive with io_uring (the service default);
-    /// `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
+    /// The node's plain-TCP data connections (--mode host) receive with io_uring (the service
+    /// default); `--io-uring false`: with `recv`. `--compare-uring` runs the node both ways.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     io_uring: bool,
     /// Stream region size (fetch-ahead window), at least 2 slabs [default: 32 slabs,
     /// 64MiB..1GiB, and at least 2 slabs].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
-    /// With --compare-tcp: alternate the two runs this many times and report every ratio
-    /// and the median (a shared machine is noisy).
+    /// Run shardwire and each comparison asked for (--compare-*) in turn this many times, and
+    /// report every ratio and their median (a shared machine is noisy). One lane only.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
     /// Receive path: host (plain TCP into the slab) or devmem-sim (the devmem path over
@@ -99,6 +101,11 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
         a.flows >= 1 && a.flows <= 64,
         "--flows must be 1..=64, got {}",
         a.flows
+    );
+    anyhow::ensure!(
+        a.seconds >= 1,
+        "--seconds 0 measures nothing (one batch; plain TCP's baselines receive nothing and \
+         fail): give at least 1"
     );
     // `auto` would probe (and bind) a real devmem-capable NIC for a loopback run.
     anyhow::ensure!(
@@ -128,6 +135,13 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
         a.lanes == 1 || !(a.compare_tcp || a.compare_uring || a.compare_crc),
         "--lanes runs no comparisons: drop --compare-tcp, --compare-uring and --compare-crc"
     );
+    anyhow::ensure!(
+        a.lanes == 1 || a.rounds <= 1,
+        "--lanes runs once (rounds are of the one-lane run and its comparisons): drop \
+         --rounds {}, or run the --lanes bench again",
+        a.rounds
+    );
+    check_mode_flags(a)?;
     if let Some(g) = a.rate {
         // Below about 1 byte/s (or not a number) the pacing rate would become 0: unlimited.
         anyhow::ensure!(
@@ -135,6 +149,26 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
             "--rate is a goodput in Gbit/s above 0, got {g}"
         );
     }
+    Ok(())
+}
+
+/// The flags only `--mode host` uses: devmem-sim connections receive from the lane's emulated
+/// dma-buf binding, never with io_uring or `recv` (docs/CONFIGURATION.md `io_uring`).
+fn check_mode_flags(a: &BenchArgs) -> anyhow::Result<()> {
+    let host = matches!(a.mode, ReceiveMode::Host);
+    anyhow::ensure!(
+        host || !a.compare_uring,
+        "--compare-uring compares the node's io_uring and recv paths, which only --mode host \
+         uses (--mode {} receives from its emulated dma-buf binding): drop --compare-uring or \
+         use --mode host",
+        a.mode
+    );
+    anyhow::ensure!(
+        host || a.io_uring,
+        "--io-uring false chooses how --mode host receives; --mode {} never uses io_uring: \
+         drop --io-uring",
+        a.mode
+    );
     Ok(())
 }
 
@@ -155,11 +189,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     // the run ends, short of a signal (Ctrl-C leaves it: `shardwire bench --help`).
     let stream_memory = stream_memory(a.stream_memory.map(|m| m.0), shard)?;
     crate::logging::init_filter("warn");
+    // The source, the node and plain TCP all live here: shard files, and up to 5 fds per data
+    // connection (lanes x flows of them), outgrow a soft limit of 1024.
+    crate::limits::raise_open_files();
     let scratch = synth::Scratch::new("bench", false)?;
     let dir = scratch.dir.as_path();
     let data = dir.join("data");
     let m = write_dataset(&data, count, shard)?;
-    println!(
+    outln!(
         "bench: {} flows, {} s, {count} shards of {} bytes, CRC-32C on, delivered to a trainer, receive={}{}",
         a.flows,
         a.seconds,
@@ -170,7 +207,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
             n => format!(", {n} lanes (flows per lane, one trainer each)"),
         }
     );
-    println!("cpu: {}", cpu::describe());
+    outln!("cpu: {}", cpu::describe());
 
     let rate = a.rate.map_or(0, |g| (g * 1e9 / 8.0) as u64);
     let files: Vec<_> = m.shards.iter().map(|s| data.join(&s.file)).collect();
@@ -242,7 +279,7 @@ fn rounds<P: Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun>(
     let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..a.rounds.max(1) {
         if a.rounds > 1 {
-            println!("-- round {}", round + 1);
+            outln!("-- round {}", round + 1);
         }
         let sw = run_shardwire(a, data, dir, stream_memory, rate, a.io_uring)?;
         // The baselines shardwire is divided by run right after it, so that the ratios
@@ -298,7 +335,7 @@ fn run_shardwire(
         (a.mode, io_uring),
     )?;
     let node = &lb.node.handle.node;
-    println!("== Target {}", node.info().data_addr);
+    outln!("== Target {}", node.info().data_addr);
     let mut s = Stream::open(
         &lb.node.handle.socket,
         StreamOptions {
@@ -308,12 +345,10 @@ fn run_shardwire(
     )
     .context("opening the bench stream")?;
     warm_up(&mut s)?;
-    // What the data connections do, as the node counted them (not the flag: where io_uring
-    // cannot be set up the node falls back to `recv`, and says so).
     let counted = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
     let on_uring = counted(&node.counters().io_uring_connections);
-    let way = if on_uring > 0 { "io_uring" } else { "recv" };
-    println!(
+    let way = connections_label(a.mode, on_uring, counted(&node.counters().recv_connections));
+    outln!(
         "== Source {} (node data connections: {way})",
         lb.source_addr
     );
@@ -322,6 +357,8 @@ fn run_shardwire(
         "--compare-uring: the node's data connections fell back to recv (io_uring cannot be \
          set up here: see the node's warning), so there is nothing to compare"
     );
+    // A reader gone (`| head`) stops the bench before its next measured run (`crate::out`).
+    crate::out::check()?;
     let flows0 = flow_counts(&node.flows());
     let (cpu0, threads0) = (cpu::cpu_times(), cpu::thread_times());
     let (s, delivered, secs, cpu1, threads1) = trainer_window(s, a.seconds)?;
@@ -335,7 +372,7 @@ fn run_shardwire(
     drop(s);
     lb.stop();
     for (_, conn, bytes) in &flows {
-        println!(
+        outln!(
             "  Rx{:8.3} Gbps ({bytes} bytes in {} usec) flow {conn}",
             gbps(*bytes, secs),
             (secs * 1e6) as u64
@@ -345,7 +382,7 @@ fn run_shardwire(
     let cpu_per_gb = cpu::print_per_gb(&threads0, &threads1, delivered);
     let all_per_gb = busy / (delivered as f64 / 1e9);
     let g = gbps(delivered, secs);
-    println!(
+    outln!(
         "shardwire: {g:.3} Gbps delivered to the trainer ({delivered} bytes in {secs:.2} s), all CPUs {all_per_gb:.3} busy s/GB, CRC failures: {crc}"
     );
     Ok(Run {
@@ -353,6 +390,21 @@ fn run_shardwire(
         cpu_per_gb,
         all_per_gb,
     })
+}
+
+/// What the node's data connections received with, as it counted them (not the flags: where
+/// io_uring cannot be set up the node falls back to `recv`, and says so). Devmem-sim ones
+/// receive from the lane's emulated binding and are counted as neither.
+fn connections_label(mode: ReceiveMode, on_uring: u64, on_recv: u64) -> &'static str {
+    if matches!(mode, ReceiveMode::DevmemSim) {
+        return "devmem-sim (frags from the emulated dma-buf binding)";
+    }
+    match (on_uring, on_recv) {
+        (0, 0) => "none counted",
+        (_, 0) => "io_uring",
+        (0, _) => "recv",
+        _ => "io_uring and recv",
+    }
 }
 
 /// As long as plain TCP's warm-up ([`tcp`]): the window starts with the connections, the
@@ -431,7 +483,7 @@ fn flow_bytes_since(
 /// One line per lane's devmem binding (`--mode devmem-sim`).
 fn print_bindings(node: &shardwire_node::Node) {
     for b in node.binding_statuses() {
-        println!(
+        outln!(
             "devmem-sim lane {} (binding {}): {} frags, {} tokens returned, {} steering errors, pool exhausted {} times, {:?} of {} net_iovs free at the end",
             b.lane,
             b.binding,
@@ -451,11 +503,11 @@ fn print_bindings(node: &shardwire_node::Node) {
 /// CRC speed after a copy).
 fn print_crc_hotness(median: Option<usize>) {
     let Some(lo) = median else {
-        println!("crc: not computed on the CPU (GPU kernel, or nothing received)");
+        outln!("crc: not computed on the CPU (GPU kernel, or nothing received)");
         return;
     };
     let l2 = cpu::l2_bytes();
-    println!(
+    outln!(
         "crc: median piece checksummed right after landing {} (L2 {}): {}",
         crc::piece_range(lo),
         l2.map_or("unknown".into(), |b| format!("{} KiB", b >> 10)),
@@ -503,6 +555,52 @@ mod tests {
             assert!(e.contains(part), "{part}: {e}");
         }
         assert!(check_args(&bench_args(&["--lanes", "8", "--flows", "32"])).is_ok());
+    }
+
+    #[test]
+    fn flags_the_run_would_ignore_or_fail_on_are_refused_before_it() {
+        // Before: all taken. --rounds ran once with --lanes; --seconds 0 failed after the
+        // shardwire run ("received nothing in 0.0 s"); devmem-sim --compare-uring wrote the
+        // dataset, ran the node, then blamed an io_uring setup it never tried.
+        let refused: [(&[&str], &str); 4] = [
+            (&["--lanes", "2", "--rounds", "3"], "drop --rounds 3"),
+            (&["--seconds", "0"], "--seconds 0 measures nothing"),
+            (
+                &["--mode", "devmem-sim", "--compare-uring"],
+                "only --mode host",
+            ),
+            (
+                &["--mode", "devmem-sim", "--io-uring", "false"],
+                "never uses io_uring",
+            ),
+        ];
+        for (flags, part) in refused {
+            let e = check_args(&bench_args(flags)).unwrap_err().to_string();
+            assert!(e.contains(part), "{flags:?}: {e}");
+        }
+        let taken: [&[&str]; 5] = [
+            &["--lanes", "2", "--rounds", "1"],
+            &["--rounds", "3"],
+            &["--seconds", "1"],
+            &["--mode", "devmem-sim"],
+            &["--compare-uring", "--io-uring", "false"],
+        ];
+        for flags in taken {
+            assert!(check_args(&bench_args(flags)).is_ok(), "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn devmem_sim_connections_are_not_labelled_recv() {
+        // Before: "node data connections: recv" for every devmem-sim run (it counts neither).
+        let sim = connections_label(ReceiveMode::DevmemSim, 0, 0);
+        assert!(sim.starts_with("devmem-sim"), "{sim}");
+        assert_eq!(connections_label(ReceiveMode::Host, 4, 0), "io_uring");
+        assert_eq!(connections_label(ReceiveMode::Host, 0, 4), "recv");
+        assert_eq!(
+            connections_label(ReceiveMode::Host, 3, 1),
+            "io_uring and recv"
+        );
     }
 
     #[test]

@@ -134,6 +134,7 @@ enum ConfigCmd {
     },
 }
 
+use crate::out::outln;
 use crate::{bench, consume, demo, logging};
 
 fn parse_log_format(s: &str) -> Result<LogFormat, String> {
@@ -265,7 +266,8 @@ pub struct ServeFlags {
     #[arg(long, value_parser = parse_size)]
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_memory: Option<ByteSize>,
-    /// Data connections per source [default: 2].
+    /// Data connections per source per lane: each source dials every lane this many times
+    /// (lanes x flows at most 256) [default: 2].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     flows: Option<u16>,
@@ -469,7 +471,7 @@ fn index(
     }
     let m = &report.manifest;
     let path = ds.write_manifest(m, out)?;
-    println!(
+    outln!(
         "indexed {} shards, {} bytes, digest {} -> {}",
         m.shards.len(),
         m.total_bytes,
@@ -548,9 +550,9 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
             .as_ref()
             .map(|l| l.local_addr())
             .transpose()?;
-        println!("source listening on {}", src.local_addr());
+        outln!("source listening on {}", src.local_addr());
         if let Some(a) = admin_addr {
-            println!("source admin on http://{a}");
+            outln!("source admin on http://{a}");
         }
         let admin = crate::source_admin::start(admin_listener, src.status(), admin_rx);
         tokio::spawn(async move {
@@ -594,7 +596,7 @@ fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
             }
         };
         let h = &s.handle;
-        println!(
+        outln!(
             "node service ready: socket {} admin http://{}",
             h.socket.display(),
             s.admin_addr
@@ -668,7 +670,7 @@ fn gpus(json: bool) -> anyhow::Result<ExitCode> {
     let auto = shardwire_gpu::choose_memory(shardwire_gpu::MemoryChoice::Auto, &p)?;
     if json {
         let doc = serde_json::json!({ "probe": p, "auto": auto });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
     let version = p.driver_version.map_or("none".to_string(), |v| {
@@ -679,9 +681,9 @@ fn gpus(json: bool) -> anyhow::Result<ExitCode> {
     } else {
         "absent"
     };
-    println!("CUDA driver: {present} (version {version})");
+    outln!("CUDA driver: {present} (version {version})");
     for d in &p.devices {
-        println!(
+        outln!(
             "GPU {} {} {} {} MiB dma-buf={} vmm={} rdma+vmm={}",
             d.ordinal,
             d.name,
@@ -692,10 +694,10 @@ fn gpus(json: bool) -> anyhow::Result<ExitCode> {
             d.gpu_direct_rdma_with_cuda_vmm_supported
         );
     }
-    println!("{}", p.reason);
-    println!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
+    outln!("{}", p.reason);
+    outln!("memory = \"auto\" picks {}: {}", auto.memory, auto.reason);
     if auto.memory == shardwire_protocol::trainer::MemoryKind::Cuda {
-        println!(
+        outln!(
             "(`serve` opens the GPU and runs a self-test first; if that fails, auto uses host memory and says why)"
         );
     }
@@ -705,15 +707,22 @@ fn gpus(json: bool) -> anyhow::Result<ExitCode> {
 fn nics(json: bool) -> anyhow::Result<ExitCode> {
     let nics = shardwire_devmem::probe::probe_nics();
     if json {
-        println!("{}", serde_json::to_string_pretty(&nics)?);
+        outln!("{}", serde_json::to_string_pretty(&nics)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} REASON",
-        "IDX", "NAME", "DRIVER", "UP", "RXQ", "TXQ", "HEADER-SPLIT", "DEVMEM"
+        "IDX",
+        "NAME",
+        "DRIVER",
+        "UP",
+        "RXQ",
+        "TXQ",
+        "HEADER-SPLIT",
+        "DEVMEM"
     );
     for n in &nics {
-        println!(
+        outln!(
             "{:<4} {:<12} {:<12} {:<4} {:>4} {:>4} {:<12} {:<7} {}",
             n.ifindex,
             n.name,
@@ -755,7 +764,7 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
             } else {
                 check_serve_file(&file)?;
             }
-            println!("{}: ok", file.display());
+            outln!("{}: ok", file.display());
         }
         ConfigCmd::Print {
             config,
@@ -766,7 +775,7 @@ fn config(c: ConfigCmd) -> anyhow::Result<ExitCode> {
             } else {
                 serde_json::to_value(ServeConfig::load(config.as_deref(), &NoFlags {})?)?
             };
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            outln!("{}", serde_json::to_string_pretty(&v)?);
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -815,6 +824,21 @@ mod tests {
         let way = ["shardwire", "bench", "--crc-way", "crc-queue"];
         let e = Cli::try_parse_from(way).unwrap_err().to_string();
         assert!(e.contains("--compare-crc"), "{e}");
+    }
+
+    #[test]
+    fn serve_help_says_flows_are_per_lane() {
+        // Before: "Data connections per source", read on an 8-GPU host as a total.
+        let cmd = <Cli as clap::CommandFactory>::command();
+        let serve = cmd.find_subcommand("serve").unwrap();
+        let flows = serve
+            .get_arguments()
+            .find(|a| a.get_id().as_str() == "flows")
+            .unwrap();
+        let help = flows.get_help().unwrap().to_string();
+        for part in ["per source per lane", "lanes x flows at most 256"] {
+            assert!(help.contains(part), "{part}: {help}");
+        }
     }
 
     #[test]

@@ -5,7 +5,6 @@
 //! resumes where it stopped (`--state`). The state goes through whole, as a [`ResumeState`]:
 //! fields this build does not know (a newer node's) are printed and sent back as they came.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -17,6 +16,8 @@ use shardwire_protocol::crc::crc32c;
 use shardwire_protocol::plan::Uneven;
 use shardwire_protocol::samples::Shuffle;
 use shardwire_protocol::trainer::{MixEntry, WindowOrder};
+
+use crate::out::outln;
 
 /// Flags of `shardwire consume`.
 #[derive(Args, Debug)]
@@ -190,19 +191,18 @@ fn parse_uneven(s: &str) -> Result<Uneven, String> {
 /// Runs the consumer.
 pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let mut s = open_stream(&a)?;
-    let out = std::io::stdout();
-    let mut out = out.lock();
     let (mut n, mut bytes) = (0u64, 0u64);
     let mut window = Window::start();
     let mut kept = Vec::new();
     while let Some(b) = s.next()? {
         let tensors = describe(&b, &a.print_values, &mut bytes);
-        print_batch(&mut out, &b, &tensors, a.jsonl)?;
+        outln!("{}", batch_line(&b, &tensors, a.jsonl));
+        // A reader that went away (`| head -5`) ends the stream here (`crate::out`).
+        crate::out::check()?;
         n += 1;
         if a.limit.is_some_and(|l| n >= l) {
             window.end();
             kept.push(b);
-            out.flush()?;
             std::thread::sleep(std::time::Duration::from_secs(a.hold_secs));
             break;
         }
@@ -210,16 +210,15 @@ pub fn run(a: ConsumeArgs) -> anyhow::Result<ExitCode> {
     }
     window.end();
     if a.print_state {
-        writeln!(out, "{}", state_line(&s.resume_state()?))?;
+        outln!("{}", state_line(&s.resume_state()?));
     }
     drop(kept);
     if !a.jsonl {
         let secs = window.secs();
-        writeln!(
-            out,
+        outln!(
             "{n} batches, {bytes} tensor bytes in {secs:.2} s ({:.3} Gbit/s)",
             bytes as f64 * 8.0 / secs / 1e9
-        )?;
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -349,24 +348,14 @@ fn describe(b: &Batch, print_values: &[String], bytes: &mut u64) -> Vec<serde_js
         .collect()
 }
 
-/// One line for batch `b`: JSON (`--jsonl`) or a summary.
-fn print_batch(
-    out: &mut impl Write,
-    b: &Batch,
-    tensors: &[serde_json::Value],
-    jsonl: bool,
-) -> std::io::Result<()> {
+/// The line for batch `b` (without its newline): JSON (`--jsonl`) or a summary.
+fn batch_line(b: &Batch, tensors: &[serde_json::Value], jsonl: bool) -> String {
     let shard = (b.shard != u32::MAX).then_some(b.shard);
     if jsonl {
-        writeln!(
-            out,
-            "{}",
-            json!({"epoch": b.epoch, "index": b.index, "shard": shard, "tensors": tensors})
-        )
+        json!({"epoch": b.epoch, "index": b.index, "shard": shard, "tensors": tensors}).to_string()
     } else {
         let shard = shard.map_or("-".to_string(), |s| s.to_string());
-        writeln!(
-            out,
+        format!(
             "epoch {} batch {} shard {shard}: {} tensors",
             b.epoch,
             b.index,

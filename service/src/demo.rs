@@ -16,6 +16,7 @@ use shardwire_client::{Stream, StreamOptions};
 use shardwire_config::{ByteSize, ReceiveMode, ServeConfig};
 use shardwire_protocol::Manifest;
 
+use crate::out::outln;
 use crate::synth;
 
 /// Flags of `shardwire demo`.
@@ -128,6 +129,8 @@ impl Loopback {
 /// Runs the demo.
 pub fn run(a: DemoArgs) -> anyhow::Result<ExitCode> {
     crate::logging::init_filter(if a.verbose { "info" } else { "warn" });
+    // A source and a node in one process, as `serve` and `source` raise theirs.
+    crate::limits::raise_open_files();
     anyhow::ensure!(
         matches!(a.receive, ReceiveMode::Host | ReceiveMode::DevmemSim),
         "the demo runs on loopback, which cannot carry devmem (--receive {}); use --receive host or devmem-sim",
@@ -149,7 +152,7 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Resul
     }
     let manifest = shardwire_index::index_dir(&data, &shardwire_index::IndexOptions::default())?;
     shardwire_index::write_manifest(&data, &manifest)?;
-    println!(
+    outln!(
         "dataset: {} shards, {} bytes in {}",
         manifest.shards.len(),
         manifest.total_bytes,
@@ -164,13 +167,13 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Resul
         64 << 20,
         (receive, true),
     )?;
-    println!(
+    outln!(
         "source on {}, node data port {}, admin http://{}",
         lb.source_addr,
         lb.node.handle.node.info().data_addr,
         lb.node.admin_addr
     );
-    println!("mode: {}", lb.node.handle.node.info().mode_reason());
+    outln!("mode: {}", lb.node.handle.node.info().mode_reason());
     let started = Instant::now();
     let checked = consume_every_lane(&lb.node.handle.socket, &data, &manifest, lanes);
     let secs = started.elapsed().as_secs_f64();
@@ -181,10 +184,10 @@ fn demo(dir: &std::path::Path, receive: ReceiveMode, lanes: u8) -> anyhow::Resul
     let (uring, recv) = (load(&c.io_uring_connections), load(&c.recv_connections));
     lb.stop();
     if uring + recv > 0 {
-        println!("data connections: {uring} with io_uring multishot receive, {recv} with recv");
+        outln!("data connections: {uring} with io_uring multishot receive, {recv} with recv");
     }
     let (shards, bytes) = checked?;
-    println!(
+    outln!(
         "demo ok: {shards} shards, {bytes} bytes verified against the files in {:.3} s ({:.3} Gbit/s), CRC failures: {crc_failures}",
         secs,
         bytes as f64 * 8.0 / secs / 1e9
@@ -231,9 +234,12 @@ fn print_lanes(st: &shardwire_node::Status) {
             ),
             None => String::new(),
         };
-        println!(
+        outln!(
             "lane {} ({}): {} data connections, {} bytes received{binding}",
-            l.lane, l.data_addr, l.data_connections, l.bytes_received
+            l.lane,
+            l.data_addr,
+            l.data_connections,
+            l.bytes_received
         );
     }
 }

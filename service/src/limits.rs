@@ -1,6 +1,7 @@
-//! Process limits a long-running command sets for itself at start: the open-file limit goes
-//! from its soft value (often 1024) to its hard one, since a source keeps every file of its
-//! datasets open and a node a socket per trainer and source. Said in the log either way.
+//! Process limits the commands that run a source or a node (`serve`, `source`, and `bench` and
+//! `demo`, which run both in one process) set for themselves at start: the open-file limit
+//! goes from its soft value (often 1024) to its hard one, since a source keeps every file of
+//! its datasets open and a node a socket per trainer and source. Said in the log either way.
 
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 

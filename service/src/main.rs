@@ -7,6 +7,7 @@ mod demo;
 mod http;
 mod limits;
 mod logging;
+mod out;
 mod serve;
 mod source_admin;
 mod status;
@@ -19,7 +20,8 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    match cli::run(cli) {
+    // A reader that went away (`| head`) ends the command with 0 and no message (`out`).
+    match out::exit_status(cli::run(cli), out::check()) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("shardwire: error: {}", chain_text(&e));

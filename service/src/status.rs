@@ -8,6 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::Value;
 
+use crate::out::{out, outln};
+
 /// A non-2xx answer of the admin API, with the node's reason.
 #[derive(Debug, thiserror::Error)]
 #[error("{admin}{path} answered {status}: {message}")]
@@ -93,9 +95,9 @@ fn gib(v: &Value) -> String {
 pub fn run(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
     let st = get_json(admin, "/v1/status")?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&st)?);
+        outln!("{}", serde_json::to_string_pretty(&st)?);
     } else {
-        print!("{}", render(&st, admin));
+        out!("{}", render(&st, admin));
     }
     Ok(ExitCode::SUCCESS)
 }

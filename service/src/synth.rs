@@ -8,6 +8,8 @@ use arrow_array::types::Float32Type;
 use arrow_array::{ArrayRef, FixedSizeListArray, Int64Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 
+use crate::out::outln;
+
 /// Deterministic bytes (xorshift), so files differ but runs repeat.
 pub fn fill(buf: &mut [u8], seed: u64) {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -127,7 +129,7 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         match self.keep {
-            true => println!("kept {}", self.dir.display()),
+            true => outln!("kept {}", self.dir.display()),
             false => {
                 let _ = std::fs::remove_dir_all(&self.dir);
             }

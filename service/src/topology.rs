@@ -134,8 +134,8 @@ pub fn run(config: Option<&Path>, flags: &TopologyFlags, json: bool) -> anyhow::
         true => serde_json::to_string_pretty(&topo)? + "\n",
         false => shardwire_topology::render_text(&topo),
     };
-    // A closed pipe (`| head`) ends the output quietly.
-    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+    // A closed pipe (`| head`) ends the output quietly (`crate::out`).
+    crate::out::out!("{text}");
     Ok(ExitCode::SUCCESS)
 }
 

@@ -119,9 +119,12 @@ def test_service_errors_and_argument_errors(world: World):
     with pytest.raises(shardwire.ServiceError) as ei:
         c.open_stream("no-such-dataset")
     assert ei.value.code == "unknown_dataset" and "no-such-dataset" in ei.value.message
-    with pytest.raises(shardwire.ServiceError) as ei:
+    with pytest.raises(ValueError, match="rank must be < world_size"):  # before anything is sent
         c.open_stream("mix", rank=3, world_size=3)
-    assert ei.value.code == "bad_plan"
+    # A plan the node refuses: more ranks than shards, each dropping to none.
+    with pytest.raises(shardwire.ServiceError) as ei:
+        c.open_stream("mix", rank=0, world_size=SHARDS + 1, uneven="drop")
+    assert ei.value.code == "bad_plan", repr(ei.value)
     with c.open_stream("mix", seed=1) as s:
         st = s.state_dict()
     with pytest.raises(shardwire.ServiceError) as ei:

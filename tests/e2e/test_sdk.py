@@ -332,8 +332,11 @@ def test_unknown_dataset_and_bad_plan(world: World):
         c.open_stream("no-such-dataset")
     assert ei.value.code == "unknown_dataset" and isinstance(ei.value, shardwire.ShardwireError)
     assert "no-such-dataset" in ei.value.message
-    with pytest.raises(shardwire.ServiceError) as ei:
+    with pytest.raises(ValueError, match="rank must be < world_size"):  # before anything is sent
         c.open_stream("mix", rank=3, world_size=3)
+    # A plan the node refuses: more ranks than shards, each dropping to none.
+    with pytest.raises(shardwire.ServiceError) as ei:
+        c.open_stream("mix", rank=0, world_size=SHARDS + 1, uneven="drop")
     assert ei.value.code == "bad_plan", repr(ei.value)
     with pytest.raises(ValueError):
         c.open_stream("mix", uneven="spread")  # type: ignore[arg-type]

@@ -12,7 +12,10 @@ it, against a fake node on a Unix socket (it passes a real memfd with SCM_RIGHTS
   handler) closes the stream at once: before, it waited for the lock its own thread held;
 - ``device=N`` for an ordinal the process does not see is a ValueError naming it;
 - a ``device="auto"`` lookup slower than the node's connect-to-attach deadline attaches on a
-  new connection.
+  new connection;
+- ``device="auto"`` falls back to an attach without a device only for a node too old for
+  ``info`` (it answers ``bad_request``): a refused connection (``too_many_connections``,
+  ``forbidden``) raises the refusal, with no second connection.
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ from test_binary_frames import fake_service  # noqa: E402
 REGION = 1 << 16
 GOOD = {"op": "attached", "stream": 1, "region_size": REGION, "batches_per_epoch": 3, "epochs": 1,
         "memory": "host", "state": {"epoch": 0, "index": 0, "seed": 0, "fingerprint": "f"}}
+
+
+def send_attached(c: socket.socket) -> None:
+    """As the node: the `attached` answer GOOD with a REGION-byte region fd sealed against
+    shrinking and growing."""
+    fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, REGION)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
+        socket.send_fds(c, [_wire.encode(GOOD)], [fd])
+    finally:
+        os.close(fd)
 
 
 def attach_once(path: str, attached: dict[str, Any], fd_size: int = REGION) -> threading.Thread:
@@ -222,11 +237,7 @@ def test_a_slow_device_lookup_attaches_on_a_new_connection(tmp_path: pathlib.Pat
                     # As the node when no attach comes in time: the lookup is under way.
                     assert looking.wait(10), "the client never looked its device up"
                     break
-                fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
-                os.ftruncate(fd, REGION)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-                socket.send_fds(c, [_wire.encode(GOOD)], [fd])
-                os.close(fd)
+                send_attached(c)
                 c.recv(1)  # until the client closes
                 c.close()
                 return
@@ -325,13 +336,7 @@ def attach_and_wait(path: str) -> threading.Thread:
             conn = _wire.Conn(c)
             while conn.recv()[0]["op"] == "info":
                 conn.send({"op": "info", "memory": "host", "lanes": []})
-            fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
-            try:
-                os.ftruncate(fd, REGION)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # as the node's
-                socket.send_fds(c, [_wire.encode(GOOD)], [fd])
-            finally:
-                os.close(fd)
+            send_attached(c)
             try:
                 c.recv(1)
             except ConnectionResetError:
@@ -428,11 +433,7 @@ def late_node(path: str, late: int, attach: bool, monkeypatch: pytest.MonkeyPatc
                             timed_out.set()
                             break
                         continue
-                    fd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
-                    os.ftruncate(fd, REGION)
-                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-                    socket.send_fds(c, [_wire.encode(GOOD)], [fd])
-                    os.close(fd)
+                    send_attached(c)
                     c.recv(1)  # until the client closes
                     c.close()
                     return
@@ -464,3 +465,141 @@ def test_an_attach_timed_out_twice_fails_with_the_nodes_reason(tmp_path: pathlib
     assert isinstance(e.value, shardwire.ConnectionClosed) or e.value.code == "timeout", e.value
     t.join(10)
     assert seen == [["info"], ["info"]], seen
+
+
+#: What each fake node sends on its first connection: (the error, whether it reads the `info`
+#: first). An old node reads it, answers that it knows no such op, and closes the connection;
+#: a refusing node sends its refusal as it accepts, in place of any answer, and closes it.
+FIRST_ANSWER = {
+    "old node": ({"code": "bad_request", "message": "unknown variant `info`, expected one of `attach`, `next`, "
+                  "`release`, `state`"}, True),
+    "too_many_connections": ({"code": "too_many_connections", "message": "this node serves at most 1 trainer "
+                              "connections at once (trainer_max_connections)"}, False),
+    "forbidden": ({"code": "forbidden", "message": "uid 1000 / gid 1000 is not allowed to use this node"}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_ANSWER))
+def test_only_an_old_node_gets_an_attach_without_the_device(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, case: str):
+    """``device="auto"`` (the default) asks ``info`` first, to know whether to name the
+    trainer's GPU. Before, any error answer was taken for an old node's: the SDK attached again
+    on a new connection without the device, so a node at trainer_max_connections that had a
+    slot free by then (here: the fake node's second connection) put the stream on its least
+    loaded lane, maybe another GPU's, and a `forbidden` peer made two refused connections. Now
+    only `bad_request` (an old node's answer) falls back; a refusal raises as the node sent
+    it, and no second connection is made. Events, not clocks, order the two sides."""
+    from shardwire import _device
+
+    monkeypatch.setattr(_device, "current", lambda: "0000:3b:00.0")  # a CUDA trainer, were it asked
+    error, reads_info = FIRST_ANSWER[case]
+    path = str(tmp_path / "node.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+    srv.settimeout(0.1)
+    done = threading.Event()
+    seen: list[list[dict[str, Any]]] = []
+
+    def first(c: socket.socket) -> None:
+        got: list[dict[str, Any]] = []
+        seen.append(got)
+        if reads_info:
+            got.append(_wire.Conn(c).recv()[0])
+        c.sendall(_wire.encode({"op": "error", **error}))
+        c.close()  # as the node: the error, then the connection dropped
+
+    def second(c: socket.socket) -> None:
+        conn, got = _wire.Conn(c), []
+        seen.append(got)
+        while (req := conn.recv()[0])["op"] == "info":
+            got.append(req)
+            conn.send({"op": "info", "memory": "cuda", "lanes": []})
+        got.append(req)
+        send_attached(c)
+        c.recv(1)  # until the client closes
+        c.close()
+
+    def node() -> None:
+        with srv:
+            for serve in (first, second):
+                while True:
+                    try:
+                        c, _ = srv.accept()
+                        break
+                    except socket.timeout:
+                        if done.is_set():
+                            return
+                serve(c)
+
+    t = threading.Thread(target=node, daemon=True)
+    t.start()
+    client = shardwire.connect(path)
+    try:
+        if reads_info:
+            client.open_stream("d").close()
+        else:
+            with pytest.raises(shardwire.ServiceError) as e:
+                client.open_stream("d").close()
+            assert (e.value.code, e.value.message) == (error["code"], error["message"])
+    finally:
+        done.set()
+        t.join(10)
+    ops = [[r["op"] for r in got] for got in seen]
+    if reads_info:
+        assert ops == [["info"], ["attach"]], seen
+        assert "device" not in seen[1][0], "an old node cannot say what it serves: no device"
+    else:
+        assert ops == [[]], f"one connection, refused; no attach without the device: {seen}"
+
+
+@pytest.mark.parametrize("device", ["auto", None])
+def test_a_refusal_that_closed_the_connection_before_the_first_request_raises(tmp_path: pathlib.Path,
+                                                                              monkeypatch: pytest.MonkeyPatch, device: Any):
+    """The node sends its refusal as it accepts and drops the connection at once, so the
+    trainer's first request (``info``, or ``attach`` with no device) may meet a closed
+    connection: the write fails (EPIPE) with the refusal already received. Before, that was a
+    broken pipe: the SDK tried again on new connections (``info``'s fallback, then the
+    attach's retry: four connections with ``device="auto"``) and raised ConnectionClosed,
+    hiding the retryable ``too_many_connections``. Now the refusal raises, after one
+    connection. Events, not clocks, order the two sides."""
+    from shardwire import _client
+
+    path = str(tmp_path / "node.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    srv.settimeout(0.1)
+    refused, done = threading.Event(), threading.Event()
+    accepted: list[int] = []
+    connect = _client._connect
+
+    def connect_then_wait(where: str) -> socket.socket:
+        sock = connect(where)
+        assert refused.wait(10), "the node never refused the connection"
+        refused.clear()
+        return sock
+
+    monkeypatch.setattr(_client, "_connect", connect_then_wait)
+
+    def node() -> None:
+        with srv:
+            while not done.is_set():
+                try:
+                    c, _ = srv.accept()
+                except socket.timeout:
+                    continue
+                accepted.append(1)
+                c.sendall(_wire.encode({"op": "error", "code": "too_many_connections", "message": "at most 1 (trainer_max_connections)"}))
+                c.close()
+                refused.set()
+
+    t = threading.Thread(target=node, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(shardwire.ServiceError) as e:
+            shardwire.connect(path).open_stream("d", device=device)
+    finally:
+        done.set()
+        t.join(10)
+    assert e.value.code == "too_many_connections", e.value
+    assert len(accepted) == 1, f"{len(accepted)} connections"

@@ -11,6 +11,8 @@ node: no binary, no socket, no torch needed.
   written out from the old ``_attach_fields`` and the old torch dataset.
 - The torch dataset refuses, as open_stream does, the keywords shard mode would ignore; in a
   DataLoader worker it names the parent's CUDA device and keeps the epoch it loads to itself.
+- An integer keyword takes a numpy integer, a mixture weight a numpy float (sent as int and
+  float); ``rank >= world_size`` and ``worker >= num_workers`` are ValueErrors before sending.
 """
 
 from __future__ import annotations
@@ -356,6 +358,60 @@ def test_bad_values_raise_the_same_value_errors(sent, kw, message):
         http().open_stream({"web": 1, "code": 1})
     with pytest.raises(ValueError, match="idle_timeout must be > 0 seconds, not 0"):
         http().open_stream("d", idle_timeout=0)
+    assert sent == []
+
+
+def test_numpy_integers_and_floats_are_taken_where_numbers_are(sent, monkeypatch: pytest.MonkeyPatch):
+    """A seed drawn with numpy (``rng.integers(2**31)``), ranks from an array, weights computed
+    with numpy: before, each was refused with a message that contradicted itself ("seed must be
+    an integer >= 0, not 1234"). Now they are taken, and sent as JSON's int and float."""
+    import json
+
+    import numpy as np
+
+    kw = {"seed": np.int64(1234), "rank": np.int32(1), "world_size": np.uint16(4), "epochs": np.int8(2),
+          "batch_size": np.int64(8), "shuffle_block": np.uint64(100), "partitions": np.int16(2),
+          "worker": np.int64(1), "num_workers": np.uint8(2), "seq_len": np.int32(16)}
+    mix = {"web": np.float32(0.5), "code": np.float64(0.25), "books": np.int64(1)}
+    want = {"version": 1, "dataset": "", "seed": 1234, "rank": 1, "world_size": 4, "epochs": 2, "uneven": "pad", "state": None,
+            "batch_size": 8, "shuffle_block": 100, "partitions": 2, "worker": 1, "num_workers": 2, "seq_len": 16,
+            "mix": [{"dataset": "web", "weight": 0.5}, {"dataset": "code", "weight": 0.25}, {"dataset": "books", "weight": 1.0}]}
+    client().open_stream(mix, **kw)
+    (req,) = sent
+    body = http_body(mix, **kw)
+    for got in (req, body):
+        assert {k: v for k, v in got.items() if k != "op"} == want
+        assert all(type(got[k]) is int for k in kw), {k: type(got[k]) for k in kw}
+        assert all(type(m["weight"]) is float for m in got["mix"])
+        json.dumps(got)  # a numpy scalar would not encode
+    # A CUDA ordinal too: resolved as the int it is (torch's own check takes no numpy integer).
+    monkeypatch.setattr(_options._device, "resolve", lambda device: f"{type(device).__name__} {device}")
+    assert StreamOptions(device=np.int64(3)).attach_fields("d")["device"] == "int 3"
+    for bad in (np.bool_(True), np.float64(1.0), 1.0):
+        with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+            client().open_stream("d", seed=bad)
+    with pytest.raises(ValueError, match="mix weight of 'web' must be a positive number"):
+        client().open_stream({"web": np.bool_(True)}, batch_size=4)
+    with pytest.raises(ValueError, match="mix weight of 'web' must be a positive number"):
+        client().open_stream({"web": np.float32("nan")}, batch_size=4)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"rank": 8, "world_size": 8}, "rank must be < world_size (ranks are 0 to world_size - 1): rank 8, world_size 8"),
+    ({"rank": 1}, "rank must be < world_size (ranks are 0 to world_size - 1): rank 1, world_size 1"),
+    ({"batch_size": 2, "worker": 2, "num_workers": 2},
+     "worker must be < num_workers (workers are 0 to num_workers - 1): worker 2, num_workers 2"),
+    ({"batch_size": 2, "worker": 1}, "worker 1 needs num_workers > 1 (without it there is one worker, 0)"),
+])
+def test_a_rank_or_worker_out_of_range_is_a_value_error_before_sending(sent, kw, message):
+    """The documented ``0 <= rank < world_size`` (and a worker below num_workers, 1 when not
+    given): before, only the lower bounds were checked here, and these went to the node, which
+    refused them as `bad_plan` (a ServiceError after a connection and an attach), not the
+    documented ValueError with nothing sent."""
+    for fn in (client().open_stream, http().open_stream):
+        with pytest.raises(ValueError) as e:
+            fn("d", **kw)
+        assert str(e.value) == message
     assert sent == []
 
 

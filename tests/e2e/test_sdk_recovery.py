@@ -12,7 +12,10 @@ socketpair (the test plays the node: it reads the requests and writes the replie
 - a connection lost when the stream sends its request ahead of time, after the last batch of a
   group arrived, does not cost that batch: it is handed out (with its resume state), and the
   call after it raises ConnectionClosed;
-- `close()` from another thread wakes a `next` that waits and makes it raise `closed`;
+- `close()` from another thread wakes a `next` that waits and makes it raise `closed`; from a
+  signal handler that strikes as a `next` hands out a batch (nothing waits to be woken), that
+  call returns its batch and the next one raises `closed`, handing out none of the batches
+  that had arrived;
 - a timeout longer than one `poll` can wait, or infinite, waits; NaN is refused;
 - a stream the trainer drops without `close()` closes its connection at once (no reference
   cycle waits for the garbage collector), unless a batch it handed out is still alive; a batch
@@ -311,6 +314,59 @@ def test_close_from_another_thread_wakes_a_waiting_next_which_raises_closed(pair
     assert s.closed
     node.settimeout(5)
     assert node.recv(65536) is not None  # the request came; then the connection closed
+
+
+#: Where a signal handler's close() strikes a `next` that is handing out a batch, and what the
+#: test answers the request sent ahead with: the rest of a group the handler finds built from
+#: answers already here, or the request ahead sent after a group's last batch (its write then
+#: fails on the connection close() shut down).
+HANDLER_STRIKES = {
+    "as a group is built": ((_client.Stream, "_build_ahead"), batch(1, MORE) + batch(2, MORE) + batch(3)),
+    "as the request ahead is sent": ((_wire.Conn, "send_bytes"), batch(1)),
+}
+
+
+@pytest.mark.parametrize("where", list(HANDLER_STRIKES))
+def test_close_from_a_signal_handler_during_a_hand_out_closes_the_stream_at_the_next_call(pair, monkeypatch, where):
+    """A SIGTERM handler calls `close()` (as the README recommends) while `next` hands out a
+    batch that had arrived, not waiting on the socket: close() shuts the connection down and
+    returns at once, and the interrupted call returns its batch. Before, the stream stayed
+    open: the next calls handed out the batches of the group already received (up to 7 more
+    training steps), then raised ConnectionClosed (`connection_closed`, not `closed`); with the
+    request ahead cut off, the next call raised that ConnectionClosed. Now the next call closes
+    the stream and raises `closed`, and the state resumes after the batch returned."""
+    s, node = pair
+    first_batch(s, node)  # batch 0; a next for 8 in flight
+    (owner, name), answer = HANDLER_STRIKES[where]
+    fired: list[bool] = []
+
+    def handler(*_: Any) -> None:
+        s.close()
+        fired.append(True)
+
+    real = getattr(owner, name)
+
+    def strike(*args: Any) -> Any:
+        if not fired:
+            signal.raise_signal(signal.SIGUSR1)  # its handler runs before this returns
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, strike)
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        node.sendall(answer)
+        b1 = s.next(timeout=10)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert fired, "the handler never ran"
+    assert b1.lease == 2 and s.state_dict()["index"] == 2, "the interrupted call returns its batch"
+    with pytest.raises(shardwire.ShardwireError) as e:
+        s.next(timeout=10)
+    assert type(e.value) is shardwire.ShardwireError and e.value.code == "closed", repr(e.value)
+    assert "signal handler" in e.value.message, e.value
+    assert s.closed and b1.released
+    assert s.state_dict()["index"] == 2, "a new stream resumes after the batch returned"
+    assert requests(node) is None, "the connection is closed"
 
 
 def test_very_long_and_infinite_timeouts_wait_and_nan_is_refused(pair):

@@ -147,6 +147,28 @@ pub fn plan(
         .collect()
 }
 
+/// Whether lane `lane` (paired with `nic`, on a node of `lanes` lanes) may be bound on
+/// `asked`, by the rule [`plan`] binds by at start: the single lane of a node takes any NIC
+/// (its data port listens on every NIC its address reaches; start binds `devmem_interface`
+/// whatever the lane is paired with), and with several lanes each binds its own NIC only (a
+/// binding on another would never see the lane's traffic) and needs one.
+pub fn lane_takes(
+    (lane, nic): (u32, Option<&str>),
+    lanes: usize,
+    asked: &str,
+) -> Result<(), BindingError> {
+    match (nic, lanes) {
+        (_, 1) => Ok(()),
+        (Some(nic), _) if nic == asked => Ok(()),
+        (Some(nic), _) => Err(BindingError::NotLanesNic {
+            lane,
+            nic: nic.to_owned(),
+            asked: asked.to_owned(),
+        }),
+        (None, _) => Err(BindingError::LaneWithoutNic { lane }),
+    }
+}
+
 /// The queues of each of `idx` (lanes of `nic`): named ones kept, the others an even split of
 /// the upper half of the NIC's queues not named by any; overlaps refused, and named queues
 /// that include queue 0 (RSS's: [`nic::rss_bound`]).

@@ -118,6 +118,18 @@ pub enum BindingError {
         /// Queues left for them.
         free: Vec<u32>,
     },
+    /// Each binding made for the lane got an id another binding of the node has (one of the
+    /// other kind: the emulator and the kernel number theirs apart), as many times as there
+    /// are such ids.
+    #[error(
+        "the new binding got ids {tried:?}, each one another binding of this node has (ids in use: {taken:?}); delete the bindings of the other kind (emulator or NIC) and try again"
+    )]
+    IdsTaken {
+        /// The ids the new binding got, one per try.
+        tried: Vec<u32>,
+        /// The ids of the node's other bindings.
+        taken: Vec<u32>,
+    },
     /// No binding with that id.
     #[error("no binding {id}")]
     NotFound {
@@ -150,7 +162,7 @@ impl BindingError {
             }
             Self::QueuesOverlap { .. } | Self::TooFewQueues { .. } => ErrorCode::BindFailed,
             Self::Exists { .. } => ErrorCode::BindingExists,
-            Self::Failed { .. } => ErrorCode::BindFailed,
+            Self::Failed { .. } | Self::IdsTaken { .. } => ErrorCode::BindFailed,
         }
     }
 }

@@ -5,42 +5,100 @@
 
 use std::collections::BTreeMap;
 
-/// The CPU the figures are for: model name, family/model, and the flags the receive path's
-/// speed depends on (CRC-32C kernels, string copies), from /proc/cpuinfo; and the L2 size.
+use crate::out::outln;
+
+/// The CPU the figures are for: model, and the flags the receive path's speed depends on
+/// (CRC-32C kernels, string copies), from /proc/cpuinfo; and the L2 size.
 pub fn describe() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    describe_text(&info, cpus, l2_bytes())
+}
+
+/// The flags [`describe`] names where the CPU has them: x86 `flags` (SSE4.2 `crc32`, carry-less
+/// multiply, wide vectors, fast string copies), then arm64 `Features` (`crc32` instructions,
+/// `pmull` and `sha3`'s three-way XOR for folding CRCs, vectors).
+const WANTED_FLAGS: [&str; 14] = [
+    "sse4_2",
+    "pclmulqdq",
+    "avx2",
+    "avx512f",
+    "avx512vl",
+    "vpclmulqdq",
+    "erms",
+    "fsrm",
+    "crc32",
+    "pmull",
+    "sha3",
+    "asimd",
+    "sve",
+    "sve2",
+];
+
+/// [`describe`] of a /proc/cpuinfo text: x86 kernels name the model (`model name`,
+/// `vendor_id`, `cpu family`, `model`, `flags`); arm64 ones give the MIDR fields instead
+/// (`CPU implementer`, `CPU part`, `CPU variant`, `CPU revision`, `Features`).
+fn describe_text(info: &str, cpus: usize, l2: Option<usize>) -> String {
     let field = |name: &str| {
         info.lines()
             .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_else(|| "?".into())
     };
-    let flags = field("flags");
-    let wanted = [
-        "sse4_2",
-        "pclmulqdq",
-        "avx2",
-        "avx512f",
-        "avx512vl",
-        "vpclmulqdq",
-        "erms",
-        "fsrm",
-    ];
-    let have: Vec<&str> = wanted
+    let flags = field("flags")
+        .or_else(|| field("Features"))
+        .unwrap_or_default();
+    let have: Vec<&str> = WANTED_FLAGS
         .iter()
         .copied()
         .filter(|f| flags.split_whitespace().any(|x| x == *f))
         .collect();
-    let l2 = l2_bytes().map_or("?".into(), |b| format!("{} KiB", b >> 10));
+    let l2 = l2.map_or("?".into(), |b| format!("{} KiB", b >> 10));
+    let get = |name: &str| field(name).unwrap_or_else(|| "?".into());
+    let model = match (field("model name"), field("CPU implementer")) {
+        (None, Some(implementer)) => arm_model(&implementer, &get),
+        _ => format!(
+            "{} (vendor {}, family {} model {})",
+            get("model name"),
+            get("vendor_id"),
+            get("cpu family"),
+            get("model")
+        ),
+    };
     format!(
-        "{} (vendor {}, family {} model {}), {} CPUs, L2 {l2} per core, flags {}",
-        field("model name"),
-        field("vendor_id"),
-        field("cpu family"),
-        field("model"),
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "{model}, {cpus} CPUs, L2 {l2} per core, flags {}",
         have.join(" ")
+    )
+}
+
+/// An arm64 core from its MIDR fields, e.g. `Neoverse-V2 (implementer 0x41 Arm, part 0xd4f,
+/// r0p0)`: the cores of the usual server parts by name (`arch/arm64/include/asm/cputype.h`),
+/// any other by its numbers.
+fn arm_model(implementer: &str, get: &dyn Fn(&str) -> String) -> String {
+    let part = get("CPU part");
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    let vendor = match hex(implementer) {
+        Some(0x41) => "Arm",
+        Some(0x4e) => "NVIDIA",
+        Some(0x48) => "HiSilicon",
+        Some(0x51) => "Qualcomm",
+        Some(0x61) => "Apple",
+        Some(0xc0) => "Ampere",
+        _ => "?",
+    };
+    let core = match (hex(implementer), hex(part.as_str())) {
+        (Some(0x41), Some(0xd0c)) => "Neoverse-N1",
+        (Some(0x41), Some(0xd40)) => "Neoverse-V1",
+        (Some(0x41), Some(0xd49)) => "Neoverse-N2",
+        (Some(0x41), Some(0xd4f)) => "Neoverse-V2",
+        (Some(0x41), Some(0xd84)) => "Neoverse-V3",
+        (Some(0x41), Some(0xd8e)) => "Neoverse-N3",
+        _ => "arm64 core",
+    };
+    let variant = hex(get("CPU variant").as_str()).map_or("?".into(), |v| v.to_string());
+    format!(
+        "{core} (implementer {implementer} {vendor}, part {part}, r{variant}p{})",
+        get("CPU revision")
     )
 }
 
@@ -102,7 +160,7 @@ pub fn print_cpu(before: &[Jiffies], after: &[Jiffies]) -> f64 {
     for (i, (b, a)) in before.iter().zip(after).enumerate() {
         let total = a[5].saturating_sub(b[5]).max(1) as f64;
         let pct = |k: usize| a[k].saturating_sub(b[k]) as f64 * 100.0 / total;
-        println!(
+        outln!(
             "  CPU{i:3}: usr:{:5.2}% sys:{:5.2}% idle:{:5.2}% irq:{:5.2}% steal:{:5.2}%",
             pct(0),
             pct(1),
@@ -176,12 +234,12 @@ pub fn print_per_gb(
             continue;
         }
         total += u + s;
-        println!(
+        outln!(
             "  {role:32} usr {u:6.2} s  sys {s:6.2} s  {:6.3} CPU s/GB",
             (u + s) / gb.max(1e-9)
         );
     }
-    println!(
+    outln!(
         "  {:32} {total:.2} CPU s  {:6.3} CPU s/GB",
         "all threads",
         total / gb.max(1e-9)
@@ -200,6 +258,48 @@ mod tests {
         assert_eq!(role("tokio-rt-worker"), "runtime (source + node control)");
         assert_eq!(role("bench-trainer"), "trainer");
         assert_eq!(role("whatever"), "other");
+    }
+
+    /// The start of /proc/cpuinfo on an NVIDIA Grace (Neoverse-V2) host, as printed there.
+    const GRACE: &str = "processor\t: 0
+BogoMIPS\t: 2000.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm sb paca \
+pacg dcpodp sve2 sveaes svepmull svebitperm svesha3 svesm4 flagm2 frint svei8mm svebf16 i8mm \
+bf16 dgh bti
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x0
+CPU part\t: 0xd4f
+CPU revision\t: 0
+
+processor\t: 1
+BogoMIPS\t: 2000.00
+";
+
+    #[test]
+    fn an_arm64_cpu_is_described_from_its_midr_fields_and_features() {
+        // Before: "? (vendor ?, family ? model ?), 72 CPUs, L2 1024 KiB per core, flags ".
+        assert_eq!(
+            describe_text(GRACE, 72, Some(1 << 20)),
+            "Neoverse-V2 (implementer 0x41 Arm, part 0xd4f, r0p0), 72 CPUs, L2 1024 KiB per \
+             core, flags crc32 pmull sha3 asimd sve sve2"
+        );
+        // A part not named here is given by its numbers.
+        let other = describe_text(&GRACE.replace("0xd4f", "0xabc"), 1, None);
+        let want = "arm64 core (implementer 0x41 Arm, part 0xabc, r0p0), 1 CPUs, L2 ? per core";
+        assert!(other.starts_with(want), "{other}");
+    }
+
+    #[test]
+    fn an_x86_cpu_is_described_as_before() {
+        let info = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: \
+                    AMD EPYC 9R14\nflags\t\t: fpu sse4_2 pclmulqdq avx2 vpclmulqdq erms\n";
+        assert_eq!(
+            describe_text(info, 2, Some(1 << 20)),
+            "AMD EPYC 9R14 (vendor AuthenticAMD, family 25 model 17), 2 CPUs, L2 1024 KiB per \
+             core, flags sse4_2 pclmulqdq avx2 vpclmulqdq erms"
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@ use super::BenchArgs;
 use super::cpu;
 use super::report::gbps;
 use crate::demo::Loopback;
+use crate::out::outln;
 
 /// Most lanes `--lanes` takes (loopback addresses 127.0.0.1..=127.0.0.N).
 pub const MAX_LANES: u8 = 16;
@@ -238,10 +239,11 @@ pub fn run(
         .iter()
         .map(|l| l.data_addr.clone())
         .collect();
-    println!("== Source {} -> lanes {}", lb.source_addr, addrs.join(" "));
+    outln!("== Source {} -> lanes {}", lb.source_addr, addrs.join(" "));
     let streams = open_streams(&lb, n)?;
     let placed: Vec<u32> = streams.iter().map(|(l, _)| *l).collect();
-    println!("streams on lanes {placed:?}");
+    outln!("streams on lanes {placed:?}");
+    crate::out::check()?; // its reader gone (`| head`): stop before the measured run
     let (per, t0, t1) = drive(streams, a.seconds, &|| Sample::now(node))?;
     let secs = t1.at.saturating_duration_since(t0.at).as_secs_f64();
     let crc = node.counters().crc_failures.load(Ordering::Relaxed);
@@ -256,7 +258,7 @@ pub fn run(
         })
         .collect();
     for r in &runs {
-        println!(
+        outln!(
             "  lane {}: {:8.3} Gbps delivered to its trainer, {:8.3} Gbps received on its {} data connections",
             r.lane,
             gbps(r.delivered, secs),
@@ -268,7 +270,7 @@ pub fn run(
     let busy = cpu::print_cpu(&t0.cpus, &t1.cpus);
     cpu::print_per_gb(&t0.threads, &t1.threads, total);
     let cores = std::thread::available_parallelism().map_or(0, |c| c.get());
-    println!(
+    outln!(
         "shardwire lanes: {n} lanes, {:.3} Gbps delivered in total ({total} bytes in {secs:.2} s), all CPUs {:.3} busy s/GB, CRC failures: {crc}; {cores} CPUs on this host: lanes share them on loopback",
         gbps(total, secs),
         busy / (total as f64 / 1e9).max(1e-9)

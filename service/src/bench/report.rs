@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use super::crc::{Onward, Way, piece_range};
 use super::{cpu, tcp};
+use crate::out::outln;
 
 /// What one run measured: goodput, CPU seconds per GB over this process's threads (user +
 /// system) and over all CPUs (busy time, softirq included).
@@ -36,9 +37,12 @@ fn median(mut v: Vec<f64>) -> (f64, Vec<f64>) {
 pub(super) fn node_ratio(io_uring: bool, sw: &Run, other: &Run) -> (f64, f64) {
     let (on, off) = if io_uring { (sw, other) } else { (other, sw) };
     let r = (on.gbps / off.gbps, on.cpu_per_gb / off.cpu_per_gb);
-    println!(
+    outln!(
         "ratio shardwire io_uring/recv: {:.3} ({:.3} / {:.3} Gbps), CPU s/GB (threads) {:.3}",
-        r.0, on.gbps, off.gbps, r.1
+        r.0,
+        on.gbps,
+        off.gbps,
+        r.1
     );
     r
 }
@@ -53,7 +57,7 @@ pub(super) fn compare_tcp(
 ) -> anyhow::Result<[f64; 4]> {
     let hot = run_plain(plain(None, tcp::Recv::Read), files)?;
     let placed = run_plain(plain(Some(region), tcp::Recv::Read), files)?;
-    println!(
+    outln!(
         "ratio shardwire/tcp: {:.3} ({:.3} / {:.3} Gbps); shardwire/tcp-region: {:.3} ({:.3} Gbps); CPU s/GB shardwire/tcp: threads {:.2} ({:.3} / {:.3}), all CPUs {:.2} ({:.3} / {:.3})",
         sw.gbps / hot.gbps,
         sw.gbps,
@@ -88,7 +92,7 @@ pub(super) fn print_tcp_medians(ratios: &[[f64; 4]]) {
     for (k, label) in labels.iter().enumerate() {
         let (m, sorted) = median(ratios.iter().map(|r| r[k]).collect());
         let list: Vec<String> = sorted.iter().map(|r| format!("{r:.3}")).collect();
-        println!("{label}: {m:.3} (sorted: {})", list.join(" "));
+        outln!("{label}: {m:.3} (sorted: {})", list.join(" "));
     }
 }
 
@@ -103,6 +107,7 @@ fn run_checked(
     files: &[std::path::PathBuf],
     check: &Arc<tcp::CrcCheck>,
 ) -> anyhow::Result<Run> {
+    crate::out::check()?; // its reader gone (`| head`): stop before the measured run
     let mut samples = Vec::new();
     let m = tcp::run(r, files, check, || {
         samples.push((cpu::cpu_times(), cpu::thread_times()))
@@ -110,11 +115,11 @@ fn run_checked(
     let [(c0, t0), (c1, t1)] =
         <[_; 2]>::try_from(samples).map_err(|_| anyhow::anyhow!("two CPU samples"))?;
     match r.region {
-        None => println!(
+        None => outln!(
             "== plain TCP, same flows and threads (sendfile -> {} into one hot buffer, no CRC, no trainer)",
             r.recv.label()
         ),
-        Some(b) => println!(
+        Some(b) => outln!(
             "== plain TCP ({}) into a rotating region of {b} bytes (shard-sized slots in turn, as the stream's region)",
             r.recv.label()
         ),
@@ -128,9 +133,10 @@ fn run_checked(
         (Some(_), tcp::Recv::Read) => "tcp-region".to_string(),
         (_, recv) => format!("tcp-{}", recv.label()),
     };
-    println!(
+    outln!(
         "{name}: {g:.3} Gbps ({} bytes in {:.2} s), all CPUs {all_per_gb:.3} busy s/GB",
-        m.bytes, m.secs
+        m.bytes,
+        m.secs
     );
     Ok(Run {
         gbps: g,
@@ -177,7 +183,7 @@ pub(super) fn compare_uring(
             )
         })
         .collect();
-    println!(
+    outln!(
         "ratio to node-recv ({:.3} Gbps, {:.3} s/GB): {}",
         base.gbps,
         base.cpu_per_gb,
@@ -201,7 +207,7 @@ pub(super) fn print_uring_medians(rows: &[Vec<(f64, f64)>]) {
         let k = if k == 0 { 0 } else { k + 1 };
         let (goodput, _) = median(rows.iter().map(|r| r[k].0).collect());
         let (cpu, _) = median(rows.iter().map(|r| r[k].1).collect());
-        println!(
+        outln!(
             "median {label} over {} rounds: goodput {goodput:.3}, CPU s/GB (threads) {cpu:.3}",
             rows.len()
         );
@@ -255,7 +261,7 @@ pub(super) fn compare_crc(
         });
         let r = run_checked(plain(Some(region), tcp::Recv::Crc(way)), files, &check)?;
         let s = &check.stats;
-        println!(
+        outln!(
             "  {}: {} shards checked, {} CRC failures, median piece checksummed {}",
             way.label(),
             s.checked.load(Ordering::Relaxed),
@@ -283,7 +289,7 @@ pub(super) fn compare_crc(
             format!("{} {g:.3} ({:.3} Gbps, CPU s/GB {c:.2})", w.label(), r.gbps)
         })
         .collect();
-    println!(
+    outln!(
         "ratio to {} ({:.3} Gbps, {:.3} s/GB): {}",
         ways[0].label(),
         base.gbps,
@@ -321,7 +327,7 @@ pub(super) fn print_crc_medians(rows: &[Vec<(f64, f64)>], ways: &[Way]) {
     for (k, way) in ways.iter().enumerate().skip(1) {
         let (goodput, _) = median(rows.iter().map(|r| r[k].0).collect());
         let (cpu, _) = median(rows.iter().map(|r| r[k].1).collect());
-        println!(
+        outln!(
             "median {}/{} over {} rounds: goodput {goodput:.3}, CPU s/GB (threads) {cpu:.3}",
             way.label(),
             ways[0].label(),

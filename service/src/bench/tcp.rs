@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use shardwire_devmem::uring::bench::{Buffers, MultishotRecv, Received, RecvInto};
 use shardwire_node::bench::{PayloadRead, Plain, RCVLOWAT};
 
@@ -135,7 +136,7 @@ fn per_flow_rate(rate: u64, flows: u16) -> u64 {
 
 fn sender(
     sock: TcpStream,
-    files: Vec<std::fs::File>,
+    files: Arc<[std::fs::File]>,
     first: usize,
     r: TcpRun,
     stop: Arc<AtomicBool>,
@@ -313,31 +314,24 @@ pub fn run(
     check: &Arc<CrcCheck>,
     mut sample: impl FnMut(),
 ) -> anyhow::Result<Measured> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
+    // Opened once for every sender: `sendfile` with an explicit offset leaves a file's position
+    // alone, so the flows share them (a set per flow took flows x shards fds: EMFILE).
+    let opened: Arc<[std::fs::File]> = files
+        .iter()
+        .map(std::fs::File::open)
+        .collect::<Result<Vec<_>, _>>()?
+        .into();
     let stop = Arc::new(AtomicBool::new(false));
     let received = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
-    for f in 0..r.flows {
-        let files: Vec<std::fs::File> = files
-            .iter()
-            .map(std::fs::File::open)
-            .collect::<Result<_, _>>()?;
-        let sock = TcpStream::connect(addr)?;
-        let st = Arc::clone(&stop);
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("tcp-send-{f}"))
-                .spawn(move || sender(sock, files, f as usize, r, st))?,
-        );
-        let (conn, _) = listener.accept()?;
-        let (st, rx) = (Arc::clone(&stop), Arc::clone(&received));
-        let flow = (f as usize, Arc::clone(check));
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("tcp-recv-{f}"))
-                .spawn(move || receiver(conn, r, flow, st, rx))?,
-        );
+    let flows = (&opened, check, &stop, &received);
+    if let Err(e) = start_flows(r, flows, &mut threads) {
+        // The flows started so far end as at the stop (their listener is closed by now).
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            let _ = t.join();
+        }
+        return Err(e);
     }
     std::thread::sleep(Duration::from_millis(300));
     let r0 = received.load(Ordering::Relaxed);
@@ -372,6 +366,46 @@ pub fn run(
     Ok(Measured { bytes, secs })
 }
 
+/// What the threads of a plain-TCP run share: the shard files, the CRC check, the stop and
+/// the count of bytes received.
+type Shared<'a> = (
+    &'a Arc<[std::fs::File]>,
+    &'a Arc<CrcCheck>,
+    &'a Arc<AtomicBool>,
+    &'a Arc<AtomicU64>,
+);
+
+/// Starts `r.flows` sender and receiver threads over loopback, pushing each onto `threads`.
+fn start_flows(
+    r: TcpRun,
+    (files, check, stop, received): Shared<'_>,
+    threads: &mut Vec<std::thread::JoinHandle<std::io::Result<()>>>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    for f in 0..r.flows {
+        let start = |what: &str| format!("starting plain TCP flow {f} ({what})");
+        let sock = TcpStream::connect(addr).with_context(|| start("connect"))?;
+        let (files, st) = (Arc::clone(files), Arc::clone(stop));
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("tcp-send-{f}"))
+                .spawn(move || sender(sock, files, f as usize, r, st))
+                .with_context(|| start("sender thread"))?,
+        );
+        let (conn, _) = listener.accept().with_context(|| start("accept"))?;
+        let (st, rx) = (Arc::clone(stop), Arc::clone(received));
+        let flow = (f as usize, Arc::clone(check));
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("tcp-recv-{f}"))
+                .spawn(move || receiver(conn, r, flow, st, rx))
+                .with_context(|| start("receiver thread"))?,
+        );
+    }
+    Ok(())
+}
+
 /// Whether `e` is what a sender sees once its receiver has closed the connection.
 fn closed_by_peer(e: &std::io::Error) -> bool {
     matches!(
@@ -383,6 +417,45 @@ fn closed_by_peer(e: &std::io::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// This process's open fds on files under `dir`.
+    fn fds_under(dir: &std::path::Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.starts_with(dir)))
+            .count()
+    }
+
+    #[test]
+    fn the_senders_share_one_open_file_per_shard() {
+        // Before: every flow opened every shard, flows x shards fds (at --flows 16 of 64
+        // shards, EMFILE under a soft limit of 1024): 12 here.
+        let dir = std::env::temp_dir().join(format!("sw-tcp-fds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let dir = dir.canonicalize().unwrap();
+        let shard = 64usize << 10;
+        let files: Vec<_> = (0..3u8)
+            .map(|i| {
+                let p = dir.join(format!("s{i}.bin"));
+                std::fs::write(&p, vec![i; shard]).unwrap();
+                p
+            })
+            .collect();
+        let r = TcpRun {
+            flows: 4,
+            shard,
+            region: None,
+            recv: Recv::Read,
+            rate: 8 << 20, // paced: light on a small machine
+            seconds: 1,
+        };
+        let mut open = Vec::new();
+        let m = run(r, &files, &Arc::default(), || open.push(fds_under(&dir)));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(m.unwrap().bytes > 0);
+        assert_eq!(open, [3, 3]);
+    }
 
     #[test]
     fn a_rate_below_the_flow_count_still_paces_each_flow() {

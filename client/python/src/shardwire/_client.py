@@ -490,7 +490,7 @@ def _map_host(fd: int, size: int) -> mmap.mmap:
 
 def _info(conn: _wire.Conn) -> dict[str, Any]:
     """The node's ``info`` answer on `conn` (ServiceError if it refuses)."""
-    conn.send({"op": "info"})
+    _send_unattached(conn, {"op": "info"})
     conn.await_reply(_wire.REPLY_LIMIT, "info")
     msg, _ = conn.recv()
     if msg.get("op") == "error":
@@ -505,18 +505,49 @@ def _info(conn: _wire.Conn) -> dict[str, Any]:
     return {"memory": str(msg["memory"]), "lanes": list(lanes)}
 
 
+#: The error a node older than ``info`` answers it with (an op it does not know makes a
+#: malformed request), before it closes the connection.
+_OLD_NODE = "bad_request"
+
+
+def _send_unattached(conn: _wire.Conn, req: dict[str, Any]) -> None:
+    """Sends `req` (``info``, ``attach``) on `conn`, a connection with no stream yet. A node
+    that refuses a new connection (``too_many_connections``, ``forbidden``), or closes one that
+    did not attach in time (``timeout``), sends its error and closes it, so the send may fail
+    (EPIPE) with that error already here: it is what raises (a ServiceError), not the broken
+    pipe."""
+    try:
+        conn.send(req)
+    except ConnectionClosed:
+        if _wire.readable(conn.sock, 0):
+            try:
+                msg, _ = conn.recv()
+            except ShardwireError:
+                msg = {}
+            if msg.get("op") == "error":
+                raise _service_error(msg) from None
+        raise
+
+
 def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
     """``device="auto"``: asks the node what it serves on `conn`; when it serves CUDA memory,
-    the current CUDA device's bus id. A node too old for ``info`` drops the connection: then a
-    new one, and no device. The connection to attach on is returned."""
+    the current CUDA device's bus id. A node too old for ``info`` answers it with
+    ``bad_request`` and closes the connection: then a new one, and no device. Any other error
+    raises as it came: a refusal the node sends on a new connection in place of any answer
+    (``too_many_connections``, ``forbidden``), its ``timeout``, a connection that ended with no
+    answer (`Stream._open` tries those two once more, asking ``info`` again), or none in time.
+    Attaching without the device then would put the stream on another GPU's lane. The
+    connection to attach on is returned."""
     try:
         info = _info(conn)
-    except _wire.NoAnswer:
+    except ServiceError as e:
         conn.close()
-        raise  # a stuck node, not an old one: no fallback
-    except (ServiceError, ConnectionClosed):
-        conn.close()
+        if e.code != _OLD_NODE:
+            raise
         return _wire.Conn(_connect(path)), None
+    except BaseException:
+        conn.close()  # a stuck node (NoAnswer) or one gone is not an old one: no fallback
+        raise
     if info["memory"] != "cuda":
         return conn, None
     device = _device.current()
@@ -531,6 +562,16 @@ def _auto_device(conn: _wire.Conn, path: str) -> tuple[_wire.Conn, str | None]:
 
 class _AttachLate(Exception):
     """The node closed a connection before its attach arrived (`Stream._open`)."""
+
+
+def _closed_unattached(e: ServiceError | ConnectionClosed) -> bool:
+    """Whether `e`, raised before the attach was sent, says the node closed the connection
+    for being late (its ``timeout``) or with no answer: then the attach may go again on a new
+    connection. Not a refusal (``too_many_connections``, ...), nor a node that did not answer
+    (``_wire.NoAnswer``: stuck, not closed)."""
+    if isinstance(e, ServiceError):
+        return e.code == "timeout"
+    return not isinstance(e, _wire.NoAnswer)
 
 
 def _service_error(msg: Mapping[str, Any]) -> ServiceError:
@@ -686,19 +727,20 @@ class Stream(_StreamBase[Batch]):
     @classmethod
     def _open_once(cls, path: str, req: dict[str, Any], auto_device: bool, late_ok: bool) -> Stream:
         """Connects, attaches and maps the stream's region. With `late_ok`, a node that closed
-        the connection before the attach (the send fails, or the answer is its ``timeout``
-        error: the only one it gives before an attach) raises `_AttachLate`."""
+        the connection before the attach (a send fails, or the answer is its ``timeout``
+        error: the only one it gives an unattached connection it accepted) raises
+        `_AttachLate`."""
         conn = _wire.Conn(_connect(path))
         fds: list[int] = []
         try:
-            if auto_device:
-                conn, device = _auto_device(conn, path)
-                if device is not None:
-                    req = {**req, "device": device}
             try:
-                conn.send(req)
-            except ConnectionClosed as e:
-                if late_ok:
+                if auto_device:
+                    conn, device = _auto_device(conn, path)
+                    if device is not None:
+                        req = {**req, "device": device}
+                _send_unattached(conn, req)
+            except (ServiceError, ConnectionClosed) as e:
+                if late_ok and _closed_unattached(e):
                     raise _AttachLate from e
                 raise
             conn.await_reply(_wire.ATTACH_LIMIT, "attach")
@@ -747,6 +789,8 @@ class Stream(_StreamBase[Batch]):
         try:
             self._post(req, data)
         except ConnectionClosed as e:
+            if self._interrupted:  # close() shut the connection down: not a lost one
+                raise self._closed_meanwhile() from e
             self._broken(f"{_LOST}: {e}")
             raise
 
@@ -833,8 +877,9 @@ class Stream(_StreamBase[Batch]):
             pass
 
     def _closed_meanwhile(self) -> ShardwireError:
-        """The error of a call woken by :meth:`close` from another thread (the stream is
-        closed here too)."""
+        """The error of a call woken by :meth:`close` from another thread or a signal handler,
+        or that finds it came (the stream is closed here too; the connection is shut down
+        already, so the node is not told)."""
         self._broken(_WOKEN)
         return self._woken()
 
@@ -1320,6 +1365,10 @@ class Stream(_StreamBase[Batch]):
     def _release_locked(self, batch: Batch) -> None:
         if batch._released:
             return
+        if self._interrupted and not self._closed:
+            # close() from a signal handler shut the connection down as a call handed a batch
+            # out: closed now, as the next call would (the connection's end releases the lease).
+            self._closed_meanwhile()
         if not self._closed:
             # What can fail goes before the batch is marked: an error answer to an earlier
             # release, the GPU's wait (it would leave the lease marked and never sent).

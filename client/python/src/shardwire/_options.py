@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
@@ -205,9 +208,10 @@ class StreamOptions:
         it): ``"cuda:3"`` or ``3`` (an ordinal of this process), a PCI bus id
         (``"0000:19:00.0"``) or a GPU UUID (``"GPU-..."``). ``"auto"`` (default): when the node
         serves CUDA memory, this process's current CUDA device (torch's when torch is imported,
-        else cuda-python's); otherwise none. None: no GPU; the node picks its least loaded
-        lane. A GPU the node does not serve is refused (``ServiceError`` code
-        ``"unknown_device"``, naming it and the node's GPUs).
+        else cuda-python's); otherwise none (and none for a node too old to say, which answers
+        ``info`` with ``bad_request``; any other refusal raises as the node sent it). None: no
+        GPU; the node picks its least loaded lane. A GPU the node does not serve is refused
+        (``ServiceError`` code ``"unknown_device"``, naming it and the node's GPUs).
         """,
     )
 
@@ -244,24 +248,24 @@ class StreamOptions:
         as null), every other field only when it is not its default (None, False, ``device``
         ``"auto"``: the caller fills it, it needs the node's memory kind).
 
+        An integer keyword takes any integer (an ``int``, a numpy integer, any
+        ``numbers.Integral``; not a bool), sent as an ``int``.
+
         Raises:
-            ValueError: a value out of range, or a keyword without the one it needs (nothing
-                is sent); the message names them.
+            ValueError: a value out of range (``rank >= world_size``, ``worker >= num_workers``
+                included), or a keyword without the one it needs (nothing is sent); the
+                message names them.
         """
         if self.uneven not in ("pad", "drop"):
             raise ValueError(f"uneven must be 'pad' or 'drop', not {self.uneven!r}")
+        fields: dict[str, Any] = {"version": _wire.VERSION, "dataset": "" if isinstance(dataset, Mapping) else str(dataset)}
         for name, lo in (("seed", 0), ("rank", 0), ("world_size", 1), ("epochs", 1)):
-            _int_at_least(name, getattr(self, name), lo)
-        fields: dict[str, Any] = {
-            "version": _wire.VERSION,
-            "dataset": "" if isinstance(dataset, Mapping) else str(dataset),
-            "seed": self.seed,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "epochs": self.epochs,
-            "uneven": self.uneven,
-            "state": dict(self.state) if self.state is not None else None,
-        }
+            fields[name] = _int_at_least(name, getattr(self, name), lo)
+        if fields["rank"] >= fields["world_size"]:
+            raise ValueError(f"rank must be < world_size (ranks are 0 to world_size - 1): rank {fields['rank']}, "
+                             f"world_size {fields['world_size']}")
+        fields["uneven"] = self.uneven
+        fields["state"] = dict(self.state) if self.state is not None else None
         for name, lo in (("batch_size", 1), ("shuffle_block", 1), ("partitions", 1), ("worker", 0), ("num_workers", 1), ("seq_len", 1)):
             v = getattr(self, name)
             if v is not None:
@@ -273,7 +277,7 @@ class StreamOptions:
         if self.drop_last:
             fields["drop_last"] = True
         if self.device is not None and self.device != _device.AUTO:
-            fields["device"] = _device.resolve(self.device)
+            fields["device"] = _device.resolve(_as_int(self.device) if _is_int(self.device) else self.device)
         self._token_fields(fields)
         if isinstance(dataset, Mapping):
             fields["mix"] = _mix_entries(dataset)
@@ -288,6 +292,7 @@ class StreamOptions:
                 if "worker" in given or "num_workers" in given:
                     hint = "; in shard mode give each DataLoader worker its own rank (shardwire.torch.effective_rank)"
                 raise ValueError(f"{', '.join(given)} need batch_size (batch mode){hint}")
+        _check_worker(fields)
         return fields
 
     def _token_fields(self, fields: dict[str, Any]) -> None:
@@ -313,21 +318,48 @@ class StreamOptions:
             raise ValueError("seq_len needs batch_size: token windows are delivered in batches")
 
 
+def _is_int(v: Any) -> bool:
+    """Whether `v` is an integer: an int, a numpy integer, any ``numbers.Integral``; not a
+    bool (numpy's ``bool_`` is no Integral)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _as_int(v: Any) -> int:
+    """The int of integer `v` (see `_is_int`): what JSON encodes (a numpy integer it refuses)."""
+    return int(operator.index(v))
+
+
 def _int_at_least(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    """`v` as an int, if it is an integer (see `_is_int`) >= `lo`; else ValueError naming it."""
+    if not _is_int(v) or _as_int(v) < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
-    return v
+    return _as_int(v)
+
+
+def _check_worker(fields: Mapping[str, Any]) -> None:
+    """ValueError unless ``worker < num_workers`` (a worker given alone is one of 1)."""
+    worker, of = fields.get("worker", 0), fields.get("num_workers")
+    if worker >= (1 if of is None else of):
+        if of is None:
+            raise ValueError(f"worker {worker} needs num_workers > {worker} (without it there is one worker, 0)")
+        raise ValueError(f"worker must be < num_workers (workers are 0 to num_workers - 1): worker {worker}, num_workers {of}")
 
 
 def _mix_entries(mix: Mapping[str, float]) -> list[dict[str, Any]]:
-    """The ``mix`` field of a mapping of dataset names to weights (positive numbers)."""
+    """The ``mix`` field of a mapping of dataset names to weights: positive, finite real
+    numbers (int, float, a numpy scalar, any ``numbers.Real``; not a bool), sent as floats."""
     if not mix:
         raise ValueError("a mixture needs at least one dataset")
     out = []
     for name, w in mix.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w != w or w == float("inf"):
+        real = isinstance(w, numbers.Real) and not isinstance(w, bool)
+        try:
+            weight = float(w) if real else math.nan
+        except OverflowError:  # an int or Fraction beyond float's range
+            weight = math.inf
+        if not 0 < weight < math.inf:
             raise ValueError(f"mix weight of {name!r} must be a positive number, not {w!r}")
-        out.append({"dataset": str(name), "weight": float(w)})
+        out.append({"dataset": str(name), "weight": weight})
     return out
 
 

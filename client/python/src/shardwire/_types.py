@@ -252,8 +252,8 @@ class _BatchBase(ArrowExport, Mapping[str, np.ndarray]):
         self.release()
 
 
-#: Why a call woken by close() from another thread ended (see `_StreamBase._woken`).
-_WOKEN = "closed by close() from another thread"
+#: Why a call woken by close() from another thread or a signal handler ended (`_woken`).
+_WOKEN = "closed by close() from another thread or a signal handler"
 
 
 class _OwnedLock:
@@ -455,6 +455,11 @@ class _StreamBase(Generic[_BatchT]):
     def _next_locked(self, timeout: float | None) -> _BatchT | None:
         """`_next` with the lock held."""
         self._check_open()
+        if self._interrupted:
+            # A close() from a signal handler that struck this thread's last call as it was
+            # handing a batch out (not waiting, so nothing woke): that call returned its batch,
+            # this one closes the stream and hands out none of those already here.
+            raise self._closed_meanwhile()
         if self._ended:
             self._after_end()
             return None
@@ -545,7 +550,9 @@ class _StreamBase(Generic[_BatchT]):
         waits on the stream (a watchdog's close): that call is woken at once and raises
         ``closed``. From a signal handler that interrupted a call of this stream in its own
         thread (a SIGTERM handler while ``next`` waits), it wakes that call and returns at once;
-        the woken call closes the stream and raises ``closed``. In a process forked after the
+        the woken call closes the stream and raises ``closed`` (a call it struck as it handed
+        out a batch that had arrived returns that batch, and the next call closes the stream
+        and raises ``closed``). In a process forked after the
         open it lets go of this process's copy of the connection only: telling the service
         would end the parent's stream.
 
@@ -596,8 +603,17 @@ class _StreamBase(Generic[_BatchT]):
         Nothing by default."""
 
     def _woken(self) -> ShardwireError:
-        """The error a call raises when :meth:`close` from another thread woke it."""
+        """The error a call raises when :meth:`close` from another thread or a signal handler
+        woke it, or came while it held the lock."""
         return ShardwireError("closed", f"stream {self.info.stream}: {_WOKEN}")
+
+    def _closed_meanwhile(self) -> ShardwireError:
+        """Closes the stream for a :meth:`close` from another thread or a signal handler that
+        found the lock held (lock held now), and returns the error of the call that finds it
+        so: ``closed``, saying so."""
+        self._closed_why = _WOKEN
+        self._close_locked()
+        return self._woken()
 
     def _close_locked(self, notify: bool = True) -> None:
         if self._shut_down:

@@ -222,6 +222,27 @@ fn a_lane_without_a_nic_is_refused_only_beside_others() {
     assert_eq!(p[0].nic.name, "eth0");
 }
 
+/// The admin API binds a NIC by start's rule. The single lane of a node takes any NIC, as
+/// start binds `devmem_interface` whatever the lane is paired with: before, a binding that
+/// start made and the operator deleted could not be made again over the API ("lane 0
+/// receives through eth0, not eth1"). With several lanes each takes its own NIC only.
+#[test]
+fn a_lane_takes_the_nics_start_would_bind_it_on() {
+    assert!(lane_takes((0, Some("eth0")), 1, "eth1").is_ok());
+    assert!(lane_takes((0, None), 1, "eth1").is_ok());
+    assert!(lane_takes((1, Some("eth1")), 2, "eth1").is_ok());
+    let e = lane_takes((1, Some("eth1")), 2, "eth0").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "lane 1 receives through eth1, not eth0: bind eth1's queues for it (or name the lane \
+         whose NIC eth0 is)"
+    );
+    assert!(matches!(
+        lane_takes((1, None), 2, "eth0"),
+        Err(BindingError::LaneWithoutNic { lane: 1 })
+    ));
+}
+
 #[test]
 fn each_nic_has_its_own_journal_beside_the_configured_one() {
     let base = Path::new("/var/lib/shardwire/nic-state.json");
