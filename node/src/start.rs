@@ -116,12 +116,15 @@ impl NodeHandle {
 
     /// Drains: refuses new streams at once, waits up to `timeout` from now for open streams to
     /// finish (their trainers disconnect), then shuts down. Returns the number of streams
-    /// still open. Not through the control queue: an admin change ahead there (a binding
-    /// delete waiting `drain_timeout_secs` for its readers) kept admitting streams and pushed
-    /// the deadline out, past what the deploy's grace period allows for.
+    /// still open. New streams are refused before the control queue is reached: an admin
+    /// change ahead there (a binding delete waiting `drain_timeout_secs` for its readers)
+    /// kept admitting streams and pushed the deadline out. The drain itself still goes
+    /// through the queue, so the shutdown after it never cuts short a change under way (a
+    /// delete dropped mid-wait left its NIC unrestored).
     pub async fn drain(&self, timeout: Duration) -> usize {
         let deadline = tokio::time::Instant::now() + timeout;
         self.node.start_draining();
+        let _ = self.node.control(crate::control::Control::Drain).await;
         loop {
             let open = self.node.streams().len();
             if open == 0 || tokio::time::Instant::now() >= deadline {
@@ -552,10 +555,10 @@ mod tests {
     /// A drain refuses new streams at once and counts its deadline from its call, even while
     /// an admin change is under way: here a binding delete that waits (`drain_timeout_secs`,
     /// 30 s) for a data connection still reading from the binding. Before, the drain was a
-    /// control message queued behind that delete: streams were admitted and the deadline
-    /// began only once the delete was done.
+    /// control message queued behind that delete: streams were admitted until the delete was
+    /// done. The drain still ends only after the delete (a shutdown must not cut it short).
     #[tokio::test]
-    async fn a_drain_does_not_wait_behind_an_admin_change() {
+    async fn a_drain_refuses_streams_at_once_and_ends_after_an_admin_change() {
         use crate::control::{BindingSpec, Control, Reply};
         let dir = std::env::temp_dir().join(format!("sw-drain-{}", std::process::id()));
         let cfg = ServeConfig {
@@ -586,14 +589,21 @@ mod tests {
             "the delete is under way"
         );
         let drain = h.drain(Duration::from_millis(100));
-        let open = tokio::time::timeout(Duration::from_secs(5), drain).await;
-        assert_eq!(open.ok(), Some(0), "the drain ended at its own deadline");
-        assert!(h.node.readiness().3, "draining");
+        tokio::pin!(drain);
+        let waited = tokio::time::timeout(Duration::from_millis(500), &mut drain).await;
+        assert!(waited.is_err(), "the drain waits for the delete under way");
+        assert!(h.node.readiness().3, "draining at once");
         assert!(
             !delete.is_finished(),
             "the delete still waits for its reader"
         );
         drop(reader);
+        let open = tokio::time::timeout(Duration::from_secs(5), drain).await;
+        assert_eq!(
+            open.ok(),
+            Some(0),
+            "the drain ended once the delete was done"
+        );
         let deleted = delete.await.expect("the delete task does not panic");
         assert!(matches!(deleted, Ok(Reply::Deleted { .. })), "{deleted:?}");
         let _ = std::fs::remove_dir_all(&dir);

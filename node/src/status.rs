@@ -28,7 +28,7 @@ pub struct Mode {
 pub struct BindingStatus {
     /// Its lane.
     pub lane: u32,
-    /// Binding id (the dma-buf id its frags carry; unique on the host).
+    /// Binding id (the dma-buf id its frags carry; unique among the node's bindings).
     pub binding: u32,
     /// Emulated or kernel.
     pub kind: BindingKind,

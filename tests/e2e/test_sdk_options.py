@@ -337,6 +337,9 @@ def test_one_worker_of_one_needs_no_batch_mode(sent):
     ({"world_size": True}, "world_size must be an integer >= 1, not True"),
     ({"batch_size": 0}, "batch_size must be an integer >= 1, not 0"),
     ({"batch_size": 2, "worker": -1}, "worker must be an integer >= 0, not -1"),
+    # Before: sent, and the node, which cannot decode the request, dropped the connection.
+    ({"seed": 2**64}, "seed must be below 2**64 (its field in the attach request), not 18446744073709551616"),
+    ({"world_size": 2**32}, "world_size must be below 2**32 (its field in the attach request), not 4294967296"),
     ({"batch_size": 2, "shuffle": "rows"}, "shuffle must be 'none', 'shards' or 'block', not 'rows'"),
     ({"shuffle": "none", "drop_last": True}, "shuffle, drop_last need batch_size (batch mode)"),
     # Before: accepted, and ignored by the node: every worker got the rank's whole stream.

@@ -329,10 +329,20 @@ def _as_int(v: Any) -> int:
     return int(operator.index(v))
 
 
+#: The wire's width of each integer keyword (the node's attach request): 64-bit unsigned for
+#: these, 32-bit for the rest. A larger value is refused here, not by the node (which drops
+#: the connection on a request it cannot decode).
+_U64 = frozenset({"seed", "shuffle_block", "seq_len"})
+
+
 def _int_at_least(name: str, v: Any, lo: int) -> int:
-    """`v` as an int, if it is an integer (see `_is_int`) >= `lo`; else ValueError naming it."""
+    """`v` as an int, if it is an integer (see `_is_int`) >= `lo` and within its field's
+    width on the wire; else ValueError naming it."""
+    bits = 64 if name in _U64 else 32
     if not _is_int(v) or _as_int(v) < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, not {v!r}")
+    if _as_int(v) >= 1 << bits:
+        raise ValueError(f"{name} must be below 2**{bits} (its field in the attach request), not {v!r}")
     return _as_int(v)
 
 
