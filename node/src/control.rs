@@ -91,6 +91,12 @@ pub enum ControlError {
     /// The node is shutting down: no task takes changes any more.
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// A binding change asked for (or reached in the queue) once the node began draining:
+    /// the shutdown must not cut one short, and the drain must not wait for new ones.
+    #[error(
+        "the node is draining: binding changes are refused until it restarts (one under way when the drain began finishes first)"
+    )]
+    Draining,
 }
 
 impl ControlError {
@@ -99,7 +105,7 @@ impl ControlError {
         match self {
             Self::Binding(e) => e.code(),
             Self::NoStream(_) => ErrorCode::NotFound,
-            Self::ShuttingDown => ErrorCode::Draining,
+            Self::ShuttingDown | Self::Draining => ErrorCode::Draining,
         }
     }
 }

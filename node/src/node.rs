@@ -429,8 +429,9 @@ impl Node {
 
     // --- admin -------------------------------------------------------------------------
 
-    /// Refuses new streams from now on (`/readyz` says draining); the streams still open.
-    /// Direct, not a control message: a drain does not wait behind admin changes.
+    /// Refuses new streams from now on (`/readyz` says draining), and binding changes the
+    /// control task has not begun; the streams still open. Direct, not a control message:
+    /// new streams are refused at once, even behind an admin change under way.
     pub(crate) fn start_draining(&self) -> usize {
         self.admission.start_draining()
     }
@@ -446,6 +447,10 @@ impl Node {
 
     /// Applies one admin change (the control task calls this, one at a time).
     pub(crate) async fn apply(self: &Arc<Self>, c: Control) -> Result<Reply, ControlError> {
+        let binding_change = matches!(c, Control::CreateBinding(_) | Control::DeleteBinding { .. });
+        if binding_change && self.admission.draining() {
+            return Err(ControlError::Draining);
+        }
         match c {
             Control::CreateBinding(spec) => Ok(Reply::Binding(self.create_binding(spec).await?)),
             Control::DeleteBinding { id } => self.delete_binding(&id).await,

@@ -114,13 +114,14 @@ impl NodeHandle {
         self.shutdown.subscribe()
     }
 
-    /// Drains: refuses new streams at once, waits up to `timeout` from now for open streams to
-    /// finish (their trainers disconnect), then shuts down. Returns the number of streams
-    /// still open. New streams are refused before the control queue is reached: an admin
-    /// change ahead there (a binding delete waiting `drain_timeout_secs` for its readers)
-    /// kept admitting streams and pushed the deadline out. The drain itself still goes
-    /// through the queue, so the shutdown after it never cuts short a change under way (a
-    /// delete dropped mid-wait left its NIC unrestored).
+    /// Drains: refuses new streams (and binding changes not begun) at once, waits up to
+    /// `timeout` from now for open streams to finish (their trainers disconnect), then shuts
+    /// down. Returns the number of streams still open. New streams are refused before the
+    /// control queue is reached: an admin change ahead there (a binding delete waiting
+    /// `drain_timeout_secs` for its readers) kept admitting streams and pushed the deadline
+    /// out. The drain itself still goes through the queue, so the shutdown after it never
+    /// cuts short the one change under way (a delete dropped mid-wait left its NIC
+    /// unrestored): the return can come that change's length past `timeout`.
     pub async fn drain(&self, timeout: Duration) -> usize {
         let deadline = tokio::time::Instant::now() + timeout;
         self.node.start_draining();
@@ -593,6 +594,16 @@ mod tests {
         let waited = tokio::time::timeout(Duration::from_millis(500), &mut drain).await;
         assert!(waited.is_err(), "the drain waits for the delete under way");
         assert!(h.node.readiness().3, "draining at once");
+        // A binding change behind the one under way is refused once reached, not made (the
+        // shutdown would cut it short, and the drain would wait for it).
+        let node = Arc::clone(&h.node);
+        let later = tokio::spawn(async move {
+            let spec = BindingSpec::Emulator {
+                bytes: 1 << 20,
+                lane: None,
+            };
+            node.control(Control::CreateBinding(spec)).await
+        });
         assert!(
             !delete.is_finished(),
             "the delete still waits for its reader"
@@ -606,6 +617,11 @@ mod tests {
         );
         let deleted = delete.await.expect("the delete task does not panic");
         assert!(matches!(deleted, Ok(Reply::Deleted { .. })), "{deleted:?}");
+        let later = later.await.expect("the create task does not panic");
+        assert!(
+            matches!(later, Err(crate::control::ControlError::Draining)),
+            "{later:?}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
