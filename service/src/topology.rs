@@ -6,8 +6,10 @@
 //! A `sysfs_root` that is not a mounted sysfs (a fixture, a copy of another host's tree) is
 //! planned from its own GPUs: this host's CUDA devices, their UUIDs and its devmem probe
 //! describe this host, not that tree (a GPU host showed one lane of a fake 8-GPU tree, with
-//! its own GPU's UUID on the fake GPU of the same bus id). Data addresses are still looked up here, as `serve` looks
-//! them up: the WHY column says which interface each came from, or that it does not exist here.
+//! its own GPU's UUID on the fake GPU of the same bus id), so neither is asked for (nor is
+//! `memory = "cuda"` refused on a host without a usable GPU). Data addresses are still looked
+//! up here, as `serve` looks them up: the WHY column says which interface each came from, or
+//! that it does not exist here.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -17,7 +19,7 @@ use anyhow::Context;
 use serde::Serialize;
 use shardwire_config::ServeConfig;
 use shardwire_devmem::ifaddr::IfAddrError;
-use shardwire_gpu::GpuDevice;
+use shardwire_gpu::{GpuDevice, GpuProbe};
 use shardwire_node::{LaneInputs, LaneSpec, PlanError};
 use shardwire_topology::{LanePlan, PairOptions, Topology, Tree};
 
@@ -95,24 +97,34 @@ fn plan(
     Ok(topo)
 }
 
-/// The topology of `cfg.sysfs_root` with the lanes `serve` would plan.
-fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
-    let tree = Tree::read(&cfg.sysfs_root)
-        .with_context(|| format!("reading the sysfs tree at {}", cfg.sysfs_root.display()))?;
-    let probe = shardwire_gpu::probe_gpus();
+/// The CUDA devices lanes may use and every device the driver lists (for UUIDs), from
+/// `probe` (`shardwire_gpu::probe_gpus`), for this host's own tree; none for another host's
+/// ([`own_tree`]), which is planned from its own GPUs: there the driver is not asked (with
+/// `memory = "cuda"` on a host without a usable GPU, such a tree was refused as `serve`
+/// refuses this host, though this host's CUDA plays no part in its plan).
+fn host_gpus(
+    cfg: &ServeConfig,
+    probe: impl FnOnce() -> GpuProbe,
+) -> anyhow::Result<(Vec<GpuDevice>, Vec<GpuDevice>)> {
+    if !own_tree(cfg) {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let probe = probe();
     // As `serve` would: the usable CUDA devices (none with memory = "host", or with "auto"
     // and no usable driver: then the GPUs of the tree, as host-memory lanes). With "cuda" and
     // no usable GPU, `serve` refuses to start: so does this, with its reason, instead of
     // showing host lanes that would never run.
     let cuda = shardwire_node::cuda_devices(cfg.memory, &probe)
         .context("`serve` would refuse to start with this configuration")?;
-    let mut topo = plan(
-        cfg,
-        &tree,
-        &cuda,
-        &probe.devices,
-        &shardwire_devmem::ifaddr::ipv4,
-    )?;
+    Ok((cuda, probe.devices))
+}
+
+/// The topology of `cfg.sysfs_root` with the lanes `serve` would plan.
+fn discover(cfg: &ServeConfig) -> anyhow::Result<Topology> {
+    let tree = Tree::read(&cfg.sysfs_root)
+        .with_context(|| format!("reading the sysfs tree at {}", cfg.sysfs_root.display()))?;
+    let (cuda, listed) = host_gpus(cfg, shardwire_gpu::probe_gpus)?;
+    let mut topo = plan(cfg, &tree, &cuda, &listed, &shardwire_devmem::ifaddr::ipv4)?;
     if own_tree(cfg) {
         // The probe looks at this host's interfaces: only meaningful for its own tree.
         let nics = shardwire_devmem::probe::probe_nics();
@@ -190,6 +202,40 @@ mod tests {
         let topo = plan(&own, &tree, &gpu, &gpu, &no_addr).expect("plan");
         assert_eq!(topo.lanes.len(), 1, "{:?}", topo.lanes);
         assert!(topo.gpus[0].uuid.is_some(), "{:?}", topo.gpus[0]);
+    }
+
+    #[test]
+    fn another_hosts_tree_does_not_ask_this_hosts_driver() {
+        // A laptop without a GPU, planning a GPU node's tree with its `memory = "cuda"`
+        // config: refused with "`serve` would refuse to start", though this host's CUDA plays
+        // no part in that tree's plan.
+        let no_gpu = || GpuProbe {
+            driver_present: false,
+            driver_version: None,
+            devices: Vec::new(),
+            usable: false,
+            reason: "no CUDA driver".into(),
+        };
+        let cuda = |root: &str| ServeConfig {
+            sysfs_root: root.into(),
+            memory: shardwire_config::MemoryMode::Cuda,
+            ..ServeConfig::default()
+        };
+        let (usable, listed) = host_gpus(&cuda(FIXTURE), || -> GpuProbe {
+            panic!("the driver was asked for another host's tree")
+        })
+        .expect("another host's tree");
+        assert!(usable.is_empty() && listed.is_empty());
+        // This host's own tree: refused, as `serve` would be.
+        let err = host_gpus(&cuda("/sys"), no_gpu).expect_err("no usable GPU here");
+        assert!(
+            format!("{err:#}").contains("`serve` would refuse to start"),
+            "{err:#}"
+        );
+        // And the fixture, so configured, plans from its own GPUs.
+        let tree = Tree::read(Path::new(FIXTURE)).expect("fixture tree");
+        let topo = plan(&cuda(FIXTURE), &tree, &usable, &listed, &no_addr).expect("plan");
+        assert_eq!(topo.lanes.len(), 8, "{:?}", topo.lanes);
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Builds the object_store client for a [`StoreUrl`] from the standard environment (`AWS_*`,
+//! Builds the object_store clients for a [`StoreUrl`] from the standard environment (`AWS_*`,
 //! `GOOGLE_*`, `AZURE_*`, as object_store's `from_env` reads them) with our timeouts, HTTP/1,
-//! a small retry budget and the HTTP tap; and describes it for the startup log
-//! ([`Described`]: credential source, endpoint, region, addressing; never a secret).
+//! a small retry budget and the HTTP tap (one client for reads, and where the limits must
+//! differ one for uploads and one for an http(s) listing); and describes them for the startup
+//! log ([`Described`]: credential source, endpoint, region, addressing; never a secret).
 
 use std::sync::{Arc, Once};
 use std::time::Duration;
@@ -67,11 +68,16 @@ impl std::fmt::Display for Described {
 /// A built client, with what the [`crate::Store`] over it needs to know of it.
 #[derive(Debug)]
 pub(crate) struct Client {
-    /// The client of every request (of the listing too, unless `lister` is set).
+    /// The client of every request (of the listing and the uploads too, unless `lister` or
+    /// `writer` is set).
     pub os: Arc<dyn ObjectStore>,
     /// The client of the listing, where it needs another: http(s), whose one `PROPFIND`
     /// answer may take far longer than a GET may ([`http_client`]).
     pub lister: Option<Arc<dyn ObjectStore>>,
+    /// The client of uploads (a PUT, each part of a multipart upload), where they need
+    /// another: S3, GCS and Azure, whose read limit would also bound sending the body
+    /// ([`writer_client`]).
+    pub writer: Option<Arc<dyn ObjectStore>>,
     /// Its description, for the startup log and status.
     pub described: Described,
     /// The Azure storage account its requests reach, as the client resolved it (the URL's,
@@ -86,6 +92,7 @@ impl Client {
         Client {
             os,
             lister: None,
+            writer: None,
             described,
             account: None,
         }
@@ -135,7 +142,7 @@ pub(crate) fn build(url: &StoreUrl, opts: &StoreOptions) -> Built {
 /// stuck fetch, to be asked again, not a listing).
 fn http(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
     let base = format!("{}://{}", url.scheme().as_str(), url.bucket());
-    let make = |settings: [(ClientConfigKey, String); 4]| {
+    let make = |settings: Settings| {
         let mut b = HttpBuilder::new()
             .with_url(base.clone())
             .with_retry(retry(opts))
@@ -161,16 +168,22 @@ fn http(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreErr
 fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
     let b = AmazonS3Builder::from_env();
     let tap = s3_tap(&b);
-    let mut b = b
+    let b = b
         .with_bucket_name(bucket)
         .with_retry(retry(opts))
         .with_http_connector(tap);
-    for (k, v) in client(opts) {
-        b = b.with_config(S3Key::Client(k), v);
-    }
-    let d = describe_s3(&b);
-    let s = b.build().map_err(|e| config(e.to_string()))?;
-    Ok(Client::plain(Arc::new(s), d))
+    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
+        let mut b = b.clone();
+        for (k, v) in settings {
+            b = b.with_config(S3Key::Client(k), v);
+        }
+        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
+    };
+    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
+    Ok(Client {
+        writer: Some(writer),
+        ..Client::plain(os, describe_s3(&b))
+    })
 }
 
 /// The tap of an S3 client: the credential endpoints it is configured with (container
@@ -193,16 +206,22 @@ fn s3_tap(b: &AmazonS3Builder) -> TapConnector {
 fn gcs(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) -> Built {
     let b = GoogleCloudStorageBuilder::from_env();
     let tap = gcs_tap(&b, |k| std::env::var(k).ok());
-    let mut b = b
+    let b = b
         .with_bucket_name(bucket)
         .with_retry(retry(opts))
         .with_http_connector(tap);
-    for (k, v) in client(opts) {
-        b = b.with_config(GcsKey::Client(k), v);
-    }
-    let d = describe_gcs(&b);
-    let s = b.build().map_err(|e| config(e.to_string()))?;
-    Ok(Client::plain(Arc::new(s), d))
+    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
+        let mut b = b.clone();
+        for (k, v) in settings {
+            b = b.with_config(GcsKey::Client(k), v);
+        }
+        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
+    };
+    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
+    Ok(Client {
+        writer: Some(writer),
+        ..Client::plain(os, describe_gcs(&b))
+    })
 }
 
 /// The metadata servers object_store asks for GCS tokens where the environment (`env`) names
@@ -238,15 +257,18 @@ fn azure(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreEr
     if let Some(account) = url.account() {
         b = b.with_account(account);
     }
-    for (k, v) in client(opts) {
-        b = b.with_config(AzKey::Client(k), v);
-    }
-    let d = describe_azure(&b);
-    let account = azure_account(&b);
-    let s = b.build().map_err(|e| config(e.to_string()))?;
+    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
+        let mut b = b.clone();
+        for (k, v) in settings {
+            b = b.with_config(AzKey::Client(k), v);
+        }
+        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
+    };
+    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
     Ok(Client {
-        account,
-        ..Client::plain(Arc::new(s), d)
+        account: azure_account(&b),
+        writer: Some(writer),
+        ..Client::plain(os, describe_azure(&b))
     })
 }
 
@@ -273,8 +295,14 @@ fn retry(opts: &StoreOptions) -> RetryConfig {
     }
 }
 
+/// A client's settings (object_store's `ClientConfigKey`s).
+type Settings = [(ClientConfigKey, String); 4];
+
 /// Client settings: our timeouts and HTTP/1 (one store was stuck near 250 MB/s on HTTP/2).
-fn client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
+/// object_store hands `ReadTimeout` to reqwest, which counts it from sending the request to
+/// the response head (connecting, sending the body, the server's time to answer), and only
+/// then per read of the body: a GET, HEAD or listing page must start to answer within it.
+fn client(opts: &StoreOptions) -> Settings {
     let ms = |d: Duration| format!("{}ms", d.as_millis().max(1));
     [
         (ClientConfigKey::ConnectTimeout, ms(opts.connect_timeout)),
@@ -290,10 +318,22 @@ fn client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
 /// body: under a 60 s limit a 400 MB listing arriving at 5 MB/s failed on every attempt. A
 /// body that stops arriving still fails after `read_timeout`. GETs and HEADs keep [`client`]'s
 /// limits ([`http`]).
-fn http_client(opts: &StoreOptions) -> [(ClientConfigKey, String); 4] {
+fn http_client(opts: &StoreOptions) -> Settings {
     let listing = Duration::from_secs(WEBDAV_LISTING_BYTES / MIN_REQUEST_RATE);
     client(&StoreOptions {
         request_timeout: opts.request_timeout.max(listing),
+        ..opts.clone()
+    })
+}
+
+/// Client settings of uploads (a PUT, a part of a multipart upload): as [`client`], but the
+/// read limit is the whole-request limit. reqwest's read timeout also runs while the request
+/// body is sent ([`client`]): under 10 s an 8 MiB part had to go at 0.8 MiB/s, and two parts
+/// in flight needed a 14 Mbit/s uplink, or every attempt failed. An upload must still end
+/// within `request_timeout` (60 s, or the request size at [`MIN_REQUEST_RATE`]).
+fn writer_client(opts: &StoreOptions) -> Settings {
+    client(&StoreOptions {
+        read_timeout: opts.read_timeout.max(opts.request_timeout),
         ..opts.clone()
     })
 }
@@ -499,7 +539,7 @@ mod tests {
     fn an_http_store_gives_the_largest_listing_time_to_arrive() {
         // Before: 60 s for the whole PROPFIND answer (up to 1 GiB): a 400 MB listing at
         // 5 MB/s timed out on every attempt while bytes kept arriving.
-        let timeout = |settings: [(ClientConfigKey, String); 4]| {
+        let timeout = |settings: Settings| {
             settings
                 .into_iter()
                 .find(|(k, _)| *k == ClientConfigKey::Timeout)
@@ -515,6 +555,43 @@ mod tests {
             ..opts
         };
         assert_eq!(timeout(http_client(&long)).as_deref(), Some("2000000ms"));
+    }
+
+    #[test]
+    fn uploads_are_not_held_to_the_read_limit() {
+        // Before: every request had the 10 s read limit, which reqwest counts until the
+        // response head, so also while the body is sent: an 8 MiB part slower than 0.8 MiB/s
+        // failed every attempt (an index uploading from a 10 Mbit/s uplink).
+        let get = |settings: Settings, key: ClientConfigKey| {
+            settings
+                .into_iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v)
+        };
+        let opts = StoreOptions::default();
+        let read = ClientConfigKey::ReadTimeout;
+        assert_eq!(get(writer_client(&opts), read).as_deref(), Some("60000ms"));
+        assert_eq!(get(client(&opts), read).as_deref(), Some("10000ms"));
+        let big = StoreOptions::sized(1 << 30, 8);
+        assert_eq!(get(writer_client(&big), read).as_deref(), Some("1024000ms"));
+        // Its other limits are a GET's: an upload that stops still fails.
+        for key in [ClientConfigKey::ConnectTimeout, ClientConfigKey::Timeout] {
+            assert_eq!(get(writer_client(&opts), key), get(client(&opts), key));
+        }
+        // Built: an S3 store uploads with that client and reads with the 10 s one.
+        let url = StoreUrl::parse("s3://bkt/ds").unwrap();
+        if let Ok(built) = build(&url, &opts) {
+            let reads = format!("{:?}", built.os);
+            let writes = format!("{:?}", built.writer.expect("an upload client"));
+            assert!(reads.contains("\"10000ms\""), "{reads}");
+            assert!(
+                !writes.contains("\"10000ms\"") && writes.contains("\"60000ms\""),
+                "{writes}"
+            );
+        }
+        // An http(s) store is read-only: no upload client.
+        let url = StoreUrl::parse("https://files.example/ds").unwrap();
+        assert!(build(&url, &opts).unwrap().writer.is_none());
     }
 
     #[test]

@@ -151,6 +151,21 @@ pub enum StoreError {
         /// Whether the refused request was the listing (a WebDAV `PROPFIND`).
         listing: bool,
     },
+    /// 405 or 501 to an http(s) dataset's listing: a server without WebDAV.
+    #[error(
+        "{url}: the server refused the listing (HTTP {status}): {reason}; this is not \
+         transient: an http(s) dataset is listed with one WebDAV PROPFIND of the whole tree \
+         (`Depth: infinity`), which this server does not answer; serve the dataset from a \
+         WebDAV server (Apache mod_dav with `DavDepthInfinity On`, `rclone serve webdav`)"
+    )]
+    NoWebDav {
+        /// The dataset URL listed.
+        url: String,
+        /// 405 Method Not Allowed or 501 Not Implemented.
+        status: u16,
+        /// The server's answer.
+        reason: String,
+    },
     /// 404.
     #[error(
         "bucket {bucket}, key {key}: not found (no such bucket or object): a wrong prefix, or a \
@@ -269,7 +284,7 @@ impl StoreError {
             Self::Config { .. } | Self::ListTooLong { .. } => StoreErrorKind::Config,
             Self::Throttled { .. } => StoreErrorKind::Throttled,
             Self::Unavailable { .. } => StoreErrorKind::Unavailable,
-            Self::Rejected { .. } => StoreErrorKind::Rejected,
+            Self::Rejected { .. } | Self::NoWebDav { .. } => StoreErrorKind::Rejected,
             Self::Credentials { .. } => StoreErrorKind::Credentials,
             Self::Forbidden { .. } => StoreErrorKind::Forbidden,
             Self::NotFound { .. } => StoreErrorKind::NotFound,
@@ -333,8 +348,8 @@ pub(crate) struct At<'a> {
     /// The store takes no credentials (http(s)): a 401/403 from it is no credentials
     /// failure ([`uncredentialed`]).
     pub uncredentialed: bool,
-    /// The request is the listing (not a GET or HEAD of one object).
-    pub listing: bool,
+    /// The dataset URL, when the request is its listing (not a GET or HEAD of one object).
+    pub listing: Option<&'a str>,
 }
 
 impl At<'_> {
@@ -372,9 +387,16 @@ pub(crate) fn classify(e: object_store::Error, last: Option<&Attempt>, at: At<'_
         };
     }
     let (plain, listing) = (at.uncredentialed, at.listing);
+    if let (true, Some(url), Some(code @ (405 | 501))) = (plain, listing, status) {
+        return StoreError::NoWebDav {
+            url: url.to_owned(),
+            status: code,
+            reason: short(&e),
+        };
+    }
     let e = from_store(e, status, last.and_then(|a| a.retry_after), at);
     if plain {
-        uncredentialed(e, status, listing)
+        uncredentialed(e, status, listing.is_some())
     } else {
         e
     }
@@ -576,7 +598,7 @@ mod tests {
             range: Some(0..8),
             etag: Some("\"e1\""),
             uncredentialed: false,
-            listing: false,
+            listing: None,
         }
     }
 
@@ -733,7 +755,7 @@ mod tests {
         // that refuses `PROPFIND` with `Depth: infinity` (Apache's default).
         let listing = At {
             uncredentialed: true,
-            listing: true,
+            listing: Some("https://files.example/ds"),
             range: None,
             ..at()
         };
@@ -777,6 +799,48 @@ mod tests {
         assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
         let e = classify(denied(), Some(&with(403, None)), at());
         assert_eq!(e.kind(), StoreErrorKind::Credentials, "{e}");
+    }
+
+    #[test]
+    fn a_server_without_webdav_is_told_apart_from_a_wrong_region_or_an_outage() {
+        // Before: a 405 (nginx, Caddy) was "refused by the store ... check AWS_REGION and the
+        // endpoint", a 501 (`python3 -m http.server`) "storage unavailable", asked again for
+        // 20 s at source start; neither said the server must answer WebDAV PROPFIND.
+        let listing = At {
+            uncredentialed: true,
+            listing: Some("http://files.example:8000/ds"),
+            range: None,
+            etag: None,
+            ..at()
+        };
+        for status in [405, 501] {
+            let e = classify(generic(), Some(&with(status, None)), listing.clone());
+            assert_eq!(e.kind(), StoreErrorKind::Rejected, "{status}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with("http://files.example:8000/ds: ")
+                    && msg.contains(&format!("(HTTP {status})"))
+                    && msg.contains("WebDAV PROPFIND")
+                    && msg.contains("not transient"),
+                "{msg}"
+            );
+            assert!(!msg.contains("AWS_REGION"), "{msg}");
+        }
+        // A GET or HEAD of one object, and a cloud store's listing, keep their kinds.
+        let get = At {
+            uncredentialed: true,
+            ..at()
+        };
+        let e = classify(generic(), Some(&with(501, None)), get.clone());
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
+        let e = classify(generic(), Some(&with(405, None)), get);
+        assert!(!e.to_string().contains("PROPFIND"), "{e}");
+        let s3_listing = At {
+            listing: Some("s3://bkt/ds"),
+            ..at()
+        };
+        let e = classify(generic(), Some(&with(501, None)), s3_listing);
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
     }
 
     #[test]

@@ -11,9 +11,13 @@ pub struct StoreOptions {
     pub max_inflight: usize,
     /// Limit on connecting (TCP + TLS).
     pub connect_timeout: Duration,
-    /// Limit on any one read of the response (catches a stalled body).
+    /// Limit on the wait for the response's head, counted from sending the request (so it
+    /// covers connecting, sending the request's body and the server's time to answer), then on
+    /// each read of the body (catches a stalled body). Uploads are held to `request_timeout`
+    /// instead: sending a part takes longer than a GET takes to start answering.
     pub read_timeout: Duration,
-    /// Limit on one attempt, connect to the end of the body (see [`StoreOptions::sized`]).
+    /// Limit on one attempt, connect to the end of the body (see [`StoreOptions::sized`]);
+    /// also an upload's (a PUT, one part of a multipart upload).
     pub request_timeout: Duration,
     /// object_store's retries per request (kept small: the window, not the retries, absorbs
     /// throttling).

@@ -71,6 +71,8 @@ struct Inner {
     os: Arc<dyn ObjectStore>,
     /// The listing's client (`os`, but for http(s): [`backend::Client::lister`]).
     lister: Arc<dyn ObjectStore>,
+    /// The uploads' client (`os`, but for S3, GCS and Azure: [`backend::Client::writer`]).
+    writer: Arc<dyn ObjectStore>,
     url: StoreUrl,
     opts: StoreOptions,
     described: Described,
@@ -96,6 +98,7 @@ impl Store {
         let client = backend::Client {
             os,
             lister: None,
+            writer: None,
             described,
             account: None,
         };
@@ -110,12 +113,14 @@ impl Store {
         let backend::Client {
             os,
             lister,
+            writer,
             described,
             ..
         } = client;
         Store {
             inner: Arc::new(Inner {
                 lister: lister.unwrap_or_else(|| Arc::clone(&os)),
+                writer: writer.unwrap_or_else(|| Arc::clone(&os)),
                 os,
                 url: url.clone(),
                 opts,
@@ -186,7 +191,7 @@ impl Store {
             range,
             etag,
             uncredentialed: matches!(scheme, Scheme::Http | Scheme::Https),
-            listing: false,
+            listing: None,
         }
     }
 
@@ -238,8 +243,9 @@ impl Store {
                 }
             },
             Ok(r) => r.map_err(|e| {
+                let url = self.inner.url.to_string();
                 let at = At {
-                    listing: true,
+                    listing: Some(&url),
                     ..self.at(prefix, None, None)
                 };
                 classify(e, call.last().as_ref(), at)
@@ -455,7 +461,7 @@ impl Store {
         let (mut permit, call) = self.begin("put").await;
         let t0 = Instant::now();
         let res = call
-            .run(self.inner.os.put(&path, PutPayload::from_bytes(body)))
+            .run(self.inner.writer.put(&path, PutPayload::from_bytes(body)))
             .await;
         res.map_err(|e| classify(e, call.last().as_ref(), self.at(&full, None, None)))?;
         metrics::histogram!(m::REQUEST_SECONDS, "op" => "put").record(t0.elapsed().as_secs_f64());
@@ -489,7 +495,8 @@ impl Store {
             use tokio::io::AsyncReadExt;
             let os_err = |e| classify(e, call.last().as_ref(), at.clone());
             let mut f = tokio::fs::File::open(src).await.map_err(sink_err)?;
-            let up = self.inner.os.put_multipart(&path).await.map_err(os_err)?;
+            let up = self.inner.writer.put_multipart(&path).await;
+            let up = up.map_err(os_err)?;
             let up = Box::new(Tracked {
                 inner: up,
                 call: Arc::clone(&call),

@@ -46,7 +46,7 @@ pub use path::PciPath;
 pub use pci::{PciAddr, PciAddrError};
 pub use render::render_text;
 pub use sysfs::{DEFAULT_ROOT, Gpu, NVIDIA_VENDOR, Nic, SysfsError, Tree};
-pub use values::{format_ranges, parse_cpulist};
+pub use values::{CpulistError, MAX_CPUS, format_ranges, parse_cpulist};
 
 /// What `shardwire topology` shows: the devices found and the lanes planned. Serialized as
 /// the module documentation says (each NIC with its `passed_over`, computed over all NICs).

@@ -7,9 +7,9 @@
 //!   still at its own smallest distance): 8 GPUs on 4 equidistant NICs get 2 per NIC, a GPU
 //!   with one PIX NIC is not crowded out by one with two, and GPUs whose best NICs are
 //!   {A, B}, {B, C} and {A, B} get one NIC each. Among such spreads, GPUs with the fewest best
-//!   candidates choose first (then in PCI order), each taking the candidate with the fewest
-//!   GPUs so far (then the lowest PCI address; virtual NICs after physical ones, by name)
-//!   that still lets the GPUs after it keep that spread.
+//!   candidates (VFs beside a PF count for none) choose first (then in PCI order), each
+//!   taking the candidate with the fewest GPUs so far (then the lowest PCI address; virtual
+//!   NICs after physical ones, by name) that still lets the GPUs after it keep that spread.
 //! - A NIC's devmem queues are the upper half of its rx queues, `[rx/2, rx)` (the lower
 //!   half stays with RSS for host traffic), split into contiguous runs in GPU PCI order,
 //!   as evenly as possible ([`plan_queues`]). With fewer such queues than GPUs each GPU gets
@@ -17,12 +17,15 @@
 //!   channels to bind them (their `why` says so). A physical NIC of one queue has none for
 //!   devmem (its lanes warn: devmem is refused); on a virtual NIC later GPUs get none.
 //! - A usable NIC is passed over ([`passed_over`]) when its link is down while another NIC of
-//!   its model on the same card or below a common PCIe switch is up (an uncabled second
-//!   port; at worst PIX to PXB for a GPU whose own NIC is down at start; never for an up NIC
-//!   its GPUs reach only through a CPU, such as a host NIC: links still training at boot
-//!   would send the GPUs there until a restart), or when it
-//!   is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC beside the
-//!   GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
+//!   its model on the same card or below a common PCIe switch is up and not itself passed
+//!   over as slow (an uncabled second port: a GPU whose own NIC is down at start shares that
+//!   one until a restart, at worst going from PIX to PXB), or is up but slow while every up
+//!   NIC of its model on the host is slow too (a management card's uncabled port; a GPU port
+//!   still training beside a sibling that came up slow stays a candidate where a NIC of its
+//!   model elsewhere is fast). Never for an up NIC its GPUs reach only through a CPU, such as
+//!   a host NIC: links still training at boot would send the GPUs there until a restart. Or
+//!   when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC
+//!   beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
 //!   A lane whose NIC is farther than a NIC passed over for its link being down names that
 //!   NIC in its `why`; a lane without a NIC names each physical NIC left out and why.
 //!   An SR-IOV virtual function comes after every physical function at its distance, whatever
@@ -132,8 +135,9 @@ pub const SLOW_FACTOR: u32 = 8;
 
 /// Why `nic` (usable, physical) is paired with no GPU although it could be: its link is down
 /// while that of another NIC of its model (PCI vendor and device id) on the same card or below
-/// one of the same PCIe switches is not ([`down_note`]), or it runs [`SLOW_FACTOR`] times slower than the
-/// fastest of the host's `nics` (usable) whose link is not down. `None`: it is a candidate.
+/// one of the same PCIe switches is not, that NIC not being slow unless every up NIC of its
+/// model is ([`down_note`]); or it runs [`SLOW_FACTOR`] times slower than the fastest of the
+/// host's `nics` (usable) whose link is not down. `None`: it is a candidate.
 /// A down NIC is passed over only for one its GPUs reach without crossing a CPU: an uncabled
 /// second port for the cabled one beside it, but not GPU NICs whose links still train at boot
 /// for an up NIC elsewhere (a management NIC right under a root port, of another model or, as
@@ -179,25 +183,46 @@ fn near_each_other(a: &Nic, b: &Nic) -> bool {
 }
 
 /// Why `nic`, whose link is down, is passed over: a usable physical NIC of its model on the
-/// same card or below a common PCIe switch has a link that is not down; `None` when none has,
-/// or its ids could not be read (it tells no model). That NIC may itself be passed over as
-/// slow: a management card's uncabled port goes with its cabled one.
+/// same card or below a common PCIe switch has a link that is not down and is not itself
+/// passed over as slow; or each such NIC is slow, and so is every up NIC of its model on the
+/// host (a management card: its uncabled ports go with its cabled one). `None` when no such
+/// NIC's link is up, when its ids could not be read (it tells no model), or when each such NIC
+/// is slow but an up NIC of its model elsewhere is not: a GPU port still training beside a
+/// sibling that came up slow (a bad cable) stays a candidate, else its GPUs went through a CPU
+/// to that fast NIC until a restart.
 fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
     let model = |n: &Nic| n.vendor.zip(n.device);
     let own = model(nic)?;
-    let up = nics.iter().find(|n| {
+    let up_of_model = |n: &Nic| {
         !n.is_virtual
             && n.unusable.is_none()
             && n.link_up != Some(false)
             && n.interface != nic.interface
             && model(n) == Some(own)
-            && near_each_other(n, nic)
-    })?;
-    Some(format!(
-        "its link is down (operstate), and {}'s (the same model, on the same card or below the \
-         same PCIe switch) is not",
-        up.interface
-    ))
+    };
+    let near: Vec<&Nic> = nics
+        .iter()
+        .filter(|n| up_of_model(n) && near_each_other(n, nic))
+        .collect();
+    let peer = "the same model, on the same card or below the same PCIe switch";
+    // `passed_over` of an up NIC is its speed test alone: no recursion.
+    if let Some(up) = near.iter().find(|n| passed_over(nics, n).is_none()) {
+        return Some(format!(
+            "its link is down (operstate), and {}'s ({peer}) is not",
+            up.interface
+        ));
+    }
+    let slow = near.first()?;
+    let fast_elsewhere = nics
+        .iter()
+        .any(|n| up_of_model(n) && passed_over(nics, n).is_none());
+    (!fast_elsewhere).then(|| {
+        format!(
+            "its link is down (operstate), and {}'s ({peer}) is up but slow, as is every up NIC \
+             of its model (a management card?)",
+            slow.interface
+        )
+    })
 }
 
 /// Plans one lane per GPU (none when the tree has no GPU: the node keeps its host lane).
@@ -213,7 +238,9 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
         .iter()
         .map(|g| best_candidates(g, &tree.nics, &skip, opts))
         .collect();
-    let chosen = assign(&best, &tree.nics);
+    // What each GPU may be given: its VFs only where it has no PF at its distance.
+    let cands: Vec<Vec<usize>> = best.iter().map(|b| choosable(b, &tree.nics)).collect();
+    let chosen = assign(&cands, &tree.nics);
     let excluded = excluded_nics(&tree.nics);
     let mut queues: Vec<Vec<u32>> = vec![Vec::new(); gpus.len()];
     let mut shares: Vec<String> = vec![String::new(); gpus.len()];
@@ -235,7 +262,7 @@ pub fn pair(tree: &Tree, opts: &PairOptions) -> Vec<LanePlan> {
                 return no_nic_lane(lane, gpu, opts, &excluded);
             };
             let nic = &tree.nics[pick.nic];
-            let spread = match best[i].len() {
+            let spread = match cands[i].len() {
                 1 => String::new(),
                 n => format!("; 1 of {n} NICs at {}, spread", pick.class.distance),
             };
@@ -370,13 +397,12 @@ fn best_candidates(gpu: &Gpu, nics: &[Nic], skip: &[bool], opts: &PairOptions) -
 /// link and its engine: as NCCL, which merges the functions of a device, two GPUs under one
 /// switch with a dual-port NIC and a second NIC get one adapter each), then physical before
 /// virtual, then the lowest PCI address, then the name. Where choosing greedily in that
-/// order already kept the least cap, the result is the greedy one. `best` is in GPU PCI
-/// order.
-fn assign(best: &[Vec<Candidate>], nics: &[Nic]) -> Vec<Option<usize>> {
-    let cands: Vec<Vec<usize>> = best.iter().map(|b| choosable(b, nics)).collect();
-    let mut matching = Matching::least_cap(&cands, nics.len());
-    let mut order: Vec<usize> = (0..best.len()).filter(|&i| !best[i].is_empty()).collect();
-    order.sort_by_key(|&i| (best[i].len(), i));
+/// order already kept the least cap, the result is the greedy one. `cands` is each GPU's
+/// [`choosable`] NICs, in GPU PCI order (a VF beside its PF is no option: it counts for none).
+fn assign(cands: &[Vec<usize>], nics: &[Nic]) -> Vec<Option<usize>> {
+    let mut matching = Matching::least_cap(cands, nics.len());
+    let mut order: Vec<usize> = (0..cands.len()).filter(|&i| !cands[i].is_empty()).collect();
+    order.sort_by_key(|&i| (cands[i].len(), i));
     let mut load = vec![0usize; nics.len()];
     let adapter = |k: usize| nics[k].pci.map(|p| (p.domain, p.bus, p.device));
     let mut adapter_load: HashMap<(u32, u8, u8), usize> = HashMap::new();
@@ -892,16 +918,6 @@ mod tests {
         );
     }
 
-    fn cand(nic: usize) -> Candidate {
-        Candidate {
-            nic,
-            class: Classified {
-                distance: Distance::Pix,
-                why: String::new(),
-            },
-        }
-    }
-
     #[test]
     fn gpus_with_fewer_candidates_choose_first() {
         // GPU A (first in PCI order) has NICs 1 and 2 at PIX, GPU B only NIC 1. Greedy in
@@ -922,8 +938,8 @@ mod tests {
                 &["0000:00:02.0", "0000:06:00.0"],
             ),
         ];
-        let best = vec![vec![cand(0), cand(1)], vec![cand(0)]];
-        assert_eq!(assign(&best, &nics), vec![Some(1), Some(0)]);
+        let cands = vec![vec![0, 1], vec![0]];
+        assert_eq!(assign(&cands, &nics), vec![Some(1), Some(0)]);
     }
 
     #[test]
@@ -990,12 +1006,8 @@ mod tests {
                 nic(&format!("eth{i}"), Some(0), 16, "pci0000:00", &chain)
             })
             .collect();
-        let best = vec![
-            vec![cand(0), cand(1)],
-            vec![cand(1), cand(2)],
-            vec![cand(0), cand(1)],
-        ];
-        assert_eq!(assign(&best, &nics), vec![Some(0), Some(2), Some(1)]);
+        let cands = vec![vec![0, 1], vec![1, 2], vec![0, 1]];
+        assert_eq!(assign(&cands, &nics), vec![Some(0), Some(2), Some(1)]);
     }
 
     #[test]
@@ -1502,6 +1514,87 @@ mod tests {
         assert_eq!(
             paired_nics(&tree),
             [Some("ens5".into()), Some("ens5".into())]
+        );
+    }
+
+    #[test]
+    fn a_down_port_beside_a_slow_sibling_stays_a_candidate_while_its_model_runs_fast() {
+        // A dual-port CX-7 below the GPUs' switch: ens1f0 came up at 50 Gb/s (a bad cable) and
+        // is passed over as slow; ens1f1 is still training. ens9, a CX-7 on the other socket,
+        // runs at 400 Gb/s. ens1f1 was passed over for ens1f0, and both GPUs went to ens9
+        // across the CPU (SYS) until a restart.
+        let port = |f: u8, name: &str| {
+            let dev = format!("0000:1a:00.{f}");
+            let at = under_switch("0000:01:00.0", "0000:02:02.0", &dev);
+            nic(name, Some(0), 16, "pci0000:00", &chain(&at))
+        };
+        let mut f0 = port(0, "ens1f0");
+        (f0.link_up, f0.speed_mbps) = (Some(true), Some(50_000));
+        let mut f1 = port(1, "ens1f1");
+        f1.link_up = Some(false);
+        let mut far = nic(
+            "ens9",
+            Some(1),
+            16,
+            "pci0000:80",
+            &["0000:80:01.0", "0000:81:00.0"],
+        );
+        (far.link_up, far.speed_mbps) = (Some(true), Some(400_000));
+        let mut tree = one_switch(|_| Vec::new());
+        tree.nics.extend([f0, f1, far]);
+        assert!(
+            passed_over(&tree.nics, &tree.nics[0]).is_some(),
+            "ens1f0 is slow"
+        );
+        assert_eq!(passed_over(&tree.nics, &tree.nics[1]), None);
+        let lanes = pair(&tree, &PairOptions::default());
+        let got: Vec<_> = lanes
+            .iter()
+            .map(|l| (l.nic.as_deref(), l.distance, l.warn))
+            .collect();
+        let on_f1 = (Some("ens1f1"), Some(Distance::Pix), false);
+        assert_eq!(got, [on_f1, on_f1], "{lanes:#?}");
+        // ens9 of another model: nothing says a CX-7 runs fast here, so ens1f1 goes with its
+        // slow sibling, as a management card's uncabled port does.
+        (tree.nics[2].vendor, tree.nics[2].device) = (Some(0x8086), Some(0x159b));
+        let why = passed_over(&tree.nics, &tree.nics[1]).expect("passed over");
+        assert!(
+            why.contains("ens1f0's (the same model, on the same card") && why.contains("slow"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn virtual_functions_beside_their_pf_count_for_no_spread() {
+        // Four VFs of ens1 below the GPUs' switch: each lane read "1 of 5 NICs at PIX,
+        // spread", though only ens1 could be chosen.
+        let with_vfs = |pfs: &[&str]| {
+            one_switch(|n| {
+                let mut nics: Vec<Nic> = Vec::new();
+                for (k, name) in pfs.iter().enumerate() {
+                    nics.push(n(&format!("0000:02:0{}.0", k + 2), name));
+                }
+                for k in 0..4 {
+                    let mut vf = n(&format!("0000:02:0{}.0", k + 4), &format!("ens1v{k}"));
+                    vf.sriov_vf = true;
+                    nics.push(vf);
+                }
+                nics
+            })
+        };
+        let lanes = pair(&with_vfs(&["ens1"]), &PairOptions::default());
+        for lane in &lanes {
+            assert_eq!(lane.nic.as_deref(), Some("ens1"));
+            assert!(!lane.why.contains("spread"), "{}", lane.why);
+        }
+        // A second PF is a genuine option: 2, not 6.
+        let lanes = pair(&with_vfs(&["ens1", "ens2"]), &PairOptions::default());
+        let nics: Vec<_> = lanes.iter().map(|l| l.nic.as_deref()).collect();
+        assert_eq!(nics, [Some("ens1"), Some("ens2")]);
+        assert!(
+            lanes[0].why.contains("; 1 of 2 NICs at PIX, spread"),
+            "{}",
+            lanes[0].why
         );
     }
 

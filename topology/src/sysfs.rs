@@ -5,12 +5,16 @@
 //! for GPUs, `class/net/*` and the real path of `class/net/IF/device` for NICs, and
 //! `numa_node`/`local_cpulist` of each device. Every path is resolved relative to the
 //! canonicalized root, so a fake tree with relative symlinks works wherever it lies.
-//! Missing or unreadable files are `None`/empty, never errors: only a root that does not
-//! exist, or (other than `/sys` itself) has neither `class/net` nor `bus/pci/devices` (not a
-//! sysfs tree), is.
+//! Missing or unreadable files are `None`/empty, never errors. Errors are a root that does not
+//! exist or (other than `/sys` itself) has neither `class/net` nor `bus/pci/devices` (not a
+//! sysfs tree); one whose entries there all link to nothing (copied without `devices/`); and a
+//! cpulist no kernel writes, named by its path: malformed, naming a CPU past
+//! [`MAX_CPUS`](crate::values::MAX_CPUS), or longer than [`MAX_ATTR`] bytes (no file is read
+//! past that length).
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -19,7 +23,7 @@ use crate::device::GpuUuid;
 use crate::path::PciPath;
 use crate::pci::{PciAddr, parse_sysfs_name};
 use crate::values::{
-    parse_cpulist, parse_hex16, parse_numa, ser_cpulist, ser_hex16, ser_opt_hex16,
+    CpulistError, parse_cpulist, parse_hex16, parse_numa, ser_cpulist, ser_hex16, ser_opt_hex16,
 };
 
 /// The sysfs root of a running host.
@@ -30,6 +34,11 @@ pub const NVIDIA_VENDOR: u16 = 0x10de;
 
 /// PCI class prefixes of GPUs: VGA controller and 3D controller (data-center GPUs).
 const GPU_CLASSES: [&str; 2] = ["0x0300", "0x0302"];
+
+/// The most bytes of an attribute file read. The kernel writes at most a page for one, and for
+/// a cpulist at most 3.5 bytes a CPU (28 KiB for 8192 CPUs): a hostile tree's file of
+/// gigabytes is not read whole.
+const MAX_ATTR: usize = 64 * 1024;
 
 /// Why a sysfs tree cannot be read at all.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +63,35 @@ pub enum SysfsError {
          tests/fixtures/sysfs/a3-8gpu-8nic"
     )]
     NotSysfs(PathBuf),
+    /// Every entry of `class/net` or `bus/pci/devices` links to nothing: the tree was copied
+    /// without `devices/`, where those links point (`cp -r /sys/class /sys/bus DIR`). Read
+    /// on, it was a host without GPUs or NICs, and nothing said why.
+    #[error(
+        "sysfs root {root}: {link} links to {target}, which does not exist, and no entry of its \
+         directory links to anything that does: the tree was copied without devices/, where \
+         sysfs's links point; copy /sys/devices too, keeping the links as links (e.g. `cp -r \
+         /sys/devices /sys/bus /sys/class DIR`)"
+    )]
+    Dangling {
+        /// The root given.
+        root: PathBuf,
+        /// The first entry that links to nothing.
+        link: PathBuf,
+        /// Where it links (as the link says).
+        target: PathBuf,
+    },
+    /// A cpulist file (`local_cpulist`, a NUMA node's `cpulist`) that no kernel writes: the
+    /// tree is corrupt, or was written by hand.
+    #[error(
+        "{path}: {reason}: no kernel writes such a cpulist, so the sysfs tree is corrupt; copy \
+         it again from the host's /sys"
+    )]
+    Cpulist {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: CpulistError,
+    },
 }
 
 /// An NVIDIA GPU found under `bus/pci/devices`.
@@ -136,32 +174,31 @@ pub struct Tree {
 impl Tree {
     /// Reads the tree under `root` (`/sys` on a host). A missing `bus/pci/devices` or
     /// `class/net` gives no GPUs or NICs (a VM without PCI); a root that does not exist, or
-    /// (other than `/sys` itself) has neither, is an error.
+    /// (other than `/sys` itself) has neither, is an error, as are entries there that all link
+    /// to nothing and a cpulist no kernel writes ([`SysfsError`]).
     pub fn read(root: &Path) -> Result<Tree, SysfsError> {
         let canonical = sysfs_root(root)?;
-        let root = canonical.as_path();
-        let mut gpus: Vec<Gpu> = entries(&root.join("bus/pci/devices"))
+        let real = canonical.as_path();
+        let pci = entries(&real.join("bus/pci/devices"));
+        let net = entries(&real.join("class/net"));
+        no_dangling(root, &pci)?;
+        no_dangling(root, &net)?;
+        let mut gpus = pci
             .iter()
-            .filter_map(|(name, entry)| read_gpu(root, name, entry))
-            .collect();
+            .filter_map(|(name, entry)| read_gpu(real, name, entry))
+            .collect::<Result<Vec<Gpu>, SysfsError>>()?;
         gpus.sort_by_key(|g| g.pci);
         // Interfaces only: `class/net` also holds files, e.g. `bonding_masters` once the
         // bonding module is loaded.
-        let mut nics: Vec<Nic> = entries(&root.join("class/net"))
+        let mut nics = net
             .iter()
             .filter(|(_, entry)| entry.is_dir())
-            .map(|(name, entry)| read_nic(root, name, entry))
-            .collect();
+            .map(|(name, entry)| read_nic(real, name, entry))
+            .collect::<Result<Vec<Nic>, SysfsError>>()?;
         nics.sort_by(|a, b| {
             (a.is_virtual, a.pci, &a.interface).cmp(&(b.is_virtual, b.pci, &b.interface))
         });
-        let nodes: BTreeMap<u32, Vec<u32>> = entries(&root.join("devices/system/node"))
-            .iter()
-            .filter_map(|(name, dir)| {
-                let n = name.strip_prefix("node")?.parse().ok()?;
-                Some((n, read_cpulist(&dir.join("cpulist"))))
-            })
-            .collect();
+        let nodes = read_nodes(real)?;
         // Firmware without proximity information writes `numa_node` -1; on a host of one NUMA
         // node every device is on it (otherwise every pair across host bridges read as SYS,
         // "NUMA node unknown", with a cross-CPU warning).
@@ -206,6 +243,34 @@ fn only_cpu_node(nodes: &BTreeMap<u32, Vec<u32>>) -> Option<u32> {
     }
 }
 
+/// The CPUs of each NUMA node (`devices/system/node/node<N>/cpulist`) of the tree at `root`
+/// (canonical).
+fn read_nodes(root: &Path) -> Result<BTreeMap<u32, Vec<u32>>, SysfsError> {
+    entries(&root.join("devices/system/node"))
+        .iter()
+        .filter_map(|(name, dir)| {
+            let n = name.strip_prefix("node")?.parse::<u32>().ok()?;
+            Some(read_cpulist(&dir.join("cpulist")).map(|cpus| (n, cpus)))
+        })
+        .collect()
+}
+
+/// An error naming the first of `list` (the entries of `class/net` or `bus/pci/devices` of
+/// the tree given as `root`) when it has some and none exists: each links to nothing.
+fn no_dangling(root: &Path, list: &[(String, PathBuf)]) -> Result<(), SysfsError> {
+    let Some((_, first)) = list.first() else {
+        return Ok(());
+    };
+    if list.iter().any(|(_, entry)| entry.exists()) {
+        return Ok(());
+    }
+    Err(SysfsError::Dangling {
+        root: root.to_owned(),
+        link: first.clone(),
+        target: fs::read_link(first).unwrap_or_default(),
+    })
+}
+
 /// `root` canonicalized, once it is known to be a sysfs tree: a directory with `class/net` or
 /// `bus/pci/devices` (a VM without PCI still has `class/net/lo`). `/sys` itself is taken as
 /// it is (a sandbox without sysfs mounted there reads as a host without GPUs or NICs, as
@@ -240,8 +305,16 @@ fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
     out
 }
 
+/// The text of an attribute file, up to [`MAX_ATTR`] bytes and one more (so a longer file
+/// shows as one); `None` when unreadable or not UTF-8.
 fn read_text(path: &Path) -> Option<String> {
-    fs::read_to_string(path).ok()
+    let mut text = String::new();
+    fs::File::open(path)
+        .ok()?
+        .take(MAX_ATTR as u64 + 1)
+        .read_to_string(&mut text)
+        .ok()?;
+    Some(text)
 }
 
 fn read_hex16(path: &Path) -> Option<u16> {
@@ -252,10 +325,21 @@ fn read_numa(dev: &Path) -> Option<u32> {
     parse_numa(&read_text(&dev.join("numa_node"))?)
 }
 
-fn read_cpulist(path: &Path) -> Vec<u32> {
-    read_text(path)
-        .and_then(|s| parse_cpulist(&s))
-        .unwrap_or_default()
+/// The CPUs a cpulist file names; none when it cannot be read. One that no kernel writes is an
+/// error naming the file (before, it was an empty list, and a hostile one allocated
+/// gigabytes).
+fn read_cpulist(path: &Path) -> Result<Vec<u32>, SysfsError> {
+    let Some(text) = read_text(path) else {
+        return Ok(Vec::new());
+    };
+    let cpus = match text.len() > MAX_ATTR {
+        true => Err(CpulistError::TooLong(MAX_ATTR)),
+        false => parse_cpulist(&text),
+    };
+    cpus.map_err(|reason| SysfsError::Cpulist {
+        path: path.to_owned(),
+        reason,
+    })
 }
 
 /// The PCI path of a device from its real path, relative to `ROOT/devices`.
@@ -265,8 +349,8 @@ fn pci_path(root: &Path, real: &Path) -> PciPath {
 }
 
 /// `entry` (a `bus/pci/devices` link) as a GPU, when its vendor is NVIDIA and its class
-/// a display controller.
-fn read_gpu(root: &Path, name: &str, entry: &Path) -> Option<Gpu> {
+/// a display controller (an error when its `local_cpulist` is none a kernel writes).
+fn read_gpu(root: &Path, name: &str, entry: &Path) -> Option<Result<Gpu, SysfsError>> {
     let pci = parse_sysfs_name(name)?;
     let vendor = read_hex16(&entry.join("vendor")).filter(|v| *v == NVIDIA_VENDOR)?;
     let class = read_text(&entry.join("class"))?.trim().to_ascii_lowercase();
@@ -274,15 +358,19 @@ fn read_gpu(root: &Path, name: &str, entry: &Path) -> Option<Gpu> {
         return None;
     }
     let real = entry.canonicalize().ok()?;
-    Some(Gpu {
+    let local_cpulist = match read_cpulist(&real.join("local_cpulist")) {
+        Ok(cpus) => cpus,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(Ok(Gpu {
         pci,
         uuid: None,
         numa_node: read_numa(&real),
         vendor,
         device: read_hex16(&real.join("device")),
-        local_cpulist: read_cpulist(&real.join("local_cpulist")),
+        local_cpulist,
         path: pci_path(root, &real),
-    })
+    }))
 }
 
 /// `real` lies under a `virtual` directory of the tree (`devices/virtual/net/veth0`).
@@ -402,7 +490,9 @@ fn link_up(operstate: &str) -> Option<bool> {
     }
 }
 
-fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
+/// The interface at `entry` (`class/net/NAME`); an error when its PCI function's
+/// `local_cpulist` is none a kernel writes.
+fn read_nic(root: &Path, name: &str, entry: &Path) -> Result<Nic, SysfsError> {
     let mut nic = Nic {
         interface: name.to_owned(),
         pci: None,
@@ -429,10 +519,10 @@ fn read_nic(root: &Path, name: &str, entry: &Path) -> Nic {
         nic.is_virtual = false;
         nic.vendor = read_hex16(&dev.join("vendor"));
         nic.device = read_hex16(&dev.join("device"));
-        nic.local_cpulist = read_cpulist(&dev.join("local_cpulist"));
+        nic.local_cpulist = read_cpulist(&dev.join("local_cpulist"))?;
         nic.path = Some(pci_path(root, &dev));
     }
-    nic
+    Ok(nic)
 }
 
 #[cfg(test)]
@@ -521,6 +611,96 @@ mod tests {
         assert_eq!(only_cpu_node(&two), None);
         let cpu_less = BTreeMap::from([(0, none.clone()), (1, none)]);
         assert_eq!(only_cpu_node(&cpu_less), None);
+    }
+
+    /// Copies `from` to `to`, links as links (the fixtures' links are relative).
+    fn copy_keeping_links(from: &Path, to: &Path) {
+        fs::create_dir_all(to).expect("mkdir");
+        for (name, src) in entries(from) {
+            let dst = to.join(name);
+            let kind = fs::symlink_metadata(&src).expect("stat").file_type();
+            if kind.is_symlink() {
+                let target = fs::read_link(&src).expect("read_link");
+                std::os::unix::fs::symlink(target, &dst).expect("symlink");
+            } else if kind.is_dir() {
+                copy_keeping_links(&src, &dst);
+            } else {
+                fs::copy(&src, &dst).expect("copy");
+            }
+        }
+    }
+
+    #[test]
+    fn a_tree_copied_without_devices_is_refused_naming_a_dangling_link() {
+        // `cp -r /sys/class /sys/bus t/`: every entry of bus/pci/devices and class/net links
+        // into the devices/ left behind. It read as a host without GPUs or NICs, silently.
+        let fixture =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/sysfs/a3-8gpu-8nic");
+        let root =
+            std::env::temp_dir().join(format!("shardwire-sysfs-dangling-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        for dir in ["bus", "class"] {
+            copy_keeping_links(&fixture.join(dir), &root.join(dir));
+        }
+        let without = Tree::read(&root);
+        copy_keeping_links(&fixture.join("devices"), &root.join("devices"));
+        let whole = Tree::read(&root);
+        let _ = fs::remove_dir_all(&root);
+        let err = without.expect_err("every link dangles");
+        assert!(matches!(err, SysfsError::Dangling { .. }), "{err}");
+        let text = err.to_string();
+        for part in [
+            "bus/pci/devices/0000:00:01.0 links to ../../../devices/pci0000:00/0000:00:01.0",
+            "copy /sys/devices too",
+        ] {
+            assert!(text.contains(part), "{text}");
+        }
+        let whole = whole.expect("with devices/ it reads");
+        assert_eq!((whole.gpus.len(), whole.nics.len()), (8, 10));
+    }
+
+    #[test]
+    fn a_cpulist_no_kernel_writes_is_an_error_naming_its_file() {
+        // A node's cpulist naming 2^32 CPUs in 512 KiB (`0-65535,` repeated) was expanded
+        // range by range (16 GiB, then an abort); a malformed one was read as no CPUs.
+        let root =
+            std::env::temp_dir().join(format!("shardwire-sysfs-cpulist-{}", std::process::id()));
+        let node = root.join("devices/system/node/node0");
+        let read_with = |cpulist: &str| {
+            let _ = fs::remove_dir_all(&root);
+            fs::create_dir_all(root.join("class/net")).expect("mkdir");
+            fs::create_dir_all(&node).expect("mkdir");
+            fs::write(node.join("cpulist"), cpulist).expect("write");
+            Tree::read(&root)
+        };
+        let hostile = "0-65535,".repeat(1 << 16);
+        let long = read_with(&hostile);
+        let past = read_with("0-3,65536-65599\n");
+        let fine = read_with("0-3\n");
+        // As the tree names it: below the canonical root.
+        let file = node.canonicalize().expect("the node").join("cpulist");
+        let _ = fs::remove_dir_all(&root);
+        for (got, reason) in [
+            (long, CpulistError::TooLong(MAX_ATTR)),
+            (past, CpulistError::CpuTooLarge(65599)),
+        ] {
+            match got {
+                Err(SysfsError::Cpulist { path, reason: r }) => {
+                    assert_eq!((&path, &r), (&file, &reason));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let text = SysfsError::Cpulist {
+            path: file.clone(),
+            reason: CpulistError::CpuTooLarge(65599),
+        }
+        .to_string();
+        assert!(text.contains(file.to_str().expect("UTF-8")), "{text}");
+        assert_eq!(
+            fine.expect("a kernel's cpulist").cpus_of_node(0),
+            &[0, 1, 2, 3][..]
+        );
     }
 
     #[test]

@@ -3,29 +3,70 @@
 
 use serde::Serializer;
 
-/// The most CPUs one range of a cpulist may name: a corrupt or hostile file such as
-/// `0-4294967295` must not allocate gigabytes. Far above any real host.
-const MAX_RANGE: u32 = 1 << 16;
+/// One past the highest CPU id a cpulist may name, so also the most CPUs it may name. The
+/// kernel numbers CPUs below its `NR_CPUS`, 8192 in its largest configurations (x86-64 with
+/// `CONFIG_MAXSMP`), so this leaves room to spare. The whole list is gathered in a set of
+/// this many bits (8 KiB), not range by range: a corrupt or hostile file such as
+/// `0-4294967295`, or `0-65535,` repeated 65 536 times (512 KiB, 2^32 ids), must not allocate
+/// gigabytes.
+pub const MAX_CPUS: u32 = 1 << 16;
 
-/// Parses a kernel cpulist (`0-23,48-71`, `3`, empty for none). `None` when malformed.
-pub fn parse_cpulist(s: &str) -> Option<Vec<u32>> {
-    let mut cpus = Vec::new();
+/// Why a cpulist is none the kernel writes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CpulistError {
+    /// A part is not `N` or `LO-HI` with `LO <= HI` (its first 32 characters).
+    #[error("`{0}` is not a CPU number or range such as `3` or `0-23`")]
+    Malformed(String),
+    /// A CPU id at or past [`MAX_CPUS`].
+    #[error("it names CPU {0}, and no kernel numbers CPUs past {max}", max = MAX_CPUS - 1)]
+    CpuTooLarge(u32),
+    /// The file is longer than this many bytes, which no kernel writes for a cpulist.
+    #[error("it is longer than {0} bytes, more than a kernel writes for one")]
+    TooLong(usize),
+}
+
+/// Parses a kernel cpulist (`0-23,48-71`, `3`, empty for none): the CPUs, sorted, each once.
+pub fn parse_cpulist(s: &str) -> Result<Vec<u32>, CpulistError> {
+    const WORDS: usize = (MAX_CPUS / 64) as usize;
+    let mut set = vec![0u64; WORDS];
     for part in s.trim().split(',').filter(|p| !p.is_empty()) {
-        let (lo, hi) = match part.split_once('-') {
-            Some((lo, hi)) => (lo.parse::<u32>().ok()?, hi.parse::<u32>().ok()?),
-            None => {
-                let one = part.parse::<u32>().ok()?;
-                (one, one)
-            }
-        };
-        if hi < lo || hi - lo >= MAX_RANGE {
-            return None;
+        let (lo, hi) = parse_cpu_range(part)?;
+        // Word by word, so a wide range costs at most WORDS steps.
+        for w in lo / 64..=hi / 64 {
+            let first = lo.max(w * 64) - w * 64;
+            let last = hi.min(w * 64 + 63) - w * 64;
+            set[w as usize] |= (u64::MAX >> (63 - last)) & (u64::MAX << first);
         }
-        cpus.extend(lo..=hi);
     }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Some(cpus)
+    let mut cpus = Vec::new();
+    for (w, &word) in (0u32..).zip(&set) {
+        let mut bits = word;
+        while bits != 0 {
+            cpus.push(w * 64 + bits.trailing_zeros());
+            bits &= bits - 1;
+        }
+    }
+    Ok(cpus)
+}
+
+/// One part of a cpulist (`3`, `0-23`) as its first and last CPU.
+fn parse_cpu_range(part: &str) -> Result<(u32, u32), CpulistError> {
+    let malformed = || CpulistError::Malformed(part.chars().take(32).collect());
+    let num = |t: &str| t.parse::<u32>().map_err(|_| malformed());
+    let (lo, hi) = match part.split_once('-') {
+        Some((lo, hi)) => (num(lo)?, num(hi)?),
+        None => {
+            let one = num(part)?;
+            (one, one)
+        }
+    };
+    if hi < lo {
+        return Err(malformed());
+    }
+    if hi >= MAX_CPUS {
+        return Err(CpulistError::CpuTooLarge(hi));
+    }
+    Ok((lo, hi))
 }
 
 /// The kernel's spelling of a set of CPUs (or queue ids): sorted, runs as `a-b`, `,`-joined;
@@ -97,18 +138,51 @@ mod tests {
     fn cpulists_parse_and_print() {
         assert_eq!(
             parse_cpulist("0-3,8,10-11\n"),
-            Some(vec![0, 1, 2, 3, 8, 10, 11])
+            Ok(vec![0, 1, 2, 3, 8, 10, 11])
         );
-        assert_eq!(parse_cpulist(""), Some(vec![]));
-        assert_eq!(parse_cpulist("\n"), Some(vec![]));
-        assert_eq!(parse_cpulist("5"), Some(vec![5]));
-        for bad in ["a", "3-1", "1-", "-1", "0-4294967295", "1,,x"] {
-            assert_eq!(parse_cpulist(bad), None, "{bad}");
+        assert_eq!(parse_cpulist(""), Ok(vec![]));
+        assert_eq!(parse_cpulist("\n"), Ok(vec![]));
+        assert_eq!(parse_cpulist("5"), Ok(vec![5]));
+        assert_eq!(parse_cpulist("3,1-2,2"), Ok(vec![1, 2, 3]));
+        for bad in ["a", "3-1", "1-", "-1", "1,,x"] {
+            assert!(
+                matches!(parse_cpulist(bad), Err(CpulistError::Malformed(_))),
+                "{bad}"
+            );
         }
+        assert_eq!(
+            parse_cpulist("0-4294967295"),
+            Err(CpulistError::CpuTooLarge(u32::MAX))
+        );
         assert_eq!(format_ranges(&[48, 0, 1, 2, 49, 7]), "0-2,7,48-49");
         assert_eq!(format_ranges(&[]), "");
         let list = "0-51,104-155";
         assert_eq!(format_ranges(&parse_cpulist(list).expect("valid")), list);
+    }
+
+    #[test]
+    fn a_cpulist_is_bounded_as_a_whole_not_range_by_range() {
+        // Before, each range was bounded by its width only and all were gathered before the
+        // dedup: `0-65535,` repeated 65 536 times gathered 2^32 ids (16 GiB), and a CPU id
+        // past any kernel's (65536-65599, a narrow range) was taken.
+        assert_eq!(
+            parse_cpulist("65536-65599"),
+            Err(CpulistError::CpuTooLarge(65599))
+        );
+        assert_eq!(
+            parse_cpulist("1000000"),
+            Err(CpulistError::CpuTooLarge(1_000_000))
+        );
+        let top = MAX_CPUS - 1;
+        let hostile = format!("0-{top},").repeat(1024);
+        let cpus = parse_cpulist(&hostile).expect("ids in range");
+        assert_eq!(cpus.len(), MAX_CPUS as usize);
+        assert_eq!((cpus[0], cpus[cpus.len() - 1]), (0, top));
+        // Ranges across word edges and single CPUs of the same words.
+        assert_eq!(
+            parse_cpulist("62-65,127,128,64"),
+            Ok(vec![62, 63, 64, 65, 127, 128])
+        );
     }
 
     #[test]

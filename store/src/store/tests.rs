@@ -590,6 +590,7 @@ fn one_azure_container_has_one_window_however_its_url_is_written() {
     let client = |account: Option<&str>| backend::Client {
         os: Arc::new(InMemory::new()),
         lister: None,
+        writer: None,
         described: memory(),
         account: account.map(str::to_owned),
     };
@@ -638,6 +639,7 @@ async fn the_listing_uses_the_listing_client_and_reads_the_other() {
     let client = backend::Client {
         os: os.clone(),
         lister: Some(lister.clone() as Arc<dyn ObjectStore>),
+        writer: None,
         described: memory(),
         account: None,
     };
@@ -648,4 +650,37 @@ async fn the_listing_uses_the_listing_client_and_reads_the_other() {
     assert_eq!(listed[0].key, "listed.bin");
     assert_eq!(s.read("a.bin", 0..10, None).await.unwrap(), data(10));
     assert_eq!(s.head("a.bin").await.unwrap().size, 10);
+}
+
+/// Uploads go through the upload client (its read limit is the whole request's), reads and
+/// the HEAD after an upload through the other. Before, one client with the 10 s read limit,
+/// which also runs while a body is sent, served both.
+#[tokio::test(flavor = "current_thread")]
+async fn uploads_use_the_upload_client_and_reads_the_other() {
+    let os = Arc::new(InMemory::new());
+    let writer = Arc::new(InMemory::new());
+    let client = backend::Client {
+        os: os.clone(),
+        lister: None,
+        writer: Some(writer.clone() as Arc<dyn ObjectStore>),
+        described: memory(),
+        account: None,
+    };
+    let url = StoreUrl::parse("s3://unit-writer/pre").unwrap();
+    let s = Store::assemble(&url, StoreOptions::default(), client);
+    s.put("m.json", Bytes::from_static(b"{}")).await.unwrap();
+    assert!(writer.head(&Path::from("pre/m.json")).await.is_ok());
+    assert!(os.head(&Path::from("pre/m.json")).await.is_err());
+    let dir = std::env::temp_dir().join(format!("shardwire-store-writer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("big.arrow");
+    let big = data((MIN_PART as usize) * 2 + 1);
+    std::fs::write(&file, &big).unwrap();
+    // The multipart upload reaches the upload client; the HEAD that follows asks the read
+    // client, which here is another store and has no such object.
+    let e = s.put_file("big.arrow", &file).await.unwrap_err();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(e.kind(), StoreErrorKind::NotFound, "{e}");
+    let up = writer.head(&Path::from("pre/big.arrow")).await.unwrap();
+    assert_eq!(up.size, big.len() as u64);
 }
