@@ -580,15 +580,14 @@ mod tests {
         }
         // Built: an S3 store uploads with that client and reads with the 10 s one.
         let url = StoreUrl::parse("s3://bkt/ds").unwrap();
-        if let Ok(built) = build(&url, &opts) {
-            let reads = format!("{:?}", built.os);
-            let writes = format!("{:?}", built.writer.expect("an upload client"));
-            assert!(reads.contains("\"10000ms\""), "{reads}");
-            assert!(
-                !writes.contains("\"10000ms\"") && writes.contains("\"60000ms\""),
-                "{writes}"
-            );
-        }
+        let built = build(&url, &opts).expect("an S3 store builds from a bucket URL");
+        let reads = format!("{:?}", built.os);
+        let writes = format!("{:?}", built.writer.expect("an upload client"));
+        assert!(reads.contains("\"10000ms\""), "{reads}");
+        assert!(
+            !writes.contains("\"10000ms\"") && writes.contains("\"60000ms\""),
+            "{writes}"
+        );
         // An http(s) store is read-only: no upload client.
         let url = StoreUrl::parse("https://files.example/ds").unwrap();
         assert!(build(&url, &opts).unwrap().writer.is_none());

@@ -20,9 +20,10 @@
 //!   its model on the same card or below a common PCIe switch is up and not itself passed
 //!   over as slow (an uncabled second port: a GPU whose own NIC is down at start shares that
 //!   one until a restart, at worst going from PIX to PXB), or is up but slow while every up
-//!   NIC of its model on the host is slow too (a management card's uncabled port; a GPU port
-//!   still training beside a sibling that came up slow stays a candidate where a NIC of its
-//!   model elsewhere is fast). Never for an up NIC its GPUs reach only through a CPU, such as
+//!   NIC of its model on the host is slow too or it sits below no PCIe switch (a management
+//!   card's uncabled port: one PCI id names a NIC family; a GPU port below a switch still
+//!   training beside a sibling that came up slow stays a candidate where a NIC of its model
+//!   elsewhere is fast). Never for an up NIC its GPUs reach only through a CPU, such as
 //!   a host NIC: links still training at boot would send the GPUs there until a restart. Or
 //!   when it is [`SLOW_FACTOR`] times slower than the host's fastest NIC (a management NIC
 //!   beside the GPU NICs: TCPX skips the host NIC, NCCL ranks NICs by bandwidth first).
@@ -187,9 +188,9 @@ fn near_each_other(a: &Nic, b: &Nic) -> bool {
 /// passed over as slow; or each such NIC is slow, and so is every up NIC of its model on the
 /// host (a management card: its uncabled ports go with its cabled one). `None` when no such
 /// NIC's link is up, when its ids could not be read (it tells no model), or when each such NIC
-/// is slow but an up NIC of its model elsewhere is not: a GPU port still training beside a
-/// sibling that came up slow (a bad cable) stays a candidate, else its GPUs went through a CPU
-/// to that fast NIC until a restart.
+/// is slow but an up NIC of its model elsewhere is not and `nic` sits below a PCIe switch: a
+/// GPU port still training beside a sibling that came up slow (a bad cable) stays a
+/// candidate, else its GPUs went through a CPU to that fast NIC until a restart.
 fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
     let model = |n: &Nic| n.vendor.zip(n.device);
     let own = model(nic)?;
@@ -213,14 +214,22 @@ fn down_note(nics: &[Nic], nic: &Nic) -> Option<String> {
         ));
     }
     let slow = near.first()?;
+    // A PCI id names a whole NIC family (every ConnectX-7 is 15b3:1021), so a fast one
+    // elsewhere keeps the down port only where it sits below a PCIe switch beside GPUs; a
+    // management card (an OCP or LOM port on a root port) stays passed over.
+    let below_switch = nic.path.as_ref().is_some_and(|p| !p.switches().is_empty());
     let fast_elsewhere = nics
         .iter()
         .any(|n| up_of_model(n) && passed_over(nics, n).is_none());
-    (!fast_elsewhere).then(|| {
+    (!(fast_elsewhere && below_switch)).then(|| {
         format!(
-            "its link is down (operstate), and {}'s ({peer}) is up but slow, as is every up NIC \
-             of its model (a management card?)",
-            slow.interface
+            "its link is down (operstate), and {}'s ({peer}) is up but slow, {} (a management \
+             card?)",
+            slow.interface,
+            match fast_elsewhere {
+                false => "as is every up NIC of its model",
+                true => "and it sits below no PCIe switch",
+            }
         )
     })
 }
@@ -1554,6 +1563,24 @@ mod tests {
             .collect();
         let on_f1 = (Some("ens1f1"), Some(Distance::Pix), false);
         assert_eq!(got, [on_f1, on_f1], "{lanes:#?}");
+        // The same card on a root port (an OCP management card of the same model: one PCI id
+        // names the family): its uncabled port stays passed over beside its slow sibling,
+        // though ens9 runs fast.
+        let mut rooted = tree.clone();
+        for (k, f) in [0u8, 1].into_iter().enumerate() {
+            let dev = format!("0000:1b:00.{f}");
+            let mut n = nic(
+                &format!("eno{}", f + 1),
+                Some(0),
+                16,
+                "pci0000:00",
+                &["0000:00:03.0", &dev],
+            );
+            (n.link_up, n.speed_mbps) = (tree.nics[k].link_up, tree.nics[k].speed_mbps);
+            rooted.nics[k] = n;
+        }
+        let why = passed_over(&rooted.nics, &rooted.nics[1]).expect("passed over");
+        assert!(why.contains("below no PCIe switch"), "{why}");
         // ens9 of another model: nothing says a CX-7 runs fast here, so ens1f1 goes with its
         // slow sibling, as a management card's uncabled port does.
         (tree.nics[2].vendor, tree.nics[2].device) = (Some(0x8086), Some(0x159b));
