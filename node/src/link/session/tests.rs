@@ -42,6 +42,27 @@ impl FakeSource {
             .expect("send to the node");
     }
 
+    /// Keeps the session alive from the source's side (a `Ping` every 20 s, within any idle
+    /// timeout) and reads and drops whatever the node sends, until the result is dropped.
+    fn keep_alive(self) -> KeptAlive {
+        let (mut rd, mut wr, mut buf) = (self.rd, self.wr, self.buf);
+        let pinger = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                if write_message(&mut wr, &Message::Ping).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let drain = tokio::spawn(async move {
+            while read_message(&mut rd, &mut buf, wire::MAX_FRAME)
+                .await
+                .is_ok()
+            {}
+        });
+        KeptAlive([pinger, drain])
+    }
+
     /// Answers the node's handshake (no secret).
     async fn handshake(&mut self, idle_timeout_s: u16) {
         self.handshake_for(&node_lanes(), idle_timeout_s).await;
@@ -64,6 +85,17 @@ impl FakeSource {
             idle_timeout_s,
         })
         .await;
+    }
+}
+
+/// A source end kept alive ([`FakeSource::keep_alive`]): its tasks end when this is dropped.
+struct KeptAlive([tokio::task::JoinHandle<()>; 2]);
+
+impl Drop for KeptAlive {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
     }
 }
 
@@ -250,11 +282,22 @@ async fn with_a_fetch(req: u64, ready: bool) -> WithFetch {
         l.data_ready(1, 1);
         assert_eq!(src.recv_work().await, Message::DataReady { conn: 1 });
     }
+    let done = send_fetch(&l, &mut src, req).await;
+    (l, src, sink, task, done)
+}
+
+/// Sends FETCH `req` (shard 0, 4096 bytes, CRC 5) over `l` and reads it at the source;
+/// returns where its outcome goes.
+async fn send_fetch(
+    l: &SourceLink,
+    src: &mut FakeSource,
+    req: u64,
+) -> tokio::sync::mpsc::UnboundedReceiver<crate::fetch::Completion> {
     let p = pool(1 << 20);
     let (f, done) = in_flight(&p, 0, 4096, 5);
     l.fetch(req, "tiny", f.shard, f).unwrap();
     assert!(matches!(src.recv_work().await, Message::Fetch { req: r, .. } if r == req));
-    (l, src, sink, task, done)
+    done
 }
 
 /// The source's `Shard` for FETCH `req` (shard 0, 4096 bytes, CRC 5) on connection 1.
@@ -1005,28 +1048,8 @@ async fn payload_bytes_landing_keep_a_session_whose_fetch_waits_alive() {
     let (l, mut src, _sink, task) = start();
     src.handshake(60).await;
     until_up(&l).await;
-    let p = pool(1 << 20);
-    let (f, _done) = in_flight(&p, 0, 4096, 5);
-    l.fetch(11, "tiny", f.shard, f).unwrap();
-    assert!(matches!(
-        src.recv_work().await,
-        Message::Fetch { req: 11, .. }
-    ));
-    let (mut rd, mut wr, mut buf) = (src.rd, src.wr, src.buf);
-    let pinger = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_secs(20)).await;
-            if write_message(&mut wr, &Message::Ping).await.is_err() {
-                return;
-            }
-        }
-    });
-    let drain = tokio::spawn(async move {
-        while read_message(&mut rd, &mut buf, wire::MAX_FRAME)
-            .await
-            .is_ok()
-        {}
-    });
+    let _done = send_fetch(&l, &mut src, 11).await;
+    let _alive = src.keep_alive();
     let began = Instant::now();
     let busy = Duration::from_secs(900);
     while began.elapsed() < busy {
@@ -1044,8 +1067,6 @@ async fn payload_bytes_landing_keep_a_session_whose_fetch_waits_alive() {
         "{e}"
     );
     assert!(began.elapsed() >= busy + stall::SILENCE_LIMIT);
-    pinger.abort();
-    drain.abort();
 }
 
 #[tokio::test]
@@ -1097,30 +1118,10 @@ async fn a_source_that_pings_but_answers_no_fetch_ends_the_session_and_the_fetch
     let (l, mut src, sink, task) = start();
     src.handshake(60).await;
     until_up(&l).await;
-    let p = pool(1 << 20);
-    let (f, mut done) = in_flight(&p, 0, 4096, 5);
-    l.fetch(11, "tiny", f.shard, f).unwrap();
-    assert!(matches!(
-        src.recv_work().await,
-        Message::Fetch { req: 11, .. }
-    ));
+    let mut done = send_fetch(&l, &mut src, 11).await;
     // The source keeps the session alive (it pings within every idle timeout) and answers
     // nothing: the session ends once the silence limit has passed, not before.
-    let (mut rd, mut wr, mut buf) = (src.rd, src.wr, src.buf);
-    let pinger = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_secs(20)).await;
-            if write_message(&mut wr, &Message::Ping).await.is_err() {
-                return;
-            }
-        }
-    });
-    let drain = tokio::spawn(async move {
-        while read_message(&mut rd, &mut buf, wire::MAX_FRAME)
-            .await
-            .is_ok()
-        {}
-    });
+    let _alive = src.keep_alive();
     let began = Instant::now();
     let e = task.await.unwrap().unwrap_err();
     let waited = began.elapsed();
@@ -1147,8 +1148,6 @@ async fn a_source_that_pings_but_answers_no_fetch_ends_the_session_and_the_fetch
         c.result
     );
     assert_eq!(l.in_flight(), 0);
-    pinger.abort();
-    drain.abort();
 }
 
 #[tokio::test]
