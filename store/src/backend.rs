@@ -172,14 +172,12 @@ fn s3(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError) 
         .with_bucket_name(bucket)
         .with_retry(retry(opts))
         .with_http_connector(tap);
-    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let mut b = b.clone();
-        for (k, v) in settings {
-            b = b.with_config(S3Key::Client(k), v);
-        }
-        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
-    };
-    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
+    let [os, writer] = reader_and_writer(
+        &b,
+        opts,
+        |b, k, v| b.with_config(S3Key::Client(k), v),
+        |b| Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?)),
+    )?;
     Ok(Client {
         writer: Some(writer),
         ..Client::plain(os, describe_s3(&b))
@@ -210,14 +208,12 @@ fn gcs(bucket: &str, opts: &StoreOptions, config: impl Fn(String) -> StoreError)
         .with_bucket_name(bucket)
         .with_retry(retry(opts))
         .with_http_connector(tap);
-    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let mut b = b.clone();
-        for (k, v) in settings {
-            b = b.with_config(GcsKey::Client(k), v);
-        }
-        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
-    };
-    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
+    let [os, writer] = reader_and_writer(
+        &b,
+        opts,
+        |b, k, v| b.with_config(GcsKey::Client(k), v),
+        |b| Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?)),
+    )?;
     Ok(Client {
         writer: Some(writer),
         ..Client::plain(os, describe_gcs(&b))
@@ -257,14 +253,12 @@ fn azure(url: &StoreUrl, opts: &StoreOptions, config: impl Fn(String) -> StoreEr
     if let Some(account) = url.account() {
         b = b.with_account(account);
     }
-    let make = |settings: Settings| -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let mut b = b.clone();
-        for (k, v) in settings {
-            b = b.with_config(AzKey::Client(k), v);
-        }
-        Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?))
-    };
-    let (os, writer) = (make(client(opts))?, make(writer_client(opts))?);
+    let [os, writer] = reader_and_writer(
+        &b,
+        opts,
+        |b, k, v| b.with_config(AzKey::Client(k), v),
+        |b| Ok(Arc::new(b.build().map_err(|e| config(e.to_string()))?)),
+    )?;
     Ok(Client {
         account: azure_account(&b),
         writer: Some(writer),
@@ -297,6 +291,24 @@ fn retry(opts: &StoreOptions) -> RetryConfig {
 
 /// A client's settings (object_store's `ClientConfigKey`s).
 type Settings = [(ClientConfigKey, String); 4];
+
+/// The two stores of one provider's builder `b`: reads with [`client`]'s settings, uploads
+/// with [`writer_client`]'s (`with` sets one client key on a copy, `build` makes the store).
+fn reader_and_writer<B: Clone>(
+    b: &B,
+    opts: &StoreOptions,
+    with: impl Fn(B, ClientConfigKey, String) -> B,
+    build: impl Fn(B) -> Result<Arc<dyn ObjectStore>, StoreError>,
+) -> Result<[Arc<dyn ObjectStore>; 2], StoreError> {
+    let make = |settings: Settings| {
+        build(
+            settings
+                .into_iter()
+                .fold(b.clone(), |b, (k, v)| with(b, k, v)),
+        )
+    };
+    Ok([make(client(opts))?, make(writer_client(opts))?])
+}
 
 /// Client settings: our timeouts and HTTP/1 (one store was stuck near 250 MB/s on HTTP/2).
 /// object_store hands `ReadTimeout` to reqwest, which counts it from sending the request to
