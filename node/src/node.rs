@@ -73,7 +73,7 @@ impl Node {
             routing: Routing::new(Arc::clone(&plane.roster)),
             plane,
             counters,
-            ids: Arc::new(AtomicU64::new(0)),
+            ids: Arc::new(AtomicU64::new(first_id())),
             control: tx,
             rt: tokio::runtime::Handle::current(),
             drain_requested: Notify::new(),
@@ -91,7 +91,8 @@ impl Node {
         &self.counters
     }
 
-    /// A fresh id for streams, leases and requests.
+    /// A fresh id for streams, leases and requests: never one of this node's earlier runs
+    /// ([`first_id`]).
     pub fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed) + 1
     }
@@ -557,6 +558,25 @@ impl Node {
     }
 }
 
+/// The first id of this node run: random below 2^52 (exact in every JSON reader), so that a
+/// trainer's stream or lease id from before a restart names nothing of this run. Ids counted
+/// from 1 again after a restart: a trainer that reopened after one and then dropped its old
+/// handle closed its own new stream (or another trainer's) with the old handle's `close`.
+fn first_id() -> u64 {
+    let mut b = [0u8; 4];
+    let random = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    let seed = match random {
+        Ok(4) => u32::from_le_bytes(b),
+        // No random bytes (a kernel without getrandom): the clock's nanoseconds.
+        _ => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.subsec_nanos() ^ d.as_secs() as u32),
+    };
+    // 2^21 ids to a slot: a run uses millions of ids; its range and another run's meet only
+    // if their random slots fall within that many of each other.
+    u64::from(seed >> 1).max(1) << 21
+}
+
 fn source_status(m: &Member) -> SourceStatus {
     let l = &m.link;
     SourceStatus {
@@ -655,5 +675,24 @@ fn display_name(r: &StreamRequest) -> String {
             .collect::<Vec<_>>()
             .join("+"),
         None => r.dataset.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_id;
+
+    #[test]
+    fn each_run_counts_ids_from_its_own_random_start_below_two_to_the_53() {
+        // Before: every run counted from 1, so a restarted node gave a reopened stream the
+        // id of a stream of its last run.
+        let starts: Vec<u64> = (0..4).map(|_| first_id()).collect();
+        for &s in &starts {
+            assert!((1 << 21..1 << 53).contains(&s), "{s}");
+        }
+        let mut distinct = starts.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 1, "{starts:?}");
     }
 }

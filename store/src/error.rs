@@ -108,7 +108,7 @@ pub enum StoreError {
     /// the prefix is not a valid object path.
     #[error(
         "bucket {bucket}, key {key}: refused by the store{reason}; this is not transient \
-         (check the dataset URL, AWS_REGION and the endpoint)"
+         (check {check})"
     )]
     Rejected {
         /// Bucket.
@@ -117,6 +117,8 @@ pub enum StoreError {
         key: String,
         /// The HTTP status, when the store answered, and its answer: ` (HTTP 400): ...`.
         reason: String,
+        /// What to check, for this kind of store (`Scheme::refusal_check`).
+        check: &'static str,
     },
     /// 401/403.
     #[error(
@@ -333,6 +335,7 @@ pub(crate) fn classify_get(
                      shardwire reads shards by range; serve the dataset from a server that \
                      honours `Range`)"
                 .into(),
+            check: at.check,
         };
     }
     classify(e, last, at)
@@ -348,6 +351,9 @@ pub(crate) struct At<'a> {
     /// The store takes no credentials (http(s)): a 401/403 from it is no credentials
     /// failure ([`uncredentialed`]).
     pub uncredentialed: bool,
+    /// What a refusal tells the user to check, for this kind of store
+    /// (`Scheme::refusal_check`).
+    pub check: &'static str,
     /// The dataset URL, when the request is its listing (not a GET or HEAD of one object).
     pub listing: Option<&'a str>,
 }
@@ -463,6 +469,7 @@ fn from_store(
                 http(status),
                 short(&e)
             ),
+            check: at.check,
         },
         (E::InvalidPath { .. }, _) => StoreError::Rejected {
             bucket,
@@ -473,6 +480,7 @@ fn from_store(
                  prefix ({})",
                 short(&e)
             ),
+            check: at.check,
         },
         (E::Generic { .. }, Some(400)) if token_refused(&e) => StoreError::Credentials {
             bucket,
@@ -484,6 +492,7 @@ fn from_store(
                 bucket,
                 key,
                 reason: format!("{}: {}", http(status), short(&e)),
+                check: at.check,
             }
         }
         _ => StoreError::Unavailable {
@@ -598,6 +607,7 @@ mod tests {
             range: Some(0..8),
             etag: Some("\"e1\""),
             uncredentialed: false,
+            check: "the dataset URL, AWS_REGION and the endpoint",
             listing: None,
         }
     }
@@ -755,6 +765,7 @@ mod tests {
         // that refuses `PROPFIND` with `Depth: infinity` (Apache's default).
         let listing = At {
             uncredentialed: true,
+            check: "the dataset URL and what the server serves there",
             listing: Some("https://files.example/ds"),
             range: None,
             ..at()
@@ -782,6 +793,7 @@ mod tests {
         // fetched a permanent 403 ten times before its stream ended.
         let get = At {
             uncredentialed: true,
+            check: "the dataset URL and what the server serves there",
             ..at()
         };
         for status in [401, 403] {
@@ -808,6 +820,7 @@ mod tests {
         // 20 s at source start; neither said the server must answer WebDAV PROPFIND.
         let listing = At {
             uncredentialed: true,
+            check: "the dataset URL and what the server serves there",
             listing: Some("http://files.example:8000/ds"),
             range: None,
             etag: None,
@@ -829,12 +842,22 @@ mod tests {
         // A GET or HEAD of one object, and a cloud store's listing, keep their kinds.
         let get = At {
             uncredentialed: true,
+            check: "the dataset URL and what the server serves there",
             ..at()
         };
         let e = classify(generic(), Some(&with(501, None)), get.clone());
         assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e}");
         let e = classify(generic(), Some(&with(405, None)), get);
         assert!(!e.to_string().contains("PROPFIND"), "{e}");
+        // Before: every refusal for good said "check the dataset URL, AWS_REGION and the
+        // endpoint", to a user of an http(s) server, which has no region.
+        assert_eq!(e.kind(), StoreErrorKind::Rejected, "{e}");
+        assert!(
+            !e.to_string().contains("AWS_") && e.to_string().contains("what the server serves"),
+            "{e}"
+        );
+        let e = classify(generic(), Some(&with(400, None)), at());
+        assert!(e.to_string().contains("AWS_REGION"), "{e}");
         let s3_listing = At {
             listing: Some("s3://bkt/ds"),
             ..at()

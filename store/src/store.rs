@@ -191,6 +191,7 @@ impl Store {
             range,
             etag,
             uncredentialed: matches!(scheme, Scheme::Http | Scheme::Https),
+            check: scheme.refusal_check(),
             listing: None,
         }
     }
@@ -264,6 +265,15 @@ impl Store {
         if self.inner.url.scheme() == crate::url::Scheme::File {
             self.name_dangling_links().await;
         }
+        self.relative_metas(listed, prefix)
+    }
+
+    /// The listed objects, folder markers left out, keys relative to `prefix`.
+    fn relative_metas(
+        &self,
+        listed: Vec<object_store::ObjectMeta>,
+        prefix: &str,
+    ) -> Result<Vec<ObjectMeta>, StoreError> {
         let strip = if prefix.is_empty() {
             String::new()
         } else {
@@ -285,6 +295,7 @@ impl Store {
                             " (the listing under prefix {prefix:?} returned this key outside \
                              it: a proxy or server that rewrites paths?)"
                         ),
+                        check: self.inner.url.scheme().refusal_check(),
                     });
                 };
                 Ok(ObjectMeta {

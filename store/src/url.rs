@@ -32,6 +32,21 @@ impl Scheme {
         (Scheme::Https, "https"),
     ];
 
+    /// What a store's refusal for good (a [`StoreError::Rejected`]) tells the user to check,
+    /// for this kind of store: an http(s) server has no region and no credentials.
+    pub fn refusal_check(self) -> &'static str {
+        match self {
+            Scheme::S3 => "the dataset URL, AWS_REGION and the endpoint (AWS_ENDPOINT_URL)",
+            Scheme::Gcs => "the dataset URL and the bucket's name",
+            Scheme::Azure => {
+                "the dataset URL, the storage account (AZURE_STORAGE_ACCOUNT_NAME) and the \
+                 endpoint"
+            }
+            Scheme::File => "the dataset URL and the directory",
+            Scheme::Http | Scheme::Https => "the dataset URL and what the server serves there",
+        }
+    }
+
     /// The scheme as written in URLs (`s3`).
     pub fn as_str(self) -> &'static str {
         Self::ALL
@@ -514,6 +529,17 @@ mod tests {
 
     fn err(s: &str) -> String {
         StoreUrl::parse(s).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_refusal_names_what_to_check_for_its_kind_of_store() {
+        // Before: every refusal said "check the dataset URL, AWS_REGION and the endpoint".
+        for (scheme, name) in Scheme::ALL {
+            let check = scheme.refusal_check();
+            assert!(check.starts_with("the dataset URL"), "{name}: {check}");
+            let names_aws = check.contains("AWS_REGION");
+            assert_eq!(names_aws, scheme == Scheme::S3, "{name}: {check}");
+        }
     }
 
     #[test]
