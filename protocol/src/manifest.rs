@@ -235,8 +235,13 @@ pub enum ManifestError {
     /// Unknown format version.
     #[error("manifest format {0} is not supported (this build reads format {FORMAT})")]
     Format(u32),
-    /// The digest does not match the content.
-    #[error("manifest digest {stated} does not match its content ({computed})")]
+    /// The digest does not match the content. The source's strings here and in `Shard` and
+    /// `Objects` may hold a `\n` (JSON-decoded); they are shown escaped (`wire::printable`), so
+    /// a node log line quoting them cannot go on as a forged line.
+    #[error(
+        "manifest digest {} does not match its content ({computed})",
+        crate::wire::printable(.stated)
+    )]
     Digest {
         /// What the manifest says.
         stated: String,
@@ -244,7 +249,11 @@ pub enum ManifestError {
         computed: String,
     },
     /// A shard or tensor is inconsistent.
-    #[error("shard {shard} ({file}): {reason}")]
+    #[error(
+        "shard {shard} ({}): {}",
+        crate::wire::printable(.file),
+        crate::wire::printable(.reason)
+    )]
     Shard {
         /// Shard index.
         shard: usize,
@@ -269,7 +278,7 @@ pub enum ManifestError {
         len: u64,
     },
     /// The object list is inconsistent.
-    #[error("manifest objects: {0}")]
+    #[error("manifest objects: {}", crate::wire::printable(.0))]
     Objects(String),
 }
 
@@ -657,6 +666,43 @@ mod tests {
         assert!(matches!(e, ManifestError::Json(_)), "{text}");
         assert!(!text.contains(|c: char| c.is_control()), "{text:?}");
         assert!(text.contains(r"x\nINFO shardwire_node: forged\r"), "{text}");
+    }
+
+    /// `m`'s error from `from_json`, asserted to be on one printable line that shows
+    /// `FORGED`'s line break escaped.
+    fn forged_line_error(m: &Manifest) -> ManifestError {
+        let e = Manifest::from_json(&m.to_json()).unwrap_err();
+        let text = e.to_string();
+        assert!(!text.contains(|c: char| c.is_control()), "{text:?}");
+        assert!(text.contains(r"x\nINFO shardwire_node: forged"), "{text}");
+        e
+    }
+
+    const FORGED: &str = "x\nINFO shardwire_node: forged";
+
+    #[test]
+    fn a_line_break_in_a_sources_strings_is_escaped_in_the_error() {
+        // Before, the digest, a shard's file, a tensor's name and an object's file were shown
+        // as decoded, and a `\n` in them started a forged line in the node's log.
+        let mut m = sample();
+        m.digest = FORGED.into();
+        assert!(matches!(
+            forged_line_error(&m),
+            ManifestError::Digest { .. }
+        ));
+
+        let mut m = sample();
+        (m.shards[0].file, m.shards[0].length) = (FORGED.into(), 0);
+        assert!(matches!(forged_line_error(&m), ManifestError::Shard { .. }));
+
+        let mut m = sample();
+        m.shards[0].tensors[0].name = FORGED.into();
+        m.shards[0].tensors[0].length = 8;
+        assert!(matches!(forged_line_error(&m), ManifestError::Shard { .. }));
+
+        let mut m = sample();
+        m.objects = vec![object(FORGED, 200, "e"), object(FORGED, 200, "e")];
+        assert!(matches!(forged_line_error(&m), ManifestError::Objects(_)));
     }
 
     fn sample() -> Manifest {

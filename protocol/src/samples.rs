@@ -855,15 +855,18 @@ impl BatchPlan {
         if first >= end {
             return None;
         }
-        let mut shards: Vec<u32> = (first..end)
+        // Positions wrap to the epoch's start (`EpochOrder::sample`), and index i + N is at
+        // position(i) + W * N, the same sample: N indexes from `first` read every shard the
+        // rest do. So the work is bounded by the epoch's samples, not by the batch (up to
+        // 2^32 indexes for `drop_last = false` with a batch larger than the epoch).
+        let once = end.min(first.saturating_add(self.order.total));
+        let shards: std::collections::BTreeSet<u32> = (first..once)
             .flat_map(|i| ep.shards_at(self.position(i)))
             .collect();
-        shards.sort_unstable();
-        shards.dedup();
         Some(Unit {
             first,
             last: end - 1,
-            shards,
+            shards: shards.into_iter().collect(),
         })
     }
 

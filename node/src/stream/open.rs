@@ -57,6 +57,9 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
             "epochs must be at least 1",
         ));
     }
+    if let Some(b) = r.batch_size {
+        check_global_batch(b, r.world_size)?;
+    }
     let token_fields = [
         ("tokens_column", r.tokens_column.is_some()),
         ("token_dtype", r.token_dtype.is_some()),
@@ -110,6 +113,33 @@ pub fn check_request(r: &StreamRequest) -> Result<(), OpenError> {
     // must fail this request, never the source links shared by every stream.
     shardwire_protocol::wire::check_dataset_name(&r.dataset)
         .map_err(|e| OpenError::new(ErrorCode::BadRequest, e.to_string()))
+}
+
+/// Most samples a global step (`batch_size x world_size`) may hold: 2^24, 16 times the
+/// largest published global batch (SigLIP's 2^20 image-text pairs; recommender runs of 1024
+/// ranks x 4096 rows are 2^22, language models' a few thousand windows). The planner's work
+/// and memory grow with it (the epoch's tail, each batch's sample list, a mixture's slots
+/// computed every step), and the region check does not bound it: rows of a few bytes, or none.
+pub const MAX_GLOBAL_BATCH: u64 = 1 << 24;
+
+/// Refuses a global batch over [`MAX_GLOBAL_BATCH`], before any manifest is fetched or any
+/// plan built; the message names both values and the largest `batch_size` that fits.
+fn check_global_batch(batch_size: u32, world_size: u32) -> Result<(), OpenError> {
+    let global = u64::from(batch_size) * u64::from(world_size);
+    if global <= MAX_GLOBAL_BATCH {
+        return Ok(());
+    }
+    let fits = match MAX_GLOBAL_BATCH / u64::from(world_size) {
+        0 => format!("no batch_size fits world_size {world_size}; lower world_size"),
+        b => format!("lower batch_size to at most {b} at world_size {world_size}"),
+    };
+    Err(OpenError::new(
+        ErrorCode::BadRequest,
+        format!(
+            "batch_size {batch_size} x world_size {world_size} is a global batch of {global} \
+             samples, over the limit of {MAX_GLOBAL_BATCH} (2^24) a step may hold; {fits}"
+        ),
+    ))
 }
 
 /// Refuses the batch-mode order fields on a shard-mode request (no `batch_size`), naming
@@ -628,6 +658,7 @@ pub fn region(
 #[cfg(test)]
 mod tests {
     use shardwire_protocol::plan::Uneven;
+    use shardwire_protocol::trainer::MixEntry;
 
     use super::*;
 
@@ -697,6 +728,47 @@ mod tests {
         );
         // With batch_size they are batch mode's, and checked there.
         r.batch_size = Some(4);
+        assert!(check_request(&r).is_ok());
+    }
+
+    #[test]
+    fn a_global_batch_over_the_limit_is_refused_before_any_plan() {
+        // Before: accepted here, and the plan's tail (or a mixture's slots every step) grew
+        // with batch_size x world_size: GiBs for a batch of zero-byte rows.
+        let mut r = StreamRequest::new("web");
+        (r.batch_size, r.world_size) = (Some(1 << 16), 1 << 8);
+        assert!(check_request(&r).is_ok(), "2^24 exactly is allowed");
+        r.world_size = (1 << 8) + 1;
+        let e = check_request(&r).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        let want = "batch_size 65536 x world_size 257 is a global batch of 16842752 samples, \
+                    over the limit of 16777216 (2^24) a step may hold; lower batch_size to at \
+                    most 65280 at world_size 257";
+        assert_eq!(e.message, want);
+        // No batch fits a world over 2^24; u32::MAX x u32::MAX does not wrap.
+        (r.batch_size, r.world_size) = (Some(u32::MAX), u32::MAX);
+        let e = check_request(&r).unwrap_err();
+        assert!(
+            e.message
+                .contains("no batch_size fits world_size 4294967295"),
+            "{e}"
+        );
+        // A mixture is checked the same way.
+        r = StreamRequest::new("");
+        (r.batch_size, r.world_size) = (Some(u32::MAX), 1);
+        r.mix = Some(vec![MixEntry {
+            dataset: "web".into(),
+            weight: 1.0,
+        }]);
+        let e = check_request(&r).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("batch_size 4294967295 x world_size 1 is"),
+            "{e}"
+        );
+        // A shard-mode stream has no global batch: any world size passes.
+        r = StreamRequest::new("web");
+        r.world_size = u32::MAX;
         assert!(check_request(&r).is_ok());
     }
 

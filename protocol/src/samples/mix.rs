@@ -222,10 +222,7 @@ pub fn interleave(n: &[u64]) -> Vec<u16> {
     for j in 0..gb {
         let d = (0..n.len())
             .filter(|&d| taken[d] < n[d])
-            .max_by_key(|&d| {
-                let lead = i128::from(n[d]) * i128::from(j + 1) - i128::from(gb * taken[d]);
-                (lead, usize::MAX - d)
-            })
+            .max_by_key(|&d| (lead(n[d], j, gb, taken[d]), usize::MAX - d))
             .expect("a dataset with slots left");
         taken[d] += 1;
         out.push(d as u16);
@@ -233,11 +230,26 @@ pub fn interleave(n: &[u64]) -> Vec<u16> {
     out
 }
 
+/// How far a dataset of `n_d` of a batch's `gb` slots, `taken` of them so far, is behind its
+/// share of slots `0..=j`, in units of 1/gb slot: `n_d * (j + 1) - gb * taken`, multiplied in
+/// 128 bits (`gb * taken` wraps in 64 once a batch passes 2^32 slots; both products stay
+/// below 2^124, as a batch's slot list of 2-byte entries is below 2^62 slots).
+fn lead(n_d: u64, j: u64, gb: u64, taken: u64) -> i128 {
+    i128::from(n_d) * i128::from(j + 1) - i128::from(gb) * i128::from(taken)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_lead_past_2_64_is_exact() {
+        // Before, `gb * taken` was a u64 product: 2^34 * 2^32 wrapped (a panic in debug).
+        assert_eq!(lead(1 << 33, 1 << 33, 1 << 34, 1 << 32), 1 << 33);
+        assert_eq!(lead(1, u64::MAX - 1, u64::MAX, 1), 0);
+    }
 
     #[test]
     fn shares_are_exact_per_batch_and_carried_across_batches() {

@@ -147,6 +147,50 @@ proptest! {
     }
 }
 
+/// The epoch's tail as it was computed before it was bounded: every index of it, one by one.
+fn tail_index_by_index(p: &BatchPlan, ep: &EpochOrder) -> Option<Unit> {
+    let (first, end) = (p.regular_limit(), p.steps() * u64::from(p.batch_size));
+    let mut shards: Vec<u32> = (first..end)
+        .flat_map(|i| ep.shards_at(p.position(i)))
+        .collect();
+    shards.sort_unstable();
+    shards.dedup();
+    (first < end).then(|| Unit {
+        first,
+        last: end - 1,
+        shards,
+    })
+}
+
+#[test]
+fn a_tail_longer_than_the_epoch_reads_it_once() {
+    // 30 samples (one shard empty) in 3 partitions.
+    let sizes = [5u64, 0, 7, 3, 9, 6];
+    let o = order(&sizes, Shuffle::Block, 4, 3);
+    let ep = o.epoch(1);
+    for (b, w, drop_last) in [
+        (7, 1, false),
+        (4, 3, true),
+        (11, 3, false),
+        (1000, 3, false),
+    ] {
+        for r in 0..w {
+            let p = BatchPlan::new(Arc::clone(&o), b, w, r, drop_last).unwrap();
+            assert_eq!(
+                p.tail(&ep),
+                tail_index_by_index(&p, &ep),
+                "batch {b} world {w} rank {r}"
+            );
+        }
+    }
+    // A batch of 2^32 - 1 is one step holding the epoch over 143 million times. Before: 2^32
+    // shard lookups and a 16 GiB list at attach; now one pass of 30.
+    let p = BatchPlan::new(Arc::clone(&o), u32::MAX, 1, 0, false).unwrap();
+    let tail = p.tail(&ep).expect("the wrap is a tail");
+    assert_eq!((tail.first, tail.last), (30, u64::from(u32::MAX) - 1));
+    assert_eq!(tail.shards, vec![0, 2, 3, 4, 5]);
+}
+
 #[test]
 fn drop_last_drops_less_than_a_global_batch_and_otherwise_repeats_less() {
     let sizes = vec![7u64; 9]; // 63 samples
