@@ -12,11 +12,13 @@
 //! `release`), `next_after` (back to back, and with `--work-us` also after that much CPU work
 //! per batch, a stand-in for a training step, with only `next_after` timed), `http`.
 //!
-//! The stream is opened with enough epochs for `W + N` batches; the example then waits until
-//! the node has them all ready (polling the admin API's `/v1/streams` when `--http` names it,
-//! else sleeping `--settle-ms`), so the region must hold `W + N` shards (small shards, a large
-//! `--stream-memory`; scripts/bench-handoff sets that up). It prints one human line and one
-//! JSON line per measurement (p50/p99/mean in microseconds).
+//! N is at least 1. The stream is opened with enough epochs for `W + N` batches (`W + N + 1`
+//! for `next_after`, whose first batch is taken by a `next` before the timed calls); the example
+//! then waits until the node has them all ready (polling the admin API's `/v1/streams` when
+//! `--http` names it, `HOST:PORT` or `http://HOST:PORT`, else sleeping `--settle-ms`), so the
+//! region must hold `W + N + 1` shards (small shards, a large `--stream-memory`;
+//! scripts/bench-handoff sets that up). It prints one human line and one JSON line per
+//! measurement (p50/p99/mean in microseconds).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -91,10 +93,17 @@ fn args() -> Args {
         }
     }
     let [socket, dataset, n] = <[String; 3]>::try_from(pos).unwrap_or_else(|_| usage());
+    let n = match n.parse::<usize>() {
+        Ok(n) if n >= 1 => n,
+        _ => {
+            eprintln!("N must be a count of at least 1 round trip to time, not `{n}`");
+            usage()
+        }
+    };
     Args {
         socket,
         dataset,
-        n: n.parse().unwrap_or_else(|_| usage()),
+        n,
         warmup,
         http,
         settle: Duration::from_millis(settle),
@@ -103,8 +112,11 @@ fn args() -> Args {
     }
 }
 
-/// GET http://ADMIN/PATH -> body (one connection per request; fine for polling).
+/// GET http://ADMIN/PATH -> body (one connection per request; fine for polling). `admin` is
+/// `HOST:PORT` or `http://HOST:PORT[/]`, as `HttpStream::open` takes it.
 fn get(admin: &str, path: &str) -> Result<String, Error> {
+    let admin = admin.strip_prefix("http://").unwrap_or(admin);
+    let admin = admin.strip_suffix('/').unwrap_or(admin);
     let mut s = TcpStream::connect(admin)?;
     write!(
         s,
@@ -145,13 +157,18 @@ fn settle(a: &Args, id: u64, want: u64) -> Result<(), Error> {
     }
 }
 
-fn options(a: &Args, per_epoch: u64) -> StreamOptions {
+/// The stream's options: enough epochs for `batches` batches.
+fn options(a: &Args, per_epoch: u64, batches: u64) -> StreamOptions {
     let mut o = StreamOptions::new(a.dataset.clone());
-    o.epochs = ((a.warmup + a.n) as u64).div_ceil(per_epoch.max(1)) as u32;
+    o.epochs = batches.div_ceil(per_epoch.max(1)) as u32;
     o
 }
 
 fn report(name: &str, mut v: Vec<Duration>) {
+    if v.is_empty() {
+        println!("{name:<40} no samples");
+        return;
+    }
     v.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let n = v.len();
@@ -198,11 +215,12 @@ fn pingpong(a: &Args) -> Result<(), Error> {
 fn next_after(a: &Args, per_epoch: u64, total: u64) -> Result<(), Error> {
     let works = [Duration::ZERO, a.work];
     for work in works.iter().take(if a.work.is_zero() { 1 } else { 2 }) {
-        let mut s = Stream::open(&a.socket, options(a, per_epoch))?;
-        settle(a, s.info.stream, total)?;
+        // The first batch comes from a `next`, untimed: W + N timed `next_after` calls follow.
+        let mut s = Stream::open(&a.socket, options(a, per_epoch, total + 1))?;
+        settle(a, s.info.stream, total + 1)?;
         let mut times = Vec::with_capacity(a.n);
         let mut prev = s.next()?.ok_or("the stream ended early")?;
-        for i in 1..a.warmup + a.n {
+        for i in 0..a.warmup + a.n {
             busy(*work);
             let t = Instant::now();
             prev = s.next_after(prev)?.ok_or("the stream ended early")?;
@@ -239,7 +257,7 @@ fn main() -> Result<(), Error> {
         .batches_per_epoch;
 
     if a.case("next") {
-        let mut s = Stream::open(&a.socket, options(&a, per_epoch))?;
+        let mut s = Stream::open(&a.socket, options(&a, per_epoch, total))?;
         settle(&a, s.info.stream, total)?;
         let mut times = Vec::with_capacity(a.n);
         for i in 0..a.warmup + a.n {
@@ -259,7 +277,7 @@ fn main() -> Result<(), Error> {
 
     if let Some(admin) = a.http.as_ref().filter(|_| a.case("http")) {
         for download in [false, true] {
-            let mut s = HttpStream::open(admin, options(&a, per_epoch))?;
+            let mut s = HttpStream::open(admin, options(&a, per_epoch, total))?;
             settle(&a, s.info.stream, total)?;
             let mut times = Vec::with_capacity(a.n);
             let mut bytes = 0usize;

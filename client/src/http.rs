@@ -20,7 +20,8 @@
 //!
 //! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
 //! the stream is dropped; in a process forked after the open, neither sends anything) or
-//! after its idle timeout without requests. A batch dropped (every
+//! after its idle timeout without requests. Either close takes at most 10 s in all, connect
+//! included, and is not sent again (as the Python SDK's). A batch dropped (every
 //! clone of it) without [`HttpStream::release`] is released before the stream's next `next`,
 //! as [`crate::Stream`] gives its dropped batches back.
 //!
@@ -33,18 +34,20 @@
 //! [`ClientError::NoAnswer`] (no answer began in time) or [`ClientError::Stalled`] (it began
 //! and stalled), naming it (`"GET /v1/leases/{lease}/tensors/{name}"`) and the wait, and close
 //! the connection; nothing is sent again after a timeout (the node may be
-//! stopped: a second wait would only double the first).
+//! stopped: a second wait would only double the first). The wait for an answer's first byte is
+//! one deadline, which signals do not start over. A connection that fails otherwise (reset, cut
+//! off) is [`ClientError::Http`], naming the request too.
 
 use std::io::{BufReader, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardwire_protocol::trainer::ErrorCode;
 use shardwire_protocol::trainer::http::{BatchBody, NextBody, OpenStream, Opened, TensorMeta};
 
 use crate::resume::{ResumeState, with_state, with_unknown_state};
-use crate::{ClientError, StreamOptions, StreamState, fdpass::FrameIoError};
+use crate::{ClientError, StreamOptions, StreamState};
 
 mod reply;
 mod timed;
@@ -56,9 +59,15 @@ use timed::Timed;
 const POLL_MS: u64 = 30_000;
 /// Read timeout of requests that do not wait on the stream.
 const IO_TIMEOUT: Duration = Duration::from_secs(120);
-/// Longest wait for a TCP connection to the node (and, when a stream is dropped, for the
-/// answer to its best-effort close: the idle timeout covers one that does not come).
+/// Longest wait for a TCP connection to the node.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest time a close takes in all, connect included (the Python SDK's `CLOSE_TIMEOUT`):
+/// the service's idle timeout covers a close that does not arrive.
+#[cfg(not(test))]
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Under test: a node that does not answer the close is given up on sooner.
+#[cfg(test)]
+const CLOSE_TIMEOUT: Duration = Duration::from_millis(300);
 /// Largest body of an answer other than a tensor's bytes (as the Python SDK's): the node's
 /// JSON answers are far smaller; a server streaming more is not the node.
 const ANSWER_LIMIT: u64 = 64 << 20;
@@ -128,10 +137,6 @@ impl From<BatchBody> for HttpBatch {
             held: Arc::new(()),
         }
     }
-}
-
-fn io_error(e: std::io::Error) -> ClientError {
-    ClientError::Frame(FrameIoError::Io(e))
 }
 
 fn bad(what: impl Into<String>) -> ClientError {
@@ -229,7 +234,7 @@ fn lease_gone(r: &Result<(), ClientError>) -> bool {
 fn transport_error(e: &ClientError) -> bool {
     matches!(
         e,
-        ClientError::Frame(_)
+        ClientError::Http { .. }
             | ClientError::Connect { .. }
             | ClientError::NoAnswer { .. }
             | ClientError::Stalled { .. }
@@ -249,17 +254,26 @@ struct Conn {
 }
 
 impl Conn {
-    fn connect(&self) -> Result<BufReader<Timed>, ClientError> {
+    /// A new connection to the node, tried on each address the name resolves to, each within
+    /// CONNECT_TIMEOUT (a plain connect waits for the kernel's SYN retries, minutes, on an
+    /// address that drops packets), none past `end` when given.
+    fn connect(&self, end: Option<Instant>) -> Result<BufReader<Timed>, ClientError> {
         let err = |source| ClientError::Connect {
             path: format!("http://{}", self.addr),
             source,
         };
-        // Each address the name resolves to, each within CONNECT_TIMEOUT (a plain connect
-        // waits for the kernel's SYN retries, minutes, on an address that drops packets).
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
         let mut connected = None;
         for a in std::net::ToSocketAddrs::to_socket_addrs(&self.addr).map_err(err)? {
-            match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+            let left = end.map_or(CONNECT_TIMEOUT, |end| {
+                CONNECT_TIMEOUT.min(end.saturating_duration_since(Instant::now()))
+            });
+            if left.is_zero() {
+                let why = "no time left of the request's limit to connect in";
+                last = std::io::Error::new(std::io::ErrorKind::TimedOut, why);
+                break;
+            }
+            match TcpStream::connect_timeout(&a, left) {
                 Ok(s) => {
                     connected = Some(s);
                     break;
@@ -268,7 +282,7 @@ impl Conn {
             }
         }
         let s = connected.ok_or(last).map_err(err)?;
-        s.set_nodelay(true).map_err(io_error)?;
+        s.set_nodelay(true).map_err(err)?;
         Ok(BufReader::with_capacity(64 << 10, Timed::new(s)))
     }
 
@@ -299,15 +313,41 @@ impl Conn {
         timeout: Duration,
         max: u64,
     ) -> Result<Reply, ClientError> {
+        self.exchange(route, path, body, (timeout, None), max)
+    }
+
+    /// A request without a body sent once and answered within `limit` in all, connect
+    /// included: never sent again, not even on a kept-alive connection the server closed (the
+    /// Python SDK's close). For the close, which must not hold up the caller (or a drop).
+    fn call_within(
+        &mut self,
+        route: &'static str,
+        path: &str,
+        limit: Duration,
+    ) -> Result<Reply, ClientError> {
+        let end = Instant::now().checked_add(limit);
+        self.exchange(route, path, None, (limit, end), ANSWER_LIMIT)
+    }
+
+    /// [`Conn::call_at_most`] with each read's `timeout`; with an `end`, nothing (connect
+    /// included) waits past it, and the request is sent once only.
+    fn exchange(
+        &mut self,
+        route: &'static str,
+        path: &str,
+        body: Option<&[u8]>,
+        (timeout, end): (Duration, Option<Instant>),
+        max: u64,
+    ) -> Result<Reply, ClientError> {
         let method = route.split_once(' ').map_or(route, |(method, _)| method);
         let req = request_text(method, path, &self.addr, body);
         for attempt in 0..2 {
             let reused = self.sock.is_some();
             let mut sock = match self.sock.take() {
                 Some(s) => s,
-                None => self.connect()?,
+                None => self.connect(end)?,
             };
-            sock.get_mut().arm(timeout, self.min_progress);
+            sock.get_mut().arm(timeout, self.min_progress, end);
             let r = match sock.get_mut().write_all(req.as_bytes()) {
                 Ok(()) => read_reply(&mut sock, method == "HEAD", max),
                 Err(e) => Err(Fail::Unanswered(e)),
@@ -333,8 +373,13 @@ impl Conn {
                 Err(Fail::Unanswered(e) | Fail::Io(e)) if timed_out(&e) => {
                     return Err(no_answer());
                 }
-                Err(Fail::Unanswered(_)) if reused && attempt == 0 => continue,
-                Err(Fail::Unanswered(e) | Fail::Io(e)) => return Err(io_error(e)),
+                Err(Fail::Unanswered(_)) if reused && attempt == 0 && end.is_none() => continue,
+                Err(Fail::Unanswered(e) | Fail::Io(e)) => {
+                    return Err(ClientError::Http {
+                        request: route,
+                        source: e,
+                    });
+                }
                 Err(Fail::Protocol(m)) => return Err(bad(m)),
             }
         }
@@ -460,7 +505,7 @@ impl HttpStream {
                 if let Ok(Id { stream }) = serde_json::from_slice::<Id>(&r.body) {
                     let path = format!("/v1/streams/{stream}/close");
                     let route = "POST /v1/streams/{id}/close";
-                    let _ = conn.call(route, &path, None, CONNECT_TIMEOUT);
+                    let _ = conn.call_within(route, &path, CLOSE_TIMEOUT);
                 }
                 return Err(e);
             }
@@ -478,15 +523,10 @@ impl HttpStream {
         })
     }
 
+    /// Fails in a process forked after the open. (A closed stream is never used again:
+    /// [`HttpStream::close`] takes it, and `closed` only keeps its drop from closing it twice.)
     fn check_open(&self) -> Result<(), ClientError> {
-        crate::same_process(self.pid)?;
-        if self.closed {
-            return Err(ClientError::Service {
-                code: ErrorCode::Closed,
-                message: format!("HTTP stream {} was closed", self.info.stream),
-            });
-        }
-        Ok(())
+        crate::same_process(self.pid)
     }
 
     /// The next batch in plan order, or `None` when every epoch was delivered.
@@ -582,10 +622,13 @@ impl HttpStream {
     /// answered last).
     pub fn tensor_bytes(&mut self, batch: &HttpBatch, name: &str) -> Result<Vec<u8>, ClientError> {
         self.check_open()?;
-        let t = batch.tensor(name).ok_or_else(|| ClientError::Service {
-            code: ErrorCode::NotFound,
-            message: format!("batch of lease {} has no tensor `{name}`", batch.lease),
-        })?;
+        let t = batch
+            .tensor(name)
+            .ok_or_else(|| ClientError::NoSuchTensor {
+                lease: batch.lease,
+                name: name.to_owned(),
+                tensors: batch.tensors.iter().map(|t| t.name.clone()).collect(),
+            })?;
         crate::check_length(&t.name, t.dtype, &t.shape, t.length)?;
         let r = self.download(batch.lease, t);
         match &r {
@@ -651,7 +694,7 @@ impl HttpStream {
         const ROUTE: &str = "GET /v1/leases/{lease}/tensors/{name}";
         let timeout = self.conn.io_timeout;
         match self.conn.call_at_most(ROUTE, path, None, timeout, max) {
-            Err(ClientError::Frame(FrameIoError::Io(_))) => {
+            Err(ClientError::Http { .. }) => {
                 // The failed call dropped its connection already: this one starts afresh.
                 self.conn.sock = None;
                 self.conn.call_at_most(ROUTE, path, None, timeout, max)
@@ -708,12 +751,15 @@ impl HttpStream {
         }
     }
 
-    /// Closes the stream on the service (every lease it holds ends).
+    /// Closes the stream on the service (every lease it holds ends). Takes at most 10 s in
+    /// all, connect included, and is not sent again (as the Python SDK's `close`): an error
+    /// says the close may not have arrived, and the service then closes the stream after its
+    /// idle timeout.
     pub fn close(mut self) -> Result<(), ClientError> {
-        self.close_inner(self.conn.io_timeout)
+        self.close_inner()
     }
 
-    fn close_inner(&mut self, wait: Duration) -> Result<(), ClientError> {
+    fn close_inner(&mut self) -> Result<(), ClientError> {
         if self.closed {
             return Ok(());
         }
@@ -726,7 +772,7 @@ impl HttpStream {
         self.closed = true;
         let path = format!("/v1/streams/{}/close", self.info.stream);
         let route = "POST /v1/streams/{id}/close";
-        let r = self.conn.call(route, &path, None, wait)?;
+        let r = self.conn.call_within(route, &path, CLOSE_TIMEOUT)?;
         self.conn.sock = None;
         match r.status {
             200 => Ok(()),
@@ -737,8 +783,9 @@ impl HttpStream {
 
 impl Drop for HttpStream {
     fn drop(&mut self) {
-        // Best effort, briefly: the idle timeout covers a close that does not arrive.
-        let _ = self.close_inner(CONNECT_TIMEOUT);
+        // Best effort, within CLOSE_TIMEOUT: the idle timeout covers a close that does not
+        // arrive.
+        let _ = self.close_inner();
     }
 }
 
@@ -893,8 +940,14 @@ mod tests {
         let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
         let b = s.next().unwrap().expect("a batch");
         assert!(s.tensor_bytes(&b, "x").is_err());
-        // A caller's own mistake is no failed download: nothing moves back.
-        assert!(s.tensor_bytes(&b, "nope").is_err());
+        // A caller's own mistake is no failed download: nothing moves back. It is the
+        // client's error, not the service's (before, "service error not_found").
+        let e = s.tensor_bytes(&b, "nope").unwrap_err();
+        assert!(
+            matches!(&e, ClientError::NoSuchTensor { lease: 5, name, tensors }
+                if name == "nope" && tensors == &["x"]),
+            "{e}"
+        );
         drop(b);
         s.next().unwrap().expect("a batch");
         drop(s);
@@ -1178,6 +1231,101 @@ mod tests {
         let seen = node.join().unwrap();
         let gets = seen.iter().filter(|t| t.starts_with("GET")).count();
         assert_eq!(gets, 2, "{seen:?}");
+    }
+
+    /// A node that takes the close and never answers: `close()` returns within CLOSE_TIMEOUT
+    /// (10 s; shorter under test), as the Python SDK's. Before, it waited the read timeout of
+    /// every request (120 s), and longer where it had to connect first.
+    #[test]
+    fn a_close_the_node_never_answers_ends_within_the_close_limit() {
+        let (hold, held) = std::sync::mpsc::channel::<()>();
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.ends_with("/close") => {
+                let _ = held.recv_timeout(Duration::from_secs(10));
+                (Vec::new(), false)
+            }
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let r = s.close();
+            let _ = tx.send((r, t0.elapsed()));
+        });
+        let closed = rx.recv_timeout(Duration::from_secs(5));
+        drop(hold);
+        let (r, took) = closed.expect("close() returned");
+        assert!(
+            matches!(
+                r,
+                Err(ClientError::NoAnswer {
+                    request: "POST /v1/streams/{id}/close",
+                    after,
+                }) if after == CLOSE_TIMEOUT
+            ),
+            "{r:?}"
+        );
+        assert!(took < CLOSE_TIMEOUT * 3, "{took:?}");
+        let seen = node.join().unwrap();
+        assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/1/close"]);
+    }
+
+    /// A close whose kept-alive connection the node closes without an answer is not sent
+    /// again (before, it was, on a new connection: the wait twice over).
+    #[test]
+    fn a_close_is_sent_once_only() {
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.ends_with("/close") => (Vec::new(), true),
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let e = s.close().unwrap_err();
+        let seen = node.join().unwrap();
+        assert!(
+            matches!(
+                e,
+                ClientError::Http {
+                    request: "POST /v1/streams/{id}/close",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/1/close"]);
+    }
+
+    /// A connection that fails under a request names the request. Before, it read as a Unix
+    /// socket's failure: "trainer socket I/O: ...".
+    #[test]
+    fn a_connection_that_fails_under_a_request_names_it() {
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.starts_with("POST /v1/streams/1/next") => (
+                b"HTTP/1.1 200 X\r\nContent-Length: 100\r\n\r\n{".to_vec(),
+                true,
+            ),
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        let e = s.next().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ClientError::Http {
+                    request: "POST /v1/streams/{id}/next",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let message = e.to_string();
+        assert!(message.contains("POST /v1/streams/{id}/next"), "{message}");
+        assert!(!message.contains("trainer socket"), "{message}");
+        drop(s);
+        node.join().unwrap();
     }
 
     #[test]

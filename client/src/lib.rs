@@ -68,7 +68,7 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
-    /// Frame I/O.
+    /// Frame I/O on the trainer socket (HTTP requests fail with [`ClientError::Http`]).
     #[error(transparent)]
     Frame(#[from] fdpass::FrameIoError),
     /// A batch given back to a stream that did not hand it out (its own stream gives it back
@@ -195,6 +195,44 @@ pub enum ClientError {
         floor: u64,
         /// The window (the request's read timeout).
         window: Duration,
+    },
+    /// An answer from the node on the trainer socket began, and its rest did not come within
+    /// `after` (a node stopped or stuck halfway through writing it, or trickling it); the
+    /// connection is closed.
+    #[error(
+        "the node service's answer stopped after its first bytes: the rest did not come within \
+         {after:?} (is it stopped or overloaded? see its log and its admin /v1/status); the \
+         connection is closed"
+    )]
+    AnswerStalled {
+        /// The longest time from an answer's first byte to its last.
+        after: Duration,
+    },
+    /// An HTTP request to the node service failed on its connection (reset, or the answer
+    /// cut off); the connection is closed.
+    #[error(
+        "HTTP request {request} to the node service failed: {source}; the connection is closed"
+    )]
+    Http {
+        /// The HTTP route, such as `POST /v1/streams/{id}/next`.
+        request: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// [`http::HttpStream::tensor_bytes`] named a tensor the batch does not have (nothing was
+    /// asked of the node).
+    #[error(
+        "the batch of lease {lease} has no tensor `{name}`; its tensors are {tensors:?} \
+         (HttpBatch::tensors)"
+    )]
+    NoSuchTensor {
+        /// The batch's lease.
+        lease: u64,
+        /// The name asked for.
+        name: String,
+        /// The batch's tensors.
+        tensors: Vec<String>,
     },
     /// A resume state with fields this client does not know (written by a newer node or
     /// SDK), asked for as a [`StreamState`], which has no room for them: dropped, the stream
@@ -457,8 +495,64 @@ pub(crate) fn timeout_ms(t: Duration) -> u64 {
 mod tests {
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
 
     use super::*;
+
+    /// The SIGUSR1 handler of [`under_signals`]: does nothing.
+    extern "C" fn nothing(_: libc::c_int) {}
+
+    /// Runs `f` on a thread of its own while another thread sends it SIGUSR1 (a handler that
+    /// does nothing, installed without SA_RESTART) every `every`, as a sampling profiler's
+    /// SIGPROF interrupts a training loop: what `f` returned, or None when it had not returned
+    /// within `limit` (a wait that signals make start over never ends; the thread is left to
+    /// end once the signals stop).
+    pub(crate) fn under_signals<T: Send + 'static>(
+        every: Duration,
+        limit: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        // SAFETY: a zeroed sigaction with an empty mask and a handler that does nothing (and so
+        // is async-signal-safe) for SIGUSR1, which nothing else in this crate uses.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+        }
+        let (id_tx, id_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        let (stopped_tx, stopped_rx) = mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            let _ = id_tx.send(unsafe { libc::pthread_self() });
+            let _ = done_tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+            // Alive until the signals stop (a panic of `f` too): signalling a thread that has
+            // ended is undefined.
+            let _ = stopped_rx.recv();
+        });
+        let id = id_rx.recv().expect("the thread's id");
+        let stop = Arc::new(AtomicBool::new(false));
+        let signaller = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    // SAFETY: `id` is the worker's, which lives until `stopped_tx` drops,
+                    // after this thread is joined.
+                    assert_eq!(unsafe { libc::pthread_kill(id, libc::SIGUSR1) }, 0);
+                    std::thread::sleep(every);
+                }
+            })
+        };
+        let r = done_rx.recv_timeout(limit).ok();
+        stop.store(true, Ordering::SeqCst);
+        signaller.join().expect("the signalling thread");
+        drop(stopped_tx);
+        let r = r?;
+        worker.join().expect("the thread signalled");
+        Some(r.unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+    }
 
     #[test]
     fn a_wait_rounds_up_to_whole_milliseconds() {

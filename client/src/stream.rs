@@ -43,6 +43,10 @@ const NODE_TIMEOUT_SLACK: Duration = Duration::from_millis(300);
 /// request waits, which may be for their memory.
 const HANDOFF_POLL: Duration = Duration::from_millis(100);
 
+/// How long the answers the node sent before it closed the connection are read for, to find
+/// its `error` saying why it closed it (they are all there already: nothing is waited for).
+const CLOSING_READ: Duration = Duration::from_millis(100);
+
 /// Longest wait for the answer to a `release` (the node answers at once).
 #[cfg(not(test))]
 const REPLY_LIMIT: Duration = Duration::from_secs(60);
@@ -146,8 +150,29 @@ fn attach<'a>(
             after: ATTACH_LIMIT,
         }),
         (Err(_), Err(send_error)) => Err(send_error.into()),
-        (Err(read_error), Ok(())) => Err(read_error.into()),
+        (Err(e), Ok(())) => Err(read_error(e)),
     }
+}
+
+/// A failed read of an answer as the client's error: a frame that began and did not end
+/// within its limit is the node's answer stalled ([`ClientError::AnswerStalled`]; the frame
+/// error's own words are the node's, "waiting for the rest of a request").
+fn read_error(e: FrameIoError) -> ClientError {
+    match e {
+        FrameIoError::Timeout {
+            phase: ReadPhase::Frame,
+            limit,
+        } => ClientError::AnswerStalled { after: limit },
+        e => e.into(),
+    }
+}
+
+/// Whether a send failed because the node closed the connection (or shut its reading side).
+fn closed_by_node(e: &FrameIoError) -> bool {
+    matches!(e, FrameIoError::Io(io) if matches!(
+        io.kind(),
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+    ))
 }
 
 impl Stream {
@@ -485,7 +510,7 @@ impl Stream {
         self.frame.clear();
         let timeout_ms = timeout.map(crate::timeout_ms);
         trainer::encode_next(timeout_ms, &self.deferred, count, &mut self.frame);
-        fdpass::send_frame(&self.sock, &self.frame, &[])?;
+        self.send_frame()?;
         self.deferred.clear();
         self.awaited.push_back(Awaited::Next);
         Ok(())
@@ -538,8 +563,48 @@ impl Stream {
     fn send(&mut self, req: &Request) -> Result<(), ClientError> {
         self.frame.clear();
         req.encode(&mut self.frame);
-        fdpass::send_frame(&self.sock, &self.frame, &[])?;
-        Ok(())
+        self.send_frame()
+    }
+
+    /// Sends the request frame in `self.frame`. A node that ends the connection (its
+    /// `trainer_idle_timeout_secs` passed, a bad request, too many failed releases) first
+    /// sends an `error` saying why, then closes it: the send finds it closed (EPIPE,
+    /// ECONNRESET) with that error still to be read. It is returned
+    /// ([`ClientError::Service`]) in place of the broken pipe, which says nothing of why, as
+    /// `attach` returns a refusal; either way the stream is broken.
+    fn send_frame(&mut self) -> Result<(), ClientError> {
+        let e = match fdpass::send_frame(&self.sock, &self.frame, &[]) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if !closed_by_node(&e) {
+            return Err(e.into());
+        }
+        let why = self.closing_error().unwrap_or_else(|| e.into());
+        Err(self.broke(why))
+    }
+
+    /// The last `error` among the answers the node sent before it closed the connection (the
+    /// others, which no request will take now, are skipped), read without waiting for more.
+    fn closing_error(&mut self) -> Option<ClientError> {
+        let limits = ReadLimits {
+            idle: Some(Duration::ZERO),
+            frame: CLOSING_READ,
+        };
+        let until = Instant::now() + CLOSING_READ;
+        let mut last = None;
+        while Instant::now() < until {
+            let Ok(body) = self.reader.read_data_timed(&self.sock, limits) else {
+                break; // the close (or nothing more yet)
+            };
+            if body.first() == Some(&binary::BINARY_BATCH_TAG) {
+                continue;
+            }
+            if let Ok(Response::Error { code, message }) = Response::decode(body) {
+                last = Some(ClientError::Service { code, message });
+            }
+        }
+        last
     }
 
     /// Reads the answers of releases at the head of the awaited requests (an error among them
@@ -590,7 +655,7 @@ impl Stream {
                 ..
             }) => return Err(ClientError::Timeout(timeout.unwrap_or_default())),
             // Cut off, too large, or the connection gone: no answer after it can be matched.
-            Err(e) => return Err(self.broke(e.into())),
+            Err(e) => return Err(self.broke(read_error(e))),
         };
         match Self::decode(body, &mut self.incoming) {
             Ok(Response::Error { code, message }) => Err(ClientError::Service { code, message }),

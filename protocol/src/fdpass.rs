@@ -212,6 +212,7 @@ impl FrameReader {
         mut recv: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
     ) -> Result<std::ops::Range<usize>, FrameIoError> {
         let mut started: Option<Instant> = None;
+        let mut idle_since: Option<Instant> = None;
         let mut current = self.rcvtimeo;
         let mut phase = ReadPhase::Idle;
         let r = self.read_range(ahead, |buf, buffered| {
@@ -227,9 +228,13 @@ impl FrameReader {
                 Some(Duration::from_millis(left.as_millis() as u64 + 1))
             } else {
                 phase = ReadPhase::Idle;
-                // A zero receive timeout is "forever" to the kernel (and refused by rustix):
-                // a zero limit waits the shortest time there is, one clock tick.
-                limits.idle.map(|d| d.max(Duration::from_micros(1)))
+                // Only a `recv` a signal cut short (EINTR) comes back here with nothing
+                // buffered: it waits out what is left of the limit, not the whole limit again.
+                let want = idle_wait(limits.idle, idle_since.map(|t0| t0.elapsed()))?;
+                if idle_since.is_none() {
+                    idle_since = Some(Instant::now());
+                }
+                want
             };
             if current != Some(want) {
                 rustix::net::sockopt::set_socket_timeout(
@@ -306,6 +311,29 @@ impl FrameReader {
             }
             self.end += n;
         }
+    }
+}
+
+/// The receive timeout of a `recv` waiting for a frame to start, within a wait of at most
+/// `limit` (`None`: for ever) of which `elapsed` has passed (`None`: this is its first `recv`).
+/// A `recv` under `SO_RCVTIMEO` is never restarted after a signal, even with `SA_RESTART`
+/// (signal(7)): it fails with EINTR and is made again, given only what is left of the limit,
+/// so a signal every few milliseconds (a sampling profiler's SIGPROF) does not make the wait
+/// start over each time and never end. The first waits the whole limit (at least one clock
+/// tick: a zero receive timeout is "forever" to the kernel, and refused by rustix, so a zero
+/// limit still takes a frame already there); one made again with nothing left fails with
+/// `AGAIN`, the timeout.
+fn idle_wait(
+    limit: Option<Duration>,
+    elapsed: Option<Duration>,
+) -> rustix::io::Result<Option<Duration>> {
+    match (limit, elapsed) {
+        (None, _) => Ok(None),
+        (Some(limit), None) => Ok(Some(limit.max(Duration::from_micros(1)))),
+        (Some(limit), Some(elapsed)) => match limit.saturating_sub(elapsed) {
+            left if left.is_zero() => Err(rustix::io::Errno::AGAIN),
+            left => Ok(Some(left)),
+        },
     }
 }
 
@@ -456,6 +484,75 @@ mod tests {
             t.elapsed() < Duration::from_millis(500),
             "{:?}",
             t.elapsed()
+        );
+    }
+
+    /// A signal while waiting for a frame to start (EINTR: a `recv` under SO_RCVTIMEO is
+    /// never restarted, even with SA_RESTART) resumes the wait with what is left of the limit.
+    /// Before, each `recv` after one waited the whole limit again: under a signal every few
+    /// milliseconds (a sampling profiler's SIGPROF) the wait never ended. Each `recv` here is
+    /// cut short by a signal 10 ms in.
+    #[test]
+    fn signals_while_waiting_for_a_frame_do_not_restart_the_wait() {
+        let (_a, b) = UnixStream::pair().unwrap();
+        let limit = Duration::from_millis(100);
+        let limits = ReadLimits {
+            idle: Some(limit),
+            frame: Duration::from_secs(1),
+        };
+        let mut r = FrameReader::new();
+        let mut calls = 0;
+        let t = Instant::now();
+        let e = r
+            .timed_range(
+                &b,
+                limits,
+                Ahead::Yes,
+                |_: &mut [u8]| -> rustix::io::Result<usize> {
+                    calls += 1;
+                    if calls > 100 {
+                        // A wait still going after a second (the old code's): fail, not hang.
+                        return Err(rustix::io::Errno::TIMEDOUT);
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                    Err(rustix::io::Errno::INTR)
+                },
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, FrameIoError::Timeout { phase: ReadPhase::Idle, limit: l } if l == limit),
+            "{e} after {calls} recvs"
+        );
+        // Ten recvs of at least 10 ms each use up the 100 ms.
+        assert!(calls <= 10, "{calls} recvs");
+        assert!(
+            t.elapsed() < Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_wait_for_a_frame_made_again_gets_what_is_left_of_its_limit() {
+        let ms = Duration::from_millis;
+        assert_eq!(idle_wait(None, Some(ms(5))), Ok(None), "no limit");
+        assert_eq!(idle_wait(Some(ms(100)), None), Ok(Some(ms(100))));
+        assert_eq!(
+            idle_wait(Some(Duration::ZERO), None),
+            Ok(Some(Duration::from_micros(1))),
+            "a zero limit still reads once"
+        );
+        assert_eq!(idle_wait(Some(ms(100)), Some(ms(30))), Ok(Some(ms(70))));
+        for elapsed in [ms(100), ms(250)] {
+            assert_eq!(
+                idle_wait(Some(ms(100)), Some(elapsed)),
+                Err(rustix::io::Errno::AGAIN)
+            );
+        }
+        assert_eq!(
+            idle_wait(Some(Duration::ZERO), Some(Duration::ZERO)),
+            Err(rustix::io::Errno::AGAIN),
+            "a zero limit reads once only"
         );
     }
 

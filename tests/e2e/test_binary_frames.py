@@ -340,3 +340,24 @@ print("sum", float(x.sum()), "writeable", x.flags.writeable, flush=True)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"rc {r.returncode} (a negative rc is a signal: -11 is SIGSEGV)\n{r.stdout}\n{r.stderr[-2000:]}"
     assert "sum 0.0 writeable False" in r.stdout, r.stdout
+
+
+def test_a_send_the_node_closed_says_the_nodes_closing_error():
+    """A node that ends a connection (its idle timeout, a bad request) sends an ``error``
+    first, then closes: the trainer's next send fails with a broken pipe, and the
+    ConnectionClosed it raises names the node's code and message (before: only "Broken
+    pipe"). The replies stay unread for whoever reads them."""
+    from shardwire._errors import ConnectionClosed
+
+    a, b = socket.socketpair()
+    try:
+        conn = _wire.Conn(a)
+        closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
+        b.sendall(framed(json.dumps(closing).encode()))
+        b.close()
+        with pytest.raises(ConnectionClosed, match="closed the connection: timeout: no request for 3600 s"):
+            for _ in range(4):  # the first send may still land in the socket's buffer
+                conn.send_bytes(framed(b'{"op":"next"}'))
+        assert conn.recv_reply() == closing
+    finally:
+        a.close()

@@ -163,7 +163,8 @@ fn an_attach_the_node_never_answers_fails_after_the_limit() {
 
 /// An `attached` answer that starts and then comes a byte at a time: the attach fails once
 /// the frame has taken FRAME_LIMIT. Before, each read waited up to ATTACH_LIMIT, so a node
-/// trickling bytes held `open` for ever.
+/// trickling bytes held `open` for ever; and then the error said, from the node's side,
+/// "waiting for the rest of a request".
 #[test]
 fn an_attach_answer_that_trickles_fails_after_the_frame_limit() {
     let at = path("attach-trickle");
@@ -182,15 +183,15 @@ fn an_attach_answer_that_trickles_fails_after_the_frame_limit() {
         .err()
         .expect("a frame that never ends is an error");
     assert!(
-        matches!(
-            e,
-            ClientError::Frame(FrameIoError::Timeout {
-                phase: ReadPhase::Frame,
-                ..
-            })
-        ),
+        matches!(e, ClientError::AnswerStalled { after } if after == FRAME_LIMIT),
         "{e}"
     );
+    let message = e.to_string();
+    assert!(
+        message.contains("answer stopped after its first bytes"),
+        "{message}"
+    );
+    assert!(!message.contains("request"), "{message}");
     assert!(t0.elapsed() < FRAME_LIMIT * 4, "{:?}", t0.elapsed());
     node.join().unwrap();
     let _ = std::fs::remove_file(&at);
@@ -216,6 +217,82 @@ fn a_release_the_node_never_answers_fails_after_the_limit_and_closes_the_stream(
     assert!(
         s.next().is_err(),
         "the connection is closed: a late answer is never read as another's"
+    );
+    close(s, node, &at);
+}
+
+/// A `release` the node never answers while a signal arrives every 20 ms (a sampling
+/// profiler's SIGPROF): it still fails after REPLY_LIMIT. Before, each `recv` a signal cut
+/// short (EINTR: one under SO_RCVTIMEO is never restarted) waited the whole limit again, and
+/// the release never returned while the signals came.
+#[test]
+fn a_release_never_answered_fails_after_its_limit_under_signals() {
+    let at = path("release-signals");
+    let node = fake(&at, |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        assert_eq!(request(c)["op"], "release", "then silence");
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let every = Duration::from_millis(20);
+    let r = crate::tests::under_signals(every, Duration::from_secs(5), move || {
+        let t0 = Instant::now();
+        let r = s.release(b);
+        (s, r, t0.elapsed())
+    });
+    let (s, r, took) = r.expect("the release returned while the signals came");
+    assert!(
+        matches!(
+            r,
+            Err(ClientError::NoAnswer {
+                request: "release",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(took < REPLY_LIMIT * 3, "{took:?}");
+    close(s, node, &at);
+}
+
+/// The node ends a connection (here for its idle timeout) with an `error` saying why, then
+/// closes it: the next request's send fails (EPIPE), and the call returns that error. Before,
+/// it returned "trainer socket I/O: Broken pipe", the node's reason left unread.
+#[test]
+fn a_connection_the_node_ended_returns_the_nodes_error_not_a_broken_pipe() {
+    let at = path("ended");
+    let (ended_tx, ended) = std::sync::mpsc::channel();
+    let why = "waiting for the next request: nothing arrived within 3600s \
+               (trainer_idle_timeout_secs)";
+    let node = fake(&at, move |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        let error = Response::Error {
+            code: ErrorCode::Timeout,
+            message: why.into(),
+        };
+        send_response(c, &error);
+        c.shutdown(std::net::Shutdown::Both).unwrap();
+        ended_tx.send(()).unwrap();
+    });
+    let mut s = Stream::open(&at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    ended.recv().unwrap();
+    let e = s
+        .next_after(b)
+        .err()
+        .expect("the node ended the connection");
+    assert!(
+        matches!(&e, ClientError::Service { code: ErrorCode::Timeout, message } if message == why),
+        "{e}"
+    );
+    let e = s.next().err().expect("the stream is broken");
+    assert!(
+        matches!(&e, ClientError::Broken { cause } if cause.contains("trainer_idle_timeout_secs")),
+        "{e}"
     );
     close(s, node, &at);
 }

@@ -38,6 +38,8 @@ _CTRUNC = getattr(socket, "MSG_CTRUNC", 0)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 # Writes that never block: the wait for room is a `poll` (see `Conn.send_bytes`).
 _SEND_FLAGS = _NOSIGNAL | getattr(socket, "MSG_DONTWAIT", 0)
+#: Most bytes of replies `Conn._closing_error` looks through for the node's closing error.
+_CLOSING_PEEK = 4 * MAX_FRAME
 #: How a binary `batch` body starts (see :mod:`shardwire._binary`).
 #: Longest wait for the rest of a reply whose first bytes came, from its first bytes to its
 #: last (the Rust SDK's limit too, one deadline per frame): a node stopped in the middle of a
@@ -212,10 +214,50 @@ class Conn:
                         ) from None
                 writing = False
         except OSError as e:
-            raise ConnectionClosed(f"the node service connection failed while sending: {e}") from e
+            raise ConnectionClosed(self._send_failed(e)) from e
         except BaseException:
             self.torn = self.unsent != 0 and (writing or self.unsent != len(view))
             raise
+
+    def _send_failed(self, e: OSError) -> str:
+        """Why a send failed with `e`. A node that ends a connection (its
+        ``trainer_idle_timeout_secs`` passed, a bad request, too many failed releases) first
+        sends an ``error`` saying why, then closes it: the send finds it closed (EPIPE,
+        ECONNRESET) with that error still unread, and its code and message say why where the
+        broken pipe alone would not (as the Rust SDK's)."""
+        why = f"the node service connection failed while sending: {e}"
+        if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
+            return why
+        err = self._closing_error()
+        if err is None:
+            return why
+        return f"the node service closed the connection: {err.get('code')}: {err.get('message')}"
+
+    def _closing_error(self) -> Message | None:
+        """The last ``error`` among the replies the node sent before it closed the connection:
+        those received and not yet decoded (``_buf``) and those still in the socket, peeked at
+        without waiting. Nothing is taken: the replies stay for whoever reads them (see
+        ``_send_unattached``)."""
+        try:
+            queued = self.sock.recv(_CLOSING_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing there (BlockingIOError), or the reset
+            queued = b""
+        data, at, found = bytes(self._buf) + queued, 0, None
+        while len(data) - at >= 4:
+            (n,) = _LEN.unpack_from(data, at)
+            body = data[at + 4 : at + 4 + n]
+            if n > MAX_FRAME or len(body) < n:
+                break
+            at += 4 + n
+            if body[:1] == _BINARY_TAG:
+                continue
+            try:
+                msg = json.loads(body)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("op") == "error":
+                found = msg
+        return found
 
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""
