@@ -11,8 +11,9 @@
 //! announcement that tells a receiver where its next payload goes.
 //!
 //! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
-//! `info`, `control`, `status`, `stream` and `plane`; the plane over `link`, `matcher`,
-//! `warn_limit` (the warnings any peer can cause, rate-limited), `binding`, `rx` and `lanes`
+//! `info`, `control`, `status`, `stream` and `plane`; the plane (the warnings any peer can
+//! cause rate-limited by `shardwire_protocol::warn_limit`) over `link`, `matcher`, `binding`,
+//! `rx` and `lanes`
 //! (each GPU/NIC pair: its plan, GPU, listener, CPUs; a leaf over the topology, GPU and devmem
 //! crates); streams and receivers over `fetch` (a fetch in
 //! flight and its one way to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the
@@ -38,7 +39,6 @@ mod socket;
 mod start;
 mod status;
 mod stream;
-mod warn_limit;
 
 pub use binding::BindingKind;
 pub use control::{BindingSpec, Control, ControlError, Reply};

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use shardwire_config::ReceiveMode;
 use shardwire_devmem::emu::host::EmuHost;
 use shardwire_gpu::cuda::CudaMemory;
+use shardwire_protocol::warn_limit::{self, LeftOut, WarnLimit};
 use tokio::sync::watch;
 
 use crate::binding::{BindingKind, Reading, RxRegion};
@@ -29,7 +30,6 @@ use crate::link::{Announcement, DataConns, Kick, SourceLink};
 use crate::matcher::{self, Accepted, Announced, Matcher, UNMATCHED_TIMEOUT, WrongLane};
 use crate::roster::Roster;
 use crate::rx::{self, Conn, Setup, shared::Gpus};
-use crate::warn_limit::{self, LeftOut, WarnLimit};
 
 /// A line about a data connection nobody announced (any peer can cause one at will).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,6 +9,8 @@
 //!   [`bijection`], the keyed permutation it shuffles blocks with;
 //! - [`trainer`]: the messages of the trainer Unix socket;
 //! - [`crc`]: CRC-32C, the integrity check used everywhere;
+//! - [`warn_limit`]: at most one line per peer host and kind every 10 s for the warnings any
+//!   peer can cause (the node's data port, the source's control port);
 //! - `framing` (feature `io`): control frames on async streams (tokio);
 //! - `fdpass` (feature `unix`): trainer frames with fds over a Unix socket.
 //!
@@ -27,6 +29,7 @@ pub mod manifest;
 pub mod plan;
 pub mod samples;
 pub mod trainer;
+pub mod warn_limit;
 pub mod wire;
 
 pub use manifest::{DType, Manifest, ManifestError, ShardEntry, TensorEntry};

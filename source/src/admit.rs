@@ -70,7 +70,7 @@ pub(crate) struct HandshakeSlot {
 }
 
 /// The peer `ip` counts as: the address itself (IPv4-mapped IPv6 as IPv4), or its IPv6 /64.
-fn peer_of(ip: IpAddr) -> IpAddr {
+pub(crate) fn peer_of(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
         v4 => v4,
@@ -78,7 +78,7 @@ fn peer_of(ip: IpAddr) -> IpAddr {
 }
 
 /// `peer` as a message names it.
-fn named(peer: IpAddr) -> String {
+pub(crate) fn named(peer: IpAddr) -> String {
     match peer {
         IpAddr::V6(_) => format!("{peer}/64"),
         v4 => v4.to_string(),

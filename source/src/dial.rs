@@ -8,8 +8,9 @@
 //! `Error{req 0}` naming the lane, its address and the connect's error) and which connections
 //! it will not get (`DataConn` with [`wire::NOT_DIALLED`]); the lane's later connections are not
 //! tried (each would wait out its own connect limit), and FETCHes for a lane left with no
-//! connection are refused. Only a node none of whose connections could be dialled ends the
-//! session. The next session dials every lane again.
+//! connection are refused. A lane whose first connections were dialled before one failed is
+//! not left out: it is served on those, and the `Error` says so. Only a node none of whose
+//! connections could be dialled ends the session. The next session dials every lane again.
 //!
 //! The lanes are dialled at the same time (each lane's connections one after another), so
 //! lanes whose connects time out cost one connect limit together, not one each, out of the
@@ -23,11 +24,13 @@
 //!
 //! With devmem TX bindings on several NICs each connection is bound (`SO_BINDTODEVICE`) to the
 //! NIC the kernel routes its lane through and sends from that NIC's binding
-//! ([`crate::tx_nics`]).
+//! ([`crate::tx_nics`]). Each address is routed once per session ([`TxRoutes`]), so a lane that
+//! gets no binding is warned of once per session, not once per connection.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -40,7 +43,7 @@ use crate::Shared;
 use crate::control::{Control, HANDSHAKE_TIMEOUT, MAX_SESSION_FLOWS, SessionError};
 use crate::devmem_tx::TxPath;
 use crate::sender::{ConnFailed, Progress, Sender};
-use crate::tx_nics::TxRoute;
+use crate::tx_nics::{TxRoute, unbound_reason};
 
 /// A node's data connections: the senders in connection order, and the lane of each.
 pub(crate) struct DataConns {
@@ -81,22 +84,44 @@ async fn connect(addr: SocketAddr, device: Option<&str>) -> std::io::Result<TcpS
     sock.connect(addr).await
 }
 
-/// The devmem TX binding a data connection to `addr` sends from, if any (module
-/// [`crate::tx_nics`]); says why when the source has bindings but this lane gets none.
-fn tx_path(shared: &Shared, addr: SocketAddr) -> Option<Arc<TxPath>> {
-    if shared.cfg.devmem_tx.is_empty() {
-        return None;
+/// The devmem TX route of each data address one session dials (module [`crate::tx_nics`]),
+/// found at its first connection and kept for the others: a lane that gets no binding is
+/// warned of once per session, not once per connection (up to 256 lines at every session
+/// start before).
+#[derive(Default)]
+struct TxRoutes(Mutex<HashMap<SocketAddr, Option<Arc<TxPath>>>>);
+
+impl TxRoutes {
+    /// The devmem TX binding a data connection to `addr` sends from, if any.
+    fn path(&self, shared: &Shared, addr: SocketAddr) -> Option<Arc<TxPath>> {
+        if shared.cfg.devmem_tx.is_empty() {
+            return None;
+        }
+        self.path_with(addr, || shared.cfg.devmem_tx.route(addr))
     }
-    match shared.cfg.devmem_tx.route(addr) {
-        TxRoute::Nic(p) => Some(p),
-        TxRoute::NoBinding { local } => {
-            tracing::warn!(lane = %addr, %local, "this lane is reached from an address of no devmem TX interface: its data connection sends with sendfile");
-            None
+
+    /// [`TxRoutes::path`] with `addr`'s route found by `route` (once per address); says why
+    /// when the source has bindings but this lane gets none.
+    fn path_with(&self, addr: SocketAddr, route: impl FnOnce() -> TxRoute) -> Option<Arc<TxPath>> {
+        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(path) = known.get(&addr) {
+            return path.clone();
         }
-        TxRoute::Unroutable(e) => {
-            tracing::warn!(lane = %addr, error = %e, "no route to the lane's address");
-            None
-        }
+        let path = match route() {
+            TxRoute::Nic(p) => Some(p),
+            TxRoute::NoBinding { local, compared } => {
+                let why = unbound_reason(local, &compared);
+                tracing::warn!(lane = %addr, %local,
+                    "this lane's data connections send with sendfile (said once per session): {why}");
+                None
+            }
+            TxRoute::Unroutable(e) => {
+                tracing::warn!(lane = %addr, error = %e, "no route to the lane's address");
+                None
+            }
+        };
+        known.insert(addr, path.clone());
+        path
     }
 }
 
@@ -205,9 +230,14 @@ struct Connect {
     dialled: Result<Dialled, SessionError>,
 }
 
-/// Dials connection `conn` of lane `lane` ([`open_data_conn`]).
-async fn dial_one(shared: &Shared, lanes: &[LaneAddr], lane: usize, conn: u16) -> Connect {
-    let dialled = open_data_conn(shared, target(shared, lanes, lane)).await;
+/// Dials connection `conn` of lane `lane` ([`open_data_conn`]), with the session's `routes`.
+async fn dial_one(
+    (shared, routes): (&Shared, &TxRoutes),
+    lanes: &[LaneAddr],
+    lane: usize,
+    conn: u16,
+) -> Connect {
+    let dialled = open_data_conn(shared, routes, target(shared, lanes, lane)).await;
     Connect {
         lane,
         conn,
@@ -239,10 +269,12 @@ async fn dial_lanes(
     let total = ends.last().copied().unwrap_or(0);
     let mut dialled: Vec<Option<Dialled>> = (0..total).map(|_| None).collect();
     let mut failures: Vec<Option<SessionError>> = lanes.iter().map(|_| None).collect();
+    let routes = TxRoutes::default();
+    let with = (shared, &routes);
     let mut under_way = FuturesUnordered::new();
     for (lane, (l, &end)) in lanes.iter().zip(&ends).enumerate() {
         if l.flows > 0 {
-            under_way.push(dial_one(shared, lanes, lane, end - l.flows));
+            under_way.push(dial_one(with, lanes, lane, end - l.flows));
         }
     }
     while let Some(Connect {
@@ -263,11 +295,13 @@ async fn dial_lanes(
                 .await?;
                 dialled[usize::from(conn)] = Some(d);
                 if conn + 1 < end {
-                    under_way.push(dial_one(shared, lanes, lane, conn + 1));
+                    under_way.push(dial_one(with, lanes, lane, conn + 1));
                 }
             }
             Err(e) => {
-                tell_not_dialled(ctl, lane, &e).await?;
+                // The lane's connections before this one were dialled, one after another.
+                let dialled_before = conn - (end - lanes[lane].flows);
+                tell_not_dialled(ctl, (lane, conn, dialled_before), &e).await?;
                 for conn in conn..end {
                     let addr = wire::NOT_DIALLED;
                     ctl.send(&Message::DataConn {
@@ -284,19 +318,43 @@ async fn dial_lanes(
     Ok((dialled, failures.into_iter().flatten().next()))
 }
 
-/// Tells the node (an `Error` about no request, which it logs and shows) that lane `lane`
-/// cannot be dialled, and why (`e`, naming the lane's data address): the session goes on
-/// without it, or ends if no lane could be dialled.
+/// Tells the node (an `Error` about no request, which it logs and shows) that connection
+/// `conn` of lane `lane`, and the lane's later ones, cannot be dialled, and why (`e`, naming
+/// the lane's data address): the session goes on without them, or ends if no lane could be
+/// dialled. `dialled_before`: the lane's connections before `conn`, dialled.
 async fn tell_not_dialled(
     ctl: &mut Control,
-    lane: usize,
+    (lane, conn, dialled_before): (usize, u16, u16),
     e: &SessionError,
 ) -> Result<(), SessionError> {
-    tracing::warn!(lane, error = %e, "a lane of the node cannot be dialled: this session goes on without it");
-    let message = format!(
-        "lane {lane}: {e}; the source leaves the lane out of this session (the next session dials it again)"
-    );
+    if dialled_before == 0 {
+        tracing::warn!(lane, error = %e, "a lane of the node cannot be dialled: this session goes on without it");
+    } else {
+        tracing::warn!(lane, conn, dialled = dialled_before, error = %e,
+            "a data connection of the node's lane cannot be dialled: the lane is served on those dialled before it");
+    }
+    let message = not_dialled_message((lane, conn, dialled_before), e);
     ctl.error(0, ErrorCode::Internal, message).await
+}
+
+/// What the node is told of connection `conn` of lane `lane` that could not be dialled
+/// ([`tell_not_dialled`]). Before, a lane some of whose connections were dialled was said to be
+/// left out of the session, though it was served on those.
+fn not_dialled_message(
+    (lane, conn, dialled_before): (usize, u16, u16),
+    e: &SessionError,
+) -> String {
+    match dialled_before {
+        0 => format!(
+            "lane {lane}: {e}; the source leaves the lane out of this session (the next session \
+             dials it again)"
+        ),
+        k => format!(
+            "lane {lane}: connection {conn}: {e}; the lane is served on its first {k} \
+             connection(s), the rest are not dialled in this session (the next session dials \
+             them again)"
+        ),
+    }
 }
 
 /// Refuses, on the control connection, lanes the source must not dial: more connections in
@@ -312,7 +370,7 @@ async fn check_lanes(
         let _ = ctl.error(0, ErrorCode::BadRequest, e.to_string()).await;
         return Err(e);
     }
-    // Without a secret only loopback peers are served (`session::run`), and only loopback
+    // Without a secret only loopback peers are served (`session::admit_peer`), and only loopback
     // data addresses are dialled: else any local process could have the source stream its
     // datasets to any host it names.
     if shared.cfg.secret.is_none()
@@ -351,11 +409,15 @@ fn connect_limit(idle: Duration) -> Duration {
     HANDSHAKE_TIMEOUT.min(told / 2)
 }
 
-/// Dials one data connection to `addr` within [`connect_limit`] and readies it for its sender
-/// thread.
-async fn open_data_conn(shared: &Shared, addr: SocketAddr) -> Result<Dialled, SessionError> {
+/// Dials one data connection to `addr` within [`connect_limit`] (sending from its devmem TX
+/// binding in `routes`, if any) and readies it for its sender thread.
+async fn open_data_conn(
+    shared: &Shared,
+    routes: &TxRoutes,
+    addr: SocketAddr,
+) -> Result<Dialled, SessionError> {
     let data_err = |source| SessionError::DataConnect { addr, source };
-    let tx = tx_path(shared, addr);
+    let tx = routes.path(shared, addr);
     let device = tx.as_ref().map(|p| p.ifname.as_str());
     let limit = connect_limit(shared.cfg.idle_timeout);
     let s = tokio::time::timeout(limit, connect(addr, device))
@@ -399,6 +461,56 @@ mod tests {
             Duration::from_millis(500)
         );
         assert_eq!(connect_limit(Duration::ZERO), Duration::from_millis(500));
+    }
+
+    /// Lane 0 of 4 flows whose third connect failed is served on its first two: before, the
+    /// node was told the lane was left out of the session.
+    #[test]
+    fn a_lane_with_connections_dialled_is_not_said_to_be_left_out() {
+        let e = SessionError::DataConnect {
+            addr: "10.0.0.5:7400".parse().unwrap(),
+            source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+        };
+        let some = not_dialled_message((0, 2, 2), &e);
+        assert!(!some.contains("left out"), "{some}");
+        for says in [
+            "lane 0: connection 2:",
+            "10.0.0.5:7400",
+            "served on its first 2",
+        ] {
+            assert!(some.contains(says), "{says}: {some}");
+        }
+        let none = not_dialled_message((1, 4, 0), &e);
+        assert!(none.starts_with("lane 1: cannot open"), "{none}");
+        assert!(none.contains("leaves the lane out"), "{none}");
+    }
+
+    /// A lane's address is routed once per session: its later connections neither route it
+    /// again nor warn again (before, a line per connection, up to 256 at each session start).
+    #[test]
+    fn a_lane_address_is_routed_and_warned_of_once_per_session() {
+        let routes = TxRoutes::default();
+        let looked = std::cell::Cell::new(0);
+        let unbound = || {
+            looked.set(looked.get() + 1);
+            TxRoute::NoBinding {
+                local: "fd00::2".parse().unwrap(),
+                compared: vec![("eth1".into(), Some("10.0.1.2".parse().unwrap()))],
+            }
+        };
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "[fd00::5]:7400".parse().unwrap(),
+            "[fd00::6]:7400".parse().unwrap(),
+        );
+        for _ in 0..4 {
+            assert!(routes.path_with(a, unbound).is_none());
+        }
+        assert_eq!(looked.get(), 1, "once for its four connections");
+        assert!(routes.path_with(b, unbound).is_none());
+        assert_eq!(looked.get(), 2, "another address is routed on its own");
+        let fresh = TxRoutes::default();
+        assert!(fresh.path_with(a, unbound).is_none());
+        assert_eq!(looked.get(), 3, "the next session routes it again");
     }
 
     #[test]

@@ -7,16 +7,22 @@
 //! answers every FETCH with a SHARD announcement followed by exactly the announced bytes on
 //! the announced data connection, sent with `sendfile` straight from the page cache.
 //! It never decides order: it sends what it is asked.
+//!
+//! What a peer that never authenticated can make the source log (a connection refused before
+//! its handshake, or dropped before `Welcome`) is logged at most once per peer and cause every
+//! 10 s, with the lines left out counted ([`noise`]).
 
 mod admit;
 mod control;
 pub mod datasets;
 pub mod devmem_tx;
 mod dial;
+mod noise;
 mod payload;
 pub mod remote;
 mod sender;
 pub mod session;
+mod stat;
 pub mod tx_nics;
 
 use std::net::SocketAddr;
@@ -79,6 +85,10 @@ pub(crate) struct Shared {
     pub draining: watch::Sender<bool>,
     /// Bytes of object-storage reads of all sessions not yet sent (`session.rs`).
     pub session_reads: Arc<std::sync::atomic::AtomicU64>,
+    /// The warnings of peers that never authenticated, rate-limited ([`noise`]).
+    pub noise: noise::Noise,
+    /// The checks of local shard files that did not return in time ([`stat`]).
+    pub stats: stat::Stats,
 }
 
 /// A bound, not yet serving, source.
@@ -103,6 +113,8 @@ impl Source {
                 sessions: std::sync::atomic::AtomicU64::new(0),
                 draining: watch::Sender::new(false),
                 session_reads: Arc::default(),
+                noise: noise::Noise::default(),
+                stats: stat::Stats::default(),
             }),
         })
     }
@@ -143,9 +155,11 @@ impl Source {
         let slots = Arc::new(tokio::sync::Semaphore::new(self.shared.cfg.max_connections));
         let handshakes = Arc::new(admit::Handshakes::default());
         let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
+        let mut left_out = tokio::time::interval(shardwire_protocol::warn_limit::EVERY);
         loop {
             tokio::select! {
                 _ = shutdown.changed() => break,
+                _ = left_out.tick() => self.shared.noise.say_left_out(),
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, peer)) => {
                         let gates = (&handshakes, &refusing);
@@ -167,7 +181,8 @@ impl Source {
 /// Starts the handshake of an accepted control connection, if this source may serve its peer
 /// (without a secret, a loopback peer) and a handshake slot is free: else tells the peer why
 /// (while fewer than [`admit::MAX_REFUSING`] refusals are under way) and closes it. The
-/// session takes one of `slots` once the peer has authenticated.
+/// session takes one of `slots` once the peer has authenticated. A refusal, and a failure
+/// before `Welcome`, are logged at most once per peer and cause every 10 s ([`noise`]).
 pub(crate) fn admit_connection(
     shared: &Arc<Shared>,
     stream: tokio::net::TcpStream,
@@ -187,7 +202,11 @@ pub(crate) fn admit_connection(
     let handshake = match handshake {
         Ok(h) => h,
         Err((code, why)) => {
-            tracing::warn!(%peer, "refusing a control connection: {why}");
+            let cause = match code {
+                wire::ErrorCode::AuthFailed => "not on loopback",
+                _ => "handshake caps",
+            };
+            shared.noise.refused(peer, cause, &why);
             // Told why while few are: each refusal holds its socket for a moment, and a
             // flood must not hold the source's file descriptors.
             if let Ok(permit) = Arc::clone(refusing).try_acquire_owned() {
@@ -199,10 +218,10 @@ pub(crate) fn admit_connection(
             return;
         }
     };
-    let shared = Arc::clone(shared);
-    let slots = Arc::clone(slots);
+    let (shared, slots) = (Arc::clone(shared), Arc::clone(slots));
     tokio::spawn(async move {
-        match session::run(stream, peer, shared, handshake, slots).await {
+        let served = session::serve_connection(stream, peer, Arc::clone(&shared), handshake, slots);
+        match served.await {
             Ok(session::Ended::Served) => tracing::info!(%peer, "node disconnected"),
             // What a Kubernetes `tcpSocket` probe of the control port does every few seconds,
             // or a port scan: at debug, not as a dropped node. A peer that closes after its
@@ -211,7 +230,15 @@ pub(crate) fn admit_connection(
                 %peer,
                 "control connection closed before its first frame (a TCP probe or a port scan)"
             ),
-            Err(e) => tracing::warn!(%peer, error = %e, "dropped node connection"),
+            Err(session::Failed {
+                welcomed: true,
+                error,
+            }) => tracing::warn!(%peer, %error, "dropped node connection"),
+            // Any host that reaches the port can cause these at will.
+            Err(session::Failed {
+                welcomed: false,
+                error,
+            }) => shared.noise.dropped(peer, &error),
         }
     });
 }
@@ -294,13 +321,8 @@ mod tests {
     use super::control::SessionError;
     use super::*;
 
-    /// Runs the session of a loopback control connection to a source without a secret while
-    /// `node` plays the peer; returns how it ended.
-    async fn session_with<F, Fut>(node: F) -> Result<session::Ended, SessionError>
-    where
-        F: FnOnce(TcpStream) -> Fut,
-        Fut: std::future::Future<Output = ()>,
-    {
+    /// A source on loopback without a secret, serving nothing.
+    async fn source() -> Source {
         let cfg = SourceConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             secret: None,
@@ -312,7 +334,17 @@ mod tests {
             max_connections: 1,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
         };
-        let source = Source::bind(cfg, Datasets::default()).await.unwrap();
+        Source::bind(cfg, Datasets::default()).await.unwrap()
+    }
+
+    /// Runs the session of a loopback control connection to a source without a secret while
+    /// `node` plays the peer; returns how it ended.
+    async fn session_with<F, Fut>(node: F) -> Result<session::Ended, SessionError>
+    where
+        F: FnOnce(TcpStream) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let source = source().await;
         let peer = TcpStream::connect(source.local_addr()).await.unwrap();
         let (stream, addr) = source.listener.accept().await.unwrap();
         let handshakes = Arc::new(admit::Handshakes::default());
@@ -352,5 +384,113 @@ mod tests {
             matches!(node, Err(SessionError::Frame(FrameError::Closed))),
             "{node:?}"
         );
+    }
+
+    /// The messages of the WARN events of this thread.
+    struct Warnings(Arc<std::sync::Mutex<Vec<String>>>);
+
+    /// Takes the `message` field of an event.
+    struct MessageField<'a>(&'a mut String);
+
+    impl tracing::field::Visit for MessageField<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                *self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut message = String::new();
+                event.record(&mut MessageField(&mut message));
+                self.0.lock().unwrap().push(message);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// Collects this thread's warnings (a current-thread runtime's tasks run on it) until
+    /// the guard drops.
+    fn warnings() -> (
+        Arc<std::sync::Mutex<Vec<String>>>,
+        tracing::subscriber::DefaultGuard,
+    ) {
+        let seen = Arc::default();
+        let guard = tracing::subscriber::set_default(Warnings(Arc::clone(&seen)));
+        (seen, guard)
+    }
+
+    /// How many of `seen` start with `text`.
+    fn lines(seen: &std::sync::Mutex<Vec<String>>, text: &str) -> usize {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.starts_with(text))
+            .count()
+    }
+
+    /// A host off loopback that connects again and again to a source without a secret: one
+    /// line, not one per connection (before, 50 here: any host could fill the log disk).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_flood_of_refused_connections_logs_one_line_per_peer() {
+        let (seen, _guard) = warnings();
+        let source = source().await;
+        let handshakes = Arc::new(admit::Handshakes::default());
+        let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let gates = (&handshakes, &refusing);
+        for i in 0..51u16 {
+            let _peer = TcpStream::connect(source.local_addr()).await.unwrap();
+            let (stream, _) = source.listener.accept().await.unwrap();
+            // As the listener saw it: the 51st from another host.
+            let ip: [u8; 4] = if i < 50 { [10, 1, 2, 3] } else { [10, 1, 2, 4] };
+            let peer = SocketAddr::from((ip, 40000 + i));
+            admit_connection(&source.shared, stream, peer, gates, &slots);
+        }
+        let refused = lines(&seen, "refusing a control connection");
+        assert_eq!(refused, 2, "one per host: {:?}", seen.lock().unwrap());
+    }
+
+    /// Loopback peers whose first frame is no `Hello`, again and again: one line, and one for
+    /// another cause (a frame cut short) from the same host. Before, one per connection.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_flood_of_failed_handshakes_logs_one_line_per_peer_and_cause() {
+        let (seen, _guard) = warnings();
+        let source = source().await;
+        let handshakes = Arc::new(admit::Handshakes::default());
+        let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let gates = (&handshakes, &refusing);
+        for i in 0..21 {
+            let mut node = TcpStream::connect(source.local_addr()).await.unwrap();
+            let (stream, peer) = source.listener.accept().await.unwrap();
+            admit_connection(&source.shared, stream, peer, gates, &slots);
+            if i < 20 {
+                write_message(&mut node, &Message::Ping).await.unwrap();
+            } else {
+                use tokio::io::AsyncWriteExt;
+                node.write_all(&[0, 0]).await.unwrap(); // half a length prefix
+                node.shutdown().await.unwrap();
+            }
+            // The source closes it, and logs, in the same turn of its task.
+            let mut buf = Vec::new();
+            let read = read_message(&mut node, &mut buf, wire::MAX_SMALL_FRAME);
+            let closed = tokio::time::timeout(std::time::Duration::from_secs(10), read).await;
+            assert!(closed.expect("closed within 10 s").is_err());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let dropped = lines(&seen, "dropped node connection");
+        assert_eq!(dropped, 2, "one per cause: {:?}", seen.lock().unwrap());
     }
 }

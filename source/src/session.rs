@@ -66,6 +66,7 @@ use crate::payload::{Now, Payload};
 use crate::remote::HeldIn;
 use crate::remote::read::Failure;
 use crate::sender::{Body, ConnFailed, Held, Job, Sender};
+use crate::stat::Stats;
 
 /// How a control connection ended without a failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,8 +79,47 @@ pub(crate) enum Ended {
     NoHello,
 }
 
+/// A control connection that failed: why, and whether its peer had been welcomed (it proved
+/// the secret, or, without one, is on loopback) before it did: a failure before `Welcome` is
+/// one any host that reaches the port can cause at will, and is logged as such
+/// ([`crate::noise`]).
+#[derive(Debug)]
+pub(crate) struct Failed {
+    /// `Welcome` was sent: a node's session failed.
+    pub welcomed: bool,
+    /// Why.
+    pub error: SessionError,
+}
+
 /// Serves the control connection `stream` of `peer`: the handshake, the data connections,
-/// then the session, until the node closes it ([`Ended`]) or it fails.
+/// then the session, until the node closes it ([`Ended`]) or it fails ([`Failed`]).
+pub(crate) async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    handshake_slot: HandshakeSlot,
+    slots: Arc<Semaphore>,
+) -> Result<Ended, Failed> {
+    let before = |error| Failed {
+        welcomed: false,
+        error,
+    };
+    let greeted = admit_peer(stream, peer, &shared, handshake_slot, slots).await;
+    // `_slot`: a session slot, held until the session ends.
+    let Some((ctl, lanes, node_id, _slot)) = greeted.map_err(before)? else {
+        return Ok(Ended::NoHello);
+    };
+    serve_node(ctl, peer, shared, &lanes, &node_id)
+        .await
+        .map(|()| Ended::Served)
+        .map_err(|error| Failed {
+            welcomed: true,
+            error,
+        })
+}
+
+/// [`serve_connection`], with its failure only.
+#[cfg(test)]
 pub(crate) async fn run(
     stream: TcpStream,
     peer: SocketAddr,
@@ -87,9 +127,29 @@ pub(crate) async fn run(
     handshake_slot: HandshakeSlot,
     slots: Arc<Semaphore>,
 ) -> Result<Ended, SessionError> {
+    serve_connection(stream, peer, shared, handshake_slot, slots)
+        .await
+        .map_err(|f| f.error)
+}
+
+/// What a handshake that ended in `Welcome` leaves: the control connection, the node's lanes
+/// and id, and the session slot it took.
+type Greeted = (Control, Vec<LaneAddr>, String, OwnedSemaphorePermit);
+
+/// Checks that this source may serve `peer`, then runs the handshake of its control
+/// connection `stream` within [`HANDSHAKE_TIMEOUT`], unless it is evicted from its handshake
+/// slot first (each refusal is told to the peer); `None` when the peer closed the connection
+/// before its first frame.
+async fn admit_peer(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    handshake_slot: HandshakeSlot,
+    slots: Arc<Semaphore>,
+) -> Result<Option<Greeted>, SessionError> {
     // `crate::admit_connection` refuses a peer off loopback before it takes a handshake
     // slot; checked again where the session starts.
-    if let Err(e) = admissible(&shared, peer) {
+    if let Err(e) = admissible(shared, peer) {
         drop(handshake_slot); // not held while the refusal lingers
         crate::control::refuse(stream, ErrorCode::AuthFailed, e.to_string()).await;
         return Err(e);
@@ -103,7 +163,7 @@ pub(crate) async fn run(
         idle: shared.cfg.idle_timeout,
         last_sent: Instant::now(),
     };
-    let hs = handshake(&mut ctl, &shared, slots);
+    let hs = handshake(&mut ctl, shared, slots);
     let admitted = tokio::select! {
         done = tokio::time::timeout(HANDSHAKE_TIMEOUT, hs) => {
             done.map_err(|_| SessionError::Timeout(HANDSHAKE_TIMEOUT))??
@@ -119,10 +179,19 @@ pub(crate) async fn run(
             return Err(e);
         }
     };
-    let Some((lanes, node_id, _slot)) = admitted else {
-        return Ok(Ended::NoHello);
-    };
-    drop(handshake_slot); // a session slot now (`_slot`, until the session ends)
+    // The handshake slot is given back here: a session slot now (until the session ends).
+    Ok(admitted.map(|(lanes, node_id, slot)| (ctl, lanes, node_id, slot)))
+}
+
+/// The session of node `node_id` at `peer`, welcomed on `ctl`, with `lanes`: its data
+/// connections dialled, then served until the node closes it or it fails.
+async fn serve_node(
+    mut ctl: Control,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    lanes: &[LaneAddr],
+    node_id: &str,
+) -> Result<(), SessionError> {
     let addrs: Vec<String> = lanes
         .iter()
         .map(|l| format!("{}x{}", l.data_addr, l.flows))
@@ -130,13 +199,12 @@ pub(crate) async fn run(
     tracing::info!(%peer, node = %node_id, lanes = %addrs.join(" "), "node authenticated");
     let failed = Arc::new(ConnFailed::default());
     let progress = Arc::new(Notify::new());
-    let conns = dial_or_tell(&mut ctl, &shared, &lanes, (&failed, &progress)).await?;
+    let conns = dial_or_tell(&mut ctl, &shared, lanes, (&failed, &progress)).await?;
     let id = shared.sessions.fetch_add(1, Ordering::Relaxed) + 1;
     let _hints = ForgetHints(Arc::clone(&shared), id);
     Session::new(id, ctl, shared, conns, lanes.len(), failed, progress)
         .serve()
         .await
-        .map(|()| Ended::Served)
 }
 
 /// Whether this source may serve `peer` at all: without a secret, loopback peers only.
@@ -288,11 +356,12 @@ struct Head {
 
 /// Why a queued FETCH's local shard file no longer holds what the source opened (it was
 /// checked when the FETCH was queued, and may have waited behind others since), if it does
-/// not.
-fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
+/// not, or could not be examined in time ([`Stats::check`]: off the runtime's threads).
+async fn changed_since_queued(stats: &Stats, q: &Head, body: &Body) -> Option<ShardChanged> {
     match (&q.file, body) {
         (Some(opened), Body::File { file, offset }) => {
-            opened.check(file, *offset..offset + q.len).err()
+            let shard = *offset..offset + q.len;
+            stats.check(opened, file, shard).await.err()
         }
         _ => None,
     }
@@ -303,9 +372,10 @@ fn changed_since_queued(q: &Head, body: &Body) -> Option<ShardChanged> {
 /// `ReadFailed`, which a node fetches again from another source (and gives up on after a few
 /// refusals in a row): before, `DatasetChanged`, which ended the node's stream though another
 /// source had a good copy. A file that could not be examined (`Stat`: `fstat` failed, EIO on a
-/// network file system) is `ReadFailed` too: a read error says nothing of the data (before,
-/// `DatasetChanged`, ending the stream over an error that may pass). A file whose size or
-/// modification time changed is `DatasetChanged`: the manifest no longer describes it.
+/// network file system, or it did not return within [`crate::stat::STAT_LIMIT`]) is
+/// `ReadFailed` too: a read error says nothing of the data (before, `DatasetChanged`, ending the
+/// stream over an error that may pass). A file whose size or modification time changed is
+/// `DatasetChanged`: the manifest no longer describes it.
 fn shard_refusal(why: &ShardChanged) -> (ErrorCode, String) {
     match why {
         ShardChanged::Corrupt { .. } => (
@@ -1206,7 +1276,10 @@ impl Session {
         let (payload, opened) = match &d.backend {
             Backend::Local { files, opened, .. } => {
                 let (file, opened) = (&files[shard as usize], &opened[shard as usize]);
-                if let Err(why) = opened.check(file, entry.offset..entry.offset + entry.length) {
+                let range = entry.offset..entry.offset + entry.length;
+                // Off the runtime's threads, within a time limit: a network file system
+                // whose server stopped answering blocks `fstat` for as long.
+                if let Err(why) = self.shared.stats.check(opened, file, range).await {
                     tracing::warn!(dataset, shard, "{why}; FETCH refused");
                     let (code, message) = shard_refusal(&why);
                     let message = format!("dataset `{dataset}`: {message}");
@@ -1308,13 +1381,13 @@ impl Session {
         body: Body,
         held: Counted,
     ) -> Result<(), SessionError> {
-        let reads = &self.queues.reads;
-        if let Some(why) = changed_since_queued(&q, &body) {
+        if let Some(why) = changed_since_queued(&self.shared.stats, &q, &body).await {
             tracing::warn!(shard = q.shard, "{why}; FETCH refused");
-            reads.release(held);
+            self.queues.reads.release(held);
             let (code, message) = shard_refusal(&why);
             return self.ctl.error(q.req, code, message).await;
         }
+        let reads = &self.queues.reads;
         // Bytes in memory stay counted until its sender has sent them; a payload read from a
         // file (the cache) holds no memory once handed over.
         let held = match body {

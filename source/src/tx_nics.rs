@@ -4,10 +4,13 @@
 //!
 //! That NIC is the one the kernel routes the lane's address through: the local address a UDP
 //! socket connected to the lane's address gets (`connect` on UDP sends nothing), matched
-//! against each TX interface's IPv4 address. The data connection is then bound to that NIC
-//! (`SO_BINDTODEVICE`), so it cannot leave by another after a route change, and sends from that
-//! NIC's binding. A lane routed through an interface without a TX binding sends with
-//! `sendfile`, and the log says which local address it would leave from.
+//! against each TX interface's primary IPv4 address (`SIOCGIFADDR`), the only address
+//! compared. The data connection is then bound to that NIC (`SO_BINDTODEVICE`), so it cannot
+//! leave by another after a route change, and sends from that NIC's binding. A lane routed
+//! through an interface without a TX binding sends with `sendfile`, and so does an IPv6 lane,
+//! or one routed from a secondary address of a bound interface; the log says which local
+//! address it would leave from and each interface's address it was compared with
+//! ([`unbound_reason`]).
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
@@ -26,10 +29,14 @@ pub struct TxNics {
 pub enum TxRoute {
     /// Through this NIC's binding (the connection is bound to the NIC).
     Nic(Arc<TxPath>),
-    /// The kernel routes it from `local`, an address of no TX interface: `sendfile`.
+    /// The kernel routes it from `local`, which is the primary IPv4 address of no TX
+    /// interface: `sendfile`.
     NoBinding {
         /// The local address the route chose.
         local: IpAddr,
+        /// Each TX interface with the address compared: its primary IPv4 address, if it has
+        /// one.
+        compared: Vec<(String, Option<Ipv4Addr>)>,
     },
     /// No route to the lane's address (the connect will fail and say so).
     Unroutable(io::Error),
@@ -66,9 +73,38 @@ impl TxNics {
             .collect();
         match choose(local, &addrs) {
             Some(i) => TxRoute::Nic(Arc::clone(&self.paths[i])),
-            None => TxRoute::NoBinding { local },
+            None => TxRoute::NoBinding {
+                local,
+                compared: self
+                    .paths
+                    .iter()
+                    .map(|p| p.ifname.clone())
+                    .zip(addrs)
+                    .collect(),
+            },
         }
     }
+}
+
+/// Why a lane routed from `local` gets no devmem TX binding, naming what was compared: each
+/// TX interface's primary IPv4 address (`compared`), the only address matched. Before, the log
+/// said only that the lane was reached from an address of no TX interface, which is wrong for
+/// an IPv6 lane, or one routed from a secondary address, of a bound interface.
+pub fn unbound_reason(local: IpAddr, compared: &[(String, Option<Ipv4Addr>)]) -> String {
+    let each: Vec<String> = compared
+        .iter()
+        .map(|(name, addr)| match addr {
+            Some(a) => format!("{name}: {a}"),
+            None => format!("{name}: no IPv4 address found"),
+        })
+        .collect();
+    format!(
+        "the lane is reached from an address of no devmem TX interface, as far as the source \
+         compares them: its local address {local} is not the primary IPv4 address of any ({}); \
+         only that address of each interface is compared, so an IPv6 lane, or one routed from \
+         a secondary address of a bound interface, sends with sendfile too",
+        each.join(", ")
+    )
 }
 
 /// The local address the kernel would send to `to` from.
@@ -119,5 +155,25 @@ mod tests {
             none.route("127.0.0.1:9".parse().unwrap()),
             TxRoute::NoBinding { .. }
         ));
+    }
+
+    /// An IPv6 lane of a bound interface: the reason names the address compared, and that
+    /// IPv6 lanes and secondary addresses are not matched.
+    #[test]
+    fn the_reason_for_sendfile_says_what_was_compared() {
+        let compared = [
+            ("eth1".to_string(), Some(Ipv4Addr::new(10, 0, 1, 2))),
+            ("eth2".to_string(), None),
+        ];
+        let why = unbound_reason("fd00::2".parse().unwrap(), &compared);
+        for says in [
+            "fd00::2",
+            "(eth1: 10.0.1.2, eth2: no IPv4 address found)",
+            "primary IPv4 address",
+            "an IPv6 lane",
+            "secondary address",
+        ] {
+            assert!(why.contains(says), "{says}: {why}");
+        }
     }
 }

@@ -238,6 +238,8 @@ fn shared_with(datasets: Datasets, idle: Duration) -> Arc<Shared> {
         sessions: AtomicU64::new(SESSION),
         draining: tokio::sync::watch::Sender::new(false),
         session_reads: Arc::default(),
+        noise: crate::noise::Noise::default(),
+        stats: Stats::default(),
     })
 }
 
@@ -838,6 +840,50 @@ async fn a_node_whose_data_address_the_source_cannot_reach_is_told_why() {
         matches!(&e, SessionError::DataConnect { addr, .. } if *addr == closed),
         "{e}"
     );
+}
+
+/// A failure before `Welcome` is one any peer that reaches the port can cause (logged at most
+/// once per peer and cause, `crate::noise`); one after it is a node's (logged every time).
+/// Before, the two were one `SessionError`, logged alike once per connection.
+#[tokio::test(flavor = "current_thread")]
+async fn a_failure_is_a_strangers_before_welcome_and_a_nodes_after() {
+    let dir = Scratch::new("failed-stage");
+    let shared = shared(datasets(&dir, 1, false).await);
+    let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+    let handshakes = Arc::new(crate::admit::Handshakes::default());
+    let serve = |stream| {
+        let slot = handshakes.enter(peer.ip()).unwrap();
+        let slots = Arc::new(Semaphore::new(1));
+        let shared = Arc::clone(&shared);
+        tokio::spawn(serve_connection(stream, peer, shared, slot, slots))
+    };
+    // A first frame that is no `Hello`.
+    let (stream, mut node) = connected().await;
+    let source = serve(stream);
+    write_message(&mut node, &Message::Ping).await.unwrap();
+    let f = source.await.unwrap().expect_err("no Hello");
+    assert!(!f.welcomed, "{f:?}");
+    assert!(matches!(f.error, SessionError::Unexpected { .. }), "{f:?}");
+    // Welcomed, then its only data address cannot be dialled.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (stream, mut node) = connected().await;
+    let source = serve(stream);
+    let hello = Message::Hello {
+        node_id: "test-node".into(),
+        nonce: [0; NONCE_LEN],
+        lanes: vec![LaneAddr {
+            data_addr: closed,
+            flows: 1,
+        }],
+    };
+    greet(&mut node, &mut Vec::new(), &hello).await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), source).await;
+    let f = ended.expect("ends").unwrap().expect_err("fails");
+    assert!(f.welcomed, "{f:?}");
+    assert!(matches!(f.error, SessionError::DataConnect { .. }), "{f:?}");
 }
 
 /// Hello, Challenge, Auth, Welcome as a node without a secret, over `node`.

@@ -1,10 +1,12 @@
-//! Warnings that any peer can cause at will (a connection to a data port that no source
-//! announces), at most one per key (a kind of line and the peer's host) every [`EVERY`]. The
-//! lines in between are counted: the next line of that key says how many were left out, and
-//! so does [`WarnLimit::flush`] once the key's window is over. Without it, a host that could
-//! reach a data port made the node log a line per connection, at its accept rate. At most
-//! [`MAX_KEYS`] keys are tracked at once: the lines of any other key are counted together and
-//! said by the next flush.
+//! Warnings that any peer can cause at will, at most one per key (a kind of line and the
+//! peer's host) every [`EVERY`]: on a node, a connection to a data port that no source
+//! announces; on a source, a control connection refused or dropped before its handshake
+//! ended. The lines in between are counted: the next line of that key says how many were left
+//! out, and so does [`WarnLimit::flush`] once the key's window is over. Without it, a host
+//! that could reach such a port made the service log a line per connection, at its accept
+//! rate. At most [`MAX_KEYS`] keys are tracked at once: the lines of any other key are counted
+//! together and said by the next flush. Pure (the caller passes the time): shared by the node
+//! and the source.
 
 use std::collections::HashMap;
 use std::hash::Hash;
