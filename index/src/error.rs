@@ -97,10 +97,10 @@ pub enum IndexError {
     /// One Arrow column cannot be a shardwire tensor.
     #[error("{}: {}column `{column}`: {reason} (found: {value})", .file.display(), batch_prefix(.batch))]
     Column {
-        /// The file.
+        /// The file (for a Parquet file, the Parquet file, not its converted cache).
         file: PathBuf,
-        /// Record batch index, when the problem is in the data rather than the schema.
-        batch: Option<usize>,
+        /// Where in the file, when the problem is in the data rather than the schema.
+        batch: Option<Box<BatchAt>>,
         /// The column (field) name.
         column: String,
         /// What is wrong, and how to fix it.
@@ -134,10 +134,12 @@ pub enum IndexError {
         available: String,
     },
     /// A Parquet file could not be read (corrupt, or a codec or type not supported).
-    #[error("{}: cannot read Parquet file: {source}", .file.display())]
+    #[error("{}: cannot read Parquet file{}: {source}", .file.display(), in_row_group(.row_group))]
     Parquet {
         /// The Parquet file.
         file: PathBuf,
+        /// The row group being read, when the error is in one (not in the footer).
+        row_group: Option<usize>,
         /// The reader's error (names the bad value: codec, type, offset).
         source: ::parquet::errors::ParquetError,
     },
@@ -158,6 +160,43 @@ pub enum IndexError {
         source: std::io::Error,
         /// What to do.
         fix: &'static str,
+    },
+    /// The local temporary file that a Parquet object is converted into, before it is
+    /// uploaded beside the data, cannot be written (most often: no space in the temporary
+    /// folder, `TMPDIR`).
+    #[error(
+        "{}: cannot write the local temporary file a Parquet object is converted into before \
+         it is uploaded beside the data ({source}); {fix}",
+        .file.display()
+    )]
+    ParquetTemp {
+        /// The file or folder that could not be written (under the temporary folder).
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+        /// What to do.
+        fix: &'static str,
+    },
+    /// `.bin` files without the Megatron `.idx` of their name, beside `.bin`/`.idx` pairs (an
+    /// `.idx` lost in a partial copy or by a sync filter): each would be served as one raw
+    /// `uint8` tensor among the pairs' token sequences, so the dataset is refused.
+    #[error(
+        "{}: {}, while {pairs} other .bin {} one: read alone, each would be served as \
+         one raw uint8 tensor among the token sequences of the pairs; restore the missing \
+         .idx (megatron's tools/preprocess_data.py writes the .bin and the .idx together), \
+         move the .bin out of the dataset (or rename it to start with '.'), or give --tokens \
+         DTYPE (and --eos ID) to read every .bin without an .idx as raw tokens",
+        .dir.display(),
+        unpaired(.bins),
+        files_have(*.pairs)
+    )]
+    UnpairedMegatronBin {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The `.bin` files without their `.idx` (relative paths, sorted).
+        bins: Vec<String>,
+        /// How many `.bin` files have their `.idx`.
+        pairs: usize,
     },
     /// An option that would change nothing for this dataset: `--columns` without an Arrow or
     /// Parquet file, `--tokens` without a `.bin` file to read as tokens. Refused before any
@@ -296,10 +335,83 @@ fn split_files(splits: &[(String, Vec<String>)]) -> String {
     each.collect::<Vec<_>>().join("; ")
 }
 
-fn batch_prefix(batch: &Option<usize>) -> String {
-    batch
-        .map(|b| format!("record batch {b}: "))
+/// Where the record batch of an [`IndexError::Column`] is, in the file the user gave.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BatchAt {
+    /// Record batch `0`, `1`, ... of an Arrow IPC file (or of a Parquet file's converted
+    /// cache, when its row groups could not be read back).
+    Batch(usize),
+    /// Rows `first .. first + rows` (counted from 0 in the row group) of row group `group`
+    /// of a Parquet file: one converted record batch.
+    RowGroup {
+        /// The row group.
+        group: usize,
+        /// Its first row in the batch.
+        first: u64,
+        /// Rows in the batch.
+        rows: u64,
+    },
+}
+
+impl std::fmt::Display for BatchAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BatchAt::Batch(b) => write!(f, "record batch {b}"),
+            BatchAt::RowGroup { group, first, rows } => {
+                write!(f, "row group {group} (its rows {first}..{})", first + rows)
+            }
+        }
+    }
+}
+
+fn batch_prefix(batch: &Option<Box<BatchAt>>) -> String {
+    batch.as_ref().map(|b| format!("{b}: ")).unwrap_or_default()
+}
+
+/// ` (row group 5)`, or nothing.
+fn in_row_group(group: &Option<usize>) -> String {
+    group
+        .map(|g| format!(" (row group {g})"))
         .unwrap_or_default()
+}
+
+/// How many `.bin` files of [`IndexError::UnpairedMegatronBin`] are named.
+const UNPAIRED_SHOWN: usize = 5;
+
+/// `c1.bin has no Megatron index c1.idx beside it`, or `2 .bin files have no Megatron index
+/// beside them (a.bin: no a.idx, sub/b.BIN: no b.IDX)`: the `.bin` files without their
+/// `.idx`, the first [`UNPAIRED_SHOWN`] named.
+fn unpaired(bins: &[String]) -> String {
+    if let [one] = bins {
+        return format!("{one} has no Megatron index {} beside it", idx_of(one));
+    }
+    let mut names: Vec<String> = bins
+        .iter()
+        .take(UNPAIRED_SHOWN)
+        .map(|b| format!("{b}: no {}", idx_of(b)))
+        .collect();
+    if bins.len() > UNPAIRED_SHOWN {
+        names.push(format!("and {} more", bins.len() - UNPAIRED_SHOWN));
+    }
+    format!(
+        "{} .bin files have no Megatron index beside them ({})",
+        bins.len(),
+        names.join(", ")
+    )
+}
+
+/// `file has` or `files have`.
+fn files_have(n: usize) -> &'static str {
+    if n == 1 { "file has" } else { "files have" }
+}
+
+/// The name of the Megatron index of the `.bin` `rel`: `sub/c1.bin` -> `c1.idx`
+/// (`C1.BIN` -> `C1.IDX`).
+fn idx_of(rel: &str) -> String {
+    let name = rel.rsplit('/').next().unwrap_or(rel);
+    let (stem, ext) = name.rsplit_once('.').unwrap_or((name, ""));
+    let idx = if ext == "BIN" { "IDX" } else { "idx" };
+    format!("{stem}.{idx}")
 }
 
 impl IndexError {

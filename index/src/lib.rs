@@ -22,17 +22,19 @@
 //! A dataset in object storage is read with ranged GETs only: listing replaces the directory
 //! walk (same rules), structure reads (headers, footers, index files) cost a few requests,
 //! and each object's shards are checksummed in one pass of planned GETs. Its manifest also
-//! lists each object's size and ETag, and is written beside the data (or where
-//! `--manifest-out` says).
+//! lists each object's size and ETag (the shards' objects, and each Parquet object
+//! converted), and is written beside the data (or where `--manifest-out` says).
 //!
 //! Nothing is left out silently: [`index_report`] also lists the files not used (with the
-//! reason) and the Arrow columns skipped under [`IndexOptions::skip_unsupported`]; hidden
+//! reason), the Arrow columns skipped under [`IndexOptions::skip_unsupported`] and the tar
+//! members skipped (links, names without a key/field split: [`SkippedMembers`]); hidden
 //! files, the empty directory markers of an object store (`dir/`) and the manifest itself
-//! are the only files skipped without a word. Options that act on some formats only are named
-//! where they leave files as they are, and `--columns` or `--tokens` on a dataset with no
-//! file they act on is refused (`options.rs`). Data files named for two or more splits
-//! (`train.bin` beside `val.bin`, `train/` beside `test/`) are refused rather than merged into
-//! one dataset (`split.rs`).
+//! are the only files skipped without a word. A `.bin` without its `.idx` beside Megatron
+//! pairs is refused rather than served as raw bytes (`megatron::refuse_unpaired`). Options
+//! that act on some formats only are named where they leave files as they are, and
+//! `--columns` or `--tokens` on a dataset with no file they act on is refused
+//! (`options.rs`). Data files named for two or more splits (`train.bin` beside `val.bin`,
+//! `train/` beside `test/`) are refused rather than merged into one dataset (`split.rs`).
 
 #![forbid(unsafe_code)]
 
@@ -68,13 +70,14 @@ use shardwire_protocol::manifest::{MANIFEST_FILE, Manifest, ObjectEntry, ShardEn
 pub use shardwire_store::{Described, StoreOptions, StoreUrl};
 
 use crate::budget::{Budget, FileCheck, RowKind};
-pub use crate::error::IndexError;
+pub use crate::error::{BatchAt, IndexError};
 pub use crate::parquet::ParquetNote;
 use crate::remote::Remote;
 use crate::root::Root;
 pub use crate::tokens::RawTokens;
 pub use crate::unused::Unused;
 use crate::walk::{Candidate, Kind};
+pub use crate::webdataset::SkippedMembers;
 
 /// Options for [`index_dir`].
 #[derive(Clone, Debug, Default)]
@@ -215,6 +218,8 @@ pub struct IndexReport {
     /// Options that acted on some of the files only, or on none (`--skip-unsupported`
     /// without an Arrow file), one line each.
     pub options: Vec<String>,
+    /// Tar members not read (links, names without a key/field split), one entry per tar.
+    pub members: Vec<SkippedMembers>,
 }
 
 /// How many names a note lists before `and N more`.
@@ -242,6 +247,11 @@ impl IndexReport {
             });
             let what = "skipped unsupported";
             out.push(note(what, self.skipped.len(), "column", names));
+        }
+        if !self.members.is_empty() {
+            let names = self.members.iter().map(|m| m.to_string());
+            let what = "tar members skipped";
+            out.push(note(what, self.members.len(), "tar", names));
         }
         out
     }
@@ -308,6 +318,7 @@ fn index_root_within(
     if !opts.allow_mixed_splits {
         split::refuse_mixed(&root.path(), &files)?;
     }
+    megatron::refuse_unpaired(&root.path(), &files, &megatron, opts.tokens.is_some())?;
     let options = options::check(&root.path(), &files, &megatron, opts)?;
     let mut progress = Progress::new(
         opts.progress && std::io::stderr().is_terminal(),
@@ -327,6 +338,7 @@ fn index_root_within(
         empty,
         parquet,
         wds,
+        members,
     } = found?;
     arrow::harmonize(&mut shards, &nested);
     webdataset::harmonize(&mut shards, wds);
@@ -335,7 +347,7 @@ fn index_root_within(
         reason: "holds no rows".into(),
     }));
     unused.sort_by(|a, b| a.file.cmp(&b.file));
-    let objects = root.objects_for(&shards);
+    let objects = root.objects_for(&shards, &parquet);
     let manifest = checked_manifest(&root.path(), shards, objects, files.len(), &unused)?;
     Ok(IndexReport {
         manifest,
@@ -343,6 +355,7 @@ fn index_root_within(
         skipped,
         parquet,
         options,
+        members,
     })
 }
 
@@ -358,6 +371,8 @@ struct Found {
     parquet: Vec<ParquetNote>,
     /// Raw member rows of the typed WebDataset tensors.
     wds: Vec<webdataset::RawRows>,
+    /// Tar members not read, per tar.
+    members: Vec<SkippedMembers>,
 }
 
 /// What the files read before the others (indexes) say about them.
@@ -425,7 +440,10 @@ fn file_shards(
     };
     let shards = match f.kind {
         Kind::Arrow | Kind::Parquet => {
-            let a = arrow::index(src, choice, check)?;
+            let a = arrow::index(src, choice, check).map_err(|e| match f.kind {
+                Kind::Parquet => root.in_row_group(&f.rel, e),
+                _ => e,
+            })?;
             for (column, dtype, reason) in a.skipped {
                 add_skipped(&mut out.skipped, column, dtype, reason, &f.rel);
             }
@@ -441,10 +459,12 @@ fn file_shards(
             },
         },
         Kind::Tar => {
-            let (shards, raw) = webdataset::index(src)?;
+            let tar = webdataset::index(src)?;
             let base = out.shards.len();
-            out.wds.extend(raw.into_iter().map(|r| r.in_shard(base)));
-            shards
+            out.wds
+                .extend(tar.raw.into_iter().map(|r| r.in_shard(base)));
+            out.members.extend(tar.skipped);
+            tar.shards
         }
         Kind::CompressedTar => return Err(webdataset::refuse_compressed(src)),
         Kind::Mds => mds::index(src, plans.mds.get(&f.rel), check)?,

@@ -1,7 +1,9 @@
 //! Megatron-LM indexed datasets: a pair `NAME.bin` + `NAME.idx` in one directory
 //! (`megatron/core/datasets/indexed_dataset.py`). The `.bin` holds the token sequences back
 //! to back; the `.idx` says where each starts. A `.bin` without its `.idx` stays a raw
-//! `uint8` shard ([`crate::bin`]); an `.idx` without its `.bin` is reported unused.
+//! `uint8` shard ([`crate::bin`]) when no `.bin` has one; beside `.bin`/`.idx` pairs it is
+//! refused ([`refuse_unpaired`]), unless `--tokens` reads it as raw tokens. An `.idx`
+//! without its `.bin` is reported unused.
 //!
 //! The `.idx` layout, all little-endian and unaligned: the magic `MMIDIDX\0\0` (9 bytes), a
 //! `u64` version (1), a `u8` dtype code, a `u64` sequence count `S`, a `u64` document count
@@ -88,6 +90,36 @@ pub(crate) fn plan(files: &mut Vec<Candidate>, unused: &mut Vec<Unused>) -> Plan
     }
     files.retain(|f| f.kind != Kind::MegatronIdx);
     plan
+}
+
+/// Refuses the `.bin` files among `files` (of the dataset at `dir`) that `plan` gave no
+/// `.idx`, when it paired at least one, unless `tokens` (`--tokens` reads them as raw
+/// tokens). Among Megatron pairs, a lone `.bin` is one whose `.idx` was lost (a partial copy,
+/// a sync filter that skips `.idx`): Megatron-LM cannot read it, and served as one raw `uint8`
+/// tensor of its whole bytes beside the `tokens` of the pairs, it would give a trainer
+/// garbage that no note in a log would stop. Without pairs, a `.bin` is raw data as ever.
+pub(crate) fn refuse_unpaired(
+    dir: &Path,
+    files: &[Candidate],
+    plan: &Plan,
+    tokens: bool,
+) -> Result<(), IndexError> {
+    if plan.is_empty() || tokens {
+        return Ok(());
+    }
+    let bins: Vec<String> = files
+        .iter()
+        .filter(|f| f.kind == Kind::Bin && !plan.contains_key(&f.rel))
+        .map(|f| f.rel.clone())
+        .collect();
+    if bins.is_empty() {
+        return Ok(());
+    }
+    Err(IndexError::UnpairedMegatronBin {
+        dir: dir.to_path_buf(),
+        bins,
+        pairs: plan.len(),
+    })
 }
 
 /// Whether the `.idx` `idx` has its extension in the case of the `.bin` `bin`'s
@@ -692,6 +724,109 @@ mod tests {
         // Under the real limit the arrays are read, and refused.
         let e = index_dir(&dir, &IndexOptions::default()).unwrap_err();
         assert!(e.to_string().contains("negative length"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_bin_without_its_idx_beside_pairs_is_refused_naming_the_missing_idx() {
+        // Before, `c1_text_document.bin` (its .idx lost) was served without a word as one
+        // dense uint8 tensor of its bytes, beside the `tokens` of c0.
+        let dir = temp_dir("megatron-orphan");
+        write(
+            &dir,
+            "c0_text_document",
+            8,
+            2,
+            &[vec![u16s(0, 5)], vec![u16s(9, 2)]],
+        );
+        let orphan = u16s(50, 4);
+        std::fs::write(dir.join("c1_text_document.bin"), &orphan).unwrap();
+        let e = index_report(&dir, &IndexOptions::default()).unwrap_err();
+        assert!(
+            matches!(&e, IndexError::UnpairedMegatronBin { bins, pairs: 1, .. }
+                if bins == &["c1_text_document.bin"]),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        for want in [
+            "c1_text_document.bin has no Megatron index c1_text_document.idx",
+            "1 other .bin file has one",
+            "raw uint8",
+            "--tokens",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+        // Read as raw tokens when asked: c0 stays Megatron sequences, c1 one document.
+        let tokens = crate::RawTokens::new(DType::Uint16, None).unwrap();
+        let opts = IndexOptions {
+            tokens: Some(tokens),
+            ..IndexOptions::default()
+        };
+        let r = index_report(&dir, &opts).unwrap();
+        let files: Vec<(&str, &str)> = r
+            .manifest
+            .shards
+            .iter()
+            .map(|s| (s.file.as_str(), s.tensors[0].name.as_str()))
+            .collect();
+        assert_eq!(
+            files,
+            [
+                ("c0_text_document.bin", "tokens"),
+                ("c1_text_document.bin", "tokens")
+            ]
+        );
+        // Two of them: both named, with their missing indexes.
+        std::fs::write(dir.join("c2.BIN"), [1u8]).unwrap();
+        let text = index_report(&dir, &IndexOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("2 .bin files have no Megatron index beside them")
+                && text.contains("c1_text_document.bin: no c1_text_document.idx")
+                && text.contains("c2.BIN: no c2.IDX"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn megatron_core_caches_from_data_cache_path_are_not_data_nor_splits() {
+        // `--data-cache-path /d/cache --split 969,30,1`: megatron-core writes its index
+        // cache straight into /d/cache. Before, its arrays were data: the folder was refused
+        // as the three splits train, valid and test.
+        let dir = temp_dir("megatron-cache-path");
+        let bin = write(&dir, "corpus_text_document", 8, 2, &[vec![u16s(0, 5)]]);
+        std::fs::create_dir_all(dir.join("cache")).unwrap();
+        let md5 = "00112233445566778899aabbccddeeff";
+        let mut cached = Vec::new();
+        for split in ["train", "valid", "test"] {
+            for end in [
+                "document_index.npy",
+                "sample_index.npy",
+                "shuffle_index.npy",
+                "description.txt",
+            ] {
+                cached.push(format!("cache/{md5}-GPTDataset-{split}-{end}"));
+            }
+        }
+        for f in &cached {
+            std::fs::write(dir.join(f), b"x").unwrap();
+        }
+        let r = index_report(&dir, &IndexOptions::default()).unwrap();
+        assert_eq!(r.manifest.shards.len(), 1);
+        check_manifest(&dir, &r.manifest, &[("tokens", bin)]);
+        let mut unused: Vec<&str> = r.unused.iter().map(|u| u.file.as_str()).collect();
+        unused.sort_unstable();
+        cached.sort_unstable();
+        assert_eq!(unused, cached);
+        assert!(
+            r.unused
+                .iter()
+                .all(|u| u.reason == crate::walk::MEGATRON_CACHE),
+            "{:?}",
+            r.unused
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

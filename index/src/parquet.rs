@@ -5,18 +5,24 @@
 //! The columns and values are those of `pyarrow.parquet.read_table`: the Arrow schema
 //! pyarrow stores in the file (`ARROW:schema`) is honoured by the `parquet` crate's reader.
 //! Each row group becomes one record batch, split into batches of at most
-//! [`MAX_BATCH_ROWS`] rows when larger (each batch is one shard).
+//! [`MAX_BATCH_ROWS`] rows and about [`MAX_BATCH_BYTES`] bytes (by the footer's
+//! uncompressed size of the row group) when larger: each batch is one shard, and is held in
+//! memory whole while it is converted ([`plan_batches`]). The Parquet file is opened once,
+//! and every row group read through that handle, so a file replaced meanwhile (`mv`) is
+//! never half read.
 //!
 //! Next to each cached file a JSON sidecar (`<cache>.json`) records what it was made
 //! from: the Parquet file's size and modification time (and the cached file's size). While
 //! they match, the cached file is reused. The cache directory is hidden, so the walk never
 //! reads it as input; the manifest names the cached file (the source serves any relative
-//! path). Both files are written to a temporary file first and then renamed.
+//! path). Both files are written to a temporary file first and then renamed. Messages
+//! about the data name the Parquet file and the row group ([`batch_at`]), not the cache.
 //!
 //! A dataset in object storage ([`remote`]) is converted the same way, reading the Parquet
 //! object with ranged GETs; the converted file and its sidecar (which records the object's
 //! size and ETag instead of a modification time) are uploaded beside the data, under the
-//! same hidden cache prefix, and reused while they match.
+//! same hidden cache prefix, and reused while they match. The manifest's `objects` list
+//! the Parquet object too (its size and ETag when it was converted).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -26,10 +32,12 @@ use std::time::UNIX_EPOCH;
 use ::parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
+use ::parquet::errors::ParquetError;
+use ::parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use ::parquet::file::reader::ChunkReader;
 use arrow_ipc::writer::FileWriter;
 
-use crate::error::IndexError;
+use crate::error::{BatchAt, IndexError};
 
 pub(crate) mod remote;
 #[cfg(test)]
@@ -39,8 +47,98 @@ mod tests;
 pub(crate) const CACHE_DIR: &str = ".shardwire-cache/parquet";
 /// Most rows in one converted record batch (one shard).
 pub(crate) const MAX_BATCH_ROWS: usize = 65_536;
-/// Version of the sidecar layout; a different one means convert again.
-const SIDECAR_FORMAT: u64 = 1;
+/// About the most bytes in one converted record batch, by the footer's uncompressed size of
+/// its row group (a batch is held in memory whole while it is converted).
+pub(crate) const MAX_BATCH_BYTES: u64 = 128 << 20;
+/// Version of the sidecar layout; a different one means convert again (2: batches cut by
+/// bytes too, so a cache of format 1 may hold other batches than [`plan_batches`] says).
+const SIDECAR_FORMAT: u64 = 2;
+
+/// How converted record batches are cut: at most `rows` rows, about `bytes` bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchLimit {
+    /// Most rows in a batch.
+    pub rows: usize,
+    /// About the most bytes in a batch (at least one row).
+    pub bytes: u64,
+}
+
+/// The limit every conversion uses.
+pub(crate) const BATCH_LIMIT: BatchLimit = BatchLimit {
+    rows: MAX_BATCH_ROWS,
+    bytes: MAX_BATCH_BYTES,
+};
+
+/// One converted record batch: rows `first .. first + rows` of row group `group`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Planned {
+    /// The row group.
+    pub group: usize,
+    /// Its first row in the batch, counted from 0 in the row group.
+    pub first: u64,
+    /// Rows in the batch.
+    pub rows: u64,
+}
+
+/// The record batches that row groups of `(rows, uncompressed bytes)` are converted into, in
+/// order: each row group cut into batches of the same number of rows (the last one may be
+/// shorter), at most `limit.rows` and about `limit.bytes` bytes by the row group's average
+/// row; none for an empty row group. A pyarrow file of 1 Mi rows of 256 KiB images per row
+/// group gives batches of 512 rows (128 MiB), not one of 64 Ki rows (16 GiB).
+pub(crate) fn plan_batches(groups: &[(usize, i64)], limit: BatchLimit) -> Vec<Planned> {
+    let mut out = Vec::new();
+    for (group, &(rows, bytes)) in groups.iter().enumerate() {
+        let per = batch_rows(rows, bytes, limit);
+        let mut first = 0;
+        while first < rows {
+            let n = per.min(rows - first);
+            out.push(Planned {
+                group,
+                first: first as u64,
+                rows: n as u64,
+            });
+            first += n;
+        }
+    }
+    out
+}
+
+/// Rows in each batch of a row group of `rows` rows and `bytes` uncompressed bytes (a
+/// count that is not positive read as 1 byte: cut by rows only).
+fn batch_rows(rows: usize, bytes: i64, limit: BatchLimit) -> usize {
+    let bytes = u128::from(u64::try_from(bytes).unwrap_or(0).max(1));
+    let fit = u128::from(limit.bytes) * rows as u128 / bytes;
+    usize::try_from(fit)
+        .unwrap_or(usize::MAX)
+        .clamp(1, limit.rows.max(1))
+}
+
+/// The `(rows, uncompressed bytes)` of each row group of `meta`; the row group whose row
+/// count is negative (a damaged footer), with that count, otherwise.
+fn row_groups(meta: &ParquetMetaData) -> Result<Vec<(usize, i64)>, (usize, i64)> {
+    let groups = meta.row_groups().iter().enumerate();
+    groups
+        .map(|(i, g)| {
+            let rows = usize::try_from(g.num_rows()).map_err(|_| (i, g.num_rows()))?;
+            Ok((rows, g.total_byte_size()))
+        })
+        .collect()
+}
+
+/// Where record batch `index` of the Arrow file converted from the Parquet data `reader`
+/// gives comes from: its row group and rows, as [`plan_batches`] cut them (the sidecar holds
+/// the Parquet file's size and time or ETag, so the file is the one converted). `None` when
+/// the footer cannot be read.
+pub(crate) fn batch_at<R: ChunkReader>(reader: &R, index: usize) -> Option<BatchAt> {
+    let meta = ParquetMetaDataReader::new().parse_and_finish(reader).ok()?;
+    let groups = row_groups(&meta).ok()?;
+    let p = plan_batches(&groups, BATCH_LIMIT).get(index).copied()?;
+    Some(BatchAt::RowGroup {
+        group: p.group,
+        first: p.first,
+        rows: p.rows,
+    })
+}
 
 /// One Parquet file, ready to be read as Arrow IPC.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,8 +183,10 @@ struct Stamp {
 }
 
 impl Stamp {
-    fn of(path: &Path) -> Result<Self, IndexError> {
-        let meta = std::fs::metadata(path).map_err(|e| IndexError::io(path, e))?;
+    /// The stamp of the open file `file` (at `path`): of the bytes it reads, even if the
+    /// path is replaced meanwhile.
+    fn of(file: &File, path: &Path) -> Result<Self, IndexError> {
+        let meta = file.metadata().map_err(|e| IndexError::io(path, e))?;
         let mtime = meta.modified().map_err(|e| IndexError::io(path, e))?;
         let ns = mtime.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         Ok(Self {
@@ -106,7 +206,8 @@ pub(crate) fn cached(
     let cache_rel = format!("{CACHE_DIR}/{rel}.arrow");
     let cache = dir.join(&cache_rel);
     let sidecar = sidecar_path(&cache);
-    let stamp = Stamp::of(path)?;
+    let file = File::open(path).map_err(|e| IndexError::io(path, e))?;
+    let stamp = Stamp::of(&file, path)?;
     let mut note = ParquetNote {
         source: rel.to_owned(),
         cache: cache_rel,
@@ -123,7 +224,7 @@ pub(crate) fn cached(
     if let Some(parent) = cache.parent() {
         std::fs::create_dir_all(parent).map_err(|e| unwritable(IndexError::io(parent, e)))?;
     }
-    let (row_groups, arrow_size) = convert(path, &cache).map_err(unwritable)?;
+    let (row_groups, arrow_size) = convert(&file, path, &cache).map_err(unwritable)?;
     let side = serde_json::json!({
         "format": SIDECAR_FORMAT,
         "source": rel,
@@ -147,13 +248,9 @@ pub(crate) fn cached(
 /// Arrow writer (a full disk while a batch is written) counts as one.
 fn cache_error(cache_dir: &Path, e: IndexError) -> IndexError {
     use std::io::ErrorKind;
-    let (file, source) = match e {
-        IndexError::Io { file, source } => (file, source),
-        IndexError::ArrowWrite {
-            file,
-            source: arrow_schema::ArrowError::IoError(_, source),
-        } => (file, source),
-        other => return other,
+    let (file, source) = match io_parts(e) {
+        Ok(parts) => parts,
+        Err(other) => return other,
     };
     // `.shardwire-cache` itself, when a file is in its way.
     let top = cache_dir.parent().unwrap_or(cache_dir);
@@ -184,6 +281,45 @@ fn cache_error(cache_dir: &Path, e: IndexError) -> IndexError {
     }
 }
 
+/// The file and the I/O error of `e` when it is an I/O error, or one inside the Arrow writer
+/// (a full disk while a batch is written); `e` as it is otherwise.
+fn io_parts(e: IndexError) -> Result<(PathBuf, std::io::Error), IndexError> {
+    match e {
+        IndexError::Io { file, source } => Ok((file, source)),
+        IndexError::ArrowWrite {
+            file,
+            source: arrow_schema::ArrowError::IoError(_, source),
+        } => Ok((file, source)),
+        other => Err(other),
+    }
+}
+
+/// `e` as an [`IndexError::ParquetTemp`] when it is an I/O error writing under `tmp` (the
+/// local temporary folder a Parquet object is converted in), with what to do; any other
+/// error as it is.
+fn temp_error(tmp: &Path, e: IndexError) -> IndexError {
+    use std::io::ErrorKind;
+    let (file, source) = match io_parts(e) {
+        Ok(parts) => parts,
+        Err(other) => return other,
+    };
+    if !file.starts_with(tmp) {
+        return IndexError::Io { file, source };
+    }
+    let fix = match source.kind() {
+        ErrorKind::StorageFull | ErrorKind::QuotaExceeded | ErrorKind::FileTooLarge => {
+            "the conversion needs local space for the converted file (about the Parquet \
+             object's size uncompressed): free space in the temporary folder, or set TMPDIR to \
+             a folder with room (TMPDIR=/scratch shardwire index ...)"
+        }
+        _ => {
+            "make the temporary folder writable, or set TMPDIR to a writable folder with room \
+             for the converted file (about the Parquet object's size uncompressed)"
+        }
+    };
+    IndexError::ParquetTemp { file, source, fix }
+}
+
 /// `x.parquet.arrow` -> `x.parquet.arrow.json`.
 fn sidecar_path(cache: &Path) -> PathBuf {
     let mut s = cache.as_os_str().to_owned();
@@ -205,39 +341,41 @@ fn still_valid(sidecar: &Path, cache: &Path, stamp: Stamp) -> Option<u64> {
     if ok { num("row_groups") } else { None }
 }
 
-/// Converts the Parquet file `src` to the Arrow IPC file `dst` (atomically); returns the
-/// number of row groups and the size written.
-fn convert(src: &Path, dst: &Path) -> Result<(u64, u64), IndexError> {
-    let open = || File::open(src).map_err(|e| IndexError::io(src, e));
-    convert_from(open, src, dst)
+/// Converts the Parquet file open as `file` (at `path`) to the Arrow IPC file `dst`
+/// (atomically), reading every row group through that one handle; returns the number of row
+/// groups and the size written.
+fn convert(file: &File, path: &Path, dst: &Path) -> Result<(u64, u64), IndexError> {
+    let open = || file.try_clone().map_err(|e| IndexError::io(path, e));
+    convert_from(open, path, dst, BATCH_LIMIT)
+}
+
+/// An [`IndexError::Parquet`] about the Parquet file `file` (in `row_group`, when given).
+fn parquet_err(file: &Path, row_group: Option<usize>) -> impl Fn(ParquetError) -> IndexError + '_ {
+    move |source| IndexError::Parquet {
+        file: file.to_path_buf(),
+        row_group,
+        source,
+    }
 }
 
 /// Converts the Parquet data that `open` gives (`name` in messages) to the Arrow IPC file
-/// `dst`, one record batch per row group (split at [`MAX_BATCH_ROWS`]).
+/// `dst`, in the record batches [`plan_batches`] cuts with `limit`: each batch read is
+/// checked to hold the rows planned, so that [`batch_at`] names the rows it really holds.
 fn convert_from<R: ChunkReader + 'static>(
     open: impl Fn() -> Result<R, IndexError>,
     name: &Path,
     dst: &Path,
+    limit: BatchLimit,
 ) -> Result<(u64, u64), IndexError> {
-    let bad = |source| IndexError::Parquet {
+    let meta = ArrowReaderMetadata::load(&open()?, ArrowReaderOptions::new())
+        .map_err(parquet_err(name, None))?;
+    // A negative count was read as 0 and the row group skipped without a word.
+    let groups = row_groups(meta.metadata()).map_err(|(i, n)| IndexError::Malformed {
         file: name.to_path_buf(),
-        source,
-    };
-    let meta = ArrowReaderMetadata::load(&open()?, ArrowReaderOptions::new()).map_err(bad)?;
-    let groups = meta
-        .metadata()
-        .row_groups()
-        .iter()
-        .enumerate()
-        .map(|(i, g)| {
-            // A negative count was read as 0 and the row group skipped without a word.
-            usize::try_from(g.num_rows()).map_err(|_| IndexError::Malformed {
-                file: name.to_path_buf(),
-                reason: format!("row group {i} has a negative row count (a damaged footer?)"),
-                value: g.num_rows().to_string(),
-            })
-        })
-        .collect::<Result<Vec<usize>, _>>()?;
+        reason: format!("row group {i} has a negative row count (a damaged footer?)"),
+        value: n.to_string(),
+    })?;
+    let plan = plan_batches(&groups, limit);
     let schema = meta.schema().clone();
     let size = atomic_write(dst, |w| {
         let arrow_err = |source| IndexError::ArrowWrite {
@@ -245,23 +383,47 @@ fn convert_from<R: ChunkReader + 'static>(
             source,
         };
         let mut out = FileWriter::try_new(w, &schema).map_err(arrow_err)?;
-        for (i, &rows) in groups.iter().enumerate() {
-            if rows == 0 {
-                continue;
-            }
+        for batches in plan.chunk_by(|a, b| a.group == b.group) {
+            let group = batches[0].group;
+            let bad = parquet_err(name, Some(group));
             let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open()?, meta.clone())
-                .with_row_groups(vec![i])
-                .with_batch_size(rows.min(MAX_BATCH_ROWS))
+                .with_row_groups(vec![group])
+                .with_batch_size(batches[0].rows as usize)
                 .build()
-                .map_err(bad)?;
+                .map_err(&bad)?;
+            let mut want = batches.iter();
             for batch in reader {
                 let batch = batch.map_err(|e| bad(e.into()))?;
+                let planned = want.next();
+                if planned.map(|p| p.rows) != Some(batch.num_rows() as u64) {
+                    return Err(rows_differ(name, group, planned, batch.num_rows()));
+                }
                 out.write(&batch).map_err(arrow_err)?;
+            }
+            if let Some(missing) = want.next() {
+                return Err(rows_differ(name, group, Some(missing), 0));
             }
         }
         out.finish().map_err(arrow_err)
     })?;
     Ok((groups.len() as u64, size))
+}
+
+/// The error for row group `group` of the Parquet file `name`, whose reader gave a batch of
+/// `got` rows where `planned` was due (none: more rows than its footer says).
+fn rows_differ(name: &Path, group: usize, planned: Option<&Planned>, got: usize) -> IndexError {
+    let due = planned.map_or_else(
+        || "none (all its rows were read)".to_owned(),
+        |p| format!("rows {}..{}", p.first, p.first + p.rows),
+    );
+    IndexError::Malformed {
+        file: name.to_path_buf(),
+        reason: format!(
+            "row group {group} does not hold the rows its footer counts (a damaged file?); \
+             write it again"
+        ),
+        value: format!("a batch of {got} rows read where {due} were due"),
+    }
 }
 
 /// Writes `path` through `fill` into a temporary file next to it, fsyncs and renames it;

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use shardwire_protocol::manifest::{ObjectEntry, ShardEntry};
 
-use crate::error::IndexError;
+use crate::error::{BatchAt, IndexError};
 use crate::parquet::{self, ParquetNote};
-use crate::remote::Remote;
+use crate::remote::{Remote, RemoteChunks};
 use crate::source::Source;
 use crate::walk::{self, Candidate, Unused};
 
@@ -50,23 +50,61 @@ impl Root {
         }
     }
 
-    /// The Arrow IPC file converted from the Parquet file `rel` (converted now, or reused).
+    /// The Arrow IPC file converted from the Parquet file `rel` (converted now, or reused),
+    /// open as a source whose messages name `rel` (its `rel` is the cached file's, which
+    /// the shards name).
     pub fn parquet(&mut self, rel: &str) -> Result<(Source, ParquetNote), IndexError> {
         match self {
             Root::Local(dir) => {
-                let (path, note) = parquet::cached(dir, &dir.join(rel), rel)?;
-                Ok((Source::open(&path, &note.cache)?, note))
+                let parquet = dir.join(rel);
+                let (path, note) = parquet::cached(dir, &parquet, rel)?;
+                let mut src = Source::open(&path, &note.cache)?;
+                src.path = parquet;
+                Ok((src, note))
             }
             Root::Remote(r) => parquet::remote::cached_remote(r, rel),
         }
     }
 
-    /// For a dataset in object storage, the objects `shards` read (size, ETag); none for a
-    /// local directory (so its manifest and digest stay as they were).
-    pub fn objects_for(&self, shards: &[ShardEntry]) -> Vec<ObjectEntry> {
+    /// `e`, an error about the Arrow file converted from the Parquet file `rel`, with the
+    /// record batch it names told as the row group and rows of `rel` it holds (as it is
+    /// when the footer of `rel` cannot be read again).
+    pub fn in_row_group(&self, rel: &str, e: IndexError) -> IndexError {
+        let (file, index, column, reason, value) = match e {
+            IndexError::Column {
+                file,
+                batch: Some(b),
+                column,
+                reason,
+                value,
+            } if let BatchAt::Batch(index) = *b => (file, index, column, reason, value),
+            other => return other,
+        };
+        let at = match self {
+            Root::Local(dir) => std::fs::File::open(dir.join(rel))
+                .ok()
+                .and_then(|f| parquet::batch_at(&f, index)),
+            Root::Remote(r) => r
+                .meta(rel)
+                .and_then(|m| parquet::batch_at(&RemoteChunks::new(r.object(m)), index)),
+        };
+        IndexError::Column {
+            file,
+            batch: Some(Box::new(at.unwrap_or(BatchAt::Batch(index)))),
+            column,
+            reason,
+            value,
+        }
+    }
+
+    /// For a dataset in object storage, the objects `shards` read and the Parquet objects
+    /// `parquet` converted (size, ETag), so that a Parquet object changed since it was
+    /// indexed can be told by its entry; none for a local directory (so its manifest and
+    /// digest stay as they were).
+    pub fn objects_for(&self, shards: &[ShardEntry], parquet: &[ParquetNote]) -> Vec<ObjectEntry> {
         match self {
             Root::Local(_) => Vec::new(),
-            Root::Remote(r) => r.objects_for(shards),
+            Root::Remote(r) => r.objects_for(shards, parquet.iter().map(|p| p.source.as_str())),
         }
     }
 }

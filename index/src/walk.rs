@@ -1,10 +1,10 @@
 //! Finds the data files of a dataset directory ([`collect`]) or of an object-store listing
 //! ([`from_listing`]): deterministic (sorted by relative path), skipping hidden entries, empty
 //! directory markers of object stores and the manifest itself silently. Every other file
-//! that is not read (unknown extension, HF `datasets` metadata, megatron-core's index cache,
-//! a name that is not UTF-8, links to directories, dangling links, a file system's
-//! `lost+found` folder) is listed as [`Unused`] with the reason, so that nothing is left out
-//! unseen. Both apply the same rules, but for `lost+found`: only a local folder can be fsck's
+//! that is not read (unknown extension, HF `datasets` metadata, megatron-core's index cache
+//! wherever `--data-cache-path` put it, a name that is not UTF-8, links to directories,
+//! dangling links, a file system's `lost+found` folder) is listed as [`Unused`] with the
+//! reason, so that nothing is left out unseen. Both apply the same rules, but for `lost+found`: only a local folder can be fsck's
 //! (at the dataset's top or at a mount point); in an object store it is a name like another.
 //!
 //! What could be data but cannot be read is an error, not an [`Unused`] entry: a data file
@@ -124,14 +124,16 @@ const MEGATRON_CACHE_FILES: [&str; 6] = [
 
 /// Whether `rel` is a file megatron-core's `GPTDataset` (or another of its datasets) wrote
 /// in its index cache: `cache/<Class>_indices/<hash>-...-{document,sample,shuffle}_index.npy`,
-/// which it puts next to the `.bin` it indexes when `path_to_cache` is not set; or one
-/// Megatron-LM wrote before megatron-core ([`megatron_lm_cache`]).
+/// which it puts next to the `.bin` it indexes when `path_to_cache` is not set, or a file
+/// named as megatron-core names them wherever it is ([`mcore_cache_name`]: where
+/// `--data-cache-path` says); or one Megatron-LM wrote before megatron-core
+/// ([`megatron_lm_cache`], [`hashed_cache`]).
 fn megatron_cache(rel: &str) -> bool {
     let mut parts = rel.rsplit('/');
     let name = parts.next().unwrap_or(rel);
     let dir = parts.next();
     let in_cache = dir.is_some_and(|d| d.to_ascii_lowercase().contains("cache"));
-    if megatron_lm_cache(name) || hashed_cache(name, in_cache) {
+    if megatron_lm_cache(name) || hashed_cache(name, in_cache) || mcore_cache_name(name) {
         return true;
     }
     let (Some(dir), Some(cache)) = (dir, parts.next()) else {
@@ -142,6 +144,26 @@ fn megatron_cache(rel: &str) -> bool {
         && name
             .rsplit_once('-')
             .is_some_and(|(_, last)| MEGATRON_CACHE_FILES.contains(&last))
+}
+
+/// Whether `name` is `<md5>-<Class>-<split>-<file>` (`<md5>-BlendedDataset-train-
+/// dataset_index.npy`), the MD5 32 hex digits and `<file>` one of [`MEGATRON_CACHE_FILES`]:
+/// megatron-core names every file of its index cache so (`f"{base}-{affix}"`, `base` being
+/// `f"{md5}-{Class}-{split}"`), and with `path_to_cache` set (`--data-cache-path P`) writes
+/// them straight into `P`, which can be any folder (the dataset's own, `cache/`, `idx/`).
+fn mcore_cache_name(name: &str) -> bool {
+    let Some((hash, rest)) = name.split_once('-') else {
+        return false;
+    };
+    let Some((class, file)) = rest.rsplit_once('-') else {
+        return false;
+    };
+    md5_hex(hash) && !class.is_empty() && MEGATRON_CACHE_FILES.contains(&file)
+}
+
+/// Whether `s` is an MD5 digest in hex: 32 hex digits.
+fn md5_hex(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Whether `name` is a file of the index caches Megatron-LM wrote before megatron-core, next
@@ -177,7 +199,7 @@ fn hashed_cache(name: &str, in_cache: bool) -> bool {
         .iter()
         .chain(IN_CACHE.iter().filter(|_| in_cache))
         .find_map(|end| name.strip_suffix(end));
-    stem.is_some_and(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+    stem.is_some_and(md5_hex)
 }
 
 /// The folder `fsck` of ext2/3/4 keeps at the root of a file system (so at the top of a
@@ -531,6 +553,8 @@ mod tests {
         std::fs::create_dir_all(dir.join("index-cache")).unwrap();
         std::fs::create_dir_all(dir.join("cache")).unwrap();
         std::fs::create_dir_all(dir.join("shards")).unwrap();
+        std::fs::create_dir_all(dir.join("blend")).unwrap();
+        let md5 = "0123456789abcdef0123456789abcdef";
         let names = [
             "corpus.bin".to_owned(),
             "corpus.idx".to_owned(),
@@ -551,10 +575,20 @@ mod tests {
             "cache/fedcba9876543210fedcba9876543210_sample_index.npy".to_owned(),
             // --data-cache-path in a folder not named for a cache: the md5 names still are.
             "shards/fedcba9876543210fedcba9876543210_doc_idx.npy".to_owned(),
+            // megatron-core with --data-cache-path: its files straight in that folder,
+            // whatever its name (before, data: three extra dense shards, or three splits).
+            format!("cache/{md5}-GPTDataset-train-document_index.npy"),
+            format!("shards/{md5}-GPTDataset-valid-sample_index.npy"),
+            format!("shards/{md5}-GPTDataset-test-shuffle_index.npy"),
+            format!("{md5}-GPTDataset-train-description.txt"),
+            format!("blend/{md5}-BlendedDataset-train-dataset_index.npy"),
+            format!("blend/{md5}-BlendedDataset-train-dataset_sample_index.npy"),
             // Data that only looks alike: kept.
             "index-cache/embeddings.npy".to_owned(),
             "shards/00112233445566778899aabbccddeeff_index.npy".to_owned(),
             "corpus_indexmap.npy".to_owned(),
+            format!("shards/{md5}-document_index.npy"),
+            "shards/0a1b-GPTDataset-train-document_index.npy".to_owned(),
         ];
         for f in &names {
             std::fs::write(dir.join(f), b"x").unwrap();
@@ -562,6 +596,7 @@ mod tests {
         let (found, unused) = collect(&dir).unwrap();
         let rels: Vec<&str> = found.iter().map(|c| c.rel.as_str()).collect();
         let data = format!("{cache}/features.npy");
+        let bare = format!("shards/{md5}-document_index.npy");
         let want = [
             "corpus.bin",
             "corpus.idx",
@@ -569,9 +604,11 @@ mod tests {
             "corpus_indexmap.npy",
             "index-cache/embeddings.npy",
             "shards/00112233445566778899aabbccddeeff_index.npy",
+            bare.as_str(),
+            "shards/0a1b-GPTDataset-train-document_index.npy",
         ];
         assert_eq!(rels, want);
-        assert_eq!(unused.len(), 12, "{unused:?}");
+        assert_eq!(unused.len(), 18, "{unused:?}");
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"
@@ -579,7 +616,7 @@ mod tests {
         // An object-store listing follows the same rule.
         let listing = names.iter().map(|n| (n.as_str(), 1));
         let (found, unused) = from_listing(listing, |r| PathBuf::from(format!("s3://b/{r}")));
-        assert_eq!(found.len(), 6);
+        assert_eq!(found.len(), 8);
         assert!(
             unused.iter().all(|u| u.reason == MEGATRON_CACHE),
             "{unused:?}"

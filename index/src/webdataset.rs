@@ -10,6 +10,13 @@
 //! sections; every other field is a ragged `uint8` tensor of the members' raw bytes.
 //! Compressed tars (gzip, xz, bzip2, zstd, ...) are refused: a compressed stream cannot be
 //! fetched by byte range.
+//!
+//! What webdataset skips is not skipped unseen ([`SkippedMembers`], a note per tar): links
+//! (symbolic or hard: neither is followed, a hard link's data is another member's) and
+//! regular files whose name has no key/field split. A field that only links hold, or a
+//! sample that lacks a field its link member would give, is refused rather than served
+//! without it ([`refuse_links`]): a tar of a staging folder of symbolic links
+//! (`tar cf s.tar -C st .` without `-h`) would lose a whole modality.
 
 use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry, shape_elements};
 
@@ -43,12 +50,63 @@ impl RawRows {
     }
 }
 
-/// Indexes an uncompressed WebDataset tar: its shard (none when it holds no samples), and
-/// the raw rows of its typed tensors (for shard 0: see [`RawRows::in_shard`]).
-pub(crate) fn index(src: &mut Source) -> Result<(Vec<ShardEntry>, Vec<RawRows>), IndexError> {
-    let samples = read_samples(src)?;
+/// The members of one tar that are not read, though webdataset skips them too: named in a
+/// note ([`crate::IndexReport::notes`]), as nothing is left out unseen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedMembers {
+    /// The tar, relative to the dataset.
+    pub file: String,
+    /// Link members (symbolic or hard) whose name splits into key and field.
+    pub links: u64,
+    /// Regular members whose name has no key/field split (`README`, `a.b/noext`).
+    pub unsplit: u64,
+    /// The first few of them (`000123.jpg -> /img/123.jpg`, `README`).
+    pub examples: Vec<String>,
+}
+
+/// How many members [`SkippedMembers::examples`] keeps.
+const EXAMPLES: usize = 3;
+
+impl std::fmt::Display for SkippedMembers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut what = Vec::new();
+        if self.links > 0 {
+            let links = if self.links == 1 { "link" } else { "links" };
+            what.push(format!("{} {links}, not followed", self.links));
+        }
+        if self.unsplit > 0 {
+            what.push(format!("{} without a key.field name", self.unsplit));
+        }
+        let more = self.links + self.unsplit - self.examples.len() as u64;
+        let mut names = self.examples.join(", ");
+        if more > 0 {
+            names.push_str(&format!(", and {more} more"));
+        }
+        write!(f, "{} ({}: {names})", self.file, what.join("; "))
+    }
+}
+
+/// What one tar yields.
+pub(crate) struct Tar {
+    /// Its shard (none when it holds no samples).
+    pub shards: Vec<ShardEntry>,
+    /// The raw rows of its typed tensors (for shard 0: see [`RawRows::in_shard`]).
+    pub raw: Vec<RawRows>,
+    /// The members not read, when there are any.
+    pub skipped: Option<SkippedMembers>,
+}
+
+/// Indexes an uncompressed WebDataset tar.
+pub(crate) fn index(src: &mut Source) -> Result<Tar, IndexError> {
+    let (samples, skipped) = read_samples(src)?;
+    refuse_links(src, &samples, &skipped.links)?;
+    let skipped = skipped.into_note(&src.rel);
     if samples.is_empty() {
-        return Ok((Vec::new(), Vec::new()));
+        return Ok(Tar {
+            shards: Vec::new(),
+            raw: Vec::new(),
+            skipped,
+        });
     }
     let columns = columns(src, &samples)?;
     let mut tensors = Vec::with_capacity(columns.len());
@@ -73,7 +131,66 @@ pub(crate) fn index(src: &mut Source) -> Result<(Vec<ShardEntry>, Vec<RawRows>),
         }
     }
     let len = src.len;
-    Ok((vec![src.shard(0, len, tensors)?], raw))
+    Ok(Tar {
+        shards: vec![src.shard(0, len, tensors)?],
+        raw,
+        skipped,
+    })
+}
+
+/// A link member whose name splits into key and field.
+struct Link {
+    key: String,
+    field: String,
+    /// `name -> target`.
+    shown: String,
+}
+
+/// The members [`read_samples`] does not read.
+#[derive(Default)]
+struct Skipped {
+    links: Vec<Link>,
+    unsplit: Vec<String>,
+}
+
+impl Skipped {
+    /// The note for the tar `rel`, when anything was skipped.
+    fn into_note(self, rel: &str) -> Option<SkippedMembers> {
+        if self.links.is_empty() && self.unsplit.is_empty() {
+            return None;
+        }
+        let links = self.links.iter().map(|l| l.shown.clone());
+        Some(SkippedMembers {
+            file: rel.to_owned(),
+            links: self.links.len() as u64,
+            unsplit: self.unsplit.len() as u64,
+            examples: links.chain(self.unsplit).take(EXAMPLES).collect(),
+        })
+    }
+}
+
+/// Refuses the tar when a link member's field is held by links only (the field would
+/// vanish: a tar of symbolic links made without `tar -h`), or when the sample of a link
+/// member lacks the field it would give (the sample would be served without it, or vanish,
+/// or be refused for its fields with no word of the link).
+fn refuse_links(src: &Source, samples: &[Sample], links: &[Link]) -> Result<(), IndexError> {
+    const FIX: &str = "webdataset skips links (symbolic or hard) as shardwire does, so the \
+                       field would be lost: write the tar with the files themselves (`tar -h` \
+                       dereferences symbolic links, `--hard-dereference` hard links)";
+    for l in links {
+        let held = samples.iter().any(|s| has(&s.members, &l.field));
+        if !held {
+            let reason = format!("every `{}` member is a link, not a file: {FIX}", l.field);
+            let n = links.iter().filter(|o| o.field == l.field).count();
+            return Err(src.unsupported(reason, format!("{n} links, the first {}", l.shown)));
+        }
+        let sample = samples.iter().find(|s| s.key == l.key);
+        if sample.is_none_or(|s| !has(&s.members, &l.field)) {
+            let reason = format!("has its `{}` member as a link, not a file: {FIX}", l.field);
+            return Err(sample_err(src, &l.key, &reason, &l.shown));
+        }
+    }
+    Ok(())
 }
 
 /// Makes a `.npy` field ragged raw bytes in every tar shard unless all of them have it as
@@ -156,6 +273,8 @@ struct Member {
     name: Vec<u8>,
     /// A regular (or contiguous) file.
     file: bool,
+    /// A symbolic or hard link: its target (lossy UTF-8).
+    link: Option<String>,
     /// A GNU sparse member.
     sparse: bool,
     /// The data's `[offset, length]` in the tar.
@@ -179,9 +298,14 @@ fn read_members(src: &mut Source) -> Result<Vec<Member>, IndexError> {
             let mut entry = entry.map_err(bad)?;
             let kind = entry.header().entry_type();
             let sparse = kind.is_gnu_sparse() || pax_sparse(&mut entry).map_err(bad)?;
+            let link = (kind.is_symlink() || kind.is_hard_link()).then(|| {
+                let target = entry.link_name_bytes().unwrap_or_default();
+                String::from_utf8_lossy(&target).into_owned()
+            });
             out.push(Member {
                 name: entry.path_bytes().into_owned(),
                 file: kind.is_file() || kind.is_contiguous(),
+                link,
                 sparse,
                 row: [entry.raw_file_position(), entry.size()],
             });
@@ -261,9 +385,11 @@ fn check_end(src: &mut Source, members: &[Member]) -> Result<(), IndexError> {
     ))
 }
 
-/// Reads the tar's member headers and groups the members into samples.
-fn read_samples(src: &mut Source) -> Result<Vec<Sample>, IndexError> {
+/// Reads the tar's member headers and groups the members into samples; returns them with
+/// the members skipped that are named (links, names without a key/field split).
+fn read_samples(src: &mut Source) -> Result<(Vec<Sample>, Skipped), IndexError> {
     let mut samples: Vec<Sample> = Vec::new();
+    let mut skipped = Skipped::default();
     for m in read_members(src)? {
         let Ok(name) = std::str::from_utf8(&m.name) else {
             let lossy = String::from_utf8_lossy(&m.name).into_owned();
@@ -275,12 +401,23 @@ fn read_samples(src: &mut Source) -> Result<Vec<Sample>, IndexError> {
                 name,
             ));
         }
-        if !m.file || is_meta(name) {
+        if !(m.file || m.link.is_some()) || is_meta(name) {
             continue;
         }
         let Some((key, field)) = split_name(name) else {
+            if m.file {
+                skipped.unsplit.push(name.to_owned());
+            }
             continue;
         };
+        if let Some(target) = m.link {
+            skipped.links.push(Link {
+                key: key.to_owned(),
+                field: field.to_lowercase(),
+                shown: format!("{name} -> {target}"),
+            });
+            continue;
+        }
         if field.is_empty() {
             let why =
                 "has a member whose field (the name after its key's first `.`) is empty; rename it";
@@ -302,7 +439,7 @@ fn read_samples(src: &mut Source) -> Result<Vec<Sample>, IndexError> {
             }),
         }
     }
-    Ok(samples)
+    Ok((samples, skipped))
 }
 
 /// Whether webdataset skips the member as metadata (`__key__`, `__meta__/x`).

@@ -31,7 +31,7 @@ pub(crate) use self::layout::Choice;
 use self::layout::{PlanErr, SchemaPlan, Slot, plan_schema};
 pub(crate) use self::lists::harmonize;
 use crate::budget::{self, FileCheck, Floor};
-use crate::error::IndexError;
+use crate::error::{BatchAt, IndexError};
 use crate::source::Source;
 
 /// What one Arrow file yields.
@@ -406,7 +406,7 @@ fn batch_shard(
         Err(BatchFail::Layout((Some(column), reason, value))) => {
             return Err(IndexError::Column {
                 file: src.path.clone(),
-                batch: Some(index),
+                batch: Some(Box::new(BatchAt::Batch(index))),
                 column,
                 reason,
                 value,

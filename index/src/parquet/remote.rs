@@ -2,14 +2,17 @@
 //! local temporary file, which is uploaded beside the data (`.shardwire-cache/parquet/
 //! <rel>.arrow` and its sidecar) and indexed from the local copy (the same bytes, so no
 //! second download). A sidecar recording the Parquet object's size and ETag, and a cached
-//! object of the recorded size, mean the conversion is reused.
+//! object of the recorded size, mean the conversion is reused. The local temporary folder
+//! is `std::env::temp_dir()` (`TMPDIR`): an error writing there says so ([`temp_error`]).
+//!
+//! Messages about the data name the Parquet object (its URL), not the cached one.
 
 use std::path::PathBuf;
 
 use bytes::Bytes;
 use shardwire_store::{ObjectMeta, StoreError};
 
-use super::{CACHE_DIR, ParquetNote, SIDECAR_FORMAT, convert_from};
+use super::{BATCH_LIMIT, CACHE_DIR, ParquetNote, SIDECAR_FORMAT, convert_from, temp_error};
 use crate::blob::LocalFile;
 use crate::error::IndexError;
 use crate::remote::{Remote, RemoteChunks};
@@ -42,7 +45,9 @@ pub(crate) fn cached_remote(
     };
     if let Some(row_groups) = still_valid(remote, &side_rel, &cache_rel, &src)? {
         note.row_groups = row_groups;
-        return Ok((remote.open_file(&cache_rel)?, note));
+        let mut source = remote.open_file(&cache_rel)?;
+        source.path = remote.display(rel);
+        return Ok((source, note));
     }
     if !url.scheme().writable() {
         return Err(IndexError::ReadOnly {
@@ -56,7 +61,9 @@ pub(crate) fn cached_remote(
     let tmp = TempDir::new()?;
     let local = tmp.0.join("converted.arrow");
     let chunks = RemoteChunks::new(remote.object(&src));
-    let (row_groups, _) = convert_from(|| Ok(chunks.clone()), &remote.display(rel), &local)?;
+    let name = remote.display(rel);
+    let (row_groups, _) = convert_from(|| Ok(chunks.clone()), &name, &local, BATCH_LIMIT)
+        .map_err(|e| temp_error(&tmp.0, e))?;
     let meta = remote.store().put_file(&cache_rel, &local)?;
     let side = serde_json::json!({
         "format": SIDECAR_FORMAT,
@@ -73,7 +80,7 @@ pub(crate) fn cached_remote(
     let (file, len) = LocalFile::open(&local)?;
     note.reused = false;
     note.row_groups = row_groups;
-    let source = Source::new(remote.display(&cache_rel), &cache_rel, len, Box::new(file));
+    let source = Source::new(name, &cache_rel, len, Box::new(file));
     Ok((source, note))
 }
 
@@ -118,7 +125,7 @@ impl TempDir {
             "shardwire-index-parquet-{}-{n}",
             std::process::id()
         ));
-        std::fs::create_dir_all(&dir).map_err(|e| IndexError::io(&dir, e))?;
+        std::fs::create_dir_all(&dir).map_err(|e| temp_error(&dir, IndexError::io(&dir, e)))?;
         Ok(Self(dir))
     }
 }

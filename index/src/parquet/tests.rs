@@ -11,9 +11,12 @@ use ::parquet::file::properties::WriterProperties;
 use arrow_array::types::Float32Type;
 use arrow_array::{ArrayRef, FixedSizeListArray, Int64Array, RecordBatch, StringArray};
 
-use super::{CACHE_DIR, cache_error, utc};
+use super::{
+    BATCH_LIMIT, BatchLimit, CACHE_DIR, MAX_BATCH_ROWS, Planned, cache_error, convert,
+    convert_from, plan_batches, temp_error, utc,
+};
 use crate::testutil::{check_manifest, le_bytes, temp_dir};
-use crate::{IndexError, IndexOptions, IndexReport, index_report};
+use crate::{BatchAt, IndexError, IndexOptions, IndexReport, index_report};
 
 /// Rows `0..n`: `id` = i, `emb` = [i, i + 0.5, -i], `text` = "row i" repeated i % 3 times.
 fn rows(n: i64) -> RecordBatch {
@@ -306,4 +309,147 @@ fn cache_io_errors_get_the_advice_for_their_kind_whoever_runs_the_test() {
         matches!(schema, IndexError::ArrowWrite { .. }),
         "{schema:?}"
     );
+}
+
+/// The row counts of the record batches of the Arrow IPC file `path`.
+fn batch_rows(path: &Path) -> Vec<usize> {
+    let f = std::fs::File::open(path).unwrap();
+    let r = arrow_ipc::reader::FileReader::try_new(f, None).unwrap();
+    r.map(|b| b.unwrap().num_rows()).collect()
+}
+
+#[test]
+fn batches_are_cut_by_bytes_as_well_as_rows() {
+    // Before, a row group was cut at 65,536 rows whatever their size: 64 Ki rows of 256 KiB
+    // images made one 16 GiB batch, held in memory whole.
+    let plan = plan_batches(&[(1 << 20, 256 << 30)], BATCH_LIMIT);
+    assert_eq!(plan.len(), 2048);
+    assert!(
+        plan.iter().all(|p| p.group == 0 && p.rows == 512),
+        "{plan:?}"
+    );
+    assert_eq!(plan[1].first, 512);
+    // Small rows: by rows only; an empty group gives none, and the groups keep their index.
+    let plan = plan_batches(
+        &[(0, 5), (70_000, 560_000), (3, 1 << 40), (10, -1)],
+        BATCH_LIMIT,
+    );
+    let want = [
+        (1, 0, MAX_BATCH_ROWS as u64),
+        (1, 65_536, 4_464),
+        (2, 0, 1),
+        (2, 1, 1),
+        (2, 2, 1),
+        (3, 0, 10),
+    ];
+    let got: Vec<(usize, u64, u64)> = plan.iter().map(|p| (p.group, p.first, p.rows)).collect();
+    assert_eq!(got, want);
+    // A real file converted under a small byte limit is cut as planned, rows all there.
+    let dir = temp_dir("parquet-bytes");
+    let src = dir.join("t.parquet");
+    write_parquet(&src, &rows(100), 100, Compression::SNAPPY);
+    let bytes = std::fs::read(&src).unwrap();
+    let meta = ::parquet::file::metadata::ParquetMetaDataReader::new()
+        .parse_and_finish(&bytes::Bytes::from(bytes))
+        .unwrap();
+    let group = (100, meta.row_group(0).total_byte_size());
+    let limit = BatchLimit {
+        rows: MAX_BATCH_ROWS,
+        bytes: group.1 as u64 / 4,
+    };
+    let plan = plan_batches(&[group], limit);
+    assert!(plan.len() >= 4, "{plan:?}");
+    let dst = dir.join("t.arrow");
+    let open = || Ok(std::fs::File::open(&src).unwrap());
+    convert_from(open, &src, &dst, limit).unwrap();
+    let want: Vec<usize> = plan.iter().map(|p: &Planned| p.rows as usize).collect();
+    assert_eq!(batch_rows(&dst), want);
+    assert_eq!(want.iter().sum::<usize>(), 100);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_parquet_file_is_read_through_one_handle_even_when_replaced() {
+    // Before, each row group reopened the path: a file replaced meanwhile (`mv`) was read
+    // with the old footer and the new pages.
+    let dir = temp_dir("parquet-one-handle");
+    let path = dir.join("a.parquet");
+    write_parquet(&path, &rows(10), 4, Compression::SNAPPY);
+    let file = std::fs::File::open(&path).unwrap();
+    let other = dir.join("b.parquet");
+    write_parquet(&other, &rows(3), 3, Compression::SNAPPY);
+    std::fs::rename(&other, &path).unwrap();
+    let dst = dir.join("a.arrow");
+    let (groups, _) = convert(&file, &path, &dst).unwrap();
+    assert_eq!(groups, 3);
+    assert_eq!(batch_rows(&dst), [4, 4, 2]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_column_error_names_the_parquet_file_and_row_group_not_the_cache() {
+    // Row group 0 of 70,000 rows is two batches (65,536 + 4,464); the null is in row 5 of
+    // row group 1, the third batch. Before: `DIR/.shardwire-cache/parquet/x.parquet.arrow:
+    // record batch 2: column `v` ...`, a file and a number the user's file does not have.
+    let dir = temp_dir("parquet-null-row-group");
+    let vals: Int64Array = (0..70_010i64).map(|i| (i != 70_005).then_some(i)).collect();
+    let batch = RecordBatch::try_from_iter([("v", Arc::new(vals) as ArrayRef)]).unwrap();
+    write_parquet(&dir.join("x.parquet"), &batch, 70_000, Compression::SNAPPY);
+    let want = format!(
+        "{}: row group 1 (its rows 0..10): column `v`",
+        dir.join("x.parquet").display()
+    );
+    for pass in ["converted", "reused"] {
+        let e = index_report(&dir, &IndexOptions::default()).unwrap_err();
+        let at = BatchAt::RowGroup {
+            group: 1,
+            first: 0,
+            rows: 10,
+        };
+        assert!(
+            matches!(&e, IndexError::Column { batch: Some(b), .. } if **b == at),
+            "{pass}: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.starts_with(&want), "{pass}: {text}");
+        assert!(
+            text.contains("nulls") && !text.contains(CACHE_DIR),
+            "{pass}: {text}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_full_temporary_folder_in_a_remote_conversion_says_so_and_names_tmpdir() {
+    // Before, a bare `ArrowWrite` on /tmp/shardwire-index-parquet-*/converted.arrow: no word
+    // of what the file is, nor of TMPDIR.
+    use std::io::{Error, ErrorKind};
+    let tmp = Path::new("/tmp/shardwire-index-parquet-1-0");
+    let file = tmp.join("converted.arrow");
+    let enospc = || Error::from_raw_os_error(28);
+    let arrow = IndexError::ArrowWrite {
+        file: file.clone(),
+        source: arrow_schema::ArrowError::IoError("x".into(), enospc()),
+    };
+    let cases = [
+        (arrow, "free space in the temporary folder"),
+        (IndexError::io(&file, enospc()), "TMPDIR="),
+        (
+            IndexError::io(tmp, ErrorKind::PermissionDenied.into()),
+            "writable",
+        ),
+    ];
+    for (e, want) in cases {
+        let e = temp_error(tmp, e);
+        assert!(matches!(e, IndexError::ParquetTemp { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains(want) && text.contains("TMPDIR") && text.contains(tmp.to_str().unwrap()),
+            "{want}: {text}"
+        );
+    }
+    // A read error of the Parquet object itself is passed on unchanged.
+    let other = temp_error(tmp, IndexError::io("/data/a.parquet", enospc()));
+    assert!(matches!(other, IndexError::Io { .. }), "{other:?}");
 }

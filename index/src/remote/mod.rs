@@ -1,6 +1,7 @@
 //! [`Remote`]: a dataset in object storage: the store, and what listing its prefix found
 //! (every object's size and ETag). Files open as [`Source`]s over a [`RemoteBlob`]; the
-//! manifest records the objects its shards read ([`Remote::objects_for`]).
+//! manifest records the objects its shards read, and the Parquet objects converted
+//! ([`Remote::objects_for`]).
 
 mod blob;
 mod chunks;
@@ -97,9 +98,16 @@ impl Remote {
         ))
     }
 
-    /// The object entries (size, ETag) of the files `shards` read.
-    pub fn objects_for(&self, shards: &[ShardEntry]) -> Vec<ObjectEntry> {
+    /// The object entries (size, ETag) of the files `shards` read, and of the objects
+    /// `also` names (the Parquet objects converted: no shard reads them, but a source can
+    /// tell from their entries that they changed since they were indexed).
+    pub fn objects_for<'a>(
+        &self,
+        shards: &'a [ShardEntry],
+        also: impl Iterator<Item = &'a str>,
+    ) -> Vec<ObjectEntry> {
         let mut files: Vec<&str> = shards.iter().map(|s| s.file.as_str()).collect();
+        files.extend(also);
         files.sort_unstable();
         files.dedup();
         files

@@ -178,3 +178,57 @@ fn blob_reads_and_checksums_match_the_bytes_under_any_read_order() {
     assert_eq!(got, want);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A Parquet file of one int64 column `v` = `0..n`.
+fn parquet(n: i64) -> Vec<u8> {
+    use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+    let v: ArrayRef = Arc::new(Int64Array::from_iter_values(0..n));
+    let batch = RecordBatch::try_from_iter([("v", v)]).unwrap();
+    let mut out = Vec::new();
+    let mut w = ::parquet::arrow::ArrowWriter::try_new(&mut out, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    out
+}
+
+#[test]
+fn a_converted_parquet_object_is_listed_in_the_objects_with_its_etag() {
+    // Before, only the converted cache was listed: a Parquet object uploaded again after
+    // indexing changed no entry of the manifest, and the stale conversion was served.
+    let url = StoreUrl::parse("s3://remote-parquet/ds").unwrap();
+    let opts = StoreOptions::default();
+    let store = Store::with_object_store(&url, opts, Arc::new(InMemory::new()), described());
+    let store = Blocking::new(store).unwrap();
+    store.put("a.parquet", Bytes::from(parquet(10))).unwrap();
+    let index = || {
+        let remote = Remote::with_store(store.clone()).unwrap();
+        Dataset::remote(remote)
+            .index(&IndexOptions::default())
+            .unwrap()
+    };
+    let r = index();
+    let m = &r.manifest;
+    let files: Vec<&str> = m.objects.iter().map(|o| o.file.as_str()).collect();
+    assert_eq!(
+        files,
+        [".shardwire-cache/parquet/a.parquet.arrow", "a.parquet"]
+    );
+    let head = store.head("a.parquet").unwrap();
+    assert_eq!(
+        (m.objects[1].size, &m.objects[1].etag),
+        (head.size, &head.etag)
+    );
+    assert!(head.etag.is_some());
+    m.validate().unwrap();
+    let again = index();
+    assert!(again.parquet[0].reused, "{:?}", again.parquet);
+    assert_eq!(again.manifest.digest, m.digest);
+    // Uploaded again: converted again, and its entry (so the digest) says so.
+    store.put("a.parquet", Bytes::from(parquet(7))).unwrap();
+    let changed = index();
+    assert!(!changed.parquet[0].reused);
+    let head = store.head("a.parquet").unwrap();
+    let o = changed.manifest.object("a.parquet").unwrap();
+    assert_eq!((o.size, &o.etag), (head.size, &head.etag));
+    assert_ne!(changed.manifest.digest, m.digest);
+}

@@ -468,3 +468,92 @@ fn other_compressed_tars_are_refused_like_gzip() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A tar member for [`tar_with_links`]: `(name, Ok(text))` a regular file, `(name,
+/// Err((target, hard)))` a link (symbolic, or hard when `hard`).
+type Member<'a> = (&'a str, Result<&'a str, (&'a str, bool)>);
+
+/// A tar of `members`, in order.
+fn tar_with_links(members: &[Member<'_>]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, m) in members {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        match m {
+            Ok(data) => {
+                h.set_size(data.len() as u64);
+                h.set_cksum();
+                b.append_data(&mut h, name, data.as_bytes()).unwrap();
+            }
+            Err((target, hard)) => {
+                let kind = if *hard {
+                    tar::EntryType::Link
+                } else {
+                    tar::EntryType::Symlink
+                };
+                h.set_entry_type(kind);
+                h.set_size(0);
+                b.append_link(&mut h, name, target).unwrap();
+            }
+        }
+    }
+    b.into_inner().unwrap()
+}
+
+#[test]
+fn a_field_made_of_links_is_refused_and_other_skipped_members_are_noted() {
+    // `ln -s /img/1.jpg st/000001.jpg; tar cf s.tar -C st .`: every .jpg a symbolic link.
+    // Before, the tar was indexed as a `cls`-only dataset, exit 0, no word.
+    let dir = temp_dir("wds-links");
+    let tar = tar_with_links(&[
+        ("000001.jpg", Err(("/img/1.jpg", false))),
+        ("000001.cls", Ok("1")),
+        ("000002.jpg", Err(("/img/2.jpg", false))),
+        ("000002.cls", Ok("2")),
+    ]);
+    std::fs::write(dir.join("s.tar"), &tar).unwrap();
+    let e = index_err(&dir);
+    for want in [
+        "s.tar",
+        "every `jpg` member is a link",
+        "tar -h",
+        "2 links, the first 000001.jpg -> /img/1.jpg",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    // A hard link (a second name of another member's file): its sample is refused by name,
+    // saying why it lacks the field (before: "lacks field `jpg`", no word of the link).
+    let tar = tar_with_links(&[
+        ("000001.jpg", Ok("img")),
+        ("000001.cls", Ok("1")),
+        ("000002.jpg", Err(("000001.jpg", true))),
+        ("000002.cls", Ok("2")),
+    ]);
+    std::fs::write(dir.join("s.tar"), &tar).unwrap();
+    let e = index_err(&dir);
+    assert!(
+        e.contains("sample `000002` has its `jpg` member as a link")
+            && e.contains("--hard-dereference"),
+        "{e}"
+    );
+    // A link beside the file it names, and a member with no key.field name: served, and
+    // named in a note (before: dropped without a word).
+    let tar = tar_with_links(&[
+        ("000001.jpg", Ok("img")),
+        ("000001.cls", Ok("1")),
+        ("000001.JPG", Err(("000001.jpg", false))),
+        ("README", Ok("about")),
+    ]);
+    std::fs::write(dir.join("s.tar"), &tar).unwrap();
+    let r = index_report(&dir, &IndexOptions::default()).unwrap();
+    assert_eq!(r.manifest.shards[0].tensors.len(), 2);
+    let notes = r.notes().join("\n");
+    assert!(
+        notes.contains(
+            "tar members skipped: 1 tar: s.tar (1 link, not followed; 1 without a key.field \
+             name: 000001.JPG -> 000001.jpg, README)"
+        ),
+        "{notes}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
