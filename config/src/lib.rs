@@ -575,36 +575,88 @@ pub fn dataset_name_problem(name: &str) -> Option<String> {
         .map(|ch| format!("has the character {ch:?}"))
 }
 
+/// The schemes of the dataset URLs a source serves: `shardwire_store::Scheme::ALL`, repeated
+/// here as [`dataset_name_problem`] repeats the protocol's rule (the service's tests hold the
+/// two to the same list).
+pub const DATASET_URL_SCHEMES: [&str; 6] = ["s3", "gs", "az", "file", "http", "https"];
+
+/// What a `datasets` entry may be.
+const DATASET_PLACES: &str = "NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)";
+
 /// The `datasets` entries: each `NAME=DIR` or `NAME=URL` with a name the protocol carries
-/// ([`dataset_name_problem`]), no name twice.
+/// ([`dataset_name_problem`]) and, for a URL, a scheme a store serves
+/// ([`DATASET_URL_SCHEMES`]), no name twice. An entry refused is repeated redacted
+/// ([`redacted_spec`]).
 fn check_datasets(datasets: &[String]) -> Result<(), ConfigError> {
     let mut names = std::collections::HashSet::new();
     for d in datasets {
-        let Some((name, _)) = d
+        let bad = |why: String| invalid("datasets", redacted_spec(d), why);
+        // A URL with its `NAME=` left out has no name either, whatever `=` its secret or
+        // query holds.
+        let Some((name, place)) = d
             .split_once('=')
-            .filter(|(name, place)| !name.is_empty() && !place.is_empty())
+            .filter(|(name, place)| !name.is_empty() && !place.is_empty() && !name.contains("://"))
         else {
-            return Err(invalid(
-                "datasets",
-                d,
-                "each is NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)",
-            ));
+            return Err(bad(format!("each is {DATASET_PLACES}")));
         };
         if let Some(why) = dataset_name_problem(name) {
-            return Err(invalid(
-                "datasets",
-                d,
-                format!(
-                    "the name `{name}` {why}: a dataset name is 1 to {MAX_DATASET_NAME} of \
-                     [A-Za-z0-9._-], not `.` or `..`"
-                ),
-            ));
+            return Err(bad(format!(
+                "the name `{}` {why}: a dataset name is 1 to {MAX_DATASET_NAME} of \
+                 [A-Za-z0-9._-], not `.` or `..`",
+                redacted_spec(name)
+            )));
+        }
+        if let Some(scheme) = unsupported_scheme(place) {
+            // Before, `config check` passed it and the source opened it as a directory.
+            return Err(bad(format!(
+                "unsupported scheme `{scheme}`; use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, \
+                 az://CONTAINER/PREFIX, file:///DIR or http(s)://HOST/PATH"
+            )));
         }
         if !names.insert(name) {
-            return Err(invalid("datasets", d, format!("`{name}` is given twice")));
+            return Err(bad(format!("`{name}` is given twice")));
         }
     }
     Ok(())
+}
+
+/// The scheme of `place` if it starts with a URL scheme's name (RFC 3986: a letter, then
+/// letters, digits, `+`, `-` and `.`) and `://`, and no store serves it (`gcs://`, `s3a://`).
+fn unsupported_scheme(place: &str) -> Option<&str> {
+    let (scheme, _) = place.split_once("://")?;
+    let mut chars = scheme.chars();
+    let named = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    let served = DATASET_URL_SCHEMES
+        .iter()
+        .any(|s| s.eq_ignore_ascii_case(scheme));
+    (named && !served).then_some(scheme)
+}
+
+/// A `datasets` entry as an error may repeat it: a URL's userinfo (`user:secret@`) becomes
+/// `***@`, and a query or fragment (a signature) becomes `?...` (`#...`), as
+/// `shardwire_store::redacted` does, more bluntly: everything from the first `://` to the
+/// last `@` goes (a secret may hold `/`, `?`, `#` or `@`), and everything from the first
+/// `?` or `#` outside it. The store crate refuses credentials in URLs so that they never
+/// reach a log; this keeps them out of the configuration's errors too.
+pub fn redacted_spec(spec: &str) -> String {
+    let Some(at) = spec.rfind('@') else {
+        return without_query(spec);
+    };
+    let start = spec[..at].find("://").map_or(0, |i| i + 3);
+    let head = &spec[..start];
+    if head.contains(['?', '#']) {
+        return without_query(head);
+    }
+    format!("{head}***@{}", without_query(&spec[at + 1..]))
+}
+
+/// `s` up to its first `?` or `#`, which stays, followed by `...`.
+fn without_query(s: &str) -> String {
+    match s.find(['?', '#']) {
+        Some(q) => format!("{}...", &s[..=q]),
+        None => s.to_owned(),
+    }
 }
 
 impl ServeConfig {
@@ -1176,6 +1228,64 @@ mod tests {
         }
         let ok = "datasets = [\"a=/x\", \"b=s3://bucket/b\"]\n";
         assert!(SourceConfig::load(Some(&write(ok)), &Flags::default()).is_ok());
+    }
+
+    #[test]
+    fn a_dataset_url_of_a_scheme_no_store_serves_is_refused_naming_those_served() {
+        // Before, `config check` passed them, and the source opened each as a directory.
+        for (place, scheme) in [
+            ("gcs://bucket/imagenet", "gcs"),
+            ("s3a://bucket/web", "s3a"),
+            ("abfss://c@acct.dfs.core.windows.net/d", "abfss"),
+        ] {
+            let toml = format!("datasets = [\"d={place}\"]\n");
+            let e = SourceConfig::load(Some(&write(&toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("`datasets`") && e.contains(&format!("unsupported scheme `{scheme}`")),
+                "{e}"
+            );
+            assert!(e.contains("gs://BUCKET/PREFIX"), "{e}");
+        }
+        for place in ["S3://bucket/d", "https://host/d", "file:///d", "/d/x://y"] {
+            let toml = format!("datasets = [\"d={place}\"]\n");
+            let c = SourceConfig::load(Some(&write(&toml)), &Flags::default());
+            assert!(c.is_ok(), "{place}");
+        }
+    }
+
+    #[test]
+    fn a_refused_dataset_entry_never_repeats_a_urls_secret() {
+        // Before, each was repeated whole: `alice:s3cr3t` and all.
+        for spec in [
+            "https://alice:s3cr3t@files.example/ds",
+            "https://alice:s3=cr3t@files.example/ds",
+            "d=gcs://alice:s3cr3t@bucket/ds",
+            "d=s3a://bkt/ds?X-Amz-Signature=s3cr3t",
+            // Given twice: the second one is repeated.
+            "d=/x\", \"d=https://alice:s3cr3t@h/ds",
+        ] {
+            let toml = format!("datasets = [\"{spec}\"]\n");
+            let e = SourceConfig::load(Some(&write(&toml)), &Flags::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("`datasets`"), "{e}");
+            assert!(!e.contains("cr3t") && !e.contains("alice"), "{e}");
+        }
+        for (spec, shown) in [
+            (
+                "ds=https://user:pa#ss@host/ds?sig=tok3n",
+                "ds=https://***@host/ds?...",
+            ),
+            ("s3://AKIA:wJal/rXtok3n@bkt/ds", "s3://***@bkt/ds"),
+            ("bkt/ds?X-Amz-Signature=tok3n&r=https://x", "bkt/ds?..."),
+            ("a?sig=tok3n&r=https://u:p@h", "a?..."),
+            ("AKIA:tok3n@bkt/ds", "***@bkt/ds"),
+            ("web=/data/web", "web=/data/web"),
+        ] {
+            assert_eq!(redacted_spec(spec), shown);
+        }
     }
 
     #[test]

@@ -111,7 +111,11 @@ const COUNTERS: &[(&str, &str)] = &[
     ),
     (
         "shardwire_source_cache_evictions_total",
-        "Disk cache entries evicted (what is needed furthest in the future goes first)",
+        "Disk cache entries evicted to make room: cold entries (no hint names them, not served lately), least recently served first",
+    ),
+    (
+        "shardwire_source_cache_writes_behind_total",
+        "Shards not offered to the disk cache because its writes were behind (its disk is slower than the store): served from memory, cached when read again",
     ),
     (
         "shardwire_source_prefetch_wasted_bytes_total",
@@ -135,11 +139,11 @@ const COUNTERS: &[(&str, &str)] = &[
 const GAUGES: &[(&str, &str)] = &[
     (
         "shardwire_source_cache_bytes",
-        "Bytes held by the disk cache",
+        "Bytes held by a dataset's disk cache (its entries, and those being written), by dataset",
     ),
     (
         "shardwire_source_prefetch_ready_bytes",
-        "Bytes read ahead and held in memory, not yet asked for (the prefetch lead)",
+        "Bytes read ahead and held in memory, not yet asked for (the prefetch lead), by dataset",
     ),
 ];
 
@@ -185,6 +189,27 @@ mod tests {
                     .collect();
                 out.insert(name);
             }
+        }
+    }
+
+    /// (Here: the configuration crate depends on no other, and the service links both.)
+    #[test]
+    fn the_configuration_and_the_store_agree_on_dataset_urls() {
+        let served: Vec<&str> = shardwire_store::Scheme::ALL.iter().map(|s| s.1).collect();
+        assert_eq!(shardwire_config::DATASET_URL_SCHEMES.as_slice(), served);
+        // What the store's errors hide, the configuration's hide too.
+        for url in [
+            "s3a://AKIAEXAMPLE:tok3n@bkt/ds",
+            "https://u:p@host/ds?sig=tok3n",
+            "s3://AKIA:wJal/rXtok3n@bkt/ds",
+            "https://user:pa#tok3n@host/ds",
+            "s3://k:se?tok3n@b/p?x=1",
+            "bkt/ds?X-Amz-Signature=tok3n&r=https://x",
+        ] {
+            assert!(!shardwire_store::redacted(url).contains("tok3n"), "{url}");
+            let spec = format!("d={url}");
+            let shown = shardwire_config::redacted_spec(&spec);
+            assert!(!shown.contains("tok3n"), "{spec}: {shown}");
         }
     }
 

@@ -17,7 +17,8 @@ use crate::remote::{self, RemoteDataset, RemoteOptions};
 /// Why a dataset cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
-    /// `--dataset` value is not NAME=DIR.
+    /// `--dataset` value is not NAME=DIR or NAME=URL; the value as given, any URL's
+    /// credentials, query and fragment redacted ([`shardwire_store::redacted`]).
     #[error(
         "dataset spec `{0}` is not NAME=DIR or NAME=URL (s3://, gs://, az://, file://, http(s)://)"
     )]
@@ -352,6 +353,17 @@ impl Dataset {
 #[derive(Default)]
 pub struct Datasets(BTreeMap<String, Dataset>);
 
+/// Whether `at` starts with a URL scheme's name and `://` (RFC 3986: a letter, then letters,
+/// digits, `+`, `-` and `.`), served or not: such a place is no directory.
+fn names_a_scheme(at: &str) -> bool {
+    let Some((scheme, _)) = at.split_once("://") else {
+        return false;
+    };
+    let mut chars = scheme.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
 impl Datasets {
     /// Loads datasets from `NAME=DIR` and `NAME=URL` specs (an object-storage dataset's
     /// manifest is read and its objects checked here).
@@ -362,10 +374,17 @@ impl Datasets {
         let mut out = Datasets::default();
         for spec in specs {
             let spec = spec.as_ref();
+            // A URL with its `NAME=` left out is no name either, whatever `=` its secret or
+            // query holds. The spec is repeated redacted: a URL's userinfo or signature never
+            // reaches a log (before, `https://user:secret@host/ds` was repeated whole).
             let (name, at) = spec
                 .split_once('=')
-                .ok_or_else(|| DatasetError::Spec(spec.into()))?;
-            if StoreUrl::is_remote(at) {
+                .filter(|(name, _)| !name.contains("://"))
+                .ok_or_else(|| DatasetError::Spec(shardwire_store::redacted(spec)))?;
+            // A URL of a scheme no store serves (`gcs://`, `s3a://`) is refused naming the
+            // ones served (before, it was opened as a directory: "cannot read
+            // gcs://b/d/manifest.json ... run `shardwire index` first").
+            if StoreUrl::is_remote(at) || names_a_scheme(at) {
                 out.add_remote(name, at, remote).await?;
             } else {
                 out.add(name, Path::new(at))?;
@@ -653,6 +672,66 @@ mod tests {
         assert!(!said.contains("still served"), "{said}");
         let eio = unread_recheck(&std::io::Error::from_raw_os_error(5));
         assert!(eio.contains("still served"), "{eio}");
+    }
+
+    fn no_cache() -> RemoteOptions {
+        RemoteOptions {
+            request_size: 8 << 20,
+            max_inflight: 4,
+            cache_dir: None,
+            cache_size: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_url_of_a_scheme_no_store_serves_is_refused_naming_the_schemes_served() {
+        for (spec, scheme) in [
+            ("imagenet=gcs://bucket/imagenet", "gcs"),
+            ("web=s3a://AKIA:tok3n@bkt/web", "s3a"),
+            ("w=abfss://c@acct.dfs.core.windows.net/w", "abfss"),
+        ] {
+            let e = Datasets::open(&[spec], &no_cache())
+                .await
+                .err()
+                .expect("refused");
+            assert!(matches!(e, DatasetError::Url { .. }), "{spec}: {e}");
+            let m = e.to_string();
+            // Before: "cannot read gcs://bucket/imagenet/manifest.json: No such file or
+            // directory (run `shardwire index gcs://bucket/imagenet` first)".
+            assert!(m.contains(&format!("unsupported scheme `{scheme}`")), "{m}");
+            assert!(
+                m.contains("gs://BUCKET/PREFIX") && m.contains("s3://"),
+                "{m}"
+            );
+            assert!(!m.contains("manifest.json") && !m.contains("tok3n"), "{m}");
+        }
+        // A directory stays a directory, `://` nowhere near a scheme's name.
+        assert!(!names_a_scheme("/data/x") && !names_a_scheme("/d/a://b"));
+        assert!(names_a_scheme("gcs://b") && names_a_scheme("S3A://b"));
+    }
+
+    #[tokio::test]
+    async fn a_spec_without_its_name_is_refused_without_repeating_a_urls_secret() {
+        for spec in [
+            "https://alice:s3cr3t@files.example/ds",
+            // An `=` in the secret or the query: no name before it either.
+            "https://alice:s3=cr3t@files.example/ds",
+            "s3://bkt/ds?X-Amz-Signature=s3cr3t",
+        ] {
+            let e = Datasets::open(&[spec], &no_cache())
+                .await
+                .err()
+                .expect("refused");
+            assert!(matches!(e, DatasetError::Spec(_)), "{spec}: {e}");
+            let m = e.to_string();
+            // Before: the spec whole, `alice:s3cr3t` and all (or, split at the `=`, a
+            // refused name `https://alice:s3`).
+            assert!(!m.contains("cr3t") && !m.contains("alice"), "{m}");
+            assert!(m.contains("NAME=URL"), "{m}");
+        }
+        let e = Datasets::open(&["https://alice:s3cr3t@files.example/ds"], &no_cache()).await;
+        let m = e.err().expect("refused").to_string();
+        assert!(m.contains("https://***@files.example/ds"), "{m}");
     }
 
     #[tokio::test]

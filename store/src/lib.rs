@@ -37,5 +37,5 @@ pub use crate::etag::{quoted_etag, same_etag};
 pub use crate::options::{DEFAULT_REQUEST_SIZE, StoreOptions};
 pub use crate::plan::{Piece, Request, plan_requests};
 pub use crate::store::{ObjectMeta, Store};
-pub use crate::url::{Scheme, StoreUrl};
+pub use crate::url::{Scheme, StoreUrl, redacted};
 pub use crate::window::{Urgency, WindowStatus};

@@ -453,7 +453,7 @@ fn percent_encode(path: &str) -> String {
 /// or fragment (a SAS token, a presigned URL's signature) becomes `?...` (`#...`). The
 /// userinfo is found before the cut at `?` or `#` (a secret may hold either), so no part of
 /// it is ever shown.
-pub(crate) fn redacted(s: &str) -> String {
+pub fn redacted(s: &str) -> String {
     // Only a real scheme name counts: `b/p?sig=S&r=https://x` has none, and its query goes.
     let (scheme, rest) = match s.split_once("://") {
         Some((name, rest)) if is_scheme(name) => (&s[..name.len() + 3], rest),

@@ -388,6 +388,9 @@ pub struct DiskCache {
     /// The room it may still take on its file system, claimed in this process (`None` until
     /// [`DiskCache::check_room`]).
     claim: Option<claims::Claim>,
+    /// `shardwire_source_cache_bytes` of its dataset ([`DiskCache::report_as`]), set at every
+    /// change of [`DiskCache::used`].
+    gauge: metrics::Gauge,
 }
 
 impl DiskCache {
@@ -423,6 +426,7 @@ impl DiskCache {
             cold_epochs: u64::MAX,
             asked: Asked::default(),
             claim: None,
+            gauge: metrics::Gauge::noop(),
         };
         let mut loaded = Loaded::default();
         for e in std::fs::read_dir(dir).map_err(io)? {
@@ -438,7 +442,7 @@ impl DiskCache {
             let keep = shard.and_then(|s| expect(s).map(|want| (s, want)));
             match keep {
                 Some((s, (want, want_len))) if want == name && want_len == len => {
-                    cache.used += len;
+                    cache.hold(len);
                     cache.entries.insert(
                         s,
                         Entry {
@@ -471,7 +475,7 @@ impl DiskCache {
             let Some(s) = shards.pop() else { break };
             let e = self.entries.remove(&s).expect("listed");
             delete_stale(&self.dir, self.dir.join(&e.name))?;
-            self.used -= e.len;
+            self.release(e.len);
             loaded.kept -= 1;
             loaded.kept_bytes -= e.len;
             loaded.over_size.push(e.name);
@@ -522,7 +526,7 @@ impl DiskCache {
                     "a cache entry's file is gone; dropped from the cache, the shard is read again");
                 let len = e.len;
                 self.entries.remove(&shard);
-                self.used -= len;
+                self.release(len);
                 None
             }
             Err(err) => {
@@ -644,7 +648,7 @@ impl DiskCache {
             }
         }
         let doomed = evicted.iter().filter_map(|&s| self.evict(s)).collect();
-        self.used += len;
+        self.hold(len);
         self.reserved.insert(shard, len);
         Some(Reservation {
             shard,
@@ -661,7 +665,7 @@ impl DiskCache {
     /// for a new entry at once; returns the file's new path (`None` if it was already gone).
     fn evict(&mut self, shard: u32) -> Option<PathBuf> {
         let e = self.entries.remove(&shard)?;
-        self.used -= e.len;
+        self.release(e.len);
         let (live, doomed) = (
             self.dir.join(&e.name),
             self.dir.join(format!(".{}.evicted", e.name)),
@@ -685,7 +689,7 @@ impl DiskCache {
     pub fn commit(&mut self, r: Reservation) -> Result<(), CommitError> {
         self.reserved.remove(&r.shard);
         if let Err(source) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
-            self.used -= r.len;
+            self.release(r.len);
             let doomed = set_aside(&r.temp);
             return Err(CommitError { source, doomed });
         }
@@ -707,13 +711,36 @@ impl DiskCache {
     #[must_use = "the file set aside is deleted by discard_evicted, or at the next start"]
     pub fn abort(&mut self, r: Reservation) -> Option<PathBuf> {
         self.reserved.remove(&r.shard);
-        self.used -= r.len;
+        self.release(r.len);
         set_aside(&r.temp)
     }
 
     /// Bytes held (entries and reservations).
     pub fn used(&self) -> u64 {
         self.used.get()
+    }
+
+    /// Reports the bytes it holds ([`Self::used`]) as `shardwire_source_cache_bytes` with
+    /// the label `dataset`: set now (the entries kept at open), and again at every change
+    /// (a reservation, a commit, an abort, an eviction, an entry dropped after a failed check
+    /// or found gone). Before, only a commit set it, without a label: entries kept over a
+    /// restart and every removal went unseen, and two datasets overwrote each other's value.
+    pub fn report_as(&mut self, dataset: &str) {
+        self.gauge =
+            metrics::gauge!("shardwire_source_cache_bytes", "dataset" => dataset.to_owned());
+        self.gauge.set(self.used.get() as f64);
+    }
+
+    /// `n` bytes more are held (an entry kept at open, a reservation).
+    fn hold(&mut self, n: u64) {
+        self.used += n;
+        self.gauge.set(self.used.get() as f64);
+    }
+
+    /// `n` bytes fewer are held (an entry gone, a reservation given back).
+    fn release(&mut self, n: u64) {
+        self.used -= n;
+        self.gauge.set(self.used.get() as f64);
     }
 
     /// The configured size.

@@ -6,6 +6,13 @@
 //! those shards ahead, in hint order, within a memory budget and the bucket's window, and the
 //! cache ([`cache`]) keeps what is needed soonest. Only bytes whose CRC-32C matched the
 //! manifest are kept, cached or sent.
+//!
+//! A shard the cache admits is written to it in the background ([`RemoteDataset::place`]):
+//! its FETCHes are answered from memory meanwhile, so none waits for the cache's disk, and
+//! the write has no `fsync` (an entry kept over a restart is length-checked at open and
+//! CRC-checked on its first serve, which catches what a crash left torn). The bytes being
+//! written count in the read-ahead's memory budget, and a shard that arrives while the
+//! writes are behind by more than [`RemoteDataset::write_budget`] passes through uncached.
 
 pub mod cache;
 pub mod hints;
@@ -21,7 +28,6 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
-use shardwire_protocol::wire::ErrorCode;
 use shardwire_store::{Store, StoreUrl, Urgency};
 use tokio::sync::{Notify, watch};
 
@@ -60,6 +66,11 @@ struct State {
     /// Verified shards in memory (prefetched, or not admitted to the cache), not yet sent.
     ready: HashMap<u32, Vec<Bytes>>,
     ready_bytes: u64,
+    /// Verified shards being written to the cache in the background ([`RemoteDataset::place`]),
+    /// their bytes shared with the write: FETCHes take them from here until the write ends.
+    writing: HashMap<u32, Vec<Bytes>>,
+    /// Their bytes.
+    writing_bytes: u64,
     /// Shards being read, with where their outcome goes.
     loading: HashMap<u32, Loading>,
     /// Bytes the prefetch task is reading.
@@ -86,8 +97,12 @@ pub struct RemoteDataset {
     state: Mutex<State>,
     /// Bytes prefetched shards may hold in memory.
     budget: u64,
-    /// Wakes the prefetch task (a hint changed, a read ended, a shard was sent).
+    /// Wakes the prefetch task (a hint changed, a read ended, a shard was sent, a cache write
+    /// ended).
     wake: Notify,
+    /// Holds the background cache writes back while a test says so.
+    #[cfg(test)]
+    write_gate: tests::WriteGate,
 }
 
 /// How a FETCH was answered (for counters and the log).
@@ -95,7 +110,7 @@ pub struct RemoteDataset {
 pub enum Served {
     /// From a prefetch, in memory.
     Prefetched,
-    /// From the disk cache.
+    /// From the disk cache (or, while it is written there, from its bytes in memory).
     Cached,
     /// Read from the store for this FETCH (or while another FETCH was reading it).
     Read,
@@ -123,6 +138,8 @@ impl RemoteDataset {
             state: Mutex::new(State::default()),
             budget,
             wake: Notify::new(),
+            #[cfg(test)]
+            write_gate: Default::default(),
         });
         Ok((d, o.manifest, o.json))
     }
@@ -141,6 +158,15 @@ impl RemoteDataset {
     /// FETCHes may have read, or be reading, and not yet sent (`session.rs`).
     pub(crate) fn memory_budget(&self) -> u64 {
         self.budget
+    }
+
+    /// Bytes the background cache writes may hold in memory ([`Self::place`]): the in-flight
+    /// cap (`max_inflight x request_size`, half the memory budget), or one shard if larger. A
+    /// shard that would pass it is not cached this time (read again when next asked for): a
+    /// cache disk slower than the store fills at its own pace, and the source serves at the
+    /// store's instead of waiting for the disk.
+    fn write_budget(&self) -> u64 {
+        self.budget / 2
     }
 
     /// Replaces stream `(session, stream)`'s hint; wakes the prefetch task.
@@ -190,10 +216,10 @@ impl RemoteDataset {
     }
 
     /// Where `shard` is held, if it is: in memory (looked at first, as a FETCH takes it), or
-    /// in the cache (committed, or being written by the read under way). A FETCH of it starts
-    /// no new read from the store, so its session need not hold it back behind older reads
-    /// or the source-wide read budget (`session.rs`); what it holds in memory once taken
-    /// depends on where it is.
+    /// in the cache (committed, or being written in the background: [`Self::place`]). A FETCH
+    /// of it starts no new read from the store, so its session need not hold it back behind
+    /// older reads or the source-wide read budget (`session.rs`); what it holds in memory
+    /// once taken depends on where it is.
     pub(crate) fn held_in(&self, shard: u32) -> Option<HeldIn> {
         if self.state().ready.contains_key(&shard) {
             return Some(HeldIn::Memory);
@@ -212,13 +238,17 @@ impl RemoteDataset {
     /// for other reasons (two streams of one node reading one shard), and a CRC read of the
     /// entry at each was the cost.
     pub(crate) fn corrupt_reported(&self, session: u64, shard: u32) {
-        // A report costs one CRC read of one entry at most.
+        // A report costs one CRC read of one entry at most. A copy being written to the cache
+        // goes from memory too; its entry is checked once written ([`Self::written`]).
         let dropped = {
             let mut st = self.state();
             let parts = st.ready.remove(&shard).unwrap_or_default();
             let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
             st.ready_bytes -= n;
-            n
+            let parts = st.writing.remove(&shard).unwrap_or_default();
+            let w: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            st.writing_bytes -= w;
+            n + w
         };
         if dropped > 0 {
             self.wake.notify_one();
@@ -244,11 +274,11 @@ impl RemoteDataset {
         wanted.leave_queue(); // where its session did not already
         let mut waited = false;
         loop {
-            if let Some(parts) = self.take_ready(wanted) {
-                let how = if waited {
-                    Served::Read
-                } else {
-                    Served::Prefetched
+            if let Some((parts, writing)) = self.take_ready(wanted) {
+                let how = match (waited, writing) {
+                    (true, _) => Served::Read,
+                    (false, true) => Served::Cached,
+                    (false, false) => Served::Prefetched,
                 };
                 return Ok((Body::Memory(parts), how));
             }
@@ -290,7 +320,8 @@ impl RemoteDataset {
             let c = self.cache.as_ref();
             c.is_some_and(|c| c.lock().expect("poisoned").holds(shard))
         };
-        if st.ready.contains_key(&shard) || (look_in_cache && cached()) {
+        let in_memory = st.ready.contains_key(&shard) || st.writing.contains_key(&shard);
+        if in_memory || (look_in_cache && cached()) {
             return Claim::Again;
         }
         Claim::Read(self.begin(&mut st, vec![shard], false))
@@ -300,24 +331,28 @@ impl RemoteDataset {
     /// other FETCHes of it are reading it and have not taken it (they waited on the same
     /// read), taken out of memory by the last of them. FETCHes still queued in their sessions
     /// do not keep it: a slow node's queue would hold shards in memory past any budget (and
-    /// stop the read ahead); a queued FETCH reads its shard again when its turn comes.
-    fn take_ready(&self, w: &mut Wanted) -> Option<Vec<Bytes>> {
+    /// stop the read ahead); a queued FETCH reads its shard again when its turn comes. A shard
+    /// being written to the cache is shared with its write, which drops it from memory once
+    /// done ([`Self::written`]); true with those.
+    fn take_ready(&self, w: &mut Wanted) -> Option<(Vec<Bytes>, bool)> {
         let mut st = self.state();
         let wanting = st.wanted.get(&w.shard).copied().unwrap_or_default();
         let others = wanting.reading.saturating_sub(wanting.took + 1);
-        let parts = if others > 0 {
-            st.ready.get(&w.shard)?.clone()
+        let taken = if !st.ready.contains_key(&w.shard) {
+            (st.writing.get(&w.shard)?.clone(), true)
+        } else if others > 0 {
+            (st.ready.get(&w.shard)?.clone(), false)
         } else {
             let parts = st.ready.remove(&w.shard)?;
             st.ready_bytes -= parts.iter().map(|p| p.len() as u64).sum::<u64>();
             self.wake.notify_one();
-            parts
+            (parts, false)
         };
         if let Some(n) = st.wanted.get_mut(&w.shard) {
             n.took += 1;
             w.took = true;
         }
-        Some(parts)
+        Some(taken)
     }
 
     /// The cached entry of `shard` as a payload; an entry kept over a restart, or one a node
@@ -411,25 +446,17 @@ impl RemoteDataset {
         // A FETCH's read, or one a FETCH comes to wait for, goes before the reads ahead.
         let store = self.store.with_urgency(urgency);
         let reads = read_shards(&store, &self.objects, &wants).await;
-        // The bytes are here: a task of its own places them and tells their waiters, so a
-        // load dropped now (its FETCH cancelled: the node went away) neither cuts a cache
-        // write short and leaks its reservation, nor leaves another FETCH waiting on this
-        // read to read the shard again.
-        let me = Arc::clone(self);
-        let settled = tokio::spawn(async move { me.settle(reads, prefetch, registered).await });
-        settled.await.unwrap_or_else(|e| {
-            Err(Failure {
-                code: ErrorCode::Internal,
-                retry_after_ms: 0,
-                message: format!("placing shards read from the store failed: {e}"),
-            })
-        })
+        // The bytes are here. Placing them and telling their waiters awaits nothing (a cache
+        // write goes on in the background), so a load dropped from now on (its FETCH
+        // cancelled: the node went away) cannot stop half way: no cache write is cut short,
+        // and no other FETCH waiting on this read is left to read the shard again.
+        self.settle(reads, prefetch, registered)
     }
 
     /// Places each shard read (or logs its failure), hands every outcome to its waiters and
     /// returns the first.
-    async fn settle(
-        self: Arc<Self>,
+    fn settle(
+        self: &Arc<Self>,
         reads: Vec<read::Read>,
         prefetch: bool,
         mut registered: Registered,
@@ -441,7 +468,8 @@ impl RemoteDataset {
                     self.state().backoff.succeeded(shard);
                     metrics::counter!("shardwire_source_store_shard_bytes_total")
                         .increment(parts.iter().map(|p| p.len() as u64).sum());
-                    self.place(shard, parts).await;
+                    // Its cache write, if any, goes on without this read (or its FETCH).
+                    drop(self.place(shard, parts));
                     Ok(())
                 }
                 Err(f) => {
@@ -458,60 +486,137 @@ impl RemoteDataset {
         first.expect("at least one shard")
     }
 
-    /// Stores a verified shard: in the cache if it admits it, else in memory.
-    async fn place(&self, shard: u32, parts: Vec<Bytes>) {
+    /// Stores a verified shard in memory, and has it written to the cache if that admits it
+    /// ([`Self::reserve`]): written on a blocking thread ([`Self::write_entry`]), its bytes
+    /// held in [`State::writing`] meanwhile, so its waiters are answered now, from memory, not
+    /// once the cache's disk has it. Returns that write (which nobody need wait for: a test
+    /// does).
+    fn place(
+        self: &Arc<Self>,
+        shard: u32,
+        parts: Vec<Bytes>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        if let Some(cache) = &self.cache {
-            let w = &self.shards[shard as usize];
-            let o = &self.objects[w.object];
-            let name = cache::entry_name(shard, &o.key, &o.etag, (w.range.start, len), w.crc32c);
-            let reserved = {
-                let st = self.state();
-                let mut c = cache.lock().expect("poisoned");
-                c.reserve(shard, name, len, |s| st.hints.next_use(s))
-            };
-            if let Some(r) = reserved {
-                metrics::counter!("shardwire_source_cache_evictions_total")
-                    .increment(r.evicted.len() as u64);
-                let (temp, write, doomed) = (r.temp.clone(), parts.clone(), r.doomed.clone());
-                let wrote = tokio::task::spawn_blocking(move || {
-                    Reservation::discard_evicted(&doomed);
-                    write_parts(&temp, &write)
-                })
-                .await;
-                // What was written and is not kept is set aside under the lock and deleted
-                // after it (`discard`): it may be as large as a shard, and the prefetch waits
-                // on this lock while it holds the dataset's state.
-                let doomed = {
-                    let mut c = cache.lock().expect("poisoned");
-                    match wrote {
-                        Ok(Ok(())) => match c.commit(r) {
-                            Ok(()) => {
-                                let used = c.used() as f64;
-                                metrics::gauge!("shardwire_source_cache_bytes").set(used);
-                                return;
-                            }
-                            Err(e) => {
-                                tracing::warn!(dataset = %self.name, shard, error = %e, "cache entry not kept");
-                                e.doomed
-                            }
-                        },
-                        failed => {
-                            let e =
-                                failed.map_or_else(|j| j.to_string(), |r| format!("{:?}", r.err()));
-                            tracing::warn!(dataset = %self.name, shard, error = %e, "writing a cache entry failed; served from memory");
-                            c.abort(r)
-                        }
-                    }
-                };
-                discard(doomed).await;
-            }
-        }
         let mut st = self.state();
+        // Reserved and listed under one hold of the state's lock: no FETCH and no read ahead
+        // finds the shard neither in memory nor in the cache, and reads it again.
+        if let Some(r) = self.reserve(&st, shard, len) {
+            st.writing_bytes += len;
+            if let Some(old) = st.writing.insert(shard, parts.clone()) {
+                // Not expected (the cache holds one reservation per shard), but the count
+                // stays true.
+                st.writing_bytes -= old.iter().map(|p| p.len() as u64).sum::<u64>();
+            }
+            drop(st);
+            let me = Arc::clone(self);
+            return Some(tokio::task::spawn_blocking(move || {
+                me.write_entry(r, parts)
+            }));
+        }
         st.ready_bytes += len;
         if let Some(old) = st.ready.insert(shard, parts) {
             // Not expected (one read per shard at a time), but the count stays true.
             st.ready_bytes -= old.iter().map(|p| p.len() as u64).sum::<u64>();
+        }
+        None
+    }
+
+    /// Room in the cache for `shard` (`len` bytes), unless there is no cache, it does not
+    /// admit the shard, or the bytes being written would pass [`Self::write_budget`] (unless
+    /// none are: a shard larger than it is written alone). `st`: the state, locked (the cache
+    /// is locked after it, as everywhere).
+    fn reserve(&self, st: &State, shard: u32, len: u64) -> Option<Reservation> {
+        let cache = self.cache.as_ref()?;
+        if st.writing_bytes > 0 && st.writing_bytes + len > self.write_budget() {
+            metrics::counter!("shardwire_source_cache_writes_behind_total").increment(1);
+            tracing::debug!(dataset = %self.name, shard, writing = st.writing_bytes,
+                "the cache's writes are behind (its disk is slower than the store): not cached this time");
+            return None;
+        }
+        let w = &self.shards[shard as usize];
+        let o = &self.objects[w.object];
+        let name = cache::entry_name(shard, &o.key, &o.etag, (w.range.start, len), w.crc32c);
+        let mut c = cache.lock().expect("poisoned");
+        let r = c.reserve(shard, name, len, |s| st.hints.next_use(s))?;
+        metrics::counter!("shardwire_source_cache_evictions_total")
+            .increment(r.evicted.len() as u64);
+        Some(r)
+    }
+
+    /// Writes the reserved entry `r` of `parts` (on a blocking thread: [`Self::place`]): the
+    /// entries it evicted are deleted, the file written (no `fsync`: see the module's head)
+    /// and committed. A write or commit that fails is logged, its room given back and its
+    /// file deleted: no partial entry stays (a crash leaves a `.partial` file, deleted at the
+    /// next start). Then the bytes leave memory ([`Self::written`]).
+    fn write_entry(&self, r: Reservation, parts: Vec<Bytes>) {
+        #[cfg(test)]
+        self.write_gate.pass();
+        let shard = r.shard;
+        Reservation::discard_evicted(&r.doomed);
+        let wrote = write_parts(&r.temp, &parts);
+        let cache = self.cache.as_ref().expect("reserved in the cache");
+        let kept = {
+            let mut c = cache.lock().expect("poisoned");
+            match wrote {
+                Ok(()) => c.commit(r).map_err(|e| (e.to_string(), e.doomed)),
+                Err(e) => {
+                    let error = format!("{}: {e}", r.temp.display());
+                    Err((error, c.abort(r)))
+                }
+            }
+        };
+        let kept = match kept {
+            Ok(()) => true,
+            Err((error, doomed)) => {
+                tracing::warn!(dataset = %self.name, shard, %error,
+                    "writing a cache entry failed; the shard is not cached (its FETCHes were served from memory)");
+                if let Some(p) = doomed {
+                    Reservation::discard_evicted(&[p]);
+                }
+                false
+            }
+        };
+        drop(parts);
+        self.written(shard, kept);
+    }
+
+    /// `shard`'s cache write ended (`kept`: committed): its bytes leave [`State::writing`].
+    /// Those of a write that failed stay in memory if a hint or a FETCH under way names the
+    /// shard, as those of a shard the cache did not admit. An entry whose copy in memory a
+    /// node reported corrupt while it was written ([`Self::corrupt_reported`] took it out
+    /// of `writing`) is checked against its CRC before it is served.
+    fn written(&self, shard: u32, kept: bool) {
+        let mut st = self.state();
+        let Some(parts) = st.writing.remove(&shard) else {
+            if kept && let Some(c) = &self.cache {
+                // Locks in the order `place` takes them: state, then cache.
+                c.lock().expect("poisoned").recheck(shard);
+            }
+            return;
+        };
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        st.writing_bytes -= len;
+        let wanted = st.hints.next_use(shard).is_some() || st.wanted.contains_key(&shard);
+        if !kept && wanted && !st.ready.contains_key(&shard) {
+            st.ready_bytes += len;
+            st.ready.insert(shard, parts);
+        }
+        drop(st);
+        self.wake.notify_one(); // the read ahead may have waited for this memory
+    }
+
+    /// Waits (10 s at most) until no cache write is under way ([`Self::place`]): a test that
+    /// looks at the cache after a FETCH waits for its shard's write first.
+    #[cfg(test)]
+    pub(crate) async fn cache_writes_done(&self) {
+        let t0 = Instant::now();
+        while !self.state().writing.is_empty() {
+            let waited = t0.elapsed();
+            assert!(
+                waited.as_secs() < 10,
+                "cache writes still under way after {waited:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
@@ -521,7 +626,8 @@ impl RemoteDataset {
         let w = self.store.window();
         let cache = self.cache.as_ref().map(|c| {
             let c = c.lock().expect("poisoned");
-            serde_json::json!({"entries": c.len(), "bytes": c.used(), "capacity": c.capacity()})
+            serde_json::json!({"entries": c.len(), "bytes": c.used(), "capacity": c.capacity(),
+                "writing_bytes": st.writing_bytes})
         });
         serde_json::json!({
             "url": self.store.url().to_string(),
@@ -618,7 +724,9 @@ impl Drop for Wanted {
 pub(crate) enum HeldIn {
     /// In memory (read ahead, or read for a FETCH and not taken yet).
     Memory,
-    /// In the disk cache: sent from its file, holding no memory.
+    /// In the disk cache: sent from its file, holding no memory. Or being written there
+    /// ([`RemoteDataset::place`]): sent from the bytes the write holds in memory, which count
+    /// in the writes' own bound ([`RemoteDataset::write_budget`]), not in the reads'.
     Cache,
 }
 
@@ -688,12 +796,17 @@ fn file_crc(file: &std::fs::File) -> std::io::Result<u32> {
     }
 }
 
-/// Writes `parts` to a new file at `path`.
+/// Writes `parts` to a new file at `path`. No `fsync`: an entry written whole stays a
+/// verified entry until the source stops, served from the page cache if need be; after a
+/// crash its file may be torn or hold zeros, but an entry kept over a restart is length-checked
+/// at open and CRC-checked on its first serve ([`DiskCache::open`],
+/// [`RemoteDataset::cached`]), so that is caught and the entry deleted. (Before, each write
+/// waited for `sync_data`, and so did the FETCHes of its shard.)
 fn write_parts(path: &std::path::Path, parts: &[Bytes]) -> std::io::Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path)?;
     for p in parts {
         f.write_all(p)?;
     }
-    f.sync_data()
+    Ok(())
 }

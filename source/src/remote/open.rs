@@ -312,6 +312,7 @@ fn open_cache(
     let (mut cache, loaded) =
         DiskCache::open(&root.join(name), opts.cache_size, expect).map_err(cache_err)?;
     cache.set_cold_after(COLD_AFTER_EPOCHS);
+    cache.report_as(name); // the entries kept count from now on in /metrics
     tracing::info!(dataset = %name, dir = %root.join(name).display(), kept = loaded.kept,
         kept_bytes = loaded.kept_bytes, removed = loaded.removed.len() + loaded.over_size.len(), "disk cache opened");
     for f in &loaded.removed {

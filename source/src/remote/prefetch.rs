@@ -2,11 +2,11 @@
 //! first, before their FETCHes come; consecutive ones in hint order go in one group, so
 //! adjacent small shards of one object merge into one GET. It stops at the in-flight cap
 //! (the window's ceiling times the request size) and at the memory budget for shards held
-//! in memory (with a cache too: a shard it does not admit stays in memory); shards held in
-//! memory that no hint names any more are dropped when memory runs short (counted as
-//! wasted). A shard whose read failed is not read ahead again before its [`Backoff`] ends.
-//! One wake looks at a bounded stretch of the order ([`SCAN`]), with sets the task keeps from
-//! wake to wake ([`Scratch`]).
+//! in memory (with a cache too: a shard it does not admit stays in memory, and one it admits
+//! is held until it is written); shards held in memory that no hint names any more are
+//! dropped when memory runs short (counted as wasted). A shard whose read failed is not read
+//! ahead again before its [`Backoff`] ends. One wake looks at a bounded stretch of the order
+//! ([`SCAN`]), with sets the task keeps from wake to wake ([`Scratch`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -202,7 +202,8 @@ impl RemoteDataset {
         let mut group = Vec::new();
         let (mut bytes, mut entries) = (0, 0);
         for (at, s) in st.hints.order_after(after) {
-            let skip = taken.contains(&s) || st.ready.contains_key(&s);
+            let in_ram = st.ready.contains_key(&s) || st.writing.contains_key(&s);
+            let skip = taken.contains(&s) || in_ram;
             if skip || st.loading.contains_key(&s) || held(s) || st.backoff.waits(s, now) {
                 if !group.is_empty() && !taken.contains(&s) {
                     return Scanned::Chosen(group);
@@ -219,9 +220,10 @@ impl RemoteDataset {
             }
             let w = &self.shards[s as usize];
             let len = w.range.end - w.range.start;
-            let in_memory = st.ready_bytes + st.prefetching + bytes + len;
+            let in_memory = st.ready_bytes + st.writing_bytes + st.prefetching + bytes + len;
             // The memory budget holds with a cache too: a shard the cache does not admit
-            // (the cache is full of entries still read, or a failed write) stays in memory.
+            // (the cache is full of entries still read, or a failed write) stays in memory,
+            // and one it admits is held until its write ends (`RemoteDataset::place`).
             let room =
                 st.prefetching + bytes + len <= cap.max(len) && in_memory <= self.budget.max(len);
             if !room || bytes + len > self.store.options().request_size.max(len) {
@@ -254,7 +256,8 @@ impl RemoteDataset {
                 metrics::counter!("shardwire_source_prefetch_wasted_bytes_total").increment(n);
             }
         }
-        metrics::gauge!("shardwire_source_prefetch_ready_bytes").set(st.ready_bytes as f64);
+        metrics::gauge!("shardwire_source_prefetch_ready_bytes", "dataset" => self.name.clone())
+            .set(st.ready_bytes as f64);
     }
 }
 

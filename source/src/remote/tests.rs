@@ -1,7 +1,8 @@
 //! FETCHes of one shard that meet: over an in-memory object store that counts the GETs it
 //! answers and can hold them back, so a test can start a FETCH, let another wait on its read
 //! and cancel the first at a chosen point. A shard's bytes are read from the store once,
-//! however the FETCHes that want it meet or end.
+//! however the FETCHes that want it meet or end. A [`WriteGate`] holds the background cache
+//! writes back, so a test can see FETCHes answered while their shard is written.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -111,6 +112,41 @@ impl ObjectStore for Gated {
     }
 }
 
+/// Holds a dataset's background cache writes back while shut ([`RemoteDataset::write_entry`]
+/// passes it first).
+#[derive(Debug, Default)]
+pub(super) struct WriteGate {
+    shut: Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl WriteGate {
+    /// Waits while the gate is shut (a blocking write's thread).
+    pub(super) fn pass(&self) {
+        let mut shut = self.shut.lock().unwrap_or_else(|p| p.into_inner());
+        while *shut {
+            shut = self.opened.wait(shut).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Shuts the gate until the guard returned goes (a failing test too opens it: a write left
+    /// waiting would hold the runtime's shutdown).
+    fn hold_back(&self) -> HeldBack<'_> {
+        *self.shut.lock().unwrap() = true;
+        HeldBack(self)
+    }
+}
+
+/// The gate shut ([`WriteGate::hold_back`]); opened when dropped.
+struct HeldBack<'a>(&'a WriteGate);
+
+impl Drop for HeldBack<'_> {
+    fn drop(&mut self) {
+        *self.0.shut.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        self.0.opened.notify_all();
+    }
+}
+
 /// Bytes of each of the dataset's shards: enough that writing one to the cache takes a while.
 const SHARD: u64 = 16 << 20;
 
@@ -169,7 +205,26 @@ async fn dataset(
         state: Mutex::new(State::default()),
         budget: 1 << 30,
         wake: Notify::new(),
+        write_gate: WriteGate::default(),
     })
+}
+
+/// Places `parts` as shard `shard`'s verified bytes (read for a FETCH or ahead), and waits for
+/// its cache write, if the cache took it.
+async fn placed(d: &Arc<RemoteDataset>, shard: u32, parts: Vec<Bytes>) {
+    if let Some(write) = d.place(shard, parts) {
+        write.await.expect("the write ran");
+    }
+}
+
+/// A temporary cache directory of test `test`.
+fn cache_dir(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "shardwire-remote-test-{test}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
 }
 
 /// A FETCH as a task.
@@ -250,39 +305,132 @@ async fn two_fetches_that_meet_on_one_read_are_both_served_from_it_without_a_cac
     );
 }
 
+/// `f`, or a failure after 10 s (a FETCH that waits for something held back).
+async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    match tokio::time::timeout(Duration::from_secs(10), f).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: not after 10 s"),
+    }
+}
+
 #[tokio::test(flavor = "current_thread")]
-async fn a_fetch_cancelled_while_its_shard_is_placed_leaves_it_to_the_fetch_waiting_on_it() {
-    let dir = std::env::temp_dir().join(format!("shardwire-remote-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+async fn fetches_of_a_shard_the_cache_admits_are_answered_from_memory_while_it_is_written() {
+    let dir = cache_dir("written");
     let os = Arc::new(Gated::new());
-    let d = dataset("cancelled", &os, Some(&dir)).await;
+    let d = dataset("written", &os, Some(&dir)).await;
+    let held = d.write_gate.hold_back();
     let (a, b) = meet(&d, &os, 1).await;
     os.open();
-    // The read is answered; the shard is being written to the cache (a blocking write and
-    // fsync) when the first FETCH's node goes away.
-    until("the GET answered", || {
-        os.answered.load(Ordering::SeqCst) == 1
-    })
-    .await;
+    // Before, both waited for the cache write and its fsync (here: held back for good).
+    let (a, _) = within("the first FETCH", a).await.unwrap().expect("served");
+    let (b, how) = within("the FETCH waiting on its read", b)
+        .await
+        .unwrap()
+        .expect("served");
+    assert!(matches!(a, Body::Memory(_)), "from memory");
+    assert_eq!(bytes_of(&a), d_bytes(1));
+    assert_eq!(bytes_of(&b), d_bytes(1));
+    assert_eq!(how, Served::Read);
+    assert!(entry_files(&dir).is_empty(), "the entry is not written yet");
+    assert_eq!(d.held_in(1), Some(HeldIn::Cache), "reserved in the cache");
+    assert_eq!(d.state().writing_bytes, SHARD);
+    // A FETCH that comes while it is written takes the same bytes: no second GET.
+    let during = within("a FETCH during the write", fetch(&d, 3, 1)).await;
+    let (c, how) = during.unwrap().expect("served");
+    assert_eq!(how, Served::Cached);
+    assert!(bytes_of(&c) == d_bytes(1));
+    assert_eq!(os.asked.load(Ordering::SeqCst), 1, "GETs");
+    // Every FETCH ended; the write goes on, and the entry is committed.
+    drop(held);
+    d.cache_writes_done().await;
+    assert_eq!(entry_files(&dir).len(), 1);
+    assert_eq!(d.state().writing_bytes, 0, "the bytes left memory");
+    let used = d.cache.as_ref().unwrap().lock().unwrap().used();
+    assert_eq!(used, SHARD);
+    assert!(matches!(d.cached(1).await, Some(Body::File { .. })));
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_shard_that_comes_while_the_cache_writes_are_behind_passes_through_uncached() {
+    let dir = cache_dir("behind");
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("behind", &os, Some(&dir)).await;
+    // Writes may hold one shard in memory (half the budget): a slow disk is writing it.
+    Arc::get_mut(&mut d).expect("only reference").budget = 2 * SHARD;
+    let held = d.write_gate.hold_back();
+    let first = d.place(0, vec![Bytes::from(d_bytes(0))]).expect("admitted");
+    // Before, every shard the cache admitted was written, however far behind its disk was
+    // (and the FETCHes waited for it).
     assert!(
-        !a.is_finished(),
-        "the first FETCH ended before it could be cancelled mid-placement"
+        d.place(1, vec![Bytes::from(d_bytes(1))]).is_none(),
+        "not cached this time"
     );
-    a.abort();
-    let (b, _) = b.await.unwrap().expect("served");
-    assert_eq!(bytes_of(&b).len() as u64, SHARD);
-    // Before, the cancelled FETCH's read was forgotten before its shard was placed, and the
-    // waiting FETCH read it again.
-    assert_eq!(
-        os.asked.load(Ordering::SeqCst),
-        1,
-        "GETs for the two FETCHes"
-    );
-    let cached = d.cache.as_ref().unwrap().lock().unwrap().holds(1);
-    assert!(
-        cached,
-        "the shard read for the cancelled FETCH is in the cache"
-    );
+    {
+        let st = d.state();
+        assert!(st.ready.contains_key(&1) && st.writing.contains_key(&0));
+        assert_eq!((st.ready_bytes, st.writing_bytes), (SHARD, SHARD));
+    }
+    assert_eq!(d.held_in(1), Some(HeldIn::Memory));
+    drop(held);
+    first.await.unwrap();
+    assert_eq!(d.held_in(0), Some(HeldIn::Cache));
+    assert_eq!(entry_files(&dir).len(), 1, "shard 0 only");
+    // With the writes done, the next shard is cached again.
+    placed(&d, 2, vec![Bytes::from(d_bytes(2))]).await;
+    assert_eq!(entry_files(&dir).len(), 2);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_failed_cache_write_leaves_no_entry_gives_its_room_back_and_keeps_a_wanted_shard() {
+    let dir = cache_dir("failed-write");
+    let os = Arc::new(Gated::new());
+    let d = dataset("failed-write", &os, Some(&dir)).await;
+    d.hint(1, 1, vec![1]);
+    // The entry's partial file cannot be created: a directory has its name.
+    let (o, w) = (&d.objects[0], &d.shards[1]);
+    let name = cache::entry_name(1, &o.key, &o.etag, (SHARD, SHARD), w.crc32c);
+    std::fs::create_dir_all(dir.join(format!(".{name}.partial"))).unwrap();
+    placed(&d, 1, vec![Bytes::from(d_bytes(1))]).await;
+    let c = d.cache.as_ref().unwrap().lock().unwrap();
+    assert!(!c.holds(1) && c.is_empty(), "no entry");
+    assert_eq!(c.used(), 0, "its room given back");
+    drop(c);
+    assert!(entry_files(&dir).is_empty());
+    // A hint names the shard: its bytes stay in memory for its FETCH.
+    let st = d.state();
+    assert!(st.writing.is_empty() && st.ready.contains_key(&1));
+    assert_eq!((st.writing_bytes, st.ready_bytes), (0, SHARD));
+    drop(st);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_before_served() {
+    let dir = cache_dir("reported-writing");
+    let os = Arc::new(Gated::new());
+    let d = dataset("reported-writing", &os, Some(&dir)).await;
+    let held = d.write_gate.hold_back();
+    let write = d.place(1, vec![Bytes::from(d_bytes(1))]).expect("admitted");
+    d.corrupt_reported(3, 1);
+    assert_eq!(d.state().writing_bytes, 0, "the copy in memory went");
+    drop(held);
+    write.await.unwrap();
+    let hit = d
+        .cache
+        .as_ref()
+        .unwrap()
+        .lock()
+        .unwrap()
+        .get(1)
+        .expect("written");
+    assert!(!hit.verified, "checked against its CRC before it is served");
+    drop(hit);
+    assert!(d.cached(1).await.is_some(), "its bytes are good: served");
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -362,8 +510,7 @@ async fn a_fetch_that_missed_the_cache_takes_an_entry_committed_since() {
     let os = Arc::new(Gated::new());
     let d = dataset("committed", &os, Some(&dir)).await;
     // The entry lands (a read for another FETCH, settled) after this FETCH's cache lookup.
-    d.place(2, vec![Bytes::from(vec![2u8; SHARD as usize])])
-        .await;
+    placed(&d, 2, vec![Bytes::from(vec![2u8; SHARD as usize])]).await;
     assert!(
         matches!(d.claim(2, true), Claim::Again),
         "taken from the cache"
@@ -383,8 +530,7 @@ async fn a_cache_entry_cut_short_is_deleted_and_read_again_not_sent() {
     let os = Arc::new(Gated::new());
     os.open();
     let d = dataset("short", &os, Some(&dir)).await;
-    d.place(1, vec![Bytes::from(vec![1u8; SHARD as usize])])
-        .await;
+    placed(&d, 1, vec![Bytes::from(vec![1u8; SHARD as usize])]).await;
     assert!(d.cached(1).await.is_some(), "a whole entry is served");
     let files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -451,7 +597,7 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
     let os = Arc::new(Gated::new());
     os.open();
     let d = dataset("reported", &os, Some(&dir)).await;
-    d.place(1, vec![Bytes::from(d_bytes(1))]).await;
+    placed(&d, 1, vec![Bytes::from(d_bytes(1))]).await;
     assert!(
         d.held_in(1) == Some(HeldIn::Cache) && d.held_in(2).is_none(),
         "held: the cached shard only"
@@ -575,7 +721,7 @@ async fn a_node_session_asking_again_for_a_cached_shard_costs_no_crc_read() {
     let os = Arc::new(Gated::new());
     os.open();
     let d = dataset("again", &os, Some(&dir)).await;
-    d.place(1, vec![Bytes::from(d_bytes(1))]).await;
+    placed(&d, 1, vec![Bytes::from(d_bytes(1))]).await;
     let (_, how) = fetch(&d, 1, 1).await.unwrap().expect("served");
     assert_eq!(how, Served::Cached);
     // A byte of the entry changes on disk: only a CRC read of the entry would notice.

@@ -497,6 +497,7 @@ async fn a_checksum_mismatch_the_node_reports_has_the_cache_entry_checked_and_en
     // Shard 1 was read for this session and served from the cache; its entry then went bad.
     let (body, _) = r.want(SESSION, 1).get(SESSION).await.expect("read");
     drop(body);
+    r.cache_writes_done().await; // its cache write goes on in the background
     assert_eq!(rot_cache(&dir), 1, "cache entries");
     s.announced.record(9, Arc::from("remote"), 1);
     let report = Message::Error {

@@ -562,3 +562,117 @@ fn a_shard_still_read_stays_counted_and_one_no_longer_asked_for_is_forgotten() {
     let counts = |s| a.now.contains(s) || a.before.contains(s);
     assert!(!counts(5) && counts(120));
 }
+
+/// The gauges registered while it is the local recorder: name, labels and last value each.
+#[derive(Default)]
+struct Gauges(std::sync::Mutex<Vec<(metrics::Key, std::sync::Arc<LastValue>)>>);
+
+/// A gauge's last value (an `f64`'s bits).
+#[derive(Default)]
+struct LastValue(std::sync::atomic::AtomicU64);
+
+impl LastValue {
+    fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Acquire))
+    }
+}
+
+impl metrics::GaugeFn for LastValue {
+    fn increment(&self, value: f64) {
+        self.set(self.get() + value);
+    }
+
+    fn decrement(&self, value: f64) {
+        self.set(self.get() - value);
+    }
+
+    fn set(&self, value: f64) {
+        let bits = value.to_bits();
+        self.0.store(bits, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl metrics::Recorder for Gauges {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        let last = std::sync::Arc::new(LastValue::default());
+        self.0
+            .lock()
+            .unwrap()
+            .push((key.clone(), std::sync::Arc::clone(&last)));
+        metrics::Gauge::from_arc(last)
+    }
+
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[test]
+fn the_cache_bytes_gauge_is_per_dataset_set_at_open_and_at_every_change() {
+    let dir = tempdir();
+    {
+        let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+        for s in 0..3 {
+            put(&mut c, s, &HashMap::new()).unwrap();
+        }
+    }
+    // A restart keeps three entries; no commit follows (every FETCH a hit).
+    let (mut c, _) = DiskCache::open(dir.path(), 1000, |s| Some((name(s), 100))).unwrap();
+    let gauges = Gauges::default();
+    metrics::with_local_recorder(&gauges, || c.report_as("web"));
+    let (key, value) = gauges.0.lock().unwrap().pop().expect("registered");
+    assert_eq!(key.name(), "shardwire_source_cache_bytes");
+    let labels: Vec<(&str, &str)> = key.labels().map(|l| (l.key(), l.value())).collect();
+    assert_eq!(labels, [("dataset", "web")]);
+    // Before: absent until a commit, then set only at commits.
+    assert_eq!(value.get(), 300.0, "the entries kept at open");
+    let r = c.reserve(5, name(5), 100, |_| None).unwrap();
+    assert_eq!(value.get(), 400.0, "a reservation");
+    assert_eq!(c.abort(r), None);
+    assert_eq!(value.get(), 300.0, "an aborted write");
+    std::fs::remove_file(dir.path().join(name(1))).unwrap();
+    assert!(c.get(1).is_none());
+    assert_eq!(value.get(), 200.0, "an entry whose file went");
+    let doomed = c
+        .remove_unverified(0)
+        .expect("not checked since the restart");
+    assert_eq!(value.get(), 100.0, "an entry that failed its check");
+    Reservation::discard_evicted(&[doomed]);
+    std::fs::write(dir.path().join(name(2)), b"short").unwrap();
+    let doomed = c.remove_if_not(2, 100).expect("cut short");
+    assert_eq!(value.get(), 0.0, "an entry cut short");
+    Reservation::discard_evicted(&[doomed]);
+    put(&mut c, 6, &HashMap::new()).unwrap();
+    assert_eq!(value.get(), 100.0, "a commit");
+    assert_eq!(value.get(), c.used() as f64);
+}
