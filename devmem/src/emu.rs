@@ -22,9 +22,11 @@
 //!   copied into the iov), as when header split fails for them;
 //! * pool exhaustion: with no free net_iov, no bytes can land; `recv_frags` waits (the NIC
 //!   would drop and TCP retransmit), so a receiver that does not return tokens stalls its
-//!   peers: backpressure, never loss. The wait lasts at most the socket's `SO_RCVTIMEO`,
-//!   then the call fails with `EAGAIN`, as the kernel's does when nothing arrived in time
-//!   (the bytes stay in the socket for the next call);
+//!   peers: backpressure, never loss. Net_iovs are taken only once the socket has bytes to
+//!   land (as a NIC fills pages only as packets arrive): a reader still waiting for its
+//!   bytes holds none. The waits, for bytes and then for the pool, last at most the
+//!   socket's `SO_RCVTIMEO` together, then the call fails with `EAGAIN`, as the kernel's
+//!   does when nothing arrived in time (the bytes stay in the socket for the next call);
 //! * closing the socket releases its outstanding tokens and queued packets.
 //!
 //! Several NICs, each with its own bindings, and the steering table placing each flow on a
@@ -174,7 +176,8 @@ impl Pool {
 /// Counters of an emulated binding.
 #[derive(Debug, Default)]
 pub struct EmuStats {
-    /// Times a fill found no free net_iov and had to wait (pool exhaustion).
+    /// Fills that found no free net_iov and had to wait (pool exhaustion): each counted
+    /// once, however long it waited and however often it was woken.
     pub exhausted_waits: AtomicU64,
     /// Frags handed out (DMABUF and LINEAR).
     pub frags: AtomicU64,
@@ -288,6 +291,9 @@ impl EmuBinding {
                 break;
             }
             if let Some(read) = timeout.take() {
+                // The first round of this fill's wait: counted here, once, not per round of
+                // `POOL_POLL` or per wake-up by another socket's return.
+                self.stats.exhausted_waits.fetch_add(1, Ordering::Relaxed);
                 deadline = read()?.map(|t| Instant::now() + t);
             }
             let pause = match deadline {
@@ -299,7 +305,6 @@ impl EmuBinding {
                 },
                 None => POOL_POLL,
             };
-            self.stats.exhausted_waits.fetch_add(1, Ordering::Relaxed);
             p = self
                 .freed
                 .wait_timeout(p, pause)
@@ -340,6 +345,11 @@ impl EmuBinding {
             self.freed.notify_all();
         }
     }
+}
+
+/// What is left at `start` of the receive timeout `timeout` (`None`: none).
+fn left_of(timeout: Option<Duration>, start: Instant) -> Option<Duration> {
+    timeout.map(|t| t.saturating_sub(start.elapsed()))
 }
 
 /// A received packet not yet fully handed out.
@@ -452,20 +462,48 @@ impl EmuSocket {
         &self.sock
     }
 
-    /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. Returns false at
-    /// EOF or, when `!wait`, when nothing is available right now; fails with `EAGAIN` when
-    /// no net_iov came free within the socket's `SO_RCVTIMEO` ([`EmuBinding::take`]).
+    /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. With `wait` it
+    /// waits for the socket to be readable first, then for free net_iovs, both within one
+    /// `SO_RCVTIMEO` (then `EAGAIN`, as [`EmuBinding::take`]): net_iovs are taken only once
+    /// bytes arrived, as a NIC fills pages only as packets land, so a reader still waiting
+    /// for its bytes keeps none from sockets whose bytes are there. Returns false at EOF or,
+    /// when `!wait`, when nothing is available right now.
     fn fill(&mut self, want_bytes: usize, wait: bool) -> io::Result<bool> {
+        let start = Instant::now();
+        loop {
+            if wait && !self.wait_readable(start)? {
+                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+            }
+            // `None`: readable, yet nothing to read after all: wait again.
+            if let Some(landed) = self.land(want_bytes, wait, start)? {
+                return Ok(landed);
+            }
+        }
+    }
+
+    /// Whether the socket became readable (bytes, EOF or an error) within what is left, at
+    /// `start`, of its `SO_RCVTIMEO`.
+    fn wait_readable(&self, start: Instant) -> io::Result<bool> {
+        let left = left_of(self.sock.read_timeout()?, start);
+        sys::poll_readable(self.sock.as_fd(), left)
+    }
+
+    /// One fill: up to `want_bytes` worth of free net_iovs taken (with `wait`, waiting for
+    /// one for what is left at `start` of the receive timeout) and the socket read into them
+    /// without blocking. Returns whether bytes landed; `None` with `wait` when the socket had
+    /// nothing to read after all (the net_iovs went back).
+    fn land(&mut self, want_bytes: usize, wait: bool, start: Instant) -> io::Result<Option<bool>> {
         let fm = self.cfg.frag_max;
         let pages = want_bytes.div_ceil(fm).clamp(1, FILL_BURST);
         self.scratch.clear();
         let mut niovs = std::mem::take(&mut self.scratch);
         let sock = &self.sock;
-        self.binding
-            .take(pages, wait, || sock.read_timeout(), &mut niovs)?;
+        // The pool wait gets what the wait for readability left of the receive timeout.
+        let left = || sock.read_timeout().map(|t| left_of(t, start));
+        self.binding.take(pages, wait, left, &mut niovs)?;
         if niovs.is_empty() {
             self.scratch = niovs;
-            return Ok(false);
+            return Ok(Some(false));
         }
         #[allow(unsafe_code)] // page_mut: exclusivity comes from the freelist (SAFETY below)
         let got = {
@@ -480,20 +518,32 @@ impl EmuSocket {
                     })
                 })
                 .collect();
-            let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
-            sys::recv_vectored(self.sock.as_fd(), &mut bufs, flags)
+            sys::recv_vectored(self.sock.as_fd(), &mut bufs, libc::MSG_DONTWAIT)
         };
         let n = match got {
             Ok(n) => n,
-            Err(e) if !wait && e.kind() == io::ErrorKind::WouldBlock => 0,
             Err(e) => {
                 self.binding.put_all(niovs.drain(..));
                 self.scratch = niovs;
-                return Err(e);
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock if wait => Ok(None),
+                    io::ErrorKind::WouldBlock => Ok(Some(false)),
+                    _ => Err(e),
+                };
             }
         };
         let used = n.div_ceil(fm);
-        for (k, &niov) in niovs[..used].iter().enumerate() {
+        self.queue_landed(&niovs[..used], n);
+        self.binding.put_all(niovs.drain(used..));
+        self.scratch = niovs;
+        Ok(Some(n > 0))
+    }
+
+    /// Queue the `n` bytes just received into `niovs` (in order, `frag_max` bytes a page) as
+    /// packets; every `linear_every`th lands in the linear part, its page returned at once.
+    fn queue_landed(&mut self, niovs: &[u32], n: usize) {
+        let fm = self.cfg.frag_max;
+        for (k, &niov) in niovs.iter().enumerate() {
             let len = (n - k * fm).min(fm);
             self.packets += 1;
             let linear =
@@ -504,7 +554,7 @@ impl EmuSocket {
                 #[allow(unsafe_code)] // copy_out: this fill owns the page (SAFETY below)
                 // SAFETY: net_iov `niov` left the freelist for this fill and is in no packet
                 // or token yet, so nothing else writes or reads its page; the `page_mut`
-                // slices above were dropped with `bufs`.
+                // slices of the receive were dropped with their `bufs`.
                 let copied = unsafe { self.binding.mem.copy_out(offset, &mut bytes) };
                 copied.expect("net_iov inside the binding");
                 self.binding.put_all([niov]);
@@ -523,9 +573,6 @@ impl EmuSocket {
                 });
             }
         }
-        self.binding.put_all(niovs.drain(used..));
-        self.scratch = niovs;
-        Ok(n > 0)
     }
 
     /// The emulated `recvmsg(MSG_SOCK_DEVMEM)`: at most `iov.len()` bytes; linear bytes are

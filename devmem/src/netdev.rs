@@ -324,7 +324,9 @@ impl Rejection {
                 (None, None, Some(m)) => m.to_string(),
                 (None, None, None) => "invalid argument: the fd is probably not a dma-buf, or the dma-buf is not page aligned".to_string(),
             },
-            libc::EBADF => "the fd is not an open file (dma_buf_get failed; the device checks passed)".to_string(),
+            // Whether the device checks ran before depends on the kernel (6.15+: they did;
+            // before, bind-rx took the fd first): the probe says which (`probe::verdict`).
+            libc::EBADF => "the fd is not an open file (dma_buf_get failed)".to_string(),
             libc::EEXIST => msg.map_or_else(
                 || "the queue already has a memory provider or an XDP program".to_string(),
                 str::to_string,

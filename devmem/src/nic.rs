@@ -694,6 +694,16 @@ impl NicSetup {
         j.add_flow(&mut self.client, flow, queue)
     }
 
+    /// Give the NIC at least `need` RX queues (a lane joining this setup on queues past its
+    /// channel count), journaled as [`apply`] raises them ([`Journal::ensure_queues`]): the
+    /// raise is undone with the rest of the setup, not when that lane leaves (as RSS stays
+    /// narrowed). A NIC that cannot have them is refused ([`NicError::NotEnoughQueues`])
+    /// with nothing changed.
+    pub fn ensure_queues(&mut self, need: u32) -> Result<(), NicError> {
+        let j = self.journal.as_mut().ok_or(NicError::Restored)?;
+        j.ensure_queues(&mut self.client, need)
+    }
+
     /// Steer TCP/IPv4 to `dst_port` onto `queue` (another lane's data port on a NIC already
     /// set up), and, with `Some(n)`, RSS kept on queues `0..n` ([`Journal::steer`]; `Some(0)`
     /// is refused); journaled. Returns the rule ([`NicSetup::remove_flow`] deletes it).
@@ -757,10 +767,7 @@ pub fn apply(plan: &SetupPlan, state: &Path) -> Result<NicSetup, NicError> {
     let mut journal = Journal::create(state, &plan.ifname, plan.ifindex, plan.netns.clone())?;
     let result = (|| {
         let need = plan.queues.iter().max().map_or(0, |q| q + 1);
-        let ch = client.channels(plan.ifindex, &plan.ifname)?;
-        if let Some((rx, tx, combined)) = channels_request(&plan.ifname, &ch, need)? {
-            journal.set_channels(&mut client, rx, tx, combined)?;
-        }
+        journal.ensure_queues(&mut client, need)?;
         journal.enable_header_split(&mut client)?;
         for (i, &(port, queue)) in plan.steer.iter().enumerate() {
             // RSS once, away from every bound queue (they are all at or above its bound).

@@ -7,7 +7,8 @@
 //! check, queue validation, DMA device; then `net_devmem_bind_dmabuf` → `dma_buf_get`), so:
 //!
 //! * `EOPNOTSUPP` (bad attr ifindex) = the driver cannot do devmem (lo, veth, virtio_net…);
-//! * `EBADF` = every device check passed and only the fd was refused: devmem-capable;
+//! * `EBADF` = every device check passed and only the fd was refused: devmem-capable, from
+//!   6.15; before, bind-rx takes the fd first, and the EBADF proves nothing (`verdict`);
 //! * `EPERM` = we lack CAP_NET_ADMIN and cannot tell.
 //!
 //! The trial cannot leave anything bound, even on a devmem NIC: with fd -1 it fails at
@@ -124,7 +125,7 @@ fn probe_one(
         .and_then(|(family, sock)| rings(sock, *family, ifindex))
         .unwrap_or_else(|| ("unknown".to_string(), None));
 
-    let (trial_bind, passed) = match fallback_reason {
+    let (trial, passed) = match fallback_reason {
         Some(r) => (
             TrialBind {
                 errno: None,
@@ -137,17 +138,13 @@ fn probe_one(
         ),
         None => trial_bind(ifindex),
     };
-    // The kernel's version matters only for a pass of a driver off the known list.
-    let release = (passed && !DEVMEM_DRIVERS.contains(&driver.as_str())).then(kernel_release);
-    let unsure = release.as_deref().filter(|r| !checks_device_first(r));
-    let passed = passed && unsure.is_none();
-    let reason = if let Some(release) = unsure {
-        unsure_reason(&driver, release)
-    } else if passed {
-        passed_reason(&driver, &header_split, hds_thresh)
+    let release = if passed {
+        kernel_release()
     } else {
-        trial_bind.reason.clone()
+        String::new()
     };
+    let split = (header_split.as_str(), hds_thresh);
+    let (trial_bind, passed, reason) = verdict(trial, passed, &driver, split, &release);
     NicReport {
         ifindex,
         name,
@@ -192,10 +189,57 @@ fn queues(
     (rx_queues, tx_queues, bound_rx_queues)
 }
 
+/// The trial bind `trial` (`passed`: answered EBADF) of a NIC of `driver` with its header
+/// split and hds-thresh, on kernel `release` (read only for a pass), judged: the trial
+/// bind with its reason saying what its EBADF proves on that kernel, whether the NIC counts
+/// as capable, and why (not). Before 6.15 bind-rx checks the fd before the device, so an
+/// EBADF proves nothing: a driver off the known list is then "cannot tell" (not capable),
+/// one on it counts as capable by the list alone.
+fn verdict(
+    mut trial: TrialBind,
+    passed: bool,
+    driver: &str,
+    (header_split, hds_thresh): (&str, Option<u32>),
+    release: &str,
+) -> (TrialBind, bool, String) {
+    let unproven = (passed && !checks_device_first(release)).then_some(release);
+    if trial.errno == Some(libc::EBADF) {
+        trial.reason.push_str(match unproven {
+            None => "; bind-rx checks the device before the fd, so the device checks passed",
+            Some(_) => {
+                "; this kernel (before 6.15) checks the fd before the device in bind-rx, so \
+                 this says nothing about the device"
+            }
+        });
+    }
+    let unsure = unproven.filter(|_| !DEVMEM_DRIVERS.contains(&driver));
+    let passed = passed && unsure.is_none();
+    let reason = match unsure {
+        Some(release) => unsure_reason(driver, release),
+        None if passed => passed_reason(driver, header_split, hds_thresh, unproven),
+        None => trial.reason.clone(),
+    };
+    (trial, passed, reason)
+}
+
 /// What a NIC whose trial bind passed still needs: a known driver, header split with
-/// hds-thresh 0, flows steered to the bound queues.
-fn passed_reason(driver: &str, header_split: &str, hds_thresh: Option<u32>) -> String {
-    let mut r = String::from("the kernel's devmem device checks passed");
+/// hds-thresh 0, flows steered to the bound queues. `unproven`: the kernel release, where it
+/// checks the fd before the device (before 6.15), so that only the known list vouches for
+/// the driver.
+fn passed_reason(
+    driver: &str,
+    header_split: &str,
+    hds_thresh: Option<u32>,
+    unproven: Option<&str>,
+) -> String {
+    let mut r = match unproven {
+        None => String::from("the kernel's devmem device checks passed"),
+        Some(release) => format!(
+            "driver {driver} is on the known list; kernel {release} (before 6.15) checks the \
+             dma-buf fd before the device in bind-rx, so the trial bind did not run the device \
+             checks"
+        ),
+    };
     if !DEVMEM_DRIVERS.contains(&driver) {
         r.push_str(&format!(
             "; driver {driver} is not on the known list ({}), a real bind may still fail",
@@ -388,17 +432,85 @@ mod tests {
     /// A NIC that passed the trial bind is told what it still needs, and only that.
     #[test]
     fn a_passed_bind_still_names_what_the_nic_lacks() {
-        let ready = passed_reason("mlx5_core", "enabled", Some(0));
+        let ready = passed_reason("mlx5_core", "enabled", Some(0), None);
         assert_eq!(
             ready,
             "the kernel's devmem device checks passed; flows must be steered to the bound \
              queues (ethtool -N/-X)"
         );
-        let r = passed_reason("e1000e", "disabled", None);
+        let r = passed_reason("e1000e", "disabled", None, None);
         assert!(r.contains("driver e1000e is not on the known list"), "{r}");
         assert!(r.contains("tcp-data-split on"), "{r}");
-        let r = passed_reason("gve", "enabled", Some(256));
+        let r = passed_reason("gve", "enabled", Some(256), None);
         assert!(r.contains("hds-thresh must be 0"), "{r}");
+    }
+
+    /// A trial bind answered EBADF, with the netdev layer's own reason for it.
+    fn ebadf() -> TrialBind {
+        let rejection = crate::netdev::Rejection {
+            op: crate::netdev::NetdevOp::BindRx,
+            errno: libc::EBADF,
+            message: None,
+            bad_attr: None,
+            missing_attr: None,
+            request: crate::netdev::BindRequest::rx(2, -1, &[0]),
+        };
+        TrialBind {
+            errno: Some(libc::EBADF),
+            error: Some("EBADF".into()),
+            message: None,
+            bad_attr: None,
+            reason: format!("EBADF: {}", rejection.reason()),
+        }
+    }
+
+    #[test]
+    fn before_6_15_no_reason_says_the_device_checks_passed() {
+        // Before, the trial bind's EBADF text said "the device checks passed" on every
+        // kernel: on 6.12 `lo` and virtio_net showed it beside a reason of "cannot tell".
+        let split = ("enabled", Some(0));
+        let (trial, capable, reason) = verdict(ebadf(), true, "virtio_net", split, "6.12.117");
+        assert!(!capable);
+        assert!(
+            reason.starts_with("cannot tell: kernel 6.12.117"),
+            "{reason}"
+        );
+        assert!(!trial.reason.contains("checks passed"), "{}", trial.reason);
+        assert!(
+            trial.reason.contains("says nothing about the device"),
+            "{}",
+            trial.reason
+        );
+        // A driver on the known list counts by the list alone, and says so.
+        let (trial, capable, reason) = verdict(ebadf(), true, "gve", split, "6.12.117");
+        assert!(capable);
+        assert!(!trial.reason.contains("checks passed"), "{}", trial.reason);
+        assert!(!reason.contains("checks passed"), "{reason}");
+        assert!(
+            reason.starts_with("driver gve is on the known list"),
+            "{reason}"
+        );
+        // From 6.15 the EBADF proves the device checks, for any driver.
+        let (trial, capable, reason) = verdict(ebadf(), true, "virtio_net", split, "6.18.0");
+        assert!(capable);
+        assert!(
+            trial.reason.ends_with("so the device checks passed"),
+            "{}",
+            trial.reason
+        );
+        assert!(
+            reason.starts_with("the kernel's devmem device checks passed"),
+            "{reason}"
+        );
+        // A failed trial is its own reason, on any kernel.
+        let mut refused = ebadf();
+        refused.errno = Some(libc::EOPNOTSUPP);
+        refused.reason = "EOPNOTSUPP: the driver has no queue management ops".into();
+        let (trial, capable, reason) = verdict(refused.clone(), false, "virtual", split, "");
+        assert_eq!(
+            (trial, capable, reason),
+            (refused.clone(), false, refused.reason)
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use crate::{MSG_SOCK_DEVMEM, SO_DEVMEM_DONTNEED};
 
@@ -130,6 +131,10 @@ pub(crate) fn set_zerocopy(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// For a non-zero `dmabuf_id` each `(base, len)` is an offset into the TX-bound dma-buf,
 /// which the kernel resolves itself; with id 0 the kernel treats the bases as ordinary user
 /// addresses (reads them), so callers pass 0 only with addresses of live buffers.
+///
+/// Id 0 is sent with no control message at all: kernels before 6.16 (no devmem TX) answer
+/// an `SCM_DEVMEM_DMABUF` cmsg with EINVAL (`__sock_cmsg_send` rejects the unknown type),
+/// and from 6.16 a missing cmsg and id 0 are the same ordinary MSG_ZEROCOPY send.
 pub(crate) fn sendmsg_dmabuf(
     fd: BorrowedFd<'_>,
     ranges: &[(u64, usize)],
@@ -150,21 +155,24 @@ pub(crate) fn sendmsg_dmabuf(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` describes `control` (space bytes, aligned), so CMSG_FIRSTHDR returns a
-    // pointer inside it with room for a header and 4 data bytes (CMSG_SPACE(4) <= space).
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = crate::SO_DEVMEM_DMABUF;
-        (*c).cmsg_len = libc::CMSG_LEN(4) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u32>(), dmabuf_id);
+    if dmabuf_id != 0 {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: `msg` describes `control` (space bytes, aligned), so CMSG_FIRSTHDR returns
+        // a pointer inside it with room for a header and 4 data bytes (CMSG_SPACE(4) <= space).
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = crate::SO_DEVMEM_DMABUF;
+            (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u32>(), dmabuf_id);
+        }
     }
     loop {
-        // SAFETY: `fd` is live; `msg` points at `iov` and `control`, both alive across the
-        // call. The kernel reads iovec entries and the control buffer; with a non-zero id the
-        // bases are dma-buf offsets that the kernel never dereferences in our address space.
+        // SAFETY: `fd` is live; `msg` points at `iov` and (with a non-zero id) at `control`,
+        // both alive across the call; with id 0 its control is null with length 0. The kernel
+        // reads iovec entries and the control buffer; with a non-zero id the bases are
+        // dma-buf offsets that the kernel never dereferences in our address space.
         let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, flags) };
         if n >= 0 {
             return Ok(n as usize);
@@ -414,6 +422,43 @@ pub(crate) fn recv_vectored(
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
+        }
+    }
+}
+
+/// `poll(fd, POLLIN)` for at most `timeout` (`None`: no limit): true once `fd` is readable
+/// (for TCP: bytes at or above `SO_RCVLOWAT`, EOF or an error, which the next read returns),
+/// false when the time ran out. A signal does not end the wait early.
+pub(crate) fn poll_readable(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> io::Result<bool> {
+    // A limit past what an Instant holds is none.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    loop {
+        let ms = match deadline {
+            None => -1,
+            // Rounded up: a wait of a fraction of a millisecond is not a poll that returns
+            // at once.
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now()).as_nanos();
+                left.div_ceil(1_000_000).min(i32::MAX as u128) as i32
+            }
+        };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `p` is one live pollfd, valid for reads and writes across the call (nfds
+        // 1); `fd` is a live borrowed fd.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        match r {
+            0 => return Ok(false),
+            r if r > 0 => return Ok(true),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
         }
     }
 }

@@ -9,8 +9,9 @@
 //! rewritten before its send completed.
 //!
 //! Kernel checks (tested against the running kernel in `tx/tests.rs`): id 0 is an ordinary
-//! send; a non-zero id without MSG_ZEROCOPY, or an unknown id (or an RX binding's), is
-//! EINVAL; a route through another device is ENODEV.
+//! MSG_ZEROCOPY send, made without the cmsg so that kernels before 6.16 (which answer the
+//! unknown cmsg with EINVAL) take it too; a non-zero id without MSG_ZEROCOPY, or an unknown
+//! id (or an RX binding's), is EINVAL; a route through another device is ENODEV.
 #![forbid(unsafe_code)]
 
 use std::io;
@@ -167,10 +168,15 @@ impl<S: AsFd> DevmemTx<S> {
 
     /// [`DevmemTx::send`] with explicit flags (tests use it to check the kernel's rules).
     pub fn send_flags(&mut self, ranges: &[(u64, usize)], flags: i32) -> Result<usize, TxError> {
+        // Id 0 goes without the cmsg ([`sys::sendmsg_dmabuf`]): no devmem hint applies.
+        let plain = self.dmabuf_id == 0;
         let n = sys::sendmsg_dmabuf(self.sock.as_fd(), ranges, self.dmabuf_id, flags).map_err(
             |source| TxError::Syscall {
-                call: "sendmsg(SCM_DEVMEM_DMABUF, MSG_ZEROCOPY)",
-                hint: hint(&source),
+                call: match plain {
+                    true => "sendmsg(MSG_ZEROCOPY)",
+                    false => "sendmsg(SCM_DEVMEM_DMABUF, MSG_ZEROCOPY)",
+                },
+                hint: if plain { "" } else { hint(&source) },
                 source,
             },
         )?;

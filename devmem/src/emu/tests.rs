@@ -420,6 +420,81 @@ fn a_read_waiting_for_the_pool_fails_with_eagain_after_the_sockets_receive_timeo
 }
 
 #[test]
+fn a_read_waiting_for_its_bytes_holds_no_net_iovs() {
+    // Before, a fill took up to 64 net_iovs first and then blocked in recv holding them:
+    // readers merely waiting for bytes emptied the pool, and a socket whose bytes had
+    // arrived waited for it and failed with EAGAIN.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut quiet_peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (quiet, _) = l.accept().unwrap();
+    // Bounded, so that the thread ends even where the test fails before the bytes are sent.
+    quiet
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let bb = Arc::clone(&b);
+    let waiting = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(quiet, bb, EmuConfig::default()).unwrap();
+        let mut buf = vec![0u8; MIN_NIOVS * NIOV_SIZE];
+        sock.recv_frags(&mut buf).unwrap().bytes()
+    });
+    std::thread::sleep(Duration::from_millis(300)); // it waits for bytes by now
+    assert_eq!(
+        b.free_niovs(),
+        MIN_NIOVS,
+        "a reader with no bytes holds no net_iov"
+    );
+    let data = pattern(4 * NIOV_SIZE, 9);
+    let (s, w) = pair(data.clone());
+    w.join().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let (got, _) = drain(&mut sock, data.len(), data.len());
+    assert!(got == data, "the socket whose bytes arrived read them");
+    quiet_peer.write_all(b"late").unwrap();
+    assert_eq!(waiting.join().unwrap(), 4);
+}
+
+#[test]
+fn a_fill_that_waits_for_the_pool_is_counted_once() {
+    // Before, each 100 ms round of the wait, and each wake-up, counted: the metric said
+    // how long readers stalled, not how many fills waited (OPERATIONS.md).
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let (sa, wa) = pair(pattern(MIN_NIOVS * NIOV_SIZE, 6));
+    let data_b = pattern(4 * NIOV_SIZE, 7);
+    let (sb, wb) = pair(data_b.clone());
+    wa.join().unwrap();
+    wb.join().unwrap();
+    let mut a = EmuSocket::new(sa, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; MIN_NIOVS * NIOV_SIZE];
+    let mut got = 0;
+    while got < buf.len() {
+        got += a.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    assert_eq!(b.free_niovs(), 0, "A holds every net_iov");
+    let bb = Arc::clone(&b);
+    let reader = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(sb, bb, EmuConfig::default()).unwrap();
+        drain(&mut sock, data_b.len(), data_b.len()).0 == data_b
+    });
+    let waits = || b.stats().exhausted_waits.load(Ordering::Relaxed);
+    let t = std::time::Instant::now();
+    while waits() == 0 {
+        assert!(t.elapsed() < Duration::from_secs(60), "B never waited");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Several rounds of `POOL_POLL` go by before A returns its tokens.
+    std::thread::sleep(POOL_POLL * 4);
+    let all = libc::dmabuf_token {
+        token_start: 1,
+        token_count: MIN_NIOVS as u32,
+    };
+    assert_eq!(a.dontneed(&[all]).unwrap(), MIN_NIOVS);
+    assert!(reader.join().unwrap(), "B read its bytes");
+    assert_eq!(waits(), 1, "one fill waited");
+}
+
+#[test]
 fn a_read_waiting_for_the_pool_when_the_binding_is_unbound_gets_its_bytes_as_plain_tcp() {
     // As the kernel: the queues restart with ordinary pages. Before, the waiting read failed
     // ("the emulated binding was unbound") and its payload with it.

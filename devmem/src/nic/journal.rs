@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use super::undo::{UndoOps, lists_undone, settle_undo, undo, undo_rule, warn_if_stale};
 use super::{
     Change, EthtoolClient, InsertedRule, NicError, RuleKind, RuleUndo, StateFile,
-    TCP_DATA_SPLIT_ENABLED, boot_id, gone_is_done, header_split_request, lock, steer, write_state,
+    TCP_DATA_SPLIT_ENABLED, boot_id, channels_request, gone_is_done, header_split_request, lock,
+    steer, write_state,
 };
 
 /// The write-ahead record of NIC changes: each change is saved before it is made. It holds
@@ -102,6 +103,25 @@ impl Journal {
             combined: old.combined,
         })?;
         client.set_channels(ifindex, &ifname, rx, tx, combined)
+    }
+
+    /// Give the NIC at least `need` RX queues, journaled: the kind of channel it uses now is
+    /// raised within that kind's maximum ([`channels_request`]); nothing is done when it has
+    /// them, and a NIC that cannot have them is refused ([`NicError::NotEnoughQueues`])
+    /// before anything is journaled or changed.
+    ///
+    /// Called on a live setup too (a lane joining on queues past the channels): the entry
+    /// then follows the others, and the reverse undo lowers the channels only after every
+    /// later entry, the only ones that can use the new queues (rules onto them, an RSS table
+    /// changed since), is undone; the kernel refuses fewer channels than such a rule or a
+    /// user-set RSS table uses, and entries before it cannot use queues that did not exist.
+    pub fn ensure_queues(&mut self, client: &mut EthtoolClient, need: u32) -> Result<(), NicError> {
+        let (ifindex, ifname) = (self.state.ifindex, self.state.ifname.clone());
+        let ch = client.channels(ifindex, &ifname)?;
+        match channels_request(&ifname, &ch, need)? {
+            Some((rx, tx, combined)) => self.set_channels(client, rx, tx, combined),
+            None => Ok(()),
+        }
     }
 
     /// Turn header split on with `hds-thresh` 0, journaled.

@@ -277,6 +277,62 @@ fn a_refused_connection_rule_leaves_the_journal_as_it_was() {
 }
 
 #[test]
+fn a_live_setup_raises_its_channels_for_queues_past_them_journaled() {
+    // Before, only `apply` raised channels: a lane joining a live setup on queues past the
+    // NIC's count only steered, and the NIC refused its port rule with a bare EINVAL.
+    let (ns, va) = veth();
+    let mut c = EthtoolClient::open_in_netns(&ns.path()).unwrap();
+    let before = c.channels(va, "va").unwrap();
+    c.set_channels(va, "va", 2, before.tx, before.combined)
+        .unwrap();
+    let state = state_path("ensure");
+    let _ = std::fs::remove_file(&state);
+    let mut setup = NicSetup {
+        journal: Some(Journal::create(&state, "va", va, Some(ns.path())).unwrap()),
+        client: EthtoolClient::open_in_netns(&ns.path()).unwrap(),
+        not_configured: String::new(),
+    };
+    setup.ensure_queues(2).unwrap();
+    assert!(
+        on_disk(&state).is_empty(),
+        "enough already: nothing journaled"
+    );
+    setup.ensure_queues(4).unwrap();
+    assert_eq!(c.channels(va, "va").unwrap().rx, 4, "raised for queue 3");
+    let raised = [Change::Channels {
+        rx: 2,
+        tx: before.tx,
+        combined: before.combined,
+    }];
+    assert_eq!(
+        on_disk(&state),
+        raised,
+        "journaled with the counts it replaced"
+    );
+    // Past the NIC's maximum: refused by name, nothing journaled or changed.
+    let e = setup.ensure_queues(9).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NicError::NotEnoughQueues {
+                queue: 8,
+                max: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(on_disk(&state), raised);
+    setup.restore().unwrap();
+    assert_eq!(
+        c.channels(va, "va").unwrap().rx,
+        2,
+        "put back with the setup"
+    );
+    assert!(!state.exists());
+}
+
+#[test]
 fn channels_are_raised_in_the_kind_the_nic_uses_within_that_kinds_maximum() {
     let ch = |rx, tx, combined, rx_max, combined_max| Channels {
         rx,

@@ -48,6 +48,26 @@ fn id_zero_is_an_ordinary_zerocopy_send_and_its_completion_parses() {
 }
 
 #[test]
+fn id_zero_sends_no_cmsg_so_a_kernel_without_devmem_tx_takes_it() {
+    // Before, id 0 still carried an SCM_DEVMEM_DMABUF cmsg, which kernels before 6.16 refuse
+    // with EINVAL (`__sock_cmsg_send` knows no type 79): every emulated send failed there.
+    // An AF_UNIX socket refuses any SOL_SOCKET cmsg it does not know on every kernel, so it
+    // stands in for such a kernel here.
+    use std::os::unix::net::UnixStream;
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let payload = *b"plain send";
+    let ranges = [(payload.as_ptr() as u64, payload.len())];
+    let n = sys::sendmsg_dmabuf(a.as_fd(), &ranges, 0, 0).unwrap();
+    assert_eq!(n, payload.len());
+    let mut got = [0u8; 10];
+    b.read_exact(&mut got).unwrap();
+    assert_eq!(got, payload);
+    // A non-zero id does carry the cmsg: the same socket refuses it.
+    let e = sys::sendmsg_dmabuf(a.as_fd(), &ranges, 7, 0).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+}
+
+#[test]
 fn an_unknown_binding_id_is_einval_with_the_reason() {
     let (c, _s) = pair();
     let mut tx = DevmemTx::new(c, 12345).unwrap();

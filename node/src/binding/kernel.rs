@@ -5,8 +5,10 @@
 //! shared by the lanes bound on it ([`NicShare`]) and undone when the last of them unbinds;
 //! a binding made later over the admin API on a NIC already set up joins that setup. Each
 //! lane's binding owns its data port's rule ([`NicHold`]): a lane that leaves while others
-//! keep the setup deletes it. RSS stays narrowed below the lowest queue ever bound until the
-//! setup is undone ([`NicSetup`](nic::NicSetup) has no step that widens it alone).
+//! keep the setup deletes it. RSS stays narrowed below the lowest queue ever bound, and the RX
+//! channels raised for the highest (a lane joining on queues past them raises them, journaled
+//! as a new setup does), until the setup is undone ([`NicSetup`](nic::NicSetup) has no step
+//! that widens RSS or lowers the channels alone).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -292,10 +294,12 @@ pub fn in_use(name: &str) -> Vec<u32> {
 }
 
 /// The setup of `nic` for lanes binding `queues` and steering `ports` (port, queue): the
-/// live one joined (queues already bound refused, RSS narrowed if these lie lower, the ports
-/// steered), else a new one journaled at `state`. Returned held with the port rules for
-/// `ports`, which [`bind_lane`] hands to each lane's binding. Queues that include queue 0
-/// are refused first, joining as in a new setup ([`nic::rss_bound`]). Blocking.
+/// live one joined (queues already bound refused, RX channels raised if these lie past them
+/// or refused with [`nic::NicError::NotEnoughQueues`] past the NIC's maximum, RSS narrowed if
+/// these lie lower, the ports steered), else a new one journaled at `state`. Returned held
+/// with the port rules for `ports`, which [`bind_lane`] hands to each lane's binding. Queues
+/// that include queue 0 are refused first, joining as in a new setup ([`nic::rss_bound`]).
+/// Blocking.
 pub fn setup_nic(
     nic: &NicReport,
     queues: &[u32],
@@ -313,6 +317,10 @@ pub fn setup_nic(
             return Err(BindError::QueueBound { queue, bound });
         }
         let mut s = share.setup();
+        // As a new setup does (`nic::apply`): a port rule onto a queue past the channels is
+        // refused by the NIC with a bare EINVAL. Journaled after the entries there, so the
+        // restore lowers the channels only once the rules onto the new queues are gone.
+        s.ensure_queues(queues.iter().max().map_or(0, |q| q + 1))?;
         let mut added = Vec::new();
         for (i, &(port, queue)) in ports.iter().enumerate() {
             let rss = (i == 0 && first < *below).then_some(first);

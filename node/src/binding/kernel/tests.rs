@@ -447,3 +447,46 @@ fn hw_a_lane_leaving_a_shared_nic_deletes_its_port_rule() {
     assert!(!on_nic(pa, qa));
     assert!(!state.exists());
 }
+
+/// A lane joining a NIC set up for another on a queue past the NIC's RX channels: the join
+/// raises them (journaled), as a new setup does, and the last lane to leave puts them back.
+/// Before, the join only steered, and the NIC refused the port rule onto that queue with a
+/// bare `ntuple-rule-insert: EINVAL`. `SHARDWIRE_HW_IFNAME` names the NIC (2 or more RX
+/// queues, room for one more); its last queue and the one past it are bound.
+#[test]
+#[ignore = "needs a devmem-capable NIC, root and /dev/udmabuf (scripts/hw/devmem-check.sh)"]
+fn hw_a_lane_joining_past_the_nics_channels_raises_them_until_the_last_leaves() {
+    let name = std::env::var("SHARDWIRE_HW_IFNAME").expect("set SHARDWIRE_HW_IFNAME");
+    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+        .expect("the interface exists")
+        .trim()
+        .parse()
+        .expect("an ifindex");
+    let mut eth = nic::EthtoolClient::open().expect("ethtool netlink");
+    let before = eth.channels(ifindex, &name).expect("channels-get");
+    let rx = before.rx_queues();
+    let mut n = nic(&name, rx, true);
+    n.ifindex = ifindex;
+    let ((qa, pa), (qb, pb)) = ((rx - 1, 7492), (rx, 7493));
+    let state = std::env::temp_dir().join(format!("sw-kernel-raise-{}.json", std::process::id()));
+    let mut a = setup_nic(&n, &[qa], &[(pa, qa)], &state).expect("set up for lane a");
+    let ra = bind_lane(&n, &[qa], 16 << 20, &mut a, None).expect("lane a binds");
+    let mut b = setup_nic(&n, &[qb], &[(pb, qb)], &state).expect("lane b joins past the count");
+    let now = eth.channels(ifindex, &name).expect("channels-get");
+    assert_eq!(now.rx_queues(), rx + 1, "raised for queue {qb}");
+    let rb = bind_lane(&n, &[qb], 16 << 20, &mut b, None).expect("lane b binds");
+    drop((a, b));
+    rb.unbind();
+    drop(rb);
+    let kept = eth.channels(ifindex, &name).expect("channels-get");
+    assert_eq!(
+        kept.rx_queues(),
+        rx + 1,
+        "kept while lane a holds the setup"
+    );
+    ra.unbind();
+    drop(ra);
+    let after = eth.channels(ifindex, &name).expect("channels-get");
+    assert_eq!(after.rx_queues(), rx, "put back by the last lane");
+    assert!(!state.exists());
+}
