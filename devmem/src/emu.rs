@@ -24,9 +24,12 @@
 //!   would drop and TCP retransmit), so a receiver that does not return tokens stalls its
 //!   peers: backpressure, never loss. Net_iovs are taken only once the socket has bytes to
 //!   land (as a NIC fills pages only as packets arrive): a reader still waiting for its
-//!   bytes holds none. The waits, for bytes and then for the pool, last at most the
-//!   socket's `SO_RCVTIMEO` together, then the call fails with `EAGAIN`, as the kernel's
-//!   does when nothing arrived in time (the bytes stay in the socket for the next call);
+//!   bytes holds none, and EOF or a socket error end the call at once, pool empty or not.
+//!   The wait for bytes is the kernel's own (a blocking `MSG_PEEK`, so `SO_RCVLOWAT`,
+//!   `SO_RCVTIMEO` and `O_NONBLOCK` apply as to `recvmsg`); the wait for the pool gets what
+//!   is left of `SO_RCVTIMEO` (nothing with `O_NONBLOCK`), then the call fails with
+//!   `EAGAIN`, as the kernel's does when nothing arrived in time (the bytes stay in the
+//!   socket for the next call);
 //! * closing the socket releases its outstanding tokens and queued packets.
 //!
 //! Several NICs, each with its own bindings, and the steering table placing each flow on a
@@ -267,9 +270,9 @@ impl EmuBinding {
     }
 
     /// Pop up to `want` free net_iovs, each with one reference (its packet's). With `wait`,
-    /// waits while none is free, for at most the socket's receive timeout (`timeout`, read
-    /// only once a wait starts; `None`: none), then fails with `EAGAIN`, as the kernel's
-    /// `recvmsg` does while the NIC drops what it cannot land.
+    /// waits while none is free, for at most what is left of the socket's receive timeout
+    /// (`timeout`, read only once a wait starts; `None`: no limit; zero: no wait), then fails
+    /// with `EAGAIN`, as the kernel's `recvmsg` does while the NIC drops what it cannot land.
     fn take(
         &self,
         want: usize,
@@ -350,6 +353,15 @@ impl EmuBinding {
 /// What is left at `start` of the receive timeout `timeout` (`None`: none).
 fn left_of(timeout: Option<Duration>, start: Instant) -> Option<Duration> {
     timeout.map(|t| t.saturating_sub(start.elapsed()))
+}
+
+/// How long a call that began at `start` may still wait on `sock`: what is left of its
+/// `SO_RCVTIMEO` (`None`: no limit), or nothing when it is `O_NONBLOCK` (as its `recvmsg`).
+fn budget_left(sock: &TcpStream, start: Instant) -> io::Result<Option<Duration>> {
+    if sys::is_nonblocking(sock.as_fd())? {
+        return Ok(Some(Duration::ZERO));
+    }
+    Ok(left_of(sock.read_timeout()?, start))
 }
 
 /// A received packet not yet fully handed out.
@@ -462,44 +474,72 @@ impl EmuSocket {
         &self.sock
     }
 
-    /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. With `wait` it
-    /// waits for the socket to be readable first, then for free net_iovs, both within one
-    /// `SO_RCVTIMEO` (then `EAGAIN`, as [`EmuBinding::take`]): net_iovs are taken only once
-    /// bytes arrived, as a NIC fills pages only as packets land, so a reader still waiting
-    /// for its bytes keeps none from sockets whose bytes are there. Returns false at EOF or,
-    /// when `!wait`, when nothing is available right now.
+    /// Let the "NIC" land up to `want_bytes` of TCP data in free net_iovs. Returns false at
+    /// EOF or, when `!wait`, when nothing is available right now.
+    ///
+    /// With `wait` it first waits for bytes as the kernel's `recvmsg` does
+    /// ([`Self::await_bytes`]), then for free net_iovs for what is left of the socket's
+    /// `SO_RCVTIMEO` (nothing when `O_NONBLOCK`), then fails with `EAGAIN`
+    /// ([`EmuBinding::take`]). Net_iovs are taken only once bytes arrived, as a NIC fills
+    /// pages only as packets land: a reader still waiting for its bytes keeps none from
+    /// sockets whose bytes are there, and EOF or a pending socket error end the call at once
+    /// without touching the pool.
     fn fill(&mut self, want_bytes: usize, wait: bool) -> io::Result<bool> {
         let start = Instant::now();
         loop {
-            if wait && !self.wait_readable(start)? {
-                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+            if wait && !self.await_bytes(want_bytes)? {
+                return Ok(false);
             }
-            // `None`: readable, yet nothing to read after all: wait again.
             if let Some(landed) = self.land(want_bytes, wait, start)? {
                 return Ok(landed);
+            }
+            // The bytes the peek saw were read through another handle of the socket: wait
+            // for more, within what is left of the budget.
+            if budget_left(&self.sock, start)?.is_some_and(|left| left.is_zero()) {
+                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
             }
         }
     }
 
-    /// Whether the socket became readable (bytes, EOF or an error) within what is left, at
-    /// `start`, of its `SO_RCVTIMEO`.
-    fn wait_readable(&self, start: Instant) -> io::Result<bool> {
-        let left = left_of(self.sock.read_timeout()?, start);
-        sys::poll_readable(self.sock.as_fd(), left)
+    /// Wait for bytes as the kernel's `recvmsg` does before anything lands: a blocking
+    /// `recv(MSG_PEEK)` of `min(SO_RCVLOWAT, want_bytes)` bytes into a buffer of its own (a
+    /// peek consumes nothing: the bytes land next). The kernel applies its own rules to it:
+    /// the target `min(SO_RCVLOWAT, len)` (the peek's length gives the call's), `SO_RCVTIMEO`
+    /// and `O_NONBLOCK` (`EAGAIN`), EOF (false), a pending socket error (returned, and
+    /// cleared as any `recvmsg` clears it); and it ignores the error queue (MSG_ZEROCOPY
+    /// completions, whose `POLLERR` a `poll` would report for ever). A signal restarts the
+    /// wait, as the real devmem socket's `recvmsg` retry does.
+    fn await_bytes(&self, want_bytes: usize) -> io::Result<bool> {
+        let target = sys::rcvlowat(self.sock.as_fd())?.min(want_bytes).max(1);
+        let mut one = [0u8; 1];
+        let mut more = Vec::new();
+        let buf: &mut [u8] = if target == 1 {
+            &mut one
+        } else {
+            more.resize(target, 0);
+            &mut more
+        };
+        loop {
+            match self.sock.peek(buf) {
+                Ok(n) => return Ok(n > 0),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// One fill: up to `want_bytes` worth of free net_iovs taken (with `wait`, waiting for
-    /// one for what is left at `start` of the receive timeout) and the socket read into them
-    /// without blocking. Returns whether bytes landed; `None` with `wait` when the socket had
-    /// nothing to read after all (the net_iovs went back).
+    /// one for what is left at `start` of the budget, [`budget_left`]) and the socket read
+    /// into them without blocking. Returns whether bytes landed; `None` with `wait` when the
+    /// socket had nothing to read after all (the net_iovs went back).
     fn land(&mut self, want_bytes: usize, wait: bool, start: Instant) -> io::Result<Option<bool>> {
         let fm = self.cfg.frag_max;
         let pages = want_bytes.div_ceil(fm).clamp(1, FILL_BURST);
         self.scratch.clear();
         let mut niovs = std::mem::take(&mut self.scratch);
         let sock = &self.sock;
-        // The pool wait gets what the wait for readability left of the receive timeout.
-        let left = || sock.read_timeout().map(|t| left_of(t, start));
+        // The pool wait gets what the wait for bytes left of the receive timeout.
+        let left = || budget_left(sock, start);
         self.binding.take(pages, wait, left, &mut niovs)?;
         if niovs.is_empty() {
             self.scratch = niovs;
@@ -626,7 +666,7 @@ impl EmuSocket {
             }
             // No cmsg fits: ETOOSMALL only if bytes wait, which would land as frags; at EOF
             // the call returns 0. The bytes stay in the socket either way.
-            if !self.data_waiting().map_err(syscall_error)? {
+            if !self.await_bytes(want).map_err(syscall_error)? {
                 return Ok(Refill::Stop);
             }
             if self.binding.is_unbound() {
@@ -650,18 +690,6 @@ impl EmuSocket {
                 Ok(Refill::Stop)
             }
             Err(source) => Err(syscall_error(source)),
-        }
-    }
-
-    /// Whether bytes (not EOF) wait on the socket; blocks until one of them does.
-    fn data_waiting(&self) -> io::Result<bool> {
-        let mut one = [0u8; 1];
-        loop {
-            match self.sock.peek(&mut one) {
-                Ok(n) => return Ok(n > 0),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
         }
     }
 

@@ -12,7 +12,6 @@
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::time::{Duration, Instant};
 
 use crate::{MSG_SOCK_DEVMEM, SO_DEVMEM_DONTNEED};
 
@@ -426,40 +425,55 @@ pub(crate) fn recv_vectored(
     }
 }
 
-/// `poll(fd, POLLIN)` for at most `timeout` (`None`: no limit): true once `fd` is readable
-/// (for TCP: bytes at or above `SO_RCVLOWAT`, EOF or an error, which the next read returns),
-/// false when the time ran out. A signal does not end the wait early.
-pub(crate) fn poll_readable(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> io::Result<bool> {
-    // A limit past what an Instant holds is none.
-    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-    loop {
-        let ms = match deadline {
-            None => -1,
-            // Rounded up: a wait of a fraction of a millisecond is not a poll that returns
-            // at once.
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now()).as_nanos();
-                left.div_ceil(1_000_000).min(i32::MAX as u128) as i32
-            }
-        };
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `p` is one live pollfd, valid for reads and writes across the call (nfds
-        // 1); `fd` is a live borrowed fd.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        match r {
-            0 => return Ok(false),
-            r if r > 0 => return Ok(true),
-            _ => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
+/// `getsockopt(fd, SOL_SOCKET, SO_RCVLOWAT)`: the bytes a blocking read of at least that
+/// length waits for (the kernel keeps it at 1 or more).
+pub(crate) fn rcvlowat(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` is a live c_int writable for `len` bytes and `len` a live socklen_t, both
+    // outliving the call; the kernel writes at most `len` bytes to `v`; `fd` is live.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(v.max(1) as usize)
+    }
+}
+
+/// `fcntl(fd, F_GETFL) & O_NONBLOCK`: whether reads on `fd` never wait.
+pub(crate) fn is_nonblocking(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: F_GETFL takes no argument and touches no memory of ours; `fd` is live.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r & libc::O_NONBLOCK != 0)
+    }
+}
+
+/// `poll(fd, POLLIN, 0)`: the events `fd` reports now (tests look for `POLLERR`).
+#[cfg(test)]
+pub(crate) fn poll_now(fd: BorrowedFd<'_>) -> io::Result<i16> {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `p` is one live pollfd, valid for reads and writes across the call (nfds 1);
+    // `fd` is a live borrowed fd; a timeout of 0 returns at once.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(p.revents)
     }
 }
 

@@ -95,7 +95,7 @@ impl TxPath {
 
     /// The stand-in for [`TxPath::bind`] on an interface that cannot do devmem TX
     /// (`devmem_tx_emulate`, for tests): a plain memory buffer with binding id 0, sent from
-    /// with the kernel's ordinary `MSG_ZEROCOPY` (same `sendmsg` with the devmem cmsg, same
+    /// with the kernel's ordinary `MSG_ZEROCOPY` (a `sendmsg` without the devmem cmsg; same
     /// slots and completions). The interface must exist.
     pub fn emulated(ifname: &str, bytes: usize, slots: usize) -> Result<Self, TxSetupError> {
         ifindex(ifname)?;
@@ -274,8 +274,8 @@ mod tests {
     use super::*;
     use crate::sender::{Job, Sender, is_send_timeout};
 
-    /// The whole TX path on loopback with binding id 0 (the kernel's ordinary MSG_ZEROCOPY,
-    /// same sendmsg with the devmem cmsg, same completions): 64 KiB slots force the sender to
+    /// The whole TX path on loopback with binding id 0 (an ordinary MSG_ZEROCOPY sendmsg
+    /// without the devmem cmsg, same completions): 64 KiB slots force the sender to
     /// wait for completions again and again; the bytes arrive exact, the corrupt flag flips
     /// exactly one byte, and the slot is free again when the connection ends.
     #[test]

@@ -687,3 +687,196 @@ fn the_gather_reads_emulated_memory_only_for_its_own_frags() {
     let g = gather(&batch, &mut buf, a.mem(), 1, &mut tokens).unwrap();
     assert_eq!(&buf[..g.bytes], &data[..g.bytes]);
 }
+
+/// A socket of `b` that has taken every net_iov and keeps the tokens (a receiver that does
+/// not return them).
+fn hold_every_niov(b: &Arc<EmuBinding>) -> EmuSocket {
+    let n = b.num_niovs();
+    let (s, w) = pair(pattern(n * NIOV_SIZE, 6));
+    w.join().unwrap();
+    let mut a = EmuSocket::new(s, Arc::clone(b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; n * NIOV_SIZE];
+    let mut got = 0;
+    while got < buf.len() {
+        got += a.recv_frags(&mut buf[got..]).unwrap().bytes();
+    }
+    assert_eq!(b.free_niovs(), 0, "A holds every net_iov");
+    a
+}
+
+/// Wait until `s` (blocking or not) holds `n` unread bytes (a peek consumes nothing).
+fn wait_for_bytes(s: &TcpStream, n: usize) {
+    let mut probe = vec![0u8; n];
+    let t = Instant::now();
+    loop {
+        match s.peek(&mut probe) {
+            Ok(k) if k >= n => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("peek: {e}"),
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{n} bytes never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The kernel counts `SO_RCVTIMEO` in jiffies, and its first one may be cut short.
+const JIFFY_SLACK: Duration = Duration::from_millis(20);
+
+#[test]
+fn eof_with_the_pool_empty_is_returned_at_once() {
+    // Before, the fill waited for a free net_iov before its recv could see EOF: with every
+    // net_iov held by another socket the read failed with EAGAIN after SO_RCVTIMEO (a
+    // "stall"), or waited for ever without one. The kernel returns 0 at once.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let _a = hold_every_niov(&b);
+    let (s, w) = pair(Vec::new());
+    w.join().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 4 * NIOV_SIZE];
+    let eof = sock.recv_frags(&mut buf).map(|r| r.is_eof());
+    assert!(matches!(eof, Ok(true)), "{eof:?}");
+    assert_eq!(b.stats().exhausted_waits.load(Ordering::Relaxed), 0);
+    assert_eq!(b.free_niovs(), 0);
+}
+
+#[test]
+fn a_reset_with_the_pool_empty_is_returned_at_once() {
+    // Before, as for EOF: the pending ECONNRESET waited behind the pool wait, and the read
+    // failed with EAGAIN after SO_RCVTIMEO (the node said "stalled", not "reset").
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let _a = hold_every_niov(&b);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    // Bytes the writer never reads make its close a reset (RST).
+    (&s).write_all(b"unread").unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(w);
+    std::thread::sleep(Duration::from_millis(50));
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 4 * NIOV_SIZE];
+    let e = sock.recv_frags(&mut buf).map(|r| r.bytes()).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ECONNRESET), "{e}");
+    assert_eq!(b.stats().exhausted_waits.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_nonblocking_socket_with_nothing_to_land_would_block_at_once() {
+    // Before, the fill waited for readability whatever O_NONBLOCK said: a non-blocking
+    // socket with no bytes waited for its SO_RCVTIMEO (for ever without one).
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let timeout = Duration::from_secs(5);
+    s.set_read_timeout(Some(timeout)).unwrap();
+    s.set_nonblocking(true).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let mut buf = vec![0u8; 4 * NIOV_SIZE];
+    let t = Instant::now();
+    let e = sock.recv_frags(&mut buf).map(|r| r.bytes()).unwrap_err();
+    assert!(e.is_would_block(), "{e}");
+    assert!(t.elapsed() < timeout / 2, "waited {:?}", t.elapsed());
+    assert_eq!(b.free_niovs(), MIN_NIOVS, "no net_iov taken");
+    // Bytes there but no free net_iov: no wait for the pool either (the NIC dropped them).
+    let a = hold_every_niov(&b);
+    peer.write_all(b"late").unwrap();
+    wait_for_bytes(sock.get_ref(), 4);
+    let t = Instant::now();
+    let e = sock.recv_frags(&mut buf).map(|r| r.bytes()).unwrap_err();
+    assert!(e.is_would_block(), "{e}");
+    assert!(t.elapsed() < timeout / 2, "waited {:?}", t.elapsed());
+    // The bytes stayed in the socket: with the pool free again they land.
+    drop(a);
+    let (got, _) = drain(&mut sock, 4, 4);
+    assert_eq!(got, b"late");
+}
+
+#[test]
+fn a_pending_zerocopy_completion_does_not_keep_a_read_from_timing_out() {
+    // Before, the fill polled for readability, and poll reports POLLERR while the error
+    // queue holds a MSG_ZEROCOPY completion, which recv neither drains nor waits for: the
+    // fill spun (taking and returning net_iovs) and never gave up after SO_RCVTIMEO.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    // The socket also sends with MSG_ZEROCOPY: the completion lands on its error queue.
+    sys::set_zerocopy(s.as_fd()).unwrap();
+    let payload = pattern(NIOV_SIZE, 5);
+    let ranges = [(payload.as_ptr() as u64, payload.len())];
+    let sent = sys::sendmsg_dmabuf(s.as_fd(), &ranges, 0, libc::MSG_ZEROCOPY).unwrap();
+    assert_eq!(sent, payload.len());
+    let t = Instant::now();
+    while (sys::poll_now(s.as_fd()).unwrap() & libc::POLLERR) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no completion queued"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let timeout = Duration::from_millis(300);
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let bb = Arc::clone(&b);
+    let reader = std::thread::spawn(move || {
+        let mut sock = EmuSocket::new(s, bb, EmuConfig::default()).unwrap();
+        let mut buf = vec![0u8; 4 * NIOV_SIZE];
+        let t = Instant::now();
+        let first = sock.recv_frags(&mut buf).map(|r| r.bytes());
+        let first = first.map_err(|e| (e.is_would_block(), e.errno()));
+        tx.send((first, t.elapsed())).unwrap();
+        sock
+    });
+    let outcome = rx.recv_timeout(Duration::from_secs(10));
+    // Bytes end the read whatever came (before, only they ended the spin).
+    peer.write_all(b"late").unwrap();
+    let mut sock = reader.join().unwrap();
+    let (first, waited) = outcome.expect("the read gave up after its SO_RCVTIMEO");
+    assert_eq!(first, Err((true, Some(libc::EAGAIN))));
+    assert!(waited + JIFFY_SLACK >= timeout, "waited {waited:?}");
+    assert_eq!(b.free_niovs(), MIN_NIOVS, "no net_iov kept");
+    let (got, _) = drain(&mut sock, 4, 4);
+    assert_eq!(got, b"late");
+}
+
+#[test]
+fn so_rcvlowat_applies_as_in_the_kernels_recvmsg() {
+    // The kernel waits for min(SO_RCVLOWAT, len) bytes. Before, the fill polled, and poll
+    // waits for SO_RCVLOWAT bytes whatever the read's length: a 4 KiB read with a 64 KiB
+    // mark and 4 KiB there failed with EAGAIN after SO_RCVTIMEO.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let data = pattern(NIOV_SIZE, 3);
+    peer.write_all(&data).unwrap();
+    wait_for_bytes(&s, NIOV_SIZE);
+    sys::set_rcvlowat(s.as_fd(), 64 * 1024).unwrap();
+    let timeout = Duration::from_millis(500);
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    let (got, _) = drain(&mut sock, NIOV_SIZE, NIOV_SIZE);
+    assert!(got == data, "the read's length is the target");
+    // A mark below the read's length is waited for (here until SO_RCVTIMEO, which then
+    // returns what came), not just one byte.
+    let more = pattern(NIOV_SIZE, 4);
+    peer.write_all(&more).unwrap();
+    wait_for_bytes(sock.get_ref(), NIOV_SIZE);
+    sys::set_rcvlowat(sock.get_ref().as_fd(), 2 * NIOV_SIZE as i32).unwrap();
+    let mut buf = vec![0u8; 4 * NIOV_SIZE];
+    let t = Instant::now();
+    let n = sock.recv_frags(&mut buf).unwrap().bytes();
+    assert_eq!(n, NIOV_SIZE);
+    assert!(
+        t.elapsed() + JIFFY_SLACK >= timeout,
+        "returned after {:?}",
+        t.elapsed()
+    );
+}
