@@ -526,7 +526,8 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
         max_connections: cfg.max_connections,
         drain_timeout: std::time::Duration::from_secs(cfg.drain_timeout_secs),
     };
-    runtime()?.block_on(async {
+    let rt = runtime()?;
+    let code = rt.block_on(async {
         // With or without an admin endpoint: the recorder keeps every histogram sample
         // until upkeep folds it into buckets (a source without --admin grew without end).
         tokio::spawn(crate::http::prom::upkeep());
@@ -572,7 +573,43 @@ fn source(f: &SourceFlags) -> anyhow::Result<ExitCode> {
             let _ = a.await;
         }
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    end_source(rt);
+    code
+}
+
+/// How long a source that stopped serving (drained, or failed) waits for its blocking work
+/// before it exits: a cache write under way (committed if it ends in time; one cut short
+/// leaves a `.partial` file, deleted at the next start), or a check of a shard file on a
+/// network file system whose server does not answer, which may never end.
+const SOURCE_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ends the runtime of a source that stopped serving: SIGINT and SIGTERM back to their
+/// default action, so a signal ends the process at once, and its blocking work waited for at
+/// most [`SOURCE_EXIT_WAIT`]. Before, dropping the runtime waited for every blocking task: an
+/// `fstat` stuck on a dead mount kept the drained source alive for good, and deaf to a second
+/// signal (taken by handlers nothing read any more).
+fn end_source(rt: tokio::runtime::Runtime) {
+    default_signals();
+    let began = std::time::Instant::now();
+    rt.shutdown_timeout(SOURCE_EXIT_WAIT);
+    if began.elapsed() >= SOURCE_EXIT_WAIT {
+        tracing::warn!(
+            waited = ?SOURCE_EXIT_WAIT,
+            "the source's blocking work (a check of a shard file on a network file system whose \
+             server does not answer, a cache write) did not end: exiting without it"
+        );
+    }
+}
+
+/// Gives SIGINT and SIGTERM their default action back, once the handlers caught since the
+/// start ([`Signals`]) are read no more.
+fn default_signals() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: `signal` with `SIG_DFL` installs no handler of ours; it only gives the
+        // kernel's default action back to a signal whose tokio handler nothing reads now.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
 }
 
 fn serve(f: &ServeFlags) -> anyhow::Result<ExitCode> {
@@ -649,11 +686,7 @@ const START_ABANDON_WAIT: std::time::Duration = std::time::Duration::from_secs(3
 /// blocking tasks, with SIGINT and SIGTERM back to their default action, so a second signal
 /// ends the process at once instead of being taken by the handlers no one reads any more.
 fn abandon_start(rt: tokio::runtime::Runtime) {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: `signal` with `SIG_DFL` installs no handler of ours; it only gives the
-        // kernel's default action back to a signal whose tokio handler nothing reads now.
-        unsafe { libc::signal(sig, libc::SIG_DFL) };
-    }
+    default_signals();
     let began = std::time::Instant::now();
     rt.shutdown_timeout(START_ABANDON_WAIT);
     if began.elapsed() >= START_ABANDON_WAIT {

@@ -87,7 +87,7 @@ pub(crate) struct Shared {
     pub session_reads: Arc<std::sync::atomic::AtomicU64>,
     /// The warnings of peers that never authenticated, rate-limited ([`noise`]).
     pub noise: noise::Noise,
-    /// The checks of local shard files that did not return in time ([`stat`]).
+    /// The checks of local shard files, bounded per file system ([`stat`]).
     pub stats: stat::Stats,
 }
 
@@ -103,6 +103,8 @@ impl Source {
         let listener = TcpListener::bind(cfg.listen).await?;
         let corrupt_left = AtomicU32::new(cfg.fault_corrupt);
         let wrong_lane_left = AtomicU32::new(cfg.fault_wrong_lane);
+        // The file system of each local shard file, found before the source serves.
+        let stats = stat::Stats::of(&datasets);
         Ok(Self {
             listener,
             shared: Arc::new(Shared {
@@ -114,7 +116,7 @@ impl Source {
                 draining: watch::Sender::new(false),
                 session_reads: Arc::default(),
                 noise: noise::Noise::default(),
-                stats: stat::Stats::default(),
+                stats,
             }),
         })
     }

@@ -424,7 +424,8 @@ struct Reads {
 struct Counted {
     bytes: u64,
     /// Counted in the source's counter as well: false only for a shard that was in the disk
-    /// cache when its FETCH started ([`Reads::start`]).
+    /// cache when its FETCH started ([`Reads::start`]), until its bytes turn out to be in
+    /// memory ([`Reads::in_memory`]).
     source: bool,
 }
 
@@ -483,6 +484,17 @@ impl Reads {
         }
     }
 
+    /// `c` (counted already), counted in the source's counter as well if it was not: a
+    /// payload in memory holds memory, wherever its shard was held when its FETCH started (a
+    /// cache entry that failed its check or was evicted before the FETCH took it was read
+    /// from the store again).
+    fn in_memory(&self, c: Counted) -> Counted {
+        if !c.source {
+            self.source.fetch_add(c.bytes, Ordering::AcqRel);
+        }
+        Counted { source: true, ..c }
+    }
+
     /// A payload's hold on the bytes `c` (counted already), given back once it is sent.
     fn held(&self, c: Counted) -> Held {
         if c.source {
@@ -505,11 +517,13 @@ impl Reads {
     /// would take, without end but for this.
     ///
     /// Its bytes count in its session's budget until sent (or, from the cache, handed to its
-    /// sender). Source-wide they count only for a shard in memory, which holds memory: other
-    /// sessions' reads from the store wait while it is held. A cache file holds no memory,
-    /// so one node's backlog of cached shards does not fill the source's budget and throttle
-    /// every other session; where the cache entry fails its check or is evicted before the
-    /// FETCH takes it, its read from the store is bounded by its session's budget alone.
+    /// sender). Source-wide they count only for a shard in memory (read, or being written to
+    /// the cache and taken from memory meanwhile), which holds memory: other sessions' reads
+    /// from the store wait while it is held. A cache file holds no memory, so one node's
+    /// backlog of cached shards does not fill the source's budget and throttle every other
+    /// session; where the cache entry fails its check or is evicted before the FETCH takes
+    /// it, its read from the store is bounded by its session's budget alone, and its bytes
+    /// count source-wide once read, until sent ([`Reads::in_memory`]).
     fn start(
         &mut self,
         q: &mut Queued,
@@ -1388,10 +1402,10 @@ impl Session {
             return self.ctl.error(q.req, code, message).await;
         }
         let reads = &self.queues.reads;
-        // Bytes in memory stay counted until its sender has sent them; a payload read from a
-        // file (the cache) holds no memory once handed over.
+        // Bytes in memory stay counted until its sender has sent them, source-wide too; a
+        // payload read from a file (the cache) holds no memory once handed over.
         let held = match body {
-            Body::Memory(_) => reads.held(held),
+            Body::Memory(_) => reads.held(reads.in_memory(held)),
             Body::File { .. } => {
                 reads.release(held);
                 Held::default()

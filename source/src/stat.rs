@@ -5,49 +5,188 @@
 //! long as the server is gone. Before, the check ran on a runtime worker: as many sessions
 //! fetching from that mount as there are workers blocked all of them, and the accept loop, the
 //! sessions of every other dataset, their keepalives and the admin endpoint stopped too (their
-//! nodes then dropped them as silent). Now a check that does not return in time refuses its
-//! FETCH as a file that could not be examined ([`ShardChanged::Stat`]: `ReadFailed`, naming the
-//! file; the node asks another source), and while it has not returned, every further check of
-//! that file is refused at once, without a thread of its own: a dead mount holds a blocking
-//! thread per file, not one per FETCH. A check that returns, however late, lets the file be
-//! checked again.
+//! nodes then dropped them as silent). Now a check that does not return within [`STAT_LIMIT`]
+//! of starting refuses its FETCH as a file that could not be examined ([`ShardChanged::Stat`]:
+//! `ReadFailed`, naming the file; the node asks another source).
+//!
+//! The checks are grouped by the file system of their file (its `st_dev`, found at start:
+//! [`Stats::of`]). At most [`FS_CHECKS`] checks of one file system run at once, and while one
+//! of them is past its limit and has not returned, every further check of that file system is
+//! refused at once, without a thread: a dead mount holds at most [`FS_CHECKS`] blocking
+//! threads, however many files and sessions meet it (before, one per file, plus one per
+//! session that met the file before the first gave up: a dead mount of a few thousand files
+//! took all 512 of the runtime's blocking threads, and then every check, cache write and CRC
+//! check of the source waited). A check that returns, however late, lets the file system be
+//! checked again. A check that cannot start within [`STAT_LIMIT`] (its file system's checks
+//! are all under way, or no blocking thread is free) is refused as such, not counted as hung:
+//! the time it waited does not count in the limit of its `fstat`.
+//!
+//! A file on a local disk or memory file system ([`on_disk`]: ext4, XFS, tmpfs, ...) is checked
+//! where the check is made, without a thread: its `fstat` answers from the inode cache, and two
+//! thread hops per FETCH kept a node from fetching shards of a few KiB ahead of its trainer.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::fs::File;
 use std::io;
 use std::ops::Range;
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::datasets::{Opened, ShardChanged};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::task::JoinHandle;
 
-/// How long the check of a shard file may take before its FETCH is refused.
+use crate::datasets::{Backend, Datasets, Opened, ShardChanged};
+
+/// How long the check of a shard file may run, from when its thread starts it, before its
+/// FETCH is refused; and how long it may wait to start.
 pub(crate) const STAT_LIMIT: Duration = Duration::from_secs(5);
 
-/// Where one check stands; changed only under the lock of [`Stats::hung`].
-const RUNNING: u8 = 0;
-/// It returned (in time or not).
-const RETURNED: u8 = 1;
-/// Its caller stopped waiting for it, and counted it in [`Stats::hung`].
-const GIVEN_UP: u8 = 2;
+/// Checks of the files of one file system that run at once (each on a blocking thread): all
+/// that a file system whose server stopped answering can hold.
+pub(crate) const FS_CHECKS: usize = 4;
 
-/// The checks of local shard files that did not return within their limit and are still
-/// under way (each holds a blocking thread).
-#[derive(Debug, Default)]
-pub(crate) struct Stats {
-    /// How many checks of each file are past their limit, by the address of the file's
-    /// [`Opened`] (which lives as long as the source: its datasets are fixed at start).
-    hung: Arc<Mutex<HashMap<usize, usize>>>,
+/// Where one check stands; changed only under the lock of [`Stats::groups`].
+const QUEUED: u8 = 0;
+/// Its thread started it.
+const RUNNING: u8 = 1;
+/// It returned (in time or not).
+const RETURNED: u8 = 2;
+/// Its caller stopped waiting for it, and counted it in [`Group::hung`].
+const GIVEN_UP: u8 = 3;
+/// Its caller stopped waiting for it before it started: it does not run.
+const DROPPED: u8 = 4;
+
+/// What checks are grouped by: a file system (`st_dev`), or, for a file whose file system the
+/// source did not find at start (a test's), the file (by the address of its [`Opened`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Key {
+    /// A file system, by its `st_dev`.
+    Device(u64),
+    /// A file, by the address of its [`Opened`].
+    File(usize),
 }
 
-/// The table of [`Stats::hung`], locked.
-fn lock(hung: &Mutex<HashMap<usize, usize>>) -> MutexGuard<'_, HashMap<usize, usize>> {
-    hung.lock().unwrap_or_else(PoisonError::into_inner)
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Key::Device(dev) => {
+                let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
+                write!(f, "its file system (device {major}:{minor})")
+            }
+            Key::File(_) => f.write_str("this file"),
+        }
+    }
+}
+
+/// Whether a file system of type `f_type` (`statfs`) keeps its files on a local disk or in
+/// memory, where an `fstat` of an open file cannot hang: ext2-4, XFS, Btrfs, ZFS, F2FS,
+/// bcachefs, tmpfs, ramfs, overlayfs, SquashFS, ISO 9660, FAT, exFAT (`linux/magic.h`). Any
+/// other (NFS, SMB, Ceph, Lustre, GPFS, 9p, FUSE mounts of a bucket, one not known) is checked
+/// on a blocking thread within [`STAT_LIMIT`].
+fn on_disk(f_type: i64) -> bool {
+    const ON_DISK: [i64; 13] = [
+        0xEF53,      // ext2, ext3, ext4
+        0x5846_5342, // XFS
+        0x9123_683E, // Btrfs
+        0x2FC1_2FC1, // ZFS
+        0xF2F5_2010, // F2FS
+        0xCA45_1A4E, // bcachefs
+        0x0102_1994, // tmpfs
+        0x8584_58F6, // ramfs
+        0x794C_7630, // overlayfs
+        0x7371_7368, // SquashFS
+        0x9660,      // ISO 9660
+        0x4D44,      // FAT
+        0x2011_BAB0, // exFAT
+    ];
+    ON_DISK.contains(&f_type)
+}
+
+/// The checks of one file system ([`Key`]).
+#[derive(Debug)]
+struct Group {
+    /// Checks past their limit that have not returned (each holds a blocking thread and one of
+    /// [`Self::slots`]).
+    hung: usize,
+    /// Room for the [`FS_CHECKS`] checks that may run at once (or wait for a thread).
+    slots: Arc<Semaphore>,
+}
+
+/// A check started on its thread ([`Stats::start`]): its task, where it stands and when it
+/// started.
+type Started = (
+    JoinHandle<Result<(), ShardChanged>>,
+    Arc<AtomicU8>,
+    tokio::time::Instant,
+);
+
+/// The checks of local shard files, by file system.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    /// The file system (`st_dev`) of each local shard file, by the address of its [`Opened`]
+    /// (which lives as long as the source: its datasets are fixed at start).
+    devices: HashMap<usize, u64>,
+    /// The local shard files on a disk or memory file system ([`on_disk`]), by the address of
+    /// their [`Opened`]: their `fstat` answers from the inode cache and cannot hang, so it runs
+    /// where the check is made, without a thread hop (two per FETCH: with shards of a few KiB,
+    /// the hops kept a node from fetching ahead of its trainer).
+    inline: HashSet<usize>,
+    /// The checks of each file system.
+    groups: Arc<Mutex<HashMap<Key, Group>>>,
+}
+
+/// The table of [`Stats::groups`], locked.
+fn lock(groups: &Mutex<HashMap<Key, Group>>) -> MutexGuard<'_, HashMap<Key, Group>> {
+    groups.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Stats {
+    /// The checks of the local shard files of `datasets`, grouped by file system: found by an
+    /// `fstat` of each open file, at start, before the source serves (opening the datasets
+    /// made one per file as well). A file whose `fstat` fails now is grouped on its own.
+    pub(crate) fn of(datasets: &Datasets) -> Self {
+        let (mut devices, mut inline) = (HashMap::new(), HashSet::new());
+        for d in datasets.iter() {
+            let Backend::Local { files, opened, .. } = &d.backend else {
+                continue;
+            };
+            for (file, opened) in files.iter().zip(opened) {
+                let at = Arc::as_ptr(opened) as usize;
+                if let Entry::Vacant(e) = devices.entry(at)
+                    && let Ok(meta) = file.metadata()
+                {
+                    e.insert(meta.dev());
+                }
+                // `f_type` is an i64 here, a u32 on some architectures.
+                #[allow(clippy::unnecessary_cast)]
+                if rustix::fs::fstatfs(&**file).is_ok_and(|fs| on_disk(fs.f_type as i64)) {
+                    inline.insert(at);
+                }
+            }
+        }
+        Self {
+            devices,
+            inline,
+            groups: Arc::default(),
+        }
+    }
+
+    /// Whether the file `opened` is checked where the check is made ([`Self::inline`]).
+    #[cfg(test)]
+    pub(crate) fn checked_inline(&self, opened: &Arc<Opened>) -> bool {
+        self.inline.contains(&(Arc::as_ptr(opened) as usize))
+    }
+
+    /// The file system of the file `opened` found at start ([`Self::of`]).
+    #[cfg(test)]
+    pub(crate) fn device_of(&self, opened: &Arc<Opened>) -> Option<u64> {
+        self.devices.get(&(Arc::as_ptr(opened) as usize)).copied()
+    }
+
     /// Whether `file` (the open file of `opened`) still holds what it held at open for the
     /// shard at bytes `shard` ([`Opened::check`]), found on a blocking thread within
     /// [`STAT_LIMIT`]; else why not, or that it could not be found out in time.
@@ -57,18 +196,25 @@ impl Stats {
         file: &Arc<File>,
         shard: Range<u64>,
     ) -> Result<(), ShardChanged> {
-        let key = Arc::as_ptr(opened) as usize;
+        let at = Arc::as_ptr(opened) as usize;
+        if self.inline.contains(&at) {
+            return opened.check(file, shard);
+        }
+        let key = self
+            .devices
+            .get(&at)
+            .map_or(Key::File(at), |&dev| Key::Device(dev));
         let (o, f) = (Arc::clone(opened), Arc::clone(file));
         let check = move || o.check(&f, shard);
         self.within(key, &opened.name, STAT_LIMIT, check).await
     }
 
-    /// Runs `check` of file `name` (`key`: its [`Opened`]) on a blocking thread and waits for
-    /// it at most `limit`; refuses at once while an earlier check of that file is past its
-    /// limit and has not returned.
+    /// Runs `check` of file `name` (of file system `key`) on a blocking thread once it starts
+    /// there within `limit` ([`Self::start`]), and waits for it at most `limit` from then;
+    /// counts it as hung if it does not return in that time.
     async fn within<F>(
         &self,
-        key: usize,
+        key: Key,
         name: &str,
         limit: Duration,
         check: F,
@@ -76,36 +222,17 @@ impl Stats {
     where
         F: FnOnce() -> Result<(), ShardChanged> + Send + 'static,
     {
-        let hung_now = lock(&self.hung).get(&key).copied();
-        if let Some(n) = hung_now {
-            let why = format!(
-                "{n} earlier fstat(s) of it did not return within {limit:?} and have not \
-                 returned yet (a network file system whose server does not answer?)"
-            );
-            return Err(timed_out(name, why));
-        }
-        let state = Arc::new(AtomicU8::new(RUNNING));
-        let (hung, here) = (Arc::clone(&self.hung), Arc::clone(&state));
-        let mut task = tokio::task::spawn_blocking(move || {
-            let got = check();
-            let mut hung = lock(&hung);
-            if here.swap(RETURNED, Ordering::Relaxed) == GIVEN_UP {
-                forget_one(&mut hung, key);
-            }
-            got
-        });
-        let joined = match tokio::time::timeout(limit, &mut task).await {
+        let (mut task, state, began) = self.start(key, name, limit, check).await?;
+        let joined = match tokio::time::timeout_at(began + limit, &mut task).await {
             Ok(joined) => joined,
-            Err(_) => {
-                if self.give_up(key, &state) {
-                    let why = format!(
-                        "fstat did not return within {limit:?} (a network file system whose \
-                         server does not answer?)"
-                    );
-                    return Err(timed_out(name, why));
-                }
-                task.await // it returned just as the limit ran out: its answer is there
+            Err(_) if self.give_up(key, &state) => {
+                let why = format!(
+                    "fstat did not return within {limit:?} (a network file system whose \
+                     server does not answer?)"
+                );
+                return Err(stat_error(name, why));
             }
+            Err(_) => task.await, // it returned just as the limit ran out: its answer is there
         };
         joined.map_err(|e| ShardChanged::Stat {
             name: name.to_owned(),
@@ -113,31 +240,156 @@ impl Stats {
         })?
     }
 
-    /// Stops waiting for the check `state` of file `key`, counting it as hung, unless it has
-    /// returned (false).
-    fn give_up(&self, key: usize, state: &AtomicU8) -> bool {
-        let mut hung = lock(&self.hung);
+    /// Starts `check` of file `name` (of file system `key`) on a blocking thread within
+    /// `limit`: refused at once while an earlier check of that file system is past its limit
+    /// and has not returned; else it waits for one of the file system's [`FS_CHECKS`] slots,
+    /// then for a blocking thread, and is refused if it has not started by then. Returns its
+    /// task, where it stands and when it started.
+    async fn start<F>(
+        &self,
+        key: Key,
+        name: &str,
+        limit: Duration,
+        check: F,
+    ) -> Result<Started, ShardChanged>
+    where
+        F: FnOnce() -> Result<(), ShardChanged> + Send + 'static,
+    {
+        let start_by = tokio::time::Instant::now() + limit;
+        let slots = self.slots(key, name, limit)?;
+        let Ok(Ok(slot)) = tokio::time::timeout_at(start_by, slots.acquire_owned()).await else {
+            let why = format!(
+                "its check could not start within {limit:?}: the {FS_CHECKS} checks of {key} \
+                 that may run at once were all under way"
+            );
+            return Err(stat_error(name, why));
+        };
+        self.slots(key, name, limit)?; // one may have hung while this one waited
+        let state = Arc::new(AtomicU8::new(QUEUED));
+        let (began_tx, mut began) = oneshot::channel();
+        let job = Job {
+            groups: Arc::clone(&self.groups),
+            key,
+            state: Arc::clone(&state),
+            slot,
+            began: began_tx,
+        };
+        let task = tokio::task::spawn_blocking(move || job.run(check));
+        let at = match tokio::time::timeout_at(start_by, &mut began).await {
+            Ok(at) => at,
+            Err(_) if self.drop_queued(&state) => {
+                let why = format!(
+                    "its check could not start within {limit:?}: no blocking thread of the \
+                     source was free (it is overloaded)"
+                );
+                return Err(stat_error(name, why));
+            }
+            Err(_) => began.await, // it started just as the limit ran out
+        };
+        // An `Err`: it ended without starting (the runtime shuts down); its join says so.
+        let at = at.map_or_else(
+            |_| tokio::time::Instant::now(),
+            tokio::time::Instant::from_std,
+        );
+        Ok((task, state, at))
+    }
+
+    /// The slots of file system `key`'s checks; refused while one of them is past its limit
+    /// (`limit`) and has not returned.
+    fn slots(&self, key: Key, name: &str, limit: Duration) -> Result<Arc<Semaphore>, ShardChanged> {
+        let mut groups = lock(&self.groups);
+        let g = groups.entry(key).or_insert_with(|| Group {
+            hung: 0,
+            slots: Arc::new(Semaphore::new(FS_CHECKS)),
+        });
+        if g.hung > 0 {
+            let why = format!(
+                "{n} earlier fstat(s) of files on {key} did not return within {limit:?} and have \
+                 not returned yet (a network file system whose server does not answer?)",
+                n = g.hung,
+            );
+            return Err(stat_error(name, why));
+        }
+        Ok(Arc::clone(&g.slots))
+    }
+
+    /// Stops waiting for the check `state` of file system `key`, counting it as hung, unless
+    /// it has returned (false).
+    fn give_up(&self, key: Key, state: &AtomicU8) -> bool {
+        let mut groups = lock(&self.groups);
         if state.load(Ordering::Relaxed) == RETURNED {
             return false;
         }
         state.store(GIVEN_UP, Ordering::Relaxed);
-        *hung.entry(key).or_default() += 1;
+        if let Some(g) = groups.get_mut(&key) {
+            g.hung += 1;
+        }
+        true
+    }
+
+    /// Stops waiting for the check `state` before it starts (it will not run), unless it has
+    /// started (false).
+    fn drop_queued(&self, state: &AtomicU8) -> bool {
+        let _groups = lock(&self.groups);
+        if state.load(Ordering::Relaxed) != QUEUED {
+            return false;
+        }
+        state.store(DROPPED, Ordering::Relaxed);
         true
     }
 }
 
-/// One hung check of file `key` returned.
-fn forget_one(hung: &mut HashMap<usize, usize>, key: usize) {
-    if let Entry::Occupied(mut e) = hung.entry(key) {
-        *e.get_mut() -= 1;
-        if *e.get() == 0 {
-            e.remove();
+/// One check's hold on its file system's group, on its blocking thread.
+struct Job {
+    /// [`Stats::groups`].
+    groups: Arc<Mutex<HashMap<Key, Group>>>,
+    /// Its file system.
+    key: Key,
+    /// Where it stands (`QUEUED` until it starts).
+    state: Arc<AtomicU8>,
+    /// Its slot among the file system's [`FS_CHECKS`], held until it returns.
+    slot: OwnedSemaphorePermit,
+    /// When it started, for its caller.
+    began: oneshot::Sender<Instant>,
+}
+
+impl Job {
+    /// Runs `check` unless its caller stopped waiting before it started; a hung one that
+    /// returns is no longer counted as hung.
+    fn run<F>(self, check: F) -> Result<(), ShardChanged>
+    where
+        F: FnOnce() -> Result<(), ShardChanged>,
+    {
+        let Job {
+            groups,
+            key,
+            state,
+            slot,
+            began,
+        } = self;
+        {
+            let _groups = lock(&groups);
+            if state.load(Ordering::Relaxed) == DROPPED {
+                return Ok(()); // refused before it started: nobody reads this
+            }
+            state.store(RUNNING, Ordering::Relaxed);
         }
+        let _ = began.send(Instant::now());
+        let got = check();
+        let mut table = lock(&groups);
+        if state.swap(RETURNED, Ordering::Relaxed) == GIVEN_UP
+            && let Some(g) = table.get_mut(&key)
+        {
+            g.hung -= 1;
+        }
+        drop(table);
+        drop(slot);
+        got
     }
 }
 
 /// File `name` could not be examined in time (`why`): refused as `ReadFailed`.
-fn timed_out(name: &str, why: String) -> ShardChanged {
+fn stat_error(name: &str, why: String) -> ShardChanged {
     ShardChanged::Stat {
         name: name.to_owned(),
         source: io::Error::new(io::ErrorKind::TimedOut, why),
@@ -146,19 +398,55 @@ fn timed_out(name: &str, why: String) -> ShardChanged {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    use std::time::Instant;
+    use std::sync::RwLock;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
     use super::*;
 
-    const LIMIT: Duration = Duration::from_millis(50);
+    const LIMIT: Duration = Duration::from_millis(250);
+
+    #[test]
+    fn only_disk_and_memory_file_systems_are_checked_without_a_thread() {
+        for on in [0xEF53, 0x5846_5342, 0x0102_1994, 0x794C_7630] {
+            assert!(on_disk(on), "{on:#x}");
+        }
+        // NFS, SMB2, Ceph, FUSE (a bucket mounted with s3fs or gcsfuse), 9p, Lustre.
+        for off in [
+            0x6969,
+            0xFE53_4D42,
+            0x00C3_6400,
+            0x6573_5546,
+            0x0102_1997,
+            0x0BD0_0BD0,
+        ] {
+            assert!(!on_disk(off), "{off:#x}");
+        }
+    }
+
+    /// Checks of `key` past their limit that have not returned.
+    fn hung(stats: &Stats, key: Key) -> usize {
+        lock(&stats.groups).get(&key).map_or(0, |g| g.hung)
+    }
+
+    /// Waits (10 s at most) until no check of `key` is counted as hung.
+    async fn until_returned(stats: &Stats, key: Key) {
+        let t0 = Instant::now();
+        while hung(stats, key) > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "not forgotten in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
 
     /// A check that blocks (`fstat` on a mount whose server stopped answering) refuses its
     /// FETCH after the limit, naming the file, while the runtime's one thread goes on; further
-    /// checks of that file are refused at once until it returns. Before, the check ran on the
-    /// runtime thread itself: nothing else ran until it returned.
+    /// checks of that file system are refused at once until it returns. Before, the check ran
+    /// on the runtime thread itself: nothing else ran until it returned.
     #[tokio::test(flavor = "current_thread")]
     async fn a_check_that_does_not_return_is_refused_and_the_runtime_goes_on() {
+        let (dead, live) = (Key::Device(1), Key::Device(2));
         let stats = Stats::default();
         let ticks = Arc::new(AtomicU64::new(0));
         let t = Arc::clone(&ticks);
@@ -173,7 +461,7 @@ mod tests {
             let _ = blocked.recv(); // until released (or the test ends)
             Ok(())
         };
-        match stats.within(1, "d.bin", LIMIT, stuck).await {
+        match stats.within(dead, "d.bin", LIMIT, stuck).await {
             Err(ShardChanged::Stat { name, source }) => {
                 assert_eq!(name, "d.bin");
                 assert_eq!(source.kind(), io::ErrorKind::TimedOut);
@@ -185,36 +473,145 @@ mod tests {
             ticks.load(Ordering::Relaxed) > 0,
             "the runtime went on meanwhile"
         );
-        // While it hangs, the file's next check is refused at once, without a thread.
+        // While it hangs, the next check of its file system is refused at once, without a
+        // thread, naming the file and the file system.
         let ran = Arc::new(AtomicBool::new(false));
         let r = Arc::clone(&ran);
-        let again = stats.within(1, "d.bin", LIMIT, move || {
+        let again = stats.within(dead, "e.bin", LIMIT, move || {
             r.store(true, Ordering::Relaxed);
             Ok(())
         });
         let again = again.await.expect_err("refused");
-        assert!(again.to_string().contains("d.bin"), "{again}");
+        let said = again.to_string();
+        assert!(
+            said.contains("e.bin") && said.contains("device 0:1"),
+            "{said}"
+        );
         assert!(!ran.load(Ordering::Relaxed), "no check started");
-        // Another file is checked as usual, and what its check finds is passed on.
-        assert!(stats.within(2, "e.bin", LIMIT, || Ok(())).await.is_ok());
+        // Another file system is checked as usual, and what its check finds is passed on.
+        assert!(stats.within(live, "f.bin", LIMIT, || Ok(())).await.is_ok());
         let modified = || {
             Err(ShardChanged::Modified {
-                name: "e.bin".into(),
+                name: "f.bin".into(),
             })
         };
-        let got = stats.within(2, "e.bin", LIMIT, modified).await;
+        let got = stats.within(live, "f.bin", LIMIT, modified).await;
         assert!(matches!(got, Err(ShardChanged::Modified { .. })), "{got:?}");
-        // Once the hung check returns, the file is checked again.
+        // Once the hung check returns, the file system is checked again.
         release.send(()).unwrap();
-        let t0 = Instant::now();
-        while lock(&stats.hung).contains_key(&1) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "not forgotten in 10 s"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert!(stats.within(1, "d.bin", LIMIT, || Ok(())).await.is_ok());
+        until_returned(&stats, dead).await;
+        assert!(stats.within(dead, "d.bin", LIMIT, || Ok(())).await.is_ok());
         ticker.abort();
+    }
+
+    /// A check that blocks until `gate` opens, counted in `started` when its thread starts it.
+    fn stuck(
+        gate: &Arc<RwLock<()>>,
+        started: &Arc<AtomicUsize>,
+    ) -> impl FnOnce() -> Result<(), ShardChanged> + Send + use<> {
+        let (gate, started) = (Arc::clone(gate), Arc::clone(started));
+        move || {
+            started.fetch_add(1, Ordering::SeqCst);
+            drop(gate.read());
+            Ok(())
+        }
+    }
+
+    /// Many files of a dead file system, checked at once, hold at most [`FS_CHECKS`] blocking
+    /// threads; those that cannot start are refused as such (not blamed on a network file
+    /// system), and other file systems go on. Before, each check had a thread of its own: a
+    /// dead mount of a few thousand files took every blocking thread of the source.
+    #[tokio::test(flavor = "current_thread")]
+    // The gate's write lock is the dead mount: held on purpose while the checks wait on it.
+    #[allow(clippy::await_holding_lock)]
+    async fn a_dead_file_system_holds_at_most_its_slots_of_threads() {
+        let limit = Duration::from_millis(500);
+        let (dead, live) = (Key::Device(7), Key::Device(8));
+        let stats = Stats::default();
+        let gate = Arc::new(RwLock::new(()));
+        let shut = gate.write().unwrap();
+        let started = Arc::new(AtomicUsize::new(0));
+        let names: Vec<String> = (0..FS_CHECKS + 2).map(|i| format!("f{i}.bin")).collect();
+        let checks = names
+            .iter()
+            .map(|n| stats.within(dead, n, limit, stuck(&gate, &started)));
+        let got = futures_util::future::join_all(checks).await;
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            FS_CHECKS,
+            "threads taken by the dead file system"
+        );
+        assert_eq!(hung(&stats, dead), FS_CHECKS);
+        let said: Vec<String> = got
+            .iter()
+            .map(|r| r.as_ref().expect_err("refused").to_string())
+            .collect();
+        let not_started: Vec<&String> = said
+            .iter()
+            .filter(|s| s.contains("could not start"))
+            .collect();
+        assert_eq!(not_started.len(), 2, "{said:?}");
+        for s in not_started {
+            assert!(!s.contains("network file system"), "{s}");
+        }
+        // Its next check is refused at once; another file system's runs.
+        let again = stats
+            .within(dead, "g.bin", limit, stuck(&gate, &started))
+            .await;
+        assert!(again.is_err() && started.load(Ordering::SeqCst) == FS_CHECKS);
+        assert!(stats.within(live, "h.bin", limit, || Ok(())).await.is_ok());
+        drop(shut);
+        until_returned(&stats, dead).await;
+        assert!(stats.within(dead, "g.bin", limit, || Ok(())).await.is_ok());
+    }
+
+    /// The time a check waits for a blocking thread does not count in its `fstat`'s limit;
+    /// one that cannot start in time is refused as such, is not counted as hung and does not
+    /// run later. Before, the limit ran from the spawn: checks queued behind other blocking
+    /// work (cache writes) were refused as hung `fstat`s of a network file system.
+    #[test]
+    fn the_limit_runs_from_the_start_and_a_check_that_cannot_start_is_not_hung() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .enable_time()
+            .build()
+            .unwrap();
+        let busy =
+            |ms| tokio::task::spawn_blocking(move || std::thread::sleep(Duration::from_millis(ms)));
+        rt.block_on(async {
+            let (stats, key, limit) =
+                (Stats::default(), Key::Device(3), Duration::from_millis(600));
+            // The one blocking thread is busy for 400 ms, then the check takes 400 ms.
+            let other = busy(400);
+            let slow = || {
+                std::thread::sleep(Duration::from_millis(400));
+                Ok(())
+            };
+            let got = stats.within(key, "a.bin", limit, slow).await;
+            assert!(got.is_ok(), "within its limit once started: {got:?}");
+            other.await.unwrap();
+            // Busy for longer than the limit: the check is refused without starting.
+            let other = busy(1000);
+            let ran = Arc::new(AtomicBool::new(false));
+            let r = Arc::clone(&ran);
+            let late = move || {
+                r.store(true, Ordering::SeqCst);
+                Ok(())
+            };
+            let said = stats
+                .within(key, "b.bin", limit, late)
+                .await
+                .expect_err("refused")
+                .to_string();
+            assert!(said.contains("could not start"), "{said}");
+            assert!(!said.contains("network file system"), "{said}");
+            assert_eq!(hung(&stats, key), 0, "not counted as hung");
+            other.await.unwrap();
+            assert!(stats.within(key, "b.bin", limit, || Ok(())).await.is_ok());
+            assert!(
+                !ran.load(Ordering::SeqCst),
+                "the refused check did not run later"
+            );
+        });
     }
 }

@@ -71,6 +71,18 @@ def reading_shards(src) -> int:
     return source_status(src)["datasets"][0]["object_store"]["reading_shards"]
 
 
+def cache_entries(src, cache: pathlib.Path) -> list:
+    """The cache directory's files, once no cache write is under way: a FETCH does not wait for
+    its shard's write (`writing_bytes` in /v1/status counts those under way), and a write
+    deletes the files of the entries it evicted (`.NAME.evicted`) and renames its `.NAME.partial`
+    into place on its own thread."""
+    def settled():
+        return source_status(src)["datasets"][0]["object_store"]["cache"]["writing_bytes"] == 0
+
+    wait_for(settled, "the source's cache writes to end")
+    return sorted((cache / "ds").iterdir())
+
+
 def served_counts(src) -> dict:
     """{prefetched|cached|read: n} from the source's /metrics."""
     code, text = http_get(src.admin, "/metrics")
@@ -158,7 +170,7 @@ def test_a_second_epoch_is_served_from_the_cache_without_a_get_and_so_is_a_resta
     first = len(gets(s3_proxy, s3_bucket))
     # (+ the manifest; + any retry the source logged)
     assert 8 <= first <= 9 + retried(src), f"{first} ranged GETs for 8 shards over two epochs"
-    entries = sorted(p.name for p in (cache / "ds").iterdir())
+    entries = [p.name for p in cache_entries(src, cache)]
     assert len(entries) == 8, entries
     node.stop()
     src.stop()
@@ -169,7 +181,7 @@ def test_a_second_epoch_is_served_from_the_cache_without_a_get_and_so_is_a_resta
     assert_byte_exact(batches, expected_crcs(d))
     again = [e for e in gets(s3_proxy, s3_bucket) if "manifest" not in e.path]
     assert again == [], [(e.path, e.range) for e in again]
-    assert sorted(p.name for p in (cache / "ds").iterdir()) == entries
+    assert [p.name for p in cache_entries(src, cache)] == entries
 
 
 def test_a_cache_entry_corrupted_on_disk_is_checked_when_the_node_asks_again_and_read_anew(sw, s3, s3_bucket, s3_proxy, tmp_path):
@@ -179,7 +191,7 @@ def test_a_cache_entry_corrupted_on_disk_is_checked_when_the_node_asks_again_and
     cache = tmp_path / "cache"
     src, node, batches = run_epochs(sw, url, s3_proxy.env(), "--cache-dir", cache, "--cache-size", "64MiB")
     assert_exactly_once(batches, 6)
-    entries = sorted((cache / "ds").iterdir())
+    entries = cache_entries(src, cache)
     assert len(entries) == 6, entries
     # A bit flips on the cache's disk after the entry was written and checked.
     bad = entries[2]
@@ -214,7 +226,7 @@ def test_a_cache_smaller_than_the_dataset_keeps_a_stable_slice_instead_of_churni
     # runs of this test alone, 8 of them beside 3 busy loops; the cause is not established:
     # the hints reach the source asynchronously). Two more are allowed; churn would be 30.
     assert len(data) <= 10 + 2 * 6 + 2 + retried(src), [(e.path.rsplit("/", 1)[-1], e.range, round(e.started, 3)) for e in data]
-    assert len(list((cache / "ds").iterdir())) == 4
+    assert len(cache_entries(src, cache)) == 4
     st = source_status(src)["datasets"][0]["object_store"]["cache"]
     assert st["bytes"] <= 4 << 20 and st["entries"] == 4, st
 

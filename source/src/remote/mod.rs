@@ -12,7 +12,10 @@
 //! the write has no `fsync` (an entry kept over a restart is length-checked at open and
 //! CRC-checked on its first serve, which catches what a crash left torn). The bytes being
 //! written count in the read-ahead's memory budget, and a shard that arrives while the
-//! writes are behind by more than [`RemoteDataset::write_budget`] passes through uncached.
+//! writes are behind by more than [`RemoteDataset::write_budget`] passes through uncached. At
+//! most [`CACHE_WRITERS`] writes of a dataset run at once (each on a blocking thread): small
+//! shards, many of them within that budget, do not take the runtime's blocking threads from
+//! the checks of local shard files and the other datasets.
 
 pub mod cache;
 pub mod hints;
@@ -29,13 +32,17 @@ use std::time::Instant;
 use bytes::Bytes;
 use shardwire_protocol::Manifest;
 use shardwire_store::{Store, StoreUrl, Urgency};
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 
 use self::cache::{DiskCache, Reservation};
 use self::hints::Hints;
 pub use self::open::{OpenError, RemoteOptions};
 use self::read::{Failure, Object, Want, read_shards};
 use crate::sender::Body;
+
+/// Cache writes of one dataset that run at once ([`RemoteDataset::place`]); the others wait
+/// their turn, their bytes counted in [`RemoteDataset::write_budget`].
+const CACHE_WRITERS: usize = 2;
 
 /// The outcome of one load, for whoever waits on it.
 type Outcome = Option<Result<(), Failure>>;
@@ -69,7 +76,9 @@ struct State {
     /// Verified shards being written to the cache in the background ([`RemoteDataset::place`]),
     /// their bytes shared with the write: FETCHes take them from here until the write ends.
     writing: HashMap<u32, Vec<Bytes>>,
-    /// Their bytes.
+    /// Bytes of the cache writes under way or waiting for a writer: those of `writing`, and
+    /// those of a shard a node reported corrupt while it was written (no longer served from
+    /// here, but its write still holds them: [`RemoteDataset::corrupt_reported`]).
     writing_bytes: u64,
     /// Shards being read, with where their outcome goes.
     loading: HashMap<u32, Loading>,
@@ -100,6 +109,8 @@ pub struct RemoteDataset {
     /// Wakes the prefetch task (a hint changed, a read ended, a shard was sent, a cache write
     /// ended).
     wake: Notify,
+    /// Its cache writes that may run ([`CACHE_WRITERS`]).
+    writers: Arc<Semaphore>,
     /// Holds the background cache writes back while a test says so.
     #[cfg(test)]
     write_gate: tests::WriteGate,
@@ -138,6 +149,7 @@ impl RemoteDataset {
             state: Mutex::new(State::default()),
             budget,
             wake: Notify::new(),
+            writers: Arc::new(Semaphore::new(CACHE_WRITERS)),
             #[cfg(test)]
             write_gate: Default::default(),
         });
@@ -215,15 +227,17 @@ impl RemoteDataset {
         }
     }
 
-    /// Where `shard` is held, if it is: in memory (looked at first, as a FETCH takes it), or
-    /// in the cache (committed, or being written in the background: [`Self::place`]). A FETCH
-    /// of it starts no new read from the store, so its session need not hold it back behind
-    /// older reads or the source-wide read budget (`session.rs`); what it holds in memory
-    /// once taken depends on where it is.
+    /// Where `shard` is held, if it is: in memory (read, or being written to the cache in the
+    /// background, [`Self::place`]: a FETCH takes its bytes from memory then; looked at
+    /// first), or in the cache (committed). A FETCH of it starts no new read from the store,
+    /// so its session need not hold it back behind older reads or the source-wide read budget
+    /// (`session.rs`); what it holds in memory once taken depends on where it is.
     pub(crate) fn held_in(&self, shard: u32) -> Option<HeldIn> {
-        if self.state().ready.contains_key(&shard) {
+        let st = self.state();
+        if st.ready.contains_key(&shard) || st.writing.contains_key(&shard) {
             return Some(HeldIn::Memory);
         }
+        drop(st);
         let cached = self.cache.as_ref();
         let cached = cached.is_some_and(|c| c.lock().expect("poisoned").holds(shard));
         cached.then_some(HeldIn::Cache)
@@ -239,16 +253,17 @@ impl RemoteDataset {
     /// entry at each was the cost.
     pub(crate) fn corrupt_reported(&self, session: u64, shard: u32) {
         // A report costs one CRC read of one entry at most. A copy being written to the cache
-        // goes from memory too; its entry is checked once written ([`Self::written`]).
+        // is no longer served from memory either; its entry is checked once written
+        // ([`Self::written`]). Its bytes stay counted in `writing_bytes` until then: its write
+        // still holds them (before, they left the count at once, and a node that reported
+        // every payload let each shard's write in past `write_budget`).
         let dropped = {
             let mut st = self.state();
             let parts = st.ready.remove(&shard).unwrap_or_default();
             let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
             st.ready_bytes -= n;
             let parts = st.writing.remove(&shard).unwrap_or_default();
-            let w: u64 = parts.iter().map(|p| p.len() as u64).sum();
-            st.writing_bytes -= w;
-            n + w
+            n + parts.iter().map(|p| p.len() as u64).sum::<u64>()
         };
         if dropped > 0 {
             self.wake.notify_one();
@@ -487,10 +502,10 @@ impl RemoteDataset {
     }
 
     /// Stores a verified shard in memory, and has it written to the cache if that admits it
-    /// ([`Self::reserve`]): written on a blocking thread ([`Self::write_entry`]), its bytes
-    /// held in [`State::writing`] meanwhile, so its waiters are answered now, from memory, not
-    /// once the cache's disk has it. Returns that write (which nobody need wait for: a test
-    /// does).
+    /// ([`Self::reserve`]): written on a blocking thread ([`Self::write_entry`]) once one of
+    /// the dataset's [`CACHE_WRITERS`] is free, its bytes held in [`State::writing`]
+    /// meanwhile, so its waiters are answered now, from memory, not once the cache's disk has
+    /// it. Returns that write (which nobody need wait for: a test does).
     fn place(
         self: &Arc<Self>,
         shard: u32,
@@ -501,16 +516,22 @@ impl RemoteDataset {
         // Reserved and listed under one hold of the state's lock: no FETCH and no read ahead
         // finds the shard neither in memory nor in the cache, and reads it again.
         if let Some(r) = self.reserve(&st, shard, len) {
+            // Counted per write: each write takes its own bytes out ([`Self::written`]).
             st.writing_bytes += len;
-            if let Some(old) = st.writing.insert(shard, parts.clone()) {
-                // Not expected (the cache holds one reservation per shard), but the count
-                // stays true.
-                st.writing_bytes -= old.iter().map(|p| p.len() as u64).sum::<u64>();
-            }
+            st.writing.insert(shard, parts.clone());
             drop(st);
-            let me = Arc::clone(self);
-            return Some(tokio::task::spawn_blocking(move || {
-                me.write_entry(r, parts)
+            let (me, writers) = (Arc::clone(self), Arc::clone(&self.writers));
+            return Some(tokio::spawn(async move {
+                let writer = writers.acquire_owned().await.expect("never closed");
+                let write = tokio::task::spawn_blocking(move || {
+                    me.write_entry(r, parts);
+                    drop(writer);
+                });
+                if let Err(e) = write.await
+                    && e.is_panic()
+                {
+                    std::panic::resume_unwind(e.into_panic());
+                }
             }));
         }
         st.ready_bytes += len;
@@ -551,7 +572,7 @@ impl RemoteDataset {
     fn write_entry(&self, r: Reservation, parts: Vec<Bytes>) {
         #[cfg(test)]
         self.write_gate.pass();
-        let shard = r.shard;
+        let (shard, len) = (r.shard, r.len);
         Reservation::discard_evicted(&r.doomed);
         let wrote = write_parts(&r.temp, &parts);
         let cache = self.cache.as_ref().expect("reserved in the cache");
@@ -577,25 +598,27 @@ impl RemoteDataset {
             }
         };
         drop(parts);
-        self.written(shard, kept);
+        self.written(shard, len, kept);
     }
 
-    /// `shard`'s cache write ended (`kept`: committed): its bytes leave [`State::writing`].
-    /// Those of a write that failed stay in memory if a hint or a FETCH under way names the
-    /// shard, as those of a shard the cache did not admit. An entry whose copy in memory a
-    /// node reported corrupt while it was written ([`Self::corrupt_reported`] took it out
-    /// of `writing`) is checked against its CRC before it is served.
-    fn written(&self, shard: u32, kept: bool) {
+    /// `shard`'s cache write of `len` bytes ended (`kept`: committed): they leave
+    /// [`State::writing_bytes`], and its bytes [`State::writing`]. Those of a write that
+    /// failed stay in memory if a hint or a FETCH under way names the shard, as those of a
+    /// shard the cache did not admit. An entry whose copy in memory a node reported corrupt
+    /// while it was written ([`Self::corrupt_reported`] took it out of `writing`) is checked
+    /// against its CRC before it is served.
+    fn written(&self, shard: u32, len: u64, kept: bool) {
         let mut st = self.state();
+        st.writing_bytes -= len;
         let Some(parts) = st.writing.remove(&shard) else {
             if kept && let Some(c) = &self.cache {
                 // Locks in the order `place` takes them: state, then cache.
                 c.lock().expect("poisoned").recheck(shard);
             }
+            drop(st);
+            self.wake.notify_one(); // the read ahead may have waited for this memory
             return;
         };
-        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        st.writing_bytes -= len;
         let wanted = st.hints.next_use(shard).is_some() || st.wanted.contains_key(&shard);
         if !kept && wanted && !st.ready.contains_key(&shard) {
             st.ready_bytes += len;
@@ -610,7 +633,7 @@ impl RemoteDataset {
     #[cfg(test)]
     pub(crate) async fn cache_writes_done(&self) {
         let t0 = Instant::now();
-        while !self.state().writing.is_empty() {
+        while self.state().writing_bytes > 0 {
             let waited = t0.elapsed();
             assert!(
                 waited.as_secs() < 10,
@@ -722,11 +745,12 @@ impl Drop for Wanted {
 /// Where a shard is held outside the store ([`RemoteDataset::held_in`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum HeldIn {
-    /// In memory (read ahead, or read for a FETCH and not taken yet).
+    /// In memory (read ahead, or read for a FETCH and not taken yet, or being written to the
+    /// cache, [`RemoteDataset::place`]): sent from memory, which a FETCH holds until sent, so
+    /// it counts in the source's read budget (`session.rs`). (Before, a shard being written
+    /// was `Cache`: its FETCHes' bytes escaped that budget once the write ended.)
     Memory,
-    /// In the disk cache: sent from its file, holding no memory. Or being written there
-    /// ([`RemoteDataset::place`]): sent from the bytes the write holds in memory, which count
-    /// in the writes' own bound ([`RemoteDataset::write_budget`]), not in the reads'.
+    /// In the disk cache (committed): sent from its file, holding no memory.
     Cache,
 }
 

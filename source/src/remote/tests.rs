@@ -118,11 +118,14 @@ impl ObjectStore for Gated {
 pub(super) struct WriteGate {
     shut: Mutex<bool>,
     opened: std::sync::Condvar,
+    /// Writes that came to it (their threads started).
+    came: AtomicUsize,
 }
 
 impl WriteGate {
     /// Waits while the gate is shut (a blocking write's thread).
     pub(super) fn pass(&self) {
+        self.came.fetch_add(1, Ordering::SeqCst);
         let mut shut = self.shut.lock().unwrap_or_else(|p| p.into_inner());
         while *shut {
             shut = self.opened.wait(shut).unwrap_or_else(|p| p.into_inner());
@@ -205,6 +208,7 @@ async fn dataset(
         state: Mutex::new(State::default()),
         budget: 1 << 30,
         wake: Notify::new(),
+        writers: Arc::new(Semaphore::new(CACHE_WRITERS)),
         write_gate: WriteGate::default(),
     })
 }
@@ -332,7 +336,9 @@ async fn fetches_of_a_shard_the_cache_admits_are_answered_from_memory_while_it_i
     assert_eq!(bytes_of(&b), d_bytes(1));
     assert_eq!(how, Served::Read);
     assert!(entry_files(&dir).is_empty(), "the entry is not written yet");
-    assert_eq!(d.held_in(1), Some(HeldIn::Cache), "reserved in the cache");
+    // Its FETCHes take it from memory, and hold that memory until sent: it counts in the
+    // source's read budget (before, `Cache`: those bytes escaped it once the write ended).
+    assert_eq!(d.held_in(1), Some(HeldIn::Memory), "being written");
     assert_eq!(d.state().writing_bytes, SHARD);
     // A FETCH that comes while it is written takes the same bytes: no second GET.
     let during = within("a FETCH during the write", fetch(&d, 3, 1)).await;
@@ -417,9 +423,18 @@ async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_be
     let held = d.write_gate.hold_back();
     let write = d.place(1, vec![Bytes::from(d_bytes(1))]).expect("admitted");
     d.corrupt_reported(3, 1);
-    assert_eq!(d.state().writing_bytes, 0, "the copy in memory went");
+    {
+        let st = d.state();
+        assert!(
+            !st.writing.contains_key(&1),
+            "the copy in memory is not served again"
+        );
+        // Before, they left the count at once, though the write still held them.
+        assert_eq!(st.writing_bytes, SHARD, "counted until the write ends");
+    }
     drop(held);
     write.await.unwrap();
+    assert_eq!(d.state().writing_bytes, 0, "the write ended");
     let hit = d
         .cache
         .as_ref()
@@ -431,6 +446,73 @@ async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_be
     assert!(!hit.verified, "checked against its CRC before it is served");
     drop(hit);
     assert!(d.cached(1).await.is_some(), "its bytes are good: served");
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A node that reports every payload of shards being written does not let more writes in
+/// than [`RemoteDataset::write_budget`]: the reported shard's write still holds its bytes.
+#[tokio::test(flavor = "current_thread")]
+async fn a_shard_reported_while_written_still_counts_in_the_write_budget() {
+    let dir = cache_dir("reported-budget");
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("reported-budget", &os, Some(&dir)).await;
+    // Writes may hold one shard in memory (half the budget).
+    Arc::get_mut(&mut d).expect("only reference").budget = 2 * SHARD;
+    let held = d.write_gate.hold_back();
+    let first = d.place(0, vec![Bytes::from(d_bytes(0))]).expect("admitted");
+    d.corrupt_reported(3, 0);
+    // Before, the report took shard 0's bytes out of the count and shard 1 was admitted: a
+    // write per reported shard, each holding a shard in memory, up to the cache's size.
+    assert!(
+        d.place(1, vec![Bytes::from(d_bytes(1))]).is_none(),
+        "the writes are still a shard behind"
+    );
+    drop(held);
+    first.await.unwrap();
+    assert_eq!(d.state().writing_bytes, 0);
+    placed(&d, 2, vec![Bytes::from(d_bytes(2))]).await;
+    assert_eq!(entry_files(&dir).len(), 2, "shards 0 and 2");
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// At most [`CACHE_WRITERS`] cache writes of a dataset run at once; the others wait their
+/// turn (their bytes in memory, counted). Before, each admitted shard took a blocking thread
+/// at once: small shards on a slow disk took the runtime's blocking threads from the checks
+/// of local shard files.
+#[tokio::test(flavor = "current_thread")]
+async fn cache_writes_run_a_few_at_a_time() {
+    let dir = cache_dir("writers");
+    let os = Arc::new(Gated::new());
+    let d = dataset("writers", &os, Some(&dir)).await;
+    let held = d.write_gate.hold_back();
+    let writes: Vec<_> = (0..4u32)
+        .map(|s| {
+            let parts = vec![Bytes::from(d_bytes(u64::from(s)))];
+            d.place(s, parts).expect("admitted")
+        })
+        .collect();
+    let came = || d.write_gate.came.load(Ordering::SeqCst);
+    let t0 = Instant::now();
+    while came() < CACHE_WRITERS {
+        assert!(t0.elapsed() < Duration::from_secs(10), "writes not started");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await; // room for more to start, were it let
+    assert_eq!(came(), CACHE_WRITERS, "writes running at once");
+    assert_eq!(
+        d.state().writing_bytes,
+        4 * SHARD,
+        "all four wait in memory"
+    );
+    drop(held);
+    for w in writes {
+        w.await.expect("the write ran");
+    }
+    assert_eq!(came(), 4);
+    assert_eq!(entry_files(&dir).len(), 4);
+    assert_eq!(d.state().writing_bytes, 0);
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -219,6 +219,7 @@ fn shared(datasets: Datasets) -> Arc<Shared> {
 
 /// [`shared`] with idle timeout `idle` (a data connect's limit is half of it).
 fn shared_with(datasets: Datasets, idle: Duration) -> Arc<Shared> {
+    let stats = Stats::of(&datasets);
     let cfg = SourceConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         secret: None,
@@ -239,7 +240,7 @@ fn shared_with(datasets: Datasets, idle: Duration) -> Arc<Shared> {
         draining: tokio::sync::watch::Sender::new(false),
         session_reads: Arc::default(),
         noise: crate::noise::Noise::default(),
-        stats: Stats::default(),
+        stats,
     })
 }
 
@@ -319,6 +320,7 @@ async fn a_fetch_of_a_cached_shard_waits_for_room_in_its_sessions_budget_not_beh
     // Shard 3 was read for an earlier FETCH and is in the disk cache.
     let (body, _) = r.want(1, 3).get(1).await.expect("read");
     drop(body);
+    r.cache_writes_done().await; // while it is written, it is held in memory
     assert_eq!(r.held_in(3), Some(HeldIn::Cache));
     let source: Arc<AtomicU64> = Arc::default();
     let mut q = queues(1, &source);
@@ -344,6 +346,34 @@ async fn a_fetch_of_a_cached_shard_waits_for_room_in_its_sessions_budget_not_beh
     assert_eq!(q.reads.bytes.load(Ordering::Acquire), SHARD);
     assert_eq!(source.load(Ordering::Acquire), SOURCE_READ_BUDGETS * SHARD);
     assert!(q.counts_hold());
+}
+
+/// A payload in memory counts in the source's budget until sent, even where its FETCH started
+/// on a shard held in the cache (counted in its session's budget only): the entry went, and
+/// the shard was read again into memory. Before, those bytes escaped the source's budget.
+#[test]
+fn a_payload_in_memory_counts_source_wide_wherever_its_shard_was_held() {
+    let source: Arc<AtomicU64> = Arc::default();
+    let q = queues(1, &source);
+    let cached = Counted {
+        bytes: SHARD,
+        source: false,
+    };
+    q.reads.count(cached);
+    assert_eq!(
+        source.load(Ordering::Acquire),
+        0,
+        "a cache file holds no memory"
+    );
+    let held = q.reads.held(q.reads.in_memory(cached));
+    assert_eq!(
+        source.load(Ordering::Acquire),
+        SHARD,
+        "held in memory until sent"
+    );
+    drop(held); // sent
+    assert_eq!(source.load(Ordering::Acquire), 0);
+    assert_eq!(q.reads.bytes.load(Ordering::Acquire), 0);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -571,6 +601,27 @@ fn local_shard(s: &Session, shard: usize) -> (Arc<std::fs::File>, Arc<Opened>) {
         }
         Backend::Remote(_) => panic!("`local` is served from a directory"),
     }
+}
+
+/// The checks of a local dataset's files are grouped by the file system each is on, found
+/// when the source starts (`stat`): a dead mount holds a few blocking threads, however many of
+/// its files the nodes ask for. Before, they were grouped by file.
+#[tokio::test(flavor = "current_thread")]
+async fn local_shard_files_are_checked_by_their_file_system() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = Scratch::new("stat-dev");
+    let (s, _node) = session(datasets(&dir, 2, false).await, 1).await;
+    let (file, opened) = local_shard(&s, 1);
+    let dev = file.metadata().unwrap().dev();
+    assert_eq!(s.shared.stats.device_of(&opened), Some(dev));
+    // A scratch folder on a disk or memory file system is checked without a thread hop.
+    let f_type = rustix::fs::fstatfs(&*file).unwrap().f_type;
+    let expect =
+        [0xEF53, 0x5846_5342, 0x9123_683E, 0x0102_1994, 0x794C_7630].contains(&(f_type as i64));
+    assert!(
+        !expect || s.shared.stats.checked_inline(&opened),
+        "{f_type:#x}"
+    );
 }
 
 #[tokio::test(flavor = "current_thread")]
