@@ -20,8 +20,9 @@
 //!
 //! The service closes an HTTP stream on [`HttpStream::close`] (also sent, best effort, when
 //! the stream is dropped; in a process forked after the open, neither sends anything) or
-//! after its idle timeout without requests. Either close takes at most 10 s in all, connect
-//! included, and is not sent again (as the Python SDK's). A batch dropped (every
+//! after its idle timeout without requests. Either close goes on a new connection (the node
+//! closes a kept-alive one idle for 10 s), takes at most 10 s in all, connect included, and is
+//! not sent again (as the Python SDK's). A batch dropped (every
 //! clone of it) without [`HttpStream::release`] is released before the stream's next `next`,
 //! as [`crate::Stream`] gives its dropped batches back.
 //!
@@ -316,9 +317,12 @@ impl Conn {
         self.exchange(route, path, body, (timeout, None), max)
     }
 
-    /// A request without a body sent once and answered within `limit` in all, connect
-    /// included: never sent again, not even on a kept-alive connection the server closed (the
-    /// Python SDK's close). For the close, which must not hold up the caller (or a drop).
+    /// A request without a body sent once, on a new connection, and answered within `limit`
+    /// in all, connect included (as the Python SDK's close, which opens a connection of its
+    /// own). For the close, which must not hold up the caller (or a drop). Never on the
+    /// kept-alive connection: the node closes one idle past its `http_header_timeout_secs`
+    /// (10 s by default, less than many a training step), and a request written to it then is
+    /// lost. A new connection the node closes unanswered had the request: not sent again.
     fn call_within(
         &mut self,
         route: &'static str,
@@ -326,11 +330,13 @@ impl Conn {
         limit: Duration,
     ) -> Result<Reply, ClientError> {
         let end = Instant::now().checked_add(limit);
+        self.sock = None;
         self.exchange(route, path, None, (limit, end), ANSWER_LIMIT)
     }
 
     /// [`Conn::call_at_most`] with each read's `timeout`; with an `end`, nothing (connect
-    /// included) waits past it, and the request is sent once only.
+    /// included) waits past it, and the request is sent once only (the caller starts it on a
+    /// new connection: [`Conn::call_within`]).
     fn exchange(
         &mut self,
         route: &'static str,
@@ -751,7 +757,8 @@ impl HttpStream {
         }
     }
 
-    /// Closes the stream on the service (every lease it holds ends). Takes at most 10 s in
+    /// Closes the stream on the service (every lease it holds ends). Sent on a new connection
+    /// (the kept-alive one may have been closed by the node while idle), takes at most 10 s in
     /// all, connect included, and is not sent again (as the Python SDK's `close`): an error
     /// says the close may not have arrived, and the service then closes the stream after its
     /// idle timeout.
@@ -822,33 +829,16 @@ mod tests {
         Some(target)
     }
 
-    /// A fake node's HTTP side for one connection: answers each request with `answer(method
-    /// and path)` (status, extra headers, body); returns the requests it saw.
+    /// A fake node's HTTP side: answers each request with `answer(method and path)` (status,
+    /// extra headers, body), over one kept-alive connection and then the close's own; returns
+    /// the requests it saw once it answered a `/close` ([`fake_node_raw`]).
     fn fake_node(
         answer: impl Fn(&str) -> (u16, &'static str, Vec<u8>) + Send + 'static,
     ) -> (String, std::thread::JoinHandle<Vec<String>>) {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let t = std::thread::spawn(move || {
-            let (s, _) = l.accept().unwrap();
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut w = s;
-            let mut seen = Vec::new();
-            loop {
-                let Some(target) = read_request(&mut r) else {
-                    return seen;
-                };
-                let (status, headers, body) = answer(&target);
-                seen.push(target);
-                let head = format!(
-                    "HTTP/1.1 {status} X\r\nContent-Length: {}\r\n{headers}\r\n",
-                    body.len()
-                );
-                w.write_all(head.as_bytes()).unwrap();
-                w.write_all(&body).unwrap();
-            }
-        });
-        (addr, t)
+        fake_node_raw(move |target| {
+            let (status, headers, body) = answer(target);
+            (raw_answer(status, headers, &body), false)
+        })
     }
 
     const OPENED: &str = r#"{"stream":1,"batches_per_epoch":1,"epochs":1,"idle_timeout_s":300,
@@ -1272,10 +1262,10 @@ mod tests {
         assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/1/close"]);
     }
 
-    /// A close whose kept-alive connection the node closes without an answer is not sent
-    /// again (before, it was, on a new connection: the wait twice over).
+    /// A close that the node takes and cuts off unanswered is not sent again (the wait twice
+    /// over): it went on a new connection, so the node had it.
     #[test]
-    fn a_close_is_sent_once_only() {
+    fn a_close_cut_off_unanswered_is_sent_once_only() {
         let (addr, node) = fake_node_raw(move |target| match target {
             "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
             t if t.ends_with("/close") => (Vec::new(), true),
@@ -1295,6 +1285,34 @@ mod tests {
             "{e}"
         );
         assert_eq!(seen, ["POST /v1/streams", "POST /v1/streams/1/close"]);
+    }
+
+    /// The node closes the kept-alive connection while the trainer is busy (its 10 s idle
+    /// keep-alive, here at once after the `next`): the close still arrives and succeeds, on a
+    /// new connection. Before, it was written to the closed connection, never sent again, and
+    /// `close()` failed with the stream left open on the node until its idle timeout.
+    #[test]
+    fn a_close_after_the_node_closed_the_idle_connection_arrives() {
+        let (addr, node) = fake_node_raw(move |target| match target {
+            "POST /v1/streams" => (raw_answer(201, "", OPENED.as_bytes()), false),
+            t if t.starts_with("POST /v1/streams/1/next") => {
+                (raw_answer(200, "", &batch("[4]")), true)
+            }
+            _ => (raw_answer(200, "", b"{}"), false),
+        });
+        let mut s = HttpStream::open(&addr, StreamOptions::new("d")).unwrap();
+        s.next().unwrap().expect("a batch");
+        // The node's side is closed by now (or its close crosses the request): either way,
+        // a request written to the kept-alive connection would be lost.
+        std::thread::sleep(Duration::from_millis(50));
+        let r = s.close();
+        // Checked before the join: a close that never arrives leaves the node waiting.
+        assert!(r.is_ok(), "{r:?}");
+        let seen = node.join().unwrap();
+        assert_eq!(
+            seen.last().map(String::as_str),
+            Some("POST /v1/streams/1/close")
+        );
     }
 
     /// A connection that fails under a request names the request. Before, it read as a Unix

@@ -567,9 +567,9 @@ impl Stream {
     }
 
     /// Sends the request frame in `self.frame`. A node that ends the connection (its
-    /// `trainer_idle_timeout_secs` passed, a bad request, too many failed releases) first
-    /// sends an `error` saying why, then closes it: the send finds it closed (EPIPE,
-    /// ECONNRESET) with that error still to be read. It is returned
+    /// `trainer_idle_timeout_secs` passed, a bad request) first sends an `error` saying why,
+    /// then closes it: the send finds it closed (EPIPE, ECONNRESET) with that error still to
+    /// be read, behind the answers to the requests in flight. It is returned
     /// ([`ClientError::Service`]) in place of the broken pipe, which says nothing of why, as
     /// `attach` returns a refusal; either way the stream is broken.
     fn send_frame(&mut self) -> Result<(), ClientError> {
@@ -584,27 +584,35 @@ impl Stream {
         Err(self.broke(why))
     }
 
-    /// The last `error` among the answers the node sent before it closed the connection (the
-    /// others, which no request will take now, are skipped), read without waiting for more.
+    /// The `error` the node sent after the answers to every request in flight (`awaited`),
+    /// before it closed the connection, read without waiting for more. An `error` among those
+    /// answers answers its request (a release's `unknown_lease`): it is no reason for the
+    /// close, which may have been a crash that sent none (then None: the broken pipe stands).
+    /// Where the node closed in place of answering (more failed releases than it takes behind
+    /// a `next`), its error answers the `next` and the releases stay unanswered: None too.
     fn closing_error(&mut self) -> Option<ClientError> {
         let limits = ReadLimits {
             idle: Some(Duration::ZERO),
             frame: CLOSING_READ,
         };
         let until = Instant::now() + CLOSING_READ;
-        let mut last = None;
+        let mut unanswered = self.awaited.len();
         while Instant::now() < until {
             let Ok(body) = self.reader.read_data_timed(&self.sock, limits) else {
                 break; // the close (or nothing more yet)
             };
+            if unanswered > 0 {
+                unanswered -= usize::from(ends_request(body));
+                continue;
+            }
             if body.first() == Some(&binary::BINARY_BATCH_TAG) {
                 continue;
             }
             if let Ok(Response::Error { code, message }) = Response::decode(body) {
-                last = Some(ClientError::Service { code, message });
+                return Some(ClientError::Service { code, message });
             }
         }
-        last
+        None
     }
 
     /// Reads the answers of releases at the head of the awaited requests (an error among them
@@ -694,6 +702,17 @@ impl Stream {
             Ok(answer)
         }
     }
+}
+
+/// Whether `body`, an answer, is its request's last: anything but a batch marked `more`
+/// (another batch answering the same `next` follows). One that cannot be read counts as an
+/// answer of its own.
+fn ends_request(body: &[u8]) -> bool {
+    let answer = match body.first() == Some(&binary::BINARY_BATCH_TAG) {
+        true => binary::decode_batch(body).ok(),
+        false => decode_json(body).ok().map(|(answer, _)| answer),
+    };
+    !matches!(answer, Some(Response::Batch { more: true, .. }))
 }
 
 /// Decodes a JSON answer; one whose state has fields this client does not know decodes with

@@ -490,7 +490,7 @@ fn check_names(src: &source::Source, shards: &[ShardEntry]) -> Result<(), IndexE
     for s in shards {
         shardwire_protocol::manifest::check_names(&s.tensors).map_err(|reason| {
             let names: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
-            src.unsupported(reason, names.join(", "))
+            src.unsupported_data(reason, names.join(", "))
         })?;
     }
     Ok(())

@@ -20,7 +20,8 @@ pub(crate) enum Made {
 }
 
 /// Refuses a shard of `src` over one of the per-shard limits, naming the value and what to
-/// do for files made as `made`.
+/// do for files made as `made`. A length names the file read (its value is an offset in
+/// it); the tensors, about the data, name [`Source::data_file`] (a converted Parquet file).
 pub(crate) fn check(src: &Source, shards: &[ShardEntry], made: Made) -> Result<(), IndexError> {
     for s in shards {
         if s.length > MAX_SHARD_LENGTH {
@@ -34,7 +35,7 @@ pub(crate) fn check(src: &Source, shards: &[ShardEntry], made: Made) -> Result<(
         }
         if s.tensors.len() > MAX_TENSORS_PER_SHARD {
             let names: Vec<&str> = s.tensors.iter().take(5).map(|t| t.name.as_str()).collect();
-            return Err(src.unsupported(
+            return Err(src.unsupported_data(
                 format!(
                     "a shard holds at most {MAX_TENSORS_PER_SHARD} tensors; {}",
                     too_many(made)
@@ -43,7 +44,7 @@ pub(crate) fn check(src: &Source, shards: &[ShardEntry], made: Made) -> Result<(
             ));
         }
         if let Some(t) = s.tensors.iter().find(|t| t.shape.len() > MAX_DIMS) {
-            return Err(src.unsupported(
+            return Err(src.unsupported_data(
                 format!(
                     "tensor `{}` has more than the {MAX_DIMS} dimensions a tensor may have; \
                      reshape it to fewer",

@@ -5,24 +5,31 @@
 //! The columns and values are those of `pyarrow.parquet.read_table`: the Arrow schema
 //! pyarrow stores in the file (`ARROW:schema`) is honoured by the `parquet` crate's reader.
 //! Each row group becomes one record batch, split into batches of at most
-//! [`MAX_BATCH_ROWS`] rows and about [`MAX_BATCH_BYTES`] bytes (by the footer's
-//! uncompressed size of the row group) when larger: each batch is one shard, and is held in
-//! memory whole while it is converted ([`plan_batches`]). The Parquet file is opened once,
-//! and every row group read through that handle, so a file replaced meanwhile (`mv`) is
-//! never half read.
+//! [`MAX_BATCH_ROWS`] rows and about [`MAX_BATCH_BYTES`] bytes of the row group's encoded
+//! data when larger: each batch is one shard, and is held in memory whole while it is
+//! converted ([`plan_batches`]). The bytes are the footer's `total_byte_size`, the pages'
+//! size uncompressed but still encoded: a dictionary- or run-length-encoded column (pyarrow
+//! writes dictionaries by default) counts far less than it decodes to (a 4 KiB string
+//! repeated in every row, a few bytes a row), so a batch may hold far more than 128 MiB once
+//! decoded (64 Ki rows of it: 256 MiB). The Parquet file is opened once, and every row group
+//! read through that handle, so a file replaced meanwhile (`mv`) is never half read.
 //!
 //! Next to each cached file a JSON sidecar (`<cache>.json`) records what it was made
 //! from: the Parquet file's size and modification time (and the cached file's size). While
 //! they match, the cached file is reused. The cache directory is hidden, so the walk never
 //! reads it as input; the manifest names the cached file (the source serves any relative
 //! path). Both files are written to a temporary file first and then renamed. Messages
-//! about the data name the Parquet file and the row group ([`batch_at`]), not the cache.
+//! about the data (columns, values) name the Parquet file and the row group ([`batch_at`]),
+//! not the cache; those about the cached file's own bytes (a read that fails, a structure
+//! damaged since it was written) name the cached file, which can be deleted to convert again.
 //!
 //! A dataset in object storage ([`remote`]) is converted the same way, reading the Parquet
 //! object with ranged GETs; the converted file and its sidecar (which records the object's
 //! size and ETag instead of a modification time) are uploaded beside the data, under the
 //! same hidden cache prefix, and reused while they match. The manifest's `objects` list
-//! the Parquet object too (its size and ETag when it was converted).
+//! the Parquet object too (its size and ETag when it was converted): a record only, which no
+//! source checks (it reads the cache, whose entry it checks); a changed Parquet object is
+//! converted again at the next index.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -47,19 +54,20 @@ mod tests;
 pub(crate) const CACHE_DIR: &str = ".shardwire-cache/parquet";
 /// Most rows in one converted record batch (one shard).
 pub(crate) const MAX_BATCH_ROWS: usize = 65_536;
-/// About the most bytes in one converted record batch, by the footer's uncompressed size of
-/// its row group (a batch is held in memory whole while it is converted).
+/// About the most bytes in one converted record batch, by the footer's size of its row
+/// group's encoded data (uncompressed, not decoded: a dictionary-encoded column decodes to
+/// more, so a batch may hold more once decoded; the module's doc).
 pub(crate) const MAX_BATCH_BYTES: u64 = 128 << 20;
 /// Version of the sidecar layout; a different one means convert again (2: batches cut by
 /// bytes too, so a cache of format 1 may hold other batches than [`plan_batches`] says).
 const SIDECAR_FORMAT: u64 = 2;
 
-/// How converted record batches are cut: at most `rows` rows, about `bytes` bytes.
+/// How converted record batches are cut: at most `rows` rows, about `bytes` encoded bytes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BatchLimit {
     /// Most rows in a batch.
     pub rows: usize,
-    /// About the most bytes in a batch (at least one row).
+    /// About the most encoded bytes in a batch (at least one row).
     pub bytes: u64,
 }
 
@@ -80,11 +88,11 @@ pub(crate) struct Planned {
     pub rows: u64,
 }
 
-/// The record batches that row groups of `(rows, uncompressed bytes)` are converted into, in
+/// The record batches that row groups of `(rows, encoded bytes)` are converted into, in
 /// order: each row group cut into batches of the same number of rows (the last one may be
-/// shorter), at most `limit.rows` and about `limit.bytes` bytes by the row group's average
-/// row; none for an empty row group. A pyarrow file of 1 Mi rows of 256 KiB images per row
-/// group gives batches of 512 rows (128 MiB), not one of 64 Ki rows (16 GiB).
+/// shorter), at most `limit.rows` and about `limit.bytes` encoded bytes by the row group's
+/// average row; none for an empty row group. A pyarrow file of 1 Mi rows of 256 KiB images
+/// per row group gives batches of 512 rows (128 MiB), not one of 64 Ki rows (16 GiB).
 pub(crate) fn plan_batches(groups: &[(usize, i64)], limit: BatchLimit) -> Vec<Planned> {
     let mut out = Vec::new();
     for (group, &(rows, bytes)) in groups.iter().enumerate() {
@@ -103,7 +111,7 @@ pub(crate) fn plan_batches(groups: &[(usize, i64)], limit: BatchLimit) -> Vec<Pl
     out
 }
 
-/// Rows in each batch of a row group of `rows` rows and `bytes` uncompressed bytes (a
+/// Rows in each batch of a row group of `rows` rows and `bytes` encoded bytes (a
 /// count that is not positive read as 1 byte: cut by rows only).
 fn batch_rows(rows: usize, bytes: i64, limit: BatchLimit) -> usize {
     let bytes = u128::from(u64::try_from(bytes).unwrap_or(0).max(1));
@@ -113,7 +121,7 @@ fn batch_rows(rows: usize, bytes: i64, limit: BatchLimit) -> usize {
         .clamp(1, limit.rows.max(1))
 }
 
-/// The `(rows, uncompressed bytes)` of each row group of `meta`; the row group whose row
+/// The `(rows, encoded bytes)` of each row group of `meta`; the row group whose row
 /// count is negative (a damaged footer), with that count, otherwise.
 fn row_groups(meta: &ParquetMetaData) -> Result<Vec<(usize, i64)>, (usize, i64)> {
     let groups = meta.row_groups().iter().enumerate();

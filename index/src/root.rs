@@ -51,24 +51,26 @@ impl Root {
     }
 
     /// The Arrow IPC file converted from the Parquet file `rel` (converted now, or reused),
-    /// open as a source whose messages name `rel` (its `rel` is the cached file's, which
-    /// the shards name).
+    /// open as a source whose messages about the data name `rel` (its `origin`), and those
+    /// about the cached file's own bytes (a read, its structure) the cached file; its `rel`
+    /// is the cached file's, which the shards name.
     pub fn parquet(&mut self, rel: &str) -> Result<(Source, ParquetNote), IndexError> {
         match self {
             Root::Local(dir) => {
                 let parquet = dir.join(rel);
                 let (path, note) = parquet::cached(dir, &parquet, rel)?;
                 let mut src = Source::open(&path, &note.cache)?;
-                src.path = parquet;
+                src.origin = Some(parquet);
                 Ok((src, note))
             }
             Root::Remote(r) => parquet::remote::cached_remote(r, rel),
         }
     }
 
-    /// `e`, an error about the Arrow file converted from the Parquet file `rel`, with the
-    /// record batch it names told as the row group and rows of `rel` it holds (as it is
-    /// when the footer of `rel` cannot be read again).
+    /// `e`, an error about the Arrow file converted from the Parquet file `rel`: a column
+    /// error (which names `rel` already: [`Source::data_file`]) has the record batch it names
+    /// told as the row group and rows of `rel` it holds (as it is when the footer of `rel`
+    /// cannot be read again); any other error is passed on as it is.
     pub fn in_row_group(&self, rel: &str, e: IndexError) -> IndexError {
         let (file, index, column, reason, value) = match e {
             IndexError::Column {
@@ -98,8 +100,8 @@ impl Root {
     }
 
     /// For a dataset in object storage, the objects `shards` read and the Parquet objects
-    /// `parquet` converted (size, ETag), so that a Parquet object changed since it was
-    /// indexed can be told by its entry; none for a local directory (so its manifest and
+    /// `parquet` converted (size, ETag: a record of what was converted, which no source
+    /// checks, as it reads only the cache); none for a local directory (so its manifest and
     /// digest stay as they were).
     pub fn objects_for(&self, shards: &[ShardEntry], parquet: &[ParquetNote]) -> Vec<ObjectEntry> {
         match self {

@@ -23,8 +23,12 @@ const ZERO_SCAN_CHUNK: u64 = 1 << 20;
 
 /// An open data file.
 pub(crate) struct Source {
-    /// Full path or URL (for messages).
+    /// Full path or URL (for messages about its bytes: reads, structure, offsets).
     pub path: PathBuf,
+    /// The file its data was converted from, where there is one (the Parquet file of a
+    /// converted Arrow file): messages about the data (columns, values) name it
+    /// ([`Source::data_file`]), those about this file's own bytes `path`.
+    pub origin: Option<PathBuf>,
     /// Path relative to the dataset directory, '/'-separated (for the manifest).
     pub rel: String,
     /// File length in bytes.
@@ -43,10 +47,17 @@ impl Source {
     pub fn new(path: PathBuf, rel: &str, len: u64, blob: Box<dyn Blob>) -> Self {
         Self {
             path,
+            origin: None,
             rel: rel.to_owned(),
             len,
             blob,
         }
+    }
+
+    /// The file messages about the data (columns, values, the shards they make) name: the
+    /// one it was converted from, if any, else this one.
+    pub fn data_file(&self) -> &Path {
+        self.origin.as_deref().unwrap_or(&self.path)
     }
 
     /// The file name without its extension (tensor name for `.npy` and `.bin`).
@@ -171,6 +182,16 @@ impl Source {
         }
     }
 
+    /// An [`IndexError::Unsupported`] about the data (columns, values, the shards they make),
+    /// naming [`Source::data_file`].
+    pub fn unsupported_data(&self, reason: impl Into<String>, value: impl ToString) -> IndexError {
+        IndexError::Unsupported {
+            file: self.data_file().to_path_buf(),
+            reason: reason.into(),
+            value: value.to_string(),
+        }
+    }
+
     /// An [`IndexError::Malformed`] for this file.
     pub fn malformed(&self, reason: impl Into<String>, value: impl ToString) -> IndexError {
         IndexError::Malformed {
@@ -270,6 +291,31 @@ mod tests {
         let crc = shardwire_protocol::crc::crc32c;
         assert_eq!(shards[0].crc32c, crc(&data[5..100_005]));
         assert_eq!(shards[1].crc32c, crc(&data));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn data_errors_name_the_origin_and_the_files_own_errors_name_it() {
+        // A converted file: its data was the Parquet file's, its bytes are its own.
+        let dir = temp_dir("source-origin");
+        std::fs::write(dir.join("a.arrow"), b"0123").unwrap();
+        let mut src = Source::open(&dir.join("a.arrow"), "a.arrow").unwrap();
+        assert_eq!(
+            src.data_file(),
+            dir.join("a.arrow"),
+            "none: the file itself"
+        );
+        src.origin = Some(dir.join("a.parquet"));
+        let data = src.unsupported_data("too many tensors", "x");
+        assert!(
+            matches!(&data, IndexError::Unsupported { file, .. } if *file == dir.join("a.parquet")),
+            "{data:?}"
+        );
+        let own = src.read_at("footer", 2, 10).unwrap_err();
+        assert!(
+            matches!(&own, IndexError::Malformed { file, .. } if *file == dir.join("a.arrow")),
+            "{own:?}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -356,8 +356,83 @@ def test_a_send_the_node_closed_says_the_nodes_closing_error():
         b.sendall(framed(json.dumps(closing).encode()))
         b.close()
         with pytest.raises(ConnectionClosed, match="closed the connection: timeout: no request for 3600 s"):
-            for _ in range(4):  # the first send may still land in the socket's buffer
-                conn.send_bytes(framed(b'{"op":"next"}'))
+            conn.send_bytes(framed(b'{"op":"next"}'))  # the peer is closed: EPIPE at once
         assert conn.recv_reply() == closing
+    finally:
+        a.close()
+
+
+def _ended(*replies: bytes) -> tuple[_wire.Conn, socket.socket]:
+    """A connection with one request sent (a ``next`` in flight), whose node then sends
+    `replies` (framed bodies, in one write) and closes it."""
+    a, b = socket.socketpair()
+    conn = _wire.Conn(a)
+    conn.send_bytes(framed(b'{"op":"next"}'))
+    b.sendall(b"".join(replies))
+    b.close()
+    return conn, a
+
+
+def _send_error(conn: _wire.Conn) -> str:
+    """The message of the ConnectionClosed a send on `conn`, which the node closed, raises."""
+    from shardwire._errors import ConnectionClosed
+
+    with pytest.raises(ConnectionClosed) as e:
+        conn.send_bytes(framed(b'{"op":"next"}'))
+    return str(e.value)
+
+
+def test_an_error_that_answers_a_request_is_not_taken_for_the_reason_of_a_close():
+    """An ``error`` that answers the request in flight (its releases refused,
+    ``unknown_lease``), then a node that dies without a word: the send after it says the
+    connection failed, not that answer (before: "closed the connection: unknown_lease", which a
+    caller may take as harmless)."""
+    refused = {"op": "error", "code": "unknown_lease", "message": "lease(s) [7] are not held"}
+    conn, a = _ended(framed(json.dumps(refused).encode()))
+    try:
+        message = _send_error(conn)
+        assert "unknown_lease" not in message, message
+        assert "failed while sending" in message, message
+        assert conn.recv_reply() == refused, "the answer stays for whoever reads it"
+    finally:
+        a.close()
+
+
+def test_the_closing_error_is_found_behind_the_answers_in_flight():
+    """The node's closing ``error`` behind the answers to the request in flight (two batches
+    answering one ``next``, the first marked ``more``) is the one named."""
+    more = {"op": "batch", "lease": 9, "more": True}
+    last = {"op": "batch", "lease": 10}
+    closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
+    conn, a = _ended(*(framed(json.dumps(m).encode()) for m in (more, last, closing)))
+    try:
+        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn)
+    finally:
+        a.close()
+
+
+def test_the_closing_error_is_found_among_replies_already_decoded():
+    """The answer in flight and the closing error came in one write, both decoded when the
+    first was read: the closing error is found among the decoded replies (before, only the
+    bytes not yet decoded were looked through: the message was the bare broken pipe)."""
+    refused = {"op": "error", "code": "unknown_lease", "message": "lease(s) [7] are not held"}
+    closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
+    conn, a = _ended(framed(json.dumps(refused).encode()), framed(json.dumps(closing).encode()))
+    try:
+        assert conn.recv_reply() == refused
+        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn)
+    finally:
+        a.close()
+
+
+def test_a_reply_nested_too_deeply_among_those_unread_still_gives_connection_closed():
+    """A reply nested too deeply for ``json`` to decode (a RecursionError), still unread when
+    the send fails: the send raises ConnectionClosed with the closing error behind it (before,
+    the RecursionError escaped from ``send_bytes``)."""
+    nested = b"[" * 20_000  # far past the recursion limit; small enough for one write
+    closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
+    conn, a = _ended(framed(nested), framed(json.dumps(closing).encode()))
+    try:
+        assert "closed the connection: timeout" in _send_error(conn)
     finally:
         a.close()

@@ -297,6 +297,86 @@ fn a_connection_the_node_ended_returns_the_nodes_error_not_a_broken_pipe() {
     close(s, node, &at);
 }
 
+/// A fake node that answers two `next`s with batches 7 and 8, reads the `next` asked ahead
+/// after 8, sends `then` (the answers to it, and what follows them) and closes the
+/// connection; `ended` hears of it. The client's side is at batch 8, that `next` in flight.
+fn ended_after(at: &PathBuf, then: Vec<Response>) -> (Stream, Batch, JoinHandle<()>) {
+    let (ended_tx, ended) = std::sync::mpsc::channel();
+    let node = fake(at, move |c| {
+        answer_attach(c);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 7);
+        assert_eq!(request(c)["op"], "next");
+        send_batch(c, 8);
+        assert_eq!(request(c)["op"], "next", "asked ahead");
+        for r in &then {
+            send_response(c, r);
+        }
+        c.shutdown(std::net::Shutdown::Both).unwrap();
+        ended_tx.send(()).unwrap();
+    });
+    let mut s = Stream::open(at, StreamOptions::new("d")).expect("attached");
+    let b = s.next().expect("a batch").expect("not the end");
+    let b = s.next_after(b).expect("a batch").expect("not the end");
+    ended.recv().unwrap();
+    (s, b, node)
+}
+
+/// An `error` that answers the request in flight (here its release list refused,
+/// `unknown_lease`), then a node that dies without a word: the send after it returns the
+/// broken pipe, not that answer. Before, the last `error` unread was taken for the node's
+/// reason to close: the release returned `unknown_lease`, which a caller may take as
+/// harmless, and carried on.
+#[test]
+fn an_error_that_answers_a_request_is_not_taken_for_the_reason_of_a_close() {
+    let at = path("answer-not-reason");
+    let refused = Response::Error {
+        code: ErrorCode::UnknownLease,
+        message: "lease(s) [7] are not held by this stream".into(),
+    };
+    let (mut s, b, node) = ended_after(&at, vec![refused]);
+    let e = s.release(b).expect_err("the node is gone");
+    let closed = |io: &std::io::Error| {
+        matches!(
+            io.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        )
+    };
+    assert!(
+        matches!(&e, ClientError::Frame(FrameIoError::Io(io)) if closed(io)),
+        "{e}"
+    );
+    close(s, node, &at);
+}
+
+/// The node's closing `error` comes behind the answers to the requests in flight (here two
+/// batches answering the `next` asked ahead, the first marked `more`): it is found past them.
+#[test]
+fn the_closing_error_is_found_behind_the_answers_in_flight() {
+    let at = path("reason-behind");
+    let batch = |lease, more| Response::Batch {
+        lease,
+        epoch: 0,
+        index: lease,
+        shard: 0,
+        tensors: Vec::new(),
+        state: Some(state()),
+        more,
+    };
+    let why = "nothing arrived within 3600s (trainer_idle_timeout_secs)";
+    let closing = Response::Error {
+        code: ErrorCode::Timeout,
+        message: why.into(),
+    };
+    let (mut s, b, node) = ended_after(&at, vec![batch(9, true), batch(10, false), closing]);
+    let e = s.release(b).expect_err("the node ended the connection");
+    assert!(
+        matches!(&e, ClientError::Service { code: ErrorCode::Timeout, message } if message == why),
+        "{e}"
+    );
+    close(s, node, &at);
+}
+
 #[test]
 fn a_batch_that_came_whole_is_handed_out_though_the_request_after_it_finds_the_node_gone() {
     let at = path("gone");

@@ -331,17 +331,17 @@ fn plans_for(
         .map_err(|e| src.malformed("invalid schema", e))?;
     plan_schema(&schema, choice).map_err(|e| match e {
         PlanErr::Column((column, reason, value)) if column.is_empty() => {
-            src.unsupported(reason, value)
+            src.unsupported_data(reason, value)
         }
         PlanErr::Column((column, reason, value)) => IndexError::Column {
-            file: src.path.clone(),
+            file: src.data_file().to_path_buf(),
             batch: None,
             column,
             reason,
             value,
         },
         PlanErr::Unknown(column, available) => IndexError::UnknownColumn {
-            file: src.path.clone(),
+            file: src.data_file().to_path_buf(),
             column,
             available: available.join(", "),
         },
@@ -405,7 +405,7 @@ fn batch_shard(
         Err(BatchFail::Read(e)) => return Err(e),
         Err(BatchFail::Layout((Some(column), reason, value))) => {
             return Err(IndexError::Column {
-                file: src.path.clone(),
+                file: src.data_file().to_path_buf(),
                 batch: Some(Box::new(BatchAt::Batch(index))),
                 column,
                 reason,

@@ -5,7 +5,8 @@
 //! object of the recorded size, mean the conversion is reused. The local temporary folder
 //! is `std::env::temp_dir()` (`TMPDIR`): an error writing there says so ([`temp_error`]).
 //!
-//! Messages about the data name the Parquet object (its URL), not the cached one.
+//! Messages about the data (columns, values) name the Parquet object (its URL); those about
+//! the cached object's own bytes (a read, its structure) name the cached object.
 
 use std::path::PathBuf;
 
@@ -46,7 +47,7 @@ pub(crate) fn cached_remote(
     if let Some(row_groups) = still_valid(remote, &side_rel, &cache_rel, &src)? {
         note.row_groups = row_groups;
         let mut source = remote.open_file(&cache_rel)?;
-        source.path = remote.display(rel);
+        source.origin = Some(remote.display(rel));
         return Ok((source, note));
     }
     if !url.scheme().writable() {
@@ -80,7 +81,8 @@ pub(crate) fn cached_remote(
     let (file, len) = LocalFile::open(&local)?;
     note.reused = false;
     note.row_groups = row_groups;
-    let source = Source::new(name, &cache_rel, len, Box::new(file));
+    let mut source = Source::new(remote.display(&cache_rel), &cache_rel, len, Box::new(file));
+    source.origin = Some(name);
     Ok((source, note))
 }
 

@@ -421,6 +421,28 @@ fn a_column_error_names_the_parquet_file_and_row_group_not_the_cache() {
 }
 
 #[test]
+fn a_damaged_cache_is_named_not_the_parquet_file() {
+    // The cache's trailer overwritten, its size kept (so the sidecar still matches and it is
+    // reused). Before: `DIR/a.parquet: Arrow IPC file does not end with the ARROW1 magic`,
+    // of a file pyarrow reads fine, while the cache, the file to delete, went unnamed.
+    let dir = temp_dir("parquet-damaged-cache");
+    write_parquet(&dir.join("a.parquet"), &rows(10), 4, Compression::SNAPPY);
+    index(&dir);
+    let cache = dir.join(CACHE_DIR).join("a.parquet.arrow");
+    let mut bytes = std::fs::read(&cache).unwrap();
+    let n = bytes.len();
+    bytes[n - 6..].copy_from_slice(b"XXXXXX");
+    std::fs::write(&cache, &bytes).unwrap();
+    let e = index_report(&dir, &IndexOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, IndexError::Malformed { file, .. } if *file == cache),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("ARROW1"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_full_temporary_folder_in_a_remote_conversion_says_so_and_names_tmpdir() {
     // Before, a bare `ArrowWrite` on /tmp/shardwire-index-parquet-*/converted.arrow: no word
     // of what the file is, nor of TMPDIR.

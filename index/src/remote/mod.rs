@@ -99,8 +99,9 @@ impl Remote {
     }
 
     /// The object entries (size, ETag) of the files `shards` read, and of the objects
-    /// `also` names (the Parquet objects converted: no shard reads them, but a source can
-    /// tell from their entries that they changed since they were indexed).
+    /// `also` names (the Parquet objects converted: no shard reads them, and no source checks
+    /// their entries, which record what was converted; a changed one is converted again at
+    /// the next index, whose sidecar check sees the new size or ETag).
     pub fn objects_for<'a>(
         &self,
         shards: &'a [ShardEntry],

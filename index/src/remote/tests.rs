@@ -193,8 +193,9 @@ fn parquet(n: i64) -> Vec<u8> {
 
 #[test]
 fn a_converted_parquet_object_is_listed_in_the_objects_with_its_etag() {
-    // Before, only the converted cache was listed: a Parquet object uploaded again after
-    // indexing changed no entry of the manifest, and the stale conversion was served.
+    // Before, only the converted cache was listed: the manifest did not record which
+    // Parquet object (size, ETag) its shards were converted from. (A changed object was
+    // converted again at the next index, as it still is; no source compares these entries.)
     let url = StoreUrl::parse("s3://remote-parquet/ds").unwrap();
     let opts = StoreOptions::default();
     let store = Store::with_object_store(&url, opts, Arc::new(InMemory::new()), described());
@@ -231,4 +232,32 @@ fn a_converted_parquet_object_is_listed_in_the_objects_with_its_etag() {
     let o = changed.manifest.object("a.parquet").unwrap();
     assert_eq!((o.size, &o.etag), (head.size, &head.etag));
     assert_ne!(changed.manifest.digest, m.digest);
+}
+
+#[test]
+fn a_damaged_cache_object_is_named_not_the_parquet_object() {
+    // The cached object uploaded again damaged, its size kept (the sidecar still matches: it
+    // is reused). Before, the error named the Parquet object, which reads fine.
+    let url = StoreUrl::parse("s3://remote-parquet-damaged/ds").unwrap();
+    let opts = StoreOptions::default();
+    let store = Store::with_object_store(&url, opts, Arc::new(InMemory::new()), described());
+    let store = Blocking::new(store).unwrap();
+    store.put("a.parquet", Bytes::from(parquet(10))).unwrap();
+    let index = || {
+        let remote = Remote::with_store(store.clone()).unwrap();
+        Dataset::remote(remote).index(&IndexOptions::default())
+    };
+    index().unwrap();
+    let cache = ".shardwire-cache/parquet/a.parquet.arrow";
+    let size = store.head(cache).unwrap().size;
+    let mut bytes = store.read(cache, 0..size, None).unwrap().to_vec();
+    let n = bytes.len();
+    bytes[n - 6..].copy_from_slice(b"XXXXXX");
+    store.put(cache, Bytes::from(bytes)).unwrap();
+    let e = index().unwrap_err();
+    let named = Remote::with_store(store.clone()).unwrap().display(cache);
+    assert!(
+        matches!(&e, IndexError::Malformed { file, .. } if *file == named),
+        "{e:?}"
+    );
 }

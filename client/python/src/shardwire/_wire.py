@@ -150,6 +150,13 @@ def _decode(body: bytes) -> Message:
     return msg
 
 
+def _ends(msg: Message | ProtocolError) -> int:
+    """1 when `msg`, a reply (or the ProtocolError decoding it raised), is the last answer to
+    its request: anything but a batch marked ``more`` (another batch answering the same
+    ``next`` follows); else 0."""
+    return 0 if isinstance(msg, dict) and msg.get("more") else 1
+
+
 def _close_fds(fds: list[int]) -> None:
     """Closes every fd in `fds` (received ones: see `Conn.recv_fds`)."""
     for fd in fds:
@@ -182,13 +189,17 @@ class Conn:
         self.unsent = 0
         #: True once requests were cut short, or may have been (see `send_bytes`).
         self.torn = False
+        #: Requests sent, and replies received that were the last answer to their request (see
+        #: `_ends`): how `_closing_error` tells the answers still owed from what follows them.
+        self._asked = 0
+        self._answered = 0
 
     def send(self, *msgs: Message) -> None:
         """Sends one or more requests together (the service answers them in order)."""
-        self.send_bytes(b"".join(encode(m) for m in msgs))
+        self.send_bytes(b"".join(encode(m) for m in msgs), len(msgs))
 
-    def send_bytes(self, data: bytes) -> None:
-        """Sends encoded requests, whole.
+    def send_bytes(self, data: bytes, requests: int = 1) -> None:
+        """Sends encoded requests (`requests` of them), whole.
 
         An exception that strikes meanwhile (a signal handler's, such as Ctrl-C's: CPython runs
         them inside a blocked socket call and right after one returns) leaves `unsent` telling
@@ -200,6 +211,9 @@ class Conn:
         """
         view = memoryview(data)
         self.unsent, writing = len(view), False
+        # Counted before they go: a count an interrupt leaves too high only makes
+        # `_closing_error` miss the node's reason, never take an answer for it.
+        self._asked += requests
         try:
             while self.unsent:
                 writing = True
@@ -214,17 +228,20 @@ class Conn:
                         ) from None
                 writing = False
         except OSError as e:
+            self._asked -= requests  # the node, gone, answers none of them
             raise ConnectionClosed(self._send_failed(e)) from e
         except BaseException:
             self.torn = self.unsent != 0 and (writing or self.unsent != len(view))
+            if self.unsent == len(view):
+                self._asked -= requests  # none went out (the stream takes them back)
             raise
 
     def _send_failed(self, e: OSError) -> str:
         """Why a send failed with `e`. A node that ends a connection (its
-        ``trainer_idle_timeout_secs`` passed, a bad request, too many failed releases) first
-        sends an ``error`` saying why, then closes it: the send finds it closed (EPIPE,
-        ECONNRESET) with that error still unread, and its code and message say why where the
-        broken pipe alone would not (as the Rust SDK's)."""
+        ``trainer_idle_timeout_secs`` passed, a bad request) first sends an ``error`` saying
+        why, then closes it: the send finds it closed (EPIPE, ECONNRESET) with that error still
+        unread, behind the answers to the requests in flight, and its code and message say why
+        where the broken pipe alone would not (as the Rust SDK's)."""
         why = f"the node service connection failed while sending: {e}"
         if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
             return why
@@ -234,15 +251,25 @@ class Conn:
         return f"the node service closed the connection: {err.get('code')}: {err.get('message')}"
 
     def _closing_error(self) -> Message | None:
-        """The last ``error`` among the replies the node sent before it closed the connection:
-        those received and not yet decoded (``_buf``) and those still in the socket, peeked at
-        without waiting. Nothing is taken: the replies stay for whoever reads them (see
-        ``_send_unattached``)."""
+        """The ``error`` the node sent after the answers to every request sent (`_asked`),
+        before it closed the connection. Looked for in the replies decoded and not yet taken
+        (``_ready``), then those received and not yet decoded (``_buf``) and those still in the
+        socket, peeked at without waiting. Nothing is taken: the replies stay for whoever reads
+        them (see ``_send_unattached``). An ``error`` among the answers answers its request (a
+        release's ``unknown_lease``): it is no reason for the close, which may have been a
+        crash that sent none (then None: the broken pipe stands), as the Rust SDK's."""
+        # Answers still owed to the requests sent, counted from the head of `_ready` (whose
+        # replies `_answered` counts already).
+        owed = self._asked - self._answered + sum(map(_ends, self._ready))
+        for msg in self._ready:
+            if owed <= 0 and isinstance(msg, dict) and msg.get("op") == "error":
+                return msg
+            owed -= _ends(msg)
         try:
             queued = self.sock.recv(_CLOSING_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:  # nothing there (BlockingIOError), or the reset
             queued = b""
-        data, at, found = bytes(self._buf) + queued, 0, None
+        data, at = bytes(self._buf) + queued, 0
         while len(data) - at >= 4:
             (n,) = _LEN.unpack_from(data, at)
             body = data[at + 4 : at + 4 + n]
@@ -250,14 +277,17 @@ class Conn:
                 break
             at += 4 + n
             if body[:1] == _BINARY_TAG:
+                owed -= 0 if len(body) > 1 and body[1] & _binary.FLAG_MORE else 1
                 continue
             try:
-                msg = json.loads(body)
-            except ValueError:
+                reply = _loads(body, "reply from the node service")
+            except ProtocolError:  # not JSON, or nested too deeply: an answer all the same
+                owed -= 1
                 continue
-            if isinstance(msg, dict) and msg.get("op") == "error":
-                found = msg
-        return found
+            if owed <= 0 and isinstance(reply, dict) and reply.get("op") == "error":
+                return reply
+            owed -= _ends(reply)
+        return None
 
     def pending(self) -> bool:
         """True when bytes of a reply have already been received (no wait needed to read)."""
@@ -318,6 +348,7 @@ class Conn:
                 got_bytes += k
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
+        self._answered += 1  # `attached`, or the error in its place
         return _decode(bytes(body))
 
     def recv_reply(self) -> Message:
@@ -388,6 +419,7 @@ class Conn:
                 except ProtocolError as e:
                     msg = e  # raised in its turn, as `_split` does
                 self._ready.append(msg)  # one C call: the reply is in `_ready` or still in `got`
+                self._answered += _ends(msg)
                 return True
             if not data:
                 raise ConnectionClosed("the node service closed the connection")
@@ -430,6 +462,7 @@ class Conn:
                 # (deleted from `buf` below) and in `_ready`, not in both.
                 at += 4 + n
                 self._ready.append(msg)
+                self._answered += _ends(msg)
                 if isinstance(msg, ProtocolError):
                     break
         finally:
