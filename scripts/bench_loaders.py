@@ -95,7 +95,9 @@ keeps batch-count windows (defaults --warmup 20 --measure 300, no time floor; GP
 epoch). The first batch of order="megatron" is checked equal to GPTDataset's.
 
 SHARDWIRE_BIN overrides the binary; SHARDWIRE_VENV and SHARDWIRE_STREAMING_VENV the venvs
-(default .venv and .venv-streaming in the repository).
+(default .venv and .venv-streaming in the repository). Other SHARDWIRE_* variables are not passed
+on: the node runs with memory = "host", receive = "host" and one lane (BENCH_NODE_ENV), as
+tests/e2e pins it, so a GPU host measures the same host-memory path as the CPU loaders.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ DIM = 256
 DATASET = "bench"
 SOURCE_READY = re.compile(r"source listening on (\S+)")
 SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
+#: `serve` settings every benchmark node runs with: host memory, host receive, one lane.
+BENCH_NODE_ENV = {"SHARDWIRE_MEMORY": "host", "SHARDWIRE_RECEIVE": "host", "SHARDWIRE_LANES": "[{}]"}
 LOADERS = ["shardwire", "shardwire-torch", "numpy-mmap-gather", "torch-getitems", "torch-getitems-workers", "torch-arrow", "streaming", "webdataset"]
 TOK_LOADERS = ["megatron", "shardwire", "shardwire-megatron"]
 TOK_DATASET, TOK_PREFIX, VOCAB = "gpt", "corpus_text_document", 50000
@@ -895,6 +899,10 @@ class Child:
         self.log = log
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
         env.update(RUST_LOG="warn", NO_COLOR="1")
+        # The node pinned as tests/e2e pins it (`child_env`): on a GPU host `auto` would put the
+        # streams in GPU memory, make one lane per GPU, and (as root, beside a devmem NIC) set
+        # the real NIC up for this loopback run. A source ignores these keys.
+        env.update(BENCH_NODE_ENV)
         self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL, text=True, env=env)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

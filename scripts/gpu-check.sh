@@ -102,10 +102,15 @@ GPUS=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["pro
     || fail "5 lanes: shardwire topology (see $LOGS)"
 cat "$LOGS/topology.txt"
 if [ "$GPUS" -ge 2 ]; then
+    # One verdict per step: PASS only when pytest exited 0 and the test did not skip.
+    LANES_RC=0
     SHARDWIRE_BIN="$BIN" "$PY" -m pytest -q -rs -p no:cacheprovider \
         "tests/e2e/test_cuda_e2e.py::test_every_gpu_has_its_lane_and_a_stream_lands_on_its_trainers_gpu" \
-        >"$LOGS/lanes.log" 2>&1 || { cat "$LOGS/lanes.log"; fail "5 lanes: per-GPU lane test (see $LOGS/lanes.log)"; }
-    if grep -q 'needs 2 or more CUDA GPUs' "$LOGS/lanes.log"; then
+        >"$LOGS/lanes.log" 2>&1 || LANES_RC=$?
+    if [ "$LANES_RC" != 0 ]; then
+        cat "$LOGS/lanes.log"
+        fail "5 lanes: per-GPU lane test, pytest exit $LANES_RC (see $LOGS/lanes.log)"
+    elif grep -q 'needs 2 or more CUDA GPUs' "$LOGS/lanes.log"; then
         fail "5 lanes: the per-GPU lane test skipped with $GPUS GPUs"
     else
         pass "5 lanes: $GPUS GPUs, one lane each, every stream on its trainer's GPU"

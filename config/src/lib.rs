@@ -69,6 +69,33 @@ fn invalid(
     }
 }
 
+/// Why a `sources` entry's host would be dialled as another address than written, if it
+/// would: its last label is all digits (no top-level domain is, RFC 1123 2.1) and it is not
+/// a dotted quad. getaddrinfo reads such a "name" as IPv4 shorthand (`10.1.5` is 10.1.0.5,
+/// `167772165` is 10.0.0.5, `010.0.0.5` octal), so a mistyped address dials some other host,
+/// or none (`10.0.0.300`) for ever. An IPv6 address (in brackets) has no labels.
+fn numeric_host_error(entry: &SourceEntry) -> Option<String> {
+    let host = match entry {
+        SourceEntry::Addr(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h),
+        SourceEntry::Dns { name, .. } => name.as_str(),
+    };
+    if host.starts_with('[') {
+        return None;
+    }
+    let host = host.trim_end_matches('.');
+    let last = host.rsplit('.').next().unwrap_or(host);
+    let numeric = !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit());
+    if !numeric || host.parse::<std::net::Ipv4Addr>().is_ok() {
+        return None;
+    }
+    Some(format!(
+        "`{host}` ends in an all-digit label but is not an IPv4 address, which the system \
+         resolver may read as shorthand for another one (10.1.5 is 10.1.0.5): write an address \
+         as four numbers 0 to 255 without leading zeros (e.g. 10.1.0.5); a host name's last \
+         label has a letter"
+    ))
+}
+
 /// How shards are received.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case", try_from = "String")]
@@ -428,8 +455,18 @@ fn keys<T: Serialize + Default>() -> Vec<String> {
     }
 }
 
-/// `SHARDWIRE_*` variables of the project's own tools and tests, not settings.
-const TOOL_VARIABLES: [&str; 5] = ["BIN", "VENV", "STREAMING_VENV", "SKIP_", "HW_"];
+/// `SHARDWIRE_*` variables of the project's own tools and tests, not settings: a trailing
+/// `_` names a family (`SHARDWIRE_E2E_WORKERS`, `SHARDWIRE_E2E_RUST_LOG` of scripts/test and
+/// tests/e2e; `SHARDWIRE_FAKE_CUDA_CHILD` of the fake CUDA driver's tests).
+const TOOL_VARIABLES: [&str; 7] = [
+    "BIN",
+    "VENV",
+    "STREAMING_VENV",
+    "SKIP_",
+    "HW_",
+    "E2E_",
+    "FAKE_CUDA_CHILD",
+];
 
 /// The `SHARDWIRE_*` variables among `vars` that are no key of `serve` or `source` (nor a
 /// variable of the project's tools): each is ignored by both, most likely misspelled
@@ -884,19 +921,24 @@ impl ServeConfig {
         }
     }
 
-    /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT` is an
-    /// error naming it.
+    /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT`, or whose
+    /// host is numeric without being a dotted quad ([`numeric_host_error`]), is an error
+    /// naming it.
     pub fn source_entries(&self) -> Result<Vec<SourceEntry>, ConfigError> {
         self.sources
             .iter()
             .map(|s| {
-                SourceEntry::parse(s).map_err(|e| {
+                let entry = SourceEntry::parse(s).map_err(|e| {
                     invalid(
                         "sources",
                         s,
                         format!("{e}; each source is HOST:PORT or dns:NAME:PORT"),
                     )
-                })
+                })?;
+                match numeric_host_error(&entry) {
+                    Some(why) => Err(invalid("sources", s, why)),
+                    None => Ok(entry),
+                }
             })
             .collect()
     }
@@ -1398,6 +1440,10 @@ mod tests {
             ("SHARDWIRE_BIN", "target/debug/shardwire"),
             ("SHARDWIRE_HW_IFNAME", "eth1"),
             ("SHARDWIRE_SKIP_LINT", "1"),
+            // Before: both were warned about as misspelled keys at every start.
+            ("SHARDWIRE_E2E_WORKERS", "4"),
+            ("SHARDWIRE_E2E_RUST_LOG", "debug"),
+            ("SHARDWIRE_FAKE_CUDA_CHILD", "1"),
             ("PATH", "/usr/bin"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()));
@@ -1453,6 +1499,46 @@ mod tests {
             e.contains("`pool_size`") && e.contains("stream_memory (256MiB)"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn numeric_hosts_that_are_no_dotted_quad_are_refused() {
+        // Before, each was taken as a host name, which getaddrinfo dials as IPv4 shorthand
+        // (10.1.5 -> 10.1.0.5, 167772165 -> 10.0.0.5) or never reaches (10.0.0.300).
+        for (bad, host) in [
+            ("10.1.5:7500", "10.1.5"),
+            ("167772165:7500", "167772165"),
+            ("10.0.0.300:7500", "10.0.0.300"),
+            ("010.0.0.5:7500", "010.0.0.5"),
+            ("dns:10.1.5:7500", "10.1.5"),
+            ("src.123:7500", "src.123"),
+        ] {
+            let c = ServeConfig {
+                sources: vec![bad.into()],
+                ..ServeConfig::default()
+            };
+            let e = c.source_entries().unwrap_err().to_string();
+            assert!(
+                e.contains("`sources`") && e.contains(bad) && e.contains(host),
+                "{bad}: {e}"
+            );
+            assert!(e.contains("not an IPv4 address"), "{bad}: {e}");
+        }
+        for good in [
+            "10.0.0.5:7500",
+            "10.0.0.5.:7500",
+            "[::1]:7500",
+            "src-0.src.ml.svc:7500",
+            "1e100.net:443",
+            "dns:shardwire-source.ml.svc:7500",
+            "dns:10.0.0.5:7500",
+        ] {
+            let c = ServeConfig {
+                sources: vec![good.into()],
+                ..ServeConfig::default()
+            };
+            assert!(c.source_entries().is_ok(), "{good}");
+        }
     }
 
     #[test]

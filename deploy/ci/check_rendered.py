@@ -33,7 +33,10 @@ Checks, per rendered overlay:
            env alone is added), and loads with its SHARDWIRE_* env; listen port = container port = Service
            port; where a container port `admin` is declared or a Service targets it, `admin`
            is set, not loopback, on that port (an `admin` nothing declares or scrapes is not
-           compared); secret_file resolves; every dataset dir is on a mounted volume.
+           compared); secret_file resolves; every dataset dir is on a mounted volume; a
+           cache_dir on an emptyDir (the node's disk) has an ephemeral-storage request of at
+           least cache_size, and no ephemeral-storage limit or sizeLimit below it. A source
+           Deployment (found by DNS) is scaled by an HPA and sets no replicas of its own.
   trainer  the example Job's --socket and SHARDWIRE_SOCKET are serve.toml `socket`, it mounts
            the same hostPath at the socket's directory, its dataset is served, and its uid and
            groups may connect under serve.toml socket_mode and allowed_uids/allowed_gids.
@@ -44,7 +47,7 @@ release build, a non-root USER, ENTRYPOINT ["shardwire"], EXPOSEd default ports,
 version >= the workspace's rust-version, a debian runtime installs ca-certificates, context
 exclusions, applied as BuildKit does (order, `!`, `**`) to representative paths, keep every
 workspace member and exclude every .gitignore entry).
---self-test breaks the first overlay (and named ones: object-storage, gpu), the Dockerfile and
+--self-test breaks the first overlay (and named ones: object-storage, gpu, elastic), the Dockerfile and
 its context exclusions in known ways and requires each breakage to be caught, and makes valid
 changes each leniency allows and requires them to pass (with their warning, or none).
 """
@@ -560,6 +563,42 @@ def source_admin(c: Doc, eff: dict, scrapers: list[str]) -> list[str]:
     return errs
 
 
+def cache_disk(w: Doc, c: Doc, eff: dict) -> list[str]:
+    """A source's cache_dir on an emptyDir (not `medium: Memory`) lives on the node's kubelet
+    disk: the container must request that much `ephemeral-storage` (at least cache_size), or the
+    scheduler reserves nothing there; the source refuses a cache_size above the free space at
+    start (crash loop on a small disk), and sources sharing a node each see the same free space
+    and together fill it (DiskPressure evicts every pod there). A limit or sizeLimit below
+    cache_size evicts the pod as its cache fills. A cache on another volume (a PVC, local NVMe)
+    is not compared."""
+    cache, size = eff.get("cache_dir"), int(eff.get("cache_size") or 0)
+    if not cache or not size:
+        return []
+    try:
+        vol, _ = resolve_file(w, c, cache)
+    except CheckError:
+        return []  # reported by source_wiring
+    ed = vol.get("emptyDir")
+    if ed is None or ed.get("medium") == "Memory":
+        return []
+    gib = f"cache_size {size / (1 << 30):g}GiB"
+    res = c.get("resources") or {}
+    req = (res.get("requests") or {}).get("ephemeral-storage")
+    lim = (res.get("limits") or {}).get("ephemeral-storage")
+    errs = []
+    if req is None or quantity_bytes(req) < size:
+        asked = f"requests ephemeral-storage {req}" if req is not None else "requests no ephemeral-storage"
+        errs.append(f"cache_dir {cache} is on emptyDir {vol['name']} (the node's disk), but the source container {asked}, "
+                    f"less than {gib}: the scheduler reserves no room for the cache, so the source "
+                    "fails its start where the disk has less free, and sources sharing a node fill it; request at least "
+                    "cache_size (deploy/README.md, \"Elastic sources: the cache's disk\")")
+    if lim is not None and quantity_bytes(lim) < size:
+        errs.append(f"ephemeral-storage limit {lim} < {gib}: the pod is evicted as its cache fills")
+    if ed.get("sizeLimit") is not None and quantity_bytes(ed["sizeLimit"]) < size:
+        errs.append(f"emptyDir {vol['name']} sizeLimit {ed['sizeLimit']} < {gib}: the pod is evicted as its cache fills")
+    return errs
+
+
 def source_workload(docs: list[Doc]) -> Doc:
     """The source tier: StatefulSet/shardwire-source (stable names) or, in the elastic overlay,
     Deployment/shardwire-source (found by DNS)."""
@@ -584,8 +623,9 @@ def source_service_name(docs: list[Doc], w: Doc) -> str:
 
 def dns_sources(docs: list[Doc], dep: Doc, eff: dict, port) -> tuple[list[str], str]:
     """A Deployment of sources: serve.toml names them by one `dns:` entry for their headless
-    Service on its port; an HPA scales that Deployment and a PodDisruptionBudget covers its pods
-    (it drains on SIGTERM: the grace period must exceed drain_timeout_secs)."""
+    Service on its port; an HPA scales that Deployment, which sets no `replicas` of its own (an
+    apply would reset the HPA's count), and a PodDisruptionBudget covers its pods (it drains on
+    SIGTERM: the grace period must exceed drain_timeout_secs)."""
     errs = []
     ns = dep["metadata"].get("namespace", "")
     svc = source_service_name(docs, dep)
@@ -601,6 +641,10 @@ def dns_sources(docs: list[Doc], dep: Doc, eff: dict, port) -> tuple[list[str], 
             if h["spec"]["scaleTargetRef"].get("kind") == "Deployment" and h["spec"]["scaleTargetRef"].get("name") == dep["metadata"]["name"]]
     if not hpas:
         errs.append(f"no HorizontalPodAutoscaler scales Deployment/{dep['metadata']['name']}")
+    elif "replicas" in dep["spec"]:
+        errs.append(f"Deployment/{dep['metadata']['name']} sets replicas: {dep['spec']['replicas']} while "
+                    f"HorizontalPodAutoscaler/{hpas[0]['metadata']['name']} scales it: every `kubectl apply` resets the "
+                    "count (sources drain at once, their cache slices are read from the bucket again); drop spec.replicas")
     pod = dep["spec"]["template"]["metadata"].get("labels", {})
     if not any(labels_match(b["spec"]["selector"].get("matchLabels", {}), pod) for b in find(docs, "PodDisruptionBudget")):
         errs.append(f"no PodDisruptionBudget selects the pods of Deployment/{dep['metadata']['name']}")
@@ -677,10 +721,11 @@ def check_node_source_trainer(docs: list[Doc], sw: Shardwire, res: Results, scop
                 resolve_file(sts, c, d)
             except CheckError:
                 errs.append(f"dataset {name}: {d} is on no volume mount of the source container")
+        errs += cache_disk(sts, c, eff)
         state["datasets"] = names
         return errs, f"listen :{port}, Service port {state.get('source_port')}, datasets {names}"
 
-    guarded("source: ports, Secret and dataset volume agree with source.toml", source_wiring)
+    guarded("source: ports, Secret, dataset volume and cache disk agree with source.toml", source_wiring)
 
     # ---- node
     def node_config() -> tuple[list[str], str]:
@@ -1405,11 +1450,29 @@ def overlay_mutations() -> list[tuple[str, str, Callable[[list[Doc]], None]]]:
         set_toml_key(d, "serve.toml", "receive", '"devmem"')
         set_toml_key(d, "serve.toml", "memory", '"host"')
 
+    def hpa_replicas(d):
+        one(d, "Deployment", "shardwire-source")["spec"]["replicas"] = 3
+
+    def cache_no_ephemeral_request(d):
+        for k in ("requests", "limits"):
+            source_container(d)["resources"][k].pop("ephemeral-storage", None)
+
+    def cache_small_ephemeral_request(d):
+        source_container(d)["resources"]["requests"]["ephemeral-storage"] = "100Gi"
+
+    def cache_over_size_limit(d):
+        set_toml_key(d, "source.toml", "cache_size", '"220GiB"')
+        source_container(d)["resources"]["requests"]["ephemeral-storage"] = "220Gi"
+
     return [
         ("object-storage", "source admin on another port than the scraped `admin`", source_admin_port),
         ("object-storage", "source without admin while its port `admin` is scraped", source_admin_unset),
         ("object-storage", "source admin on loopback while its port `admin` is scraped", source_admin_loopback),
         ("gpu", "receive = devmem with host memory in a GPU pod without /dev/udmabuf", devmem_host_gpu),
+        ("elastic", "replicas set on the source Deployment an HPA scales", hpa_replicas),
+        ("elastic", "emptyDir cache with no ephemeral-storage request", cache_no_ephemeral_request),
+        ("elastic", "emptyDir cache larger than the ephemeral-storage request", cache_small_ephemeral_request),
+        ("elastic", "emptyDir cache larger than the emptyDir's sizeLimit and the container's limit", cache_over_size_limit),
     ]
 
 

@@ -20,9 +20,13 @@
 #      empty queue list fails; header split off fails; bind succeeds and shows on the queue;
 #      shrinking channels under the bound queue fails; closing the socket unbinds; then a
 #      validated pattern from the peer lands in the dma-buf with no byte in host memory.
-#   4. ingest: shardwire source on the peer, shardwire serve --receive devmem here, one epoch
-#      consumed: CRC failures 0, devmem frags > 0, host bytes 0.
-#   5. devmem TX: shardwire source --devmem-tx IFNAME here, a node on the peer consumes.
+#   4. ingest: shardwire source on the peer, shardwire serve --receive devmem here as a node of
+#      one lane (SHARDWIRE_LANES='[{}]', so IFNAME and queue Q are what it binds, on a host of
+#      several GPUs too), one epoch consumed: CRC failures 0, devmem frags > 0, host bytes 0.
+#   5. devmem TX: shardwire source --devmem-tx IFNAME here (admin 127.0.0.1:7591), a node on
+#      the peer consumes; passes only when the source's /metrics count devmem TX bytes on
+#      IFNAME (shardwire_source_devmem_tx_bytes_total > 0) and its log has no connection that
+#      fell back to sendfile.
 #
 #   scripts/hw/devmem-check.sh --lanes PEER_SSH
 #
@@ -31,8 +35,8 @@
 #   `serve --receive devmem` (lanes auto, memory auto), one trainer per lane (--device = the
 #   lane's GPU), then checks per lane in /v1/bindings: a kernel binding on that lane's NIC only,
 #   frags > 0, steering errors 0, no payload in host memory, one flow rule per open data
-#   connection while trainers read; after shutdown: no journal left and no ntuple rule left
-#   on any lane's NIC.
+#   connection while trainers read; after shutdown: no journal left, and every lane NIC's
+#   ntuple rules as they were before the node started (rules already there are kept).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/hw/lib.sh
@@ -81,8 +85,10 @@ wait
 TMP=$(mktemp -d)
 peer_source "$PEER" "$TMP" 32 4
 PEER_HOST=${PEER#*@}
-$SW serve --source "$PEER_HOST:7500" --secret-file "$TMP/secret" --socket "$TMP/t.sock" \
-  --data-listen "0.0.0.0:$PORT" --admin 127.0.0.1:7410 --receive devmem \
+# One lane: with `lanes = "auto"` a host of several GPUs makes a lane per GPU, each binding its
+# own NIC, and devmem_interface/devmem_queues are ignored; a table of one lane takes them.
+SHARDWIRE_LANES='[{}]' $SW serve --source "$PEER_HOST:7500" --secret-file "$TMP/secret" \
+  --socket "$TMP/t.sock" --data-listen "0.0.0.0:$PORT" --admin 127.0.0.1:7410 --receive devmem \
   --devmem-interface "$IF" --devmem-queue "$Q" --nic-state-file "$TMP/nic.json" 2>"$TMP/serve.log" &
 SERVE_PID=$!
 wait_ready 127.0.0.1:7410 || fail "serve did not start (see $TMP/serve.log)"
@@ -97,14 +103,35 @@ kill "$SERVE_PID"; wait "$SERVE_PID" || true; SERVE_PID=""
 [ ! -e "$TMP/nic.json" ] && pass "NIC restored on shutdown" || fail "NIC state file left behind"
 ethtool -n "$IF" | grep -q "dst-port $PORT" && fail "ntuple rule left behind" || pass "no ntuple rule left"
 
-# 5. devmem TX: a source here sends from a TX-bound dma-buf to a node on the peer (host mode).
+# 5. devmem TX: a source here sends from a TX-bound dma-buf to a node on the peer (host mode,
+#    one lane). The bind alone proves nothing about the data path (a lane routed through
+#    another NIC, or a connection with no free ring, sends with sendfile), so the step reads
+#    the bytes the source sent with devmem TX on IF from its /metrics.
 mkdir -p "$TMP/txds" && head -c $((64 << 20)) /dev/urandom > "$TMP/txds/a.bin" && $SW index "$TMP/txds"
 $SW source --listen 0.0.0.0:7501 --dataset tx="$TMP/txds" --secret-file "$TMP/secret" \
-  --devmem-tx "$IF" 2>"$TMP/txsource.log" &
+  --admin 127.0.0.1:7591 --devmem-tx "$IF" 2>"$TMP/txsource.log" &
 TXSRC=$!
+HW_PIDS="$HW_PIDS $TXSRC"
 sleep 2
-ssh "$PEER" "shardwire serve --source $HERE:7501 --secret-file /tmp/swds/secret --socket /tmp/swds/t.sock \
-  --admin 127.0.0.1:7410 --receive host & sleep 3; shardwire consume --socket /tmp/swds/t.sock --dataset tx --jsonl \
+grep -q "sending with devmem TX" "$TMP/txsource.log" || fail "devmem TX: no TX binding on $IF (see $TMP/txsource.log)"
+ssh "$PEER" "SHARDWIRE_LANES='[{}]' shardwire serve --source $HERE:7501 --secret-file /tmp/swds/secret \
+  --socket /tmp/swds/t.sock --admin 127.0.0.1:7410 --receive host --memory host & sleep 3; \
+  shardwire consume --socket /tmp/swds/t.sock --dataset tx --jsonl \
   | python3 -c 'import sys,json; b=[json.loads(l) for l in sys.stdin if l.startswith(\"{\")]; assert b; print(len(b))'; \
-  kill %1" && grep -q "sending with devmem TX" "$TMP/txsource.log" && pass "devmem TX source" || fail "devmem TX (see $TMP/txsource.log)"
+  rc=\$?; kill %1; exit \$rc" || fail "devmem TX: the node on the peer got no batch (see $TMP/txsource.log)"
+curl -fs 127.0.0.1:7591/metrics > "$TMP/txsource.metrics" || fail "devmem TX: no /metrics from the source"
+TXBYTES=$(python3 - "$TMP/txsource.metrics" "$IF" <<'PY'
+import re, sys
+text, nic = open(sys.argv[1]).read(), sys.argv[2]
+pat = r'^shardwire_source_devmem_tx_bytes_total\{interface="([^"]+)"\} (\S+)$'
+print(int(sum(float(v) for n, v in re.findall(pat, text, re.M) if n == nic)))
+PY
+) || fail "devmem TX: unreadable /metrics (see $TMP/txsource.metrics)"
+[ "$TXBYTES" -gt 0 ] || fail "devmem TX: 0 bytes sent with devmem TX on $IF (see $TMP/txsource.log, $TMP/txsource.metrics)"
+if grep -qE "sends? with sendfile" "$TMP/txsource.log"; then
+  fail "devmem TX: a data connection fell back to sendfile (see $TMP/txsource.log)"
+fi
+pass "devmem TX source: $TXBYTES bytes sent with devmem TX on $IF"
 kill "$TXSRC" || true
+wait "$TXSRC" 2>/dev/null || true
+HW_PIDS=${HW_PIDS/ $TXSRC/}

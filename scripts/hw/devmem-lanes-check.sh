@@ -26,6 +26,12 @@ pass "topology: $(python3 -c "import json; print(len(json.load(open('$TMP/topolo
 NICS=$(python3 -c "import json; print(' '.join(l['nic'] for l in json.load(open('$TMP/topology.json'))['lanes']))")
 GPUS=$(python3 -c "import json; print(' '.join(l['gpu'] for l in json.load(open('$TMP/topology.json'))['lanes']))")
 
+# The ntuple rules each lane NIC carries before the node starts (an operator's, a cloud
+# agent's): shardwire restores only its own, so step 4 compares against these.
+# (A NIC whose driver lists no rules has none: empty, not a failure under pipefail.)
+ntuple_rules() { { ethtool -n "$1" 2>/dev/null || true; } | sed -n '/Filter:/,$p'; }
+for nic in $NICS; do ntuple_rules "$nic" > "$TMP/rules.before.$nic"; done
+
 # 2. a source on the peer, the node here with devmem on every lane.
 peer_source "$PEER" "$TMP" 64 8
 PEER_HOST=${PEER#*@}
@@ -76,6 +82,8 @@ for nic in $NICS; do ethtool -n "$nic" | grep -c "Filter:" | xargs echo "$nic ru
 kill "$SERVE_PID"; wait "$SERVE_PID" || true; SERVE_PID=""
 for nic in $NICS; do
   [ ! -e "$TMP/nic.$nic.json" ] || fail "journal of $nic left behind"
-  if ethtool -n "$nic" 2>/dev/null | grep -q "Filter:"; then fail "ntuple rules left on $nic"; fi
+  ntuple_rules "$nic" > "$TMP/rules.after.$nic"
+  diff -u "$TMP/rules.before.$nic" "$TMP/rules.after.$nic" \
+    || fail "ntuple rules on $nic differ from those before the node started (diff above)"
 done
-pass "every NIC restored on shutdown"
+pass "every NIC restored on shutdown (ntuple rules as before the node started)"

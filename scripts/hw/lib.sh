@@ -23,13 +23,19 @@ wait_ready() {
 pass() { echo "PASS $*"; }
 fail() { echo "FAIL $*"; exit 1; }
 
-# hw_start PEER: the release binary built ($SW), and on exit the peer's source and the node
-# ($SERVE_PID) stopped.
+# hw_start PEER: the release binary built ($SW), and on exit (a `fail` included) the peer's
+# source, the node ($SERVE_PID) and every process whose PID a script added to HW_PIDS (a local
+# source, say) stopped.
 hw_start() {
   HW_PEER=$1
+  HW_PIDS=${HW_PIDS:-}
   hw_cleanup() {
     ssh "$HW_PEER" "pkill -f 'shardwire source --listen 0.0.0.0:7500'" 2>/dev/null || true
     [ -n "${SERVE_PID:-}" ] && kill "$SERVE_PID" 2>/dev/null || true
+    local pid
+    for pid in ${HW_PIDS:-}; do
+      kill "$pid" 2>/dev/null || true
+    done
   }
   trap hw_cleanup EXIT
   cargo build --release -p shardwire
