@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import re
 import socket
 import stat
 import struct
@@ -19,7 +20,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeGuard, overload
 
 import numpy as np
 
@@ -64,17 +65,20 @@ def connect(path: str | os.PathLike[str] | None = None, *, url: str | None = Non
     Args:
         path: Socket path; default ``$SHARDWIRE_SOCKET``, else ``/run/shardwire/trainer.sock``.
         url: The node's HTTP (admin) address, ``http://HOST:PORT``: tensors are then
-            downloaded copies instead of shared memory. A `path` starting with ``http://`` is
-            taken as `url`.
+            downloaded copies instead of shared memory. A `path` that is a URL
+            (``SCHEME://...``) is taken as `url`.
 
     Raises:
         ConnectError: nothing at `path`, or it is not a Unix socket (the message names the path);
-            or nothing answers at `url`.
+            or nothing answers at `url`, or the node refused its health check (the message
+            holds the node's code and message).
+        ValueError: a URL other than ``http://HOST:PORT`` (``https://`` included: the node's
+            HTTP API is plain HTTP), or both a `path` and `url`.
 
     No connection is made here for a socket: each :meth:`Client.open_stream` opens its own.
     """
-    if url is None and isinstance(path, str) and path.startswith("http://"):
-        url, path = path, None
+    if url is None and _is_url(path):
+        url, path = path, None  # any scheme: `connect_http` refuses all but http:// by name
     if url is not None:
         if path is not None:
             raise ValueError("give either a socket path or url=, not both")
@@ -95,6 +99,16 @@ def connect(path: str | os.PathLike[str] | None = None, *, url: str | None = Non
     if not stat.S_ISSOCK(st.st_mode):
         raise ConnectError(path, "not a Unix socket")
     return Client(path)
+
+
+#: The start of a URL, ``SCHEME://`` (RFC 3986's scheme).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _is_url(path: object) -> TypeGuard[str]:
+    """Whether `path` (a socket path as given) is a URL rather than a socket path: before, an
+    ``https://node:7400`` was looked up as a file and refused as "no such file"."""
+    return isinstance(path, str) and _URL.match(path) is not None
 
 
 class Client:

@@ -56,7 +56,10 @@ def _split(url: str) -> tuple[str, int, str]:
     u = url if "://" in url else f"http://{url}"
     p = urllib.parse.urlsplit(u)
     if p.scheme != "http":
-        raise ValueError(f"only http:// URLs are supported, not {url!r}")
+        raise ValueError(
+            f"only http:// URLs are supported (the node's HTTP API is plain HTTP, without TLS: "
+            f"http://HOST:PORT of its admin address), not {url!r}"
+        )
     if not p.hostname or p.port is None:
         raise ValueError(f"the node's HTTP address must be HOST:PORT or http://HOST:PORT, not {url!r}")
     if p.path not in ("", "/") or p.query:
@@ -81,17 +84,20 @@ def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
     Checks that the service answers (``GET /healthz`` within `timeout` seconds).
 
     Raises:
-        ConnectError: nothing answers at `url` (the message names it).
-        ValueError: `url` is not ``HOST:PORT`` / ``http://HOST:PORT``.
+        ConnectError: nothing answers at `url` (the message names it), or the node refused the
+            check (the message holds its code and message: e.g. ``forbidden`` for a request
+            over loopback addressed to a host name other than ``localhost``).
+        ValueError: `url` is not ``HOST:PORT`` / ``http://HOST:PORT`` (``https://`` included:
+            the node's HTTP API is plain HTTP).
     """
     host, port, base = _split(url)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", "/healthz")
         r = conn.getresponse()
-        _read_body(r, "GET /healthz")
+        body = _read_body(r, "GET /healthz")
         if r.status != 200:
-            raise ConnectError(base, f"GET /healthz answered HTTP {r.status}: is this a shardwire node's admin address?")
+            raise ConnectError(base, _health_refusal(_Reply(r.status, r.headers, body)))
     except OSError as e:
         raise ConnectError(base, f"{e.strerror or e} (is `shardwire serve` running with --admin {host}:{port}?)") from e
     except http.client.HTTPException as e:
@@ -101,6 +107,16 @@ def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
     finally:
         conn.close()
     return HttpClient(base)
+
+
+def _health_refusal(r: _Reply) -> str:
+    """Why ``GET /healthz`` answered `r`, not 200: the node's own code and message where the
+    body is its JSON error (a ``403 forbidden`` naming the Host it does not serve), else the
+    status with a guess (something other than a node answers there)."""
+    e = r.error()
+    if isinstance(e, ServiceError):
+        return f"GET /healthz answered HTTP {r.status} {e.code}: {e.message}"
+    return f"GET /healthz answered HTTP {r.status}: is this a shardwire node's admin address?"
 
 
 class HttpClient:
@@ -293,8 +309,7 @@ class HttpStream(_StreamBase[HttpBatch]):
         self, method: str, path: str, timeout: float, body: bytes | None = None, into: int | None = None, again: bool = False
     ) -> _Reply:
         """One request on the stream's connection (lock held). A failure to reach the service
-        closes the stream locally (ConnectionClosed); the service closes it after its idle
-        timeout. `again`: a request whose answer may be asked for twice (a `next` naming the
+        closes the stream, here and on the service (ConnectionClosed; see `_broken`). `again`: a request whose answer may be asked for twice (a `next` naming the
         last batch received) is sent once more on a new connection first."""
         for attempt in (0, 1):
             if self._conn is None:
@@ -329,7 +344,8 @@ class HttpStream(_StreamBase[HttpBatch]):
             Timeout: no batch within `timeout` (the stream stays usable).
             ServiceError: e.g. code ``"closed"`` if the service closed the stream,
                 ``"not_found"`` if it was closed for being idle.
-            ConnectionClosed: the service could not be reached.
+            ConnectionClosed: the service could not be reached (twice): the stream is closed,
+                and the SDK has sent its close to the service (see ``close``).
         """
         return super().next(timeout)
 
@@ -423,13 +439,26 @@ class HttpStream(_StreamBase[HttpBatch]):
             raise ProtocolError(f"the stream's state is {state!r}, not a JSON object")
         return state
 
+    def _broken(self, why: str) -> None:
+        """A request failed on both of its attempts: the stream is closed here and, unlike the
+        socket's (whose connection is the stream), on the service too. The node is usually
+        still reachable (a download cut on a slow link, a proxy's reset): left open there, the
+        stream would hold its memory and leased batch until its idle timeout, beside the one
+        that resumes it from a saved state (which the node could then refuse, ``no_memory``).
+        The close goes on a connection of its own within CLOSE_TIMEOUT, a failure ignored
+        (then the service closes it after its idle timeout). Lock held."""
+        self._closed_why = why
+        self._close_locked(notify=True)
+
     def close(self) -> None:
         """Closes the stream on the service (``POST /v1/streams/{id}/close``). Idempotent;
         batches already taken stay valid (they are copies). A failure to reach the service
         within ``CLOSE_TIMEOUT`` (10 s in all: connecting, to each of the host's addresses in
         turn, sending and reading the answer; a slow host-name lookup eats into it, though the
         resolver's own timeouts, not this one, bound the lookup) is
-        ignored: it closes the stream after its idle timeout."""
+        ignored: it closes the stream after its idle timeout. A request that could not reach
+        the service (``ConnectionClosed``) has sent this close already, the same way; a close()
+        after it does nothing more."""
         super().close()
 
     def _drop_in_child(self) -> None:

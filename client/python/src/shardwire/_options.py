@@ -9,7 +9,8 @@ take them through it:
 - :meth:`shardwire.Client.open_stream` ``(dataset, **options)``;
 - :meth:`shardwire.HttpClient.open_stream` ``(dataset, *, idle_timeout=None, **options)``;
 - :class:`shardwire.torch.IterableDataset` ``(dataset, *, socket=None, copy=True,
-  timeout=None, rank=None, world_size=None, **options)``: its own keywords, then the stream
+  timeout=None, rank=None, world_size=None, idle_timeout=None, **options)``: its own
+  keywords (``idle_timeout`` over HTTP only), then the stream
   keywords except those it sets itself (``state``, ``worker``, ``num_workers``; a field's
   ``metadata["dataset"]`` says why).
 

@@ -408,8 +408,9 @@ class _StreamBase(Generic[_BatchT]):
 
     def _broken(self, why: str) -> None:
         """The connection to the service failed: the stream is over here (on the socket its
-        leases are gone with the connection; over HTTP the service closes it after its idle
-        timeout); later calls raise ``closed`` saying `why`. Call with the lock held."""
+        leases are gone with the connection, and there is nobody to tell); later calls raise
+        ``closed`` saying `why`. Call with the lock held. ``HttpStream`` overrides it to close
+        the stream on the service too, which is usually still reachable there."""
         self._closed_why = why
         self._close_locked(notify=False)
 
@@ -624,7 +625,7 @@ class _StreamBase(Generic[_BatchT]):
 
     def _shutdown(self, notify: bool) -> None:
         """Ends the transport once the stream is marked closed; `notify` is False when the
-        connection to the service has failed (there is nobody to tell). Run again where an
+        socket's connection to the service has failed (there is nobody to tell). Run again where an
         exception cut it short: a step done already is a no-op the second time."""
         raise NotImplementedError
 

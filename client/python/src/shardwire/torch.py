@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _binary, _device
-from ._client import Client, Stream, connect
+from ._client import Client, Stream, _is_url, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
+from ._http import HttpClient, HttpStream, _idle_timeout_s
 from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, fill_doc
 from ._types import Uneven
 
@@ -71,7 +72,7 @@ def effective_rank(rank: int, world_size: int, worker_id: int = 0, num_workers: 
 
 
 def open_at_epoch(
-    client: Client,
+    client: Client | HttpClient,
     dataset: str,
     *,
     start_epoch: int,
@@ -81,15 +82,19 @@ def open_at_epoch(
     world_size: int = 1,
     uneven: Uneven = "pad",
     device: str | int | None = "auto",
-) -> Stream:
+    idle_timeout: float | None = None,
+) -> Stream | HttpStream:
     """Opens a stream that delivers epochs ``start_epoch .. start_epoch + epochs - 1``.
 
     Epoch ``e``'s order depends on ``e`` (and the seed), so this is how a loader that is
     iterated once per epoch gets a fresh order each time. For ``start_epoch > 0`` it opens a
     short-lived probe stream to learn the plan's fingerprint, closes it, and resumes at
     ``{epoch: start_epoch, index: 0}``; the probe costs one attach and a little fetch-ahead.
+    `idle_timeout` goes to an :class:`shardwire.HttpClient`'s ``open_stream`` (see
+    :func:`_transport_keywords`).
     """
     opts: dict[str, Any] = {"seed": seed, "rank": rank, "world_size": world_size, "uneven": uneven, "device": device}
+    opts.update(_transport_keywords(client, idle_timeout))
     if start_epoch < 0:
         raise ValueError(f"start_epoch must be >= 0, not {start_epoch}")
     if start_epoch == 0:
@@ -98,6 +103,29 @@ def open_at_epoch(
         fingerprint = probe.info.state["fingerprint"]
     state = {"epoch": start_epoch, "index": 0, "seed": seed, "fingerprint": fingerprint}
     return client.open_stream(dataset, epochs=start_epoch + epochs, state=state, **opts)
+
+
+#: A socket stream given ``idle_timeout``: it is the HTTP API's alone.
+_IDLE_ON_SOCKET = (
+    "idle_timeout={!r} applies to a stream over the node's HTTP API (socket=\"http://HOST:PORT\", "
+    "an HttpClient) only: a trainer-socket stream's idle limit is the node's "
+    "trainer_idle_timeout_secs (default 3600 s). Leave idle_timeout out, or use the HTTP API"
+)
+
+
+def _transport_keywords(client: Client | HttpClient, idle_timeout: float | None) -> dict[str, Any]:
+    """The keywords of `client`'s own transport for ``open_stream``: ``idle_timeout`` for an
+    :class:`shardwire.HttpClient` (seconds without a request after which the node closes the
+    stream), as :meth:`shardwire.HttpClient.open_stream` takes it.
+
+    Raises:
+        ValueError: `idle_timeout` for a socket :class:`Client`, which takes none.
+    """
+    if idle_timeout is None:
+        return {}
+    if not isinstance(client, HttpClient):
+        raise ValueError(_IDLE_ON_SOCKET.format(idle_timeout))
+    return {"idle_timeout": idle_timeout}
 
 
 def _torch_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -191,6 +219,7 @@ class _DatasetMixin:
     _gens = 0
     _pos_owner = 0
     _named = 0
+    idle_timeout: float | None = None
 
     def __init__(
         self,
@@ -201,6 +230,7 @@ class _DatasetMixin:
         timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        idle_timeout: float | None = None,
         **options: Unpack[DatasetKeywords],
     ) -> None:
         super().__init__()
@@ -210,8 +240,10 @@ class _DatasetMixin:
         self.world_size = world_size
         self.copy = copy
         self.timeout = timeout
+        self.idle_timeout = idle_timeout
         self.options = StreamOptions.of(options, "IterableDataset", DATASET_REFUSED)
         self._check_options()
+        self._check_idle_timeout()
         # The epoch, in memory shared with the DataLoader's workers: a persistent worker keeps
         # its copy of the dataset from one iteration to the next, and `set_epoch` in the main
         # process must reach it (before, it delivered its first epoch again, silently).
@@ -394,6 +426,16 @@ class _DatasetMixin:
         ordinal is looked up with CUDA)."""
         self.options.replace(device=None).attach_fields(self.dataset)
 
+    def _check_idle_timeout(self) -> None:
+        """The ValueError the stream's open would raise for ``idle_timeout``, now: out of
+        range (as :meth:`shardwire.HttpClient.open_stream` checks it), or given with a socket
+        that is not an ``http://`` URL (a trainer socket takes none)."""
+        if self.idle_timeout is None:
+            return
+        _idle_timeout_s(self.idle_timeout)
+        if not _is_url(self.socket):
+            raise ValueError(_IDLE_ON_SOCKET.format(self.idle_timeout))
+
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
         its end: at (or past) the start of the epoch after its ``epochs``, none of that epoch
@@ -410,7 +452,7 @@ class _DatasetMixin:
         first = _worker()[1] if self.options.batch_size is not None else 1
         return int(stream.get("index", 0)) >= first
 
-    def _items(self, stream: Stream, epoch: int, gen: int) -> Iterator[dict[str, np.ndarray]]:
+    def _items(self, stream: Stream | HttpStream, epoch: int, gen: int) -> Iterator[dict[str, np.ndarray]]:
         """The items of `stream`, an iteration that started at `epoch`, the `gen`-th."""
         while True:
             batch = stream.next(self.timeout)
@@ -494,7 +536,7 @@ class _DatasetMixin:
                 self._resume, self._resume_epoch = start, epoch  # not taken after all
             raise
 
-    def _open_shards(self, client: Client, state: dict[str, Any] | None, epoch: int) -> Stream:
+    def _open_shards(self, client: Client | HttpClient, state: dict[str, Any] | None, epoch: int) -> Stream | HttpStream:
         """The shard-mode stream of this process: stream rank ``effective_rank(rank,
         world_size, worker, num_workers)`` of ``world_size * num_workers``, delivering epochs
         ``epoch .. epoch + epochs - 1``; with a saved `state`, that same stream opened at it
@@ -505,8 +547,9 @@ class _DatasetMixin:
         try:
             if state is None:
                 return open_at_epoch(
-                    client, self.dataset, start_epoch=epoch, epochs=o.epochs,
-                    seed=o.seed, rank=rank, world_size=world, uneven=o.uneven, device=o.device,
+                    client, self.dataset, start_epoch=epoch, epochs=o.epochs, seed=o.seed,
+                    rank=rank, world_size=world, uneven=o.uneven, device=o.device,
+                    idle_timeout=self.idle_timeout,
                 )
             # The stream of the saved iteration ends at epoch + epochs, as open_at_epoch's
             # does; a state saved after its last item (epoch + epochs, index 0) resumes to an
@@ -514,6 +557,7 @@ class _DatasetMixin:
             return client.open_stream(
                 self.dataset, epochs=epoch + o.epochs, seed=o.seed, rank=rank,
                 world_size=world, uneven=o.uneven, state=state, device=o.device,
+                **_transport_keywords(client, self.idle_timeout),
             )
         except ServiceError as e:
             said = _shard_open_error(e, rank, world, o.uneven)
@@ -521,18 +565,19 @@ class _DatasetMixin:
                 raise
             raise said from e
 
-    def _open_batches(self, client: Client, state: dict[str, Any] | None, epoch: int) -> Stream:
+    def _open_batches(self, client: Client | HttpClient, state: dict[str, Any] | None, epoch: int) -> Stream | HttpStream:
         """The batch-mode stream of this process: the DDP rank's batches, split among the
         DataLoader's workers (worker ``w`` of ``n`` takes the rank's batches ``w, w + n, ...``,
         the order in which the DataLoader polls them)."""
         rank, world = _ddp_ranks(self.rank, self.world_size)
         worker, workers = _worker()
         opts = self.options.replace(rank=rank, world_size=world, worker=worker, num_workers=workers)
+        extra = _transport_keywords(client, self.idle_timeout)
         end = epoch + opts.epochs
         if state is None and epoch > 0:
             # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe.
             probe_opts = opts.replace(epochs=1, worker=None, num_workers=None)
-            with client.open_stream(self.dataset, **probe_opts.keywords()) as probe:
+            with client.open_stream(self.dataset, **probe_opts.keywords(), **extra) as probe:
                 base = probe.state_dict()
             state = {**base, "epoch": epoch, "index": 0, "cursor": 0}
         if state is not None:
@@ -541,7 +586,7 @@ class _DatasetMixin:
             # start of the epoch after: index 0, or a worker's first index there) resumes to
             # nothing rather than another epoch.
             end = max(end, int(state["epoch"]) + self._inside(state))
-        return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords())
+        return client.open_stream(self.dataset, **opts.replace(epochs=end, state=state).keywords(), **extra)
 
 
 def _shard_open_error(e: ServiceError, rank: int, world: int, uneven: str) -> ServiceError:
@@ -609,13 +654,30 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
 
     Args:
         dataset: Dataset name (or a mixture, as in ``Client.open_stream``).
-        socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock).
-        rank, world_size: default from ``torch.distributed`` if initialised, else from
-            ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1; DataLoader workers started
-            with spawn or forkserver get those of the process that started them, and its
-            CUDA device (``device``: ``"auto"`` names that process's current device).
+        socket: Trainer socket (default ``$SHARDWIRE_SOCKET``, else /run/shardwire/trainer.sock);
+            or the node's HTTP API, ``"http://HOST:PORT"`` (its admin address: see
+            ``shardwire.connect_http``), where each item's tensors are downloaded and each
+            item costs one request more than ``HttpStream.next`` (the stream's state, ``GET
+            /v1/streams/{id}/state``, kept for ``state_dict()``).
+        rank, world_size: the **data-parallel** rank and size: ranks given the same rank get
+            the same items. Default from ``torch.distributed`` if initialised, else from
+            ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1: the global rank, right for
+            plain DDP/FSDP only. With tensor or pipeline parallelism the ranks of one
+            model-parallel group must see the same batch: pass the data-parallel ones (e.g.
+            Megatron's ``mpu.get_data_parallel_rank()`` and
+            ``mpu.get_data_parallel_world_size()``, or your device mesh's ``"dp"`` dimension),
+            else each such rank gets other samples and nothing says so. DataLoader workers
+            started with spawn or forkserver get those of the process that started them, and
+            its CUDA device (``device``: ``"auto"`` names that process's current device).
             Workers forked after that process started CUDA through torch resolve ``device``
             from what it noted of its GPUs as it forked (they cannot use CUDA themselves).
+        idle_timeout: over HTTP only (``socket="http://..."``; else ValueError): seconds
+            without a request after which the node closes the stream, as
+            ``HttpClient.open_stream`` takes it (default the node's, 300 s; at most 86400).
+            A generator paused longer than that between items (an evaluation pass, a long
+            checkpoint save, a DataLoader worker waiting on its index queue) finds its stream
+            gone: the next item raises ``ServiceError`` ``not_found``. Set it above your
+            longest pause.
         copy: True (default): yield writable copies (``np.array(view)``; on a node with
             ``memory = "cuda"``, a torch tensor cloned on the GPU, already there: leave the
             DataLoader's ``pin_memory`` False, as torch cannot pin a CUDA tensor and raises
