@@ -38,8 +38,12 @@
  *   cuDeviceGetAttribute: DMA_BUF_SUPPORTED, VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
  *   GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
  *   UNIFIED_ADDRESSING, CAN_MAP_HOST_MEMORY, HOST_REGISTER_SUPPORTED = 1, launch limits of an
- *   sm_80 part, compute capability 8.0, MEMORY_POOLS_SUPPORTED = 0 (no stream-ordered
- *   allocator here), other known attributes 0, unknown ones INVALID_VALUE.
+ *   sm_80 part, compute capability 8.0 (FAKE_CUDA_COMPUTE_CAPABILITY=MAJOR.MINOR, e.g. 7.5 as a
+ *   Turing T4; see Modules for what it refuses then), HOST_NATIVE_ATOMIC_SUPPORTED and
+ *   DIRECT_MANAGED_MEM_ACCESS_FROM_HOST = 0 as on a PCIe-attached GPU (1 with
+ *   FAKE_CUDA_HOST_COHERENT=1: memory cache-coherent with the CPU, as on Grace Hopper and
+ *   Grace Blackwell), MEMORY_POOLS_SUPPORTED = 0 (no stream-ordered allocator here), other
+ *   known attributes 0, unknown ones INVALID_VALUE.
  *   cuDeviceTotalMem_v2: 16 GiB (FAKE_CUDA_MEMORY=<bytes>), enforced: cuMemAlloc and cuMemCreate
  *   beyond it return CUDA_ERROR_OUT_OF_MEMORY.
  * - Contexts: one primary context per device, reference counted (Retain / Release_v2; the last
@@ -105,6 +109,8 @@
  *   every `.entry` the PTX declares must be one of the kernels compiled INTO this library from
  *   gpu/kernels/shardwire.cu (sw_gather, sw_crc32c_chunks, sw_crc32c_combine) with the same
  *   parameter types, else CUDA_ERROR_INVALID_IMAGE (a stale or foreign PTX shows here).
+ *   A `.target sm_XY` above the device's compute capability (FAKE_CUDA_COMPUTE_CAPABILITY)
+ *   is CUDA_ERROR_INVALID_PTX, as the driver's JIT refuses PTX for a newer GPU.
  *   cuModuleGetFunction finds the entries the PTX declares (else CUDA_ERROR_NOT_FOUND).
  * - cuLaunchKernel: grid dims >= 1 (x < 2^31, y and z <= 65535), block <= 1024 threads
  *   (x, y <= 1024, z <= 64), shared memory <= 48 KiB, kernelParams given and `extra` NULL
@@ -136,8 +142,10 @@
  *   cuMemGetHandleForAddressRange(DMA_BUF_FD): page-aligned range inside one mapping of an
  *   allocation made with gpuDirectRDMACapable (else CUDA_ERROR_NOT_SUPPORTED), flags 0 or
  *   CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE (FAKE_CUDA_NO_PCIE_FLAG=1 refuses that flag
- *   with INVALID_VALUE, as a driver without it does; =2 with NOT_SUPPORTED, as driver 580 did
- *   for an H200 under Firecracker, exporting without the flag; FAKE_CUDA_NO_DMABUF=1 refuses every
+ *   with INVALID_VALUE, as a driver without it does; =2 with NOT_SUPPORTED, as drivers do for a
+ *   GPU that is not cache-coherent with the CPU, every PCIe-attached one (driver 580 for an x86
+ *   H200 under Firecracker), exporting without the flag; the default accepts it, so the crate's
+ *   fallback runs only where a test asks; FAKE_CUDA_NO_DMABUF=1 refuses every
  *   export with NOT_SUPPORTED, flag or not, while the device attribute still says supported,
  *   as the driver of an H200 under Firecracker did). The fd is a real dma-buf over exactly
  *   those pages when /dev/udmabuf can be opened, else a dup of the allocation's memfd (good
@@ -246,6 +254,7 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_PTX = 218,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
@@ -412,6 +421,8 @@ static struct {
     int ndev;
     int no_pcie;
     int no_dmabuf;
+    int host_coherent;        /* FAKE_CUDA_HOST_COHERENT */
+    int cc_major, cc_minor;   /* FAKE_CUDA_COMPUTE_CAPABILITY */
     int version;
     unsigned long long total_mem;
     int inited;
@@ -609,6 +620,22 @@ static void log_alloc(const char *call, int dev, size_t size)
         fprintf(stderr, "fake libcuda: FAKE_CUDA_ALLOC_LOG write: %s\n", strerror(errno));
 }
 
+/* FAKE_CUDA_COMPUTE_CAPABILITY=<major>.<minor> (e.g. 7.5) -> g.cc_major, g.cc_minor; 8.0
+ * (the PTX's sm_80) when unset or malformed. */
+static void parse_compute_capability(const char *s)
+{
+    int major, minor, n = -1;
+    g.cc_major = 8, g.cc_minor = 0;
+    if (!s || !*s)
+        return;
+    if (sscanf(s, "%d.%d%n", &major, &minor, &n) == 2 && s[n] == '\0' && major >= 1 && major <= 99 &&
+        minor >= 0 && minor <= 9) {
+        g.cc_major = major, g.cc_minor = minor;
+        return;
+    }
+    fprintf(stderr, "fake libcuda: ignoring FAKE_CUDA_COMPUTE_CAPABILITY=%s (want MAJOR.MINOR, e.g. 7.5)\n", s);
+}
+
 /* FAKE_CUDA_FAIL_CALL=<entry point>:<n> (n >= 1) -> g.fail_call, g.fail_nth. */
 static void parse_fail_call(const char *spec)
 {
@@ -645,6 +672,8 @@ __attribute__((constructor)) static void fake_init(void)
     g.alloc_log = log_path && *log_path ? open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644) : -1;
     g.no_pcie = env_int("FAKE_CUDA_NO_PCIE_FLAG", 0, 2, 0);
     g.no_dmabuf = env_int("FAKE_CUDA_NO_DMABUF", 0, 1, 0);
+    g.host_coherent = env_int("FAKE_CUDA_HOST_COHERENT", 0, 1, 0);
+    parse_compute_capability(getenv("FAKE_CUDA_COMPUTE_CAPABILITY"));
     g.version = env_int("FAKE_CUDA_DRIVER_VERSION", 1000, 99990, 12080);
     parse_fail_call(getenv("FAKE_CUDA_FAIL_CALL"));
     g.total_mem = mem && *mem ? strtoull(mem, NULL, 10) : 16ull << 30;
@@ -1389,13 +1418,15 @@ static int next_tok(struct ptx_scan *s)
 static CUresult parse_ptx(const char *text, struct fc_module *m)
 {
     struct ptx_scan s = {text, text + strlen(text), {0}};
-    int version = 0, target = 0, addr64 = 0;
+    int version = 0, target = 0, addr64 = 0, sm = 0;
     while (next_tok(&s)) {
         if (!strcmp(s.tok, ".version"))
             version = 1;
-        else if (!strcmp(s.tok, ".target"))
+        else if (!strcmp(s.tok, ".target")) {
             target = 1;
-        else if (!strcmp(s.tok, ".address_size")) {
+            if (next_tok(&s) && sscanf(s.tok, "sm_%d", &sm) != 1)
+                sm = 0;
+        } else if (!strcmp(s.tok, ".address_size")) {
             if (next_tok(&s) && !strcmp(s.tok, "64"))
                 addr64 = 1;
         } else if (!strcmp(s.tok, ".entry")) {
@@ -1445,6 +1476,10 @@ static CUresult parse_ptx(const char *text, struct fc_module *m)
     }
     if (!version || !target || !addr64)
         return fail(CUDA_ERROR_INVALID_IMAGE, "not PTX text for 64-bit addresses (needs .version, .target and .address_size 64)");
+    if (sm > g.cc_major * 10 + g.cc_minor)
+        return fail(CUDA_ERROR_INVALID_PTX,
+                    "PTX .target sm_%d needs compute capability %d.%d; the device has %d.%d (FAKE_CUDA_COMPUTE_CAPABILITY)",
+                    sm, sm / 10, sm % 10, g.cc_major, g.cc_minor);
     return CUDA_SUCCESS;
 }
 
@@ -1775,7 +1810,9 @@ CUAPI CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev)
     case 38: v = 1 << 20; break;                  /* L2_CACHE_SIZE */
     case 39: v = 2048; break;                     /* MAX_THREADS_PER_MULTIPROCESSOR */
     case 40: v = 1; break;                        /* ASYNC_ENGINE_COUNT */
-    case 75: v = 8; break;                        /* COMPUTE_CAPABILITY_MAJOR (the PTX's sm_80) */
+    case 75: v = g.cc_major; break;               /* COMPUTE_CAPABILITY_MAJOR (8: the PTX's sm_80) */
+    case 76: v = g.cc_minor; break;               /* COMPUTE_CAPABILITY_MINOR */
+    case 86: case 101: v = g.host_coherent; break; /* HOST_NATIVE_ATOMIC, DIRECT_MANAGED_MEM_ACCESS_FROM_HOST */
     case 81: v = 164 << 10; break;                /* MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
     case ATTR_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = 1; break;
     case 103: v = 1; break;                       /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */

@@ -131,6 +131,10 @@ fn query_device(ordinal: c_int) -> Result<GpuDevice, GpuError> {
         pci_bus_id: c_string(&bus_id).to_ascii_lowercase(),
         uuid: uuid(dev),
         total_memory: total_memory as u64,
+        compute_capability: (
+            int_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            int_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
         dma_buf_supported: flag(dev, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)?,
         vmm_supported: flag(
             dev,
@@ -178,6 +182,32 @@ fn flag(dev: sys::CUdevice, attribute: sys::CUdevice_attribute) -> Result<bool, 
         sys::CUresult::CUDA_ERROR_INVALID_VALUE => Ok(false),
         result => check("cuDeviceGetAttribute", result).map(|()| value != 0),
     }
+}
+
+/// An integer device attribute that every driver knows (the compute capability).
+fn int_attribute(dev: sys::CUdevice, attribute: sys::CUdevice_attribute) -> Result<i32, GpuError> {
+    let mut value: c_int = 0;
+    // SAFETY: `dev` is a valid device handle, `attribute` a valid enum value, and the
+    // out-pointer is a live local.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut value, attribute, dev)
+    })?;
+    Ok(value)
+}
+
+/// The device's memory is cache-coherent with the CPU (Grace Hopper, Grace Blackwell: C2C),
+/// by `CU_DEVICE_ATTRIBUTE_DIRECT_MANAGED_MEM_ACCESS_FROM_HOST` or
+/// `CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED`. Only on such a device can a dma-buf's
+/// default mapping be other than PCIe. An attribute the driver fails to answer counts as
+/// coherent, so that a refusal that may matter is never hidden.
+pub(crate) fn host_coherent(dev: sys::CUdevice) -> bool {
+    use sys::CUdevice_attribute as A;
+    [
+        A::CU_DEVICE_ATTRIBUTE_DIRECT_MANAGED_MEM_ACCESS_FROM_HOST,
+        A::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED,
+    ]
+    .into_iter()
+    .any(|a| flag(dev, a).unwrap_or(true))
 }
 
 /// Text from a NUL-terminated buffer the driver filled (lossy; a missing NUL gives "").

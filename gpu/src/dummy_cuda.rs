@@ -237,7 +237,7 @@ pub struct CudaMemory {
     pub info: GpuDevice,
     /// Why its memory cannot be exported as a dma-buf, if it cannot.
     pub dma_buf_refused: Option<String>,
-    /// Why its dma-bufs have the driver's default mapping, if so.
+    /// Why its dma-bufs have the driver's default mapping, if so and if that may matter.
     pub dma_buf_default_mapping: Option<String>,
     /// Every region on it is a multiple of these bytes.
     pub region_unit: u64,

@@ -12,7 +12,9 @@ use shardwire_protocol::trainer::MemoryKind;
 
 use crate::cuda as backend;
 pub use crate::error::GpuError;
-pub use crate::report::{GpuDevice, GpuProbe, MIN_DRIVER_VERSION, device_text};
+pub use crate::report::{
+    GpuDevice, GpuProbe, MIN_COMPUTE_CAPABILITY, MIN_DRIVER_VERSION, device_text,
+};
 
 /// The configured `memory` mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -98,6 +100,7 @@ mod tests {
             pci_bus_id: "0000:19:00.0".to_owned(),
             uuid: None,
             total_memory: 150_754_820_096,
+            compute_capability: (9, 0),
             dma_buf_supported: dma_buf,
             vmm_supported: vmm,
             gpu_direct_rdma_with_cuda_vmm_supported: vmm,
@@ -190,6 +193,56 @@ mod tests {
         assert!(!judge(true, None, vec![h200(0, true, true)]).usable);
     }
 
+    /// A Tesla T4 (Turing, 7.5) with dma-buf and VMM support: the sm_80 PTX cannot load on
+    /// it, so it is not usable, and the reason says so (before, it was judged usable and
+    /// failed later in `cuModuleLoadData`, with advice to update the driver).
+    fn t4(ordinal: i32) -> GpuDevice {
+        GpuDevice {
+            name: "Tesla T4".to_owned(),
+            compute_capability: (7, 5),
+            ..h200(ordinal, true, true)
+        }
+    }
+
+    #[test]
+    fn a_gpu_below_compute_capability_8_is_not_usable_and_says_why() {
+        assert!(!t4(0).usable());
+        let why = "GPU 0 (Tesla T4, 0000:19:00.0): compute capability 7.5 is below 8.0 (the \
+                   kernels are sm_80 PTX: Ampere or later)";
+        let probe = judge(true, Some(12080), vec![t4(0)]);
+        assert!(!probe.usable, "{probe:?}");
+        assert!(probe.reason.contains(why), "{}", probe.reason);
+
+        let auto = choose_memory(MemoryChoice::Auto, &probe).unwrap();
+        assert_eq!(auto.memory, MemoryKind::Host);
+        assert!(auto.reason.contains(why), "{}", auto.reason);
+        let e = choose_memory(MemoryChoice::Cuda, &probe).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
+
+        // Every missing capability of a device is named, not only the first.
+        let old_and_bare = GpuDevice {
+            dma_buf_supported: false,
+            ..t4(0)
+        };
+        let why = old_and_bare.unusable_because().unwrap();
+        assert!(
+            why.contains("compute capability 7.5") && why.contains("no dma-buf export"),
+            "{why}"
+        );
+
+        // 8.0 (A100) and later are usable; a T4 beside an H200 is passed over.
+        for cc in [(8, 0), (8, 6), (9, 0), (10, 0)] {
+            let d = GpuDevice {
+                compute_capability: cc,
+                ..t4(0)
+            };
+            assert!(d.usable(), "{cc:?}");
+        }
+        let mixed = judge(true, Some(12080), vec![t4(0), h200(1, true, true)]);
+        let d = choose_memory(MemoryChoice::Auto, &mixed).unwrap();
+        assert_eq!(d.device.map(|d| d.ordinal), Some(1));
+    }
+
     #[test]
     fn host_is_always_honoured() {
         for probe in [
@@ -259,6 +312,10 @@ mod tests {
         let json =
             serde_json::to_value(judge(true, Some(12080), vec![h200(0, true, true)])).unwrap();
         assert_eq!(json["devices"][0]["vmm_supported"], true);
+        assert_eq!(
+            json["devices"][0]["compute_capability"],
+            serde_json::json!([9, 0])
+        );
         assert_eq!(json["driver_version"], 12080);
     }
 }

@@ -8,6 +8,11 @@ use serde::Serialize;
 /// `CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE` (CUDA 12.8), encoded as the driver does.
 pub const MIN_DRIVER_VERSION: i32 = 12080;
 
+/// The oldest compute capability the kernels run on, `(major, minor)`: they are embedded as
+/// `.target sm_80` PTX (`kernels::PTX`), which no driver can JIT for an older GPU (Turing,
+/// Volta: `cuModuleLoadData` fails).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
 /// What the probe found on this host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct GpuProbe {
@@ -17,7 +22,7 @@ pub struct GpuProbe {
     pub driver_version: Option<i32>,
     /// Every device the driver lists.
     pub devices: Vec<GpuDevice>,
-    /// The driver is new enough and at least one device has dma-buf and VMM support.
+    /// The driver is new enough and at least one device is [`GpuDevice::usable`].
     pub usable: bool,
     /// Why the probe judged the host usable or not, for logs and the status endpoint.
     pub reason: String,
@@ -38,6 +43,9 @@ pub struct GpuDevice {
     pub uuid: Option<String>,
     /// Bytes of device memory.
     pub total_memory: u64,
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR` and `_MINOR`, e.g. `(9, 0)` for an H100
+    /// or H200 (serialized as `[9, 0]`).
+    pub compute_capability: (i32, i32),
     /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
     pub dma_buf_supported: bool,
     /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
@@ -48,14 +56,40 @@ pub struct GpuDevice {
 
 impl GpuDevice {
     /// The device can hold shareable regions that a NIC can reach (dma-buf export of a
-    /// VMM allocation).
+    /// VMM allocation) and run the kernels (compute capability [`MIN_COMPUTE_CAPABILITY`]
+    /// or later).
     pub fn usable(&self) -> bool {
-        self.dma_buf_supported && self.vmm_supported
+        self.unusable_because().is_none()
+    }
+
+    /// Why the device is not [`usable`](Self::usable), every reason, in words; `None` when
+    /// it is.
+    pub fn unusable_because(&self) -> Option<String> {
+        let mut why = Vec::new();
+        if self.compute_capability < MIN_COMPUTE_CAPABILITY {
+            let (major, minor) = MIN_COMPUTE_CAPABILITY;
+            why.push(format!(
+                "compute capability {} is below {} (the kernels are sm_{major}{minor} PTX: \
+                 Ampere or later)",
+                capability_text(self.compute_capability),
+                capability_text(MIN_COMPUTE_CAPABILITY)
+            ));
+        }
+        if !self.dma_buf_supported {
+            why.push("no dma-buf export (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0)".to_owned());
+        }
+        if !self.vmm_supported {
+            why.push(
+                "no VMM support (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0)"
+                    .to_owned(),
+            );
+        }
+        (!why.is_empty()).then(|| why.join(", "))
     }
 }
 
-/// Judges a driver that loaded: usable when it is new enough and a device has dma-buf and
-/// VMM support.
+/// Judges a driver that loaded: usable when it is new enough and a device is
+/// [`GpuDevice::usable`]; otherwise the reason names what each device lacks.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn judge(
     driver_present: bool,
@@ -82,8 +116,9 @@ pub(crate) fn judge(
         (Some(_), None) => (
             false,
             format!(
-                "none of the {} CUDA device(s) supports both dma-buf export and VMM",
-                devices.len()
+                "none of the {} CUDA device(s) is usable: {}",
+                devices.len(),
+                unusable_text(&devices)
             ),
         ),
         (Some(v), Some(d)) => (
@@ -104,6 +139,24 @@ pub(crate) fn judge(
     }
 }
 
+/// "GPU 0 (Tesla T4, 0000:19:00.0): compute capability 7.5 is below 8.0 (...)", each
+/// unusable device, joined by "; ".
+fn unusable_text(devices: &[GpuDevice]) -> String {
+    let each: Vec<String> = devices
+        .iter()
+        .filter_map(|d| {
+            d.unusable_because()
+                .map(|why| format!("{}: {why}", device_text(d)))
+        })
+        .collect();
+    each.join("; ")
+}
+
+/// (7, 5) -> "7.5".
+fn capability_text((major, minor): (i32, i32)) -> String {
+    format!("{major}.{minor}")
+}
+
 /// 12080 -> "12.8".
 fn version_text(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
@@ -112,4 +165,18 @@ fn version_text(v: i32) -> String {
 /// "GPU 0 (NVIDIA H200, 0000:19:00.0)".
 pub fn device_text(d: &GpuDevice) -> String {
     format!("GPU {} ({}, {})", d.ordinal, d.name, d.pci_bus_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The probe's floor follows the embedded PTX: a PTX regenerated for another target
+    /// must move [`MIN_COMPUTE_CAPABILITY`] with it.
+    #[test]
+    fn the_minimum_compute_capability_is_the_ptx_target() {
+        let (major, minor) = MIN_COMPUTE_CAPABILITY;
+        let target = format!(".target sm_{major}{minor}\n");
+        assert!(crate::kernels::PTX.contains(&target), "{target}");
+    }
 }

@@ -7,12 +7,13 @@
 //! this binary, and then checks what the child printed:
 //! - the whole GPU suite of `cuda_gpu.rs` (compiled in below, unchanged: on a real GPU
 //!   `scripts/gpu-check.sh` runs it), with no driver call failing, nothing leaked;
-//! - the `child` tests below: the probe, the dma-buf fallback, the crate refusing bad ranges
-//!   and other GPUs' memory before any driver call, regions dropped on threads without a
-//!   context, engine calls failing midway (`FAKE_CUDA_FAIL_CALL`), and the fake's own checks
-//!   (missing contexts, out-of-bounds copies and kernels, deferred streams, per-device
-//!   synchronisation on free, synchronous H2D copies from pageable memory landing in legacy
-//!   stream order, host registrations without PORTABLE pinned for their context only).
+//! - the `child` tests below: the probe (a pre-Ampere GPU included), the dma-buf fallback (on a GPU
+//!   that is cache-coherent with the CPU and on one that is not), the crate refusing bad ranges and
+//!   other GPUs' memory before any driver call, regions dropped on threads without a context,
+//!   engine calls failing midway (`FAKE_CUDA_FAIL_CALL`), and the fake's own checks (missing
+//!   contexts, out-of-bounds copies and kernels, deferred streams, per-device synchronisation on
+//!   free, synchronous H2D copies from pageable memory landing in legacy stream order, host
+//!   registrations without PORTABLE pinned for their context only).
 //!
 //! The `child` tests do nothing unless `SHARDWIRE_FAKE_CUDA_CHILD` is set (so `--ignored`
 //! on a GPU host, as in `scripts/gpu-check.sh`, passes over them).
@@ -59,6 +60,8 @@ fn run_child(filter: &str, tests: usize, env: &[(&str, &str)]) -> Child {
         .env_remove("FAKE_CUDA_PCI_BUS_IDS")
         .env_remove("FAKE_CUDA_ALLOC_LOG")
         .env_remove("FAKE_CUDA_DRIVER_VERSION")
+        .env_remove("FAKE_CUDA_COMPUTE_CAPABILITY")
+        .env_remove("FAKE_CUDA_HOST_COHERENT")
         .env_remove("FAKE_CUDA_FAIL_CALL");
     for (k, v) in env {
         cmd.env(k, v);
@@ -120,6 +123,26 @@ fn probe_explains_an_old_driver_and_no_devices() {
             .contains("cuDeviceGetCount -> CUDA_ERROR_NOT_INITIALIZED"),
         "{}",
         child.stderr
+    );
+}
+
+#[test]
+fn probe_refuses_a_gpu_below_compute_capability_8() {
+    let child = run_child(
+        "child::probe_with_a_pre_ampere_gpu",
+        1,
+        &[("FAKE_CUDA_COMPUTE_CAPABILITY", "7.5")],
+    );
+    // The one failed call is the child's own try to load the sm_80 PTX on the 7.5 device.
+    let lines = child.fake_lines();
+    assert_eq!(lines.len(), 1, "{}", lines.join("\n"));
+    assert!(
+        lines[0].contains(
+            "cuModuleLoadData -> CUDA_ERROR_INVALID_PTX: PTX .target sm_80 needs compute \
+             capability 8.0; the device has 7.5"
+        ),
+        "{}",
+        lines[0]
     );
 }
 
@@ -192,32 +215,44 @@ fn several_devices_each_by_bus_id_uuid_and_memory() {
 #[test]
 fn dmabuf_export_falls_back_without_the_pcie_flag() {
     // 1: a driver that predates the flag (INVALID_VALUE); 2: one that knows it but refuses it
-    // on this platform (NOT_SUPPORTED: driver 580, an H200 under Firecracker).
+    // for a GPU that is not cache-coherent with the CPU (NOT_SUPPORTED: every PCIe-attached
+    // GPU; driver 580, an H200 under Firecracker). Each on a PCIe GPU (the refusal is
+    // expected: no note) and on a host-coherent one (Grace Hopper: the note is kept).
     for (mode, refusal) in [
         ("1", "CUDA_ERROR_INVALID_VALUE"),
         ("2", "CUDA_ERROR_NOT_SUPPORTED"),
     ] {
-        let child = run_child(
-            "child::dmabuf_export_without_the_pcie_flag",
-            1,
-            &[
-                ("FAKE_CUDA_NO_PCIE_FLAG", mode),
-                ("CHILD_EXPECT_REFUSAL", refusal),
-            ],
-        );
-        // The crate asked with the PCIe flag once per export (three exports), was refused,
-        // and asked again without it; nothing else failed.
-        let lines = child.fake_lines();
-        assert_eq!(lines.len(), 3, "{}", lines.join("\n"));
-        let want = format!(
-            "cuMemGetHandleForAddressRange -> {refusal}: CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused"
-        );
-        assert!(
-            lines.iter().all(|l| l.contains(&want)),
-            "{}",
-            lines.join("\n")
-        );
+        for coherent in ["0", "1"] {
+            fallback_child(mode, refusal, coherent);
+        }
     }
+}
+
+/// One run of the dma-buf fallback child: the driver refuses the PCIe flag as `mode` says,
+/// with `refusal`, on a GPU that is cache-coherent with the CPU where `coherent` is "1".
+fn fallback_child(mode: &str, refusal: &str, coherent: &str) {
+    let child = run_child(
+        "child::dmabuf_export_without_the_pcie_flag",
+        1,
+        &[
+            ("FAKE_CUDA_NO_PCIE_FLAG", mode),
+            ("FAKE_CUDA_HOST_COHERENT", coherent),
+            ("CHILD_EXPECT_REFUSAL", refusal),
+        ],
+    );
+    // The crate asked with the PCIe flag once per export (three exports), was refused, and
+    // asked again without it; nothing else failed (asking the device whether it is
+    // host-coherent included).
+    let lines = child.fake_lines();
+    assert_eq!(lines.len(), 3, "{}", lines.join("\n"));
+    let want = format!(
+        "cuMemGetHandleForAddressRange -> {refusal}: CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE refused"
+    );
+    assert!(
+        lines.iter().all(|l| l.contains(&want)),
+        "{}",
+        lines.join("\n")
+    );
 }
 
 #[test]
@@ -497,6 +532,7 @@ mod child {
         assert!(
             d.dma_buf_supported && d.vmm_supported && d.gpu_direct_rdma_with_cuda_vmm_supported
         );
+        assert_eq!(d.compute_capability, (8, 0));
         assert!(d.total_memory > 0);
         let decision = choose_memory(MemoryChoice::Auto, &probe).unwrap();
         assert_eq!(
@@ -641,6 +677,38 @@ mod child {
 
     #[test]
     #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
+    fn probe_with_a_pre_ampere_gpu() {
+        if !in_child() {
+            return;
+        }
+        let probe = probe_gpus();
+        let d = &probe.devices[0];
+        assert_eq!(d.compute_capability, (7, 5), "read from the driver");
+        assert!(d.dma_buf_supported && d.vmm_supported, "{d:?}");
+        assert!(!d.usable() && !probe.usable, "{probe:?}");
+        let why = format!(
+            "GPU 0 ({FAKE_NAME}, 0000:fa:00.0): compute capability 7.5 is below 8.0 (the \
+             kernels are sm_80 PTX: Ampere or later)"
+        );
+        assert!(probe.reason.contains(&why), "{}", probe.reason);
+        let auto = choose_memory(MemoryChoice::Auto, &probe).unwrap();
+        assert_eq!(auto.memory, shardwire_protocol::trainer::MemoryKind::Host);
+        assert!(auto.reason.contains(&why), "{}", auto.reason);
+        let e = choose_memory(MemoryChoice::Cuda, &probe).unwrap_err();
+        assert!(e.to_string().contains(&why), "{e}");
+        // What the probe now spares the node: the kernels cannot load on this device.
+        let dev = Device::open(0).unwrap();
+        assert!(matches!(
+            Engines::new(&dev),
+            Err(GpuError::Driver {
+                call: "cuModuleLoadData",
+                result: sys::CUresult::CUDA_ERROR_INVALID_PTX
+            })
+        ));
+    }
+
+    #[test]
+    #[ignore = "run by fake_driver.rs in a child with the fake libcuda"]
     fn probe_with_an_old_driver() {
         if !in_child() {
             return;
@@ -725,15 +793,23 @@ mod child {
         // And the service's self-test and dma-buf check still pass.
         let engines = Engines::new(&dev).unwrap();
         shardwire_gpu::cuda::self_test(&dev, &engines).unwrap();
-        // Said, not silent: before, the check answered "exports" and nothing more.
         let check = shardwire_gpu::cuda::selftest::check_dma_buf(&dev, true).unwrap();
         assert_eq!(check.refused, None);
+        if std::env::var("FAKE_CUDA_HOST_COHERENT").as_deref() != Ok("1") {
+            // A PCIe GPU: the refusal is what drivers do there and the default mapping is
+            // PCIe, so nothing to say (before, every lane warned that a NIC may not reach it).
+            assert_eq!(check.default_mapping, None);
+            return;
+        }
+        // Grace Hopper: the default mapping is C2C. Said, not silent.
         let why = check
             .default_mapping
             .expect("the default mapping is reported");
         let refusal = std::env::var("CHILD_EXPECT_REFUSAL").unwrap();
         assert!(
-            why.contains("refused the PCIe mapping type") && why.contains(&refusal),
+            why.contains("refused the PCIe mapping type")
+                && why.contains(&refusal)
+                && why.contains("cache-coherent with the CPU"),
             "{why}"
         );
     }

@@ -11,7 +11,7 @@
 //! [`warn_limit::EVERY`], with the lines left out counted.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -25,6 +25,7 @@ use tokio::sync::watch;
 use crate::binding::{BindingKind, Reading, RxRegion};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
+use crate::lanes::plan::Ipv4Lookup;
 use crate::lanes::{Lane, Lanes};
 use crate::link::{Announcement, DataConns, Kick, SourceLink};
 use crate::matcher::{self, Accepted, Announced, Matcher, UNMATCHED_TIMEOUT, WrongLane};
@@ -92,6 +93,36 @@ pub struct Flow {
 /// The RX bindings by lane.
 type Bindings = BTreeMap<u32, Arc<RxRegion>>;
 
+/// The data connections identified and still receiving, and the bytes of those that have
+/// ended, under one lock: an ended connection's bytes move from one to the other inside it,
+/// so a lane's total never counts them twice (or not at all).
+#[derive(Debug, Default)]
+struct FlowTable {
+    /// Identified and still receiving (pruned as new ones come).
+    live: Vec<Flow>,
+    /// Bytes received by data connections that have ended, by lane.
+    ended: BTreeMap<u32, u64>,
+}
+
+impl FlowTable {
+    /// Adds `flow`, first moving the bytes of connections that have ended (their receiver
+    /// let go of its counters) into the lanes' totals, so a source that reconnects again and
+    /// again does not grow the list.
+    fn add(&mut self, flow: Flow) {
+        prune_ended(&mut self.live, &mut self.ended);
+        self.live.push(flow);
+    }
+
+    /// Bytes received on lane `lane`'s data connections, ended ones included.
+    fn lane_bytes(&self, lane: u32) -> u64 {
+        let live: u64 = (self.live.iter())
+            .filter(|f| f.lane == lane)
+            .map(|f| f.stats.bytes.load(Ordering::Relaxed))
+            .sum();
+        live + self.ended.get(&lane).copied().unwrap_or(0)
+    }
+}
+
 /// The data plane.
 pub struct DataPlane {
     /// The sources: configured and found by DNS ([`crate::discovery`]).
@@ -104,10 +135,11 @@ pub struct DataPlane {
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
-    /// The data connections identified and still receiving (pruned as new ones come).
-    flows: Mutex<Vec<Flow>>,
-    /// Bytes received by data connections that have ended, by lane.
-    ended_bytes: Mutex<BTreeMap<u32, u64>>,
+    /// The data connections identified and still receiving, and the bytes of those ended.
+    flows: Mutex<FlowTable>,
+    /// The address last seen on the NIC of each lane that awaits one
+    /// (`LaneSpec::awaits_nic_address`), to log a change once.
+    nic_ips: Mutex<BTreeMap<u32, Option<Ipv4Addr>>>,
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
     io_uring: bool,
@@ -135,7 +167,7 @@ impl DataPlane {
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
-            ended_bytes: Mutex::default(),
+            nic_ips: Mutex::default(),
             counters,
             io_uring,
             fault_misplace: Default::default(),
@@ -224,31 +256,38 @@ impl DataPlane {
 
     /// The data connections identified and receiving (or ended since the last one came).
     pub fn flows(&self) -> Vec<Flow> {
-        self.flows.lock().expect("poisoned").clone()
+        self.flows.lock().expect("poisoned").live.clone()
     }
 
-    /// Bytes received on lane `lane`'s data connections, ended ones included.
+    /// Bytes received on lane `lane`'s data connections, ended ones included (read under
+    /// the one lock that moves an ended connection's bytes: [`FlowTable`]).
     pub fn lane_bytes(&self, lane: u32) -> u64 {
-        let live: u64 = (self.flows.lock().expect("poisoned").iter())
-            .filter(|f| f.lane == lane)
-            .map(|f| f.stats.bytes.load(Ordering::Relaxed))
-            .sum();
-        live + self
-            .ended_bytes
-            .lock()
-            .expect("poisoned")
-            .get(&lane)
-            .copied()
-            .unwrap_or(0)
+        self.flows.lock().expect("poisoned").lane_bytes(lane)
     }
 
-    /// Adds `flow` to the list, first moving the bytes of connections that have ended (their
-    /// receiver let go of its counters) into the lanes' totals, so a source that reconnects
-    /// again and again does not grow the list.
+    /// Adds `flow` to the list ([`FlowTable::add`]).
     fn add_flow(&self, flow: Flow) {
-        let mut flows = self.flows.lock().expect("poisoned");
-        prune_ended(&mut flows, &mut self.ended_bytes.lock().expect("poisoned"));
-        flows.push(flow);
+        self.flows.lock().expect("poisoned").add(flow);
+    }
+
+    /// The IPv4 address lane `lane`'s NIC has now (`ipv4`) where the lane awaits one
+    /// (`LaneSpec::awaits_nic_address`); `None` for another lane, or while the NIC has none.
+    /// A change from what was last seen is logged once, whichever source's session looks.
+    fn nic_ip(&self, lane: &Lane, ipv4: Ipv4Lookup<'_>) -> Option<IpAddr> {
+        let nic = (lane.spec.nic.as_deref()).filter(|_| lane.spec.awaits_nic_address)?;
+        let ip = ipv4(nic).unwrap_or_else(|e| {
+            tracing::debug!(lane = lane.id(), %nic, error = %e, "cannot read the lane's NIC address");
+            None
+        });
+        let was = self.nic_ips.lock().expect("poisoned").insert(lane.id(), ip);
+        match (was.flatten(), ip) {
+            (was, Some(ip)) if was != Some(ip) => tracing::info!(lane = lane.id(), %nic, %ip,
+                "the lane's NIC has an IPv4 address now: sources dial the lane there from their next session (a session under way ends at a moment with nothing under way)"),
+            (Some(was), None) => tracing::warn!(lane = lane.id(), %nic, %was,
+                "the lane's NIC lost its IPv4 address: sources dial the lane at the control connection's address from their next session"),
+            _ => {}
+        }
+        ip.map(IpAddr::V4)
     }
 
     /// Makes every link reconnect (its data connections come back on the current path):
@@ -443,6 +482,15 @@ impl DataConns for DataPlane {
         }
     }
 
+    fn lane_ips(&self) -> Vec<Option<IpAddr>> {
+        let ipv4 = &shardwire_devmem::ifaddr::ipv4;
+        self.lanes
+            .all()
+            .iter()
+            .map(|l| self.nic_ip(l, ipv4))
+            .collect()
+    }
+
     fn forget(&self, link: usize, generation: u64, reason: &str) {
         let gone = self
             .matcher
@@ -544,5 +592,136 @@ mod tests {
         prune_ended(&mut flows, &mut ended);
         assert!(flows.is_empty());
         assert_eq!((ended.get(&0), ended.get(&1)), (Some(&15), Some(&20)));
+    }
+
+    /// A plane with no source, lane or binding.
+    fn bare_plane() -> DataPlane {
+        plane_of(vec![])
+    }
+
+    /// A plane of `lanes`, with no source or binding.
+    fn plane_of(lanes: Vec<Arc<Lane>>) -> DataPlane {
+        let cfg = crate::link::LinkConfig {
+            secret: None,
+            lanes: vec![],
+        };
+        DataPlane::new(
+            Arc::new(Roster::new(cfg)),
+            Arc::new(Lanes::new(lanes, vec![])),
+            (vec![], EmuHost::new()),
+            Arc::new(Counters::default()),
+            false,
+        )
+    }
+
+    /// Lane `id` on NIC `nic`, on the wildcard, awaiting the NIC's address or not.
+    fn lane_on(id: u32, nic: &str, awaits_nic_address: bool) -> Lane {
+        Lane {
+            spec: crate::lanes::LaneSpec {
+                id,
+                gpu: None,
+                nic: Some(nic.into()),
+                nic_named: false,
+                nic_pci: None,
+                distance: None,
+                numa_node: None,
+                cpus: Vec::new(),
+                numa_bind: None,
+                queues: Vec::new(),
+                data_listen: "0.0.0.0:7401".parse().unwrap(),
+                awaits_nic_address,
+                devmem_memory: 1 << 20,
+                why: String::new(),
+                warn: true,
+            },
+            data_addr: "0.0.0.0:7401".parse().unwrap(),
+            cuda: None,
+            cpus: Vec::new(),
+            numa_bind: None,
+            notes: Vec::new(),
+            stats: Default::default(),
+        }
+    }
+
+    /// A lane whose NIC had no address at start is told its NIC's address once the NIC has
+    /// one (each source session asks), and loses it again with the NIC's. Before, the address
+    /// planned at start (the wildcard) was all a session ever advertised. A lane that awaits
+    /// no address is never looked up.
+    #[test]
+    fn a_lane_awaiting_its_nics_address_gets_it_once_the_nic_has_one() {
+        let plane = bare_plane();
+        let eth3 = Mutex::new(None);
+        let asked = Mutex::new(Vec::new());
+        let lookup =
+            |nic: &str| -> Result<Option<Ipv4Addr>, shardwire_devmem::ifaddr::IfAddrError> {
+                asked.lock().unwrap().push(nic.to_owned());
+                Ok(*eth3.lock().unwrap())
+            };
+        let (awaits, planned) = (lane_on(3, "eth3", true), lane_on(2, "eth2", false));
+        assert_eq!(plane.nic_ip(&awaits, &lookup), None, "no address yet");
+        assert_eq!(plane.nic_ip(&planned, &lookup), None);
+        assert_eq!(
+            *asked.lock().unwrap(),
+            ["eth3"],
+            "only the lane awaiting one"
+        );
+        *eth3.lock().unwrap() = Some(Ipv4Addr::new(10, 0, 3, 5));
+        let got = plane.nic_ip(&awaits, &lookup);
+        assert_eq!(got, Some(IpAddr::from([10, 0, 3, 5])));
+        *eth3.lock().unwrap() = None;
+        assert_eq!(plane.nic_ip(&awaits, &lookup), None, "the address went");
+        // A plane without lanes has no address to say; through the host's own lookup, a
+        // lane on lo awaiting its address has lo's.
+        assert!(plane.lane_ips().is_empty());
+        let lanes = vec![
+            Arc::new(lane_on(0, "lo", true)),
+            Arc::new(lane_on(1, "lo", false)),
+        ];
+        let on_lo = plane_of(lanes);
+        assert_eq!(on_lo.lane_ips(), [Some(IpAddr::from([127, 0, 0, 1])), None]);
+    }
+
+    /// A lane's total while its connections end and new ones come (each new one moves the
+    /// ended ones' bytes to the lane's total): flow `k` of a lane carries 2^k bytes, so every
+    /// true total is 2^m - 1 and a flow counted twice shows as another pattern. Before, the
+    /// live sum and the ended total were read under two locks, and a flow moved between the
+    /// two reads counted in both (a race: this catches it when the threads meet there).
+    #[test]
+    fn a_flow_that_ends_while_its_lane_is_summed_counts_once() {
+        use std::sync::atomic::{AtomicBool, AtomicU32};
+        const LANES: u32 = 200;
+        let plane = Arc::new(bare_plane());
+        let (stop, on) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU32::new(0)),
+        );
+        let reader = {
+            let (plane, stop, on) = (Arc::clone(&plane), Arc::clone(&stop), Arc::clone(&on));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let lane = on.load(Ordering::Relaxed);
+                    let v = plane.lane_bytes(lane);
+                    assert!((v + 1).is_power_of_two(), "lane {lane}: {v:#b}");
+                }
+            })
+        };
+        for lane in 0..LANES {
+            on.store(lane, Ordering::Relaxed);
+            for k in 0..63 {
+                let (f, stats) = flow(lane, 0);
+                plane.add_flow(f);
+                stats.bytes.store(1 << k, Ordering::Relaxed);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        reader.join().expect("no lane total counted a flow twice");
+        for lane in 0..LANES {
+            assert_eq!(plane.lane_bytes(lane), u64::MAX >> 1, "lane {lane}");
+        }
+        assert_eq!(
+            plane.flows().len(),
+            1,
+            "the last flow, ended, stays listed until a new one prunes it"
+        );
     }
 }

@@ -170,6 +170,7 @@ mod tests {
             pci_bus_id: "0000:05:00.0".into(),
             uuid: Some("GPU-5a77fa4e-0000-4000-8000-000000000000".into()),
             total_memory: 1 << 30,
+            compute_capability: (9, 0),
             dma_buf_supported: true,
             vmm_supported: true,
             gpu_direct_rdma_with_cuda_vmm_supported: true,

@@ -36,7 +36,10 @@ impl Scheme {
     /// for this kind of store: an http(s) server has no region and no credentials.
     pub fn refusal_check(self) -> &'static str {
         match self {
-            Scheme::S3 => "the dataset URL, AWS_REGION and the endpoint (AWS_ENDPOINT_URL)",
+            Scheme::S3 => {
+                "the dataset URL, AWS_REGION and the endpoint (AWS_ENDPOINT_URL_S3, else \
+                 AWS_ENDPOINT_URL: the startup log names the one in use)"
+            }
             Scheme::Gcs => "the dataset URL and the bucket's name",
             Scheme::Azure => {
                 "the dataset URL, the storage account (AZURE_STORAGE_ACCOUNT_NAME) and the \

@@ -60,6 +60,8 @@ def fake_env() -> dict:
         "FAKE_CUDA_LOG": "1",
         "FAKE_CUDA_DEVICES": "1",
         "FAKE_CUDA_NO_PCIE_FLAG": "0",
+        "FAKE_CUDA_HOST_COHERENT": "0",
+        "FAKE_CUDA_COMPUTE_CAPABILITY": "8.0",
         "FAKE_CUDA_DRIVER_VERSION": "12080",
     }
 
@@ -233,7 +235,9 @@ def test_auto_memory_chooses_the_fake_gpu_and_falls_back_to_the_default_dmabuf(s
     """`shardwire gpus` and `serve --memory auto` see the fake as a usable GPU; with a driver that
     refuses the dma-buf PCIe mapping flag (FAKE_CUDA_NO_PCIE_FLAG=1) the node's self-test
     exports the dma-buf without it, starts on CUDA memory, and says so (reason and log)."""
-    env = {**fake_env(), "FAKE_CUDA_NO_PCIE_FLAG": "1"}
+    # A GPU cache-coherent with the CPU (Grace): elsewhere the refusal is expected (the
+    # default mapping is PCIe) and nothing is said.
+    env = {**fake_env(), "FAKE_CUDA_NO_PCIE_FLAG": "1", "FAKE_CUDA_HOST_COHERENT": "1"}
     r = subprocess.run([str(shardwire_bin()), "gpus", "--json"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, **env})
     assert r.returncode == 0, r.stderr

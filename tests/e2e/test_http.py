@@ -288,6 +288,9 @@ def test_raw_api_codes_headers_and_limits(world: World):
     st, v = http_json(a, "POST", "/v1/streams", {"dataset": "mix", "seed": 9})
     assert st == 201 and set(v) == {"stream", "batches_per_epoch", "epochs", "state", "idle_timeout_s"}, v
     sid = v["stream"]
+    # Ids start at a random value per node run (2^21 or more): a handle kept over a restart
+    # names nothing of the new run.
+    assert sid >= 1 << 21, sid
     st, b = http_json(a, "POST", f"/v1/streams/{sid}/next?timeout_ms=10000")
     assert st == 200 and set(b) == {"lease", "epoch", "index", "shard", "tensors"}, b
     exp = world.expected[b["shard"]]

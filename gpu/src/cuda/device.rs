@@ -399,6 +399,7 @@ mod tests {
                 pci_bus_id: "0000:00:00.0".into(),
                 uuid: None,
                 total_memory: 0,
+                compute_capability: (9, 0),
                 dma_buf_supported: true,
                 vmm_supported: true,
                 gpu_direct_rdma_with_cuda_vmm_supported: true,

@@ -22,7 +22,9 @@ pub struct CudaMemory {
     /// in it (pinned staging, a mapped host dma-buf), but no NIC queue can be bound to it.
     pub dma_buf_refused: Option<String>,
     /// Why its dma-bufs have the driver's default mapping, not the PCIe one a NIC reads
-    /// through, if so (the driver refused the PCIe mapping type).
+    /// through, if so and if that may matter (the driver refused the PCIe mapping type on a
+    /// GPU that is cache-coherent with the CPU; on any other GPU the refusal is expected and
+    /// the default mapping is PCIe: `None`).
     pub dma_buf_default_mapping: Option<String>,
     /// Every region on it is a multiple of these bytes ([`super::vmm::region_unit`]: 2 MiB,
     /// or the driver's granularity where larger): a stream's region takes its

@@ -1,7 +1,7 @@
 //! Opening a GPU for the service, with a short self-test of every path it will use
-//! (region, fd export, dma-buf export, H2D staging, the CRC and gather kernels), so a
-//! broken driver or a PTX the driver cannot JIT shows at start with its reason, not at the
-//! first shard.
+//! (region, fd export, H2D staging, the CRC and gather kernels), so a broken driver or a PTX
+//! the driver cannot JIT shows at start with its reason, not at the first shard; and the
+//! dma-buf check ([`check_dma_buf`]), which reports and is never fatal.
 
 use std::sync::Arc;
 
@@ -27,7 +27,10 @@ pub fn self_test(dev: &Arc<Device>, engines: &Engines) -> Result<(), GpuError> {
 pub struct DmaBufCheck {
     /// Why a region does not export as a dma-buf, if it does not.
     pub refused: Option<String>,
-    /// Why it exports with the driver's default mapping, not the PCIe one, if so.
+    /// Why it exports with the driver's default mapping, not the PCIe one, where that may
+    /// matter: only on a GPU that is cache-coherent with the CPU (Grace Hopper, Grace
+    /// Blackwell: C2C). Elsewhere the default mapping is PCIe and a refused flag is expected
+    /// (see [`super::VmmRegion::export_dmabuf_noting`]): `None`.
     pub default_mapping: Option<String>,
 }
 

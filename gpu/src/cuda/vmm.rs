@@ -241,8 +241,9 @@ impl VmmRegion {
     /// driver that refuses the flag (`CUDA_ERROR_INVALID_VALUE` from a driver that predates
     /// it, `CUDA_ERROR_NOT_SUPPORTED` from one on a platform without it); when that is
     /// refused too, [`GpuError::DmaBufRefused`] carries both refusals.
-    /// The fallback is logged (a warning naming the refusal): on a platform whose default
-    /// mapping is not PCIe (Grace Hopper, Grace Blackwell: C2C) a NIC may not reach it.
+    /// On a host-coherent GPU (Grace Hopper, Grace Blackwell), whose default mapping is C2C,
+    /// which a NIC may not reach, the fallback is a warning naming the refusal; elsewhere it
+    /// is expected and only logged at debug (see [`VmmRegion::export_dmabuf_noting`]).
     pub fn export_dmabuf(&self) -> Result<OwnedFd, GpuError> {
         let (fd, refused) = self.export_dmabuf_noting()?;
         if let Some(why) = refused {
@@ -252,7 +253,10 @@ impl VmmRegion {
     }
 
     /// [`VmmRegion::export_dmabuf`], without the warning: the fd, and why it has the
-    /// driver's default mapping where the PCIe mapping type was refused.
+    /// driver's default mapping where the PCIe mapping type was refused on a host-coherent
+    /// GPU. Drivers refuse the flag for every GPU that is not cache-coherent with the CPU
+    /// (`NOT_SUPPORTED`: every PCIe-attached GPU, x86 hosts included), whose default mapping
+    /// is PCIe (BAR1) already: there the refusal is logged at debug and noted as `None`.
     pub fn export_dmabuf_noting(&self) -> Result<(OwnedFd, Option<String>), GpuError> {
         self.dev.bind()?;
         let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
@@ -264,22 +268,36 @@ impl VmmRegion {
                         | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
                     ..
                 },
-            ) => {
-                let why = format!(
-                    "the driver refused the PCIe mapping type for a dma-buf of GPU memory ({e}): \
-                     exported with its default mapping, which a NIC may not reach where that \
-                     is not PCIe (Grace Hopper and Blackwell: C2C)"
-                );
-                match self.dmabuf_with(0) {
-                    Ok(fd) => Ok((fd, Some(why))),
-                    Err(fallback) => Err(GpuError::DmaBufRefused {
-                        pcie: Box::new(e),
-                        fallback: Box::new(fallback),
-                    }),
-                }
-            }
+            ) => match self.dmabuf_with(0) {
+                Ok(fd) => Ok((fd, self.default_mapping_note(&e))),
+                Err(fallback) => Err(GpuError::DmaBufRefused {
+                    pcie: Box::new(e),
+                    fallback: Box::new(fallback),
+                }),
+            },
             other => Ok((other?, None)),
         }
+    }
+
+    /// Why a dma-buf exported with the driver's default mapping (the PCIe mapping type was
+    /// refused with `refusal`) may matter: only on a host-coherent GPU, whose default mapping
+    /// is C2C. Elsewhere the refusal is what drivers do (libfabric and NCCL fall back
+    /// quietly too): logged at debug, `None`.
+    fn default_mapping_note(&self, refusal: &GpuError) -> Option<String> {
+        if super::host_coherent(self.dev.raw()) {
+            return Some(format!(
+                "the driver refused the PCIe mapping type for a dma-buf of GPU memory \
+                 ({refusal}) on a GPU that is cache-coherent with the CPU: exported with its \
+                 default mapping, which a NIC may not reach where that is not PCIe (Grace \
+                 Hopper and Blackwell: C2C)"
+            ));
+        }
+        tracing::debug!(
+            "the driver refused the PCIe mapping type for a dma-buf of GPU memory ({refusal}), \
+             as drivers do for a GPU that is not cache-coherent with the CPU: exported with \
+             the default mapping, which is PCIe there"
+        );
+        None
     }
 
     fn dmabuf_with(&self, flags: u64) -> Result<OwnedFd, GpuError> {

@@ -190,6 +190,7 @@ mod tests {
                 numa_bind: None,
                 queues: Vec::new(),
                 data_listen: "127.0.0.1:0".parse().unwrap(),
+                awaits_nic_address: false,
                 devmem_memory: 1 << 20,
                 why: String::new(),
                 warn: false,

@@ -434,6 +434,7 @@ mod tests {
             numa_bind: None,
             queues: Vec::new(),
             data_listen: "127.0.0.1:0".parse().unwrap(),
+            awaits_nic_address: false,
             devmem_memory: 1 << 20,
             why: String::new(),
             warn: false,
@@ -449,6 +450,45 @@ mod tests {
         assert!(notes[0].contains("sched_getaffinity"), "{notes:?}");
         let (cpus, _, notes) = placement(&spec, &Ok(vec![3, 4]), false);
         assert_eq!((cpus, notes.len()), (vec![3], 0));
+    }
+
+    fn gpu(ordinal: i32, name: &str, compute_capability: (i32, i32)) -> GpuDevice {
+        GpuDevice {
+            ordinal,
+            name: name.to_owned(),
+            pci_bus_id: format!("0000:1{ordinal}:00.0"),
+            uuid: None,
+            total_memory: 16 << 30,
+            compute_capability,
+            dma_buf_supported: true,
+            vmm_supported: true,
+            gpu_direct_rdma_with_cuda_vmm_supported: true,
+        }
+    }
+
+    #[test]
+    fn lanes_get_no_gpu_below_compute_capability_8() {
+        // Before, a T4 (7.5: the sm_80 PTX cannot load) was a lane's GPU and failed to open.
+        let probe = GpuProbe {
+            driver_present: true,
+            driver_version: Some(12080),
+            devices: vec![gpu(0, "Tesla T4", (7, 5)), gpu(1, "NVIDIA A100", (8, 0))],
+            usable: true,
+            reason: "CUDA driver 12.8 with GPU 1 usable".to_owned(),
+        };
+        for mode in [MemoryMode::Auto, MemoryMode::Cuda] {
+            let kept = cuda_devices(mode, &probe).unwrap();
+            let ordinals: Vec<i32> = kept.iter().map(|d| d.ordinal).collect();
+            assert_eq!(ordinals, vec![1], "{mode:?}");
+        }
+        let t4_only = GpuProbe {
+            devices: vec![gpu(0, "Tesla T4", (7, 5))],
+            usable: false,
+            reason: "none of the 1 CUDA device(s) is usable".to_owned(),
+            ..probe
+        };
+        assert!(cuda_devices(MemoryMode::Auto, &t4_only).unwrap().is_empty());
+        assert!(cuda_devices(MemoryMode::Cuda, &t4_only).is_err());
     }
 
     #[test]

@@ -64,6 +64,12 @@ pub struct LaneSpec {
     pub queues: Vec<u32>,
     /// Where its data listener binds (and, unless a wildcard, what sources dial).
     pub data_listen: SocketAddr,
+    /// Sources are to dial its NIC's own IPv4 address (a wildcard `data_listen`, a NIC named
+    /// or paired), but the NIC had none when the lane was planned (one still training at
+    /// boot): the lane is on the wildcard meanwhile, and every source session looks the
+    /// NIC's address up again and advertises the lane there once it has one
+    /// (`crate::link::readdress`).
+    pub awaits_nic_address: bool,
     /// Its RX dma-buf size for devmem.
     pub devmem_memory: u64,
     /// One line: why this GPU, NIC and address.
@@ -366,6 +372,14 @@ fn addr_for(
             format!("data address {listen} (data_listen is not a wildcard)"),
             listen.ip() != IpAddr::V4(ip),
         )),
+        None if listen.ip().is_unspecified() => Ok((
+            listen,
+            format!(
+                "data address {listen} ({nic} has no IPv4 address yet: sources are moved to \
+                 its address once it has one)"
+            ),
+            true,
+        )),
         None => Ok((
             listen,
             format!("data address {listen} ({nic} has no IPv4 address)"),
@@ -498,6 +512,8 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
                 let per_lane = "name each lane's data_listen in a lanes table";
                 addr_why.push_str(&elsewhere_hint(n, inp.data_listen.port(), per_lane));
             }
+            // The NIC had no address (or it could not be read): looked up again per session.
+            let awaits_nic_address = nic.is_some() && data_listen.ip().is_unspecified();
             let numa_node = p.and_then(LanePlan::numa_node);
             let pairing = p.map_or_else(
                 || "not in the sysfs tree: no NIC pairing".to_owned(),
@@ -515,6 +531,7 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
                 nic,
                 numa_node,
                 data_listen,
+                awaits_nic_address,
                 devmem_memory: inp.devmem_memory,
                 why: format!("{pairing}; {addr_why}"),
                 warn: p.is_none_or(|p| p.warn) || elsewhere,
@@ -545,6 +562,8 @@ fn single(inp: &Inputs<'_>, gpu: Option<&Candidate>, p: Option<&LanePlan>) -> La
         numa_bind: None,
         queues: inp.devmem_queues.to_vec(),
         data_listen: inp.data_listen,
+        // The one lane is where data_listen says, as in earlier releases.
+        awaits_nic_address: false,
         devmem_memory: inp.devmem_memory,
         why: format!(
             "{what}; data address {} (data_listen), receivers not pinned",
@@ -681,6 +700,9 @@ fn table_lane(
         .and_then(|n| n.numa_node)
         .or_else(|| tree_gpu.and_then(|g| g.numa_node));
     let queues = table_queues(inp, lc);
+    // A configured data_listen is taken as meant, a wildcard too.
+    let awaits_nic_address =
+        lc.data_listen.is_none() && nic.is_some() && data_listen.ip().is_unspecified();
     Ok(LaneSpec {
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
@@ -699,6 +721,7 @@ fn table_lane(
         numa_node,
         queues,
         data_listen,
+        awaits_nic_address,
         devmem_memory: lc.devmem_memory.map_or(inp.devmem_memory, |m| m.0),
     })
 }

@@ -29,13 +29,19 @@
 //! fetch is ever failed for a redial ([`SourceLink::redial_due`]). It counts as a healthy
 //! session, so the link reconnects at its shortest wait (100 ms); the other lanes pause for
 //! that and the next session's dialling.
+//!
+//! A lane on a wildcard whose NIC had no IPv4 address when the node started (one still
+//! training at boot) is advertised at the control connection's address until the NIC has one;
+//! from then on sessions advertise the NIC's, and a session that began before ends at a moment
+//! with nothing under way ([`readdress`]).
 
+pub mod readdress;
 pub mod served;
 pub mod session;
 pub mod stall;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -106,9 +112,10 @@ fn redial_waits(redialled: Option<&(Vec<u16>, u32)>, conns: &[u16]) -> (Duration
 pub struct LinkConfig {
     /// Shared secret for the handshake.
     pub secret: Option<Vec<u8>>,
-    /// Each lane's data address (a wildcard IP is replaced by the control connection's local
-    /// IP; an IPv4 wildcard cannot be over IPv6: [`session::advertised`]) and the data
-    /// connections to ask for on it, lane `i` at index `i`.
+    /// Each lane's data address (a wildcard IP is replaced by its NIC's address where it
+    /// awaits one and the NIC has one now, else by the control connection's local IP; an IPv4
+    /// wildcard cannot be over IPv6: [`session::advertised`]) and the data connections to ask
+    /// for on it, lane `i` at index `i`.
     pub lanes: Vec<LaneAddr>,
 }
 
@@ -140,6 +147,12 @@ pub trait DataConns: Send + Sync {
     /// Session `generation` of link `link` ended: its unmatched announcements go, and the
     /// fetches queued on them fail with `reason`.
     fn forget(&self, link: usize, generation: u64, reason: &str);
+    /// By lane: the IPv4 address its NIC has now where the lane awaits one (a wildcard lane
+    /// whose NIC had none at start: `LaneSpec::awaits_nic_address`), else `None`. Sessions
+    /// advertise such a lane there ([`session::advertised`], [`readdress`]). Default: none.
+    fn lane_ips(&self) -> Vec<Option<IpAddr>> {
+        Vec::new()
+    }
 }
 
 /// Why a message could not be sent on a link.
@@ -207,6 +220,17 @@ pub enum Kick {
         addr: SocketAddr,
         /// How long it was waited for.
         after: Duration,
+    },
+    /// Lanes this session advertised at the control connection's address have their NIC's
+    /// address now ([`readdress`]): the next session advertises that.
+    #[error(
+        "the NICs of lanes {lanes:?} have an IPv4 address now ({addrs:?}), which this session began too early to advertise: the node ended it so that the next one dials those lanes there"
+    )]
+    Readdressed {
+        /// The lanes.
+        lanes: Vec<u16>,
+        /// Their data addresses now, in the same order.
+        addrs: Vec<SocketAddr>,
     },
     /// Data connections of the session stayed not dialled ([`wire::NOT_DIALLED`]) for
     /// [`REDIAL_AFTER`] or more (doubled for each such session in a row):
@@ -310,6 +334,9 @@ struct LinkState {
     next_seq: Vec<u64>,
     /// Each lane's data address as this session advertised it.
     advertised: Vec<SocketAddr>,
+    /// When a lane's NIC was first seen with an address this session did not advertise
+    /// ([`readdress`]), while that lasts.
+    moved_since: Option<tokio::time::Instant>,
     data_socks: Vec<TcpStream>,
 }
 
@@ -356,6 +383,9 @@ pub struct SourceLink {
     /// The session is due to be redialled but something is under way: the link takes no new
     /// fetch until its next session ([`SourceLink::redial_due`]).
     redial_waiting: AtomicBool,
+    /// The same, for a session due to end so that lanes move to their NICs' addresses
+    /// ([`readdress`]).
+    readdress_waiting: AtomicBool,
     /// Fetches sent on it and not ended yet.
     outstanding: Arc<AtomicUsize>,
     /// When the source last answered a fetch, or payload bytes last landed (or the session
@@ -400,6 +430,7 @@ impl SourceLink {
             draining: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
             redial_waiting: AtomicBool::new(false),
+            readdress_waiting: AtomicBool::new(false),
             outstanding: Arc::default(),
             answered: Mutex::new(Answered::new(Instant::now(), 0)),
             landed: AtomicU64::new(0),
@@ -431,9 +462,12 @@ impl SourceLink {
 
     /// Whether new fetches may go to this source (up or not): neither draining nor retiring,
     /// nor waiting for its fetches to end so that its session is redialled
-    /// ([`SourceLink::redial_due`]).
+    /// ([`SourceLink::redial_due`]) or moves lanes to their NICs' addresses
+    /// ([`SourceLink::readdress_due`]).
     pub fn takes_new_fetches(&self) -> bool {
-        self.takes_new_streams() && !self.redial_waiting.load(Ordering::Acquire)
+        self.takes_new_streams()
+            && !self.redial_waiting.load(Ordering::Acquire)
+            && !self.readdress_waiting.load(Ordering::Acquire)
     }
 
     /// Whether streams may be placed on the lanes this link reaches: not draining or retiring.
@@ -789,9 +823,11 @@ impl SourceLink {
         st.said = None;
         st.next_seq = vec![0; st.conn_lane.len()];
         st.advertised = lanes.iter().map(|l| l.data_addr).collect();
+        st.moved_since = None;
         *self.abort_reason.lock().expect("poisoned") = None;
         self.draining.store(false, Ordering::Release);
         self.redial_waiting.store(false, Ordering::Release);
+        self.readdress_waiting.store(false, Ordering::Release);
         self.up.store(true, Ordering::Release);
         // `last_error` stays until the session is ready ([`SourceLink::data_ready`]): a link
         // whose sessions keep failing before then shows why.

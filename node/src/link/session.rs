@@ -133,7 +133,7 @@ pub async fn connect_and_serve(
     .map_err(connect_err)?;
     let _ = stream.set_nodelay(true);
     let local_ip = stream.local_addr().map_err(connect_err)?.ip();
-    let lanes = advertised(&link.cfg.lanes, local_ip)?;
+    let lanes = advertised(&link.cfg.lanes, local_ip, &conns.lane_ips())?;
     let (rd, wr) = stream.into_split();
     serve(
         link,
@@ -145,27 +145,33 @@ pub async fn connect_and_serve(
     .await
 }
 
-/// The lanes as a session advertises them: a wildcard data address becomes `local_ip` (the
-/// node's address of the control connection: one the source can reach) with its port. An
-/// IPv4 wildcard (`0.0.0.0`, an IPv4-only listener) cannot take the IPv6 `local_ip` of a
-/// control connection over IPv6: that is an error naming the lane (`[::]` takes both).
+/// The lanes as a session advertises them: a wildcard data address becomes its NIC's address
+/// where the lane awaits one and the NIC has one now (`nic_ips`, by lane:
+/// [`DataConns::lane_ips`]), else `local_ip` (the node's address of the control connection:
+/// one the source can reach), with its port. An IPv4 wildcard (`0.0.0.0`, an IPv4-only
+/// listener) cannot take the IPv6 `local_ip` of a control connection over IPv6: that is an
+/// error naming the lane (`[::]` takes both).
 pub fn advertised(
     lanes: &[LaneAddr],
     local_ip: std::net::IpAddr,
+    nic_ips: &[Option<std::net::IpAddr>],
 ) -> Result<Vec<LaneAddr>, LinkError> {
     let local_ip = local_ip.to_canonical();
     let one = |(lane, l): (usize, &LaneAddr)| {
         let a = l.data_addr;
-        let data_addr = match a.ip() {
-            ip if !ip.is_unspecified() => a,
-            std::net::IpAddr::V4(_) if local_ip.is_ipv6() => {
+        let nic = nic_ips.get(lane).copied().flatten();
+        let data_addr = match (a.ip(), nic) {
+            (ip, _) if !ip.is_unspecified() => a,
+            // The wildcard listener takes connections to every address of the host.
+            (_, Some(nic)) => std::net::SocketAddr::new(nic, a.port()),
+            (std::net::IpAddr::V4(_), None) if local_ip.is_ipv6() => {
                 return Err(LinkError::DataListenFamily {
                     lane,
                     data_listen: a,
                     local_ip,
                 });
             }
-            _ => std::net::SocketAddr::new(local_ip, a.port()),
+            (_, None) => std::net::SocketAddr::new(local_ip, a.port()),
         };
         Ok(LaneAddr {
             data_addr,
@@ -238,7 +244,7 @@ where
                 continue;
             }
             _ = stall_check.tick() => {
-                check(link)?;
+                check(link, conns)?;
                 continue;
             }
         };
@@ -247,14 +253,23 @@ where
     }
 }
 
-/// The session's periodic checks: a stalled source ([`stall`]), or a data connection not
-/// dialled for long enough that the session is redialled ([`SourceLink::redial_due`]).
-fn check(link: &SourceLink) -> Result<(), LinkError> {
+/// The session's periodic checks: a stalled source ([`stall`]), a data connection not
+/// dialled for long enough that the session is redialled ([`SourceLink::redial_due`]), or a
+/// lane whose NIC has an address now that the session did not advertise
+/// ([`SourceLink::readdress_due`]; looked up only where a lane is on a wildcard).
+fn check(link: &SourceLink, conns: &dyn DataConns) -> Result<(), LinkError> {
     let now = Instant::now();
     if let Some(stall) = link.stalled(now.into_std()) {
         return Err(LinkError::Stalled(stall));
     }
-    match link.redial_due(now) {
+    if let Some(kick) = link.redial_due(now) {
+        return Err(LinkError::Ended(kick));
+    }
+    let wildcard = |l: &LaneAddr| l.data_addr.ip().is_unspecified();
+    if !link.cfg.lanes.iter().any(wildcard) {
+        return Ok(());
+    }
+    match link.readdress_due(now, &conns.lane_ips()) {
         Some(kick) => Err(LinkError::Ended(kick)),
         None => Ok(()),
     }

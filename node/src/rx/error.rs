@@ -15,8 +15,9 @@ pub enum RxError {
         /// The payload's length.
         want: u64,
     },
-    /// No byte of a payload arrived for `after` (the read timeout, `DATA_STALL_TIMEOUT`):
-    /// the source stopped sending on the connection, or the path to it dropped.
+    /// No byte of a payload arrived for `after` (the read timeout, `DATA_STALL_TIMEOUT`; on
+    /// the io_uring path, a wait's timeout with nothing queued on the socket): the source
+    /// stopped sending on the connection, or the path to it dropped.
     #[error(
         "no bytes arrived for {after:?} ({got} of {want} payload bytes had): the source stopped \
          sending on this data connection, or the network path to it dropped"
@@ -29,8 +30,7 @@ pub enum RxError {
         /// The payload's length.
         want: u64,
     },
-    /// A socket or ring call failed (the io_uring path's stall past `DATA_STALL_TIMEOUT` is
-    /// `TimedOut`, saying so).
+    /// A socket or ring call failed.
     #[error("{op}: {message}")]
     Io {
         /// The call.

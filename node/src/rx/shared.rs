@@ -28,7 +28,9 @@ pub const CHUNK: usize = 1 << 20;
 /// [`lowat_for`] for the smaller marks near a payload's end). Measured with `bench` on
 /// loopback (docs/BENCHMARKS.md): 256 KiB and 512 KiB raised goodput by about a quarter over
 /// the default of 1 byte at a lower CPU per GB; 1 MiB (with 2 MiB reads) was worse than both.
-/// A slow link still makes progress: a read that times out returns what has arrived.
+/// A slow link still makes progress: a read that times out returns what has arrived (the
+/// io_uring path, whose receive is woken only at the mark, lowers it to 1 when a wait times
+/// out with bytes queued: `uring.rs`).
 pub const RCVLOWAT: i32 = 256 << 10;
 
 /// Below this a read takes whatever has arrived (`SO_RCVLOWAT` 1).

@@ -5,13 +5,18 @@
 //! completed piece is checksummed as it arrives. Measured against the `recv` path
 //! ([`super::recv`]) by `shardwire bench --compare-uring` (docs/BENCHMARKS.md); where io_uring
 //! cannot be set up (a seccomp policy, an older kernel) [`queue_for`] says no and the
-//! connection uses `recv`, and the node logs why.
+//! connection uses `recv`, and the node logs why. A multishot receive is woken only once the
+//! socket's low-water mark is queued (a timed-out `recv` returns what has arrived): a wait
+//! that times out with fewer bytes queued takes them at a mark of 1, so a slow source is
+//! judged by the pace floor as on the `recv` path, and only one that sent nothing is a stall.
 
+use std::collections::VecDeque;
+use std::io;
 use std::net::TcpStream;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Once;
 use std::sync::mpsc::Receiver;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use shardwire_devmem::uring::{RecvQueue, StableBuf};
 
@@ -69,7 +74,7 @@ pub fn queue_for(sock: &TcpStream) -> Option<RecvQueue<Job>> {
 /// pace or better over all the posted ones (the io_uring form of [`super::shared::run`],
 /// with the same outcomes and counters).
 pub fn run(
-    mut q: RecvQueue<Job>,
+    q: RecvQueue<Job>,
     link: &SourceLink,
     at: ConnAt,
     queue: &Receiver<InFlight>,
@@ -77,20 +82,67 @@ pub fn run(
     c: &Counters,
     rule: PaceRule,
 ) {
-    let mut lowat = 1;
-    let mut misses = Mismatches::default();
-    let mut pace = Pace::new(rule);
+    let st = State::new(rule, DATA_STALL_TIMEOUT);
+    run_with(q, (link, at), queue, (flow, c), st);
+}
+
+/// A connection's receive state between waits.
+#[derive(Debug)]
+struct State {
+    /// The `SO_RCVLOWAT` set now (the kernel's default is 1).
+    lowat: i32,
+    misses: Mismatches,
+    pace: Pace,
+    /// The lengths of the posted payloads in order (the first is the one arriving: the
+    /// kernel fills them in order).
+    posted: VecDeque<u64>,
+    /// How long one wait may see no byte land ([`DATA_STALL_TIMEOUT`]; shorter in tests).
+    stall: Duration,
+}
+
+impl State {
+    /// An idle connection judged by `rule`, stalled after `stall` without a byte.
+    fn new(rule: PaceRule, stall: Duration) -> Self {
+        Self {
+            lowat: 1,
+            misses: Mismatches::default(),
+            pace: Pace::new(rule),
+            posted: VecDeque::new(),
+            stall,
+        }
+    }
+
+    /// The stall of the payload arriving, `remaining` bytes of the posted ones still due:
+    /// the same error as the other paths' read timeout.
+    fn stalled(&self, remaining: usize) -> RxError {
+        let total: u64 = self.posted.iter().sum();
+        RxError::Stalled {
+            after: self.stall,
+            got: total.saturating_sub(remaining as u64),
+            want: self.posted.front().copied().unwrap_or(0),
+        }
+    }
+}
+
+/// [`run`] with its state (the stall timeout in it).
+fn run_with(
+    mut q: RecvQueue<Job>,
+    (link, at): (&SourceLink, ConnAt),
+    queue: &Receiver<InFlight>,
+    (flow, c): (&FlowStats, &Counters),
+    mut st: State,
+) {
     loop {
         let mut r = Ok(());
         if q.is_empty() {
             match queue.recv() {
-                Ok(f) => r = post(&mut q, f, link, c, &mut pace),
+                Ok(f) => r = post(&mut q, f, link, c, &mut st),
                 Err(_) => return, // the link is gone
             }
         }
         while r.is_ok() && !q.is_full() {
             match queue.try_recv() {
-                Ok(f) => r = post(&mut q, f, link, c, &mut pace),
+                Ok(f) => r = post(&mut q, f, link, c, &mut st),
                 Err(_) => break,
             }
         }
@@ -98,9 +150,9 @@ pub fn run(
             continue;
         }
         let r = r.and_then(|()| {
-            set_lowat(&q, &mut lowat)
+            set_lowat(&q, &mut st.lowat)
                 .map_err(|e| (None, RxError::io("setsockopt(SO_RCVLOWAT)", &e)))?;
-            receive(&mut q, (flow, c), link, &mut misses, &mut pace).map_err(|e| (None, e))
+            receive(&mut q, (flow, c), link, &mut st).map_err(|e| (None, e))
         });
         if let Err((refused, cause)) = r {
             let jobs = refused.into_iter().map(|j| *j).chain(q.abandon());
@@ -112,7 +164,7 @@ pub fn run(
 /// A payload that could not be posted, and why.
 type Refused = (Option<Box<Job>>, RxError);
 
-/// Posts `f`'s slab (an empty payload is complete at once), its bytes due in `pace`. A
+/// Posts `f`'s slab (an empty payload is complete at once), its bytes due in the pace. A
 /// payload that cannot be posted (only a slab outside host memory could be refused) breaks
 /// the connection: its bytes are on their way and would land in the next slab.
 fn post(
@@ -120,14 +172,15 @@ fn post(
     f: InFlight,
     link: &SourceLink,
     c: &Counters,
-    pace: &mut Pace,
+    st: &mut State,
 ) -> Result<(), Refused> {
     if f.length == 0 {
         // Not noted in the connection's mismatches: no byte of it came over the connection.
         deliver(f, Checksum::new().finish(), link, c);
         return Ok(());
     }
-    pace.due(Instant::now(), f.length);
+    st.pace.due(Instant::now(), f.length);
+    st.posted.push_back(f.length);
     let job = Job {
         f,
         sum: Checksum::new(),
@@ -141,7 +194,7 @@ fn post(
 }
 
 /// The `SO_RCVLOWAT` rule of the `recv` path over all the bytes still due.
-fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> std::io::Result<()> {
+fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> io::Result<()> {
     let want = lowat_for(q.remaining());
     if want != *lowat {
         shardwire_devmem::set_rcvlowat(q.socket().as_fd(), want)?;
@@ -150,31 +203,95 @@ fn set_lowat(q: &RecvQueue<Job>, lowat: &mut i32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// One wait: checksums each piece and notes it in `pace`, delivers each complete payload;
+/// One wait: checksums each piece and notes it in the pace, delivers each complete payload;
 /// `Err` too when the connection lost its framing ([`Mismatches`]) or fell below its pace.
+/// A wait that times out with bytes queued below the low-water mark (a multishot receive
+/// is woken only at the mark, where a timed-out `recv` returns what has arrived) takes them
+/// at a mark of 1 and goes on, so a slow source is judged by the pace as on the `recv`
+/// path; one that times out with nothing queued is [`RxError::Stalled`].
 fn receive(
     q: &mut RecvQueue<Job>,
     (flow, c): (&FlowStats, &Counters),
     link: &SourceLink,
-    misses: &mut Mismatches,
-    pace: &mut Pace,
+    st: &mut State,
 ) -> Result<(), RxError> {
     let mut tally = Tally::new(flow, link);
-    let r = q.wait(
-        DATA_STALL_TIMEOUT,
+    let mut r = take(q, &mut tally, (link, c), st);
+    if st.lowat > 1
+        && r.as_ref()
+            .is_err_and(|e| e.kind() == io::ErrorKind::TimedOut)
+        && let Some(again) = take_below_mark(q, &mut tally, (link, c), st)
+    {
+        r = again;
+    }
+    tally.flush(c);
+    r.map_err(|e| match e.kind() {
+        io::ErrorKind::TimedOut => st.stalled(q.remaining()),
+        _ => RxError::io("io_uring receive", &e),
+    })?;
+    st.misses.check()?;
+    st.pace.check(Instant::now())
+}
+
+/// After a wait timed out at a mark above 1: `None` when nothing is queued (a stall; a
+/// socket whose queue cannot be read is judged by the timeout alone), else another wait
+/// at a mark of 1, which takes the queued bytes at once (lowering the mark wakes the armed
+/// receive: the kernel checks the new mark against what is queued).
+fn take_below_mark(
+    q: &mut RecvQueue<Job>,
+    tally: &mut Tally<'_>,
+    (link, c): (&SourceLink, &Counters),
+    st: &mut State,
+) -> Option<io::Result<()>> {
+    if queued(q.socket()).unwrap_or(0) == 0 {
+        return None;
+    }
+    let lowered = shardwire_devmem::set_rcvlowat(q.socket().as_fd(), 1);
+    Some(lowered.and_then(|()| {
+        st.lowat = 1;
+        take(q, tally, (link, c), st)
+    }))
+}
+
+/// One [`RecvQueue::wait`] of up to the stall timeout, each piece tallied and noted in the
+/// pace, each complete payload delivered and noted in the mismatches.
+fn take(
+    q: &mut RecvQueue<Job>,
+    tally: &mut Tally<'_>,
+    (link, c): (&SourceLink, &Counters),
+    st: &mut State,
+) -> io::Result<()> {
+    let State {
+        misses,
+        pace,
+        posted,
+        stall,
+        ..
+    } = st;
+    q.wait(
+        *stall,
         |sum, _, piece| {
             tally.piece(sum, piece);
             pace.landed(piece.len() as u64);
         },
         |job| {
+            posted.pop_front();
             let payload = (job.f.shard, job.f.crc32c);
             misses.note(payload, deliver(job.f, job.sum.finish(), link, c));
         },
-    );
-    tally.flush(c);
-    r.map_err(|e| RxError::io("io_uring receive", &e))?;
-    misses.check()?;
-    pace.check(Instant::now())
+    )
+}
+
+/// Bytes queued on `sock` and not yet read (`FIONREAD`, which is `SIOCINQ` on TCP).
+fn queued(sock: &TcpStream) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: the fd is live for the call (borrowed from `sock`); FIONREAD writes one c_int
+    // to the pointer, which is a live, aligned local.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n as *mut libc::c_int) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -373,6 +490,95 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A source that sends part of a large payload (below the low-water mark of 256 KiB)
+    /// and then nothing: the wait times out, the bytes held below the mark land and count,
+    /// and the fetch fails as a stall naming how much had arrived, as on the `recv` path.
+    /// Before, it failed with "io_uring receive: no bytes arrived for ..." (an `Io` error)
+    /// whatever had arrived.
+    #[test]
+    fn a_source_that_stops_below_the_mark_is_a_stall_with_what_had_arrived() {
+        // The writer holds the connection open well past the two waits, then closes it.
+        let (sock, _w) = trickle(vec![7; 10_000], 10_000, Duration::from_secs(5));
+        let p = pool(2 << 20);
+        let (tx, queue) = std::sync::mpsc::channel();
+        let (f, r) = in_flight(&p, 0, 1 << 20, 0);
+        tx.send(f).unwrap();
+        drop(tx);
+        let q = queue_for(&sock).expect("io_uring on this kernel");
+        let (l, flow, c) = (link(), FlowStats::default(), Counters::default());
+        let stall = Duration::from_millis(500);
+        let at = ConnAt {
+            conn: 7,
+            generation: 0,
+        };
+        run_with(
+            q,
+            (&*l, at),
+            &queue,
+            (&flow, &c),
+            State::new(PaceRule::DEFAULT, stall),
+        );
+        let out = outcomes(vec![r]);
+        let cause = match &out[0].result {
+            Err(FetchFailure::ConnectionLost { conn: 7, cause, .. }) => cause.clone(),
+            other => panic!("{other:?}"),
+        };
+        let want = RxError::Stalled {
+            after: stall,
+            got: 10_000,
+            want: 1 << 20,
+        };
+        assert_eq!(cause, want);
+        assert!(
+            cause
+                .to_string()
+                .contains("no bytes arrived for 500ms (10000 of 1048576")
+        );
+        assert_eq!(flow.bytes.load(Ordering::Relaxed), 10_000);
+        assert_eq!(l.landed.load(Ordering::Relaxed), 10_000);
+    }
+
+    /// A source that trickles a large payload in below the low-water mark (about 50 KB/s
+    /// against a mark of 256 KiB) is dropped as too slow once a wait times out: the bytes the
+    /// mark held back land and the pace judges them, as on the `recv` path. Before, the
+    /// stall timeout fired with the bytes unseen ("io_uring receive: no bytes arrived").
+    #[test]
+    fn a_trickle_below_the_mark_is_too_slow_not_a_stall() {
+        let rule = PaceRule {
+            window: Duration::from_millis(300),
+            floor: 200_000,
+        };
+        let (sock, w) = trickle(vec![5; 1 << 20], 1000, Duration::from_millis(20));
+        let p = pool(2 << 20);
+        let (tx, queue) = std::sync::mpsc::channel();
+        let (f, r) = in_flight(&p, 0, 1 << 20, 0);
+        tx.send(f).unwrap();
+        drop(tx);
+        let q = queue_for(&sock).expect("io_uring on this kernel");
+        let (flow, c) = (FlowStats::default(), Counters::default());
+        let at = ConnAt {
+            conn: 8,
+            generation: 0,
+        };
+        let st = State::new(rule, Duration::from_secs(1));
+        run_with(q, (&*link(), at), &queue, (&flow, &c), st);
+        drop(sock);
+        w.join().unwrap();
+        let out = outcomes(vec![r]);
+        match &out[0].result {
+            Err(FetchFailure::ConnectionLost {
+                conn: 8,
+                cause: RxError::TooSlow { got, due, .. },
+                ..
+            }) => {
+                assert!(*got > 0 && *got < 200_000, "{got}");
+                assert_eq!(got + due, 1 << 20);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(flow.bytes.load(Ordering::Relaxed) > 0);
     }
 
     /// The connection closes inside the second payload: it and every later one (posted or

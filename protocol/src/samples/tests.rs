@@ -164,25 +164,33 @@ fn tail_index_by_index(p: &BatchPlan, ep: &EpochOrder) -> Option<Unit> {
 
 #[test]
 fn a_tail_longer_than_the_epoch_reads_it_once() {
-    // 30 samples (one shard empty) in 3 partitions.
+    // 30 and 31 samples (one shard empty; 31 splits unevenly) in 3 partitions, over world
+    // sizes below, at and above the partition count.
+    for sizes in [[5u64, 0, 7, 3, 9, 6], [5, 0, 7, 3, 9, 7]] {
+        let o = order(&sizes, Shuffle::Block, 4, 3);
+        let ep = o.epoch(1);
+        for (b, w, drop_last) in [
+            (7, 1, false),
+            (4, 3, true),
+            (11, 3, false),
+            (1000, 3, false),
+            (3, 6, false),
+            (2, 6, true),
+            (40, 6, false),
+        ] {
+            for r in 0..w {
+                let p = BatchPlan::new(Arc::clone(&o), b, w, r, drop_last).unwrap();
+                assert_eq!(
+                    p.tail(&ep),
+                    tail_index_by_index(&p, &ep),
+                    "{sizes:?}: batch {b} world {w} rank {r}"
+                );
+            }
+        }
+    }
     let sizes = [5u64, 0, 7, 3, 9, 6];
     let o = order(&sizes, Shuffle::Block, 4, 3);
     let ep = o.epoch(1);
-    for (b, w, drop_last) in [
-        (7, 1, false),
-        (4, 3, true),
-        (11, 3, false),
-        (1000, 3, false),
-    ] {
-        for r in 0..w {
-            let p = BatchPlan::new(Arc::clone(&o), b, w, r, drop_last).unwrap();
-            assert_eq!(
-                p.tail(&ep),
-                tail_index_by_index(&p, &ep),
-                "batch {b} world {w} rank {r}"
-            );
-        }
-    }
     // A batch of 2^32 - 1 is one step holding the epoch over 143 million times. Before: 2^32
     // shard lookups and a 16 GiB list at attach; now one pass of 30.
     let p = BatchPlan::new(Arc::clone(&o), u32::MAX, 1, 0, false).unwrap();

@@ -39,6 +39,7 @@ fn cuda(bus: &str, ordinal: i32) -> GpuDevice {
             &bus[5..7]
         )),
         total_memory: 1 << 30,
+        compute_capability: (9, 0),
         dma_buf_supported: true,
         vmm_supported: true,
         gpu_direct_rdma_with_cuda_vmm_supported: true,
@@ -642,4 +643,56 @@ fn a_table_lane_on_a_fixed_data_listen_not_its_nics_warns_as_auto_lanes_do() {
     own.data_listen = Some("10.0.1.5:7402".parse().unwrap());
     let got = plan(&inputs(&table(vec![own]), "10.0.1.5:7401", &t, &[]), &addrs).unwrap();
     assert!(!got[0].warn, "{}", got[0].why);
+}
+
+/// A NIC with no IPv4 address at start (one still training at boot): its lane is on the
+/// wildcard and awaits the NIC's address, which every source session looks up again. Before,
+/// nothing marked such a lane and no session looked again: it stayed on the control
+/// connection's address (another NIC) for the node's whole life. A lane whose NIC has an
+/// address, a fixed data_listen, the one lane of a node and a configured wildcard await none.
+#[test]
+fn a_lane_whose_nic_has_no_address_yet_awaits_it() {
+    let t = tree("a3-8gpu-8nic");
+    let no_eth3 = |n: &str| match n {
+        "eth3" => Ok(None),
+        n => addrs(n),
+    };
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &[]), &no_eth3).unwrap();
+    assert_eq!(lanes.len(), 8);
+    for l in &lanes {
+        let eth3 = l.nic.as_deref() == Some("eth3");
+        assert_eq!(l.awaits_nic_address, eth3, "{l:?}");
+        assert_eq!(l.data_listen.ip().is_unspecified(), eth3, "{l:?}");
+    }
+    let l3 = lanes.iter().find(|l| l.awaits_nic_address).unwrap();
+    let why = &l3.why;
+    assert!(
+        l3.warn && why.contains("eth3 has no IPv4 address yet"),
+        "{why}"
+    );
+    let fixed = plan(&inputs(&Lanes::Auto, "10.9.9.9:7401", &t, &[]), &no_eth3).unwrap();
+    assert!(fixed.iter().all(|l| !l.awaits_nic_address));
+    let one = tree("veth");
+    let none = |_: &str| -> Result<Option<Ipv4Addr>, IfAddrError> { Ok(None) };
+    let single = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &one, &[]), &none).unwrap();
+    assert!(
+        !single[0].awaits_nic_address,
+        "the one lane is on data_listen"
+    );
+    // A table lane on eth3 awaits its address, unless its own data_listen is configured.
+    let t = tree("8gpu-4nic");
+    let on_eth3 = LaneConfig {
+        gpu: Some("0000:04:00.0".into()),
+        interface: Some("eth3".into()),
+        ..LaneConfig::default()
+    };
+    let own = LaneConfig {
+        gpu: Some("0000:0a:00.0".into()),
+        data_listen: Some("0.0.0.0:7402".parse().unwrap()),
+        ..on_eth3.clone()
+    };
+    let lanes = table(vec![on_eth3, own]);
+    let got = plan(&inputs(&lanes, "0.0.0.0:7401", &t, &[]), &no_eth3).unwrap();
+    assert!(got[0].awaits_nic_address, "{}", got[0].why);
+    assert!(!got[1].awaits_nic_address, "taken as meant: {}", got[1].why);
 }

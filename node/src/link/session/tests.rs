@@ -102,12 +102,13 @@ impl Drop for KeptAlive {
 /// An announcement as the sink records it: (generation, lane, conn, addr, want).
 type Seen = (u64, u16, u16, SocketAddr, SocketAddr);
 
-/// Records what the link announces and forgets.
+/// Records what the link announces and forgets; says the lanes' NIC addresses in `ips`.
 #[derive(Default)]
 struct Sink {
     announced: Mutex<Vec<Seen>>,
     queues: Mutex<Vec<std::sync::mpsc::Receiver<crate::fetch::InFlight>>>,
     forgotten: Mutex<Vec<(usize, u64, String)>>,
+    ips: Mutex<Vec<Option<std::net::IpAddr>>>,
 }
 
 impl DataConns for Sink {
@@ -128,6 +129,9 @@ impl DataConns for Sink {
             .lock()
             .unwrap()
             .push((link, generation, reason.to_owned()));
+    }
+    fn lane_ips(&self) -> Vec<Option<std::net::IpAddr>> {
+        self.ips.lock().unwrap().clone()
     }
 }
 
@@ -763,10 +767,73 @@ fn a_wildcard_lane_is_advertised_at_the_control_connections_address() {
             flows: 1,
         },
     ];
-    let got = advertised(&lanes, "10.9.0.7".parse().unwrap()).unwrap();
+    let got = advertised(&lanes, "10.9.0.7".parse().unwrap(), &[]).unwrap();
     assert_eq!(got[0].data_addr.to_string(), "10.9.0.7:7401");
     assert_eq!(got[1].data_addr.to_string(), "10.0.1.5:7401");
     assert_eq!((got[0].flows, got[1].flows), (2, 1));
+    // A wildcard lane whose NIC has an address now is advertised there; a lane on an
+    // address of its own keeps it.
+    let nic = Some("10.0.3.5".parse().unwrap());
+    let got = advertised(&lanes, "10.9.0.7".parse().unwrap(), &[nic, nic]).unwrap();
+    assert_eq!(got[0].data_addr.to_string(), "10.0.3.5:7401");
+    assert_eq!(got[1].data_addr.to_string(), "10.0.1.5:7401");
+    // Even over IPv6: the NIC's IPv4 address is what the lane's listener takes.
+    let got = advertised(&lanes, "fd00::7".parse().unwrap(), &[nic]).unwrap();
+    assert_eq!(got[0].data_addr.to_string(), "10.0.3.5:7401");
+}
+
+/// A lane on a wildcard whose NIC had no address when the node started was advertised at
+/// the control connection's address in every session, for the node's whole life (its
+/// traffic came in through that NIC). Now a session ends once the NIC has an address, at a
+/// moment with nothing under way, and the next one advertises the lane there.
+#[tokio::test(start_paused = true)]
+async fn a_lane_whose_nic_gets_its_address_is_advertised_there_from_the_next_session() {
+    let cfg = vec![LaneAddr {
+        data_addr: "0.0.0.0:7401".parse().unwrap(),
+        flows: 1,
+    }];
+    let l = SourceLink::new(
+        0,
+        "source-a:7500".into(),
+        LinkConfig {
+            secret: None,
+            lanes: cfg.clone(),
+        },
+    );
+    let sink = Arc::new(Sink::default());
+    let control_ip = "10.9.0.7".parse().unwrap();
+    let first = advertised(&cfg, control_ip, &sink.lane_ips()).unwrap();
+    assert_eq!(first[0].data_addr.to_string(), "10.9.0.7:7401");
+    let (node_end, source_end) = tokio::io::duplex(1 << 16);
+    let (nrd, nwr) = tokio::io::split(node_end);
+    let (srd, swr) = tokio::io::split(source_end);
+    let (l2, s2, lanes) = (Arc::clone(&l), Arc::clone(&sink), first.clone());
+    let task = tokio::spawn(async move { serve(&l2, s2.as_ref(), nrd, nwr, &lanes).await });
+    let mut src = FakeSource {
+        rd: srd,
+        wr: swr,
+        buf: Vec::new(),
+    };
+    src.handshake_for(&first, 3600).await;
+    until_up(&l).await;
+    tokio::time::sleep(stall::CHECK_EVERY * 3).await;
+    assert!(!task.is_finished(), "the NIC has no address yet");
+    *sink.ips.lock().unwrap() = vec![Some("10.0.3.5".parse().unwrap())];
+    let began = Instant::now();
+    let e = task.await.unwrap().unwrap_err();
+    assert!(
+        began.elapsed() <= stall::CHECK_EVERY,
+        "{:?}",
+        began.elapsed()
+    );
+    let want = Kick::Readdressed {
+        lanes: vec![0],
+        addrs: vec!["10.0.3.5:7401".parse().unwrap()],
+    };
+    assert!(matches!(&e, LinkError::Ended(k) if k == &want), "{e}");
+    let next = advertised(&cfg, control_ip, &sink.lane_ips()).unwrap();
+    assert_eq!(next[0].data_addr.to_string(), "10.0.3.5:7401");
+    drop(src);
 }
 
 /// `0.0.0.0` is an IPv4-only listener: over an IPv6 control connection it was advertised at
@@ -784,7 +851,7 @@ fn an_ipv4_wildcard_lane_over_ipv6_is_refused_naming_data_listen() {
             flows: 1,
         },
     ];
-    let e = advertised(&lanes, "fd00::7".parse().unwrap()).unwrap_err();
+    let e = advertised(&lanes, "fd00::7".parse().unwrap(), &[]).unwrap_err();
     assert!(
         matches!(e, LinkError::DataListenFamily { lane: 0, .. }),
         "{e}"
@@ -793,10 +860,10 @@ fn an_ipv4_wildcard_lane_over_ipv6_is_refused_naming_data_listen() {
     for says in ["data_listen 0.0.0.0:7401", "IPv4", "[::]:7401"] {
         assert!(said.contains(says), "{says}: {said}");
     }
-    let got = advertised(&lanes[1..], "fd00::7".parse().unwrap()).unwrap();
+    let got = advertised(&lanes[1..], "fd00::7".parse().unwrap(), &[None]).unwrap();
     assert_eq!(got[0].data_addr.to_string(), "[fd00::7]:7402");
     // An IPv4-mapped control address is its IPv4 address.
-    let got = advertised(&lanes, "::ffff:10.9.0.7".parse().unwrap()).unwrap();
+    let got = advertised(&lanes, "::ffff:10.9.0.7".parse().unwrap(), &[None, None]).unwrap();
     assert_eq!(got[0].data_addr.to_string(), "10.9.0.7:7401");
     assert_eq!(got[1].data_addr.to_string(), "10.9.0.7:7402");
 }
