@@ -96,8 +96,8 @@ epoch). The first batch of order="megatron" is checked equal to GPTDataset's.
 
 SHARDWIRE_BIN overrides the binary; SHARDWIRE_VENV and SHARDWIRE_STREAMING_VENV the venvs
 (default .venv and .venv-streaming in the repository). Other SHARDWIRE_* variables are not passed
-on: the node runs with memory = "host", receive = "host" and one lane (BENCH_NODE_ENV), as
-tests/e2e pins it, so a GPU host measures the same host-memory path as the CPU loaders.
+on: the node runs with memory = "host", receive = "host" and one lane (BENCH_NODE_ENV; tests/e2e
+pins only memory = "host"), so a GPU host measures the same host-memory path as the CPU loaders.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ DIM = 256
 DATASET = "bench"
 SOURCE_READY = re.compile(r"source listening on (\S+)")
 SERVE_READY = re.compile(r"node service ready: socket (\S+) admin http://(\S+)")
-#: `serve` settings every benchmark node runs with: host memory, host receive, one lane.
+#: `serve` settings every benchmark node runs with: host memory, host receive, one lane (the
+#: e2e tests' nodes get only SHARDWIRE_MEMORY=host, tests/e2e/conftest.py `child_env`).
 BENCH_NODE_ENV = {"SHARDWIRE_MEMORY": "host", "SHARDWIRE_RECEIVE": "host", "SHARDWIRE_LANES": "[{}]"}
 LOADERS = ["shardwire", "shardwire-torch", "numpy-mmap-gather", "torch-getitems", "torch-getitems-workers", "torch-arrow", "streaming", "webdataset"]
 TOK_LOADERS = ["megatron", "shardwire", "shardwire-megatron"]
@@ -899,9 +900,10 @@ class Child:
         self.log = log
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDWIRE_")}
         env.update(RUST_LOG="warn", NO_COLOR="1")
-        # The node pinned as tests/e2e pins it (`child_env`): on a GPU host `auto` would put the
-        # streams in GPU memory, make one lane per GPU, and (as root, beside a devmem NIC) set
-        # the real NIC up for this loopback run. A source ignores these keys.
+        # BENCH_NODE_ENV pins the node to host memory, host receive and one lane, more than
+        # tests/e2e's `child_env` (it pins only SHARDWIRE_MEMORY=host): on a GPU host `auto`
+        # would put the streams in GPU memory, make one lane per GPU, and (as root, beside a
+        # devmem NIC) set the real NIC up for this loopback run. A source ignores these keys.
         env.update(BENCH_NODE_ENV)
         self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL, text=True, env=env)
         self.lines: list[str] = []

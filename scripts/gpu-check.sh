@@ -25,7 +25,8 @@
 #   5. Lanes, on a host with several GPUs: `shardwire topology` (the GPUs, NICs and pairing the
 #      node plans from this host's sysfs tree, saved to target/gpu-check/topology.{txt,json}),
 #      and test_cuda_e2e.py's per-GPU lane test: one lane per GPU, a trainer on each GPU gets
-#      its region there, tensors on cuda:i in torch, byte-exact (it must not skip here).
+#      its region there, tensors on cuda:i in torch, byte-exact (it must not skip here). A
+#      failed topology fails the step and the lane test is not run (one verdict per step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${1:-256}
@@ -98,11 +99,16 @@ else
     fail "4 no $PY: run scripts/test once (it makes the venv) or set GPU_CHECK_PYTHON"
 fi
 GPUS=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["probe"]["devices"]))' "$LOGS/gpus.json" 2>/dev/null || echo 0)
-"$BIN" topology >"$LOGS/topology.txt" && "$BIN" topology --json >"$LOGS/topology.json" \
-    || fail "5 lanes: shardwire topology (see $LOGS)"
-cat "$LOGS/topology.txt"
-if [ "$GPUS" -ge 2 ]; then
-    # One verdict per step: PASS only when pytest exited 0 and the test did not skip.
+# One verdict per step: a failed topology is step 5's FAIL, and the lane test does not run
+# then (the node would plan its lanes from the same sysfs reading that failed).
+TOPOLOGY_OK=1
+"$BIN" topology >"$LOGS/topology.txt" 2>"$LOGS/topology.err" \
+    && "$BIN" topology --json >"$LOGS/topology.json" 2>>"$LOGS/topology.err" || TOPOLOGY_OK=0
+cat "$LOGS/topology.txt" "$LOGS/topology.err"
+if [ "$TOPOLOGY_OK" = 0 ]; then
+    fail "5 lanes: shardwire topology failed (see $LOGS/topology.err); the per-GPU lane test not run"
+elif [ "$GPUS" -ge 2 ]; then
+    # PASS only when pytest exited 0 and the test did not skip.
     LANES_RC=0
     SHARDWIRE_BIN="$BIN" "$PY" -m pytest -q -rs -p no:cacheprovider \
         "tests/e2e/test_cuda_e2e.py::test_every_gpu_has_its_lane_and_a_stream_lands_on_its_trainers_gpu" \

@@ -69,30 +69,50 @@ fn invalid(
     }
 }
 
-/// Why a `sources` entry's host would be dialled as another address than written, if it
-/// would: its last label is all digits (no top-level domain is, RFC 1123 2.1) and it is not
-/// a dotted quad. getaddrinfo reads such a "name" as IPv4 shorthand (`10.1.5` is 10.1.0.5,
-/// `167772165` is 10.0.0.5, `010.0.0.5` octal), so a mistyped address dials some other host,
-/// or none (`10.0.0.300`) for ever. An IPv6 address (in brackets) has no labels.
+/// Why a `sources` entry's host would be dialled as another address than written, or never
+/// reached, if it would. A host whose last label is all digits (no top-level domain is, RFC
+/// 1123 2.1) must be a dotted quad: getaddrinfo reads a host of numbers and dots as IPv4
+/// shorthand (`10.1.5` is 10.1.0.5, `167772165` is 10.0.0.5, `010.0.0.5` octal), so a
+/// mistyped address dials some other host, or none (`10.0.0.300`, looked up in DNS) for ever;
+/// a name such as `src.123` goes to DNS, where it never resolves. A dotted quad with a trailing
+/// dot is refused in `HOST:PORT`, which the node dials as written: getaddrinfo does not read
+/// `10.0.0.5.` as an address but looks it up in DNS (a `dns:` NAME is stored without the dot).
+/// An IPv6 address (in brackets) has no labels.
 fn numeric_host_error(entry: &SourceEntry) -> Option<String> {
-    let host = match entry {
+    let written = match entry {
         SourceEntry::Addr(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h),
         SourceEntry::Dns { name, .. } => name.as_str(),
     };
-    if host.starts_with('[') {
+    if written.starts_with('[') {
         return None;
     }
-    let host = host.trim_end_matches('.');
+    let host = written.trim_end_matches('.');
+    if host.parse::<std::net::Ipv4Addr>().is_ok() {
+        if host == written {
+            return None;
+        }
+        return Some(format!(
+            "`{written}` is an IPv4 address with a trailing dot, which the system resolver does \
+             not read as an address but looks up in DNS, where it never resolves: write it \
+             without the dot ({host})"
+        ));
+    }
     let last = host.rsplit('.').next().unwrap_or(host);
-    let numeric = !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit());
-    if !numeric || host.parse::<std::net::Ipv4Addr>().is_ok() {
+    if last.is_empty() || !last.bytes().all(|b| b.is_ascii_digit()) {
         return None;
+    }
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Some(format!(
+            "`{host}` is all numbers but not an IPv4 address, which the system resolver reads \
+             as shorthand for another address (10.1.5 is 10.1.0.5, 010 is octal 8) or, where \
+             it cannot, looks up in DNS, where it never resolves: write an address as four \
+             numbers 0 to 255 without leading zeros (e.g. 10.1.0.5)"
+        ));
     }
     Some(format!(
-        "`{host}` ends in an all-digit label but is not an IPv4 address, which the system \
-         resolver may read as shorthand for another one (10.1.5 is 10.1.0.5): write an address \
-         as four numbers 0 to 255 without leading zeros (e.g. 10.1.0.5); a host name's last \
-         label has a letter"
+        "`{host}` ends in an all-digit label, which no host name does (a top-level domain is \
+         never all digits, RFC 1123 2.1), so DNS never resolves it: a host name's last label \
+         has a letter; an IPv4 address is four numbers 0 to 255 (e.g. 10.1.0.5)"
     ))
 }
 
@@ -921,9 +941,9 @@ impl ServeConfig {
         }
     }
 
-    /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT`, or whose
-    /// host is numeric without being a dotted quad ([`numeric_host_error`]), is an error
-    /// naming it.
+    /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT`, whose
+    /// host ends in an all-digit label without being a dotted quad, or whose `HOST` is a
+    /// dotted quad with a trailing dot ([`numeric_host_error`]), is an error naming it.
     pub fn source_entries(&self) -> Result<Vec<SourceEntry>, ConfigError> {
         self.sources
             .iter()
@@ -1504,14 +1524,46 @@ mod tests {
     #[test]
     fn numeric_hosts_that_are_no_dotted_quad_are_refused() {
         // Before, each was taken as a host name, which getaddrinfo dials as IPv4 shorthand
-        // (10.1.5 -> 10.1.0.5, 167772165 -> 10.0.0.5) or never reaches (10.0.0.300).
-        for (bad, host) in [
-            ("10.1.5:7500", "10.1.5"),
-            ("167772165:7500", "167772165"),
-            ("10.0.0.300:7500", "10.0.0.300"),
-            ("010.0.0.5:7500", "010.0.0.5"),
-            ("dns:10.1.5:7500", "10.1.5"),
-            ("src.123:7500", "src.123"),
+        // (10.1.5 -> 10.1.0.5, 167772165 -> 10.0.0.5) or never reaches (10.0.0.300, src.123
+        // and 10.0.0.5. go to DNS).
+        for (bad, host, why) in [
+            (
+                "10.1.5:7500",
+                "10.1.5",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "167772165:7500",
+                "167772165",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "10.0.0.300:7500",
+                "10.0.0.300",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "010.0.0.5:7500",
+                "010.0.0.5",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "dns:10.1.5:7500",
+                "10.1.5",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "10.1.5.:7500",
+                "10.1.5",
+                "all numbers but not an IPv4 address",
+            ),
+            (
+                "src.123:7500",
+                "src.123",
+                "a top-level domain is never all digits",
+            ),
+            ("10.0.0.5.:7500", "10.0.0.5.", "with a trailing dot"),
+            ("10.0.0.5..:7500", "10.0.0.5..", "with a trailing dot"),
         ] {
             let c = ServeConfig {
                 sources: vec![bad.into()],
@@ -1519,16 +1571,24 @@ mod tests {
             };
             let e = c.source_entries().unwrap_err().to_string();
             assert!(
-                e.contains("`sources`") && e.contains(bad) && e.contains(host),
+                e.contains("`sources`") && e.contains(bad) && e.contains(&format!("`{host}`")),
                 "{bad}: {e}"
             );
-            assert!(e.contains("not an IPv4 address"), "{bad}: {e}");
+            assert!(e.contains(why), "{bad}: {e}");
         }
+        let e = ServeConfig {
+            sources: vec!["10.0.0.5.:7500".into()],
+            ..ServeConfig::default()
+        }
+        .source_entries()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("without the dot (10.0.0.5)"), "{e}");
         for good in [
             "10.0.0.5:7500",
-            "10.0.0.5.:7500",
             "[::1]:7500",
             "src-0.src.ml.svc:7500",
+            "src-0.src.ml.svc.:7500",
             "1e100.net:443",
             "dns:shardwire-source.ml.svc:7500",
             "dns:10.0.0.5:7500",
@@ -1539,6 +1599,13 @@ mod tests {
             };
             assert!(c.source_entries().is_ok(), "{good}");
         }
+        // A `dns:` NAME is stored (and resolved) without its trailing dot.
+        let c = ServeConfig {
+            sources: vec!["dns:10.0.0.5.:7500".into()],
+            ..ServeConfig::default()
+        };
+        let entries = c.source_entries().unwrap();
+        assert_eq!(entries[0].lookup().as_deref(), Some("10.0.0.5:7500"));
     }
 
     #[test]

@@ -12,6 +12,7 @@ import json
 import pathlib
 import socket
 import struct
+from collections import deque
 from typing import Any
 
 import pytest
@@ -373,10 +374,13 @@ def _ended(*replies: bytes) -> tuple[_wire.Conn, socket.socket]:
     return conn, a
 
 
-def _send_error(conn: _wire.Conn) -> str:
-    """The message of the ConnectionClosed a send on `conn`, which the node closed, raises."""
+def _send_error(conn: _wire.Conn, owed: int) -> str:
+    """The message of the ConnectionClosed a send on `conn`, which the node closed, raises;
+    `owed`: the requests sent before whose last answer is not taken yet (as a Stream's
+    ``_inflight`` says)."""
     from shardwire._errors import ConnectionClosed
 
+    conn.owed = owed
     with pytest.raises(ConnectionClosed) as e:
         conn.send_bytes(framed(b'{"op":"next"}'))
     return str(e.value)
@@ -390,7 +394,7 @@ def test_an_error_that_answers_a_request_is_not_taken_for_the_reason_of_a_close(
     refused = {"op": "error", "code": "unknown_lease", "message": "lease(s) [7] are not held"}
     conn, a = _ended(framed(json.dumps(refused).encode()))
     try:
-        message = _send_error(conn)
+        message = _send_error(conn, owed=1)
         assert "unknown_lease" not in message, message
         assert "failed while sending" in message, message
         assert conn.recv_reply() == refused, "the answer stays for whoever reads it"
@@ -406,7 +410,7 @@ def test_the_closing_error_is_found_behind_the_answers_in_flight():
     closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
     conn, a = _ended(*(framed(json.dumps(m).encode()) for m in (more, last, closing)))
     try:
-        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn)
+        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn, owed=1)
     finally:
         a.close()
 
@@ -419,8 +423,8 @@ def test_the_closing_error_is_found_among_replies_already_decoded():
     closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
     conn, a = _ended(framed(json.dumps(refused).encode()), framed(json.dumps(closing).encode()))
     try:
-        assert conn.recv_reply() == refused
-        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn)
+        assert conn.recv_reply() == refused  # the `next` answered and its answer taken
+        assert "closed the connection: timeout: no request for 3600 s" in _send_error(conn, owed=0)
     finally:
         a.close()
 
@@ -433,6 +437,56 @@ def test_a_reply_nested_too_deeply_among_those_unread_still_gives_connection_clo
     closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
     conn, a = _ended(framed(nested), framed(json.dumps(closing).encode()))
     try:
-        assert "closed the connection: timeout" in _send_error(conn)
+        assert "closed the connection: timeout" in _send_error(conn, owed=1)
     finally:
         a.close()
+
+
+class _StrikeAfterAppend(deque):  # type: ignore[type-arg]
+    """A ``Conn._ready`` whose first ``append`` raises KeyboardInterrupt once the reply is in:
+    a Ctrl-C that strikes right after the C call returns, as CPython may raise it."""
+
+    struck = False
+
+    def append(self, msg: Any) -> None:
+        super().append(msg)
+        if not self.struck:
+            self.struck = True
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_as_a_reply_is_stored_costs_no_later_closing_error(tmp_path: pathlib.Path):
+    """A Ctrl-C that strikes as a reply goes into ``_ready``, caught by the training loop, which
+    goes on; later the node sends its closing ``error`` and closes, and the send after it fails.
+    The ConnectionClosed names the node's error. Before, a separate count of answers received
+    missed the interrupted reply and stayed one low for the rest of the connection: the closing
+    error was taken for an answer still owed, and the message was the bare broken pipe."""
+    import threading
+
+    import shardwire
+    from shardwire._errors import ConnectionClosed
+
+    closing = {"op": "error", "code": "timeout", "message": "no request for 3600 s"}
+    closed = threading.Event()
+
+    def answer(c: socket.socket, conn: _wire.Conn) -> None:
+        conn.recv()  # the first `next`
+        c.sendall(framed(documented_body(lease=1, index=0)))
+        conn.recv()  # the `next` asked ahead of time once batch 1 was handed out
+        c.sendall(framed(documented_body(lease=2, index=1)) + framed(json.dumps(closing).encode()))
+        c.shutdown(socket.SHUT_RDWR)  # the node closes: the client's next send fails (EPIPE)
+        closed.set()
+
+    path = str(tmp_path / "fake.sock")
+    srv, t = fake_service(path, answer)
+    with shardwire.connect(path).open_stream("d") as s:
+        s._conn._ready = _StrikeAfterAppend()
+        with pytest.raises(KeyboardInterrupt):
+            s.next(timeout=10)
+        assert s.next(timeout=10).lease == 1, "the interrupted reply is handed out by the next call"
+        assert closed.wait(10)
+        assert s.next(timeout=10).lease == 2  # its request ahead of time finds the node gone
+        with pytest.raises(ConnectionClosed, match="closed the connection: timeout: no request for 3600 s"):
+            s.next(timeout=10)
+    t.join(10)
+    srv.close()

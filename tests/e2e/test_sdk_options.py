@@ -151,7 +151,7 @@ def test_entry_point_signatures_take_the_keywords_through_the_definition():
     assert list(web) == ["self", "dataset", "idle_timeout", "options"]
     assert web["idle_timeout"].kind is inspect.Parameter.KEYWORD_ONLY and web["options"].annotation == "Unpack[StreamKeywords]"
     ds = params(swt._DatasetMixin.__init__)
-    assert list(ds) == ["self", "dataset", "socket", "copy", "timeout", "rank", "world_size", "options"]
+    assert list(ds) == ["self", "dataset", "socket", "copy", "timeout", "rank", "world_size", "idle_timeout", "options"]
     assert ds["options"].annotation == "Unpack[DatasetKeywords]"
     assert (ds["rank"].default, ds["world_size"].default, ds["copy"].default) == (None, None, True)
 

@@ -823,6 +823,7 @@ class Stream(_StreamBase[Batch]):
         conn = self._conn
         conn.unsent = len(data)  # none of it out yet (not the 0 the last request left)
         before = len(self._inflight)
+        conn.owed = before  # the requests ahead of this one whose last answer is still to come
         try:
             self._inflight.append(req["op"])
             conn.send_bytes(data)

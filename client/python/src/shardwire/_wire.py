@@ -189,17 +189,22 @@ class Conn:
         self.unsent = 0
         #: True once requests were cut short, or may have been (see `send_bytes`).
         self.torn = False
-        #: Requests sent, and replies received that were the last answer to their request (see
-        #: `_ends`): how `_closing_error` tells the answers still owed from what follows them.
-        self._asked = 0
-        self._answered = 0
+        #: Requests sent before those `send_bytes` sends whose last answer is still to come
+        #: (not yet taken off ``_ready``), set by the caller before each send from its own
+        #: record: a Stream's ``_inflight`` before the request joins it, as the Rust SDK's
+        #: ``awaited.len()``; 0 on a connection whose every answer was read (``info``,
+        #: ``attach``). `_closing_error` looks for the node's closing error only behind their
+        #: answers. Not a count kept here: one updated beside each reply's store missed the
+        #: reply an interrupt struck between the two, and stayed one low for good.
+        self.owed = 0
 
     def send(self, *msgs: Message) -> None:
         """Sends one or more requests together (the service answers them in order)."""
-        self.send_bytes(b"".join(encode(m) for m in msgs), len(msgs))
+        self.send_bytes(b"".join(encode(m) for m in msgs))
 
-    def send_bytes(self, data: bytes, requests: int = 1) -> None:
-        """Sends encoded requests (`requests` of them), whole.
+    def send_bytes(self, data: bytes) -> None:
+        """Sends encoded requests, whole (`owed`: the requests sent before them whose last
+        answer is still to come).
 
         An exception that strikes meanwhile (a signal handler's, such as Ctrl-C's: CPython runs
         them inside a blocked socket call and right after one returns) leaves `unsent` telling
@@ -211,9 +216,6 @@ class Conn:
         """
         view = memoryview(data)
         self.unsent, writing = len(view), False
-        # Counted before they go: a count an interrupt leaves too high only makes
-        # `_closing_error` miss the node's reason, never take an answer for it.
-        self._asked += requests
         try:
             while self.unsent:
                 writing = True
@@ -228,12 +230,10 @@ class Conn:
                         ) from None
                 writing = False
         except OSError as e:
-            self._asked -= requests  # the node, gone, answers none of them
+            # The node, gone, answers none of these: `owed` are all it still answers.
             raise ConnectionClosed(self._send_failed(e)) from e
         except BaseException:
             self.torn = self.unsent != 0 and (writing or self.unsent != len(view))
-            if self.unsent == len(view):
-                self._asked -= requests  # none went out (the stream takes them back)
             raise
 
     def _send_failed(self, e: OSError) -> str:
@@ -251,16 +251,15 @@ class Conn:
         return f"the node service closed the connection: {err.get('code')}: {err.get('message')}"
 
     def _closing_error(self) -> Message | None:
-        """The ``error`` the node sent after the answers to every request sent (`_asked`),
-        before it closed the connection. Looked for in the replies decoded and not yet taken
-        (``_ready``), then those received and not yet decoded (``_buf``) and those still in the
-        socket, peeked at without waiting. Nothing is taken: the replies stay for whoever reads
-        them (see ``_send_unattached``). An ``error`` among the answers answers its request (a
-        release's ``unknown_lease``): it is no reason for the close, which may have been a
-        crash that sent none (then None: the broken pipe stands), as the Rust SDK's."""
-        # Answers still owed to the requests sent, counted from the head of `_ready` (whose
-        # replies `_answered` counts already).
-        owed = self._asked - self._answered + sum(map(_ends, self._ready))
+        """The ``error`` the node sent after the last answers to the requests sent before
+        (`owed`), before it closed the connection. Looked for in the replies
+        decoded and not yet taken (``_ready``), then those received and not yet decoded
+        (``_buf``) and those still in the socket, peeked at without waiting. Nothing is taken:
+        the replies stay for whoever reads them (see ``_send_unattached``). An ``error`` among
+        the answers answers its request (a release's ``unknown_lease``): it is no reason for the
+        close, which may have been a crash that sent none (then None: the broken pipe stands),
+        as the Rust SDK's."""
+        owed = self.owed  # counted off from the head of `_ready`: its replies are untaken
         for msg in self._ready:
             if owed <= 0 and isinstance(msg, dict) and msg.get("op") == "error":
                 return msg
@@ -348,7 +347,6 @@ class Conn:
                 got_bytes += k
         except OSError as e:
             raise ConnectionClosed(f"the node service connection failed: {e}") from e
-        self._answered += 1  # `attached`, or the error in its place
         return _decode(bytes(body))
 
     def recv_reply(self) -> Message:
@@ -419,7 +417,6 @@ class Conn:
                 except ProtocolError as e:
                     msg = e  # raised in its turn, as `_split` does
                 self._ready.append(msg)  # one C call: the reply is in `_ready` or still in `got`
-                self._answered += _ends(msg)
                 return True
             if not data:
                 raise ConnectionClosed("the node service closed the connection")
@@ -462,7 +459,6 @@ class Conn:
                 # (deleted from `buf` below) and in `_ready`, not in both.
                 at += 4 + n
                 self._ready.append(msg)
-                self._answered += _ends(msg)
                 if isinstance(msg, ProtocolError):
                     break
         finally:
