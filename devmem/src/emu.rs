@@ -25,11 +25,12 @@
 //!   peers: backpressure, never loss. Net_iovs are taken only once the socket has bytes to
 //!   land (as a NIC fills pages only as packets arrive): a reader still waiting for its
 //!   bytes holds none, and EOF or a socket error end the call at once, pool empty or not.
-//!   The wait for bytes is the kernel's own (a blocking `MSG_PEEK`, so `SO_RCVLOWAT`,
-//!   `SO_RCVTIMEO` and `O_NONBLOCK` apply as to `recvmsg`); the wait for the pool gets what
-//!   is left of `SO_RCVTIMEO` (nothing with `O_NONBLOCK`), then the call fails with
-//!   `EAGAIN`, as the kernel's does when nothing arrived in time (the bytes stay in the
-//!   socket for the next call);
+//!   The wait for bytes is the kernel's own (a blocking `MSG_PEEK | MSG_TRUNC`, which copies
+//!   nothing, so `SO_RCVLOWAT`, `SO_RCVTIMEO` and `O_NONBLOCK` apply as to `recvmsg`); the
+//!   wait for the pool, and a wait for bytes again after another handle of the socket took
+//!   those seen, get what is left of `SO_RCVTIMEO` (nothing with `O_NONBLOCK`), then the call
+//!   fails with `EAGAIN`, as the kernel's does when nothing arrived in time (the bytes stay
+//!   in the socket for the next call);
 //! * closing the socket releases its outstanding tokens and queued packets.
 //!
 //! Several NICs, each with its own bindings, and the steering table placing each flow on a
@@ -422,6 +423,10 @@ pub struct EmuSocket {
     tokens: Tokens,
     packets: u64,
     scratch: Vec<u32>,
+    /// Room for the peek that waits for bytes ([`Self::await_bytes`]): its length sets the
+    /// wait's target, and on TCP nothing is copied into it (`MSG_TRUNC`), so it stays
+    /// uninitialized and is never read; grown to the largest target so far, not per call.
+    peek: Vec<u8>,
     /// A socket error met after a call had handed out bytes: the next call returns it.
     deferred: Option<io::Error>,
 }
@@ -455,6 +460,7 @@ impl EmuSocket {
             tokens: Tokens::default(),
             packets: 0,
             scratch: Vec::with_capacity(FILL_BURST),
+            peek: Vec::new(),
             deferred: None,
         })
     }
@@ -486,46 +492,57 @@ impl EmuSocket {
     /// without touching the pool.
     fn fill(&mut self, want_bytes: usize, wait: bool) -> io::Result<bool> {
         let start = Instant::now();
+        if wait && !self.await_bytes(want_bytes)? {
+            return Ok(false);
+        }
         loop {
-            if wait && !self.await_bytes(want_bytes)? {
-                return Ok(false);
-            }
             if let Some(landed) = self.land(want_bytes, wait, start)? {
                 return Ok(landed);
             }
             // The bytes the peek saw were read through another handle of the socket: wait
             // for more, within what is left of the budget.
-            if budget_left(&self.sock, start)?.is_some_and(|left| left.is_zero()) {
-                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+            if !self.await_bytes_within(want_bytes, start)? {
+                return Ok(false);
             }
         }
     }
 
     /// Wait for bytes as the kernel's `recvmsg` does before anything lands: a blocking
-    /// `recv(MSG_PEEK)` of `min(SO_RCVLOWAT, want_bytes)` bytes into a buffer of its own (a
-    /// peek consumes nothing: the bytes land next). The kernel applies its own rules to it:
-    /// the target `min(SO_RCVLOWAT, len)` (the peek's length gives the call's), `SO_RCVTIMEO`
-    /// and `O_NONBLOCK` (`EAGAIN`), EOF (false), a pending socket error (returned, and
-    /// cleared as any `recvmsg` clears it); and it ignores the error queue (MSG_ZEROCOPY
-    /// completions, whose `POLLERR` a `poll` would report for ever). A signal restarts the
-    /// wait, as the real devmem socket's `recvmsg` retry does.
-    fn await_bytes(&self, want_bytes: usize) -> io::Result<bool> {
+    /// `recv(MSG_PEEK | MSG_TRUNC)` of `min(SO_RCVLOWAT, want_bytes)` bytes. The kernel applies
+    /// its own rules to it: the target `min(SO_RCVLOWAT, len)` (the peek's length gives the
+    /// call's), `SO_RCVTIMEO` and `O_NONBLOCK` (`EAGAIN`), EOF (false), a pending socket
+    /// error (returned, and cleared as any `recvmsg` clears it); and it ignores the error
+    /// queue (MSG_ZEROCOPY completions, whose `POLLERR` a `poll` would report for ever). A
+    /// signal restarts the wait, as the real devmem socket's `recvmsg` retry does. A peek
+    /// consumes nothing (the bytes land next), and with `MSG_TRUNC` TCP copies nothing out
+    /// either ([`sys::peek_trunc`]; before, each fill zeroed and filled a buffer of the
+    /// target's length, a MiB per fill with a MiB `SO_RCVLOWAT`).
+    fn await_bytes(&mut self, want_bytes: usize) -> io::Result<bool> {
         let target = sys::rcvlowat(self.sock.as_fd())?.min(want_bytes).max(1);
-        let mut one = [0u8; 1];
-        let mut more = Vec::new();
-        let buf: &mut [u8] = if target == 1 {
-            &mut one
-        } else {
-            more.resize(target, 0);
-            &mut more
+        self.peek.clear();
+        self.peek.reserve_exact(target);
+        let room = &mut self.peek.spare_capacity_mut()[..target];
+        Ok(sys::peek_trunc(self.sock.as_fd(), room)? > 0)
+    }
+
+    /// [`Self::await_bytes`] again, for a call that began at `start`, within what is left of
+    /// its budget ([`budget_left`]; `EAGAIN` once none is): the peek runs under a receive
+    /// timeout of what is left, the socket's own put back after it. Before, it ran under the
+    /// socket's full `SO_RCVTIMEO` again, and each theft of its bytes through another handle
+    /// of the socket could make one call wait that long once more. (Another handle's read
+    /// that starts meanwhile gets the shorter timeout too: handles of one socket share it.)
+    fn await_bytes_within(&mut self, want_bytes: usize, start: Instant) -> io::Result<bool> {
+        let Some(left) = budget_left(&self.sock, start)? else {
+            return self.await_bytes(want_bytes); // no limit
         };
-        loop {
-            match self.sock.peek(buf) {
-                Ok(n) => return Ok(n > 0),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
+        if left.is_zero() {
+            return Err(io::Error::from_raw_os_error(libc::EAGAIN));
         }
+        let own = self.sock.read_timeout()?;
+        self.sock.set_read_timeout(Some(left))?;
+        let got = self.await_bytes(want_bytes);
+        self.sock.set_read_timeout(own)?;
+        got
     }
 
     /// One fill: up to `want_bytes` worth of free net_iovs taken (with `wait`, waiting for

@@ -399,6 +399,43 @@ pub(crate) fn recv_trunc(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize
     }
 }
 
+/// `recv(fd, buf, buf.len(), MSG_PEEK | MSG_TRUNC)` of a TCP socket: waits as a read of
+/// `buf.len()` bytes would (for `min(SO_RCVLOWAT, buf.len())` bytes, within `SO_RCVTIMEO`,
+/// not at all with `O_NONBLOCK`), and returns how many it found, up to `buf.len()` (0 at
+/// EOF), consuming nothing and copying nothing into `buf`. A signal restarts the wait.
+///
+/// That is the kernel's `tcp_recvmsg_locked` (net/ipv4/tcp.c): the target is
+/// `sock_rcvlowat(sk, flags & MSG_WAITALL, len)`; `MSG_PEEK` counts in a private `peek_seq`,
+/// so `copied_seq` stays and no skb is eaten; `MSG_TRUNC` skips `skb_copy_datagram_msg` and
+/// still counts the bytes in `copied` (tcp(7): with `MSG_TRUNC` the data is not passed back).
+/// `buf` is still whole and writable (uninitialized, never read by the caller): another
+/// socket's `recvmsg` (kTLS, a BPF sockmap) may ignore `MSG_TRUNC` and copy into it.
+pub(crate) fn peek_trunc(
+    fd: BorrowedFd<'_>,
+    buf: &mut [std::mem::MaybeUninit<u8>],
+) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is valid for writes of `buf.len()` bytes (uninitialized bytes may be
+        // written; the caller reads none) and the kernel writes at most that many; `fd` is a
+        // live borrowed fd.
+        let r = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_PEEK | libc::MSG_TRUNC,
+            )
+        };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// `recvmsg(fd, {iov: bufs}, flags)` without control data: a vectored receive with flags
 /// (the emulator's "NIC DMA" of TCP bytes into net_iov pages).
 pub(crate) fn recv_vectored(
@@ -613,6 +650,43 @@ mod tests {
             b[at..at + 4].copy_from_slice(&v.to_ne_bytes());
         }
         b
+    }
+
+    /// A TCP peek with `MSG_TRUNC` waits for `min(SO_RCVLOWAT, len)` bytes as a read of `len`
+    /// would, and says how many it found without copying them out or consuming them (the
+    /// emulator's wait for bytes: before, it copied them into a zeroed buffer of that length).
+    #[test]
+    fn a_tcp_peek_with_msg_trunc_waits_for_the_mark_and_copies_nothing() {
+        use std::io::{Read, Write};
+        use std::mem::MaybeUninit;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        peer.write_all(b"hello").unwrap();
+        let mut buf = [MaybeUninit::new(0xABu8); 64];
+        let t = std::time::Instant::now();
+        while peek_trunc(s.as_fd(), &mut buf).unwrap() < 5 {
+            assert!(t.elapsed().as_secs() < 10, "5 bytes never arrived");
+        }
+        // SAFETY: every byte of `buf` was initialized above, and the kernel writes only
+        // initialized bytes.
+        let after: Vec<u8> = buf.iter().map(|b| unsafe { b.assume_init() }).collect();
+        assert!(
+            after.iter().all(|&b| b == 0xAB),
+            "nothing copied: {after:?}"
+        );
+        // A mark above what is there: waited for until SO_RCVTIMEO, then what came is told.
+        set_rcvlowat(s.as_fd(), 8).unwrap();
+        let timeout = std::time::Duration::from_millis(300);
+        s.set_read_timeout(Some(timeout)).unwrap();
+        let t = std::time::Instant::now();
+        assert_eq!(peek_trunc(s.as_fd(), &mut buf).unwrap(), 5);
+        let slack = std::time::Duration::from_millis(20); // SO_RCVTIMEO counts in jiffies
+        assert!(t.elapsed() + slack >= timeout, "waited {:?}", t.elapsed());
+        // Nothing was consumed.
+        let mut got = [0u8; 5];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
     }
 
     #[test]

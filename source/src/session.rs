@@ -487,7 +487,8 @@ impl Reads {
     /// `c` (counted already), counted in the source's counter as well if it was not: a
     /// payload in memory holds memory, wherever its shard was held when its FETCH started (a
     /// cache entry that failed its check or was evicted before the FETCH took it was read
-    /// from the store again).
+    /// from the store again). Applied once its read is found finished ([`look`]), so it counts
+    /// while it waits for a data connection with room; again (no change then) when sent.
     fn in_memory(&self, c: Counted) -> Counted {
         if !c.source {
             self.source.fetch_add(c.bytes, Ordering::AcqRel);
@@ -523,7 +524,9 @@ impl Reads {
     /// backlog of cached shards does not fill the source's budget and throttle every other
     /// session; where the cache entry fails its check or is evicted before the FETCH takes
     /// it, its read from the store is bounded by its session's budget alone, and its bytes
-    /// count source-wide once read, until sent ([`Reads::in_memory`]).
+    /// count source-wide from when its session finds it read (the next dispatch that looks at
+    /// it, [`look`]: it is looked at before it can be sent), until sent
+    /// ([`Reads::in_memory`]).
     fn start(
         &mut self,
         q: &mut Queued,
@@ -629,15 +632,20 @@ enum Look {
 }
 
 /// What a lane's dispatch does with `q`, whose finished read becomes its bytes (`Ready`) in
-/// place. `full`: no connection of the lane has room, so nothing more is sent (in queue
-/// order), but the started object-storage reads are still looked at, so a failed one is
-/// answered now; the look stops at the first entry of any other kind (a FETCH whose read
-/// has not started, or a file: a local shard's, or one from the disk cache), so a long queue
-/// does not cost every message a walk over all of it. A failed read behind such an entry
-/// (a FETCH of a held shard may start behind reads that wait: [`Reads::start`]) keeps its
-/// bytes counted until a dispatch reaches it with room in the lane: once the payloads
-/// before it are handed out, or the entries before it have started.
-fn look(q: &mut Queued, full: bool) -> Look {
+/// place, counted in `reads` source-wide from then if they are in memory
+/// ([`Reads::in_memory`]: before, only once sent, and a payload that waited for a data
+/// connection with room was not counted meanwhile, where its FETCH began on a cached shard
+/// whose entry then went). `full`: no connection of the lane has room, so nothing more is
+/// sent (in queue order), but the started object-storage reads are still looked at, so a
+/// failed one is answered now and a finished one counted; the look stops at the first entry
+/// of any other kind (a FETCH whose read has not started, or a file: a local shard's, or one
+/// from the disk cache), so a long queue does not cost every message a walk over all of it.
+/// A read behind such an entry (a FETCH of a held shard may start behind reads that wait:
+/// [`Reads::start`]) is looked at once a dispatch reaches it: once the payloads before it
+/// are handed out, or the entries before it have started. Until then a failed one keeps its
+/// bytes counted, and a finished one that began on a cached shard counts in its session's
+/// budget only.
+fn look(q: &mut Queued, full: bool, reads: &Reads) -> Look {
     if full
         && !matches!(
             q.payload,
@@ -650,7 +658,12 @@ fn look(q: &mut Queued, full: bool) -> Look {
         // Moved out for a moment (an empty body stands in; it is replaced, or `q` leaves).
         let done = std::mem::replace(&mut q.payload, Payload::Ready(Body::Memory(Vec::new())));
         match done.now() {
-            Now::Send(body) => q.payload = Payload::Ready(body),
+            Now::Send(body) => {
+                if matches!(body, Body::Memory(_)) {
+                    q.held = reads.in_memory(q.held);
+                }
+                q.payload = Payload::Ready(body);
+            }
             Now::Fail(f) => return Look::Failed(f),
             Now::Wait(p) => q.payload = p,
         }
@@ -1345,7 +1358,7 @@ impl Session {
         while self.queues.waiting[lane].len() - at > self.queues.later[lane] - later_passed {
             let q = &mut self.queues.waiting[lane][at];
             let later = matches!(q.payload, Payload::Later(_));
-            match look(q, full) {
+            match look(q, full, &self.queues.reads) {
                 Look::Stop => break,
                 Look::Pass => {
                     later_passed += usize::from(later);
@@ -1402,8 +1415,9 @@ impl Session {
             return self.ctl.error(q.req, code, message).await;
         }
         let reads = &self.queues.reads;
-        // Bytes in memory stay counted until its sender has sent them, source-wide too; a
-        // payload read from a file (the cache) holds no memory once handed over.
+        // Bytes in memory stay counted until its sender has sent them, source-wide too (from
+        // when `look` found them read; `in_memory` changes nothing then); a payload read from
+        // a file (the cache) holds no memory once handed over.
         let held = match body {
             Body::Memory(_) => reads.held(reads.in_memory(held)),
             Body::File { .. } => {

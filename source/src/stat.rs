@@ -10,22 +10,22 @@
 //! `ReadFailed`, naming the file; the node asks another source).
 //!
 //! The checks are grouped by the file system of their file (its `st_dev`, found at start:
-//! [`Stats::of`]). At most [`FS_CHECKS`] checks of one file system run at once, and while one
-//! of them is past its limit and has not returned, every further check of that file system is
-//! refused at once, without a thread: a dead mount holds at most [`FS_CHECKS`] blocking
-//! threads, however many files and sessions meet it (before, one per file, plus one per
-//! session that met the file before the first gave up: a dead mount of a few thousand files
-//! took all 512 of the runtime's blocking threads, and then every check, cache write and CRC
-//! check of the source waited). A check that returns, however late, lets the file system be
-//! checked again. A check that cannot start within [`STAT_LIMIT`] (its file system's checks
-//! are all under way, or no blocking thread is free) is refused as such, not counted as hung:
-//! the time it waited does not count in the limit of its `fstat`.
+//! [`Stats::of`], once per file). At most [`FS_CHECKS`] checks of one file system run at once,
+//! and while one of them is past its limit and has not returned, every further check of that
+//! file system is refused at once, without a thread, and so is one waiting for its turn when
+//! that happens (before, it waited out its own limit): a dead mount holds at most
+//! [`FS_CHECKS`] blocking threads, however many files and sessions meet it (before, one per
+//! file, plus one per session that met the file before the first gave up: a dead mount of a
+//! few thousand files took all 512 of the runtime's blocking threads, and then every check,
+//! cache write and CRC check of the source waited). A check that returns, however late, lets
+//! the file system be checked again. A check that cannot start within [`STAT_LIMIT`] (its file
+//! system's checks are all under way, or no blocking thread is free) is refused as such, not
+//! counted as hung: the time it waited does not count in the limit of its `fstat`.
 //!
 //! A file on a local disk or memory file system ([`on_disk`]: ext4, XFS, tmpfs, ...) is checked
 //! where the check is made, without a thread: its `fstat` answers from the inode cache, and two
 //! thread hops per FETCH kept a node from fetching shards of a few KiB ahead of its trainer.
 
-use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::File;
@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::datasets::{Backend, Datasets, Opened, ShardChanged};
@@ -110,8 +110,8 @@ fn on_disk(f_type: i64) -> bool {
 #[derive(Debug)]
 struct Group {
     /// Checks past their limit that have not returned (each holds a blocking thread and one of
-    /// [`Self::slots`]).
-    hung: usize,
+    /// [`Self::slots`]); watched by the checks waiting for a slot, refused as it goes up.
+    hung: watch::Sender<usize>,
     /// Room for the [`FS_CHECKS`] checks that may run at once (or wait for a thread).
     slots: Arc<Semaphore>,
 }
@@ -139,6 +139,31 @@ pub(crate) struct Stats {
     groups: Arc<Mutex<HashMap<Key, Group>>>,
 }
 
+/// The file system of each of `files` (`device`: its `st_dev`, if found) and those on a disk
+/// or memory file system (`disk`: [`on_disk`]), by key (the address of its [`Opened`]).
+/// `files` has an entry per shard, and the shards of one file share its key: each file is
+/// looked at once. (Before, its `fstatfs` ran once per shard: on NFS each is a round trip to
+/// the server, and a million shards packed in a hundred files took minutes to start.)
+fn survey<'a, T: ?Sized + 'a>(
+    files: impl IntoIterator<Item = (usize, &'a T)>,
+    mut device: impl FnMut(&T) -> Option<u64>,
+    mut disk: impl FnMut(&T) -> bool,
+) -> (HashMap<usize, u64>, HashSet<usize>) {
+    let (mut seen, mut devices, mut inline) = (HashSet::new(), HashMap::new(), HashSet::new());
+    for (at, file) in files {
+        if !seen.insert(at) {
+            continue;
+        }
+        if let Some(dev) = device(file) {
+            devices.insert(at, dev);
+        }
+        if disk(file) {
+            inline.insert(at);
+        }
+    }
+    (devices, inline)
+}
+
 /// The table of [`Stats::groups`], locked.
 fn lock(groups: &Mutex<HashMap<Key, Group>>) -> MutexGuard<'_, HashMap<Key, Group>> {
     groups.lock().unwrap_or_else(PoisonError::into_inner)
@@ -146,28 +171,22 @@ fn lock(groups: &Mutex<HashMap<Key, Group>>) -> MutexGuard<'_, HashMap<Key, Grou
 
 impl Stats {
     /// The checks of the local shard files of `datasets`, grouped by file system: found by an
-    /// `fstat` of each open file, at start, before the source serves (opening the datasets
-    /// made one per file as well). A file whose `fstat` fails now is grouped on its own.
+    /// `fstat` and an `fstatfs` of each open file, at start, before the source serves (opening
+    /// the datasets made an `fstat` per file as well). A file whose `fstat` fails now is
+    /// grouped on its own.
     pub(crate) fn of(datasets: &Datasets) -> Self {
-        let (mut devices, mut inline) = (HashMap::new(), HashSet::new());
-        for d in datasets.iter() {
-            let Backend::Local { files, opened, .. } = &d.backend else {
-                continue;
-            };
-            for (file, opened) in files.iter().zip(opened) {
-                let at = Arc::as_ptr(opened) as usize;
-                if let Entry::Vacant(e) = devices.entry(at)
-                    && let Ok(meta) = file.metadata()
-                {
-                    e.insert(meta.dev());
-                }
-                // `f_type` is an i64 here, a u32 on some architectures.
-                #[allow(clippy::unnecessary_cast)]
-                if rustix::fs::fstatfs(&**file).is_ok_and(|fs| on_disk(fs.f_type as i64)) {
-                    inline.insert(at);
-                }
-            }
-        }
+        let files = datasets.iter().filter_map(|d| match &d.backend {
+            Backend::Local { files, opened, .. } => Some(files.iter().zip(opened)),
+            Backend::Remote(_) => None,
+        });
+        let files = files
+            .flatten()
+            .map(|(file, opened)| (Arc::as_ptr(opened) as usize, &**file));
+        let device = |f: &File| f.metadata().ok().map(|m| m.dev());
+        // `f_type` is an i64 here, a u32 on some architectures.
+        #[allow(clippy::unnecessary_cast)]
+        let disk = |f: &File| rustix::fs::fstatfs(f).is_ok_and(|fs| on_disk(fs.f_type as i64));
+        let (devices, inline) = survey(files, device, disk);
         Self {
             devices,
             inline,
@@ -241,8 +260,7 @@ impl Stats {
     }
 
     /// Starts `check` of file `name` (of file system `key`) on a blocking thread within
-    /// `limit`: refused at once while an earlier check of that file system is past its limit
-    /// and has not returned; else it waits for one of the file system's [`FS_CHECKS`] slots,
+    /// `limit`: it waits for one of the file system's [`FS_CHECKS`] slots ([`Self::slot`]),
     /// then for a blocking thread, and is refused if it has not started by then. Returns its
     /// task, where it stands and when it started.
     async fn start<F>(
@@ -256,15 +274,7 @@ impl Stats {
         F: FnOnce() -> Result<(), ShardChanged> + Send + 'static,
     {
         let start_by = tokio::time::Instant::now() + limit;
-        let slots = self.slots(key, name, limit)?;
-        let Ok(Ok(slot)) = tokio::time::timeout_at(start_by, slots.acquire_owned()).await else {
-            let why = format!(
-                "its check could not start within {limit:?}: the {FS_CHECKS} checks of {key} \
-                 that may run at once were all under way"
-            );
-            return Err(stat_error(name, why));
-        };
-        self.slots(key, name, limit)?; // one may have hung while this one waited
+        let slot = self.slot(key, name, limit, start_by).await?;
         let state = Arc::new(AtomicU8::new(QUEUED));
         let (began_tx, mut began) = oneshot::channel();
         let job = Job {
@@ -294,35 +304,72 @@ impl Stats {
         Ok((task, state, at))
     }
 
-    /// The slots of file system `key`'s checks; refused while one of them is past its limit
-    /// (`limit`) and has not returned.
-    fn slots(&self, key: Key, name: &str, limit: Duration) -> Result<Arc<Semaphore>, ShardChanged> {
+    /// One of file system `key`'s [`FS_CHECKS`] slots for the check of file `name`, waited
+    /// for until `start_by`: refused at once while an earlier check of that file system is
+    /// past its limit (`limit`) and has not returned, and as soon as one turns so while this
+    /// one waits (before, it waited until `start_by`, its session's messages with it, and was
+    /// refused as a check that could not start).
+    async fn slot(
+        &self,
+        key: Key,
+        name: &str,
+        limit: Duration,
+        start_by: tokio::time::Instant,
+    ) -> Result<OwnedSemaphorePermit, ShardChanged> {
+        loop {
+            let (slots, mut hung) = self.slots(key, name, limit)?;
+            tokio::select! {
+                got = tokio::time::timeout_at(start_by, slots.acquire_owned()) => {
+                    let Ok(Ok(slot)) = got else {
+                        let why = format!(
+                            "its check could not start within {limit:?}: the {FS_CHECKS} checks \
+                             of {key} that may run at once were all under way"
+                        );
+                        return Err(stat_error(name, why));
+                    };
+                    self.slots(key, name, limit)?; // one may have hung as this one got its slot
+                    return Ok(slot);
+                }
+                // One hung: refused on the next turn, unless it has returned since.
+                Ok(_) = hung.wait_for(|&n| n > 0) => {}
+            }
+        }
+    }
+
+    /// The slots of file system `key`'s checks, and its count of hung checks to watch; refused
+    /// while one of them is past its limit (`limit`) and has not returned.
+    fn slots(
+        &self,
+        key: Key,
+        name: &str,
+        limit: Duration,
+    ) -> Result<(Arc<Semaphore>, watch::Receiver<usize>), ShardChanged> {
         let mut groups = lock(&self.groups);
         let g = groups.entry(key).or_insert_with(|| Group {
-            hung: 0,
+            hung: watch::Sender::new(0),
             slots: Arc::new(Semaphore::new(FS_CHECKS)),
         });
-        if g.hung > 0 {
+        let hung = *g.hung.borrow();
+        if hung > 0 {
             let why = format!(
-                "{n} earlier fstat(s) of files on {key} did not return within {limit:?} and have \
-                 not returned yet (a network file system whose server does not answer?)",
-                n = g.hung,
+                "{hung} earlier fstat(s) of files on {key} did not return within {limit:?} and \
+                 have not returned yet (a network file system whose server does not answer?)",
             );
             return Err(stat_error(name, why));
         }
-        Ok(Arc::clone(&g.slots))
+        Ok((Arc::clone(&g.slots), g.hung.subscribe()))
     }
 
     /// Stops waiting for the check `state` of file system `key`, counting it as hung, unless
     /// it has returned (false).
     fn give_up(&self, key: Key, state: &AtomicU8) -> bool {
-        let mut groups = lock(&self.groups);
+        let groups = lock(&self.groups);
         if state.load(Ordering::Relaxed) == RETURNED {
             return false;
         }
         state.store(GIVEN_UP, Ordering::Relaxed);
-        if let Some(g) = groups.get_mut(&key) {
-            g.hung += 1;
+        if let Some(g) = groups.get(&key) {
+            g.hung.send_modify(|n| *n += 1); // the checks waiting for a slot are refused
         }
         true
     }
@@ -376,11 +423,11 @@ impl Job {
         }
         let _ = began.send(Instant::now());
         let got = check();
-        let mut table = lock(&groups);
+        let table = lock(&groups);
         if state.swap(RETURNED, Ordering::Relaxed) == GIVEN_UP
-            && let Some(g) = table.get_mut(&key)
+            && let Some(g) = table.get(&key)
         {
-            g.hung -= 1;
+            g.hung.send_modify(|n| *n -= 1);
         }
         drop(table);
         drop(slot);
@@ -398,6 +445,7 @@ fn stat_error(name: &str, why: String) -> ShardChanged {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
     use std::sync::RwLock;
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
@@ -423,9 +471,34 @@ mod tests {
         }
     }
 
+    /// Each file is looked at once, however many shards it holds. Before, the `fstatfs` ran
+    /// once per shard: on NFS a round trip to the server each, minutes for a million shards.
+    #[test]
+    fn each_file_is_looked_at_once_however_many_shards_it_holds() {
+        // 10 000 shards in three files (keys 1 to 3); the `fstat` of file 3 fails.
+        let keys: &[usize] = &[1, 2, 3];
+        let shards = (0..10_000).map(move |s| (keys[s % 3], &keys[s % 3]));
+        let (stats, types) = (Cell::new(0), Cell::new(0));
+        let device = |&k: &usize| {
+            stats.set(stats.get() + 1);
+            (k != 3).then_some(k as u64 + 10)
+        };
+        let disk = |&k: &usize| {
+            types.set(types.get() + 1);
+            k == 1
+        };
+        let (devices, inline) = survey(shards, device, disk);
+        assert_eq!(stats.get(), 3, "an fstat per file");
+        assert_eq!(types.get(), 3, "an fstatfs per file");
+        assert_eq!(devices, HashMap::from([(1, 11), (2, 12)]));
+        assert_eq!(inline, HashSet::from([1]));
+    }
+
     /// Checks of `key` past their limit that have not returned.
     fn hung(stats: &Stats, key: Key) -> usize {
-        lock(&stats.groups).get(&key).map_or(0, |g| g.hung)
+        lock(&stats.groups)
+            .get(&key)
+            .map_or(0, |g| *g.hung.borrow())
     }
 
     /// Waits (10 s at most) until no check of `key` is counted as hung.
@@ -532,9 +605,12 @@ mod tests {
         let shut = gate.write().unwrap();
         let started = Arc::new(AtomicUsize::new(0));
         let names: Vec<String> = (0..FS_CHECKS + 2).map(|i| format!("f{i}.bin")).collect();
-        let checks = names
-            .iter()
-            .map(|n| stats.within(dead, n, limit, stuck(&gate, &started)));
+        // The last two give up waiting for a slot before the first ones hang (a check still
+        // waiting when they do is refused as theirs: the next test).
+        let checks = names.iter().enumerate().map(|(i, n)| {
+            let limit = if i < FS_CHECKS { limit } else { limit / 2 };
+            stats.within(dead, n, limit, stuck(&gate, &started))
+        });
         let got = futures_util::future::join_all(checks).await;
         assert_eq!(
             started.load(Ordering::SeqCst),
@@ -563,6 +639,50 @@ mod tests {
         drop(shut);
         until_returned(&stats, dead).await;
         assert!(stats.within(dead, "g.bin", limit, || Ok(())).await.is_ok());
+    }
+
+    /// A check waiting for one of its file system's slots is refused as soon as a check of
+    /// that file system hangs, naming it. Before, it waited out its own limit (its session's
+    /// messages waiting with it) and was then refused as a check that could not start.
+    #[tokio::test(flavor = "current_thread")]
+    // The gate's write lock is the dead mount: held on purpose while the checks wait on it.
+    #[allow(clippy::await_holding_lock)]
+    async fn a_check_waiting_for_a_slot_is_refused_once_its_file_system_hangs() {
+        let limit = Duration::from_secs(1);
+        let dead = Key::Device(11);
+        let stats = Stats::default();
+        let gate = Arc::new(RwLock::new(()));
+        let shut = gate.write().unwrap();
+        let started = Arc::new(AtomicUsize::new(0));
+        let names: Vec<String> = (0..FS_CHECKS).map(|i| format!("f{i}.bin")).collect();
+        let first = names
+            .iter()
+            .map(|n| stats.within(dead, n, limit, stuck(&gate, &started)));
+        let first = futures_util::future::join_all(first);
+        // Half way through their limit, one more check of the file system waits for a slot.
+        let late = async {
+            tokio::time::sleep(limit / 2).await;
+            let t0 = Instant::now();
+            let got = stats
+                .within(dead, "late.bin", limit, stuck(&gate, &started))
+                .await;
+            (got, t0.elapsed())
+        };
+        let (hung_ones, (got, waited)) = tokio::join!(first, late);
+        assert!(hung_ones.iter().all(Result::is_err));
+        let said = got.expect_err("refused").to_string();
+        assert!(
+            said.contains("late.bin") && said.contains("have not returned yet"),
+            "{said}"
+        );
+        assert!(waited < limit, "refused once the others hung: {waited:?}");
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            FS_CHECKS,
+            "it did not start"
+        );
+        drop(shut);
+        until_returned(&stats, dead).await;
     }
 
     /// The time a check waits for a blocking thread does not count in its `fstat`'s limit;

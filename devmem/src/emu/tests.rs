@@ -880,3 +880,46 @@ fn so_rcvlowat_applies_as_in_the_kernels_recvmsg() {
         t.elapsed()
     );
 }
+
+#[test]
+fn a_wait_for_bytes_again_gets_only_what_is_left_of_the_receive_timeout() {
+    // A fill whose peek saw bytes that another handle of the socket then read waits for
+    // more. Before, that wait ran under the socket's full SO_RCVTIMEO again: one call could
+    // take twice its timeout, or more with each theft.
+    let b = EmuBinding::new(1, MIN_NIOVS * NIOV_SIZE).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let timeout = Duration::from_secs(2);
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let mut sock = EmuSocket::new(s, Arc::clone(&b), EmuConfig::default()).unwrap();
+    // A call that began 1.8 s ago has 200 ms left.
+    let left = Duration::from_millis(200);
+    let start = Instant::now().checked_sub(timeout - left).unwrap();
+    let t = Instant::now();
+    let e = sock.await_bytes_within(NIOV_SIZE, start).unwrap_err();
+    let waited = t.elapsed();
+    assert!(e.kind() == io::ErrorKind::WouldBlock, "{e}");
+    assert!(
+        waited + JIFFY_SLACK >= left / 2 && waited < timeout / 2,
+        "waited {waited:?}"
+    );
+    assert_eq!(
+        sock.get_ref().read_timeout().unwrap(),
+        Some(timeout),
+        "the socket's own timeout is put back"
+    );
+    // None left: EAGAIN at once.
+    let start = Instant::now().checked_sub(timeout).unwrap();
+    let t = Instant::now();
+    let e = sock.await_bytes_within(NIOV_SIZE, start).unwrap_err();
+    assert!(e.kind() == io::ErrorKind::WouldBlock, "{e}");
+    assert!(t.elapsed() < left, "waited {:?}", t.elapsed());
+    // Bytes there: found, and left for the fill to land.
+    peer.write_all(b"late").unwrap();
+    let start = Instant::now().checked_sub(timeout - left).unwrap();
+    assert!(sock.await_bytes_within(4, start).unwrap());
+    assert_eq!(sock.get_ref().read_timeout().unwrap(), Some(timeout));
+    let (got, _) = drain(&mut sock, 4, 4);
+    assert_eq!(got, b"late");
+}

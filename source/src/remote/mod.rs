@@ -252,20 +252,8 @@ impl RemoteDataset {
     /// for other reasons (two streams of one node reading one shard), and a CRC read of the
     /// entry at each was the cost.
     pub(crate) fn corrupt_reported(&self, session: u64, shard: u32) {
-        // A report costs one CRC read of one entry at most. A copy being written to the cache
-        // is no longer served from memory either; its entry is checked once written
-        // ([`Self::written`]). Its bytes stay counted in `writing_bytes` until then: its write
-        // still holds them (before, they left the count at once, and a node that reported
-        // every payload let each shard's write in past `write_budget`).
-        let dropped = {
-            let mut st = self.state();
-            let parts = st.ready.remove(&shard).unwrap_or_default();
-            let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
-            st.ready_bytes -= n;
-            let parts = st.writing.remove(&shard).unwrap_or_default();
-            n + parts.iter().map(|p| p.len() as u64).sum::<u64>()
-        };
-        if dropped > 0 {
+        let (dropped, still_written) = self.drop_from_memory(shard);
+        if dropped + still_written > 0 {
             self.wake.notify_one();
         }
         let cached = self.cache.as_ref().is_some_and(|c| {
@@ -274,8 +262,26 @@ impl RemoteDataset {
             c.holds(shard)
         });
         tracing::warn!(dataset = %self.name, session, shard, cached, dropped_from_memory = dropped,
-            "a node reported that a shard's bytes failed its CRC check; its cache entry is checked \
-             against its CRC before it is served again, its copy in memory dropped");
+            still_written, "a node reported that a shard's bytes failed its CRC check; its cache \
+             entry is checked against its CRC before it is served again, its copy in memory \
+             dropped (a copy being written to the cache is no longer served; its write holds \
+             its bytes until it ends)");
+    }
+
+    /// Takes `shard` out of memory, where a node reported its bytes corrupt: the bytes
+    /// dropped (read, not sent yet), and those of a copy being written to the cache, no
+    /// longer served from memory but still held by their write (which checks its entry once
+    /// written: [`Self::written`]). The latter stay counted in `writing_bytes` until then
+    /// (before, they left the count at once, and a node that reported every payload let
+    /// each shard's write in past `write_budget`), and are not logged as dropped (before,
+    /// they were). A report costs one CRC read of one entry at most.
+    fn drop_from_memory(&self, shard: u32) -> (u64, u64) {
+        let mut st = self.state();
+        let parts = st.ready.remove(&shard).unwrap_or_default();
+        let dropped: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        st.ready_bytes -= dropped;
+        let parts = st.writing.remove(&shard).unwrap_or_default();
+        (dropped, parts.iter().map(|p| p.len() as u64).sum())
     }
 
     /// The verified bytes of the shard FETCH `wanted` (of this dataset: [`Wanted::get`])

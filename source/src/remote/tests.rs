@@ -450,6 +450,40 @@ async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_be
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A report drops from memory the bytes read and not sent, and names apart those of a copy
+/// being written to the cache, which its write still holds: the log says how many of each.
+/// Before, the bytes being written counted as dropped.
+#[tokio::test(flavor = "current_thread")]
+async fn a_report_tells_the_bytes_dropped_from_those_still_being_written() {
+    let dir = cache_dir("reported-split");
+    let os = Arc::new(Gated::new());
+    let d = dataset("reported-split", &os, Some(&dir)).await;
+    let held = d.write_gate.hold_back();
+    let write = d.place(1, vec![Bytes::from(d_bytes(1))]).expect("admitted");
+    {
+        let mut st = d.state();
+        st.ready.insert(0, vec![Bytes::from(d_bytes(0))]);
+        st.ready_bytes += SHARD;
+    }
+    assert_eq!(
+        d.drop_from_memory(1),
+        (0, SHARD),
+        "being written: not dropped"
+    );
+    assert_eq!(d.drop_from_memory(0), (SHARD, 0), "read, not sent: dropped");
+    assert_eq!(d.drop_from_memory(2), (0, 0), "not in memory");
+    {
+        let st = d.state();
+        assert_eq!(st.ready_bytes, 0);
+        assert_eq!(st.writing_bytes, SHARD, "counted until the write ends");
+    }
+    drop(held);
+    write.await.unwrap();
+    assert_eq!(d.state().writing_bytes, 0, "the write ended");
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A node that reports every payload of shards being written does not let more writes in
 /// than [`RemoteDataset::write_budget`]: the reported shard's write still holds its bytes.
 #[tokio::test(flavor = "current_thread")]

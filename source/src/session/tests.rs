@@ -376,6 +376,55 @@ fn a_payload_in_memory_counts_source_wide_wherever_its_shard_was_held() {
     assert_eq!(q.reads.bytes.load(Ordering::Acquire), 0);
 }
 
+/// A finished read into memory counts source-wide from when the dispatch finds it finished,
+/// though no data connection has room to send it, where its FETCH began on a shard held in
+/// the cache (counted in its session's budget only; the entry then went and the shard was
+/// read again). Before, it counted source-wide only once sent: every session could hold up
+/// to its own budget of such payloads outside the source's.
+#[tokio::test(flavor = "current_thread")]
+async fn a_read_found_finished_in_memory_counts_source_wide_while_it_waits_for_a_connection() {
+    let dir = Scratch::new("settled");
+    let r = remote(&datasets(&dir, 2, false).await);
+    let source: Arc<AtomicU64> = Arc::default();
+    let reads = Reads::new(&source);
+    // As started on a cached shard (`Reads::start`), then read from the store.
+    let held = Counted {
+        bytes: SHARD,
+        source: false,
+    };
+    reads.count(held);
+    let mut w = r.want(SESSION, 1);
+    w.leave_queue();
+    let mut q = Queued {
+        head: head(1, 1),
+        payload: Payload::read(w, SESSION, Arc::default()),
+        held,
+        seq: 0,
+    };
+    let t0 = Instant::now();
+    while !q.payload.settled() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "not read after 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(source.load(Ordering::Acquire), 0, "not yet looked at");
+    // No data connection of its lane has room: it stays, with its bytes.
+    assert!(matches!(look(&mut q, true, &reads), Look::Pass));
+    assert!(matches!(q.payload, Payload::Ready(Body::Memory(_))));
+    assert_eq!(
+        source.load(Ordering::Acquire),
+        SHARD,
+        "held in memory: counted source-wide"
+    );
+    assert!(q.held.source);
+    // Its send counts it once, and gives it back once sent.
+    drop(reads.held(reads.in_memory(q.held)));
+    assert_eq!(source.load(Ordering::Acquire), 0);
+    assert_eq!(reads.bytes.load(Ordering::Acquire), 0);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_fetch_of_a_shard_in_memory_counts_in_the_sources_budget_and_waits_for_its_sessions() {
     let dir = Scratch::new("in-memory");
