@@ -74,7 +74,8 @@ fn invalid(
 /// 1123 2.1) must be a dotted quad: getaddrinfo reads a host of numbers and dots as IPv4
 /// shorthand (`10.1.5` is 10.1.0.5, `167772165` is 10.0.0.5, `010.0.0.5` octal), so a
 /// mistyped address dials some other host, or none (`10.0.0.300`, looked up in DNS) for ever;
-/// a name such as `src.123` goes to DNS, where it never resolves. A dotted quad with a trailing
+/// a name such as `src.123` goes to DNS, where it never resolves (`0xa.1.5` is hex shorthand;
+/// only `/etc/hosts` could name such a host). A dotted quad with a trailing
 /// dot is refused in `HOST:PORT`, which the node dials as written: getaddrinfo does not read
 /// `10.0.0.5.` as an address but looks it up in DNS (a `dns:` NAME is stored without the dot).
 /// An IPv6 address (in brackets) has no labels.
@@ -110,9 +111,11 @@ fn numeric_host_error(entry: &SourceEntry) -> Option<String> {
         ));
     }
     Some(format!(
-        "`{host}` ends in an all-digit label, which no host name does (a top-level domain is \
-         never all digits, RFC 1123 2.1), so DNS never resolves it: a host name's last label \
-         has a letter; an IPv4 address is four numbers 0 to 255 (e.g. 10.1.0.5)"
+        "`{host}` ends in an all-digit label, which no DNS host name does (a top-level domain \
+         is never all digits, RFC 1123 2.1), and which the system resolver may read as an \
+         address in another notation (0xa.1.5 is 10.1.0.5): a host name's last label has a \
+         letter (name a host of /etc/hosts so too); an IPv4 address is four decimal numbers \
+         0 to 255 (e.g. 10.1.0.5)"
     ))
 }
 
@@ -1561,6 +1564,11 @@ mod tests {
                 "src.123:7500",
                 "src.123",
                 "a top-level domain is never all digits",
+            ),
+            (
+                "0xa.1.5:7500",
+                "0xa.1.5",
+                "another notation (0xa.1.5 is 10.1.0.5)",
             ),
             ("10.0.0.5.:7500", "10.0.0.5.", "with a trailing dot"),
             ("10.0.0.5..:7500", "10.0.0.5..", "with a trailing dot"),

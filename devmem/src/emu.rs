@@ -529,8 +529,11 @@ impl EmuSocket {
     /// its budget ([`budget_left`]; `EAGAIN` once none is): the peek runs under a receive
     /// timeout of what is left, the socket's own put back after it. Before, it ran under the
     /// socket's full `SO_RCVTIMEO` again, and each theft of its bytes through another handle
-    /// of the socket could make one call wait that long once more. (Another handle's read
-    /// that starts meanwhile gets the shorter timeout too: handles of one socket share it.)
+    /// of the socket could make one call wait that long once more. (Handles of one socket
+    /// share the option: another handle's read meanwhile gets the shorter timeout too, and
+    /// two such waits that overlap can put back each other's shorter value, which then stays.
+    /// The node never reads one data socket through two handles: its one clone only shuts
+    /// the socket down.)
     fn await_bytes_within(&mut self, want_bytes: usize, start: Instant) -> io::Result<bool> {
         let Some(left) = budget_left(&self.sock, start)? else {
             return self.await_bytes(want_bytes); // no limit

@@ -121,14 +121,7 @@ pub(crate) fn judge(
                 unusable_text(&devices)
             ),
         ),
-        (Some(v), Some(d)) => (
-            true,
-            format!(
-                "CUDA driver {} with {} usable",
-                version_text(v),
-                device_text(d)
-            ),
-        ),
+        (Some(v), Some(d)) => (true, usable_text(v, d, &devices)),
     };
     GpuProbe {
         driver_present,
@@ -137,6 +130,22 @@ pub(crate) fn judge(
         usable,
         reason,
     }
+}
+
+/// "CUDA driver 12.8 with GPU 1 (...) usable", and each device of `devices` that is not,
+/// with what it lacks: the node gives such a GPU no lane, and this says why.
+fn usable_text(version: i32, usable: &GpuDevice, devices: &[GpuDevice]) -> String {
+    let mut text = format!(
+        "CUDA driver {} with {} usable",
+        version_text(version),
+        device_text(usable)
+    );
+    let others = unusable_text(devices);
+    if !others.is_empty() {
+        text.push_str("; not usable, so left out: ");
+        text.push_str(&others);
+    }
+    text
 }
 
 /// "GPU 0 (Tesla T4, 0000:19:00.0): compute capability 7.5 is below 8.0 (...)", each
@@ -178,5 +187,38 @@ mod tests {
         let (major, minor) = MIN_COMPUTE_CAPABILITY;
         let target = format!(".target sm_{major}{minor}\n");
         assert!(crate::kernels::PTX.contains(&target), "{target}");
+    }
+
+    fn device(ordinal: i32, name: &str, compute_capability: (i32, i32)) -> GpuDevice {
+        GpuDevice {
+            ordinal,
+            name: name.to_owned(),
+            pci_bus_id: format!("0000:1{ordinal}:00.0"),
+            uuid: None,
+            total_memory: 16 << 30,
+            compute_capability,
+            dma_buf_supported: true,
+            vmm_supported: true,
+            gpu_direct_rdma_with_cuda_vmm_supported: true,
+        }
+    }
+
+    /// A T4 beside an A100: the probe is usable, and its reason names the T4 and what it
+    /// lacks. Before, it named the A100 only, and the T4 was dropped without a word.
+    #[test]
+    fn a_usable_report_names_the_devices_left_out() {
+        let t4 = device(0, "Tesla T4", (7, 5));
+        let a100 = device(1, "NVIDIA A100", (8, 0));
+        let mixed = judge(true, Some(12080), vec![t4, a100.clone()]);
+        assert!(mixed.usable, "{}", mixed.reason);
+        let want = "CUDA driver 12.8 with GPU 1 (NVIDIA A100, 0000:11:00.0) usable; not usable, \
+                    so left out: GPU 0 (Tesla T4, 0000:10:00.0): compute capability 7.5 is below \
+                    8.0";
+        assert!(mixed.reason.starts_with(want), "{}", mixed.reason);
+        let alone = judge(true, Some(12080), vec![a100]);
+        assert_eq!(
+            alone.reason,
+            "CUDA driver 12.8 with GPU 1 (NVIDIA A100, 0000:11:00.0) usable"
+        );
     }
 }

@@ -520,6 +520,8 @@ impl Node {
                 let (streams, pool_reserved, pool_size) = self.admission.lane_usage(l.id());
                 let bytes = self.plane.lane_bytes(l.id());
                 let spec = &l.spec;
+                // A lane that awaited its NIC's address is shown there once the NIC has one.
+                let (data_addr, why, warn) = l.shown(self.plane.lane_nic_ip(l));
                 LaneStatus {
                     lane: l.id(),
                     gpu: spec.gpu.as_ref().map(|g| g.pci.to_string()),
@@ -532,7 +534,7 @@ impl Node {
                     nic_pci: spec.nic_pci.map(|p| p.to_string()),
                     distance: spec.distance.map(|d| d.to_string()),
                     numa_node: spec.numa_node,
-                    data_addr: l.data_addr.to_string(),
+                    data_addr: data_addr.to_string(),
                     memory: if l.cuda.is_some() {
                         MemoryKind::Cuda
                     } else {
@@ -549,8 +551,8 @@ impl Node {
                     bytes_received: bytes,
                     data_connections: l.stats.data_connections.load(Ordering::Relaxed),
                     data_connections_refused: l.stats.wrong_lane.load(Ordering::Relaxed),
-                    why: spec.why.clone(),
-                    warn: spec.warn,
+                    why,
+                    warn,
                     notes: l.notes.clone(),
                 }
             })

@@ -123,6 +123,43 @@ impl FlowTable {
     }
 }
 
+/// How long a lane's NIC address looked up answers every source session's look (each
+/// looks every `stall::CHECK_EVERY`): one lookup per lane, not one per link.
+const NIC_LOOK_EVERY: Duration = Duration::from_secs(5);
+
+/// A lane's NIC with no IPv4 address for this long (an IPv6-only NIC never gets one) is
+/// looked up once a [`NIC_LOOK_SLOWLY`] from then on.
+const NIC_SLOW_AFTER: Duration = Duration::from_secs(600);
+
+/// How often a NIC without an address past [`NIC_SLOW_AFTER`] is looked up.
+const NIC_LOOK_SLOWLY: Duration = Duration::from_secs(60);
+
+/// What a lookup of a lane's NIC address gave ([`DataPlane::nic_ip`]).
+#[derive(Debug, Clone, Copy)]
+struct NicSeen {
+    /// The address (`None`: none, or only a link-local one).
+    ip: Option<Ipv4Addr>,
+    /// When it was looked up.
+    at: Instant,
+    /// Since when the NIC has had none, while it has none.
+    none_since: Option<Instant>,
+}
+
+impl NicSeen {
+    /// Whether the NIC is to be looked up again at `now`.
+    fn due(&self, now: Instant) -> bool {
+        let slow = self
+            .none_since
+            .is_some_and(|t| now.saturating_duration_since(t) >= NIC_SLOW_AFTER);
+        let every = if slow {
+            NIC_LOOK_SLOWLY
+        } else {
+            NIC_LOOK_EVERY
+        };
+        now.saturating_duration_since(self.at) >= every
+    }
+}
+
 /// The data plane.
 pub struct DataPlane {
     /// The sources: configured and found by DNS ([`crate::discovery`]).
@@ -137,9 +174,10 @@ pub struct DataPlane {
     emu: Arc<EmuHost>,
     /// The data connections identified and still receiving, and the bytes of those ended.
     flows: Mutex<FlowTable>,
-    /// The address last seen on the NIC of each lane that awaits one
-    /// (`LaneSpec::awaits_nic_address`), to log a change once.
-    nic_ips: Mutex<BTreeMap<u32, Option<Ipv4Addr>>>,
+    /// What was last seen of the NIC address of each lane that awaits one
+    /// (`LaneSpec::awaits_nic_address`): answers every link's look for a while, and a change
+    /// is logged once.
+    nic_ips: Mutex<BTreeMap<u32, NicSeen>>,
     counters: Arc<Counters>,
     /// Plain-TCP host connections try io_uring ([`crate::rx::uring`]).
     io_uring: bool,
@@ -270,24 +308,51 @@ impl DataPlane {
         self.flows.lock().expect("poisoned").add(flow);
     }
 
-    /// The IPv4 address lane `lane`'s NIC has now (`ipv4`) where the lane awaits one
-    /// (`LaneSpec::awaits_nic_address`); `None` for another lane, or while the NIC has none.
-    /// A change from what was last seen is logged once, whichever source's session looks.
-    fn nic_ip(&self, lane: &Lane, ipv4: Ipv4Lookup<'_>) -> Option<IpAddr> {
+    /// The IPv4 address lane `lane`'s NIC has now (`ipv4`, at `now`) where the lane awaits
+    /// one (`LaneSpec::awaits_nic_address`); `None` for another lane, or while the NIC has
+    /// none or only a link-local one ([`crate::lanes::plan::dialable`]). Looked up at most
+    /// once a [`NIC_LOOK_EVERY`], whichever source's session looks, and once a
+    /// [`NIC_LOOK_SLOWLY`] after [`NIC_SLOW_AFTER`] without one; a change from what was last
+    /// seen is logged once.
+    fn nic_ip(&self, lane: &Lane, ipv4: Ipv4Lookup<'_>, now: Instant) -> Option<IpAddr> {
         let nic = (lane.spec.nic.as_deref()).filter(|_| lane.spec.awaits_nic_address)?;
-        let ip = ipv4(nic).unwrap_or_else(|e| {
+        let mut seen = self.nic_ips.lock().expect("poisoned");
+        let was = seen.get(&lane.id()).copied();
+        if let Some(w) = was.filter(|w| !w.due(now)) {
+            return w.ip.map(IpAddr::V4);
+        }
+        let found = ipv4(nic).unwrap_or_else(|e| {
             tracing::debug!(lane = lane.id(), %nic, error = %e, "cannot read the lane's NIC address");
             None
         });
-        let was = self.nic_ips.lock().expect("poisoned").insert(lane.id(), ip);
-        match (was.flatten(), ip) {
+        let ip = crate::lanes::plan::dialable(found);
+        let none_since = match (ip, was) {
+            (Some(_), _) => None,
+            (None, Some(w)) if w.ip.is_none() => w.none_since,
+            (None, _) => Some(now),
+        };
+        let looked = NicSeen {
+            ip,
+            at: now,
+            none_since,
+        };
+        seen.insert(lane.id(), looked);
+        drop(seen);
+        match (was.and_then(|w| w.ip), ip) {
             (was, Some(ip)) if was != Some(ip) => tracing::info!(lane = lane.id(), %nic, %ip,
                 "the lane's NIC has an IPv4 address now: sources dial the lane there from their next session (a session under way ends at a moment with nothing under way)"),
-            (Some(was), None) => tracing::warn!(lane = lane.id(), %nic, %was,
+            (Some(was), None) => tracing::warn!(lane = lane.id(), %nic, %was, ?found,
                 "the lane's NIC lost its IPv4 address: sources dial the lane at the control connection's address from their next session"),
             _ => {}
         }
         ip.map(IpAddr::V4)
+    }
+
+    /// The IPv4 address lane `lane`'s NIC has now where the lane awaits one (`nic_ip` on
+    /// the host, looked up at most every few seconds): what sources are to dial the lane at,
+    /// and what `/v1/status` shows it at ([`Lane::shown`]).
+    pub fn lane_nic_ip(&self, lane: &Lane) -> Option<IpAddr> {
+        self.nic_ip(lane, &shardwire_devmem::ifaddr::ipv4, Instant::now())
     }
 
     /// Makes every link reconnect (its data connections come back on the current path):
@@ -483,11 +548,10 @@ impl DataConns for DataPlane {
     }
 
     fn lane_ips(&self) -> Vec<Option<IpAddr>> {
-        let ipv4 = &shardwire_devmem::ifaddr::ipv4;
         self.lanes
             .all()
             .iter()
-            .map(|l| self.nic_ip(l, ipv4))
+            .map(|l| self.lane_nic_ip(l))
             .collect()
     }
 
@@ -633,6 +697,7 @@ mod tests {
                 devmem_memory: 1 << 20,
                 why: String::new(),
                 warn: true,
+                warn_at_nic_address: false,
             },
             data_addr: "0.0.0.0:7401".parse().unwrap(),
             cuda: None,
@@ -658,18 +723,21 @@ mod tests {
                 Ok(*eth3.lock().unwrap())
             };
         let (awaits, planned) = (lane_on(3, "eth3", true), lane_on(2, "eth2", false));
-        assert_eq!(plane.nic_ip(&awaits, &lookup), None, "no address yet");
-        assert_eq!(plane.nic_ip(&planned, &lookup), None);
+        let t0 = Instant::now();
+        assert_eq!(plane.nic_ip(&awaits, &lookup, t0), None, "no address yet");
+        assert_eq!(plane.nic_ip(&planned, &lookup, t0), None);
         assert_eq!(
             *asked.lock().unwrap(),
             ["eth3"],
             "only the lane awaiting one"
         );
         *eth3.lock().unwrap() = Some(Ipv4Addr::new(10, 0, 3, 5));
-        let got = plane.nic_ip(&awaits, &lookup);
+        let t1 = t0 + NIC_LOOK_EVERY;
+        let got = plane.nic_ip(&awaits, &lookup, t1);
         assert_eq!(got, Some(IpAddr::from([10, 0, 3, 5])));
         *eth3.lock().unwrap() = None;
-        assert_eq!(plane.nic_ip(&awaits, &lookup), None, "the address went");
+        let t2 = t1 + NIC_LOOK_EVERY;
+        assert_eq!(plane.nic_ip(&awaits, &lookup, t2), None, "the address went");
         // A plane without lanes has no address to say; through the host's own lookup, a
         // lane on lo awaiting its address has lo's.
         assert!(plane.lane_ips().is_empty());
@@ -679,6 +747,55 @@ mod tests {
         ];
         let on_lo = plane_of(lanes);
         assert_eq!(on_lo.lane_ips(), [Some(IpAddr::from([127, 0, 0, 1])), None]);
+    }
+
+    /// Every source's session looked the NIC up every 5 s for the node's whole life, and a
+    /// link-local address (IPv4LL while DHCP is late: 169.254/16) was taken as the NIC's, so
+    /// sources were moved to an address they cannot dial. Now one lookup answers every link
+    /// for [`NIC_LOOK_EVERY`], a NIC with none for [`NIC_SLOW_AFTER`] (an IPv6-only NIC) is
+    /// looked up once a [`NIC_LOOK_SLOWLY`], and a link-local address counts as none.
+    #[test]
+    fn a_nics_address_is_looked_up_once_for_every_link_and_slowly_when_it_has_none() {
+        let plane = bare_plane();
+        let eth3 = Mutex::new(None);
+        let looked = std::sync::atomic::AtomicUsize::new(0);
+        let lookup = |_: &str| -> Result<Option<Ipv4Addr>, shardwire_devmem::ifaddr::IfAddrError> {
+            looked.fetch_add(1, Ordering::Relaxed);
+            Ok(*eth3.lock().unwrap())
+        };
+        let looks = || looked.load(Ordering::Relaxed);
+        let awaits = lane_on(3, "eth3", true);
+        let t0 = Instant::now();
+        let second = Duration::from_secs(1);
+        for link in 0..8u32 {
+            let at = t0 + second * link;
+            assert_eq!(plane.nic_ip(&awaits, &lookup, at), None);
+        }
+        assert_eq!(looks(), 2, "one lookup per 5 s for 8 links' looks over 8 s");
+        *eth3.lock().unwrap() = Some(Ipv4Addr::new(169, 254, 3, 5));
+        assert_eq!(
+            plane.nic_ip(&awaits, &lookup, t0 + NIC_LOOK_EVERY * 2),
+            None
+        );
+        assert_eq!(looks(), 3, "a link-local address is no address");
+        // No address for 10 minutes: from then on, one lookup a minute.
+        let slow = t0 + NIC_SLOW_AFTER;
+        assert_eq!(plane.nic_ip(&awaits, &lookup, slow), None);
+        assert_eq!(looks(), 4);
+        *eth3.lock().unwrap() = Some(Ipv4Addr::new(10, 0, 3, 5));
+        let soon = slow + NIC_LOOK_SLOWLY - second;
+        assert_eq!(
+            plane.nic_ip(&awaits, &lookup, soon),
+            None,
+            "not looked up yet"
+        );
+        assert_eq!(looks(), 4);
+        let got = plane.nic_ip(&awaits, &lookup, slow + NIC_LOOK_SLOWLY);
+        assert_eq!(got, Some(IpAddr::from([10, 0, 3, 5])));
+        // With an address, every 5 s again.
+        let then = slow + NIC_LOOK_SLOWLY + NIC_LOOK_EVERY;
+        assert_eq!(plane.nic_ip(&awaits, &lookup, then), got);
+        assert_eq!(looks(), 6);
     }
 
     /// A lane's total while its connections end and new ones come (each new one moves the

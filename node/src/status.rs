@@ -126,7 +126,8 @@ pub struct LaneStatus {
     /// Its NUMA node.
     pub numa_node: Option<u32>,
     /// Its data listener's address (a wildcard is advertised per source as the address of
-    /// the control connection).
+    /// the control connection), or, once a lane that awaited its NIC's address has one, that
+    /// address with the listener's port (what sources dial then).
     pub data_addr: String,
     /// Where its streams' regions live.
     pub memory: MemoryKind,

@@ -356,6 +356,10 @@ def test_the_torch_dataset_refuses_idle_timeout_with_a_trainer_socket(node: Worl
             IterableDataset("mix", socket=sock, idle_timeout=60)
     with pytest.raises(ValueError, match="at most 86400"):
         IterableDataset("mix", socket=f"http://{node.serve.admin}", idle_timeout=86_401)
+    # Another scheme than http:// is refused when the dataset is made, not in a worker.
+    for url in ("https://127.0.0.1:1", "ftp://127.0.0.1:1"):
+        with pytest.raises(ValueError, match="only http://"):
+            IterableDataset("mix", socket=url, idle_timeout=60)
     # Set on a socket dataset afterwards: refused when the stream opens, naming it the same.
     ds = IterableDataset("mix", socket=node.serve.socket, seed=1)
     ds.idle_timeout = 60

@@ -12,7 +12,7 @@ pub mod listen;
 pub mod open;
 pub mod plan;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
@@ -63,6 +63,26 @@ impl Lane {
             .gpu
             .as_ref()
             .is_some_and(|g| name.is(Some(g.pci), g.uuid))
+    }
+
+    /// How `/v1/status` shows the lane's data address, why and warning: as planned, or, for a
+    /// lane that [awaited](LaneSpec::awaits_nic_address) its NIC's address and whose NIC has
+    /// `nic_ip` now, at that address (sources are moved there: `crate::link::readdress`),
+    /// warning only for its pairing.
+    pub fn shown(&self, nic_ip: Option<IpAddr>) -> (SocketAddr, String, bool) {
+        let spec = &self.spec;
+        match (nic_ip, spec.nic.as_deref()) {
+            (Some(ip), Some(nic)) if spec.awaits_nic_address => {
+                let at = SocketAddr::new(ip, self.data_addr.port());
+                let why = format!(
+                    "{}; {nic} has {ip} now: sources dial the lane at {at} (a session that \
+                     began before ends at a moment with nothing under way)",
+                    spec.why
+                );
+                (at, why, spec.warn_at_nic_address)
+            }
+            _ => (self.data_addr, spec.why.clone(), spec.warn),
+        }
     }
 
     /// `0000:19:00.0 (lane 2)`, or `lane 2 (no GPU)`.
@@ -194,6 +214,7 @@ mod tests {
                 devmem_memory: 1 << 20,
                 why: String::new(),
                 warn: false,
+                warn_at_nic_address: false,
             },
             data_addr: "127.0.0.1:1".parse().unwrap(),
             cuda: None,
@@ -202,6 +223,40 @@ mod tests {
             notes: Vec::new(),
             stats: LaneStats::default(),
         })
+    }
+
+    /// A lane that awaited its NIC's address is shown at it once the NIC has one, and no
+    /// longer warns for its address. Before, `/v1/status` showed the wildcard, the warning
+    /// and "has no IPv4 address yet" for the node's whole life.
+    #[test]
+    fn a_lane_moved_to_its_nics_address_is_shown_there() {
+        let mut l = Arc::into_inner(lane(3, None)).unwrap();
+        l.spec.nic = Some("eth3".into());
+        l.spec.why = "PIX; data address 0.0.0.0:7401 (eth3 has no IPv4 address yet)".into();
+        l.spec.warn = true;
+        l.data_addr = "0.0.0.0:7401".parse().unwrap();
+        let ip = Some(IpAddr::from([10, 0, 3, 5]));
+        let (at, why, warn) = l.shown(ip);
+        assert_eq!(
+            (at, warn),
+            (l.data_addr, true),
+            "awaits no address: as planned"
+        );
+        assert_eq!(why, l.spec.why);
+        l.spec.awaits_nic_address = true;
+        assert_eq!(l.shown(None), (l.data_addr, l.spec.why.clone(), true));
+        let (at, why, warn) = l.shown(ip);
+        assert_eq!(at.to_string(), "10.0.3.5:7401");
+        assert!(!warn, "{why}");
+        assert!(
+            why.ends_with(
+                "eth3 has 10.0.3.5 now: sources dial the lane at 10.0.3.5:7401 (a \
+                           session that began before ends at a moment with nothing under way)"
+            ),
+            "{why}"
+        );
+        l.spec.warn_at_nic_address = true; // a pairing through a CPU warns still
+        assert!(l.shown(ip).2);
     }
 
     #[test]

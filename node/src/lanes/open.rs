@@ -112,20 +112,40 @@ pub fn cuda_devices(mode: MemoryMode, probe: &GpuProbe) -> Result<Vec<GpuDevice>
     })
 }
 
-/// Plans the lanes and opens their GPUs; returns the lanes kept (with their GPUs), the GPUs left
-/// out, the memory kind and why.
-async fn plan_and_open(
-    cfg: &ServeConfig,
-    probe: &GpuProbe,
-) -> Result<
-    (
-        Vec<(LaneSpec, Option<Arc<CudaMemory>>)>,
-        Vec<Excluded>,
-        MemoryKind,
-        String,
-    ),
-    LaneStartError,
-> {
+/// The GPUs the probe found unusable beside the usable ones lanes are made of (`cuda`: none
+/// with host memory, or without a usable GPU): they get no lane, and each is listed as left
+/// out with what it lacks (a trainer naming one reads why; `/v1/status` `lanes_excluded`).
+pub fn unusable_gpus(cuda: &[GpuDevice], probe: &GpuProbe) -> Vec<Excluded> {
+    if cuda.is_empty() {
+        return Vec::new();
+    }
+    let left_out = probe.devices.iter().filter_map(|d| {
+        let why = d.unusable_because()?;
+        Some(Excluded {
+            gpu: d.pci_bus_id.clone(),
+            reason: format!("the CUDA probe left it out: {why}"),
+        })
+    });
+    left_out.collect()
+}
+
+/// The lanes planned, with their GPUs opened, and the GPUs left out.
+struct Opened {
+    /// The lanes kept, each with its GPU where it has one opened.
+    kept: Vec<(LaneSpec, Option<Arc<CudaMemory>>)>,
+    /// GPUs that failed to open or their self-test (CUDA memory only).
+    failed: Vec<Excluded>,
+    /// GPUs the probe found unusable beside a usable one ([`unusable_gpus`]), logged as
+    /// planning began.
+    unusable: Vec<Excluded>,
+    /// Where stream regions live.
+    memory: MemoryKind,
+    /// Why.
+    reason: String,
+}
+
+/// Plans the lanes and opens their GPUs.
+async fn plan_and_open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Opened, LaneStartError> {
     let root = cfg.sysfs_root.clone();
     let tree = tokio::task::spawn_blocking(move || read_tree(&root))
         .await
@@ -136,6 +156,11 @@ async fn plan_and_open(
         }
     }
     let cuda = cuda_devices(cfg.memory, probe)?;
+    // Before planning: a lanes table naming such a GPU fails next, pointing to this line.
+    let unusable = unusable_gpus(&cuda, probe);
+    for e in &unusable {
+        tracing::warn!(gpu = %e.gpu, reason = %e.reason, "GPU left out: it serves no lane");
+    }
     let specs = plan::plan(
         &Inputs::of(cfg, &tree, &cuda),
         &shardwire_devmem::ifaddr::ipv4,
@@ -177,8 +202,15 @@ async fn plan_and_open(
         }
     }
     let opened = kept.iter().filter(|(_, m)| m.is_some()).count();
-    let (memory, reason) = memory_decision(cfg, probe, &kept, &failures)?;
+    let (memory, mut reason) = memory_decision(cfg, probe, &kept, &failures)?;
     if memory == MemoryKind::Cuda {
+        let names: Vec<&str> = unusable.iter().map(|e| e.gpu.as_str()).collect();
+        if !names.is_empty() {
+            reason.push_str(&format!(
+                "; left out, not usable: {} (lanes_excluded)",
+                names.join(", ")
+            ));
+        }
         // CUDA memory: a lane whose GPU did not open is left out (it is in `excluded`).
         let failed: Vec<String> = excluded.iter().map(|e| e.gpu.clone()).collect();
         kept.retain(|(s, m)| {
@@ -192,7 +224,13 @@ async fn plan_and_open(
         excluded.clear(); // host memory: every lane stays, none needs its GPU opened
     }
     debug_assert!(memory == MemoryKind::Host || opened > 0);
-    Ok((kept, excluded, memory, reason))
+    Ok(Opened {
+        kept,
+        failed: excluded,
+        unusable,
+        memory,
+        reason,
+    })
 }
 
 /// The CUDA device of a planned lane, if the node may use CUDA for it.
@@ -345,7 +383,13 @@ fn check_session_flows(lanes: usize, flows: u16) -> Result<(), LaneStartError> {
 
 /// Makes the lanes of `cfg`.
 pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneStartError> {
-    let (kept, excluded, memory, memory_reason) = plan_and_open(cfg, probe).await?;
+    let Opened {
+        kept,
+        failed,
+        unusable,
+        memory,
+        reason: memory_reason,
+    } = plan_and_open(cfg, probe).await?;
     // The lanes kept are the ones every source is asked to dial.
     check_session_flows(kept.len(), cfg.flows)?;
     // Ids 0..n over the lanes kept (the wire numbers lanes by position).
@@ -376,7 +420,9 @@ pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneSt
             })
         })
         .collect();
-    log_lanes(&lanes, &excluded, &cfg.lanes);
+    log_lanes(&lanes, &failed, &cfg.lanes);
+    // The unusable ones were logged as planning began.
+    let excluded = failed.into_iter().chain(unusable).collect();
     Ok(Started {
         lanes: Arc::new(Lanes::new(lanes, excluded)),
         listeners,
@@ -386,7 +432,7 @@ pub async fn open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Started, LaneSt
 }
 
 /// One log line per lane (a warning when the plan marks it: see its `why`) and per
-/// GPU left out.
+/// GPU that failed to open (`excluded`).
 fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
     let source = match cfg {
         LanesConfig::Auto => "auto",
@@ -420,9 +466,9 @@ fn log_lanes(lanes: &[Arc<Lane>], excluded: &[Excluded], cfg: &LanesConfig) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_lane_says_why_when_this_process_cpus_cannot_be_read() {
-        let spec = LaneSpec {
+    /// A lane with no GPU or NIC on 127.0.0.1, its receivers to be pinned to CPUs 2 and 3.
+    fn spec() -> LaneSpec {
+        LaneSpec {
             id: 0,
             gpu: None,
             nic: None,
@@ -438,7 +484,13 @@ mod tests {
             devmem_memory: 1 << 20,
             why: String::new(),
             warn: false,
-        };
+            warn_at_nic_address: false,
+        }
+    }
+
+    #[test]
+    fn a_lane_says_why_when_this_process_cpus_cannot_be_read() {
+        let spec = spec();
         let failed = Err(affinity::PinError::Syscall {
             call: "sched_getaffinity",
             errno: rustix::io::Errno::PERM,
@@ -489,6 +541,56 @@ mod tests {
         };
         assert!(cuda_devices(MemoryMode::Auto, &t4_only).unwrap().is_empty());
         assert!(cuda_devices(MemoryMode::Cuda, &t4_only).is_err());
+    }
+
+    /// A T4 beside an A100: the T4 gets no lane, and it is listed as left out with what it
+    /// lacks, so a trainer naming it reads why. Before, it was dropped without a word (not
+    /// in `lanes_excluded`, not logged).
+    #[test]
+    fn a_gpu_left_out_as_unusable_beside_a_usable_one_says_why() {
+        let probe = GpuProbe {
+            driver_present: true,
+            driver_version: Some(12080),
+            devices: vec![gpu(0, "Tesla T4", (7, 5)), gpu(1, "NVIDIA A100", (8, 0))],
+            usable: true,
+            reason: "CUDA driver 12.8 with GPU 1 usable".to_owned(),
+        };
+        let cuda = cuda_devices(MemoryMode::Auto, &probe).unwrap();
+        let left_out = unusable_gpus(&cuda, &probe);
+        assert_eq!(left_out.len(), 1, "{left_out:?}");
+        assert_eq!(left_out[0].gpu, "0000:10:00.0");
+        assert!(
+            left_out[0]
+                .reason
+                .contains("compute capability 7.5 is below 8.0"),
+            "{}",
+            left_out[0].reason
+        );
+        let a100 = LaneSpec {
+            gpu: Some(crate::lanes::plan::LaneGpu {
+                pci: "0000:11:00.0".parse().unwrap(),
+                uuid: None,
+                ordinal: Some(1),
+            }),
+            ..spec()
+        };
+        let lane = Arc::new(Lane {
+            spec: a100,
+            data_addr: "127.0.0.1:1".parse().unwrap(),
+            cuda: None,
+            cpus: Vec::new(),
+            numa_bind: None,
+            notes: Vec::new(),
+            stats: LaneStats::default(),
+        });
+        let lanes = Lanes::new(vec![lane], left_out);
+        let e = lanes.by_device("0000:10:00.0").unwrap_err().to_string();
+        let want = "left out: 0000:10:00.0: the CUDA probe left it out: compute capability 7.5";
+        assert!(e.contains(want), "{e}");
+        // Host memory, or no usable GPU: no lane has a GPU, none is named as left out.
+        assert!(unusable_gpus(&[], &probe).is_empty());
+        let host = cuda_devices(MemoryMode::Host, &probe).unwrap();
+        assert!(unusable_gpus(&host, &probe).is_empty());
     }
 
     #[test]

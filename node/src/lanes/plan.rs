@@ -76,6 +76,10 @@ pub struct LaneSpec {
     pub why: String,
     /// The pairing deserves a warning (through a CPU, across sockets, or no NIC).
     pub warn: bool,
+    /// Whether it deserves one once it is at its NIC's address (a lane that
+    /// [awaits](Self::awaits_nic_address) it warns until then): its pairing alone. As `warn`
+    /// for another lane.
+    pub warn_at_nic_address: bool,
 }
 
 /// Why the lanes cannot be planned; each names the lane table and the value.
@@ -346,9 +350,16 @@ fn elsewhere_hint(nic: &str, port: u16, per_lane: &str) -> String {
     )
 }
 
+/// A NIC's IPv4 address as sources may dial it: none for a link-local one (169.254/16, what
+/// IPv4LL gives a NIC while DHCP is late), which a source on another subnet cannot reach.
+pub fn dialable(ip: Option<Ipv4Addr>) -> Option<Ipv4Addr> {
+    ip.filter(|ip| !ip.is_link_local())
+}
+
 /// Where sources dial a lane on `nic`: its IPv4 address with `listen`'s port when `listen` is
-/// a wildcard and the NIC has one, else `listen`; with the reason, and whether that address
-/// is not one of `nic`'s own (its traffic then arrives on whichever NIC holds it).
+/// a wildcard and the NIC has one ([`dialable`]), else `listen`; with the reason, and whether
+/// that address is not one of `nic`'s own (its traffic then arrives on whichever NIC holds
+/// it).
 fn addr_for(
     nic: Option<&str>,
     listen: SocketAddr,
@@ -361,26 +372,33 @@ fn addr_for(
             false,
         ));
     };
-    match ipv4(nic)? {
-        Some(ip) if listen.ip().is_unspecified() => Ok((
+    let found = ipv4(nic)?;
+    let wildcard = listen.ip().is_unspecified();
+    match (found, dialable(found)) {
+        (_, Some(ip)) if wildcard => Ok((
             SocketAddr::new(IpAddr::V4(ip), listen.port()),
             format!("data address {ip}:{} ({nic}'s IPv4)", listen.port()),
             false,
         )),
-        Some(ip) => Ok((
+        (_, None) if wildcard => {
+            let link_local = found.map_or(String::new(), |ip| {
+                format!(" other than the link-local {ip}")
+            });
+            Ok((
+                listen,
+                format!(
+                    "data address {listen} ({nic} has no IPv4 address yet{link_local}: sources \
+                     are moved to its address if it gets one)"
+                ),
+                true,
+            ))
+        }
+        (Some(ip), _) => Ok((
             listen,
             format!("data address {listen} (data_listen is not a wildcard)"),
             listen.ip() != IpAddr::V4(ip),
         )),
-        None if listen.ip().is_unspecified() => Ok((
-            listen,
-            format!(
-                "data address {listen} ({nic} has no IPv4 address yet: sources are moved to \
-                 its address once it has one)"
-            ),
-            true,
-        )),
-        None => Ok((
+        (None, _) => Ok((
             listen,
             format!("data address {listen} ({nic} has no IPv4 address)"),
             true,
@@ -535,6 +553,7 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
                 devmem_memory: inp.devmem_memory,
                 why: format!("{pairing}; {addr_why}"),
                 warn: p.is_none_or(|p| p.warn) || elsewhere,
+                warn_at_nic_address: p.is_none_or(|p| p.warn),
             }
         })
         .collect()
@@ -571,6 +590,7 @@ fn single(inp: &Inputs<'_>, gpu: Option<&Candidate>, p: Option<&LanePlan>) -> La
         ),
         // Its nearest NIC is through a CPU: worth saying even for the one lane.
         warn: p.is_some_and(|p| p.warn && p.nic.is_some()),
+        warn_at_nic_address: p.is_some_and(|p| p.warn && p.nic.is_some()),
     }
 }
 
@@ -703,17 +723,18 @@ fn table_lane(
     // A configured data_listen is taken as meant, a wildcard too.
     let awaits_nic_address =
         lc.data_listen.is_none() && nic.is_some() && data_listen.ip().is_unspecified();
+    // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known.
+    let pairing_warns = distance.is_some_and(Distance::crosses_cpu)
+        || (gpu.is_some() && tree_nic.is_none_or(|n| n.is_virtual));
     Ok(LaneSpec {
         id: i as u32,
         cpus: cpus_for(inp.tree, nic.as_deref(), numa_node),
         numa_bind: numa_node,
         nic_named: lc.interface.is_some(),
         nic_pci: tree_nic.and_then(|n| n.pci),
-        // As in auto mode: a GPU lane whose NIC crosses a CPU, is virtual, or is not known,
-        // or whose data address is not its NIC's.
-        warn: distance.is_some_and(Distance::crosses_cpu)
-            || (gpu.is_some() && tree_nic.is_none_or(|n| n.is_virtual))
-            || elsewhere,
+        // Or whose data address is not its NIC's.
+        warn: pairing_warns || elsewhere,
+        warn_at_nic_address: pairing_warns,
         why: format!("configured (lanes[{i}]); {dist_why}; {addr_why}"),
         gpu,
         nic,

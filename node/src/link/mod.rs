@@ -33,7 +33,7 @@
 //! A lane on a wildcard whose NIC had no IPv4 address when the node started (one still
 //! training at boot) is advertised at the control connection's address until the NIC has one;
 //! from then on sessions advertise the NIC's, and a session that began before ends at a moment
-//! with nothing under way ([`readdress`]).
+//! with nothing under way, links one after another ([`readdress`]).
 
 pub mod readdress;
 pub mod served;
@@ -148,8 +148,10 @@ pub trait DataConns: Send + Sync {
     /// fetches queued on them fail with `reason`.
     fn forget(&self, link: usize, generation: u64, reason: &str);
     /// By lane: the IPv4 address its NIC has now where the lane awaits one (a wildcard lane
-    /// whose NIC had none at start: `LaneSpec::awaits_nic_address`), else `None`. Sessions
-    /// advertise such a lane there ([`session::advertised`], [`readdress`]). Default: none.
+    /// whose NIC had none at start: `LaneSpec::awaits_nic_address`), else `None` (a
+    /// link-local address counts as none); the data plane's answer may be a few seconds old
+    /// (one lookup answers every link). Sessions advertise such a lane there
+    /// ([`session::advertised`], [`readdress`]). Default: none.
     fn lane_ips(&self) -> Vec<Option<IpAddr>> {
         Vec::new()
     }
@@ -221,10 +223,11 @@ pub enum Kick {
         /// How long it was waited for.
         after: Duration,
     },
-    /// Lanes this session advertised at the control connection's address have their NIC's
-    /// address now ([`readdress`]): the next session advertises that.
+    /// Lanes this session advertised at another address than their NIC's now (the control
+    /// connection's, before the NIC had one, or the NIC's old one): the next session
+    /// advertises that ([`readdress`]).
     #[error(
-        "the NICs of lanes {lanes:?} have an IPv4 address now ({addrs:?}), which this session began too early to advertise: the node ended it so that the next one dials those lanes there"
+        "the NICs of lanes {lanes:?} have an IPv4 address now ({addrs:?}) other than the one this session advertised (it began before they had it, or their address changed): the node ended it so that the next one dials those lanes there"
     )]
     Readdressed {
         /// The lanes.

@@ -5,9 +5,14 @@
 //! holds that. Every session looks the NIC's address up again
 //! ([`super::DataConns::lane_ips`]) and advertises the lane there once it has one
 //! ([`super::session::advertised`]); a session that began before ends at a moment with
-//! nothing under way ([`SourceLink::readdress_due`]), so that the next one does. As for a
-//! redial, from [`READDRESS_BUSY_AFTER`] on the link takes no new fetch so that such a moment
-//! comes, and [`REDIAL_FORCE_GRACE`] later the session ends anyway.
+//! nothing under way ([`SourceLink::readdress_due`]), so that the next one does: the link
+//! takes no new fetch from the first check that finds it quiet, and the session ends at the
+//! next if it is quiet still (a fetch sent as the first looked is not failed). As for a
+//! redial, from [`READDRESS_BUSY_AFTER`] on a busy link takes no new fetch so that such a
+//! moment comes, and [`REDIAL_FORCE_GRACE`] later the session ends anyway. Links do so one
+//! after another, [`READDRESS_STAGGER`] apart by link index ([`readdress_stagger`]): every
+//! link sees the address within one check, and all of them taking no fetch at once would
+//! starve every stream.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
@@ -20,6 +25,22 @@ use super::{Kick, REDIAL_FORCE_GRACE, SourceLink};
 /// How long a session due to move lanes to their NICs' addresses waits for a moment with
 /// nothing under way on the link before the link takes no new fetch, so that one comes.
 pub const READDRESS_BUSY_AFTER: Duration = Duration::from_secs(60);
+
+/// How far apart links start ending their sessions for a NIC's address, by link index
+/// ([`readdress_stagger`]).
+pub const READDRESS_STAGGER: Duration = Duration::from_secs(15);
+
+/// How many links' starts [`READDRESS_STAGGER`] spreads before the next one starts at none
+/// again (link ids are never reused, so they grow).
+const READDRESS_STAGGER_SLOTS: u32 = 8;
+
+/// How long after a NIC's address was first seen link `index` starts to end its session
+/// for it: [`READDRESS_STAGGER`] times its slot, so that links take no new fetch one after
+/// another, not all at once.
+pub fn readdress_stagger(index: usize) -> Duration {
+    let slot = (index % READDRESS_STAGGER_SLOTS as usize) as u32;
+    READDRESS_STAGGER * slot
+}
 
 /// The lanes of `cfg` on a wildcard whose NIC has an address now (`ips`, by lane) other than
 /// the one a session advertised (`advertised`), each with its address there.
@@ -42,10 +63,13 @@ impl SourceLink {
     /// Whether the node ends the current session at `now` so that the next one advertises
     /// lanes at their NICs' addresses (`ips`, by lane: [`super::DataConns::lane_ips`]): a
     /// lane on a wildcard whose NIC has an address now that this session did not advertise.
-    /// At a moment with nothing under way on the link (ending the session would fail it);
-    /// from [`READDRESS_BUSY_AFTER`] after such an address was first seen on, the link takes
-    /// no new fetch so that the moment comes, and from [`REDIAL_FORCE_GRACE`] after that the
-    /// session ends anyway. Never for a draining source: it takes no new session.
+    /// From this link's [`readdress_stagger`] after such an address was first seen on: at
+    /// a check that finds nothing under way, the link takes no new fetch, and the session
+    /// ends at the next check if nothing is under way still (ending it would fail a fetch
+    /// sent as the first looked). A link still busy [`READDRESS_BUSY_AFTER`] past its
+    /// stagger takes no new fetch so that the moment comes, and [`REDIAL_FORCE_GRACE`]
+    /// after that the session ends anyway. Never for a draining source: it takes no new
+    /// session.
     pub fn readdress_due(&self, now: tokio::time::Instant, ips: &[Option<IpAddr>]) -> Option<Kick> {
         if self.is_draining() {
             return None;
@@ -59,8 +83,12 @@ impl SourceLink {
             return None;
         }
         let waited = now.saturating_duration_since(*st.moved_since.get_or_insert(now));
+        let stagger = readdress_stagger(self.index);
+        if waited < stagger {
+            return None;
+        }
         if self.busy() {
-            let limit = READDRESS_BUSY_AFTER;
+            let limit = stagger.saturating_add(READDRESS_BUSY_AFTER);
             if waited >= limit && !self.readdress_waiting.swap(true, Ordering::AcqRel) {
                 tracing::info!(source = %self.addr, ?moved,
                     "lanes are due to move to their NICs' addresses: no new fetch goes to the source until the ones under way end");
@@ -70,6 +98,12 @@ impl SourceLink {
             }
             tracing::warn!(source = %self.addr, ?moved, ?waited,
                 "the session is still busy past its limit to move lanes to their NICs' addresses: ending it anyway, what is under way fails and is retried");
+        } else if !self.readdress_waiting.swap(true, Ordering::AcqRel) {
+            // Quiet now, but a fetch may be on its way as this looked: none goes from now on,
+            // and the session ends at the next check if that is quiet too.
+            tracing::debug!(source = %self.addr, ?moved,
+                "lanes are due to move to their NICs' addresses and the link is quiet: no new fetch goes to the source, its session ends at the next check");
+            return None;
         }
         Some(Kick::Readdressed {
             lanes: moved.iter().map(|(l, _)| *l).collect(),
@@ -95,11 +129,11 @@ mod tests {
         vec![lane("10.0.0.5:7401"), lane("0.0.0.0:7401")]
     }
 
-    /// A link of [`cfg`]'s lanes with a session up, advertised over a control connection
-    /// from 10.0.0.5 while lane 1's NIC has no address.
-    fn link_up() -> Arc<SourceLink> {
+    /// Link `index` of [`cfg`]'s lanes with a session up, advertised over a control
+    /// connection from 10.0.0.5 while lane 1's NIC has no address.
+    fn link_up(index: usize) -> Arc<SourceLink> {
         let l = SourceLink::new(
-            0,
+            index,
             "source-a:7500".into(),
             LinkConfig {
                 secret: None,
@@ -141,7 +175,7 @@ mod tests {
     /// busy limit and its grace.
     #[test]
     fn a_session_ends_for_a_nic_address_once_nothing_is_under_way() {
-        let l = link_up();
+        let l = link_up(0);
         let t0 = tokio::time::Instant::now();
         assert!(l.readdress_due(t0, &[None, None]).is_none());
         l.outstanding.fetch_add(1, Ordering::Relaxed);
@@ -174,6 +208,7 @@ mod tests {
             addrs: vec!["10.0.3.5:7401".parse().unwrap()],
         };
         assert_eq!(l.readdress_due(late, &eth3()), Some(want.clone()));
+        // Waiting since the busy limit, and quiet now: due at once.
         l.outstanding.fetch_sub(1, Ordering::Relaxed);
         assert_eq!(
             l.readdress_due(t1, &eth3()),
@@ -182,6 +217,61 @@ mod tests {
         );
         l.set_draining("test: draining");
         assert!(l.readdress_due(late, &eth3()).is_none(), "draining");
-        assert!(want.to_string().contains("lanes [1]"), "{want}");
+        let text = want.to_string();
+        assert!(text.contains("lanes [1]"), "{text}");
+        assert!(
+            text.contains("other than the one this session advertised"),
+            "an address that changed too: {text}"
+        );
+    }
+
+    /// A fetch sent just as a check found the link quiet was failed by the session's end.
+    /// Now that check only stops new fetches, and the session ends at the next check if it is
+    /// quiet still; a fetch that got out in between is waited for.
+    #[test]
+    fn a_quiet_link_takes_no_new_fetch_for_one_check_before_its_session_ends() {
+        let l = link_up(0);
+        let t0 = tokio::time::Instant::now();
+        assert!(
+            l.readdress_due(t0, &eth3()).is_none(),
+            "quiet: one check first"
+        );
+        assert!(
+            !l.takes_new_fetches(),
+            "no new fetch from the first quiet check"
+        );
+        // A fetch that got out as the first check looked.
+        l.outstanding.fetch_add(1, Ordering::Relaxed);
+        let next = t0 + crate::link::stall::CHECK_EVERY;
+        assert!(l.readdress_due(next, &eth3()).is_none(), "it is waited for");
+        assert!(!l.takes_new_fetches());
+        l.outstanding.fetch_sub(1, Ordering::Relaxed);
+        let then = next + crate::link::stall::CHECK_EVERY;
+        assert!(l.readdress_due(then, &eth3()).is_some(), "quiet still");
+    }
+
+    /// Every link sees a NIC's address within one check: before, on a busy node every link
+    /// reached the busy limit together and took no fetch at once, starving every stream. Now
+    /// link `i` starts [`READDRESS_STAGGER`] x `i` later (by slot: ids grow).
+    #[test]
+    fn links_start_to_end_their_sessions_for_a_nic_address_one_after_another() {
+        assert_eq!(readdress_stagger(0), Duration::ZERO);
+        assert_eq!(readdress_stagger(1), READDRESS_STAGGER);
+        assert_eq!(readdress_stagger(9), READDRESS_STAGGER);
+        let l = link_up(2);
+        let t0 = tokio::time::Instant::now();
+        let stagger = 2 * READDRESS_STAGGER;
+        assert!(l.readdress_due(t0, &eth3()).is_none());
+        let second = Duration::from_secs(1);
+        assert!(l.readdress_due(t0 + stagger - second, &eth3()).is_none());
+        assert!(l.takes_new_fetches(), "quiet, but not its turn yet");
+        l.outstanding.fetch_add(1, Ordering::Relaxed);
+        let busy_limit = t0 + stagger + READDRESS_BUSY_AFTER;
+        assert!(l.readdress_due(busy_limit - second, &eth3()).is_none());
+        assert!(l.takes_new_fetches(), "busy, before its own limit");
+        assert!(l.readdress_due(busy_limit, &eth3()).is_none());
+        assert!(!l.takes_new_fetches(), "busy past its own limit");
+        let late = busy_limit + REDIAL_FORCE_GRACE;
+        assert!(l.readdress_due(late, &eth3()).is_some(), "past its grace");
     }
 }

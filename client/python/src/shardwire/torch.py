@@ -40,7 +40,7 @@ from . import _binary, _device
 from ._client import Client, Stream, _is_url, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
-from ._http import HttpClient, HttpStream, _idle_timeout_s
+from ._http import HttpClient, HttpStream, _idle_timeout_s, _split
 from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, fill_doc
 from ._types import Uneven
 
@@ -429,12 +429,15 @@ class _DatasetMixin:
     def _check_idle_timeout(self) -> None:
         """The ValueError the stream's open would raise for ``idle_timeout``, now: out of
         range (as :meth:`shardwire.HttpClient.open_stream` checks it), or given with a socket
-        that is not an ``http://`` URL (a trainer socket takes none)."""
+        that is not an ``http://`` URL (a trainer socket takes none; ``https://`` and other
+        schemes are refused as :func:`shardwire.connect_http` refuses them)."""
         if self.idle_timeout is None:
             return
         _idle_timeout_s(self.idle_timeout)
-        if not _is_url(self.socket):
+        socket = self.socket
+        if not _is_url(socket):
             raise ValueError(_IDLE_ON_SOCKET.format(self.idle_timeout))
+        _split(socket)  # before, an https:// URL was refused only in a DataLoader worker
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at

@@ -696,3 +696,39 @@ fn a_lane_whose_nic_has_no_address_yet_awaits_it() {
     assert!(got[0].awaits_nic_address, "{}", got[0].why);
     assert!(!got[1].awaits_nic_address, "taken as meant: {}", got[1].why);
 }
+
+/// A NIC on IPv4LL fallback while DHCP is late has a link-local address (169.254/16), which
+/// sources on other subnets cannot dial: its lane awaits a real one, as a NIC with none does.
+/// Before, the link-local address was taken as the lane's data address. The wording promises
+/// no move (an IPv6-only NIC never gets an IPv4 address), and once at its NIC's address the
+/// lane warns only for its pairing.
+#[test]
+fn a_link_local_address_is_no_address_for_a_lane() {
+    let t = tree("a3-8gpu-8nic");
+    let ll_eth3 = |n: &str| match n {
+        "eth3" => Ok(Some(Ipv4Addr::new(169, 254, 3, 5))),
+        n => addrs(n),
+    };
+    let lanes = plan(&inputs(&Lanes::Auto, "0.0.0.0:7401", &t, &[]), &ll_eth3).unwrap();
+    let l3 = lanes
+        .iter()
+        .find(|l| l.nic.as_deref() == Some("eth3"))
+        .unwrap();
+    assert!(l3.awaits_nic_address, "{l3:?}");
+    assert_eq!(l3.data_listen.to_string(), "0.0.0.0:7401");
+    let why = &l3.why;
+    assert!(l3.warn, "{why}");
+    assert!(
+        why.contains("eth3 has no IPv4 address yet other than the link-local 169.254.3.5"),
+        "{why}"
+    );
+    assert!(why.contains("if it gets one"), "{why}");
+    // Its pairing is PIX, as every lane's here: at its NIC's address it warns no more.
+    assert!(!l3.warn_at_nic_address, "{why}");
+    for l in lanes.iter().filter(|l| !l.awaits_nic_address) {
+        assert!(!l.warn && !l.warn_at_nic_address, "{l:?}");
+    }
+    assert_eq!(dialable(Some(Ipv4Addr::new(169, 254, 0, 1))), None);
+    let ip = Some(Ipv4Addr::new(10, 0, 3, 5));
+    assert_eq!(dialable(ip), ip);
+}

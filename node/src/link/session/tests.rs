@@ -785,7 +785,8 @@ fn a_wildcard_lane_is_advertised_at_the_control_connections_address() {
 /// A lane on a wildcard whose NIC had no address when the node started was advertised at
 /// the control connection's address in every session, for the node's whole life (its
 /// traffic came in through that NIC). Now a session ends once the NIC has an address, at a
-/// moment with nothing under way, and the next one advertises the lane there.
+/// moment with nothing under way (two checks that find the link quiet: the first stops new
+/// fetches), and the next one advertises the lane there.
 #[tokio::test(start_paused = true)]
 async fn a_lane_whose_nic_gets_its_address_is_advertised_there_from_the_next_session() {
     let cfg = vec![LaneAddr {
@@ -821,11 +822,9 @@ async fn a_lane_whose_nic_gets_its_address_is_advertised_there_from_the_next_ses
     *sink.ips.lock().unwrap() = vec![Some("10.0.3.5".parse().unwrap())];
     let began = Instant::now();
     let e = task.await.unwrap().unwrap_err();
-    assert!(
-        began.elapsed() <= stall::CHECK_EVERY,
-        "{:?}",
-        began.elapsed()
-    );
+    let took = began.elapsed();
+    let two_checks = stall::CHECK_EVERY..=stall::CHECK_EVERY * 2;
+    assert!(two_checks.contains(&took), "{took:?}");
     let want = Kick::Readdressed {
         lanes: vec![0],
         addrs: vec!["10.0.3.5:7401".parse().unwrap()],
