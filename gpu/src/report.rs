@@ -142,7 +142,7 @@ fn usable_text(version: i32, usable: &GpuDevice, devices: &[GpuDevice]) -> Strin
     );
     let others = unusable_text(devices);
     if !others.is_empty() {
-        text.push_str("; not usable, so left out: ");
+        text.push_str("; not usable, so left out of CUDA memory: ");
         text.push_str(&others);
     }
     text
@@ -212,7 +212,7 @@ mod tests {
         let mixed = judge(true, Some(12080), vec![t4, a100.clone()]);
         assert!(mixed.usable, "{}", mixed.reason);
         let want = "CUDA driver 12.8 with GPU 1 (NVIDIA A100, 0000:11:00.0) usable; not usable, \
-                    so left out: GPU 0 (Tesla T4, 0000:10:00.0): compute capability 7.5 is below \
+                    so left out of CUDA memory: GPU 0 (Tesla T4, 0000:10:00.0): compute capability 7.5 is below \
                     8.0";
         assert!(mixed.reason.starts_with(want), "{}", mixed.reason);
         let alone = judge(true, Some(12080), vec![a100]);

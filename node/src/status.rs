@@ -181,7 +181,8 @@ pub struct Status {
     pub data_addr: String,
     /// The lanes.
     pub lanes: Vec<LaneStatus>,
-    /// GPUs left out (their self-test failed), and why.
+    /// GPUs left out (their self-test failed, or the CUDA probe found them unusable beside a
+    /// usable one), and why.
     pub lanes_excluded: Vec<Excluded>,
     /// The trainer socket.
     pub socket: std::path::PathBuf,

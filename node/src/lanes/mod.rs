@@ -75,8 +75,8 @@ impl Lane {
             (Some(ip), Some(nic)) if spec.awaits_nic_address => {
                 let at = SocketAddr::new(ip, self.data_addr.port());
                 let why = format!(
-                    "{}; {nic} has {ip} now: sources dial the lane at {at} (a session that \
-                     began before ends at a moment with nothing under way)",
+                    "{} (that was at start); {nic} has {ip} now: sources dial the lane at {at} \
+                     (a session that began before ends at a moment with nothing under way)",
                     spec.why
                 );
                 (at, why, spec.warn_at_nic_address)
@@ -94,12 +94,13 @@ impl Lane {
     }
 }
 
-/// A GPU that was planned a lane but serves none.
+/// A GPU that serves no lane: its self-test (or opening it) failed, or the CUDA probe found it
+/// unusable beside a usable one.
 #[derive(Debug, Clone, Serialize)]
 pub struct Excluded {
     /// Its PCI bus id.
     pub gpu: String,
-    /// Why (its self-test, or opening it, failed).
+    /// Why (its self-test, or opening it, failed; what the probe found it lacks).
     pub reason: String,
 }
 

@@ -129,10 +129,13 @@ pub fn unusable_gpus(cuda: &[GpuDevice], probe: &GpuProbe) -> Vec<Excluded> {
     left_out.collect()
 }
 
+/// Planned lanes, each with its GPU's memory where one was opened for it.
+type KeptLanes = Vec<(LaneSpec, Option<Arc<CudaMemory>>)>;
+
 /// The lanes planned, with their GPUs opened, and the GPUs left out.
 struct Opened {
     /// The lanes kept, each with its GPU where it has one opened.
-    kept: Vec<(LaneSpec, Option<Arc<CudaMemory>>)>,
+    kept: KeptLanes,
     /// GPUs that failed to open or their self-test (CUDA memory only).
     failed: Vec<Excluded>,
     /// GPUs the probe found unusable beside a usable one ([`unusable_gpus`]), logged as
@@ -165,10 +168,50 @@ async fn plan_and_open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Opened, La
         &Inputs::of(cfg, &tree, &cuda),
         &shardwire_devmem::ifaddr::ipv4,
     )?;
+    let (mut kept, mut excluded, failures) = open_lane_gpus(specs, &cuda).await;
+    let opened = kept.iter().filter(|(_, m)| m.is_some()).count();
+    let (memory, mut reason) = memory_decision(cfg, probe, &kept, &failures)?;
+    if memory == MemoryKind::Cuda {
+        let names: Vec<&str> = unusable.iter().map(|e| e.gpu.as_str()).collect();
+        if !names.is_empty() {
+            reason.push_str(&format!(
+                "; left out, not usable: {} (lanes_excluded)",
+                names.join(", ")
+            ));
+        }
+        // CUDA memory: a lane whose GPU did not open is left out (it is in `excluded`).
+        let failed: Vec<String> = excluded.iter().map(|e| e.gpu.clone()).collect();
+        kept.retain(|(s, m)| {
+            m.is_some()
+                || !s
+                    .gpu
+                    .as_ref()
+                    .is_some_and(|g| failed.contains(&g.pci.to_string()))
+        });
+    } else {
+        excluded.clear(); // host memory: every lane stays, none needs its GPU opened
+    }
+    debug_assert!(memory == MemoryKind::Host || opened > 0);
+    Ok(Opened {
+        kept,
+        failed: excluded,
+        unusable,
+        memory,
+        reason,
+    })
+}
+
+/// Each planned lane's GPU opened (with its self-test), where the node may use CUDA for it:
+/// the lanes with their memory (`None`: no GPU opened for it), the GPUs that failed (for
+/// `lanes_excluded`) and what each failure said.
+async fn open_lane_gpus(
+    specs: Vec<LaneSpec>,
+    cuda: &[GpuDevice],
+) -> (KeptLanes, Vec<Excluded>, Vec<String>) {
     let mut kept = Vec::new();
     let (mut excluded, mut failures) = (Vec::new(), Vec::new());
     for spec in specs {
-        let Some(device) = spec_device(&spec, &cuda) else {
+        let Some(device) = spec_device(&spec, cuda) else {
             kept.push((spec, None));
             continue;
         };
@@ -201,36 +244,7 @@ async fn plan_and_open(cfg: &ServeConfig, probe: &GpuProbe) -> Result<Opened, La
             }
         }
     }
-    let opened = kept.iter().filter(|(_, m)| m.is_some()).count();
-    let (memory, mut reason) = memory_decision(cfg, probe, &kept, &failures)?;
-    if memory == MemoryKind::Cuda {
-        let names: Vec<&str> = unusable.iter().map(|e| e.gpu.as_str()).collect();
-        if !names.is_empty() {
-            reason.push_str(&format!(
-                "; left out, not usable: {} (lanes_excluded)",
-                names.join(", ")
-            ));
-        }
-        // CUDA memory: a lane whose GPU did not open is left out (it is in `excluded`).
-        let failed: Vec<String> = excluded.iter().map(|e| e.gpu.clone()).collect();
-        kept.retain(|(s, m)| {
-            m.is_some()
-                || !s
-                    .gpu
-                    .as_ref()
-                    .is_some_and(|g| failed.contains(&g.pci.to_string()))
-        });
-    } else {
-        excluded.clear(); // host memory: every lane stays, none needs its GPU opened
-    }
-    debug_assert!(memory == MemoryKind::Host || opened > 0);
-    Ok(Opened {
-        kept,
-        failed: excluded,
-        unusable,
-        memory,
-        reason,
-    })
+    (kept, excluded, failures)
 }
 
 /// The CUDA device of a planned lane, if the node may use CUDA for it.
