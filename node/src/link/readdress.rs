@@ -36,7 +36,8 @@ const READDRESS_STAGGER_SLOTS: u32 = 8;
 
 /// How long after a NIC's address was first seen link `index` starts to end its session
 /// for it: [`READDRESS_STAGGER`] times its slot, so that links take no new fetch one after
-/// another, not all at once.
+/// another, not all at once (with more than [`READDRESS_STAGGER_SLOTS`] links, those whose
+/// indexes are that many apart share a slot: an eighth of them at a time, all within 105 s).
 pub fn readdress_stagger(index: usize) -> Duration {
     let slot = (index % READDRESS_STAGGER_SLOTS as usize) as u32;
     READDRESS_STAGGER * slot
