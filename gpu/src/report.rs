@@ -133,7 +133,8 @@ pub(crate) fn judge(
 }
 
 /// "CUDA driver 12.8 with GPU 1 (...) usable", and each device of `devices` that is not,
-/// with what it lacks: the node gives such a GPU no lane, and this says why.
+/// with what it lacks: the node gives such a GPU no CUDA memory (a lane of it, with
+/// `memory = "host"`, or none beside usable ones), and this says why.
 fn usable_text(version: i32, usable: &GpuDevice, devices: &[GpuDevice]) -> String {
     let mut text = format!(
         "CUDA driver {} with {} usable",

@@ -340,13 +340,21 @@ fn cpus_for(tree: &Tree, nic: Option<&str>, numa: Option<u32>) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// Why a lane's data address that is not one of its NIC's (`nic`) is worth a warning, and how
-/// to fix it: a wildcard `data_listen` (port `port`), an address on the NIC, or `per_lane`.
-fn elsewhere_hint(nic: &str, port: u16, per_lane: &str) -> String {
+/// Why a lane's data address `listen` that is not one of its NIC's (`nic`) is worth a
+/// warning, and how to fix it: a wildcard `data_listen` (unless it is one already), an
+/// address on the NIC, or `per_lane`.
+fn elsewhere_hint(nic: &str, listen: SocketAddr, per_lane: &str) -> String {
+    let wildcard = if listen.ip().is_unspecified() {
+        String::new()
+    } else {
+        format!(
+            "set data_listen to a wildcard such as 0.0.0.0:{}, ",
+            listen.port()
+        )
+    };
     format!(
-        "; not an address of {nic}: its traffic arrives on whichever NIC holds it (set \
-         data_listen to a wildcard such as 0.0.0.0:{port}, give {nic} an IPv4 address, or \
-         {per_lane})"
+        "; not an address of {nic}: its traffic arrives on whichever NIC holds it ({wildcard}\
+         give {nic} an IPv4 address, or {per_lane})"
     )
 }
 
@@ -528,7 +536,7 @@ fn auto(inp: &Inputs<'_>, ipv4: Ipv4Lookup<'_>) -> Vec<LaneSpec> {
             // traffic enters through whichever NIC holds that address (one for every lane).
             if let Some(n) = nic.as_deref().filter(|_| elsewhere) {
                 let per_lane = "name each lane's data_listen in a lanes table";
-                addr_why.push_str(&elsewhere_hint(n, inp.data_listen.port(), per_lane));
+                addr_why.push_str(&elsewhere_hint(n, inp.data_listen, per_lane));
             }
             // The NIC had no address (or it could not be read): looked up again per session.
             let awaits_nic_address = nic.is_some() && data_listen.ip().is_unspecified();
@@ -673,7 +681,7 @@ fn table_addr(
     let (a, mut why, elsewhere) = addr_for(nic, inp.data_listen, ipv4).map_err(failed)?;
     if let Some(n) = nic.filter(|_| elsewhere) {
         let per_lane = format!("set lanes[{i}].data_listen");
-        why.push_str(&elsewhere_hint(n, inp.data_listen.port(), &per_lane));
+        why.push_str(&elsewhere_hint(n, inp.data_listen, &per_lane));
     }
     Ok((a, why, elsewhere))
 }

@@ -36,8 +36,9 @@ const READDRESS_STAGGER_SLOTS: u32 = 8;
 
 /// How long after a NIC's address was first seen link `index` starts to end its session
 /// for it: [`READDRESS_STAGGER`] times its slot, so that links take no new fetch one after
-/// another, not all at once (with more than [`READDRESS_STAGGER_SLOTS`] links, those whose
-/// indexes are that many apart share a slot: an eighth of them at a time, all within 105 s).
+/// another, not all at once (links whose indexes are equal modulo
+/// [`READDRESS_STAGGER_SLOTS`] share a slot, as two can once a `dns:` source came back with a
+/// new index: those stop taking fetches together; every link starts within 105 s).
 pub fn readdress_stagger(index: usize) -> Duration {
     let slot = (index % READDRESS_STAGGER_SLOTS as usize) as u32;
     READDRESS_STAGGER * slot

@@ -670,6 +670,11 @@ fn a_lane_whose_nic_has_no_address_yet_awaits_it() {
         l3.warn && why.contains("eth3 has no IPv4 address yet"),
         "{why}"
     );
+    // Its data_listen is a wildcard already: no advice to make it one.
+    assert!(
+        why.contains("give eth3 an IPv4 address") && !why.contains("to a wildcard"),
+        "{why}"
+    );
     let fixed = plan(&inputs(&Lanes::Auto, "10.9.9.9:7401", &t, &[]), &no_eth3).unwrap();
     assert!(fixed.iter().all(|l| !l.awaits_nic_address));
     let one = tree("veth");
