@@ -158,7 +158,7 @@ impl Node {
                     .map_err(|e| OpenError::new(ErrorCode::UnknownDevice, e.to_string()))?;
                 if reached.as_ref().and_then(|r| r.get(lane.id() as usize)) == Some(&false) {
                     let detail = format!("device {d} is on that lane");
-                    return Err(unreached(&serving, lane, &detail));
+                    return Err(self.unreached(&serving, lane, &detail));
                 }
                 self.admission.reserve(lane.id(), bytes).map_err(refused)?
             }
@@ -204,7 +204,16 @@ impl Node {
         } else {
             "nor do they reach any other lane"
         };
-        unreached(serving, lane, detail)
+        self.unreached(serving, lane, detail)
+    }
+
+    /// `unavailable` (retryable): no connected source of a dataset the stream reads
+    /// (`serving`) reaches `lane` ([`route::unreached_lane`]), named at the address its
+    /// sources dial now (its NIC's, once a lane that awaited it moved there).
+    fn unreached(&self, serving: &[route::Serving<'_>], lane: &Lane, detail: &str) -> OpenError {
+        let (addr, _, _) = lane.shown(self.plane.lane_nic_ip(lane));
+        let why = route::unreached_lane(serving, lane.id() as u16, addr, detail);
+        OpenError::new(ErrorCode::Unavailable, why)
     }
 
     /// Whether the stream's lane has GPU memory: its device's lane, else the node's least
@@ -481,6 +490,8 @@ impl Node {
             .iter()
             .map(source_status)
             .collect();
+        // Lane 0's address as its lane shows it (moved to its NIC's address, once it has one).
+        let lanes = self.lane_statuses();
         Status {
             version: env!("CARGO_PKG_VERSION"),
             mode: Mode {
@@ -492,8 +503,10 @@ impl Node {
             draining: self.admission.draining(),
             nics: self.info.nics.clone(),
             gpus: self.info.gpus.clone(),
-            data_addr: self.info.data_addr.to_string(),
-            lanes: self.lane_statuses(),
+            data_addr: lanes
+                .first()
+                .map_or_else(|| self.info.data_addr.to_string(), |l| l.data_addr.clone()),
+            lanes,
             lanes_excluded: self.plane.lanes.excluded().to_vec(),
             socket: cfg.socket.clone(),
             pool: PoolStatus {
@@ -599,13 +612,6 @@ fn source_status(m: &Member) -> SourceStatus {
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
     }
-}
-
-/// `unavailable` (retryable): no connected source of a dataset the stream reads (`serving`)
-/// reaches `lane` ([`route::unreached_lane`]).
-fn unreached(serving: &[route::Serving<'_>], lane: &Lane, detail: &str) -> OpenError {
-    let why = route::unreached_lane(serving, lane.id() as u16, lane.data_addr, detail);
-    OpenError::new(ErrorCode::Unavailable, why)
 }
 
 /// The error a trainer gets when admission refuses its stream.

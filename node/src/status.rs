@@ -177,7 +177,7 @@ pub struct Status {
     pub nics: Vec<NicReport>,
     /// The GPU probe taken at start.
     pub gpus: GpuProbe,
-    /// Lane 0's data address (every lane's: `lanes`).
+    /// Lane 0's data address as `lanes[0].data_addr` shows it (every lane's: `lanes`).
     pub data_addr: String,
     /// The lanes.
     pub lanes: Vec<LaneStatus>,
