@@ -156,6 +156,9 @@ fn eight_gpus_get_eight_lanes_on_their_switch_nics() {
             "{}",
             l.why
         );
+        // Not a wildcard: the advice to make it one stays.
+        let advice = "set data_listen to a wildcard such as 0.0.0.0:7401, give eth";
+        assert!(l.why.contains(advice), "{}", l.why);
     }
     // Where data_listen is one NIC's own address, that lane alone is where it says.
     let on_eth3 = plan(&inputs(&Lanes::Auto, "10.0.3.5:7401", &t, &[]), &addrs).unwrap();
