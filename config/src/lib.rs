@@ -69,56 +69,6 @@ fn invalid(
     }
 }
 
-/// Why a `sources` entry's host would be dialled as another address than written, or never
-/// reached, if it would. A host whose last label is all digits (no top-level domain is, RFC
-/// 1123 2.1) must be a dotted quad: getaddrinfo reads a host of numbers and dots as IPv4
-/// shorthand (`10.1.5` is 10.1.0.5, `167772165` is 10.0.0.5, `010.0.0.5` octal), so a
-/// mistyped address dials some other host, or none (`10.0.0.300`, looked up in DNS) for ever;
-/// a name such as `src.123` goes to DNS, where it never resolves (`0xa.1.5` is hex shorthand;
-/// only `/etc/hosts` could name such a host). A dotted quad with a trailing
-/// dot is refused in `HOST:PORT`, which the node dials as written: getaddrinfo does not read
-/// `10.0.0.5.` as an address but looks it up in DNS (a `dns:` NAME is stored without the dot).
-/// An IPv6 address (in brackets) has no labels.
-fn numeric_host_error(entry: &SourceEntry) -> Option<String> {
-    let written = match entry {
-        SourceEntry::Addr(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h),
-        SourceEntry::Dns { name, .. } => name.as_str(),
-    };
-    if written.starts_with('[') {
-        return None;
-    }
-    let host = written.trim_end_matches('.');
-    if host.parse::<std::net::Ipv4Addr>().is_ok() {
-        if host == written {
-            return None;
-        }
-        return Some(format!(
-            "`{written}` is an IPv4 address with a trailing dot, which the system resolver does \
-             not read as an address but looks up in DNS, where it never resolves: write it \
-             without the dot ({host})"
-        ));
-    }
-    let last = host.rsplit('.').next().unwrap_or(host);
-    if last.is_empty() || !last.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
-        return Some(format!(
-            "`{host}` is all numbers but not an IPv4 address, which the system resolver reads \
-             as shorthand for another address (10.1.5 is 10.1.0.5, 010 is octal 8) or, where \
-             it cannot, looks up in DNS, where it never resolves: write an address as four \
-             numbers 0 to 255 without leading zeros (e.g. 10.1.0.5)"
-        ));
-    }
-    Some(format!(
-        "`{host}` ends in an all-digit label, which no DNS host name does (a top-level domain \
-         is never all digits, RFC 1123 2.1), and which the system resolver may read as an \
-         address in another notation (0xa.1.5 is 10.1.0.5): a host name's last label has a \
-         letter (name a host of /etc/hosts so too); an IPv4 address is four decimal numbers \
-         0 to 255 (e.g. 10.1.0.5)"
-    ))
-}
-
 /// How shards are received.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case", try_from = "String")]
@@ -946,22 +896,19 @@ impl ServeConfig {
 
     /// `sources`, parsed; an entry that is neither `HOST:PORT` nor `dns:NAME:PORT`, whose
     /// host ends in an all-digit label without being a dotted quad, or whose `HOST` is a
-    /// dotted quad with a trailing dot ([`numeric_host_error`]), is an error naming it.
+    /// dotted quad with a trailing dot ([`SourceEntryError::NumericHost`]), is an error naming it.
     pub fn source_entries(&self) -> Result<Vec<SourceEntry>, ConfigError> {
         self.sources
             .iter()
             .map(|s| {
-                let entry = SourceEntry::parse(s).map_err(|e| {
-                    invalid(
+                SourceEntry::parse(s).map_err(|e| match e {
+                    SourceEntryError::NumericHost { why, .. } => invalid("sources", s, why),
+                    e => invalid(
                         "sources",
                         s,
                         format!("{e}; each source is HOST:PORT or dns:NAME:PORT"),
-                    )
-                })?;
-                match numeric_host_error(&entry) {
-                    Some(why) => Err(invalid("sources", s, why)),
-                    None => Ok(entry),
-                }
+                    ),
+                })
             })
             .collect()
     }

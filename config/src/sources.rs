@@ -42,6 +42,15 @@ pub enum SourceEntryError {
         /// The host text.
         host: String,
     },
+    /// The host would be dialled as another address than written, or never reached
+    /// ([`numeric_host_error`]).
+    #[error("`{entry}`: {why}")]
+    NumericHost {
+        /// The entry.
+        entry: String,
+        /// Why, and how to write it.
+        why: String,
+    },
     /// The DNS name has characters or labels a host name cannot have.
     #[error(
         "`{entry}`: `{name}` is not a DNS name (labels of letters, digits, '-' and '_', 1-63 bytes each, 253 at most)"
@@ -57,6 +66,18 @@ pub enum SourceEntryError {
 impl SourceEntry {
     /// Parses one entry.
     pub fn parse(s: &str) -> Result<Self, SourceEntryError> {
+        let entry = Self::parse_shape(s)?;
+        match numeric_host_error(&entry) {
+            Some(why) => Err(SourceEntryError::NumericHost {
+                entry: s.to_owned(),
+                why,
+            }),
+            None => Ok(entry),
+        }
+    }
+
+    /// [`Self::parse`] but for the numeric-host rule: the entry's shape, port and names.
+    fn parse_shape(s: &str) -> Result<Self, SourceEntryError> {
         let shape = || SourceEntryError::Shape(s.to_owned());
         let (host, port) = s.rsplit_once(':').ok_or_else(shape)?;
         let port_num =
@@ -112,6 +133,56 @@ impl fmt::Display for SourceEntry {
     }
 }
 
+/// Why a `sources` entry's host would be dialled as another address than written, or never
+/// reached, if it would. A host whose last label is all digits (no top-level domain is, RFC
+/// 1123 2.1) must be a dotted quad: getaddrinfo reads a host of numbers and dots as IPv4
+/// shorthand (`10.1.5` is 10.1.0.5, `167772165` is 10.0.0.5, `010.0.0.5` octal), so a
+/// mistyped address dials some other host, or none (`10.0.0.300`, looked up in DNS) for ever;
+/// a name such as `src.123` goes to DNS, where it never resolves (`0xa.1.5` is hex shorthand;
+/// only `/etc/hosts` could name such a host). A dotted quad with a trailing
+/// dot is refused in `HOST:PORT`, which the node dials as written: getaddrinfo does not read
+/// `10.0.0.5.` as an address but looks it up in DNS (a `dns:` NAME is stored without the dot).
+/// An IPv6 address (in brackets) has no labels.
+fn numeric_host_error(entry: &SourceEntry) -> Option<String> {
+    let written = match entry {
+        SourceEntry::Addr(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h),
+        SourceEntry::Dns { name, .. } => name.as_str(),
+    };
+    if written.starts_with('[') {
+        return None;
+    }
+    let host = written.trim_end_matches('.');
+    if host.parse::<std::net::Ipv4Addr>().is_ok() {
+        if host == written {
+            return None;
+        }
+        return Some(format!(
+            "`{written}` is an IPv4 address with a trailing dot, which the system resolver does \
+             not read as an address but looks up in DNS, where it never resolves: write it \
+             without the dot ({host})"
+        ));
+    }
+    let last = host.rsplit('.').next().unwrap_or(host);
+    if last.is_empty() || !last.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Some(format!(
+            "`{host}` is all numbers but not an IPv4 address, which the system resolver reads \
+             as shorthand for another address (10.1.5 is 10.1.0.5, 010 is octal 8) or, where \
+             it cannot, looks up in DNS, where it never resolves: write an address as four \
+             numbers 0 to 255 without leading zeros (e.g. 10.1.0.5)"
+        ));
+    }
+    Some(format!(
+        "`{host}` ends in an all-digit label, which no DNS host name does (a top-level domain \
+         is never all digits, RFC 1123 2.1), and which the system resolver may read as an \
+         address in another notation (0xa.1.5 is 10.1.0.5): a host name's last label has a \
+         letter (name a host of /etc/hosts so too); an IPv4 address is four decimal numbers \
+         0 to 255 (e.g. 10.1.0.5)"
+    ))
+}
+
 /// Whether `host` (of a `HOST:PORT` entry) is an IPv4 address, an IPv6 address in brackets,
 /// or a host name (a `dsn:` or `http://` typo, a space, is none of them).
 fn is_address_host(host: &str) -> bool {
@@ -151,6 +222,15 @@ mod tests {
             SourceEntry::parse("[::1]:7500"),
             Ok(SourceEntry::Addr("[::1]:7500".into()))
         );
+        // The numeric-host rule holds for every caller of `parse` (the node's start too, not
+        // only a configuration's validation).
+        for bad in ["10.1.5:7500", "10.0.0.5.:7500", "dns:10.1.5:7500"] {
+            let e = SourceEntry::parse(bad).unwrap_err();
+            assert!(
+                matches!(e, SourceEntryError::NumericHost { .. }),
+                "{bad}: {e}"
+            );
+        }
         let dns = SourceEntry::parse("dns:shardwire-source.ml.svc:7500").unwrap();
         assert_eq!(
             dns,
