@@ -442,15 +442,25 @@ mod tests {
             .count()
     }
 
+    /// The gates `admit_connection` takes: the handshakes under way, the refusals being
+    /// sent, and one session slot.
+    fn admission() -> (
+        Arc<admit::Handshakes>,
+        Arc<tokio::sync::Semaphore>,
+        Arc<tokio::sync::Semaphore>,
+    ) {
+        let refusing = tokio::sync::Semaphore::new(admit::MAX_REFUSING);
+        let slots = tokio::sync::Semaphore::new(1);
+        (Arc::default(), Arc::new(refusing), Arc::new(slots))
+    }
+
     /// A host off loopback that connects again and again to a source without a secret: one
     /// line, not one per connection (before, 50 here: any host could fill the log disk).
     #[tokio::test(flavor = "current_thread")]
     async fn a_flood_of_refused_connections_logs_one_line_per_peer() {
         let (seen, _guard) = warnings();
         let source = source().await;
-        let handshakes = Arc::new(admit::Handshakes::default());
-        let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let (handshakes, refusing, slots) = admission();
         let gates = (&handshakes, &refusing);
         for i in 0..51u16 {
             let _peer = TcpStream::connect(source.local_addr()).await.unwrap();
@@ -470,9 +480,7 @@ mod tests {
     async fn a_flood_of_failed_handshakes_logs_one_line_per_peer_and_cause() {
         let (seen, _guard) = warnings();
         let source = source().await;
-        let handshakes = Arc::new(admit::Handshakes::default());
-        let refusing = Arc::new(tokio::sync::Semaphore::new(admit::MAX_REFUSING));
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let (handshakes, refusing, slots) = admission();
         let gates = (&handshakes, &refusing);
         for i in 0..21 {
             let mut node = TcpStream::connect(source.local_addr()).await.unwrap();
